@@ -1,0 +1,28 @@
+"""Hugging Face ``TrainerCallback``s that measure true training speed and keep runs from dying of memory.
+
+```python
+from hf_perf_callbacks import default_callbacks
+trainer = GRPOTrainer(..., callbacks=default_callbacks())
+trainer.train()
+```
+"""
+from .throughput import ThroughputMeter
+
+__version__ = "0.1.0"
+
+
+def default_callbacks(**overrides) -> list:
+    """The package's callbacks, configured for the detected device.
+
+    ``overrides`` maps a callback class name to its keyword arguments, e.g.
+    ``default_callbacks(ThroughputMeter={"window_steps": 20})``.
+    """
+    classes = {"ThroughputMeter": ThroughputMeter}
+    unknown = set(overrides) - set(classes)
+    if unknown:
+        raise ValueError(f"default_callbacks got unknown callback name(s) {sorted(unknown)}: "
+                         f"allowed are {sorted(classes)}")
+    return [cls(**overrides.get(name, {})) for name, cls in classes.items()]
+
+
+__all__ = ["ThroughputMeter", "default_callbacks", "__version__"]

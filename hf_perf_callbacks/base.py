@@ -1,0 +1,97 @@
+"""What every callback of the package shares: fault isolation, the bus, and resume-safe state.
+
+* **Faults stay inside.** Every ``on_*`` event of a subclass is guarded: an exception logs one warning with the
+  cause, disables that callback (its ``close()`` removes any hooks) and training goes on.
+* **The bus.** On its first event a callback finds the trainer's :class:`~hf_perf_callbacks.reporting.RunBus`
+  (creating it first in the callback list) so its metrics reach every reporter.
+* **Resume.** State is exported through ``ExportableState`` and read back from ``trainer_state.json`` at
+  ``on_train_begin`` of a resumed run, whether or not ``restore_callback_states_from_checkpoint`` is set.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from .reporting import RunBus, bus_for, calling_handler
+
+logger = logging.getLogger("hf_perf_callbacks")
+
+
+def _guard(name: str, method):
+    @functools.wraps(method)
+    def guarded(self, args, state, control, **kwargs):
+        if self.disabled:
+            return None
+        try:
+            if name in ("on_init_end", "on_train_begin") or self.bus is None:
+                self._attach()
+            self.bus.output_dir, self.bus.is_main = args.output_dir, state.is_world_process_zero
+            if name == "on_train_begin" and state.global_step > 0:
+                self._restore_from(state)
+            return method(self, args, state, control, **kwargs)
+        except Exception as error:  # noqa: BLE001 - a callback must never take training down
+            self.disabled = True
+            logger.warning("%s disabled after an internal error in %s: %s: %s. Training continues without it.",
+                           type(self).__name__, name, type(error).__name__, error, exc_info=True)
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001
+                pass
+            return None
+
+    return guarded
+
+
+class PerfCallback(TrainerCallback, ExportableState):
+    """Base class of the package's callbacks."""
+
+    source = "perf"
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name, value in list(vars(cls).items()):
+            if name.startswith("on_") and callable(value):
+                setattr(cls, name, _guard(name, value))
+
+    def __init__(self, **config):
+        self.config = config
+        self.disabled = False
+        self.bus: RunBus | None = None
+        self.saved: dict | None = None
+
+    def _attach(self) -> None:
+        handler = calling_handler()
+        if handler is not None:
+            self.bus = bus_for(handler)
+        elif self.bus is None:
+            self.bus = RunBus()
+            logger.warning("%s could not find the trainer's callback handler: its metrics reach the console and "
+                           "log_history but not the reporters", type(self).__name__)
+
+    # ------------------------------------------------------------ state
+    def state(self) -> dict:
+        return {"args": dict(self.config), "attributes": {"saved": self.export()}}
+
+    def export(self) -> dict:
+        """JSON-serialisable counters that must survive a resume (override)."""
+        return {}
+
+    def load(self, saved: dict) -> None:
+        """Restore what :meth:`export` returned (override)."""
+
+    def _restore_from(self, state) -> None:
+        entry = (state.stateful_callbacks or {}).get(type(self).__name__)
+        if isinstance(entry, list):  # two instances of one class: transformers keeps a list
+            entry = entry[0]
+        saved = (entry or {}).get("attributes", {}).get("saved") if isinstance(entry, dict) else None
+        if saved:
+            self.load(saved)
+
+    def close(self) -> None:
+        """Undo anything attached to the model (hooks, wrappers); called when disabled or at train end."""
+
+    def warn(self, message: str, step: int | None = None, **fields) -> None:
+        self.bus.event(self.source, "warning", message, step=step, **fields)

@@ -1,0 +1,233 @@
+"""The one place that talks to the accelerator: cuda, mps, xpu or cpu.
+
+Every callback goes through :class:`DeviceLayer`; nothing else in the package calls ``torch.cuda`` or
+``torch.mps``. It synchronizes, samples memory, clears caches, recognises out-of-memory errors, knows the peak
+FLOP/s and bandwidth of the device (table, user override or a short matmul calibration) and exchanges small
+vectors between ranks.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from .peaks import DevicePeak, dtype_key, lookup_peak
+
+logger = logging.getLogger(__name__)
+
+GB = 1024**3
+
+#: Texts of out-of-memory errors that are not ``torch.OutOfMemoryError`` (MPS, CPU allocator, cuDNN/cuBLAS).
+OOM_TEXTS = (
+    "out of memory",                       # CUDA, XPU and "MPS backend out of memory"
+    "invalid buffer size",                 # MPS: one tensor larger than the device allows
+    "defaultcpuallocator: can't allocate memory",
+    "cudnn_status_alloc_failed",
+    "cublas_status_alloc_failed",
+)
+
+
+def is_oom_error(error: BaseException) -> bool:
+    """True for an out-of-memory error on any device (CUDA ``torch.OutOfMemoryError``, MPS and CPU texts)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    if isinstance(error, (RuntimeError, MemoryError)):
+        text = str(error).lower()
+        return isinstance(error, MemoryError) or any(t in text for t in OOM_TEXTS)
+    return False
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """Memory at one moment, in bytes; ``None`` where the device does not say."""
+
+    allocated: int | None = None        # live tensors (CUDA/MPS/XPU allocated; CPU: process RSS)
+    reserved: int | None = None         # held by the allocator (CUDA reserved; MPS driver memory, cache included)
+    peak: int | None = None             # allocator high-water mark since the last reset (CUDA/XPU only)
+    device_limit: int | None = None     # what the device can give (CUDA total; MPS recommended working set)
+    hard_limit: int | None = None       # MPS: the allocator's hard limit from PYTORCH_MPS_HIGH_WATERMARK_RATIO
+    alloc_retries: int | None = None    # CUDA: allocator retries after freeing cache (a thrash signal)
+    system_total: int = 0
+    system_available: int = 0
+    swap_used: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class DeviceLayer:
+    """Accelerator operations for one ``torch.device``."""
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else default_device()
+        self.type = self.device.type
+        self._name: str | None = None
+        self._mac = None
+
+    # ---------------------------------------------------------------- basics
+    def synchronize(self) -> None:
+        if self.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elif self.type == "mps":
+            torch.mps.synchronize()
+        elif self.type == "xpu":
+            torch.xpu.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        if self.type == "cuda":
+            torch.cuda.empty_cache()
+        elif self.type == "mps":
+            torch.mps.empty_cache()
+            clear_graph_cache = getattr(torch.mps, "clear_graph_cache", None)   # not in torch 2.13
+            if clear_graph_cache is not None:
+                clear_graph_cache()
+        elif self.type == "xpu":
+            torch.xpu.empty_cache()
+
+    def reset_peak(self) -> None:
+        if self.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.type == "xpu":
+            torch.xpu.reset_peak_memory_stats(self.device)
+
+    @property
+    def name(self) -> str:
+        if self._name is None:
+            self._name = self._read_name()
+        return self._name
+
+    def _read_name(self) -> str:
+        if self.type == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        if self.type == "xpu":
+            return torch.xpu.get_device_name(self.device)
+        if self.type == "mps":
+            return self.mac.chip_name() or "Apple Silicon (unknown chip)"
+        return platform.processor() or platform.machine() or "cpu"
+
+    @property
+    def mac(self):
+        """The macOS reader (lazily built; all its readers return None off macOS)."""
+        if self._mac is None:
+            from .macos import MacMemoryReader
+
+            self._mac = MacMemoryReader()
+        return self._mac
+
+    # ---------------------------------------------------------------- memory
+    def memory(self) -> MemorySample:
+        vm, swap = psutil.virtual_memory(), psutil.swap_memory()
+        system = dict(system_total=vm.total, system_available=vm.available, swap_used=swap.used)
+        if self.type == "cuda":
+            stats = torch.cuda.memory_stats(self.device)
+            return MemorySample(
+                allocated=stats.get("allocated_bytes.all.current", 0),
+                reserved=stats.get("reserved_bytes.all.current", 0),
+                peak=stats.get("allocated_bytes.all.peak", 0),
+                device_limit=torch.cuda.get_device_properties(self.device).total_memory,
+                alloc_retries=stats.get("num_alloc_retries", 0),
+                **system,
+            )
+        if self.type == "mps":
+            recommended = torch.mps.recommended_max_memory()
+            return MemorySample(
+                allocated=torch.mps.current_allocated_memory(),
+                reserved=torch.mps.driver_allocated_memory(),
+                device_limit=recommended,
+                hard_limit=mps_hard_limit(recommended),
+                **system,
+            )
+        if self.type == "xpu":
+            return MemorySample(
+                allocated=torch.xpu.memory_allocated(self.device),
+                reserved=torch.xpu.memory_reserved(self.device),
+                peak=torch.xpu.max_memory_allocated(self.device),
+                device_limit=torch.xpu.get_device_properties(self.device).total_memory,
+                **system,
+            )
+        rss = psutil.Process().memory_info().rss
+        return MemorySample(allocated=rss, reserved=rss, device_limit=vm.total, **system)
+
+    # ---------------------------------------------------------------- peaks
+    def peak(self) -> DevicePeak | None:
+        """Table entry for this device (None when unknown: MFU is then omitted, never guessed)."""
+        if self.type == "cpu":
+            return None
+        cores = self.mac.gpu_core_count() if self.type == "mps" else None
+        return lookup_peak(self.name, gpu_cores=cores)
+
+    def calibrate_flops(self, dtype: torch.dtype = torch.bfloat16, size: int | None = None, repeats: int = 10) -> float:
+        """Achievable dense matmul FLOP/s on this device, measured with a ``size``³ GEMM (warmed up, synchronized).
+
+        ``size`` defaults to 8192 on CUDA (large enough to reach the tensor-core peak), 4096 on MPS/XPU and 1024 on
+        the CPU (seconds, not minutes).
+        """
+        size = size or {"cuda": 8192, "cpu": 1024}.get(self.type, 4096)
+        a = torch.randn(size, size, device=self.device, dtype=dtype)
+        b = torch.randn(size, size, device=self.device, dtype=dtype)
+        for _ in range(2):
+            a @ b
+        self.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        self.synchronize()
+        seconds = time.perf_counter() - start
+        del a, b
+        return 2.0 * size**3 * repeats / seconds
+
+
+def mps_hard_limit(recommended: int) -> int | None:
+    """The MPS allocator's hard limit: ``PYTORCH_MPS_HIGH_WATERMARK_RATIO`` (default 1.7) × recommended working set.
+
+    A ratio of 0 disables the limit (None).
+    """
+    try:
+        ratio = float(os.environ.get("PYTORCH_MPS_HIGH_WATERMARK_RATIO", "1.7"))
+    except ValueError:
+        ratio = 1.7
+    return int(ratio * recommended) if ratio > 0 else None
+
+
+def default_device() -> torch.device:
+    """The device the Trainer would pick: this rank's accelerator, else cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return torch.device("xpu", torch.xpu.current_device())
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def device_of(model) -> torch.device:
+    """Device of a model's first parameter (the Trainer has placed it by the time callbacks run)."""
+    try:
+        return next(model.parameters()).device
+    except (StopIteration, AttributeError, TypeError):
+        return default_device()
+
+
+# -------------------------------------------------------------------- ranks
+def world_size() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return 1
+
+
+def gather_floats(values: list[float], device: torch.device | None = None) -> list[list[float]]:
+    """Every rank's ``values`` (same length on all ranks), in rank order; one collective. Identity on one rank."""
+    if world_size() == 1:
+        return [list(values)]
+    backend = torch.distributed.get_backend()
+    on = device if (device is not None and backend != "gloo") else torch.device("cpu")
+    local = torch.tensor(values, dtype=torch.float64, device=on)
+    gathered = [torch.empty_like(local) for _ in range(world_size())]
+    torch.distributed.all_gather(gathered, local)
+    return [g.tolist() for g in gathered]
+
+
+__all__ = ["DeviceLayer", "MemorySample", "is_oom_error", "dtype_key", "gather_floats", "world_size", "GB"]

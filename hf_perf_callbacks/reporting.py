@@ -1,0 +1,169 @@
+"""How the callbacks' metrics reach every reporter, ``log_history``, the console and ``perf_log.jsonl``.
+
+``Trainer.log`` copies ``logs`` into ``state.log_history`` and then calls ``on_log`` on the callbacks in order;
+the reporters (TensorBoard, W&B, trackio, MLflow…) come before user callbacks, so keys a user callback adds in
+``on_log`` reach neither the reporters nor ``log_history``. The fix is one :class:`RunBus` per trainer, inserted at
+index 0 of the callback list: the callbacks publish into it during ``on_step_end`` and the bus merges everything
+into the next training log *before* any reporter runs, and into ``log_history[-1]``.
+
+The bus is also the small shared object through which the callbacks talk (signals such as "clear the cache now"
+or "use a smaller micro-batch"), and it writes the per-run ``<output_dir>/perf_log.jsonl`` (main process only):
+one ``{"type": "step", ...}`` object per optimizer step and one ``{"type": "event", ...}`` per event.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler, ProgressCallback
+
+logger = logging.getLogger("hf_perf_callbacks")
+
+PERF_LOG = "perf_log.jsonl"
+
+
+class RunBus(TrainerCallback):
+    """Shared per-trainer hub: pending metrics, the perf log and signals between callbacks."""
+
+    def __init__(self):
+        self.pending: dict[str, float] = {}
+        self.record: dict = {}
+        self.handler: CallbackHandler | None = None
+        self.output_dir: str | None = None
+        self.is_main = True
+        self.subscribers: dict[str, list[Callable]] = defaultdict(list)
+        self.events: list[dict] = []
+
+    # ------------------------------------------------------------ publishing
+    def publish(self, metrics: dict[str, float]) -> None:
+        """Metrics for the next training log (later values of a key replace earlier ones)."""
+        self.pending.update({k: v for k, v in metrics.items() if _finite(v)})
+
+    def record_step(self, step: int, fields: dict) -> None:
+        """Fields for this optimizer step's line in ``perf_log.jsonl``."""
+        if self.record and self.record.get("step") != step:
+            self.flush()
+        if not self.record:
+            self.record = {"type": "step", "step": step, "time": round(time.time(), 3)}
+        self.record.update({k: v for k, v in fields.items() if v is not None})
+
+    def event(self, source: str, kind: str, message: str, step: int | None = None, **fields) -> dict:
+        """Log an event (warning, action, decision) to the console and the perf log; returns it."""
+        entry = {"type": "event", "source": source, "kind": kind, "step": step, "message": message, **fields}
+        entry["time"] = round(time.time(), 3)
+        self.events.append(entry)
+        if self.is_main:
+            (logger.warning if kind in ("warning", "action", "stop") else logger.info)("[%s] %s", source, message)
+            self._write(entry)
+        return entry
+
+    def write(self, entry: dict) -> None:
+        """Write any other JSON object (run header, summary) to the perf log."""
+        if self.is_main:
+            self._write(entry)
+
+    def flush(self) -> None:
+        if self.record and self.is_main:
+            self._write(self.record)
+        self.record = {}
+
+    def _write(self, entry: dict) -> None:
+        if not self.output_dir:
+            return
+        try:
+            os.makedirs(self.output_dir, exist_ok=True)
+            with open(os.path.join(self.output_dir, PERF_LOG), "a", encoding="utf-8") as f:
+                f.write(json.dumps(entry, default=_jsonable) + "\n")
+        except OSError as e:  # a full disk must not stop training
+            logger.warning("could not write %s: %s", PERF_LOG, e)
+            self.output_dir = None
+
+    # ------------------------------------------------------------ signals
+    def subscribe(self, signal: str, handler: Callable[..., object]) -> None:
+        if handler not in self.subscribers[signal]:
+            self.subscribers[signal].append(handler)
+
+    def signal(self, signal: str, **payload) -> list:
+        """Call every subscriber of ``signal``; returns their answers (empty when nobody listens)."""
+        return [handler(**payload) for handler in list(self.subscribers[signal])]
+
+    def has_subscribers(self, signal: str) -> bool:
+        return bool(self.subscribers[signal])
+
+    def show_progress(self, text: str) -> None:
+        """Show ``text`` beside the tqdm progress bar, when there is one."""
+        for cb in self.handler.callbacks if self.handler else ():
+            bar = getattr(cb, "training_bar", None) if isinstance(cb, ProgressCallback) else None
+            if bar is not None:
+                bar.set_postfix_str(text, refresh=False)
+
+    # ------------------------------------------------------------ trainer events
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.output_dir = args.output_dir
+        self.is_main = state.is_world_process_zero
+        self.pending.clear()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.flush()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or not self.pending or _is_eval_log(logs):
+            return
+        logs.update(self.pending)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(self.pending)
+        self.pending = {}
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.flush()
+
+
+def bus_for(handler: CallbackHandler) -> RunBus:
+    """The trainer's bus, created and put first in its callback list on first use."""
+    for cb in handler.callbacks:
+        if isinstance(cb, RunBus):
+            bus = cb
+            break
+    else:
+        bus = RunBus()
+    if handler.callbacks[:1] != [bus]:
+        # A new list, not an in-place insert: the handler may be iterating over the old one right now.
+        handler.callbacks = [bus] + [cb for cb in handler.callbacks if cb is not bus]
+    bus.handler = handler
+    return bus
+
+
+def calling_handler() -> CallbackHandler | None:
+    """The ``CallbackHandler`` dispatching the current event (found on the call stack), if any.
+
+    Callbacks receive no reference to the trainer or its handler; the handler is the ``self`` of the
+    ``call_event`` frame that invoked us.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, CallbackHandler):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _is_eval_log(logs: dict) -> bool:
+    return any(k.startswith(("eval_", "test_")) for k in logs) or "train_runtime" in logs
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _jsonable(value):
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)

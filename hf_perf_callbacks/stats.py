@@ -1,0 +1,156 @@
+"""Pure statistics used by the callbacks: no torch, no transformers, no clock.
+
+Everything here takes numbers and returns numbers, so it is unit tested with exact values.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+def median(values: Sequence[float]) -> float:
+    """The median of a non-empty sequence."""
+    if not values:
+        raise ValueError("median of an empty sequence")
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares line through (xs, ys): returns (slope, intercept)."""
+    n = len(xs)
+    if n != len(ys) or n < 2:
+        raise ValueError(f"linear_fit needs two equal-length sequences of at least 2 points, got {n} and {len(ys)}")
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    if sxx == 0:
+        return 0.0, mean_y
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sxx
+    return slope, mean_y - slope * mean_x
+
+
+def check_number(name: str, value, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, integer: bool = False, allow_none: bool = False):
+    """Validate a public numeric parameter; raise a ``ValueError`` naming it, its value and what is allowed."""
+    if value is None and allow_none:
+        return value
+    kind = "an integer" if integer else "a number"
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    ok = ok_type and not isinstance(value, bool) and not (isinstance(value, float) and math.isnan(value))
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value <= high
+    if not ok:
+        bounds = []
+        if low is not None:
+            bounds.append(f"{'>' if low_open else '>='} {low}")
+        if high is not None:
+            bounds.append(f"<= {high}")
+        allowed = f"{kind}{' ' + ' and '.join(bounds) if bounds else ''}{' or None' if allow_none else ''}"
+        raise ValueError(f"{name}={value!r} is not allowed: expected {allowed}")
+    return value
+
+
+@dataclass
+class WarmupResult:
+    """Where warmup ended and what it cost, in units of the samples fed to the detector."""
+
+    warmup_samples: int        # samples before the first stable window
+    steady_reference: float    # median of the first stable window
+    overhead: float            # sum over warmup samples of (sample - steady_reference), positive parts only
+    first_slowdown: float      # first sample / steady_reference
+    capped: bool               # True when no stable window was found before the cap
+
+
+class WarmupDetector:
+    """Online steady-state detection.
+
+    Warmup ends at the first sample ``k`` whose window of ``window`` samples (``k .. k+window-1``) all lie within
+    ``tolerance`` (relative) of that window's median. If no such window starts before ``max_warmup`` samples,
+    warmup is declared over at ``max_warmup`` (``capped``). The decision is made once and then fixed.
+    """
+
+    def __init__(self, window: int = 4, tolerance: float = 0.1, max_warmup: int = 50):
+        self.window = check_number("warmup_window", window, low=2, integer=True)
+        self.tolerance = check_number("warmup_tolerance", tolerance, low=0, high=1, low_open=True)
+        self.max_warmup = check_number("max_warmup_steps", max_warmup, low=0, integer=True)
+        self.samples: list[float] = []
+        self.result: WarmupResult | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None
+
+    def add(self, value: float) -> bool:
+        """Feed one sample; returns True when this sample completed the detection."""
+        if self.done:
+            return False
+        self.samples.append(value)
+        n = len(self.samples)
+        if n < self.window:
+            return False
+        start = n - self.window
+        tail = self.samples[start:]
+        ref = median(tail)
+        if ref > 0 and all(abs(v - ref) <= self.tolerance * ref for v in tail):
+            self.result = self._result(start, ref, capped=False)
+        elif start >= self.max_warmup:
+            self.result = self._result(self.max_warmup, median(self.samples[self.max_warmup:]), capped=True)
+        return self.done
+
+    def _result(self, warmup: int, ref: float, capped: bool) -> WarmupResult:
+        overhead = sum(max(0.0, v - ref) for v in self.samples[:warmup])
+        first = self.samples[0] / ref if ref > 0 else float("nan")
+        self.samples = self.samples[: warmup + self.window]  # the rest is not needed any more
+        return WarmupResult(warmup, ref, overhead, first, capped)
+
+
+class WindowedRate:
+    """A rate (amount / seconds) over the last ``window`` samples, counted in whole periods.
+
+    GRPO adds its tokens only on steps that generate (every ``period`` optimizer steps), so a window that cut a
+    period in half would spike; the rate uses the largest multiple of ``period`` samples available.
+    """
+
+    def __init__(self, window: int, period: int = 1):
+        check_number("window_steps", window, low=1, integer=True)
+        self.period = check_number("period", period, low=1, integer=True)
+        self.size = math.ceil(window / period) * period
+        self.items: deque[tuple[float, float]] = deque(maxlen=self.size)
+
+    def add(self, amount: float, seconds: float) -> None:
+        self.items.append((amount, seconds))
+
+    def clear(self) -> None:
+        self.items.clear()
+
+    def rate(self) -> float | None:
+        usable = len(self.items) - len(self.items) % self.period
+        if usable == 0:
+            return None
+        recent = list(self.items)[-usable:]
+        seconds = sum(s for _, s in recent)
+        return sum(a for a, _ in recent) / seconds if seconds > 0 else None
+
+    def mean_seconds(self) -> float | None:
+        return sum(s for _, s in self.items) / len(self.items) if self.items else None
+
+
+def fractions(parts: dict[str, float]) -> dict[str, float]:
+    """Each part's share of the total (all zero when the total is zero)."""
+    total = sum(parts.values())
+    return {k: (v / total if total > 0 else 0.0) for k, v in parts.items()}
+
+
+def generation_period(steps_per_generation: int, num_iterations: int, grad_accum: int) -> int:
+    """Optimizer steps after which GRPO's generate/replay pattern repeats (1 for plain trainers)."""
+    every = steps_per_generation * num_iterations          # micro-batches between generations
+    return math.lcm(every, grad_accum) // grad_accum
+
+
+def total(values: Iterable[float]) -> float:
+    return float(sum(values))

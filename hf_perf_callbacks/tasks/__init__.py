@@ -1,0 +1,1 @@
+"""Bundled offline tasks for demos and recipes."""

@@ -1,0 +1,288 @@
+"""Offline Wordle task for GRPO demos: word list, game states, prompts and rewards.
+
+Completions are expected as ``<think>reasoning</think><guess>WORD</guess>``.
+Reward functions follow TRL's signature ``f(prompts, completions, completion_ids=None, **kwargs)``;
+the dataset columns ``secret`` and ``history`` arrive as keyword lists, one value per completion.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import datasets
+
+__all__ = [
+    "REWARD_FUNCS",
+    "consistency_reward",
+    "feedback",
+    "format_reward",
+    "load_words",
+    "make_dataset",
+    "make_prompt",
+    "parse_guess",
+    "simulate_history",
+    "solved_reward",
+    "split_words",
+    "valid_word_reward",
+]
+
+WORD_LENGTH = 5
+MAX_HISTORY = 5
+EVAL_FRACTION = 0.1
+SPLITS = ("train", "eval")
+
+History = list[dict[str, str]]
+
+_TAG = r"</?(?:think|guess)>"
+_BODY = rf"(?:(?!{_TAG}).)*?"
+_FULL_FORMAT = re.compile(rf"\s*<think>({_BODY})</think>\s*<guess>({_BODY})</guess>\s*", re.DOTALL)
+_GUESS_TAG = re.compile(rf"<guess>({_BODY})</guess>", re.DOTALL)
+_WORD = re.compile(rf"[A-Za-z]{{{WORD_LENGTH}}}")
+
+
+# --------------------------------------------------------------------------- words and scoring
+
+
+@lru_cache(maxsize=1)
+def _word_tuple() -> tuple[str, ...]:
+    text = resources.files(__package__).joinpath("wordle_words.txt").read_text(encoding="utf-8")
+    return tuple(dict.fromkeys(w.strip().lower() for w in text.splitlines() if w.strip()))
+
+
+@lru_cache(maxsize=1)
+def _word_set() -> frozenset[str]:
+    return frozenset(_word_tuple())
+
+
+def load_words() -> list[str]:
+    """Return the bundled five-letter answer words (lowercase, unique, file order)."""
+    return list(_word_tuple())
+
+
+def feedback(secret: str, guess: str) -> str:
+    """Score ``guess`` against ``secret``: ``G`` right place, ``Y`` elsewhere, ``X`` absent or over-counted.
+
+    Repeated letters are handled as in Wordle: greens are matched first, then each remaining
+    letter of the secret can turn at most one guess letter yellow, left to right.
+    """
+    secret, guess = secret.lower(), guess.lower()
+    if len(secret) != len(guess):
+        raise ValueError(f"secret and guess must have the same length, got {secret!r} and {guess!r}")
+    result = ["G" if s == g else "X" for s, g in zip(secret, guess)]
+    unmatched = Counter(s for s, r in zip(secret, result) if r == "X")
+    for i, g in enumerate(guess):
+        if result[i] == "X" and unmatched[g] > 0:
+            result[i] = "Y"
+            unmatched[g] -= 1
+    return "".join(result)
+
+
+# --------------------------------------------------------------------------- game states and prompts
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(name: str, value: Any, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid; allowed: {allowed}")
+
+
+def split_words(seed: int = 0, eval_fraction: float = EVAL_FRACTION) -> dict[str, list[str]]:
+    """Deterministically split the word list into disjoint ``train`` and ``eval`` secret pools."""
+    words = load_words()
+    random.Random(f"wordle-split-{seed}").shuffle(words)
+    n_eval = max(1, round(len(words) * eval_fraction))
+    return {"train": sorted(words[n_eval:]), "eval": sorted(words[:n_eval])}
+
+
+def simulate_history(secret: str, pool: Sequence[str], n_guesses: int, rng: random.Random) -> History:
+    """Pick ``n_guesses`` distinct earlier guesses from ``pool`` (never the secret) with their feedback."""
+    candidates = [w for w in pool if w != secret]
+    guesses = rng.sample(candidates, min(n_guesses, len(candidates)))
+    return [{"guess": g, "feedback": feedback(secret, g)} for g in guesses]
+
+
+def make_prompt(history: Sequence[Mapping[str, str]]) -> str:
+    """Render a game state as a plain-text prompt asking for ``<think>…</think><guess>WORD</guess>``."""
+    if history:
+        lines = [f"{i}. {h['guess'].upper()} -> {' '.join(h['feedback'])}" for i, h in enumerate(history, 1)]
+        state = "Earlier guesses and their feedback:\n" + "\n".join(lines)
+    else:
+        state = "No guesses yet."
+    return (
+        "You are playing Wordle. Find the secret five-letter English word.\n"
+        "Feedback gives one letter per position: G = right letter, right place; "
+        "Y = letter is in the word but elsewhere; X = letter is not in the word.\n\n"
+        f"{state}\n\n"
+        "Reason briefly inside <think>...</think>, then give exactly one five-letter word "
+        "inside <guess>...</guess>.\n"
+        "Answer format: <think>your reasoning</think><guess>WORD</guess>"
+    )
+
+
+def make_dataset(
+    n: int,
+    seed: int = 0,
+    split: str = "train",
+    max_history: int = 3,
+    conversational: bool = False,
+) -> datasets.Dataset:
+    """Build ``n`` seeded Wordle game states.
+
+    Columns: ``prompt`` (str, or ``[{"role": "user", "content": str}]`` when ``conversational``),
+    ``secret`` (str) and ``history`` (list of ``{"guess", "feedback"}`` dicts, 0..``max_history`` long).
+    Train and eval secrets come from disjoint pools; the same arguments give the same dataset.
+    """
+    import datasets
+
+    _check("n", n, _is_int(n) and n >= 1, "an integer >= 1")
+    _check("split", split, split in SPLITS, " or ".join(repr(s) for s in SPLITS))
+    _check(
+        "max_history",
+        max_history,
+        _is_int(max_history) and 0 <= max_history <= MAX_HISTORY,
+        f"an integer from 0 to {MAX_HISTORY}",
+    )
+
+    pool = split_words(seed)[split]
+    rng = random.Random(f"wordle-{split}-{seed}")
+    rows: dict[str, list[Any]] = {"prompt": [], "secret": [], "history": []}
+    for _ in range(n):
+        secret = rng.choice(pool)
+        history = simulate_history(secret, pool, rng.randint(0, max_history), rng)
+        prompt = make_prompt(history)
+        rows["prompt"].append([{"role": "user", "content": prompt}] if conversational else prompt)
+        rows["secret"].append(secret)
+        rows["history"].append(history)
+
+    text = datasets.Value("string")
+    prompt_feature = datasets.List({"role": text, "content": text}) if conversational else text
+    history_feature = datasets.List({"guess": text, "feedback": text})
+    features = datasets.Features({"prompt": prompt_feature, "secret": text, "history": history_feature})
+    return datasets.Dataset.from_dict(rows, features=features)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _text(completion: Any) -> str:
+    """Completion text from a string or a conversational ``[{"role", "content"}, ...]`` list."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, Sequence) and completion:
+        content = completion[-1].get("content", "")
+        return content if isinstance(content, str) else ""
+    return ""
+
+
+def _history(value: Any) -> History:
+    """Normalise a ``history`` value (list of dicts, JSON string or ``None``)."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else []
+    return [{"guess": h["guess"], "feedback": h["feedback"]} for h in value]
+
+
+def parse_guess(text: str) -> str | None:
+    """Return the lowercase five-letter word in the last ``<guess>`` tag, or ``None``."""
+    tags = _GUESS_TAG.findall(text)
+    if not tags:
+        return None
+    word = tags[-1].strip()
+    return word.lower() if _WORD.fullmatch(word) else None
+
+
+# --------------------------------------------------------------------------- rewards
+
+
+def format_reward(
+    prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None, **kwargs: Any
+) -> list[float]:
+    """1.0 for exactly ``<think>…</think><guess>…</guess>``; 0.5 if only the guess tag is well formed."""
+    rewards = []
+    for completion in completions:
+        text = _text(completion)
+        full = _FULL_FORMAT.fullmatch(text)
+        if full and full.group(1).strip() and full.group(2).strip():
+            rewards.append(1.0)
+        elif (
+            text.count("<guess>") == text.count("</guess>") == 1
+            and (tag := _GUESS_TAG.search(text)) is not None
+            and tag.group(1).strip()
+        ):
+            rewards.append(0.5)
+        else:
+            rewards.append(0.0)
+    return rewards
+
+
+def valid_word_reward(
+    prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None, **kwargs: Any
+) -> list[float]:
+    """1.0 for a guess in the word list, 0.5 for another five-letter word, 0.0 otherwise."""
+    words = _word_set()
+    rewards = []
+    for completion in completions:
+        guess = parse_guess(_text(completion))
+        rewards.append(0.0 if guess is None else 1.0 if guess in words else 0.5)
+    return rewards
+
+
+def consistency_reward(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Any = None,
+    *,
+    history: Sequence[Any] | None = None,
+    **kwargs: Any,
+) -> list[float]:
+    """Fraction of earlier feedback the guess could still satisfy as the secret; 1.0 without history."""
+    histories = history if history is not None else [None] * len(completions)
+    rewards = []
+    for completion, past in zip(completions, histories, strict=True):
+        guess = parse_guess(_text(completion))
+        past = _history(past)
+        if guess is None:
+            rewards.append(0.0)
+        elif not past:
+            rewards.append(1.0)
+        else:
+            hits = sum(feedback(guess, h["guess"]) == h["feedback"] for h in past)
+            rewards.append(hits / len(past))
+    return rewards
+
+
+def solved_reward(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Any = None,
+    *,
+    secret: Sequence[str],
+    **kwargs: Any,
+) -> list[float]:
+    """1.0 for the secret; otherwise 0.2 per ``G`` and 0.1 per ``Y``; 0.0 when no guess parses."""
+    rewards = []
+    for completion, target in zip(completions, secret, strict=True):
+        guess = parse_guess(_text(completion))
+        if guess is None:
+            rewards.append(0.0)
+        elif guess == target.lower():
+            rewards.append(1.0)
+        else:
+            marks = feedback(target, guess)
+            rewards.append(round(0.2 * marks.count("G") + 0.1 * marks.count("Y"), 6))
+    return rewards
+
+
+REWARD_FUNCS = [format_reward, valid_word_reward, consistency_reward, solved_reward]

@@ -1,0 +1,362 @@
+"""ThroughputMeter: warmup-aware training speed, MFU, the phase split and GRPO rollout throughput."""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from .base import PerfCallback
+from .device import DeviceLayer, device_of, dtype_key, gather_floats, world_size
+from .flops import forward_flops_per_token, shape_of, train_flops_per_token
+from .stats import check_number, generation_period
+from .timeline import PHASES, StepTimeline
+
+
+class ThroughputMeter(PerfCallback):
+    """Measures true training speed between optimizer-step boundaries, with one device synchronize per step.
+
+    Warmup is found statistically (:class:`~hf_perf_callbacks.stats.WarmupDetector`): it ends when
+    ``warmup_window`` consecutive step times (GRPO: generation cycles) lie within ``warmup_tolerance`` of their
+    median, at the latest after ``max_warmup_steps``. Steady throughput counts only steps after warmup and
+    excludes eval and checkpoint time.
+
+    **Tokens.** GRPO counts prompt + completion tokens of every generation, gathered over ranks, in
+    ``state.num_input_tokens_seen``; a plain ``Trainer`` does so only with ``include_num_input_tokens_seen``.
+    Otherwise the meter counts non-padding tokens itself, from a forward pre-hook that reads the
+    ``attention_mask`` of grad-enabled forwards (no extra synchronize, no collective per micro-batch, training
+    unchanged); ranks exchange their counts once per optimizer step.
+
+    **MFU** uses :mod:`hf_perf_callbacks.flops` (LoRA-aware, attention included) against the device's peak for
+    the training dtype (table, ``peak_flops`` override or ``peak_flops="calibrate"``); unknown device → MFU is
+    omitted with one warning. GRPO's model FLOPs per token are ``num_iterations`` × training plus one forward
+    for generation.
+
+    Args:
+        window_steps: optimizer steps in the windowed rate (rounded up to whole GRPO generation cycles).
+        warmup_window: consecutive stable steps that end warmup (≥ 2).
+        warmup_tolerance: relative deviation from the window median still called stable, in (0, 1].
+        max_warmup_steps: warmup is declared over after this many steps at the latest.
+        peak_flops: device peak FLOP/s for MFU, ``"calibrate"`` to measure it with a matmul, or None (table).
+        peak_bandwidth: device memory bandwidth in bytes/s for decode utilisation, or None (table).
+        data_wait_threshold: warn once when data wait exceeds this fraction of step time after warmup.
+        progress_bar: show current tok/s beside the progress bar.
+
+    Logged keys (at each logging step; every step in ``perf_log.jsonl``):
+
+    ====================================  ========  ==============================================================
+    key                                   unit      meaning
+    ====================================  ========  ==============================================================
+    ``perf/tokens_per_sec``               tok/s     windowed, global (all ranks)
+    ``perf/tokens_per_sec_per_device``    tok/s     windowed, global / world size
+    ``perf/steady_tokens_per_sec``        tok/s     after warmup only, eval and save excluded
+    ``perf/step_time``                    s         mean training time per optimizer step in the window
+    ``perf/warmup_done``                  0/1       warmup has ended in this ``train()`` call
+    ``perf/warmup_steps``                 steps     steps before steady state (once known)
+    ``perf/warmup_overhead_sec``          s         time spent above the steady step time during warmup
+    ``perf/first_step_slowdown``          ratio     first step (GRPO: generation cycle) / steady median
+    ``perf/phase/<phase>``                fraction  share of wall time since the last log: ``data_wait``,
+                                                    ``generation``, ``compute``, ``eval``, ``save``
+    ``perf/mfu``                          fraction  model FLOPs utilisation (absent when the peak is unknown)
+    ``perf/hfu``                          fraction  hardware FLOPs utilisation, recompute included
+                                                    (only with activation checkpointing)
+    ``perf/rollout_tokens_per_sec``       tok/s     GRPO: generated tokens per second of generation (this rank)
+    ``perf/train_tokens_per_sec``         tok/s     GRPO: tokens per second of non-generation time
+    ``perf/decode_bandwidth_util``        fraction  GRPO: weight bytes read per decode step × steps / time / peak
+    ``perf/forwards_per_microbatch``      count     grad-enabled top-level forwards per micro-batch (expect 1)
+    ====================================  ========  ==============================================================
+    """
+
+    source = "perf"
+
+    def __init__(self, window_steps: int = 10, warmup_window: int = 4, warmup_tolerance: float = 0.1,
+                 max_warmup_steps: int = 50, peak_flops: float | str | None = None,
+                 peak_bandwidth: float | None = None, data_wait_threshold: float = 0.1, progress_bar: bool = True):
+        if not (peak_flops is None or peak_flops == "calibrate"):
+            check_number("peak_flops", peak_flops, low=0, low_open=True)
+        check_number("peak_bandwidth", peak_bandwidth, low=0, low_open=True, allow_none=True)
+        check_number("data_wait_threshold", data_wait_threshold, low=0, high=1, low_open=True)
+        if not isinstance(progress_bar, bool):
+            raise ValueError(f"progress_bar={progress_bar!r} is not allowed: expected True or False")
+        super().__init__(window_steps=window_steps, warmup_window=warmup_window, warmup_tolerance=warmup_tolerance,
+                         max_warmup_steps=max_warmup_steps, peak_flops=peak_flops, peak_bandwidth=peak_bandwidth,
+                         data_wait_threshold=data_wait_threshold, progress_bar=progress_bar)
+        self.timeline = StepTimeline(window_steps, warmup_window, warmup_tolerance, max_warmup_steps)
+        self.clock = time.perf_counter
+        self.warned: set[str] = set()
+        self._hooks: list = []
+        self._wrapped_generate = None
+        self.summary: dict | None = None
+
+    # ------------------------------------------------------------ setup
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.device = DeviceLayer(device_of(model))
+        self.world = world_size()
+        self.is_grpo = hasattr(args, "num_generations") and hasattr(args, "steps_per_generation")
+        self.token_source = ("trainer" if self.is_grpo or args.include_num_input_tokens_seen not in ("no", False)
+                             else "hook")
+        self.num_iterations = getattr(args, "num_iterations", 1)
+        self.period = (generation_period(args.steps_per_generation, self.num_iterations,
+                                         args.gradient_accumulation_steps) if self.is_grpo else 1)
+        self.close()
+        self._install(model)
+        self._setup_flops(args)
+        self._reset_step_counters()
+        self.seen = state.num_input_tokens_seen      # resume: the restored count is the baseline (no spike)
+        self.logged_steps = 0
+        self.device.synchronize()
+        self.timeline.start_segment(self.clock(), self.period)
+        self.bus.write({"type": "run", "source": self.source, "device": self.device.name,
+                        "device_type": self.device.type, "world_size": self.world, "grpo": self.is_grpo,
+                        "token_source": self.token_source, "period": self.period,
+                        "peak_flops": self.peak_flops, "peak_bandwidth": self.peak_bandwidth,
+                        "dtype": self.dtype_key, "resumed_from_step": state.global_step,
+                        "per_device_train_batch_size": args.per_device_train_batch_size,
+                        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                        "max_completion_length": getattr(args, "max_completion_length", None)})
+
+    def _install(self, model) -> None:
+        """A forward pre-hook on the innermost causal LM (training forwards, tokens, decode steps) and a timing
+        wrapper around ``generate`` (GRPO rollouts)."""
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.model, self.inner = model, inner
+        self._hooks.append(inner.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+        if self.is_grpo and hasattr(model, "generate"):
+            original = model.generate
+
+            def timed_generate(*args, **kwargs):
+                self.in_generate = True
+                start = self.clock()
+                try:
+                    out = original(*args, **kwargs)
+                    self._count_generated(kwargs.get("input_ids", args[0] if args else None), out)
+                    return out
+                finally:
+                    self.in_generate = False
+                    seconds = self.clock() - start
+                    self.gen_seconds += seconds
+                    self.timeline.add_generation(seconds)
+
+            self._wrapped_generate = (model, original)
+            model.generate = timed_generate
+
+    def _setup_flops(self, args) -> None:
+        self.shape = shape_of(self.model)
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else self.inner.dtype
+        self.dtype_key = dtype_key(dtype)
+        self.recompute = bool(getattr(self.inner, "is_activation_checkpointing",
+                                      getattr(self.inner, "is_gradient_checkpointing", False)))
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.inner.parameters())
+        table = self.device.peak()
+        configured = self.config["peak_flops"]
+        if configured == "calibrate":
+            self.peak_flops = self.device.calibrate_flops(dtype)
+        elif configured is not None:
+            self.peak_flops = float(configured)
+        else:
+            self.peak_flops = table.flops.get(self.dtype_key) if table else None
+        self.peak_bandwidth = self.config["peak_bandwidth"] or (table.bandwidth if table else None)
+        if self.peak_flops is None and "mfu" not in self.warned:
+            self.warned.add("mfu")
+            self.warn(f"MFU omitted: no {self.dtype_key} peak FLOP/s known for device '{self.device.name}'. Pass "
+                      f"ThroughputMeter(peak_flops=<FLOP/s>) or peak_flops='calibrate' to measure it.")
+
+    def _reset_step_counters(self) -> None:
+        self.in_generate = False
+        self.gen_seconds = 0.0
+        self.decode_steps = 0
+        self.forwards = 0
+        self.microbatches = 0
+        self.hook_tokens = torch.zeros((), dtype=torch.float64, device=self.device.device)
+        self.generated = torch.zeros((), dtype=torch.float64, device=self.device.device)
+        self.seq_len = 0
+
+    # ------------------------------------------------------------ hooks (no synchronize here)
+    def _on_forward(self, module, args, kwargs):
+        if self.disabled:
+            return None
+        if self.in_generate:
+            self.decode_steps += 1
+        elif torch.is_grad_enabled() and module.training:
+            self.forwards += 1
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            mask = kwargs.get("attention_mask")
+            if isinstance(ids, torch.Tensor):
+                self.seq_len = ids.shape[-1]
+            if self.token_source == "hook":
+                if isinstance(mask, torch.Tensor):
+                    self.hook_tokens += mask.sum()
+                elif isinstance(ids, torch.Tensor):
+                    self.hook_tokens += ids.numel()
+        return None
+
+    def _count_generated(self, input_ids, out) -> None:
+        sequences = getattr(out, "sequences", out)
+        if isinstance(sequences, torch.Tensor) and isinstance(input_ids, torch.Tensor):
+            new = sequences[:, input_ids.shape[-1]:]
+            pad = getattr(getattr(self.inner, "generation_config", None), "pad_token_id", None)
+            self.generated += (new != pad).sum() if pad is not None else new.numel()
+
+    # ------------------------------------------------------------ events
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.timeline.step_begin(self.clock())
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self.microbatches += 1
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.timeline.mark("eval", self.clock())
+
+    def on_save(self, args, state, control, **kwargs):
+        self.timeline.mark("save", self.clock())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.microbatches += 1
+        self.device.synchronize()                                   # the one synchronize per optimizer step
+        record = self.timeline.measure(state.global_step, self.clock())
+        tokens = float(state.num_input_tokens_seen - self.seen) if self.token_source == "trainer" else \
+            float(self.hook_tokens.item())
+        self.seen = state.num_input_tokens_seen
+        train_seconds = None
+        if self.world > 1:                                          # one small collective per step
+            rows = gather_floats([tokens, record.train], self.device.device)
+            tokens = sum(r[0] for r in rows) if self.token_source == "hook" else tokens
+            train_seconds = max(r[1] for r in rows)
+        self.timeline.commit(record, tokens, train_seconds)
+        generated = float(self.generated.item()) if self.is_grpo else 0.0
+        metrics = self._step_metrics(record, generated)
+        self._check_duplicates(state.global_step)
+        self._check_data_wait(args, state.global_step)
+        self.bus.record_step(state.global_step, {**metrics, **{f"perf/phase_sec/{p}": getattr(record, p)
+                                                                for p in PHASES},
+                                                "perf/step_wall_sec": record.wall, "perf/tokens": tokens,
+                                                "perf/steady": int(record.steady)})
+        if control.should_log:   # phase shares over this logging interval
+            metrics.update({f"perf/phase/{k}": v for k, v in self.timeline.take_window_phases().items()})
+        self.bus.publish(metrics)
+        if self.config["progress_bar"] and metrics.get("perf/tokens_per_sec"):
+            self.bus.show_progress(f"tok/s={metrics['perf/tokens_per_sec']:.0f}")
+        self._reset_step_counters()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.summary = self.summarize()
+        self.bus.write({"type": "summary", "source": self.source, **self.summary})
+        if state.is_world_process_zero:
+            print(self.format_summary())
+        self.close()
+
+    # ------------------------------------------------------------ metrics
+    def _step_metrics(self, record, generated: float) -> dict:
+        tl = self.timeline
+        rate = tl.tokens_per_sec
+        m = {"perf/warmup_done": int(tl.warmup_done), "perf/step_time": tl.rate.mean_seconds()}
+        if rate is not None:
+            m["perf/tokens_per_sec"] = rate
+            m["perf/tokens_per_sec_per_device"] = rate / self.world
+        if tl.steady_tokens_per_sec is not None:
+            m["perf/steady_tokens_per_sec"] = tl.steady_tokens_per_sec
+        if tl.warmup_done:
+            m.update({"perf/warmup_steps": tl.warmup_steps, "perf/warmup_overhead_sec": tl.warmup_overhead,
+                      "perf/first_step_slowdown": tl.first_step_slowdown})
+        mfu = self._utilisation(rate)
+        m.update(mfu)
+        m["perf/forwards_per_microbatch"] = self.forwards / max(1, self.microbatches)
+        if self.is_grpo and record.generation > 0:
+            m["perf/rollout_tokens_per_sec"] = generated / record.generation
+            if self.peak_bandwidth and self.decode_steps:
+                m["perf/decode_bandwidth_util"] = (self.weight_bytes * self.decode_steps / record.generation
+                                                   / self.peak_bandwidth)
+        if self.is_grpo and record.train - record.generation > 0 and record.tokens:
+            m["perf/train_tokens_per_sec"] = record.tokens / (record.train - record.generation)
+        return {k: v for k, v in m.items() if v is not None}
+
+    def _flops_per_token(self) -> tuple[float, float]:
+        model, hardware = train_flops_per_token(self.shape, self.seq_len, self.recompute)
+        if self.is_grpo:   # every generated batch is trained num_iterations times and was generated once
+            forward = forward_flops_per_token(self.shape, self.seq_len)
+            model, hardware = model * self.num_iterations + forward, hardware * self.num_iterations + forward
+        return model, hardware
+
+    def _utilisation(self, rate: float | None) -> dict:
+        if not (self.peak_flops and rate):
+            return {}
+        model, hardware = self._flops_per_token()
+        per_device = rate / self.world
+        out = {"perf/mfu": model * per_device / self.peak_flops}
+        if self.recompute:
+            out["perf/hfu"] = hardware * per_device / self.peak_flops
+        return out
+
+    def _check_duplicates(self, step: int) -> None:
+        if self.microbatches and self.forwards > self.microbatches and "duplicate" not in self.warned:
+            self.warned.add("duplicate")
+            per = self.forwards / self.microbatches
+            self.warn(f"{self.forwards} grad-enabled forward passes over {self.microbatches} micro-batches at step "
+                      f"{step} ({per:.1f} per micro-batch, expected 1): a custom compute_loss or training_step runs "
+                      f"the model more than once per batch and pays its cost twice.", step=step,
+                      forwards_per_microbatch=per)
+
+    def _check_data_wait(self, args, step: int) -> None:
+        tl = self.timeline
+        if not tl.warmup_done or "data_wait" in self.warned or tl.phase_totals["data_wait"] == 0:
+            return
+        share = tl.phase_fractions()["data_wait"]
+        if share > self.config["data_wait_threshold"]:
+            self.warned.add("data_wait")
+            settings = [f"dataloader_num_workers (now {args.dataloader_num_workers}; try 2-8)",
+                        "dataloader_persistent_workers=True", "dataloader_prefetch_factor (e.g. 4)"]
+            if self.device.type == "cuda":
+                settings.append("dataloader_pin_memory=True")
+            self.warn(f"the accelerator waits for data {share:.0%} of the time: raise " + ", ".join(settings) +
+                      " (or pre-tokenize the dataset).", step=step, data_wait_fraction=share)
+
+    # ------------------------------------------------------------ summary
+    def summarize(self) -> dict:
+        tl = self.timeline
+        out = {"steps": tl.steps, "tokens": tl.total_tokens, "train_seconds": tl.total_train_seconds,
+               "warmup_done": tl.warmup_done, "warmup_steps": tl.warmup_steps,
+               "warmup_overhead_sec": tl.warmup_overhead, "first_step_slowdown": tl.first_step_slowdown,
+               "steady_step_sec": tl.steady_step_seconds, "steady_tokens_per_sec": tl.steady_tokens_per_sec,
+               "mean_tokens_per_sec": tl.total_tokens / tl.total_train_seconds if tl.total_train_seconds else None,
+               "phases": tl.phase_fractions(), "device": self.device.name, "world_size": self.world,
+               "peak_flops": self.peak_flops}
+        out.update({k.removeprefix("perf/"): v for k, v in self._utilisation(tl.steady_tokens_per_sec).items()})
+        return out
+
+    def format_summary(self) -> str:
+        s = self.summary or self.summarize()
+
+        def num(value, fmt):
+            return format(value, fmt) if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
+
+        phases = ", ".join(f"{k} {v:.0%}" for k, v in s["phases"].items() if v >= 0.005)
+        lines = [
+            "== ThroughputMeter summary ==",
+            f"device: {s['device']} × {s['world_size']}   steps: {s['steps']}   tokens: {s['tokens']:.0f}",
+            f"warmup: {'ended after ' + str(s['warmup_steps']) + ' steps' if s['warmup_done'] else 'not finished'}"
+            f"   overhead {num(s['warmup_overhead_sec'], '.2f')} s   first step "
+            f"{num(s['first_step_slowdown'], '.1f')}x the steady step ({num(s['steady_step_sec'], '.3f')} s)",
+            f"steady tokens/s: {num(s['steady_tokens_per_sec'], ',.0f')}   (mean incl. warmup "
+            f"{num(s['mean_tokens_per_sec'], ',.0f')})"
+            + (f"   MFU {s['mfu']:.1%}" if "mfu" in s else "   MFU n/a (peak unknown)"),
+            f"time split: {phases}",
+        ]
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------ state
+    def export(self) -> dict:
+        return {"timeline": self.timeline.export(), "warned": sorted(self.warned)}
+
+    def load(self, saved: dict) -> None:
+        self.timeline.load(saved.get("timeline", {}))
+        self.warned = set(saved.get("warned", []))
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self._wrapped_generate is not None:
+            model, original = self._wrapped_generate
+            if getattr(model, "generate", None) is not original:
+                del model.generate          # the instance attribute shadowed the class method
+            self._wrapped_generate = None

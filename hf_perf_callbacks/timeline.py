@@ -1,0 +1,200 @@
+"""Pure accounting of optimizer-step boundaries: step times, phases, tokens, warmup and steady throughput.
+
+The caller feeds timestamps (seconds, any monotonic clock) at the trainer's events; nothing here reads a clock,
+so every number is exact under test. Each optimizer step's record covers the wall time since the previous step
+ended, split into phases:
+
+====================  ======================================================================================
+phase                 time
+====================  ======================================================================================
+``data_wait``         from the last mark (previous step end, eval or save) to ``on_step_begin``: fetching the
+                      next batches (the Trainer prefetches a whole accumulation window before it) and logging
+``generation``        inside ``generate`` (GRPO rollouts)
+``compute``           the rest: forward, backward, optimizer
+``eval``              from the previous mark to ``on_evaluate``
+``save``              from the previous mark to ``on_save``
+====================  ======================================================================================
+
+Training time of a step excludes eval and save. Warmup is detected on cycles of ``period`` steps (GRPO generates
+every ``period`` optimizer steps; 1 otherwise). Each ``train()`` call (a resume included) starts a new segment with
+its own warmup; steady totals and the warmup overhead accumulate over segments.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .stats import WarmupDetector, WindowedRate, check_number
+
+PHASES = ("data_wait", "generation", "compute", "eval", "save")
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step (seconds unless named otherwise)."""
+
+    step: int
+    wall: float          # since the previous step ended, everything included
+    train: float         # wall minus eval and save: what throughput is measured against
+    data_wait: float
+    generation: float
+    compute: float
+    eval: float
+    save: float
+    tokens: float = 0.0
+    steady: bool = False
+
+    def phases(self) -> dict[str, float]:
+        return {p: getattr(self, p) for p in PHASES}
+
+
+class StepTimeline:
+    """Step accounting for a :class:`~hf_perf_callbacks.ThroughputMeter` (no clock, no torch)."""
+
+    def __init__(self, window_steps: int = 10, warmup_window: int = 4, warmup_tolerance: float = 0.1,
+                 max_warmup_steps: int = 50):
+        self.window_steps = check_number("window_steps", window_steps, low=1, integer=True)
+        self.warmup_window = check_number("warmup_window", warmup_window, low=2, integer=True)
+        self.warmup_tolerance = check_number("warmup_tolerance", warmup_tolerance, low=0, high=1, low_open=True)
+        self.max_warmup_steps = check_number("max_warmup_steps", max_warmup_steps, low=0, integer=True)
+        # cumulative over segments (exported for resume)
+        self.steady_tokens = 0.0
+        self.steady_seconds = 0.0
+        self.warmup_overhead = 0.0
+        self.total_tokens = 0.0
+        self.total_train_seconds = 0.0
+        self.phase_totals = dict.fromkeys(PHASES, 0.0)
+        self.steps = 0
+        self.segments = 0
+        self.start_segment(0.0)
+        self.segments = 0
+
+    # ------------------------------------------------------------ segments
+    def start_segment(self, t: float, period: int = 1) -> None:
+        """A ``train()`` begins (fresh or resumed) at time ``t``."""
+        self.period = check_number("period", period, low=1, integer=True)
+        self.segments += 1
+        self.detector = WarmupDetector(max(2, -(-self.warmup_window // period)), self.warmup_tolerance,
+                                       -(-self.max_warmup_steps // period))
+        self.rate = WindowedRate(self.window_steps, period)
+        self.last_mark = self.prev_end = t
+        self.step_begin_at: float | None = None
+        self.pending = dict.fromkeys(PHASES, 0.0)
+        self.cycle: list[StepRecord] = []
+        self.unsettled: list[list[StepRecord]] = []   # cycles seen before warmup was decided
+        self.window_phases = dict.fromkeys(PHASES, 0.0)
+
+    @property
+    def warmup_done(self) -> bool:
+        return self.detector.done
+
+    @property
+    def warmup_steps(self) -> int | None:
+        return self.detector.result.warmup_samples * self.period if self.detector.done else None
+
+    @property
+    def first_step_slowdown(self) -> float | None:
+        return self.detector.result.first_slowdown if self.detector.done else None
+
+    @property
+    def steady_step_seconds(self) -> float | None:
+        return self.detector.result.steady_reference / self.period if self.detector.done else None
+
+    # ------------------------------------------------------------ events
+    def step_begin(self, t: float) -> None:
+        self.pending["data_wait"] += max(0.0, t - self.last_mark)
+        self.step_begin_at = self.last_mark = t
+
+    def mark(self, phase: str, t: float) -> None:
+        """Eval or save ended at ``t``: the time since the previous mark was that phase."""
+        if phase not in ("eval", "save"):
+            raise ValueError(f"phase={phase!r} is not allowed: expected 'eval' or 'save'")
+        self.pending[phase] += max(0.0, t - self.last_mark)
+        self.last_mark = t
+
+    def add_generation(self, seconds: float) -> None:
+        if self.step_begin_at is not None:   # generation during eval belongs to eval
+            self.pending["generation"] += seconds
+
+    def measure(self, step: int, t: float) -> StepRecord:
+        """The step ended at ``t``: its local durations (tokens come with :meth:`commit`)."""
+        wall = max(0.0, t - self.prev_end)
+        p = self.pending
+        compute = max(0.0, wall - p["data_wait"] - p["generation"] - p["eval"] - p["save"])
+        record = StepRecord(step, wall, wall - p["eval"] - p["save"], p["data_wait"], p["generation"], compute,
+                            p["eval"], p["save"])
+        self.pending = dict.fromkeys(PHASES, 0.0)
+        self.last_mark = self.prev_end = t
+        self.step_begin_at = None
+        return record
+
+    def commit(self, record: StepRecord, tokens: float, train_seconds: float | None = None) -> StepRecord:
+        """Account a measured step with its (global) tokens; ``train_seconds`` overrides the local figure
+        (ranks agree on the slowest rank's time)."""
+        record.tokens = tokens
+        if train_seconds is not None:
+            record.train = train_seconds
+        self.steps += 1
+        self.total_tokens += tokens
+        self.total_train_seconds += record.train
+        for phase, seconds in record.phases().items():
+            self.phase_totals[phase] += seconds
+            self.window_phases[phase] += seconds
+        self.rate.add(tokens, record.train)
+        self.cycle.append(record)
+        if len(self.cycle) == self.period:
+            self._close_cycle(self.cycle)
+            self.cycle = []
+        return record
+
+    def _close_cycle(self, cycle: list[StepRecord]) -> None:
+        if self.detector.done:
+            self._steady(cycle)
+            return
+        self.unsettled.append(cycle)
+        if self.detector.add(sum(r.train for r in cycle)):
+            result = self.detector.result
+            self.warmup_overhead += result.overhead
+            for settled in self.unsettled[result.warmup_samples:]:
+                self._steady(settled)
+            self.unsettled = []
+
+    def _steady(self, cycle: list[StepRecord]) -> None:
+        for r in cycle:
+            r.steady = True
+            self.steady_tokens += r.tokens
+            self.steady_seconds += r.train
+
+    # ------------------------------------------------------------ readings
+    @property
+    def tokens_per_sec(self) -> float | None:
+        """Windowed rate over the last ``window_steps`` (whole periods)."""
+        return self.rate.rate()
+
+    @property
+    def steady_tokens_per_sec(self) -> float | None:
+        return self.steady_tokens / self.steady_seconds if self.steady_seconds > 0 else None
+
+    def take_window_phases(self) -> dict[str, float]:
+        """Phase fractions since the last call (one logging interval)."""
+        parts, self.window_phases = self.window_phases, dict.fromkeys(PHASES, 0.0)
+        total = sum(parts.values())
+        return {k: (v / total if total > 0 else 0.0) for k, v in parts.items()}
+
+    def phase_fractions(self) -> dict[str, float]:
+        total = sum(self.phase_totals.values())
+        return {k: (v / total if total > 0 else 0.0) for k, v in self.phase_totals.items()}
+
+    # ------------------------------------------------------------ resume
+    def export(self) -> dict:
+        warmup = asdict(self.detector.result) if self.detector.done else None
+        keys = ("steady_tokens", "steady_seconds", "warmup_overhead", "total_tokens", "total_train_seconds",
+                "steps", "segments")
+        return {**{k: getattr(self, k) for k in keys}, "phase_totals": dict(self.phase_totals),
+                "last_warmup": warmup}
+
+    def load(self, saved: dict) -> None:
+        for key in ("steady_tokens", "steady_seconds", "warmup_overhead", "total_tokens", "total_train_seconds",
+                    "steps", "segments"):
+            if key in saved:
+                setattr(self, key, saved[key])
+        self.phase_totals.update(saved.get("phase_totals", {}))

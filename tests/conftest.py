@@ -1,0 +1,82 @@
+"""Shared fixtures: a tiny random Llama, a locally trained tokenizer, real GRPO and plain Trainers. No hub access."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+import pytest
+import torch
+
+from hf_perf_callbacks.tiny import build_model, build_tokenizer
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "what is two plus two ? the answer is four",
+    "write a short poem about the sea and the sky",
+    "count from one to ten : one two three four five six seven eight nine ten",
+    "hello world , how are you today ?",
+] * 20
+PROMPTS = ["what is two plus two ?", "write a short poem about the sea", "hello world ,", "the quick brown fox"]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer(CORPUS, vocab_size=300)
+
+
+def length_reward(prompts, completions, completion_ids=None, **kwargs):
+    return [-abs(len(ids) - 8) / 8.0 for ids in completion_ids]
+
+
+def make_grpo(tokenizer, output_dir, callbacks, *, max_steps=6, bs=4, ga=2, num_generations=4, completion=12,
+              extra=None, model=None, dataset_rows=16, reward=length_reward):
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    settings = dict(output_dir=str(output_dir), per_device_train_batch_size=bs, gradient_accumulation_steps=ga,
+                    num_generations=num_generations, max_completion_length=completion, max_steps=max_steps,
+                    learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+                    bf16=False, activation_checkpointing=False, disable_tqdm=True, seed=0)
+    settings.update(extra or {})
+    dataset = Dataset.from_dict({"prompt": (PROMPTS * dataset_rows)[:dataset_rows]})
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    return GRPOTrainer(model=model or build_model(tokenizer), reward_funcs=reward, args=GRPOConfig(**settings),
+                       train_dataset=dataset, processing_class=tokenizer, peft_config=lora, callbacks=callbacks)
+
+
+class TextDataset(torch.utils.data.Dataset):
+    """Causal-LM examples of varying length (so padding exists); optionally slow to load."""
+
+    def __init__(self, tokenizer, n=64, delay=0.0):
+        self.items = [tokenizer(CORPUS[i % 5] + " " + CORPUS[(i * 3) % 5][: 5 + (i * 7) % 30])["input_ids"]
+                      for i in range(n)]
+        self.delay = delay
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        if self.delay:
+            import time
+
+            time.sleep(self.delay)
+        return {"input_ids": self.items[i]}
+
+
+def make_trainer(tokenizer, output_dir, callbacks, *, max_steps=6, bs=4, ga=2, delay=0.0, extra=None,
+                 trainer_cls=None, model=None):
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    settings = dict(output_dir=str(output_dir), per_device_train_batch_size=bs, gradient_accumulation_steps=ga,
+                    max_steps=max_steps, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none",
+                    use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    settings.update(extra or {})
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    return (trainer_cls or Trainer)(model=model or build_model(tokenizer), args=TrainingArguments(**settings),
+                                    train_dataset=TextDataset(tokenizer, delay=delay), data_collator=collator,
+                                    callbacks=callbacks)

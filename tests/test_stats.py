@@ -1,0 +1,103 @@
+"""Pure math: warmup detection on synthetic traces, windowed rates, line fits and parameter validation."""
+import pytest
+
+from hf_perf_callbacks.stats import (WarmupDetector, WindowedRate, check_number, generation_period, linear_fit,
+                                     median)
+
+
+def feed(detector, values):
+    for i, v in enumerate(values):
+        if detector.add(v):
+            return i
+    return None
+
+
+def test_warmup_ends_at_first_stable_window_with_exact_overhead():
+    trace = [7.3, 2.0, 1.05, 1.0, 1.0, 1.02, 0.98, 1.0]
+    d = WarmupDetector(window=4, tolerance=0.1, max_warmup=50)
+    decided_at = feed(d, trace)
+    assert decided_at == 5                       # window 2..5 = [1.05, 1.0, 1.0, 1.02] is the first stable one
+    r = d.result
+    assert r.warmup_samples == 2
+    assert r.steady_reference == pytest.approx(1.01)   # median of the window
+    assert r.overhead == pytest.approx((7.3 - 1.01) + (2.0 - 1.01))
+    assert r.first_slowdown == pytest.approx(7.3 / 1.01)
+    assert not r.capped
+    assert not d.add(100.0)                      # decided once, then fixed
+
+
+def test_seed_000_first_step_7x_slower():
+    trace = [29.6] + [4.0 + 0.05 * (i % 3) for i in range(12)]
+    d = WarmupDetector(window=4, tolerance=0.05)
+    feed(d, trace)
+    assert d.result.warmup_samples == 1
+    assert d.result.steady_reference == pytest.approx(4.025)   # median of [4.0, 4.05, 4.1, 4.0]
+    assert d.result.first_slowdown == pytest.approx(29.6 / 4.025) == pytest.approx(7.35, abs=0.01)
+
+
+def test_already_warm_process_has_zero_warmup():
+    d = WarmupDetector(window=3, tolerance=0.1)
+    feed(d, [1.0, 1.01, 0.99, 1.0])
+    assert d.result.warmup_samples == 0 and d.result.overhead == 0.0
+
+
+def test_noisy_trace_hits_the_cap():
+    trace = [1.0, 2.0] * 20
+    d = WarmupDetector(window=3, tolerance=0.1, max_warmup=5)
+    decided_at = feed(d, trace)
+    assert d.result.capped and d.result.warmup_samples == 5
+    assert decided_at == 7                       # the first window that starts at the cap is samples 5..7
+    assert d.result.steady_reference == median(trace[5:8]) == 2.0
+
+
+@pytest.mark.parametrize("kwargs, name", [({"window": 1}, "warmup_window"), ({"tolerance": 0}, "warmup_tolerance"),
+                                          ({"tolerance": 1.5}, "warmup_tolerance"),
+                                          ({"max_warmup": -1}, "max_warmup_steps"),
+                                          ({"window": 2.5}, "warmup_window")])
+def test_detector_validates(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        WarmupDetector(**kwargs)
+
+
+def test_windowed_rate_uses_whole_periods_only():
+    # GRPO with a generation every 2 optimizer steps: all tokens land on the generation step.
+    r = WindowedRate(window=3, period=2)
+    assert r.size == 4
+    r.add(1000, 1.0)
+    assert r.rate() is None                      # half a period: no spiky number
+    r.add(0, 1.0)
+    assert r.rate() == 500.0
+    r.add(1000, 1.0)
+    assert r.rate() == 500.0                     # still only the first whole period
+    r.add(0, 1.0)
+    assert r.rate() == 500.0
+    r.add(3000, 1.0)                             # window slides to [0, 1000, 0, 3000]: any 4 consecutive steps
+    assert r.rate() == pytest.approx(4000 / 4)   # hold exactly 2 generation steps, so no spike
+    r.add(0, 1.0)                                # [1000, 0, 3000, 0]
+    assert r.rate() == pytest.approx(4000 / 4)
+
+
+def test_generation_period():
+    assert generation_period(2, 1, 2) == 1       # spg == GA: every step generates
+    assert generation_period(4, 1, 2) == 2       # generation every other optimizer step
+    assert generation_period(2, 2, 2) == 2       # num_iterations 2 replays each generation twice
+    assert generation_period(2, 1, 4) == 1       # two generations per optimizer step
+
+
+def test_linear_fit_exact():
+    slope, intercept = linear_fit([1, 2, 3, 4], [3, 5, 7, 9])
+    assert slope == pytest.approx(2.0) and intercept == pytest.approx(1.0)
+    assert linear_fit([1, 1], [2, 4]) == (0.0, 3.0)
+    with pytest.raises(ValueError):
+        linear_fit([1], [1])
+
+
+def test_check_number_messages():
+    with pytest.raises(ValueError, match=r"window_steps=0 is not allowed: expected an integer >= 1"):
+        check_number("window_steps", 0, low=1, integer=True)
+    with pytest.raises(ValueError, match="True"):
+        check_number("x", True, low=0)
+    with pytest.raises(ValueError, match="nan"):
+        check_number("x", float("nan"))
+    assert check_number("x", None, allow_none=True) is None
+    assert check_number("x", 0.5, low=0, high=1, low_open=True) == 0.5

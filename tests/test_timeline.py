@@ -1,0 +1,101 @@
+"""Step accounting with explicit timestamps (a patched clock): exact phase times, windows, warmup, resume."""
+import pytest
+
+from hf_perf_callbacks.timeline import StepTimeline
+
+
+def run_step(tl, step, t, *, wait=0.0, gen=0.0, compute=1.0, tokens=100, eval_s=0.0, save_s=0.0):
+    """Drive one optimizer step starting at time t; returns (record, end time)."""
+    t += wait
+    tl.step_begin(t)
+    tl.add_generation(gen)
+    t += gen + compute
+    record = tl.commit(tl.measure(step, t), tokens)
+    if eval_s:
+        t += eval_s
+        tl.mark("eval", t)
+    if save_s:
+        t += save_s
+        tl.mark("save", t)
+    return record, t
+
+
+def test_phases_are_exact_and_eval_save_leave_training_time():
+    tl = StepTimeline(window_steps=2, warmup_window=2, warmup_tolerance=0.1)
+    tl.start_segment(0.0)
+    r1, t = run_step(tl, 1, 0.0, wait=0.5, gen=2.0, compute=1.0, eval_s=4.0, save_s=1.5)
+    assert (r1.wall, r1.train, r1.data_wait, r1.generation, r1.compute) == (3.5, 3.5, 0.5, 2.0, 1.0)
+    r2, t = run_step(tl, 2, t, wait=0.25, gen=2.0, compute=1.0)
+    # step 2's record covers the eval and save that ran after step 1 ended
+    assert (r2.eval, r2.save, r2.data_wait) == (4.0, 1.5, 0.25)
+    assert r2.wall == pytest.approx(4.0 + 1.5 + 0.25 + 3.0)
+    assert r2.train == pytest.approx(3.25)
+    assert tl.tokens_per_sec == pytest.approx(200 / (3.5 + 3.25))
+    shares = tl.take_window_phases()
+    total = 3.5 + r2.wall
+    assert shares["eval"] == pytest.approx(4.0 / total) and shares["generation"] == pytest.approx(4.0 / total)
+    assert tl.take_window_phases() == dict.fromkeys(shares, 0.0)   # reset per logging interval
+
+
+def test_warmup_then_steady_rate_excludes_warmup_steps():
+    tl = StepTimeline(window_steps=10, warmup_window=3, warmup_tolerance=0.05)
+    tl.start_segment(0.0)
+    t = 0.0
+    for step, compute in enumerate([5.0, 2.0, 1.0, 1.0, 1.0, 1.0], start=1):
+        _, t = run_step(tl, step, t, compute=compute, tokens=100)
+    assert tl.warmup_done and tl.warmup_steps == 2
+    assert tl.warmup_overhead == pytest.approx((5 - 1) + (2 - 1))
+    assert tl.first_step_slowdown == pytest.approx(5.0)
+    assert tl.steady_tokens_per_sec == pytest.approx(100.0)       # 4 steady steps, 400 tokens, 4 s
+    assert tl.tokens_per_sec == pytest.approx(600 / 11)           # the window still holds warmup
+
+
+def test_grpo_period_detects_on_cycles_and_counts_steps():
+    # generation every 2 steps: a long step (with all the tokens) then a short one
+    tl = StepTimeline(window_steps=4, warmup_window=4, warmup_tolerance=0.1, max_warmup_steps=20)
+    tl.start_segment(0.0, period=2)
+    t = 0.0
+    pattern = [(9.0, 1000), (1.0, 0), (3.0, 1000), (1.0, 0)] + [(3.0, 1000), (1.0, 0)] * 4
+    for step, (compute, tokens) in enumerate(pattern, start=1):
+        _, t = run_step(tl, step, t, compute=compute, tokens=tokens)
+        if step % 2 == 1:
+            assert tl.tokens_per_sec is None or tl.tokens_per_sec == pytest.approx(250.0)  # never a spike
+    assert tl.warmup_steps == 2                                  # one cycle of 2 steps
+    assert tl.first_step_slowdown == pytest.approx(10.0 / 4.0)
+    assert tl.steady_tokens_per_sec == pytest.approx(250.0)
+
+
+def test_resume_segment_keeps_totals_and_does_not_spike():
+    tl = StepTimeline(window_steps=2, warmup_window=2, warmup_tolerance=0.1)
+    tl.start_segment(0.0)
+    t = 0.0
+    for step in range(1, 5):
+        _, t = run_step(tl, step, t, compute=1.0, tokens=100)
+    saved = tl.export()
+    resumed = StepTimeline(window_steps=2, warmup_window=2, warmup_tolerance=0.1)
+    resumed.load(saved)
+    resumed.start_segment(1000.0)                # a new process, much later
+    assert resumed.tokens_per_sec is None        # no window spanning the gap
+    _, t = run_step(resumed, 5, 1000.0, compute=1.0, tokens=100)
+    assert resumed.tokens_per_sec == pytest.approx(100.0)
+    assert resumed.steps == 5 and resumed.total_tokens == 500
+    assert resumed.steady_tokens_per_sec == pytest.approx(100.0)
+
+
+def test_generation_outside_a_step_is_not_training_time():
+    tl = StepTimeline()
+    tl.start_segment(0.0)
+    tl.add_generation(5.0)                       # eval-time generation
+    tl.step_begin(0.0)
+    record = tl.commit(tl.measure(1, 1.0), 10)
+    assert record.generation == 0.0 and record.compute == 1.0
+
+
+def test_bad_phase_and_parameters():
+    tl = StepTimeline()
+    with pytest.raises(ValueError, match="phase='log'"):
+        tl.mark("log", 1.0)
+    with pytest.raises(ValueError, match="window_steps"):
+        StepTimeline(window_steps=0)
+    with pytest.raises(ValueError, match="period"):
+        tl.start_segment(0.0, period=0)

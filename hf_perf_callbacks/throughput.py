@@ -102,6 +102,7 @@ class ThroughputMeter(PerfCallback):
         self._install(model)
         self._setup_flops(args)
         self._reset_step_counters()
+        self.seq_len = 0                             # padded length of the latest training forward
         self.seen = state.num_input_tokens_seen      # resume: the restored count is the baseline (no spike)
         self.logged_steps = 0
         self.device.synchronize()
@@ -169,7 +170,6 @@ class ThroughputMeter(PerfCallback):
         self.microbatches = 0
         self.hook_tokens = torch.zeros((), dtype=torch.float64, device=self.device.device)
         self.generated = torch.zeros((), dtype=torch.float64, device=self.device.device)
-        self.seq_len = 0
 
     # ------------------------------------------------------------ hooks (no synchronize here)
     def _on_forward(self, module, args, kwargs):
@@ -230,6 +230,7 @@ class ThroughputMeter(PerfCallback):
         self.bus.record_step(state.global_step, {**metrics, **{f"perf/phase_sec/{p}": getattr(record, p)
                                                                 for p in PHASES},
                                                 "perf/step_wall_sec": record.wall, "perf/tokens": tokens,
+                                                "perf/seq_len": self.seq_len,
                                                 "perf/steady": int(record.steady)})
         if control.should_log:   # phase shares over this logging interval
             metrics.update({f"perf/phase/{k}": v for k, v in self.timeline.take_window_phases().items()})
@@ -330,15 +331,20 @@ class ThroughputMeter(PerfCallback):
             return format(value, fmt) if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
 
         phases = ", ".join(f"{k} {v:.0%}" for k, v in s["phases"].items() if v >= 0.005)
+        if s["warmup_done"]:
+            warmup = (f"ended after {s['warmup_steps']} steps   overhead {num(s['warmup_overhead_sec'], '.2f')} s   "
+                      f"first step {num(s['first_step_slowdown'], '.1f')}x the steady step "
+                      f"({num(s['steady_step_sec'], '.3f')} s)")
+        else:
+            warmup = f"not finished after {s['steps']} steps (no stable window yet: run longer for steady figures)"
+        mfu = (f"   MFU {s['mfu']:.1%}" if "mfu" in s else "   MFU n/a (peak unknown)" if not s["peak_flops"]
+               else "")
         lines = [
             "== ThroughputMeter summary ==",
             f"device: {s['device']} × {s['world_size']}   steps: {s['steps']}   tokens: {s['tokens']:.0f}",
-            f"warmup: {'ended after ' + str(s['warmup_steps']) + ' steps' if s['warmup_done'] else 'not finished'}"
-            f"   overhead {num(s['warmup_overhead_sec'], '.2f')} s   first step "
-            f"{num(s['first_step_slowdown'], '.1f')}x the steady step ({num(s['steady_step_sec'], '.3f')} s)",
+            f"warmup: {warmup}",
             f"steady tokens/s: {num(s['steady_tokens_per_sec'], ',.0f')}   (mean incl. warmup "
-            f"{num(s['mean_tokens_per_sec'], ',.0f')})"
-            + (f"   MFU {s['mfu']:.1%}" if "mfu" in s else "   MFU n/a (peak unknown)"),
+            f"{num(s['mean_tokens_per_sec'], ',.0f')}){mfu}",
             f"time split: {phases}",
         ]
         return "\n".join(lines)

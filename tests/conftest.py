@@ -69,7 +69,7 @@ class TextDataset(torch.utils.data.Dataset):
 
 
 def make_trainer(tokenizer, output_dir, callbacks, *, max_steps=6, bs=4, ga=2, delay=0.0, extra=None,
-                 trainer_cls=None, model=None):
+                 trainer_cls=None, model=None, with_eval=False):
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     settings = dict(output_dir=str(output_dir), per_device_train_batch_size=bs, gradient_accumulation_steps=ga,
@@ -79,4 +79,5 @@ def make_trainer(tokenizer, output_dir, callbacks, *, max_steps=6, bs=4, ga=2, d
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
     return (trainer_cls or Trainer)(model=model or build_model(tokenizer), args=TrainingArguments(**settings),
                                     train_dataset=TextDataset(tokenizer, delay=delay), data_collator=collator,
+                                    eval_dataset=TextDataset(tokenizer, n=16) if with_eval else None,
                                     callbacks=callbacks)

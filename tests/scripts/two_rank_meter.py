@@ -1,0 +1,44 @@
+"""Run under ``torchrun --nproc_per_node 2`` (gloo, CPU): a GRPO and a plain Trainer run with the meter.
+
+Each rank writes what its meter measured to ``<out>/rank<R>.json``.
+"""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from hf_perf_callbacks import ThroughputMeter  # noqa: E402
+from tests.conftest import CORPUS, make_grpo, make_trainer  # noqa: E402
+from hf_perf_callbacks.tiny import build_tokenizer  # noqa: E402
+
+
+def rates(meter):
+    return [round(r, 6) for r in meter.rates]
+
+
+class RecordingMeter(ThroughputMeter):
+    def on_step_end(self, args, state, control, **kwargs):
+        super().on_step_end(args, state, control, **kwargs)
+        self.rates = getattr(self, "rates", []) + [self.timeline.tokens_per_sec or 0.0]
+
+
+def main(out):
+    rank = int(os.environ["RANK"])
+    tokenizer = build_tokenizer(CORPUS, vocab_size=300)
+    grpo_meter = RecordingMeter(window_steps=2)
+    grpo = make_grpo(tokenizer, os.path.join(out, "grpo"), [grpo_meter], max_steps=4, bs=2, ga=2)
+    grpo.train()
+    plain_meter = RecordingMeter(window_steps=2)
+    plain = make_trainer(tokenizer, os.path.join(out, "plain"), [plain_meter], max_steps=4, bs=2, ga=2)
+    plain.train()
+    result = {"grpo_rates": rates(grpo_meter), "grpo_tokens": grpo_meter.timeline.total_tokens,
+              "grpo_seen": grpo.state.num_input_tokens_seen, "plain_rates": rates(plain_meter),
+              "plain_tokens": plain_meter.timeline.total_tokens, "world": grpo_meter.world,
+              "plain_token_source": plain_meter.token_source}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

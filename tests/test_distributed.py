@@ -1,0 +1,40 @@
+"""Two CPU processes (torchrun, gloo): global throughput is identical on both ranks and logged once."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "two_rank_meter.py")
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_ranks")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+           SCRIPT, str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.load(open(out / f"rank{r}.json")) for r in (0, 1)]
+    return out, ranks
+
+
+def test_global_tokens_per_second_is_equal_on_both_ranks(two_rank_run):
+    _, (r0, r1) = two_rank_run
+    assert r0["world"] == r1["world"] == 2
+    assert r0["grpo_rates"] == r1["grpo_rates"] and any(r0["grpo_rates"])
+    assert r0["grpo_tokens"] == r1["grpo_tokens"] == r0["grpo_seen"]      # GRPO's counter is already global
+    assert r0["plain_rates"] == r1["plain_rates"] and any(r0["plain_rates"])
+    assert r0["plain_token_source"] == "hook"
+    assert r0["plain_tokens"] == r1["plain_tokens"] > 0                   # own counts summed over ranks
+
+
+def test_perf_log_is_written_by_the_main_process_only(two_rank_run):
+    out, _ = two_rank_run
+    for run in ("grpo", "plain"):
+        lines = [json.loads(line) for line in open(out / run / "perf_log.jsonl")]
+        steps = [line["step"] for line in lines if line["type"] == "step"]
+        assert steps == [1, 2, 3, 4]                                       # once each, not once per rank
+        assert sum(line["type"] == "run" for line in lines) == 1

@@ -1,0 +1,114 @@
+"""ThroughputMeter on real trainers (tiny random Llama, CPU): token sources, GRPO phases, duplicate forwards,
+data-wait warning, MFU, resume without a spike."""
+import json
+import os
+
+import pytest
+from transformers import Trainer
+
+from hf_perf_callbacks import ThroughputMeter
+from hf_perf_callbacks.flops import forward_flops_per_token, train_flops_per_token
+from tests.conftest import make_grpo, make_trainer
+
+
+def perf_lines(output_dir, kind="step"):
+    path = os.path.join(output_dir, "perf_log.jsonl")
+    return [line for line in map(json.loads, open(path)) if line["type"] == kind]
+
+
+def test_plain_trainer_counts_non_padding_tokens_like_the_trainer_does(tokenizer, tmp_path):
+    own = ThroughputMeter()
+    make_trainer(tokenizer, tmp_path / "own", [own], max_steps=5).train()
+    reference = ThroughputMeter()
+    trainer = make_trainer(tokenizer, tmp_path / "ref", [reference], max_steps=5,
+                           extra={"include_num_input_tokens_seen": "non_padding"})
+    trainer.train()
+    assert own.token_source == "hook" and reference.token_source == "trainer"
+    assert own.timeline.total_tokens == trainer.state.num_input_tokens_seen == reference.timeline.total_tokens
+    assert own.timeline.total_tokens > 0
+
+
+def test_grpo_tokens_phases_and_rollout_throughput(tokenizer, tmp_path):
+    meter = ThroughputMeter(window_steps=2, warmup_window=2, warmup_tolerance=0.5)
+    trainer = make_grpo(tokenizer, tmp_path, [meter], max_steps=6)
+    trainer.train()
+    assert meter.timeline.total_tokens == trainer.state.num_input_tokens_seen
+    steps = perf_lines(tmp_path)
+    assert all(s["perf/phase_sec/generation"] > 0 for s in steps)
+    assert all(s["perf/rollout_tokens_per_sec"] > 0 and s["perf/train_tokens_per_sec"] > 0 for s in steps)
+    assert all(s["perf/forwards_per_microbatch"] == 1.0 for s in steps)
+    summary = meter.summary
+    assert summary["phases"]["generation"] > 0.1 and summary["steps"] == 6
+    assert sum(summary["phases"].values()) == pytest.approx(1.0)
+
+
+def test_grpo_generating_every_other_step_gives_no_spikes(tokenizer, tmp_path):
+    meter = ThroughputMeter(window_steps=2, warmup_window=2, warmup_tolerance=0.9)
+    make_grpo(tokenizer, tmp_path, [meter], max_steps=8, extra={"steps_per_generation": 4}).train()
+    assert meter.period == 2
+    steps = perf_lines(tmp_path)
+    tokens = [s["perf/tokens"] for s in steps]
+    assert all(t > 0 for t in tokens[0::2]) and all(t == 0 for t in tokens[1::2])
+    rates = [s["perf/tokens_per_sec"] for s in steps if "perf/tokens_per_sec" in s]
+    assert "perf/tokens_per_sec" not in steps[0]                  # half a cycle: no number rather than a spike
+    assert max(rates) / min(rates) < 3
+
+
+class DoubleForwardTrainer(Trainer):
+    """Seed 004's bug: compute_loss runs the model twice per batch."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        model(**inputs)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def test_duplicate_forward_pass_is_flagged_once(tokenizer, tmp_path, caplog):
+    meter = ThroughputMeter()
+    with caplog.at_level("WARNING", logger="hf_perf_callbacks"):
+        make_trainer(tokenizer, tmp_path, [meter], max_steps=3, trainer_cls=DoubleForwardTrainer).train()
+    flagged = [r.getMessage() for r in caplog.records if "grad-enabled forward passes" in r.getMessage()]
+    assert len(flagged) == 1 and "2.0 per micro-batch" in flagged[0]
+    assert perf_lines(tmp_path)[-1]["perf/forwards_per_microbatch"] == 2.0
+
+
+def test_no_duplicate_warning_for_a_normal_trainer(tokenizer, tmp_path):
+    meter = ThroughputMeter()
+    make_trainer(tokenizer, tmp_path, [meter], max_steps=3).train()
+    assert "duplicate" not in meter.warned
+
+
+def test_slow_dataset_warns_about_dataloader_settings(tokenizer, tmp_path, caplog):
+    meter = ThroughputMeter(warmup_window=2, warmup_tolerance=0.5)
+    with caplog.at_level("WARNING", logger="hf_perf_callbacks"):
+        make_trainer(tokenizer, tmp_path, [meter], max_steps=6, delay=0.02).train()
+    messages = [r.getMessage() for r in caplog.records if "waits for data" in r.getMessage()]
+    assert len(messages) == 1
+    assert "dataloader_num_workers (now 0" in messages[0] and "dataloader_persistent_workers" in messages[0]
+    assert "pin_memory" not in messages[0]                        # CUDA-only advice
+    assert meter.summary["phases"]["data_wait"] > 0.3
+
+
+def test_mfu_follows_the_flops_model_with_a_given_peak(tokenizer, tmp_path):
+    meter = ThroughputMeter(peak_flops=1e12)
+    make_grpo(tokenizer, tmp_path, [meter], max_steps=4).train()
+    last = [s for s in perf_lines(tmp_path) if "perf/mfu" in s][-1]
+    train, _ = train_flops_per_token(meter.shape, meter.seq_len)
+    per_token = train + forward_flops_per_token(meter.shape, meter.seq_len)     # GRPO: + one generation forward
+    assert last["perf/mfu"] == pytest.approx(per_token * last["perf/tokens_per_sec"] / 1e12)
+    assert "perf/hfu" not in last                                 # no activation checkpointing here
+
+
+def test_resume_restores_counters_and_first_window_does_not_spike(tokenizer, tmp_path):
+    first = ThroughputMeter(window_steps=2, warmup_window=2, warmup_tolerance=0.9)
+    trainer = make_grpo(tokenizer, tmp_path, [first], max_steps=4, extra={"save_strategy": "steps", "save_steps": 4})
+    trainer.train()
+    tokens_before = first.timeline.total_tokens
+    second = ThroughputMeter(window_steps=2, warmup_window=2, warmup_tolerance=0.9)
+    resumed = make_grpo(tokenizer, tmp_path, [second], max_steps=8, extra={"save_strategy": "no"})
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    assert second.timeline.steps == 8                             # 4 restored + 4 new
+    assert second.timeline.total_tokens == resumed.state.num_input_tokens_seen
+    after = [s for s in perf_lines(tmp_path) if s["step"] > 4]
+    per_step_before = tokens_before / 4
+    assert after[0]["perf/tokens"] < 2 * per_step_before          # not the restored total (transformers #40560)
+    assert second.timeline.segments == 2

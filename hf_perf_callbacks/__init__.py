@@ -6,18 +6,21 @@ trainer = GRPOTrainer(..., callbacks=default_callbacks())
 trainer.train()
 ```
 """
+from .cache import MPSCacheClearer
 from .throughput import ThroughputMeter
+from .watchdog import MemoryWatchdog
 
 __version__ = "0.1.0"
 
 
 def default_callbacks(**overrides) -> list:
-    """The package's callbacks, configured for the detected device.
+    """The package's callbacks, configured for the detected device (the cache clearer acts on MPS only).
 
     ``overrides`` maps a callback class name to its keyword arguments, e.g.
     ``default_callbacks(ThroughputMeter={"window_steps": 20})``.
     """
-    classes = {"ThroughputMeter": ThroughputMeter}
+    classes = {"ThroughputMeter": ThroughputMeter, "MemoryWatchdog": MemoryWatchdog,
+               "MPSCacheClearer": MPSCacheClearer}
     unknown = set(overrides) - set(classes)
     if unknown:
         raise ValueError(f"default_callbacks got unknown callback name(s) {sorted(unknown)}: "
@@ -25,4 +28,4 @@ def default_callbacks(**overrides) -> list:
     return [cls(**overrides.get(name, {})) for name, cls in classes.items()]
 
 
-__all__ = ["ThroughputMeter", "default_callbacks", "__version__"]
+__all__ = ["ThroughputMeter", "MemoryWatchdog", "MPSCacheClearer", "default_callbacks", "__version__"]

@@ -87,15 +87,31 @@ class RunBus(TrainerCallback):
 
     # ------------------------------------------------------------ signals
     def subscribe(self, signal: str, handler: Callable[..., object]) -> None:
-        if handler not in self.subscribers[signal]:
-            self.subscribers[signal].append(handler)
+        """Subscribe a bound method; it replaces an earlier subscriber of the same class (a resumed instance)."""
+        owner = type(getattr(handler, "__self__", None))
+        self.subscribers[signal] = [h for h in self.subscribers[signal]
+                                    if type(getattr(h, "__self__", None)) is not owner or owner is type(None)]
+        self.subscribers[signal].append(handler)
 
     def signal(self, signal: str, **payload) -> list:
-        """Call every subscriber of ``signal``; returns their answers (empty when nobody listens)."""
-        return [handler(**payload) for handler in list(self.subscribers[signal])]
+        """Call every subscriber of ``signal``; returns their answers (empty when nobody listens).
+
+        A subscriber that raises is dropped with one warning: it must not take the caller down with it.
+        """
+        answers = []
+        for handler in list(self.subscribers[signal]):
+            if getattr(getattr(handler, "__self__", None), "disabled", False):
+                continue
+            try:
+                answers.append(handler(**payload))
+            except Exception as error:  # noqa: BLE001
+                self.subscribers[signal].remove(handler)
+                logger.warning("subscriber %s of '%s' failed (%s: %s) and was removed", handler, signal,
+                               type(error).__name__, error)
+        return answers
 
     def has_subscribers(self, signal: str) -> bool:
-        return bool(self.subscribers[signal])
+        return any(not getattr(getattr(h, "__self__", None), "disabled", False) for h in self.subscribers[signal])
 
     def show_progress(self, text: str) -> None:
         """Show ``text`` beside the tqdm progress bar, when there is one."""

@@ -38,3 +38,11 @@ def test_perf_log_is_written_by_the_main_process_only(two_rank_run):
         steps = [line["step"] for line in lines if line["type"] == "step"]
         assert steps == [1, 2, 3, 4]                                       # once each, not once per rank
         assert sum(line["type"] == "run" for line in lines) == 1
+
+
+def test_a_watchdog_stop_on_one_rank_stops_both_with_one_checkpoint(two_rank_run):
+    out, (r0, r1) = two_rank_run
+    assert r1["stop_actions"] == ["clear_cache", "stop"]                # rank 1 decided
+    assert r0["stop_actions"] == ["stop"]                               # rank 0 followed
+    assert r0["stop_step"] == r1["stop_step"] == 2
+    assert sorted(os.listdir(out / "stop")) == ["checkpoint-2", "perf_log.jsonl"]

@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from hf_perf_callbacks import ThroughputMeter  # noqa: E402
+from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter  # noqa: E402
 from tests.conftest import CORPUS, make_grpo, make_trainer  # noqa: E402
 from hf_perf_callbacks.tiny import build_tokenizer  # noqa: E402
 
@@ -32,7 +32,12 @@ def main(out):
     plain_meter = RecordingMeter(window_steps=2)
     plain = make_trainer(tokenizer, os.path.join(out, "plain"), [plain_meter], max_steps=4, bs=2, ga=2)
     plain.train()
-    result = {"grpo_rates": rates(grpo_meter), "grpo_tokens": grpo_meter.timeline.total_tokens,
+    # only rank 1 is over its (tiny) budget: its stop must stop both ranks at the same step, with one checkpoint
+    watchdog = MemoryWatchdog(limit_gb=0.001 if rank == 1 else None, grace_steps=1)
+    stopped = make_trainer(tokenizer, os.path.join(out, "stop"), [watchdog], max_steps=6, bs=2, ga=2)
+    stopped.train()
+    result = {"stop_step": stopped.state.global_step, "stop_actions": [a["action"] for a in watchdog.actions],
+              "grpo_rates": rates(grpo_meter), "grpo_tokens": grpo_meter.timeline.total_tokens,
               "grpo_seen": grpo.state.num_input_tokens_seen, "plain_rates": rates(plain_meter),
               "plain_tokens": plain_meter.timeline.total_tokens, "world": grpo_meter.world,
               "plain_token_source": plain_meter.token_source}

@@ -1,0 +1,144 @@
+"""MPSCacheClearer: clear the allocator cache when it pays, not every step."""
+from __future__ import annotations
+
+import gc
+import time
+
+from .base import PerfCallback
+from .device import GB, DeviceLayer, device_of
+from .memory import ClearSchedule
+from .stats import check_number
+from .watchdog import SIGNAL_CLEAR
+
+
+class MPSCacheClearer(PerfCallback):
+    """Runs ``gc.collect()`` and the device cache clear (plus ``torch.mps.clear_graph_cache`` where it exists)
+    when it pays: on the watchdog's request, every ``interval_steps`` (backing off), after eval and checkpoint
+    saves, and after a step whose driver memory far exceeds live tensors (GRPO generation leaves a large cache).
+
+    Every clear is measured: bytes freed (driver/reserved memory before − after) and seconds spent. A periodic or
+    bloat clear that frees less than ``min_freed_gb`` doubles the interval (up to ``max_interval``); one that
+    frees at least four times that halves it (down to ``min_interval``). Clearing every step is what hurts MPS
+    and CUDA performance; this does not.
+
+    On CUDA, XPU and CPU it does nothing unless ``enabled=True`` (a CUDA ``empty_cache`` every step slows
+    training); the watchdog then clears on its own when it needs to.
+
+    Args:
+        enabled: None = on for MPS only; True/False to force.
+        interval_steps: initial steps between periodic clears.
+        min_interval / max_interval: bounds of the back-off.
+        min_freed_gb: a clear freeing less than this is "not worth it".
+        bloat_ratio / bloat_min_gb: clear when driver > ``bloat_ratio`` × live and the gap ≥ ``bloat_min_gb``.
+        after_eval / after_save: clear after evaluation and checkpoint saves.
+
+    Logged keys:
+
+    ======================  =====  ==========================================================
+    key                     unit   meaning
+    ======================  =====  ==========================================================
+    ``cache/clears``        count  clears so far in this run
+    ``cache/freed_gb``      GB     memory freed by clears since the last log
+    ``cache/seconds``       s      time spent clearing since the last log
+    ``cache/interval``      steps  current periodic interval (after back-off)
+    ======================  =====  ==========================================================
+    """
+
+    source = "cache"
+
+    def __init__(self, enabled: bool | None = None, interval_steps: int = 50, min_interval: int = 10,
+                 max_interval: int = 400, min_freed_gb: float = 0.1, bloat_ratio: float = 1.5,
+                 bloat_min_gb: float = 0.5, after_eval: bool = True, after_save: bool = True):
+        for name, value in (("enabled", enabled), ("after_eval", after_eval), ("after_save", after_save)):
+            if not (isinstance(value, bool) or (name == "enabled" and value is None)):
+                raise ValueError(f"{name}={value!r} is not allowed: expected True or False"
+                                 + (" or None" if name == "enabled" else ""))
+        check_number("bloat_ratio", bloat_ratio, low=1)
+        check_number("bloat_min_gb", bloat_min_gb, low=0)
+        super().__init__(enabled=enabled, interval_steps=interval_steps, min_interval=min_interval,
+                         max_interval=max_interval, min_freed_gb=min_freed_gb, bloat_ratio=bloat_ratio,
+                         bloat_min_gb=bloat_min_gb, after_eval=after_eval, after_save=after_save)
+        self.schedule = ClearSchedule(interval_steps, min_interval, max_interval, min_freed_gb * GB)
+        self.device: DeviceLayer | None = None
+        self.clears = 0
+        self.total_freed = 0.0
+        self.total_seconds = 0.0
+        self._window = [0.0, 0.0]
+        self.history: list[dict] = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.device = self.device or DeviceLayer(device_of(model))
+        enabled = self.config["enabled"]
+        self.active = self.device.type == "mps" if enabled is None else enabled
+        if self.active:
+            self.bus.subscribe(SIGNAL_CLEAR, self._on_request)
+        self.schedule.last_clear_step = state.global_step
+        self.step = state.global_step
+
+    def _on_request(self, reason: str, step: int) -> float:
+        return self.clear(step, f"watchdog: {reason}", automatic=False)
+
+    def clear(self, step: int, reason: str, automatic: bool = True) -> float:
+        """Clear now; returns bytes freed (never negative)."""
+        before = self.device.memory().reserved or 0
+        start = time.perf_counter()
+        gc.collect()
+        self.device.empty_cache()
+        self.device.synchronize()
+        seconds = time.perf_counter() - start
+        freed = max(0.0, float(before - (self.device.memory().reserved or 0)))
+        self.schedule.cleared(step, freed, automatic)
+        self.clears += 1
+        self.total_freed += freed
+        self.total_seconds += seconds
+        self._window[0] += freed
+        self._window[1] += seconds
+        self.history.append({"step": step, "reason": reason, "freed_gb": freed / GB, "seconds": seconds,
+                             "interval": self.schedule.interval})
+        self.bus.event(self.source, "info", f"cleared cache ({reason}): freed {freed / GB:.3f} GB in "
+                       f"{seconds * 1000:.0f} ms; next periodic clear in {self.schedule.interval} steps",
+                       step=step, freed_gb=freed / GB, seconds=seconds)
+        return freed
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.active:
+            return
+        step = self.step = state.global_step
+        if self.schedule.due(step):
+            self.clear(step, "periodic")
+        elif self.schedule.gap_ok(step) and self._bloated():
+            self.clear(step, "driver memory far above live tensors")
+        fields = {"cache/clears": self.clears, "cache/freed_gb": self._window[0] / GB,
+                  "cache/seconds": self._window[1], "cache/interval": self.schedule.interval}
+        self.bus.record_step(step, fields)
+        if control.should_log:
+            self.bus.publish(fields)
+            self._window = [0.0, 0.0]
+
+    def _bloated(self) -> bool:
+        sample = self.device.memory()
+        live, held = sample.allocated or 0, sample.reserved or 0
+        return held - live >= self.config["bloat_min_gb"] * GB and held > self.config["bloat_ratio"] * live
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if self.active and self.config["after_eval"]:
+            self.clear(state.global_step, "after eval", automatic=False)
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.active and self.config["after_save"]:
+            self.clear(state.global_step, "after checkpoint save", automatic=False)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.bus.write({"type": "summary", "source": self.source, "clears": self.clears,
+                        "freed_gb": self.total_freed / GB, "seconds": self.total_seconds,
+                        "interval": self.schedule.interval})
+
+    def export(self) -> dict:
+        return {"clears": self.clears, "freed": self.total_freed, "seconds": self.total_seconds,
+                "interval": self.schedule.interval}
+
+    def load(self, saved: dict) -> None:
+        self.clears = saved.get("clears", 0)
+        self.total_freed = saved.get("freed", 0.0)
+        self.total_seconds = saved.get("seconds", 0.0)
+        self.schedule.interval = saved.get("interval", self.schedule.interval)

@@ -1,0 +1,258 @@
+"""MemoryWatchdog: see the memory wall coming and act before the OS swaps or kills the run; lose nothing."""
+from __future__ import annotations
+
+import gc
+import sys
+
+from .base import PerfCallback
+from .device import GB, DeviceLayer, device_of, gather_floats, world_size
+from .memory import CLEAR, CRITICAL, LEVEL_NAMES, SMALLER_BATCH, STOP, MemoryPolicy, Observation
+from .stats import check_number
+
+#: Bus signals: the cache clearer and the batch tuner subscribe to these.
+SIGNAL_CLEAR = "clear_cache"          # handler(reason: str, step: int) -> freed bytes
+SIGNAL_SMALLER_BATCH = "smaller_batch"  # handler(reason: str, step: int) -> True when it will re-size the run
+
+
+class MemoryWatchdog(PerfCallback):
+    """Samples memory once per optimizer step, predicts the steps until the budget, and acts on a ladder.
+
+    **What is measured** (``used``, the figure held against the budget): CUDA — the allocator's peak during the
+    step (peak stats are reset every step); MPS — ``driver_allocated_memory`` (what Metal really holds, cache
+    included); CPU — the process RSS. On macOS the kernel's pressure level, swap-outs and the compressor are read
+    through ctypes (psutil's ``available`` and ``sin/sout`` mislead there).
+
+    **Budget:** ``limit_gb`` if given, else ``budget_fraction`` × the smallest real limit: device memory (CUDA),
+    the recommended working set, the watermark hard limit and physical RAM (MPS), physical RAM (CPU).
+
+    **Ladder** (each rung logged as an event with its reason): (1) clear caches — through the
+    :class:`~hf_perf_callbacks.MPSCacheClearer` when attached, else ``gc.collect()`` and the device cache clear;
+    (2) ask for a smaller micro-batch on the bus (``smaller_batch``; the adaptive batch tuner answers);
+    (3) at critical, or when the wall is ``stop_within_steps`` away with nothing else left: set
+    ``control.should_save`` and ``control.should_training_stop`` — the checkpoint is written at this step, so no
+    optimizer step is lost. Under several ranks each rank watches its own device and a stop on any rank stops all.
+
+    Args:
+        limit_gb: absolute budget in GB (overrides the fraction).
+        budget_fraction: fraction of the smallest real limit used as the budget, in (0, 1].
+        warn_fraction: share of the budget at which the level becomes warn, in (0, 1].
+        grace_steps: steps at the start of each ``train()`` without actions (first-step spikes).
+        trend_window: steps in the growth fit (≥ 3).
+        warn_within_steps / stop_within_steps: act when the wall is this many steps away.
+        stop: allow the last rung (save and stop); False only warns.
+
+    Logged keys:
+
+    ============================  ======  ===================================================================
+    key                           unit    meaning
+    ============================  ======  ===================================================================
+    ``mem/device_used_gb``        GB      ``used`` (see above)
+    ``mem/allocated_gb``          GB      live tensors at the step end (CUDA/MPS/XPU)
+    ``mem/driver_gb``             GB      MPS driver memory / CUDA reserved: the allocator's holding
+    ``mem/peak_gb``               GB      high-water mark of ``used`` in this run
+    ``mem/limit_gb``              GB      the budget
+    ``mem/system_available_gb``   GB      psutil available RAM (not trusted for decisions on macOS)
+    ``mem/swap_used_gb``          GB      swap in use (macOS: ``vm.swapusage``)
+    ``mem/pressure``              level   0 ok, 1 warn, 2 critical
+    ``mem/steps_to_wall``         steps   steps until the budget at the current growth (absent when flat)
+    ``mem/growth_mb_per_step``    MB      slope of the trend fit
+    ``mem/os_pressure``           level   macOS kernel pressure: 1 normal, 2 warn, 4 critical
+    ``mem/swapouts``              pages   macOS swap-outs since the previous step
+    ``mem/compressor_gb``         GB      macOS compressor size
+    ``mem/footprint_gb``          GB      macOS process ``phys_footprint``
+    ``mem/alloc_retries``         count   CUDA allocator retries since the previous step
+    ============================  ======  ===================================================================
+    """
+
+    source = "mem"
+
+    def __init__(self, limit_gb: float | None = None, budget_fraction: float = 0.85, warn_fraction: float = 0.9,
+                 grace_steps: int = 2, trend_window: int = 8, warn_within_steps: float = 20,
+                 stop_within_steps: float = 3, stop: bool = True):
+        check_number("limit_gb", limit_gb, low=0, low_open=True, allow_none=True)
+        check_number("budget_fraction", budget_fraction, low=0, high=1, low_open=True)
+        if not isinstance(stop, bool):
+            raise ValueError(f"stop={stop!r} is not allowed: expected True or False")
+        super().__init__(limit_gb=limit_gb, budget_fraction=budget_fraction, warn_fraction=warn_fraction,
+                         grace_steps=grace_steps, trend_window=trend_window, warn_within_steps=warn_within_steps,
+                         stop_within_steps=stop_within_steps, stop=stop)
+        self._policy(1.0)                      # validates the policy parameters now, not at train time
+        self.device: DeviceLayer | None = None
+        self.high_water = 0.0
+        self.actions: list[dict] = []
+        self.stopped_at: int | None = None
+        self.summary: dict | None = None
+
+    def _policy(self, budget: float) -> MemoryPolicy:
+        c = self.config
+        return MemoryPolicy(budget=budget, warn_fraction=c["warn_fraction"], grace_steps=c["grace_steps"],
+                            trend_window=c["trend_window"], warn_within_steps=c["warn_within_steps"],
+                            stop_within_steps=c["stop_within_steps"])
+
+    # ------------------------------------------------------------ setup
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.device = self.device or DeviceLayer(device_of(model))
+        self.world = world_size()
+        self.on_mac = sys.platform == "darwin"
+        self._previous_mac = self._mac_sample() if self.on_mac else None
+        self._previous_retries = None
+        sample = self.device.memory()
+        self.budget = self.config["limit_gb"] * GB if self.config["limit_gb"] else self._default_budget(sample)
+        self.policy = self._policy(self.budget)
+        self.policy.start_segment()
+        self.device.reset_peak()
+        self.bus.write({"type": "run", "source": self.source, "budget_gb": self.budget / GB,
+                        "device_limit_gb": (sample.device_limit or 0) / GB, "system_total_gb": sample.system_total / GB})
+
+    def _default_budget(self, sample) -> float:
+        limits = [sample.device_limit, sample.hard_limit]
+        if self.device.type in ("mps", "cpu"):
+            limits.append(sample.system_total)        # unified memory: RAM is the real wall
+        return self.config["budget_fraction"] * min(x for x in limits if x)
+
+    # ------------------------------------------------------------ per step
+    def on_step_end(self, args, state, control, **kwargs):
+        step = state.global_step
+        obs, fields = self._observe(step)
+        self.policy.observe(obs)
+        self.high_water = max(self.high_water, obs.used)
+        can_shrink = self.bus.has_subscribers(SIGNAL_SMALLER_BATCH)
+        decision = None
+        for _ in range(3):                                          # clear → re-sample → maybe the next rung
+            action = self.policy.next_action(can_shrink)
+            if action is None:
+                break
+            self.policy.taken(action)
+            if action == CLEAR:
+                self._clear(step)
+                obs, fields = self._observe(step, resample=True)
+                self.policy.observe(obs, replace_last=True)
+                continue
+            decision = action
+            break
+        decision = self._agree(decision)
+        if decision == SMALLER_BATCH:
+            self._act(step, SMALLER_BATCH, "asked for a smaller micro-batch: " + self.policy.reason())
+            accepted = any(self.bus.signal(SIGNAL_SMALLER_BATCH, reason=self.policy.reason(), step=step))
+            if not accepted and self.policy.level == CRITICAL:
+                decision = STOP
+        if decision == STOP:
+            self._stop(args, state, control)
+        if self.policy.leaking and not self.policy.leak_reported:
+            self.policy.leak_reported = True
+            self.warn(f"memory grew on each of the last {self.policy.trend_window} steps "
+                      f"(+{self.policy.slope / 1024**2:.1f} MB/step): a steady leak, e.g. tensors kept across "
+                      f"steps (a loss appended without .item(), a growing cache)", step=step)
+        fields["mem/pressure"] = self.policy.level
+        if self.policy.steps_to_wall is not None:
+            fields["mem/steps_to_wall"] = self.policy.steps_to_wall
+        if self.policy.slope is not None:
+            fields["mem/growth_mb_per_step"] = self.policy.slope / 1024**2
+        self.bus.record_step(step, fields)
+        self.bus.publish(fields)
+        self.device.reset_peak()
+
+    def _observe(self, step: int, resample: bool = False) -> tuple[Observation, dict]:
+        sample = self.device.memory()
+        cuda = self.device.type in ("cuda", "xpu")
+        used = float(sample.peak if cuda and sample.peak is not None else
+                     sample.reserved if self.device.type == "mps" else sample.allocated or 0)
+        if resample and cuda:
+            used = float(sample.allocated or 0)                     # after a clear the peak is history
+        retries = None
+        if sample.alloc_retries is not None:
+            if self._previous_retries is not None and not resample:
+                retries = sample.alloc_retries - self._previous_retries
+            self._previous_retries = sample.alloc_retries
+        os_level = swapouts = None
+        fields = {"mem/device_used_gb": used / GB, "mem/limit_gb": self.budget / GB,
+                  "mem/peak_gb": max(self.high_water, used) / GB,
+                  "mem/system_available_gb": sample.system_available / GB, "mem/swap_used_gb": sample.swap_used / GB}
+        if sample.allocated is not None and self.device.type != "cpu":
+            fields["mem/allocated_gb"] = sample.allocated / GB
+        if sample.reserved is not None and self.device.type != "cpu":
+            fields["mem/driver_gb"] = sample.reserved / GB
+        if retries is not None:
+            fields["mem/alloc_retries"] = retries
+        mac = self._mac_sample() if self.on_mac else None
+        if mac is not None:
+            delta = mac.delta_since(self._previous_mac) if self._previous_mac else None
+            self._previous_mac = mac
+            os_level = mac.pressure_level
+            swapouts = delta.swapouts_delta if delta else None
+            fields.update({"mem/os_pressure": os_level, "mem/swapouts": swapouts,
+                           "mem/compressor_gb": mac.compressor_bytes / GB if mac.compressor_bytes else None,
+                           "mem/footprint_gb": mac.phys_footprint_bytes / GB if mac.phys_footprint_bytes else None})
+            if mac.swap_used_bytes is not None:
+                fields["mem/swap_used_gb"] = mac.swap_used_bytes / GB
+        obs = Observation(step, used, os_level=os_level, swapouts=swapouts, alloc_retries=retries)
+        return obs, fields
+
+    def _mac_sample(self):
+        """macOS signals; a reader that fails is dropped with one warning (the device figures still work)."""
+        try:
+            return self.device.mac.sample()
+        except Exception as error:  # noqa: BLE001
+            self.on_mac = False
+            self.warn(f"macOS pressure signals unavailable ({type(error).__name__}: {error}); watching device "
+                      f"memory only")
+            return None
+
+    # ------------------------------------------------------------ actions
+    def _agree(self, decision: str | None) -> str | None:
+        """Ranks act together: the most conservative decision of any rank (stop > smaller batch > none)."""
+        if self.world == 1:
+            return decision
+        rank_of = {None: 0.0, SMALLER_BATCH: 1.0, STOP: 2.0}
+        rows = gather_floats([rank_of[decision]], self.device.device)
+        return {0: None, 1: SMALLER_BATCH, 2: STOP}[int(max(r[0] for r in rows))]
+
+    def _clear(self, step: int) -> None:
+        answers = self.bus.signal(SIGNAL_CLEAR, reason=self.policy.reason(), step=step)
+        if not answers:                       # no clearer attached: do the cheap part ourselves
+            gc.collect()
+            self.device.empty_cache()
+        self._act(step, CLEAR, "cleared caches: " + self.policy.reason())
+
+    def _stop(self, args, state, control) -> None:
+        if not self.config["stop"]:
+            self._act(state.global_step, "stop_suppressed", "would stop (stop=False): " + self.policy.reason())
+            return
+        control.should_save = True
+        control.should_training_stop = True
+        self.stopped_at = state.global_step
+        checkpoint = f"{args.output_dir}/checkpoint-{state.global_step}"
+        self._act(state.global_step, STOP,
+                  f"stopped training at step {state.global_step} before running out of memory ({self.policy.reason()})."
+                  f" A checkpoint is saved to {checkpoint}; no step is lost. Resume with "
+                  f"trainer.train(resume_from_checkpoint='{checkpoint}') after freeing memory: a smaller "
+                  f"per_device_train_batch_size with a larger gradient_accumulation_steps, activation checkpointing, "
+                  f"or a shorter max_completion_length (GRPO).", kind="stop")
+
+    def _act(self, step: int, action: str, message: str, kind: str = "action") -> None:
+        self.actions.append({"step": step, "action": action, "message": message})
+        self.bus.event(self.source, kind, message, step=step, action=action,
+                       level=LEVEL_NAMES[self.policy.level], steps_to_wall=self.policy.steps_to_wall)
+
+    # ------------------------------------------------------------ end
+    def on_train_end(self, args, state, control, **kwargs):
+        self.summary = {"high_water_gb": self.high_water / GB, "budget_gb": self.budget / GB,
+                        "actions": list(self.actions), "stopped_at": self.stopped_at}
+        self.bus.write({"type": "summary", "source": self.source, **self.summary})
+        if state.is_world_process_zero:
+            print(self.format_summary())
+
+    def format_summary(self) -> str:
+        s = self.summary
+        lines = ["== MemoryWatchdog summary ==",
+                 f"high-water mark: {s['high_water_gb']:.2f} GB of a {s['budget_gb']:.2f} GB budget "
+                 f"({s['high_water_gb'] / s['budget_gb']:.0%})"]
+        lines += [f"step {a['step']}: {a['action']} — {a['message']}" for a in s["actions"]] or ["no actions needed"]
+        return "\n".join(lines)
+
+    def export(self) -> dict:
+        return {"high_water": self.high_water, "actions": self.actions}
+
+    def load(self, saved: dict) -> None:
+        self.high_water = saved.get("high_water", 0.0)
+        self.actions = list(saved.get("actions", []))

@@ -1,0 +1,133 @@
+"""Pure memory policy: levels with hysteresis, trend and steps to the wall, leak detection, the ladder, and the
+cache-clear back-off — exact values, no trainer."""
+import pytest
+
+from hf_perf_callbacks.memory import (CLEAR, CRITICAL, OK, SMALLER_BATCH, STOP, WARN, ClearSchedule, MemoryPolicy,
+                                      Observation)
+
+MB = 1024**2
+
+
+def policy(**kw):
+    return MemoryPolicy(**{"budget": 1000.0, "grace_steps": 0, "trend_window": 4, "warn_within_steps": 0,
+                           "stop_within_steps": 0, "leak_min_growth": 1.0, **kw})
+
+
+def test_levels_rise_at_thresholds_and_fall_with_hysteresis():
+    p = policy(warn_fraction=0.9, hysteresis=0.05)
+    assert p.observe(Observation(1, 899)) == OK
+    assert p.observe(Observation(2, 900)) == WARN
+    assert p.observe(Observation(3, 860)) == WARN        # still above 900 - 50
+    assert p.observe(Observation(4, 849)) == OK
+    assert p.observe(Observation(5, 1000)) == CRITICAL
+    assert p.observe(Observation(6, 960)) == CRITICAL    # above 1000 - 50
+    assert p.observe(Observation(7, 949)) == WARN
+
+
+def test_macos_signals_set_the_level():
+    p = policy()
+    assert p.observe(Observation(1, 10, os_level=2)) == WARN
+    assert p.observe(Observation(2, 10, os_level=4)) == CRITICAL
+    assert p.observe(Observation(3, 10, os_level=1, swapouts=0)) == OK
+    assert p.observe(Observation(4, 10, os_level=1, swapouts=50)) == WARN       # swapping has begun
+    assert p.observe(Observation(5, 10, os_level=1, swapouts=80)) == CRITICAL   # and goes on
+    assert p.observe(Observation(6, 10, os_level=1, swapouts=0)) == OK
+    assert p.observe(Observation(7, 10, alloc_retries=3)) == WARN               # CUDA allocator thrash
+
+
+def test_trend_predicts_steps_to_wall_exactly():
+    p = policy()
+    for step, used in [(1, 100), (2, 200), (3, 300), (4, 400)]:
+        p.observe(Observation(step, used))
+    assert p.slope == pytest.approx(100)
+    assert p.steps_to_wall == pytest.approx(6.0)          # (1000 - 400) / 100
+    flat = policy()
+    for step in range(1, 5):
+        flat.observe(Observation(step, 500))
+    assert flat.steps_to_wall is None
+
+
+def test_leak_needs_growth_on_every_step_after_grace():
+    p = policy(grace_steps=1, trend_window=4)
+    for step, used in enumerate([100, 110, 120, 130], start=1):
+        p.observe(Observation(step, used))
+    assert p.leaking
+    q = policy(trend_window=4)
+    for step, used in enumerate([100, 110, 110, 130], start=1):
+        q.observe(Observation(step, used))
+    assert not q.leaking                                  # one flat step: not a steady leak
+
+
+def test_ladder_clear_then_smaller_batch_then_stop():
+    p = policy()
+    p.observe(Observation(1, 1000))                       # critical
+    order = []
+    for _ in range(4):
+        action = p.next_action(can_shrink=True)
+        if action is None:
+            break
+        p.taken(action)
+        order.append(action)
+    assert order == [CLEAR, SMALLER_BATCH, STOP]
+
+
+def test_warn_without_tuner_only_clears_and_stop_needs_urgency():
+    p = policy()
+    p.observe(Observation(1, 950))                        # warn
+    assert p.next_action(can_shrink=False) == CLEAR
+    p.taken(CLEAR)
+    assert p.next_action(can_shrink=False) is None        # warn alone never stops training
+
+
+def test_wall_within_stop_steps_stops_before_crossing():
+    p = policy(stop_within_steps=3, warn_within_steps=10)
+    for step, used in enumerate([500, 600, 700], start=1):
+        p.observe(Observation(step, used))
+    assert p.level == OK and p.steps_to_wall == pytest.approx(3.0)
+    assert p.next_action(can_shrink=False) == CLEAR
+    p.taken(CLEAR)
+    assert p.next_action(can_shrink=False) == STOP
+
+
+def test_grace_steps_suppress_actions():
+    p = policy(grace_steps=2)
+    p.observe(Observation(1, 2000))
+    assert p.level == CRITICAL and p.next_action(True) is None
+    p.observe(Observation(2, 2000))
+    assert p.next_action(True) is None
+    p.observe(Observation(3, 2000))
+    assert p.next_action(True) == CLEAR
+
+
+def test_episode_resets_when_back_to_ok():
+    p = policy()
+    p.observe(Observation(1, 950))
+    p.taken(p.next_action(False))
+    p.observe(Observation(2, 100))
+    p.observe(Observation(3, 950))
+    assert p.next_action(False) == CLEAR                  # a new episode starts from the first rung
+
+
+@pytest.mark.parametrize("kw, name", [({"budget": 0}, "budget"), ({"warn_fraction": 1.5}, "warn_fraction"),
+                                      ({"trend_window": 2}, "trend_window"), ({"grace_steps": -1}, "grace_steps")])
+def test_policy_validates(kw, name):
+    with pytest.raises(ValueError, match=name):
+        policy(**kw)
+
+
+def test_clear_schedule_backs_off_and_comes_back():
+    s = ClearSchedule(interval=4, min_interval=2, max_interval=16, min_freed=100)
+    assert not s.due(3) and s.due(4)
+    s.cleared(4, freed=10)
+    assert s.interval == 8                                # freed little: back off
+    s.cleared(12, freed=50)
+    assert s.interval == 16
+    s.cleared(28, freed=10)
+    assert s.interval == 16                               # capped
+    s.cleared(44, freed=400)
+    assert s.interval == 8                                # freed a lot: come back
+    s.cleared(50, freed=10, automatic=False)              # requested clears do not move the interval
+    assert s.interval == 8 and s.last_clear_step == 50
+    assert not s.gap_ok(51) and s.gap_ok(52)
+    with pytest.raises(ValueError, match="interval_steps"):
+        ClearSchedule(interval=1, min_interval=2)

@@ -64,6 +64,7 @@ class ThroughputMeter(PerfCallback):
     ``perf/train_tokens_per_sec``         tok/s     GRPO: tokens per second of non-generation time
     ``perf/decode_bandwidth_util``        fraction  GRPO: weight bytes read per decode step × steps / time / peak
     ``perf/forwards_per_microbatch``      count     grad-enabled top-level forwards per micro-batch (expect 1)
+    ``perf/pad_fraction``                 fraction  padding share of the positions in this step's training forwards
     ====================================  ========  ==============================================================
     """
 
@@ -114,7 +115,12 @@ class ThroughputMeter(PerfCallback):
                         "dtype": self.dtype_key, "resumed_from_step": state.global_step,
                         "per_device_train_batch_size": args.per_device_train_batch_size,
                         "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                        "max_completion_length": getattr(args, "max_completion_length", None)})
+                        "max_completion_length": getattr(args, "max_completion_length", None),
+                        "num_generations": getattr(args, "num_generations", None),
+                        "activation_checkpointing": self.recompute, "model": self._model_facts(),
+                        "dataloader": {k: getattr(args, f"dataloader_{k}", None)
+                                       for k in ("num_workers", "persistent_workers", "prefetch_factor",
+                                                 "pin_memory")}})
 
     def _install(self, model) -> None:
         """A forward pre-hook on the innermost causal LM (training forwards, tokens, decode steps) and a timing
@@ -162,6 +168,19 @@ class ThroughputMeter(PerfCallback):
             self.warn(f"MFU omitted: no {self.dtype_key} peak FLOP/s known for device '{self.device.name}'. Pass "
                       f"ThroughputMeter(peak_flops=<FLOP/s>) or peak_flops='calibrate' to measure it.")
 
+    def _model_facts(self) -> dict:
+        """What memory and FLOP estimates need from the model config (for the report)."""
+        config = getattr(self.inner, "config", None)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "vocab_size", "max_position_embeddings")
+        facts = {k: getattr(config, k, None) for k in keys}
+        facts.update(params=sum(p.numel() for p in self.inner.parameters()),
+                     trainable_params=sum(p.numel() for p in self.inner.parameters() if p.requires_grad),
+                     bytes_per_param=next(self.inner.parameters()).element_size(),
+                     matmul_params=self.shape.matmul_params, trainable_matmul_params=self.shape.trainable_matmul_params)
+        return facts
+
     def _reset_step_counters(self) -> None:
         self.in_generate = False
         self.gen_seconds = 0.0
@@ -170,6 +189,8 @@ class ThroughputMeter(PerfCallback):
         self.microbatches = 0
         self.hook_tokens = torch.zeros((), dtype=torch.float64, device=self.device.device)
         self.generated = torch.zeros((), dtype=torch.float64, device=self.device.device)
+        self.real_positions = torch.zeros((), dtype=torch.float64, device=self.device.device)
+        self.padded_positions = 0
 
     # ------------------------------------------------------------ hooks (no synchronize here)
     def _on_forward(self, module, args, kwargs):
@@ -183,10 +204,16 @@ class ThroughputMeter(PerfCallback):
             mask = kwargs.get("attention_mask")
             if isinstance(ids, torch.Tensor):
                 self.seq_len = ids.shape[-1]
-            if self.token_source == "hook":
-                if isinstance(mask, torch.Tensor):
-                    self.hook_tokens += mask.sum()
-                elif isinstance(ids, torch.Tensor):
+            if isinstance(mask, torch.Tensor):
+                real = mask.sum()
+                self.padded_positions += mask.numel()
+                self.real_positions += real
+                if self.token_source == "hook":
+                    self.hook_tokens += real
+            elif isinstance(ids, torch.Tensor):
+                self.padded_positions += ids.numel()
+                self.real_positions += ids.numel()
+                if self.token_source == "hook":
                     self.hook_tokens += ids.numel()
         return None
 
@@ -225,6 +252,8 @@ class ThroughputMeter(PerfCallback):
         self.timeline.commit(record, tokens, train_seconds)
         generated = float(self.generated.item()) if self.is_grpo else 0.0
         metrics = self._step_metrics(record, generated)
+        if self.padded_positions:
+            metrics["perf/pad_fraction"] = 1.0 - float(self.real_positions.item()) / self.padded_positions
         self._check_duplicates(state.global_step)
         self._check_data_wait(args, state.global_step)
         self.bus.record_step(state.global_step, {**metrics, **{f"perf/phase_sec/{p}": getattr(record, p)

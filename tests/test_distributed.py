@@ -1,6 +1,7 @@
 """Two CPU processes (torchrun, gloo): global throughput is identical on both ranks and logged once."""
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -13,7 +14,10 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "two_rank_meter.py")
 def two_rank_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+    with socket.socket() as probe:                      # a free port: a fixed one may still be in TIME_WAIT
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
            SCRIPT, str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

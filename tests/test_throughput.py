@@ -26,6 +26,10 @@ def test_plain_trainer_counts_non_padding_tokens_like_the_trainer_does(tokenizer
     assert own.token_source == "hook" and reference.token_source == "trainer"
     assert own.timeline.total_tokens == trainer.state.num_input_tokens_seen == reference.timeline.total_tokens
     assert own.timeline.total_tokens > 0
+    steps = perf_lines(tmp_path / "own")
+    assert all(0 < s["perf/pad_fraction"] < 1 for s in steps)     # batches of uneven length are padded
+    run = perf_lines(tmp_path / "own", "run")[0]
+    assert run["model"]["num_hidden_layers"] == 2 and run["dataloader"]["num_workers"] == 0
 
 
 def test_grpo_tokens_phases_and_rollout_throughput(tokenizer, tmp_path):

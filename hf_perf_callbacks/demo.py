@@ -44,5 +44,6 @@ def run_demo(output_dir: str | None = None, max_steps: int = 30) -> str:
     output_dir = output_dir or tempfile.mkdtemp(prefix="hf_perf_demo_")
     trainer = build_demo_trainer(output_dir, max_steps=max_steps)
     trainer.train()
+    trainer.save_state()                      # trainer_state.json: log_history with TRL's completion lengths
     print(f"\nperf log: {os.path.join(output_dir, 'perf_log.jsonl')}")
     return output_dir

@@ -8,6 +8,7 @@ trainer.train()
 """
 from .cache import MPSCacheClearer
 from .throughput import ThroughputMeter
+from .tuner import AdaptiveBatchTuner, train_with_tuning
 from .watchdog import MemoryWatchdog
 
 __version__ = "0.1.0"
@@ -20,7 +21,7 @@ def default_callbacks(**overrides) -> list:
     ``default_callbacks(ThroughputMeter={"window_steps": 20})``.
     """
     classes = {"ThroughputMeter": ThroughputMeter, "MemoryWatchdog": MemoryWatchdog,
-               "MPSCacheClearer": MPSCacheClearer}
+               "MPSCacheClearer": MPSCacheClearer, "AdaptiveBatchTuner": AdaptiveBatchTuner}
     unknown = set(overrides) - set(classes)
     if unknown:
         raise ValueError(f"default_callbacks got unknown callback name(s) {sorted(unknown)}: "
@@ -28,4 +29,5 @@ def default_callbacks(**overrides) -> list:
     return [cls(**overrides.get(name, {})) for name, cls in classes.items()]
 
 
-__all__ = ["ThroughputMeter", "MemoryWatchdog", "MPSCacheClearer", "default_callbacks", "__version__"]
+__all__ = ["ThroughputMeter", "MemoryWatchdog", "MPSCacheClearer", "AdaptiveBatchTuner", "default_callbacks",
+           "train_with_tuning", "__version__"]

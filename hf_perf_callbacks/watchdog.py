@@ -11,7 +11,7 @@ from .stats import check_number
 
 #: Bus signals: the cache clearer and the batch tuner subscribe to these.
 SIGNAL_CLEAR = "clear_cache"          # handler(reason: str, step: int) -> freed bytes
-SIGNAL_SMALLER_BATCH = "smaller_batch"  # handler(reason: str, step: int) -> True when it will re-size the run
+SIGNAL_SMALLER_BATCH = "smaller_batch"  # handler(reason, step, control) -> True when it will re-size the run
 
 
 class MemoryWatchdog(PerfCallback):
@@ -97,16 +97,20 @@ class MemoryWatchdog(PerfCallback):
         self._previous_mac = self._mac_sample() if self.on_mac else None
         self._previous_retries = None
         sample = self.device.memory()
-        self.budget = self.config["limit_gb"] * GB if self.config["limit_gb"] else self._default_budget(sample)
+        self.budget = self.budget_bytes(self.device, sample)
         self.policy = self._policy(self.budget)
         self.policy.start_segment()
         self.device.reset_peak()
         self.bus.write({"type": "run", "source": self.source, "budget_gb": self.budget / GB,
                         "device_limit_gb": (sample.device_limit or 0) / GB, "system_total_gb": sample.system_total / GB})
 
-    def _default_budget(self, sample) -> float:
+    def budget_bytes(self, device: DeviceLayer, sample=None) -> float:
+        """The budget in bytes on ``device`` (``limit_gb``, or the fraction of the smallest real limit)."""
+        if self.config["limit_gb"]:
+            return self.config["limit_gb"] * GB
+        sample = sample or device.memory()
         limits = [sample.device_limit, sample.hard_limit]
-        if self.device.type in ("mps", "cpu"):
+        if device.type in ("mps", "cpu"):
             limits.append(sample.system_total)        # unified memory: RAM is the real wall
         return self.config["budget_fraction"] * min(x for x in limits if x)
 
@@ -133,7 +137,8 @@ class MemoryWatchdog(PerfCallback):
         decision = self._agree(decision)
         if decision == SMALLER_BATCH:
             self._act(step, SMALLER_BATCH, "asked for a smaller micro-batch: " + self.policy.reason())
-            accepted = any(self.bus.signal(SIGNAL_SMALLER_BATCH, reason=self.policy.reason(), step=step))
+            accepted = any(self.bus.signal(SIGNAL_SMALLER_BATCH, reason=self.policy.reason(), step=step,
+                                           control=control))
             if not accepted and self.policy.level == CRITICAL:
                 decision = STOP
         if decision == STOP:
@@ -254,5 +259,6 @@ class MemoryWatchdog(PerfCallback):
         return {"high_water": self.high_water, "actions": self.actions}
 
     def load(self, saved: dict) -> None:
-        self.high_water = saved.get("high_water", 0.0)
-        self.actions = list(saved.get("actions", []))
+        if not self.actions:            # a new process; in-process resumes keep their own (newer) history
+            self.high_water = saved.get("high_water", 0.0)
+            self.actions = list(saved.get("actions", []))

@@ -50,3 +50,11 @@ def test_a_watchdog_stop_on_one_rank_stops_both_with_one_checkpoint(two_rank_run
     assert r0["stop_actions"] == ["stop"]                               # rank 0 followed
     assert r0["stop_step"] == r1["stop_step"] == 2
     assert sorted(os.listdir(out / "stop")) == ["checkpoint-2", "perf_log.jsonl"]
+
+
+def test_an_oom_on_one_rank_resizes_both_ranks_without_deadlock(two_rank_run):
+    _, (r0, r1) = two_rank_run
+    assert (r0["oom_raised"], r1["oom_raised"]) == (0, 1)               # planted on rank 1 only
+    assert r0["oom_decisions"] == r1["oom_decisions"] == [["oom", 2, 2]]
+    assert r0["oom_split"] == r1["oom_split"] == [2, 2]                 # effective batch 4 × 1 × 2 ranks kept
+    assert r0["oom_step"] == r1["oom_step"] == 4

@@ -165,7 +165,7 @@ class FakeTuner(PerfCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.bus.subscribe(SIGNAL_SMALLER_BATCH, self.shrink)
 
-    def shrink(self, reason, step):
+    def shrink(self, reason, step, **_):
         self.requests.append((step, reason))
         return True
 

@@ -8,7 +8,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter  # noqa: E402
+from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, train_with_tuning  # noqa: E402
+from tests.test_tuner import CUDA_OOM, PlantedOOM  # noqa: E402
 from tests.conftest import CORPUS, make_grpo, make_trainer  # noqa: E402
 from hf_perf_callbacks.tiny import build_tokenizer  # noqa: E402
 
@@ -36,7 +37,15 @@ def main(out):
     watchdog = MemoryWatchdog(limit_gb=0.001 if rank == 1 else None, grace_steps=1)
     stopped = make_trainer(tokenizer, os.path.join(out, "stop"), [watchdog], max_steps=6, bs=2, ga=2)
     stopped.train()
-    result = {"stop_step": stopped.state.global_step, "stop_actions": [a["action"] for a in watchdog.actions],
+    # an OOM planted on rank 1 only, at step 2: both ranks must re-size to the same split, without deadlock
+    plant = PlantedOOM(limit=2 if rank == 1 else 99, text=CUDA_OOM, armed_at=2)
+    tuner = AdaptiveBatchTuner(probe=False)
+    oom = plant.attach(make_trainer(tokenizer, os.path.join(out, "oom"), [plant, tuner], max_steps=4, bs=4, ga=1))
+    train_with_tuning(oom)
+    result = {"oom_step": oom.state.global_step, "oom_raised": plant.raised,
+              "oom_split": [oom.args.per_device_train_batch_size, oom.args.gradient_accumulation_steps],
+              "oom_decisions": [(d["kind"], d["step"], d["new"]["micro_batch"]) for d in tuner.decisions],
+              "stop_step": stopped.state.global_step, "stop_actions": [a["action"] for a in watchdog.actions],
               "grpo_rates": rates(grpo_meter), "grpo_tokens": grpo_meter.timeline.total_tokens,
               "grpo_seen": grpo.state.num_input_tokens_seen, "plain_rates": rates(plain_meter),
               "plain_tokens": plain_meter.timeline.total_tokens, "world": grpo_meter.world,

@@ -1,0 +1,553 @@
+"""AdaptiveBatchTuner and train_with_tuning: the fastest micro-batch that fits, the effective batch kept exact.
+
+The Hugging Face loop cannot change the dataloader's batch size mid-run, and changing gradient accumulation alone
+skews epoch geometry, the LR horizon and GRPO's sampler. What works is **checkpoint → resume with a new split**
+(same effective batch and, for GRPO, the same generation batch). :func:`train_with_tuning` owns that loop:
+
+1. *Pre-flight probe* (optional): a few real optimizer steps per exact split at the worst-case length (GRPO:
+   completions forced to ``max_completion_length``; otherwise the longest examples), largest micro-batch first,
+   at learning rate 0 with weights, RNG and callbacks restored afterwards; it picks the split with the least
+   split-dependent time (step time minus generation, which does not depend on the split) whose peak memory stays
+   under the watchdog's budget.
+2. *At run time:* on the watchdog's request for a smaller micro-batch, or a recognised out-of-memory error, it
+   saves a checkpoint (or falls back to the last one if the error struck inside ``optimizer.step``), switches to the
+   next smaller exact split and resumes in the same process. Under several ranks the forward pass's OOM status is
+   agreed before the backward, so every rank re-sizes together.
+
+The split and every decision are kept in ``<output_dir>/tuner_split.json`` (and the checkpoint's callback state),
+so a resumed run starts at the tuned split; without ``train_with_tuning`` a re-size request saves, stops cleanly
+and prints the split and the command to resume with.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+import time
+
+import numpy as np
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+from .base import PerfCallback
+from .batching import Split, exact_splits, next_smaller
+from .device import GB, DeviceLayer, device_of, gather_floats, is_oom_error, world_size
+from .stats import check_number, median
+from .watchdog import SIGNAL_SMALLER_BATCH, MemoryWatchdog
+
+logger = logging.getLogger("hf_perf_callbacks")
+
+SPLIT_FILE = "tuner_split.json"
+
+
+class ResizeNeeded(RuntimeError):
+    """Raised inside the training step on every rank when any rank ran out of memory in its forward pass."""
+
+
+def current_split(args) -> Split:
+    spg = getattr(args, "steps_per_generation", None)
+    return Split(args.per_device_train_batch_size, args.gradient_accumulation_steps, spg)
+
+
+def apply_split(trainer, split: Split) -> None:
+    """Set a split on a trainer's args in place (GRPO reads these live; the dataloader is rebuilt by train())."""
+    args = trainer.args
+    args.per_device_train_batch_size = split.micro_batch
+    args.gradient_accumulation_steps = split.grad_accum
+    if split.steps_per_generation is not None:
+        args.steps_per_generation = split.steps_per_generation
+        args.generation_batch_size = split.micro_batch * world_size() * split.steps_per_generation
+    trainer._train_batch_size = args.train_batch_size
+
+
+def saved_split(output_dir: str) -> dict | None:
+    """The split recorded by a tuner that re-sized an earlier run in ``output_dir`` (None when there is none)."""
+    path = os.path.join(output_dir, SPLIT_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)["split"]
+
+
+class AdaptiveBatchTuner(PerfCallback):
+    """Keeps the fastest exact micro-batch / accumulation split that fits (see the module docstring).
+
+    Args:
+        probe: run the pre-flight probe in :func:`train_with_tuning` (a fresh run only).
+        probe_steps: measured optimizer steps per candidate (one extra warm-up step runs first).
+        max_micro_batch: largest micro-batch the probe tries (None: up to the whole effective batch per rank).
+        probe_patience: stop probing smaller splits once this many in a row were slower than the best.
+
+    Logged keys:
+
+    =========================  =======  ==================================================
+    key                        unit     meaning
+    =========================  =======  ==================================================
+    ``tuner/micro_batch``      samples  per-device micro-batch now
+    ``tuner/grad_accum``       steps    gradient accumulation now
+    ``tuner/effective_batch``  samples  micro-batch × accumulation × world (constant)
+    ``tuner/resizes``          count    re-sizes so far
+    =========================  =======  ==================================================
+    """
+
+    source = "tuner"
+
+    def __init__(self, probe: bool = True, probe_steps: int = 2, max_micro_batch: int | None = None,
+                 probe_patience: int = 1):
+        if not isinstance(probe, bool):
+            raise ValueError(f"probe={probe!r} is not allowed: expected True or False")
+        check_number("probe_steps", probe_steps, low=1, integer=True)
+        check_number("max_micro_batch", max_micro_batch, low=1, integer=True, allow_none=True)
+        check_number("probe_patience", probe_patience, low=1, integer=True)
+        super().__init__(probe=probe, probe_steps=probe_steps, max_micro_batch=max_micro_batch,
+                         probe_patience=probe_patience)
+        self.decisions: list[dict] = []
+        self.split: Split | None = None
+        self.pending: dict | None = None
+        self.managed = False
+        self.in_optimizer_step = False
+        self.probe_report: list[dict] = []
+
+    # ------------------------------------------------------------ geometry
+    def candidates(self, args) -> list[Split]:
+        world = world_size()
+        split = current_split(args)
+        effective = split.micro_batch * split.grad_accum * world
+        if hasattr(args, "num_generations"):
+            return exact_splits(effective, world, split.micro_batch * world * split.steps_per_generation,
+                                args.num_generations)
+        return exact_splits(effective, world)
+
+    # ------------------------------------------------------------ events
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.split = current_split(args)
+        self.world = world_size()
+        self.bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
+        self.pending = None
+        self.in_optimizer_step = False
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.in_optimizer_step = True
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.in_optimizer_step = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.decisions and "recovery_sec" not in self.decisions[-1] and "resized_at" in self.decisions[-1]:
+            self.decisions[-1]["recovery_sec"] = time.time() - self.decisions[-1]["resized_at"]
+        s = self.split
+        fields = {"tuner/micro_batch": s.micro_batch, "tuner/grad_accum": s.grad_accum,
+                  "tuner/effective_batch": s.micro_batch * s.grad_accum * self.world,
+                  "tuner/resizes": sum(d["kind"] != "probe" for d in self.decisions)}
+        self.bus.record_step(state.global_step, fields)
+        self.bus.publish(fields)
+
+    def _on_smaller_batch(self, reason: str, step: int, control=None, **_) -> bool:
+        """The watchdog asks for a smaller micro-batch: plan it, checkpoint now and stop this train() call."""
+        if self.pending is not None or control is None:
+            return self.pending is not None
+        try:
+            new = next_smaller(self.split, self.candidates(self._args))
+        except ValueError:
+            return False                                 # nothing smaller: the watchdog stops instead
+        self.pending = self._decide("watchdog", reason, self.split, new, step)
+        control.should_save = True
+        control.should_training_stop = True
+        return True
+
+    def on_init_end(self, args, state, control, **kwargs):
+        self._args = args
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._args = args
+
+    def on_train_end(self, args, state, control, **kwargs):
+        summary = {"type": "summary", "source": self.source, "split": self.split.as_dict(),
+                   "decisions": self.decisions}
+        self.bus.write(summary)
+        if self.pending and not self.managed and state.is_world_process_zero:
+            new = Split(**{k: self.pending["new"][k] for k in ("micro_batch", "grad_accum", "steps_per_generation")})
+            checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            print(f"AdaptiveBatchTuner: memory asked for a smaller micro-batch at step {state.global_step}. "
+                  f"A checkpoint is saved to {checkpoint}. Resume with the exact split "
+                  f"{', '.join(f'{k}={v}' for k, v in new.as_dict().items())} (effective batch unchanged):\n"
+                  f"  trainer.args.per_device_train_batch_size = {new.micro_batch}; "
+                  f"trainer.args.gradient_accumulation_steps = {new.grad_accum}; "
+                  f"trainer.train(resume_from_checkpoint='{checkpoint}')\n"
+                  f"or use hf_perf_callbacks.train_with_tuning(trainer), which does this by itself; the recipe "
+                  f"launcher picks the split up from {os.path.join(args.output_dir, SPLIT_FILE)}.")
+
+    # ------------------------------------------------------------ decisions
+    def _decide(self, kind: str, reason: str, old: Split, new: Split, step: int) -> dict:
+        decision = {"kind": kind, "step": step, "reason": reason, "old": _split_dict(old), "new": _split_dict(new),
+                    "time": time.time()}
+        self.decisions.append(decision)
+        self.split = new
+        self._persist()
+        if self.bus is not None:
+            self.bus.event(self.source, "decision", f"{kind}: {old} → {new} at step {step} ({reason})", step=step,
+                           old_split=_split_dict(old), new_split=_split_dict(new))
+        return decision
+
+    def _persist(self) -> None:
+        args = getattr(self, "_args", None)
+        if args is None or not _is_main():
+            return
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, SPLIT_FILE), "w", encoding="utf-8") as f:
+            json.dump({"split": self.split.as_dict(), "decisions": self.decisions}, f, indent=1)
+
+    def export(self) -> dict:
+        return {"split": _split_dict(self.split) if self.split else None, "decisions": self.decisions}
+
+    def load(self, saved: dict) -> None:
+        if not self.decisions:          # a new process; in-process resumes keep their own (newer) history
+            self.decisions = list(saved.get("decisions", []))
+
+    def format_summary(self) -> str:
+        lines = ["== AdaptiveBatchTuner summary ==", f"split: {self.split}"]
+        for d in self.decisions:
+            extra = f", recovered in {d['recovery_sec']:.2f} s" if "recovery_sec" in d else ""
+            lines.append(f"step {d['step']}: {d['kind']} {_fmt(d['old'])} → {_fmt(d['new'])} ({d['reason']}{extra})")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the loop
+def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None, probe: bool | None = None,
+                      max_resizes: int = 8):
+    """``trainer.train()`` that probes for the fastest fitting split and survives re-sizes and OOM.
+
+    Returns the last ``TrainOutput``. Raises the original error when it is not an out-of-memory error, or when no
+    smaller exact split is left.
+    """
+    tuner = _find(trainer, AdaptiveBatchTuner)
+    if tuner is None:
+        tuner = AdaptiveBatchTuner()
+        trainer.add_callback(tuner)
+    tuner.managed = True
+    tuner._args = trainer.args
+    output_dir = trainer.args.output_dir
+    if resume_from_checkpoint is True or resume_from_checkpoint == "last":
+        resume_from_checkpoint = get_last_checkpoint(output_dir)
+    saved = saved_split(output_dir) if resume_from_checkpoint else None
+    restore = _guard_forward(trainer)
+    if saved:
+        apply_split(trainer, Split(saved["per_device_train_batch_size"], saved["gradient_accumulation_steps"],
+                                   saved.get("steps_per_generation")))
+    elif (tuner.config["probe"] if probe is None else probe) and not resume_from_checkpoint:
+        _probe(trainer, tuner)
+    try:
+        for _ in range(max_resizes + 1):
+            try:
+                output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+            except Exception as error:  # noqa: BLE001 - only OOMs are handled, the rest is re-raised
+                if not (isinstance(error, ResizeNeeded) or is_oom_error(error)):
+                    raise
+                resume_from_checkpoint = _recover_from_oom(trainer, tuner, error)
+                continue
+            if tuner.pending is None:
+                return output
+            tuner.pending["resized_at"] = time.time()
+            resume_from_checkpoint = os.path.join(output_dir, f"checkpoint-{trainer.state.global_step}")
+            _prepare_resume(trainer, tuner.split)
+        raise RuntimeError(f"train_with_tuning gave up after {max_resizes} re-sizes")
+    finally:
+        restore()
+
+
+def _recover_from_oom(trainer, tuner: AdaptiveBatchTuner, error: BaseException) -> str | None:
+    reason = f"out of memory: {str(error).splitlines()[0][:160]}"
+    old = tuner.split or current_split(trainer.args)
+    try:
+        new = next_smaller(old, tuner.candidates(trainer.args))
+    except ValueError as none_left:
+        raise none_left from error
+    step = trainer.state.global_step
+    inside_optimizer = tuner.in_optimizer_step
+    trainer.model.zero_grad(set_to_none=True)
+    gc.collect()
+    DeviceLayer(device_of(trainer.model)).empty_cache()
+    if inside_optimizer or step == 0:
+        checkpoint = get_last_checkpoint(trainer.args.output_dir)   # weights may be half-updated: go back
+    else:                                                           # weights and optimizer are at step N: keep them
+        checkpoint = os.path.join(trainer.args.output_dir, f"checkpoint-{step}")
+        if not os.path.isdir(checkpoint):
+            trainer._save_checkpoint(trainer.model, trial=None)
+    decision = tuner._decide("oom", reason, old, new, step)
+    decision["resized_at"] = time.time()
+    decision["checkpoint"] = checkpoint
+    _prepare_resume(trainer, new)
+    logger.warning("[tuner] %s at step %d: resuming from %s with split %s", reason, step, checkpoint or "the start",
+                   new)
+    return checkpoint
+
+
+def _prepare_resume(trainer, split: Split) -> None:
+    """Forget the optimizer, scheduler and wrapper of the last train() (restored from the checkpoint) and apply the
+    split; GRPO's generation buffer is regenerated."""
+    trainer.optimizer, trainer.lr_scheduler = None, None
+    trainer.model_wrapped = trainer.model
+    apply_split(trainer, split)
+    for name, value in (("_step", 0), ("_buffered_inputs", None)):
+        if hasattr(trainer, name):
+            setattr(trainer, name, value)
+    gc.collect()
+    DeviceLayer(device_of(trainer.model)).empty_cache()
+
+
+def _guard_forward(trainer):
+    """Catch an OOM in the forward pass and agree across ranks *before* the backward (no rank is left waiting in a
+    gradient all-reduce); returns a function that removes the guard."""
+    original = trainer.compute_loss
+    world = world_size()
+    device = device_of(trainer.model)
+
+    def compute_loss(*args, **kwargs):
+        oom = None
+        try:
+            result = original(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001
+            if not is_oom_error(error):
+                raise
+            oom, result = error, None
+        if world > 1 and max(r[0] for r in gather_floats([float(oom is not None)], device)) > 0:
+            raise ResizeNeeded(f"out of memory on a rank: {oom or 'another rank'}") from oom
+        if oom is not None:
+            raise oom
+        return result
+
+    trainer.compute_loss = compute_loss
+
+    def restore():
+        if trainer.__dict__.get("compute_loss") is compute_loss:
+            del trainer.compute_loss
+
+    return restore
+
+
+# ---------------------------------------------------------------- the probe
+class _ProbeTimer(TrainerCallback):
+    """Times optimizer steps (minus generation) and tracks peak memory during a probe run."""
+
+    def __init__(self, device: DeviceLayer):
+        self.device = device
+        self.steps: list[tuple[float, float]] = []   # (step seconds, generation seconds)
+        self.peak = 0.0
+        self.generation = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.device.synchronize()
+        self.start, self.generation = time.perf_counter(), 0.0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.device.synchronize()
+        self.steps.append((time.perf_counter() - self.start, self.generation))
+        sample = self.device.memory()
+        used = sample.peak if sample.peak is not None else sample.reserved if self.device.type == "mps" else \
+            sample.allocated
+        self.peak = max(self.peak, float(used or 0))
+
+
+def _probe(trainer, tuner: AdaptiveBatchTuner) -> Split:
+    args = trainer.args
+    device = DeviceLayer(device_of(trainer.model))
+    watchdog = _find(trainer, MemoryWatchdog) or MemoryWatchdog()
+    budget = watchdog.budget_bytes(device)
+    limit = tuner.config["max_micro_batch"]
+    candidates = [s for s in tuner.candidates(args) if limit is None or s.micro_batch <= limit]
+    original = current_split(args)
+    saved = _snapshot(trainer, tuner.config["probe_steps"])
+    trials: list[dict] = []
+    best: dict | None = None
+    slower = 0
+    started = time.perf_counter()
+    try:
+        for split in candidates:
+            trial = _probe_one(trainer, split, device, tuner.config["probe_steps"])
+            trial["fits"] = trial.get("error") is None and trial["peak"] <= budget
+            trials.append(trial)
+            if not trial["fits"]:
+                continue
+            if best is None or trial["split_time"] < best["split_time"]:
+                best, slower = trial, 0
+            elif trial["split_time"] > 1.05 * best["split_time"]:
+                slower += 1
+                if slower >= tuner.config["probe_patience"]:
+                    break
+    finally:
+        _restore(trainer, saved)
+    chosen = Split(**best["split"]) if best else original
+    seconds = time.perf_counter() - started
+    tuner.probe_report = trials
+    apply_split(trainer, chosen)
+    tuner.split = chosen
+    why = (f"fastest split under the {budget / GB:.2f} GB budget: {seconds:.1f} s probing "
+           + "; ".join(_fmt_trial(t) for t in trials)) if best else "no candidate fitted: keeping the configured split"
+    tuner.decisions.append({"kind": "probe", "step": 0, "reason": why, "old": _split_dict(original),
+                            "new": _split_dict(chosen), "trials": trials, "probe_sec": seconds})
+    tuner._persist()
+    if _is_main():
+        print(f"AdaptiveBatchTuner probe: {original} → {chosen} ({why})")
+    return chosen
+
+
+def _probe_one(trainer, split: Split, device: DeviceLayer, steps: int) -> dict:
+    apply_split(trainer, split)
+    trainer.args.max_steps = steps + 1
+    timer = _ProbeTimer(device)
+    trainer.callback_handler.callbacks = [cb for cb in trainer.callback_handler.callbacks
+                                          if type(cb).__name__ == "DefaultFlowCallback"] + [timer]
+    model = trainer.model
+    original_generate = model.__dict__.get("generate")
+    generate = model.generate
+
+    def timed_generate(*a, **k):
+        start = time.perf_counter()
+        try:
+            return generate(*a, **k)
+        finally:
+            timer.generation += time.perf_counter() - start
+
+    model.generate = timed_generate
+    device.reset_peak()
+    trial = {"split": _split_dict(split)}
+    try:
+        trainer.train()
+    except Exception as error:  # noqa: BLE001
+        if not is_oom_error(error):
+            raise
+        trial["error"] = f"out of memory: {str(error).splitlines()[0][:120]}"
+    finally:
+        if original_generate is None:
+            model.__dict__.pop("generate", None)
+        else:
+            model.generate = original_generate
+        _reset_after_run(trainer, device)
+    measured = timer.steps[1:] or timer.steps
+    if "error" not in trial and measured:
+        trial["split_time"] = median([s - g for s, g in measured])
+        trial["step_time"] = median([s for s, _ in measured])
+    trial["peak"] = timer.peak
+    return trial
+
+
+def _snapshot(trainer, probe_steps: int) -> dict:
+    args = trainer.args
+    keys = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
+            "generation_batch_size", "max_steps", "learning_rate", "output_dir", "save_strategy", "logging_strategy",
+            "report_to", "eval_strategy")
+    saved = {"args": {k: getattr(args, k) for k in keys if hasattr(args, k)},
+             "callbacks": list(trainer.callback_handler.callbacks),
+             "dataset": trainer.train_dataset,
+             "params": {n: p.detach().to("cpu", copy=True) for n, p in trainer.model.named_parameters()
+                        if p.requires_grad},
+             "rng": (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                     torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None),
+             "generation_config": getattr(trainer, "generation_config", None)}
+    probe_dir = tempfile.mkdtemp(prefix="hf_perf_probe_")
+    saved["probe_dir"] = probe_dir
+    args.output_dir, args.learning_rate = probe_dir, 0.0
+    for key, value in (("save_strategy", "no"), ("logging_strategy", "no"), ("eval_strategy", "no")):
+        if hasattr(args, key):
+            setattr(args, key, value)
+    args.report_to = []
+    if saved["generation_config"] is not None:          # GRPO: generate the longest completions
+        config = saved["generation_config"]
+        saved["min_new_tokens"] = config.min_new_tokens
+        config.min_new_tokens = getattr(args, "max_completion_length", None)
+    split = current_split(args)
+    if hasattr(args, "num_generations"):              # prompts for every probe step of the largest candidate
+        needed = split.micro_batch * world_size() * split.steps_per_generation // args.num_generations
+    else:
+        needed = split.micro_batch * split.grad_accum * world_size()
+    trainer.train_dataset = _longest(trainer.train_dataset, needed * (probe_steps + 1))
+    return saved
+
+
+def _restore(trainer, saved: dict) -> None:
+    args = trainer.args
+    for key, value in saved["args"].items():
+        setattr(args, key, value)
+    trainer.callback_handler.callbacks = saved["callbacks"]
+    trainer.train_dataset = saved["dataset"]
+    if saved["generation_config"] is not None:
+        saved["generation_config"].min_new_tokens = saved["min_new_tokens"]
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if name in saved["params"]:
+                param.copy_(saved["params"][name])
+    py, np_state, torch_state, cuda_state = saved["rng"]
+    random.setstate(py)
+    np.random.set_state(np_state)
+    torch.set_rng_state(torch_state)
+    if cuda_state is not None:
+        torch.cuda.set_rng_state_all(cuda_state)
+    trainer.state = type(trainer.state)()
+    shutil.rmtree(saved["probe_dir"], ignore_errors=True)
+    _reset_after_run(trainer, DeviceLayer(device_of(trainer.model)))
+
+
+def _reset_after_run(trainer, device: DeviceLayer) -> None:
+    trainer.optimizer, trainer.lr_scheduler = None, None
+    trainer.model_wrapped = trainer.model
+    trainer.model.zero_grad(set_to_none=True)
+    for name, value in (("_step", 0), ("_buffered_inputs", None)):
+        if hasattr(trainer, name):
+            setattr(trainer, name, value)
+    metrics = getattr(trainer, "_metrics", None)
+    if isinstance(metrics, dict):
+        for per_mode in metrics.values():
+            per_mode.clear()
+    gc.collect()
+    device.empty_cache()
+
+
+def _longest(dataset, count: int):
+    """The ``count`` longest examples (worst-case memory), when lengths can be read; else the dataset itself."""
+    try:
+        lengths = [_length(dataset[i]) for i in range(len(dataset))]
+    except (TypeError, KeyError, IndexError):
+        return dataset
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])[:max(1, count)]
+    if hasattr(dataset, "select"):
+        return dataset.select(order)
+    return torch.utils.data.Subset(dataset, order)
+
+
+def _length(example) -> int:
+    if "input_ids" in example:
+        return len(example["input_ids"])
+    prompt = example["prompt"]
+    return len(prompt) if isinstance(prompt, str) else sum(len(m.get("content", "")) for m in prompt)
+
+
+# ---------------------------------------------------------------- helpers
+def _find(trainer, cls):
+    return next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, cls)), None)
+
+
+def _is_main() -> bool:
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
+        torch.distributed.get_rank() == 0
+
+
+def _split_dict(split: Split) -> dict:
+    return {"micro_batch": split.micro_batch, "grad_accum": split.grad_accum,
+            "steps_per_generation": split.steps_per_generation}
+
+
+def _fmt(d: dict) -> str:
+    return str(Split(d["micro_batch"], d["grad_accum"], d.get("steps_per_generation")))
+
+
+def _fmt_trial(t: dict) -> str:
+    split = _fmt(t["split"])
+    if t.get("error"):
+        return f"{split}: {t['error']}"
+    return (f"{split}: {t['split_time']:.3f} s/step w/o generation, peak {t['peak'] / GB:.2f} GB"
+            + ("" if t["fits"] else " (over budget)"))

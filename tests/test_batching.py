@@ -1,0 +1,50 @@
+"""Exact split math, including GRPO (num_generations 2/4/8, world 1/2, grad_accum ≠ steps_per_generation)."""
+import pytest
+
+from hf_perf_callbacks.batching import Split, exact_splits, next_smaller
+
+
+def test_plain_trainer_splits():
+    assert exact_splits(8) == [Split(8, 1), Split(4, 2), Split(2, 4), Split(1, 8)]
+    assert exact_splits(12, world_size=2) == [Split(6, 1), Split(3, 2), Split(2, 3), Split(1, 6)]
+
+
+@pytest.mark.parametrize("num_generations", [2, 4, 8])
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("micro, accum, spg", [(4, 2, 2), (4, 2, 4), (8, 1, 2), (2, 4, 8)])
+def test_grpo_splits_keep_effective_and_generation_batch(num_generations, world, micro, accum, spg):
+    effective, generation = micro * accum * world, micro * world * spg
+    if generation % num_generations:
+        with pytest.raises(ValueError, match="whole prompt groups"):
+            exact_splits(effective, world, generation, num_generations)
+        return
+    splits = exact_splits(effective, world, generation, num_generations)
+    assert Split(micro, accum, spg) in splits
+    for s in splits:
+        assert s.micro_batch * s.grad_accum * world == effective
+        assert s.micro_batch * world * s.steps_per_generation == generation
+        assert s.grad_accum * spg == accum * s.steps_per_generation        # the accum/spg ratio is kept
+    assert [s.micro_batch for s in splits] == sorted({s.micro_batch for s in splits}, reverse=True)
+
+
+def test_grpo_example_values():
+    # per-device 4 × accumulation 2, steps_per_generation 4, 8 generations: 8 completions per step, 16 per generation
+    assert exact_splits(8, 1, 16, 8) == [Split(8, 1, 2), Split(4, 2, 4), Split(2, 4, 8), Split(1, 8, 16)]
+    # two ranks: micro-batches must divide both 8/2 and 16/2
+    assert exact_splits(8, 2, 16, 8) == [Split(4, 1, 2), Split(2, 2, 4), Split(1, 4, 8)]
+
+
+def test_next_smaller_and_the_error_when_none_is_left():
+    splits = exact_splits(4)
+    assert next_smaller(Split(4, 1), splits) == Split(2, 2)
+    with pytest.raises(ValueError, match="no exact split smaller than 1×4"):
+        next_smaller(Split(1, 4), splits)
+
+
+@pytest.mark.parametrize("kwargs, name", [({"effective_batch": 0}, "effective_batch"),
+                                          ({"effective_batch": 3, "world_size": 2}, "effective_batch=3"),
+                                          ({"effective_batch": 4, "generation_batch": 4, "num_generations": 1},
+                                           "num_generations")])
+def test_bad_input(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        exact_splits(**kwargs)

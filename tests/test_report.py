@@ -1,0 +1,206 @@
+"""``hf-perf report``: summary text and PNG plots from a real demo run, a truncated log, bad inputs and synthetic
+watchdog/tuner logs."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from hf_perf_callbacks.report import PERF_LOG, ReportError, load_run, main, summarize, write_plots
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    from hf_perf_callbacks.demo import build_demo_trainer
+
+    out = str(tmp_path_factory.mktemp("demo_run"))
+    trainer = build_demo_trainer(out, max_steps=8)
+    trainer.train()
+    trainer.save_state()
+    return out
+
+
+def read_log(output_dir):
+    with open(os.path.join(output_dir, PERF_LOG), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def assert_good_png(path, min_bytes=10_000):
+    assert os.path.isfile(path), path
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+    assert os.path.getsize(path) > min_bytes
+    from matplotlib.image import imread
+
+    pixels = imread(path)
+    assert pixels.ndim == 3 and float(np.var(pixels[..., :3])) > 1e-4      # not a single colour
+
+
+def test_real_run_summary_and_plots(real_run, capsys):
+    assert main(real_run) == 0
+    out = capsys.readouterr().out
+    perf = next(e for e in reversed(read_log(real_run)) if e["type"] == "summary" and e["source"] == "perf")
+    assert f"steady tokens/s: {perf['steady_tokens_per_sec']:,.0f}" in out
+    assert f"steps: {perf['steps']}" in out and "× 1" in out
+    assert "status: finished" in out and "did not finish" not in out
+    assert "time split:" in out and "generation" in out and "%" in out
+    assert "memory: high-water" in out and "budget" in out
+    assert "cache clears: 0" in out
+    assert "completions" in out                     # from trainer_state.json
+    for name in ("throughput", "memory", "phases"):
+        path = os.path.join(real_run, "plots", f"{name}.png")
+        assert path in out
+        assert_good_png(path)
+    assert not os.path.exists(os.path.join(real_run, "plots", "tuner.png"))
+    assert "tuner.png skipped" in out
+
+
+def test_load_run_parses_real_log(real_run):
+    run = load_run(real_run)
+    assert run.skipped_lines == 0
+    assert [s["step"] for s in run.steps] == list(range(1, 9))
+    assert {"perf", "mem", "cache"} <= set(run.summaries)
+    assert {r["source"] for r in run.runs} >= {"perf", "mem"}
+    assert run.log_history and any("completions/mean_length" in h for h in run.log_history)
+
+
+def test_missing_directory(tmp_path, capsys):
+    missing = str(tmp_path / "nope")
+    with pytest.raises(ReportError, match="not a directory") as info:
+        load_run(missing)
+    assert "default_callbacks()" in str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert main(missing) == 2
+    captured = capsys.readouterr()
+    assert "not a directory" in captured.err and "Traceback" not in captured.err
+    assert captured.out == ""
+
+
+def test_missing_perf_log(tmp_path, capsys):
+    (tmp_path / "trainer_state.json").write_text("{}")
+    with pytest.raises(ReportError, match=f"no {PERF_LOG}") as info:
+        load_run(str(tmp_path))
+    assert "callbacks=default_callbacks()" in str(info.value)
+    assert main(str(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert PERF_LOG in err and "default_callbacks" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("content", ["", "\n\n", "{not json\n\x00garbage"])
+def test_empty_or_unreadable_perf_log(tmp_path, capsys, content):
+    (tmp_path / PERF_LOG).write_text(content)
+    with pytest.raises(ReportError, match="default_callbacks"):
+        load_run(str(tmp_path))
+    assert main(str(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert PERF_LOG in err and "Traceback" not in err
+
+
+def test_truncated_log_still_reports(real_run, tmp_path, capsys):
+    with open(os.path.join(real_run, PERF_LOG), encoding="utf-8") as f:
+        lines = [line for line in f if '"type": "summary"' not in line]
+    lines[-1] = lines[-1][: len(lines[-1]) // 2]                 # killed mid-write
+    (tmp_path / PERF_LOG).write_text("".join(lines))
+    shutil.copy(os.path.join(real_run, "trainer_state.json"), tmp_path / "trainer_state.json")
+
+    run = load_run(str(tmp_path))
+    assert run.skipped_lines == 1 and run.summaries == {}
+    text = summarize(run)
+    assert "did not finish" in text
+    assert "skipped 1 unreadable line" in text
+    assert "steps: 7" in text                                  # step 8 was the cut line
+    assert "steady tokens/s:" in text and "memory: high-water" in text and "time split:" in text
+
+    assert main(str(tmp_path)) == 0
+    assert "did not finish" in capsys.readouterr().out
+    for name in ("throughput", "memory", "phases"):
+        assert_good_png(str(tmp_path / "plots" / f"{name}.png"))
+
+
+def synthetic_log(path, steps=30):
+    """A run that hit memory pressure, was acted on by the watchdog and the tuner, then was resumed."""
+    entries = [{"type": "run", "source": "perf", "device": "NVIDIA H100", "device_type": "cuda", "world_size": 2,
+                "resumed_from_step": 0},
+               {"type": "run", "source": "mem", "budget_gb": 70.0}]
+    for step in range(1, steps + 1):
+        if step == 21:
+            entries.append({"type": "run", "source": "perf", "device": "NVIDIA H100", "device_type": "cuda",
+                            "world_size": 2, "resumed_from_step": 20})
+        used = 40 + step * 1.2 if step <= 20 else 45 + (step - 20) * 0.5
+        micro, accum = (8, 1) if step < 12 else (4, 2)
+        entries.append({"type": "step", "step": step, "time": 1000.0 + step,
+                        "perf/tokens_per_sec": 5000.0 + 100 * min(step, 5), "perf/tokens": 4096.0,
+                        "perf/step_wall_sec": 0.8, "perf/warmup_done": int(step >= 5), "perf/steady": int(step >= 5),
+                        "perf/steady_tokens_per_sec": 5500.0 if step >= 5 else None, "perf/warmup_steps": 4,
+                        "perf/mfu": 0.41, "perf/phase_sec/data_wait": 0.05, "perf/phase_sec/generation": 0.3,
+                        "perf/phase_sec/compute": 0.45,
+                        "mem/device_used_gb": used, "mem/limit_gb": 70.0, "mem/peak_gb": used + 0.5,
+                        "mem/pressure": 2 if used > 60 else 1 if used > 52 else 0,
+                        "tuner/micro_batch": micro, "tuner/grad_accum": accum})
+        entries[-1] = {k: v for k, v in entries[-1].items() if v is not None}
+        if step == 10:
+            entries.append({"type": "event", "source": "mem", "kind": "warning", "step": 10,
+                            "message": "memory grows 1.2 GB per step", "level": "warn"})
+        if step == 11:
+            entries.append({"type": "event", "source": "mem", "kind": "action", "step": 11, "action": "clear_cache",
+                            "message": "cleared caches: warn", "level": "warn"})
+            entries.append({"type": "event", "source": "cache", "kind": "info", "step": 11,
+                            "message": "cleared cache (watchdog): freed 1.500 GB", "freed_gb": 1.5})
+        if step == 12:
+            entries.append({"type": "event", "source": "tuner", "kind": "decision", "step": 12,
+                            "message": "micro-batch 8 -> 4", "old_split": "8x1", "new_split": "4x2"})
+        if step == 20:
+            entries.append({"type": "event", "source": "mem", "kind": "stop", "step": 20, "action": "stop",
+                            "message": "stopped training at step 20", "level": "critical"})
+    with open(path, "w", encoding="utf-8") as f:
+        for e in entries:
+            f.write(json.dumps(e) + "\n")
+        f.write('{"type": "step", "step": 31, "perf/tok')            # killed mid-line
+
+
+def test_synthetic_watchdog_and_tuner(tmp_path):
+    synthetic_log(tmp_path / PERF_LOG)
+    run = load_run(str(tmp_path))
+    assert run.skipped_lines == 1 and len(run.steps) == 30
+
+    text = summarize(run)
+    assert "NVIDIA H100 (cuda) × 2" in text
+    assert "did not finish" in text
+    assert "resumed" in text and "step 20" in text
+    assert "steady tokens/s: 5,500" in text
+    assert "MFU: 41.0%" in text
+    assert "time split: data_wait 6.3%, generation 37.5%, compute 56.2%" in text
+    assert "of a 70.00 GB budget" in text
+    assert "step 10: [mem] warning" in text
+    assert "step 11: [mem] action clear_cache" in text
+    assert "step 12: [tuner] decision (8x1 -> 4x2)" in text
+    assert "step 20: [mem] stop: stopped training" in text
+    assert "watchdog stopped training at step 20" in text
+    assert "cache clears: 1, freed 1.50 GB" in text
+
+    out_dir = tmp_path / "figs"
+    paths = write_plots(run, str(out_dir))
+    assert sorted(os.path.basename(p) for p in paths) == ["memory.png", "phases.png", "throughput.png", "tuner.png"]
+    for path in paths:
+        assert os.path.dirname(path) == str(out_dir)
+        assert_good_png(path)
+
+
+def test_plots_skip_absent_data(tmp_path):
+    """A log with only watchdog data: memory.png only, the rest skipped with notes; summary still works."""
+    lines = [{"type": "run", "source": "mem", "budget_gb": 8.0}]
+    lines += [{"type": "step", "step": s, "mem/device_used_gb": 2.0 + s / 10, "mem/limit_gb": 8.0} for s in range(1, 6)]
+    lines += [{"type": "summary", "source": "mem", "high_water_gb": 2.5, "budget_gb": 8.0,
+               "actions": [{"step": 3, "action": "clear_cache", "message": "cleared caches"}], "stopped_at": None}]
+    (tmp_path / PERF_LOG).write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run = load_run(str(tmp_path))
+    text = summarize(run)
+    assert "no ThroughputMeter data" in text
+    assert "high-water 2.50 GB of a 8.00 GB budget (31%)" in text
+    assert "step 3: [mem] action clear_cache" in text                 # from the summary's action list
+    paths = write_plots(run)
+    assert [os.path.basename(p) for p in paths] == ["memory.png"]
+    assert os.path.dirname(paths[0]) == str(tmp_path / "plots")

@@ -43,19 +43,18 @@ def test_real_run_summary_and_plots(real_run, capsys):
     assert main(real_run) == 0
     out = capsys.readouterr().out
     perf = next(e for e in reversed(read_log(real_run)) if e["type"] == "summary" and e["source"] == "perf")
-    assert f"steady tokens/s: {perf['steady_tokens_per_sec']:,.0f}" in out
+    steady = perf["steady_tokens_per_sec"]          # None when a loaded machine never settled in 8 steps
+    assert (f"steady tokens/s: {steady:,.0f}" if steady else "steady tokens/s: n/a") in out
     assert f"steps: {perf['steps']}" in out and "× 1" in out
     assert "status: finished" in out and "did not finish" not in out
     assert "time split:" in out and "generation" in out and "%" in out
     assert "memory: high-water" in out and "budget" in out
     assert "cache clears: 0" in out
     assert "completions" in out                     # from trainer_state.json
-    for name in ("throughput", "memory", "phases"):
+    for name in ("throughput", "memory", "phases", "tuner"):       # the demo attaches all four callbacks
         path = os.path.join(real_run, "plots", f"{name}.png")
         assert path in out
         assert_good_png(path)
-    assert not os.path.exists(os.path.join(real_run, "plots", "tuner.png"))
-    assert "tuner.png skipped" in out
 
 
 def test_load_run_parses_real_log(real_run):

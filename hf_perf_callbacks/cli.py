@@ -1,17 +1,40 @@
-"""The ``hf-perf`` command line: ``demo``."""
+"""The ``hf-perf`` command line: ``demo``, ``train`` and ``report``."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
 
+TRAIN_HELP = ("run a recipe in this process: hf-perf train --config recipes/NAME.yaml [--key value ...]; "
+              "keys are RecipeArguments, GRPOConfig and ModelConfig fields (see recipes/README.md). Multi-process "
+              "runs use `accelerate launch [--config_file recipes/accelerate/X.yaml] -m hf_perf_callbacks.train "
+              "--config recipes/NAME.yaml`")
+
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="hf-perf", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="offline GRPO+LoRA Wordle demo with every callback attached")
     demo.add_argument("--output_dir", default="demo_output", help="where the run and its perf log go")
     demo.add_argument("--max_steps", type=int, default=30)
+    commands.add_parser("train", help=TRAIN_HELP, description=TRAIN_HELP, add_help=False)
+    report = commands.add_parser("report", help="summary and PNG plots of a finished (or running) run",
+                                 description="Print the perf summary of OUTPUT_DIR/perf_log.jsonl, write its plots "
+                                             "and the analysis findings.")
+    report.add_argument("output_dir", help="the run's output_dir (holds perf_log.jsonl)")
+    report.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
+
+    if argv[:1] == ["train"]:                          # everything after `train` belongs to the recipe launcher
+        rest = argv[1:]
+        if not rest or rest[0] in ("-h", "--help"):
+            print(f"usage: hf-perf train --config RECIPE.yaml [--key value ...]\n\n{TRAIN_HELP}\n\n"
+                  "`python -m hf_perf_callbacks.train --help` lists every key.")
+            return 0 if rest else 2
+        from .train import main as train_main
+
+        return train_main(rest)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "demo":
@@ -20,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run_demo
 
         run_demo(args.output_dir, max_steps=args.max_steps)
+    elif args.command == "report":
+        from .train import report_run
+
+        return report_run(args.output_dir, plots=args.plots)
     return 0
 
 

@@ -67,11 +67,15 @@ class WarmupResult:
 
 
 class WarmupDetector:
-    """Online steady-state detection.
+    """Online steady-state detection that tolerates step-time jitter.
 
-    Warmup ends at the first sample ``k`` whose window of ``window`` samples (``k .. k+window-1``) all lie within
-    ``tolerance`` (relative) of that window's median. If no such window starts before ``max_warmup`` samples,
-    warmup is declared over at ``max_warmup`` (``capped``). The decision is made once and then fixed.
+    Once ``2 × window`` samples exist, the steady level ``M`` is the median of the last ``window`` samples and the
+    noise ``σ`` the robust spread of their successive differences (1.4826 × MAD / √2: a trend does not count as
+    noise, so a still-falling step time is not called stable). The stable band is ``M + max(tolerance × M, 3σ)``: on a quiet
+    device the relative tolerance decides, on a jittery one (GRPO's launch-bound generation) the measured noise does.
+    Warmup ends at the first sample from which every later sample lies inside the band, provided at least
+    ``window`` samples confirm it and the last window does not drift (its fitted change stays inside the band). Without such a point, warmup is declared over at ``max_warmup`` (``capped``).
+    The decision is made once and then fixed.
     """
 
     def __init__(self, window: int = 4, tolerance: float = 0.1, max_warmup: int = 50):
@@ -85,27 +89,38 @@ class WarmupDetector:
     def done(self) -> bool:
         return self.result is not None
 
+    def band(self) -> tuple[float, float]:
+        """(steady level, upper edge of the stable band) from the latest ``window`` samples."""
+        recent = self.samples[-self.window:]
+        level = median(recent)
+        diffs = [b - a for a, b in zip(recent, recent[1:])]
+        center = median(diffs)
+        noise = 1.4826 * median([abs(d - center) for d in diffs]) / math.sqrt(2)
+        return level, level + max(self.tolerance * level, 3.0 * noise)
+
     def add(self, value: float) -> bool:
         """Feed one sample; returns True when this sample completed the detection."""
         if self.done:
             return False
         self.samples.append(value)
         n = len(self.samples)
-        if n < self.window:
+        if n < 2 * self.window:
             return False
-        start = n - self.window
-        tail = self.samples[start:]
-        ref = median(tail)
-        if ref > 0 and all(abs(v - ref) <= self.tolerance * ref for v in tail):
-            self.result = self._result(start, ref, capped=False)
-        elif start >= self.max_warmup:
-            self.result = self._result(self.max_warmup, median(self.samples[self.max_warmup:]), capped=True)
+        level, edge = self.band()
+        recent = self.samples[-self.window:]
+        drift = abs(linear_fit(range(self.window), recent)[0]) * (self.window - 1)
+        start = n
+        while start > 0 and self.samples[start - 1] <= edge:
+            start -= 1
+        if level > 0 and drift <= edge - level and n - start >= self.window and start <= self.max_warmup:
+            self.result = self._result(start, level, capped=False)
+        elif n - self.window >= self.max_warmup + self.window:
+            self.result = self._result(self.max_warmup, level, capped=True)
         return self.done
 
     def _result(self, warmup: int, ref: float, capped: bool) -> WarmupResult:
         overhead = sum(max(0.0, v - ref) for v in self.samples[:warmup])
         first = self.samples[0] / ref if ref > 0 else float("nan")
-        self.samples = self.samples[: warmup + self.window]  # the rest is not needed any more
         return WarmupResult(warmup, ref, overhead, first, capped)
 
 

@@ -6,9 +6,11 @@ skews epoch geometry, the LR horizon and GRPO's sampler. What works is **checkpo
 
 1. *Pre-flight probe* (optional): a few real optimizer steps per exact split at the worst-case length (GRPO:
    completions forced to ``max_completion_length``; otherwise the longest examples), largest micro-batch first,
-   at learning rate 0 with weights, RNG and callbacks restored afterwards; it picks the split with the least
-   split-dependent time (step time minus generation, which does not depend on the split) whose peak memory stays
-   under the watchdog's budget.
+   at learning rate 0 with weights, RNG and callbacks restored afterwards; it picks the split with the shortest
+   median step time minus generation (``rank_by="non_generation"``, the default: the generation batch is the same
+   for every split, and HF ``generate`` is launch-bound and jitters by tens of percent, so whole step times rank by
+   noise) or the shortest whole step time (``"step"``), among those whose peak memory stays under the watchdog's
+   budget.
 2. *At run time:* on the watchdog's request for a smaller micro-batch, or a recognised out-of-memory error, it
    saves a checkpoint (or falls back to the last one if the error struck inside ``optimizer.step``), switches to the
    next smaller exact split and resumes in the same process. Under several ranks the forward pass's OOM status is
@@ -82,6 +84,7 @@ class AdaptiveBatchTuner(PerfCallback):
         probe_steps: measured optimizer steps per candidate (one extra warm-up step runs first).
         max_micro_batch: largest micro-batch the probe tries (None: up to the whole effective batch per rank).
         probe_patience: stop probing smaller splits once this many in a row were slower than the best.
+        rank_by: ``"non_generation"`` (step time minus generation time) or ``"step"`` (whole step time).
 
     Logged keys:
 
@@ -98,14 +101,16 @@ class AdaptiveBatchTuner(PerfCallback):
     source = "tuner"
 
     def __init__(self, probe: bool = True, probe_steps: int = 2, max_micro_batch: int | None = None,
-                 probe_patience: int = 1):
+                 probe_patience: int = 1, rank_by: str = "non_generation"):
         if not isinstance(probe, bool):
             raise ValueError(f"probe={probe!r} is not allowed: expected True or False")
+        if rank_by not in ("step", "non_generation"):
+            raise ValueError(f"rank_by={rank_by!r} is not allowed: expected 'step' or 'non_generation'")
         check_number("probe_steps", probe_steps, low=1, integer=True)
         check_number("max_micro_batch", max_micro_batch, low=1, integer=True, allow_none=True)
         check_number("probe_patience", probe_patience, low=1, integer=True)
         super().__init__(probe=probe, probe_steps=probe_steps, max_micro_batch=max_micro_batch,
-                         probe_patience=probe_patience)
+                         probe_patience=probe_patience, rank_by=rank_by)
         self.decisions: list[dict] = []
         self.split: Split | None = None
         self.pending: dict | None = None
@@ -365,6 +370,7 @@ def _probe(trainer, tuner: AdaptiveBatchTuner) -> Split:
     trials: list[dict] = []
     best: dict | None = None
     slower = 0
+    key = "step_time" if tuner.config["rank_by"] == "step" else "split_time"
     started = time.perf_counter()
     try:
         for split in candidates:
@@ -373,9 +379,9 @@ def _probe(trainer, tuner: AdaptiveBatchTuner) -> Split:
             trials.append(trial)
             if not trial["fits"]:
                 continue
-            if best is None or trial["split_time"] < best["split_time"]:
+            if best is None or trial[key] < best[key]:
                 best, slower = trial, 0
-            elif trial["split_time"] > 1.05 * best["split_time"]:
+            elif trial[key] > 1.05 * best[key]:
                 slower += 1
                 if slower >= tuner.config["probe_patience"]:
                     break
@@ -549,5 +555,6 @@ def _fmt_trial(t: dict) -> str:
     split = _fmt(t["split"])
     if t.get("error"):
         return f"{split}: {t['error']}"
-    return (f"{split}: {t['split_time']:.3f} s/step w/o generation, peak {t['peak'] / GB:.2f} GB"
+    return (f"{split}: {t['step_time']:.3f} s/step ({t['split_time']:.3f} s w/o generation), peak "
+            f"{t['peak'] / GB:.2f} GB"
             + ("" if t["fits"] else " (over budget)"))

@@ -1,0 +1,172 @@
+"""Shared parts of the GPU benchmarks: a Qwen2.5-0.5B-shaped model with random weights, a locally trained
+tokenizer, a GRPO+LoRA trainer on the bundled Wordle task, an independent step timer, and result files.
+
+Nothing is downloaded: the model is built from a config and the tokenizer is trained on the task's own text.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+GB = 1024**3
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+_TOKENIZER = None
+
+
+def tokenizer():
+    """A byte-level BPE tokenizer trained on the Wordle prompts (ids beyond its vocabulary decode to nothing)."""
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        from hf_perf_callbacks.tasks import wordle
+        from hf_perf_callbacks.tiny import build_tokenizer
+
+        corpus = list(wordle.make_dataset(256, seed=1)["prompt"]) + [
+            f"<think>try {w}</think><guess>{w}</guess>" for w in wordle.load_words()]
+        _TOKENIZER = build_tokenizer(corpus, vocab_size=1000)
+    return _TOKENIZER
+
+
+def qwen05_model(seed: int = 0, dtype=torch.bfloat16):
+    """Qwen2.5-0.5B's shape (24 layers, hidden 896, 14 heads / 2 KV heads, vocab 151,936, tied embeddings)."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tok = tokenizer()
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    model = Qwen2ForCausalLM(config).to(dtype=dtype, device="cuda")
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id)
+    return model
+
+
+def grpo_trainer(output_dir: str, callbacks: list, micro: int, accum: int, steps: int, completion: int = 64,
+                 num_generations: int = 8, seed: int = 0, model=None, **extra):
+    """GRPO + LoRA (r16, all linear layers), bf16, on Wordle prompts."""
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_perf_callbacks.tasks import wordle
+
+    settings = dict(output_dir=output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
+                    num_generations=num_generations, max_completion_length=completion, max_steps=steps,
+                    learning_rate=1e-5, logging_steps=1, save_strategy="no", report_to="none", bf16=True,
+                    activation_checkpointing=False, disable_tqdm=True, seed=seed, beta=0.0)
+    settings.update(extra)
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    return GRPOTrainer(model=model or qwen05_model(seed), reward_funcs=wordle.REWARD_FUNCS,
+                       args=GRPOConfig(**settings), train_dataset=wordle.make_dataset(512, seed=seed),
+                       processing_class=tokenizer(), peft_config=lora, callbacks=callbacks)
+
+
+class StepClock(TrainerCallback):
+    """Independent of the package: CUDA events and a synchronized wall clock at every optimizer-step end, generation
+    time and token counts from a ``generate`` wrapper (prompt tokens + completion tokens up to the first EOS)."""
+
+    def __init__(self):
+        self.events, self.walls, self.tokens, self.generation = [], [], [], []
+        self._tokens = self._generation = 0.0
+
+    def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+        torch.cuda.synchronize()
+        self.start = time.perf_counter()
+        first = torch.cuda.Event(enable_timing=True)
+        first.record()
+        self.events.append(first)
+        eos = processing_class.eos_token_id
+        original = model.generate
+
+        def counted(*a, **k):
+            t = time.perf_counter()
+            out = original(*a, **k)
+            self._generation += time.perf_counter() - t
+            prompt = k["attention_mask"].sum().item()
+            new = out[:, k["input_ids"].shape[1]:]
+            is_eos = new == eos
+            ended = is_eos.any(dim=1)
+            lengths = torch.where(ended, is_eos.int().argmax(dim=1) + 1, torch.full_like(ended, new.shape[1],
+                                                                                          dtype=torch.long))
+            self._tokens += prompt + lengths.sum().item()
+            return out
+
+        model.generate = counted
+
+    def on_step_end(self, args, state, control, **kwargs):
+        torch.cuda.synchronize()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        event.synchronize()
+        self.events.append(event)
+        now = time.perf_counter()
+        self.walls.append(now - self.start)
+        self.start = now
+        self.tokens.append(self._tokens)
+        self.generation.append(self._generation)
+        self._tokens = self._generation = 0.0
+
+    def event_seconds(self) -> list[float]:
+        """Seconds between consecutive step ends on the GPU's own clock (the first from train begin)."""
+        return [a.elapsed_time(b) / 1000 for a, b in zip(self.events, self.events[1:])]
+
+
+def environment() -> dict:
+    import transformers
+    import trl
+
+    try:
+        import peft
+        peft_version = peft.__version__
+    except ImportError:
+        peft_version = None
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "trl": trl.__version__, "peft": peft_version, "python": platform.python_version()}
+
+
+def write_result(name: str, payload: dict) -> str:
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"{name}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"benchmark": name, "environment": environment(), **payload}, f, indent=1, default=float)
+    out = os.environ.get("OUT")
+    if out:                                             # the device tool brings $OUT back
+        with open(os.path.join(out, f"{name}.json"), "w", encoding="utf-8") as f:
+            json.dump({"benchmark": name, "environment": environment(), **payload}, f, indent=1, default=float)
+    return path
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    cells = [[h for h in headers]] + [[f"{c:.4g}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def release(*objects):
+    import gc
+
+    for obj in objects:
+        del obj
+    gc.collect()
+    torch.cuda.empty_cache()

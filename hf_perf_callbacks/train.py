@@ -1,0 +1,613 @@
+"""Recipe launcher: GRPO + LoRA with the project's callbacks, configured by one YAML file.
+
+```bash
+accelerate launch --config_file recipes/accelerate/mps.yaml -m hf_perf_callbacks.train \\
+    --config recipes/mac-16gb-qwen0.5b.yaml [--key value ...]
+python -m hf_perf_callbacks.train --config recipes/mac-16gb-qwen0.5b.yaml      # one process
+hf-perf train --config recipes/mac-16gb-qwen0.5b.yaml                          # same
+```
+
+Keys are fields of ``RecipeArguments`` (below), TRL's ``GRPOConfig`` and ``ModelConfig``; command-line flags
+override the YAML. Unknown keys, impossible batch geometry and precision the device lacks fail before the model
+loads, with the fix in the message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("hf_perf_callbacks.train")   # also when run as __main__
+
+DEFAULT_CALLBACKS = ("ThroughputMeter", "MemoryWatchdog", "MPSCacheClearer", "AdaptiveBatchTuner")
+WORDLE_REWARDS = tuple(f"hf_perf_callbacks.tasks.wordle.{name}"
+                       for name in ("format_reward", "valid_word_reward", "consistency_reward", "solved_reward"))
+TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
+FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run: the message names the key, its value and what to change."""
+
+
+@dataclass
+class RecipeArguments:
+    """The launcher's own recipe keys (the rest are ``GRPOConfig`` and ``ModelConfig`` fields)."""
+
+    callbacks: list[str] = field(default_factory=lambda: list(DEFAULT_CALLBACKS), metadata={
+        "help": "callback class names from hf_perf_callbacks (or dotted paths of TrainerCallback classes); "
+                "'none' for no callbacks"})
+    callback_kwargs: dict | str | None = field(default=None, metadata={
+        "help": "keyword arguments per callback class name, e.g. {MemoryWatchdog: {limit_gb: 12}} (JSON on the "
+                "command line)"})
+    reward_funcs: list[str] = field(default_factory=lambda: list(WORDLE_REWARDS), metadata={
+        "help": f"TRL reward names ({', '.join(TRL_REWARDS)}) or dotted paths pkg.module.func; "
+                "default: the bundled Wordle rewards"})
+    dataset: str = field(default="wordle", metadata={
+        "help": "'wordle' (bundled, offline), a local .json/.jsonl/.csv/.parquet file, or a hub dataset name; "
+                "needs a 'prompt' column"})
+    dataset_split: str = field(default="train", metadata={"help": "split to train on (Wordle: train or eval)"})
+    dataset_size: int = field(default=512, metadata={"help": "number of Wordle prompts"})
+    eval_dataset_size: int = field(default=0, metadata={
+        "help": "evaluation prompts (0 = none): Wordle's eval split, else rows held out of the training split"})
+    probe: bool = field(default=True, metadata={
+        "help": "let AdaptiveBatchTuner probe the candidate splits before training"})
+    report: bool = field(default=True, metadata={"help": "print the perf report and write its plots at the end"})
+
+
+# ---------------------------------------------------------------- parsing and validation
+def make_parser():
+    """``TrlParser`` over ``(RecipeArguments, GRPOConfig, ModelConfig)``."""
+    from trl import GRPOConfig, ModelConfig, TrlParser
+
+    return TrlParser((RecipeArguments, GRPOConfig, ModelConfig), prog="python -m hf_perf_callbacks.train")
+
+
+def field_names() -> list[str]:
+    """Every valid recipe key: the fields of the three dataclasses."""
+    from trl import GRPOConfig, ModelConfig
+
+    return sorted({f.name for cls in (RecipeArguments, GRPOConfig, ModelConfig) for f in dataclasses.fields(cls)})
+
+
+def _did_you_mean(name: str, names: list[str], prefix: str = "") -> str:
+    """The closest name (difflib); one sharing the first word wins (lora_rank → lora_r, not local_rank)."""
+    close = difflib.get_close_matches(name, names, n=5, cutoff=0.6)
+    same_family = [c for c in close if c.split("_")[0] == name.split("_")[0]]
+    best = (same_family or close)[:1]
+    return f" (did you mean '{prefix}{best[0]}'?)" if best else ""
+
+
+def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
+    """The ``--config`` path (also ``--config=PATH``) and the remaining arguments."""
+    rest, path, i = [], None, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise RecipeError("--config needs a path to a recipe YAML file")
+            path, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return path, rest
+
+
+def read_recipe(path: str) -> dict:
+    """The recipe YAML as a dict (``env`` included)."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise RecipeError(f"--config {path!r}: no such file")
+    with open(path) as handle:
+        try:
+            config = yaml.safe_load(handle) or {}
+        except yaml.YAMLError as error:
+            raise RecipeError(f"--config {path!r} is not valid YAML: {error}") from None
+    if not isinstance(config, dict):
+        raise RecipeError(f"--config {path!r}: expected a YAML mapping of key: value, got {type(config).__name__}")
+    return config
+
+
+def check_keys(parser, config: Mapping, args: list[str], source: str = "recipe") -> None:
+    """Fail on unknown YAML keys and command-line flags, naming each with its closest valid key."""
+    names = field_names()
+    dests = {action.dest for action in parser._actions}
+    flags = {flag for action in parser._actions for flag in action.option_strings}
+    problems = []
+    for key in config:
+        if key != "env" and key not in dests:
+            problems.append(f"unknown recipe key {key!r} in {source}{_did_you_mean(str(key), names)}")
+    for arg in args:
+        if arg.startswith("--") and len(arg) > 2 and not arg[2].isdigit():
+            flag = arg.split("=", 1)[0]
+            if flag not in flags:
+                problems.append(f"unknown command-line flag {flag!r}{_did_you_mean(flag[2:], names, '--')}")
+    if problems:
+        raise RecipeError("; ".join(problems) + ". Valid keys are the fields of RecipeArguments, GRPOConfig and "
+                          "ModelConfig (python -m hf_perf_callbacks.train --help lists them).")
+
+
+def raw_values(parser, config: Mapping, args: list[str]) -> dict:
+    """Merged values (YAML under command line) before any dataclass validation runs."""
+    parser.set_defaults_with_config(**{k: v for k, v in config.items() if k != "env"})
+    namespace, _ = parser.parse_known_args(args)
+    return vars(namespace)
+
+
+def world_size_from_env() -> int:
+    """Processes of this launch (``WORLD_SIZE`` from accelerate launch / torchrun; 1 otherwise)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def detect_device(use_cpu: bool = False) -> tuple[str, bool, str]:
+    """``(kind, bf16_supported, description)`` of the device the trainer will use."""
+    import torch
+
+    if use_cpu:
+        return "cpu", True, "the CPU (use_cpu: true)"
+    if torch.cuda.is_available():
+        return "cuda", bool(torch.cuda.is_bf16_supported()), f"CUDA GPU {torch.cuda.get_device_name(0)}"
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        new_enough = mps.is_macos_or_newer(14, 0)
+        return "mps", new_enough, "Apple MPS" + ("" if new_enough else " on macOS older than 14")
+    return "cpu", False, "a machine without a GPU (use_cpu is false)"
+
+
+def _as_dict(value, name: str) -> dict:
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise RecipeError(f"{name}={value!r} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise RecipeError(f"{name}={value!r} is not allowed: expected a mapping")
+    return value
+
+
+def _bf16_fix(kind: str) -> str:
+    return {"mps": "set bf16: false and dtype: float16 or float32 (bf16 on MPS needs macOS 14)",
+            "cuda": "set bf16: false, fp16: true and dtype: float16 (bf16 needs an Ampere or newer GPU)",
+            }.get(kind, "set use_cpu: true to train on the CPU, or bf16: false and dtype: float32")
+
+
+def check_batch_geometry(values: Mapping, world_size: int = 1) -> int:
+    """GRPO's batch rule (F5), checked with a clear fix before ``GRPOConfig`` runs its own; returns the generation
+    batch.
+
+    ``generation_batch_size = per_device_train_batch_size × world × steps_per_generation`` (which defaults to
+    ``gradient_accumulation_steps``) must be a multiple of ``num_generations``, and ``num_generations ≥ 2``.
+    """
+    ngen = values["num_generations"]
+    micro, accum = values["per_device_train_batch_size"], values["gradient_accumulation_steps"]
+    gbs, spg = values.get("generation_batch_size"), values.get("steps_per_generation")
+    if ngen is None or ngen < 2:
+        raise RecipeError(f"num_generations={ngen} is not allowed: GRPO compares completions of one prompt, so it "
+                          f"needs at least 2 (set num_generations: 2 or more)")
+    for name, value in (("per_device_train_batch_size", micro), ("gradient_accumulation_steps", accum)):
+        if not isinstance(value, int) or value < 1:
+            raise RecipeError(f"{name}={value!r} is not allowed: expected an integer >= 1")
+    per_step = micro * world_size
+    if gbs is not None and spg is not None:
+        raise RecipeError(f"generation_batch_size={gbs} and steps_per_generation={spg} are both set: set only one "
+                          f"(or neither: the generation batch then is per_device_train_batch_size × world size × "
+                          f"gradient_accumulation_steps)")
+    if gbs is not None:
+        if gbs % per_step:
+            raise RecipeError(f"generation_batch_size={gbs} is not allowed: it must be a multiple of "
+                              f"per_device_train_batch_size ({micro}) × world size ({world_size}) = {per_step}")
+        formula = f"generation_batch_size = {gbs}"
+    else:
+        steps = spg if spg is not None else accum
+        gbs = per_step * steps
+        what = "steps_per_generation" if spg is not None else "gradient_accumulation_steps"
+        formula = (f"generation_batch_size = per_device_train_batch_size ({micro}) × world size ({world_size}) × "
+                   f"{what} ({steps}) = {gbs}")
+    if gbs % ngen:
+        step = ngen // math.gcd(per_step, ngen)
+        fixed = ((gbs // per_step) // step + 1) * step
+        raise RecipeError(f"{formula}, which is not a multiple of num_generations ({ngen}): every prompt needs all "
+                          f"its {ngen} completions in one generation batch. Set gradient_accumulation_steps (or "
+                          f"steps_per_generation) to a multiple of {step}, e.g. {fixed}, or num_generations to a "
+                          f"divisor of {gbs} that is >= 2")
+    return gbs
+
+
+def check_recipe(values: Mapping, *, device: str, bf16_supported: bool, device_name: str | None = None,
+                 world_size: int = 1, accelerate_mixed_precision: str | None = None) -> None:
+    """Reject impossible combinations with what to change: GRPO batch rule, bf16 on a device without it,
+    ``device_map: auto`` on MPS. ``values`` are the merged recipe values (see :func:`raw_values`)."""
+    device_name = device_name or device
+    gbs = check_batch_geometry(values, world_size)
+
+    if values.get("eval_dataset_size", 0) and values.get("eval_strategy", "no") != "no":
+        ngen = values.get("num_generations_eval") or values["num_generations"]
+        eval_batch = values["per_device_eval_batch_size"] * world_size
+        if eval_batch % ngen:
+            raise RecipeError(f"per_device_eval_batch_size ({values['per_device_eval_batch_size']}) × world size "
+                              f"({world_size}) = {eval_batch} is not a multiple of num_generations"
+                              f"{'_eval' if values.get('num_generations_eval') else ''} ({ngen}): set "
+                              f"per_device_eval_batch_size to a multiple of {ngen // math.gcd(world_size, ngen)}")
+
+    if values.get("dataset", "wordle") == "wordle":
+        prompts = gbs // values["num_generations"]
+        if values.get("dataset_size", prompts) < prompts:
+            raise RecipeError(f"dataset_size={values['dataset_size']} is too small: one generation batch takes "
+                              f"{prompts} prompts ({gbs} completions / num_generations {values['num_generations']})")
+
+    if not bf16_supported and not values.get("use_cpu"):
+        bf16 = values.get("bf16")
+        wants_amp = (not values.get("fp16")) if bf16 is None else bf16
+        if wants_amp or values.get("bf16_full_eval"):
+            how = "bf16: true" if bf16 else "bf16 unset (TRL then turns bf16 on)"
+            raise RecipeError(f"bf16 mixed precision is requested ({how}) but {device_name} has no bf16: "
+                              f"{_bf16_fix(device)}")
+        if device in ("mps", "cuda") and str(values.get("dtype")) == "bfloat16":
+            raise RecipeError(f"dtype: bfloat16 loads the weights in bf16 but {device_name} has no bf16: "
+                              f"{_bf16_fix(device)}")
+        if accelerate_mixed_precision == "bf16":
+            raise RecipeError(f"the accelerate config sets mixed_precision: bf16 but {device_name} has no bf16: "
+                              f"launch with --mixed_precision no (or recipes/accelerate/mps.yaml)")
+
+    if device == "mps" and not values.get("use_cpu"):
+        init_kwargs = _as_dict(values.get("model_init_kwargs"), "model_init_kwargs")
+        if init_kwargs.get("device_map") == "auto":
+            raise RecipeError("model_init_kwargs sets device_map: auto, which segfaults on MPS during training "
+                              "(TRL #7220): remove device_map; the trainer moves the model to MPS itself")
+
+
+def _saved_split(output_dir: str | None) -> dict | None:
+    """A split recorded by an earlier run that the batch tuner re-sized, if the tuner is installed."""
+    if not output_dir:
+        return None
+    try:
+        from .tuner import saved_split
+    except ImportError:
+        return None
+    return saved_split(output_dir)
+
+
+def apply_split(args, split: Mapping):
+    """``args`` with the tuner's split, keeping GRPO's generation batch (F4)."""
+    changes = {"per_device_train_batch_size": split["per_device_train_batch_size"],
+               "gradient_accumulation_steps": split["gradient_accumulation_steps"]}
+    if split.get("steps_per_generation"):
+        changes.update(steps_per_generation=split["steps_per_generation"], generation_batch_size=None)
+    else:
+        changes.update(generation_batch_size=args.generation_batch_size, steps_per_generation=None)
+    return dataclasses.replace(args, **changes)
+
+
+def resolve_checkpoint(resume: str | None, output_dir: str) -> str | None:
+    """``--resume_from_checkpoint PATH`` or ``last`` (the newest ``checkpoint-N`` in ``output_dir``)."""
+    if not resume or str(resume).lower() in ("false", "none"):
+        return None
+    if resume == "last":
+        from transformers.trainer_utils import get_last_checkpoint
+
+        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        if last is None:
+            raise RecipeError(f"resume_from_checkpoint=last: no checkpoint-N folder in output_dir {output_dir!r}; "
+                              f"drop the flag to start fresh or pass a checkpoint path")
+        return last
+    if not os.path.isdir(resume):
+        raise RecipeError(f"resume_from_checkpoint={resume!r}: no such directory (pass a checkpoint-N folder or "
+                          f"'last')")
+    return resume
+
+
+def parse_recipe(argv: list[str]):
+    """Validate and parse ``argv`` into ``(RecipeArguments, GRPOConfig, ModelConfig)``; a :class:`RecipeError`
+    comes before anything heavy (distributed init, model, data) happens."""
+    config_path, rest = _split_config(argv)
+    config = read_recipe(config_path) if config_path else {}
+    parser = make_parser()
+    check_keys(parser, config, rest, source=config_path or "recipe")
+    values = raw_values(parser, config, rest)
+    split = _saved_split(values.get("output_dir"))
+    if split:
+        values.update(split)
+    kind, bf16_ok, name = detect_device(bool(values.get("use_cpu")))
+    check_recipe(values, device=kind, bf16_supported=bf16_ok, device_name=name, world_size=world_size_from_env(),
+                 accelerate_mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION"))
+    if os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16" and values.get("bf16") is False:
+        logger.warning("the accelerate config sets mixed_precision: bf16, which overrides bf16: false in the recipe "
+                       "(F8); launch with --mixed_precision no to keep the recipe's precision")
+
+    args = ["--config", config_path, *rest] if config_path else rest
+    recipe, training_args, model_args = make_parser().parse_args_and_config(args)
+    if split:
+        logger.info("applying the split recorded by the batch tuner in %s: %s", training_args.output_dir, split)
+        training_args = apply_split(training_args, split)
+    recipe.callbacks = [name for name in ([recipe.callbacks] if isinstance(recipe.callbacks, str)
+                                          else recipe.callbacks) if name.lower() != "none"]
+    recipe.reward_funcs = [recipe.reward_funcs] if isinstance(recipe.reward_funcs, str) else recipe.reward_funcs
+    recipe.callback_kwargs = _as_dict(recipe.callback_kwargs, "callback_kwargs")
+    training_args.resume_from_checkpoint = resolve_checkpoint(training_args.resume_from_checkpoint,
+                                                              training_args.output_dir)
+    return recipe, training_args, model_args
+
+
+# ---------------------------------------------------------------- building blocks
+def _import_object(path: str, what: str):
+    module_name, _, attr = path.rpartition(".")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise RecipeError(f"{what} {path!r}: cannot import module {module_name!r} ({error})") from None
+    if not hasattr(module, attr):
+        raise RecipeError(f"{what} {path!r}: module {module_name!r} has no {attr!r}")
+    return getattr(module, attr)
+
+
+def _callback_class(name: str):
+    import hf_perf_callbacks
+
+    if "." in name:
+        return _import_object(name, "callback")
+    if name not in DEFAULT_CALLBACKS:
+        raise RecipeError(f"unknown callback {name!r}{_did_you_mean(name, list(DEFAULT_CALLBACKS))}: allowed are "
+                          f"{', '.join(DEFAULT_CALLBACKS)} or a dotted path pkg.module.Class")
+    cls = getattr(hf_perf_callbacks, name, None)
+    if cls is None and name == "AdaptiveBatchTuner":
+        try:
+            from .tuner import AdaptiveBatchTuner as cls
+        except ImportError as error:
+            raise RecipeError(f"callback 'AdaptiveBatchTuner' is not available in this install ({error}): remove it "
+                              f"from callbacks") from None
+    return cls
+
+
+def build_callbacks(names: list[str], kwargs: Mapping) -> list:
+    """Instantiate the named callbacks with their ``callback_kwargs`` (keyed by class name or dotted path)."""
+    if len(set(names)) != len(names):
+        raise RecipeError(f"callbacks={names!r} names a callback twice: two instances of one class overwrite each "
+                          f"other's saved state")
+    for key in kwargs:
+        short = key.rsplit(".", 1)[-1]
+        if short not in DEFAULT_CALLBACKS and key not in names and short not in (n.rsplit(".", 1)[-1] for n in names):
+            raise RecipeError(f"callback_kwargs names unknown callback {key!r}"
+                              f"{_did_you_mean(short, list(DEFAULT_CALLBACKS))}")
+    callbacks = []
+    for name in names:
+        cls = _callback_class(name)
+        options = kwargs.get(name, kwargs.get(name.rsplit(".", 1)[-1], {})) or {}
+        if not isinstance(options, Mapping):
+            raise RecipeError(f"callback_kwargs[{name!r}]={options!r} is not allowed: expected a mapping")
+        try:
+            callbacks.append(cls(**options))
+        except TypeError as error:
+            raise RecipeError(f"callback_kwargs[{name!r}]: {error}") from None
+    return callbacks
+
+
+def resolve_reward_funcs(names: list[str], max_completion_length: int) -> list:
+    """TRL's reward registry names or dotted paths, as functions."""
+    if not names:
+        raise RecipeError("reward_funcs is empty: GRPO needs at least one reward function")
+    funcs = []
+    for name in names:
+        if name in TRL_REWARDS:
+            from trl import rewards
+
+            func = getattr(rewards, name)
+            if name == "get_soft_overlong_punishment":     # punish the last quarter of the recipe's length budget
+                func = func(max_completion_len=max_completion_length,
+                            soft_punish_cache=max(1, max_completion_length // 4))
+        elif "." in name:
+            func = _import_object(name, "reward function")
+        else:
+            raise RecipeError(f"unknown reward function {name!r}{_did_you_mean(name, list(TRL_REWARDS))}: allowed are "
+                              f"{', '.join(TRL_REWARDS)} or a dotted path pkg.module.func")
+        if not callable(func):
+            raise RecipeError(f"reward function {name!r} is not callable")
+        funcs.append(func)
+    return funcs
+
+
+def build_datasets(recipe: RecipeArguments, seed: int, conversational: bool):
+    """(train, eval or None) for ``recipe.dataset``."""
+    if recipe.eval_dataset_size < 0 or recipe.dataset_size < 1:
+        raise RecipeError(f"dataset_size={recipe.dataset_size} / eval_dataset_size={recipe.eval_dataset_size}: "
+                          f"expected dataset_size >= 1 and eval_dataset_size >= 0")
+    if recipe.dataset == "wordle":
+        from .tasks import wordle
+
+        train = wordle.make_dataset(recipe.dataset_size, seed=seed, split=recipe.dataset_split,
+                                    conversational=conversational)
+        evaluation = (wordle.make_dataset(recipe.eval_dataset_size, seed=seed, split="eval",
+                                          conversational=conversational) if recipe.eval_dataset_size else None)
+        return train, evaluation
+
+    from datasets import load_dataset
+
+    suffix = os.path.splitext(recipe.dataset)[1].lower()
+    if suffix in FILE_FORMATS:
+        if not os.path.isfile(recipe.dataset):
+            raise RecipeError(f"dataset={recipe.dataset!r}: no such file")
+        data = load_dataset(FILE_FORMATS[suffix], data_files=recipe.dataset, split="train")
+    else:
+        data = load_dataset(recipe.dataset, split=recipe.dataset_split)
+    if "prompt" not in data.column_names:
+        raise RecipeError(f"dataset={recipe.dataset!r} has no 'prompt' column (GRPO needs one); its columns are "
+                          f"{data.column_names}")
+    if not recipe.eval_dataset_size:
+        return data, None
+    parts = data.train_test_split(test_size=recipe.eval_dataset_size, seed=seed)
+    return parts["train"], parts["test"]
+
+
+def _torch_dtype(dtype):
+    import torch
+
+    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
+        return dtype
+    if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+        raise RecipeError(f"dtype={dtype!r} is not allowed: expected auto, bfloat16, float16 or float32")
+    return getattr(torch, dtype)
+
+
+def build_tokenizer(model_args, training_args):
+    """The model's tokenizer: left padding (as TRL loads it), pad token falls back to eos."""
+    from transformers import AutoTokenizer
+
+    if not model_args.model_name_or_path:
+        raise RecipeError("model_name_or_path is not set: name a hub model or a local directory")
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
+                                              trust_remote_code=training_args.trust_remote_code,
+                                              padding_side="left", truncation_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_model(model_args, training_args):
+    """``AutoModelForCausalLM.from_pretrained`` with the recipe's dtype and ``model_init_kwargs``; no
+    ``device_map`` on MPS (the trainer moves the model)."""
+    from transformers import AutoModelForCausalLM
+    from trl import get_quantization_config
+
+    kwargs = _as_dict(training_args.model_init_kwargs, "model_init_kwargs")
+    kwargs.setdefault("revision", model_args.model_revision)
+    kwargs.setdefault("trust_remote_code", training_args.trust_remote_code)
+    if model_args.attn_implementation:
+        kwargs.setdefault("attn_implementation", model_args.attn_implementation)
+    kwargs["dtype"] = _torch_dtype(kwargs.get("dtype", model_args.dtype))
+    quantization = get_quantization_config(model_args)       # load_in_4bit / load_in_8bit, as in TRL's script
+    if quantization is not None:
+        kwargs["quantization_config"] = quantization
+    if training_args.device.type == "mps":
+        kwargs.pop("device_map", None)                 # device_map on MPS segfaults in training (TRL #7220)
+    model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
+    training_args.model_init_kwargs = None             # used here; GRPOTrainer would warn about them
+    return model
+
+
+def _describe(recipe, args, model_args, callbacks) -> str:
+    world, micro, accum = args.world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps
+    lora = f", LoRA r={model_args.lora_r}" if model_args.use_peft else ""
+    names = ", ".join(type(cb).__name__ for cb in callbacks) or "none"
+    return (f"recipe: {model_args.model_name_or_path} ({model_args.dtype}{lora}) on {args.device.type} × {world}; "
+            f"micro-batch {micro} × accumulation {accum} × world {world} = {micro * accum * world} completions per "
+            f"optimizer step; generation batch {args.generation_batch_size} = "
+            f"{args.generation_batch_size // args.num_generations} prompts × {args.num_generations}; "
+            f"max_completion_length {args.max_completion_length}; dataset {recipe.dataset}; callbacks {names}")
+
+
+def report_run(output_dir: str, plots: bool = True) -> int:
+    """Print the run's perf report (``report.main``) and the analysis summary; the report's exit code."""
+    try:
+        from . import report
+    except ImportError as error:
+        print(f"perf report not available in this install ({error})", file=sys.stderr)
+        return 1
+    code = report.main(output_dir, plots=plots)
+    if code:
+        return code
+    try:
+        from . import analysis
+    except ImportError as error:
+        print(f"(analysis not available in this install: {error})", file=sys.stderr)
+        return code
+    _, findings = analysis.write_perf_report(output_dir)
+    print(analysis.console_summary(findings))
+    return code
+
+
+def _report(output_dir: str) -> None:
+    """End-of-run report; a failure here is logged and does not fail the finished run."""
+    try:
+        report_run(output_dir)
+    except Exception:                                  # training and checkpoints are already saved
+        logger.exception("the perf report failed; rerun it with `hf-perf report %s`", output_dir)
+
+
+def _end(trainer) -> None:
+    """Finish the trackers and destroy the process group (``Trainer.end``).
+
+    Several processes meet at a barrier first and then sleep briefly without the GIL: gloo's process-group
+    destructor joins its worker thread while holding the GIL, and deadlocks when that thread still has to release
+    the last collective's tensors (pytorch/pytorch#56297, #75097; seen on 2-process CPU runs).
+    """
+    if trainer.args.world_size > 1:
+        trainer.accelerator.wait_for_everyone()
+        time.sleep(0.5)
+    if hasattr(trainer, "end"):                        # transformers >= 5.18
+        trainer.end()
+
+
+# ---------------------------------------------------------------- entry point
+def run(recipe: RecipeArguments, training_args, model_args) -> int:
+    """Build the trainer from parsed arguments, train, save, report."""
+    from trl import GRPOTrainer, get_peft_config
+
+    callbacks = build_callbacks(recipe.callbacks, recipe.callback_kwargs)
+    rewards = resolve_reward_funcs(recipe.reward_funcs, training_args.max_completion_length)
+    tokenizer = build_tokenizer(model_args, training_args)
+    train_data, eval_data = build_datasets(recipe, training_args.seed,
+                                           conversational=getattr(tokenizer, "chat_template", None) is not None)
+    model = build_model(model_args, training_args)
+    if eval_data is not None and training_args.eval_strategy == "no":
+        logger.warning("eval_dataset_size=%d but eval_strategy is 'no': set eval_strategy: steps to evaluate",
+                       recipe.eval_dataset_size)
+    trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=training_args, train_dataset=train_data,
+                          eval_dataset=eval_data, processing_class=tokenizer,
+                          peft_config=get_peft_config(model_args) if model_args.use_peft else None,
+                          callbacks=callbacks)
+    if trainer.is_world_process_zero():
+        logger.info(_describe(recipe, training_args, model_args, callbacks))
+
+    resume = training_args.resume_from_checkpoint
+    if any(type(cb).__name__ == "AdaptiveBatchTuner" for cb in callbacks):
+        from .tuner import train_with_tuning
+
+        train_with_tuning(trainer, resume_from_checkpoint=resume, probe=recipe.probe)
+    else:
+        trainer.train(resume_from_checkpoint=resume)
+
+    trainer.save_model(training_args.output_dir)
+    main_process = trainer.is_world_process_zero()
+    if main_process:
+        trainer.save_state()
+    _end(trainer)
+    if main_process and recipe.report:
+        _report(training_args.output_dir)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Launch a recipe: ``--config R.yaml [--key value ...]``; 0 on success, 2 on an invalid recipe."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("hf_perf_callbacks").setLevel(logging.INFO)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        recipe, training_args, model_args = parse_recipe(argv)
+    except ValueError as error:                        # RecipeError and the dataclasses' own checks
+        print(f"hf_perf_callbacks.train: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        return run(recipe, training_args, model_args)
+    except RecipeError as error:
+        print(f"hf_perf_callbacks.train: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

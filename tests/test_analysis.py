@@ -1,0 +1,349 @@
+"""Performance analysis: each rule on the situation of a field report, a healthy run, ranking, the Markdown report,
+and measurements read from a synthetic and a real (demo) run directory."""
+import dataclasses
+import json
+import os
+
+import pytest
+
+from hf_perf_callbacks import analysis
+from hf_perf_callbacks.analysis import (RULES, Finding, Measurements, analyze, console_summary, measurements_from_run,
+                                        render_markdown, write_perf_report)
+
+QWEN_3B = {"num_hidden_layers": 36, "hidden_size": 2048, "intermediate_size": 11008, "num_attention_heads": 16,
+           "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 151936, "params": 3_090_000_000,
+           "trainable_params": 15_000_000, "bytes_per_param": 2}
+SECTIONS = ("### Observation", "### Root cause", "### Recommendation", "### Expected gain", "### Confidence")
+
+
+def healthy(**changes) -> Measurements:
+    """A healthy CUDA GRPO run: warmup over at 2 steps, little data wait, generation 30%, MFU 0.45, no memory
+    pressure, 5% padding, completions near the limit with little clipping."""
+    m = Measurements(
+        device_type="cuda", world_size=1, grpo=True, micro_batch=8, grad_accum=4, max_completion_length=128,
+        num_generations=8, activation_checkpointing=False, model=dict(QWEN_3B),
+        dataloader={"num_workers": 0, "persistent_workers": False, "prefetch_factor": None, "pin_memory": True},
+        steps=200, warmup_steps=2, warmup_overhead_sec=0.8, first_step_slowdown=1.4, steady_step_sec=2.0,
+        steady_tokens_per_sec=9000.0, mfu=0.45,
+        phases={"data_wait": 0.02, "generation": 0.30, "compute": 0.68, "eval": 0.0, "save": 0.0},
+        pad_fraction=0.05, forwards_per_microbatch=1.0, decode_bandwidth_util=0.4,
+        completion_mean=90.0, completion_max=128.0, completion_p90=120.0, clipped_ratio=0.03,
+        mem_high_water_gb=30.0, mem_budget_gb=68.0, driver_gb_max=34.0, allocated_gb_at_driver_max=30.0,
+        max_pressure=0, swap_growth_gb=0.0, swapout_steps=0, min_steps_to_wall=None, watchdog_actions=[],
+        seq_len=400)
+    return dataclasses.replace(m, **changes)
+
+
+def only(m: Measurements) -> Finding:
+    findings = analyze(m)
+    assert len(findings) == 1, [f.rule for f in findings]
+    return findings[0]
+
+
+def test_healthy_run_has_no_findings_and_says_so():
+    m = healthy()
+    assert analyze(m) == []
+    text = render_markdown([], m)
+    assert "Healthy run" in text and "cuda" in text
+    assert "healthy" in console_summary([])
+
+
+def test_missing_optional_data_fires_nothing():
+    m = healthy(mfu=None, phases={}, pad_fraction=None, forwards_per_microbatch=None, decode_bandwidth_util=None,
+                completion_mean=None, completion_max=None, completion_p90=None, clipped_ratio=None,
+                first_step_slowdown=None, warmup_overhead_sec=None, warmup_steps=None, mem_high_water_gb=None,
+                mem_budget_gb=None, driver_gb_max=None, allocated_gb_at_driver_max=None, max_pressure=None,
+                swap_growth_gb=None, model={}, seq_len=None, micro_batch=None, grad_accum=None)
+    assert analyze(m) == []
+
+
+def test_seed_000_warmup_is_explained_as_normal():
+    # first batch 29.6 s, steady 4.0 s: 7.3x, ~25 s overhead over a 200-step run on MPS
+    f = only(healthy(device_type="mps", first_step_slowdown=7.3, warmup_steps=10, warmup_overhead_sec=25.6,
+                     steady_step_sec=4.0, steady_tokens_per_sec=254.3, mfu=None, decode_bandwidth_util=None))
+    assert f.rule == "warmup" and f.expected_gain == 1.0 and f.confidence == "high"
+    assert "7.3x" in f.observation and "Metal shader" in f.root_cause and "AdamW" in f.root_cause
+    assert "perf/steady_tokens_per_sec" in f.recommendation and "Nothing to fix" in f.recommendation
+
+
+def test_warmup_in_a_short_run_has_a_gain_with_formula():
+    f = only(healthy(first_step_slowdown=7.3, warmup_steps=3, warmup_overhead_sec=25.6, steady_step_sec=4.0,
+                     steps=10))
+    share = 25.6 / (10 * 4.0 + 25.6)
+    assert f.expected_gain == pytest.approx(1 / (1 - share))
+    assert f"1/(1 − {share:.2f})" in f.gain_formula and "steps" in f.recommendation
+
+
+def test_seed_001_input_bound_on_cuda():
+    f = only(healthy(micro_batch=1, grad_accum=1,
+                     phases={"data_wait": 0.83, "generation": 0.0, "compute": 0.17, "eval": 0.0, "save": 0.0},
+                     grpo=False, dataloader={"num_workers": 0, "persistent_workers": False, "prefetch_factor": None,
+                                             "pin_memory": False}))
+    assert f.rule == "input_bound" and f.confidence == "high"
+    assert f.expected_gain == pytest.approx(1 / (1 - 0.83)) and "5.9x" in f.gain_formula
+    assert "1/(1 − 0.83)" in f.gain_formula
+    for setting in ("`dataloader_num_workers: 4`", "`dataloader_persistent_workers: true`",
+                    "`dataloader_prefetch_factor: 2`", "`dataloader_pin_memory: true`"):
+        assert setting in f.recommendation
+    assert "83%" in f.observation and "num_workers=0" in f.observation
+
+
+def test_input_bound_keeps_settings_already_right_and_raises_workers():
+    f = only(healthy(grpo=False, phases={"data_wait": 0.4, "compute": 0.6},
+                     dataloader={"num_workers": 4, "persistent_workers": True, "prefetch_factor": 4,
+                                 "pin_memory": True}))
+    assert "`dataloader_num_workers: 8`" in f.recommendation and "4 DataLoader workers" in f.root_cause
+    assert "persistent_workers" not in f.recommendation and "pin_memory" not in f.recommendation
+    assert "CPU cores" not in f.recommendation
+
+
+def test_input_bound_on_mps_warns_about_fork_and_leaves_pin_memory_off():
+    f = only(healthy(device_type="mps", mfu=None,
+                     phases={"data_wait": 0.25, "generation": 0.3, "compute": 0.45, "eval": 0.0, "save": 0.0}))
+    assert f.rule == "input_bound" and f.confidence == "medium"
+    assert "`dataloader_num_workers: 2`" in f.recommendation and "fork" in f.recommendation
+    assert "`dataloader_pin_memory: false`" in f.recommendation
+
+
+def test_generation_bound_on_cuda_points_at_vllm_and_says_launch_bound():
+    # the H100 measurement: generation ~95% of the step, decode under 1% of the bandwidth
+    f = only(healthy(phases={"data_wait": 0.0, "generation": 0.95, "compute": 0.05, "eval": 0.0, "save": 0.0},
+                     decode_bandwidth_util=0.008, mfu=0.3))
+    assert f.rule == "generation_bound" and f.confidence == "medium"
+    assert "`use_vllm: true`" in f.recommendation and "`vllm_mode: colocate`" in f.recommendation
+    assert "`cache_implementation: static`" in f.recommendation
+    assert "launch-bound, not bandwidth-bound" in f.observation and "0.8%" in f.observation
+    assert f.expected_gain == pytest.approx(1 / (0.05 + 0.95 / 2))
+    assert "1/((1 − 0.95) + 0.95/2)" in f.gain_formula and "1/(1 − 0.95) = 20.0x" in f.gain_formula
+
+
+def test_generation_bound_on_mps_suggests_shorter_completions_and_fewer_generations():
+    f = only(healthy(device_type="mps", mfu=None, decode_bandwidth_util=None,
+                     phases={"data_wait": 0.0, "generation": 0.7, "compute": 0.3, "eval": 0.0, "save": 0.0}))
+    assert f.rule == "generation_bound" and f.confidence == "low"
+    assert "use_vllm" not in f.recommendation
+    assert "`max_completion_length`" in f.recommendation and "`num_generations: 4`" in f.recommendation
+    assert "`per_device_train_batch_size: 4`" in f.recommendation and "`steps_per_generation: 8`" in f.recommendation
+
+
+def test_seed_003_completion_budget_512_to_128():
+    f = only(healthy(device_type="mps", mfu=None, decode_bandwidth_util=None, micro_batch=2, grad_accum=1,
+                     num_generations=2, max_completion_length=512, completion_mean=60.0, completion_max=80.0,
+                     completion_p90=78.0, clipped_ratio=0.0))
+    assert f.rule == "completion_budget" and f.confidence == "high"
+    assert "`max_completion_length: 128`" in f.recommendation
+    # the KV-cache formula with this model's numbers: 2 × 36 × 2 × 128 × 2 B × (512 − 128) × 2 sequences
+    kv_formula = "2 × 36 layers × 2 kv_heads × 128 head_dim × 2 B × (512 − 128) tokens × 2 sequences"
+    assert kv_formula in f.recommendation
+    kv = analysis.kv_cache_bytes_per_token(QWEN_3B)
+    assert kv == 2 * 36 * 2 * 128 * 2
+    assert f.expected_gain == 1.0 and "1.0x" in f.gain_formula
+
+
+def test_completion_budget_with_rare_runaways_has_a_time_gain():
+    f = only(healthy(max_completion_length=512, completion_max=512.0, completion_p90=90.0, clipped_ratio=0.02))
+    assert f.rule == "completion_budget" and "`max_completion_length: 128`" in f.recommendation
+    p = 1 - (1 - 0.02) ** 32
+    assert f.expected_gain == pytest.approx(1 / (1 - 0.30 * p * (1 - 128 / 512)))
+    assert "P = 1 − (1 − 0.020)^32" in f.gain_formula and "would be cut" in f.recommendation
+
+
+def test_clipped_completions_are_a_quality_note_without_a_cut():
+    f = only(healthy(completion_mean=127.0, completion_max=128.0, completion_p90=128.0, clipped_ratio=0.9))
+    assert f.rule == "completion_budget" and f.expected_gain == 1.0
+    assert "Do not shorten" in f.recommendation and "`max_completion_length: 256`" in f.recommendation
+    assert "`mask_truncated_completions: true`" in f.recommendation
+
+
+def test_seed_003_memory_pressure_swapping():
+    f = only(healthy(device_type="mps", mfu=None, decode_bandwidth_util=None, micro_batch=2, grad_accum=1,
+                     num_generations=2, max_completion_length=512, completion_mean=None, completion_max=None,
+                     completion_p90=None, clipped_ratio=None, seq_len=600, swap_growth_gb=6.0, swapout_steps=20,
+                     max_pressure=2, mem_high_water_gb=40.0, mem_budget_gb=38.0, driver_gb_max=40.0,
+                     allocated_gb_at_driver_max=24.0,
+                     watchdog_actions=[{"step": 4, "action": "clear_cache", "message": "cleared"}]))
+    assert f.rule == "memory_pressure" and f.confidence == "medium"
+    assert f.expected_gain == pytest.approx(226 / 40) and "226 s / 40 s = 5.65x" in f.gain_formula
+    assert "`activation_checkpointing: true`" in f.recommendation
+    assert "`per_device_train_batch_size: 1` with `gradient_accumulation_steps: 2`" in f.recommendation
+    assert "2 × 1 = 1 × 2 = 2" in f.recommendation
+    assert "MPSCacheClearer" in f.recommendation and "MemoryWatchdog" in f.recommendation
+    assert "34 × 2048 hidden × 36 layers × 2/2 B" in f.recommendation       # the activation formula shown
+    assert f.observation.startswith("Swap grew by 6.00 GB") and "clear_cache at step 4" in f.observation
+    assert "16.00 GB cached" in f.observation
+
+
+def test_seed_003_full_situation_ranks_memory_first_and_cuts_completions_to_128():
+    m = healthy(device_type="mps", mfu=None, decode_bandwidth_util=None, micro_batch=2, grad_accum=1,
+                num_generations=2, max_completion_length=512, completion_mean=60.0, completion_max=80.0,
+                completion_p90=78.0, clipped_ratio=0.0, seq_len=600, swap_growth_gb=6.0, swapout_steps=20,
+                max_pressure=2)
+    findings = analyze(m)
+    assert [f.rule for f in findings] == ["memory_pressure", "completion_budget"]
+    assert all("`max_completion_length: 128`" in f.recommendation for f in findings)
+
+
+def test_memory_pressure_without_swapping_has_no_speed_gain():
+    f = only(healthy(max_pressure=1, min_steps_to_wall=8.0))
+    assert f.rule == "memory_pressure" and f.expected_gain == 1.0 and "1.0x" in f.gain_formula
+    assert "8 steps away" in f.observation and "expandable_segments" in f.recommendation
+
+
+def test_cuda_reserved_above_allocated_far_from_the_budget_is_no_alarm():
+    assert analyze(healthy(driver_gb_max=20.0, allocated_gb_at_driver_max=5.0)) == []
+
+
+def test_small_micro_batch_low_mfu_recommends_the_tuner():
+    # the H100 measurement: 1 × 32, non-generation ("rest") 49% of the step
+    f = only(healthy(micro_batch=1, grad_accum=32, mfu=0.05,
+                     phases={"data_wait": 0.0, "generation": 0.49, "compute": 0.51, "eval": 0.0, "save": 0.0}))
+    assert f.rule == "small_micro_batch_low_mfu" and f.confidence == "medium"
+    assert "AdaptiveBatchTuner" in f.recommendation and "train_with_tuning" in f.recommendation
+    assert "`per_device_train_batch_size: 4`, `gradient_accumulation_steps: 8`" in f.recommendation
+    assert "16×2" in f.recommendation
+    assert f.expected_gain == pytest.approx(1 / (0.49 + 0.51 / 2)) and "1/((1 − 0.51) + 0.51/2)" in f.gain_formula
+
+
+def test_small_micro_batch_is_not_recommended_under_memory_pressure():
+    findings = analyze(healthy(micro_batch=1, grad_accum=32, mfu=0.05, max_pressure=1))
+    assert [f.rule for f in findings] == ["memory_pressure"]
+
+
+def test_seed_004_duplicate_forward():
+    f = only(healthy(forwards_per_microbatch=2.0))
+    assert f.rule == "duplicate_forward"
+    assert f.expected_gain == pytest.approx(1 / (0.32 + 0.68 / 2))
+    assert "1/((1 − 0.68) + 0.68/2.00)" in f.gain_formula and "torch.no_grad()" in f.recommendation
+
+
+def test_seed_004_padding_waste():
+    f = only(healthy(grpo=False, pad_fraction=0.45,
+                     phases={"data_wait": 0.0, "generation": 0.0, "compute": 1.0, "eval": 0.0, "save": 0.0}))
+    assert f.rule == "padding_waste"
+    assert f.expected_gain == pytest.approx(1 / (1 - 0.45)) and "1/(1 − 0.45)" in f.gain_formula
+    assert "`train_sampling_strategy: group_by_length`" in f.recommendation and "packing" in f.recommendation
+
+
+def test_ranking_by_expected_gain_and_markdown_sections():
+    m = healthy(phases={"data_wait": 0.5, "generation": 0.0, "compute": 0.5, "eval": 0.0, "save": 0.0},
+                forwards_per_microbatch=2.0, pad_fraction=0.3, first_step_slowdown=3.0)
+    findings = analyze(m)
+    gains = [f.expected_gain for f in findings]
+    assert gains == sorted(gains, reverse=True)
+    assert [f.rule for f in findings] == ["input_bound", "duplicate_forward", "padding_waste", "warmup"]
+    text = render_markdown(findings, m)
+    assert text.startswith("# Performance report") and "**Run:** cuda × 1" in text
+    for section in SECTIONS:
+        assert text.count(section) == len(findings)
+    assert text.index("Input-bound") < text.index("Duplicate forward") < text.index("Padding waste")
+    console = console_summary(findings, top=2)
+    assert "Input-bound" in console and "Padding" not in console and "2 more" in console
+
+
+def test_rules_list_is_complete_and_pure():
+    names = {r.__name__.removeprefix("rule_") for r in RULES}
+    assert names == {"warmup", "input_bound", "generation_bound", "completion_budget", "memory_pressure",
+                     "small_micro_batch_low_mfu", "duplicate_forward", "padding_waste"}
+
+
+def _write_run(tmp_path, steps, state=True):
+    run = {"type": "run", "source": "perf", "device": "Apple M3 Max", "device_type": "mps", "world_size": 1,
+           "grpo": True, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
+           "max_completion_length": 512, "num_generations": 2, "activation_checkpointing": False,
+           "model": QWEN_3B, "dataloader": {"num_workers": 0, "persistent_workers": False,
+                                            "prefetch_factor": None, "pin_memory": False}}
+    lines = [run, {"type": "run", "source": "mem", "budget_gb": 38.0, "device_limit_gb": 40.0,
+                   "system_total_gb": 48.0}]
+    lines += steps
+    lines.append({"type": "event", "source": "mem", "kind": "action", "step": 5, "message": "cleared caches",
+                  "action": "clear_cache"})
+    with open(tmp_path / "perf_log.jsonl", "w") as fh:
+        fh.write("\n".join(json.dumps(line) for line in lines) + "\n{truncated")
+    if state:
+        logs = [{"step": s, "completions/mean_length": 60.0 + s, "completions/max_length": 70.0 + s,
+                 "completions/clipped_ratio": 0.0} for s in range(1, 11)]
+        (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": logs + [{"train_runtime": 3.0}]}))
+
+
+def _steps(n=10):
+    out = []
+    for s in range(1, n + 1):
+        out.append({"type": "step", "step": s, "perf/steady": int(s > 2), "perf/step_wall_sec": 40.0 + 20 * s,
+                    "perf/phase_sec/data_wait": 1.0, "perf/phase_sec/generation": 30.0, "perf/phase_sec/compute": 9.0,
+                    "perf/phase_sec/eval": 0.0, "perf/phase_sec/save": 0.0, "perf/pad_fraction": 0.1,
+                    "perf/forwards_per_microbatch": 1.0, "perf/seq_len": 500 + s, "perf/tokens": 1000.0,
+                    "mem/device_used_gb": 30.0 + s, "mem/driver_gb": 30.0 + s, "mem/allocated_gb": 20.0,
+                    "mem/pressure": 2 if s > 6 else 0, "mem/swap_used_gb": 1.0 + 0.5 * s,
+                    "mem/swapouts": 100 if s > 6 else 0, "mem/steps_to_wall": 50.0 - s})
+    return out
+
+
+def test_measurements_from_a_synthetic_run(tmp_path):
+    _write_run(tmp_path, _steps())
+    m = measurements_from_run(str(tmp_path))
+    assert m.device_type == "mps" and m.grpo and m.micro_batch == 2 and m.grad_accum == 1
+    assert m.max_completion_length == 512 and m.activation_checkpointing is False and m.model == QWEN_3B
+    assert m.steps == 10 and m.seq_len == 510
+    assert m.phases["generation"] == pytest.approx(0.75) and m.phases["data_wait"] == pytest.approx(0.025)
+    assert m.steady_step_sec == pytest.approx(40 + 20 * 6.5)        # median of the steady steps 3..10
+    assert m.pad_fraction == pytest.approx(0.1) and m.forwards_per_microbatch == 1.0
+    assert m.completion_max == 80.0 and m.completion_mean == pytest.approx(65.5)
+    assert 78.0 < m.completion_p90 < 80.0 and m.clipped_ratio == 0.0
+    assert m.swap_growth_gb == pytest.approx(4.5) and m.swapout_steps == 4 and m.max_pressure == 2
+    assert m.driver_gb_max == 40.0 and m.allocated_gb_at_driver_max == 20.0
+    assert m.mem_high_water_gb == 40.0 and m.mem_budget_gb == 38.0
+    assert m.min_steps_to_wall == 40.0
+    assert m.watchdog_actions == [{"step": 5, "action": "clear_cache", "message": "cleared caches"}]
+    assert m.mfu is None and m.decode_bandwidth_util is None
+    rules = [f.rule for f in analyze(m)]
+    assert rules[0] == "memory_pressure" and "completion_budget" in rules and "generation_bound" in rules
+    path, findings = write_perf_report(str(tmp_path))
+    text = open(path).read()
+    assert path == os.path.join(str(tmp_path), "perf_report.md") and findings
+    assert "`max_completion_length: 128`" in text and all(section in text for section in SECTIONS)
+
+
+def test_measurements_without_trainer_state_or_summary(tmp_path):
+    _write_run(tmp_path, _steps(4), state=False)
+    m = measurements_from_run(str(tmp_path))
+    assert m.completion_max is None and m.clipped_ratio is None and m.steps == 4
+    assert "completion_budget" not in [f.rule for f in analyze(m)]
+
+
+def test_missing_perf_log_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="perf_log.jsonl"):
+        measurements_from_run(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    from hf_perf_callbacks.demo import build_demo_trainer
+
+    output_dir = str(tmp_path_factory.mktemp("demo"))
+    trainer = build_demo_trainer(output_dir, max_steps=6)
+    trainer.train()
+    trainer.save_state()
+    return output_dir
+
+
+def test_measurements_from_a_real_demo_run(demo_run):
+    m = measurements_from_run(demo_run)
+    assert m.device_type == "cpu" and m.grpo and m.steps == 6
+    assert m.micro_batch == 4 and m.grad_accum == 2 and m.max_completion_length == 24 and m.num_generations == 4
+    assert m.model["num_hidden_layers"] == 2 and m.dataloader["num_workers"] == 0
+    assert sum(m.phases.values()) == pytest.approx(1.0) and m.phases["generation"] > 0
+    assert m.forwards_per_microbatch == pytest.approx(1.0) and 0 <= m.pad_fraction < 1
+    assert m.completion_max is not None and m.completion_max <= 24 and m.clipped_ratio is not None
+    assert m.mem_high_water_gb > 0 and m.mem_budget_gb > 0 and m.swapout_steps == 0
+    rules = [f.rule for f in analyze(m)]
+    assert "duplicate_forward" not in rules and "memory_pressure" not in rules and "input_bound" not in rules
+
+
+def test_write_perf_report_on_the_demo_run(demo_run):
+    path, findings = write_perf_report(demo_run)
+    text = open(path).read()
+    assert os.path.basename(path) == "perf_report.md" and text.startswith("# Performance report")
+    assert "**Run:** cpu × 1 · GRPO · 6 steps" in text
+    for f in findings:
+        assert f.title in text and f.gain_formula in text
+    assert console_summary(findings).startswith("== Performance analysis ==")

@@ -1,0 +1,124 @@
+"""hf_perf_callbacks.estimate: hand-computed values, monotonicity, checkpointing, seed 003's fix, the README table."""
+import os
+import re
+
+import pytest
+
+from hf_perf_callbacks.estimate import (QWEN25, estimate_grpo_memory, format_gib, layer_activation_elements,
+                                        lora_param_count)
+
+SMALL = dict(layers=2, hidden=8, intermediate=16, heads=2, kv_heads=1, head_dim=4, vocab=10, params=1000)
+README = os.path.join(os.path.dirname(__file__), "..", "recipes", "README.md")
+
+
+def small(**overrides):
+    settings = dict(micro_batch=2, num_generations=2, generation_batch=4, prompt_tokens=3, max_completion_length=5,
+                    dtype_bytes=2, lora_params=100, activation_checkpointing=True)
+    settings.update(overrides)
+    return estimate_grpo_memory(SMALL, **settings)
+
+
+def test_hand_computed_small_config():
+    # seq = 3 + 5 = 8, tokens = 2 × 8 = 16, per-layer elements = 6·8 + 2·1·4 + 4·16 = 120
+    assert layer_activation_elements(SMALL) == 120
+    with_ckpt = small()
+    assert with_ckpt == {
+        "weights": 1000 * 2,
+        "lora": 100 * 16,
+        "kv_cache": 2 * 2 * 1 * 4 * 2 * 8 * 4,                 # 1024
+        "activations": 2 * 8 * 16 * 2 + 120 * 16 * 2,          # 512 + 3840
+        "logits": 2 * 8 * 10 * 4,                              # 640
+        "total": 2000 + 1600 + 1024 + 4352 + 640,
+    }
+    without = small(activation_checkpointing=False)
+    assert without["activations"] == 2 * 120 * 16 * 2
+    assert without["total"] == 2000 + 1600 + 1024 + 7680 + 640
+
+
+def test_lora_param_count_by_hand():
+    # r × (in + out) per module: q 16, k 12, v 12, o 16, gate 24, up 24, down 24 = 128; × r 2 × layers 2
+    assert lora_param_count(SMALL, r=2) == 512
+    assert lora_param_count(SMALL, r=2, target_modules=("q_proj", "v_proj")) == 2 * 2 * (16 + 12)
+    with pytest.raises(ValueError, match="lm_head"):
+        lora_param_count(SMALL, r=2, target_modules=("lm_head",))
+
+
+@pytest.mark.parametrize("name", sorted(QWEN25))
+def test_qwen_table_is_self_consistent(name):
+    m = QWEN25[name]
+    assert m["heads"] * m["head_dim"] == m["hidden"] and m["vocab"] == 151936 and m["tie_word_embeddings"]
+    h, i, kv = m["hidden"], m["intermediate"], m["kv_heads"] * m["head_dim"]
+    per_layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h   # q/k/v with bias, o, MLP, 2 norms
+    assert m["vocab"] * h + m["layers"] * per_layer + h == m["params"]      # tied embeddings + final norm
+
+
+def test_longer_completions_and_larger_micro_batches_need_more():
+    m = QWEN25["Qwen/Qwen2.5-1.5B-Instruct"]
+    base = dict(micro_batch=2, num_generations=4, generation_batch=8, prompt_tokens=200, max_completion_length=128,
+                dtype_bytes=2, lora_params=lora_param_count(m, 16), activation_checkpointing=True)
+    ref = estimate_grpo_memory(m, **base)
+    longer = estimate_grpo_memory(m, **{**base, "max_completion_length": 512})
+    bigger = estimate_grpo_memory(m, **{**base, "micro_batch": 4})
+    for key in ("kv_cache", "activations", "logits", "total"):
+        assert longer[key] > ref[key]
+    for key in ("activations", "logits", "total"):
+        assert bigger[key] > ref[key]
+    assert bigger["kv_cache"] == ref["kv_cache"] and bigger["weights"] == ref["weights"]
+
+
+@pytest.mark.parametrize("name", sorted(QWEN25))
+def test_checkpointing_reduces_activations(name):
+    m = QWEN25[name]
+    common = dict(micro_batch=2, num_generations=4, generation_batch=8, prompt_tokens=200, max_completion_length=128,
+                  dtype_bytes=2, lora_params=0)
+    on = estimate_grpo_memory(m, activation_checkpointing=True, **common)
+    off = estimate_grpo_memory(m, activation_checkpointing=False, **common)
+    assert on["activations"] < off["activations"] / 5
+    assert on["total"] < off["total"]
+
+
+def test_seed_003_fix_cuts_the_completion_kv_cache_fourfold():
+    m = QWEN25["Qwen/Qwen2.5-3B-Instruct"]
+    common = dict(micro_batch=1, num_generations=2, generation_batch=2, prompt_tokens=0, dtype_bytes=2,
+                  lora_params=lora_param_count(m, 16), activation_checkpointing=True)
+    before = estimate_grpo_memory(m, max_completion_length=512, **common)
+    after = estimate_grpo_memory(m, max_completion_length=128, **common)
+    assert before["kv_cache"] == 4 * after["kv_cache"]
+    assert before["total"] > after["total"]
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(generation_batch=3), "generation_batch=3"),
+    (dict(num_generations=1, generation_batch=2), "num_generations=1"),
+    (dict(micro_batch=0), "micro_batch=0"),
+    (dict(prompt_tokens=-1), "prompt_tokens=-1"),
+    (dict(activation_checkpointing="yes"), "activation_checkpointing"),
+])
+def test_invalid_inputs_name_the_parameter(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        small(**overrides)
+
+
+def test_missing_model_key_is_named():
+    model = {k: v for k, v in SMALL.items() if k != "kv_heads"}
+    with pytest.raises(ValueError, match="kv_heads"):
+        estimate_grpo_memory(model, micro_batch=1, num_generations=2, generation_batch=2, prompt_tokens=0,
+                             max_completion_length=8, dtype_bytes=2, lora_params=0, activation_checkpointing=True)
+
+
+def test_readme_memory_table_matches_the_function():
+    rows = [line for line in open(README, encoding="utf-8") if re.match(r"\| `[\w.-]+\.yaml` \|", line)]
+    assert len(rows) == 5
+    for row in rows:
+        cells = [c.strip().strip("`") for c in row.strip().strip("|").split("|")]
+        _, model, micro, gen, ckpt, lora_r, weights, lora, kv, act, logits, total = cells
+        m = QWEN25[f"Qwen/{model}"]
+        prompts, ngen, gbs = (int(x) for x in re.match(r"(\d+) × (\d+) = (\d+)", gen).groups())
+        assert prompts * ngen == gbs
+        est = estimate_grpo_memory(m, micro_batch=int(micro), num_generations=ngen, generation_batch=gbs,
+                                   prompt_tokens=200, max_completion_length=128, dtype_bytes=2,
+                                   lora_params=lora_param_count(m, int(lora_r)),
+                                   activation_checkpointing=ckpt == "on")
+        assert [weights, lora, kv, act, logits, total] == [format_gib(est[k]) for k in
+                                                           ("weights", "lora", "kv_cache", "activations", "logits",
+                                                            "total")], row

@@ -1,0 +1,380 @@
+"""Recipes and the recipe launcher: every recipe parses, validates and trains 2 steps on a tiny local model (CPU,
+offline); the DDP recipe runs on 2 CPU processes; typos and impossible combinations fail early with the fix."""
+import glob
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from hf_perf_callbacks import train
+from hf_perf_callbacks.tasks import wordle
+from hf_perf_callbacks.tiny import save_tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
+NAMES = [os.path.basename(path)[:-5] for path in RECIPES]
+SINGLE = [name for name in NAMES if "ddp" not in name]
+ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
+CPU = ["--use_cpu", "true", "--bf16", "false", "--dtype", "float32", "--max_completion_length", "8",
+       "--max_steps", "2", "--dataset_size", "16", "--logging_steps", "1"]
+
+
+def recipe_path(name):
+    return os.path.join(ROOT, "recipes", f"{name}.yaml")
+
+
+def target(name):
+    """(device, world size) a recipe is written for."""
+    return ("mps" if name.startswith("mac") else "cuda"), (2 if "ddp" in name else 1)
+
+
+def values_of(config: dict, args=()):
+    return train.raw_values(train.make_parser(), config, list(args))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    corpus = list(wordle.make_dataset(64, seed=0)["prompt"])
+    corpus += [f"<think>try {w}</think><guess>{w}</guess>" for w in wordle.load_words()]
+    return save_tiny_model(str(tmp_path_factory.mktemp("tiny_model")), corpus)
+
+
+def launch(cmd, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true"}
+    env.pop("ACCELERATE_MIXED_PRECISION", None)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)            # its own process group: a hang kills every rank
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail("the launch hung for 240 s:\n" + out[-2000:] + err[-6000:])
+    assert proc.returncode == 0, out[-2000:] + err[-6000:]
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def check_run(out, world_size=1):
+    state = json.load(open(os.path.join(out, "trainer_state.json")))
+    assert state["global_step"] == 2
+    lines = [json.loads(line) for line in open(os.path.join(out, "perf_log.jsonl"))]
+    assert [line["step"] for line in lines if line["type"] == "step"] == [1, 2]
+    header = next(line for line in lines if line["type"] == "run" and line.get("source") == "perf")
+    assert header["world_size"] == world_size
+    assert os.path.exists(os.path.join(out, "adapter_model.safetensors"))
+
+
+# ---------------------------------------------------------------- the recipes themselves
+@pytest.mark.parametrize("name", NAMES)
+def test_recipe_parses_and_validates_for_its_machine(name):
+    config = train.read_recipe(recipe_path(name))
+    parser = train.make_parser()
+    train.check_keys(parser, config, [])
+    values = train.raw_values(parser, config, [])
+    device, world = target(name)
+    train.check_recipe(values, device=device, bf16_supported=True, world_size=world)
+    assert values["dataset"] == "wordle" and values["use_peft"] and values["beta"] == 0
+    assert values["max_completion_length"] == 128 and values["save_steps"] == 50 and values["save_total_limit"] == 3
+    assert values["dtype"] == "bfloat16"
+    if device == "mps":
+        assert values["activation_checkpointing"] is True and values["bf16"] is False
+        assert values["dataloader_num_workers"] == 0
+        assert values["callback_kwargs"]["MemoryWatchdog"]["limit_gb"] > 0
+    train.build_callbacks([n for n in values["callbacks"]], values.get("callback_kwargs") or {})
+    train.resolve_reward_funcs(values["reward_funcs"], values["max_completion_length"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_recipe_builds_grpo_config_on_this_cpu(name, tmp_path):
+    recipe, args, model_args = train.parse_recipe(["--config", recipe_path(name), "--use_cpu", "true",
+                                                   "--bf16", "false", "--output_dir", str(tmp_path)])
+    assert args.generation_batch_size % args.num_generations == 0
+    assert model_args.lora_target_modules == "all-linear" and recipe.callbacks
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_non_default_line_says_why(name):
+    for line in open(recipe_path(name), encoding="utf-8"):
+        if re.match(r"^\s*\w+:\s*\S", line) and not line.lstrip().startswith("#"):
+            assert " # " in line, f"{name}: no comment on {line.strip()!r}"
+
+
+def test_mac_tiers_step_up_in_model_and_budget():
+    budgets = [yaml.safe_load(open(recipe_path(n)))["callback_kwargs"]["MemoryWatchdog"]["limit_gb"]
+               for n in ("mac-16gb-qwen0.5b", "mac-32gb-qwen1.5b", "mac-64gb-qwen3b")]
+    assert budgets == sorted(budgets) and 9 <= budgets[0] <= 11
+
+
+def test_accelerate_configs():
+    load = lambda n: yaml.safe_load(open(os.path.join(ROOT, "recipes", "accelerate", f"{n}.yaml")))  # noqa: E731
+    mps, single, multi = load("mps"), load("single_gpu"), load("multi_gpu")
+    assert (mps["distributed_type"], mps["num_processes"], mps["mixed_precision"]) == ("NO", 1, "no")
+    assert (single["distributed_type"], single["num_processes"]) == ("NO", 1)
+    assert (multi["distributed_type"], multi["num_processes"], multi["mixed_precision"]) == ("MULTI_GPU", 2, "bf16")
+
+
+# ---------------------------------------------------------------- 2 optimizer steps on a tiny model (CPU)
+@pytest.mark.parametrize("name", SINGLE)
+def test_recipe_trains_two_steps_under_accelerate(name, tiny_model, tmp_path):
+    out = tmp_path / "out"
+    # the smallest Mac tier runs the whole path (tuner probe and report); the others skip both to stay fast
+    full = name == "mac-16gb-qwen0.5b"
+    extra = [] if full else ["--probe", "false", "--report", "false"]
+    proc = launch([ACCELERATE, "launch", "--num_processes", "1", "--cpu", "--num_machines", "1",
+                   "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_perf_callbacks.train",
+                   "--config", recipe_path(name), "--model_name_or_path", tiny_model, "--output_dir", str(out),
+                   *CPU, *extra], tmp_path)
+    check_run(out)
+    assert "the perf report failed" not in proc.stderr
+
+
+def test_ddp_recipe_runs_on_two_cpu_processes(tiny_model, tmp_path):
+    out = tmp_path / "out"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    launch([ACCELERATE, "launch", "--config_file", os.path.join(ROOT, "recipes", "accelerate", "multi_gpu.yaml"),
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+            "-m", "hf_perf_callbacks.train", "--config", recipe_path("cuda-ddp-qwen1.5b"),
+            "--model_name_or_path", tiny_model, "--output_dir", str(out), *CPU, "--probe", "false",
+            "--report", "false"], tmp_path)
+    check_run(out, world_size=2)
+
+
+# ---------------------------------------------------------------- typos fail first, naming the closest key
+def write_recipe(tmp_path, **changes):
+    config = yaml.safe_load(open(recipe_path("mac-16gb-qwen0.5b")))
+    config.update(changes)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.fixture
+def nothing_heavy(monkeypatch):
+    """Fail the test if the launcher gets as far as loading a model."""
+    def boom(*args, **kwargs):
+        raise AssertionError("the model was loaded before the recipe was rejected")
+    monkeypatch.setattr(train, "build_model", boom)
+
+
+def test_typo_in_recipe_names_the_key_and_closest_match(tmp_path, capsys, nothing_heavy):
+    path = write_recipe(tmp_path, lora_rank=8)
+    assert train.main(["--config", path, "--use_cpu", "true"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown recipe key 'lora_rank'" in err and "did you mean 'lora_r'?" in err
+
+
+def test_typo_on_command_line_names_the_flag_and_closest_match(tmp_path, capsys, nothing_heavy):
+    assert train.main(["--config", write_recipe(tmp_path), "--learning_rat", "1e-5"]) == 2
+    err = capsys.readouterr().err
+    assert "'--learning_rat'" in err and "did you mean '--learning_rate'?" in err
+
+
+def test_all_typos_are_reported_at_once(tmp_path):
+    parser = train.make_parser()
+    with pytest.raises(train.RecipeError) as error:
+        train.check_keys(parser, {"lora_rank": 8, "num_generation": 4, "env": {"A": "1"}}, ["--max_step", "3"])
+    text = str(error.value)
+    assert "'lora_r'" in text and "'num_generations'" in text and "'--max_steps'" in text and "env" not in text
+
+
+def test_recipe_fields_do_not_collide_with_trl():
+    import dataclasses
+
+    from trl import GRPOConfig, ModelConfig
+
+    ours = {f.name for f in dataclasses.fields(train.RecipeArguments)}
+    theirs = {f.name for cls in (GRPOConfig, ModelConfig) for f in dataclasses.fields(cls)}
+    assert not ours & theirs
+
+
+def test_command_line_overrides_yaml(tmp_path):
+    recipe, args, model_args = train.parse_recipe(["--config", write_recipe(tmp_path), "--use_cpu", "true",
+                                                   "--max_steps", "7", "--callbacks", "ThroughputMeter",
+                                                   "--callback_kwargs", '{"ThroughputMeter": {"window_steps": 3}}',
+                                                   "--output_dir", str(tmp_path / "o")])
+    assert args.max_steps == 7 and recipe.callbacks == ["ThroughputMeter"]
+    assert recipe.callback_kwargs == {"ThroughputMeter": {"window_steps": 3}}
+    assert train.build_callbacks(recipe.callbacks, recipe.callback_kwargs)[0].config["window_steps"] == 3
+
+
+# ---------------------------------------------------------------- impossible combinations: one test per check
+GRPO_DEFAULTS = dict(use_cpu=True, bf16=False)
+
+
+def test_batch_rule_says_what_to_change():
+    values = values_of({**GRPO_DEFAULTS, "num_generations": 2, "per_device_train_batch_size": 1,
+                        "gradient_accumulation_steps": 3})
+    with pytest.raises(train.RecipeError) as error:
+        train.check_recipe(values, device="cpu", bf16_supported=True)
+    text = str(error.value)
+    assert "gradient_accumulation_steps (3) = 3" in text and "num_generations (2)" in text and "e.g. 4" in text
+
+
+def test_batch_rule_is_checked_before_grpo_config(tmp_path, capsys, nothing_heavy):
+    path = write_recipe(tmp_path, gradient_accumulation_steps=3)        # 2 × 3 = 6, num_generations 8
+    assert train.main(["--config", path, "--use_cpu", "true"]) == 2
+    err = capsys.readouterr().err
+    assert "generation_batch_size = per_device_train_batch_size (2)" in err and "multiple of 4, e.g. 4" in err
+
+
+def test_batch_rule_counts_the_world_size():
+    values = values_of({**GRPO_DEFAULTS, "num_generations": 4, "per_device_train_batch_size": 1,
+                        "gradient_accumulation_steps": 2})
+    with pytest.raises(train.RecipeError, match="world size \\(1\\)"):
+        train.check_recipe(values, device="cpu", bf16_supported=True, world_size=1)
+    train.check_recipe(values, device="cpu", bf16_supported=True, world_size=2)     # 1 × 2 × 2 = 4
+
+
+def test_num_generations_below_two():
+    values = values_of({**GRPO_DEFAULTS, "num_generations": 1, "per_device_train_batch_size": 2})
+    with pytest.raises(train.RecipeError, match="num_generations=1 .* at least 2"):
+        train.check_recipe(values, device="cpu", bf16_supported=True)
+
+
+def test_generation_batch_and_steps_per_generation_together():
+    values = values_of({**GRPO_DEFAULTS, "generation_batch_size": 16, "steps_per_generation": 2})
+    with pytest.raises(train.RecipeError, match="set only one"):
+        train.check_recipe(values, device="cpu", bf16_supported=True)
+
+
+def test_generation_batch_must_split_into_micro_batches():
+    values = values_of({**GRPO_DEFAULTS, "generation_batch_size": 12, "per_device_train_batch_size": 8})
+    with pytest.raises(train.RecipeError, match="generation_batch_size=12 .* multiple of"):
+        train.check_recipe(values, device="cpu", bf16_supported=True)
+
+
+def test_eval_batch_rule():
+    values = values_of({**GRPO_DEFAULTS, "num_generations": 4, "per_device_train_batch_size": 4,
+                        "eval_dataset_size": 8, "eval_strategy": "steps", "per_device_eval_batch_size": 6})
+    with pytest.raises(train.RecipeError, match="per_device_eval_batch_size .* multiple of 4"):
+        train.check_recipe(values, device="cpu", bf16_supported=True)
+
+
+def test_too_few_wordle_prompts_for_one_generation_batch():
+    values = values_of({**GRPO_DEFAULTS, "num_generations": 2, "per_device_train_batch_size": 8,
+                        "dataset_size": 3})
+    with pytest.raises(train.RecipeError, match="dataset_size=3 is too small: .* 4 prompts"):
+        train.check_recipe(values, device="cpu", bf16_supported=True)
+
+
+def test_bf16_on_mps_before_macos_14():
+    values = values_of({"bf16": True, "dtype": "float32"})
+    with pytest.raises(train.RecipeError, match="bf16: false .* macOS 14"):
+        train.check_recipe(values, device="mps", bf16_supported=False)
+
+
+def test_bf16_dtype_on_mps_before_macos_14():
+    values = values_of({"bf16": False, "dtype": "bfloat16"})
+    with pytest.raises(train.RecipeError, match="dtype: bfloat16 .* macOS 14"):
+        train.check_recipe(values, device="mps", bf16_supported=False)
+
+
+def test_trl_default_bf16_on_a_cpu_only_machine():
+    values = values_of({})                                   # bf16 unset: TRL turns it on
+    with pytest.raises(train.RecipeError, match="TRL then turns bf16 on.*use_cpu: true"):
+        train.check_recipe(values, device="cpu", bf16_supported=False)
+    train.check_recipe(values_of({"use_cpu": True}), device="cpu", bf16_supported=False)
+
+
+def test_bf16_on_old_cuda():
+    values = values_of({"bf16": True})
+    with pytest.raises(train.RecipeError, match="fp16: true .* Ampere"):
+        train.check_recipe(values, device="cuda", bf16_supported=False)
+
+
+def test_accelerate_bf16_on_a_device_without_bf16():
+    values = values_of({"bf16": False, "dtype": "float16"})
+    with pytest.raises(train.RecipeError, match="mixed_precision: bf16 .* --mixed_precision no"):
+        train.check_recipe(values, device="mps", bf16_supported=False, accelerate_mixed_precision="bf16")
+
+
+@pytest.mark.parametrize("init_kwargs", [{"device_map": "auto"}, '{"device_map": "auto"}'])
+def test_device_map_auto_on_mps(init_kwargs):
+    values = values_of({"bf16": False, "model_init_kwargs": init_kwargs})
+    with pytest.raises(train.RecipeError, match="TRL #7220"):
+        train.check_recipe(values, device="mps", bf16_supported=True)
+    train.check_recipe(values, device="cuda", bf16_supported=True)       # fine off MPS
+
+
+def test_this_machine_is_detected():
+    kind, bf16, _ = train.detect_device(use_cpu=True)
+    assert (kind, bf16) == ("cpu", True)
+
+
+# ---------------------------------------------------------------- names, resume, the tuner's split
+def test_unknown_callback_and_reward_names_suggest_the_closest():
+    with pytest.raises(train.RecipeError, match="did you mean 'MemoryWatchdog'"):
+        train.build_callbacks(["MemoryWatchdg"], {})
+    with pytest.raises(train.RecipeError, match="did you mean 'think_format_reward'"):
+        train.resolve_reward_funcs(["think_format_rewrd"], 128)
+    with pytest.raises(train.RecipeError, match="cannot import module"):
+        train.resolve_reward_funcs(["no_such_pkg.reward"], 128)
+    with pytest.raises(train.RecipeError, match="twice"):
+        train.build_callbacks(["ThroughputMeter", "ThroughputMeter"], {})
+    with pytest.raises(train.RecipeError, match="callback_kwargs\\['MemoryWatchdog'\\]"):
+        train.build_callbacks(["MemoryWatchdog"], {"MemoryWatchdog": {"limit": 3}})
+
+
+def test_trl_reward_names_resolve():
+    funcs = train.resolve_reward_funcs(["think_format_reward", "get_soft_overlong_punishment"], 128)
+    assert all(callable(f) for f in funcs)
+
+
+def test_resume_last_without_checkpoint(tmp_path):
+    with pytest.raises(train.RecipeError, match="no checkpoint-N folder"):
+        train.resolve_checkpoint("last", str(tmp_path))
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "checkpoint-12").mkdir()
+    assert train.resolve_checkpoint("last", str(tmp_path)).endswith("checkpoint-12")
+    with pytest.raises(train.RecipeError, match="no such directory"):
+        train.resolve_checkpoint(str(tmp_path / "nope"), str(tmp_path))
+
+
+def test_saved_split_is_applied_and_keeps_the_generation_batch(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(train, "_saved_split",
+                        lambda out: {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 8})
+    with caplog.at_level("INFO", logger="hf_perf_callbacks.train"):
+        _, args, _ = train.parse_recipe(["--config", write_recipe(tmp_path), "--use_cpu", "true",
+                                         "--output_dir", str(tmp_path / "o")])
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (1, 8)
+    assert args.generation_batch_size == 8 and args.steps_per_generation == 8      # recipe: 2 × 4 = 8
+    assert "applying the split" in caplog.text
+
+
+def test_local_dataset_files(tmp_path):
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"say {i}", "target": i}) + "\n" for i in range(10)))
+    data, held_out = train.build_datasets(train.RecipeArguments(dataset=str(rows), eval_dataset_size=2), seed=0,
+                                          conversational=False)
+    assert (len(data), len(held_out)) == (8, 2) and "target" in data.column_names
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "x"}) + "\n")
+    with pytest.raises(train.RecipeError, match="no 'prompt' column"):
+        train.build_datasets(train.RecipeArguments(dataset=str(bad)), seed=0, conversational=False)
+    with pytest.raises(train.RecipeError, match="no such file"):
+        train.build_datasets(train.RecipeArguments(dataset=str(tmp_path / "nope.json")), seed=0, conversational=False)
+
+
+def test_wordle_datasets_follow_the_sizes():
+    data, held_out = train.build_datasets(train.RecipeArguments(dataset_size=6, eval_dataset_size=3), seed=0,
+                                          conversational=True)
+    assert (len(data), len(held_out)) == (6, 3) and data[0]["prompt"][0]["role"] == "user"
+    assert not set(data["secret"]) & set(held_out["secret"])
+
+
+def test_a_failing_report_does_not_fail_the_finished_run(monkeypatch, caplog):
+    def broken(output_dir, plots=True):
+        raise RuntimeError("plot backend missing")
+    monkeypatch.setattr(train, "report_run", broken)
+    with caplog.at_level("ERROR", logger="hf_perf_callbacks.train"):
+        train._report("runs/x")
+    assert "hf-perf report runs/x" in caplog.text

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean bench-gpu
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,3 +23,7 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) demo_output
+
+# On a machine with an NVIDIA GPU (results go to benchmarks/results/*.json; see README "Performance").
+bench-gpu: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py

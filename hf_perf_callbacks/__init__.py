@@ -1,9 +1,9 @@
 """Hugging Face ``TrainerCallback``s that measure true training speed and keep runs from dying of memory.
 
 ```python
-from hf_perf_callbacks import default_callbacks
+from hf_perf_callbacks import default_callbacks, train_with_tuning
 trainer = GRPOTrainer(..., callbacks=default_callbacks())
-trainer.train()
+train_with_tuning(trainer)          # or trainer.train(): everything but live re-sizing still works
 ```
 """
 from .cache import MPSCacheClearer
@@ -26,6 +26,10 @@ def default_callbacks(**overrides) -> list:
     if unknown:
         raise ValueError(f"default_callbacks got unknown callback name(s) {sorted(unknown)}: "
                          f"allowed are {sorted(classes)}")
+    for name, kwargs in overrides.items():
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"default_callbacks({name}={kwargs!r}) is not allowed: expected a dict of that "
+                             f"callback's keyword arguments")
     return [cls(**overrides.get(name, {})) for name, cls in classes.items()]
 
 

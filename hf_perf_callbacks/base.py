@@ -1,7 +1,8 @@
 """What every callback of the package shares: fault isolation, the bus, and resume-safe state.
 
 * **Faults stay inside.** Every ``on_*`` event of a subclass is guarded: an exception logs one warning with the
-  cause, disables that callback (its ``close()`` removes any hooks) and training goes on.
+  cause, disables that callback (its ``close()`` removes any hooks) and training goes on. Under several ranks a
+  disabled callback still joins its per-step exchange with neutral values, so no rank is left waiting.
 * **The bus.** On its first event a callback finds the trainer's :class:`~hf_perf_callbacks.reporting.RunBus`
   (creating it first in the callback list) so its metrics reach every reporter.
 * **Resume.** State is exported through ``ExportableState`` and read back from ``trainer_state.json`` at
@@ -15,6 +16,7 @@ import logging
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from .device import world_size
 from .reporting import RunBus, bus_for, calling_handler
 
 logger = logging.getLogger("hf_perf_callbacks")
@@ -24,6 +26,8 @@ def _guard(name: str, method):
     @functools.wraps(method)
     def guarded(self, args, state, control, **kwargs):
         if self.disabled:
+            if name == "on_step_end":
+                self._stand_in(state)
             return None
         try:
             if name in ("on_init_end", "on_train_begin") or self.bus is None:
@@ -38,6 +42,8 @@ def _guard(name: str, method):
                            type(self).__name__, name, type(error).__name__, error, exc_info=True)
             try:
                 self.close()
+                if name == "on_step_end":
+                    self._stand_in(state)
             except Exception:  # noqa: BLE001
                 pass
             return None
@@ -61,6 +67,16 @@ class PerfCallback(TrainerCallback, ExportableState):
         self.disabled = False
         self.bus: RunBus | None = None
         self.saved: dict | None = None
+        self.collective_step = -1        # the last optimizer step whose cross-rank exchange this rank joined
+
+    def neutral_exchange(self) -> None:
+        """Join this callback's per-step cross-rank exchange with neutral values (override if it has one)."""
+
+    def _stand_in(self, state) -> None:
+        """A disabled (or failed) callback still joins the step's exchange, so the other ranks do not wait forever."""
+        if world_size() > 1 and self.collective_step != state.global_step:
+            self.collective_step = state.global_step
+            self.neutral_exchange()
 
     def _attach(self) -> None:
         handler = calling_handler()

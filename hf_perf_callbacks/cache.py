@@ -54,12 +54,14 @@ class MPSCacheClearer(PerfCallback):
                 raise ValueError(f"{name}={value!r} is not allowed: expected True or False"
                                  + (" or None" if name == "enabled" else ""))
         check_number("bloat_ratio", bloat_ratio, low=1)
+        check_number("min_freed_gb", min_freed_gb, low=0)
         check_number("bloat_min_gb", bloat_min_gb, low=0)
         super().__init__(enabled=enabled, interval_steps=interval_steps, min_interval=min_interval,
                          max_interval=max_interval, min_freed_gb=min_freed_gb, bloat_ratio=bloat_ratio,
                          bloat_min_gb=bloat_min_gb, after_eval=after_eval, after_save=after_save)
         self.schedule = ClearSchedule(interval_steps, min_interval, max_interval, min_freed_gb * GB)
         self.device: DeviceLayer | None = None
+        self.active = False                    # decided at on_train_begin from the device
         self.clears = 0
         self.total_freed = 0.0
         self.total_seconds = 0.0
@@ -86,6 +88,7 @@ class MPSCacheClearer(PerfCallback):
         self.device.empty_cache()
         self.device.synchronize()
         seconds = time.perf_counter() - start
+        self.bus.add_overhead(seconds)
         freed = max(0.0, float(before - (self.device.memory().reserved or 0)))
         self.schedule.cleared(step, freed, automatic)
         self.clears += 1

@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
 
         run_demo(args.output_dir, max_steps=args.max_steps)
     elif args.command == "report":
-        from .train import report_run
+        from .report import main as report_main
 
-        return report_run(args.output_dir, plots=args.plots)
+        return report_main(args.output_dir, plots=args.plots)
     return 0
 
 

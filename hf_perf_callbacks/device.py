@@ -223,7 +223,7 @@ def gather_floats(values: list[float], device: torch.device | None = None) -> li
     if world_size() == 1:
         return [list(values)]
     backend = torch.distributed.get_backend()
-    on = device if (device is not None and backend != "gloo") else torch.device("cpu")
+    on = torch.device("cpu") if backend == "gloo" else (device or default_device())
     local = torch.tensor(values, dtype=torch.float64, device=on)
     gathered = [torch.empty_like(local) for _ in range(world_size())]
     torch.distributed.all_gather(gathered, local)

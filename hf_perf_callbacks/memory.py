@@ -61,7 +61,7 @@ class MemoryPolicy:
         check_number("grace_steps", self.grace_steps, low=0, integer=True)
         check_number("trend_window", self.trend_window, low=3, integer=True)
         check_number("warn_within_steps", self.warn_within_steps, low=0)
-        check_number("stop_within_steps", self.stop_within_steps, low=0)
+        check_number("stop_within_steps", self.stop_within_steps, low=0, high=self.warn_within_steps)
         self.history = deque(maxlen=self.trend_window)
 
     def start_segment(self) -> None:
@@ -171,7 +171,7 @@ class ClearSchedule:
         check_number("min_interval", self.min_interval, low=1, integer=True)
         check_number("max_interval", self.max_interval, low=self.min_interval, integer=True)
         check_number("interval_steps", self.interval, low=self.min_interval, high=self.max_interval, integer=True)
-        check_number("min_freed_gb", self.min_freed, low=0)
+        check_number("min_freed (bytes)", self.min_freed, low=0)
 
     def due(self, step: int) -> bool:
         return step - self.last_clear_step >= self.interval

@@ -149,10 +149,14 @@ def _perf_headers(run: RunLog) -> list[dict]:
     return [r for r in run.runs if r.get("source") == "perf"]
 
 
-def _warmup_end_step(steps: list[dict]) -> int | None:
+def _warmup_end_step(steps: list[dict], runs: list[dict]) -> int | None:
+    """The first steady step: the warmup is decided a few steps late (it needs confirming steps), so the step
+    where ``perf/warmup_done`` turns 1 is not it; the segment start plus ``perf/warmup_steps`` is."""
     for s in steps:
-        if _num(s.get("perf/warmup_done")) == 1 or _num(s.get("perf/steady")) == 1:
-            return int(s["step"])
+        if _num(s.get("perf/warmup_done")) == 1 and _num(s.get("perf/warmup_steps")) is not None:
+            starts = [_num(r.get("resumed_from_step")) or 0 for r in runs if r.get("source") == "perf"
+                      and (_num(r.get("resumed_from_step")) or 0) < s["step"]]
+            return int(max(starts, default=0) + s["perf/warmup_steps"] + 1)
     return None
 
 
@@ -187,7 +191,7 @@ def figures(run: RunLog) -> dict:
         "tokens": pick(perf, "tokens", tokens or None),
         "warmup_done": bool(warmup_done) if warmup_done is not None else None,
         "warmup_steps": pick(perf, "warmup_steps", _last(steps, "perf/warmup_steps")),
-        "warmup_end_step": _warmup_end_step(steps),
+        "warmup_end_step": _warmup_end_step(steps, run.runs),
         "warmup_overhead_sec": pick(perf, "warmup_overhead_sec", _last(steps, "perf/warmup_overhead_sec")),
         "first_step_slowdown": pick(perf, "first_step_slowdown", _last(steps, "perf/first_step_slowdown")),
         "steady_tokens_per_sec": pick(perf, "steady_tokens_per_sec", _last(steps, "perf/steady_tokens_per_sec")),
@@ -365,10 +369,10 @@ def _plot_throughput(ax, run, steps, f) -> str | None:
         ax.axhline(steady, color="tab:green", ls="--", lw=1.5, label=f"steady {steady:,.0f} tokens/s")
     end = f["warmup_end_step"]
     if end is not None:
-        ax.axvline(end, color="grey", ls=":", lw=1.5, label=f"warmup end (step {end})")
+        ax.axvline(end - 0.5, color="grey", ls=":", lw=1.5, label=f"warmup end (first steady step {end})")
         n = _num(f["warmup_steps"])
         text = f"warmup: {n:.0f} steps" if n is not None else "warmup end"
-        ax.annotate(text, xy=(end, 0.04), xycoords=("data", "axes fraction"), xytext=(4, 0),
+        ax.annotate(text, xy=(end - 0.5, 0.04), xycoords=("data", "axes fraction"), xytext=(4, 0),
                     textcoords="offset points", fontsize=9, color="dimgrey")
     ax.set_title("Training throughput")
     ax.set_xlabel("optimizer step")
@@ -479,7 +483,10 @@ def _plot_tuner(ax, run, steps, f) -> str | None:
 
 # ---------------------------------------------------------------- entry point
 def main(output_dir: str, plots: bool = True) -> int:
-    """Print the summary of ``output_dir`` and write its plots; 0 on success, 2 (message on stderr) on a ReportError."""
+    """Print the summary of ``output_dir``, write its plots and ``perf_report.md`` (the analysis) and print the top
+    findings; 0 on success, 2 (message on stderr) on a ReportError."""
+    from .analysis import console_summary, write_perf_report
+
     try:
         run = load_run(output_dir)
         print(summarize(run))
@@ -493,6 +500,9 @@ def main(output_dir: str, plots: bool = True) -> int:
     except ReportError as error:
         print(f"hf-perf report: {error}", file=sys.stderr)
         return 2
+    path, findings = write_perf_report(output_dir)
+    print(console_summary(findings))
+    print(f"analysis: {path}")
     return 0
 
 

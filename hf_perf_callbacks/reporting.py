@@ -39,7 +39,7 @@ class RunBus(TrainerCallback):
         self.output_dir: str | None = None
         self.is_main = True
         self.subscribers: dict[str, list[Callable]] = defaultdict(list)
-        self.events: list[dict] = []
+        self.overhead = 0.0
 
     # ------------------------------------------------------------ publishing
     def publish(self, metrics: dict[str, float]) -> None:
@@ -58,7 +58,6 @@ class RunBus(TrainerCallback):
         """Log an event (warning, action, decision) to the console and the perf log; returns it."""
         entry = {"type": "event", "source": source, "kind": kind, "step": step, "message": message, **fields}
         entry["time"] = round(time.time(), 3)
-        self.events.append(entry)
         if self.is_main:
             (logger.warning if kind in ("warning", "action", "stop") else logger.info)("[%s] %s", source, message)
             self._write(entry)
@@ -84,6 +83,14 @@ class RunBus(TrainerCallback):
         except OSError as e:  # a full disk must not stop training
             logger.warning("could not write %s: %s", PERF_LOG, e)
             self.output_dir = None
+
+    def add_overhead(self, seconds: float) -> None:
+        """Time a callback spent after the step ended (memory sampling, cache clears): not data wait."""
+        self.overhead += seconds
+
+    def take_overhead(self) -> float:
+        seconds, self.overhead = self.overhead, 0.0
+        return seconds
 
     # ------------------------------------------------------------ signals
     def subscribe(self, signal: str, handler: Callable[..., object]) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -39,7 +39,7 @@ def check_number(name: str, value, *, low: float | None = None, high: float | No
         return value
     kind = "an integer" if integer else "a number"
     ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    ok = ok_type and not isinstance(value, bool) and not (isinstance(value, float) and math.isnan(value))
+    ok = ok_type and not isinstance(value, bool) and not (isinstance(value, float) and not math.isfinite(value))
     if ok and low is not None:
         ok = value > low if low_open else value >= low
     if ok and high is not None:
@@ -50,7 +50,8 @@ def check_number(name: str, value, *, low: float | None = None, high: float | No
             bounds.append(f"{'>' if low_open else '>='} {low}")
         if high is not None:
             bounds.append(f"<= {high}")
-        allowed = f"{kind}{' ' + ' and '.join(bounds) if bounds else ''}{' or None' if allow_none else ''}"
+        allowed = (f"a finite {kind.removeprefix('a ')}" if not integer else kind) + (
+            f" {' and '.join(bounds)}" if bounds else "") + (" or None" if allow_none else "")
         raise ValueError(f"{name}={value!r} is not allowed: expected {allowed}")
     return value
 
@@ -155,17 +156,7 @@ class WindowedRate:
         return sum(s for _, s in self.items) / len(self.items) if self.items else None
 
 
-def fractions(parts: dict[str, float]) -> dict[str, float]:
-    """Each part's share of the total (all zero when the total is zero)."""
-    total = sum(parts.values())
-    return {k: (v / total if total > 0 else 0.0) for k, v in parts.items()}
-
-
 def generation_period(steps_per_generation: int, num_iterations: int, grad_accum: int) -> int:
     """Optimizer steps after which GRPO's generate/replay pattern repeats (1 for plain trainers)."""
     every = steps_per_generation * num_iterations          # micro-batches between generations
     return math.lcm(every, grad_accum) // grad_accum
-
-
-def total(values: Iterable[float]) -> float:
-    return float(sum(values))

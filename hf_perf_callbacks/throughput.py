@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 
 import torch
 
@@ -11,6 +12,10 @@ from .device import DeviceLayer, device_of, dtype_key, gather_floats, world_size
 from .flops import forward_flops_per_token, shape_of, train_flops_per_token
 from .stats import check_number, generation_period
 from .timeline import PHASES, StepTimeline
+
+
+#: model → the meter whose hook and wrapper are installed on it (a replaced instance is closed by its successor)
+_INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class ThroughputMeter(PerfCallback):
@@ -42,7 +47,10 @@ class ThroughputMeter(PerfCallback):
         data_wait_threshold: warn once when data wait exceeds this fraction of step time after warmup.
         progress_bar: show current tok/s beside the progress bar.
 
-    Logged keys (at each logging step; every step in ``perf_log.jsonl``):
+    Logged keys (at each logging step; every step in ``perf_log.jsonl``, which also holds
+    ``perf/phase_sec/<phase>``, ``perf/step_wall_sec``, ``perf/tokens``, ``perf/seq_len`` and ``perf/steady`` — 1
+    for steps already known to be steady when written: warmup is decided a few steps late, see
+    ``perf/warmup_steps``). Memory keys are in GiB (2³⁰ bytes) throughout the package.
 
     ====================================  ========  ==============================================================
     key                                   unit      meaning
@@ -61,7 +69,7 @@ class ThroughputMeter(PerfCallback):
     ``perf/hfu``                          fraction  hardware FLOPs utilisation, recompute included
                                                     (only with activation checkpointing)
     ``perf/rollout_tokens_per_sec``       tok/s     GRPO: generated tokens per second of generation (this rank)
-    ``perf/train_tokens_per_sec``         tok/s     GRPO: tokens per second of non-generation time
+    ``perf/train_tokens_per_sec``         tok/s     GRPO: windowed tokens per second of non-generation time
     ``perf/decode_bandwidth_util``        fraction  GRPO: weight bytes read per decode step × steps / time / peak
     ``perf/forwards_per_microbatch``      count     grad-enabled top-level forwards per micro-batch (expect 1)
     ``perf/pad_fraction``                 fraction  padding share of the positions in this step's training forwards
@@ -125,6 +133,10 @@ class ThroughputMeter(PerfCallback):
     def _install(self, model) -> None:
         """A forward pre-hook on the innermost causal LM (training forwards, tokens, decode steps) and a timing
         wrapper around ``generate`` (GRPO rollouts)."""
+        previous = _INSTALLED.get(model)
+        if previous is not None and previous is not self:
+            previous.close()
+        _INSTALLED[model] = self
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.model, self.inner = model, inner
         self._hooks.append(inner.register_forward_pre_hook(self._on_forward, with_kwargs=True))
@@ -132,11 +144,13 @@ class ThroughputMeter(PerfCallback):
             original = model.generate
 
             def timed_generate(*args, **kwargs):
+                if self.disabled:
+                    return original(*args, **kwargs)
                 self.in_generate = True
                 start = self.clock()
                 try:
                     out = original(*args, **kwargs)
-                    self._count_generated(kwargs.get("input_ids", args[0] if args else None), out)
+                    self._guarded(self._count_generated, kwargs.get("input_ids", args[0] if args else None), out)
                     return out
                 finally:
                     self.in_generate = False
@@ -144,15 +158,19 @@ class ThroughputMeter(PerfCallback):
                     self.gen_seconds += seconds
                     self.timeline.add_generation(seconds)
 
-            self._wrapped_generate = (model, original)
+            self._wrapped_generate = (model, model.__dict__.get("generate"), timed_generate)
             model.generate = timed_generate
 
     def _setup_flops(self, args) -> None:
         self.shape = shape_of(self.model)
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else self.inner.dtype
-        self.dtype_key = dtype_key(dtype)
-        self.recompute = bool(getattr(self.inner, "is_activation_checkpointing",
-                                      getattr(self.inner, "is_gradient_checkpointing", False)))
+        try:
+            self.dtype_key = dtype_key(dtype)
+        except ValueError:                       # e.g. float64 or int8 weights: no peak to compare with
+            self.dtype_key = str(dtype).removeprefix("torch.")
+        name = ("is_activation_checkpointing" if hasattr(type(self.inner), "is_activation_checkpointing")
+                else "is_gradient_checkpointing")
+        self.recompute = bool(getattr(self.inner, name, False))
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.inner.parameters())
         table = self.device.peak()
         configured = self.config["peak_flops"]
@@ -187,15 +205,28 @@ class ThroughputMeter(PerfCallback):
         self.decode_steps = 0
         self.forwards = 0
         self.microbatches = 0
-        self.hook_tokens = torch.zeros((), dtype=torch.float64, device=self.device.device)
-        self.generated = torch.zeros((), dtype=torch.float64, device=self.device.device)
-        self.real_positions = torch.zeros((), dtype=torch.float64, device=self.device.device)
+        # integer counters on the device (no synchronize per micro-batch; MPS has no float64)
+        self.hook_tokens = torch.zeros((), dtype=torch.long, device=self.device.device)
+        self.generated = torch.zeros((), dtype=torch.long, device=self.device.device)
+        self.real_positions = torch.zeros((), dtype=torch.long, device=self.device.device)
         self.padded_positions = 0
 
     # ------------------------------------------------------------ hooks (no synchronize here)
+    def _guarded(self, fn, *args) -> None:
+        """Run hook-side work; a fault disables the meter (one warning) instead of failing the training step."""
+        try:
+            fn(*args)
+        except Exception as error:  # noqa: BLE001
+            self.disabled = True
+            self.warn(f"ThroughputMeter disabled after an internal error in a hook: {type(error).__name__}: "
+                      f"{error}. Training continues without it.")
+
     def _on_forward(self, module, args, kwargs):
-        if self.disabled:
-            return None
+        if not self.disabled:
+            self._guarded(self._count_forward, module, args, kwargs)
+        return None
+
+    def _count_forward(self, module, args, kwargs) -> None:
         if self.in_generate:
             self.decode_steps += 1
         elif torch.is_grad_enabled() and module.training:
@@ -215,7 +246,6 @@ class ThroughputMeter(PerfCallback):
                 self.real_positions += ids.numel()
                 if self.token_source == "hook":
                     self.hook_tokens += ids.numel()
-        return None
 
     def _count_generated(self, input_ids, out) -> None:
         sequences = getattr(out, "sequences", out)
@@ -226,7 +256,7 @@ class ThroughputMeter(PerfCallback):
 
     # ------------------------------------------------------------ events
     def on_step_begin(self, args, state, control, **kwargs):
-        self.timeline.step_begin(self.clock())
+        self.timeline.step_begin(self.clock(), overhead=self.bus.take_overhead())
 
     def on_substep_end(self, args, state, control, **kwargs):
         self.microbatches += 1
@@ -246,6 +276,7 @@ class ThroughputMeter(PerfCallback):
         self.seen = state.num_input_tokens_seen
         train_seconds = None
         if self.world > 1:                                          # one small collective per step
+            self.collective_step = state.global_step
             rows = gather_floats([tokens, record.train], self.device.device)
             tokens = sum(r[0] for r in rows) if self.token_source == "hook" else tokens
             train_seconds = max(r[1] for r in rows)
@@ -296,8 +327,8 @@ class ThroughputMeter(PerfCallback):
             if self.peak_bandwidth and self.decode_steps:
                 m["perf/decode_bandwidth_util"] = (self.weight_bytes * self.decode_steps / record.generation
                                                    / self.peak_bandwidth)
-        if self.is_grpo and record.train - record.generation > 0 and record.tokens:
-            m["perf/train_tokens_per_sec"] = record.tokens / (record.train - record.generation)
+        if self.is_grpo and tl.train_rate.rate():          # windowed over whole generation cycles, like tokens/s
+            m["perf/train_tokens_per_sec"] = tl.train_rate.rate()
         return {k: v for k, v in m.items() if v is not None}
 
     def _flops_per_token(self) -> tuple[float, float]:
@@ -378,6 +409,9 @@ class ThroughputMeter(PerfCallback):
         ]
         return "\n".join(lines)
 
+    def neutral_exchange(self) -> None:
+        gather_floats([0.0, 0.0], getattr(getattr(self, "device", None), "device", None))
+
     # ------------------------------------------------------------ state
     def export(self) -> dict:
         return {"timeline": self.timeline.export(), "warned": sorted(self.warned)}
@@ -391,7 +425,10 @@ class ThroughputMeter(PerfCallback):
             hook.remove()
         self._hooks = []
         if self._wrapped_generate is not None:
-            model, original = self._wrapped_generate
-            if getattr(model, "generate", None) is not original:
-                del model.generate          # the instance attribute shadowed the class method
+            model, before, wrapper = self._wrapped_generate
+            if model.__dict__.get("generate") is wrapper:        # nobody wrapped over us: put back what was there
+                if before is None:
+                    del model.generate
+                else:
+                    model.generate = before
             self._wrapped_generate = None

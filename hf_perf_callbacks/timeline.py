@@ -8,7 +8,9 @@ ended, split into phases:
 phase                 time
 ====================  ======================================================================================
 ``data_wait``         from the last mark (previous step end, eval or save) to ``on_step_begin``: fetching the
-                      next batches (the Trainer prefetches a whole accumulation window before it) and logging
+                      next batches (the Trainer prefetches a whole accumulation window before it) and logging;
+                      time the other callbacks report as their own (memory sampling, cache clears) is not
+                      counted here but under ``compute``
 ``generation``        inside ``generate`` (GRPO rollouts)
 ``compute``           the rest: forward, backward, optimizer
 ``eval``              from the previous mark to ``on_evaluate``
@@ -76,6 +78,7 @@ class StepTimeline:
         self.detector = WarmupDetector(max(2, -(-self.warmup_window // period)), self.warmup_tolerance,
                                        -(-self.max_warmup_steps // period))
         self.rate = WindowedRate(self.window_steps, period)
+        self.train_rate = WindowedRate(self.window_steps, period)   # tokens per second outside generation
         self.last_mark = self.prev_end = t
         self.step_begin_at: float | None = None
         self.pending = dict.fromkeys(PHASES, 0.0)
@@ -100,8 +103,9 @@ class StepTimeline:
         return self.detector.result.steady_reference / self.period if self.detector.done else None
 
     # ------------------------------------------------------------ events
-    def step_begin(self, t: float) -> None:
-        self.pending["data_wait"] += max(0.0, t - self.last_mark)
+    def step_begin(self, t: float, overhead: float = 0.0) -> None:
+        """A step begins at ``t``; ``overhead`` seconds since the last mark were callbacks' work, not data wait."""
+        self.pending["data_wait"] += max(0.0, t - self.last_mark - overhead)
         self.step_begin_at = self.last_mark = t
 
     def mark(self, phase: str, t: float) -> None:
@@ -140,6 +144,7 @@ class StepTimeline:
             self.phase_totals[phase] += seconds
             self.window_phases[phase] += seconds
         self.rate.add(tokens, record.train)
+        self.train_rate.add(tokens, max(0.0, record.train - record.generation))
         self.cycle.append(record)
         if len(self.cycle) == self.period:
             self._close_cycle(self.cycle)

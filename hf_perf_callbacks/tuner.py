@@ -72,8 +72,12 @@ def saved_split(output_dir: str) -> dict | None:
     path = os.path.join(output_dir, SPLIT_FILE)
     if not os.path.exists(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)["split"]
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)["split"]
+    except (OSError, ValueError, KeyError) as error:
+        logger.warning("[tuner] ignoring unreadable %s: %s", path, error)
+        return None
 
 
 class AdaptiveBatchTuner(PerfCallback):
@@ -116,7 +120,6 @@ class AdaptiveBatchTuner(PerfCallback):
         self.pending: dict | None = None
         self.managed = False
         self.in_optimizer_step = False
-        self.probe_report: list[dict] = []
 
     # ------------------------------------------------------------ geometry
     def candidates(self, args) -> list[Split]:
@@ -135,6 +138,12 @@ class AdaptiveBatchTuner(PerfCallback):
         self.bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
         self.pending = None
         self.in_optimizer_step = False
+        for decision in self.decisions:          # the probe ran before any trainer event: log it now, once
+            if decision["kind"] == "probe" and not decision.get("logged"):
+                decision["logged"] = True
+                self.bus.event(self.source, "decision", f"probe: {_fmt(decision['old'])} → {_fmt(decision['new'])} "
+                               f"({decision['reason']})", step=0, old_split=decision["old"],
+                               new_split=decision["new"])
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.in_optimizer_step = True
@@ -145,7 +154,7 @@ class AdaptiveBatchTuner(PerfCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.decisions and "recovery_sec" not in self.decisions[-1] and "resized_at" in self.decisions[-1]:
             self.decisions[-1]["recovery_sec"] = time.time() - self.decisions[-1]["resized_at"]
-        s = self.split
+        s = current_split(args)                          # the split this step ran with (a decision applies later)
         fields = {"tuner/micro_batch": s.micro_batch, "tuner/grad_accum": s.grad_accum,
                   "tuner/effective_batch": s.micro_batch * s.grad_accum * self.world,
                   "tuner/resizes": sum(d["kind"] != "probe" for d in self.decisions)}
@@ -175,6 +184,8 @@ class AdaptiveBatchTuner(PerfCallback):
         summary = {"type": "summary", "source": self.source, "split": self.split.as_dict(),
                    "decisions": self.decisions}
         self.bus.write(summary)
+        if self.decisions and state.is_world_process_zero:
+            print(self.format_summary())
         if self.pending and not self.managed and state.is_world_process_zero:
             new = Split(**{k: self.pending["new"][k] for k in ("micro_batch", "grad_accum", "steps_per_generation")})
             checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
@@ -200,15 +211,22 @@ class AdaptiveBatchTuner(PerfCallback):
         return decision
 
     def _persist(self) -> None:
+        """Write the split and decisions (atomically; a failure is a warning, never an error on one rank only)."""
         args = getattr(self, "_args", None)
         if args is None or not _is_main():
             return
-        os.makedirs(args.output_dir, exist_ok=True)
-        with open(os.path.join(args.output_dir, SPLIT_FILE), "w", encoding="utf-8") as f:
-            json.dump({"split": self.split.as_dict(), "decisions": self.decisions}, f, indent=1)
+        path = os.path.join(args.output_dir, SPLIT_FILE)
+        try:
+            os.makedirs(args.output_dir, exist_ok=True)
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                json.dump({"split": self.split.as_dict(), "decisions": self.decisions}, f, indent=1,
+                          default=str)
+            os.replace(path + ".tmp", path)
+        except OSError as error:
+            logger.warning("[tuner] could not write %s: %s", path, error)
 
     def export(self) -> dict:
-        return {"split": _split_dict(self.split) if self.split else None, "decisions": self.decisions}
+        return {"decisions": self.decisions}
 
     def load(self, saved: dict) -> None:
         if not self.decisions:          # a new process; in-process resumes keep their own (newer) history
@@ -230,6 +248,9 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
     Returns the last ``TrainOutput``. Raises the original error when it is not an out-of-memory error, or when no
     smaller exact split is left.
     """
+    check_number("max_resizes", max_resizes, low=0, integer=True)
+    if probe not in (None, True, False):
+        raise ValueError(f"probe={probe!r} is not allowed: expected True, False or None (the tuner's setting)")
     tuner = _find(trainer, AdaptiveBatchTuner)
     if tuner is None:
         tuner = AdaptiveBatchTuner()
@@ -240,21 +261,26 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
     if resume_from_checkpoint is True or resume_from_checkpoint == "last":
         resume_from_checkpoint = get_last_checkpoint(output_dir)
     saved = saved_split(output_dir) if resume_from_checkpoint else None
+    started = time.time()
     restore = _guard_forward(trainer)
-    if saved:
-        apply_split(trainer, Split(saved["per_device_train_batch_size"], saved["gradient_accumulation_steps"],
-                                   saved.get("steps_per_generation")))
-    elif (tuner.config["probe"] if probe is None else probe) and not resume_from_checkpoint:
-        _probe(trainer, tuner)
     try:
+        if saved:
+            apply_split(trainer, Split(saved["per_device_train_batch_size"], saved["gradient_accumulation_steps"],
+                                       saved.get("steps_per_generation")))
+        elif (tuner.config["probe"] if probe is None else probe) and not resume_from_checkpoint:
+            _probe(trainer, tuner)
         for _ in range(max_resizes + 1):
             try:
                 output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
             except Exception as error:  # noqa: BLE001 - only OOMs are handled, the rest is re-raised
                 if not (isinstance(error, ResizeNeeded) or is_oom_error(error)):
                     raise
-                resume_from_checkpoint = _recover_from_oom(trainer, tuner, error)
+                tuner = _find(trainer, AdaptiveBatchTuner) or tuner
+                resume_from_checkpoint = _recover_from_oom(trainer, tuner, error, started)
                 continue
+            # a resumed run with restore_callback_states_from_checkpoint holds a new tuner instance
+            tuner = _find(trainer, AdaptiveBatchTuner) or tuner
+            tuner.managed = True
             if tuner.pending is None:
                 return output
             tuner.pending["resized_at"] = time.time()
@@ -265,7 +291,7 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
         restore()
 
 
-def _recover_from_oom(trainer, tuner: AdaptiveBatchTuner, error: BaseException) -> str | None:
+def _recover_from_oom(trainer, tuner: AdaptiveBatchTuner, error: BaseException, started: float) -> str | None:
     reason = f"out of memory: {str(error).splitlines()[0][:160]}"
     old = tuner.split or current_split(trainer.args)
     try:
@@ -277,8 +303,14 @@ def _recover_from_oom(trainer, tuner: AdaptiveBatchTuner, error: BaseException) 
     trainer.model.zero_grad(set_to_none=True)
     gc.collect()
     DeviceLayer(device_of(trainer.model)).empty_cache()
-    if inside_optimizer or step == 0:
-        checkpoint = get_last_checkpoint(trainer.args.output_dir)   # weights may be half-updated: go back
+    if inside_optimizer:                                            # weights may be half-updated: go back
+        checkpoint = _checkpoint_of_this_run(trainer.args.output_dir, started, step)
+        if checkpoint is None:
+            raise RuntimeError("out of memory inside optimizer.step before this run saved any checkpoint: the "
+                               "weights may be half-updated, so the run cannot continue safely. Restart it with a "
+                               f"smaller split ({new}) or set save_steps.") from error
+    elif step == 0:
+        checkpoint = None                                           # nothing trained yet: start again
     else:                                                           # weights and optimizer are at step N: keep them
         checkpoint = os.path.join(trainer.args.output_dir, f"checkpoint-{step}")
         if not os.path.isdir(checkpoint):
@@ -290,6 +322,14 @@ def _recover_from_oom(trainer, tuner: AdaptiveBatchTuner, error: BaseException) 
     logger.warning("[tuner] %s at step %d: resuming from %s with split %s", reason, step, checkpoint or "the start",
                    new)
     return checkpoint
+
+
+def _checkpoint_of_this_run(output_dir: str, started: float, step: int) -> str | None:
+    """The newest checkpoint written since ``started`` at a step ≤ ``step`` (never a stale one of an earlier run)."""
+    checkpoint = get_last_checkpoint(output_dir)
+    if checkpoint is None or os.path.getmtime(checkpoint) < started:
+        return None
+    return checkpoint if int(checkpoint.rsplit("-", 1)[-1]) <= step else None
 
 
 def _prepare_resume(trainer, split: Split) -> None:
@@ -362,7 +402,7 @@ def _probe(trainer, tuner: AdaptiveBatchTuner) -> Split:
     args = trainer.args
     device = DeviceLayer(device_of(trainer.model))
     watchdog = _find(trainer, MemoryWatchdog) or MemoryWatchdog()
-    budget = watchdog.budget_bytes(device)
+    budget = min(r[0] for r in gather_floats([watchdog.budget_bytes(device)], device.device))   # the tightest rank
     limit = tuner.config["max_micro_batch"]
     candidates = [s for s in tuner.candidates(args) if limit is None or s.micro_batch <= limit]
     original = current_split(args)
@@ -389,7 +429,6 @@ def _probe(trainer, tuner: AdaptiveBatchTuner) -> Split:
         _restore(trainer, saved)
     chosen = Split(**best["split"]) if best else original
     seconds = time.perf_counter() - started
-    tuner.probe_report = trials
     apply_split(trainer, chosen)
     tuner.split = chosen
     why = (f"fastest split under the {budget / GB:.2f} GB budget: {seconds:.1f} s probing "
@@ -435,10 +474,16 @@ def _probe_one(trainer, split: Split, device: DeviceLayer, steps: int) -> dict:
             model.generate = original_generate
         _reset_after_run(trainer, device)
     measured = timer.steps[1:] or timer.steps
-    if "error" not in trial and measured:
-        trial["split_time"] = median([s - g for s, g in measured])
-        trial["step_time"] = median([s for s, _ in measured])
-    trial["peak"] = timer.peak
+    failed = "error" in trial or not measured
+    split_time = median([s - g for s, g in measured]) if not failed else 0.0
+    step_time = median([s for s, _ in measured]) if not failed else 0.0
+    # every rank must judge the trial alike: the slowest rank's times, the highest peak, any rank's failure
+    rows = gather_floats([split_time, step_time, timer.peak, float(failed)], device.device)
+    if max(r[3] for r in rows) > 0:
+        trial.setdefault("error", "out of memory on another rank")
+    else:
+        trial["split_time"], trial["step_time"] = max(r[0] for r in rows), max(r[1] for r in rows)
+    trial["peak"] = max(r[2] for r in rows)
     return trial
 
 

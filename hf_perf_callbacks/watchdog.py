@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import time
 
 from .base import PerfCallback
 from .device import GB, DeviceLayer, device_of, gather_floats, world_size
@@ -116,6 +117,13 @@ class MemoryWatchdog(PerfCallback):
 
     # ------------------------------------------------------------ per step
     def on_step_end(self, args, state, control, **kwargs):
+        started = time.perf_counter()
+        try:
+            self._step_end(args, state, control)
+        finally:
+            self.bus.add_overhead(time.perf_counter() - started)
+
+    def _step_end(self, args, state, control) -> None:
         step = state.global_step
         obs, fields = self._observe(step)
         self.policy.observe(obs)
@@ -134,15 +142,17 @@ class MemoryWatchdog(PerfCallback):
                 continue
             decision = action
             break
-        decision = self._agree(decision)
+        local = decision
+        self.collective_step = step
+        decision, any_critical = self._agree(decision, self.policy.level == CRITICAL)
         if decision == SMALLER_BATCH:
             self._act(step, SMALLER_BATCH, "asked for a smaller micro-batch: " + self.policy.reason())
             accepted = any(self.bus.signal(SIGNAL_SMALLER_BATCH, reason=self.policy.reason(), step=step,
                                            control=control))
-            if not accepted and self.policy.level == CRITICAL:
+            if not accepted and any_critical:   # nobody can shrink (the same answer on every rank)
                 decision = STOP
         if decision == STOP:
-            self._stop(args, state, control)
+            self._stop(args, state, control, follower=local != STOP and local != SMALLER_BATCH)
         if self.policy.leaking and not self.policy.leak_reported:
             self.policy.leak_reported = True
             self.warn(f"memory grew on each of the last {self.policy.trend_window} steps "
@@ -204,13 +214,17 @@ class MemoryWatchdog(PerfCallback):
             return None
 
     # ------------------------------------------------------------ actions
-    def _agree(self, decision: str | None) -> str | None:
-        """Ranks act together: the most conservative decision of any rank (stop > smaller batch > none)."""
+    def _agree(self, decision: str | None, critical: bool) -> tuple[str | None, bool]:
+        """Ranks act together: the most conservative decision of any rank (stop > smaller batch > none), and
+        whether any rank is critical; one exchange per step."""
         if self.world == 1:
-            return decision
+            return decision, critical
         rank_of = {None: 0.0, SMALLER_BATCH: 1.0, STOP: 2.0}
-        rows = gather_floats([rank_of[decision]], self.device.device)
-        return {0: None, 1: SMALLER_BATCH, 2: STOP}[int(max(r[0] for r in rows))]
+        rows = gather_floats([rank_of[decision], float(critical)], self.device.device)
+        return {0: None, 1: SMALLER_BATCH, 2: STOP}[int(max(r[0] for r in rows))], max(r[1] for r in rows) > 0
+
+    def neutral_exchange(self) -> None:
+        gather_floats([0.0, 0.0], getattr(getattr(self, "device", None), "device", None))
 
     def _clear(self, step: int) -> None:
         answers = self.bus.signal(SIGNAL_CLEAR, reason=self.policy.reason(), step=step)
@@ -219,16 +233,18 @@ class MemoryWatchdog(PerfCallback):
             self.device.empty_cache()
         self._act(step, CLEAR, "cleared caches: " + self.policy.reason())
 
-    def _stop(self, args, state, control) -> None:
+    def _stop(self, args, state, control, follower: bool = False) -> None:
+        reason = ("another rank is about to run out of memory; this rank stops with it, at the same step"
+                  if follower else self.policy.reason())
         if not self.config["stop"]:
-            self._act(state.global_step, "stop_suppressed", "would stop (stop=False): " + self.policy.reason())
+            self._act(state.global_step, "stop_suppressed", "would stop (stop=False): " + reason)
             return
         control.should_save = True
         control.should_training_stop = True
         self.stopped_at = state.global_step
         checkpoint = f"{args.output_dir}/checkpoint-{state.global_step}"
         self._act(state.global_step, STOP,
-                  f"stopped training at step {state.global_step} before running out of memory ({self.policy.reason()})."
+                  f"stopped training at step {state.global_step} before running out of memory ({reason})."
                   f" A checkpoint is saved to {checkpoint}; no step is lost. Resume with "
                   f"trainer.train(resume_from_checkpoint='{checkpoint}') after freeing memory: a smaller "
                   f"per_device_train_batch_size with a larger gradient_accumulation_steps, activation checkpointing, "

@@ -58,3 +58,12 @@ def test_an_oom_on_one_rank_resizes_both_ranks_without_deadlock(two_rank_run):
     assert r0["oom_decisions"] == r1["oom_decisions"] == [["oom", 2, 2]]
     assert r0["oom_split"] == r1["oom_split"] == [2, 2]                 # effective batch 4 × 1 × 2 ranks kept
     assert r0["oom_step"] == r1["oom_step"] == 4
+
+
+def test_the_probe_agrees_across_ranks_when_one_rank_runs_out_of_memory(two_rank_run):
+    _, (r0, r1) = two_rank_run
+    assert r0["probe_trials"] == r1["probe_trials"]
+    assert [fits for micro, fits in r0["probe_trials"] if micro > 2] == [False] * sum(
+        micro > 2 for micro, _ in r0["probe_trials"])                       # rank 1's OOM counts for both
+    assert r0["probe_split"] == r1["probe_split"] and r0["probe_split"][0] <= 2
+    assert r0["probe_step"] == r1["probe_step"] == 2

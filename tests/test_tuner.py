@@ -177,3 +177,17 @@ def test_without_train_with_tuning_it_saves_stops_and_records_the_split(tokenize
 def test_tuner_parameters_are_validated(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         AdaptiveBatchTuner(**bad)
+
+
+def test_train_with_tuning_and_default_callbacks_validate(tokenizer, tmp_path):
+    from hf_perf_callbacks import default_callbacks
+
+    trainer = make_trainer(tokenizer, tmp_path, [], max_steps=1)
+    with pytest.raises(ValueError, match="max_resizes=-1"):
+        train_with_tuning(trainer, max_resizes=-1)
+    with pytest.raises(ValueError, match="probe='yes'"):
+        train_with_tuning(trainer, probe="yes")
+    with pytest.raises(ValueError, match="ThroughputMeter=5"):
+        default_callbacks(ThroughputMeter=5)
+    with pytest.raises(ValueError, match="Unknown"):
+        default_callbacks(Unknown={})

@@ -211,6 +211,8 @@ def test_clearer_is_inert_on_cpu_unless_enabled(tokenizer, tmp_path):
 @pytest.mark.parametrize("cls, bad", [(MemoryWatchdog, {"limit_gb": 0}), (MemoryWatchdog, {"budget_fraction": 2}),
                                       (MemoryWatchdog, {"trend_window": 1}), (MemoryWatchdog, {"stop": "no"}),
                                       (MemoryWatchdog, {"warn_fraction": 0}),
+                                      (MemoryWatchdog, {"limit_gb": float("inf")}),
+                                      (MemoryWatchdog, {"stop_within_steps": 30}),
                                       (MPSCacheClearer, {"interval_steps": 0}), (MPSCacheClearer, {"enabled": 1}),
                                       (MPSCacheClearer, {"bloat_ratio": 0.5}), (MPSCacheClearer, {"min_freed_gb": -1}),
                                       (MPSCacheClearer, {"max_interval": 5})])

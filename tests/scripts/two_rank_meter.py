@@ -42,7 +42,16 @@ def main(out):
     tuner = AdaptiveBatchTuner(probe=False)
     oom = plant.attach(make_trainer(tokenizer, os.path.join(out, "oom"), [plant, tuner], max_steps=4, bs=4, ga=1))
     train_with_tuning(oom)
-    result = {"oom_step": oom.state.global_step, "oom_raised": plant.raised,
+    # the probe with a planted OOM on rank 1 only: both ranks must judge every trial alike and pick one split
+    plant2 = PlantedOOM(limit=2 if rank == 1 else 99, text=CUDA_OOM)
+    probe_tuner = AdaptiveBatchTuner(probe_steps=1)
+    probed = plant2.attach(make_trainer(tokenizer, os.path.join(out, "probe"), [plant2, probe_tuner], max_steps=2,
+                                        bs=4, ga=1))
+    train_with_tuning(probed)
+    result = {"probe_split": [probed.args.per_device_train_batch_size, probed.args.gradient_accumulation_steps],
+              "probe_trials": [(t["split"]["micro_batch"], bool(t["fits"])) for t in probe_tuner.decisions[0]["trials"]],
+              "probe_step": probed.state.global_step,
+              "oom_step": oom.state.global_step, "oom_raised": plant.raised,
               "oom_split": [oom.args.per_device_train_batch_size, oom.args.gradient_accumulation_steps],
               "oom_decisions": [(d["kind"], d["step"], d["new"]["micro_batch"]) for d in tuner.decisions],
               "stop_step": stopped.state.global_step, "stop_actions": [a["action"] for a in watchdog.actions],

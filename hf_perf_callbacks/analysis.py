@@ -29,10 +29,13 @@ rule                   fires when
 ``padding_waste``      pad fraction ≥ ``PAD_FRACTION`` → length grouping / packing / dynamic padding; Amdahl
 =====================  ============================================================================================
 
-Memory estimates (shown with their formulas in the findings), from the run header's model config:
-KV cache = 2 × layers × kv_heads × head_dim × bytes per token; activations ≈ 34 × hidden × layers × bytes/2 per
-token without activation checkpointing (16-bit, attention scores not stored: Korthikanti et al. 2022) and
-hidden × layers × bytes with it (each layer's input); logits = vocab × 8 bytes per token (fp32 logits + log-probs).
+Memory estimates (shown with their formulas in the findings) use the run header's model config and the memory model
+of :mod:`hf_perf_callbacks.estimate` (the one behind the recipes' memory table), per token:
+KV cache = 2 × layers × kv_heads × head_dim × bytes (:func:`~hf_perf_callbacks.estimate.kv_cache_bytes_per_token`);
+activations = layers × (6·hidden + 2·kv_heads·head_dim + 4·intermediate) × bytes without activation checkpointing
+and (layers × hidden + 6·hidden + 2·kv_heads·head_dim + 4·intermediate) × bytes with it
+(:func:`~hf_perf_callbacks.estimate.activation_bytes_per_token`); logits = vocab × 4 bytes (fp32 log-softmax,
+:func:`~hf_perf_callbacks.estimate.logits_bytes_per_token`). ``bytes`` is the model's bytes per parameter.
 """
 from __future__ import annotations
 
@@ -44,7 +47,10 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .reporting import PERF_LOG
+from . import estimate
+from .batching import Split, exact_splits, next_smaller
+from .device import GB
+from .report import PHASES, load_run, unique_steps
 
 REPORT_FILE = "perf_report.md"
 CONSOLE_WIDTH = 160
@@ -73,9 +79,6 @@ HIGH_COMPUTE_SHARE = 0.5
 LARGER_BATCH_SPEEDUP = 2.0   # assumed speed-up of the compute part (measured: 17x for 1×32 → 16×2 on an H100)
 DUPLICATE_FORWARDS = 1.05
 PAD_FRACTION = 0.2
-ACT_BYTES_PER_HIDDEN = 34    # activation bytes per token per layer per hidden unit at 16-bit
-LOGIT_BYTES = 8              # fp32 logits + fp32 log-probs per vocabulary entry per token
-GB = 1024**3
 
 
 @dataclass
@@ -164,35 +167,56 @@ def _phase(m: Measurements, name: str) -> float:
 
 
 def _dims(model: dict) -> dict | None:
-    """layers, hidden, kv heads, head dim, bytes per element and vocab from the run header (None if unknown)."""
-    layers, hidden = model.get("num_hidden_layers"), model.get("hidden_size")
-    heads = model.get("num_attention_heads")
-    if not (layers and hidden and heads):
+    """The run header's model facts as :mod:`~hf_perf_callbacks.estimate`'s model dict plus ``bytes`` (bytes per
+    parameter, default 2); None when layers, hidden size or attention heads are unknown."""
+    if not (model.get("num_hidden_layers") and model.get("hidden_size") and model.get("num_attention_heads")):
         return None
-    return {"L": layers, "h": hidden, "kv": model.get("num_key_value_heads") or heads,
-            "d": model.get("head_dim") or hidden // heads, "b": model.get("bytes_per_param") or 2,
-            "V": model.get("vocab_size")}
+    return {**estimate.model_from_config(model), "bytes": model.get("bytes_per_param") or 2}
 
 
-def kv_cache_bytes_per_token(model: dict) -> float | None:
-    """2 (K and V) × layers × kv_heads × head_dim × bytes."""
-    d = _dims(model)
-    return 2.0 * d["L"] * d["kv"] * d["d"] * d["b"] if d else None
-
-
-def activation_bytes_per_token(model: dict, checkpointing: bool) -> float | None:
-    """Stored activations per token: 34 × hidden × layers × bytes/2 (checkpointing: hidden × layers × bytes)."""
-    d = _dims(model)
-    if not d:
+def _known(compute: Callable, *args):
+    """``compute(*args)``, or None when the model facts it needs are missing from the run header."""
+    try:
+        return compute(*args)
+    except ValueError:
         return None
-    return float(d["h"] * d["L"] * d["b"]) if checkpointing else ACT_BYTES_PER_HIDDEN * d["h"] * d["L"] * d["b"] / 2
+
+
+def _kv_per_token(model: dict) -> int | None:
+    d = _dims(model)
+    return _known(estimate.kv_cache_bytes_per_token, d, d["bytes"]) if d else None
+
+
+def _act_per_token(model: dict, checkpointing: bool) -> int | None:
+    d = _dims(model)
+    return _known(estimate.activation_bytes_per_token, d, d["bytes"], checkpointing) if d else None
+
+
+def _logits_per_token(model: dict) -> int:
+    d = _dims(model)
+    return (_known(estimate.logits_bytes_per_token, d) or 0) if d else 0
+
+
+def _kv_formula(model: dict) -> str:
+    d = _dims(model)
+    return f"2 × {d['layers']} layers × {d['kv_heads']} kv_heads × {d['head_dim']} head_dim × {d['bytes']} B"
 
 
 def _act_formula(model: dict, checkpointing: bool) -> str:
+    """The activation bytes per token as :func:`estimate.activation_bytes_per_token` computes them, with numbers."""
     d = _dims(model)
+    block = (f"(6 × {d['hidden']} + 2 × {d['kv_heads']} × {d['head_dim']} + 4 × {d['intermediate']}) "
+             f"block elements")
     if checkpointing:
-        return f"{d['h']} hidden × {d['L']} layers × {d['b']} B"
-    return f"34 × {d['h']} hidden × {d['L']} layers × {d['b']}/2 B"
+        return f"({d['layers']} layers × {d['hidden']} hidden + {block}) × {d['bytes']} B"
+    return f"{d['layers']} layers × {block} × {d['bytes']} B"
+
+
+def _train_formula(model: dict, checkpointing: bool) -> str:
+    """Activations plus logits per training token, as text."""
+    d = _dims(model)
+    logits = f" + {d['vocab']} vocab × {estimate.LOGIT_BYTES} B logits" if _logits_per_token(model) else ""
+    return f"{_act_formula(model, checkpointing)}{logits}"
 
 
 def _generated_per_call(m: Measurements) -> int | None:
@@ -225,26 +249,38 @@ def _training_tokens(m: Measurements) -> tuple[int, str] | None:
 
 
 def _memory_freed_by_cut(m: Measurements, old: int, new: int) -> tuple[float, str] | None:
-    """Memory a completion cap of ``new`` instead of ``old`` frees at the cap: generation KV cache + training."""
-    kv = kv_cache_bytes_per_token(m.model)
+    """Memory a completion cap of ``new`` instead of ``old`` frees at the cap: generation KV cache + training
+    activations and logits (:mod:`~hf_perf_callbacks.estimate`'s per-token bytes × the tokens cut)."""
+    kv = _kv_per_token(m.model)
     n = _generated_per_call(m)
-    d = _dims(m.model)
     if kv is None or not n:
         return None
     cut = old - new
     kv_total = kv * cut * n
-    parts = [f"KV cache = 2 × {d['L']} layers × {d['kv']} kv_heads × {d['d']} head_dim × {d['b']} B × "
-             f"({old} − {new}) tokens × {n} sequences = {_gb(kv_total)}"]
+    parts = [f"KV cache = {_kv_formula(m.model)} × ({old} − {new}) tokens × {n} sequences = {_gb(kv_total)}"]
     total = kv_total
-    act = activation_bytes_per_token(m.model, bool(m.activation_checkpointing))
+    ckpt = bool(m.activation_checkpointing)
+    act = _act_per_token(m.model, ckpt)
     if act and m.micro_batch:
-        per_token = act + (d["V"] or 0) * LOGIT_BYTES
-        train = per_token * cut * m.micro_batch
+        train = (act + _logits_per_token(m.model)) * cut * m.micro_batch
         total += train
-        logits = f" + {d['V']} vocab × {LOGIT_BYTES} B" if d["V"] else ""
-        parts.append(f"training activations = ({_act_formula(m.model, bool(m.activation_checkpointing))}{logits})"
-                     f" × {cut} tokens × {m.micro_batch} micro-batch = {_gb(train)}")
+        parts.append(f"training activations and logits = ({_train_formula(m.model, ckpt)}) × {cut} tokens × "
+                     f"{m.micro_batch} micro-batch = {_gb(train)}")
     return total, "; ".join(parts)
+
+
+def _splits(m: Measurements) -> list[Split]:
+    """Exact splits of this run's effective batch (GRPO: keeping the generation batch and whole prompt groups),
+    largest micro-batch first; empty when the batch is unknown or the geometry is not a valid one."""
+    if not (m.micro_batch and m.grad_accum):
+        return []
+    world = max(1, m.world_size or 1)
+    effective = m.micro_batch * m.grad_accum * world
+    grpo = m.grpo and m.num_generations and m.num_generations >= 2
+    try:
+        return exact_splits(effective, world, effective if grpo else None, m.num_generations if grpo else None)
+    except ValueError:
+        return []
 
 
 # ------------------------------------------------------------------ rules
@@ -495,30 +531,32 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
     items: list[tuple[float, str]] = []        # (bytes freed, recommendation): the largest first
     tokens = _training_tokens(m)
     ckpt_on = bool(m.activation_checkpointing)
-    act_now = activation_bytes_per_token(m.model, ckpt_on)
+    act_now = _act_per_token(m.model, ckpt_on)
     if m.activation_checkpointing is False:
         text = ("`activation_checkpointing: true` (`gradient_checkpointing` before transformers 5; ~20–30% more "
                 "compute)")
         saved = 0.0
-        if act_now and tokens:
-            saved = (act_now - activation_bytes_per_token(m.model, True)) * tokens[0]
+        act_ckpt = _act_per_token(m.model, True)
+        if act_now and act_ckpt and tokens:
+            saved = (act_now - act_ckpt) * tokens[0]
             text += (f": activations per token {_act_formula(m.model, False)} → {_act_formula(m.model, True)}, "
                      f"× {tokens[1]} frees ≈ {_gb(saved)}")
         items.append((saved, text))
-    if m.micro_batch and m.grad_accum and m.micro_batch > 1:
-        new_mb = m.micro_batch // 2 if m.micro_batch % 2 == 0 else 1
-        new_ga = m.micro_batch * m.grad_accum // new_mb
+    splits = _splits(m)
+    try:
+        smaller = next_smaller(Split(m.micro_batch, m.grad_accum), splits) if splits else None
+    except ValueError:                          # micro-batch 1, or no smaller split keeps the batch exact
+        smaller = None
+    if smaller:
+        new_mb, new_ga = smaller.micro_batch, smaller.grad_accum
         text = (f"`per_device_train_batch_size: {new_mb}` with `gradient_accumulation_steps: {new_ga}` (effective "
                 f"batch {m.micro_batch} × {m.grad_accum} = {new_mb} × {new_ga} = {m.micro_batch * m.grad_accum}, "
                 f"unchanged)")
         saved = 0.0
         if act_now and m.seq_len:
-            d = _dims(m.model)
-            logit_tokens = min(m.seq_len, m.max_completion_length or m.seq_len) if m.grpo else m.seq_len
-            saved = (act_now * m.seq_len + (d["V"] or 0) * LOGIT_BYTES * logit_tokens) * (m.micro_batch - new_mb)
-            text += (f": frees ≈ {_gb(saved)} = ({_act_formula(m.model, ckpt_on)} × {m.seq_len} tokens"
-                     + (f" + {d['V']} vocab × {LOGIT_BYTES} B × {logit_tokens} tokens" if d["V"] else "")
-                     + f") × {m.micro_batch - new_mb} fewer sequences")
+            saved = (act_now + _logits_per_token(m.model)) * m.seq_len * (m.micro_batch - new_mb)
+            text += (f": frees ≈ {_gb(saved)} = ({_train_formula(m.model, ckpt_on)}) × {m.seq_len} tokens × "
+                     f"{m.micro_batch - new_mb} fewer sequences")
         items.append((saved, text))
     target = _completion_target(m)
     if target:
@@ -565,21 +603,23 @@ def rule_small_micro_batch_low_mfu(m: Measurements) -> Finding | None:
         return None
     if c <= 0:
         return None
-    effective = mb * ga
-    splits = [(k, effective // k) for k in range(mb + 1, effective + 1) if effective % k == 0]
+    world = max(1, m.world_size or 1)
+    effective = mb * ga * world
+    splits = sorted((s for s in _splits(m) if s.micro_batch > mb), key=lambda s: s.micro_batch)
     if not splits:
         return None
-    manual = next(((k, a) for k, a in splits if k >= 4 * mb), splits[-1])
-    obs = (f"Micro-batch {mb} × accumulation {ga} (effective batch {effective})"
+    manual = next((s for s in splits if s.micro_batch >= 4 * mb), splits[-1])
+    obs = (f"Micro-batch {mb} × accumulation {ga}" + (f" × {world} devices" if world > 1 else "")
+           + f" (effective batch {effective})"
            + (f"; MFU {_pct(m.mfu)}" if m.mfu is not None else "") + f"; compute {_pct(c)} of the wall time.")
     root = ("With 1–2 sequences per micro-batch the matmuls are too thin to fill the device: each micro-batch pays "
             "its kernel launches, adapter overhead and a forward/backward at low arithmetic intensity, "
             f"{ga} times per optimizer step.")
-    listed = ", ".join(f"{k}×{a}" for k, a in splits[:6])
+    listed = ", ".join(f"{s.micro_batch}×{s.grad_accum}" for s in splits[:6])
     rec = (f"Attach `AdaptiveBatchTuner()` and call `train_with_tuning(trainer)` instead of `trainer.train()`: it "
            f"measures exact splits of the effective batch {effective} ({listed}) and keeps the fastest that fits "
-           f"memory. By hand: `per_device_train_batch_size: {manual[0]}`, `gradient_accumulation_steps: "
-           f"{manual[1]}`.")
+           f"memory. By hand: `per_device_train_batch_size: {manual.micro_batch}`, "
+           f"`gradient_accumulation_steps: {manual.grad_accum}`.")
     if m.grpo:
         rec += " The generation batch (micro-batch × accumulation) stays the same, so GRPO's groups are unchanged."
     gain = _amdahl(c, LARGER_BATCH_SPEEDUP)
@@ -659,19 +699,6 @@ def analyze(m: Measurements) -> list[Finding]:
 
 
 # ------------------------------------------------------------------ reading a run
-def _read_jsonl(path: str) -> list[dict]:
-    out = []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue          # a line cut by a crash
-            if isinstance(entry, dict):
-                out.append(entry)
-    return out
-
-
 def _values(rows: list[dict], key: str) -> list[float]:
     return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)
             and math.isfinite(r[key])]
@@ -696,15 +723,25 @@ def _percentile(values: list[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def _trainer_state(output_dir: str) -> dict | None:
-    """The run's ``trainer_state.json``, else the latest checkpoint's."""
+def _log_history(run) -> list[dict]:
+    """``log_history`` of the run's ``trainer_state.json`` (read by :func:`report.load_run`), else of the latest
+    checkpoint's (a run killed before it saved its final state)."""
+    if run.log_history:
+        return run.log_history
+    state = _checkpoint_state(run.output_dir) or {}
+    history = state.get("log_history") if isinstance(state, dict) else None
+    return [h for h in history if isinstance(h, dict)] if isinstance(history, list) else []
+
+
+def _checkpoint_state(output_dir: str) -> dict | None:
+    """The latest checkpoint's ``trainer_state.json``."""
 
     def step_of(path: str) -> int:
         name = os.path.basename(os.path.dirname(path)).removeprefix("checkpoint-")
         return int(name) if name.isdigit() else -1
 
     checkpoints = glob.glob(os.path.join(output_dir, "checkpoint-*", "trainer_state.json"))
-    for path in [os.path.join(output_dir, "trainer_state.json")] + sorted(checkpoints, key=step_of, reverse=True):
+    for path in sorted(checkpoints, key=step_of, reverse=True):
         if os.path.exists(path):
             try:
                 with open(path, encoding="utf-8") as fh:
@@ -715,27 +752,29 @@ def _trainer_state(output_dir: str) -> dict | None:
 
 
 def measurements_from_run(output_dir: str) -> Measurements:
-    """Read ``perf_log.jsonl`` (required) and ``trainer_state.json`` (optional) of a run directory."""
-    path = os.path.join(output_dir, PERF_LOG)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: train with the package's callbacks (default_callbacks()) and "
-                                f"pass the run's output_dir")
-    entries = _read_jsonl(path)
+    """Read a run directory through :func:`report.load_run`: ``perf_log.jsonl`` (required) and
+    ``trainer_state.json`` (optional; else the latest checkpoint's).
 
-    def last_of(kind: str, source: str) -> dict:
-        found = [e for e in entries if e.get("type") == kind and e.get("source") == source]
+    The latest training session's summaries count (a resumed session that was killed has none, so the figures
+    come from the step lines), and a step logged again after an out-of-memory rollback or a resume counts once
+    (:func:`report.unique_steps`, its latest line). Raises :class:`report.ReportError` (a ``ValueError``) when
+    ``output_dir`` is not a directory, has no ``perf_log.jsonl``, or the log holds nothing readable.
+    """
+    run_log = load_run(output_dir)
+
+    def last_header(source: str) -> dict:
+        found = [r for r in run_log.runs if r.get("source") == source]
         return found[-1] if found else {}
 
-    run, mem_run = last_of("run", "perf"), last_of("run", "mem")
-    summary, mem_summary = last_of("summary", "perf"), last_of("summary", "mem")
-    steps = [e for e in entries if e.get("type") == "step"]
-    events = [e for e in entries if e.get("type") == "event"]
+    run, mem_run = last_header("perf"), last_header("mem")
+    summary, mem_summary = run_log.summaries.get("perf", {}), run_log.summaries.get("mem", {})
+    steps = unique_steps(run_log)
+    events = run_log.events
     steady = [s for s in steps if s.get("perf/steady") == 1] or steps
 
     phases = summary.get("phases")
     if not isinstance(phases, dict):
-        totals = {p: sum(_values(steps, f"perf/phase_sec/{p}"))
-                  for p in ("data_wait", "generation", "compute", "eval", "save")}
+        totals = {p: sum(_values(steps, f"perf/phase_sec/{p}")) for p in PHASES}
         total = sum(totals.values())
         phases = {k: v / total for k, v in totals.items()} if total > 0 else {}
 
@@ -775,9 +814,8 @@ def measurements_from_run(output_dir: str) -> Measurements:
                    for e in events if e.get("source") == "mem" and e.get("kind") in ("action", "stop")]
 
     completion = {"mean": None, "max": None, "p90": None, "clipped": None}
-    state = _trainer_state(output_dir)
-    if state:
-        logs = [entry for entry in state.get("log_history", []) if isinstance(entry, dict)]
+    logs = _log_history(run_log)
+    if logs:
         means, maxes = _values(logs, "completions/mean_length"), _values(logs, "completions/max_length")
         clipped = _values(logs, "completions/clipped_ratio")
         completion = {"mean": statistics.fmean(means) if means else None, "max": max(maxes, default=None),
@@ -789,7 +827,7 @@ def measurements_from_run(output_dir: str) -> Measurements:
         grad_accum=int(accum) if accum else None, max_completion_length=run.get("max_completion_length"),
         num_generations=run.get("num_generations"), activation_checkpointing=run.get("activation_checkpointing"),
         model=run.get("model") or {}, dataloader=run.get("dataloader") or {},
-        steps=int(summary.get("steps") or len(steps)),
+        steps=int(summary.get("steps") or (int(steps[-1]["step"]) if steps else 0)),
         warmup_steps=int(warmup_steps) if warmup_steps is not None else None,
         warmup_overhead_sec=pick("warmup_overhead_sec", "perf/warmup_overhead_sec"),
         first_step_slowdown=pick("first_step_slowdown", "perf/first_step_slowdown"),
@@ -878,5 +916,5 @@ def console_summary(findings: list[Finding], top: int = 3) -> str:
 
 
 __all__ = ["Measurements", "Finding", "RULES", "analyze", "measurements_from_run", "render_markdown",
-           "write_perf_report", "console_summary", "kv_cache_bytes_per_token", "activation_bytes_per_token"]
+           "write_perf_report", "console_summary"]
 

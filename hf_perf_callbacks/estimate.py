@@ -33,15 +33,28 @@ LORA_BYTES_PER_PARAM = 16
 LOGIT_BYTES = 4
 
 
-def _check_model(model: dict) -> None:
+def _check_model(model: dict, keys=MODEL_KEYS) -> None:
+    """``model`` is a dict whose ``keys`` are integers >= 1 (ValueError naming the key otherwise)."""
     if not isinstance(model, dict):
-        raise ValueError(f"model={model!r} is not allowed: expected a dict with keys {', '.join(MODEL_KEYS)}")
-    missing = [key for key in MODEL_KEYS if key not in model]
+        raise ValueError(f"model={model!r} is not allowed: expected a dict with keys {', '.join(keys)}")
+    missing = [key for key in keys if key not in model]
     if missing:
-        raise ValueError(f"model is missing {missing}: expected a dict with keys {', '.join(MODEL_KEYS)} "
+        raise ValueError(f"model is missing {missing}: expected a dict with keys {', '.join(keys)} "
                          f"(see QWEN25 for examples)")
-    for key in MODEL_KEYS:
+    for key in keys:
         check_number(f"model[{key!r}]", model[key], low=1, integer=True)
+
+
+def model_from_config(config: dict) -> dict:
+    """This module's model dict from a Hugging Face config's keys (``num_hidden_layers``, ``hidden_size``,
+    ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``vocab_size``,
+    ``params``), e.g. the ``model`` facts of a run's perf log header. ``kv_heads`` defaults to ``heads`` and
+    ``head_dim`` to ``hidden / heads``; keys the config lacks are None (the functions needing them raise)."""
+    layers, hidden, heads = (config.get(k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads"))
+    head_dim = config.get("head_dim") or (hidden // heads if hidden and heads else None)
+    return dict(layers=layers, hidden=hidden, intermediate=config.get("intermediate_size"), heads=heads,
+                kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
+                vocab=config.get("vocab_size"), params=config.get("params"))
 
 
 def _linear_shapes(model: dict) -> dict[str, tuple[int, int]]:
@@ -75,8 +88,36 @@ def layer_activation_elements(model: dict) -> int:
     are negligible. For Qwen2.5 this is ≈ 28–30 × hidden per token (Korthikanti et al. 2022 count 34·hidden
     *bytes* for a GPT block with a 4·hidden MLP, dropout masks and materialised attention scores).
     """
-    _check_model(model)
+    _check_model(model, ("hidden", "intermediate", "kv_heads", "head_dim"))
     return 6 * model["hidden"] + 2 * model["kv_heads"] * model["head_dim"] + 4 * model["intermediate"]
+
+
+def kv_cache_bytes_per_token(model: dict, dtype_bytes: int) -> int:
+    """Keys and values of one token over all layers: ``2 × layers × kv_heads × head_dim × dtype_bytes``."""
+    _check_model(model, ("layers", "kv_heads", "head_dim"))
+    check_number("dtype_bytes", dtype_bytes, low=1, integer=True)
+    return 2 * model["layers"] * model["kv_heads"] * model["head_dim"] * dtype_bytes
+
+
+def activation_bytes_per_token(model: dict, dtype_bytes: int, activation_checkpointing: bool) -> int:
+    """Activations autograd keeps per training token: with checkpointing ``(layers × hidden +
+    layer_activation_elements) × dtype_bytes`` (one saved input per block plus the block being recomputed), without
+    ``layers × layer_activation_elements × dtype_bytes``."""
+    _check_model(model, ("layers",))
+    check_number("dtype_bytes", dtype_bytes, low=1, integer=True)
+    if not isinstance(activation_checkpointing, bool):
+        raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not allowed: "
+                         f"expected True or False")
+    per_layer = layer_activation_elements(model)
+    if activation_checkpointing:
+        return (model["layers"] * model["hidden"] + per_layer) * dtype_bytes
+    return model["layers"] * per_layer * dtype_bytes
+
+
+def logits_bytes_per_token(model: dict) -> int:
+    """Full-vocabulary logits of one training token: ``vocab × LOGIT_BYTES`` (fp32 log-softmax)."""
+    _check_model(model, ("vocab",))
+    return model["vocab"] * LOGIT_BYTES
 
 
 def estimate_grpo_memory(model: dict, *, micro_batch: int, num_generations: int, generation_batch: int,
@@ -119,17 +160,12 @@ def estimate_grpo_memory(model: dict, *, micro_batch: int, num_generations: int,
 
     seq = prompt_tokens + max_completion_length
     tokens = micro_batch * seq
-    per_layer = layer_activation_elements(model) * tokens * dtype_bytes
-    if activation_checkpointing:
-        activations = model["layers"] * model["hidden"] * tokens * dtype_bytes + per_layer
-    else:
-        activations = model["layers"] * per_layer
     parts = {
         "weights": model["params"] * dtype_bytes,
         "lora": lora_params * LORA_BYTES_PER_PARAM,
-        "kv_cache": 2 * model["layers"] * model["kv_heads"] * model["head_dim"] * dtype_bytes * seq * generation_batch,
-        "activations": activations,
-        "logits": micro_batch * seq * model["vocab"] * LOGIT_BYTES,
+        "kv_cache": kv_cache_bytes_per_token(model, dtype_bytes) * seq * generation_batch,
+        "activations": activation_bytes_per_token(model, dtype_bytes, activation_checkpointing) * tokens,
+        "logits": logits_bytes_per_token(model) * tokens,
     }
     parts = {key: float(value) for key, value in parts.items()}
     parts["total"] = sum(parts.values())

@@ -203,8 +203,8 @@ def figures(run: RunLog) -> dict:
         "stopped_at": pick(mem, "stopped_at", next((e.get("step") for e in run.events
                                                     if e.get("source") == "mem" and e.get("kind") == "stop"), None)),
         "cache_clears": pick(cache, "clears", _last(steps, "cache/clears") or len(cache_events) or None),
-        "cache_freed_gb": pick(cache, "freed_gb", _last(steps, "cache/freed_gb")
-                               or sum(_num(e.get("freed_gb")) or 0.0 for e in cache_events)),
+        "cache_freed_gb": pick(cache, "freed_gb",                 # cache/freed_gb is per logging window
+                               sum(_num(e.get("freed_gb")) or 0.0 for e in cache_events)),
     }
 
 
@@ -500,7 +500,11 @@ def main(output_dir: str, plots: bool = True) -> int:
     except ReportError as error:
         print(f"hf-perf report: {error}", file=sys.stderr)
         return 2
-    path, findings = write_perf_report(output_dir)
+    try:
+        path, findings = write_perf_report(output_dir)
+    except Exception as error:  # noqa: BLE001 - the summary and plots above stand on their own
+        print(f"hf-perf report: the analysis failed ({type(error).__name__}: {error})", file=sys.stderr)
+        return 1
     print(console_summary(findings))
     print(f"analysis: {path}")
     return 0

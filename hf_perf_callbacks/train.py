@@ -25,6 +25,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .tuner import saved_split
+
 logger = logging.getLogger("hf_perf_callbacks.train")   # also when run as __main__
 
 DEFAULT_CALLBACKS = ("ThroughputMeter", "MemoryWatchdog", "MPSCacheClearer", "AdaptiveBatchTuner")
@@ -186,8 +188,7 @@ def _bf16_fix(kind: str) -> str:
 
 
 def check_batch_geometry(values: Mapping, world_size: int = 1) -> int:
-    """GRPO's batch rule (F5), checked with a clear fix before ``GRPOConfig`` runs its own; returns the generation
-    batch.
+    """GRPO's batch rule, checked with a clear fix before ``GRPOConfig`` runs its own; returns the generation batch.
 
     ``generation_batch_size = per_device_train_batch_size × world × steps_per_generation`` (which defaults to
     ``gradient_accumulation_steps``) must be a multiple of ``num_generations``, and ``num_generations ≥ 2``.
@@ -270,19 +271,43 @@ def check_recipe(values: Mapping, *, device: str, bf16_supported: bool, device_n
                               "(TRL #7220): remove device_map; the trainer moves the model to MPS itself")
 
 
-def _saved_split(output_dir: str | None) -> dict | None:
-    """A split recorded by an earlier run that the batch tuner re-sized, if the tuner is installed."""
-    if not output_dir:
-        return None
-    try:
-        from .tuner import saved_split
-    except ImportError:
-        return None
-    return saved_split(output_dir)
+def _resuming(resume) -> bool:
+    """Whether ``--resume_from_checkpoint`` asks for a resume (a path or ``last``; not unset, false or none)."""
+    return bool(resume) and str(resume).lower() not in ("false", "none")
 
 
-def apply_split(args, split: Mapping):
-    """``args`` with the tuner's split, keeping GRPO's generation batch (F4)."""
+def split_to_resume(values: Mapping, world_size: int = 1) -> dict | None:
+    """The split a batch tuner recorded in ``output_dir`` when this launch resumes that run, else None.
+
+    The tuner re-sizes the split of a run that ran out of memory or found a faster one and writes it to
+    ``output_dir``; a resume continues with it. It is applied only when ``resume_from_checkpoint`` is given and the
+    recipe's effective batch (per_device_train_batch_size × gradient_accumulation_steps × world size) equals the
+    recorded split's: a fresh run, or a recipe whose batch was changed since, starts from the recipe's own split.
+    ``values`` are the merged recipe values (see :func:`raw_values`).
+    """
+    output_dir = values.get("output_dir")
+    if not output_dir or not _resuming(values.get("resume_from_checkpoint")):
+        return None
+    split = saved_split(output_dir)
+    if not split:
+        return None
+    sizes = (values.get("per_device_train_batch_size"), values.get("gradient_accumulation_steps"))
+    if not all(isinstance(v, int) and v >= 1 for v in sizes):
+        return None                                     # check_recipe names the bad value
+    recipe_batch = values["per_device_train_batch_size"] * values["gradient_accumulation_steps"] * world_size
+    saved_batch = split["per_device_train_batch_size"] * split["gradient_accumulation_steps"] * world_size
+    if recipe_batch != saved_batch:
+        logger.warning("ignoring the split recorded by the batch tuner in %s (%s): its effective batch %d differs "
+                       "from the recipe's %d", output_dir, split, saved_batch, recipe_batch)
+        return None
+    return split
+
+
+def config_with_split(args, split: Mapping):
+    """A copy of the parsed ``GRPOConfig`` (before any trainer exists) with a recorded split, keeping GRPO's
+    generation batch: a split with ``steps_per_generation`` sets it and clears ``generation_batch_size`` (GRPOConfig
+    accepts only one of the two); one without keeps the current ``generation_batch_size``. (``tuner.apply_split`` sets
+    a split on a live trainer, in place.)"""
     changes = {"per_device_train_batch_size": split["per_device_train_batch_size"],
                "gradient_accumulation_steps": split["gradient_accumulation_steps"]}
     if split.get("steps_per_generation"):
@@ -294,7 +319,7 @@ def apply_split(args, split: Mapping):
 
 def resolve_checkpoint(resume: str | None, output_dir: str) -> str | None:
     """``--resume_from_checkpoint PATH`` or ``last`` (the newest ``checkpoint-N`` in ``output_dir``)."""
-    if not resume or str(resume).lower() in ("false", "none"):
+    if not _resuming(resume):
         return None
     if resume == "last":
         from transformers.trainer_utils import get_last_checkpoint
@@ -318,21 +343,24 @@ def parse_recipe(argv: list[str]):
     parser = make_parser()
     check_keys(parser, config, rest, source=config_path or "recipe")
     values = raw_values(parser, config, rest)
-    split = _saved_split(values.get("output_dir"))
+    split = split_to_resume(values, world_size_from_env())
     if split:
         values.update(split)
+        if split.get("steps_per_generation"):
+            values["generation_batch_size"] = None
     kind, bf16_ok, name = detect_device(bool(values.get("use_cpu")))
     check_recipe(values, device=kind, bf16_supported=bf16_ok, device_name=name, world_size=world_size_from_env(),
                  accelerate_mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION"))
     if os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16" and values.get("bf16") is False:
         logger.warning("the accelerate config sets mixed_precision: bf16, which overrides bf16: false in the recipe "
-                       "(F8); launch with --mixed_precision no to keep the recipe's precision")
+                       "(training then runs under bf16 autocast); launch with --mixed_precision no, or "
+                       "recipes/accelerate/mps.yaml, to keep the recipe's precision")
 
     args = ["--config", config_path, *rest] if config_path else rest
     recipe, training_args, model_args = make_parser().parse_args_and_config(args)
     if split:
         logger.info("applying the split recorded by the batch tuner in %s: %s", training_args.output_dir, split)
-        training_args = apply_split(training_args, split)
+        training_args = config_with_split(training_args, split)
     recipe.callbacks = [name for name in ([recipe.callbacks] if isinstance(recipe.callbacks, str)
                                           else recipe.callbacks) if name.lower() != "none"]
     recipe.reward_funcs = [recipe.reward_funcs] if isinstance(recipe.reward_funcs, str) else recipe.reward_funcs
@@ -364,14 +392,7 @@ def _callback_class(name: str):
     if name not in DEFAULT_CALLBACKS:
         raise RecipeError(f"unknown callback {name!r}{_did_you_mean(name, list(DEFAULT_CALLBACKS))}: allowed are "
                           f"{', '.join(DEFAULT_CALLBACKS)} or a dotted path pkg.module.Class")
-    cls = getattr(hf_perf_callbacks, name, None)
-    if cls is None and name == "AdaptiveBatchTuner":
-        try:
-            from .tuner import AdaptiveBatchTuner as cls
-        except ImportError as error:
-            raise RecipeError(f"callback 'AdaptiveBatchTuner' is not available in this install ({error}): remove it "
-                              f"from callbacks") from None
-    return cls
+    return getattr(hf_perf_callbacks, name)
 
 
 def build_callbacks(names: list[str], kwargs: Mapping) -> list:
@@ -510,30 +531,12 @@ def _describe(recipe, args, model_args, callbacks) -> str:
             f"max_completion_length {args.max_completion_length}; dataset {recipe.dataset}; callbacks {names}")
 
 
-def report_run(output_dir: str, plots: bool = True) -> int:
-    """Print the run's perf report (``report.main``) and the analysis summary; the report's exit code."""
-    try:
-        from . import report
-    except ImportError as error:
-        print(f"perf report not available in this install ({error})", file=sys.stderr)
-        return 1
-    code = report.main(output_dir, plots=plots)
-    if code:
-        return code
-    try:
-        from . import analysis
-    except ImportError as error:
-        print(f"(analysis not available in this install: {error})", file=sys.stderr)
-        return code
-    _, findings = analysis.write_perf_report(output_dir)
-    print(analysis.console_summary(findings))
-    return code
-
-
 def _report(output_dir: str) -> None:
     """End-of-run report; a failure here is logged and does not fail the finished run."""
     try:
-        report_run(output_dir)
+        from .report import main as report_main
+
+        report_main(output_dir)
     except Exception:                                  # training and checkpoints are already saved
         logger.exception("the perf report failed; rerun it with `hf-perf report %s`", output_dir)
 

@@ -6,9 +6,10 @@ import os
 
 import pytest
 
-from hf_perf_callbacks import analysis
+from hf_perf_callbacks import estimate
 from hf_perf_callbacks.analysis import (RULES, Finding, Measurements, analyze, console_summary, measurements_from_run,
                                         render_markdown, write_perf_report)
+from hf_perf_callbacks.report import ReportError
 
 QWEN_3B = {"num_hidden_layers": 36, "hidden_size": 2048, "intermediate_size": 11008, "num_attention_heads": 16,
            "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 151936, "params": 3_090_000_000,
@@ -57,8 +58,8 @@ def test_missing_optional_data_fires_nothing():
     assert analyze(m) == []
 
 
-def test_seed_000_warmup_is_explained_as_normal():
-    # first batch 29.6 s, steady 4.0 s: 7.3x, ~25 s overhead over a 200-step run on MPS
+def test_slow_first_steps_on_a_mac_are_explained_as_normal():
+    # field report, a GRPO run on a Mac: first batch 29.6 s, steady 4.0 s: 7.3x, ~25 s overhead over 200 steps
     f = only(healthy(device_type="mps", first_step_slowdown=7.3, warmup_steps=10, warmup_overhead_sec=25.6,
                      steady_step_sec=4.0, steady_tokens_per_sec=254.3, mfu=None, decode_bandwidth_util=None))
     assert f.rule == "warmup" and f.expected_gain == 1.0 and f.confidence == "high"
@@ -74,7 +75,8 @@ def test_warmup_in_a_short_run_has_a_gain_with_formula():
     assert f"1/(1 − {share:.2f})" in f.gain_formula and "steps" in f.recommendation
 
 
-def test_seed_001_input_bound_on_cuda():
+def test_input_bound_on_cuda():
+    # field report: a CUDA run whose GPU waited for the DataLoader (num_workers 0) 83% of the time
     f = only(healthy(micro_batch=1, grad_accum=1,
                      phases={"data_wait": 0.83, "generation": 0.0, "compute": 0.17, "eval": 0.0, "save": 0.0},
                      grpo=False, dataloader={"num_workers": 0, "persistent_workers": False, "prefetch_factor": None,
@@ -126,7 +128,8 @@ def test_generation_bound_on_mps_suggests_shorter_completions_and_fewer_generati
     assert "`per_device_train_batch_size: 4`" in f.recommendation and "`steps_per_generation: 8`" in f.recommendation
 
 
-def test_seed_003_completion_budget_512_to_128():
+def test_completion_budget_512_to_128():
+    # field report, a 3B + LoRA Wordle GRPO run on a Mac: max_completion_length 512 while completions used ~80 tokens
     f = only(healthy(device_type="mps", mfu=None, decode_bandwidth_util=None, micro_batch=2, grad_accum=1,
                      num_generations=2, max_completion_length=512, completion_mean=60.0, completion_max=80.0,
                      completion_p90=78.0, clipped_ratio=0.0))
@@ -135,9 +138,25 @@ def test_seed_003_completion_budget_512_to_128():
     # the KV-cache formula with this model's numbers: 2 × 36 × 2 × 128 × 2 B × (512 − 128) × 2 sequences
     kv_formula = "2 × 36 layers × 2 kv_heads × 128 head_dim × 2 B × (512 − 128) tokens × 2 sequences"
     assert kv_formula in f.recommendation
-    kv = analysis.kv_cache_bytes_per_token(QWEN_3B)
-    assert kv == 2 * 36 * 2 * 128 * 2
+    assert estimate.kv_cache_bytes_per_token(estimate.model_from_config(QWEN_3B), 2) == 2 * 36 * 2 * 128 * 2
     assert f.expected_gain == 1.0 and "1.0x" in f.gain_formula
+
+
+def test_memory_freed_by_a_cut_is_the_estimate_modules_difference():
+    # one memory model: what the analysis says a cut frees is what estimate_grpo_memory (the recipes' table) loses
+    m = healthy(device_type="mps", mfu=None, decode_bandwidth_util=None, micro_batch=2, grad_accum=1,
+                num_generations=2, max_completion_length=512, completion_mean=60.0, completion_max=80.0,
+                completion_p90=78.0, clipped_ratio=0.0)
+    f = only(m)
+    model = {**estimate.model_from_config(QWEN_3B)}
+    common = dict(micro_batch=2, num_generations=2, generation_batch=2, prompt_tokens=200, dtype_bytes=2,
+                  lora_params=0, activation_checkpointing=False)
+    before = estimate.estimate_grpo_memory(model, max_completion_length=512, **common)
+    after = estimate.estimate_grpo_memory(model, max_completion_length=128, **common)
+    freed = sum(before[k] - after[k] for k in ("kv_cache", "activations", "logits"))
+    assert f"frees ≈ {freed / 1024**3:.2f} GB" in f.recommendation
+    assert "36 layers × (6 × 2048 + 2 × 2 × 128 + 4 × 11008) block elements × 2 B" in f.recommendation
+    assert "151936 vocab × 4 B logits" in f.recommendation
 
 
 def test_completion_budget_with_rare_runaways_has_a_time_gain():
@@ -155,7 +174,8 @@ def test_clipped_completions_are_a_quality_note_without_a_cut():
     assert "`mask_truncated_completions: true`" in f.recommendation
 
 
-def test_seed_003_memory_pressure_swapping():
+def test_memory_pressure_swapping_on_a_mac():
+    # field report: a 3B + LoRA Wordle GRPO run on a Mac went from ~40 s to 226 s per iteration while swapping
     f = only(healthy(device_type="mps", mfu=None, decode_bandwidth_util=None, micro_batch=2, grad_accum=1,
                      num_generations=2, max_completion_length=512, completion_mean=None, completion_max=None,
                      completion_p90=None, clipped_ratio=None, seq_len=600, swap_growth_gb=6.0, swapout_steps=20,
@@ -168,12 +188,19 @@ def test_seed_003_memory_pressure_swapping():
     assert "`per_device_train_batch_size: 1` with `gradient_accumulation_steps: 2`" in f.recommendation
     assert "2 × 1 = 1 × 2 = 2" in f.recommendation
     assert "MPSCacheClearer" in f.recommendation and "MemoryWatchdog" in f.recommendation
-    assert "34 × 2048 hidden × 36 layers × 2/2 B" in f.recommendation       # the activation formula shown
+    # the activation formulas shown are estimate.activation_bytes_per_token's, with this model's numbers
+    assert "36 layers × (6 × 2048 + 2 × 2 × 128 + 4 × 11008) block elements × 2 B" in f.recommendation
+    with_checkpointing = "(36 layers × 2048 hidden + (6 × 2048 + 2 × 2 × 128 + 4 × 11008) block elements) × 2 B"
+    assert with_checkpointing in f.recommendation
+    model = estimate.model_from_config(QWEN_3B)
+    per_token = estimate.activation_bytes_per_token(model, 2, False) + estimate.logits_bytes_per_token(model)
+    assert f"frees ≈ {per_token * 600 / 1024**3:.2f} GB" in f.recommendation      # one sequence of 600 tokens less
     assert f.observation.startswith("Swap grew by 6.00 GB") and "clear_cache at step 4" in f.observation
     assert "16.00 GB cached" in f.observation
 
 
-def test_seed_003_full_situation_ranks_memory_first_and_cuts_completions_to_128():
+def test_swapping_mac_run_ranks_memory_first_and_cuts_completions_to_128():
+    # the whole field report: swapping, 512-token limit, ~80-token completions; 512 → 128 fixed it
     m = healthy(device_type="mps", mfu=None, decode_bandwidth_util=None, micro_batch=2, grad_accum=1,
                 num_generations=2, max_completion_length=512, completion_mean=60.0, completion_max=80.0,
                 completion_p90=78.0, clipped_ratio=0.0, seq_len=600, swap_growth_gb=6.0, swapout_steps=20,
@@ -204,19 +231,31 @@ def test_small_micro_batch_low_mfu_recommends_the_tuner():
     assert f.expected_gain == pytest.approx(1 / (0.49 + 0.51 / 2)) and "1/((1 − 0.51) + 0.51/2)" in f.gain_formula
 
 
+def test_small_micro_batch_splits_keep_grpo_prompt_groups_whole():
+    # batching.exact_splits: 2 × 6 with num_generations 4 keeps the generation batch 12 (3 prompt groups) at every
+    # larger exact split; with 2 devices the effective batch counts both
+    f = only(healthy(micro_batch=2, grad_accum=6, num_generations=4, mfu=0.05))
+    assert "(3×4, 4×3, 6×2, 12×1)" in f.recommendation
+    f = only(healthy(micro_batch=1, grad_accum=8, world_size=2, num_generations=4, mfu=0.05))
+    assert "effective batch 16" in f.recommendation and "(2×4, 4×2, 8×1)" in f.recommendation
+    assert "× 2 devices" in f.observation
+
+
 def test_small_micro_batch_is_not_recommended_under_memory_pressure():
     findings = analyze(healthy(micro_batch=1, grad_accum=32, mfu=0.05, max_pressure=1))
     assert [f.rule for f in findings] == ["memory_pressure"]
 
 
-def test_seed_004_duplicate_forward():
+def test_duplicate_forward():
+    # field report: a custom compute_loss ran the model a second time with gradients on
     f = only(healthy(forwards_per_microbatch=2.0))
     assert f.rule == "duplicate_forward"
     assert f.expected_gain == pytest.approx(1 / (0.32 + 0.68 / 2))
     assert "1/((1 − 0.68) + 0.68/2.00)" in f.gain_formula and "torch.no_grad()" in f.recommendation
 
 
-def test_seed_004_padding_waste():
+def test_padding_waste():
+    # field report: a Trainer run padding every batch to a fixed max_length, 45% pad positions
     f = only(healthy(grpo=False, pad_fraction=0.45,
                      phases={"data_wait": 0.0, "generation": 0.0, "compute": 1.0, "eval": 0.0, "save": 0.0}))
     assert f.rule == "padding_waste"
@@ -311,8 +350,36 @@ def test_measurements_without_trainer_state_or_summary(tmp_path):
 
 
 def test_missing_perf_log_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="perf_log.jsonl"):
+    with pytest.raises(ReportError, match="no perf_log.jsonl"):
         measurements_from_run(str(tmp_path))
+    with pytest.raises(ValueError, match="is not a directory"):          # ReportError is a ValueError
+        write_perf_report(str(tmp_path / "missing"))
+    (tmp_path / "perf_log.jsonl").write_text("")
+    with pytest.raises(ReportError, match="holds nothing"):
+        measurements_from_run(str(tmp_path))
+
+
+def test_a_killed_resumed_session_ignores_the_earlier_summary_and_repeated_steps(tmp_path):
+    """Session 1 finished (summary); session 2 resumed from step 2, re-ran steps 3-4 and was killed: its figures
+    come from the step lines, each step once (its latest line), not from session 1's stale summary."""
+    _write_run(tmp_path, _steps(4), state=False)
+    session2 = [{"type": "summary", "source": "perf", "steps": 4, "mfu": 0.9, "steady_step_sec": 1.0,
+                 "phases": {"compute": 1.0}},
+                {"type": "summary", "source": "mem", "high_water_gb": 99.0, "budget_gb": 38.0, "actions": []},
+                {"type": "run", "source": "perf", "device_type": "mps", "world_size": 1, "grpo": True,
+                 "resumed_from_step": 2, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
+                 "max_completion_length": 512, "num_generations": 2, "model": QWEN_3B}]
+    rerun = _steps(6)[2:]                                        # steps 3..6 again (an OOM rollback to step 2)
+    for s in rerun:
+        s["perf/phase_sec/generation"] = 10.0                   # the re-run lines differ from the first ones
+    with open(tmp_path / "perf_log.jsonl", "a") as fh:
+        fh.write("\n" + "\n".join(json.dumps(line) for line in session2 + rerun) + "\n")
+    m = measurements_from_run(str(tmp_path))
+    assert m.steps == 6 and m.mfu is None
+    assert m.steady_step_sec == pytest.approx(40 + 20 * 4.5)      # steady steps 3..6, once each
+    # steps 1-2 from session 1 (30 s generation), 3-6 re-run (10 s): (2 × 30 + 4 × 10) / (6 × 40 − 4 × 20)
+    assert m.phases["generation"] == pytest.approx(100 / 160)
+    assert m.mem_high_water_gb == 36.0 and m.swapout_steps == 0  # steps 1..6 once: used 31..36, swap-outs after 6
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""hf-perf argument handling: demo unchanged, train forwards to the launcher, report runs report + analysis."""
+"""hf-perf argument handling: demo unchanged, train forwards to the launcher, report prints the summary and
+writes the plots and the analysis (on a real demo run)."""
 import os
 import subprocess
 import sys
@@ -54,31 +55,56 @@ def test_train_with_a_missing_config_file(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
 
 
-def test_report_of_a_missing_directory_fails_clearly(capsys):
-    pytest.importorskip("hf_perf_callbacks.report")
-    code = cli.main(["report", "/nonexistent/run"])
-    assert code != 0
-    assert "/nonexistent/run" in capsys.readouterr().err
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """A real 6-step demo run (tiny model, CPU): perf_log.jsonl and trainer_state.json, no report yet."""
+    from hf_perf_callbacks.demo import build_demo_trainer
+
+    output_dir = str(tmp_path_factory.mktemp("demo"))
+    trainer = build_demo_trainer(output_dir, max_steps=6)
+    trainer.train()
+    trainer.save_state()
+    return output_dir
 
 
-def test_report_runs_report_then_analysis(monkeypatch, capsys):
-    report = pytest.importorskip("hf_perf_callbacks.report")
-    analysis = pytest.importorskip("hf_perf_callbacks.analysis")
-    calls = []
-    monkeypatch.setattr(report, "main", lambda out, plots=True: calls.append(("report", out, plots)) or 0)
-    monkeypatch.setattr(analysis, "write_perf_report", lambda out: calls.append(("analysis", out)) or ("p", ["f"]))
-    monkeypatch.setattr(analysis, "console_summary", lambda findings, top=3: f"summary of {findings}")
-    assert cli.main(["report", "runs/x", "--no-plots"]) == 0
-    assert calls == [("report", "runs/x", False), ("analysis", "runs/x")]
-    assert "summary of ['f']" in capsys.readouterr().out
+def test_report_of_a_missing_directory_fails_clearly(tmp_path, capsys):
+    missing = str(tmp_path / "no_such_run")
+    assert cli.main(["report", missing]) == 2
+    captured = capsys.readouterr()
+    assert missing in captured.err and "is not a directory" in captured.err
+    assert "Performance analysis" not in captured.out           # no analysis after a failed report
+    assert not os.path.exists(missing)
 
 
-def test_report_failure_skips_the_analysis(monkeypatch):
-    report = pytest.importorskip("hf_perf_callbacks.report")
-    analysis = pytest.importorskip("hf_perf_callbacks.analysis")
-    monkeypatch.setattr(report, "main", lambda out, plots=True: 2)
-    monkeypatch.setattr(analysis, "write_perf_report", lambda out: pytest.fail("analysis ran after a failed report"))
-    assert cli.main(["report", "runs/x"]) == 2
+def test_report_of_a_directory_without_perf_log_fails_clearly(tmp_path, capsys):
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert "no perf_log.jsonl" in capsys.readouterr().err
+    assert not (tmp_path / "perf_report.md").exists()
+
+
+def test_report_prints_the_summary_writes_plots_and_the_analysis(demo_run, capsys):
+    assert cli.main(["report", demo_run]) == 0
+    out = capsys.readouterr().out
+    assert f"== hf-perf report: {demo_run} ==" in out and "status: finished" in out and "steps: 6" in out
+    assert "== Performance analysis ==" in out                  # the analysis' console summary, after the report
+    assert out.index("== hf-perf report") < out.index("== Performance analysis ==")
+    report_path = os.path.join(demo_run, "perf_report.md")
+    assert f"analysis: {report_path}" in out
+    assert open(report_path, encoding="utf-8").read().startswith("# Performance report")
+    for name in ("throughput", "memory", "phases"):
+        path = os.path.join(demo_run, "plots", f"{name}.png")
+        assert os.path.getsize(path) > 0 and path in out
+
+
+def test_report_without_plots(demo_run, capsys, tmp_path):
+    import shutil
+
+    run = str(tmp_path / "run")
+    shutil.copytree(demo_run, run, ignore=shutil.ignore_patterns("plots", "perf_report.md"))
+    assert cli.main(["report", run, "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "plots:" not in out and "== Performance analysis ==" in out
+    assert not os.path.exists(os.path.join(run, "plots")) and os.path.exists(os.path.join(run, "perf_report.md"))
 
 
 def test_report_needs_a_directory(capsys):

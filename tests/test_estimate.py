@@ -1,11 +1,13 @@
-"""hf_perf_callbacks.estimate: hand-computed values, monotonicity, checkpointing, seed 003's fix, the README table."""
+"""hf_perf_callbacks.estimate: hand-computed values, monotonicity, checkpointing, the fix of a swapping Mac run,
+the per-token functions the analysis shares, the README table."""
 import os
 import re
 
 import pytest
 
-from hf_perf_callbacks.estimate import (QWEN25, estimate_grpo_memory, format_gib, layer_activation_elements,
-                                        lora_param_count)
+from hf_perf_callbacks.estimate import (QWEN25, activation_bytes_per_token, estimate_grpo_memory, format_gib,
+                                        kv_cache_bytes_per_token, layer_activation_elements, logits_bytes_per_token,
+                                        lora_param_count, model_from_config)
 
 SMALL = dict(layers=2, hidden=8, intermediate=16, heads=2, kv_heads=1, head_dim=4, vocab=10, params=1000)
 README = os.path.join(os.path.dirname(__file__), "..", "recipes", "README.md")
@@ -33,6 +35,28 @@ def test_hand_computed_small_config():
     without = small(activation_checkpointing=False)
     assert without["activations"] == 2 * 120 * 16 * 2
     assert without["total"] == 2000 + 1600 + 1024 + 7680 + 640
+
+
+def test_per_token_functions_by_hand():
+    assert kv_cache_bytes_per_token(SMALL, 2) == 2 * 2 * 1 * 4 * 2                       # 32
+    assert activation_bytes_per_token(SMALL, 2, True) == (2 * 8 + 120) * 2               # 272
+    assert activation_bytes_per_token(SMALL, 2, False) == 2 * 120 * 2                    # 480
+    assert logits_bytes_per_token(SMALL) == 10 * 4
+    est = small()                                                                         # seq 8, micro-batch 2
+    assert est["kv_cache"] == kv_cache_bytes_per_token(SMALL, 2) * 8 * 4
+    assert est["activations"] == activation_bytes_per_token(SMALL, 2, True) * 16
+    assert est["logits"] == logits_bytes_per_token(SMALL) * 16
+    with pytest.raises(ValueError, match="intermediate"):                     # only the keys they need are checked
+        activation_bytes_per_token({k: v for k, v in SMALL.items() if k != "intermediate"}, 2, True)
+    assert kv_cache_bytes_per_token({"layers": 2, "kv_heads": 1, "head_dim": 4}, 2) == 32
+
+
+def test_model_from_a_hugging_face_config():
+    config = {"num_hidden_layers": 36, "hidden_size": 2048, "intermediate_size": 11008, "num_attention_heads": 16,
+              "num_key_value_heads": 2, "head_dim": None, "vocab_size": 151936, "params": 3_085_938_688}
+    model = model_from_config(config)
+    assert model == {k: v for k, v in QWEN25["Qwen/Qwen2.5-3B-Instruct"].items() if k in model}
+    assert model_from_config({"num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2})["kv_heads"] == 2
 
 
 def test_lora_param_count_by_hand():
@@ -77,7 +101,9 @@ def test_checkpointing_reduces_activations(name):
     assert on["total"] < off["total"]
 
 
-def test_seed_003_fix_cuts_the_completion_kv_cache_fourfold():
+def test_cutting_completions_512_to_128_cuts_the_completion_kv_cache_fourfold():
+    # field report: a 3B + LoRA Wordle GRPO run on a Mac swapped (226 s instead of ~40 s per iteration) with
+    # 512-token completions; completions used ~80 tokens and 128 fixed it
     m = QWEN25["Qwen/Qwen2.5-3B-Instruct"]
     common = dict(micro_batch=1, num_generations=2, generation_batch=2, prompt_tokens=0, dtype_bytes=2,
                   lora_params=lora_param_count(m, 16), activation_checkpointing=True)

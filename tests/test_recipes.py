@@ -339,15 +339,53 @@ def test_resume_last_without_checkpoint(tmp_path):
         train.resolve_checkpoint(str(tmp_path / "nope"), str(tmp_path))
 
 
-def test_saved_split_is_applied_and_keeps_the_generation_batch(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(train, "_saved_split",
-                        lambda out: {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 8})
+def record_split(output_dir, **split):
+    """What AdaptiveBatchTuner writes when it re-sizes a run (tuner.SPLIT_FILE), and a checkpoint to resume from."""
+    os.makedirs(os.path.join(output_dir, "checkpoint-2"), exist_ok=True)
+    with open(os.path.join(output_dir, "tuner_split.json"), "w") as fh:
+        json.dump({"split": split, "decisions": []}, fh)
+
+
+def test_saved_split_is_applied_on_resume_and_keeps_the_generation_batch(tmp_path, caplog):
+    out = str(tmp_path / "o")
+    record_split(out, per_device_train_batch_size=1, gradient_accumulation_steps=8)
     with caplog.at_level("INFO", logger="hf_perf_callbacks.train"):
         _, args, _ = train.parse_recipe(["--config", write_recipe(tmp_path), "--use_cpu", "true",
-                                         "--output_dir", str(tmp_path / "o")])
+                                         "--output_dir", out, "--resume_from_checkpoint", "last"])
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (1, 8)
     assert args.generation_batch_size == 8 and args.steps_per_generation == 8      # recipe: 2 × 4 = 8
+    assert args.resume_from_checkpoint.endswith("checkpoint-2")
     assert "applying the split" in caplog.text
+
+
+def test_saved_split_is_not_applied_to_a_fresh_run(tmp_path, caplog):
+    out = str(tmp_path / "o")
+    record_split(out, per_device_train_batch_size=1, gradient_accumulation_steps=8)
+    with caplog.at_level("INFO", logger="hf_perf_callbacks.train"):
+        _, args, _ = train.parse_recipe(["--config", write_recipe(tmp_path), "--use_cpu", "true",
+                                         "--output_dir", out])
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 4)      # the recipe's
+    assert args.resume_from_checkpoint is None and "applying the split" not in caplog.text
+
+
+def test_saved_split_of_another_effective_batch_is_not_applied(tmp_path, caplog):
+    out = str(tmp_path / "o")
+    record_split(out, per_device_train_batch_size=1, gradient_accumulation_steps=8)
+    with caplog.at_level("INFO", logger="hf_perf_callbacks.train"):
+        _, args, _ = train.parse_recipe(["--config", write_recipe(tmp_path), "--use_cpu", "true",
+                                         "--output_dir", out, "--resume_from_checkpoint", "last",
+                                         "--gradient_accumulation_steps", "8"])     # the recipe's batch is now 16
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 8)
+    assert "effective batch 8 differs from the recipe's 16" in caplog.text and "applying the split" not in caplog.text
+
+
+def test_saved_split_with_steps_per_generation_replaces_generation_batch_size(tmp_path):
+    out = str(tmp_path / "o")
+    record_split(out, per_device_train_batch_size=1, gradient_accumulation_steps=8, steps_per_generation=8)
+    _, args, _ = train.parse_recipe(["--config", write_recipe(tmp_path, generation_batch_size=8), "--use_cpu", "true",
+                                     "--output_dir", out, "--resume_from_checkpoint", "last"])
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (1, 8)
+    assert args.steps_per_generation == 8 and args.generation_batch_size == 8
 
 
 def test_local_dataset_files(tmp_path):
@@ -374,7 +412,9 @@ def test_wordle_datasets_follow_the_sizes():
 def test_a_failing_report_does_not_fail_the_finished_run(monkeypatch, caplog):
     def broken(output_dir, plots=True):
         raise RuntimeError("plot backend missing")
-    monkeypatch.setattr(train, "report_run", broken)
+    from hf_perf_callbacks import report
+
+    monkeypatch.setattr(report, "main", broken)
     with caplog.at_level("ERROR", logger="hf_perf_callbacks.train"):
         train._report("runs/x")
     assert "hf-perf report runs/x" in caplog.text

@@ -149,6 +149,13 @@ def _perf_headers(run: RunLog) -> list[dict]:
     return [r for r in run.runs if r.get("source") == "perf"]
 
 
+def _split_text(split) -> str:
+    """``4×2`` for a tuner split written as a dict (micro_batch, grad_accum); anything else as it is."""
+    if isinstance(split, dict) and "micro_batch" in split:
+        return f"{split['micro_batch']}×{split.get('grad_accum', '?')}"
+    return "?" if split is None else str(split)
+
+
 def _warmup_end_step(steps: list[dict], runs: list[dict]) -> int | None:
     """The first steady step: the warmup is decided a few steps late (it needs confirming steps), so the step
     where ``perf/warmup_done`` turns 1 is not it; the segment start plus ``perf/warmup_steps`` is."""
@@ -291,7 +298,8 @@ def summarize(run: RunLog) -> str:
                 continue
             kind, action = e.get("kind", "?"), e.get("action")
             label = kind + (f" {action}" if action and action != kind else "")
-            extra = f" ({e.get('old_split', '?')} -> {e['new_split']})" if "new_split" in e else ""
+            extra = (f" ({_split_text(e.get('old_split'))} -> {_split_text(e['new_split'])})" if "new_split" in e
+                     else "")
             lines.append(f"  step {e.get('step', '?')}: [{e.get('source', '?')}] {label}{extra}: "
                          f"{e.get('message', '')}")
     else:
@@ -468,7 +476,7 @@ def _plot_tuner(ax, run, steps, f) -> str | None:
                  and _num(e.get("step")) is not None]
     for i, e in enumerate(decisions):
         ax.axvline(e["step"], color="grey", ls=":", lw=1.2, label="tuner decision" if i == 0 else None)
-        label = (f"{e.get('old_split', '')} → {e['new_split']}".strip() if e.get("new_split") is not None
+        label = (f"{_split_text(e.get('old_split'))} → {_split_text(e['new_split'])}" if e.get("new_split") is not None
                  else str(e.get("action") or e.get("kind")))
         ax.annotate(label, xy=(e["step"], 0.97 - 0.07 * (i % 4)), xycoords=("data", "axes fraction"),
                     xytext=(3, 0), textcoords="offset points", fontsize=8, color="dimgrey", va="top")

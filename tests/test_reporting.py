@@ -101,3 +101,15 @@ def test_meter_parameters_are_validated(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):
         ThroughputMeter(**bad)
+
+
+def test_the_progress_bar_shows_current_tokens_per_second(tokenizer, tmp_path, monkeypatch):
+    from transformers import trainer_callback
+
+    shown = []
+    original = trainer_callback.tqdm.set_postfix_str
+    monkeypatch.setattr(trainer_callback.tqdm, "set_postfix_str",
+                        lambda self, text="", refresh=True: shown.append(text) or original(self, text, refresh))
+    make_trainer(tokenizer, tmp_path, [ThroughputMeter(window_steps=1)], max_steps=3,
+                 extra={"disable_tqdm": False}).train()
+    assert len(shown) == 3 and all(t.startswith("tok/s=") and float(t.split("=")[1]) > 0 for t in shown)

@@ -13,8 +13,9 @@ skews epoch geometry, the LR horizon and GRPO's sampler. What works is **checkpo
    budget.
 2. *At run time:* on the watchdog's request for a smaller micro-batch, or a recognised out-of-memory error, it
    saves a checkpoint (or falls back to the last one if the error struck inside ``optimizer.step``), switches to the
-   next smaller exact split and resumes in the same process. Under several ranks the forward pass's OOM status is
-   agreed before the backward, so every rank re-sizes together.
+   next smaller exact split and resumes in the same process. Under several ranks every micro-batch finishes on
+   every rank before gradients are exchanged and the ranks agree on OOMs first, so an OOM in one rank's forward
+   or backward re-sizes every rank together (see :func:`_guard_steps`).
 
 The split and every decision are kept in ``<output_dir>/tuner_split.json`` (and the checkpoint's callback state),
 so a resumed run starts at the tuned split; without ``train_with_tuning`` a re-size request saves, stops cleanly
@@ -22,6 +23,7 @@ and prints the split and the command to resume with.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -48,7 +50,7 @@ SPLIT_FILE = "tuner_split.json"
 
 
 class ResizeNeeded(RuntimeError):
-    """Raised inside the training step on every rank when any rank ran out of memory in its forward pass."""
+    """Raised inside the training step on every rank when any rank ran out of memory in that micro-batch."""
 
 
 def current_split(args) -> Split:
@@ -262,7 +264,7 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
         resume_from_checkpoint = get_last_checkpoint(output_dir)
     saved = saved_split(output_dir) if resume_from_checkpoint else None
     started = time.time()
-    restore = _guard_forward(trainer)
+    restore = _guard_steps(trainer)
     try:
         if saved:
             apply_split(trainer, Split(saved["per_device_train_batch_size"], saved["gradient_accumulation_steps"],
@@ -345,34 +347,57 @@ def _prepare_resume(trainer, split: Split) -> None:
     DeviceLayer(device_of(trainer.model)).empty_cache()
 
 
-def _guard_forward(trainer):
-    """Catch an OOM in the forward pass and agree across ranks *before* the backward (no rank is left waiting in a
-    gradient all-reduce); returns a function that removes the guard."""
-    original = trainer.compute_loss
-    world = world_size()
+def _guard_steps(trainer):
+    """Under several ranks, let every micro-batch finish on every rank before any gradient all-reduce, then agree
+    on out-of-memory errors: a rank that ran out of memory in its forward *or* backward raises ``ResizeNeeded``
+    on all ranks together instead of leaving the others waiting in DDP's all-reduce. The micro-batch that would
+    have synchronized in its backward runs under ``no_sync`` and its gradients are averaged explicitly (one
+    flattened all-reduce) once all ranks have arrived. One process needs no guard: the error leaves ``train()``.
+    Returns a function that removes the guard."""
+    if world_size() == 1:
+        return lambda: None
+    original = trainer.training_step
     device = device_of(trainer.model)
 
-    def compute_loss(*args, **kwargs):
+    def training_step(model, inputs, num_items_in_batch=None):
+        syncing = trainer.accelerator.sync_gradients and hasattr(model, "no_sync")
         oom = None
-        try:
-            result = original(*args, **kwargs)
-        except Exception as error:  # noqa: BLE001
-            if not is_oom_error(error):
-                raise
-            oom, result = error, None
-        if world > 1 and max(r[0] for r in gather_floats([float(oom is not None)], device)) > 0:
+        with model.no_sync() if syncing else contextlib.nullcontext():
+            try:
+                loss = original(model, inputs, num_items_in_batch)
+            except Exception as error:  # noqa: BLE001
+                if not is_oom_error(error):
+                    raise
+                oom, loss = error, None
+        if max(r[0] for r in gather_floats([float(oom is not None)], device)) > 0:
             raise ResizeNeeded(f"out of memory on a rank: {oom or 'another rank'}") from oom
-        if oom is not None:
-            raise oom
-        return result
+        if syncing:
+            _average_gradients(trainer.model)
+        return loss
 
-    trainer.compute_loss = compute_loss
+    trainer.training_step = training_step
 
     def restore():
-        if trainer.__dict__.get("compute_loss") is compute_loss:
-            del trainer.compute_loss
+        if trainer.__dict__.get("training_step") is training_step:
+            del trainer.training_step
 
     return restore
+
+
+def _average_gradients(model) -> None:
+    """What DDP's backward would have done: the mean of every trainable gradient over the ranks."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    torch.distributed.all_reduce(flat)
+    flat /= world_size()
+    offset = 0
+    for p in params:
+        n = p.grad.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        offset += n
 
 
 # ---------------------------------------------------------------- the probe

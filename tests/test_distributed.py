@@ -67,3 +67,16 @@ def test_the_probe_agrees_across_ranks_when_one_rank_runs_out_of_memory(two_rank
         micro > 2 for micro, _ in r0["probe_trials"])                       # rank 1's OOM counts for both
     assert r0["probe_split"] == r1["probe_split"] and r0["probe_split"][0] <= 2
     assert r0["probe_step"] == r1["probe_step"] == 2
+
+
+def test_an_oom_in_one_ranks_backward_resizes_both_without_deadlock(two_rank_run):
+    _, (r0, r1) = two_rank_run
+    assert (r0["backward_raised"], r1["backward_raised"]) == (0, 1)
+    assert r0["backward_split"] == r1["backward_split"] == [2, 2] and r0["backward_step"] == r1["backward_step"] == 3
+
+
+def test_guarded_steps_average_gradients_exactly_like_ddp(two_rank_run):
+    _, (r0, r1) = two_rank_run
+    assert r0["guarded_weight_change"] > 1e-4                              # training moved the weights
+    assert r0["grpo_guarded_step"] == r1["grpo_guarded_step"] == 2         # GRPO under the guard too
+    assert r0["guarded_vs_ddp_max_weight_diff"] < 1e-6 and r1["guarded_vs_ddp_max_weight_diff"] < 1e-6

@@ -25,14 +25,24 @@ class PlantedOOM(TrainerCallback):
     """Raises an OOM from the forward pass of micro-batches larger than ``limit`` once ``armed_at`` steps ran
     (hooked on the model when :meth:`attach` is called, so the probe meets it too)."""
 
-    def __init__(self, limit, text, armed_at=0):
+    def __init__(self, limit, text, armed_at=0, in_backward=False):
         self.limit, self.text, self.armed_at, self.raised, self.step = limit, text, armed_at, 0, 0
+        self.in_backward = in_backward
 
     def attach(self, trainer):
         model = trainer.model
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        inner.register_forward_pre_hook(self.check, with_kwargs=True)
+        if self.in_backward:                           # raise while gradients flow back through the first layer
+            inner.model.layers[0].register_full_backward_hook(
+                lambda module, grad_in, grad_out: self.fire(grad_out[0].shape[0]))
+        else:
+            inner.register_forward_pre_hook(self.check, with_kwargs=True)
         return trainer
+
+    def fire(self, batch):
+        if self.step >= self.armed_at and batch > self.limit:
+            self.raised += 1
+            raise torch.OutOfMemoryError(self.text) if self.text == CUDA_OOM else RuntimeError(self.text)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.step = state.global_step

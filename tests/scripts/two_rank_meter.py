@@ -9,7 +9,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, train_with_tuning  # noqa: E402
-from tests.test_tuner import CUDA_OOM, PlantedOOM  # noqa: E402
+from tests.test_tuner import CUDA_OOM, MPS_OOM, PlantedOOM  # noqa: E402
 from tests.conftest import CORPUS, make_grpo, make_trainer  # noqa: E402
 from hf_perf_callbacks.tiny import build_tokenizer  # noqa: E402
 
@@ -48,7 +48,28 @@ def main(out):
     probed = plant2.attach(make_trainer(tokenizer, os.path.join(out, "probe"), [plant2, probe_tuner], max_steps=2,
                                         bs=4, ga=1))
     train_with_tuning(probed)
-    result = {"probe_split": [probed.args.per_device_train_batch_size, probed.args.gradient_accumulation_steps],
+    # an OOM in rank 1's *backward* only: DDP would leave rank 0 waiting in its gradient all-reduce
+    plant3 = PlantedOOM(limit=2 if rank == 1 else 99, text=MPS_OOM, armed_at=1, in_backward=True)
+    backward = plant3.attach(make_trainer(tokenizer, os.path.join(out, "backward"),
+                                          [plant3, AdaptiveBatchTuner(probe=False)], max_steps=3, bs=4, ga=1))
+    train_with_tuning(backward)
+    # the guarded steps average gradients themselves: the weights must match a plain DDP run
+    guarded = make_trainer(tokenizer, os.path.join(out, "guarded"), [AdaptiveBatchTuner(probe=False)], max_steps=2,
+                           bs=2, ga=2)
+    train_with_tuning(guarded)
+    plain = make_trainer(tokenizer, os.path.join(out, "plain_ddp"), [], max_steps=2, bs=2, ga=2)
+    plain.train()
+    weights = [(a - b).abs().max().item() for a, b in zip(guarded.model.parameters(), plain.model.parameters())]
+    initial = make_trainer(tokenizer, os.path.join(out, "initial"), [], max_steps=1).model
+    moved = [(a - b).abs().max().item() for a, b in zip(guarded.model.parameters(), initial.parameters())]
+    grpo_guarded = make_grpo(tokenizer, os.path.join(out, "grpo_guarded"), [AdaptiveBatchTuner(probe=False)],
+                             max_steps=2, bs=2, ga=2)
+    train_with_tuning(grpo_guarded)
+    result = {"grpo_guarded_step": grpo_guarded.state.global_step,
+              "backward_split": [backward.args.per_device_train_batch_size, backward.args.gradient_accumulation_steps],
+              "backward_step": backward.state.global_step, "backward_raised": plant3.raised,
+              "guarded_vs_ddp_max_weight_diff": max(weights), "guarded_weight_change": max(moved),
+              "probe_split": [probed.args.per_device_train_batch_size, probed.args.gradient_accumulation_steps],
               "probe_trials": [(t["split"]["micro_batch"], bool(t["fits"])) for t in probe_tuner.decisions[0]["trials"]],
               "probe_step": probed.state.global_step,
               "oom_step": oom.state.global_step, "oom_raised": plant.raised,

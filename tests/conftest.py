@@ -81,3 +81,25 @@ def make_trainer(tokenizer, output_dir, callbacks, *, max_steps=6, bs=4, ga=2, d
                                     train_dataset=TextDataset(tokenizer, delay=delay), data_collator=collator,
                                     eval_dataset=TextDataset(tokenizer, n=16) if with_eval else None,
                                     callbacks=callbacks)
+
+
+@pytest.fixture(scope="session")
+def _demo_run_once(tmp_path_factory):
+    from hf_perf_callbacks.demo import build_demo_trainer
+
+    output_dir = str(tmp_path_factory.mktemp("demo_once"))
+    trainer = build_demo_trainer(output_dir, max_steps=6)
+    trainer.train()
+    trainer.save_state()
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def demo_run(_demo_run_once, tmp_path_factory):
+    """A real 6-step demo run (tiny model, CPU; perf_log.jsonl and trainer_state.json, no report yet), trained
+    once per session and copied fresh for each test module."""
+    import shutil
+
+    copy = str(tmp_path_factory.mktemp("demo_run") / "run")
+    shutil.copytree(_demo_run_once, copy)
+    return copy

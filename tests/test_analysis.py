@@ -382,15 +382,6 @@ def test_a_killed_resumed_session_ignores_the_earlier_summary_and_repeated_steps
     assert m.mem_high_water_gb == 36.0 and m.swapout_steps == 0  # steps 1..6 once: used 31..36, swap-outs after 6
 
 
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    from hf_perf_callbacks.demo import build_demo_trainer
-
-    output_dir = str(tmp_path_factory.mktemp("demo"))
-    trainer = build_demo_trainer(output_dir, max_steps=6)
-    trainer.train()
-    trainer.save_state()
-    return output_dir
 
 
 def test_measurements_from_a_real_demo_run(demo_run):

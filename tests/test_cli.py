@@ -55,16 +55,6 @@ def test_train_with_a_missing_config_file(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    """A real 6-step demo run (tiny model, CPU): perf_log.jsonl and trainer_state.json, no report yet."""
-    from hf_perf_callbacks.demo import build_demo_trainer
-
-    output_dir = str(tmp_path_factory.mktemp("demo"))
-    trainer = build_demo_trainer(output_dir, max_steps=6)
-    trainer.train()
-    trainer.save_state()
-    return output_dir
 
 
 def test_report_of_a_missing_directory_fails_clearly(tmp_path, capsys):

@@ -12,15 +12,6 @@ from hf_perf_callbacks.report import PERF_LOG, ReportError, load_run, main, summ
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module")
-def real_run(tmp_path_factory):
-    from hf_perf_callbacks.demo import build_demo_trainer
-
-    out = str(tmp_path_factory.mktemp("demo_run"))
-    trainer = build_demo_trainer(out, max_steps=8)
-    trainer.train()
-    trainer.save_state()
-    return out
 
 
 def read_log(output_dir):
@@ -39,11 +30,11 @@ def assert_good_png(path, min_bytes=10_000):
     assert pixels.ndim == 3 and float(np.var(pixels[..., :3])) > 1e-4      # not a single colour
 
 
-def test_real_run_summary_and_plots(real_run, capsys):
-    assert main(real_run) == 0
+def test_demo_run_summary_and_plots(demo_run, capsys):
+    assert main(demo_run) == 0
     out = capsys.readouterr().out
-    perf = next(e for e in reversed(read_log(real_run)) if e["type"] == "summary" and e["source"] == "perf")
-    steady = perf["steady_tokens_per_sec"]          # None when a loaded machine never settled in 8 steps
+    perf = next(e for e in reversed(read_log(demo_run)) if e["type"] == "summary" and e["source"] == "perf")
+    steady = perf["steady_tokens_per_sec"]          # None when a loaded machine never settled in 6 steps
     assert (f"steady tokens/s: {steady:,.0f}" if steady else "steady tokens/s: n/a") in out
     assert f"steps: {perf['steps']}" in out and "× 1" in out
     assert "status: finished" in out and "did not finish" not in out
@@ -52,15 +43,15 @@ def test_real_run_summary_and_plots(real_run, capsys):
     assert "cache clears: 0" in out
     assert "completions" in out                     # from trainer_state.json
     for name in ("throughput", "memory", "phases", "tuner"):       # the demo attaches all four callbacks
-        path = os.path.join(real_run, "plots", f"{name}.png")
+        path = os.path.join(demo_run, "plots", f"{name}.png")
         assert path in out
         assert_good_png(path)
 
 
-def test_load_run_parses_real_log(real_run):
-    run = load_run(real_run)
+def test_load_run_parses_real_log(demo_run):
+    run = load_run(demo_run)
     assert run.skipped_lines == 0
-    assert [s["step"] for s in run.steps] == list(range(1, 9))
+    assert [s["step"] for s in run.steps] == list(range(1, 7))
     assert {"perf", "mem", "cache"} <= set(run.summaries)
     assert {r["source"] for r in run.runs} >= {"perf", "mem"}
     assert run.log_history and any("completions/mean_length" in h for h in run.log_history)
@@ -98,19 +89,19 @@ def test_empty_or_unreadable_perf_log(tmp_path, capsys, content):
     assert PERF_LOG in err and "Traceback" not in err
 
 
-def test_truncated_log_still_reports(real_run, tmp_path, capsys):
-    with open(os.path.join(real_run, PERF_LOG), encoding="utf-8") as f:
+def test_truncated_log_still_reports(demo_run, tmp_path, capsys):
+    with open(os.path.join(demo_run, PERF_LOG), encoding="utf-8") as f:
         lines = [line for line in f if '"type": "summary"' not in line]
     lines[-1] = lines[-1][: len(lines[-1]) // 2]                 # killed mid-write
     (tmp_path / PERF_LOG).write_text("".join(lines))
-    shutil.copy(os.path.join(real_run, "trainer_state.json"), tmp_path / "trainer_state.json")
+    shutil.copy(os.path.join(demo_run, "trainer_state.json"), tmp_path / "trainer_state.json")
 
     run = load_run(str(tmp_path))
     assert run.skipped_lines == 1 and run.summaries == {}
     text = summarize(run)
     assert "did not finish" in text
     assert "skipped 1 unreadable line" in text
-    assert "steps: 7" in text                                  # step 8 was the cut line
+    assert "steps: 5" in text                                  # step 6 was the cut line
     assert "steady tokens/s:" in text and "memory: high-water" in text and "time split:" in text
 
     assert main(str(tmp_path)) == 0

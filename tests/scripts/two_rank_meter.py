@@ -84,5 +84,19 @@ def main(out):
         json.dump(result, f)
 
 
+def shut_down():
+    """Meet, let gloo's worker threads drain, then destroy the process group explicitly: leaving it to interpreter
+    exit can abort a rank ("terminate called without an active exception", pytorch/pytorch#75097)."""
+    import time
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        time.sleep(0.5)
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     main(sys.argv[1])
+    shut_down()

@@ -75,7 +75,6 @@ class MPSCacheClearer(PerfCallback):
         if self.active:
             self.bus.subscribe(SIGNAL_CLEAR, self._on_request)
         self.schedule.last_clear_step = state.global_step
-        self.step = state.global_step
 
     def _on_request(self, reason: str, step: int) -> float:
         return self.clear(step, f"watchdog: {reason}", automatic=False)
@@ -106,7 +105,7 @@ class MPSCacheClearer(PerfCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if not self.active:
             return
-        step = self.step = state.global_step
+        step = state.global_step
         if self.schedule.due(step):
             self.clear(step, "periodic")
         elif self.schedule.gap_ok(step) and self._bloated():

@@ -93,6 +93,14 @@ class DeviceLayer:
         elif self.type == "xpu":
             torch.xpu.reset_peak_memory_stats(self.device)
 
+    def bf16_supported(self) -> bool:
+        """Whether bf16 runs natively here (CUDA Ampere+, MPS on macOS 14+, XPU, CPU)."""
+        if self.type == "cuda":
+            return bool(torch.cuda.is_bf16_supported())
+        if self.type == "mps":
+            return bool(torch.backends.mps.is_macos_or_newer(14, 0))
+        return True
+
     @property
     def name(self) -> str:
         if self._name is None:
@@ -211,11 +219,50 @@ def device_of(model) -> torch.device:
         return default_device()
 
 
+# -------------------------------------------------------------------- RNG
+def rng_state() -> tuple:
+    """Every RNG stream a training step draws from (Python, NumPy, torch CPU and CUDA)."""
+    import random
+
+    import numpy as np
+
+    return (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+            torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def set_rng_state(state: tuple) -> None:
+    import random
+
+    import numpy as np
+
+    python, numpy_state, torch_state, cuda_state = state
+    random.setstate(python)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(torch_state)
+    if cuda_state is not None:
+        torch.cuda.set_rng_state_all(cuda_state)
+
+
 # -------------------------------------------------------------------- ranks
 def world_size() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
     return 1
+
+
+def is_main_process() -> bool:
+    return world_size() == 1 or torch.distributed.get_rank() == 0
+
+
+def average_across_ranks(tensors: list[torch.Tensor]) -> None:
+    """Replace each tensor by its mean over the ranks, in one flattened all-reduce."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    torch.distributed.all_reduce(flat)
+    flat /= world_size()
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def gather_floats(values: list[float], device: torch.device | None = None) -> list[list[float]]:
@@ -230,4 +277,5 @@ def gather_floats(values: list[float], device: torch.device | None = None) -> li
     return [g.tolist() for g in gathered]
 
 
-__all__ = ["DeviceLayer", "MemorySample", "is_oom_error", "dtype_key", "gather_floats", "world_size", "GB"]
+__all__ = ["DeviceLayer", "MemorySample", "is_oom_error", "dtype_key", "gather_floats", "world_size",
+           "is_main_process", "average_across_ranks", "rng_state", "set_rng_state", "GB"]

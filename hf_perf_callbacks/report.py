@@ -382,13 +382,18 @@ def _plot_throughput(ax, run, steps, f) -> str | None:
         text = f"warmup: {n:.0f} steps" if n is not None else "warmup end"
         ax.annotate(text, xy=(end - 0.5, 0.04), xycoords=("data", "axes fraction"), xytext=(4, 0),
                     textcoords="offset points", fontsize=9, color="dimgrey")
-    ax.set_title("Training throughput")
+    _finish(ax, "Training throughput", "tokens / s", "lower right")
+    return None
+
+
+def _finish(ax, title: str, ylabel: str, legend: str) -> None:
+    """Title, axis labels, a zero baseline, a light grid and the legend of a per-step plot."""
+    ax.set_title(title)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("tokens / s")
+    ax.set_ylabel(ylabel)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
-    return None
+    ax.legend(loc=legend, fontsize=8)
 
 
 def _plot_memory(ax, run, steps, f) -> str | None:
@@ -418,12 +423,7 @@ def _plot_memory(ax, run, steps, f) -> str | None:
         ax.annotate(str(e.get("action") or e.get("kind")), xy=(e["step"], 0.97 - 0.07 * (i % 4)),
                     xycoords=("data", "axes fraction"), xytext=(3, 0), textcoords="offset points",
                     fontsize=8, color=color, va="top")
-    ax.set_title("Device memory vs budget")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("memory (GB)")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="center right", fontsize=8)
+    _finish(ax, "Device memory vs budget", "memory (GB)", "center right")
     return None
 
 
@@ -480,12 +480,7 @@ def _plot_tuner(ax, run, steps, f) -> str | None:
                  else str(e.get("action") or e.get("kind")))
         ax.annotate(label, xy=(e["step"], 0.97 - 0.07 * (i % 4)), xycoords=("data", "axes fraction"),
                     xytext=(3, 0), textcoords="offset points", fontsize=8, color="dimgrey", va="top")
-    ax.set_title("Batch tuner: micro-batch × gradient accumulation")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("size (samples / micro-batches)")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    _finish(ax, "Batch tuner: micro-batch × gradient accumulation", "size (samples / micro-batches)", "lower right")
     return None
 
 

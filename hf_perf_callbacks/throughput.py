@@ -113,7 +113,6 @@ class ThroughputMeter(PerfCallback):
         self._reset_step_counters()
         self.seq_len = 0                             # padded length of the latest training forward
         self.seen = state.num_input_tokens_seen      # resume: the restored count is the baseline (no spike)
-        self.logged_steps = 0
         self.device.synchronize()
         self.timeline.start_segment(self.clock(), self.period)
         self.bus.write({"type": "run", "source": self.source, "device": self.device.name,

@@ -182,12 +182,11 @@ class StepTimeline:
     def take_window_phases(self) -> dict[str, float]:
         """Phase fractions since the last call (one logging interval)."""
         parts, self.window_phases = self.window_phases, dict.fromkeys(PHASES, 0.0)
-        total = sum(parts.values())
-        return {k: (v / total if total > 0 else 0.0) for k, v in parts.items()}
+        return _shares(parts)
 
     def phase_fractions(self) -> dict[str, float]:
-        total = sum(self.phase_totals.values())
-        return {k: (v / total if total > 0 else 0.0) for k, v in self.phase_totals.items()}
+        """Phase fractions over the whole run."""
+        return _shares(self.phase_totals)
 
     # ------------------------------------------------------------ resume
     def export(self) -> dict:
@@ -203,3 +202,8 @@ class StepTimeline:
             if key in saved:
                 setattr(self, key, saved[key])
         self.phase_totals.update(saved.get("phase_totals", {}))
+
+
+def _shares(parts: dict[str, float]) -> dict[str, float]:
+    total = sum(parts.values())
+    return {k: (v / total if total > 0 else 0.0) for k, v in parts.items()}

@@ -155,15 +155,15 @@ def world_size_from_env() -> int:
 
 def detect_device(use_cpu: bool = False) -> tuple[str, bool, str]:
     """``(kind, bf16_supported, description)`` of the device the trainer will use."""
-    import torch
+    from .device import DeviceLayer
 
     if use_cpu:
         return "cpu", True, "the CPU (use_cpu: true)"
-    if torch.cuda.is_available():
-        return "cuda", bool(torch.cuda.is_bf16_supported()), f"CUDA GPU {torch.cuda.get_device_name(0)}"
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        new_enough = mps.is_macos_or_newer(14, 0)
+    device = DeviceLayer()
+    if device.type == "cuda":
+        return "cuda", device.bf16_supported(), f"CUDA GPU {device.name}"
+    if device.type == "mps":
+        new_enough = device.bf16_supported()
         return "mps", new_enough, "Apple MPS" + ("" if new_enough else " on macOS older than 14")
     return "cpu", False, "a machine without a GPU (use_cpu is false)"
 

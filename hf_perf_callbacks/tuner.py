@@ -28,19 +28,18 @@ import gc
 import json
 import logging
 import os
-import random
 import shutil
 import tempfile
 import time
 
-import numpy as np
 import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from .base import PerfCallback
 from .batching import Split, exact_splits, next_smaller
-from .device import GB, DeviceLayer, device_of, gather_floats, is_oom_error, world_size
+from .device import (GB, DeviceLayer, average_across_ranks, device_of, gather_floats, is_main_process,
+                     is_oom_error, rng_state, set_rng_state, world_size)
 from .stats import check_number, median
 from .watchdog import SIGNAL_SMALLER_BATCH, MemoryWatchdog
 
@@ -135,6 +134,7 @@ class AdaptiveBatchTuner(PerfCallback):
 
     # ------------------------------------------------------------ events
     def on_train_begin(self, args, state, control, **kwargs):
+        self._args = args
         self.split = current_split(args)
         self.world = world_size()
         self.bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
@@ -179,9 +179,6 @@ class AdaptiveBatchTuner(PerfCallback):
     def on_init_end(self, args, state, control, **kwargs):
         self._args = args
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._args = args
-
     def on_train_end(self, args, state, control, **kwargs):
         summary = {"type": "summary", "source": self.source, "split": self.split.as_dict(),
                    "decisions": self.decisions}
@@ -215,7 +212,7 @@ class AdaptiveBatchTuner(PerfCallback):
     def _persist(self) -> None:
         """Write the split and decisions (atomically; a failure is a warning, never an error on one rank only)."""
         args = getattr(self, "_args", None)
-        if args is None or not _is_main():
+        if args is None or not is_main_process():
             return
         path = os.path.join(args.output_dir, SPLIT_FILE)
         try:
@@ -390,14 +387,7 @@ def _average_gradients(model) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    torch.distributed.all_reduce(flat)
-    flat /= world_size()
-    offset = 0
-    for p in params:
-        n = p.grad.numel()
-        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-        offset += n
+    average_across_ranks([p.grad for p in params])
 
 
 # ---------------------------------------------------------------- the probe
@@ -461,7 +451,7 @@ def _probe(trainer, tuner: AdaptiveBatchTuner) -> Split:
     tuner.decisions.append({"kind": "probe", "step": 0, "reason": why, "old": _split_dict(original),
                             "new": _split_dict(chosen), "trials": trials, "probe_sec": seconds})
     tuner._persist()
-    if _is_main():
+    if is_main_process():
         print(f"AdaptiveBatchTuner probe: {original} → {chosen} ({why})")
     return chosen
 
@@ -522,8 +512,7 @@ def _snapshot(trainer, probe_steps: int) -> dict:
              "dataset": trainer.train_dataset,
              "params": {n: p.detach().to("cpu", copy=True) for n, p in trainer.model.named_parameters()
                         if p.requires_grad},
-             "rng": (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-                     torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None),
+             "rng": rng_state(),
              "generation_config": getattr(trainer, "generation_config", None)}
     probe_dir = tempfile.mkdtemp(prefix="hf_perf_probe_")
     saved["probe_dir"] = probe_dir
@@ -557,12 +546,7 @@ def _restore(trainer, saved: dict) -> None:
         for name, param in trainer.model.named_parameters():
             if name in saved["params"]:
                 param.copy_(saved["params"][name])
-    py, np_state, torch_state, cuda_state = saved["rng"]
-    random.setstate(py)
-    np.random.set_state(np_state)
-    torch.set_rng_state(torch_state)
-    if cuda_state is not None:
-        torch.cuda.set_rng_state_all(cuda_state)
+    set_rng_state(saved["rng"])
     trainer.state = type(trainer.state)()
     shutil.rmtree(saved["probe_dir"], ignore_errors=True)
     _reset_after_run(trainer, DeviceLayer(device_of(trainer.model)))
@@ -605,11 +589,6 @@ def _length(example) -> int:
 # ---------------------------------------------------------------- helpers
 def _find(trainer, cls):
     return next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, cls)), None)
-
-
-def _is_main() -> bool:
-    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
-        torch.distributed.get_rank() == 0
 
 
 def _split_dict(split: Split) -> dict:

@@ -61,14 +61,17 @@ def launch(cmd, tmp_path):
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def check_run(out, world_size=1):
+def check_run(out, world_size=1) -> list[dict]:
+    """Two optimizer steps ran, logged once each, with the adapter saved; returns the step lines of perf_log.jsonl."""
     state = json.load(open(os.path.join(out, "trainer_state.json")))
     assert state["global_step"] == 2
     lines = [json.loads(line) for line in open(os.path.join(out, "perf_log.jsonl"))]
-    assert [line["step"] for line in lines if line["type"] == "step"] == [1, 2]
+    steps = [line for line in lines if line["type"] == "step"]
+    assert [line["step"] for line in steps] == [1, 2]
     header = next(line for line in lines if line["type"] == "run" and line.get("source") == "perf")
     assert header["world_size"] == world_size
     assert os.path.exists(os.path.join(out, "adapter_model.safetensors"))
+    return steps
 
 
 # ---------------------------------------------------------------- the recipes themselves
@@ -145,7 +148,11 @@ def test_ddp_recipe_runs_on_two_cpu_processes(tiny_model, tmp_path):
             "-m", "hf_perf_callbacks.train", "--config", recipe_path("cuda-ddp-qwen1.5b"),
             "--model_name_or_path", tiny_model, "--output_dir", str(out), *CPU, "--probe", "false",
             "--report", "false"], tmp_path)
-    check_run(out, world_size=2)
+    steps = check_run(out, world_size=2)
+    recipe = train.read_recipe(recipe_path("cuda-ddp-qwen1.5b"))
+    effective = recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"] * 2
+    assert [s["tuner/effective_batch"] for s in steps] == [effective, effective]   # both ranks counted
+    assert all(s["perf/tokens_per_sec"] > 0 for s in steps[1:])
 
 
 # ---------------------------------------------------------------- typos fail first, naming the closest key

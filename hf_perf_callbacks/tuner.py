@@ -14,8 +14,8 @@ skews epoch geometry, the LR horizon and GRPO's sampler. What works is **checkpo
 2. *At run time:* on the watchdog's request for a smaller micro-batch, or a recognised out-of-memory error, it
    saves a checkpoint (or falls back to the last one if the error struck inside ``optimizer.step``), switches to the
    next smaller exact split and resumes in the same process. Under several ranks every micro-batch finishes on
-   every rank before gradients are exchanged and the ranks agree on OOMs first, so an OOM in one rank's forward
-   or backward re-sizes every rank together (see :func:`_guard_steps`).
+   every rank before gradients are exchanged and the ranks agree on OOMs first, so an OOM anywhere in one rank's
+   step (generation, forward, backward) re-sizes every rank together (see :func:`_guard_steps`).
 
 The split and every decision are kept in ``<output_dir>/tuner_split.json`` (and the checkpoint's callback state),
 so a resumed run starts at the tuned split; without ``train_with_tuning`` a re-size request saves, stops cleanly
@@ -24,7 +24,9 @@ and prints the split and the command to resume with.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import inspect
 import json
 import logging
 import os
@@ -33,6 +35,7 @@ import tempfile
 import time
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -272,7 +275,7 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
             try:
                 output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
             except Exception as error:  # noqa: BLE001 - only OOMs are handled, the rest is re-raised
-                if not (isinstance(error, ResizeNeeded) or is_oom_error(error)):
+                if not _recoverable(error):
                     raise
                 tuner = _find(trainer, AdaptiveBatchTuner) or tuner
                 resume_from_checkpoint = _recover_from_oom(trainer, tuner, error, started)
@@ -288,6 +291,24 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
         raise RuntimeError(f"train_with_tuning gave up after {max_resizes} re-sizes")
     finally:
         restore()
+
+
+def _recoverable(error: BaseException) -> bool:
+    """An out-of-memory error a new split can recover from: on one process any, under several ranks only one that
+    every rank agreed on (:class:`ResizeNeeded`). An OOM outside the guarded training step (wrapping the model in
+    DDP, ``optimizer.step``, evaluation, saving) left the other ranks inside some collective; re-sizing would pair
+    mismatched collectives and hang until the NCCL timeout, so it is raised as it is and the launcher ends the
+    run at once."""
+    if isinstance(error, ResizeNeeded):
+        return True
+    if not is_oom_error(error):
+        return False
+    if world_size() > 1:
+        logger.error("[tuner] out of memory outside the training step on this rank: under several ranks only an OOM "
+                     "inside the step can be recovered together (the others are in a collective now). Free memory "
+                     "or start with a smaller per_device_train_batch_size.")
+        return False
+    return True
 
 
 def _recover_from_oom(trainer, tuner: AdaptiveBatchTuner, error: BaseException, started: float) -> str | None:
@@ -346,27 +367,35 @@ def _prepare_resume(trainer, split: Split) -> None:
 
 def _guard_steps(trainer):
     """Under several ranks, let every micro-batch finish on every rank before any gradient all-reduce, then agree
-    on out-of-memory errors: a rank that ran out of memory in its forward *or* backward raises ``ResizeNeeded``
-    on all ranks together instead of leaving the others waiting in DDP's all-reduce. The micro-batch that would
-    have synchronized in its backward runs under ``no_sync`` and its gradients are averaged explicitly (one
-    flattened all-reduce) once all ranks have arrived. One process needs no guard: the error leaves ``train()``.
-    Returns a function that removes the guard."""
+    on out-of-memory errors (see :class:`_OOMAgreement`): a rank that ran out of memory anywhere in its training
+    step (GRPO's generation, the forward, the backward) raises ``ResizeNeeded`` on all ranks together instead of
+    leaving the others waiting in a collective. The micro-batch that would have synchronized in its backward runs
+    under ``no_sync`` and its gradients are averaged explicitly (one flattened all-reduce) once all ranks have
+    arrived. One process needs no guard: the error leaves ``train()``. Returns a function that removes the guard."""
     if world_size() == 1:
         return lambda: None
     original = trainer.training_step
-    device = device_of(trainer.model)
+    agreement = _OOMAgreement(device_of(trainer.model))
+    agreement.install()
 
     def training_step(model, inputs, num_items_in_batch=None):
         syncing = trainer.accelerator.sync_gradients and hasattr(model, "no_sync")
         oom = None
+        # DDP broadcasts buffers at the start of each forward: a collective the other ranks must be told about
+        hook = model.register_forward_pre_hook(agreement.check) if isinstance(model, DistributedDataParallel) else None
         with model.no_sync() if syncing else contextlib.nullcontext():
+            agreement.inside = True
             try:
                 loss = original(model, inputs, num_items_in_batch)
             except Exception as error:  # noqa: BLE001
-                if not is_oom_error(error):
+                if not (isinstance(error, ResizeNeeded) or is_oom_error(error)):
                     raise
                 oom, loss = error, None
-        if max(r[0] for r in gather_floats([float(oom is not None)], device)) > 0:
+            finally:
+                agreement.inside = False
+                if hook is not None:
+                    hook.remove()
+        if agreement.settle(oom is not None):
             raise ResizeNeeded(f"out of memory on a rank: {oom or 'another rank'}") from oom
         if syncing:
             _average_gradients(trainer.model)
@@ -375,10 +404,77 @@ def _guard_steps(trainer):
     trainer.training_step = training_step
 
     def restore():
+        agreement.remove()
         if trainer.__dict__.get("training_step") is training_step:
             del trainer.training_step
 
     return restore
+
+
+class _OOMAgreement:
+    """Tells every rank about an out-of-memory error on any rank inside one training step, without deadlock.
+
+    A training step holds collectives of its own (TRL gathers the rewards after generation and metrics after the
+    loss forward; DDP broadcasts buffers in its forward). A rank that ran out of memory leaves its step and waits in
+    :meth:`settle`; the others learn of it at their next collective of the step, before which :meth:`check` runs
+    one small exchange (it pairs with the waiting rank's), leave the step too, and every rank raises together.
+    Automatic micro-batching in MosaicML Composer agrees the same way. Collectives are seen through the
+    ``torch.distributed`` functions on the default group (what accelerate and TRL call), wrapped while the guard is
+    installed; without an OOM the cost is one exchange per collective of the step and one at its end."""
+
+    COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
+                   "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "gather_object",
+                   "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list")
+
+    def __init__(self, device):
+        self.device = device
+        self.inside = False        # within a guarded training step
+        self.exchanging = False    # our own exchange is running (its all_gather passes through unchecked)
+        self.originals: dict = {}
+
+    def install(self) -> None:
+        for name in self.COLLECTIVES:
+            original = getattr(torch.distributed, name, None)
+            if original is None:
+                continue
+            signature = inspect.signature(original)
+
+            @functools.wraps(original)
+            def checked(*args, _original=original, _signature=signature, **kwargs):
+                if self.inside and not self.exchanging:
+                    group = _signature.bind_partial(*args, **kwargs).arguments.get("group")
+                    if group is None or group is torch.distributed.GroupMember.WORLD:
+                        self.check()
+                return _original(*args, **kwargs)
+
+            self.originals[name] = original
+            setattr(torch.distributed, name, checked)
+
+    def remove(self) -> None:
+        for name, original in self.originals.items():
+            setattr(torch.distributed, name, original)
+        self.originals.clear()
+
+    def exchange(self, oom: bool, finished: bool) -> tuple[bool, bool]:
+        """(some rank ran out of memory, every rank has left its step)."""
+        self.exchanging = True
+        try:
+            rows = gather_floats([float(oom), float(finished)], self.device)
+        finally:
+            self.exchanging = False
+        return max(r[0] for r in rows) > 0, min(r[1] for r in rows) > 0
+
+    def check(self, *_) -> None:
+        """Before a collective of the step: leave the step if another rank ran out of memory."""
+        if self.inside and not self.exchanging and self.exchange(False, False)[0]:
+            raise ResizeNeeded("out of memory on another rank")
+
+    def settle(self, oom: bool) -> bool:
+        """After the step: exchange until every rank has left its step; True when any rank ran out of memory."""
+        while True:
+            any_oom, all_finished = self.exchange(oom, True)
+            if all_finished:
+                return any_oom
 
 
 def _average_gradients(model) -> None:
@@ -479,7 +575,7 @@ def _probe_one(trainer, split: Split, device: DeviceLayer, steps: int) -> dict:
     try:
         trainer.train()
     except Exception as error:  # noqa: BLE001
-        if not is_oom_error(error):
+        if not _recoverable(error):
             raise
         trial["error"] = f"out of memory: {str(error).splitlines()[0][:120]}"
     finally:

@@ -4,22 +4,27 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "two_rank_meter.py")
 
 
-@pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("two_ranks")
+def torchrun(script, out, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     with socket.socket() as probe:                      # a free port: a fixed one may still be in TIME_WAIT
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           SCRIPT, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+           script, str(out)]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_ranks")
+    proc = torchrun(SCRIPT, out)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.load(open(out / f"rank{r}.json")) for r in (0, 1)]
     return out, ranks
@@ -80,3 +85,26 @@ def test_guarded_steps_average_gradients_exactly_like_ddp(two_rank_run):
     assert r0["guarded_weight_change"] > 1e-4                              # training moved the weights
     assert r0["grpo_guarded_step"] == r1["grpo_guarded_step"] == 2         # GRPO under the guard too
     assert r0["guarded_vs_ddp_max_weight_diff"] < 1e-6 and r1["guarded_vs_ddp_max_weight_diff"] < 1e-6
+
+
+@pytest.mark.parametrize("where", ["grpo_forward_oom", "grpo_generation_oom"])
+def test_an_oom_on_one_rank_before_trls_own_collectives_resizes_both(two_rank_run, where):
+    """Rank 0 still has TRL's gathers (rewards after generation, metrics after the loss) ahead when rank 1 runs out
+    of memory: without the agreement before each collective of the step, rank 0 would wait in them for ever."""
+    _, (r0, r1) = two_rank_run
+    assert (r0[where]["raised"], r1[where]["raised"]) == (0, 1)
+    assert r0[where]["decisions"] == r1[where]["decisions"] == [["oom", 1, 2]]
+    assert r0[where]["split"] == r1[where]["split"] == [2, 2, 8]          # generation batch 8 kept
+    assert r0[where]["step"] == r1[where]["step"] == 3
+    assert r0["collectives_restored"] and r1["collectives_restored"]    # the wrapping ends with train_with_tuning
+
+
+def test_an_oom_outside_the_step_on_one_rank_ends_the_run_instead_of_hanging(tmp_path):
+    """Re-sizing after an OOM outside the guarded step would pair mismatched collectives (a hang until the
+    timeout): rank 1 raises it, no decision is made, and the launcher ends the run well inside the timeout."""
+    start = time.perf_counter()
+    proc = torchrun(os.path.join(os.path.dirname(SCRIPT), "two_rank_outside_oom.py"), tmp_path, timeout=240)
+    assert proc.returncode != 0 and time.perf_counter() - start < 200
+    rank1 = json.load(open(tmp_path / "rank1.json"))
+    assert rank1 == {"reraised": True, "step": 1, "decisions": []}
+    assert "out of memory outside the training step" in proc.stderr

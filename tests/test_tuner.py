@@ -23,11 +23,12 @@ MPS_OOM = "MPS backend out of memory (MPS allocated: 17.80 GB, other allocations
 
 class PlantedOOM(TrainerCallback):
     """Raises an OOM from the forward pass of micro-batches larger than ``limit`` once ``armed_at`` steps ran
-    (hooked on the model when :meth:`attach` is called, so the probe meets it too)."""
+    (hooked on the model when :meth:`attach` is called, so the probe meets it too): the training forward, its
+    backward (``in_backward``) or the no-grad forwards of generation (``in_generation``); ``once``: one OOM only."""
 
-    def __init__(self, limit, text, armed_at=0, in_backward=False):
+    def __init__(self, limit, text, armed_at=0, in_backward=False, in_generation=False, once=False):
         self.limit, self.text, self.armed_at, self.raised, self.step = limit, text, armed_at, 0, 0
-        self.in_backward = in_backward
+        self.in_backward, self.in_generation, self.once = in_backward, in_generation, once
 
     def attach(self, trainer):
         model = trainer.model
@@ -40,7 +41,7 @@ class PlantedOOM(TrainerCallback):
         return trainer
 
     def fire(self, batch):
-        if self.step >= self.armed_at and batch > self.limit:
+        if self.step >= self.armed_at and batch > self.limit and not (self.once and self.raised):
             self.raised += 1
             raise torch.OutOfMemoryError(self.text) if self.text == CUDA_OOM else RuntimeError(self.text)
 
@@ -52,9 +53,8 @@ class PlantedOOM(TrainerCallback):
 
     def check(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if torch.is_grad_enabled() and self.step >= self.armed_at and ids.shape[0] > self.limit:
-            self.raised += 1
-            raise torch.OutOfMemoryError(self.text) if self.text == CUDA_OOM else RuntimeError(self.text)
+        if torch.is_grad_enabled() is not self.in_generation:
+            self.fire(ids.shape[0])
 
 
 def step_lines(output_dir):

@@ -65,7 +65,7 @@ def main(out):
     grpo_guarded = make_grpo(tokenizer, os.path.join(out, "grpo_guarded"), [AdaptiveBatchTuner(probe=False)],
                              max_steps=2, bs=2, ga=2)
     train_with_tuning(grpo_guarded)
-    result = {"grpo_guarded_step": grpo_guarded.state.global_step,
+    result = {**grpo_ooms(tokenizer, out, rank), "grpo_guarded_step": grpo_guarded.state.global_step,
               "backward_split": [backward.args.per_device_train_batch_size, backward.args.gradient_accumulation_steps],
               "backward_step": backward.state.global_step, "backward_raised": plant3.raised,
               "guarded_vs_ddp_max_weight_diff": max(weights), "guarded_weight_change": max(moved),
@@ -82,6 +82,28 @@ def main(out):
               "plain_token_source": plain_meter.token_source}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+
+
+def grpo_ooms(tokenizer, out, rank):
+    """GRPO steps hold collectives of their own (TRL gathers rewards after generation and metrics after the loss
+    forward): an OOM on rank 1 before them must not leave rank 0 waiting in them."""
+    result = {}
+    for name, plant in (("grpo_forward_oom", PlantedOOM(limit=2 if rank == 1 else 99, text=CUDA_OOM, armed_at=1)),
+                        ("grpo_generation_oom", PlantedOOM(limit=2 if rank == 1 else 99, text=MPS_OOM, armed_at=1,
+                                                           in_generation=True, once=True))):
+        tuner = AdaptiveBatchTuner(probe=False)
+        trainer = plant.attach(make_grpo(tokenizer, os.path.join(out, name), [plant, tuner], max_steps=3, bs=4, ga=1))
+        train_with_tuning(trainer)
+        args = trainer.args
+        result[name] = {"raised": plant.raised, "step": trainer.state.global_step,
+                        "split": [args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                                  args.generation_batch_size],
+                        "decisions": [(d["kind"], d["step"], d["new"]["micro_batch"]) for d in tuner.decisions]}
+    import torch.distributed as dist
+
+    result["collectives_restored"] = all(getattr(dist, name) is getattr(dist.distributed_c10d, name)
+                                         for name in ("all_gather", "all_reduce", "broadcast_object_list"))
+    return result
 
 
 def shut_down():

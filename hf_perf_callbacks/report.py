@@ -42,7 +42,9 @@ class RunLog:
     """Everything parsed from a run directory.
 
     ``summaries`` holds the last summary per source written after the last run header, so a resumed session
-    that was killed does not show the previous session's stale summary.
+    that was killed does not show the previous session's stale summary. A fresh run written into a reused
+    ``output_dir`` (a run header of a new session, starting at step 0) replaces what the log held before it;
+    ``replaced_runs`` counts how many earlier runs were dropped that way.
     """
     output_dir: str
     runs: list[dict] = field(default_factory=list)
@@ -51,6 +53,7 @@ class RunLog:
     summaries: dict[str, dict] = field(default_factory=dict)
     log_history: list[dict] = field(default_factory=list)
     skipped_lines: int = 0
+    replaced_runs: int = 0
 
 
 # ---------------------------------------------------------------- loading
@@ -66,6 +69,7 @@ def load_run(output_dir: str) -> RunLog:
                           f"callbacks, or this is not its output_dir. {HOW_TO}")
     run = RunLog(output_dir=output_dir)
     summaries: dict[str, dict] = {}
+    session = None
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -79,6 +83,11 @@ def load_run(output_dir: str) -> RunLog:
                     continue
                 kind = entry.get("type") if isinstance(entry, dict) else None
                 if kind == "run":
+                    if entry.get("session", session) != session:
+                        if not _num(entry.get("resumed_from_step")) and (run.steps or run.events):
+                            run.replaced_runs += 1          # a fresh run in a reused output_dir: start over
+                            run.runs, run.steps, run.events = [], [], []
+                        session = entry.get("session")
                     run.runs.append(entry)
                     summaries = {}
                 elif kind == "step" and _num(entry.get("step")) is not None:
@@ -310,6 +319,9 @@ def summarize(run: RunLog) -> str:
         lines.append(completions)
     if run.skipped_lines:
         lines.append(f"note: skipped {run.skipped_lines} unreadable line(s) in {PERF_LOG}")
+    if run.replaced_runs:
+        lines.append(f"note: {PERF_LOG} also holds {run.replaced_runs} earlier run(s) started afresh in this "
+                     "output_dir; only the latest is reported")
     return "\n".join(lines)
 
 

@@ -8,7 +8,9 @@ into the next training log *before* any reporter runs, and into ``log_history[-1
 
 The bus is also the small shared object through which the callbacks talk (signals such as "clear the cache now"
 or "use a smaller micro-batch"), and it writes the per-run ``<output_dir>/perf_log.jsonl`` (main process only):
-one ``{"type": "step", ...}`` object per optimizer step and one ``{"type": "event", ...}`` per event.
+one ``{"type": "step", ...}`` object per optimizer step and one ``{"type": "event", ...}`` per event. The log is
+appended to, across resumes and re-sizes; run headers carry the bus's ``session`` so that a reader can tell a
+fresh run in a reused ``output_dir`` (a new session starting at step 0) from a resume.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import math
 import os
 import sys
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -40,6 +43,7 @@ class RunBus(TrainerCallback):
         self.is_main = True
         self.subscribers: dict[str, list[Callable]] = defaultdict(list)
         self.overhead = 0.0
+        self.session = uuid.uuid4().hex[:12]    # stamped on run headers: a new process's fresh run restarts the log
 
     # ------------------------------------------------------------ publishing
     def publish(self, metrics: dict[str, float]) -> None:
@@ -64,9 +68,9 @@ class RunBus(TrainerCallback):
         return entry
 
     def write(self, entry: dict) -> None:
-        """Write any other JSON object (run header, summary) to the perf log."""
+        """Write any other JSON object (run header, summary) to the perf log; run headers get this bus's session."""
         if self.is_main:
-            self._write(entry)
+            self._write({**entry, "session": self.session} if entry.get("type") == "run" else entry)
 
     def flush(self) -> None:
         if self.record and self.is_main:

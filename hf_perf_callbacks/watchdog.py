@@ -102,7 +102,8 @@ class MemoryWatchdog(PerfCallback):
         self.policy = self._policy(self.budget)
         self.policy.start_segment()
         self.device.reset_peak()
-        self.bus.write({"type": "run", "source": self.source, "budget_gb": self.budget / GB,
+        self.bus.write({"type": "run", "source": self.source, "resumed_from_step": state.global_step,
+                        "budget_gb": self.budget / GB,
                         "device_limit_gb": (sample.device_limit or 0) / GB, "system_total_gb": sample.system_total / GB})
 
     def budget_bytes(self, device: DeviceLayer, sample=None) -> float:

@@ -194,3 +194,26 @@ def test_plots_skip_absent_data(tmp_path):
     paths = write_plots(run)
     assert [os.path.basename(p) for p in paths] == ["memory.png"]
     assert os.path.dirname(paths[0]) == str(tmp_path / "plots")
+
+
+def test_a_fresh_run_in_a_reused_output_dir_replaces_the_earlier_one_but_a_resume_does_not(tokenizer, tmp_path):
+    """HF's default output_dir is shared by every run: a fresh run must not inherit the previous run's step lines
+    (a shorter run would show the longer one's tail), while a resume in a new trainer keeps the history."""
+    from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter
+    from tests.conftest import make_trainer
+
+    def train(max_steps, resume=None):
+        trainer = make_trainer(tokenizer, tmp_path, [MemoryWatchdog(), ThroughputMeter()], max_steps=max_steps,
+                               extra={"save_strategy": "steps", "save_steps": 2})
+        trainer.train(resume_from_checkpoint=resume)
+
+    train(6)
+    train(3)                                                   # a new trainer, a fresh run, the same output_dir
+    run = load_run(tmp_path)
+    assert [s["step"] for s in run.steps] == [1, 2, 3] and run.replaced_runs == 1
+    assert {r["source"] for r in run.runs} == {"perf", "mem"} and len(run.runs) == 2
+    assert "also holds 1 earlier run(s)" in summarize(run)
+    train(5, resume=str(tmp_path / "checkpoint-2"))            # a resume: history kept, step 3 re-run
+    run = load_run(tmp_path)
+    assert [s["step"] for s in run.steps] == [1, 2, 3, 3, 4, 5] and run.replaced_runs == 1
+    assert sorted(r.get("resumed_from_step") for r in run.runs) == [0, 0, 2, 2]

@@ -254,9 +254,10 @@ def is_main_process() -> bool:
     return world_size() == 1 or torch.distributed.get_rank() == 0
 
 
-def average_across_ranks(tensors: list[torch.Tensor]) -> None:
-    """Replace each tensor by its mean over the ranks, in one flattened all-reduce."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+def average_across_ranks(tensors: list[torch.Tensor], flat: torch.Tensor | None = None) -> None:
+    """Replace each tensor by its mean over the ranks, in one flattened all-reduce (``flat``: their concatenation,
+    made beforehand by a caller that must not allocate now)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors]) if flat is None else flat
     torch.distributed.all_reduce(flat)
     flat /= world_size()
     offset = 0

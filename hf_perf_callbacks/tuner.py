@@ -370,8 +370,10 @@ def _guard_steps(trainer):
     on out-of-memory errors (see :class:`_OOMAgreement`): a rank that ran out of memory anywhere in its training
     step (GRPO's generation, the forward, the backward) raises ``ResizeNeeded`` on all ranks together instead of
     leaving the others waiting in a collective. The micro-batch that would have synchronized in its backward runs
-    under ``no_sync`` and its gradients are averaged explicitly (one flattened all-reduce) once all ranks have
-    arrived. One process needs no guard: the error leaves ``train()``. Returns a function that removes the guard."""
+    under ``no_sync`` and its gradients are averaged explicitly (one flattened all-reduce, its buffer allocated
+    before the agreement) once all ranks have arrived. Any other error in one rank's step makes the other ranks
+    raise :class:`PeerFailed` instead of waiting for the launcher's timeout. One process needs no guard: the error
+    leaves ``train()``. Returns a function that removes the guard."""
     if world_size() == 1:
         return lambda: None
     original = trainer.training_step
@@ -380,25 +382,37 @@ def _guard_steps(trainer):
 
     def training_step(model, inputs, num_items_in_batch=None):
         syncing = trainer.accelerator.sync_gradients and hasattr(model, "no_sync")
-        oom = None
+        oom = failed = None
         # DDP broadcasts buffers at the start of each forward: a collective the other ranks must be told about
-        hook = model.register_forward_pre_hook(agreement.check) if isinstance(model, DistributedDataParallel) else None
+        # (under torch.compile accelerate wraps the DDP module in an OptimizedModule)
+        ddp = getattr(model, "_orig_mod", model)
+        hook = ddp.register_forward_pre_hook(agreement.check) if isinstance(ddp, DistributedDataParallel) else None
         with model.no_sync() if syncing else contextlib.nullcontext():
-            agreement.inside = True
+            agreement.begin()
             try:
                 loss = original(model, inputs, num_items_in_batch)
+                grads = _trainable_gradients(trainer.model) if syncing else []
+                flat = torch.cat([g.reshape(-1) for g in grads]) if grads else None
             except Exception as error:  # noqa: BLE001
-                if not (isinstance(error, ResizeNeeded) or is_oom_error(error)):
+                if agreement.broken:         # it struck inside a collective: the ranks can no longer pair up
                     raise
-                oom, loss = error, None
+                if isinstance(error, ResizeNeeded) or is_oom_error(error):
+                    oom = error.with_traceback(None)    # let the step's tensors go before the exchange allocates
+                else:
+                    failed = error
             finally:
                 agreement.inside = False
                 if hook is not None:
                     hook.remove()
-        if agreement.settle(oom is not None):
+        any_oom, any_failed = agreement.settle(oom is not None, failed is not None)
+        if failed is not None:
+            raise failed
+        if any_failed:
+            raise PeerFailed("another rank failed inside its training step (its own traceback says why)")
+        if any_oom:
             raise ResizeNeeded(f"out of memory on a rank: {oom or 'another rank'}") from oom
-        if syncing:
-            _average_gradients(trainer.model)
+        if flat is not None:
+            average_across_ranks(grads, flat)
         return loss
 
     trainer.training_step = training_step
@@ -411,8 +425,13 @@ def _guard_steps(trainer):
     return restore
 
 
+class PeerFailed(RuntimeError):
+    """Raised on the other ranks when one rank's training step failed with an error other than out-of-memory."""
+
+
 class _OOMAgreement:
-    """Tells every rank about an out-of-memory error on any rank inside one training step, without deadlock.
+    """Tells every rank about an out-of-memory error (or another failure) on any rank inside one training step,
+    without deadlock.
 
     A training step holds collectives of its own (TRL gathers the rewards after generation and metrics after the
     loss forward; DDP broadcasts buffers in its forward). A rank that ran out of memory leaves its step and waits in
@@ -420,7 +439,9 @@ class _OOMAgreement:
     one small exchange (it pairs with the waiting rank's), leave the step too, and every rank raises together.
     Automatic micro-batching in MosaicML Composer agrees the same way. Collectives are seen through the
     ``torch.distributed`` functions on the default group (what accelerate and TRL call), wrapped while the guard is
-    installed; without an OOM the cost is one exchange per collective of the step and one at its end."""
+    installed; without an OOM the cost is one exchange per collective of the step and one at its end. Not seen:
+    collectives on sub-groups (TRL's vLLM colocate mode with tensor parallelism) and ones that torch issues
+    internally; an error raised *inside* a collective marks the agreement broken and is raised as it is."""
 
     COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
                    "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "gather_object",
@@ -430,6 +451,7 @@ class _OOMAgreement:
         self.device = device
         self.inside = False        # within a guarded training step
         self.exchanging = False    # our own exchange is running (its all_gather passes through unchecked)
+        self.broken = False        # an error escaped a collective of this step
         self.originals: dict = {}
 
     def install(self) -> None:
@@ -441,11 +463,16 @@ class _OOMAgreement:
 
             @functools.wraps(original)
             def checked(*args, _original=original, _signature=signature, **kwargs):
-                if self.inside and not self.exchanging:
-                    group = _signature.bind_partial(*args, **kwargs).arguments.get("group")
-                    if group is None or group is torch.distributed.GroupMember.WORLD:
-                        self.check()
-                return _original(*args, **kwargs)
+                if not self.inside or self.exchanging:
+                    return _original(*args, **kwargs)
+                group = _signature.bind_partial(*args, **kwargs).arguments.get("group")
+                if group is None or group is torch.distributed.GroupMember.WORLD:
+                    self.check()
+                try:
+                    return _original(*args, **kwargs)
+                except BaseException:
+                    self.broken = True
+                    raise
 
             self.originals[name] = original
             setattr(torch.distributed, name, checked)
@@ -455,35 +482,42 @@ class _OOMAgreement:
             setattr(torch.distributed, name, original)
         self.originals.clear()
 
-    def exchange(self, oom: bool, finished: bool) -> tuple[bool, bool]:
-        """(some rank ran out of memory, every rank has left its step)."""
+    def begin(self) -> None:
+        self.inside, self.broken = True, False
+
+    def exchange(self, oom: bool, finished: bool, failed: bool = False) -> tuple[bool, bool, bool]:
+        """(some rank ran out of memory, every rank has left its step, some rank failed otherwise)."""
         self.exchanging = True
         try:
-            rows = gather_floats([float(oom), float(finished)], self.device)
+            rows = gather_floats([float(oom), float(finished), float(failed)], self.device)
         finally:
             self.exchanging = False
-        return max(r[0] for r in rows) > 0, min(r[1] for r in rows) > 0
+        return max(r[0] for r in rows) > 0, min(r[1] for r in rows) > 0, max(r[2] for r in rows) > 0
 
     def check(self, *_) -> None:
-        """Before a collective of the step: leave the step if another rank ran out of memory."""
-        if self.inside and not self.exchanging and self.exchange(False, False)[0]:
-            raise ResizeNeeded("out of memory on another rank")
+        """Before a collective of the step: leave the step if another rank ran out of memory or failed."""
+        if self.inside and not self.exchanging:
+            oom, _, failed = self.exchange(False, False)
+            if failed:
+                raise PeerFailed("another rank failed inside its training step (its own traceback says why)")
+            if oom:
+                raise ResizeNeeded("out of memory on another rank")
 
-    def settle(self, oom: bool) -> bool:
-        """After the step: exchange until every rank has left its step; True when any rank ran out of memory."""
+    def settle(self, oom: bool, failed: bool) -> tuple[bool, bool]:
+        """After the step: exchange until every rank has left its step; (any rank ran out of memory, any failed)."""
         while True:
-            any_oom, all_finished = self.exchange(oom, True)
+            any_oom, all_finished, any_failed = self.exchange(oom, True, failed)
             if all_finished:
-                return any_oom
+                return any_oom, any_failed
 
 
-def _average_gradients(model) -> None:
-    """What DDP's backward would have done: the mean of every trainable gradient over the ranks."""
+def _trainable_gradients(model) -> list[torch.Tensor]:
+    """Every trainable parameter's gradient (zeros where a parameter got none), for averaging like DDP."""
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    average_across_ranks([p.grad for p in params])
+    return [p.grad for p in params]
 
 
 # ---------------------------------------------------------------- the probe

@@ -99,6 +99,13 @@ def test_an_oom_on_one_rank_before_trls_own_collectives_resizes_both(two_rank_ru
     assert r0["collectives_restored"] and r1["collectives_restored"]    # the wrapping ends with train_with_tuning
 
 
+def test_another_error_in_one_ranks_step_is_raised_on_every_rank(two_rank_run):
+    """A reward function failing on rank 1: rank 1 raises it, rank 0 raises PeerFailed at the same step instead of
+    waiting in TRL's reward gather until the launcher's timeout; the script then goes on (both ranks in step)."""
+    _, (r0, r1) = two_rank_run
+    assert r1["failure"] == ["ValueError", 1] and r0["failure"] == ["PeerFailed", 1]
+
+
 def test_an_oom_outside_the_step_on_one_rank_ends_the_run_instead_of_hanging(tmp_path):
     """Re-sizing after an OOM outside the guarded step would pair mismatched collectives (a hang until the
     timeout): rank 1 raises it, no decision is made, and the launcher ends the run well inside the timeout."""

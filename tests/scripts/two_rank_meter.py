@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, train_with_tuning  # noqa: E402
 from tests.test_tuner import CUDA_OOM, MPS_OOM, PlantedOOM  # noqa: E402
-from tests.conftest import CORPUS, make_grpo, make_trainer  # noqa: E402
+from tests.conftest import CORPUS, length_reward, make_grpo, make_trainer  # noqa: E402
 from hf_perf_callbacks.tiny import build_tokenizer  # noqa: E402
 
 
@@ -99,6 +99,22 @@ def grpo_ooms(tokenizer, out, rank):
                         "split": [args.per_device_train_batch_size, args.gradient_accumulation_steps,
                                   args.generation_batch_size],
                         "decisions": [(d["kind"], d["step"], d["new"]["micro_batch"]) for d in tuner.decisions]}
+    # any other error in one rank's step: that rank raises it, the others raise PeerFailed (no wait for a timeout)
+    calls = []
+
+    def reward_failing_on_rank1(prompts, completions, completion_ids=None, **kwargs):
+        calls.append(1)
+        if rank == 1 and len(calls) == 2:
+            raise ValueError("reward function failed")
+        return length_reward(prompts, completions, completion_ids)
+
+    failing = make_grpo(tokenizer, os.path.join(out, "grpo_failing"), [AdaptiveBatchTuner(probe=False)], max_steps=3,
+                        bs=4, ga=1, reward=reward_failing_on_rank1)
+    try:
+        train_with_tuning(failing)
+        result["failure"] = None
+    except Exception as error:  # noqa: BLE001
+        result["failure"] = [type(error).__name__, failing.state.global_step]
     import torch.distributed as dist
 
     result["collectives_restored"] = all(getattr(dist, name) is getattr(dist.distributed_c10d, name)

@@ -7,7 +7,7 @@ import time
 from .base import PerfCallback
 from .device import GB, DeviceLayer, device_of
 from .memory import ClearSchedule
-from .stats import check_number
+from .stats import check_flag, check_number
 from .watchdog import SIGNAL_CLEAR
 
 
@@ -49,10 +49,9 @@ class MPSCacheClearer(PerfCallback):
     def __init__(self, enabled: bool | None = None, interval_steps: int = 50, min_interval: int = 10,
                  max_interval: int = 400, min_freed_gb: float = 0.1, bloat_ratio: float = 1.5,
                  bloat_min_gb: float = 0.5, after_eval: bool = True, after_save: bool = True):
-        for name, value in (("enabled", enabled), ("after_eval", after_eval), ("after_save", after_save)):
-            if not (isinstance(value, bool) or (name == "enabled" and value is None)):
-                raise ValueError(f"{name}={value!r} is not allowed: expected True or False"
-                                 + (" or None" if name == "enabled" else ""))
+        check_flag("enabled", enabled, allow_none=True)
+        check_flag("after_eval", after_eval)
+        check_flag("after_save", after_save)
         check_number("bloat_ratio", bloat_ratio, low=1)
         check_number("min_freed_gb", min_freed_gb, low=0)
         check_number("bloat_min_gb", bloat_min_gb, low=0)

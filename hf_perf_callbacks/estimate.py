@@ -12,7 +12,7 @@ model cards' 0.49B / 1.54B / 3.09B.
 """
 from __future__ import annotations
 
-from .stats import check_number
+from .stats import check_flag, check_number
 
 #: Qwen2.5 Instruct configs (source: the models' config.json on the hub, see the module docstring).
 QWEN25: dict[str, dict] = {
@@ -105,9 +105,7 @@ def activation_bytes_per_token(model: dict, dtype_bytes: int, activation_checkpo
     ``layers × layer_activation_elements × dtype_bytes``."""
     _check_model(model, ("layers",))
     check_number("dtype_bytes", dtype_bytes, low=1, integer=True)
-    if not isinstance(activation_checkpointing, bool):
-        raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not allowed: "
-                         f"expected True or False")
+    check_flag("activation_checkpointing", activation_checkpointing)
     per_layer = layer_activation_elements(model)
     if activation_checkpointing:
         return (model["layers"] * model["hidden"] + per_layer) * dtype_bytes
@@ -154,9 +152,7 @@ def estimate_grpo_memory(model: dict, *, micro_batch: int, num_generations: int,
     if generation_batch % num_generations:
         raise ValueError(f"generation_batch={generation_batch} is not allowed: it must be a multiple of "
                          f"num_generations={num_generations} (whole prompt groups)")
-    if not isinstance(activation_checkpointing, bool):
-        raise ValueError(f"activation_checkpointing={activation_checkpointing!r} is not allowed: "
-                         f"expected True or False")
+    check_flag("activation_checkpointing", activation_checkpointing)
 
     seq = prompt_tokens + max_completion_length
     tokens = micro_batch * seq

@@ -56,6 +56,14 @@ def check_number(name: str, value, *, low: float | None = None, high: float | No
     return value
 
 
+def check_flag(name: str, value, *, allow_none: bool = False):
+    """Validate a public boolean parameter; raise a ``ValueError`` naming it, its value and what is allowed."""
+    if not (isinstance(value, bool) or (value is None and allow_none)):
+        allowed = "True, False or None" if allow_none else "True or False"
+        raise ValueError(f"{name}={value!r} is not allowed: expected {allowed}")
+    return value
+
+
 @dataclass
 class WarmupResult:
     """Where warmup ended and what it cost, in units of the samples fed to the detector."""

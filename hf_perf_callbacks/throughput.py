@@ -10,7 +10,7 @@ import torch
 from .base import PerfCallback
 from .device import DeviceLayer, device_of, dtype_key, gather_floats, world_size
 from .flops import forward_flops_per_token, shape_of, train_flops_per_token
-from .stats import check_number, generation_period
+from .stats import check_flag, check_number, generation_period
 from .timeline import PHASES, StepTimeline
 
 
@@ -85,8 +85,7 @@ class ThroughputMeter(PerfCallback):
             check_number("peak_flops", peak_flops, low=0, low_open=True)
         check_number("peak_bandwidth", peak_bandwidth, low=0, low_open=True, allow_none=True)
         check_number("data_wait_threshold", data_wait_threshold, low=0, high=1, low_open=True)
-        if not isinstance(progress_bar, bool):
-            raise ValueError(f"progress_bar={progress_bar!r} is not allowed: expected True or False")
+        check_flag("progress_bar", progress_bar)
         super().__init__(window_steps=window_steps, warmup_window=warmup_window, warmup_tolerance=warmup_tolerance,
                          max_warmup_steps=max_warmup_steps, peak_flops=peak_flops, peak_bandwidth=peak_bandwidth,
                          data_wait_threshold=data_wait_threshold, progress_bar=progress_bar)

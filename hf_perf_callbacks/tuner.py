@@ -43,7 +43,7 @@ from .base import PerfCallback
 from .batching import Split, exact_splits, next_smaller
 from .device import (GB, DeviceLayer, average_across_ranks, device_of, gather_floats, is_main_process,
                      is_oom_error, rng_state, set_rng_state, world_size)
-from .stats import check_number, median
+from .stats import check_flag, check_number, median
 from .watchdog import SIGNAL_SMALLER_BATCH, MemoryWatchdog
 
 logger = logging.getLogger("hf_perf_callbacks")
@@ -110,8 +110,7 @@ class AdaptiveBatchTuner(PerfCallback):
 
     def __init__(self, probe: bool = True, probe_steps: int = 2, max_micro_batch: int | None = None,
                  probe_patience: int = 1, rank_by: str = "non_generation"):
-        if not isinstance(probe, bool):
-            raise ValueError(f"probe={probe!r} is not allowed: expected True or False")
+        check_flag("probe", probe)
         if rank_by not in ("step", "non_generation"):
             raise ValueError(f"rank_by={rank_by!r} is not allowed: expected 'step' or 'non_generation'")
         check_number("probe_steps", probe_steps, low=1, integer=True)

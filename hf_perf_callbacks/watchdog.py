@@ -8,7 +8,7 @@ import time
 from .base import PerfCallback
 from .device import GB, DeviceLayer, device_of, gather_floats, world_size
 from .memory import CLEAR, CRITICAL, LEVEL_NAMES, SMALLER_BATCH, STOP, MemoryPolicy, Observation
-from .stats import check_number
+from .stats import check_flag, check_number
 
 #: Bus signals: the cache clearer and the batch tuner subscribe to these.
 SIGNAL_CLEAR = "clear_cache"          # handler(reason: str, step: int) -> freed bytes
@@ -72,8 +72,7 @@ class MemoryWatchdog(PerfCallback):
                  stop_within_steps: float = 3, stop: bool = True):
         check_number("limit_gb", limit_gb, low=0, low_open=True, allow_none=True)
         check_number("budget_fraction", budget_fraction, low=0, high=1, low_open=True)
-        if not isinstance(stop, bool):
-            raise ValueError(f"stop={stop!r} is not allowed: expected True or False")
+        check_flag("stop", stop)
         super().__init__(limit_gb=limit_gb, budget_fraction=budget_fraction, warn_fraction=warn_fraction,
                          grace_steps=grace_steps, trend_window=trend_window, warn_within_steps=warn_within_steps,
                          stop_within_steps=stop_within_steps, stop=stop)
@@ -103,8 +102,8 @@ class MemoryWatchdog(PerfCallback):
         self.policy.start_segment()
         self.device.reset_peak()
         self.bus.write({"type": "run", "source": self.source, "resumed_from_step": state.global_step,
-                        "budget_gb": self.budget / GB,
-                        "device_limit_gb": (sample.device_limit or 0) / GB, "system_total_gb": sample.system_total / GB})
+                        "budget_gb": self.budget / GB, "device_limit_gb": (sample.device_limit or 0) / GB,
+                        "system_total_gb": sample.system_total / GB})
 
     def budget_bytes(self, device: DeviceLayer, sample=None) -> float:
         """The budget in bytes on ``device`` (``limit_gb``, or the fraction of the smallest real limit)."""

@@ -1,8 +1,8 @@
 """Pure math: warmup detection on synthetic traces, windowed rates, line fits and parameter validation."""
 import pytest
 
-from hf_perf_callbacks.stats import (WarmupDetector, WindowedRate, check_number, generation_period, linear_fit,
-                                     median)
+from hf_perf_callbacks.stats import (WarmupDetector, WindowedRate, check_flag, check_number, generation_period,
+                                     linear_fit, median)
 
 
 def feed(detector, values):
@@ -105,6 +105,16 @@ def test_linear_fit_exact():
     assert linear_fit([1, 1], [2, 4]) == (0.0, 3.0)
     with pytest.raises(ValueError):
         linear_fit([1], [1])
+
+
+def test_check_flag_messages():
+    with pytest.raises(ValueError, match=r"stop='yes' is not allowed: expected True or False$"):
+        check_flag("stop", "yes")
+    with pytest.raises(ValueError, match=r"enabled=1 is not allowed: expected True, False or None$"):
+        check_flag("enabled", 1, allow_none=True)
+    with pytest.raises(ValueError, match="None is not allowed"):
+        check_flag("probe", None)
+    assert check_flag("enabled", None, allow_none=True) is None and check_flag("stop", False) is False
 
 
 def test_check_number_messages():

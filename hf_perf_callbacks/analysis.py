@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from . import estimate
 from .batching import Split, exact_splits, next_smaller
 from .device import GB
-from .report import PHASES, load_run, unique_steps
+from .report import figures, load_run, unique_steps
 
 REPORT_FILE = "perf_report.md"
 CONSOLE_WIDTH = 160
@@ -761,35 +761,13 @@ def measurements_from_run(output_dir: str) -> Measurements:
     ``output_dir`` is not a directory, has no ``perf_log.jsonl``, or the log holds nothing readable.
     """
     run_log = load_run(output_dir)
-
-    def last_header(source: str) -> dict:
-        found = [r for r in run_log.runs if r.get("source") == source]
-        return found[-1] if found else {}
-
-    run, mem_run = last_header("perf"), last_header("mem")
-    summary, mem_summary = run_log.summaries.get("perf", {}), run_log.summaries.get("mem", {})
+    f = figures(run_log)                      # the headline figures, exactly as the report prints them
+    run = ([r for r in run_log.runs if r.get("source") == "perf"] or [{}])[-1]
+    mem_summary = run_log.summaries.get("mem", {})
     steps = unique_steps(run_log)
     events = run_log.events
     steady = [s for s in steps if s.get("perf/steady") == 1] or steps
-
-    phases = summary.get("phases")
-    if not isinstance(phases, dict):
-        totals = {p: sum(_values(steps, f"perf/phase_sec/{p}")) for p in PHASES}
-        total = sum(totals.values())
-        phases = {k: v / total for k, v in totals.items()} if total > 0 else {}
-
-    def pick(key: str, step_key: str):
-        """The end-of-run summary's value, else the last step's (a run that did not reach its end)."""
-        value = summary.get(key)
-        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else _last(steps, step_key)
-
-    steady_step = summary.get("steady_step_sec")
-    if not isinstance(steady_step, (int, float)):
-        steady_step = _median(_values([s for s in steps if s.get("perf/steady") == 1], "perf/step_wall_sec"))
-    mfu = summary.get("mfu")
-    if not isinstance(mfu, (int, float)):
-        mfu = _median(_values(steady, "perf/mfu"))
-    warmup_steps = pick("warmup_steps", "perf/warmup_steps")
+    warmup_steps = f["warmup_steps"]
 
     fpm = _median(_values(steps, "perf/forwards_per_microbatch"))
     if fpm is None:
@@ -804,10 +782,6 @@ def measurements_from_run(output_dir: str) -> Measurements:
     driver_max_row = max(driver_rows, key=lambda s: s["mem/driver_gb"]) if driver_rows else None
     swaps = _values(steps, "mem/swap_used_gb")
     pressures = _values(steps, "mem/pressure")
-    high_water = mem_summary.get("high_water_gb")
-    if not isinstance(high_water, (int, float)):
-        high_water = max(_values(steps, "mem/device_used_gb"), default=None)
-    budget = mem_summary.get("budget_gb") or mem_run.get("budget_gb") or _last(steps, "mem/limit_gb")
     actions = mem_summary.get("actions")
     if not isinstance(actions, list):
         actions = [{"step": e.get("step"), "action": e.get("action"), "message": e.get("message")}
@@ -827,17 +801,14 @@ def measurements_from_run(output_dir: str) -> Measurements:
         grad_accum=int(accum) if accum else None, max_completion_length=run.get("max_completion_length"),
         num_generations=run.get("num_generations"), activation_checkpointing=run.get("activation_checkpointing"),
         model=run.get("model") or {}, dataloader=run.get("dataloader") or {},
-        steps=int(summary.get("steps") or (int(steps[-1]["step"]) if steps else 0)),
-        warmup_steps=int(warmup_steps) if warmup_steps is not None else None,
-        warmup_overhead_sec=pick("warmup_overhead_sec", "perf/warmup_overhead_sec"),
-        first_step_slowdown=pick("first_step_slowdown", "perf/first_step_slowdown"),
-        steady_step_sec=steady_step,
-        steady_tokens_per_sec=pick("steady_tokens_per_sec", "perf/steady_tokens_per_sec"), mfu=mfu,
-        phases={k: float(v) for k, v in phases.items()},
+        steps=int(f["steps"] or 0), warmup_steps=int(warmup_steps) if warmup_steps is not None else None,
+        warmup_overhead_sec=f["warmup_overhead_sec"], first_step_slowdown=f["first_step_slowdown"],
+        steady_step_sec=f["steady_step_sec"], steady_tokens_per_sec=f["steady_tokens_per_sec"], mfu=f["mfu"],
+        phases={k: float(v) for k, v in f["phases"].items()},
         pad_fraction=statistics.fmean(pads) if pads else None, forwards_per_microbatch=fpm,
         decode_bandwidth_util=_median(_values(steady, "perf/decode_bandwidth_util")),
         completion_mean=completion["mean"], completion_max=completion["max"], completion_p90=completion["p90"],
-        clipped_ratio=completion["clipped"], mem_high_water_gb=high_water, mem_budget_gb=budget,
+        clipped_ratio=completion["clipped"], mem_high_water_gb=f["high_water_gb"], mem_budget_gb=f["budget_gb"],
         driver_gb_max=driver_max_row["mem/driver_gb"] if driver_max_row else None,
         allocated_gb_at_driver_max=driver_max_row.get("mem/allocated_gb") if driver_max_row else None,
         max_pressure=int(max(pressures)) if pressures else None,

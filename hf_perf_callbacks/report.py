@@ -18,11 +18,13 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from .reporting import PERF_LOG
+from .stats import median
+from .timeline import PHASES
+
 logger = logging.getLogger("hf_perf_callbacks")
 
-PERF_LOG = "perf_log.jsonl"
 TRAINER_STATE = "trainer_state.json"
-PHASES = ("data_wait", "generation", "compute", "eval", "save")
 PHASE_COLORS = {"data_wait": "tab:red", "generation": "tab:orange", "compute": "tab:blue", "eval": "tab:green",
                 "save": "tab:purple"}
 MAX_EVENTS = 40          # events listed in full; beyond that the first and last halves
@@ -154,6 +156,14 @@ def _last(steps: list[dict], key: str) -> float | None:
     return None
 
 
+def _train_sec(step: dict) -> float | None:
+    """A step line's training time as the meter counts it: its wall time minus evaluation and saving."""
+    wall = _num(step.get("perf/step_wall_sec", step.get("perf/step_time")))
+    if wall is None:
+        return None
+    return wall - sum(_num(step.get(f"perf/phase_sec/{p}")) or 0.0 for p in ("eval", "save"))
+
+
 def _perf_headers(run: RunLog) -> list[dict]:
     return [r for r in run.runs if r.get("source") == "perf"]
 
@@ -186,9 +196,11 @@ def figures(run: RunLog) -> dict:
     mem_header = ([r for r in run.runs if r.get("source") == "mem"] or [{}])[-1]
 
     tokens = sum(_num(s.get("perf/tokens")) or 0.0 for s in steps)
-    wall = sum(_num(s.get("perf/step_wall_sec", s.get("perf/step_time"))) or 0.0 for s in steps)
-    steady = [s for s in steps if _num(s.get("perf/steady")) == 1] or steps
+    train = sum(_train_sec(s) or 0.0 for s in steps)
+    steady_lines = [s for s in steps if _num(s.get("perf/steady")) == 1]
+    steady = steady_lines or steps
     mfus = [v for v in (_num(s.get("perf/mfu")) for s in steady) if v is not None]
+    steady_secs = [v for v in map(_train_sec, steady_lines) if v is not None]
     phase_sums = {p: sum(_num(s.get(f"perf/phase_sec/{p}")) or 0.0 for s in steps) for p in PHASES}
     phase_total = sum(phase_sums.values())
     used = [v for s in steps for v in (_num(s.get("mem/peak_gb")), _num(s.get("mem/device_used_gb"))) if v is not None]
@@ -211,8 +223,9 @@ def figures(run: RunLog) -> dict:
         "warmup_overhead_sec": pick(perf, "warmup_overhead_sec", _last(steps, "perf/warmup_overhead_sec")),
         "first_step_slowdown": pick(perf, "first_step_slowdown", _last(steps, "perf/first_step_slowdown")),
         "steady_tokens_per_sec": pick(perf, "steady_tokens_per_sec", _last(steps, "perf/steady_tokens_per_sec")),
-        "mean_tokens_per_sec": pick(perf, "mean_tokens_per_sec", tokens / wall if tokens and wall else None),
-        "mfu": pick(perf, "mfu", sum(mfus) / len(mfus) if mfus else None),
+        "steady_step_sec": pick(perf, "steady_step_sec", median(steady_secs) if steady_secs else None),
+        "mean_tokens_per_sec": pick(perf, "mean_tokens_per_sec", tokens / train if tokens and train else None),
+        "mfu": pick(perf, "mfu", median(mfus) if mfus else None),
         "phases": perf.get("phases") or ({p: v / phase_total for p, v in phase_sums.items()} if phase_total else {}),
         "high_water_gb": pick(mem, "high_water_gb", max(used) if used else None),
         "budget_gb": pick(mem, "budget_gb", mem_header.get("budget_gb", _last(steps, "mem/limit_gb"))),

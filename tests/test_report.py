@@ -110,6 +110,26 @@ def test_truncated_log_still_reports(demo_run, tmp_path, capsys):
         assert_good_png(str(tmp_path / "plots" / f"{name}.png"))
 
 
+def test_figures_from_step_lines_match_the_meters_and_the_analysis_uses_them(demo_run, tmp_path):
+    """A killed run has no summaries: the step-line fallbacks must measure what the meter measures (training
+    time, not wall time with eval/save), and perf_report.md must print the same figures as the report."""
+    from hf_perf_callbacks.analysis import measurements_from_run
+    from hf_perf_callbacks.report import figures
+
+    finished = figures(load_run(demo_run))
+    with open(os.path.join(demo_run, PERF_LOG), encoding="utf-8") as f:
+        (tmp_path / PERF_LOG).write_text("".join(line for line in f if '"type": "summary"' not in line))
+    killed = figures(load_run(str(tmp_path)))
+    assert killed["mean_tokens_per_sec"] == pytest.approx(finished["mean_tokens_per_sec"], rel=0.01)
+    if finished["steady_step_sec"] is None:                   # the shared demo run is too short for a steady phase
+        assert killed["steady_step_sec"] is None
+    else:
+        assert killed["steady_step_sec"] == pytest.approx(finished["steady_step_sec"], rel=0.2)
+    m = measurements_from_run(str(tmp_path))
+    assert (m.mfu, m.steady_step_sec, m.mem_high_water_gb, m.phases) == (
+        killed["mfu"], killed["steady_step_sec"], killed["high_water_gb"], killed["phases"])
+
+
 def synthetic_log(path, steps=30):
     """A run that hit memory pressure, was acted on by the watchdog and the tuner, then was resumed."""
     entries = [{"type": "run", "source": "perf", "device": "NVIDIA H100", "device_type": "cuda", "world_size": 2,

@@ -16,7 +16,7 @@ import logging
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .device import world_size
+from .device import gather_floats, world_size
 from .reporting import RunBus, bus_for, calling_handler
 
 logger = logging.getLogger("hf_perf_callbacks")
@@ -55,6 +55,7 @@ class PerfCallback(TrainerCallback, ExportableState):
     """Base class of the package's callbacks."""
 
     source = "perf"
+    exchange_width = 0                   # floats this callback gathers across ranks once per optimizer step
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -66,11 +67,12 @@ class PerfCallback(TrainerCallback, ExportableState):
         self.config = config
         self.disabled = False
         self.bus: RunBus | None = None
-        self.saved: dict | None = None
         self.collective_step = -1        # the last optimizer step whose cross-rank exchange this rank joined
 
     def neutral_exchange(self) -> None:
-        """Join this callback's per-step cross-rank exchange with neutral values (override if it has one)."""
+        """Join this callback's per-step cross-rank exchange with zeros (a rank that has nothing to report)."""
+        if self.exchange_width:
+            gather_floats([0.0] * self.exchange_width, getattr(getattr(self, "device", None), "device", None))
 
     def _stand_in(self, state) -> None:
         """A disabled (or failed) callback still joins the step's exchange, so the other ranks do not wait forever."""

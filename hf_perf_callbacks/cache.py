@@ -1,7 +1,6 @@
 """MPSCacheClearer: clear the allocator cache when it pays, not every step."""
 from __future__ import annotations
 
-import gc
 import time
 
 from .base import PerfCallback
@@ -82,7 +81,6 @@ class MPSCacheClearer(PerfCallback):
         """Clear now; returns bytes freed (never negative)."""
         before = self.device.memory().reserved or 0
         start = time.perf_counter()
-        gc.collect()
         self.device.empty_cache()
         self.device.synchronize()
         seconds = time.perf_counter() - start

@@ -7,11 +7,12 @@ vectors between ranks.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -46,7 +47,7 @@ def is_oom_error(error: BaseException) -> bool:
 class MemorySample:
     """Memory at one moment, in bytes; ``None`` where the device does not say."""
 
-    allocated: int | None = None        # live tensors (CUDA/MPS/XPU allocated; CPU: process RSS)
+    allocated: int | None = None        # live tensors (CUDA/MPS/XPU allocator)
     reserved: int | None = None         # held by the allocator (CUDA reserved; MPS driver memory, cache included)
     peak: int | None = None             # allocator high-water mark since the last reset (CUDA/XPU only)
     device_limit: int | None = None     # what the device can give (CUDA total; MPS recommended working set)
@@ -55,7 +56,16 @@ class MemorySample:
     system_total: int = 0
     system_available: int = 0
     swap_used: int = 0
-    extra: dict = field(default_factory=dict)
+    rss: int | None = None              # CPU: this process's resident memory (the CPU has no allocator to ask)
+
+    @property
+    def used(self) -> int:
+        """What counts against a memory budget: the allocator's high-water mark since the last reset (CUDA/XPU),
+        driver memory (MPS: unified memory the process holds, cache included), resident memory (CPU)."""
+        for value in (self.peak, self.reserved, self.rss, self.allocated):
+            if value is not None:
+                return value
+        return 0
 
 
 class DeviceLayer:
@@ -77,6 +87,9 @@ class DeviceLayer:
             torch.xpu.synchronize(self.device)
 
     def empty_cache(self) -> None:
+        """Collect Python garbage (tensors held in reference cycles keep their blocks), then give the allocator's
+        cached blocks back (MPS: and its graph cache)."""
+        gc.collect()
         if self.type == "cuda":
             torch.cuda.empty_cache()
         elif self.type == "mps":
@@ -156,8 +169,7 @@ class DeviceLayer:
                 device_limit=torch.xpu.get_device_properties(self.device).total_memory,
                 **system,
             )
-        rss = psutil.Process().memory_info().rss
-        return MemorySample(allocated=rss, reserved=rss, device_limit=vm.total, **system)
+        return MemorySample(rss=psutil.Process().memory_info().rss, device_limit=vm.total, **system)
 
     # ---------------------------------------------------------------- peaks
     def peak(self) -> DevicePeak | None:

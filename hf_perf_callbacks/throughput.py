@@ -77,6 +77,7 @@ class ThroughputMeter(PerfCallback):
     """
 
     source = "perf"
+    exchange_width = 2
 
     def __init__(self, window_steps: int = 10, warmup_window: int = 4, warmup_tolerance: float = 0.1,
                  max_warmup_steps: int = 50, peak_flops: float | str | None = None,
@@ -406,9 +407,6 @@ class ThroughputMeter(PerfCallback):
             f"time split: {phases}",
         ]
         return "\n".join(lines)
-
-    def neutral_exchange(self) -> None:
-        gather_floats([0.0, 0.0], getattr(getattr(self, "device", None), "device", None))
 
     # ------------------------------------------------------------ state
     def export(self) -> dict:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import inspect
 import json
 import logging
@@ -33,6 +32,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import asdict
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -188,7 +188,7 @@ class AdaptiveBatchTuner(PerfCallback):
         if self.decisions and state.is_world_process_zero:
             print(self.format_summary())
         if self.pending and not self.managed and state.is_world_process_zero:
-            new = Split(**{k: self.pending["new"][k] for k in ("micro_batch", "grad_accum", "steps_per_generation")})
+            new = Split(**self.pending["new"])
             checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             print(f"AdaptiveBatchTuner: memory asked for a smaller micro-batch at step {state.global_step}. "
                   f"A checkpoint is saved to {checkpoint}. Resume with the exact split "
@@ -201,14 +201,14 @@ class AdaptiveBatchTuner(PerfCallback):
 
     # ------------------------------------------------------------ decisions
     def _decide(self, kind: str, reason: str, old: Split, new: Split, step: int) -> dict:
-        decision = {"kind": kind, "step": step, "reason": reason, "old": _split_dict(old), "new": _split_dict(new),
+        decision = {"kind": kind, "step": step, "reason": reason, "old": asdict(old), "new": asdict(new),
                     "time": time.time()}
         self.decisions.append(decision)
         self.split = new
         self._persist()
         if self.bus is not None:
             self.bus.event(self.source, "decision", f"{kind}: {old} → {new} at step {step} ({reason})", step=step,
-                           old_split=_split_dict(old), new_split=_split_dict(new))
+                           old_split=asdict(old), new_split=asdict(new))
         return decision
 
     def _persist(self) -> None:
@@ -320,8 +320,7 @@ def _recover_from_oom(trainer, tuner: AdaptiveBatchTuner, error: BaseException, 
     step = trainer.state.global_step
     inside_optimizer = tuner.in_optimizer_step
     trainer.model.zero_grad(set_to_none=True)
-    gc.collect()
-    DeviceLayer(device_of(trainer.model)).empty_cache()
+    DeviceLayer(device_of(trainer.model)).empty_cache()              # room to save the checkpoint
     if inside_optimizer:                                            # weights may be half-updated: go back
         checkpoint = _checkpoint_of_this_run(trainer.args.output_dir, started, step)
         if checkpoint is None:
@@ -352,16 +351,9 @@ def _checkpoint_of_this_run(output_dir: str, started: float, step: int) -> str |
 
 
 def _prepare_resume(trainer, split: Split) -> None:
-    """Forget the optimizer, scheduler and wrapper of the last train() (restored from the checkpoint) and apply the
-    split; GRPO's generation buffer is regenerated."""
-    trainer.optimizer, trainer.lr_scheduler = None, None
-    trainer.model_wrapped = trainer.model
+    """Apply the split to a trainer whose last train() ended (see :func:`_reset_after_run`)."""
     apply_split(trainer, split)
-    for name, value in (("_step", 0), ("_buffered_inputs", None)):
-        if hasattr(trainer, name):
-            setattr(trainer, name, value)
-    gc.collect()
-    DeviceLayer(device_of(trainer.model)).empty_cache()
+    _reset_after_run(trainer, DeviceLayer(device_of(trainer.model)))
 
 
 def _guard_steps(trainer):
@@ -536,10 +528,7 @@ class _ProbeTimer(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.device.synchronize()
         self.steps.append((time.perf_counter() - self.start, self.generation))
-        sample = self.device.memory()
-        used = sample.peak if sample.peak is not None else sample.reserved if self.device.type == "mps" else \
-            sample.allocated
-        self.peak = max(self.peak, float(used or 0))
+        self.peak = max(self.peak, float(self.device.memory().used))
 
 
 def _probe(trainer, tuner: AdaptiveBatchTuner) -> Split:
@@ -577,8 +566,8 @@ def _probe(trainer, tuner: AdaptiveBatchTuner) -> Split:
     tuner.split = chosen
     why = (f"fastest split under the {budget / GB:.2f} GB budget: {seconds:.1f} s probing "
            + "; ".join(_fmt_trial(t) for t in trials)) if best else "no candidate fitted: keeping the configured split"
-    tuner.decisions.append({"kind": "probe", "step": 0, "reason": why, "old": _split_dict(original),
-                            "new": _split_dict(chosen), "trials": trials, "probe_sec": seconds})
+    tuner.decisions.append({"kind": "probe", "step": 0, "reason": why, "old": asdict(original),
+                            "new": asdict(chosen), "trials": trials, "probe_sec": seconds})
     tuner._persist()
     if is_main_process():
         print(f"AdaptiveBatchTuner probe: {original} → {chosen} ({why})")
@@ -604,7 +593,7 @@ def _probe_one(trainer, split: Split, device: DeviceLayer, steps: int) -> dict:
 
     model.generate = timed_generate
     device.reset_peak()
-    trial = {"split": _split_dict(split)}
+    trial = {"split": asdict(split)}
     try:
         trainer.train()
     except Exception as error:  # noqa: BLE001
@@ -682,6 +671,8 @@ def _restore(trainer, saved: dict) -> None:
 
 
 def _reset_after_run(trainer, device: DeviceLayer) -> None:
+    """Forget the optimizer, scheduler and wrapper of the last train() (a resume restores them from the checkpoint),
+    its gradients and GRPO's generation buffer and metric accumulators; give cached memory back."""
     trainer.optimizer, trainer.lr_scheduler = None, None
     trainer.model_wrapped = trainer.model
     trainer.model.zero_grad(set_to_none=True)
@@ -692,7 +683,6 @@ def _reset_after_run(trainer, device: DeviceLayer) -> None:
     if isinstance(metrics, dict):
         for per_mode in metrics.values():
             per_mode.clear()
-    gc.collect()
     device.empty_cache()
 
 
@@ -718,11 +708,6 @@ def _length(example) -> int:
 # ---------------------------------------------------------------- helpers
 def _find(trainer, cls):
     return next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, cls)), None)
-
-
-def _split_dict(split: Split) -> dict:
-    return {"micro_batch": split.micro_batch, "grad_accum": split.grad_accum,
-            "steps_per_generation": split.steps_per_generation}
 
 
 def _fmt(d: dict) -> str:

@@ -1,7 +1,6 @@
 """MemoryWatchdog: see the memory wall coming and act before the OS swaps or kills the run; lose nothing."""
 from __future__ import annotations
 
-import gc
 import sys
 import time
 
@@ -66,6 +65,7 @@ class MemoryWatchdog(PerfCallback):
     """
 
     source = "mem"
+    exchange_width = 2
 
     def __init__(self, limit_gb: float | None = None, budget_fraction: float = 0.85, warn_fraction: float = 0.9,
                  grace_steps: int = 2, trend_window: int = 8, warn_within_steps: float = 20,
@@ -169,11 +169,8 @@ class MemoryWatchdog(PerfCallback):
 
     def _observe(self, step: int, resample: bool = False) -> tuple[Observation, dict]:
         sample = self.device.memory()
-        cuda = self.device.type in ("cuda", "xpu")
-        used = float(sample.peak if cuda and sample.peak is not None else
-                     sample.reserved if self.device.type == "mps" else sample.allocated or 0)
-        if resample and cuda:
-            used = float(sample.allocated or 0)                     # after a clear the peak is history
+        # after a clear the high-water mark is history: what is allocated now counts
+        used = float(sample.allocated if resample and sample.peak is not None else sample.used)
         retries = None
         if sample.alloc_retries is not None:
             if self._previous_retries is not None and not resample:
@@ -183,9 +180,9 @@ class MemoryWatchdog(PerfCallback):
         fields = {"mem/device_used_gb": used / GB, "mem/limit_gb": self.budget / GB,
                   "mem/peak_gb": max(self.high_water, used) / GB,
                   "mem/system_available_gb": sample.system_available / GB, "mem/swap_used_gb": sample.swap_used / GB}
-        if sample.allocated is not None and self.device.type != "cpu":
+        if sample.allocated is not None:
             fields["mem/allocated_gb"] = sample.allocated / GB
-        if sample.reserved is not None and self.device.type != "cpu":
+        if sample.reserved is not None:
             fields["mem/driver_gb"] = sample.reserved / GB
         if retries is not None:
             fields["mem/alloc_retries"] = retries
@@ -223,13 +220,9 @@ class MemoryWatchdog(PerfCallback):
         rows = gather_floats([rank_of[decision], float(critical)], self.device.device)
         return {0: None, 1: SMALLER_BATCH, 2: STOP}[int(max(r[0] for r in rows))], max(r[1] for r in rows) > 0
 
-    def neutral_exchange(self) -> None:
-        gather_floats([0.0, 0.0], getattr(getattr(self, "device", None), "device", None))
-
     def _clear(self, step: int) -> None:
         answers = self.bus.signal(SIGNAL_CLEAR, reason=self.policy.reason(), step=step)
         if not answers:                       # no clearer attached: do the cheap part ourselves
-            gc.collect()
             self.device.empty_cache()
         self._act(step, CLEAR, "cleared caches: " + self.policy.reason())
 

@@ -34,7 +34,8 @@ def test_other_errors_are_not(error):
 def test_cpu_memory_sample_and_no_peak_table():
     layer = DeviceLayer("cpu")
     sample = layer.memory()
-    assert sample.allocated > 0 and sample.system_total > sample.system_available > 0
+    assert sample.used == sample.rss > 0 and sample.system_total > sample.system_available > 0
+    assert sample.allocated is sample.reserved is sample.peak is None      # no allocator figures are made up
     assert layer.peak() is None                  # CPUs have no table entry: MFU is omitted, not guessed
     layer.synchronize()
     layer.empty_cache()

@@ -16,6 +16,8 @@ from .timeline import PHASES, StepTimeline
 
 #: model → the meter whose hook and wrapper are installed on it (a replaced instance is closed by its successor)
 _INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: indices of ``ThroughputMeter.counts``
+HOOK_TOKENS, GENERATED, REAL_POSITIONS = range(3)
 
 
 class ThroughputMeter(PerfCallback):
@@ -110,6 +112,8 @@ class ThroughputMeter(PerfCallback):
         self.close()
         self._install(model)
         self._setup_flops(args)
+        # integer counters on the device, read once per step (no synchronize per micro-batch; MPS has no float64)
+        self.counts = torch.zeros(3, dtype=torch.long, device=self.device.device)
         self._reset_step_counters()
         self.seq_len = 0                             # padded length of the latest training forward
         self.seen = state.num_input_tokens_seen      # resume: the restored count is the baseline (no spike)
@@ -204,10 +208,7 @@ class ThroughputMeter(PerfCallback):
         self.decode_steps = 0
         self.forwards = 0
         self.microbatches = 0
-        # integer counters on the device (no synchronize per micro-batch; MPS has no float64)
-        self.hook_tokens = torch.zeros((), dtype=torch.long, device=self.device.device)
-        self.generated = torch.zeros((), dtype=torch.long, device=self.device.device)
-        self.real_positions = torch.zeros((), dtype=torch.long, device=self.device.device)
+        self.counts.zero_()                   # [HOOK_TOKENS, GENERATED, REAL_POSITIONS]
         self.padded_positions = 0
 
     # ------------------------------------------------------------ hooks (no synchronize here)
@@ -237,21 +238,21 @@ class ThroughputMeter(PerfCallback):
             if isinstance(mask, torch.Tensor):
                 real = mask.sum()
                 self.padded_positions += mask.numel()
-                self.real_positions += real
+                self.counts[REAL_POSITIONS] += real
                 if self.token_source == "hook":
-                    self.hook_tokens += real
+                    self.counts[HOOK_TOKENS] += real
             elif isinstance(ids, torch.Tensor):
                 self.padded_positions += ids.numel()
-                self.real_positions += ids.numel()
+                self.counts[REAL_POSITIONS] += ids.numel()
                 if self.token_source == "hook":
-                    self.hook_tokens += ids.numel()
+                    self.counts[HOOK_TOKENS] += ids.numel()
 
     def _count_generated(self, input_ids, out) -> None:
         sequences = getattr(out, "sequences", out)
         if isinstance(sequences, torch.Tensor) and isinstance(input_ids, torch.Tensor):
             new = sequences[:, input_ids.shape[-1]:]
             pad = getattr(getattr(self.inner, "generation_config", None), "pad_token_id", None)
-            self.generated += (new != pad).sum() if pad is not None else new.numel()
+            self.counts[GENERATED] += (new != pad).sum() if pad is not None else new.numel()
 
     # ------------------------------------------------------------ events
     def on_step_begin(self, args, state, control, **kwargs):
@@ -270,8 +271,9 @@ class ThroughputMeter(PerfCallback):
         self.microbatches += 1
         self.device.synchronize()                                   # the one synchronize per optimizer step
         record = self.timeline.measure(state.global_step, self.clock())
+        counts = self.counts.tolist()                               # one read of the device counters
         tokens = float(state.num_input_tokens_seen - self.seen) if self.token_source == "trainer" else \
-            float(self.hook_tokens.item())
+            float(counts[HOOK_TOKENS])
         self.seen = state.num_input_tokens_seen
         train_seconds = None
         if self.world > 1:                                          # one small collective per step
@@ -280,10 +282,10 @@ class ThroughputMeter(PerfCallback):
             tokens = sum(r[0] for r in rows) if self.token_source == "hook" else tokens
             train_seconds = max(r[1] for r in rows)
         self.timeline.commit(record, tokens, train_seconds)
-        generated = float(self.generated.item()) if self.is_grpo else 0.0
+        generated = float(counts[GENERATED]) if self.is_grpo else 0.0
         metrics = self._step_metrics(record, generated)
         if self.padded_positions:
-            metrics["perf/pad_fraction"] = 1.0 - float(self.real_positions.item()) / self.padded_positions
+            metrics["perf/pad_fraction"] = 1.0 - counts[REAL_POSITIONS] / self.padded_positions
         self._check_duplicates(state.global_step)
         self._check_data_wait(args, state.global_step)
         self.bus.record_step(state.global_step, {**metrics, **{f"perf/phase_sec/{p}": getattr(record, p)

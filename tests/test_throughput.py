@@ -25,7 +25,7 @@ def test_plain_trainer_counts_non_padding_tokens_like_the_trainer_does(tokenizer
                            extra={"include_num_input_tokens_seen": "non_padding"})
     trainer.train()
     assert own.token_source == "hook" and reference.token_source == "trainer"
-    assert own.hook_tokens.dtype == torch.long          # integer device counters: MPS has no float64
+    assert own.counts.dtype == torch.long          # integer device counters: MPS has no float64
     assert own.timeline.total_tokens == trainer.state.num_input_tokens_seen == reference.timeline.total_tokens
     assert own.timeline.total_tokens > 0
     steps = perf_lines(tmp_path / "own")

@@ -160,8 +160,9 @@ def detect_device(use_cpu: bool = False) -> tuple[str, bool, str]:
     if use_cpu:
         return "cpu", True, "the CPU (use_cpu: true)"
     device = DeviceLayer()
-    if device.type == "cuda":
-        return "cuda", device.bf16_supported(), f"CUDA GPU {device.name}"
+    if device.type in ("cuda", "xpu"):
+        return device.type, device.bf16_supported(), f"{'CUDA GPU' if device.type == 'cuda' else 'Intel XPU'} " \
+                                                     f"{device.name}"
     if device.type == "mps":
         new_enough = device.bf16_supported()
         return "mps", new_enough, "Apple MPS" + ("" if new_enough else " on macOS older than 14")

@@ -317,6 +317,19 @@ def test_this_machine_is_detected():
     assert (kind, bf16) == ("cpu", True)
 
 
+def test_an_xpu_is_detected_as_itself(monkeypatch):
+    """No XPU here: a DeviceLayer posing as one (type and name, as torch.xpu reports them) stands in."""
+    from hf_perf_callbacks import device
+
+    class FakeXPU(device.DeviceLayer):
+        def __init__(self):
+            super().__init__("cpu")
+            self.type, self._name = "xpu", "Intel(R) Data Center GPU Max 1550"
+
+    monkeypatch.setattr(device, "DeviceLayer", FakeXPU)
+    assert train.detect_device() == ("xpu", True, "Intel XPU Intel(R) Data Center GPU Max 1550")
+
+
 # ---------------------------------------------------------------- names, resume, the tuner's split
 def test_unknown_callback_and_reward_names_suggest_the_closest():
     with pytest.raises(train.RecipeError, match="did you mean 'MemoryWatchdog'"):

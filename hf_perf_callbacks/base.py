@@ -1,5 +1,7 @@
 """What every callback of the package shares: fault isolation, the bus, and resume-safe state.
 
+* **Own time is not data wait.** The time of every event between an optimizer step's end and the next one's begin
+  goes to the bus as overhead, which the meter takes out of the data-wait phase.
 * **Faults stay inside.** Every ``on_*`` event of a subclass is guarded: an exception logs one warning with the
   cause, disables that callback (its ``close()`` removes any hooks) and training goes on. Under several ranks a
   disabled callback still joins its per-step exchange with neutral values, so no rank is left waiting.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -20,6 +23,11 @@ from .device import gather_floats, world_size
 from .reporting import RunBus, bus_for, calling_handler
 
 logger = logging.getLogger("hf_perf_callbacks")
+
+
+#: events between one optimizer step's end and the next one's begin: the time spent in them is the callbacks' own
+#: work (memory sampling, cache clears, exchanges), which the meter must not count as waiting for data
+BETWEEN_STEPS = ("on_step_end", "on_log", "on_save", "on_evaluate")
 
 
 def _guard(name: str, method):
@@ -35,7 +43,12 @@ def _guard(name: str, method):
             self.bus.output_dir, self.bus.is_main = args.output_dir, state.is_world_process_zero
             if name == "on_train_begin" and state.global_step > 0:
                 self._restore_from(state)
-            return method(self, args, state, control, **kwargs)
+            started = time.perf_counter()
+            try:
+                return method(self, args, state, control, **kwargs)
+            finally:
+                if name in BETWEEN_STEPS:
+                    self.bus.add_overhead(time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001 - a callback must never take training down
             self.disabled = True
             logger.warning("%s disabled after an internal error in %s: %s: %s. Training continues without it.",

@@ -84,7 +84,6 @@ class MPSCacheClearer(PerfCallback):
         self.device.empty_cache()
         self.device.synchronize()
         seconds = time.perf_counter() - start
-        self.bus.add_overhead(seconds)
         freed = max(0.0, float(before - (self.device.memory().reserved or 0)))
         self.schedule.cleared(step, freed, automatic)
         self.clears += 1

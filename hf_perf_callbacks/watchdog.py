@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import sys
-import time
 
 from .base import PerfCallback
 from .device import GB, DeviceLayer, device_of, gather_floats, world_size
@@ -117,13 +116,6 @@ class MemoryWatchdog(PerfCallback):
 
     # ------------------------------------------------------------ per step
     def on_step_end(self, args, state, control, **kwargs):
-        started = time.perf_counter()
-        try:
-            self._step_end(args, state, control)
-        finally:
-            self.bus.add_overhead(time.perf_counter() - started)
-
-    def _step_end(self, args, state, control) -> None:
         step = state.global_step
         obs, fields = self._observe(step)
         self.policy.observe(obs)

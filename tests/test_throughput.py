@@ -119,3 +119,29 @@ def test_resume_restores_counters_and_first_window_does_not_spike(tokenizer, tmp
     per_step_before = tokens_before / 4
     assert after[0]["perf/tokens"] < 2 * per_step_before          # not the restored total (transformers #40560)
     assert second.timeline.segments == 2
+
+
+def test_the_callbacks_own_time_between_steps_is_not_data_wait(tokenizer, tmp_path):
+    """Work a callback of the package does after a step (memory sampling, a cache clear: here a 50 ms sleep) is
+    overhead, not waiting for data; the same sleep in a foreign callback stays in the data-wait phase."""
+    import time
+
+    from transformers import TrainerCallback
+
+    from hf_perf_callbacks.base import PerfCallback
+
+    class SlowOwn(PerfCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            time.sleep(0.05)
+
+    class SlowForeign(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            time.sleep(0.05)
+
+    waits = []
+    for slow in (SlowOwn(), SlowForeign()):
+        meter = ThroughputMeter()
+        make_trainer(tokenizer, tmp_path / type(slow).__name__, [meter, slow], max_steps=6, bs=2, ga=1).train()
+        waits.append(meter.timeline.phase_totals["data_wait"] / meter.timeline.steps)
+    own, foreign = waits
+    assert own < 0.02 and foreign > 0.04

@@ -227,11 +227,6 @@ class MacMemorySample:
         )
 
 
-def sample_delta(previous: MacMemorySample, current: MacMemorySample) -> MacMemoryDelta:
-    """Counter growth from ``previous`` to ``current``."""
-    return current.delta_since(previous)
-
-
 _T = TypeVar("_T")
 
 _GPU_CORES_RE = re.compile(r'"gpu-core-count"\s*=\s*(\d+)')

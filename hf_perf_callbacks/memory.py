@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .stats import check_number, linear_fit
+from .stats import linear_fit
+from .validation import check_number
 
 OK, WARN, CRITICAL = 0, 1, 2
 LEVEL_NAMES = {OK: "ok", WARN: "warn", CRITICAL: "critical"}

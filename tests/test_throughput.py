@@ -90,7 +90,7 @@ def test_slow_dataset_warns_about_dataloader_settings(tokenizer, tmp_path, caplo
         make_trainer(tokenizer, tmp_path, [meter], max_steps=6, delay=0.02).train()
     messages = [r.getMessage() for r in caplog.records if "waits for data" in r.getMessage()]
     assert len(messages) == 1
-    assert "dataloader_num_workers (now 0" in messages[0] and "dataloader_persistent_workers" in messages[0]
+    assert "`dataloader_num_workers: 2` (now 0" in messages[0] and "dataloader_persistent_workers" in messages[0]
     assert "pin_memory" not in messages[0]                        # CUDA-only advice
     assert meter.summary["phases"]["data_wait"] > 0.3
 

@@ -1,10 +1,11 @@
 """The run explains itself: rule-based performance analysis of a run's ``perf_log.jsonl`` (+ ``trainer_state.json``).
 
-:func:`measurements` reduces a parsed run log (:func:`hf_perf_callbacks.runlog.read_run`) to :class:`Measurements`; every rule in :data:`RULES` is a
-pure function of those and returns one :class:`Finding` (observation, root cause, recommendation with the exact
-config key and value, expected gain with its formula, confidence) or None. :func:`analyze` ranks the findings by
-expected gain; :func:`write_perf_report` writes ``<output_dir>/perf_report.md``. The headline figures are
-:func:`hf_perf_callbacks.figures.figures`, the same as ``hf-perf report`` prints.
+:func:`measurements` reduces a parsed run log (:func:`hf_perf_callbacks.runlog.read_run`) to :class:`Measurements`;
+every rule in :data:`RULES` is a pure function of those and returns one :class:`Finding` (observation, root cause,
+recommendation with the exact config key and value, expected gain with its formula, confidence) or None.
+:func:`analyze` ranks the findings by expected gain; :func:`write_perf_report` writes ``<output_dir>/perf_report.md``.
+The headline figures are :func:`hf_perf_callbacks.figures.figures`, the same as ``hf-perf report`` prints. The
+DataLoader advice (:func:`dataloader_advice`) is also the ThroughputMeter's data-wait warning.
 
 Rules (thresholds are the module constants named here):
 

@@ -11,6 +11,7 @@ from .validation import check_number
 
 OK, WARN, CRITICAL = 0, 1, 2
 LEVEL_NAMES = {OK: "ok", WARN: "warn", CRITICAL: "critical"}
+#: the ladder's actions (logged as an event's ``action``; the bus's signals have their own names in ``bus.py``)
 CLEAR, SMALLER_BATCH, STOP = "clear_cache", "smaller_batch", "stop"
 
 

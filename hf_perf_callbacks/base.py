@@ -31,7 +31,7 @@ logger = logging.getLogger("hf_perf_callbacks")
 BETWEEN_STEPS = ("on_step_end", "on_log", "on_save", "on_evaluate")
 
 
-def _guard(name: str, method):
+def _isolate_faults(name: str, method):
     @functools.wraps(method)
     def guarded(self, args, state, control, **kwargs):
         if self.disabled:
@@ -75,7 +75,7 @@ class PerfCallback(TrainerCallback, ExportableState):
         super().__init_subclass__(**kwargs)
         for name, value in list(vars(cls).items()):
             if name.startswith("on_") and callable(value):
-                setattr(cls, name, _guard(name, value))
+                setattr(cls, name, _isolate_faults(name, value))
 
     def __init__(self, **config):
         self.config = config

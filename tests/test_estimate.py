@@ -247,3 +247,23 @@ def test_readme_memory_table_matches_the_function():
                                    lm_head=head, lora_input_bytes={"fp32": 4, "bf16": 2}[inputs])
         keys = ("weights", "lora", "generation", "activations", "logits", "recompute", "peak")
         assert figures == [format_gib(est[k]) for k in keys], row
+
+
+def test_head_tile_bytes_match_trls_kernel():
+    """TRL's ChunkedLogProbFunction (log-probs and entropy, forward and backward) on its torch path — the one MPS
+    runs — holds logits_bytes_per_token per scored token: a vocabulary wider than one tile, 64 tokens."""
+    import torch
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    torch.manual_seed(0)
+    tokens, hidden, vocab = 64, 32, HEAD_VOCAB_CHUNK + 1000
+    h = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(vocab, hidden, dtype=torch.bfloat16)
+    targets = torch.randint(0, vocab, (tokens,))
+
+    def step():
+        logps, entropy, *_ = ChunkedLogProbFunction.apply(h, w, None, targets, 1.0, HEAD_VOCAB_CHUNK, None, 1.0,
+                                                          ("log_probs", "entropy"))
+        (logps.sum() + entropy.sum()).backward()
+    model = dict(vocab=vocab, hidden=hidden)
+    assert _profiled_peak(step) == pytest.approx(lm_head_bytes(model, tokens), rel=0.03)

@@ -2,9 +2,9 @@
 
 ```bash
 accelerate launch --config_file recipes/accelerate/mps.yaml -m hf_perf_callbacks.train \\
-    --config recipes/mac-16gb-qwen0.5b.yaml [--key value ...]
-python -m hf_perf_callbacks.train --config recipes/mac-16gb-qwen0.5b.yaml      # one process
-hf-perf train --config recipes/mac-16gb-qwen0.5b.yaml                          # same
+    --config recipes/mac-16gb-qwen1.5b.yaml [--key value ...]
+python -m hf_perf_callbacks.train --config recipes/mac-16gb-qwen1.5b.yaml      # one process
+hf-perf train --config recipes/mac-16gb-qwen1.5b.yaml                          # same
 ```
 
 Keys are fields of ``RecipeArguments`` (below), TRL's ``GRPOConfig`` and ``ModelConfig``; command-line flags

@@ -109,10 +109,69 @@ def test_every_non_default_line_says_why(name):
             assert " # " in line, f"{name}: no comment on {line.strip()!r}"
 
 
+MAC_TIERS = ("mac-16gb-qwen1.5b", "mac-32gb-qwen3b", "mac-64gb-qwen7b")
+MPS_DRIVER_FACTOR = 2        # MPS driver memory / CUDA allocator peak the tiers assume (recipes/README.md)
+TIER_MARGIN = 0.15           # what 2 × the estimate must leave of the budget
+
+
+def tier_estimate(recipe: dict, model_name: str) -> float:
+    """The recipe's estimated peak (GiB) with ``model_name`` in place of its model: recipes/README.md's inputs."""
+    from hf_perf_callbacks.estimate import QWEN25, estimate_grpo_memory, lora_param_count
+
+    m = QWEN25[model_name]
+    micro, accum = recipe["per_device_train_batch_size"], recipe["gradient_accumulation_steps"]
+    assert recipe["lora_target_modules"] == ["all-linear"] and not recipe["bf16"]
+    return estimate_grpo_memory(m, micro_batch=micro, num_generations=recipe["num_generations"],
+                                generation_batch=micro * accum, prompt_tokens=200,
+                                max_completion_length=recipe["max_completion_length"], dtype_bytes=2,
+                                lora_params=lora_param_count(m, recipe["lora_r"]),
+                                activation_checkpointing=recipe["activation_checkpointing"], lm_head="torch",
+                                lora_input_bytes=4)["peak"] / 1024**3
+
+
+def fits(recipe: dict, model_name: str) -> bool:
+    budget = recipe["callback_kwargs"]["MemoryWatchdog"]["limit_gb"]
+    return MPS_DRIVER_FACTOR * tier_estimate(recipe, model_name) <= (1 - TIER_MARGIN) * budget
+
+
 def test_mac_tiers_step_up_in_model_and_budget():
     budgets = [yaml.safe_load(open(recipe_path(n)))["callback_kwargs"]["MemoryWatchdog"]["limit_gb"]
-               for n in ("mac-16gb-qwen0.5b", "mac-32gb-qwen1.5b", "mac-64gb-qwen3b")]
+               for n in MAC_TIERS]
     assert budgets == sorted(budgets) and 9 <= budgets[0] <= 11
+    assert sorted(NAMES) == sorted(MAC_TIERS + ("cuda-1gpu-qwen1.5b", "cuda-ddp-qwen1.5b"))
+
+
+@pytest.mark.parametrize("name", MAC_TIERS)
+def test_each_mac_tier_runs_the_largest_model_that_fits(name):
+    from hf_perf_callbacks.estimate import QWEN25
+
+    recipe = yaml.safe_load(open(recipe_path(name)))
+    by_size = sorted(QWEN25, key=lambda n: QWEN25[n]["params"])
+    chosen = recipe["model_name_or_path"]
+    assert fits(recipe, chosen)
+    larger = by_size[by_size.index(chosen) + 1:]
+    assert not any(fits(recipe, n) for n in larger)
+    # the split is the largest micro-batch of the Mac recipes' splits that still fits the same batch
+    assert recipe["per_device_train_batch_size"] == 2 and recipe["gradient_accumulation_steps"] == 4
+    assert recipe["max_completion_length"] == 128 and recipe["activation_checkpointing"]   # field report's lessons
+    assert f"runs/{name}" == recipe["output_dir"] and chosen.split("-")[1].lower() in name
+
+
+def test_readme_tier_table_matches_the_recipes():
+    text = open(os.path.join(ROOT, "recipes", "README.md"), encoding="utf-8").read()
+    rows = re.findall(r"^\| (\d+) GB \| (Qwen2\.5-[\w.-]+) \| (\d+) × (\d+) \| ([\d.]+) \| ([^|]+) \| ([\d.]+) \| "
+                      r"(\d+) \| (\d+) % \|", text, flags=re.M)
+    assert len(rows) == len(MAC_TIERS)
+    for name, (ram, model, micro, accum, est, measured, doubled, budget, margin) in zip(MAC_TIERS, rows):
+        recipe = yaml.safe_load(open(recipe_path(name)))
+        assert name.startswith(f"mac-{ram}gb") and recipe["model_name_or_path"] == f"Qwen/{model}"
+        assert (int(micro), int(accum)) == (recipe["per_device_train_batch_size"],
+                                            recipe["gradient_accumulation_steps"])
+        value = tier_estimate(recipe, recipe["model_name_or_path"])
+        assert est == f"{value:.2f}" and doubled == f"{MPS_DRIVER_FACTOR * value:.2f}"
+        assert int(budget) == recipe["callback_kwargs"]["MemoryWatchdog"]["limit_gb"]
+        assert int(margin) == round(100 * (1 - MPS_DRIVER_FACTOR * value / int(budget)))
+        assert measured.strip() == "pending GPU run" or float(measured) > 0
 
 
 def test_accelerate_configs():
@@ -128,7 +187,7 @@ def test_accelerate_configs():
 def test_recipe_trains_two_steps_under_accelerate(name, tiny_model, tmp_path):
     out = tmp_path / "out"
     # the smallest Mac tier runs the whole path (tuner probe and report); the others skip both to stay fast
-    full = name == "mac-16gb-qwen0.5b"
+    full = name == "mac-16gb-qwen1.5b"
     extra = [] if full else ["--probe", "false", "--report", "false"]
     proc = launch([ACCELERATE, "launch", "--num_processes", "1", "--cpu", "--num_machines", "1",
                    "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_perf_callbacks.train",
@@ -157,7 +216,7 @@ def test_ddp_recipe_runs_on_two_cpu_processes(tiny_model, tmp_path):
 
 # ---------------------------------------------------------------- typos fail first, naming the closest key
 def write_recipe(tmp_path, **changes):
-    config = yaml.safe_load(open(recipe_path("mac-16gb-qwen0.5b")))
+    config = yaml.safe_load(open(recipe_path("mac-16gb-qwen1.5b")))
     config.update(changes)
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 
 from .base import PerfCallback
-from .device import GB, DeviceLayer, device_of
+from .device import GB, DeviceLayer, training_device
 from .memory import ClearSchedule
 from .stats import check_flag, check_number
 from .watchdog import SIGNAL_CLEAR
@@ -67,7 +67,7 @@ class MPSCacheClearer(PerfCallback):
         self.history: list[dict] = []
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.device = self.device or DeviceLayer(device_of(model))
+        self.device = self.device or DeviceLayer(training_device())
         enabled = self.config["enabled"]
         self.active = self.device.type == "mps" if enabled is None else enabled
         if self.active:

@@ -8,7 +8,7 @@ import weakref
 import torch
 
 from .base import PerfCallback
-from .device import DeviceLayer, device_of, dtype_key, gather_floats, world_size
+from .device import DeviceLayer, dtype_key, gather_floats, training_device, world_size
 from .flops import forward_flops_per_token, shape_of, train_flops_per_token
 from .stats import check_flag, check_number, generation_period
 from .timeline import PHASES, StepTimeline
@@ -101,7 +101,7 @@ class ThroughputMeter(PerfCallback):
 
     # ------------------------------------------------------------ setup
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.device = DeviceLayer(device_of(model))
+        self.device = DeviceLayer(training_device())
         self.world = world_size()
         self.is_grpo = hasattr(args, "num_generations") and hasattr(args, "steps_per_generation")
         self.token_source = ("trainer" if self.is_grpo or args.include_num_input_tokens_seen not in ("no", False)

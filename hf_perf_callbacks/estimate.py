@@ -7,8 +7,12 @@ CUDA context, temporary buffers and framework overhead come on top. Measure the 
 ``QWEN25`` holds the public config facts of three Qwen2.5 Instruct models, read from each model's ``config.json``
 on the Hugging Face hub (``https://huggingface.co/Qwen/Qwen2.5-{0.5B,1.5B,3B}-Instruct/blob/main/config.json``).
 ``head_dim`` is ``hidden_size / num_attention_heads`` (the config has no such key); ``params`` is the exact
-parameter count of that config with tied embeddings (``Qwen2ForCausalLM`` on the meta device), which matches the
-model cards' 0.49B / 1.54B / 3.09B.
+parameter count of that config (``Qwen2ForCausalLM`` on the meta device), which matches the model cards' 0.49B /
+1.54B / 3.09B / 7.61B.
+
+**Sharding** (``shards``): FSDP (and DeepSpeed ZeRO-3) keeps 1/``shards`` of every parameter, gradient and
+optimizer state on each rank and all-gathers one wrapped unit (a decoder layer, the embedding, the LM head) at a
+time for compute; activations, KV cache and logits are per rank as without sharding.
 """
 from __future__ import annotations
 
@@ -22,6 +26,9 @@ QWEN25: dict[str, dict] = {
                                        vocab=151936, tie_word_embeddings=True, params=1_543_714_304),
     "Qwen/Qwen2.5-3B-Instruct": dict(layers=36, hidden=2048, intermediate=11008, heads=16, kv_heads=2, head_dim=128,
                                      vocab=151936, tie_word_embeddings=True, params=3_085_938_688),
+    # untied embeddings (embedding and LM head are separate matrices of vocab × hidden each)
+    "Qwen/Qwen2.5-7B-Instruct": dict(layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4, head_dim=128,
+                                     vocab=152064, tie_word_embeddings=False, params=7_615_616_512),
 }
 
 MODEL_KEYS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "params")
@@ -29,6 +36,9 @@ MODEL_KEYS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: Bytes per trainable LoRA parameter: fp32 weight (4) + fp32 gradient (4) + AdamW exp_avg and exp_avg_sq (8).
 LORA_BYTES_PER_PARAM = 16
+#: Bytes per parameter of a full fine-tune: fp32 master weight (4) + fp32 gradient (4) + AdamW moments (8). FSDP2
+#: under bf16 mixed precision keeps the trainable parameters in fp32 (accelerate upcasts them) and computes in bf16.
+FULL_BYTES_PER_PARAM = 16
 #: Bytes per logit: log-softmax runs in fp32.
 LOGIT_BYTES = 4
 
@@ -120,14 +130,20 @@ def logits_bytes_per_token(model: dict) -> int:
 
 def estimate_grpo_memory(model: dict, *, micro_batch: int, num_generations: int, generation_batch: int,
                          prompt_tokens: int, max_completion_length: int, dtype_bytes: int, lora_params: int,
-                         activation_checkpointing: bool) -> dict[str, float]:
+                         activation_checkpointing: bool, shards: int = 1, full_finetune: bool = False
+                         ) -> dict[str, float]:
     """Estimated bytes on one device for GRPO + LoRA, by part (all values are estimates, see the module docstring).
 
     Let ``seq = prompt_tokens + max_completion_length`` (every completion at its maximum: the worst case) and
     ``tokens = micro_batch × seq``.
 
-    - ``weights`` = ``params × dtype_bytes`` (the frozen base model; ``beta: 0`` means no reference copy).
-    - ``lora`` = ``lora_params × 16``: fp32 weights, fp32 gradients and the two fp32 AdamW moments.
+    - ``weights`` = ``params × dtype_bytes / shards`` (the frozen base model; ``beta: 0`` means no reference copy);
+      with ``full_finetune`` every parameter trains: ``params × 16 / shards`` (fp32 weights, fp32 gradients, the
+      two fp32 AdamW moments) and ``lora_params`` must be 0.
+    - ``lora`` = ``lora_params × 16 / shards``: fp32 weights, fp32 gradients and the two fp32 AdamW moments.
+    - ``gathered`` (only when ``shards`` > 1) = ``2 × largest unit × dtype_bytes``: FSDP all-gathers the unit being
+      computed and prefetches the next; the largest unit is the embedding or LM head (``vocab × hidden``) or one
+      decoder layer (:func:`layer_param_count`).
     - ``kv_cache`` = ``2 × layers × kv_heads × head_dim × dtype_bytes × seq × generation_batch``: keys and values
       for every sequence decoded at once (``generation_batch`` = completions generated together on this device,
       a multiple of ``num_generations``).
@@ -153,19 +169,32 @@ def estimate_grpo_memory(model: dict, *, micro_batch: int, num_generations: int,
         raise ValueError(f"generation_batch={generation_batch} is not allowed: it must be a multiple of "
                          f"num_generations={num_generations} (whole prompt groups)")
     check_flag("activation_checkpointing", activation_checkpointing)
+    check_number("shards", shards, low=1, integer=True)
+    check_flag("full_finetune", full_finetune)
+    if full_finetune and lora_params:
+        raise ValueError(f"lora_params={lora_params} is not allowed with full_finetune=True: a full fine-tune trains "
+                         f"every parameter and has no adapters (pass lora_params=0)")
 
     seq = prompt_tokens + max_completion_length
     tokens = micro_batch * seq
     parts = {
-        "weights": model["params"] * dtype_bytes,
-        "lora": lora_params * LORA_BYTES_PER_PARAM,
+        "weights": model["params"] * (FULL_BYTES_PER_PARAM if full_finetune else dtype_bytes) / shards,
+        "lora": lora_params * LORA_BYTES_PER_PARAM / shards,
         "kv_cache": kv_cache_bytes_per_token(model, dtype_bytes) * seq * generation_batch,
         "activations": activation_bytes_per_token(model, dtype_bytes, activation_checkpointing) * tokens,
         "logits": logits_bytes_per_token(model) * tokens,
     }
+    if shards > 1:
+        parts["gathered"] = 2 * max(model["vocab"] * model["hidden"], layer_param_count(model)) * dtype_bytes
     parts = {key: float(value) for key, value in parts.items()}
     parts["total"] = sum(parts.values())
     return parts
+
+
+def layer_param_count(model: dict) -> int:
+    """Weights of one Llama / Qwen2 decoder block: its seven linear layers and two RMSNorms (biases left out)."""
+    _check_model(model, ("hidden", "intermediate", "heads", "kv_heads", "head_dim"))
+    return sum(i * o for i, o in _linear_shapes(model).values()) + 2 * model["hidden"]
 
 
 def format_gib(value: float) -> str:

@@ -36,6 +36,7 @@ def fsdp_on_cpu():
         if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
             self.distributed_type = DistributedType.FSDP
             self.fsdp_plugin = plugin
+            state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP   # as accelerate records it
 
     init.fsdp_on_cpu = True
     state.AcceleratorState.__init__ = init

@@ -23,7 +23,8 @@ from common import GB, RESULTS, StepClock, grpo_trainer, median, table, write_re
 from hf_perf_callbacks import (AdaptiveBatchTuner, MemoryWatchdog, MPSCacheClearer, ThroughputMeter,
                                train_with_tuning)
 from hf_perf_callbacks import throughput as throughput_module
-from hf_perf_callbacks import tuner as tuner_module
+from hf_perf_callbacks.resize import agreement as agreement_module
+from hf_perf_callbacks.resize import probe as probe_module
 from hf_perf_callbacks.device import gather_floats
 from hf_perf_callbacks import watchdog as watchdog_module
 
@@ -35,7 +36,7 @@ SHARED = f"/tmp/hf_perf_ddp/{os.getppid()}"  # one fresh directory per launch, s
 
 def count_collectives():
     """Count and time every cross-rank exchange the callbacks make (they all go through gather_floats)."""
-    for module in (throughput_module, watchdog_module, tuner_module):
+    for module in (throughput_module, watchdog_module, agreement_module, probe_module):
         original = module.gather_floats
 
         @functools.wraps(original)

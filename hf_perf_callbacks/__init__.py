@@ -8,7 +8,7 @@ train_with_tuning(trainer)          # or trainer.train(): everything but live re
 """
 from .cache import MPSCacheClearer
 from .throughput import ThroughputMeter
-from .tuner import AdaptiveBatchTuner, train_with_tuning
+from .resize import AdaptiveBatchTuner, train_with_tuning
 from .watchdog import MemoryWatchdog
 
 __version__ = "0.1.0"

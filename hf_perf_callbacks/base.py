@@ -20,7 +20,8 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from .device import gather_floats, world_size
-from .reporting import RunBus, bus_for, calling_handler
+from .adapter import calling_handler
+from .reporting import RunBus, bus_for
 
 logger = logging.getLogger("hf_perf_callbacks")
 

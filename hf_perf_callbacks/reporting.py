@@ -18,14 +18,15 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
 
 from transformers import TrainerCallback
-from transformers.trainer_callback import CallbackHandler, ProgressCallback
+from transformers.trainer_callback import CallbackHandler
+
+from . import adapter
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -126,10 +127,8 @@ class RunBus(TrainerCallback):
 
     def show_progress(self, text: str) -> None:
         """Show ``text`` beside the tqdm progress bar, when there is one."""
-        for cb in self.handler.callbacks if self.handler else ():
-            bar = getattr(cb, "training_bar", None) if isinstance(cb, ProgressCallback) else None
-            if bar is not None:
-                bar.set_postfix_str(text, refresh=False)
+        for bar in adapter.progress_bars(self.handler):
+            bar.set_postfix_str(text, refresh=False)
 
     # ------------------------------------------------------------ trainer events
     def on_train_begin(self, args, state, control, **kwargs):
@@ -165,21 +164,6 @@ def bus_for(handler: CallbackHandler) -> RunBus:
         handler.callbacks = [bus] + [cb for cb in handler.callbacks if cb is not bus]
     bus.handler = handler
     return bus
-
-
-def calling_handler() -> CallbackHandler | None:
-    """The ``CallbackHandler`` dispatching the current event (found on the call stack), if any.
-
-    Callbacks receive no reference to the trainer or its handler; the handler is the ``self`` of the
-    ``call_event`` frame that invoked us.
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, CallbackHandler):
-            return candidate
-        frame = frame.f_back
-    return None
 
 
 def _is_eval_log(logs: dict) -> bool:

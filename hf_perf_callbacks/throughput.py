@@ -7,6 +7,7 @@ import weakref
 
 import torch
 
+from . import adapter
 from .base import PerfCallback
 from .device import DeviceLayer, dtype_key, gather_floats, training_device, world_size
 from .flops import forward_flops_per_token, shape_of, train_flops_per_token
@@ -96,7 +97,7 @@ class ThroughputMeter(PerfCallback):
         self.clock = time.perf_counter
         self.warned: set[str] = set()
         self._hooks: list = []
-        self._wrapped_generate = None
+        self._stop_watching_generate = None
         self.summary: dict | None = None
 
     # ------------------------------------------------------------ setup
@@ -144,25 +145,22 @@ class ThroughputMeter(PerfCallback):
         self.model, self.inner = model, inner
         self._hooks.append(inner.register_forward_pre_hook(self._on_forward, with_kwargs=True))
         if self.is_grpo and hasattr(model, "generate"):
-            original = model.generate
+            self._stop_watching_generate = adapter.watch_generate(model, self)
 
-            def timed_generate(*args, **kwargs):
-                if self.disabled:
-                    return original(*args, **kwargs)
-                self.in_generate = True
-                start = self.clock()
-                try:
-                    out = original(*args, **kwargs)
-                    self._guarded(self._count_generated, kwargs.get("input_ids", args[0] if args else None), out)
-                    return out
-                finally:
-                    self.in_generate = False
-                    seconds = self.clock() - start
-                    self.gen_seconds += seconds
-                    self.timeline.add_generation(seconds)
+    def generate_started(self) -> None:
+        """A GRPO rollout begins (see :func:`~hf_perf_callbacks.adapter.watch_generate`)."""
+        self.in_generate = True
+        self.generate_start = self.clock()
 
-            self._wrapped_generate = (model, model.__dict__.get("generate"), timed_generate)
-            model.generate = timed_generate
+    def generate_finished(self, input_ids, output) -> None:
+        self.in_generate = False
+        if self.disabled:
+            return
+        seconds = self.clock() - self.generate_start
+        self.gen_seconds += seconds
+        self.timeline.add_generation(seconds)
+        if output is not None:
+            self._guarded(self._count_generated, input_ids, output)
 
     def _setup_flops(self, args) -> None:
         self.shape = shape_of(self.model)
@@ -422,11 +420,6 @@ class ThroughputMeter(PerfCallback):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        if self._wrapped_generate is not None:
-            model, before, wrapper = self._wrapped_generate
-            if model.__dict__.get("generate") is wrapper:        # nobody wrapped over us: put back what was there
-                if before is None:
-                    del model.generate
-                else:
-                    model.generate = before
-            self._wrapped_generate = None
+        if self._stop_watching_generate is not None:
+            self._stop_watching_generate()
+            self._stop_watching_generate = None

@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .tuner import saved_split
+from .resize import saved_split
 
 logger = logging.getLogger("hf_perf_callbacks.train")   # also when run as __main__
 
@@ -579,7 +579,7 @@ def run(recipe: RecipeArguments, training_args, model_args) -> int:
 
     resume = training_args.resume_from_checkpoint
     if any(type(cb).__name__ == "AdaptiveBatchTuner" for cb in callbacks):
-        from .tuner import train_with_tuning
+        from .resize import train_with_tuning
 
         train_with_tuning(trainer, resume_from_checkpoint=resume, probe=recipe.probe)
     else:

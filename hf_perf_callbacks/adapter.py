@@ -1,0 +1,217 @@
+"""The one place that touches private or undocumented parts of transformers, TRL, accelerate and torch.
+
+Everything else in the package uses documented API. Each internal below has a test in ``tests/test_adapter.py``
+that names it and fails with a clear message when a library version renames it.
+
+================================================  ==============================================================
+internal                                          why there is no public route
+================================================  ==============================================================
+the ``CallbackHandler`` on the call stack         a callback passed through ``callbacks=[...]`` is never handed
+(``sys._getframe``)                               the trainer or its handler (only transformers' own JIT
+                                                  checkpoint callback gets ``set_trainer``); the bus must run
+                                                  before the reporters, so it must reach the handler's list
+``ProgressCallback.training_bar``                 the tqdm bar has no API for a postfix from another callback
+``Trainer._train_batch_size``                     ``train()`` builds its dataloader from this copy, not from
+                                                  ``args``; a re-size must set both
+``Trainer._save_checkpoint``                      the only way to write a complete resumable checkpoint
+                                                  (weights, optimizer, scheduler, RNG, state) on demand
+TRL ``GRPOTrainer._step``, ``_buffered_inputs``,  the generation buffer and metric accumulators of the last
+``_metrics``                                      ``train()`` survive into the next; a resume must start clean
+``trainer.training_step`` (instance attribute)    the step is the unit the cross-rank agreement guards; no hook
+                                                  runs around a whole micro-batch
+``model.generate`` (instance attribute)           no hook reports the start and end of a generation
+``OptimizedModule._orig_mod`` (torch.compile)     the compiled wrapper hides the DDP module it compiles
+``torch.distributed`` collectives, process-wide   TRL's reward and metric gathers run through accelerate into
+                                                  these functions; no hook runs before a collective of the
+                                                  default group (DDP comm hooks see only gradient buckets)
+================================================  ==============================================================
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+from transformers.trainer_callback import CallbackHandler, ProgressCallback
+
+
+# ---------------------------------------------------------------- the callback handler
+def calling_handler() -> CallbackHandler | None:
+    """The ``CallbackHandler`` dispatching the current event (the ``self`` of a ``call_event`` frame), if any."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, CallbackHandler):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def progress_bars(handler: CallbackHandler | None) -> list:
+    """The tqdm training bars of the handler's progress callbacks (empty outside training or without tqdm)."""
+    bars = []
+    for callback in handler.callbacks if handler is not None else ():
+        bar = getattr(callback, "training_bar", None) if isinstance(callback, ProgressCallback) else None
+        if bar is not None:
+            bars.append(bar)
+    return bars
+
+
+# ---------------------------------------------------------------- trainer state between train() calls
+def set_train_batch_size(trainer) -> None:
+    """Make the next ``train()`` build its dataloader from ``args.per_device_train_batch_size``."""
+    trainer._train_batch_size = trainer.args.train_batch_size
+
+
+def save_checkpoint(trainer) -> None:
+    """Write ``checkpoint-<global_step>`` now, as the Trainer does at a save step."""
+    trainer._save_checkpoint(trainer.model, trial=None)
+
+
+def forget_last_train(trainer) -> None:
+    """Drop what the last ``train()`` left behind (its optimizer, scheduler and wrapper are restored from the
+    checkpoint by a resume), the gradients, and TRL's generation buffer and metric accumulators."""
+    trainer.optimizer, trainer.lr_scheduler = None, None
+    trainer.model_wrapped = trainer.model
+    trainer.model.zero_grad(set_to_none=True)
+    for name, value in (("_step", 0), ("_buffered_inputs", None)):
+        if hasattr(trainer, name):
+            setattr(trainer, name, value)
+    metrics = getattr(trainer, "_metrics", None)
+    if isinstance(metrics, dict):
+        for per_mode in metrics.values():
+            per_mode.clear()
+
+
+def replace_training_step(trainer, make: Callable[[Callable], Callable]) -> Callable[[], None]:
+    """Replace ``trainer.training_step`` by ``make(original)`` on this instance; returns the undo."""
+    original = trainer.training_step
+    replacement = make(original)
+    trainer.training_step = replacement
+
+    def undo() -> None:
+        if trainer.__dict__.get("training_step") is replacement:
+            del trainer.training_step
+
+    return undo
+
+
+def unwrap_compiled(module):
+    """The module that ``torch.compile`` wrapped (the module itself when not compiled)."""
+    return getattr(module, "_orig_mod", module)
+
+
+# ---------------------------------------------------------------- generate
+class _GenerateWatch:
+    """One wrapper around one model's ``generate`` that tells every listener when a generation starts and ends."""
+
+    def __init__(self, model):
+        self.listeners: list = []
+        self.before = model.__dict__.get("generate")
+        original = model.generate
+
+        @functools.wraps(original)
+        def generate(*args, **kwargs):
+            listeners = list(self.listeners)
+            for listener in listeners:
+                listener.generate_started()
+            output = None
+            try:
+                output = original(*args, **kwargs)
+                return output
+            finally:
+                input_ids = kwargs.get("input_ids", args[0] if args else None)
+                for listener in listeners:
+                    listener.generate_finished(input_ids, output)
+
+        self.wrapper = generate
+        model.generate = generate
+
+
+_WATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def watch_generate(model, listener) -> Callable[[], None]:
+    """Call ``listener.generate_started()`` and ``listener.generate_finished(input_ids, output)`` (output None on
+    an error) around every ``model.generate``; returns the function that stops it. One wrapper per model, shared
+    by all listeners; the model's own ``generate`` comes back when the last listener leaves."""
+    watch = _WATCHES.get(model)
+    if watch is None or model.__dict__.get("generate") is not watch.wrapper:
+        watch = _WATCHES[model] = _GenerateWatch(model)
+    watch.listeners.append(listener)
+
+    def stop() -> None:
+        if listener in watch.listeners:
+            watch.listeners.remove(listener)
+        if not watch.listeners and model.__dict__.get("generate") is watch.wrapper:
+            if watch.before is None:
+                del model.generate
+            else:
+                model.generate = watch.before
+            _WATCHES.pop(model, None)
+
+    return stop
+
+
+class GenerationClock:
+    """Seconds spent in ``generate`` since the last :meth:`reset` (a listener for :func:`watch_generate`)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.seconds = 0.0
+        self.started = None
+
+    def generate_started(self) -> None:
+        self.started = self.clock()
+
+    def generate_finished(self, input_ids, output) -> None:
+        if self.started is not None:
+            self.seconds += self.clock() - self.started
+        self.started = None
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+
+
+# ---------------------------------------------------------------- collectives
+#: the ``torch.distributed`` collectives that :func:`intercept_collectives` sees
+COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
+               "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "gather_object",
+               "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list")
+
+
+def intercept_collectives(before: Callable[[], None], failed: Callable[[], None]) -> Callable[[], None]:
+    """Until the returned undo runs, call ``before()`` ahead of every collective on the default group that goes
+    through the ``torch.distributed`` module functions (``before`` may raise to skip it), and ``failed()`` when the
+    collective itself raises."""
+    originals: dict[str, Callable] = {}
+    for name in COLLECTIVES:
+        original = getattr(torch.distributed, name, None)
+        if original is None:
+            continue
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def checked(*args, _original=original, _signature=signature, **kwargs):
+            group = _signature.bind_partial(*args, **kwargs).arguments.get("group")
+            if group is None or group is torch.distributed.GroupMember.WORLD:
+                before()
+            try:
+                return _original(*args, **kwargs)
+            except BaseException:
+                failed()
+                raise
+
+        originals[name] = original
+        setattr(torch.distributed, name, checked)
+
+    def undo() -> None:
+        for name, original in originals.items():
+            setattr(torch.distributed, name, original)
+        originals.clear()
+
+    return undo

@@ -1,0 +1,164 @@
+"""Cross-rank agreement on out-of-memory errors inside one training step, without deadlock.
+
+A training step holds collectives of its own (TRL gathers the rewards after generation and the metrics after the
+loss forward; DDP broadcasts buffers in its forward). A rank that ran out of memory leaves its step and waits in
+:meth:`OOMAgreement.settle`; the others learn of it at their next collective of the step, before which
+:meth:`OOMAgreement.check` runs one small exchange (it pairs with the waiting rank's), leave the step too, and every
+rank raises :class:`ResizeNeeded` together. Automatic micro-batching in MosaicML Composer agrees the same way.
+
+Collectives are seen through the ``torch.distributed`` functions on the default group (what accelerate and TRL
+call; see :func:`~hf_perf_callbacks.adapter.intercept_collectives`) and through a forward pre-hook on the DDP
+module; without an OOM the cost is one exchange per collective of the step and one at its end. Not seen:
+collectives on sub-groups (TRL's vLLM colocate mode with tensor parallelism) and ones that torch issues internally;
+an error raised *inside* a collective marks the agreement broken and is raised as it is.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import adapter
+from ..device import average_across_ranks, device_of, gather_floats, is_oom_error, world_size
+
+logger = logging.getLogger("hf_perf_callbacks")
+
+
+class ResizeNeeded(RuntimeError):
+    """Raised inside the training step on every rank when any rank ran out of memory in that micro-batch."""
+
+
+class PeerFailed(RuntimeError):
+    """Raised on the other ranks when one rank's training step failed with an error other than out-of-memory."""
+
+
+class OOMAgreement:
+    """The flag exchange of one process (see the module docstring)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.inside = False        # within a guarded training step
+        self.exchanging = False    # our own exchange is running (its all_gather passes through unchecked)
+        self.broken = False        # an error escaped a collective of this step
+
+    def begin(self) -> None:
+        self.inside, self.broken = True, False
+
+    def exchange(self, oom: bool, finished: bool, failed: bool = False) -> tuple[bool, bool, bool]:
+        """(some rank ran out of memory, every rank has left its step, some rank failed otherwise)."""
+        self.exchanging = True
+        try:
+            rows = gather_floats([float(oom), float(finished), float(failed)], self.device)
+        finally:
+            self.exchanging = False
+        return max(r[0] for r in rows) > 0, min(r[1] for r in rows) > 0, max(r[2] for r in rows) > 0
+
+    def check(self, *_) -> None:
+        """Before a collective of the step: leave the step if another rank ran out of memory or failed."""
+        if self.inside and not self.exchanging:
+            oom, _, failed = self.exchange(False, False)
+            if failed:
+                raise PeerFailed("another rank failed inside its training step (its own traceback says why)")
+            if oom:
+                raise ResizeNeeded("out of memory on another rank")
+
+    def collective_failed(self) -> None:
+        if self.inside and not self.exchanging:
+            self.broken = True
+
+    def settle(self, oom: bool, failed: bool) -> tuple[bool, bool]:
+        """After the step: exchange until every rank has left its step; (any rank ran out of memory, any failed)."""
+        while True:
+            any_oom, all_finished, any_failed = self.exchange(oom, True, failed)
+            if all_finished:
+                return any_oom, any_failed
+
+
+def guard_training_step(trainer):
+    """Under several ranks, let every micro-batch finish on every rank before any gradient all-reduce, then agree on
+    out-of-memory errors: a rank that ran out of memory anywhere in its training step (GRPO's generation, the
+    forward, the backward) raises ``ResizeNeeded`` on all ranks together instead of leaving the others waiting in a
+    collective. The micro-batch that would have synchronized in its backward runs under ``no_sync`` and its
+    gradients are averaged explicitly (one flattened all-reduce, its buffer allocated before the agreement) once all
+    ranks have arrived. Any other error in one rank's step makes the other ranks raise :class:`PeerFailed` instead
+    of waiting for the launcher's timeout. One process needs no guard: the error leaves ``train()``. Returns the
+    function that removes the guard."""
+    if world_size() == 1:
+        return lambda: None
+    agreement = OOMAgreement(device_of(trainer.model))
+    stop_intercepting = adapter.intercept_collectives(agreement.check, agreement.collective_failed)
+
+    def make(original):
+        def training_step(model, inputs, *args, **kwargs):
+            syncing = trainer.accelerator.sync_gradients and hasattr(model, "no_sync")
+            oom = failed = None
+            # DDP broadcasts buffers at the start of each forward: a collective the other ranks must be told about
+            ddp = adapter.unwrap_compiled(model)
+            hook = (ddp.register_forward_pre_hook(agreement.check) if isinstance(ddp, DistributedDataParallel)
+                    else None)
+            with model.no_sync() if syncing else contextlib.nullcontext():
+                agreement.begin()
+                try:
+                    loss = original(model, inputs, *args, **kwargs)
+                    grads = _trainable_gradients(trainer.model) if syncing else []
+                    flat = torch.cat([g.reshape(-1) for g in grads]) if grads else None
+                except Exception as error:  # noqa: BLE001
+                    if agreement.broken:         # it struck inside a collective: the ranks can no longer pair up
+                        raise
+                    if isinstance(error, ResizeNeeded) or is_oom_error(error):
+                        oom = error.with_traceback(None)    # let the step's tensors go before the exchange allocates
+                    else:
+                        failed = error
+                finally:
+                    agreement.inside = False
+                    if hook is not None:
+                        hook.remove()
+            any_oom, any_failed = agreement.settle(oom is not None, failed is not None)
+            if failed is not None:
+                raise failed
+            if any_failed:
+                raise PeerFailed("another rank failed inside its training step (its own traceback says why)")
+            if any_oom:
+                raise ResizeNeeded(f"out of memory on a rank: {oom or 'another rank'}") from oom
+            if flat is not None:
+                average_across_ranks(grads, flat)
+            return loss
+
+        return training_step
+
+    undo_step = adapter.replace_training_step(trainer, make)
+
+    def remove():
+        stop_intercepting()
+        undo_step()
+
+    return remove
+
+
+def _trainable_gradients(model) -> list[torch.Tensor]:
+    """Every trainable parameter's gradient (zeros where a parameter got none), for averaging like DDP."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in params]
+
+
+def recoverable(error: BaseException) -> bool:
+    """An out-of-memory error a new split can recover from: on one process any, under several ranks only one that
+    every rank agreed on (:class:`ResizeNeeded`). An OOM outside the guarded training step (wrapping the model in
+    DDP, ``optimizer.step``, evaluation, saving) left the other ranks inside some collective; re-sizing would pair
+    mismatched collectives and hang until the NCCL timeout, so it is raised as it is and the launcher ends the
+    run at once."""
+    if isinstance(error, ResizeNeeded):
+        return True
+    if not is_oom_error(error):
+        return False
+    if world_size() > 1:
+        logger.error("[tuner] out of memory outside the training step on this rank: under several ranks only an OOM "
+                     "inside the step can be recovered together (the others are in a collective now). Free memory "
+                     "or start with a smaller per_device_train_batch_size.")
+        return False
+    return True

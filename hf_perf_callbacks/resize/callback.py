@@ -1,0 +1,221 @@
+"""AdaptiveBatchTuner: the callback side of re-sizing. It observes the run, records the split and every decision,
+and answers the watchdog's request for a smaller micro-batch; :mod:`~hf_perf_callbacks.resize.loop` acts on them.
+
+The split and every decision are kept in ``<output_dir>/tuner_split.json`` (and the checkpoint's callback state),
+so a resumed run starts at the tuned split; without ``train_with_tuning`` a re-size request saves, stops cleanly
+and prints the split and the command to resume with.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict
+
+from .. import adapter
+from ..base import PerfCallback
+from ..batching import Split, exact_splits, next_smaller
+from ..device import is_main_process, world_size
+from ..stats import check_flag, check_number
+from ..watchdog import SIGNAL_SMALLER_BATCH
+
+logger = logging.getLogger("hf_perf_callbacks")
+
+SPLIT_FILE = "tuner_split.json"
+
+
+def current_split(args) -> Split:
+    spg = getattr(args, "steps_per_generation", None)
+    return Split(args.per_device_train_batch_size, args.gradient_accumulation_steps, spg)
+
+
+def apply_split(trainer, split: Split) -> None:
+    """Set a split on a trainer's args in place (GRPO reads these live; the dataloader is rebuilt by train())."""
+    args = trainer.args
+    args.per_device_train_batch_size = split.micro_batch
+    args.gradient_accumulation_steps = split.grad_accum
+    if split.steps_per_generation is not None:
+        args.steps_per_generation = split.steps_per_generation
+        args.generation_batch_size = split.micro_batch * world_size() * split.steps_per_generation
+    adapter.set_train_batch_size(trainer)
+
+
+def saved_split(output_dir: str) -> dict | None:
+    """The split recorded by a tuner that re-sized an earlier run in ``output_dir`` (None when there is none)."""
+    path = os.path.join(output_dir, SPLIT_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)["split"]
+    except (OSError, ValueError, KeyError) as error:
+        logger.warning("[tuner] ignoring unreadable %s: %s", path, error)
+        return None
+
+
+class AdaptiveBatchTuner(PerfCallback):
+    """Keeps the fastest exact micro-batch / accumulation split that fits (see :mod:`hf_perf_callbacks.resize`).
+
+    Args:
+        probe: run the pre-flight probe in :func:`train_with_tuning` (a fresh run only).
+        probe_steps: measured optimizer steps per candidate (one extra warm-up step runs first).
+        max_micro_batch: largest micro-batch the probe tries (None: up to the whole effective batch per rank).
+        probe_patience: stop probing smaller splits once this many in a row were slower than the best.
+        rank_by: ``"non_generation"`` (step time minus generation time) or ``"step"`` (whole step time).
+
+    Logged keys:
+
+    =========================  =======  ==================================================
+    key                        unit     meaning
+    =========================  =======  ==================================================
+    ``tuner/micro_batch``      samples  per-device micro-batch now
+    ``tuner/grad_accum``       steps    gradient accumulation now
+    ``tuner/effective_batch``  samples  micro-batch × accumulation × world (constant)
+    ``tuner/resizes``          count    re-sizes so far
+    =========================  =======  ==================================================
+    """
+
+    source = "tuner"
+
+    def __init__(self, probe: bool = True, probe_steps: int = 2, max_micro_batch: int | None = None,
+                 probe_patience: int = 1, rank_by: str = "non_generation"):
+        check_flag("probe", probe)
+        if rank_by not in ("step", "non_generation"):
+            raise ValueError(f"rank_by={rank_by!r} is not allowed: expected 'step' or 'non_generation'")
+        check_number("probe_steps", probe_steps, low=1, integer=True)
+        check_number("max_micro_batch", max_micro_batch, low=1, integer=True, allow_none=True)
+        check_number("probe_patience", probe_patience, low=1, integer=True)
+        super().__init__(probe=probe, probe_steps=probe_steps, max_micro_batch=max_micro_batch,
+                         probe_patience=probe_patience, rank_by=rank_by)
+        self.decisions: list[dict] = []
+        self.split: Split | None = None
+        self.planned_resize: dict | None = None
+        self.managed = False             # train_with_tuning acts on planned re-sizes
+        self.in_optimizer_step = False
+        self.run_args = None
+
+    # ------------------------------------------------------------ geometry
+    def candidates(self, args) -> list[Split]:
+        world = world_size()
+        split = current_split(args)
+        effective = split.micro_batch * split.grad_accum * world
+        if hasattr(args, "num_generations"):
+            return exact_splits(effective, world, split.micro_batch * world * split.steps_per_generation,
+                                args.num_generations)
+        return exact_splits(effective, world)
+
+    # ------------------------------------------------------------ events
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.run_args = args
+        self.split = current_split(args)
+        self.world = world_size()
+        self.bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
+        self.planned_resize = None
+        self.in_optimizer_step = False
+        for decision in self.decisions:          # the probe ran before any trainer event: log it now, once
+            if decision["kind"] == "probe" and not decision.get("logged"):
+                decision["logged"] = True
+                self.bus.event(self.source, "decision", f"probe: {fmt_split(decision['old'])} → {fmt_split(decision['new'])} "
+                               f"({decision['reason']})", step=0, old_split=decision["old"],
+                               new_split=decision["new"])
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.in_optimizer_step = True
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.in_optimizer_step = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.decisions and "recovery_sec" not in self.decisions[-1] and "resized_at" in self.decisions[-1]:
+            self.decisions[-1]["recovery_sec"] = time.time() - self.decisions[-1]["resized_at"]
+        s = current_split(args)                          # the split this step ran with (a decision applies later)
+        fields = {"tuner/micro_batch": s.micro_batch, "tuner/grad_accum": s.grad_accum,
+                  "tuner/effective_batch": s.micro_batch * s.grad_accum * self.world,
+                  "tuner/resizes": sum(d["kind"] != "probe" for d in self.decisions)}
+        self.bus.record_step(state.global_step, fields)
+        self.bus.publish(fields)
+
+    def _on_smaller_batch(self, reason: str, step: int, control=None, **_) -> bool:
+        """The watchdog asks for a smaller micro-batch: plan it, checkpoint now and stop this train() call."""
+        if self.planned_resize is not None or control is None:
+            return self.planned_resize is not None
+        try:
+            new = next_smaller(self.split, self.candidates(self.run_args))
+        except ValueError:
+            return False                                 # nothing smaller: the watchdog stops instead
+        self.planned_resize = self.decide("watchdog", reason, self.split, new, step)
+        control.should_save = True
+        control.should_training_stop = True
+        return True
+
+    def on_init_end(self, args, state, control, **kwargs):
+        self.run_args = args
+
+    def on_train_end(self, args, state, control, **kwargs):
+        summary = {"type": "summary", "source": self.source, "split": self.split.as_dict(),
+                   "decisions": self.decisions}
+        self.bus.write(summary)
+        if self.decisions and state.is_world_process_zero:
+            print(self.format_summary())
+        if self.planned_resize and not self.managed and state.is_world_process_zero:
+            new = Split(**self.planned_resize["new"])
+            checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            print(f"AdaptiveBatchTuner: memory asked for a smaller micro-batch at step {state.global_step}. "
+                  f"A checkpoint is saved to {checkpoint}. Resume with the exact split "
+                  f"{', '.join(f'{k}={v}' for k, v in new.as_dict().items())} (effective batch unchanged):\n"
+                  f"  trainer.args.per_device_train_batch_size = {new.micro_batch}; "
+                  f"trainer.args.gradient_accumulation_steps = {new.grad_accum}; "
+                  f"trainer.train(resume_from_checkpoint='{checkpoint}')\n"
+                  f"or use hf_perf_callbacks.train_with_tuning(trainer), which does this by itself; the recipe "
+                  f"launcher picks the split up from {os.path.join(args.output_dir, SPLIT_FILE)}.")
+
+    # ------------------------------------------------------------ decisions
+    def decide(self, kind: str, reason: str, old: Split, new: Split, step: int) -> dict:
+        decision = {"kind": kind, "step": step, "reason": reason, "old": asdict(old), "new": asdict(new),
+                    "time": time.time()}
+        self.decisions.append(decision)
+        self.split = new
+        self.persist()
+        if self.bus is not None:
+            self.bus.event(self.source, "decision", f"{kind}: {old} → {new} at step {step} ({reason})", step=step,
+                           old_split=asdict(old), new_split=asdict(new))
+        return decision
+
+    def persist(self) -> None:
+        """Write the split and decisions (atomically; a failure is a warning, never an error on one rank only)."""
+        args = self.run_args
+        if args is None or not is_main_process():
+            return
+        path = os.path.join(args.output_dir, SPLIT_FILE)
+        try:
+            os.makedirs(args.output_dir, exist_ok=True)
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                json.dump({"split": self.split.as_dict(), "decisions": self.decisions}, f, indent=1,
+                          default=str)
+            os.replace(path + ".tmp", path)
+        except OSError as error:
+            logger.warning("[tuner] could not write %s: %s", path, error)
+
+    def export(self) -> dict:
+        return {"decisions": self.decisions}
+
+    def load(self, saved: dict) -> None:
+        if not self.decisions:          # a new process; in-process resumes keep their own (newer) history
+            self.decisions = list(saved.get("decisions", []))
+
+    def format_summary(self) -> str:
+        lines = ["== AdaptiveBatchTuner summary ==", f"split: {self.split}"]
+        for d in self.decisions:
+            extra = f", recovered in {d['recovery_sec']:.2f} s" if "recovery_sec" in d else ""
+            lines.append(f"step {d['step']}: {d['kind']} {fmt_split(d['old'])} → {fmt_split(d['new'])} ({d['reason']}{extra})")
+        return "\n".join(lines)
+
+
+
+def find_callback(trainer, cls):
+    return next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, cls)), None)
+
+
+def fmt_split(d: dict) -> str:
+    return str(Split(d["micro_batch"], d["grad_accum"], d.get("steps_per_generation")))

@@ -1,0 +1,107 @@
+"""Every private or undocumented library attribute that ``hf_perf_callbacks.adapter`` touches, named: a library
+version that renames one fails here with a message saying which, instead of somewhere deep in a run."""
+import inspect
+
+import pytest
+import torch
+import transformers
+import trl
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_callback import CallbackHandler, ProgressCallback
+
+from hf_perf_callbacks import adapter
+from hf_perf_callbacks.tiny import build_model
+
+
+def need(condition: bool, what: str) -> None:
+    if not condition:
+        pytest.fail(f"{what} is gone (transformers {transformers.__version__}, trl {trl.__version__}, torch "
+                    f"{torch.__version__}): update hf_perf_callbacks/adapter.py")
+
+
+def test_trainer_internals_exist(tokenizer, tmp_path):
+    trainer = Trainer(model=build_model(tokenizer), args=TrainingArguments(output_dir=str(tmp_path), report_to=[]))
+    need(hasattr(trainer, "_train_batch_size"), "Trainer._train_batch_size")
+    need(callable(getattr(trainer, "_save_checkpoint", None)), "Trainer._save_checkpoint")
+    need(list(inspect.signature(Trainer._save_checkpoint).parameters)[:3] == ["self", "model", "trial"],
+         "Trainer._save_checkpoint(model, trial)")
+    need(isinstance(trainer.callback_handler, CallbackHandler), "Trainer.callback_handler")
+    need("self" in inspect.signature(CallbackHandler.call_event).parameters, "CallbackHandler.call_event's self")
+    need(hasattr(trainer, "model_wrapped"), "Trainer.model_wrapped")
+    need(list(inspect.signature(Trainer.training_step).parameters)[:3] == ["self", "model", "inputs"],
+         "Trainer.training_step(model, inputs, ...)")
+
+
+def test_progress_bar_attribute():
+    need(hasattr(ProgressCallback(), "training_bar"), "ProgressCallback.training_bar")
+
+
+def test_grpo_internals_exist():
+    source = inspect.getsource(trl.GRPOTrainer)
+    for name in ("self._step", "self._buffered_inputs", "self._metrics"):
+        need(name in source, f"GRPOTrainer.{name.removeprefix('self.')}")
+
+
+def test_torch_internals_exist():
+    compiled = torch.compile(torch.nn.Linear(2, 2))
+    need(isinstance(getattr(compiled, "_orig_mod", None), torch.nn.Linear), "OptimizedModule._orig_mod")
+    missing = [name for name in adapter.COLLECTIVES if not callable(getattr(torch.distributed, name, None))]
+    need(not missing, f"torch.distributed.{missing}")
+    need(hasattr(torch.distributed.GroupMember, "WORLD"), "torch.distributed.GroupMember.WORLD")
+
+
+def test_calling_handler_finds_the_dispatching_handler(tokenizer, tmp_path):
+    seen = []
+
+    class Probe(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            seen.append(adapter.calling_handler())
+
+    trainer = Trainer(model=build_model(tokenizer), args=TrainingArguments(output_dir=str(tmp_path), report_to=[]),
+                      callbacks=[Probe()])
+    trainer.callback_handler.on_train_begin(trainer.args, trainer.state, trainer.control)
+    assert seen == [trainer.callback_handler]
+    assert adapter.calling_handler() is None
+
+
+class Listener:
+    def __init__(self):
+        self.events = []
+
+    def generate_started(self):
+        self.events.append("start")
+
+    def generate_finished(self, input_ids, output):
+        self.events.append(("end", output is not None))
+
+
+def test_one_generate_wrapper_shared_and_removed_by_the_last_listener():
+    class Model:
+        def generate(self, input_ids):
+            if input_ids is None:
+                raise RuntimeError("boom")
+            return input_ids
+
+    model = Model()
+    first, second = Listener(), Listener()
+    stop_first = adapter.watch_generate(model, first)
+    wrapper = model.__dict__["generate"]
+    stop_second = adapter.watch_generate(model, second)
+    assert model.__dict__["generate"] is wrapper                      # one wrapper, two listeners
+    assert model.generate(input_ids=[1]) == [1]
+    with pytest.raises(RuntimeError):
+        model.generate(None)
+    assert first.events == second.events == ["start", ("end", True), "start", ("end", False)]
+    stop_first()
+    assert model.__dict__["generate"] is wrapper
+    stop_second()
+    assert "generate" not in model.__dict__                           # the class's own method is back
+
+
+def test_intercepted_collectives_are_restored():
+    original = torch.distributed.all_gather
+    calls = []
+    undo = adapter.intercept_collectives(lambda: calls.append(1), lambda: None)
+    assert torch.distributed.all_gather is not original
+    undo()
+    assert torch.distributed.all_gather is original

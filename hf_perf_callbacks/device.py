@@ -248,11 +248,6 @@ def training_device() -> torch.device:
     return default_device()
 
 
-def device_of(model=None) -> torch.device:
-    """The training device; ``model`` is not consulted (see :func:`training_device`)."""
-    return training_device()
-
-
 # -------------------------------------------------------------------- RNG
 def rng_state() -> tuple:
     """Every RNG stream a training step draws from (Python, NumPy, torch CPU and CUDA)."""

@@ -108,6 +108,31 @@ def main(out):
                            bs=2, ga=1, extra=FSDP_ARGS)
     resumed.train(resume_from_checkpoint=checkpoint)
     result.update(resumed_step=resumed.state.global_step, resumed_keys=keys_logged(resumed))
+
+    # 3. train_with_tuning: memory that grows with the micro-batch on rank 1 only (2 GB per sample against a 7 GB
+    #    budget: a fake device reading) makes the watchdog ask for a smaller micro-batch at step 2; both ranks must
+    #    re-size alike through an FSDP checkpoint and reach max_steps with the effective batch kept
+    from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
+    from hf_perf_callbacks.resize import sharding
+    from tests.test_tuner import MemoryByBatch
+
+    watchdog = MemoryWatchdog(limit_gb=7.0 if rank == 1 else None, grace_steps=1)
+    tuner = AdaptiveBatchTuner()                                   # probe on: under FSDP it is skipped, and says so
+    tuned = make_trainer(tokenizer, os.path.join(out, "tuned"), [ThroughputMeter(), watchdog, tuner], max_steps=5,
+                         bs=4, ga=2, extra=FSDP_ARGS)
+    if rank == 1:
+        watchdog.device = MemoryByBatch(tuned.args)
+    train_with_tuning(tuned)
+    args = tuned.args
+    lines = [json.loads(x) for x in open(os.path.join(out, "tuned", "perf_log.jsonl"))] if rank == 0 else []
+    result.update(tuned_sharding=sharding.sharding(tuned), tuned_step=tuned.state.global_step,
+                  tuned_split=[args.per_device_train_batch_size, args.gradient_accumulation_steps],
+                  tuned_decisions=[(d["kind"], d["step"], d["new"]["micro_batch"]) for d in tuner.decisions],
+                  tuned_actions=[a["action"] for a in watchdog.actions],
+                  tuned_checkpoint=sorted(os.listdir(os.path.join(out, "tuned", "checkpoint-2"))),
+                  tuned_steps_logged=[x["step"] for x in lines if x["type"] == "step"],
+                  tuned_limits_logged=[x["message"][:40] for x in lines if x["type"] == "event"
+                                       and x.get("source") == "tuner" and x.get("kind") == "warning"])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
@@ -121,6 +146,31 @@ def shut_down():
         dist.destroy_process_group()
 
 
+def oom_on_rank1(out):
+    """An OOM inside rank 1's step under FSDP: rank 1 raises it at once (rank 0 is inside FSDP's all-gather and is
+    ended by the launcher), instead of a re-size that would hang."""
+    fsdp_on_cpu()
+    from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
+    from hf_perf_callbacks.tiny import build_tokenizer
+    from tests.conftest import CORPUS, make_trainer
+    from tests.test_tuner import CUDA_OOM, PlantedOOM
+
+    rank = int(os.environ["RANK"])
+    plant = PlantedOOM(limit=2 if rank == 1 else 99, text=CUDA_OOM, armed_at=1)
+    tuner = AdaptiveBatchTuner(probe=False)
+    trainer = plant.attach(make_trainer(build_tokenizer(CORPUS, vocab_size=300), os.path.join(out, "run"),
+                                        [plant, tuner], max_steps=3, bs=4, ga=1, extra=FSDP_ARGS))
+    try:
+        train_with_tuning(trainer)
+    except torch.OutOfMemoryError:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"reraised": True, "step": trainer.state.global_step, "decisions": tuner.decisions}, f)
+        sys.exit(3)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
-    shut_down()
+    if sys.argv[2:] == ["oom"]:
+        oom_on_rank1(sys.argv[1])
+    else:
+        main(sys.argv[1])
+        shut_down()

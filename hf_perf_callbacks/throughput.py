@@ -38,7 +38,8 @@ class ThroughputMeter(PerfCallback):
     **MFU** uses :mod:`hf_perf_callbacks.flops` (LoRA-aware, attention included) against the device's peak for
     the training dtype (table, ``peak_flops`` override or ``peak_flops="calibrate"``); unknown device → MFU is
     omitted with one warning. GRPO's model FLOPs per token are ``num_iterations`` × training plus one forward
-    for generation.
+    for generation. Under FSDP the FLOPs are the unsharded model's (a sharded DTensor parameter's ``numel()`` is the
+    full tensor's), divided over the ranks like any data-parallel throughput.
 
     Args:
         window_steps: optimizer steps in the windowed rate (rounded up to whole GRPO generation cycles).

@@ -70,10 +70,12 @@ def test_lora_param_count_by_hand():
 @pytest.mark.parametrize("name", sorted(QWEN25))
 def test_qwen_table_is_self_consistent(name):
     m = QWEN25[name]
-    assert m["heads"] * m["head_dim"] == m["hidden"] and m["vocab"] == 151936 and m["tie_word_embeddings"]
+    assert m["heads"] * m["head_dim"] == m["hidden"]
+    assert (m["vocab"], m["tie_word_embeddings"]) == ((151936, True) if "7B" not in name else (152064, False))
     h, i, kv = m["hidden"], m["intermediate"], m["kv_heads"] * m["head_dim"]
     per_layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h   # q/k/v with bias, o, MLP, 2 norms
-    assert m["vocab"] * h + m["layers"] * per_layer + h == m["params"]      # tied embeddings + final norm
+    embeddings = m["vocab"] * h * (1 if m["tie_word_embeddings"] else 2)       # the 7B has its own LM head
+    assert embeddings + m["layers"] * per_layer + h == m["params"]            # + final norm
 
 
 def test_longer_completions_and_larger_micro_batches_need_more():

@@ -18,8 +18,8 @@ import torch
 from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
 from hf_perf_callbacks import device as dev
 from hf_perf_callbacks.device import DeviceLayer, exchange_device, training_device
-from hf_perf_callbacks.estimate import (FULL_BYTES_PER_PARAM, QWEN25, estimate_grpo_memory, layer_param_count,
-                                        lora_param_count)
+from hf_perf_callbacks.estimate import (FULL_BYTES_PER_PARAM, QWEN25, estimate_grpo_memory, format_gib,
+                                        layer_param_count, lora_param_count)
 from hf_perf_callbacks.resize import sharding
 from tests.conftest import make_trainer
 
@@ -187,3 +187,19 @@ def test_a_full_fine_tune_counts_sixteen_bytes_per_parameter_over_the_shards():
 def test_invalid_sharding_inputs_name_the_parameter(overrides, match):
     with pytest.raises(ValueError, match=match):
         estimate_grpo_memory(SEVEN_B, **{"lora_params": 0, **GRPO, **overrides})
+
+
+def test_recipes_readme_fsdp_table_matches_the_function():
+    readme = os.path.join(os.path.dirname(os.path.dirname(__file__)), "recipes", "README.md")
+    rows = [line for line in open(readme, encoding="utf-8") if "| `cuda-fsdp-qwen7b.yaml` | Qwen2.5-7B" in line
+            and line.count("|") == 12]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip().strip("`") for c in row.strip().strip("|").split("|")]
+        _, _, model, micro, shards, weights, gathered, kv, act, logits, total = cells
+        est = estimate_grpo_memory(QWEN25[f"Qwen/{model}"], **{**GRPO, "micro_batch": int(micro),
+                                                               "generation_batch": int(micro) * 4},
+                                   lora_params=0, full_finetune=True, shards=int(shards))
+        assert [weights, gathered, kv, act, logits, total] == [
+            format_gib(est.get(k, 0.0)) for k in ("weights", "gathered", "kv_cache", "activations", "logits",
+                                                  "total")], row

@@ -318,6 +318,6 @@ def exchange_device(device: torch.device | str | None = None) -> torch.device:
     return chosen
 
 
-__all__ = ["DeviceLayer", "MemorySample", "is_oom_error", "dtype_key", "gather_floats", "world_size", "training_device",
-           "exchange_device",
-           "is_main_process", "average_across_ranks", "rng_state", "set_rng_state", "GB"]
+__all__ = ["DeviceLayer", "MemorySample", "is_oom_error", "dtype_key", "gather_floats", "exchange_device",
+           "training_device", "world_size", "is_main_process", "average_across_ranks", "rng_state", "set_rng_state",
+           "GB"]

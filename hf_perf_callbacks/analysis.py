@@ -1,9 +1,11 @@
 """The run explains itself: rule-based performance analysis of a run's ``perf_log.jsonl`` (+ ``trainer_state.json``).
 
-:func:`measurements_from_run` reduces a run directory to :class:`Measurements`; every rule in :data:`RULES` is a
-pure function of those and returns one :class:`Finding` (observation, root cause, recommendation with the exact
-config key and value, expected gain with its formula, confidence) or None. :func:`analyze` ranks the findings by
-expected gain; :func:`write_perf_report` writes ``<output_dir>/perf_report.md``.
+:func:`measurements` reduces a parsed run log (:func:`hf_perf_callbacks.runlog.read_run`) to :class:`Measurements`;
+every rule in :data:`RULES` is a pure function of those and returns one :class:`Finding` (observation, root cause,
+recommendation with the exact config key and value, expected gain with its formula, confidence) or None.
+:func:`analyze` ranks the findings by expected gain; :func:`write_perf_report` writes ``<output_dir>/perf_report.md``.
+The headline figures are :func:`hf_perf_callbacks.figures.figures`, the same as ``hf-perf report`` prints. The
+DataLoader advice (:func:`dataloader_advice`) is also the ThroughputMeter's data-wait warning.
 
 Rules (thresholds are the module constants named here):
 
@@ -39,8 +41,6 @@ and (layers × hidden + 6·hidden + 2·kv_heads·head_dim + 4·intermediate) × 
 """
 from __future__ import annotations
 
-import glob
-import json
 import math
 import os
 import statistics
@@ -48,9 +48,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import estimate
+from . import runlog as keys
 from .batching import Split, exact_splits, next_smaller
 from .device import GB
-from .report import figures, load_run, unique_steps
+from .figures import figures, last_value
+from .runlog import RunLog, read_run
 
 REPORT_FILE = "perf_report.md"
 CONSOLE_WIDTH = 160
@@ -331,6 +333,34 @@ def rule_warmup(m: Measurements) -> Finding | None:
                    confidence)
 
 
+def dataloader_advice(device_type: str, dataloader: dict) -> list[str]:
+    """The DataLoader settings to change when the device waits for data, one line each (the meter's warning and the
+    ``input_bound`` finding both give this advice): ``dataloader`` holds the run's ``num_workers``,
+    ``persistent_workers``, ``prefetch_factor`` and ``pin_memory``."""
+    dl = dataloader or {}
+    workers = dl.get("num_workers") or 0
+    target = {"cuda": 4, "xpu": 4}.get(device_type, 2)
+    if workers >= target:
+        target = 2 * workers
+    lines = [f"`dataloader_num_workers: {target}` (now {workers})"]
+    if dl.get("persistent_workers") is not True:
+        lines.append("`dataloader_persistent_workers: true` (workers survive epochs instead of restarting)")
+    if not dl.get("prefetch_factor") or dl["prefetch_factor"] < 2:
+        lines.append("`dataloader_prefetch_factor: 2` (batches each worker prepares ahead)")
+    if device_type == "cuda":
+        if dl.get("pin_memory") is not True:
+            lines.append("`dataloader_pin_memory: true` (page-locked host memory: faster, asynchronous copies)")
+    elif device_type == "mps":
+        lines[0] += (" (transformers starts more than one worker with fork on MPS; if workers hang, set "
+                     "`dataloader_multiprocessing_context: spawn`, which needs a picklable dataset and collator)")
+        lines.append("`dataloader_pin_memory: false` (unified memory: nothing to pin)")
+    else:
+        lines[0] += " (workers share the CPU cores with training: raise only while cores are idle)"
+    lines.append("pre-tokenize once (`dataset.map(tokenize, batched=True)` before building the trainer) so the "
+                 "per-step work is only collation")
+    return lines
+
+
 def rule_input_bound(m: Measurements) -> Finding | None:
     f = _phase(m, "data_wait")
     if f < DATA_WAIT_FRACTION:
@@ -347,27 +377,9 @@ def rule_input_bound(m: Measurements) -> Finding | None:
                 "the next batch.")
     else:
         root = (f"{workers} DataLoader workers cannot keep up: preparing a batch takes longer than computing one.")
-    target = {"cuda": 4, "xpu": 4}.get(m.device_type, 2)
-    if workers >= target:
-        target = 2 * workers
-    lines = [f"`dataloader_num_workers: {target}`"]
-    if dl.get("persistent_workers") is not True:
-        lines.append("`dataloader_persistent_workers: true` (workers survive epochs instead of restarting)")
-    if not dl.get("prefetch_factor") or dl["prefetch_factor"] < 2:
-        lines.append("`dataloader_prefetch_factor: 2` (batches each worker prepares ahead)")
-    if m.device_type == "cuda":
-        if dl.get("pin_memory") is not True:
-            lines.append("`dataloader_pin_memory: true` (page-locked host memory: faster, asynchronous copies)")
-    elif m.device_type == "mps":
-        lines[0] += (" (transformers starts more than one worker with fork on MPS; if workers hang, set "
-                     "`dataloader_multiprocessing_context: spawn`, which needs a picklable dataset and collator)")
-        lines.append("`dataloader_pin_memory: false` (unified memory: nothing to pin)")
-    else:
-        lines[0] += " (workers share the CPU cores with training: raise only while cores are idle)"
-    lines.append("pre-tokenize once (`dataset.map(tokenize, batched=True)` before building the trainer) so the "
-                 "per-step work is only collation")
     gain = 1.0 / (1.0 - f)
-    return Finding("input_bound", "Input-bound: the device waits for data", obs, root, _bullets(lines), gain,
+    return Finding("input_bound", "Input-bound: the device waits for data", obs, root,
+                   _bullets(dataloader_advice(m.device_type, dl)), gain,
                    f"removing the data wait bounds the speed-up: 1/(1 − {f:.2f}) = {gain:.1f}x",
                    "high" if f >= DATA_WAIT_CLEAR else "medium")
 
@@ -699,14 +711,10 @@ def analyze(m: Measurements) -> list[Finding]:
 
 
 # ------------------------------------------------------------------ reading a run
-def _values(rows: list[dict], key: str) -> list[float]:
-    return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)
-            and math.isfinite(r[key])]
-
-
-def _last(rows: list[dict], key: str):
-    values = _values(rows, key)
-    return values[-1] if values else None
+def _values(rows: list, key: str) -> list[float]:
+    """The finite numbers under ``key`` in step lines or ``log_history`` dicts."""
+    values = (r.get(key) for r in rows)
+    return [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
 
 
 def _median(values: list[float]) -> float | None:
@@ -723,72 +731,42 @@ def _percentile(values: list[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def _log_history(run) -> list[dict]:
-    """``log_history`` of the run's ``trainer_state.json`` (read by :func:`report.load_run`), else of the latest
-    checkpoint's (a run killed before it saved its final state)."""
-    if run.log_history:
-        return run.log_history
-    state = _checkpoint_state(run.output_dir) or {}
-    history = state.get("log_history") if isinstance(state, dict) else None
-    return [h for h in history if isinstance(h, dict)] if isinstance(history, list) else []
-
-
-def _checkpoint_state(output_dir: str) -> dict | None:
-    """The latest checkpoint's ``trainer_state.json``."""
-
-    def step_of(path: str) -> int:
-        name = os.path.basename(os.path.dirname(path)).removeprefix("checkpoint-")
-        return int(name) if name.isdigit() else -1
-
-    checkpoints = glob.glob(os.path.join(output_dir, "checkpoint-*", "trainer_state.json"))
-    for path in sorted(checkpoints, key=step_of, reverse=True):
-        if os.path.exists(path):
-            try:
-                with open(path, encoding="utf-8") as fh:
-                    return json.load(fh)
-            except (OSError, ValueError):
-                continue
-    return None
-
-
-def measurements_from_run(output_dir: str) -> Measurements:
-    """Read a run directory through :func:`report.load_run`: ``perf_log.jsonl`` (required) and
-    ``trainer_state.json`` (optional; else the latest checkpoint's).
+def measurements(run_log: RunLog) -> Measurements:
+    """Reduce a parsed run log to what the rules look at.
 
     The latest training session's summaries count (a resumed session that was killed has none, so the figures
     come from the step lines), and a step logged again after an out-of-memory rollback or a resume counts once
-    (:func:`report.unique_steps`, its latest line). Raises :class:`report.ReportError` (a ``ValueError``) when
-    ``output_dir`` is not a directory, has no ``perf_log.jsonl``, or the log holds nothing readable.
+    (its latest line). Completion lengths come from ``trainer_state.json``'s ``log_history``, else the latest
+    checkpoint's.
     """
-    run_log = load_run(output_dir)
     f = figures(run_log)                      # the headline figures, exactly as the report prints them
-    run = ([r for r in run_log.runs if r.get("source") == "perf"] or [{}])[-1]
-    mem_summary = run_log.summaries.get("mem", {})
-    steps = unique_steps(run_log)
+    run = run_log.header("perf")
+    mem_summary = run_log.summary("mem")
+    steps = run_log.unique_steps()
     events = run_log.events
-    steady = [s for s in steps if s.get("perf/steady") == 1] or steps
+    steady = [s for s in steps if s.get(keys.PERF_STEADY) == 1] or steps
     warmup_steps = f["warmup_steps"]
 
-    fpm = _median(_values(steps, "perf/forwards_per_microbatch"))
+    fpm = _median(_values(steps, keys.PERF_FORWARDS_PER_MICROBATCH))
     if fpm is None:
-        fpm = max(_values(events, "forwards_per_microbatch"), default=None)
-    pads = _values(steady, "perf/pad_fraction")
+        fpm = max(_values([e.details for e in events], "forwards_per_microbatch"), default=None)
+    pads = _values(steady, keys.PERF_PAD_FRACTION)
 
-    micro = _last(steps, "tuner/micro_batch") or run.get("per_device_train_batch_size")
-    accum = _last(steps, "tuner/grad_accum") or run.get("gradient_accumulation_steps")
-    seq = _values(steps, "perf/seq_len")
+    micro = last_value(steps, keys.TUNER_MICRO_BATCH) or run.per_device_train_batch_size
+    accum = last_value(steps, keys.TUNER_GRAD_ACCUM) or run.gradient_accumulation_steps
+    seq = _values(steps, keys.PERF_SEQ_LEN)
 
-    driver_rows = [s for s in steps if isinstance(s.get("mem/driver_gb"), (int, float))]
-    driver_max_row = max(driver_rows, key=lambda s: s["mem/driver_gb"]) if driver_rows else None
-    swaps = _values(steps, "mem/swap_used_gb")
-    pressures = _values(steps, "mem/pressure")
+    driver_rows = [s for s in steps if s.number(keys.MEM_DRIVER_GB) is not None]
+    driver_max_row = max(driver_rows, key=lambda s: s.number(keys.MEM_DRIVER_GB)) if driver_rows else None
+    swaps = _values(steps, keys.MEM_SWAP_USED_GB)
+    pressures = _values(steps, keys.MEM_PRESSURE)
     actions = mem_summary.get("actions")
     if not isinstance(actions, list):
-        actions = [{"step": e.get("step"), "action": e.get("action"), "message": e.get("message")}
-                   for e in events if e.get("source") == "mem" and e.get("kind") in ("action", "stop")]
+        actions = [{"step": e.step, "action": e.details.get("action"), "message": e.message}
+                   for e in events if e.source == "mem" and e.kind in ("action", "stop")]
 
     completion = {"mean": None, "max": None, "p90": None, "clipped": None}
-    logs = _log_history(run_log)
+    logs = run_log.latest_log_history()
     if logs:
         means, maxes = _values(logs, "completions/mean_length"), _values(logs, "completions/max_length")
         clipped = _values(logs, "completions/clipped_ratio")
@@ -796,26 +774,32 @@ def measurements_from_run(output_dir: str) -> Measurements:
                       "p90": _percentile(maxes, 0.9), "clipped": statistics.fmean(clipped) if clipped else None}
 
     return Measurements(
-        device_type=run.get("device_type") or "unknown", world_size=int(run.get("world_size") or 1),
-        grpo=bool(run.get("grpo")), micro_batch=int(micro) if micro else None,
-        grad_accum=int(accum) if accum else None, max_completion_length=run.get("max_completion_length"),
-        num_generations=run.get("num_generations"), activation_checkpointing=run.get("activation_checkpointing"),
-        model=run.get("model") or {}, dataloader=run.get("dataloader") or {},
+        device_type=run.device_type or "unknown", world_size=int(run.world_size or 1),
+        grpo=bool(run.grpo), micro_batch=int(micro) if micro else None,
+        grad_accum=int(accum) if accum else None, max_completion_length=run.max_completion_length,
+        num_generations=run.num_generations, activation_checkpointing=run.activation_checkpointing,
+        model=run.model or {}, dataloader=run.dataloader or {},
         steps=int(f["steps"] or 0), warmup_steps=int(warmup_steps) if warmup_steps is not None else None,
         warmup_overhead_sec=f["warmup_overhead_sec"], first_step_slowdown=f["first_step_slowdown"],
         steady_step_sec=f["steady_step_sec"], steady_tokens_per_sec=f["steady_tokens_per_sec"], mfu=f["mfu"],
         phases={k: float(v) for k, v in f["phases"].items()},
         pad_fraction=statistics.fmean(pads) if pads else None, forwards_per_microbatch=fpm,
-        decode_bandwidth_util=_median(_values(steady, "perf/decode_bandwidth_util")),
+        decode_bandwidth_util=_median(_values(steady, keys.PERF_DECODE_BANDWIDTH_UTIL)),
         completion_mean=completion["mean"], completion_max=completion["max"], completion_p90=completion["p90"],
         clipped_ratio=completion["clipped"], mem_high_water_gb=f["high_water_gb"], mem_budget_gb=f["budget_gb"],
-        driver_gb_max=driver_max_row["mem/driver_gb"] if driver_max_row else None,
-        allocated_gb_at_driver_max=driver_max_row.get("mem/allocated_gb") if driver_max_row else None,
+        driver_gb_max=driver_max_row.number(keys.MEM_DRIVER_GB) if driver_max_row else None,
+        allocated_gb_at_driver_max=driver_max_row.get(keys.MEM_ALLOCATED_GB) if driver_max_row else None,
         max_pressure=int(max(pressures)) if pressures else None,
         swap_growth_gb=max(0.0, max(swaps) - swaps[0]) if swaps else None,
-        swapout_steps=sum(1 for v in _values(steps, "mem/swapouts") if v > 0),
-        min_steps_to_wall=min(_values(steps[MEM_GRACE_STEPS:], "mem/steps_to_wall"), default=None),
+        swapout_steps=sum(1 for v in _values(steps, keys.MEM_SWAPOUTS) if v > 0),
+        min_steps_to_wall=min(_values(steps[MEM_GRACE_STEPS:], keys.MEM_STEPS_TO_WALL), default=None),
         watchdog_actions=actions, seq_len=int(max(seq)) if seq else None)
+
+
+def measurements_from_run(output_dir: str) -> Measurements:
+    """:func:`measurements` of the run in ``output_dir`` (raises :class:`~hf_perf_callbacks.runlog.ReportError`, a
+    ``ValueError``, when it holds no readable ``perf_log.jsonl``)."""
+    return measurements(read_run(output_dir))
 
 
 # ------------------------------------------------------------------ output
@@ -858,11 +842,11 @@ def render_markdown(findings: list[Finding], m: Measurements) -> str:
     return "\n".join(lines)
 
 
-def write_perf_report(output_dir: str) -> tuple[str, list[Finding]]:
-    """Analyse the run in ``output_dir`` and write ``<output_dir>/perf_report.md``; returns (path, findings)."""
-    m = measurements_from_run(output_dir)
+def write_perf_report(run: RunLog) -> tuple[str, list[Finding]]:
+    """Analyse a parsed run and write ``<output_dir>/perf_report.md``; returns (path, findings)."""
+    m = measurements(run)
     findings = analyze(m)
-    path = os.path.join(output_dir, REPORT_FILE)
+    path = os.path.join(run.output_dir, REPORT_FILE)
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(render_markdown(findings, m))
     return path, findings
@@ -886,6 +870,6 @@ def console_summary(findings: list[Finding], top: int = 3) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Measurements", "Finding", "RULES", "analyze", "measurements_from_run", "render_markdown",
-           "write_perf_report", "console_summary"]
+__all__ = ["Measurements", "Finding", "RULES", "analyze", "measurements", "measurements_from_run", "render_markdown",
+           "write_perf_report", "console_summary", "dataloader_advice"]
 

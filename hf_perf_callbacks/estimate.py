@@ -16,7 +16,7 @@ time for compute; activations, KV cache and logits are per rank as without shard
 """
 from __future__ import annotations
 
-from .stats import check_flag, check_number
+from .validation import check_flag, check_number
 
 #: Qwen2.5 Instruct configs (source: the models' config.json on the hub, see the module docstring).
 QWEN25: dict[str, dict] = {

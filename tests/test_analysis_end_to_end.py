@@ -4,6 +4,7 @@ import torch
 
 from hf_perf_callbacks import default_callbacks
 from hf_perf_callbacks.analysis import analyze, measurements_from_run, write_perf_report
+from hf_perf_callbacks.runlog import read_run
 from hf_perf_callbacks.tiny import build_model
 from tests.conftest import make_grpo, make_trainer
 
@@ -27,7 +28,7 @@ def test_short_completions_yield_the_completion_budget_finding(tokenizer, tmp_pa
     findings = {f.rule: f for f in analyze(m)}
     budget = findings["completion_budget"]
     assert "max_completion_length" in budget.recommendation
-    path, _ = write_perf_report(str(tmp_path))
+    path, _ = write_perf_report(read_run(tmp_path))
     assert "max_completion_length" in open(path).read()
 
 

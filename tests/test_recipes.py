@@ -68,7 +68,7 @@ def check_run(out, world_size=1) -> list[dict]:
     lines = [json.loads(line) for line in open(os.path.join(out, "perf_log.jsonl"))]
     steps = [line for line in lines if line["type"] == "step"]
     assert [line["step"] for line in steps] == [1, 2]
-    header = next(line for line in lines if line["type"] == "run" and line.get("source") == "perf")
+    header = next(line for line in lines if line["type"] == "run" and "perf" in line["sources"])
     assert header["world_size"] == world_size
     assert os.path.exists(os.path.join(out, "adapter_model.safetensors"))
     return steps
@@ -495,9 +495,9 @@ def test_wordle_datasets_follow_the_sizes():
 def test_a_failing_report_does_not_fail_the_finished_run(monkeypatch, caplog):
     def broken(output_dir, plots=True):
         raise RuntimeError("plot backend missing")
-    from hf_perf_callbacks import report
+    from hf_perf_callbacks import cli
 
-    monkeypatch.setattr(report, "main", broken)
+    monkeypatch.setattr(cli, "report_command", broken)
     with caplog.at_level("ERROR", logger="hf_perf_callbacks.train"):
         train._report("runs/x")
     assert "hf-perf report runs/x" in caplog.text

@@ -13,6 +13,10 @@ which matches the model cards' 0.49B / 1.54B / 3.09B / 7.62B.
 The memory model follows what TRL 1.16's ``GRPOTrainer`` holds (see :func:`estimate_grpo_memory`): one
 ``generate`` call for the generation batch (KV cache), then per micro-batch a forward/backward whose per-token
 log-probs come from TRL's chunked LM head (``trl/kernels/chunked_logprob.py``: tiles, never the full logits).
+
+**Sharding** (``shards``): FSDP (and DeepSpeed ZeRO-3) keeps 1/``shards`` of every parameter, gradient and
+optimizer state on each rank and all-gathers one wrapped unit (a decoder layer, the embedding, the LM head) at a
+time for compute; activations, KV cache and logits are per rank as without sharding.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ QWEN25: dict[str, dict] = {
                                        vocab=151936, tie_word_embeddings=True, params=1_543_714_304),
     "Qwen/Qwen2.5-3B-Instruct": dict(layers=36, hidden=2048, intermediate=11008, heads=16, kv_heads=2, head_dim=128,
                                      vocab=151936, tie_word_embeddings=True, params=3_085_938_688),
+    # untied embeddings (embedding and LM head are separate matrices of vocab × hidden each)
     "Qwen/Qwen2.5-7B-Instruct": dict(layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4, head_dim=128,
                                      vocab=152064, tie_word_embeddings=False, params=7_615_616_512),
 }
@@ -35,6 +40,9 @@ MODEL_KEYS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: Bytes per trainable LoRA parameter: fp32 weight (4) + fp32 gradient (4) + AdamW exp_avg and exp_avg_sq (8).
 LORA_BYTES_PER_PARAM = 16
+#: Bytes per parameter of a full fine-tune: fp32 master weight (4) + fp32 gradient (4) + AdamW moments (8). FSDP2
+#: under bf16 mixed precision keeps the trainable parameters in fp32 (accelerate upcasts them) and computes in bf16.
+FULL_BYTES_PER_PARAM = 16
 #: Bytes per logit of an unfused head (fp32 log-softmax over the whole vocabulary); TRL 1.16 does not hold these.
 LOGIT_BYTES = 4
 #: Bytes per element RMSNorm keeps (it computes in fp32).
@@ -194,15 +202,21 @@ def lm_head_bytes(model: dict, scored_tokens: int, dtype_bytes: int = 2, lm_head
 def estimate_grpo_memory(model: dict, *, micro_batch: int, num_generations: int, generation_batch: int,
                          prompt_tokens: int, max_completion_length: int, dtype_bytes: int, lora_params: int,
                          activation_checkpointing: bool, lm_head: str = "torch", lora_input_bytes: int = 4,
-                         lora_targets=ALL_LINEAR) -> dict[str, float]:
-    """Estimated bytes on one device for GRPO + LoRA in TRL 1.16, by part: the allocator's live-tensor peak (what
-    ``torch.cuda.max_memory_allocated`` reports). All values are estimates, see the module docstring.
+                         lora_targets=ALL_LINEAR, shards: int = 1, full_finetune: bool = False) -> dict[str, float]:
+    """Estimated bytes on one device for GRPO (+ LoRA, or a full fine-tune) in TRL 1.16, by part: the allocator's
+    live-tensor peak (what ``torch.cuda.max_memory_allocated`` reports). All values are estimates, see the module
+    docstring.
 
     Let ``seq = prompt_tokens + max_completion_length`` (every completion at its maximum: the worst case) and
     ``tokens = micro_batch × seq``. Held the whole time:
 
-    - ``weights`` = ``params × dtype_bytes`` (the frozen base model; ``beta: 0`` means no reference copy).
-    - ``lora`` = ``lora_params × 16``: fp32 weights, fp32 gradients and the two fp32 AdamW moments.
+    - ``weights`` = ``params × dtype_bytes / shards`` (the frozen base model; ``beta: 0`` means no reference copy);
+      with ``full_finetune`` every parameter trains: ``params × 16 / shards`` (fp32 weights, fp32 gradients, the
+      two fp32 AdamW moments) and ``lora_params`` must be 0.
+    - ``lora`` = ``lora_params × 16 / shards``: fp32 weights, fp32 gradients and the two fp32 AdamW moments.
+    - ``gathered`` (only when ``shards`` > 1) = ``2 × largest unit × dtype_bytes``: FSDP all-gathers the unit being
+      computed and prefetches the next; the largest unit is the embedding or LM head (``vocab × hidden``) or one
+      decoder layer (:func:`layer_param_count`).
 
     Generation (one ``generate`` call for the whole generation batch):
 
@@ -225,7 +239,7 @@ def estimate_grpo_memory(model: dict, *, micro_batch: int, num_generations: int,
       ``torch.profiler``'s peak of a real Qwen2 + LoRA forward/backward within 1 % with checkpointing and 4 %
       without.
 
-    - ``generation`` and ``training`` are the two phases; ``peak`` = ``weights + lora + max(generation,
+    - ``generation`` and ``training`` are the two phases; ``peak`` = ``weights + lora + gathered + max(generation,
       training)``: the phases do not overlap in time, and a live-tensor peak does not count freed blocks. Cached
       blocks come on top on a caching allocator (CUDA reserved, MPS driver memory): see ``recipes/README.md``.
     - ``total`` = ``weights + lora + kv_cache + activations + logits`` — the sum of every part as if all were
@@ -246,6 +260,11 @@ def estimate_grpo_memory(model: dict, *, micro_batch: int, num_generations: int,
                          f"num_generations={num_generations} (whole prompt groups)")
     check_flag("activation_checkpointing", activation_checkpointing)
     _check_head(lm_head)
+    check_number("shards", shards, low=1, integer=True)
+    check_flag("full_finetune", full_finetune)
+    if full_finetune and lora_params:
+        raise ValueError(f"lora_params={lora_params} is not allowed with full_finetune=True: a full fine-tune trains "
+                         f"every parameter and has no adapters (pass lora_params=0)")
 
     seq = prompt_tokens + max_completion_length
     tokens = micro_batch * seq
@@ -253,8 +272,8 @@ def estimate_grpo_memory(model: dict, *, micro_batch: int, num_generations: int,
     block = layer_activation_bytes(model, dtype_bytes, lora_input_bytes, lora_targets)
     work = backward_work_bytes(model, dtype_bytes)
     parts = {
-        "weights": model["params"] * dtype_bytes,
-        "lora": lora_params * LORA_BYTES_PER_PARAM,
+        "weights": model["params"] * (FULL_BYTES_PER_PARAM if full_finetune else dtype_bytes) / shards,
+        "lora": lora_params * LORA_BYTES_PER_PARAM / shards,
         "kv_cache": kv_cache_bytes_per_token(model, dtype_bytes) * seq * generation_batch,
         "prefill": generation_batch * (prompt_tokens * model["intermediate"] * (3 * dtype_bytes + lora_input_bytes)
                                        + model["vocab"] * (dtype_bytes + 8)),
@@ -264,12 +283,21 @@ def estimate_grpo_memory(model: dict, *, micro_batch: int, num_generations: int,
         "logits": lm_head_bytes(model, scored, dtype_bytes, lm_head),
         "recompute": (block + work) * tokens if activation_checkpointing else work * tokens,
     }
+    if shards > 1:
+        parts["gathered"] = 2 * max(model["vocab"] * model["hidden"], layer_param_count(model)) * dtype_bytes
     parts = {key: float(value) for key, value in parts.items()}
     parts["generation"] = parts["kv_cache"] + parts["prefill"]
     parts["training"] = parts["activations"] + max(parts["logits"], parts["recompute"])
-    parts["peak"] = parts["weights"] + parts["lora"] + max(parts["generation"], parts["training"])
-    parts["total"] = sum(parts[k] for k in ("weights", "lora", "kv_cache", "activations", "logits"))
+    held = parts["weights"] + parts["lora"] + parts.get("gathered", 0.0)
+    parts["peak"] = held + max(parts["generation"], parts["training"])
+    parts["total"] = held + sum(parts[k] for k in ("kv_cache", "activations", "logits"))
     return parts
+
+
+def layer_param_count(model: dict) -> int:
+    """Weights of one Llama / Qwen2 decoder block: its seven linear layers and two RMSNorms (biases left out)."""
+    _check_model(model, ("hidden", "intermediate", "heads", "kv_heads", "head_dim"))
+    return sum(i * o for i, o in _linear_shapes(model).values()) + 2 * model["hidden"]
 
 
 def format_gib(value: float) -> str:

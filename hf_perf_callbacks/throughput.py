@@ -11,7 +11,7 @@ from . import adapter
 from . import runlog as keys
 from .analysis import dataloader_advice
 from .base import PerfCallback
-from .device import DeviceLayer, device_of, dtype_key, gather_floats, world_size
+from .device import DeviceLayer, dtype_key, gather_floats, training_device, world_size
 from .flops import forward_flops_per_token, shape_of, train_flops_per_token
 from .stats import generation_period
 from .validation import check_flag, check_number
@@ -41,7 +41,8 @@ class ThroughputMeter(PerfCallback):
     **MFU** uses :mod:`hf_perf_callbacks.flops` (LoRA-aware, attention included) against the device's peak for
     the training dtype (table, ``peak_flops`` override or ``peak_flops="calibrate"``); unknown device → MFU is
     omitted with one warning. GRPO's model FLOPs per token are ``num_iterations`` × training plus one forward
-    for generation.
+    for generation. Under FSDP the FLOPs are the unsharded model's (a sharded DTensor parameter's ``numel()`` is the
+    full tensor's), divided over the ranks like any data-parallel throughput.
 
     Args:
         window_steps: optimizer steps in the windowed rate (rounded up to whole GRPO generation cycles).
@@ -105,7 +106,7 @@ class ThroughputMeter(PerfCallback):
 
     # ------------------------------------------------------------ setup
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.device = DeviceLayer(device_of(model))
+        self.device = DeviceLayer(training_device())
         self.world = world_size()
         self.is_grpo = hasattr(args, "num_generations") and hasattr(args, "steps_per_generation")
         self.token_source = ("trainer" if self.is_grpo or args.include_num_input_tokens_seen not in ("no", False)

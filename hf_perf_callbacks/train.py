@@ -585,6 +585,8 @@ def run(recipe: RecipeArguments, training_args, model_args) -> int:
     else:
         trainer.train(resume_from_checkpoint=resume)
 
+    if getattr(trainer, "is_fsdp_enabled", False):    # checkpoints stay sharded; the final model is one loadable file
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(training_args.output_dir)
     main_process = trainer.is_world_process_zero()
     if main_process:

@@ -184,10 +184,14 @@ def resize_on_rank1() -> dict:
     if RANK == 1:
         watchdog.device = PlantedMemory(trainer.args)
     start = time.perf_counter()
-    train_with_tuning(trainer)
+    train_with_tuning(trainer)                    # saves, records the split and stops at the re-size (FSDP)
+    stopped = trainer.state.global_step
+    trainer = make(out, [ThroughputMeter(), MemoryWatchdog(), AdaptiveBatchTuner()], 4, 2, 6)     # the relaunch
+    train_with_tuning(trainer, resume_from_checkpoint=True)
     args = trainer.args
     world = dist.get_world_size()
-    result = {"rank": RANK, "reached": trainer.state.global_step, "seconds": time.perf_counter() - start,
+    result = {"rank": RANK, "stopped": stopped, "reached": trainer.state.global_step,
+              "seconds": time.perf_counter() - start,
               "split": [args.per_device_train_batch_size, args.gradient_accumulation_steps],
               "effective_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * world,
               "decisions": [{k: d.get(k) for k in ("kind", "step", "old", "new", "recovery_sec")}
@@ -281,7 +285,8 @@ def main():
         "tokens_match_independent_count": t0["meter_tokens"] == t0["independent_tokens"] == t1["meter_tokens"],
         "logged_once": t0["perf_log_steps"] == list(range(1, STEPS + 1)),
         "resize_same_split": r0["split"] == r1["split"], "resize_same_decisions": same_decisions(r0, r1),
-        "resize_reached_max_steps": r0["reached"] == r1["reached"] == 6,
+        "resize_stopped_together": r0["stopped"] == r1["stopped"],
+        "resize_relaunch_reached_max_steps": r0["reached"] == r1["reached"] == 6,
         "resize_effective_batch_kept": r0["effective_batch"] == r1["effective_batch"] == 4 * 2 * 2,
         "stop_same_step": s0["stopped_at_step"] == s1["stopped_at_step"],
         "stop_one_checkpoint": len(s0["checkpoints"]) == 1, "stop_resumed": s0["resumed_to"] == s0["target"]}

@@ -83,16 +83,17 @@ def test_a_watchdog_stop_on_one_rank_stops_both_with_one_sharded_checkpoint_that
     assert r0["resumed_step"] == r1["resumed_step"] == 4 and "perf" in r0["resumed_keys"]
 
 
-def test_train_with_tuning_resizes_every_rank_through_an_fsdp_checkpoint(fsdp_run):
+def test_train_with_tuning_resizes_every_rank_through_an_fsdp_checkpoint_and_a_relaunch(fsdp_run):
     _, (r0, r1), _ = fsdp_run
     assert r0["tuned_sharding"] == "fsdp"
     assert r1["tuned_actions"] == ["clear_cache", "smaller_batch"] and r0["tuned_actions"] == ["smaller_batch"]
     assert r0["tuned_decisions"] == r1["tuned_decisions"] == [["watchdog", 2, 2]]   # no probe decision: skipped
     assert r0["tuned_split"] == r1["tuned_split"] == [2, 4]                 # 4 × 2 × 2 ranks = 2 × 4 × 2 ranks
-    assert r0["tuned_step"] == r1["tuned_step"] == 5
+    assert r0["tuned_step"] == r1["tuned_step"] == 2                        # saved and stopped at the re-size
+    assert r0["relaunched_step"] == r1["relaunched_step"] == 5               # the relaunch used the recorded split
     assert "pytorch_model_fsdp_0" in r0["tuned_checkpoint"]
     assert r0["tuned_steps_logged"] == [1, 2, 3, 4, 5]
-    assert r0["tuned_limits_logged"] == ["train_with_tuning under FSDP: an out-of-"]   # said, in the perf log
+    assert r0["tuned_limits_logged"][0] == "train_with_tuning under FSDP: an out-of-"   # said, in the perf log
 
 
 def test_an_oom_inside_a_step_under_fsdp_ends_the_run_at_once(tmp_path):

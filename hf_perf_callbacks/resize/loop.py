@@ -73,6 +73,9 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
             tuner.managed = True
             if tuner.planned_resize is None:
                 return output
+            if sharded == "fsdp":                         # a wrapped model cannot be prepared again in this process
+                logger.warning(sharding.relaunch_message(output_dir, trainer.state.global_step, tuner.split))
+                return output
             tuner.planned_resize["resized_at"] = time.time()
             resume_from_checkpoint = os.path.join(output_dir, f"checkpoint-{trainer.state.global_step}")
             prepare_resume(trainer, tuner.split)

@@ -110,8 +110,9 @@ def main(out):
     result.update(resumed_step=resumed.state.global_step, resumed_keys=keys_logged(resumed))
 
     # 3. train_with_tuning: memory that grows with the micro-batch on rank 1 only (2 GB per sample against a 7 GB
-    #    budget: a fake device reading) makes the watchdog ask for a smaller micro-batch at step 2; both ranks must
-    #    re-size alike through an FSDP checkpoint and reach max_steps with the effective batch kept
+    #    budget: a fake device reading) makes the watchdog ask for a smaller micro-batch at step 2; both ranks save
+    #    FSDP's sharded checkpoint, record the split and stop there (one process cannot prepare a wrapped model
+    #    twice); the relaunch (a fresh trainer, resume_from_checkpoint=True) reaches max_steps at the new split
     from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
     from hf_perf_callbacks.resize import sharding
     from tests.test_tuner import MemoryByBatch
@@ -123,9 +124,14 @@ def main(out):
     if rank == 1:
         watchdog.device = MemoryByBatch(tuned.args)
     train_with_tuning(tuned)
-    args = tuned.args
+    relaunched = make_trainer(tokenizer, os.path.join(out, "tuned"), [ThroughputMeter(), MemoryWatchdog(),
+                                                                      AdaptiveBatchTuner()],
+                              max_steps=5, bs=4, ga=2, extra=FSDP_ARGS)
+    train_with_tuning(relaunched, resume_from_checkpoint=True)
+    args = relaunched.args
     lines = [json.loads(x) for x in open(os.path.join(out, "tuned", "perf_log.jsonl"))] if rank == 0 else []
     result.update(tuned_sharding=sharding.sharding(tuned), tuned_step=tuned.state.global_step,
+                  relaunched_step=relaunched.state.global_step,
                   tuned_split=[args.per_device_train_batch_size, args.gradient_accumulation_steps],
                   tuned_decisions=[(d["kind"], d["step"], d["new"]["micro_batch"]) for d in tuner.decisions],
                   tuned_actions=[a["action"] for a in watchdog.actions],

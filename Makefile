@@ -14,7 +14,6 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c $(CONSTRAINTS) torch
 	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[test,plots]"
-	$(BIN)/pip check
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -486,7 +486,8 @@ def _torch_dtype(dtype):
 
 
 def trust_remote_code(model_args, training_args) -> bool:
-    """The recipe's ``trust_remote_code``: a field of ``GRPOConfig`` in newer TRL (1.8), of ``ModelConfig`` in older (1.0)."""
+    """The recipe's ``trust_remote_code``: a field of ``GRPOConfig`` in newer TRL (1.8), of ``ModelConfig`` in
+    older (1.0)."""
     source = training_args if hasattr(training_args, "trust_remote_code") else model_args
     return bool(getattr(source, "trust_remote_code", False))
 

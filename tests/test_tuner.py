@@ -13,8 +13,8 @@ from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, train_with_tuning
 from hf_perf_callbacks.device import GB, MemorySample
-from hf_perf_callbacks.tuner import saved_split
 from hf_perf_callbacks.throughput import forward_entry
+from hf_perf_callbacks.tuner import saved_split
 from tests.conftest import make_grpo, make_trainer
 from tests.test_watchdog import FakeMPS
 

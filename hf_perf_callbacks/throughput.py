@@ -24,6 +24,17 @@ _INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 HOOK_TOKENS, GENERATED, REAL_POSITIONS = range(3)
 
 
+def forward_entry(inner: torch.nn.Module) -> torch.nn.Module:
+    """The module every forward of the causal LM ``inner`` enters through ``__call__`` (so hooks run): its decoder
+    stack (``get_decoder()``) where it has one, else ``inner``. peft before 0.21 runs the causal LM as
+    ``model.forward(...)``, which skips hooks on the causal LM itself; the causal LM calls its decoder as a module."""
+    try:
+        decoder = inner.get_decoder() if callable(getattr(inner, "get_decoder", None)) else None
+    except Exception:  # noqa: BLE001 - a model without a separable decoder
+        decoder = None
+    return decoder if isinstance(decoder, torch.nn.Module) else inner
+
+
 class ThroughputMeter(PerfCallback):
     """Measures true training speed between optimizer-step boundaries, with one device synchronize per step.
 
@@ -136,15 +147,15 @@ class ThroughputMeter(PerfCallback):
                               dataloader=_dataloader_settings(args))
 
     def _install(self, model) -> None:
-        """A forward pre-hook on the innermost causal LM (training forwards, tokens, decode steps) and a timing
-        wrapper around ``generate`` (GRPO rollouts)."""
+        """A forward pre-hook on the innermost causal LM's decoder stack (training forwards, tokens, decode
+        steps; see :func:`forward_entry`) and a timing wrapper around ``generate`` (GRPO rollouts)."""
         previous = _INSTALLED.get(model)
         if previous is not None and previous is not self:
             previous.close()
         _INSTALLED[model] = self
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.model, self.inner = model, inner
-        self._hooks.append(inner.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+        self._hooks.append(forward_entry(inner).register_forward_pre_hook(self._on_forward, with_kwargs=True))
         if self.is_grpo and hasattr(model, "generate"):
             self._stop_watching_generate = adapter.watch_generate(model, self)
 

@@ -485,6 +485,13 @@ def _torch_dtype(dtype):
     return getattr(torch, dtype)
 
 
+def trust_remote_code(model_args, training_args) -> bool:
+    """The recipe's ``trust_remote_code``: a field of ``GRPOConfig`` in newer TRL (1.8), of ``ModelConfig`` in
+    older (1.0)."""
+    source = training_args if hasattr(training_args, "trust_remote_code") else model_args
+    return bool(getattr(source, "trust_remote_code", False))
+
+
 def build_tokenizer(model_args, training_args):
     """The model's tokenizer: left padding (as TRL loads it), pad token falls back to eos."""
     from transformers import AutoTokenizer
@@ -492,7 +499,7 @@ def build_tokenizer(model_args, training_args):
     if not model_args.model_name_or_path:
         raise RecipeError("model_name_or_path is not set: name a hub model or a local directory")
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
-                                              trust_remote_code=training_args.trust_remote_code,
+                                              trust_remote_code=trust_remote_code(model_args, training_args),
                                               padding_side="left", truncation_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -507,7 +514,7 @@ def build_model(model_args, training_args):
 
     kwargs = _as_dict(training_args.model_init_kwargs, "model_init_kwargs")
     kwargs.setdefault("revision", model_args.model_revision)
-    kwargs.setdefault("trust_remote_code", training_args.trust_remote_code)
+    kwargs.setdefault("trust_remote_code", trust_remote_code(model_args, training_args))
     if model_args.attn_implementation:
         kwargs.setdefault("attn_implementation", model_args.attn_implementation)
     kwargs["dtype"] = _torch_dtype(kwargs.get("dtype", model_args.dtype))

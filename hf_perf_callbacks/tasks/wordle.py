@@ -1,6 +1,8 @@
 """Offline Wordle task for GRPO demos: word list, game states, prompts and rewards.
 
-Completions are expected as ``<think>reasoning</think><guess>WORD</guess>``.
+Completions are expected as ``<think>reasoning</think><guess>WORD</guess>``. ``REWARD_FUNCS`` holds five rewards,
+each in [0, 1] with partial credit (format pieces, a new listed word, letters found, agreement with the earlier
+feedback, solved), so that the completions of one prompt differ in reward even for a small model's first answers.
 Reward functions follow TRL's signature ``f(prompts, completions, completion_ids=None, **kwargs)``;
 the dataset columns ``secret`` and ``history`` arrive as keyword lists, one value per completion.
 """

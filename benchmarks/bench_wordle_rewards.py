@@ -54,6 +54,7 @@ def sample_untrained(trainer, prompts, num_generations, max_new_tokens, batch=16
     model (sampling as GRPO does: temperature 1, the model's EOS), the rewards, and the groups with reward variance.
     Cheaper than training steps (no backward), so it measures the start on many more prompt groups."""
     tokenizer, model = trainer.processing_class, trainer.model
+    tokenizer.padding_side = "left"                   # batched generation: prompts end where completions start
     data = wordle.make_dataset(prompts, seed=seed + 1, conversational=True)
     rows = [data[i] for i in range(len(data)) for _ in range(num_generations)]
     texts = []

@@ -125,6 +125,32 @@ def collect(trainer, recorders, num_generations, settings, name, seconds, finish
     return rows, summary, path
 
 
+def rescore(paths, num_generations):
+    """Score the completions recorded in earlier result files with the current rewards (they are deterministic
+    functions of the text): prompt groups with reward variance, per reward."""
+    import json
+
+    groups = []
+    for path in paths:
+        data = json.load(open(path))
+        if data.get("untrained"):
+            groups += [data["untrained"]["completions"][i:i + num_generations]
+                       for i in range(0, len(data["untrained"]["completions"]), num_generations)]
+        groups += [rows for rows in data.get("samples", {}).values()]
+    varied = {f.__name__: 0 for f in wordle.REWARD_FUNCS}
+    with_variance = 0
+    for group in groups:   # histories are not stored: consistency is scored without them
+        texts, secrets = [g["completion"] for g in group], [g["secret"] for g in group]
+        per_func = {f.__name__: f(["p"] * len(texts), texts, secret=secrets) for f in wordle.REWARD_FUNCS}
+        totals = [sum(v) for v in zip(*per_func.values())]
+        with_variance += max(totals) > min(totals)
+        for name, values in per_func.items():
+            varied[name] += max(values) > min(values)
+    print(f"recorded completions, current rewards: {with_variance}/{len(groups)} prompt groups with reward variance; "
+          f"varied by {varied}")
+    return with_variance, len(groups), varied
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60, help="GRPO steps (0: only sample the untrained model)")
@@ -136,7 +162,11 @@ def main():
     p.add_argument("--sample_prompts", type=int, default=24,
                    help="prompts sampled from the untrained model before training (0: none)")
     p.add_argument("--smoke", action="store_true", help="tiny random model, 3 steps: proves the script runs")
+    p.add_argument("--rescore", nargs="+", metavar="JSON", help="only score the completions in these result files")
     a = p.parse_args()
+    if a.rescore:
+        rescore(a.rescore, a.generations)
+        return
     model, steps = ("tiny", 3) if a.smoke else ("real", a.steps)
 
     recorders = [Recorder(f) for f in wordle.REWARD_FUNCS]

@@ -118,6 +118,15 @@ def test_valid_word_reward() -> None:
     assert call(valid_word_reward, completions) == [1.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0, 1.0]
 
 
+def test_valid_word_reward_untagged_word() -> None:
+    # A listed word in capitals outside the tags is a guess in the wrong place: a little credit, so that a small
+    # model's prose answers already differ. Not for the prompt's example, an earlier guess, lowercase or unlisted.
+    history = [{"guess": "polar", "feedback": "GXXXX"}]
+    completions = ["Here is my answer: BRAIN", "Like the example, CRANE.", "It is POLAR", "a brain", "ZZZZZ",
+                   "BRAIN <guess>no</guess>"]
+    assert call(valid_word_reward, completions, history=[history] * 6) == [0.25, 0.0, 0.0, 0.0, 0.0, 0.0]
+
+
 def test_valid_word_reward_repeated_guess() -> None:
     history = [{"guess": "crane", "feedback": "XXXXX"}]
     rewards = call(valid_word_reward, [done("CRANE"), done("apple")], history=[history, history])
@@ -192,6 +201,7 @@ def test_partial_credit_climbs_from_a_small_models_first_answers() -> None:
     history = [{"guess": "polar", "feedback": "GXXXX"}]
     ladder = [
         "The word is GXXX.",  # prose, no tags
+        "The word is BRAIN.",  # a listed word, outside the tags
         "<guess>the answer</guess>",  # a guess tag, no five-letter word
         "<think>P is first</think><guess>WORD</guess> done",  # all tags, not a word, text after
         "<think>P is first</think><guess>POLAR</guess>",  # the format, but repeats the earlier guess

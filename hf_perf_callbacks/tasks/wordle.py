@@ -50,6 +50,8 @@ _FULL_FORMAT = re.compile(rf"\s*<think>({_BODY})</think>\s*<guess>({_BODY})</gue
 _GUESS_TAG = re.compile(rf"<guess>({_BODY})</guess>", re.DOTALL)
 _WORD = re.compile(rf"[A-Za-z]{{{WORD_LENGTH}}}")
 _DECORATION = "\"'`*.,!?;:"
+_CAPITAL_WORD = re.compile(rf"\b[A-Z]{{{WORD_LENGTH}}}\b")
+EXAMPLE_WORD = "crane"  # the guess in the prompt's example answer
 
 
 # --------------------------------------------------------------------------- words and scoring
@@ -133,7 +135,7 @@ def make_prompt(history: Sequence[Mapping[str, str]]) -> str:
         f"{state}\n\n"
         "Think briefly, then give one new five-letter word. Answer format: "
         "<think>your reasoning</think><guess>WORD</guess>\n"
-        "Example: <think>E is in the word, S is not.</think><guess>CRANE</guess>"
+        f"Example: <think>E is in the word, S is not.</think><guess>{EXAMPLE_WORD.upper()}</guess>"
     )
 
 
@@ -251,17 +253,22 @@ def valid_word_reward(
     **kwargs: Any,
 ) -> list[float]:
     """1.0 for a guess from the word list that was not guessed before; 0.5 for any other five-letter guess (a word
-    outside the list, or a repeated guess); 0.0 when no five-letter guess parses."""
+    outside the list, or a repeated guess). Without a guess tag: 0.25 when the text names a listed word in capitals
+    that is neither an earlier guess nor the prompt's example (a guess in the wrong place), else 0.0."""
     words = _word_set()
     histories = history if history is not None else [None] * len(completions)
     rewards = []
     for completion, past in zip(completions, histories, strict=True):
-        guess = parse_guess(_text(completion))
-        if guess is None:
-            rewards.append(0.0)
+        text = _text(completion)
+        guess = parse_guess(text)
+        earlier = {h["guess"].lower() for h in _history(past)}
+        if guess is not None:
+            rewards.append(1.0 if guess in words and guess not in earlier else 0.5)
+        elif _GUESS_TAG.search(text) is None and any(
+                w.lower() in words and w.lower() not in earlier | {EXAMPLE_WORD} for w in _CAPITAL_WORD.findall(text)):
+            rewards.append(0.25)
         else:
-            repeated = guess in {h["guess"].lower() for h in _history(past)}
-            rewards.append(1.0 if guess in words and not repeated else 0.5)
+            rewards.append(0.0)
     return rewards
 
 

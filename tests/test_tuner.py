@@ -127,7 +127,7 @@ def test_probe_picks_a_fitting_split_and_leaves_the_trajectory_unchanged(tokeniz
 
 
 def test_grpo_probe_keeps_the_generation_batch_and_forces_long_completions(tokenizer, tmp_path):
-    tuner = AdaptiveBatchTuner(probe_steps=1)
+    tuner = AdaptiveBatchTuner(probe_steps=1, probe_must_pay=False)
     trainer = make_grpo(tokenizer, tmp_path, [tuner], max_steps=2, bs=4, ga=2, completion=10)
     config = trainer.generation_config
     train_with_tuning(trainer)

@@ -201,3 +201,27 @@ def test_train_with_tuning_and_default_callbacks_validate(tokenizer, tmp_path):
         default_callbacks(ThroughputMeter=5)
     with pytest.raises(ValueError, match="Unknown"):
         default_callbacks(Unknown={})
+
+
+def test_grpo_probe_leaves_sampling_data_and_weights_as_a_run_without_it(tokenizer, tmp_path):
+    """After the probe (every split, learning rate 0, forced long completions), the run samples the same completions
+    from the same prompts as a run at the chosen split that never probed: RNG, data order and weights restored."""
+
+    def recorder(seen):
+        def reward(prompts, completions, completion_ids=None, **kwargs):
+            seen.append((tuple(map(str, prompts)), tuple(tuple(ids) for ids in completion_ids)))
+            return [-abs(len(ids) - 8) / 8.0 for ids in completion_ids]
+        return reward
+
+    probed_seen, plain_seen = [], []
+    tuner = AdaptiveBatchTuner(probe_steps=1, probe_must_pay=False)
+    probed = make_grpo(tokenizer, tmp_path / "probed", [tuner], max_steps=2, bs=4, ga=2, completion=10,
+                       reward=recorder(probed_seen))
+    train_with_tuning(probed)
+    chosen = tuner.decisions[0]["new"]
+    assert len(tuner.decisions[0]["trials"]) >= 2
+    plain = make_grpo(tokenizer, tmp_path / "plain", [], max_steps=2, bs=chosen["micro_batch"],
+                      ga=chosen["grad_accum"], completion=10, reward=recorder(plain_seen))
+    plain.train()
+    assert plain_seen and probed_seen[-len(plain_seen):] == plain_seen       # the probe's own rollouts come first
+    assert losses(probed) == pytest.approx(losses(plain), rel=1e-6)

@@ -183,7 +183,7 @@ def test_without_train_with_tuning_it_saves_stops_and_records_the_split(tokenize
 
 
 @pytest.mark.parametrize("bad", [{"probe": "yes"}, {"probe_steps": 0}, {"max_micro_batch": 0},
-                                 {"probe_patience": 0}, {"rank_by": "speed"}])
+                                 {"probe_patience": 0}, {"rank_by": "speed"}, {"probe_must_pay": "yes"}])
 def test_tuner_parameters_are_validated(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         AdaptiveBatchTuner(**bad)

@@ -127,9 +127,9 @@ def probe_and_ab(a) -> dict:
     chosen = (decision["new"]["micro_batch"], decision["new"]["grad_accum"])
     others = [t for t in decision["trials"] if t.get("samples") and (t["split"]["micro_batch"],
                                                                       t["split"]["grad_accum"]) != configured]
+    best_other = min(others, key=lambda t: t["ranked_time"])["split"] if others else None
     rival = chosen if chosen != configured else (
-        (min(others, key=lambda t: t["ranked_time"])["split"]["micro_batch"],
-         min(others, key=lambda t: t["ranked_time"])["split"]["grad_accum"]) if others else None)
+        (best_other["micro_batch"], best_other["grad_accum"]) if best_other else tuple(a.rival) if a.rival else None)
     train_sec = sum(timer.walls)
     del trainer
     ab = {}
@@ -147,7 +147,8 @@ def probe_and_ab(a) -> dict:
         key = "step_s" if a.rank_by == "step" else "non_generation_s"
         a_runs, b_runs = [x[key] for x in arms[configured]], [x[key] for x in arms[rival]]
         ab = {"configured": f"{configured[0]}×{configured[1]}", "other": f"{rival[0]}×{rival[1]}",
-              "other_is_chosen": rival == chosen, "metric": key, "configured_runs": arms[configured],
+              "other_is_chosen": rival == chosen, "other_measured_by_probe": best_other is not None,
+              "metric": key, "configured_runs": arms[configured],
               "other_runs": arms[rival], "configured_median": median(a_runs), "other_median": median(b_runs),
               "configured_iqr": iqr(a_runs), "other_iqr": iqr(b_runs),
               "other_over_configured": median(b_runs) / median(a_runs),
@@ -169,7 +170,8 @@ def report_ab(result: dict) -> None:
         print(table(["A/B", f"{ab['metric']} configured", "other", "other/configured", "p other faster",
                      "p configured faster"],
                     [[f"{ab['configured']} vs {ab['other']}" + (" (chosen)" if ab["other_is_chosen"] else
-                                                                  " (best other)"),
+                                                                  " (best other)" if ab["other_measured_by_probe"]
+                                                                  else " (--rival)"),
                       ab["configured_median"], ab["other_median"], ab["other_over_configured"],
                       ab["p_other_faster"], ab["p_configured_faster"]]]))
 
@@ -186,6 +188,8 @@ def main():
     p.add_argument("--ab_rounds", type=int, default=6, help="A/B runs per arm, interleaved")
     p.add_argument("--ab_steps", type=int, default=8, help="steps per A/B run (the first is not counted)")
     p.add_argument("--plan_steps", type=int, default=300, help="max_steps the probe plans for (part ab)")
+    p.add_argument("--rival", type=int, nargs=2, default=None,
+                   help="the A/B's other split when the probe kept the configured one without measuring another")
     p.add_argument("--smoke", action="store_true", help="CPU, the demo's tiny model: part ab only")
     a = p.parse_args()
     if a.smoke:
@@ -193,6 +197,7 @@ def main():
         if a.configured == [4, 8]:
             a.configured = [4, 2]                       # the demo's split and length
             a.plan_steps = 30
+            a.rival = a.rival or [1, 8]                 # what the probe chose there before it judged the noise
     if a.part == "ab":
         result = {"probe_ab": probe_and_ab(a), "settings": vars(a)}
         write_result("tuner_smoke" if a.smoke else "tuner_ab", result)
@@ -225,7 +230,7 @@ def _child(part: str, a, limit: float | None = None):
     cmd = [sys.executable, __file__, "--part", part, "--steps", str(a.steps), "--probe_steps", str(a.probe_steps),
            "--completion", str(a.completion), "--rank_by", a.rank_by, "--ab_rounds", str(a.ab_rounds),
            "--ab_steps", str(a.ab_steps), "--plan_steps", str(a.plan_steps),
-           "--configured", *map(str, a.configured)] + (
+           "--configured", *map(str, a.configured)] + (["--rival", *map(str, a.rival)] if a.rival else []) + (
         ["--limit_gb", str(limit)] if limit else [])
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     line = next(x for x in out.splitlines() if x.startswith("RESULT "))

@@ -298,6 +298,8 @@ def _search(trainer, base: _Trial, larger: list[Split], smaller: list[Split], tr
     def affordable(next_cost: float) -> bool:
         return ceiling is None or spent + next_cost <= ceiling
 
+    if not larger and not smaller:
+        return {"note": "no other split"}
     if plan["others"] == 0:
         return {"note": "cannot pay"}
     tried, stopped = 0, ""
@@ -347,10 +349,13 @@ def _explain(verdict: dict, original: Split, chosen: Split, note: str, planned: 
         return (f"probe skipped after measuring the configured split: even a split with no split-dependent time "
                 f"could save at most {stats[str(original)]['median']:.3f} s/step × {planned} steps, less than "
                 f"probing one more split costs")
+    if note == "no other split":
+        return "kept the configured split: it is the only exact split"
     if chosen == original:
         others = [(k, s) for k, s in stats.items() if k != str(original)]
         if not others:
-            return "kept the configured split: no other split fits"
+            return "kept the configured split: no other split fits" + (
+                ", probe cut short by its cost" if note == "budget" else "")
         best = min(others, key=lambda kv: kv[1]["median"])
         return (f"kept the configured split: no split faster beyond the noise (best other {best[0]}: median "
                 f"{best[1]['median']:.3f} vs {stats[str(original)]['median']:.3f} s, p={best[1]['p_value']:.2f})"

@@ -1,7 +1,11 @@
 """5. Watchdog on a planted GPU leak, over seeds: each step keeps a new tensor of a seeded random size alive; a CUDA
 memory fraction just above the budget makes a real OOM the price of missing it. Reported per seed: the step the
-leak was detected, the stop step, memory at the stop vs the budget, a checkpoint before any OOM, and the error of
-``mem/steps_to_wall`` against the true number of steps to the wall (from the planted schedule).
+leak was detected, the stop step, memory at the stop vs the budget, a checkpoint before any OOM, the error of
+``mem/steps_to_wall`` against the true number of steps to the wall (from the planted schedule), and how often the
+logged range ``mem/steps_to_wall_low`` … ``_high`` holds that truth (over all forecasts and per seed).
+
+``--smoke`` runs the same on the CPU (the leak in resident memory, the budget above the process RSS, no OOM guard)
+with a few seeds, to prove the script works.
 """
 import argparse
 import gc
@@ -10,6 +14,7 @@ import os
 import random
 import tempfile
 
+import psutil
 import torch
 from common import GB, median, table, tokenizer, write_result
 from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments
@@ -19,11 +24,11 @@ from hf_perf_callbacks.tiny import build_model
 
 
 class Leak(TrainerCallback):
-    def __init__(self, sizes):
-        self.sizes, self.kept = sizes, []
+    def __init__(self, sizes, device="cuda"):
+        self.sizes, self.kept, self.device = sizes, [], device
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.kept.append(torch.ones(self.sizes[state.global_step - 1], dtype=torch.uint8, device="cuda"))
+        self.kept.append(torch.ones(self.sizes[state.global_step - 1], dtype=torch.uint8, device=self.device))
 
 
 class Texts(torch.utils.data.Dataset):
@@ -40,21 +45,27 @@ class Texts(torch.utils.data.Dataset):
         return {"input_ids": self.items[i]}
 
 
-def one_seed(seed: int, headroom_gb: float, mean_leak_mb: float, max_steps: int) -> dict:
+def one_seed(seed: int, headroom_gb: float, mean_leak_mb: float, max_steps: int, cpu: bool = False) -> dict:
     rng = random.Random(seed)
     sizes = [int(mean_leak_mb * 2**20 * rng.uniform(0.5, 1.5)) for _ in range(max_steps)]
     gc.collect()
-    torch.cuda.empty_cache()
-    model = build_model(tokenizer(), hidden=256, layers=4, heads=4, seed=seed).cuda()
-    budget = torch.cuda.memory_allocated() + headroom_gb * GB
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, (budget + 0.5 * GB) / total))
+    if cpu:
+        model = build_model(tokenizer(), hidden=64, layers=2, heads=2, seed=seed)
+        budget = psutil.Process().memory_info().rss + headroom_gb * GB
+    else:
+        torch.cuda.empty_cache()
+        model = build_model(tokenizer(), hidden=256, layers=4, heads=4, seed=seed).cuda()
+        budget = torch.cuda.memory_allocated() + headroom_gb * GB
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (budget + 0.5 * GB) / total))
     out = tempfile.mkdtemp()
     watchdog = MemoryWatchdog(limit_gb=budget / GB, grace_steps=2, trend_window=4, warn_within_steps=6,
                               stop_within_steps=3)
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=8, max_steps=max_steps, logging_steps=1,
-                             save_strategy="no", report_to="none", disable_tqdm=True, seed=seed, bf16=True)
-    trainer = Trainer(model=model, args=args, train_dataset=Texts(), callbacks=[Leak(sizes), watchdog],
+                             save_strategy="no", report_to="none", disable_tqdm=True, seed=seed, bf16=not cpu,
+                             use_cpu=cpu)
+    trainer = Trainer(model=model, args=args, train_dataset=Texts(),
+                      callbacks=[Leak(sizes, "cpu" if cpu else "cuda"), watchdog],
                       data_collator=DataCollatorForLanguageModeling(tokenizer(), mlm=False))
     oom = None
     try:
@@ -65,7 +76,7 @@ def one_seed(seed: int, headroom_gb: float, mean_leak_mb: float, max_steps: int)
     steps = {x["step"]: x for x in lines if x["type"] == "step"}
     events = [x for x in lines if x["type"] == "event" and x["source"] == "mem"]
     stop = watchdog.stopped_at
-    errors = []
+    errors, held = [], []
     for s, line in steps.items():                       # true steps to the wall from the planted schedule
         if "mem/steps_to_wall" not in line:
             continue
@@ -75,13 +86,17 @@ def one_seed(seed: int, headroom_gb: float, mean_leak_mb: float, max_steps: int)
             k += 1
         if used >= budget and k > 0:
             errors.append(abs(line["mem/steps_to_wall"] - k) / k)
+            held.append(line["mem/steps_to_wall_low"] <= k <= line.get("mem/steps_to_wall_high", float("inf")))
     detected = min((e["step"] for e in events), default=None)
     used_at_stop = steps[stop]["mem/device_used_gb"] * GB if stop else None
     result = {"seed": seed, "detected_step": detected, "stop_step": stop, "oom": oom,
               "checkpoint": bool(stop) and os.path.isdir(os.path.join(out, f"checkpoint-{stop}")),
               "budget_gb": budget / GB, "used_at_stop_gb": used_at_stop / GB if used_at_stop else None,
               "stop_fraction_of_budget": used_at_stop / budget if used_at_stop else None,
-              "steps_to_wall_median_error": median(errors), "steps_to_wall_errors": errors}
+              "steps_to_wall_median_error": median(errors), "steps_to_wall_errors": errors,
+              "range_held": held, "range_coverage": sum(held) / len(held) if held else None}
+    if cpu:
+        return result
     torch.cuda.set_per_process_memory_fraction(1.0)
     for cb in trainer.callback_handler.callbacks:
         if isinstance(cb, Leak):
@@ -98,23 +113,35 @@ def main():
     p.add_argument("--headroom_gb", type=float, default=3.0)
     p.add_argument("--mean_leak_mb", type=float, default=128.0)
     p.add_argument("--max_steps", type=int, default=80)
+    p.add_argument("--smoke", action="store_true", help="CPU, 3 seeds, a small leak in resident memory")
     a = p.parse_args()
+    if a.smoke:
+        a.seeds, a.headroom_gb, a.mean_leak_mb, a.max_steps = min(a.seeds, 3), 0.25, 16.0, 40
     runs = []
     for seed in range(a.seeds):
-        runs.append(one_seed(seed, a.headroom_gb, a.mean_leak_mb, a.max_steps))
-        torch.cuda.empty_cache()
+        runs.append(one_seed(seed, a.headroom_gb, a.mean_leak_mb, a.max_steps, cpu=a.smoke))
+        if not a.smoke:
+            torch.cuda.empty_cache()
     saved = sum(r["checkpoint"] and not r["oom"] for r in runs)
     errors = [e for r in runs for e in r["steps_to_wall_errors"]]
+    held = [h for r in runs for h in r["range_held"]]
+    seeds_covered = sum(r["range_coverage"] is not None and r["range_coverage"] >= 0.9 for r in runs)
     result = {"seeds": a.seeds, "checkpointed_before_oom": saved, "median_steps_to_wall_error": median(errors),
               "p90_steps_to_wall_error": sorted(errors)[int(0.9 * (len(errors) - 1))] if errors else None,
-              "runs": runs, "settings": vars(a), "targets": {"checkpointed": a.seeds, "steps_to_wall_error": 0.2}}
-    write_result("watchdog", result)
-    print(table(["seed", "detected", "stopped", "used/budget", "checkpoint", "OOM", "stw median err"],
+              "range_coverage": sum(held) / len(held) if held else None, "forecasts": len(held),
+              "seeds_with_range_coverage_90": seeds_covered,
+              "runs": runs, "settings": vars(a),
+              "targets": {"checkpointed": a.seeds, "steps_to_wall_error": 0.2, "range_coverage": 0.9}}
+    write_result("watchdog_smoke" if a.smoke else "watchdog", result)
+    print(table(["seed", "detected", "stopped", "used/budget", "checkpoint", "OOM", "stw median err",
+                 "range coverage"],
                 [[r["seed"], r["detected_step"], r["stop_step"], r["stop_fraction_of_budget"], r["checkpoint"],
-                  bool(r["oom"]), r["steps_to_wall_median_error"]] for r in runs]))
-    print(table(["checkpointed before OOM", "median stw error", "p90 stw error", "targets"],
+                  bool(r["oom"]), r["steps_to_wall_median_error"], r["range_coverage"]] for r in runs]))
+    print(table(["checkpointed before OOM", "median stw error", "p90 stw error", "range coverage",
+                 "seeds with coverage >= 90%", "targets"],
                 [[f"{saved}/{a.seeds}", result["median_steps_to_wall_error"], result["p90_steps_to_wall_error"],
-                  f"{a.seeds}/{a.seeds}, <= 20%"]]))
+                  result["range_coverage"], f"{seeds_covered}/{a.seeds}",
+                  f"{a.seeds}/{a.seeds}, <= 20% or range coverage >= 90%"]]))
 
 
 if __name__ == "__main__":

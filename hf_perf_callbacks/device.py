@@ -183,11 +183,19 @@ class DeviceLayer:
         """Achievable dense matmul FLOP/s on this device, measured with a ``size``³ GEMM (warmed up, synchronized).
 
         ``size`` defaults to 8192 on CUDA (large enough to reach the tensor-core peak), 4096 on MPS/XPU and 1024 on
-        the CPU (seconds, not minutes).
+        the CPU (seconds, not minutes). The operands come from a private generator: the run's RNG streams (and so
+        its sampling and data order) are the same with or without the calibration.
         """
         size = size or {"cuda": 8192, "cpu": 1024}.get(self.type, 4096)
-        a = torch.randn(size, size, device=self.device, dtype=dtype)
-        b = torch.randn(size, size, device=self.device, dtype=dtype)
+        try:
+            generator = torch.Generator(device=self.device).manual_seed(0)
+            a = torch.randn(size, size, device=self.device, dtype=dtype, generator=generator)
+            b = torch.randn(size, size, device=self.device, dtype=dtype, generator=generator)
+        except (RuntimeError, TypeError):      # a backend without device generators: the global one, put back after
+            with torch.random.fork_rng(devices=[self.device] if self.type != "cpu" else [],
+                                       device_type=self.type if self.type != "cpu" else "cuda"):
+                a = torch.randn(size, size, device=self.device, dtype=dtype)
+                b = torch.randn(size, size, device=self.device, dtype=dtype)
         for _ in range(2):
             a @ b
         self.synchronize()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .stats import linear_fit
+from .stats import WallForecast, linear_fit, steps_to_limit
 from .validation import check_number
 
 OK, WARN, CRITICAL = 0, 1, 2
@@ -111,6 +111,14 @@ class MemoryPolicy:
         if slope is None or slope <= 0:
             return None
         return max(0.0, (self.budget - self.history[-1][1]) / slope)
+
+    def forecast(self) -> WallForecast | None:
+        """Steps to the budget with a 90% range (:func:`~hf_perf_callbacks.stats.steps_to_limit`); None when the
+        trend is not growing."""
+        if len(self.history) < 3:
+            return None
+        steps, used = zip(*self.history)
+        return steps_to_limit(steps, used, self.budget)
 
     def _wall_near(self, within: float) -> bool:
         stw = self.steps_to_wall

@@ -138,3 +138,162 @@ def generation_period(steps_per_generation: int, num_iterations: int, grad_accum
     """Optimizer steps after which GRPO's generate/replay pattern repeats (1 for plain trainers)."""
     every = steps_per_generation * num_iterations          # micro-batches between generations
     return math.lcm(every, grad_accum) // grad_accum
+
+
+# ---------------------------------------------------------------- comparing two samples
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of a non-empty sequence (linear interpolation between order statistics)."""
+    if not values:
+        raise ValueError("quantile of an empty sequence")
+    check_number("q", q, low=0, high=1)
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    low = int(math.floor(pos))
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def iqr(values: Sequence[float]) -> tuple[float, float]:
+    """(lower quartile, upper quartile)."""
+    return quantile(values, 0.25), quantile(values, 0.75)
+
+
+def _u_statistic(a: Sequence[float], b: Sequence[float]) -> float:
+    """Pairs (x from a, y from b) with x < y, ties counted half."""
+    return sum(1.0 if x < y else 0.5 if x == y else 0.0 for x in a for y in b)
+
+
+def mann_whitney_less(a: Sequence[float], b: Sequence[float]) -> float:
+    """One-sided Mann-Whitney p-value for "values of ``a`` tend to be smaller than those of ``b``".
+
+    Exact (a permutation over every split of the pooled values, ties included) when ``len(a) + len(b) <= 14``,
+    otherwise the normal approximation with a continuity correction. Small samples cannot reach small p-values:
+    2 against 2 gives at best 1/6, 3 against 3 1/20, 4 against 4 1/70.
+    """
+    if not a or not b:
+        raise ValueError(f"mann_whitney_less needs two non-empty samples, got {len(a)} and {len(b)}")
+    observed = _u_statistic(a, b)
+    n, m = len(a), len(b)
+    if n + m <= 14:
+        from itertools import combinations
+
+        pooled = list(a) + list(b)
+        count = total = 0
+        for chosen in combinations(range(n + m), n):
+            picked = set(chosen)
+            first = [pooled[i] for i in chosen]
+            second = [pooled[i] for i in range(n + m) if i not in picked]
+            total += 1
+            count += _u_statistic(first, second) >= observed - 1e-12
+        return count / total
+    mean = n * m / 2
+    sd = math.sqrt(n * m * (n + m + 1) / 12)
+    z = (observed - mean - 0.5) / sd
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+# ---------------------------------------------------------------- uncertainty of a growth trend
+
+#: one-sided 95% quantiles of Student's t by degrees of freedom (two-sided 90% intervals)
+_T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812,
+        12: 1.782, 15: 1.753, 20: 1.725, 30: 1.697, 60: 1.671}
+
+
+def t95(df: int) -> float:
+    """One-sided 95% quantile of Student's t with ``df`` degrees of freedom (table, the next smaller df listed)."""
+    check_number("df", df, low=1, integer=True)
+    return _T95[max(k for k in _T95 if k <= df)] if df <= 60 else 1.645
+
+
+@dataclass
+class WallForecast:
+    """Steps until a growing series reaches a limit: a point estimate and a 90% range (see :func:`steps_to_limit`)."""
+
+    steps: float               # headroom / least-squares slope
+    low: float                 # fewer steps: growth at the upper end of its interval
+    high: float | None         # more steps; None when growth may be zero within the interval (no upper bound)
+    slope: float               # least-squares slope per step
+    growth_low: float          # interval of the mean growth per step over the forecast horizon
+    growth_high: float
+
+
+def steps_to_limit(steps: Sequence[float], values: Sequence[float], limit: float) -> WallForecast | None:
+    """Forecast when ``values`` (one per step) reach ``limit``; None when the fitted trend is not growing.
+
+    The point estimate divides the headroom by the least-squares slope. The range treats the series as a random
+    walk with drift (a leak adds a random amount each step): the per-step increments give the mean growth ``m`` and
+    its spread ``s``; the mean growth over the next ``k`` steps lies, with 90% confidence, within
+    ``m ± t95(n-1) · s · sqrt(1/n + 1/k)`` (estimation error of ``m`` plus the randomness of the ``k`` future
+    increments), ``n`` increments, ``k`` the point estimate. The range is that headroom divided by the interval's
+    ends, widened to whole steps (the wall is met at a whole step).
+    """
+    if len(values) < 3 or len(values) != len(steps):
+        return None
+    slope, _ = linear_fit(steps, values)
+    headroom = limit - values[-1]
+    if slope <= 0:
+        return None
+    point = max(0.0, headroom / slope)
+    if headroom <= 0:
+        return WallForecast(0.0, 0.0, 0.0, slope, slope, slope)
+    increments = [(v1 - v0) / (s1 - s0) for (s0, v0), (s1, v1) in zip(zip(steps, values), zip(steps[1:], values[1:]))
+                  if s1 > s0]
+    n = len(increments)
+    mean = sum(increments) / n
+    spread = math.sqrt(sum((x - mean) ** 2 for x in increments) / (n - 1)) if n > 1 else abs(mean)
+    horizon = max(1.0, point)
+    delta = t95(max(1, n - 1)) * spread * math.sqrt(1.0 / n + 1.0 / horizon)
+    fast, slow = mean + delta, mean - delta
+    low = math.floor(headroom / fast) if fast > 0 else 0.0
+    high = math.ceil(headroom / slow) if slow > 0 else None
+    low = min(low, math.floor(point))
+    if high is not None:
+        high = max(high, math.ceil(point))
+    return WallForecast(point, float(low), None if high is None else float(high), slope, slow, fast)
+
+
+# ---------------------------------------------------------------- warmup or contention
+
+@dataclass
+class SlowStart:
+    """Why early steps were slower than the steady step (see :func:`classify_slow_steps`)."""
+
+    labels: list[str]          # per step: "steady", "warmup" (more own work), "contention" (same work, more time)
+    warmup_sec: float          # wall time above the steady step explained by the extra own CPU time
+    contention_sec: float      # wall time above the steady step with no extra own CPU time behind it
+    steady_wall: float
+    steady_cpu: float
+
+
+def classify_slow_steps(wall: Sequence[float], cpu: Sequence[float], steady_wall: float | None = None,
+                        steady_cpu: float | None = None, tolerance: float = 0.1) -> SlowStart:
+    """Tell warmup (the process did more work) from contention (the same work took longer) in slow steps.
+
+    ``wall`` and ``cpu`` are per-step wall seconds and the process's CPU seconds (``time.process_time``, all
+    threads). The steady levels default to the medians of the later half of the steps. A step whose wall time is
+    within ``tolerance`` of the steady wall time is steady. Of a slow step's excess wall time, the part its extra
+    CPU time explains (converted to wall time at the steady CPU-per-wall rate) is warmup, the rest contention;
+    the label is the larger part. Meaningful where the CPU time is the work (a CPU device): on a GPU the host's CPU
+    time is launch and wait time, not the work.
+    """
+    if len(wall) != len(cpu) or not wall:
+        raise ValueError(f"classify_slow_steps needs equal-length non-empty wall and cpu, got {len(wall)} and "
+                         f"{len(cpu)}")
+    check_number("tolerance", tolerance, low=0)
+    later = len(wall) // 2
+    steady_wall = median(wall[later:]) if steady_wall is None else steady_wall
+    steady_cpu = median(cpu[later:]) if steady_cpu is None else steady_cpu
+    wall_per_cpu = steady_wall / steady_cpu if steady_cpu > 0 else 0.0
+    labels, warm, contended = [], 0.0, 0.0
+    for w, c in zip(wall, cpu):
+        excess = w - steady_wall
+        if excess <= tolerance * steady_wall:
+            labels.append("steady")
+            continue
+        extra_work = (c - steady_cpu) * wall_per_cpu if c > steady_cpu * (1 + tolerance) else 0.0
+        part_warm = min(excess, extra_work)
+        warm += part_warm
+        contended += excess - part_warm
+        labels.append("warmup" if part_warm >= excess - part_warm else "contention")
+    return SlowStart(labels, warm, contended, steady_wall, steady_cpu)

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 import weakref
+
+import psutil
 
 import torch
 
@@ -33,6 +36,47 @@ def forward_entry(inner: torch.nn.Module) -> torch.nn.Module:
     except Exception:  # noqa: BLE001 - a model without a separable decoder
         decoder = None
     return decoder if isinstance(decoder, torch.nn.Module) else inner
+
+
+class MachineLoad:
+    """Per-step contention data: the process's CPU time beside the wall time, and what the rest of the machine did.
+
+    ``psutil.cpu_times()`` is read once per step (our own previous reading, so other users of psutil's
+    ``cpu_percent`` do not disturb it); ``os.getloadavg()`` where the platform has it.
+    """
+
+    def __init__(self):
+        self.cores = os.cpu_count() or 1
+        self.previous = None
+
+    @staticmethod
+    def _busy() -> float:
+        t = psutil.cpu_times()
+        return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
+    def reset(self) -> None:
+        try:
+            self.previous = self._busy()
+        except Exception:  # noqa: BLE001 - a platform without the reading: no machine figures
+            self.previous = None
+
+    def step_fields(self, record) -> dict:
+        fields = {}
+        if record.cpu is not None and record.wall > 0:
+            fields[keys.PERF_CPU_SEC] = record.cpu
+            fields[keys.PERF_CPU_TIME_RATIO] = record.cpu / record.wall
+        if self.previous is not None:
+            try:
+                busy = self._busy()
+            except Exception:  # noqa: BLE001
+                busy = None
+            if busy is not None and record.wall > 0:
+                machine = max(0.0, busy - self.previous) / record.wall
+                fields[keys.PERF_OTHER_CPU_CORES] = max(0.0, machine - fields.get(keys.PERF_CPU_TIME_RATIO, 0.0))
+            self.previous = busy
+        if hasattr(os, "getloadavg"):
+            fields[keys.PERF_LOAD_PER_CORE] = os.getloadavg()[0] / self.cores
+        return fields
 
 
 class ThroughputMeter(PerfCallback):
@@ -65,10 +109,27 @@ class ThroughputMeter(PerfCallback):
         data_wait_threshold: warn once when data wait exceeds this fraction of step time after warmup.
         progress_bar: show current tok/s beside the progress bar.
 
+    **Warmup or contention.** On a CPU device warmup is detected on the process's CPU time per step (the work):
+    slow early steps whose CPU time was flat were slowed by other processes and are reported as contention, not
+    warmup. On a GPU the host's CPU time is launch and wait time, not the work, so warmup stays on wall time; the
+    step lines still carry the machine's load (a busy host slows launch-bound steps such as HF ``generate``).
+
     Logged keys (at each logging step; every step in ``perf_log.jsonl``, which also holds
-    ``perf/phase_sec/<phase>``, ``perf/step_wall_sec``, ``perf/tokens``, ``perf/seq_len`` and ``perf/steady`` — 1
+    ``perf/phase_sec/<phase>``, ``perf/step_wall_sec``, ``perf/tokens``, ``perf/seq_len``, ``perf/steady`` — 1
     for steps already known to be steady when written: warmup is decided a few steps late, see
-    ``perf/warmup_steps``). Memory keys are in GiB (2³⁰ bytes) throughout the package.
+    ``perf/warmup_steps`` — and the contention data of the table below). Memory keys are in GiB (2³⁰ bytes)
+    throughout the package.
+
+    ====================================  ========  ==============================================================
+    step-line key (``perf_log.jsonl``)    unit      meaning
+    ====================================  ========  ==============================================================
+    ``perf/cpu_sec``                      s         process CPU time (``time.process_time``, all threads) since the
+                                                    previous step ended: the same span as ``perf/step_wall_sec``
+    ``perf/cpu_time_ratio``               cores     ``perf/cpu_sec`` / ``perf/step_wall_sec``: threads kept busy
+    ``perf/other_cpu_cores``              cores     busy cores of the machine during the step minus this process's
+                                                    (``psutil.cpu_times``): other processes' load
+    ``perf/load_per_core``                ratio     1-minute load average / logical cores (``os.getloadavg``)
+    ====================================  ========  ==============================================================
 
     ====================================  ========  ==============================================================
     key                                   unit      meaning
@@ -110,6 +171,8 @@ class ThroughputMeter(PerfCallback):
                          data_wait_threshold=data_wait_threshold, progress_bar=progress_bar)
         self.timeline = StepTimeline(window_steps, warmup_window, warmup_tolerance, max_warmup_steps)
         self.clock = time.perf_counter
+        self.cpu_clock = time.process_time          # the process's CPU seconds, all threads
+        self.machine = MachineLoad()
         self.warned: set[str] = set()
         self._hooks: list = []
         self._stop_watching_generate = None
@@ -134,7 +197,9 @@ class ThroughputMeter(PerfCallback):
         self.seq_len = 0                             # padded length of the latest training forward
         self.seen = state.num_input_tokens_seen      # resume: the restored count is the baseline (no spike)
         self.device.synchronize()
-        self.timeline.start_segment(self.clock(), self.period)
+        self.machine.reset()
+        self.timeline.start_segment(self.clock(), self.period, cpu=self.cpu_clock(),
+                                    work="cpu" if self.device.type == "cpu" else "wall")
         self.bus.describe_run(self.source, state.global_step, device=self.device.name,
                               device_type=self.device.type, world_size=self.world, grpo=self.is_grpo,
                               token_source=self.token_source, period=self.period, peak_flops=self.peak_flops,
@@ -280,7 +345,7 @@ class ThroughputMeter(PerfCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.microbatches += 1
         self.device.synchronize()                                   # the one synchronize per optimizer step
-        record = self.timeline.measure(state.global_step, self.clock())
+        record = self.timeline.measure(state.global_step, self.clock(), cpu=self.cpu_clock())
         counts = self.counts.tolist()                               # one read of the device counters
         tokens = float(state.num_input_tokens_seen - self.seen) if self.token_source == "trainer" else \
             float(counts[HOOK_TOKENS])
@@ -302,7 +367,8 @@ class ThroughputMeter(PerfCallback):
                                                                 for p in PHASES},
                                                 keys.PERF_STEP_WALL_SEC: record.wall, keys.PERF_TOKENS: tokens,
                                                 keys.PERF_SEQ_LEN: self.seq_len,
-                                                keys.PERF_STEADY: int(record.steady)})
+                                                keys.PERF_STEADY: int(record.steady),
+                                                **self.machine.step_fields(record)})
         if control.should_log:   # phase shares over this logging interval
             metrics.update({keys.PERF_PHASE_SHARE[k]: v for k, v in self.timeline.take_window_phases().items()})
         self.bus.publish(metrics)
@@ -388,7 +454,8 @@ class ThroughputMeter(PerfCallback):
                "steady_step_sec": tl.steady_step_seconds, "steady_tokens_per_sec": tl.steady_tokens_per_sec,
                "mean_tokens_per_sec": tl.total_tokens / tl.total_train_seconds if tl.total_train_seconds else None,
                "phases": tl.phase_fractions(), "device": self.device.name, "world_size": self.world,
-               "peak_flops": self.peak_flops}
+               "peak_flops": self.peak_flops, "warmup_measured_on": tl.work,
+               "early_contention_sec": tl.early_contention}
         utilisation = self._utilisation(tl.steady_tokens_per_sec)
         out.update({name: utilisation[key] for name, key in (("mfu", keys.PERF_MFU), ("hfu", keys.PERF_HFU))
                     if key in utilisation})
@@ -405,6 +472,9 @@ class ThroughputMeter(PerfCallback):
             warmup = (f"ended after {s['warmup_steps']} steps   overhead {num(s['warmup_overhead_sec'], '.2f')} s   "
                       f"first step {num(s['first_step_slowdown'], '.1f')}x the steady step "
                       f"({num(s['steady_step_sec'], '.3f')} s)")
+            if s.get("early_contention_sec"):
+                warmup += (f"   (on CPU time; slow early steps with flat CPU time, other processes: "
+                           f"{s['early_contention_sec']:.2f} s)")
         else:
             warmup = f"not finished after {s['steps']} steps (no stable window yet: run longer for steady figures)"
         mfu = (f"   MFU {s['mfu']:.1%}" if "mfu" in s else "   MFU n/a (peak unknown)" if not s["peak_flops"]

@@ -18,14 +18,20 @@ phase                 time
 ====================  ======================================================================================
 
 Training time of a step excludes eval and save. Warmup is detected on cycles of ``period`` steps (GRPO generates
-every ``period`` optimizer steps; 1 otherwise). Each ``train()`` call (a resume included) starts a new segment with
+every ``period`` optimizer steps; 1 otherwise), on the **work** of a cycle: its wall time (``work="wall"``), or on
+a CPU device the process's CPU time (``work="cpu"``, :func:`time.process_time`, all threads): there the CPU time is
+the work, and a step that took longer with the same CPU time was slowed by other processes, not by warmup. In CPU
+mode the warmup overhead is the extra CPU time converted to wall time at the steady wall-per-CPU rate, the steady
+step time is the wall median, and the slow early cycles with flat CPU time are counted as contention
+(:func:`~hf_perf_callbacks.stats.classify_slow_steps`). On a GPU the host's CPU time is launch and wait time, not
+the work (a GPU kernel's time shows up as wall time of a waiting host), so the detector stays on wall time there. Each ``train()`` call (a resume included) starts a new segment with
 its own warmup; steady totals and the warmup overhead accumulate over segments.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .stats import WarmupDetector, WindowedRate
+from .stats import WarmupDetector, WindowedRate, classify_slow_steps, median
 from .validation import check_number
 
 PHASES = ("data_wait", "generation", "compute", "eval", "save")
@@ -45,6 +51,14 @@ class StepRecord:
     save: float
     tokens: float = 0.0
     steady: bool = False
+    cpu: float | None = None   # process CPU seconds since the previous step ended (all threads), when measured
+
+    @property
+    def train_cpu(self) -> float | None:
+        """CPU seconds of the training part (the step's CPU time × its training share of the wall time)."""
+        if self.cpu is None:
+            return None
+        return self.cpu * (self.train / self.wall) if self.wall > 0 else 0.0
 
     def phases(self) -> dict[str, float]:
         return {p: getattr(self, p) for p in PHASES}
@@ -66,15 +80,25 @@ class StepTimeline:
         self.total_tokens = 0.0
         self.total_train_seconds = 0.0
         self.phase_totals = dict.fromkeys(PHASES, 0.0)
+        self.past_contention = 0.0      # early contention of earlier segments (see early_contention)
         self.steps = 0
         self.segments = 0
         self.start_segment(0.0)
         self.segments = 0
 
     # ------------------------------------------------------------ segments
-    def start_segment(self, t: float, period: int = 1) -> None:
-        """A ``train()`` begins (fresh or resumed) at time ``t``."""
+    def start_segment(self, t: float, period: int = 1, cpu: float | None = None, work: str = "wall") -> None:
+        """A ``train()`` begins (fresh or resumed) at time ``t`` (``cpu``: the process CPU clock then; ``work``:
+        what warmup is detected on, ``"wall"`` or ``"cpu"``)."""
         self.period = check_number("period", period, low=1, integer=True)
+        if work not in ("wall", "cpu"):
+            raise ValueError(f"work={work!r} is not allowed: expected 'wall' or 'cpu'")
+        if hasattr(self, "segment_cycles"):
+            self.past_contention += self._segment_contention()
+        self.work = work if cpu is not None else "wall"
+        self.prev_cpu = cpu
+        self.segment_cycles: list[tuple[float, float]] = []   # (wall, CPU) of this segment's cycles (CPU mode)
+        self.decided_at: int | None = None
         self.segments += 1
         self.detector = WarmupDetector(max(2, -(-self.warmup_window // period)), self.warmup_tolerance,
                                        -(-self.max_warmup_steps // period))
@@ -101,7 +125,12 @@ class StepTimeline:
 
     @property
     def steady_step_seconds(self) -> float | None:
-        return self.detector.result.steady_reference / self.period if self.detector.done else None
+        if not self.detector.done:
+            return None
+        if self.work == "cpu" and self.decided_at is not None and self.segment_cycles:
+            start = max(0, self.decided_at - self.detector.window)
+            return median([w for w, _ in self.segment_cycles[start:]]) / self.period
+        return self.detector.result.steady_reference / self.period
 
     # ------------------------------------------------------------ events
     def step_begin(self, t: float, overhead: float = 0.0) -> None:
@@ -120,13 +149,17 @@ class StepTimeline:
         if self.step_begin_at is not None:   # generation during eval belongs to eval
             self.step_phases["generation"] += seconds
 
-    def measure(self, step: int, t: float) -> StepRecord:
-        """The step ended at ``t``: its local durations (tokens come with :meth:`commit`)."""
+    def measure(self, step: int, t: float, cpu: float | None = None) -> StepRecord:
+        """The step ended at ``t`` (``cpu``: the process CPU clock then): its local durations (tokens come with
+        :meth:`commit`)."""
         wall = max(0.0, t - self.prev_end)
         p = self.step_phases
         compute = max(0.0, wall - p["data_wait"] - p["generation"] - p["eval"] - p["save"])
         record = StepRecord(step, wall, wall - p["eval"] - p["save"], p["data_wait"], p["generation"], compute,
                             p["eval"], p["save"])
+        if cpu is not None and self.prev_cpu is not None:
+            record.cpu = max(0.0, cpu - self.prev_cpu)
+        self.prev_cpu = cpu
         self.step_phases = dict.fromkeys(PHASES, 0.0)
         self.last_mark = self.prev_end = t
         self.step_begin_at = None
@@ -153,16 +186,54 @@ class StepTimeline:
         return record
 
     def _close_cycle(self, cycle: list[StepRecord]) -> None:
+        cpu_mode = self.work == "cpu" and all(r.cpu is not None for r in cycle)
+        if not cpu_mode and self.work == "cpu" and not self.detector.done:
+            self.work = "wall"                       # a step without a CPU reading: wall time from here on
+        sample = sum(r.train_cpu for r in cycle) if cpu_mode else sum(r.train for r in cycle)
+        if cpu_mode and len(self.segment_cycles) < 1000:
+            self.segment_cycles.append((sum(r.train for r in cycle), sample))
         if self.detector.done:
             self._steady(cycle)
             return
         self.unsettled.append(cycle)
-        if self.detector.add(sum(r.train for r in cycle)):
+        if self.detector.add(sample):
             result = self.detector.result
-            self.warmup_overhead += result.overhead
+            if cpu_mode:
+                self.warmup_overhead += self._settle_cpu(result)
+            else:
+                self.warmup_overhead += result.overhead
             for settled in self.unsettled[result.warmup_samples:]:
                 self._steady(settled)
             self.unsettled = []
+
+    def _settle_cpu(self, result) -> float:
+        """CPU mode: the steady wall time and the warmup overhead in wall seconds (the part of the warmup cycles'
+        excess wall time that their extra CPU time explains)."""
+        walls = [sum(r.train for r in c) for c in self.unsettled]
+        cpus = [sum(r.train_cpu for r in c) for c in self.unsettled]
+        window = self.detector.window
+        self.decided_at = len(self.segment_cycles)
+        k = result.warmup_samples
+        slow = classify_slow_steps(walls[:k] or walls[-1:], cpus[:k] or cpus[-1:], median(walls[-window:]),
+                                   median(cpus[-window:]), self.warmup_tolerance)
+        return slow.warmup_sec if k else 0.0
+
+    def _segment_contention(self) -> float:
+        """Wall seconds of this segment's cycles up to the warmup decision that lie above the steady wall time
+        with no extra CPU time behind them; the steady levels are the medians from the decision's window on
+        (later cycles included: the window alone may still hold a contended cycle)."""
+        if self.decided_at is None or not self.segment_cycles:
+            return 0.0
+        walls, cpus = zip(*self.segment_cycles)
+        start = max(0, self.decided_at - self.detector.window)
+        slow = classify_slow_steps(walls[:self.decided_at], cpus[:self.decided_at], median(walls[start:]),
+                                   median(cpus[start:]), self.warmup_tolerance)
+        return slow.contention_sec
+
+    @property
+    def early_contention(self) -> float:
+        """CPU mode: wall seconds of slow early cycles whose CPU time was flat (other processes), all segments."""
+        return self.past_contention + self._segment_contention()
 
     def _steady(self, cycle: list[StepRecord]) -> None:
         for r in cycle:
@@ -194,7 +265,8 @@ class StepTimeline:
         warmup = asdict(self.detector.result) if self.detector.done else None
         keys = ("steady_tokens", "steady_seconds", "warmup_overhead", "total_tokens", "total_train_seconds",
                 "steps", "segments")
-        return {**{k: getattr(self, k) for k in keys}, "phase_totals": dict(self.phase_totals),
+        return {**{k: getattr(self, k) for k in keys}, "early_contention": self.early_contention,
+                "phase_totals": dict(self.phase_totals),
                 "last_warmup": warmup}
 
     def load(self, saved: dict) -> None:
@@ -202,6 +274,7 @@ class StepTimeline:
                     "steps", "segments"):
             if key in saved:
                 setattr(self, key, saved[key])
+        self.past_contention = saved.get("early_contention", 0.0)
         self.phase_totals.update(saved.get("phase_totals", {}))
 
 

@@ -11,6 +11,24 @@ from .memory import CLEAR, CRITICAL, LEVEL_NAMES, SMALLER_BATCH, STOP, MemoryPol
 from .validation import check_flag, check_number
 
 
+WALL_KEYS = (keys.MEM_STEPS_TO_WALL, keys.MEM_STEPS_TO_WALL_LOW, keys.MEM_STEPS_TO_WALL_HIGH)
+
+
+def wall_fields(forecast, remaining: int | None) -> dict:
+    """The ``mem/steps_to_wall*`` keys of one step: none when memory is not growing or the wall lies beyond the
+    run's ``remaining`` steps even at the point estimate; ``_high`` capped at ``remaining`` (past the run's end
+    the wall is not met) and absent when growth may be zero within the 90% interval and the run has no end."""
+    if forecast is None or (remaining is not None and forecast.steps > remaining):
+        return {}
+    high = forecast.high
+    if remaining is not None:
+        high = remaining if high is None else min(high, remaining)
+    fields = {keys.MEM_STEPS_TO_WALL: forecast.steps, keys.MEM_STEPS_TO_WALL_LOW: forecast.low}
+    if high is not None:
+        fields[keys.MEM_STEPS_TO_WALL_HIGH] = float(high)
+    return fields
+
+
 class MemoryWatchdog(PerfCallback):
     """Samples memory once per optimizer step, predicts the steps until the budget, and acts on a ladder.
 
@@ -51,7 +69,11 @@ class MemoryWatchdog(PerfCallback):
     ``mem/system_available_gb``   GB      psutil available RAM (not trusted for decisions on macOS)
     ``mem/swap_used_gb``          GB      swap in use (macOS: ``vm.swapusage``)
     ``mem/pressure``              level   0 ok, 1 warn, 2 critical
-    ``mem/steps_to_wall``         steps   steps until the budget at the current growth (absent when flat)
+    ``mem/steps_to_wall``         steps   steps until the budget at the fitted growth; absent when memory is
+                                          not growing or the wall lies beyond the run's last step
+    ``mem/steps_to_wall_low``     steps   lower end of its 90% range (growth as a random walk with drift:
+                                          the slope's uncertainty and the next steps' randomness)
+    ``mem/steps_to_wall_high``    steps   upper end, capped at the steps left in the run
     ``mem/growth_mb_per_step``    MB      slope of the trend fit
     ``mem/os_pressure``           level   macOS kernel pressure: 1 normal, 2 warn, 4 critical
     ``mem/swapouts``              pages   macOS swap-outs since the previous step
@@ -149,8 +171,10 @@ class MemoryWatchdog(PerfCallback):
                       f"(+{self.policy.slope / 1024**2:.1f} MB/step): a steady leak, e.g. tensors kept across "
                       f"steps (a loss appended without .item(), a growing cache)", step=step)
         fields[keys.MEM_PRESSURE] = self.policy.level
-        if self.policy.steps_to_wall is not None:
-            fields[keys.MEM_STEPS_TO_WALL] = self.policy.steps_to_wall
+        fields.update(wall_fields(self.policy.forecast(), state.max_steps - step if state.max_steps > 0 else None))
+        for key in WALL_KEYS:              # a forecast of an earlier step must not reach this step's log
+            if key not in fields:
+                self.bus.unlogged.pop(key, None)
         if self.policy.slope is not None:
             fields[keys.MEM_GROWTH_MB_PER_STEP] = self.policy.slope / 1024**2
         self.bus.record_step(step, fields)

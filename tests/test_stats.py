@@ -104,3 +104,29 @@ def test_linear_fit_exact():
     assert linear_fit([1, 1], [2, 4]) == (0.0, 3.0)
     with pytest.raises(ValueError):
         linear_fit([1], [1])
+
+
+def test_classify_slow_steps_splits_excess_wall_time_into_warmup_and_contention():
+    from hf_perf_callbacks.stats import classify_slow_steps
+
+    slow = classify_slow_steps([4.0, 3.0, 1.0, 1.0, 1.0, 1.0], [1.5, 0.5, 0.5, 0.5, 0.5, 0.5])
+    assert slow.labels == ["warmup", "contention", "steady", "steady", "steady", "steady"]
+    assert slow.warmup_sec == pytest.approx(2.0) and slow.contention_sec == pytest.approx(1.0 + 2.0)
+    with pytest.raises(ValueError, match="equal-length"):
+        classify_slow_steps([1.0], [])
+
+
+def test_mann_whitney_exact_values_and_large_samples():
+    from hf_perf_callbacks.stats import mann_whitney_less
+
+    assert mann_whitney_less([1, 2, 3], [4, 5, 6]) == pytest.approx(1 / 20)
+    assert mann_whitney_less([1, 2], [1, 2]) == pytest.approx(5 / 6)      # ties count half
+    assert mann_whitney_less(list(range(10)), list(range(10, 20))) < 1e-3  # normal approximation
+    assert mann_whitney_less(list(range(10, 20)), list(range(10))) > 0.99
+
+
+def test_quantile_and_iqr():
+    from hf_perf_callbacks.stats import iqr, quantile
+
+    assert quantile([1, 2, 3, 4, 5], 0.5) == 3 and iqr([1, 2, 3, 4, 5]) == (2, 4)
+    assert quantile([1.0, 2.0], 0.25) == pytest.approx(1.25)

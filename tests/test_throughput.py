@@ -153,3 +153,72 @@ def test_the_callbacks_own_time_between_steps_is_not_data_wait(tokenizer, tmp_pa
         waits.append(meter.timeline.phase_totals["data_wait"])
     own, foreign = waits
     assert own < 1.0 and foreign >= 5 * 100.0     # the work after step 6 precedes no step
+
+
+class PlantedLoad:
+    """Planted clocks for the meter: the wall clock is the real one plus ``extra_wall`` seconds added inside each of
+    the first ``slow_steps`` steps; the process CPU clock advances ``cpu`` seconds per step, plus ``extra_cpu`` in
+    the slow steps. Contention: extra wall, flat CPU. Warmup: extra wall with extra CPU behind it."""
+
+    def __init__(self, slow_steps=3, extra_wall=100.0, cpu=0.5, extra_cpu=0.0):
+        self.slow, self.extra_wall, self.cpu, self.extra_cpu = slow_steps, extra_wall, cpu, extra_cpu
+        self.offset, self.cpu_now, self.step = 0.0, 0.0, 0
+
+    def attach(self, meter):
+        import time
+
+        meter.clock = lambda: time.perf_counter() + self.offset
+        meter.cpu_clock = self.cpu_clock
+        return self
+
+    def cpu_clock(self):
+        return self.cpu_now
+
+    def on_step(self, step):                  # called inside the step, before the meter reads its clocks
+        if step <= self.slow:
+            self.offset += self.extra_wall
+            self.cpu_now += self.extra_cpu
+        self.cpu_now += self.cpu
+
+
+@pytest.mark.parametrize("kind", ["contention", "warmup"])
+def test_slow_first_steps_are_warmup_only_when_cpu_time_says_so(tokenizer, tmp_path, kind):
+    from transformers import TrainerCallback
+
+    load = PlantedLoad(extra_cpu=0.0 if kind == "contention" else 100.0)
+
+    class Inside(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            load.on_step(state.global_step)
+
+    meter = ThroughputMeter(warmup_window=2)
+    load.attach(meter)
+    make_trainer(tokenizer, tmp_path, [Inside(), meter], max_steps=8).train()
+    s = meter.summary
+    assert s["warmup_done"] and s["warmup_measured_on"] == "cpu"
+    if kind == "contention":
+        assert s["warmup_steps"] == 0 and s["early_contention_sec"] > 250        # 3 × 100 s planted
+    else:
+        assert s["warmup_steps"] == 3 and s["early_contention_sec"] < 1 and s["warmup_overhead_sec"] > 250
+    steps = perf_lines(tmp_path)
+    assert steps[0]["perf/cpu_sec"] == pytest.approx(0.5 + (100.0 if kind == "warmup" else 0.0))
+    assert steps[0]["perf/cpu_time_ratio"] == pytest.approx(steps[0]["perf/cpu_sec"] / steps[0]["perf/step_wall_sec"])
+    assert all(k in steps[-1] for k in ("perf/other_cpu_cores", "perf/load_per_core"))
+
+
+def test_calibrating_the_peak_leaves_the_sampled_completions_unchanged(tokenizer, tmp_path):
+    """GRPO with the same seed samples the same completions with ``peak_flops="calibrate"`` as without it."""
+
+    def run(name, meter):
+        seen = []
+
+        def recording_reward(prompts, completions, completion_ids=None, **kwargs):
+            seen.extend(tuple(ids) for ids in completion_ids)
+            return [0.0] * len(completion_ids)
+
+        make_grpo(tokenizer, tmp_path / name, [meter], max_steps=2, reward=recording_reward).train()
+        return seen
+
+    calibrated = run("calibrated", ThroughputMeter(peak_flops="calibrate"))
+    plain = run("plain", ThroughputMeter())
+    assert len(plain) == 16 and calibrated == plain

@@ -99,3 +99,37 @@ def test_bad_phase_and_parameters():
         StepTimeline(window_steps=0)
     with pytest.raises(ValueError, match="period"):
         tl.start_segment(0.0, period=0)
+
+
+def run_cpu_steps(walls, cpus, window=2):
+    """CPU mode: each step takes ``wall`` seconds of which the process used ``cpu`` CPU seconds."""
+    tl = StepTimeline(window_steps=10, warmup_window=window, warmup_tolerance=0.1)
+    t = cpu_t = 0.0
+    tl.start_segment(t, cpu=cpu_t, work="cpu")
+    for step, (wall, cpu) in enumerate(zip(walls, cpus), start=1):
+        tl.step_begin(t)
+        t, cpu_t = t + wall, cpu_t + cpu
+        tl.commit(tl.measure(step, t, cpu=cpu_t), 100)
+    return tl
+
+
+def test_slow_early_steps_with_flat_cpu_time_are_contention_not_warmup():
+    tl = run_cpu_steps([5.0, 5.0, 1.0, 1.0, 1.0, 1.0], [0.5] * 6)
+    assert tl.warmup_done and tl.warmup_steps == 0 and tl.warmup_overhead == 0.0
+    assert tl.early_contention == pytest.approx(8.0)               # (5 - 1) × 2 s: other processes
+    assert tl.steady_step_seconds == pytest.approx(1.0)            # wall time, not CPU time
+
+
+def test_slow_early_steps_with_more_cpu_time_are_warmup():
+    tl = run_cpu_steps([5.0, 3.0, 1.0, 1.0, 1.0, 1.0], [2.5, 1.5, 0.5, 0.5, 0.5, 0.5])
+    assert tl.warmup_steps == 2 and tl.early_contention == pytest.approx(0.0)
+    assert tl.warmup_overhead == pytest.approx((5 - 1) + (3 - 1))  # extra CPU seconds × 2 wall s per CPU s
+    assert tl.export()["early_contention"] == 0.0
+
+
+def test_wall_mode_and_a_missing_cpu_reading_detect_on_wall_time():
+    tl = StepTimeline(warmup_window=2)
+    tl.start_segment(0.0, cpu=None, work="cpu")
+    assert tl.work == "wall"
+    with pytest.raises(ValueError, match="work='gpu'"):
+        tl.start_segment(0.0, cpu=0.0, work="gpu")

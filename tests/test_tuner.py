@@ -129,7 +129,7 @@ def test_probe_picks_a_fitting_split_and_leaves_the_trajectory_unchanged(tokeniz
 
 
 def test_grpo_probe_keeps_the_generation_batch_and_forces_long_completions(tokenizer, tmp_path):
-    tuner = AdaptiveBatchTuner(probe_steps=1)
+    tuner = AdaptiveBatchTuner(probe_steps=1, probe_must_pay=False)
     trainer = make_grpo(tokenizer, tmp_path, [tuner], max_steps=2, bs=4, ga=2, completion=10)
     config = trainer.generation_config
     train_with_tuning(trainer)
@@ -185,7 +185,7 @@ def test_without_train_with_tuning_it_saves_stops_and_records_the_split(tokenize
 
 
 @pytest.mark.parametrize("bad", [{"probe": "yes"}, {"probe_steps": 0}, {"max_micro_batch": 0},
-                                 {"probe_patience": 0}, {"rank_by": "speed"}])
+                                 {"probe_patience": 0}, {"rank_by": "speed"}, {"probe_must_pay": "yes"}])
 def test_tuner_parameters_are_validated(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         AdaptiveBatchTuner(**bad)
@@ -203,3 +203,27 @@ def test_train_with_tuning_and_default_callbacks_validate(tokenizer, tmp_path):
         default_callbacks(ThroughputMeter=5)
     with pytest.raises(ValueError, match="Unknown"):
         default_callbacks(Unknown={})
+
+
+def test_grpo_probe_leaves_sampling_data_and_weights_as_a_run_without_it(tokenizer, tmp_path):
+    """After the probe (every split, learning rate 0, forced long completions), the run samples the same completions
+    from the same prompts as a run at the chosen split that never probed: RNG, data order and weights restored."""
+
+    def recorder(seen):
+        def reward(prompts, completions, completion_ids=None, **kwargs):
+            seen.append((tuple(map(str, prompts)), tuple(tuple(ids) for ids in completion_ids)))
+            return [-abs(len(ids) - 8) / 8.0 for ids in completion_ids]
+        return reward
+
+    probed_seen, plain_seen = [], []
+    tuner = AdaptiveBatchTuner(probe_steps=1, probe_must_pay=False)
+    probed = make_grpo(tokenizer, tmp_path / "probed", [tuner], max_steps=2, bs=4, ga=2, completion=10,
+                       reward=recorder(probed_seen))
+    train_with_tuning(probed)
+    chosen = tuner.decisions[0]["new"]
+    assert len(tuner.decisions[0]["trials"]) >= 2
+    plain = make_grpo(tokenizer, tmp_path / "plain", [], max_steps=2, bs=chosen["micro_batch"],
+                      ga=chosen["grad_accum"], completion=10, reward=recorder(plain_seen))
+    plain.train()
+    assert plain_seen and probed_seen[-len(plain_seen):] == plain_seen       # the probe's own rollouts come first
+    assert losses(probed) == pytest.approx(losses(plain), rel=1e-6)

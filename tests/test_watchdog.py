@@ -219,3 +219,21 @@ def test_clearer_is_inert_on_cpu_unless_enabled(tokenizer, tmp_path):
 def test_parameters_are_validated(cls, bad):
     with pytest.raises(ValueError, match=next(iter(bad)) if "max_interval" not in bad else "interval"):
         cls(**bad)
+
+
+def test_steps_to_wall_is_absent_from_logs_once_memory_is_flat(tokenizer, tmp_path):
+    """Growth for 5 steps, then flat (fake MPS readings): a log after the trend went flat carries no forecast of an
+    earlier step, and the logged range brackets the point estimate."""
+    device = FakeMPS(driver_gb=[1.0, 2.0, 3.0, 4.0, 5.0, 6.0] + [7.0] * 20)
+    watchdog = MemoryWatchdog(grace_steps=1, trend_window=3)
+    watchdog.device = device
+    trainer = make_trainer(tokenizer, tmp_path, [StepClock(device), watchdog], max_steps=16,
+                           extra={"logging_steps": 4})
+    trainer.train()
+    logs = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    assert set(logs) == {4, 8, 12, 16}
+    assert logs[4]["mem/steps_to_wall_low"] <= logs[4]["mem/steps_to_wall"] <= logs[4]["mem/steps_to_wall_high"]
+    for step in (8, 12, 16):                             # flat since step 6: no stale value from step 6
+        assert not any(k.startswith("mem/steps_to_wall") for k in logs[step]), logs[step]
+    steps = {s["step"]: s for s in perf_log(tmp_path) if s["type"] == "step"}
+    assert "mem/steps_to_wall" in steps[6] and not any("mem/steps_to_wall" in steps[s] for s in range(7, 17))

@@ -60,9 +60,11 @@ class AdaptiveBatchTuner(PerfCallback):
 
     Args:
         probe: run the pre-flight probe in :func:`train_with_tuning` (a fresh run only).
-        probe_steps: measured optimizer steps per candidate (one extra warm-up step runs first).
+        probe_steps: measured steps per split, one per interleaved round (each split's first visit adds a
+            warm-up step); fewer when the rest of the run cannot pay for them (see :mod:`.probe`).
         max_micro_batch: largest micro-batch the probe tries (None: up to the whole effective batch per rank).
-        probe_patience: stop probing smaller splits once this many in a row were slower than the best.
+        probe_patience: stop trying smaller splits once this many in a row were slower than the configured one.
+        probe_must_pay: probe only as much as the rest of the run can pay back (False: every split, all rounds).
         rank_by: ``"non_generation"`` (step time minus generation time) or ``"step"`` (whole step time).
 
     Logged keys:
@@ -79,16 +81,17 @@ class AdaptiveBatchTuner(PerfCallback):
 
     source = "tuner"
 
-    def __init__(self, probe: bool = True, probe_steps: int = 2, max_micro_batch: int | None = None,
-                 probe_patience: int = 1, rank_by: str = "non_generation"):
+    def __init__(self, probe: bool = True, probe_steps: int = 4, max_micro_batch: int | None = None,
+                 probe_patience: int = 1, rank_by: str = "non_generation", probe_must_pay: bool = True):
         check_flag("probe", probe)
         if rank_by not in ("step", "non_generation"):
             raise ValueError(f"rank_by={rank_by!r} is not allowed: expected 'step' or 'non_generation'")
         check_number("probe_steps", probe_steps, low=1, integer=True)
         check_number("max_micro_batch", max_micro_batch, low=1, integer=True, allow_none=True)
         check_number("probe_patience", probe_patience, low=1, integer=True)
+        check_flag("probe_must_pay", probe_must_pay)
         super().__init__(probe=probe, probe_steps=probe_steps, max_micro_batch=max_micro_batch,
-                         probe_patience=probe_patience, rank_by=rank_by)
+                         probe_patience=probe_patience, rank_by=rank_by, probe_must_pay=probe_must_pay)
         self.decisions: list[dict] = []
         self.split: Split | None = None
         self.planned_resize: dict | None = None
@@ -120,9 +123,11 @@ class AdaptiveBatchTuner(PerfCallback):
         for decision in self.decisions:          # the probe ran before any trainer event: log it now, once
             if decision["kind"] == "probe" and not decision.get("logged"):
                 decision["logged"] = True
-                self.bus.event(self.source, "decision", f"probe: {fmt_split(decision['old'])} → {fmt_split(decision['new'])} "
-                               f"({decision['reason']})", step=0, old_split=decision["old"],
-                               new_split=decision["new"])
+                # the probe printed its evidence once; the event names the outcome (details in tuner_split.json)
+                self.bus.event(self.source, "decision", f"probe: {fmt_split(decision['old'])} → "
+                               f"{fmt_split(decision['new'])} in {decision.get('probe_sec', 0.0):.1f} s",
+                               step=0, old_split=decision["old"], new_split=decision["new"],
+                               expected_gain_sec=decision.get("expected_gain_sec"))
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.in_optimizer_step = True
@@ -212,6 +217,10 @@ class AdaptiveBatchTuner(PerfCallback):
         lines = ["== AdaptiveBatchTuner summary ==", f"split: {self.split}"]
         for d in self.decisions:
             extra = f", recovered in {d['recovery_sec']:.2f} s" if "recovery_sec" in d else ""
+            if d["kind"] == "probe":               # its evidence was printed before training
+                lines.append(f"step 0: probe {fmt_split(d['old'])} → {fmt_split(d['new'])} "
+                             f"({d.get('probe_sec', 0.0):.1f} s probing)")
+                continue
             lines.append(f"step {d['step']}: {d['kind']} {fmt_split(d['old'])} → {fmt_split(d['new'])} ({d['reason']}{extra})")
         return "\n".join(lines)
 

@@ -23,7 +23,7 @@ from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, train_with_tuning
 from hf_perf_callbacks.batching import exact_splits
-from hf_perf_callbacks.device import DeviceLayer, device_of
+from hf_perf_callbacks.device import DeviceLayer, training_device
 from hf_perf_callbacks.stats import iqr, mann_whitney_less
 
 
@@ -70,7 +70,7 @@ class WallSteps(TrainerCallback):
         self.walls, self.generation = [], []
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.device = DeviceLayer(device_of(model))
+        self.device = DeviceLayer(training_device())
         self.device.synchronize()
         self.start = time.perf_counter()
         self._gen = 0.0

@@ -79,15 +79,15 @@ class RunBus(TrainerCallback):
         self.record = {}
 
     def _write(self, entry: dict) -> None:
-        if not self.output_dir:
+        if not self.output_dir or self.output_dir == getattr(self, "unwritable", None):
             return
         try:
             os.makedirs(self.output_dir, exist_ok=True)
             with open(os.path.join(self.output_dir, PERF_LOG), "a", encoding="utf-8") as f:
                 f.write(json.dumps(entry, default=_jsonable) + "\n")
-        except OSError as e:  # a full disk must not stop training
-            logger.warning("could not write %s: %s", PERF_LOG, e)
-            self.output_dir = None
+        except OSError as e:  # a full disk must not stop training; said once, not at every step
+            logger.warning("could not write %s: %s (the perf log is off for this output_dir)", PERF_LOG, e)
+            self.unwritable = self.output_dir
 
     def add_overhead(self, seconds: float) -> None:
         """Time a callback spent after the step ended (memory sampling, cache clears): not data wait."""

@@ -11,6 +11,8 @@ import json
 import logging
 import os
 import time
+import uuid
+import weakref
 from dataclasses import asdict
 
 from .. import adapter
@@ -19,10 +21,14 @@ from ..batching import Split, exact_splits, next_smaller
 from ..device import is_main_process, world_size
 from ..stats import check_flag, check_number
 from ..watchdog import SIGNAL_SMALLER_BATCH
+from .checkpoints import checkpoint_dir, is_complete
+from .splitfile import SPLIT_FILE, read_record
 
 logger = logging.getLogger("hf_perf_callbacks")
 
-SPLIT_FILE = "tuner_split.json"
+#: the tuner that train_with_tuning manages, per trainer args (id → weak reference): a tuner instance that
+#: transformers rebuilds from a checkpoint (restore_callback_states_from_checkpoint) takes its history over
+_LIVE: dict[int, weakref.ref] = {}
 
 
 def current_split(args) -> Split:
@@ -43,15 +49,20 @@ def apply_split(trainer, split: Split) -> None:
 
 def saved_split(output_dir: str) -> dict | None:
     """The split recorded by a tuner that re-sized an earlier run in ``output_dir`` (None when there is none)."""
-    path = os.path.join(output_dir, SPLIT_FILE)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)["split"]
-    except (OSError, ValueError, KeyError) as error:
-        logger.warning("[tuner] ignoring unreadable %s: %s", path, error)
-        return None
+    record = read_record(output_dir)
+    split = record.get("split") if record else None
+    return split if isinstance(split, dict) else None
+
+
+def hand_over(args, tuner) -> None:
+    """Make ``tuner`` the live record of the run driven with ``args`` (see :data:`_LIVE`)."""
+    _LIVE[id(args)] = weakref.ref(tuner)
+
+
+def _live_tuner(args):
+    ref = _LIVE.get(id(args))
+    tuner = ref() if ref is not None else None
+    return tuner if tuner is not None and tuner.run_args is args else None
 
 
 class AdaptiveBatchTuner(PerfCallback):
@@ -94,6 +105,9 @@ class AdaptiveBatchTuner(PerfCallback):
         self.managed = False             # train_with_tuning acts on planned re-sizes
         self.in_optimizer_step = False
         self.run_args = None
+        self.session = uuid.uuid4().hex[:12]   # this run; kept across in-process re-sizes and every kind of resume
+        self.written: list[int] = []           # steps whose checkpoint this run wrote and verified complete
+        self.warned: set[str] = set()
 
     # ------------------------------------------------------------ geometry
     def candidates(self, args) -> list[Split]:
@@ -107,7 +121,17 @@ class AdaptiveBatchTuner(PerfCallback):
 
     # ------------------------------------------------------------ events
     def on_train_begin(self, args, state, control, **kwargs):
+        live = _live_tuner(args)
+        if live is not None and live is not self:      # rebuilt from the checkpoint: the live history is newer
+            self.adopt(live.decisions, live.session, live.written)
+            self.managed = live.managed
+            hand_over(args, self)
         self.run_args = args
+        if getattr(args, "auto_find_batch_size", False):
+            self.warn("auto_find_batch_size=True re-sizes by itself (restarting at step 0 with a drifting batch): the "
+                      "tuner stays off. Turn auto_find_batch_size off to let the tuner keep the batch exact.")
+            self.disabled = True
+            return
         self.split = current_split(args)
         self.world = world_size()
         self.bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
@@ -125,6 +149,18 @@ class AdaptiveBatchTuner(PerfCallback):
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.in_optimizer_step = False
+
+    def on_save(self, args, state, control, **kwargs):
+        """transformers wrote checkpoint-N (on_save follows a whole _save_checkpoint): this run's, if complete."""
+        self.record_written(args.output_dir, state.global_step)
+
+    def record_written(self, output_dir: str, step: int) -> bool:
+        if not is_complete(checkpoint_dir(output_dir, step), step):
+            return False
+        if step not in self.written:
+            self.written.append(step)
+            self.persist()
+        return True
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.decisions and "recovery_sec" not in self.decisions[-1] and "resized_at" in self.decisions[-1]:
@@ -190,19 +226,39 @@ class AdaptiveBatchTuner(PerfCallback):
         path = os.path.join(args.output_dir, SPLIT_FILE)
         try:
             os.makedirs(args.output_dir, exist_ok=True)
+            split = self.split or current_split(args)
             with open(path + ".tmp", "w", encoding="utf-8") as f:
-                json.dump({"split": self.split.as_dict(), "decisions": self.decisions}, f, indent=1,
-                          default=str)
+                json.dump({"split": split.as_dict(), "world_size": world_size(), "session": self.session,
+                           "written": self.written, "decisions": self.decisions}, f, indent=1, default=str)
             os.replace(path + ".tmp", path)
         except OSError as error:
-            logger.warning("[tuner] could not write %s: %s", path, error)
+            self.warn_once("persist", f"could not write {path}: {error} (the split and decisions are kept in "
+                                      f"memory and in the checkpoints)")
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            if self.bus is not None:
+                self.warn(message)
+            else:
+                logger.warning("[tuner] %s", message)
 
     def export(self) -> dict:
-        return {"decisions": self.decisions}
+        return {"decisions": self.decisions, "session": self.session, "written": self.written}
 
     def load(self, saved: dict) -> None:
-        if not self.decisions:          # a new process; in-process resumes keep their own (newer) history
-            self.decisions = list(saved.get("decisions", []))
+        self.adopt(saved.get("decisions", []), saved.get("session"), saved.get("written", []))
+
+    def adopt(self, decisions, session, written) -> None:
+        """Take over a recorded history when it is longer than this instance's (histories only grow; an in-process
+        resume keeps its own newer one, a new process or a rebuilt instance takes the record)."""
+        if isinstance(decisions, list) and len(decisions) > len(self.decisions):
+            self.decisions = [d for d in decisions if isinstance(d, dict)]
+        if isinstance(session, str) and not self.written:
+            self.session = session
+        for step in written or []:
+            if isinstance(step, int) and step not in self.written:
+                self.written.append(step)
 
     def format_summary(self) -> str:
         lines = ["== AdaptiveBatchTuner summary ==", f"split: {self.split}"]

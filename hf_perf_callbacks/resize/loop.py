@@ -279,7 +279,8 @@ def _save_before_raising(trainer, tuner: AdaptiveBatchTuner, error: BaseExceptio
 def _evaluate_within_memory(trainer, original):
     """``trainer.evaluate`` that never turns an evaluation OOM into a training re-size: the evaluation batch is
     halved and the evaluation retried; at batch 1 it is skipped with one warning (empty metrics). When the run
-    needs the metric (``metric_for_best_model``), a RuntimeError ends the run instead (saved first by the loop).
+    needs the metric (``metric_for_best_model``, a plateau scheduler), a RuntimeError ends the run instead (saved
+    first by the loop).
     Under several ranks an OOM in evaluation is raised as it is (the other ranks are inside a collective)."""
 
     def evaluate(*args, **kwargs):
@@ -305,9 +306,11 @@ def _evaluate_within_memory(trainer, original):
                     warn(f"eval-{smaller}", f"evaluation ran out of memory at per_device_eval_batch_size={batch}: "
                                             f"retrying with {smaller}; the training split is unchanged")
                     continue
-                if getattr(targs, "metric_for_best_model", None):
+                scheduler = str(getattr(targs, "lr_scheduler_type", ""))
+                if getattr(targs, "metric_for_best_model", None) or "plateau" in scheduler or "greedy" in scheduler:
                     raise RuntimeError(f"evaluation does not fit even at per_device_eval_batch_size={batch} and "
-                                       f"the run needs its metric ({targs.metric_for_best_model}): lower the "
+                                       f"the run needs its metric (metric_for_best_model="
+                                       f"{targs.metric_for_best_model!r}, lr_scheduler_type={scheduler}): lower the "
                                        f"evaluation's memory (shorter eval sequences, eval_accumulation_steps)"
                                        ) from error
                 warn("eval-skip", f"evaluation ran out of memory even at per_device_eval_batch_size={batch}: "

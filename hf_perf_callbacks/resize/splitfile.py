@@ -65,8 +65,8 @@ def check_split(split, *, effective_batch: int, world_size: int, generation_batc
     if not _positive_int(spg):
         return f"steps_per_generation={spg!r} must be a positive integer for a GRPO run"
     if micro * world_size * spg != generation_batch:
-        return (f"its generation batch {micro}×{world_size}×{spg} = {micro * world_size * spg} differs from the "
-                f"run's {generation_batch}")
+        return (f"its generation batch {micro * world_size * spg} ({micro}×{spg} over {world_size} rank(s)) "
+                f"differs from the run's {generation_batch}")
     return None
 
 

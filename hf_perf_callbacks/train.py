@@ -412,7 +412,7 @@ def build_callbacks(names: list[str], kwargs: Mapping) -> list:
             raise RecipeError(f"callback_kwargs[{name!r}]={options!r} is not allowed: expected a mapping")
         try:
             callbacks.append(cls(**options))
-        except TypeError as error:
+        except (TypeError, ValueError) as error:         # the package's callbacks name the class and the key
             raise RecipeError(f"callback_kwargs[{name!r}]: {error}") from None
     return callbacks
 

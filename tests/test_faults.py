@@ -296,3 +296,12 @@ def test_sigterm_checkpoint_still_works_after_an_in_process_resize(tmp_path):
     assert result["resizes"] == 1 and result["micro_batch"] == 2
     step = result["global_step"]
     assert 4 <= step < 8 and is_complete(str(tmp_path / f"checkpoint-{step}"), step)     # the JIT checkpoint
+
+
+def test_resuming_from_a_partial_checkpoint_is_refused_with_its_name(tokenizer, tmp_path):
+    partial = tmp_path / "checkpoint-3"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"\0" * 16)               # trainer_state.json never written
+    trainer = make_trainer(tokenizer, tmp_path, [AdaptiveBatchTuner(probe=False)], max_steps=1)
+    with pytest.raises(ValueError, match=r"checkpoint-3.*not a complete checkpoint"):
+        train_with_tuning(trainer, resume_from_checkpoint=str(partial))

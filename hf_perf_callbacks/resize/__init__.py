@@ -7,6 +7,8 @@ module             job
 ``loop``           :func:`train_with_tuning`: the checkpoint → resume loop, OOM recovery, checkpoint choice
 ``probe``          the pre-flight probe: a few real steps per exact split at the worst-case length
 ``agreement``      cross-rank agreement on OOMs inside a training step (:class:`ResizeNeeded`, :class:`PeerFailed`)
+``checkpoints``    which checkpoints a run may resume from: this run's, complete; partial and stale ones moved aside
+``splitfile``      ``tuner_split.json`` read back only when exact for the run (one rule for the loop and launcher)
 =================  ==========================================================================================
 """
 from .agreement import PeerFailed, ResizeNeeded

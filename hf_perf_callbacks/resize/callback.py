@@ -1,9 +1,11 @@
 """AdaptiveBatchTuner: the callback side of re-sizing. It observes the run, records the split and every decision,
 and answers the watchdog's request for a smaller micro-batch; :mod:`~hf_perf_callbacks.resize.loop` acts on them.
 
-The split and every decision are kept in ``<output_dir>/tuner_split.json`` (and the checkpoint's callback state),
-so a resumed run starts at the tuned split; without ``train_with_tuning`` a re-size request saves, stops cleanly
-and prints the split and the command to resume with.
+The split, every decision and the steps whose checkpoint this run wrote and verified (``written``, with the run's
+``session`` id) are kept in ``<output_dir>/tuner_split.json`` and the checkpoint's callback state, so a resumed run
+starts at the tuned split with its whole history — also when transformers rebuilds the callback from the checkpoint
+(``restore_callback_states_from_checkpoint``): the rebuilt instance takes over the live one's newer history. Without
+``train_with_tuning`` a re-size request saves, stops cleanly and prints the split and the command to resume with.
 """
 from __future__ import annotations
 
@@ -56,6 +58,8 @@ def saved_split(output_dir: str) -> dict | None:
 
 def hand_over(args, tuner) -> None:
     """Make ``tuner`` the live record of the run driven with ``args`` (see :data:`_LIVE`)."""
+    for key in [k for k, ref in _LIVE.items() if ref() is None]:
+        del _LIVE[key]
     _LIVE[id(args)] = weakref.ref(tuner)
 
 
@@ -124,7 +128,7 @@ class AdaptiveBatchTuner(PerfCallback):
         live = _live_tuner(args)
         if live is not None and live is not self:      # rebuilt from the checkpoint: the live history is newer
             self.adopt(live.decisions, live.session, live.written)
-            self.managed = live.managed
+            self.managed, self.warned = live.managed, set(live.warned)
             hand_over(args, self)
         self.run_args = args
         if getattr(args, "auto_find_batch_size", False):

@@ -21,7 +21,7 @@ from hf_perf_callbacks.resize.checkpoints import is_complete, step_of
 from hf_perf_callbacks.resize.splitfile import SPLIT_FILE, split_for_run
 from hf_perf_callbacks.tiny import build_model
 from tests.conftest import make_grpo, make_trainer
-from tests.faults import SAVE_FILES, Fault, checkpoint_weights, same, weights
+from tests.faults import SAVE_FILES, Fault, checkpoint_weights, same
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAVES = {"save_strategy": "steps", "save_steps": 2}

@@ -77,8 +77,8 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
             tuner.adopt(record.get("decisions"), record.get("session"), [])
             tuner.split = split
         step = step_of(resume_from_checkpoint)
-        if step is not None and os.path.samefile(os.path.dirname(os.path.normpath(resume_from_checkpoint)),
-                                                 output_dir):
+        parent = os.path.dirname(os.path.normpath(resume_from_checkpoint))
+        if step is not None and os.path.realpath(parent) == os.path.realpath(output_dir):
             tuner.record_written(output_dir, step)  # the base of this run: a valid fallback for a later OOM
     restore = guard_training_step(trainer)
     undo_evaluate = adapter.replace_evaluate(trainer, lambda original: _evaluate_within_memory(trainer, original))

@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 
 CUDA_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.10 GiB total capacity)"
 
-#: save:<file> → (the function that writes it, how to recognise the file from the path)
+#: the files of a checkpoint a save:<file> phase can cut short
 SAVE_FILES = ("model", "optimizer", "scheduler", "rng", "trainer_state")
 
 

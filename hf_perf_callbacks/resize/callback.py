@@ -159,7 +159,9 @@ class AdaptiveBatchTuner(PerfCallback):
         self.record_written(args.output_dir, state.global_step)
 
     def record_written(self, output_dir: str, step: int) -> bool:
-        if not is_complete(checkpoint_dir(output_dir, step), step):
+        """Record ``checkpoint-<step>`` as this run's when it is complete (checked by the main process, which
+        writes it; the other ranks may see the files late and take its word). True when recorded."""
+        if is_main_process() and not is_complete(checkpoint_dir(output_dir, step), step):
             return False
         if step not in self.written:
             self.written.append(step)

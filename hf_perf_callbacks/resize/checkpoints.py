@@ -7,7 +7,8 @@ marks a save in progress with ``checkpoint-is-incomplete.txt``; so a folder is c
 ``trainer_state.json`` parses and names the folder's step, and a weights file is there. The tuner records the steps
 this run wrote and verified (its ``written`` list, with its session id); recovery resumes only from those. A folder
 in the way (an earlier run's, or a partial one) is moved aside to ``checkpoint-N.<why>-<n>``, a name transformers
-never reads as a checkpoint, so it can be neither resumed from nor be the newest.
+never reads as a checkpoint, so it can be neither resumed from nor be the newest. Under several ranks only the main
+process (which writes the files) checks and moves them; the others take its word (no rank races another's write).
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import json
 import logging
 import os
 import re
+
+from ..device import is_main_process
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -85,6 +88,8 @@ def newest_complete(output_dir: str) -> str | None:
             continue
         if is_complete(path, step):
             return path
+        if not is_main_process():               # the main process moves it; the others only pass it by
+            continue
         moved = move_aside(path, "partial")
         logger.warning("[tuner] %s is not a complete checkpoint (no valid %s, a weights file missing or the "
                        "in-progress marker left): moved aside to %s; resuming from an older one",

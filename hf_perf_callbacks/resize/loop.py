@@ -28,7 +28,7 @@ import time
 
 from .. import adapter
 from ..batching import Split, next_smaller
-from ..device import DeviceLayer, device_of, is_oom_error, world_size
+from ..device import DeviceLayer, device_of, is_main_process, is_oom_error, world_size
 from ..stats import check_number
 from .agreement import ResizeNeeded, guard_training_step, recoverable
 from .callback import AdaptiveBatchTuner, apply_split, current_split, find_callback, hand_over
@@ -221,9 +221,10 @@ def _save_verified(trainer, tuner: AdaptiveBatchTuner, step: int) -> str:
     moved aside too, and the error raised."""
     output_dir = trainer.args.output_dir
     path = checkpoint_dir(output_dir, step)
-    if step in tuner.written and is_complete(path, step):
+    main = is_main_process()             # under several ranks only the main process checks and moves folders
+    if step in tuner.written and (not main or is_complete(path, step)):
         return path
-    if os.path.exists(path):
+    if main and os.path.exists(path):
         why = "stale" if is_complete(path, step) else "partial"
         moved = move_aside(path, why)
         if moved is None:
@@ -233,7 +234,7 @@ def _save_verified(trainer, tuner: AdaptiveBatchTuner, step: int) -> str:
     try:
         adapter.save_checkpoint(trainer)
     except BaseException:
-        if os.path.exists(path):
+        if main and os.path.exists(path):
             move_aside(path, "partial")
         raise
     if not tuner.record_written(output_dir, step):

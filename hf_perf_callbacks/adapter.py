@@ -19,6 +19,11 @@ TRL ``GRPOTrainer._step``, ``_buffered_inputs``,  the generation buffer and metr
 ``_metrics``                                      ``train()`` survive into the next; a resume must start clean
 ``trainer.training_step`` (instance attribute)    the step is the unit the cross-rank agreement guards; no hook
                                                   runs around a whole micro-batch
+``trainer.evaluate`` (instance attribute)         an evaluation OOM must be retried with a smaller evaluation
+                                                  batch inside ``train()``; no hook runs around an evaluation
+``JITCheckpointCallback.jit_manager``             its ``on_train_end`` restores the old SIGTERM handler and only
+(``setup_signal_handler``)                        ``Trainer.__init__`` installs it: the next in-process
+                                                  ``train()`` of a re-size would run without it
 ``model.generate`` (instance attribute)           no hook reports the start and end of a generation
 ``OptimizedModule._orig_mod`` (torch.compile)     the compiled wrapper hides the DDP module it compiles
 ``torch.distributed`` collectives, process-wide   TRL's reward and metric gathers run through accelerate into
@@ -30,7 +35,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import signal
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -98,6 +105,34 @@ def replace_training_step(trainer, make: Callable[[Callable], Callable]) -> Call
             del trainer.training_step
 
     return undo
+
+
+def replace_evaluate(trainer, make: Callable[[Callable], Callable]) -> Callable[[], None]:
+    """Replace ``trainer.evaluate`` (what ``train()`` calls at an evaluation step) by ``make(original)`` on this
+    instance; returns the undo."""
+    original = trainer.evaluate
+    replacement = make(original)
+    trainer.evaluate = replacement
+
+    def undo() -> None:
+        if trainer.__dict__.get("evaluate") is replacement:
+            del trainer.evaluate
+
+    return undo
+
+
+def rearm_jit_checkpoint(trainer) -> bool:
+    """Install transformers' just-in-time checkpoint SIGTERM handler again when it is enabled but no longer
+    installed (its ``on_train_end`` restored the previous one); True when it re-installed it."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    for callback in trainer.callback_handler.callbacks:
+        manager = getattr(callback, "jit_manager", None)
+        handler = getattr(manager, "_sigterm_handler", None)
+        if manager is not None and handler is not None and signal.getsignal(signal.SIGTERM) != handler:
+            manager.setup_signal_handler()
+            return True
+    return False
 
 
 def unwrap_compiled(module):

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import time
 
@@ -68,6 +69,25 @@ def _isolate_faults(name: str, method):
     return guarded
 
 
+def _named_init(owner: str, init):
+    """A constructor whose bad arguments raise a ``ValueError`` naming the class and the key (an unknown keyword
+    too, which Python reports as a ``TypeError``)."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        try:
+            init(self, *args, **kwargs)
+        except (TypeError, ValueError) as error:
+            if getattr(error, "named", False):
+                raise
+            allowed = ", ".join(p for p in inspect.signature(init).parameters if p != "self")
+            named = ValueError(f"{owner}: {error} (allowed keywords: {allowed})")
+            named.named = True
+            raise named from None
+
+    return __init__
+
+
 class PerfCallback(TrainerCallback, ExportableState):
     """Base class of the package's callbacks."""
 
@@ -79,6 +99,8 @@ class PerfCallback(TrainerCallback, ExportableState):
         for name, value in list(vars(cls).items()):
             if name.startswith("on_") and callable(value):
                 setattr(cls, name, _isolate_faults(name, value))
+        if "__init__" in vars(cls):
+            cls.__init__ = _named_init(cls.__name__, vars(cls)["__init__"])
 
     def __init__(self, **config):
         self.config = config

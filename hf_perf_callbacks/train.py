@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .resize import saved_split
+from .resize.splitfile import split_for_run
 
 logger = logging.getLogger("hf_perf_callbacks.train")   # also when run as __main__
 
@@ -282,26 +282,23 @@ def split_to_resume(values: Mapping, world_size: int = 1) -> dict | None:
 
     The tuner re-sizes the split of a run that ran out of memory or found a faster one and writes it to
     ``output_dir``; a resume continues with it. It is applied only when ``resume_from_checkpoint`` is given and the
-    recipe's effective batch (per_device_train_batch_size × gradient_accumulation_steps × world size) equals the
-    recorded split's: a fresh run, or a recipe whose batch was changed since, starts from the recipe's own split.
+    recorded split is exact for the recipe (the one rule of :func:`~hf_perf_callbacks.resize.splitfile.split_for_run`,
+    which ``train_with_tuning`` applies too): a fresh run, or a recipe whose batch was changed since, starts from the
+    recipe's own split.
     ``values`` are the merged recipe values (see :func:`raw_values`).
     """
     output_dir = values.get("output_dir")
     if not output_dir or not _resuming(values.get("resume_from_checkpoint")):
         return None
-    split = saved_split(output_dir)
-    if not split:
-        return None
     sizes = (values.get("per_device_train_batch_size"), values.get("gradient_accumulation_steps"))
     if not all(isinstance(v, int) and v >= 1 for v in sizes):
         return None                                     # check_recipe names the bad value
-    recipe_batch = values["per_device_train_batch_size"] * values["gradient_accumulation_steps"] * world_size
-    saved_batch = split["per_device_train_batch_size"] * split["gradient_accumulation_steps"] * world_size
-    if recipe_batch != saved_batch:
-        logger.warning("ignoring the split recorded by the batch tuner in %s (%s): its effective batch %d differs "
-                       "from the recipe's %d", output_dir, split, saved_batch, recipe_batch)
-        return None
-    return split
+    micro, accum = sizes
+    generation = values.get("generation_batch_size") or micro * world_size * (values.get("steps_per_generation")
+                                                                             or accum)
+    split = split_for_run(output_dir, effective_batch=micro * accum * world_size, world_size=world_size,
+                          generation_batch=generation)
+    return split.as_dict() if split else None
 
 
 def config_with_split(args, split: Mapping):
@@ -319,16 +316,17 @@ def config_with_split(args, split: Mapping):
 
 
 def resolve_checkpoint(resume: str | None, output_dir: str) -> str | None:
-    """``--resume_from_checkpoint PATH`` or ``last`` (the newest ``checkpoint-N`` in ``output_dir``)."""
+    """``--resume_from_checkpoint PATH`` or ``last`` (the newest *complete* ``checkpoint-N`` in ``output_dir``;
+    newer incomplete ones are moved aside, see :mod:`hf_perf_callbacks.resize.checkpoints`)."""
     if not _resuming(resume):
         return None
     if resume == "last":
-        from transformers.trainer_utils import get_last_checkpoint
+        from .resize.checkpoints import newest_complete
 
-        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        last = newest_complete(output_dir)
         if last is None:
-            raise RecipeError(f"resume_from_checkpoint=last: no checkpoint-N folder in output_dir {output_dir!r}; "
-                              f"drop the flag to start fresh or pass a checkpoint path")
+            raise RecipeError(f"resume_from_checkpoint=last: no complete checkpoint-N folder in output_dir "
+                              f"{output_dir!r}; drop the flag to start fresh or pass a checkpoint path")
         return last
     if not os.path.isdir(resume):
         raise RecipeError(f"resume_from_checkpoint={resume!r}: no such directory (pass a checkpoint-N folder or "
@@ -414,7 +412,7 @@ def build_callbacks(names: list[str], kwargs: Mapping) -> list:
             raise RecipeError(f"callback_kwargs[{name!r}]={options!r} is not allowed: expected a mapping")
         try:
             callbacks.append(cls(**options))
-        except TypeError as error:
+        except (TypeError, ValueError) as error:         # the package's callbacks name the class and the key
             raise RecipeError(f"callback_kwargs[{name!r}]: {error}") from None
     return callbacks
 

@@ -105,3 +105,36 @@ def test_intercepted_collectives_are_restored():
     assert torch.distributed.all_gather is not original
     undo()
     assert torch.distributed.all_gather is original
+
+
+def test_replace_evaluate_and_its_undo(tokenizer, tmp_path):
+    """``trainer.evaluate`` (instance attribute): what ``train()`` calls at an evaluation step."""
+    need("self.evaluate(" in inspect.getsource(Trainer._evaluate), "Trainer._evaluate calling self.evaluate")
+    trainer = Trainer(model=build_model(tokenizer), args=TrainingArguments(output_dir=str(tmp_path), report_to=[]))
+    undo = adapter.replace_evaluate(trainer, lambda original: lambda *a, **k: {"replaced": original})
+    assert trainer.evaluate()["replaced"].__func__ is Trainer.evaluate
+    undo()
+    assert "evaluate" not in trainer.__dict__
+
+
+def test_rearm_jit_checkpoint_reinstalls_the_sigterm_handler(tokenizer, tmp_path):
+    """``JITCheckpointCallback.jit_manager`` and its ``setup_signal_handler``/``_sigterm_handler``."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    trainer = Trainer(model=build_model(tokenizer), args=TrainingArguments(output_dir=str(tmp_path), report_to=[],
+                                                                           enable_jit_checkpoint=True))
+    try:
+        jit = [cb for cb in trainer.callback_handler.callbacks if getattr(cb, "jit_manager", None) is not None]
+        need(len(jit) == 1, "JITCheckpointCallback.jit_manager")
+        manager = jit[0].jit_manager
+        need(callable(getattr(manager, "setup_signal_handler", None)), "CheckpointManager.setup_signal_handler")
+        need(callable(getattr(manager, "_sigterm_handler", None)), "CheckpointManager._sigterm_handler")
+        assert signal.getsignal(signal.SIGTERM) == manager._sigterm_handler
+        assert adapter.rearm_jit_checkpoint(trainer) is False                  # installed: nothing to do
+        jit[0].on_train_end(trainer.args, trainer.state, trainer.control)       # what train() ends with
+        assert signal.getsignal(signal.SIGTERM) != manager._sigterm_handler
+        assert adapter.rearm_jit_checkpoint(trainer) is True
+        assert signal.getsignal(signal.SIGTERM) == manager._sigterm_handler
+    finally:
+        signal.signal(signal.SIGTERM, before)

@@ -472,18 +472,30 @@ def test_trl_reward_names_resolve():
 
 
 def test_resume_last_without_checkpoint(tmp_path):
-    with pytest.raises(train.RecipeError, match="no checkpoint-N folder"):
+    with pytest.raises(train.RecipeError, match="no complete checkpoint-N folder"):
         train.resolve_checkpoint("last", str(tmp_path))
-    (tmp_path / "checkpoint-4").mkdir()
-    (tmp_path / "checkpoint-12").mkdir()
+    complete_checkpoint(tmp_path, 4)
+    complete_checkpoint(tmp_path, 12)
+    (tmp_path / "checkpoint-13").mkdir()                       # a partial one: moved aside, never the newest
     assert train.resolve_checkpoint("last", str(tmp_path)).endswith("checkpoint-12")
+    assert not (tmp_path / "checkpoint-13").exists() and (tmp_path / "checkpoint-13.partial-1").is_dir()
     with pytest.raises(train.RecipeError, match="no such directory"):
         train.resolve_checkpoint(str(tmp_path / "nope"), str(tmp_path))
 
 
+def complete_checkpoint(output_dir, step):
+    """The files that make a checkpoint folder complete for the resume check: weights and trainer_state.json."""
+    path = os.path.join(output_dir, f"checkpoint-{step}")
+    os.makedirs(path, exist_ok=True)
+    open(os.path.join(path, "model.safetensors"), "wb").close()
+    with open(os.path.join(path, "trainer_state.json"), "w") as fh:
+        json.dump({"global_step": step}, fh)
+    return path
+
+
 def record_split(output_dir, **split):
     """What AdaptiveBatchTuner writes when it re-sizes a run (tuner.SPLIT_FILE), and a checkpoint to resume from."""
-    os.makedirs(os.path.join(output_dir, "checkpoint-2"), exist_ok=True)
+    complete_checkpoint(output_dir, 2)
     with open(os.path.join(output_dir, "tuner_split.json"), "w") as fh:
         json.dump({"split": split, "decisions": []}, fh)
 
@@ -518,7 +530,7 @@ def test_saved_split_of_another_effective_batch_is_not_applied(tmp_path, caplog)
                                          "--output_dir", out, "--resume_from_checkpoint", "last",
                                          "--gradient_accumulation_steps", "8"])     # the recipe's batch is now 16
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 8)
-    assert "effective batch 8 differs from the recipe's 16" in caplog.text and "applying the split" not in caplog.text
+    assert "effective batch 8 (1×8 over 1 rank(s)) differs from the run's 16" in caplog.text and "applying the split" not in caplog.text
 
 
 def test_saved_split_with_steps_per_generation_replaces_generation_batch_size(tmp_path):

@@ -8,6 +8,8 @@ module             job
 ``probe``          the pre-flight probe: a few real steps per exact split at the worst-case length
 ``agreement``      cross-rank agreement on OOMs inside a training step (:class:`ResizeNeeded`, :class:`PeerFailed`)
 ``sharding``       what works under FSDP (re-size by checkpoint) and DeepSpeed (refused), said at start
+``checkpoints``    which checkpoints a run may resume from: this run's, complete; partial and stale ones moved aside
+``splitfile``      ``tuner_split.json`` read back only when exact for the run (one rule for the loop and launcher)
 =================  ==========================================================================================
 """
 from .agreement import PeerFailed, ResizeNeeded

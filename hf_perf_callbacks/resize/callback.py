@@ -1,9 +1,11 @@
 """AdaptiveBatchTuner: the callback side of re-sizing. It observes the run, records the split and every decision,
 and answers the watchdog's request for a smaller micro-batch; :mod:`~hf_perf_callbacks.resize.loop` acts on them.
 
-The split and every decision are kept in ``<output_dir>/tuner_split.json`` (and the checkpoint's callback state),
-so a resumed run starts at the tuned split; without ``train_with_tuning`` a re-size request saves, stops cleanly
-and prints the split and the command to resume with.
+The split, every decision and the steps whose checkpoint this run wrote and verified (``written``, with the run's
+``session`` id) are kept in ``<output_dir>/tuner_split.json`` and the checkpoint's callback state, so a resumed run
+starts at the tuned split with its whole history — also when transformers rebuilds the callback from the checkpoint
+(``restore_callback_states_from_checkpoint``): the rebuilt instance takes over the live one's newer history. Without
+``train_with_tuning`` a re-size request saves, stops cleanly and prints the split and the command to resume with.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import json
 import logging
 import os
 import time
+import uuid
+import weakref
 from dataclasses import asdict
 
 from .. import adapter
@@ -18,12 +22,16 @@ from .. import runlog as keys
 from ..base import PerfCallback
 from ..batching import Split, exact_splits, next_smaller
 from ..device import is_main_process, world_size
-from ..validation import check_flag, check_number
 from ..bus import SIGNAL_SMALLER_BATCH
+from ..validation import check_flag, check_number
+from .checkpoints import checkpoint_dir, is_complete
+from .splitfile import SPLIT_FILE, read_record
 
 logger = logging.getLogger("hf_perf_callbacks")
 
-SPLIT_FILE = "tuner_split.json"
+#: the tuner that train_with_tuning manages, per trainer args (id → weak reference): a tuner instance that
+#: transformers rebuilds from a checkpoint (restore_callback_states_from_checkpoint) takes its history over
+_LIVE: dict[int, weakref.ref] = {}
 
 
 def current_split(args) -> Split:
@@ -44,15 +52,22 @@ def apply_split(trainer, split: Split) -> None:
 
 def saved_split(output_dir: str) -> dict | None:
     """The split recorded by a tuner that re-sized an earlier run in ``output_dir`` (None when there is none)."""
-    path = os.path.join(output_dir, SPLIT_FILE)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)["split"]
-    except (OSError, ValueError, KeyError) as error:
-        logger.warning("[tuner] ignoring unreadable %s: %s", path, error)
-        return None
+    record = read_record(output_dir)
+    split = record.get("split") if record else None
+    return split if isinstance(split, dict) else None
+
+
+def hand_over(args, tuner) -> None:
+    """Make ``tuner`` the live record of the run driven with ``args`` (see :data:`_LIVE`)."""
+    for key in [k for k, ref in _LIVE.items() if ref() is None]:
+        del _LIVE[key]
+    _LIVE[id(args)] = weakref.ref(tuner)
+
+
+def _live_tuner(args):
+    ref = _LIVE.get(id(args))
+    tuner = ref() if ref is not None else None
+    return tuner if tuner is not None and tuner.run_args is args else None
 
 
 class AdaptiveBatchTuner(PerfCallback):
@@ -98,6 +113,9 @@ class AdaptiveBatchTuner(PerfCallback):
         self.managed = False             # train_with_tuning acts on planned re-sizes
         self.in_optimizer_step = False
         self.run_args = None
+        self.session = uuid.uuid4().hex[:12]   # this run; kept across in-process re-sizes and every kind of resume
+        self.written: list[int] = []           # steps whose checkpoint this run wrote and verified complete
+        self.warned: set[str] = set()
 
     # ------------------------------------------------------------ geometry
     def candidates(self, args) -> list[Split]:
@@ -111,7 +129,17 @@ class AdaptiveBatchTuner(PerfCallback):
 
     # ------------------------------------------------------------ events
     def on_train_begin(self, args, state, control, **kwargs):
+        live = _live_tuner(args)
+        if live is not None and live is not self:      # rebuilt from the checkpoint: the live history is newer
+            self.adopt(live.decisions, live.session, live.written)
+            self.managed, self.warned = live.managed, set(live.warned)
+            hand_over(args, self)
         self.run_args = args
+        if getattr(args, "auto_find_batch_size", False):
+            self.warn("auto_find_batch_size=True re-sizes by itself (restarting at step 0 with a drifting batch): the "
+                      "tuner stays off. Turn auto_find_batch_size off to let the tuner keep the batch exact.")
+            self.disabled = True
+            return
         self.split = current_split(args)
         self.world = world_size()
         self.bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
@@ -134,6 +162,20 @@ class AdaptiveBatchTuner(PerfCallback):
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.in_optimizer_step = False
+
+    def on_save(self, args, state, control, **kwargs):
+        """transformers wrote checkpoint-N (on_save follows a whole _save_checkpoint): this run's, if complete."""
+        self.record_written(args.output_dir, state.global_step)
+
+    def record_written(self, output_dir: str, step: int) -> bool:
+        """Record ``checkpoint-<step>`` as this run's when it is complete (checked by the main process, which
+        writes it; the other ranks may see the files late and take its word). True when recorded."""
+        if is_main_process() and not is_complete(checkpoint_dir(output_dir, step), step):
+            return False
+        if step not in self.written:
+            self.written.append(step)
+            self.persist()
+        return True
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.decisions and "recovery_sec" not in self.decisions[-1] and "resized_at" in self.decisions[-1]:
@@ -199,19 +241,39 @@ class AdaptiveBatchTuner(PerfCallback):
         path = os.path.join(args.output_dir, SPLIT_FILE)
         try:
             os.makedirs(args.output_dir, exist_ok=True)
+            split = self.split or current_split(args)
             with open(path + ".tmp", "w", encoding="utf-8") as f:
-                json.dump({"split": self.split.as_dict(), "decisions": self.decisions}, f, indent=1,
-                          default=str)
+                json.dump({"split": split.as_dict(), "world_size": world_size(), "session": self.session,
+                           "written": self.written, "decisions": self.decisions}, f, indent=1, default=str)
             os.replace(path + ".tmp", path)
         except OSError as error:
-            logger.warning("[tuner] could not write %s: %s", path, error)
+            self.warn_once("persist", f"could not write {path}: {error} (the split and decisions are kept in "
+                                      f"memory and in the checkpoints)")
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            if self.bus is not None:
+                self.warn(message)
+            else:
+                logger.warning("[tuner] %s", message)
 
     def export(self) -> dict:
-        return {"decisions": self.decisions}
+        return {"decisions": self.decisions, "session": self.session, "written": self.written}
 
     def load(self, saved: dict) -> None:
-        if not self.decisions:          # a new process; in-process resumes keep their own (newer) history
-            self.decisions = list(saved.get("decisions", []))
+        self.adopt(saved.get("decisions", []), saved.get("session"), saved.get("written", []))
+
+    def adopt(self, decisions, session, written) -> None:
+        """Take over a recorded history when it is longer than this instance's (histories only grow; an in-process
+        resume keeps its own newer one, a new process or a rebuilt instance takes the record)."""
+        if isinstance(decisions, list) and len(decisions) > len(self.decisions):
+            self.decisions = [d for d in decisions if isinstance(d, dict)]
+        if isinstance(session, str) and not self.written:
+            self.session = session
+        for step in written or []:
+            if isinstance(step, int) and step not in self.written:
+                self.written.append(step)
 
     def format_summary(self) -> str:
         lines = ["== AdaptiveBatchTuner summary ==", f"split: {self.split}"]

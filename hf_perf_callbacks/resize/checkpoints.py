@@ -1,0 +1,97 @@
+"""Which checkpoints a run may resume from: only ones **this run** wrote **completely**.
+
+``output_dir`` can hold an earlier run's ``checkpoint-N`` folders, and a save cut short (out of memory, a full
+disk, a kill) leaves a half-written one behind. transformers' ``_save_checkpoint`` writes the weights, optimizer,
+scheduler, scaler and RNG state first and ``trainer_state.json`` last, and its just-in-time (SIGTERM) checkpoint
+marks a save in progress with ``checkpoint-is-incomplete.txt``; so a folder is complete when that marker is absent,
+``trainer_state.json`` parses and names the folder's step, and a weights file is there. The tuner records the steps
+this run wrote and verified (its ``written`` list, with its session id); recovery resumes only from those. A folder
+in the way (an earlier run's, or a partial one) is moved aside to ``checkpoint-N.<why>-<n>``, a name transformers
+never reads as a checkpoint, so it can be neither resumed from nor be the newest. Under several ranks only the main
+process (which writes the files) checks and moves them; the others take its word (no rank races another's write).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+from ..device import is_main_process
+
+logger = logging.getLogger("hf_perf_callbacks")
+
+PREFIX = "checkpoint"
+STATE_FILE = "trainer_state.json"          # transformers' TRAINER_STATE_NAME, written last
+INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"   # transformers' JIT checkpoint sentinel
+WEIGHT_PREFIXES = ("model", "adapter_model", "pytorch_model")
+_CHECKPOINT = re.compile(rf"^{PREFIX}-(\d+)$")
+
+
+def checkpoint_dir(output_dir: str, step: int) -> str:
+    return os.path.join(output_dir, f"{PREFIX}-{step}")
+
+
+def step_of(path: str) -> int | None:
+    match = _CHECKPOINT.match(os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else None
+
+
+def is_complete(path: str, step: int | None = None) -> bool:
+    """Whether ``path`` is a whole checkpoint (of ``step`` when given); see the module docstring."""
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, INCOMPLETE_MARKER)):
+        return False
+    try:
+        with open(os.path.join(path, STATE_FILE), encoding="utf-8") as f:
+            global_step = json.load(f)["global_step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if step is not None and global_step != step:
+        return False
+    return any(name.startswith(WEIGHT_PREFIXES) for name in os.listdir(path))
+
+
+def move_aside(path: str, why: str) -> str | None:
+    """Rename ``path`` to ``path.<why>-<n>`` (never read as a checkpoint); returns the new name (None on failure)."""
+    for n in range(1, 1000):
+        target = f"{path}.{why}-{n}"
+        if not os.path.exists(target):
+            try:
+                os.replace(path, target)
+            except OSError as error:
+                logger.warning("[tuner] could not move %s aside: %s", path, error)
+                return None
+            return target
+    return None
+
+
+def newest_written(output_dir: str, written: list[int], at_most: int) -> str | None:
+    """The newest checkpoint of ``written`` (steps this run saved and verified) at a step ≤ ``at_most`` that is
+    still there and complete (rotation by ``save_total_limit`` may have removed older ones)."""
+    for step in sorted(set(written), reverse=True):
+        path = checkpoint_dir(output_dir, step)
+        if step <= at_most and is_complete(path, step):
+            return path
+    return None
+
+
+def newest_complete(output_dir: str) -> str | None:
+    """``resume_from_checkpoint="last"``: the newest complete ``checkpoint-N``. Newer folders that are not complete
+    are moved aside with one warning each (so a partial checkpoint never stays the newest)."""
+    if not os.path.isdir(output_dir):
+        return None
+    found = sorted(((step_of(name), name) for name in os.listdir(output_dir) if step_of(name) is not None),
+                   reverse=True)
+    for step, name in found:
+        path = os.path.join(output_dir, name)
+        if not os.path.isdir(path):
+            continue
+        if is_complete(path, step):
+            return path
+        if not is_main_process():               # the main process moves it; the others only pass it by
+            continue
+        moved = move_aside(path, "partial")
+        logger.warning("[tuner] %s is not a complete checkpoint (no valid %s, a weights file missing or the "
+                       "in-progress marker left): moved aside to %s; resuming from an older one",
+                       path, STATE_FILE, moved)
+    return None

@@ -1,0 +1,169 @@
+"""Fault planting for ``tests/test_faults.py`` and ``tests/scripts/fault_run.py``, in the manner of Composer's
+auto-microbatching tests: a real error raised at one phase of one optimizer step of a real Trainer.
+
+Phases: ``forward`` and ``backward`` (the training micro-batch), ``generation`` (GRPO's no-grad forwards while it
+generates), ``optimizer`` (inside ``optimizer.step``, after one weight was already changed: a half-updated step),
+``eval`` (the no-grad forwards of an evaluation, only for micro-batches larger than ``limit``) and
+``save:<file>`` (while transformers writes that file of ``checkpoint-<at>``: a partial file is left, then the error).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from transformers import TrainerCallback
+
+CUDA_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.10 GiB total capacity)"
+
+#: the files of a checkpoint a save:<file> phase can cut short
+SAVE_FILES = ("model", "optimizer", "scheduler", "rng", "trainer_state")
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    """What a checkpoint of ``model`` holds (the adapter for a PEFT model), as CPU copies."""
+    if hasattr(model, "peft_config"):
+        from peft.utils import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(model)
+    else:
+        state = model.state_dict()
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
+def checkpoint_weights(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    for name in ("adapter_model.safetensors", "model.safetensors"):
+        if os.path.exists(os.path.join(path, name)):
+            return load_file(os.path.join(path, name))
+    raise AssertionError(f"no weights file in {path}: {os.listdir(path)}")
+
+
+def same(a: dict, b: dict) -> bool:
+    keys = set(a) & set(b)
+    return bool(keys) and all(torch.equal(a[k], b[k]) for k in keys)
+
+
+class Fault(TrainerCallback):
+    """One planted fault (``times`` firings) at ``phase`` of optimizer step ``at`` (1-based; save phases: while
+    writing ``checkpoint-<at>``; eval: every evaluation, micro-batches above ``limit``). ``error``: ``"oom"`` (the
+    CUDA text) or ``"other"`` (a ``ValueError``). Records the weights at the end of every step (``after``) and at
+    the start of every resumed ``train()`` (``resumed``), to compare with what was saved."""
+
+    def __init__(self, phase: str, at: int, error: str = "oom", times: int = 1, limit: int = 0):
+        self.phase, self.at, self.error, self.left, self.limit = phase, at, error, times, limit
+        self.fired, self.step, self.model = 0, 0, None
+        self.after: dict[int, dict] = {}
+        self.resumed: dict[int, dict] = {}
+        self._optimizers: set[int] = set()
+
+    def make_error(self) -> Exception:
+        return torch.OutOfMemoryError(CUDA_OOM) if self.error == "oom" else ValueError("planted failure")
+
+    def due(self) -> bool:
+        return self.left > 0 and self.step + 1 == self.at
+
+    def fire(self) -> None:
+        self.left -= 1
+        self.fired += 1
+        raise self.make_error()
+
+    # ------------------------------------------------------------ hooks on the model
+    def attach(self, trainer):
+        self.model = trainer.model
+        inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        if self.phase == "backward":
+            inner.model.layers[0].register_full_backward_hook(self._backward)
+        else:
+            inner.register_forward_pre_hook(self._forward, with_kwargs=True)
+        return trainer
+
+    def _backward(self, module, grad_in, grad_out):
+        if self.due():
+            self.fire()
+
+    def _forward(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        grad = torch.is_grad_enabled()
+        if self.phase == "forward" and grad and self.due():
+            self.fire()
+        if self.phase == "generation" and not grad and self.due():
+            self.fire()
+        if self.phase == "eval" and not grad and ids is not None and ids.shape[0] > self.limit and self.left > 0:
+            self.fire()
+
+    def _optimizer_pre_hook(self, optimizer, args, kwargs):
+        if self.due():
+            param = next(p for group in optimizer.param_groups for p in group["params"])
+            with torch.no_grad():
+                param.add_(1.0)                     # the step is half done when memory runs out
+            self.fire()
+
+    # ------------------------------------------------------------ trainer events
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.step = state.global_step
+        if state.global_step > 0:
+            self.resumed[state.global_step] = weights(self.model)
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        if self.phase == "optimizer" and optimizer is not None:
+            inner = getattr(optimizer, "optimizer", optimizer)
+            if id(inner) not in self._optimizers:
+                self._optimizers.add(id(inner))
+                inner.register_step_pre_hook(self._optimizer_pre_hook)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step = state.global_step
+        self.after[state.global_step] = weights(self.model)
+
+    # ------------------------------------------------------------ checkpoint files
+    def save_due(self, path: str) -> bool:
+        return self.left > 0 and f"checkpoint-{self.at}" in str(path)
+
+    @contextlib.contextmanager
+    def planted_save(self):
+        """While active: the file ``save:<file>`` of ``checkpoint-<at>`` is left partial and the error raised."""
+        import peft.peft_model
+        import transformers.modeling_utils
+        from transformers import TrainerState
+
+        which = self.phase.split(":", 1)[1] if self.phase.startswith("save:") else None
+        names = {"optimizer": "optimizer.pt", "scheduler": "scheduler.pt", "rng": "rng_state.pth"}
+        saved = {"torch": torch.save, "hf": transformers.modeling_utils.safe_save_file,
+                 "peft": peft.peft_model.safe_save_file, "state": TrainerState.save_to_json}
+
+        def partial(path):
+            with open(path, "wb") as f:
+                f.write(b"\0" * 16)
+            self.fire()
+
+        def torch_save(obj, f, *args, **kwargs):
+            if which in names and isinstance(f, (str, os.PathLike)) and str(f).endswith(names[which]) \
+                    and self.save_due(f):
+                partial(f)
+            return saved["torch"](obj, f, *args, **kwargs)
+
+        def safe_save(original):
+            def save(tensors, filename, *args, **kwargs):
+                if which == "model" and self.save_due(filename):
+                    partial(filename)
+                return original(tensors, filename, *args, **kwargs)
+            return save
+
+        def save_to_json(state, json_path):
+            if which == "trainer_state" and self.save_due(json_path):
+                partial(json_path)
+            return saved["state"](state, json_path)
+
+        torch.save = torch_save
+        transformers.modeling_utils.safe_save_file = safe_save(saved["hf"])
+        peft.peft_model.safe_save_file = safe_save(saved["peft"])
+        TrainerState.save_to_json = save_to_json
+        try:
+            yield self
+        finally:
+            torch.save = saved["torch"]
+            transformers.modeling_utils.safe_save_file = saved["hf"]
+            peft.peft_model.safe_save_file = saved["peft"]
+            TrainerState.save_to_json = saved["state"]

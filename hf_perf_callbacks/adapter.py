@@ -94,29 +94,16 @@ def forget_last_train(trainer) -> None:
             per_mode.clear()
 
 
-def replace_training_step(trainer, make: Callable[[Callable], Callable]) -> Callable[[], None]:
-    """Replace ``trainer.training_step`` by ``make(original)`` on this instance; returns the undo."""
-    original = trainer.training_step
+def replace_method(trainer, name: str, make: Callable[[Callable], Callable]) -> Callable[[], None]:
+    """Replace ``trainer.<name>`` (``training_step``, or ``evaluate``, which ``train()`` calls at an evaluation
+    step) by ``make(original)`` on this instance; returns the undo."""
+    original = getattr(trainer, name)
     replacement = make(original)
-    trainer.training_step = replacement
+    setattr(trainer, name, replacement)
 
     def undo() -> None:
-        if trainer.__dict__.get("training_step") is replacement:
-            del trainer.training_step
-
-    return undo
-
-
-def replace_evaluate(trainer, make: Callable[[Callable], Callable]) -> Callable[[], None]:
-    """Replace ``trainer.evaluate`` (what ``train()`` calls at an evaluation step) by ``make(original)`` on this
-    instance; returns the undo."""
-    original = trainer.evaluate
-    replacement = make(original)
-    trainer.evaluate = replacement
-
-    def undo() -> None:
-        if trainer.__dict__.get("evaluate") is replacement:
-            del trainer.evaluate
+        if trainer.__dict__.get(name) is replacement:
+            delattr(trainer, name)
 
     return undo
 

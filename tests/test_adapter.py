@@ -107,11 +107,11 @@ def test_intercepted_collectives_are_restored():
     assert torch.distributed.all_gather is original
 
 
-def test_replace_evaluate_and_its_undo(tokenizer, tmp_path):
+def test_replace_method_and_its_undo(tokenizer, tmp_path):
     """``trainer.evaluate`` (instance attribute): what ``train()`` calls at an evaluation step."""
     need("self.evaluate(" in inspect.getsource(Trainer._evaluate), "Trainer._evaluate calling self.evaluate")
     trainer = Trainer(model=build_model(tokenizer), args=TrainingArguments(output_dir=str(tmp_path), report_to=[]))
-    undo = adapter.replace_evaluate(trainer, lambda original: lambda *a, **k: {"replaced": original})
+    undo = adapter.replace_method(trainer, "evaluate", lambda original: lambda *a, **k: {"replaced": original})
     assert trainer.evaluate()["replaced"].__func__ is Trainer.evaluate
     undo()
     assert "evaluate" not in trainer.__dict__

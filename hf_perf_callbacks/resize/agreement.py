@@ -128,7 +128,7 @@ def guard_training_step(trainer):
 
         return training_step
 
-    undo_step = adapter.replace_training_step(trainer, make)
+    undo_step = adapter.replace_method(trainer, "training_step", make)
 
     def remove():
         stop_intercepting()

@@ -83,7 +83,8 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
             tuner.record_written(output_dir, step)  # the base of this run: a valid fallback for a later OOM
     sharded = sharding.start(trainer, tuner)          # FSDP: no step guard, no probe; DeepSpeed: refused
     restore = guard_training_step(trainer) if sharded is None else (lambda: None)
-    undo_evaluate = adapter.replace_evaluate(trainer, lambda original: _evaluate_within_memory(trainer, original))
+    undo_evaluate = adapter.replace_method(trainer, "evaluate",
+                                           lambda original: _evaluate_within_memory(trainer, original))
     resizes = 0
     try:
         if split is not None:

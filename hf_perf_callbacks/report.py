@@ -338,15 +338,32 @@ def summarize(run: RunLog) -> str:
     return "\n".join(lines)
 
 
+def completion_stats(history: list[dict]) -> dict:
+    """GRPO completion lengths over the run's logs (``trainer_state.json``): mean of the logged mean lengths, the
+    longest completion, the 90th percentile of the per-log longest, the mean clipped ratio and the number of logs.
+    The summary line and the analysis both use these (one figure for "clipped" in one report)."""
+    def values(key):
+        return [float(h[key]) for h in history if _num(h.get(key)) is not None and not isinstance(h[key], bool)]
+
+    means, maxes, clipped = (values(k) for k in ("completions/mean_length", "completions/max_length",
+                                                  "completions/clipped_ratio"))
+    p90 = None
+    if maxes:
+        s, pos = sorted(maxes), 0.9 * (len(maxes) - 1)
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(s) - 1)
+        p90 = s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    return {"mean": sum(means) / len(means) if means else None, "max": max(maxes, default=None), "p90": p90,
+            "clipped": sum(clipped) / len(clipped) if clipped else None, "logs": len(means)}
+
+
 def _completion_line(history: list[dict]) -> str | None:
-    """GRPO completion lengths from ``trainer_state.json`` (last logged values), when present."""
-    logs = [h for h in history if "completions/mean_length" in h]
-    if not logs:
+    """GRPO completion lengths from ``trainer_state.json`` over the whole run, when present."""
+    c = completion_stats(history)
+    if not c["logs"]:
         return None
-    h = logs[-1]
-    return (f"completions (step {h.get('step', '?')}): mean length {_fmt(h.get('completions/mean_length'), '.1f')}, "
-            f"max {_fmt(h.get('completions/max_length'), '.0f')}, "
-            f"clipped {_fmt(h.get('completions/clipped_ratio'), '.0%')}")
+    return (f"completions ({c['logs']} logs): mean length {_fmt(c['mean'], '.1f')}, max {_fmt(c['max'], '.0f')}, "
+            f"clipped {_fmt(c['clipped'], '.0%')} (mean over the run)")
 
 
 # ---------------------------------------------------------------- plots
@@ -513,7 +530,7 @@ def _plot_tuner(ax, run, steps, f) -> str | None:
 def main(output_dir: str, plots: bool = True) -> int:
     """Print the summary of ``output_dir``, write its plots and ``perf_report.md`` (the analysis) and print the top
     findings; 0 on success, 2 (message on stderr) on a ReportError."""
-    from .analysis import console_summary, write_perf_report
+    from .analysis import console_summary, write_analysis
 
     try:
         run = load_run(output_dir)
@@ -529,11 +546,11 @@ def main(output_dir: str, plots: bool = True) -> int:
         print(f"hf-perf report: {error}", file=sys.stderr)
         return 2
     try:
-        path, findings = write_perf_report(output_dir)
+        path, findings, notes = write_analysis(output_dir)
     except Exception as error:  # noqa: BLE001 - the summary and plots above stand on their own
         print(f"hf-perf report: the analysis failed ({type(error).__name__}: {error})", file=sys.stderr)
         return 1
-    print(console_summary(findings))
+    print(console_summary(findings, notes=notes))
     print(f"analysis: {path}")
     return 0
 

@@ -4,7 +4,9 @@ For each scenario a baseline run is analysed (:func:`hf_perf_callbacks.analysis.
 setting (or a code fix the scenario knows), the same run is made again with exactly that setting applied and
 everything else equal (seed, data, model, callbacks). Baseline and advised runs alternate (A B A B …) so that load
 drifts hit both; the measured gain is the median over the pairs of baseline / advised mean time per optimizer step
-after warm-up (whole generation cycles for GRPO). Recorded per finding: the model's prediction
+after warm-up (whole generation cycles for GRPO). On a CPU the training process runs with one thread and the gain
+is also measured in process CPU seconds per step, which other processes on a shared machine do not inflate (wall
+time is the measure for the input-bound rule, whose waiting costs no CPU). Recorded per finding: the model's prediction
 (``predicted_gain``), what the report prints (``expected_gain``, None for "try"), the measured gain and the spread
 of the pairs. Results: ``benchmarks/results/advice_<device>.json``.
 
@@ -86,11 +88,33 @@ class SlowText(torch.utils.data.Dataset):
         return {"input_ids": self.items[i]}
 
 
-def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device: str):
+class StepClock:
+    """Wall and process CPU seconds of every optimizer step (independent of the package's meter)."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class _Clock(TrainerCallback):
+            def __init__(self):
+                self.wall, self.cpu = [], []
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self.wall.append(time.perf_counter() - self.t0)
+                self.cpu.append(time.process_time() - self.c0)
+
+        return _Clock()
+
+
+def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device: str, clock=None):
     """The scenario's trainer with ``settings`` (config keys, plus the scenario's code switches) applied."""
     from hf_perf_callbacks import default_callbacks
 
-    callbacks = default_callbacks(AdaptiveBatchTuner={"probe": False})
+    callbacks = default_callbacks(AdaptiveBatchTuner={"probe": False}) + ([clock] if clock else [])
     cfg = {**scenario["config"], **settings}
     duplicate = cfg.pop("duplicate_forward", False)
     delay = cfg.pop("delay", 0.0)
@@ -106,7 +130,7 @@ def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device:
         args = GRPOConfig(**common_args, beta=0.0, activation_checkpointing=False, **cfg)
         lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
         return GRPOTrainer(model=factory(), reward_funcs=wordle.REWARD_FUNCS, args=args,
-                           train_dataset=wordle.make_dataset(256, seed=0, conversational=True),
+                           train_dataset=wordle.make_dataset(256, seed=0, max_history=0, conversational=True),
                            processing_class=tok, peft_config=lora, callbacks=callbacks)
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
@@ -126,21 +150,15 @@ def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device:
                data_collator=DataCollatorForLanguageModeling(tok, mlm=False), callbacks=callbacks)
 
 
-def step_time(output_dir: str, skip: int) -> float:
-    """Mean wall time per optimizer step after the first ``skip`` steps (from the run's own step lines)."""
-    from hf_perf_callbacks.report import load_run, unique_steps
-
-    walls = [s.get("perf/step_wall_sec") for s in unique_steps(load_run(output_dir))][skip:]
-    walls = [w for w in walls if isinstance(w, (int, float))]
-    return statistics.fmean(walls)
-
-
 def run_once(scenario, settings, factory, tok, device, keep: str | None = None):
+    """({"wall": s, "cpu": s} mean per optimizer step after the scenario's ``skip`` steps, the run directory)."""
     out = tempfile.mkdtemp(prefix="advice_")
-    trainer = build(scenario, settings, factory, tok, out, device)
+    clock = StepClock()
+    trainer = build(scenario, settings, factory, tok, out, device, clock)
     trainer.train()
     trainer.save_state()
-    seconds = step_time(out, scenario["skip"])
+    k = scenario["skip"]
+    seconds = {"wall": statistics.fmean(clock.wall[k:]), "cpu": statistics.fmean(clock.cpu[k:])}
     del trainer
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -152,20 +170,21 @@ def run_once(scenario, settings, factory, tok, device, keep: str | None = None):
 
 # ------------------------------------------------------------------ scenarios
 def scenarios(model: str, smoke: bool) -> dict:
-    completion = 8 if smoke else (24 if model != "qwen05" else 64)
-    steps = 6 if smoke else 12
+    completion = 8 if smoke else (16 if model != "qwen05" else 64)
+    steps = 4 if smoke else 6
     grpo = dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, num_generations=4,
                 max_completion_length=completion, max_steps=steps)
     out = {
         # the 16 GB recipe's 2×4 split, with its MPS-only padding
-        "grpo_2x4_pad32": {"kind": "grpo", "skip": 4, "config": {**grpo, "pad_to_multiple_of": 32}},
+        "grpo_2x4_pad32": {"kind": "grpo", "skip": 2, "config": {**grpo, "pad_to_multiple_of": 32}},
         # a plain Trainer behind a slow dataset, and one whose loss runs the model twice
-        "trainer_slow_data": {"kind": "trainer", "skip": 2,
+        "trainer_slow_data": {"kind": "trainer", "skip": 2, "measure": ["input_bound"], "clock": "wall",
                               "config": dict(per_device_train_batch_size=8, gradient_accumulation_steps=1,
-                                             max_steps=steps, dataloader_num_workers=0, delay=0.02)},
+                                             max_steps=steps + 2, dataloader_num_workers=0, delay=0.1)},
         "trainer_duplicate_forward": {"kind": "trainer", "skip": 2,
+                                      "measure": ["duplicate_forward"],
                                       "config": dict(per_device_train_batch_size=8, gradient_accumulation_steps=2,
-                                                     max_steps=steps, duplicate_forward=True)},
+                                                     max_steps=steps + 2, duplicate_forward=True)},
     }
     if model != "tiny":       # the real model: the GRPO scenario only (the Trainer ones test the rules, not the model)
         out = {"grpo_2x4_pad32": out["grpo_2x4_pad32"]}
@@ -186,7 +205,8 @@ def check_scenario(name, scenario, factory, tok, device, repeats) -> list[dict]:
     base_sec, base_dir = run_once(scenario, {}, factory, tok, device, keep="yes")
     findings, notes = check(measurements_from_run(base_dir))
     shutil.rmtree(base_dir, ignore_errors=True)
-    print(f"[{name}] baseline {base_sec:.3f} s/step; findings: {[f.rule for f in findings]}; "
+    which = scenario.get("clock") or ("cpu" if device == "cpu" else "wall")
+    print(f"[{name}] baseline {base_sec} s/step; findings: {[f.rule for f in findings]}; "
           f"notes: {[n.rule for n in notes]}", flush=True)
     rows = []
     for f in findings:
@@ -194,22 +214,27 @@ def check_scenario(name, scenario, factory, tok, device, repeats) -> list[dict]:
         row = {"scenario": name, "rule": f.rule, "title": f.title, "setting": f.setting,
                "predicted_gain": f.predicted_gain, "expected_gain": f.expected_gain, "basis": f.basis,
                "formula": f.gain_formula}
-        if f.rule in SKIP_RULES or not setting:
+        skip = ("not speed advice" if f.rule in SKIP_RULES else "no setting to apply" if not setting else
+                "not measured in this scenario" if "measure" in scenario and f.rule not in scenario["measure"]
+                else None)
+        if skip:
             row["measured_gain"] = None
-            row["why_not_measured"] = "no setting to apply" if not setting else "not speed advice"
+            row["why_not_measured"] = skip
             rows.append(row)
             continue
-        pairs, bases, advised = [], [base_sec], []
+        pairs, wall_pairs, bases, advised = [], [], [base_sec], []
         for i in range(repeats):
             b = bases[-1] if i == 0 else run_once(scenario, {}, factory, tok, device)[0]
             if i:
                 bases.append(b)
             a = run_once(scenario, setting, factory, tok, device)[0]
             advised.append(a)
-            pairs.append(b / a)
-            print(f"[{name}] {f.rule} {setting}: baseline {b:.3f} s, advised {a:.3f} s → {b / a:.2f}x", flush=True)
+            pairs.append(b[which] / a[which])
+            wall_pairs.append(b["wall"] / a["wall"])
+            print(f"[{name}] {f.rule} {setting}: baseline {b}, advised {a} → {pairs[-1]:.2f}x ({which})", flush=True)
         measured = statistics.median(pairs)
-        row.update(measured_gain=measured, pair_gains=pairs, baseline_step_sec=bases, advised_step_sec=advised)
+        row.update(measured_gain=measured, measured_on=which, pair_gains=pairs, wall_pair_gains=wall_pairs,
+                   baseline_step_sec=bases, advised_step_sec=advised)
         if f.predicted_gain:
             row["prediction_error"] = f.predicted_gain / measured - 1
         rows.append(row)
@@ -231,10 +256,13 @@ def main():
     p.add_argument("--model", default=None, help="tiny (CPU default), smollm2 (CPU) or qwen05 (CUDA default)")
     p.add_argument("--model_path", default=None)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="CPU: torch threads (1: CPU time measures the work)")
     p.add_argument("--smoke", action="store_true", help="tiny model, few steps, one repeat, no result file")
     p.add_argument("--only", nargs="*", default=None, help="scenario names")
     a = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        torch.set_num_threads(a.threads)
     model = a.model or ("qwen05" if device == "cuda" else "tiny")
     if a.smoke:
         model, a.repeats = "tiny", 1

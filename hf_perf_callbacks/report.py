@@ -25,6 +25,7 @@ from .timeline import PHASES
 logger = logging.getLogger("hf_perf_callbacks")
 
 TRAINER_STATE = "trainer_state.json"
+TUNER_SPLIT = "tuner_split.json"
 PHASE_COLORS = {"data_wait": "tab:red", "generation": "tab:orange", "compute": "tab:blue", "eval": "tab:green",
                 "save": "tab:purple"}
 MAX_EVENTS = 40          # events listed in full; beyond that the first and last halves
@@ -406,14 +407,40 @@ def _plot_all(run: RunLog, out_dir: str | None) -> tuple[list[str], list[str]]:
     return paths, notes
 
 
+def step_rates(steps: list[dict], period: int = 1) -> tuple[list[int], list[float]]:
+    """Tokens per second of training time (eval and save excluded: the steady figure's basis) per step, or per
+    generation cycle of ``period`` steps (GRPO counts a cycle's tokens at its generation step), at the cycle's last
+    step."""
+    xs, ys = [], []
+    period = max(1, int(period or 1))
+    rows = [s for s in steps if _num(s.get("perf/tokens")) is not None and _train_sec(s)]
+    for i in range(0, len(rows) - period + 1, period):
+        block = rows[i:i + period]
+        seconds = sum(_train_sec(s) for s in block)
+        if seconds > 0:
+            xs.append(int(block[-1]["step"]))
+            ys.append(sum(_num(s.get("perf/tokens")) for s in block) / seconds)
+    return xs, ys
+
+
 def _plot_throughput(ax, run, steps, f) -> str | None:
+    header = (_perf_headers(run) or [{}])[-1]
+    period = int(_num(header.get("period")) or 1)
+    px, py = step_rates(steps, period)
     xs, ys = _series(steps, "perf/tokens_per_sec")
-    if not xs:
-        return "no perf/tokens_per_sec in the step lines"
-    ax.plot(xs, ys, marker="o" if len(xs) <= 60 else None, ms=3, lw=1.2, color="tab:blue", label="tokens/s per step")
+    if not (xs or px):
+        return "no perf/tokens_per_sec or perf/tokens in the step lines"
+    if px:
+        what = "step" if period == 1 else f"generation cycle ({period} steps)"
+        ax.plot(px, py, marker="o" if len(px) <= 60 else None, ms=3, lw=1.2, color="tab:blue",
+                label=f"tokens/s per {what} (training time)")
+    if xs:
+        ax.plot(xs, ys, lw=1, ls="--", color="tab:purple", alpha=0.8,
+                label="windowed tokens/s (perf/tokens_per_sec: recent steps, wall time incl. eval/save)")
     rx, ry = _series(steps, "perf/rollout_tokens_per_sec")
     if rx:
-        ax.plot(rx, ry, lw=1, color="tab:orange", alpha=0.7, label="rollout (generation) tokens/s")
+        ax.plot(rx, ry, lw=1, color="tab:orange", alpha=0.7,
+                label="generated tokens / generation time (not decode speed)")
     steady = _num(f["steady_tokens_per_sec"])
     if steady is not None:
         ax.axhline(steady, color="tab:green", ls="--", lw=1.5, label=f"steady {steady:,.0f} tokens/s")
@@ -442,7 +469,8 @@ def _plot_memory(ax, run, steps, f) -> str | None:
     xs, ys = _series(steps, "mem/device_used_gb")
     if not xs:
         return "no mem/device_used_gb in the step lines"
-    ax.plot(xs, ys, lw=1.5, color="tab:blue", label="device memory used")
+    cpu = f.get("device_type") == "cpu"
+    ax.plot(xs, ys, lw=1.5, color="tab:blue", label="process RSS" if cpu else "device memory used")
     px, py = _series(steps, "mem/peak_gb")
     if px:
         ax.plot(px, py, lw=1, ls="--", color="tab:cyan", label="peak")
@@ -465,7 +493,8 @@ def _plot_memory(ax, run, steps, f) -> str | None:
         ax.annotate(str(e.get("action") or e.get("kind")), xy=(e["step"], 0.97 - 0.07 * (i % 4)),
                     xycoords=("data", "axes fraction"), xytext=(3, 0), textcoords="offset points",
                     fontsize=8, color=color, va="top")
-    _finish(ax, "Device memory vs budget", "memory (GB)", "center right")
+    _finish(ax, "Process memory (RSS) vs budget" if cpu else "Device memory vs budget", "memory (GB)",
+            "center right")
     return None
 
 
@@ -505,11 +534,48 @@ def _plot_phases(ax, run, steps, f) -> str | None:
     return None
 
 
+def probe_trials(output_dir: str) -> list[dict]:
+    """The tuner's probe trials from ``tuner_split.json``: ``{"split": "8×1", "seconds": s | None, "fits": bool,
+    "chosen": bool, "error": str | None}`` per measured split (empty when no probe ran)."""
+    try:
+        with open(os.path.join(output_dir, TUNER_SPLIT), encoding="utf-8") as fh:
+            saved = json.load(fh)
+    except (OSError, ValueError):
+        return []
+    probes = [d for d in (saved.get("decisions") or []) if isinstance(d, dict) and d.get("kind") == "probe"] \
+        if isinstance(saved, dict) else []
+    if not probes:
+        return []
+    chosen = _split_text(probes[-1].get("new"))
+    out = []
+    for t in probes[-1].get("trials") or []:
+        if not isinstance(t, dict):
+            continue
+        split = _split_text(t.get("split"))
+        out.append({"split": split, "seconds": _num(t.get("split_time")) if not t.get("error") else None,
+                    "fits": bool(t.get("fits")), "chosen": split == chosen, "error": t.get("error")})
+    return out
+
+
 def _plot_tuner(ax, run, steps, f) -> str | None:
     mx, my = _series(steps, "tuner/micro_batch")
     gx, gy = _series(steps, "tuner/grad_accum")
-    if not (mx or gx):
+    trials = probe_trials(run.output_dir)
+    if not (mx or gx or trials):
         return "no tuner/* keys in the step lines (no tuner attached)"
+    if trials:
+        inset = ax.inset_axes([0.55, 0.35, 0.42, 0.45])
+        names = [t["split"] for t in trials]
+        secs = [t["seconds"] or 0.0 for t in trials]
+        colors = ["tab:green" if t["chosen"] else "tab:grey" if t["fits"] else "tab:red" for t in trials]
+        inset.bar(range(len(trials)), secs, color=colors)
+        inset.set_xticks(range(len(trials)), names, fontsize=7)
+        inset.tick_params(axis="y", labelsize=7)
+        for i, t in enumerate(trials):
+            if t["seconds"] is None:
+                inset.annotate("OOM" if t["error"] else "n/a", (i, 0), ha="center", va="bottom", fontsize=7,
+                               color="tab:red")
+        inset.set_title("probe: s per step outside generation (green: chosen, red: over budget)", fontsize=7)
     if mx:
         ax.plot(mx, my, drawstyle="steps-post", lw=1.8, color="tab:blue", label="micro-batch (per device)")
     if gx:

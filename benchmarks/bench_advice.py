@@ -89,7 +89,8 @@ class SlowText(torch.utils.data.Dataset):
 
 
 class StepClock:
-    """Wall and process CPU seconds of every optimizer step (independent of the package's meter)."""
+    """Wall and process CPU seconds of every optimizer step, from one step's end to the next (so the data loading
+    before a step counts), independent of the package's meter."""
 
     def __new__(cls):
         from transformers import TrainerCallback
@@ -98,14 +99,16 @@ class StepClock:
             def __init__(self):
                 self.wall, self.cpu = [], []
 
-            def on_step_begin(self, args, state, control, **kwargs):
+            def on_train_begin(self, args, state, control, **kwargs):
                 self.t0, self.c0 = time.perf_counter(), time.process_time()
 
             def on_step_end(self, args, state, control, **kwargs):
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
-                self.wall.append(time.perf_counter() - self.t0)
-                self.cpu.append(time.process_time() - self.c0)
+                t, c = time.perf_counter(), time.process_time()
+                self.wall.append(t - self.t0)
+                self.cpu.append(c - self.c0)
+                self.t0, self.c0 = t, c
 
         return _Clock()
 
@@ -288,7 +291,11 @@ def main():
             previous = json.load(fh)
     except (OSError, ValueError):
         previous = {}
-    runs = [r for r in previous.get("runs", []) if r.get("model") != model]
+    runs = previous.get("runs", [])
+    old = next((r for r in runs if r.get("model") == model), None)
+    if old and a.only:            # a partial re-run replaces only its scenarios' rows
+        rows = [r for r in old["results"] if r["scenario"] not in a.only] + rows
+    runs = [r for r in runs if r.get("model") != model]
     runs.append({"model": model, "environment": env, "repeats": a.repeats, "results": rows})
     os.makedirs(RESULTS, exist_ok=True)
     with open(path, "w", encoding="utf-8") as fh:

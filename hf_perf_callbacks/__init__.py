@@ -5,13 +5,31 @@ from hf_perf_callbacks import default_callbacks, train_with_tuning
 trainer = GRPOTrainer(..., callbacks=default_callbacks())
 train_with_tuning(trainer)          # or trainer.train(): everything but live re-sizing still works
 ```
+
+The callbacks are imported on first use (module ``__getattr__``), so ``hf-perf --help`` and the pure modules
+(``runlog``, ``report``, ``stats``…) load without torch or transformers.
 """
-from .cache import MPSCacheClearer
-from .throughput import ThroughputMeter
-from .resize import AdaptiveBatchTuner, train_with_tuning
-from .watchdog import MemoryWatchdog
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
+
+#: public name → the module that defines it
+_LAZY = {"ThroughputMeter": ".throughput", "MemoryWatchdog": ".watchdog", "MPSCacheClearer": ".cache",
+         "AdaptiveBatchTuner": ".resize", "train_with_tuning": ".resize"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def default_callbacks(**overrides) -> list:
@@ -20,8 +38,8 @@ def default_callbacks(**overrides) -> list:
     ``overrides`` maps a callback class name to its keyword arguments, e.g.
     ``default_callbacks(ThroughputMeter={"window_steps": 20})``.
     """
-    classes = {"ThroughputMeter": ThroughputMeter, "MemoryWatchdog": MemoryWatchdog,
-               "MPSCacheClearer": MPSCacheClearer, "AdaptiveBatchTuner": AdaptiveBatchTuner}
+    classes = {name: __getattr__(name) for name in
+               ("ThroughputMeter", "MemoryWatchdog", "MPSCacheClearer", "AdaptiveBatchTuner")}
     unknown = set(overrides) - set(classes)
     if unknown:
         raise ValueError(f"default_callbacks got unknown callback name(s) {sorted(unknown)}: "

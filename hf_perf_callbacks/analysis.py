@@ -1,7 +1,8 @@
 """The run explains itself: rule-based analysis of a run's ``perf_log.jsonl`` (+ ``trainer_state.json`` and the
 tuner's ``tuner_split.json``).
 
-:func:`measurements_from_run` reduces a run directory to :class:`Measurements`; every rule in :data:`RULES` is a
+:func:`measurements` reduces a parsed run log (:func:`hf_perf_callbacks.runlog.read_run`) to :class:`Measurements`
+(headline figures from :func:`hf_perf_callbacks.figures.figures`, the ones ``hf-perf report`` prints); every rule in :data:`RULES` is a
 pure function of those and returns a :class:`Finding`, a :class:`Note` (checked and fine: nothing to gain) or None.
 A finding carries the **complete setting** to apply (``Finding.setting``, e.g. ``{"per_device_train_batch_size": 8,
 "gradient_accumulation_steps": 1}``), relative to what the run configured and never one already in effect, and an
@@ -50,7 +51,6 @@ and (layers × hidden + 6·hidden + 2·kv_heads·head_dim + 4·intermediate) × 
 """
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -59,9 +59,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import estimate
+from . import runlog as keys
 from .batching import Split, exact_splits, next_smaller
 from .device import GB
-from .report import completion_stats, figures, load_run, unique_steps
+from .figures import completion_stats, figures, last_value
+from .runlog import RunLog, read_run
 
 REPORT_FILE = "perf_report.md"
 TUNER_FILE = "tuner_split.json"
@@ -467,6 +469,43 @@ def rule_contention(m: Measurements) -> Finding | None:
                    formula, "medium", setting, "measured", gain)
 
 
+def dataloader_advice(device_type: str, dataloader: dict) -> list[str]:
+    """The DataLoader settings to change when the device waits for data, one line each (the meter's warning and the
+    ``input_bound`` finding both give this advice): ``dataloader`` holds the run's ``num_workers``,
+    ``persistent_workers``, ``prefetch_factor`` and ``pin_memory``. Settings already in effect are not repeated."""
+    return [line for line, _ in _dataloader_changes(device_type, dataloader)]
+
+
+def _dataloader_changes(device_type: str, dataloader: dict) -> list[tuple[str, dict]]:
+    """(advice line, the config keys it sets) for :func:`dataloader_advice` and the finding's setting."""
+    dl = dataloader or {}
+    workers = dl.get("num_workers") or 0
+    target = {"cuda": 4, "xpu": 4}.get(device_type, 2)
+    if workers >= target:
+        target = 2 * workers
+    first = f"`dataloader_num_workers: {target}` (now {workers})"
+    if device_type == "mps":
+        first += (" (transformers starts more than one worker with fork on MPS; if workers hang, set "
+                  "`dataloader_multiprocessing_context: spawn`, which needs a picklable dataset and collator)")
+    elif device_type != "cuda":
+        first += " (workers share the CPU cores with training: they hide waiting, not computing)"
+    out = [(first, {"dataloader_num_workers": target})]
+    if dl.get("persistent_workers") is not True:
+        out.append(("`dataloader_persistent_workers: true` (workers survive epochs instead of restarting)",
+                    {"dataloader_persistent_workers": True}))
+    if dl.get("prefetch_factor") is not None and dl["prefetch_factor"] < 2:     # None: torch's default, 2
+        out.append(("`dataloader_prefetch_factor: 2` (batches each worker prepares ahead)",
+                    {"dataloader_prefetch_factor": 2}))
+    if device_type == "cuda" and dl.get("pin_memory") is not True:
+        out.append(("`dataloader_pin_memory: true` (page-locked host memory: faster, asynchronous copies)",
+                    {"dataloader_pin_memory": True}))
+    elif device_type == "mps" and dl.get("pin_memory") is not False:
+        out.append(("`dataloader_pin_memory: false` (unified memory: nothing to pin)", {"dataloader_pin_memory": False}))
+    out.append(("pre-tokenize once (`dataset.map(tokenize, batched=True)` before building the trainer) so the "
+                "per-step work is only collation", {}))
+    return out
+
+
 def rule_input_bound(m: Measurements) -> Finding | None:
     f = _phase(m, "data_wait")
     if f < DATA_WAIT_FRACTION:
@@ -483,28 +522,9 @@ def rule_input_bound(m: Measurements) -> Finding | None:
                 "the next batch.")
     else:
         root = f"{workers} DataLoader workers cannot keep up: preparing a batch takes longer than computing one."
-    target = {"cuda": 4, "xpu": 4}.get(m.device_type, 2)
-    if workers >= target:
-        target = 2 * workers
-    setting = {"dataloader_num_workers": target}
-    lines = [f"`dataloader_num_workers: {target}`"]
-    if dl.get("persistent_workers") is not True:
-        setting["dataloader_persistent_workers"] = True
-        lines.append("`dataloader_persistent_workers: true` (workers survive epochs instead of restarting)")
-    if m.device_type == "cuda":
-        if dl.get("pin_memory") is not True:
-            setting["dataloader_pin_memory"] = True
-            lines.append("`dataloader_pin_memory: true` (page-locked host memory: faster, asynchronous copies)")
-    elif m.device_type == "mps":
-        lines[0] += (" (transformers starts more than one worker with fork on MPS; if workers hang, set "
-                     "`dataloader_multiprocessing_context: spawn`, which needs a picklable dataset and collator)")
-        if dl.get("pin_memory") is not False:
-            setting["dataloader_pin_memory"] = False
-            lines.append("`dataloader_pin_memory: false` (unified memory: nothing to pin)")
-    else:
-        lines[0] += " (workers share the CPU cores with training: they hide waiting, not computing)"
-    lines.append("pre-tokenize once (`dataset.map(tokenize, batched=True)` before building the trainer) so the "
-                 "per-step work is only collation")
+    changes = _dataloader_changes(m.device_type, dl)
+    lines = [line for line, _ in changes]
+    setting = {k: v for _, keys_set in changes for k, v in keys_set.items()}
     predicted = 1.0 / (1.0 - f)
     gain, basis, confidence, formula = _calibrated(
         "input_bound", predicted, f"workers hide the measured wait: 1/(1 − {f:.2f}) = {predicted:.2f}x")
@@ -876,48 +896,14 @@ def analyze(m: Measurements) -> list[Finding]:
     """The ranked findings (see :func:`check`)."""
     return check(m)[0]
 # ------------------------------------------------------------------ reading a run
-def _values(rows: list[dict], key: str) -> list[float]:
-    return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)
-            and math.isfinite(r[key])]
-
-
-def _last(rows: list[dict], key: str):
-    values = _values(rows, key)
-    return values[-1] if values else None
+def _values(rows: list, key: str) -> list[float]:
+    """The finite numbers under ``key`` in step lines or ``log_history`` dicts."""
+    values = (r.get(key) for r in rows)
+    return [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
 
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
-
-
-def _log_history(run) -> list[dict]:
-    """``log_history`` of the run's ``trainer_state.json`` (read by :func:`report.load_run`), else of the latest
-    checkpoint's (a run killed before it saved its final state)."""
-    if run.log_history:
-        return run.log_history
-    state = _checkpoint_state(run.output_dir) or {}
-    history = state.get("log_history") if isinstance(state, dict) else None
-    return [h for h in history if isinstance(h, dict)] if isinstance(history, list) else []
-
-
-def _checkpoint_state(output_dir: str) -> dict | None:
-    """The latest checkpoint's ``trainer_state.json``."""
-
-    def step_of(path: str) -> int:
-        name = os.path.basename(os.path.dirname(path)).removeprefix("checkpoint-")
-        return int(name) if name.isdigit() else -1
-
-    checkpoints = glob.glob(os.path.join(output_dir, "checkpoint-*", "trainer_state.json"))
-    for path in sorted(checkpoints, key=step_of, reverse=True):
-        if os.path.exists(path):
-            try:
-                with open(path, encoding="utf-8") as fh:
-                    return json.load(fh)
-            except (OSError, ValueError):
-                continue
-    return None
-
-
 
 
 def _probe_decision(output_dir: str) -> dict | None:
@@ -951,11 +937,11 @@ def _no_signal(logs: list[dict]) -> tuple[int, int, float | None]:
     return len(rows), best, (statistics.fmean(best_rewards) if best_rewards else None)
 
 
-def _contention(steps: list[dict], header: dict) -> dict | None:
+def _contention(steps: list, header) -> dict | None:
     """Steps slowed by CPU contention: wall time above the steady level while process CPU time per step stayed at
     its steady level. Needs ``perf/cpu_sec`` (process CPU seconds per step) beside the wall time; None without."""
-    rows = [(s, _num_or_none(s.get("perf/step_wall_sec", s.get("perf/step_time"))), _num_or_none(s.get("perf/cpu_sec")))
-            for s in steps]
+    rows = [(s, _num_or_none(s.get(keys.PERF_STEP_WALL_SEC, s.get(keys.PERF_STEP_TIME))),
+             _num_or_none(s.get("perf/cpu_sec"))) for s in steps]
     rows = [(s, w, c) for s, w, c in rows if w and c and w > 0 and c > 0]
     if len(rows) < 4:
         return None
@@ -970,8 +956,8 @@ def _contention(steps: list[dict], header: dict) -> dict | None:
     loads = [v for v in (_num_or_none(s.get("perf/load")) for s, _, _ in rows) if v is not None]
     return {"steps": len(slow), "lost_sec": lost, "run_sec": run_sec, "lost_share": lost / run_sec if run_sec else 0,
             "wall_over_cpu": statistics.median(w / c for w, c in slow), "steady_wall_over_cpu": ratio0,
-            "load": max(loads) if loads else None, "cores": header.get("cpu_cores"),
-            "threads": header.get("torch_threads")}
+            "load": max(loads) if loads else None, "cores": header.extra.get("cpu_cores"),
+            "threads": header.extra.get("torch_threads")}
 
 
 def _num_or_none(value) -> float | None:
@@ -979,76 +965,81 @@ def _num_or_none(value) -> float | None:
         else None
 
 
-def measurements_from_run(output_dir: str) -> Measurements:
-    """Read a run directory through :func:`report.load_run`: ``perf_log.jsonl`` (required), ``trainer_state.json``
-    (optional; else the latest checkpoint's) and ``tuner_split.json`` (optional: the probe's trials).
+def measurements(run_log: RunLog) -> Measurements:
+    """Reduce a parsed run log to what the rules look at (plus ``tuner_split.json``: the probe's trials).
 
     The latest training session's summaries count (a resumed session that was killed has none, so the figures
     come from the step lines), and a step logged again after an out-of-memory rollback or a resume counts once
-    (:func:`report.unique_steps`, its latest line). Raises :class:`report.ReportError` (a ``ValueError``) when
-    ``output_dir`` is not a directory, has no ``perf_log.jsonl``, or the log holds nothing readable.
+    (its latest line). Completion lengths and reward statistics come from ``trainer_state.json``'s
+    ``log_history``, else the latest checkpoint's.
     """
-    run_log = load_run(output_dir)
     f = figures(run_log)                      # the headline figures, exactly as the report prints them
-    run = ([r for r in run_log.runs if r.get("source") == "perf"] or [{}])[-1]
-    mem_summary = run_log.summaries.get("mem", {})
-    steps = unique_steps(run_log)
+    run = run_log.header("perf")
+    mem_summary = run_log.summary("mem")
+    steps = run_log.unique_steps()
     events = run_log.events
-    steady = [s for s in steps if s.get("perf/steady") == 1] or steps
+    steady = [s for s in steps if s.get(keys.PERF_STEADY) == 1] or steps
     warmup_steps = f["warmup_steps"]
 
-    fpm = _median(_values(steps, "perf/forwards_per_microbatch"))
+    fpm = _median(_values(steps, keys.PERF_FORWARDS_PER_MICROBATCH))
     if fpm is None:
-        fpm = max(_values(events, "forwards_per_microbatch"), default=None)
-    pads = _values(steady, "perf/pad_fraction")
+        fpm = max(_values([e.details for e in events], "forwards_per_microbatch"), default=None)
+    pads = _values(steady, keys.PERF_PAD_FRACTION)
 
-    micro = _last(steps, "tuner/micro_batch") or run.get("per_device_train_batch_size")
-    accum = _last(steps, "tuner/grad_accum") or run.get("gradient_accumulation_steps")
-    seq = _values(steps, "perf/seq_len")
-    seq_steady = _values(steady, "perf/seq_len")
+    micro = last_value(steps, keys.TUNER_MICRO_BATCH) or run.per_device_train_batch_size
+    accum = last_value(steps, keys.TUNER_GRAD_ACCUM) or run.gradient_accumulation_steps
+    seq = _values(steps, keys.PERF_SEQ_LEN)
+    seq_steady = _values(steady, keys.PERF_SEQ_LEN)
 
-    driver_rows = [s for s in steps if isinstance(s.get("mem/driver_gb"), (int, float))]
-    driver_max_row = max(driver_rows, key=lambda s: s["mem/driver_gb"]) if driver_rows else None
-    swaps = _values(steps, "mem/swap_used_gb")
-    pressures = _values(steps, "mem/pressure")
+    driver_rows = [s for s in steps if s.number(keys.MEM_DRIVER_GB) is not None]
+    driver_max_row = max(driver_rows, key=lambda s: s.number(keys.MEM_DRIVER_GB)) if driver_rows else None
+    swaps = _values(steps, keys.MEM_SWAP_USED_GB)
+    pressures = _values(steps, keys.MEM_PRESSURE)
     actions = mem_summary.get("actions")
     if not isinstance(actions, list):
-        actions = [{"step": e.get("step"), "action": e.get("action"), "message": e.get("message")}
-                   for e in events if e.get("source") == "mem" and e.get("kind") in ("action", "stop")]
+        actions = [{"step": e.step, "action": e.details.get("action"), "message": e.message}
+                   for e in events if e.source == "mem" and e.kind in ("action", "stop")]
 
-    logs = _log_history(run_log)
+    logs = run_log.latest_log_history()
     completion = completion_stats(logs)
     n_logs, no_signal_run, reward_mean = _no_signal(logs)
-    spg = run.get("steps_per_generation")      # the generation batch is kept by a re-size: this split's share of it
-    if spg and micro and run.get("per_device_train_batch_size"):
-        spg = max(1, int(spg) * int(run["per_device_train_batch_size"]) // int(micro))
+    spg = run.steps_per_generation           # a re-size keeps the generation batch: this split's share of it
+    if spg and micro and run.per_device_train_batch_size:
+        spg = max(1, int(spg) * int(run.per_device_train_batch_size) // int(micro))
 
     return Measurements(
-        device_type=run.get("device_type") or "unknown", world_size=int(run.get("world_size") or 1),
-        grpo=bool(run.get("grpo")), micro_batch=int(micro) if micro else None,
-        grad_accum=int(accum) if accum else None, max_completion_length=run.get("max_completion_length"),
-        num_generations=run.get("num_generations"), activation_checkpointing=run.get("activation_checkpointing"),
-        model=run.get("model") or {}, dataloader=run.get("dataloader") or {},
+        device_type=run.device_type or "unknown", world_size=int(run.world_size or 1),
+        grpo=bool(run.grpo), micro_batch=int(micro) if micro else None,
+        grad_accum=int(accum) if accum else None, max_completion_length=run.max_completion_length,
+        num_generations=run.num_generations, activation_checkpointing=run.activation_checkpointing,
+        model=run.model or {}, dataloader=run.dataloader or {},
         steps=int(f["steps"] or 0), warmup_steps=int(warmup_steps) if warmup_steps is not None else None,
         warmup_overhead_sec=f["warmup_overhead_sec"], first_step_slowdown=f["first_step_slowdown"],
         steady_step_sec=f["steady_step_sec"], steady_tokens_per_sec=f["steady_tokens_per_sec"], mfu=f["mfu"],
         phases={k: float(v) for k, v in f["phases"].items()},
         pad_fraction=statistics.fmean(pads) if pads else None, forwards_per_microbatch=fpm,
-        decode_bandwidth_util=_median(_values(steady, "perf/decode_bandwidth_util")),
+        decode_bandwidth_util=_median(_values(steady, keys.PERF_DECODE_BANDWIDTH_UTIL)),
         completion_mean=completion["mean"], completion_max=completion["max"], completion_p90=completion["p90"],
         clipped_ratio=completion["clipped"], mem_high_water_gb=f["high_water_gb"], mem_budget_gb=f["budget_gb"],
-        driver_gb_max=driver_max_row["mem/driver_gb"] if driver_max_row else None,
-        allocated_gb_at_driver_max=driver_max_row.get("mem/allocated_gb") if driver_max_row else None,
+        driver_gb_max=driver_max_row.number(keys.MEM_DRIVER_GB) if driver_max_row else None,
+        allocated_gb_at_driver_max=driver_max_row.get(keys.MEM_ALLOCATED_GB) if driver_max_row else None,
         max_pressure=int(max(pressures)) if pressures else None,
         swap_growth_gb=max(0.0, max(swaps) - swaps[0]) if swaps else None,
-        swapout_steps=sum(1 for v in _values(steps, "mem/swapouts") if v > 0),
-        min_steps_to_wall=min(_values(steps[MEM_GRACE_STEPS:], "mem/steps_to_wall"), default=None),
+        swapout_steps=sum(1 for v in _values(steps, keys.MEM_SWAPOUTS) if v > 0),
+        min_steps_to_wall=min(_values(steps[MEM_GRACE_STEPS:], keys.MEM_STEPS_TO_WALL), default=None),
         watchdog_actions=actions, seq_len=int(max(seq)) if seq else None,
         seq_len_mean=statistics.fmean(seq_steady) if seq_steady else None,
-        steps_per_generation=int(spg) if spg else None, pad_to_multiple_of=run.get("pad_to_multiple_of"),
-        temperature=run.get("temperature"), use_vllm=run.get("use_vllm"),
-        tuner_attached=any("tuner/micro_batch" in s for s in steps), probe=_probe_decision(output_dir),
+        steps_per_generation=int(spg) if spg else None, pad_to_multiple_of=run.pad_to_multiple_of,
+        temperature=run.temperature, use_vllm=run.use_vllm,
+        tuner_attached=any(keys.TUNER_MICRO_BATCH in s.values for s in steps),
+        probe=_probe_decision(run_log.output_dir) if run_log.output_dir else None,
         logs=n_logs, no_signal_run=no_signal_run, reward_mean=reward_mean, contention=_contention(steps, run))
+
+
+def measurements_from_run(output_dir: str) -> Measurements:
+    """:func:`measurements` of the run in ``output_dir`` (raises :class:`~hf_perf_callbacks.runlog.ReportError`, a
+    ``ValueError``, when it holds no readable ``perf_log.jsonl``)."""
+    return measurements(read_run(output_dir))
 
 
 # ------------------------------------------------------------------ output
@@ -1102,20 +1093,21 @@ def render_markdown(findings: list[Finding], m: Measurements, notes: list[Note] 
     return "\n".join(lines)
 
 
-def write_analysis(output_dir: str) -> tuple[str, list[Finding], list[Note]]:
-    """Analyse the run in ``output_dir`` and write ``<output_dir>/perf_report.md``; returns (path, findings,
-    notes)."""
-    m = measurements_from_run(output_dir)
+def write_analysis(run: RunLog | str) -> tuple[str, list[Finding], list[Note]]:
+    """Analyse a parsed run (or the run directory) and write ``<output_dir>/perf_report.md``; returns (path,
+    findings, notes)."""
+    run = read_run(run) if isinstance(run, (str, os.PathLike)) else run
+    m = measurements(run)
     findings, notes = check(m)
-    path = os.path.join(output_dir, REPORT_FILE)
+    path = os.path.join(run.output_dir, REPORT_FILE)
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(render_markdown(findings, m, notes))
     return path, findings, notes
 
 
-def write_perf_report(output_dir: str) -> tuple[str, list[Finding]]:
+def write_perf_report(run: RunLog | str) -> tuple[str, list[Finding]]:
     """:func:`write_analysis` without the notes: (path, findings)."""
-    path, findings, _ = write_analysis(output_dir)
+    path, findings, _ = write_analysis(run)
     return path, findings
 
 
@@ -1139,5 +1131,6 @@ def console_summary(findings: list[Finding], top: int = 3, notes: list[Note] | N
     return "\n".join(lines)
 
 
-__all__ = ["Measurements", "Finding", "Note", "RULES", "analyze", "check", "measurements_from_run",
-           "render_markdown", "write_analysis", "write_perf_report", "console_summary", "gain_text"]
+__all__ = ["Measurements", "Finding", "Note", "RULES", "analyze", "check", "measurements", "measurements_from_run",
+           "render_markdown", "write_analysis", "write_perf_report", "console_summary", "gain_text",
+           "dataloader_advice"]

@@ -5,7 +5,7 @@
 * **Faults stay inside.** Every ``on_*`` event of a subclass is guarded: an exception logs one warning with the
   cause, disables that callback (its ``close()`` removes any hooks) and training goes on. Under several ranks a
   disabled callback still joins its per-step exchange with neutral values, so no rank is left waiting.
-* **The bus.** On its first event a callback finds the trainer's :class:`~hf_perf_callbacks.reporting.RunBus`
+* **The bus.** On its first event a callback finds the trainer's :class:`~hf_perf_callbacks.bus.RunBus`
   (creating it first in the callback list) so its metrics reach every reporter.
 * **Resume.** State is exported through ``ExportableState`` and read back from ``trainer_state.json`` at
   ``on_train_begin`` of a resumed run, whether or not ``restore_callback_states_from_checkpoint`` is set.
@@ -21,7 +21,7 @@ from transformers.trainer_callback import ExportableState
 
 from .device import gather_floats, world_size
 from .adapter import calling_handler
-from .reporting import RunBus, bus_for
+from .bus import RunBus, bus_for
 
 logger = logging.getLogger("hf_perf_callbacks")
 

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import time
 
+from . import runlog as keys
 from .base import PerfCallback
+from .bus import SIGNAL_CLEAR
 from .device import GB, DeviceLayer, device_of
 from .memory import ClearSchedule
-from .stats import check_flag, check_number
-from .watchdog import SIGNAL_CLEAR
+from .validation import check_flag, check_number
 
 
 class MPSCacheClearer(PerfCallback):
@@ -106,8 +107,8 @@ class MPSCacheClearer(PerfCallback):
             self.clear(step, "periodic")
         elif self.schedule.gap_ok(step) and self._bloated():
             self.clear(step, "driver memory far above live tensors")
-        fields = {"cache/clears": self.clears, "cache/freed_gb": self._window[0] / GB,
-                  "cache/seconds": self._window[1], "cache/interval": self.schedule.interval}
+        fields = {keys.CACHE_CLEARS: self.clears, keys.CACHE_FREED_GB: self._window[0] / GB,
+                  keys.CACHE_SECONDS: self._window[1], keys.CACHE_INTERVAL: self.schedule.interval}
         self.bus.record_step(step, fields)
         if control.should_log:
             self.bus.publish(fields)
@@ -127,9 +128,8 @@ class MPSCacheClearer(PerfCallback):
             self.clear(state.global_step, "after checkpoint save", automatic=False)
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.bus.write({"type": "summary", "source": self.source, "clears": self.clears,
-                        "freed_gb": self.total_freed / GB, "seconds": self.total_seconds,
-                        "interval": self.schedule.interval})
+        self.bus.write_summary(self.source, {"clears": self.clears, "freed_gb": self.total_freed / GB,
+                                             "seconds": self.total_seconds, "interval": self.schedule.interval})
 
     def export(self) -> dict:
         return {"clears": self.clears, "freed": self.total_freed, "seconds": self.total_seconds,

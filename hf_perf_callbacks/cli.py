@@ -1,4 +1,8 @@
-"""The ``hf-perf`` command line: ``demo``, ``train`` and ``report``."""
+"""The ``hf-perf`` command line: ``demo``, ``train`` and ``report``.
+
+Only the standard library is imported here: ``--help`` answers without torch or transformers; each command imports
+what it needs when it runs.
+"""
 from __future__ import annotations
 
 import argparse
@@ -44,9 +48,31 @@ def main(argv: list[str] | None = None) -> int:
 
         run_demo(args.output_dir, max_steps=args.max_steps)
     elif args.command == "report":
-        from .report import main as report_main
+        return report_command(args.output_dir, plots=args.plots)
+    return 0
 
-        return report_main(args.output_dir, plots=args.plots)
+
+def report_command(output_dir: str, plots: bool = True) -> int:
+    """``hf-perf report``: read the run log once, print its summary and write its plots (:mod:`.report`), then
+    write ``perf_report.md`` and print the top findings (:mod:`.analysis`). 0 on success, 2 (message on stderr)
+    when the directory cannot be reported on, 1 when only the analysis failed."""
+    from .analysis import console_summary, write_analysis
+    from .report import print_report
+    from .runlog import ReportError, read_run
+
+    try:
+        run = read_run(output_dir)
+        print_report(run, plots=plots)
+    except ReportError as error:
+        print(f"hf-perf report: {error}", file=sys.stderr)
+        return 2
+    try:
+        path, findings, notes = write_analysis(run)
+    except Exception as error:  # noqa: BLE001 - the summary and plots above stand on their own
+        print(f"hf-perf report: the analysis failed ({type(error).__name__}: {error})", file=sys.stderr)
+        return 1
+    print(console_summary(findings, notes=notes))
+    print(f"analysis: {path}")
     return 0
 
 

@@ -43,13 +43,13 @@ def run_demo(output_dir: str | None = None, max_steps: int = 30) -> str:
     """Train the demo through ``train_with_tuning`` (the tuner probes the splits first), then print the report and
     write its plots and ``perf_report.md``; returns the output directory."""
     from . import train_with_tuning
-    from .report import main as report_main
+    from .cli import report_command
 
     output_dir = output_dir or tempfile.mkdtemp(prefix="hf_perf_demo_")
     trainer = build_demo_trainer(output_dir, max_steps=max_steps)
     train_with_tuning(trainer)
     trainer.save_state()                      # trainer_state.json: log_history with TRL's completion lengths
     print()
-    report_main(output_dir)
+    report_command(output_dir)
     print(f"\nperf log: {os.path.join(output_dir, 'perf_log.jsonl')}")
     return output_dir

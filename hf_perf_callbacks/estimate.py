@@ -12,7 +12,7 @@ model cards' 0.49B / 1.54B / 3.09B.
 """
 from __future__ import annotations
 
-from .stats import check_flag, check_number
+from .validation import check_flag, check_number
 
 #: Qwen2.5 Instruct configs (source: the models' config.json on the hub, see the module docstring).
 QWEN25: dict[str, dict] = {

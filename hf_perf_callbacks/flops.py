@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .stats import check_number
+from .validation import check_number
 
 
 @dataclass(frozen=True)

@@ -271,7 +271,8 @@ class MacMemoryReader:
             self._lib_obj = _LibSystem()
         return self._lib_obj
 
-    def _guard(self, signal: str, read: Callable[[], _T]) -> _T | None:
+    def _read_or_none(self, signal: str, read: Callable[[], _T]) -> _T | None:
+        """``read()``, or None when the reader is off or the read fails (one warning per signal)."""
         if not self._enabled:
             return None
         try:
@@ -329,7 +330,7 @@ class MacMemoryReader:
                 raise ValueError(f"unknown level {value.value}")
             return value.value
 
-        return self._guard("kern.memorystatus_vm_pressure_level", read)
+        return self._read_or_none("kern.memorystatus_vm_pressure_level", read)
 
     def vm_counters(self) -> dict[str, int] | None:
         """Cumulative ``host_statistics64`` counters plus ``compressor_bytes``."""
@@ -355,7 +356,7 @@ class MacMemoryReader:
                 "compressor_bytes": stats.compressor_page_count * self._page_bytes(),
             }
 
-        return self._guard("host_statistics64(HOST_VM_INFO64)", read)
+        return self._read_or_none("host_statistics64(HOST_VM_INFO64)", read)
 
     def swap_used_bytes(self) -> int | None:
         """``vm.swapusage`` ``xsu_used`` in bytes (compare between steps, not its level)."""
@@ -365,7 +366,7 @@ class MacMemoryReader:
             self._sysctl_into("vm.swapusage", usage)
             return usage.xsu_used
 
-        return self._guard("vm.swapusage", read)
+        return self._read_or_none("vm.swapusage", read)
 
     def phys_footprint_bytes(self, pid: int | None = None) -> int | None:
         """``ri_phys_footprint`` of ``pid`` (default: this process)."""
@@ -378,7 +379,7 @@ class MacMemoryReader:
                 raise _call_error("proc_pid_rusage", rc)
             return info.ri_phys_footprint
 
-        return self._guard("proc_pid_rusage(RUSAGE_INFO_V0)", read)
+        return self._read_or_none("proc_pid_rusage(RUSAGE_INFO_V0)", read)
 
     def sample(self) -> MacMemorySample:
         """All per-step readings at once."""
@@ -402,7 +403,7 @@ class MacMemoryReader:
     def chip_name(self) -> str | None:
         """``machdep.cpu.brand_string``, e.g. ``"Apple M2 Max"``."""
         if self._chip_name is None:
-            self._chip_name = self._guard(
+            self._chip_name = self._read_or_none(
                 "machdep.cpu.brand_string", lambda: self._sysctl_string("machdep.cpu.brand_string")
             )
         return self._chip_name
@@ -418,7 +419,7 @@ class MacMemoryReader:
             return value.value
 
         if self._memsize is None:
-            self._memsize = self._guard("hw.memsize", read)
+            self._memsize = self._read_or_none("hw.memsize", read)
         return self._memsize
 
     def gpu_core_count(self) -> int | None:
@@ -436,5 +437,5 @@ class MacMemoryReader:
 
         if not self._gpu_cores_done and self._enabled:
             self._gpu_cores_done = True
-            self._gpu_cores = self._guard("ioreg gpu-core-count", read)
+            self._gpu_cores = self._read_or_none("ioreg gpu-core-count", read)
         return self._gpu_cores

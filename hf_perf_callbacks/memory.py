@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .stats import check_number, linear_fit
+from .stats import linear_fit
+from .validation import check_number
 
 OK, WARN, CRITICAL = 0, 1, 2
 LEVEL_NAMES = {OK: "ok", WARN: "warn", CRITICAL: "critical"}
+#: the ladder's actions (logged as an event's ``action``; the bus's signals have their own names in ``bus.py``)
 CLEAR, SMALLER_BATCH, STOP = "clear_cache", "smaller_batch", "stop"
 
 

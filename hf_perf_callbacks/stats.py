@@ -9,6 +9,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .validation import check_number
+
 
 def median(values: Sequence[float]) -> float:
     """The median of a non-empty sequence."""
@@ -30,38 +32,6 @@ def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
         return 0.0, mean_y
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sxx
     return slope, mean_y - slope * mean_x
-
-
-def check_number(name: str, value, *, low: float | None = None, high: float | None = None,
-                 low_open: bool = False, integer: bool = False, allow_none: bool = False):
-    """Validate a public numeric parameter; raise a ``ValueError`` naming it, its value and what is allowed."""
-    if value is None and allow_none:
-        return value
-    kind = "an integer" if integer else "a number"
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    ok = ok_type and not isinstance(value, bool) and not (isinstance(value, float) and not math.isfinite(value))
-    if ok and low is not None:
-        ok = value > low if low_open else value >= low
-    if ok and high is not None:
-        ok = value <= high
-    if not ok:
-        bounds = []
-        if low is not None:
-            bounds.append(f"{'>' if low_open else '>='} {low}")
-        if high is not None:
-            bounds.append(f"<= {high}")
-        allowed = (f"a finite {kind.removeprefix('a ')}" if not integer else kind) + (
-            f" {' and '.join(bounds)}" if bounds else "") + (" or None" if allow_none else "")
-        raise ValueError(f"{name}={value!r} is not allowed: expected {allowed}")
-    return value
-
-
-def check_flag(name: str, value, *, allow_none: bool = False):
-    """Validate a public boolean parameter; raise a ``ValueError`` naming it, its value and what is allowed."""
-    if not (isinstance(value, bool) or (value is None and allow_none)):
-        allowed = "True, False or None" if allow_none else "True or False"
-        raise ValueError(f"{name}={value!r} is not allowed: expected {allowed}")
-    return value
 
 
 @dataclass

@@ -8,10 +8,13 @@ import weakref
 import torch
 
 from . import adapter
+from . import runlog as keys
+from .analysis import dataloader_advice
 from .base import PerfCallback
 from .device import DeviceLayer, device_of, dtype_key, gather_floats, world_size
 from .flops import forward_flops_per_token, shape_of, train_flops_per_token
-from .stats import check_flag, check_number, generation_period
+from .stats import generation_period
+from .validation import check_flag, check_number
 from .timeline import PHASES, StepTimeline
 
 
@@ -120,23 +123,20 @@ class ThroughputMeter(PerfCallback):
         self.seen = state.num_input_tokens_seen      # resume: the restored count is the baseline (no spike)
         self.device.synchronize()
         self.timeline.start_segment(self.clock(), self.period)
-        self.bus.write({"type": "run", "source": self.source, "device": self.device.name,
-                        "device_type": self.device.type, "world_size": self.world, "grpo": self.is_grpo,
-                        "token_source": self.token_source, "period": self.period,
-                        "peak_flops": self.peak_flops, "peak_bandwidth": self.peak_bandwidth,
-                        "dtype": self.dtype_key, "resumed_from_step": state.global_step,
-                        "per_device_train_batch_size": args.per_device_train_batch_size,
-                        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                        "max_completion_length": getattr(args, "max_completion_length", None),
-                        "num_generations": getattr(args, "num_generations", None),
-                        "steps_per_generation": getattr(args, "steps_per_generation", None),
-                        "pad_to_multiple_of": getattr(args, "pad_to_multiple_of", None),
-                        "temperature": getattr(args, "temperature", None),
-                        "use_vllm": getattr(args, "use_vllm", None),
-                        "activation_checkpointing": self.recompute, "model": self._model_facts(),
-                        "dataloader": {k: getattr(args, f"dataloader_{k}", None)
-                                       for k in ("num_workers", "persistent_workers", "prefetch_factor",
-                                                 "pin_memory")}})
+        self.bus.describe_run(self.source, state.global_step, device=self.device.name,
+                              device_type=self.device.type, world_size=self.world, grpo=self.is_grpo,
+                              token_source=self.token_source, period=self.period, peak_flops=self.peak_flops,
+                              peak_bandwidth=self.peak_bandwidth, dtype=self.dtype_key,
+                              per_device_train_batch_size=args.per_device_train_batch_size,
+                              gradient_accumulation_steps=args.gradient_accumulation_steps,
+                              max_completion_length=getattr(args, "max_completion_length", None),
+                              num_generations=getattr(args, "num_generations", None),
+                              steps_per_generation=getattr(args, "steps_per_generation", None),
+                              pad_to_multiple_of=getattr(args, "pad_to_multiple_of", None),
+                              temperature=getattr(args, "temperature", None),
+                              use_vllm=getattr(args, "use_vllm", None),
+                              activation_checkpointing=self.recompute, model=self._model_facts(),
+                              dataloader=_dataloader_settings(args))
 
     def _install(self, model) -> None:
         """A forward pre-hook on the innermost causal LM (training forwards, tokens, decode steps) and a timing
@@ -164,7 +164,7 @@ class ThroughputMeter(PerfCallback):
         self.gen_seconds += seconds
         self.timeline.add_generation(seconds)
         if output is not None:
-            self._guarded(self._count_generated, input_ids, output)
+            self._hook_safely(self._count_generated, input_ids, output)
 
     def _setup_flops(self, args) -> None:
         self.shape = shape_of(self.model)
@@ -214,7 +214,7 @@ class ThroughputMeter(PerfCallback):
         self.padded_positions = 0
 
     # ------------------------------------------------------------ hooks (no synchronize here)
-    def _guarded(self, fn, *args) -> None:
+    def _hook_safely(self, fn, *args) -> None:
         """Run hook-side work; a fault disables the meter (one warning) instead of failing the training step."""
         try:
             fn(*args)
@@ -225,7 +225,7 @@ class ThroughputMeter(PerfCallback):
 
     def _on_forward(self, module, args, kwargs):
         if not self.disabled:
-            self._guarded(self._count_forward, module, args, kwargs)
+            self._hook_safely(self._count_forward, module, args, kwargs)
         return None
 
     def _count_forward(self, module, args, kwargs) -> None:
@@ -287,24 +287,24 @@ class ThroughputMeter(PerfCallback):
         generated = float(counts[GENERATED]) if self.is_grpo else 0.0
         metrics = self._step_metrics(record, generated)
         if self.padded_positions:
-            metrics["perf/pad_fraction"] = 1.0 - counts[REAL_POSITIONS] / self.padded_positions
+            metrics[keys.PERF_PAD_FRACTION] = 1.0 - counts[REAL_POSITIONS] / self.padded_positions
         self._check_duplicates(state.global_step)
         self._check_data_wait(args, state.global_step)
-        self.bus.record_step(state.global_step, {**metrics, **{f"perf/phase_sec/{p}": getattr(record, p)
+        self.bus.record_step(state.global_step, {**metrics, **{keys.PERF_PHASE_SEC[p]: getattr(record, p)
                                                                 for p in PHASES},
-                                                "perf/step_wall_sec": record.wall, "perf/tokens": tokens,
-                                                "perf/seq_len": self.seq_len,
-                                                "perf/steady": int(record.steady)})
+                                                keys.PERF_STEP_WALL_SEC: record.wall, keys.PERF_TOKENS: tokens,
+                                                keys.PERF_SEQ_LEN: self.seq_len,
+                                                keys.PERF_STEADY: int(record.steady)})
         if control.should_log:   # phase shares over this logging interval
-            metrics.update({f"perf/phase/{k}": v for k, v in self.timeline.take_window_phases().items()})
+            metrics.update({keys.PERF_PHASE_SHARE[k]: v for k, v in self.timeline.take_window_phases().items()})
         self.bus.publish(metrics)
-        if self.config["progress_bar"] and metrics.get("perf/tokens_per_sec"):
-            self.bus.show_progress(f"tok/s={metrics['perf/tokens_per_sec']:.0f}")
+        if self.config["progress_bar"] and metrics.get(keys.PERF_TOKENS_PER_SEC):
+            self.bus.show_progress(f"tok/s={metrics[keys.PERF_TOKENS_PER_SEC]:.0f}")
         self._reset_step_counters()
 
     def on_train_end(self, args, state, control, **kwargs):
         self.summary = self.summarize()
-        self.bus.write({"type": "summary", "source": self.source, **self.summary})
+        self.bus.write_summary(self.source, self.summary)
         if state.is_world_process_zero:
             print(self.format_summary())
         self.close()
@@ -313,25 +313,25 @@ class ThroughputMeter(PerfCallback):
     def _step_metrics(self, record, generated: float) -> dict:
         tl = self.timeline
         rate = tl.tokens_per_sec
-        m = {"perf/warmup_done": int(tl.warmup_done), "perf/step_time": tl.rate.mean_seconds()}
+        m = {keys.PERF_WARMUP_DONE: int(tl.warmup_done), keys.PERF_STEP_TIME: tl.rate.mean_seconds()}
         if rate is not None:
-            m["perf/tokens_per_sec"] = rate
-            m["perf/tokens_per_sec_per_device"] = rate / self.world
+            m[keys.PERF_TOKENS_PER_SEC] = rate
+            m[keys.PERF_TOKENS_PER_SEC_PER_DEVICE] = rate / self.world
         if tl.steady_tokens_per_sec is not None:
-            m["perf/steady_tokens_per_sec"] = tl.steady_tokens_per_sec
+            m[keys.PERF_STEADY_TOKENS_PER_SEC] = tl.steady_tokens_per_sec
         if tl.warmup_done:
-            m.update({"perf/warmup_steps": tl.warmup_steps, "perf/warmup_overhead_sec": tl.warmup_overhead,
-                      "perf/first_step_slowdown": tl.first_step_slowdown})
+            m.update({keys.PERF_WARMUP_STEPS: tl.warmup_steps, keys.PERF_WARMUP_OVERHEAD_SEC: tl.warmup_overhead,
+                      keys.PERF_FIRST_STEP_SLOWDOWN: tl.first_step_slowdown})
         mfu = self._utilisation(rate)
         m.update(mfu)
-        m["perf/forwards_per_microbatch"] = self.forwards / max(1, self.microbatches)
+        m[keys.PERF_FORWARDS_PER_MICROBATCH] = self.forwards / max(1, self.microbatches)
         if self.is_grpo and record.generation > 0:
-            m["perf/rollout_tokens_per_sec"] = generated / record.generation
+            m[keys.PERF_ROLLOUT_TOKENS_PER_SEC] = generated / record.generation
             if self.peak_bandwidth and self.decode_steps:
-                m["perf/decode_bandwidth_util"] = (self.weight_bytes * self.decode_steps / record.generation
+                m[keys.PERF_DECODE_BANDWIDTH_UTIL] = (self.weight_bytes * self.decode_steps / record.generation
                                                    / self.peak_bandwidth)
         if self.is_grpo and tl.train_rate.rate():          # windowed over whole generation cycles, like tokens/s
-            m["perf/train_tokens_per_sec"] = tl.train_rate.rate()
+            m[keys.PERF_TRAIN_TOKENS_PER_SEC] = tl.train_rate.rate()
         return {k: v for k, v in m.items() if v is not None}
 
     def _flops_per_token(self) -> tuple[float, float]:
@@ -346,9 +346,9 @@ class ThroughputMeter(PerfCallback):
             return {}
         model, hardware = self._flops_per_token()
         per_device = rate / self.world
-        out = {"perf/mfu": model * per_device / self.peak_flops}
+        out = {keys.PERF_MFU: model * per_device / self.peak_flops}
         if self.recompute:
-            out["perf/hfu"] = hardware * per_device / self.peak_flops
+            out[keys.PERF_HFU] = hardware * per_device / self.peak_flops
         return out
 
     def _check_duplicates(self, step: int) -> None:
@@ -367,12 +367,9 @@ class ThroughputMeter(PerfCallback):
         share = tl.phase_fractions()["data_wait"]
         if share > self.config["data_wait_threshold"]:
             self.warned.add("data_wait")
-            settings = [f"dataloader_num_workers (now {args.dataloader_num_workers}; try 2-8)",
-                        "dataloader_persistent_workers=True", "dataloader_prefetch_factor (e.g. 4)"]
-            if self.device.type == "cuda":
-                settings.append("dataloader_pin_memory=True")
-            self.warn(f"the accelerator waits for data {share:.0%} of the time: raise " + ", ".join(settings) +
-                      " (or pre-tokenize the dataset).", step=step, data_wait_fraction=share)
+            advice = dataloader_advice(self.device.type, _dataloader_settings(args))
+            self.warn(f"the accelerator waits for data {share:.0%} of the time: " + "; ".join(advice) + ".",
+                      step=step, data_wait_fraction=share)
 
     # ------------------------------------------------------------ summary
     def summarize(self) -> dict:
@@ -384,7 +381,9 @@ class ThroughputMeter(PerfCallback):
                "mean_tokens_per_sec": tl.total_tokens / tl.total_train_seconds if tl.total_train_seconds else None,
                "phases": tl.phase_fractions(), "device": self.device.name, "world_size": self.world,
                "peak_flops": self.peak_flops}
-        out.update({k.removeprefix("perf/"): v for k, v in self._utilisation(tl.steady_tokens_per_sec).items()})
+        utilisation = self._utilisation(tl.steady_tokens_per_sec)
+        out.update({name: utilisation[key] for name, key in (("mfu", keys.PERF_MFU), ("hfu", keys.PERF_HFU))
+                    if key in utilisation})
         return out
 
     def format_summary(self) -> str:
@@ -427,3 +426,9 @@ class ThroughputMeter(PerfCallback):
         if self._stop_watching_generate is not None:
             self._stop_watching_generate()
             self._stop_watching_generate = None
+
+
+def _dataloader_settings(args) -> dict:
+    """The DataLoader settings of the training arguments (for the run header and the data-wait advice)."""
+    return {k: getattr(args, f"dataloader_{k}", None)
+            for k in ("num_workers", "persistent_workers", "prefetch_factor", "pin_memory")}

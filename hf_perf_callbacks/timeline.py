@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .stats import WarmupDetector, WindowedRate, check_number
+from .stats import WarmupDetector, WindowedRate
+from .validation import check_number
 
 PHASES = ("data_wait", "generation", "compute", "eval", "save")
 
@@ -81,7 +82,7 @@ class StepTimeline:
         self.train_rate = WindowedRate(self.window_steps, period)   # tokens per second outside generation
         self.last_mark = self.prev_end = t
         self.step_begin_at: float | None = None
-        self.pending = dict.fromkeys(PHASES, 0.0)
+        self.step_phases = dict.fromkeys(PHASES, 0.0)        # seconds per phase of the step in progress
         self.cycle: list[StepRecord] = []
         self.unsettled: list[list[StepRecord]] = []   # cycles seen before warmup was decided
         self.window_phases = dict.fromkeys(PHASES, 0.0)
@@ -105,28 +106,28 @@ class StepTimeline:
     # ------------------------------------------------------------ events
     def step_begin(self, t: float, overhead: float = 0.0) -> None:
         """A step begins at ``t``; ``overhead`` seconds since the last mark were callbacks' work, not data wait."""
-        self.pending["data_wait"] += max(0.0, t - self.last_mark - overhead)
+        self.step_phases["data_wait"] += max(0.0, t - self.last_mark - overhead)
         self.step_begin_at = self.last_mark = t
 
     def mark(self, phase: str, t: float) -> None:
         """Eval or save ended at ``t``: the time since the previous mark was that phase."""
         if phase not in ("eval", "save"):
             raise ValueError(f"phase={phase!r} is not allowed: expected 'eval' or 'save'")
-        self.pending[phase] += max(0.0, t - self.last_mark)
+        self.step_phases[phase] += max(0.0, t - self.last_mark)
         self.last_mark = t
 
     def add_generation(self, seconds: float) -> None:
         if self.step_begin_at is not None:   # generation during eval belongs to eval
-            self.pending["generation"] += seconds
+            self.step_phases["generation"] += seconds
 
     def measure(self, step: int, t: float) -> StepRecord:
         """The step ended at ``t``: its local durations (tokens come with :meth:`commit`)."""
         wall = max(0.0, t - self.prev_end)
-        p = self.pending
+        p = self.step_phases
         compute = max(0.0, wall - p["data_wait"] - p["generation"] - p["eval"] - p["save"])
         record = StepRecord(step, wall, wall - p["eval"] - p["save"], p["data_wait"], p["generation"], compute,
                             p["eval"], p["save"])
-        self.pending = dict.fromkeys(PHASES, 0.0)
+        self.step_phases = dict.fromkeys(PHASES, 0.0)
         self.last_mark = self.prev_end = t
         self.step_begin_at = None
         return record

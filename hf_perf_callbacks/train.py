@@ -535,9 +535,9 @@ def _describe(recipe, args, model_args, callbacks) -> str:
 def _report(output_dir: str) -> None:
     """End-of-run report; a failure here is logged and does not fail the finished run."""
     try:
-        from .report import main as report_main
+        from .cli import report_command
 
-        report_main(output_dir)
+        report_command(output_dir)
     except Exception:                                  # training and checkpoints are already saved
         logger.exception("the perf report failed; rerun it with `hf-perf report %s`", output_dir)
 

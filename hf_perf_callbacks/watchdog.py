@@ -3,14 +3,12 @@ from __future__ import annotations
 
 import sys
 
+from . import runlog as keys
 from .base import PerfCallback
+from .bus import SIGNAL_CLEAR, SIGNAL_SMALLER_BATCH
 from .device import GB, DeviceLayer, device_of, gather_floats, world_size
 from .memory import CLEAR, CRITICAL, LEVEL_NAMES, SMALLER_BATCH, STOP, MemoryPolicy, Observation
-from .stats import check_flag, check_number
-
-#: Bus signals: the cache clearer and the batch tuner subscribe to these.
-SIGNAL_CLEAR = "clear_cache"          # handler(reason: str, step: int) -> freed bytes
-SIGNAL_SMALLER_BATCH = "smaller_batch"  # handler(reason, step, control) -> True when it will re-size the run
+from .validation import check_flag, check_number
 
 
 class MemoryWatchdog(PerfCallback):
@@ -100,9 +98,9 @@ class MemoryWatchdog(PerfCallback):
         self.policy = self._policy(self.budget)
         self.policy.start_segment()
         self.device.reset_peak()
-        self.bus.write({"type": "run", "source": self.source, "resumed_from_step": state.global_step,
-                        "budget_gb": self.budget / GB, "device_limit_gb": (sample.device_limit or 0) / GB,
-                        "system_total_gb": sample.system_total / GB})
+        self.bus.describe_run(self.source, state.global_step, budget_gb=self.budget / GB,
+                              device_limit_gb=(sample.device_limit or 0) / GB,
+                              system_total_gb=sample.system_total / GB)
 
     def budget_bytes(self, device: DeviceLayer, sample=None) -> float:
         """The budget in bytes on ``device`` (``limit_gb``, or the fraction of the smallest real limit)."""
@@ -150,11 +148,11 @@ class MemoryWatchdog(PerfCallback):
             self.warn(f"memory grew on each of the last {self.policy.trend_window} steps "
                       f"(+{self.policy.slope / 1024**2:.1f} MB/step): a steady leak, e.g. tensors kept across "
                       f"steps (a loss appended without .item(), a growing cache)", step=step)
-        fields["mem/pressure"] = self.policy.level
+        fields[keys.MEM_PRESSURE] = self.policy.level
         if self.policy.steps_to_wall is not None:
-            fields["mem/steps_to_wall"] = self.policy.steps_to_wall
+            fields[keys.MEM_STEPS_TO_WALL] = self.policy.steps_to_wall
         if self.policy.slope is not None:
-            fields["mem/growth_mb_per_step"] = self.policy.slope / 1024**2
+            fields[keys.MEM_GROWTH_MB_PER_STEP] = self.policy.slope / 1024**2
         self.bus.record_step(step, fields)
         self.bus.publish(fields)
         self.device.reset_peak()
@@ -169,26 +167,27 @@ class MemoryWatchdog(PerfCallback):
                 retries = sample.alloc_retries - self._previous_retries
             self._previous_retries = sample.alloc_retries
         os_level = swapouts = None
-        fields = {"mem/device_used_gb": used / GB, "mem/limit_gb": self.budget / GB,
-                  "mem/peak_gb": max(self.high_water, used) / GB,
-                  "mem/system_available_gb": sample.system_available / GB, "mem/swap_used_gb": sample.swap_used / GB}
+        fields = {keys.MEM_DEVICE_USED_GB: used / GB, keys.MEM_LIMIT_GB: self.budget / GB,
+                  keys.MEM_PEAK_GB: max(self.high_water, used) / GB,
+                  keys.MEM_SYSTEM_AVAILABLE_GB: sample.system_available / GB,
+                  keys.MEM_SWAP_USED_GB: sample.swap_used / GB}
         if sample.allocated is not None:
-            fields["mem/allocated_gb"] = sample.allocated / GB
+            fields[keys.MEM_ALLOCATED_GB] = sample.allocated / GB
         if sample.reserved is not None:
-            fields["mem/driver_gb"] = sample.reserved / GB
+            fields[keys.MEM_DRIVER_GB] = sample.reserved / GB
         if retries is not None:
-            fields["mem/alloc_retries"] = retries
+            fields[keys.MEM_ALLOC_RETRIES] = retries
         mac = self._mac_sample() if self.on_mac else None
         if mac is not None:
             delta = mac.delta_since(self._previous_mac) if self._previous_mac else None
             self._previous_mac = mac
             os_level = mac.pressure_level
             swapouts = delta.swapouts_delta if delta else None
-            fields.update({"mem/os_pressure": os_level, "mem/swapouts": swapouts,
-                           "mem/compressor_gb": mac.compressor_bytes / GB if mac.compressor_bytes else None,
-                           "mem/footprint_gb": mac.phys_footprint_bytes / GB if mac.phys_footprint_bytes else None})
+            fields.update({keys.MEM_OS_PRESSURE: os_level, keys.MEM_SWAPOUTS: swapouts,
+                           keys.MEM_COMPRESSOR_GB: mac.compressor_bytes / GB if mac.compressor_bytes else None,
+                           keys.MEM_FOOTPRINT_GB: mac.phys_footprint_bytes / GB if mac.phys_footprint_bytes else None})
             if mac.swap_used_bytes is not None:
-                fields["mem/swap_used_gb"] = mac.swap_used_bytes / GB
+                fields[keys.MEM_SWAP_USED_GB] = mac.swap_used_bytes / GB
         obs = Observation(step, used, os_level=os_level, swapouts=swapouts, alloc_retries=retries)
         return obs, fields
 
@@ -244,7 +243,7 @@ class MemoryWatchdog(PerfCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self.summary = {"high_water_gb": self.high_water / GB, "budget_gb": self.budget / GB,
                         "actions": list(self.actions), "stopped_at": self.stopped_at}
-        self.bus.write({"type": "summary", "source": self.source, **self.summary})
+        self.bus.write_summary(self.source, self.summary)
         if state.is_world_process_zero:
             print(self.format_summary())
 

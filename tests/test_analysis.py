@@ -10,7 +10,7 @@ from hf_perf_callbacks import estimate
 from hf_perf_callbacks import analysis
 from hf_perf_callbacks.analysis import (RULES, Finding, Measurements, Note, analyze, check, console_summary,
                                         measurements_from_run, render_markdown, write_perf_report)
-from hf_perf_callbacks.report import ReportError
+from hf_perf_callbacks.runlog import ReportError, read_run
 
 QWEN_3B = {"num_hidden_layers": 36, "hidden_size": 2048, "intermediate_size": 11008, "num_attention_heads": 16,
            "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 151936, "params": 3_090_000_000,
@@ -469,7 +469,7 @@ def test_measurements_from_a_synthetic_run(tmp_path):
     rules = [f.rule for f in findings]
     assert rules[0] == "memory_pressure" and "generation_bound" in rules
     assert "completion_budget" in [n.rule for n in notes]
-    path, findings = write_perf_report(str(tmp_path))
+    path, findings = write_perf_report(read_run(tmp_path))
     text = open(path).read()
     assert path == os.path.join(str(tmp_path), "perf_report.md") and findings
     assert "`max_completion_length: 128`" in text and all(section in text for section in SECTIONS)
@@ -486,7 +486,7 @@ def test_missing_perf_log_is_a_clear_error(tmp_path):
     with pytest.raises(ReportError, match="no perf_log.jsonl"):
         measurements_from_run(str(tmp_path))
     with pytest.raises(ValueError, match="is not a directory"):          # ReportError is a ValueError
-        write_perf_report(str(tmp_path / "missing"))
+        read_run(str(tmp_path / "missing"))
     (tmp_path / "perf_log.jsonl").write_text("")
     with pytest.raises(ReportError, match="holds nothing"):
         measurements_from_run(str(tmp_path))
@@ -531,7 +531,7 @@ def test_measurements_from_a_real_demo_run(demo_run):
 
 
 def test_write_perf_report_on_the_demo_run(demo_run):
-    path, findings = write_perf_report(demo_run)
+    path, findings = write_perf_report(read_run(demo_run))
     text = open(path).read()
     assert os.path.basename(path) == "perf_report.md" and text.startswith("# Performance report")
     assert "**Run:** cpu × 1 · GRPO · 6 steps" in text

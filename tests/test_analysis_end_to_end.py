@@ -4,6 +4,7 @@ import torch
 
 from hf_perf_callbacks import default_callbacks
 from hf_perf_callbacks.analysis import check, measurements_from_run, write_analysis
+from hf_perf_callbacks.runlog import read_run
 from hf_perf_callbacks.tiny import build_model
 from tests.conftest import make_grpo, make_trainer
 
@@ -27,7 +28,7 @@ def test_short_completions_are_a_note_with_the_cap(tokenizer, tmp_path):
     findings, notes = check(m)
     assert "completion_budget" not in [f.rule for f in findings]         # no completion reached the limit
     assert "`max_completion_length: " in {n.rule: n for n in notes}["completion_budget"].text
-    path, _, _ = write_analysis(str(tmp_path))
+    path, _, _ = write_analysis(read_run(tmp_path))
     text = open(path).read()
     assert "## Checked and fine" in text and "max_completion_length" in text.split("## Checked and fine")[1]
 
@@ -61,6 +62,6 @@ def test_a_run_that_cannot_learn_is_the_first_finding(tokenizer, tmp_path):
     assert findings[0].setting["num_generations"] == 4
     padding = {f.rule: f for f in findings}["padding_waste"]
     assert padding.setting == {"pad_to_multiple_of": None} and "MPS" in padding.root_cause
-    path, _, _ = write_analysis(str(tmp_path))
+    path, _, _ = write_analysis(read_run(tmp_path))
     text = open(path).read()
     assert "Healthy" not in text and "## 1. The run cannot learn" in text

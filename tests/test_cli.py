@@ -107,3 +107,31 @@ def test_module_entry_point_runs_train_help():
     proc = subprocess.run([sys.executable, "-m", "hf_perf_callbacks", "train", "--help"], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0 and "hf_perf_callbacks.train" in proc.stdout
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """`hf-perf --help` and `hf-perf report --help` answer from the standard library alone."""
+    code = ("import runpy, sys\n"
+            "for argv in (['--help'], ['report', '--help']):\n"
+            "    sys.argv = ['hf-perf', *argv]\n"
+            "    try:\n"
+            "        runpy.run_module('hf_perf_callbacks', run_name='__main__')\n"
+            "    except SystemExit as exit_:\n"
+            "        assert exit_.code == 0, exit_.code\n"
+            "heavy = sorted(m for m in ('torch', 'transformers', 'trl', 'peft', 'accelerate') if m in sys.modules)\n"
+            "print('HEAVY', heavy)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: hf-perf" in proc.stdout and "output_dir" in proc.stdout
+    assert "HEAVY []" in proc.stdout
+
+
+def test_report_reads_the_log_once(demo_run, monkeypatch, capsys):
+    from hf_perf_callbacks import runlog
+
+    calls = []
+    parse = runlog.parse_lines
+    monkeypatch.setattr(runlog, "parse_lines", lambda *a, **k: calls.append(1) or parse(*a, **k))
+    assert cli.main(["report", demo_run, "--no-plots"]) == 0
+    assert len(calls) == 1 and "== Performance analysis ==" in capsys.readouterr().out

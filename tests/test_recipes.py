@@ -68,7 +68,7 @@ def check_run(out, world_size=1) -> list[dict]:
     lines = [json.loads(line) for line in open(os.path.join(out, "perf_log.jsonl"))]
     steps = [line for line in lines if line["type"] == "step"]
     assert [line["step"] for line in steps] == [1, 2]
-    header = next(line for line in lines if line["type"] == "run" and line.get("source") == "perf")
+    header = next(line for line in lines if line["type"] == "run" and "perf" in line["sources"])
     assert header["world_size"] == world_size
     assert os.path.exists(os.path.join(out, "adapter_model.safetensors"))
     return steps

@@ -7,7 +7,9 @@ import shutil
 import numpy as np
 import pytest
 
-from hf_perf_callbacks.report import PERF_LOG, ReportError, load_run, main, summarize, write_plots
+from hf_perf_callbacks.cli import report_command
+from hf_perf_callbacks.report import summarize, write_plots
+from hf_perf_callbacks.runlog import PERF_LOG, ReportError, read_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -31,7 +33,7 @@ def assert_good_png(path, min_bytes=10_000):
 
 
 def test_demo_run_summary_and_plots(demo_run, capsys):
-    assert main(demo_run) == 0
+    assert report_command(demo_run) == 0
     out = capsys.readouterr().out
     perf = next(e for e in reversed(read_log(demo_run)) if e["type"] == "summary" and e["source"] == "perf")
     steady = perf["steady_tokens_per_sec"]          # None when a loaded machine never settled in 6 steps
@@ -48,22 +50,13 @@ def test_demo_run_summary_and_plots(demo_run, capsys):
         assert_good_png(path)
 
 
-def test_load_run_parses_real_log(demo_run):
-    run = load_run(demo_run)
-    assert run.skipped_lines == 0
-    assert [s["step"] for s in run.steps] == list(range(1, 7))
-    assert {"perf", "mem", "cache"} <= set(run.summaries)
-    assert {r["source"] for r in run.runs} >= {"perf", "mem"}
-    assert run.log_history and any("completions/mean_length" in h for h in run.log_history)
-
-
 def test_missing_directory(tmp_path, capsys):
     missing = str(tmp_path / "nope")
     with pytest.raises(ReportError, match="not a directory") as info:
-        load_run(missing)
+        read_run(missing)
     assert "default_callbacks()" in str(info.value)
     assert isinstance(info.value, ValueError)
-    assert main(missing) == 2
+    assert report_command(missing) == 2
     captured = capsys.readouterr()
     assert "not a directory" in captured.err and "Traceback" not in captured.err
     assert captured.out == ""
@@ -72,9 +65,9 @@ def test_missing_directory(tmp_path, capsys):
 def test_missing_perf_log(tmp_path, capsys):
     (tmp_path / "trainer_state.json").write_text("{}")
     with pytest.raises(ReportError, match=f"no {PERF_LOG}") as info:
-        load_run(str(tmp_path))
+        read_run(str(tmp_path))
     assert "callbacks=default_callbacks()" in str(info.value)
-    assert main(str(tmp_path)) == 2
+    assert report_command(str(tmp_path)) == 2
     err = capsys.readouterr().err
     assert PERF_LOG in err and "default_callbacks" in err and "Traceback" not in err
 
@@ -83,8 +76,8 @@ def test_missing_perf_log(tmp_path, capsys):
 def test_empty_or_unreadable_perf_log(tmp_path, capsys, content):
     (tmp_path / PERF_LOG).write_text(content)
     with pytest.raises(ReportError, match="default_callbacks"):
-        load_run(str(tmp_path))
-    assert main(str(tmp_path)) == 2
+        read_run(str(tmp_path))
+    assert report_command(str(tmp_path)) == 2
     err = capsys.readouterr().err
     assert PERF_LOG in err and "Traceback" not in err
 
@@ -96,7 +89,7 @@ def test_truncated_log_still_reports(demo_run, tmp_path, capsys):
     (tmp_path / PERF_LOG).write_text("".join(lines))
     shutil.copy(os.path.join(demo_run, "trainer_state.json"), tmp_path / "trainer_state.json")
 
-    run = load_run(str(tmp_path))
+    run = read_run(str(tmp_path))
     assert run.skipped_lines == 1 and run.summaries == {}
     text = summarize(run)
     assert "did not finish" in text
@@ -104,7 +97,7 @@ def test_truncated_log_still_reports(demo_run, tmp_path, capsys):
     assert "steps: 5" in text                                  # step 6 was the cut line
     assert "steady tokens/s:" in text and "memory: high-water" in text and "time split:" in text
 
-    assert main(str(tmp_path)) == 0
+    assert report_command(str(tmp_path)) == 0
     assert "did not finish" in capsys.readouterr().out
     for name in ("throughput", "memory", "phases"):
         assert_good_png(str(tmp_path / "plots" / f"{name}.png"))
@@ -114,12 +107,12 @@ def test_figures_from_step_lines_match_the_meters_and_the_analysis_uses_them(dem
     """A killed run has no summaries: the step-line fallbacks must measure what the meter measures (training
     time, not wall time with eval/save), and perf_report.md must print the same figures as the report."""
     from hf_perf_callbacks.analysis import measurements_from_run
-    from hf_perf_callbacks.report import figures
+    from hf_perf_callbacks.figures import figures
 
-    finished = figures(load_run(demo_run))
+    finished = figures(read_run(demo_run))
     with open(os.path.join(demo_run, PERF_LOG), encoding="utf-8") as f:
         (tmp_path / PERF_LOG).write_text("".join(line for line in f if '"type": "summary"' not in line))
-    killed = figures(load_run(str(tmp_path)))
+    killed = figures(read_run(str(tmp_path)))
     assert killed["mean_tokens_per_sec"] == pytest.approx(finished["mean_tokens_per_sec"], rel=0.01)
     if finished["steady_step_sec"] is None:                   # the shared demo run is too short for a steady phase
         assert killed["steady_step_sec"] is None
@@ -173,7 +166,7 @@ def synthetic_log(path, steps=30):
 
 def test_synthetic_watchdog_and_tuner(tmp_path):
     synthetic_log(tmp_path / PERF_LOG)
-    run = load_run(str(tmp_path))
+    run = read_run(str(tmp_path))
     assert run.skipped_lines == 1 and len(run.steps) == 30
 
     text = summarize(run)
@@ -206,7 +199,7 @@ def test_plots_skip_absent_data(tmp_path):
     lines += [{"type": "summary", "source": "mem", "high_water_gb": 2.5, "budget_gb": 8.0,
                "actions": [{"step": 3, "action": "clear_cache", "message": "cleared caches"}], "stopped_at": None}]
     (tmp_path / PERF_LOG).write_text("".join(json.dumps(x) + "\n" for x in lines))
-    run = load_run(str(tmp_path))
+    run = read_run(str(tmp_path))
     text = summarize(run)
     assert "no ThroughputMeter data" in text
     assert "high-water 2.50 GB of a 8.00 GB budget (31%)" in text
@@ -214,29 +207,6 @@ def test_plots_skip_absent_data(tmp_path):
     paths = write_plots(run)
     assert [os.path.basename(p) for p in paths] == ["memory.png"]
     assert os.path.dirname(paths[0]) == str(tmp_path / "plots")
-
-
-def test_a_fresh_run_in_a_reused_output_dir_replaces_the_earlier_one_but_a_resume_does_not(tokenizer, tmp_path):
-    """HF's default output_dir is shared by every run: a fresh run must not inherit the previous run's step lines
-    (a shorter run would show the longer one's tail), while a resume in a new trainer keeps the history."""
-    from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter
-    from tests.conftest import make_trainer
-
-    def train(max_steps, resume=None):
-        trainer = make_trainer(tokenizer, tmp_path, [MemoryWatchdog(), ThroughputMeter()], max_steps=max_steps,
-                               extra={"save_strategy": "steps", "save_steps": 2})
-        trainer.train(resume_from_checkpoint=resume)
-
-    train(6)
-    train(3)                                                   # a new trainer, a fresh run, the same output_dir
-    run = load_run(tmp_path)
-    assert [s["step"] for s in run.steps] == [1, 2, 3] and run.replaced_runs == 1
-    assert {r["source"] for r in run.runs} == {"perf", "mem"} and len(run.runs) == 2
-    assert "also holds 1 earlier run(s)" in summarize(run)
-    train(5, resume=str(tmp_path / "checkpoint-2"))            # a resume: history kept, step 3 re-run
-    run = load_run(tmp_path)
-    assert [s["step"] for s in run.steps] == [1, 2, 3, 3, 4, 5] and run.replaced_runs == 1
-    assert sorted(r.get("resumed_from_step") for r in run.runs) == [0, 0, 2, 2]
 
 
 def _axes():
@@ -250,11 +220,12 @@ def _axes():
 
 def _plot(name, tmp_path, lines):
     from hf_perf_callbacks import report
+    from hf_perf_callbacks.figures import figures
 
     (tmp_path / PERF_LOG).write_text("".join(json.dumps(x) + "\n" for x in lines))
-    run = load_run(str(tmp_path))
+    run = read_run(str(tmp_path))
     ax = _axes()
-    assert getattr(report, f"_plot_{name}")(ax, run, report.unique_steps(run), report.figures(run)) is None
+    assert getattr(report, f"_plot_{name}")(ax, run, run.unique_steps(), figures(run)) is None
     return ax
 
 
@@ -323,7 +294,20 @@ def test_completion_line_and_the_analysis_cite_the_same_clipped_share(tmp_path):
     logs = [{"step": s, "completions/mean_length": 15.0, "completions/max_length": 16.0,
              "completions/clipped_ratio": r} for s, r in enumerate((1.0, 1.0, 0.75, 0.75), 1)]
     (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": logs}))
-    text = summarize(load_run(str(tmp_path)))
+    text = summarize(read_run(str(tmp_path)))
     assert "clipped 88% (mean over the run)" in text
     notes = {n.rule: n for n in check(measurements_from_run(str(tmp_path)))[1]}
     assert "clipped ratio 88%" in notes["completion_budget"].text
+
+
+def test_a_warning_before_the_first_header_is_kept_and_no_earlier_run_is_claimed(tmp_path):
+    # seen: a run whose first line is the meter's MFU warning event reported "1 earlier run started afresh" and the
+    # warning was dropped
+    lines = [{"type": "event", "source": "perf", "kind": "warning", "step": 0, "message": "MFU omitted: no peak"},
+             {"type": "run", "source": "perf", "session": "s1", "resumed_from_step": 0, "device_type": "cpu"},
+             {"type": "step", "step": 1, "perf/tokens": 10.0, "perf/step_wall_sec": 1.0}]
+    (tmp_path / PERF_LOG).write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run = read_run(str(tmp_path))
+    text = summarize(run)
+    assert run.replaced_runs == 0 and "earlier run" not in text
+    assert "MFU omitted: no peak" in text

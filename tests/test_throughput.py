@@ -8,6 +8,7 @@ import torch
 from transformers import Trainer
 
 from hf_perf_callbacks import ThroughputMeter
+from hf_perf_callbacks.analysis import dataloader_advice
 from hf_perf_callbacks.flops import forward_flops_per_token, train_flops_per_token
 from tests.conftest import make_grpo, make_trainer
 
@@ -90,7 +91,9 @@ def test_slow_dataset_warns_about_dataloader_settings(tokenizer, tmp_path, caplo
         make_trainer(tokenizer, tmp_path, [meter], max_steps=6, delay=0.02).train()
     messages = [r.getMessage() for r in caplog.records if "waits for data" in r.getMessage()]
     assert len(messages) == 1
-    assert "dataloader_num_workers (now 0" in messages[0] and "dataloader_persistent_workers" in messages[0]
+    assert "`dataloader_num_workers: 2` (now 0" in messages[0] and "dataloader_persistent_workers" in messages[0]
+    settings = {"num_workers": 0, "persistent_workers": False, "prefetch_factor": None, "pin_memory": True}
+    assert "; ".join(dataloader_advice("cpu", settings)) in messages[0]   # the analysis' advice, the same number
     assert "pin_memory" not in messages[0]                        # CUDA-only advice
     assert meter.summary["phases"]["data_wait"] > 0.3
 

@@ -14,11 +14,12 @@ import time
 from dataclasses import asdict
 
 from .. import adapter
+from .. import runlog as keys
 from ..base import PerfCallback
 from ..batching import Split, exact_splits, next_smaller
 from ..device import is_main_process, world_size
-from ..stats import check_flag, check_number
-from ..watchdog import SIGNAL_SMALLER_BATCH
+from ..validation import check_flag, check_number
+from ..bus import SIGNAL_SMALLER_BATCH
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -130,9 +131,9 @@ class AdaptiveBatchTuner(PerfCallback):
         if self.decisions and "recovery_sec" not in self.decisions[-1] and "resized_at" in self.decisions[-1]:
             self.decisions[-1]["recovery_sec"] = time.time() - self.decisions[-1]["resized_at"]
         s = current_split(args)                          # the split this step ran with (a decision applies later)
-        fields = {"tuner/micro_batch": s.micro_batch, "tuner/grad_accum": s.grad_accum,
-                  "tuner/effective_batch": s.micro_batch * s.grad_accum * self.world,
-                  "tuner/resizes": sum(d["kind"] != "probe" for d in self.decisions)}
+        fields = {keys.TUNER_MICRO_BATCH: s.micro_batch, keys.TUNER_GRAD_ACCUM: s.grad_accum,
+                  keys.TUNER_EFFECTIVE_BATCH: s.micro_batch * s.grad_accum * self.world,
+                  keys.TUNER_RESIZES: sum(d["kind"] != "probe" for d in self.decisions)}
         self.bus.record_step(state.global_step, fields)
         self.bus.publish(fields)
 

@@ -20,7 +20,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from .. import adapter
 from ..batching import Split, next_smaller
 from ..device import DeviceLayer, device_of
-from ..stats import check_number
+from ..validation import check_number
 from .agreement import guard_training_step, recoverable
 from .callback import AdaptiveBatchTuner, apply_split, current_split, find_callback, saved_split
 from .probe import run_probe

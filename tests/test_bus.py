@@ -8,7 +8,7 @@ import pytest
 
 from hf_perf_callbacks import ThroughputMeter
 from hf_perf_callbacks.base import PerfCallback
-from hf_perf_callbacks.reporting import RunBus
+from hf_perf_callbacks.bus import RunBus
 from tests.conftest import make_grpo, make_trainer
 
 

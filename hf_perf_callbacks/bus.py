@@ -1,0 +1,223 @@
+"""How the callbacks' metrics reach every reporter, ``log_history``, the console and ``perf_log.jsonl``; the
+signals between callbacks.
+
+``Trainer.log`` copies ``logs`` into ``state.log_history`` and then calls ``on_log`` on the callbacks in order;
+the reporters (TensorBoard, W&B, trackio, MLflow…) come before user callbacks, so keys a user callback adds in
+``on_log`` reach neither the reporters nor ``log_history``. The fix is one :class:`RunBus` per trainer, inserted at
+index 0 of the callback list: the callbacks publish into it during ``on_step_end`` and the bus merges everything
+into the next training log *before* any reporter runs, and into ``log_history[-1]``.
+
+The bus is also the small shared object through which the callbacks talk (the signals below), and it writes the
+run log ``<output_dir>/perf_log.jsonl`` (main process only; records and reader in :mod:`hf_perf_callbacks.runlog`):
+one run header per ``train()`` call with the bus's ``session`` and the facts the callbacks handed it
+(:meth:`RunBus.describe_run`), one step line per optimizer step, one line per event and the summaries. The header
+is written once every callback has begun (at the first step, or at the first step line or summary); events from
+before it wait and follow it.
+
+Signals (:meth:`RunBus.signal`): ``SIGNAL_CLEAR`` — the watchdog asks for a cache clear; handler
+``(reason: str, step: int) -> freed bytes`` (MPSCacheClearer). ``SIGNAL_SMALLER_BATCH`` — the watchdog asks for a
+smaller micro-batch; handler ``(reason, step, control) -> bool``, True when it will re-size the run
+(AdaptiveBatchTuner).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler
+
+from . import adapter
+from .runlog import EventLine, LogWriter, Record, RunHeader, StepLine, SummaryLine, parse_record
+
+logger = logging.getLogger("hf_perf_callbacks")
+
+#: the watchdog asks for a cache clear
+SIGNAL_CLEAR = "clear_cache"
+#: the watchdog asks for a smaller micro-batch
+SIGNAL_SMALLER_BATCH = "smaller_batch"
+
+
+class RunBus(TrainerCallback):
+    """Shared per-trainer hub: metrics for the next log, the perf log and signals between callbacks."""
+
+    def __init__(self):
+        self.unlogged: dict[str, float] = {}       # metrics for the next training log
+        self.step_line: StepLine | None = None      # this optimizer step's line, written when the next begins
+        self.handler: CallbackHandler | None = None
+        self.output_dir: str | None = None
+        self.is_main = True
+        self.subscribers: dict[str, list[Callable]] = defaultdict(list)
+        self.overhead = 0.0
+        self.session = uuid.uuid4().hex[:12]    # on run headers: a new process's fresh run restarts the log
+        # this train() call's header while it is not written yet; the first call's is opened here, as the bus
+        # joins the callback list during the callbacks' on_train_begin and misses its own
+        self.header: RunHeader | None = RunHeader(session=self.session)
+        self.start_known = False                # the header's resumed_from_step is known
+        self.held: list[EventLine] = []         # events waiting for the header
+        self.writer = LogWriter()
+
+    # ------------------------------------------------------------ publishing
+    def publish(self, metrics: dict[str, float]) -> None:
+        """Metrics for the next training log (later values of a key replace earlier ones)."""
+        self.unlogged.update({k: v for k, v in metrics.items() if _finite(v)})
+
+    def record_step(self, step: int, fields: dict) -> None:
+        """Fields for this optimizer step's line in ``perf_log.jsonl``."""
+        if self.step_line is not None and self.step_line.step != step:
+            self.flush()
+        if self.step_line is None:
+            self.step_line = StepLine(step, round(time.time(), 3))
+        self.step_line.values.update({k: v for k, v in fields.items() if v is not None})
+
+    def describe_run(self, source: str, step: int, **facts) -> None:
+        """A callback's facts for this ``train()`` call's run header (see :class:`~hf_perf_callbacks.runlog.RunHeader`
+        for the names); ``step`` is where the call starts (``state.global_step``)."""
+        if self.header is None:                  # the bus missed on_train_begin (not in the callback list)
+            self.header, self.start_known = RunHeader(session=self.session), False
+        if not self.start_known:
+            self.header.resumed_from_step, self.start_known = step, True
+        self.header.describe(source, **facts)
+
+    def event(self, source: str, kind: str, message: str, step: int | None = None, **fields) -> dict:
+        """Log an event (warning, action, decision) to the console and the perf log; returns its JSON object."""
+        entry = EventLine(source, kind, message, step, round(time.time(), 3), fields)
+        if self.is_main:
+            (logger.warning if kind in ("warning", "action", "stop") else logger.info)("[%s] %s", source, message)
+            if self.header is not None:
+                self.held.append(entry)
+            else:
+                self._append(entry)
+        return entry.to_json()
+
+    def write_summary(self, source: str, values: dict) -> None:
+        """A callback's end-of-run summary."""
+        self._emit(SummaryLine(source, dict(values)))
+
+    def write(self, entry: dict) -> None:
+        """Write a JSON object of one of the log's record types (a summary) to the perf log."""
+        record = parse_record(entry)
+        if record is None:
+            raise ValueError(f"entry type {entry.get('type')!r} is not allowed: expected 'run', 'step', 'event' "
+                             f"or 'summary'")
+        self._emit(record)
+
+    def flush(self) -> None:
+        """Write the pending step line (and the run header first, when it is still due)."""
+        line, self.step_line = self.step_line, None
+        if line is not None:
+            if self.header is not None and not self.start_known:     # nobody described the run: the call began
+                self.header.resumed_from_step = max(0, line.step - 1)  # one step before its first step line
+            self._emit(line)
+        else:
+            self._write_header()
+
+    def _emit(self, record: Record) -> None:
+        if self.is_main:
+            self._write_header()
+            self._append(record)
+
+    def _write_header(self) -> None:
+        header, self.header = self.header, None
+        if header is None or not self.is_main:
+            return
+        header.time = round(time.time(), 3)
+        self._append(header)
+        held, self.held = self.held, []
+        for event in held:
+            self._append(event)
+
+    def _append(self, record: Record) -> None:
+        self.writer.append(self.output_dir, record)
+
+    def add_overhead(self, seconds: float) -> None:
+        """Time a callback spent after the step ended (memory sampling, cache clears): not data wait."""
+        self.overhead += seconds
+
+    def take_overhead(self) -> float:
+        seconds, self.overhead = self.overhead, 0.0
+        return seconds
+
+    # ------------------------------------------------------------ signals
+    def subscribe(self, signal: str, handler: Callable[..., object]) -> None:
+        """Subscribe a bound method; it replaces an earlier subscriber of the same class (a resumed instance)."""
+        owner = type(getattr(handler, "__self__", None))
+        self.subscribers[signal] = [h for h in self.subscribers[signal]
+                                    if type(getattr(h, "__self__", None)) is not owner or owner is type(None)]
+        self.subscribers[signal].append(handler)
+
+    def signal(self, signal: str, **payload) -> list:
+        """Call every subscriber of ``signal``; returns their answers (empty when nobody listens).
+
+        A subscriber that raises is dropped with one warning: it must not take the caller down with it.
+        """
+        answers = []
+        for handler in list(self.subscribers[signal]):
+            if getattr(getattr(handler, "__self__", None), "disabled", False):
+                continue
+            try:
+                answers.append(handler(**payload))
+            except Exception as error:  # noqa: BLE001
+                self.subscribers[signal].remove(handler)
+                logger.warning("subscriber %s of '%s' failed (%s: %s) and was removed", handler, signal,
+                               type(error).__name__, error)
+        return answers
+
+    def has_subscribers(self, signal: str) -> bool:
+        return any(not getattr(getattr(h, "__self__", None), "disabled", False) for h in self.subscribers[signal])
+
+    def show_progress(self, text: str) -> None:
+        """Show ``text`` beside the tqdm progress bar, when there is one."""
+        for bar in adapter.progress_bars(self.handler):
+            bar.set_postfix_str(text, refresh=False)
+
+    # ------------------------------------------------------------ trainer events
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.output_dir = args.output_dir
+        self.is_main = state.is_world_process_zero
+        self.unlogged.clear()
+        if self.step_line is not None:
+            self.flush()
+        self.header = RunHeader(session=self.session, resumed_from_step=state.global_step)   # replaces an unused one
+        self.start_known = True
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.flush()                             # every callback has begun: the header goes out now at the latest
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or not self.unlogged or _is_eval_log(logs):
+            return
+        logs.update(self.unlogged)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(self.unlogged)
+        self.unlogged = {}
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.flush()
+
+
+def bus_for(handler: CallbackHandler) -> RunBus:
+    """The trainer's bus, created and put first in its callback list on first use."""
+    for cb in handler.callbacks:
+        if isinstance(cb, RunBus):
+            bus = cb
+            break
+    else:
+        bus = RunBus()
+    if handler.callbacks[:1] != [bus]:
+        # A new list, not an in-place insert: the handler may be iterating over the old one right now.
+        handler.callbacks = [bus] + [cb for cb in handler.callbacks if cb is not bus]
+    bus.handler = handler
+    return bus
+
+
+def _is_eval_log(logs: dict) -> bool:
+    return any(k.startswith(("eval_", "test_")) for k in logs) or "train_runtime" in logs
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

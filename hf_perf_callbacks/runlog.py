@@ -1,0 +1,436 @@
+"""The run log ``<output_dir>/perf_log.jsonl``: its records, every logged metric key, its writer and its one reader.
+
+One JSON object per line, appended to across resumes and re-sizes (main process only):
+
+===========  ===========================================================================================
+``type``     record
+===========  ===========================================================================================
+``run``      :class:`RunHeader` — one per ``train()`` call, written by the bus with its ``session``: the
+             facts the callbacks handed it (device, peaks, model, batch geometry, memory budget)
+``step``     :class:`StepLine` — one per optimizer step: every callback's fields for that step
+``event``    :class:`EventLine` — a warning, action, decision or note, with its step
+``summary``  :class:`SummaryLine` — a callback's end-of-run summary
+===========  ===========================================================================================
+
+:func:`read_run` is the one reader. A run header of a new session starting at step 0 is a fresh run in a reused
+``output_dir``: it replaces the lines of the earlier run(s) (counted in ``replaced_runs``); a resume (the same
+session, or ``resumed_from_step`` > 0) keeps them. Lines before the first run header belong to the first run.
+
+Pure: no torch, no transformers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .timeline import PHASES
+
+logger = logging.getLogger("hf_perf_callbacks")
+
+PERF_LOG = "perf_log.jsonl"
+TRAINER_STATE = "trainer_state.json"
+
+# ---------------------------------------------------------------- metric keys (the callbacks document their units)
+# ThroughputMeter: published to the reporters and written to the step lines
+PERF_TOKENS_PER_SEC = "perf/tokens_per_sec"
+PERF_TOKENS_PER_SEC_PER_DEVICE = "perf/tokens_per_sec_per_device"
+PERF_STEADY_TOKENS_PER_SEC = "perf/steady_tokens_per_sec"
+PERF_STEP_TIME = "perf/step_time"
+PERF_WARMUP_DONE = "perf/warmup_done"
+PERF_WARMUP_STEPS = "perf/warmup_steps"
+PERF_WARMUP_OVERHEAD_SEC = "perf/warmup_overhead_sec"
+PERF_FIRST_STEP_SLOWDOWN = "perf/first_step_slowdown"
+PERF_MFU = "perf/mfu"
+PERF_HFU = "perf/hfu"
+PERF_ROLLOUT_TOKENS_PER_SEC = "perf/rollout_tokens_per_sec"
+PERF_TRAIN_TOKENS_PER_SEC = "perf/train_tokens_per_sec"
+PERF_DECODE_BANDWIDTH_UTIL = "perf/decode_bandwidth_util"
+PERF_FORWARDS_PER_MICROBATCH = "perf/forwards_per_microbatch"
+PERF_PAD_FRACTION = "perf/pad_fraction"
+#: share of wall time per phase since the last log (published at logging steps)
+PERF_PHASE_SHARE = {p: f"perf/phase/{p}" for p in PHASES}
+# ThroughputMeter: step lines only
+PERF_PHASE_SEC = {p: f"perf/phase_sec/{p}" for p in PHASES}
+PERF_STEP_WALL_SEC = "perf/step_wall_sec"
+PERF_TOKENS = "perf/tokens"
+PERF_SEQ_LEN = "perf/seq_len"
+PERF_STEADY = "perf/steady"
+# MemoryWatchdog
+MEM_DEVICE_USED_GB = "mem/device_used_gb"
+MEM_ALLOCATED_GB = "mem/allocated_gb"
+MEM_DRIVER_GB = "mem/driver_gb"
+MEM_PEAK_GB = "mem/peak_gb"
+MEM_LIMIT_GB = "mem/limit_gb"
+MEM_SYSTEM_AVAILABLE_GB = "mem/system_available_gb"
+MEM_SWAP_USED_GB = "mem/swap_used_gb"
+MEM_PRESSURE = "mem/pressure"
+MEM_STEPS_TO_WALL = "mem/steps_to_wall"
+MEM_GROWTH_MB_PER_STEP = "mem/growth_mb_per_step"
+MEM_OS_PRESSURE = "mem/os_pressure"
+MEM_SWAPOUTS = "mem/swapouts"
+MEM_COMPRESSOR_GB = "mem/compressor_gb"
+MEM_FOOTPRINT_GB = "mem/footprint_gb"
+MEM_ALLOC_RETRIES = "mem/alloc_retries"
+# AdaptiveBatchTuner
+TUNER_MICRO_BATCH = "tuner/micro_batch"
+TUNER_GRAD_ACCUM = "tuner/grad_accum"
+TUNER_EFFECTIVE_BATCH = "tuner/effective_batch"
+TUNER_RESIZES = "tuner/resizes"
+# MPSCacheClearer
+CACHE_CLEARS = "cache/clears"
+CACHE_FREED_GB = "cache/freed_gb"
+CACHE_SECONDS = "cache/seconds"
+CACHE_INTERVAL = "cache/interval"
+
+HOW_TO = ("perf_log.jsonl is written into the trainer's output_dir during trainer.train() when the callbacks are "
+          "attached: `from hf_perf_callbacks import default_callbacks; trainer = Trainer(..., "
+          "callbacks=default_callbacks())`. `hf-perf demo --output_dir DIR` makes a sample run.")
+
+
+class ReportError(ValueError):
+    """The run directory cannot be reported on (missing, or without a readable perf log)."""
+
+
+def number(value) -> float | None:
+    """A logged value as a finite float, else None (bools count as 0/1)."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+# ---------------------------------------------------------------- records
+@dataclass
+class RunHeader:
+    """One ``train()`` call: the bus's session and the facts the callbacks handed it (None: not described)."""
+
+    session: str | None = None
+    resumed_from_step: int = 0
+    sources: list[str] = field(default_factory=list)      # the callbacks that described the run
+    time: float | None = None
+    # ThroughputMeter
+    device: str | None = None
+    device_type: str | None = None
+    world_size: int | None = None
+    grpo: bool | None = None
+    token_source: str | None = None
+    period: int | None = None
+    peak_flops: float | None = None
+    peak_bandwidth: float | None = None
+    dtype: str | None = None
+    per_device_train_batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None
+    max_completion_length: int | None = None
+    num_generations: int | None = None
+    steps_per_generation: int | None = None
+    pad_to_multiple_of: int | None = None
+    temperature: float | None = None
+    use_vllm: bool | None = None
+    activation_checkpointing: bool | None = None
+    model: dict = field(default_factory=dict)
+    dataloader: dict = field(default_factory=dict)
+    # MemoryWatchdog
+    budget_gb: float | None = None
+    device_limit_gb: float | None = None
+    system_total_gb: float | None = None
+    extra: dict = field(default_factory=dict)             # fields this version does not know
+
+    def describe(self, source: str, **facts) -> None:
+        """Add a callback's facts; an unknown fact name is a ``ValueError`` naming it and the allowed names."""
+        unknown = set(facts) - _FACTS
+        if unknown:
+            raise ValueError(f"run facts {sorted(unknown)} from {source!r} are not allowed: expected some of "
+                             f"{sorted(_FACTS)}")
+        if source not in self.sources:
+            self.sources.append(source)
+        for name, value in facts.items():
+            setattr(self, name, value)
+
+    def merge(self, other: RunHeader) -> None:
+        """Take ``other``'s facts where it has them (an older log wrote one header per callback)."""
+        for f in dataclasses.fields(self):
+            value = getattr(other, f.name)
+            if f.name == "sources":
+                self.sources += [s for s in value if s not in self.sources]
+            elif f.name == "extra":
+                self.extra.update(value)
+            elif value not in (None, {}) and f.name not in ("session", "resumed_from_step", "time"):
+                setattr(self, f.name, value)
+
+    def to_json(self) -> dict:
+        out = {"type": "run"}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "extra":
+                out.update(value)
+            elif value is not None and value != {}:
+                out[f.name] = value
+        return out
+
+    @classmethod
+    def from_json(cls, entry: dict) -> RunHeader:
+        known = {k: v for k, v in entry.items() if k in _HEADER_FIELDS and k not in ("sources", "extra")}
+        sources = entry.get("sources")
+        sources = list(sources) if isinstance(sources, list) else [entry["source"]] if "source" in entry else []
+        extra = {k: v for k, v in entry.items() if k not in _HEADER_FIELDS and k not in ("type", "source")}
+        known["resumed_from_step"] = int(number(known.get("resumed_from_step")) or 0)
+        for name in ("model", "dataloader"):
+            if not isinstance(known.get(name, {}), dict):
+                extra[name] = known.pop(name)
+        return cls(**known, sources=sources, extra=extra)
+
+
+_HEADER_FIELDS = {f.name for f in dataclasses.fields(RunHeader)}
+_FACTS = _HEADER_FIELDS - {"session", "resumed_from_step", "sources", "time", "extra"}
+
+
+@dataclass
+class StepLine:
+    """One optimizer step: every callback's fields for it (metric key → value)."""
+
+    step: int
+    time: float | None = None
+    values: dict = field(default_factory=dict)
+
+    def get(self, key: str, default=None):
+        return self.values.get(key, default)
+
+    def number(self, key: str) -> float | None:
+        """The value of ``key`` as a finite float, else None."""
+        return number(self.values.get(key))
+
+    def to_json(self) -> dict:
+        return {"type": "step", "step": self.step, "time": self.time, **self.values}
+
+    @classmethod
+    def from_json(cls, entry: dict) -> StepLine | None:
+        step = number(entry.get("step"))
+        if step is None:
+            return None
+        values = {k: v for k, v in entry.items() if k not in ("type", "step", "time")}
+        return cls(int(step), number(entry.get("time")), values)
+
+
+@dataclass
+class EventLine:
+    """A warning, action, decision or note of one callback (``source``), with the step it happened at."""
+
+    source: str
+    kind: str                     # "warning" | "action" | "stop" | "decision" | "info"
+    message: str
+    step: int | None = None
+    time: float | None = None
+    details: dict = field(default_factory=dict)   # e.g. action, level, old_split/new_split, freed_gb
+
+    def to_json(self) -> dict:
+        return {"type": "event", "source": self.source, "kind": self.kind, "step": self.step,
+                "message": self.message, **self.details, "time": self.time}
+
+    @classmethod
+    def from_json(cls, entry: dict) -> EventLine:
+        details = {k: v for k, v in entry.items() if k not in ("type", "source", "kind", "message", "step", "time")}
+        step = number(entry.get("step"))
+        return cls(str(entry.get("source", "?")), str(entry.get("kind", "?")), str(entry.get("message", "")),
+                   int(step) if step is not None else None, number(entry.get("time")), details)
+
+
+@dataclass
+class SummaryLine:
+    """A callback's end-of-run summary."""
+
+    source: str
+    values: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"type": "summary", "source": self.source, **self.values}
+
+    @classmethod
+    def from_json(cls, entry: dict) -> SummaryLine:
+        return cls(str(entry.get("source")), {k: v for k, v in entry.items() if k not in ("type", "source")})
+
+
+Record = RunHeader | StepLine | EventLine | SummaryLine
+
+
+def parse_record(entry) -> Record | None:
+    """The typed record of one parsed JSON line; None when it is none of the four."""
+    kind = entry.get("type") if isinstance(entry, dict) else None
+    if kind == "run":
+        return RunHeader.from_json(entry)
+    if kind == "step":
+        return StepLine.from_json(entry)
+    if kind == "event":
+        return EventLine.from_json(entry)
+    if kind == "summary":
+        return SummaryLine.from_json(entry)
+    return None
+
+
+# ---------------------------------------------------------------- writer
+class LogWriter:
+    """Appends records to ``<output_dir>/perf_log.jsonl``. A failed write (full disk, read-only directory) logs one
+    warning per file and training goes on; later writes are tried again, silently."""
+
+    def __init__(self):
+        self.failed: set[str] = set()
+
+    def append(self, output_dir: str | None, record: Record) -> bool:
+        """Append ``record``; False when it could not be written (or there is no ``output_dir``)."""
+        if not output_dir:
+            return False
+        path = os.path.join(output_dir, PERF_LOG)
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record.to_json(), default=_jsonable) + "\n")
+        except OSError as error:  # a full disk must not stop training
+            if path not in self.failed:
+                self.failed.add(path)
+                logger.warning("could not write %s: %s (warned once; the perf log misses the lines that fail)",
+                               path, error)
+            return False
+        return True
+
+
+def _jsonable(value):
+    if hasattr(value, "item"):          # a 0-d tensor or numpy scalar
+        return value.item()
+    return str(value)
+
+
+# ---------------------------------------------------------------- reader
+@dataclass
+class RunLog:
+    """A parsed run directory: the latest run's headers, step lines and events, the summaries written after its
+    last header (a resumed session killed before its end shows no stale summary), and ``trainer_state.json``'s
+    ``log_history``."""
+
+    output_dir: str
+    headers: list[RunHeader] = field(default_factory=list)
+    steps: list[StepLine] = field(default_factory=list)
+    events: list[EventLine] = field(default_factory=list)
+    summaries: dict[str, SummaryLine] = field(default_factory=dict)
+    log_history: list[dict] = field(default_factory=list)
+    skipped_lines: int = 0
+    replaced_runs: int = 0          # earlier runs started afresh in the same output_dir, dropped
+
+    def unique_steps(self) -> list[StepLine]:
+        """Step lines ordered by step, one per step (a step re-run after a resume keeps its latest line)."""
+        by_step = {s.step: s for s in self.steps}
+        return [by_step[k] for k in sorted(by_step)]
+
+    def summary(self, source: str) -> dict:
+        """The summary of ``source`` ("perf", "mem", "cache", "tuner"), or {} when none was written."""
+        found = self.summaries.get(source)
+        return found.values if found else {}
+
+    def header(self, source: str | None = None) -> RunHeader:
+        """The latest run header (described by ``source`` when given), or an empty one."""
+        for h in reversed(self.headers):
+            if source is None or source in h.sources:
+                return h
+        return RunHeader()
+
+    def latest_log_history(self) -> list[dict]:
+        """``log_history`` of ``trainer_state.json``, else of the latest checkpoint's (a run killed before it saved
+        its final state)."""
+        if self.log_history:
+            return self.log_history
+        checkpoints = []
+        for name in _listdir(self.output_dir):
+            suffix = name.removeprefix("checkpoint-")
+            if name.startswith("checkpoint-") and suffix.isdigit():
+                checkpoints.append((int(suffix), os.path.join(self.output_dir, name, TRAINER_STATE)))
+        for _, path in sorted(checkpoints, reverse=True):
+            if os.path.exists(path):
+                history = _read_log_history(path)
+                if history is not None:
+                    return history
+        return []
+
+
+def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
+    """Parse perf-log lines (see the module docstring for fresh runs and resumes); garbled lines are counted."""
+    run = RunLog(output_dir=output_dir)
+    summaries: dict[str, SummaryLine] = {}
+    session = None
+    steps_since_header = 0
+    for line in lines:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            record = parse_record(json.loads(line))
+        except (ValueError, TypeError):
+            record = None
+        if record is None:
+            run.skipped_lines += 1
+        elif isinstance(record, RunHeader):
+            last = run.headers[-1] if run.headers else None
+            if (last is not None and not steps_since_header and last.session == record.session
+                    and last.resumed_from_step == record.resumed_from_step):
+                last.merge(record)                      # an older log: one header per callback of one train()
+                continue
+            if record.session is not None and record.session != session:
+                if run.headers and not record.resumed_from_step and (run.steps or run.events):
+                    run.replaced_runs += 1              # a fresh run in a reused output_dir: start over
+                    run.headers, run.steps, run.events = [], [], []
+                session = record.session
+            run.headers.append(record)
+            summaries = {}
+            steps_since_header = 0
+        elif isinstance(record, StepLine):
+            run.steps.append(record)
+            steps_since_header += 1
+        elif isinstance(record, EventLine):
+            run.events.append(record)
+        else:
+            summaries[record.source] = record
+    run.summaries = summaries
+    return run
+
+
+def read_run(output_dir) -> RunLog:
+    """Read ``OUTPUT_DIR/perf_log.jsonl`` and ``trainer_state.json`` (when present). Raises :class:`ReportError`
+    (a ``ValueError``) when ``output_dir`` is not a directory, has no perf log, or the log holds nothing readable."""
+    output_dir = os.fspath(output_dir)
+    if not os.path.isdir(output_dir):
+        raise ReportError(f"{output_dir!r} is not a directory: expected a training run's output_dir holding "
+                          f"{PERF_LOG}. {HOW_TO}")
+    path = os.path.join(output_dir, PERF_LOG)
+    if not os.path.isfile(path):
+        raise ReportError(f"no {PERF_LOG} in {output_dir!r}: the run was trained without the hf_perf_callbacks "
+                          f"callbacks, or this is not its output_dir. {HOW_TO}")
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            run = parse_lines(f, output_dir)
+    except OSError as error:
+        raise ReportError(f"cannot read {path}: {error}") from error
+    if not (run.headers or run.steps or run.events or run.summaries):
+        what = f"only {run.skipped_lines} unreadable line(s)" if run.skipped_lines else "nothing"
+        raise ReportError(f"{path} holds {what}: the run stopped before its first step was logged, or the log was "
+                          f"written by something else. {HOW_TO}")
+    run.log_history = _read_log_history(os.path.join(output_dir, TRAINER_STATE)) or []
+    return run
+
+
+def _read_log_history(path: str) -> list[dict] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            history = json.load(f).get("log_history", [])
+    except (OSError, ValueError, AttributeError):
+        return None
+    return [h for h in history if isinstance(h, dict)] if isinstance(history, list) else []
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []

@@ -1,0 +1,182 @@
+"""The run log: typed records, the one reader (fresh runs, resumes, older logs, stray lines) and the writer (one
+header per train() call written by the bus, a failed write warned once) — on synthetic lines and real trainers."""
+import json
+import logging
+import os
+import re
+
+import pytest
+
+from hf_perf_callbacks import runlog
+from hf_perf_callbacks.report import summarize
+from hf_perf_callbacks.runlog import (PERF_LOG, EventLine, LogWriter, RunHeader, StepLine, SummaryLine, parse_lines,
+                                      parse_record, read_run)
+
+
+def lines(*entries):
+    return [json.dumps(e) for e in entries]
+
+
+def header(session, resumed=0, **facts):
+    return {"type": "run", "session": session, "resumed_from_step": resumed, "sources": ["perf"], **facts}
+
+
+def step(n, **values):
+    return {"type": "step", "step": n, "time": 1000.0 + n, **values}
+
+
+def event(n, message="note", source="perf"):
+    return {"type": "event", "source": source, "kind": "warning", "step": n, "message": message, "time": 1.0}
+
+
+def test_records_round_trip_through_their_json():
+    records = [RunHeader(session="s1", resumed_from_step=4, sources=["perf", "mem"], device="cpu", budget_gb=8.0,
+                         model={"hidden_size": 64}, extra={"new_fact": 1}),
+               StepLine(5, 1000.5, {"perf/tokens": 10.0, "mem/pressure": 0}),
+               EventLine("mem", "action", "cleared", 5, 1.0, {"action": "clear_cache"}),
+               SummaryLine("cache", {"clears": 2})]
+    for record in records:
+        assert parse_record(json.loads(json.dumps(record.to_json()))) == record
+    assert parse_record({"type": "step"}) is None and parse_record({"type": "other"}) is None
+    assert parse_record([1, 2]) is None
+
+
+def test_a_header_rejects_an_unknown_fact_by_name():
+    with pytest.raises(ValueError, match=r"\['devcie'\].*'perf'.*device"):
+        RunHeader().describe("perf", devcie="cpu")
+
+
+def test_a_fresh_session_at_step_0_replaces_earlier_lines_and_a_resume_keeps_them():
+    text = lines(header("a"), step(1), step(2), event(2),
+                 header("a", resumed=2), step(3),                 # the same process re-sized: a resume
+                 header("b", resumed=3), step(4),                 # a new process resumed from a checkpoint
+                 header("c"), step(1, **{"perf/tokens": 5.0}))    # a new process started afresh
+    run = parse_lines(text)
+    assert run.replaced_runs == 1
+    assert [s.step for s in run.steps] == [1] and run.steps[0].number("perf/tokens") == 5.0
+    assert [h.session for h in run.headers] == ["c"] and run.events == []
+    kept = parse_lines(text[:8])
+    assert kept.replaced_runs == 0 and [s.step for s in kept.steps] == [1, 2, 3, 4]
+    assert [h.resumed_from_step for h in kept.headers] == [0, 2, 3] and len(kept.events) == 1
+
+
+def test_an_event_before_the_first_header_is_kept_and_is_no_earlier_run():
+    """Logs written before the bus held events until the header began with the meter's "MFU omitted" warning."""
+    run = parse_lines(lines(event(None, "MFU omitted"), header("a"), step(1), step(2)))
+    assert run.replaced_runs == 0
+    assert [e.message for e in run.events] == ["MFU omitted"] and [s.step for s in run.steps] == [1, 2]
+    assert "earlier run" not in summarize(run)
+
+
+def test_an_older_log_with_one_header_per_callback_reads_as_one_header_per_train_call():
+    text = lines({"type": "run", "source": "perf", "session": "a", "resumed_from_step": 0, "device": "cpu"},
+                 event(0), {"type": "run", "source": "mem", "session": "a", "resumed_from_step": 0, "budget_gb": 8.0},
+                 step(1), {"type": "run", "source": "perf", "session": "a", "resumed_from_step": 1, "device": "cpu"},
+                 {"type": "run", "source": "mem", "session": "a", "resumed_from_step": 1, "budget_gb": 6.0}, step(2))
+    run = parse_lines(text)
+    assert len(run.headers) == 2 and run.headers[0].sources == ["perf", "mem"]
+    assert run.header("mem").budget_gb == 6.0 and run.header("perf").device == "cpu"
+    assert run.header("tuner") == RunHeader()
+
+
+def test_summaries_count_after_the_last_header_only_and_garbled_lines_are_counted():
+    text = lines(header("a"), step(1), {"type": "summary", "source": "perf", "steps": 1}, header("a", resumed=1),
+                 step(2)) + ["{not json", '{"type": "step", "step": "x"}', "[]"]
+    run = parse_lines(text)
+    assert run.summaries == {} and run.summary("perf") == {} and run.skipped_lines == 3
+
+
+def test_read_run_falls_back_to_the_latest_checkpoint_for_log_history(tmp_path):
+    (tmp_path / PERF_LOG).write_text("\n".join(lines(header("a"), step(1))) + "\n")
+    for n, length in ((2, 10.0), (10, 20.0)):
+        os.makedirs(tmp_path / f"checkpoint-{n}")
+        (tmp_path / f"checkpoint-{n}" / "trainer_state.json").write_text(
+            json.dumps({"log_history": [{"step": n, "completions/mean_length": length}]}))
+    run = read_run(tmp_path)
+    assert run.log_history == [] and run.latest_log_history()[0]["completions/mean_length"] == 20.0
+
+
+def test_the_writer_warns_once_and_training_goes_on(tmp_path, caplog):
+    writer = LogWriter()
+    (tmp_path / PERF_LOG).mkdir()                        # the log path cannot be opened for appending
+    with caplog.at_level(logging.WARNING, logger="hf_perf_callbacks"):
+        assert not writer.append(str(tmp_path), StepLine(1))
+        assert not writer.append(str(tmp_path), StepLine(2))
+    assert sum("could not write" in r.getMessage() for r in caplog.records) == 1
+    assert not writer.append(None, StepLine(3))
+
+
+def test_an_unwritable_log_warns_once_over_a_whole_run(tokenizer, tmp_path, caplog):
+    from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter
+    from tests.conftest import make_trainer
+
+    os.makedirs(tmp_path / PERF_LOG)
+    trainer = make_trainer(tokenizer, tmp_path, [ThroughputMeter(), MemoryWatchdog()], max_steps=4)
+    with caplog.at_level(logging.WARNING, logger="hf_perf_callbacks"):
+        trainer.train()
+    assert trainer.state.global_step == 4
+    assert sum("could not write" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_bus_writes_one_header_per_train_call_before_any_other_line(tokenizer, tmp_path):
+    """The meter and the watchdog hand their facts to the bus; the meter's "MFU omitted" warning (raised while it
+    begins, before any step) follows the header instead of preceding it."""
+    from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter
+    from tests.conftest import make_trainer
+
+    trainer = make_trainer(tokenizer, tmp_path, [ThroughputMeter(), MemoryWatchdog()], max_steps=3)
+    trainer.train()
+    entries = [json.loads(line) for line in open(tmp_path / PERF_LOG)]
+    headers = [e for e in entries if e["type"] == "run"]
+    assert len(headers) == 1 and entries[0] is headers[0]
+    bus = trainer.callback_handler.callbacks[0]
+    assert headers[0]["session"] == bus.session and headers[0]["resumed_from_step"] == 0
+    assert headers[0]["sources"] == ["perf", "mem"]
+    assert headers[0]["device_type"] == "cpu" and headers[0]["budget_gb"] > 0
+    assert entries[1]["type"] == "event" and "MFU omitted" in entries[1]["message"]
+    run = read_run(tmp_path)
+    assert run.replaced_runs == 0 and [s.step for s in run.steps] == [1, 2, 3] and len(run.events) == 1
+
+
+def test_read_run_parses_a_real_log(demo_run):
+    run = read_run(demo_run)
+    assert run.skipped_lines == 0
+    assert [s.step for s in run.steps] == list(range(1, 7))
+    assert {"perf", "mem", "cache"} <= set(run.summaries)
+    assert {"perf", "mem"} <= {source for h in run.headers for source in h.sources}
+    assert run.log_history and any("completions/mean_length" in h for h in run.log_history)
+
+
+def test_a_fresh_run_in_a_reused_output_dir_replaces_the_earlier_one_but_a_resume_does_not(tokenizer, tmp_path):
+    """HF's default output_dir is shared by every run: a fresh run must not inherit the previous run's step lines
+    (a shorter run would show the longer one's tail), while a resume in a new trainer keeps the history."""
+    from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter
+    from tests.conftest import make_trainer
+
+    def train(max_steps, resume=None):
+        trainer = make_trainer(tokenizer, tmp_path, [MemoryWatchdog(), ThroughputMeter()], max_steps=max_steps,
+                               extra={"save_strategy": "steps", "save_steps": 2})
+        trainer.train(resume_from_checkpoint=resume)
+
+    train(6)
+    train(3)                                                   # a new trainer, a fresh run, the same output_dir
+    run = read_run(tmp_path)
+    assert [s.step for s in run.steps] == [1, 2, 3] and run.replaced_runs == 1
+    assert len(run.headers) == 1 and run.headers[0].sources == ["mem", "perf"]
+    assert [e.message for e in run.events if "MFU omitted" in e.message]     # the fresh run's own warning is kept
+    assert "also holds 1 earlier run(s)" in summarize(run)
+    train(5, resume=str(tmp_path / "checkpoint-2"))            # a resume: history kept, step 3 re-run
+    run = read_run(tmp_path)
+    assert [s.step for s in run.steps] == [1, 2, 3, 3, 4, 5] and run.replaced_runs == 1
+    assert [h.resumed_from_step for h in run.headers] == [0, 2]
+
+
+def test_every_documented_key_is_a_constant_of_the_run_log():
+    """The callbacks' docstring key tables name only keys the run log defines."""
+    from hf_perf_callbacks import cache, throughput, watchdog
+
+    constants = {v for k, v in vars(runlog).items() if k.isupper() and isinstance(v, str) and "/" in v}
+    constants |= set(runlog.PERF_PHASE_SHARE.values()) | set(runlog.PERF_PHASE_SEC.values())
+    for cls in (throughput.ThroughputMeter, watchdog.MemoryWatchdog, cache.MPSCacheClearer):
+        documented = set(re.findall(r"``((?:perf|mem|cache)/[a-z_/]+[a-z])``", cls.__doc__))
+        assert len(documented) >= 4 and documented <= constants, documented - constants

@@ -172,9 +172,9 @@ def run_once(scenario, settings, factory, tok, device, keep: str | None = None):
 
 
 # ------------------------------------------------------------------ scenarios
-def scenarios(model: str, smoke: bool) -> dict:
+def scenarios(model: str, smoke: bool, steps: int | None = None) -> dict:
     completion = 8 if smoke else (16 if model != "qwen05" else 64)
-    steps = 4 if smoke else 6
+    steps = steps or (4 if smoke else 6)
     grpo = dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, num_generations=4,
                 max_completion_length=completion, max_steps=steps)
     out = {
@@ -200,7 +200,7 @@ def scenarios(model: str, smoke: bool) -> dict:
 CODE_FIXES = {"duplicate_forward": {"duplicate_forward": False}}
 
 
-def check_scenario(name, scenario, factory, tok, device, repeats) -> list[dict]:
+def check_scenario(name, scenario, factory, tok, device, repeats, rules=None) -> list[dict]:
     from hf_perf_callbacks.analysis import check
 
     from hf_perf_callbacks.analysis import measurements_from_run
@@ -219,7 +219,7 @@ def check_scenario(name, scenario, factory, tok, device, repeats) -> list[dict]:
                "formula": f.gain_formula}
         skip = ("not speed advice" if f.rule in SKIP_RULES else "no setting to apply" if not setting else
                 "not measured in this scenario" if "measure" in scenario and f.rule not in scenario["measure"]
-                else None)
+                else "not measured in this invocation (--rules)" if rules and f.rule not in rules else None)
         if skip:
             row["measured_gain"] = None
             row["why_not_measured"] = skip
@@ -262,6 +262,8 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="CPU: torch threads (1: CPU time measures the work)")
     p.add_argument("--smoke", action="store_true", help="tiny model, few steps, one repeat, no result file")
     p.add_argument("--only", nargs="*", default=None, help="scenario names")
+    p.add_argument("--rules", nargs="*", default=None, help="measure only these rules' advice")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 6; 4 with --smoke)")
     a = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
@@ -271,10 +273,10 @@ def main():
         model, a.repeats = "tiny", 1
     factory, tok = load_model(model, a.model_path, device)
     rows = []
-    for name, scenario in scenarios(model, a.smoke).items():
+    for name, scenario in scenarios(model, a.smoke, a.steps).items():
         if a.only and name not in a.only:
             continue
-        rows += check_scenario(name, scenario, factory, tok, device, a.repeats)
+        rows += check_scenario(name, scenario, factory, tok, device, a.repeats, a.rules)
     print("\nrule | scenario | setting | predicted (model) | printed | measured")
     for r in rows:
         pred = f"{r['predicted_gain']:.2f}x" if r["predicted_gain"] else "-"

@@ -62,7 +62,7 @@ from . import estimate
 from . import runlog as keys
 from .batching import Split, exact_splits, next_smaller
 from .device import GB
-from .figures import completion_stats, figures, last_value
+from .figures import completion_stats, figures, last_value, warmup_words
 from .runlog import RunLog, read_run
 
 REPORT_FILE = "perf_report.md"
@@ -414,20 +414,7 @@ def rule_warmup(m: Measurements) -> Note | None:
     slow, overhead, steady, n = m.first_step_slowdown, m.warmup_overhead_sec, m.steady_step_sec, m.warmup_steps
     if slow is None and overhead is None:
         return None
-    parts = []
-    if n:
-        parts.append(f"warmup took {n} step{'s' if n != 1 else ''}")
-        if slow is not None and slow >= 1.05:
-            parts.append(f"the first step took {slow:.1f}x the steady step" + (f" ({steady:.3g} s)" if steady else ""))
-        if overhead:
-            parts.append(f"{overhead:.1f} s above steady time")
-    elif slow is not None and slow >= 1.05:
-        parts.append(f"only the first step was slow ({slow:.1f}x the steady step); no warmup beyond it")
-    else:
-        parts.append("no warmup: the first step ran at the steady speed")
-    if slow is not None and slow < 0.95:
-        parts.append(f"the first step was faster than the steady level ({slow:.2f}x): later steps slowed down — "
-                     f"longer sequences or other processes, not warmup")
+    parts = [warmup_words(n, slow, overhead)]
     share = overhead / (m.steps * steady + overhead) if (overhead and steady and m.steps) else None
     text = _sentence(parts) + (" One-time costs of a fresh process (optimizer state, allocator growth"
                                + {"mps": ", Metal shader compilation", "cuda": ", CUDA context and kernel selection",

@@ -106,3 +106,25 @@ def completion_stats(history: list[dict]) -> dict:
         p90 = s[lo] + (s[hi] - s[lo]) * (pos - lo)
     return {"mean": sum(means) / len(means) if means else None, "max": max(maxes, default=None), "p90": p90,
             "clipped": sum(clipped) / len(clipped) if clipped else None, "logs": len(means)}
+
+
+def warmup_words(steps, slowdown, overhead=None) -> str:
+    """What the warmup figures say, without contradicting themselves: ``steps`` of warmup (0: none beyond the first
+    step), the first step's ``slowdown`` against the steady step (below 1: later steps slowed, not warmup) and the
+    ``overhead`` seconds above steady time. Used by the report's summary and the analysis' warmup note."""
+    n, slow, over = number(steps), number(slowdown), number(overhead)
+    parts = []
+    if n:
+        parts.append(f"warmup took {n:.0f} step{'s' if n != 1 else ''}")
+        if slow is not None and slow >= 1.05:
+            parts.append(f"the first step took {slow:.1f}x the steady step")
+        if over:
+            parts.append(f"{over:.1f} s above steady time")
+    elif slow is not None and slow >= 1.05:
+        parts.append(f"only the first step was slow ({slow:.1f}x the steady step); no warmup beyond it")
+    else:
+        parts.append("no warmup: the first step ran at the steady speed")
+    if slow is not None and slow < 0.95:
+        parts.append(f"the first step was faster than the steady level ({slow:.2f}x): later steps slowed down — "
+                     f"longer sequences or other processes, not warmup")
+    return "; ".join(parts)

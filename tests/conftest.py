@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -49,27 +50,43 @@ def make_grpo(tokenizer, output_dir, callbacks, *, max_steps=6, bs=4, ga=2, num_
                        train_dataset=dataset, processing_class=tokenizer, peft_config=lora, callbacks=callbacks)
 
 
-class TextDataset(torch.utils.data.Dataset):
-    """Causal-LM examples of varying length (so padding exists); optionally slow to load."""
+class PlantedClock:
+    """``time.perf_counter`` plus planted seconds. A test gives it to the code under test as its clock and plants a
+    cost (a slow dataset, a slow callback) with :meth:`spend`: the cost is as large as the test needs, takes no real
+    time, and no load on the machine can shrink it relative to the real work, so the conclusion cannot flip."""
 
-    def __init__(self, tokenizer, n=64, delay=0.0):
+    def __init__(self):
+        self.planted = 0.0
+
+    def __call__(self) -> float:
+        return time.perf_counter() + self.planted
+
+    def spend(self, seconds: float) -> None:
+        self.planted += seconds
+
+
+class TextDataset(torch.utils.data.Dataset):
+    """Causal-LM examples of varying length (so padding exists); optionally slow to load: each item then costs
+    ``delay`` planted seconds on ``clock`` (a :class:`PlantedClock`)."""
+
+    def __init__(self, tokenizer, n=64, delay=0.0, clock=None):
+        if delay and clock is None:
+            raise ValueError(f"delay={delay!r} needs a PlantedClock as clock")
         self.items = [tokenizer(CORPUS[i % 5] + " " + CORPUS[(i * 3) % 5][: 5 + (i * 7) % 30])["input_ids"]
                       for i in range(n)]
-        self.delay = delay
+        self.delay, self.clock = delay, clock
 
     def __len__(self):
         return len(self.items)
 
     def __getitem__(self, i):
         if self.delay:
-            import time
-
-            time.sleep(self.delay)
+            self.clock.spend(self.delay)
         return {"input_ids": self.items[i]}
 
 
-def make_trainer(tokenizer, output_dir, callbacks, *, max_steps=6, bs=4, ga=2, delay=0.0, extra=None,
-                 trainer_cls=None, model=None, with_eval=False):
+def make_trainer(tokenizer, output_dir, callbacks, *, max_steps=6, bs=4, ga=2, delay=0.0, clock=None,
+                 extra=None, trainer_cls=None, model=None, with_eval=False):
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     settings = dict(output_dir=str(output_dir), per_device_train_batch_size=bs, gradient_accumulation_steps=ga,
@@ -78,7 +95,8 @@ def make_trainer(tokenizer, output_dir, callbacks, *, max_steps=6, bs=4, ga=2, d
     settings.update(extra or {})
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
     return (trainer_cls or Trainer)(model=model or build_model(tokenizer), args=TrainingArguments(**settings),
-                                    train_dataset=TextDataset(tokenizer, delay=delay), data_collator=collator,
+                                    train_dataset=TextDataset(tokenizer, delay=delay, clock=clock),
+                                    data_collator=collator,
                                     eval_dataset=TextDataset(tokenizer, n=16) if with_eval else None,
                                     callbacks=callbacks)
 
@@ -88,7 +106,7 @@ def _demo_run_once(tmp_path_factory):
     from hf_perf_callbacks.demo import build_demo_trainer
 
     output_dir = str(tmp_path_factory.mktemp("demo_once"))
-    trainer = build_demo_trainer(output_dir, max_steps=6)
+    trainer = build_demo_trainer(output_dir, max_steps=6, model="tiny")
     trainer.train()
     trainer.save_state()
     return output_dir

@@ -2,11 +2,11 @@
 GRPO run that cannot learn (every reward 0) with the MPS-only ``pad_to_multiple_of`` on a CPU."""
 import torch
 
-from hf_perf_callbacks import default_callbacks
+from hf_perf_callbacks import ThroughputMeter, default_callbacks
 from hf_perf_callbacks.analysis import check, measurements_from_run, write_analysis
 from hf_perf_callbacks.runlog import read_run
 from hf_perf_callbacks.tiny import build_model
-from tests.conftest import make_grpo, make_trainer
+from tests.conftest import PlantedClock, make_grpo, make_trainer
 
 
 def test_short_completions_are_a_note_with_the_cap(tokenizer, tmp_path):
@@ -34,10 +34,10 @@ def test_short_completions_are_a_note_with_the_cap(tokenizer, tmp_path):
 
 
 def test_slow_dataset_yields_the_input_bound_finding(tokenizer, tmp_path):
-    # 0.25 s per example, 4 per micro-batch, 2 micro-batches: 2 s of loading per step against a tiny model's
-    # compute, so the data wait stays the larger part even on a loaded machine
-    trainer = make_trainer(tokenizer, tmp_path, default_callbacks(AdaptiveBatchTuner={"probe": False}),
-                           max_steps=4, delay=0.25)
+    clock = PlantedClock()                 # each example costs 1 planted second: far above any real step time
+    callbacks = default_callbacks(AdaptiveBatchTuner={"probe": False})
+    next(c for c in callbacks if isinstance(c, ThroughputMeter)).clock = clock
+    trainer = make_trainer(tokenizer, tmp_path, callbacks, max_steps=8, delay=1.0, clock=clock)
     trainer.train()
     trainer.save_state()
     findings = {f.rule: f for f in check(measurements_from_run(str(tmp_path)))[0]}

@@ -27,7 +27,7 @@ def test_demo_arguments_are_unchanged(capsys):
 def test_train_forwards_everything_after_the_command(monkeypatch):
     seen = {}
     monkeypatch.setattr(train, "main", lambda argv: seen.setdefault("argv", argv) and 0)
-    argv = ["--config", "recipes/mac-16gb-qwen0.5b.yaml", "--max_steps", "3", "--help_me", "x"]
+    argv = ["--config", "recipes/mac-16gb-qwen1.5b.yaml", "--max_steps", "3", "--help_me", "x"]
     assert cli.main(["train", *argv]) == 0
     assert seen["argv"] == argv
 

@@ -4,7 +4,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -108,10 +107,10 @@ def test_another_error_in_one_ranks_step_is_raised_on_every_rank(two_rank_run):
 
 def test_an_oom_outside_the_step_on_one_rank_ends_the_run_instead_of_hanging(tmp_path):
     """Re-sizing after an OOM outside the guarded step would pair mismatched collectives (a hang until the
-    timeout): rank 1 raises it, no decision is made, and the launcher ends the run well inside the timeout."""
-    start = time.perf_counter()
-    proc = torchrun(os.path.join(os.path.dirname(SCRIPT), "two_rank_outside_oom.py"), tmp_path, timeout=240)
-    assert proc.returncode != 0 and time.perf_counter() - start < 200
+    timeout): rank 1 raises it, no decision is made, and the launcher ends the run (a hang would run into the
+    subprocess timeout, which raises ``TimeoutExpired``; gloo's own timeout is 30 minutes)."""
+    proc = torchrun(os.path.join(os.path.dirname(SCRIPT), "two_rank_outside_oom.py"), tmp_path)
+    assert proc.returncode != 0
     rank1 = json.load(open(tmp_path / "rank1.json"))
     assert rank1 == {"reraised": True, "step": 1, "decisions": []}
     assert "out of memory outside the training step" in proc.stderr

@@ -5,9 +5,10 @@ import re
 
 import pytest
 
-from hf_perf_callbacks.estimate import (QWEN25, activation_bytes_per_token, estimate_grpo_memory, format_gib,
-                                        kv_cache_bytes_per_token, layer_activation_elements, logits_bytes_per_token,
-                                        lora_param_count, model_from_config)
+from hf_perf_callbacks.estimate import (HEAD_TILE_TEMP_BYTES, HEAD_TOKEN_CHUNK, HEAD_VOCAB_CHUNK, QWEN25,
+                                        activation_bytes_per_token, backward_work_bytes, estimate_grpo_memory,
+                                        format_gib, kv_cache_bytes_per_token, layer_activation_bytes,
+                                        lm_head_bytes, logits_bytes_per_token, lora_param_count, model_from_config)
 
 SMALL = dict(layers=2, hidden=8, intermediate=16, heads=2, kv_heads=1, head_dim=4, vocab=10, params=1000)
 README = os.path.join(os.path.dirname(__file__), "..", "recipes", "README.md")
@@ -21,34 +22,131 @@ def small(**overrides):
 
 
 def test_hand_computed_small_config():
-    # seq = 3 + 5 = 8, tokens = 2 × 8 = 16, per-layer elements = 6·8 + 2·1·4 + 4·16 = 120
-    assert layer_activation_elements(SMALL) == 120
+    # seq = 3 + 5 = 8, tokens = 2 × 8 = 16; q_dim = 2 × 4 = 8
+    # block bytes = 2·4·8 (fp32 norms) + 2·(4·8 + 3·16) (q, k, v, attention out; MLP) + 4·(8·5 + 8 + 16) (LoRA inputs)
+    assert layer_activation_bytes(SMALL, 2) == 64 + 160 + 256
+    assert backward_work_bytes(SMALL, 2) == 2 * (3 * 16 + 4 * 8)                        # 160
+    head_per_token = HEAD_VOCAB_CHUNK * 2 + 10 * HEAD_TILE_TEMP_BYTES["torch"] + 8 * 6    # tile buffer, temps, hidden
     with_ckpt = small()
-    assert with_ckpt == {
+    expected = {
         "weights": 1000 * 2,
         "lora": 100 * 16,
         "kv_cache": 2 * 2 * 1 * 4 * 2 * 8 * 4,                 # 1024
-        "activations": 2 * 8 * 16 * 2 + 120 * 16 * 2,          # 512 + 3840
-        "logits": 2 * 8 * 10 * 4,                              # 640
-        "total": 2000 + 1600 + 1024 + 4352 + 640,
+        "prefill": 4 * (3 * 16 * (3 * 2 + 4) + 10 * (2 + 8)),  # 4 seqs × (prompt MLP + one step's logits)
+        "activations": 2 * 8 * 2 * 16,                         # one saved input per block
+        "logits": head_per_token * 16,                         # torch path: every position is scored
+        "recompute": (480 + 160) * 16,
     }
+    expected["generation"] = expected["kv_cache"] + expected["prefill"]
+    expected["training"] = expected["activations"] + max(expected["logits"], expected["recompute"])
+    expected["peak"] = 2000 + 1600 + max(expected["generation"], expected["training"])
+    expected["total"] = 2000 + 1600 + 1024 + expected["activations"] + expected["logits"]
+    assert with_ckpt == expected
     without = small(activation_checkpointing=False)
-    assert without["activations"] == 2 * 120 * 16 * 2
-    assert without["total"] == 2000 + 1600 + 1024 + 7680 + 640
+    assert without["activations"] == 2 * 480 * 16 and without["recompute"] == 160 * 16
+    assert without["training"] == without["activations"] + max(without["logits"], without["recompute"])
+
+
+def test_triton_head_scores_only_completions_in_place():
+    torch_path, triton = small(), small(lm_head="triton")
+    assert triton["logits"] == (HEAD_VOCAB_CHUNK * 2 + 8 * 6) * 2 * 5                    # 2 × 5 completion tokens
+    assert triton["logits"] < torch_path["logits"]
+    with pytest.raises(ValueError, match="lm_head='cuda'"):
+        small(lm_head="cuda")
+
+
+def test_head_tile_rows_stop_at_the_token_chunk():
+    m = QWEN25["Qwen/Qwen2.5-0.5B-Instruct"]
+    below = lm_head_bytes(m, HEAD_TOKEN_CHUNK)
+    above = lm_head_bytes(m, 2 * HEAD_TOKEN_CHUNK)
+    assert above - below == HEAD_TOKEN_CHUNK * m["hidden"] * 6                             # only the hidden part grows
+    assert below == HEAD_TOKEN_CHUNK * logits_bytes_per_token(m)
 
 
 def test_per_token_functions_by_hand():
     assert kv_cache_bytes_per_token(SMALL, 2) == 2 * 2 * 1 * 4 * 2                       # 32
-    assert activation_bytes_per_token(SMALL, 2, True) == (2 * 8 + 120) * 2               # 272
-    assert activation_bytes_per_token(SMALL, 2, False) == 2 * 120 * 2                    # 480
-    assert logits_bytes_per_token(SMALL) == 10 * 4
+    assert activation_bytes_per_token(SMALL, 2, True) == 2 * 8 * 2                       # saved block inputs
+    assert activation_bytes_per_token(SMALL, 2, False) == 2 * 480
+    assert activation_bytes_per_token(SMALL, 2, False, lora_input_bytes=0) == 2 * (64 + 160)
+    assert logits_bytes_per_token(SMALL) == HEAD_VOCAB_CHUNK * 2 + 10 * 33 + 8 * 6
     est = small()                                                                         # seq 8, micro-batch 2
     assert est["kv_cache"] == kv_cache_bytes_per_token(SMALL, 2) * 8 * 4
     assert est["activations"] == activation_bytes_per_token(SMALL, 2, True) * 16
     assert est["logits"] == logits_bytes_per_token(SMALL) * 16
     with pytest.raises(ValueError, match="intermediate"):                     # only the keys they need are checked
-        activation_bytes_per_token({k: v for k, v in SMALL.items() if k != "intermediate"}, 2, True)
+        activation_bytes_per_token({k: v for k, v in SMALL.items() if k != "intermediate"}, 2, False)
     assert kv_cache_bytes_per_token({"layers": 2, "kv_heads": 1, "head_dim": 4}, 2) == 32
+    with pytest.raises(ValueError, match="lora_targets"):
+        layer_activation_bytes(SMALL, 2, 4, ("lm_head",))
+
+
+# ---------------------------------------------------------------- the byte model against what PyTorch allocates
+def _profiled_peak(fn) -> int:
+    """Peak bytes of tensors created while ``fn`` runs, from torch.profiler's memory timeline (CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    fn()                                                                          # warm: lazily created state
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as p:
+        fn()
+    now = peak = 0
+    for _, action, _, size in p._memory_profile().timeline:
+        now += size if action == Action.CREATE else -size if action == Action.DESTROY else 0
+        peak = max(peak, now)
+    return peak
+
+
+def _qwen_lora_step(layers, checkpointing, micro=2, seq=32, vocab=512):
+    """A real Qwen2 (bf16 weights) + PEFT LoRA r16 on all linear layers (fp32 adapters, no autocast) with TRL's
+    fused head: one forward/backward of ``micro × seq`` tokens, as GRPO's loss runs it."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    from trl.trainer.utils import add_fused_lm_head
+
+    config = Qwen2Config(num_hidden_layers=layers, hidden_size=128, intermediate_size=384, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=vocab, tie_word_embeddings=True,
+                         max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                                             task_type="CAUSAL_LM"))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model.train()
+    ids = torch.randint(0, vocab, (micro, seq))
+    labels = ids.clone()
+    labels[:, : seq // 2] = -100
+
+    def step():
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels, fused_lm_head=True)
+        (out.log_probs.sum() + out.entropy.sum()).backward()
+        model.zero_grad(set_to_none=False)                 # keep the LoRA gradients: they are counted apart
+    return config, step
+
+
+def test_block_bytes_match_what_autograd_keeps():
+    """The per-layer slope of a real forward/backward (2 layers minus 1, no checkpointing) is
+    layer_activation_bytes × tokens."""
+    peaks = {}
+    for layers in (1, 2):
+        config, step = _qwen_lora_step(layers, checkpointing=False)
+        peaks[layers] = _profiled_peak(step)
+    model = model_from_config({**config.to_dict(), "params": 1})
+    assert peaks[2] - peaks[1] == pytest.approx(layer_activation_bytes(model, 2, 4) * 2 * 32, rel=0.03)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_training_part_matches_the_profiled_peak(checkpointing):
+    """Activations, the head's tiles on its torch path (what MPS runs) and the backward's working set, together."""
+    config, step = _qwen_lora_step(2, checkpointing=checkpointing)
+    model = model_from_config({**config.to_dict(), "params": 1})
+    est = estimate_grpo_memory(model, micro_batch=2, num_generations=2, generation_batch=2, prompt_tokens=16,
+                               max_completion_length=16, dtype_bytes=2, lora_params=0,
+                               activation_checkpointing=checkpointing)
+    assert _profiled_peak(step) == pytest.approx(est["training"], rel=0.08)
 
 
 def test_model_from_a_hugging_face_config():
@@ -70,10 +168,12 @@ def test_lora_param_count_by_hand():
 @pytest.mark.parametrize("name", sorted(QWEN25))
 def test_qwen_table_is_self_consistent(name):
     m = QWEN25[name]
-    assert m["heads"] * m["head_dim"] == m["hidden"] and m["vocab"] == 151936 and m["tie_word_embeddings"]
+    assert m["heads"] * m["head_dim"] == m["hidden"] and m["vocab"] in (151936, 152064)
+    assert m["tie_word_embeddings"] == (m["params"] < 7e9)                   # only the 7B has its own LM head
     h, i, kv = m["hidden"], m["intermediate"], m["kv_heads"] * m["head_dim"]
     per_layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h   # q/k/v with bias, o, MLP, 2 norms
-    assert m["vocab"] * h + m["layers"] * per_layer + h == m["params"]      # tied embeddings + final norm
+    embeddings = m["vocab"] * h * (1 if m["tie_word_embeddings"] else 2)
+    assert embeddings + m["layers"] * per_layer + h == m["params"]          # embeddings (+ LM head) + final norm
 
 
 def test_longer_completions_and_larger_micro_batches_need_more():
@@ -137,14 +237,33 @@ def test_readme_memory_table_matches_the_function():
     assert len(rows) == 5
     for row in rows:
         cells = [c.strip().strip("`") for c in row.strip().strip("|").split("|")]
-        _, model, micro, gen, ckpt, lora_r, weights, lora, kv, act, logits, total = cells
+        _, model, micro, gen, ckpt, head, inputs, *figures = cells
         m = QWEN25[f"Qwen/{model}"]
         prompts, ngen, gbs = (int(x) for x in re.match(r"(\d+) × (\d+) = (\d+)", gen).groups())
         assert prompts * ngen == gbs
         est = estimate_grpo_memory(m, micro_batch=int(micro), num_generations=ngen, generation_batch=gbs,
                                    prompt_tokens=200, max_completion_length=128, dtype_bytes=2,
-                                   lora_params=lora_param_count(m, int(lora_r)),
-                                   activation_checkpointing=ckpt == "on")
-        assert [weights, lora, kv, act, logits, total] == [format_gib(est[k]) for k in
-                                                           ("weights", "lora", "kv_cache", "activations", "logits",
-                                                            "total")], row
+                                   lora_params=lora_param_count(m, 16), activation_checkpointing=ckpt == "on",
+                                   lm_head=head, lora_input_bytes={"fp32": 4, "bf16": 2}[inputs])
+        keys = ("weights", "lora", "generation", "activations", "logits", "recompute", "peak")
+        assert figures == [format_gib(est[k]) for k in keys], row
+
+
+def test_head_tile_bytes_match_trls_kernel():
+    """TRL's ChunkedLogProbFunction (log-probs and entropy, forward and backward) on its torch path — the one MPS
+    runs — holds logits_bytes_per_token per scored token: a vocabulary wider than one tile, 64 tokens."""
+    import torch
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    torch.manual_seed(0)
+    tokens, hidden, vocab = 64, 32, HEAD_VOCAB_CHUNK + 1000
+    h = torch.randn(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(vocab, hidden, dtype=torch.bfloat16)
+    targets = torch.randint(0, vocab, (tokens,))
+
+    def step():
+        logps, entropy, *_ = ChunkedLogProbFunction.apply(h, w, None, targets, 1.0, HEAD_VOCAB_CHUNK, None, 1.0,
+                                                          ("log_probs", "entropy"))
+        (logps.sum() + entropy.sum()).backward()
+    model = dict(vocab=vocab, hidden=hidden)
+    assert _profiled_peak(step) == pytest.approx(lm_head_bytes(model, tokens), rel=0.03)

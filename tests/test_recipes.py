@@ -19,7 +19,7 @@ from hf_perf_callbacks.tiny import save_tiny_model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
 NAMES = [os.path.basename(path)[:-5] for path in RECIPES]
-SINGLE = [name for name in NAMES if "ddp" not in name]
+SINGLE = [name for name in NAMES if "ddp" not in name and "fsdp" not in name]
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 CPU = ["--use_cpu", "true", "--bf16", "false", "--dtype", "float32", "--max_completion_length", "8",
        "--max_steps", "2", "--dataset_size", "16", "--logging_steps", "1"]
@@ -31,7 +31,7 @@ def recipe_path(name):
 
 def target(name):
     """(device, world size) a recipe is written for."""
-    return ("mps" if name.startswith("mac") else "cuda"), (2 if "ddp" in name else 1)
+    return ("mps" if name.startswith("mac") else "cuda"), (2 if "ddp" in name or "fsdp" in name else 1)
 
 
 def values_of(config: dict, args=()):
@@ -83,8 +83,11 @@ def test_recipe_parses_and_validates_for_its_machine(name):
     values = train.raw_values(parser, config, [])
     device, world = target(name)
     train.check_recipe(values, device=device, bf16_supported=True, world_size=world)
-    assert values["dataset"] == "wordle" and values["use_peft"] and values["beta"] == 0
-    assert values["max_completion_length"] == 128 and values["save_steps"] == 50 and values["save_total_limit"] == 3
+    assert values["dataset"] == "wordle" and values["beta"] == 0
+    assert values["use_peft"] is ("fsdp" not in name)               # the FSDP recipe is a full fine-tune
+    assert values["max_completion_length"] == 128
+    if "fsdp" not in name:                                           # its checkpoints are ~85 GiB, not MBs
+        assert values["save_steps"] == 50 and values["save_total_limit"] == 3
     assert values["dtype"] == "bfloat16"
     if device == "mps":
         assert values["activation_checkpointing"] is True and values["bf16"] is False
@@ -99,7 +102,9 @@ def test_recipe_builds_grpo_config_on_this_cpu(name, tmp_path):
     recipe, args, model_args = train.parse_recipe(["--config", recipe_path(name), "--use_cpu", "true",
                                                    "--bf16", "false", "--output_dir", str(tmp_path)])
     assert args.generation_batch_size % args.num_generations == 0
-    assert model_args.lora_target_modules == "all-linear" and recipe.callbacks
+    assert recipe.callbacks
+    if model_args.use_peft:
+        assert model_args.lora_target_modules == "all-linear"
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -109,10 +114,69 @@ def test_every_non_default_line_says_why(name):
             assert " # " in line, f"{name}: no comment on {line.strip()!r}"
 
 
+MAC_TIERS = ("mac-16gb-qwen1.5b", "mac-32gb-qwen3b", "mac-64gb-qwen7b")
+MPS_DRIVER_FACTOR = 2        # MPS driver memory / CUDA allocator peak the tiers assume (recipes/README.md)
+TIER_MARGIN = 0.15           # what 2 × the estimate must leave of the budget
+
+
+def tier_estimate(recipe: dict, model_name: str) -> float:
+    """The recipe's estimated peak (GiB) with ``model_name`` in place of its model: recipes/README.md's inputs."""
+    from hf_perf_callbacks.estimate import QWEN25, estimate_grpo_memory, lora_param_count
+
+    m = QWEN25[model_name]
+    micro, accum = recipe["per_device_train_batch_size"], recipe["gradient_accumulation_steps"]
+    assert recipe["lora_target_modules"] == ["all-linear"] and not recipe["bf16"]
+    return estimate_grpo_memory(m, micro_batch=micro, num_generations=recipe["num_generations"],
+                                generation_batch=micro * accum, prompt_tokens=200,
+                                max_completion_length=recipe["max_completion_length"], dtype_bytes=2,
+                                lora_params=lora_param_count(m, recipe["lora_r"]),
+                                activation_checkpointing=recipe["activation_checkpointing"], lm_head="torch",
+                                lora_input_bytes=4)["peak"] / 1024**3
+
+
+def fits(recipe: dict, model_name: str) -> bool:
+    budget = recipe["callback_kwargs"]["MemoryWatchdog"]["limit_gb"]
+    return MPS_DRIVER_FACTOR * tier_estimate(recipe, model_name) <= (1 - TIER_MARGIN) * budget
+
+
 def test_mac_tiers_step_up_in_model_and_budget():
     budgets = [yaml.safe_load(open(recipe_path(n)))["callback_kwargs"]["MemoryWatchdog"]["limit_gb"]
-               for n in ("mac-16gb-qwen0.5b", "mac-32gb-qwen1.5b", "mac-64gb-qwen3b")]
+               for n in MAC_TIERS]
     assert budgets == sorted(budgets) and 9 <= budgets[0] <= 11
+    assert sorted(NAMES) == sorted(MAC_TIERS + ("cuda-1gpu-qwen1.5b", "cuda-ddp-qwen1.5b"))
+
+
+@pytest.mark.parametrize("name", MAC_TIERS)
+def test_each_mac_tier_runs_the_largest_model_that_fits(name):
+    from hf_perf_callbacks.estimate import QWEN25
+
+    recipe = yaml.safe_load(open(recipe_path(name)))
+    by_size = sorted(QWEN25, key=lambda n: QWEN25[n]["params"])
+    chosen = recipe["model_name_or_path"]
+    assert fits(recipe, chosen)
+    larger = by_size[by_size.index(chosen) + 1:]
+    assert not any(fits(recipe, n) for n in larger)
+    # the split is the largest micro-batch of the Mac recipes' splits that still fits the same batch
+    assert recipe["per_device_train_batch_size"] == 2 and recipe["gradient_accumulation_steps"] == 4
+    assert recipe["max_completion_length"] == 128 and recipe["activation_checkpointing"]   # field report's lessons
+    assert f"runs/{name}" == recipe["output_dir"] and chosen.split("-")[1].lower() in name
+
+
+def test_readme_tier_table_matches_the_recipes():
+    text = open(os.path.join(ROOT, "recipes", "README.md"), encoding="utf-8").read()
+    rows = re.findall(r"^\| (\d+) GB \| (Qwen2\.5-[\w.-]+) \| (\d+) × (\d+) \| ([\d.]+) \| ([^|]+) \| ([\d.]+) \| "
+                      r"(\d+) \| (\d+) % \|", text, flags=re.M)
+    assert len(rows) == len(MAC_TIERS)
+    for name, (ram, model, micro, accum, est, measured, doubled, budget, margin) in zip(MAC_TIERS, rows):
+        recipe = yaml.safe_load(open(recipe_path(name)))
+        assert name.startswith(f"mac-{ram}gb") and recipe["model_name_or_path"] == f"Qwen/{model}"
+        assert (int(micro), int(accum)) == (recipe["per_device_train_batch_size"],
+                                            recipe["gradient_accumulation_steps"])
+        value = tier_estimate(recipe, recipe["model_name_or_path"])
+        assert est == f"{value:.2f}" and doubled == f"{MPS_DRIVER_FACTOR * value:.2f}"
+        assert int(budget) == recipe["callback_kwargs"]["MemoryWatchdog"]["limit_gb"]
+        assert int(margin) == round(100 * (1 - MPS_DRIVER_FACTOR * value / int(budget)))
+        assert measured.strip() == "pending GPU run" or float(measured) > 0
 
 
 def test_accelerate_configs():
@@ -128,7 +192,7 @@ def test_accelerate_configs():
 def test_recipe_trains_two_steps_under_accelerate(name, tiny_model, tmp_path):
     out = tmp_path / "out"
     # the smallest Mac tier runs the whole path (tuner probe and report); the others skip both to stay fast
-    full = name == "mac-16gb-qwen0.5b"
+    full = name == "mac-16gb-qwen1.5b"
     extra = [] if full else ["--probe", "false", "--report", "false"]
     proc = launch([ACCELERATE, "launch", "--num_processes", "1", "--cpu", "--num_machines", "1",
                    "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_perf_callbacks.train",
@@ -155,9 +219,67 @@ def test_ddp_recipe_runs_on_two_cpu_processes(tiny_model, tmp_path):
     assert all(s["perf/tokens_per_sec"] > 0 for s in steps[1:])
 
 
+def test_fsdp_accelerate_config():
+    fsdp = yaml.safe_load(open(os.path.join(ROOT, "recipes", "accelerate", "fsdp.yaml")))
+    assert (fsdp["distributed_type"], fsdp["num_processes"], fsdp["mixed_precision"]) == ("FSDP", 2, "bf16")
+    config = fsdp["fsdp_config"]
+    assert config["fsdp_version"] == 2 and config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT" and config["fsdp_offload_params"] is False
+    recipe = train.read_recipe(recipe_path("cuda-fsdp-qwen7b"))
+    assert config["fsdp_activation_checkpointing"] and recipe["activation_checkpointing"] is False   # not both
+
+
+def test_the_fsdp_recipe_needs_sharding_and_fits_when_sharded():
+    """Its full fine-tune does not fit one 80 GB GPU (DDP's full copy) but does, sharded over its GPUs, under the
+    watchdog's default budget (0.85 × 80 GB), by the package's memory model."""
+    from hf_perf_callbacks.estimate import QWEN25, estimate_grpo_memory
+
+    values = values_of(train.read_recipe(recipe_path("cuda-fsdp-qwen7b")))
+    gpus = yaml.safe_load(open(os.path.join(ROOT, "recipes", "accelerate", "fsdp.yaml")))["num_processes"]
+    settings = dict(micro_batch=values["per_device_train_batch_size"], num_generations=values["num_generations"],
+                    generation_batch=values["per_device_train_batch_size"] * values["gradient_accumulation_steps"],
+                    prompt_tokens=200, max_completion_length=values["max_completion_length"], dtype_bytes=2,
+                    lora_params=0, activation_checkpointing=True, full_finetune=True)
+    model = QWEN25[values["model_name_or_path"]]
+    gpu = 80e9
+    assert estimate_grpo_memory(model, shards=1, **settings)["weights"] > gpu
+    assert estimate_grpo_memory(model, shards=gpus, **settings)["total"] < 0.85 * gpu
+
+
+def test_fsdp_recipe_runs_on_two_cpu_processes(tiny_model, tmp_path, monkeypatch):
+    """The recipe with its accelerate config on 2 CPU processes, FSDP2 over gloo: accelerate turns FSDP on only for
+    GPU processes, so the launched processes load ``tests/scripts/two_rank_fsdp.py``'s switch through a
+    ``sitecustomize`` (the one thing a GPU machine does differently); the rest is the real path: sharded GRPO full
+    fine-tune, a sharded checkpoint, the final model gathered into one file."""
+    out, shim = tmp_path / "out", tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {os.path.join(ROOT, 'tests', 'scripts')!r})\n"
+        "from two_rank_fsdp import fsdp_on_cpu\n"
+        "fsdp_on_cpu()\n")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("PYTHONPATH", f"{shim}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    launch([ACCELERATE, "launch", "--config_file", os.path.join(ROOT, "recipes", "accelerate", "fsdp.yaml"),
+            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+            "-m", "hf_perf_callbacks.train", "--config", recipe_path("cuda-fsdp-qwen7b"),
+            "--model_name_or_path", tiny_model, "--output_dir", str(out), *CPU, "--save_steps", "2",
+            "--report", "false"], tmp_path)
+    state = json.load(open(out / "trainer_state.json"))
+    assert state["global_step"] == 2
+    assert {"pytorch_model_fsdp_0", "optimizer_0"} <= set(os.listdir(out / "checkpoint-2"))   # sharded
+    assert os.path.exists(out / "model.safetensors")                      # the final model, gathered
+    lines = [json.loads(line) for line in open(out / "perf_log.jsonl")]
+    steps = [line for line in lines if line["type"] == "step"]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["perf/tokens_per_sec"] > 0 for s in steps)
+    assert any(line["type"] == "event" and "under FSDP" in line["message"] for line in lines)
+
+
 # ---------------------------------------------------------------- typos fail first, naming the closest key
 def write_recipe(tmp_path, **changes):
-    config = yaml.safe_load(open(recipe_path("mac-16gb-qwen0.5b")))
+    config = yaml.safe_load(open(recipe_path("mac-16gb-qwen1.5b")))
     config.update(changes)
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -432,9 +554,9 @@ def test_wordle_datasets_follow_the_sizes():
 def test_a_failing_report_does_not_fail_the_finished_run(monkeypatch, caplog):
     def broken(output_dir, plots=True):
         raise RuntimeError("plot backend missing")
-    from hf_perf_callbacks import report
+    from hf_perf_callbacks import cli
 
-    monkeypatch.setattr(report, "main", broken)
+    monkeypatch.setattr(cli, "report_command", broken)
     with caplog.at_level("ERROR", logger="hf_perf_callbacks.train"):
         train._report("runs/x")
     assert "hf-perf report runs/x" in caplog.text

@@ -180,3 +180,26 @@ def test_every_documented_key_is_a_constant_of_the_run_log():
     for cls in (throughput.ThroughputMeter, watchdog.MemoryWatchdog, cache.MPSCacheClearer):
         documented = set(re.findall(r"``((?:perf|mem|cache)/[a-z_/]+[a-z])``", cls.__doc__))
         assert len(documented) >= 4 and documented <= constants, documented - constants
+
+
+def test_report_and_analysis_are_siblings_over_pure_modules():
+    """Neither imports the other; the run log and the figures they share import neither torch nor transformers."""
+    import ast
+
+    import hf_perf_callbacks
+
+    def imports(name):
+        path = os.path.join(os.path.dirname(hf_perf_callbacks.__file__), f"{name}.py")
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                found |= {node.module or ""} | {f"{node.module or ''}.{a.name}".lstrip(".") for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        return found
+
+    assert not any("analysis" in m for m in imports("report"))
+    assert not any(m.endswith("report") or "report." in m for m in imports("analysis"))
+    for pure in ("runlog", "figures", "report", "validation"):
+        assert not any(m.split(".")[0] in ("torch", "transformers") for m in imports(pure)), pure

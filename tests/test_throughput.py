@@ -10,7 +10,7 @@ from transformers import Trainer
 from hf_perf_callbacks import ThroughputMeter
 from hf_perf_callbacks.analysis import dataloader_advice
 from hf_perf_callbacks.flops import forward_flops_per_token, train_flops_per_token
-from tests.conftest import make_grpo, make_trainer
+from tests.conftest import PlantedClock, make_grpo, make_trainer
 
 
 def perf_lines(output_dir, kind="step"):
@@ -87,8 +87,9 @@ def test_no_duplicate_warning_for_a_normal_trainer(tokenizer, tmp_path):
 
 def test_slow_dataset_warns_about_dataloader_settings(tokenizer, tmp_path, caplog):
     meter = ThroughputMeter(warmup_window=2, warmup_tolerance=0.5)
+    meter.clock = clock = PlantedClock()   # each example costs 1 planted second: far above any real step time
     with caplog.at_level("WARNING", logger="hf_perf_callbacks"):
-        make_trainer(tokenizer, tmp_path, [meter], max_steps=6, delay=0.02).train()
+        make_trainer(tokenizer, tmp_path, [meter], max_steps=6, delay=1.0, clock=clock).train()
     messages = [r.getMessage() for r in caplog.records if "waits for data" in r.getMessage()]
     assert len(messages) == 1
     assert "`dataloader_num_workers: 2` (now 0" in messages[0] and "dataloader_persistent_workers" in messages[0]
@@ -124,27 +125,31 @@ def test_resume_restores_counters_and_first_window_does_not_spike(tokenizer, tmp
     assert second.timeline.segments == 2
 
 
-def test_the_callbacks_own_time_between_steps_is_not_data_wait(tokenizer, tmp_path):
-    """Work a callback of the package does after a step (memory sampling, a cache clear: here a 50 ms sleep) is
-    overhead, not waiting for data; the same sleep in a foreign callback stays in the data-wait phase."""
-    import time
-
+def test_the_callbacks_own_time_between_steps_is_not_data_wait(tokenizer, tmp_path, monkeypatch):
+    """Work a callback of the package does after a step (memory sampling, a cache clear: here 100 planted seconds)
+    is overhead, not waiting for data; the same work in a foreign callback stays in the data-wait phase."""
     from transformers import TrainerCallback
 
+    from hf_perf_callbacks import base
     from hf_perf_callbacks.base import PerfCallback
+
+    clock = PlantedClock()
+    monkeypatch.setattr(base, "clock", clock)          # the clock that times the callbacks' own work
 
     class SlowOwn(PerfCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            time.sleep(0.05)
+            clock.spend(100.0)
 
     class SlowForeign(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            time.sleep(0.05)
+            clock.spend(100.0)
 
     waits = []
     for slow in (SlowOwn(), SlowForeign()):
         meter = ThroughputMeter()
+        meter.clock = clock
         make_trainer(tokenizer, tmp_path / type(slow).__name__, [meter, slow], max_steps=6, bs=2, ga=1).train()
-        waits.append(meter.timeline.phase_totals["data_wait"] / meter.timeline.steps)
+        assert meter.timeline.steps == 6
+        waits.append(meter.timeline.phase_totals["data_wait"])
     own, foreign = waits
-    assert own < 0.02 and foreign > 0.04
+    assert own < 1.0 and foreign >= 5 * 100.0     # the work after step 6 precedes no step

@@ -14,6 +14,7 @@ from transformers import TrainerCallback
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, train_with_tuning
 from hf_perf_callbacks.device import GB, MemorySample
 from hf_perf_callbacks.resize import saved_split
+from hf_perf_callbacks.throughput import forward_entry
 from tests.conftest import make_grpo, make_trainer
 from tests.test_watchdog import FakeMPS
 
@@ -37,7 +38,8 @@ class PlantedOOM(TrainerCallback):
             inner.model.layers[0].register_full_backward_hook(
                 lambda module, grad_in, grad_out: self.fire(grad_out[0].shape[0]))
         else:
-            inner.register_forward_pre_hook(self.check, with_kwargs=True)
+            # the decoder stack: peft before 0.21 calls the causal LM's forward() directly, skipping its hooks
+            forward_entry(inner).register_forward_pre_hook(self.check, with_kwargs=True)
         return trainer
 
     def fire(self, batch):

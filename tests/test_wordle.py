@@ -13,6 +13,7 @@ from hf_perf_callbacks.tasks.wordle import (
     consistency_reward,
     feedback,
     format_reward,
+    letters_reward,
     load_words,
     make_dataset,
     parse_guess,
@@ -96,24 +97,40 @@ def test_format_reward() -> None:
     completions = [
         done("crane"),  # well formed
         "  <think>\nlet me see\n</think>\n<guess>crane</guess>\n",  # whitespace is fine
-        "<guess>crane</guess>",  # missing think
-        "<think>unclosed<guess>crane</guess>",  # broken think
-        "<think>a</think><think>b</think><guess>crane</guess>",  # two thinks
-        "<think></think><guess>crane</guess>",  # empty think
-        done("crane") + " trailing text",  # text after the guess
+        "<guess>crane</guess>",  # missing think: two pieces
+        "<think>unclosed<guess>crane</guess>",  # three pieces
+        "<think>a</think><think>b</think><guess>crane</guess>",  # two thinks: those pieces count nothing
+        "<think></think><guess>crane</guess>",  # all pieces, but an empty think is not the format
+        done("crane") + " trailing text",  # all pieces, but text after the guess
         "<think>x</think><guess>crane",  # unclosed guess
         "<think>x</think><guess>a</guess><guess>b</guess>",  # two guesses
         "<think>x</think><guess> </guess>",  # empty guess
+        "</think>x<think> <guess>crane</guess>",  # a closing tag before its opening one
         "crane",  # no tags
         done("notaword"),  # format only: content is not judged
     ]
-    assert call(format_reward, completions) == [1.0, 1.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0, 1.0]
+    assert call(format_reward, completions) == [1.0, 1.0, 0.4, 0.6, 0.4, 0.8, 0.8, 0.6, 0.4, 0.8, 0.6, 0.0, 1.0]
 
 
 def test_valid_word_reward() -> None:
     completions = [done("crane"), done("CRANE"), done("zzzzz"), done("cranes"), done("cra")]
-    completions += ["<guess>apple", "no tags"]
-    assert call(valid_word_reward, completions) == [1.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0]
+    completions += ["<guess>apple", "no tags", '<guess> "Crane." </guess>']
+    assert call(valid_word_reward, completions) == [1.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_valid_word_reward_untagged_word() -> None:
+    # A listed word in capitals outside the tags is a guess in the wrong place: a little credit, so that a small
+    # model's prose answers already differ. Not for the prompt's example, an earlier guess, lowercase or unlisted.
+    history = [{"guess": "polar", "feedback": "GXXXX"}]
+    completions = ["Here is my answer: BRAIN", "Like the example, CRANE.", "It is POLAR", "a brain", "ZZZZZ",
+                   "BRAIN <guess>no</guess>"]
+    assert call(valid_word_reward, completions, history=[history] * 6) == [0.25, 0.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_valid_word_reward_repeated_guess() -> None:
+    history = [{"guess": "crane", "feedback": "XXXXX"}]
+    rewards = call(valid_word_reward, [done("CRANE"), done("apple")], history=[history, history])
+    assert rewards == [0.5, 1.0]  # a guess already made teaches nothing new
 
 
 def test_consistency_reward() -> None:
@@ -121,9 +138,12 @@ def test_consistency_reward() -> None:
     history = [{"guess": "slate", "feedback": "XXGXG"}, {"guess": "truck", "feedback": "XGXYX"}]
     completions = [done("crane"), done("grape"), done("apple"), done("nonsense"), done("paper")]
     rewards = call(consistency_reward, completions, history=[history] * len(completions))
-    # grape fits slate (XXGXG) but not truck; apple fits neither; paper fits neither.
-    assert feedback("grape", "slate") == "XXGXG" and feedback("grape", "truck") != "XGXYX"
-    assert rewards == [1.0, 0.5, 0.0, 0.0, 0.0]
+    # Were it the secret: grape gives slate XXGXG (5 of 5 marks) and truck XGXXX (4 of 5);
+    # apple gives XYYXG (3) and XXXXX (3); paper gives XXYXY (3) and XYXXX (3).
+    assert [feedback("grape", "slate"), feedback("grape", "truck")] == ["XXGXG", "XGXXX"]
+    assert [feedback("apple", "slate"), feedback("apple", "truck")] == ["XYYXG", "XXXXX"]
+    assert [feedback("paper", "slate"), feedback("paper", "truck")] == ["XXYXY", "XYXXX"]
+    assert rewards == [1.0, 0.9, 0.6, 0.0, 0.6]
 
 
 def test_consistency_reward_without_history() -> None:
@@ -134,19 +154,25 @@ def test_consistency_reward_without_history() -> None:
 
 def test_consistency_reward_accepts_json_history() -> None:
     history = json.dumps([{"guess": "slate", "feedback": "XXGXG"}])
-    assert call(consistency_reward, [done("crane"), done("apple")], history=[history, history]) == [1.0, 0.0]
+    # apple would give slate XYYXG: 3 of the 5 marks shown.
+    assert call(consistency_reward, [done("crane"), done("apple")], history=[history, history]) == [1.0, 0.6]
 
 
-def test_solved_reward() -> None:
+def test_letters_reward() -> None:
     completions = [done("apple"), done("paper"), done("ample"), done("zzzzz"), done("apples"), "no guess"]
-    rewards = call(solved_reward, completions, secret=["apple"] * len(completions))
+    rewards = call(letters_reward, completions, secret=["apple"] * len(completions))
     # paper -> YYGYX (1 G, 3 Y); ample -> GXGGG (4 G).
     assert rewards == [1.0, 0.5, 0.8, 0.0, 0.0, 0.0]
 
 
-def test_solved_reward_repeated_letters() -> None:
-    rewards = call(solved_reward, [done("babes"), done("bobby")], secret=["abbey", "abbey"])
+def test_letters_reward_repeated_letters() -> None:
+    rewards = call(letters_reward, [done("babes"), done("bobby")], secret=["abbey", "abbey"])
     assert rewards == [0.6, 0.5]  # YYGGX, YXGXG
+
+
+def test_solved_reward() -> None:
+    completions = [done("apple"), done("APPLE"), done("ample"), "apple", "no guess"]
+    assert call(solved_reward, completions, secret=["apple"] * len(completions)) == [1.0, 1.0, 0.0, 0.0, 0.0]
 
 
 def test_conversational_completions() -> None:
@@ -155,16 +181,45 @@ def test_conversational_completions() -> None:
 
     completions = [msg(done("apple")), msg("<guess>zzzzz</guess>"), msg("nothing")]
     history = [[{"guess": "paper", "feedback": "YYGYX"}]] * 3
-    assert call(format_reward, completions) == [1.0, 0.5, 0.0]
-    assert call(valid_word_reward, completions) == [1.0, 0.5, 0.0]
-    assert call(consistency_reward, completions, history=history) == [1.0, 0.0, 0.0]
+    assert call(format_reward, completions) == [1.0, 0.4, 0.0]
+    assert call(valid_word_reward, completions, history=history) == [1.0, 0.5, 0.0]
+    assert call(consistency_reward, completions, history=history) == [1.0, 0.2, 0.0]  # zzzzz: XXXXX, 1 of 5
+    assert call(letters_reward, completions, secret=["apple"] * 3) == [1.0, 0.0, 0.0]
     assert call(solved_reward, completions, secret=["apple"] * 3) == [1.0, 0.0, 0.0]
 
 
+def total_rewards(completions: list[str], secret: str, history: list[dict[str, str]]) -> list[float]:
+    n = len(completions)
+    columns = {"secret": [secret] * n, "history": [history] * n}
+    per_func = [call(func, completions, **columns) for func in REWARD_FUNCS]
+    return [round(sum(values), 6) for values in zip(*per_func)]
+
+
+def test_partial_credit_climbs_from_a_small_models_first_answers() -> None:
+    # Kinds of answer SmolLM2-135M-Instruct gives at first, each a step closer to a good one: every step pays more,
+    # so completions of one prompt differ in reward and GRPO has a gradient from the start.
+    history = [{"guess": "polar", "feedback": "GXXXX"}]
+    ladder = [
+        "The word is GXXX.",  # prose, no tags
+        "The word is BRAIN.",  # a listed word, outside the tags
+        "<guess>the answer</guess>",  # a guess tag, no five-letter word
+        "<think>P is first</think><guess>WORD</guess> done",  # all tags, not a word, text after
+        "<think>P is first</think><guess>POLAR</guess>",  # the format, but repeats the earlier guess
+        "<think>P is first</think><guess>zzzzz</guess>",  # five letters, not a listed word
+        "<think>P is first</think><guess>crane</guess>",  # a listed word, ignores P
+        "<think>P is first</think><guess>plane</guess>",  # keeps P, finds N and E
+        "<think>P is first</think><guess>penny</guess>",  # the secret
+    ]
+    totals = total_rewards(ladder, "penny", history)
+    assert totals == sorted(totals) and len(set(totals)) == len(totals), totals
+    assert totals[0] == 0.0 and totals[-1] == 5.0
+
+
 def test_reward_funcs_called_like_trl() -> None:
-    ds = make_dataset(4, seed=3, max_history=3)
+    ds = make_dataset(4, seed=3, max_history=3, conversational=True)
     rows = [ds[i] for i in range(len(ds)) for _ in range(2)]  # two generations per prompt
-    completions = [done(r["secret"]) if i % 2 else "garbage" for i, r in enumerate(rows)]
+    completions = [[{"role": "assistant", "content": done(r["secret"]) if i % 2 else "garbage"}]
+                   for i, r in enumerate(rows)]
     kwargs = {
         "prompts": [r["prompt"] for r in rows],
         "completions": completions,
@@ -175,13 +230,20 @@ def test_reward_funcs_called_like_trl() -> None:
         "log_extra": None,
         "log_metric": None,
     }
-    assert len(REWARD_FUNCS) == 4
+    assert [f.__name__ for f in REWARD_FUNCS] == [
+        "format_reward", "valid_word_reward", "letters_reward", "consistency_reward", "solved_reward"]
     for func in REWARD_FUNCS:
         rewards = func(**kwargs)
         assert len(rewards) == len(rows)
         assert all(isinstance(r, float) and 0.0 <= r <= 1.0 for r in rewards)
         assert rewards[1::2] == [1.0] * len(ds)  # the secret is a perfect answer
         assert rewards[0::2] == [0.0] * len(ds)
+
+
+def test_recipe_launcher_uses_the_same_rewards() -> None:
+    from hf_perf_callbacks import train
+
+    assert train.WORDLE_REWARDS == tuple(f"{f.__module__}.{f.__name__}" for f in REWARD_FUNCS)
 
 
 # --------------------------------------------------------------------------- dataset

@@ -7,6 +7,7 @@ module             job
 ``loop``           :func:`train_with_tuning`: the checkpoint → resume loop, OOM recovery, checkpoint choice
 ``probe``          the pre-flight probe: a few real steps per exact split at the worst-case length
 ``agreement``      cross-rank agreement on OOMs inside a training step (:class:`ResizeNeeded`, :class:`PeerFailed`)
+``sharding``       what works under FSDP (re-size by checkpoint) and DeepSpeed (refused), said at start
 =================  ==========================================================================================
 """
 from .agreement import PeerFailed, ResizeNeeded

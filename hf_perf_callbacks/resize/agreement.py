@@ -21,7 +21,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import adapter
-from ..device import average_across_ranks, device_of, gather_floats, is_oom_error, world_size
+from ..device import average_across_ranks, gather_floats, is_oom_error, training_device, world_size
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -87,7 +87,7 @@ def guard_training_step(trainer):
     function that removes the guard."""
     if world_size() == 1:
         return lambda: None
-    agreement = OOMAgreement(device_of(trainer.model))
+    agreement = OOMAgreement(training_device())
     stop_intercepting = adapter.intercept_collectives(agreement.check, agreement.collective_failed)
 
     def make(original):

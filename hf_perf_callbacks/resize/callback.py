@@ -114,6 +114,9 @@ class AdaptiveBatchTuner(PerfCallback):
         self.bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
         self.planned_resize = None
         self.in_optimizer_step = False
+        if getattr(self, "limits", None) and not getattr(self, "limits_logged", False):    # see resize.sharding
+            self.limits_logged = True
+            self.bus.event(self.source, "warning", self.limits, step=state.global_step)
         for decision in self.decisions:          # the probe ran before any trainer event: log it now, once
             if decision["kind"] == "probe" and not decision.get("logged"):
                 decision["logged"] = True

@@ -19,8 +19,9 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from .. import adapter
 from ..batching import Split, next_smaller
-from ..device import DeviceLayer, device_of
+from ..device import DeviceLayer, training_device
 from ..validation import check_number
+from . import sharding
 from .agreement import guard_training_step, recoverable
 from .callback import AdaptiveBatchTuner, apply_split, current_split, find_callback, saved_split
 from .probe import run_probe
@@ -49,17 +50,19 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
         resume_from_checkpoint = get_last_checkpoint(output_dir)
     saved = saved_split(output_dir) if resume_from_checkpoint else None
     started = time.time()
-    restore = guard_training_step(trainer)
+    sharded = sharding.start(trainer, tuner)          # FSDP: no step guard, no probe; DeepSpeed: refused
+    restore = guard_training_step(trainer) if sharded is None else (lambda: None)
     try:
         if saved:
             apply_split(trainer, Split(saved["per_device_train_batch_size"], saved["gradient_accumulation_steps"],
                                        saved.get("steps_per_generation")))
-        elif (tuner.config["probe"] if probe is None else probe) and not resume_from_checkpoint:
+        elif (tuner.config["probe"] if probe is None else probe) and not resume_from_checkpoint and not sharded:
             run_probe(trainer, tuner)
         for _ in range(max_resizes + 1):
             try:
                 output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
             except Exception as error:  # noqa: BLE001 - only OOMs are handled, the rest is re-raised
+                sharding.raise_oom(sharded, error)
                 if not recoverable(error):
                     raise
                 tuner = find_callback(trainer, AdaptiveBatchTuner) or tuner
@@ -69,6 +72,9 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
             tuner = find_callback(trainer, AdaptiveBatchTuner) or tuner
             tuner.managed = True
             if tuner.planned_resize is None:
+                return output
+            if sharded == "fsdp":                         # a wrapped model cannot be prepared again in this process
+                logger.warning(sharding.relaunch_message(output_dir, trainer.state.global_step, tuner.split))
                 return output
             tuner.planned_resize["resized_at"] = time.time()
             resume_from_checkpoint = os.path.join(output_dir, f"checkpoint-{trainer.state.global_step}")
@@ -88,7 +94,7 @@ def _recover_from_oom(trainer, tuner: AdaptiveBatchTuner, error: BaseException, 
     step = trainer.state.global_step
     inside_optimizer = tuner.in_optimizer_step
     trainer.model.zero_grad(set_to_none=True)
-    DeviceLayer(device_of(trainer.model)).empty_cache()              # room to save the checkpoint
+    DeviceLayer(training_device()).empty_cache()                    # room to save the checkpoint
     if inside_optimizer:                                            # weights may be half-updated: go back
         checkpoint = _checkpoint_of_this_run(trainer.args.output_dir, started, step)
         if checkpoint is None:
@@ -122,4 +128,4 @@ def prepare_resume(trainer, split: Split) -> None:
     """Apply the split to a trainer whose last train() ended, forget that train()'s state, give cached memory back."""
     apply_split(trainer, split)
     adapter.forget_last_train(trainer)
-    DeviceLayer(device_of(trainer.model)).empty_cache()
+    DeviceLayer(training_device()).empty_cache()

@@ -19,7 +19,8 @@ from transformers import TrainerCallback
 
 from .. import adapter
 from ..batching import Split
-from ..device import GB, DeviceLayer, device_of, gather_floats, is_main_process, rng_state, set_rng_state, world_size
+from ..device import (GB, DeviceLayer, gather_floats, is_main_process, rng_state, set_rng_state, training_device,
+                      world_size)
 from ..stats import median
 from ..watchdog import MemoryWatchdog
 from .agreement import recoverable
@@ -48,7 +49,7 @@ class _ProbeTimer(TrainerCallback):
 
 def run_probe(trainer, tuner: AdaptiveBatchTuner) -> Split:
     args = trainer.args
-    device = DeviceLayer(device_of(trainer.model))
+    device = DeviceLayer(training_device())
     watchdog = find_callback(trainer, MemoryWatchdog) or MemoryWatchdog()
     budget = min(r[0] for r in gather_floats([watchdog.budget_bytes(device)], device.device))   # the tightest rank
     limit = tuner.config["max_micro_batch"]
@@ -170,7 +171,7 @@ def _restore(trainer, saved: dict) -> None:
     trainer.state = type(trainer.state)()
     shutil.rmtree(saved["probe_dir"], ignore_errors=True)
     adapter.forget_last_train(trainer)
-    DeviceLayer(device_of(trainer.model)).empty_cache()
+    DeviceLayer(training_device()).empty_cache()
 
 
 def _longest(dataset, count: int):

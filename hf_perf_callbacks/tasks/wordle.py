@@ -1,6 +1,8 @@
 """Offline Wordle task for GRPO demos: word list, game states, prompts and rewards.
 
-Completions are expected as ``<think>reasoning</think><guess>WORD</guess>``.
+Completions are expected as ``<think>reasoning</think><guess>WORD</guess>``. ``REWARD_FUNCS`` holds five rewards,
+each in [0, 1] with partial credit (format pieces, a new listed word, letters found, agreement with the earlier
+feedback, solved), so that the completions of one prompt differ in reward even for a small model's first answers.
 Reward functions follow TRL's signature ``f(prompts, completions, completion_ids=None, **kwargs)``;
 the dataset columns ``secret`` and ``history`` arrive as keyword lists, one value per completion.
 """
@@ -24,6 +26,7 @@ __all__ = [
     "consistency_reward",
     "feedback",
     "format_reward",
+    "letters_reward",
     "load_words",
     "make_dataset",
     "make_prompt",
@@ -46,6 +49,9 @@ _BODY = rf"(?:(?!{_TAG}).)*?"
 _FULL_FORMAT = re.compile(rf"\s*<think>({_BODY})</think>\s*<guess>({_BODY})</guess>\s*", re.DOTALL)
 _GUESS_TAG = re.compile(rf"<guess>({_BODY})</guess>", re.DOTALL)
 _WORD = re.compile(rf"[A-Za-z]{{{WORD_LENGTH}}}")
+_DECORATION = "\"'`*.,!?;:"
+_CAPITAL_WORD = re.compile(rf"\b[A-Z]{{{WORD_LENGTH}}}\b")
+EXAMPLE_WORD = "crane"  # the guess in the prompt's example answer
 
 
 # --------------------------------------------------------------------------- words and scoring
@@ -113,20 +119,23 @@ def simulate_history(secret: str, pool: Sequence[str], n_guesses: int, rng: rand
 
 
 def make_prompt(history: Sequence[Mapping[str, str]]) -> str:
-    """Render a game state as a plain-text prompt asking for ``<think>…</think><guess>WORD</guess>``."""
+    """Render a game state as a short prompt asking for ``<think>…</think><guess>WORD</guess>``, with an example.
+
+    Kept short (about 120 tokens) because every prompt token is recomputed in each GRPO forward; the example answer
+    gives a small instruct model the format to start from.
+    """
     if history:
         lines = [f"{i}. {h['guess'].upper()} -> {' '.join(h['feedback'])}" for i, h in enumerate(history, 1)]
-        state = "Earlier guesses and their feedback:\n" + "\n".join(lines)
+        state = "Guesses so far:\n" + "\n".join(lines)
     else:
         state = "No guesses yet."
     return (
-        "You are playing Wordle. Find the secret five-letter English word.\n"
-        "Feedback gives one letter per position: G = right letter, right place; "
-        "Y = letter is in the word but elsewhere; X = letter is not in the word.\n\n"
+        "Let's play Wordle. Guess the secret five-letter English word.\n"
+        "Feedback per letter: G = right letter, right place; Y = in the word, other place; X = not in the word.\n\n"
         f"{state}\n\n"
-        "Reason briefly inside <think>...</think>, then give exactly one five-letter word "
-        "inside <guess>...</guess>.\n"
-        "Answer format: <think>your reasoning</think><guess>WORD</guess>"
+        "Think briefly, then give one new five-letter word. Answer format: "
+        "<think>your reasoning</think><guess>WORD</guess>\n"
+        f"Example: <think>E is in the word, S is not.</think><guess>{EXAMPLE_WORD.upper()}</guess>"
     )
 
 
@@ -195,47 +204,89 @@ def _history(value: Any) -> History:
 
 
 def parse_guess(text: str) -> str | None:
-    """Return the lowercase five-letter word in the last ``<guess>`` tag, or ``None``."""
+    """Return the lowercase five-letter word in the last ``<guess>`` tag, or ``None``.
+
+    Whitespace, quotes, ``*`` and final punctuation around the word are ignored (``<guess> "Crane." </guess>``).
+    """
     tags = _GUESS_TAG.findall(text)
     if not tags:
         return None
-    word = tags[-1].strip()
+    word = tags[-1].strip().strip(_DECORATION)
     return word.lower() if _WORD.fullmatch(word) else None
 
 
 # --------------------------------------------------------------------------- rewards
+#
+# Five rewards, each in [0, 1] and summed by GRPO (weights 1). Each gives partial credit that a small instruct model
+# can climb from its first completions, so that completions of one prompt differ in reward (GRPO learns only from
+# those differences): the format piece by piece, a five-letter word, a word from the list that was not guessed
+# before, letters placed or present, agreement with the earlier feedback position by position, and the solve.
 
 
 def format_reward(
     prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None, **kwargs: Any
 ) -> list[float]:
-    """1.0 for exactly ``<think>…</think><guess>…</guess>``; 0.5 if only the guess tag is well formed."""
+    """0.2 for each of ``<think>``, ``</think>``, ``<guess>``, ``</guess>`` that occurs exactly once (a closing tag
+    after its opening one), and 0.2 more for exactly ``<think>…</think><guess>…</guess>`` with non-empty parts and
+    nothing around it (so 1.0 means the whole answer is the format: the model stops after the guess)."""
     rewards = []
     for completion in completions:
         text = _text(completion)
+        score = 0.0
+        for tag in ("think", "guess"):
+            opened, closed = text.count(f"<{tag}>"), text.count(f"</{tag}>")
+            score += 0.2 * (opened == 1)
+            score += 0.2 * (closed == 1 and (opened != 1 or text.index(f"<{tag}>") < text.index(f"</{tag}>")))
         full = _FULL_FORMAT.fullmatch(text)
         if full and full.group(1).strip() and full.group(2).strip():
-            rewards.append(1.0)
-        elif (
-            text.count("<guess>") == text.count("</guess>") == 1
-            and (tag := _GUESS_TAG.search(text)) is not None
-            and tag.group(1).strip()
-        ):
-            rewards.append(0.5)
+            score += 0.2
+        rewards.append(round(score, 6))
+    return rewards
+
+
+def valid_word_reward(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Any = None,
+    *,
+    history: Sequence[Any] | None = None,
+    **kwargs: Any,
+) -> list[float]:
+    """1.0 for a guess from the word list that was not guessed before; 0.5 for any other five-letter guess (a word
+    outside the list, or a repeated guess). Without a guess tag: 0.25 when the text names a listed word in capitals
+    that is neither an earlier guess nor the prompt's example (a guess in the wrong place), else 0.0."""
+    words = _word_set()
+    histories = history if history is not None else [None] * len(completions)
+    rewards = []
+    for completion, past in zip(completions, histories, strict=True):
+        text = _text(completion)
+        guess = parse_guess(text)
+        earlier = {h["guess"].lower() for h in _history(past)}
+        if guess is not None:
+            rewards.append(1.0 if guess in words and guess not in earlier else 0.5)
+        elif _GUESS_TAG.search(text) is None and any(
+                w.lower() in words and w.lower() not in earlier | {EXAMPLE_WORD} for w in _CAPITAL_WORD.findall(text)):
+            rewards.append(0.25)
         else:
             rewards.append(0.0)
     return rewards
 
 
-def valid_word_reward(
-    prompts: Sequence[Any], completions: Sequence[Any], completion_ids: Any = None, **kwargs: Any
+def letters_reward(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    completion_ids: Any = None,
+    *,
+    secret: Sequence[str],
+    **kwargs: Any,
 ) -> list[float]:
-    """1.0 for a guess in the word list, 0.5 for another five-letter word, 0.0 otherwise."""
-    words = _word_set()
+    """Letters of the secret the guess finds: 0.2 per ``G`` and 0.1 per ``Y`` (1.0 for the secret); 0.0 without a
+    five-letter guess."""
     rewards = []
-    for completion in completions:
+    for completion, target in zip(completions, secret, strict=True):
         guess = parse_guess(_text(completion))
-        rewards.append(0.0 if guess is None else 1.0 if guess in words else 0.5)
+        marks = feedback(target, guess) if guess is not None else ""
+        rewards.append(round(0.2 * marks.count("G") + 0.1 * marks.count("Y"), 6))
     return rewards
 
 
@@ -247,7 +298,9 @@ def consistency_reward(
     history: Sequence[Any] | None = None,
     **kwargs: Any,
 ) -> list[float]:
-    """Fraction of earlier feedback the guess could still satisfy as the secret; 1.0 without history."""
+    """How well the guess agrees with the earlier feedback: were it the secret, the share of the earlier feedback
+    marks (position by position, over all earlier guesses) that would come out as shown; 1.0 without history, 0.0
+    without a five-letter guess."""
     histories = history if history is not None else [None] * len(completions)
     rewards = []
     for completion, past in zip(completions, histories, strict=True):
@@ -258,8 +311,8 @@ def consistency_reward(
         elif not past:
             rewards.append(1.0)
         else:
-            hits = sum(feedback(guess, h["guess"]) == h["feedback"] for h in past)
-            rewards.append(hits / len(past))
+            agree = sum(a == b for h in past for a, b in zip(feedback(guess, h["guess"]), h["feedback"].upper()))
+            rewards.append(round(agree / (WORD_LENGTH * len(past)), 6))
     return rewards
 
 
@@ -271,18 +324,9 @@ def solved_reward(
     secret: Sequence[str],
     **kwargs: Any,
 ) -> list[float]:
-    """1.0 for the secret; otherwise 0.2 per ``G`` and 0.1 per ``Y``; 0.0 when no guess parses."""
-    rewards = []
-    for completion, target in zip(completions, secret, strict=True):
-        guess = parse_guess(_text(completion))
-        if guess is None:
-            rewards.append(0.0)
-        elif guess == target.lower():
-            rewards.append(1.0)
-        else:
-            marks = feedback(target, guess)
-            rewards.append(round(0.2 * marks.count("G") + 0.1 * marks.count("Y"), 6))
-    return rewards
+    """1.0 when the guess is the secret, else 0.0."""
+    return [float(parse_guess(_text(c)) == target.lower()) for c, target in zip(completions, secret, strict=True)]
 
 
-REWARD_FUNCS = [format_reward, valid_word_reward, consistency_reward, solved_reward]
+REWARD_FUNCS = [format_reward, valid_word_reward, letters_reward, consistency_reward, solved_reward]
+"""The rewards GRPO sums (each in [0, 1], total at most 5.0)."""

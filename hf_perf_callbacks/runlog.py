@@ -134,6 +134,10 @@ class RunHeader:
     gradient_accumulation_steps: int | None = None
     max_completion_length: int | None = None
     num_generations: int | None = None
+    steps_per_generation: int | None = None
+    pad_to_multiple_of: int | None = None
+    temperature: float | None = None
+    use_vllm: bool | None = None
     activation_checkpointing: bool | None = None
     model: dict = field(default_factory=dict)
     dataloader: dict = field(default_factory=dict)

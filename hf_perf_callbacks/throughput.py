@@ -208,6 +208,10 @@ class ThroughputMeter(PerfCallback):
                               gradient_accumulation_steps=args.gradient_accumulation_steps,
                               max_completion_length=getattr(args, "max_completion_length", None),
                               num_generations=getattr(args, "num_generations", None),
+                              steps_per_generation=getattr(args, "steps_per_generation", None),
+                              pad_to_multiple_of=getattr(args, "pad_to_multiple_of", None),
+                              temperature=getattr(args, "temperature", None),
+                              use_vllm=getattr(args, "use_vllm", None),
                               activation_checkpointing=self.recompute, model=self._model_facts(),
                               dataloader=_dataloader_settings(args))
 

@@ -1,0 +1,314 @@
+"""Advice check: does applying a finding's advice give the gain the analysis predicts?
+
+For each scenario a baseline run is analysed (:func:`hf_perf_callbacks.analysis.check`); for every finding with a
+setting (or a code fix the scenario knows), the same run is made again with exactly that setting applied and
+everything else equal (seed, data, model, callbacks). Baseline and advised runs alternate (A B A B …) so that load
+drifts hit both; the measured gain is the median over the pairs of baseline / advised mean time per optimizer step
+after warm-up (whole generation cycles for GRPO). On a CPU the training process runs with one thread and the gain
+is also measured in process CPU seconds per step, which other processes on a shared machine do not inflate (wall
+time is the measure for the input-bound rule, whose waiting costs no CPU). Recorded per finding: the model's prediction
+(``predicted_gain``), what the report prints (``expected_gain``, None for "try"), the measured gain and the spread
+of the pairs. Results: ``benchmarks/results/advice_<device>.json``.
+
+    python benchmarks/bench_advice.py --smoke                      # CPU, tiny model, a minute or two
+    python benchmarks/bench_advice.py --model tiny --repeats 2     # CPU, tiny model
+    python benchmarks/bench_advice.py --model smollm2 --model_path DIR   # CPU, SmolLM2-135M-Instruct (HF folder)
+    python benchmarks/bench_advice.py --model qwen05               # CUDA, Qwen2.5-0.5B-shaped random model, bf16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+RESULTS = os.path.join(HERE, "results")
+SKIP_RULES = {"no_learning", "memory_pressure"}    # not speed advice (or not reproducible on purpose here)
+TEXTS = ["the quick brown fox jumps over the lazy dog", "what is two plus two ? the answer is four",
+         "write a short poem about the sea and the sky", "hello world , how are you today ?",
+         "count from one to ten : one two three four five six seven eight nine ten"]
+
+
+# ------------------------------------------------------------------ models
+def load_model(kind: str, path: str | None, device: str):
+    """(model factory, tokenizer): a fresh model with the same weights for every run."""
+    if kind == "tiny":
+        from hf_perf_callbacks.tasks import wordle
+        from hf_perf_callbacks.tiny import build_model, build_tokenizer
+
+        corpus = list(wordle.make_dataset(128, seed=1)["prompt"]) + TEXTS * 10 + [
+            f"<think>try {w}</think><guess>{w}</guess>" for w in wordle.load_words()]
+        tok = build_tokenizer(corpus, vocab_size=600)
+        return (lambda: build_model(tok, hidden=128, layers=4, heads=4)), tok
+    if kind == "smollm2":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if not path:
+            raise SystemExit("--model smollm2 needs --model_path (an HF folder converted from the GGUF)")
+        tok = AutoTokenizer.from_pretrained(path)
+        tok.padding_side = "left"
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        return (lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)), tok
+    if kind == "qwen05":
+        import common
+
+        return (lambda: common.qwen05_model()), common.tokenizer()
+    raise SystemExit(f"--model {kind!r}: expected tiny, smollm2 or qwen05")
+
+
+class SlowText(torch.utils.data.Dataset):
+    """Causal-LM examples of varying length; each item costs ``delay`` seconds to 'load'."""
+
+    def __init__(self, tok, n=256, delay=0.0):
+        self.items = [tok(TEXTS[i % 5] + " " + TEXTS[(i * 3) % 5][: 5 + (i * 7) % 30])["input_ids"]
+                      for i in range(n)]
+        self.delay = delay
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        if self.delay:
+            time.sleep(self.delay)
+        return {"input_ids": self.items[i]}
+
+
+class StepClock:
+    """Wall and process CPU seconds of every optimizer step, from one step's end to the next (so the data loading
+    before a step counts), independent of the package's meter."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class _Clock(TrainerCallback):
+            def __init__(self):
+                self.wall, self.cpu = [], []
+
+            def on_train_begin(self, args, state, control, **kwargs):
+                self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                t, c = time.perf_counter(), time.process_time()
+                self.wall.append(t - self.t0)
+                self.cpu.append(c - self.c0)
+                self.t0, self.c0 = t, c
+
+        return _Clock()
+
+
+def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device: str, clock=None):
+    """The scenario's trainer with ``settings`` (config keys, plus the scenario's code switches) applied."""
+    from hf_perf_callbacks import default_callbacks
+
+    callbacks = default_callbacks(AdaptiveBatchTuner={"probe": False}) + ([clock] if clock else [])
+    cfg = {**scenario["config"], **settings}
+    duplicate = cfg.pop("duplicate_forward", False)
+    delay = cfg.pop("delay", 0.0)
+    common_args = dict(output_dir=output_dir, logging_steps=1, save_strategy="no", report_to="none",
+                       disable_tqdm=True, seed=0, learning_rate=1e-4, use_cpu=device == "cpu",
+                       bf16=device == "cuda")
+    if scenario["kind"] == "grpo":
+        from peft import LoraConfig
+        from trl import GRPOConfig, GRPOTrainer
+
+        from hf_perf_callbacks.tasks import wordle
+
+        args = GRPOConfig(**common_args, beta=0.0, activation_checkpointing=False, **cfg)
+        lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+        return GRPOTrainer(model=factory(), reward_funcs=wordle.REWARD_FUNCS, args=args,
+                           train_dataset=wordle.make_dataset(256, seed=0, max_history=0, conversational=True),
+                           processing_class=tok, peft_config=lora, callbacks=callbacks)
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    class DuplicateForward(Trainer):
+        """A custom loss that runs the model twice with gradients on (the field report's mistake)."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+            first = super().compute_loss(model, inputs, return_outputs, **kwargs)
+            second = super().compute_loss(model, inputs, return_outputs, **kwargs)
+            if return_outputs:
+                return (first[0] + second[0]) / 2, first[1]
+            return (first + second) / 2
+
+    args = TrainingArguments(**common_args, **cfg)
+    cls = DuplicateForward if duplicate else Trainer
+    return cls(model=factory(), args=args, train_dataset=SlowText(tok, delay=delay),
+               data_collator=DataCollatorForLanguageModeling(tok, mlm=False), callbacks=callbacks)
+
+
+def run_once(scenario, settings, factory, tok, device, keep: str | None = None):
+    """({"wall": s, "cpu": s} mean per optimizer step after the scenario's ``skip`` steps, the run directory)."""
+    out = tempfile.mkdtemp(prefix="advice_")
+    clock = StepClock()
+    trainer = build(scenario, settings, factory, tok, out, device, clock)
+    trainer.train()
+    trainer.save_state()
+    k = scenario["skip"]
+    seconds = {"wall": statistics.fmean(clock.wall[k:]), "cpu": statistics.fmean(clock.cpu[k:])}
+    del trainer
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    if keep:
+        return seconds, out
+    shutil.rmtree(out, ignore_errors=True)
+    return seconds, None
+
+
+# ------------------------------------------------------------------ scenarios
+def scenarios(model: str, smoke: bool, steps: int | None = None) -> dict:
+    completion = 8 if smoke else (16 if model != "qwen05" else 64)
+    steps = steps or (4 if smoke else 6)
+    grpo = dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, num_generations=4,
+                max_completion_length=completion, max_steps=steps)
+    out = {
+        # the 16 GB recipe's 2×4 split, with its MPS-only padding
+        "grpo_2x4_pad32": {"kind": "grpo", "skip": 2, "config": {**grpo, "pad_to_multiple_of": 32}},
+        # a plain Trainer behind a slow dataset, and one whose loss runs the model twice
+        "trainer_slow_data": {"kind": "trainer", "skip": 2, "measure": ["input_bound"], "clock": "wall",
+                              "config": dict(per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                                             max_steps=steps + 2, dataloader_num_workers=0, delay=0.1)},
+        "trainer_duplicate_forward": {"kind": "trainer", "skip": 2,
+                                      "measure": ["duplicate_forward"],
+                                      "config": dict(per_device_train_batch_size=8, gradient_accumulation_steps=2,
+                                                     max_steps=steps + 2, duplicate_forward=True)},
+    }
+    if model == "smollm2":    # the real model on a CPU: one prompt group of 2 per step keeps a run to minutes
+        out = {"grpo_2x1_pad32": {"kind": "grpo", "skip": 1,
+                                  "config": {**grpo, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
+                                             "num_generations": 2, "pad_to_multiple_of": 32}}}
+    elif model != "tiny":     # the GPU model: the GRPO scenario only (the Trainer ones test the rules, not the model)
+        out = {"grpo_2x4_pad32": out["grpo_2x4_pad32"]}
+    if smoke:
+        out = {k: out[k] for k in list(out)[:2]}
+    return out
+
+
+#: Code fixes a setting cannot express: the scenario switch that removes the planted cause.
+CODE_FIXES = {"duplicate_forward": {"duplicate_forward": False}}
+
+
+def check_scenario(name, scenario, factory, tok, device, repeats, rules=None) -> list[dict]:
+    from hf_perf_callbacks.analysis import check
+
+    from hf_perf_callbacks.analysis import measurements_from_run
+
+    base_sec, base_dir = run_once(scenario, {}, factory, tok, device, keep="yes")
+    findings, notes = check(measurements_from_run(base_dir))
+    shutil.rmtree(base_dir, ignore_errors=True)
+    which = scenario.get("clock") or ("cpu" if device == "cpu" else "wall")
+    print(f"[{name}] baseline {base_sec} s/step; findings: {[f.rule for f in findings]}; "
+          f"notes: {[n.rule for n in notes]}", flush=True)
+    rows = []
+    for f in findings:
+        setting = dict(f.setting) if f.setting else dict(CODE_FIXES.get(f.rule, {}))
+        row = {"scenario": name, "rule": f.rule, "title": f.title, "setting": f.setting,
+               "predicted_gain": f.predicted_gain, "expected_gain": f.expected_gain, "basis": f.basis,
+               "formula": f.gain_formula}
+        skip = ("not speed advice" if f.rule in SKIP_RULES else "no setting to apply" if not setting else
+                "not measured in this scenario" if "measure" in scenario and f.rule not in scenario["measure"]
+                else "not measured in this invocation (--rules)" if rules and f.rule not in rules else None)
+        if skip:
+            row["measured_gain"] = None
+            row["why_not_measured"] = skip
+            rows.append(row)
+            continue
+        pairs, wall_pairs, bases, advised = [], [], [base_sec], []
+        for i in range(repeats):
+            b = bases[-1] if i == 0 else run_once(scenario, {}, factory, tok, device)[0]
+            if i:
+                bases.append(b)
+            a = run_once(scenario, setting, factory, tok, device)[0]
+            advised.append(a)
+            pairs.append(b[which] / a[which])
+            wall_pairs.append(b["wall"] / a["wall"])
+            print(f"[{name}] {f.rule} {setting}: baseline {b}, advised {a} → {pairs[-1]:.2f}x ({which})", flush=True)
+        measured = statistics.median(pairs)
+        row.update(measured_gain=measured, measured_on=which, pair_gains=pairs, wall_pair_gains=wall_pairs,
+                   baseline_step_sec=bases, advised_step_sec=advised)
+        if f.predicted_gain:
+            row["prediction_error"] = f.predicted_gain / measured - 1
+        rows.append(row)
+    return rows
+
+
+def environment(device: str) -> dict:
+    import transformers
+    import trl
+
+    name = torch.cuda.get_device_name() if device == "cuda" else f"{platform.machine()} CPU"
+    return {"device": name, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,
+            "transformers": transformers.__version__, "trl": trl.__version__, "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(), "load_avg": os.getloadavg()}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="tiny (CPU default), smollm2 (CPU) or qwen05 (CUDA default)")
+    p.add_argument("--model_path", default=None)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="CPU: torch threads (1: CPU time measures the work)")
+    p.add_argument("--smoke", action="store_true", help="tiny model, few steps, one repeat, no result file")
+    p.add_argument("--only", nargs="*", default=None, help="scenario names")
+    p.add_argument("--rules", nargs="*", default=None, help="measure only these rules' advice")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 6; 4 with --smoke)")
+    a = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        torch.set_num_threads(a.threads)
+    model = a.model or ("qwen05" if device == "cuda" else "tiny")
+    if a.smoke:
+        model, a.repeats = "tiny", 1
+    factory, tok = load_model(model, a.model_path, device)
+    rows = []
+    for name, scenario in scenarios(model, a.smoke, a.steps).items():
+        if a.only and name not in a.only:
+            continue
+        rows += check_scenario(name, scenario, factory, tok, device, a.repeats, a.rules)
+    print("\nrule | scenario | setting | predicted (model) | printed | measured")
+    for r in rows:
+        pred = f"{r['predicted_gain']:.2f}x" if r["predicted_gain"] else "-"
+        shown = f"{r['expected_gain']:.2f}x" if r["expected_gain"] else "try"
+        meas = f"{r['measured_gain']:.2f}x" if r.get("measured_gain") else "-"
+        print(f"{r['rule']} | {r['scenario']} | {r['setting'] or '(code fix)'} | {pred} | {shown} | {meas}")
+    if a.smoke:
+        return 0
+    env = environment(device)
+    slug = "cpu" if device == "cpu" else env["device"].lower().replace("nvidia ", "").replace(" ", "_")
+    path = os.path.join(RESULTS, f"advice_{slug}.json")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            previous = json.load(fh)
+    except (OSError, ValueError):
+        previous = {}
+    runs = previous.get("runs", [])
+    old = next((r for r in runs if r.get("model") == model), None)
+    if old and a.only:            # a partial re-run replaces only its scenarios' rows
+        rows = [r for r in old["results"] if r["scenario"] not in a.only] + rows
+    runs = [r for r in runs if r.get("model") != model]
+    runs.append({"model": model, "environment": env, "repeats": a.repeats, "results": rows})
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump({"benchmark": "advice", "runs": runs}, fh, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

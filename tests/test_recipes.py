@@ -143,7 +143,7 @@ def test_mac_tiers_step_up_in_model_and_budget():
     budgets = [yaml.safe_load(open(recipe_path(n)))["callback_kwargs"]["MemoryWatchdog"]["limit_gb"]
                for n in MAC_TIERS]
     assert budgets == sorted(budgets) and 9 <= budgets[0] <= 11
-    assert sorted(NAMES) == sorted(MAC_TIERS + ("cuda-1gpu-qwen1.5b", "cuda-ddp-qwen1.5b"))
+    assert sorted(NAMES) == sorted(MAC_TIERS + ("cuda-1gpu-qwen1.5b", "cuda-ddp-qwen1.5b", "cuda-fsdp-qwen7b"))
 
 
 @pytest.mark.parametrize("name", MAC_TIERS)

@@ -156,11 +156,13 @@ def test_the_callbacks_own_time_between_steps_is_not_data_wait(tokenizer, tmp_pa
 
 
 class PlantedLoad:
-    """Planted clocks for the meter: the wall clock is the real one plus ``extra_wall`` seconds added inside each of
-    the first ``slow_steps`` steps; the process CPU clock advances ``cpu`` seconds per step, plus ``extra_cpu`` in
-    the slow steps. Contention: extra wall, flat CPU. Warmup: extra wall with extra CPU behind it."""
+    """Planted clocks for the meter: the wall clock is the real one plus ``cpu`` seconds in every step and
+    ``extra_wall`` more inside each of the first ``slow_steps`` steps; the process CPU clock advances ``cpu``
+    seconds per step, plus ``extra_cpu`` in the slow steps. The planted second per step dwarfs the real step, so the
+    steady CPU/wall ratio is ~1 on any machine. Contention: extra wall, flat CPU. Warmup: extra wall with extra CPU
+    behind it."""
 
-    def __init__(self, slow_steps=3, extra_wall=100.0, cpu=0.5, extra_cpu=0.0):
+    def __init__(self, slow_steps=3, extra_wall=100.0, cpu=10.0, extra_cpu=0.0):
         self.slow, self.extra_wall, self.cpu, self.extra_cpu = slow_steps, extra_wall, cpu, extra_cpu
         self.offset, self.cpu_now, self.step = 0.0, 0.0, 0
 
@@ -178,6 +180,7 @@ class PlantedLoad:
         if step <= self.slow:
             self.offset += self.extra_wall
             self.cpu_now += self.extra_cpu
+        self.offset += self.cpu
         self.cpu_now += self.cpu
 
 
@@ -201,7 +204,7 @@ def test_slow_first_steps_are_warmup_only_when_cpu_time_says_so(tokenizer, tmp_p
     else:
         assert s["warmup_steps"] == 3 and s["early_contention_sec"] < 1 and s["warmup_overhead_sec"] > 250
     steps = perf_lines(tmp_path)
-    assert steps[0]["perf/cpu_sec"] == pytest.approx(0.5 + (100.0 if kind == "warmup" else 0.0))
+    assert steps[0]["perf/cpu_sec"] == pytest.approx(10.0 + (100.0 if kind == "warmup" else 0.0))
     assert steps[0]["perf/cpu_time_ratio"] == pytest.approx(steps[0]["perf/cpu_sec"] / steps[0]["perf/step_wall_sec"])
     assert all(k in steps[-1] for k in ("perf/other_cpu_cores", "perf/load_per_core"))
 

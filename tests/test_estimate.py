@@ -1,5 +1,6 @@
 """hf_perf_callbacks.estimate: hand-computed values, monotonicity, checkpointing, the fix of a swapping Mac run,
 the per-token functions the analysis shares, the README table."""
+import importlib.util
 import os
 import re
 
@@ -96,6 +97,13 @@ def _profiled_peak(fn) -> int:
     return peak
 
 
+#: TRL's chunked log-prob head (trl.kernels, trl.trainer.utils.add_fused_lm_head), which the memory model describes,
+#: came after TRL 1.0: on an older TRL (the oldest tested set) the tests that profile it against the model are skipped
+_CHUNKED_HEAD = pytest.mark.skipif(importlib.util.find_spec("trl.kernels") is None,
+                                   reason="this TRL has no chunked log-prob head (trl.kernels); the memory model "
+                                          "describes TRL 1.16's")
+
+
 def _qwen_lora_step(layers, checkpointing, micro=2, seq=32, vocab=512):
     """A real Qwen2 (bf16 weights) + PEFT LoRA r16 on all linear layers (fp32 adapters, no autocast) with TRL's
     fused head: one forward/backward of ``micro × seq`` tokens, as GRPO's loss runs it."""
@@ -127,6 +135,7 @@ def _qwen_lora_step(layers, checkpointing, micro=2, seq=32, vocab=512):
     return config, step
 
 
+@_CHUNKED_HEAD
 def test_block_bytes_match_what_autograd_keeps():
     """The per-layer slope of a real forward/backward (2 layers minus 1, no checkpointing) is
     layer_activation_bytes × tokens."""
@@ -138,6 +147,7 @@ def test_block_bytes_match_what_autograd_keeps():
     assert peaks[2] - peaks[1] == pytest.approx(layer_activation_bytes(model, 2, 4) * 2 * 32, rel=0.03)
 
 
+@_CHUNKED_HEAD
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_training_part_matches_the_profiled_peak(checkpointing):
     """Activations, the head's tiles on its torch path (what MPS runs) and the backward's working set, together."""
@@ -249,6 +259,7 @@ def test_readme_memory_table_matches_the_function():
         assert figures == [format_gib(est[k]) for k in keys], row
 
 
+@_CHUNKED_HEAD
 def test_head_tile_bytes_match_trls_kernel():
     """TRL's ChunkedLogProbFunction (log-probs and entropy, forward and backward) on its torch path — the one MPS
     runs — holds logits_bytes_per_token per scored token: a vocabulary wider than one tile, 64 tokens."""

@@ -13,7 +13,7 @@ from hf_perf_callbacks import adapter
 from hf_perf_callbacks.tiny import build_model
 
 
-def need(condition: bool, what: str) -> None:
+def assert_present(condition: bool, what: str) -> None:
     if not condition:
         pytest.fail(f"{what} is gone (transformers {transformers.__version__}, trl {trl.__version__}, torch "
                     f"{torch.__version__}): update hf_perf_callbacks/adapter.py")
@@ -21,33 +21,33 @@ def need(condition: bool, what: str) -> None:
 
 def test_trainer_internals_exist(tokenizer, tmp_path):
     trainer = Trainer(model=build_model(tokenizer), args=TrainingArguments(output_dir=str(tmp_path), report_to=[]))
-    need(hasattr(trainer, "_train_batch_size"), "Trainer._train_batch_size")
-    need(callable(getattr(trainer, "_save_checkpoint", None)), "Trainer._save_checkpoint")
-    need(list(inspect.signature(Trainer._save_checkpoint).parameters)[:3] == ["self", "model", "trial"],
+    assert_present(hasattr(trainer, "_train_batch_size"), "Trainer._train_batch_size")
+    assert_present(callable(getattr(trainer, "_save_checkpoint", None)), "Trainer._save_checkpoint")
+    assert_present(list(inspect.signature(Trainer._save_checkpoint).parameters)[:3] == ["self", "model", "trial"],
          "Trainer._save_checkpoint(model, trial)")
-    need(isinstance(trainer.callback_handler, CallbackHandler), "Trainer.callback_handler")
-    need("self" in inspect.signature(CallbackHandler.call_event).parameters, "CallbackHandler.call_event's self")
-    need(hasattr(trainer, "model_wrapped"), "Trainer.model_wrapped")
-    need(list(inspect.signature(Trainer.training_step).parameters)[:3] == ["self", "model", "inputs"],
+    assert_present(isinstance(trainer.callback_handler, CallbackHandler), "Trainer.callback_handler")
+    assert_present("self" in inspect.signature(CallbackHandler.call_event).parameters, "CallbackHandler.call_event's self")
+    assert_present(hasattr(trainer, "model_wrapped"), "Trainer.model_wrapped")
+    assert_present(list(inspect.signature(Trainer.training_step).parameters)[:3] == ["self", "model", "inputs"],
          "Trainer.training_step(model, inputs, ...)")
 
 
 def test_progress_bar_attribute():
-    need(hasattr(ProgressCallback(), "training_bar"), "ProgressCallback.training_bar")
+    assert_present(hasattr(ProgressCallback(), "training_bar"), "ProgressCallback.training_bar")
 
 
 def test_grpo_internals_exist():
     source = inspect.getsource(trl.GRPOTrainer)
     for name in ("self._step", "self._buffered_inputs", "self._metrics"):
-        need(name in source, f"GRPOTrainer.{name.removeprefix('self.')}")
+        assert_present(name in source, f"GRPOTrainer.{name.removeprefix('self.')}")
 
 
 def test_torch_internals_exist():
     compiled = torch.compile(torch.nn.Linear(2, 2))
-    need(isinstance(getattr(compiled, "_orig_mod", None), torch.nn.Linear), "OptimizedModule._orig_mod")
+    assert_present(isinstance(getattr(compiled, "_orig_mod", None), torch.nn.Linear), "OptimizedModule._orig_mod")
     missing = [name for name in adapter.COLLECTIVES if not callable(getattr(torch.distributed, name, None))]
-    need(not missing, f"torch.distributed.{missing}")
-    need(hasattr(torch.distributed.GroupMember, "WORLD"), "torch.distributed.GroupMember.WORLD")
+    assert_present(not missing, f"torch.distributed.{missing}")
+    assert_present(hasattr(torch.distributed.GroupMember, "WORLD"), "torch.distributed.GroupMember.WORLD")
 
 
 def test_calling_handler_finds_the_dispatching_handler(tokenizer, tmp_path):
@@ -109,7 +109,7 @@ def test_intercepted_collectives_are_restored():
 
 def test_replace_method_and_its_undo(tokenizer, tmp_path):
     """``trainer.evaluate`` (instance attribute): what ``train()`` calls at an evaluation step."""
-    need("self.evaluate(" in inspect.getsource(Trainer._evaluate), "Trainer._evaluate calling self.evaluate")
+    assert_present("self.evaluate(" in inspect.getsource(Trainer._evaluate), "Trainer._evaluate calling self.evaluate")
     trainer = Trainer(model=build_model(tokenizer), args=TrainingArguments(output_dir=str(tmp_path), report_to=[]))
     undo = adapter.replace_method(trainer, "evaluate", lambda original: lambda *a, **k: {"replaced": original})
     assert trainer.evaluate()["replaced"].__func__ is Trainer.evaluate
@@ -126,10 +126,10 @@ def test_rearm_jit_checkpoint_reinstalls_the_sigterm_handler(tokenizer, tmp_path
                                                                            enable_jit_checkpoint=True))
     try:
         jit = [cb for cb in trainer.callback_handler.callbacks if getattr(cb, "jit_manager", None) is not None]
-        need(len(jit) == 1, "JITCheckpointCallback.jit_manager")
+        assert_present(len(jit) == 1, "JITCheckpointCallback.jit_manager")
         manager = jit[0].jit_manager
-        need(callable(getattr(manager, "setup_signal_handler", None)), "CheckpointManager.setup_signal_handler")
-        need(callable(getattr(manager, "_sigterm_handler", None)), "CheckpointManager._sigterm_handler")
+        assert_present(callable(getattr(manager, "setup_signal_handler", None)), "CheckpointManager.setup_signal_handler")
+        assert_present(callable(getattr(manager, "_sigterm_handler", None)), "CheckpointManager._sigterm_handler")
         assert signal.getsignal(signal.SIGTERM) == manager._sigterm_handler
         assert adapter.rearm_jit_checkpoint(trainer) is False                  # installed: nothing to do
         jit[0].on_train_end(trainer.args, trainer.state, trainer.control)       # what train() ends with

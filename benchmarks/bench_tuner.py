@@ -4,7 +4,8 @@ completions per optimizer step). Throughput of (a) the split the tuner's probe c
 (``--part ab``: fresh runs A B B A A B ..., per-step times after the first step, Mann-Whitney on the per-run
 medians); and the tuner under a small forced memory budget (``set_per_process_memory_fraction``).
 
-``--smoke`` runs part (d) on the CPU with the demo's tiny GRPO model (``hf_perf_callbacks.demo``), to prove the
+``--part ab --model smollm2`` runs part (d) on the real SmolLM2-135M-Instruct (bf16, chat prompts; results in
+``tuner_ab_smollm2.json``). ``--smoke`` runs part (d) on the CPU with the demo's tiny GRPO model (``hf_perf_callbacks.demo``), to prove the
 script works; its figures are the CPU's.
 
 Splits are ranked by the split-dependent time (step minus generation: generation does not depend on the split and
@@ -18,7 +19,7 @@ import tempfile
 import time
 
 import torch
-from common import GB, StepClock, grpo_trainer, median, release, table, write_result
+from common import GB, StepClock, grpo_trainer, median, release, smollm2, table, write_result
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, train_with_tuning
@@ -109,6 +110,10 @@ def make_trainer(a, callbacks, micro, accum, steps):
 
         return build_demo_trainer(tempfile.mkdtemp(), max_steps=steps, callbacks=callbacks,
                                   per_device_train_batch_size=micro, gradient_accumulation_steps=accum)
+    if a.model == "smollm2":
+        factory, tok = smollm2()
+        return grpo_trainer(tempfile.mkdtemp(), callbacks, micro, accum, steps, a.completion, model=factory(),
+                            tokenizer_=tok, conversational=True)
     return grpo_trainer(tempfile.mkdtemp(), callbacks, micro, accum, steps, a.completion)
 
 
@@ -191,6 +196,8 @@ def main():
     p.add_argument("--rival", type=int, nargs=2, default=None,
                    help="the A/B's other split when the probe kept the configured one without measuring another")
     p.add_argument("--smoke", action="store_true", help="CPU, the demo's tiny model: part ab only")
+    p.add_argument("--model", default="qwen05", choices=["qwen05", "smollm2"],
+                   help="part ab's model: the random 0.5B-shaped one or the real SmolLM2-135M-Instruct (bf16)")
     a = p.parse_args()
     if a.smoke:
         a.part = "ab"
@@ -200,7 +207,8 @@ def main():
             a.rival = a.rival or [1, 8]                 # what the probe chose there before it judged the noise
     if a.part == "ab":
         result = {"probe_ab": probe_and_ab(a), "settings": vars(a)}
-        write_result("tuner_smoke" if a.smoke else "tuner_ab", result)
+        write_result("tuner_smoke" if a.smoke else "tuner_ab" if a.model == "qwen05" else f"tuner_ab_{a.model}",
+                     result)
         report_ab(result["probe_ab"])
         return
     if a.part == "all":                    # each part in its own process (a memory fraction is per process)

@@ -10,6 +10,7 @@ with a few seeds, to prove the script works.
 import argparse
 import gc
 import json
+import math
 import os
 import random
 import tempfile
@@ -131,7 +132,8 @@ def main():
               "range_coverage": sum(held) / len(held) if held else None, "forecasts": len(held),
               "seeds_with_range_coverage_90": seeds_covered,
               "runs": runs, "settings": vars(a),
-              "targets": {"checkpointed": a.seeds, "steps_to_wall_error": 0.2, "range_coverage": 0.9}}
+              "targets": {"checkpointed": a.seeds, "steps_to_wall_error": 0.2, "range_coverage": 0.9,
+                          "seeds_with_range_coverage_90": math.ceil(0.9 * a.seeds)}}
     write_result("watchdog_smoke" if a.smoke else "watchdog", result)
     print(table(["seed", "detected", "stopped", "used/budget", "checkpoint", "OOM", "stw median err",
                  "range coverage"],
@@ -141,7 +143,7 @@ def main():
                  "seeds with coverage >= 90%", "targets"],
                 [[f"{saved}/{a.seeds}", result["median_steps_to_wall_error"], result["p90_steps_to_wall_error"],
                   result["range_coverage"], f"{seeds_covered}/{a.seeds}",
-                  f"{a.seeds}/{a.seeds}, <= 20% or range coverage >= 90%"]]))
+                  f"{a.seeds}/{a.seeds}, <= 20% or the range holding >= 90% in 9 of 10 seeds"]]))
 
 
 if __name__ == "__main__":

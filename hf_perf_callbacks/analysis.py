@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from . import estimate
 from . import runlog as keys
 from .batching import Split, exact_splits, next_smaller
+from .dataloader import dataloader_advice, dataloader_changes
 from .device import GB
 from .figures import completion_stats, figures, last_value, warmup_words
 from .runlog import RunLog, read_run
@@ -459,43 +460,6 @@ def rule_contention(m: Measurements) -> Finding | None:
                    formula, "medium", setting, "measured", gain)
 
 
-def dataloader_advice(device_type: str, dataloader: dict) -> list[str]:
-    """The DataLoader settings to change when the device waits for data, one line each (the meter's warning and the
-    ``input_bound`` finding both give this advice): ``dataloader`` holds the run's ``num_workers``,
-    ``persistent_workers``, ``prefetch_factor`` and ``pin_memory``. Settings already in effect are not repeated."""
-    return [line for line, _ in _dataloader_changes(device_type, dataloader)]
-
-
-def _dataloader_changes(device_type: str, dataloader: dict) -> list[tuple[str, dict]]:
-    """(advice line, the config keys it sets) for :func:`dataloader_advice` and the finding's setting."""
-    dl = dataloader or {}
-    workers = dl.get("num_workers") or 0
-    target = {"cuda": 4, "xpu": 4}.get(device_type, 2)
-    if workers >= target:
-        target = 2 * workers
-    first = f"`dataloader_num_workers: {target}` (now {workers})"
-    if device_type == "mps":
-        first += (" (transformers starts more than one worker with fork on MPS; if workers hang, set "
-                  "`dataloader_multiprocessing_context: spawn`, which needs a picklable dataset and collator)")
-    elif device_type != "cuda":
-        first += " (workers share the CPU cores with training: they hide waiting, not computing)"
-    out = [(first, {"dataloader_num_workers": target})]
-    if dl.get("persistent_workers") is not True:
-        out.append(("`dataloader_persistent_workers: true` (workers survive epochs instead of restarting)",
-                    {"dataloader_persistent_workers": True}))
-    if dl.get("prefetch_factor") is not None and dl["prefetch_factor"] < 2:     # None: torch's default, 2
-        out.append(("`dataloader_prefetch_factor: 2` (batches each worker prepares ahead)",
-                    {"dataloader_prefetch_factor": 2}))
-    if device_type == "cuda" and dl.get("pin_memory") is not True:
-        out.append(("`dataloader_pin_memory: true` (page-locked host memory: faster, asynchronous copies)",
-                    {"dataloader_pin_memory": True}))
-    elif device_type == "mps" and dl.get("pin_memory") is not False:
-        out.append(("`dataloader_pin_memory: false` (unified memory: nothing to pin)", {"dataloader_pin_memory": False}))
-    out.append(("pre-tokenize once (`dataset.map(tokenize, batched=True)` before building the trainer) so the "
-                "per-step work is only collation", {}))
-    return out
-
-
 def rule_input_bound(m: Measurements) -> Finding | None:
     f = _phase(m, "data_wait")
     if f < DATA_WAIT_FRACTION:
@@ -512,7 +476,7 @@ def rule_input_bound(m: Measurements) -> Finding | None:
                 "the next batch.")
     else:
         root = f"{workers} DataLoader workers cannot keep up: preparing a batch takes longer than computing one."
-    changes = _dataloader_changes(m.device_type, dl)
+    changes = dataloader_changes(m.device_type, dl)
     lines = [line for line, _ in changes]
     setting = {k: v for _, keys_set in changes for k, v in keys_set.items()}
     predicted = 1.0 / (1.0 - f)

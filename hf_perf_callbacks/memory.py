@@ -113,7 +113,7 @@ class MemoryPolicy:
         return max(0.0, (self.budget - self.history[-1][1]) / slope)
 
     def forecast(self) -> WallForecast | None:
-        """Steps to the budget with a 90% range (:func:`~hf_perf_callbacks.stats.steps_to_limit`); None when the
+        """Steps to the budget with a 95% range (:func:`~hf_perf_callbacks.stats.steps_to_limit`); None when the
         trend is not growing."""
         if len(self.history) < 3:
             return None

@@ -195,20 +195,20 @@ def mann_whitney_less(a: Sequence[float], b: Sequence[float]) -> float:
 
 # ---------------------------------------------------------------- uncertainty of a growth trend
 
-#: one-sided 95% quantiles of Student's t by degrees of freedom (two-sided 90% intervals)
-_T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833, 10: 1.812,
-        12: 1.782, 15: 1.753, 20: 1.725, 30: 1.697, 60: 1.671}
+#: one-sided 97.5% quantiles of Student's t by degrees of freedom (two-sided 95% intervals)
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000}
 
 
-def t95(df: int) -> float:
-    """One-sided 95% quantile of Student's t with ``df`` degrees of freedom (table, the next smaller df listed)."""
+def t975(df: int) -> float:
+    """One-sided 97.5% quantile of Student's t with ``df`` degrees of freedom (table, the next smaller df listed)."""
     check_number("df", df, low=1, integer=True)
-    return _T95[max(k for k in _T95 if k <= df)] if df <= 60 else 1.645
+    return _T975[max(k for k in _T975 if k <= df)] if df <= 60 else 1.960
 
 
 @dataclass
 class WallForecast:
-    """Steps until a growing series reaches a limit: a point estimate and a 90% range (see :func:`steps_to_limit`)."""
+    """Steps until a growing series reaches a limit: a point estimate and a 95% range (see :func:`steps_to_limit`)."""
 
     steps: float               # headroom / least-squares slope
     low: float                 # fewer steps: growth at the upper end of its interval
@@ -223,8 +223,8 @@ def steps_to_limit(steps: Sequence[float], values: Sequence[float], limit: float
 
     The point estimate divides the headroom by the least-squares slope. The range treats the series as a random
     walk with drift (a leak adds a random amount each step): the per-step increments give the mean growth ``m`` and
-    its spread ``s``; the mean growth over the next ``k`` steps lies, with 90% confidence, within
-    ``m ± t95(n-1) · s · sqrt(1/n + 1/k)`` (estimation error of ``m`` plus the randomness of the ``k`` future
+    its spread ``s``; the mean growth over the next ``k`` steps lies, with 95% confidence, within
+    ``m ± t975(n-1) · s · sqrt(1/n + 1/k)`` (estimation error of ``m`` plus the randomness of the ``k`` future
     increments), ``n`` increments, ``k`` the point estimate. The range is that headroom divided by the interval's
     ends, widened to whole steps (the wall is met at a whole step).
     """
@@ -243,7 +243,7 @@ def steps_to_limit(steps: Sequence[float], values: Sequence[float], limit: float
     mean = sum(increments) / n
     spread = math.sqrt(sum((x - mean) ** 2 for x in increments) / (n - 1)) if n > 1 else abs(mean)
     horizon = max(1.0, point)
-    delta = t95(max(1, n - 1)) * spread * math.sqrt(1.0 / n + 1.0 / horizon)
+    delta = t975(max(1, n - 1)) * spread * math.sqrt(1.0 / n + 1.0 / horizon)
     fast, slow = mean + delta, mean - delta
     low = math.floor(headroom / fast) if fast > 0 else 0.0
     high = math.ceil(headroom / slow) if slow > 0 else None

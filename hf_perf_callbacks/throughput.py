@@ -12,9 +12,10 @@ import torch
 
 from . import adapter
 from . import runlog as keys
-from .analysis import dataloader_advice
 from .base import PerfCallback
+from .dataloader import dataloader_advice
 from .device import DeviceLayer, dtype_key, gather_floats, training_device, world_size
+from .figures import warmup_words
 from .flops import forward_flops_per_token, shape_of, train_flops_per_token
 from .stats import generation_period
 from .validation import check_flag, check_number
@@ -473,9 +474,8 @@ class ThroughputMeter(PerfCallback):
 
         phases = ", ".join(f"{k} {v:.0%}" for k, v in s["phases"].items() if v >= 0.005)
         if s["warmup_done"]:
-            warmup = (f"ended after {s['warmup_steps']} steps   overhead {num(s['warmup_overhead_sec'], '.2f')} s   "
-                      f"first step {num(s['first_step_slowdown'], '.1f')}x the steady step "
-                      f"({num(s['steady_step_sec'], '.3f')} s)")
+            warmup = (warmup_words(s["warmup_steps"], s["first_step_slowdown"], s["warmup_overhead_sec"])
+                      + f"   (steady step {num(s['steady_step_sec'], '.3f')} s)")
             if s.get("early_contention_sec"):
                 warmup += (f"   (on CPU time; slow early steps with flat CPU time, other processes: "
                            f"{s['early_contention_sec']:.2f} s)")

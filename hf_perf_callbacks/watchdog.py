@@ -17,7 +17,7 @@ WALL_KEYS = (keys.MEM_STEPS_TO_WALL, keys.MEM_STEPS_TO_WALL_LOW, keys.MEM_STEPS_
 def wall_fields(forecast, remaining: int | None) -> dict:
     """The ``mem/steps_to_wall*`` keys of one step: none when memory is not growing or the wall lies beyond the
     run's ``remaining`` steps even at the point estimate; ``_high`` capped at ``remaining`` (past the run's end
-    the wall is not met) and absent when growth may be zero within the 90% interval and the run has no end."""
+    the wall is not met) and absent when growth may be zero within the 95% interval and the run has no end."""
     if forecast is None or (remaining is not None and forecast.steps > remaining):
         return {}
     high = forecast.high
@@ -71,7 +71,7 @@ class MemoryWatchdog(PerfCallback):
     ``mem/pressure``              level   0 ok, 1 warn, 2 critical
     ``mem/steps_to_wall``         steps   steps until the budget at the fitted growth; absent when memory is
                                           not growing or the wall lies beyond the run's last step
-    ``mem/steps_to_wall_low``     steps   lower end of its 90% range (growth as a random walk with drift:
+    ``mem/steps_to_wall_low``     steps   lower end of its 95% range (growth as a random walk with drift:
                                           the slope's uncertainty and the next steps' randomness)
     ``mem/steps_to_wall_high``    steps   upper end, capped at the steps left in the run
     ``mem/growth_mb_per_step``    MB      slope of the trend fit

@@ -133,7 +133,7 @@ def test_clear_schedule_backs_off_and_comes_back():
         ClearSchedule(interval=1, min_interval=2)
 
 
-# ---------------------------------------------------------------- steps_to_wall with its 90% range
+# ---------------------------------------------------------------- steps_to_wall with its 95% range
 
 from hf_perf_callbacks.stats import steps_to_limit  # noqa: E402
 from hf_perf_callbacks.watchdog import wall_fields  # noqa: E402
@@ -197,11 +197,15 @@ def planted_leak_forecasts(seed, window=4, headroom=3 * 1024.0, mean=128.0, max_
     return out
 
 
-def test_the_range_holds_the_true_steps_to_wall_in_nine_of_ten_forecasts_on_the_planted_leak():
-    forecasts = [f for seed in range(20) for f in planted_leak_forecasts(seed)]
+def test_the_range_holds_the_true_steps_to_wall_in_nine_of_ten_seeds_on_the_planted_leak():
+    per_seed = [planted_leak_forecasts(seed) for seed in range(20)]
+    forecasts = [f for seed in per_seed for f in seed]
     coverage = sum(held for _, held in forecasts) / len(forecasts)
+    seeds_held = sum(sum(held for _, held in seed) >= 0.9 * len(seed) for seed in per_seed)
     errors = sorted(e for e, _ in forecasts)
-    # the point estimate from 4 steps cannot be within 20% at p90 (the leak's own randomness); the range can hold it
-    assert len(forecasts) > 300 and coverage >= 0.9
-    print(f"\nplanted leak, 20 seeds, {len(forecasts)} forecasts: range coverage {coverage:.1%}, point error median "
-          f"{errors[len(errors) // 2]:.0%}, p90 {errors[int(0.9 * (len(errors) - 1))]:.0%}")
+    # the point estimate from 4 steps cannot be within 20% at p90 (the leak's own randomness: at 1-3 steps from the
+    # wall one step is 33-100%); the range holds the truth in ≥ 90% of the forecasts of ≥ 18 of the 20 seeds
+    assert len(forecasts) > 300 and coverage >= 0.9 and seeds_held >= 18
+    print(f"\nplanted leak, 20 seeds, {len(forecasts)} forecasts: range coverage {coverage:.1%}, seeds with ≥ 90% "
+          f"{seeds_held}/20, point error median {errors[len(errors) // 2]:.0%}, p90 "
+          f"{errors[int(0.9 * (len(errors) - 1))]:.0%}")

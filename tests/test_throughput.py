@@ -8,7 +8,7 @@ import torch
 from transformers import Trainer
 
 from hf_perf_callbacks import ThroughputMeter
-from hf_perf_callbacks.analysis import dataloader_advice
+from hf_perf_callbacks.dataloader import dataloader_advice
 from hf_perf_callbacks.flops import forward_flops_per_token, train_flops_per_token
 from tests.conftest import PlantedClock, make_grpo, make_trainer
 
@@ -225,3 +225,19 @@ def test_calibrating_the_peak_leaves_the_sampled_completions_unchanged(tokenizer
     calibrated = run("calibrated", ThroughputMeter(peak_flops="calibrate"))
     plain = run("plain", ThroughputMeter())
     assert len(plain) == 16 and calibrated == plain
+
+
+@pytest.mark.parametrize("steps,slowdown,says,never", [
+    (0, 0.7, "no warmup: the first step ran at the steady speed", "ended after 0 steps"),
+    (0, 3.5, "only the first step was slow (3.5x the steady step)", "0 steps"),
+    (3, 2.0, "warmup took 3 steps; the first step took 2.0x the steady step", "only the first"),
+])
+def test_console_summary_words_warmup_as_the_report_does(steps, slowdown, says, never):
+    # seen on the console: "warmup: ended after 0 steps … first step 0.7x the steady step"
+    meter = ThroughputMeter()
+    meter.summary = {"steps": 10, "tokens": 1000.0, "warmup_done": True, "warmup_steps": steps,
+                     "warmup_overhead_sec": 1.5 if steps else 0.0, "first_step_slowdown": slowdown,
+                     "steady_step_sec": 0.2, "steady_tokens_per_sec": 500.0, "mean_tokens_per_sec": 450.0,
+                     "phases": {"compute": 0.9}, "device": "cpu", "world_size": 1, "peak_flops": None}
+    text = meter.format_summary()
+    assert says in text and never not in text and "(steady step 0.200 s)" in text

@@ -18,6 +18,7 @@ of the pairs. Results: ``benchmarks/results/advice_<device>.json``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -219,6 +220,8 @@ def check_scenario(name, scenario, factory, tok, device, repeats, rules=None) ->
                "predicted_gain": f.predicted_gain, "expected_gain": f.expected_gain, "basis": f.basis,
                "formula": f.gain_formula}
         skip = ("not speed advice" if f.rule in SKIP_RULES else "no setting to apply" if not setting else
+                "needs vLLM, not installed here" if setting.get("use_vllm") and not importlib.util.find_spec("vllm")
+                else
                 "not measured in this scenario" if "measure" in scenario and f.rule not in scenario["measure"]
                 else "not measured in this invocation (--rules)" if rules and f.rule not in rules else None)
         if skip:

@@ -188,6 +188,7 @@ def test_accelerate_configs():
 
 
 # ---------------------------------------------------------------- 2 optimizer steps on a tiny model (CPU)
+@pytest.mark.launch
 @pytest.mark.parametrize("name", SINGLE)
 def test_recipe_trains_two_steps_under_accelerate(name, tiny_model, tmp_path):
     out = tmp_path / "out"
@@ -202,6 +203,7 @@ def test_recipe_trains_two_steps_under_accelerate(name, tiny_model, tmp_path):
     assert "the perf report failed" not in proc.stderr
 
 
+@pytest.mark.launch
 def test_ddp_recipe_runs_on_two_cpu_processes(tiny_model, tmp_path):
     out = tmp_path / "out"
     with socket.socket() as probe:
@@ -246,6 +248,7 @@ def test_the_fsdp_recipe_needs_sharding_and_fits_when_sharded():
     assert estimate_grpo_memory(model, shards=gpus, **settings)["total"] < 0.85 * gpu
 
 
+@pytest.mark.launch
 def test_fsdp_recipe_runs_on_two_cpu_processes(tiny_model, tmp_path, monkeypatch):
     """The recipe with its accelerate config on 2 CPU processes, FSDP2 over gloo: accelerate turns FSDP on only for
     GPU processes, so the launched processes load ``tests/scripts/two_rank_fsdp.py``'s switch through a

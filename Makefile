@@ -7,7 +7,7 @@ VENV := .venv$(patsubst constraints%.txt,%,$(notdir $(CONSTRAINTS)))
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean bench-gpu
+.PHONY: demo test test-launch versions install clean bench-gpu
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +23,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hf-perf demo --output_dir demo_output
 
-test: $(STAMP)
+# `make test`: the fast suite, in one process (the launch and real_model markers are deselected in pyproject.toml).
+# `make test-launch`: the tests that start new Python processes (accelerate launch, two ranks, SIGKILL/SIGTERM).
+versions: $(STAMP)
 	$(BIN)/python -c "import transformers, trl, peft, accelerate, datasets, torch; \
 	print('testing with', ', '.join(f'{m.__name__} {m.__version__}' for m in (torch, transformers, trl, peft, accelerate, datasets)))"
+
+test: versions
 	$(BIN)/python -m pytest -q tests
+
+test-launch: versions
+	$(BIN)/python -m pytest -q -m launch tests
 
 clean:
 	rm -rf .venv .venv-* demo_output

@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny random Llama, a locally trained tokenizer, real GRPO and plain Trainers. No hub access."""
 from __future__ import annotations
 
+import gc
 import os
 import time
 
@@ -22,6 +23,25 @@ CORPUS = [
     "hello world , how are you today ?",
 ] * 20
 PROMPTS = ["what is two plus two ?", "write a short poem about the sea", "hello world ,", "the quick brown fox"]
+
+
+def pytest_collection_finish(session):
+    """Freeze the libraries' objects out of the cyclic garbage collector before the first test.
+
+    Every ``Trainer.train()`` (accelerate's ``free_memory``) and every cache clear of the package
+    (``DeviceLayer.empty_cache``) runs a full ``gc.collect()``, which walks every live object: with torch,
+    transformers, TRL, peft and datasets imported that is ~440,000 objects and 0.1-0.2 s per call on a 2-core CPU,
+    most of a probe test's time. Frozen objects are still freed by reference counting; only the collector skips
+    them. Objects the tests create afterwards are collected as before."""
+    if session.config.option.collectonly or not session.items:
+        return
+    from datasets import Dataset  # noqa: F401 - imported here so that their module objects are frozen too
+    from peft import LoraConfig, get_peft_model  # noqa: F401
+    from transformers import Trainer, TrainingArguments  # noqa: F401
+    from trl import GRPOConfig, GRPOTrainer  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,9 @@ import sys
 
 import pytest
 
+#: every test here starts two ranks with torch.distributed.run (deselected by default; `pytest -m launch`)
+pytestmark = pytest.mark.launch
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "two_rank_meter.py")
 
 

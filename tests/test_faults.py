@@ -271,6 +271,7 @@ def run_script(*args, timeout=300):
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+@pytest.mark.launch
 def test_sigkill_while_saving_then_resume_from_the_last_complete_checkpoint(tokenizer, tmp_path, caplog):
     done = run_script("sigkill", str(tmp_path))
     assert done.returncode == -9, done.stderr[-2000:]                   # killed while writing checkpoint-2
@@ -289,6 +290,7 @@ def test_sigkill_while_saving_then_resume_from_the_last_complete_checkpoint(toke
     assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2, 3, 4]
 
 
+@pytest.mark.launch
 def test_sigterm_checkpoint_still_works_after_an_in_process_resize(tmp_path):
     done = run_script("sigterm", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]                    # not killed by SIGTERM's default action

@@ -45,6 +45,7 @@ def fsdp_run(tmp_path_factory):
     return out, [json.load(open(out / f"rank{r}.json")) for r in (0, 1)], proc.stderr
 
 
+@pytest.mark.launch
 def test_the_callbacks_report_on_both_ranks_under_fsdp2(fsdp_run):
     _, ranks, stderr = fsdp_run
     for r in ranks:
@@ -54,12 +55,14 @@ def test_the_callbacks_report_on_both_ranks_under_fsdp2(fsdp_run):
     assert "disabled after an internal error" not in stderr
 
 
+@pytest.mark.launch
 def test_global_tokens_per_second_is_equal_on_both_ranks_and_matches_an_independent_count(fsdp_run):
     _, (r0, r1), _ = fsdp_run
     assert r0["rates"] == r1["rates"] and all(rate > 0 for rate in r0["rates"])
     assert r0["tokens"] == r1["tokens"] == r0["independent_tokens"] > 0     # both ranks' tokens, counted once
 
 
+@pytest.mark.launch
 def test_flops_are_those_of_the_unsharded_model(fsdp_run):
     _, ranks, _ = fsdp_run
     for r in ranks:
@@ -67,6 +70,7 @@ def test_flops_are_those_of_the_unsharded_model(fsdp_run):
         assert r["meter_matmul"] == r["reference_matmul"] == r["meter_trainable"]   # full fine-tune, whole model
 
 
+@pytest.mark.launch
 def test_the_perf_log_is_written_once_by_rank_zero(fsdp_run):
     out, _, _ = fsdp_run
     lines = [json.loads(line) for line in open(out / "plain" / "perf_log.jsonl")]
@@ -74,6 +78,7 @@ def test_the_perf_log_is_written_once_by_rank_zero(fsdp_run):
     assert sum(line["type"] == "run" and "perf" in line["sources"] for line in lines) == 1
 
 
+@pytest.mark.launch
 def test_a_watchdog_stop_on_one_rank_stops_both_with_one_sharded_checkpoint_that_resumes(fsdp_run):
     out, (r0, r1), _ = fsdp_run
     assert r1["stop_actions"] == ["clear_cache", "stop"] and r0["stop_actions"] == ["stop"]
@@ -83,6 +88,7 @@ def test_a_watchdog_stop_on_one_rank_stops_both_with_one_sharded_checkpoint_that
     assert r0["resumed_step"] == r1["resumed_step"] == 4 and "perf" in r0["resumed_keys"]
 
 
+@pytest.mark.launch
 def test_train_with_tuning_resizes_every_rank_through_an_fsdp_checkpoint_and_a_relaunch(fsdp_run):
     _, (r0, r1), _ = fsdp_run
     assert r0["tuned_sharding"] == "fsdp"
@@ -96,6 +102,7 @@ def test_train_with_tuning_resizes_every_rank_through_an_fsdp_checkpoint_and_a_r
     assert r0["tuned_limits_logged"][0] == "train_with_tuning under FSDP: an out-of-"   # said, in the perf log
 
 
+@pytest.mark.launch
 def test_an_oom_inside_a_step_under_fsdp_ends_the_run_at_once(tmp_path):
     """Recovering it would need the other rank to leave FSDP's all-gather: refused, the OOM is raised on its rank
     with what to do, and the launcher ends the run well inside its timeout."""

@@ -1,5 +1,7 @@
-"""Recipes and the recipe launcher: every recipe parses, validates and trains 2 steps on a tiny local model (CPU,
-offline); the DDP recipe runs on 2 CPU processes; typos and impossible combinations fail early with the fix."""
+"""Recipes and the recipe launcher: every recipe parses and validates; every single-device recipe trains 2 steps on a
+tiny local model (CPU, offline) through ``train.main`` in this process, and one under ``accelerate launch``; the DDP
+and FSDP recipes run on 2 CPU processes (the launched runs are marked ``launch``); typos and impossible combinations
+fail early with the fix."""
 import glob
 import json
 import os
@@ -188,20 +190,85 @@ def test_accelerate_configs():
 
 
 # ---------------------------------------------------------------- 2 optimizer steps on a tiny model (CPU)
-@pytest.mark.parametrize("name", SINGLE)
+#: the recipe that also runs under `accelerate launch`; it runs the whole path (tuner probe and report), the others
+#: skip both to stay fast
+FULL = "mac-16gb-qwen1.5b"
+
+
+def recipe_flags(name, tiny_model, out) -> list[str]:
+    """The launcher's flags for ``name`` on this CPU: the recipe, the tiny model, 2 optimizer steps."""
+    extra = [] if name == FULL else ["--probe", "false", "--report", "false"]
+    return ["--config", recipe_path(name), "--model_name_or_path", tiny_model, "--output_dir", str(out), *CPU,
+            *extra]
+
+
+def check_trained(out, name, world_size=1) -> list[dict]:
+    """:func:`check_run`, and the recipe's own batch split trained with a finite loss; for the full path, the tuner's
+    probe decision and the report."""
+    steps = check_run(out, world_size)
+    recipe = train.read_recipe(recipe_path(name))
+    effective = recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"] * world_size
+    assert [s["tuner/effective_batch"] for s in steps] == [effective, effective]
+    state = json.load(open(os.path.join(out, "trainer_state.json")))
+    losses = [h["loss"] for h in state["log_history"] if "loss" in h]
+    assert len(losses) == 2 and all(loss == loss and abs(loss) != float("inf") for loss in losses)
+    probed = os.path.exists(os.path.join(out, "tuner_split.json"))
+    if name == FULL:
+        assert os.path.exists(os.path.join(out, "perf_report.md"))
+        assert probed and json.load(open(os.path.join(out, "tuner_split.json")))["decisions"][0]["kind"] == "probe"
+    else:
+        assert not os.path.exists(os.path.join(out, "perf_report.md"))
+    return steps
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("name", [FULL])
 def test_recipe_trains_two_steps_under_accelerate(name, tiny_model, tmp_path):
+    """The real launcher, once: ``accelerate launch --cpu -m hf_perf_callbacks.train`` (the in-process test below
+    trains every single-device recipe the same way, without a new process)."""
     out = tmp_path / "out"
-    # the smallest Mac tier runs the whole path (tuner probe and report); the others skip both to stay fast
-    full = name == "mac-16gb-qwen1.5b"
-    extra = [] if full else ["--probe", "false", "--report", "false"]
     proc = launch([ACCELERATE, "launch", "--num_processes", "1", "--cpu", "--num_machines", "1",
                    "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_perf_callbacks.train",
-                   "--config", recipe_path(name), "--model_name_or_path", tiny_model, "--output_dir", str(out),
-                   *CPU, *extra], tmp_path)
-    check_run(out)
+                   *recipe_flags(name, tiny_model, out)], tmp_path)
+    check_trained(out, name)
     assert "the perf report failed" not in proc.stderr
 
 
+@pytest.fixture
+def launcher_process(tmp_path, monkeypatch):
+    """What ``launch`` gives a launched process, for ``train.main`` run in this one: its environment (restored
+    afterwards, with anything the run adds), its working directory and ``sys.path`` (restored), and the package's
+    log level (``train.main`` raises it to INFO; put back)."""
+    import logging
+
+    environ = dict(os.environ)
+    level = logging.getLogger("hf_perf_callbacks").level
+    for key, value in {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
+                       "WANDB_DISABLED": "true"}.items():
+        monkeypatch.setenv(key, value)
+    for key in ("ACCELERATE_MIXED_PRECISION", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield
+    logging.getLogger("hf_perf_callbacks").setLevel(level)
+    for key in set(os.environ) - set(environ):
+        del os.environ[key]
+    os.environ.update(environ)
+
+
+@pytest.mark.parametrize("name", SINGLE)
+def test_recipe_trains_two_steps_in_process(name, tiny_model, tmp_path, launcher_process, caplog, capsys):
+    """Every single-device recipe's settings train 2 optimizer steps through ``train.main`` with the flags the
+    launched test passes, in this process (no new interpreter to import torch, transformers and TRL again)."""
+    out = tmp_path / "out"
+    assert train.main(recipe_flags(name, tiny_model, out)) == 0
+    check_trained(out, name)
+    err = capsys.readouterr().err
+    assert "the perf report failed" not in caplog.text + err and "the analysis failed" not in err
+
+
+@pytest.mark.launch
 def test_ddp_recipe_runs_on_two_cpu_processes(tiny_model, tmp_path):
     out = tmp_path / "out"
     with socket.socket() as probe:
@@ -246,6 +313,7 @@ def test_the_fsdp_recipe_needs_sharding_and_fits_when_sharded():
     assert estimate_grpo_memory(model, shards=gpus, **settings)["total"] < 0.85 * gpu
 
 
+@pytest.mark.launch
 def test_fsdp_recipe_runs_on_two_cpu_processes(tiny_model, tmp_path, monkeypatch):
     """The recipe with its accelerate config on 2 CPU processes, FSDP2 over gloo: accelerate turns FSDP on only for
     GPU processes, so the launched processes load ``tests/scripts/two_rank_fsdp.py``'s switch through a

@@ -1,6 +1,7 @@
 """MemoryWatchdog and MPSCacheClearer on real trainers (CPU): a planted leak is stopped with a checkpoint before
 the budget, resume continues; MPS/macOS paths run against fakes of the documented APIs (this machine has no Apple
 GPU or macOS): a scripted ``DeviceLayer`` of type "mps" and scripted ``MacMemorySample`` readings."""
+import gc
 import json
 import os
 import sys
@@ -36,6 +37,7 @@ def perf_log(output_dir):
 
 @pytest.mark.parametrize("kind", ["trainer", "grpo"])
 def test_planted_leak_is_stopped_with_a_checkpoint_before_the_budget(tokenizer, tmp_path, kind):
+    gc.collect()          # the baseline without earlier tests' garbage: freed later, it would delay the stop
     budget = psutil.Process().memory_info().rss + 16 * LEAK
     watchdog = MemoryWatchdog(limit_gb=budget / GB, grace_steps=2, trend_window=4, warn_within_steps=6,
                               stop_within_steps=3)

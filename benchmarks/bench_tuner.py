@@ -5,8 +5,9 @@ completions per optimizer step). Throughput of (a) the split the tuner's probe c
 medians); and the tuner under a small forced memory budget (``set_per_process_memory_fraction``).
 
 ``--part ab --model smollm2`` runs part (d) on the real SmolLM2-135M-Instruct (bf16, chat prompts; results in
-``tuner_ab_smollm2.json``). ``--smoke`` runs part (d) on the CPU with the demo's tiny GRPO model (``hf_perf_callbacks.demo``), to prove the
-script works; its figures are the CPU's.
+``tuner_ab_smollm2.json``). ``--smoke`` runs part (d) on the CPU with the demo's trainer
+(``hf_perf_callbacks.demo``: the real SmolLM2-135M-Instruct, 4×1, 8 steps), as the demo runs it; its figures are
+the CPU's.
 
 Splits are ranked by the split-dependent time (step minus generation: generation does not depend on the split and
 varies by ±12% between identical batches), reported as training tokens/s; end-to-end tokens/s beside it.
@@ -195,16 +196,16 @@ def main():
     p.add_argument("--plan_steps", type=int, default=300, help="max_steps the probe plans for (part ab)")
     p.add_argument("--rival", type=int, nargs=2, default=None,
                    help="the A/B's other split when the probe kept the configured one without measuring another")
-    p.add_argument("--smoke", action="store_true", help="CPU, the demo's tiny model: part ab only")
+    p.add_argument("--smoke", action="store_true", help="CPU, the demo's trainer and split: part ab only")
     p.add_argument("--model", default="qwen05", choices=["qwen05", "smollm2"],
                    help="part ab's model: the random 0.5B-shaped one or the real SmolLM2-135M-Instruct (bf16)")
     a = p.parse_args()
     if a.smoke:
         a.part = "ab"
-        if a.configured == [4, 8]:
-            a.configured = [4, 2]                       # the demo's split and length
-            a.plan_steps = 30
-            a.rival = a.rival or [1, 8]                 # what the probe chose there before it judged the noise
+        if a.configured == [4, 8]:                      # the demo's split and length (hf_perf_callbacks.demo)
+            a.configured = [4, 1]
+            a.plan_steps = 8
+            a.rival = a.rival or [2, 2]                 # the next exact split the probe would have measured
     if a.part == "ab":
         result = {"probe_ab": probe_and_ab(a), "settings": vars(a)}
         write_result("tuner_smoke" if a.smoke else "tuner_ab" if a.model == "qwen05" else f"tuner_ab_{a.model}",

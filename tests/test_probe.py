@@ -133,6 +133,7 @@ def test_a_probe_that_cannot_pay_stops_after_the_configured_split(tokenizer, tmp
     trainer, d = probed(tokenizer, tmp_path, monkeypatch, {4: 0.0005, 2: 0.001, 1: 0.002})
     assert [t["split"]["micro_batch"] for t in d["trials"]] == [2] and d["new"] == d["old"]
     assert "probe skipped" in d["reason"] and "probe skipped" in capsys.readouterr().out
+    assert "× 3 steps = " in d["reason"] and "measuring one more split 3 times" in d["reason"]   # the figures
     assert trainer.state.global_step == 3
 
 

@@ -268,7 +268,7 @@ def run_probe(trainer, tuner: AdaptiveBatchTuner) -> Split:
         for record in records:
             record.update({k: v for k, v in verdict["stats"].get(fmt_split(record["split"]), {}).items()
                            if k in ("median", "q1", "q3", "p_value", "gain", "faster")})
-        why = _explain(verdict, original, chosen, note, planned)
+        why = _explain(verdict, original, chosen, note, planned, plan.get("estimated_cost_sec"))
     elif fitting:
         chosen = fitting[-1].split
         why = f"the configured split does not fit ({base.error or 'peak over the budget'}): the largest that does"
@@ -344,12 +344,16 @@ def _search(trainer, base: _Trial, larger: list[Split], smaller: list[Split], tr
     return {"note": stopped}
 
 
-def _explain(verdict: dict, original: Split, chosen: Split, note: str, planned: int | None) -> str:
+def _explain(verdict: dict, original: Split, chosen: Split, note: str, planned: int | None,
+             cost: float | None = None) -> str:
     stats = verdict["stats"]
     if note == "cannot pay":
+        median = stats[str(original)]["median"]
+        costs = (f"the ~{cost:.0f} s that measuring one more split {MIN_ROUNDS} times (and the configured one "
+                 f"{MIN_ROUNDS - 1} more) would cost" if cost else "what probing one more split costs")
         return (f"probe skipped after measuring the configured split: even a split with no split-dependent time "
-                f"could save at most {stats[str(original)]['median']:.3f} s/step × {planned} steps, less than "
-                f"probing one more split costs")
+                f"could save at most {median:.3f} s/step × {planned} steps = {median * (planned or 0):.0f} s, less "
+                f"than {costs}")
     if note == "no other split":
         return "kept the configured split: it is the only exact split"
     if chosen == original:

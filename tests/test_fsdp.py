@@ -10,7 +10,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -105,10 +104,10 @@ def test_train_with_tuning_resizes_every_rank_through_an_fsdp_checkpoint_and_a_r
 @pytest.mark.launch
 def test_an_oom_inside_a_step_under_fsdp_ends_the_run_at_once(tmp_path):
     """Recovering it would need the other rank to leave FSDP's all-gather: refused, the OOM is raised on its rank
-    with what to do, and the launcher ends the run well inside its timeout."""
-    start = time.perf_counter()
-    proc = torchrun(tmp_path, "oom", timeout=240)
-    assert proc.returncode != 0 and time.perf_counter() - start < 200
+    with what to do, and the launcher ends the run (a hang would run into the subprocess timeout, which raises
+    ``TimeoutExpired``; gloo's own timeout is 30 minutes): the behaviour is asserted, not the time it took."""
+    proc = torchrun(tmp_path, "oom")
+    assert proc.returncode != 0
     assert json.load(open(tmp_path / "rank1.json")) == {"reraised": True, "step": 1, "decisions": []}
     assert not os.path.exists(tmp_path / "rank0.json")                   # rank 0 was ended, not re-sized
     assert "out of memory under FSDP: not recoverable in lockstep" in proc.stderr

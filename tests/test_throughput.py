@@ -199,13 +199,20 @@ def test_slow_first_steps_are_warmup_only_when_cpu_time_says_so(tokenizer, tmp_p
     make_trainer(tokenizer, tmp_path, [Inside(), meter], max_steps=8).train()
     s = meter.summary
     assert s["warmup_done"] and s["warmup_measured_on"] == "cpu"
+    # the analysis reads the same story from the perf log (the meter's own keys, nothing hand-made)
+    from hf_perf_callbacks.analysis import analyze, measurements_from_run
+
+    contention = [f for f in analyze(measurements_from_run(str(tmp_path))) if f.rule == "contention"]
     if kind == "contention":
         assert s["warmup_steps"] == 0 and s["early_contention_sec"] > 250        # 3 × 100 s planted
+        assert len(contention) == 1 and contention[0].basis == "measured"
+        assert contention[0].expected_gain > 2 and "3 step(s)" in contention[0].observation
+        assert "other processes kept up to" in contention[0].observation        # perf/other_cpu_cores, on a CPU
     else:
         # the real steps' own wall time (no planted CPU behind it) may count as contention on a loaded machine:
         # bounded against the planted 300 s, not in absolute seconds
         assert s["warmup_steps"] == 3 and s["warmup_overhead_sec"] > 250
-        assert s["early_contention_sec"] < 0.1 * s["warmup_overhead_sec"]
+        assert s["early_contention_sec"] < 0.1 * s["warmup_overhead_sec"] and not contention
     steps = perf_lines(tmp_path)
     assert steps[0]["perf/cpu_sec"] == pytest.approx(10.0 + (100.0 if kind == "warmup" else 0.0))
     assert steps[0]["perf/cpu_time_ratio"] == pytest.approx(steps[0]["perf/cpu_sec"] / steps[0]["perf/step_wall_sec"])

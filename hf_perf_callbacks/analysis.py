@@ -254,20 +254,25 @@ def _kv_formula(model: dict) -> str:
 
 
 def _act_formula(model: dict, checkpointing: bool) -> str:
-    """The activation bytes per token as :func:`estimate.activation_bytes_per_token` computes them, with numbers."""
+    """The activation bytes per token as :func:`estimate.activation_bytes_per_token` computes them, written with
+    this model's numbers (each number followed by its name: the text evaluates to the bytes)."""
     d = _dims(model)
-    block = (f"(6 × {d['hidden']} + 2 × {d['kv_heads']} × {d['head_dim']} + 4 × {d['intermediate']}) "
-             f"block elements")
+    b = d["bytes"]
     if checkpointing:
-        return f"({d['layers']} layers × {d['hidden']} hidden + {block}) × {d['bytes']} B"
-    return f"{d['layers']} layers × {block} × {d['bytes']} B"
+        return f"{d['layers']} layers × {d['hidden']} hidden × {b} B"
+    lora = estimate.layer_activation_bytes(d, b, 1) - estimate.layer_activation_bytes(d, b, 0)   # Σ LoRA inputs
+    return (f"{d['layers']} layers × (2 × {estimate.NORM_BYTES} × {d['hidden']} hidden + {b} × (4 × "
+            f"{d['heads'] * d['head_dim']} q_dim + 3 × {d['intermediate']} intermediate) + 4 × {lora} lora_inputs) B")
 
 
 def _train_formula(model: dict, checkpointing: bool) -> str:
-    """Activations plus logits per training token, as text."""
+    """Activations plus the LM head's tile per training token (:func:`estimate.logits_bytes_per_token`), as text."""
     d = _dims(model)
-    logits = f" + {d['vocab']} vocab × {estimate.LOGIT_BYTES} B logits" if _logits_per_token(model) else ""
-    return f"{_act_formula(model, checkpointing)}{logits}"
+    if not _logits_per_token(model):
+        return _act_formula(model, checkpointing)
+    head = (f"({estimate.HEAD_VOCAB_CHUNK} vocab_chunk × 2 + {min(d['vocab'], estimate.HEAD_VOCAB_CHUNK)} "
+            f"tile_columns × {estimate.HEAD_TILE_TEMP_BYTES['torch']} + {d['hidden']} hidden × (2 + 4)) B lm_head")
+    return f"{_act_formula(model, checkpointing)} + {head}"
 
 
 def _generated_per_call(m: Measurements) -> int | None:

@@ -275,13 +275,6 @@ def _train_formula(model: dict, checkpointing: bool) -> str:
     return f"{_act_formula(model, checkpointing)} + {head}"
 
 
-def _generated_per_call(m: Measurements) -> int | None:
-    """Completions generated together per device: micro-batch × accumulation (TRL's default generation batch)."""
-    if m.micro_batch and m.grad_accum:
-        return m.micro_batch * m.grad_accum
-    return m.num_generations
-
-
 def _completion_target(m: Measurements) -> tuple[int, float, str] | None:
     """(new max_completion_length, the observed length it is based on, its name) when there is room to cut."""
     limit = m.max_completion_length
@@ -308,7 +301,8 @@ def _memory_freed_by_cut(m: Measurements, old: int, new: int) -> tuple[float, st
     """Memory a completion cap of ``new`` instead of ``old`` frees at the cap: generation KV cache + training
     activations and logits (:mod:`~hf_perf_callbacks.estimate`'s per-token bytes × the tokens cut)."""
     kv = _kv_per_token(m.model)
-    n = _generated_per_call(m)
+    batch = _generation_batch(m)                 # completions per generation call, over all devices
+    n = batch // max(1, m.world_size or 1) if batch else m.num_generations
     if kv is None or not n:
         return None
     cut = old - new

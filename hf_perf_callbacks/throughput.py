@@ -14,7 +14,7 @@ from . import adapter
 from . import runlog as keys
 from .base import PerfCallback
 from .dataloader import dataloader_advice
-from .device import DeviceLayer, dtype_key, gather_floats, training_device, world_size
+from .device import DeviceLayer, dtype_key, gather_floats, world_size
 from .figures import warmup_words
 from .flops import forward_flops_per_token, shape_of, train_flops_per_token
 from .stats import generation_period
@@ -181,7 +181,7 @@ class ThroughputMeter(PerfCallback):
 
     # ------------------------------------------------------------ setup
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.device = DeviceLayer(training_device())
+        self.device = DeviceLayer()
         self.world = world_size()
         self.is_grpo = hasattr(args, "num_generations") and hasattr(args, "steps_per_generation")
         self.token_source = ("trainer" if self.is_grpo or args.include_num_input_tokens_seen not in ("no", False)

@@ -238,9 +238,7 @@ class ThroughputMeter(PerfCallback):
         self.in_generate = False
         if self.disabled:
             return
-        seconds = self.clock() - self.generate_start
-        self.gen_seconds += seconds
-        self.timeline.add_generation(seconds)
+        self.timeline.add_generation(self.clock() - self.generate_start)
         if output is not None:
             self._hook_safely(self._count_generated, input_ids, output)
 
@@ -284,7 +282,6 @@ class ThroughputMeter(PerfCallback):
 
     def _reset_step_counters(self) -> None:
         self.in_generate = False
-        self.gen_seconds = 0.0
         self.decode_steps = 0
         self.forwards = 0
         self.microbatches = 0

@@ -6,7 +6,7 @@ import time
 from . import runlog as keys
 from .base import PerfCallback
 from .bus import SIGNAL_CLEAR
-from .device import GB, DeviceLayer, training_device
+from .device import GB, DeviceLayer
 from .memory import ClearSchedule
 from .validation import check_flag, check_number
 
@@ -68,7 +68,7 @@ class MPSCacheClearer(PerfCallback):
         self.history: list[dict] = []
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.device = self.device or DeviceLayer(training_device())
+        self.device = self.device or DeviceLayer()
         enabled = self.config["enabled"]
         self.active = self.device.type == "mps" if enabled is None else enabled
         if self.active:

@@ -183,19 +183,13 @@ class DeviceLayer:
         """Achievable dense matmul FLOP/s on this device, measured with a ``size``³ GEMM (warmed up, synchronized).
 
         ``size`` defaults to 8192 on CUDA (large enough to reach the tensor-core peak), 4096 on MPS/XPU and 1024 on
-        the CPU (seconds, not minutes). The operands come from a private generator: the run's RNG streams (and so
-        its sampling and data order) are the same with or without the calibration.
+        the CPU (seconds, not minutes). The operands are drawn on the CPU from a private generator and then moved to
+        the device (every backend has CPU generators): the run's RNG streams (and so its sampling and data order)
+        are never touched, so they are the same with or without the calibration.
         """
         size = size or {"cuda": 8192, "cpu": 1024}.get(self.type, 4096)
-        try:
-            generator = torch.Generator(device=self.device).manual_seed(0)
-            a = torch.randn(size, size, device=self.device, dtype=dtype, generator=generator)
-            b = torch.randn(size, size, device=self.device, dtype=dtype, generator=generator)
-        except (RuntimeError, TypeError):      # a backend without device generators: the global one, put back after
-            with torch.random.fork_rng(devices=[self.device] if self.type != "cpu" else [],
-                                       device_type=self.type if self.type != "cpu" else "cuda"):
-                a = torch.randn(size, size, device=self.device, dtype=dtype)
-                b = torch.randn(size, size, device=self.device, dtype=dtype)
+        generator = torch.Generator().manual_seed(0)
+        a, b = (torch.randn(size, size, generator=generator).to(self.device, dtype) for _ in range(2))
         for _ in range(2):
             a @ b
         self.synchronize()

@@ -102,15 +102,6 @@ def lora_param_count(model: dict, r: int, target_modules=ALL_LINEAR) -> int:
     return model["layers"] * sum(r * (shapes[name][0] + shapes[name][1]) for name in target_modules)
 
 
-def layer_activation_elements(model: dict) -> int:
-    """A coarse count of the elements autograd keeps per token for one Llama / Qwen2 block:
-    ``6·hidden + 2·kv_heads·head_dim + 4·intermediate`` (two norm inputs and outputs, q, k, v, the attention
-    output, and the SwiGLU gate, up, SiLU(gate) and their product). The byte model the estimates use is
-    :func:`layer_activation_bytes`, counted from what PyTorch really saves."""
-    _check_model(model, ("hidden", "intermediate", "kv_heads", "head_dim"))
-    return 6 * model["hidden"] + 2 * model["kv_heads"] * model["head_dim"] + 4 * model["intermediate"]
-
-
 def _lora_inputs(model: dict, lora_targets) -> int:
     """Input features summed over the LoRA-targeted linear layers of one block."""
     shapes = _linear_shapes(model)
@@ -242,8 +233,10 @@ def estimate_grpo_memory(model: dict, *, micro_batch: int, num_generations: int,
     - ``generation`` and ``training`` are the two phases; ``peak`` = ``weights + lora + gathered + max(generation,
       training)``: the phases do not overlap in time, and a live-tensor peak does not count freed blocks. Cached
       blocks come on top on a caching allocator (CUDA reserved, MPS driver memory): see ``recipes/README.md``.
-    - ``total`` = ``weights + lora + kv_cache + activations + logits`` — the sum of every part as if all were
-      held at once, kept for comparing a change part by part (the analysis quotes its per-token terms).
+    - ``total`` = ``weights + lora + gathered + kv_cache + activations + logits``: the held parts plus the
+      generation's KV cache and the training's activations and logits as if all were held at once (``prefill`` and
+      ``recompute`` left out), kept for comparing a change part by part; it is not a peak — a fit check reads
+      ``peak``.
     """
     _check_model(model)
     for name, value in (("micro_batch", micro_batch), ("num_generations", num_generations),

@@ -106,19 +106,15 @@ class MemoryPolicy:
 
     @property
     def steps_to_wall(self) -> float | None:
-        """Steps until ``used`` reaches the budget at the current slope (None when not growing)."""
-        slope = self.slope
-        if slope is None or slope <= 0:
-            return None
-        return max(0.0, (self.budget - self.history[-1][1]) / slope)
+        """Steps until ``used`` reaches the budget at the current slope: the point estimate of :meth:`forecast`
+        (None when not growing or fewer than 3 samples)."""
+        forecast = self.forecast()
+        return forecast.steps if forecast is not None else None
 
     def forecast(self) -> WallForecast | None:
         """Steps to the budget with a 95% range (:func:`~hf_perf_callbacks.stats.steps_to_limit`); None when the
-        trend is not growing."""
-        if len(self.history) < 3:
-            return None
-        steps, used = zip(*self.history)
-        return steps_to_limit(steps, used, self.budget)
+        trend is not growing or fewer than 3 samples."""
+        return steps_to_limit([s for s, _ in self.history], [u for _, u in self.history], self.budget)
 
     def _wall_near(self, within: float) -> bool:
         stw = self.steps_to_wall

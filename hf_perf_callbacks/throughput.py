@@ -14,7 +14,7 @@ from . import adapter
 from . import runlog as keys
 from .base import PerfCallback
 from .dataloader import dataloader_advice
-from .device import DeviceLayer, dtype_key, gather_floats, training_device, world_size
+from .device import DeviceLayer, dtype_key, gather_floats, world_size
 from .figures import warmup_words
 from .flops import forward_flops_per_token, shape_of, train_flops_per_token
 from .stats import generation_period
@@ -181,7 +181,7 @@ class ThroughputMeter(PerfCallback):
 
     # ------------------------------------------------------------ setup
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.device = DeviceLayer(training_device())
+        self.device = DeviceLayer()
         self.world = world_size()
         self.is_grpo = hasattr(args, "num_generations") and hasattr(args, "steps_per_generation")
         self.token_source = ("trainer" if self.is_grpo or args.include_num_input_tokens_seen not in ("no", False)
@@ -238,9 +238,7 @@ class ThroughputMeter(PerfCallback):
         self.in_generate = False
         if self.disabled:
             return
-        seconds = self.clock() - self.generate_start
-        self.gen_seconds += seconds
-        self.timeline.add_generation(seconds)
+        self.timeline.add_generation(self.clock() - self.generate_start)
         if output is not None:
             self._hook_safely(self._count_generated, input_ids, output)
 
@@ -284,7 +282,6 @@ class ThroughputMeter(PerfCallback):
 
     def _reset_step_counters(self) -> None:
         self.in_generate = False
-        self.gen_seconds = 0.0
         self.decode_steps = 0
         self.forwards = 0
         self.microbatches = 0

@@ -20,18 +20,21 @@ phase                 time
 Training time of a step excludes eval and save. Warmup is detected on cycles of ``period`` steps (GRPO generates
 every ``period`` optimizer steps; 1 otherwise), on the **work** of a cycle: its wall time (``work="wall"``), or on
 a CPU device the process's CPU time (``work="cpu"``, :func:`time.process_time`, all threads): there the CPU time is
-the work, and a step that took longer with the same CPU time was slowed by other processes, not by warmup. In CPU
-mode the warmup overhead is the extra CPU time converted to wall time at the steady wall-per-CPU rate, the steady
-step time is the wall median, and the slow early cycles with flat CPU time are counted as contention
-(:func:`~hf_perf_callbacks.stats.classify_slow_steps`). On a GPU the host's CPU time is launch and wait time, not
-the work (a GPU kernel's time shows up as wall time of a waiting host), so the detector stays on wall time there. Each ``train()`` call (a resume included) starts a new segment with
-its own warmup; steady totals and the warmup overhead accumulate over segments.
+the work, and a step that took longer with the same CPU time was slowed by other processes, not by warmup. CPU mode
+reports wall time all the same: the steady step time is the wall median from the decision's window on, the first
+step's slowdown is the first cycle's wall time against it, and the excess wall time of the cycles up to the
+decision is split once (:func:`~hf_perf_callbacks.stats.classify_slow_steps`, against the steady wall and CPU
+medians): the part the extra CPU time explains (converted at the steady wall-per-CPU rate) is warmup overhead, the
+rest contention. On a GPU the host's CPU time is launch and wait time, not the work (a GPU kernel's time shows up
+as wall time of a waiting host), so the detector stays on wall time there. Each ``train()`` call (a resume
+included) starts a new segment with its own warmup; steady totals, the warmup overhead and the contention
+accumulate over segments.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .stats import WarmupDetector, WindowedRate, classify_slow_steps, median
+from .stats import SlowStart, WarmupDetector, WindowedRate, classify_slow_steps, median
 from .validation import check_number
 
 PHASES = ("data_wait", "generation", "compute", "eval", "save")
@@ -76,7 +79,7 @@ class StepTimeline:
         # cumulative over segments (exported for resume)
         self.steady_tokens = 0.0
         self.steady_seconds = 0.0
-        self.warmup_overhead = 0.0
+        self.past_overhead = 0.0        # warmup overhead of earlier segments (see warmup_overhead)
         self.total_tokens = 0.0
         self.total_train_seconds = 0.0
         self.phase_totals = dict.fromkeys(PHASES, 0.0)
@@ -94,11 +97,14 @@ class StepTimeline:
         if work not in ("wall", "cpu"):
             raise ValueError(f"work={work!r} is not allowed: expected 'wall' or 'cpu'")
         if hasattr(self, "segment_cycles"):
-            self.past_contention += self._segment_contention()
+            overhead, contention = self._segment_split()
+            self.past_overhead += overhead
+            self.past_contention += contention
         self.work = work if cpu is not None else "wall"
         self.prev_cpu = cpu
         self.segment_cycles: list[tuple[float, float]] = []   # (wall, CPU) of this segment's cycles (CPU mode)
-        self.decided_at: int | None = None
+        self.decided_at: int | None = None   # CPU mode: cycles seen when warmup was decided
+        self._split: tuple[int, SlowStart] | None = None   # the early split, keyed by len(segment_cycles)
         self.segments += 1
         self.detector = WarmupDetector(max(2, -(-self.warmup_window // period)), self.warmup_tolerance,
                                        -(-self.max_warmup_steps // period))
@@ -121,16 +127,26 @@ class StepTimeline:
 
     @property
     def first_step_slowdown(self) -> float | None:
-        return self.detector.result.first_slowdown if self.detector.done else None
+        """The first cycle's wall time / the steady cycle's (both wall time in CPU mode too)."""
+        if not self.detector.done:
+            return None
+        if self._cpu_decided:
+            steady = self.steady_step_seconds * self.period
+            return self.segment_cycles[0][0] / steady if steady > 0 else float("nan")
+        return self.detector.result.first_slowdown
 
     @property
     def steady_step_seconds(self) -> float | None:
         if not self.detector.done:
             return None
-        if self.work == "cpu" and self.decided_at is not None and self.segment_cycles:
-            start = max(0, self.decided_at - self.detector.window)
-            return median([w for w, _ in self.segment_cycles[start:]]) / self.period
+        if self._cpu_decided:
+            return self._early_split().steady_wall / self.period
         return self.detector.result.steady_reference / self.period
+
+    @property
+    def _cpu_decided(self) -> bool:
+        """Warmup was decided on CPU time (its wall figures come from ``segment_cycles``)."""
+        return self.work == "cpu" and self.decided_at is not None
 
     # ------------------------------------------------------------ events
     def step_begin(self, t: float, overhead: float = 0.0) -> None:
@@ -197,43 +213,44 @@ class StepTimeline:
             return
         self.unsettled.append(cycle)
         if self.detector.add(sample):
-            result = self.detector.result
             if cpu_mode:
-                self.warmup_overhead += self._settle_cpu(result)
-            else:
-                self.warmup_overhead += result.overhead
-            for settled in self.unsettled[result.warmup_samples:]:
+                self.decided_at = len(self.segment_cycles)
+            for settled in self.unsettled[self.detector.result.warmup_samples:]:
                 self._steady(settled)
             self.unsettled = []
 
-    def _settle_cpu(self, result) -> float:
-        """CPU mode: the steady wall time and the warmup overhead in wall seconds (the part of the warmup cycles'
-        excess wall time that their extra CPU time explains)."""
-        walls = [sum(r.train for r in c) for c in self.unsettled]
-        cpus = [sum(r.train_cpu for r in c) for c in self.unsettled]
-        window = self.detector.window
-        self.decided_at = len(self.segment_cycles)
-        k = result.warmup_samples
-        slow = classify_slow_steps(walls[:k] or walls[-1:], cpus[:k] or cpus[-1:], median(walls[-window:]),
-                                   median(cpus[-window:]), self.warmup_tolerance)
-        return slow.warmup_sec if k else 0.0
+    def _early_split(self) -> SlowStart:
+        """CPU mode: the cycles up to the warmup decision classified once against the steady wall and CPU levels,
+        the medians from the decision's window on (later cycles included: the window alone may still hold a
+        contended cycle). Of each slow cycle's excess wall time, the part its extra CPU time explains is warmup,
+        the rest contention; recomputed only when a cycle was added."""
+        if self._split is None or self._split[0] != len(self.segment_cycles):
+            walls, cpus = zip(*self.segment_cycles)
+            start = max(0, self.decided_at - self.detector.window)
+            slow = classify_slow_steps(walls[:self.decided_at], cpus[:self.decided_at], median(walls[start:]),
+                                       median(cpus[start:]), self.warmup_tolerance)
+            self._split = (len(self.segment_cycles), slow)
+        return self._split[1]
 
-    def _segment_contention(self) -> float:
-        """Wall seconds of this segment's cycles up to the warmup decision that lie above the steady wall time
-        with no extra CPU time behind them; the steady levels are the medians from the decision's window on
-        (later cycles included: the window alone may still hold a contended cycle)."""
-        if self.decided_at is None or not self.segment_cycles:
-            return 0.0
-        walls, cpus = zip(*self.segment_cycles)
-        start = max(0, self.decided_at - self.detector.window)
-        slow = classify_slow_steps(walls[:self.decided_at], cpus[:self.decided_at], median(walls[start:]),
-                                   median(cpus[start:]), self.warmup_tolerance)
-        return slow.contention_sec
+    def _segment_split(self) -> tuple[float, float]:
+        """This segment's (warmup overhead, early contention) in wall seconds: on wall time the detector's overhead
+        and no contention; on CPU time the split of :meth:`_early_split`."""
+        if not self.detector.done:
+            return 0.0, 0.0
+        if self._cpu_decided:
+            slow = self._early_split()
+            return slow.warmup_sec, slow.contention_sec
+        return self.detector.result.overhead, 0.0
+
+    @property
+    def warmup_overhead(self) -> float:
+        """Wall seconds above the steady step time during warmup, all segments."""
+        return self.past_overhead + self._segment_split()[0]
 
     @property
     def early_contention(self) -> float:
         """CPU mode: wall seconds of slow early cycles whose CPU time was flat (other processes), all segments."""
-        return self.past_contention + self._segment_contention()
+        return self.past_contention + self._segment_split()[1]
 
     def _steady(self, cycle: list[StepRecord]) -> None:
         for r in cycle:
@@ -263,17 +280,17 @@ class StepTimeline:
     # ------------------------------------------------------------ resume
     def export(self) -> dict:
         warmup = asdict(self.detector.result) if self.detector.done else None
-        keys = ("steady_tokens", "steady_seconds", "warmup_overhead", "total_tokens", "total_train_seconds",
-                "steps", "segments")
-        return {**{k: getattr(self, k) for k in keys}, "early_contention": self.early_contention,
+        keys = ("steady_tokens", "steady_seconds", "total_tokens", "total_train_seconds", "steps", "segments")
+        return {**{k: getattr(self, k) for k in keys}, "warmup_overhead": self.warmup_overhead,
+                "early_contention": self.early_contention,
                 "phase_totals": dict(self.phase_totals),
                 "last_warmup": warmup}
 
     def load(self, saved: dict) -> None:
-        for key in ("steady_tokens", "steady_seconds", "warmup_overhead", "total_tokens", "total_train_seconds",
-                    "steps", "segments"):
+        for key in ("steady_tokens", "steady_seconds", "total_tokens", "total_train_seconds", "steps", "segments"):
             if key in saved:
                 setattr(self, key, saved[key])
+        self.past_overhead = saved.get("warmup_overhead", 0.0)
         self.past_contention = saved.get("early_contention", 0.0)
         self.phase_totals.update(saved.get("phase_totals", {}))
 

@@ -110,7 +110,7 @@ class MemoryWatchdog(PerfCallback):
 
     # ------------------------------------------------------------ setup
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.device = self.device or DeviceLayer(training_device())
+        self.device = self.device or DeviceLayer()
         self.world = world_size()
         self.on_mac = sys.platform == "darwin"
         self._previous_mac = self._mac_sample() if self.on_mac else None

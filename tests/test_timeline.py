@@ -133,3 +133,26 @@ def test_wall_mode_and_a_missing_cpu_reading_detect_on_wall_time():
     assert tl.work == "wall"
     with pytest.raises(ValueError, match="work='gpu'"):
         tl.start_segment(0.0, cpu=0.0, work="gpu")
+
+
+def test_cpu_mode_reports_the_first_step_slowdown_in_wall_time():
+    # the first step: 1.5 s of wall time with 3 CPU seconds behind it; steady steps 1 s of wall and CPU time
+    tl = run_cpu_steps([1.5, 1.0, 1.0, 1.0, 1.0, 1.0], [3.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    assert tl.warmup_steps == 1 and tl.steady_step_seconds == pytest.approx(1.0)
+    assert tl.first_step_slowdown == pytest.approx(1.5)           # wall / steady wall, not 3.0 (CPU / steady CPU)
+    assert tl.warmup_overhead == pytest.approx(0.5)                # the excess wall time, all explained by CPU time
+
+
+def test_cpu_mode_splits_one_excess_into_warmup_and_contention_and_keeps_both_over_a_resume():
+    # step 1: 4 s above the steady 1 s with 0.5 extra CPU seconds (= 1 wall second at 2 wall s per CPU s) behind it
+    tl = run_cpu_steps([5.0, 1.0, 1.0, 1.0, 1.0, 1.0], [1.0, 0.5, 0.5, 0.5, 0.5, 0.5])
+    assert tl.warmup_steps == 1
+    assert tl.warmup_overhead == pytest.approx(1.0) and tl.early_contention == pytest.approx(3.0)
+    saved = tl.export()
+    assert (saved["warmup_overhead"], saved["early_contention"]) == pytest.approx((1.0, 3.0))
+    tl.start_segment(100.0, cpu=100.0, work="cpu")                 # a new segment keeps the earlier split
+    assert tl.warmup_overhead == pytest.approx(1.0) and tl.early_contention == pytest.approx(3.0)
+    resumed = StepTimeline()
+    resumed.load(saved)
+    resumed.start_segment(0.0, cpu=0.0, work="cpu")
+    assert resumed.warmup_overhead == pytest.approx(1.0) and resumed.early_contention == pytest.approx(3.0)

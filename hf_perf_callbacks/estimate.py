@@ -43,8 +43,6 @@ LORA_BYTES_PER_PARAM = 16
 #: Bytes per parameter of a full fine-tune: fp32 master weight (4) + fp32 gradient (4) + AdamW moments (8). FSDP2
 #: under bf16 mixed precision keeps the trainable parameters in fp32 (accelerate upcasts them) and computes in bf16.
 FULL_BYTES_PER_PARAM = 16
-#: Bytes per logit of an unfused head (fp32 log-softmax over the whole vocabulary); TRL 1.16 does not hold these.
-LOGIT_BYTES = 4
 #: Bytes per element RMSNorm keeps (it computes in fp32).
 NORM_BYTES = 4
 #: TRL 1.16's chunked log-prob head: token rows per tile (``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE``) and

@@ -6,7 +6,7 @@ import sys
 from . import runlog as keys
 from .base import PerfCallback
 from .bus import SIGNAL_CLEAR, SIGNAL_SMALLER_BATCH
-from .device import GB, DeviceLayer, gather_floats, training_device, world_size
+from .device import GB, DeviceLayer, gather_floats, world_size
 from .memory import CLEAR, CRITICAL, LEVEL_NAMES, SMALLER_BATCH, STOP, MemoryPolicy, Observation
 from .validation import check_flag, check_number
 

@@ -46,7 +46,7 @@ def apply_split(trainer, split: Split) -> None:
     args.gradient_accumulation_steps = split.grad_accum
     if split.steps_per_generation is not None:
         args.steps_per_generation = split.steps_per_generation
-        args.generation_batch_size = split.micro_batch * world_size() * split.steps_per_generation
+        args.generation_batch_size = split.generation_batch(world_size())
     adapter.set_train_batch_size(trainer)
 
 
@@ -121,11 +121,10 @@ class AdaptiveBatchTuner(PerfCallback):
     def candidates(self, args) -> list[Split]:
         world = world_size()
         split = current_split(args)
-        effective = split.micro_batch * split.grad_accum * world
         if hasattr(args, "num_generations"):
-            return exact_splits(effective, world, split.micro_batch * world * split.steps_per_generation,
+            return exact_splits(split.effective_batch(world), world, split.generation_batch(world),
                                 args.num_generations)
-        return exact_splits(effective, world)
+        return exact_splits(split.effective_batch(world), world)
 
     # ------------------------------------------------------------ events
     def on_train_begin(self, args, state, control, **kwargs):
@@ -182,7 +181,7 @@ class AdaptiveBatchTuner(PerfCallback):
             self.decisions[-1]["recovery_sec"] = time.time() - self.decisions[-1]["resized_at"]
         s = current_split(args)                          # the split this step ran with (a decision applies later)
         fields = {keys.TUNER_MICRO_BATCH: s.micro_batch, keys.TUNER_GRAD_ACCUM: s.grad_accum,
-                  keys.TUNER_EFFECTIVE_BATCH: s.micro_batch * s.grad_accum * self.world,
+                  keys.TUNER_EFFECTIVE_BATCH: s.effective_batch(self.world),
                   keys.TUNER_RESIZES: sum(d["kind"] != "probe" for d in self.decisions)}
         self.bus.record_step(state.global_step, fields)
         self.bus.publish(fields)

@@ -406,9 +406,9 @@ def _snapshot(trainer) -> dict:
         config.min_new_tokens = getattr(args, "max_completion_length", None)
     split = current_split(args)
     if hasattr(args, "num_generations"):              # prompts for every probe step of the largest candidate
-        needed = split.micro_batch * world_size() * split.steps_per_generation // args.num_generations
+        needed = split.generation_batch(world_size()) // args.num_generations
     else:
-        needed = split.micro_batch * split.grad_accum * world_size()
+        needed = split.effective_batch(world_size())
     trainer.train_dataset = _longest(trainer.train_dataset, needed * 2)    # a warm-up step and a measured one
     return saved
 

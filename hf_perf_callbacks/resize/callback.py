@@ -203,9 +203,7 @@ class AdaptiveBatchTuner(PerfCallback):
         self.run_args = args
 
     def on_train_end(self, args, state, control, **kwargs):
-        summary = {"type": "summary", "source": self.source, "split": self.split.as_dict(),
-                   "decisions": self.decisions}
-        self.bus.write(summary)
+        self.bus.write_summary(self.source, {"split": self.split.as_dict(), "decisions": self.decisions})
         if self.decisions and state.is_world_process_zero:
             print(self.format_summary())
         if self.planned_resize and not self.managed and state.is_world_process_zero:

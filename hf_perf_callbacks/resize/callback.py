@@ -116,6 +116,7 @@ class AdaptiveBatchTuner(PerfCallback):
         self.session = uuid.uuid4().hex[:12]   # this run; kept across in-process re-sizes and every kind of resume
         self.written: list[int] = []           # steps whose checkpoint this run wrote and verified complete
         self.warned: set[str] = set()
+        self.limits: str | None = None         # what does not work under the trainer's sharding (resize.sharding)
 
     # ------------------------------------------------------------ geometry
     def candidates(self, args) -> list[Split]:
@@ -144,9 +145,8 @@ class AdaptiveBatchTuner(PerfCallback):
         self.bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
         self.planned_resize = None
         self.in_optimizer_step = False
-        if getattr(self, "limits", None) and not getattr(self, "limits_logged", False):    # see resize.sharding
-            self.limits_logged = True
-            self.bus.event(self.source, "warning", self.limits, step=state.global_step)
+        if self.limits:                                  # see resize.sharding
+            self.warn_once("sharding-limits", self.limits, step=state.global_step)
         for decision in self.decisions:          # the probe ran before any trainer event: log it now, once
             if decision["kind"] == "probe" and not decision.get("logged"):
                 decision["logged"] = True
@@ -247,11 +247,13 @@ class AdaptiveBatchTuner(PerfCallback):
             self.warn_once("persist", f"could not write {path}: {error} (the split and decisions are kept in "
                                       f"memory and in the checkpoints)")
 
-    def warn_once(self, key: str, message: str) -> None:
+    def warn_once(self, key: str, message: str, step: int | None = None) -> None:
+        """``message`` as a warning (console and perf log; the logger alone before any trainer event), once per
+        ``key`` for this run."""
         if key not in self.warned:
             self.warned.add(key)
             if self.bus is not None:
-                self.warn(message)
+                self.warn(message, step=step)
             else:
                 logger.warning("[tuner] %s", message)
 

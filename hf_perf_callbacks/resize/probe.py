@@ -63,12 +63,11 @@ SLOWER = 1.05
 
 # ---------------------------------------------------------------- pure decision rules
 
-def judge(samples: dict[str, list[float]], configured: str, remaining_steps: int | None = None,
-          alpha: float = ALPHA, min_gain: float = MIN_GAIN) -> dict:
+def judge(samples: dict[str, list[float]], configured: str, remaining_steps: int | None = None) -> dict:
     """Which split to keep, from per-split samples of the ranked time (seconds per step).
 
-    The configured split stays unless another is faster beyond the noise: one-sided Mann-Whitney p ≤ ``alpha``
-    against the configured split's samples and a median at least ``min_gain`` (relative) shorter. Among those, the
+    The configured split stays unless another is faster beyond the noise: one-sided Mann-Whitney p ≤ ``ALPHA``
+    against the configured split's samples and a median at least ``MIN_GAIN`` (relative) shorter. Among those, the
     lowest median wins. Returns the choice, per-split statistics (n, median, quartiles, p-value, relative gain) and
     the expected saving over ``remaining_steps`` (None when the run's length is unknown).
     """
@@ -85,7 +84,7 @@ def judge(samples: dict[str, list[float]], configured: str, remaining_steps: int
         if key != configured:
             entry["p_value"] = mann_whitney_less(values, base)
             entry["gain"] = 1.0 - entry["median"] / base_median if base_median > 0 else 0.0
-            entry["faster"] = entry["p_value"] <= alpha and entry["gain"] >= min_gain
+            entry["faster"] = entry["p_value"] <= ALPHA and entry["gain"] >= MIN_GAIN
         stats[key] = entry
     winners = [k for k, s in stats.items() if s.get("faster")]
     chosen = min(winners, key=lambda k: stats[k]["median"]) if winners else configured

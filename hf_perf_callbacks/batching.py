@@ -1,10 +1,10 @@
 """Pure split math: every (micro-batch, accumulation) pair that keeps the effective batch — and GRPO's generation
 batch — exactly the same. No torch, no transformers.
 
-``effective = micro_batch × grad_accum × world`` is what one optimizer step trains on. GRPO also generates
-``generation = micro_batch × world × steps_per_generation`` completions at a time; that number (a multiple of
-``num_generations``: whole prompt groups) must not change either, so ``steps_per_generation`` moves with the
-micro-batch. Never the ×0.9 drift of ``auto_find_batch_size``.
+``effective = micro_batch × grad_accum × world`` (:meth:`Split.effective_batch`) is what one optimizer step trains
+on. GRPO also generates ``generation = micro_batch × world × steps_per_generation`` (:meth:`Split.generation_batch`)
+completions at a time; that number (a multiple of ``num_generations``: whole prompt groups) must not change either,
+so ``steps_per_generation`` moves with the micro-batch. Never the ×0.9 drift of ``auto_find_batch_size``.
 """
 from __future__ import annotations
 
@@ -22,6 +22,17 @@ class Split:
     def __str__(self) -> str:
         spg = f", steps_per_generation={self.steps_per_generation}" if self.steps_per_generation else ""
         return f"{self.micro_batch}×{self.grad_accum}{spg}"
+
+    def effective_batch(self, world_size: int = 1) -> int:
+        """Samples (GRPO: completions) one optimizer step trains on over all ranks: micro × accumulation × world."""
+        return self.micro_batch * self.grad_accum * world_size
+
+    def generation_batch(self, world_size: int = 1) -> int | None:
+        """GRPO completions generated at a time over all ranks: micro × world × ``steps_per_generation`` (None
+        without ``steps_per_generation``: a plain Trainer)."""
+        if self.steps_per_generation is None:
+            return None
+        return self.micro_batch * world_size * self.steps_per_generation
 
     def as_dict(self) -> dict:
         return {"per_device_train_batch_size": self.micro_batch, "gradient_accumulation_steps": self.grad_accum,

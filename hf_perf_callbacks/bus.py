@@ -32,7 +32,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from . import adapter
-from .runlog import EventLine, LogWriter, Record, RunHeader, StepLine, SummaryLine, parse_record
+from .runlog import EventLine, LogWriter, Record, RunHeader, StepLine, SummaryLine
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -66,6 +66,11 @@ class RunBus(TrainerCallback):
         """Metrics for the next training log (later values of a key replace earlier ones)."""
         self.unlogged.update({k: v for k, v in metrics.items() if _finite(v)})
 
+    def withdraw(self, *keys: str) -> None:
+        """Take metrics back from the next training log (a value that no longer holds, e.g. a stale forecast)."""
+        for key in keys:
+            self.unlogged.pop(key, None)
+
     def record_step(self, step: int, fields: dict) -> None:
         """Fields for this optimizer step's line in ``perf_log.jsonl``."""
         if self.step_line is not None and self.step_line.step != step:
@@ -97,14 +102,6 @@ class RunBus(TrainerCallback):
     def write_summary(self, source: str, values: dict) -> None:
         """A callback's end-of-run summary."""
         self._emit(SummaryLine(source, dict(values)))
-
-    def write(self, entry: dict) -> None:
-        """Write a JSON object of one of the log's record types (a summary) to the perf log."""
-        record = parse_record(entry)
-        if record is None:
-            raise ValueError(f"entry type {entry.get('type')!r} is not allowed: expected 'run', 'step', 'event' "
-                             f"or 'summary'")
-        self._emit(record)
 
     def flush(self) -> None:
         """Write the pending step line (and the run header first, when it is still due)."""

@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .batching import Split
 from .resize.splitfile import split_for_run
 
 logger = logging.getLogger("hf_perf_callbacks.train")   # also when run as __main__
@@ -215,7 +216,7 @@ def check_batch_geometry(values: Mapping, world_size: int = 1) -> int:
         formula = f"generation_batch_size = {gbs}"
     else:
         steps = spg if spg is not None else accum
-        gbs = per_step * steps
+        gbs = Split(micro, accum, steps).generation_batch(world_size)
         what = "steps_per_generation" if spg is not None else "gradient_accumulation_steps"
         formula = (f"generation_batch_size = per_device_train_batch_size ({micro}) × world size ({world_size}) × "
                    f"{what} ({steps}) = {gbs}")
@@ -293,10 +294,9 @@ def split_to_resume(values: Mapping, world_size: int = 1) -> dict | None:
     sizes = (values.get("per_device_train_batch_size"), values.get("gradient_accumulation_steps"))
     if not all(isinstance(v, int) and v >= 1 for v in sizes):
         return None                                     # check_recipe names the bad value
-    micro, accum = sizes
-    generation = values.get("generation_batch_size") or micro * world_size * (values.get("steps_per_generation")
-                                                                             or accum)
-    split = split_for_run(output_dir, effective_batch=micro * accum * world_size, world_size=world_size,
+    configured = Split(*sizes, values.get("steps_per_generation") or sizes[1])   # GRPO's default: the accumulation
+    generation = values.get("generation_batch_size") or configured.generation_batch(world_size)
+    split = split_for_run(output_dir, effective_batch=configured.effective_batch(world_size), world_size=world_size,
                           generation_batch=generation)
     return split.as_dict() if split else None
 

@@ -172,9 +172,8 @@ class MemoryWatchdog(PerfCallback):
                       f"steps (a loss appended without .item(), a growing cache)", step=step)
         fields[keys.MEM_PRESSURE] = self.policy.level
         fields.update(wall_fields(self.policy.forecast(), state.max_steps - step if state.max_steps > 0 else None))
-        for key in WALL_KEYS:              # a forecast of an earlier step must not reach this step's log
-            if key not in fields:
-                self.bus.unlogged.pop(key, None)
+        # a forecast of an earlier step must not reach this step's log
+        self.bus.withdraw(*(key for key in WALL_KEYS if key not in fields))
         if self.policy.slope is not None:
             fields[keys.MEM_GROWTH_MB_PER_STEP] = self.policy.slope / 1024**2
         self.bus.record_step(step, fields)

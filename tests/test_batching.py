@@ -9,6 +9,12 @@ def test_plain_trainer_splits():
     assert exact_splits(12, world_size=2) == [Split(6, 1), Split(3, 2), Split(2, 3), Split(1, 6)]
 
 
+def test_a_split_names_its_effective_and_generation_batch():
+    assert Split(4, 2).effective_batch() == 8 and Split(4, 2).effective_batch(world_size=2) == 16
+    assert Split(4, 2, 3).generation_batch(world_size=2) == 24          # micro × world × steps_per_generation
+    assert Split(4, 2).generation_batch(world_size=2) is None            # a plain Trainer generates nothing
+
+
 @pytest.mark.parametrize("num_generations", [2, 4, 8])
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("micro, accum, spg", [(4, 2, 2), (4, 2, 4), (8, 1, 2), (2, 4, 8)])

@@ -94,6 +94,15 @@ def test_metrics_only_on_training_logs_not_eval_logs(tokenizer, tmp_path):
     assert meter.timeline.phase_totals["eval"] > 0
 
 
+def test_a_withdrawn_metric_does_not_reach_the_next_log():
+    bus = RunBus()
+    bus.publish({"memory/steps_to_wall": 12.0, "memory/pressure": 1})
+    bus.withdraw("memory/steps_to_wall", "never/published")
+    logs = {"loss": 1.0}
+    bus.on_log(None, type("State", (), {"log_history": [], "global_step": 1})(), None, logs=logs)
+    assert logs == {"loss": 1.0, "memory/pressure": 1}
+
+
 @pytest.mark.parametrize("bad", [{"window_steps": 0}, {"warmup_window": 1}, {"warmup_tolerance": 0.0},
                                  {"max_warmup_steps": -2}, {"peak_flops": -1.0}, {"peak_flops": "fast"},
                                  {"peak_bandwidth": 0}, {"data_wait_threshold": 1.5}, {"progress_bar": "yes"}])

@@ -1,5 +1,6 @@
 """The probe's decision rules as pure functions (planted samples), then on a real Trainer whose measured step times
-come from a planted clock (the costs stay real seconds), so the conclusion cannot flip under machine load."""
+come from a planted clock (the costs stay real seconds, except a planted slow setup), so the conclusion cannot flip
+under machine load."""
 import random
 
 import pytest
@@ -77,6 +78,15 @@ def test_a_middling_run_shortens_the_probe_rounds_first_then_splits():
     assert plan["rounds"] == MIN_ROUNDS and plan["others"] == 1 and plan["estimated_cost_sec"] <= 6
 
 
+def test_what_the_probe_spent_already_counts_against_the_ceiling():
+    # 10 s to gain, 1 s a visit: alone it pays for one split at 4 rounds; 4 s already spent (setup, first visit)
+    # leave 6 s: 3 rounds; 8 s spent leave nothing
+    plan = plan_probe(remaining_steps=20, configured_sec=0.5, visit_sec=1.0, others=3, rounds=4, spent_sec=4.0)
+    assert plan["rounds"] == MIN_ROUNDS and plan["others"] == 1 and plan["estimated_cost_sec"] == 4.0 + 5.0
+    plan = plan_probe(remaining_steps=20, configured_sec=0.5, visit_sec=1.0, others=3, rounds=4, spent_sec=8.0)
+    assert plan["others"] == 0 and plan["estimated_cost_sec"] == 8.0 + (2 * MIN_ROUNDS - 1) * 1.0
+
+
 def test_unknown_length_or_must_pay_off_probes_everything():
     assert plan_probe(None, 0.5, 1.0, 3, 4)["others"] == 3
     assert plan_probe(4, 0.5, 1.0, 3, 4, must_pay=False) == {"others": 3, "rounds": 4, "ceiling_sec": 2.0,
@@ -142,3 +152,22 @@ def test_probe_patience_never_skips_the_configured_split(tokenizer, tmp_path, mo
     _, d = probed(tokenizer, tmp_path, monkeypatch, {4: 300.0, 2: 100.0, 1: 300.0}, probe_patience=1)
     assert d["trials"][0]["split"]["micro_batch"] == 2 and len(d["trials"][0]["samples"]) >= 1
     assert d["new"] == d["old"]
+
+
+def test_the_probe_setup_is_part_of_its_cost_and_of_the_plan(tokenizer, tmp_path, monkeypatch, capsys):
+    # the same planted splits as above (4×1 twice as fast, 600 planted s to gain), but a planted 1000 s setup
+    # (the longest-examples scan): the probe reports it and cannot pay for another split
+    wall = {"offset": 0.0}
+    real_wall, real_longest = probe.WALL, probe._longest
+
+    def slow_longest(dataset, count):
+        wall["offset"] += 1000.0
+        return real_longest(dataset, count)
+
+    monkeypatch.setattr(probe, "WALL", lambda: real_wall() + wall["offset"])
+    monkeypatch.setattr(probe, "_longest", slow_longest)
+    trainer, d = probed(tokenizer, tmp_path, monkeypatch, {4: 100.0, 2: 200.0, 1: 400.0})
+    assert d["setup_sec"] >= 1000.0 and d["probe_sec"] >= d["setup_sec"] + d["trials"][0]["cost_sec"]
+    assert [t["split"]["micro_batch"] for t in d["trials"]] == [2] and d["new"] == d["old"]
+    assert "probe skipped" in d["reason"] and "setup and first visit (100" in d["reason"]
+    assert trainer.state.global_step == 3

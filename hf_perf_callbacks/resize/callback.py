@@ -46,7 +46,7 @@ def apply_split(trainer, split: Split) -> None:
     args.gradient_accumulation_steps = split.grad_accum
     if split.steps_per_generation is not None:
         args.steps_per_generation = split.steps_per_generation
-        args.generation_batch_size = split.micro_batch * world_size() * split.steps_per_generation
+        args.generation_batch_size = split.generation_batch(world_size())
     adapter.set_train_batch_size(trainer)
 
 
@@ -116,16 +116,16 @@ class AdaptiveBatchTuner(PerfCallback):
         self.session = uuid.uuid4().hex[:12]   # this run; kept across in-process re-sizes and every kind of resume
         self.written: list[int] = []           # steps whose checkpoint this run wrote and verified complete
         self.warned: set[str] = set()
+        self.limits: str | None = None         # what does not work under the trainer's sharding (resize.sharding)
 
     # ------------------------------------------------------------ geometry
     def candidates(self, args) -> list[Split]:
         world = world_size()
         split = current_split(args)
-        effective = split.micro_batch * split.grad_accum * world
         if hasattr(args, "num_generations"):
-            return exact_splits(effective, world, split.micro_batch * world * split.steps_per_generation,
+            return exact_splits(split.effective_batch(world), world, split.generation_batch(world),
                                 args.num_generations)
-        return exact_splits(effective, world)
+        return exact_splits(split.effective_batch(world), world)
 
     # ------------------------------------------------------------ events
     def on_train_begin(self, args, state, control, **kwargs):
@@ -145,9 +145,8 @@ class AdaptiveBatchTuner(PerfCallback):
         self.bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
         self.planned_resize = None
         self.in_optimizer_step = False
-        if getattr(self, "limits", None) and not getattr(self, "limits_logged", False):    # see resize.sharding
-            self.limits_logged = True
-            self.bus.event(self.source, "warning", self.limits, step=state.global_step)
+        if self.limits:                                  # see resize.sharding
+            self.warn_once("sharding-limits", self.limits, step=state.global_step)
         for decision in self.decisions:          # the probe ran before any trainer event: log it now, once
             if decision["kind"] == "probe" and not decision.get("logged"):
                 decision["logged"] = True
@@ -182,7 +181,7 @@ class AdaptiveBatchTuner(PerfCallback):
             self.decisions[-1]["recovery_sec"] = time.time() - self.decisions[-1]["resized_at"]
         s = current_split(args)                          # the split this step ran with (a decision applies later)
         fields = {keys.TUNER_MICRO_BATCH: s.micro_batch, keys.TUNER_GRAD_ACCUM: s.grad_accum,
-                  keys.TUNER_EFFECTIVE_BATCH: s.micro_batch * s.grad_accum * self.world,
+                  keys.TUNER_EFFECTIVE_BATCH: s.effective_batch(self.world),
                   keys.TUNER_RESIZES: sum(d["kind"] != "probe" for d in self.decisions)}
         self.bus.record_step(state.global_step, fields)
         self.bus.publish(fields)
@@ -204,9 +203,7 @@ class AdaptiveBatchTuner(PerfCallback):
         self.run_args = args
 
     def on_train_end(self, args, state, control, **kwargs):
-        summary = {"type": "summary", "source": self.source, "split": self.split.as_dict(),
-                   "decisions": self.decisions}
-        self.bus.write(summary)
+        self.bus.write_summary(self.source, {"split": self.split.as_dict(), "decisions": self.decisions})
         if self.decisions and state.is_world_process_zero:
             print(self.format_summary())
         if self.planned_resize and not self.managed and state.is_world_process_zero:
@@ -250,11 +247,13 @@ class AdaptiveBatchTuner(PerfCallback):
             self.warn_once("persist", f"could not write {path}: {error} (the split and decisions are kept in "
                                       f"memory and in the checkpoints)")
 
-    def warn_once(self, key: str, message: str) -> None:
+    def warn_once(self, key: str, message: str, step: int | None = None) -> None:
+        """``message`` as a warning (console and perf log; the logger alone before any trainer event), once per
+        ``key`` for this run."""
         if key not in self.warned:
             self.warned.add(key)
             if self.bus is not None:
-                self.warn(message)
+                self.warn(message, step=step)
             else:
                 logger.warning("[tuner] %s", message)
 

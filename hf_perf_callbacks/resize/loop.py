@@ -177,12 +177,20 @@ def _probe_or_warn(trainer, tuner: AdaptiveBatchTuner) -> None:
                                  f"configured split {configured} without it")
 
 
-def _quietly(tuner: AdaptiveBatchTuner, what: str, action) -> None:
-    """Housekeeping of the recovery (cache clears): a failure is one warning, not the end of the run."""
+def _free_memory(trainer, tuner: AdaptiveBatchTuner | None) -> None:
+    """Drop the gradients and give the device's cached memory back (after an OOM, before a save or a resume). A
+    failing cache clear is one warning (the tuner's, once; the logger's without a tuner), never the end of the
+    run."""
+    trainer.model.zero_grad(set_to_none=True)
     try:
-        action()
-    except Exception as error:  # noqa: BLE001
-        tuner.warn_once(what, f"{what} failed during recovery ({type(error).__name__}: {error}); going on without it")
+        DeviceLayer(training_device()).empty_cache()
+    except Exception as error:  # noqa: BLE001 - housekeeping: going on without it
+        message = (f"emptying the device cache failed during recovery ({type(error).__name__}: {error}); going on "
+                   f"without it")
+        if tuner is not None:
+            tuner.warn_once("emptying the device cache", message)
+        else:
+            logger.warning("[tuner] %s", message)
 
 
 def _recover_from_oom(trainer, tuner: AdaptiveBatchTuner, error: BaseException) -> str | None:
@@ -192,8 +200,7 @@ def _recover_from_oom(trainer, tuner: AdaptiveBatchTuner, error: BaseException) 
     new = next_smaller(old, tuner.candidates(trainer.args))
     step = trainer.state.global_step
     output_dir = trainer.args.output_dir
-    trainer.model.zero_grad(set_to_none=True)
-    _quietly(tuner, "emptying the device cache", DeviceLayer(training_device()).empty_cache)
+    _free_memory(trainer, tuner)
     if tuner.in_optimizer_step:                                     # weights may be half-updated: go back
         checkpoint = newest_written(output_dir, tuner.written, step)
         if checkpoint is None:
@@ -264,8 +271,7 @@ def _save_before_raising(trainer, tuner: AdaptiveBatchTuner, error: BaseExceptio
         why = "no optimizer step was completed"
     else:
         try:
-            trainer.model.zero_grad(set_to_none=True)
-            _quietly(tuner, "emptying the device cache", DeviceLayer(training_device()).empty_cache)
+            _free_memory(trainer, tuner)
             checkpoint = _save_verified(trainer, tuner, step)
         except Exception as save_error:  # noqa: BLE001
             why = f"saving failed: {type(save_error).__name__}: {save_error}"
@@ -302,11 +308,7 @@ def _evaluate_within_memory(trainer, original):
                 tuner = find_callback(trainer, AdaptiveBatchTuner)
                 warn = tuner.warn_once if tuner is not None else (lambda key, message: logger.warning(message))
                 error = error.with_traceback(None)
-                trainer.model.zero_grad(set_to_none=True)
-                try:
-                    DeviceLayer(training_device()).empty_cache()
-                except Exception:  # noqa: BLE001
-                    pass
+                _free_memory(trainer, tuner)
                 batch = targs.per_device_eval_batch_size
                 smaller = _smaller_eval_batch(targs, batch)
                 if smaller is not None:
@@ -340,7 +342,7 @@ def _smaller_eval_batch(args, batch: int) -> int | None:
 
 
 def prepare_resume(trainer, split: Split, tuner: AdaptiveBatchTuner) -> None:
-    """Apply the split to a trainer whose last train() ended, forget that train()'s state, give cached memory back."""
+    """Apply the split to a trainer whose last train() ended, forget that train()'s state, free its memory."""
     apply_split(trainer, split)
     adapter.forget_last_train(trainer)
-    _quietly(tuner, "emptying the device cache", DeviceLayer(training_device()).empty_cache)
+    _free_memory(trainer, tuner)

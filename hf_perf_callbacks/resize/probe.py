@@ -14,10 +14,13 @@ walk upwards ends at the first that does not fit), then nearest smaller ones (th
 
 **Cost against gain.** No split can save more per step than the configured split's split-dependent time (its
 measured step time minus generation), so the probe can never earn more than that times the steps the run has left
-(``max_steps``, or epochs × steps per epoch): the *ceiling*. Every probe visit costs about what the configured
-split's first visit cost. The probe tries only as many other splits, for as many rounds, as the ceiling pays for
-(at least 3 rounds: fewer samples cannot separate two splits), and none when not even one can pay: it says so in
-the decision and on the console. Each later visit is checked against what is left of the ceiling.
+(``max_steps``, or epochs × steps per epoch): the *ceiling*. What the probe has spent counts against it: its setup
+(reading every row to find the longest examples, a CPU copy of the trainable weights; ``setup_sec`` in the decision)
+and the configured split's first visit. Every later visit costs about what that first visit cost. The probe tries
+only as many other splits, for as many rounds, as what is left of the ceiling pays for (at least 3 rounds: fewer
+samples cannot separate two splits), and none when not even one can pay: it says so in the decision and on the
+console. Each later visit is checked against what is left of the ceiling. ``probe_sec`` is the whole cost, setup
+and restore included.
 
 **Evidence.** After the first visits, the splits are measured in interleaved rounds (A B C, B C A, ...: load that
 drifts hits every split alike), one step per visit; a split whose every sample is slower than every sample of the
@@ -55,20 +58,21 @@ ALPHA = 0.05
 MIN_GAIN = 0.03
 #: fewer samples per split cannot separate two splits (3 against 3: p ≥ 0.05)
 MIN_ROUNDS = 3
-#: the clock of the measured steps (tests plant step times through it; costs are always real seconds)
+#: the clock of the measured steps (tests plant step times through it)
 CLOCK = time.perf_counter
+#: the clock of the probe's costs: real seconds (tests plant a slow setup through it)
+WALL = time.perf_counter
 #: a smaller split whose first step is this much slower than the configured split's counts against patience
 SLOWER = 1.05
 
 
 # ---------------------------------------------------------------- pure decision rules
 
-def judge(samples: dict[str, list[float]], configured: str, remaining_steps: int | None = None,
-          alpha: float = ALPHA, min_gain: float = MIN_GAIN) -> dict:
+def judge(samples: dict[str, list[float]], configured: str, remaining_steps: int | None = None) -> dict:
     """Which split to keep, from per-split samples of the ranked time (seconds per step).
 
-    The configured split stays unless another is faster beyond the noise: one-sided Mann-Whitney p ≤ ``alpha``
-    against the configured split's samples and a median at least ``min_gain`` (relative) shorter. Among those, the
+    The configured split stays unless another is faster beyond the noise: one-sided Mann-Whitney p ≤ ``ALPHA``
+    against the configured split's samples and a median at least ``MIN_GAIN`` (relative) shorter. Among those, the
     lowest median wins. Returns the choice, per-split statistics (n, median, quartiles, p-value, relative gain) and
     the expected saving over ``remaining_steps`` (None when the run's length is unknown).
     """
@@ -85,7 +89,7 @@ def judge(samples: dict[str, list[float]], configured: str, remaining_steps: int
         if key != configured:
             entry["p_value"] = mann_whitney_less(values, base)
             entry["gain"] = 1.0 - entry["median"] / base_median if base_median > 0 else 0.0
-            entry["faster"] = entry["p_value"] <= alpha and entry["gain"] >= min_gain
+            entry["faster"] = entry["p_value"] <= ALPHA and entry["gain"] >= MIN_GAIN
         stats[key] = entry
     winners = [k for k, s in stats.items() if s.get("faster")]
     chosen = min(winners, key=lambda k: stats[k]["median"]) if winners else configured
@@ -95,25 +99,32 @@ def judge(samples: dict[str, list[float]], configured: str, remaining_steps: int
 
 
 def plan_probe(remaining_steps: int | None, configured_sec: float, visit_sec: float, others: int, rounds: int,
-               must_pay: bool = True) -> dict:
+               must_pay: bool = True, spent_sec: float = 0.0) -> dict:
     """How many other splits, for how many rounds, the rest of the run can pay for.
 
     ``configured_sec``: the configured split's ranked time per step (no split can save more per step);
-    ``visit_sec``: the cost of one visit (the configured split's first). The ceiling is ``remaining_steps ×
-    configured_sec``. The configured split needs ``rounds - 1`` more visits, each other split ``rounds``. Rounds
-    fall to ``MIN_ROUNDS`` before splits are dropped; below that the probe stops. Without a known run length (or
-    ``must_pay=False``) everything is probed.
+    ``visit_sec``: the cost of one visit (the configured split's first); ``spent_sec``: what the probe has cost so
+    far (its setup and the configured split's first visit). The ceiling is ``remaining_steps × configured_sec``;
+    ``spent_sec`` plus the visits must stay within it. The configured split needs ``rounds - 1`` more visits, each
+    other split ``rounds``. Rounds fall to ``MIN_ROUNDS`` before splits are dropped; below that the probe stops.
+    Without a known run length (or ``must_pay=False``) everything is probed. ``estimated_cost_sec``: the probe's
+    whole cost, ``spent_sec`` included (when it cannot pay: with one more split at ``MIN_ROUNDS`` rounds).
     """
     ceiling = remaining_steps * configured_sec if remaining_steps is not None else None
     if ceiling is None or not must_pay or others == 0:
         return {"others": others, "rounds": rounds, "ceiling_sec": ceiling, "estimated_cost_sec": None}
+    left = ceiling - spent_sec
     for r in range(rounds, min(rounds, MIN_ROUNDS) - 1, -1):
-        affordable = math.floor((ceiling - (r - 1) * visit_sec) / (r * visit_sec)) if visit_sec > 0 else others
+        if visit_sec > 0:
+            affordable = math.floor((left - (r - 1) * visit_sec) / (r * visit_sec))
+        else:
+            affordable = others if left >= 0 else 0
         if affordable >= 1:
             n = min(others, affordable)
             return {"others": n, "rounds": r, "ceiling_sec": ceiling,
-                    "estimated_cost_sec": ((r - 1) + n * r) * visit_sec}
-    return {"others": 0, "rounds": 0, "ceiling_sec": ceiling, "estimated_cost_sec": (MIN_ROUNDS * 2 - 1) * visit_sec}
+                    "estimated_cost_sec": spent_sec + ((r - 1) + n * r) * visit_sec}
+    return {"others": 0, "rounds": 0, "ceiling_sec": ceiling,
+            "estimated_cost_sec": spent_sec + (MIN_ROUNDS * 2 - 1) * visit_sec}
 
 
 # ---------------------------------------------------------------- measuring
@@ -164,7 +175,7 @@ class _Trial:
 
 def _visit(trainer, trial: _Trial, device: DeviceLayer, budget: float, key: str, warm: bool) -> float:
     """One train() of 1 step (2 with a warm-up step) at ``trial.split``; returns its cost in seconds (all ranks)."""
-    started = time.perf_counter()
+    started = WALL()
     apply_split(trainer, trial.split)
     trainer.args.max_steps = 2 if warm else 1
     timer = _ProbeTimer(device)
@@ -187,7 +198,7 @@ def _visit(trainer, trial: _Trial, device: DeviceLayer, budget: float, key: str,
     failed = error is not None or not measured
     step = measured[0][0] if not failed else 0.0
     ranked = step if key == "step" else (step - measured[0][1] if not failed else 0.0)
-    cost = time.perf_counter() - started
+    cost = WALL() - started
     # every rank must judge the visit alike: the slowest rank's times, the highest peak, any rank's failure
     rows = gather_floats([ranked, step, timer.peak, float(failed), cost], device.device)
     trial.visits += 1
@@ -231,17 +242,19 @@ def run_probe(trainer, tuner: AdaptiveBatchTuner) -> Split:
     larger = sorted((s for s in others if s.micro_batch > original.micro_batch), key=lambda s: s.micro_batch)
     smaller = sorted((s for s in others if s.micro_batch < original.micro_batch), key=lambda s: -s.micro_batch)
     key = "step" if config["rank_by"] == "step" else "split"
+    started = WALL()                                    # the setup is part of the probe's cost
     state = rng_state()
     planned = planned_steps(trainer)                    # building the dataloader may draw from the RNG: put it back
     set_rng_state(state)
-    saved = _snapshot(trainer)
-    started = time.perf_counter()
+    saved = _snapshot(trainer)                          # reads every row for the longest, copies the trained weights
     base = _Trial(original)
     trials = [base]
     plan: dict = {}
     note = ""
     outcome: dict | None = None
+    setup = 0.0
     try:
+        setup = max(r[0] for r in gather_floats([WALL() - started], device.device))    # the slowest rank's
         _visit(trainer, base, device, budget, key, warm=True)
         if not base.fits:                               # it cannot run as configured: the largest split that fits
             for split in smaller:
@@ -252,12 +265,14 @@ def run_probe(trainer, tuner: AdaptiveBatchTuner) -> Split:
                     break
         else:
             plan = plan_probe(planned, base.samples[0], base.cost, len(larger) + len(smaller),
-                              max(1, config["probe_steps"]), must_pay=config.get("probe_must_pay", True))
-            outcome = _search(trainer, base, larger, smaller, trials, plan, device, budget, key, config)
+                              max(1, config["probe_steps"]), must_pay=config.get("probe_must_pay", True),
+                              spent_sec=setup + base.cost)
+            outcome = _search(trainer, base, larger, smaller, trials, plan, device, budget, key, config,
+                              spent=setup + base.cost)
             note = outcome.pop("note", "")
     finally:
         _restore(trainer, saved)
-    seconds = time.perf_counter() - started
+    seconds = WALL() - started
     records = [t.record() for t in trials]
     fitting = [t for t in trials if t.fits]
     verdict = None
@@ -268,7 +283,7 @@ def run_probe(trainer, tuner: AdaptiveBatchTuner) -> Split:
         for record in records:
             record.update({k: v for k, v in verdict["stats"].get(fmt_split(record["split"]), {}).items()
                            if k in ("median", "q1", "q3", "p_value", "gain", "faster")})
-        why = _explain(verdict, original, chosen, note, planned, plan.get("estimated_cost_sec"))
+        why = _explain(verdict, original, chosen, note, planned, plan.get("estimated_cost_sec"), setup + base.cost)
     elif fitting:
         chosen = fitting[-1].split
         why = f"the configured split does not fit ({base.error or 'peak over the budget'}): the largest that does"
@@ -278,7 +293,7 @@ def run_probe(trainer, tuner: AdaptiveBatchTuner) -> Split:
     apply_split(trainer, chosen)
     tuner.split = chosen
     decision = {"kind": "probe", "step": 0, "reason": why, "old": asdict(original), "new": asdict(chosen),
-                "trials": records, "probe_sec": seconds, "planned_steps": planned, "budget_gb": budget / GB,
+                "trials": records, "probe_sec": seconds, "setup_sec": setup, "planned_steps": planned, "budget_gb": budget / GB,
                 "ceiling_sec": plan.get("ceiling_sec"), "rounds": plan.get("rounds"),
                 "expected_gain_sec": verdict["expected_gain_sec"] if verdict else None,
                 "rule": f"keep the configured split unless another is faster by Mann-Whitney p <= {ALPHA} and a "
@@ -291,10 +306,10 @@ def run_probe(trainer, tuner: AdaptiveBatchTuner) -> Split:
 
 
 def _search(trainer, base: _Trial, larger: list[Split], smaller: list[Split], trials: list[_Trial], plan: dict,
-            device: DeviceLayer, budget: float, key: str, config: dict) -> dict:
-    """First visits of the other splits (as many as the plan affords), then interleaved rounds."""
+            device: DeviceLayer, budget: float, key: str, config: dict, spent: float) -> dict:
+    """First visits of the other splits (as many as the plan affords), then interleaved rounds; ``spent``: the
+    probe's cost so far (its setup and the configured split's first visit)."""
     ceiling = plan["ceiling_sec"] if config.get("probe_must_pay", True) else None
-    spent = base.cost
 
     def affordable(next_cost: float) -> bool:
         return ceiling is None or spent + next_cost <= ceiling
@@ -345,12 +360,13 @@ def _search(trainer, base: _Trial, larger: list[Split], smaller: list[Split], tr
 
 
 def _explain(verdict: dict, original: Split, chosen: Split, note: str, planned: int | None,
-             cost: float | None = None) -> str:
+             cost: float | None = None, spent: float = 0.0) -> str:
     stats = verdict["stats"]
     if note == "cannot pay":
         median = stats[str(original)]["median"]
-        costs = (f"the ~{cost:.0f} s that measuring one more split {MIN_ROUNDS} times (and the configured one "
-                 f"{MIN_ROUNDS - 1} more) would cost" if cost else "what probing one more split costs")
+        costs = (f"the ~{cost:.0f} s that the probe's setup and first visit ({spent:.1f} s) and measuring one more "
+                 f"split {MIN_ROUNDS} times (and the configured one {MIN_ROUNDS - 1} more) would cost" if cost
+                 else "what probing one more split costs")
         return (f"probe skipped after measuring the configured split: even a split with no split-dependent time "
                 f"could save at most {median:.3f} s/step × {planned} steps = {median * (planned or 0):.0f} s, less "
                 f"than {costs}")
@@ -406,9 +422,9 @@ def _snapshot(trainer) -> dict:
         config.min_new_tokens = getattr(args, "max_completion_length", None)
     split = current_split(args)
     if hasattr(args, "num_generations"):              # prompts for every probe step of the largest candidate
-        needed = split.micro_batch * world_size() * split.steps_per_generation // args.num_generations
+        needed = split.generation_batch(world_size()) // args.num_generations
     else:
-        needed = split.micro_batch * split.grad_accum * world_size()
+        needed = split.effective_batch(world_size())
     trainer.train_dataset = _longest(trainer.train_dataset, needed * 2)    # a warm-up step and a measured one
     return saved
 

@@ -50,9 +50,10 @@ def check_split(split, *, effective_batch: int, world_size: int, generation_batc
     if not (_positive_int(micro) and _positive_int(accum)):
         return (f"per_device_train_batch_size={micro!r} and gradient_accumulation_steps={accum!r} must be positive "
                 f"integers")
-    if micro * accum * world_size != effective_batch:
-        return (f"its effective batch {micro * accum * world_size} ({micro}×{accum} over {world_size} rank(s)) "
-                f"differs from the run's {effective_batch}")
+    effective = Split(micro, accum).effective_batch(world_size)
+    if effective != effective_batch:
+        return (f"its effective batch {effective} ({micro}×{accum} over {world_size} rank(s)) differs from the run's "
+                f"{effective_batch}")
     if generation_batch is None:
         if spg is not None:
             return f"it sets steps_per_generation={spg!r} (a GRPO split) but this run has no generation batch"
@@ -64,9 +65,10 @@ def check_split(split, *, effective_batch: int, world_size: int, generation_batc
         return None
     if not _positive_int(spg):
         return f"steps_per_generation={spg!r} must be a positive integer for a GRPO run"
-    if micro * world_size * spg != generation_batch:
-        return (f"its generation batch {micro * world_size * spg} ({micro}×{spg} over {world_size} rank(s)) "
-                f"differs from the run's {generation_batch}")
+    generation = Split(micro, accum, spg).generation_batch(world_size)
+    if generation != generation_batch:
+        return (f"its generation batch {generation} ({micro}×{spg} over {world_size} rank(s)) differs from the "
+                f"run's {generation_batch}")
     return None
 
 
@@ -93,6 +95,6 @@ def split_for_run(output_dir: str, *, effective_batch: int, world_size: int,
 
 def run_geometry(args, world_size: int) -> dict:
     """The keyword arguments of :func:`split_for_run` for a trainer's args (as configured, before any re-size)."""
-    effective = args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size
+    effective = Split(args.per_device_train_batch_size, args.gradient_accumulation_steps).effective_batch(world_size)
     generation = getattr(args, "generation_batch_size", None) if hasattr(args, "num_generations") else None
     return {"effective_batch": effective, "world_size": world_size, "generation_batch": generation}

@@ -14,10 +14,10 @@ import logging
 import os
 
 from ..batching import Split
+from ..runlog import SPLIT_FILE
 
 logger = logging.getLogger("hf_perf_callbacks")
 
-SPLIT_FILE = "tuner_split.json"
 
 
 def read_record(output_dir: str) -> dict | None:

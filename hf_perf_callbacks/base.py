@@ -8,7 +8,11 @@
 * **The bus.** On its first event a callback finds the trainer's :class:`~hf_perf_callbacks.bus.RunBus`
   (creating it first in the callback list) so its metrics reach every reporter.
 * **Resume.** State is exported through ``ExportableState`` and read back from ``trainer_state.json`` at
-  ``on_train_begin`` of a resumed run, whether or not ``restore_callback_states_from_checkpoint`` is set.
+  ``on_train_begin`` of a resumed run, whether or not ``restore_callback_states_from_checkpoint`` is set. A
+  callback keeps its settings as attributes named like its constructor's arguments (as transformers' own callbacks
+  do); ``state()["args"]`` is derived from them, so transformers can rebuild an equal instance.
+* **One clock.** Every time a callback reads comes from its :class:`Clock` (wall and process CPU seconds), given
+  to its constructor (``clock=``); tests pass a planted one instead of sleeping.
 """
 from __future__ import annotations
 
@@ -31,8 +35,20 @@ logger = logging.getLogger("hf_perf_callbacks")
 #: work (memory sampling, cache clears, exchanges), which the meter must not count as waiting for data
 BETWEEN_STEPS = ("on_step_end", "on_log", "on_save", "on_evaluate")
 
-#: the clock that times that work, the same as ThroughputMeter's default clock (tests replace both to plant costs)
-clock = time.perf_counter
+
+class Clock:
+    """The package's one clock seam: wall seconds (:func:`time.perf_counter`) and the process's CPU seconds, all
+    threads (:func:`time.process_time`). A callback takes one through its constructor (``clock=``); a test passes
+    a planted one (a subclass) so that a cost it plants cannot be shrunk by a loaded machine."""
+
+    def wall(self) -> float:
+        return time.perf_counter()
+
+    def cpu(self) -> float:
+        return time.process_time()
+
+
+SYSTEM_CLOCK = Clock()
 
 
 def _isolate_faults(name: str, method):
@@ -48,12 +64,12 @@ def _isolate_faults(name: str, method):
             self.bus.output_dir, self.bus.is_main = args.output_dir, state.is_world_process_zero
             if name == "on_train_begin" and state.global_step > 0:
                 self._restore_from(state)
-            started = clock()
+            started = self.clock.wall()
             try:
                 return method(self, args, state, control, **kwargs)
             finally:
                 if name in BETWEEN_STEPS:
-                    self.bus.add_overhead(clock() - started)
+                    self.bus.add_overhead(self.clock.wall() - started)
         except Exception as error:  # noqa: BLE001 - a callback must never take training down
             self.disabled = True
             logger.warning("%s disabled after an internal error in %s: %s: %s. Training continues without it.",
@@ -102,8 +118,10 @@ class PerfCallback(TrainerCallback, ExportableState):
         if "__init__" in vars(cls):
             cls.__init__ = _named_init(cls.__name__, vars(cls)["__init__"])
 
-    def __init__(self, **config):
-        self.config = config
+    def __init__(self, clock: Clock | None = None):
+        if clock is not None and not isinstance(clock, Clock):
+            raise ValueError(f"clock={clock!r} is not allowed: expected a hf_perf_callbacks.base.Clock (or None)")
+        self.clock = clock or SYSTEM_CLOCK
         self.disabled = False
         self.bus: RunBus | None = None
         self.collective_step = -1        # the last optimizer step whose cross-rank exchange this rank joined
@@ -129,8 +147,14 @@ class PerfCallback(TrainerCallback, ExportableState):
                            "log_history but not the reporters", type(self).__name__)
 
     # ------------------------------------------------------------ state
+    def settings(self) -> dict:
+        """The constructor's arguments as this instance holds them (attributes of the same names; the clock is not
+        a setting)."""
+        names = [n for n in inspect.signature(type(self).__init__).parameters if n not in ("self", "clock")]
+        return {name: getattr(self, name) for name in names}
+
     def state(self) -> dict:
-        return {"args": dict(self.config), "attributes": {"saved": self.export()}}
+        return {"args": self.settings(), "attributes": {"saved": self.export()}}
 
     def export(self) -> dict:
         """JSON-serialisable counters that must survive a resume (override)."""

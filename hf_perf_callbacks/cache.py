@@ -1,10 +1,8 @@
 """MPSCacheClearer: clear the allocator cache when it pays, not every step."""
 from __future__ import annotations
 
-import time
-
 from . import runlog as keys
-from .base import PerfCallback
+from .base import Clock, PerfCallback
 from .bus import SIGNAL_CLEAR
 from .device import GB, DeviceLayer
 from .memory import ClearSchedule
@@ -31,6 +29,7 @@ class MPSCacheClearer(PerfCallback):
         min_freed_gb: a clear freeing less than this is "not worth it".
         bloat_ratio / bloat_min_gb: clear when driver > ``bloat_ratio`` × live and the gap ≥ ``bloat_min_gb``.
         after_eval / after_save: clear after evaluation and checkpoint saves.
+        clock: the clock seam (:class:`~hf_perf_callbacks.base.Clock`; tests plant one).
 
     Logged keys:
 
@@ -48,16 +47,19 @@ class MPSCacheClearer(PerfCallback):
 
     def __init__(self, enabled: bool | None = None, interval_steps: int = 50, min_interval: int = 10,
                  max_interval: int = 400, min_freed_gb: float = 0.1, bloat_ratio: float = 1.5,
-                 bloat_min_gb: float = 0.5, after_eval: bool = True, after_save: bool = True):
+                 bloat_min_gb: float = 0.5, after_eval: bool = True, after_save: bool = True,
+                 clock: Clock | None = None):
         check_flag("enabled", enabled, allow_none=True)
         check_flag("after_eval", after_eval)
         check_flag("after_save", after_save)
         check_number("bloat_ratio", bloat_ratio, low=1)
         check_number("min_freed_gb", min_freed_gb, low=0)
         check_number("bloat_min_gb", bloat_min_gb, low=0)
-        super().__init__(enabled=enabled, interval_steps=interval_steps, min_interval=min_interval,
-                         max_interval=max_interval, min_freed_gb=min_freed_gb, bloat_ratio=bloat_ratio,
-                         bloat_min_gb=bloat_min_gb, after_eval=after_eval, after_save=after_save)
+        super().__init__(clock)
+        self.enabled, self.interval_steps, self.min_interval, self.max_interval = (enabled, interval_steps,
+                                                                                   min_interval, max_interval)
+        self.min_freed_gb, self.bloat_ratio, self.bloat_min_gb = min_freed_gb, bloat_ratio, bloat_min_gb
+        self.after_eval, self.after_save = after_eval, after_save
         self.schedule = ClearSchedule(interval_steps, min_interval, max_interval, min_freed_gb * GB)
         self.device: DeviceLayer | None = None
         self.active = False                    # decided at on_train_begin from the device
@@ -69,8 +71,7 @@ class MPSCacheClearer(PerfCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.device = self.device or DeviceLayer()
-        enabled = self.config["enabled"]
-        self.active = self.device.type == "mps" if enabled is None else enabled
+        self.active = self.device.type == "mps" if self.enabled is None else self.enabled
         if self.active:
             self.bus.subscribe(SIGNAL_CLEAR, self._on_request)
         self.schedule.last_clear_step = state.global_step
@@ -81,10 +82,10 @@ class MPSCacheClearer(PerfCallback):
     def clear(self, step: int, reason: str, automatic: bool = True) -> float:
         """Clear now; returns bytes freed (never negative)."""
         before = self.device.memory().reserved or 0
-        start = time.perf_counter()
+        start = self.clock.wall()
         self.device.empty_cache()
         self.device.synchronize()
-        seconds = time.perf_counter() - start
+        seconds = self.clock.wall() - start
         freed = max(0.0, float(before - (self.device.memory().reserved or 0)))
         self.schedule.cleared(step, freed, automatic)
         self.clears += 1
@@ -117,14 +118,14 @@ class MPSCacheClearer(PerfCallback):
     def _bloated(self) -> bool:
         sample = self.device.memory()
         live, held = sample.allocated or 0, sample.reserved or 0
-        return held - live >= self.config["bloat_min_gb"] * GB and held > self.config["bloat_ratio"] * live
+        return held - live >= self.bloat_min_gb * GB and held > self.bloat_ratio * live
 
     def on_evaluate(self, args, state, control, **kwargs):
-        if self.active and self.config["after_eval"]:
+        if self.active and self.after_eval:
             self.clear(state.global_step, "after eval", automatic=False)
 
     def on_save(self, args, state, control, **kwargs):
-        if self.active and self.config["after_save"]:
+        if self.active and self.after_save:
             self.clear(state.global_step, "after checkpoint save", automatic=False)
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -15,6 +15,23 @@ LEVEL_NAMES = {OK: "ok", WARN: "warn", CRITICAL: "critical"}
 CLEAR, SMALLER_BATCH, STOP = "clear_cache", "smaller_batch", "stop"
 
 
+#: the watchdog's default share of the smallest real limit used as the budget
+BUDGET_FRACTION = 0.85
+
+
+def budget_bytes(device_type: str, device_limit: float | None, hard_limit: float | None, system_total: float | None,
+                 limit_gb: float | None = None, budget_fraction: float = BUDGET_FRACTION) -> float:
+    """The memory budget in bytes: ``limit_gb`` when given, else ``budget_fraction`` × the smallest real limit —
+    device memory and the MPS watermark hard limit, and on unified memory (``mps``, ``cpu``) the physical RAM."""
+    if limit_gb:
+        return limit_gb * 2**30
+    limits = [device_limit, hard_limit] + ([system_total] if device_type in ("mps", "cpu") else [])
+    known = [x for x in limits if x]
+    if not known:
+        raise ValueError(f"no memory limit known for device type {device_type!r}: pass limit_gb")
+    return budget_fraction * min(known)
+
+
 @dataclass
 class Observation:
     """One step's memory reading (bytes) and OS pressure signals."""

@@ -12,14 +12,15 @@ import torch
 
 from . import adapter
 from . import runlog as keys
-from .base import PerfCallback
+from .base import Clock, PerfCallback
 from .dataloader import dataloader_advice
 from .device import DeviceLayer, dtype_key, gather_floats, world_size
 from .figures import warmup_words
 from .flops import forward_flops_per_token, shape_of, train_flops_per_token
 from .stats import generation_period
 from .validation import check_flag, check_number
-from .timeline import PHASES, StepTimeline
+from .runlog import PHASES
+from .timeline import StepTimeline
 
 
 #: model → the meter whose hook and wrapper are installed on it (a replaced instance is closed by its successor)
@@ -109,6 +110,7 @@ class ThroughputMeter(PerfCallback):
         peak_bandwidth: device memory bandwidth in bytes/s for decode utilisation, or None (table).
         data_wait_threshold: warn once when data wait exceeds this fraction of step time after warmup.
         progress_bar: show current tok/s beside the progress bar.
+        clock: wall and CPU seconds (:class:`~hf_perf_callbacks.base.Clock`; tests plant one).
 
     **Warmup or contention.** On a CPU device warmup is detected on the process's CPU time per step (the work):
     slow early steps whose CPU time was flat were slowed by other processes and are reported as contention, not
@@ -161,18 +163,21 @@ class ThroughputMeter(PerfCallback):
 
     def __init__(self, window_steps: int = 10, warmup_window: int = 4, warmup_tolerance: float = 0.1,
                  max_warmup_steps: int = 50, peak_flops: float | str | None = None,
-                 peak_bandwidth: float | None = None, data_wait_threshold: float = 0.1, progress_bar: bool = True):
+                 peak_bandwidth: float | None = None, data_wait_threshold: float = 0.1, progress_bar: bool = True,
+                 clock: Clock | None = None):
         if not (peak_flops is None or peak_flops == "calibrate"):
             check_number("peak_flops", peak_flops, low=0, low_open=True)
         check_number("peak_bandwidth", peak_bandwidth, low=0, low_open=True, allow_none=True)
         check_number("data_wait_threshold", data_wait_threshold, low=0, high=1, low_open=True)
         check_flag("progress_bar", progress_bar)
-        super().__init__(window_steps=window_steps, warmup_window=warmup_window, warmup_tolerance=warmup_tolerance,
-                         max_warmup_steps=max_warmup_steps, peak_flops=peak_flops, peak_bandwidth=peak_bandwidth,
-                         data_wait_threshold=data_wait_threshold, progress_bar=progress_bar)
+        super().__init__(clock)
         self.timeline = StepTimeline(window_steps, warmup_window, warmup_tolerance, max_warmup_steps)
-        self.clock = time.perf_counter
-        self.cpu_clock = time.process_time          # the process's CPU seconds, all threads
+        self.window_steps, self.warmup_window = window_steps, warmup_window
+        self.warmup_tolerance, self.max_warmup_steps = warmup_tolerance, max_warmup_steps
+        self.peak_flops, self.peak_bandwidth = peak_flops, peak_bandwidth
+        self.data_wait_threshold, self.progress_bar = data_wait_threshold, progress_bar
+        self.run_peak_flops: float | None = None       # the peaks this run's MFU and decode figures use
+        self.run_peak_bandwidth: float | None = None
         self.machine = MachineLoad()
         self.warned: set[str] = set()
         self._hooks: list = []
@@ -199,12 +204,12 @@ class ThroughputMeter(PerfCallback):
         self.seen = state.num_input_tokens_seen      # resume: the restored count is the baseline (no spike)
         self.device.synchronize()
         self.machine.reset()
-        self.timeline.start_segment(self.clock(), self.period, cpu=self.cpu_clock(),
+        self.timeline.start_segment(self.clock.wall(), self.period, cpu=self.clock.cpu(),
                                     work="cpu" if self.device.type == "cpu" else "wall")
         self.bus.describe_run(self.source, state.global_step, device=self.device.name,
                               device_type=self.device.type, world_size=self.world, grpo=self.is_grpo,
-                              token_source=self.token_source, period=self.period, peak_flops=self.peak_flops,
-                              peak_bandwidth=self.peak_bandwidth, dtype=self.dtype_key,
+                              token_source=self.token_source, period=self.period, peak_flops=self.run_peak_flops,
+                              peak_bandwidth=self.run_peak_bandwidth, dtype=self.dtype_key,
                               per_device_train_batch_size=args.per_device_train_batch_size,
                               gradient_accumulation_steps=args.gradient_accumulation_steps,
                               max_completion_length=getattr(args, "max_completion_length", None),
@@ -232,13 +237,13 @@ class ThroughputMeter(PerfCallback):
     def generate_started(self) -> None:
         """A GRPO rollout begins (see :func:`~hf_perf_callbacks.adapter.watch_generate`)."""
         self.in_generate = True
-        self.generate_start = self.clock()
+        self.generate_start = self.clock.wall()
 
     def generate_finished(self, input_ids, output) -> None:
         self.in_generate = False
         if self.disabled:
             return
-        self.timeline.add_generation(self.clock() - self.generate_start)
+        self.timeline.add_generation(self.clock.wall() - self.generate_start)
         if output is not None:
             self._hook_safely(self._count_generated, input_ids, output)
 
@@ -254,15 +259,14 @@ class ThroughputMeter(PerfCallback):
         self.recompute = bool(getattr(self.inner, name, False))
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.inner.parameters())
         table = self.device.peak()
-        configured = self.config["peak_flops"]
-        if configured == "calibrate":
-            self.peak_flops = self.device.calibrate_flops(dtype)
-        elif configured is not None:
-            self.peak_flops = float(configured)
+        if self.peak_flops == "calibrate":
+            self.run_peak_flops = self.device.calibrate_flops(dtype)
+        elif self.peak_flops is not None:
+            self.run_peak_flops = float(self.peak_flops)
         else:
-            self.peak_flops = table.flops.get(self.dtype_key) if table else None
-        self.peak_bandwidth = self.config["peak_bandwidth"] or (table.bandwidth if table else None)
-        if self.peak_flops is None and "mfu" not in self.warned:
+            self.run_peak_flops = table.flops.get(self.dtype_key) if table else None
+        self.run_peak_bandwidth = self.peak_bandwidth or (table.bandwidth if table else None)
+        if self.run_peak_flops is None and "mfu" not in self.warned:
             self.warned.add("mfu")
             self.warn(f"MFU omitted: no {self.dtype_key} peak FLOP/s known for device '{self.device.name}'. Pass "
                       f"ThroughputMeter(peak_flops=<FLOP/s>) or peak_flops='calibrate' to measure it.")
@@ -333,21 +337,21 @@ class ThroughputMeter(PerfCallback):
 
     # ------------------------------------------------------------ events
     def on_step_begin(self, args, state, control, **kwargs):
-        self.timeline.step_begin(self.clock(), overhead=self.bus.take_overhead())
+        self.timeline.step_begin(self.clock.wall(), overhead=self.bus.take_overhead())
 
     def on_substep_end(self, args, state, control, **kwargs):
         self.microbatches += 1
 
     def on_evaluate(self, args, state, control, **kwargs):
-        self.timeline.mark("eval", self.clock())
+        self.timeline.mark("eval", self.clock.wall())
 
     def on_save(self, args, state, control, **kwargs):
-        self.timeline.mark("save", self.clock())
+        self.timeline.mark("save", self.clock.wall())
 
     def on_step_end(self, args, state, control, **kwargs):
         self.microbatches += 1
         self.device.synchronize()                                   # the one synchronize per optimizer step
-        record = self.timeline.measure(state.global_step, self.clock(), cpu=self.cpu_clock())
+        record = self.timeline.measure(state.global_step, self.clock.wall(), cpu=self.clock.cpu())
         counts = self.counts.tolist()                               # one read of the device counters
         tokens = float(state.num_input_tokens_seen - self.seen) if self.token_source == "trainer" else \
             float(counts[HOOK_TOKENS])
@@ -374,7 +378,7 @@ class ThroughputMeter(PerfCallback):
         if control.should_log:   # phase shares over this logging interval
             metrics.update({keys.PERF_PHASE_SHARE[k]: v for k, v in self.timeline.take_window_phases().items()})
         self.bus.publish(metrics)
-        if self.config["progress_bar"] and metrics.get(keys.PERF_TOKENS_PER_SEC):
+        if self.progress_bar and metrics.get(keys.PERF_TOKENS_PER_SEC):
             self.bus.show_progress(f"tok/s={metrics[keys.PERF_TOKENS_PER_SEC]:.0f}")
         self._reset_step_counters()
 
@@ -403,9 +407,9 @@ class ThroughputMeter(PerfCallback):
         m[keys.PERF_FORWARDS_PER_MICROBATCH] = self.forwards / max(1, self.microbatches)
         if self.is_grpo and record.generation > 0:
             m[keys.PERF_ROLLOUT_TOKENS_PER_SEC] = generated / record.generation
-            if self.peak_bandwidth and self.decode_steps:
+            if self.run_peak_bandwidth and self.decode_steps:
                 m[keys.PERF_DECODE_BANDWIDTH_UTIL] = (self.weight_bytes * self.decode_steps / record.generation
-                                                   / self.peak_bandwidth)
+                                                   / self.run_peak_bandwidth)
         if self.is_grpo and tl.train_rate.rate():          # windowed over whole generation cycles, like tokens/s
             m[keys.PERF_TRAIN_TOKENS_PER_SEC] = tl.train_rate.rate()
         return {k: v for k, v in m.items() if v is not None}
@@ -418,13 +422,13 @@ class ThroughputMeter(PerfCallback):
         return model, hardware
 
     def _utilisation(self, rate: float | None) -> dict:
-        if not (self.peak_flops and rate):
+        if not (self.run_peak_flops and rate):
             return {}
         model, hardware = self._flops_per_token()
         per_device = rate / self.world
-        out = {keys.PERF_MFU: model * per_device / self.peak_flops}
+        out = {keys.PERF_MFU: model * per_device / self.run_peak_flops}
         if self.recompute:
-            out[keys.PERF_HFU] = hardware * per_device / self.peak_flops
+            out[keys.PERF_HFU] = hardware * per_device / self.run_peak_flops
         return out
 
     def _check_duplicates(self, step: int) -> None:
@@ -441,7 +445,7 @@ class ThroughputMeter(PerfCallback):
         if not tl.warmup_done or "data_wait" in self.warned or tl.phase_totals["data_wait"] == 0:
             return
         share = tl.phase_fractions()["data_wait"]
-        if share > self.config["data_wait_threshold"]:
+        if share > self.data_wait_threshold:
             self.warned.add("data_wait")
             advice = dataloader_advice(self.device.type, _dataloader_settings(args))
             self.warn(f"the accelerator waits for data {share:.0%} of the time: " + "; ".join(advice) + ".",
@@ -456,7 +460,7 @@ class ThroughputMeter(PerfCallback):
                "steady_step_sec": tl.steady_step_seconds, "steady_tokens_per_sec": tl.steady_tokens_per_sec,
                "mean_tokens_per_sec": tl.total_tokens / tl.total_train_seconds if tl.total_train_seconds else None,
                "phases": tl.phase_fractions(), "device": self.device.name, "world_size": self.world,
-               "peak_flops": self.peak_flops, "warmup_measured_on": tl.work,
+               "peak_flops": self.run_peak_flops, "warmup_measured_on": tl.work,
                "early_contention_sec": tl.early_contention}
         utilisation = self._utilisation(tl.steady_tokens_per_sec)
         out.update({name: utilisation[key] for name, key in (("mfu", keys.PERF_MFU), ("hfu", keys.PERF_HFU))

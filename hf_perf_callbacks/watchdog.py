@@ -4,10 +4,11 @@ from __future__ import annotations
 import sys
 
 from . import runlog as keys
-from .base import PerfCallback
+from .base import Clock, PerfCallback
 from .bus import SIGNAL_CLEAR, SIGNAL_SMALLER_BATCH
 from .device import GB, DeviceLayer, gather_floats, world_size
-from .memory import CLEAR, CRITICAL, LEVEL_NAMES, SMALLER_BATCH, STOP, MemoryPolicy, Observation
+from .memory import (BUDGET_FRACTION, CLEAR, CRITICAL, LEVEL_NAMES, SMALLER_BATCH, STOP, MemoryPolicy, Observation,
+                     budget_bytes)
 from .validation import check_flag, check_number
 
 
@@ -55,6 +56,7 @@ class MemoryWatchdog(PerfCallback):
         trend_window: steps in the growth fit (≥ 3).
         warn_within_steps / stop_within_steps: act when the wall is this many steps away.
         stop: allow the last rung (save and stop); False only warns.
+        clock: the clock seam (:class:`~hf_perf_callbacks.base.Clock`; tests plant one).
 
     Logged keys:
 
@@ -86,15 +88,16 @@ class MemoryWatchdog(PerfCallback):
     source = "mem"
     exchange_width = 2
 
-    def __init__(self, limit_gb: float | None = None, budget_fraction: float = 0.85, warn_fraction: float = 0.9,
-                 grace_steps: int = 2, trend_window: int = 8, warn_within_steps: float = 20,
-                 stop_within_steps: float = 3, stop: bool = True):
+    def __init__(self, limit_gb: float | None = None, budget_fraction: float = BUDGET_FRACTION,
+                 warn_fraction: float = 0.9, grace_steps: int = 2, trend_window: int = 8, warn_within_steps: float = 20,
+                 stop_within_steps: float = 3, stop: bool = True, clock: Clock | None = None):
         check_number("limit_gb", limit_gb, low=0, low_open=True, allow_none=True)
         check_number("budget_fraction", budget_fraction, low=0, high=1, low_open=True)
         check_flag("stop", stop)
-        super().__init__(limit_gb=limit_gb, budget_fraction=budget_fraction, warn_fraction=warn_fraction,
-                         grace_steps=grace_steps, trend_window=trend_window, warn_within_steps=warn_within_steps,
-                         stop_within_steps=stop_within_steps, stop=stop)
+        super().__init__(clock)
+        self.limit_gb, self.budget_fraction, self.warn_fraction = limit_gb, budget_fraction, warn_fraction
+        self.grace_steps, self.trend_window = grace_steps, trend_window
+        self.warn_within_steps, self.stop_within_steps, self.stop = warn_within_steps, stop_within_steps, stop
         self._policy(1.0)                      # validates the policy parameters now, not at train time
         self.device: DeviceLayer | None = None
         self.high_water = 0.0
@@ -103,10 +106,9 @@ class MemoryWatchdog(PerfCallback):
         self.summary: dict | None = None
 
     def _policy(self, budget: float) -> MemoryPolicy:
-        c = self.config
-        return MemoryPolicy(budget=budget, warn_fraction=c["warn_fraction"], grace_steps=c["grace_steps"],
-                            trend_window=c["trend_window"], warn_within_steps=c["warn_within_steps"],
-                            stop_within_steps=c["stop_within_steps"])
+        return MemoryPolicy(budget=budget, warn_fraction=self.warn_fraction, grace_steps=self.grace_steps,
+                            trend_window=self.trend_window, warn_within_steps=self.warn_within_steps,
+                            stop_within_steps=self.stop_within_steps)
 
     # ------------------------------------------------------------ setup
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -125,14 +127,10 @@ class MemoryWatchdog(PerfCallback):
                               system_total_gb=sample.system_total / GB)
 
     def budget_bytes(self, device: DeviceLayer, sample=None) -> float:
-        """The budget in bytes on ``device`` (``limit_gb``, or the fraction of the smallest real limit)."""
-        if self.config["limit_gb"]:
-            return self.config["limit_gb"] * GB
+        """The budget in bytes on ``device`` (:func:`~hf_perf_callbacks.memory.budget_bytes` of its limits)."""
         sample = sample or device.memory()
-        limits = [sample.device_limit, sample.hard_limit]
-        if device.type in ("mps", "cpu"):
-            limits.append(sample.system_total)        # unified memory: RAM is the real wall
-        return self.config["budget_fraction"] * min(x for x in limits if x)
+        return budget_bytes(device.type, sample.device_limit, sample.hard_limit, sample.system_total,
+                            self.limit_gb, self.budget_fraction)
 
     # ------------------------------------------------------------ per step
     def on_step_end(self, args, state, control, **kwargs):
@@ -243,7 +241,7 @@ class MemoryWatchdog(PerfCallback):
     def _stop(self, args, state, control, follower: bool = False) -> None:
         reason = ("another rank is about to run out of memory; this rank stops with it, at the same step"
                   if follower else self.policy.reason())
-        if not self.config["stop"]:
+        if not self.stop:
             self._act(state.global_step, "stop_suppressed", "would stop (stop=False): " + reason)
             return
         control.should_save = True

@@ -13,6 +13,7 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 import pytest
 import torch
 
+from hf_perf_callbacks.base import Clock
 from hf_perf_callbacks.tiny import build_model, build_tokenizer
 
 CORPUS = [
@@ -70,19 +71,29 @@ def make_grpo(tokenizer, output_dir, callbacks, *, max_steps=6, bs=4, ga=2, num_
                        train_dataset=dataset, processing_class=tokenizer, peft_config=lora, callbacks=callbacks)
 
 
-class PlantedClock:
-    """``time.perf_counter`` plus planted seconds. A test gives it to the code under test as its clock and plants a
-    cost (a slow dataset, a slow callback) with :meth:`spend`: the cost is as large as the test needs, takes no real
-    time, and no load on the machine can shrink it relative to the real work, so the conclusion cannot flip."""
+class PlantedClock(Clock):
+    """The package's clock plus planted seconds. A test gives it to the callbacks under test (``clock=``) and plants
+    a cost (a slow dataset, a slow callback) with :meth:`spend` (wall seconds) or :meth:`spend_cpu` (process CPU
+    seconds): the cost is as large as the test needs, takes no real time, and no load on the machine can shrink it
+    relative to the real work, so the conclusion cannot flip. ``cpu_only_planted`` makes :meth:`cpu` return the
+    planted CPU seconds alone (a test that plants every CPU second of a step)."""
 
-    def __init__(self):
+    def __init__(self, cpu_only_planted: bool = False):
         self.planted = 0.0
+        self.planted_cpu = 0.0
+        self.cpu_only_planted = cpu_only_planted
 
-    def __call__(self) -> float:
+    def wall(self) -> float:
         return time.perf_counter() + self.planted
+
+    def cpu(self) -> float:
+        return self.planted_cpu if self.cpu_only_planted else time.process_time() + self.planted_cpu
 
     def spend(self, seconds: float) -> None:
         self.planted += seconds
+
+    def spend_cpu(self, seconds: float) -> None:
+        self.planted_cpu += seconds
 
 
 class TextDataset(torch.utils.data.Dataset):

@@ -34,9 +34,10 @@ def test_short_completions_are_a_note_with_the_cap(tokenizer, tmp_path):
 
 
 def test_slow_dataset_yields_the_input_bound_finding(tokenizer, tmp_path):
-    clock = PlantedClock()                 # each example costs 1 planted second: far above any real step time
-    callbacks = default_callbacks(AdaptiveBatchTuner={"probe": False})
-    next(c for c in callbacks if isinstance(c, ThroughputMeter)).clock = clock
+    # each example costs 1 planted second, far above any real step time; warmup (decided on CPU time on a CPU
+    # device, which a loaded machine makes noisy) is capped at 2 steps: this test is about data wait, not warmup
+    clock = PlantedClock()
+    callbacks = default_callbacks(AdaptiveBatchTuner={"probe": False}, ThroughputMeter={"clock": clock, "max_warmup_steps": 2})
     trainer = make_trainer(tokenizer, tmp_path, callbacks, max_steps=8, delay=1.0, clock=clock)
     trainer.train()
     trainer.save_state()

@@ -209,3 +209,15 @@ def test_the_range_holds_the_true_steps_to_wall_in_nine_of_ten_seeds_on_the_plan
     print(f"\nplanted leak, 20 seeds, {len(forecasts)} forecasts: range coverage {coverage:.1%}, seeds with ≥ 90% "
           f"{seeds_held}/20, point error median {errors[len(errors) // 2]:.0%}, p90 "
           f"{errors[int(0.9 * (len(errors) - 1))]:.0%}")
+
+
+def test_the_budget_is_the_fraction_of_the_smallest_real_limit_or_the_given_limit():
+    from hf_perf_callbacks.memory import budget_bytes
+
+    gib = 2**30
+    assert budget_bytes("cuda", 80 * gib, None, 512 * gib) == 0.85 * 80 * gib       # RAM is no limit of a GPU
+    assert budget_bytes("mps", 20 * gib, 30 * gib, 16 * gib, budget_fraction=0.5) == 8 * gib   # unified memory
+    assert budget_bytes("cpu", None, None, 24 * gib) == 0.85 * 24 * gib
+    assert budget_bytes("cuda", 80 * gib, None, None, limit_gb=12) == 12 * gib
+    with pytest.raises(ValueError, match="no memory limit known for device type 'xpu': pass limit_gb"):
+        budget_bytes("xpu", None, None, None)

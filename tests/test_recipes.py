@@ -400,7 +400,7 @@ def test_command_line_overrides_yaml(tmp_path):
                                                    "--output_dir", str(tmp_path / "o")])
     assert args.max_steps == 7 and recipe.callbacks == ["ThroughputMeter"]
     assert recipe.callback_kwargs == {"ThroughputMeter": {"window_steps": 3}}
-    assert train.build_callbacks(recipe.callbacks, recipe.callback_kwargs)[0].config["window_steps"] == 3
+    assert train.build_callbacks(recipe.callbacks, recipe.callback_kwargs)[0].window_steps == 3
 
 
 # ---------------------------------------------------------------- impossible combinations: one test per check

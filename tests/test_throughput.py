@@ -86,8 +86,10 @@ def test_no_duplicate_warning_for_a_normal_trainer(tokenizer, tmp_path):
 
 
 def test_slow_dataset_warns_about_dataloader_settings(tokenizer, tmp_path, caplog):
-    meter = ThroughputMeter(warmup_window=2, warmup_tolerance=0.5)
-    meter.clock = clock = PlantedClock()   # each example costs 1 planted second: far above any real step time
+    # each example costs 1 planted second, far above any real step time; warmup (decided on CPU time on a CPU
+    # device, which a loaded machine makes noisy) is capped at 2 steps: this test is about data wait, not warmup
+    clock = PlantedClock()
+    meter = ThroughputMeter(warmup_window=2, warmup_tolerance=0.5, max_warmup_steps=2, clock=clock)
     with caplog.at_level("WARNING", logger="hf_perf_callbacks"):
         make_trainer(tokenizer, tmp_path, [meter], max_steps=6, delay=1.0, clock=clock).train()
     messages = [r.getMessage() for r in caplog.records if "waits for data" in r.getMessage()]
@@ -125,16 +127,14 @@ def test_resume_restores_counters_and_first_window_does_not_spike(tokenizer, tmp
     assert second.timeline.segments == 2
 
 
-def test_the_callbacks_own_time_between_steps_is_not_data_wait(tokenizer, tmp_path, monkeypatch):
+def test_the_callbacks_own_time_between_steps_is_not_data_wait(tokenizer, tmp_path):
     """Work a callback of the package does after a step (memory sampling, a cache clear: here 100 planted seconds)
     is overhead, not waiting for data; the same work in a foreign callback stays in the data-wait phase."""
     from transformers import TrainerCallback
 
-    from hf_perf_callbacks import base
     from hf_perf_callbacks.base import PerfCallback
 
-    clock = PlantedClock()
-    monkeypatch.setattr(base, "clock", clock)          # the clock that times the callbacks' own work
+    clock = PlantedClock()                             # the callbacks' one clock: it times their own work too
 
     class SlowOwn(PerfCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -145,9 +145,8 @@ def test_the_callbacks_own_time_between_steps_is_not_data_wait(tokenizer, tmp_pa
             clock.spend(100.0)
 
     waits = []
-    for slow in (SlowOwn(), SlowForeign()):
-        meter = ThroughputMeter()
-        meter.clock = clock
+    for slow in (SlowOwn(clock=clock), SlowForeign()):
+        meter = ThroughputMeter(clock=clock)
         make_trainer(tokenizer, tmp_path / type(slow).__name__, [meter, slow], max_steps=6, bs=2, ga=1).train()
         assert meter.timeline.steps == 6
         waits.append(meter.timeline.phase_totals["data_wait"])
@@ -164,24 +163,14 @@ class PlantedLoad:
 
     def __init__(self, slow_steps=3, extra_wall=100.0, cpu=10.0, extra_cpu=0.0):
         self.slow, self.extra_wall, self.cpu, self.extra_cpu = slow_steps, extra_wall, cpu, extra_cpu
-        self.offset, self.cpu_now, self.step = 0.0, 0.0, 0
-
-    def attach(self, meter):
-        import time
-
-        meter.clock = lambda: time.perf_counter() + self.offset
-        meter.cpu_clock = self.cpu_clock
-        return self
-
-    def cpu_clock(self):
-        return self.cpu_now
+        self.clock = PlantedClock(cpu_only_planted=True)     # the meter's clock: ThroughputMeter(clock=load.clock)
 
     def on_step(self, step):                  # called inside the step, before the meter reads its clocks
         if step <= self.slow:
-            self.offset += self.extra_wall
-            self.cpu_now += self.extra_cpu
-        self.offset += self.cpu
-        self.cpu_now += self.cpu
+            self.clock.spend(self.extra_wall)
+            self.clock.spend_cpu(self.extra_cpu)
+        self.clock.spend(self.cpu)
+        self.clock.spend_cpu(self.cpu)
 
 
 @pytest.mark.parametrize("kind", ["contention", "warmup"])
@@ -194,8 +183,7 @@ def test_slow_first_steps_are_warmup_only_when_cpu_time_says_so(tokenizer, tmp_p
         def on_step_end(self, args, state, control, **kwargs):
             load.on_step(state.global_step)
 
-    meter = ThroughputMeter(warmup_window=2)
-    load.attach(meter)
+    meter = ThroughputMeter(warmup_window=2, clock=load.clock)
     make_trainer(tokenizer, tmp_path, [Inside(), meter], max_steps=8).train()
     s = meter.summary
     assert s["warmup_done"] and s["warmup_measured_on"] == "cpu"

@@ -23,3 +23,31 @@ def test_check_number_messages():
         check_number("x", float("nan"))
     assert check_number("x", None, allow_none=True) is None
     assert check_number("x", 0.5, low=0, high=1, low_open=True) == 0.5
+
+
+@pytest.mark.parametrize("name", ["ThroughputMeter", "MemoryWatchdog", "MPSCacheClearer", "AdaptiveBatchTuner"])
+def test_settings_are_attributes_and_the_saved_state_rebuilds_an_equal_callback(name):
+    """transformers rebuilds a callback from ``state()["args"]`` (restore_callback_states_from_checkpoint): the
+    settings come from the instance's attributes, every constructor argument but the clock, and round-trip."""
+    import inspect
+
+    import hf_perf_callbacks
+    from hf_perf_callbacks.base import Clock
+
+    cls = getattr(hf_perf_callbacks, name)
+    first = next(p for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self")
+    changed = {"ThroughputMeter": {"window_steps": 3}, "MemoryWatchdog": {"limit_gb": 7.5},
+               "MPSCacheClearer": {"interval_steps": 20}, "AdaptiveBatchTuner": {"max_micro_batch": 2}}[name]
+    callback = cls(**changed, clock=Clock())
+    args = callback.state()["args"]
+    assert "clock" not in args and first.name in args
+    assert set(args) == {p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "clock")}
+    assert all(args[k] == v and getattr(callback, k) == v for k, v in changed.items())
+    assert cls(**args).settings() == callback.settings()
+
+
+def test_a_clock_that_is_not_a_clock_is_refused():
+    from hf_perf_callbacks import ThroughputMeter
+
+    with pytest.raises(ValueError, match=r"ThroughputMeter: clock=.* is not allowed: expected a hf_perf_callbacks"):
+        ThroughputMeter(clock=lambda: 0.0)

@@ -19,7 +19,7 @@ from dataclasses import asdict
 
 from .. import adapter
 from .. import runlog as keys
-from ..base import PerfCallback
+from ..base import Clock, PerfCallback
 from ..batching import Split, exact_splits, next_smaller
 from ..device import is_main_process, world_size
 from ..bus import SIGNAL_SMALLER_BATCH
@@ -97,7 +97,8 @@ class AdaptiveBatchTuner(PerfCallback):
     source = "tuner"
 
     def __init__(self, probe: bool = True, probe_steps: int = 4, max_micro_batch: int | None = None,
-                 probe_patience: int = 1, rank_by: str = "non_generation", probe_must_pay: bool = True):
+                 probe_patience: int = 1, rank_by: str = "non_generation", probe_must_pay: bool = True,
+                 clock: Clock | None = None):
         check_flag("probe", probe)
         if rank_by not in ("step", "non_generation"):
             raise ValueError(f"rank_by={rank_by!r} is not allowed: expected 'step' or 'non_generation'")
@@ -105,8 +106,9 @@ class AdaptiveBatchTuner(PerfCallback):
         check_number("max_micro_batch", max_micro_batch, low=1, integer=True, allow_none=True)
         check_number("probe_patience", probe_patience, low=1, integer=True)
         check_flag("probe_must_pay", probe_must_pay)
-        super().__init__(probe=probe, probe_steps=probe_steps, max_micro_batch=max_micro_batch,
-                         probe_patience=probe_patience, rank_by=rank_by, probe_must_pay=probe_must_pay)
+        super().__init__(clock)
+        self.probe, self.probe_steps, self.max_micro_batch = probe, probe_steps, max_micro_batch
+        self.probe_patience, self.rank_by, self.probe_must_pay = probe_patience, rank_by, probe_must_pay
         self.decisions: list[dict] = []
         self.split: Split | None = None
         self.planned_resize: dict | None = None

@@ -89,7 +89,7 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
     try:
         if split is not None:
             apply_split(trainer, split)
-        elif (tuner.config["probe"] if probe is None else probe) and not resume_from_checkpoint and not sharded:
+        elif (tuner.probe if probe is None else probe) and not resume_from_checkpoint and not sharded:
             _probe_or_warn(trainer, tuner)
         while True:
             adapter.rearm_jit_checkpoint(trainer)

@@ -232,7 +232,7 @@ def planned_steps(trainer) -> int | None:
 
 def run_probe(trainer, tuner: AdaptiveBatchTuner) -> Split:
     args = trainer.args
-    config = tuner.config
+    config = tuner.settings()
     device = DeviceLayer(training_device())
     watchdog = find_callback(trainer, MemoryWatchdog) or MemoryWatchdog()
     budget = min(r[0] for r in gather_floats([watchdog.budget_bytes(device)], device.device))   # the tightest rank

@@ -10,7 +10,7 @@ import os
 from . import runlog as keys
 from .runlog import SPLIT_FILE, RunHeader, RunLog, StepLine, number
 from .stats import median, quantile
-from .timeline import PHASES
+from .runlog import PHASES
 
 
 def last_value(steps: list[StepLine], key: str) -> float | None:

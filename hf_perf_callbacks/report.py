@@ -21,7 +21,7 @@ import os
 from . import runlog as keys
 from .figures import completion_stats, figures, last_probe, split_text, train_seconds, warmup_words
 from .runlog import PERF_LOG, EventLine, ReportError, RunLog, StepLine, number
-from .timeline import PHASES
+from .runlog import PHASES
 
 logger = logging.getLogger("hf_perf_callbacks")
 

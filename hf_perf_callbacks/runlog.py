@@ -28,13 +28,15 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .timeline import PHASES
-
 logger = logging.getLogger("hf_perf_callbacks")
 
 PERF_LOG = "perf_log.jsonl"
 SPLIT_FILE = "tuner_split.json"        # the tuner's split and decisions, beside the perf log
 TRAINER_STATE = "trainer_state.json"
+
+#: the phases of a step's wall time (``perf/phase/<phase>``, ``perf/phase_sec/<phase>``; meanings in
+#: :mod:`hf_perf_callbacks.timeline`)
+PHASES = ("data_wait", "generation", "compute", "eval", "save")
 
 # ---------------------------------------------------------------- metric keys (the callbacks document their units)
 # ThroughputMeter: published to the reporters and written to the step lines

@@ -34,10 +34,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from .runlog import PHASES
 from .stats import SlowStart, WarmupDetector, WindowedRate, classify_slow_steps, median
 from .validation import check_number
 
-PHASES = ("data_wait", "generation", "compute", "eval", "save")
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import adapter
-from ..device import average_across_ranks, average_buffers, gather_floats, is_oom_error, training_device, world_size
+from ..device import gather_floats, is_oom_error, training_device, world_size
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -144,6 +144,64 @@ def _trainable_gradients(model) -> list[torch.Tensor]:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     return [p.grad for p in params]
+
+
+#: the most a gradient average stages at once (DDP's default bucket): never a second copy of all the gradients
+AVERAGE_BUCKET_BYTES = 25 * 1024**2
+
+
+def average_buffers(tensors: list[torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
+    """Staging buffers for :func:`average_across_ranks`, one per dtype of the tensors smaller than
+    ``AVERAGE_BUCKET_BYTES``, each at most that size: made beforehand by a caller that must not allocate later."""
+    small: dict[torch.dtype, tuple[int, torch.device]] = {}
+    for t in tensors:
+        if t.numel() * t.element_size() < AVERAGE_BUCKET_BYTES:
+            n, _ = small.get(t.dtype, (0, t.device))
+            small[t.dtype] = (n + t.numel(), t.device)
+    return {dtype: torch.empty(min(n, AVERAGE_BUCKET_BYTES // torch.empty(0, dtype=dtype).element_size()),
+                               dtype=dtype, device=device) for dtype, (n, device) in small.items()}
+
+
+def average_across_ranks(tensors: list[torch.Tensor], buffers: dict[torch.dtype, torch.Tensor] | None = None) -> None:
+    """Replace each tensor by its mean over the ranks: a tensor of ``AVERAGE_BUCKET_BYTES`` or more in its own
+    all-reduce, in place; smaller ones packed through ``buffers`` (:func:`average_buffers`), one all-reduce per full
+    buffer. Memory beyond the tensors: the buffers only."""
+    buffers = average_buffers(tensors) if buffers is None else buffers
+    world = world_size()
+    packed: dict[torch.dtype, list[torch.Tensor]] = {dtype: [] for dtype in buffers}
+    used = dict.fromkeys(buffers, 0)
+
+    def flush(dtype):
+        view = buffers[dtype][:used[dtype]]
+        offset = 0
+        for t in packed[dtype]:
+            view[offset:offset + t.numel()].copy_(t.reshape(-1))
+            offset += t.numel()
+        torch.distributed.all_reduce(view)
+        view /= world
+        offset = 0
+        for t in packed[dtype]:
+            t.copy_(view[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+        packed[dtype], used[dtype] = [], 0
+
+    for t in tensors:
+        buffer = buffers.get(t.dtype)
+        if buffer is None or t.numel() > buffer.numel():                   # a bucket or more: on its own
+            own = t if t.is_contiguous() else t.contiguous()
+            torch.distributed.all_reduce(own)
+            own /= world
+            if own is not t:
+                t.copy_(own)
+            continue
+        if used[t.dtype] + t.numel() > buffer.numel():
+            flush(t.dtype)
+        packed[t.dtype].append(t)
+        used[t.dtype] += t.numel()
+    for dtype in buffers:
+        if packed[dtype]:
+            flush(dtype)
+
 
 
 def recoverable(error: BaseException) -> bool:

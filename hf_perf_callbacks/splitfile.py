@@ -1,0 +1,339 @@
+"""``<output_dir>/tuner_split.json``: the tuning session's record, its schema and its one reader. Pure: no torch.
+
+The file is written by one writer only, :class:`~hf_perf_callbacks.resize.session.TuningSession` (atomically, by
+the main process), and read back through :func:`read_split_file` by every reader: the resume of
+:func:`~hf_perf_callbacks.train_with_tuning`, the recipe launcher, ``hf-perf report``'s plots and the analysis.
+
+================  ==========================================================================================
+field             meaning
+================  ==========================================================================================
+``version``       the schema version (:data:`VERSION`)
+``session``       the tuning session's id: one run, kept across in-process re-sizes and resumes
+``world_size``    data-parallel ranks of the run
+``configured``    the split the run was configured with (a :class:`~hf_perf_callbacks.batching.Split`)
+``split``         the split a resume starts with: the one in effect, or the one a pending decision chose
+``written``       the checkpoints this run wrote and verified, each with the fingerprint of its files
+``decisions``     every :class:`Decision`, oldest first
+``ended``         why the tuner gave up (the run ended by an error no split fixes), or null
+================  ==========================================================================================
+
+A split is written with the field names of :class:`~hf_perf_callbacks.batching.Split` (``micro_batch``,
+``grad_accum``, ``steps_per_generation``) everywhere in the file.
+
+**Applied only when exact** (:func:`split_for_run`): the recorded split is applied to a run being started only when
+it is well-formed and exact for that run — ``micro_batch × grad_accum × world`` equals the configured effective batch
+and, for GRPO, ``micro_batch × world × steps_per_generation`` equals the configured generation batch. Anything else
+is ignored with one warning that names the file, what it holds and the expected values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+
+from .batching import Split
+from .runlog import SPLIT_FILE, number
+from .stats import iqr, median
+
+logger = logging.getLogger("hf_perf_callbacks")
+
+VERSION = 2
+
+
+class SplitFileError(ValueError):
+    """A split file that does not follow the schema (the message names the field and what it holds)."""
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def split_to_json(split: Split) -> dict:
+    out = {"micro_batch": split.micro_batch, "grad_accum": split.grad_accum}
+    if split.steps_per_generation is not None:
+        out["steps_per_generation"] = split.steps_per_generation
+    return out
+
+
+def split_from_json(value, where: str) -> Split:
+    """A :class:`Split` from its JSON form (field names; a version-1 file's argument names are read too)."""
+    if not isinstance(value, dict):
+        raise SplitFileError(f"{where} is {type(value).__name__}, not a mapping of micro_batch and grad_accum")
+    micro = value.get("micro_batch", value.get("per_device_train_batch_size"))
+    accum = value.get("grad_accum", value.get("gradient_accumulation_steps"))
+    spg = value.get("steps_per_generation")
+    if not (_positive_int(micro) and _positive_int(accum)) or not (spg is None or _positive_int(spg)):
+        raise SplitFileError(f"{where} holds micro_batch={micro!r}, grad_accum={accum!r}, steps_per_generation="
+                             f"{spg!r}: expected positive integers (steps_per_generation may be null)")
+    return Split(micro, accum, spg)
+
+
+def _floats(value, where: str) -> list[float]:
+    if not isinstance(value, list) or any(number(v) is None for v in value):
+        raise SplitFileError(f"{where} is {value!r}: expected a list of numbers")
+    return [float(v) for v in value]
+
+
+def _ints(value, where: str) -> list[int]:
+    if not isinstance(value, list) or any(not isinstance(v, int) or isinstance(v, bool) for v in value):
+        raise SplitFileError(f"{where} is {value!r}: expected a list of integers")
+    return list(value)
+
+
+def _optional(value, kind, where: str):
+    """``value`` when it is None or of ``kind`` (numbers: any finite int or float), else a SplitFileError."""
+    if value is None:
+        return None
+    if kind is float:
+        if number(value) is None or isinstance(value, bool):
+            raise SplitFileError(f"{where} is {value!r}: expected a number or null")
+        return float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise SplitFileError(f"{where} is {value!r}: expected {kind.__name__} or null")
+    return value
+
+
+@dataclass
+class Trial:
+    """One split measured by the tuner on training steps: its samples of the ranked time (seconds per optimizer
+    step outside generation, or the whole step; the slowest rank's), the steps they were measured on, its peak
+    memory and cost; the judgement against the baseline split once made."""
+
+    split: Split
+    samples: list[float] = field(default_factory=list)
+    step_samples: list[float] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    peak_gb: float | None = None
+    fits: bool = True
+    error: str | None = None
+    cost_sec: float = 0.0
+    p_value: float | None = None            # one-sided Mann-Whitney against the baseline's samples
+    gain: float | None = None               # 1 − median / baseline median
+
+    @property
+    def median(self) -> float | None:
+        return median(self.samples) if self.samples else None
+
+    @property
+    def quartiles(self) -> tuple[float, float] | None:
+        return iqr(self.samples) if self.samples else None
+
+    @property
+    def step_median(self) -> float | None:
+        return median(self.step_samples) if self.step_samples else None
+
+    def to_json(self) -> dict:
+        out = {"split": split_to_json(self.split), "samples": self.samples, "step_samples": self.step_samples,
+               "steps": self.steps, "peak_gb": self.peak_gb, "fits": self.fits, "error": self.error,
+               "cost_sec": self.cost_sec, "p_value": self.p_value, "gain": self.gain}
+        if self.samples:
+            out["median"] = self.median
+        return out
+
+    @classmethod
+    def from_json(cls, entry, where: str = "trial") -> Trial:
+        if not isinstance(entry, dict):
+            raise SplitFileError(f"{where} is {type(entry).__name__}, not a mapping")
+        fits = entry.get("fits", True)
+        if not isinstance(fits, bool):
+            raise SplitFileError(f"{where}.fits is {fits!r}: expected true or false")
+        return cls(split=split_from_json(entry.get("split"), f"{where}.split"),
+                   samples=_floats(entry.get("samples", []), f"{where}.samples"),
+                   step_samples=_floats(entry.get("step_samples", []), f"{where}.step_samples"),
+                   steps=_ints(entry.get("steps", []), f"{where}.steps"),
+                   peak_gb=_optional(entry.get("peak_gb"), float, f"{where}.peak_gb"), fits=fits,
+                   error=_optional(entry.get("error"), str, f"{where}.error"),
+                   cost_sec=_optional(entry.get("cost_sec"), float, f"{where}.cost_sec") or 0.0,
+                   p_value=_optional(entry.get("p_value"), float, f"{where}.p_value"),
+                   gain=_optional(entry.get("gain"), float, f"{where}.gain"))
+
+
+#: the kinds of decision: ``tune`` (a split measured on the run's own steps kept or left), ``memory_check`` (the
+#: configured split did not fit at the worst-case length), ``oom`` (an out-of-memory error re-sized the run),
+#: ``watchdog`` (the memory watchdog asked for a smaller micro-batch)
+DECISION_KINDS = ("tune", "memory_check", "oom", "watchdog")
+
+
+@dataclass
+class Decision:
+    """One change (or confirmation) of the split, with its reason, evidence and cost."""
+
+    kind: str
+    step: int
+    reason: str
+    old: Split
+    new: Split
+    time: float | None = None
+    checkpoint: str | None = None            # the checkpoint the re-size resumed from (None: the start)
+    recovery_sec: float | None = None        # from the decision to the next completed step
+    trials: list[Trial] = field(default_factory=list)
+    cost_sec: float | None = None            # what the decision spent beyond training (switches, slower steps)
+    expected_gain_sec: float | None = None   # its expected saving over the rest of the run
+    planned_steps: int | None = None
+    budget_gb: float | None = None
+    rule: str | None = None
+
+    def to_json(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out.update(old=split_to_json(self.old), new=split_to_json(self.new), trials=[t.to_json() for t in self.trials])
+        return out
+
+    @classmethod
+    def from_json(cls, entry, where: str = "decision") -> Decision:
+        if not isinstance(entry, dict):
+            raise SplitFileError(f"{where} is {type(entry).__name__}, not a mapping")
+        kind, step = entry.get("kind"), entry.get("step")
+        if kind not in DECISION_KINDS:
+            raise SplitFileError(f"{where}.kind is {kind!r}: expected one of {', '.join(DECISION_KINDS)}")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise SplitFileError(f"{where}.step is {step!r}: expected an integer >= 0")
+        trials = entry.get("trials", [])
+        if not isinstance(trials, list):
+            raise SplitFileError(f"{where}.trials is {trials!r}: expected a list")
+        return cls(kind=kind, step=step, reason=str(entry.get("reason", "")),
+                   old=split_from_json(entry.get("old"), f"{where}.old"),
+                   new=split_from_json(entry.get("new"), f"{where}.new"),
+                   time=_optional(entry.get("time"), float, f"{where}.time"),
+                   checkpoint=_optional(entry.get("checkpoint"), str, f"{where}.checkpoint"),
+                   recovery_sec=_optional(entry.get("recovery_sec"), float, f"{where}.recovery_sec"),
+                   trials=[Trial.from_json(t, f"{where}.trials[{i}]") for i, t in enumerate(trials)],
+                   cost_sec=_optional(entry.get("cost_sec"), float, f"{where}.cost_sec"),
+                   expected_gain_sec=_optional(entry.get("expected_gain_sec"), float, f"{where}.expected_gain_sec"),
+                   planned_steps=_optional(entry.get("planned_steps"), int, f"{where}.planned_steps"),
+                   budget_gb=_optional(entry.get("budget_gb"), float, f"{where}.budget_gb"),
+                   rule=_optional(entry.get("rule"), str, f"{where}.rule"))
+
+
+@dataclass
+class WrittenCheckpoint:
+    """A ``checkpoint-<step>`` this run wrote and verified, with the fingerprint of its files when it was written."""
+
+    step: int
+    fingerprint: str
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "fingerprint": self.fingerprint}
+
+    @classmethod
+    def from_json(cls, entry, where: str = "written") -> WrittenCheckpoint:
+        if not isinstance(entry, dict) or not isinstance(entry.get("step"), int) \
+                or not isinstance(entry.get("fingerprint"), str):
+            raise SplitFileError(f"{where} is {entry!r}: expected {{'step': int, 'fingerprint': str}}")
+        return cls(entry["step"], entry["fingerprint"])
+
+
+@dataclass
+class SplitFile:
+    """The whole ``tuner_split.json`` (see the module docstring)."""
+
+    session: str
+    world_size: int
+    configured: Split
+    split: Split
+    written: list[WrittenCheckpoint] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+    ended: str | None = None
+    version: int = VERSION
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "session": self.session, "world_size": self.world_size,
+                "configured": split_to_json(self.configured), "split": split_to_json(self.split),
+                "written": [w.to_json() for w in self.written], "decisions": [d.to_json() for d in self.decisions],
+                "ended": self.ended}
+
+    @classmethod
+    def from_json(cls, entry) -> SplitFile:
+        if not isinstance(entry, dict):
+            raise SplitFileError(f"expected a JSON object, found {type(entry).__name__}")
+        session, world = entry.get("session"), entry.get("world_size")
+        if not isinstance(session, str) or not _positive_int(world):
+            raise SplitFileError(f"session={session!r} and world_size={world!r}: expected a string and an integer >= 1")
+        split = split_from_json(entry.get("split"), "split")
+        decisions, written = entry.get("decisions", []), entry.get("written", [])
+        if not isinstance(decisions, list) or not isinstance(written, list):
+            raise SplitFileError("decisions and written must be lists")
+        return cls(session=session, world_size=world,
+                   configured=split_from_json(entry.get("configured", entry.get("split")), "configured"),
+                   split=split,
+                   written=[WrittenCheckpoint.from_json(w, f"written[{i}]") for i, w in enumerate(written)
+                            if not isinstance(w, int)],       # version 1 listed bare steps: no fingerprint to trust
+                   decisions=[Decision.from_json(d, f"decisions[{i}]") for i, d in enumerate(decisions)],
+                   ended=_optional(entry.get("ended"), str, "ended"),
+                   version=entry.get("version", 1) if isinstance(entry.get("version", 1), int) else 1)
+
+    def write(self, output_dir: str) -> str:
+        """Write atomically (a temporary file, then a rename); returns the path. OSError on failure."""
+        path = os.path.join(output_dir, SPLIT_FILE)
+        os.makedirs(output_dir, exist_ok=True)
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(self.to_json(), f, indent=1)
+        os.replace(path + ".tmp", path)
+        return path
+
+    def last(self, kind: str) -> Decision | None:
+        """The latest decision of ``kind``."""
+        return next((d for d in reversed(self.decisions) if d.kind == kind), None)
+
+    def checkpoint(self, step: int) -> WrittenCheckpoint | None:
+        return next((w for w in self.written if w.step == step), None)
+
+
+def read_split_file(output_dir: str, warn: bool = True) -> SplitFile | None:
+    """``output_dir``'s split file; None when absent, or unreadable or off the schema (one warning naming why)."""
+    path = os.path.join(output_dir, SPLIT_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return SplitFile.from_json(json.load(f))
+    except (OSError, ValueError) as error:                  # SplitFileError and JSON errors are ValueErrors
+        if warn:
+            logger.warning("[tuner] ignoring %s: %s", path, error)
+        return None
+
+
+def check_split(split: Split, *, effective_batch: int, world_size: int,
+                generation_batch: int | None = None) -> str | None:
+    """Why ``split`` does not fit the run, or None when it does."""
+    effective = split.effective_batch(world_size)
+    if effective != effective_batch:
+        return (f"its effective batch {effective} ({split.micro_batch}×{split.grad_accum} over {world_size} "
+                f"rank(s)) differs from the run's {effective_batch}")
+    if generation_batch is None:
+        if split.steps_per_generation is not None:
+            return (f"it sets steps_per_generation={split.steps_per_generation} (a GRPO split) but this run has no "
+                    f"generation batch")
+        return None
+    if split.steps_per_generation is None:
+        return "it has no steps_per_generation, and this GRPO run has a generation batch"
+    generation = split.generation_batch(world_size)
+    if generation != generation_batch:
+        return (f"its generation batch {generation} ({split.micro_batch}×{split.steps_per_generation} over "
+                f"{world_size} rank(s)) differs from the run's {generation_batch}")
+    return None
+
+
+def split_for_run(output_dir: str, *, effective_batch: int, world_size: int,
+                  generation_batch: int | None = None) -> Split | None:
+    """The recorded split when it is exact for this run (see the module docstring), else None."""
+    record = read_split_file(output_dir)
+    if record is None:
+        return None
+    why = check_split(record.split, effective_batch=effective_batch, world_size=world_size,
+                      generation_batch=generation_batch)
+    if why is not None:
+        expected = f"effective batch {effective_batch} over {world_size} rank(s)" + (
+            f", generation batch {generation_batch}" if generation_batch is not None else "")
+        logger.warning("[tuner] ignoring %s: %s (expected %s); starting from the configured split",
+                       os.path.join(output_dir, SPLIT_FILE), why, expected)
+        return None
+    return record.split
+
+
+def run_geometry(args, world_size: int) -> dict:
+    """The keyword arguments of :func:`split_for_run` for a trainer's args (as configured, before any re-size)."""
+    effective = Split(args.per_device_train_batch_size, args.gradient_accumulation_steps).effective_batch(world_size)
+    generation = getattr(args, "generation_batch_size", None) if hasattr(args, "num_generations") else None
+    return {"effective_batch": effective, "world_size": world_size, "generation_batch": generation}

@@ -385,7 +385,7 @@ class ThroughputMeter(PerfCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self.summary = self.summarize()
         self.bus.write_summary(self.source, self.summary)
-        if state.is_world_process_zero:
+        if state.is_world_process_zero and not self.bus.continuing:    # printed once, at the run's end
             print(self.format_summary())
         self.close()
 
@@ -495,6 +495,11 @@ class ThroughputMeter(PerfCallback):
         return "\n".join(lines)
 
     # ------------------------------------------------------------ state
+    def start_fresh(self) -> None:
+        self.timeline = StepTimeline(self.window_steps, self.warmup_window, self.warmup_tolerance,
+                                     self.max_warmup_steps)
+        self.warned, self.summary = set(), None
+
     def export(self) -> dict:
         return {"timeline": self.timeline.export(), "warned": sorted(self.warned)}
 

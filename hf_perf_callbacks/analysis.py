@@ -740,7 +740,7 @@ def rule_small_micro_batch(m: Measurements) -> Finding | Note | None:
                 f"pays its kernel launches and a forward/backward at low arithmetic intensity, {ga} times per "
                 "optimizer step.")
     listed = ", ".join(f"{s.micro_batch}×{s.grad_accum}" for s in splits[:6])
-    how = ("the tuner ran here without its probe (its probe did not run): use `AdaptiveBatchTuner(probe=True)` "
+    how = ("the tuner ran here without its probe (its probe did not run): use `AdaptiveBatchTuner(tune=True)` "
            "and `train_with_tuning(trainer)`" if m.tuner_attached else
            "attach `AdaptiveBatchTuner()` and call `train_with_tuning(trainer)`")
     rec = (f"Try {_yaml(setting)} (effective batch {effective} unchanged"

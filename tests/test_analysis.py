@@ -303,7 +303,7 @@ def test_small_micro_batch_with_the_tuner_attached_asks_for_its_probe():
     # seen: "Attach AdaptiveBatchTuner()" on a run that had it attached with --probe false
     f = only(healthy(micro_batch=2, grad_accum=4, mfu=0.05, tuner_attached=True))
     assert "attach" not in f.recommendation.lower()
-    assert "probe did not run" in f.recommendation and "AdaptiveBatchTuner(probe=True)" in f.recommendation
+    assert "probe did not run" in f.recommendation and "AdaptiveBatchTuner(tune=True)" in f.recommendation
 
 
 def test_small_micro_batch_after_the_probe_is_a_note_with_its_trials():

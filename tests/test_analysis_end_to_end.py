@@ -19,7 +19,7 @@ def test_short_completions_are_a_note_with_the_cap(tokenizer, tmp_path):
         return logits + bias
 
     model.lm_head.register_forward_hook(favour_eos)
-    trainer = make_grpo(tokenizer, tmp_path, default_callbacks(AdaptiveBatchTuner={"probe": False}), max_steps=6,
+    trainer = make_grpo(tokenizer, tmp_path, default_callbacks(AdaptiveBatchTuner={"tune": False}), max_steps=6,
                         completion=64, model=model)
     trainer.train()
     trainer.save_state()
@@ -37,7 +37,7 @@ def test_slow_dataset_yields_the_input_bound_finding(tokenizer, tmp_path):
     # each example costs 1 planted second, far above any real step time; warmup (decided on CPU time on a CPU
     # device, which a loaded machine makes noisy) is capped at 2 steps: this test is about data wait, not warmup
     clock = PlantedClock()
-    callbacks = default_callbacks(AdaptiveBatchTuner={"probe": False}, ThroughputMeter={"clock": clock, "max_warmup_steps": 2})
+    callbacks = default_callbacks(AdaptiveBatchTuner={"tune": False}, ThroughputMeter={"clock": clock, "max_warmup_steps": 2})
     trainer = make_trainer(tokenizer, tmp_path, callbacks, max_steps=8, delay=1.0, clock=clock)
     trainer.train()
     trainer.save_state()
@@ -52,7 +52,7 @@ def test_a_run_that_cannot_learn_is_the_first_finding(tokenizer, tmp_path):
     def zero_reward(prompts, completions, **kwargs):
         return [0.0] * len(completions)
 
-    trainer = make_grpo(tokenizer, tmp_path, default_callbacks(AdaptiveBatchTuner={"probe": False}), max_steps=4,
+    trainer = make_grpo(tokenizer, tmp_path, default_callbacks(AdaptiveBatchTuner={"tune": False}), max_steps=4,
                         bs=2, ga=2, num_generations=2, reward=zero_reward, extra={"pad_to_multiple_of": 32})
     trainer.train()
     trainer.save_state()

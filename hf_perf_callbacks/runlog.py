@@ -12,6 +12,13 @@ One JSON object per line, appended to across resumes and re-sizes (main process 
 ``summary``  :class:`SummaryLine` — a callback's end-of-run summary
 ===========  ===========================================================================================
 
+**Steady steps.** The meter decides a few steps late that warmup has ended (it needs confirming steps), so a
+step line's ``perf/steady`` is 1 only for steps known to be steady when the line was written. From the decision on,
+every step line of that ``train()`` call also carries ``perf/first_steady_step``: the steps from it up to that line
+are steady too. A reader of a killed run (no summary) thus finds the meter's steady steps exactly
+(:func:`hf_perf_callbacks.figures.steady_steps`); each step line's ``perf/train_sec`` is the training time its
+throughput was computed from.
+
 :func:`read_run` is the one reader. A run header of a new session starting at step 0 is a fresh run in a reused
 ``output_dir``: it replaces the lines of the earlier run(s) (counted in ``replaced_runs``); a resume (the same
 session, or ``resumed_from_step`` > 0) keeps them. Lines before the first run header belong to the first run.
@@ -43,6 +50,7 @@ PHASES = ("data_wait", "generation", "compute", "eval", "save")
 PERF_TOKENS_PER_SEC = "perf/tokens_per_sec"
 PERF_TOKENS_PER_SEC_PER_DEVICE = "perf/tokens_per_sec_per_device"
 PERF_STEADY_TOKENS_PER_SEC = "perf/steady_tokens_per_sec"
+PERF_STEADY_STEP_TIME = "perf/steady_step_time"
 PERF_STEP_TIME = "perf/step_time"
 PERF_WARMUP_DONE = "perf/warmup_done"
 PERF_WARMUP_STEPS = "perf/warmup_steps"
@@ -62,7 +70,10 @@ PERF_PHASE_SEC = {p: f"perf/phase_sec/{p}" for p in PHASES}
 PERF_STEP_WALL_SEC = "perf/step_wall_sec"
 PERF_TOKENS = "perf/tokens"
 PERF_SEQ_LEN = "perf/seq_len"
+PERF_TRAIN_SEC = "perf/train_sec"
 PERF_STEADY = "perf/steady"
+PERF_FIRST_STEADY_STEP = "perf/first_steady_step"
+PERF_EARLY_CONTENTION_SEC = "perf/early_contention_sec"
 PERF_CPU_SEC = "perf/cpu_sec"
 PERF_CPU_TIME_RATIO = "perf/cpu_time_ratio"
 PERF_OTHER_CPU_CORES = "perf/other_cpu_cores"
@@ -144,6 +155,8 @@ class RunHeader:
     activation_checkpointing: bool | None = None
     model: dict = field(default_factory=dict)
     dataloader: dict = field(default_factory=dict)
+    torch_threads: int | None = None      # torch.get_num_threads() of the training process
+    cpu_cores: int | None = None          # os.cpu_count(): logical cores of the machine
     # MemoryWatchdog
     budget_gb: float | None = None
     device_limit_gb: float | None = None

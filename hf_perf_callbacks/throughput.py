@@ -194,11 +194,6 @@ class ThroughputMeter(PerfCallback):
 
     # ------------------------------------------------------------ setup
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if state.global_step == 0:           # a fresh run starts over; a resume keeps what its checkpoint restored
-            self.timeline = StepTimeline(self.window_steps, self.warmup_window, self.warmup_tolerance,
-                                         self.max_warmup_steps)
-            self.summary = None
-            self.warned = set()
         self.device = DeviceLayer()
         self.world = world_size()
         self.is_grpo = hasattr(args, "num_generations") and hasattr(args, "steps_per_generation")
@@ -504,6 +499,7 @@ class ThroughputMeter(PerfCallback):
 
     # ------------------------------------------------------------ state
     def start_fresh(self) -> None:
+        """A fresh run starts over (see ``base``); a resume keeps what its checkpoint restored."""
         self.timeline = StepTimeline(self.window_steps, self.warmup_window, self.warmup_tolerance,
                                      self.max_warmup_steps)
         self.warned, self.summary = set(), None

@@ -14,7 +14,8 @@ the ``CallbackHandler`` on the call stack         a callback passed through ``ca
 ``Trainer._train_batch_size``                     ``train()`` builds its dataloader from this copy, not from
                                                   ``args``; a re-size must set both
 ``Trainer._save_checkpoint``                      the only way to write a complete resumable checkpoint
-                                                  (weights, optimizer, scheduler, RNG, state) on demand
+                                                  (weights, optimizer, scheduler, RNG, state) on demand; it reads
+                                                  ``args.save_only_model`` (set aside for that call)
 TRL ``GRPOTrainer._step``, ``_buffered_inputs``,  the generation buffer and metric accumulators of the last
 ``_metrics``                                      ``train()`` survive into the next; a resume must start clean
 ``trainer.training_step`` (instance attribute)    the step is the unit the cross-rank agreement guards; no hook
@@ -80,8 +81,16 @@ def train_batch_size(trainer) -> int:
 
 
 def save_checkpoint(trainer) -> None:
-    """Write ``checkpoint-<global_step>`` now, as the Trainer does at a save step."""
-    trainer._save_checkpoint(trainer.model, trial=None)
+    """Write ``checkpoint-<global_step>`` now, as the Trainer does at a save step, and always a complete one: the
+    weights, optimizer, scheduler, scaler and RNG state, also under ``save_only_model=True`` (which would leave out
+    everything but the weights, and a resume from it would restart the schedule and the optimizer silently)."""
+    args = trainer.args
+    only_model = args.save_only_model
+    args.save_only_model = False
+    try:
+        trainer._save_checkpoint(trainer.model, trial=None)
+    finally:
+        args.save_only_model = only_model
 
 
 def forget_last_train(trainer) -> None:

@@ -70,10 +70,14 @@ def _isolate_faults(name: str, method):
                 elif self.began:                 # a fresh run of the same trainer: a run of its own
                     self.start_fresh()
                 self.began = True
+            if name == "on_train_begin":
+                self.ended_step = state.global_step
             started = self.clock.wall()
             try:
                 return method(self, args, state, control, **kwargs)
             finally:
+                if name == "on_step_end":
+                    self.ended_step = state.global_step
                 if name in BETWEEN_STEPS:
                     self.bus.add_overhead(self.clock.wall() - started)
         except Exception as error:  # noqa: BLE001 - a callback must never take training down
@@ -134,6 +138,7 @@ class PerfCallback(TrainerCallback, ExportableState):
         self.disabled = False
         self.bus: RunBus | None = None
         self.collective_step = -1        # the last optimizer step whose cross-rank exchange this rank joined
+        self.ended_step: int | None = None   # the last optimizer step whose on_step_end this callback ran
 
     def on_init_end(self, args, state, control, **kwargs):
         """Join the trainer's bus at its init, so that the bus sees the first ``train()`` begin."""

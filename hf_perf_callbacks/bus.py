@@ -121,6 +121,18 @@ class RunBus(TrainerCallback):
         else:
             self._write_header()
 
+    def complete_step(self, args, state) -> None:
+        """Write the line of the last optimizer step (``state.global_step``) now: whatever ends a run writes the
+        perf line of every step its checkpoint holds. Callbacks that did not see that step's end (a callback before
+        them raised in ``on_step_end``) measure it first, from what they measured during the step."""
+        from transformers import TrainerControl
+
+        for callback in list(self.handler.callbacks if self.handler is not None else []):
+            ended = getattr(callback, "ended_step", None)
+            if ended is not None and ended < state.global_step and not callback.disabled:
+                callback.on_step_end(args, state, TrainerControl())
+        self.flush()
+
     def _emit(self, record: Record) -> None:
         if self.is_main:
             self._write_header()

@@ -43,6 +43,12 @@ def is_oom_error(error: BaseException) -> bool:
     return False
 
 
+def error_line(error: BaseException) -> str:
+    """The first line of an error's message, or its type's name when it has none (a bare ``MemoryError()``)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
 @dataclass(frozen=True)
 class MemorySample:
     """Memory at one moment, in bytes; ``None`` where the device does not say."""
@@ -309,4 +315,4 @@ def exchange_device(device: torch.device | str | None = None) -> torch.device:
 
 
 __all__ = ["DeviceLayer", "MemorySample", "is_oom_error", "dtype_key", "gather_floats", "exchange_device",
-           "training_device", "world_size", "is_main_process", "rng_state", "set_rng_state", "GB"]
+           "training_device", "world_size", "is_main_process", "rng_state", "set_rng_state", "GB", "error_line"]

@@ -248,12 +248,14 @@ class MemoryWatchdog(PerfCallback):
         control.should_training_stop = True
         self.stopped_at = state.global_step
         checkpoint = f"{args.output_dir}/checkpoint-{state.global_step}"
+        tuning = self.bus.tuning
+        resume = (f"train_with_tuning(trainer, resume_from_checkpoint='{checkpoint}')"
+                  if tuning is not None and tuning.managed else f"trainer.train(resume_from_checkpoint='{checkpoint}')")
         self._act(state.global_step, STOP,
                   f"stopped training at step {state.global_step} before running out of memory ({reason})."
-                  f" A checkpoint is saved to {checkpoint}; no step is lost. Resume with "
-                  f"trainer.train(resume_from_checkpoint='{checkpoint}') after freeing memory: a smaller "
-                  f"per_device_train_batch_size with a larger gradient_accumulation_steps, activation checkpointing, "
-                  f"or a shorter max_completion_length (GRPO).", kind="stop")
+                  f" A checkpoint is saved to {checkpoint}; no step is lost. Resume with {resume} after freeing "
+                  f"memory: a smaller per_device_train_batch_size with a larger gradient_accumulation_steps, "
+                  f"activation checkpointing, or a shorter max_completion_length (GRPO).", kind="stop")
 
     def _act(self, step: int, action: str, message: str, kind: str = "action") -> None:
         self.actions.append({"step": step, "action": action, "message": message})

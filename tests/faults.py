@@ -48,7 +48,7 @@ def same(a: dict, b: dict) -> bool:
 class Fault(TrainerCallback):
     """One planted fault (``times`` firings) at ``phase`` of optimizer step ``at`` (1-based; save phases: while
     writing ``checkpoint-<at>``; eval: every evaluation, micro-batches above ``limit``). ``error``: ``"oom"`` (the
-    CUDA text) or ``"other"`` (a ``ValueError``). Records the weights at the end of every step (``after``) and at
+    CUDA text), ``"bare"`` (a ``MemoryError()`` with no message) or ``"other"`` (a ``ValueError``). Records the weights at the end of every step (``after``) and at
     the start of every resumed ``train()`` (``resumed``), to compare with what was saved."""
 
     def __init__(self, phase: str, at: int, error: str = "oom", times: int = 1, limit: int = 0):
@@ -59,7 +59,8 @@ class Fault(TrainerCallback):
         self._optimizers: set[int] = set()
 
     def make_error(self) -> Exception:
-        return torch.OutOfMemoryError(CUDA_OOM) if self.error == "oom" else ValueError("planted failure")
+        return {"oom": lambda: torch.OutOfMemoryError(CUDA_OOM), "bare": MemoryError,
+                "other": lambda: ValueError("planted failure")}[self.error]()
 
     def due(self) -> bool:
         return self.left > 0 and self.step + 1 == self.at
@@ -167,3 +168,111 @@ class Fault(TrainerCallback):
             transformers.modeling_utils.safe_save_file = saved["hf"]
             peft.peft_model.safe_save_file = saved["peft"]
             TrainerState.save_to_json = saved["state"]
+
+
+class SampleRecorder(TrainerCallback):
+    """Which examples each optimizer step trained on (the rows of every training forward, padding removed). A step
+    that began and was left (an error) is forgotten when a resume trains it again."""
+
+    def __init__(self):
+        self.by_step: dict[int, list[tuple]] = {}
+        self.step = 0
+
+    def attach(self, trainer):
+        from hf_perf_callbacks.throughput import forward_entry
+
+        inner = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+        forward_entry(inner).register_forward_pre_hook(self.record, with_kwargs=True)
+        return trainer
+
+    def record(self, module, args, kwargs):
+        if torch.is_grad_enabled() and module.training:
+            ids, mask = kwargs.get("input_ids", args[0] if args else None), kwargs.get("attention_mask")
+            keep = mask.tolist() if mask is not None else [[1] * ids.shape[1]] * len(ids)
+            for row, kept in zip(ids.tolist(), keep):
+                self.by_step.setdefault(self.step + 1, []).append(tuple(t for t, k in zip(row, kept) if k))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step
+        for step in [s for s in self.by_step if s > state.global_step]:
+            del self.by_step[step]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step = state.global_step
+
+    def trained(self):
+        return {step: sorted(rows) for step, rows in self.by_step.items()}
+
+
+def rng_digest() -> str:
+    """A digest of every RNG stream a step draws from (Python, NumPy, torch CPU)."""
+    import hashlib
+    import pickle
+    import random
+
+    import numpy as np
+
+    numpy_state = np.random.get_state()
+    return hashlib.sha256(pickle.dumps((random.getstate(), numpy_state[0], numpy_state[1].tobytes(),
+                                        numpy_state[2:], torch.get_rng_state().numpy().tobytes()))).hexdigest()[:16]
+
+
+class Trajectory(SampleRecorder):
+    """What a run trained, to compare a recovered run with an unfaulted one: the examples of every optimizer step
+    (GRPO: prompts and sampled completions), a digest of every RNG at each step's begin, and at the end the
+    learning rate of every step, the weights and the optimizer state. A resume that continues another trainer's
+    run (:meth:`continues`) takes that run's first steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.rng: dict[int, str] = {}
+        self.rates: dict[int, float] = {}
+        self.final: dict[str, torch.Tensor] = {}
+        self.optimizer: dict[str, torch.Tensor] = {}
+
+    def continues(self, earlier: "Trajectory", at: int) -> "Trajectory":
+        """Take ``earlier``'s steps up to ``at`` (the checkpoint a new process resumed from)."""
+        self.by_step.update({s: rows for s, rows in earlier.by_step.items() if s <= at})
+        self.rng.update({s: d for s, d in earlier.rng.items() if s <= at})
+        return self
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        for step in [s for s in self.rng if s > state.global_step]:
+            del self.rng[step]
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.rng[state.global_step + 1] = rng_digest()
+
+    def on_train_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.rates = {h["step"]: h["learning_rate"] for h in state.log_history if "learning_rate" in h}
+        self.final = weights(model)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.optimizer = {f"{names.get(id(p), i)}.{key}": value.detach().to("cpu", copy=True)
+                          for group in inner.param_groups for i, p in enumerate(group["params"])
+                          for key, value in inner.state.get(p, {}).items() if torch.is_tensor(value)}
+
+
+def differences(expected: Trajectory, got: Trajectory, rtol: float = 1e-4, atol: float = 1e-6) -> list[str]:
+    """What ``got`` trained differently from ``expected`` (empty: the same samples, RNG stream, schedule, weights
+    and optimizer state; weights and optimizer state within float summation order)."""
+    found = []
+    trained, wanted = got.trained(), expected.trained()
+    if trained != wanted:
+        steps = sorted(s for s in set(trained) | set(wanted) if trained.get(s) != wanted.get(s))
+        found.append(f"other samples at steps {steps}")
+    if got.rng != expected.rng:
+        found.append(f"another RNG stream from step {min(s for s in expected.rng if got.rng.get(s) != expected.rng[s])}"
+                     if set(got.rng) == set(expected.rng) else f"RNG recorded at steps {sorted(got.rng)}, expected "
+                                                               f"{sorted(expected.rng)}")
+    if got.rates != expected.rates:
+        found.append(f"learning rates {got.rates} instead of {expected.rates}")
+    for what, a, b in (("weights", expected.final, got.final), ("optimizer state", expected.optimizer, got.optimizer)):
+        if set(a) != set(b) or not a:
+            found.append(f"{what}: {len(b)} tensors instead of {len(a)}")
+            continue
+        worst = max(((b[k].double() - a[k].double()).abs().max().item(), k) for k in a)
+        if not all(torch.allclose(b[k].double(), a[k].double(), rtol=rtol, atol=atol) for k in a):
+            found.append(f"{what} differ (largest |difference| {worst[0]:.3g} in {worst[1]})")
+    return found

@@ -99,16 +99,29 @@ def test_guarded_steps_average_gradients_exactly_like_ddp(two_rank_run):
     assert r0["guarded_vs_ddp_max_weight_diff"] < 1e-6 and r1["guarded_vs_ddp_max_weight_diff"] < 1e-6
 
 
-@pytest.mark.parametrize("where", ["grpo_forward_oom", "grpo_generation_oom"])
-def test_an_oom_on_one_rank_before_trls_own_collectives_resizes_both(two_rank_run, where):
+def test_an_oom_on_one_rank_before_trls_own_collectives_resizes_both(two_rank_run):
     """Rank 0 still has TRL's gathers (rewards after generation, metrics after the loss) ahead when rank 1 runs out
     of memory: without the agreement before each collective of the step, rank 0 would wait in them for ever."""
     _, (r0, r1) = two_rank_run
+    where = "grpo_forward_oom"
     assert (r0[where]["raised"], r1[where]["raised"]) == (0, 1)
     assert r0[where]["decisions"] == r1[where]["decisions"] == [["oom", 1, 2]]
     assert r0[where]["split"] == r1[where]["split"] == [2, 2, 8]          # generation batch 8 kept
     assert r0[where]["step"] == r1[where]["step"] == 3
     assert r0["collectives_restored"] and r1["collectives_restored"]    # the wrapping ends with train_with_tuning
+
+
+def test_an_oom_in_generation_on_one_rank_ends_every_rank_alike_without_a_resize(two_rank_run):
+    """Generation's memory does not shrink with the micro-batch: the ranks agree on where the OOM struck, make no
+    re-size, and every rank ends with the same cause after step 1 was saved."""
+    out, (r0, r1) = two_rank_run
+    where = "grpo_generation_oom"
+    assert (r0[where]["raised"], r1[where]["raised"]) == (0, 1)
+    assert r0[where]["ended"] == r1[where]["ended"] == ["UnfixableOOM", "out of memory in generation (MPS backend "
+                                                                        "out of memory (MPS allocated: 17.80 GB"]
+    assert r0[where]["decisions"] == r1[where]["decisions"] == []
+    assert r0[where]["split"] == r1[where]["split"] == [4, 1, 8] and r0[where]["step"] == 1
+    assert (out / where / "checkpoint-1" / "trainer_state.json").is_file()
 
 
 def test_another_error_in_one_ranks_step_is_raised_on_every_rank(two_rank_run):

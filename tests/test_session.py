@@ -15,8 +15,8 @@ from hf_perf_callbacks.resize import current_split
 from hf_perf_callbacks.runlog import OutputDirBusy, read_run
 from hf_perf_callbacks.splitfile import read_split_file
 from tests.conftest import PlantedClock, make_trainer
-from tests.faults import Fault
-from tests.test_tuner import PlantedStepTime, SampleRecorder, step_lines
+from tests.faults import Fault, SampleRecorder
+from tests.test_tuner import PlantedStepTime, step_lines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -17,6 +17,7 @@ from hf_perf_callbacks.device import GB, MemorySample
 from hf_perf_callbacks.splitfile import read_split_file
 from hf_perf_callbacks.throughput import forward_entry
 from tests.conftest import PlantedClock, make_grpo, make_trainer
+from tests.faults import SampleRecorder
 from tests.test_watchdog import FakeMPS
 
 CUDA_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.10 GiB total capacity)"
@@ -175,34 +176,6 @@ class PlantedStepTime(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         base = self.seconds[args.per_device_train_batch_size]
         self.clock.spend(base * (1 + self.rng.uniform(-self.noise, self.noise)))
-
-
-class SampleRecorder(TrainerCallback):
-    """Which examples each optimizer step trained on (the rows of every training forward, padding removed)."""
-
-    def __init__(self):
-        self.by_step: dict[int, list[tuple]] = {}
-        self.step = 0
-
-    def attach(self, trainer):
-        inner = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
-        forward_entry(inner).register_forward_pre_hook(self.record, with_kwargs=True)
-        return trainer
-
-    def record(self, module, args, kwargs):
-        if torch.is_grad_enabled() and module.training:
-            ids, mask = kwargs.get("input_ids", args[0] if args else None), kwargs.get("attention_mask")
-            for row, keep in zip(ids.tolist(), (mask.tolist() if mask is not None else [[1] * ids.shape[1]] * len(ids))):
-                self.by_step.setdefault(self.step + 1, []).append(tuple(t for t, k in zip(row, keep) if k))
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.step = state.global_step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.step = state.global_step
-
-    def trained(self):
-        return {step: sorted(rows) for step, rows in self.by_step.items()}
 
 
 def tuned_run(tokenizer, path, seconds, max_steps=25, bs=2, ga=4, noise=0.0, **tuner_kw):

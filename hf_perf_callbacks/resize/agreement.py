@@ -21,13 +21,19 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import adapter
-from ..device import gather_floats, is_oom_error, training_device, world_size
+from ..device import error_line, gather_floats, is_oom_error, training_device, world_size
+from .oomsite import MICRO_BATCH, oom_site
 
 logger = logging.getLogger("hf_perf_callbacks")
 
 
 class ResizeNeeded(RuntimeError):
-    """Raised inside the training step on every rank when any rank ran out of memory in that micro-batch."""
+    """Raised inside the training step on every rank when any rank ran out of memory in that micro-batch; ``site``
+    is where it struck (:mod:`~hf_perf_callbacks.resize.oomsite`; the same on every rank)."""
+
+    def __init__(self, message: str, site: int = MICRO_BATCH):
+        super().__init__(message)
+        self.site = site
 
 
 class PeerFailed(RuntimeError):
@@ -46,34 +52,37 @@ class OOMAgreement:
     def begin(self) -> None:
         self.inside, self.broken = True, False
 
-    def exchange(self, oom: bool, finished: bool, failed: bool = False) -> tuple[bool, bool, bool]:
-        """(some rank ran out of memory, every rank has left its step, some rank failed otherwise)."""
+    def exchange(self, oom: int | None, finished: bool, failed: bool = False) -> tuple[int | None, bool, bool]:
+        """(the site of some rank's out-of-memory error, None when none ran out; every rank has left its step; some
+        rank failed otherwise). A site no micro-batch fixes outranks the micro-batch's."""
         self.exchanging = True
         try:
-            rows = gather_floats([float(oom), float(finished), float(failed)], self.device)
+            rows = gather_floats([-1.0 if oom is None else float(oom), float(finished), float(failed)], self.device)
         finally:
             self.exchanging = False
-        return max(r[0] for r in rows) > 0, min(r[1] for r in rows) > 0, max(r[2] for r in rows) > 0
+        site = int(max(r[0] for r in rows))
+        return (None if site < 0 else site), min(r[1] for r in rows) > 0, max(r[2] for r in rows) > 0
 
     def check(self, *_) -> None:
         """Before a collective of the step: leave the step if another rank ran out of memory or failed."""
         if self.inside and not self.exchanging:
-            oom, _, failed = self.exchange(False, False)
+            site, _, failed = self.exchange(None, False)
             if failed:
                 raise PeerFailed("another rank failed inside its training step (its own traceback says why)")
-            if oom:
-                raise ResizeNeeded("out of memory on another rank")
+            if site is not None:
+                raise ResizeNeeded("out of memory on another rank", site)
 
     def collective_failed(self) -> None:
         if self.inside and not self.exchanging:
             self.broken = True
 
-    def settle(self, oom: bool, failed: bool) -> tuple[bool, bool]:
-        """After the step: exchange until every rank has left its step; (any rank ran out of memory, any failed)."""
+    def settle(self, oom: int | None, failed: bool) -> tuple[int | None, bool]:
+        """After the step: exchange until every rank has left its step; (the site of any rank's out-of-memory error
+        or None, any rank failed)."""
         while True:
-            any_oom, all_finished, any_failed = self.exchange(oom, True, failed)
+            site, all_finished, any_failed = self.exchange(oom, True, failed)
             if all_finished:
-                return any_oom, any_failed
+                return site, any_failed
 
 
 def guard_training_step(trainer):
@@ -93,7 +102,7 @@ def guard_training_step(trainer):
     def make(original):
         def training_step(model, inputs, *args, **kwargs):
             syncing = trainer.accelerator.sync_gradients and hasattr(model, "no_sync")
-            oom = failed = buffers = None
+            oom = failed = buffers = site = None
             # DDP broadcasts buffers at the start of each forward: a collective the other ranks must be told about
             ddp = adapter.unwrap_compiled(model)
             hook = (ddp.register_forward_pre_hook(agreement.check) if isinstance(ddp, DistributedDataParallel)
@@ -108,6 +117,7 @@ def guard_training_step(trainer):
                     if agreement.broken:         # it struck inside a collective: the ranks can no longer pair up
                         raise
                     if isinstance(error, ResizeNeeded) or is_oom_error(error):
+                        site = error.site if isinstance(error, ResizeNeeded) else oom_site(error, trainer)
                         oom = error.with_traceback(None)    # let the step's tensors go before the exchange allocates
                     else:
                         failed = error
@@ -115,13 +125,14 @@ def guard_training_step(trainer):
                     agreement.inside = False
                     if hook is not None:
                         hook.remove()
-            any_oom, any_failed = agreement.settle(oom is not None, failed is not None)
+            any_site, any_failed = agreement.settle(site, failed is not None)
             if failed is not None:
                 raise failed
             if any_failed:
                 raise PeerFailed("another rank failed inside its training step (its own traceback says why)")
-            if any_oom:
-                raise ResizeNeeded(f"out of memory on a rank: {oom or 'another rank'}") from oom
+            if any_site is not None:
+                where = error_line(oom) if oom is not None else "another rank"
+                raise ResizeNeeded(f"out of memory on a rank: {where}", any_site) from oom
             if buffers is not None:
                 average_across_ranks(grads, buffers)
             return loss

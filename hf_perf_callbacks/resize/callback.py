@@ -15,7 +15,7 @@ from .. import runlog as keys
 from ..base import Clock, PerfCallback
 from ..batching import Split, exact_splits, next_smaller
 from ..bus import SIGNAL_SMALLER_BATCH
-from ..device import GB, DeviceLayer, gather_floats, rng_state, world_size
+from ..device import GB, DeviceLayer, gather_floats, world_size
 from ..memory import budget_bytes
 from ..runlog import SPLIT_FILE
 from ..splitfile import read_split_file
@@ -133,7 +133,13 @@ class AdaptiveBatchTuner(PerfCallback):
                 session.adopt(record)
         return session
 
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        if self.session.managed and float(state.epoch or 0).is_integer():   # an epoch's start, not a resume within it
+            self.session.note_rng(state.global_step, epoch_start=True)
+
     def on_step_begin(self, args, state, control, **kwargs):
+        if self.session.managed:                         # the RNG a checkpoint of the last step must hold
+            self.session.note_rng(state.global_step)
         if self.measuring:
             self.device.synchronize()
             self._started = self.clock.wall()
@@ -155,9 +161,7 @@ class AdaptiveBatchTuner(PerfCallback):
         if last is not None and last.kind in ("oom", "watchdog") and last.recovery_sec is None and step > last.step:
             last.recovery_sec = time.time() - last.time           # from the decision to the next completed step
             session.persist()
-        if session.managed:                              # the RNG at this step's end, for a recovery checkpoint
-            session.step_rng = (step, rng_state())
-        split = session.split
+        split = session.ran = session.split
         fields = {keys.TUNER_MICRO_BATCH: split.micro_batch, keys.TUNER_GRAD_ACCUM: split.grad_accum,
                   keys.TUNER_EFFECTIVE_BATCH: split.effective_batch(self.world), keys.TUNER_RESIZES: session.resizes}
         self.bus.record_step(step, fields)

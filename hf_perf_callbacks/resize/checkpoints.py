@@ -6,8 +6,10 @@ scheduler, scaler and RNG state first and ``trainer_state.json`` last, and its j
 marks a save in progress with ``checkpoint-is-incomplete.txt``; so a folder is complete when that marker is absent,
 ``trainer_state.json`` parses and names the folder's step, and a weights file is there. The tuner records the steps
 this run wrote and verified (its ``written`` list, with its session id); recovery resumes only from those. A folder
-in the way (an earlier run's, or a partial one) is moved aside to ``checkpoint-N.<why>-<n>``, a name transformers
-never reads as a checkpoint, so it can be neither resumed from nor be the newest. Under several ranks only the main
+in the way (an earlier run's, or a partial one) is moved aside to ``moved_aside/checkpoint-N.<why>-<n>`` inside
+``output_dir``: out of the ``checkpoint-*`` names that transformers resumes from and that its rotation
+(``save_total_limit``) sorts, so it can be neither resumed from, nor kept as the newest while a complete one is
+deleted. Under several ranks only the main
 process (which writes the files) checks and moves them; the others take its word (no rank races another's write).
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ STATE_FILE = "trainer_state.json"          # transformers' TRAINER_STATE_NAME, w
 INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"   # transformers' JIT checkpoint sentinel
 WEIGHT_PREFIXES = ("model", "adapter_model", "pytorch_model")
 _CHECKPOINT = re.compile(rf"^{PREFIX}-(\d+)$")
+MOVED_ASIDE = "moved_aside"                # the folder of output_dir that checkpoints are moved aside into
 
 
 def checkpoint_dir(output_dir: str, step: int) -> str:
@@ -52,6 +55,20 @@ def is_complete(path: str, step: int | None = None) -> bool:
     return any(name.startswith(WEIGHT_PREFIXES) for name in os.listdir(path))
 
 
+def has_training_state(path: str) -> bool:
+    """Whether a checkpoint holds the optimizer and scheduler state, not the weights alone (``save_only_model=True``
+    writes only the weights: a resume from them restarts the schedule and the optimizer). The optimizer is
+    ``optimizer.pt``/``.bin`` or, sharded (FSDP), a folder named ``optimizer…``, as transformers looks for it."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    optimizer = any(n in ("optimizer.pt", "optimizer.bin") or (n.startswith("optimizer")
+                                                                and os.path.isdir(os.path.join(path, n)))
+                    for n in names)
+    return optimizer and "scheduler.pt" in names
+
+
 def fingerprint(path: str) -> str:
     """A fingerprint of a checkpoint's contents, cheap at any model size: every file's name, size and modification
     time, and the bytes of ``trainer_state.json`` (its losses and step are this run's). A folder rewritten by
@@ -68,11 +85,15 @@ def fingerprint(path: str) -> str:
 
 
 def move_aside(path: str, why: str) -> str | None:
-    """Rename ``path`` to ``path.<why>-<n>`` (never read as a checkpoint); returns the new name (None on failure)."""
+    """Move ``path`` to ``moved_aside/<name>.<why>-<n>`` beside it (never read, resumed or rotated as a checkpoint);
+    returns the new path (None on failure)."""
+    path = os.path.normpath(path)
+    folder = os.path.join(os.path.dirname(path), MOVED_ASIDE)
     for n in range(1, 1000):
-        target = f"{path}.{why}-{n}"
+        target = os.path.join(folder, f"{os.path.basename(path)}.{why}-{n}")
         if not os.path.exists(target):
             try:
+                os.makedirs(folder, exist_ok=True)
                 os.replace(path, target)
             except OSError as error:
                 logger.warning("[tuner] could not move %s aside: %s", path, error)

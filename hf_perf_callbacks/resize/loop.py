@@ -29,13 +29,15 @@ import time
 from .. import adapter
 from ..batching import next_smaller
 from ..bus import bus_for
-from ..device import DeviceLayer, is_main_process, is_oom_error, rng_state, set_rng_state, training_device, world_size
+from ..device import (DeviceLayer, error_line, is_main_process, is_oom_error, rng_state, set_rng_state,
+                      training_device, world_size)
 from ..runlog import SPLIT_FILE
 from ..splitfile import run_geometry, split_for_run
 from ..stats import generation_period
 from ..validation import check_number
 from . import memcheck, sharding
 from .agreement import ResizeNeeded, guard_training_step, recoverable
+from .oomsite import UnfixableOOM, oom_site, unfixable_message
 from .callback import AdaptiveBatchTuner, candidates, find_callback
 from .checkpoints import checkpoint_dir, is_complete, move_aside, newest_complete, step_of
 from .session import TuningSession, recorded_session
@@ -112,6 +114,12 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
                     if max_resizes > 0:
                         _save_before_raising(trainer, session, tuner, error)
                     raise
+                site = error.site if isinstance(error, ResizeNeeded) else oom_site(error, trainer)
+                cause = unfixable_message(site, trainer, error)
+                if cause is not None:                    # no micro-batch fixes it: no re-size
+                    unfixable = UnfixableOOM(cause)
+                    _save_before_raising(trainer, session, tuner, unfixable, agreed=isinstance(error, ResizeNeeded))
+                    raise unfixable from error
                 if resizes >= max_resizes:
                     _save_before_raising(trainer, session, tuner, error)
                     raise RuntimeError(f"train_with_tuning gave up after {max_resizes} re-sizes") from error
@@ -235,16 +243,10 @@ def _free_memory(trainer, session: TuningSession) -> None:
                                                        f"({type(error).__name__}: {error}); going on without it")
 
 
-def _first_line(error: BaseException) -> str:
-    """The first line of an error's message, or its type's name when it has none (a bare ``MemoryError()``)."""
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
-
-
 def _recover_from_oom(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, error: BaseException) -> str | None:
     """Plan the next split and the checkpoint to resume from (ValueError when no smaller split is left). A split
     under trial that ran out of memory is left: the run goes back to the tuning baseline."""
-    reason = f"out of memory: {_first_line(error)[:160]}"
+    reason = f"out of memory: {error_line(error)[:160]}"
     old = session.split
     tuning = session.tuning
     step = trainer.state.global_step
@@ -284,41 +286,54 @@ def _recover_from_oom(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
 
 
 def _save_verified(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, step: int) -> str:
-    """``checkpoint-<step>`` written by this run and verified complete. A folder of that name that this run did not
-    write (an earlier run's, or a partial one) is moved aside first; a save that fails or comes out incomplete is
-    moved aside too, and the error raised."""
+    """``checkpoint-<step>`` written by this run, verified complete and holding the whole training state (weights,
+    optimizer, scheduler and the RNG the next step starts from, whatever ``save_only_model`` says), with the perf
+    line of step ``step`` written first. A folder of that name that this run did not write (an earlier run's, or a
+    partial one) is moved aside first; one this run wrote with the weights alone (``save_only_model``) is saved
+    again, whole; a save that fails or comes out incomplete is moved aside too, and the error raised."""
     output_dir = trainer.args.output_dir
     path = checkpoint_dir(output_dir, step)
     main = is_main_process()             # under several ranks only the main process checks and moves folders
-    if session.is_ours(step):
+    if session.bus is not None:
+        session.bus.complete_step(trainer.args, trainer.state)     # the checkpoint's steps all have their line
+    ours = session.is_ours(step)
+    if ours and session.resumable(step):
         return path
-    if main and os.path.exists(path):
+    if main and not ours and os.path.exists(path):
         why = "stale" if is_complete(path, step) else "partial"
         moved = move_aside(path, why)
         if moved is None:
             raise RuntimeError(f"{path} is in the way (not written by this run) and could not be moved aside")
         logger.warning("[tuner] %s was not written by this run (%s): moved aside to %s", path,
                        "an earlier run's or another process's" if why == "stale" else "incomplete", moved)
+    current = rng_state()
     try:
+        set_rng_state(session.rng_after(step) or current)   # the RNG the next step starts from
         adapter.save_checkpoint(trainer)
     except BaseException:
         if main and os.path.exists(path):
             move_aside(path, "partial")
         raise
+    finally:
+        set_rng_state(current)
     if not session.record_written(step):
         moved = move_aside(path, "partial")
         raise RuntimeError(f"checkpoint-{step} came out incomplete (moved aside to {moved})")
+    session.saved_complete.add(step)
     return path
 
 
-def _save_before_raising(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, error: BaseException) -> None:
+def _save_before_raising(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, error: BaseException,
+                         agreed: bool | None = None) -> None:
     """The run is about to end with ``error``: save its last completed optimizer step when it can, and say how to
-    resume (as a log line and a note on the error). The split file records why the tuner gave up and, as the split
-    to resume with, the split in effect."""
+    resume (as a log line and a note on the error). ``agreed``: every rank left the step together (default: the
+    error is the agreement's). The split file records why the tuner gave up (``ended``) and, as the split to resume
+    with, the last split that completed a step (:attr:`TuningSession.resume_split`)."""
     output_dir = trainer.args.output_dir
     step = trainer.state.global_step
     checkpoint, why = None, ""
-    if world_size() > 1 and not isinstance(error, ResizeNeeded):
+    agreed = isinstance(error, ResizeNeeded) if agreed is None else agreed
+    if world_size() > 1 and not agreed:
         why = "other ranks may be inside a collective, so no rank can save now"
     elif tuner.in_optimizer_step:
         why = "it struck inside optimizer.step, so the weights may be half-updated"
@@ -339,7 +354,8 @@ def _save_before_raising(trainer, session: TuningSession, tuner: AdaptiveBatchTu
     resume = (f"resume with train_with_tuning(trainer, resume_from_checkpoint={checkpoint!r}) (the split in "
               f"{os.path.join(output_dir, SPLIT_FILE)} is applied when it fits)" if checkpoint
               else "the run must start again")
-    message = f"training ended at step {step} by {type(error).__name__}: {_first_line(error)[:160]}; {saved}; {resume}"
+    what = str(error) if isinstance(error, UnfixableOOM) else error_line(error)[:160]    # its cause and its fix
+    message = f"training ended at step {step} by {type(error).__name__}: {what}; {saved}; {resume}"
     session.switch = None
     session.ended = message
     session.persist()

@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 
 from .. import adapter
 from ..batching import Split
-from ..device import GB, DeviceLayer, gather_floats, rng_state, set_rng_state, training_device, world_size
+from ..device import GB, DeviceLayer, error_line, gather_floats, rng_state, set_rng_state, training_device, world_size
 from ..memory import budget_bytes
 from ..splitfile import Trial
 from .agreement import recoverable
@@ -96,7 +96,7 @@ def _step(trainer, session: TuningSession, split: Split, device: DeviceLayer, bu
     except Exception as raised:  # noqa: BLE001 - only an out-of-memory error is a finding of the check
         if not recoverable(raised):
             raise
-        error = f"out of memory: {(str(raised).splitlines() or [type(raised).__name__])[0][:120]}"
+        error = f"out of memory: {error_line(raised)[:120]}"
     finally:
         adapter.forget_last_train(trainer)
         device.empty_cache()

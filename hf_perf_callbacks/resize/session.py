@@ -30,9 +30,9 @@ import uuid
 
 from .. import adapter
 from ..batching import Split
-from ..device import is_main_process, world_size
+from ..device import is_main_process, rng_state, world_size
 from ..splitfile import Decision, SplitFile, WrittenCheckpoint, read_split_file
-from .checkpoints import checkpoint_dir, fingerprint, is_complete
+from .checkpoints import checkpoint_dir, fingerprint, has_training_state, is_complete
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -59,11 +59,13 @@ class TuningSession:
         self.switch_requested_at: float | None = None
         self.decisions: list[Decision] = []
         self.written: list[WrittenCheckpoint] = []
+        self.saved_complete: set[int] = set()   # steps of the checkpoints the session saved itself (complete)
         self.ended: str | None = None
         self.managed = False                    # train_with_tuning drives the run (acts on switches)
         self.tuning = None                      # the tuning on the run's own steps (resize.tuning.OnRunTuning)
         self.warned: set[str] = set()
-        self.step_rng: tuple[int, tuple] | None = None   # (step, every RNG state) at that optimizer step's end
+        self.next_rng: tuple[int, tuple] | None = None   # (step, the RNG the step after it starts from)
+        self.ran: Split | None = None           # the split of the last completed optimizer step
         self.switch_steps: list[int] = []       # checkpoints written only to switch splits (removed when superseded)
         if bus is not None:
             bus.tuning = self
@@ -72,7 +74,11 @@ class TuningSession:
     # ------------------------------------------------------------ the split
     @property
     def resume_split(self) -> Split:
-        """The split a resume starts with: a pending switch, else the tuning baseline, else the split in effect."""
+        """The split a resume starts with: a pending switch, else the tuning baseline, else the split in effect;
+        once the run has ended with an error, the last split that completed a step (else the configured one), never
+        one that just failed."""
+        if self.ended is not None:
+            return self.ran or self.configured
         if self.switch is not None:
             return self.switch
         if self.tuning is not None and self.tuning.done is None:
@@ -147,6 +153,22 @@ class TuningSession:
         """Re-sizes forced by memory (out-of-memory errors and the watchdog's requests)."""
         return sum(d.kind in ("oom", "watchdog") for d in self.decisions)
 
+    # ------------------------------------------------------------ the RNG a checkpoint holds
+    def note_rng(self, step: int, epoch_start: bool = False) -> None:
+        """Remember the RNG that the optimizer step after ``step`` starts from: what a checkpoint of ``step`` must
+        hold for a resume to draw what the run drew. transformers restores a checkpoint's RNG where the next step's
+        batches are fetched (mid-epoch) or before the epoch's data iterator is made (at an epoch's start), so it is
+        taken at that point: at the begin of the epoch (``epoch_start``) or of the step, before a GRPO step's
+        generation draws from it. The step's end is too early (an evaluation at that step may draw), and the moment
+        of an out-of-memory error too late (the failing step drew already)."""
+        if epoch_start or self.next_rng is None or self.next_rng[0] != step:
+            self.next_rng = (step, rng_state())
+
+    def rng_after(self, step: int) -> tuple | None:
+        """The RNG to save in ``checkpoint-<step>`` (None: the step after it has not begun; the current one is
+        right)."""
+        return self.next_rng[1] if self.next_rng is not None and self.next_rng[0] == step else None
+
     # ------------------------------------------------------------ checkpoints
     def record_written(self, step: int) -> bool:
         """Record ``checkpoint-<step>`` as this run's, with its fingerprint, when it is complete (checked by the
@@ -173,12 +195,23 @@ class TuningSession:
         return is_complete(path, step) and fingerprint(path) == entry.fingerprint
 
     def newest_ours(self, at_most: int) -> str | None:
-        """The newest checkpoint this run wrote at a step ≤ ``at_most`` that is still there, unchanged (rotation by
-        ``save_total_limit`` may have removed older ones; another process may have replaced one)."""
+        """The newest checkpoint this run wrote at a step ≤ ``at_most`` that is still there, unchanged, and holds the
+        training state (rotation by ``save_total_limit`` may have removed older ones; another process may have
+        replaced one; ``save_only_model`` leaves the weights alone)."""
         for entry in sorted(self.written, key=lambda w: -w.step):
-            if entry.step <= at_most and self.is_ours(entry.step):
+            if entry.step <= at_most and self.is_ours(entry.step) and self.resumable(entry.step):
                 return checkpoint_dir(self.output_dir, entry.step)
         return None
+
+    def resumable(self, step: int) -> bool:
+        """Whether ``checkpoint-<step>`` holds the optimizer and scheduler state: one the session saved (always
+        complete), else as its files say (the main process, which wrote them; the other ranks, which cannot see
+        them, go by ``save_only_model``, so that every rank decides alike)."""
+        if step in self.saved_complete:
+            return True
+        if not is_main_process():
+            return not self.args.save_only_model
+        return has_training_state(checkpoint_dir(self.output_dir, step))
 
     def switched_at(self, step: int, wrote: bool) -> None:
         """A switch resumed from ``checkpoint-<step>`` (``wrote``: written for the switch, not by a save the run

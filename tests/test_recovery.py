@@ -1,0 +1,201 @@
+"""A recovery is exact under the settings users have, and whatever ends a run ends it cleanly: real Trainer and
+GRPOTrainer runs (CPU, tiny models) with a fault planted (:mod:`tests.faults`), compared with the same run unfaulted
+(every sample marked, the RNG stream digested at every step, SGD with momentum so that a lost optimizer state or a
+scaled gradient shows in the weights).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+from transformers import TrainerCallback
+
+from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, train_with_tuning
+from hf_perf_callbacks.batching import Split
+from hf_perf_callbacks.resize.checkpoints import MOVED_ASIDE, has_training_state, is_complete
+from hf_perf_callbacks.resize.oomsite import UnfixableOOM
+from hf_perf_callbacks.splitfile import read_split_file
+from tests.conftest import make_grpo, make_trainer
+from tests.faults import Fault, Trajectory, differences
+from tests.test_faults import step_lines
+
+SGD = {"optim": "sgd", "optim_args": "momentum=0.9", "learning_rate": 0.05, "lr_scheduler_type": "linear"}
+
+
+def varied_reward(prompts, completions, completion_ids=None, **kwargs):
+    """Rewards that differ within a group (GRPO learns, so a wrong resume shows in the weights)."""
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def unfaulted(tokenizer, path, **kwargs) -> Trajectory:
+    trajectory = Trajectory()
+    trajectory.attach(make_trainer(tokenizer, path, [trajectory], **kwargs)).train()
+    return trajectory
+
+
+def test_save_only_model_recovery_checkpoints_hold_the_whole_training_state(tokenizer, tmp_path):
+    """transformers saves checkpoint-2 with the weights alone; an OOM at step 3 goes back to it: the session saves it
+    again, whole, so the schedule and SGD's momentum go on as in an unfaulted run."""
+    extra = {**SGD, "save_strategy": "steps", "save_steps": 2, "save_only_model": True}
+    expected = unfaulted(tokenizer, tmp_path / "plain", max_steps=5, extra=extra)
+    fault, got = Fault("forward", at=3), Trajectory()
+    trainer = fault.attach(got.attach(make_trainer(tokenizer, tmp_path / "run", [fault, got,
+                                                   AdaptiveBatchTuner(tune=False)], max_steps=5, extra=extra)))
+    train_with_tuning(trainer)
+    assert fault.fired == 1 and trainer.args.save_only_model                  # the user's setting is left alone
+    assert has_training_state(str(tmp_path / "run" / "checkpoint-2"))
+    assert not has_training_state(str(tmp_path / "run" / "checkpoint-4"))    # transformers' own save: weights only
+    assert differences(expected, got) == []
+
+
+def test_an_oom_while_writing_a_checkpoint_under_save_total_limit_keeps_the_complete_one(tokenizer, tmp_path,
+                                                                                        monkeypatch):
+    """The half-written checkpoint-4 is moved aside out of the checkpoint namespace: rotation (which sorts by step
+    when the saves fall within one second, planted here) can no longer keep it as the newest and delete the
+    complete one."""
+    import transformers.trainer_utils
+
+    monkeypatch.setattr(transformers.trainer_utils.os.path, "getmtime", lambda path: 0.0)
+    extra = {"save_strategy": "steps", "save_steps": 2, "save_total_limit": 1}
+    fault = Fault("save:optimizer", at=4)
+    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, AdaptiveBatchTuner(tune=False)], max_steps=5,
+                                        extra=extra))
+    with fault.planted_save():
+        train_with_tuning(trainer)
+    assert fault.fired == 1 and trainer.state.global_step == 5
+    assert is_complete(str(tmp_path / "checkpoint-5"), 5) and not (tmp_path / "checkpoint-4.partial-1").exists()
+    assert os.listdir(tmp_path / MOVED_ASIDE) == ["checkpoint-4.partial-1"]
+    assert [s["step"] for s in step_lines(tmp_path)] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("bs", [4, 1], ids=["re-sizes", "saves-and-ends"])
+def test_a_bare_memory_error_re_sizes_or_saves_and_ends(tokenizer, tmp_path, bs):
+    fault = Fault("forward", at=3, error="bare")
+    tuner = AdaptiveBatchTuner(tune=False)
+    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, tuner], max_steps=4, bs=bs, ga=2))
+    if bs == 1:
+        with pytest.raises(ValueError, match="no exact split smaller") as raised:
+            train_with_tuning(trainer)
+        assert "by MemoryError: MemoryError; saved" in " ".join(raised.value.__cause__.__notes__)
+        assert is_complete(str(tmp_path / "checkpoint-2"), 2)
+        return
+    train_with_tuning(trainer)
+    [decision] = tuner.session.decisions
+    assert decision.kind == "oom" and decision.reason == "out of memory: MemoryError" and decision.new == Split(2, 4)
+    assert trainer.state.global_step == 4 and [s["step"] for s in step_lines(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_after_giving_up_the_split_file_holds_the_last_split_that_completed_steps(tokenizer, tmp_path):
+    fault = Fault("forward", at=3, times=3)                 # 4×2, 2×4 and 1×8 all run out of memory at step 3
+    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, AdaptiveBatchTuner(tune=False)], max_steps=4))
+    with pytest.raises(ValueError, match="no exact split smaller than 1×8"):
+        train_with_tuning(trainer)
+    record = read_split_file(str(tmp_path))
+    assert record.split == Split(4, 2) and "training ended at step 2" in record.ended
+    assert [(d.old, d.new) for d in record.decisions] == [(Split(4, 2), Split(2, 4)), (Split(2, 4), Split(1, 8))]
+
+
+class Raises(TrainerCallback):
+    """A user callback (or, as ``on_log``, a reporter) that raises at optimizer step ``at``."""
+
+    def __init__(self, event: str, at: int):
+        self.event, self.at = event, at
+        setattr(self, event, self.maybe_raise)
+
+    def maybe_raise(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            raise RuntimeError(f"planted failure in {self.event}")
+
+
+@pytest.mark.parametrize("event", ["on_step_end", "on_log"])
+def test_a_callback_raising_at_a_step_leaves_every_step_of_the_checkpoint_in_the_perf_log(tokenizer, tmp_path,
+                                                                                          event):
+    """The user's callback comes first (on_step_end: the package's callbacks never see step 3 end) or a reporter
+    raises in on_log: checkpoint-3 is saved, and so is step 3's line; the resume trains steps 4 and 5 once."""
+    callbacks = [ThroughputMeter(), MemoryWatchdog(limit_gb=64), AdaptiveBatchTuner(tune=False)]
+    raising = Raises(event, at=3)
+    trainer = make_trainer(tokenizer, tmp_path, [raising, *callbacks] if event == "on_step_end" else callbacks,
+                           max_steps=5)
+    if event == "on_log":               # the reporters run before user callbacks, right after the bus
+        trainer.callback_handler.callbacks.insert(1, raising)
+    with pytest.raises(RuntimeError, match="planted failure"):
+        train_with_tuning(trainer)
+    assert is_complete(str(tmp_path / "checkpoint-3"), 3)
+    line = step_lines(tmp_path)[-1]
+    assert line["step"] == 3 and "perf/step_wall_sec" in line and "mem/device_used_gb" in line
+    assert line["tuner/micro_batch"] == 4
+    resumed = make_trainer(tokenizer, tmp_path, [ThroughputMeter(), AdaptiveBatchTuner(tune=False)], max_steps=5)
+    train_with_tuning(resumed, resume_from_checkpoint="last")
+    assert [s["step"] for s in step_lines(tmp_path)] == [1, 2, 3, 4, 5]
+
+
+def recorder(seen):
+    def reward(prompts, completions, completion_ids=None, **kwargs):
+        seen.append(tuple(tuple(ids) for ids in completion_ids))
+        return varied_reward(prompts, completions, completion_ids)
+    return reward
+
+
+def test_a_grpo_recovery_checkpoint_holds_the_rng_its_next_step_starts_from(tokenizer, tmp_path):
+    """An OOM in step 3's training forward, after step 3's generation drew from the RNG: the recovery checkpoint-2
+    holds the RNG step 3 started from, so the resumed run samples the completions of an unfaulted run."""
+    plain, seen = [], []
+    make_grpo(tokenizer, tmp_path / "plain", [], max_steps=4, completion=6, reward=recorder(plain)).train()
+    fault = Fault("forward", at=3)
+    trainer = fault.attach(make_grpo(tokenizer, tmp_path / "run", [fault, AdaptiveBatchTuner(tune=False)],
+                                     max_steps=4, completion=6, reward=recorder(seen)))
+    train_with_tuning(trainer)
+    assert fault.fired == 1 and trainer.args.per_device_train_batch_size == 2
+    assert seen[2] == plain[2] and seen[3:] == plain[2:]          # the failed attempt's rollout, then the same again
+
+
+def grpo_oom(tokenizer, path, reward, fault=None):
+    tuner = AdaptiveBatchTuner(tune=False)
+    trainer = make_grpo(tokenizer, path, [fault, tuner] if fault else [tuner], max_steps=4, completion=6,
+                        reward=reward)
+    if fault:
+        fault.attach(trainer)
+    with pytest.raises(UnfixableOOM) as raised:
+        train_with_tuning(trainer)
+    assert tuner.session.decisions == [] and trainer.args.per_device_train_batch_size == 4     # no re-size
+    record = read_split_file(str(path))
+    assert record.split == Split(4, 2, 2) and record.ended.startswith("training ended at step 2 by UnfixableOOM")
+    assert str(raised.value) in record.ended                              # the cause and its fix, whole
+    assert is_complete(str(path / "checkpoint-2"), 2)
+    assert "saved" in " ".join(raised.value.__notes__) and "checkpoint-2" in " ".join(raised.value.__notes__)
+    return str(raised.value)
+
+
+def test_an_oom_in_grpo_generation_is_named_and_not_re_sized(tokenizer, tmp_path):
+    message = grpo_oom(tokenizer, tmp_path, varied_reward, Fault("generation", at=3))
+    assert message.startswith("out of memory in generation (CUDA out of memory")
+    assert "generation_batch_size" in message and "max_completion_length=6" in message and "use_vllm" in message
+
+
+def test_an_oom_in_a_reward_function_is_named_and_not_re_sized(tokenizer, tmp_path):
+    calls = []
+
+    def judge(prompts, completions, completion_ids=None, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError()
+        return varied_reward(prompts, completions, completion_ids)
+
+    message = grpo_oom(tokenizer, tmp_path, judge)
+    assert message.startswith("out of memory in the reward function 'judge' (MemoryError)")
+
+
+def test_the_watchdog_stop_says_to_resume_through_the_interface_that_ran(tokenizer, tmp_path):
+    from tests.test_watchdog import FakeMPS
+
+    messages = {}
+    for how in ("train", "train_with_tuning"):
+        watchdog = MemoryWatchdog(limit_gb=7.0, grace_steps=1)
+        trainer = make_trainer(tokenizer, tmp_path / how, [watchdog, AdaptiveBatchTuner(tune=False)], max_steps=5,
+                               bs=1, ga=8)                     # no smaller micro-batch: the watchdog stops
+        watchdog.device = FakeMPS(driver_gb=[12.0])
+        trainer.train() if how == "train" else train_with_tuning(trainer)
+        [stop] = [a["message"] for a in watchdog.actions if a["action"] == "stop"]
+        messages[how] = stop
+    assert "Resume with trainer.train(resume_from_checkpoint=" in messages["train"]
+    assert "Resume with train_with_tuning(trainer, resume_from_checkpoint=" in messages["train_with_tuning"]

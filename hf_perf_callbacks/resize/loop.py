@@ -249,8 +249,9 @@ def _recover_from_oom(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
     tuning = session.tuning
     step = trainer.state.global_step
     if tuning is not None and tuning.done is None and old != tuning.baseline:
-        new = tuning.baseline
-        tuning.failed(old, "out of memory")
+        new = tuning.failed(old, "out of memory", step)       # the next candidate, or back to the baseline
+        if tuning.done is not None:
+            session.record_tuning(step)
     else:
         new = next_smaller(old, candidates(trainer.args, session.world))
         if tuning is not None and tuning.done is None:

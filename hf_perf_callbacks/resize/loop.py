@@ -87,7 +87,6 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
         parent = os.path.dirname(os.path.normpath(resume_from_checkpoint))
         if step is not None and os.path.realpath(parent) == os.path.realpath(output_dir):
             session.record_written(step)             # the base of this run: a valid fallback for a later OOM
-    session.persist()                                # the file describes this run from its start
     sharded = sharding.start(trainer, session)       # FSDP: no step guard, no tuning; DeepSpeed: refused
     restore = guard_training_step(trainer) if sharded is None else (lambda: None)
     undo_evaluate = adapter.replace_method(trainer, "evaluate",

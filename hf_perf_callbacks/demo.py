@@ -129,7 +129,7 @@ def run_demo(output_dir: str | None = None, max_steps: int | None = None, model:
     write its plots and ``perf_report.md``; returns the output directory."""
     _check_model(model)
     from . import train_with_tuning
-    from .cli import report_command
+    from .run_report import report_command
 
     output_dir = output_dir or tempfile.mkdtemp(prefix="hf_perf_demo_")
     from .tasks.wordle import REWARD_FUNCS

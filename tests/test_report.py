@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from hf_perf_callbacks.cli import report_command
+from hf_perf_callbacks.run_report import report_command
 from hf_perf_callbacks.report import summarize, write_plots
 from hf_perf_callbacks.runlog import PERF_LOG, ReportError, read_run
 

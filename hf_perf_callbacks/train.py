@@ -54,7 +54,7 @@ class RecipeArguments:
 
     callbacks: list[str] = field(default_factory=lambda: list(DEFAULT_CALLBACKS), metadata={
         "help": "callback class names from hf_perf_callbacks (or dotted paths of TrainerCallback classes); "
-                "'none' for no callbacks"})
+                "'none' for no callbacks; default: all four"})
     callback_kwargs: dict | str | None = field(default=None, metadata={
         "help": "keyword arguments per callback class name, e.g. {MemoryWatchdog: {limit_gb: 12}} (JSON on the "
                 "command line)"})
@@ -92,11 +92,15 @@ def make_parser():
 
 def launcher_help() -> str:
     """The launcher's own keys (``RecipeArguments``) with their defaults, and the quick-trial flags."""
+    import textwrap
+
     lines = ["the launcher's own keys (besides every GRPOConfig and ModelConfig field):"]
     for f in dataclasses.fields(RecipeArguments):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         flags = f"--{f.name}" + (f" / --no_{f.name}" if default is True else "")
-        lines.append(f"  {flags}  (default {default!r}): {f.metadata['help']}")
+        shown = f" (default {default!r})" if len(repr(default)) < 60 else ""
+        lines.append(f"  {flags}{shown}")
+        lines += textwrap.wrap(f.metadata["help"], 110, initial_indent=" " * 6, subsequent_indent=" " * 6)
     lines += ["", f"a two-minute trial of any recipe: hf-perf train --config NAME {QUICK_TRIAL}",
               "`python -m hf_perf_callbacks.train --help` lists every key (over a thousand lines)."]
     return "\n".join(lines)

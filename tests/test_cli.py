@@ -127,9 +127,9 @@ def test_module_entry_point_runs_train_help():
 
 
 def test_help_imports_neither_torch_nor_transformers():
-    """`hf-perf --help` and `hf-perf report --help` answer from the standard library alone."""
+    """`hf-perf --help`, `hf-perf report --help` and the recipe listing answer without the training stack."""
     code = ("import runpy, sys\n"
-            "for argv in (['--help'], ['report', '--help']):\n"
+            "for argv in (['--help'], ['report', '--help'], ['recipes']):\n"
             "    sys.argv = ['hf-perf', *argv]\n"
             "    try:\n"
             "        runpy.run_module('hf_perf_callbacks', run_name='__main__')\n"
@@ -140,7 +140,7 @@ def test_help_imports_neither_torch_nor_transformers():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr
-    assert "usage: hf-perf" in proc.stdout and "output_dir" in proc.stdout
+    assert "usage: hf-perf" in proc.stdout and "output_dir" in proc.stdout and "mac-16gb-qwen1.5b" in proc.stdout
     assert "HEAVY []" in proc.stdout
 
 

@@ -115,12 +115,12 @@ def test_every_non_default_line_says_why(name):
 
 
 MAC_TIERS = ("mac-16gb-qwen1.5b", "mac-32gb-qwen3b", "mac-64gb-qwen7b")
-MPS_DRIVER_FACTOR = 2        # MPS driver memory / CUDA allocator peak the tiers assume (recipes/README.md)
+MPS_DRIVER_FACTOR = 2        # MPS driver memory / CUDA allocator peak the tiers assume (the recipes' README.md)
 TIER_MARGIN = 0.15           # what 2 × the estimate must leave of the budget
 
 
 def tier_estimate(recipe: dict, model_name: str) -> float:
-    """The recipe's estimated peak (GiB) with ``model_name`` in place of its model: recipes/README.md's inputs."""
+    """The recipe's estimated peak (GiB) with ``model_name`` in place of its model: the recipes' README.md's inputs."""
     from hf_perf_callbacks.estimate import QWEN25, estimate_grpo_memory, lora_param_count
 
     m = QWEN25[model_name]

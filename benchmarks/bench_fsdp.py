@@ -1,4 +1,4 @@
-"""Two GPUs, FSDP2: ``accelerate launch --config_file recipes/accelerate/fsdp.yaml benchmarks/bench_fsdp.py``.
+"""Two GPUs, FSDP2: ``accelerate launch --config_file hf_perf_callbacks/recipes/accelerate/fsdp.yaml benchmarks/bench_fsdp.py``.
 
 A plain ``Trainer`` full fine-tune of a Qwen2.5-0.5B-shaped model (random weights, built on the CPU as a user's
 model is before ``accelerator.prepare``), bf16, sharded by FSDP2 (the accelerate config's transformer-based wrap):

@@ -16,7 +16,7 @@ Guarantees (each has a fault-injection test in ``tests/test_faults.py``):
 * every path that ends the run early saves the last completed optimizer step first when it can, and says how to
   resume;
 * an OOM in evaluation never changes the training split: the evaluation batch is halved, or the evaluation skipped;
-* a fault in the probe or in the recovery's own housekeeping is one warning, never the end of training;
+* a fault in the memory check or in the recovery's own housekeeping is one warning, never the end of training;
 * transformers' just-in-time SIGTERM checkpoint stays armed across in-process re-sizes; ``auto_find_batch_size``
   is refused.
 """

@@ -9,7 +9,8 @@ is trained twice, nothing is thrown away.
 
 **Evidence.** Each split is ranked by its step time outside generation (``rank_by="non_generation"``: the
 generation batch is the same for every split, and HF ``generate`` jitters by tens of percent) or by the whole step.
-After a switch the first generation cycle is a warm-up and is not measured. A candidate is judged after each block
+The run's first ``WARMUP_AT_START`` generation cycles, and the first ``WARMUP_AFTER_SWITCH`` after
+a switch, are a warm-up and are not measured (they are trained like any step). A candidate is judged after each block
 of ``samples`` measured steps against all of the baseline's samples (:func:`judge`: one-sided Mann-Whitney
 ``p <= ALPHA / max_rounds`` — the candidate is looked at up to ``max_rounds`` times, so each look gets its share of
 the significance level — and a median at least ``MIN_GAIN`` shorter). On equal splits with 20% noise, noise alone
@@ -24,9 +25,11 @@ step after each switch and the slower steps of a worse candidate. A split can sa
 time per step (``ceiling``), and only over the steps left *after* the trial; a round starts only when that ceiling
 exceeds its cost. A run too short to pay back tries nothing and costs nothing.
 
-**Order.** Larger micro-batches first, nearest first (a kept one becomes the baseline, and the walk goes on from
-it; the walk stops at the first that is not kept); when no larger one was kept, smaller ones, nearest first, until
-``patience`` of them in a row were not kept.
+**Order.** Larger micro-batches first, the largest first (on accelerators the largest split that fits is usually
+the fastest, and trying it first spends the fewest steps at slower splits): one that runs out of memory or passes
+the memory budget is left for the next largest; the walk up ends at the first one kept, or after ``patience`` left
+as not faster. When none was kept, smaller ones, nearest first (a kept one becomes the baseline and the walk goes
+on from it), until ``patience`` in a row were not kept.
 """
 from __future__ import annotations
 
@@ -47,6 +50,11 @@ MIN_SAMPLES = 3
 SAMPLES = 4
 #: the rate at which a switch is assumed to write and read the training state, until a switch was measured (bytes/s)
 SAVE_BYTES_PER_SEC = 200e6
+#: generation cycles not measured at the run's start (first kernels, allocator growth, dataloader workers: seen on an
+#: H100 as outside-generation times of 4.3, 4.2, 2.2, 2.2 s over the first steps of a 4×8 run settling at 2 s)
+WARMUP_AT_START = 3
+#: cycles not measured after a switch (the new micro-batch's first shapes)
+WARMUP_AFTER_SWITCH = 2
 
 
 def judge(candidate: list[float], baseline: list[float], alpha: float = ALPHA) -> tuple[float, float, bool]:
@@ -96,7 +104,7 @@ class OnRunTuning:
         self.baseline = baseline
         self.trials: dict[Split, Trial] = {baseline: Trial(baseline)}
         self.larger = sorted((c for c in candidates if c.micro_batch > baseline.micro_batch),
-                             key=lambda s: s.micro_batch)
+                             key=lambda s: -s.micro_batch)
         self.smaller = sorted((c for c in candidates if c.micro_batch < baseline.micro_batch),
                               key=lambda s: -s.micro_batch)
         self.walk = "larger"
@@ -121,8 +129,9 @@ class OnRunTuning:
         self.current = split
         self.trials.setdefault(split, Trial(split))
         self.block = []
-        self.warm_left = (self.period - step % self.period) % self.period + self.period
-        needed = self.warm_left + self.samples + self.period + self.samples     # a baseline block and one trial
+        cycles = WARMUP_AFTER_SWITCH if switch_sec is not None else WARMUP_AT_START
+        self.warm_left = (self.period - step % self.period) % self.period + cycles * self.period
+        needed = self.warm_left + self._trial_steps()                  # a baseline block and one trial
         if self.must_pay and self.planned is not None and self.planned - step < needed \
                 and not self.trials[self.start].samples:
             self._finish(f"too short to pay back: measuring this split and trying one other takes {needed} steps "
@@ -133,17 +142,21 @@ class OnRunTuning:
             self.cost += switch_sec
             self.trials[split].cost_sec += switch_sec
 
-    def failed(self, split: Split, why: str) -> None:
-        """``split`` ran out of memory and the caller went back to the baseline: it is left (and larger ones too);
-        the next candidate, if any, is tried after a block of the baseline."""
+    def failed(self, split: Split, why: str, step: int) -> Split:
+        """``split`` ran out of memory at ``step``: it is left (a larger one that does not fit makes way for the
+        next largest). Returns the split the run resumes with: the next candidate when one is affordable (its trial
+        starts at once), else the baseline (and the tuning ends)."""
         trial = self.trials.setdefault(split, Trial(split))
         trial.fits, trial.error = False, why
         self.candidate, self.rounds, self.block = None, 0, []
-        if split.micro_batch > self.baseline.micro_batch:
-            self.larger = []
-        else:
+        if self.walk == "smaller":
             self.misses += 1
         self.note = f"{split} {why}"
+        following = self._next_candidate(step)
+        if following is not None:
+            return following.split
+        self._finish(self.note)
+        return self.baseline
 
     def observe(self, step: int, ranked: float, whole: float, peak_gb: float | None = None,
                 fits: bool = True) -> Switch | Finished | None:
@@ -155,7 +168,7 @@ class OnRunTuning:
             trial.peak_gb = max(trial.peak_gb or 0.0, peak_gb)
         if self.first_step is None:
             self.first_step = whole
-        if self.warm_left > 0:                     # the first cycle after a (re)start: a warm-up, not a sample
+        if self.warm_left > 0:                     # the first cycles after a (re)start: a warm-up, not a sample
             self.warm_left -= 1
             base = self.trials[self.baseline].samples
             if self.switch_seconds and base:       # what the warm-up step cost beyond a measured one
@@ -174,7 +187,7 @@ class OnRunTuning:
             trial.cost_sec += slower
             if not fits:
                 trial.fits, trial.error = False, "peak memory over the budget"
-                return self._leave(step, f"{self.candidate} passed the memory budget")
+                return self._leave(step, f"{self.candidate} passed the memory budget", memory=True)
             if min(self.block) > max(base):
                 return self._leave(step, f"{self.candidate} was slower on every step")
         if len(self.block) < self.samples:
@@ -205,17 +218,16 @@ class OnRunTuning:
 
     def _keep(self, step: int) -> Switch | Finished:
         kept = self.candidate
-        if self.walk == "larger":
+        if self.walk == "larger":                  # the largest faster split that fits: the walk up ends
             self.kept_larger = True
+            self.larger = []
         self.baseline, self.candidate, self.rounds = kept, None, 0
         self.misses = 0
         return self._next_candidate(step) or self._finish(self.note)
 
-    def _leave(self, step: int, why: str) -> Switch | Finished:
+    def _leave(self, step: int, why: str, memory: bool = False) -> Switch | Finished:
         self.candidate, self.rounds, self.block = None, 0, []
-        if self.walk == "larger":
-            self.larger = []                       # the next larger one will not be better either
-        else:
+        if not (memory and self.walk == "larger"):   # too large for memory: the next largest may fit
             self.misses += 1
         self.note = why
         following = self._next_candidate(step)
@@ -228,14 +240,14 @@ class OnRunTuning:
 
     def _next_candidate(self, step: int | None) -> Switch | None:
         """Start the next affordable trial, or None (no candidate left, or none can pay back)."""
-        if self.walk == "larger" and not self.larger:
-            self.walk = "smaller"
+        if self.walk == "larger" and (not self.larger or self.misses >= self.patience):
+            self.walk, self.misses, self.larger = "smaller", 0, []
             if self.kept_larger:
                 self.smaller = []
             else:                                  # smaller splits from the baseline, nearest first
                 self.smaller = [s for s in self.smaller if s.micro_batch < self.baseline.micro_batch]
         queue = self.larger if self.walk == "larger" else self.smaller
-        if self.walk == "smaller" and self.misses >= self.patience:
+        if self.misses >= self.patience:
             queue.clear()
         if not queue:
             self.note = self.note or "no other split to try"
@@ -277,10 +289,14 @@ class OnRunTuning:
         """A round's cost: a switch there and one back."""
         return 2 * self.switch_cost()
 
+    def _trial_steps(self) -> int:
+        """Steps of one block after a switch: its warm-up and its samples."""
+        return WARMUP_AFTER_SWITCH * self.period + self.samples
+
     def _steps_left_after_round(self, step: int) -> int | None:
         if self.planned is None:
             return None
-        return self.planned - step - 2 * (self.period + self.samples)
+        return self.planned - step - 2 * self._trial_steps()
 
     def _affordable(self, step: int) -> bool:
         if not self.must_pay:                      # try every split, whatever it costs (benchmarks, tests)
@@ -296,7 +312,7 @@ class OnRunTuning:
         if left is None:
             return "the run's length is unknown: no trial can be weighed against its pay-back"
         if left <= 0:
-            return (f"too short to pay back: a trial takes {2 * (self.period + self.samples)} steps and "
+            return (f"too short to pay back: a round takes {2 * self._trial_steps()} steps and "
                     f"{max(0, self.planned - step)} are left")
         return (f"cannot pay back: even a split with no split-dependent time would save at most {base:.3f} s/step "
                 f"× {left} steps = {left * base:.1f} s after a trial, less than its {self.round_cost():.1f} s of "

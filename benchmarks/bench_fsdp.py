@@ -1,20 +1,27 @@
-"""Two GPUs, FSDP2: ``accelerate launch --config_file hf_perf_callbacks/recipes/accelerate/fsdp.yaml benchmarks/bench_fsdp.py``.
+"""FSDP2 over several GPUs: ``accelerate launch --config_file hf_perf_callbacks/recipes/accelerate/fsdp.yaml
+[--num_processes N] benchmarks/bench_fsdp.py`` (or ``torchrun ... benchmarks/bench_fsdp.py --fsdp_args``, FSDP from
+``TrainingArguments``, as a multi-node launch without an accelerate config does).
 
 A plain ``Trainer`` full fine-tune of a Qwen2.5-0.5B-shaped model (random weights, built on the CPU as a user's
-model is before ``accelerator.prepare``), bf16, sharded by FSDP2 (the accelerate config's transformer-based wrap):
+model is before ``accelerator.prepare``), bf16, sharded by FSDP2 (one unit per decoder layer). The planted rank is
+the last one (on the second node of a two-node launch):
 
-1. ``callbacks=default_callbacks()``: every rank's ``log_history`` gets ``perf/``, ``mem/`` and ``tuner/`` keys, no
-   callback disables itself, global tokens/s is equal on both ranks and matches an independent count (non-padding
-   tokens of every micro-batch's inputs, summed over ranks, over a synchronized wall clock of the same steps); the
-   perf log is written once;
-2. ``train_with_tuning``: rank 1's watchdog reads a planted figure of 2 GiB per sample against a 7 GiB budget, so
-   it asks for a smaller micro-batch; both ranks re-size alike through an FSDP sharded checkpoint, reach
-   ``max_steps`` and keep the effective batch. (An OOM inside a step is refused under FSDP: ``fsdp_run.sh`` plants
-   one on rank 1 in a separate launch and checks that the run ends at once with the message.)
-3. a watchdog stop on rank 1 only stops both ranks at one step with one checkpoint, which a fresh trainer resumes.
+1. ``throughput`` — ``callbacks=default_callbacks()``: every rank's ``log_history`` gets ``perf/``, ``mem/`` and
+   ``tuner/`` keys, no callback disables itself, global tokens/s is equal on every rank and matches an independent
+   count (non-padding tokens of every micro-batch's inputs, summed over ranks, over a synchronized wall clock of the
+   same steps); the perf log is written once;
+2. ``resize`` — ``train_with_tuning``: the planted rank's watchdog reads 2 GiB per sample against a 7 GiB budget, so
+   it asks for a smaller micro-batch; every rank saves the sharded checkpoint and records the same split, the run
+   stops, and the relaunch (a fresh trainer) reaches ``max_steps`` at that split with the effective batch kept. (An
+   OOM inside a step is refused under FSDP: ``oom`` plants one on the planted rank in a separate launch, which must
+   end at once with the message.)
+3. ``stop`` — a watchdog stop on the planted rank only stops every rank at one step with one checkpoint, which a
+   fresh trainer resumes.
 
-``--smoke``: the same on two CPU processes (``torchrun --nproc_per_node 2``, gloo) with a tiny model, FSDP2 switched
-on for CPU processes as in ``tests/scripts/two_rank_fsdp.py``. ``oom`` (first argument): the refusal scenario.
+Arguments: ``--smoke`` (CPU processes, gloo, the tests' tiny model, FSDP2 switched on for CPU processes as in
+``tests/scripts/two_rank_fsdp.py``), ``--fsdp_args``, ``--scenarios a,b``, ``--name NAME`` (the results file,
+``benchmarks/results/NAME.json``), ``oom``. ``HF_PERF_BENCH_DIR``: the output directory shared by every rank (by
+default one per launcher process; a two-node launch has two launchers, so it sets one).
 """
 import gc
 import json
@@ -29,18 +36,30 @@ import torch.distributed as dist  # noqa: E402
 from common import GB, table, tokenizer, write_result  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
+
+def option(name: str, default: str) -> str:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
 SMOKE = "--smoke" in sys.argv
 RANK = int(os.environ.get("RANK", 0))
+WORLD = int(os.environ.get("WORLD_SIZE", 1))
+PLANTED = WORLD - 1                            # the rank whose memory is planted: on the last node
 STEPS = 6 if SMOKE else 12
-SHARED = f"/tmp/hf_perf_fsdp/{os.getppid()}"   # one fresh directory per launch, shared by both ranks (same parent)
-FSDP_ARGS = {}                                 # on GPUs the accelerate config turns FSDP on
+SHARED = os.environ.get("HF_PERF_BENCH_DIR") or f"/tmp/hf_perf_fsdp/{os.getppid()}"   # every rank's output_dir
+SCENARIOS = option("--scenarios", "throughput,resize,stop").split(",")
+FSDP_ARGS = {}                                 # with accelerate's FSDP config, accelerate turns FSDP on
 if SMOKE:
     from two_rank_fsdp import FSDP_ARGS as CPU_FSDP_ARGS
     from two_rank_fsdp import fsdp_on_cpu
 
     fsdp_on_cpu()
     FSDP_ARGS = CPU_FSDP_ARGS                  # the tiny Llama's decoder layers, sharded checkpoints
-NAME = "fsdp_smoke" if SMOKE else "fsdp"       # a smoke run never overwrites the GPU figures
+elif "--fsdp_args" in sys.argv:                # torchrun: FSDP2 from TrainingArguments, as the accelerate config sets
+    FSDP_ARGS = dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
+                                             "state_dict_type": "SHARDED_STATE_DICT", "reshard_after_forward": True,
+                                             "activation_checkpointing": True})
+NAME = option("--name", "fsdp_smoke" if SMOKE else "fsdp")     # a smoke run never overwrites the GPU figures
 
 
 def build_model():
@@ -160,7 +179,7 @@ def throughput() -> dict:
     return result
 
 
-def resize_on_rank1() -> dict:
+def resize_on_planted_rank() -> dict:
     from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, train_with_tuning
     from hf_perf_callbacks.device import DeviceLayer, MemorySample, training_device
 
@@ -178,10 +197,10 @@ def resize_on_rank1() -> dict:
                                 system_total=real.system_total, system_available=real.system_available)
 
     out = os.path.join(SHARED, "resize")
-    watchdog = MemoryWatchdog(limit_gb=7.0 if RANK == 1 else None, grace_steps=1)
+    watchdog = MemoryWatchdog(limit_gb=7.0 if RANK == PLANTED else None, grace_steps=1)
     tuner = AdaptiveBatchTuner()                  # tune on: under FSDP it is skipped, with the reason logged
     trainer = make(out, [ThroughputMeter(), watchdog, tuner], 4, 2, 6)
-    if RANK == 1:
+    if RANK == PLANTED:
         watchdog.device = PlantedMemory(trainer.args)
     start = time.perf_counter()
     train_with_tuning(trainer)                    # saves, records the split and stops at the re-size (FSDP)
@@ -204,14 +223,15 @@ def resize_on_rank1() -> dict:
         lines = [json.loads(x) for x in open(os.path.join(out, "perf_log.jsonl"))]
         result["limits_logged"] = [x["message"] for x in lines if x["type"] == "event" and x["source"] == "tuner"
                                    and x["kind"] == "warning"]
+        result["perf_log_steps"] = [x["step"] for x in lines if x["type"] == "step"]
     return result
 
 
-def stop_on_rank1() -> dict:
+def stop_on_planted_rank() -> dict:
     from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter
 
     out = os.path.join(SHARED, "stop")
-    watchdog = MemoryWatchdog(limit_gb=0.01 if RANK == 1 else None, grace_steps=2)
+    watchdog = MemoryWatchdog(limit_gb=0.01 if RANK == PLANTED else None, grace_steps=2)
     trainer = make(out, [watchdog], 4, 1, 8)
     trainer.train()
     stopped = trainer.state.global_step
@@ -225,8 +245,9 @@ def stop_on_rank1() -> dict:
             "resumed_to": resumed.state.global_step, "target": stopped + 2}
 
 
-def oom_on_rank1() -> None:
-    """An OOM inside rank 1's step: refused under FSDP, raised at once; rank 1 records it, the launcher ends rank 0."""
+def oom_on_planted_rank() -> None:
+    """An OOM inside the planted rank's step: refused under FSDP, raised at once; that rank records it, the launcher
+    ends the others."""
     from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
 
     class PlantedOOM(TrainerCallback):
@@ -237,11 +258,11 @@ def oom_on_rank1() -> None:
     trainer = make(os.path.join(SHARED, "oom"), [plant, AdaptiveBatchTuner(tune=False)], 4, 1, 4)
     plant.step = 0
 
-    def raise_on_rank1(module, args, kwargs):
-        if RANK == 1 and plant.step >= 1 and torch.is_grad_enabled():
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (planted on rank 1)")
+    def raise_on_planted_rank(module, args, kwargs):
+        if RANK == PLANTED and plant.step >= 1 and torch.is_grad_enabled():
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (planted on rank {RANK})")
 
-    trainer.model.register_forward_pre_hook(raise_on_rank1, with_kwargs=True)
+    trainer.model.register_forward_pre_hook(raise_on_planted_rank, with_kwargs=True)
     start = time.perf_counter()
     try:
         train_with_tuning(trainer)
@@ -257,51 +278,70 @@ def same_decisions(a: dict, b: dict) -> bool:
     return [{k: d[k] for k in keep} for d in a["decisions"]] == [{k: d[k] for k in keep} for d in b["decisions"]]
 
 
+def checks(by_rank: dict) -> dict:
+    """What must hold on every rank (each check names its scenario)."""
+    out = {}
+    if "throughput" in by_rank:
+        t = by_rank["throughput"]
+        out.update({
+            "callbacks_report_on_every_rank": all(r["prefixes_logged"] == ["mem", "perf", "tuner"] and not r["disabled"]
+                                                  for r in t),
+            "global_tokens_per_sec_equal_on_ranks": len({r["steady_tokens_per_sec"] for r in t}) == 1,
+            "tokens_match_independent_count": len({r["meter_tokens"] for r in t} | {t[0]["independent_tokens"]}) == 1,
+            "logged_once": t[0]["perf_log_steps"] == list(range(1, STEPS + 1))})
+    if "resize" in by_rank:
+        r = by_rank["resize"]
+        out.update({
+            "resize_same_split": len({tuple(x["split"]) for x in r}) == 1,
+            "resize_same_decisions": all(same_decisions(r[0], x) for x in r) and bool(r[0]["decisions"]),
+            "resize_stopped_together": len({x["stopped"] for x in r}) == 1,
+            "resize_relaunch_reached_max_steps": all(x["reached"] == 6 for x in r),
+            "resize_effective_batch_kept": all(x["effective_batch"] == 4 * 2 * WORLD for x in r),
+            "resize_logged_once": r[0]["perf_log_steps"] == list(range(1, 7))})
+    if "stop" in by_rank:
+        s = by_rank["stop"]
+        out.update({"stop_same_step": len({x["stopped_at_step"] for x in s}) == 1,
+                    "stop_one_checkpoint": len(s[0]["checkpoints"]) == 1,
+                    "stop_resumed": all(x["resumed_to"] == x["target"] for x in s)})
+    return out
+
+
 def main():
     if "oom" in sys.argv[1:]:
-        oom_on_rank1()
+        oom_on_planted_rank()
         return
+    scenarios = {"throughput": throughput, "resize": resize_on_planted_rank, "stop": stop_on_planted_rank}
     results = {}
-    for name, scenario in (("throughput", throughput), ("resize", resize_on_rank1), ("stop", stop_on_rank1)):
+    for name in SCENARIOS:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        results[name] = scenario()
+        results[name] = scenarios[name]()
     everything = gathered(results)
     if RANK != 0:
         return
     by_rank = {k: [g[k] for g in everything] for k in results}
-    t0, t1 = by_rank["throughput"]
-    r0, r1 = by_rank["resize"]
-    s0, s1 = by_rank["stop"]
-    error = ((t0["steady_tokens_per_sec"] / t0["independent_tokens_per_sec"] - 1)
-             if t0["steady_tokens_per_sec"] and t0["independent_tokens_per_sec"] else None)
-    payload = {
-        "mode": "smoke (CPU, gloo)" if SMOKE else "2 GPUs, NCCL", "ranks": by_rank,
-        "callbacks_report_on_every_rank": all(t["prefixes_logged"] == ["mem", "perf", "tuner"] and not t["disabled"]
-                                              for t in (t0, t1)),
-        "global_tokens_per_sec_equal_on_ranks": t0["steady_tokens_per_sec"] == t1["steady_tokens_per_sec"],
-        "meter_vs_independent_tokens_per_sec": error,
-        "tokens_match_independent_count": t0["meter_tokens"] == t0["independent_tokens"] == t1["meter_tokens"],
-        "logged_once": t0["perf_log_steps"] == list(range(1, STEPS + 1)),
-        "resize_same_split": r0["split"] == r1["split"], "resize_same_decisions": same_decisions(r0, r1),
-        "resize_stopped_together": r0["stopped"] == r1["stopped"],
-        "resize_relaunch_reached_max_steps": r0["reached"] == r1["reached"] == 6,
-        "resize_effective_batch_kept": r0["effective_batch"] == r1["effective_batch"] == 4 * 2 * 2,
-        "stop_same_step": s0["stopped_at_step"] == s1["stopped_at_step"],
-        "stop_one_checkpoint": len(s0["checkpoints"]) == 1, "stop_resumed": s0["resumed_to"] == s0["target"]}
+    payload = {"mode": f"smoke (CPU, gloo), {WORLD} ranks" if SMOKE else f"{WORLD} GPUs, NCCL",
+               "world_size": WORLD, "planted_rank": PLANTED, "nodes": int(os.environ.get("GROUP_WORLD_SIZE", 1)),
+               "ranks": by_rank, **checks(by_rank)}
+    if "throughput" in by_rank:
+        t0 = by_rank["throughput"][0]
+        payload["meter_vs_independent_tokens_per_sec"] = (
+            t0["steady_tokens_per_sec"] / t0["independent_tokens_per_sec"] - 1
+            if t0["steady_tokens_per_sec"] and t0["independent_tokens_per_sec"] else None)
+        print(table(["rank", "steady tok/s (global)", "independent", "MFU", "peak GB", "keys", "disabled"],
+                    [[t["rank"], t["steady_tokens_per_sec"], t["independent_tokens_per_sec"], t["mfu"], t["peak_gb"],
+                      ",".join(t["prefixes_logged"]), ",".join(t["disabled"]) or "-"] for t in by_rank["throughput"]]))
+    if "resize" in by_rank:
+        print(table(["rank", "re-size: split after", "effective", "reached", "decisions"],
+                    [[r["rank"], "×".join(map(str, r["split"])), r["effective_batch"], r["reached"],
+                      "; ".join(f"{d['kind']}@{d['step']}: {d['old']['micro_batch']}→{d['new']['micro_batch']}"
+                                for d in r["decisions"])] for r in by_rank["resize"]]))
+    if "stop" in by_rank:
+        print(table(["rank", "stopped at", "actions", "checkpoints", "resumed to"],
+                    [[s["rank"], s["stopped_at_step"], ",".join(s["actions"]), ",".join(s["checkpoints"]),
+                      s["resumed_to"]] for s in by_rank["stop"]]))
     write_result(NAME, payload)
-    print(table(["rank", "steady tok/s (global)", "independent", "MFU", "peak GB", "keys", "disabled"],
-                [[t["rank"], t["steady_tokens_per_sec"], t["independent_tokens_per_sec"], t["mfu"], t["peak_gb"],
-                  ",".join(t["prefixes_logged"]), ",".join(t["disabled"]) or "-"] for t in (t0, t1)]))
-    print(f"meter vs independent: {error:+.2%}" if error is not None else "meter vs independent: n/a (no steady)")
-    print(table(["rank", "re-size: split after", "effective", "reached", "decisions"],
-                [[r["rank"], "×".join(map(str, r["split"])), r["effective_batch"], r["reached"],
-                  "; ".join(f"{d['kind']}@{d['step']}: {d['old']['micro_batch']}→{d['new']['micro_batch']}"
-                            for d in r["decisions"])] for r in (r0, r1)]))
-    print(table(["rank", "stopped at", "actions", "checkpoints", "resumed to"],
-                [[s["rank"], s["stopped_at_step"], ",".join(s["actions"]), ",".join(s["checkpoints"]),
-                  s["resumed_to"]] for s in (s0, s1)]))
     print("checks:", {k: v for k, v in payload.items() if isinstance(v, bool)})
 
 

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 GB = 1024**3
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = os.environ.get("HF_PERF_RESULTS") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 _TOKENIZER = None
 
 

@@ -25,6 +25,8 @@ def test_trainer_internals_exist(tokenizer, tmp_path):
     assert_present(callable(getattr(trainer, "_save_checkpoint", None)), "Trainer._save_checkpoint")
     assert_present(list(inspect.signature(Trainer._save_checkpoint).parameters)[:3] == ["self", "model", "trial"],
          "Trainer._save_checkpoint(model, trial)")
+    assert_present("self.args.save_only_model" in inspect.getsource(Trainer._save_checkpoint),
+                   "Trainer._save_checkpoint reading args.save_only_model (adapter.save_checkpoint sets it aside)")
     assert_present(isinstance(trainer.callback_handler, CallbackHandler), "Trainer.callback_handler")
     assert_present("self" in inspect.signature(CallbackHandler.call_event).parameters, "CallbackHandler.call_event's self")
     assert_present(hasattr(trainer, "model_wrapped"), "Trainer.model_wrapped")

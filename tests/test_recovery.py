@@ -48,6 +48,21 @@ def test_save_only_model_recovery_checkpoints_hold_the_whole_training_state(toke
     assert differences(expected, got) == []
 
 
+@pytest.mark.parametrize("at", [6, 9], ids=["within-an-epoch", "first-step-of-an-epoch"])
+def test_a_recovery_resumes_the_rng_stream_where_transformers_restores_it(tokenizer, tmp_path, at):
+    """The length-grouped sampler draws its order from the global RNG when an epoch's iterator is made: a recovery
+    from the last step of an epoch (8 steps an epoch here) must hold the RNG from before that iterator, one within
+    an epoch the RNG its next step started from; either way the run trains what an unfaulted run trains."""
+    extra = {**SGD, "train_sampling_strategy": "group_by_length"}
+    expected = unfaulted(tokenizer, tmp_path / "plain", max_steps=10, extra=extra)
+    fault, got = Fault("forward", at=at), Trajectory()
+    trainer = fault.attach(got.attach(make_trainer(tokenizer, tmp_path / "run", [fault, got,
+                                                   AdaptiveBatchTuner(tune=False)], max_steps=10, extra=extra)))
+    train_with_tuning(trainer)
+    assert fault.fired == 1 and trainer.state.epoch > 1
+    assert differences(expected, got) == []
+
+
 def test_an_oom_while_writing_a_checkpoint_under_save_total_limit_keeps_the_complete_one(tokenizer, tmp_path,
                                                                                         monkeypatch):
     """The half-written checkpoint-4 is moved aside out of the checkpoint namespace: rotation (which sorts by step

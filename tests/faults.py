@@ -48,8 +48,9 @@ def same(a: dict, b: dict) -> bool:
 class Fault(TrainerCallback):
     """One planted fault (``times`` firings) at ``phase`` of optimizer step ``at`` (1-based; save phases: while
     writing ``checkpoint-<at>``; eval: every evaluation, micro-batches above ``limit``). ``error``: ``"oom"`` (the
-    CUDA text), ``"bare"`` (a ``MemoryError()`` with no message) or ``"other"`` (a ``ValueError``). Records the weights at the end of every step (``after``) and at
-    the start of every resumed ``train()`` (``resumed``), to compare with what was saved."""
+    CUDA text), ``"bare"`` (a ``MemoryError()`` with no message) or ``"other"`` (a ``ValueError``). Records the
+    weights at the end of every step (``after``) and at the start of every resumed ``train()`` (``resumed``), to
+    compare with what was saved."""
 
     def __init__(self, phase: str, at: int, error: str = "oom", times: int = 1, limit: int = 0):
         self.phase, self.at, self.error, self.left, self.limit = phase, at, error, times, limit

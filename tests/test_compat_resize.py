@@ -64,7 +64,8 @@ class Setting:
 SAMPLERS = ("random", "sequential", "group_by_length", "batch_rebalance")
 SETTINGS = [
     Setting("defaults", fast=TRAINERS),
-    *[Setting(f"include_num_input_tokens_seen={v}", {"include_num_input_tokens_seen": v}) for v in ("all", "non_padding")],
+    *[Setting(f"include_num_input_tokens_seen={v}", {"include_num_input_tokens_seen": v})
+      for v in ("all", "non_padding")],
     *[Setting(f"train_sampling_strategy={v}", {"train_sampling_strategy": v}, fast=("Trainer",),
               refused={"DPOTrainer": LENGTHS_UNKNOWN} if v in ("group_by_length", "batch_rebalance") else {})
       for v in SAMPLERS],

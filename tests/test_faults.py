@@ -18,7 +18,7 @@ import pytest
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, MPSCacheClearer, ThroughputMeter, default_callbacks
 from hf_perf_callbacks import train_with_tuning
 from hf_perf_callbacks.batching import Split
-from hf_perf_callbacks.resize.checkpoints import is_complete, step_of
+from hf_perf_callbacks.resize.checkpoints import MOVED_ASIDE, is_complete, step_of
 from hf_perf_callbacks.runlog import SPLIT_FILE
 from hf_perf_callbacks.splitfile import SplitFile, read_split_file, split_for_run
 from hf_perf_callbacks.tiny import build_model
@@ -86,8 +86,8 @@ def test_an_oom_at_any_phase_loses_and_repeats_no_step(tokenizer, tmp_path, kind
     resumed_at = 2                      # step 3 failed (or checkpoint-2's save): back to this run's checkpoint-2
     assert decision.checkpoint.endswith(f"checkpoint-{resumed_at}") and list(fault.resumed) == [resumed_at]
     if saving:                                     # the half-written folder was moved aside, never resumed from
-        assert os.path.isdir(tmp_path / "moved_aside" / "checkpoint-2.partial-1")
-        assert not is_complete(str(tmp_path / "moved_aside" / "checkpoint-2.partial-1"), 2)
+        assert os.path.isdir(tmp_path / MOVED_ASIDE / "checkpoint-2.partial-1")
+        assert not is_complete(str(tmp_path / MOVED_ASIDE / "checkpoint-2.partial-1"), 2)
 
 
 def test_an_earlier_runs_checkpoint_is_never_resumed_from(tokenizer, tmp_path):
@@ -101,7 +101,8 @@ def test_an_earlier_runs_checkpoint_is_never_resumed_from(tokenizer, tmp_path):
     train_with_tuning(trainer)
     assert_crash_consistent(trainer, fault, str(tmp_path), 4, 8)
     assert not same(fault.resumed[2], stale_weights)
-    assert os.path.isdir(tmp_path / "moved_aside" / "checkpoint-2.stale-1") and [w.step for w in tuner.session.written] == [2]
+    assert os.path.isdir(tmp_path / MOVED_ASIDE / "checkpoint-2.stale-1")
+    assert [w.step for w in tuner.session.written] == [2]
 
 
 @pytest.mark.parametrize("error", ["oom", "other"])
@@ -293,7 +294,8 @@ def test_sigkill_while_saving_then_resume_from_the_last_complete_checkpoint(toke
         train_with_tuning(trainer, resume_from_checkpoint="last")
     assert list(fault.resumed) == [1]
     assert same(fault.resumed[1], checkpoint_weights(str(tmp_path / "checkpoint-1")))
-    assert os.path.isdir(tmp_path / "moved_aside" / "checkpoint-2.partial-1") and is_complete(str(tmp_path / "checkpoint-4"), 4)
+    assert os.path.isdir(tmp_path / MOVED_ASIDE / "checkpoint-2.partial-1")
+    assert is_complete(str(tmp_path / "checkpoint-4"), 4)
     assert trainer.args.per_device_train_batch_size == 4 and "3×3 over 1 rank(s)" in caplog.text
     assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2, 3, 4]
 

@@ -110,6 +110,19 @@ def test_after_giving_up_the_split_file_holds_the_last_split_that_completed_step
     assert [(d.old, d.new) for d in record.decisions] == [(Split(4, 2), Split(2, 4)), (Split(2, 4), Split(1, 8))]
 
 
+def test_a_run_stopped_right_after_a_resize_records_the_new_split_to_resume_with(tokenizer, tmp_path):
+    """Ctrl-C as the in-process re-size resumes: 4×2 just ran out of memory, so the split to resume with is 2×4."""
+    from tests.test_session import Interrupt
+
+    fault = Fault("forward", at=3)
+    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, Interrupt(at_call=2),
+                                                              AdaptiveBatchTuner(tune=False)], max_steps=4))
+    with pytest.raises(KeyboardInterrupt):
+        train_with_tuning(trainer)
+    record = read_split_file(str(tmp_path))
+    assert record.split == Split(2, 4) and "KeyboardInterrupt" in record.ended
+
+
 class Raises(TrainerCallback):
     """A user callback (or, as ``on_log``, a reporter) that raises at optimizer step ``at``."""
 

@@ -32,8 +32,8 @@ class Interrupt(TrainerCallback):
         if self.calls == self.at_call:
             raise KeyboardInterrupt
 
-    def on_substep_end(self, args, state, control, **kwargs):
-        if state.global_step + 1 == self.step:
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:         # the step's micro-batches ran, its optimizer step did not
             raise KeyboardInterrupt
 
 

@@ -10,6 +10,8 @@ module             job
 ``loop``           :func:`train_with_tuning`: the switch / re-size loop, OOM recovery, checkpoint choice
 ``memcheck``       one step at the worst-case length before training, where memory is tight (CUDA, MPS)
 ``agreement``      cross-rank agreement on OOMs inside a training step (:class:`ResizeNeeded`, :class:`PeerFailed`)
+``oomsite``        where an OOM struck: an OOM no smaller micro-batch fixes (generation, a reward function) ends the
+                   run named, with its fix (:class:`UnfixableOOM`), instead of a re-size
 ``sharding``       what works under FSDP (re-size by checkpoint) and DeepSpeed (refused), said at start
 ``checkpoints``    which checkpoints a run may resume from: complete ones; partial and stale ones moved aside
 =================  ==========================================================================================
@@ -19,7 +21,8 @@ The split file's schema and its one reader are :mod:`hf_perf_callbacks.splitfile
 from .agreement import PeerFailed, ResizeNeeded
 from .callback import AdaptiveBatchTuner
 from .loop import train_with_tuning
+from .oomsite import UnfixableOOM
 from .session import TuningSession, current_split
 
-__all__ = ["AdaptiveBatchTuner", "train_with_tuning", "PeerFailed", "ResizeNeeded", "TuningSession",
+__all__ = ["AdaptiveBatchTuner", "train_with_tuning", "PeerFailed", "ResizeNeeded", "TuningSession", "UnfixableOOM",
            "current_split"]

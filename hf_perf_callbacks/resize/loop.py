@@ -11,7 +11,12 @@ re-sizes every rank together.
 
 Guarantees (each has a fault-injection test in ``tests/test_faults.py``):
 
-* a resume uses only a checkpoint this run wrote completely (:mod:`~hf_perf_callbacks.resize.checkpoints`);
+* a resume uses only a checkpoint this run wrote completely (:mod:`~hf_perf_callbacks.resize.checkpoints`); the
+  loop's own saves hold the whole training state whatever ``save_only_model`` says, and the RNG the next step
+  starts from (:meth:`~hf_perf_callbacks.resize.session.TuningSession.note_rng`), so a re-size trains what the run
+  would have trained without it;
+* an OOM no smaller micro-batch fixes (generation, a reward function: :mod:`~hf_perf_callbacks.resize.oomsite`) is
+  not re-sized: the run saves and ends with its cause and fix;
 * a split read from disk is applied only when exact for the run (:mod:`~hf_perf_callbacks.resize.splitfile`);
 * every path that ends the run early saves the last completed optimizer step first when it can, and says how to
   resume;
@@ -120,11 +125,13 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
                     _save_before_raising(trainer, session, tuner, unfixable, agreed=isinstance(error, ResizeNeeded))
                     raise unfixable from error
                 if resizes >= max_resizes:
+                    session.gave_up = True
                     _save_before_raising(trainer, session, tuner, error)
                     raise RuntimeError(f"train_with_tuning gave up after {max_resizes} re-sizes") from error
                 try:
                     resume_from_checkpoint = _recover_from_oom(trainer, session, tuner, error)
                 except ValueError as none_left:          # no smaller exact split
+                    session.gave_up = True
                     _save_before_raising(trainer, session, tuner, error)
                     raise none_left from error
                 resizes += 1
@@ -328,8 +335,8 @@ def _save_before_raising(trainer, session: TuningSession, tuner: AdaptiveBatchTu
                          agreed: bool | None = None) -> None:
     """The run is about to end with ``error``: save its last completed optimizer step when it can, and say how to
     resume (as a log line and a note on the error). ``agreed``: every rank left the step together (default: the
-    error is the agreement's). The split file records why the tuner gave up (``ended``) and, as the split to resume
-    with, the last split that completed a step (:attr:`TuningSession.resume_split`)."""
+    error is the agreement's). The split file records why the run ended (``ended``) and the split to resume with
+    (:attr:`TuningSession.resume_split`: after the tuner gave up, the last split that completed a step)."""
     output_dir = trainer.args.output_dir
     step = trainer.state.global_step
     checkpoint, why = None, ""

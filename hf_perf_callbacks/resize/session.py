@@ -7,10 +7,13 @@ the split in effect           :attr:`TuningSession.split`; set only by :meth:`~T
                               it to the trainer's ``args`` and the dataloader's batch size together (the only
                               writer of both); the tuner logs ``tuner/*`` from it
 the split a resume starts     :attr:`~TuningSession.resume_split`: a pending switch, else the tuning baseline,
-with                          else the split in effect
+with                          else the split in effect; after giving up, the last split that completed a step
 every decision                :attr:`~TuningSession.decisions` (typed :class:`~hf_perf_callbacks.splitfile.Decision`)
 the checkpoints this run      :attr:`~TuningSession.written`, each with the fingerprint of its files: a recovery
-wrote                         resumes only from one whose fingerprint still matches
+wrote                         resumes only from one whose fingerprint still matches and that holds the training
+                              state (:meth:`~TuningSession.resumable`)
+the RNG a checkpoint holds    :attr:`~TuningSession.next_rng`, noted by the tuner where transformers restores it
+                              (:meth:`~TuningSession.note_rng`), written by the loop's saves
 the session id                :attr:`~TuningSession.id`: the run in the perf log (the bus's session) and the split
                               file; kept across in-process re-sizes and resumes of the same run
 ``tuner_split.json``          written by :meth:`~TuningSession.persist` only (main process, atomically)
@@ -66,6 +69,7 @@ class TuningSession:
         self.warned: set[str] = set()
         self.next_rng: tuple[int, tuple] | None = None   # (step, the RNG the step after it starts from)
         self.ran: Split | None = None           # the split of the last completed optimizer step
+        self.gave_up = False                    # no smaller split fitted, or max_resizes were spent
         self.switch_steps: list[int] = []       # checkpoints written only to switch splits (removed when superseded)
         if bus is not None:
             bus.tuning = self
@@ -75,9 +79,9 @@ class TuningSession:
     @property
     def resume_split(self) -> Split:
         """The split a resume starts with: a pending switch, else the tuning baseline, else the split in effect;
-        once the run has ended with an error, the last split that completed a step (else the configured one), never
-        one that just failed."""
-        if self.ended is not None:
+        once the tuner gave up (no smaller split fitted), the last split that completed a step (else the configured
+        one), never the one that just failed."""
+        if self.gave_up:
             return self.ran or self.configured
         if self.switch is not None:
             return self.switch

@@ -285,8 +285,7 @@ def test_sigkill_while_saving_then_resume_from_the_last_complete_checkpoint(toke
     done = run_script("sigkill", str(tmp_path))
     assert done.returncode == -9, done.stderr[-2000:]                   # killed while writing checkpoint-2
     assert is_complete(str(tmp_path / "checkpoint-1"), 1) and not is_complete(str(tmp_path / "checkpoint-2"), 2)
-    (tmp_path / SPLIT_FILE).write_text(json.dumps(
-        {"split": {"per_device_train_batch_size": 3, "gradient_accumulation_steps": 3}}))   # corrupted: 9 ≠ 8
+    (tmp_path / SPLIT_FILE).write_text(written(Split(3, 3)))                            # corrupted: 9 ≠ 8
     fault = Fault("forward", at=99)
     trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, AdaptiveBatchTuner(tune=False)],
                                         max_steps=4, bs=4, ga=2, extra={"save_strategy": "steps", "save_steps": 1}))

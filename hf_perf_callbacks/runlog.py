@@ -14,7 +14,10 @@ One JSON object per line, appended to across resumes and re-sizes (main process 
 
 :func:`read_run` is the one reader. A run header of a new session starting at step 0 is a fresh run in a reused
 ``output_dir``: it replaces the lines of the earlier run(s) (counted in ``replaced_runs``); a resume (the same
-session, or ``resumed_from_step`` > 0) keeps them. Lines before the first run header belong to the first run.
+session, or ``resumed_from_step`` > 0) keeps them. Lines before the first run header belong to the first run. An
+event logged without a step gets the step of the step line before it (before any: the session's start step), so
+every event has one. A header field of another type than its own (a newer or older writer) reads as unset and is
+kept in ``RunHeader.malformed``; step values are read through :func:`number`.
 
 Pure: no torch, no transformers.
 """
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 logger = logging.getLogger("hf_perf_callbacks")
 
 PERF_LOG = "perf_log.jsonl"
+GB = 1024**3                           # bytes per GB in every ``*_gb`` figure (GiB, 2³⁰ bytes)
 SPLIT_FILE = "tuner_split.json"        # the tuner's split and decisions, beside the perf log
 TRAINER_STATE = "trainer_state.json"
 
@@ -149,6 +153,7 @@ class RunHeader:
     device_limit_gb: float | None = None
     system_total_gb: float | None = None
     extra: dict = field(default_factory=dict)             # fields this version does not know
+    malformed: dict = field(default_factory=dict)         # known fields of another type (another writer): unset
 
     def describe(self, source: str, **facts) -> None:
         """Add a callback's facts; an unknown fact name is a ``ValueError`` naming it and the allowed names."""
@@ -167,8 +172,8 @@ class RunHeader:
             value = getattr(other, f.name)
             if f.name == "sources":
                 self.sources += [s for s in value if s not in self.sources]
-            elif f.name == "extra":
-                self.extra.update(value)
+            elif f.name in ("extra", "malformed"):
+                getattr(self, f.name).update(value)
             elif value not in (None, {}) and f.name not in ("session", "resumed_from_step", "time"):
                 setattr(self, f.name, value)
 
@@ -176,7 +181,7 @@ class RunHeader:
         out = {"type": "run"}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "extra":
+            if f.name in ("extra", "malformed"):
                 out.update(value)
             elif value is not None and value != {}:
                 out[f.name] = value
@@ -184,19 +189,46 @@ class RunHeader:
 
     @classmethod
     def from_json(cls, entry: dict) -> RunHeader:
-        known = {k: v for k, v in entry.items() if k in _HEADER_FIELDS and k not in ("sources", "extra")}
+        """The header of a parsed line. A known field whose value is not of its type (a newer or older writer: a
+        string where a number belongs, a list where a mapping does) is kept in ``malformed`` and reads as unset."""
+        known = {k: v for k, v in entry.items() if k in _HEADER_FIELDS and k not in _OWN_FIELDS}
         sources = entry.get("sources")
-        sources = list(sources) if isinstance(sources, list) else [entry["source"]] if "source" in entry else []
+        sources = ([str(s) for s in sources] if isinstance(sources, list)
+                   else [str(entry["source"])] if "source" in entry else [])
         extra = {k: v for k, v in entry.items() if k not in _HEADER_FIELDS and k not in ("type", "source")}
-        known["resumed_from_step"] = int(number(known.get("resumed_from_step")) or 0)
-        for name in ("model", "dataloader"):
-            if not isinstance(known.get(name, {}), dict):
-                extra[name] = known.pop(name)
-        return cls(**known, sources=sources, extra=extra)
+        malformed = {}
+        for name, value in list(known.items()):
+            ok, typed = conform(value, _HEADER_KINDS[name])
+            if ok:
+                known[name] = typed
+            else:
+                malformed[name] = known.pop(name)
+        known["resumed_from_step"] = int(known.get("resumed_from_step") or 0)
+        return cls(**known, sources=sources, extra=extra, malformed=malformed)
 
 
 _HEADER_FIELDS = {f.name for f in dataclasses.fields(RunHeader)}
-_FACTS = _HEADER_FIELDS - {"session", "resumed_from_step", "sources", "time", "extra"}
+_OWN_FIELDS = ("sources", "extra", "malformed")
+_FACTS = _HEADER_FIELDS - {"session", "resumed_from_step", "time", *_OWN_FIELDS}
+#: each field's type as its annotation names it ("int | None" → "int", "list[str]" → "list")
+_HEADER_KINDS = {f.name: str(f.type).split(" |")[0].split("[")[0] for f in dataclasses.fields(RunHeader)}
+
+
+def conform(value, kind: str) -> tuple[bool, object]:
+    """(True, ``value`` as ``kind``) when it is None or of that kind — ``"int"`` (an integral finite number, not a
+    bool), ``"float"`` (a finite number, not a bool), ``"bool"`` (true/false or 0/1), ``"str"``, ``"dict"``,
+    ``"list"`` — else (False, None): the typed accessor of a logged field."""
+    if value is None:
+        return True, None
+    if kind in ("int", "float"):
+        v = None if isinstance(value, bool) else number(value)
+        if v is None or (kind == "int" and not v.is_integer()):
+            return False, None
+        return True, int(v) if kind == "int" else v
+    if kind == "bool":
+        return (True, bool(value)) if isinstance(value, bool) or value in (0, 1) else (False, None)
+    kinds = {"str": str, "dict": dict, "list": list}
+    return (True, value) if isinstance(value, kinds.get(kind, object)) else (False, None)
 
 
 @dataclass
@@ -236,6 +268,7 @@ class EventLine:
     step: int | None = None
     time: float | None = None
     details: dict = field(default_factory=dict)   # e.g. action, level, old_split/new_split, freed_gb
+    step_inferred: bool = field(default=False, compare=False)   # the reader set ``step`` from the line's position
 
     def to_json(self) -> dict:
         return {"type": "event", "source": self.source, "kind": self.kind, "step": self.step,
@@ -370,6 +403,7 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
     summaries: dict[str, SummaryLine] = {}
     session = None
     steps_since_header = 0
+    current = 0                                         # the step the latest step line completed
     for line in lines:
         line = line.strip()
         if not line:
@@ -394,10 +428,14 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
             run.headers.append(record)
             summaries = {}
             steps_since_header = 0
+            current = record.resumed_from_step
         elif isinstance(record, StepLine):
             run.steps.append(record)
             steps_since_header += 1
+            current = record.step
         elif isinstance(record, EventLine):
+            if record.step is None:                     # logged without one: after the step completed before it
+                record.step, record.step_inferred = current, True
             run.events.append(record)
         else:
             summaries[record.source] = record

@@ -17,7 +17,8 @@ One JSON object per line, appended to across resumes and re-sizes (main process 
 session, or ``resumed_from_step`` > 0) keeps them. Lines before the first run header belong to the first run. An
 event logged without a step gets the step of the step line before it (before any: the session's start step), so
 every event has one. A header field of another type than its own (a newer or older writer) reads as unset and is
-kept in ``RunHeader.malformed``; step values are read through :func:`number`.
+kept in ``RunHeader.malformed`` (a summary's, in ``SummaryLine.malformed``); step values are read through
+:func:`number`.
 
 Pure: no torch, no transformers.
 """
@@ -198,7 +199,7 @@ class RunHeader:
         extra = {k: v for k, v in entry.items() if k not in _HEADER_FIELDS and k not in ("type", "source")}
         malformed = {}
         for name, value in list(known.items()):
-            ok, typed = conform(value, _HEADER_KINDS[name])
+            ok, typed = conform(value, HEADER_KINDS[name])
             if ok:
                 known[name] = typed
             else:
@@ -211,13 +212,13 @@ _HEADER_FIELDS = {f.name for f in dataclasses.fields(RunHeader)}
 _OWN_FIELDS = ("sources", "extra", "malformed")
 _FACTS = _HEADER_FIELDS - {"session", "resumed_from_step", "time", *_OWN_FIELDS}
 #: each field's type as its annotation names it ("int | None" → "int", "list[str]" → "list")
-_HEADER_KINDS = {f.name: str(f.type).split(" |")[0].split("[")[0] for f in dataclasses.fields(RunHeader)}
+HEADER_KINDS = {f.name: str(f.type).split(" |")[0].split("[")[0] for f in dataclasses.fields(RunHeader)}
 
 
 def conform(value, kind: str) -> tuple[bool, object]:
     """(True, ``value`` as ``kind``) when it is None or of that kind — ``"int"`` (an integral finite number, not a
     bool), ``"float"`` (a finite number, not a bool), ``"bool"`` (true/false or 0/1), ``"str"``, ``"dict"``,
-    ``"list"`` — else (False, None): the typed accessor of a logged field."""
+    ``"list"``, ``"any"`` — else (False, None): the typed accessor of a logged field."""
     if value is None:
         return True, None
     if kind in ("int", "float"):
@@ -227,8 +228,8 @@ def conform(value, kind: str) -> tuple[bool, object]:
         return True, int(v) if kind == "int" else v
     if kind == "bool":
         return (True, bool(value)) if isinstance(value, bool) or value in (0, 1) else (False, None)
-    kinds = {"str": str, "dict": dict, "list": list}
-    return (True, value) if isinstance(value, kinds.get(kind, object)) else (False, None)
+    kinds = {"str": str, "dict": dict, "list": list, "any": object}
+    return (True, value) if isinstance(value, kinds[kind]) else (False, None)
 
 
 @dataclass
@@ -282,19 +283,44 @@ class EventLine:
                    int(step) if step is not None else None, number(entry.get("time")), details)
 
 
+#: the type of each summary value the readers use, per source (:func:`conform`'s kinds)
+SUMMARY_KINDS = {
+    "perf": {"steps": "int", "tokens": "float", "train_seconds": "float", "warmup_done": "bool", "warmup_steps": "int",
+             "warmup_overhead_sec": "float", "first_step_slowdown": "float", "steady_step_sec": "float",
+             "steady_tokens_per_sec": "float", "mean_tokens_per_sec": "float", "phases": "dict", "device": "str",
+             "world_size": "int", "peak_flops": "float", "warmup_measured_on": "str",
+             "early_contention_sec": "float", "mfu": "float", "hfu": "float"},
+    "mem": {"high_water_gb": "float", "budget_gb": "float", "actions": "list", "stopped_at": "int"},
+    "cache": {"clears": "int", "freed_gb": "float"},
+}
+
+
 @dataclass
 class SummaryLine:
-    """A callback's end-of-run summary."""
+    """A callback's end-of-run summary. A value of another type than :data:`SUMMARY_KINDS` gives it (a newer or
+    older writer) reads as absent and is kept in ``malformed``."""
 
     source: str
     values: dict = field(default_factory=dict)
+    malformed: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"type": "summary", "source": self.source, **self.values}
+        return {"type": "summary", "source": self.source, **self.values, **self.malformed}
 
     @classmethod
     def from_json(cls, entry: dict) -> SummaryLine:
-        return cls(str(entry.get("source")), {k: v for k, v in entry.items() if k not in ("type", "source")})
+        source = str(entry.get("source"))
+        kinds = SUMMARY_KINDS.get(source, {})
+        values, malformed = {}, {}
+        for k, v in entry.items():
+            if k in ("type", "source"):
+                continue
+            ok, typed = conform(v, kinds.get(k, "any"))
+            if ok:
+                values[k] = typed
+            else:
+                malformed[k] = v
+        return cls(source, values, malformed)
 
 
 Record = RunHeader | StepLine | EventLine | SummaryLine

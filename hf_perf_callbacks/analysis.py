@@ -1,45 +1,69 @@
 """The run explains itself: rule-based analysis of a run's ``perf_log.jsonl`` (+ ``trainer_state.json`` and the
-tuner's ``tuner_split.json``).
+tuner's ``tuner_split.json``). Pure: no torch, no transformers.
 
-:func:`measurements` reduces a parsed run log (:func:`hf_perf_callbacks.runlog.read_run`) to :class:`Measurements`
-(headline figures from :func:`hf_perf_callbacks.figures.figures`, the ones ``hf-perf report`` prints); every rule in :data:`RULES` is a
-pure function of those and returns a :class:`Finding`, a :class:`Note` (checked and fine: nothing to gain) or None.
-A finding carries the **complete setting** to apply (``Finding.setting``, e.g. ``{"per_device_train_batch_size": 8,
-"gradient_accumulation_steps": 1}``), relative to what the run configured and never one already in effect, and an
-expected gain only where it is earned (``Finding.basis``):
+:func:`measurements` reduces a parsed run log (:func:`hf_perf_callbacks.runlog.read_run`) to :class:`Measurements`:
+headline figures from :func:`hf_perf_callbacks.figures.figures` (the ones ``hf-perf report`` prints, never
+recomputed here), the trainer's own logs from the step lines' ``log/<key>`` values (else ``trainer_state.json``),
+the tuner's decisions through :func:`hf_perf_callbacks.splitfile.read_split_file`, and what the run header says
+about the interface (``launcher``) and the CPU (``cpu_cores``, ``torch_threads``) when its writer records them. Every
+logged value is read through a typed accessor: a field of another type is skipped and listed in the report, never a
+crash. Every rule in :data:`RULES` is a pure function of the measurements and returns a :class:`Finding`, a
+:class:`Note` (checked and fine, or not judged: what the run is too short for) or None. A finding carries the
+**complete setting** to apply (``Finding.setting``, e.g. ``{"per_device_train_batch_size": 8,
+"gradient_accumulation_steps": 1}``; ``Finding.env`` for what only the environment sets, ``OMP_NUM_THREADS``),
+relative to what the run configured and never one already in effect, worded for the interface the run was started
+with (recipe keys for ``hf-perf train``), and an expected gain only where it is earned (``Finding.basis``):
 
-- ``measured``: the run itself measured the alternative (its own wait, its own lost time);
+- ``measured``: the run itself measured the alternative (its own wait, its own lost time; ``lower_bound``: at least);
 - ``calibrated``: a model whose predictions ``benchmarks/bench_advice.py`` checked against runs with the advice
   applied (the confidence says how close they came);
+- ``too few steps``: no number: the run is shorter than the evidence needs (:func:`_too_short`);
 - ``try``: no number (``expected_gain`` None): the prediction could not be checked.
+
+**Evidence thresholds.** A rule that reads timings (shares of wall time, MFU, slow steps) and every gain need warmup
+finished and :data:`MIN_STEADY_STEPS` steps after it; until then the report says "too few steps to judge" and how
+many more steps it needs. Counts (forwards per micro-batch, padding, rewards, completion lengths, memory) are judged
+from the first step; fixed-length padding needs :data:`MIN_FIXED_LENGTH_STEPS` steps at one length, thread
+oversubscription :data:`MIN_MACHINE_STEPS` steps, a run that cannot learn :data:`NO_LEARNING_LOGS` logs. The ranking
+is a total order (:func:`_rank`): two runs with the same evidence get the same findings in the same order.
 
 :func:`analyze` ranks the findings (a run that cannot learn, or swaps / nears the memory wall, first; then by
 expected gain; then "try" findings); :func:`check` returns the findings and the notes; :func:`write_perf_report`
 writes ``<output_dir>/perf_report.md``.
 
-=====================  ============================================================================================
-rule                   fires when (finding) / notes when (checked and fine)
-=====================  ============================================================================================
-``no_learning``        GRPO: every prompt group had zero reward variance (``frac_reward_zero_std`` = 1) and the
-                       gradient norm was 0 on ≥ ``NO_LEARNING_LOGS`` logs in a row → reward shaping,
-                       ``num_generations``, ``temperature``; try
-``memory_pressure``    swapping, pressure level ≥ 1, the wall ≤ ``STEPS_TO_WALL`` steps away, or driver memory far
-                       above live tensors → the setting that frees the most memory; try
-``contention``         steps slower than the steady level while their CPU time stayed flat (other processes, too
-                       many threads) → threads / other processes; measured (the time lost in those steps)
-``input_bound``        data wait ≥ ``DATA_WAIT_FRACTION`` → DataLoader settings; ``1/(1 − wait)``, calibrated
-``duplicate_forward``  forwards per micro-batch > ``DUPLICATE_FORWARDS``; Amdahl on the compute share, calibrated
-``padding_waste``      pad fraction ≥ ``PAD_FRACTION``: ``pad_to_multiple_of`` off the device that needs it →
-                       ``pad_to_multiple_of: null``, calibrated; Trainer → length grouping, try; GRPO padding to the
-                       longest completion → note
-``generation_bound``   GRPO, generation ≥ ``GENERATION_SHARE`` → vLLM (CUDA), a larger generation batch; try
-``small_micro_batch``  micro-batch ≤ ``SMALL_MICRO_BATCH`` with accumulation ≥ 2, low MFU (unknown: compute share ≥
-                       ``HIGH_COMPUTE_SHARE``), the tuner's probe did not run → a larger exact split; try. The probe
-                       ran → note with its measured trials
-``completion_budget``  GRPO, completions far below ``max_completion_length`` with rare runaways → a cap; try.
-                       No runaways (memory headroom only) or completions cut off → note
-``warmup``             always a note (a one-time cost), worded from what was measured
-=====================  ============================================================================================
+======================  ===========================================================================================
+rule                    fires when (finding) / notes when
+======================  ===========================================================================================
+``no_learning``         GRPO: every completion of ≥ ``NO_LEARNING_LOGS`` logs scored the same → partial credit, a
+                        check of the reward, an easier task (no setting: more samples cannot move a constant
+                        reward; ``max_completion_length`` when most completions were cut); or every group flat on
+                        ≥ ``NO_LEARNING_LOGS`` logs in a row while the mean reward moved → ``num_generations``
+                        (and ``temperature`` below 1); try. No reward data → note (not judged)
+``memory_pressure``     swapping, pressure level ≥ 1, the wall ≤ ``STEPS_TO_WALL`` steps away, or driver memory far
+                        above live tensors → the setting that frees the most memory (names the tuner's OOMs); try
+``oversubscription``    CPU, the whole run: torch threads + other processes' busy cores > cores + ``OVERSUBSCRIBED``,
+                        ≥ ``THREADS_IDLE`` threads not running, similar work ``STEP_SPREAD``x apart → ``OMP_NUM_THREADS``
+                        = the free cores (``Finding.env``); measured, at least (the run's fastest steps)
+``contention``          slow early steps whose CPU time stayed flat (the meter's ``early_contention_sec``) → other
+                        processes, threads; measured (the time lost in those steps)
+``input_bound``         data wait ≥ ``DATA_WAIT_FRACTION`` → DataLoader settings; ``1/(1 − wait)``, calibrated
+``duplicate_forward``   forwards per micro-batch > ``DUPLICATE_FORWARDS``; Amdahl on the compute share, calibrated
+``padding_waste``       pad fraction ≥ ``PAD_FRACTION``: a Trainer padded to one length on every step → per-batch
+                        padding (a code change), try; ``pad_to_multiple_of`` off the device that needs it →
+                        ``pad_to_multiple_of: null``, calibrated; per-batch padding → length grouping, try; GRPO
+                        padding to the longest completion → note
+``generation_bound``    GRPO, generation ≥ ``GENERATION_SHARE`` → vLLM (CUDA), a larger generation batch (its
+                        off-policy cost stated); try
+``small_micro_batch``   micro-batch ≤ ``SMALL_MICRO_BATCH`` with accumulation ≥ 2, low MFU (unknown: compute share ≥
+                        ``HIGH_COMPUTE_SHARE``), no tuner measurement → a larger exact split, never above a
+                        micro-batch that ran out of memory; try. The tuner measured splits → note with its trials
+``completion_budget``   GRPO: most completions cut at ``max_completion_length`` → the limit and
+                        ``mask_truncated_completions``; try. Completions far below it with rare runaways → a cap;
+                        try. No runaways (memory headroom only) → note
+``warmup``              always a note, worded from the meter's figures ("not finished after N steps" while it is)
+``evidence``            the run is shorter than the timing rules need → note (not judged)
+``log_fields``          fields of another type skipped → note (not judged)
+======================  ===========================================================================================
 
 Memory estimates (shown with their formulas) use the run header's model config and the memory model of
 :mod:`hf_perf_callbacks.estimate` (the one behind the recipes' memory table), per token:
@@ -476,6 +500,11 @@ def rule_no_learning(m: Measurements) -> Finding | Note | None:
                     "with rewards): whether the run can learn was not checked.", judged=False)
     constant = _constant_reward(r) and r["logs"] >= NO_LEARNING_LOGS
     if not constant and m.no_signal_run < NO_LEARNING_LOGS:
+        if _constant_reward(r):
+            return Note("no_learning", "Too few logs to judge the rewards",
+                        f"Every completion of the {r['logs']} log(s) scored {r['min']:.3g}: too few logs to judge "
+                        f"whether the run can learn ({NO_LEARNING_LOGS} needed; `logging_steps` sets how often the "
+                        f"trainer logs).", judged=False)
         return None
     clipped, limit = m.clipped_ratio or 0.0, m.max_completion_length
     setting: dict = {}

@@ -128,6 +128,7 @@ class RunHeader:
     resumed_from_step: int = 0
     sources: list[str] = field(default_factory=list)      # the callbacks that described the run
     time: float | None = None
+    launcher: str | None = None                            # the command that started the run ("hf-perf train")
     # ThroughputMeter
     device: str | None = None
     device_type: str | None = None

@@ -719,6 +719,10 @@ def test_thread_oversubscription_over_the_whole_run_gets_the_thread_count(tmp_pa
         assert "### Environment" in text and "OMP_NUM_THREADS=1" in text and f"≥ {f.expected_gain:.2f}x" in text
         assert "`OMP_NUM_THREADS=1` (environment)" in console_summary([f])
         assert "contention, not warmup" in note(m, "warmup").text      # the warmup note does not book it as warmup
+    launched = measurements_from_run(copy_run("two_threads_contended", tmp_path / "l", launcher="hf-perf train"))
+    assert launched.launcher == "hf-perf train"
+    f = {f.rule: f for f in analyze(launched)}["oversubscription"]
+    assert "`OMP_NUM_THREADS=1 hf-perf train --config …`" in f.recommendation and "set_num_threads" not in f.recommendation
     one = measurements_from_run(copy_run("one_thread_contended", tmp_path))
     assert "oversubscription" not in [f.rule for f in analyze(one)]    # already at one thread: nothing to advise
     ran_at_one = measurements_from_run(copy_run("one_thread_contended", tmp_path / "h", torch_threads=1, cpu_cores=2))
@@ -791,7 +795,8 @@ def test_a_constant_reward_gets_no_setting_that_cannot_move_it():
     between = {**flat, "max": 0.4}
     f = analyze(healthy(rewards=between, logs=8, no_signal_run=8, temperature=0.7))[0]
     assert f.setting == {"num_generations": 16, "temperature": 1.0}
-    assert analyze(healthy(rewards={**flat, "logs": 2}, logs=2, no_signal_run=2)) == []   # two logs: no finding
+    two = healthy(rewards={**flat, "logs": 2}, logs=2, no_signal_run=2)
+    assert analyze(two) == [] and not note(two, "no_learning").judged          # two logs: too few to judge
 
 
 def test_more_steps_per_generation_states_the_off_policy_cost():

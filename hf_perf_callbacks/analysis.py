@@ -629,10 +629,9 @@ def rule_oversubscription(m: Measurements) -> Finding | None:
            + f": {t} threads and {o['other']:.1f} cores of other work asked for {o['demand']:.1f} cores of "
            f"{o['cores']}; steps of similar work took {o['spread']:.1f}x apart in wall time per token and "
            f"{o['cpu_spread']:.1f}x in CPU time per token.")
-    sources = [f"{what}: {o[key]}" for what, key in (("cores", "cores_from"), ("threads", "threads_from"))
-               if o[key] != "run header"]
-    if sources:
-        obs += " (" + "; ".join(sources) + ".)"
+    assumed = [o[key] for key in ("cores_from", "threads_from") if o[key] != "run header"]
+    if assumed:
+        obs += " The run header does not record them: " + "; ".join(assumed) + "."
     root = (f"Thread oversubscription: torch splits each operation over {t} threads and waits at its end for all of "
             "them. While another process holds a core, one thread waits for it and its partner spins at the barrier, "
             "so CPU time rises with the wall time (why the slow-step check, which looks for slow steps with flat CPU "
@@ -1317,10 +1316,11 @@ def _machine(steps: list[StepLine], header: RunHeader, skipped: list[str]) -> di
     load = statistics.median(loads) if loads else None
     cores, cores_from = _fact(header, "cpu_cores", "int", skipped), "run header"
     if cores is None and load is not None and load >= 1.0:
-        cores, cores_from = max(1, round(max(c / w + o for _, w, c, o in rows))), "busy cores of the saturated machine"
+        cores = max(1, round(max(c / w + o for _, w, c, o in rows)))
+        cores_from = "the cores counted as the busy cores of the saturated machine"
     threads, threads_from = _fact(header, "torch_threads", "int", skipped), "run header"
     if threads is None and cores:
-        threads, threads_from = cores, "torch's default (one per core; the run header does not record it)"
+        threads, threads_from = cores, "the threads taken as torch's default, one per core"
     steady = [r for r in rows if r[0].number(keys.PERF_STEADY) == 1]
     later = steady if len(steady) >= 3 else rows[1:]
     period = max(1, header.period or 1)

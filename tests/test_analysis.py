@@ -714,7 +714,7 @@ def test_thread_oversubscription_over_the_whole_run_gets_the_thread_count(tmp_pa
         assert "`OMP_NUM_THREADS=1`" in f.recommendation.splitlines()[0] and "torch.set_num_threads(1)" in f.recommendation
         assert "of its 2 threads running" in f.observation and "not warmup" in f.root_cause
         assert f.lower_bound and f.basis == "measured" and f.expected_gain > 1.2 and "at least" in f.gain_formula
-        assert ("torch's default" in f.observation) == (not facts)     # an assumption is said to be one
+        assert ("taken as torch's default" in f.observation) == (not facts)     # an assumption is said to be one
         text = render_markdown([f], m)
         assert "### Environment" in text and "OMP_NUM_THREADS=1" in text and f"≥ {f.expected_gain:.2f}x" in text
         assert "`OMP_NUM_THREADS=1` (environment)" in console_summary([f])
@@ -824,3 +824,29 @@ def test_the_tuners_record_is_read_through_its_schema(tmp_path):
     (tmp_path / "tuner_split.json").write_text(json.dumps({"decisions": [{"kind": "probe"}]}))
     m = measurements_from_run(str(tmp_path))
     assert m.tune is None and "`tuner_split.json` does not follow" in note(m, "log_fields").text
+
+
+def test_every_key_a_launcher_run_is_told_is_a_recipe_key():
+    """A run of `hf-perf train` is told recipe keys: every `key: value` and every setting key of its findings is a
+    key the launcher accepts (RecipeArguments, GRPOConfig, ModelConfig): a renamed key breaks this test."""
+    import re
+
+    from hf_perf_callbacks.train import field_names
+
+    names = set(field_names())
+    launcher = dict(launcher="hf-perf train", tuner_attached=True)
+    runs = [healthy(micro_batch=2, grad_accum=4, mfu=0.05, **launcher),
+            healthy(device_type="mps", mfu=None, max_pressure=2, micro_batch=2, grad_accum=2, **launcher),
+            healthy(device_type="mps", mfu=None, decode_bandwidth_util=None, phases={"generation": 0.7,
+                    "compute": 0.3}, **launcher),
+            healthy(clipped_ratio=0.9, completion_max=128.0, completion_p90=128.0, **launcher)]   # GRPO: the launcher's
+    told = 0
+    for m in runs:
+        for f in analyze(m):
+            text = f.recommendation
+            keys_told = set(f.setting) | set(re.findall(r"`([a-z_]+): [^`]+`", text)) | set(
+                re.findall(r"recipe's `([a-z_]+)`", text))
+            assert keys_told <= names, (f.rule, keys_told - names)
+            assert "train_with_tuning" not in text and "default_callbacks" not in text, f.rule
+            told += len(keys_told)
+    assert told >= 8

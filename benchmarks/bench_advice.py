@@ -139,7 +139,7 @@ def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device:
     """The scenario's trainer with ``settings`` (config keys, plus the scenario's code switches) applied."""
     from hf_perf_callbacks import default_callbacks
 
-    callbacks = default_callbacks(AdaptiveBatchTuner={"probe": False}) + ([clock] if clock else [])
+    callbacks = default_callbacks(AdaptiveBatchTuner={"tune": False}) + ([clock] if clock else [])
     cfg = {**scenario["config"], **settings}
     duplicate = cfg.pop("duplicate_forward", False)
     delay = cfg.pop("delay", 0.0)

@@ -56,7 +56,7 @@ def count_collectives():
 def throughput(steps: int) -> dict:
     out = os.path.join(SHARED, "throughput")
     meter = ThroughputMeter(warmup_window=3)
-    callbacks = [meter, MemoryWatchdog(), MPSCacheClearer(), AdaptiveBatchTuner(probe=False)]
+    callbacks = [meter, MemoryWatchdog(), MPSCacheClearer(), AdaptiveBatchTuner(tune=False)]
     trainer = grpo_trainer(out, callbacks, 8, 2, steps, 32, ddp_timeout=180)
     COLLECTIVES.update(calls=0, seconds=0.0)
     train_with_tuning(trainer)                 # with the step guard: its OOM agreement is counted too
@@ -82,7 +82,7 @@ def guard_overhead(steps: int, rounds: int) -> dict:
     for r in range(rounds):
         for arm in arms:
             clock = StepClock()
-            callbacks = [ThroughputMeter(), MemoryWatchdog(), MPSCacheClearer(), AdaptiveBatchTuner(probe=False), clock]
+            callbacks = [ThroughputMeter(), MemoryWatchdog(), MPSCacheClearer(), AdaptiveBatchTuner(tune=False), clock]
             trainer = grpo_trainer(os.path.join(SHARED, f"ab_{arm}_{r}"), callbacks, 8, 2, steps, 32, ddp_timeout=180)
             COLLECTIVES.update(calls=0, seconds=0.0)
             trainer.train() if arm == "plain" else train_with_tuning(trainer)
@@ -116,7 +116,7 @@ def oom_on_rank1(steps: int, limit_gb: float) -> dict:
     if RANK == 1:
         total = torch.cuda.get_device_properties(gpu).total_memory
         torch.cuda.set_per_process_memory_fraction(limit_gb * GB / total, gpu)
-    tuner = AdaptiveBatchTuner(probe=False)
+    tuner = AdaptiveBatchTuner(tune=False)
     trainer = grpo_trainer(os.path.join(SHARED, "oom"), [ThroughputMeter(), tuner], 32, 1, steps, 32, ddp_timeout=180)
     start = time.perf_counter()
     train_with_tuning(trainer)

@@ -234,7 +234,7 @@ def oom_on_rank1() -> None:
             self.step = state.global_step
 
     plant = PlantedOOM()
-    trainer = make(os.path.join(SHARED, "oom"), [plant, AdaptiveBatchTuner(probe=False)], 4, 1, 4)
+    trainer = make(os.path.join(SHARED, "oom"), [plant, AdaptiveBatchTuner(tune=False)], 4, 1, 4)
     plant.step = 0
 
     def raise_on_rank1(module, args, kwargs):

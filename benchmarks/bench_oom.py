@@ -28,7 +28,7 @@ def main():
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(limit * GB / total)
     out = tempfile.mkdtemp()
-    tuner = AdaptiveBatchTuner(probe=False)
+    tuner = AdaptiveBatchTuner(tune=False)
     trainer = grpo_trainer(out, [ThroughputMeter(), tuner], 32, 1, a.steps, a.completion)
     train_with_tuning(trainer)
     steps = [json.loads(x)["step"] for x in open(os.path.join(out, "perf_log.jsonl"))

@@ -94,18 +94,21 @@ def grpo_trainer(output_dir: str, callbacks: list, micro: int, accum: int, steps
 
 class StepClock(TrainerCallback):
     """Independent of the package: CUDA events and a synchronized wall clock at every optimizer-step end, generation
-    time and token counts from a ``generate`` wrapper (prompt tokens + completion tokens up to the first EOS)."""
+    time and token counts from a ``generate`` wrapper (prompt tokens + completion tokens up to the first EOS).
+    ``cuda=False`` (a CPU run): the wall clock only."""
 
-    def __init__(self):
+    def __init__(self, cuda: bool = True):
+        self.cuda = cuda
         self.events, self.walls, self.tokens, self.generation = [], [], [], []
         self._tokens = self._generation = 0.0
 
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
-        torch.cuda.synchronize()
+        if self.cuda:
+            torch.cuda.synchronize()
+            first = torch.cuda.Event(enable_timing=True)
+            first.record()
+            self.events.append(first)
         self.start = time.perf_counter()
-        first = torch.cuda.Event(enable_timing=True)
-        first.record()
-        self.events.append(first)
         eos = processing_class.eos_token_id
         original = model.generate
 
@@ -125,11 +128,12 @@ class StepClock(TrainerCallback):
         model.generate = counted
 
     def on_step_end(self, args, state, control, **kwargs):
-        torch.cuda.synchronize()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        event.synchronize()
-        self.events.append(event)
+        if self.cuda:
+            torch.cuda.synchronize()
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            event.synchronize()
+            self.events.append(event)
         now = time.perf_counter()
         self.walls.append(now - self.start)
         self.start = now
@@ -138,7 +142,10 @@ class StepClock(TrainerCallback):
         self._tokens = self._generation = 0.0
 
     def event_seconds(self) -> list[float]:
-        """Seconds between consecutive step ends on the GPU's own clock (the first from train begin)."""
+        """Seconds between consecutive step ends on the GPU's own clock (the first from train begin); on a CPU run
+        the wall clock's."""
+        if not self.cuda:
+            return list(self.walls)
         return [a.elapsed_time(b) / 1000 for a, b in zip(self.events, self.events[1:])]
 
 

@@ -74,6 +74,11 @@ def set_train_batch_size(trainer) -> None:
     trainer._train_batch_size = trainer.args.train_batch_size
 
 
+def train_batch_size(trainer) -> int:
+    """The per-device batch size the next ``train()`` builds its dataloader with."""
+    return trainer._train_batch_size
+
+
 def save_checkpoint(trainer) -> None:
     """Write ``checkpoint-<global_step>`` now, as the Trainer does at a save step."""
     trainer._save_checkpoint(trainer.model, trial=None)

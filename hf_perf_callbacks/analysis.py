@@ -86,10 +86,11 @@ from . import estimate
 from . import runlog as keys
 from .batching import Split, exact_splits, next_smaller
 from .dataloader import dataloader_advice, dataloader_changes
-from .figures import completion_stats, figures, last_value, warmup_words
+from .figures import completion_stats, figures, last_value
 from .runlog import GB, RunHeader, RunLog, StepLine, conform, number, read_run
 from .splitfile import Decision, SplitFile, read_split_file
 from .stats import classify_slow_steps, quantile
+from .wording import warmup_words
 
 REPORT_FILE = "perf_report.md"
 CONSOLE_WIDTH = 160
@@ -452,10 +453,11 @@ def _launcher(m: Measurements) -> bool:
 def _tuner_how(m: Measurements) -> str:
     """How this run gets the batch tuner to measure its splits, in the interface it was started with."""
     if _launcher(m):
-        return ("keep `AdaptiveBatchTuner` in the recipe's `callbacks` (the default) with `probe: true` (the "
-                "default; `--probe false` turns it off)")
+        return ("keep `AdaptiveBatchTuner` in the recipe's `callbacks` (the default) with `tune: true` (the "
+                "default; `--tune false` turns it off)")
     if m.tuner_attached:
-        return "call `train_with_tuning(trainer)` instead of `trainer.train()` (only it measures the splits)"
+        return ("call `train_with_tuning(trainer)` instead of `trainer.train()`, with `AdaptiveBatchTuner(tune=True)` "
+                "(the default): only then does the tuner measure the splits")
     return "attach `AdaptiveBatchTuner()` (`callbacks=default_callbacks()`) and call `train_with_tuning(trainer)`"
 
 

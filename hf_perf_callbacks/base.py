@@ -61,9 +61,15 @@ def _isolate_faults(name: str, method):
         try:
             if name in ("on_init_end", "on_train_begin") or self.bus is None:
                 self._attach()
+            if name == "on_train_begin":
+                self.bus.on_train_begin(args, state, control)     # once per call, also when it joined just now
             self.bus.output_dir, self.bus.is_main = args.output_dir, state.is_world_process_zero
-            if name == "on_train_begin" and state.global_step > 0:
-                self._restore_from(state)
+            if name == "on_train_begin":
+                if state.global_step > 0:
+                    self._restore_from(state)
+                elif self.began:                 # a fresh run of the same trainer: a run of its own
+                    self.start_fresh()
+                self.began = True
             started = self.clock.wall()
             try:
                 return method(self, args, state, control, **kwargs)
@@ -115,6 +121,8 @@ class PerfCallback(TrainerCallback, ExportableState):
         for name, value in list(vars(cls).items()):
             if name.startswith("on_") and callable(value):
                 setattr(cls, name, _isolate_faults(name, value))
+        if "on_init_end" not in vars(cls):              # every callback joins the bus at the trainer's init
+            cls.on_init_end = _isolate_faults("on_init_end", PerfCallback.on_init_end)
         if "__init__" in vars(cls):
             cls.__init__ = _named_init(cls.__name__, vars(cls)["__init__"])
 
@@ -122,9 +130,13 @@ class PerfCallback(TrainerCallback, ExportableState):
         if clock is not None and not isinstance(clock, Clock):
             raise ValueError(f"clock={clock!r} is not allowed: expected a hf_perf_callbacks.base.Clock (or None)")
         self.clock = clock or SYSTEM_CLOCK
+        self.began = False                       # a train() call has begun with this callback
         self.disabled = False
         self.bus: RunBus | None = None
         self.collective_step = -1        # the last optimizer step whose cross-rank exchange this rank joined
+
+    def on_init_end(self, args, state, control, **kwargs):
+        """Join the trainer's bus at its init, so that the bus sees the first ``train()`` begin."""
 
     def neutral_exchange(self) -> None:
         """Join this callback's per-step cross-rank exchange with zeros (a rank that has nothing to report)."""
@@ -162,6 +174,10 @@ class PerfCallback(TrainerCallback, ExportableState):
 
     def load(self, saved: dict) -> None:
         """Restore what :meth:`export` returned (override)."""
+
+    def start_fresh(self) -> None:
+        """Forget what earlier runs of this instance counted: a ``train()`` from step 0 is a run of its own
+        (override; a resume keeps accumulating)."""
 
     def _restore_from(self, state) -> None:
         entry = (state.stateful_callbacks or {}).get(type(self).__name__)

@@ -7,12 +7,15 @@ the reporters (TensorBoard, W&B, trackio, MLflow…) come before user callbacks,
 index 0 of the callback list: the callbacks publish into it during ``on_step_end`` and the bus merges everything
 into the next training log *before* any reporter runs, and into ``log_history[-1]``.
 
-The bus is also the small shared object through which the callbacks talk (the signals below), and it writes the
-run log ``<output_dir>/perf_log.jsonl`` (main process only; records and reader in :mod:`hf_perf_callbacks.runlog`):
-one run header per ``train()`` call with the bus's ``session`` and the facts the callbacks handed it
+The bus is also the small shared object through which the callbacks talk (the signals below; the tuning session
+of :mod:`hf_perf_callbacks.resize.session`, :attr:`RunBus.tuning`), and it writes the run log
+``<output_dir>/perf_log.jsonl`` (main process only; records and reader in :mod:`hf_perf_callbacks.runlog`):
+one run header per ``train()`` call with the run's ``session`` and the facts the callbacks handed it
 (:meth:`RunBus.describe_run`), one step line per optimizer step, one line per event and the summaries. The header
 is written once every callback has begun (at the first step, or at the first step line or summary); events from
-before it wait and follow it.
+before it wait and follow it. **Each fresh ``train()`` is its own run**: one that starts at step 0 gets a new session
+(a resume keeps it), unless a tuning session pins it (:meth:`RunBus.pin_session`: its in-process re-sizes and
+resumes are one run).
 
 Signals (:meth:`RunBus.signal`): ``SIGNAL_CLEAR`` — the watchdog asks for a cache clear; handler
 ``(reason: str, step: int) -> freed bytes`` (MPSCacheClearer). ``SIGNAL_SMALLER_BATCH`` — the watchdog asks for a
@@ -32,7 +35,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from . import adapter
-from .runlog import EventLine, LogWriter, Record, RunHeader, StepLine, SummaryLine
+from .runlog import EventLine, LogWriter, Record, RunHeader, StepLine, SummaryLine, lock_output_dir, unlock_output_dir
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -53,7 +56,12 @@ class RunBus(TrainerCallback):
         self.is_main = True
         self.subscribers: dict[str, list[Callable]] = defaultdict(list)
         self.overhead = 0.0
-        self.session = uuid.uuid4().hex[:12]    # on run headers: a new process's fresh run restarts the log
+        self.session = uuid.uuid4().hex[:12]    # on run headers: a fresh run restarts the log
+        self.pinned = False                     # a tuning session fixed the session (see pin_session)
+        self.trained = False                    # a train() call has begun on this bus
+        self.begun = None                       # the TrainerState of the train() call that began last
+        self.tuning = None                      # the tuning session of train_with_tuning or the tuner
+        self.continuing = False                 # this train() ends for an in-process re-size: the run goes on
         # this train() call's header while it is not written yet; the first call's is opened here, as the bus
         # joins the callback list during the callbacks' on_train_begin and misses its own
         self.header: RunHeader | None = RunHeader(session=self.session)
@@ -173,9 +181,26 @@ class RunBus(TrainerCallback):
             bar.set_postfix_str(text, refresh=False)
 
     # ------------------------------------------------------------ trainer events
+    def pin_session(self, session: str) -> None:
+        """Log every ``train()`` call as the run ``session`` (a tuning session's re-sizes and resumes are one run)."""
+        self.session, self.pinned = session, True
+        if self.header is not None:
+            self.header.session = session
+
     def on_train_begin(self, args, state, control, **kwargs):
+        """A ``train()`` call begins: once per call, whether the bus is in the callback list already or joins it
+        during this event (a callback added after the trainer's init calls it then, see ``base``)."""
+        if self.begun is state:
+            return
+        self.begun = state
+        if self.trained and not self.pinned and state.global_step == 0:
+            self.session = uuid.uuid4().hex[:12]          # a fresh run of the same trainer: a run of its own
+        self.trained = True
+        self.continuing = False
         self.output_dir = args.output_dir
         self.is_main = state.is_world_process_zero
+        if self.is_main and args.output_dir:
+            lock_output_dir(args.output_dir)           # another live process in this output_dir: a clear error
         self.unlogged.clear()
         if self.step_line is not None:
             self.flush()
@@ -195,6 +220,8 @@ class RunBus(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.flush()
+        if not self.continuing and args.output_dir:
+            unlock_output_dir(args.output_dir)
 
 
 def bus_for(handler: CallbackHandler) -> RunBus:

@@ -132,6 +132,11 @@ class MPSCacheClearer(PerfCallback):
         self.bus.write_summary(self.source, {"clears": self.clears, "freed_gb": self.total_freed / GB,
                                              "seconds": self.total_seconds, "interval": self.schedule.interval})
 
+    def start_fresh(self) -> None:
+        self.schedule = ClearSchedule(self.interval_steps, self.min_interval, self.max_interval,
+                                      self.min_freed_gb * GB)
+        self.clears, self.total_freed, self.total_seconds, self._window, self.history = 0, 0.0, 0.0, [0.0, 0.0], []
+
     def export(self) -> dict:
         return {"clears": self.clears, "freed": self.total_freed, "seconds": self.total_seconds,
                 "interval": self.schedule.interval}

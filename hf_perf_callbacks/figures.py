@@ -1,6 +1,33 @@
-"""The headline figures of a parsed run log, shared by ``hf-perf report``'s summary and the written analysis (so both
-print the same numbers): from the summaries when the run finished, else computed from the step lines the way the
-meter and the watchdog compute them. Pure: no torch, no transformers.
+"""The headline figures of a parsed run log, computed once for ``hf-perf report``'s summary, its plots and the
+written analysis (``perf_report.md``), so that all of them print the same numbers as the meter's console summary and
+its TensorBoard/W&B values. Pure: no torch, no transformers.
+
+**The meter's figures, as it measured them.** The ThroughputMeter keeps running figures and writes them on every step
+line as they stand after that step, and in its summary as they stand at the end; :func:`figures` takes the summary,
+else (a killed run) the latest step line: the same numbers either way (a log of an earlier version, without the
+running figure, gets it computed from its step lines by the same definition). Their definitions (training time = a step's
+wall time without evaluation and saving, the meter's ``perf/train_sec``; all segments of a resumed run counted):
+
+========================  ==================================================================================
+figure                    definition
+========================  ==================================================================================
+``steady_steps``          the steps the meter counts as steady: those logged with ``perf/steady`` 1, and those
+                          from a step line's ``perf/first_steady_step`` up to that line (warmup is decided a
+                          few steps after it ended: the lines from the decision on name where it ended)
+``steady_tokens_per_sec`` Σ tokens / Σ training seconds over the steady steps
+``steady_step_sec``       Σ training seconds / number of steady steps: steady tokens/s × steady step time = the
+                          mean tokens of a steady step
+``warmup_done``           the latest ``train()`` call's warmup has been decided (False: not finished, the
+                          warmup figures are None, and every reader says "not finished", never "no warmup")
+``warmup_steps``          steps before the first steady step of the latest ``train()`` call
+``warmup_end_step``       that first steady step
+``first_step_slowdown``   the first step's (GRPO: generation cycle's) training time / the steady step time
+``warmup_overhead_sec``   training seconds of the warmup steps above the steady level (0 until warmup is decided)
+``contention_sec``        CPU device: wall seconds of slow early steps whose CPU time stayed flat (other
+                          processes), the meter's ``early_contention_sec``; ``contention_steps`` lists them (from
+                          the summary; a killed run has the seconds only)
+``mean_tokens_per_sec``   Σ tokens / Σ training seconds over all steps
+========================  ==================================================================================
 """
 from __future__ import annotations
 
@@ -8,9 +35,9 @@ import json
 import os
 
 from . import runlog as keys
-from .runlog import SPLIT_FILE, RunHeader, RunLog, StepLine, number
+from .runlog import PHASES, SPLIT_FILE, EventLine, RunLog, StepLine, number
 from .stats import median, quantile
-from .runlog import PHASES
+from .wording import split_label, warmup_words  # noqa: F401 - the analysis imports warmup_words from here
 
 
 def last_value(steps: list[StepLine], key: str) -> float | None:
@@ -23,36 +50,56 @@ def last_value(steps: list[StepLine], key: str) -> float | None:
 
 
 def train_seconds(step: StepLine) -> float | None:
-    """A step line's training time as the meter counts it: its wall time minus evaluation and saving."""
+    """A step line's training time, the one its throughput was computed from: the meter's ``perf/train_sec`` (logs
+    of earlier versions: the wall time minus evaluation and saving)."""
+    logged = step.number(keys.PERF_TRAIN_SEC)
+    if logged is not None:
+        return logged
     wall = number(step.get(keys.PERF_STEP_WALL_SEC, step.get(keys.PERF_STEP_TIME)))
     if wall is None:
         return None
     return wall - sum(step.number(keys.PERF_PHASE_SEC[p]) or 0.0 for p in ("eval", "save"))
 
 
-def warmup_end_step(steps: list[StepLine], headers: list[RunHeader]) -> int | None:
-    """The first steady step: the warmup is decided a few steps late (it needs confirming steps), so the step
-    where ``perf/warmup_done`` turns 1 is not it; the segment start plus ``perf/warmup_steps`` is."""
+def steady_steps(steps: list[StepLine]) -> list[int]:
+    """The steps the meter counts as steady (see the module docstring), in order."""
+    starts = [(s.step, int(first)) for s in steps if (first := s.number(keys.PERF_FIRST_STEADY_STEP)) is not None]
+    out = []
     for s in steps:
-        warmup = s.number(keys.PERF_WARMUP_STEPS)
-        if s.number(keys.PERF_WARMUP_DONE) == 1 and warmup is not None:
-            starts = [h.resumed_from_step for h in headers if h.resumed_from_step < s.step]
-            return int(max(starts, default=0) + warmup + 1)
-    return None
+        flagged = s.number(keys.PERF_STEADY) == 1
+        if flagged or any(first <= s.step <= upto for upto, first in starts):
+            out.append(s.step)
+    return out
+
+
+def run_events(run: RunLog) -> list[EventLine]:
+    """Logged events plus watchdog summary actions missing from them (their event line was lost), by step."""
+    events = list(run.events)
+    seen = {(e.step, e.details.get("action")) for e in events if e.source == "mem"}
+    for a in run.summary("mem").get("actions") or []:
+        if isinstance(a, dict) and (a.get("step"), a.get("action")) not in seen:
+            kind = "stop" if a.get("action") == "stop" else "action"
+            step = number(a.get("step"))
+            events.append(EventLine("mem", kind, str(a.get("message", "")), int(step) if step is not None else None,
+                                    details={k: v for k, v in a.items() if k not in ("step", "message")}))
+    return sorted(events, key=lambda e: e.step if e.step is not None else -1)
 
 
 def figures(run: RunLog) -> dict:
-    """The headline numbers: from the summaries when the run finished, else computed from the step lines."""
+    """The headline numbers (see the module docstring): from the summaries when the run finished, else from the
+    step lines."""
     steps = run.unique_steps()
     perf, mem, cache = run.summary("perf"), run.summary("mem"), run.summary("cache")
     header, mem_header = run.header("perf"), run.header("mem")
+    last = next((s for s in reversed(steps) if keys.PERF_WARMUP_DONE in s.values), None)
+    latest = last.values if last is not None else {}
 
     tokens = sum(s.number(keys.PERF_TOKENS) or 0.0 for s in steps)
     train = sum(train_seconds(s) or 0.0 for s in steps)
-    steady_lines = [s for s in steps if s.number(keys.PERF_STEADY) == 1]
-    steady = steady_lines or steps
-    mfus = [v for v in (s.number(keys.PERF_MFU) for s in steady) if v is not None]
-    steady_secs = [v for v in map(train_seconds, steady_lines) if v is not None]
+    steady = steady_steps(steps)
+    steady_set = set(steady)
+    steady_lines = [s for s in steps if s.step in steady_set] or steps
+    mfus = [v for v in (s.number(keys.PERF_MFU) for s in steady_lines) if v is not None]
     phase_sums = {p: sum(s.number(keys.PERF_PHASE_SEC[p]) or 0.0 for s in steps) for p in PHASES}
     phase_total = sum(phase_sums.values())
     used = [v for s in steps for v in (s.number(keys.MEM_PEAK_GB), s.number(keys.MEM_DEVICE_USED_GB))
@@ -63,7 +110,21 @@ def figures(run: RunLog) -> dict:
         value = summary.get(key)
         return value if value is not None else fallback
 
-    warmup_done = pick(perf, "warmup_done", last_value(steps, keys.PERF_WARMUP_DONE))
+    def meter(summary_key: str, step_key: str, by_definition=None):
+        """The meter's figure: its summary's, else the latest step line's (a killed run), else (a log of an earlier
+        version without that key) computed from the step lines by its definition."""
+        if perf:
+            return perf.get(summary_key)
+        value = number(latest.get(step_key))
+        return value if value is not None else by_definition
+
+    steady_seconds = [v for v in (train_seconds(s) for s in steps if s.step in steady_set) if v is not None]
+    steady_tokens = sum(s.number(keys.PERF_TOKENS) or 0.0 for s in steps if s.step in steady_set)
+
+    done = meter("warmup_done", keys.PERF_WARMUP_DONE)
+    warmup_done = bool(done) if done is not None else None
+    overhead = meter("warmup_overhead_sec", keys.PERF_WARMUP_OVERHEAD_SEC)   # 0 until warmup is decided
+    first_steady = perf.get("first_steady_step") if perf else number(latest.get(keys.PERF_FIRST_STEADY_STEP))
     budget = mem_header.budget_gb if mem_header.budget_gb is not None else last_value(steps, keys.MEM_LIMIT_GB)
     return {
         "device": pick(perf, "device", header.device),
@@ -71,14 +132,18 @@ def figures(run: RunLog) -> dict:
         "world_size": pick(perf, "world_size", header.world_size),
         "steps": pick(perf, "steps", steps[-1].step if steps else 0),
         "tokens": pick(perf, "tokens", tokens or None),
-        "warmup_done": bool(warmup_done) if warmup_done is not None else None,
-        "warmup_steps": pick(perf, "warmup_steps", last_value(steps, keys.PERF_WARMUP_STEPS)),
-        "warmup_end_step": warmup_end_step(steps, run.headers),
-        "warmup_overhead_sec": pick(perf, "warmup_overhead_sec", last_value(steps, keys.PERF_WARMUP_OVERHEAD_SEC)),
-        "first_step_slowdown": pick(perf, "first_step_slowdown", last_value(steps, keys.PERF_FIRST_STEP_SLOWDOWN)),
-        "steady_tokens_per_sec": pick(perf, "steady_tokens_per_sec",
-                                      last_value(steps, keys.PERF_STEADY_TOKENS_PER_SEC)),
-        "steady_step_sec": pick(perf, "steady_step_sec", median(steady_secs) if steady_secs else None),
+        "warmup_done": warmup_done,
+        "warmup_steps": meter("warmup_steps", keys.PERF_WARMUP_STEPS) if warmup_done else None,
+        "warmup_end_step": int(first_steady) if warmup_done and first_steady is not None else None,
+        "warmup_overhead_sec": overhead if overhead is not None or warmup_done is not False else 0.0,
+        "first_step_slowdown": meter("first_step_slowdown", keys.PERF_FIRST_STEP_SLOWDOWN) if warmup_done else None,
+        "steady_tokens_per_sec": meter("steady_tokens_per_sec", keys.PERF_STEADY_TOKENS_PER_SEC,
+                                       steady_tokens / sum(steady_seconds) if sum(steady_seconds) > 0 else None),
+        "steady_step_sec": meter("steady_step_sec", keys.PERF_STEADY_STEP_TIME,
+                                 sum(steady_seconds) / len(steady_seconds) if steady_seconds else None),
+        "steady_steps": steady,
+        "contention_sec": meter("early_contention_sec", keys.PERF_EARLY_CONTENTION_SEC),
+        "contention_steps": list(perf.get("contention_steps") or []),
         "mean_tokens_per_sec": pick(perf, "mean_tokens_per_sec", tokens / train if tokens and train else None),
         "mfu": pick(perf, "mfu", median(mfus) if mfus else None),
         "phases": perf.get("phases") or ({p: v / phase_total for p, v in phase_sums.items()} if phase_total else {}),
@@ -106,38 +171,15 @@ def completion_stats(history: list[dict]) -> dict:
             "clipped": sum(clipped) / len(clipped) if clipped else None, "logs": len(means)}
 
 
-def warmup_words(steps, slowdown, overhead=None) -> str:
-    """What the warmup figures say, without contradicting themselves: ``steps`` of warmup (0: none beyond the first
-    step), the first step's ``slowdown`` against the steady step (below 1: later steps slowed, not warmup) and the
-    ``overhead`` seconds above steady time. Used by the report's summary and the analysis' warmup note."""
-    n, slow, over = number(steps), number(slowdown), number(overhead)
-    parts = []
-    if n:
-        parts.append(f"warmup took {n:.0f} step{'s' if n != 1 else ''}")
-        if slow is not None and slow >= 1.05:
-            parts.append(f"the first step took {slow:.1f}x the steady step")
-        if over:
-            parts.append(f"{over:.1f} s above steady time")
-    elif slow is not None and slow >= 1.05:
-        parts.append(f"only the first step was slow ({slow:.1f}x the steady step); no warmup beyond it")
-    else:
-        parts.append("no warmup: the first step ran at the steady speed")
-    if slow is not None and slow < 0.95:
-        parts.append(f"the first step was faster than the steady level ({slow:.2f}x): later steps slowed down — "
-                     f"longer sequences or other processes, not warmup")
-    return "; ".join(parts)
-
-
-def split_text(split) -> str:
-    """``4×2`` for a tuner split written as a dict (micro_batch, grad_accum); anything else as it is."""
-    if isinstance(split, dict) and "micro_batch" in split:
-        return f"{split['micro_batch']}×{split.get('grad_accum', '?')}"
-    return "?" if split is None else str(split)
+# ---------------------------------------------------------------- kept only for analysis.py's current imports
+# The report and its plots read the tuner's record through hf_perf_callbacks.splitfile.read_split_file; these two
+# go when the analysis does too.
+split_text = split_label
 
 
 def last_probe(output_dir: str) -> dict | None:
-    """The tuner's latest probe decision (old and new split, the measured trials) from ``tuner_split.json``; None
-    when no probe ran or the file is absent or unreadable."""
+    """The tuner's latest ``probe`` decision as a raw mapping from ``tuner_split.json`` (a version-1 file); None when
+    there is none or the file is absent or unreadable."""
     try:
         with open(os.path.join(output_dir, SPLIT_FILE), encoding="utf-8") as fh:
             saved = json.load(fh)

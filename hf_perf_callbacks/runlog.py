@@ -12,6 +12,13 @@ One JSON object per line, appended to across resumes and re-sizes (main process 
 ``summary``  :class:`SummaryLine` — a callback's end-of-run summary
 ===========  ===========================================================================================
 
+**Steady steps.** The meter decides a few steps late that warmup has ended (it needs confirming steps), so a
+step line's ``perf/steady`` is 1 only for steps known to be steady when the line was written. From the decision on,
+every step line of that ``train()`` call also carries ``perf/first_steady_step``: the steps from it up to that line
+are steady too. A reader of a killed run (no summary) thus finds the meter's steady steps exactly
+(:func:`hf_perf_callbacks.figures.steady_steps`); each step line's ``perf/train_sec`` is the training time its
+throughput was computed from.
+
 :func:`read_run` is the one reader. A run header of a new session starting at step 0 is a fresh run in a reused
 ``output_dir``: it replaces the lines of the earlier run(s) (counted in ``replaced_runs``); a resume (the same
 session, or ``resumed_from_step`` > 0) keeps them. Lines before the first run header belong to the first run. An
@@ -48,6 +55,7 @@ PHASES = ("data_wait", "generation", "compute", "eval", "save")
 PERF_TOKENS_PER_SEC = "perf/tokens_per_sec"
 PERF_TOKENS_PER_SEC_PER_DEVICE = "perf/tokens_per_sec_per_device"
 PERF_STEADY_TOKENS_PER_SEC = "perf/steady_tokens_per_sec"
+PERF_STEADY_STEP_TIME = "perf/steady_step_time"
 PERF_STEP_TIME = "perf/step_time"
 PERF_WARMUP_DONE = "perf/warmup_done"
 PERF_WARMUP_STEPS = "perf/warmup_steps"
@@ -67,7 +75,10 @@ PERF_PHASE_SEC = {p: f"perf/phase_sec/{p}" for p in PHASES}
 PERF_STEP_WALL_SEC = "perf/step_wall_sec"
 PERF_TOKENS = "perf/tokens"
 PERF_SEQ_LEN = "perf/seq_len"
+PERF_TRAIN_SEC = "perf/train_sec"
 PERF_STEADY = "perf/steady"
+PERF_FIRST_STEADY_STEP = "perf/first_steady_step"
+PERF_EARLY_CONTENTION_SEC = "perf/early_contention_sec"
 PERF_CPU_SEC = "perf/cpu_sec"
 PERF_CPU_TIME_RATIO = "perf/cpu_time_ratio"
 PERF_OTHER_CPU_CORES = "perf/other_cpu_cores"
@@ -150,6 +161,8 @@ class RunHeader:
     activation_checkpointing: bool | None = None
     model: dict = field(default_factory=dict)
     dataloader: dict = field(default_factory=dict)
+    torch_threads: int | None = None      # torch.get_num_threads() of the training process
+    cpu_cores: int | None = None          # os.cpu_count(): logical cores of the machine
     # MemoryWatchdog
     budget_gb: float | None = None
     device_limit_gb: float | None = None
@@ -289,8 +302,9 @@ SUMMARY_KINDS = {
     "perf": {"steps": "int", "tokens": "float", "train_seconds": "float", "warmup_done": "bool", "warmup_steps": "int",
              "warmup_overhead_sec": "float", "first_step_slowdown": "float", "steady_step_sec": "float",
              "steady_tokens_per_sec": "float", "mean_tokens_per_sec": "float", "phases": "dict", "device": "str",
-             "world_size": "int", "peak_flops": "float", "warmup_measured_on": "str",
-             "early_contention_sec": "float", "mfu": "float", "hfu": "float"},
+             "world_size": "int", "peak_flops": "float", "warmup_measured_on": "str", "first_steady_step": "int",
+             "steady_step_count": "int", "early_contention_sec": "float", "contention_steps": "list",
+             "mfu": "float", "hfu": "float"},
     "mem": {"high_water_gb": "float", "budget_gb": "float", "actions": "list", "stopped_at": "int"},
     "cache": {"clears": "int", "freed_gb": "float"},
 }
@@ -339,6 +353,52 @@ def parse_record(entry) -> Record | None:
     if kind == "summary":
         return SummaryLine.from_json(entry)
     return None
+
+
+# ---------------------------------------------------------------- one writing process per output_dir
+LOCK_FILE = ".hf_perf.lock"
+_HELD: dict[str, object] = {}          # output_dir → the open lock file of this process (one per directory)
+
+
+class OutputDirBusy(RuntimeError):
+    """Another live process is training into the same ``output_dir``."""
+
+
+def lock_output_dir(output_dir: str) -> None:
+    """Hold an exclusive lock on ``output_dir`` for this process (``<output_dir>/.hf_perf.lock``, POSIX ``flock``,
+    released by the OS when the process ends): two processes writing one ``output_dir`` would interleave their
+    perf logs and resume from each other's checkpoints. Raises :class:`OutputDirBusy` naming the process that holds
+    it. Re-entrant within a process; no lock where ``fcntl`` does not exist."""
+    try:
+        import fcntl
+    except ImportError:                        # not POSIX: no lock
+        return
+    key = os.path.realpath(output_dir)
+    if key in _HELD:
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    handle = open(os.path.join(output_dir, LOCK_FILE), "a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise OutputDirBusy(f"output_dir {output_dir!r} is being written by another training process ({holder}): "
+                            f"two runs in one output_dir interleave their perf logs and resume from each other's "
+                            f"checkpoints. Give this run its own output_dir, or wait for that process to end") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {os.uname().nodename if hasattr(os, 'uname') else 'this host'}\n")
+    handle.flush()
+    _HELD[key] = handle
+
+
+def unlock_output_dir(output_dir: str) -> None:
+    """Release this process's lock on ``output_dir`` (see :func:`lock_output_dir`)."""
+    handle = _HELD.pop(os.path.realpath(output_dir), None)
+    if handle is not None:
+        handle.close()
 
 
 # ---------------------------------------------------------------- writer

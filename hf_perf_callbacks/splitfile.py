@@ -175,6 +175,13 @@ class Decision:
     budget_gb: float | None = None
     rule: str | None = None
 
+    def headline(self) -> str:
+        """One line: what changed (or was kept), why, and what it cost."""
+        what = {"tune": "tuning", "memory_check": "memory check", "oom": "out of memory", "watchdog": "watchdog"}
+        change = f"{self.old} → {self.new}" if self.old != self.new else f"kept {self.new}"
+        cost = f"; cost {self.cost_sec:.1f} s" if self.cost_sec else ""
+        return f"{what[self.kind]} at step {self.step}: {change} ({self.reason}{cost})"
+
     def to_json(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out.update(old=split_to_json(self.old), new=split_to_json(self.new), trials=[t.to_json() for t in self.trials])

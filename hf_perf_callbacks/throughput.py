@@ -1,7 +1,6 @@
 """ThroughputMeter: warmup-aware training speed, MFU, the phase split and GRPO rollout throughput."""
 from __future__ import annotations
 
-import math
 import os
 import time
 import weakref
@@ -15,12 +14,12 @@ from . import runlog as keys
 from .base import Clock, PerfCallback
 from .dataloader import dataloader_advice
 from .device import DeviceLayer, dtype_key, gather_floats, world_size
-from .figures import warmup_words
 from .flops import forward_flops_per_token, shape_of, train_flops_per_token
 from .stats import generation_period
 from .validation import check_flag, check_number
 from .runlog import PHASES
 from .timeline import StepTimeline
+from .wording import phase_line, throughput_line, warmup_line
 
 
 #: model → the meter whose hook and wrapper are installed on it (a replaced instance is closed by its successor)
@@ -87,7 +86,9 @@ class ThroughputMeter(PerfCallback):
     Warmup is found statistically (:class:`~hf_perf_callbacks.stats.WarmupDetector`): it ends when
     ``warmup_window`` consecutive step times (GRPO: generation cycles) lie within ``warmup_tolerance`` of their
     median, at the latest after ``max_warmup_steps``. Steady throughput counts only steps after warmup and
-    excludes eval and checkpoint time.
+    excludes eval and checkpoint time; the figures' definitions are in :mod:`hf_perf_callbacks.timeline` (steady
+    tokens/s × steady step time = the mean tokens of a steady step). Each fresh ``train()`` (``global_step`` 0)
+    starts its counters over; a resumed one keeps accumulating.
 
     **Tokens.** GRPO counts prompt + completion tokens of every generation, gathered over ranks, in
     ``state.num_input_tokens_seen``; a plain ``Trainer`` does so only with ``include_num_input_tokens_seen``.
@@ -118,14 +119,20 @@ class ThroughputMeter(PerfCallback):
     step lines still carry the machine's load (a busy host slows launch-bound steps such as HF ``generate``).
 
     Logged keys (at each logging step; every step in ``perf_log.jsonl``, which also holds
-    ``perf/phase_sec/<phase>``, ``perf/step_wall_sec``, ``perf/tokens``, ``perf/seq_len``, ``perf/steady`` — 1
-    for steps already known to be steady when written: warmup is decided a few steps late, see
-    ``perf/warmup_steps`` — and the contention data of the table below). Memory keys are in GiB (2³⁰ bytes)
-    throughout the package.
+    ``perf/phase_sec/<phase>``, ``perf/step_wall_sec``, ``perf/tokens``, ``perf/seq_len`` and the keys of the
+    table below). Memory keys are in GiB (2³⁰ bytes) throughout the package.
 
     ====================================  ========  ==============================================================
     step-line key (``perf_log.jsonl``)    unit      meaning
     ====================================  ========  ==============================================================
+    ``perf/train_sec``                    s         the step's training time (wall minus eval and save; the
+                                                    slowest rank's): what its throughput is computed from
+    ``perf/steady``                       0/1       1: the step was known to be steady when its line was written
+    ``perf/first_steady_step``            step      from the warmup decision on: this ``train()`` call's first
+                                                    steady step; the steps from it to this line are steady too
+                                                    (warmup is decided a few steps after it ended)
+    ``perf/early_contention_sec``         s         the meter's contention figure so far (summary's
+                                                    ``early_contention_sec``)
     ``perf/cpu_sec``                      s         process CPU time (``time.process_time``, all threads) since the
                                                     previous step ended: the same span as ``perf/step_wall_sec``
     ``perf/cpu_time_ratio``               cores     ``perf/cpu_sec`` / ``perf/step_wall_sec``: threads kept busy
@@ -140,11 +147,12 @@ class ThroughputMeter(PerfCallback):
     ``perf/tokens_per_sec``               tok/s     windowed, global (all ranks)
     ``perf/tokens_per_sec_per_device``    tok/s     windowed, global / world size
     ``perf/steady_tokens_per_sec``        tok/s     after warmup only, eval and save excluded
+    ``perf/steady_step_time``             s         mean training time of the steady steps
     ``perf/step_time``                    s         mean training time per optimizer step in the window
     ``perf/warmup_done``                  0/1       warmup has ended in this ``train()`` call
     ``perf/warmup_steps``                 steps     steps before steady state (once known)
     ``perf/warmup_overhead_sec``          s         time spent above the steady step time during warmup
-    ``perf/first_step_slowdown``          ratio     first step (GRPO: generation cycle) / steady median
+    ``perf/first_step_slowdown``          ratio     first step (GRPO: generation cycle) / steady step time
     ``perf/phase/<phase>``                fraction  share of wall time since the last log: ``data_wait``,
                                                     ``generation``, ``compute``, ``eval``, ``save``
     ``perf/mfu``                          fraction  model FLOPs utilisation (absent when the peak is unknown)
@@ -196,7 +204,7 @@ class ThroughputMeter(PerfCallback):
                                          args.gradient_accumulation_steps) if self.is_grpo else 1)
         self.close()
         self._install(model)
-        self._setup_flops(args)
+        self._setup_flops(args, state.global_step)
         # integer counters on the device, read once per step (no synchronize per micro-batch; MPS has no float64)
         self.counts = torch.zeros(3, dtype=torch.long, device=self.device.device)
         self._reset_step_counters()
@@ -219,7 +227,8 @@ class ThroughputMeter(PerfCallback):
                               temperature=getattr(args, "temperature", None),
                               use_vllm=getattr(args, "use_vllm", None),
                               activation_checkpointing=self.recompute, model=self._model_facts(),
-                              dataloader=_dataloader_settings(args))
+                              dataloader=_dataloader_settings(args), torch_threads=torch.get_num_threads(),
+                              cpu_cores=os.cpu_count())
 
     def _install(self, model) -> None:
         """A forward pre-hook on the innermost causal LM's decoder stack (training forwards, tokens, decode
@@ -247,7 +256,7 @@ class ThroughputMeter(PerfCallback):
         if output is not None:
             self._hook_safely(self._count_generated, input_ids, output)
 
-    def _setup_flops(self, args) -> None:
+    def _setup_flops(self, args, step: int) -> None:
         self.shape = shape_of(self.model)
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else self.inner.dtype
         try:
@@ -269,7 +278,7 @@ class ThroughputMeter(PerfCallback):
         if self.run_peak_flops is None and "mfu" not in self.warned:
             self.warned.add("mfu")
             self.warn(f"MFU omitted: no {self.dtype_key} peak FLOP/s known for device '{self.device.name}'. Pass "
-                      f"ThroughputMeter(peak_flops=<FLOP/s>) or peak_flops='calibrate' to measure it.")
+                      f"ThroughputMeter(peak_flops=<FLOP/s>) or peak_flops='calibrate' to measure it.", step=step)
 
     def _model_facts(self) -> dict:
         """What memory and FLOP estimates need from the model config (for the report)."""
@@ -371,9 +380,11 @@ class ThroughputMeter(PerfCallback):
         self._check_data_wait(args, state.global_step)
         self.bus.record_step(state.global_step, {**metrics, **{keys.PERF_PHASE_SEC[p]: getattr(record, p)
                                                                 for p in PHASES},
-                                                keys.PERF_STEP_WALL_SEC: record.wall, keys.PERF_TOKENS: tokens,
-                                                keys.PERF_SEQ_LEN: self.seq_len,
+                                                keys.PERF_STEP_WALL_SEC: record.wall, keys.PERF_TRAIN_SEC: record.train,
+                                                keys.PERF_TOKENS: tokens, keys.PERF_SEQ_LEN: self.seq_len,
                                                 keys.PERF_STEADY: int(record.steady),
+                                                keys.PERF_FIRST_STEADY_STEP: self.timeline.first_steady_step,
+                                                keys.PERF_EARLY_CONTENTION_SEC: self.timeline.early_contention,
                                                 **self.machine.step_fields(record)})
         if control.should_log:   # phase shares over this logging interval
             metrics.update({keys.PERF_PHASE_SHARE[k]: v for k, v in self.timeline.take_window_phases().items()})
@@ -385,7 +396,7 @@ class ThroughputMeter(PerfCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self.summary = self.summarize()
         self.bus.write_summary(self.source, self.summary)
-        if state.is_world_process_zero:
+        if state.is_world_process_zero and not self.bus.continuing:    # printed once, at the run's end
             print(self.format_summary())
         self.close()
 
@@ -399,6 +410,7 @@ class ThroughputMeter(PerfCallback):
             m[keys.PERF_TOKENS_PER_SEC_PER_DEVICE] = rate / self.world
         if tl.steady_tokens_per_sec is not None:
             m[keys.PERF_STEADY_TOKENS_PER_SEC] = tl.steady_tokens_per_sec
+            m[keys.PERF_STEADY_STEP_TIME] = tl.steady_step_seconds
         if tl.warmup_done:
             m.update({keys.PERF_WARMUP_STEPS: tl.warmup_steps, keys.PERF_WARMUP_OVERHEAD_SEC: tl.warmup_overhead,
                       keys.PERF_FIRST_STEP_SLOWDOWN: tl.first_step_slowdown})
@@ -461,7 +473,8 @@ class ThroughputMeter(PerfCallback):
                "mean_tokens_per_sec": tl.total_tokens / tl.total_train_seconds if tl.total_train_seconds else None,
                "phases": tl.phase_fractions(), "device": self.device.name, "world_size": self.world,
                "peak_flops": self.run_peak_flops, "warmup_measured_on": tl.work,
-               "early_contention_sec": tl.early_contention}
+               "first_steady_step": tl.first_steady_step, "steady_step_count": tl.steady_steps,
+               "early_contention_sec": tl.early_contention, "contention_steps": tl.contention_steps}
         utilisation = self._utilisation(tl.steady_tokens_per_sec)
         out.update({name: utilisation[key] for name, key in (("mfu", keys.PERF_MFU), ("hfu", keys.PERF_HFU))
                     if key in utilisation})
@@ -469,32 +482,28 @@ class ThroughputMeter(PerfCallback):
 
     def format_summary(self) -> str:
         s = self.summary or self.summarize()
-
-        def num(value, fmt):
-            return format(value, fmt) if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
-
-        phases = ", ".join(f"{k} {v:.0%}" for k, v in s["phases"].items() if v >= 0.005)
-        if s["warmup_done"]:
-            warmup = (warmup_words(s["warmup_steps"], s["first_step_slowdown"], s["warmup_overhead_sec"])
-                      + f"   (steady step {num(s['steady_step_sec'], '.3f')} s)")
-            if s.get("early_contention_sec"):
-                warmup += (f"   (on CPU time; slow early steps with flat CPU time, other processes: "
-                           f"{s['early_contention_sec']:.2f} s)")
-        else:
-            warmup = f"not finished after {s['steps']} steps (no stable window yet: run longer for steady figures)"
         mfu = (f"   MFU {s['mfu']:.1%}" if "mfu" in s else "   MFU n/a (peak unknown)" if not s["peak_flops"]
                else "")
+        warmup = warmup_line(s["warmup_done"], s["warmup_steps"], s["first_step_slowdown"], s["warmup_overhead_sec"],
+                             s["steps"], s.get("early_contention_sec"))
+        if s["warmup_done"] and s.get("warmup_measured_on") == "cpu":
+            warmup += "   (decided on CPU time)"
         lines = [
             "== ThroughputMeter summary ==",
             f"device: {s['device']} × {s['world_size']}   steps: {s['steps']}   tokens: {s['tokens']:.0f}",
             f"warmup: {warmup}",
-            f"steady tokens/s: {num(s['steady_tokens_per_sec'], ',.0f')}   (mean incl. warmup "
-            f"{num(s['mean_tokens_per_sec'], ',.0f')}){mfu}",
-            f"time split: {phases}",
+            throughput_line(s["steady_tokens_per_sec"], s["steady_step_sec"], s["mean_tokens_per_sec"]) + mfu,
+            phase_line(s["phases"]),
         ]
         return "\n".join(lines)
 
     # ------------------------------------------------------------ state
+    def start_fresh(self) -> None:
+        """A fresh run starts over (see ``base``); a resume keeps what its checkpoint restored."""
+        self.timeline = StepTimeline(self.window_steps, self.warmup_window, self.warmup_tolerance,
+                                     self.max_warmup_steps)
+        self.warned, self.summary = set(), None
+
     def export(self) -> dict:
         return {"timeline": self.timeline.export(), "warned": sorted(self.warned)}
 

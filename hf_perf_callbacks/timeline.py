@@ -21,14 +21,32 @@ Training time of a step excludes eval and save. Warmup is detected on cycles of 
 every ``period`` optimizer steps; 1 otherwise), on the **work** of a cycle: its wall time (``work="wall"``), or on
 a CPU device the process's CPU time (``work="cpu"``, :func:`time.process_time`, all threads): there the CPU time is
 the work, and a step that took longer with the same CPU time was slowed by other processes, not by warmup. CPU mode
-reports wall time all the same: the steady step time is the wall median from the decision's window on, the first
-step's slowdown is the first cycle's wall time against it, and the excess wall time of the cycles up to the
-decision is split once (:func:`~hf_perf_callbacks.stats.classify_slow_steps`, against the steady wall and CPU
-medians): the part the extra CPU time explains (converted at the steady wall-per-CPU rate) is warmup overhead, the
-rest contention. On a GPU the host's CPU time is launch and wait time, not the work (a GPU kernel's time shows up
-as wall time of a waiting host), so the detector stays on wall time there. Each ``train()`` call (a resume
-included) starts a new segment with its own warmup; steady totals, the warmup overhead and the contention
-accumulate over segments.
+reports wall time all the same (the steady step time and the first step's slowdown below are wall figures), and the
+excess wall time of the cycles up to the decision over the steady wall median (from the decision's window on) is
+split once (:func:`~hf_perf_callbacks.stats.classify_slow_steps`): the part no extra CPU time explains is contention;
+the part extra CPU time explains (converted at the steady wall-per-CPU rate) is warmup overhead for the warmup
+cycles and steady jitter for the others. On a GPU the host's CPU time is launch and wait time, not the work (a GPU
+kernel's time shows up as wall time of a waiting host), so the detector stays on wall time there. Each ``train()``
+call (a resume included) starts a new segment with its own warmup; steady totals, the warmup overhead and the
+contention accumulate over segments (a fresh run starts a new timeline).
+
+The figures, one definition each (all in training time, eval and save excluded):
+
+=========================  ===============================================================================
+figure                     definition
+=========================  ===============================================================================
+steady steps               the steps of the cycles from the warmup decision's first steady cycle on
+                           (:attr:`StepTimeline.first_steady_step`); the cycles before it are warmup
+steady tokens/s            Σ tokens / Σ training seconds over the steady steps
+steady step time           Σ training seconds / number of steady steps (so steady tokens/s × steady step
+                           time = the mean tokens of a steady step)
+first-step slowdown        the first cycle's training seconds / (steady step time × ``period``)
+warmup overhead            the warmup cycles' excess over the detector's steady level; in CPU mode the part of
+                           the warmup cycles' excess wall time that their extra CPU time explains
+early contention           CPU mode: the excess wall time of the cycles up to the decision that no extra CPU
+                           time explains (other processes); :attr:`StepTimeline.contention_steps` are the steps
+                           of the cycles where it is the larger part
+=========================  ===============================================================================
 """
 from __future__ import annotations
 
@@ -84,6 +102,8 @@ class StepTimeline:
         self.total_train_seconds = 0.0
         self.phase_totals = dict.fromkeys(PHASES, 0.0)
         self.past_contention = 0.0      # early contention of earlier segments (see early_contention)
+        self.past_contention_steps: list[int] = []
+        self.steady_steps = 0
         self.steps = 0
         self.segments = 0
         self.start_segment(0.0)
@@ -100,9 +120,13 @@ class StepTimeline:
             overhead, contention = self._segment_split()
             self.past_overhead += overhead
             self.past_contention += contention
+            self.past_contention_steps += self._segment_contention_steps()
         self.work = work if cpu is not None else "wall"
         self.prev_cpu = cpu
-        self.segment_cycles: list[tuple[float, float]] = []   # (wall, CPU) of this segment's cycles (CPU mode)
+        # (wall, CPU, steps) of this segment's cycles (CPU mode)
+        self.segment_cycles: list[tuple[float, float, tuple[int, ...]]] = []
+        self.first_cycle_seconds: float | None = None   # training seconds of this segment's first cycle
+        self.first_steady_step: int | None = None       # this segment's first steady step, once decided
         self.decided_at: int | None = None   # CPU mode: cycles seen when warmup was decided
         self._split: tuple[int, SlowStart] | None = None   # the early split, keyed by len(segment_cycles)
         self.segments += 1
@@ -127,21 +151,16 @@ class StepTimeline:
 
     @property
     def first_step_slowdown(self) -> float | None:
-        """The first cycle's wall time / the steady cycle's (both wall time in CPU mode too)."""
-        if not self.detector.done:
+        """This segment's first cycle's training seconds / (steady step time × period): wall time in CPU mode too."""
+        steady = self.steady_step_seconds
+        if not self.detector.done or steady is None or self.first_cycle_seconds is None:
             return None
-        if self._cpu_decided:
-            steady = self.steady_step_seconds * self.period
-            return self.segment_cycles[0][0] / steady if steady > 0 else float("nan")
-        return self.detector.result.first_slowdown
+        return self.first_cycle_seconds / (steady * self.period) if steady > 0 else float("nan")
 
     @property
     def steady_step_seconds(self) -> float | None:
-        if not self.detector.done:
-            return None
-        if self._cpu_decided:
-            return self._early_split().steady_wall / self.period
-        return self.detector.result.steady_reference / self.period
+        """Mean training seconds of the steady steps, all segments (see the module docstring)."""
+        return self.steady_seconds / self.steady_steps if self.steady_steps else None
 
     @property
     def _cpu_decided(self) -> bool:
@@ -205,9 +224,12 @@ class StepTimeline:
         cpu_mode = self.work == "cpu" and all(r.cpu is not None for r in cycle)
         if not cpu_mode and self.work == "cpu" and not self.detector.done:
             self.work = "wall"                       # a step without a CPU reading: wall time from here on
-        sample = sum(r.train_cpu for r in cycle) if cpu_mode else sum(r.train for r in cycle)
+        seconds = sum(r.train for r in cycle)
+        sample = sum(r.train_cpu for r in cycle) if cpu_mode else seconds
+        if self.first_cycle_seconds is None:
+            self.first_cycle_seconds = seconds
         if cpu_mode and len(self.segment_cycles) < 1000:
-            self.segment_cycles.append((sum(r.train for r in cycle), sample))
+            self.segment_cycles.append((seconds, sample, tuple(r.step for r in cycle)))
         if self.detector.done:
             self._steady(cycle)
             return
@@ -215,20 +237,25 @@ class StepTimeline:
         if self.detector.add(sample):
             if cpu_mode:
                 self.decided_at = len(self.segment_cycles)
-            for settled in self.unsettled[self.detector.result.warmup_samples:]:
-                self._steady(settled)
+            settled = self.unsettled[self.detector.result.warmup_samples:]
+            self.first_steady_step = settled[0][0].step
+            for steady in settled:
+                self._steady(steady)
             self.unsettled = []
 
     def _early_split(self) -> SlowStart:
         """CPU mode: the cycles up to the warmup decision classified once against the steady wall and CPU levels,
         the medians from the decision's window on (later cycles included: the window alone may still hold a
-        contended cycle). Of each slow cycle's excess wall time, the part its extra CPU time explains is warmup,
-        the rest contention; recomputed only when a cycle was added."""
+        contended cycle). Of each slow cycle's excess wall time, the part its extra CPU time explains is warmup
+        when the cycle is a warmup cycle (a steady cycle's is within the steady band: neither), the rest
+        contention; recomputed only when a cycle was added."""
         if self._split is None or self._split[0] != len(self.segment_cycles):
-            walls, cpus = zip(*self.segment_cycles)
+            walls, cpus, _ = zip(*self.segment_cycles)
             start = max(0, self.decided_at - self.detector.window)
-            slow = classify_slow_steps(walls[:self.decided_at], cpus[:self.decided_at], median(walls[start:]),
-                                       median(cpus[start:]), self.warmup_tolerance)
+            levels = (median(walls[start:]), median(cpus[start:]), self.warmup_tolerance)
+            slow = classify_slow_steps(walls[:self.decided_at], cpus[:self.decided_at], *levels)
+            warm = self.detector.result.warmup_samples
+            slow.warmup_sec = classify_slow_steps(walls[:warm], cpus[:warm], *levels).warmup_sec if warm else 0.0
             self._split = (len(self.segment_cycles), slow)
         return self._split[1]
 
@@ -241,6 +268,19 @@ class StepTimeline:
             slow = self._early_split()
             return slow.warmup_sec, slow.contention_sec
         return self.detector.result.overhead, 0.0
+
+    def _segment_contention_steps(self) -> list[int]:
+        """This segment's steps in the cycles :meth:`_early_split` labels contention (CPU mode)."""
+        if not (self.detector.done and self._cpu_decided):
+            return []
+        labels = self._early_split().labels
+        return [step for (_, _, steps), label in zip(self.segment_cycles, labels) if label == "contention"
+                for step in steps]
+
+    @property
+    def contention_steps(self) -> list[int]:
+        """CPU mode: the steps of the slow early cycles labelled contention (other processes), all segments."""
+        return self.past_contention_steps + self._segment_contention_steps()
 
     @property
     def warmup_overhead(self) -> float:
@@ -255,6 +295,7 @@ class StepTimeline:
     def _steady(self, cycle: list[StepRecord]) -> None:
         for r in cycle:
             r.steady = True
+            self.steady_steps += 1
             self.steady_tokens += r.tokens
             self.steady_seconds += r.train
 
@@ -280,19 +321,24 @@ class StepTimeline:
     # ------------------------------------------------------------ resume
     def export(self) -> dict:
         warmup = asdict(self.detector.result) if self.detector.done else None
-        keys = ("steady_tokens", "steady_seconds", "total_tokens", "total_train_seconds", "steps", "segments")
-        return {**{k: getattr(self, k) for k in keys}, "warmup_overhead": self.warmup_overhead,
-                "early_contention": self.early_contention,
+        return {**{k: getattr(self, k) for k in _TOTALS}, "warmup_overhead": self.warmup_overhead,
+                "early_contention": self.early_contention, "contention_steps": self.contention_steps,
                 "phase_totals": dict(self.phase_totals),
                 "last_warmup": warmup}
 
     def load(self, saved: dict) -> None:
-        for key in ("steady_tokens", "steady_seconds", "total_tokens", "total_train_seconds", "steps", "segments"):
+        for key in _TOTALS:
             if key in saved:
                 setattr(self, key, saved[key])
         self.past_overhead = saved.get("warmup_overhead", 0.0)
         self.past_contention = saved.get("early_contention", 0.0)
+        self.past_contention_steps = list(saved.get("contention_steps", []))
         self.phase_totals.update(saved.get("phase_totals", {}))
+
+
+#: the cumulative counters a resume restores
+_TOTALS = ("steady_tokens", "steady_seconds", "steady_steps", "total_tokens", "total_train_seconds", "steps",
+           "segments")
 
 
 def _shares(parts: dict[str, float]) -> dict[str, float]:

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .batching import Split
-from .resize.splitfile import split_for_run
+from .splitfile import split_for_run
 
 logger = logging.getLogger("hf_perf_callbacks.train")   # also when run as __main__
 
@@ -61,8 +61,9 @@ class RecipeArguments:
     dataset_size: int = field(default=512, metadata={"help": "number of Wordle prompts"})
     eval_dataset_size: int = field(default=0, metadata={
         "help": "evaluation prompts (0 = none): Wordle's eval split, else rows held out of the training split"})
-    probe: bool = field(default=True, metadata={
-        "help": "let AdaptiveBatchTuner probe the candidate splits before training"})
+    tune: bool = field(default=True, metadata={
+        "help": "let AdaptiveBatchTuner try other exact splits on the run's own steps when the rest of the run can "
+                "pay the switches back (false: keep the recipe's split)"})
     report: bool = field(default=True, metadata={"help": "print the perf report and write its plots at the end"})
 
 
@@ -298,7 +299,7 @@ def split_to_resume(values: Mapping, world_size: int = 1) -> dict | None:
     generation = values.get("generation_batch_size") or configured.generation_batch(world_size)
     split = split_for_run(output_dir, effective_batch=configured.effective_batch(world_size), world_size=world_size,
                           generation_batch=generation)
-    return split.as_dict() if split else None
+    return split.as_args() if split else None
 
 
 def config_with_split(args, split: Mapping):
@@ -586,7 +587,7 @@ def run(recipe: RecipeArguments, training_args, model_args) -> int:
     if any(type(cb).__name__ == "AdaptiveBatchTuner" for cb in callbacks):
         from .resize import train_with_tuning
 
-        train_with_tuning(trainer, resume_from_checkpoint=resume, probe=recipe.probe)
+        train_with_tuning(trainer, resume_from_checkpoint=resume, tune=recipe.tune)
     else:
         trainer.train(resume_from_checkpoint=resume)
 

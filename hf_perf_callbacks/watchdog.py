@@ -265,7 +265,7 @@ class MemoryWatchdog(PerfCallback):
         self.summary = {"high_water_gb": self.high_water / GB, "budget_gb": self.budget / GB,
                         "actions": list(self.actions), "stopped_at": self.stopped_at}
         self.bus.write_summary(self.source, self.summary)
-        if state.is_world_process_zero:
+        if state.is_world_process_zero and not self.bus.continuing:    # printed once, at the run's end
             print(self.format_summary())
 
     def format_summary(self) -> str:
@@ -275,6 +275,9 @@ class MemoryWatchdog(PerfCallback):
                  f"({s['high_water_gb'] / s['budget_gb']:.0%})"]
         lines += [f"step {a['step']}: {a['action']} — {a['message']}" for a in s["actions"]] or ["no actions needed"]
         return "\n".join(lines)
+
+    def start_fresh(self) -> None:
+        self.high_water, self.actions, self.stopped_at, self.summary = 0.0, [], None, None
 
     def export(self) -> dict:
         return {"high_water": self.high_water, "actions": self.actions}

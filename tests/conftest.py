@@ -100,11 +100,13 @@ class TextDataset(torch.utils.data.Dataset):
     """Causal-LM examples of varying length (so padding exists); optionally slow to load: each item then costs
     ``delay`` planted seconds on ``clock`` (a :class:`PlantedClock`)."""
 
-    def __init__(self, tokenizer, n=64, delay=0.0, clock=None):
+    def __init__(self, tokenizer, n=64, delay=0.0, clock=None, length=None):
         if delay and clock is None:
             raise ValueError(f"delay={delay!r} needs a PlantedClock as clock")
         self.items = [tokenizer(CORPUS[i % 5] + " " + CORPUS[(i * 3) % 5][: 5 + (i * 7) % 30])["input_ids"]
                       for i in range(n)]
+        if length is not None:            # every example ``length`` tokens: no padding, any split computes alike
+            self.items = [(ids * length)[:length] for ids in self.items]
         self.delay, self.clock = delay, clock
 
     def __len__(self):
@@ -117,7 +119,7 @@ class TextDataset(torch.utils.data.Dataset):
 
 
 def make_trainer(tokenizer, output_dir, callbacks, *, max_steps=6, bs=4, ga=2, delay=0.0, clock=None,
-                 extra=None, trainer_cls=None, model=None, with_eval=False):
+                 extra=None, trainer_cls=None, model=None, with_eval=False, length=None):
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     settings = dict(output_dir=str(output_dir), per_device_train_batch_size=bs, gradient_accumulation_steps=ga,
@@ -126,7 +128,7 @@ def make_trainer(tokenizer, output_dir, callbacks, *, max_steps=6, bs=4, ga=2, d
     settings.update(extra or {})
     collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
     return (trainer_cls or Trainer)(model=model or build_model(tokenizer), args=TrainingArguments(**settings),
-                                    train_dataset=TextDataset(tokenizer, delay=delay, clock=clock),
+                                    train_dataset=TextDataset(tokenizer, delay=delay, clock=clock, length=length),
                                     data_collator=collator,
                                     eval_dataset=TextDataset(tokenizer, n=16) if with_eval else None,
                                     callbacks=callbacks)

@@ -313,13 +313,14 @@ def test_small_micro_batch_with_the_tuner_attached_asks_for_train_with_tuning():
     # seen: "Attach AdaptiveBatchTuner()" on a run that had it attached with --probe false
     f = only(healthy(micro_batch=2, grad_accum=4, mfu=0.05, tuner_attached=True))
     assert "attach" not in f.recommendation.lower() and "`train_with_tuning(trainer)`" in f.recommendation
+    assert "`AdaptiveBatchTuner(tune=True)`" in f.recommendation
 
 
 def test_a_launcher_run_is_told_recipe_keys_not_python_calls():
     # seen: a run of `hf-perf train` told to call train_with_tuning
     f = only(healthy(micro_batch=2, grad_accum=4, mfu=0.05, tuner_attached=True, launcher="hf-perf train"))
     assert "train_with_tuning" not in f.recommendation and "default_callbacks" not in f.recommendation
-    assert "recipe's `callbacks`" in f.recommendation and "`probe: true`" in f.recommendation
+    assert "recipe's `callbacks`" in f.recommendation and "`tune: true`" in f.recommendation
     assert f.setting == {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1}    # recipe keys
     mac = only(healthy(device_type="mps", mfu=None, max_pressure=2, launcher="hf-perf train"))
     assert "recipe's `callbacks`" in mac.recommendation and "default_callbacks" not in mac.recommendation

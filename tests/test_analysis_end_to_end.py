@@ -19,7 +19,7 @@ def test_short_completions_are_a_note_with_the_cap(tokenizer, tmp_path):
         return logits + bias
 
     model.lm_head.register_forward_hook(favour_eos)
-    trainer = make_grpo(tokenizer, tmp_path, default_callbacks(AdaptiveBatchTuner={"probe": False}), max_steps=6,
+    trainer = make_grpo(tokenizer, tmp_path, default_callbacks(AdaptiveBatchTuner={"tune": False}), max_steps=6,
                         completion=64, model=model)
     trainer.train()
     trainer.save_state()
@@ -38,7 +38,7 @@ def test_slow_dataset_yields_the_input_bound_finding(tokenizer, tmp_path):
     # device, which a loaded machine makes noisy) is capped at 2 steps, which the meter confirms by step 10 at the
     # latest (2 + two windows of 4): this test is about data wait, not warmup, and the timing rules need warmup over
     clock = PlantedClock()
-    callbacks = default_callbacks(AdaptiveBatchTuner={"probe": False},
+    callbacks = default_callbacks(AdaptiveBatchTuner={"tune": False},
                                   ThroughputMeter={"clock": clock, "max_warmup_steps": 2})
     trainer = make_trainer(tokenizer, tmp_path, callbacks, max_steps=13, delay=1.0, clock=clock)
     trainer.train()
@@ -54,7 +54,7 @@ def test_a_run_that_cannot_learn_is_the_first_finding(tokenizer, tmp_path):
     def zero_reward(prompts, completions, **kwargs):
         return [0.0] * len(completions)
 
-    trainer = make_grpo(tokenizer, tmp_path, default_callbacks(AdaptiveBatchTuner={"probe": False}), max_steps=4,
+    trainer = make_grpo(tokenizer, tmp_path, default_callbacks(AdaptiveBatchTuner={"tune": False}), max_steps=4,
                         bs=2, ga=2, num_generations=2, reward=zero_reward, extra={"pad_to_multiple_of": 32})
     trainer.train()
     trainer.save_state()
@@ -83,7 +83,7 @@ def test_a_short_trainer_run_is_too_short_to_judge_and_says_so_the_same_way_twic
     # said warmup was unfinished; "the run's rewards vary" and "Track perf/steady_tokens_per_sec" on a Trainer run
     results = []
     for name in ("a", "b"):
-        trainer = make_trainer(tokenizer, tmp_path / name, default_callbacks(AdaptiveBatchTuner={"probe": False}),
+        trainer = make_trainer(tokenizer, tmp_path / name, default_callbacks(AdaptiveBatchTuner={"tune": False}),
                                max_steps=2)
         trainer.train()
         text, findings, notes = _report(tmp_path / name)
@@ -116,7 +116,7 @@ class FixedLength:
 def test_fixed_length_padding_gets_per_batch_padding_first(tokenizer, tmp_path):
     # seen: a collator padding every batch to 128 positions (~28 real tokens) advised `group_by_length` (0.98x
     # measured: grouping cannot shorten a fixed length) before per-batch padding (2.32x)
-    trainer = make_trainer(tokenizer, tmp_path, default_callbacks(AdaptiveBatchTuner={"probe": False}), max_steps=3)
+    trainer = make_trainer(tokenizer, tmp_path, default_callbacks(AdaptiveBatchTuner={"tune": False}), max_steps=3)
     trainer.data_collator = FixedLength(tokenizer, 128)
     trainer.train()
     m = measurements_from_run(str(tmp_path))
@@ -134,7 +134,7 @@ def test_a_grpo_run_without_reward_data_makes_no_reward_statement(tokenizer, tmp
     def zero_reward(prompts, completions, **kwargs):
         return [0.0] * len(completions)
 
-    trainer = make_grpo(tokenizer, tmp_path, default_callbacks(AdaptiveBatchTuner={"probe": False}), max_steps=3,
+    trainer = make_grpo(tokenizer, tmp_path, default_callbacks(AdaptiveBatchTuner={"tune": False}), max_steps=3,
                         bs=2, ga=1, num_generations=2, reward=zero_reward)
     trainer.train()                                    # no save_state(), save_strategy "no": no trainer_state.json
     text, findings, notes = _report(tmp_path)

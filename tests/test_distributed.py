@@ -67,13 +67,23 @@ def test_an_oom_on_one_rank_resizes_both_ranks_without_deadlock(two_rank_run):
     assert r0["oom_step"] == r1["oom_step"] == 4
 
 
-def test_the_probe_agrees_across_ranks_when_one_rank_runs_out_of_memory(two_rank_run):
+def test_the_memory_check_agrees_across_ranks_when_one_rank_runs_out_of_memory(two_rank_run):
     _, (r0, r1) = two_rank_run
-    assert r0["probe_trials"] == r1["probe_trials"]
-    assert [fits for micro, fits in r0["probe_trials"] if micro > 2] == [False] * sum(
-        micro > 2 for micro, _ in r0["probe_trials"])                       # rank 1's OOM counts for both
-    assert r0["probe_split"] == r1["probe_split"] and r0["probe_split"][0] <= 2
-    assert r0["probe_step"] == r1["probe_step"] == 2
+    assert r0["check_trials"] == r1["check_trials"]
+    assert [fits for micro, fits in r0["check_trials"] if micro > 2] == [False] * sum(
+        micro > 2 for micro, _ in r0["check_trials"])                       # rank 1's OOM counts for both
+    assert r0["check_split"] == r1["check_split"] and r0["check_split"][0] <= 2
+    assert r0["check_step"] == r1["check_step"] == 2
+
+
+def test_the_tuning_on_the_runs_steps_takes_the_same_decisions_on_every_rank(two_rank_run):
+    """Each rank's step times are planted differently: both judge the slowest rank's samples, so they keep the
+    same split, measured on the same steps with the same samples."""
+    _, (r0, r1) = two_rank_run
+    assert r0["tune_decisions"] == r1["tune_decisions"] and r0["tune_decisions"][0][0] == "tune"
+    assert r0["tune_split"] == r1["tune_split"] == [4, 1] and r0["tune_step"] == r1["tune_step"] == 12
+    samples = dict((micro, s) for micro, s in r0["tune_decisions"][0][3])
+    assert len(samples[4]) == 4 and min(samples[4]) >= 60.0            # rank 1's (slower) time counts for both
 
 
 def test_an_oom_in_one_ranks_backward_resizes_both_without_deadlock(two_rank_run):

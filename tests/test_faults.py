@@ -17,8 +17,10 @@ import pytest
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, MPSCacheClearer, ThroughputMeter, default_callbacks
 from hf_perf_callbacks import train_with_tuning
+from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.resize.checkpoints import is_complete, step_of
-from hf_perf_callbacks.resize.splitfile import SPLIT_FILE, split_for_run
+from hf_perf_callbacks.runlog import SPLIT_FILE
+from hf_perf_callbacks.splitfile import SplitFile, read_split_file, split_for_run
 from hf_perf_callbacks.tiny import build_model
 from tests.conftest import make_grpo, make_trainer
 from tests.faults import SAVE_FILES, Fault, checkpoint_weights, same
@@ -65,7 +67,7 @@ STEP_PHASES = [("trainer", "forward"), ("trainer", "backward"), ("trainer", "opt
 def test_an_oom_at_any_phase_loses_and_repeats_no_step(tokenizer, tmp_path, kind, phase):
     saving = phase.startswith("save:")
     fault = Fault(phase, at=2 if saving else 3)
-    tuner = AdaptiveBatchTuner(probe=False)
+    tuner = AdaptiveBatchTuner(tune=False)
     if kind == "grpo":
         max_steps, effective, generation = 3, 8, 8
         trainer = make_grpo(tokenizer, tmp_path, [fault, tuner], max_steps=3, bs=4, ga=2, completion=6,
@@ -77,11 +79,11 @@ def test_an_oom_at_any_phase_loses_and_repeats_no_step(tokenizer, tmp_path, kind
     with fault.planted_save():
         train_with_tuning(trainer)
     assert fault.fired == 1
-    decision = tuner.decisions[-1]
-    assert decision["kind"] == "oom" and (decision["old"]["micro_batch"], decision["new"]["micro_batch"]) == (4, 2)
+    decision = tuner.session.decisions[-1]
+    assert decision.kind == "oom" and (decision.old.micro_batch, decision.new.micro_batch) == (4, 2)
     assert_crash_consistent(trainer, fault, str(tmp_path), max_steps, effective, generation)
     resumed_at = 2                      # step 3 failed (or checkpoint-2's save): back to this run's checkpoint-2
-    assert decision["checkpoint"].endswith(f"checkpoint-{resumed_at}") and list(fault.resumed) == [resumed_at]
+    assert decision.checkpoint.endswith(f"checkpoint-{resumed_at}") and list(fault.resumed) == [resumed_at]
     if saving:                                     # the half-written folder was moved aside, never resumed from
         assert os.path.isdir(tmp_path / "checkpoint-2.partial-1")
         assert not is_complete(str(tmp_path / "checkpoint-2.partial-1"), 2)
@@ -93,19 +95,19 @@ def test_an_earlier_runs_checkpoint_is_never_resumed_from(tokenizer, tmp_path):
     (stale / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
     stale_weights = checkpoint_weights(str(stale))
     fault = Fault("forward", at=3)
-    tuner = AdaptiveBatchTuner(probe=False)
+    tuner = AdaptiveBatchTuner(tune=False)
     trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, tuner], max_steps=4, bs=4, ga=2))
     train_with_tuning(trainer)
     assert_crash_consistent(trainer, fault, str(tmp_path), 4, 8)
     assert not same(fault.resumed[2], stale_weights)
-    assert os.path.isdir(tmp_path / "checkpoint-2.stale-1") and tuner.written == [2]
+    assert os.path.isdir(tmp_path / "checkpoint-2.stale-1") and [w.step for w in tuner.session.written] == [2]
 
 
 @pytest.mark.parametrize("error", ["oom", "other"])
 def test_a_run_that_must_end_saves_its_last_step_first(tokenizer, tmp_path, error):
     # micro-batch 1 has no smaller split (oom); any other error is raised (other): both save checkpoint-2 first
     fault = Fault("forward", at=3, error=error)
-    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, AdaptiveBatchTuner(probe=False)],
+    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, AdaptiveBatchTuner(tune=False)],
                                         max_steps=4, bs=1, ga=2))
     with pytest.raises((ValueError, RuntimeError)) as raised:
         train_with_tuning(trainer)
@@ -116,7 +118,7 @@ def test_a_run_that_must_end_saves_its_last_step_first(tokenizer, tmp_path, erro
     assert same(checkpoint_weights(str(tmp_path / "checkpoint-2")), fault.after[2])
     # and a later run resumes from it: steps 3 and 4 are trained once
     again = Fault("forward", at=99)
-    resumed = again.attach(make_trainer(tokenizer, tmp_path, [again, AdaptiveBatchTuner(probe=False)],
+    resumed = again.attach(make_trainer(tokenizer, tmp_path, [again, AdaptiveBatchTuner(tune=False)],
                                         max_steps=4, bs=1, ga=2))
     train_with_tuning(resumed, resume_from_checkpoint="last")
     assert resumed.state.global_step == 4 and same(again.resumed[2], fault.after[2])
@@ -125,7 +127,7 @@ def test_a_run_that_must_end_saves_its_last_step_first(tokenizer, tmp_path, erro
 
 def test_max_resizes_zero_re_raises_without_side_effects(tokenizer, tmp_path):
     fault = Fault("forward", at=2)
-    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, AdaptiveBatchTuner(probe=False)],
+    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, AdaptiveBatchTuner(tune=False)],
                                         max_steps=3, bs=4, ga=2))
     import torch
 
@@ -138,13 +140,13 @@ def test_max_resizes_zero_re_raises_without_side_effects(tokenizer, tmp_path):
 @pytest.mark.parametrize("limit", [2, 0], ids=["retried-smaller", "skipped"])
 def test_an_oom_in_evaluation_never_changes_the_training_split(tokenizer, tmp_path, caplog, limit):
     fault = Fault("eval", at=0, times=10**6, limit=limit)
-    tuner = AdaptiveBatchTuner(probe=False)
+    tuner = AdaptiveBatchTuner(tune=False)
     trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, tuner], max_steps=4, bs=4, ga=2,
                                         with_eval=True, extra={"eval_strategy": "steps", "eval_steps": 2,
                                                                "per_device_eval_batch_size": 8}))
     with caplog.at_level(logging.WARNING, logger="hf_perf_callbacks"):
         train_with_tuning(trainer)
-    assert trainer.state.global_step == 4 and tuner.decisions == []
+    assert trainer.state.global_step == 4 and tuner.session.decisions == []
     assert {s["tuner/micro_batch"] for s in step_lines(tmp_path)} == {4}
     evals = [h["step"] for h in trainer.state.log_history if "eval_loss" in h]
     if limit:
@@ -154,25 +156,25 @@ def test_an_oom_in_evaluation_never_changes_the_training_split(tokenizer, tmp_pa
 
 
 def test_faults_inside_the_package_never_end_training(tokenizer, tmp_path, monkeypatch, caplog):
-    """The probe's exchange, the memory readings and the cache clears fail (planted); training goes on."""
+    """The memory check's exchange, the memory readings and the cache clears fail (planted); training goes on."""
     from hf_perf_callbacks.device import DeviceLayer
-    from hf_perf_callbacks.resize import probe
+    from hf_perf_callbacks.resize import memcheck
 
     def broken(*args, **kwargs):
         raise RuntimeError("planted sensor failure")
 
-    monkeypatch.setattr(probe, "gather_floats", broken)
+    monkeypatch.setattr(memcheck, "gather_floats", broken)
     monkeypatch.setattr(DeviceLayer, "empty_cache", broken)
     monkeypatch.setattr(DeviceLayer, "memory", broken)
     fault = Fault("forward", at=2)
-    tuner = AdaptiveBatchTuner(probe=True, probe_steps=1)
+    tuner = AdaptiveBatchTuner(tune=False, memory_check=True)
     watchdog = MemoryWatchdog(limit_gb=64)
     trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, watchdog, tuner], max_steps=3, bs=4, ga=2))
     with caplog.at_level(logging.WARNING, logger="hf_perf_callbacks"):
         train_with_tuning(trainer)
     assert trainer.state.global_step == 3 and watchdog.disabled
-    assert [d["kind"] for d in tuner.decisions] == ["oom"]                       # no probe decision
-    assert caplog.text.count("the probe failed") == 1
+    assert [d.kind for d in tuner.session.decisions] == ["oom"]                 # no memory-check decision
+    assert caplog.text.count("the memory check failed") == 1
     assert caplog.text.count("emptying the device cache failed") == 1
     assert [s["step"] for s in step_lines(tmp_path)] == [1, 2, 3]
 
@@ -181,49 +183,54 @@ def test_unwritable_logs_warn_once(tokenizer, tmp_path, caplog):
     (tmp_path / "perf_log.jsonl").mkdir()              # neither file can be written
     (tmp_path / SPLIT_FILE).mkdir()
     fault = Fault("forward", at=2)
-    tuner = AdaptiveBatchTuner(probe=False)
+    tuner = AdaptiveBatchTuner(tune=False)
     trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, ThroughputMeter(), tuner], max_steps=4,
                                         bs=4, ga=2, extra=SAVES))
     with caplog.at_level(logging.WARNING, logger="hf_perf_callbacks"):
         train_with_tuning(trainer)
-    assert trainer.state.global_step == 4 and tuner.split.micro_batch == 2
+    assert trainer.state.global_step == 4 and tuner.session.split.micro_batch == 2
     assert caplog.text.count(f"could not write {tmp_path / 'perf_log.jsonl'}") == 1
-    assert caplog.text.count(f"could not write {tmp_path / SPLIT_FILE}") == 1
+    assert caplog.text.count(f"could not write the split file in {tmp_path}") == 1
 
 
 @pytest.mark.parametrize("restore", [False, True], ids=["plain", "restore_callback_states"])
 def test_decision_history_survives_every_resume(tokenizer, tmp_path, restore):
     extra = {"restore_callback_states_from_checkpoint": restore, **SAVES}
     fault = Fault("forward", at=2, times=2)                 # two OOMs at step 2: 4×2 → 2×4 → 1×8
-    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, AdaptiveBatchTuner(probe=False)],
+    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, AdaptiveBatchTuner(tune=False)],
                                         max_steps=3, bs=4, ga=2, extra=extra))
     train_with_tuning(trainer)
     assert [s["tuner/resizes"] for s in step_lines(tmp_path)] == [0, 2, 2]
     assert [s["tuner/micro_batch"] for s in step_lines(tmp_path)] == [4, 1, 1]
-    with open(tmp_path / SPLIT_FILE) as f:
-        record = json.load(f)
-    assert len(record["decisions"]) == 2 and record["split"]["per_device_train_batch_size"] == 1
+    record = read_split_file(str(tmp_path))
+    assert len(record.decisions) == 2 and record.split == Split(1, 8)
     # a new process resumes from checkpoint-2 at the recorded split, with the whole history
-    tuner = AdaptiveBatchTuner(probe=False)
+    tuner = AdaptiveBatchTuner(tune=False)
     resumed = make_trainer(tokenizer, tmp_path, [tuner], max_steps=4, bs=4, ga=2, extra=extra)
     train_with_tuning(resumed, resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     from hf_perf_callbacks.resize.callback import find_callback
 
-    live = find_callback(resumed, AdaptiveBatchTuner)
-    assert len(live.decisions) == 2 and resumed.args.per_device_train_batch_size == 1
+    live = find_callback(resumed, AdaptiveBatchTuner)          # with restore_callback_states: a rebuilt instance
+    assert live.session.decisions == record.decisions and live.session.id == record.session
+    assert resumed.args.per_device_train_batch_size == 1
     assert step_lines(tmp_path)[-1]["tuner/resizes"] == 2
 
 
+def written(split: Split, world: int = 1) -> str:
+    """A split file as the writer (the tuning session's record) writes it."""
+    return json.dumps(SplitFile(session="s", world_size=world, configured=split, split=split).to_json())
+
+
+#: malformed files are written by hand; well-formed ones that do not fit the run through the writer's own schema
 BAD_RECORDS = {
     "not-json": "{\"split\": ",
     "not-an-object": "[1, 2]",
-    "split-missing": "{}",
-    "strings": json.dumps({"split": {"per_device_train_batch_size": "2", "gradient_accumulation_steps": 4}}),
-    "booleans": json.dumps({"split": {"per_device_train_batch_size": True, "gradient_accumulation_steps": 8}}),
-    "3x3-is-not-8": json.dumps({"split": {"per_device_train_batch_size": 3, "gradient_accumulation_steps": 3}}),
-    "16-not-8": json.dumps({"split": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2}}),
-    "grpo-split-on-a-plain-run": json.dumps({"split": {"per_device_train_batch_size": 2,
-                                                       "gradient_accumulation_steps": 4, "steps_per_generation": 4}}),
+    "split-missing": json.dumps({"session": "s", "world_size": 1}),
+    "strings": json.dumps({"session": "s", "world_size": 1, "split": {"micro_batch": "2", "grad_accum": 4}}),
+    "booleans": json.dumps({"session": "s", "world_size": 1, "split": {"micro_batch": True, "grad_accum": 8}}),
+    "3x3-is-not-8": written(Split(3, 3)),
+    "16-not-8": written(Split(8, 2)),
+    "grpo-split-on-a-plain-run": written(Split(2, 4, 4)),
 }
 
 
@@ -237,24 +244,24 @@ def test_a_split_file_that_does_not_fit_the_run_is_ignored_with_one_warning(tmp_
 
 
 def test_grpo_split_files_are_checked_against_the_generation_batch(tmp_path, caplog):
-    def record(**split):
-        (tmp_path / SPLIT_FILE).write_text(json.dumps({"split": split}))
+    def record(split):
+        (tmp_path / SPLIT_FILE).write_text(written(split))
         return split_for_run(str(tmp_path), effective_batch=8, world_size=1, generation_batch=16)
 
-    assert record(per_device_train_batch_size=2, gradient_accumulation_steps=4, steps_per_generation=8).micro_batch == 2
+    assert record(Split(2, 4, 8)) == Split(2, 4, 8)
     with caplog.at_level(logging.WARNING, logger="hf_perf_callbacks"):
-        assert record(per_device_train_batch_size=2, gradient_accumulation_steps=4, steps_per_generation=4) is None
+        assert record(Split(2, 4, 4)) is None
     assert "generation batch 8" in caplog.text and "generation batch 16" in caplog.text
 
 
 def test_auto_find_batch_size_is_refused(tokenizer, tmp_path):
-    trainer = make_trainer(tokenizer, tmp_path, [AdaptiveBatchTuner(probe=False)], max_steps=1,
+    trainer = make_trainer(tokenizer, tmp_path, [AdaptiveBatchTuner(tune=False)], max_steps=1,
                            extra={"auto_find_batch_size": True})
     with pytest.raises(ValueError, match="auto_find_batch_size=True is not allowed"):
         train_with_tuning(trainer)
 
 
-@pytest.mark.parametrize("cls,bad", [(AdaptiveBatchTuner, {"probe_steps": 0}), (AdaptiveBatchTuner, {"bogus": 1}),
+@pytest.mark.parametrize("cls,bad", [(AdaptiveBatchTuner, {"samples": 0}), (AdaptiveBatchTuner, {"bogus": 1}),
                                      (MemoryWatchdog, {"limit_gb": -1}), (ThroughputMeter, {"window_steps": 0}),
                                      (MPSCacheClearer, {"interval_steps": 0}), (ThroughputMeter, {"bogus": 1})])
 def test_wrong_arguments_name_the_class_and_the_key(cls, bad):
@@ -279,7 +286,7 @@ def test_sigkill_while_saving_then_resume_from_the_last_complete_checkpoint(toke
     (tmp_path / SPLIT_FILE).write_text(json.dumps(
         {"split": {"per_device_train_batch_size": 3, "gradient_accumulation_steps": 3}}))   # corrupted: 9 ≠ 8
     fault = Fault("forward", at=99)
-    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, AdaptiveBatchTuner(probe=False)],
+    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, AdaptiveBatchTuner(tune=False)],
                                         max_steps=4, bs=4, ga=2, extra={"save_strategy": "steps", "save_steps": 1}))
     with caplog.at_level(logging.WARNING, logger="hf_perf_callbacks"):
         train_with_tuning(trainer, resume_from_checkpoint="last")
@@ -304,6 +311,6 @@ def test_resuming_from_a_partial_checkpoint_is_refused_with_its_name(tokenizer, 
     partial = tmp_path / "checkpoint-3"
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"\0" * 16)               # trainer_state.json never written
-    trainer = make_trainer(tokenizer, tmp_path, [AdaptiveBatchTuner(probe=False)], max_steps=1)
+    trainer = make_trainer(tokenizer, tmp_path, [AdaptiveBatchTuner(tune=False)], max_steps=1)
     with pytest.raises(ValueError, match=r"checkpoint-3.*not a complete checkpoint"):
         train_with_tuning(trainer, resume_from_checkpoint=str(partial))

@@ -117,7 +117,7 @@ def test_an_oom_inside_a_step_under_fsdp_ends_the_run_at_once(tmp_path):
 def test_deepspeed_is_refused_at_start_with_what_to_use_instead(tokenizer, tmp_path, monkeypatch):
     from accelerate.utils import DistributedType
 
-    trainer = make_trainer(tokenizer, tmp_path, [AdaptiveBatchTuner(probe=False)], max_steps=2)
+    trainer = make_trainer(tokenizer, tmp_path, [AdaptiveBatchTuner(tune=False)], max_steps=2)
     assert sharding.sharding(trainer) is None
     monkeypatch.setattr(trainer.accelerator.state, "distributed_type", DistributedType.DEEPSPEED)
     assert sharding.sharding(trainer) == "deepspeed"

@@ -15,6 +15,8 @@ import pytest
 import yaml
 
 from hf_perf_callbacks import train
+from hf_perf_callbacks.batching import Split
+from hf_perf_callbacks.splitfile import SplitFile, read_split_file
 from hf_perf_callbacks.tasks import wordle
 from hf_perf_callbacks.tiny import save_tiny_model
 
@@ -197,7 +199,7 @@ FULL = "mac-16gb-qwen1.5b"
 
 def recipe_flags(name, tiny_model, out) -> list[str]:
     """The launcher's flags for ``name`` on this CPU: the recipe, the tiny model, 2 optimizer steps."""
-    extra = [] if name == FULL else ["--probe", "false", "--report", "false"]
+    extra = [] if name == FULL else ["--tune", "false", "--report", "false"]
     return ["--config", recipe_path(name), "--model_name_or_path", tiny_model, "--output_dir", str(out), *CPU,
             *extra]
 
@@ -215,7 +217,7 @@ def check_trained(out, name, world_size=1) -> list[dict]:
     probed = os.path.exists(os.path.join(out, "tuner_split.json"))
     if name == FULL:
         assert os.path.exists(os.path.join(out, "perf_report.md"))
-        assert probed and json.load(open(os.path.join(out, "tuner_split.json")))["decisions"][0]["kind"] == "probe"
+        assert probed and read_split_file(out).decisions[0].kind == "tune"          # two steps: too short to tune
     else:
         assert not os.path.exists(os.path.join(out, "perf_report.md"))
     return steps
@@ -277,7 +279,7 @@ def test_ddp_recipe_runs_on_two_cpu_processes(tiny_model, tmp_path):
     launch([ACCELERATE, "launch", "--config_file", os.path.join(ROOT, "recipes", "accelerate", "multi_gpu.yaml"),
             "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
             "-m", "hf_perf_callbacks.train", "--config", recipe_path("cuda-ddp-qwen1.5b"),
-            "--model_name_or_path", tiny_model, "--output_dir", str(out), *CPU, "--probe", "false",
+            "--model_name_or_path", tiny_model, "--output_dir", str(out), *CPU, "--tune", "false",
             "--report", "false"], tmp_path)
     steps = check_run(out, world_size=2)
     recipe = train.read_recipe(recipe_path("cuda-ddp-qwen1.5b"))
@@ -561,16 +563,16 @@ def complete_checkpoint(output_dir, step):
     return path
 
 
-def record_split(output_dir, **split):
-    """What AdaptiveBatchTuner writes when it re-sizes a run (tuner.SPLIT_FILE), and a checkpoint to resume from."""
+def record_split(output_dir, split):
+    """The split file of a run the tuner re-sized (written by the tuning session's record, the file's one writer),
+    and a checkpoint to resume from."""
     complete_checkpoint(output_dir, 2)
-    with open(os.path.join(output_dir, "tuner_split.json"), "w") as fh:
-        json.dump({"split": split, "decisions": []}, fh)
+    SplitFile(session="recorded", world_size=1, configured=Split(2, 4, 4), split=split).write(output_dir)
 
 
 def test_saved_split_is_applied_on_resume_and_keeps_the_generation_batch(tmp_path, caplog):
     out = str(tmp_path / "o")
-    record_split(out, per_device_train_batch_size=1, gradient_accumulation_steps=8)
+    record_split(out, Split(1, 8, 8))
     with caplog.at_level("INFO", logger="hf_perf_callbacks.train"):
         _, args, _ = train.parse_recipe(["--config", write_recipe(tmp_path), "--use_cpu", "true",
                                          "--output_dir", out, "--resume_from_checkpoint", "last"])
@@ -582,7 +584,7 @@ def test_saved_split_is_applied_on_resume_and_keeps_the_generation_batch(tmp_pat
 
 def test_saved_split_is_not_applied_to_a_fresh_run(tmp_path, caplog):
     out = str(tmp_path / "o")
-    record_split(out, per_device_train_batch_size=1, gradient_accumulation_steps=8)
+    record_split(out, Split(1, 8, 8))
     with caplog.at_level("INFO", logger="hf_perf_callbacks.train"):
         _, args, _ = train.parse_recipe(["--config", write_recipe(tmp_path), "--use_cpu", "true",
                                          "--output_dir", out])
@@ -592,7 +594,7 @@ def test_saved_split_is_not_applied_to_a_fresh_run(tmp_path, caplog):
 
 def test_saved_split_of_another_effective_batch_is_not_applied(tmp_path, caplog):
     out = str(tmp_path / "o")
-    record_split(out, per_device_train_batch_size=1, gradient_accumulation_steps=8)
+    record_split(out, Split(1, 8, 8))
     with caplog.at_level("INFO", logger="hf_perf_callbacks.train"):
         _, args, _ = train.parse_recipe(["--config", write_recipe(tmp_path), "--use_cpu", "true",
                                          "--output_dir", out, "--resume_from_checkpoint", "last",
@@ -603,7 +605,7 @@ def test_saved_split_of_another_effective_batch_is_not_applied(tmp_path, caplog)
 
 def test_saved_split_with_steps_per_generation_replaces_generation_batch_size(tmp_path):
     out = str(tmp_path / "o")
-    record_split(out, per_device_train_batch_size=1, gradient_accumulation_steps=8, steps_per_generation=8)
+    record_split(out, Split(1, 8, 8))
     _, args, _ = train.parse_recipe(["--config", write_recipe(tmp_path, generation_batch_size=8), "--use_cpu", "true",
                                      "--output_dir", out, "--resume_from_checkpoint", "last"])
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (1, 8)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from hf_perf_callbacks.cli import report_command
-from hf_perf_callbacks.report import summarize, write_plots
+from hf_perf_callbacks.plots import write_plots
+from hf_perf_callbacks.report import summarize
 from hf_perf_callbacks.runlog import PERF_LOG, ReportError, read_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -175,14 +176,14 @@ def test_synthetic_watchdog_and_tuner(tmp_path):
     assert "resumed" in text and "step 20" in text
     assert "steady tokens/s: 5,500" in text
     assert "MFU: 41.0%" in text
-    assert "time split: data_wait 6.3%, generation 37.5%, compute 56.2%" in text
-    assert "of a 70.00 GB budget" in text
+    assert "time split: waiting for data 6.3%, generation 37.5%, forward/backward/optimizer 56.2%" in text
+    assert "of a 70.00 GiB budget" in text
     assert "step 10: [mem] warning" in text
     assert "step 11: [mem] action clear_cache" in text
     assert "step 12: [tuner] decision (8x1 -> 4x2)" in text
     assert "step 20: [mem] stop: stopped training" in text
     assert "watchdog stopped training at step 20" in text
-    assert "cache clears: 1, freed 1.50 GB" in text
+    assert "cache clears: 1, freed 1.50 GiB" in text
 
     out_dir = tmp_path / "figs"
     paths = write_plots(run, str(out_dir))
@@ -202,85 +203,11 @@ def test_plots_skip_absent_data(tmp_path):
     run = read_run(str(tmp_path))
     text = summarize(run)
     assert "no ThroughputMeter data" in text
-    assert "high-water 2.50 GB of a 8.00 GB budget (31%)" in text
+    assert "high-water 2.50 GiB of a 8.00 GiB budget (31%)" in text
     assert "step 3: [mem] action clear_cache" in text                 # from the summary's action list
     paths = write_plots(run)
     assert [os.path.basename(p) for p in paths] == ["memory.png"]
     assert os.path.dirname(paths[0]) == str(tmp_path / "plots")
-
-
-def _axes():
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure()
-    FigureCanvasAgg(fig)
-    return fig.add_subplot()
-
-
-def _plot(name, tmp_path, lines):
-    from hf_perf_callbacks import report
-    from hf_perf_callbacks.figures import figures
-
-    (tmp_path / PERF_LOG).write_text("".join(json.dumps(x) + "\n" for x in lines))
-    run = read_run(str(tmp_path))
-    ax = _axes()
-    assert getattr(report, f"_plot_{name}")(ax, run, run.unique_steps(), figures(run)) is None
-    return ax
-
-
-def test_throughput_plot_draws_the_steady_figure_on_its_own_basis(tmp_path):
-    # seen: the 10-step windowed rate labelled "tokens/s per step", drawn under a steady line it never reached
-    header = {"type": "run", "source": "perf", "device_type": "cpu", "world_size": 1, "grpo": True, "period": 2}
-    steps = []
-    for s in range(1, 11):       # GRPO: a cycle's 2,000 tokens arrive at its generation step; 1 s training per step
-        steps.append({"type": "step", "step": s, "perf/steady": int(s > 2), "perf/tokens": 2000.0 if s % 2 else 0.0,
-                      "perf/step_wall_sec": 1.0 + (3.0 if s == 6 else 0.0), "perf/phase_sec/eval": 3.0 if s == 6
-                      else 0.0, "perf/tokens_per_sec": 700.0 + 10 * s})
-    summary = {"type": "summary", "source": "perf", "steady_tokens_per_sec": 1000.0, "steps": 10}
-    ax = _plot("throughput", tmp_path, [header] + steps + [summary])
-    lines = {line.get_label(): line for line in ax.get_lines()}
-    per_cycle = lines["tokens/s per generation cycle (2 steps) (training time)"]
-    assert list(per_cycle.get_ydata()) == [1000.0] * 5          # eval time excluded, tokens per cycle: on the line
-    assert any(label.startswith("windowed tokens/s") for label in lines)
-    assert "tokens/s per step" not in lines and "steady 1,000 tokens/s" in lines
-
-
-def test_memory_plot_on_cpu_says_rss(tmp_path):
-    # seen: the memory plot on CPU titled device memory while it showed the process RSS
-    header = {"type": "run", "source": "perf", "device_type": "cpu", "world_size": 1}
-    steps = [{"type": "step", "step": s, "mem/device_used_gb": 1.0 + s / 10, "mem/limit_gb": 8.0} for s in (1, 2, 3)]
-    ax = _plot("memory", tmp_path, [header] + steps)
-    assert ax.get_title() == "Process memory (RSS) vs budget"
-    assert "process RSS" in [line.get_label() for line in ax.get_lines()]
-    (tmp_path / PERF_LOG).unlink()
-    ax = _plot("memory", tmp_path, [{**header, "device_type": "cuda"}] + steps)
-    assert ax.get_title() == "Device memory vs budget"
-
-
-def test_tuner_plot_shows_the_probe_trials(tmp_path):
-    # seen: the tuner plot left out the probe's trials
-    from hf_perf_callbacks.report import probe_trials
-
-    decisions = [{"kind": "probe", "step": 0, "old": {"micro_batch": 2, "grad_accum": 4},
-                  "new": {"micro_batch": 4, "grad_accum": 2},
-                  "trials": [{"split": {"micro_batch": 8, "grad_accum": 1}, "error": "out of memory: x", "peak": 9.0,
-                              "fits": False},
-                             {"split": {"micro_batch": 4, "grad_accum": 2}, "split_time": 1.2, "peak": 3.0,
-                              "fits": True},
-                             {"split": {"micro_batch": 2, "grad_accum": 4}, "split_time": 1.5, "peak": 2.0,
-                              "fits": True}]}]
-    (tmp_path / "tuner_split.json").write_text(json.dumps({"split": {"micro_batch": 4, "grad_accum": 2},
-                                                           "decisions": decisions}))
-    trials = probe_trials(str(tmp_path))
-    assert [(t["split"], t["seconds"], t["chosen"]) for t in trials] == [("8×1", None, False), ("4×2", 1.2, True),
-                                                                         ("2×4", 1.5, False)]
-    steps = [{"type": "step", "step": s, "tuner/micro_batch": 4, "tuner/grad_accum": 2} for s in (1, 2)]
-    ax = _plot("tuner", tmp_path, [{"type": "run", "source": "perf"}] + steps)
-    inset = ax.child_axes[0]
-    assert [t.get_text() for t in inset.get_xticklabels()] == ["8×1", "4×2", "2×4"]
-    assert [round(b.get_height(), 2) for b in inset.patches] == [0.0, 1.2, 1.5]
-    assert "probe" in inset.get_title()
 
 
 def test_completion_line_and_the_analysis_cite_the_same_clipped_share(tmp_path):

@@ -238,4 +238,4 @@ def test_console_summary_words_warmup_as_the_report_does(steps, slowdown, says, 
                      "steady_step_sec": 0.2, "steady_tokens_per_sec": 500.0, "mean_tokens_per_sec": 450.0,
                      "phases": {"compute": 0.9}, "device": "cpu", "world_size": 1, "peak_flops": None}
     text = meter.format_summary()
-    assert says in text and never not in text and "(steady step 0.200 s)" in text
+    assert says in text and never not in text and "steady tokens/s: 500 at 0.2 s per steady step" in text

@@ -117,7 +117,10 @@ def test_slow_early_steps_with_flat_cpu_time_are_contention_not_warmup():
     tl = run_cpu_steps([5.0, 5.0, 1.0, 1.0, 1.0, 1.0], [0.5] * 6)
     assert tl.warmup_done and tl.warmup_steps == 0 and tl.warmup_overhead == 0.0
     assert tl.early_contention == pytest.approx(8.0)               # (5 - 1) × 2 s: other processes
-    assert tl.steady_step_seconds == pytest.approx(1.0)            # wall time, not CPU time
+    assert tl.contention_steps == [1, 2]
+    # the contended steps are steady (their work was): the steady figures count them, in wall time, not CPU time
+    assert tl.steady_step_seconds == pytest.approx(14.0 / 6)
+    assert tl.steady_tokens_per_sec * tl.steady_step_seconds == pytest.approx(100.0)
 
 
 def test_slow_early_steps_with_more_cpu_time_are_warmup():
@@ -156,3 +159,44 @@ def test_cpu_mode_splits_one_excess_into_warmup_and_contention_and_keeps_both_ov
     resumed.load(saved)
     resumed.start_segment(0.0, cpu=0.0, work="cpu")
     assert resumed.warmup_overhead == pytest.approx(1.0) and resumed.early_contention == pytest.approx(3.0)
+
+
+def test_one_definition_each_steady_rate_times_steady_step_is_the_tokens_of_a_steady_step():
+    # seen: "2 tok/s · 112 s/step" (the step the median of one window, the rate the mean over all steady steps)
+    tl = StepTimeline(window_steps=10, warmup_window=2, warmup_tolerance=0.3)
+    tl.start_segment(0.0)
+    t = 0.0
+    for step, (compute, tokens) in enumerate([(6.0, 100), (1.0, 100), (1.0, 200), (1.2, 100), (0.9, 300),
+                                              (1.1, 100)], start=1):
+        _, t = run_step(tl, step, t, compute=compute, tokens=tokens)
+    assert tl.warmup_steps == 1 and tl.first_steady_step == 2 and tl.steady_steps == 5
+    assert tl.steady_step_seconds == pytest.approx((1.0 + 1.0 + 1.2 + 0.9 + 1.1) / 5)
+    assert tl.steady_tokens_per_sec == pytest.approx(800 / 5.2)
+    assert tl.steady_tokens_per_sec * tl.steady_step_seconds == pytest.approx(800 / 5)   # tokens per steady step
+    assert tl.first_step_slowdown == pytest.approx(6.0 / (5.2 / 5))                  # against that same step time
+
+
+def test_the_first_steady_step_is_the_decisions_not_the_step_it_was_decided_at():
+    tl = StepTimeline(window_steps=10, warmup_window=3, warmup_tolerance=0.05)
+    tl.start_segment(0.0)
+    t = 0.0
+    decided = None
+    for step, compute in enumerate([5.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0], start=1):
+        _, t = run_step(tl, step, t, compute=compute)
+        if decided is None and tl.warmup_done:
+            decided = step
+    assert tl.first_steady_step == 3 and decided == 6          # decided three steps after warmup ended
+    saved = tl.export()
+    resumed = StepTimeline(window_steps=10, warmup_window=3, warmup_tolerance=0.05)
+    resumed.load(saved)
+    resumed.start_segment(100.0)
+    assert resumed.first_steady_step is None and resumed.steady_steps == 5      # a new segment decides anew
+    assert resumed.steady_step_seconds == pytest.approx(1.0)
+
+
+def test_cpu_mode_counts_no_warmup_overhead_for_steady_steps():
+    # the detector calls every step steady on CPU time (warmup 0); a loaded machine made the first steps slow with
+    # some extra CPU time: that is steady jitter or contention, never overhead of a warmup that took 0 steps
+    tl = run_cpu_steps([6.0, 5.0] + [1.0] * 6, [0.65, 0.62, 0.42, 0.55, 0.5, 0.58, 0.5, 0.5], window=4)
+    assert tl.warmup_steps == 0 and tl.warmup_overhead == 0.0      # was 0.54 s "above steady time" in 0 steps
+    assert tl.early_contention == pytest.approx(8.46) and tl.contention_steps == [1, 2]

@@ -12,10 +12,11 @@ import torch
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, train_with_tuning
+from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.device import GB, MemorySample
-from hf_perf_callbacks.resize import saved_split
+from hf_perf_callbacks.splitfile import read_split_file
 from hf_perf_callbacks.throughput import forward_entry
-from tests.conftest import make_grpo, make_trainer
+from tests.conftest import PlantedClock, make_grpo, make_trainer
 from tests.test_watchdog import FakeMPS
 
 CUDA_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.10 GiB total capacity)"
@@ -67,7 +68,7 @@ def step_lines(output_dir):
 @pytest.mark.parametrize("text", [CUDA_OOM, MPS_OOM], ids=["cuda-text", "mps-text"])
 def test_grpo_oom_mid_run_resizes_and_reaches_max_steps(tokenizer, tmp_path, text):
     plant = PlantedOOM(limit=2, text=text, armed_at=3)
-    tuner = AdaptiveBatchTuner(probe=False)
+    tuner = AdaptiveBatchTuner(tune=False)
     trainer = plant.attach(make_grpo(tokenizer, tmp_path, [plant, ThroughputMeter(), tuner], max_steps=7, bs=4,
                                      ga=2))
     train_with_tuning(trainer)
@@ -76,29 +77,29 @@ def test_grpo_oom_mid_run_resizes_and_reaches_max_steps(tokenizer, tmp_path, tex
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 4)
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 8       # effective batch kept
     assert args.generation_batch_size == 8 and args.steps_per_generation == 4              # generation batch kept
-    decision = tuner.decisions[-1]
-    assert decision["kind"] == "oom" and decision["step"] == 3 and decision["checkpoint"].endswith("checkpoint-3")
-    assert (decision["old"]["micro_batch"], decision["new"]["micro_batch"]) == (4, 2)
-    assert decision["recovery_sec"] < 30
+    decision = tuner.session.decisions[-1]
+    assert decision.kind == "oom" and decision.step == 3 and decision.checkpoint.endswith("checkpoint-3")
+    assert (decision.old.micro_batch, decision.new.micro_batch) == (4, 2)
+    assert decision.recovery_sec is not None                          # the next step completed after it
     steps = [s["step"] for s in step_lines(tmp_path)]
     assert steps == [1, 2, 3, 4, 5, 6, 7]                           # no optimizer step lost or repeated
     assert [s["tuner/micro_batch"] for s in step_lines(tmp_path)] == [4, 4, 4, 2, 2, 2, 2]
-    print(f"\n[{text[:4]}] 4×2 → 2×4 after an OOM at step 4; next step after {decision['recovery_sec']:.2f} s")
+    assert read_split_file(str(tmp_path)).decisions == tuner.session.decisions    # the file holds what happened
 
 
 def test_plain_trainer_oom_at_the_first_step_restarts_at_a_smaller_split(tokenizer, tmp_path):
     plant = PlantedOOM(limit=1, text=MPS_OOM)
-    tuner = AdaptiveBatchTuner(probe=False)
+    tuner = AdaptiveBatchTuner(tune=False)
     trainer = plant.attach(make_trainer(tokenizer, tmp_path, [plant, tuner], max_steps=4, bs=4, ga=2))
     train_with_tuning(trainer)
     assert trainer.state.global_step == 4
-    assert [(d["old"]["micro_batch"], d["new"]["micro_batch"]) for d in tuner.decisions] == [(4, 2), (2, 1)]
+    assert [(d.old.micro_batch, d.new.micro_batch) for d in tuner.session.decisions] == [(4, 2), (2, 1)]
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (1, 8)
 
 
 def test_no_smaller_split_raises_a_clear_error(tokenizer, tmp_path):
     plant = PlantedOOM(limit=0, text=CUDA_OOM)
-    trainer = plant.attach(make_trainer(tokenizer, tmp_path, [plant, AdaptiveBatchTuner(probe=False)], max_steps=2,
+    trainer = plant.attach(make_trainer(tokenizer, tmp_path, [plant, AdaptiveBatchTuner(tune=False)], max_steps=2,
                                         bs=2, ga=1))
     with pytest.raises(ValueError, match="no exact split smaller than 1×2"):
         train_with_tuning(trainer)
@@ -108,35 +109,189 @@ def losses(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def test_probe_picks_a_fitting_split_and_leaves_the_trajectory_unchanged(tokenizer, tmp_path):
+def rates(trainer):
+    return [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+
+
+def test_the_memory_check_picks_a_fitting_split_and_leaves_the_trajectory_unchanged(tokenizer, tmp_path):
     plant = PlantedOOM(limit=2, text=CUDA_OOM)
-    tuner = AdaptiveBatchTuner(probe_steps=1)
-    probed = plant.attach(make_trainer(tokenizer, tmp_path / "probed", [plant, tuner], max_steps=3, bs=8, ga=1))
-    train_with_tuning(probed)
-    probe = tuner.decisions[0]
-    assert probe["kind"] == "probe"
-    tried = {t["split"]["micro_batch"]: t for t in probe["trials"]}
-    assert "out of memory" in tried[8]["error"] and "out of memory" in tried[4]["error"]
-    assert tried[2]["fits"]
-    chosen = probe["new"]
-    assert chosen["micro_batch"] <= 2 and chosen["micro_batch"] * chosen["grad_accum"] == 8
-    # the same split from the start, without a probe: identical losses (weights, RNG, data untouched)
-    plain = make_trainer(tokenizer, tmp_path / "plain", [], max_steps=3, bs=chosen["micro_batch"],
-                         ga=chosen["grad_accum"])
+    tuner = AdaptiveBatchTuner(tune=False, memory_check=True)       # on CPU it runs only when asked
+    checked = plant.attach(make_trainer(tokenizer, tmp_path / "checked", [plant, tuner], max_steps=3, bs=8, ga=1))
+    train_with_tuning(checked)
+    check = tuner.session.decisions[0]
+    assert check.kind == "memory_check" and check.cost_sec > 0
+    tried = {t.split.micro_batch: t for t in check.trials}
+    assert "out of memory" in tried[8].error and "out of memory" in tried[4].error and tried[2].fits
+    assert check.new == Split(2, 4) == Split(checked.args.per_device_train_batch_size,
+                                             checked.args.gradient_accumulation_steps)
+    # the same split from the start, without a check: identical losses (weights, RNG, data untouched)
+    plain = make_trainer(tokenizer, tmp_path / "plain", [], max_steps=3, bs=2, ga=4)
     plain.train()
-    assert losses(probed) == pytest.approx(losses(plain), rel=1e-6)
-    print(f"\nprobe: {probe['reason']}")
+    assert losses(checked) == pytest.approx(losses(plain), rel=1e-6)
 
 
-def test_grpo_probe_keeps_the_generation_batch_and_forces_long_completions(tokenizer, tmp_path):
-    tuner = AdaptiveBatchTuner(probe_steps=1, probe_must_pay=False)
-    trainer = make_grpo(tokenizer, tmp_path, [tuner], max_steps=2, bs=4, ga=2, completion=10)
-    config = trainer.generation_config
+def test_no_memory_check_on_a_cpu_unless_asked(tokenizer, tmp_path):
+    tuner = AdaptiveBatchTuner(tune=False)
+    trainer = make_trainer(tokenizer, tmp_path, [tuner], max_steps=2, bs=4, ga=2)
     train_with_tuning(trainer)
-    assert config.min_new_tokens is None                              # restored after the probe
-    assert trainer.args.generation_batch_size == 8
-    assert trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps == 8
-    assert len(tuner.decisions[0]["trials"]) >= 2 and trainer.state.global_step == 2
+    assert tuner.session.decisions == [] and trainer.state.global_step == 2
+
+
+def recorder(seen):
+    def reward(prompts, completions, completion_ids=None, **kwargs):
+        seen.append((tuple(map(str, prompts)), tuple(tuple(ids) for ids in completion_ids)))
+        return [-abs(len(ids) - 8) / 8.0 for ids in completion_ids]
+    return reward
+
+
+def test_grpo_memory_check_keeps_the_generation_batch_and_the_sampling(tokenizer, tmp_path):
+    """The check (forced long completions, learning rate 0) leaves the run sampling the same completions from the
+    same prompts as a run that never checked: RNG, data order and weights restored."""
+    checked_seen, plain_seen = [], []
+    tuner = AdaptiveBatchTuner(tune=False, memory_check=True)
+    checked = make_grpo(tokenizer, tmp_path / "checked", [tuner], max_steps=2, bs=4, ga=2, completion=10,
+                        reward=recorder(checked_seen))
+    config = checked.generation_config
+    train_with_tuning(checked)
+    assert config.min_new_tokens is None                              # restored after the check
+    assert checked.args.generation_batch_size == 8 and tuner.session.decisions[0].kind == "memory_check"
+    plain = make_grpo(tokenizer, tmp_path / "plain", [], max_steps=2, bs=4, ga=2, completion=10,
+                      reward=recorder(plain_seen))
+    plain.train()
+    assert plain_seen and checked_seen[-len(plain_seen):] == plain_seen     # the check's own rollout comes first
+    assert losses(checked) == pytest.approx(losses(plain), rel=1e-6)
+
+
+class PlantedStepTime(TrainerCallback):
+    """Plants each optimizer step's time on a :class:`PlantedClock` by the micro-batch it ran with (``seconds``,
+    ± ``noise``): far above the real step, so the tuner's measurements cannot flip on a loaded machine. Put it
+    before the tuner in the callback list (it spends inside the step the tuner measures)."""
+
+    def __init__(self, clock, seconds, noise=0.0, seed=0):
+        import random
+
+        self.clock, self.seconds, self.noise, self.rng = clock, seconds, noise, random.Random(seed)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        base = self.seconds[args.per_device_train_batch_size]
+        self.clock.spend(base * (1 + self.rng.uniform(-self.noise, self.noise)))
+
+
+class SampleRecorder(TrainerCallback):
+    """Which examples each optimizer step trained on (the rows of every training forward, padding removed)."""
+
+    def __init__(self):
+        self.by_step: dict[int, list[tuple]] = {}
+        self.step = 0
+
+    def attach(self, trainer):
+        inner = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+        forward_entry(inner).register_forward_pre_hook(self.record, with_kwargs=True)
+        return trainer
+
+    def record(self, module, args, kwargs):
+        if torch.is_grad_enabled() and module.training:
+            ids, mask = kwargs.get("input_ids", args[0] if args else None), kwargs.get("attention_mask")
+            for row, keep in zip(ids.tolist(), (mask.tolist() if mask is not None else [[1] * ids.shape[1]] * len(ids))):
+                self.by_step.setdefault(self.step + 1, []).append(tuple(t for t, k in zip(row, keep) if k))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step = state.global_step
+
+    def trained(self):
+        return {step: sorted(rows) for step, rows in self.by_step.items()}
+
+
+def tuned_run(tokenizer, path, seconds, max_steps=25, bs=2, ga=4, noise=0.0, **tuner_kw):
+    clock = PlantedClock()
+    tuner = AdaptiveBatchTuner(clock=clock, **tuner_kw)
+    samples = SampleRecorder()
+    trainer = samples.attach(make_trainer(tokenizer, path, [samples, PlantedStepTime(clock, seconds, noise), tuner],
+                                          max_steps=max_steps, bs=bs, ga=ga, length=16))
+    train_with_tuning(trainer)
+    return trainer, tuner, samples
+
+
+def test_a_faster_split_is_found_on_the_runs_own_steps_and_nothing_is_trained_twice(tokenizer, tmp_path, capsys):
+    trainer, tuner, samples = tuned_run(tokenizer, tmp_path / "tuned", {8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0})
+    assert trainer.state.global_step == 25 and trainer.args.per_device_train_batch_size == 8
+    [decision] = tuner.session.decisions
+    assert decision.kind == "tune" and (decision.old, decision.new) == (Split(2, 4), Split(8, 1))
+    trials = {t.split.micro_batch: t for t in decision.trials}
+    assert trials[2].steps == [2, 3, 4, 5] and trials[4].steps == [7, 8, 9, 10] and trials[8].steps == [12, 13, 14, 15]
+    assert decision.expected_gain_sec > 0 and decision.cost_sec >= 0
+    lines = step_lines(tmp_path / "tuned")
+    assert [s["step"] for s in lines] == list(range(1, 26))                  # every step once: none retrained
+    assert [s["tuner/micro_batch"] for s in lines] == [2] * 5 + [4] * 5 + [8] * 15
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == list(range(1, 26))
+    # the same samples in every optimizer step as a run that never switched
+    plain_samples = SampleRecorder()
+    plain = plain_samples.attach(make_trainer(tokenizer, tmp_path / "plain", [plain_samples], max_steps=25, bs=2,
+                                              ga=4, length=16))
+    plain.train()
+    assert samples.trained() == plain_samples.trained()
+    # no padding: every split computes the same step (up to float summation order), with the same schedule
+    assert losses(trainer) == pytest.approx(losses(plain), rel=1e-5)
+    assert rates(trainer) == rates(plain)
+    assert not [n for n in os.listdir(tmp_path / "tuned") if n.startswith("checkpoint-")]   # switch checkpoints go
+    record = read_split_file(str(tmp_path / "tuned"))
+    assert record.split == Split(8, 1) and record.decisions == [decision]
+    assert "tuning at step 15: 2×4 → 8×1" in capsys.readouterr().out
+
+
+def test_a_run_too_short_to_pay_back_tries_no_split_and_writes_no_checkpoint(tokenizer, tmp_path):
+    trainer, tuner, _ = tuned_run(tokenizer, tmp_path, {8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}, max_steps=6)
+    [decision] = tuner.session.decisions
+    assert decision.kind == "tune" and decision.new == Split(2, 4) and "too short to pay back" in decision.reason
+    assert [t.split for t in decision.trials] == [Split(2, 4)] and decision.cost_sec == 0
+    assert {s["tuner/micro_batch"] for s in step_lines(tmp_path)} == {2}
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")]
+
+
+def test_a_slower_split_is_left_and_the_run_goes_back_to_the_configured_one(tokenizer, tmp_path):
+    trainer, tuner, _ = tuned_run(tokenizer, tmp_path, {8: 800.0, 4: 400.0, 2: 200.0, 1: 400.0}, max_steps=20)
+    decision = tuner.session.decisions[-1]
+    assert decision.kind == "tune" and decision.new == Split(2, 4) and trainer.args.per_device_train_batch_size == 2
+    left = {t.split.micro_batch: t for t in decision.trials}
+    assert len(left[4].samples) == 1 and decision.cost_sec > 0
+    assert [s["step"] for s in step_lines(tmp_path)] == list(range(1, 21))
+
+
+def test_a_larger_split_that_runs_out_of_memory_is_left_and_nothing_is_lost(tokenizer, tmp_path):
+    clock = PlantedClock()
+    plant = PlantedOOM(limit=2, text=CUDA_OOM)
+    tuner = AdaptiveBatchTuner(clock=clock)
+    trainer = plant.attach(make_trainer(tokenizer, tmp_path, [plant, PlantedStepTime(clock, {8: 50.0, 4: 100.0,
+                                        2: 200.0, 1: 400.0}), tuner], max_steps=20, bs=2, ga=4))
+    train_with_tuning(trainer)
+    kinds = [(d.kind, d.old.micro_batch, d.new.micro_batch) for d in tuner.session.decisions]
+    assert kinds[0] == ("oom", 4, 2) and kinds[-1][0] == "tune" and kinds[-1][2] == 2
+    tried = {t.split.micro_batch: t for t in tuner.session.decisions[-1].trials}
+    assert tried[4].error == "out of memory" and 8 not in tried
+    assert [s["step"] for s in step_lines(tmp_path)] == list(range(1, 21)) and trainer.state.global_step == 20
+    assert tuner.session.resizes == 1
+
+
+def test_grpo_tuning_switches_at_generation_boundaries_and_samples_what_an_untuned_run_samples(tokenizer, tmp_path):
+    tuned_seen, plain_seen = [], []
+    clock = PlantedClock()
+    tuner = AdaptiveBatchTuner(clock=clock, samples=3, must_pay=False, max_micro_batch=4)
+    extra = {"steps_per_generation": 4}                                 # a generation every 2 optimizer steps
+    tuned = make_grpo(tokenizer, tmp_path / "tuned", [PlantedStepTime(clock, {4: 50.0, 2: 200.0, 1: 400.0}),
+                      tuner], max_steps=12, bs=2, ga=2, completion=6, extra=extra, reward=recorder(tuned_seen))
+    train_with_tuning(tuned)
+    lines = step_lines(tmp_path / "tuned")
+    micro = [s["tuner/micro_batch"] for s in lines]
+    changes = [s["step"] for prev, s in zip(lines, lines[1:]) if s["tuner/micro_batch"] != prev["tuner/micro_batch"]]
+    assert changes and all((step - 1) % 2 == 0 for step in changes)     # a new split begins a generation cycle
+    assert tuned.args.generation_batch_size == 8 and 4 in micro
+    plain = make_grpo(tokenizer, tmp_path / "plain", [], max_steps=12, bs=2, ga=2, completion=6, extra=extra,
+                      reward=recorder(plain_seen))
+    plain.train()
+    assert tuned_seen == plain_seen                                     # the same prompts and completions
 
 
 class MemoryByBatch(FakeMPS):
@@ -153,19 +308,19 @@ class MemoryByBatch(FakeMPS):
 
 
 def test_watchdog_request_resizes_through_train_with_tuning(tokenizer, tmp_path):
-    watchdog, tuner = MemoryWatchdog(limit_gb=7.0, grace_steps=1), AdaptiveBatchTuner(probe=False)
+    watchdog, tuner = MemoryWatchdog(limit_gb=7.0, grace_steps=1), AdaptiveBatchTuner(tune=False)
     trainer = make_trainer(tokenizer, tmp_path, [watchdog, tuner], max_steps=5, bs=4, ga=2)
     watchdog.device = MemoryByBatch(trainer.args)
     train_with_tuning(trainer)
     assert trainer.state.global_step == 5
-    assert [(d["kind"], d["step"]) for d in tuner.decisions] == [("watchdog", 2)]
+    assert [(d.kind, d.step) for d in tuner.session.decisions] == [("watchdog", 2)]
     assert [a["action"] for a in watchdog.actions] == ["clear_cache", "smaller_batch"]
     assert trainer.args.per_device_train_batch_size == 2 and trainer.args.gradient_accumulation_steps == 4
     assert [s["step"] for s in step_lines(tmp_path)] == [1, 2, 3, 4, 5]
 
 
 def test_without_train_with_tuning_it_saves_stops_and_records_the_split(tokenizer, tmp_path, capsys):
-    watchdog, tuner = MemoryWatchdog(limit_gb=7.0, grace_steps=1), AdaptiveBatchTuner(probe=False)
+    watchdog, tuner = MemoryWatchdog(limit_gb=7.0, grace_steps=1), AdaptiveBatchTuner(tune=False)
     trainer = make_trainer(tokenizer, tmp_path, [watchdog, tuner], max_steps=5, bs=4, ga=2)
     watchdog.device = MemoryByBatch(trainer.args)
     trainer.train()
@@ -173,19 +328,19 @@ def test_without_train_with_tuning_it_saves_stops_and_records_the_split(tokenize
     out = capsys.readouterr().out
     assert "per_device_train_batch_size=2, gradient_accumulation_steps=4" in out
     assert "resume_from_checkpoint=" in out
-    assert saved_split(str(tmp_path)) == {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4}
+    assert read_split_file(str(tmp_path)).split == Split(2, 4)
 
     # a later process resumes at the tuned split, with the decision history
-    tuner2 = AdaptiveBatchTuner(probe=False)
+    tuner2 = AdaptiveBatchTuner(tune=False)
     resumed = make_trainer(tokenizer, tmp_path, [MemoryWatchdog(limit_gb=7.0), tuner2], max_steps=4, bs=4, ga=2)
     train_with_tuning(resumed, resume_from_checkpoint="last")
     assert resumed.args.per_device_train_batch_size == 2 and resumed.state.global_step == 4
-    assert [d["kind"] for d in tuner2.decisions] == ["watchdog"]
+    assert [d.kind for d in tuner2.session.decisions] == ["watchdog"]
     assert [s["tuner/micro_batch"] for s in step_lines(tmp_path) if s["step"] > 2] == [2, 2]
 
 
-@pytest.mark.parametrize("bad", [{"probe": "yes"}, {"probe_steps": 0}, {"max_micro_batch": 0},
-                                 {"probe_patience": 0}, {"rank_by": "speed"}, {"probe_must_pay": "yes"}])
+@pytest.mark.parametrize("bad", [{"tune": "yes"}, {"samples": 2}, {"max_micro_batch": 0}, {"max_rounds": 0},
+                                 {"patience": 0}, {"rank_by": "speed"}, {"must_pay": "yes"}, {"memory_check": 1}])
 def test_tuner_parameters_are_validated(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         AdaptiveBatchTuner(**bad)
@@ -197,33 +352,9 @@ def test_train_with_tuning_and_default_callbacks_validate(tokenizer, tmp_path):
     trainer = make_trainer(tokenizer, tmp_path, [], max_steps=1)
     with pytest.raises(ValueError, match="max_resizes=-1"):
         train_with_tuning(trainer, max_resizes=-1)
-    with pytest.raises(ValueError, match="probe='yes'"):
-        train_with_tuning(trainer, probe="yes")
+    with pytest.raises(ValueError, match="tune='yes'"):
+        train_with_tuning(trainer, tune="yes")
     with pytest.raises(ValueError, match="ThroughputMeter=5"):
         default_callbacks(ThroughputMeter=5)
     with pytest.raises(ValueError, match="Unknown"):
         default_callbacks(Unknown={})
-
-
-def test_grpo_probe_leaves_sampling_data_and_weights_as_a_run_without_it(tokenizer, tmp_path):
-    """After the probe (every split, learning rate 0, forced long completions), the run samples the same completions
-    from the same prompts as a run at the chosen split that never probed: RNG, data order and weights restored."""
-
-    def recorder(seen):
-        def reward(prompts, completions, completion_ids=None, **kwargs):
-            seen.append((tuple(map(str, prompts)), tuple(tuple(ids) for ids in completion_ids)))
-            return [-abs(len(ids) - 8) / 8.0 for ids in completion_ids]
-        return reward
-
-    probed_seen, plain_seen = [], []
-    tuner = AdaptiveBatchTuner(probe_steps=1, probe_must_pay=False)
-    probed = make_grpo(tokenizer, tmp_path / "probed", [tuner], max_steps=2, bs=4, ga=2, completion=10,
-                       reward=recorder(probed_seen))
-    train_with_tuning(probed)
-    chosen = tuner.decisions[0]["new"]
-    assert len(tuner.decisions[0]["trials"]) >= 2
-    plain = make_grpo(tokenizer, tmp_path / "plain", [], max_steps=2, bs=chosen["micro_batch"],
-                      ga=chosen["grad_accum"], completion=10, reward=recorder(plain_seen))
-    plain.train()
-    assert plain_seen and probed_seen[-len(plain_seen):] == plain_seen       # the probe's own rollouts come first
-    assert losses(probed) == pytest.approx(losses(plain), rel=1e-6)

@@ -3,18 +3,23 @@
 =================  ==========================================================================================
 module             job
 =================  ==========================================================================================
-``callback``       :class:`AdaptiveBatchTuner`: observes the run, records the split and every decision
-``loop``           :func:`train_with_tuning`: the checkpoint → resume loop, OOM recovery, checkpoint choice
-``probe``          the pre-flight probe: a few real steps per exact split at the worst-case length
+``session``        :class:`TuningSession`: the one owner of the split, the decisions, the checkpoints this run
+                   wrote and the session id; the only writer of ``tuner_split.json``
+``tuning``         the tuning on the run's own steps: which split to try next, when it pays back (pure)
+``callback``       :class:`AdaptiveBatchTuner`: measures the steps, logs the split, answers the watchdog
+``loop``           :func:`train_with_tuning`: the switch / re-size loop, OOM recovery, checkpoint choice
+``memcheck``       one step at the worst-case length before training, where memory is tight (CUDA, MPS)
 ``agreement``      cross-rank agreement on OOMs inside a training step (:class:`ResizeNeeded`, :class:`PeerFailed`)
 ``sharding``       what works under FSDP (re-size by checkpoint) and DeepSpeed (refused), said at start
-``checkpoints``    which checkpoints a run may resume from: this run's, complete; partial and stale ones moved aside
-``splitfile``      ``tuner_split.json`` read back only when exact for the run (one rule for the loop and launcher)
+``checkpoints``    which checkpoints a run may resume from: complete ones; partial and stale ones moved aside
 =================  ==========================================================================================
+
+The split file's schema and its one reader are :mod:`hf_perf_callbacks.splitfile` (pure, for the report).
 """
 from .agreement import PeerFailed, ResizeNeeded
-from .callback import SPLIT_FILE, AdaptiveBatchTuner, apply_split, current_split, saved_split
+from .callback import AdaptiveBatchTuner
 from .loop import train_with_tuning
+from .session import TuningSession, current_split
 
-__all__ = ["AdaptiveBatchTuner", "train_with_tuning", "PeerFailed", "ResizeNeeded", "SPLIT_FILE", "saved_split",
-           "apply_split", "current_split"]
+__all__ = ["AdaptiveBatchTuner", "train_with_tuning", "PeerFailed", "ResizeNeeded", "TuningSession",
+           "current_split"]

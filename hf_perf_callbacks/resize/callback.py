@@ -1,86 +1,55 @@
-"""AdaptiveBatchTuner: the callback side of re-sizing. It observes the run, records the split and every decision,
-and answers the watchdog's request for a smaller micro-batch; :mod:`~hf_perf_callbacks.resize.loop` acts on them.
-
-The split, every decision and the steps whose checkpoint this run wrote and verified (``written``, with the run's
-``session`` id) are kept in ``<output_dir>/tuner_split.json`` and the checkpoint's callback state, so a resumed run
-starts at the tuned split with its whole history — also when transformers rebuilds the callback from the checkpoint
-(``restore_callback_states_from_checkpoint``): the rebuilt instance takes over the live one's newer history. Without
-``train_with_tuning`` a re-size request saves, stops cleanly and prints the split and the command to resume with.
+"""AdaptiveBatchTuner: the callback side of re-sizing. It measures the run's own steps for the tuning on them,
+logs the split in effect, and answers the watchdog's request for a smaller micro-batch; the facts live in the
+:class:`~hf_perf_callbacks.resize.session.TuningSession` (found on the trainer's bus), and
+:mod:`~hf_perf_callbacks.resize.loop` acts on them. Without ``train_with_tuning`` a re-size request saves, stops
+cleanly and prints the split and the command to resume with.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
-import uuid
-import weakref
-from dataclasses import asdict
 
 from .. import adapter
 from .. import runlog as keys
 from ..base import Clock, PerfCallback
 from ..batching import Split, exact_splits, next_smaller
-from ..device import is_main_process, world_size
 from ..bus import SIGNAL_SMALLER_BATCH
+from ..device import GB, DeviceLayer, gather_floats, rng_state, world_size
+from ..memory import budget_bytes
+from ..runlog import SPLIT_FILE
+from ..splitfile import read_split_file
 from ..validation import check_flag, check_number
-from .checkpoints import checkpoint_dir, is_complete
-from .splitfile import SPLIT_FILE, read_record
+from .session import TuningSession, current_split
+from .tuning import MIN_SAMPLES, SAMPLES, Switch
 
 logger = logging.getLogger("hf_perf_callbacks")
 
-#: the tuner that train_with_tuning manages, per trainer args (id → weak reference): a tuner instance that
-#: transformers rebuilds from a checkpoint (restore_callback_states_from_checkpoint) takes its history over
-_LIVE: dict[int, weakref.ref] = {}
 
-
-def current_split(args) -> Split:
-    spg = getattr(args, "steps_per_generation", None)
-    return Split(args.per_device_train_batch_size, args.gradient_accumulation_steps, spg)
-
-
-def apply_split(trainer, split: Split) -> None:
-    """Set a split on a trainer's args in place (GRPO reads these live; the dataloader is rebuilt by train())."""
-    args = trainer.args
-    args.per_device_train_batch_size = split.micro_batch
-    args.gradient_accumulation_steps = split.grad_accum
-    if split.steps_per_generation is not None:
-        args.steps_per_generation = split.steps_per_generation
-        args.generation_batch_size = split.generation_batch(world_size())
-    adapter.set_train_batch_size(trainer)
-
-
-def saved_split(output_dir: str) -> dict | None:
-    """The split recorded by a tuner that re-sized an earlier run in ``output_dir`` (None when there is none)."""
-    record = read_record(output_dir)
-    split = record.get("split") if record else None
-    return split if isinstance(split, dict) else None
-
-
-def hand_over(args, tuner) -> None:
-    """Make ``tuner`` the live record of the run driven with ``args`` (see :data:`_LIVE`)."""
-    for key in [k for k, ref in _LIVE.items() if ref() is None]:
-        del _LIVE[key]
-    _LIVE[id(args)] = weakref.ref(tuner)
-
-
-def _live_tuner(args):
-    ref = _LIVE.get(id(args))
-    tuner = ref() if ref is not None else None
-    return tuner if tuner is not None and tuner.run_args is args else None
+def candidates(args, world: int) -> list[Split]:
+    """Every exact split of the run's effective batch (GRPO: and generation batch), largest micro-batch first."""
+    split = current_split(args)
+    if hasattr(args, "num_generations"):
+        return exact_splits(split.effective_batch(world), world, split.generation_batch(world), args.num_generations)
+    return exact_splits(split.effective_batch(world), world)
 
 
 class AdaptiveBatchTuner(PerfCallback):
     """Keeps the fastest exact micro-batch / accumulation split that fits (see :mod:`hf_perf_callbacks.resize`).
 
     Args:
-        probe: run the pre-flight probe in :func:`train_with_tuning` (a fresh run only).
-        probe_steps: measured steps per split, one per interleaved round (each split's first visit adds a
-            warm-up step); fewer when the rest of the run cannot pay for them (see :mod:`.probe`).
-        max_micro_batch: largest micro-batch the probe tries (None: up to the whole effective batch per rank).
-        probe_patience: stop trying smaller splits once this many in a row were slower than the configured one.
-        probe_must_pay: probe only as much as the rest of the run can pay back (False: every split, all rounds).
-        rank_by: ``"non_generation"`` (step time minus generation time) or ``"step"`` (whole step time).
+        tune: in :func:`~hf_perf_callbacks.train_with_tuning`, measure other exact splits on the run's own training
+            steps when the rest of the run can pay the switches back (:mod:`~hf_perf_callbacks.resize.tuning`).
+        samples: measured steps per split and round (at least 3: fewer cannot separate two splits; 4 by default,
+            the fewest at which one round can separate two splits at the per-round significance level).
+        max_rounds: interleaved rounds per candidate before it is left as not separable from the noise.
+        max_micro_batch: the largest micro-batch tried (None: up to the whole effective batch per rank).
+        patience: smaller splits tried in a row without one being kept before the walk down stops.
+        rank_by: ``"non_generation"`` (step time minus generation) or ``"step"`` (the whole step).
+        must_pay: try a split only when the rest of the run can pay its switches back (False: every split).
+        memory_check: one step at the worst-case length before training, to catch a split that cannot fit
+            (None: on CUDA and MPS, where memory is tight; never on a CPU).
+        clock: the clock seam (:class:`~hf_perf_callbacks.base.Clock`; tests plant one).
 
     Logged keys:
 
@@ -90,73 +59,85 @@ class AdaptiveBatchTuner(PerfCallback):
     ``tuner/micro_batch``      samples  per-device micro-batch now
     ``tuner/grad_accum``       steps    gradient accumulation now
     ``tuner/effective_batch``  samples  micro-batch × accumulation × world (constant)
-    ``tuner/resizes``          count    re-sizes so far
+    ``tuner/resizes``          count    re-sizes forced by memory so far
     =========================  =======  ==================================================
     """
 
     source = "tuner"
 
-    def __init__(self, probe: bool = True, probe_steps: int = 4, max_micro_batch: int | None = None,
-                 probe_patience: int = 1, rank_by: str = "non_generation", probe_must_pay: bool = True,
-                 clock: Clock | None = None):
-        check_flag("probe", probe)
+    def __init__(self, tune: bool = True, samples: int = SAMPLES, max_rounds: int = 3,
+                 max_micro_batch: int | None = None, patience: int = 1, rank_by: str = "non_generation",
+                 must_pay: bool = True, memory_check: bool | None = None, clock: Clock | None = None):
+        check_flag("tune", tune)
+        check_number("samples", samples, low=MIN_SAMPLES, integer=True)
+        check_number("max_rounds", max_rounds, low=1, integer=True)
+        check_number("max_micro_batch", max_micro_batch, low=1, integer=True, allow_none=True)
+        check_number("patience", patience, low=1, integer=True)
         if rank_by not in ("step", "non_generation"):
             raise ValueError(f"rank_by={rank_by!r} is not allowed: expected 'step' or 'non_generation'")
-        check_number("probe_steps", probe_steps, low=1, integer=True)
-        check_number("max_micro_batch", max_micro_batch, low=1, integer=True, allow_none=True)
-        check_number("probe_patience", probe_patience, low=1, integer=True)
-        check_flag("probe_must_pay", probe_must_pay)
+        check_flag("must_pay", must_pay)
+        check_flag("memory_check", memory_check, allow_none=True)
         super().__init__(clock)
-        self.probe, self.probe_steps, self.max_micro_batch = probe, probe_steps, max_micro_batch
-        self.probe_patience, self.rank_by, self.probe_must_pay = probe_patience, rank_by, probe_must_pay
-        self.decisions: list[dict] = []
-        self.split: Split | None = None
-        self.planned_resize: dict | None = None
-        self.managed = False             # train_with_tuning acts on planned re-sizes
+        self.tune, self.samples, self.max_rounds, self.max_micro_batch = tune, samples, max_rounds, max_micro_batch
+        self.patience, self.rank_by, self.must_pay, self.memory_check = patience, rank_by, must_pay, memory_check
+        self.session: TuningSession | None = None
         self.in_optimizer_step = False
-        self.run_args = None
-        self.session = uuid.uuid4().hex[:12]   # this run; kept across in-process re-sizes and every kind of resume
-        self.written: list[int] = []           # steps whose checkpoint this run wrote and verified complete
-        self.warned: set[str] = set()
-        self.limits: str | None = None         # what does not work under the trainer's sharding (resize.sharding)
-
-    # ------------------------------------------------------------ geometry
-    def candidates(self, args) -> list[Split]:
-        world = world_size()
-        split = current_split(args)
-        if hasattr(args, "num_generations"):
-            return exact_splits(split.effective_batch(world), world, split.generation_batch(world),
-                                args.num_generations)
-        return exact_splits(split.effective_batch(world), world)
+        self.measuring = False
+        self.generation = adapter.GenerationClock(self.clock.wall)
+        self._stop_watching = None
+        self._started: float | None = None
 
     # ------------------------------------------------------------ events
-    def on_train_begin(self, args, state, control, **kwargs):
-        live = _live_tuner(args)
-        if live is not None and live is not self:      # rebuilt from the checkpoint: the live history is newer
-            self.adopt(live.decisions, live.session, live.written)
-            self.managed, self.warned = live.managed, set(live.warned)
-            hand_over(args, self)
-        self.run_args = args
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
         if getattr(args, "auto_find_batch_size", False):
             self.warn("auto_find_batch_size=True re-sizes by itself (restarting at step 0 with a drifting batch): the "
                       "tuner stays off. Turn auto_find_batch_size off to let the tuner keep the batch exact.")
             self.disabled = True
             return
-        self.split = current_split(args)
+        self.session = self._session(args, state)
         self.world = world_size()
         self.bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
-        self.planned_resize = None
         self.in_optimizer_step = False
-        if self.limits:                                  # see resize.sharding
-            self.warn_once("sharding-limits", self.limits, step=state.global_step)
-        for decision in self.decisions:          # the probe ran before any trainer event: log it now, once
-            if decision["kind"] == "probe" and not decision.get("logged"):
-                decision["logged"] = True
-                # the probe printed its evidence once; the event names the outcome (details in tuner_split.json)
-                self.bus.event(self.source, "decision", f"probe: {fmt_split(decision['old'])} → "
-                               f"{fmt_split(decision['new'])} in {decision.get('probe_sec', 0.0):.1f} s",
-                               step=0, old_split=decision["old"], new_split=decision["new"],
-                               expected_gain_sec=decision.get("expected_gain_sec"))
+        if current_split(args) != self.session.split:  # args changed by hand between train() calls: they rule
+            self.session.split = current_split(args)
+        tuning = self.session.tuning
+        self.measuring = False
+        if self.session.managed and tuning is not None and tuning.done is None:
+            switched = self.session.switch_requested_at
+            tuning.segment_started(self.session.split, state.global_step,
+                                   switch_sec=None if switched is None else max(0.0, time.time() - switched))
+            self.session.switch_requested_at = None
+            self._tuning_done(state.global_step)
+            self.measuring = tuning.done is None
+        if self.measuring:
+            self.device = DeviceLayer()
+            self._stop_watching = adapter.watch_generate(model, self.generation) if model is not None else None
+
+    def _tuning_done(self, step: int) -> None:
+        """Record the tuning once it finished (and print its evidence once)."""
+        tuning = self.session.tuning
+        if tuning.done is not None and not tuning.recorded:
+            decision = self.session.record_tuning(step)
+            if self.bus.is_main and decision is not None:
+                print(format_tuning(decision))
+
+    def _session(self, args, state) -> TuningSession:
+        """The run's tuning session: train_with_tuning's (on the bus), or one of the tuner's own."""
+        session = self.bus.tuning
+        if session is not None and session.output_dir == args.output_dir:
+            return session
+        session = TuningSession(args, bus=self.bus)
+        if state.global_step > 0:                        # a resume: continue the recorded run when it is this one
+            record = read_split_file(args.output_dir, warn=False)
+            if record is not None and record.checkpoint(state.global_step) is not None:
+                session.adopt(record)
+        return session
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.measuring:
+            self.device.synchronize()
+            self._started = self.clock.wall()
+            self.generation.reset()
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.in_optimizer_step = True
@@ -166,132 +147,138 @@ class AdaptiveBatchTuner(PerfCallback):
 
     def on_save(self, args, state, control, **kwargs):
         """transformers wrote checkpoint-N (on_save follows a whole _save_checkpoint): this run's, if complete."""
-        self.record_written(args.output_dir, state.global_step)
-
-    def record_written(self, output_dir: str, step: int) -> bool:
-        """Record ``checkpoint-<step>`` as this run's when it is complete (checked by the main process, which
-        writes it; the other ranks may see the files late and take its word). True when recorded."""
-        if is_main_process() and not is_complete(checkpoint_dir(output_dir, step), step):
-            return False
-        if step not in self.written:
-            self.written.append(step)
-            self.persist()
-        return True
+        self.session.record_written(state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.decisions and "recovery_sec" not in self.decisions[-1] and "resized_at" in self.decisions[-1]:
-            self.decisions[-1]["recovery_sec"] = time.time() - self.decisions[-1]["resized_at"]
-        s = current_split(args)                          # the split this step ran with (a decision applies later)
-        fields = {keys.TUNER_MICRO_BATCH: s.micro_batch, keys.TUNER_GRAD_ACCUM: s.grad_accum,
-                  keys.TUNER_EFFECTIVE_BATCH: s.effective_batch(self.world),
-                  keys.TUNER_RESIZES: sum(d["kind"] != "probe" for d in self.decisions)}
-        self.bus.record_step(state.global_step, fields)
+        session, step = self.session, state.global_step
+        last = session.decisions[-1] if session.decisions else None
+        if last is not None and last.kind in ("oom", "watchdog") and last.recovery_sec is None and step > last.step:
+            last.recovery_sec = time.time() - last.time           # from the decision to the next completed step
+            session.persist()
+        if session.managed:                              # the RNG at this step's end, for a recovery checkpoint
+            session.step_rng = (step, rng_state())
+        split = session.split
+        fields = {keys.TUNER_MICRO_BATCH: split.micro_batch, keys.TUNER_GRAD_ACCUM: split.grad_accum,
+                  keys.TUNER_EFFECTIVE_BATCH: split.effective_batch(self.world), keys.TUNER_RESIZES: session.resizes}
+        self.bus.record_step(step, fields)
         self.bus.publish(fields)
+        if self.measuring and self._started is not None:
+            self._measure(args, step, control)
+
+    def _measure(self, args, step: int, control) -> None:
+        self.device.synchronize()
+        whole = self.clock.wall() - self._started
+        ranked = whole if self.rank_by == "step" else max(0.0, whole - self.generation.seconds)
+        used, limit = self._memory()
+        rows = gather_floats([ranked, whole, used, limit], self.device.device)     # every rank judges alike
+        ranked, whole = max(r[0] for r in rows), max(r[1] for r in rows)
+        fits = all(r[2] <= r[3] for r in rows)
+        tuning = self.session.tuning
+        action = tuning.observe(step, ranked, whole, peak_gb=max(r[2] for r in rows) / GB, fits=fits)
+        if isinstance(action, Switch):
+            self.session.request_switch(action.split, action.why)
+            self.bus.continuing = True
+            control.should_training_stop = True
+        self._tuning_done(step)
+
+    def _memory(self) -> tuple[float, float]:
+        """(bytes used this step, the budget): the watchdog's figures of this step when it is attached (it owns
+        them), else the device's reading and the default budget."""
+        values = self.bus.step_line.values if self.bus.step_line is not None else {}
+        used, limit = values.get(keys.MEM_DEVICE_USED_GB), values.get(keys.MEM_LIMIT_GB)
+        if used is not None and limit is not None:
+            return used * GB, limit * GB
+        sample = self.device.memory()
+        return float(sample.used), budget_bytes(self.device.type, sample.device_limit, sample.hard_limit,
+                                                sample.system_total)
 
     def _on_smaller_batch(self, reason: str, step: int, control=None, **_) -> bool:
         """The watchdog asks for a smaller micro-batch: plan it, checkpoint now and stop this train() call."""
-        if self.planned_resize is not None or control is None:
-            return self.planned_resize is not None
+        session = self.session
+        if session.switch is not None or control is None:
+            return session.switch is not None
         try:
-            new = next_smaller(self.split, self.candidates(self.run_args))
+            new = next_smaller(session.split, candidates(session.args, self.world))
         except ValueError:
             return False                                 # nothing smaller: the watchdog stops instead
-        self.planned_resize = self.decide("watchdog", reason, self.split, new, step)
+        session.end_tuning(step, "memory pressure ended the tuning")
+        session.decide("watchdog", reason, new, step)
+        session.request_switch(new, "the watchdog asked for a smaller micro-batch")
+        self.bus.continuing = session.managed
         control.should_save = True
         control.should_training_stop = True
         return True
 
-    def on_init_end(self, args, state, control, **kwargs):
-        self.run_args = args
-
     def on_train_end(self, args, state, control, **kwargs):
-        self.bus.write_summary(self.source, {"split": self.split.as_dict(), "decisions": self.decisions})
-        if self.decisions and state.is_world_process_zero:
-            print(self.format_summary())
-        if self.planned_resize and not self.managed and state.is_world_process_zero:
-            new = Split(**self.planned_resize["new"])
+        if self._stop_watching is not None:
+            self._stop_watching()
+            self._stop_watching = None
+        session = self.session
+        if self.measuring and not self.bus.continuing:           # the run ended before the tuning did
+            session.end_tuning(state.global_step, "the run ended before the tuning did")
+        self.bus.write_summary(self.source, {"split": session.split.as_args(), "session": session.id,
+                                             "decisions": len(session.decisions)})
+        if not state.is_world_process_zero or self.bus.continuing:
+            return
+        if session.decisions:
+            print(format_summary(session))
+        if session.switch is not None and not session.managed:
+            new = session.switch
             checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             print(f"AdaptiveBatchTuner: memory asked for a smaller micro-batch at step {state.global_step}. "
                   f"A checkpoint is saved to {checkpoint}. Resume with the exact split "
-                  f"{', '.join(f'{k}={v}' for k, v in new.as_dict().items())} (effective batch unchanged):\n"
+                  f"{', '.join(f'{k}={v}' for k, v in new.as_args().items())} (effective batch unchanged):\n"
                   f"  trainer.args.per_device_train_batch_size = {new.micro_batch}; "
                   f"trainer.args.gradient_accumulation_steps = {new.grad_accum}; "
                   f"trainer.train(resume_from_checkpoint='{checkpoint}')\n"
-                  f"or use hf_perf_callbacks.train_with_tuning(trainer), which does this by itself; the recipe "
-                  f"launcher picks the split up from {os.path.join(args.output_dir, SPLIT_FILE)}.")
+                  f"or hf_perf_callbacks.train_with_tuning(trainer, resume_from_checkpoint='{checkpoint}'), which "
+                  f"applies it from {os.path.join(args.output_dir, SPLIT_FILE)}; the recipe launcher does too.")
 
-    # ------------------------------------------------------------ decisions
-    def decide(self, kind: str, reason: str, old: Split, new: Split, step: int) -> dict:
-        decision = {"kind": kind, "step": step, "reason": reason, "old": asdict(old), "new": asdict(new),
-                    "time": time.time()}
-        self.decisions.append(decision)
-        self.split = new
-        self.persist()
-        if self.bus is not None:
-            self.bus.event(self.source, "decision", f"{kind}: {old} → {new} at step {step} ({reason})", step=step,
-                           old_split=asdict(old), new_split=asdict(new))
-        return decision
+    def close(self) -> None:
+        if self._stop_watching is not None:
+            self._stop_watching()
+            self._stop_watching = None
 
-    def persist(self) -> None:
-        """Write the split and decisions (atomically; a failure is a warning, never an error on one rank only)."""
-        args = self.run_args
-        if args is None or not is_main_process():
-            return
-        path = os.path.join(args.output_dir, SPLIT_FILE)
-        try:
-            os.makedirs(args.output_dir, exist_ok=True)
-            split = self.split or current_split(args)
-            with open(path + ".tmp", "w", encoding="utf-8") as f:
-                json.dump({"split": split.as_dict(), "world_size": world_size(), "session": self.session,
-                           "written": self.written, "decisions": self.decisions}, f, indent=1, default=str)
-            os.replace(path + ".tmp", path)
-        except OSError as error:
-            self.warn_once("persist", f"could not write {path}: {error} (the split and decisions are kept in "
-                                      f"memory and in the checkpoints)")
 
-    def warn_once(self, key: str, message: str, step: int | None = None) -> None:
-        """``message`` as a warning (console and perf log; the logger alone before any trainer event), once per
-        ``key`` for this run."""
-        if key not in self.warned:
-            self.warned.add(key)
-            if self.bus is not None:
-                self.warn(message, step=step)
-            else:
-                logger.warning("[tuner] %s", message)
+def format_tuning(decision) -> str:
+    """The tuning decision and its evidence for the console (printed once)."""
+    lines = [f"AdaptiveBatchTuner: {decision.headline()}"
+             + (f"; expected to save {decision.expected_gain_sec:.1f} s over the rest of the run"
+                if decision.expected_gain_sec else "")]
+    for trial in decision.trials:
+        if trial.error:
+            lines.append(f"  {trial.split}: {trial.error}")
+            continue
+        if not trial.samples:
+            lines.append(f"  {trial.split}: not measured")
+            continue
+        q1, q3 = trial.quartiles
+        p = f", p={trial.p_value:.3f}" if trial.p_value is not None else ""
+        peak = f", peak {trial.peak_gb:.2f} GiB" if trial.peak_gb is not None else ""
+        lines.append(f"  {trial.split}: median {trial.median:.3f} s (IQR {q1:.3f}-{q3:.3f}) over steps "
+                     f"{_ranges(trial.steps)}{p}{peak}, cost {trial.cost_sec:.1f} s")
+    return "\n".join(lines)
 
-    def export(self) -> dict:
-        return {"decisions": self.decisions, "session": self.session, "written": self.written}
 
-    def load(self, saved: dict) -> None:
-        self.adopt(saved.get("decisions", []), saved.get("session"), saved.get("written", []))
+def format_summary(session: TuningSession) -> str:
+    lines = ["== AdaptiveBatchTuner summary ==", f"split: {session.split}"]
+    for d in session.decisions:
+        extra = f", recovered in {d.recovery_sec:.2f} s" if d.recovery_sec is not None else ""
+        lines.append(f"step {d.step}: {d.headline()}{extra}")
+    return "\n".join(lines)
 
-    def adopt(self, decisions, session, written) -> None:
-        """Take over a recorded history when it is longer than this instance's (histories only grow; an in-process
-        resume keeps its own newer one, a new process or a rebuilt instance takes the record)."""
-        if isinstance(decisions, list) and len(decisions) > len(self.decisions):
-            self.decisions = [d for d in decisions if isinstance(d, dict)]
-        if isinstance(session, str) and not self.written:
-            self.session = session
-        for step in written or []:
-            if isinstance(step, int) and step not in self.written:
-                self.written.append(step)
 
-    def format_summary(self) -> str:
-        lines = ["== AdaptiveBatchTuner summary ==", f"split: {self.split}"]
-        for d in self.decisions:
-            extra = f", recovered in {d['recovery_sec']:.2f} s" if "recovery_sec" in d else ""
-            if d["kind"] == "probe":               # its evidence was printed before training
-                lines.append(f"step 0: probe {fmt_split(d['old'])} → {fmt_split(d['new'])} "
-                             f"({d.get('probe_sec', 0.0):.1f} s probing)")
-                continue
-            lines.append(f"step {d['step']}: {d['kind']} {fmt_split(d['old'])} → {fmt_split(d['new'])} ({d['reason']}{extra})")
-        return "\n".join(lines)
-
+def _ranges(steps: list[int]) -> str:
+    """``[3, 4, 5, 9]`` → ``3-5, 9``."""
+    out, start = [], None
+    for i, s in enumerate(steps):
+        if start is None:
+            start = s
+        if i + 1 == len(steps) or steps[i + 1] != s + 1:
+            out.append(f"{start}-{s}" if s != start else str(s))
+            start = None
+    return ", ".join(out)
 
 
 def find_callback(trainer, cls):
     return next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, cls)), None)
-
-
-def fmt_split(d: dict) -> str:
-    return str(Split(d["micro_batch"], d["grad_accum"], d.get("steps_per_generation")))

@@ -12,6 +12,7 @@ process (which writes the files) checks and moves them; the others take its word
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -51,6 +52,21 @@ def is_complete(path: str, step: int | None = None) -> bool:
     return any(name.startswith(WEIGHT_PREFIXES) for name in os.listdir(path))
 
 
+def fingerprint(path: str) -> str:
+    """A fingerprint of a checkpoint's contents, cheap at any model size: every file's name, size and modification
+    time, and the bytes of ``trainer_state.json`` (its losses and step are this run's). A folder rewritten by
+    another process, or replaced by another run's, no longer matches the fingerprint recorded when it was written."""
+    digest = hashlib.sha256()
+    for root, _, files in sorted(os.walk(path)):
+        for name in sorted(files):
+            full = os.path.join(root, name)
+            stat = os.stat(full)
+            digest.update(f"{os.path.relpath(full, path)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    with open(os.path.join(path, STATE_FILE), "rb") as f:
+        digest.update(f.read())
+    return digest.hexdigest()[:32]
+
+
 def move_aside(path: str, why: str) -> str | None:
     """Rename ``path`` to ``path.<why>-<n>`` (never read as a checkpoint); returns the new name (None on failure)."""
     for n in range(1, 1000):
@@ -62,16 +78,6 @@ def move_aside(path: str, why: str) -> str | None:
                 logger.warning("[tuner] could not move %s aside: %s", path, error)
                 return None
             return target
-    return None
-
-
-def newest_written(output_dir: str, written: list[int], at_most: int) -> str | None:
-    """The newest checkpoint of ``written`` (steps this run saved and verified) at a step ≤ ``at_most`` that is
-    still there and complete (rotation by ``save_total_limit`` may have removed older ones)."""
-    for step in sorted(set(written), reverse=True):
-        path = checkpoint_dir(output_dir, step)
-        if step <= at_most and is_complete(path, step):
-            return path
     return None
 
 

@@ -27,35 +27,42 @@ import os
 import time
 
 from .. import adapter
-from ..batching import Split, next_smaller
-from ..device import DeviceLayer, is_main_process, is_oom_error, training_device, world_size
+from ..batching import next_smaller
+from ..bus import bus_for
+from ..device import DeviceLayer, is_main_process, is_oom_error, rng_state, set_rng_state, training_device, world_size
+from ..runlog import SPLIT_FILE
+from ..splitfile import run_geometry, split_for_run
+from ..stats import generation_period
 from ..validation import check_number
-from . import sharding
+from . import memcheck, sharding
 from .agreement import ResizeNeeded, guard_training_step, recoverable
-from .callback import AdaptiveBatchTuner, apply_split, current_split, find_callback, hand_over
-from .checkpoints import checkpoint_dir, is_complete, move_aside, newest_complete, newest_written, step_of
-from .probe import run_probe
-from .splitfile import SPLIT_FILE, read_record, run_geometry, split_for_run
+from .callback import AdaptiveBatchTuner, candidates, find_callback
+from .checkpoints import checkpoint_dir, is_complete, move_aside, newest_complete, step_of
+from .session import TuningSession, recorded_session
+from .tuning import OnRunTuning
 
 logger = logging.getLogger("hf_perf_callbacks")
 
 
-def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None, probe: bool | None = None,
+def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None, tune: bool | None = None,
                       max_resizes: int = 8):
-    """``trainer.train()`` that probes for the fastest fitting split and survives re-sizes and OOM.
+    """``trainer.train()`` that keeps the fastest exact split that fits, measured on the run's own steps, and
+    survives re-sizes and out-of-memory errors.
 
     Args:
         resume_from_checkpoint: a ``checkpoint-N`` folder, ``True`` or ``"last"`` (the newest *complete* one in
             ``output_dir``), or None.
-        probe: run the pre-flight probe (None: the tuner's ``probe`` setting; never on a resume).
-        max_resizes: re-sizes allowed; 0 re-raises the first out-of-memory error as it is, with no side effects.
+        tune: measure other splits on the run's steps (None: the tuner's ``tune`` setting; a resume does not tune
+            again when the run's record holds a tuning decision).
+        max_resizes: re-sizes forced by memory allowed; 0 re-raises the first out-of-memory error as it is, with
+            no side effects.
 
     Returns the last ``TrainOutput``. Raises the original error when it is not an out-of-memory error, or when no
     smaller exact split is left, after saving the last completed optimizer step when it can.
     """
     check_number("max_resizes", max_resizes, low=0, integer=True)
-    if probe not in (None, True, False):
-        raise ValueError(f"probe={probe!r} is not allowed: expected True, False or None (the tuner's setting)")
+    if tune not in (None, True, False):
+        raise ValueError(f"tune={tune!r} is not allowed: expected True, False or None (the tuner's setting)")
     if getattr(trainer.args, "auto_find_batch_size", False):
         raise ValueError("train_with_tuning: auto_find_batch_size=True is not allowed with the AdaptiveBatchTuner: "
                          "transformers would catch the out-of-memory error first and restart at step 0 with a "
@@ -65,81 +72,121 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
     if tuner is None:
         tuner = AdaptiveBatchTuner()
         trainer.add_callback(tuner)
-    tuner.managed = True
-    tuner.run_args = trainer.args
-    hand_over(trainer.args, tuner)
     output_dir = trainer.args.output_dir
     resume_from_checkpoint = _checked_resume(resume_from_checkpoint, output_dir)
-    split = None
+    session = TuningSession(trainer.args, bus=bus_for(trainer.callback_handler))
+    session.managed = True
     if resume_from_checkpoint:
+        record = recorded_session(output_dir, resume_from_checkpoint)
+        if record is not None:                       # this run's record: its history goes on
+            session.adopt(record)
         split = split_for_run(output_dir, **run_geometry(trainer.args, world_size()))
-        record = read_record(output_dir) if split is not None else None
-        if record:                                  # the split file's history reaches past the checkpoint's
-            tuner.adopt(record.get("decisions"), record.get("session"), [])
-            tuner.split = split
+        if split is not None:
+            session.apply(trainer, split)
         step = step_of(resume_from_checkpoint)
         parent = os.path.dirname(os.path.normpath(resume_from_checkpoint))
         if step is not None and os.path.realpath(parent) == os.path.realpath(output_dir):
-            tuner.record_written(output_dir, step)  # the base of this run: a valid fallback for a later OOM
-    sharded = sharding.start(trainer, tuner)          # FSDP: no step guard, no probe; DeepSpeed: refused
+            session.record_written(step)             # the base of this run: a valid fallback for a later OOM
+    session.persist()                                # the file describes this run from its start
+    sharded = sharding.start(trainer, session)       # FSDP: no step guard, no tuning; DeepSpeed: refused
     restore = guard_training_step(trainer) if sharded is None else (lambda: None)
     undo_evaluate = adapter.replace_method(trainer, "evaluate",
-                                           lambda original: _evaluate_within_memory(trainer, original))
+                                           lambda original: _evaluate_within_memory(trainer, original, session))
     resizes = 0
     try:
-        if split is not None:
-            apply_split(trainer, split)
-        elif (tuner.probe if probe is None else probe) and not resume_from_checkpoint and not sharded:
-            _probe_or_warn(trainer, tuner)
+        if not resume_from_checkpoint and not sharded:
+            device = DeviceLayer(training_device())
+            if memcheck.wanted(tuner.memory_check, device.type):
+                _check_memory_or_warn(trainer, session, tuner)
+        wants_tuning = tuner.tune if tune is None else tune
+        if wants_tuning and not sharded and not any(d.kind == "tune" for d in session.decisions):
+            session.tuning = _tuning(trainer, session, tuner)
+        start_rng = rng_state()              # every in-process resume starts from it, as a new process would
         while True:
             adapter.rearm_jit_checkpoint(trainer)
             try:
                 output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
             except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - OOMs re-size, the rest is re-raised
                 sharding.raise_oom(sharded, error)  # FSDP: the other ranks wait in FSDP's collectives
-                tuner = _live(trainer, tuner)
                 if max_resizes == 0 or not isinstance(error, Exception) or not recoverable(error):
                     if max_resizes > 0:
-                        _save_before_raising(trainer, tuner, error)
+                        _save_before_raising(trainer, session, tuner, error)
                     raise
                 if resizes >= max_resizes:
-                    _save_before_raising(trainer, tuner, error)
+                    _save_before_raising(trainer, session, tuner, error)
                     raise RuntimeError(f"train_with_tuning gave up after {max_resizes} re-sizes") from error
                 try:
-                    resume_from_checkpoint = _recover_from_oom(trainer, tuner, error)
+                    resume_from_checkpoint = _recover_from_oom(trainer, session, tuner, error)
                 except ValueError as none_left:          # no smaller exact split
-                    _save_before_raising(trainer, tuner, error)
+                    _save_before_raising(trainer, session, tuner, error)
                     raise none_left from error
                 resizes += 1
+                set_rng_state(start_rng)
                 continue
-            tuner = _live(trainer, tuner)
-            if tuner.planned_resize is None:
+            if session.switch is None:
+                session.drop_switch_checkpoints()
                 return output
+            step = trainer.state.global_step
             if sharded == "fsdp":                         # a wrapped model cannot be prepared again in this process
-                logger.warning(sharding.relaunch_message(output_dir, trainer.state.global_step, tuner.split))
+                logger.warning(sharding.relaunch_message(output_dir, step, session.switch))
                 return output
-            if resizes >= max_resizes:
+            memory = session.decisions[-1].kind == "watchdog" if session.decisions else False
+            if memory and resizes >= max_resizes:
                 logger.warning("[tuner] the watchdog asked for a smaller micro-batch but max_resizes=%d re-sizes "
-                               "are done: stopping at step %d (checkpoint saved)", max_resizes,
-                               trainer.state.global_step)
+                               "are done: stopping at step %d (checkpoint saved)", max_resizes, step)
                 return output
-            tuner.planned_resize["resized_at"] = time.time()
-            resume_from_checkpoint = _save_verified(trainer, tuner, trainer.state.global_step)
-            prepare_resume(trainer, tuner.split, tuner)
-            resizes += 1
+            wrote = not session.is_ours(step)
+            resume_from_checkpoint = _save_verified(trainer, session, tuner, step)
+            if not memory:
+                session.switched_at(step, wrote)
+            _prepare_resume(trainer, session, tuner)
+            resizes += memory
+            set_rng_state(start_rng)
     finally:
         undo_evaluate()
         restore()
+        session.settle(trainer)
 
 
-def _live(trainer, tuner: AdaptiveBatchTuner) -> AdaptiveBatchTuner:
-    """The tuner in the trainer's list now (a resume with restore_callback_states_from_checkpoint rebuilt it)."""
-    live = find_callback(trainer, AdaptiveBatchTuner) or tuner
-    if live is not tuner:
-        live.adopt(tuner.decisions, tuner.session, tuner.written)
-        hand_over(trainer.args, live)
-    live.managed = True
-    return live
+def _tuning(trainer, session: TuningSession, tuner: AdaptiveBatchTuner) -> OnRunTuning:
+    """The tuning on the run's own steps, from the split in effect."""
+    args = trainer.args
+    others = [s for s in candidates(args, session.world) if s != session.split
+              and (tuner.max_micro_batch is None or s.micro_batch <= tuner.max_micro_batch)]
+    period = (generation_period(args.steps_per_generation, getattr(args, "num_iterations", 1),
+                                args.gradient_accumulation_steps) if hasattr(args, "num_generations") else 1)
+    return OnRunTuning(session.split, others, planned_steps(trainer), period=period, samples=tuner.samples,
+                       max_rounds=tuner.max_rounds, patience=tuner.patience, must_pay=tuner.must_pay,
+                       state_bytes=_training_state_bytes(trainer.model), rank_by=tuner.rank_by)
+
+
+def _training_state_bytes(model) -> float:
+    """What a switch's checkpoint writes and reads: the saved weights (a PEFT model's adapter only, else every
+    weight) and Adam's two moments of every trainable weight."""
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    weights = trainable if hasattr(model, "peft_config") else sum(p.numel() * p.element_size()
+                                                                  for p in model.parameters())
+    return float(weights + 2 * sum(p.numel() * 4 for p in model.parameters() if p.requires_grad))
+
+
+def planned_steps(trainer) -> int | None:
+    """Optimizer steps the run will take: ``max_steps``, else epochs × steps per epoch (as the Trainer counts
+    them); None when the dataloader has no length."""
+    import math
+
+    args = trainer.args
+    if args.max_steps and args.max_steps > 0:
+        return int(args.max_steps)
+    state = rng_state()                  # building the dataloader may draw from the RNG: put it back
+    try:
+        batches = len(trainer.get_train_dataloader())
+    except (TypeError, ValueError, NotImplementedError):
+        return None
+    finally:
+        set_rng_state(state)
+    accum = args.gradient_accumulation_steps
+    per_epoch = max(batches // accum + int(batches % accum > 0), 1)
+    return math.ceil(args.num_train_epochs * per_epoch)
 
 
 def _checked_resume(resume, output_dir: str) -> str | None:
@@ -165,44 +212,52 @@ def _checked_resume(resume, output_dir: str) -> str | None:
     return resume
 
 
-def _probe_or_warn(trainer, tuner: AdaptiveBatchTuner) -> None:
-    """The probe; a failure of its own (a memory reading, an exchange) is one warning and the configured split."""
-    configured = current_split(trainer.args)
+def _check_memory_or_warn(trainer, session: TuningSession, tuner: AdaptiveBatchTuner) -> None:
+    """The memory check; a failure of its own (a memory reading, an exchange) is one warning and the configured
+    split."""
+    configured = session.split
     try:
-        run_probe(trainer, tuner)
-    except Exception as error:  # noqa: BLE001 - the probe is an optimisation, never a reason to stop
-        apply_split(trainer, configured)
-        tuner.split = configured
-        tuner.warn_once("probe", f"the probe failed ({type(error).__name__}: {error}); training goes on at the "
-                                 f"configured split {configured} without it")
+        memcheck.check_memory(trainer, session, candidates(trainer.args, session.world), clock=tuner.clock)
+    except Exception as error:  # noqa: BLE001 - the check is a safety net, never a reason to stop
+        session.apply(trainer, configured)
+        session.warn_once("memory-check", f"the memory check failed ({type(error).__name__}: {error}); training "
+                                          f"goes on at the configured split {configured} without it")
 
 
-def _free_memory(trainer, tuner: AdaptiveBatchTuner | None) -> None:
+def _free_memory(trainer, session: TuningSession) -> None:
     """Drop the gradients and give the device's cached memory back (after an OOM, before a save or a resume). A
-    failing cache clear is one warning (the tuner's, once; the logger's without a tuner), never the end of the
-    run."""
+    failing cache clear is one warning, never the end of the run."""
     trainer.model.zero_grad(set_to_none=True)
     try:
         DeviceLayer(training_device()).empty_cache()
     except Exception as error:  # noqa: BLE001 - housekeeping: going on without it
-        message = (f"emptying the device cache failed during recovery ({type(error).__name__}: {error}); going on "
-                   f"without it")
-        if tuner is not None:
-            tuner.warn_once("emptying the device cache", message)
-        else:
-            logger.warning("[tuner] %s", message)
+        session.warn_once("emptying the device cache", f"emptying the device cache failed during recovery "
+                                                       f"({type(error).__name__}: {error}); going on without it")
 
 
-def _recover_from_oom(trainer, tuner: AdaptiveBatchTuner, error: BaseException) -> str | None:
-    """Plan the next smaller split and the checkpoint to resume from (ValueError when no smaller split is left)."""
-    reason = f"out of memory: {str(error).splitlines()[0][:160]}"
-    old = tuner.split or current_split(trainer.args)
-    new = next_smaller(old, tuner.candidates(trainer.args))
+def _first_line(error: BaseException) -> str:
+    """The first line of an error's message, or its type's name when it has none (a bare ``MemoryError()``)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def _recover_from_oom(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, error: BaseException) -> str | None:
+    """Plan the next split and the checkpoint to resume from (ValueError when no smaller split is left). A split
+    under trial that ran out of memory is left: the run goes back to the tuning baseline."""
+    reason = f"out of memory: {_first_line(error)[:160]}"
+    old = session.split
+    tuning = session.tuning
     step = trainer.state.global_step
-    output_dir = trainer.args.output_dir
-    _free_memory(trainer, tuner)
+    if tuning is not None and tuning.done is None and old != tuning.baseline:
+        new = tuning.baseline
+        tuning.failed(old, "out of memory")
+    else:
+        new = next_smaller(old, candidates(trainer.args, session.world))
+        if tuning is not None and tuning.done is None:
+            session.end_tuning(step, "out of memory ended the tuning")
+    _free_memory(trainer, session)
     if tuner.in_optimizer_step:                                     # weights may be half-updated: go back
-        checkpoint = newest_written(output_dir, tuner.written, step)
+        checkpoint = session.newest_ours(step)
         if checkpoint is None:
             raise RuntimeError("out of memory inside optimizer.step before this run saved any complete checkpoint: "
                                "the weights may be half-updated, so the run cannot continue safely. Restart it "
@@ -211,32 +266,31 @@ def _recover_from_oom(trainer, tuner: AdaptiveBatchTuner, error: BaseException) 
         checkpoint = None                                           # nothing trained yet: start again
     else:                                                           # weights and optimizer are at step N: keep them
         try:
-            checkpoint = _save_verified(trainer, tuner, step)
+            checkpoint = _save_verified(trainer, session, tuner, step)
         except Exception as save_error:  # noqa: BLE001 - fall back to the newest complete one of this run
-            checkpoint = newest_written(output_dir, tuner.written, step)
+            checkpoint = session.newest_ours(step)
             if checkpoint is None:
                 raise RuntimeError(f"out of memory at step {step}, and saving checkpoint-{step} failed too "
                                    f"({type(save_error).__name__}: {save_error}); this run has no complete "
                                    f"checkpoint to resume from") from error
-            tuner.warn_once("fallback", f"saving checkpoint-{step} failed ({save_error}): resuming from "
-                                        f"{checkpoint}; steps after it are trained again")
-    decision = tuner.decide("oom", reason, old, new, step)
-    decision["resized_at"] = time.time()
-    decision["checkpoint"] = checkpoint
-    prepare_resume(trainer, new, tuner)
+            session.warn_once("fallback", f"saving checkpoint-{step} failed ({save_error}): resuming from "
+                                          f"{checkpoint}; steps after it are trained again")
+    session.decide("oom", reason, new, step, checkpoint=checkpoint)
+    session.request_switch(new, reason)
+    _prepare_resume(trainer, session, tuner)
     logger.warning("[tuner] %s at step %d: resuming from %s with split %s", reason, step, checkpoint or "the start",
                    new)
     return checkpoint
 
 
-def _save_verified(trainer, tuner: AdaptiveBatchTuner, step: int) -> str:
+def _save_verified(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, step: int) -> str:
     """``checkpoint-<step>`` written by this run and verified complete. A folder of that name that this run did not
     write (an earlier run's, or a partial one) is moved aside first; a save that fails or comes out incomplete is
     moved aside too, and the error raised."""
     output_dir = trainer.args.output_dir
     path = checkpoint_dir(output_dir, step)
     main = is_main_process()             # under several ranks only the main process checks and moves folders
-    if step in tuner.written and (not main or is_complete(path, step)):
+    if session.is_ours(step):
         return path
     if main and os.path.exists(path):
         why = "stale" if is_complete(path, step) else "partial"
@@ -244,22 +298,23 @@ def _save_verified(trainer, tuner: AdaptiveBatchTuner, step: int) -> str:
         if moved is None:
             raise RuntimeError(f"{path} is in the way (not written by this run) and could not be moved aside")
         logger.warning("[tuner] %s was not written by this run (%s): moved aside to %s", path,
-                       "an earlier run's" if why == "stale" else "incomplete", moved)
+                       "an earlier run's or another process's" if why == "stale" else "incomplete", moved)
     try:
         adapter.save_checkpoint(trainer)
     except BaseException:
         if main and os.path.exists(path):
             move_aside(path, "partial")
         raise
-    if not tuner.record_written(output_dir, step):
+    if not session.record_written(step):
         moved = move_aside(path, "partial")
         raise RuntimeError(f"checkpoint-{step} came out incomplete (moved aside to {moved})")
     return path
 
 
-def _save_before_raising(trainer, tuner: AdaptiveBatchTuner, error: BaseException) -> None:
+def _save_before_raising(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, error: BaseException) -> None:
     """The run is about to end with ``error``: save its last completed optimizer step when it can, and say how to
-    resume (as a log line and a note on the error)."""
+    resume (as a log line and a note on the error). The split file records why the tuner gave up and, as the split
+    to resume with, the split in effect."""
     output_dir = trainer.args.output_dir
     step = trainer.state.global_step
     checkpoint, why = None, ""
@@ -271,12 +326,12 @@ def _save_before_raising(trainer, tuner: AdaptiveBatchTuner, error: BaseExceptio
         why = "no optimizer step was completed"
     else:
         try:
-            _free_memory(trainer, tuner)
-            checkpoint = _save_verified(trainer, tuner, step)
+            _free_memory(trainer, session)
+            checkpoint = _save_verified(trainer, session, tuner, step)
         except Exception as save_error:  # noqa: BLE001
             why = f"saving failed: {type(save_error).__name__}: {save_error}"
     if checkpoint is None:
-        checkpoint = newest_written(output_dir, tuner.written, step) or newest_complete(output_dir)
+        checkpoint = session.newest_ours(step) or newest_complete(output_dir)
         saved = (f"checkpoint-{step} was not saved ({why}); the newest complete checkpoint is "
                  f"{checkpoint or 'none'}")
     else:
@@ -284,13 +339,16 @@ def _save_before_raising(trainer, tuner: AdaptiveBatchTuner, error: BaseExceptio
     resume = (f"resume with train_with_tuning(trainer, resume_from_checkpoint={checkpoint!r}) (the split in "
               f"{os.path.join(output_dir, SPLIT_FILE)} is applied when it fits)" if checkpoint
               else "the run must start again")
-    message = f"training ended at step {step} by {type(error).__name__}: {str(error)[:160]}; {saved}; {resume}"
+    message = f"training ended at step {step} by {type(error).__name__}: {_first_line(error)[:160]}; {saved}; {resume}"
+    session.switch = None
+    session.ended = message
+    session.persist()
     logger.error("[tuner] %s", message)
     if hasattr(error, "add_note"):
         error.add_note(message)
 
 
-def _evaluate_within_memory(trainer, original):
+def _evaluate_within_memory(trainer, original, session: TuningSession):
     """``trainer.evaluate`` that never turns an evaluation OOM into a training re-size: the evaluation batch is
     halved and the evaluation retried; at batch 1 it is skipped with one warning (empty metrics). When the run
     needs the metric (``metric_for_best_model``, a plateau scheduler), a RuntimeError ends the run instead (saved
@@ -305,15 +363,13 @@ def _evaluate_within_memory(trainer, original):
             except Exception as error:  # noqa: BLE001
                 if world_size() > 1 or not is_oom_error(error):
                     raise
-                tuner = find_callback(trainer, AdaptiveBatchTuner)
-                warn = tuner.warn_once if tuner is not None else (lambda key, message: logger.warning(message))
                 error = error.with_traceback(None)
-                _free_memory(trainer, tuner)
+                _free_memory(trainer, session)
                 batch = targs.per_device_eval_batch_size
                 smaller = _smaller_eval_batch(targs, batch)
                 if smaller is not None:
                     targs.per_device_eval_batch_size = smaller
-                    warn(f"eval-{smaller}", f"evaluation ran out of memory at per_device_eval_batch_size={batch}: "
+                    session.warn_once(f"eval-{smaller}", f"evaluation ran out of memory at per_device_eval_batch_size={batch}: "
                                             f"retrying with {smaller}; the training split is unchanged")
                     continue
                 scheduler = str(getattr(targs, "lr_scheduler_type", ""))
@@ -323,7 +379,7 @@ def _evaluate_within_memory(trainer, original):
                                        f"{targs.metric_for_best_model!r}, lr_scheduler_type={scheduler}): lower the "
                                        f"evaluation's memory (shorter eval sequences, eval_accumulation_steps)"
                                        ) from error
-                warn("eval-skip", f"evaluation ran out of memory even at per_device_eval_batch_size={batch}: "
+                session.warn_once("eval-skip", f"evaluation ran out of memory even at per_device_eval_batch_size={batch}: "
                                   f"evaluations are skipped for this run; training goes on at its split")
                 return {}
 
@@ -341,8 +397,9 @@ def _smaller_eval_batch(args, batch: int) -> int | None:
     return batch // 2 if batch > 1 else None
 
 
-def prepare_resume(trainer, split: Split, tuner: AdaptiveBatchTuner) -> None:
-    """Apply the split to a trainer whose last train() ended, forget that train()'s state, free its memory."""
-    apply_split(trainer, split)
+def _prepare_resume(trainer, session: TuningSession, tuner: AdaptiveBatchTuner) -> None:
+    """Apply the pending switch to a trainer whose last train() ended, forget that train()'s state, free its
+    memory."""
+    session.take_switch(trainer)
     adapter.forget_last_train(trainer)
-    _free_memory(trainer, tuner)
+    _free_memory(trainer, session)

@@ -59,13 +59,13 @@ def sharding(trainer) -> str | None:
     return {"FSDP": "fsdp", "DEEPSPEED": "deepspeed"}.get(name)
 
 
-def start(trainer, tuner) -> str | None:
+def start(trainer, session) -> str | None:
     """Refuse what cannot work under the trainer's sharding, say what is limited; returns the sharding."""
     kind = sharding(trainer)
     if kind == "deepspeed":
         raise ValueError(DEEPSPEED_REFUSED)
     if kind == "fsdp":
-        tuner.limits = FSDP_LIMITS         # the tuner logs it once, at its first train begin (console, perf log)
+        session.warn_once("sharding-limits", FSDP_LIMITS)     # console and perf log
     return kind
 
 

@@ -40,13 +40,13 @@ def main(mode, output_dir):
             return original(obj, f, *args, **kwargs)
 
         torch.save = save
-        trainer = make_trainer(tokenizer, output_dir, [AdaptiveBatchTuner(probe=False)], max_steps=4, bs=4, ga=2,
+        trainer = make_trainer(tokenizer, output_dir, [AdaptiveBatchTuner(tune=False)], max_steps=4, bs=4, ga=2,
                                extra={"save_strategy": "steps", "save_steps": 1})
         train_with_tuning(trainer)
         return
     from tests.test_tuner import MemoryByBatch
 
-    watchdog, tuner = MemoryWatchdog(limit_gb=7.0, grace_steps=1), AdaptiveBatchTuner(probe=False)
+    watchdog, tuner = MemoryWatchdog(limit_gb=7.0, grace_steps=1), AdaptiveBatchTuner(tune=False)
     trainer = make_trainer(tokenizer, output_dir, [watchdog, tuner, SigtermAt(4)], max_steps=8, bs=4, ga=2,
                            extra={"enable_jit_checkpoint": True})
     watchdog.device = MemoryByBatch(trainer.args)
@@ -55,7 +55,7 @@ def main(mode, output_dir):
             callback.jit_manager.kill_wait = 0
     train_with_tuning(trainer)
     live = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, AdaptiveBatchTuner))
-    print(json.dumps({"global_step": trainer.state.global_step, "resizes": len(live.decisions),
+    print(json.dumps({"global_step": trainer.state.global_step, "resizes": len(live.session.decisions),
                       "micro_batch": trainer.args.per_device_train_batch_size}))
 
 

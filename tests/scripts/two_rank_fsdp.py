@@ -118,7 +118,7 @@ def main(out):
     from tests.test_tuner import MemoryByBatch
 
     watchdog = MemoryWatchdog(limit_gb=7.0 if rank == 1 else None, grace_steps=1)
-    tuner = AdaptiveBatchTuner()                                   # probe on: under FSDP it is skipped, and says so
+    tuner = AdaptiveBatchTuner()                                   # tune on: under FSDP it is skipped, and says so
     tuned = make_trainer(tokenizer, os.path.join(out, "tuned"), [ThroughputMeter(), watchdog, tuner], max_steps=5,
                          bs=4, ga=2, extra=FSDP_ARGS)
     if rank == 1:
@@ -133,7 +133,7 @@ def main(out):
     result.update(tuned_sharding=sharding.sharding(tuned), tuned_step=tuned.state.global_step,
                   relaunched_step=relaunched.state.global_step,
                   tuned_split=[args.per_device_train_batch_size, args.gradient_accumulation_steps],
-                  tuned_decisions=[(d["kind"], d["step"], d["new"]["micro_batch"]) for d in tuner.decisions],
+                  tuned_decisions=[(d.kind, d.step, d.new.micro_batch) for d in tuner.session.decisions],
                   tuned_actions=[a["action"] for a in watchdog.actions],
                   tuned_checkpoint=sorted(os.listdir(os.path.join(out, "tuned", "checkpoint-2"))),
                   tuned_steps_logged=[x["step"] for x in lines if x["type"] == "step"],
@@ -163,14 +163,14 @@ def oom_on_rank1(out):
 
     rank = int(os.environ["RANK"])
     plant = PlantedOOM(limit=2 if rank == 1 else 99, text=CUDA_OOM, armed_at=1)
-    tuner = AdaptiveBatchTuner(probe=False)
+    tuner = AdaptiveBatchTuner(tune=False)
     trainer = plant.attach(make_trainer(build_tokenizer(CORPUS, vocab_size=300), os.path.join(out, "run"),
                                         [plant, tuner], max_steps=3, bs=4, ga=1, extra=FSDP_ARGS))
     try:
         train_with_tuning(trainer)
     except torch.OutOfMemoryError:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"reraised": True, "step": trainer.state.global_step, "decisions": tuner.decisions}, f)
+            json.dump({"reraised": True, "step": trainer.state.global_step, "decisions": [d.to_json() for d in tuner.session.decisions]}, f)
         sys.exit(3)
 
 

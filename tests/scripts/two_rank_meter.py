@@ -9,8 +9,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, train_with_tuning  # noqa: E402
-from tests.test_tuner import CUDA_OOM, MPS_OOM, PlantedOOM  # noqa: E402
-from tests.conftest import CORPUS, length_reward, make_grpo, make_trainer  # noqa: E402
+from tests.test_tuner import CUDA_OOM, MPS_OOM, PlantedOOM, PlantedStepTime  # noqa: E402
+from tests.conftest import CORPUS, PlantedClock, length_reward, make_grpo, make_trainer  # noqa: E402
 from hf_perf_callbacks.tiny import build_tokenizer  # noqa: E402
 
 
@@ -39,22 +39,29 @@ def main(out):
     stopped.train()
     # an OOM planted on rank 1 only, at step 2: both ranks must re-size to the same split, without deadlock
     plant = PlantedOOM(limit=2 if rank == 1 else 99, text=CUDA_OOM, armed_at=2)
-    tuner = AdaptiveBatchTuner(probe=False)
+    tuner = AdaptiveBatchTuner(tune=False)
     oom = plant.attach(make_trainer(tokenizer, os.path.join(out, "oom"), [plant, tuner], max_steps=4, bs=4, ga=1))
     train_with_tuning(oom)
-    # the probe with a planted OOM on rank 1 only: both ranks must judge every trial alike and pick one split
+    # the memory check with a planted OOM on rank 1 only: both ranks must judge every split alike and pick one
     plant2 = PlantedOOM(limit=2 if rank == 1 else 99, text=CUDA_OOM)
-    probe_tuner = AdaptiveBatchTuner(probe_steps=1)
-    probed = plant2.attach(make_trainer(tokenizer, os.path.join(out, "probe"), [plant2, probe_tuner], max_steps=2,
-                                        bs=4, ga=1))
-    train_with_tuning(probed)
+    check_tuner = AdaptiveBatchTuner(tune=False, memory_check=True)
+    checked = plant2.attach(make_trainer(tokenizer, os.path.join(out, "check"), [plant2, check_tuner], max_steps=2,
+                                         bs=4, ga=1))
+    train_with_tuning(checked)
+    # the tuning on the run's own steps, each rank's step times planted differently: both take the same decisions
+    clock = PlantedClock()
+    seconds = {4: 50.0, 2: 100.0, 1: 200.0} if rank == 0 else {4: 60.0, 2: 100.0, 1: 150.0}
+    tune_tuner = AdaptiveBatchTuner(clock=clock, must_pay=False)
+    tuned = make_trainer(tokenizer, os.path.join(out, "tune"), [PlantedStepTime(clock, seconds), tune_tuner],
+                         max_steps=12, bs=2, ga=2)
+    train_with_tuning(tuned)
     # an OOM in rank 1's *backward* only: DDP would leave rank 0 waiting in its gradient all-reduce
     plant3 = PlantedOOM(limit=2 if rank == 1 else 99, text=MPS_OOM, armed_at=1, in_backward=True)
     backward = plant3.attach(make_trainer(tokenizer, os.path.join(out, "backward"),
-                                          [plant3, AdaptiveBatchTuner(probe=False)], max_steps=3, bs=4, ga=1))
+                                          [plant3, AdaptiveBatchTuner(tune=False)], max_steps=3, bs=4, ga=1))
     train_with_tuning(backward)
     # the guarded steps average gradients themselves: the weights must match a plain DDP run
-    guarded = make_trainer(tokenizer, os.path.join(out, "guarded"), [AdaptiveBatchTuner(probe=False)], max_steps=2,
+    guarded = make_trainer(tokenizer, os.path.join(out, "guarded"), [AdaptiveBatchTuner(tune=False)], max_steps=2,
                            bs=2, ga=2)
     train_with_tuning(guarded)
     plain = make_trainer(tokenizer, os.path.join(out, "plain_ddp"), [], max_steps=2, bs=2, ga=2)
@@ -62,19 +69,23 @@ def main(out):
     weights = [(a - b).abs().max().item() for a, b in zip(guarded.model.parameters(), plain.model.parameters())]
     initial = make_trainer(tokenizer, os.path.join(out, "initial"), [], max_steps=1).model
     moved = [(a - b).abs().max().item() for a, b in zip(guarded.model.parameters(), initial.parameters())]
-    grpo_guarded = make_grpo(tokenizer, os.path.join(out, "grpo_guarded"), [AdaptiveBatchTuner(probe=False)],
+    grpo_guarded = make_grpo(tokenizer, os.path.join(out, "grpo_guarded"), [AdaptiveBatchTuner(tune=False)],
                              max_steps=2, bs=2, ga=2)
     train_with_tuning(grpo_guarded)
     result = {**grpo_ooms(tokenizer, out, rank), "grpo_guarded_step": grpo_guarded.state.global_step,
               "backward_split": [backward.args.per_device_train_batch_size, backward.args.gradient_accumulation_steps],
               "backward_step": backward.state.global_step, "backward_raised": plant3.raised,
               "guarded_vs_ddp_max_weight_diff": max(weights), "guarded_weight_change": max(moved),
-              "probe_split": [probed.args.per_device_train_batch_size, probed.args.gradient_accumulation_steps],
-              "probe_trials": [(t["split"]["micro_batch"], bool(t["fits"])) for t in probe_tuner.decisions[0]["trials"]],
-              "probe_step": probed.state.global_step,
+              "check_split": [checked.args.per_device_train_batch_size, checked.args.gradient_accumulation_steps],
+              "check_trials": [(t.split.micro_batch, t.fits) for t in check_tuner.session.decisions[0].trials],
+              "check_step": checked.state.global_step,
+              "tune_decisions": [(d.kind, d.step, d.new.micro_batch, [(t.split.micro_batch, t.samples) for t in d.trials])
+                                 for d in tune_tuner.session.decisions],
+              "tune_split": [tuned.args.per_device_train_batch_size, tuned.args.gradient_accumulation_steps],
+              "tune_step": tuned.state.global_step,
               "oom_step": oom.state.global_step, "oom_raised": plant.raised,
               "oom_split": [oom.args.per_device_train_batch_size, oom.args.gradient_accumulation_steps],
-              "oom_decisions": [(d["kind"], d["step"], d["new"]["micro_batch"]) for d in tuner.decisions],
+              "oom_decisions": [(d.kind, d.step, d.new.micro_batch) for d in tuner.session.decisions],
               "stop_step": stopped.state.global_step, "stop_actions": [a["action"] for a in watchdog.actions],
               "grpo_rates": rates(grpo_meter), "grpo_tokens": grpo_meter.timeline.total_tokens,
               "grpo_seen": grpo.state.num_input_tokens_seen, "plain_rates": rates(plain_meter),
@@ -91,14 +102,14 @@ def grpo_ooms(tokenizer, out, rank):
     for name, plant in (("grpo_forward_oom", PlantedOOM(limit=2 if rank == 1 else 99, text=CUDA_OOM, armed_at=1)),
                         ("grpo_generation_oom", PlantedOOM(limit=2 if rank == 1 else 99, text=MPS_OOM, armed_at=1,
                                                            in_generation=True, once=True))):
-        tuner = AdaptiveBatchTuner(probe=False)
+        tuner = AdaptiveBatchTuner(tune=False)
         trainer = plant.attach(make_grpo(tokenizer, os.path.join(out, name), [plant, tuner], max_steps=3, bs=4, ga=1))
         train_with_tuning(trainer)
         args = trainer.args
         result[name] = {"raised": plant.raised, "step": trainer.state.global_step,
                         "split": [args.per_device_train_batch_size, args.gradient_accumulation_steps,
                                   args.generation_batch_size],
-                        "decisions": [(d["kind"], d["step"], d["new"]["micro_batch"]) for d in tuner.decisions]}
+                        "decisions": [(d.kind, d.step, d.new.micro_batch) for d in tuner.session.decisions]}
     # any other error in one rank's step: that rank raises it, the others raise PeerFailed (no wait for a timeout)
     calls = []
 
@@ -108,7 +119,7 @@ def grpo_ooms(tokenizer, out, rank):
             raise ValueError("reward function failed")
         return length_reward(prompts, completions, completion_ids)
 
-    failing = make_grpo(tokenizer, os.path.join(out, "grpo_failing"), [AdaptiveBatchTuner(probe=False)], max_steps=3,
+    failing = make_grpo(tokenizer, os.path.join(out, "grpo_failing"), [AdaptiveBatchTuner(tune=False)], max_steps=3,
                         bs=4, ga=1, reward=reward_failing_on_rank1)
     try:
         train_with_tuning(failing)

@@ -27,14 +27,14 @@ class OOMAfterFirstStep(TrainerCallback):
 
 
 def main(out):
-    tuner = AdaptiveBatchTuner(probe=False)
+    tuner = AdaptiveBatchTuner(tune=False)
     trainer = make_trainer(build_tokenizer(CORPUS, vocab_size=300), os.path.join(out, "run"),
                            [OOMAfterFirstStep(), tuner], max_steps=3, bs=4, ga=1)
     try:
         train_with_tuning(trainer)
     except torch.OutOfMemoryError:
         with open(os.path.join(out, "rank1.json"), "w") as f:
-            json.dump({"reraised": True, "step": trainer.state.global_step, "decisions": tuner.decisions}, f)
+            json.dump({"reraised": True, "step": trainer.state.global_step, "decisions": [d.to_json() for d in tuner.session.decisions]}, f)
         sys.exit(3)
 
 

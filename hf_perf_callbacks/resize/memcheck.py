@@ -1,0 +1,176 @@
+"""The memory check: one optimizer step at the worst-case length, before training, where memory is tight.
+
+A run's longest examples (GRPO: completions forced to ``max_completion_length``) may come hours into training; the
+watchdog's growth forecast does not see a length spike coming. So on CUDA and MPS (where memory is the wall; never
+on a CPU, where the run swaps long before it fails) :func:`check_memory` runs ONE optimizer step of the configured
+split on the longest examples at learning rate 0, measures its peak and restores weights, RNG, data and callbacks
+(a run after it samples the same completions as one without it). When the step runs out of memory (on any rank) or
+its peak passes the watchdog's budget, it walks down to the largest exact split that fits and applies it: a
+``memory_check`` decision with what each split measured and what the check cost. No timing rounds: which split is
+fastest is measured on the run's own steps (:mod:`~hf_perf_callbacks.resize.tuning`).
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import torch
+from transformers import TrainerCallback
+
+from .. import adapter
+from ..batching import Split
+from ..device import GB, DeviceLayer, gather_floats, rng_state, set_rng_state, training_device, world_size
+from ..memory import budget_bytes
+from ..splitfile import Trial
+from .agreement import recoverable
+from .session import TuningSession, current_split
+
+
+def wanted(setting: bool | None, device_type: str) -> bool:
+    """Whether to run the check: the tuner's ``memory_check`` setting, or (None) on CUDA and MPS only."""
+    return setting if setting is not None else device_type in ("cuda", "mps")
+
+
+class _PeakWatch(TrainerCallback):
+    """The peak memory of the step."""
+
+    def __init__(self, device: DeviceLayer):
+        self.device, self.peak, self.steps = device, 0.0, 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+        self.peak = max(self.peak, float(self.device.memory().used))
+
+
+def check_memory(trainer, session: TuningSession, candidates: list[Split], budget: float | None = None,
+                 clock=None) -> Split:
+    """Run the check (see the module docstring); returns the split that fits (the configured one when it does)."""
+    import time
+
+    wall = clock.wall if clock is not None else time.perf_counter
+    device = DeviceLayer(training_device())
+    sample = device.memory()
+    budget = budget if budget is not None else budget_bytes(device.type, sample.device_limit, sample.hard_limit,
+                                                            sample.system_total)
+    budget = min(r[0] for r in gather_floats([budget], device.device))          # the tightest rank
+    started = wall()
+    configured = current_split(trainer.args)
+    smaller = sorted((s for s in candidates if s.micro_batch < configured.micro_batch), key=lambda s: -s.micro_batch)
+    saved = _snapshot(trainer)
+    trials: list[Trial] = []
+    try:
+        for split in [configured, *smaller]:
+            trial = _step(trainer, session, split, device, budget, wall)
+            trials.append(trial)
+            if trial.fits:
+                break
+    finally:
+        _restore(trainer, saved)
+    chosen = next((t.split for t in trials if t.fits), configured)
+    cost = max(r[0] for r in gather_floats([wall() - started], device.device))
+    if chosen == configured and trials[0].fits:
+        reason = f"the configured split fits at the worst-case length (peak {trials[0].peak_gb:.2f} GiB)"
+    elif trials[-1].fits:
+        reason = (f"the configured split does not fit at the worst-case length ({trials[0].error}): the largest "
+                  f"exact split that does")
+    else:
+        reason = "no exact split fits at the worst-case length: keeping the configured split (the OOM path decides)"
+    session.decide("memory_check", reason, chosen, 0, old=configured, trials=trials, cost_sec=cost,
+                   budget_gb=budget / GB)
+    session.apply(trainer, chosen)
+    return chosen
+
+
+def _step(trainer, session: TuningSession, split: Split, device: DeviceLayer, budget: float, wall) -> Trial:
+    """One optimizer step at ``split`` on the longest examples: its peak (every rank's highest) and any failure."""
+    started = wall()
+    session.apply(trainer, split)
+    trainer.args.max_steps = 1
+    watch = _PeakWatch(device)
+    trainer.callback_handler.callbacks = [cb for cb in trainer.callback_handler.callbacks
+                                          if type(cb).__name__ == "DefaultFlowCallback"] + [watch]
+    device.reset_peak()
+    error = None
+    try:
+        trainer.train()
+    except Exception as raised:  # noqa: BLE001 - only an out-of-memory error is a finding of the check
+        if not recoverable(raised):
+            raise
+        error = f"out of memory: {(str(raised).splitlines() or [type(raised).__name__])[0][:120]}"
+    finally:
+        adapter.forget_last_train(trainer)
+        device.empty_cache()
+    rows = gather_floats([watch.peak, float(error is not None or watch.steps == 0), wall() - started], device.device)
+    peak = max(r[0] for r in rows)
+    trial = Trial(split, peak_gb=peak / GB, cost_sec=max(r[2] for r in rows))
+    if max(r[1] for r in rows) > 0:
+        trial.fits, trial.error = False, error or "out of memory on another rank"
+    elif peak > budget:
+        trial.fits, trial.error = False, f"peak {peak / GB:.2f} GiB over the budget {budget / GB:.2f} GiB"
+    return trial
+
+
+def _snapshot(trainer) -> dict:
+    args = trainer.args
+    keys = ("max_steps", "learning_rate", "output_dir", "save_strategy", "logging_strategy", "report_to",
+            "eval_strategy")                            # the split is the session's (it applies the chosen one)
+    saved = {"args": {k: getattr(args, k) for k in keys if hasattr(args, k)},
+             "callbacks": list(trainer.callback_handler.callbacks),
+             "dataset": trainer.train_dataset,
+             "params": {n: p.detach().to("cpu", copy=True) for n, p in trainer.model.named_parameters()
+                        if p.requires_grad},
+             "rng": rng_state(),
+             "generation_config": getattr(trainer, "generation_config", None)}
+    saved["dir"] = tempfile.mkdtemp(prefix="hf_perf_memcheck_")
+    args.output_dir, args.learning_rate = saved["dir"], 0.0
+    for key, value in (("save_strategy", "no"), ("logging_strategy", "no"), ("eval_strategy", "no")):
+        if hasattr(args, key):
+            setattr(args, key, value)
+    args.report_to = []
+    if saved["generation_config"] is not None:          # GRPO: generate the longest completions
+        config = saved["generation_config"]
+        saved["min_new_tokens"] = config.min_new_tokens
+        config.min_new_tokens = getattr(args, "max_completion_length", None)
+    split = current_split(args)
+    needed = (split.generation_batch(world_size()) // args.num_generations if hasattr(args, "num_generations")
+              else split.effective_batch(world_size()))
+    trainer.train_dataset = _longest(trainer.train_dataset, needed)
+    return saved
+
+
+def _restore(trainer, saved: dict) -> None:
+    args = trainer.args
+    for key, value in saved["args"].items():
+        setattr(args, key, value)
+    trainer.callback_handler.callbacks = saved["callbacks"]
+    trainer.train_dataset = saved["dataset"]
+    if saved["generation_config"] is not None:
+        saved["generation_config"].min_new_tokens = saved["min_new_tokens"]
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if name in saved["params"]:
+                param.copy_(saved["params"][name])
+    set_rng_state(saved["rng"])
+    trainer.state = type(trainer.state)()
+    shutil.rmtree(saved["dir"], ignore_errors=True)
+    adapter.forget_last_train(trainer)
+    DeviceLayer(training_device()).empty_cache()
+
+
+def _longest(dataset, count: int):
+    """The ``count`` longest examples (worst-case memory), when lengths can be read; else the dataset itself."""
+    try:
+        lengths = [_length(dataset[i]) for i in range(len(dataset))]
+    except (TypeError, KeyError, IndexError):
+        return dataset
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])[:max(1, count)]
+    if hasattr(dataset, "select"):
+        return dataset.select(order)
+    return torch.utils.data.Subset(dataset, order)
+
+
+def _length(example) -> int:
+    if "input_ids" in example:
+        return len(example["input_ids"])
+    prompt = example["prompt"]
+    return len(prompt) if isinstance(prompt, str) else sum(len(m.get("content", "")) for m in prompt)

@@ -1,0 +1,252 @@
+"""TuningSession: the one owner of a tuning run's facts.
+
+============================  ================================================================================
+fact                          owner and readers
+============================  ================================================================================
+the split in effect           :attr:`TuningSession.split`; set only by :meth:`~TuningSession.apply`, which writes
+                              it to the trainer's ``args`` and the dataloader's batch size together (the only
+                              writer of both); the tuner logs ``tuner/*`` from it
+the split a resume starts     :attr:`~TuningSession.resume_split`: a pending switch, else the tuning baseline,
+with                          else the split in effect
+every decision                :attr:`~TuningSession.decisions` (typed :class:`~hf_perf_callbacks.splitfile.Decision`)
+the checkpoints this run      :attr:`~TuningSession.written`, each with the fingerprint of its files: a recovery
+wrote                         resumes only from one whose fingerprint still matches
+the session id                :attr:`~TuningSession.id`: the run in the perf log (the bus's session) and the split
+                              file; kept across in-process re-sizes and resumes of the same run
+``tuner_split.json``          written by :meth:`~TuningSession.persist` only (main process, atomically)
+============================  ================================================================================
+
+:func:`~hf_perf_callbacks.train_with_tuning` creates one session per call (a resume adopts the recorded one when it
+is this run's) and hands it to the trainer's bus; the :class:`~hf_perf_callbacks.AdaptiveBatchTuner` — also an
+instance transformers rebuilt from a checkpoint — finds it there. Without ``train_with_tuning`` the tuner opens one
+itself. No process-global registry, no reconciliation: every reader asks the session.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import uuid
+
+from .. import adapter
+from ..batching import Split
+from ..device import is_main_process, world_size
+from ..splitfile import Decision, SplitFile, WrittenCheckpoint, read_split_file
+from .checkpoints import checkpoint_dir, fingerprint, is_complete
+
+logger = logging.getLogger("hf_perf_callbacks")
+
+
+def current_split(args) -> Split:
+    """The split a trainer's args hold (GRPO: with its ``steps_per_generation``)."""
+    spg = getattr(args, "steps_per_generation", None) if hasattr(args, "num_generations") else None
+    return Split(args.per_device_train_batch_size, args.gradient_accumulation_steps, spg)
+
+
+class TuningSession:
+    """See the module docstring."""
+
+    def __init__(self, args, bus=None, session_id: str | None = None):
+        self.id = session_id or uuid.uuid4().hex[:12]
+        self.args = args                        # the trainer's args (the split is written there by apply)
+        self.output_dir = args.output_dir
+        self.bus = bus                          # the trainer's RunBus: decisions reach the perf log through it
+        self.world = world_size()
+        self.configured = current_split(args)
+        self.split = self.configured
+        self.switch: Split | None = None        # the split the next train() call runs with (a pending re-size)
+        self.switch_reason = ""
+        self.switch_requested_at: float | None = None
+        self.decisions: list[Decision] = []
+        self.written: list[WrittenCheckpoint] = []
+        self.ended: str | None = None
+        self.managed = False                    # train_with_tuning drives the run (acts on switches)
+        self.tuning = None                      # the tuning on the run's own steps (resize.tuning.OnRunTuning)
+        self.warned: set[str] = set()
+        self.step_rng: tuple[int, tuple] | None = None   # (step, every RNG state) at that optimizer step's end
+        self.switch_steps: list[int] = []       # checkpoints written only to switch splits (removed when superseded)
+        if bus is not None:
+            bus.tuning = self
+            bus.pin_session(self.id)
+
+    # ------------------------------------------------------------ the split
+    @property
+    def resume_split(self) -> Split:
+        """The split a resume starts with: a pending switch, else the tuning baseline, else the split in effect."""
+        if self.switch is not None:
+            return self.switch
+        if self.tuning is not None and self.tuning.done is None:
+            return self.tuning.baseline
+        return self.split
+
+    def apply(self, trainer, split: Split) -> None:
+        """Make ``split`` the split in effect: the trainer's args and the batch size its next ``train()`` builds
+        its dataloader with (GRPO: the generation batch kept through ``steps_per_generation``)."""
+        args = trainer.args
+        args.per_device_train_batch_size = split.micro_batch
+        args.gradient_accumulation_steps = split.grad_accum
+        if split.steps_per_generation is not None:
+            args.steps_per_generation = split.steps_per_generation
+            args.generation_batch_size = split.generation_batch(self.world)
+        adapter.set_train_batch_size(trainer)
+        self.split = split
+        self.persist()
+
+    def settle(self, trainer) -> None:
+        """Leave the trainer at the split in effect, whatever ended the call (args, dataloader batch size and the
+        logged ``tuner/*`` keys agree)."""
+        if current_split(trainer.args) != self.split or adapter.train_batch_size(trainer) != self.split.micro_batch:
+            self.apply(trainer, self.split)
+
+    def request_switch(self, split: Split, reason: str) -> None:
+        """The next ``train()`` call runs with ``split`` (the running one stops at this step boundary)."""
+        self.switch, self.switch_reason, self.switch_requested_at = split, reason, time.time()
+        self.persist()
+
+    def take_switch(self, trainer) -> Split | None:
+        """Apply the pending switch (None when there is none)."""
+        split, self.switch = self.switch, None
+        if split is not None:
+            self.apply(trainer, split)
+        return split
+
+    def decide(self, kind: str, reason: str, new: Split, step: int, old: Split | None = None, **details) -> Decision:
+        """Record a decision (it takes effect through :meth:`request_switch` or :meth:`apply`) and log it as an
+        event of the perf log."""
+        decision = Decision(kind=kind, step=step, reason=reason, old=old or self.split, new=new, time=time.time(),
+                            **details)
+        self.decisions.append(decision)
+        self.persist()
+        if self.bus is not None:
+            self.bus.event("tuner", "decision", decision.headline(), step=step, old_split=decision.old.as_args(),
+                           new_split=decision.new.as_args(), cost_sec=decision.cost_sec,
+                           expected_gain_sec=decision.expected_gain_sec)
+        return decision
+
+    def end_tuning(self, step: int, reason: str) -> None:
+        """Stop the tuning on the run's steps now (memory ended it) at its baseline, and record it."""
+        from .tuning import Finished
+
+        if self.tuning is not None and self.tuning.done is None:
+            self.tuning.done = Finished(self.tuning.baseline, reason)
+            self.record_tuning(step)
+
+    def record_tuning(self, step: int) -> Decision | None:
+        """Record the finished tuning as one ``tune`` decision: every split measured, its cost and expected gain."""
+        tuning = self.tuning
+        if tuning is None or tuning.done is None or tuning.recorded:
+            return None
+        tuning.recorded = True
+        return self.decide("tune", tuning.done.reason, tuning.done.split, step, old=tuning.start,
+                           trials=tuning.trial_list(), cost_sec=tuning.cost,
+                           expected_gain_sec=tuning.expected_gain_sec(step), planned_steps=tuning.planned,
+                           rule=tuning.rule())
+
+    @property
+    def resizes(self) -> int:
+        """Re-sizes forced by memory (out-of-memory errors and the watchdog's requests)."""
+        return sum(d.kind in ("oom", "watchdog") for d in self.decisions)
+
+    # ------------------------------------------------------------ checkpoints
+    def record_written(self, step: int) -> bool:
+        """Record ``checkpoint-<step>`` as this run's, with its fingerprint, when it is complete (checked by the
+        main process, which writes it; the other ranks take its word). True when recorded."""
+        path = checkpoint_dir(self.output_dir, step)
+        if is_main_process():
+            if not is_complete(path, step):
+                return False
+            mark = fingerprint(path)
+        else:
+            mark = "written by the main process"
+        self.written = [w for w in self.written if w.step != step] + [WrittenCheckpoint(step, mark)]
+        self.persist()
+        return True
+
+    def is_ours(self, step: int) -> bool:
+        """Whether ``checkpoint-<step>`` is one this run wrote and its files are still the ones it wrote."""
+        entry = next((w for w in self.written if w.step == step), None)
+        if entry is None:
+            return False
+        if not is_main_process():
+            return True
+        path = checkpoint_dir(self.output_dir, step)
+        return is_complete(path, step) and fingerprint(path) == entry.fingerprint
+
+    def newest_ours(self, at_most: int) -> str | None:
+        """The newest checkpoint this run wrote at a step ≤ ``at_most`` that is still there, unchanged (rotation by
+        ``save_total_limit`` may have removed older ones; another process may have replaced one)."""
+        for entry in sorted(self.written, key=lambda w: -w.step):
+            if entry.step <= at_most and self.is_ours(entry.step):
+                return checkpoint_dir(self.output_dir, entry.step)
+        return None
+
+    def switched_at(self, step: int, wrote: bool) -> None:
+        """A switch resumed from ``checkpoint-<step>`` (``wrote``: written for the switch, not by a save the run
+        makes anyway). The newest such checkpoint stays as the run's fallback; older ones are removed."""
+        self.drop_switch_checkpoints()
+        if wrote:
+            self.switch_steps = [step]
+
+    def drop_switch_checkpoints(self) -> None:
+        """Remove the checkpoints written only for switches (main process; the run's own saves stay)."""
+        steps, self.switch_steps = self.switch_steps, []
+        if not steps:
+            return
+        if is_main_process():
+            for step in steps:
+                shutil.rmtree(checkpoint_dir(self.output_dir, step), ignore_errors=True)
+        self.written = [w for w in self.written if w.step not in steps]
+        self.persist()
+
+    # ------------------------------------------------------------ the file
+    def record(self) -> SplitFile:
+        return SplitFile(session=self.id, world_size=self.world, configured=self.configured,
+                         split=self.resume_split, written=list(self.written), decisions=list(self.decisions),
+                         ended=self.ended)
+
+    def persist(self) -> None:
+        """Write ``tuner_split.json`` (main process only; a failure is one warning, the facts stay in memory)."""
+        if not is_main_process():
+            return
+        try:
+            self.record().write(self.output_dir)
+        except OSError as error:
+            self.warn_once("persist", f"could not write the split file in {self.output_dir}: {error} (the split "
+                                      f"and decisions are kept in memory)")
+
+    def adopt(self, record: SplitFile) -> None:
+        """Continue the recorded run (a resume in a new process): its id, decisions and written checkpoints."""
+        self.id, self.decisions, self.written = record.session, list(record.decisions), list(record.written)
+        self.configured = record.configured
+        if self.bus is not None:
+            self.bus.pin_session(self.id)
+
+    def warn_once(self, key: str, message: str, step: int | None = None) -> bool:
+        """``message`` as a warning (console and perf log; the logger alone without a bus), once per ``key`` for
+        this session; True when it was logged now."""
+        if key in self.warned:
+            return False
+        self.warned.add(key)
+        if self.bus is not None:
+            self.bus.event("tuner", "warning", message, step=step)
+        else:
+            logger.warning("[tuner] %s", message)
+        return True
+
+
+def recorded_session(output_dir: str, checkpoint: str | None) -> SplitFile | None:
+    """The split file's record when it belongs to the run being resumed from ``checkpoint``: the checkpoint is one
+    the record lists as written, with the same fingerprint (another run's record, or one whose checkpoint was
+    rewritten since, is not adopted)."""
+    record = read_split_file(output_dir)
+    if record is None or checkpoint is None:
+        return record if checkpoint is None else None
+    from .checkpoints import step_of
+
+    step = step_of(checkpoint)
+    entry = record.checkpoint(step) if step is not None else None
+    if entry is None or not is_complete(checkpoint, step):
+        return None
+    if is_main_process() and fingerprint(checkpoint) != entry.fingerprint:
+        return None
+    return record

@@ -1,0 +1,326 @@
+"""Tuning on the run's own steps: which exact split to measure next, when a switch can pay back, and what the
+evidence says. Pure: numbers in, actions out (no torch, no transformers, no clock).
+
+**Measure on steps the run trains anyway.** The split in effect (the *baseline*) is measured on the run's first
+steps. A candidate split is tried on the following training steps — the run switches to it at a step boundary
+(GRPO: a generation boundary) through the in-process re-size, exact in samples and effective batch — and is kept
+when it is faster beyond the noise, left otherwise. Steps trained during tuning count toward ``max_steps``: nothing
+is trained twice, nothing is thrown away.
+
+**Evidence.** Each split is ranked by its step time outside generation (``rank_by="non_generation"``: the
+generation batch is the same for every split, and HF ``generate`` jitters by tens of percent) or by the whole step.
+After a switch the first generation cycle is a warm-up and is not measured. A candidate is judged after each block
+of ``samples`` measured steps against all of the baseline's samples (:func:`judge`: one-sided Mann-Whitney
+``p <= ALPHA / max_rounds`` — the candidate is looked at up to ``max_rounds`` times, so each look gets its share of
+the significance level — and a median at least ``MIN_GAIN`` shorter). On equal splits with 20% noise, noise alone
+keeps another split in about 8% of runs (two candidates tried; ``tests/test_tuning.py``). Not yet separable from the noise: another round, back to
+the baseline for a block and to the candidate again (interleaved, so that a drift of the machine hits both), while
+rounds are affordable; a candidate whose every sample is slower than every baseline sample, that runs out of
+memory or passes the memory budget is left at once.
+
+**Cost before you pay.** A trial's cost is its switches (measured on this run once one happened; before that, the
+run's own first-step overhead plus writing and reading the training state at ``SAVE_BYTES_PER_SEC``), the warm-up
+step after each switch and the slower steps of a worse candidate. A split can save at most the baseline's ranked
+time per step (``ceiling``), and only over the steps left *after* the trial; a round starts only when that ceiling
+exceeds its cost. A run too short to pay back tries nothing and costs nothing.
+
+**Order.** Larger micro-batches first, nearest first (a kept one becomes the baseline, and the walk goes on from
+it; the walk stops at the first that is not kept); when no larger one was kept, smaller ones, nearest first, until
+``patience`` of them in a row were not kept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..batching import Split
+from ..splitfile import Trial
+from ..stats import mann_whitney_less, median
+from ..validation import check_flag, check_number
+
+#: one-sided significance level of "faster than the baseline"
+ALPHA = 0.05
+#: the least relative saving (of the ranked time) worth keeping a candidate
+MIN_GAIN = 0.03
+#: fewer samples per split cannot separate two splits (3 against 3: p = 1/20 at best)
+MIN_SAMPLES = 3
+#: measured steps per split and round by default (4 against 4: p = 1/70 at best, below ALPHA / 3 rounds)
+SAMPLES = 4
+#: the rate at which a switch is assumed to write and read the training state, until a switch was measured (bytes/s)
+SAVE_BYTES_PER_SEC = 200e6
+
+
+def judge(candidate: list[float], baseline: list[float], alpha: float = ALPHA) -> tuple[float, float, bool]:
+    """``(p, gain, faster)`` of a candidate's samples against the baseline's: one-sided Mann-Whitney ``p``, the
+    relative saving of the median ``gain``, and whether both clear ``alpha`` and ``MIN_GAIN``."""
+    p = mann_whitney_less(candidate, baseline)
+    base = median(baseline)
+    gain = 1.0 - median(candidate) / base if base > 0 else 0.0
+    return p, gain, p <= alpha and gain >= MIN_GAIN
+
+
+@dataclass
+class Switch:
+    """Run the next steps at ``split`` (the loop re-sizes at this step boundary)."""
+
+    split: Split
+    why: str
+
+
+@dataclass
+class Finished:
+    """Tuning is over: ``split`` is the one to keep (the loop switches back to it when another runs now)."""
+
+    split: Split
+    reason: str
+
+
+class OnRunTuning:
+    """The tuning state of one run (see the module docstring). The caller reports every train() call's start
+    (:meth:`segment_started`) and every optimizer step's measurement (:meth:`observe`), and acts on what they
+    return."""
+
+    def __init__(self, baseline: Split, candidates: list[Split], planned_steps: int | None, period: int = 1,
+                 samples: int = SAMPLES, max_rounds: int = 3, patience: int = 1, must_pay: bool = True,
+                 state_bytes: float = 0.0, rank_by: str = "non_generation"):
+        check_number("samples", samples, low=MIN_SAMPLES, integer=True)
+        check_number("max_rounds", max_rounds, low=1, integer=True)
+        check_number("patience", patience, low=1, integer=True)
+        check_number("period", period, low=1, integer=True)
+        check_number("planned_steps", planned_steps, low=0, integer=True, allow_none=True)
+        check_flag("must_pay", must_pay)
+        self.period, self.planned = period, planned_steps
+        self.samples = -(-samples // period) * period            # whole generation cycles
+        self.max_rounds, self.patience, self.must_pay = max_rounds, patience, must_pay
+        self.state_bytes, self.rank_by = state_bytes, rank_by
+        self.start = baseline                                     # the split tuning started from
+        self.baseline = baseline
+        self.trials: dict[Split, Trial] = {baseline: Trial(baseline)}
+        self.larger = sorted((c for c in candidates if c.micro_batch > baseline.micro_batch),
+                             key=lambda s: s.micro_batch)
+        self.smaller = sorted((c for c in candidates if c.micro_batch < baseline.micro_batch),
+                              key=lambda s: -s.micro_batch)
+        self.walk = "larger"
+        self.kept_larger = False
+        self.misses = 0
+        self.current = baseline
+        self.candidate: Split | None = None
+        self.rounds = 0
+        self.block: list[float] = []           # this block's samples
+        self.warm_left = 0
+        self.first_step: float | None = None   # the whole time of this run's first step (its restart overhead)
+        self.switch_seconds: list[float] = []
+        self.cost = 0.0                        # spent beyond training: switches, warm-up excess, slower steps
+        self.done: Finished | None = None
+        self.recorded = False                  # the tune decision was recorded
+        self.note = ""                         # why tuning stopped (for the decision's reason)
+
+    # ------------------------------------------------------------ what the caller reports
+    def segment_started(self, split: Split, step: int, switch_sec: float | None = None) -> None:
+        """A train() call begins at ``step`` with ``split`` in effect; ``switch_sec``: what the switch into it cost
+        (from the request to this call's first step)."""
+        self.current = split
+        self.trials.setdefault(split, Trial(split))
+        self.block = []
+        self.warm_left = (self.period - step % self.period) % self.period + self.period
+        needed = self.warm_left + self.samples + self.period + self.samples     # a baseline block and one trial
+        if self.must_pay and self.planned is not None and self.planned - step < needed \
+                and not self.trials[self.start].samples:
+            self._finish(f"too short to pay back: measuring this split and trying one other takes {needed} steps "
+                         f"and {max(0, self.planned - step)} are left")
+            return
+        if switch_sec is not None:
+            self.switch_seconds.append(switch_sec)
+            self.cost += switch_sec
+            self.trials[split].cost_sec += switch_sec
+
+    def failed(self, split: Split, why: str) -> None:
+        """``split`` ran out of memory and the caller went back to the baseline: it is left (and larger ones too);
+        the next candidate, if any, is tried after a block of the baseline."""
+        trial = self.trials.setdefault(split, Trial(split))
+        trial.fits, trial.error = False, why
+        self.candidate, self.rounds, self.block = None, 0, []
+        if split.micro_batch > self.baseline.micro_batch:
+            self.larger = []
+        else:
+            self.misses += 1
+        self.note = f"{split} {why}"
+
+    def observe(self, step: int, ranked: float, whole: float, peak_gb: float | None = None,
+                fits: bool = True) -> Switch | Finished | None:
+        """One optimizer step ``step`` measured at the current split (the slowest rank's seconds); what to do."""
+        if self.done is not None:
+            return None
+        trial = self.trials[self.current]
+        if peak_gb is not None:
+            trial.peak_gb = max(trial.peak_gb or 0.0, peak_gb)
+        if self.first_step is None:
+            self.first_step = whole
+        if self.warm_left > 0:                     # the first cycle after a (re)start: a warm-up, not a sample
+            self.warm_left -= 1
+            base = self.trials[self.baseline].samples
+            if self.switch_seconds and base:       # what the warm-up step cost beyond a measured one
+                excess = max(0.0, whole - median(self.trials[self.baseline].step_samples or [whole]))
+                self.cost += excess
+                trial.cost_sec += excess
+            return None
+        trial.samples.append(ranked)
+        trial.step_samples.append(whole)
+        trial.steps.append(step)
+        self.block.append(ranked)
+        if self.current == self.candidate:
+            base = self.trials[self.baseline].samples
+            slower = max(0.0, ranked - median(base))
+            self.cost += slower
+            trial.cost_sec += slower
+            if not fits:
+                trial.fits, trial.error = False, "peak memory over the budget"
+                return self._leave(step, f"{self.candidate} passed the memory budget")
+            if min(self.block) > max(base):
+                return self._leave(step, f"{self.candidate} was slower on every step")
+        if len(self.block) < self.samples:
+            return None
+        return self._block_done(step)
+
+    # ------------------------------------------------------------ decisions
+    def _block_done(self, step: int) -> Switch | Finished | None:
+        self.block = []
+        if self.candidate is None:                 # the baseline's first block: choose the first candidate
+            return self._next_candidate(step) or self._finish(self.note)
+        if self.current == self.baseline:          # an interleaving block of the baseline: the candidate again
+            if self._affordable(step):
+                return self._switch(self.candidate, "measuring again (interleaved)")
+            return self._leave(step, f"{self.candidate} not separable from the noise and no round left that could "
+                                     f"pay back")
+        candidate, base = self.trials[self.candidate], self.trials[self.baseline]
+        candidate.p_value, candidate.gain, faster = judge(candidate.samples, base.samples, ALPHA / self.max_rounds)
+        self.rounds += 1
+        if faster:
+            return self._keep(step)
+        if self.rounds >= self.max_rounds:
+            return self._leave(step, f"{self.candidate} not faster beyond the noise in {self.rounds} round(s)")
+        if not self._affordable(step):
+            return self._leave(step, f"{self.candidate} not separable from the noise and no round left that could "
+                                     f"pay back")
+        return self._switch(self.baseline, "measuring the baseline again (interleaved)")
+
+    def _keep(self, step: int) -> Switch | Finished:
+        kept = self.candidate
+        if self.walk == "larger":
+            self.kept_larger = True
+        self.baseline, self.candidate, self.rounds = kept, None, 0
+        self.misses = 0
+        return self._next_candidate(step) or self._finish(self.note)
+
+    def _leave(self, step: int, why: str) -> Switch | Finished:
+        self.candidate, self.rounds, self.block = None, 0, []
+        if self.walk == "larger":
+            self.larger = []                       # the next larger one will not be better either
+        else:
+            self.misses += 1
+        self.note = why
+        following = self._next_candidate(step)
+        if following is not None:
+            return following
+        if self.current != self.baseline:
+            self.done = Finished(self.baseline, self._verdict(why))
+            return Switch(self.baseline, f"back to {self.baseline}: {why}")
+        return self._finish(why)
+
+    def _next_candidate(self, step: int | None) -> Switch | None:
+        """Start the next affordable trial, or None (no candidate left, or none can pay back)."""
+        if self.walk == "larger" and not self.larger:
+            self.walk = "smaller"
+            if self.kept_larger:
+                self.smaller = []
+            else:                                  # smaller splits from the baseline, nearest first
+                self.smaller = [s for s in self.smaller if s.micro_batch < self.baseline.micro_batch]
+        queue = self.larger if self.walk == "larger" else self.smaller
+        if self.walk == "smaller" and self.misses >= self.patience:
+            queue.clear()
+        if not queue:
+            self.note = self.note or "no other split to try"
+            return None
+        if step is not None and not self._affordable(step):
+            self.note = self._cannot_pay_note(step)
+            return None
+        self.candidate = queue.pop(0)
+        self.rounds = 0
+        return self._switch(self.candidate, "trying a split on the next steps")
+
+    def _switch(self, split: Split, why: str) -> Switch:
+        return Switch(split, why)
+
+    def _finish(self, reason: str) -> Finished:
+        self.done = Finished(self.baseline, self._verdict(reason))
+        return self.done
+
+    def _verdict(self, note: str) -> str:
+        """The tuning's outcome in words: the kept split's evidence against the starting one, then why it ended."""
+        start, kept = self.trials[self.start], self.trials[self.baseline]
+        if self.baseline == self.start or not (start.samples and kept.samples):
+            return f"kept the configured split: {note}" if note else "kept the configured split"
+        p = f", p={kept.p_value:.3f}" if kept.p_value is not None else ""
+        return (f"{self.baseline} faster than {self.start} beyond the noise (median {kept.median:.3f} vs "
+                f"{start.median:.3f} s{p}); {note}")
+
+    # ------------------------------------------------------------ cost against gain
+    def switch_cost(self) -> float:
+        """Seconds one switch costs: the mean of this run's measured switches, else the run's own first-step
+        overhead (over the baseline's steady step) plus writing and reading the training state."""
+        if self.switch_seconds:
+            return sum(self.switch_seconds) / len(self.switch_seconds)
+        steady = self.trials[self.start].step_samples
+        overhead = max(0.0, (self.first_step or 0.0) - median(steady)) if steady else 0.0
+        return overhead + 2 * self.state_bytes / SAVE_BYTES_PER_SEC
+
+    def round_cost(self) -> float:
+        """A round's cost: a switch there and one back."""
+        return 2 * self.switch_cost()
+
+    def _steps_left_after_round(self, step: int) -> int | None:
+        if self.planned is None:
+            return None
+        return self.planned - step - 2 * (self.period + self.samples)
+
+    def _affordable(self, step: int) -> bool:
+        if not self.must_pay:                      # try every split, whatever it costs (benchmarks, tests)
+            return True
+        left = self._steps_left_after_round(step)
+        if left is None or left <= 0:
+            return False
+        return left * median(self.trials[self.baseline].samples) > self.round_cost()
+
+    def _cannot_pay_note(self, step: int) -> str:
+        left = self._steps_left_after_round(step)
+        base = median(self.trials[self.baseline].samples)
+        if left is None:
+            return "the run's length is unknown: no trial can be weighed against its pay-back"
+        if left <= 0:
+            return (f"too short to pay back: a trial takes {2 * (self.period + self.samples)} steps and "
+                    f"{max(0, self.planned - step)} are left")
+        return (f"cannot pay back: even a split with no split-dependent time would save at most {base:.3f} s/step "
+                f"× {left} steps = {left * base:.1f} s after a trial, less than its {self.round_cost():.1f} s of "
+                f"switches")
+
+    # ------------------------------------------------------------ the record
+    def ceiling_sec(self, step: int) -> float | None:
+        samples = self.trials[self.start].samples
+        if self.planned is None or not samples:
+            return None
+        return max(0, self.planned - step) * median(samples)
+
+    def expected_gain_sec(self, step: int) -> float | None:
+        start, kept = self.trials[self.start].samples, self.trials[self.baseline].samples
+        if self.planned is None or not start or not kept:
+            return None
+        return max(0, self.planned - step) * (median(start) - median(kept))
+
+    def rule(self) -> str:
+        ranked = "step time" if self.rank_by == "step" else "step time minus generation"
+        return (f"keep a split only when it is faster than the baseline by one-sided Mann-Whitney p <= {ALPHA} / "
+                f"{self.max_rounds} rounds and a median at least {MIN_GAIN:.0%} shorter ({ranked}), measured on the "
+                f"run's own steps; try one only when the rest of the run can pay its switches back")
+
+    def trial_list(self) -> list[Trial]:
+        """Every split measured, the starting one first."""
+        return [self.trials[self.start]] + [t for s, t in self.trials.items() if s != self.start]

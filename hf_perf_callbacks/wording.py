@@ -1,0 +1,90 @@
+"""The words shared by the live meter's console summary, ``hf-perf report``, its plots and the written analysis: one
+wording per fact, so that no two of them describe one figure differently. Pure: no torch, no transformers.
+"""
+from __future__ import annotations
+
+import math
+
+#: what each phase of a step's wall time is, in words (keys: :data:`hf_perf_callbacks.runlog.PHASES`)
+PHASE_WORDS = {"data_wait": "waiting for data", "generation": "generation", "compute": "forward/backward/optimizer",
+               "eval": "evaluation", "save": "saving"}
+
+#: what the throughput of a run is: the steady figure's basis, named once for the summary, the plots and the analysis
+THROUGHPUT_BASIS = "tokens per second of training time (evaluation and saving excluded)"
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def split_label(split) -> str:
+    """``8×1`` for a split (a :class:`~hf_perf_callbacks.batching.Split`, or a mapping with ``micro_batch`` and
+    ``grad_accum`` or the training-argument names); a string as it is; ``?`` for None or anything else."""
+    if isinstance(split, str):
+        return split
+    if isinstance(split, dict):
+        micro = split.get("micro_batch", split.get("per_device_train_batch_size"))
+        accum = split.get("grad_accum", split.get("gradient_accumulation_steps"))
+    else:
+        micro, accum = getattr(split, "micro_batch", None), getattr(split, "grad_accum", None)
+    return f"{micro}×{accum}" if micro is not None and accum is not None else "?"
+
+
+def warmup_words(steps, slowdown, overhead=None) -> str:
+    """What the warmup figures say, without contradicting themselves: ``steps`` of warmup (0: none beyond the first
+    step; None: warmup has not finished), the first step's ``slowdown`` against the steady step (below 1: later
+    steps slowed, not warmup) and the ``overhead`` seconds above steady time."""
+    n, slow, over = _number(steps), _number(slowdown), _number(overhead)
+    if n is None:
+        return "warmup not finished (no stable window of steps yet: too few steps for steady figures)"
+    parts = []
+    if n:
+        parts.append(f"warmup took {n:.0f} step{'s' if n != 1 else ''}")
+        if slow is not None and slow >= 1.05:
+            parts.append(f"the first step took {slow:.1f}x the steady step")
+        if over:
+            parts.append(f"{over:.1f} s above steady time")
+    elif slow is not None and slow >= 1.05:
+        parts.append(f"only the first step was slow ({slow:.1f}x the steady step); no warmup beyond it")
+    else:
+        parts.append("no warmup: the first step ran at the steady speed")
+    if slow is not None and slow < 0.95:
+        parts.append(f"the first step was faster than the steady level ({slow:.2f}x): later steps slowed down — "
+                     f"longer sequences or other processes, not warmup")
+    return "; ".join(parts)
+
+
+def warmup_line(done, steps, slowdown, overhead, run_steps, contention_sec=None) -> str:
+    """The summary's warmup line (console and report): :func:`warmup_words` once warmup has finished, else how many
+    steps ran without it finishing; the slow early steps the meter put down to other processes when there were."""
+    if not done:
+        text = (f"not finished after {run_steps} steps (no stable window of steps yet: run longer for steady "
+                f"figures)")
+    else:
+        text = warmup_words(steps, slowdown, overhead)
+    contention = _number(contention_sec)
+    if contention is not None and contention >= 0.05:
+        text += f"; {contention:.1f} s of the early steps' slowness had no CPU time of this process behind it " \
+                f"(other processes)"
+    return text
+
+
+def throughput_line(steady_tokens_per_sec, steady_step_sec, mean_tokens_per_sec) -> str:
+    """The summary's throughput line (console and report): the steady figure with its step time, and the mean."""
+    def num(value, spec):
+        v = _number(value)
+        return format(v, spec) if v is not None else "n/a"
+
+    text = f"steady tokens/s: {num(steady_tokens_per_sec, ',.0f')}"
+    if _number(steady_step_sec) is not None:
+        text += f" at {num(steady_step_sec, '.3g')} s per steady step"
+    return text + f"   (mean incl. warmup {num(mean_tokens_per_sec, ',.0f')})"
+
+
+def phase_line(phases: dict) -> str:
+    """The summary's time-split line (console and report): each phase with time, in words, as a share of the wall
+    time."""
+    shares = [(PHASE_WORDS.get(k, k), v) for k, v in phases.items() if _number(v) and v > 0]
+    return "time split: " + (", ".join(f"{name} {v:.1%}" for name, v in shares) or "n/a")

@@ -1,0 +1,157 @@
+"""The report's plots read at a glance: what each contains (line labels, tick labels, axis units, notes), drawn from
+real tiny runs; the tuner's record written by the schema's own serializer (``SplitFile.write``)."""
+import psutil
+import pytest
+from matplotlib.figure import Figure
+from transformers import TrainerCallback
+
+from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter
+from hf_perf_callbacks.batching import Split
+from hf_perf_callbacks.plots import PlotData, plot_memory, plot_phases, plot_throughput, plot_tuner
+from hf_perf_callbacks.runlog import read_run
+from hf_perf_callbacks.splitfile import Decision, SplitFile, Trial
+from tests.conftest import make_grpo, make_trainer
+from tests.test_throughput import PlantedLoad
+
+CAPPED = {"warmup_window": 2, "max_warmup_steps": 2}       # warmup decided by step 6 on any machine
+
+
+@pytest.fixture(scope="module")
+def run_dir(tokenizer, tmp_path_factory):
+    """A real 8-step Trainer run with the meter, the watchdog (default budget: far above a tiny model) and the
+    tuner's per-step keys."""
+    out = tmp_path_factory.mktemp("plots_run")
+    make_trainer(tokenizer, out, [ThroughputMeter(**CAPPED), MemoryWatchdog(), AdaptiveBatchTuner(probe=False)],
+                 max_steps=8, bs=2, ga=2).train()
+    return out
+
+
+def draw(plot, output_dir):
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    data = PlotData.of(read_run(str(output_dir)))
+    assert plot(fig, data) is None
+    return fig, data
+
+
+def labels(ax):
+    handles, names = ax.get_legend_handles_labels()
+    return names
+
+
+def integer_ticks(ax):
+    return all(float(x).is_integer() for x in ax.get_xticks())
+
+
+def tuning_record(output_dir, kept=False):
+    """A tuning decision at step 6 over the run's steps 1-6, written by the schema's serializer."""
+    trials = [Trial(Split(2, 2), samples=[2.0, 2.1, 1.9], steps=[1, 2], cost_sec=0.0),
+              Trial(Split(4, 1), error="out of memory", fits=False, steps=[3], cost_sec=1.5),
+              Trial(Split(1, 4), samples=[1.5, 1.4, 1.6] if not kept else [2.4, 2.5, 2.6], steps=[4, 5, 6],
+                    cost_sec=2.0, p_value=0.05, gain=0.25 if not kept else -0.2)]
+    new = Split(2, 2) if kept else Split(1, 4)
+    SplitFile(session="s", world_size=1, configured=Split(2, 2), split=new,
+              decisions=[Decision("tune", 6, "measured on the run's steps", Split(2, 2), new, trials=trials,
+                                  cost_sec=3.5, expected_gain_sec=40.0)]).write(str(output_dir))
+
+
+def test_throughput_one_line_on_the_steady_basis_warmup_marked_legend_off_the_data(run_dir):
+    # seen: three lines with different definitions, no warmup marker, the legend over the data, fractional ticks
+    fig, data = draw(plot_throughput, run_dir)
+    ax, f = fig.axes[0], data.f
+    lines = [line for line in ax.get_lines() if not line.get_label().startswith("_")]
+    assert [line.get_label() for line in lines] == ["throughput per step (tokens / training s)"]
+    expected = [s.number("perf/tokens") / s.number("perf/train_sec") for s in data.steps]
+    assert list(lines[0].get_ydata()) == pytest.approx(expected)
+    names = labels(ax)
+    assert f"steady throughput {f['steady_tokens_per_sec']:,.0f} tokens/s (its tokens / its training time)" in names
+    assert f"warmup ({f['warmup_steps']:.0f} steps; steady from step {f['warmup_end_step']})" in names
+    assert ax.get_legend() is None and fig.legends                 # the legend is the figure's, under the plot
+    assert integer_ticks(ax) and ax.get_ylabel() == "tokens / s"
+
+
+def test_throughput_marks_the_steps_the_meter_put_down_to_other_processes(tokenizer, tmp_path):
+    load = PlantedLoad(extra_cpu=0.0)                  # steps 1-3: 100 planted wall seconds each, flat CPU time
+
+    class Inside(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            load.on_step(state.global_step)
+
+    make_trainer(tokenizer, tmp_path, [Inside(), ThroughputMeter(warmup_window=2, clock=load.clock)],
+                 max_steps=8).train()
+    fig, data = draw(plot_throughput, tmp_path)
+    assert data.f["contention_steps"] == [1, 2, 3]
+    marked = [c for c in fig.axes[0].collections if c.get_label().startswith("slowed by other processes")]
+    assert len(marked) == 1 and [x for x, _ in marked[0].get_offsets()] == [1, 2, 3]
+    assert f"({data.f['contention_sec']:.1f} s lost)" in marked[0].get_label()
+
+
+def test_grpo_throughput_is_per_generation_cycle(tokenizer, tmp_path):
+    make_grpo(tokenizer, tmp_path, [ThroughputMeter()], max_steps=4, bs=2, ga=2, num_generations=2,
+              completion=6, extra={"steps_per_generation": 4}).train()
+    fig, data = draw(plot_throughput, tmp_path)
+    line = next(x for x in fig.axes[0].get_lines() if x.get_label().startswith("throughput"))
+    assert line.get_label() == "throughput per generation cycle of 2 steps (tokens / training s)"
+    assert list(line.get_xdata()) == [2, 4]                          # one point per whole cycle, no spikes
+
+
+def test_memory_scaled_to_its_data_budget_far_away_as_words(run_dir):
+    # seen: the budget line flattened a 1.5-3 GB curve into a stripe; "peak" looked like RSS; GB for GiB
+    fig, data = draw(plot_memory, run_dir)
+    ax = fig.axes[0]
+    used = [s.number("mem/device_used_gb") for s in data.steps]
+    budget = data.f["budget_gb"]
+    low, high = ax.get_ylim()
+    assert budget > 2 * max(used) and high < budget and low > 0.5 * min(used)
+    assert "budget" not in " ".join(labels(ax))
+    assert f"budget {budget:.2f} GiB (off the scale" in " ".join(t.get_text() for t in ax.texts)
+    assert ax.get_ylabel() == "memory (GiB)"
+    styles = {line.get_label(): line.get_linestyle() for line in ax.get_lines()}
+    assert styles["process memory (RSS)"] != styles["high-water mark (peak so far)"]
+    assert integer_ticks(ax)
+
+
+def test_memory_budget_near_the_data_is_a_labelled_line(tokenizer, tmp_path):
+    limit = round(1.25 * psutil.Process().memory_info().rss / 2**30, 2)   # the run's RSS only grows from here
+    make_trainer(tokenizer, tmp_path, [MemoryWatchdog(limit_gb=limit)], max_steps=3, bs=2, ga=1).train()
+    fig, _ = draw(plot_memory, tmp_path)
+    ax = fig.axes[0]
+    assert f"budget ({limit:.2f} GiB)" in labels(ax) and ax.get_ylim()[1] >= limit
+
+
+def test_phases_in_words_without_empty_phases_and_the_tuners_cost(run_dir):
+    # seen: raw key names (data_wait), phases that are zero, the tuner's time nowhere
+    tuning_record(run_dir)
+    fig, data = draw(plot_phases, run_dir)
+    ax = fig.axes[0]
+    names = labels(ax)
+    assert any(n.startswith("forward/backward/optimizer (") for n in names)
+    assert not any(n.startswith(("generation", "evaluation", "saving")) for n in names)   # a Trainer run has none
+    assert not any("_" in n for n in names)
+    assert "steps the tuner measured splits on" in names
+    notes = " ".join(t.get_text() for t in ax.texts)
+    assert "the tuner's own cost: 3.5 s" in notes and "expected saving 40.0 s" in notes
+    assert integer_ticks(ax) and ax.get_ylabel() == "seconds"
+
+
+def test_tuner_trials_with_their_times_and_the_split_per_step_in_split_labels(run_dir):
+    # seen: the trials drawn as failed (a renamed field), a y-axis mixing samples and micro-batches
+    tuning_record(run_dir)
+    fig, data = draw(plot_tuner, run_dir)
+    trials_ax, split_ax = fig.axes
+    ticks = [t.get_text() for t in trials_ax.get_xticklabels()]
+    assert ticks == ["2×2\n(before)", "4×1", "1×4\n(chosen)"]
+    assert [round(b.get_height(), 3) for b in trials_ax.patches] == [2.0, 0.0, 1.5]
+    assert "out of memory" in [t.get_text() for t in trials_ax.texts]
+    assert "chose 1×4" in trials_ax.get_title()
+    assert [t.get_text() for t in split_ax.get_yticklabels()] == ["2×2"]     # the split this run ran: labels only
+    assert split_ax.get_ylabel() == "split" and integer_ticks(split_ax)
+    assert "tuned: 2×2 → 1×4" in [t.get_text() for t in split_ax.texts]
+
+
+def test_a_tuning_that_kept_the_split_draws_no_empty_marker(run_dir):
+    # seen: a "4×1 → 4×1" marker that says nothing
+    tuning_record(run_dir, kept=True)
+    fig, _ = draw(plot_tuner, run_dir)
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert not any("→" in t for t in texts)
+    assert "kept 2×2" in fig.axes[0].get_title()

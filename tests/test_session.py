@@ -1,0 +1,136 @@
+"""The tuning session owns the split, the decisions, the checkpoints this run wrote and the run's identity: whatever
+ends a call leaves one split; each fresh run is its own; another process's files are never taken for this run's."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from transformers import TrainerCallback
+
+from hf_perf_callbacks import AdaptiveBatchTuner, ThroughputMeter, train_with_tuning
+from hf_perf_callbacks import adapter
+from hf_perf_callbacks.batching import Split
+from hf_perf_callbacks.resize import current_split
+from hf_perf_callbacks.runlog import OutputDirBusy, read_run
+from hf_perf_callbacks.splitfile import read_split_file
+from tests.conftest import PlantedClock, make_trainer
+from tests.faults import Fault
+from tests.test_tuner import PlantedStepTime, SampleRecorder, step_lines
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Interrupt(TrainerCallback):
+    """Ctrl-C at the begin of the ``at``-th train() call (after a switch applied its split) or inside step ``step``."""
+
+    def __init__(self, at_call=None, step=None):
+        self.at_call, self.step, self.calls = at_call, step, 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.calls += 1
+        if self.calls == self.at_call:
+            raise KeyboardInterrupt
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            raise KeyboardInterrupt
+
+
+def consistent(trainer, tuner) -> Split:
+    """The trainer's args, the dataloader batch size and the session agree on one split."""
+    split = current_split(trainer.args)
+    assert adapter.train_batch_size(trainer) == split.micro_batch
+    assert tuner.session.split == split
+    return split
+
+
+@pytest.mark.parametrize("where", ["switch", "step"])
+def test_ctrl_c_leaves_one_split_that_the_next_train_trains_and_logs(tokenizer, tmp_path, where):
+    clock = PlantedClock()
+    tuner = AdaptiveBatchTuner(clock=clock, must_pay=False)
+    stop = Interrupt(at_call=2) if where == "switch" else Interrupt(step=8)
+    trainer = make_trainer(tokenizer, tmp_path, [stop, PlantedStepTime(clock, {8: 50.0, 4: 100.0, 2: 200.0,
+                                                                               1: 400.0}), tuner],
+                           max_steps=12, bs=2, ga=4, length=16)
+    with pytest.raises(KeyboardInterrupt):
+        train_with_tuning(trainer)
+    split = consistent(trainer, tuner)
+    samples = SampleRecorder()
+    samples.attach(trainer).add_callback(samples)
+    trainer.remove_callback(stop)
+    trainer.args.max_steps = 2
+    trainer.train()                                                  # a plain train() afterwards
+    logged = [s["tuner/effective_batch"] for s in step_lines(tmp_path)][-2:]
+    trained = [len(rows) for rows in samples.trained().values()]
+    assert logged == trained == [split.effective_batch()] * 2        # what it logs is what it trains
+
+
+def test_a_second_fresh_run_of_one_trainer_is_a_run_of_its_own(tokenizer, tmp_path):
+    fault = Fault("forward", at=2)
+    tuner, meter = AdaptiveBatchTuner(tune=False), ThroughputMeter()
+    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, meter, tuner], max_steps=3, bs=4, ga=2))
+    train_with_tuning(trainer)
+    first = tuner.session.id
+    assert [d.kind for d in tuner.session.decisions] == ["oom"]
+    trainer.args.max_steps = 2
+    train_with_tuning(trainer)                                       # again, from step 0: a new run
+    assert tuner.session.id != first and tuner.session.decisions == []
+    run = read_run(str(tmp_path))
+    assert [s.step for s in run.steps] == [1, 2] and run.replaced_runs == 1
+    assert [s.get("tuner/resizes") for s in run.steps] == [0, 0]
+    assert meter.summary["steps"] == 2                               # the meter counts this run only
+    assert read_split_file(str(tmp_path)).session == tuner.session.id
+
+
+def test_a_plain_fresh_train_after_another_is_its_own_run_too(tokenizer, tmp_path):
+    meter = ThroughputMeter()
+    trainer = make_trainer(tokenizer, tmp_path, [meter], max_steps=2)
+    trainer.train()
+    trainer.train()
+    run = read_run(str(tmp_path))
+    assert [s.step for s in run.steps] == [1, 2] and run.replaced_runs == 1 and meter.summary["steps"] == 2
+
+
+def test_a_checkpoint_another_process_rewrote_is_never_resumed_from(tokenizer, tmp_path):
+    """checkpoint-2 of this run is replaced by another run's checkpoint-2 (same name, other weights) before an
+    OOM inside optimizer.step at step 3 needs to go back: the fingerprint no longer matches, so the run refuses to
+    resume from it instead of training on another run's weights."""
+    other = tmp_path / "other"
+    make_trainer(tokenizer, other, [], max_steps=2, extra={"save_strategy": "steps", "save_steps": 2,
+                                                            "learning_rate": 0.5}).train()
+
+    class Replace(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:                   # after transformers saved this run's checkpoint-2
+                control.should_save = True
+
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                shutil.rmtree(tmp_path / "run" / "checkpoint-2")
+                shutil.copytree(other / "checkpoint-2", tmp_path / "run" / "checkpoint-2")
+
+    fault = Fault("optimizer", at=3)
+    tuner = AdaptiveBatchTuner(tune=False)
+    trainer = fault.attach(make_trainer(tokenizer, tmp_path / "run", [fault, tuner, Replace()], max_steps=4,
+                                        extra={"save_strategy": "steps", "save_steps": 2}))
+    with pytest.raises(RuntimeError, match="before this run saved any complete checkpoint"):
+        train_with_tuning(trainer)
+    assert [w.step for w in tuner.session.written] == [2] and not tuner.session.is_ours(2)
+
+
+def test_a_second_process_in_the_same_output_dir_is_refused_naming_the_first(tokenizer, tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hf_perf_callbacks.runlog import "
+                               "lock_output_dir; lock_output_dir(sys.argv[1]); print('locked', flush=True); "
+                               "time.sleep(120)", str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        trainer = make_trainer(tokenizer, tmp_path, [ThroughputMeter()], max_steps=1)
+        with pytest.raises(OutputDirBusy, match=f"another training process \\(pid {holder.pid} on "):
+            trainer.train()
+    finally:
+        holder.kill()
+        holder.wait()
+    trainer = make_trainer(tokenizer, tmp_path, [ThroughputMeter()], max_steps=1)
+    trainer.train()                                      # the lock died with its process
+    assert trainer.state.global_step == 1

@@ -1,0 +1,144 @@
+"""The tuning on the run's own steps as a pure state machine (resize/tuning.py): planted step times, no trainer."""
+import random
+
+import pytest
+
+from hf_perf_callbacks.batching import Split, exact_splits
+from hf_perf_callbacks.resize.tuning import Finished, OnRunTuning, Switch, judge
+
+SPLITS = {s.micro_batch: s for s in exact_splits(8)}          # 8×1, 4×2, 2×4, 1×8
+
+
+def drive(seconds, start=2, planned=60, noise=0.0, seed=0, switch_sec=1.0, fits=None, **kw):
+    """Run the tuning over a planted run: ``seconds[micro]`` is a split's ranked step time (± ``noise``); every
+    switch costs ``switch_sec``. Returns the tuning, the split of every step and the switch steps."""
+    rng = random.Random(seed)
+    tuning = OnRunTuning(SPLITS[start], [s for m, s in SPLITS.items() if m != start], planned, **kw)
+    current, ran, switches = SPLITS[start], [], []
+    tuning.segment_started(current, 0)
+    step = 0
+    while step < planned:
+        step += 1
+        ran.append(current.micro_batch)
+        t = seconds[current.micro_batch] * (1 + rng.uniform(-noise, noise))
+        action = tuning.observe(step, t, t + 1.0, fits=True if fits is None else fits(current))
+        if isinstance(action, Switch):
+            switches.append(step)
+            current = action.split
+            tuning.segment_started(current, step, switch_sec=switch_sec)
+    return tuning, ran, switches
+
+
+def test_judge_needs_every_sample_faster_at_three_against_three():
+    assert judge([1.0, 1.1, 1.2], [2.0, 2.1, 2.2])[2]                       # p = 1/20 and 45% shorter
+    assert not judge([1.0, 2.15, 1.2], [2.0, 2.1, 2.2])[2]                  # one overlap: p > 0.05
+    assert not judge([1.98, 1.99, 1.97], [2.0, 2.01, 2.02])[2]              # significant but 1% shorter
+    assert not judge([1.0, 1.1, 1.2], [2.0, 2.1, 2.2], alpha=0.05 / 3)[2]   # one look of three: 3 vs 3 cannot
+
+
+def test_on_equal_splits_noise_alone_rarely_keeps_another_split():
+    """Over 200 planted runs of four equal splits with 20% noise (each candidate looked at up to 3 times, two
+    candidates tried), noise alone keeps another split at most as often as the significance level allows for
+    two candidates; a split 20% faster is found nine times in ten."""
+    equal = sum(drive({8: 100.0, 4: 100.0, 2: 100.0, 1: 100.0}, noise=0.2, seed=seed)[0].done.split != SPLITS[2]
+                for seed in range(200))
+    faster = sum(drive({8: 100.0, 4: 80.0, 2: 100.0, 1: 100.0}, noise=0.2, seed=seed)[0].done.split == SPLITS[4]
+                 for seed in range(200))
+    assert equal / 200 <= 2 * 0.05 and faster / 200 >= 0.9
+
+
+def test_a_faster_larger_split_is_kept_and_the_walk_goes_on_from_it():
+    tuning, ran, switches = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0})
+    assert tuning.done.split == SPLITS[8]
+    assert switches == [5, 10]                                  # a warm-up step and 4 samples per split
+    assert ran[:15] == [2] * 5 + [4] * 5 + [8] * 5 and set(ran[15:]) == {8}
+    trials = {t.split.micro_batch: t for t in tuning.trial_list()}
+    assert trials[2].steps == [2, 3, 4, 5] and trials[4].steps == [7, 8, 9, 10] and trials[8].steps == [12, 13, 14, 15]
+    assert trials[4].p_value == pytest.approx(1 / 70) and trials[8].gain == pytest.approx(0.5)
+    assert 1 not in trials                                      # a larger split was kept: smaller ones are not tried
+    assert "8×1 faster than 2×4 beyond the noise" in tuning.done.reason
+
+
+def test_a_candidate_within_the_noise_gets_interleaved_rounds_then_the_run_goes_back():
+    tuning, ran, switches = drive({8: 100.0, 4: 98.0, 2: 100.0, 1: 150.0}, noise=0.05, seed=3, max_rounds=3)
+    assert tuning.done.split == SPLITS[2] and ran[-1] == 2     # back at the configured split
+    trial = {t.split.micro_batch: t for t in tuning.trial_list()}[4]
+    assert trial.p_value is not None and len(trial.samples) == 3 * 4      # three rounds of four samples
+    base = {t.split.micro_batch: t for t in tuning.trial_list()}[2]
+    assert len(base.samples) >= 3 * 4                            # the baseline measured between the rounds too
+    assert min(trial.steps) < max(base.steps) < max(trial.steps)
+
+
+def test_a_slower_candidate_is_left_after_one_sample_and_the_run_goes_back():
+    tuning, ran, switches = drive({8: 800.0, 4: 400.0, 2: 200.0, 1: 400.0}, patience=1)
+    trials = {t.split.micro_batch: t for t in tuning.trial_list()}
+    assert len(trials[4].samples) == 1 and len(trials[1].samples) == 1      # dropped after their first sample
+    assert tuning.done.split == SPLITS[2] and ran[-1] == 2
+    assert 8 not in trials                                      # 4×2 was slower: a larger one is not tried
+    assert tuning.cost >= 2 * 200.0                             # the slower steps count as the tuning's cost
+
+
+def test_a_run_too_short_to_pay_back_tries_nothing():
+    tuning, ran, switches = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}, planned=8)
+    assert switches == [] and set(ran) == {2} and tuning.cost == 0.0
+    assert tuning.done.split == SPLITS[2] and "too short to pay back" in tuning.done.reason
+
+
+def test_switches_that_cost_more_than_the_rest_of_the_run_can_save_are_not_made():
+    # 200 s/step outside generation, 20 steps after the first block: at most 20 × 200 s = 4000 s could be saved,
+    # and the first switch (the run's own first-step overhead, 10000 s here) costs more
+    tuning = OnRunTuning(SPLITS[2], [SPLITS[4]], planned_steps=35, samples=3)
+    tuning.segment_started(SPLITS[2], 0)
+    actions = [tuning.observe(1, 200.0, 10201.0)] + [tuning.observe(s, 200.0, 201.0) for s in (2, 3, 4)]
+    assert actions == [None, None, None, tuning.done] and tuning.done.split == SPLITS[2]
+    assert "cannot pay back" in tuning.done.reason and tuning.round_cost() == pytest.approx(2 * 10000.0)
+    # the same run told to try every split regardless of cost switches
+    free = OnRunTuning(SPLITS[2], [SPLITS[4]], planned_steps=35, samples=3, must_pay=False)
+    free.segment_started(SPLITS[2], 0)
+    assert isinstance([free.observe(s, 200.0, 201.0) for s in (1, 2, 3, 4)][-1], Switch)
+
+
+def test_a_measured_switch_replaces_the_estimate():
+    tuning, _, _ = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}, switch_sec=7.0)
+    assert tuning.switch_cost() == pytest.approx(7.0) and tuning.cost >= 2 * 7.0
+
+
+def test_a_candidate_over_the_memory_budget_is_left_and_no_larger_one_is_tried():
+    tuning, ran, _ = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}, fits=lambda split: split.micro_batch <= 2)
+    trials = {t.split.micro_batch: t for t in tuning.trial_list()}
+    assert trials[4].fits is False and "over the budget" in trials[4].error and 8 not in trials
+    assert tuning.done.split == SPLITS[2]
+
+
+def test_an_out_of_memory_candidate_is_left_and_the_next_is_tried_after_a_baseline_block():
+    tuning = OnRunTuning(SPLITS[2], [SPLITS[4], SPLITS[1]], planned_steps=40, samples=3)
+    tuning.segment_started(SPLITS[2], 0)
+    for step in range(1, 5):
+        action = tuning.observe(step, 200.0, 201.0)
+    assert action == Switch(SPLITS[4], "trying a split on the next steps")
+    tuning.failed(SPLITS[4], "out of memory")                  # the loop went back to 2×4 at step 4
+    tuning.segment_started(SPLITS[2], 4, switch_sec=1.0)
+    actions = [tuning.observe(step, 200.0, 201.0) for step in range(5, 9)]
+    assert actions[-1] == Switch(SPLITS[1], "trying a split on the next steps")
+    assert {t.split.micro_batch: t.error for t in tuning.trial_list()}[4] == "out of memory"
+
+
+def test_grpo_blocks_are_whole_generation_cycles_and_switches_fall_on_their_boundaries():
+    tuning, ran, switches = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}, period=2, planned=60)
+    assert tuning.samples == 4 and all(step % 2 == 0 for step in switches) and switches
+    trials = {t.split.micro_batch: t for t in tuning.trial_list()}
+    assert trials[2].steps == [3, 4, 5, 6]                     # the first cycle (steps 1-2) is the warm-up
+    odd = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}, period=2, samples=3)[0]
+    assert odd.samples == 4                                     # rounded up to whole cycles
+
+
+def test_the_tuning_parameters_are_validated():
+    with pytest.raises(ValueError, match="samples=2 is not allowed"):
+        OnRunTuning(SPLITS[2], [], 10, samples=2)
+    with pytest.raises(ValueError, match="period=0 is not allowed"):
+        OnRunTuning(SPLITS[2], [], 10, period=0)
+
+
+def test_finished_is_returned_once():
+    tuning, _, _ = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}, planned=8)
+    assert isinstance(tuning.done, Finished) and tuning.observe(9, 1.0, 1.0) is None

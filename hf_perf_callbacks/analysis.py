@@ -119,7 +119,8 @@ ZERO = 1e-12
 CONTENTION_SHARE = 0.05      # time lost to contention / run time worth a finding
 # Evidence thresholds: below them a rule says "too few steps to judge" instead of a finding or a gain.
 MIN_STEADY_STEPS = 3         # timing rules (shares of wall time, MFU, slow steps, any gain): warmup over + these steps
-MIN_MACHINE_STEPS = 4        # whole-run contention: steps with CPU time and the machine's load
+MIN_MACHINE_STEPS = 4        # whole-run contention: steps with CPU time and the machine's load ...
+MIN_MACHINE_CYCLES = 3       # ... and this many whole steps (GRPO: generation cycles) after the first to compare
 MIN_FIXED_LENGTH_STEPS = 3   # fixed-length padding: steps padded to one and the same length
 OVERSUBSCRIBED = 0.5         # threads + other processes' busy cores above the cores by this much: oversubscribed
 THREADS_IDLE = 0.5           # threads of this process not running (threads − CPU time / wall) worth a finding
@@ -479,7 +480,7 @@ def _memory_cap(m: Measurements) -> tuple[int | None, str | None]:
     for t in (m.tune.trials if m.tune else []):
         if not t.fits or (t.error and "memory" in t.error.lower()):
             hits.append((t.split.micro_batch, f"the tuner's trial of {_split_name(t.split)} "
-                         + (f"failed: {t.error}" if t.error else "went over the memory budget")))
+                         + ("ran out of memory" if t.error else "went over the memory budget")))
     if not m.memory_limits and m.micro_batch:
         for a in m.watchdog_actions:
             if a.get("action") in ("smaller_batch", "stop"):
@@ -951,10 +952,12 @@ def _tune_note(m: Measurements) -> Note:
     cost = (f" Measuring cost {d.cost_sec:.0f} s" if d.cost_sec is not None else "") + (
         f"; expected saving {d.expected_gain_sec:.0f} s over the rest of the run" if d.expected_gain_sec is not None
         else "") + ("." if d.cost_sec is not None or d.expected_gain_sec is not None else "")
+    _, limit = _memory_cap(m)
     return Note("small_micro_batch", "Batch split chosen by measurement",
-                f"The tuner measured {len(d.trials)} split(s) on this run's own training steps ({'; '.join(measured)}"
-                f": median seconds per optimizer step{' outside generation' if m.grpo else ''}) and {kept} at step "
-                f"{d.step}" + (f" ({d.reason})" if d.reason else "") + "." + cost)
+                f"The tuner measured {len(d.trials)} split(s) on this run's own training steps (median seconds per "
+                f"optimizer step{' outside generation' if m.grpo else ''}: {'; '.join(measured)}) and {kept} at step "
+                f"{d.step}" + (f" (the tuner's reason: {d.reason})" if d.reason else "") + "." + cost
+                + (f" No larger micro-batch is advised: {limit}." if limit else ""))
 
 
 def rule_small_micro_batch(m: Measurements) -> Finding | Note | None:
@@ -1300,11 +1303,12 @@ def _machine(steps: list[StepLine], header: RunHeader, skipped: list[str]) -> di
     wall time (cores it kept busy), ``other`` — other processes' busy cores, ``load`` — load average per core;
     ``threads`` (torch's intra-op threads; without the header fact, torch's default of one per core), ``cores``
     (without the header fact, the busy cores of a machine whose load per core was ≥ 1: a saturated machine's busy
-    cores are its cores). Over the steady steps (without three, the steps after the first), in blocks of the
-    header's ``period`` (GRPO: a generation cycle): ``spread`` and ``cpu_spread`` — the 90th over the 10th percentile
-    of wall and CPU seconds per token (similar work should take similar time); ``lower_bound`` — the mean wall
-    seconds per token over the 10th percentile's (what the run's own fastest blocks say contention cost, at least).
-    None without CPU time in the step lines."""
+    cores are its cores). Over whole cycles of the header's ``period`` steps (GRPO: a generation cycle, whose tokens
+    the meter counts at its first step), the steady ones (without :data:`MIN_MACHINE_CYCLES` of them, all but the
+    first): ``spread`` and ``cpu_spread`` — the 90th over the 10th percentile of wall and CPU seconds per token
+    (similar work should take similar time); ``lower_bound`` — the mean wall seconds per token over the 10th
+    percentile's (what the run's own fastest cycles say contention cost, at least); None without
+    :data:`MIN_MACHINE_CYCLES` cycles to compare. None without CPU time in the step lines."""
     rows = []
     for s in steps:
         wall, cpu, other = (s.number(k) for k in (keys.PERF_STEP_WALL_SEC, keys.PERF_CPU_SEC, keys.PERF_OTHER_CPU_CORES))
@@ -1323,15 +1327,18 @@ def _machine(steps: list[StepLine], header: RunHeader, skipped: list[str]) -> di
     threads, threads_from = _fact(header, "torch_threads", "int", skipped), "run header"
     if threads is None and cores:
         threads, threads_from = cores, "the threads taken as torch's default, one per core"
-    steady = [r for r in rows if r[0].number(keys.PERF_STEADY) == 1]
-    later = steady if len(steady) >= 3 else rows[1:]
     period = max(1, header.period or 1)
-    blocks = [later[i:i + period] for i in range(0, len(later) - period + 1, period)]
+    blocks: dict[int, list] = {}                 # whole generation cycles (GRPO counts a cycle's tokens at its start)
+    for r in rows:
+        blocks.setdefault((r[0].step - 1) // period, []).append(r)
+    cycles = [b for _, b in sorted(blocks.items()) if len(b) == period]
+    steady = [b for b in cycles if all(s.number(keys.PERF_STEADY) == 1 for s, *_ in b)]
+    later = steady if len(steady) >= MIN_MACHINE_CYCLES else cycles[1:]
     work = [(sum(w for _, w, _, _ in b), sum(c for _, _, c, _ in b), sum(s.number(keys.PERF_TOKENS) or 0 for s, *_ in b))
-            for b in blocks]
+            for b in later]
     work = [(w, c, t) for w, c, t in work if t > 0]
     spread = cpu_spread = lower_bound = None
-    if len(work) >= 2:
+    if len(work) >= MIN_MACHINE_CYCLES:
         walls, cpus = [w / t for w, _, t in work], [c / t for _, c, t in work]
         p10 = quantile(walls, 0.1)
         spread, cpu_spread = quantile(walls, 0.9) / p10, quantile(cpus, 0.9) / quantile(cpus, 0.1)

@@ -144,3 +144,29 @@ def test_a_grpo_run_without_reward_data_makes_no_reward_statement(tokenizer, tmp
     else:                                              # they do: the constant reward is found from the perf log
         assert m.trainer_log_source == "perf log" and findings[0].rule == "no_learning"
         assert "num_generations" not in findings[0].setting and "temperature" not in findings[0].setting
+
+
+def test_the_tuners_record_of_a_real_tuning_run_is_what_the_analysis_reports(tokenizer, tmp_path):
+    # seen: every measured split shown as "failed" (the note read a field the writer had renamed); a micro-batch of
+    # 8 advised right after the run ran out of memory at 4. The record here is the real writer's (TuningSession):
+    # 4×2 runs out of memory (planted), the tuner goes back to 2×4 and measures the splits on the run's own steps
+    from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
+    from tests.test_tuner import CUDA_OOM, PlantedOOM, PlantedStepTime
+
+    clock = PlantedClock()
+    plant = PlantedOOM(limit=2, text=CUDA_OOM)
+    callbacks = [plant, PlantedStepTime(clock, {8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}), AdaptiveBatchTuner(clock=clock),
+                 ThroughputMeter(clock=clock)]
+    train_with_tuning(plant.attach(make_trainer(tokenizer, tmp_path, callbacks, max_steps=20, bs=2, ga=4)))
+    m = measurements_from_run(str(tmp_path))
+    assert m.tune is not None and [d.kind for d in m.memory_limits] == ["oom"]
+    findings, notes = check(m)
+    n = {n.rule: n for n in notes}["small_micro_batch"]
+    assert n.title == "Batch split chosen by measurement" and "failed" not in n.text
+    assert "4×2 out of memory" in n.text and "kept the configured 2×4" in n.text
+    assert "No larger micro-batch is advised: micro-batch 4 ran out of memory at step" in n.text
+    measured = [t for t in m.tune.trials if t.median is not None]
+    assert measured and all(f"{t.split.micro_batch}×{t.split.grad_accum} {t.median:.3g} s over" in n.text
+                            for t in measured)
+    for f in findings:                                     # nothing at or above the micro-batch that ran out
+        assert f.setting.get("per_device_train_batch_size", 0) < 4

@@ -1,4 +1,4 @@
-"""Two GPUs, NCCL: ``accelerate launch --config_file recipes/accelerate/multi_gpu.yaml benchmarks/bench_ddp.py``.
+"""Two GPUs, NCCL: ``accelerate launch --config_file hf_perf_callbacks/recipes/accelerate/multi_gpu.yaml benchmarks/bench_ddp.py``.
 
 GRPO+LoRA on the 0.5B-shaped random model, bf16, DDP over two ranks:
 1. throughput is aggregated (global = sum over ranks, per device beside it) and logged once; the callbacks'
@@ -24,7 +24,7 @@ from hf_perf_callbacks import (AdaptiveBatchTuner, MemoryWatchdog, MPSCacheClear
                                train_with_tuning)
 from hf_perf_callbacks import throughput as throughput_module
 from hf_perf_callbacks.resize import agreement as agreement_module
-from hf_perf_callbacks.resize import probe as probe_module
+from hf_perf_callbacks.resize import callback as tuner_module
 from hf_perf_callbacks.device import gather_floats
 from hf_perf_callbacks import watchdog as watchdog_module
 
@@ -36,7 +36,7 @@ SHARED = f"/tmp/hf_perf_ddp/{os.getppid()}"  # one fresh directory per launch, s
 
 def count_collectives():
     """Count and time every cross-rank exchange the callbacks make (they all go through gather_floats)."""
-    for module in (throughput_module, watchdog_module, agreement_module, probe_module):
+    for module in (throughput_module, watchdog_module, agreement_module, tuner_module):
         original = module.gather_floats
 
         @functools.wraps(original)
@@ -126,8 +126,8 @@ def oom_on_rank1(steps: int, limit_gb: float) -> dict:
             "split": [args.per_device_train_batch_size, args.gradient_accumulation_steps],
             "effective_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * 2,
             "generation_batch": args.generation_batch_size, "seconds": time.perf_counter() - start,
-            "decisions": [{k: d.get(k) for k in ("kind", "step", "old", "new", "recovery_sec", "reason")}
-                          for d in tuner.decisions]}
+            "decisions": [{k: d.to_json()[k] for k in ("kind", "step", "old", "new", "recovery_sec", "reason")}
+                          for d in tuner.session.decisions]}
 
 
 def stop_on_rank1(steps: int) -> dict:
@@ -142,7 +142,7 @@ def stop_on_rank1(steps: int) -> dict:
 
 def main():
     count_collectives()
-    with open(os.path.join(RESULTS, "tuner.json")) as f:
+    with open(os.path.join(RESULTS, "tuner_sweep.json")) as f:
         peaks = {r["split"]: r["peak_gb"] for r in json.load(f)["sweep"] if "peak_gb" in r}
     limit = 0.5 * (peaks["16×2"] + peaks["32×1"])
     skip = set(sys.argv[1:])                   # e.g. "oom": run only the other scenarios

@@ -1,4 +1,4 @@
-"""Two GPUs, FSDP2: ``accelerate launch --config_file recipes/accelerate/fsdp.yaml benchmarks/bench_fsdp.py``.
+"""Two GPUs, FSDP2: ``accelerate launch --config_file hf_perf_callbacks/recipes/accelerate/fsdp.yaml benchmarks/bench_fsdp.py``.
 
 A plain ``Trainer`` full fine-tune of a Qwen2.5-0.5B-shaped model (random weights, built on the CPU as a user's
 model is before ``accelerator.prepare``), bf16, sharded by FSDP2 (the accelerate config's transformer-based wrap):
@@ -179,7 +179,7 @@ def resize_on_rank1() -> dict:
 
     out = os.path.join(SHARED, "resize")
     watchdog = MemoryWatchdog(limit_gb=7.0 if RANK == 1 else None, grace_steps=1)
-    tuner = AdaptiveBatchTuner()                  # probe on: under FSDP it is skipped, with the reason logged
+    tuner = AdaptiveBatchTuner()                  # tune on: under FSDP it is skipped, with the reason logged
     trainer = make(out, [ThroughputMeter(), watchdog, tuner], 4, 2, 6)
     if RANK == 1:
         watchdog.device = PlantedMemory(trainer.args)
@@ -194,8 +194,8 @@ def resize_on_rank1() -> dict:
               "seconds": time.perf_counter() - start,
               "split": [args.per_device_train_batch_size, args.gradient_accumulation_steps],
               "effective_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * world,
-              "decisions": [{k: d.get(k) for k in ("kind", "step", "old", "new", "recovery_sec")}
-                            for d in tuner.decisions],
+              "decisions": [{k: d.to_json()[k] for k in ("kind", "step", "old", "new", "recovery_sec")}
+                            for d in tuner.session.decisions],
               "actions": [a["action"] for a in watchdog.actions],
               "checkpoints": sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))}
     if RANK == 0:

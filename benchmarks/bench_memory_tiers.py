@@ -3,7 +3,7 @@
 
 For each model size (0.5B, 1.5B, 3B, 7B: the shapes of the public ``config.json`` files, written below; random
 weights built directly on the GPU in bf16, nothing downloaded), each distinct memory-relevant setting of the Mac
-recipes (``recipes/mac-*.yaml``: micro-batch, generation batch, LoRA rank and targets, activation checkpointing,
+recipes (``hf_perf_callbacks/recipes/mac-*.yaml``: micro-batch, generation batch, LoRA rank and targets, activation checkpointing,
 ``bf16``, ``pad_to_multiple_of``) and each ``max_completion_length`` (256, 512), a short GRPO + LoRA run
 (``--steps`` optimizer steps, completions forced to the maximum length with ``min_new_tokens``) records
 
@@ -33,9 +33,8 @@ import torch
 import yaml
 from common import GB, environment, table, tokenizer, write_result
 
-from hf_perf_callbacks import estimate
+from hf_perf_callbacks import estimate, recipes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: Hugging Face config keys of Qwen/Qwen2.5-{0.5B,1.5B,3B,7B}-Instruct (each model's config.json on the hub).
 QWEN25_CONFIGS = {
@@ -61,7 +60,7 @@ MEMORY_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "nu
 def mac_settings(pattern: str = "mac-*.yaml") -> list[dict]:
     """The distinct memory-relevant settings of the Mac recipes, each with the recipes that use it."""
     settings: dict[tuple, dict] = {}
-    for path in sorted(glob.glob(os.path.join(ROOT, "recipes", pattern))):
+    for path in sorted(glob.glob(os.path.join(recipes.DIR, pattern))):
         recipe = yaml.safe_load(open(path, encoding="utf-8"))
         values = {key: recipe.get(key) for key in MEMORY_KEYS}
         values["generation_batch"] = values["per_device_train_batch_size"] * values["gradient_accumulation_steps"]

@@ -18,11 +18,11 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--completion", type=int, default=32)
     p.add_argument("--limit_gb", type=float, default=None, help="default: between the 16×2 and 32×1 peaks of "
-                                                                   "results/tuner.json")
+                                                                   "results/tuner_sweep.json")
     a = p.parse_args()
     limit = a.limit_gb
     if limit is None:
-        with open(os.path.join(RESULTS, "tuner.json")) as f:
+        with open(os.path.join(RESULTS, "tuner_sweep.json")) as f:
             peaks = {r["split"]: r["peak_gb"] for r in json.load(f)["sweep"] if "peak_gb" in r}
         limit = 0.5 * (peaks["16×2"] + peaks["32×1"])
     total = torch.cuda.get_device_properties(0).total_memory
@@ -35,14 +35,15 @@ def main():
              if json.loads(x)["type"] == "step"]
     args = trainer.args
     final = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
-    result = {"memory_limit_gb": limit, "decisions": tuner.decisions, "final_split": final,
+    decisions = [d.to_json() for d in tuner.session.decisions]
+    result = {"memory_limit_gb": limit, "decisions": decisions, "final_split": final,
               "effective_batch": final[0] * final[1], "generation_batch": args.generation_batch_size,
               "reached_step": trainer.state.global_step, "max_steps": a.steps, "logged_steps": steps,
               "no_step_lost_or_repeated": steps == list(range(1, a.steps + 1)),
-              "recovery_sec": [d.get("recovery_sec") for d in tuner.decisions], "settings": vars(a)}
+              "recovery_sec": [d["recovery_sec"] for d in decisions], "settings": vars(a)}
     write_result("oom_recovery", result)
     print(table(["limit GB", "decisions", "final split", "effective", "reached", "steps intact", "OOM→next step s"],
-                [[limit, " ; ".join(f"{d['old']['micro_batch']}→{d['new']['micro_batch']}" for d in tuner.decisions),
+                [[limit, " ; ".join(f"{d['old']['micro_batch']}→{d['new']['micro_batch']}" for d in decisions),
                   f"{final[0]}×{final[1]}", final[0] * final[1], f"{trainer.state.global_step}/{a.steps}",
                   result["no_step_lost_or_repeated"],
                   ", ".join(f"{s:.2f}" for s in result["recovery_sec"] if s is not None)]]))

@@ -72,9 +72,10 @@ def smollm2(dtype=torch.bfloat16, device: str = "cuda"):
 
 def grpo_trainer(output_dir: str, callbacks: list, micro: int, accum: int, steps: int, completion: int = 64,
                  num_generations: int = 8, seed: int = 0, model=None, tokenizer_=None, conversational=False,
-                 **extra):
-    """GRPO + LoRA (r16, all linear layers), bf16, on Wordle prompts (chat messages when ``conversational``, for an
-    instruct model). Default model and tokenizer: :func:`qwen05_model` and :func:`tokenizer`."""
+                 peft: bool = True, **extra):
+    """GRPO + LoRA (r16, all linear layers; ``peft=False``: a full fine-tune), bf16, on Wordle prompts (chat
+    messages when ``conversational``, for an instruct model). Default model and tokenizer: :func:`qwen05_model` and
+    :func:`tokenizer`."""
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
@@ -89,7 +90,8 @@ def grpo_trainer(output_dir: str, callbacks: list, micro: int, accum: int, steps
     return GRPOTrainer(model=model or qwen05_model(seed), reward_funcs=wordle.REWARD_FUNCS,
                        args=GRPOConfig(**settings),
                        train_dataset=wordle.make_dataset(512, seed=seed, conversational=conversational),
-                       processing_class=tokenizer_ or tokenizer(), peft_config=lora, callbacks=callbacks)
+                       processing_class=tokenizer_ or tokenizer(), peft_config=lora if peft else None,
+                       callbacks=callbacks)
 
 
 class StepClock(TrainerCallback):

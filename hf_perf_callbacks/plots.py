@@ -79,7 +79,7 @@ class PlotData:
 
     @classmethod
     def of(cls, run: RunLog) -> PlotData:
-        split_file = read_split_file(run.output_dir) if run.output_dir else None
+        split_file = read_split_file(run.output_dir, session=run.header().session) if run.output_dir else None
         return cls(run, run.unique_steps(), figures(run), split_file)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:

@@ -287,18 +287,20 @@ class SplitFile:
         return next((w for w in self.written if w.step == step), None)
 
 
-def read_split_file(output_dir: str, warn: bool = True) -> SplitFile | None:
-    """``output_dir``'s split file; None when absent, or unreadable or off the schema (one warning naming why)."""
+def read_split_file(output_dir: str, warn: bool = True, session: str | None = None) -> SplitFile | None:
+    """``output_dir``'s split file; None when absent, or unreadable or off the schema (one warning naming why), or —
+    with ``session`` (the perf log's run) — when it is another run's record."""
     path = os.path.join(output_dir, SPLIT_FILE)
     if not os.path.exists(path):
         return None
     try:
         with open(path, encoding="utf-8") as f:
-            return SplitFile.from_json(json.load(f))
+            record = SplitFile.from_json(json.load(f))
     except (OSError, ValueError) as error:                  # SplitFileError and JSON errors are ValueErrors
         if warn:
             logger.warning("[tuner] ignoring %s: %s", path, error)
         return None
+    return record if session is None or record.session == session else None
 
 
 def check_split(split: Split, *, effective_batch: int, world_size: int,

@@ -1,20 +1,24 @@
 """Recipe launcher: GRPO + LoRA with the project's callbacks, configured by one YAML file.
 
 ```bash
-accelerate launch --config_file recipes/accelerate/mps.yaml -m hf_perf_callbacks.train \\
-    --config recipes/mac-16gb-qwen1.5b.yaml [--key value ...]
-python -m hf_perf_callbacks.train --config recipes/mac-16gb-qwen1.5b.yaml      # one process
-hf-perf train --config recipes/mac-16gb-qwen1.5b.yaml                          # same
+accelerate launch --config_file "$(hf-perf recipes path accelerate/mps)" -m hf_perf_callbacks.train \\
+    --config mac-16gb-qwen1.5b [--key value ...]
+python -m hf_perf_callbacks.train --config mac-16gb-qwen1.5b      # one process
+hf-perf train --config mac-16gb-qwen1.5b                          # same
+hf-perf train --config my.yaml                                    # a recipe file (a path that exists wins)
 ```
 
-Keys are fields of ``RecipeArguments`` (below), TRL's ``GRPOConfig`` and ``ModelConfig``; command-line flags
-override the YAML. Unknown keys, impossible batch geometry and precision the device lacks fail before the model
-loads, with the fix in the message.
+``--config`` takes a packaged recipe's name (:mod:`hf_perf_callbacks.recipes`) or a YAML file. Keys are fields of
+``RecipeArguments`` (below), TRL's ``GRPOConfig`` and ``ModelConfig`` (TRL's ``TrlParser`` over the three);
+command-line flags override the YAML. Unknown keys, values of the wrong type, impossible batch geometry and
+precision the device lacks fail before the model loads, with the fix in the message; so do a model that cannot be
+loaded and a trainer that refuses its arguments, before training starts: one line, exit 2.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import importlib
 import json
 import logging
@@ -22,9 +26,12 @@ import math
 import os
 import sys
 import time
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from . import recipes
 from .batching import Split
 from .splitfile import split_for_run
 
@@ -47,7 +54,7 @@ class RecipeArguments:
 
     callbacks: list[str] = field(default_factory=lambda: list(DEFAULT_CALLBACKS), metadata={
         "help": "callback class names from hf_perf_callbacks (or dotted paths of TrainerCallback classes); "
-                "'none' for no callbacks"})
+                "'none' for no callbacks; default: all four"})
     callback_kwargs: dict | str | None = field(default=None, metadata={
         "help": "keyword arguments per callback class name, e.g. {MemoryWatchdog: {limit_gb: 12}} (JSON on the "
                 "command line)"})
@@ -68,11 +75,37 @@ class RecipeArguments:
 
 
 # ---------------------------------------------------------------- parsing and validation
+#: a quick trial of any recipe: two optimizer steps (too few for the tuner to try another split: it costs nothing),
+#: completions cut at 32 tokens, its own output_dir
+QUICK_TRIAL = "--max_steps 2 --max_completion_length 32 --output_dir runs/trial"
+
+
 def make_parser():
-    """``TrlParser`` over ``(RecipeArguments, GRPOConfig, ModelConfig)``."""
+    """``TrlParser`` over ``(RecipeArguments, GRPOConfig, ModelConfig)``; a value argparse cannot convert raises
+    :class:`RecipeError` (one line) instead of printing the whole usage and exiting."""
     from trl import GRPOConfig, ModelConfig, TrlParser
 
-    return TrlParser((RecipeArguments, GRPOConfig, ModelConfig), prog="python -m hf_perf_callbacks.train")
+    class RecipeParser(TrlParser):
+        def error(self, message):
+            raise RecipeError(message)
+
+    return RecipeParser((RecipeArguments, GRPOConfig, ModelConfig), prog="python -m hf_perf_callbacks.train")
+
+
+def launcher_help() -> str:
+    """The launcher's own keys (``RecipeArguments``) with their defaults, and the quick-trial flags."""
+    import textwrap
+
+    lines = ["the launcher's own keys (besides every GRPOConfig and ModelConfig field):"]
+    for f in dataclasses.fields(RecipeArguments):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        flags = f"--{f.name}" + (f" / --no_{f.name}" if default is True else "")
+        shown = f" (default {default!r})" if len(repr(default)) < 60 else ""
+        lines.append(f"  {flags}{shown}")
+        lines += textwrap.wrap(f.metadata["help"], 110, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    lines += ["", f"a quick trial of any recipe: hf-perf train --config NAME {QUICK_TRIAL}",
+              "`python -m hf_perf_callbacks.train --help` lists every key (over a thousand lines)."]
+    return "\n".join(lines)
 
 
 def field_names() -> list[str]:
@@ -97,7 +130,8 @@ def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
         arg = argv[i]
         if arg == "--config":
             if i + 1 >= len(argv):
-                raise RecipeError("--config needs a path to a recipe YAML file")
+                raise RecipeError("--config needs a packaged recipe's name (hf-perf recipes lists them) or a "
+                                  "recipe YAML file")
             path, i = argv[i + 1], i + 2
             continue
         if arg.startswith("--config="):
@@ -141,6 +175,48 @@ def check_keys(parser, config: Mapping, args: list[str], source: str = "recipe")
     if problems:
         raise RecipeError("; ".join(problems) + ". Valid keys are the fields of RecipeArguments, GRPOConfig and "
                           "ModelConfig (python -m hf_perf_callbacks.train --help lists them).")
+
+
+def _expected(hint) -> tuple:
+    """``(test, words)`` for a field's annotation: a test of a YAML value and what it expects, in words. A type not
+    known here (``ParallelismConfig``) passes: the library checks it."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_expected(arg) for arg in args]
+        words = [w for _, w in parts]
+        return (lambda v: any(test(v) for test, _ in parts)), ", ".join(words[:-1]) + f" or {words[-1]}"
+    if origin is typing.Literal:
+        return (lambda v: v in args), "one of " + ", ".join(map(repr, args))
+    if origin is list or hint is list:
+        item, words = _expected(args[0]) if args else ((lambda v: True), "anything")
+        plural = {"a string": "strings", "an integer": "integers", "a number": "numbers"}.get(words, words)
+        return (lambda v: isinstance(v, list) and all(map(item, v))), f"a list of {plural}"
+    if origin is dict or hint is dict:
+        return (lambda v: isinstance(v, dict)), "a mapping"
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        values = [member.value for member in hint]
+        return (lambda v: isinstance(v, hint) or v in values), "one of " + ", ".join(map(str, values))
+    scalars = {type(None): (lambda v: v is None, "null"), bool: (lambda v: isinstance(v, bool), "true or false"),
+               int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+               float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+               str: (lambda v: isinstance(v, str), "a string")}
+    return scalars.get(hint, ((lambda v: True), getattr(hint, "__name__", str(hint))))
+
+
+def check_values(config: Mapping, source: str = "recipe") -> None:
+    """Fail on YAML values of the wrong type (``callbacks: 5``, ``max_steps: 2.5``, ``output_dir: [a]``), each
+    named with the type its field declares. Strings are left to argparse, which converts them as it converts flags."""
+    from trl import GRPOConfig, ModelConfig
+
+    hints = {}
+    for cls in (ModelConfig, GRPOConfig, RecipeArguments):
+        hints.update(typing.get_type_hints(cls))
+    expected = {key: _expected(hints[key]) for key, value in config.items()
+                if key != "env" and key in hints and not isinstance(value, str)}
+    problems = [f"{key}={config[key]!r} is not allowed: expected {words}"
+                for key, (test, words) in expected.items() if not test(config[key])]
+    if problems:
+        raise RecipeError(f"{source}: " + "; ".join(problems))
 
 
 def raw_values(parser, config: Mapping, args: list[str]) -> dict:
@@ -187,6 +263,7 @@ def _as_dict(value, name: str) -> dict:
 def _bf16_fix(kind: str) -> str:
     return {"mps": "set bf16: false and dtype: float16 or float32 (bf16 on MPS needs macOS 14)",
             "cuda": "set bf16: false, fp16: true and dtype: float16 (bf16 needs an Ampere or newer GPU)",
+            "xpu": "set bf16: false and dtype: float16 or float32",
             }.get(kind, "set use_cpu: true to train on the CPU, or bf16: false and dtype: float32")
 
 
@@ -237,6 +314,9 @@ def check_recipe(values: Mapping, *, device: str, bf16_supported: bool, device_n
     ``device_map: auto`` on MPS. ``values`` are the merged recipe values (see :func:`raw_values`)."""
     device_name = device_name or device
     gbs = check_batch_geometry(values, world_size)
+    length = values.get("max_completion_length")
+    if length is not None and (not isinstance(length, int) or length < 1):
+        raise RecipeError(f"max_completion_length={length!r} is not allowed: expected an integer >= 1")
 
     if values.get("eval_dataset_size", 0) and values.get("eval_strategy", "no") != "no":
         ngen = values.get("num_generations_eval") or values["num_generations"]
@@ -254,18 +334,18 @@ def check_recipe(values: Mapping, *, device: str, bf16_supported: bool, device_n
                               f"{prompts} prompts ({gbs} completions / num_generations {values['num_generations']})")
 
     if not bf16_supported and not values.get("use_cpu"):
+        where = (f"but {device_name} has no bf16" if device != "cpu" else
+                 "on a machine without a GPU, and use_cpu is not set (a recipe for a GPU or a Mac?)")
         bf16 = values.get("bf16")
         wants_amp = (not values.get("fp16")) if bf16 is None else bf16
         if wants_amp or values.get("bf16_full_eval"):
             how = "bf16: true" if bf16 else "bf16 unset (TRL then turns bf16 on)"
-            raise RecipeError(f"bf16 mixed precision is requested ({how}) but {device_name} has no bf16: "
-                              f"{_bf16_fix(device)}")
-        if device in ("mps", "cuda") and str(values.get("dtype")) == "bfloat16":
-            raise RecipeError(f"dtype: bfloat16 loads the weights in bf16 but {device_name} has no bf16: "
-                              f"{_bf16_fix(device)}")
+            raise RecipeError(f"bf16 mixed precision is requested ({how}) {where}: {_bf16_fix(device)}")
+        if str(values.get("dtype")) == "bfloat16":
+            raise RecipeError(f"dtype: bfloat16 loads the weights in bf16 {where}: {_bf16_fix(device)}")
         if accelerate_mixed_precision == "bf16":
-            raise RecipeError(f"the accelerate config sets mixed_precision: bf16 but {device_name} has no bf16: "
-                              f"launch with --mixed_precision no (or recipes/accelerate/mps.yaml)")
+            raise RecipeError(f"the accelerate config sets mixed_precision: bf16 {where}: launch with "
+                              f"--mixed_precision no")
 
     if device == "mps" and not values.get("use_cpu"):
         init_kwargs = _as_dict(values.get("model_init_kwargs"), "model_init_kwargs")
@@ -339,9 +419,11 @@ def parse_recipe(argv: list[str]):
     """Validate and parse ``argv`` into ``(RecipeArguments, GRPOConfig, ModelConfig)``; a :class:`RecipeError`
     comes before anything heavy (distributed init, model, data) happens."""
     config_path, rest = _split_config(argv)
+    config_path = recipes.resolve(config_path) if config_path else None
     config = read_recipe(config_path) if config_path else {}
     parser = make_parser()
     check_keys(parser, config, rest, source=config_path or "recipe")
+    check_values(config, source=config_path or "recipe")
     values = raw_values(parser, config, rest)
     split = split_to_resume(values, world_size_from_env())
     if split:
@@ -354,7 +436,7 @@ def parse_recipe(argv: list[str]):
     if os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16" and values.get("bf16") is False:
         logger.warning("the accelerate config sets mixed_precision: bf16, which overrides bf16: false in the recipe "
                        "(training then runs under bf16 autocast); launch with --mixed_precision no, or "
-                       "recipes/accelerate/mps.yaml, to keep the recipe's precision")
+                       "hf-perf recipes path accelerate/mps, to keep the recipe's precision")
 
     args = ["--config", config_path, *rest] if config_path else rest
     recipe, training_args, model_args = make_parser().parse_args_and_config(args)
@@ -497,9 +579,19 @@ def build_tokenizer(model_args, training_args):
 
     if not model_args.model_name_or_path:
         raise RecipeError("model_name_or_path is not set: name a hub model or a local directory")
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
-                                              trust_remote_code=trust_remote_code(model_args, training_args),
-                                              padding_side="left", truncation_side="left")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
+                                                  trust_remote_code=trust_remote_code(model_args, training_args),
+                                                  padding_side="left", truncation_side="left")
+    except OSError as error:                           # no such folder, no such hub model, offline without a copy
+        name = model_args.model_name_or_path
+        if not os.path.isdir(name) and (os.path.isabs(name) or name.startswith(("./", "../", "~")) or
+                                        name.count("/") > 1):
+            reason = "no such folder"
+        else:
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise RecipeError(f"model_name_or_path={name!r} cannot be loaded ({reason}): name a local model folder or a "
+                          f"hub model id") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -541,7 +633,7 @@ def _describe(recipe, args, model_args, callbacks) -> str:
 def _report(output_dir: str) -> None:
     """End-of-run report; a failure here is logged and does not fail the finished run."""
     try:
-        from .cli import report_command
+        from .run_report import report_command
 
         report_command(output_dir)
     except Exception:                                  # training and checkpoints are already saved
@@ -576,10 +668,13 @@ def run(recipe: RecipeArguments, training_args, model_args) -> int:
     if eval_data is not None and training_args.eval_strategy == "no":
         logger.warning("eval_dataset_size=%d but eval_strategy is 'no': set eval_strategy: steps to evaluate",
                        recipe.eval_dataset_size)
-    trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=training_args, train_dataset=train_data,
-                          eval_dataset=eval_data, processing_class=tokenizer,
-                          peft_config=get_peft_config(model_args) if model_args.use_peft else None,
-                          callbacks=callbacks)
+    try:
+        trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=training_args, train_dataset=train_data,
+                              eval_dataset=eval_data, processing_class=tokenizer,
+                              peft_config=get_peft_config(model_args) if model_args.use_peft else None,
+                              callbacks=callbacks)
+    except ValueError as error:                        # TRL's and transformers' checks of the arguments
+        raise RecipeError(f"GRPOTrainer refused the recipe: {error}") from None
     if trainer.is_world_process_zero():
         logger.info(_describe(recipe, training_args, model_args, callbacks))
 

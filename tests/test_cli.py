@@ -1,5 +1,6 @@
 """hf-perf argument handling: demo unchanged, train forwards to the launcher, report prints the summary and
-writes the plots and the analysis (on a real demo run)."""
+writes the plots and the analysis (on a real demo run), and the analysis without matplotlib. (``hf-perf recipes``:
+tests/test_packaging.py.)"""
 import os
 import subprocess
 import sys
@@ -27,7 +28,7 @@ def test_demo_arguments_are_unchanged(capsys):
 def test_train_forwards_everything_after_the_command(monkeypatch):
     seen = {}
     monkeypatch.setattr(train, "main", lambda argv: seen.setdefault("argv", argv) and 0)
-    argv = ["--config", "recipes/mac-16gb-qwen1.5b.yaml", "--max_steps", "3", "--help_me", "x"]
+    argv = ["--config", "mac-16gb-qwen1.5b", "--max_steps", "3", "--help_me", "x"]
     assert cli.main(["train", *argv]) == 0
     assert seen["argv"] == argv
 
@@ -35,7 +36,7 @@ def test_train_forwards_everything_after_the_command(monkeypatch):
 def test_train_help_points_to_accelerate(capsys):
     assert cli.main(["train", "--help"]) == 0
     out = capsys.readouterr().out
-    assert "accelerate launch" in out and "-m hf_perf_callbacks.train" in out
+    assert "accelerate launch" in out and "-m hf_perf_callbacks.train" in out and "hf-perf recipes" in out
 
 
 def test_train_without_arguments_prints_usage(capsys):
@@ -97,6 +98,22 @@ def test_report_without_plots(demo_run, capsys, tmp_path):
     assert not os.path.exists(os.path.join(run, "plots")) and os.path.exists(os.path.join(run, "perf_report.md"))
 
 
+def test_report_without_matplotlib_writes_the_analysis_and_says_so_once(demo_run, capsys, tmp_path, monkeypatch):
+    """The written analysis needs no plotting: without matplotlib the plots are skipped with one line naming the
+    extra and --no-plots, and the report succeeds."""
+    import shutil
+
+    run = str(tmp_path / "run")
+    shutil.copytree(demo_run, run, ignore=shutil.ignore_patterns("plots", "perf_report.md"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)          # import matplotlib now raises ImportError
+    assert cli.main(["report", run]) == 0
+    captured = capsys.readouterr()
+    said = [line for line in (captured.out + captured.err).splitlines() if "matplotlib" in line.replace(run, "")]
+    assert len(said) == 1 and "pip install 'hf-perf-callbacks[plots]'" in said[0] and "--no-plots" in said[0]
+    assert "plots=False" not in captured.out + captured.err and "== Performance analysis ==" in captured.out
+    assert os.path.exists(os.path.join(run, "perf_report.md")) and not os.path.exists(os.path.join(run, "plots"))
+
+
 def test_report_needs_a_directory(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["report"])
@@ -110,9 +127,9 @@ def test_module_entry_point_runs_train_help():
 
 
 def test_help_imports_neither_torch_nor_transformers():
-    """`hf-perf --help` and `hf-perf report --help` answer from the standard library alone."""
+    """`hf-perf --help`, `hf-perf report --help` and the recipe listing answer without the training stack."""
     code = ("import runpy, sys\n"
-            "for argv in (['--help'], ['report', '--help']):\n"
+            "for argv in (['--help'], ['report', '--help'], ['recipes']):\n"
             "    sys.argv = ['hf-perf', *argv]\n"
             "    try:\n"
             "        runpy.run_module('hf_perf_callbacks', run_name='__main__')\n"
@@ -123,7 +140,7 @@ def test_help_imports_neither_torch_nor_transformers():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr
-    assert "usage: hf-perf" in proc.stdout and "output_dir" in proc.stdout
+    assert "usage: hf-perf" in proc.stdout and "output_dir" in proc.stdout and "mac-16gb-qwen1.5b" in proc.stdout
     assert "HEAVY []" in proc.stdout
 
 

@@ -2,7 +2,6 @@
 tiny local model (CPU, offline) through ``train.main`` in this process, and one under ``accelerate launch``; the DDP
 and FSDP recipes run on 2 CPU processes (the launched runs are marked ``launch``); typos and impossible combinations
 fail early with the fix."""
-import glob
 import json
 import os
 import re
@@ -14,15 +13,14 @@ import sys
 import pytest
 import yaml
 
-from hf_perf_callbacks import train
+from hf_perf_callbacks import recipes, train
 from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.splitfile import SplitFile, read_split_file
 from hf_perf_callbacks.tasks import wordle
 from hf_perf_callbacks.tiny import save_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
-NAMES = [os.path.basename(path)[:-5] for path in RECIPES]
+NAMES = recipes.recipe_names()
 SINGLE = [name for name in NAMES if "ddp" not in name and "fsdp" not in name]
 ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 CPU = ["--use_cpu", "true", "--bf16", "false", "--dtype", "float32", "--max_completion_length", "8",
@@ -30,7 +28,7 @@ CPU = ["--use_cpu", "true", "--bf16", "false", "--dtype", "float32", "--max_comp
 
 
 def recipe_path(name):
-    return os.path.join(ROOT, "recipes", f"{name}.yaml")
+    return recipes.path(name)
 
 
 def target(name):
@@ -119,12 +117,12 @@ def test_every_non_default_line_says_why(name):
 
 
 MAC_TIERS = ("mac-16gb-qwen1.5b", "mac-32gb-qwen3b", "mac-64gb-qwen7b")
-MPS_DRIVER_FACTOR = 2        # MPS driver memory / CUDA allocator peak the tiers assume (recipes/README.md)
+MPS_DRIVER_FACTOR = 2        # MPS driver memory / CUDA allocator peak the tiers assume (the recipes' README.md)
 TIER_MARGIN = 0.15           # what 2 × the estimate must leave of the budget
 
 
 def tier_estimate(recipe: dict, model_name: str) -> float:
-    """The recipe's estimated peak (GiB) with ``model_name`` in place of its model: recipes/README.md's inputs."""
+    """The recipe's estimated peak (GiB) with ``model_name`` in place of its model: the recipes' README.md's inputs."""
     from hf_perf_callbacks.estimate import QWEN25, estimate_grpo_memory, lora_param_count
 
     m = QWEN25[model_name]
@@ -167,7 +165,7 @@ def test_each_mac_tier_runs_the_largest_model_that_fits(name):
 
 
 def test_readme_tier_table_matches_the_recipes():
-    text = open(os.path.join(ROOT, "recipes", "README.md"), encoding="utf-8").read()
+    text = open(os.path.join(recipes.DIR, "README.md"), encoding="utf-8").read()
     rows = re.findall(r"^\| (\d+) GB \| (Qwen2\.5-[\w.-]+) \| (\d+) × (\d+) \| ([\d.]+) \| ([^|]+) \| ([\d.]+) \| "
                       r"(\d+) \| (\d+) % \|", text, flags=re.M)
     assert len(rows) == len(MAC_TIERS)
@@ -184,7 +182,7 @@ def test_readme_tier_table_matches_the_recipes():
 
 
 def test_accelerate_configs():
-    load = lambda n: yaml.safe_load(open(os.path.join(ROOT, "recipes", "accelerate", f"{n}.yaml")))  # noqa: E731
+    load = lambda n: yaml.safe_load(open(recipes.path(f"accelerate/{n}")))  # noqa: E731
     mps, single, multi = load("mps"), load("single_gpu"), load("multi_gpu")
     assert (mps["distributed_type"], mps["num_processes"], mps["mixed_precision"]) == ("NO", 1, "no")
     assert (single["distributed_type"], single["num_processes"]) == ("NO", 1)
@@ -192,7 +190,7 @@ def test_accelerate_configs():
 
 
 # ---------------------------------------------------------------- 2 optimizer steps on a tiny model (CPU)
-#: the recipe that also runs under `accelerate launch`; it runs the whole path (tuner probe and report), the others
+#: the recipe that also runs under `accelerate launch`; it runs the whole path (tuner and report), the others
 #: skip both to stay fast
 FULL = "mac-16gb-qwen1.5b"
 
@@ -206,7 +204,7 @@ def recipe_flags(name, tiny_model, out) -> list[str]:
 
 def check_trained(out, name, world_size=1) -> list[dict]:
     """:func:`check_run`, and the recipe's own batch split trained with a finite loss; for the full path, the tuner's
-    probe decision and the report."""
+    tuning decision and the report."""
     steps = check_run(out, world_size)
     recipe = train.read_recipe(recipe_path(name))
     effective = recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"] * world_size
@@ -276,7 +274,7 @@ def test_ddp_recipe_runs_on_two_cpu_processes(tiny_model, tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    launch([ACCELERATE, "launch", "--config_file", os.path.join(ROOT, "recipes", "accelerate", "multi_gpu.yaml"),
+    launch([ACCELERATE, "launch", "--config_file", recipes.path("accelerate/multi_gpu"),
             "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
             "-m", "hf_perf_callbacks.train", "--config", recipe_path("cuda-ddp-qwen1.5b"),
             "--model_name_or_path", tiny_model, "--output_dir", str(out), *CPU, "--tune", "false",
@@ -289,7 +287,7 @@ def test_ddp_recipe_runs_on_two_cpu_processes(tiny_model, tmp_path):
 
 
 def test_fsdp_accelerate_config():
-    fsdp = yaml.safe_load(open(os.path.join(ROOT, "recipes", "accelerate", "fsdp.yaml")))
+    fsdp = yaml.safe_load(open(recipes.path("accelerate/fsdp")))
     assert (fsdp["distributed_type"], fsdp["num_processes"], fsdp["mixed_precision"]) == ("FSDP", 2, "bf16")
     config = fsdp["fsdp_config"]
     assert config["fsdp_version"] == 2 and config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
@@ -304,7 +302,7 @@ def test_the_fsdp_recipe_needs_sharding_and_fits_when_sharded():
     from hf_perf_callbacks.estimate import QWEN25, estimate_grpo_memory
 
     values = values_of(train.read_recipe(recipe_path("cuda-fsdp-qwen7b")))
-    gpus = yaml.safe_load(open(os.path.join(ROOT, "recipes", "accelerate", "fsdp.yaml")))["num_processes"]
+    gpus = yaml.safe_load(open(recipes.path("accelerate/fsdp")))["num_processes"]
     settings = dict(micro_batch=values["per_device_train_batch_size"], num_generations=values["num_generations"],
                     generation_batch=values["per_device_train_batch_size"] * values["gradient_accumulation_steps"],
                     prompt_tokens=200, max_completion_length=values["max_completion_length"], dtype_bytes=2,
@@ -332,7 +330,7 @@ def test_fsdp_recipe_runs_on_two_cpu_processes(tiny_model, tmp_path, monkeypatch
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     monkeypatch.setenv("PYTHONPATH", f"{shim}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    launch([ACCELERATE, "launch", "--config_file", os.path.join(ROOT, "recipes", "accelerate", "fsdp.yaml"),
+    launch([ACCELERATE, "launch", "--config_file", recipes.path("accelerate/fsdp"),
             "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
             "-m", "hf_perf_callbacks.train", "--config", recipe_path("cuda-fsdp-qwen7b"),
             "--model_name_or_path", tiny_model, "--output_dir", str(out), *CPU, "--save_steps", "2",
@@ -636,9 +634,144 @@ def test_wordle_datasets_follow_the_sizes():
 def test_a_failing_report_does_not_fail_the_finished_run(monkeypatch, caplog):
     def broken(output_dir, plots=True):
         raise RuntimeError("plot backend missing")
-    from hf_perf_callbacks import cli
+    from hf_perf_callbacks import run_report
 
-    monkeypatch.setattr(cli, "report_command", broken)
+    monkeypatch.setattr(run_report, "report_command", broken)
     with caplog.at_level("ERROR", logger="hf_perf_callbacks.train"):
         train._report("runs/x")
     assert "hf-perf report runs/x" in caplog.text
+
+
+# ---------------------------------------------------------------- bf16 on every device kind
+@pytest.mark.parametrize("device, fix", [("cpu", "set use_cpu: true"), ("mps", "macOS 14"), ("cuda", "Ampere"),
+                                         ("xpu", "dtype: float16 or float32")])
+def test_bf16_weights_on_a_device_without_bf16(device, fix):
+    values = values_of({"bf16": False, "dtype": "bfloat16"})
+    with pytest.raises(train.RecipeError, match=f"dtype: bfloat16 loads the weights in bf16 .*{re.escape(fix)}"):
+        train.check_recipe(values, device=device, bf16_supported=False)
+    train.check_recipe(values, device=device, bf16_supported=True)
+    train.check_recipe(values_of({"bf16": False, "dtype": "bfloat16", "use_cpu": True}), device=device,
+                       bf16_supported=False)                    # the CPU chosen on purpose: bf16 is its business
+
+
+@pytest.mark.parametrize("kind, bf16, expected", [
+    ("mps", True, ("mps", True, "Apple MPS")),
+    ("mps", False, ("mps", False, "Apple MPS on macOS older than 14")),
+    ("cuda", True, ("cuda", True, "CUDA GPU NVIDIA H100 80GB HBM3")),
+    ("cuda", False, ("cuda", False, "CUDA GPU NVIDIA H100 80GB HBM3"))])
+def test_each_device_kind_is_detected(kind, bf16, expected, monkeypatch):
+    """No GPU or Mac here: a DeviceLayer posing as one (its type, name and bf16 answer) stands in."""
+    from hf_perf_callbacks import device
+
+    class FakeDevice(device.DeviceLayer):
+        def __init__(self):
+            super().__init__("cpu")
+            self.type, self._name = kind, "NVIDIA H100 80GB HBM3"
+
+        def bf16_supported(self):
+            return bf16
+
+    monkeypatch.setattr(device, "DeviceLayer", FakeDevice)
+    assert train.detect_device() == expected
+    assert train.detect_device(use_cpu=True)[:2] == ("cpu", True)
+
+
+def test_a_cpu_only_machine_without_use_cpu_is_detected_as_such():
+    import torch
+
+    if torch.cuda.is_available() or torch.backends.mps.is_available():
+        pytest.skip("this machine has an accelerator")
+    kind, bf16, _ = train.detect_device()
+    assert (kind, bf16) == ("cpu", False)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_recipe_on_this_cpu_without_use_cpu_is_refused(name, tmp_path, capsys, nothing_heavy, monkeypatch):
+    """The README's promise: a recipe's bf16 (weights or autocast) on a machine without a GPU and without
+    ``use_cpu: true`` stops before the model loads, naming use_cpu (the Mac recipes train bf16 weights without
+    autocast; the CUDA ones set bf16: true)."""
+    import torch
+
+    if torch.cuda.is_available() or torch.backends.mps.is_available():
+        pytest.skip("this machine has an accelerator")
+    for key in ("ACCELERATE_MIXED_PRECISION", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    assert train.main(["--config", name, "--output_dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "on a machine without a GPU, and use_cpu is not set" in err and "set use_cpu: true" in err
+
+
+# ---------------------------------------------------------------- malformed values: one line, exit 2
+MALFORMED = [
+    ({"callbacks": 5}, "callbacks=5 is not allowed: expected a list of strings"),
+    ({"callbacks": [1, 2]}, "callbacks=[1, 2] is not allowed"),
+    ({"reward_funcs": 3}, "reward_funcs=3 is not allowed: expected a list of strings"),
+    ({"callback_kwargs": [1]}, "callback_kwargs=[1] is not allowed: expected a mapping, a string or null"),
+    ({"callback_kwargs": {"MemoryWatchdog": 5}}, "callback_kwargs['MemoryWatchdog']=5 is not allowed"),
+    ({"dataset": 5}, "dataset=5 is not allowed: expected a string"),
+    ({"dataset_size": -1}, "dataset_size=-1 is too small"),
+    ({"max_steps": "abc"}, "argument --max_steps/--max-steps: invalid int value: 'abc'"),
+    ({"max_steps": 2.5}, "max_steps=2.5 is not allowed: expected an integer"),
+    ({"learning_rate": "fast"}, "invalid float value: 'fast'"),
+    ({"tune": "maybe"}, "argument --tune: Truthy value expected: got maybe"),
+    ({"output_dir": 5}, "output_dir=5 is not allowed: expected a string or null"),
+    ({"lora_target_modules": 5}, "lora_target_modules=5 is not allowed: expected a list of strings or null"),
+    ({"max_completion_length": -5}, "max_completion_length=-5 is not allowed: expected an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("change, message", MALFORMED, ids=[next(iter(c)) + "=" + repr(next(iter(c.values())))
+                                                              for c, _ in MALFORMED])
+def test_a_malformed_value_is_one_line(change, message, tmp_path, capsys, nothing_heavy):
+    assert train.main(["--config", write_recipe(tmp_path, **change), "--use_cpu", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("hf_perf_callbacks.train: error: ") and message in err
+
+
+def test_a_malformed_flag_is_one_line(tmp_path, capsys, nothing_heavy):
+    """argparse's own errors (a flag's value it cannot convert) without the thousand-line usage."""
+    assert train.main(["--config", write_recipe(tmp_path), "--use_cpu", "true", "--num_generations", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--num_generations" in err and "usage" not in err
+
+
+@pytest.mark.parametrize("model, reason", [("/no/such/model", "no such folder"), ("./missing", "no such folder"),
+                                           ("nobody/no-such-model", "")])
+def test_a_model_that_cannot_be_loaded_is_one_line(model, reason, tmp_path, capsys, nothing_heavy,
+                                                   launcher_process):
+    assert train.main(["--config", write_recipe(tmp_path), "--use_cpu", "true", "--model_name_or_path", model,
+                       "--callbacks", "none", "--output_dir", str(tmp_path / "o")]) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert f"model_name_or_path={model!r} cannot be loaded ({reason}" in line and "hub model id" in line
+
+
+# ---------------------------------------------------------------- the quick trial, TRL's CLI
+@pytest.mark.parametrize("name", NAMES)
+def test_the_quick_trial_flags_apply_to_every_recipe(name, tmp_path):
+    recipe, args, _ = train.parse_recipe(["--config", name, "--use_cpu", "true", "--bf16", "false",
+                                          *train.QUICK_TRIAL.split()])
+    assert (args.max_steps, args.max_completion_length, recipe.tune) == (2, 32, True)   # too short to tune: free
+
+
+def test_train_help_lists_the_launcher_keys_and_the_quick_trial(capsys):
+    from hf_perf_callbacks import cli
+
+    assert cli.main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--tune / --no_tune" in out and "--callback_kwargs" in out and train.QUICK_TRIAL in out
+    assert len(out.splitlines()) < 40
+
+
+def test_trl_grpo_cli_cannot_take_a_recipe():
+    """What the recipes README says of ``trl grpo --config RECIPE`` (TRL's own CLI): its parser knows none of the
+    launcher's keys and hands them on to ``accelerate launch`` as launch flags; its script has no callbacks option."""
+    import dataclasses
+
+    from trl.scripts import grpo
+
+    *_, config_rest, cli_rest = grpo.make_parser(prog="trl grpo").parse_args_and_config(
+        ["--config", recipe_path("mac-16gb-qwen1.5b")], return_remaining_strings=True,
+        separate_remaining_strings=True)
+    flags = {arg for arg in config_rest if arg.startswith("--")}
+    assert flags == {"--dataset", "--dataset_size", "--callbacks", "--callback_kwargs"} and not cli_rest
+    assert not any("callback" in f.name for f in dataclasses.fields(grpo.GRPOScriptArguments))

@@ -7,9 +7,9 @@ import shutil
 import numpy as np
 import pytest
 
-from hf_perf_callbacks.cli import report_command
 from hf_perf_callbacks.plots import write_plots
 from hf_perf_callbacks.report import summarize
+from hf_perf_callbacks.run_report import report_command
 from hf_perf_callbacks.runlog import PERF_LOG, ReportError, read_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

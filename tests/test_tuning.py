@@ -39,30 +39,46 @@ def test_judge_needs_every_sample_faster_at_three_against_three():
 def test_on_equal_splits_noise_alone_rarely_keeps_another_split():
     """Over 200 planted runs of four equal splits with 20% noise (each candidate looked at up to 3 times, two
     candidates tried), noise alone keeps another split at most as often as the significance level allows for
-    two candidates; a split 20% faster is found nine times in ten."""
+    two candidates; the largest split 20% faster is found nine times in ten, a middle one with ``patience=2``."""
     equal = sum(drive({8: 100.0, 4: 100.0, 2: 100.0, 1: 100.0}, noise=0.2, seed=seed)[0].done.split != SPLITS[2]
                 for seed in range(200))
-    faster = sum(drive({8: 100.0, 4: 80.0, 2: 100.0, 1: 100.0}, noise=0.2, seed=seed)[0].done.split == SPLITS[4]
+    faster = sum(drive({8: 80.0, 4: 100.0, 2: 100.0, 1: 100.0}, noise=0.2, seed=seed)[0].done.split == SPLITS[8]
                  for seed in range(200))
-    assert equal / 200 <= 2 * 0.05 and faster / 200 >= 0.9
+    middle = sum(drive({8: 100.0, 4: 80.0, 2: 100.0, 1: 100.0}, noise=0.2, seed=seed, patience=2)[0].done.split
+                 == SPLITS[4] for seed in range(200))
+    assert equal / 200 <= 2 * 0.05 and faster / 200 >= 0.9 and middle / 200 >= 0.8
 
 
-def test_a_faster_larger_split_is_kept_and_the_walk_goes_on_from_it():
+def test_the_largest_faster_split_is_tried_first_and_kept():
     tuning, ran, switches = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0})
     assert tuning.done.split == SPLITS[8]
-    assert switches == [5, 10]                                  # a warm-up step and 4 samples per split
-    assert ran[:15] == [2] * 5 + [4] * 5 + [8] * 5 and set(ran[15:]) == {8}
+    assert switches == [5]                                      # a warm-up step and 4 samples per split
+    assert ran[:10] == [2] * 5 + [8] * 5 and set(ran[10:]) == {8}
     trials = {t.split.micro_batch: t for t in tuning.trial_list()}
-    assert trials[2].steps == [2, 3, 4, 5] and trials[4].steps == [7, 8, 9, 10] and trials[8].steps == [12, 13, 14, 15]
-    assert trials[4].p_value == pytest.approx(1 / 70) and trials[8].gain == pytest.approx(0.5)
-    assert 1 not in trials                                      # a larger split was kept: smaller ones are not tried
+    assert trials[2].steps == [2, 3, 4, 5] and trials[8].steps == [7, 8, 9, 10]
+    assert trials[8].p_value == pytest.approx(1 / 70) and trials[8].gain == pytest.approx(0.75)
+    assert set(trials) == {2, 8}                  # the largest was kept: neither 4×2 nor smaller ones are tried
     assert "8×1 faster than 2×4 beyond the noise" in tuning.done.reason
 
 
+def test_a_largest_split_that_does_not_fit_makes_way_for_the_next_largest():
+    tuning, ran, switches = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}, fits=lambda split: split.micro_batch <= 4)
+    trials = {t.split.micro_batch: t for t in tuning.trial_list()}
+    assert trials[8].fits is False and len(trials[8].samples) == 1 and "over the budget" in trials[8].error
+    assert tuning.done.split == SPLITS[4] and set(ran[-5:]) == {4}
+
+
+def test_a_slower_larger_split_ends_the_walk_up_and_smaller_ones_are_tried():
+    tuning, ran, switches = drive({8: 800.0, 4: 100.0, 2: 200.0, 1: 150.0})
+    trials = {t.split.micro_batch: t for t in tuning.trial_list()}
+    assert len(trials[8].samples) == 1 and 4 not in trials       # patience 1: 4×2 is never tried
+    assert tuning.done.split == SPLITS[1]                       # the smaller 1×8 was faster
+
+
 def test_a_candidate_within_the_noise_gets_interleaved_rounds_then_the_run_goes_back():
-    tuning, ran, switches = drive({8: 100.0, 4: 98.0, 2: 100.0, 1: 150.0}, noise=0.05, seed=3, max_rounds=3)
+    tuning, ran, switches = drive({8: 98.0, 4: 100.0, 2: 100.0, 1: 150.0}, noise=0.05, seed=3, max_rounds=3)
     assert tuning.done.split == SPLITS[2] and ran[-1] == 2     # back at the configured split
-    trial = {t.split.micro_batch: t for t in tuning.trial_list()}[4]
+    trial = {t.split.micro_batch: t for t in tuning.trial_list()}[8]
     assert trial.p_value is not None and len(trial.samples) == 3 * 4      # three rounds of four samples
     base = {t.split.micro_batch: t for t in tuning.trial_list()}[2]
     assert len(base.samples) >= 3 * 4                            # the baseline measured between the rounds too
@@ -72,9 +88,9 @@ def test_a_candidate_within_the_noise_gets_interleaved_rounds_then_the_run_goes_
 def test_a_slower_candidate_is_left_after_one_sample_and_the_run_goes_back():
     tuning, ran, switches = drive({8: 800.0, 4: 400.0, 2: 200.0, 1: 400.0}, patience=1)
     trials = {t.split.micro_batch: t for t in tuning.trial_list()}
-    assert len(trials[4].samples) == 1 and len(trials[1].samples) == 1      # dropped after their first sample
+    assert len(trials[8].samples) == 1 and len(trials[1].samples) == 1      # dropped after their first sample
     assert tuning.done.split == SPLITS[2] and ran[-1] == 2
-    assert 8 not in trials                                      # 4×2 was slower: a larger one is not tried
+    assert 4 not in trials                                      # 8×1 was slower: patience 1 ends the walk up
     assert tuning.cost >= 2 * 200.0                             # the slower steps count as the tuning's cost
 
 
@@ -100,27 +116,30 @@ def test_switches_that_cost_more_than_the_rest_of_the_run_can_save_are_not_made(
 
 def test_a_measured_switch_replaces_the_estimate():
     tuning, _, _ = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}, switch_sec=7.0)
-    assert tuning.switch_cost() == pytest.approx(7.0) and tuning.cost >= 2 * 7.0
+    assert tuning.switch_cost() == pytest.approx(7.0) and tuning.cost >= 7.0        # one switch: 8×1 kept
 
 
-def test_a_candidate_over_the_memory_budget_is_left_and_no_larger_one_is_tried():
+def test_candidates_over_the_memory_budget_are_left_one_after_another():
     tuning, ran, _ = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}, fits=lambda split: split.micro_batch <= 2)
     trials = {t.split.micro_batch: t for t in tuning.trial_list()}
-    assert trials[4].fits is False and "over the budget" in trials[4].error and 8 not in trials
-    assert tuning.done.split == SPLITS[2]
+    assert trials[8].fits is False and trials[4].fits is False and "over the budget" in trials[4].error
+    assert tuning.done.split == SPLITS[2] and ran[-1] == 2
 
 
-def test_an_out_of_memory_candidate_is_left_and_the_next_is_tried_after_a_baseline_block():
-    tuning = OnRunTuning(SPLITS[2], [SPLITS[4], SPLITS[1]], planned_steps=40, samples=3)
+def test_an_out_of_memory_candidate_is_left_and_the_next_is_tried_at_once():
+    tuning = OnRunTuning(SPLITS[2], [SPLITS[8], SPLITS[4], SPLITS[1]], planned_steps=40, samples=3)
     tuning.segment_started(SPLITS[2], 0)
     for step in range(1, 5):
         action = tuning.observe(step, 200.0, 201.0)
-    assert action == Switch(SPLITS[4], "trying a split on the next steps")
-    tuning.failed(SPLITS[4], "out of memory")                  # the loop went back to 2×4 at step 4
-    tuning.segment_started(SPLITS[2], 4, switch_sec=1.0)
-    actions = [tuning.observe(step, 200.0, 201.0) for step in range(5, 9)]
-    assert actions[-1] == Switch(SPLITS[1], "trying a split on the next steps")
-    assert {t.split.micro_batch: t.error for t in tuning.trial_list()}[4] == "out of memory"
+    assert action == Switch(SPLITS[8], "trying a split on the next steps")
+    assert tuning.failed(SPLITS[8], "out of memory", 5) == SPLITS[4]      # the next largest, straight away
+    tuning.segment_started(SPLITS[4], 4, switch_sec=1.0)
+    assert tuning.candidate == SPLITS[4]
+    assert tuning.failed(SPLITS[4], "out of memory", 5) == SPLITS[1]      # the walk down, straight away
+    assert tuning.failed(SPLITS[1], "out of memory", 6) == SPLITS[2]      # nothing left: back to the baseline
+    assert tuning.done is not None and tuning.done.split == SPLITS[2]
+    assert {t.split.micro_batch: t.error for t in tuning.trial_list()} == {2: None, 8: "out of memory",
+                                                                            4: "out of memory", 1: "out of memory"}
 
 
 def test_grpo_blocks_are_whole_generation_cycles_and_switches_fall_on_their_boundaries():

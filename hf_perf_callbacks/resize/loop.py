@@ -16,7 +16,7 @@ Guarantees (each has a fault-injection test in ``tests/test_faults.py``):
 * every path that ends the run early saves the last completed optimizer step first when it can, and says how to
   resume;
 * an OOM in evaluation never changes the training split: the evaluation batch is halved, or the evaluation skipped;
-* a fault in the probe or in the recovery's own housekeeping is one warning, never the end of training;
+* a fault in the memory check or in the recovery's own housekeeping is one warning, never the end of training;
 * transformers' just-in-time SIGTERM checkpoint stays armed across in-process re-sizes; ``auto_find_batch_size``
   is refused.
 """
@@ -87,7 +87,6 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
         parent = os.path.dirname(os.path.normpath(resume_from_checkpoint))
         if step is not None and os.path.realpath(parent) == os.path.realpath(output_dir):
             session.record_written(step)             # the base of this run: a valid fallback for a later OOM
-    session.persist()                                # the file describes this run from its start
     sharded = sharding.start(trainer, session)       # FSDP: no step guard, no tuning; DeepSpeed: refused
     restore = guard_training_step(trainer) if sharded is None else (lambda: None)
     undo_evaluate = adapter.replace_method(trainer, "evaluate",
@@ -249,8 +248,9 @@ def _recover_from_oom(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
     tuning = session.tuning
     step = trainer.state.global_step
     if tuning is not None and tuning.done is None and old != tuning.baseline:
-        new = tuning.baseline
-        tuning.failed(old, "out of memory")
+        new = tuning.failed(old, "out of memory", step)       # the next candidate, or back to the baseline
+        if tuning.done is not None:
+            session.record_tuning(step)
     else:
         new = next_smaller(old, candidates(trainer.args, session.world))
         if tuning is not None and tuning.done is None:

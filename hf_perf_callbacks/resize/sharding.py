@@ -6,15 +6,17 @@ part                                   FSDP       DeepSpeed ZeRO
 re-size on the watchdog's request      save,      refused at start (``ValueError``): its config fixes the
 (checkpoint → resume, every rank       stop,      micro-batch when the engine is built; use ``trainer.train()``,
 alike, effective batch exact)          relaunch   a re-size request then saves, stops and prints the split
-pre-flight probe                       skipped    —
+tuning on the run's steps, memory       skipped    —
+check
 OOM inside a step recovered in         refused    —
 lockstep
 =====================================  =========  ============================================================
 
 Under FSDP every forward and backward runs FSDP's own all-gathers and reduce-scatters. A rank that runs out of
 memory inside a step leaves the others waiting in one of them; the cross-rank agreement cannot tell them (it would
-have to run inside FSDP's hooks, which would leave half-gathered parameters behind), and a probe trial that runs out
-of memory on one rank is the same case. So under FSDP no step guard is installed, the probe is skipped, and an OOM
+have to run inside FSDP's hooks, which would leave half-gathered parameters behind), and a tuning trial or a memory
+check that runs out of memory on one rank is the same case. So under FSDP no step guard is installed, neither tuning
+nor the memory check runs (a switch would need a new process anyway), and an OOM
 is raised at once on its rank, which ends the run through the launcher instead of hanging until the NCCL timeout.
 Re-sizing still works through the watchdog, which asks for a smaller micro-batch before the wall at a step
 boundary, where every rank is outside FSDP's collectives. The checkpoint of that re-size is FSDP's (sharded, as
@@ -35,7 +37,7 @@ logger = logging.getLogger("hf_perf_callbacks")
 
 FSDP_LIMITS = ("train_with_tuning under FSDP: an out-of-memory error inside a training step cannot be recovered "
                "(the other ranks wait inside FSDP's own all-gather/reduce-scatter, which the cross-rank agreement "
-               "cannot see), so such an OOM ends the run at once; the pre-flight probe is skipped for the same "
+               "cannot see), so such an OOM ends the run at once; the tuning and the memory check are skipped for the same "
                "reason. Re-sizing works through MemoryWatchdog's request before the wall: a sharded checkpoint and "
                "the next smaller split recorded on every rank, then the run stops and is relaunched with "
                "resume_from_checkpoint (one process cannot prepare an FSDP2-wrapped model twice). Keep "
@@ -49,7 +51,7 @@ DEEPSPEED_REFUSED = ("train_with_tuning does not support DeepSpeed: the DeepSpee
                      "(train_micro_batch_size_per_gpu) when the engine is built, so a resume in the same process "
                      "cannot change it. Use trainer.train() with the callbacks instead: a re-size request then saves "
                      "a checkpoint, stops and prints the split to restart with (a new process builds a new engine). "
-                     "Or shard with FSDP (recipes/accelerate/fsdp.yaml), under which train_with_tuning re-sizes.")
+                     "Or shard with FSDP (`hf-perf recipes path accelerate/fsdp`), under which train_with_tuning re-sizes.")
 
 
 def sharding(trainer) -> str | None:

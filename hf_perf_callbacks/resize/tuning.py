@@ -24,9 +24,11 @@ step after each switch and the slower steps of a worse candidate. A split can sa
 time per step (``ceiling``), and only over the steps left *after* the trial; a round starts only when that ceiling
 exceeds its cost. A run too short to pay back tries nothing and costs nothing.
 
-**Order.** Larger micro-batches first, nearest first (a kept one becomes the baseline, and the walk goes on from
-it; the walk stops at the first that is not kept); when no larger one was kept, smaller ones, nearest first, until
-``patience`` of them in a row were not kept.
+**Order.** Larger micro-batches first, the largest first (on accelerators the largest split that fits is usually
+the fastest, and trying it first spends the fewest steps at slower splits): one that runs out of memory or passes
+the memory budget is left for the next largest; the walk up ends at the first one kept, or after ``patience`` left
+as not faster. When none was kept, smaller ones, nearest first (a kept one becomes the baseline and the walk goes
+on from it), until ``patience`` in a row were not kept.
 """
 from __future__ import annotations
 
@@ -96,7 +98,7 @@ class OnRunTuning:
         self.baseline = baseline
         self.trials: dict[Split, Trial] = {baseline: Trial(baseline)}
         self.larger = sorted((c for c in candidates if c.micro_batch > baseline.micro_batch),
-                             key=lambda s: s.micro_batch)
+                             key=lambda s: -s.micro_batch)
         self.smaller = sorted((c for c in candidates if c.micro_batch < baseline.micro_batch),
                               key=lambda s: -s.micro_batch)
         self.walk = "larger"
@@ -133,17 +135,21 @@ class OnRunTuning:
             self.cost += switch_sec
             self.trials[split].cost_sec += switch_sec
 
-    def failed(self, split: Split, why: str) -> None:
-        """``split`` ran out of memory and the caller went back to the baseline: it is left (and larger ones too);
-        the next candidate, if any, is tried after a block of the baseline."""
+    def failed(self, split: Split, why: str, step: int) -> Split:
+        """``split`` ran out of memory at ``step``: it is left (a larger one that does not fit makes way for the
+        next largest). Returns the split the run resumes with: the next candidate when one is affordable (its trial
+        starts at once), else the baseline (and the tuning ends)."""
         trial = self.trials.setdefault(split, Trial(split))
         trial.fits, trial.error = False, why
         self.candidate, self.rounds, self.block = None, 0, []
-        if split.micro_batch > self.baseline.micro_batch:
-            self.larger = []
-        else:
+        if self.walk == "smaller":
             self.misses += 1
         self.note = f"{split} {why}"
+        following = self._next_candidate(step)
+        if following is not None:
+            return following.split
+        self._finish(self.note)
+        return self.baseline
 
     def observe(self, step: int, ranked: float, whole: float, peak_gb: float | None = None,
                 fits: bool = True) -> Switch | Finished | None:
@@ -174,7 +180,7 @@ class OnRunTuning:
             trial.cost_sec += slower
             if not fits:
                 trial.fits, trial.error = False, "peak memory over the budget"
-                return self._leave(step, f"{self.candidate} passed the memory budget")
+                return self._leave(step, f"{self.candidate} passed the memory budget", memory=True)
             if min(self.block) > max(base):
                 return self._leave(step, f"{self.candidate} was slower on every step")
         if len(self.block) < self.samples:
@@ -205,17 +211,16 @@ class OnRunTuning:
 
     def _keep(self, step: int) -> Switch | Finished:
         kept = self.candidate
-        if self.walk == "larger":
+        if self.walk == "larger":                  # the largest faster split that fits: the walk up ends
             self.kept_larger = True
+            self.larger = []
         self.baseline, self.candidate, self.rounds = kept, None, 0
         self.misses = 0
         return self._next_candidate(step) or self._finish(self.note)
 
-    def _leave(self, step: int, why: str) -> Switch | Finished:
+    def _leave(self, step: int, why: str, memory: bool = False) -> Switch | Finished:
         self.candidate, self.rounds, self.block = None, 0, []
-        if self.walk == "larger":
-            self.larger = []                       # the next larger one will not be better either
-        else:
+        if not (memory and self.walk == "larger"):   # too large for memory: the next largest may fit
             self.misses += 1
         self.note = why
         following = self._next_candidate(step)
@@ -228,14 +233,14 @@ class OnRunTuning:
 
     def _next_candidate(self, step: int | None) -> Switch | None:
         """Start the next affordable trial, or None (no candidate left, or none can pay back)."""
-        if self.walk == "larger" and not self.larger:
-            self.walk = "smaller"
+        if self.walk == "larger" and (not self.larger or self.misses >= self.patience):
+            self.walk, self.misses, self.larger = "smaller", 0, []
             if self.kept_larger:
                 self.smaller = []
             else:                                  # smaller splits from the baseline, nearest first
                 self.smaller = [s for s in self.smaller if s.micro_batch < self.baseline.micro_batch]
         queue = self.larger if self.walk == "larger" else self.smaller
-        if self.walk == "smaller" and self.misses >= self.patience:
+        if self.misses >= self.patience:
             queue.clear()
         if not queue:
             self.note = self.note or "no other split to try"

@@ -1,0 +1,48 @@
+"""``hf-perf report OUTPUT_DIR``: the whole report of a run, for the command line, the demo and the recipe launcher.
+
+It reads the run log once and hands it to the two siblings that never import each other: the summary and plots
+(:mod:`.report`) and the written analysis (:mod:`.analysis`, ``perf_report.md``). The written analysis needs no
+plotting: without matplotlib the plots are skipped with one line and everything else is written.
+"""
+from __future__ import annotations
+
+import sys
+
+from .analysis import console_summary, write_analysis
+from .report import print_report
+from .runlog import ReportError, read_run
+
+#: the one line printed instead of the plots when matplotlib is missing
+NO_MATPLOTLIB = ("plots: skipped, matplotlib is not installed (pip install 'hf-perf-callbacks[plots]'; --no-plots "
+                 "skips them without this line)")
+
+
+def _matplotlib_imports() -> bool:
+    try:
+        import matplotlib  # noqa: F401 - only whether it imports
+    except ImportError:
+        return False
+    return True
+
+
+def report_command(output_dir: str, plots: bool = True) -> int:
+    """Print the run's summary and write its plots, then write ``perf_report.md`` and print the top findings.
+    0 on success (also when the plots were skipped for want of matplotlib), 2 (message on stderr) when the directory
+    cannot be reported on, 1 when only the analysis failed."""
+    missing_matplotlib = plots and not _matplotlib_imports()
+    try:
+        run = read_run(output_dir)
+        print_report(run, plots=plots and not missing_matplotlib)
+    except ReportError as error:
+        print(f"hf-perf report: {error}", file=sys.stderr)
+        return 2
+    if missing_matplotlib:
+        print(NO_MATPLOTLIB)
+    try:
+        path, findings, notes = write_analysis(run)
+    except Exception as error:  # noqa: BLE001 - the summary and plots above stand on their own
+        print(f"hf-perf report: the analysis failed ({type(error).__name__}: {error})", file=sys.stderr)
+        return 1
+    print(console_summary(findings, notes=notes))
+    print(f"analysis: {path}")
+    return 0

@@ -1,0 +1,153 @@
+"""The installed package carries its recipes: they are in the built wheel, ``hf-perf recipes`` lists, copies and
+locates them, ``--config NAME`` takes a packaged recipe's name; the docs' links resolve; no import cycle."""
+import ast
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import yaml
+
+from hf_perf_callbacks import cli, recipes, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "hf_perf_callbacks")
+
+
+def packaged_files() -> list[str]:
+    """The recipe and accelerate files in the source tree, relative to the package."""
+    return sorted(os.path.relpath(p, PACKAGE) for p in glob.glob(os.path.join(recipes.DIR, "**", "*.yaml"),
+                                                                 recursive=True))
+
+
+def test_the_wheel_holds_every_recipe_and_accelerate_config(tmp_path):
+    """Built the way pip builds it (setuptools, from a copy of the project: nothing written into the checkout)."""
+    pytest.importorskip("setuptools", minversion="77")      # the build backend pyproject.toml names
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(os.path.join(ROOT, name), source)
+    shutil.copytree(PACKAGE, source / "hf_perf_callbacks", ignore=shutil.ignore_patterns("__pycache__"))
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", ".",
+                           "-w", str(tmp_path / "dist")], cwd=source, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = glob.glob(str(tmp_path / "dist" / "*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {f"hf_perf_callbacks/{path}" for path in packaged_files()}
+    assert len(expected) == len(recipes.recipe_names()) + len(recipes.accelerate_names()) >= 10
+    assert expected <= names and "hf_perf_callbacks/recipes/__init__.py" in names
+
+
+def test_one_copy_of_each_recipe():
+    """The recipes live only in the package: no second copy among the project's files."""
+    proc = subprocess.run(["git", "ls-files", "*.yaml"], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        pytest.skip("not a git checkout")
+    tracked = [os.path.basename(p) for p in proc.stdout.split()]
+    assert all(tracked.count(os.path.basename(p)) == 1 for p in packaged_files())
+
+
+# ---------------------------------------------------------------- hf-perf recipes
+def test_recipes_lists_each_recipe_with_its_machine_and_model(capsys):
+    assert cli.main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    machines = {"mac-16gb-qwen1.5b": "Apple Silicon, 16 GB", "mac-32gb-qwen3b": "Apple Silicon, 32 GB",
+                "mac-64gb-qwen7b": "Apple Silicon, 64 GB", "cuda-1gpu-qwen1.5b": "1 NVIDIA GPU ≥ 24 GB",
+                "cuda-ddp-qwen1.5b": "2 NVIDIA GPUs ≥ 24 GB", "cuda-fsdp-qwen7b": "2 NVIDIA GPUs of 80 GB"}
+    assert sorted(machines) == recipes.recipe_names()
+    for name, machine in machines.items():
+        (line,) = [line for line in out.splitlines() if line.split()[:1] == [name]]
+        config = yaml.safe_load(open(recipes.path(name), encoding="utf-8"))
+        assert config["model_name_or_path"] in line and machine in line and "GRPO" not in line
+    for name in recipes.accelerate_names():
+        assert any(line.split()[:1] == [name] for line in out.splitlines())
+
+
+def test_recipes_copy_writes_the_packaged_file_and_keeps_an_existing_one(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["recipes", "copy", "mac-32gb-qwen3b"]) == 0
+    copied = tmp_path / "mac-32gb-qwen3b.yaml"
+    assert copied.read_bytes() == open(recipes.path("mac-32gb-qwen3b"), "rb").read()
+    assert "hf-perf train --config mac-32gb-qwen3b.yaml" in capsys.readouterr().out
+    copied.write_text("# mine\n")
+    assert cli.main(["recipes", "copy", "mac-32gb-qwen3b"]) == 2               # not overwritten
+    assert "--force" in capsys.readouterr().err and copied.read_text() == "# mine\n"
+    assert cli.main(["recipes", "copy", "mac-32gb-qwen3b", "--force"]) == 0
+    assert copied.read_bytes() == open(recipes.path("mac-32gb-qwen3b"), "rb").read()
+    (tmp_path / "cfg").mkdir()
+    assert cli.main(["recipes", "copy", "accelerate/mps.yaml", "cfg"]) == 0     # into a folder, .yaml optional
+    assert yaml.safe_load((tmp_path / "cfg" / "mps.yaml").read_text())["distributed_type"] == "NO"
+
+
+def test_recipes_path_prints_the_packaged_file(capsys):
+    assert cli.main(["recipes", "path", "accelerate/fsdp"]) == 0
+    path = capsys.readouterr().out.strip()
+    assert os.path.isfile(path) and yaml.safe_load(open(path))["distributed_type"] == "FSDP"
+
+
+def test_an_unknown_name_lists_the_names(capsys):
+    assert cli.main(["recipes", "path", "mac-16gb"]) == 2
+    err = capsys.readouterr().err
+    assert "'mac-16gb'" in err and all(name in err for name in recipes.recipe_names() + recipes.accelerate_names())
+
+
+# ---------------------------------------------------------------- --config NAME
+def test_config_takes_a_packaged_recipe_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe, args, model_args = train.parse_recipe(["--config", "mac-16gb-qwen1.5b", "--use_cpu", "true"])
+    assert model_args.model_name_or_path == "Qwen/Qwen2.5-1.5B-Instruct" and args.output_dir == "runs/mac-16gb-qwen1.5b"
+    _, args, _ = train.parse_recipe(["--config=cuda-1gpu-qwen1.5b.yaml", "--use_cpu", "true", "--bf16", "false"])
+    assert args.per_device_train_batch_size == 8
+
+
+def test_a_file_of_that_path_wins_over_the_packaged_recipe(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = yaml.safe_load(open(recipes.path("mac-16gb-qwen1.5b")))
+    (tmp_path / "mac-16gb-qwen1.5b").write_text(yaml.safe_dump({**config, "max_steps": 7}))
+    _, args, _ = train.parse_recipe(["--config", "mac-16gb-qwen1.5b", "--use_cpu", "true"])
+    assert args.max_steps == 7
+
+
+def test_an_unknown_config_fails_with_the_names(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", "--config", "recipes/mac-16gb-qwen1.5b.yaml"]) == 2    # a clone's former path
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no such file" in err and "--config mac-16gb-qwen1.5b" in err
+    assert all(name in err for name in recipes.recipe_names())
+
+
+# ---------------------------------------------------------------- docs and layers
+def test_the_docs_links_resolve():
+    """Every relative link of the READMEs points at a file or folder of the project."""
+    for readme in (os.path.join(ROOT, "README.md"), os.path.join(recipes.DIR, "README.md")):
+        text = open(readme, encoding="utf-8").read()
+        links = [link.split("#")[0] for link in re.findall(r"\]\(([^)\s]+)\)", text)
+                 if not link.startswith(("http://", "https://", "#"))]
+        assert links
+        missing = [link for link in links if not os.path.exists(os.path.join(os.path.dirname(readme), link))]
+        assert not missing, f"{readme}: {missing}"
+
+
+def test_the_recipes_readme_names_every_recipe():
+    text = open(os.path.join(recipes.DIR, "README.md"), encoding="utf-8").read()
+    assert all(f"`{name}`" in text for name in recipes.recipe_names())
+
+
+def test_no_module_imports_the_command_line():
+    """``cli`` imports the commands; nothing imports ``cli`` back (no cycle)."""
+    for path in glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True):
+        if os.path.basename(path) in ("cli.py", "__main__.py"):
+            continue
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [alias.name for alias in node.names]
+                assert "cli" not in names and not (node.module or "").endswith(".cli"), path
+
+
+def test_the_docs_give_the_launchers_quick_trial():
+    for readme in (os.path.join(ROOT, "README.md"), os.path.join(recipes.DIR, "README.md")):
+        assert train.QUICK_TRIAL in open(readme, encoding="utf-8").read(), readme

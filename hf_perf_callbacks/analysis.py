@@ -125,7 +125,6 @@ MIN_FIXED_LENGTH_STEPS = 3   # fixed-length padding: steps padded to one and the
 OVERSUBSCRIBED = 0.5         # threads + other processes' busy cores above the cores by this much: oversubscribed
 THREADS_IDLE = 0.5           # threads of this process not running (threads − CPU time / wall) worth a finding
 STEP_SPREAD = 1.5            # similar work whose wall (or CPU) seconds per token differ this much between steps
-TRAINER_LOG = "log/"         # the trainer's own log values in a step line (``log/reward``), copied by the bus
 
 #: How close each model came to the measured gain when ``benchmarks/bench_advice.py`` applied its advice
 #: (``benchmarks/results/advice_*.json``): (rule, device type) → (checks, worst |predicted / measured − 1|). A rule
@@ -1184,7 +1183,7 @@ def trainer_logs(run_log: RunLog) -> tuple[list[dict], str | None]:
     latest checkpoint's); ``([], None)`` when neither holds any."""
     rows = []
     for s in run_log.unique_steps():
-        logged = {k[len(TRAINER_LOG):]: v for k, v in s.values.items() if k.startswith(TRAINER_LOG)}
+        logged = {k[len(keys.TRAINER_LOG):]: v for k, v in s.values.items() if k.startswith(keys.TRAINER_LOG)}
         if logged:
             rows.append({**logged, "step": s.step})
     if rows:
@@ -1357,14 +1356,15 @@ def _steady_count(f: dict, steps: int, warmup_done: bool | None, warmup_steps: f
     return max(0, steps - int(warmup_steps)) if warmup_done and warmup_steps is not None else 0
 
 
-def _resolve_split_file(output_dir: str | None) -> tuple[SplitFile | None, str | None]:
-    """The tuner's record (:func:`~hf_perf_callbacks.splitfile.read_split_file`, the one reader) and, when a file is
-    there but off the schema, a note saying it was skipped."""
-    if not output_dir:
+def _resolve_split_file(run_log: RunLog) -> tuple[SplitFile | None, str | None]:
+    """This run's record from the tuner (:func:`~hf_perf_callbacks.splitfile.read_split_file`, the one reader, for
+    the perf log's session) and, when a file is there but is not read, a note saying it was skipped."""
+    if not run_log.output_dir:
         return None, None
-    found = read_split_file(output_dir)
-    if found is None and os.path.exists(os.path.join(output_dir, keys.SPLIT_FILE)):
-        return None, f"`{keys.SPLIT_FILE}` does not follow this version's schema (see the warning): its decisions are skipped"
+    found = read_split_file(run_log.output_dir, session=run_log.header().session)
+    if found is None and os.path.exists(os.path.join(run_log.output_dir, keys.SPLIT_FILE)):
+        return None, (f"`{keys.SPLIT_FILE}` is another run's record or does not follow this version's schema: its "
+                      f"decisions are skipped")
     return found, None
 
 
@@ -1431,7 +1431,7 @@ def measurements(run_log: RunLog) -> Measurements:
         skipped.append(f"the run's phase split is {type(phases).__name__}, not a mapping")
         phases = {}
     phases = {k: number(v) for k, v in phases.items() if number(v) is not None}
-    tuner, tuner_note = _resolve_split_file(run_log.output_dir)
+    tuner, tuner_note = _resolve_split_file(run_log)
     if tuner_note:
         skipped.append(tuner_note)
     grpo = bool(run.grpo)

@@ -111,6 +111,10 @@ CACHE_CLEARS = "cache/clears"
 CACHE_FREED_GB = "cache/freed_gb"
 CACHE_SECONDS = "cache/seconds"
 CACHE_INTERVAL = "cache/interval"
+#: the prefixes of the callbacks' own keys above
+CALLBACK_PREFIXES = ("perf/", "mem/", "tuner/", "cache/")
+#: the prefix of the trainer's own log values in a step line: ``TRAINER_LOG + "reward"`` is GRPO's ``reward``
+TRAINER_LOG = "log/"
 
 HOW_TO = ("perf_log.jsonl is written into the trainer's output_dir during trainer.train() when the callbacks are "
           "attached: `from hf_perf_callbacks import default_callbacks; trainer = Trainer(..., "

@@ -70,6 +70,33 @@ def test_a_run_that_cannot_learn_is_the_first_finding(tokenizer, tmp_path):
     path, _, _ = write_analysis(read_run(tmp_path))
     text = open(path).read()
     assert "Healthy" not in text and "## 1. The run cannot learn" in text
+    # the same run with the trainer's logs in its step lines (`log/<key>`, as the bus writes them) and no
+    # trainer_state.json: the same finding, from the perf log
+    moved = _trainer_logs_into_step_lines(tmp_path, tmp_path / "moved")
+    m = measurements_from_run(moved)
+    assert m.trainer_log_source == "perf log" and m.rewards["logs"] == 4 and m.no_signal_run == 4
+    assert check(m)[0][0].title == findings[0].title and "from the perf log" in check(m)[0][0].observation
+
+
+def _trainer_logs_into_step_lines(run, out):
+    """A copy of ``run`` whose step lines carry the trainer's log values of their step as ``log/<key>`` (numbers
+    only, the callbacks' keys aside), without trainer_state.json: the run log of a writer that keeps them."""
+    import json
+    import os
+
+    from hf_perf_callbacks.runlog import CALLBACK_PREFIXES, PERF_LOG, TRAINER_LOG, StepLine, number, parse_record
+
+    history = {h["step"]: h for h in read_run(run).log_history if "step" in h and "train_runtime" not in h}
+    os.makedirs(out)
+    with open(os.path.join(run, PERF_LOG)) as src, open(os.path.join(out, PERF_LOG), "w") as dst:
+        for line in src:
+            record = parse_record(json.loads(line))
+            if isinstance(record, StepLine) and record.step in history:
+                record.values.update({TRAINER_LOG + k: v for k, v in history[record.step].items()
+                                      if number(v) is not None and not k.startswith(CALLBACK_PREFIXES)})
+                line = json.dumps(record.to_json()) + "\n"
+            dst.write(line)
+    return str(out)
 
 
 def _report(tmp_path):
@@ -159,7 +186,8 @@ def test_the_tuners_record_of_a_real_tuning_run_is_what_the_analysis_reports(tok
                  ThroughputMeter(clock=clock)]
     train_with_tuning(plant.attach(make_trainer(tokenizer, tmp_path, callbacks, max_steps=20, bs=2, ga=4)))
     m = measurements_from_run(str(tmp_path))
-    assert m.tune is not None and [d.kind for d in m.memory_limits] == ["oom"]
+    assert m.tune is not None and {d.kind for d in m.memory_limits} == {"oom"}
+    assert min(d.old.micro_batch for d in m.memory_limits) == 4                  # the planted limit: above 2
     findings, notes = check(m)
     n = {n.rule: n for n in notes}["small_micro_batch"]
     assert n.title == "Batch split chosen by measurement" and "failed" not in n.text

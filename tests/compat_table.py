@@ -10,7 +10,8 @@ import os
 import sys
 import textwrap
 
-from tests.compat import BATCH, COLUMNS, NOT_MEASURED, SETTINGS, STEPS, TRAINERS, Cell, load_results
+from tests.compat import (BATCH, COLUMNS, NOT_MEASURED, SETTINGS, STEPS, TRAINERS, Cell, load_results,
+                          pinned_versions)
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 BEGIN = "<!-- compat-table: rendered by `python -m tests.compat_table` from tests/compat_results.json -->"
@@ -28,7 +29,9 @@ def render(results: dict) -> str:
               f"the settings that save or evaluate do so every step. Metrics reach the reporters: every step has "
               f"`perf/`, `mem/` and `tuner/` keys in `log_history`, every callback key there reached each reporter "
               f"at that step, and every step's line in `perf_log.jsonl` holds them with the trainer's own "
-              f"`log/loss`.")
+              f"`log/loss`. Versions: " +
+              ", ".join(f"{name} {version}" for name, version in pinned_versions().items()) +
+              " (`constraints.txt`); on CI's oldest set the cells are checked too, without changing the table.")
     lines = [textwrap.fill(legend, width=118, break_on_hyphens=False, break_long_words=False),
              "",
              "| setting | " + " | ".join(TRAINERS) + " |",

@@ -244,7 +244,7 @@ def is_training_log(logs: dict) -> bool:
 
     * An evaluation log (``Trainer.evaluate``/``predict``; TRL's trainers add their evaluation metrics to it) holds
       ``<prefix>_runtime`` for its metric prefix (``eval``, ``eval_<dataset>``, ``test``, any ``metric_key_prefix``)
-      and keys starting with ``eval_`` or ``test_``.
+      or keys starting with ``eval_`` or ``test_``.
     * The end-of-training summary holds every key of :data:`END_OF_TRAINING_KEYS`.
     * A training log may hold ``train_runtime`` and ``train_tokens_per_second``: transformers adds them to every log
       while ``include_num_input_tokens_seen`` is on, so neither key alone tells a summary.

@@ -194,7 +194,7 @@ class RunBus(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.flush()                             # every callback has begun: the header goes out now at the latest
-        self._register_stateful(state, control)  # again: a bus that joined during on_train_begin missed that one
+        self._register_stateful(state, control)  # at every step too: cheap, and whichever way the bus joined
 
     def _register_stateful(self, state, control) -> None:
         """A resume that attached stateful callbacks the checkpoint was written without must still save."""

@@ -11,6 +11,7 @@ import os
 import re
 
 import pytest
+import torch
 
 from hf_perf_callbacks import default_callbacks
 from hf_perf_callbacks.runlog import CALLBACK_PREFIXES, TRAINER_LOG
@@ -19,6 +20,15 @@ from tests.compat import CELLS, STEPS
 
 #: the prefixes every step must carry (the cache clearer publishes only when it acts, which it does not on a CPU)
 REQUIRED = ("perf/", "mem/", "tuner/")
+
+
+@pytest.fixture
+def one_thread():
+    """A cell's tiny model runs on one thread: as fast as two for these sizes, and it cannot spin on a busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def first_line(error: BaseException) -> str:
@@ -89,7 +99,7 @@ def assert_metrics_reach_everything(trainer, output_dir, reporters, tracking_dir
 
 @pytest.mark.parametrize("cell", [pytest.param(c, id=c.id, marks=[pytest.mark.launch] if c.setting.slow else [])
                                   for c in CELLS])
-def test_metrics_reach_every_reporter_on_every_step(cell, tokenizer, tmp_path, monkeypatch):
+def test_metrics_reach_every_reporter_on_every_step(cell, tokenizer, tmp_path, monkeypatch, one_thread):
     output_dir, tracking_dir = tmp_path / "out", tmp_path / "mlruns"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tracking_dir}")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")      # MLflow's local file store, offline

@@ -166,16 +166,17 @@ def test_register_stateful_callbacks_gives_save_checkpoint_every_entry_it_indexe
 
 @pytest.mark.parametrize("early_stopping", [False, True], ids=["package", "package+EarlyStopping"])
 @pytest.mark.parametrize("resume", ["train", "train_with_tuning"])
-def test_a_checkpoint_written_without_the_callbacks_resumes_with_them_and_saves_again(tokenizer, tmp_path,
+def test_a_checkpoint_written_without_the_callbacks_resumes_with_them_and_saves_again(tokenizer, tmp_path, one_thread,
                                                                                      early_stopping, resume):
     """The most common first use: a run died, the callbacks are attached and it is resumed. transformers 5.24 alone
     raises ``KeyError: 'ThroughputMeter'`` at the next save (``'EarlyStoppingCallback'`` likewise)."""
     extra = {"save_strategy": "steps", "save_steps": 2}
     if early_stopping:
         extra.update(eval_strategy="steps", eval_steps=2, load_best_model_at_end=True, per_device_eval_batch_size=8)
-    make_trainer(tokenizer, tmp_path, [], max_steps=2, extra=extra, with_eval=early_stopping).train()
+    small = dict(bs=2, ga=1, extra=extra, with_eval=early_stopping)
+    make_trainer(tokenizer, tmp_path, [], max_steps=2, **small).train()
     callbacks = default_callbacks() + ([EarlyStoppingCallback(early_stopping_patience=10)] if early_stopping else [])
-    trainer = make_trainer(tokenizer, tmp_path, callbacks, max_steps=4, extra=extra, with_eval=early_stopping)
+    trainer = make_trainer(tokenizer, tmp_path, callbacks, max_steps=4, **small)
     if resume == "train":
         trainer.train(resume_from_checkpoint=True)
     else:

@@ -11,7 +11,6 @@ import os
 import re
 
 import pytest
-import torch
 
 from hf_perf_callbacks import default_callbacks
 from hf_perf_callbacks.runlog import CALLBACK_PREFIXES, TRAINER_LOG
@@ -20,15 +19,6 @@ from tests.compat import CELLS, STEPS
 
 #: the prefixes every step must carry (the cache clearer publishes only when it acts, which it does not on a CPU)
 REQUIRED = ("perf/", "mem/", "tuner/")
-
-
-@pytest.fixture
-def one_thread():
-    """A cell's tiny model runs on one thread: as fast as two for these sizes, and it cannot spin on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def first_line(error: BaseException) -> str:

@@ -19,6 +19,6 @@ run tuned_4x8 bench_tuner.py --part run --mode tuned --split 4 8 --steps "$STEPS
 run plain_32x1 bench_tuner.py --part run --mode plain --split 32 1 --steps "$STEPS" "${common[@]}"
 run tuned_32x1 bench_tuner.py --part run --mode tuned --split 32 1 --steps "$STEPS" "${common[@]}"
 run accuracy bench_accuracy.py
-run sweep bench_tuner.py --part sweep --steps 12 "${common[@]}" --splits 4 8 --splits 8 4 --splits 16 2 --splits 32 1
+run sweep bench_tuner.py --part sweep --steps 10 "${common[@]}" --splits 4 8 --splits 8 4 --splits 16 2
 run switch bench_tuner.py --part switch --split 4 8 --steps 12 "${common[@]}"
 echo "all done $(date +%s)" >> "$RES/progress"

@@ -7,7 +7,8 @@ One JSON object per line, appended to across resumes and re-sizes (main process 
 ===========  ===========================================================================================
 ``run``      :class:`RunHeader` — one per ``train()`` call, written by the bus with its ``session``: the
              facts the callbacks handed it (device, peaks, model, batch geometry, memory budget)
-``step``     :class:`StepLine` — one per optimizer step: every callback's fields for that step
+``step``     :class:`StepLine` — one per optimizer step: every callback's fields for that step and, on a
+             logging step, the trainer's own log under ``log/<key>``
 ``event``    :class:`EventLine` — a warning, action, decision or note, with its step
 ``summary``  :class:`SummaryLine` — a callback's end-of-run summary
 ===========  ===========================================================================================
@@ -18,6 +19,13 @@ every step line of that ``train()`` call also carries ``perf/first_steady_step``
 are steady too. A reader of a killed run (no summary) thus finds the meter's steady steps exactly
 (:func:`hf_perf_callbacks.figures.steady_steps`); each step line's ``perf/train_sec`` is the training time its
 throughput was computed from.
+
+The trainer's own log in the step lines: at a logging step the bus copies every numeric value of the trainer's
+training log (``loss``, ``grad_norm``, ``learning_rate``, ``epoch``; GRPO's ``reward``, ``reward_std``,
+``frac_reward_zero_std``, ``rewards/<func>/mean``, ``completions/mean_length``, ``completions/clipped_ratio``…:
+whatever the trainer logged, never the callbacks' own ``perf/``, ``mem/``, ``tuner/``, ``cache/`` keys) into that
+step's line as ``log/<key>`` (:data:`TRAINER_LOG`: ``log/loss``, ``log/reward``, ``log/completions/clipped_ratio``),
+so that a reader needs no ``trainer_state.json``. Evaluation logs and the end-of-training summary are not copied.
 
 :func:`read_run` is the one reader. A run header of a new session starting at step 0 is a fresh run in a reused
 ``output_dir``: it replaces the lines of the earlier run(s) (counted in ``replaced_runs``); a resume (the same

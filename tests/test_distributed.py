@@ -81,7 +81,7 @@ def test_the_tuning_on_the_runs_steps_takes_the_same_decisions_on_every_rank(two
     same split, measured on the same steps with the same samples."""
     _, (r0, r1) = two_rank_run
     assert r0["tune_decisions"] == r1["tune_decisions"] and r0["tune_decisions"][0][0] == "tune"
-    assert r0["tune_split"] == r1["tune_split"] == [4, 1] and r0["tune_step"] == r1["tune_step"] == 12
+    assert r0["tune_split"] == r1["tune_split"] == [4, 1] and r0["tune_step"] == r1["tune_step"] == 13
     samples = dict((micro, s) for micro, s in r0["tune_decisions"][0][3])
     assert len(samples[4]) == 4 and min(samples[4]) >= 60.0            # rank 1's (slower) time counts for both
 

@@ -221,11 +221,11 @@ def test_a_faster_split_is_found_on_the_runs_own_steps_and_nothing_is_trained_tw
     [decision] = tuner.session.decisions
     assert decision.kind == "tune" and (decision.old, decision.new) == (Split(2, 4), Split(8, 1))
     trials = {t.split.micro_batch: t for t in decision.trials}
-    assert trials[2].steps == [2, 3, 4, 5] and trials[8].steps == [7, 8, 9, 10] and set(trials) == {2, 8}
+    assert trials[2].steps == [4, 5, 6, 7] and trials[8].steps == [10, 11, 12, 13] and set(trials) == {2, 8}
     assert decision.expected_gain_sec > 0 and decision.cost_sec >= 0
     lines = step_lines(tmp_path / "tuned")
     assert [s["step"] for s in lines] == list(range(1, 26))                  # every step once: none retrained
-    assert [s["tuner/micro_batch"] for s in lines] == [2] * 5 + [8] * 20
+    assert [s["tuner/micro_batch"] for s in lines] == [2] * 7 + [8] * 18
     assert [h["step"] for h in trainer.state.log_history if "loss" in h] == list(range(1, 26))
     # the same samples in every optimizer step as a run that never switched
     plain_samples = SampleRecorder()
@@ -239,7 +239,7 @@ def test_a_faster_split_is_found_on_the_runs_own_steps_and_nothing_is_trained_tw
     assert not [n for n in os.listdir(tmp_path / "tuned") if n.startswith("checkpoint-")]   # switch checkpoints go
     record = read_split_file(str(tmp_path / "tuned"))
     assert record.split == Split(8, 1) and record.decisions == [decision]
-    assert "tuning at step 10: 2×4 → 8×1" in capsys.readouterr().out
+    assert "tuning at step 13: 2×4 → 8×1" in capsys.readouterr().out
 
 
 def test_a_run_too_short_to_pay_back_tries_no_split_and_writes_no_checkpoint(tokenizer, tmp_path):
@@ -252,12 +252,12 @@ def test_a_run_too_short_to_pay_back_tries_no_split_and_writes_no_checkpoint(tok
 
 
 def test_a_slower_split_is_left_and_the_run_goes_back_to_the_configured_one(tokenizer, tmp_path):
-    trainer, tuner, _ = tuned_run(tokenizer, tmp_path, {8: 800.0, 4: 400.0, 2: 200.0, 1: 400.0}, max_steps=20)
+    trainer, tuner, _ = tuned_run(tokenizer, tmp_path, {8: 800.0, 4: 400.0, 2: 200.0, 1: 400.0}, max_steps=30)
     decision = tuner.session.decisions[-1]
     assert decision.kind == "tune" and decision.new == Split(2, 4) and trainer.args.per_device_train_batch_size == 2
     left = {t.split.micro_batch: t for t in decision.trials}
     assert len(left[8].samples) == 1 and len(left[1].samples) == 1 and decision.cost_sec > 0
-    assert [s["step"] for s in step_lines(tmp_path)] == list(range(1, 21))
+    assert [s["step"] for s in step_lines(tmp_path)] == list(range(1, 31))
 
 
 def test_a_larger_split_that_runs_out_of_memory_is_left_and_nothing_is_lost(tokenizer, tmp_path):
@@ -282,14 +282,14 @@ def test_grpo_tuning_switches_at_generation_boundaries_and_samples_what_an_untun
     tuner = AdaptiveBatchTuner(clock=clock, samples=3, must_pay=False, max_micro_batch=4)
     extra = {"steps_per_generation": 4}                                 # a generation every 2 optimizer steps
     tuned = make_grpo(tokenizer, tmp_path / "tuned", [PlantedStepTime(clock, {4: 50.0, 2: 200.0, 1: 400.0}),
-                      tuner], max_steps=12, bs=2, ga=2, completion=6, extra=extra, reward=recorder(tuned_seen))
+                      tuner], max_steps=18, bs=2, ga=2, completion=6, extra=extra, reward=recorder(tuned_seen))
     train_with_tuning(tuned)
     lines = step_lines(tmp_path / "tuned")
     micro = [s["tuner/micro_batch"] for s in lines]
     changes = [s["step"] for prev, s in zip(lines, lines[1:]) if s["tuner/micro_batch"] != prev["tuner/micro_batch"]]
     assert changes and all((step - 1) % 2 == 0 for step in changes)     # a new split begins a generation cycle
     assert tuned.args.generation_batch_size == 8 and 4 in micro
-    plain = make_grpo(tokenizer, tmp_path / "plain", [], max_steps=12, bs=2, ga=2, completion=6, extra=extra,
+    plain = make_grpo(tokenizer, tmp_path / "plain", [], max_steps=18, bs=2, ga=2, completion=6, extra=extra,
                       reward=recorder(plain_seen))
     plain.train()
     assert tuned_seen == plain_seen                                     # the same prompts and completions
@@ -359,3 +359,28 @@ def test_train_with_tuning_and_default_callbacks_validate(tokenizer, tmp_path):
         default_callbacks(ThroughputMeter=5)
     with pytest.raises(ValueError, match="Unknown"):
         default_callbacks(Unknown={})
+
+
+def test_the_memory_check_runs_only_where_memory_is_tight(tokenizer, tmp_path):
+    """GRPO's worst-case peak is estimated from the model's config (times the allocator's overhead); the check's step
+    is spent only when that reaches half the budget, or when nothing can be estimated (a plain Trainer)."""
+    from hf_perf_callbacks.estimate import estimate_grpo_memory, model_from_config
+    from hf_perf_callbacks.resize import memcheck
+
+    grpo = make_grpo(tokenizer, tmp_path / "grpo", [], bs=4, ga=2, completion=12)
+    peak = memcheck.estimated_peak(grpo, "cuda")
+    inner = grpo.model.get_base_model()
+    facts = model_from_config({**inner.config.to_dict(), "params": sum(p.numel() for n, p in inner.named_parameters()
+                                                                        if "lora_" not in n)})
+    longest = max(len(tokenizer(p)["input_ids"]) for p in grpo.train_dataset["prompt"])
+    assert peak == estimate_grpo_memory(facts, micro_batch=4, num_generations=4, generation_batch=8,
+                                        prompt_tokens=longest, max_completion_length=12, dtype_bytes=4,
+                                        lora_params=sum(p.numel() for p in grpo.model.parameters()
+                                                        if p.requires_grad),
+                                        activation_checkpointing=False, lm_head="triton")["peak"]
+    assert memcheck.tight(grpo, budget=1000 * peak, device_type="cuda")[0] is False
+    assert memcheck.tight(grpo, budget=2 * peak, device_type="cuda")[0] is True          # 1.25 × peak ≥ half of it
+    assert memcheck.tight(grpo, budget=3 * peak, device_type="mps")[0] is True           # 2 × peak ≥ half of it
+    plain = make_trainer(tokenizer, tmp_path / "plain", [], max_steps=1)
+    assert memcheck.estimated_peak(plain, "cuda") is None
+    assert memcheck.tight(plain, budget=GB, device_type="cuda") == (True, "no estimate of the worst-case peak")

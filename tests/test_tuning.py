@@ -44,18 +44,18 @@ def test_on_equal_splits_noise_alone_rarely_keeps_another_split():
                 for seed in range(200))
     faster = sum(drive({8: 80.0, 4: 100.0, 2: 100.0, 1: 100.0}, noise=0.2, seed=seed)[0].done.split == SPLITS[8]
                  for seed in range(200))
-    middle = sum(drive({8: 100.0, 4: 80.0, 2: 100.0, 1: 100.0}, noise=0.2, seed=seed, patience=2)[0].done.split
-                 == SPLITS[4] for seed in range(200))
+    middle = sum(drive({8: 100.0, 4: 80.0, 2: 100.0, 1: 100.0}, noise=0.2, seed=seed, patience=2,
+                       planned=100)[0].done.split == SPLITS[4] for seed in range(200))
     assert equal / 200 <= 2 * 0.05 and faster / 200 >= 0.9 and middle / 200 >= 0.8
 
 
 def test_the_largest_faster_split_is_tried_first_and_kept():
     tuning, ran, switches = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0})
     assert tuning.done.split == SPLITS[8]
-    assert switches == [5]                                      # a warm-up step and 4 samples per split
-    assert ran[:10] == [2] * 5 + [8] * 5 and set(ran[10:]) == {8}
+    assert switches == [7]                       # 3 warm-up steps at the start, 2 after a switch, 4 samples a split
+    assert ran[:13] == [2] * 7 + [8] * 6 and set(ran[13:]) == {8}
     trials = {t.split.micro_batch: t for t in tuning.trial_list()}
-    assert trials[2].steps == [2, 3, 4, 5] and trials[8].steps == [7, 8, 9, 10]
+    assert trials[2].steps == [4, 5, 6, 7] and trials[8].steps == [10, 11, 12, 13]
     assert trials[8].p_value == pytest.approx(1 / 70) and trials[8].gain == pytest.approx(0.75)
     assert set(trials) == {2, 8}                  # the largest was kept: neither 4×2 nor smaller ones are tried
     assert "8×1 faster than 2×4 beyond the noise" in tuning.done.reason
@@ -101,17 +101,17 @@ def test_a_run_too_short_to_pay_back_tries_nothing():
 
 
 def test_switches_that_cost_more_than_the_rest_of_the_run_can_save_are_not_made():
-    # 200 s/step outside generation, 20 steps after the first block: at most 20 × 200 s = 4000 s could be saved,
-    # and the first switch (the run's own first-step overhead, 10000 s here) costs more
-    tuning = OnRunTuning(SPLITS[2], [SPLITS[4]], planned_steps=35, samples=3)
+    # 200 s/step outside generation, 20 steps after a round: at most 20 × 200 s = 4000 s could be saved, and the
+    # first switch (the run's own first-step overhead, 10000 s here) costs more
+    tuning = OnRunTuning(SPLITS[2], [SPLITS[4]], planned_steps=36, samples=3)
     tuning.segment_started(SPLITS[2], 0)
-    actions = [tuning.observe(1, 200.0, 10201.0)] + [tuning.observe(s, 200.0, 201.0) for s in (2, 3, 4)]
-    assert actions == [None, None, None, tuning.done] and tuning.done.split == SPLITS[2]
+    actions = [tuning.observe(1, 200.0, 10201.0)] + [tuning.observe(s, 200.0, 201.0) for s in range(2, 7)]
+    assert actions == [None] * 5 + [tuning.done] and tuning.done.split == SPLITS[2]
     assert "cannot pay back" in tuning.done.reason and tuning.round_cost() == pytest.approx(2 * 10000.0)
     # the same run told to try every split regardless of cost switches
-    free = OnRunTuning(SPLITS[2], [SPLITS[4]], planned_steps=35, samples=3, must_pay=False)
+    free = OnRunTuning(SPLITS[2], [SPLITS[4]], planned_steps=36, samples=3, must_pay=False)
     free.segment_started(SPLITS[2], 0)
-    assert isinstance([free.observe(s, 200.0, 201.0) for s in (1, 2, 3, 4)][-1], Switch)
+    assert isinstance([free.observe(s, 200.0, 201.0) for s in range(1, 7)][-1], Switch)
 
 
 def test_a_measured_switch_replaces_the_estimate():
@@ -129,7 +129,7 @@ def test_candidates_over_the_memory_budget_are_left_one_after_another():
 def test_an_out_of_memory_candidate_is_left_and_the_next_is_tried_at_once():
     tuning = OnRunTuning(SPLITS[2], [SPLITS[8], SPLITS[4], SPLITS[1]], planned_steps=40, samples=3)
     tuning.segment_started(SPLITS[2], 0)
-    for step in range(1, 5):
+    for step in range(1, 7):
         action = tuning.observe(step, 200.0, 201.0)
     assert action == Switch(SPLITS[8], "trying a split on the next steps")
     assert tuning.failed(SPLITS[8], "out of memory", 5) == SPLITS[4]      # the next largest, straight away
@@ -146,7 +146,7 @@ def test_grpo_blocks_are_whole_generation_cycles_and_switches_fall_on_their_boun
     tuning, ran, switches = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}, period=2, planned=60)
     assert tuning.samples == 4 and all(step % 2 == 0 for step in switches) and switches
     trials = {t.split.micro_batch: t for t in tuning.trial_list()}
-    assert trials[2].steps == [3, 4, 5, 6]                     # the first cycle (steps 1-2) is the warm-up
+    assert trials[2].steps == [7, 8, 9, 10]                    # the first three cycles (steps 1-6) are the warm-up
     odd = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}, period=2, samples=3)[0]
     assert odd.samples == 4                                     # rounded up to whole cycles
 

@@ -48,7 +48,8 @@ class AdaptiveBatchTuner(PerfCallback):
         rank_by: ``"non_generation"`` (step time minus generation) or ``"step"`` (the whole step).
         must_pay: try a split only when the rest of the run can pay its switches back (False: every split).
         memory_check: one step at the worst-case length before training, to catch a split that cannot fit
-            (None: on CUDA and MPS, where memory is tight; never on a CPU).
+            (None: on CUDA and MPS when memory is tight — the estimated worst-case peak reaches half the budget, or
+            cannot be estimated; True: always; False: never).
         clock: the clock seam (:class:`~hf_perf_callbacks.base.Clock`; tests plant one).
 
     Logged keys:

@@ -216,7 +216,8 @@ def _check_memory_or_warn(trainer, session: TuningSession, tuner: AdaptiveBatchT
     split."""
     configured = session.split
     try:
-        memcheck.check_memory(trainer, session, candidates(trainer.args, session.world), clock=tuner.clock)
+        memcheck.check_memory(trainer, session, candidates(trainer.args, session.world), clock=tuner.clock,
+                              force=tuner.memory_check is True)
     except Exception as error:  # noqa: BLE001 - the check is a safety net, never a reason to stop
         session.apply(trainer, configured)
         session.warn_once("memory-check", f"the memory check failed ({type(error).__name__}: {error}); training "

@@ -2,7 +2,10 @@
 
 A run's longest examples (GRPO: completions forced to ``max_completion_length``) may come hours into training; the
 watchdog's growth forecast does not see a length spike coming. So on CUDA and MPS (where memory is the wall; never
-on a CPU, where the run swaps long before it fails) :func:`check_memory` runs ONE optimizer step of the configured
+on a CPU, where the run swaps long before it fails) — and only where memory is tight: GRPO's worst-case peak
+estimated by :func:`~hf_perf_callbacks.estimate.estimate_grpo_memory`, times the allocator's overhead
+(``ALLOCATOR_OVERHEAD``), reaches ``TIGHT`` of the budget, or it cannot be estimated — :func:`check_memory` runs ONE
+optimizer step of the configured
 split on the longest examples at learning rate 0, measures its peak and restores weights, RNG, data and callbacks
 (a run after it samples the same completions as one without it). When the step runs out of memory (on any rank) or
 its peak passes the watchdog's budget, it walks down to the largest exact split that fits and applies it: a
@@ -26,9 +29,70 @@ from .agreement import recoverable
 from .session import TuningSession, current_split
 
 
+#: what the allocator holds beyond the live tensors the estimate counts: CUDA's caching allocator, and MPS driver
+#: memory (about twice the live tensors on a Mac; recipes/README.md)
+ALLOCATOR_OVERHEAD = {"cuda": 1.25, "mps": 2.0}
+#: the estimated worst-case peak (with that overhead) at which memory counts as tight, as a share of the budget
+TIGHT = 0.5
+
+
 def wanted(setting: bool | None, device_type: str) -> bool:
-    """Whether to run the check: the tuner's ``memory_check`` setting, or (None) on CUDA and MPS only."""
+    """Whether the check may run: the tuner's ``memory_check`` setting, or (None) on CUDA and MPS only."""
     return setting if setting is not None else device_type in ("cuda", "mps")
+
+
+def estimated_peak(trainer, device_type: str) -> float | None:
+    """GRPO's live-tensor peak in bytes at the worst-case length (the longest prompt, every completion at
+    ``max_completion_length``) for the split in effect, from the model's config; None when it cannot be estimated
+    (not GRPO, an unknown architecture, prompts that cannot be measured)."""
+    from ..estimate import estimate_grpo_memory, model_from_config
+
+    args = trainer.args
+    if not hasattr(args, "num_generations"):
+        return None
+    try:
+        model = trainer.model
+        peft = hasattr(model, "peft_config")
+        inner = model.get_base_model() if peft else model
+        config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
+        facts = model_from_config({**config.to_dict(), "params": sum(p.numel() for n, p in inner.named_parameters()
+                                                                      if "lora_" not in n)})
+        weight = next(p for p in inner.parameters() if not p.requires_grad) if peft else next(inner.parameters())
+        dtype_bytes = 2 if (args.bf16 or args.fp16) else weight.element_size()
+        split = current_split(args)
+        return estimate_grpo_memory(
+            facts, micro_batch=split.micro_batch, num_generations=args.num_generations,
+            generation_batch=split.generation_batch(world_size()), prompt_tokens=_longest_prompt_tokens(trainer),
+            max_completion_length=args.max_completion_length, dtype_bytes=dtype_bytes,
+            lora_params=sum(p.numel() for p in model.parameters() if p.requires_grad) if peft else 0,
+            activation_checkpointing=bool(getattr(args, "activation_checkpointing", False)
+                                          or getattr(args, "gradient_checkpointing", False)),
+            lm_head="triton" if device_type == "cuda" else "torch", full_finetune=not peft)["peak"]
+    except Exception:  # noqa: BLE001 - no estimate: the check runs (safety first)
+        return None
+
+
+def _longest_prompt_tokens(trainer) -> int:
+    """Tokens of the dataset's longest prompt (longest by characters), as the trainer's tokenizer encodes it."""
+    dataset = trainer.train_dataset
+    prompts = dataset["prompt"] if hasattr(dataset, "column_names") else [dataset[i]["prompt"]
+                                                                           for i in range(len(dataset))]
+    longest = max(prompts, key=lambda p: len(p) if isinstance(p, str) else sum(len(m.get("content", "")) for m in p))
+    tokenizer = trainer.processing_class
+    if isinstance(longest, str):
+        return len(tokenizer(longest)["input_ids"])
+    return len(tokenizer.apply_chat_template(longest, tokenize=True, add_generation_prompt=True))
+
+
+def tight(trainer, budget: float, device_type: str) -> tuple[bool, str]:
+    """Whether the check is worth its step (see the module docstring), and why."""
+    peak = estimated_peak(trainer, device_type)
+    if peak is None:
+        return True, "no estimate of the worst-case peak"
+    held = peak * ALLOCATOR_OVERHEAD.get(device_type, 1.0)
+    why = (f"estimated worst-case peak {peak / GB:.2f} GiB × {ALLOCATOR_OVERHEAD.get(device_type, 1.0)} for the "
+           f"allocator = {held / GB:.2f} GiB against the budget {budget / GB:.2f} GiB")
+    return held >= TIGHT * budget, why
 
 
 class _PeakWatch(TrainerCallback):
@@ -43,8 +107,9 @@ class _PeakWatch(TrainerCallback):
 
 
 def check_memory(trainer, session: TuningSession, candidates: list[Split], budget: float | None = None,
-                 clock=None) -> Split:
-    """Run the check (see the module docstring); returns the split that fits (the configured one when it does)."""
+                 clock=None, force: bool = False) -> Split:
+    """Run the check (see the module docstring; ``force``: whether memory is tight or not); returns the split that
+    fits (the configured one when it does)."""
     import time
 
     wall = clock.wall if clock is not None else time.perf_counter
@@ -55,6 +120,13 @@ def check_memory(trainer, session: TuningSession, candidates: list[Split], budge
     budget = min(r[0] for r in gather_floats([budget], device.device))          # the tightest rank
     started = wall()
     configured = current_split(trainer.args)
+    needed, why = (True, "asked for (memory_check=True)") if force else tight(trainer, budget, device.type)
+    needed = max(r[0] for r in gather_floats([float(needed)], device.device)) > 0   # any rank tight: all check
+    if not needed:
+        session.decide("memory_check", f"skipped: memory is not tight ({why})", configured, 0, old=configured,
+                       cost_sec=max(r[0] for r in gather_floats([wall() - started], device.device)),
+                       budget_gb=budget / GB)
+        return configured
     smaller = sorted((s for s in candidates if s.micro_batch < configured.micro_batch), key=lambda s: -s.micro_batch)
     saved = _snapshot(trainer)
     trials: list[Trial] = []
@@ -69,7 +141,7 @@ def check_memory(trainer, session: TuningSession, candidates: list[Split], budge
     chosen = next((t.split for t in trials if t.fits), configured)
     cost = max(r[0] for r in gather_floats([wall() - started], device.device))
     if chosen == configured and trials[0].fits:
-        reason = f"the configured split fits at the worst-case length (peak {trials[0].peak_gb:.2f} GiB)"
+        reason = f"the configured split fits at the worst-case length (peak {trials[0].peak_gb:.2f} GiB; {why})"
     elif trials[-1].fits:
         reason = (f"the configured split does not fit at the worst-case length ({trials[0].error}): the largest "
                   f"exact split that does")

@@ -9,7 +9,8 @@ is trained twice, nothing is thrown away.
 
 **Evidence.** Each split is ranked by its step time outside generation (``rank_by="non_generation"``: the
 generation batch is the same for every split, and HF ``generate`` jitters by tens of percent) or by the whole step.
-After a switch the first generation cycle is a warm-up and is not measured. A candidate is judged after each block
+The run's first ``WARMUP_AT_START`` generation cycles, and the first ``WARMUP_AFTER_SWITCH`` after
+a switch, are a warm-up and are not measured (they are trained like any step). A candidate is judged after each block
 of ``samples`` measured steps against all of the baseline's samples (:func:`judge`: one-sided Mann-Whitney
 ``p <= ALPHA / max_rounds`` — the candidate is looked at up to ``max_rounds`` times, so each look gets its share of
 the significance level — and a median at least ``MIN_GAIN`` shorter). On equal splits with 20% noise, noise alone
@@ -49,6 +50,11 @@ MIN_SAMPLES = 3
 SAMPLES = 4
 #: the rate at which a switch is assumed to write and read the training state, until a switch was measured (bytes/s)
 SAVE_BYTES_PER_SEC = 200e6
+#: generation cycles not measured at the run's start (first kernels, allocator growth, dataloader workers: seen on an
+#: H100 as outside-generation times of 4.3, 4.2, 2.2, 2.2 s over the first steps of a 4×8 run settling at 2 s)
+WARMUP_AT_START = 3
+#: cycles not measured after a switch (the new micro-batch's first shapes)
+WARMUP_AFTER_SWITCH = 2
 
 
 def judge(candidate: list[float], baseline: list[float], alpha: float = ALPHA) -> tuple[float, float, bool]:
@@ -123,8 +129,9 @@ class OnRunTuning:
         self.current = split
         self.trials.setdefault(split, Trial(split))
         self.block = []
-        self.warm_left = (self.period - step % self.period) % self.period + self.period
-        needed = self.warm_left + self.samples + self.period + self.samples     # a baseline block and one trial
+        cycles = WARMUP_AFTER_SWITCH if switch_sec is not None else WARMUP_AT_START
+        self.warm_left = (self.period - step % self.period) % self.period + cycles * self.period
+        needed = self.warm_left + self._trial_steps()                  # a baseline block and one trial
         if self.must_pay and self.planned is not None and self.planned - step < needed \
                 and not self.trials[self.start].samples:
             self._finish(f"too short to pay back: measuring this split and trying one other takes {needed} steps "
@@ -161,7 +168,7 @@ class OnRunTuning:
             trial.peak_gb = max(trial.peak_gb or 0.0, peak_gb)
         if self.first_step is None:
             self.first_step = whole
-        if self.warm_left > 0:                     # the first cycle after a (re)start: a warm-up, not a sample
+        if self.warm_left > 0:                     # the first cycles after a (re)start: a warm-up, not a sample
             self.warm_left -= 1
             base = self.trials[self.baseline].samples
             if self.switch_seconds and base:       # what the warm-up step cost beyond a measured one
@@ -282,10 +289,14 @@ class OnRunTuning:
         """A round's cost: a switch there and one back."""
         return 2 * self.switch_cost()
 
+    def _trial_steps(self) -> int:
+        """Steps of one block after a switch: its warm-up and its samples."""
+        return WARMUP_AFTER_SWITCH * self.period + self.samples
+
     def _steps_left_after_round(self, step: int) -> int | None:
         if self.planned is None:
             return None
-        return self.planned - step - 2 * (self.period + self.samples)
+        return self.planned - step - 2 * self._trial_steps()
 
     def _affordable(self, step: int) -> bool:
         if not self.must_pay:                      # try every split, whatever it costs (benchmarks, tests)
@@ -301,7 +312,7 @@ class OnRunTuning:
         if left is None:
             return "the run's length is unknown: no trial can be weighed against its pay-back"
         if left <= 0:
-            return (f"too short to pay back: a trial takes {2 * (self.period + self.samples)} steps and "
+            return (f"too short to pay back: a round takes {2 * self._trial_steps()} steps and "
                     f"{max(0, self.planned - step)} are left")
         return (f"cannot pay back: even a split with no split-dependent time would save at most {base:.3f} s/step "
                 f"× {left} steps = {left * base:.1f} s after a trial, less than its {self.round_cost():.1f} s of "

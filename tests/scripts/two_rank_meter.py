@@ -53,7 +53,7 @@ def main(out):
     seconds = {4: 50.0, 2: 100.0, 1: 200.0} if rank == 0 else {4: 60.0, 2: 100.0, 1: 150.0}
     tune_tuner = AdaptiveBatchTuner(clock=clock, must_pay=False)
     tuned = make_trainer(tokenizer, os.path.join(out, "tune"), [PlantedStepTime(clock, seconds), tune_tuner],
-                         max_steps=12, bs=2, ga=2)
+                         max_steps=13, bs=2, ga=2)
     train_with_tuning(tuned)
     # an OOM in rank 1's *backward* only: DDP would leave rank 0 waiting in its gradient all-reduce
     plant3 = PlantedOOM(limit=2 if rank == 1 else 99, text=MPS_OOM, armed_at=1, in_backward=True)

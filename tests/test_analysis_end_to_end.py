@@ -155,22 +155,23 @@ def test_fixed_length_padding_gets_per_batch_padding_first(tokenizer, tmp_path):
     assert "group_by_length" not in str(f.setting) and "`perf/seq_len` 128 on all 3 steps" in f.observation
 
 
-def test_a_grpo_run_without_reward_data_makes_no_reward_statement(tokenizer, tmp_path):
+def test_a_grpo_run_without_trainer_state_reads_its_rewards_from_the_perf_log(tokenizer, tmp_path):
     # seen: "No bottleneck found … the run's rewards vary" on a GRPO run whose rewards were all 0, with no
-    # trainer_state.json to read them from (save_strategy "no"): no claim without data
+    # trainer_state.json to read them from (save_strategy "no"); the constant reward then got settings that cannot
+    # move it (num_generations, temperature)
     def zero_reward(prompts, completions, **kwargs):
         return [0.0] * len(completions)
 
     trainer = make_grpo(tokenizer, tmp_path, default_callbacks(AdaptiveBatchTuner={"tune": False}), max_steps=3,
                         bs=2, ga=1, num_generations=2, reward=zero_reward)
     trainer.train()                                    # no save_state(), save_strategy "no": no trainer_state.json
+    assert not (tmp_path / "trainer_state.json").exists()
     text, findings, notes = _report(tmp_path)
     m = measurements_from_run(str(tmp_path))
-    if m.trainer_log_source is None:                   # the step lines carry no trainer logs (an older writer)
-        assert "No reward data in this run's logs" in text and "rewards vary" not in text
-    else:                                              # they do: the constant reward is found from the perf log
-        assert m.trainer_log_source == "perf log" and findings[0].rule == "no_learning"
-        assert "num_generations" not in findings[0].setting and "temperature" not in findings[0].setting
+    assert m.trainer_log_source == "perf log" and m.rewards["logs"] == 3 and m.rewards["max"] == 0.0
+    f = findings[0]
+    assert f.rule == "no_learning" and "from the perf log" in f.observation and "rewards vary" not in text
+    assert "num_generations" not in f.setting and "temperature" not in f.setting
 
 
 def test_the_tuners_record_of_a_real_tuning_run_is_what_the_analysis_reports(tokenizer, tmp_path):

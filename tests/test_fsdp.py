@@ -121,7 +121,7 @@ def test_deepspeed_is_refused_at_start_with_what_to_use_instead(tokenizer, tmp_p
     assert sharding.sharding(trainer) is None
     monkeypatch.setattr(trainer.accelerator.state, "distributed_type", DistributedType.DEEPSPEED)
     assert sharding.sharding(trainer) == "deepspeed"
-    with pytest.raises(ValueError, match="does not support DeepSpeed.*trainer.train\\(\\).*fsdp.yaml"):
+    with pytest.raises(ValueError, match="does not support DeepSpeed.*trainer.train\\(\\).*accelerate/fsdp"):
         train_with_tuning(trainer)
     assert trainer.state.global_step == 0                                 # refused before any step
 

@@ -10,6 +10,12 @@ time is the measure for the input-bound rule, whose waiting costs no CPU). Recor
 (``predicted_gain``), what the report prints (``expected_gain``, None for "try"), the measured gain and the spread
 of the pairs. Results: ``benchmarks/results/advice_<device>.json``.
 
+Scenarios with a cause a setting cannot express plant it and the advised run removes it: a loss that runs the model
+twice (``duplicate_forward``), a collator that pads every batch to 128 positions (``pad_to_length``: the advised
+run pads per batch), torch at one thread per core beside a process that keeps one core busy (``threads``,
+``compete``: the advised run takes the finding's ``OMP_NUM_THREADS``), a reward that is always 0 (``reward``: no
+speed advice; the finding's wording is checked: no setting that cannot move a constant reward).
+
     python benchmarks/bench_advice.py --smoke                      # CPU, tiny model, a minute or two
     python benchmarks/bench_advice.py --model tiny --repeats 2     # CPU, tiny model
     python benchmarks/bench_advice.py --model smollm2              # SmolLM2-135M-Instruct (CPU: one small scenario;
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import multiprocessing
 import os
 import platform
 import shutil
@@ -79,6 +86,30 @@ class SlowText(torch.utils.data.Dataset):
         return {"input_ids": self.items[i]}
 
 
+class FixedLength:
+    """A collator that pads every batch to ``length`` positions (``padding="max_length"``), then makes labels."""
+
+    def __init__(self, tok, length: int):
+        from transformers import DataCollatorForLanguageModeling
+
+        self.inner = DataCollatorForLanguageModeling(tok, mlm=False)
+        self.tok, self.length = tok, length
+
+    def __call__(self, features):
+        batch = self.tok.pad(features, padding="max_length", max_length=self.length, return_tensors="pt")
+        return self.inner([{k: v[i] for k, v in batch.items()} for i in range(len(features))])
+
+
+def _burn():                                   # another process's work: one core kept busy
+    while True:
+        pass
+
+
+def zero_reward(prompts, completions, **kwargs):
+    """A reward no completion can move (every completion scores 0)."""
+    return [0.0] * len(completions)
+
+
 class StepClock:
     """Wall and process CPU seconds of every optimizer step, from one step's end to the next (so the data loading
     before a step counts), independent of the package's meter."""
@@ -112,6 +143,12 @@ def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device:
     cfg = {**scenario["config"], **settings}
     duplicate = cfg.pop("duplicate_forward", False)
     delay = cfg.pop("delay", 0.0)
+    pad_to = cfg.pop("pad_to_length", None)
+    reward = cfg.pop("reward", None)
+    cfg.pop("compete", None)
+    threads = cfg.pop("threads", None)
+    if threads and device == "cpu":
+        torch.set_num_threads(threads)
     common_args = dict(output_dir=output_dir, logging_steps=1, save_strategy="no", report_to="none",
                        disable_tqdm=True, seed=0, learning_rate=1e-4, use_cpu=device == "cpu",
                        bf16=device == "cuda")
@@ -123,7 +160,7 @@ def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device:
 
         args = GRPOConfig(**common_args, beta=0.0, activation_checkpointing=False, **cfg)
         lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-        return GRPOTrainer(model=factory(), reward_funcs=wordle.REWARD_FUNCS, args=args,
+        return GRPOTrainer(model=factory(), reward_funcs=zero_reward if reward == "zero" else wordle.REWARD_FUNCS, args=args,
                            train_dataset=wordle.make_dataset(256, seed=0, max_history=0, conversational=True),
                            processing_class=tok, peft_config=lora, callbacks=callbacks)
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
@@ -140,19 +177,30 @@ def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device:
 
     args = TrainingArguments(**common_args, **cfg)
     cls = DuplicateForward if duplicate else Trainer
-    return cls(model=factory(), args=args, train_dataset=SlowText(tok, delay=delay),
-               data_collator=DataCollatorForLanguageModeling(tok, mlm=False), callbacks=callbacks)
+    collator = FixedLength(tok, pad_to) if pad_to else DataCollatorForLanguageModeling(tok, mlm=False)
+    return cls(model=factory(), args=args, train_dataset=SlowText(tok, delay=delay), data_collator=collator,
+               callbacks=callbacks)
 
 
 def run_once(scenario, settings, factory, tok, device, keep: str | None = None):
     """({"wall": s, "cpu": s} mean per optimizer step after the scenario's ``skip`` steps, the run directory)."""
     out = tempfile.mkdtemp(prefix="advice_")
     clock = StepClock()
-    trainer = build(scenario, settings, factory, tok, out, device, clock)
-    trainer.train()
+    threads = torch.get_num_threads()
+    others = [multiprocessing.Process(target=_burn, daemon=True) for _ in range(scenario["config"].get("compete", 0))]
+    for p in others:
+        p.start()
+    try:
+        trainer = build(scenario, settings, factory, tok, out, device, clock)
+        trainer.train()
+    finally:
+        for p in others:
+            p.terminate()
+        torch.set_num_threads(threads)
     trainer.save_state()
     k = scenario["skip"]
-    seconds = {"wall": statistics.fmean(clock.wall[k:]), "cpu": statistics.fmean(clock.cpu[k:])}
+    seconds = {"wall": statistics.fmean(clock.wall[k:]), "cpu": statistics.fmean(clock.cpu[k:]),
+               "load_per_core": os.getloadavg()[0] / os.cpu_count()}
     del trainer
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -181,6 +229,23 @@ def scenarios(model: str, smoke: bool, steps: int | None = None) -> dict:
                                       "config": dict(per_device_train_batch_size=8, gradient_accumulation_steps=2,
                                                      max_steps=steps + 2, duplicate_forward=True)},
     }
+    if not gpu:
+        # a collator padding every batch to 128 positions (the field report: ~28 real tokens in 128)
+        out["trainer_fixed_length"] = {"kind": "trainer", "skip": 2, "measure": ["padding_waste"],
+                                       "config": dict(per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                                                      max_steps=steps + 2, pad_to_length=128),
+                                       "also": {"padding_waste": [("group_by_length instead", {
+                                           "train_sampling_strategy": "group_by_length"})]}}
+        # torch's default of one thread per core, beside a process that keeps one core busy (on top of whatever
+        # else the machine runs): measured in wall time, the time the oversubscription costs
+        out["trainer_threads"] = {"kind": "trainer", "skip": 2, "measure": ["oversubscription"], "clock": "wall",
+                                  "config": dict(per_device_train_batch_size=16, gradient_accumulation_steps=1,
+                                                 max_steps=steps + 6, threads=os.cpu_count(), compete=1)}
+        # a reward that is always 0: not speed advice; the finding's wording is what is checked
+        out["grpo_constant_reward"] = {"kind": "grpo", "skip": 1, "measure": [], "wording": "no_learning",
+                                       "config": {**grpo, "per_device_train_batch_size": 2,
+                                                  "gradient_accumulation_steps": 1, "num_generations": 2,
+                                                  "reward": "zero"}}
     if model == "smollm2" and not gpu:   # the real model on a CPU: one prompt group of 2 per step keeps it to minutes
         out = {"grpo_2x1_pad32": {"kind": "grpo", "skip": 1,
                                   "config": {**grpo, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
@@ -191,26 +256,57 @@ def scenarios(model: str, smoke: bool, steps: int | None = None) -> dict:
 
 
 #: Code fixes a setting cannot express: the scenario switch that removes the planted cause.
-CODE_FIXES = {"duplicate_forward": {"duplicate_forward": False}}
+CODE_FIXES = {"duplicate_forward": {"duplicate_forward": False}, "padding_waste": {"pad_to_length": None}}
+#: What a constant reward's finding may not advise: settings that cannot move a reward no sample has moved.
+NO_HELP_FOR_CONSTANT_REWARD = ("num_generations", "temperature")
+
+
+def wording(f) -> dict:
+    """The wording check of a finding that is not speed advice (a constant reward)."""
+    useless = sorted(k for k in f.setting if k in NO_HELP_FOR_CONSTANT_REWARD)
+    return {"title": f.title, "setting": f.setting, "first_action": f.recommendation.splitlines()[0],
+            "settings_that_cannot_help": useless,
+            "names_the_cause": "partial credit" in f.recommendation and "too hard" in f.root_cause,
+            "ok": not useless and "partial credit" in f.recommendation and "too hard" in f.root_cause}
+
+
+def measure(name, scenario, label, setting, base_sec, factory, tok, device, repeats) -> dict:
+    """Baseline and advised runs alternating (the first baseline is the analysed one): the gain per pair."""
+    which = scenario.get("clock") or ("cpu" if device == "cpu" else "wall")
+    pairs, bases, advised = [], [base_sec], []
+    for i in range(repeats):
+        b = bases[-1] if i == 0 else run_once(scenario, {}, factory, tok, device)[0]
+        if i:
+            bases.append(b)
+        a = run_once(scenario, setting, factory, tok, device)[0]
+        advised.append(a)
+        pairs.append(b[which] / a[which])
+        print(f"[{name}] {label} {setting}: baseline {b}, advised {a} → {pairs[-1]:.2f}x ({which})", flush=True)
+    return {"measured_gain": statistics.median(pairs), "measured_on": which, "pair_gains": pairs,
+            "wall_pair_gains": [b["wall"] / a["wall"] for b, a in zip(bases, advised)],
+            "cpu_pair_gains": [b["cpu"] / a["cpu"] for b, a in zip(bases, advised)],
+            "baseline_step_sec": bases, "advised_step_sec": advised}
 
 
 def check_scenario(name, scenario, factory, tok, device, repeats, rules=None) -> list[dict]:
-    from hf_perf_callbacks.analysis import check
-
-    from hf_perf_callbacks.analysis import measurements_from_run
+    from hf_perf_callbacks.analysis import check, measurements_from_run
 
     base_sec, base_dir = run_once(scenario, {}, factory, tok, device, keep="yes")
     findings, notes = check(measurements_from_run(base_dir))
     shutil.rmtree(base_dir, ignore_errors=True)
-    which = scenario.get("clock") or ("cpu" if device == "cpu" else "wall")
     print(f"[{name}] baseline {base_sec} s/step; findings: {[f.rule for f in findings]}; "
           f"notes: {[n.rule for n in notes]}", flush=True)
     rows = []
     for f in findings:
-        setting = dict(f.setting) if f.setting else dict(CODE_FIXES.get(f.rule, {}))
-        row = {"scenario": name, "rule": f.rule, "title": f.title, "setting": f.setting,
+        setting = (dict(f.setting) if f.setting else
+                   {"threads": int(f.env["OMP_NUM_THREADS"])} if f.env.get("OMP_NUM_THREADS") else
+                   dict(CODE_FIXES.get(f.rule, {})))
+        row = {"scenario": name, "rule": f.rule, "title": f.title, "setting": f.setting, "env": f.env,
                "predicted_gain": f.predicted_gain, "expected_gain": f.expected_gain, "basis": f.basis,
-               "formula": f.gain_formula}
+               "lower_bound": f.lower_bound, "formula": f.gain_formula, "baseline_load_per_core":
+               base_sec["load_per_core"]}
+        if scenario.get("wording") == f.rule:
+            row["wording"] = wording(f)
         skip = ("not speed advice" if f.rule in SKIP_RULES else "no setting to apply" if not setting else
                 "needs vLLM, not installed here" if setting.get("use_vllm") and not importlib.util.find_spec("vllm")
                 else
@@ -221,22 +317,17 @@ def check_scenario(name, scenario, factory, tok, device, repeats, rules=None) ->
             row["why_not_measured"] = skip
             rows.append(row)
             continue
-        pairs, wall_pairs, bases, advised = [], [], [base_sec], []
-        for i in range(repeats):
-            b = bases[-1] if i == 0 else run_once(scenario, {}, factory, tok, device)[0]
-            if i:
-                bases.append(b)
-            a = run_once(scenario, setting, factory, tok, device)[0]
-            advised.append(a)
-            pairs.append(b[which] / a[which])
-            wall_pairs.append(b["wall"] / a["wall"])
-            print(f"[{name}] {f.rule} {setting}: baseline {b}, advised {a} → {pairs[-1]:.2f}x ({which})", flush=True)
-        measured = statistics.median(pairs)
-        row.update(measured_gain=measured, measured_on=which, pair_gains=pairs, wall_pair_gains=wall_pairs,
-                   baseline_step_sec=bases, advised_step_sec=advised)
+        row.update(measure(name, scenario, f.rule, setting, base_sec, factory, tok, device, repeats))
         if f.predicted_gain:
-            row["prediction_error"] = f.predicted_gain / measured - 1
+            row["prediction_error"] = f.predicted_gain / row["measured_gain"] - 1
         rows.append(row)
+        for label, other in scenario.get("also", {}).get(f.rule, []):   # a later bullet of the same finding
+            rows.append({"scenario": name, "rule": f.rule, "title": f"{f.title} ({label})", "setting": other,
+                         "predicted_gain": None, "expected_gain": None, "basis": "not advised first",
+                         **measure(name, scenario, label, other, base_sec, factory, tok, device, repeats)})
+    if scenario.get("wording") and not any(r.get("wording") for r in rows):
+        rows.append({"scenario": name, "rule": scenario["wording"], "measured_gain": None,
+                     "why_not_measured": "the finding did not fire", "wording": {"ok": False}})
     return rows
 
 
@@ -291,8 +382,13 @@ def main():
         previous = {}
     runs = previous.get("runs", [])
     old = next((r for r in runs if r.get("model") == model), None)
-    if old and a.only:            # a partial re-run replaces only its scenarios' rows
-        rows = [r for r in old["results"] if r["scenario"] not in a.only] + rows
+    for row in rows:
+        row["environment"] = {k: env[k] for k in ("date", "load_avg", "threads")}
+    if old and a.only:            # a partial re-run replaces only its scenarios' rows; the others keep their date
+        kept = [r for r in old["results"] if r["scenario"] not in a.only]
+        for row in kept:
+            row.setdefault("environment", {k: old["environment"].get(k) for k in ("date", "load_avg", "threads")})
+        rows = kept + rows
     runs = [r for r in runs if r.get("model") != model]
     runs.append({"model": model, "environment": env, "repeats": a.repeats, "results": rows})
     os.makedirs(RESULTS, exist_ok=True)

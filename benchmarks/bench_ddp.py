@@ -143,7 +143,10 @@ def stop_on_rank1(steps: int) -> dict:
 def main():
     count_collectives()
     with open(os.path.join(RESULTS, "tuner_sweep.json")) as f:
-        peaks = {r["split"]: r["peak_gb"] for r in json.load(f)["sweep"] if "peak_gb" in r}
+        peaks = {r["split"]: r["peak_gb"] for r in json.load(f)["sweep"] if r.get("peak_gb")}
+    if not {"16×2", "32×1"} <= set(peaks):
+        raise SystemExit("results/tuner_sweep.json has no 16×2 and 32×1 peaks: run `bench_tuner.py --part sweep "
+                         "--splits 16 2 --splits 32 1` first")
     limit = 0.5 * (peaks["16×2"] + peaks["32×1"])
     skip = set(sys.argv[1:])                   # e.g. "oom": run only the other scenarios
     results = {}

@@ -23,7 +23,10 @@ def main():
     limit = a.limit_gb
     if limit is None:
         with open(os.path.join(RESULTS, "tuner_sweep.json")) as f:
-            peaks = {r["split"]: r["peak_gb"] for r in json.load(f)["sweep"] if "peak_gb" in r}
+            peaks = {r["split"]: r["peak_gb"] for r in json.load(f)["sweep"] if r.get("peak_gb")}
+        if not {"16×2", "32×1"} <= set(peaks):
+            raise SystemExit("results/tuner_sweep.json has no 16×2 and 32×1 peaks: run `bench_tuner.py --part sweep "
+                             "--splits 16 2 --splits 32 1` first, or pass --limit_gb")
         limit = 0.5 * (peaks["16×2"] + peaks["32×1"])
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(limit * GB / total)

@@ -85,6 +85,11 @@ class WallSteps(TrainerCallback):
 
 def make_trainer(a, callbacks, split, steps, **extra):
     micro, accum = split
+    if a.tiny:                                     # the tiny demo (2-layer random Llama, plain prompts), CPU
+        from hf_perf_callbacks.demo import build_demo_trainer
+
+        return build_demo_trainer(tempfile.mkdtemp(), max_steps=steps, callbacks=callbacks, model="tiny",
+                                  per_device_train_batch_size=micro, gradient_accumulation_steps=accum, **extra)
     if a.smoke and not a.full:
         from hf_perf_callbacks.demo import build_demo_trainer
 
@@ -136,14 +141,14 @@ def one_run(a) -> dict:
     tuner = AdaptiveBatchTuner(must_pay=not a.try_all)
     callbacks = [timer] + ([tuner, MemoryWatchdog()] if a.mode == "tuned" else [])
     trainer = make_trainer(a, callbacks, tuple(a.split), a.steps)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     if a.mode == "tuned":
         train_with_tuning(trainer)
     else:
         trainer.train()
-    wall = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     result = {"mode": a.mode, "start": f"{a.split[0]}×{a.split[1]}", "steps": trainer.state.global_step,
-              "wall_sec": wall, "end": f"{trainer.args.per_device_train_batch_size}×"
+              "wall_sec": wall, "cpu_sec": cpu, "end": f"{trainer.args.per_device_train_batch_size}×"
                                       f"{trainer.args.gradient_accumulation_steps}",
               "tokens": sum(timer.tokens), "steps_by_split": _counts(timer.splits),
               "step_walls": timer.walls, "step_generation": timer.generation, **timer.summary()}
@@ -224,15 +229,18 @@ def main():
     p.add_argument("--try_all", action="store_true", help="part run: tune with must_pay=False")
     p.add_argument("--full", action="store_true", help="a full fine-tune instead of LoRA")
     p.add_argument("--smoke", action="store_true", help="the CPU demo's trainer (SmolLM2, 4×1)")
+    p.add_argument("--tiny", action="store_true", help="the tiny CPU demo's trainer (random 2-layer Llama, 4×2)")
     p.add_argument("--model", default="qwen05", choices=["qwen05", "smollm2"])
     a = p.parse_args()
     if a.smoke and a.split == [4, 8]:
         a.split = [4, 1]
+    if a.tiny and a.split == [4, 8]:
+        a.split = [4, 2]
     settings = vars(a).copy()
     if a.part == "sweep":
         write_result("tuner_sweep" + ("_cpu" if a.smoke else ""), {"sweep": sweep(a), "settings": settings})
     elif a.part == "run":
-        label = a.label or f"{a.mode}_{a.split[0]}x{a.split[1]}" + ("_cpu" if a.smoke else "")
+        label = a.label or f"{a.mode}_{a.split[0]}x{a.split[1]}" + ("_cpu" if a.smoke else "_tiny" if a.tiny else "")
         write_result(f"tuner_run_{label}", {"run": one_run(a), "settings": settings})
     elif a.part == "switch":
         write_result("tuner_switch" + ("_cpu" if a.smoke else ""), {"switch": switch_cost(a), "settings": settings})

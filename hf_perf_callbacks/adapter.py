@@ -16,6 +16,11 @@ the ``CallbackHandler`` on the call stack         a callback passed through ``ca
 ``Trainer._save_checkpoint``                      the only way to write a complete resumable checkpoint
                                                   (weights, optimizer, scheduler, RNG, state) on demand; it reads
                                                   ``args.save_only_model`` (set aside for that call)
+``TrainerState.stateful_callbacks`` as            it indexes ``stateful_callbacks[name]`` for every
+``Trainer._save_checkpoint`` reads it             ``ExportableState`` callback; a state loaded from a checkpoint
+                                                  written without one has no entry for it, so the next save of a
+                                                  resume that attached it raises ``KeyError`` (transformers 5.24;
+                                                  ``EarlyStoppingCallback`` too): the entries are added first
 TRL ``GRPOTrainer._step``, ``_buffered_inputs``,  the generation buffer and metric accumulators of the last
 ``_metrics``                                      ``train()`` survive into the next; a resume must start clean
 ``trainer.training_step`` (instance attribute)    the step is the unit the cross-rank agreement guards; no hook
@@ -44,7 +49,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from transformers.trainer_callback import CallbackHandler, ProgressCallback
+from transformers.trainer_callback import CallbackHandler, ExportableState, ProgressCallback
 
 
 # ---------------------------------------------------------------- the callback handler
@@ -84,6 +89,7 @@ def save_checkpoint(trainer) -> None:
     """Write ``checkpoint-<global_step>`` now, as the Trainer does at a save step, and always a complete one: the
     weights, optimizer, scheduler, scaler and RNG state, also under ``save_only_model=True`` (which would leave out
     everything but the weights, and a resume from it would restart the schedule and the optimizer silently)."""
+    register_stateful_callbacks(trainer.state, trainer.callback_handler.callbacks + [trainer.control])
     args = trainer.args
     only_model = args.save_only_model
     args.save_only_model = False
@@ -91,6 +97,23 @@ def save_checkpoint(trainer) -> None:
         trainer._save_checkpoint(trainer.model, trial=None)
     finally:
         args.save_only_model = only_model
+
+
+def register_stateful_callbacks(state, callbacks) -> list[str]:
+    """Give every ``ExportableState`` in ``callbacks`` that has none an entry in ``state.stateful_callbacks`` (its
+    current ``state()``; a list for several instances of one class, as ``TrainerState`` builds it for a fresh run),
+    so that ``Trainer._save_checkpoint`` finds one for each. Returns the class names added."""
+    entries = getattr(state, "stateful_callbacks", None)
+    if entries is None or not isinstance(entries, dict):
+        return []
+    missing: dict[str, list] = {}
+    for callback in callbacks:
+        name = type(callback).__name__
+        if isinstance(callback, ExportableState) and name not in entries:
+            missing.setdefault(name, []).append(callback.state())
+    for name, states in missing.items():
+        entries[name] = states[0] if len(states) == 1 else states
+    return list(missing)
 
 
 def forget_last_train(trainer) -> None:

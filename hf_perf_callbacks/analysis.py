@@ -1,45 +1,69 @@
 """The run explains itself: rule-based analysis of a run's ``perf_log.jsonl`` (+ ``trainer_state.json`` and the
-tuner's ``tuner_split.json``).
+tuner's ``tuner_split.json``). Pure: no torch, no transformers.
 
-:func:`measurements` reduces a parsed run log (:func:`hf_perf_callbacks.runlog.read_run`) to :class:`Measurements`
-(headline figures from :func:`hf_perf_callbacks.figures.figures`, the ones ``hf-perf report`` prints); every rule in :data:`RULES` is a
-pure function of those and returns a :class:`Finding`, a :class:`Note` (checked and fine: nothing to gain) or None.
-A finding carries the **complete setting** to apply (``Finding.setting``, e.g. ``{"per_device_train_batch_size": 8,
-"gradient_accumulation_steps": 1}``), relative to what the run configured and never one already in effect, and an
-expected gain only where it is earned (``Finding.basis``):
+:func:`measurements` reduces a parsed run log (:func:`hf_perf_callbacks.runlog.read_run`) to :class:`Measurements`:
+headline figures from :func:`hf_perf_callbacks.figures.figures` (the ones ``hf-perf report`` prints, never
+recomputed here), the trainer's own logs from the step lines' ``log/<key>`` values (else ``trainer_state.json``),
+the tuner's decisions through :func:`hf_perf_callbacks.splitfile.read_split_file`, and what the run header says
+about the interface (``launcher``) and the CPU (``cpu_cores``, ``torch_threads``) when its writer records them. Every
+logged value is read through a typed accessor: a field of another type is skipped and listed in the report, never a
+crash. Every rule in :data:`RULES` is a pure function of the measurements and returns a :class:`Finding`, a
+:class:`Note` (checked and fine, or not judged: what the run is too short for) or None. A finding carries the
+**complete setting** to apply (``Finding.setting``, e.g. ``{"per_device_train_batch_size": 8,
+"gradient_accumulation_steps": 1}``; ``Finding.env`` for what only the environment sets, ``OMP_NUM_THREADS``),
+relative to what the run configured and never one already in effect, worded for the interface the run was started
+with (recipe keys for ``hf-perf train``), and an expected gain only where it is earned (``Finding.basis``):
 
-- ``measured``: the run itself measured the alternative (its own wait, its own lost time);
+- ``measured``: the run itself measured the alternative (its own wait, its own lost time; ``lower_bound``: at least);
 - ``calibrated``: a model whose predictions ``benchmarks/bench_advice.py`` checked against runs with the advice
   applied (the confidence says how close they came);
+- ``too few steps``: no number: the run is shorter than the evidence needs (:func:`_too_short`);
 - ``try``: no number (``expected_gain`` None): the prediction could not be checked.
+
+**Evidence thresholds.** A rule that reads timings (shares of wall time, MFU, slow steps) and every gain need warmup
+finished and :data:`MIN_STEADY_STEPS` steps after it; until then the report says "too few steps to judge" and how
+many more steps it needs. Counts (forwards per micro-batch, padding, rewards, completion lengths, memory) are judged
+from the first step; fixed-length padding needs :data:`MIN_FIXED_LENGTH_STEPS` steps at one length, thread
+oversubscription :data:`MIN_MACHINE_STEPS` steps, a run that cannot learn :data:`NO_LEARNING_LOGS` logs. The ranking
+is a total order (:func:`_rank`): two runs with the same evidence get the same findings in the same order.
 
 :func:`analyze` ranks the findings (a run that cannot learn, or swaps / nears the memory wall, first; then by
 expected gain; then "try" findings); :func:`check` returns the findings and the notes; :func:`write_perf_report`
 writes ``<output_dir>/perf_report.md``.
 
-=====================  ============================================================================================
-rule                   fires when (finding) / notes when (checked and fine)
-=====================  ============================================================================================
-``no_learning``        GRPO: every prompt group had zero reward variance (``frac_reward_zero_std`` = 1) and the
-                       gradient norm was 0 on ≥ ``NO_LEARNING_LOGS`` logs in a row → reward shaping,
-                       ``num_generations``, ``temperature``; try
-``memory_pressure``    swapping, pressure level ≥ 1, the wall ≤ ``STEPS_TO_WALL`` steps away, or driver memory far
-                       above live tensors → the setting that frees the most memory; try
-``contention``         steps slower than the steady level while their CPU time stayed flat (other processes, too
-                       many threads) → threads / other processes; measured (the time lost in those steps)
-``input_bound``        data wait ≥ ``DATA_WAIT_FRACTION`` → DataLoader settings; ``1/(1 − wait)``, calibrated
-``duplicate_forward``  forwards per micro-batch > ``DUPLICATE_FORWARDS``; Amdahl on the compute share, calibrated
-``padding_waste``      pad fraction ≥ ``PAD_FRACTION``: ``pad_to_multiple_of`` off the device that needs it →
-                       ``pad_to_multiple_of: null``, calibrated; Trainer → length grouping, try; GRPO padding to the
-                       longest completion → note
-``generation_bound``   GRPO, generation ≥ ``GENERATION_SHARE`` → vLLM (CUDA), a larger generation batch; try
-``small_micro_batch``  micro-batch ≤ ``SMALL_MICRO_BATCH`` with accumulation ≥ 2, low MFU (unknown: compute share ≥
-                       ``HIGH_COMPUTE_SHARE``), the tuner's probe did not run → a larger exact split; try. The probe
-                       ran → note with its measured trials
-``completion_budget``  GRPO, completions far below ``max_completion_length`` with rare runaways → a cap; try.
-                       No runaways (memory headroom only) or completions cut off → note
-``warmup``             always a note (a one-time cost), worded from what was measured
-=====================  ============================================================================================
+======================  ===========================================================================================
+rule                    fires when (finding) / notes when
+======================  ===========================================================================================
+``no_learning``         GRPO: every completion of ≥ ``NO_LEARNING_LOGS`` logs scored the same → partial credit, a
+                        check of the reward, an easier task (no setting: more samples cannot move a constant
+                        reward; ``max_completion_length`` when most completions were cut); or every group flat on
+                        ≥ ``NO_LEARNING_LOGS`` logs in a row while the mean reward moved → ``num_generations``
+                        (and ``temperature`` below 1); try. No reward data → note (not judged)
+``memory_pressure``     swapping, pressure level ≥ 1, the wall ≤ ``STEPS_TO_WALL`` steps away, or driver memory far
+                        above live tensors → the setting that frees the most memory (names the tuner's OOMs); try
+``oversubscription``    CPU, the whole run: torch threads + other processes' busy cores > cores + ``OVERSUBSCRIBED``,
+                        ≥ ``THREADS_IDLE`` threads not running, similar work ``STEP_SPREAD``x apart → ``OMP_NUM_THREADS``
+                        = the free cores (``Finding.env``); measured, at least (the run's fastest steps)
+``contention``          slow early steps whose CPU time stayed flat (the meter's ``early_contention_sec``) → other
+                        processes, threads; measured (the time lost in those steps)
+``input_bound``         data wait ≥ ``DATA_WAIT_FRACTION`` → DataLoader settings; ``1/(1 − wait)``, calibrated
+``duplicate_forward``   forwards per micro-batch > ``DUPLICATE_FORWARDS``; Amdahl on the compute share, calibrated
+``padding_waste``       pad fraction ≥ ``PAD_FRACTION``: a Trainer padded to one length on every step → per-batch
+                        padding (a code change), try; ``pad_to_multiple_of`` off the device that needs it →
+                        ``pad_to_multiple_of: null``, calibrated; per-batch padding → length grouping, try; GRPO
+                        padding to the longest completion → note
+``generation_bound``    GRPO, generation ≥ ``GENERATION_SHARE`` → vLLM (CUDA), a larger generation batch (its
+                        off-policy cost stated); try
+``small_micro_batch``   micro-batch ≤ ``SMALL_MICRO_BATCH`` with accumulation ≥ 2, low MFU (unknown: compute share ≥
+                        ``HIGH_COMPUTE_SHARE``), no tuner measurement → a larger exact split, never above a
+                        micro-batch that ran out of memory; try. The tuner measured splits → note with its trials
+``completion_budget``   GRPO: most completions cut at ``max_completion_length`` → the limit and
+                        ``mask_truncated_completions``; try. Completions far below it with rare runaways → a cap;
+                        try. No runaways (memory headroom only) → note
+``warmup``              always a note, worded from the meter's figures ("not finished after N steps" while it is)
+``evidence``            the run is shorter than the timing rules need → note (not judged)
+``log_fields``          fields of another type skipped → note (not judged)
+======================  ===========================================================================================
 
 Memory estimates (shown with their formulas) use the run header's model config and the memory model of
 :mod:`hf_perf_callbacks.estimate` (the one behind the recipes' memory table), per token:
@@ -62,10 +86,11 @@ from . import estimate
 from . import runlog as keys
 from .batching import Split, exact_splits, next_smaller
 from .dataloader import dataloader_advice, dataloader_changes
-from .device import GB
-from .figures import completion_stats, figures, last_probe, last_value, split_text, warmup_words
-from .runlog import RunLog, read_run
-from .stats import classify_slow_steps
+from .figures import completion_stats, figures, last_value
+from .runlog import GB, RunHeader, RunLog, StepLine, conform, number, read_run
+from .splitfile import Decision, SplitFile, read_split_file
+from .stats import classify_slow_steps, quantile
+from .wording import warmup_words
 
 REPORT_FILE = "perf_report.md"
 CONSOLE_WIDTH = 160
@@ -92,6 +117,14 @@ PAD_FRACTION = 0.2
 NO_LEARNING_LOGS = 3         # consecutive logs with zero reward variance in every group and zero gradient norm
 ZERO = 1e-12
 CONTENTION_SHARE = 0.05      # time lost to contention / run time worth a finding
+# Evidence thresholds: below them a rule says "too few steps to judge" instead of a finding or a gain.
+MIN_STEADY_STEPS = 3         # timing rules (shares of wall time, MFU, slow steps, any gain): warmup over + these steps
+MIN_MACHINE_STEPS = 4        # whole-run contention: steps with CPU time and the machine's load ...
+MIN_MACHINE_CYCLES = 3       # ... and this many whole steps (GRPO: generation cycles) after the first to compare
+MIN_FIXED_LENGTH_STEPS = 3   # fixed-length padding: steps padded to one and the same length
+OVERSUBSCRIBED = 0.5         # threads + other processes' busy cores above the cores by this much: oversubscribed
+THREADS_IDLE = 0.5           # threads of this process not running (threads − CPU time / wall) worth a finding
+STEP_SPREAD = 1.5            # similar work whose wall (or CPU) seconds per token differ this much between steps
 
 #: How close each model came to the measured gain when ``benchmarks/bench_advice.py`` applied its advice
 #: (``benchmarks/results/advice_*.json``): (rule, device type) → (checks, worst |predicted / measured − 1|). A rule
@@ -149,11 +182,22 @@ class Measurements:
     temperature: float | None = None
     use_vllm: bool | None = None
     tuner_attached: bool = False             # tuner/* keys in the step lines
-    probe: dict | None = None                # the tuner's probe decision (old, new, trials) when it ran
-    logs: int = 0                            # training logs in log_history (GRPO: with reward statistics)
+    tune: Decision | None = None             # the tuner's latest measurement of splits on this run's own steps
+    memory_limits: list[Decision] = field(default_factory=list)   # the tuner's oom / watchdog / memory_check decisions
+    logs: int = 0                            # training logs with reward statistics (GRPO)
     no_signal_run: int = 0                   # longest run of logs with frac_reward_zero_std 1 and grad_norm 0
     reward_mean: float | None = None         # mean reward over those logs
+    rewards: dict | None = None              # the run's reward statistics (see _rewards); None: no reward data
+    trainer_log_source: str | None = None    # where the trainer's logs came from: "perf log", "trainer_state.json"
     contention: dict | None = None           # steps slowed by other processes: see rule_contention
+    machine: dict | None = None              # the CPU over the whole run: cores, threads, load (see _machine)
+    warmup_done: bool | None = None          # the meter decided warmup (None: no meter data)
+    steady_steps: int = 0                    # steps after warmup (0 while warmup is not finished)
+    fixed_seq_len: int | None = None         # Trainer: every step padded to this one length (a fixed-length collator)
+    seq_len_min: int | None = None           # shortest padded training sequence (differs from seq_len: per-batch)
+    launcher: str | None = None              # the command that started the run ("hf-perf train"); None: Python
+    logged: frozenset = frozenset()          # the metric keys the step lines hold
+    skipped: list[str] = field(default_factory=list)   # logged fields of another type, skipped (what the report says)
 
 
 @dataclass
@@ -171,18 +215,22 @@ class Finding:
     gain_formula: str
     confidence: str                          # "high" | "medium" | "low"
     setting: dict = field(default_factory=dict)
-    basis: str = "try"                       # "measured" | "calibrated" | "try"
+    basis: str = "try"                       # "measured" | "calibrated" | "try" | "too few steps"
     predicted_gain: float | None = None
     priority: int = 1                        # 0: cannot learn / swapping / near the wall, ranked first
+    env: dict = field(default_factory=dict)  # environment variables to set before the process starts
+    lower_bound: bool = False                # expected_gain is a floor ("at least"), not a prediction
 
 
 @dataclass
 class Note:
-    """Checked and fine: what a rule looked at and why there is nothing to gain."""
+    """Checked and fine (``judged``): what a rule looked at and why there is nothing to gain; or not judged
+    (``judged`` False): what the run's evidence is too short for, and how much more it needs."""
 
     rule: str
     title: str
     text: str
+    judged: bool = True
 
 # ------------------------------------------------------------------ helpers
 def _bullets(items: list[str]) -> str:
@@ -333,11 +381,11 @@ def _splits(m: Measurements) -> list[Split]:
         return []
 
 
-
-
-def _calibrated(rule: str, device_type: str, predicted: float, formula: str) -> tuple[float | None, str, str, str]:
+def _calibrated(rule: str, m: Measurements, predicted: float, formula: str) -> tuple[float | None, str, str, str]:
     """(expected_gain, basis, confidence, formula) for a model prediction: printed only when CALIBRATION holds the
-    rule's check against runs with the advice applied on this device type."""
+    rule's check against runs with the advice applied on this device type, and when the run has the steps to
+    judge it (:func:`_too_short`)."""
+    device_type = m.device_type
     runs, error = CALIBRATION.get((rule, device_type), (0, math.inf))
     if not runs or error > 0.25:
         checked = sorted(d for r, d in CALIBRATION if r == rule)
@@ -345,9 +393,9 @@ def _calibrated(rule: str, device_type: str, predicted: float, formula: str) -> 
                  else "not calibrated against runs with the advice applied")
         return None, "try", "low", f"not printed: this model ({formula}) is {where}"
     confidence = "high" if error <= 0.1 and runs >= 3 else "medium"
-    return predicted, "calibrated", confidence, (f"{formula}; calibrated on {device_type}: on {runs} run(s) with the "
-                                                 f"advice applied the measured gain was within {error:.0%} of this "
-                                                 f"model's")
+    return _judged(m, predicted, "calibrated", confidence,
+                   f"{formula}; calibrated on {device_type}: on {runs} run(s) with the advice applied the measured "
+                   f"gain was within {error:.0%} of this model's")
 
 
 def _yaml(setting: dict) -> str:
@@ -377,48 +425,155 @@ def _split_setting(m: Measurements, split: Split) -> dict:
     return setting
 
 
+def _too_short(m: Measurements) -> str | None:
+    """Why this run's timings cannot be judged (None: they can): the timing rules and every gain need warmup over
+    and :data:`MIN_STEADY_STEPS` steps measured after it."""
+    if m.warmup_done is None:
+        return "the log holds no warmup decision (no ThroughputMeter step lines)"
+    if not m.warmup_done:
+        return f"warmup was not finished after {m.steps} step{'' if m.steps == 1 else 's'}"
+    if m.steady_steps < MIN_STEADY_STEPS:
+        return f"only {m.steady_steps} step(s) ran after warmup ({MIN_STEADY_STEPS} needed)"
+    return None
+
+
+def _judged(m: Measurements, gain: float | None, basis: str, confidence: str,
+            formula: str) -> tuple[float | None, str, str, str]:
+    """A gain as the run's evidence allows it: without warmup over and enough steady steps, "too few steps"."""
+    why = _too_short(m)
+    if why is None or gain is None:
+        return gain, basis, confidence, formula
+    return None, "too few steps", "low", f"too few steps to judge the gain ({why}); the model: {formula}"
+
+
+def _launcher(m: Measurements) -> bool:
+    return bool(m.launcher)
+
+
+def _tuner_how(m: Measurements) -> str:
+    """How this run gets the batch tuner to measure its splits, in the interface it was started with."""
+    if _launcher(m):
+        return ("keep `AdaptiveBatchTuner` in the recipe's `callbacks` (the default) with `tune: true` (the "
+                "default; `--tune false` turns it off)")
+    if m.tuner_attached:
+        return ("call `train_with_tuning(trainer)` instead of `trainer.train()`, with `AdaptiveBatchTuner(tune=True)` "
+                "(the default): only then does the tuner measure the splits")
+    return "attach `AdaptiveBatchTuner()` (`callbacks=default_callbacks()`) and call `train_with_tuning(trainer)`"
+
+
+def _split_name(split: Split) -> str:
+    return f"{split.micro_batch}×{split.grad_accum}"
+
+
+def _memory_cap(m: Measurements) -> tuple[int | None, str | None]:
+    """The largest micro-batch any advice may name — one below the smallest that ran out of memory or that the
+    memory watchdog had to shrink (the tuner's ``oom``, ``watchdog`` and ``memory_check`` decisions, its trials that
+    did not fit, the watchdog's stops and smaller-batch requests) — and the sentence that says why; (None, None)
+    when nothing hit the memory limit."""
+    hits: list[tuple[int, str]] = []
+    for d in m.memory_limits:
+        what = {"oom": "ran out of memory", "watchdog": "neared the memory budget (the watchdog asked for less)",
+                "memory_check": "did not fit at the longest length"}[d.kind]
+        hits.append((d.old.micro_batch, f"micro-batch {d.old.micro_batch} {what} at step {d.step}"
+                     + (f" ({d.reason})" if d.reason else "")))
+    for t in (m.tune.trials if m.tune else []):
+        if not t.fits or (t.error and "memory" in t.error.lower()):
+            hits.append((t.split.micro_batch, f"the tuner's trial of {_split_name(t.split)} "
+                         + ("ran out of memory" if t.error else "went over the memory budget")))
+    if not m.memory_limits and m.micro_batch:
+        for a in m.watchdog_actions:
+            if a.get("action") in ("smaller_batch", "stop"):
+                hits.append((m.micro_batch, f"the memory watchdog's {a.get('action')} at step {a.get('step')} at "
+                             f"micro-batch {m.micro_batch}"))
+    if not hits:
+        return None, None
+    micro, why = min(hits, key=lambda h: h[0])
+    return max(0, micro - 1), why
+
+
 # ------------------------------------------------------------------ rules
-def rule_no_learning(m: Measurements) -> Finding | None:
-    if not m.grpo or m.no_signal_run < NO_LEARNING_LOGS:
+def rule_no_learning(m: Measurements) -> Finding | Note | None:
+    if not m.grpo:
         return None
-    n = m.num_generations
-    obs = (f"On {m.no_signal_run} consecutive logs (of {m.logs}) every prompt group's completions got the same "
-           f"reward (`frac_reward_zero_std` 1) and the gradient norm was 0"
-           + (f"; mean reward {m.reward_mean:.3g}" if m.reward_mean is not None else "") + ".")
-    root = ("GRPO's advantage is each completion's reward minus its group's mean: when all completions of a group "
-            "score the same, every advantage is 0, so the loss and the gradient are 0 and the weights do not move. "
-            "The rewards give no signal the model can reach from where it is (all 0: the task is too hard for its "
-            "samples, or the reward only pays for an exact answer).")
-    items = ["reward shaping: give partial credit a sampled completion can reach (format, a correct part, "
-             "closeness), so completions of a group differ"]
+    r = m.rewards
+    if r is None:
+        return Note("no_learning", "No reward data",
+                    "No reward data in this run's logs (no `log/reward` in the step lines, no `trainer_state.json` "
+                    "with rewards): whether the run can learn was not checked.", judged=False)
+    constant = _constant_reward(r) and r["logs"] >= NO_LEARNING_LOGS
+    if not constant and m.no_signal_run < NO_LEARNING_LOGS:
+        if _constant_reward(r):
+            return Note("no_learning", "Too few logs to judge the rewards",
+                        f"Every completion of the {r['logs']} log(s) scored {r['min']:.3g}: too few logs to judge "
+                        f"whether the run can learn ({NO_LEARNING_LOGS} needed; `logging_steps` sets how often the "
+                        f"trainer logs).", judged=False)
+        return None
+    clipped, limit = m.clipped_ratio or 0.0, m.max_completion_length
     setting: dict = {}
-    gen = _generation_batch(m)
-    if n:
-        new_n = 2 * n
-        text = f"`num_generations: {new_n}` (more samples per prompt: more chances that one scores differently)"
-        setting["num_generations"] = new_n
-        if gen and gen % new_n:
-            spg = 2 * (m.steps_per_generation or m.grad_accum or 1)
-            setting["steps_per_generation"] = spg
-            text += f" with `steps_per_generation: {spg}` (the generation batch must hold whole groups)"
-        items.append(text)
-    t = m.temperature
-    if t is None:
-        items.append("a higher `temperature` (the log does not say this run's; TRL's default is 1.0): more varied "
-                     "samples within a group")
-    elif t < 1.2:
-        new_t = 1.0 if t < 1.0 else round(t + 0.2, 2)
-        setting["temperature"] = new_t
-        items.append(f"`temperature: {new_t}` (now {t:g}): more varied samples within a group")
-    items.append("check the reward functions on a few completions by hand: a reward that is constant by mistake "
-                 "(a parsing error that always returns 0) looks exactly like this")
-    return Finding("no_learning", "The run cannot learn: no reward variance, zero gradients", obs, root,
-                   _bullets(items), None, "no speed figure: until rewards differ within a group no step changes "
-                   "the weights", "high", setting, "try", None, priority=0)
+    if constant:
+        funcs = ", ".join(f"`{name}` {lo:.3g}" for name, (lo, _) in r["funcs"].items())
+        obs = (f"On all {r['logs']} logs every completion got the same reward, {r['min']:.3g}: no prompt group had "
+               f"any spread (`reward_std` 0)" + (f"; per reward function: {funcs}" if funcs else "")
+               + (f"; the gradient norm was 0 on {m.no_signal_run} consecutive logs" if m.no_signal_run else "")
+               + (f" (from the {m.trainer_log_source})." if m.trainer_log_source else "."))
+        root = ("GRPO learns from reward differences between the completions of one prompt (each advantage is a "
+                "reward minus its group's mean). Every completion of this run scored the same, so every advantage, "
+                "the loss and the gradient were 0: the weights never moved. More samples per prompt or a higher "
+                "temperature cannot move a reward that no sample of the whole run has moved: the reward gives no "
+                "partial credit the model's completions can reach, or the task is too hard for this model.")
+        items = ["make the reward give partial credit a sampled completion can reach (the format, a correct part, "
+                 "closeness to the answer), so that completions of a group differ",
+                 "check the reward functions on a few completions by hand: a reward that is constant by mistake (a "
+                 "parsing error that always returns 0) looks exactly like this",
+                 "or start where the model succeeds sometimes: an easier task or curriculum, or a model (or a short "
+                 "supervised warm-start) that solves some prompts"]
+        if clipped >= CLIPPED_LARGE and limit:
+            setting = {"max_completion_length": 2 * limit}
+            items.insert(0, f"`max_completion_length: {2 * limit}` (now {limit}): {_pct(clipped)} of completions were "
+                            f"cut at the limit, before an answer at their end could score")
+        title = "The run cannot learn: every completion got the same reward"
+    else:
+        obs = (f"On {m.no_signal_run} consecutive logs (of {m.logs}) every prompt group's completions got the same "
+               f"reward (`frac_reward_zero_std` 1) and the gradient norm was 0"
+               + (f"; mean reward {m.reward_mean:.3g}" if m.reward_mean is not None else "")
+               + ("; the mean reward differed between logs, so some prompts score and others do not"
+                  if r and r["max"] - r["min"] > ZERO else "") + ".")
+        root = ("GRPO's advantage is each completion's reward minus its group's mean: when all completions of a "
+                "group score the same, every advantage is 0, so the loss and the gradient are 0 and the weights do "
+                "not move.")
+        items = ["reward shaping: give partial credit a sampled completion can reach (format, a correct part, "
+                 "closeness), so completions of a group differ"]
+        n, gen = m.num_generations, _generation_batch(m)
+        if n and r and r["max"] - r["min"] > ZERO:       # some prompts score: more samples per prompt can differ
+            setting["num_generations"] = 2 * n
+            text = (f"`num_generations: {2 * n}` (more samples per prompt: more chances that one scores "
+                    f"differently from the others)")
+            if gen and gen % (2 * n):
+                spg = 2 * (m.steps_per_generation or m.grad_accum or 1)
+                setting["steps_per_generation"] = spg
+                text += f" with `steps_per_generation: {spg}` (the generation batch must hold whole groups)"
+            items.append(text)
+            t = m.temperature
+            if t is not None and t < 1.0:
+                setting["temperature"] = 1.0
+                items.append(f"`temperature: 1.0` (now {t:g}): more varied samples within a group")
+        items.append("check the reward functions on a few completions by hand: a reward that is constant by mistake "
+                     "(a parsing error that always returns 0) looks exactly like this")
+        title = "The run cannot learn: no reward variance, zero gradients"
+    return Finding("no_learning", title, obs, root, _bullets(items), None, "no speed figure: until rewards differ "
+                   "within a group no step changes the weights", "high", setting, "try", None, priority=0)
 
 
 def rule_warmup(m: Measurements) -> Note | None:
     slow, overhead, steady, n = m.first_step_slowdown, m.warmup_overhead_sec, m.steady_step_sec, m.warmup_steps
+    contended = _oversubscription(m) is not None or bool(m.contention)
+    other = (" Other processes slowed this run too (see the oversubscription or contention finding): that time is "
+             "contention, not warmup, and it recurs." if contended else "")
+    if m.warmup_done is False:
+        return Note("warmup", "Warmup not finished",
+                    f"Warmup was not finished after {m.steps} step{'' if m.steps == 1 else 's'}: the meter has not "
+                    f"seen its steps settle at one level, so the run has no steady figures yet (run longer)."
+                    + other, judged=False)
     if slow is None and overhead is None:
         return None
     parts = [warmup_words(n, slow, overhead)]
@@ -426,8 +581,8 @@ def rule_warmup(m: Measurements) -> Note | None:
     text = _sentence(parts) + (" One-time costs of a fresh process (optimizer state, allocator growth"
                                + {"mps": ", Metal shader compilation", "cuda": ", CUDA context and kernel selection",
                                   "xpu": ", kernel compilation"}.get(m.device_type, "")
-                               + ") do not recur; the steady figures exclude them.")
-    if share is not None and share >= WARMUP_SHARE:
+                               + ") do not recur; the steady figures exclude them.") + other
+    if share is not None and share >= WARMUP_SHARE and not contended:
         target = 0.05
         steps_needed = math.ceil(overhead * (1 - target) / (target * steady))
         text += (f" In this short run warmup is {_pct(share)} of the time: compare steady figures only, or run "
@@ -435,14 +590,76 @@ def rule_warmup(m: Measurements) -> Note | None:
     return Note("warmup", "Warmup", text)
 
 
+def _oversubscription(m: Measurements) -> dict | None:
+    """Whole-run thread oversubscription on a CPU (:func:`_machine`'s figures): over ≥ :data:`MIN_MACHINE_STEPS`
+    steps, this process's threads plus the other processes' busy cores exceed the cores by :data:`OVERSUBSCRIBED`,
+    at least :data:`THREADS_IDLE` of its threads were not running (CPU time / wall time below the thread count),
+    and time was lost: similar work took ≥ :data:`STEP_SPREAD` times longer (wall or CPU seconds per token) on some
+    steps than on others.
+    With the thread count assumed (the run header does not record it), the CPU time per token must vary as much
+    (threads spinning while a partner waits for a core), so that a run already at one thread is not advised one.
+    Adds the advised thread count (the cores the others leave free, at least 1); None when it is not below the
+    run's."""
+    c = m.machine
+    if not c or c["steps"] < MIN_MACHINE_STEPS or not c["cores"] or not c["threads"] or c["threads"] < 2:
+        return None
+    demand, idle = c["threads"] + c["other"], c["threads"] - c["busy"]
+    spread, cpu_spread = c["spread"] or 0.0, c["cpu_spread"] or 0.0
+    if demand < c["cores"] + OVERSUBSCRIBED or idle < THREADS_IDLE or max(spread, cpu_spread) < STEP_SPREAD:
+        return None
+    if c["threads_from"] != "run header" and cpu_spread < STEP_SPREAD:
+        return None
+    advised = max(1, int(c["cores"] - c["other"] + 0.25))
+    return {**c, "demand": demand, "idle": idle, "advised": advised} if advised < c["threads"] else None
+
+
+def _threads_item(m: Measurements, n: int) -> str:
+    if _launcher(m):
+        return (f"`OMP_NUM_THREADS={n}` in the environment that starts the run: `OMP_NUM_THREADS={n} hf-perf train "
+                f"--config …` (a recipe's `env:` is applied after torch has started its threads)")
+    return f"`OMP_NUM_THREADS={n}` in the environment that starts the run, or `torch.set_num_threads({n})` before training"
+
+
+def rule_oversubscription(m: Measurements) -> Finding | None:
+    o = _oversubscription(m)
+    if not o:
+        return None
+    t, a = o["threads"], o["advised"]
+    obs = (f"Over the whole run ({o['steps']} steps) this process kept {o['busy']:.2f} of its {t} threads running "
+           f"(process CPU time / wall time) while other processes kept {o['other']:.1f} of the {o['cores']} cores "
+           f"busy" + (f" (load {o['load']:.1f} per core)" if o["load"] is not None else "")
+           + f": {t} threads and {o['other']:.1f} cores of other work asked for {o['demand']:.1f} cores of "
+           f"{o['cores']}; steps of similar work took {o['spread']:.1f}x apart in wall time per token and "
+           f"{o['cpu_spread']:.1f}x in CPU time per token.")
+    assumed = [o[key] for key in ("cores_from", "threads_from") if o[key] != "run header"]
+    if assumed:
+        obs += " The run header does not record them: " + "; ".join(assumed) + "."
+    root = (f"Thread oversubscription: torch splits each operation over {t} threads and waits at its end for all of "
+            "them. While another process holds a core, one thread waits for it and its partner spins at the barrier, "
+            "so CPU time rises with the wall time (why the slow-step check, which looks for slow steps with flat CPU "
+            "time, cannot see it, and why it is not warmup: it recurs all run). With no more threads than free cores "
+            "no thread waits for a core.")
+    items = [_threads_item(m, a) + f" ({o['cores']} cores − {o['other']:.1f} busy with other work, at least 1)",
+             "or stop or move the other processes using these cores (a second training, a test suite, a build)"]
+    gain, formula = None, "not predicted: the run has no step without contention to compare with"
+    if o["lower_bound"]:
+        gain = o["lower_bound"]
+        formula = (f"at least {gain:.2f}x: the run's mean wall seconds per token over its fastest steps' (10th "
+                   f"percentile) — those steps were contended too, and fewer threads also stop the spinning")
+    return Finding("oversubscription", "Thread oversubscription: more threads than free cores", obs, root,
+                   _bullets(items), gain, formula, "medium" if o["threads_from"] == "run header" else "low", {},
+                   "measured" if gain else "try", None, env={"OMP_NUM_THREADS": str(a)}, lower_bound=bool(gain))
+
+
 def rule_contention(m: Measurements) -> Finding | None:
     c = m.contention
-    if not c or (c.get("lost_share") or 0.0) < CONTENTION_SHARE:
+    if not c or (c.get("lost_share") or 0.0) < CONTENTION_SHARE or _too_short(m):
         return None
     lost, share = c["lost_sec"], c["lost_share"]
     obs = (f"{c['steps']} step(s) ran slower than the steady level while their process CPU time stayed at its usual "
            f"level (wall/CPU {c['wall_over_cpu']:.2f} against {c['steady_wall_over_cpu']:.2f} when steady): "
-           f"{lost:.1f} s ({_pct(share)} of the run) went to waiting for a CPU")
+           f"{lost:.1f} s ({_pct(share)} of the run" + (", the meter's `early_contention_sec`" if c["source"] == "meter"
+                                                       else "") + ") went to waiting for a CPU")
     if c.get("other_cores") is not None:
         obs += f"; other processes kept up to {c['other_cores']:.1f} CPU cores busy during those steps"
     obs += "."
@@ -454,14 +671,14 @@ def rule_contention(m: Measurements) -> Finding | None:
              "the other processes leave free (threads beyond them wait for each other)"]
     gain = 1.0 / (1.0 - share)
     formula = (f"the measured time lost: 1/(1 − {lost:.1f} s / {c['run_sec']:.1f} s) = {gain:.2f}x (those steps at "
-               f"the steady wall/CPU ratio)")
+               f"the steady level)")
     return Finding("contention", "CPU contention: other processes slowed the run", obs, root, _bullets(items), gain,
                    formula, "medium", {}, "measured", gain)
 
 
 def rule_input_bound(m: Measurements) -> Finding | None:
     f = _phase(m, "data_wait")
-    if f < DATA_WAIT_FRACTION:
+    if f < DATA_WAIT_FRACTION or _too_short(m):
         return None
     dl = m.dataloader or {}
     workers = dl.get("num_workers") or 0
@@ -480,7 +697,7 @@ def rule_input_bound(m: Measurements) -> Finding | None:
     setting = {k: v for _, keys_set in changes for k, v in keys_set.items()}
     predicted = 1.0 / (1.0 - f)
     gain, basis, confidence, formula = _calibrated(
-        "input_bound", m.device_type, predicted,
+        "input_bound", m, predicted,
         f"workers hide the measured wait: 1/(1 − {f:.2f}) = {predicted:.2f}x")
     return Finding("input_bound", "Input-bound: the device waits for data", obs, root, _bullets(lines), gain,
                    formula, confidence, setting, basis, predicted)
@@ -488,7 +705,7 @@ def rule_input_bound(m: Measurements) -> Finding | None:
 
 def rule_generation_bound(m: Measurements) -> Finding | None:
     g = _phase(m, "generation")
-    if not m.grpo or g < GENERATION_SHARE:
+    if not m.grpo or g < GENERATION_SHARE or _too_short(m):
         return None
     u = m.decode_bandwidth_util
     obs = f"Generation (rollouts) took {_pct(g)} of the wall time"
@@ -513,8 +730,13 @@ def rule_generation_bound(m: Measurements) -> Finding | None:
                   "token)"]
     spg = m.steps_per_generation or m.grad_accum
     if spg and not _under_pressure(m):
-        text = (f"`steps_per_generation: {2 * spg}` (now {spg}: one generate call for twice the sequences, the same "
-                f"decode steps; rollouts are reused for {2 * spg} micro-batches)")
+        steps_per_rollout = 2 * spg / (m.grad_accum or spg)
+        text = (f"`steps_per_generation: {2 * spg}` (now {spg}): one generate call for twice the sequences, the same "
+                f"decode steps. The cost is on-policy-ness: the rollouts then serve {2 * spg} micro-batches"
+                + (f" ({steps_per_rollout:g} optimizer steps)" if steps_per_rollout > 1 else "")
+                + ", so the updates after the first learn from completions sampled by older weights (off-policy); "
+                  "TRL then computes the sampling policy's log-probabilities (one more forward over the generation "
+                  "batch) and clips the importance ratio at `epsilon`")
         if not setting:
             setting = {"steps_per_generation": 2 * spg}
         lines.append(text)
@@ -533,6 +755,26 @@ def rule_generation_bound(m: Measurements) -> Finding | None:
                    "low", setting, "try", None)
 
 
+def _cut_off(m: Measurements, obs: str, limit: int, clipped: float) -> Finding:
+    """Most completions end at ``max_completion_length``: a quality finding naming the limit and the masking."""
+    root = (f"{_pct(clipped)} of completions reached `max_completion_length` {limit} before the model ended them. A "
+            "cut completion is scored on an unfinished answer (a missing closing tag or final answer usually scores "
+            "0) and, unless masked, trained on as if it were complete.")
+    raise_it = (f"`max_completion_length: {2 * limit}` (now {limit}) if the answers need the room: each step then "
+                f"decodes up to twice as many tokens (slower) and holds a longer KV cache")
+    mask = ("`mask_truncated_completions: true`: cut completions are left out of the loss, so only finished answers "
+            f"teach (with {_pct(clipped)} cut, few remain: raise the limit too)")
+    headroom = (m.mem_high_water_gb is not None and m.mem_budget_gb
+                and m.mem_high_water_gb < HIGH_WATER_FRACTION * m.mem_budget_gb)
+    items = [raise_it, mask] if headroom else [mask, raise_it]
+    items.append("or reward finishing within the budget (TRL's `get_soft_overlong_punishment`), or ask for shorter "
+                 "answers in the prompt")
+    setting = {"max_completion_length": 2 * limit} if headroom else {"mask_truncated_completions": True}
+    return Finding("completion_budget", "Most completions are cut off at max_completion_length", obs, root,
+                   _bullets(items), None, "no speed figure: a quality finding (a higher limit makes steps slower, "
+                   "not faster)", "medium", setting, "try", None)
+
+
 def rule_completion_budget(m: Measurements) -> Finding | Note | None:
     limit = m.max_completion_length
     if not m.grpo or not limit:
@@ -544,10 +786,7 @@ def rule_completion_budget(m: Measurements) -> Finding | Note | None:
     obs = (f"Completion lengths: {stats or 'n/a'} tokens against `max_completion_length` {limit}"
            + (f"; clipped ratio {_pct(clipped)} (mean over the run's logs)" if clipped is not None else "") + ".")
     if clipped is not None and clipped >= CLIPPED_LARGE:
-        return Note("completion_budget", "Completions cut off at max_completion_length",
-                    f"{obs} No speed to gain by shortening (it would cut more answers). A quality matter: if the "
-                    f"answers need the room, raise the limit; `mask_truncated_completions: true` keeps truncated "
-                    f"completions out of the loss; or reward finishing within the budget.")
+        return _cut_off(m, obs, limit, clipped)
     target = _completion_target(m)
     if not target:
         return None
@@ -611,6 +850,8 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
     if m.watchdog_actions:
         acts = ", ".join(f"{a.get('action')} at step {a.get('step')}" for a in m.watchdog_actions[:5])
         facts.append(f"the watchdog acted {len(m.watchdog_actions)} times ({acts})")
+    facts += [f"micro-batch {d.old.micro_batch} ran out of memory at step {d.step} (the tuner went on at "
+              f"{_split_name(d.new)})" for d in m.memory_limits if d.kind == "oom"]
     obs = _sentence(facts)
     if m.device_type == "mps":
         root = ("Unified memory: Metal memory (weights, activations, the allocator's cache) competes with the OS and "
@@ -668,14 +909,13 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
     items.sort(key=lambda item: -item[0])
     lines = [text for _, text, _ in items]
     setting = next((s for _, _, s in items if s), {})
-    clearer = ("`MPSCacheClearer()` (clears the Metal cache when driver memory runs ahead of live tensors)"
-               if m.device_type == "mps" else
-               "`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` (less fragmentation of the reserved memory)"
-               if m.device_type == "cuda" else None)
-    attach = "attach `MemoryWatchdog()` (clears caches, shrinks the micro-batch, saves and stops before the wall)"
-    if clearer:
-        attach += f" and {clearer}"
-    lines.append(attach + "; `callbacks=default_callbacks()` has them")
+    if m.device_type == "mps" and keys.CACHE_CLEARS not in m.logged:
+        lines.append(("add `MPSCacheClearer` to the recipe's `callbacks`" if _launcher(m) else
+                      "attach `MPSCacheClearer()` (`callbacks=default_callbacks()` has it)")
+                     + ": it clears the Metal cache when driver memory runs ahead of live tensors")
+    elif m.device_type == "cuda":
+        lines.append("`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` in the environment (less fragmentation "
+                     "of the reserved memory)")
     if swapping:
         formula = ("not predicted: this run never ran without swapping, so its own step time without it is not "
                    "measured; swapping steps wait for the SSD and can be several times slower")
@@ -690,28 +930,40 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
                    _bullets(lines), None, formula, confidence, setting, "try", None, priority=0 if urgent else 1)
 
 
-def _probe_note(m: Measurements) -> Note:
-    p = m.probe or {}
-    trials = [t for t in p.get("trials") or [] if isinstance(t, dict)]
-
+def _tune_note(m: Measurements) -> Note:
+    """The tuner's measurement of splits on this run's own steps, trial by trial."""
+    d = m.tune
     measured = []
-    for t in trials:
-        if t.get("error") or not t.get("split_time"):
-            measured.append(f"{split_text(t.get('split'))} {t.get('error') or 'failed'}")
+    for t in d.trials:
+        name = _split_name(t.split)
+        if t.error:
+            measured.append(f"{name} {t.error}")
+        elif t.median is None:
+            measured.append(f"{name} not measured")
         else:
-            measured.append(f"{split_text(t.get('split'))} {t['split_time']:.3g} s"
-                            + ("" if t.get("fits", True) else " (over budget)"))
+            text = f"{name} {t.median:.3g} s over {len(t.samples)} step(s)"
+            if t.gain is not None:
+                text += f", {t.gain:+.0%} against the configured split" + (f" (p = {t.p_value:.2g})"
+                                                                          if t.p_value is not None else "")
+            measured.append(text + ("" if t.fits else ", over the memory budget"))
+    kept = (f"kept the configured {_split_name(d.old)}" if d.new == d.old
+            else f"switched from {_split_name(d.old)} to {_split_name(d.new)}")
+    cost = (f" Measuring cost {d.cost_sec:.0f} s" if d.cost_sec is not None else "") + (
+        f"; expected saving {d.expected_gain_sec:.0f} s over the rest of the run" if d.expected_gain_sec is not None
+        else "") + ("." if d.cost_sec is not None or d.expected_gain_sec is not None else "")
+    _, limit = _memory_cap(m)
     return Note("small_micro_batch", "Batch split chosen by measurement",
-                f"The tuner's probe measured {len(trials)} split(s) at the worst-case length ({'; '.join(measured)} "
-                f"outside generation per optimizer step) and ran {split_text(p.get('new'))} (configured "
-                f"{split_text(p.get('old'))}): the split is already the measured best.")
+                f"The tuner measured {len(d.trials)} split(s) on this run's own training steps (median seconds per "
+                f"optimizer step{' outside generation' if m.grpo else ''}: {'; '.join(measured)}) and {kept} at step "
+                f"{d.step}" + (f" (the tuner's reason: {d.reason})" if d.reason else "") + "." + cost
+                + (f" No larger micro-batch is advised: {limit}." if limit else ""))
 
 
 def rule_small_micro_batch(m: Measurements) -> Finding | Note | None:
     mb, ga, c = m.micro_batch, m.grad_accum, _phase(m, "compute")
-    if m.probe:
-        return _probe_note(m)
-    if not (mb and ga and mb <= SMALL_MICRO_BATCH and ga >= 2) or _under_pressure(m):
+    if m.tune:
+        return _tune_note(m)
+    if not (mb and ga and mb <= SMALL_MICRO_BATCH and ga >= 2) or _under_pressure(m) or _too_short(m):
         return None
     if m.mfu is not None:
         if m.mfu >= LOW_MFU:
@@ -722,14 +974,20 @@ def rule_small_micro_batch(m: Measurements) -> Finding | Note | None:
         return None
     world = max(1, m.world_size or 1)
     effective = mb * ga * world
-    splits = sorted((s for s in _splits(m) if s.micro_batch > mb), key=lambda s: s.micro_batch)
+    cap, why = _memory_cap(m)
+    larger = sorted((s for s in _splits(m) if s.micro_batch > mb), key=lambda s: s.micro_batch)
+    splits = [s for s in larger if cap is None or s.micro_batch <= cap]
     if not splits:
+        if larger and why:
+            return Note("small_micro_batch", "Micro-batch kept small by memory",
+                        f"Micro-batch {mb} × accumulation {ga}: no larger micro-batch is advised, because {why}.")
         return None
     manual = next((s for s in splits if s.micro_batch >= 4 * mb), splits[-1])
     setting = _split_setting(m, manual)
     obs = (f"Micro-batch {mb} × accumulation {ga}" + (f" × {world} devices" if world > 1 else "")
            + f" (effective batch {effective})"
-           + (f"; MFU {_pct(m.mfu)}" if m.mfu is not None else "") + f"; compute {_pct(c)} of the wall time.")
+           + (f"; MFU {_pct(m.mfu)}" if m.mfu is not None else "") + f"; compute {_pct(c)} of the wall time"
+           + (f"; {why}, so nothing above micro-batch {cap} is advised" if why else "") + ".")
     if m.device_type == "cpu":
         root = ("Each micro-batch pays fixed costs (Python and autograd set-up, adapter dispatch, the optimizer's "
                 f"accumulation) {ga} times per optimizer step; on a CPU the matmuls of a larger micro-batch run at "
@@ -740,15 +998,13 @@ def rule_small_micro_batch(m: Measurements) -> Finding | Note | None:
                 f"pays its kernel launches and a forward/backward at low arithmetic intensity, {ga} times per "
                 "optimizer step.")
     listed = ", ".join(f"{s.micro_batch}×{s.grad_accum}" for s in splits[:6])
-    how = ("the tuner ran here without its probe (its probe did not run): use `AdaptiveBatchTuner(tune=True)` "
-           "and `train_with_tuning(trainer)`" if m.tuner_attached else
-           "attach `AdaptiveBatchTuner()` and call `train_with_tuning(trainer)`")
     rec = (f"Try {_yaml(setting)} (effective batch {effective} unchanged"
            + (", the generation batch and GRPO's groups too" if m.grpo else "") + f"), or measure instead of "
-           f"guessing: {how}; the probe times the exact splits ({listed}) and keeps the fastest that fits memory.")
+           f"guessing: {_tuner_how(m)}; the tuner times the exact splits ({listed}) on the run's own steps and keeps "
+           f"the fastest that fits memory.")
     return Finding("small_micro_batch", "Small micro-batch", obs, root, rec, None,
                    "not predicted: a larger micro-batch helps only where per-micro-batch costs dominate (measured "
-                   "on GPUs, not on every CPU); the probe measures it", "low", setting, "try", None)
+                   "on GPUs, not on every CPU); the tuner measures it", "low", setting, "try", None)
 
 
 def rule_duplicate_forward(m: Measurements) -> Finding | None:
@@ -765,10 +1021,37 @@ def rule_duplicate_forward(m: Measurements) -> Finding | None:
            "`torch.no_grad()` or drop it. `perf/forwards_per_microbatch` should read 1.")
     predicted = _amdahl(c, f)
     gain, basis, confidence, formula = _calibrated(
-        "duplicate_forward", m.device_type, predicted,
+        "duplicate_forward", m, predicted,
         f"compute scales with forwards per micro-batch: 1/((1 − {c:.2f}) + {c:.2f}/{f:.2f}) = {predicted:.2f}x")
     return Finding("duplicate_forward", "Duplicate forward pass", obs, root, rec, gain, formula, confidence, {},
                    basis, predicted)
+
+
+def _fixed_length_padding(m: Measurements, p: float, c: float) -> Finding:
+    """A Trainer run whose every batch was padded to one length: per-batch padding first (grouping by length
+    cannot shorten a fixed length)."""
+    length = m.fixed_seq_len
+    obs = (f"Every step was padded to exactly {length} positions (`perf/seq_len` {length} on all {m.steps} steps) "
+           f"while {_pct(p)} of the positions were padding: about {(1 - p) * length:.0f} real tokens per sequence.")
+    root = (f"A fixed length: the collator (or the tokenizer's `padding='max_length'`) pads every batch to {length} "
+            f"whatever the lengths of its sequences, so the device computes on the pad positions, and attention on "
+            "them quadratically. Grouping by length cannot help: it sorts sequences into batches, and a fixed length "
+            f"pads every batch to {length} all the same.")
+    items = ["pad per batch, to the longest sequence of each batch: tokenize without `padding='max_length'` and "
+             "collate with `DataCollatorWithPadding(tokenizer)` (causal LM: `DataCollatorForLanguageModeling("
+             f"tokenizer, mlm=False)`) and no fixed `max_length` (keep `truncation=True, max_length={length}` to "
+             "bound the longest)",
+             "with TRL SFT: its collator pads per batch already; `padding_free: true` or `packing: true` removes "
+             "the padding altogether",
+             "then `train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before): "
+             "similar lengths in a batch pad less"]
+    ceiling = 1.0 / ((1.0 - c) + c * (1.0 - p)) if c > 0 else None
+    formula = ("not predicted: per-batch padding keeps the padding up to each batch's longest sequence, which the "
+               "log does not record" + (f"; removing every pad position would be the ceiling, 1/((1 − {c:.2f}) + "
+                                        f"{c:.2f} × (1 − {p:.2f})) = {ceiling:.2f}x (attention more)" if ceiling
+                                        else ""))
+    return Finding("padding_waste", "Padding to a fixed length", obs, root, _bullets(items), None, formula, "medium",
+                   {}, "try", None)
 
 
 def rule_padding_waste(m: Measurements) -> Finding | Note | None:
@@ -776,6 +1059,8 @@ def rule_padding_waste(m: Measurements) -> Finding | Note | None:
     if p is None or p < PAD_FRACTION:
         return None
     c = _phase(m, "compute")
+    if m.fixed_seq_len and not m.grpo:
+        return _fixed_length_padding(m, p, c)
     k = m.pad_to_multiple_of or 0
     obs = f"{_pct(p)} of the positions in training forwards are padding" + \
           (f" (padded length up to {m.seq_len} tokens)" if m.seq_len else "") + \
@@ -795,7 +1080,7 @@ def rule_padding_waste(m: Measurements) -> Finding | Note | None:
                            {"pad_to_multiple_of": None}, "try", None)
         predicted = 1.0 / ((1.0 - c) + c * (1.0 - r))
         gain, basis, confidence, formula = _calibrated(
-            "padding_waste", m.device_type, predicted,
+            "padding_waste", m, predicted,
             f"the rounding adds ≈ {parts} × ({k} − 1)/2 of the mean {length:.0f} padded positions = {_pct(r)}; "
             f"compute on them saved: 1/((1 − {c:.2f}) + {c:.2f} × (1 − {r:.3f})) = {predicted:.2f}x")
         return Finding("padding_waste", "Padding from pad_to_multiple_of", obs, root, rec, gain, formula,
@@ -809,33 +1094,70 @@ def rule_padding_waste(m: Measurements) -> Finding | Note | None:
                 + ("; on MPS `pad_to_multiple_of` adds to it on purpose (fewer Metal graphs)" if k > 1 else "")
                 + ".")
         return Note("padding_waste", "Padding", text)
-    root = ("Batches are padded to the longest (or a fixed `max_length`) sequence: the device computes on pad "
-            "positions, and attention does so quadratically.")
-    items = ["`train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before) puts "
-             "similar lengths in a batch",
-             "pad per batch, not to a fixed length: tokenize without `padding='max_length'`, collate with "
-             "`DataCollatorWithPadding`",
-             "with TRL SFT: `padding_free: true` or `packing: true`",
-             "split very long documents into `max_length` chunks"]
-    return Finding("padding_waste", "Padding waste", obs, root, _bullets(items), None,
+    group = ("`train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before) puts "
+             "similar lengths in a batch")
+    rest = ["with TRL SFT: `padding_free: true` or `packing: true`", "split very long documents into `max_length` chunks"]
+    if m.seq_len_min is not None and m.seq_len_min == m.seq_len:   # one length on fewer steps than tell a fixed one
+        root = (f"Batches are padded to one length, {m.seq_len} positions, on the steps logged: a fixed length (a "
+                f"collator's `max_length`, `padding='max_length'`) or each batch's longest sequence; too few steps "
+                f"({MIN_FIXED_LENGTH_STEPS} needed) to tell which. The device computes on the pad positions, "
+                f"attention quadratically.")
+        items = ["if the collator pads to a fixed length, pad per batch instead (tokenize without "
+                 "`padding='max_length'`, collate with `DataCollatorWithPadding`): grouping cannot shorten a fixed "
+                 "length", group] + rest
+        return Finding("padding_waste", "Padding waste", obs, root, _bullets(items), None,
+                       "not predicted: which padding the collator does is not yet known from the log", "low", {},
+                       "try", None)
+    root = ("Batches are padded to the longest sequence of each batch (the padded length changed from step to step, "
+            "so the padding is per batch): long and short sequences share batches, and the device computes on the "
+            "pad positions, attention quadratically.")
+    return Finding("padding_waste", "Padding waste", obs, root, _bullets([group] + rest), None,
                    "not predicted: how much padding grouping removes depends on the length distribution", "low",
                    {"train_sampling_strategy": "group_by_length"}, "try", None)
 
 
+def rule_evidence(m: Measurements) -> Note | None:
+    """What this run is too short to judge, and how many steps would do."""
+    why = _too_short(m)
+    if why is None:
+        return None
+    more = (f"run ≥ {(m.warmup_steps or 0) + MIN_STEADY_STEPS} steps" if m.warmup_done else
+            f"run more steps: warmup ends once the step times settle at one level, and {MIN_STEADY_STEPS} steps after "
+            f"it are needed")
+    timed = "data wait, " + ("generation share, " if m.grpo else "") + "micro-batch, slow early steps"
+    counted = "forwards per micro-batch, padding, " + ("rewards, completion lengths, " if m.grpo else "") + "memory"
+    return Note("evidence", f"Too few steps to judge ({why})",
+                f"Too few steps to judge the timings: {why}. Not judged: {timed}; no gain is estimated. Judged "
+                f"anyway (counts, not timings): {counted}; thread oversubscription from {MIN_MACHINE_STEPS} steps "
+                f"on. To judge the rest, {more}.", judged=False)
+
+
+def rule_log_fields(m: Measurements) -> Note | None:
+    """Logged fields of another type than this version reads (a newer or older writer), skipped."""
+    if not m.skipped:
+        return None
+    return Note("log_fields", "Fields skipped", "Skipped (another writer's format): " + "; ".join(m.skipped) + ".",
+                judged=False)
+
+
 #: The one place to add a rule: each takes Measurements and returns a Finding, a Note or None.
 RULES: list[Callable[[Measurements], Finding | Note | None]] = [
-    rule_no_learning, rule_memory_pressure, rule_contention, rule_input_bound, rule_duplicate_forward,
+    rule_no_learning, rule_memory_pressure, rule_oversubscription, rule_contention, rule_input_bound,
+    rule_duplicate_forward,
     rule_padding_waste, rule_generation_bound, rule_small_micro_batch, rule_completion_budget, rule_warmup,
+    rule_evidence, rule_log_fields,
 ]
+_ORDER = {rule.__name__.removeprefix("rule_"): i for i, rule in enumerate(RULES)}
 
 
 def _rank(f: Finding) -> tuple:
-    return (f.priority, f.expected_gain is None, -(f.expected_gain or 0.0))
+    """Priority, then an expected gain before none, the larger first, then the order of RULES: a total order, so
+    one run's findings always rank the same."""
+    return (f.priority, f.expected_gain is None, -round(f.expected_gain or 0.0, 2), _ORDER.get(f.rule, len(_ORDER)))
 
 
 def check(m: Measurements) -> tuple[list[Finding], list[Note]]:
-    """Every rule's result: the findings, ranked (priority, then expected gain, then "try"; ties keep the order of
-    RULES), and the notes (checked and fine)."""
+    """Every rule's result: the findings, ranked (:func:`_rank`), and the notes (checked and fine, or not judged)."""
     results = [r for r in (rule(m) for rule in RULES) if r is not None]
     findings = sorted((r for r in results if isinstance(r, Finding)), key=_rank)
     return findings, [r for r in results if isinstance(r, Note)]
@@ -846,27 +1168,65 @@ def analyze(m: Measurements) -> list[Finding]:
     return check(m)[0]
 # ------------------------------------------------------------------ reading a run
 def _values(rows: list, key: str) -> list[float]:
-    """The finite numbers under ``key`` in step lines or ``log_history`` dicts."""
+    """The finite numbers under ``key`` in step lines or log dicts (other types skipped)."""
     values = (r.get(key) for r in rows)
-    return [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+    return [float(v) for v in values if not isinstance(v, bool) and number(v) is not None]
 
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def trainer_logs(run_log: RunLog) -> tuple[list[dict], str | None]:
+    """The trainer's own training logs and where they came from: the step lines' ``log/<key>`` values (one dict per
+    logging step, keys without the prefix, plus ``step``), else ``trainer_state.json``'s ``log_history`` (else the
+    latest checkpoint's); ``([], None)`` when neither holds any."""
+    rows = []
+    for s in run_log.unique_steps():
+        logged = {k[len(keys.TRAINER_LOG):]: v for k, v in s.values.items() if k.startswith(keys.TRAINER_LOG)}
+        if logged:
+            rows.append({**logged, "step": s.step})
+    if rows:
+        return rows, "perf log"
+    history = run_log.latest_log_history()
+    return history, (keys.TRAINER_STATE if history else None)
+
+
+def _rewards(logs: list[dict]) -> dict | None:
+    """GRPO's reward statistics over the training logs: the range of the mean reward, the largest within-group
+    spread (``reward_std``), the smallest share of groups without spread (``frac_reward_zero_std``), each reward
+    function's range (``rewards/<name>/mean``); None when the logs hold no reward."""
+    means = _values(logs, "reward")
+    if not means:
+        return None
+    funcs: dict[str, list[float]] = {}
+    for h in logs:
+        for k, v in h.items():
+            if k.startswith("rewards/") and k.endswith("/mean") and not isinstance(v, bool) and number(v) is not None:
+                funcs.setdefault(k[len("rewards/"):-len("/mean")], []).append(float(v))
+    stds, zero = _values(logs, "reward_std"), _values(logs, "frac_reward_zero_std")
+    return {"logs": len(means), "min": min(means), "max": max(means), "std_max": max(stds, default=None),
+            "zero_std_min": min(zero, default=None), "funcs": {n: (min(v), max(v)) for n, v in sorted(funcs.items())}}
+
+
+def _constant_reward(r: dict | None) -> bool:
+    """Every completion of the run scored the same: the mean reward never moved and no group had any spread."""
+    return (r is not None and r["max"] - r["min"] <= ZERO and (r["std_max"] or 0.0) <= ZERO
+            and (r["zero_std_min"] is None or r["zero_std_min"] >= 1.0 - 1e-9))
+
+
 def _no_signal(logs: list[dict]) -> tuple[int, int, float | None]:
     """(GRPO logs with reward statistics, the longest run of consecutive logs where every group had zero reward
     variance and the gradient norm was 0, the mean reward over that run)."""
-    rows = [h for h in logs if isinstance(h.get("frac_reward_zero_std"), (int, float))]
+    rows = [h for h in logs if number(h.get("frac_reward_zero_std")) is not None]
     best, run, best_rewards, rewards = 0, 0, [], []
     for h in rows:
-        grad = h.get("grad_norm")
-        flat = h["frac_reward_zero_std"] >= 1.0 - 1e-9 and (not isinstance(grad, (int, float)) or abs(grad) <= ZERO)
+        grad = number(h.get("grad_norm"))
+        flat = number(h["frac_reward_zero_std"]) >= 1.0 - 1e-9 and (grad is None or abs(grad) <= ZERO)
         if flat:
             run += 1
-            if isinstance(h.get("reward"), (int, float)):
-                rewards.append(float(h["reward"]))
+            if number(h.get("reward")) is not None:
+                rewards.append(number(h["reward"]))
             if run > best:
                 best, best_rewards = run, list(rewards)
         else:
@@ -874,43 +1234,165 @@ def _no_signal(logs: list[dict]) -> tuple[int, int, float | None]:
     return len(rows), best, (statistics.fmean(best_rewards) if best_rewards else None)
 
 
-def _contention(steps: list) -> dict | None:
-    """Steps slowed by CPU contention (:func:`~hf_perf_callbacks.stats.classify_slow_steps` at a 20% tolerance:
-    wall time above the steady level that no extra process CPU time explains), with the other processes' cores the
-    meter saw. Needs ``perf/cpu_sec`` beside the wall time; None without, or with fewer than 4 such steps."""
+def _contention(run_log: RunLog, f: dict) -> dict | None:
+    """Slow early steps that other processes caused (CPU device: wall time above the steady level that no extra
+    process CPU time explains): the meter's own figure (``contention_sec`` / the summary's ``early_contention_sec``,
+    with the steps when it lists them), else, for a log without it, the same classification
+    (:func:`~hf_perf_callbacks.stats.classify_slow_steps` at a 20% tolerance) over the step lines. None on other
+    devices (CPU time is not the work there), without ``perf/cpu_sec``, or when nothing was lost."""
+    steps = run_log.unique_steps()
+    if run_log.header("perf").device_type != "cpu":
+        return None
     rows = [(s, s.number(keys.PERF_STEP_WALL_SEC) or s.number(keys.PERF_STEP_TIME), s.number(keys.PERF_CPU_SEC))
             for s in steps]
     rows = [(s, w, c) for s, w, c in rows if w and c and w > 0 and c > 0]
     if len(rows) < 4:
         return None
+    run_sec = sum(w for _, w, _ in rows)
     steady = [(w, c) for s, w, c in rows if s.number(keys.PERF_STEADY) == 1] or [(w, c) for _, w, c in rows]
     wall0, cpu0 = statistics.median(w for w, _ in steady), statistics.median(c for _, c in steady)
     split = classify_slow_steps([w for _, w, _ in rows], [c for _, _, c in rows], wall0, cpu0, tolerance=0.2)
     slow = [(s, w, c) for (s, w, c), label in zip(rows, split.labels) if label == "contention"]
-    if not slow:
+    found = {"lost_sec": split.contention_sec, "source": "step lines"}
+    meter = number(f.get("contention_sec"))
+    if meter is None:
+        meter = number(run_log.summary("perf").get("early_contention_sec"))
+    if meter is not None:                                   # the meter's figure; its steps when it lists them
+        listed = f.get("contention_steps")
+        if isinstance(listed, list) and listed:
+            slow = [(s, w, c) for s, w, c in rows if s.step in {number(v) for v in listed}]
+        found = {"lost_sec": meter, "source": "meter"}
+    if not slow or found["lost_sec"] <= 0:
         return None
-    run_sec = sum(w for _, w, _ in rows)
     others = [v for v in (s.number(keys.PERF_OTHER_CPU_CORES) for s, _, _ in slow) if v is not None]
-    return {"steps": len(slow), "lost_sec": split.contention_sec, "run_sec": run_sec,
-            "lost_share": split.contention_sec / run_sec, "wall_over_cpu": statistics.median(w / c for _, w, c in slow),
-            "steady_wall_over_cpu": wall0 / cpu0, "other_cores": max(others) if others else None}
+    return {**found, "steps": len(slow), "run_sec": run_sec, "lost_share": found["lost_sec"] / run_sec,
+            "wall_over_cpu": statistics.median(w / c for _, w, c in slow), "steady_wall_over_cpu": wall0 / cpu0,
+            "other_cores": max(others) if others else None}
+
+
+def _malformed_values(run_log: RunLog) -> list[str]:
+    """The step lines' values that are not numbers (every metric is one), counted per key, and the unreadable lines."""
+    bad: dict[str, int] = {}
+    for s in run_log.unique_steps():
+        for k, v in s.values.items():
+            if v is not None and number(v) is None:
+                bad[k] = bad.get(k, 0) + 1
+    out = [f"`{k}` is not a number on {n} step line(s)" for k, n in sorted(bad.items())]
+    if run_log.skipped_lines:
+        out.append(f"{run_log.skipped_lines} unreadable line(s) in {keys.PERF_LOG}")
+    return out
+
+
+def _fact(header: RunHeader, name: str, kind: str, skipped: list[str]):
+    """A run-header fact by name and type: a field of :class:`RunHeader`, or one a newer writer added (kept in
+    ``extra`` by this version's reader); None when absent, and noted in ``skipped`` when of another type."""
+    value = getattr(header, name, None)
+    if value is None:
+        value = header.extra.get(name, header.malformed.get(name))
+    ok, typed = conform(value, kind)
+    if not ok:
+        skipped.append(f"run header `{name}` is {value!r}, not {'an' if kind == 'int' else 'a'} {kind}")
+    return typed
+
+
+def _machine(steps: list[StepLine], header: RunHeader, skipped: list[str]) -> dict | None:
+    """The CPU over the whole run, from the step lines (``perf/cpu_sec``, ``perf/step_wall_sec``,
+    ``perf/other_cpu_cores``, ``perf/load_per_core``, ``perf/tokens``) and the run header (``cpu_cores``,
+    ``torch_threads``, when the writer records them). Medians over the steps: ``busy`` — this process's CPU time /
+    wall time (cores it kept busy), ``other`` — other processes' busy cores, ``load`` — load average per core;
+    ``threads`` (torch's intra-op threads; without the header fact, torch's default of one per core), ``cores``
+    (without the header fact, the busy cores of a machine whose load per core was ≥ 1: a saturated machine's busy
+    cores are its cores). Over whole cycles of the header's ``period`` steps (GRPO: a generation cycle, whose tokens
+    the meter counts at its first step), the steady ones (without :data:`MIN_MACHINE_CYCLES` of them, all but the
+    first): ``spread`` and ``cpu_spread`` — the 90th over the 10th percentile of wall and CPU seconds per token
+    (similar work should take similar time); ``lower_bound`` — the mean wall seconds per token over the 10th
+    percentile's (what the run's own fastest cycles say contention cost, at least); None without
+    :data:`MIN_MACHINE_CYCLES` cycles to compare. None without CPU time in the step lines."""
+    rows = []
+    for s in steps:
+        wall, cpu, other = (s.number(k) for k in (keys.PERF_STEP_WALL_SEC, keys.PERF_CPU_SEC, keys.PERF_OTHER_CPU_CORES))
+        if wall and cpu and wall > 0 and cpu > 0 and other is not None and math.isfinite(cpu / wall + other):
+            rows.append((s, wall, cpu, max(0.0, other)))
+    if not rows:
+        return None
+    busy = statistics.median(c / w for _, w, c, _ in rows)
+    other = statistics.median(o for *_, o in rows)
+    loads = [v for v in (s.number(keys.PERF_LOAD_PER_CORE) for s, *_ in rows) if v is not None]
+    load = statistics.median(loads) if loads else None
+    cores, cores_from = _fact(header, "cpu_cores", "int", skipped), "run header"
+    if cores is None and load is not None and load >= 1.0:
+        cores = max(1, round(max(c / w + o for _, w, c, o in rows)))
+        cores_from = "the cores counted as the busy cores of the saturated machine"
+    threads, threads_from = _fact(header, "torch_threads", "int", skipped), "run header"
+    if threads is None and cores:
+        threads, threads_from = cores, "the threads taken as torch's default, one per core"
+    period = max(1, header.period or 1)
+    blocks: dict[int, list] = {}                 # whole generation cycles (GRPO counts a cycle's tokens at its start)
+    for r in rows:
+        blocks.setdefault((r[0].step - 1) // period, []).append(r)
+    cycles = [b for _, b in sorted(blocks.items()) if len(b) == period]
+    steady = [b for b in cycles if all(s.number(keys.PERF_STEADY) == 1 for s, *_ in b)]
+    later = steady if len(steady) >= MIN_MACHINE_CYCLES else cycles[1:]
+    work = [(sum(w for _, w, _, _ in b), sum(c for _, _, c, _ in b), sum(s.number(keys.PERF_TOKENS) or 0 for s, *_ in b))
+            for b in later]
+    work = [(w, c, t) for w, c, t in work if t > 0]
+    spread = cpu_spread = lower_bound = None
+    if len(work) >= MIN_MACHINE_CYCLES:
+        walls, cpus = [w / t for w, _, t in work], [c / t for _, c, t in work]
+        p10 = quantile(walls, 0.1)
+        spread, cpu_spread = quantile(walls, 0.9) / p10, quantile(cpus, 0.9) / quantile(cpus, 0.1)
+        lower_bound = sum(w for w, _, _ in work) / sum(t for _, _, t in work) / p10
+    return {"steps": len(rows), "busy": busy, "other": other, "load": load, "cores": cores, "cores_from": cores_from,
+            "threads": threads, "threads_from": threads_from, "spread": spread, "cpu_spread": cpu_spread,
+            "lower_bound": lower_bound if lower_bound and lower_bound >= 1.0 + CONTENTION_SHARE else None}
+
+
+def _steady_count(f: dict, steps: int, warmup_done: bool | None, warmup_steps: float | None) -> int:
+    """Steps the meter counts as steady: the figures' list of them when they give one, else the steps after warmup
+    (none while warmup is not finished)."""
+    listed = f.get("steady_steps")
+    if isinstance(listed, list):
+        return len(listed) if warmup_done else 0
+    return max(0, steps - int(warmup_steps)) if warmup_done and warmup_steps is not None else 0
+
+
+def _resolve_split_file(run_log: RunLog) -> tuple[SplitFile | None, str | None]:
+    """This run's record from the tuner (:func:`~hf_perf_callbacks.splitfile.read_split_file`, the one reader, for
+    the perf log's session) and, when a file is there but is not read, a note saying it was skipped."""
+    if not run_log.output_dir:
+        return None, None
+    found = read_split_file(run_log.output_dir, session=run_log.header().session)
+    if found is None and os.path.exists(os.path.join(run_log.output_dir, keys.SPLIT_FILE)):
+        return None, (f"`{keys.SPLIT_FILE}` is another run's record or does not follow this version's schema: its "
+                      f"decisions are skipped")
+    return found, None
 
 
 def measurements(run_log: RunLog) -> Measurements:
-    """Reduce a parsed run log to what the rules look at (plus ``tuner_split.json``: the probe's trials).
+    """Reduce a parsed run log to what the rules look at (plus ``tuner_split.json``: the tuner's decisions).
 
     The latest training session's summaries count (a resumed session that was killed has none, so the figures
     come from the step lines), and a step logged again after an out-of-memory rollback or a resume counts once
-    (its latest line). Completion lengths and reward statistics come from ``trainer_state.json``'s
-    ``log_history``, else the latest checkpoint's.
+    (its latest line). The trainer's own logs (rewards, completion lengths, gradient norm) come from the step lines'
+    ``log/<key>`` values, else from ``trainer_state.json``'s ``log_history``, else the latest checkpoint's. Every
+    logged value is read through a typed accessor: a field of another type is skipped and listed in ``skipped``.
     """
     f = figures(run_log)                      # the headline figures, exactly as the report prints them
+    skipped = [f"run header `{k}` is {v!r}" for h in run_log.headers for k, v in h.malformed.items()]
+    skipped += [f"the {source} summary's `{k}` is {v!r}" for source, line in sorted(run_log.summaries.items())
+                for k, v in line.malformed.items()]
+    skipped += _malformed_values(run_log)
     run = run_log.header("perf")
     mem_summary = run_log.summary("mem")
     steps = run_log.unique_steps()
     events = run_log.events
     steady = [s for s in steps if s.get(keys.PERF_STEADY) == 1] or steps
-    warmup_steps = f["warmup_steps"]
+
+    def figure(name: str, kind: str = "float"):
+        ok, value = conform(f.get(name), kind)
+        if not ok:
+            skipped.append(f"the run's `{name}` is {f.get(name)!r}, not a number")
+        return value
 
     fpm = _median(_values(steps, keys.PERF_FORWARDS_PER_MICROBATCH))
     if fpm is None:
@@ -927,44 +1409,68 @@ def measurements(run_log: RunLog) -> Measurements:
     swaps = _values(steps, keys.MEM_SWAP_USED_GB)
     pressures = _values(steps, keys.MEM_PRESSURE)
     actions = mem_summary.get("actions")
-    if not isinstance(actions, list):
+    if isinstance(actions, list):
+        actions = [a for a in actions if isinstance(a, dict)]
+    else:
+        if actions is not None:
+            skipped.append(f"the watchdog summary's `actions` is {type(actions).__name__}, not a list")
         actions = [{"step": e.step, "action": e.details.get("action"), "message": e.message}
                    for e in events if e.source == "mem" and e.kind in ("action", "stop")]
 
-    logs = run_log.latest_log_history()
+    logs, log_source = trainer_logs(run_log)
     completion = completion_stats(logs)
     n_logs, no_signal_run, reward_mean = _no_signal(logs)
     spg = run.steps_per_generation           # a re-size keeps the generation batch: this split's share of it
     if spg and micro and run.per_device_train_batch_size:
         spg = max(1, int(spg) * int(run.per_device_train_batch_size) // int(micro))
+    n_steps = int(figure("steps") or 0)
+    warmup_steps = figure("warmup_steps")
+    warmup_done = f.get("warmup_done") if isinstance(f.get("warmup_done"), bool) else None
+    phases = f.get("phases")
+    if not isinstance(phases, dict):
+        skipped.append(f"the run's phase split is {type(phases).__name__}, not a mapping")
+        phases = {}
+    phases = {k: number(v) for k, v in phases.items() if number(v) is not None}
+    tuner, tuner_note = _resolve_split_file(run_log)
+    if tuner_note:
+        skipped.append(tuner_note)
+    grpo = bool(run.grpo)
+    fixed = (int(seq[0]) if not grpo and len(seq) >= MIN_FIXED_LENGTH_STEPS and max(seq) == min(seq) else None)
 
     return Measurements(
         device_type=run.device_type or "unknown", world_size=int(run.world_size or 1),
-        grpo=bool(run.grpo), micro_batch=int(micro) if micro else None,
+        grpo=grpo, micro_batch=int(micro) if micro else None,
         grad_accum=int(accum) if accum else None, max_completion_length=run.max_completion_length,
         num_generations=run.num_generations, activation_checkpointing=run.activation_checkpointing,
         model=run.model or {}, dataloader=run.dataloader or {},
-        steps=int(f["steps"] or 0), warmup_steps=int(warmup_steps) if warmup_steps is not None else None,
-        warmup_overhead_sec=f["warmup_overhead_sec"], first_step_slowdown=f["first_step_slowdown"],
-        steady_step_sec=f["steady_step_sec"], steady_tokens_per_sec=f["steady_tokens_per_sec"], mfu=f["mfu"],
-        phases={k: float(v) for k, v in f["phases"].items()},
+        steps=n_steps, warmup_steps=int(warmup_steps) if warmup_steps is not None else None,
+        warmup_overhead_sec=figure("warmup_overhead_sec"), first_step_slowdown=figure("first_step_slowdown"),
+        steady_step_sec=figure("steady_step_sec"), steady_tokens_per_sec=figure("steady_tokens_per_sec"),
+        mfu=figure("mfu"), phases=phases,
         pad_fraction=statistics.fmean(pads) if pads else None, forwards_per_microbatch=fpm,
         decode_bandwidth_util=_median(_values(steady, keys.PERF_DECODE_BANDWIDTH_UTIL)),
         completion_mean=completion["mean"], completion_max=completion["max"], completion_p90=completion["p90"],
-        clipped_ratio=completion["clipped"], mem_high_water_gb=f["high_water_gb"], mem_budget_gb=f["budget_gb"],
+        clipped_ratio=completion["clipped"], mem_high_water_gb=figure("high_water_gb"),
+        mem_budget_gb=figure("budget_gb"),
         driver_gb_max=driver_max_row.number(keys.MEM_DRIVER_GB) if driver_max_row else None,
-        allocated_gb_at_driver_max=driver_max_row.get(keys.MEM_ALLOCATED_GB) if driver_max_row else None,
+        allocated_gb_at_driver_max=driver_max_row.number(keys.MEM_ALLOCATED_GB) if driver_max_row else None,
         max_pressure=int(max(pressures)) if pressures else None,
         swap_growth_gb=max(0.0, max(swaps) - swaps[0]) if swaps else None,
         swapout_steps=sum(1 for v in _values(steps, keys.MEM_SWAPOUTS) if v > 0),
         min_steps_to_wall=min(_values(steps[MEM_GRACE_STEPS:], keys.MEM_STEPS_TO_WALL), default=None),
-        watchdog_actions=actions, seq_len=int(max(seq)) if seq else None,
+        watchdog_actions=actions, seq_len=int(max(seq)) if seq else None, seq_len_min=int(min(seq)) if seq else None,
         seq_len_mean=statistics.fmean(seq_steady) if seq_steady else None,
         steps_per_generation=int(spg) if spg else None, pad_to_multiple_of=run.pad_to_multiple_of,
         temperature=run.temperature, use_vllm=run.use_vllm,
         tuner_attached=any(keys.TUNER_MICRO_BATCH in s.values for s in steps),
-        probe=last_probe(run_log.output_dir) if run_log.output_dir else None,
-        logs=n_logs, no_signal_run=no_signal_run, reward_mean=reward_mean, contention=_contention(steps))
+        tune=tuner.last("tune") if tuner else None,
+        memory_limits=[d for d in tuner.decisions if d.kind in ("oom", "watchdog", "memory_check")] if tuner else [],
+        logs=n_logs, no_signal_run=no_signal_run, reward_mean=reward_mean, rewards=_rewards(logs) if grpo else None,
+        trainer_log_source=log_source, contention=_contention(run_log, f), machine=_machine(steps, run, skipped),
+        warmup_done=warmup_done,
+        steady_steps=_steady_count(f, n_steps, warmup_done, warmup_steps),
+        fixed_seq_len=fixed, launcher=_fact(run, "launcher", "str", skipped),
+        logged=frozenset(k for s in steps for k in s.values), skipped=skipped)
 
 
 def measurements_from_run(output_dir: str) -> Measurements:
@@ -976,8 +1482,12 @@ def measurements_from_run(output_dir: str) -> Measurements:
 # ------------------------------------------------------------------ output
 def _facts_line(m: Measurements) -> str:
     parts = [f"{m.device_type} × {m.world_size}", "GRPO" if m.grpo else "Trainer", f"{m.steps} steps"]
+    if m.launcher:
+        parts.insert(0, f"`{m.launcher}`")
     if m.micro_batch and m.grad_accum:
         parts.append(f"micro-batch {m.micro_batch} × accumulation {m.grad_accum}")
+    if m.warmup_done is False:
+        parts.append("warmup not finished (no steady figures)")
     if m.steady_tokens_per_sec:
         parts.append(f"steady {m.steady_tokens_per_sec:,.0f} tok/s")
     if m.steady_step_sec:
@@ -994,19 +1504,43 @@ def _facts_line(m: Measurements) -> str:
 
 
 def gain_text(f: Finding) -> str:
-    """``1.21x (calibrated, medium confidence)`` or ``try (no predicted gain)``."""
+    """``1.21x (calibrated, medium confidence)``, ``≥ 1.70x (measured, …)``, ``too few steps to judge the gain``
+    or ``try (no predicted gain)``."""
     if f.expected_gain is None:
+        if f.basis == "too few steps":
+            return "too few steps to judge the gain"
         return "try (no predicted gain)" if f.priority else "fix first"
-    return f"{f.expected_gain:.2f}x ({f.basis}, {f.confidence} confidence)"
+    return f"{'≥ ' if f.lower_bound else ''}{f.expected_gain:.2f}x ({f.basis}, {f.confidence} confidence)"
+
+
+def _nothing_found(m: Measurements, notes: list[Note]) -> str:
+    """The "no finding" paragraph: only what this run's log shows, and a metric it holds."""
+    checked = []
+    if not _too_short(m) and m.phases:
+        checked.append("the device did not wait for data")
+    if m.mem_high_water_gb is not None:
+        checked.append("memory stayed within budget")
+    if m.grpo:
+        r = m.rewards
+        checked.append("no reward data in this run's logs" if r is None else
+                       "the rewards varied within prompt groups" if (r["std_max"] or 0.0) > ZERO else
+                       "the rewards never varied within a prompt group")
+    text = "No rule found something to change" + (": " + ", ".join(checked) if checked else "") + "."
+    if any(not n.judged and n.rule == "evidence" for n in notes):
+        text += " The timings were too short to judge (see Not judged)."
+    metric = next((k for k in (keys.PERF_STEADY_TOKENS_PER_SEC, keys.PERF_TOKENS_PER_SEC) if k in m.logged), None)
+    if metric:
+        text += f" Track `{metric}` to compare future runs."
+    return text
 
 
 def render_markdown(findings: list[Finding], m: Measurements, notes: list[Note] | None = None) -> str:
-    """The content of ``perf_report.md``: the findings, then what was checked and is fine."""
+    """The content of ``perf_report.md``: the findings, what the run was too short to judge, and what was checked
+    and is fine."""
+    notes = notes or []
     lines = ["# Performance report", "", f"**Run:** {_facts_line(m)}", ""]
     if not findings:
-        lines += ["## No bottleneck found", "",
-                  "No rule found something to change: the device is not waiting for data, memory is within budget "
-                  "and the run's rewards vary. Track `perf/steady_tokens_per_sec` to compare future runs.", ""]
+        lines += ["## No bottleneck found", "", _nothing_found(m, notes), ""]
     for i, f in enumerate(findings, 1):
         lines += [f"## {i}. {f.title} — {gain_text(f)}", "",
                   "### Observation", "", f.observation, "",
@@ -1016,11 +1550,18 @@ def render_markdown(findings: list[Finding], m: Measurements, notes: list[Note] 
             lines += ["### Setting", "", "```yaml"]
             lines += [f"{k}: {'null' if v is None else json.dumps(v)}" for k, v in f.setting.items()]
             lines += ["```", ""]
+        if f.env:
+            lines += ["### Environment", "", "```bash"] + [f"{k}={v}" for k, v in f.env.items()] + ["```", ""]
         lines += ["### Expected gain", "",
-                  (f"**{f.expected_gain:.2f}x** — " if f.expected_gain is not None else "**try** — ") + f.gain_formula,
+                  (f"**{'≥ ' if f.lower_bound else ''}{f.expected_gain:.2f}x** — " if f.expected_gain is not None
+                   else "**too few steps** — " if f.basis == "too few steps" else "**try** — ") + f.gain_formula,
                   "", "### Confidence", "", f.confidence, ""]
-    if notes:
-        lines += ["## Checked and fine", ""] + [f"- **{n.title}.** {n.text}" for n in notes] + [""]
+    unjudged = [n for n in notes if not n.judged]
+    fine = [n for n in notes if n.judged]
+    if unjudged:
+        lines += ["## Not judged", ""] + [f"- **{n.title}.** {n.text}" for n in unjudged] + [""]
+    if fine:
+        lines += ["## Checked and fine", ""] + [f"- **{n.title}.** {n.text}" for n in fine] + [""]
     return "\n".join(lines)
 
 
@@ -1043,13 +1584,16 @@ def write_perf_report(run: RunLog | str) -> tuple[str, list[Finding]]:
 
 
 def console_summary(findings: list[Finding], top: int = 3, notes: list[Note] | None = None) -> str:
-    """The top findings, a few lines each, and the titles of what was checked and is fine."""
+    """The top findings, a few lines each, what the run was too short to judge, and the titles of what was checked
+    and is fine."""
     lines = ["== Performance analysis =="]
     if not findings:
         lines.append("no bottleneck found")
     for i, f in enumerate(findings[:top], 1):
         actions = [line.removeprefix("- ") for line in f.recommendation.splitlines() if line.strip()]
-        first = _yaml(f.setting) if f.setting else (actions[0].split(" (")[0] if actions else "-")
+        first = (_yaml(f.setting) if f.setting else
+                 ", ".join(f"`{k}={v}` (environment)" for k, v in f.env.items()) if f.env else
+                 actions[0].split(" (")[0] if actions else "-")
         first = first if len(first) <= CONSOLE_WIDTH else first[:CONSOLE_WIDTH - 1] + "…"
         more = f" (+{len(actions) - 1} more)" if len(actions) > 1 else ""
         lines += [f"{i}. {f.title} — {gain_text(f)}",
@@ -1057,8 +1601,12 @@ def console_summary(findings: list[Finding], top: int = 3, notes: list[Note] | N
                   f"   do:   {first}{more}"]
     if len(findings) > top:
         lines.append(f"... {len(findings) - top} more in {REPORT_FILE}")
-    if notes:
-        lines.append("checked and fine: " + ", ".join(n.title.lower() for n in notes))
+    unjudged = [n.title.lower() for n in notes or [] if not n.judged]
+    if unjudged:
+        lines.append("not judged: " + "; ".join(unjudged))
+    fine = [n.title.lower() for n in notes or [] if n.judged]
+    if fine:
+        lines.append("checked and fine: " + ", ".join(fine))
     return "\n".join(lines)
 
 

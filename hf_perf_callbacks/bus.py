@@ -7,15 +7,23 @@ the reporters (TensorBoard, W&B, trackio, MLflow…) come before user callbacks,
 index 0 of the callback list: the callbacks publish into it during ``on_step_end`` and the bus merges everything
 into the next training log *before* any reporter runs, and into ``log_history[-1]``.
 
+Only training logs get the metrics (:func:`is_training_log`): not an evaluation's log, not the end-of-training
+summary.
+
 The bus is also the small shared object through which the callbacks talk (the signals below; the tuning session
 of :mod:`hf_perf_callbacks.resize.session`, :attr:`RunBus.tuning`), and it writes the run log
 ``<output_dir>/perf_log.jsonl`` (main process only; records and reader in :mod:`hf_perf_callbacks.runlog`):
 one run header per ``train()`` call with the run's ``session`` and the facts the callbacks handed it
-(:meth:`RunBus.describe_run`), one step line per optimizer step, one line per event and the summaries. The header
-is written once every callback has begun (at the first step, or at the first step line or summary); events from
-before it wait and follow it. **Each fresh ``train()`` is its own run**: one that starts at step 0 gets a new session
-(a resume keeps it), unless a tuning session pins it (:meth:`RunBus.pin_session`: its in-process re-sizes and
-resumes are one run).
+(:meth:`RunBus.describe_run`), one step line per optimizer step (at a logging step with every numeric value of the
+trainer's own training log as ``log/<key>``: ``log/loss``, ``log/reward``), one line per event and the summaries.
+The header is written once every callback has begun (at the first step, or at the first step line or summary);
+events from before it wait and follow it. **Each fresh ``train()`` is its own run**: one that starts at step 0 gets
+a new session (a resume keeps it), unless a tuning session pins it (:meth:`RunBus.pin_session`: its in-process
+re-sizes and resumes are one run).
+
+A run resumed from a checkpoint written without the callbacks (or without any other ``ExportableState`` callback it
+now has, such as ``EarlyStoppingCallback``) gets their entries in ``state.stateful_callbacks`` at train begin, without which transformers' next save raises ``KeyError``
+(:func:`~hf_perf_callbacks.adapter.register_stateful_callbacks`).
 
 Signals (:meth:`RunBus.signal`): ``SIGNAL_CLEAR`` — the watchdog asks for a cache clear; handler
 ``(reason: str, step: int) -> freed bytes`` (MPSCacheClearer). ``SIGNAL_SMALLER_BATCH`` — the watchdog asks for a
@@ -35,7 +43,8 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from . import adapter
-from .runlog import EventLine, LogWriter, Record, RunHeader, StepLine, SummaryLine, lock_output_dir, unlock_output_dir
+from .runlog import (CALLBACK_PREFIXES, TRAINER_LOG, EventLine, LogWriter, Record, RunHeader, StepLine, SummaryLine,
+                     lock_output_dir, unlock_output_dir)
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -218,12 +227,23 @@ class RunBus(TrainerCallback):
             self.flush()
         self.header = RunHeader(session=self.session, resumed_from_step=state.global_step)   # replaces an unused one
         self.start_known = True
+        self._register_stateful(state, control)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.flush()                             # every callback has begun: the header goes out now at the latest
 
+    def _register_stateful(self, state, control) -> None:
+        """A resume that attached stateful callbacks the checkpoint was written without must still save."""
+        if self.handler is not None:
+            adapter.register_stateful_callbacks(state, self.handler.callbacks + [control])
+
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is None or not self.unlogged or _is_eval_log(logs):
+        if logs is None or not is_training_log(logs):
+            return
+        if self.step_line is not None and self.step_line.step == state.global_step:   # the step's line is pending
+            self.record_step(state.global_step, {TRAINER_LOG + k: v for k, v in logs.items()
+                                                 if _finite(v) and not k.startswith(CALLBACK_PREFIXES)})
+        if not self.unlogged:
             return
         logs.update(self.unlogged)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
@@ -251,8 +271,26 @@ def bus_for(handler: CallbackHandler) -> RunBus:
     return bus
 
 
-def _is_eval_log(logs: dict) -> bool:
-    return any(k.startswith(("eval_", "test_")) for k in logs) or "train_runtime" in logs
+#: the keys only the end-of-training log carries all of (transformers 5.23-5.24 ``Trainer._finalize_training``:
+#: ``speed_metrics("train", ...)``, ``total_flos``, ``train_loss``)
+END_OF_TRAINING_KEYS = frozenset({"train_runtime", "total_flos", "train_loss"})
+
+
+def is_training_log(logs: dict) -> bool:
+    """A log of training steps (``Trainer._maybe_log_save_evaluate``), not an evaluation's or the end-of-training
+    summary.
+
+    * An evaluation log (``Trainer.evaluate``/``predict``; TRL's trainers add their evaluation metrics to it) holds
+      ``<prefix>_runtime`` for its metric prefix (``eval``, ``eval_<dataset>``, ``test``, any ``metric_key_prefix``)
+      or keys starting with ``eval_`` or ``test_``.
+    * The end-of-training summary holds every key of :data:`END_OF_TRAINING_KEYS`.
+    * A training log may hold ``train_runtime`` and ``train_tokens_per_second``: transformers adds them to every log
+      while ``include_num_input_tokens_seen`` is on, so neither key alone tells a summary.
+    """
+    if END_OF_TRAINING_KEYS <= logs.keys():
+        return False
+    return not any(k.startswith(("eval_", "test_")) or (k.endswith("_runtime") and k != "train_runtime")
+                   for k in logs)
 
 
 def _finite(value) -> bool:

@@ -18,10 +18,9 @@ import psutil
 import torch
 
 from .peaks import DevicePeak, dtype_key, lookup_peak
+from .runlog import GB
 
 logger = logging.getLogger(__name__)
-
-GB = 1024**3
 
 #: Texts of out-of-memory errors that are not ``torch.OutOfMemoryError`` (MPS, CPU allocator, cuDNN/cuBLAS).
 OOM_TEXTS = (

@@ -7,7 +7,8 @@ One JSON object per line, appended to across resumes and re-sizes (main process 
 ===========  ===========================================================================================
 ``run``      :class:`RunHeader` — one per ``train()`` call, written by the bus with its ``session``: the
              facts the callbacks handed it (device, peaks, model, batch geometry, memory budget)
-``step``     :class:`StepLine` — one per optimizer step: every callback's fields for that step
+``step``     :class:`StepLine` — one per optimizer step: every callback's fields for that step and, on a
+             logging step, the trainer's own log under ``log/<key>``
 ``event``    :class:`EventLine` — a warning, action, decision or note, with its step
 ``summary``  :class:`SummaryLine` — a callback's end-of-run summary
 ===========  ===========================================================================================
@@ -19,9 +20,20 @@ are steady too. A reader of a killed run (no summary) thus finds the meter's ste
 (:func:`hf_perf_callbacks.figures.steady_steps`); each step line's ``perf/train_sec`` is the training time its
 throughput was computed from.
 
+The trainer's own log in the step lines: at a logging step the bus copies every numeric value of the trainer's
+training log (``loss``, ``grad_norm``, ``learning_rate``, ``epoch``; GRPO's ``reward``, ``reward_std``,
+``frac_reward_zero_std``, ``rewards/<func>/mean``, ``completions/mean_length``, ``completions/clipped_ratio``…:
+whatever the trainer logged, never the callbacks' own ``perf/``, ``mem/``, ``tuner/``, ``cache/`` keys) into that
+step's line as ``log/<key>`` (:data:`TRAINER_LOG`: ``log/loss``, ``log/reward``, ``log/completions/clipped_ratio``),
+so that a reader needs no ``trainer_state.json``. Evaluation logs and the end-of-training summary are not copied.
+
 :func:`read_run` is the one reader. A run header of a new session starting at step 0 is a fresh run in a reused
 ``output_dir``: it replaces the lines of the earlier run(s) (counted in ``replaced_runs``); a resume (the same
-session, or ``resumed_from_step`` > 0) keeps them. Lines before the first run header belong to the first run.
+session, or ``resumed_from_step`` > 0) keeps them. Lines before the first run header belong to the first run. An
+event logged without a step gets the step of the step line before it (before any: the session's start step), so
+every event has one. A header field of another type than its own (a newer or older writer) reads as unset and is
+kept in ``RunHeader.malformed`` (a summary's, in ``SummaryLine.malformed``); step values are read through
+:func:`number`.
 
 Pure: no torch, no transformers.
 """
@@ -38,6 +50,7 @@ from dataclasses import dataclass, field
 logger = logging.getLogger("hf_perf_callbacks")
 
 PERF_LOG = "perf_log.jsonl"
+GB = 1024**3                           # bytes per GB in every ``*_gb`` figure (GiB, 2³⁰ bytes)
 SPLIT_FILE = "tuner_split.json"        # the tuner's split and decisions, beside the perf log
 TRAINER_STATE = "trainer_state.json"
 
@@ -106,6 +119,10 @@ CACHE_CLEARS = "cache/clears"
 CACHE_FREED_GB = "cache/freed_gb"
 CACHE_SECONDS = "cache/seconds"
 CACHE_INTERVAL = "cache/interval"
+#: the prefixes of the callbacks' own keys above
+CALLBACK_PREFIXES = ("perf/", "mem/", "tuner/", "cache/")
+#: the prefix of the trainer's own log values in a step line: ``TRAINER_LOG + "reward"`` is GRPO's ``reward``
+TRAINER_LOG = "log/"
 
 HOW_TO = ("perf_log.jsonl is written into the trainer's output_dir during trainer.train() when the callbacks are "
           "attached: `from hf_perf_callbacks import default_callbacks; trainer = Trainer(..., "
@@ -134,6 +151,7 @@ class RunHeader:
     resumed_from_step: int = 0
     sources: list[str] = field(default_factory=list)      # the callbacks that described the run
     time: float | None = None
+    launcher: str | None = None                            # the command that started the run ("hf-perf train")
     # ThroughputMeter
     device: str | None = None
     device_type: str | None = None
@@ -162,6 +180,7 @@ class RunHeader:
     device_limit_gb: float | None = None
     system_total_gb: float | None = None
     extra: dict = field(default_factory=dict)             # fields this version does not know
+    malformed: dict = field(default_factory=dict)         # known fields of another type (another writer): unset
 
     def describe(self, source: str, **facts) -> None:
         """Add a callback's facts; an unknown fact name is a ``ValueError`` naming it and the allowed names."""
@@ -180,8 +199,8 @@ class RunHeader:
             value = getattr(other, f.name)
             if f.name == "sources":
                 self.sources += [s for s in value if s not in self.sources]
-            elif f.name == "extra":
-                self.extra.update(value)
+            elif f.name in ("extra", "malformed"):
+                getattr(self, f.name).update(value)
             elif value not in (None, {}) and f.name not in ("session", "resumed_from_step", "time"):
                 setattr(self, f.name, value)
 
@@ -189,7 +208,7 @@ class RunHeader:
         out = {"type": "run"}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "extra":
+            if f.name in ("extra", "malformed"):
                 out.update(value)
             elif value is not None and value != {}:
                 out[f.name] = value
@@ -197,19 +216,46 @@ class RunHeader:
 
     @classmethod
     def from_json(cls, entry: dict) -> RunHeader:
-        known = {k: v for k, v in entry.items() if k in _HEADER_FIELDS and k not in ("sources", "extra")}
+        """The header of a parsed line. A known field whose value is not of its type (a newer or older writer: a
+        string where a number belongs, a list where a mapping does) is kept in ``malformed`` and reads as unset."""
+        known = {k: v for k, v in entry.items() if k in _HEADER_FIELDS and k not in _OWN_FIELDS}
         sources = entry.get("sources")
-        sources = list(sources) if isinstance(sources, list) else [entry["source"]] if "source" in entry else []
+        sources = ([str(s) for s in sources] if isinstance(sources, list)
+                   else [str(entry["source"])] if "source" in entry else [])
         extra = {k: v for k, v in entry.items() if k not in _HEADER_FIELDS and k not in ("type", "source")}
-        known["resumed_from_step"] = int(number(known.get("resumed_from_step")) or 0)
-        for name in ("model", "dataloader"):
-            if not isinstance(known.get(name, {}), dict):
-                extra[name] = known.pop(name)
-        return cls(**known, sources=sources, extra=extra)
+        malformed = {}
+        for name, value in list(known.items()):
+            ok, typed = conform(value, HEADER_KINDS[name])
+            if ok:
+                known[name] = typed
+            else:
+                malformed[name] = known.pop(name)
+        known["resumed_from_step"] = int(known.get("resumed_from_step") or 0)
+        return cls(**known, sources=sources, extra=extra, malformed=malformed)
 
 
 _HEADER_FIELDS = {f.name for f in dataclasses.fields(RunHeader)}
-_FACTS = _HEADER_FIELDS - {"session", "resumed_from_step", "sources", "time", "extra"}
+_OWN_FIELDS = ("sources", "extra", "malformed")
+_FACTS = _HEADER_FIELDS - {"session", "resumed_from_step", "time", *_OWN_FIELDS}
+#: each field's type as its annotation names it ("int | None" → "int", "list[str]" → "list")
+HEADER_KINDS = {f.name: str(f.type).split(" |")[0].split("[")[0] for f in dataclasses.fields(RunHeader)}
+
+
+def conform(value, kind: str) -> tuple[bool, object]:
+    """(True, ``value`` as ``kind``) when it is None or of that kind — ``"int"`` (an integral finite number, not a
+    bool), ``"float"`` (a finite number, not a bool), ``"bool"`` (true/false or 0/1), ``"str"``, ``"dict"``,
+    ``"list"``, ``"any"`` — else (False, None): the typed accessor of a logged field."""
+    if value is None:
+        return True, None
+    if kind in ("int", "float"):
+        v = None if isinstance(value, bool) else number(value)
+        if v is None or (kind == "int" and not v.is_integer()):
+            return False, None
+        return True, int(v) if kind == "int" else v
+    if kind == "bool":
+        return (True, bool(value)) if isinstance(value, bool) or value in (0, 1) else (False, None)
+    kinds = {"str": str, "dict": dict, "list": list, "any": object}
+    return (True, value) if isinstance(value, kinds[kind]) else (False, None)
 
 
 @dataclass
@@ -249,6 +295,7 @@ class EventLine:
     step: int | None = None
     time: float | None = None
     details: dict = field(default_factory=dict)   # e.g. action, level, old_split/new_split, freed_gb
+    step_inferred: bool = field(default=False, compare=False)   # the reader set ``step`` from the line's position
 
     def to_json(self) -> dict:
         return {"type": "event", "source": self.source, "kind": self.kind, "step": self.step,
@@ -262,19 +309,45 @@ class EventLine:
                    int(step) if step is not None else None, number(entry.get("time")), details)
 
 
+#: the type of each summary value the readers use, per source (:func:`conform`'s kinds)
+SUMMARY_KINDS = {
+    "perf": {"steps": "int", "tokens": "float", "train_seconds": "float", "warmup_done": "bool", "warmup_steps": "int",
+             "warmup_overhead_sec": "float", "first_step_slowdown": "float", "steady_step_sec": "float",
+             "steady_tokens_per_sec": "float", "mean_tokens_per_sec": "float", "phases": "dict", "device": "str",
+             "world_size": "int", "peak_flops": "float", "warmup_measured_on": "str", "first_steady_step": "int",
+             "steady_step_count": "int", "early_contention_sec": "float", "contention_steps": "list",
+             "mfu": "float", "hfu": "float"},
+    "mem": {"high_water_gb": "float", "budget_gb": "float", "actions": "list", "stopped_at": "int"},
+    "cache": {"clears": "int", "freed_gb": "float"},
+}
+
+
 @dataclass
 class SummaryLine:
-    """A callback's end-of-run summary."""
+    """A callback's end-of-run summary. A value of another type than :data:`SUMMARY_KINDS` gives it (a newer or
+    older writer) reads as absent and is kept in ``malformed``."""
 
     source: str
     values: dict = field(default_factory=dict)
+    malformed: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"type": "summary", "source": self.source, **self.values}
+        return {"type": "summary", "source": self.source, **self.values, **self.malformed}
 
     @classmethod
     def from_json(cls, entry: dict) -> SummaryLine:
-        return cls(str(entry.get("source")), {k: v for k, v in entry.items() if k not in ("type", "source")})
+        source = str(entry.get("source"))
+        kinds = SUMMARY_KINDS.get(source, {})
+        values, malformed = {}, {}
+        for k, v in entry.items():
+            if k in ("type", "source"):
+                continue
+            ok, typed = conform(v, kinds.get(k, "any"))
+            if ok:
+                values[k] = typed
+            else:
+                malformed[k] = v
+        return cls(source, values, malformed)
 
 
 Record = RunHeader | StepLine | EventLine | SummaryLine
@@ -429,6 +502,7 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
     summaries: dict[str, SummaryLine] = {}
     session = None
     steps_since_header = 0
+    current = 0                                         # the step the latest step line completed
     for line in lines:
         line = line.strip()
         if not line:
@@ -453,10 +527,14 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
             run.headers.append(record)
             summaries = {}
             steps_since_header = 0
+            current = record.resumed_from_step
         elif isinstance(record, StepLine):
             run.steps.append(record)
             steps_since_header += 1
+            current = record.step
         elif isinstance(record, EventLine):
+            if record.step is None:                     # logged without one: after the step completed before it
+                record.step, record.step_inferred = current, True
             run.events.append(record)
         else:
             summaries[record.source] = record

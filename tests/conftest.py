@@ -45,6 +45,15 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: as fast as two for the tiny models, and no thread spins on a busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return build_tokenizer(CORPUS, vocab_size=300)

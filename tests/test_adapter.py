@@ -1,16 +1,19 @@
 """Every private or undocumented library attribute that ``hf_perf_callbacks.adapter`` touches, named: a library
 version that renames one fails here with a message saying which, instead of somewhere deep in a run."""
 import inspect
+import json
+import os
 
 import pytest
 import torch
 import transformers
 import trl
-from transformers import Trainer, TrainingArguments
+from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
 from transformers.trainer_callback import CallbackHandler, ProgressCallback
 
-from hf_perf_callbacks import adapter
+from hf_perf_callbacks import adapter, default_callbacks, train_with_tuning
 from hf_perf_callbacks.tiny import build_model
+from tests.conftest import make_trainer
 
 
 def assert_present(condition: bool, what: str) -> None:
@@ -140,3 +143,67 @@ def test_rearm_jit_checkpoint_reinstalls_the_sigterm_handler(tokenizer, tmp_path
         assert signal.getsignal(signal.SIGTERM) == manager._sigterm_handler
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_register_stateful_callbacks_gives_save_checkpoint_every_entry_it_indexes(tokenizer, tmp_path):
+    """``Trainer._save_checkpoint`` indexes ``TrainerState.stateful_callbacks[name]`` for every ``ExportableState``
+    callback; a state loaded from a checkpoint written without one has no entry for it."""
+    assert_present("self.state.stateful_callbacks[cb_name]" in inspect.getsource(Trainer._save_checkpoint),
+                   "Trainer._save_checkpoint indexing TrainerState.stateful_callbacks[cb_name]")
+    stopper = EarlyStoppingCallback(early_stopping_patience=3)
+    trainer = Trainer(model=build_model(tokenizer), callbacks=[stopper],
+                      args=TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                             save_only_model=True))
+    trainer.state.stateful_callbacks = {"TrainerControl": trainer.control.state()}   # as a checkpoint without it
+    callbacks = trainer.callback_handler.callbacks + [trainer.control]
+    assert adapter.register_stateful_callbacks(trainer.state, callbacks) == ["EarlyStoppingCallback"]
+    assert adapter.register_stateful_callbacks(trainer.state, callbacks) == []              # once
+    stopper.early_stopping_patience_counter = 2
+    adapter.save_checkpoint(trainer)
+    with open(os.path.join(tmp_path, "checkpoint-0", "trainer_state.json")) as f:
+        saved = json.load(f)["stateful_callbacks"]["EarlyStoppingCallback"]
+    assert saved["args"]["early_stopping_patience"] == 3                                    # its state at the save
+    assert saved["attributes"]["early_stopping_patience_counter"] == 2
+
+
+@pytest.mark.parametrize("early_stopping", [False, True], ids=["package", "package+EarlyStopping"])
+@pytest.mark.parametrize("resume", ["train", "train_with_tuning"])
+def test_a_checkpoint_written_without_the_callbacks_resumes_with_them_and_saves_again(tokenizer, tmp_path, one_thread,
+                                                                                     early_stopping, resume):
+    """The most common first use: a run died, the callbacks are attached and it is resumed. transformers 5.24 alone
+    raises ``KeyError: 'ThroughputMeter'`` at the next save (``'EarlyStoppingCallback'`` likewise)."""
+    extra = {"save_strategy": "steps", "save_steps": 2}
+    if early_stopping:
+        extra.update(eval_strategy="steps", eval_steps=2, load_best_model_at_end=True, per_device_eval_batch_size=8)
+    small = dict(bs=2, ga=1, extra=extra, with_eval=early_stopping)
+    make_trainer(tokenizer, tmp_path, [], max_steps=2, **small).train()
+    callbacks = default_callbacks() + ([EarlyStoppingCallback(early_stopping_patience=10)] if early_stopping else [])
+    trainer = make_trainer(tokenizer, tmp_path, callbacks, max_steps=4, **small)
+    if resume == "train":
+        trainer.train(resume_from_checkpoint=True)
+    else:
+        train_with_tuning(trainer, resume_from_checkpoint=True)
+    assert trainer.state.global_step == 4
+    with open(os.path.join(tmp_path, "checkpoint-4", "trainer_state.json")) as f:
+        saved = json.load(f)["stateful_callbacks"]
+    expected = {"ThroughputMeter", "MemoryWatchdog", "MPSCacheClearer", "AdaptiveBatchTuner"}
+    assert expected | ({"EarlyStoppingCallback"} if early_stopping else set()) <= set(saved), sorted(saved)
+    assert saved["ThroughputMeter"]["attributes"]["saved"]                                 # the real state
+    with open(os.path.join(tmp_path, "perf_log.jsonl")) as f:
+        assert [e["step"] for e in map(json.loads, f) if e["type"] == "step"] == [3, 4]
+
+
+def readme_snippet(heading: str) -> str:
+    """The first Python block after ``heading`` in the README."""
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+        text = f.read()
+    after = text[text.index(heading):]
+    return after[after.index("```python") + len("```python"):after.index("```", after.index("```python") + 3)]
+
+
+def test_the_readme_reproducer_of_the_upstream_keyerror_still_reproduces_it(tmp_path, monkeypatch):
+    """The known issue's snippet (plain transformers) fails as the README says; when it stops failing, transformers
+    fixed it: drop the known issue, and ``register_stateful_callbacks`` when the oldest supported version has it."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(KeyError, match="EarlyStoppingCallback"):
+        exec(compile(readme_snippet("KeyError at the first save after a resume"), "README.md", "exec"), {})

@@ -8,9 +8,12 @@ import pytest
 
 from hf_perf_callbacks import estimate
 from hf_perf_callbacks import analysis
-from hf_perf_callbacks.analysis import (RULES, Finding, Measurements, Note, analyze, check, console_summary,
-                                        measurements_from_run, render_markdown, write_perf_report)
+from hf_perf_callbacks.analysis import (MIN_MACHINE_STEPS, MIN_STEADY_STEPS, RULES, Finding, Measurements, Note,
+                                        analyze, check, console_summary, gain_text, measurements_from_run,
+                                        render_markdown, write_perf_report)
+from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.runlog import ReportError, read_run
+from hf_perf_callbacks.splitfile import Decision, SplitFile, Trial
 
 QWEN_3B = {"num_hidden_layers": 36, "hidden_size": 2048, "intermediate_size": 11008, "num_attention_heads": 16,
            "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 151936, "params": 3_090_000_000,
@@ -32,7 +35,9 @@ def healthy(**changes) -> Measurements:
         completion_mean=90.0, completion_max=128.0, completion_p90=120.0, clipped_ratio=0.03,
         mem_high_water_gb=30.0, mem_budget_gb=68.0, driver_gb_max=34.0, allocated_gb_at_driver_max=30.0,
         max_pressure=0, swap_growth_gb=0.0, swapout_steps=0, min_steps_to_wall=None, watchdog_actions=[],
-        seq_len=400)
+        seq_len=400, warmup_done=True, steady_steps=198,
+        rewards={"logs": 40, "min": 0.2, "max": 1.4, "std_max": 0.5, "zero_std_min": 0.1, "funcs": {}},
+        logged=frozenset({"perf/steady_tokens_per_sec", "perf/tokens_per_sec", "mem/device_used_gb"}))
     return dataclasses.replace(m, **changes)
 
 
@@ -226,12 +231,16 @@ def test_completion_budget_with_rare_runaways_is_a_try():
     assert f.expected_gain is None and "would be cut" in f.recommendation
 
 
-def test_clipped_completions_are_a_note_not_a_finding():
-    # seen: "Completions cut off at max_completion_length — 1.00x … Do not shorten" ranked as finding 2
+def test_most_completions_cut_off_is_a_finding_naming_the_limit_and_the_masking():
+    # seen: 60% truncated completions listed under "checked and fine"
     m = healthy(completion_mean=127.0, completion_max=128.0, completion_p90=128.0, clipped_ratio=0.9)
-    assert analyze(m) == []
-    n = note(m, "completion_budget")
-    assert "90%" in n.text and "mask_truncated_completions" in n.text
+    f = only(m)
+    assert f.rule == "completion_budget" and "90%" in f.root_cause and f.expected_gain is None
+    assert "`max_completion_length: 256`" in f.recommendation and "`mask_truncated_completions: true`" in f.recommendation
+    assert f.setting == {"max_completion_length": 256}           # memory 30 of 68 GB: room for a longer limit
+    assert "completion_budget" not in {n.rule for n in check(m)[1]}
+    near_the_wall = only(dataclasses.replace(m, mem_high_water_gb=60.0))
+    assert near_the_wall.setting == {"mask_truncated_completions": True}
 
 
 def test_memory_pressure_swapping_on_a_mac():
@@ -248,7 +257,8 @@ def test_memory_pressure_swapping_on_a_mac():
     assert "`activation_checkpointing: true`" in f.recommendation
     assert "`per_device_train_batch_size: 1` with `gradient_accumulation_steps: 2`" in f.recommendation
     assert "2 × 1 = 1 × 2 = 2" in f.recommendation
-    assert "MPSCacheClearer" in f.recommendation and "MemoryWatchdog" in f.recommendation
+    assert "MPSCacheClearer" in f.recommendation          # the run logged no cache clears: the clearer was missing
+    assert "MemoryWatchdog" not in f.recommendation         # it was attached: it measured all this
     # the activation formulas shown are estimate.activation_bytes_per_token's, with this model's numbers
     model = estimate.model_from_config(QWEN_3B)
     assert printed_bytes(f.recommendation, "activations per token ") == estimate.activation_bytes_per_token(
@@ -299,23 +309,55 @@ def test_small_micro_batch_keeps_an_explicit_generation_batch():
                          "steps_per_generation": 2}
 
 
-def test_small_micro_batch_with_the_tuner_attached_asks_for_its_probe():
+def test_small_micro_batch_with_the_tuner_attached_asks_for_train_with_tuning():
     # seen: "Attach AdaptiveBatchTuner()" on a run that had it attached with --probe false
     f = only(healthy(micro_batch=2, grad_accum=4, mfu=0.05, tuner_attached=True))
-    assert "attach" not in f.recommendation.lower()
-    assert "probe did not run" in f.recommendation and "AdaptiveBatchTuner(tune=True)" in f.recommendation
+    assert "attach" not in f.recommendation.lower() and "`train_with_tuning(trainer)`" in f.recommendation
+    assert "`AdaptiveBatchTuner(tune=True)`" in f.recommendation
 
 
-def test_small_micro_batch_after_the_probe_is_a_note_with_its_trials():
-    # seen: "By hand: 4×2" for the split the probe had just rejected; the probe's measurement decides instead
-    probe = {"kind": "probe", "old": {"micro_batch": 2, "grad_accum": 4}, "new": {"micro_batch": 2, "grad_accum": 4},
-             "trials": [{"split": {"micro_batch": 8, "grad_accum": 1}, "split_time": 1.31, "fits": True},
-                        {"split": {"micro_batch": 4, "grad_accum": 2}, "split_time": 1.24, "fits": True},
-                        {"split": {"micro_batch": 2, "grad_accum": 4}, "split_time": 1.18, "fits": True}]}
-    m = healthy(micro_batch=2, grad_accum=4, mfu=0.05, tuner_attached=True, probe=probe)
+def test_a_launcher_run_is_told_recipe_keys_not_python_calls():
+    # seen: a run of `hf-perf train` told to call train_with_tuning
+    f = only(healthy(micro_batch=2, grad_accum=4, mfu=0.05, tuner_attached=True, launcher="hf-perf train"))
+    assert "train_with_tuning" not in f.recommendation and "default_callbacks" not in f.recommendation
+    assert "recipe's `callbacks`" in f.recommendation and "`tune: true`" in f.recommendation
+    assert f.setting == {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1}    # recipe keys
+    mac = only(healthy(device_type="mps", mfu=None, max_pressure=2, launcher="hf-perf train"))
+    assert "recipe's `callbacks`" in mac.recommendation and "default_callbacks" not in mac.recommendation
+    render = render_markdown([f], healthy(launcher="hf-perf train"))
+    assert "**Run:** `hf-perf train`" in render
+
+
+def tune_decision(old=(2, 4), new=(2, 4), trials=(), **fields) -> Decision:
+    return Decision(kind="tune", step=4, reason="", old=Split(*old), new=Split(*new), trials=list(trials), **fields)
+
+
+def test_small_micro_batch_after_the_tuner_measured_is_a_note_with_its_trials():
+    # seen: "By hand: 4×2" for the split the tuner had just measured slower; its measurement decides instead
+    trials = [Trial(Split(2, 4), samples=[1.18, 1.2, 1.17], steps=[1, 2, 3]),
+              Trial(Split(4, 2), samples=[1.24, 1.25, 1.23], steps=[4, 5, 6], p_value=0.04, gain=-0.05),
+              Trial(Split(8, 1), fits=False, error="out of memory")]
+    m = healthy(micro_batch=2, grad_accum=4, mfu=0.05, tuner_attached=True,
+                tune=tune_decision(trials=trials, cost_sec=12.0, expected_gain_sec=0.0))
     assert analyze(m) == []
     n = note(m, "small_micro_batch")
-    assert "4×2 1.24 s" in n.text and "ran 2×4" in n.text and "measured best" in n.text
+    assert "4×2 1.24 s over 3 step(s), -5% against the configured split (p = 0.04)" in n.text
+    assert "8×1 out of memory" in n.text and "kept the configured 2×4" in n.text and "cost 12 s" in n.text
+    assert "failed" not in n.text
+
+
+def test_no_micro_batch_larger_than_one_that_ran_out_of_memory_is_advised():
+    # seen: `per_device_train_batch_size: 8` advised right after the run ran out of memory at 4
+    oom = Decision(kind="oom", step=7, reason="CUDA out of memory", old=Split(4, 2), new=Split(2, 4))
+    f = only(healthy(micro_batch=1, grad_accum=16, mfu=0.05, memory_limits=[oom]))
+    assert f.setting == {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 8}   # not 4×4
+    assert "micro-batch 4 ran out of memory at step 7" in f.observation
+    capped = healthy(micro_batch=2, grad_accum=4, mfu=0.05, memory_limits=[oom])     # 4×2, 8×1: both ≥ 4
+    assert analyze(capped) == []
+    assert "micro-batch 4 ran out of memory at step 7" in note(capped, "small_micro_batch").text
+    watchdog = healthy(micro_batch=2, grad_accum=4, mfu=0.05,
+                       watchdog_actions=[{"step": 3, "action": "stop", "message": "near the wall"}])
+    assert "small_micro_batch" not in [f.rule for f in analyze(watchdog)]
 
 
 def test_small_micro_batch_splits_keep_grpo_prompt_groups_whole():
@@ -417,7 +459,7 @@ def test_no_learning_is_a_finding_ranked_first():
 
 def test_contention_is_its_own_finding_with_the_measured_loss():
     c = {"steps": 4, "lost_sec": 39.9, "run_sec": 120.0, "lost_share": 39.9 / 120.0, "wall_over_cpu": 2.6,
-         "steady_wall_over_cpu": 1.05, "other_cores": 1.6}
+         "steady_wall_over_cpu": 1.05, "other_cores": 1.6, "source": "meter"}
     f = only(healthy(contention=c))
     assert f.rule == "contention" and f.basis == "measured"
     assert f.expected_gain == pytest.approx(1 / (1 - 39.9 / 120)) and "39.9 s" in f.observation
@@ -444,7 +486,8 @@ def test_no_finding_repeats_a_setting_already_in_effect():
 def test_rules_list_is_complete_and_pure():
     names = {r.__name__.removeprefix("rule_") for r in RULES}
     assert names == {"warmup", "input_bound", "generation_bound", "completion_budget", "memory_pressure",
-                     "small_micro_batch", "duplicate_forward", "padding_waste", "no_learning", "contention"}
+                     "small_micro_batch", "duplicate_forward", "padding_waste", "no_learning", "contention",
+                     "evidence", "log_fields", "oversubscription"}
     m = healthy(phases={"data_wait": 0.5, "compute": 0.5})
     before = dataclasses.replace(m, phases=dict(m.phases))
     check(m)
@@ -473,7 +516,8 @@ def _write_run(tmp_path, steps, state=True):
 def _steps(n=10):
     out = []
     for s in range(1, n + 1):
-        out.append({"type": "step", "step": s, "perf/steady": int(s > 2), "perf/step_wall_sec": 40.0 + 20 * s,
+        out.append({"type": "step", "step": s, "perf/steady": int(s > 2), "perf/warmup_done": int(s > 5),
+                    "perf/warmup_steps": 2, "perf/step_wall_sec": 40.0 + 20 * s,
                     "perf/phase_sec/data_wait": 1.0, "perf/phase_sec/generation": 30.0, "perf/phase_sec/compute": 9.0,
                     "perf/phase_sec/eval": 0.0, "perf/phase_sec/save": 0.0, "perf/pad_fraction": 0.1,
                     "perf/forwards_per_microbatch": 1.0, "perf/seq_len": 500 + s, "perf/tokens": 1000.0,
@@ -592,3 +636,218 @@ def test_the_calibration_table_is_what_the_advice_check_measured():
     table = {key: (len(e), round(max(e) + 0.005, 2)) for key, e in errors.items() if max(e) <= 0.25}
     assert analysis.CALIBRATION == table
     assert ("input_bound", "cpu") in errors and ("input_bound", "cpu") not in table   # checked, missed by > 25%
+
+
+def test_a_field_of_another_type_is_skipped_with_a_note_never_a_crash(demo_run, tmp_path):
+    """A newer or older writer: every field of every record of a real run's log, and of its trainer logs, in turn
+    given another type (a string where a number belongs, a list where a mapping does, a mapping where a string
+    does). The summary and the analysis never raise; the analysis names each skipped field it reads."""
+    from hf_perf_callbacks.analysis import measurements
+    from hf_perf_callbacks.report import summarize
+    from hf_perf_callbacks.runlog import HEADER_KINDS, SUMMARY_KINDS, conform, parse_lines
+
+    entries = [json.loads(line) for line in open(os.path.join(demo_run, "perf_log.jsonl"))]
+    history = json.load(open(os.path.join(demo_run, "trainer_state.json")))["log_history"]
+    def expected(entry, key):
+        """The type the reader expects of ``key`` in ``entry`` (None: any)."""
+        if entry["type"] == "run" and key not in ("sources", "extra", "malformed"):
+            return HEADER_KINDS.get(key)
+        if entry["type"] == "summary":
+            return SUMMARY_KINDS.get(entry.get("source"), {}).get(key)
+        return "float" if entry["type"] == "step" and key not in ("step", "time") else None
+    checked = 0
+    for i, entry in enumerate(entries):
+        for key in [k for k in entry if k != "type"]:
+            for bad in ("x", [1], {"a": 1}):
+                mutated = [dict(e) for e in entries]
+                mutated[i][key] = bad
+                run = parse_lines([json.dumps(e) for e in mutated], str(tmp_path))
+                run.log_history = history
+                summarize(run)
+                m = measurements(run)
+                findings, notes = check(m)
+                text = render_markdown(findings, m, notes)
+                kind = expected(entry, key)
+                if kind and not conform(bad, kind)[0]:
+                    assert "## Not judged" in text and f"`{key}`" in text.split("## Not judged")[1], (entry, key, bad)
+                elif entry["type"] == "step" and key == "step":
+                    assert "unreadable line(s)" in text
+                checked += 1
+    for i in range(len(history)):
+        for key in list(history[i]):
+            mutated = [dict(h) for h in history]
+            mutated[i][key] = ["x"]
+            run = parse_lines([json.dumps(e) for e in entries], str(tmp_path))
+            run.log_history = mutated
+            findings, notes = check(measurements(run))
+            checked += 1
+    assert checked > 500
+
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+
+def copy_run(name, tmp_path, **header_facts):
+    """A recorded real run's log (``tests/data/<name>``: a Trainer, hidden 256, 16 × 1, 12 steps, on this project's
+    2-core CPU while other work kept ~1.7 cores busy), optionally with facts a newer writer adds to its header."""
+    from hf_perf_callbacks.runlog import RunHeader, parse_record
+
+    out = tmp_path / name
+    out.mkdir(parents=True)
+    lines = open(os.path.join(DATA, name, "perf_log.jsonl")).read().splitlines()
+    if header_facts:
+        header = parse_record(json.loads(lines[0]))
+        assert isinstance(header, RunHeader)
+        header.extra.update(header_facts)
+        lines[0] = json.dumps(header.to_json())
+    (out / "perf_log.jsonl").write_text("\n".join(lines) + "\n")
+    return str(out)
+
+
+def test_thread_oversubscription_over_the_whole_run_gets_the_thread_count(tmp_path):
+    # seen: torch's default 2 threads on a 2-core machine shared with other work, steps of identical work 33-172 s,
+    # no contention finding (CPU time rises too when a thread's partner is descheduled); 1 thread was 2.4-3.5x faster
+    # recorded: 2 threads 4.1-11.6 s/step, CPU time 1.3-3.3 s/step; the same run at 1 thread took 0.9-1.7 s/step
+    for facts in ({}, {"torch_threads": 2, "cpu_cores": 2}):
+        m = measurements_from_run(copy_run("two_threads_contended", tmp_path / str(len(facts)), **facts))
+        f = {f.rule: f for f in analyze(m)}["oversubscription"]
+        assert f.env == {"OMP_NUM_THREADS": "1"} and f.setting == {}
+        assert "`OMP_NUM_THREADS=1`" in f.recommendation.splitlines()[0] and "torch.set_num_threads(1)" in f.recommendation
+        assert "of its 2 threads running" in f.observation and "not warmup" in f.root_cause
+        assert f.lower_bound and f.basis == "measured" and f.expected_gain > 1.2 and "at least" in f.gain_formula
+        assert ("taken as torch's default" in f.observation) == (not facts)     # an assumption is said to be one
+        text = render_markdown([f], m)
+        assert "### Environment" in text and "OMP_NUM_THREADS=1" in text and f"≥ {f.expected_gain:.2f}x" in text
+        assert "`OMP_NUM_THREADS=1` (environment)" in console_summary([f])
+        assert "contention, not warmup" in note(m, "warmup").text      # the warmup note does not book it as warmup
+    launched = measurements_from_run(copy_run("two_threads_contended", tmp_path / "l", launcher="hf-perf train"))
+    assert launched.launcher == "hf-perf train"
+    f = {f.rule: f for f in analyze(launched)}["oversubscription"]
+    assert "`OMP_NUM_THREADS=1 hf-perf train --config …`" in f.recommendation and "set_num_threads" not in f.recommendation
+    one = measurements_from_run(copy_run("one_thread_contended", tmp_path))
+    assert "oversubscription" not in [f.rule for f in analyze(one)]    # already at one thread: nothing to advise
+    ran_at_one = measurements_from_run(copy_run("one_thread_contended", tmp_path / "h", torch_threads=1, cpu_cores=2))
+    assert "oversubscription" not in [f.rule for f in analyze(ran_at_one)]
+
+
+def test_oversubscription_needs_its_evidence():
+    machine = {"steps": 12, "busy": 0.3, "other": 1.7, "load": 4.9, "cores": 2, "cores_from": "run header",
+               "threads": 2, "threads_from": "run header", "spread": 1.9, "cpu_spread": 1.6, "lower_bound": 1.4}
+    assert only(healthy(device_type="cpu", mfu=None, machine=machine)).rule == "oversubscription"
+    for change in ({"steps": MIN_MACHINE_STEPS - 1}, {"other": 0.2}, {"busy": 1.8}, {"spread": 1.1, "cpu_spread": 1.1},
+                   {"threads": 1}, {"threads_from": "assumed", "cpu_spread": 1.2}):
+        assert analyze(healthy(device_type="cpu", mfu=None, machine={**machine, **change})) == [], change
+    launcher = only(healthy(device_type="cpu", mfu=None, machine=machine, launcher="hf-perf train"))
+    assert "`OMP_NUM_THREADS=1 hf-perf train --config …`" in launcher.recommendation
+    assert "set_num_threads" not in launcher.recommendation
+
+
+def test_a_run_too_short_for_its_timings_says_so_and_prints_no_gain(calibrated):
+    # seen: "1.05x (calibrated, medium confidence)" from 2 steps with warmup unfinished
+    m = healthy(device_type="cpu", mfu=None, micro_batch=2, grad_accum=4, num_generations=4, pad_to_multiple_of=32,
+                pad_fraction=0.45, seq_len=96, seq_len_mean=80.0, phases={"generation": 0.6, "compute": 0.4},
+                steps=2, warmup_done=False, steady_steps=0, warmup_steps=None, forwards_per_microbatch=2.0)
+    findings, notes = check(m)
+    assert {f.rule for f in findings} == {"padding_waste", "duplicate_forward"}     # counts, not timings
+    for f in findings:
+        assert f.expected_gain is None and f.basis == "too few steps" and "too few steps to judge" in gain_text(f)
+        assert "warmup was not finished after 2 steps" in f.gain_formula
+    assert [f.rule for f in findings] == ["duplicate_forward", "padding_waste"]     # the order of RULES, every time
+    unjudged = {n.rule: n for n in notes if not n.judged}
+    assert set(unjudged) >= {"evidence", "warmup"} and "not finished after 2 steps" in unjudged["warmup"].text
+    assert "No warmup" not in unjudged["warmup"].text
+    assert "Data wait, generation share" not in unjudged["evidence"].text and "generation share" in unjudged["evidence"].text
+    # timing rules wait: a generation-bound or input-bound run two steps long is not judged either
+    assert analyze(dataclasses.replace(m, pad_fraction=0.0, forwards_per_microbatch=1.0,
+                                       phases={"data_wait": 0.5, "generation": 0.4, "compute": 0.1})) == []
+    text = render_markdown(findings, m, notes)
+    assert "## Not judged" in text and "**too few steps** —" in text
+    console = console_summary(findings, notes=notes)
+    assert "not judged: warmup not finished; too few steps to judge (warmup was not finished after 2 steps)" in console
+    # three steady steps are enough
+    enough = dataclasses.replace(m, warmup_done=True, warmup_steps=2, steady_steps=MIN_STEADY_STEPS, steps=5)
+    assert {f.rule: f.basis for f in analyze(enough) if f.rule != "generation_bound"} == {
+        "duplicate_forward": "calibrated", "padding_waste": "calibrated"}
+
+
+def test_the_no_finding_text_fits_the_run():
+    # seen: "the run's rewards vary" and "Track `perf/steady_tokens_per_sec`" on a Trainer run that never logged it
+    trainer = healthy(grpo=False, logged=frozenset({"perf/tokens_per_sec"}), rewards=None)
+    text = render_markdown([], trainer, check(trainer)[1])
+    assert "reward" not in text.lower() and "`perf/tokens_per_sec`" in text and "steady_tokens" not in text
+    grpo = healthy(rewards=None, logged=frozenset())
+    findings, notes = check(grpo)
+    text = render_markdown(findings, grpo, notes)
+    assert "no reward data in this run's logs" in text.lower() and "rewards vary" not in text and "Track" not in text
+
+
+def test_a_constant_reward_gets_no_setting_that_cannot_move_it():
+    # seen: a GRPO run whose rewards were all 0 advised `num_generations` and `temperature`
+    flat = {"logs": 8, "min": 0.0, "max": 0.0, "std_max": 0.0, "zero_std_min": 1.0,
+            "funcs": {"format_reward": (0.0, 0.0), "solved_reward": (0.0, 0.0)}}
+    f = analyze(healthy(rewards=flat, logs=8, no_signal_run=8, temperature=0.7, trainer_log_source="perf log"))[0]
+    assert f.rule == "no_learning" and f.setting == {} and "every completion got the same reward" in f.title
+    assert "`format_reward` 0, `solved_reward` 0" in f.observation and "from the perf log" in f.observation
+    assert "partial credit" in f.recommendation and "too hard" in f.root_cause
+    cut = analyze(healthy(rewards=flat, logs=8, no_signal_run=8, clipped_ratio=0.9, completion_max=128.0,
+                          completion_p90=128.0, completion_mean=128.0))[0]
+    assert cut.setting == {"max_completion_length": 256} and "90% of completions were cut" in cut.recommendation
+    # rewards that differ between prompts but never within a group: more samples per prompt can help
+    between = {**flat, "max": 0.4}
+    f = analyze(healthy(rewards=between, logs=8, no_signal_run=8, temperature=0.7))[0]
+    assert f.setting == {"num_generations": 16, "temperature": 1.0}
+    two = healthy(rewards={**flat, "logs": 2}, logs=2, no_signal_run=2)
+    assert analyze(two) == [] and not note(two, "no_learning").judged          # two logs: too few to judge
+
+
+def test_more_steps_per_generation_states_the_off_policy_cost():
+    f = only(healthy(device_type="mps", mfu=None, decode_bandwidth_util=None, grad_accum=4, steps_per_generation=4,
+                     phases={"generation": 0.7, "compute": 0.3}))
+    assert f.setting == {"steps_per_generation": 8}
+    assert "off-policy" in f.recommendation and "older weights" in f.recommendation and "(2 optimizer steps)" in f.recommendation
+
+
+def test_the_tuners_record_is_read_through_its_schema(tmp_path):
+    """measurements() reads tuner_split.json through splitfile.read_split_file: a tune decision (its trials) and the
+    oom / watchdog decisions; a file off the schema is skipped with a note."""
+    _write_run(tmp_path, _steps(4), state=False)
+    trials = [Trial(Split(2, 1), samples=[1.0, 1.1, 1.05], steps=[1, 2, 3]),
+              Trial(Split(1, 2), samples=[1.3, 1.2, 1.25], steps=[4, 5, 6], p_value=0.05, gain=-0.19)]
+    split_file = SplitFile(session="s", world_size=1, configured=Split(2, 1), split=Split(1, 2), decisions=[
+        tune_decision(old=(2, 1), new=(2, 1), trials=trials),
+        Decision(kind="oom", step=5, reason="out of memory", old=Split(2, 1), new=Split(1, 2))])
+    split_file.write(str(tmp_path))
+    m = measurements_from_run(str(tmp_path))
+    assert m.tune == split_file.decisions[0] and [d.kind for d in m.memory_limits] == ["oom"]
+    n = note(m, "small_micro_batch")
+    assert "1×2 1.25 s over 3 step(s), -19% against the configured split (p = 0.05)" in n.text
+    assert "micro-batch 2 ran out of memory at step 5" in {f.rule: f for f in analyze(m)}["memory_pressure"].observation
+    (tmp_path / "tuner_split.json").write_text(json.dumps({"decisions": [{"kind": "probe"}]}))
+    m = measurements_from_run(str(tmp_path))
+    assert m.tune is None and "`tuner_split.json` is another run's record or does not follow" in note(m, "log_fields").text
+
+
+def test_every_key_a_launcher_run_is_told_is_a_recipe_key():
+    """A run of `hf-perf train` is told recipe keys: every `key: value` and every setting key of its findings is a
+    key the launcher accepts (RecipeArguments, GRPOConfig, ModelConfig): a renamed key breaks this test."""
+    import re
+
+    from hf_perf_callbacks.train import field_names
+
+    names = set(field_names())
+    launcher = dict(launcher="hf-perf train", tuner_attached=True)
+    runs = [healthy(micro_batch=2, grad_accum=4, mfu=0.05, **launcher),
+            healthy(device_type="mps", mfu=None, max_pressure=2, micro_batch=2, grad_accum=2, **launcher),
+            healthy(device_type="mps", mfu=None, decode_bandwidth_util=None, phases={"generation": 0.7,
+                    "compute": 0.3}, **launcher),
+            healthy(clipped_ratio=0.9, completion_max=128.0, completion_p90=128.0, **launcher)]   # GRPO: the launcher's
+    told = 0
+    for m in runs:
+        for f in analyze(m):
+            text = f.recommendation
+            keys_told = set(f.setting) | set(re.findall(r"`([a-z_]+): [^`]+`", text)) | set(
+                re.findall(r"recipe's `([a-z_]+)`", text))
+            assert keys_told <= names, (f.rule, keys_told - names)
+            assert "train_with_tuning" not in text and "default_callbacks" not in text, f.rule
+            told += len(keys_told)
+    assert told >= 8

@@ -35,10 +35,12 @@ def test_short_completions_are_a_note_with_the_cap(tokenizer, tmp_path):
 
 def test_slow_dataset_yields_the_input_bound_finding(tokenizer, tmp_path):
     # each example costs 1 planted second, far above any real step time; warmup (decided on CPU time on a CPU
-    # device, which a loaded machine makes noisy) is capped at 2 steps: this test is about data wait, not warmup
+    # device, which a loaded machine makes noisy) is capped at 2 steps, which the meter confirms by step 10 at the
+    # latest (2 + two windows of 4): this test is about data wait, not warmup, and the timing rules need warmup over
     clock = PlantedClock()
-    callbacks = default_callbacks(AdaptiveBatchTuner={"tune": False}, ThroughputMeter={"clock": clock, "max_warmup_steps": 2})
-    trainer = make_trainer(tokenizer, tmp_path, callbacks, max_steps=8, delay=1.0, clock=clock)
+    callbacks = default_callbacks(AdaptiveBatchTuner={"tune": False},
+                                  ThroughputMeter={"clock": clock, "max_warmup_steps": 2})
+    trainer = make_trainer(tokenizer, tmp_path, callbacks, max_steps=13, delay=1.0, clock=clock)
     trainer.train()
     trainer.save_state()
     findings = {f.rule: f for f in check(measurements_from_run(str(tmp_path)))[0]}
@@ -59,10 +61,141 @@ def test_a_run_that_cannot_learn_is_the_first_finding(tokenizer, tmp_path):
     m = measurements_from_run(str(tmp_path))
     assert m.pad_to_multiple_of == 32 and m.steps_per_generation == 2 and m.no_signal_run == 4
     findings, _ = check(m)
-    assert findings[0].rule == "no_learning"
-    assert findings[0].setting["num_generations"] == 4
+    assert findings[0].rule == "no_learning" and "every completion got the same reward" in findings[0].title
+    # a reward no sample of the run has moved: more samples or a higher temperature cannot help it
+    assert "num_generations" not in findings[0].setting and "temperature" not in findings[0].setting
+    assert "partial credit" in findings[0].recommendation and "too hard" in findings[0].root_cause
     padding = {f.rule: f for f in findings}["padding_waste"]
     assert padding.setting == {"pad_to_multiple_of": None} and "MPS" in padding.root_cause
     path, _, _ = write_analysis(read_run(tmp_path))
     text = open(path).read()
     assert "Healthy" not in text and "## 1. The run cannot learn" in text
+    # the same run with the trainer's logs in its step lines (`log/<key>`, as the bus writes them) and no
+    # trainer_state.json: the same finding, from the perf log
+    moved = _trainer_logs_into_step_lines(tmp_path, tmp_path / "moved")
+    m = measurements_from_run(moved)
+    assert m.trainer_log_source == "perf log" and m.rewards["logs"] == 4 and m.no_signal_run == 4
+    assert check(m)[0][0].title == findings[0].title and "from the perf log" in check(m)[0][0].observation
+
+
+def _trainer_logs_into_step_lines(run, out):
+    """A copy of ``run`` whose step lines carry the trainer's log values of their step as ``log/<key>`` (numbers
+    only, the callbacks' keys aside), without trainer_state.json: the run log of a writer that keeps them."""
+    import json
+    import os
+
+    from hf_perf_callbacks.runlog import CALLBACK_PREFIXES, PERF_LOG, TRAINER_LOG, StepLine, number, parse_record
+
+    history = {h["step"]: h for h in read_run(run).log_history if "step" in h and "train_runtime" not in h}
+    os.makedirs(out)
+    with open(os.path.join(run, PERF_LOG)) as src, open(os.path.join(out, PERF_LOG), "w") as dst:
+        for line in src:
+            record = parse_record(json.loads(line))
+            if isinstance(record, StepLine) and record.step in history:
+                record.values.update({TRAINER_LOG + k: v for k, v in history[record.step].items()
+                                      if number(v) is not None and not k.startswith(CALLBACK_PREFIXES)})
+                line = json.dumps(record.to_json()) + "\n"
+            dst.write(line)
+    return str(out)
+
+
+def _report(tmp_path):
+    path, findings, notes = write_analysis(read_run(tmp_path))
+    return open(path).read(), findings, notes
+
+
+def test_a_short_trainer_run_is_too_short_to_judge_and_says_so_the_same_way_twice(tokenizer, tmp_path):
+    # seen: a "1.05x (calibrated, medium confidence)" finding from 2 steps with warmup unfinished; two identical
+    # 2-step runs with different top findings; "No warmup: the first step ran at the steady speed" while the meter
+    # said warmup was unfinished; "the run's rewards vary" and "Track perf/steady_tokens_per_sec" on a Trainer run
+    results = []
+    for name in ("a", "b"):
+        trainer = make_trainer(tokenizer, tmp_path / name, default_callbacks(AdaptiveBatchTuner={"tune": False}),
+                               max_steps=2)
+        trainer.train()
+        text, findings, notes = _report(tmp_path / name)
+        m = measurements_from_run(str(tmp_path / name))
+        assert m.warmup_done is False and m.steps == 2
+        assert "Warmup was not finished after 2 steps" in text and "No warmup" not in text
+        assert "Too few steps to judge (warmup was not finished after 2 steps)" in text
+        assert "reward" not in text.lower()                      # a Trainer run: no GRPO words
+        for metric in ("perf/steady_tokens_per_sec", "perf/tokens_per_sec"):
+            assert f"`{metric}`" not in text or metric in m.logged
+        assert all(f.expected_gain is None for f in findings)   # no gain from a run this short
+        results.append(([(f.rule, f.title, f.setting, f.env) for f in findings], [n.title for n in notes]))
+    assert results[0] == results[1]
+
+
+class FixedLength:
+    """A collator that pads every batch to ``length`` positions (tokenizer.pad with padding="max_length")."""
+
+    def __init__(self, tokenizer, length):
+        from transformers import DataCollatorForLanguageModeling
+
+        self.inner = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        self.tokenizer, self.length = tokenizer, length
+
+    def __call__(self, features):
+        batch = self.tokenizer.pad(features, padding="max_length", max_length=self.length, return_tensors="pt")
+        return self.inner([{k: v[i] for k, v in batch.items()} for i in range(len(features))])
+
+
+def test_fixed_length_padding_gets_per_batch_padding_first(tokenizer, tmp_path):
+    # seen: a collator padding every batch to 128 positions (~28 real tokens) advised `group_by_length` (0.98x
+    # measured: grouping cannot shorten a fixed length) before per-batch padding (2.32x)
+    trainer = make_trainer(tokenizer, tmp_path, default_callbacks(AdaptiveBatchTuner={"tune": False}), max_steps=3)
+    trainer.data_collator = FixedLength(tokenizer, 128)
+    trainer.train()
+    m = measurements_from_run(str(tmp_path))
+    assert m.fixed_seq_len == 128 and m.pad_fraction > 0.5
+    f = {f.rule: f for f in check(m)[0]}["padding_waste"]
+    assert f.title == "Padding to a fixed length" and f.setting == {}      # a code change, not a config key
+    first = f.recommendation.splitlines()[0]
+    assert "pad per batch" in first and "group_by_length" not in first
+    assert "group_by_length" not in str(f.setting) and "`perf/seq_len` 128 on all 3 steps" in f.observation
+
+
+def test_a_grpo_run_without_trainer_state_reads_its_rewards_from_the_perf_log(tokenizer, tmp_path):
+    # seen: "No bottleneck found … the run's rewards vary" on a GRPO run whose rewards were all 0, with no
+    # trainer_state.json to read them from (save_strategy "no"); the constant reward then got settings that cannot
+    # move it (num_generations, temperature)
+    def zero_reward(prompts, completions, **kwargs):
+        return [0.0] * len(completions)
+
+    trainer = make_grpo(tokenizer, tmp_path, default_callbacks(AdaptiveBatchTuner={"tune": False}), max_steps=3,
+                        bs=2, ga=1, num_generations=2, reward=zero_reward)
+    trainer.train()                                    # no save_state(), save_strategy "no": no trainer_state.json
+    assert not (tmp_path / "trainer_state.json").exists()
+    text, findings, notes = _report(tmp_path)
+    m = measurements_from_run(str(tmp_path))
+    assert m.trainer_log_source == "perf log" and m.rewards["logs"] == 3 and m.rewards["max"] == 0.0
+    f = findings[0]
+    assert f.rule == "no_learning" and "from the perf log" in f.observation and "rewards vary" not in text
+    assert "num_generations" not in f.setting and "temperature" not in f.setting
+
+
+def test_the_tuners_record_of_a_real_tuning_run_is_what_the_analysis_reports(tokenizer, tmp_path):
+    # seen: every measured split shown as "failed" (the note read a field the writer had renamed); a micro-batch of
+    # 8 advised right after the run ran out of memory at 4. The record here is the real writer's (TuningSession):
+    # 4×2 runs out of memory (planted), the tuner goes back to 2×4 and measures the splits on the run's own steps
+    from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
+    from tests.test_tuner import CUDA_OOM, PlantedOOM, PlantedStepTime
+
+    clock = PlantedClock()
+    plant = PlantedOOM(limit=2, text=CUDA_OOM)
+    callbacks = [plant, PlantedStepTime(clock, {8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}), AdaptiveBatchTuner(clock=clock),
+                 ThroughputMeter(clock=clock)]
+    train_with_tuning(plant.attach(make_trainer(tokenizer, tmp_path, callbacks, max_steps=20, bs=2, ga=4)))
+    m = measurements_from_run(str(tmp_path))
+    assert m.tune is not None and {d.kind for d in m.memory_limits} == {"oom"}
+    assert min(d.old.micro_batch for d in m.memory_limits) == 4                  # the planted limit: above 2
+    findings, notes = check(m)
+    n = {n.rule: n for n in notes}["small_micro_batch"]
+    assert n.title == "Batch split chosen by measurement" and "failed" not in n.text
+    assert "4×2 out of memory" in n.text and "kept the configured 2×4" in n.text
+    assert "No larger micro-batch is advised: micro-batch 4 ran out of memory at step" in n.text
+    measured = [t for t in m.tune.trials if t.median is not None]
+    assert measured and all(f"{t.split.micro_batch}×{t.split.grad_accum} {t.median:.3g} s over" in n.text
+                            for t in measured)
+    for f in findings:                                     # nothing at or above the micro-batch that ran out
+        assert f.setting.get("per_device_train_batch_size", 0) < 4

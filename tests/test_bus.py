@@ -1,14 +1,17 @@
 """Metrics reach a real TensorBoard reporter (read back from its event files), log_history, the console and
 perf_log.jsonl; a faulty callback is disabled without stopping training."""
 import glob
+import inspect
 import json
 import os
 
 import pytest
+from transformers import TrainerCallback
 
-from hf_perf_callbacks import ThroughputMeter
+from hf_perf_callbacks import ThroughputMeter, default_callbacks
 from hf_perf_callbacks.base import PerfCallback
-from hf_perf_callbacks.bus import RunBus
+from hf_perf_callbacks.bus import RunBus, is_training_log
+from hf_perf_callbacks.runlog import CALLBACK_PREFIXES, TRAINER_LOG
 from tests.conftest import make_grpo, make_trainer
 
 
@@ -122,3 +125,78 @@ def test_the_progress_bar_shows_current_tokens_per_second(tokenizer, tmp_path, m
     make_trainer(tokenizer, tmp_path, [ThroughputMeter(window_steps=1)], max_steps=3,
                  extra={"disable_tqdm": False}).train()
     assert len(shown) == 3 and all(t.startswith("tok/s=") and float(t.split("=")[1]) > 0 for t in shown)
+
+
+class LogRecorder(TrainerCallback):
+    """Every log the trainer hands its callbacks, with the transformers method that logged it (the ground truth of
+    its kind): ``evaluate``, ``_finalize_training`` (the end-of-training summary) or a training step's log."""
+
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        callers = {frame.function for frame in inspect.stack()}
+        kind = "eval" if "evaluate" in callers else "summary" if "_finalize_training" in callers else "train"
+        self.logs.append((kind, dict(logs)))
+
+
+def perf_steps(output_dir):
+    return [e for e in map(json.loads, open(os.path.join(output_dir, "perf_log.jsonl"))) if e["type"] == "step"]
+
+
+@pytest.mark.parametrize("counting", ["all", "non_padding"])
+def test_token_counting_keeps_every_metric_and_only_training_logs_get_them(tokenizer, tmp_path, counting):
+    """With ``include_num_input_tokens_seen`` on, transformers adds ``train_runtime`` and ``train_tokens_per_second``
+    to every training log: those logs still get the metrics; evaluation logs and the end-of-training summary don't."""
+    recorder = LogRecorder()
+    trainer = make_trainer(tokenizer, tmp_path, [*default_callbacks(), recorder], max_steps=4, with_eval=True,
+                           extra={"include_num_input_tokens_seen": counting, "eval_strategy": "steps",
+                                  "eval_steps": 2, "per_device_eval_batch_size": 4})
+    trainer.train()
+    kinds = [kind for kind, _ in recorder.logs]
+    assert kinds.count("train") == 4 and kinds.count("eval") == 2 and kinds[-1] == "summary", kinds
+    assert all("train_runtime" in logs for kind, logs in recorder.logs if kind == "train")   # the trap
+    assert [is_training_log(logs) for _, logs in recorder.logs] == [kind == "train" for kind in kinds]
+    training = [h for h in trainer.state.log_history if "loss" in h]
+    for prefix in ("perf/", "mem/", "tuner/"):
+        assert all(any(k.startswith(prefix) for k in h) for h in training), (prefix, training)
+    others = [h for h in trainer.state.log_history if "loss" not in h]
+    assert len(others) == 3 and not any(k.startswith(CALLBACK_PREFIXES) for h in others for k in h)
+
+
+def test_logs_of_any_evaluation_prefix_are_not_training_logs():
+    assert not is_training_log({"val_loss": 1.0, "val_runtime": 0.1, "epoch": 1.0})    # metric_key_prefix="val"
+    assert not is_training_log({"eval_wordle_loss": 1.0, "eval_wordle_runtime": 0.1})  # a dict of eval datasets
+    assert is_training_log({"loss": 1.0, "train_runtime": 3.0, "train_tokens_per_second": 9.0})
+
+
+def test_step_lines_keep_the_trainers_own_log_on_logging_steps(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path, default_callbacks(), max_steps=4, extra={"logging_steps": 2})
+    trainer.train()
+    history = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    lines = {line["step"]: line for line in perf_steps(tmp_path)}
+    assert sorted(lines) == [1, 2, 3, 4] and sorted(history) == [2, 4]
+    for step, line in lines.items():
+        logged = {k.removeprefix(TRAINER_LOG): v for k, v in line.items() if k.startswith(TRAINER_LOG)}
+        if step in history:
+            own = {k: v for k, v in history[step].items() if k != "step" and not k.startswith(CALLBACK_PREFIXES)}
+            assert logged == own and {"loss", "grad_norm", "learning_rate", "epoch"} <= set(logged)
+        else:
+            assert logged == {}
+
+
+def test_grpo_step_lines_keep_reward_and_completion_statistics(tokenizer, tmp_path):
+    trainer = make_grpo(tokenizer, tmp_path, default_callbacks(), max_steps=2, ga=1,
+                        extra={"include_num_input_tokens_seen": "non_padding"})
+    trainer.train()
+    history = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    lines = perf_steps(tmp_path)
+    assert [line["step"] for line in lines] == [1, 2]
+    for line in lines:
+        logged = history[line["step"]]
+        for key in ("loss", "reward", "reward_std", "frac_reward_zero_std", "rewards/length_reward/mean",
+                    "completions/mean_length", "completions/clipped_ratio", "num_input_tokens_seen"):
+            assert line[TRAINER_LOG + key] == logged[key], key
+        assert not any(k.startswith(TRAINER_LOG) and k.removeprefix(TRAINER_LOG).startswith(CALLBACK_PREFIXES)
+                       for k in line)
+        assert any(k.startswith("perf/") for k in logged)        # and the callbacks' keys reach the log

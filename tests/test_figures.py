@@ -102,7 +102,7 @@ def test_the_steady_range_includes_the_steps_before_the_decision(trainer_run):
 
 
 def test_unfinished_warmup_says_so_everywhere_and_never_no_warmup(tokenizer, tmp_path, capsys):
-    from hf_perf_callbacks.cli import report_command
+    from hf_perf_callbacks.run_report import report_command
     from hf_perf_callbacks.plots import PlotData, plot_throughput
 
     meter = ThroughputMeter(warmup_window=4)           # 3 steps cannot fill two windows of 4

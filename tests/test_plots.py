@@ -21,7 +21,7 @@ def run_dir(tokenizer, tmp_path_factory):
     """A real 8-step Trainer run with the meter, the watchdog (default budget: far above a tiny model) and the
     tuner's per-step keys."""
     out = tmp_path_factory.mktemp("plots_run")
-    make_trainer(tokenizer, out, [ThroughputMeter(**CAPPED), MemoryWatchdog(), AdaptiveBatchTuner(probe=False)],
+    make_trainer(tokenizer, out, [ThroughputMeter(**CAPPED), MemoryWatchdog(), AdaptiveBatchTuner(tune=False)],
                  max_steps=8, bs=2, ga=2).train()
     return out
 
@@ -43,13 +43,14 @@ def integer_ticks(ax):
 
 
 def tuning_record(output_dir, kept=False):
-    """A tuning decision at step 6 over the run's steps 1-6, written by the schema's serializer."""
+    """A tuning decision at step 6 over the run's steps 1-6, written by the schema's serializer as this run's (its
+    perf log's session)."""
     trials = [Trial(Split(2, 2), samples=[2.0, 2.1, 1.9], steps=[1, 2], cost_sec=0.0),
               Trial(Split(4, 1), error="out of memory", fits=False, steps=[3], cost_sec=1.5),
               Trial(Split(1, 4), samples=[1.5, 1.4, 1.6] if not kept else [2.4, 2.5, 2.6], steps=[4, 5, 6],
                     cost_sec=2.0, p_value=0.05, gain=0.25 if not kept else -0.2)]
     new = Split(2, 2) if kept else Split(1, 4)
-    SplitFile(session="s", world_size=1, configured=Split(2, 2), split=new,
+    SplitFile(session=read_run(str(output_dir)).header().session, world_size=1, configured=Split(2, 2), split=new,
               decisions=[Decision("tune", 6, "measured on the run's steps", Split(2, 2), new, trials=trials,
                                   cost_sec=3.5, expected_gain_sec=40.0)]).write(str(output_dir))
 

@@ -223,8 +223,8 @@ def test_completion_line_and_the_analysis_cite_the_same_clipped_share(tmp_path):
     (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": logs}))
     text = summarize(read_run(str(tmp_path)))
     assert "clipped 88% (mean over the run)" in text
-    notes = {n.rule: n for n in check(measurements_from_run(str(tmp_path)))[1]}
-    assert "clipped ratio 88%" in notes["completion_budget"].text
+    findings = {f.rule: f for f in check(measurements_from_run(str(tmp_path)))[0]}
+    assert "clipped ratio 88%" in findings["completion_budget"].observation
 
 
 def test_a_warning_before_the_first_header_is_kept_and_no_earlier_run_is_claimed(tmp_path):

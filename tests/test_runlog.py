@@ -4,6 +4,8 @@ import json
 import logging
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -206,3 +208,37 @@ def test_report_and_analysis_are_siblings_over_pure_modules():
     # the live meter shares words with the report through the pure wording module, not by importing the report's
     assert not any(m.rsplit(".", 1)[-1] in ("figures", "report", "plots") for m in imports("throughput"))
     assert "wording" in imports("throughput")
+
+
+def test_hf_perf_report_never_imports_torch(demo_run):
+    """`hf-perf report DIR` (summary, plots, the analysis) on a real run, in a fresh process: torch and
+    transformers are never imported."""
+    code = ("import sys; from hf_perf_callbacks.cli import main; rc = main(['report', sys.argv[1]]); "
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')); "
+            "print('rc', rc, 'heavy', heavy[:5])")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code, demo_run], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": root, "MPLBACKEND": "Agg"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "analysis: " in proc.stdout and os.path.exists(os.path.join(demo_run, "perf_report.md"))
+    assert proc.stdout.rstrip().endswith("rc 0 heavy []"), proc.stdout[-2000:]
+
+
+def test_every_event_gets_a_step():
+    """An event logged without a step (before the first step, or by a writer that left it out) reads with the step
+    of the step line before it (the session's start step before any): no reader prints "step ?"."""
+    text = lines(header("a"), {"type": "event", "source": "perf", "kind": "warning", "message": "MFU omitted"},
+                 step(1), step(2), {"type": "event", "source": "mem", "kind": "action", "step": "3?", "message": "x"},
+                 header("a", resumed=2), {"type": "event", "source": "tuner", "kind": "decision", "message": "y"})
+    run = parse_lines(text)
+    assert [e.step for e in run.events] == [0, 2, 2] and all(e.step_inferred for e in run.events)
+    assert "step ?" not in summarize(run)
+
+
+@pytest.mark.parametrize("field, value", [("world_size", "2"), ("per_device_train_batch_size", 4.5),
+                                          ("grpo", "yes"), ("model", [1, 2]), ("dataloader", "none"),
+                                          ("temperature", True), ("device_type", 3), ("budget_gb", "8 GB")])
+def test_a_header_field_of_another_type_reads_as_unset_and_is_kept_aside(field, value):
+    h = RunHeader.from_json(header("s", **{field: value}))
+    assert getattr(h, field) in (None, {}) and h.malformed == {field: value}
+    assert RunHeader.from_json(header("s", world_size=2.0, grpo=1)).world_size == 2    # 2.0 is an integer

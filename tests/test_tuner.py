@@ -213,6 +213,18 @@ def test_a_faster_split_is_found_on_the_runs_own_steps_and_nothing_is_trained_tw
     record = read_split_file(str(tmp_path / "tuned"))
     assert record.split == Split(8, 1) and record.decisions == [decision]
     assert "tuning at step 13: 2×4 → 8×1" in capsys.readouterr().out
+    # the report's tuner plot reads this real file: the measured trials with their times, the chosen split
+    from matplotlib.figure import Figure
+
+    from hf_perf_callbacks.plots import PlotData, plot_tuner
+    from hf_perf_callbacks.runlog import read_run
+
+    fig = Figure()
+    plot_tuner(fig, PlotData.of(read_run(str(tmp_path / "tuned"))))
+    ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert ticks == ["2×4\n(before)", "8×1\n(chosen)"]
+    assert [round(b.get_height(), 1) for b in fig.axes[0].patches] == [round(trials[2].median, 1),
+                                                                      round(trials[8].median, 1)]
 
 
 def test_a_run_too_short_to_pay_back_tries_no_split_and_writes_no_checkpoint(tokenizer, tmp_path):

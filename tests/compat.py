@@ -1,0 +1,224 @@
+"""The compatibility matrix: every setting a user has in ``TrainingArguments`` × every trainer, one cell each, and the
+one file the cells' results are recorded in.
+
+* :data:`SETTINGS` (rows) × :data:`TRAINERS` (columns) = :data:`CELLS`, the single list every column is checked on.
+* :data:`COLUMNS`: the properties a cell is checked for. ``metrics`` (``tests/test_compat_matrix.py``): the
+  callbacks' keys reach ``log_history``, the reporters and ``perf_log.jsonl`` on every step. A later check adds its
+  column here and its test records into the same file; until then its cells read "not yet measured".
+* :func:`record` is the one writer of ``tests/compat_results.json`` (cell → column → outcome); the README's table
+  is rendered from it by ``python -m tests.compat_table``. It records only runs on the pinned versions
+  (:data:`TABLE_VERSIONS` as in ``constraints.txt``): the table describes those; on other versions (CI's oldest
+  set) every cell is still checked, and a refusal listed for it is allowed.
+
+A cell runs :data:`STEPS` optimizer steps of a tiny model (``tests/conftest.py``) on the CPU, ``logging_steps=1``,
+reporting to TensorBoard (and MLflow where the setting says so), with ``default_callbacks()`` attached. A setting
+that a trainer cannot run must be refused there before its first step with one clear message, listed in
+:attr:`Setting.refused` (a listed refusal is allowed, not required: some hold for older versions only; on the
+pinned versions the recorded outcome and the README's table say which happened); any other error fails the cell.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from tests.conftest import CORPUS, PROMPTS, length_reward
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "compat_results.json")
+CONSTRAINTS = os.path.join(os.path.dirname(HERE), "constraints.txt")
+#: the libraries whose versions the table is for
+TABLE_VERSIONS = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "tensorboard", "mlflow-skinny")
+
+#: optimizer steps per cell (one epoch of each cell's dataset, so that epoch-based settings end at the same step)
+STEPS = 2
+BATCH = 2                                         # per-device micro-batch; GRPO: one prompt × 2 generations
+
+#: column → its heading in the README's table
+COLUMNS = {"metrics": "metrics reach the reporters", "resize_exact": "re-size exact", "resume_exact": "resume exact"}
+NOT_MEASURED = "not yet measured"
+
+TRAINERS = ("Trainer", "SFTTrainer", "DPOTrainer", "GRPOTrainer")
+
+#: every value transformers offers, read from TrainingArguments itself (a new sampler gets a row by itself)
+SAMPLING_STRATEGIES = tuple(next(f for f in dataclasses.fields(TrainingArguments)
+                                 if f.name == "train_sampling_strategy").metadata["choices"])
+
+#: the samplers that need each example's length; transformers reads it from ``input_ids``, which DPO's tokenized
+#: examples do not have (``prompt_ids``, ``chosen_ids``…), unless the dataset has a ``length`` column
+LENGTH_SAMPLERS = ("group_by_length", "batch_rebalance")
+LENGTHS_UNKNOWN = "Can only automatically infer lengths for datasets whose items are dictionaries with an 'input_ids'"
+
+SAVE_EVERY_STEP = {"save_strategy": "steps", "save_steps": 1}
+EVAL_EVERY_STEP = {"eval_strategy": "steps", "eval_steps": 1}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row: what a user sets, alone, on top of each trainer's defaults."""
+
+    name: str                                     # as the user writes it
+    args: dict = field(default_factory=dict)      # TrainingArguments (TRL config) values
+    iterable: bool = False                        # the training data as a datasets.IterableDataset
+    epochs: bool = False                          # num_train_epochs=1 instead of max_steps
+    evaluate: bool = False                        # an evaluation dataset
+    refused: dict = field(default_factory=dict)   # trainer → regex of the message it refuses the setting with
+    slow: bool = False                            # runs under the `launch` marker
+
+    def reporters(self) -> list[str]:
+        return self.args.get("report_to", ["tensorboard"])
+
+
+SETTINGS = [
+    Setting("defaults"),
+    *[Setting(f"include_num_input_tokens_seen={value}", {"include_num_input_tokens_seen": value})
+      for value in ("all", "non_padding")],
+    *[Setting(f"train_sampling_strategy={value}", {"train_sampling_strategy": value},
+              refused={"DPOTrainer": LENGTHS_UNKNOWN} if value in LENGTH_SAMPLERS else {})
+      for value in SAMPLING_STRATEGIES],
+    Setting("save_only_model=True", {**SAVE_EVERY_STEP, "save_only_model": True}),
+    Setting("save_total_limit=1", {**SAVE_EVERY_STEP, "save_total_limit": 1}),
+    Setting("save_strategy=no", {"save_strategy": "no"}),
+    Setting("save_strategy=steps", SAVE_EVERY_STEP),
+    Setting("save_strategy=epoch", {"save_strategy": "epoch"}, epochs=True),
+    Setting("load_best_model_at_end=True", {**SAVE_EVERY_STEP, **EVAL_EVERY_STEP, "load_best_model_at_end": True},
+            evaluate=True),
+    Setting("disable_tqdm=True", {"disable_tqdm": True}),
+    Setting("disable_tqdm=False", {"disable_tqdm": False}),
+    # inductor took 77 s for one Trainer cell on a 2-core CPU, eager 9 s: the cells compile with dynamo, eager
+    Setting("torch_compile=True, torch_compile_backend=eager",
+            {"torch_compile": True, "torch_compile_backend": "eager"}, slow=True),
+    Setting("activation_checkpointing=True", {"activation_checkpointing": True}),
+    Setting("dataloader_num_workers=2", {"dataloader_num_workers": 2}),
+    Setting("train_dataset=IterableDataset", iterable=True,
+            refused={"GRPOTrainer": "Iterable datasets are not yet supported in GRPOTrainer"}),   # TRL 1.0
+    Setting("num_train_epochs=1 (no max_steps)", epochs=True),
+    Setting("eval_strategy=steps", EVAL_EVERY_STEP, evaluate=True),
+    Setting("report_to=[tensorboard, mlflow]", {"report_to": ["tensorboard", "mlflow"]}),
+]
+
+
+@dataclass(frozen=True)
+class Cell:
+    setting: Setting
+    trainer: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.setting.name} | {self.trainer}"
+
+
+CELLS = [Cell(setting, trainer) for setting in SETTINGS for trainer in TRAINERS]
+
+
+# ---------------------------------------------------------------- building a cell's trainer
+def build(cell: Cell, tokenizer, output_dir: str, callbacks: list):
+    """The cell's trainer: a tiny model, an in-memory dataset of exactly :data:`STEPS` steps per epoch."""
+    from datasets import Dataset
+
+    from hf_perf_callbacks.tiny import build_model
+
+    setting = cell.setting
+    values = dict(output_dir=str(output_dir), per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
+                  logging_steps=1, use_cpu=True, seed=0, report_to=["tensorboard"])
+    values.update({"num_train_epochs": 1} if setting.epochs else {"max_steps": STEPS})
+    if cell.trainer != "Trainer":
+        values["bf16"] = False                    # TRL turns it on by default; this is a CPU
+    if setting.evaluate:
+        values["per_device_eval_batch_size"] = BATCH
+    values.update(setting.args)
+    rows = STEPS if cell.trainer == "GRPOTrainer" else STEPS * BATCH     # GRPO: one prompt per step
+    train_rows, eval_rows = _rows(cell.trainer, tokenizer, rows), _rows(cell.trainer, tokenizer, BATCH)
+    train = Dataset.from_dict(train_rows)
+    train = train.to_iterable_dataset() if setting.iterable else train
+    evaluation = Dataset.from_dict(eval_rows) if setting.evaluate else None
+    model = build_model(tokenizer)
+    common = dict(model=model, train_dataset=train, eval_dataset=evaluation, callbacks=callbacks)
+    if cell.trainer == "Trainer":
+        from transformers import DataCollatorForLanguageModeling, Trainer
+
+        return Trainer(args=TrainingArguments(**values), processing_class=tokenizer,
+                       data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), **common)
+    if cell.trainer == "SFTTrainer":
+        from trl import SFTConfig, SFTTrainer
+
+        return SFTTrainer(args=SFTConfig(**values), processing_class=tokenizer, **common)
+    if cell.trainer == "DPOTrainer":
+        from trl import DPOConfig, DPOTrainer
+
+        return DPOTrainer(args=DPOConfig(**values), ref_model=build_model(tokenizer), processing_class=tokenizer,
+                          **common)
+    from trl import GRPOConfig, GRPOTrainer
+
+    values.update(num_generations=BATCH, max_completion_length=8)
+    return GRPOTrainer(args=GRPOConfig(**values), reward_funcs=length_reward, processing_class=tokenizer, **common)
+
+
+def _rows(trainer: str, tokenizer, n: int) -> dict:
+    """``n`` examples in the format each trainer takes, of varying length (so padding exists)."""
+    texts = [CORPUS[i % 5][: 12 + 9 * (i % 4)] for i in range(n)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+    if trainer == "Trainer":
+        return {"input_ids": [tokenizer(text)["input_ids"] for text in texts]}
+    if trainer == "SFTTrainer":
+        return {"text": texts}
+    if trainer == "DPOTrainer":
+        return {"prompt": prompts, "chosen": [f" {t}" for t in texts], "rejected": [" no" for _ in texts]}
+    return {"prompt": prompts}
+
+
+# ---------------------------------------------------------------- results
+def pinned_versions() -> dict[str, str]:
+    """:data:`TABLE_VERSIONS` as ``constraints.txt`` pins them."""
+    pins = {}
+    with open(CONSTRAINTS, encoding="utf-8") as f:
+        for line in f:
+            name, _, version = line.split("#")[0].strip().partition("==")
+            if name in TABLE_VERSIONS:
+                pins[name] = version
+    return pins
+
+
+def installed_versions() -> dict[str, str]:
+    """The installed versions of :data:`TABLE_VERSIONS` (a local build suffix such as ``+cpu`` dropped)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in TABLE_VERSIONS:
+        try:
+            found[name] = version(name).split("+")[0]
+        except PackageNotFoundError:
+            found[name] = "not installed"
+    return found
+
+
+def load_results() -> dict:
+    """cell id → column → outcome, as last recorded (``{}`` when nothing is)."""
+    try:
+        with open(RESULTS, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def record(cell: Cell, column: str, outcome: str) -> bool:
+    """Record a cell's outcome for ``column``: ``"yes"``, ``"no: <why>"`` or ``"refused: <message>"``; True when
+    recorded (on the pinned versions only). The one writer of the results file; entries of cells no longer in
+    :data:`CELLS` are dropped."""
+    if column not in COLUMNS:
+        raise ValueError(f"column={column!r} is not allowed: expected one of {sorted(COLUMNS)}")
+    if not re.match(r"(yes|no: .+|refused: .+)$", outcome, re.S):
+        raise ValueError(f"outcome={outcome!r} is not allowed: expected 'yes', 'no: <why>' or 'refused: <message>'")
+    if installed_versions() != pinned_versions():
+        return False
+    results = load_results()
+    results.setdefault(cell.id, {})[column] = outcome
+    ordered = {c.id: results[c.id] for c in CELLS if c.id in results}
+    lines = [f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v, ensure_ascii=False)}" for k, v in ordered.items()]
+    with open(RESULTS, "w", encoding="utf-8") as f:
+        f.write("{\n" + ",\n".join(lines) + "\n}\n")                 # one cell a line: a diff names the cell
+    return True

@@ -3,8 +3,10 @@ one file the cells' results are recorded in.
 
 * :data:`SETTINGS` (rows) × :data:`TRAINERS` (columns) = :data:`CELLS`, the single list every column is checked on.
 * :data:`COLUMNS`: the properties a cell is checked for. ``metrics`` (``tests/test_compat_matrix.py``): the
-  callbacks' keys reach ``log_history``, the reporters and ``perf_log.jsonl`` on every step. A later check adds its
-  column here and its test records into the same file; until then its cells read "not yet measured".
+  callbacks' keys reach ``log_history``, the reporters and ``perf_log.jsonl`` on every step. ``resize_exact`` and
+  ``resume_exact`` (``tests/test_compat_resize.py``): a planted out-of-memory error re-sizes the run, in the same
+  process and through a new one, and it trains exactly what an unfaulted run trains. A cell not yet run reads "not
+  yet measured".
 * :func:`record` is the one writer of ``tests/compat_results.json`` (cell → column → outcome); the README's table
   is rendered from it by ``python -m tests.compat_table``. It records only runs on the pinned versions
   (:data:`TABLE_VERSIONS` as in ``constraints.txt``): the table describes those; on other versions (CI's oldest
@@ -37,6 +39,9 @@ TABLE_VERSIONS = ("torch", "transformers", "trl", "peft", "accelerate", "dataset
 #: optimizer steps per cell (one epoch of each cell's dataset, so that epoch-based settings end at the same step)
 STEPS = 2
 BATCH = 2                                         # per-device micro-batch; GRPO: one prompt × 2 generations
+#: the re-size and resume columns: optimizer steps, steps per epoch (the resumed run crosses an epoch boundary),
+#: the step whose training forward runs out of memory
+RESIZE_STEPS, RESIZE_PER_EPOCH, RESIZE_FAULT_AT = 4, 3, 3
 
 #: column → its heading in the README's table
 COLUMNS = {"metrics": "metrics reach the reporters", "resize_exact": "re-size exact", "resume_exact": "resume exact"}
@@ -116,22 +121,27 @@ CELLS = [Cell(setting, trainer) for setting in SETTINGS for trainer in TRAINERS]
 
 
 # ---------------------------------------------------------------- building a cell's trainer
-def build(cell: Cell, tokenizer, output_dir: str, callbacks: list):
-    """The cell's trainer: a tiny model, an in-memory dataset of exactly :data:`STEPS` steps per epoch."""
+def build(cell: Cell, tokenizer, output_dir: str, callbacks: list, *, steps: int = STEPS,
+          per_epoch: int | None = None, extra: dict | None = None, reward=length_reward):
+    """The cell's trainer: a tiny model, an in-memory dataset of exactly ``per_epoch`` (default ``steps``) steps per
+    epoch, ``steps`` optimizer steps (epochs-based settings: as many epochs as that takes); ``extra``: arguments
+    under the setting's own (another column's optimizer, say); ``reward``: GRPO's reward function."""
     from datasets import Dataset
 
     from hf_perf_callbacks.tiny import build_model
 
     setting = cell.setting
+    per_epoch = per_epoch or steps
     values = dict(output_dir=str(output_dir), per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
                   logging_steps=1, use_cpu=True, seed=0, report_to=["tensorboard"])
-    values.update({"num_train_epochs": 1} if setting.epochs else {"max_steps": STEPS})
+    values.update({"num_train_epochs": steps / per_epoch} if setting.epochs else {"max_steps": steps})
     if cell.trainer != "Trainer":
         values["bf16"] = False                    # TRL turns it on by default; this is a CPU
     if setting.evaluate:
         values["per_device_eval_batch_size"] = BATCH
+    values.update(extra or {})
     values.update(setting.args)
-    rows = STEPS if cell.trainer == "GRPOTrainer" else STEPS * BATCH     # GRPO: one prompt per step
+    rows = per_epoch if cell.trainer == "GRPOTrainer" else per_epoch * BATCH     # GRPO: one prompt per step
     train_rows, eval_rows = _rows(cell.trainer, tokenizer, rows), _rows(cell.trainer, tokenizer, BATCH)
     train = Dataset.from_dict(train_rows)
     train = train.to_iterable_dataset() if setting.iterable else train
@@ -155,7 +165,7 @@ def build(cell: Cell, tokenizer, output_dir: str, callbacks: list):
     from trl import GRPOConfig, GRPOTrainer
 
     values.update(num_generations=BATCH, max_completion_length=8)
-    return GRPOTrainer(args=GRPOConfig(**values), reward_funcs=length_reward, processing_class=tokenizer, **common)
+    return GRPOTrainer(args=GRPOConfig(**values), reward_funcs=reward, processing_class=tokenizer, **common)
 
 
 def _rows(trainer: str, tokenizer, n: int) -> dict:

@@ -10,8 +10,8 @@ import os
 import sys
 import textwrap
 
-from tests.compat import (BATCH, COLUMNS, NOT_MEASURED, SETTINGS, STEPS, TRAINERS, Cell, load_results,
-                          pinned_versions)
+from tests.compat import (BATCH, COLUMNS, NOT_MEASURED, RESIZE_FAULT_AT, RESIZE_PER_EPOCH, RESIZE_STEPS, SETTINGS,
+                          STEPS, TRAINERS, Cell, load_results, pinned_versions)
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 BEGIN = "<!-- compat-table: rendered by `python -m tests.compat_table` from tests/compat_results.json -->"
@@ -29,10 +29,15 @@ def render(results: dict) -> str:
               f"the settings that save or evaluate do so every step. Metrics reach the reporters: every step has "
               f"`perf/`, `mem/` and `tuner/` keys in `log_history`, every callback key there reached each reporter "
               f"at that step, and every step's line in `perf_log.jsonl` holds them with the trainer's own "
-              f"`log/loss`. Versions: " +
-              ", ".join(f"{name} {version}" for name, version in pinned_versions().items()) +
+              f"`log/loss`. Re-size exact, resume exact (`tests/test_compat_resize.py`): the cell trained "
+              f"{RESIZE_STEPS} steps ({RESIZE_PER_EPOCH} an epoch) with SGD and momentum, an out-of-memory error "
+              f"planted in step {RESIZE_FAULT_AT}'s forward re-sizes "
+              f"{BATCH}×1 → 1×{BATCH} in the same process, and a fresh trainer resumes the recovery checkpoint at "
+              f"1×{BATCH} as a new process does; each trains the unfaulted run's samples (GRPO: its completions), "
+              f"RNG stream, learning rates, weights and optimizer state. Versions: " +
+              ", ".join(f"{name}\0{version}" for name, version in pinned_versions().items()) +
               " (`constraints.txt`); on CI's oldest set the cells are checked too, without changing the table.")
-    lines = [textwrap.fill(legend, width=118, break_on_hyphens=False, break_long_words=False),
+    lines = [textwrap.fill(legend, width=118, break_on_hyphens=False, break_long_words=False).replace("\0", " "),
              "",
              "| setting | " + " | ".join(TRAINERS) + " |",
              "|---" * (len(TRAINERS) + 1) + "|"]
@@ -54,8 +59,10 @@ def _mark(outcome: str | None, cell: Cell, notes: list[str]) -> str:
     kind, _, detail = outcome.partition(": ")
     if not detail:
         return MARKS[kind]
-    notes.append(f"{len(notes) + 1}. {cell.trainer}, `{cell.setting.name}`: {detail}")
-    return f"{MARKS[kind]} ({len(notes)})"
+    text = f"{cell.trainer}, `{cell.setting.name}`: {detail}"
+    if not any(note.endswith(f". {text}") for note in notes):          # the cell's other columns: one note
+        notes.append(f"{len(notes) + 1}. {text}")
+    return f"{MARKS[kind]} ({next(i for i, note in enumerate(notes, 1) if note.endswith(f'. {text}'))})"
 
 
 def split_readme(text: str) -> tuple[str, str, str]:

@@ -63,6 +63,12 @@ def length_reward(prompts, completions, completion_ids=None, **kwargs):
     return [-abs(len(ids) - 8) / 8.0 for ids in completion_ids]
 
 
+def varied_reward(prompts, completions, completion_ids=None, **kwargs):
+    """Rewards that differ within a group even when every completion reaches the length limit (as a tiny random
+    model's do), so GRPO learns and a wrong resume shows in the weights."""
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
 def make_grpo(tokenizer, output_dir, callbacks, *, max_steps=6, bs=4, ga=2, num_generations=4, completion=12,
               extra=None, model=None, dataset_rows=16, reward=length_reward):
     from datasets import Dataset

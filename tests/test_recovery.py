@@ -15,16 +15,11 @@ from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.resize.checkpoints import MOVED_ASIDE, has_training_state, is_complete
 from hf_perf_callbacks.resize.oomsite import UnfixableOOM
 from hf_perf_callbacks.splitfile import read_split_file
-from tests.conftest import make_grpo, make_trainer
+from tests.conftest import make_grpo, make_trainer, varied_reward
 from tests.faults import Fault, Trajectory, differences
 from tests.test_faults import step_lines
 
 SGD = {"optim": "sgd", "optim_args": "momentum=0.9", "learning_rate": 0.05, "lr_scheduler_type": "linear"}
-
-
-def varied_reward(prompts, completions, completion_ids=None, **kwargs):
-    """Rewards that differ within a group (GRPO learns, so a wrong resume shows in the weights)."""
-    return [float(sum(ids) % 7) for ids in completion_ids]
 
 
 def unfaulted(tokenizer, path, **kwargs) -> Trajectory:

@@ -86,13 +86,14 @@ def train_batch_size(trainer) -> int:
 
 
 def save_checkpoint(trainer) -> None:
-    """Write ``checkpoint-<global_step>`` now, as the Trainer does at a save step, and always a complete one: the
-    weights, optimizer, scheduler, scaler and RNG state, also under ``save_only_model=True`` (which would leave out
-    everything but the weights, and a resume from it would restart the schedule and the optimizer silently)."""
+    """Write ``checkpoint-<global_step>`` now, as the Trainer does at a save step, and a complete one whenever there
+    is training state: the weights, optimizer, scheduler, scaler and RNG state, also under ``save_only_model=True``
+    (which would leave out everything but the weights, and a resume from it would restart the schedule and the
+    optimizer silently)."""
     register_stateful_callbacks(trainer.state, trainer.callback_handler.callbacks + [trainer.control])
     args = trainer.args
     only_model = args.save_only_model
-    args.save_only_model = False
+    args.save_only_model = only_model and trainer.optimizer is None
     try:
         trainer._save_checkpoint(trainer.model, trial=None)
     finally:

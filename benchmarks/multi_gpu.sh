@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Four GPUs of one host, and two nodes simulated on one host: the FSDP2 path of issue 21 in one GPU session.
-#   bash benchmarks/multi_gpu.sh           # 4 GPUs (under 8 minutes on 4 H100s): benchmarks/results/multi_gpu_*.json
+#   bash benchmarks/multi_gpu.sh           # 4 GPUs: benchmarks/results/multi_gpu_*.json; at most 220 + 60 + 180 s
+#                                          # (the launches' timeouts), inside 8 minutes on 4 H100s
 #   bash benchmarks/multi_gpu.sh --smoke   # the same on CPU processes (gloo, the tests' tiny model):
 #                                          # multi_gpu_smoke_*.json; NPROC ranks on one host (default 2), NPROC_NODE
 #                                          # per simulated node (default 1)
@@ -28,21 +29,21 @@ if [ "${1:-}" = "--smoke" ]; then
   export OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=""
   N="${NPROC:-2}"; PER_NODE="${NPROC_NODE:-1}"; FLAG=(--smoke); PREFIX=multi_gpu_smoke
   LAUNCH=("$PY" -m torch.distributed.run --nproc_per_node "$N" --master_port "$(free_port)")
-  NODE_GPUS=("" "")
+  NODE_GPUS=("" ""); TIMEOUTS=(600 180 600)          # a loaded 2-core CPU
 else
   N=4; PER_NODE=2; FLAG=(); PREFIX=multi_gpu
   LAUNCH=(accelerate launch --config_file hf_perf_callbacks/recipes/accelerate/fsdp.yaml --num_processes 4
           --main_process_port "$(free_port)")
-  NODE_GPUS=("0,1" "2,3")
+  NODE_GPUS=("0,1" "2,3"); TIMEOUTS=(220 60 180)     # at most 460 s of the 8 minutes
 fi
 started=$(date +%s)
 
 echo "== 1. FSDP2 on $N ranks of one host: figures, a watchdog re-size by relaunch, a stop"
-HF_PERF_BENCH_DIR="$RUN/one_host" timeout 240 "${LAUNCH[@]}" benchmarks/bench_fsdp.py "${FLAG[@]}" \
+HF_PERF_BENCH_DIR="$RUN/one_host" timeout "${TIMEOUTS[0]}" "${LAUNCH[@]}" benchmarks/bench_fsdp.py "${FLAG[@]}" \
   --name "${PREFIX}_fsdp" 2>&1 | quiet
 echo "== 2. an OOM inside the last rank's step under FSDP: refused, the launch ends at once"
 t0=$(date +%s)
-HF_PERF_BENCH_DIR="$RUN/oom" timeout 100 "${LAUNCH[@]}" benchmarks/bench_fsdp.py oom "${FLAG[@]}" \
+HF_PERF_BENCH_DIR="$RUN/oom" timeout "${TIMEOUTS[1]}" "${LAUNCH[@]}" benchmarks/bench_fsdp.py oom "${FLAG[@]}" \
   --name "${PREFIX}_fsdp" > "$RUN/oom.log" 2>&1
 rc=$?
 elapsed=$(( $(date +%s) - t0 ))
@@ -62,7 +63,7 @@ PY
 echo "== 3. two nodes simulated on one host: 2 launchers × $PER_NODE ranks, rendezvous on localhost"
 port=$(free_port)
 for node in 0 1; do
-  CUDA_VISIBLE_DEVICES="${NODE_GPUS[$node]}" HF_PERF_BENCH_DIR="$RUN/two_nodes" timeout 200 \
+  CUDA_VISIBLE_DEVICES="${NODE_GPUS[$node]}" HF_PERF_BENCH_DIR="$RUN/two_nodes" timeout "${TIMEOUTS[2]}" \
     "$PY" -m torch.distributed.run --nnodes 2 --node_rank "$node" --nproc_per_node "$PER_NODE" \
     --master_addr 127.0.0.1 --master_port "$port" benchmarks/bench_fsdp.py "${FLAG[@]}" --fsdp_args \
     --scenarios throughput,resize --name "${PREFIX}_two_nodes" > "$RUN/node$node.log" 2>&1 &

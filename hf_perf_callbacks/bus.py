@@ -70,6 +70,7 @@ class RunBus(TrainerCallback):
         self.trained = False                    # a train() call has begun on this bus
         self.begun = None                       # the TrainerState of the train() call that began last
         self.tuning = None                      # the tuning session of train_with_tuning or the tuner
+        self.standing: dict = {}                # run facts of every train() call of this trainer (see mark_runs)
         self.continuing = False                 # this train() ends for an in-process re-size: the run goes on
         # this train() call's header while it is not written yet; the first call's is opened here, as the bus
         # joins the callback list during the callbacks' on_train_begin and misses its own
@@ -202,6 +203,13 @@ class RunBus(TrainerCallback):
             bar.set_postfix_str(text, refresh=False)
 
     # ------------------------------------------------------------ trainer events
+    def mark_runs(self, **facts) -> None:
+        """Facts that hold for every ``train()`` call of this trainer (e.g. ``launcher="hf-perf train"``): each
+        run header carries them."""
+        self.standing.update(facts)
+        if self.header is not None:
+            self.header.describe("bus", **facts)
+
     def pin_session(self, session: str) -> None:
         """Log every ``train()`` call as the run ``session`` (a tuning session's re-sizes and resumes are one run)."""
         self.session, self.pinned = session, True
@@ -226,6 +234,8 @@ class RunBus(TrainerCallback):
         if self.step_line is not None:
             self.flush()
         self.header = RunHeader(session=self.session, resumed_from_step=state.global_step)   # replaces an unused one
+        if self.standing:
+            self.header.describe("bus", **self.standing)
         self.start_known = True
         self._register_stateful(state, control)
 

@@ -31,13 +31,10 @@ figure                    definition
 """
 from __future__ import annotations
 
-import json
-import os
 
 from . import runlog as keys
-from .runlog import PHASES, SPLIT_FILE, EventLine, RunLog, StepLine, number
+from .runlog import PHASES, EventLine, RunLog, StepLine, number
 from .stats import median, quantile
-from .wording import split_label, warmup_words  # noqa: F401 - the analysis imports warmup_words from here
 
 
 def last_value(steps: list[StepLine], key: str) -> float | None:
@@ -169,22 +166,3 @@ def completion_stats(history: list[dict]) -> dict:
     return {"mean": sum(means) / len(means) if means else None, "max": max(maxes, default=None),
             "p90": quantile(maxes, 0.9) if maxes else None,
             "clipped": sum(clipped) / len(clipped) if clipped else None, "logs": len(means)}
-
-
-# ---------------------------------------------------------------- kept only for analysis.py's current imports
-# The report and its plots read the tuner's record through hf_perf_callbacks.splitfile.read_split_file; these two
-# go when the analysis does too.
-split_text = split_label
-
-
-def last_probe(output_dir: str) -> dict | None:
-    """The tuner's latest ``probe`` decision as a raw mapping from ``tuner_split.json`` (a version-1 file); None when
-    there is none or the file is absent or unreadable."""
-    try:
-        with open(os.path.join(output_dir, SPLIT_FILE), encoding="utf-8") as fh:
-            saved = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    decisions = saved.get("decisions") if isinstance(saved, dict) else None
-    probes = [d for d in decisions or [] if isinstance(d, dict) and d.get("kind") == "probe"]
-    return probes[-1] if probes else None

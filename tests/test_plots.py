@@ -71,7 +71,7 @@ def test_throughput_one_line_on_the_steady_basis_warmup_marked_legend_off_the_da
 
 
 def test_throughput_marks_the_steps_the_meter_put_down_to_other_processes(tokenizer, tmp_path):
-    load = PlantedLoad(extra_cpu=0.0)                  # steps 1-3: 100 planted wall seconds each, flat CPU time
+    load = PlantedLoad(extra_cpu=0.0)                  # steps 1-3: 1000 planted wall seconds each, flat CPU time
 
     class Inside(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):

@@ -212,6 +212,9 @@ def check_trained(out, name, world_size=1) -> list[dict]:
     state = json.load(open(os.path.join(out, "trainer_state.json")))
     losses = [h["loss"] for h in state["log_history"] if "loss" in h]
     assert len(losses) == 2 and all(loss == loss and abs(loss) != float("inf") for loss in losses)
+    from hf_perf_callbacks.runlog import read_run
+
+    assert read_run(out).header().launcher == "hf-perf train"        # the report words its advice as recipe keys
     probed = os.path.exists(os.path.join(out, "tuner_split.json"))
     if name == FULL:
         assert os.path.exists(os.path.join(out, "perf_report.md"))

@@ -19,10 +19,17 @@ CAPPED = {"warmup_window": 2, "max_warmup_steps": 2}       # warmup decided by s
 @pytest.fixture(scope="module")
 def run_dir(tokenizer, tmp_path_factory):
     """A real 8-step Trainer run with the meter, the watchdog (default budget: far above a tiny model) and the
-    tuner's per-step keys."""
+    tuner's per-step keys; a warmup planted in steps 1-3 (1000 s of wall time with CPU time behind it), so the
+    warmup marker does not depend on how fast this machine's first real step happened to be."""
     out = tmp_path_factory.mktemp("plots_run")
-    make_trainer(tokenizer, out, [ThroughputMeter(**CAPPED), MemoryWatchdog(), AdaptiveBatchTuner(tune=False)],
-                 max_steps=8, bs=2, ga=2).train()
+    load = PlantedLoad(slow_steps=3, extra_cpu=1000.0)
+
+    class Inside(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            load.on_step(state.global_step)
+
+    make_trainer(tokenizer, out, [Inside(), ThroughputMeter(**CAPPED, clock=load.clock), MemoryWatchdog(),
+                                  AdaptiveBatchTuner(tune=False)], max_steps=8, bs=2, ga=2).train()
     return out
 
 
@@ -65,6 +72,7 @@ def test_throughput_one_line_on_the_steady_basis_warmup_marked_legend_off_the_da
     assert list(lines[0].get_ydata()) == pytest.approx(expected)
     names = labels(ax)
     assert f"steady throughput {f['steady_tokens_per_sec']:,.0f} tokens/s (its tokens / its training time)" in names
+    assert f["warmup_steps"] >= 1                    # the planted warmup
     assert f"warmup ({f['warmup_steps']:.0f} steps; steady from step {f['warmup_end_step']})" in names
     assert ax.get_legend() is None and fig.legends                 # the legend is the figure's, under the plot
     assert integer_ticks(ax) and ax.get_ylabel() == "tokens / s"

@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# Four GPUs of one host, and two nodes simulated on one host: the FSDP2 path of issue 21 in one GPU session.
-#   bash benchmarks/multi_gpu.sh           # 4 GPUs: benchmarks/results/multi_gpu_*.json; at most 220 + 60 + 180 s
+# Every GPU of one host (written for four), and two nodes simulated on one host: the FSDP2 path of issue 21 in one GPU session.
+#   bash benchmarks/multi_gpu.sh           # every GPU of the host (4: multi_gpu_*.json; N other than 4:
+#                                          # multi_gpu_<N>gpu_*.json, NGPU=N to choose); at most 220 + 60 + 180 s
 #                                          # (the launches' timeouts), inside 8 minutes on 4 H100s
 #   bash benchmarks/multi_gpu.sh --smoke   # the same on CPU processes (gloo, the tests' tiny model):
 #                                          # multi_gpu_smoke_*.json; NPROC ranks on one host (default 2), NPROC_NODE
 #                                          # per simulated node (default 1)
 # Results also go to $OUT when set; HF_PERF_RESULTS moves the results folder. Needs torch, transformers, accelerate,
 # peft, and TRL and datasets (install the carried wheels first: pip install --no-index --find-links DIR trl datasets).
-#  1. FSDP2 on 4 GPUs (accelerate launch, fsdp.yaml, --num_processes 4): the callbacks' figures global and equal on
+#  1. FSDP2 on N GPUs (accelerate launch, fsdp.yaml, --num_processes N): the callbacks' figures global and equal on
 #     every rank, the perf log written once; a watchdog re-size on the last rank (sharded checkpoint, the same split
 #     recorded on every rank, then a relaunch reaching max_steps); a watchdog stop on the last rank stopping all.
 #  2. an OOM inside the last rank's step: refused under FSDP, the launch must end at once with the message.
-#  3. two nodes on one host: two torchrun launchers (--nnodes 2 --node_rank 0/1 --nproc_per_node 2, GPUs 0,1 and
-#     2,3, rendezvous on localhost), FSDP2 from TrainingArguments: figures global, the perf log written once per
-#     job, the re-size decided alike on all four ranks (planted on the last rank, on node 1).
+#  3. two nodes on one host: two torchrun launchers (--nnodes 2 --node_rank 0/1 --nproc_per_node N/2, the first
+#     and the second half of the GPUs, rendezvous on localhost), FSDP2 from TrainingArguments: figures global, the
+#     perf log written once per job, the re-size decided alike on all ranks (planted on the last rank, on node 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -31,10 +32,15 @@ if [ "${1:-}" = "--smoke" ]; then
   LAUNCH=("$PY" -m torch.distributed.run --nproc_per_node "$N" --master_port "$(free_port)")
   NODE_GPUS=("" ""); TIMEOUTS=(600 180 600)          # a loaded 2-core CPU
 else
-  N=4; PER_NODE=2; FLAG=(); PREFIX=multi_gpu
-  LAUNCH=(accelerate launch --config_file hf_perf_callbacks/recipes/accelerate/fsdp.yaml --num_processes 4
+  # every GPU of the host (NGPU overrides; an even number >= 2): half of them per simulated node
+  N="${NGPU:-$("$PY" -c "import torch; print(torch.cuda.device_count())")}"
+  if [ "$N" -lt 2 ] || [ $(( N % 2 )) -ne 0 ]; then echo "multi_gpu.sh needs an even number of GPUs >= 2, got $N" >&2; exit 2; fi
+  PER_NODE=$(( N / 2 )); FLAG=(); PREFIX=multi_gpu
+  [ "$N" -ne 4 ] && PREFIX="multi_gpu_${N}gpu"
+  LAUNCH=(accelerate launch --config_file hf_perf_callbacks/recipes/accelerate/fsdp.yaml --num_processes "$N"
           --main_process_port "$(free_port)")
-  NODE_GPUS=("0,1" "2,3"); TIMEOUTS=(220 60 180)     # at most 460 s of the 8 minutes
+  NODE_GPUS=("$(seq -s, 0 $(( PER_NODE - 1 )))" "$(seq -s, "$PER_NODE" $(( N - 1 )))")
+  TIMEOUTS=(220 60 180)                              # at most 460 s of the 8 minutes
 fi
 started=$(date +%s)
 

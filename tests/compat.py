@@ -121,6 +121,18 @@ CELLS = [Cell(setting, trainer) for setting in SETTINGS for trainer in TRAINERS]
 
 
 # ---------------------------------------------------------------- building a cell's trainer
+
+
+def offline_mlflow(monkeypatch, tracking_dir) -> None:
+    """MLflow's local file store in ``tracking_dir``, offline. transformers logs to MLflow asynchronously (mlflow
+    >= 2.8); with several writer threads the file store's ``make_containing_dirs`` (exists, then makedirs) races when
+    two steps first create one key folder (``tuner/``), and the losing batch's metrics are dropped in the worker
+    thread. One writer thread: what arrives is what was sent."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tracking_dir}")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_ASYNC_LOGGING_THREADPOOL_SIZE", "1")
+
+
 def build(cell: Cell, tokenizer, output_dir: str, callbacks: list, *, steps: int = STEPS,
           per_epoch: int | None = None, extra: dict | None = None, reward=length_reward):
     """The cell's trainer: a tiny model, an in-memory dataset of exactly ``per_epoch`` (default ``steps``) steps per

@@ -91,8 +91,7 @@ def assert_metrics_reach_everything(trainer, output_dir, reporters, tracking_dir
                                   for c in CELLS])
 def test_metrics_reach_every_reporter_on_every_step(cell, tokenizer, tmp_path, monkeypatch, one_thread):
     output_dir, tracking_dir = tmp_path / "out", tmp_path / "mlruns"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tracking_dir}")
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")      # MLflow's local file store, offline
+    compat.offline_mlflow(monkeypatch, tracking_dir)
     with recording(cell, "metrics") as outcome:
         trainer = None
         try:

@@ -102,8 +102,7 @@ def _cells():
 @pytest.mark.parametrize("cell", list(_cells()))
 def test_a_resize_and_a_resume_train_exactly_what_an_unfaulted_run_trains(cell, tokenizer, tmp_path, monkeypatch,
                                                                           one_thread):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path / 'mlruns'}")
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    compat.offline_mlflow(monkeypatch, tmp_path / "mlruns")
     try:
         expected, resized, resumed = runs(cell, tokenizer, tmp_path)
     except Exception as error:

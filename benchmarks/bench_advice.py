@@ -160,7 +160,8 @@ def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device:
 
         args = GRPOConfig(**common_args, beta=0.0, activation_checkpointing=False, **cfg)
         lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-        return GRPOTrainer(model=factory(), reward_funcs=zero_reward if reward == "zero" else wordle.REWARD_FUNCS, args=args,
+        rewards = zero_reward if reward == "zero" else wordle.REWARD_FUNCS
+        return GRPOTrainer(model=factory(), reward_funcs=rewards, args=args,
                            train_dataset=wordle.make_dataset(256, seed=0, max_history=0, conversational=True),
                            processing_class=tok, peft_config=lora, callbacks=callbacks)
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments

@@ -1,4 +1,5 @@
-"""Two GPUs, NCCL: ``accelerate launch --config_file hf_perf_callbacks/recipes/accelerate/multi_gpu.yaml benchmarks/bench_ddp.py``.
+"""Two GPUs, NCCL:
+``accelerate launch --config_file hf_perf_callbacks/recipes/accelerate/multi_gpu.yaml benchmarks/bench_ddp.py``.
 
 GRPO+LoRA on the 0.5B-shaped random model, bf16, DDP over two ranks:
 1. throughput is aggregated (global = sum over ranks, per device beside it) and logged once; the callbacks'
@@ -20,13 +21,12 @@ import torch
 import torch.distributed as dist
 from common import GB, RESULTS, StepClock, grpo_trainer, median, table, write_result
 
-from hf_perf_callbacks import (AdaptiveBatchTuner, MemoryWatchdog, MPSCacheClearer, ThroughputMeter,
-                               train_with_tuning)
+from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, MPSCacheClearer, ThroughputMeter, train_with_tuning
 from hf_perf_callbacks import throughput as throughput_module
+from hf_perf_callbacks import watchdog as watchdog_module
+from hf_perf_callbacks.device import gather_floats
 from hf_perf_callbacks.resize import agreement as agreement_module
 from hf_perf_callbacks.resize import callback as tuner_module
-from hf_perf_callbacks.device import gather_floats
-from hf_perf_callbacks import watchdog as watchdog_module
 
 COLLECTIVES = {"calls": 0, "seconds": 0.0}
 RANK = int(os.environ.get("RANK", 0))

@@ -31,10 +31,10 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "scripts"))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from common import GB, table, tokenizer, write_result  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
+import torch
+import torch.distributed as dist
+from common import GB, table, tokenizer, write_result
+from transformers import TrainerCallback
 
 
 def option(name: str, default: str) -> str:

@@ -3,8 +3,8 @@
 
 For each model size (0.5B, 1.5B, 3B, 7B: the shapes of the public ``config.json`` files, written below; random
 weights built directly on the GPU in bf16, nothing downloaded), each distinct memory-relevant setting of the Mac
-recipes (``hf_perf_callbacks/recipes/mac-*.yaml``: micro-batch, generation batch, LoRA rank and targets, activation checkpointing,
-``bf16``, ``pad_to_multiple_of``) and each ``max_completion_length`` (256, 512), a short GRPO + LoRA run
+recipes (``hf_perf_callbacks/recipes/mac-*.yaml``: micro-batch, generation batch, LoRA rank and targets, activation
+checkpointing, ``bf16``, ``pad_to_multiple_of``) and each ``max_completion_length`` (256, 512), a short GRPO + LoRA run
 (``--steps`` optimizer steps, completions forced to the maximum length with ``min_new_tokens``) records
 
 - ``peak_allocated_gb`` (``torch.cuda.max_memory_allocated``) and ``peak_reserved_gb``, both in GiB, minus what
@@ -34,7 +34,6 @@ import yaml
 from common import GB, environment, table, tokenizer, write_result
 
 from hf_perf_callbacks import estimate, recipes
-
 
 #: Hugging Face config keys of Qwen/Qwen2.5-{0.5B,1.5B,3B,7B}-Instruct (each model's config.json on the hub).
 QWEN25_CONFIGS = {
@@ -179,7 +178,8 @@ def run_point(name: str, config: dict, setting: dict, completion: int, steps: in
            "generation_batch": setting["generation_batch"], "max_completion_length": completion,
            "activation_checkpointing": setting["activation_checkpointing"], "bf16_autocast": args.bf16,
            "params": params, "lora_params": lora_params, "prompt_len": phases.prompt_len,
-           "generated_len": phases.generated_len, "train_seq": phases.train_seq, "lm_head": "triton" if triton else "torch",
+           "generated_len": phases.generated_len, "train_seq": phases.train_seq,
+           "lm_head": "triton" if triton else "torch",
            "baseline_gb": baseline / GB,
            "peak_allocated_gb": peak / GB if peak is not None else None,
            "generation_peak_gb": (phases.generation - baseline) / GB if cuda else None,

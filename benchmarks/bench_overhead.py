@@ -16,7 +16,6 @@ from common import StepClock, grpo_trainer, median, release, table, write_result
 
 from hf_perf_callbacks import default_callbacks
 
-
 SPENT = {"seconds": 0.0, "calls": 0}
 
 

@@ -20,7 +20,6 @@ on a GPU (bf16). The targets (issue: a probe that costs nothing) compare runs of
 end where a better one exists, and the tuned run's steady training throughput ≥ 0.95 of the sweep's best.
 """
 import argparse
-import json
 import tempfile
 import time
 

@@ -1,7 +1,8 @@
-"""Do the Wordle rewards teach? GRPO + LoRA on the real SmolLM2-135M-Instruct (offline, ``hf_perf_callbacks.real_model``)
-with the demo's settings: per step the mean of each reward, the share of prompt groups whose completions all got the
-same total reward (TRL's ``frac_reward_zero_std``: GRPO has no gradient from those), which rewards vary inside a group,
-completion lengths and the clipped share, and a few completions. Runs on CPU (the default) or one GPU.
+"""Do the Wordle rewards teach? GRPO + LoRA on the real SmolLM2-135M-Instruct (offline,
+``hf_perf_callbacks.real_model``) with the demo's settings: per step the mean of each reward, the share of prompt
+groups whose completions all got the same total reward (TRL's ``frac_reward_zero_std``: GRPO has no gradient from
+those), which rewards vary inside a group, completion lengths and the clipped share, and a few completions. Runs on
+CPU (the default) or one GPU.
 
     python benchmarks/bench_wordle_rewards.py --steps 60          # writes results/wordle_rewards.json
     python benchmarks/bench_wordle_rewards.py --smoke             # tiny random model, 3 steps, results/*_smoke.json

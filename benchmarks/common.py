@@ -18,8 +18,8 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
+import torch
+from transformers import TrainerCallback
 
 GB = 1024**3
 RESULTS = os.environ.get("HF_PERF_RESULTS") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

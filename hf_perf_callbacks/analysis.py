@@ -42,8 +42,9 @@ rule                    fires when (finding) / notes when
 ``memory_pressure``     swapping, pressure level ≥ 1, the wall ≤ ``STEPS_TO_WALL`` steps away, or driver memory far
                         above live tensors → the setting that frees the most memory (names the tuner's OOMs); try
 ``oversubscription``    CPU, the whole run: torch threads + other processes' busy cores > cores + ``OVERSUBSCRIBED``,
-                        ≥ ``THREADS_IDLE`` threads not running, similar work ``STEP_SPREAD``x apart → ``OMP_NUM_THREADS``
-                        = the free cores (``Finding.env``); measured, at least (the run's fastest steps)
+                        ≥ ``THREADS_IDLE`` threads not running, similar work ``STEP_SPREAD``x apart →
+                        ``OMP_NUM_THREADS`` = the free cores (``Finding.env``); measured, at least (the run's
+                        fastest steps)
 ``contention``          slow early steps whose CPU time stayed flat (the meter's ``early_contention_sec``) → other
                         processes, threads; measured (the time lost in those steps)
 ``input_bound``         data wait ≥ ``DATA_WAIT_FRACTION`` → DataLoader settings; ``1/(1 − wait)``, calibrated
@@ -617,7 +618,8 @@ def _threads_item(m: Measurements, n: int) -> str:
     if _launcher(m):
         return (f"`OMP_NUM_THREADS={n}` in the environment that starts the run: `OMP_NUM_THREADS={n} hf-perf train "
                 f"--config …` (a recipe's `env:` is applied after torch has started its threads)")
-    return f"`OMP_NUM_THREADS={n}` in the environment that starts the run, or `torch.set_num_threads({n})` before training"
+    return (f"`OMP_NUM_THREADS={n}` in the environment that starts the run, or `torch.set_num_threads({n})` "
+            f"before training")
 
 
 def rule_oversubscription(m: Measurements) -> Finding | None:
@@ -1096,7 +1098,8 @@ def rule_padding_waste(m: Measurements) -> Finding | Note | None:
         return Note("padding_waste", "Padding", text)
     group = ("`train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before) puts "
              "similar lengths in a batch")
-    rest = ["with TRL SFT: `padding_free: true` or `packing: true`", "split very long documents into `max_length` chunks"]
+    rest = ["with TRL SFT: `padding_free: true` or `packing: true`",
+            "split very long documents into `max_length` chunks"]
     if m.seq_len_min is not None and m.seq_len_min == m.seq_len:   # one length on fewer steps than tell a fixed one
         root = (f"Batches are padded to one length, {m.seq_len} positions, on the steps logged: a fixed length (a "
                 f"collator's `max_length`, `padding='max_length'`) or each batch's longest sequence; too few steps "
@@ -1310,7 +1313,8 @@ def _machine(steps: list[StepLine], header: RunHeader, skipped: list[str]) -> di
     :data:`MIN_MACHINE_CYCLES` cycles to compare. None without CPU time in the step lines."""
     rows = []
     for s in steps:
-        wall, cpu, other = (s.number(k) for k in (keys.PERF_STEP_WALL_SEC, keys.PERF_CPU_SEC, keys.PERF_OTHER_CPU_CORES))
+        wall, cpu, other = (s.number(k)
+                            for k in (keys.PERF_STEP_WALL_SEC, keys.PERF_CPU_SEC, keys.PERF_OTHER_CPU_CORES))
         if wall and cpu and wall > 0 and cpu > 0 and other is not None and math.isfinite(cpu / wall + other):
             rows.append((s, wall, cpu, max(0.0, other)))
     if not rows:
@@ -1333,8 +1337,8 @@ def _machine(steps: list[StepLine], header: RunHeader, skipped: list[str]) -> di
     cycles = [b for _, b in sorted(blocks.items()) if len(b) == period]
     steady = [b for b in cycles if all(s.number(keys.PERF_STEADY) == 1 for s, *_ in b)]
     later = steady if len(steady) >= MIN_MACHINE_CYCLES else cycles[1:]
-    work = [(sum(w for _, w, _, _ in b), sum(c for _, _, c, _ in b), sum(s.number(keys.PERF_TOKENS) or 0 for s, *_ in b))
-            for b in later]
+    work = [(sum(w for _, w, _, _ in b), sum(c for _, _, c, _ in b),
+             sum(s.number(keys.PERF_TOKENS) or 0 for s, *_ in b)) for b in later]
     work = [(w, c, t) for w, c, t in work if t > 0]
     spread = cpu_spread = lower_bound = None
     if len(work) >= MIN_MACHINE_CYCLES:

@@ -24,9 +24,9 @@ import time
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .device import gather_floats, world_size
 from .adapter import calling_handler
 from .bus import RunBus, bus_for
+from .device import gather_floats, world_size
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -80,7 +80,7 @@ def _isolate_faults(name: str, method):
                     self.ended_step = state.global_step
                 if name in BETWEEN_STEPS:
                     self.bus.add_overhead(self.clock.wall() - started)
-        except Exception as error:  # noqa: BLE001 - a callback must never take training down
+        except Exception as error:
             self.disabled = True
             logger.warning("%s disabled after an internal error in %s: %s: %s. Training continues without it.",
                            type(self).__name__, name, type(error).__name__, error, exc_info=True)

@@ -22,7 +22,8 @@ a new session (a resume keeps it), unless a tuning session pins it (:meth:`RunBu
 re-sizes and resumes are one run).
 
 A run resumed from a checkpoint written without the callbacks (or without any other ``ExportableState`` callback it
-now has, such as ``EarlyStoppingCallback``) gets their entries in ``state.stateful_callbacks`` at train begin, without which transformers' next save raises ``KeyError``
+now has, such as ``EarlyStoppingCallback``) gets their entries in ``state.stateful_callbacks`` at train begin,
+without which transformers' next save raises ``KeyError``
 (:func:`~hf_perf_callbacks.adapter.register_stateful_callbacks`).
 
 Signals (:meth:`RunBus.signal`): ``SIGNAL_CLEAR`` — the watchdog asks for a cache clear; handler
@@ -43,8 +44,18 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from . import adapter
-from .runlog import (CALLBACK_PREFIXES, TRAINER_LOG, EventLine, LogWriter, Record, RunHeader, StepLine, SummaryLine,
-                     lock_output_dir, unlock_output_dir)
+from .runlog import (
+    CALLBACK_PREFIXES,
+    TRAINER_LOG,
+    EventLine,
+    LogWriter,
+    Record,
+    RunHeader,
+    StepLine,
+    SummaryLine,
+    lock_output_dir,
+    unlock_output_dir,
+)
 
 logger = logging.getLogger("hf_perf_callbacks")
 

@@ -34,7 +34,8 @@ def dataloader_changes(device_type: str, dataloader: dict) -> list[tuple[str, di
         out.append(("`dataloader_pin_memory: true` (page-locked host memory: faster, asynchronous copies)",
                     {"dataloader_pin_memory": True}))
     elif device_type == "mps" and dl.get("pin_memory") is not False:
-        out.append(("`dataloader_pin_memory: false` (unified memory: nothing to pin)", {"dataloader_pin_memory": False}))
+        out.append(("`dataloader_pin_memory: false` (unified memory: nothing to pin)",
+                    {"dataloader_pin_memory": False}))
     out.append(("pre-tokenize once (`dataset.map(tokenize, batched=True)` before building the trainer) so the "
                 "per-step work is only collation", {}))
     return out

@@ -5,8 +5,8 @@ its TensorBoard/W&B values. Pure: no torch, no transformers.
 **The meter's figures, as it measured them.** The ThroughputMeter keeps running figures and writes them on every step
 line as they stand after that step, and in its summary as they stand at the end; :func:`figures` takes the summary,
 else (a killed run) the latest step line: the same numbers either way (a log of an earlier version, without the
-running figure, gets it computed from its step lines by the same definition). Their definitions (training time = a step's
-wall time without evaluation and saving, the meter's ``perf/train_sec``; all segments of a resumed run counted):
+running figure, gets it computed from its step lines by the same definition). Their definitions (training time = a
+step's wall time without evaluation and saving, the meter's ``perf/train_sec``; all segments of a resumed run counted):
 
 ========================  ==================================================================================
 figure                    definition
@@ -30,7 +30,6 @@ figure                    definition
 ========================  ==================================================================================
 """
 from __future__ import annotations
-
 
 from . import runlog as keys
 from .runlog import PHASES, EventLine, RunLog, StepLine, number

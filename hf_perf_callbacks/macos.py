@@ -39,8 +39,9 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +278,7 @@ class MacMemoryReader:
             return None
         try:
             return read()
-        except Exception as exc:  # a reader must never raise
+        except Exception as exc:  # noqa: BLE001 - a reader must never raise
             if signal not in self._warned:
                 self._warned.add(signal)
                 logger.warning(

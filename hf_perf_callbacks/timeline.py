@@ -57,7 +57,6 @@ from .stats import SlowStart, WarmupDetector, WindowedRate, classify_slow_steps,
 from .validation import check_number
 
 
-
 @dataclass
 class StepRecord:
     """One optimizer step (seconds unless named otherwise)."""

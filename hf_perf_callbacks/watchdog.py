@@ -7,10 +7,18 @@ from . import runlog as keys
 from .base import Clock, PerfCallback
 from .bus import SIGNAL_CLEAR, SIGNAL_SMALLER_BATCH
 from .device import GB, DeviceLayer, gather_floats, world_size
-from .memory import (BUDGET_FRACTION, CLEAR, CRITICAL, LEVEL_NAMES, SMALLER_BATCH, STOP, MemoryPolicy, Observation,
-                     budget_bytes)
+from .memory import (
+    BUDGET_FRACTION,
+    CLEAR,
+    CRITICAL,
+    LEVEL_NAMES,
+    SMALLER_BATCH,
+    STOP,
+    MemoryPolicy,
+    Observation,
+    budget_bytes,
+)
 from .validation import check_flag, check_number
-
 
 WALL_KEYS = (keys.MEM_STEPS_TO_WALL, keys.MEM_STEPS_TO_WALL_LOW, keys.MEM_STEPS_TO_WALL_HIGH)
 

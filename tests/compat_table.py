@@ -10,8 +10,20 @@ import os
 import sys
 import textwrap
 
-from tests.compat import (BATCH, COLUMNS, NOT_MEASURED, RESIZE_FAULT_AT, RESIZE_PER_EPOCH, RESIZE_STEPS, SETTINGS,
-                          STEPS, TRAINERS, Cell, load_results, pinned_versions)
+from tests.compat import (
+    BATCH,
+    COLUMNS,
+    NOT_MEASURED,
+    RESIZE_FAULT_AT,
+    RESIZE_PER_EPOCH,
+    RESIZE_STEPS,
+    SETTINGS,
+    STEPS,
+    TRAINERS,
+    Cell,
+    load_results,
+    pinned_versions,
+)
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 BEGIN = "<!-- compat-table: rendered by `python -m tests.compat_table` from tests/compat_results.json -->"

@@ -231,7 +231,7 @@ class Trajectory(SampleRecorder):
         self.final: dict[str, torch.Tensor] = {}
         self.optimizer: dict[str, torch.Tensor] = {}
 
-    def continues(self, earlier: "Trajectory", at: int) -> "Trajectory":
+    def continues(self, earlier: Trajectory, at: int) -> Trajectory:
         """Take ``earlier``'s steps up to ``at`` (the checkpoint a new process resumed from)."""
         self.by_step.update({s: rows for s, rows in earlier.by_step.items() if s <= at})
         self.rng.update({s: d for s, d in earlier.rng.items() if s <= at})

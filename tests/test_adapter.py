@@ -31,7 +31,8 @@ def test_trainer_internals_exist(tokenizer, tmp_path):
     assert_present("self.args.save_only_model" in inspect.getsource(Trainer._save_checkpoint),
                    "Trainer._save_checkpoint reading args.save_only_model (adapter.save_checkpoint sets it aside)")
     assert_present(isinstance(trainer.callback_handler, CallbackHandler), "Trainer.callback_handler")
-    assert_present("self" in inspect.signature(CallbackHandler.call_event).parameters, "CallbackHandler.call_event's self")
+    assert_present("self" in inspect.signature(CallbackHandler.call_event).parameters,
+                   "CallbackHandler.call_event's self")
     assert_present(hasattr(trainer, "model_wrapped"), "Trainer.model_wrapped")
     assert_present(list(inspect.signature(Trainer.training_step).parameters)[:3] == ["self", "model", "inputs"],
          "Trainer.training_step(model, inputs, ...)")
@@ -133,7 +134,8 @@ def test_rearm_jit_checkpoint_reinstalls_the_sigterm_handler(tokenizer, tmp_path
         jit = [cb for cb in trainer.callback_handler.callbacks if getattr(cb, "jit_manager", None) is not None]
         assert_present(len(jit) == 1, "JITCheckpointCallback.jit_manager")
         manager = jit[0].jit_manager
-        assert_present(callable(getattr(manager, "setup_signal_handler", None)), "CheckpointManager.setup_signal_handler")
+        assert_present(callable(getattr(manager, "setup_signal_handler", None)),
+                       "CheckpointManager.setup_signal_handler")
         assert_present(callable(getattr(manager, "_sigterm_handler", None)), "CheckpointManager._sigterm_handler")
         assert signal.getsignal(signal.SIGTERM) == manager._sigterm_handler
         assert adapter.rearm_jit_checkpoint(trainer) is False                  # installed: nothing to do

@@ -6,11 +6,22 @@ import os
 
 import pytest
 
-from hf_perf_callbacks import estimate
-from hf_perf_callbacks import analysis
-from hf_perf_callbacks.analysis import (MIN_MACHINE_STEPS, MIN_STEADY_STEPS, RULES, Finding, Measurements, Note,
-                                        analyze, check, console_summary, gain_text, measurements_from_run,
-                                        render_markdown, write_perf_report)
+from hf_perf_callbacks import analysis, estimate
+from hf_perf_callbacks.analysis import (
+    MIN_MACHINE_STEPS,
+    MIN_STEADY_STEPS,
+    RULES,
+    Finding,
+    Measurements,
+    Note,
+    analyze,
+    check,
+    console_summary,
+    gain_text,
+    measurements_from_run,
+    render_markdown,
+    write_perf_report,
+)
 from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.runlog import ReportError, read_run
 from hf_perf_callbacks.splitfile import Decision, SplitFile, Trial
@@ -236,7 +247,8 @@ def test_most_completions_cut_off_is_a_finding_naming_the_limit_and_the_masking(
     m = healthy(completion_mean=127.0, completion_max=128.0, completion_p90=128.0, clipped_ratio=0.9)
     f = only(m)
     assert f.rule == "completion_budget" and "90%" in f.root_cause and f.expected_gain is None
-    assert "`max_completion_length: 256`" in f.recommendation and "`mask_truncated_completions: true`" in f.recommendation
+    assert "`max_completion_length: 256`" in f.recommendation
+    assert "`mask_truncated_completions: true`" in f.recommendation
     assert f.setting == {"max_completion_length": 256}           # memory 30 of 68 GB: room for a longer limit
     assert "completion_budget" not in {n.rule for n in check(m)[1]}
     near_the_wall = only(dataclasses.replace(m, mem_high_water_gb=60.0))
@@ -712,7 +724,8 @@ def test_thread_oversubscription_over_the_whole_run_gets_the_thread_count(tmp_pa
         m = measurements_from_run(copy_run("two_threads_contended", tmp_path / str(len(facts)), **facts))
         f = {f.rule: f for f in analyze(m)}["oversubscription"]
         assert f.env == {"OMP_NUM_THREADS": "1"} and f.setting == {}
-        assert "`OMP_NUM_THREADS=1`" in f.recommendation.splitlines()[0] and "torch.set_num_threads(1)" in f.recommendation
+        assert "`OMP_NUM_THREADS=1`" in f.recommendation.splitlines()[0]
+        assert "torch.set_num_threads(1)" in f.recommendation
         assert "of its 2 threads running" in f.observation and "not warmup" in f.root_cause
         assert f.lower_bound and f.basis == "measured" and f.expected_gain > 1.2 and "at least" in f.gain_formula
         assert ("taken as torch's default" in f.observation) == (not facts)     # an assumption is said to be one
@@ -723,7 +736,8 @@ def test_thread_oversubscription_over_the_whole_run_gets_the_thread_count(tmp_pa
     launched = measurements_from_run(copy_run("two_threads_contended", tmp_path / "l", launcher="hf-perf train"))
     assert launched.launcher == "hf-perf train"
     f = {f.rule: f for f in analyze(launched)}["oversubscription"]
-    assert "`OMP_NUM_THREADS=1 hf-perf train --config …`" in f.recommendation and "set_num_threads" not in f.recommendation
+    assert "`OMP_NUM_THREADS=1 hf-perf train --config …`" in f.recommendation
+    assert "set_num_threads" not in f.recommendation
     one = measurements_from_run(copy_run("one_thread_contended", tmp_path))
     assert "oversubscription" not in [f.rule for f in analyze(one)]    # already at one thread: nothing to advise
     ran_at_one = measurements_from_run(copy_run("one_thread_contended", tmp_path / "h", torch_threads=1, cpu_cores=2))
@@ -756,7 +770,8 @@ def test_a_run_too_short_for_its_timings_says_so_and_prints_no_gain(calibrated):
     unjudged = {n.rule: n for n in notes if not n.judged}
     assert set(unjudged) >= {"evidence", "warmup"} and "not finished after 2 steps" in unjudged["warmup"].text
     assert "No warmup" not in unjudged["warmup"].text
-    assert "Data wait, generation share" not in unjudged["evidence"].text and "generation share" in unjudged["evidence"].text
+    assert "Data wait, generation share" not in unjudged["evidence"].text
+    assert "generation share" in unjudged["evidence"].text
     # timing rules wait: a generation-bound or input-bound run two steps long is not judged either
     assert analyze(dataclasses.replace(m, pad_fraction=0.0, forwards_per_microbatch=1.0,
                                        phases={"data_wait": 0.5, "generation": 0.4, "compute": 0.1})) == []
@@ -804,7 +819,8 @@ def test_more_steps_per_generation_states_the_off_policy_cost():
     f = only(healthy(device_type="mps", mfu=None, decode_bandwidth_util=None, grad_accum=4, steps_per_generation=4,
                      phases={"generation": 0.7, "compute": 0.3}))
     assert f.setting == {"steps_per_generation": 8}
-    assert "off-policy" in f.recommendation and "older weights" in f.recommendation and "(2 optimizer steps)" in f.recommendation
+    assert "off-policy" in f.recommendation and "older weights" in f.recommendation
+    assert "(2 optimizer steps)" in f.recommendation
 
 
 def test_the_tuners_record_is_read_through_its_schema(tmp_path):
@@ -824,7 +840,8 @@ def test_the_tuners_record_is_read_through_its_schema(tmp_path):
     assert "micro-batch 2 ran out of memory at step 5" in {f.rule: f for f in analyze(m)}["memory_pressure"].observation
     (tmp_path / "tuner_split.json").write_text(json.dumps({"decisions": [{"kind": "probe"}]}))
     m = measurements_from_run(str(tmp_path))
-    assert m.tune is None and "`tuner_split.json` is another run's record or does not follow" in note(m, "log_fields").text
+    assert m.tune is None
+    assert "`tuner_split.json` is another run's record or does not follow" in note(m, "log_fields").text
 
 
 def test_every_key_a_launcher_run_is_told_is_a_recipe_key():

@@ -183,8 +183,8 @@ def test_the_tuners_record_of_a_real_tuning_run_is_what_the_analysis_reports(tok
 
     clock = PlantedClock()
     plant = PlantedOOM(limit=2, text=CUDA_OOM)
-    callbacks = [plant, PlantedStepTime(clock, {8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}), AdaptiveBatchTuner(clock=clock),
-                 ThroughputMeter(clock=clock)]
+    callbacks = [plant, PlantedStepTime(clock, {8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}),
+                 AdaptiveBatchTuner(clock=clock), ThroughputMeter(clock=clock)]
     train_with_tuning(plant.attach(make_trainer(tokenizer, tmp_path, callbacks, max_steps=20, bs=2, ga=4)))
     m = measurements_from_run(str(tmp_path))
     assert m.tune is not None and {d.kind for d in m.memory_limits} == {"oom"}

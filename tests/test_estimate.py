@@ -7,10 +7,22 @@ import re
 import pytest
 
 from hf_perf_callbacks import recipes
-from hf_perf_callbacks.estimate import (HEAD_TILE_TEMP_BYTES, HEAD_TOKEN_CHUNK, HEAD_VOCAB_CHUNK, QWEN25,
-                                        activation_bytes_per_token, backward_work_bytes, estimate_grpo_memory,
-                                        format_gib, kv_cache_bytes_per_token, layer_activation_bytes,
-                                        lm_head_bytes, logits_bytes_per_token, lora_param_count, model_from_config)
+from hf_perf_callbacks.estimate import (
+    HEAD_TILE_TEMP_BYTES,
+    HEAD_TOKEN_CHUNK,
+    HEAD_VOCAB_CHUNK,
+    QWEN25,
+    activation_bytes_per_token,
+    backward_work_bytes,
+    estimate_grpo_memory,
+    format_gib,
+    kv_cache_bytes_per_token,
+    layer_activation_bytes,
+    lm_head_bytes,
+    logits_bytes_per_token,
+    lora_param_count,
+    model_from_config,
+)
 
 SMALL = dict(layers=2, hidden=8, intermediate=16, heads=2, kv_heads=1, head_dim=4, vocab=10, params=1000)
 README = os.path.join(recipes.DIR, "README.md")

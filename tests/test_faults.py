@@ -15,8 +15,14 @@ import sys
 
 import pytest
 
-from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, MPSCacheClearer, ThroughputMeter, default_callbacks
-from hf_perf_callbacks import train_with_tuning
+from hf_perf_callbacks import (
+    AdaptiveBatchTuner,
+    MemoryWatchdog,
+    MPSCacheClearer,
+    ThroughputMeter,
+    default_callbacks,
+    train_with_tuning,
+)
 from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.resize.checkpoints import MOVED_ASIDE, is_complete, step_of
 from hf_perf_callbacks.runlog import SPLIT_FILE

@@ -1,8 +1,13 @@
 """FLOPs-per-token formulas against hand-computed values, and the shape read off a real (PEFT) model."""
 import pytest
 
-from hf_perf_callbacks.flops import (ModelShape, attention_flops_per_token, forward_flops_per_token, shape_of,
-                                     train_flops_per_token)
+from hf_perf_callbacks.flops import (
+    ModelShape,
+    attention_flops_per_token,
+    forward_flops_per_token,
+    shape_of,
+    train_flops_per_token,
+)
 
 
 def test_full_finetune_is_6n_plus_3a():

@@ -17,8 +17,14 @@ import torch
 from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
 from hf_perf_callbacks import device as dev
 from hf_perf_callbacks.device import DeviceLayer, exchange_device, training_device
-from hf_perf_callbacks.estimate import (FULL_BYTES_PER_PARAM, QWEN25, estimate_grpo_memory, format_gib,
-                                        layer_param_count, lora_param_count)
+from hf_perf_callbacks.estimate import (
+    FULL_BYTES_PER_PARAM,
+    QWEN25,
+    estimate_grpo_memory,
+    format_gib,
+    layer_param_count,
+    lora_param_count,
+)
 from hf_perf_callbacks.resize import sharding
 from tests.conftest import make_trainer
 

@@ -12,6 +12,7 @@ with ``struct``, independent of the module's Structure definitions).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import struct
@@ -234,7 +235,7 @@ def test_delta_none_when_either_side_missing() -> None:
     assert delta.swapins_delta is None
     assert delta.compressions_delta == 3
     assert delta.swap_used_delta_bytes is None
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         a.swapouts = 1  # type: ignore[misc]  # frozen
 
 

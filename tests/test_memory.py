@@ -2,8 +2,17 @@
 cache-clear back-off — exact values, no trainer."""
 import pytest
 
-from hf_perf_callbacks.memory import (CLEAR, CRITICAL, OK, SMALLER_BATCH, STOP, WARN, ClearSchedule, MemoryPolicy,
-                                      Observation)
+from hf_perf_callbacks.memory import (
+    CLEAR,
+    CRITICAL,
+    OK,
+    SMALLER_BATCH,
+    STOP,
+    WARN,
+    ClearSchedule,
+    MemoryPolicy,
+    Observation,
+)
 
 MB = 1024**2
 

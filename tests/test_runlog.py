@@ -11,8 +11,17 @@ import pytest
 
 from hf_perf_callbacks import runlog
 from hf_perf_callbacks.report import summarize
-from hf_perf_callbacks.runlog import (PERF_LOG, EventLine, LogWriter, RunHeader, StepLine, SummaryLine, parse_lines,
-                                      parse_record, read_run)
+from hf_perf_callbacks.runlog import (
+    PERF_LOG,
+    EventLine,
+    LogWriter,
+    RunHeader,
+    StepLine,
+    SummaryLine,
+    parse_lines,
+    parse_record,
+    read_run,
+)
 
 
 def lines(*entries):

@@ -8,8 +8,7 @@ import sys
 import pytest
 from transformers import TrainerCallback
 
-from hf_perf_callbacks import AdaptiveBatchTuner, ThroughputMeter, train_with_tuning
-from hf_perf_callbacks import adapter
+from hf_perf_callbacks import AdaptiveBatchTuner, ThroughputMeter, adapter, train_with_tuning
 from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.resize import current_split
 from hf_perf_callbacks.runlog import OutputDirBusy, read_run

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from hf_perf_callbacks.batching import Split, exact_splits
+from hf_perf_callbacks.batching import exact_splits
 from hf_perf_callbacks.resize.tuning import Finished, OnRunTuning, Switch, judge
 
 SPLITS = {s.micro_batch: s for s in exact_splits(8)}          # 8×1, 4×2, 2×4, 1×8

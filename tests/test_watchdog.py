@@ -13,9 +13,9 @@ from transformers import TrainerCallback
 
 from hf_perf_callbacks import MemoryWatchdog, MPSCacheClearer
 from hf_perf_callbacks.base import PerfCallback
+from hf_perf_callbacks.bus import SIGNAL_SMALLER_BATCH
 from hf_perf_callbacks.device import GB, DeviceLayer, MemorySample
 from hf_perf_callbacks.macos import MacMemorySample
-from hf_perf_callbacks.bus import SIGNAL_SMALLER_BATCH
 from tests.conftest import make_grpo, make_trainer
 
 LEAK = 24 * 1024**2

@@ -5,7 +5,7 @@ with (``accelerate/NAME.yaml``). README.md beside them says which recipe fits wh
 |---|---|
 | ``hf-perf recipes`` | list them: name, machine, model |
 | ``hf-perf recipes copy NAME [DEST]`` | copy one out to edit (DEST: a file or a folder; default ``./NAME.yaml``) |
-| ``hf-perf recipes path NAME`` | the packaged file, e.g. ``accelerate launch --config_file "$(hf-perf recipes path accelerate/mps)"`` |
+| ``hf-perf recipes path NAME`` | the packaged file's path, e.g. for ``accelerate launch --config_file`` |
 | ``hf-perf train --config NAME`` | a packaged recipe by name (a file of that path, when it exists, wins) |
 
 A recipe's first line is ``# MACHINE: what it trains.``; the listing shows MACHINE and the recipe's

@@ -113,7 +113,7 @@ def guard_training_step(trainer):
                     loss = original(model, inputs, *args, **kwargs)
                     grads = _trainable_gradients(trainer.model) if syncing else []
                     buffers = average_buffers(grads) if grads else None    # allocated before the agreement
-                except Exception as error:  # noqa: BLE001
+                except Exception as error:
                     if agreement.broken:         # it struck inside a collective: the ranks can no longer pair up
                         raise
                     if isinstance(error, ResizeNeeded) or is_oom_error(error):

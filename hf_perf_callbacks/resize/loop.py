@@ -29,22 +29,29 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 from .. import adapter
 from ..batching import next_smaller
 from ..bus import bus_for
-from ..device import (DeviceLayer, error_line, is_main_process, is_oom_error, rng_state, set_rng_state,
-                      training_device, world_size)
+from ..device import (
+    DeviceLayer,
+    error_line,
+    is_main_process,
+    is_oom_error,
+    rng_state,
+    set_rng_state,
+    training_device,
+    world_size,
+)
 from ..runlog import SPLIT_FILE
 from ..splitfile import run_geometry, split_for_run
 from ..stats import generation_period
 from ..validation import check_number
 from . import memcheck, sharding
 from .agreement import ResizeNeeded, guard_training_step, recoverable
-from .oomsite import UnfixableOOM, oom_site, unfixable_message
 from .callback import AdaptiveBatchTuner, candidates, find_callback
 from .checkpoints import checkpoint_dir, is_complete, move_aside, newest_complete, step_of
+from .oomsite import UnfixableOOM, oom_site, unfixable_message
 from .session import TuningSession, recorded_session
 from .tuning import OnRunTuning
 
@@ -112,7 +119,7 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
             adapter.rearm_jit_checkpoint(trainer)
             try:
                 output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
-            except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - OOMs re-size, the rest is re-raised
+            except (Exception, KeyboardInterrupt) as error:
                 sharding.raise_oom(sharded, error)  # FSDP: the other ranks wait in FSDP's collectives
                 if max_resizes == 0 or not isinstance(error, Exception) or not recoverable(error):
                     if max_resizes > 0:
@@ -384,7 +391,7 @@ def _evaluate_within_memory(trainer, original, session: TuningSession):
         while True:
             try:
                 return original(*args, **kwargs)
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:
                 if world_size() > 1 or not is_oom_error(error):
                     raise
                 error = error.with_traceback(None)
@@ -393,8 +400,9 @@ def _evaluate_within_memory(trainer, original, session: TuningSession):
                 smaller = _smaller_eval_batch(targs, batch)
                 if smaller is not None:
                     targs.per_device_eval_batch_size = smaller
-                    session.warn_once(f"eval-{smaller}", f"evaluation ran out of memory at per_device_eval_batch_size={batch}: "
-                                            f"retrying with {smaller}; the training split is unchanged")
+                    session.warn_once(f"eval-{smaller}", f"evaluation ran out of memory at "
+                                      f"per_device_eval_batch_size={batch}: retrying with {smaller}; the training "
+                                      f"split is unchanged")
                     continue
                 scheduler = str(getattr(targs, "lr_scheduler_type", ""))
                 if getattr(targs, "metric_for_best_model", None) or "plateau" in scheduler or "greedy" in scheduler:
@@ -403,8 +411,9 @@ def _evaluate_within_memory(trainer, original, session: TuningSession):
                                        f"{targs.metric_for_best_model!r}, lr_scheduler_type={scheduler}): lower the "
                                        f"evaluation's memory (shorter eval sequences, eval_accumulation_steps)"
                                        ) from error
-                session.warn_once("eval-skip", f"evaluation ran out of memory even at per_device_eval_batch_size={batch}: "
-                                  f"evaluations are skipped for this run; training goes on at its split")
+                session.warn_once("eval-skip", f"evaluation ran out of memory even at "
+                                  f"per_device_eval_batch_size={batch}: evaluations are skipped for this run; "
+                                  f"training goes on at its split")
                 return {}
 
     return evaluate

@@ -28,7 +28,6 @@ from ..splitfile import Trial
 from .agreement import recoverable
 from .session import TuningSession, current_split
 
-
 #: what the allocator holds beyond the live tensors the estimate counts: CUDA's caching allocator, and MPS driver
 #: memory (about twice the live tensors on a Mac; recipes/README.md)
 ALLOCATOR_OVERHEAD = {"cuda": 1.25, "mps": 2.0}
@@ -165,7 +164,7 @@ def _step(trainer, session: TuningSession, split: Split, device: DeviceLayer, bu
     error = None
     try:
         trainer.train()
-    except Exception as raised:  # noqa: BLE001 - only an out-of-memory error is a finding of the check
+    except Exception as raised:
         if not recoverable(raised):
             raise
         error = f"out of memory: {error_line(raised)[:120]}"

@@ -37,9 +37,9 @@ logger = logging.getLogger("hf_perf_callbacks")
 
 FSDP_LIMITS = ("train_with_tuning under FSDP: an out-of-memory error inside a training step cannot be recovered "
                "(the other ranks wait inside FSDP's own all-gather/reduce-scatter, which the cross-rank agreement "
-               "cannot see), so such an OOM ends the run at once; the tuning and the memory check are skipped for the same "
-               "reason. Re-sizing works through MemoryWatchdog's request before the wall: a sharded checkpoint and "
-               "the next smaller split recorded on every rank, then the run stops and is relaunched with "
+               "cannot see), so such an OOM ends the run at once; the tuning and the memory check are skipped for the "
+               "same reason. Re-sizing works through MemoryWatchdog's request before the wall: a sharded checkpoint "
+               "and the next smaller split recorded on every rank, then the run stops and is relaunched with "
                "resume_from_checkpoint (one process cannot prepare an FSDP2-wrapped model twice). Keep "
                "MemoryWatchdog attached, and start from a split that fits (a smaller per_device_train_batch_size "
                "with a larger gradient_accumulation_steps).")
@@ -51,7 +51,8 @@ DEEPSPEED_REFUSED = ("train_with_tuning does not support DeepSpeed: the DeepSpee
                      "(train_micro_batch_size_per_gpu) when the engine is built, so a resume in the same process "
                      "cannot change it. Use trainer.train() with the callbacks instead: a re-size request then saves "
                      "a checkpoint, stops and prints the split to restart with (a new process builds a new engine). "
-                     "Or shard with FSDP (`hf-perf recipes path accelerate/fsdp`), under which train_with_tuning re-sizes.")
+                     "Or shard with FSDP (`hf-perf recipes path accelerate/fsdp`), under which train_with_tuning "
+                     "re-sizes.")
 
 
 def sharding(trainer) -> str | None:

@@ -14,10 +14,10 @@ a switch, are a warm-up and are not measured (they are trained like any step). A
 of ``samples`` measured steps against all of the baseline's samples (:func:`judge`: one-sided Mann-Whitney
 ``p <= ALPHA / max_rounds`` — the candidate is looked at up to ``max_rounds`` times, so each look gets its share of
 the significance level — and a median at least ``MIN_GAIN`` shorter). On equal splits with 20% noise, noise alone
-keeps another split in about 8% of runs (two candidates tried; ``tests/test_tuning.py``). Not yet separable from the noise: another round, back to
-the baseline for a block and to the candidate again (interleaved, so that a drift of the machine hits both), while
-rounds are affordable; a candidate whose every sample is slower than every baseline sample, that runs out of
-memory or passes the memory budget is left at once.
+keeps another split in about 8% of runs (two candidates tried; ``tests/test_tuning.py``). Not yet separable from the
+noise: another round, back to the baseline for a block and to the candidate again (interleaved, so that a drift of the
+machine hits both), while rounds are affordable; a candidate whose every sample is slower than every baseline sample,
+that runs out of memory or passes the memory budget is left at once.
 
 **Cost before you pay.** A trial's cost is its switches (measured on this run once one happened; before that, the
 run's own first-step overhead plus writing and reading the training state at ``SAVE_BYTES_PER_SEC``), the warm-up

@@ -14,8 +14,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 FSDP_ARGS = dict(fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
                                          "state_dict_type": "SHARDED_STATE_DICT"})
@@ -170,7 +170,8 @@ def oom_on_rank1(out):
         train_with_tuning(trainer)
     except torch.OutOfMemoryError:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"reraised": True, "step": trainer.state.global_step, "decisions": [d.to_json() for d in tuner.session.decisions]}, f)
+            json.dump({"reraised": True, "step": trainer.state.global_step,
+                       "decisions": [d.to_json() for d in tuner.session.decisions]}, f)
         sys.exit(3)
 
 

@@ -8,10 +8,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, train_with_tuning  # noqa: E402
-from tests.test_tuner import CUDA_OOM, MPS_OOM, PlantedOOM, PlantedStepTime  # noqa: E402
-from tests.conftest import CORPUS, PlantedClock, length_reward, make_grpo, make_trainer  # noqa: E402
-from hf_perf_callbacks.tiny import build_tokenizer  # noqa: E402
+from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, train_with_tuning
+from hf_perf_callbacks.tiny import build_tokenizer
+from tests.conftest import CORPUS, PlantedClock, length_reward, make_grpo, make_trainer
+from tests.test_tuner import CUDA_OOM, MPS_OOM, PlantedOOM, PlantedStepTime
 
 
 def rates(meter):
@@ -79,7 +79,8 @@ def main(out):
               "check_split": [checked.args.per_device_train_batch_size, checked.args.gradient_accumulation_steps],
               "check_trials": [(t.split.micro_batch, t.fits) for t in check_tuner.session.decisions[0].trials],
               "check_step": checked.state.global_step,
-              "tune_decisions": [(d.kind, d.step, d.new.micro_batch, [(t.split.micro_batch, t.samples) for t in d.trials])
+              "tune_decisions": [(d.kind, d.step, d.new.micro_batch,
+                                  [(t.split.micro_batch, t.samples) for t in d.trials])
                                  for d in tune_tuner.session.decisions],
               "tune_split": [tuned.args.per_device_train_batch_size, tuned.args.gradient_accumulation_steps],
               "tune_step": tuned.state.global_step,

@@ -11,13 +11,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import torch  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
+import torch
+from transformers import TrainerCallback
 
-from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning  # noqa: E402
-from hf_perf_callbacks.tiny import build_tokenizer  # noqa: E402
-from tests.conftest import CORPUS, make_trainer  # noqa: E402
-from tests.test_tuner import CUDA_OOM  # noqa: E402
+from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
+from hf_perf_callbacks.tiny import build_tokenizer
+from tests.conftest import CORPUS, make_trainer
+from tests.test_tuner import CUDA_OOM
 
 
 class OOMAfterFirstStep(TrainerCallback):
@@ -34,7 +34,8 @@ def main(out):
         train_with_tuning(trainer)
     except torch.OutOfMemoryError:
         with open(os.path.join(out, "rank1.json"), "w") as f:
-            json.dump({"reraised": True, "step": trainer.state.global_step, "decisions": [d.to_json() for d in tuner.session.decisions]}, f)
+            json.dump({"reraised": True, "step": trainer.state.global_step,
+                       "decisions": [d.to_json() for d in tuner.session.decisions]}, f)
         sys.exit(3)
 
 

@@ -7,7 +7,7 @@ VENV := .venv$(patsubst constraints%.txt,%,$(notdir $(CONSTRAINTS)))
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-launch versions install clean bench-gpu
+.PHONY: demo test test-launch lint versions install clean bench-gpu
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ test: versions
 
 test-launch: versions
 	$(BIN)/python -m pytest -q -m launch tests
+
+# `make lint`: ruff (pyproject.toml's rules) and mypy on the package.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 clean:
 	rm -rf .venv .venv-* demo_output

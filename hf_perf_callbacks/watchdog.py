@@ -130,9 +130,9 @@ class MemoryWatchdog(PerfCallback):
         self.policy = self._policy(self.budget)
         self.policy.start_segment()
         self.device.reset_peak()
-        self.bus.describe_run(self.source, state.global_step, budget_gb=self.budget / GB,
-                              device_limit_gb=(sample.device_limit or 0) / GB,
-                              system_total_gb=sample.system_total / GB)
+        self._bus.describe_run(self.source, state.global_step, budget_gb=self.budget / GB,
+                               device_limit_gb=(sample.device_limit or 0) / GB,
+                               system_total_gb=sample.system_total / GB)
 
     def budget_bytes(self, device: DeviceLayer, sample=None) -> float:
         """The budget in bytes on ``device`` (:func:`~hf_perf_callbacks.memory.budget_bytes` of its limits)."""
@@ -146,7 +146,7 @@ class MemoryWatchdog(PerfCallback):
         obs, fields = self._observe(step)
         self.policy.observe(obs)
         self.high_water = max(self.high_water, obs.used)
-        can_shrink = self.bus.has_subscribers(SIGNAL_SMALLER_BATCH)
+        can_shrink = self._bus.has_subscribers(SIGNAL_SMALLER_BATCH)
         decision = None
         for _ in range(3):                                          # clear → re-sample → maybe the next rung
             action = self.policy.next_action(can_shrink)
@@ -165,8 +165,8 @@ class MemoryWatchdog(PerfCallback):
         decision, any_critical = self._agree(decision, self.policy.level == CRITICAL)
         if decision == SMALLER_BATCH:
             self._act(step, SMALLER_BATCH, "asked for a smaller micro-batch: " + self.policy.reason())
-            accepted = any(self.bus.signal(SIGNAL_SMALLER_BATCH, reason=self.policy.reason(), step=step,
-                                           control=control))
+            accepted = any(self._bus.signal(SIGNAL_SMALLER_BATCH, reason=self.policy.reason(), step=step,
+                                            control=control))
             if not accepted and any_critical:   # nobody can shrink (the same answer on every rank)
                 decision = STOP
         if decision == STOP:
@@ -179,11 +179,11 @@ class MemoryWatchdog(PerfCallback):
         fields[keys.MEM_PRESSURE] = self.policy.level
         fields.update(wall_fields(self.policy.forecast(), state.max_steps - step if state.max_steps > 0 else None))
         # a forecast of an earlier step must not reach this step's log
-        self.bus.withdraw(*(key for key in WALL_KEYS if key not in fields))
+        self._bus.withdraw(*(key for key in WALL_KEYS if key not in fields))
         if self.policy.slope is not None:
             fields[keys.MEM_GROWTH_MB_PER_STEP] = self.policy.slope / 1024**2
-        self.bus.record_step(step, fields)
-        self.bus.publish(fields)
+        self._bus.record_step(step, fields)
+        self._bus.publish(fields)
         self.device.reset_peak()
 
     def _observe(self, step: int, resample: bool = False) -> tuple[Observation, dict]:
@@ -241,7 +241,7 @@ class MemoryWatchdog(PerfCallback):
         return {0: None, 1: SMALLER_BATCH, 2: STOP}[int(max(r[0] for r in rows))], max(r[1] for r in rows) > 0
 
     def _clear(self, step: int) -> None:
-        answers = self.bus.signal(SIGNAL_CLEAR, reason=self.policy.reason(), step=step)
+        answers = self._bus.signal(SIGNAL_CLEAR, reason=self.policy.reason(), step=step)
         if not answers:                       # no clearer attached: do the cheap part ourselves
             self.device.empty_cache()
         self._act(step, CLEAR, "cleared caches: " + self.policy.reason())
@@ -256,7 +256,7 @@ class MemoryWatchdog(PerfCallback):
         control.should_training_stop = True
         self.stopped_at = state.global_step
         checkpoint = f"{args.output_dir}/checkpoint-{state.global_step}"
-        tuning = self.bus.tuning
+        tuning = self._bus.tuning
         resume = (f"train_with_tuning(trainer, resume_from_checkpoint='{checkpoint}')"
                   if tuning is not None and tuning.managed else f"trainer.train(resume_from_checkpoint='{checkpoint}')")
         self._act(state.global_step, STOP,
@@ -267,15 +267,15 @@ class MemoryWatchdog(PerfCallback):
 
     def _act(self, step: int, action: str, message: str, kind: str = "action") -> None:
         self.actions.append({"step": step, "action": action, "message": message})
-        self.bus.event(self.source, kind, message, step=step, action=action,
-                       level=LEVEL_NAMES[self.policy.level], steps_to_wall=self.policy.steps_to_wall)
+        self._bus.event(self.source, kind, message, step=step, action=action,
+                        level=LEVEL_NAMES[self.policy.level], steps_to_wall=self.policy.steps_to_wall)
 
     # ------------------------------------------------------------ end
     def on_train_end(self, args, state, control, **kwargs):
         self.summary = {"high_water_gb": self.high_water / GB, "budget_gb": self.budget / GB,
                         "actions": list(self.actions), "stopped_at": self.stopped_at}
-        self.bus.write_summary(self.source, self.summary)
-        if state.is_world_process_zero and not self.bus.continuing:    # printed once, at the run's end
+        self._bus.write_summary(self.source, self.summary)
+        if state.is_world_process_zero and not self._bus.continuing:    # printed once, at the run's end
             print(self.format_summary())
 
     def format_summary(self) -> str:

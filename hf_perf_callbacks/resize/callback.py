@@ -97,7 +97,7 @@ class AdaptiveBatchTuner(PerfCallback):
             return
         self.session = self._session(args, state)
         self.world = world_size()
-        self.bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
+        self._bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
         self.in_optimizer_step = False
         if current_split(args) != self.session.split:  # args changed by hand between train() calls: they rule
             self.session.split = current_split(args)
@@ -119,12 +119,12 @@ class AdaptiveBatchTuner(PerfCallback):
         tuning = self.session.tuning
         if tuning.done is not None and not tuning.recorded:
             decision = self.session.record_tuning(step)
-            if self.bus.is_main and decision is not None:
+            if self._bus.is_main and decision is not None:
                 print(format_tuning(decision))
 
     def _session(self, args, state) -> TuningSession:
         """The run's tuning session: train_with_tuning's (on the bus), or one of the tuner's own."""
-        session = self.bus.tuning
+        session = self._bus.tuning
         if session is not None and session.output_dir == args.output_dir:
             return session
         session = TuningSession(args, bus=self.bus)
@@ -165,8 +165,8 @@ class AdaptiveBatchTuner(PerfCallback):
         split = session.ran = session.split
         fields = {keys.TUNER_MICRO_BATCH: split.micro_batch, keys.TUNER_GRAD_ACCUM: split.grad_accum,
                   keys.TUNER_EFFECTIVE_BATCH: split.effective_batch(self.world), keys.TUNER_RESIZES: session.resizes}
-        self.bus.record_step(step, fields)
-        self.bus.publish(fields)
+        self._bus.record_step(step, fields)
+        self._bus.publish(fields)
         if self.measuring and self._started is not None:
             self._measure(args, step, control)
 
@@ -182,14 +182,14 @@ class AdaptiveBatchTuner(PerfCallback):
         action = tuning.observe(step, ranked, whole, peak_gb=max(r[2] for r in rows) / GB, fits=fits)
         if isinstance(action, Switch):
             self.session.request_switch(action.split, action.why)
-            self.bus.continuing = True
+            self._bus.continuing = True
             control.should_training_stop = True
         self._tuning_done(step)
 
     def _memory(self) -> tuple[float, float]:
         """(bytes used this step, the budget): the watchdog's figures of this step when it is attached (it owns
         them), else the device's reading and the default budget."""
-        values = self.bus.step_line.values if self.bus.step_line is not None else {}
+        values = self._bus.step_line.values if self._bus.step_line is not None else {}
         used, limit = values.get(keys.MEM_DEVICE_USED_GB), values.get(keys.MEM_LIMIT_GB)
         if used is not None and limit is not None:
             return used * GB, limit * GB
@@ -209,7 +209,7 @@ class AdaptiveBatchTuner(PerfCallback):
         session.end_tuning(step, "memory pressure ended the tuning")
         session.decide("watchdog", reason, new, step)
         session.request_switch(new, "the watchdog asked for a smaller micro-batch")
-        self.bus.continuing = session.managed
+        self._bus.continuing = session.managed
         control.should_save = True
         control.should_training_stop = True
         return True
@@ -219,11 +219,11 @@ class AdaptiveBatchTuner(PerfCallback):
             self._stop_watching()
             self._stop_watching = None
         session = self.session
-        if self.measuring and not self.bus.continuing:           # the run ended before the tuning did
+        if self.measuring and not self._bus.continuing:           # the run ended before the tuning did
             session.end_tuning(state.global_step, "the run ended before the tuning did")
-        self.bus.write_summary(self.source, {"split": session.split.as_args(), "session": session.id,
-                                             "decisions": len(session.decisions)})
-        if not state.is_world_process_zero or self.bus.continuing:
+        self._bus.write_summary(self.source, {"split": session.split.as_args(), "session": session.id,
+                                              "decisions": len(session.decisions)})
+        if not state.is_world_process_zero or self._bus.continuing:
             return
         if session.decisions:
             print(format_summary(session))

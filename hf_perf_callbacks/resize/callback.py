@@ -167,7 +167,8 @@ class AdaptiveBatchTuner(PerfCallback):
     def on_step_end(self, args, state, control, **kwargs):
         session, step = self._session, state.global_step
         last = session.decisions[-1] if session.decisions else None
-        if last is not None and last.kind in ("oom", "watchdog") and last.recovery_sec is None and step > last.step:
+        if (last is not None and last.kind in ("oom", "watchdog") and last.recovery_sec is None and step > last.step
+                and last.time is not None):                     # a split file's decision may not hold its time
             last.recovery_sec = time.time() - last.time           # from the decision to the next completed step
             session.persist()
         split = session.ran = session.split

@@ -39,7 +39,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
@@ -95,8 +95,9 @@ class RunBus(TrainerCallback):
         self.writer = LogWriter()
 
     # ------------------------------------------------------------ publishing
-    def publish(self, metrics: Mapping[str, float]) -> None:
-        """Metrics for the next training log (later values of a key replace earlier ones)."""
+    def publish(self, metrics: Mapping[str, float | None]) -> None:
+        """Metrics for the next training log (later values of a key replace earlier ones; None and values that are
+        not finite numbers are left out)."""
         self.unlogged.update({k: v for k, v in metrics.items() if _finite(v)})
 
     def withdraw(self, *keys: str) -> None:
@@ -318,5 +319,5 @@ def is_training_log(logs: dict) -> bool:
                    for k in logs)
 
 
-def _finite(value) -> bool:
+def _finite(value) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

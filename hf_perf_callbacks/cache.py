@@ -69,6 +69,13 @@ class MPSCacheClearer(PerfCallback):
         self._window = [0.0, 0.0]
         self.history: list[dict] = []
 
+    @property
+    def _device(self) -> DeviceLayer:
+        """The device cleared, set at ``on_train_begin`` (or planted before it by a test)."""
+        if self.device is None:
+            raise RuntimeError("MPSCacheClearer has no device yet: it takes one at on_train_begin")
+        return self.device
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.device = self.device or DeviceLayer()
         self.active = self.device.type == "mps" if self.enabled is None else self.enabled
@@ -81,12 +88,13 @@ class MPSCacheClearer(PerfCallback):
 
     def clear(self, step: int, reason: str, automatic: bool = True) -> float:
         """Clear now; returns bytes freed (never negative)."""
-        before = self.device.memory().reserved or 0
+        device = self._device
+        before = device.memory().reserved or 0
         start = self.clock.wall()
-        self.device.empty_cache()
-        self.device.synchronize()
+        device.empty_cache()
+        device.synchronize()
         seconds = self.clock.wall() - start
-        freed = max(0.0, float(before - (self.device.memory().reserved or 0)))
+        freed = max(0.0, float(before - (device.memory().reserved or 0)))
         self.schedule.cleared(step, freed, automatic)
         self.clears += 1
         self.total_freed += freed
@@ -116,7 +124,7 @@ class MPSCacheClearer(PerfCallback):
             self._window = [0.0, 0.0]
 
     def _bloated(self) -> bool:
-        sample = self.device.memory()
+        sample = self._device.memory()
         live, held = sample.allocated or 0, sample.reserved or 0
         return held - live >= self.bloat_min_gb * GB and held > self.bloat_ratio * live
 

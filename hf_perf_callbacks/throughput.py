@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import psutil
 import torch
@@ -30,7 +32,8 @@ def forward_entry(inner: torch.nn.Module) -> torch.nn.Module:
     stack (``get_decoder()``) where it has one, else ``inner``. peft before 0.21 runs the causal LM as
     ``model.forward(...)``, which skips hooks on the causal LM itself; the causal LM calls its decoder as a module."""
     try:
-        decoder = inner.get_decoder() if callable(getattr(inner, "get_decoder", None)) else None
+        get_decoder = getattr(inner, "get_decoder", None)      # transformers' models have it, a bare Module not
+        decoder = get_decoder() if callable(get_decoder) else None
     except Exception:  # noqa: BLE001 - a model without a separable decoder
         decoder = None
     return decoder if isinstance(decoder, torch.nn.Module) else inner
@@ -186,7 +189,7 @@ class ThroughputMeter(PerfCallback):
         self.machine = MachineLoad()
         self.warned: set[str] = set()
         self._hooks: list = []
-        self._stop_watching_generate = None
+        self._stop_watching_generate: Callable[[], None] | None = None
         self.summary: dict | None = None
 
     # ------------------------------------------------------------ setup
@@ -279,7 +282,7 @@ class ThroughputMeter(PerfCallback):
 
     def _model_facts(self) -> dict:
         """What memory and FLOP estimates need from the model config (for the report)."""
-        config = getattr(self.inner, "config", None)
+        config: Any = getattr(self.inner, "config", None)      # a transformers config (or None), read by duck typing
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "vocab_size", "max_position_embeddings")

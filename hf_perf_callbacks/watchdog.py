@@ -178,7 +178,7 @@ class MemoryWatchdog(PerfCallback):
                 decision = STOP
         if decision == STOP:
             self._stop(args, state, control, follower=local != STOP and local != SMALLER_BATCH)
-        slope = self.policy.slope                                   # known once the trend window is full
+        slope = self.policy.slope                   # None before the trend window holds 3 steps (a leak needs it full)
         if self.policy.leaking and slope is not None and not self.policy.leak_reported:
             self.policy.leak_reported = True
             self.warn(f"memory grew on each of the last {self.policy.trend_window} steps "
@@ -188,8 +188,8 @@ class MemoryWatchdog(PerfCallback):
         fields.update(wall_fields(self.policy.forecast(), state.max_steps - step if state.max_steps > 0 else None))
         # a forecast of an earlier step must not reach this step's log
         self._bus.withdraw(*(key for key in WALL_KEYS if key not in fields))
-        if self.policy.slope is not None:
-            fields[keys.MEM_GROWTH_MB_PER_STEP] = self.policy.slope / 1024**2
+        if slope is not None:
+            fields[keys.MEM_GROWTH_MB_PER_STEP] = slope / 1024**2
         self._bus.record_step(step, fields)
         self._bus.publish(fields)
         self._device.reset_peak()

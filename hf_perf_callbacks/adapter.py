@@ -47,6 +47,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from types import FrameType
 
 import torch
 from transformers.trainer_callback import CallbackHandler, ExportableState, ProgressCallback
@@ -55,7 +56,7 @@ from transformers.trainer_callback import CallbackHandler, ExportableState, Prog
 # ---------------------------------------------------------------- the callback handler
 def calling_handler() -> CallbackHandler | None:
     """The ``CallbackHandler`` dispatching the current event (the ``self`` of a ``call_event`` frame), if any."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, CallbackHandler):
@@ -223,7 +224,7 @@ class GenerationClock:
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self.clock = clock
         self.seconds = 0.0
-        self.started = None
+        self.started: float | None = None
 
     def generate_started(self) -> None:
         self.started = self.clock()

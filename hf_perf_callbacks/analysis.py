@@ -296,15 +296,22 @@ def _logits_per_token(model: dict) -> int:
     return (_known(estimate.logits_bytes_per_token, d) or 0) if d else 0
 
 
-def _kv_formula(model: dict) -> str:
+def _known_dims(model: dict) -> dict:
+    """:func:`_dims` of a model whose per-token bytes were computed: the formulas are written only then."""
     d = _dims(model)
+    assert d is not None, "a formula of a model without layers, hidden size or attention heads"
+    return d
+
+
+def _kv_formula(model: dict) -> str:
+    d = _known_dims(model)
     return f"2 × {d['layers']} layers × {d['kv_heads']} kv_heads × {d['head_dim']} head_dim × {d['bytes']} B"
 
 
 def _act_formula(model: dict, checkpointing: bool) -> str:
     """The activation bytes per token as :func:`estimate.activation_bytes_per_token` computes them, written with
     this model's numbers (each number followed by its name: the text evaluates to the bytes)."""
-    d = _dims(model)
+    d = _known_dims(model)
     b = d["bytes"]
     if checkpointing:
         return f"{d['layers']} layers × {d['hidden']} hidden × {b} B"
@@ -315,7 +322,7 @@ def _act_formula(model: dict, checkpointing: bool) -> str:
 
 def _train_formula(model: dict, checkpointing: bool) -> str:
     """Activations plus the LM head's tile per training token (:func:`estimate.logits_bytes_per_token`), as text."""
-    d = _dims(model)
+    d = _known_dims(model)
     if not _logits_per_token(model):
         return _act_formula(model, checkpointing)
     head = (f"({estimate.HEAD_VOCAB_CHUNK} vocab_chunk × 2 + {min(d['vocab'], estimate.HEAD_VOCAB_CHUNK)} "
@@ -583,7 +590,7 @@ def rule_warmup(m: Measurements) -> Note | None:
                                + {"mps": ", Metal shader compilation", "cuda": ", CUDA context and kernel selection",
                                   "xpu": ", kernel compilation"}.get(m.device_type, "")
                                + ") do not recur; the steady figures exclude them.") + other
-    if share is not None and share >= WARMUP_SHARE and not contended:
+    if overhead and steady and share is not None and share >= WARMUP_SHARE and not contended:
         target = 0.05
         steps_needed = math.ceil(overhead * (1 - target) / (target * steady))
         text += (f" In this short run warmup is {_pct(share)} of the time: compare steady figures only, or run "
@@ -826,11 +833,12 @@ def _under_pressure(m: Measurements) -> bool:
 
 def rule_memory_pressure(m: Measurements) -> Finding | None:
     swapping = _swapping(m)
-    gap = (m.driver_gb_max - m.allocated_gb_at_driver_max) if (
-        m.driver_gb_max is not None and m.allocated_gb_at_driver_max is not None) else 0.0
+    driver, allocated = m.driver_gb_max, m.allocated_gb_at_driver_max
+    gap = (driver - allocated) if (driver is not None and allocated is not None) else 0.0
     near = (m.mem_high_water_gb is not None and m.mem_budget_gb
             and m.mem_high_water_gb >= HIGH_WATER_FRACTION * m.mem_budget_gb)
-    bloat = (gap >= DRIVER_BLOAT_MIN_GB and m.driver_gb_max > DRIVER_BLOAT_RATIO * m.allocated_gb_at_driver_max
+    bloat = (driver is not None and allocated is not None and gap >= DRIVER_BLOAT_MIN_GB
+             and driver > DRIVER_BLOAT_RATIO * allocated
              and (m.device_type == "mps" or near or swapping or (m.max_pressure or 0) >= 1))
     if not (_under_pressure(m) or bloat):
         return None
@@ -881,27 +889,28 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
             text += (f": activations per token {_act_formula(m.model, False)} → {_act_formula(m.model, True)}, "
                      f"× {tokens[1]} frees ≈ {_gb(saved)}")
         items.append((saved, text, {"activation_checkpointing": True}))
-    splits = _splits(m)
+    micro, accum = m.micro_batch, m.grad_accum
+    splits = _splits(m)                          # empty unless both are known
     try:
-        smaller = next_smaller(Split(m.micro_batch, m.grad_accum), splits) if splits else None
+        smaller = next_smaller(Split(micro, accum), splits) if splits and micro and accum else None
     except ValueError:                          # micro-batch 1, or no smaller split keeps the batch exact
         smaller = None
-    if smaller:
+    if smaller and micro and accum:
         new_mb, new_ga = smaller.micro_batch, smaller.grad_accum
         text = (f"`per_device_train_batch_size: {new_mb}` with `gradient_accumulation_steps: {new_ga}` (effective "
-                f"batch {m.micro_batch} × {m.grad_accum} = {new_mb} × {new_ga} = {m.micro_batch * m.grad_accum}, "
-                f"unchanged)")
+                f"batch {micro} × {accum} = {new_mb} × {new_ga} = {micro * accum}, unchanged)")
         saved = 0.0
         if act_now and m.seq_len:
-            saved = (act_now + _logits_per_token(m.model)) * m.seq_len * (m.micro_batch - new_mb)
+            saved = (act_now + _logits_per_token(m.model)) * m.seq_len * (micro - new_mb)
             text += (f": frees ≈ {_gb(saved)} = ({_train_formula(m.model, ckpt_on)}) × {m.seq_len} tokens × "
-                     f"{m.micro_batch - new_mb} fewer sequences")
+                     f"{micro - new_mb} fewer sequences")
         items.append((saved, text, _split_setting(m, smaller)))
     target = _completion_target(m)
     if target:
         text = (f"`max_completion_length: {target[0]}` (now {m.max_completion_length}; the {target[2]} is "
                 f"{target[1]:.0f})")
-        freed = _memory_freed_by_cut(m, m.max_completion_length, target[0])
+        limit = m.max_completion_length                 # known: a target cuts it
+        freed = _memory_freed_by_cut(m, limit, target[0]) if limit else None
         if freed:
             text += f": frees ≈ {_gb(freed[0])} at the limit — {freed[1]}"
         items.append((freed[0] if freed else 0.0, text, {"max_completion_length": target[0]}))
@@ -932,9 +941,8 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
                    _bullets(lines), None, formula, confidence, setting, "try", None, priority=0 if urgent else 1)
 
 
-def _tune_note(m: Measurements) -> Note:
-    """The tuner's measurement of splits on this run's own steps, trial by trial."""
-    d = m.tune
+def _tune_note(m: Measurements, d: Decision) -> Note:
+    """The tuner's measurement ``d`` (``m.tune``) of splits on this run's own steps, trial by trial."""
     measured = []
     for t in d.trials:
         name = _split_name(t.split)
@@ -964,7 +972,7 @@ def _tune_note(m: Measurements) -> Note:
 def rule_small_micro_batch(m: Measurements) -> Finding | Note | None:
     mb, ga, c = m.micro_batch, m.grad_accum, _phase(m, "compute")
     if m.tune:
-        return _tune_note(m)
+        return _tune_note(m, m.tune)
     if not (mb and ga and mb <= SMALL_MICRO_BATCH and ga >= 2) or _under_pressure(m) or _too_short(m):
         return None
     if m.mfu is not None:
@@ -1029,10 +1037,9 @@ def rule_duplicate_forward(m: Measurements) -> Finding | None:
                    basis, predicted)
 
 
-def _fixed_length_padding(m: Measurements, p: float, c: float) -> Finding:
-    """A Trainer run whose every batch was padded to one length: per-batch padding first (grouping by length
-    cannot shorten a fixed length)."""
-    length = m.fixed_seq_len
+def _fixed_length_padding(m: Measurements, length: int, p: float, c: float) -> Finding:
+    """A Trainer run whose every batch was padded to one ``length`` (``m.fixed_seq_len``): per-batch padding first
+    (grouping by length cannot shorten a fixed length)."""
     obs = (f"Every step was padded to exactly {length} positions (`perf/seq_len` {length} on all {m.steps} steps) "
            f"while {_pct(p)} of the positions were padding: about {(1 - p) * length:.0f} real tokens per sequence.")
     root = (f"A fixed length: the collator (or the tokenizer's `padding='max_length'`) pads every batch to {length} "
@@ -1062,7 +1069,7 @@ def rule_padding_waste(m: Measurements) -> Finding | Note | None:
         return None
     c = _phase(m, "compute")
     if m.fixed_seq_len and not m.grpo:
-        return _fixed_length_padding(m, p, c)
+        return _fixed_length_padding(m, m.fixed_seq_len, p, c)
     k = m.pad_to_multiple_of or 0
     obs = f"{_pct(p)} of the positions in training forwards are padding" + \
           (f" (padded length up to {m.seq_len} tokens)" if m.seq_len else "") + \
@@ -1221,15 +1228,18 @@ def _constant_reward(r: dict | None) -> bool:
 def _no_signal(logs: list[dict]) -> tuple[int, int, float | None]:
     """(GRPO logs with reward statistics, the longest run of consecutive logs where every group had zero reward
     variance and the gradient norm was 0, the mean reward over that run)."""
-    rows = [h for h in logs if number(h.get("frac_reward_zero_std")) is not None]
-    best, run, best_rewards, rewards = 0, 0, [], []
-    for h in rows:
+    rows = [(h, zero_std) for h in logs if (zero_std := number(h.get("frac_reward_zero_std"))) is not None]
+    best, run = 0, 0
+    best_rewards: list[float] = []
+    rewards: list[float] = []
+    for h, zero_std in rows:
         grad = number(h.get("grad_norm"))
-        flat = number(h["frac_reward_zero_std"]) >= 1.0 - 1e-9 and (grad is None or abs(grad) <= ZERO)
+        flat = zero_std >= 1.0 - 1e-9 and (grad is None or abs(grad) <= ZERO)
         if flat:
             run += 1
-            if number(h.get("reward")) is not None:
-                rewards.append(number(h["reward"]))
+            reward = number(h.get("reward"))
+            if reward is not None:
+                rewards.append(reward)
             if run > best:
                 best, best_rewards = run, list(rewards)
         else:
@@ -1246,9 +1256,11 @@ def _contention(run_log: RunLog, f: dict) -> dict | None:
     steps = run_log.unique_steps()
     if run_log.header("perf").device_type != "cpu":
         return None
-    rows = [(s, s.number(keys.PERF_STEP_WALL_SEC) or s.number(keys.PERF_STEP_TIME), s.number(keys.PERF_CPU_SEC))
-            for s in steps]
-    rows = [(s, w, c) for s, w, c in rows if w and c and w > 0 and c > 0]
+    rows = []
+    for s in steps:
+        w, c = s.number(keys.PERF_STEP_WALL_SEC) or s.number(keys.PERF_STEP_TIME), s.number(keys.PERF_CPU_SEC)
+        if w and c and w > 0 and c > 0:
+            rows.append((s, w, c))
     if len(rows) < 4:
         return None
     run_sec = sum(w for _, w, _ in rows)
@@ -1256,7 +1268,7 @@ def _contention(run_log: RunLog, f: dict) -> dict | None:
     wall0, cpu0 = statistics.median(w for w, _ in steady), statistics.median(c for _, c in steady)
     split = classify_slow_steps([w for _, w, _ in rows], [c for _, _, c in rows], wall0, cpu0, tolerance=0.2)
     slow = [(s, w, c) for (s, w, c), label in zip(rows, split.labels) if label == "contention"]
-    found = {"lost_sec": split.contention_sec, "source": "step lines"}
+    lost_sec, source = split.contention_sec, "step lines"
     meter = number(f.get("contention_sec"))
     if meter is None:
         meter = number(run_log.summary("perf").get("early_contention_sec"))
@@ -1264,11 +1276,12 @@ def _contention(run_log: RunLog, f: dict) -> dict | None:
         listed = f.get("contention_steps")
         if isinstance(listed, list) and listed:
             slow = [(s, w, c) for s, w, c in rows if s.step in {number(v) for v in listed}]
-        found = {"lost_sec": meter, "source": "meter"}
-    if not slow or found["lost_sec"] <= 0:
+        lost_sec, source = meter, "meter"
+    if not slow or lost_sec <= 0:
         return None
     others = [v for v in (s.number(keys.PERF_OTHER_CPU_CORES) for s, _, _ in slow) if v is not None]
-    return {**found, "steps": len(slow), "run_sec": run_sec, "lost_share": found["lost_sec"] / run_sec,
+    return {"lost_sec": lost_sec, "source": source, "steps": len(slow), "run_sec": run_sec,
+            "lost_share": lost_sec / run_sec,
             "wall_over_cpu": statistics.median(w / c for _, w, c in slow), "steady_wall_over_cpu": wall0 / cpu0,
             "other_cores": max(others) if others else None}
 
@@ -1408,8 +1421,8 @@ def measurements(run_log: RunLog) -> Measurements:
     seq = _values(steps, keys.PERF_SEQ_LEN)
     seq_steady = _values(steady, keys.PERF_SEQ_LEN)
 
-    driver_rows = [s for s in steps if s.number(keys.MEM_DRIVER_GB) is not None]
-    driver_max_row = max(driver_rows, key=lambda s: s.number(keys.MEM_DRIVER_GB)) if driver_rows else None
+    driver = [(gb, s) for s in steps if (gb := s.number(keys.MEM_DRIVER_GB)) is not None]
+    driver_max_row = max(driver, key=lambda row: row[0])[1] if driver else None
     swaps = _values(steps, keys.MEM_SWAP_USED_GB)
     pressures = _values(steps, keys.MEM_PRESSURE)
     actions = mem_summary.get("actions")

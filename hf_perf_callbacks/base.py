@@ -61,9 +61,10 @@ def _isolate_faults(name: str, method):
         try:
             if name in ("on_init_end", "on_train_begin") or self.bus is None:
                 self._attach()
+            bus = self._bus
             if name == "on_train_begin":
-                self.bus.on_train_begin(args, state, control)     # once per call, also when it joined just now
-            self.bus.output_dir, self.bus.is_main = args.output_dir, state.is_world_process_zero
+                bus.on_train_begin(args, state, control)          # once per call, also when it joined just now
+            bus.output_dir, bus.is_main = args.output_dir, state.is_world_process_zero
             if name == "on_train_begin":
                 if state.global_step > 0:
                     self._restore_from(state)
@@ -79,7 +80,7 @@ def _isolate_faults(name: str, method):
                 if name == "on_step_end":
                     self.ended_step = state.global_step
                 if name in BETWEEN_STEPS:
-                    self.bus.add_overhead(self.clock.wall() - started)
+                    bus.add_overhead(self.clock.wall() - started)
         except Exception as error:
             self.disabled = True
             logger.warning("%s disabled after an internal error in %s: %s: %s. Training continues without it.",
@@ -95,6 +96,10 @@ def _isolate_faults(name: str, method):
     return guarded
 
 
+class ArgumentError(ValueError):
+    """A callback constructor's bad argument, naming the class and the key (a ``ValueError``)."""
+
+
 def _named_init(owner: str, init):
     """A constructor whose bad arguments raise a ``ValueError`` naming the class and the key (an unknown keyword
     too, which Python reports as a ``TypeError``)."""
@@ -104,12 +109,10 @@ def _named_init(owner: str, init):
         try:
             init(self, *args, **kwargs)
         except (TypeError, ValueError) as error:
-            if getattr(error, "named", False):
+            if isinstance(error, ArgumentError):        # an inner constructor (super().__init__) named it already
                 raise
             allowed = ", ".join(p for p in inspect.signature(init).parameters if p != "self")
-            named = ValueError(f"{owner}: {error} (allowed keywords: {allowed})")
-            named.named = True
-            raise named from None
+            raise ArgumentError(f"{owner}: {error} (allowed keywords: {allowed})") from None
 
     return __init__
 
@@ -122,13 +125,14 @@ class PerfCallback(TrainerCallback, ExportableState):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        for name, value in list(vars(cls).items()):
-            if name.startswith("on_") and callable(value):
-                setattr(cls, name, _isolate_faults(name, value))
+        wrapped = {name: _isolate_faults(name, value) for name, value in vars(cls).items()
+                   if name.startswith("on_") and callable(value)}
         if "on_init_end" not in vars(cls):              # every callback joins the bus at the trainer's init
-            cls.on_init_end = _isolate_faults("on_init_end", PerfCallback.on_init_end)
+            wrapped["on_init_end"] = _isolate_faults("on_init_end", PerfCallback.on_init_end)
         if "__init__" in vars(cls):
-            cls.__init__ = _named_init(cls.__name__, vars(cls)["__init__"])
+            wrapped["__init__"] = _named_init(cls.__name__, vars(cls)["__init__"])
+        for name, method in wrapped.items():
+            setattr(cls, name, method)
 
     def __init__(self, clock: Clock | None = None):
         if clock is not None and not isinstance(clock, Clock):
@@ -139,6 +143,15 @@ class PerfCallback(TrainerCallback, ExportableState):
         self.bus: RunBus | None = None
         self.collective_step = -1        # the last optimizer step whose cross-rank exchange this rank joined
         self.ended_step: int | None = None   # the last optimizer step whose on_step_end this callback ran
+
+    @property
+    def _bus(self) -> RunBus:
+        """The trainer's bus; every ``on_*`` event attaches it before the event's body runs (see
+        :func:`_isolate_faults`), so the events and what they call may use it."""
+        if self.bus is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a trainer yet: its bus is found at its "
+                               f"first trainer event")
+        return self.bus
 
     def on_init_end(self, args, state, control, **kwargs):
         """Join the trainer's bus at its init, so that the bus sees the first ``train()`` begin."""
@@ -196,4 +209,4 @@ class PerfCallback(TrainerCallback, ExportableState):
         """Undo anything attached to the model (hooks, wrappers); called when disabled or at train end."""
 
     def warn(self, message: str, step: int | None = None, **fields) -> None:
-        self.bus.event(self.source, "warning", message, step=step, **fields)
+        self._bus.event(self.source, "warning", message, step=step, **fields)

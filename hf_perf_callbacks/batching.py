@@ -57,7 +57,7 @@ def exact_splits(effective_batch: int, world_size: int = 1, generation_batch: in
                          f"world_size={world_size}")
     if generation_batch is not None:
         check_number("generation_batch", generation_batch, low=1, integer=True)
-        check_number("num_generations", num_generations, low=2, integer=True)
+        num_generations = check_number("num_generations", num_generations, low=2, integer=True)   # not None
         if generation_batch % num_generations:
             raise ValueError(f"generation_batch={generation_batch} is not allowed: it must be a multiple of "
                              f"num_generations={num_generations} (whole prompt groups)")

@@ -38,7 +38,8 @@ import math
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, TypeGuard
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
@@ -56,6 +57,9 @@ from .runlog import (
     lock_output_dir,
     unlock_output_dir,
 )
+
+if TYPE_CHECKING:
+    from .resize.session import TuningSession
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -80,7 +84,7 @@ class RunBus(TrainerCallback):
         self.pinned = False                     # a tuning session fixed the session (see pin_session)
         self.trained = False                    # a train() call has begun on this bus
         self.begun = None                       # the TrainerState of the train() call that began last
-        self.tuning = None                      # the tuning session of train_with_tuning or the tuner
+        self.tuning: TuningSession | None = None    # the tuning session of train_with_tuning or the tuner
         self.standing: dict = {}                # run facts of every train() call of this trainer (see mark_runs)
         self.continuing = False                 # this train() ends for an in-process re-size: the run goes on
         # this train() call's header while it is not written yet; the first call's is opened here, as the bus
@@ -91,8 +95,9 @@ class RunBus(TrainerCallback):
         self.writer = LogWriter()
 
     # ------------------------------------------------------------ publishing
-    def publish(self, metrics: dict[str, float]) -> None:
-        """Metrics for the next training log (later values of a key replace earlier ones)."""
+    def publish(self, metrics: Mapping[str, float | None]) -> None:
+        """Metrics for the next training log (later values of a key replace earlier ones; None and values that are
+        not finite numbers are left out)."""
         self.unlogged.update({k: v for k, v in metrics.items() if _finite(v)})
 
     def withdraw(self, *keys: str) -> None:
@@ -314,5 +319,5 @@ def is_training_log(logs: dict) -> bool:
                    for k in logs)
 
 
-def _finite(value) -> bool:
+def _finite(value) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

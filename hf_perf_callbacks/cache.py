@@ -69,11 +69,18 @@ class MPSCacheClearer(PerfCallback):
         self._window = [0.0, 0.0]
         self.history: list[dict] = []
 
+    @property
+    def _device(self) -> DeviceLayer:
+        """The device cleared, set at ``on_train_begin`` (or planted before it by a test)."""
+        if self.device is None:
+            raise RuntimeError("MPSCacheClearer has no device yet: it takes one at on_train_begin")
+        return self.device
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.device = self.device or DeviceLayer()
         self.active = self.device.type == "mps" if self.enabled is None else self.enabled
         if self.active:
-            self.bus.subscribe(SIGNAL_CLEAR, self._on_request)
+            self._bus.subscribe(SIGNAL_CLEAR, self._on_request)
         self.schedule.last_clear_step = state.global_step
 
     def _on_request(self, reason: str, step: int) -> float:
@@ -81,12 +88,13 @@ class MPSCacheClearer(PerfCallback):
 
     def clear(self, step: int, reason: str, automatic: bool = True) -> float:
         """Clear now; returns bytes freed (never negative)."""
-        before = self.device.memory().reserved or 0
+        device = self._device
+        before = device.memory().reserved or 0
         start = self.clock.wall()
-        self.device.empty_cache()
-        self.device.synchronize()
+        device.empty_cache()
+        device.synchronize()
         seconds = self.clock.wall() - start
-        freed = max(0.0, float(before - (self.device.memory().reserved or 0)))
+        freed = max(0.0, float(before - (device.memory().reserved or 0)))
         self.schedule.cleared(step, freed, automatic)
         self.clears += 1
         self.total_freed += freed
@@ -95,9 +103,9 @@ class MPSCacheClearer(PerfCallback):
         self._window[1] += seconds
         self.history.append({"step": step, "reason": reason, "freed_gb": freed / GB, "seconds": seconds,
                              "interval": self.schedule.interval})
-        self.bus.event(self.source, "info", f"cleared cache ({reason}): freed {freed / GB:.3f} GB in "
-                       f"{seconds * 1000:.0f} ms; next periodic clear in {self.schedule.interval} steps",
-                       step=step, freed_gb=freed / GB, seconds=seconds)
+        self._bus.event(self.source, "info", f"cleared cache ({reason}): freed {freed / GB:.3f} GB in "
+                        f"{seconds * 1000:.0f} ms; next periodic clear in {self.schedule.interval} steps",
+                        step=step, freed_gb=freed / GB, seconds=seconds)
         return freed
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -110,13 +118,13 @@ class MPSCacheClearer(PerfCallback):
             self.clear(step, "driver memory far above live tensors")
         fields = {keys.CACHE_CLEARS: self.clears, keys.CACHE_FREED_GB: self._window[0] / GB,
                   keys.CACHE_SECONDS: self._window[1], keys.CACHE_INTERVAL: self.schedule.interval}
-        self.bus.record_step(step, fields)
+        self._bus.record_step(step, fields)
         if control.should_log:
-            self.bus.publish(fields)
+            self._bus.publish(fields)
             self._window = [0.0, 0.0]
 
     def _bloated(self) -> bool:
-        sample = self.device.memory()
+        sample = self._device.memory()
         live, held = sample.allocated or 0, sample.reserved or 0
         return held - live >= self.bloat_min_gb * GB and held > self.bloat_ratio * live
 
@@ -129,8 +137,8 @@ class MPSCacheClearer(PerfCallback):
             self.clear(state.global_step, "after checkpoint save", automatic=False)
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.bus.write_summary(self.source, {"clears": self.clears, "freed_gb": self.total_freed / GB,
-                                             "seconds": self.total_seconds, "interval": self.schedule.interval})
+        self._bus.write_summary(self.source, {"clears": self.clears, "freed_gb": self.total_freed / GB,
+                                              "seconds": self.total_seconds, "interval": self.schedule.interval})
 
     def start_fresh(self) -> None:
         self.schedule = ClearSchedule(self.interval_steps, self.min_interval, self.max_interval,

@@ -76,7 +76,9 @@ def build_demo_trainer(output_dir: str, max_steps: int | None = None, callbacks=
             * settings["gradient_accumulation_steps"] // settings["num_generations"]
         dataset = wordle.make_dataset(max(64, prompts), seed=seed, conversational=True)
         lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-    return GRPOTrainer(model=net, reward_funcs=reward_funcs or wordle.REWARD_FUNCS, args=GRPOConfig(**settings),
+    # TRL's RewardFunc wants list[float | None] returns, and list is invariant: functions returning list[float] fail
+    return GRPOTrainer(model=net, reward_funcs=reward_funcs or wordle.REWARD_FUNCS,  # type: ignore[arg-type]
+                       args=GRPOConfig(**settings),
                        train_dataset=dataset, processing_class=tokenizer, peft_config=lora,
                        callbacks=callbacks if callbacks is not None else default_callbacks(
                            ThroughputMeter={"peak_flops": "calibrate"}))   # a CPU has no table peak

@@ -13,12 +13,16 @@ import os
 import platform
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
 
 from .peaks import DevicePeak, dtype_key, lookup_peak
 from .runlog import GB
+
+if TYPE_CHECKING:
+    from .macos import MacMemoryReader
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +84,7 @@ class DeviceLayer:
         self.device = torch.device(device) if device is not None else training_device()
         self.type = self.device.type
         self._name: str | None = None
-        self._mac = None
+        self._mac: MacMemoryReader | None = None
 
     # ---------------------------------------------------------------- basics
     def synchronize(self) -> None:
@@ -135,7 +139,7 @@ class DeviceLayer:
         return platform.processor() or platform.machine() or "cpu"
 
     @property
-    def mac(self):
+    def mac(self) -> MacMemoryReader:
         """The macOS reader (lazily built; all its readers return None off macOS)."""
         if self._mac is None:
             from .macos import MacMemoryReader

@@ -140,7 +140,7 @@ class MemoryPolicy:
     @property
     def leaking(self) -> bool:
         """Memory grew by more than ``leak_min_growth`` on every step of a full trend window after grace."""
-        if self.segment_steps <= self.grace_steps or len(self.history) < self.history.maxlen:
+        if self.segment_steps <= self.grace_steps or len(self.history) < self.trend_window:
             return False
         used = [u for _, u in self.history]
         return all(b - a > self.leak_min_growth for a, b in zip(used, used[1:]))
@@ -166,11 +166,11 @@ class MemoryPolicy:
         self.episode.append(action)
 
     def reason(self) -> str:
-        stw = self.steps_to_wall
+        stw, slope = self.steps_to_wall, self.slope
         used = self.history[-1][1] if self.history else 0.0
         text = f"{LEVEL_NAMES[self.level]}: {used / 1024**3:.2f} GB used of a {self.budget / 1024**3:.2f} GB budget"
-        if stw is not None:
-            text += f", wall in {stw:.1f} steps at +{self.slope / 1024**2:.1f} MB/step"
+        if stw is not None and slope is not None:         # a wall is forecast only from a slope
+            text += f", wall in {stw:.1f} steps at +{slope / 1024**2:.1f} MB/step"
         if self.swap_streak:
             text += f", macOS swapping for {self.swap_streak} step(s)"
         return text

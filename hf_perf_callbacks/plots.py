@@ -133,13 +133,17 @@ def step_rates(steps: list[StepLine], period: int = 1) -> tuple[list[int], list[
     generation step), at the cycle's last step."""
     xs, ys = [], []
     period = max(1, int(period or 1))
-    rows = [s for s in steps if s.number(keys.PERF_TOKENS) is not None and train_seconds(s)]
+    rows = []                                    # (step, tokens, training seconds) of the steps that have both
+    for s in steps:
+        tokens, train = s.number(keys.PERF_TOKENS), train_seconds(s)
+        if tokens is not None and train:
+            rows.append((s.step, tokens, train))
     for i in range(0, len(rows) - period + 1, period):
         block = rows[i:i + period]
-        seconds = sum(train_seconds(s) for s in block)
+        seconds = sum(train for _, _, train in block)
         if seconds > 0:
-            xs.append(block[-1].step)
-            ys.append(sum(s.number(keys.PERF_TOKENS) for s in block) / seconds)
+            xs.append(block[-1][0])
+            ys.append(sum(tokens for _, tokens, _ in block) / seconds)
     return xs, ys
 
 
@@ -207,7 +211,7 @@ def plot_memory(fig, data: PlotData) -> str | None:
     budget = number(data.f["budget_gb"])
     lx, ly = data.series(keys.MEM_LIMIT_GB)
     near = budget is not None and budget <= high * NEAR_BUDGET
-    if near:
+    if near and budget is not None:
         if lx:
             ax.plot(lx, ly, lw=1.5, color="tab:red", drawstyle="steps-post", label=f"budget ({budget:.2f} GiB)")
         else:
@@ -218,11 +222,11 @@ def plot_memory(fig, data: PlotData) -> str | None:
         pts = [(s.step, used[s.step]) for s in data.steps if s.number(keys.MEM_PRESSURE) == level and s.step in used]
         if pts:
             ax.scatter(*zip(*pts), color=color, s=30, zorder=3, label=name)
-    acts = [e for e in run_events(data.run)
+    acts = [(e, e.step) for e in run_events(data.run)
             if e.source == "mem" and e.kind in ("action", "stop") and e.step is not None]
-    for i, e in enumerate(acts):
+    for i, (e, step) in enumerate(acts):
         color = "red" if e.kind == "stop" else "purple"
-        _marker(ax, e.step, str(e.details.get("action") or e.kind).replace("_", " "), color, 0.97 - 0.07 * (i % 4))
+        _marker(ax, step, str(e.details.get("action") or e.kind).replace("_", " "), color, 0.97 - 0.07 * (i % 4))
     _mark_resizes(ax, data.split_file.decisions if data.split_file else [], top=0.83)
     ax.set_ylim(max(0.0, low - 0.15 * span), high + 0.3 * span)
     notes = []

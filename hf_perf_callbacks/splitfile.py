@@ -32,6 +32,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from .batching import Split
 from .runlog import SPLIT_FILE, number
@@ -46,7 +47,7 @@ class SplitFileError(ValueError):
     """A split file that does not follow the schema (the message names the field and what it holds)."""
 
 
-def _positive_int(value) -> bool:
+def _positive_int(value) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 

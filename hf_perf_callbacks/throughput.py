@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import psutil
 import torch
@@ -30,7 +32,8 @@ def forward_entry(inner: torch.nn.Module) -> torch.nn.Module:
     stack (``get_decoder()``) where it has one, else ``inner``. peft before 0.21 runs the causal LM as
     ``model.forward(...)``, which skips hooks on the causal LM itself; the causal LM calls its decoder as a module."""
     try:
-        decoder = inner.get_decoder() if callable(getattr(inner, "get_decoder", None)) else None
+        get_decoder = getattr(inner, "get_decoder", None)      # transformers' models have it, a bare Module not
+        decoder = get_decoder() if callable(get_decoder) else None
     except Exception:  # noqa: BLE001 - a model without a separable decoder
         decoder = None
     return decoder if isinstance(decoder, torch.nn.Module) else inner
@@ -186,7 +189,7 @@ class ThroughputMeter(PerfCallback):
         self.machine = MachineLoad()
         self.warned: set[str] = set()
         self._hooks: list = []
-        self._stop_watching_generate = None
+        self._stop_watching_generate: Callable[[], None] | None = None
         self.summary: dict | None = None
 
     # ------------------------------------------------------------ setup
@@ -211,21 +214,21 @@ class ThroughputMeter(PerfCallback):
         self.machine.reset()
         self.timeline.start_segment(self.clock.wall(), self.period, cpu=self.clock.cpu(),
                                     work="cpu" if self.device.type == "cpu" else "wall")
-        self.bus.describe_run(self.source, state.global_step, device=self.device.name,
-                              device_type=self.device.type, world_size=self.world, grpo=self.is_grpo,
-                              token_source=self.token_source, period=self.period, peak_flops=self.run_peak_flops,
-                              peak_bandwidth=self.run_peak_bandwidth, dtype=self.dtype_key,
-                              per_device_train_batch_size=args.per_device_train_batch_size,
-                              gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              max_completion_length=getattr(args, "max_completion_length", None),
-                              num_generations=getattr(args, "num_generations", None),
-                              steps_per_generation=getattr(args, "steps_per_generation", None),
-                              pad_to_multiple_of=getattr(args, "pad_to_multiple_of", None),
-                              temperature=getattr(args, "temperature", None),
-                              use_vllm=getattr(args, "use_vllm", None),
-                              activation_checkpointing=self.recompute, model=self._model_facts(),
-                              dataloader=_dataloader_settings(args), torch_threads=torch.get_num_threads(),
-                              cpu_cores=os.cpu_count())
+        self._bus.describe_run(self.source, state.global_step, device=self.device.name,
+                               device_type=self.device.type, world_size=self.world, grpo=self.is_grpo,
+                               token_source=self.token_source, period=self.period, peak_flops=self.run_peak_flops,
+                               peak_bandwidth=self.run_peak_bandwidth, dtype=self.dtype_key,
+                               per_device_train_batch_size=args.per_device_train_batch_size,
+                               gradient_accumulation_steps=args.gradient_accumulation_steps,
+                               max_completion_length=getattr(args, "max_completion_length", None),
+                               num_generations=getattr(args, "num_generations", None),
+                               steps_per_generation=getattr(args, "steps_per_generation", None),
+                               pad_to_multiple_of=getattr(args, "pad_to_multiple_of", None),
+                               temperature=getattr(args, "temperature", None),
+                               use_vllm=getattr(args, "use_vllm", None),
+                               activation_checkpointing=self.recompute, model=self._model_facts(),
+                               dataloader=_dataloader_settings(args), torch_threads=torch.get_num_threads(),
+                               cpu_cores=os.cpu_count())
 
     def _install(self, model) -> None:
         """A forward pre-hook on the innermost causal LM's decoder stack (training forwards, tokens, decode
@@ -279,7 +282,7 @@ class ThroughputMeter(PerfCallback):
 
     def _model_facts(self) -> dict:
         """What memory and FLOP estimates need from the model config (for the report)."""
-        config = getattr(self.inner, "config", None)
+        config: Any = getattr(self.inner, "config", None)      # a transformers config (or None), read by duck typing
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "vocab_size", "max_position_embeddings")
@@ -343,7 +346,7 @@ class ThroughputMeter(PerfCallback):
 
     # ------------------------------------------------------------ events
     def on_step_begin(self, args, state, control, **kwargs):
-        self.timeline.step_begin(self.clock.wall(), overhead=self.bus.take_overhead())
+        self.timeline.step_begin(self.clock.wall(), overhead=self._bus.take_overhead())
 
     def on_substep_end(self, args, state, control, **kwargs):
         self.microbatches += 1
@@ -375,25 +378,26 @@ class ThroughputMeter(PerfCallback):
             metrics[keys.PERF_PAD_FRACTION] = 1.0 - counts[REAL_POSITIONS] / self.padded_positions
         self._check_duplicates(state.global_step)
         self._check_data_wait(args, state.global_step)
-        self.bus.record_step(state.global_step, {**metrics, **{keys.PERF_PHASE_SEC[p]: getattr(record, p)
-                                                                for p in PHASES},
-                                                keys.PERF_STEP_WALL_SEC: record.wall, keys.PERF_TRAIN_SEC: record.train,
-                                                keys.PERF_TOKENS: tokens, keys.PERF_SEQ_LEN: self.seq_len,
-                                                keys.PERF_STEADY: int(record.steady),
-                                                keys.PERF_FIRST_STEADY_STEP: self.timeline.first_steady_step,
-                                                keys.PERF_EARLY_CONTENTION_SEC: self.timeline.early_contention,
-                                                **self.machine.step_fields(record)})
+        self._bus.record_step(state.global_step, {**metrics, **{keys.PERF_PHASE_SEC[p]: getattr(record, p)
+                                                                 for p in PHASES},
+                                                 keys.PERF_STEP_WALL_SEC: record.wall,
+                                                 keys.PERF_TRAIN_SEC: record.train,
+                                                 keys.PERF_TOKENS: tokens, keys.PERF_SEQ_LEN: self.seq_len,
+                                                 keys.PERF_STEADY: int(record.steady),
+                                                 keys.PERF_FIRST_STEADY_STEP: self.timeline.first_steady_step,
+                                                 keys.PERF_EARLY_CONTENTION_SEC: self.timeline.early_contention,
+                                                 **self.machine.step_fields(record)})
         if control.should_log:   # phase shares over this logging interval
             metrics.update({keys.PERF_PHASE_SHARE[k]: v for k, v in self.timeline.take_window_phases().items()})
-        self.bus.publish(metrics)
+        self._bus.publish(metrics)
         if self.progress_bar and metrics.get(keys.PERF_TOKENS_PER_SEC):
-            self.bus.show_progress(f"tok/s={metrics[keys.PERF_TOKENS_PER_SEC]:.0f}")
+            self._bus.show_progress(f"tok/s={metrics[keys.PERF_TOKENS_PER_SEC]:.0f}")
         self._reset_step_counters()
 
     def on_train_end(self, args, state, control, **kwargs):
         self.summary = self.summarize()
-        self.bus.write_summary(self.source, self.summary)
-        if state.is_world_process_zero and not self.bus.continuing:    # printed once, at the run's end
+        self._bus.write_summary(self.source, self.summary)
+        if state.is_world_process_zero and not self._bus.continuing:    # printed once, at the run's end
             print(self.format_summary())
         self.close()
 

@@ -146,7 +146,8 @@ class StepTimeline:
 
     @property
     def warmup_steps(self) -> int | None:
-        return self.detector.result.warmup_samples * self.period if self.detector.done else None
+        result = self.detector.result
+        return result.warmup_samples * self.period if result is not None else None
 
     @property
     def first_step_slowdown(self) -> float | None:
@@ -220,11 +221,12 @@ class StepTimeline:
         return record
 
     def _close_cycle(self, cycle: list[StepRecord]) -> None:
-        cpu_mode = self.work == "cpu" and all(r.cpu is not None for r in cycle)
+        train_cpu = [c for c in (r.train_cpu for r in cycle) if c is not None]     # None: no CPU reading
+        cpu_mode = self.work == "cpu" and len(train_cpu) == len(cycle)
         if not cpu_mode and self.work == "cpu" and not self.detector.done:
             self.work = "wall"                       # a step without a CPU reading: wall time from here on
         seconds = sum(r.train for r in cycle)
-        sample = sum(r.train_cpu for r in cycle) if cpu_mode else seconds
+        sample = sum(train_cpu) if cpu_mode else seconds
         if self.first_cycle_seconds is None:
             self.first_cycle_seconds = seconds
         if cpu_mode and len(self.segment_cycles) < 1000:
@@ -233,10 +235,12 @@ class StepTimeline:
             self._steady(cycle)
             return
         self.unsettled.append(cycle)
-        if self.detector.add(sample):
+        self.detector.add(sample)
+        result = self.detector.result
+        if result is not None:                       # this cycle completed the warmup detection
             if cpu_mode:
                 self.decided_at = len(self.segment_cycles)
-            settled = self.unsettled[self.detector.result.warmup_samples:]
+            settled = self.unsettled[result.warmup_samples:]
             self.first_steady_step = settled[0][0].step
             for steady in settled:
                 self._steady(steady)
@@ -249,11 +253,13 @@ class StepTimeline:
         when the cycle is a warmup cycle (a steady cycle's is within the steady band: neither), the rest
         contention; recomputed only when a cycle was added."""
         if self._split is None or self._split[0] != len(self.segment_cycles):
+            result = self.detector.result
+            assert result is not None, "called only once warmup was decided (see _cpu_decided)"
             walls, cpus, _ = zip(*self.segment_cycles)
             start = max(0, self.decided_at - self.detector.window)
             levels = (median(walls[start:]), median(cpus[start:]), self.warmup_tolerance)
             slow = classify_slow_steps(walls[:self.decided_at], cpus[:self.decided_at], *levels)
-            warm = self.detector.result.warmup_samples
+            warm = result.warmup_samples
             slow.warmup_sec = classify_slow_steps(walls[:warm], cpus[:warm], *levels).warmup_sec if warm else 0.0
             self._split = (len(self.segment_cycles), slow)
         return self._split[1]
@@ -261,12 +267,13 @@ class StepTimeline:
     def _segment_split(self) -> tuple[float, float]:
         """This segment's (warmup overhead, early contention) in wall seconds: on wall time the detector's overhead
         and no contention; on CPU time the split of :meth:`_early_split`."""
-        if not self.detector.done:
+        result = self.detector.result
+        if result is None:
             return 0.0, 0.0
         if self._cpu_decided:
             slow = self._early_split()
             return slow.warmup_sec, slow.contention_sec
-        return self.detector.result.overhead, 0.0
+        return result.overhead, 0.0
 
     def _segment_contention_steps(self) -> list[int]:
         """This segment's steps in the cycles :meth:`_early_split` labels contention (CPU mode)."""
@@ -319,7 +326,8 @@ class StepTimeline:
 
     # ------------------------------------------------------------ resume
     def export(self) -> dict:
-        warmup = asdict(self.detector.result) if self.detector.done else None
+        result = self.detector.result
+        warmup = asdict(result) if result is not None else None
         return {**{k: getattr(self, k) for k in _TOTALS}, "warmup_overhead": self.warmup_overhead,
                 "early_contention": self.early_contention, "contention_steps": self.contention_steps,
                 "phase_totals": dict(self.phase_totals),

@@ -89,7 +89,9 @@ def make_parser():
         def error(self, message):
             raise RecipeError(message)
 
-    return RecipeParser((RecipeArguments, GRPOConfig, ModelConfig), prog="python -m hf_perf_callbacks.train")
+    # transformers types dataclass_types with DataClassType, a NewType of Any that no real dataclass matches
+    return RecipeParser((RecipeArguments, GRPOConfig, ModelConfig),  # type: ignore[arg-type]
+                        prog="python -m hf_perf_callbacks.train")
 
 
 def launcher_help() -> str:
@@ -294,7 +296,7 @@ def check_batch_geometry(values: Mapping, world_size: int = 1) -> int:
         formula = f"generation_batch_size = {gbs}"
     else:
         steps = spg if spg is not None else accum
-        gbs = Split(micro, accum, steps).generation_batch(world_size)
+        gbs = per_step * steps                           # micro × world × steps (Split.generation_batch)
         what = "steps_per_generation" if spg is not None else "gradient_accumulation_steps"
         formula = (f"generation_batch_size = per_device_train_batch_size ({micro}) × world size ({world_size}) × "
                    f"{what} ({steps}) = {gbs}")
@@ -372,10 +374,10 @@ def split_to_resume(values: Mapping, world_size: int = 1) -> dict | None:
     output_dir = values.get("output_dir")
     if not output_dir or not _resuming(values.get("resume_from_checkpoint")):
         return None
-    sizes = (values.get("per_device_train_batch_size"), values.get("gradient_accumulation_steps"))
-    if not all(isinstance(v, int) and v >= 1 for v in sizes):
+    micro, accum = values.get("per_device_train_batch_size"), values.get("gradient_accumulation_steps")
+    if not (isinstance(micro, int) and micro >= 1 and isinstance(accum, int) and accum >= 1):
         return None                                     # check_recipe names the bad value
-    configured = Split(*sizes, values.get("steps_per_generation") or sizes[1])   # GRPO's default: the accumulation
+    configured = Split(micro, accum, values.get("steps_per_generation") or accum)   # GRPO's default: the accumulation
     generation = values.get("generation_batch_size") or configured.generation_batch(world_size)
     split = split_for_run(output_dir, effective_batch=configured.effective_batch(world_size), world_size=world_size,
                           generation_batch=generation)
@@ -399,7 +401,7 @@ def config_with_split(args, split: Mapping):
 def resolve_checkpoint(resume: str | None, output_dir: str) -> str | None:
     """``--resume_from_checkpoint PATH`` or ``last`` (the newest *complete* ``checkpoint-N`` in ``output_dir``;
     newer incomplete ones are moved aside, see :mod:`hf_perf_callbacks.resize.checkpoints`)."""
-    if not _resuming(resume):
+    if resume is None or not _resuming(resume):
         return None
     if resume == "last":
         from .resize.checkpoints import newest_complete
@@ -659,7 +661,7 @@ def run(recipe: RecipeArguments, training_args, model_args) -> int:
     """Build the trainer from parsed arguments, train, save, report."""
     from trl import GRPOTrainer, get_peft_config
 
-    callbacks = build_callbacks(recipe.callbacks, recipe.callback_kwargs)
+    callbacks = build_callbacks(recipe.callbacks, _as_dict(recipe.callback_kwargs, "callback_kwargs"))
     rewards = resolve_reward_funcs(recipe.reward_funcs, training_args.max_completion_length)
     tokenizer = build_tokenizer(model_args, training_args)
     train_data, eval_data = build_datasets(recipe, training_args.seed,

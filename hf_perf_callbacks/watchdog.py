@@ -113,6 +113,13 @@ class MemoryWatchdog(PerfCallback):
         self.stopped_at: int | None = None
         self.summary: dict | None = None
 
+    @property
+    def _device(self) -> DeviceLayer:
+        """The device watched, set at ``on_train_begin`` (or planted before it by a test)."""
+        if self.device is None:
+            raise RuntimeError("MemoryWatchdog has no device yet: it takes one at on_train_begin")
+        return self.device
+
     def _policy(self, budget: float) -> MemoryPolicy:
         return MemoryPolicy(budget=budget, warn_fraction=self.warn_fraction, grace_steps=self.grace_steps,
                             trend_window=self.trend_window, warn_within_steps=self.warn_within_steps,
@@ -130,9 +137,9 @@ class MemoryWatchdog(PerfCallback):
         self.policy = self._policy(self.budget)
         self.policy.start_segment()
         self.device.reset_peak()
-        self.bus.describe_run(self.source, state.global_step, budget_gb=self.budget / GB,
-                              device_limit_gb=(sample.device_limit or 0) / GB,
-                              system_total_gb=sample.system_total / GB)
+        self._bus.describe_run(self.source, state.global_step, budget_gb=self.budget / GB,
+                               device_limit_gb=(sample.device_limit or 0) / GB,
+                               system_total_gb=sample.system_total / GB)
 
     def budget_bytes(self, device: DeviceLayer, sample=None) -> float:
         """The budget in bytes on ``device`` (:func:`~hf_perf_callbacks.memory.budget_bytes` of its limits)."""
@@ -146,7 +153,7 @@ class MemoryWatchdog(PerfCallback):
         obs, fields = self._observe(step)
         self.policy.observe(obs)
         self.high_water = max(self.high_water, obs.used)
-        can_shrink = self.bus.has_subscribers(SIGNAL_SMALLER_BATCH)
+        can_shrink = self._bus.has_subscribers(SIGNAL_SMALLER_BATCH)
         decision = None
         for _ in range(3):                                          # clear → re-sample → maybe the next rung
             action = self.policy.next_action(can_shrink)
@@ -165,41 +172,44 @@ class MemoryWatchdog(PerfCallback):
         decision, any_critical = self._agree(decision, self.policy.level == CRITICAL)
         if decision == SMALLER_BATCH:
             self._act(step, SMALLER_BATCH, "asked for a smaller micro-batch: " + self.policy.reason())
-            accepted = any(self.bus.signal(SIGNAL_SMALLER_BATCH, reason=self.policy.reason(), step=step,
-                                           control=control))
+            accepted = any(self._bus.signal(SIGNAL_SMALLER_BATCH, reason=self.policy.reason(), step=step,
+                                            control=control))
             if not accepted and any_critical:   # nobody can shrink (the same answer on every rank)
                 decision = STOP
         if decision == STOP:
             self._stop(args, state, control, follower=local != STOP and local != SMALLER_BATCH)
-        if self.policy.leaking and not self.policy.leak_reported:
+        slope = self.policy.slope                   # None before the trend window holds 3 steps (a leak needs it full)
+        if self.policy.leaking and slope is not None and not self.policy.leak_reported:
             self.policy.leak_reported = True
             self.warn(f"memory grew on each of the last {self.policy.trend_window} steps "
-                      f"(+{self.policy.slope / 1024**2:.1f} MB/step): a steady leak, e.g. tensors kept across "
+                      f"(+{slope / 1024**2:.1f} MB/step): a steady leak, e.g. tensors kept across "
                       f"steps (a loss appended without .item(), a growing cache)", step=step)
         fields[keys.MEM_PRESSURE] = self.policy.level
         fields.update(wall_fields(self.policy.forecast(), state.max_steps - step if state.max_steps > 0 else None))
         # a forecast of an earlier step must not reach this step's log
-        self.bus.withdraw(*(key for key in WALL_KEYS if key not in fields))
-        if self.policy.slope is not None:
-            fields[keys.MEM_GROWTH_MB_PER_STEP] = self.policy.slope / 1024**2
-        self.bus.record_step(step, fields)
-        self.bus.publish(fields)
-        self.device.reset_peak()
+        self._bus.withdraw(*(key for key in WALL_KEYS if key not in fields))
+        if slope is not None:
+            fields[keys.MEM_GROWTH_MB_PER_STEP] = slope / 1024**2
+        self._bus.record_step(step, fields)
+        self._bus.publish(fields)
+        self._device.reset_peak()
 
     def _observe(self, step: int, resample: bool = False) -> tuple[Observation, dict]:
-        sample = self.device.memory()
-        # after a clear the high-water mark is history: what is allocated now counts
-        used = float(sample.allocated if resample and sample.peak is not None else sample.used)
+        sample = self._device.memory()
+        if resample and sample.peak is not None and sample.allocated is not None:
+            used = float(sample.allocated)      # after a clear the high-water mark is history: what is allocated counts
+        else:
+            used = float(sample.used)
         retries = None
         if sample.alloc_retries is not None:
             if self._previous_retries is not None and not resample:
                 retries = sample.alloc_retries - self._previous_retries
             self._previous_retries = sample.alloc_retries
         os_level = swapouts = None
-        fields = {keys.MEM_DEVICE_USED_GB: used / GB, keys.MEM_LIMIT_GB: self.budget / GB,
-                  keys.MEM_PEAK_GB: max(self.high_water, used) / GB,
-                  keys.MEM_SYSTEM_AVAILABLE_GB: sample.system_available / GB,
-                  keys.MEM_SWAP_USED_GB: sample.swap_used / GB}
+        fields: dict[str, float | None] = {keys.MEM_DEVICE_USED_GB: used / GB, keys.MEM_LIMIT_GB: self.budget / GB,
+                                           keys.MEM_PEAK_GB: max(self.high_water, used) / GB,
+                                           keys.MEM_SYSTEM_AVAILABLE_GB: sample.system_available / GB,
+                                           keys.MEM_SWAP_USED_GB: sample.swap_used / GB}
         if sample.allocated is not None:
             fields[keys.MEM_ALLOCATED_GB] = sample.allocated / GB
         if sample.reserved is not None:
@@ -223,7 +233,7 @@ class MemoryWatchdog(PerfCallback):
     def _mac_sample(self):
         """macOS signals; a reader that fails is dropped with one warning (the device figures still work)."""
         try:
-            return self.device.mac.sample()
+            return self._device.mac.sample()
         except Exception as error:  # noqa: BLE001
             self.on_mac = False
             self.warn(f"macOS pressure signals unavailable ({type(error).__name__}: {error}); watching device "
@@ -237,13 +247,13 @@ class MemoryWatchdog(PerfCallback):
         if self.world == 1:
             return decision, critical
         rank_of = {None: 0.0, SMALLER_BATCH: 1.0, STOP: 2.0}
-        rows = gather_floats([rank_of[decision], float(critical)], self.device.device)
+        rows = gather_floats([rank_of[decision], float(critical)], self._device.device)
         return {0: None, 1: SMALLER_BATCH, 2: STOP}[int(max(r[0] for r in rows))], max(r[1] for r in rows) > 0
 
     def _clear(self, step: int) -> None:
-        answers = self.bus.signal(SIGNAL_CLEAR, reason=self.policy.reason(), step=step)
+        answers = self._bus.signal(SIGNAL_CLEAR, reason=self.policy.reason(), step=step)
         if not answers:                       # no clearer attached: do the cheap part ourselves
-            self.device.empty_cache()
+            self._device.empty_cache()
         self._act(step, CLEAR, "cleared caches: " + self.policy.reason())
 
     def _stop(self, args, state, control, follower: bool = False) -> None:
@@ -256,7 +266,7 @@ class MemoryWatchdog(PerfCallback):
         control.should_training_stop = True
         self.stopped_at = state.global_step
         checkpoint = f"{args.output_dir}/checkpoint-{state.global_step}"
-        tuning = self.bus.tuning
+        tuning = self._bus.tuning
         resume = (f"train_with_tuning(trainer, resume_from_checkpoint='{checkpoint}')"
                   if tuning is not None and tuning.managed else f"trainer.train(resume_from_checkpoint='{checkpoint}')")
         self._act(state.global_step, STOP,
@@ -267,19 +277,21 @@ class MemoryWatchdog(PerfCallback):
 
     def _act(self, step: int, action: str, message: str, kind: str = "action") -> None:
         self.actions.append({"step": step, "action": action, "message": message})
-        self.bus.event(self.source, kind, message, step=step, action=action,
-                       level=LEVEL_NAMES[self.policy.level], steps_to_wall=self.policy.steps_to_wall)
+        self._bus.event(self.source, kind, message, step=step, action=action,
+                        level=LEVEL_NAMES[self.policy.level], steps_to_wall=self.policy.steps_to_wall)
 
     # ------------------------------------------------------------ end
     def on_train_end(self, args, state, control, **kwargs):
         self.summary = {"high_water_gb": self.high_water / GB, "budget_gb": self.budget / GB,
                         "actions": list(self.actions), "stopped_at": self.stopped_at}
-        self.bus.write_summary(self.source, self.summary)
-        if state.is_world_process_zero and not self.bus.continuing:    # printed once, at the run's end
+        self._bus.write_summary(self.source, self.summary)
+        if state.is_world_process_zero and not self._bus.continuing:    # printed once, at the run's end
             print(self.format_summary())
 
     def format_summary(self) -> str:
         s = self.summary
+        if s is None:
+            raise RuntimeError("MemoryWatchdog has no summary yet: it writes one at on_train_end")
         lines = ["== MemoryWatchdog summary ==",
                  f"high-water mark: {s['high_water_gb']:.2f} GB of a {s['budget_gb']:.2f} GB budget "
                  f"({s['high_water_gb'] / s['budget_gb']:.0%})"]

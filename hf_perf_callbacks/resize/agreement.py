@@ -63,7 +63,7 @@ class OOMAgreement:
         site = int(max(r[0] for r in rows))
         return (None if site < 0 else site), min(r[1] for r in rows) > 0, max(r[2] for r in rows) > 0
 
-    def check(self, *_) -> None:
+    def check(self, *_args) -> None:
         """Before a collective of the step: leave the step if another rank ran out of memory or failed."""
         if self.inside and not self.exchanging:
             site, _, failed = self.exchange(None, False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from .. import adapter
 from .. import runlog as keys
@@ -85,7 +86,7 @@ class AdaptiveBatchTuner(PerfCallback):
         self.in_optimizer_step = False
         self.measuring = False
         self.generation = adapter.GenerationClock(self.clock.wall)
-        self._stop_watching = None
+        self._stop_watching: Callable[[], None] | None = None
         self._started: float | None = None
 
     # ------------------------------------------------------------ events
@@ -95,9 +96,9 @@ class AdaptiveBatchTuner(PerfCallback):
                       "tuner stays off. Turn auto_find_batch_size off to let the tuner keep the batch exact.")
             self.disabled = True
             return
-        self.session = self._session(args, state)
+        self.session = self._open_session(args, state)
         self.world = world_size()
-        self.bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
+        self._bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
         self.in_optimizer_step = False
         if current_split(args) != self.session.split:  # args changed by hand between train() calls: they rule
             self.session.split = current_split(args)
@@ -116,15 +117,22 @@ class AdaptiveBatchTuner(PerfCallback):
 
     def _tuning_done(self, step: int) -> None:
         """Record the tuning once it finished (and print its evidence once)."""
-        tuning = self.session.tuning
-        if tuning.done is not None and not tuning.recorded:
-            decision = self.session.record_tuning(step)
-            if self.bus.is_main and decision is not None:
+        tuning = self._session.tuning
+        if tuning is not None and tuning.done is not None and not tuning.recorded:
+            decision = self._session.record_tuning(step)
+            if self._bus.is_main and decision is not None:
                 print(format_tuning(decision))
 
-    def _session(self, args, state) -> TuningSession:
+    @property
+    def _session(self) -> TuningSession:
+        """The run's tuning session, opened at ``on_train_begin`` (the events after it may use it)."""
+        if self.session is None:
+            raise RuntimeError("AdaptiveBatchTuner has no tuning session yet: it opens one at on_train_begin")
+        return self.session
+
+    def _open_session(self, args, state) -> TuningSession:
         """The run's tuning session: train_with_tuning's (on the bus), or one of the tuner's own."""
-        session = self.bus.tuning
+        session = self._bus.tuning
         if session is not None and session.output_dir == args.output_dir:
             return session
         session = TuningSession(args, bus=self.bus)
@@ -135,12 +143,12 @@ class AdaptiveBatchTuner(PerfCallback):
         return session
 
     def on_epoch_begin(self, args, state, control, **kwargs):
-        if self.session.managed and float(state.epoch or 0).is_integer():   # an epoch's start, not a resume within it
-            self.session.note_rng(state.global_step, epoch_start=True)
+        if self._session.managed and float(state.epoch or 0).is_integer():  # an epoch's start, not a resume within it
+            self._session.note_rng(state.global_step, epoch_start=True)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if self.session.managed:                         # the RNG a checkpoint of the last step must hold
-            self.session.note_rng(state.global_step)
+        if self._session.managed:                        # the RNG a checkpoint of the last step must hold
+            self._session.note_rng(state.global_step)
         if self.measuring:
             self.device.synchronize()
             self._started = self.clock.wall()
@@ -154,42 +162,44 @@ class AdaptiveBatchTuner(PerfCallback):
 
     def on_save(self, args, state, control, **kwargs):
         """transformers wrote checkpoint-N (on_save follows a whole _save_checkpoint): this run's, if complete."""
-        self.session.record_written(state.global_step)
+        self._session.record_written(state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs):
-        session, step = self.session, state.global_step
+        session, step = self._session, state.global_step
         last = session.decisions[-1] if session.decisions else None
-        if last is not None and last.kind in ("oom", "watchdog") and last.recovery_sec is None and step > last.step:
+        if (last is not None and last.kind in ("oom", "watchdog") and last.recovery_sec is None and step > last.step
+                and last.time is not None):                     # a split file's decision may not hold its time
             last.recovery_sec = time.time() - last.time           # from the decision to the next completed step
             session.persist()
         split = session.ran = session.split
         fields = {keys.TUNER_MICRO_BATCH: split.micro_batch, keys.TUNER_GRAD_ACCUM: split.grad_accum,
                   keys.TUNER_EFFECTIVE_BATCH: split.effective_batch(self.world), keys.TUNER_RESIZES: session.resizes}
-        self.bus.record_step(step, fields)
-        self.bus.publish(fields)
+        self._bus.record_step(step, fields)
+        self._bus.publish(fields)
         if self.measuring and self._started is not None:
-            self._measure(args, step, control)
+            self._measure(args, step, control, self._started)
 
-    def _measure(self, args, step: int, control) -> None:
+    def _measure(self, args, step: int, control, started: float) -> None:
         self.device.synchronize()
-        whole = self.clock.wall() - self._started
+        whole = self.clock.wall() - started
         ranked = whole if self.rank_by == "step" else max(0.0, whole - self.generation.seconds)
         used, limit = self._memory()
         rows = gather_floats([ranked, whole, used, limit], self.device.device)     # every rank judges alike
         ranked, whole = max(r[0] for r in rows), max(r[1] for r in rows)
         fits = all(r[2] <= r[3] for r in rows)
-        tuning = self.session.tuning
+        tuning = self._session.tuning
+        assert tuning is not None, "measuring starts only with a tuning to measure for (on_train_begin)"
         action = tuning.observe(step, ranked, whole, peak_gb=max(r[2] for r in rows) / GB, fits=fits)
         if isinstance(action, Switch):
-            self.session.request_switch(action.split, action.why)
-            self.bus.continuing = True
+            self._session.request_switch(action.split, action.why)
+            self._bus.continuing = True
             control.should_training_stop = True
         self._tuning_done(step)
 
     def _memory(self) -> tuple[float, float]:
         """(bytes used this step, the budget): the watchdog's figures of this step when it is attached (it owns
         them), else the device's reading and the default budget."""
-        values = self.bus.step_line.values if self.bus.step_line is not None else {}
+        values = self._bus.step_line.values if self._bus.step_line is not None else {}
         used, limit = values.get(keys.MEM_DEVICE_USED_GB), values.get(keys.MEM_LIMIT_GB)
         if used is not None and limit is not None:
             return used * GB, limit * GB
@@ -199,7 +209,7 @@ class AdaptiveBatchTuner(PerfCallback):
 
     def _on_smaller_batch(self, reason: str, step: int, control=None, **_) -> bool:
         """The watchdog asks for a smaller micro-batch: plan it, checkpoint now and stop this train() call."""
-        session = self.session
+        session = self._session
         if session.switch is not None or control is None:
             return session.switch is not None
         try:
@@ -209,7 +219,7 @@ class AdaptiveBatchTuner(PerfCallback):
         session.end_tuning(step, "memory pressure ended the tuning")
         session.decide("watchdog", reason, new, step)
         session.request_switch(new, "the watchdog asked for a smaller micro-batch")
-        self.bus.continuing = session.managed
+        self._bus.continuing = session.managed
         control.should_save = True
         control.should_training_stop = True
         return True
@@ -218,12 +228,12 @@ class AdaptiveBatchTuner(PerfCallback):
         if self._stop_watching is not None:
             self._stop_watching()
             self._stop_watching = None
-        session = self.session
-        if self.measuring and not self.bus.continuing:           # the run ended before the tuning did
+        session = self._session
+        if self.measuring and not self._bus.continuing:           # the run ended before the tuning did
             session.end_tuning(state.global_step, "the run ended before the tuning did")
-        self.bus.write_summary(self.source, {"split": session.split.as_args(), "session": session.id,
-                                             "decisions": len(session.decisions)})
-        if not state.is_world_process_zero or self.bus.continuing:
+        self._bus.write_summary(self.source, {"split": session.split.as_args(), "session": session.id,
+                                              "decisions": len(session.decisions)})
+        if not state.is_world_process_zero or self._bus.continuing:
             return
         if session.decisions:
             print(format_summary(session))

@@ -59,9 +59,12 @@ def estimated_peak(trainer, device_type: str) -> float | None:
         weight = next(p for p in inner.parameters() if not p.requires_grad) if peft else next(inner.parameters())
         dtype_bytes = 2 if (args.bf16 or args.fp16) else weight.element_size()
         split = current_split(args)
+        generation_batch = split.generation_batch(world_size())
+        if generation_batch is None:                    # no steps_per_generation: no generation batch to size
+            return None
         return estimate_grpo_memory(
             facts, micro_batch=split.micro_batch, num_generations=args.num_generations,
-            generation_batch=split.generation_batch(world_size()), prompt_tokens=_longest_prompt_tokens(trainer),
+            generation_batch=generation_batch, prompt_tokens=_longest_prompt_tokens(trainer),
             max_completion_length=args.max_completion_length, dtype_bytes=dtype_bytes,
             lora_params=sum(p.numel() for p in model.parameters() if p.requires_grad) if peft else 0,
             activation_checkpointing=bool(getattr(args, "activation_checkpointing", False)

@@ -39,15 +39,16 @@ def oom_site(error: BaseException, trainer) -> int:
     """The site of ``error`` (an out-of-memory error) in ``trainer``'s step: see the module docstring."""
     rewards = list(getattr(trainer, "reward_funcs", None) or [])
     seen: set[int] = set()
-    while error is not None and id(error) not in seen:      # the error, then what it was raised from
-        seen.add(id(error))
-        for frame, _ in traceback.walk_tb(error.__traceback__):
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:  # the error, then what it was raised from
+        seen.add(id(current))
+        for frame, _ in traceback.walk_tb(current.__traceback__):
             for index, func in enumerate(rewards):
                 if _runs(frame, func):
                     return REWARD + index
             if str(frame.f_globals.get("__name__", "")).startswith(GENERATION_MODULES):
                 return GENERATION
-        error = error.__cause__ or error.__context__
+        current = current.__cause__ or current.__context__
     return MICRO_BATCH
 
 

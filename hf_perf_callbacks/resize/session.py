@@ -30,12 +30,17 @@ import logging
 import shutil
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from .. import adapter
 from ..batching import Split
 from ..device import is_main_process, rng_state, world_size
 from ..splitfile import Decision, SplitFile, WrittenCheckpoint, read_split_file
 from .checkpoints import checkpoint_dir, fingerprint, has_training_state, is_complete
+
+if TYPE_CHECKING:
+    from ..bus import RunBus
+    from .tuning import OnRunTuning
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -49,7 +54,7 @@ def current_split(args) -> Split:
 class TuningSession:
     """See the module docstring."""
 
-    def __init__(self, args, bus=None, session_id: str | None = None):
+    def __init__(self, args, bus: RunBus | None = None, session_id: str | None = None):
         self.id = session_id or uuid.uuid4().hex[:12]
         self.args = args                        # the trainer's args (the split is written there by apply)
         self.output_dir = args.output_dir
@@ -65,7 +70,7 @@ class TuningSession:
         self.saved_complete: set[int] = set()   # steps of the checkpoints the session saved itself (complete)
         self.ended: str | None = None
         self.managed = False                    # train_with_tuning drives the run (acts on switches)
-        self.tuning = None                      # the tuning on the run's own steps (resize.tuning.OnRunTuning)
+        self.tuning: OnRunTuning | None = None  # the tuning on the run's own steps
         self.warned: set[str] = set()
         self.next_rng: tuple[int, tuple] | None = None   # (step, the RNG the step after it starts from)
         self.ran: Split | None = None           # the split of the last completed optimizer step

@@ -208,7 +208,7 @@ class OnRunTuning:
         candidate.p_value, candidate.gain, faster = judge(candidate.samples, base.samples, ALPHA / self.max_rounds)
         self.rounds += 1
         if faster:
-            return self._keep(step)
+            return self._keep(step, self.candidate)
         if self.rounds >= self.max_rounds:
             return self._leave(step, f"{self.candidate} not faster beyond the noise in {self.rounds} round(s)")
         if not self._affordable(step):
@@ -216,8 +216,7 @@ class OnRunTuning:
                                      f"pay back")
         return self._switch(self.baseline, "measuring the baseline again (interleaved)")
 
-    def _keep(self, step: int) -> Switch | Finished:
-        kept = self.candidate
+    def _keep(self, step: int, kept: Split) -> Switch | Finished:
         if self.walk == "larger":                  # the largest faster split that fits: the walk up ends
             self.kept_larger = True
             self.larger = []
@@ -309,7 +308,7 @@ class OnRunTuning:
     def _cannot_pay_note(self, step: int) -> str:
         left = self._steps_left_after_round(step)
         base = median(self.trials[self.baseline].samples)
-        if left is None:
+        if left is None or self.planned is None:   # one is None when the other is
             return "the run's length is unknown: no trial can be weighed against its pay-back"
         if left <= 0:
             return (f"too short to pay back: a round takes {2 * self._trial_steps()} steps and "

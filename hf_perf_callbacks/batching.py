@@ -34,7 +34,7 @@ class Split:
             return None
         return self.micro_batch * world_size * self.steps_per_generation
 
-    def as_args(self) -> dict:
+    def as_args(self) -> dict[str, int]:
         """The split as the trainer arguments that set it."""
         return {"per_device_train_batch_size": self.micro_batch, "gradient_accumulation_steps": self.grad_accum,
                 **({"steps_per_generation": self.steps_per_generation} if self.steps_per_generation else {})}

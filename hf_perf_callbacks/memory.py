@@ -67,13 +67,13 @@ class MemoryPolicy:
     stop_within_steps: float = 3
     leak_min_growth: float = 1024**2
     level: int = OK
-    history: deque = field(default_factory=deque)
+    history: deque[tuple[int, float]] = field(default_factory=deque)   # (step, used bytes)
     swap_streak: int = 0
     segment_steps: int = 0
-    episode: list = field(default_factory=list)
+    episode: list[str] = field(default_factory=list)
     leak_reported: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_number("budget", self.budget, low=0, low_open=True)
         check_number("warn_fraction", self.warn_fraction, low=0, high=1, low_open=True)
         check_number("hysteresis", self.hysteresis, low=0, high=0.5)
@@ -190,7 +190,7 @@ class ClearSchedule:
     min_freed: float = 0.1 * 1024**3
     last_clear_step: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_number("min_interval", self.min_interval, low=1, integer=True)
         check_number("max_interval", self.max_interval, low=self.min_interval, integer=True)
         check_number("interval_steps", self.interval, low=self.min_interval, high=self.max_interval, integer=True)

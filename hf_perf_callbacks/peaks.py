@@ -206,7 +206,7 @@ _DTYPE_KEYS = {
 }
 
 
-def dtype_key(dtype) -> str:
+def dtype_key(dtype: object) -> str:
     """Table key for a torch dtype or a dtype string: torch.bfloat16 / "bfloat16" / "bf16" -> "bf16", etc."""
     if isinstance(dtype, str):
         text = dtype.strip().lower()

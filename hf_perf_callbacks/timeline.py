@@ -50,7 +50,9 @@ early contention           CPU mode: the excess wall time of the cycles up to th
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from .runlog import PHASES
 from .stats import SlowStart, WarmupDetector, WindowedRate, classify_slow_steps, median
@@ -325,7 +327,8 @@ class StepTimeline:
         return _shares(self.phase_totals)
 
     # ------------------------------------------------------------ resume
-    def export(self) -> dict:
+    def export(self) -> dict[str, Any]:
+        """The counters a resume restores (JSON-serialisable: saved in the checkpoint's trainer state)."""
         result = self.detector.result
         warmup = asdict(result) if result is not None else None
         return {**{k: getattr(self, k) for k in _TOTALS}, "warmup_overhead": self.warmup_overhead,
@@ -333,7 +336,7 @@ class StepTimeline:
                 "phase_totals": dict(self.phase_totals),
                 "last_warmup": warmup}
 
-    def load(self, saved: dict) -> None:
+    def load(self, saved: Mapping[str, Any]) -> None:
         for key in _TOTALS:
             if key in saved:
                 setattr(self, key, saved[key])

@@ -4,6 +4,7 @@ wording per fact, so that no two of them describe one figure differently. Pure: 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 #: what each phase of a step's wall time is, in words (keys: :data:`hf_perf_callbacks.runlog.PHASES`)
 PHASE_WORDS = {"data_wait": "waiting for data", "generation": "generation", "compute": "forward/backward/optimizer",
@@ -13,13 +14,13 @@ PHASE_WORDS = {"data_wait": "waiting for data", "generation": "generation", "com
 THROUGHPUT_BASIS = "tokens per second of training time (evaluation and saving excluded)"
 
 
-def _number(value) -> float | None:
+def _number(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)
 
 
-def split_label(split) -> str:
+def split_label(split: object) -> str:
     """``8×1`` for a split (a :class:`~hf_perf_callbacks.batching.Split`, or a mapping with ``micro_batch`` and
     ``grad_accum`` or the training-argument names); a string as it is; ``?`` for None or anything else."""
     if isinstance(split, str):
@@ -32,7 +33,7 @@ def split_label(split) -> str:
     return f"{micro}×{accum}" if micro is not None and accum is not None else "?"
 
 
-def warmup_words(steps, slowdown, overhead=None) -> str:
+def warmup_words(steps: object, slowdown: object, overhead: object = None) -> str:
     """What the warmup figures say, without contradicting themselves: ``steps`` of warmup (0: none beyond the first
     step; None: warmup has not finished), the first step's ``slowdown`` against the steady step (below 1: later
     steps slowed, not warmup) and the ``overhead`` seconds above steady time."""
@@ -56,7 +57,8 @@ def warmup_words(steps, slowdown, overhead=None) -> str:
     return "; ".join(parts)
 
 
-def warmup_line(done, steps, slowdown, overhead, run_steps, contention_sec=None) -> str:
+def warmup_line(done: object, steps: object, slowdown: object, overhead: object, run_steps: object,
+                contention_sec: object = None) -> str:
     """The summary's warmup line (console and report): :func:`warmup_words` once warmup has finished, else how many
     steps ran without it finishing; the slow early steps the meter put down to other processes when there were."""
     if not done:
@@ -71,9 +73,9 @@ def warmup_line(done, steps, slowdown, overhead, run_steps, contention_sec=None)
     return text
 
 
-def throughput_line(steady_tokens_per_sec, steady_step_sec, mean_tokens_per_sec) -> str:
+def throughput_line(steady_tokens_per_sec: object, steady_step_sec: object, mean_tokens_per_sec: object) -> str:
     """The summary's throughput line (console and report): the steady figure with its step time, and the mean."""
-    def num(value, spec):
+    def num(value: object, spec: str) -> str:
         v = _number(value)
         return format(v, spec) if v is not None else "n/a"
 
@@ -83,8 +85,9 @@ def throughput_line(steady_tokens_per_sec, steady_step_sec, mean_tokens_per_sec)
     return text + f"   (mean incl. warmup {num(mean_tokens_per_sec, ',.0f')})"
 
 
-def phase_line(phases: dict) -> str:
+def phase_line(phases: Mapping[str, object]) -> str:
     """The summary's time-split line (console and report): each phase with time, in words, as a share of the wall
     time."""
-    shares = [(PHASE_WORDS.get(k, k), v) for k, v in phases.items() if _number(v) and v > 0]
+    numbers = [(k, _number(v)) for k, v in phases.items()]
+    shares = [(PHASE_WORDS.get(k, k), v) for k, v in numbers if v is not None and v > 0]
     return "time split: " + (", ".join(f"{name} {v:.1%}" for name, v in shares) or "n/a")

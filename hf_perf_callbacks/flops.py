@@ -14,6 +14,7 @@ Conventions (the PaLM appendix-B accounting, which Lightning and nanoGPT use too
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .validation import check_number
 
@@ -57,7 +58,7 @@ def train_flops_per_token(shape: ModelShape, seq_len: float, recompute: bool = F
     return model, model + (forward if recompute else 0.0)
 
 
-def shape_of(model) -> ModelShape:
+def shape_of(model: Any) -> ModelShape:
     """Read a ``ModelShape`` off a torch model (a PEFT model works: LoRA layers are ``nn.Linear``).
 
     Matmul parameters are the weights of ``nn.Linear`` modules (and GPT-2 style ``Conv1D``); they are frozen or
@@ -82,7 +83,8 @@ def shape_of(model) -> ModelShape:
     return ModelShape(frozen, trainable, layers, int(heads * head_dim))
 
 
-def _text_config(model):
+def _text_config(model: Any) -> Any:
+    """The model's (text) config, or None: duck-typed, no transformers import."""
     config = getattr(model, "config", None)
     if config is None and hasattr(model, "get_base_model"):
         config = getattr(model.get_base_model(), "config", None)
@@ -91,7 +93,8 @@ def _text_config(model):
     return config
 
 
-def _first(config, *names, default):
+def _first(config: object, *names: str, default: int | None) -> Any:
+    """The first of the config attributes ``names`` that is set (an untyped config value), else ``default``."""
     for name in names:
         value = getattr(config, name, None)
         if value is not None:

@@ -31,6 +31,9 @@ figure                    definition
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from . import runlog as keys
 from .runlog import PHASES, EventLine, RunLog, StepLine, number
 from .stats import median, quantile
@@ -81,7 +84,7 @@ def run_events(run: RunLog) -> list[EventLine]:
     return sorted(events, key=lambda e: e.step if e.step is not None else -1)
 
 
-def figures(run: RunLog) -> dict:
+def figures(run: RunLog) -> dict[str, Any]:
     """The headline numbers (see the module docstring): from the summaries when the run finished, else from the
     step lines."""
     steps = run.unique_steps()
@@ -102,11 +105,11 @@ def figures(run: RunLog) -> dict:
             if v is not None]
     cache_events = [e for e in run.events if e.source == "cache"]
 
-    def pick(summary: dict, key: str, fallback):
+    def pick(summary: Mapping[str, Any], key: str, fallback: object) -> object:
         value = summary.get(key)
         return value if value is not None else fallback
 
-    def meter(summary_key: str, step_key: str, by_definition=None):
+    def meter(summary_key: str, step_key: str, by_definition: float | None = None) -> object:
         """The meter's figure: its summary's, else the latest step line's (a killed run), else (a log of an earlier
         version without that key) computed from the step lines by its definition."""
         if perf:
@@ -153,11 +156,11 @@ def figures(run: RunLog) -> dict:
     }
 
 
-def completion_stats(history: list[dict]) -> dict:
+def completion_stats(history: list[dict[str, Any]]) -> dict[str, float | None]:
     """GRPO completion lengths over the run's logs (``log_history``): mean of the logged mean lengths, the longest
     completion, the 90th percentile of the per-log longest, the mean clipped ratio and the number of logs. The report's
     summary line and the analysis both cite these (one clipped share in one report)."""
-    def values(key):
+    def values(key: str) -> list[float]:
         return [float(h[key]) for h in history if number(h.get(key)) is not None and not isinstance(h[key], bool)]
 
     means, maxes, clipped = (values(k) for k in ("completions/mean_length", "completions/max_length",

@@ -46,7 +46,7 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, TextIO
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -134,7 +134,7 @@ class ReportError(ValueError):
     """The run directory cannot be reported on (missing, or without a readable perf log)."""
 
 
-def number(value) -> float | None:
+def number(value: object) -> float | None:
     """A logged value as a finite float, else None (bools count as 0/1)."""
     if isinstance(value, bool):
         return float(value)
@@ -172,18 +172,18 @@ class RunHeader:
     temperature: float | None = None
     use_vllm: bool | None = None
     activation_checkpointing: bool | None = None
-    model: dict = field(default_factory=dict)
-    dataloader: dict = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+    dataloader: dict[str, Any] = field(default_factory=dict)
     torch_threads: int | None = None      # torch.get_num_threads() of the training process
     cpu_cores: int | None = None          # os.cpu_count(): logical cores of the machine
     # MemoryWatchdog
     budget_gb: float | None = None
     device_limit_gb: float | None = None
     system_total_gb: float | None = None
-    extra: dict = field(default_factory=dict)             # fields this version does not know
-    malformed: dict = field(default_factory=dict)         # known fields of another type (another writer): unset
+    extra: dict[str, Any] = field(default_factory=dict)   # fields this version does not know
+    malformed: dict[str, Any] = field(default_factory=dict)   # known fields of another type (another writer): unset
 
-    def describe(self, source: str, **facts) -> None:
+    def describe(self, source: str, **facts: object) -> None:
         """Add a callback's facts; an unknown fact name is a ``ValueError`` naming it and the allowed names."""
         unknown = set(facts) - _FACTS
         if unknown:
@@ -205,8 +205,8 @@ class RunHeader:
             elif value not in (None, {}) and f.name not in ("session", "resumed_from_step", "time"):
                 setattr(self, f.name, value)
 
-    def to_json(self) -> dict:
-        out = {"type": "run"}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": "run"}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name in ("extra", "malformed"):
@@ -216,7 +216,7 @@ class RunHeader:
         return out
 
     @classmethod
-    def from_json(cls, entry: dict) -> RunHeader:
+    def from_json(cls, entry: dict[str, Any]) -> RunHeader:
         """The header of a parsed line. A known field whose value is not of its type (a newer or older writer: a
         string where a number belongs, a list where a mapping does) is kept in ``malformed`` and reads as unset."""
         known = {k: v for k, v in entry.items() if k in _HEADER_FIELDS and k not in _OWN_FIELDS}
@@ -224,7 +224,7 @@ class RunHeader:
         sources = ([str(s) for s in sources] if isinstance(sources, list)
                    else [str(entry["source"])] if "source" in entry else [])
         extra = {k: v for k, v in entry.items() if k not in _HEADER_FIELDS and k not in ("type", "source")}
-        malformed = {}
+        malformed: dict[str, Any] = {}
         for name, value in list(known.items()):
             ok, typed = conform(value, HEADER_KINDS[name])
             if ok:
@@ -242,7 +242,7 @@ _FACTS = _HEADER_FIELDS - {"session", "resumed_from_step", "time", *_OWN_FIELDS}
 HEADER_KINDS = {f.name: str(f.type).split(" |")[0].split("[")[0] for f in dataclasses.fields(RunHeader)}
 
 
-def conform(value, kind: str) -> tuple[bool, object]:
+def conform(value: object, kind: str) -> tuple[bool, object]:
     """(True, ``value`` as ``kind``) when it is None or of that kind — ``"int"`` (an integral finite number, not a
     bool), ``"float"`` (a finite number, not a bool), ``"bool"`` (true/false or 0/1), ``"str"``, ``"dict"``,
     ``"list"``, ``"any"`` — else (False, None): the typed accessor of a logged field."""
@@ -265,20 +265,20 @@ class StepLine:
 
     step: int
     time: float | None = None
-    values: dict = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
 
-    def get(self, key: str, default=None):
+    def get(self, key: str, default: Any = None) -> Any:
         return self.values.get(key, default)
 
     def number(self, key: str) -> float | None:
         """The value of ``key`` as a finite float, else None."""
         return number(self.values.get(key))
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"type": "step", "step": self.step, "time": self.time, **self.values}
 
     @classmethod
-    def from_json(cls, entry: dict) -> StepLine | None:
+    def from_json(cls, entry: dict[str, Any]) -> StepLine | None:
         step = number(entry.get("step"))
         if step is None:
             return None
@@ -295,15 +295,15 @@ class EventLine:
     message: str
     step: int | None = None
     time: float | None = None
-    details: dict = field(default_factory=dict)   # e.g. action, level, old_split/new_split, freed_gb
+    details: dict[str, Any] = field(default_factory=dict)   # e.g. action, level, old_split/new_split, freed_gb
     step_inferred: bool = field(default=False, compare=False)   # the reader set ``step`` from the line's position
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"type": "event", "source": self.source, "kind": self.kind, "step": self.step,
                 "message": self.message, **self.details, "time": self.time}
 
     @classmethod
-    def from_json(cls, entry: dict) -> EventLine:
+    def from_json(cls, entry: dict[str, Any]) -> EventLine:
         details = {k: v for k, v in entry.items() if k not in ("type", "source", "kind", "message", "step", "time")}
         step = number(entry.get("step"))
         return cls(str(entry.get("source", "?")), str(entry.get("kind", "?")), str(entry.get("message", "")),
@@ -329,17 +329,18 @@ class SummaryLine:
     older writer) reads as absent and is kept in ``malformed``."""
 
     source: str
-    values: dict = field(default_factory=dict)
-    malformed: dict = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    malformed: dict[str, Any] = field(default_factory=dict)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"type": "summary", "source": self.source, **self.values, **self.malformed}
 
     @classmethod
-    def from_json(cls, entry: dict) -> SummaryLine:
+    def from_json(cls, entry: dict[str, Any]) -> SummaryLine:
         source = str(entry.get("source"))
         kinds = SUMMARY_KINDS.get(source, {})
-        values, malformed = {}, {}
+        values: dict[str, Any] = {}
+        malformed: dict[str, Any] = {}
         for k, v in entry.items():
             if k in ("type", "source"):
                 continue
@@ -354,9 +355,11 @@ class SummaryLine:
 Record = RunHeader | StepLine | EventLine | SummaryLine
 
 
-def parse_record(entry) -> Record | None:
+def parse_record(entry: object) -> Record | None:
     """The typed record of one parsed JSON line; None when it is none of the four."""
-    kind = entry.get("type") if isinstance(entry, dict) else None
+    if not isinstance(entry, dict):
+        return None
+    kind = entry.get("type")
     if kind == "run":
         return RunHeader.from_json(entry)
     if kind == "step":
@@ -419,7 +422,7 @@ class LogWriter:
     """Appends records to ``<output_dir>/perf_log.jsonl``. A failed write (full disk, read-only directory) logs one
     warning per file and training goes on; later writes are tried again, silently."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.failed: set[str] = set()
 
     def append(self, output_dir: str | None, record: Record) -> bool:
@@ -440,7 +443,7 @@ class LogWriter:
         return True
 
 
-def _jsonable(value):
+def _jsonable(value: object) -> object:
     if hasattr(value, "item"):          # a 0-d tensor or numpy scalar
         return value.item()
     return str(value)
@@ -458,7 +461,7 @@ class RunLog:
     steps: list[StepLine] = field(default_factory=list)
     events: list[EventLine] = field(default_factory=list)
     summaries: dict[str, SummaryLine] = field(default_factory=dict)
-    log_history: list[dict] = field(default_factory=list)
+    log_history: list[dict[str, Any]] = field(default_factory=list)
     skipped_lines: int = 0
     replaced_runs: int = 0          # earlier runs started afresh in the same output_dir, dropped
 
@@ -467,7 +470,7 @@ class RunLog:
         by_step = {s.step: s for s in self.steps}
         return [by_step[k] for k in sorted(by_step)]
 
-    def summary(self, source: str) -> dict:
+    def summary(self, source: str) -> dict[str, Any]:
         """The summary of ``source`` ("perf", "mem", "cache", "tuner"), or {} when none was written."""
         found = self.summaries.get(source)
         return found.values if found else {}
@@ -479,7 +482,7 @@ class RunLog:
                 return h
         return RunHeader()
 
-    def latest_log_history(self) -> list[dict]:
+    def latest_log_history(self) -> list[dict[str, Any]]:
         """``log_history`` of ``trainer_state.json``, else of the latest checkpoint's (a run killed before it saved
         its final state)."""
         if self.log_history:
@@ -543,7 +546,7 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
     return run
 
 
-def read_run(output_dir) -> RunLog:
+def read_run(output_dir: str | os.PathLike[str]) -> RunLog:
     """Read ``OUTPUT_DIR/perf_log.jsonl`` and ``trainer_state.json`` (when present). Raises :class:`ReportError`
     (a ``ValueError``) when ``output_dir`` is not a directory, has no perf log, or the log holds nothing readable."""
     output_dir = os.fspath(output_dir)
@@ -567,7 +570,7 @@ def read_run(output_dir) -> RunLog:
     return run
 
 
-def _read_log_history(path: str) -> list[dict] | None:
+def _read_log_history(path: str) -> list[dict[str, Any]] | None:
     try:
         with open(path, encoding="utf-8") as f:
             history = json.load(f).get("log_history", [])

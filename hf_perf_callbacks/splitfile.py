@@ -32,7 +32,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import TypeGuard
+from typing import Any, TypedDict, TypeGuard, TypeVar
 
 from .batching import Split
 from .runlog import SPLIT_FILE, number
@@ -42,23 +42,25 @@ logger = logging.getLogger("hf_perf_callbacks")
 
 VERSION = 2
 
+_T = TypeVar("_T")
+
 
 class SplitFileError(ValueError):
     """A split file that does not follow the schema (the message names the field and what it holds)."""
 
 
-def _positive_int(value) -> TypeGuard[int]:
+def _positive_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def split_to_json(split: Split) -> dict:
+def split_to_json(split: Split) -> dict[str, int]:
     out = {"micro_batch": split.micro_batch, "grad_accum": split.grad_accum}
     if split.steps_per_generation is not None:
         out["steps_per_generation"] = split.steps_per_generation
     return out
 
 
-def split_from_json(value, where: str) -> Split:
+def split_from_json(value: object, where: str) -> Split:
     """A :class:`Split` from its JSON form (field names; a version-1 file's argument names are read too)."""
     if not isinstance(value, dict):
         raise SplitFileError(f"{where} is {type(value).__name__}, not a mapping of micro_batch and grad_accum")
@@ -71,26 +73,33 @@ def split_from_json(value, where: str) -> Split:
     return Split(micro, accum, spg)
 
 
-def _floats(value, where: str) -> list[float]:
+def _floats(value: object, where: str) -> list[float]:
     if not isinstance(value, list) or any(number(v) is None for v in value):
         raise SplitFileError(f"{where} is {value!r}: expected a list of numbers")
     return [float(v) for v in value]
 
 
-def _ints(value, where: str) -> list[int]:
+def _ints(value: object, where: str) -> list[int]:
     if not isinstance(value, list) or any(not isinstance(v, int) or isinstance(v, bool) for v in value):
         raise SplitFileError(f"{where} is {value!r}: expected a list of integers")
     return list(value)
 
 
-def _optional(value, kind, where: str):
-    """``value`` when it is None or of ``kind`` (numbers: any finite int or float), else a SplitFileError."""
+def _optional_number(value: object, where: str) -> float | None:
+    """``value`` as a float when it is None or a finite int or float (not a bool), else a SplitFileError."""
     if value is None:
         return None
-    if kind is float:
-        if number(value) is None or isinstance(value, bool):
-            raise SplitFileError(f"{where} is {value!r}: expected a number or null")
-        return float(value)
+    v = number(value)
+    if v is None or isinstance(value, bool):
+        raise SplitFileError(f"{where} is {value!r}: expected a number or null")
+    return v
+
+
+def _optional(value: object, kind: type[_T], where: str) -> _T | None:
+    """``value`` when it is None or of ``kind`` (``int``: not a bool), else a SplitFileError; numbers:
+    :func:`_optional_number`."""
+    if value is None:
+        return None
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise SplitFileError(f"{where} is {value!r}: expected {kind.__name__} or null")
     return value
@@ -125,16 +134,17 @@ class Trial:
     def step_median(self) -> float | None:
         return median(self.step_samples) if self.step_samples else None
 
-    def to_json(self) -> dict:
-        out = {"split": split_to_json(self.split), "samples": self.samples, "step_samples": self.step_samples,
-               "steps": self.steps, "peak_gb": self.peak_gb, "fits": self.fits, "error": self.error,
-               "cost_sec": self.cost_sec, "p_value": self.p_value, "gain": self.gain}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "split": split_to_json(self.split), "samples": self.samples, "step_samples": self.step_samples,
+            "steps": self.steps, "peak_gb": self.peak_gb, "fits": self.fits, "error": self.error,
+            "cost_sec": self.cost_sec, "p_value": self.p_value, "gain": self.gain}
         if self.samples:
             out["median"] = self.median
         return out
 
     @classmethod
-    def from_json(cls, entry, where: str = "trial") -> Trial:
+    def from_json(cls, entry: object, where: str = "trial") -> Trial:
         if not isinstance(entry, dict):
             raise SplitFileError(f"{where} is {type(entry).__name__}, not a mapping")
         fits = entry.get("fits", True)
@@ -144,11 +154,11 @@ class Trial:
                    samples=_floats(entry.get("samples", []), f"{where}.samples"),
                    step_samples=_floats(entry.get("step_samples", []), f"{where}.step_samples"),
                    steps=_ints(entry.get("steps", []), f"{where}.steps"),
-                   peak_gb=_optional(entry.get("peak_gb"), float, f"{where}.peak_gb"), fits=fits,
+                   peak_gb=_optional_number(entry.get("peak_gb"), f"{where}.peak_gb"), fits=fits,
                    error=_optional(entry.get("error"), str, f"{where}.error"),
-                   cost_sec=_optional(entry.get("cost_sec"), float, f"{where}.cost_sec") or 0.0,
-                   p_value=_optional(entry.get("p_value"), float, f"{where}.p_value"),
-                   gain=_optional(entry.get("gain"), float, f"{where}.gain"))
+                   cost_sec=_optional_number(entry.get("cost_sec"), f"{where}.cost_sec") or 0.0,
+                   p_value=_optional_number(entry.get("p_value"), f"{where}.p_value"),
+                   gain=_optional_number(entry.get("gain"), f"{where}.gain"))
 
 
 #: the kinds of decision: ``tune`` (a split measured on the run's own steps kept or left), ``memory_check`` (the
@@ -183,13 +193,13 @@ class Decision:
         cost = f"; cost {self.cost_sec:.1f} s" if self.cost_sec else ""
         return f"{what[self.kind]} at step {self.step}: {change} ({self.reason}{cost})"
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out.update(old=split_to_json(self.old), new=split_to_json(self.new), trials=[t.to_json() for t in self.trials])
         return out
 
     @classmethod
-    def from_json(cls, entry, where: str = "decision") -> Decision:
+    def from_json(cls, entry: object, where: str = "decision") -> Decision:
         if not isinstance(entry, dict):
             raise SplitFileError(f"{where} is {type(entry).__name__}, not a mapping")
         kind, step = entry.get("kind"), entry.get("step")
@@ -203,14 +213,14 @@ class Decision:
         return cls(kind=kind, step=step, reason=str(entry.get("reason", "")),
                    old=split_from_json(entry.get("old"), f"{where}.old"),
                    new=split_from_json(entry.get("new"), f"{where}.new"),
-                   time=_optional(entry.get("time"), float, f"{where}.time"),
+                   time=_optional_number(entry.get("time"), f"{where}.time"),
                    checkpoint=_optional(entry.get("checkpoint"), str, f"{where}.checkpoint"),
-                   recovery_sec=_optional(entry.get("recovery_sec"), float, f"{where}.recovery_sec"),
+                   recovery_sec=_optional_number(entry.get("recovery_sec"), f"{where}.recovery_sec"),
                    trials=[Trial.from_json(t, f"{where}.trials[{i}]") for i, t in enumerate(trials)],
-                   cost_sec=_optional(entry.get("cost_sec"), float, f"{where}.cost_sec"),
-                   expected_gain_sec=_optional(entry.get("expected_gain_sec"), float, f"{where}.expected_gain_sec"),
+                   cost_sec=_optional_number(entry.get("cost_sec"), f"{where}.cost_sec"),
+                   expected_gain_sec=_optional_number(entry.get("expected_gain_sec"), f"{where}.expected_gain_sec"),
                    planned_steps=_optional(entry.get("planned_steps"), int, f"{where}.planned_steps"),
-                   budget_gb=_optional(entry.get("budget_gb"), float, f"{where}.budget_gb"),
+                   budget_gb=_optional_number(entry.get("budget_gb"), f"{where}.budget_gb"),
                    rule=_optional(entry.get("rule"), str, f"{where}.rule"))
 
 
@@ -221,11 +231,11 @@ class WrittenCheckpoint:
     step: int
     fingerprint: str
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "fingerprint": self.fingerprint}
 
     @classmethod
-    def from_json(cls, entry, where: str = "written") -> WrittenCheckpoint:
+    def from_json(cls, entry: object, where: str = "written") -> WrittenCheckpoint:
         if not isinstance(entry, dict) or not isinstance(entry.get("step"), int) \
                 or not isinstance(entry.get("fingerprint"), str):
             raise SplitFileError(f"{where} is {entry!r}: expected {{'step': int, 'fingerprint': str}}")
@@ -245,14 +255,14 @@ class SplitFile:
     ended: str | None = None
     version: int = VERSION
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"version": self.version, "session": self.session, "world_size": self.world_size,
                 "configured": split_to_json(self.configured), "split": split_to_json(self.split),
                 "written": [w.to_json() for w in self.written], "decisions": [d.to_json() for d in self.decisions],
                 "ended": self.ended}
 
     @classmethod
-    def from_json(cls, entry) -> SplitFile:
+    def from_json(cls, entry: object) -> SplitFile:
         if not isinstance(entry, dict):
             raise SplitFileError(f"expected a JSON object, found {type(entry).__name__}")
         session, world = entry.get("session"), entry.get("world_size")
@@ -342,8 +352,17 @@ def split_for_run(output_dir: str, *, effective_batch: int, world_size: int,
     return record.split
 
 
-def run_geometry(args, world_size: int) -> dict:
-    """The keyword arguments of :func:`split_for_run` for a trainer's args (as configured, before any re-size)."""
+class RunGeometry(TypedDict):
+    """The keyword arguments of :func:`split_for_run`."""
+
+    effective_batch: int
+    world_size: int
+    generation_batch: int | None
+
+
+def run_geometry(args: Any, world_size: int) -> RunGeometry:
+    """The keyword arguments of :func:`split_for_run` for a trainer's args (as configured, before any re-size;
+    ``args``: a ``TrainingArguments`` or a GRPO config, read by attribute: no transformers import)."""
     effective = Split(args.per_device_train_batch_size, args.gradient_accumulation_steps).effective_batch(world_size)
     generation = getattr(args, "generation_batch_size", None) if hasattr(args, "num_generations") else None
     return {"effective_batch": effective, "world_size": world_size, "generation_batch": generation}

@@ -236,7 +236,8 @@ class WrittenCheckpoint:
 
     @classmethod
     def from_json(cls, entry: object, where: str = "written") -> WrittenCheckpoint:
-        if not isinstance(entry, dict) or not isinstance(entry.get("step"), int) \
+        step = entry.get("step") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict) or not isinstance(step, int) or isinstance(step, bool) or step < 0 \
                 or not isinstance(entry.get("fingerprint"), str):
             raise SplitFileError(f"{where} is {entry!r}: expected {{'step': int, 'fingerprint': str}}")
         return cls(entry["step"], entry["fingerprint"])

@@ -135,3 +135,13 @@ def test_a_second_process_in_the_same_output_dir_is_refused_naming_the_first(tok
     trainer = make_trainer(tokenizer, tmp_path, [ThroughputMeter()], max_steps=1)
     trainer.train()                                      # the lock died with its process
     assert trainer.state.global_step == 1
+
+
+@pytest.mark.parametrize("step", [True, -1, 2.5, "4", None])
+def test_a_written_checkpoint_whose_step_is_not_a_step_is_malformed(step):
+    # a bool is an int to isinstance: a hand-edited `"step": true` must not read as checkpoint-1
+    from hf_perf_callbacks.splitfile import SplitFileError, WrittenCheckpoint
+
+    assert WrittenCheckpoint.from_json({"step": 4, "fingerprint": "ab"}) == WrittenCheckpoint(4, "ab")
+    with pytest.raises(SplitFileError, match="expected"):
+        WrittenCheckpoint.from_json({"step": step, "fingerprint": "ab"})

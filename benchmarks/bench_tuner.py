@@ -235,6 +235,8 @@ def main():
         a.split = [4, 1]
     if a.tiny and a.split == [4, 8]:
         a.split = [4, 2]
+    if (a.smoke or a.tiny) and a.rival == [32, 1]:
+        a.rival = [2, 2] if a.smoke else [8, 1]    # the next exact split of the CPU demos' effective batch
     settings = vars(a).copy()
     if a.part == "sweep":
         write_result("tuner_sweep" + ("_cpu" if a.smoke else ""), {"sweep": sweep(a), "settings": settings})

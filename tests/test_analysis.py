@@ -322,7 +322,7 @@ def test_small_micro_batch_keeps_an_explicit_generation_batch():
 
 
 def test_small_micro_batch_with_the_tuner_attached_asks_for_train_with_tuning():
-    # seen: "Attach AdaptiveBatchTuner()" on a run that had it attached with --probe false
+    # seen: "Attach AdaptiveBatchTuner()" on a run that had it attached with tuning off
     f = only(healthy(micro_batch=2, grad_accum=4, mfu=0.05, tuner_attached=True))
     assert "attach" not in f.recommendation.lower() and "`train_with_tuning(trainer)`" in f.recommendation
     assert "`AdaptiveBatchTuner(tune=True)`" in f.recommendation

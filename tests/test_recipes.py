@@ -215,10 +215,10 @@ def check_trained(out, name, world_size=1) -> list[dict]:
     from hf_perf_callbacks.runlog import read_run
 
     assert read_run(out).header().launcher == "hf-perf train"        # the report words its advice as recipe keys
-    probed = os.path.exists(os.path.join(out, "tuner_split.json"))
+    recorded = os.path.exists(os.path.join(out, "tuner_split.json"))
     if name == FULL:
         assert os.path.exists(os.path.join(out, "perf_report.md"))
-        assert probed and read_split_file(out).decisions[0].kind == "tune"          # two steps: too short to tune
+        assert recorded and read_split_file(out).decisions[0].kind == "tune"          # two steps: too short to tune
     else:
         assert not os.path.exists(os.path.join(out, "perf_report.md"))
     return steps

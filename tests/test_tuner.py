@@ -26,7 +26,7 @@ MPS_OOM = "MPS backend out of memory (MPS allocated: 17.80 GB, other allocations
 
 class PlantedOOM(TrainerCallback):
     """Raises an OOM from the forward pass of micro-batches larger than ``limit`` once ``armed_at`` steps ran
-    (hooked on the model when :meth:`attach` is called, so the probe meets it too): the training forward, its
+    (hooked on the model when :meth:`attach` is called, so the memory check meets it too): the training forward, its
     backward (``in_backward``) or the no-grad forwards of generation (``in_generation``); ``once``: one OOM only."""
 
     def __init__(self, limit, text, armed_at=0, in_backward=False, in_generation=False, once=False):

@@ -81,7 +81,7 @@ def _isolate_faults(name: str, method):
                     self.ended_step = state.global_step
                 if name in BETWEEN_STEPS:
                     bus.add_overhead(self.clock.wall() - started)
-        except Exception as error:
+        except Exception as error:                      # a callback must never take training down
             self.disabled = True
             logger.warning("%s disabled after an internal error in %s: %s: %s. Training continues without it.",
                            type(self).__name__, name, type(error).__name__, error, exc_info=True)

@@ -119,7 +119,7 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
             adapter.rearm_jit_checkpoint(trainer)
             try:
                 output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
-            except (Exception, KeyboardInterrupt) as error:
+            except (Exception, KeyboardInterrupt) as error:          # OOMs re-size, the rest is re-raised
                 sharding.raise_oom(sharded, error)  # FSDP: the other ranks wait in FSDP's collectives
                 if max_resizes == 0 or not isinstance(error, Exception) or not recoverable(error):
                     if max_resizes > 0:

@@ -167,7 +167,7 @@ def _step(trainer, session: TuningSession, split: Split, device: DeviceLayer, bu
     error = None
     try:
         trainer.train()
-    except Exception as raised:
+    except Exception as raised:             # only an out-of-memory error is a finding of the check
         if not recoverable(raised):
             raise
         error = f"out of memory: {error_line(raised)[:120]}"

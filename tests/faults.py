@@ -14,6 +14,8 @@ import os
 import torch
 from transformers import TrainerCallback
 
+from hf_perf_callbacks.throughput import forward_entry
+
 CUDA_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.10 GiB total capacity)"
 
 #: the files of a checkpoint a save:<file> phase can cut short
@@ -77,8 +79,8 @@ class Fault(TrainerCallback):
         inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         if self.phase == "backward":
             inner.model.layers[0].register_full_backward_hook(self._backward)
-        else:
-            inner.register_forward_pre_hook(self._forward, with_kwargs=True)
+        else:                 # where every forward enters through __call__ (peft < 0.21 calls the causal LM's forward)
+            forward_entry(inner).register_forward_pre_hook(self._forward, with_kwargs=True)
         return trainer
 
     def _backward(self, module, grad_in, grad_out):
@@ -180,8 +182,6 @@ class SampleRecorder(TrainerCallback):
         self.step = 0
 
     def attach(self, trainer):
-        from hf_perf_callbacks.throughput import forward_entry
-
         inner = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
         forward_entry(inner).register_forward_pre_hook(self.record, with_kwargs=True)
         return trainer

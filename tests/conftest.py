@@ -169,3 +169,22 @@ def demo_run(_demo_run_once, tmp_path_factory):
     copy = str(tmp_path_factory.mktemp("demo_run") / "run")
     shutil.copytree(_demo_run_once, copy)
     return copy
+
+
+def schema_lines(records) -> str:
+    """Hand-made run-log records (a run no machine here can make: MPS, two CUDA ranks) as the run log's own writer
+    classes write them: each parsed into its typed record and written back by ``to_json``; a run-header fact the
+    schema does not know (a renamed field) fails here instead of reaching the reader as an unknown extra."""
+    import json
+
+    from hf_perf_callbacks.runlog import RunHeader, parse_record
+
+    out = []
+    for entry in records:
+        record = parse_record(entry)
+        assert record is not None, f"not a run-log record: {entry!r}"
+        if isinstance(record, RunHeader):
+            assert not record.extra and not record.malformed, \
+                f"run facts the schema does not know: {sorted(record.extra) + sorted(record.malformed)}"
+        out.append(json.dumps(record.to_json()) + "\n")
+    return "".join(out)

@@ -25,6 +25,7 @@ from hf_perf_callbacks.analysis import (
 from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.runlog import ReportError, read_run
 from hf_perf_callbacks.splitfile import Decision, SplitFile, Trial
+from tests.conftest import schema_lines
 
 QWEN_3B = {"num_hidden_layers": 36, "hidden_size": 2048, "intermediate_size": 11008, "num_attention_heads": 16,
            "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 151936, "params": 3_090_000_000,
@@ -507,16 +508,21 @@ def test_rules_list_is_complete_and_pure():
 
 
 def _write_run(tmp_path, steps, state=True):
-    run = {"type": "run", "source": "perf", "device": "Apple M3 Max", "device_type": "mps", "world_size": 1,
-           "grpo": True, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
-           "max_completion_length": 512, "num_generations": 2, "activation_checkpointing": False,
-           "model": QWEN_3B, "dataloader": {"num_workers": 0, "persistent_workers": False,
-                                            "prefetch_factor": None, "pin_memory": False}}
-    lines = [run, {"type": "run", "source": "mem", "budget_gb": 38.0, "device_limit_gb": 40.0,
-                   "system_total_gb": 48.0}]
-    lines += steps
-    lines.append({"type": "event", "source": "mem", "kind": "action", "step": 5, "message": "cleared caches",
-                  "action": "clear_cache"})
+    """An MPS run's log (no machine here has MPS), its records built by the run log's own writer classes: a renamed
+    or unknown header fact raises here, a renamed step key leaves the reader's figures empty."""
+    from hf_perf_callbacks.runlog import EventLine, RunHeader, StepLine
+
+    header = RunHeader(session="synthetic")
+    header.describe("perf", device="Apple M3 Max", device_type="mps", world_size=1, grpo=True,
+                    per_device_train_batch_size=2, gradient_accumulation_steps=1, max_completion_length=512,
+                    num_generations=2, activation_checkpointing=False, model=QWEN_3B,
+                    dataloader={"num_workers": 0, "persistent_workers": False, "prefetch_factor": None,
+                                "pin_memory": False})
+    header.describe("mem", budget_gb=38.0, device_limit_gb=40.0, system_total_gb=48.0)
+    lines = [header.to_json()]
+    lines += [StepLine(step["step"], None, {k: v for k, v in step.items() if k not in ("type", "step")}).to_json()
+              for step in steps]
+    lines.append(EventLine("mem", "action", "cleared caches", step=5, details={"action": "clear_cache"}).to_json())
     with open(tmp_path / "perf_log.jsonl", "w") as fh:
         fh.write("\n".join(json.dumps(line) for line in lines) + "\n{truncated")
     if state:
@@ -597,7 +603,7 @@ def test_a_killed_resumed_session_ignores_the_earlier_summary_and_repeated_steps
     for s in rerun:
         s["perf/phase_sec/generation"] = 10.0                   # the re-run lines differ from the first ones
     with open(tmp_path / "perf_log.jsonl", "a") as fh:
-        fh.write("\n" + "\n".join(json.dumps(line) for line in session2 + rerun) + "\n")
+        fh.write("\n" + schema_lines(session2 + rerun))
     m = measurements_from_run(str(tmp_path))
     assert m.steps == 6 and m.mfu is None
     assert m.steady_step_sec == pytest.approx(40 + 20 * 4.5)      # steady steps 3..6, once each
@@ -829,7 +835,10 @@ def test_the_tuners_record_is_read_through_its_schema(tmp_path):
     _write_run(tmp_path, _steps(4), state=False)
     trials = [Trial(Split(2, 1), samples=[1.0, 1.1, 1.05], steps=[1, 2, 3]),
               Trial(Split(1, 2), samples=[1.3, 1.2, 1.25], steps=[4, 5, 6], p_value=0.05, gain=-0.19)]
-    split_file = SplitFile(session="s", world_size=1, configured=Split(2, 1), split=Split(1, 2), decisions=[
+    from hf_perf_callbacks.runlog import read_run
+
+    session = read_run(str(tmp_path)).header().session               # this run's record, not another's
+    split_file = SplitFile(session=session, world_size=1, configured=Split(2, 1), split=Split(1, 2), decisions=[
         tune_decision(old=(2, 1), new=(2, 1), trials=trials),
         Decision(kind="oom", step=5, reason="out of memory", old=Split(2, 1), new=Split(1, 2))])
     split_file.write(str(tmp_path))

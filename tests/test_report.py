@@ -11,6 +11,7 @@ from hf_perf_callbacks.plots import write_plots
 from hf_perf_callbacks.report import summarize
 from hf_perf_callbacks.run_report import report_command
 from hf_perf_callbacks.runlog import PERF_LOG, ReportError, read_run
+from tests.conftest import schema_lines
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -160,8 +161,7 @@ def synthetic_log(path, steps=30):
             entries.append({"type": "event", "source": "mem", "kind": "stop", "step": 20, "action": "stop",
                             "message": "stopped training at step 20", "level": "critical"})
     with open(path, "w", encoding="utf-8") as f:
-        for e in entries:
-            f.write(json.dumps(e) + "\n")
+        f.write(schema_lines(entries))
         f.write('{"type": "step", "step": 31, "perf/tok')            # killed mid-line
 
 
@@ -199,7 +199,7 @@ def test_plots_skip_absent_data(tmp_path):
     lines += [{"type": "step", "step": s, "mem/device_used_gb": 2.0 + s / 10, "mem/limit_gb": 8.0} for s in range(1, 6)]
     lines += [{"type": "summary", "source": "mem", "high_water_gb": 2.5, "budget_gb": 8.0,
                "actions": [{"step": 3, "action": "clear_cache", "message": "cleared caches"}], "stopped_at": None}]
-    (tmp_path / PERF_LOG).write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / PERF_LOG).write_text(schema_lines(lines))
     run = read_run(str(tmp_path))
     text = summarize(run)
     assert "no ThroughputMeter data" in text
@@ -217,7 +217,7 @@ def test_completion_line_and_the_analysis_cite_the_same_clipped_share(tmp_path):
     lines = [{"type": "run", "source": "perf", "device_type": "cpu", "world_size": 1, "grpo": True,
               "max_completion_length": 16, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4,
               "num_generations": 4}, {"type": "step", "step": 1, "perf/tokens": 10.0, "perf/step_wall_sec": 1.0}]
-    (tmp_path / PERF_LOG).write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / PERF_LOG).write_text(schema_lines(lines))
     logs = [{"step": s, "completions/mean_length": 15.0, "completions/max_length": 16.0,
              "completions/clipped_ratio": r} for s, r in enumerate((1.0, 1.0, 0.75, 0.75), 1)]
     (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": logs}))
@@ -233,7 +233,7 @@ def test_a_warning_before_the_first_header_is_kept_and_no_earlier_run_is_claimed
     lines = [{"type": "event", "source": "perf", "kind": "warning", "step": 0, "message": "MFU omitted: no peak"},
              {"type": "run", "source": "perf", "session": "s1", "resumed_from_step": 0, "device_type": "cpu"},
              {"type": "step", "step": 1, "perf/tokens": 10.0, "perf/step_wall_sec": 1.0}]
-    (tmp_path / PERF_LOG).write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / PERF_LOG).write_text(schema_lines(lines))
     run = read_run(str(tmp_path))
     text = summarize(run)
     assert run.replaced_runs == 0 and "earlier run" not in text
@@ -252,6 +252,6 @@ def test_summary_warmup_line_never_contradicts_itself(tmp_path, warmup, slowdown
               "perf/tokens_per_sec": 10.0},
              {"type": "summary", "source": "perf", "steps": 1, "warmup_done": True, "warmup_steps": warmup,
               "first_step_slowdown": slowdown, "warmup_overhead_sec": 0.5}]
-    (tmp_path / PERF_LOG).write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / PERF_LOG).write_text(schema_lines(lines))
     text = summarize(read_run(str(tmp_path)))
     assert says in text and never not in text

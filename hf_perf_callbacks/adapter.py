@@ -35,10 +35,18 @@ TRL ``GRPOTrainer._step``, ``_buffered_inputs``,  the generation buffer and metr
 ``torch.distributed`` collectives, process-wide   TRL's reward and metric gathers run through accelerate into
                                                   these functions; no hook runs before a collective of the
                                                   default group (DDP comm hooks see only gradient buckets)
+FSDP2's iteration state (torch < 2.13, where      an OOM that aborted FSDP2's forward or backward leaves
+``FSDPModule.reset_iter_state`` does not exist)   parameters unsharded and per-iteration trackers set; torch
+                                                  2.13 resets them publicly, older releases only by hand
+``FullyShardedDataParallelPlugin`` as             accelerate wraps a model for FSDP2 in ``prepare`` only; a
+``Accelerator.prepare`` reads it                  second ``train()`` in one process prepares the wrapped model
+                                                  again and fails looking up its layer classes by name (FSDP2
+                                                  renamed them ``FSDP<Layer>``) or checkpoints them twice
 ================================================  ==============================================================
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import signal
@@ -46,7 +54,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 import torch
@@ -240,9 +248,12 @@ class GenerationClock:
 
 # ---------------------------------------------------------------- collectives
 #: the ``torch.distributed`` collectives that :func:`intercept_collectives` sees
-COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
-               "all_to_all_single", "barrier", "broadcast", "broadcast_object_list", "gather", "gather_object",
-               "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list")
+#: (``all_gather_single`` and ``reduce_scatter_single``: FSDP2's own in torch 2.13; ``all_gather_into_tensor`` and
+#: ``reduce_scatter_tensor`` before)
+COLLECTIVES = ("all_gather", "all_gather_coalesced", "all_gather_into_tensor", "all_gather_object",
+               "all_gather_single", "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_single", "barrier",
+               "broadcast", "broadcast_object_list", "gather", "gather_object", "reduce", "reduce_scatter",
+               "reduce_scatter_single", "reduce_scatter_tensor", "scatter", "scatter_object_list")
 
 
 def intercept_collectives(before: Callable[[], None], failed: Callable[[], None]) -> Callable[[], None]:
@@ -276,3 +287,95 @@ def intercept_collectives(before: Callable[[], None], failed: Callable[[], None]
         originals.clear()
 
     return undo
+
+
+# ---------------------------------------------------------------- FSDP2
+def fsdp2_root(model) -> torch.nn.Module | None:
+    """The outermost module FSDP2's ``fully_shard`` wrapped in ``model`` (the root FSDP module), or None."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:                     # a torch without distributed support
+        return None
+    return next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
+
+
+def reset_fsdp_iteration(model) -> bool:
+    """After an exception aborted FSDP2's forward or backward: reshard every parameter group and clear the
+    iteration's trackers on this rank, so that the next forward starts clean (no collective: every rank does it on
+    its own). torch ≥ 2.13: the public ``FSDPModule.reset_iter_state``; older: the same steps on FSDP2's state.
+    False when ``model`` holds no FSDP2 module."""
+    root = fsdp2_root(model)
+    if root is None:
+        return False
+    state = root._get_fsdp_state()
+    reset = getattr(root, "reset_iter_state", None)
+    if reset is not None:
+        reset()
+    else:
+        _reset_fsdp_state(state)
+    for group in _fsdp_param_groups(state):     # gradients of the aborted backward not yet reduce-scattered: the
+        for param in group.fsdp_params:         # next backward would add to them (reset_iter_state keeps them)
+            unsharded = getattr(param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+            param.unsharded_accumulated_grad = None
+    return True
+
+
+def _fsdp_param_groups(root_state) -> list:
+    """Every FSDP2 parameter group under a root state (torch 2.13: ``_fsdp_param_groups`` per state; earlier one
+    ``_fsdp_param_group``)."""
+    groups = []
+    for each in root_state._state_ctx.all_states:
+        found = getattr(each, "_fsdp_param_groups", None)
+        if found is None:
+            group = getattr(each, "_fsdp_param_group", None)
+            found = [group] if group is not None else []
+        groups.extend(found)
+    return groups
+
+
+def _reset_fsdp_state(state) -> None:
+    """``FSDPModule.reset_iter_state`` for a torch without it (before 2.13), on the root's state."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    comm = getattr(state, "_comm_ctx", None)
+    if comm is not None:
+        comm.all_gather_state = None
+        for name in ("reduce_scatter_states", "post_forward_order"):
+            getattr(comm, name, []).clear()
+        if getattr(comm, "reduce_scatter_state", None) is not None:
+            comm.reduce_scatter_state = None
+    for each in state._state_ctx.all_states:
+        getattr(each, "_modules_to_run_forward", set()).clear()
+        each._training_state = TrainingState.IDLE
+    for group in _fsdp_param_groups(state):
+        group._all_gather_result = None
+        for name in ("_post_reduce_event", "_all_reduce_state", "_partial_reduce_output",
+                     "_reshard_after_forward_event"):
+            if hasattr(group, name):
+                setattr(group, name, None)
+        group._training_state = TrainingState.IDLE
+        group._to_sharded()
+    state._state_ctx.iter_forward_root = None
+    state._state_ctx.post_backward_final_callback_queued = False
+
+
+@contextlib.contextmanager
+def fsdp2_prepared_again(trainer) -> Iterator[None]:
+    """Let ``train()`` prepare a model that FSDP2 already wrapped (an in-process resume): accelerate's
+    ``prepare`` then takes the model as it is — ``fsdp2_prepare_model`` returns a wrapped model unchanged, but the
+    layer-class lookup before it (``set_auto_wrap_policy``: FSDP2 renamed the classes ``FSDP<Layer>``) and
+    FSDP's activation checkpointing (already applied) would run again — and only the new optimizer is prepared."""
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "fsdp_plugin", None)
+    if plugin is None or fsdp2_root(trainer.model) is None:
+        yield
+        return
+    checkpointing = plugin.activation_checkpointing
+    plugin.activation_checkpointing = False
+    plugin.set_auto_wrap_policy = lambda model: None       # instance attribute: shadows the method for this call
+    try:
+        yield
+    finally:
+        del plugin.set_auto_wrap_policy
+        plugin.activation_checkpointing = checkpointing

@@ -209,3 +209,29 @@ def test_the_readme_reproducer_of_the_upstream_keyerror_still_reproduces_it(tmp_
     monkeypatch.chdir(tmp_path)
     with pytest.raises(KeyError, match="EarlyStoppingCallback"):
         exec(compile(readme_snippet("KeyError at the first save after a resume"), "README.md", "exec"), {})
+
+
+def test_fsdp2_internals_the_in_process_resume_relies_on_are_there():
+    """``fsdp2_prepared_again`` sets ``FullyShardedDataParallelPlugin.activation_checkpointing`` aside and shadows
+    its ``set_auto_wrap_policy``; ``reset_fsdp_iteration`` calls ``FSDPModule.reset_iter_state`` (torch ≥ 2.13; before
+    it, the same steps on ``_get_fsdp_state()``'s ``_state_ctx``, ``_comm_ctx`` and parameter groups) and then clears
+    each ``FSDPParam``'s ``_unsharded_param.grad`` and ``unsharded_accumulated_grad``. The two-rank FSDP2 runs
+    (``tests/test_fsdp.py``, launch) exercise them; this names them where a rename shows first."""
+    import dataclasses
+    import inspect
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_state
+
+    assert "activation_checkpointing" in {f.name for f in dataclasses.fields(FullyShardedDataParallelPlugin)}
+    assert callable(FullyShardedDataParallelPlugin.set_auto_wrap_policy)
+    accelerate_source = inspect.getsource(__import__("accelerate.accelerator", fromlist=["_"]))
+    assert "fsdp_plugin.set_auto_wrap_policy(model)" in accelerate_source            # what the shadow stops
+    assert "if self.state.fsdp_plugin.activation_checkpointing:" in accelerate_source
+    assert hasattr(FSDPModule, "reset_iter_state") or hasattr(FSDPModule, "_get_fsdp_state")
+    param_source = inspect.getsource(_fsdp_param.FSDPParam)
+    assert "self._unsharded_param" in param_source and "self.unsharded_accumulated_grad" in param_source
+    state_source = inspect.getsource(_fsdp_state)
+    assert "self._state_ctx" in state_source and "all_states" in state_source
+    assert "_fsdp_param_groups" in state_source or "_fsdp_param_group" in state_source

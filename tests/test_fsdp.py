@@ -31,12 +31,13 @@ from tests.conftest import make_trainer
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "two_rank_fsdp.py")
 
 
-def torchrun(out, *extra, timeout=400):
+def torchrun(out, *extra, timeout=400, launcher=()):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     with socket.socket() as probe:                      # a free port: a fixed one may still be in TIME_WAIT
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+    where = ["--rdzv-endpoint", f"localhost:{port}"] if "--rdzv-backend" in launcher else ["--master_port", str(port)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *where, *launcher,
            SCRIPT, str(out), *extra]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -94,29 +95,55 @@ def test_a_watchdog_stop_on_one_rank_stops_both_with_one_sharded_checkpoint_that
 
 
 @pytest.mark.launch
-def test_train_with_tuning_resizes_every_rank_through_an_fsdp_checkpoint_and_a_relaunch(fsdp_run):
+def test_train_with_tuning_resizes_every_rank_through_an_fsdp_checkpoint_in_the_same_process(fsdp_run):
     _, (r0, r1), _ = fsdp_run
     assert r0["tuned_sharding"] == "fsdp"
     assert r1["tuned_actions"] == ["clear_cache", "smaller_batch"] and r0["tuned_actions"] == ["smaller_batch"]
-    assert r0["tuned_decisions"] == r1["tuned_decisions"] == [["watchdog", 2, 2]]   # no probe decision: skipped
+    assert r0["tuned_decisions"] == r1["tuned_decisions"] == [["watchdog", 2, 2]]   # no tuning decision: skipped
     assert r0["tuned_split"] == r1["tuned_split"] == [2, 4]                 # 4 × 2 × 2 ranks = 2 × 4 × 2 ranks
-    assert r0["tuned_step"] == r1["tuned_step"] == 2                        # saved and stopped at the re-size
-    assert r0["relaunched_step"] == r1["relaunched_step"] == 5               # the relaunch used the recorded split
-    assert "pytorch_model_fsdp_0" in r0["tuned_checkpoint"]
+    assert r0["tuned_step"] == r1["tuned_step"] == 5                        # on to max_steps in this process
+    assert "pytorch_model_fsdp_0" in r0["tuned_checkpoint"]                  # the re-size went through FSDP's save
     assert r0["tuned_steps_logged"] == [1, 2, 3, 4, 5]
-    assert r0["tuned_limits_logged"][0] == "train_with_tuning under FSDP: an out-of-"   # said, in the perf log
+    assert r0["tuned_micro_batches"] == [4, 4, 2, 2, 2]
+    assert r0["tuned_notes_logged"][0] == "train_with_tuning under FSDP: an out-of-"   # said, in the perf log
 
 
 @pytest.mark.launch
-def test_an_oom_inside_a_step_under_fsdp_ends_the_run_at_once(tmp_path):
-    """Recovering it would need the other rank to leave FSDP's all-gather: refused, the OOM is raised on its rank
-    with what to do, and the launcher ends the run (a hang would run into the subprocess timeout, which raises
-    ``TimeoutExpired``; gloo's own timeout is 30 minutes): the behaviour is asserted, not the time it took."""
-    proc = torchrun(tmp_path, "oom")
-    assert proc.returncode != 0
-    assert json.load(open(tmp_path / "rank1.json")) == {"reraised": True, "step": 1, "decisions": []}
-    assert not os.path.exists(tmp_path / "rank0.json")                   # rank 0 was ended, not re-sized
-    assert "out of memory under FSDP: not recoverable in lockstep" in proc.stderr
+def test_an_oom_inside_one_ranks_step_under_fsdp2_is_recovered_in_process_and_exactly(tmp_path):
+    """An OOM planted in rank 1's forward (step 2) and in rank 0's backward (step 3, after some layers' gradients
+    were reduce-scattered) re-sizes both ranks 4×1 → 2×2 in the same process, and each run trains what the unfaulted
+    run trains: the samples of every step (over both ranks), the RNG stream, the learning rates, the weights and the
+    SGD momentum (no gradient clipping). A hang would run into the subprocess timeout (``TimeoutExpired``)."""
+    proc = torchrun(tmp_path, "recover")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    for case, struck in (("forward", 1), ("backward", 2)):
+        for r in ranks:
+            got = r[case]
+            assert got["differences"] == [], (case, got["differences"])
+            assert got["step"] == 8 and got["split"] == [2, 2]                # 4 × 1 × 2 ranks = 2 × 2 × 2 ranks
+            assert got["decisions"] == [["oom", struck, 2]]
+        assert [r[case]["raised"] for r in ranks] == ([0, 1] if case == "forward" else [1, 0])
+
+
+@pytest.mark.launch
+def test_an_oom_after_the_guard_came_off_is_resumed_by_the_launchers_restart(tmp_path):
+    """Once the split ran ``STABLE_STEPS`` steps the step guard is off (its exchanges cost a host round trip per
+    collective): an OOM on rank 0 then ends its process with the next smaller split recorded, and the launcher's own
+    restart (c10d rendezvous) starts both ranks again; ``train_with_tuning`` resumes from the newest checkpoint of
+    this run (``save_steps=2``: checkpoint-4) at 2×2 and reaches max_steps, every step logged once. (Two restarts
+    allowed: gloo's connection set-up of a restarted pair on one loaded host sometimes fails once, which the
+    launcher answers with one more restart; the OOM is planted in the first attempt only.)"""
+    proc = torchrun(tmp_path, "restart", launcher=["--max-restarts", "2", "--rdzv-backend", "c10d"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    assert r0["attempt"] == r1["attempt"] >= 1                                # a restarted attempt finished
+    assert r0["step"] == r1["step"] == r0["oom_at"] + 2
+    assert r0["split"] == r1["split"] == [2, 2]
+    assert r0["decisions"] == [["oom", r0["oom_at"] - 1, 2, str(tmp_path / "run" / "checkpoint-4")]]
+    assert r0["steps_logged"] == list(range(1, r0["oom_at"] + 3))
+    assert r0["guard_off"] == [sharding.STABLE_STEPS]                        # said in the perf log, at its step
+    assert f"restarted by the launcher (restart {r0['attempt']}): resuming from" in proc.stderr
 
 
 # ---------------------------------------------------------------- DeepSpeed: detected and refused at start
@@ -221,3 +248,22 @@ def test_recipes_readme_fsdp_table_matches_the_function():
         assert [weights, gathered, kv, act, logits, peak] == [
             format_gib(est.get(k, 0.0)) for k in ("weights", "gathered", "kv_cache", "activations", "logits",
                                                   "peak")], row
+
+
+def test_a_checkpoints_fingerprint_ignores_the_rng_file_another_rank_writes_late(tmp_path):
+    """Each rank writes its own ``rng_state_<rank>.pth`` into the checkpoint after the main process may have
+    fingerprinted the folder (seen under FSDP: rank 1's file 10 ms after ``trainer_state.json``): a late one must not
+    make the run's own checkpoint look rewritten; the main process's files and the state still count."""
+    from hf_perf_callbacks.resize.checkpoints import fingerprint
+
+    (tmp_path / "trainer_state.json").write_text('{"global_step": 4}')
+    (tmp_path / "rng_state_0.pth").write_bytes(b"0")
+    before = fingerprint(str(tmp_path))
+    (tmp_path / "rng_state_1.pth").write_bytes(b"1")
+    (tmp_path / "rng_state_12.pth").write_bytes(b"12")
+    assert fingerprint(str(tmp_path)) == before
+    (tmp_path / "rng_state_0.pth").write_bytes(b"00")
+    assert fingerprint(str(tmp_path)) != before
+    (tmp_path / "rng_state_0.pth").write_bytes(b"0")
+    (tmp_path / "trainer_state.json").write_text('{"global_step": 5}')
+    assert fingerprint(str(tmp_path)) != before

@@ -6,16 +6,20 @@ loss forward; DDP broadcasts buffers in its forward). A rank that ran out of mem
 :meth:`OOMAgreement.check` runs one small exchange (it pairs with the waiting rank's), leave the step too, and every
 rank raises :class:`ResizeNeeded` together. Automatic micro-batching in MosaicML Composer agrees the same way.
 
-Collectives are seen through the ``torch.distributed`` functions on the default group (what accelerate and TRL
-call; see :func:`~hf_perf_callbacks.adapter.intercept_collectives`) and through a forward pre-hook on the DDP
-module; without an OOM the cost is one exchange per collective of the step and one at its end. Not seen:
-collectives on sub-groups (TRL's vLLM colocate mode with tensor parallelism) and ones that torch issues internally;
-an error raised *inside* a collective marks the agreement broken and is raised as it is.
+Collectives are seen through the ``torch.distributed`` functions on the default group (what accelerate, TRL and
+FSDP2 call; see :func:`~hf_perf_callbacks.adapter.intercept_collectives`) and through a forward pre-hook on the DDP
+module; without an OOM the cost is one exchange per collective of the step and one at its end. Under FSDP2 that is
+one exchange before every all-gather and reduce-scatter, so the :class:`StepGuard` comes off once the split has
+been stable for a few steps and is put back after each change (as MosaicML Composer does with its FSDP hooks).
+Not seen: collectives on sub-groups (TRL's vLLM colocate mode with tensor parallelism, a 2-D device mesh) and ones
+that torch issues internally; an error raised *inside* a collective marks the agreement broken and is raised as
+it is.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -85,22 +89,66 @@ class OOMAgreement:
                 return site, any_failed
 
 
-def guard_training_step(trainer):
-    """Under several ranks, let every micro-batch finish on every rank before any gradient all-reduce, then agree on
-    out-of-memory errors: a rank that ran out of memory anywhere in its training step (GRPO's generation, the
-    forward, the backward) raises ``ResizeNeeded`` on all ranks together instead of leaving the others waiting in a
-    collective. The micro-batch that would have synchronized in its backward runs under ``no_sync`` and its
-    gradients are averaged explicitly (bucketed all-reduces through staging buffers of at most
-    ``AVERAGE_BUCKET_BYTES``, allocated before the agreement) once all ranks have arrived. Any other error in one
-    rank's step makes the other ranks raise :class:`PeerFailed` instead of waiting for the launcher's timeout. One
-    process needs no guard: the error leaves ``train()``. Returns the function that removes the guard."""
-    if world_size() == 1:
-        return lambda: None
-    agreement = OOMAgreement(training_device())
-    stop_intercepting = adapter.intercept_collectives(agreement.check, agreement.collective_failed)
+class StepGuard:
+    """The cross-rank agreement installed on a trainer (see :func:`guard_training_step`): armed, every micro-batch's
+    errors are agreed on before any rank's next collective; disarmed, the step runs as it is. ``stable_steps``
+    (FSDP): it disarms itself once that many optimizer steps ran without a change since it was armed — every
+    collective of FSDP then runs without an exchange before it — and :meth:`arm` puts it back (after a re-size or
+    a switch); None keeps it armed (DDP, whose gradient averaging it takes over)."""
 
-    def make(original):
+    def __init__(self, trainer, stable_steps: int | None = None,
+                 notify: Callable[[str, int], None] | None = None):
+        self.trainer = trainer
+        self.stable_steps = stable_steps
+        self.notify = notify                       # (message, step): the guard coming off, for the perf log
+        self.agreement = OOMAgreement(training_device())
+        self._stop_intercepting: Callable[[], None] | None = None
+        self.armed_since: int | None = None       # the first optimizer step the armed guard saw
+        self.disarmed_at: list[int] = []           # steps at which it came off (a record for the benchmarks)
+        self._undo_step = adapter.replace_method(trainer, "training_step", self._make)
+        self.arm()
+
+    @property
+    def armed(self) -> bool:
+        return self._stop_intercepting is not None
+
+    def arm(self) -> None:
+        if not self.armed:
+            self._stop_intercepting = adapter.intercept_collectives(self.agreement.check,
+                                                                    self.agreement.collective_failed)
+        self.armed_since = None
+
+    def disarm(self) -> None:
+        if self._stop_intercepting is not None:
+            self._stop_intercepting()
+            self._stop_intercepting = None
+            self.disarmed_at.append(self.trainer.state.global_step)
+
+    def remove(self) -> None:
+        self.disarm()
+        self._undo_step()
+
+    def _stable(self) -> bool:
+        """Whether the split has run ``stable_steps`` optimizer steps since the guard was armed (decided at a step's
+        first micro-batch from the global step, so every rank decides alike, outside any collective)."""
+        step = self.trainer.state.global_step
+        if self.armed_since is None:
+            self.armed_since = step
+        return self.stable_steps is not None and step - self.armed_since >= self.stable_steps
+
+    def _make(self, original):
+        trainer, agreement = self.trainer, self.agreement
+
         def training_step(model, inputs, *args, **kwargs):
+            if self.armed and self._stable():
+                self.disarm()
+                step = trainer.state.global_step
+                message = (f"the cross-rank step guard is off after {self.stable_steps} stable steps (its exchange "
+                           f"before every collective costs a host round trip); it comes back after a re-size")
+                if self.notify is not None:
+                    self.notify(message, step)
+            if not self.armed:
+                return original(model, inputs, *args, **kwargs)
             syncing = trainer.accelerator.sync_gradients and hasattr(model, "no_sync")
             oom = failed = buffers = site = None
             # DDP broadcasts buffers at the start of each forward: a collective the other ranks must be told about
@@ -139,13 +187,22 @@ def guard_training_step(trainer):
 
         return training_step
 
-    undo_step = adapter.replace_method(trainer, "training_step", make)
 
-    def remove():
-        stop_intercepting()
-        undo_step()
-
-    return remove
+def guard_training_step(trainer, stable_steps: int | None = None,
+                        notify: Callable[[str, int], None] | None = None) -> StepGuard | None:
+    """Under several ranks, agree on out-of-memory errors inside a training step: a rank that ran out of memory
+    anywhere in its step (GRPO's generation, the forward, the backward) raises ``ResizeNeeded`` on all ranks
+    together instead of leaving the others waiting in a collective. Every collective of the step on the default
+    group — TRL's gathers, DDP's buffer broadcast, FSDP2's all-gathers and reduce-scatters — is preceded by one small
+    exchange, so the others learn of it before their next collective; under DDP the micro-batch that would have
+    synchronized in its backward runs under ``no_sync`` and its gradients are averaged explicitly (bucketed
+    all-reduces through staging buffers of at most ``AVERAGE_BUCKET_BYTES``, allocated before the agreement) once
+    all ranks have arrived. Any other error in one rank's step makes the other ranks raise :class:`PeerFailed`
+    instead of waiting for the launcher's timeout. ``stable_steps`` and ``notify``: see :class:`StepGuard`. One
+    process needs no guard: None."""
+    if world_size() == 1:
+        return None
+    return StepGuard(trainer, stable_steps, notify)
 
 
 def _trainable_gradients(model) -> list[torch.Tensor]:

@@ -69,13 +69,21 @@ def has_training_state(path: str) -> bool:
     return optimizer and "scheduler.pt" in names
 
 
+#: an RNG file transformers writes per rank, of a rank other than the main process
+OTHER_RANKS_RNG = re.compile(r"rng_state_[1-9][0-9]*\.pth")
+
+
 def fingerprint(path: str) -> str:
     """A fingerprint of a checkpoint's contents, cheap at any model size: every file's name, size and modification
     time, and the bytes of ``trainer_state.json`` (its losses and step are this run's). A folder rewritten by
-    another process, or replaced by another run's, no longer matches the fingerprint recorded when it was written."""
+    another process, or replaced by another run's, no longer matches the fingerprint recorded when it was written.
+    The other ranks' RNG files (``rng_state_<rank>.pth``, rank > 0) are left out: each rank writes its own after the
+    main process may have fingerprinted the folder (no barrier follows them in transformers' save)."""
     digest = hashlib.sha256()
     for root, _, files in sorted(os.walk(path)):
         for name in sorted(files):
+            if root == path and OTHER_RANKS_RNG.fullmatch(name):
+                continue
             full = os.path.join(root, name)
             stat = os.stat(full)
             digest.update(f"{os.path.relpath(full, path)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())

@@ -44,7 +44,7 @@ from ..device import (
     world_size,
 )
 from ..runlog import SPLIT_FILE
-from ..splitfile import run_geometry, split_for_run
+from ..splitfile import read_split_file, run_geometry, split_for_run
 from ..stats import generation_period
 from ..validation import check_number
 from . import memcheck, sharding
@@ -87,6 +87,8 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
         tuner = AdaptiveBatchTuner()
         trainer.add_callback(tuner)
     output_dir = trainer.args.output_dir
+    if resume_from_checkpoint is None and sharding.restarted_by_launcher():
+        resume_from_checkpoint = _restart_checkpoint(output_dir)
     resume_from_checkpoint = _checked_resume(resume_from_checkpoint, output_dir)
     session = TuningSession(trainer.args, bus=bus_for(trainer.callback_handler))
     session.managed = True
@@ -101,8 +103,9 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
         parent = os.path.dirname(os.path.normpath(resume_from_checkpoint))
         if step is not None and os.path.realpath(parent) == os.path.realpath(output_dir):
             session.record_written(step)             # the base of this run: a valid fallback for a later OOM
-    sharded = sharding.start(trainer, session)       # FSDP: no step guard, no tuning; DeepSpeed: refused
-    restore = guard_training_step(trainer) if sharded is None else (lambda: None)
+    sharded = sharding.start(trainer, session)       # FSDP: guard off once stable, no tuning; DeepSpeed: refused
+    guard = (guard_training_step(trainer, sharding.STABLE_STEPS if sharded else None, notify=session.note)
+             if sharded is None or sharding.guardable(trainer) else None)
     undo_evaluate = adapter.replace_method(trainer, "evaluate",
                                            lambda original: _evaluate_within_memory(trainer, original, session))
     resizes = 0
@@ -117,10 +120,15 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
         start_rng = rng_state()              # every in-process resume starts from it, as a new process would
         while True:
             adapter.rearm_jit_checkpoint(trainer)
+            if guard is not None:
+                guard.arm()                          # after a start and every change (FSDP: off once stable)
             try:
-                output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+                with adapter.fsdp2_prepared_again(trainer):     # a resume in this process: FSDP2 wrapped it already
+                    output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
             except (Exception, KeyboardInterrupt) as error:          # OOMs re-size, the rest is re-raised
-                sharding.raise_oom(sharded, error)  # FSDP: the other ranks wait in FSDP's collectives
+                if max_resizes > 0 and sharding.unagreed_oom(sharded, error):    # the others wait in a collective
+                    _record_for_restart(trainer, session, error)
+                    raise
                 if max_resizes == 0 or not isinstance(error, Exception) or not recoverable(error):
                     if max_resizes > 0:
                         _save_before_raising(trainer, session, tuner, error)
@@ -148,9 +156,6 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
                 session.drop_switch_checkpoints()
                 return output
             step = trainer.state.global_step
-            if sharded == "fsdp":                         # a wrapped model cannot be prepared again in this process
-                logger.warning(sharding.relaunch_message(output_dir, step, session.switch))
-                return output
             memory = session.decisions[-1].kind == "watchdog" if session.decisions else False
             if memory and resizes >= max_resizes:
                 logger.warning("[tuner] the watchdog asked for a smaller micro-batch but max_resizes=%d re-sizes "
@@ -165,7 +170,8 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
             set_rng_state(start_rng)
     finally:
         undo_evaluate()
-        restore()
+        if guard is not None:
+            guard.remove()
         session.settle(trainer)
 
 
@@ -233,6 +239,35 @@ def _checked_resume(resume, output_dir: str) -> str | None:
     return resume
 
 
+def _restart_checkpoint(output_dir: str) -> str | None:
+    """The checkpoint a launcher's restart resumes from: the newest complete one this job's record lists (the split
+    file of the run the launcher started first), else None (the restart starts from the beginning)."""
+    record = read_split_file(output_dir, warn=False)
+    for entry in sorted(record.written if record is not None else [], key=lambda w: -w.step):
+        path = checkpoint_dir(output_dir, entry.step)
+        if is_complete(path, entry.step):
+            logger.warning("[tuner] restarted by the launcher (restart %d): resuming from %s with the split in %s",
+                           sharding.restarted_by_launcher(), path, os.path.join(output_dir, SPLIT_FILE))
+            return path
+    return None
+
+
+def _record_for_restart(trainer, session: TuningSession, error: BaseException) -> None:
+    """An out-of-memory error under FSDP that the ranks could not agree on: record the next smaller split for the
+    launcher's restart (the main process writes it) and say what happens; the caller re-raises."""
+    step = trainer.state.global_step
+    checkpoint = session.newest_ours(step)
+    try:
+        new = next_smaller(session.split, candidates(trainer.args, session.world))
+    except ValueError:
+        new = session.split
+    reason = f"out of memory, not agreed inside the step: {error_line(error)[:160]}"
+    if new != session.split:
+        session.decide("oom", reason, new, step, checkpoint=checkpoint)
+        session.request_switch(new, reason)
+    logger.error(sharding.restart_message(error, step, new, checkpoint))
+
+
 def _check_memory_or_warn(trainer, session: TuningSession, tuner: AdaptiveBatchTuner) -> None:
     """The memory check; a failure of its own (a memory reading, an exchange) is one warning and the configured
     split."""
@@ -247,8 +282,10 @@ def _check_memory_or_warn(trainer, session: TuningSession, tuner: AdaptiveBatchT
 
 
 def _free_memory(trainer, session: TuningSession) -> None:
-    """Drop the gradients and give the device's cached memory back (after an OOM, before a save or a resume). A
-    failing cache clear is one warning, never the end of the run."""
+    """Drop the gradients and give the device's cached memory back (after an OOM, before a save or a resume; FSDP2:
+    its iteration state reset on this rank first, the gathered parameters freed). A failing cache clear is one
+    warning, never the end of the run."""
+    adapter.reset_fsdp_iteration(trainer.model)
     trainer.model.zero_grad(set_to_none=True)
     try:
         DeviceLayer(training_device()).empty_cache()

@@ -263,6 +263,13 @@ class TuningSession:
         if self.bus is not None:
             self.bus.pin_session(self.id)
 
+    def note(self, message: str, step: int | None = None) -> None:
+        """An informational event of the run (console and perf log; the logger alone without a bus)."""
+        if self.bus is not None:
+            self.bus.event("tuner", "note", message, step=step)
+        else:
+            logger.info("[tuner] %s", message)
+
     def warn_once(self, key: str, message: str, step: int | None = None) -> bool:
         """``message`` as a warning (console and perf log; the logger alone without a bus), once per ``key`` for
         this session; True when it was logged now."""

@@ -1,52 +1,57 @@
 """What of :func:`~hf_perf_callbacks.train_with_tuning` works when accelerate shards the model (FSDP, DeepSpeed).
 
-=====================================  =========  ============================================================
-part                                   FSDP       DeepSpeed ZeRO
-=====================================  =========  ============================================================
-re-size on the watchdog's request      save,      refused at start (``ValueError``): its config fixes the
-(checkpoint → resume, every rank       stop,      micro-batch when the engine is built; use ``trainer.train()``,
-alike, effective batch exact)          relaunch   a re-size request then saves, stops and prints the split
-tuning on the run's steps, memory       skipped    —
+=====================================  ===============================  ==========================================
+part                                   FSDP2                            DeepSpeed ZeRO
+=====================================  ===============================  ==========================================
+an OOM inside a step, on any rank      every rank re-sizes alike in     refused at start (``ValueError``): its
+                                       the same process while the step  config fixes the micro-batch when the
+                                       guard is armed; once it is off,  engine is built; use ``trainer.train()``,
+                                       the launcher's restart resumes   a re-size request then saves, stops and
+                                       with the next smaller split      prints the split
+re-size on the watchdog's request      in the same process              —
+tuning on the run's steps, memory      skipped                          —
 check
-OOM inside a step recovered in         refused    —
-lockstep
-=====================================  =========  ============================================================
+=====================================  ===============================  ==========================================
 
-Under FSDP every forward and backward runs FSDP's own all-gathers and reduce-scatters. A rank that runs out of
-memory inside a step leaves the others waiting in one of them; the cross-rank agreement cannot tell them (it would
-have to run inside FSDP's hooks, which would leave half-gathered parameters behind), and a tuning trial or a memory
-check that runs out of memory on one rank is the same case. So under FSDP no step guard is installed, neither tuning
-nor the memory check runs (a switch would need a new process anyway), and an OOM
-is raised at once on its rank, which ends the run through the launcher instead of hanging until the NCCL timeout.
-Re-sizing still works through the watchdog, which asks for a smaller micro-batch before the wall at a step
-boundary, where every rank is outside FSDP's collectives. The checkpoint of that re-size is FSDP's (sharded, as
-configured) and the new split is recorded, but the resume needs a new process: accelerate cannot prepare a model
-that FSDP2 has already wrapped a second time (on 2 H200s, with the recipe's activation checkpointing: "Could not
-find the transformer layer class Qwen2DecoderLayer in the model"). So under FSDP the run stops there, every rank at
-the same step, and says how to relaunch; the relaunch (``train_with_tuning(trainer,
-resume_from_checkpoint=True)`` or the recipe launcher with ``--resume_from_checkpoint last``) loads the sharded
-checkpoint on every rank and applies the recorded split.
+**The step guard** (:class:`~hf_perf_callbacks.resize.agreement.StepGuard`) runs one small exchange before every
+collective of the training step on the default group — FSDP2's all-gathers and reduce-scatters included — so a rank
+that ran out of memory leaves its step and the others learn of it before their next collective, as under DDP. After
+the OOM every rank resets FSDP2's iteration state (its parameters resharded; torch's
+``FSDPModule.reset_iter_state``), saves FSDP's sharded checkpoint of the last completed step together, and
+``train()`` resumes from it with the next smaller exact split (accelerate is kept from wrapping the wrapped model a
+second time: :func:`~hf_perf_callbacks.adapter.fsdp2_prepared_again`). The exchanges cost a host round trip per
+collective, so the guard comes off after :data:`STABLE_STEPS` optimizer steps without a change, and is put back by
+every re-size (MosaicML Composer does the same with its FSDP hooks). An OOM while it is off — or one outside the
+step (``optimizer.step``, a save) — leaves the other ranks inside a collective: the rank that ran out of memory
+records the next smaller split (the main process writes it to ``tuner_split.json``) and ends its process, and the
+launcher's own restart (``torchrun --max-restarts N``, ``accelerate launch --max_restarts N``) starts every rank
+again; ``train_with_tuning`` sees the restart (``TORCHELASTIC_RESTART_COUNT``) and resumes from the newest checkpoint
+this run wrote with the recorded split, no person in the loop. Not seen by the guard: collectives on sub-groups of a
+2-D device mesh (HSDP, tensor parallelism): there no guard is installed, every OOM takes the restart path.
+
+The tuning on the run's steps and the memory check stay off under FSDP: the watchdog re-sizes before the wall.
 """
 from __future__ import annotations
 
 import logging
+import os
 
-from ..device import is_oom_error
+from ..device import error_line, is_oom_error
 
 logger = logging.getLogger("hf_perf_callbacks")
 
-FSDP_LIMITS = ("train_with_tuning under FSDP: an out-of-memory error inside a training step cannot be recovered "
-               "(the other ranks wait inside FSDP's own all-gather/reduce-scatter, which the cross-rank agreement "
-               "cannot see), so such an OOM ends the run at once; the tuning and the memory check are skipped for the "
-               "same reason. Re-sizing works through MemoryWatchdog's request before the wall: a sharded checkpoint "
-               "and the next smaller split recorded on every rank, then the run stops and is relaunched with "
-               "resume_from_checkpoint (one process cannot prepare an FSDP2-wrapped model twice). Keep "
-               "MemoryWatchdog attached, and start from a split that fits (a smaller per_device_train_batch_size "
-               "with a larger gradient_accumulation_steps).")
-FSDP_OOM = ("[tuner] out of memory under FSDP: not recoverable in lockstep (the other ranks wait inside FSDP's "
-            "collectives). Restart from the last checkpoint with a smaller per_device_train_batch_size and a larger "
-            "gradient_accumulation_steps (same effective batch); MemoryWatchdog re-sizes before the wall when it "
-            "sees memory growing.")
+#: optimizer steps without a change after which the FSDP step guard comes off (its exchanges' cost)
+STABLE_STEPS = 3
+
+FSDP_NOTES = ("train_with_tuning under FSDP: an out-of-memory error inside a training step is recovered in this "
+              "process on every rank while the step guard is armed (after a start and after each re-size, for "
+              f"{STABLE_STEPS} steps); once it is off, such an OOM ends the process and the launcher's restart "
+              "resumes from the newest checkpoint with the next smaller split: launch with `torchrun "
+              "--max-restarts 2` or `accelerate launch --max_restarts 2` and set save_steps. The tuning on the run's "
+              "steps and the memory check are skipped under FSDP; MemoryWatchdog re-sizes before the wall.")
+NO_GUARD = ("train_with_tuning under FSDP with a device mesh of more than one dimension: FSDP's collectives run on "
+            "sub-groups that the step guard cannot see, so every out-of-memory error ends the process and the "
+            "launcher's restart (--max_restarts) resumes with the next smaller split.")
 DEEPSPEED_REFUSED = ("train_with_tuning does not support DeepSpeed: the DeepSpeed config fixes the micro-batch "
                      "(train_micro_batch_size_per_gpu) when the engine is built, so a resume in the same process "
                      "cannot change it. Use trainer.train() with the callbacks instead: a re-size request then saves "
@@ -62,27 +67,42 @@ def sharding(trainer) -> str | None:
     return {"FSDP": "fsdp", "DEEPSPEED": "deepspeed"}.get(name)
 
 
+def guardable(trainer) -> bool:
+    """Whether the step guard sees the collectives of the trainer's sharding: FSDP over the whole world (the default
+    group), not a device mesh of more than one dimension."""
+    mesh = getattr(getattr(trainer, "accelerator", None), "torch_device_mesh", None)
+    return mesh is None or getattr(mesh, "ndim", 1) <= 1
+
+
 def start(trainer, session) -> str | None:
     """Refuse what cannot work under the trainer's sharding, say what is limited; returns the sharding."""
     kind = sharding(trainer)
     if kind == "deepspeed":
         raise ValueError(DEEPSPEED_REFUSED)
     if kind == "fsdp":
-        session.warn_once("sharding-limits", FSDP_LIMITS)     # console and perf log
+        session.warn_once("sharding-limits", FSDP_NOTES if guardable(trainer) else NO_GUARD)  # console and perf log
     return kind
 
 
-def raise_oom(kind: str | None, error: BaseException) -> None:
-    """Under FSDP an out-of-memory error is not recovered: say so and what to do, then let it end the run."""
-    if kind == "fsdp" and is_oom_error(error):
-        logger.error(FSDP_OOM)
-        raise error
+def restarted_by_launcher() -> int:
+    """How many times the launcher (torchrun, ``accelerate launch``) restarted this job's workers (0: none)."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(count) if count.isdigit() else 0
 
 
-def relaunch_message(output_dir: str, step: int, split) -> str:
-    """What to do after a re-size under FSDP stopped the run (see the module docstring)."""
-    return (f"[tuner] under FSDP the re-size takes effect in a new process: checkpoint-{step} (sharded) is saved in "
-            f"{output_dir} and the split {split} is recorded there. Relaunch the same command with "
-            f"train_with_tuning(trainer, resume_from_checkpoint=True), or the recipe launcher with "
-            f"--resume_from_checkpoint last: every rank loads the checkpoint and uses the new split (effective batch "
-            f"unchanged).")
+def restart_message(error: BaseException, step: int, split, checkpoint: str | None) -> str:
+    """What happens after an out-of-memory error that the ranks could not agree on under FSDP."""
+    where = checkpoint or "the start"
+    return (f"[tuner] out of memory under FSDP at step {step} that the other ranks cannot learn of inside the step "
+            f"(the step guard is off after {STABLE_STEPS} stable steps, or it struck outside the step): "
+            f"{error_line(error)[:120]}. This process ends; the launcher's restart (torchrun --max-restarts, "
+            f"accelerate launch --max_restarts) resumes every rank from {where} with the split {split} recorded in "
+            f"tuner_split.json. Without restarts, relaunch the same command: train_with_tuning resumes with "
+            f"resume_from_checkpoint=True.")
+
+
+def unagreed_oom(kind: str | None, error: BaseException) -> bool:
+    """An out-of-memory error under FSDP that no exchange told the other ranks of (they are inside a collective)."""
+    from .agreement import ResizeNeeded
+
+    return kind == "fsdp" and is_oom_error(error) and not isinstance(error, ResizeNeeded)

@@ -111,8 +111,7 @@ def main(out):
 
     # 3. train_with_tuning: memory that grows with the micro-batch on rank 1 only (2 GB per sample against a 7 GB
     #    budget: a fake device reading) makes the watchdog ask for a smaller micro-batch at step 2; both ranks save
-    #    FSDP's sharded checkpoint, record the split and stop there (one process cannot prepare a wrapped model
-    #    twice); the relaunch (a fresh trainer, resume_from_checkpoint=True) reaches max_steps at the new split
+    #    FSDP's sharded checkpoint, take the split and go on in the same process to max_steps
     from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
     from hf_perf_callbacks.resize import sharding
     from tests.test_tuner import MemoryByBatch
@@ -124,21 +123,17 @@ def main(out):
     if rank == 1:
         watchdog.device = MemoryByBatch(tuned.args)
     train_with_tuning(tuned)
-    relaunched = make_trainer(tokenizer, os.path.join(out, "tuned"), [ThroughputMeter(), MemoryWatchdog(),
-                                                                      AdaptiveBatchTuner()],
-                              max_steps=5, bs=4, ga=2, extra=FSDP_ARGS)
-    train_with_tuning(relaunched, resume_from_checkpoint=True)
-    args = relaunched.args
+    args = tuned.args
     lines = [json.loads(x) for x in open(os.path.join(out, "tuned", "perf_log.jsonl"))] if rank == 0 else []
     result.update(tuned_sharding=sharding.sharding(tuned), tuned_step=tuned.state.global_step,
-                  relaunched_step=relaunched.state.global_step,
                   tuned_split=[args.per_device_train_batch_size, args.gradient_accumulation_steps],
                   tuned_decisions=[(d.kind, d.step, d.new.micro_batch) for d in tuner.session.decisions],
                   tuned_actions=[a["action"] for a in watchdog.actions],
                   tuned_checkpoint=sorted(os.listdir(os.path.join(out, "tuned", "checkpoint-2"))),
                   tuned_steps_logged=[x["step"] for x in lines if x["type"] == "step"],
-                  tuned_limits_logged=[x["message"][:40] for x in lines if x["type"] == "event"
-                                       and x.get("source") == "tuner" and x.get("kind") == "warning"])
+                  tuned_micro_batches=[x.get("tuner/micro_batch") for x in lines if x["type"] == "step"],
+                  tuned_notes_logged=[x["message"][:40] for x in lines if x["type"] == "event"
+                                      and x.get("source") == "tuner" and x.get("kind") == "warning"])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
@@ -152,32 +147,102 @@ def shut_down():
         dist.destroy_process_group()
 
 
-def oom_on_rank1(out):
-    """An OOM inside rank 1's step under FSDP: rank 1 raises it at once (rank 0 is inside FSDP's all-gather and is
-    ended by the launcher), instead of a re-size that would hang."""
+def restart(out):
+    """An OOM on rank 0 after the step guard came off (``STABLE_STEPS`` steps after the start): rank 0 records the
+    next smaller split and ends its process; the launcher (``--max-restarts 1``) restarts both ranks, and
+    ``train_with_tuning`` resumes from the newest checkpoint this run wrote with the recorded split, to max_steps.
+    The planted OOM fires in the first attempt only."""
     fsdp_on_cpu()
     from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
+    from hf_perf_callbacks.resize import sharding
     from hf_perf_callbacks.tiny import build_tokenizer
     from tests.conftest import CORPUS, make_trainer
     from tests.test_tuner import CUDA_OOM, PlantedOOM
 
-    rank = int(os.environ["RANK"])
-    plant = PlantedOOM(limit=2 if rank == 1 else 99, text=CUDA_OOM, armed_at=1)
+    rank, attempt = int(os.environ["RANK"]), sharding.restarted_by_launcher()
+    at = sharding.STABLE_STEPS + 2                     # the guard is off from step STABLE_STEPS on
+    plant = PlantedOOM(limit=2 if rank == 0 and attempt == 0 else 99, text=CUDA_OOM, armed_at=at - 1)
     tuner = AdaptiveBatchTuner(tune=False)
+    extra = dict(FSDP_ARGS, save_strategy="steps", save_steps=2)
     trainer = plant.attach(make_trainer(build_tokenizer(CORPUS, vocab_size=300), os.path.join(out, "run"),
-                                        [plant, tuner], max_steps=3, bs=4, ga=1, extra=FSDP_ARGS))
-    try:
+                                        [plant, tuner], max_steps=at + 2, bs=4, ga=1, extra=extra, length=12))
+    train_with_tuning(trainer)
+    args = trainer.args
+    lines = [json.loads(x) for x in open(os.path.join(out, "run", "perf_log.jsonl"))] if rank == 0 else []
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"attempt": attempt, "step": trainer.state.global_step, "oom_at": at,
+                   "split": [args.per_device_train_batch_size, args.gradient_accumulation_steps],
+                   "decisions": [(d.kind, d.step, d.new.micro_batch, d.checkpoint) for d in tuner.session.decisions],
+                   "steps_logged": [x["step"] for x in lines if x["type"] == "step"],
+                   "guard_off": [x["step"] for x in lines if x["type"] == "event" and x.get("kind") == "note"
+                                 and "guard is off" in x["message"]]}, f)
+
+
+def local(tensors: dict) -> dict:
+    """Each rank's shard of DTensors (the two runs shard alike), plain tensors as they are."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.to_local() if isinstance(v, DTensor) else v).detach().cpu().clone() for k, v in tensors.items()}
+
+
+def recover(out):
+    """An OOM planted inside one rank's training step under FSDP2 — in the forward of step 2 on rank 1, and in the
+    backward of step 3 on rank 0 — is recovered in the same process on both ranks: 4×1 → 2×2 (effective batch 8
+    on 2 ranks kept), from the checkpoint of the last completed step, and the run trains what an unfaulted run
+    trains (samples, RNG stream, learning rates, weights and SGD momentum; no gradient clipping). Then the guard
+    comes off after its stable steps."""
+    fsdp_on_cpu()
+    from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
+    from hf_perf_callbacks.resize import sharding
+    from hf_perf_callbacks.tiny import build_tokenizer
+    from tests.conftest import CORPUS, make_trainer
+    from tests.faults import Trajectory, differences
+    from tests.test_tuner import CUDA_OOM, PlantedOOM
+
+    rank = int(os.environ["RANK"])
+    tokenizer = build_tokenizer(CORPUS, vocab_size=300)
+    exact = dict(FSDP_ARGS, optim="sgd", optim_args="momentum=0.9", learning_rate=0.02, max_grad_norm=0.0,
+                 lr_scheduler_type="linear")
+    result = {"rank": rank}
+
+    def run(name, plant=None, steps=8):
+        trajectory = Trajectory()
+        callbacks = [trajectory, AdaptiveBatchTuner(tune=False)] + ([plant] if plant else [])
+        trainer = make_trainer(tokenizer, os.path.join(out, name), callbacks, max_steps=steps, bs=4, ga=1,
+                               extra=exact, length=12)      # rows of one length: the grouping cannot change the loss
+        trajectory.attach(trainer)
+        if plant is not None:
+            plant.attach(trainer)
         train_with_tuning(trainer)
-    except torch.OutOfMemoryError:
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"reraised": True, "step": trainer.state.global_step,
-                       "decisions": [d.to_json() for d in tuner.session.decisions]}, f)
-        sys.exit(3)
+        trajectory.final, trajectory.optimizer = local(trajectory.final), local(trajectory.optimizer)
+        ranks = [None, None]               # a step's samples are the union of the ranks' (each split deals them out
+        dist.all_gather_object(ranks, trajectory.by_step)  # to the ranks in another order)
+        trajectory.by_step = {step: [row for rank in ranks for row in rank.get(step, [])]
+                              for step in set().union(*ranks)}
+        return trainer, trajectory, callbacks[1]
+
+    _, expected, _ = run("unfaulted")
+    for name, plant in (("forward", PlantedOOM(limit=2 if rank == 1 else 99, text=CUDA_OOM, armed_at=1, once=True)),
+                        ("backward", PlantedOOM(limit=2 if rank == 0 else 99, text=CUDA_OOM, armed_at=2, once=True,
+                                                in_backward=True))):
+        trainer, got, tuner = run(name, plant)
+        args = trainer.args
+        result[name] = {"differences": differences(expected, got), "step": trainer.state.global_step,
+                        "split": [args.per_device_train_batch_size, args.gradient_accumulation_steps],
+                        "decisions": [(d.kind, d.step, d.new.micro_batch) for d in tuner.session.decisions],
+                        "raised": plant.raised}
+    result["stable_steps"] = sharding.STABLE_STEPS
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
 
 
 if __name__ == "__main__":
-    if sys.argv[2:] == ["oom"]:
-        oom_on_rank1(sys.argv[1])
+    if sys.argv[2:] == ["restart"]:
+        restart(sys.argv[1])
+        shut_down()
+    elif sys.argv[2:] == ["recover"]:
+        recover(sys.argv[1])
+        shut_down()
     else:
         main(sys.argv[1])
         shut_down()

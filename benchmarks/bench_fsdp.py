@@ -11,16 +11,26 @@ the last one (on the second node of a two-node launch):
    count (non-padding tokens of every micro-batch's inputs, summed over ranks, over a synchronized wall clock of the
    same steps); the perf log is written once;
 2. ``resize`` — ``train_with_tuning``: the planted rank's watchdog reads 2 GiB per sample against a 7 GiB budget, so
-   it asks for a smaller micro-batch; every rank saves the sharded checkpoint and records the same split, the run
-   stops, and the relaunch (a fresh trainer) reaches ``max_steps`` at that split with the effective batch kept. (An
-   OOM inside a step is refused under FSDP: ``oom`` plants one on the planted rank in a separate launch, which must
-   end at once with the message.)
-3. ``stop`` — a watchdog stop on the planted rank only stops every rank at one step with one checkpoint, which a
+   it asks for a smaller micro-batch; every rank saves the sharded checkpoint, takes the same split and goes on in
+   the same process to ``max_steps`` with the effective batch kept.
+3. ``recover`` — an OOM planted inside a step (the planted rank's forward at step 2, rank 0's backward at step 3)
+   under ``train_with_tuning``: every rank re-sizes 4×1 → 2×2 in the same process and trains the unfaulted run's
+   samples (over all ranks) to ``max_steps``; the weights' difference from the unfaulted run is set beside the
+   difference between two unfaulted runs at 4×1 and 2×2 (bf16: summation order alone differs that much).
+4. ``lora`` — the same forward OOM with a LoRA adapter (r16, every linear layer) on the FSDP2-sharded model.
+5. ``guard`` — the step guard's cost: the same run with plain ``trainer.train()`` (no guard), under
+   ``train_with_tuning`` with the guard kept on for the whole run, and with its default (off after
+   ``STABLE_STEPS``); median step time over the steps after the first four.
+6. ``stop`` — a watchdog stop on the planted rank only stops every rank at one step with one checkpoint, which a
    fresh trainer resumes.
+
+``restart`` (a separate launch with ``--max_restarts``): an OOM on rank 0 after the guard came off ends its process
+with the next smaller split recorded; the launcher restarts every rank, and ``train_with_tuning`` resumes from the
+newest checkpoint with it, to ``max_steps``.
 
 Arguments: ``--smoke`` (CPU processes, gloo, the tests' tiny model, FSDP2 switched on for CPU processes as in
 ``tests/scripts/two_rank_fsdp.py``), ``--fsdp_args``, ``--scenarios a,b``, ``--name NAME`` (the results file,
-``benchmarks/results/NAME.json``), ``oom``. ``HF_PERF_BENCH_DIR``: the output directory shared by every rank (by
+``benchmarks/results/NAME.json``), ``restart``. ``HF_PERF_BENCH_DIR``: the output directory shared by every rank (by
 default one per launcher process; a two-node launch has two launchers, so it sets one).
 """
 import gc
@@ -47,7 +57,7 @@ WORLD = int(os.environ.get("WORLD_SIZE", 1))
 PLANTED = WORLD - 1                            # the rank whose memory is planted: on the last node
 STEPS = 6 if SMOKE else 12
 SHARED = os.environ.get("HF_PERF_BENCH_DIR") or f"/tmp/hf_perf_fsdp/{os.getppid()}"   # every rank's output_dir
-SCENARIOS = option("--scenarios", "throughput,resize,stop").split(",")
+SCENARIOS = option("--scenarios", "throughput,resize,recover,lora,guard,stop").split(",")
 FSDP_ARGS = {}                                 # with accelerate's FSDP config, accelerate turns FSDP on
 if SMOKE:
     from two_rank_fsdp import FSDP_ARGS as CPU_FSDP_ARGS
@@ -80,14 +90,17 @@ def build_model():
 
 
 class Texts(torch.utils.data.Dataset):
-    """Wordle prompts and guesses as causal-LM examples of varying length (so padding exists)."""
+    """Wordle prompts and guesses as causal-LM examples of varying length (so padding exists); ``length``: every
+    example cut to that many tokens (no padding: how rows are grouped into micro-batches cannot change the loss)."""
 
-    def __init__(self, n=512):
+    def __init__(self, n=512, length=None):
         from hf_perf_callbacks.tasks import wordle
 
         tok = tokenizer()
         prompts = list(wordle.make_dataset(n, seed=0)["prompt"])
         self.items = [tok(p[: 80 + (i * 37) % 400])["input_ids"] for i, p in enumerate(prompts)]
+        if length is not None:
+            self.items = [(ids * length)[:length] for ids in self.items]
 
     def __len__(self):
         return len(self.items)
@@ -96,14 +109,20 @@ class Texts(torch.utils.data.Dataset):
         return {"input_ids": self.items[i]}
 
 
-def make(output_dir, callbacks, micro, accum, steps, **extra):
+def make(output_dir, callbacks, micro, accum, steps, length=None, lora=False, **extra):
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     settings = dict(output_dir=output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
                     max_steps=steps, learning_rate=1e-5, logging_steps=1, save_strategy="no", report_to="none",
                     bf16=not SMOKE, use_cpu=SMOKE, disable_tqdm=True, seed=0, ddp_timeout=180, **FSDP_ARGS)
     settings.update(extra)
-    return Trainer(model=build_model(), args=TrainingArguments(**settings), train_dataset=Texts(),
+    model = build_model()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
+                                                 task_type="CAUSAL_LM"))
+    return Trainer(model=model, args=TrainingArguments(**settings), train_dataset=Texts(length=length),
                    data_collator=DataCollatorForLanguageModeling(tokenizer(), mlm=False), callbacks=callbacks)
 
 
@@ -203,14 +222,10 @@ def resize_on_planted_rank() -> dict:
     if RANK == PLANTED:
         watchdog.device = PlantedMemory(trainer.args)
     start = time.perf_counter()
-    train_with_tuning(trainer)                    # saves, records the split and stops at the re-size (FSDP)
-    stopped = trainer.state.global_step
-    trainer = make(out, [ThroughputMeter(), MemoryWatchdog(), AdaptiveBatchTuner()], 4, 2, 6)     # the relaunch
-    train_with_tuning(trainer, resume_from_checkpoint=True)
+    train_with_tuning(trainer)                    # saves, takes the smaller split and goes on, in this process
     args = trainer.args
     world = dist.get_world_size()
-    result = {"rank": RANK, "stopped": stopped, "reached": trainer.state.global_step,
-              "seconds": time.perf_counter() - start,
+    result = {"rank": RANK, "reached": trainer.state.global_step, "seconds": time.perf_counter() - start,
               "split": [args.per_device_train_batch_size, args.gradient_accumulation_steps],
               "effective_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * world,
               "decisions": [{k: d.to_json()[k] for k in ("kind", "step", "old", "new", "recovery_sec")}
@@ -221,9 +236,136 @@ def resize_on_planted_rank() -> dict:
         checkpoint = os.path.join(out, "checkpoint-2")
         result["checkpoint_files"] = sorted(os.listdir(checkpoint)) if os.path.isdir(checkpoint) else []
         lines = [json.loads(x) for x in open(os.path.join(out, "perf_log.jsonl"))]
-        result["limits_logged"] = [x["message"] for x in lines if x["type"] == "event" and x["source"] == "tuner"
-                                   and x["kind"] == "warning"]
+        result["notes_logged"] = [x["message"] for x in lines if x["type"] == "event" and x["source"] == "tuner"
+                                  and x["kind"] == "warning"]
         result["perf_log_steps"] = [x["step"] for x in lines if x["type"] == "step"]
+    return result
+
+
+class PlantedOOM(TrainerCallback):
+    """An out-of-memory error on ``rank`` at optimizer step ``at`` (1-based), once: in the decoder's forward, or
+    while gradients flow back through the first decoder layer (``backward``)."""
+
+    def __init__(self, rank: int, at: int, backward: bool = False):
+        self.rank, self.at, self.backward, self.step, self.raised = rank, at, backward, 0, 0
+
+    def attach(self, trainer):
+        from hf_perf_callbacks.throughput import forward_entry
+
+        inner = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+        if self.backward:
+            inner.model.layers[0].register_full_backward_hook(lambda *_: self.fire())
+        else:
+            forward_entry(inner).register_forward_pre_hook(lambda *_: self.fire() if torch.is_grad_enabled() else None)
+
+    def fire(self):
+        if RANK == self.rank and self.step + 1 == self.at and not self.raised:
+            self.raised += 1
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (planted on rank {RANK})")
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step
+
+
+def weights_of(trainer) -> dict:
+    """This rank's shard of every trainable weight, in float32 on the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.to_local() if isinstance(p, DTensor) else p).detach().float().cpu()
+            for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+def largest_difference(a: dict, b: dict) -> float:
+    """The largest |a − b| over every weight, the largest over all ranks."""
+    local = max((a[k] - b[k]).abs().max().item() for k in a) if a else 0.0
+    return max(gathered(local))
+
+
+def run_recorded(name: str, micro: int, accum: int, plant: PlantedOOM | None = None, lora: bool = False,
+                 steps: int = 8) -> dict:
+    """One optimizer run under ``train_with_tuning`` (SGD with momentum, no clipping, rows of one length): what each
+    step trained (the union over ranks), the weights, the decisions, the split at the end."""
+    from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
+    from tests.faults import SampleRecorder
+
+    class Start(TrainerCallback):
+        """The weights as the first train() begins (already sharded)."""
+
+        weights: dict | None = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if self.weights is None:
+                self.weights = weights_of(trainer)
+
+    recorder, tuner, begin = SampleRecorder(), AdaptiveBatchTuner(tune=False), Start()
+    callbacks = [recorder, tuner, begin] + ([plant] if plant else [])
+    trainer = make(os.path.join(SHARED, name), callbacks, micro, accum, steps, length=64, lora=lora, optim="sgd",
+                   optim_args="momentum=0.9", learning_rate=1e-2 if lora else 1e-3, max_grad_norm=0.0)
+    recorder.attach(trainer)
+    if plant is not None:
+        plant.attach(trainer)
+    start = time.perf_counter()
+    train_with_tuning(trainer)
+    seconds = time.perf_counter() - start
+    by_rank = gathered(recorder.by_step)
+    samples = {step: sorted(row for rank in by_rank for row in rank.get(step, [])) for step in range(1, steps + 1)}
+    args = trainer.args
+    return {"samples": samples, "weights": weights_of(trainer), "start_weights": begin.weights, "seconds": seconds,
+            "reached": trainer.state.global_step, "split": [args.per_device_train_batch_size,
+                                                            args.gradient_accumulation_steps],
+            "decisions": [(d.kind, d.step, d.new.micro_batch, d.recovery_sec) for d in tuner.session.decisions],
+            "raised": plant.raised if plant else 0}
+
+
+def recover(lora: bool = False) -> dict:
+    """Planted OOMs inside one rank's step, recovered in the same process on every rank (see the module docstring)."""
+    name = "lora" if lora else "recover"
+    expected = run_recorded(f"{name}_unfaulted", 4, 1, lora=lora)
+    cases = {"forward": PlantedOOM(PLANTED, at=2)}      # inside the guard's first STABLE_STEPS steps
+    if not lora:
+        cases["backward"] = PlantedOOM(0, at=3, backward=True)
+    result = {"rank": RANK}
+    floor = None
+    if not lora:                                  # the same samples at 2×2 from the start: bf16's summation order
+        other = run_recorded(f"{name}_unfaulted_2x2", 2, 2)
+        floor = largest_difference(expected["weights"], other["weights"])
+    change = largest_difference(expected["weights"], expected["start_weights"])
+    for case, plant in cases.items():
+        got = run_recorded(f"{name}_{case}", 4, 1, plant=plant, lora=lora)
+        result[case] = {"same_samples": got["samples"] == expected["samples"], "reached": got["reached"],
+                        "split": got["split"], "decisions": got["decisions"], "raised": got["raised"],
+                        "seconds": got["seconds"], "unfaulted_seconds": expected["seconds"],
+                        "largest_weight_difference": largest_difference(expected["weights"], got["weights"])}
+    result.update(unfaulted_4x1_vs_2x2_difference=floor, largest_weight_change=change)
+    return result
+
+
+def guard_cost() -> dict:
+    """Median step time (steps 5 on) of the same full fine-tune: plain train(), the guard on for the whole run, and
+    the guard as it runs by default (off after STABLE_STEPS)."""
+    from hf_perf_callbacks import train_with_tuning
+    from hf_perf_callbacks.resize import sharding
+
+    steps, result = 14, {"rank": RANK, "stable_steps": sharding.STABLE_STEPS}
+    default = sharding.STABLE_STEPS
+    for arm in ("plain", "always_on", "default", "plain_again"):
+        trainer = make(os.path.join(SHARED, f"guard_{arm}"), [], 8 if not SMOKE else 2, 2, steps)
+        clock = Independent(trainer)
+        trainer.add_callback(clock)
+        sharding.STABLE_STEPS = 10**9 if arm == "always_on" else default
+        try:
+            trainer.train() if arm.startswith("plain") else train_with_tuning(trainer)
+        finally:
+            sharding.STABLE_STEPS = default
+        walls = [max(r) for r in zip(*gathered(clock.walls))]                 # the slowest rank's step
+        result[arm] = {"median_step_sec": sorted(walls[4:])[len(walls[4:]) // 2], "steps": len(walls)}
+        del trainer
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    plain = min(result["plain"]["median_step_sec"], result["plain_again"]["median_step_sec"])
+    result["always_on_over_plain"] = result["always_on"]["median_step_sec"] / plain
+    result["default_over_plain"] = result["default"]["median_step_sec"] / plain
     return result
 
 
@@ -245,31 +387,36 @@ def stop_on_planted_rank() -> dict:
             "resumed_to": resumed.state.global_step, "target": stopped + 2}
 
 
-def oom_on_planted_rank() -> None:
-    """An OOM inside the planted rank's step: refused under FSDP, raised at once; that rank records it, the launcher
-    ends the others."""
+def restart_after_the_guard() -> None:
+    """An OOM on rank 0 after the step guard came off: rank 0 records the next smaller split and ends its process,
+    the launcher (``--max_restarts``) restarts every rank, and ``train_with_tuning`` resumes from the newest checkpoint
+    with that split, to ``max_steps`` (the OOM is planted in the first attempt only)."""
     from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
+    from hf_perf_callbacks.resize import sharding
 
-    class PlantedOOM(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            self.step = state.global_step
-
-    plant = PlantedOOM()
-    trainer = make(os.path.join(SHARED, "oom"), [plant, AdaptiveBatchTuner(tune=False)], 4, 1, 4)
-    plant.step = 0
-
-    def raise_on_planted_rank(module, args, kwargs):
-        if RANK == PLANTED and plant.step >= 1 and torch.is_grad_enabled():
-            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (planted on rank {RANK})")
-
-    trainer.model.register_forward_pre_hook(raise_on_planted_rank, with_kwargs=True)
+    attempt, at, steps = sharding.restarted_by_launcher(), sharding.STABLE_STEPS + 3, sharding.STABLE_STEPS + 5
+    plant = PlantedOOM(0 if attempt == 0 else -1, at=at)
+    tuner = AdaptiveBatchTuner(tune=False)
+    out = os.path.join(SHARED, "restart")
+    trainer = make(out, [plant, tuner], 4, 1, steps, save_strategy="steps", save_steps=2)
+    plant.attach(trainer)
     start = time.perf_counter()
-    try:
-        train_with_tuning(trainer)
-    except torch.OutOfMemoryError:
-        write_result(NAME + "_oom", {"rank": RANK, "reraised": True, "step": trainer.state.global_step,
-                                  "seconds_to_raise": time.perf_counter() - start})
-        raise
+    train_with_tuning(trainer)
+    args = trainer.args
+    lines = [json.loads(x) for x in open(os.path.join(out, "perf_log.jsonl"))] if RANK == 0 else []
+    mine = {"rank": RANK, "attempt": attempt, "reached": trainer.state.global_step, "target": steps, "oom_at": at,
+            "seconds_this_attempt": time.perf_counter() - start,
+            "split": [args.per_device_train_batch_size, args.gradient_accumulation_steps],
+            "decisions": [(d.kind, d.step, d.new.micro_batch, d.checkpoint) for d in tuner.session.decisions],
+            "perf_log_steps": [x["step"] for x in lines if x["type"] == "step"],
+            "guard_off_at": [x["step"] for x in lines if x["type"] == "event" and "guard is off" in x["message"]]}
+    everyone = gathered(mine)
+    if RANK == 0:
+        write_result(NAME + "_restart", {
+            "ranks": everyone, "restarted": all(r["attempt"] >= 1 for r in everyone),
+            "reached_max_steps": all(r["reached"] == steps for r in everyone),
+            "split_recorded_and_applied": all(r["split"] == [2, 2] for r in everyone),
+            "logged_once": everyone[0]["perf_log_steps"] == list(range(1, steps + 1))})
 
 
 def same_decisions(a: dict, b: dict) -> bool:
@@ -294,10 +441,19 @@ def checks(by_rank: dict) -> dict:
         out.update({
             "resize_same_split": len({tuple(x["split"]) for x in r}) == 1,
             "resize_same_decisions": all(same_decisions(r[0], x) for x in r) and bool(r[0]["decisions"]),
-            "resize_stopped_together": len({x["stopped"] for x in r}) == 1,
-            "resize_relaunch_reached_max_steps": all(x["reached"] == 6 for x in r),
+            "resize_in_process_reached_max_steps": all(x["reached"] == 6 for x in r),
             "resize_effective_batch_kept": all(x["effective_batch"] == 4 * 2 * WORLD for x in r),
             "resize_logged_once": r[0]["perf_log_steps"] == list(range(1, 7))})
+    for name in ("recover", "lora"):
+        if name in by_rank:
+            cases = [c for c in ("forward", "backward") if c in by_rank[name][0]]
+            out[f"{name}_in_process_on_every_rank"] = all(
+                x[c]["reached"] == 8 and x[c]["split"] == [2, 2] and len(x[c]["decisions"]) == 1
+                for x in by_rank[name] for c in cases)
+            out[f"{name}_same_samples_as_unfaulted"] = all(x[c]["same_samples"] for x in by_rank[name] for c in cases)
+            out[f"{name}_planted_once"] = all(sum(x[c]["raised"] for x in by_rank[name]) == 1 for c in cases)
+    if "guard" in by_rank:
+        out["guard_cost_at_most_1pct_once_stable"] = by_rank["guard"][0]["default_over_plain"] <= 1.01
     if "stop" in by_rank:
         s = by_rank["stop"]
         out.update({"stop_same_step": len({x["stopped_at_step"] for x in s}) == 1,
@@ -307,10 +463,11 @@ def checks(by_rank: dict) -> dict:
 
 
 def main():
-    if "oom" in sys.argv[1:]:
-        oom_on_planted_rank()
+    if "restart" in sys.argv[1:]:
+        restart_after_the_guard()
         return
-    scenarios = {"throughput": throughput, "resize": resize_on_planted_rank, "stop": stop_on_planted_rank}
+    scenarios = {"throughput": throughput, "resize": resize_on_planted_rank, "recover": recover,
+                 "lora": lambda: recover(lora=True), "guard": guard_cost, "stop": stop_on_planted_rank}
     results = {}
     for name in SCENARIOS:
         gc.collect()
@@ -337,6 +494,16 @@ def main():
                     [[r["rank"], "×".join(map(str, r["split"])), r["effective_batch"], r["reached"],
                       "; ".join(f"{d['kind']}@{d['step']}: {d['old']['micro_batch']}→{d['new']['micro_batch']}"
                                 for d in r["decisions"])] for r in by_rank["resize"]]))
+    for name in ("recover", "lora"):
+        if name in by_rank:
+            print(table(["rank", f"{name}: case", "reached", "split", "same samples", "|Δw| vs unfaulted", "raised"],
+                        [[x["rank"], c, x[c]["reached"], "×".join(map(str, x[c]["split"])), x[c]["same_samples"],
+                          x[c]["largest_weight_difference"], x[c]["raised"]]
+                         for x in by_rank[name] for c in ("forward", "backward") if c in x]))
+    if "guard" in by_rank:
+        g = by_rank["guard"][0]
+        print(table(["guard", "median step s"], [[arm, g[arm]["median_step_sec"]]
+                                                for arm in ("plain", "always_on", "default", "plain_again")]))
     if "stop" in by_rank:
         print(table(["rank", "stopped at", "actions", "checkpoints", "resumed to"],
                     [[s["rank"], s["stopped_at_step"], ",".join(s["actions"]), ",".join(s["checkpoints"]),

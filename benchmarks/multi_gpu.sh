@@ -10,11 +10,15 @@
 # peft, and TRL and datasets (install the carried wheels first: pip install --no-index --find-links DIR trl datasets).
 #  1. FSDP2 on N GPUs (accelerate launch, fsdp.yaml, --num_processes N): the callbacks' figures global and equal on
 #     every rank, the perf log written once; a watchdog re-size on the last rank (sharded checkpoint, the same split
-#     recorded on every rank, then a relaunch reaching max_steps); a watchdog stop on the last rank stopping all.
-#  2. an OOM inside the last rank's step: refused under FSDP, the launch must end at once with the message.
+#     on every rank, on to max_steps in the same process); OOMs planted inside one rank's step (forward, backward;
+#     full fine-tune and LoRA) recovered in the same process on every rank, the unfaulted run's samples trained;
+#     the step guard's cost per step (on, and off once stable); a watchdog stop on the last rank stopping all.
+#  2. an OOM after the step guard came off: the launcher's restart (--max_restarts) resumes every rank from the
+#     newest checkpoint with the recorded smaller split, to max_steps, no person in the loop.
 #  3. two nodes on one host: two torchrun launchers (--nnodes 2 --node_rank 0/1 --nproc_per_node N/2, the first
 #     and the second half of the GPUs, rendezvous on localhost), FSDP2 from TrainingArguments: figures global, the
 #     perf log written once per job, the re-size decided alike on all ranks (planted on the last rank, on node 1).
+# SECTIONS="1 2 3" (default) chooses the sections; SCENARIOS (section 1's, comma-separated) the scenarios.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -30,7 +34,9 @@ if [ "${1:-}" = "--smoke" ]; then
   export OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES=""
   N="${NPROC:-2}"; PER_NODE="${NPROC_NODE:-1}"; FLAG=(--smoke); PREFIX=multi_gpu_smoke
   LAUNCH=("$PY" -m torch.distributed.run --nproc_per_node "$N" --master_port "$(free_port)")
-  NODE_GPUS=("" ""); TIMEOUTS=(600 180 600)          # a loaded 2-core CPU
+  RESTARTING=("$PY" -m torch.distributed.run --nproc_per_node "$N" --max-restarts 2 --rdzv-backend c10d
+              --rdzv-endpoint "localhost:$(free_port)")
+  NODE_GPUS=("" ""); TIMEOUTS=(1200 600 600)         # a loaded 2-core CPU
 else
   # every GPU of the host (NGPU overrides; an even number >= 2): half of them per simulated node
   N="${NGPU:-$("$PY" -c "import torch; print(torch.cuda.device_count())")}"
@@ -39,33 +45,29 @@ else
   [ "$N" -ne 4 ] && PREFIX="multi_gpu_${N}gpu"
   LAUNCH=(accelerate launch --config_file hf_perf_callbacks/recipes/accelerate/fsdp.yaml --num_processes "$N"
           --main_process_port "$(free_port)")
+  RESTARTING=("${LAUNCH[@]}" --max_restarts 2 --rdzv_backend c10d)
   NODE_GPUS=("$(seq -s, 0 $(( PER_NODE - 1 )))" "$(seq -s, "$PER_NODE" $(( N - 1 )))")
-  TIMEOUTS=(220 60 180)                              # at most 460 s of the 8 minutes
+  TIMEOUTS=(330 120 150)                             # at most 600 s
 fi
 started=$(date +%s)
 
-echo "== 1. FSDP2 on $N ranks of one host: figures, a watchdog re-size by relaunch, a stop"
+SECTIONS="${SECTIONS:-1 2 3}"
+if [[ " $SECTIONS " == *" 1 "* ]]; then
+echo "== 1. FSDP2 on $N ranks of one host: figures, re-sizes and OOMs recovered in process, the guard's cost, a stop"
 HF_PERF_BENCH_DIR="$RUN/one_host" timeout "${TIMEOUTS[0]}" "${LAUNCH[@]}" benchmarks/bench_fsdp.py "${FLAG[@]}" \
-  --name "${PREFIX}_fsdp" 2>&1 | quiet
-echo "== 2. an OOM inside the last rank's step under FSDP: refused, the launch ends at once"
+  --scenarios "${SCENARIOS:-throughput,resize,recover,lora,guard,stop}" --name "${PREFIX}_fsdp" 2>&1 | quiet
+fi
+if [[ " $SECTIONS " == *" 2 "* ]]; then
+echo "== 2. an OOM after the step guard came off: the launcher's restart resumes with the smaller split"
 t0=$(date +%s)
-HF_PERF_BENCH_DIR="$RUN/oom" timeout "${TIMEOUTS[1]}" "${LAUNCH[@]}" benchmarks/bench_fsdp.py oom "${FLAG[@]}" \
-  --name "${PREFIX}_fsdp" > "$RUN/oom.log" 2>&1
-rc=$?
-elapsed=$(( $(date +%s) - t0 ))
-said=$(grep -c "out of memory under FSDP: not recoverable in lockstep" "$RUN/oom.log")
-echo "exit code $rc (non-zero expected, 124 = hung until the timeout) after ${elapsed} s; message printed ${said} time(s)"
-"$PY" - "$rc" "$elapsed" "$said" "${PREFIX}_fsdp_oom" <<'PY'
-import json, os, sys
-sys.path.insert(0, "benchmarks")
-from common import RESULTS, write_result
-rc, elapsed, said, name = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-path = os.path.join(RESULTS, f"{name}.json")
-rank = json.load(open(path)) if os.path.exists(path) else {}           # what the planted rank wrote before raising
-write_result(name, {"planted_rank_record": {k: rank.get(k) for k in ("rank", "reraised", "step", "seconds_to_raise")},
-                    "launch_exit_code": rc, "launch_seconds": elapsed, "hung": rc == 124,
-                    "message_printed": said > 0, "ended_at_once": rc not in (0, 124) and said > 0})
-PY
+HF_PERF_BENCH_DIR="$RUN/restart" timeout "${TIMEOUTS[1]}" "${RESTARTING[@]}" benchmarks/bench_fsdp.py restart \
+  "${FLAG[@]}" --name "${PREFIX}_fsdp" > "$RUN/restart.log" 2>&1
+echo "exit code $? after $(( $(date +%s) - t0 )) s (0 expected: the restarted attempt reached max_steps)"
+grep -E "\[tuner\] (out of memory under FSDP|restarted by the launcher)" "$RUN/restart.log" | cut -c1-200 | sort -u
+fi
+if [[ " $SECTIONS " != *" 3 "* ]]; then
+  echo "== done in $(( $(date +%s) - started )) s"; exit 0
+fi
 echo "== 3. two nodes simulated on one host: 2 launchers × $PER_NODE ranks, rendezvous on localhost"
 port=$(free_port)
 for node in 0 1; do
@@ -79,5 +81,5 @@ quiet < "$RUN/node0.log" | tail -25
 for node in 0 1; do
   grep -q "Traceback" "$RUN/node$node.log" && { echo "node $node failed:"; tail -30 "$RUN/node$node.log"; }
 done
-echo "== done in $(( $(date +%s) - started )) s; results: ${PREFIX}_fsdp.json, ${PREFIX}_fsdp_oom.json," \
+echo "== done in $(( $(date +%s) - started )) s; results: ${PREFIX}_fsdp.json, ${PREFIX}_fsdp_restart.json," \
      "${PREFIX}_two_nodes.json in ${HF_PERF_RESULTS:-benchmarks/results}"

@@ -109,11 +109,15 @@ def test_train_with_tuning_resizes_every_rank_through_an_fsdp_checkpoint_in_the_
 
 
 @pytest.mark.launch
-def test_an_oom_inside_one_ranks_step_under_fsdp2_is_recovered_in_process_and_exactly(tmp_path):
+@pytest.mark.parametrize("reset", ["reset_iter_state", "without_it"])
+def test_an_oom_inside_one_ranks_step_under_fsdp2_is_recovered_in_process_and_exactly(tmp_path, reset, monkeypatch):
     """An OOM planted in rank 1's forward (step 2) and in rank 0's backward (step 3, after some layers' gradients
     were reduce-scattered) re-sizes both ranks 4×1 → 2×2 in the same process, and each run trains what the unfaulted
     run trains: the samples of every step (over both ranks), the RNG stream, the learning rates, the weights and the
-    SGD momentum (no gradient clipping). A hang would run into the subprocess timeout (``TimeoutExpired``)."""
+    SGD momentum (no gradient clipping). A hang would run into the subprocess timeout (``TimeoutExpired``).
+    ``without_it``: as on torch < 2.13, which has no ``FSDPModule.reset_iter_state``: the adapter's own reset."""
+    if reset == "without_it":
+        monkeypatch.setenv("WITHOUT_RESET_ITER_STATE", "1")
     proc = torchrun(tmp_path, "recover")
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]

@@ -47,7 +47,7 @@ else
           --main_process_port "$(free_port)")
   RESTARTING=("${LAUNCH[@]}" --max_restarts 2 --rdzv_backend c10d)
   NODE_GPUS=("$(seq -s, 0 $(( PER_NODE - 1 )))" "$(seq -s, "$PER_NODE" $(( N - 1 )))")
-  TIMEOUTS=(330 120 150)                             # at most 600 s
+  TIMEOUTS=(370 100 120)                             # at most 590 s
 fi
 started=$(date +%s)
 

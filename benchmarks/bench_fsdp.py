@@ -20,7 +20,7 @@ the last one (on the second node of a two-node launch):
 4. ``lora`` — the same forward OOM with a LoRA adapter (r16, every linear layer) on the FSDP2-sharded model.
 5. ``guard`` — the step guard's cost: the same run with plain ``trainer.train()`` (no guard), under
    ``train_with_tuning`` with the guard kept on for the whole run, and with its default (off after
-   ``STABLE_STEPS``); median step time over the steps after the first four.
+   ``STABLE_STEPS``); median step time over the steps after the first five.
 6. ``stop`` — a watchdog stop on the planted rank only stops every rank at one step with one checkpoint, which a
    fresh trainer resumes.
 
@@ -341,15 +341,17 @@ def recover(lora: bool = False) -> dict:
 
 
 def guard_cost() -> dict:
-    """Median step time (steps 5 on) of the same full fine-tune: plain train(), the guard on for the whole run, and
-    the guard as it runs by default (off after STABLE_STEPS)."""
-    from hf_perf_callbacks import train_with_tuning
+    """Median step time (steps 6 on) of the same full fine-tune, the same callbacks attached: plain train() (no
+    guard; twice, first and last), the guard on for the whole run, and the guard as it runs by default (off after
+    STABLE_STEPS)."""
+    from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
     from hf_perf_callbacks.resize import sharding
 
-    steps, result = 14, {"rank": RANK, "stable_steps": sharding.STABLE_STEPS}
+    steps, result = 20, {"rank": RANK, "stable_steps": sharding.STABLE_STEPS}
     default = sharding.STABLE_STEPS
-    for arm in ("plain", "always_on", "default", "plain_again"):
-        trainer = make(os.path.join(SHARED, f"guard_{arm}"), [], 8 if not SMOKE else 2, 2, steps)
+    for arm in ("plain", "always_on", "default", "plain_again"):       # every arm with the same callback attached
+        trainer = make(os.path.join(SHARED, f"guard_{arm}"), [AdaptiveBatchTuner(tune=False)], 8 if not SMOKE else 2,
+                       2, steps)
         clock = Independent(trainer)
         trainer.add_callback(clock)
         sharding.STABLE_STEPS = 10**9 if arm == "always_on" else default
@@ -358,7 +360,8 @@ def guard_cost() -> dict:
         finally:
             sharding.STABLE_STEPS = default
         walls = [max(r) for r in zip(*gathered(clock.walls))]                 # the slowest rank's step
-        result[arm] = {"median_step_sec": sorted(walls[4:])[len(walls[4:]) // 2], "steps": len(walls)}
+        late = sorted(walls[5:])                                             # steps 6 on: warm, guard off by default
+        result[arm] = {"median_step_sec": late[len(late) // 2], "steps": len(walls)}
         del trainer
         gc.collect()
         if torch.cuda.is_available():

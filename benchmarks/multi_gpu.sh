@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU of one host (written for four), and two nodes simulated on one host: the FSDP2 path of issue 21 in one GPU session.
 #   bash benchmarks/multi_gpu.sh           # every GPU of the host (4: multi_gpu_*.json; N other than 4:
-#                                          # multi_gpu_<N>gpu_*.json, NGPU=N to choose); at most 220 + 60 + 180 s
-#                                          # (the launches' timeouts), inside 8 minutes on 4 H100s
+#                                          # multi_gpu_<N>gpu_*.json, NGPU=N to choose); at most 370 + 200 + 120 s
+#                                          # (the launches' timeouts; run SECTIONS apart inside 10 minutes)
 #   bash benchmarks/multi_gpu.sh --smoke   # the same on CPU processes (gloo, the tests' tiny model):
 #                                          # multi_gpu_smoke_*.json; NPROC ranks on one host (default 2), NPROC_NODE
 #                                          # per simulated node (default 1)
@@ -47,7 +47,7 @@ else
           --main_process_port "$(free_port)")
   RESTARTING=("${LAUNCH[@]}" --max_restarts 2 --rdzv_backend c10d)
   NODE_GPUS=("$(seq -s, 0 $(( PER_NODE - 1 )))" "$(seq -s, "$PER_NODE" $(( N - 1 )))")
-  TIMEOUTS=(370 100 120)                             # at most 590 s
+  TIMEOUTS=(${T1:-370} ${T2:-200} ${T3:-120})       # SECTIONS="1 2 3": at most 690 s (T1, T2, T3 override)
 fi
 started=$(date +%s)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU of one host (written for four), and two nodes simulated on one host: the FSDP2 path of issue 21 in one GPU session.
+# Every GPU of one host (written for four), and two nodes simulated on one host: the FSDP2 path end to end.
 #   bash benchmarks/multi_gpu.sh           # every GPU of the host (4: multi_gpu_*.json; N other than 4:
 #                                          # multi_gpu_<N>gpu_*.json, NGPU=N to choose); at most 370 + 200 + 120 s
 #                                          # (the launches' timeouts; run SECTIONS apart inside 10 minutes)

@@ -94,7 +94,7 @@ class MemorySample:
         held = self.held
         if self.device_free is not None:
             return (self.reserved or 0) + self.device_free
-        if self.unified and held is not None and self.system_available:
+        if self.unified and held is not None:         # the layer reads the system's available memory: 0 is real
             return held + self.system_available
         return None
 

@@ -251,7 +251,7 @@ class MemoryWatchdog(PerfCallback):
         reach_words = (f"; the budget is {self.budget_fraction:.0%} of the {gib(reach)} this run can reach"
                        + (f" ({gib(total)} in all)" if total else "") if reach is not None else "")
         self._bus.event(self.source, "wall", headline + (f": {why}" if why else "") + reach_words, step=step,
-                        budget_gb=self.budget / GB, before_gb=before / GB,
+                        why=why, budget_gb=self.budget / GB, before_gb=before / GB,
                         outside_gb=outside / GB if outside is not None else None,
                         reachable_gb=reach / GB if reach is not None else None)
 
@@ -315,7 +315,7 @@ class MemoryWatchdog(PerfCallback):
                     if self.stop else "stop=False: the watchdog will only warn")
             self.warn(f"memory grew on each of the last {policy.trend_window} steps (+{mib(slope)}/step): a steady "
                       f"leak, e.g. tensors kept across steps (a loss appended without .item(), a growing cache); a "
-                      f"smaller micro-batch does not stop it: {plan}", step=step)
+                      f"smaller micro-batch does not stop it: {plan}", step=step, leak_mib_per_step=slope / 2**20)
         fields[keys.MEM_PRESSURE] = policy.level
         fields.update(wall_fields(policy.forecast(), state.max_steps - step if state.max_steps > 0 else None))
         # a forecast of an earlier step must not reach this step's log

@@ -51,6 +51,12 @@ def test_cpu_memory_within_reach_is_what_the_process_holds_plus_what_the_system_
     assert sample.total == sample.system_total and sample.outside == sample.system_total - sample.reachable >= 0
 
 
+def test_a_system_with_nothing_left_to_give_leaves_the_run_what_it_holds():
+    # seen: an available reading of 0 was taken for "unknown" and the budget jumped back to 85% of the RAM
+    sample = dev.MemorySample(reserved=6 * 2**30, system_total=16 * 2**30, system_available=0, unified=True)
+    assert sample.reachable == 6 * 2**30 and sample.outside == 10 * 2**30
+
+
 def test_cuda_memory_within_reach_counts_other_processes_and_memory_outside_the_allocator(monkeypatch):
     """An H200 (139.8 GiB) where another process and a pool outside PyTorch's allocator leave 18.0 GiB free and this
     process's allocator reserves 2.0 GiB: the run can reach 20.0 GiB; a per-process fraction of 0.1 caps it at

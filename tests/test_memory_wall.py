@@ -230,9 +230,9 @@ def test_an_oom_while_leaking_is_named_not_re_sized(tokenizer, tmp_path, one_thr
 # ---------------------------------------------------------------- a shared H200 (scripted CUDA readings)
 class SharedCard(DeviceLayer):
     """A scripted CUDA device of 139.8 GiB: another process holds ``other(step)`` bytes, the CUDA context 0.5 GiB,
-    and this run's allocator peaks at ``base`` (9 GiB) plus ``leak`` bytes a step; the sample is built as ``DeviceLayer.memory``
-    builds a CUDA one (reserved a little above the peak, free = total − everything held). NVML's process list
-    comes from ``holders`` (None: no pynvml)."""
+    and this run's allocator peaks at ``base`` (9 GiB) plus ``leak`` bytes a step; the sample is built as
+    ``DeviceLayer.memory`` builds a CUDA one (reserved a little above the peak, free = total − everything held).
+    NVML's process list comes from ``holders`` (None: no pynvml)."""
 
     TOTAL = int(139.8 * GB)
 
@@ -342,3 +342,38 @@ def test_a_re_size_that_gives_up_names_the_causes(tokenizer, tmp_path, one_threa
         train_with_tuning(trainer)
     assert ("The memory wall, as the watchdog reads it: another process (or memory outside PyTorch's allocator) "
             "holds 120.5 GiB of this card.") in str(raised.value)
+
+
+# ---------------------------------------------------------------- the report of such runs
+def test_the_report_shows_the_budget_per_step_and_says_when_and_why_the_wall_moved(tokenizer, tmp_path, one_thread):
+    """``hf-perf report`` on the shared H200 run (its perf log as the watchdog wrote it): the summary lists the wall
+    events, the analysis' memory finding names where the wall was set and the leak and puts fixing the leak first,
+    and memory.png draws the budget per step with the move marked."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from hf_perf_callbacks.analysis import write_analysis
+    from hf_perf_callbacks.plots import PlotData, plot_memory
+    from hf_perf_callbacks.report import summarize
+    from hf_perf_callbacks.runlog import read_run
+
+    card = SharedCard(other=lambda step: 60 * GB if step < 4 else 120 * GB)     # a tenant that grows at step 4
+    watchdog = MemoryWatchdog()
+    watchdog.device = card
+    make_trainer(tokenizer, tmp_path, [StepOf(card), watchdog], max_steps=40, bs=2, ga=1).train()
+    run = read_run(str(tmp_path))
+    assert "[mem] wall: the memory wall moved: the budget is now" in summarize(run)
+    _, findings, _ = write_analysis(run)
+    memory = next(f for f in findings if f.rule == "memory_pressure")
+    assert "the budget followed what the run could reach, between" in memory.observation
+    assert ("the wall moved: another process (or memory outside PyTorch's allocator) holds 120.5 GiB of this card"
+            in memory.observation)
+    assert "memory grew by 512 MiB on every step: a leak" in memory.observation
+    assert memory.recommendation.lstrip("- ").startswith("fix the leak first")
+    assert "free the memory held outside this run" in memory.recommendation
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    assert plot_memory(fig, PlotData.of(run)) is None
+    ax = fig.axes[0]
+    names = ax.get_legend_handles_labels()[1]
+    assert any(n.startswith("budget per step (") and "what the run could reach moved" in n for n in names)
+    assert "wall moved" in [t.get_text() for t in ax.texts]

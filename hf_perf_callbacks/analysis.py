@@ -199,7 +199,8 @@ class Measurements:
     launcher: str | None = None              # the command that started the run ("hf-perf train"); None: Python
     logged: frozenset = frozenset()          # the metric keys the step lines hold
     budget_range_gb: tuple[float, float] | None = None   # lowest and highest mem/limit_gb: the budget per step
-    wall_moves: list[tuple[int | None, str]] = field(default_factory=list)   # (step, why) of the watchdog's moves
+    wall_moves: list[tuple[int | None, str, bool]] = field(default_factory=list)   # the watchdog's wall events:
+    #                                        (step, why, moved: False where the start set it below the device's limit)
     leak_mib_per_step: float | None = None   # the watchdog saw memory grow on every step (its leak warning)
     skipped: list[str] = field(default_factory=list)   # logged fields of another type, skipped (what the report says)
 
@@ -863,8 +864,8 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
     if m.budget_range_gb is not None and m.budget_range_gb[1] > 1.01 * m.budget_range_gb[0]:
         facts.append(f"the budget followed what the run could reach, between {m.budget_range_gb[0]:.2f} and "
                      f"{m.budget_range_gb[1]:.2f} GiB")
-    facts += [f"at step {step} the wall {'was set' if step == 0 else 'moved'}: {why}"
-              for step, why in m.wall_moves[:4] if why]
+    facts += [f"at step {step} the wall {'moved' if moved else 'was set'}: {why}"
+              for step, why, moved in m.wall_moves[:4] if why]
     if m.leak_mib_per_step:
         facts.append(f"memory grew by {m.leak_mib_per_step:.0f} MiB on every step: a leak")
     if m.watchdog_actions:
@@ -930,7 +931,7 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
     items.sort(key=lambda item: -item[0])
     lines = [text for _, text, _ in items]
     setting = next((s for _, _, s in items if s), {})
-    if any(why for _, why in m.wall_moves):     # memory outside the run moved the wall
+    if any(why for _, why, _ in m.wall_moves):  # memory outside the run set or moved the wall
         lines.insert(0, "free the memory held outside this run (another process on the device, a pool outside "
                         "PyTorch's allocator), or give the run a device of its own"
                         + ("; with vLLM colocated, a lower `vllm_gpu_memory_utilization`" if m.use_vllm else ""))
@@ -1496,8 +1497,8 @@ def measurements(run_log: RunLog) -> Measurements:
         min_steps_to_wall=min(_values(steps[MEM_GRACE_STEPS:], keys.MEM_STEPS_TO_WALL), default=None),
         watchdog_actions=actions, seq_len=int(max(seq)) if seq else None, seq_len_min=int(min(seq)) if seq else None,
         budget_range_gb=(min(limits), max(limits)) if limits else None,
-        wall_moves=[(e.step, str(e.details.get("why") or "")) for e in events if e.source == "mem"
-                    and e.kind == "wall"],
+        wall_moves=[(e.step, str(e.details.get("why") or ""), e.details.get("moved") is not False) for e in events
+                    if e.source == "mem" and e.kind == "wall"],
         leak_mib_per_step=max(_values([e.details for e in events if e.source == "mem"], "leak_mib_per_step"),
                               default=None),
         seq_len_mean=statistics.fmean(seq_steady) if seq_steady else None,

@@ -251,7 +251,7 @@ class MemoryWatchdog(PerfCallback):
         reach_words = (f"; the budget is {self.budget_fraction:.0%} of the {gib(reach)} this run can reach"
                        + (f" ({gib(total)} in all)" if total else "") if reach is not None else "")
         self._bus.event(self.source, "wall", headline + (f": {why}" if why else "") + reach_words, step=step,
-                        why=why, budget_gb=self.budget / GB, before_gb=before / GB,
+                        why=why, moved=not start, budget_gb=self.budget / GB, before_gb=before / GB,
                         outside_gb=outside / GB if outside is not None else None,
                         reachable_gb=reach / GB if reach is not None else None)
 

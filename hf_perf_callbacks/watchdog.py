@@ -203,10 +203,13 @@ class MemoryWatchdog(PerfCallback):
                             None, self.budget_fraction)
 
     def _explain_start(self, sample, step: int) -> None:
-        """Say at the start when the budget is set by what the run can reach (another process holds memory), or
-        when ``limit_gb`` lies beyond it."""
+        """Say at the start when the budget of a card is set by what the run can reach (another process holds
+        memory), or when ``limit_gb`` lies beyond it. Not on unified memory (MPS, CPU): there other processes and the
+        system always hold part of the machine; a move during the run is said either way."""
         if self.limit_gb:
             self._check_limit(sample, step)
+            return
+        if sample.unified:
             return
         static = self._static_budget(sample)
         if self.budget < (1 - WALL_BAND) * static and self._facts(sample).outside_words() is not None:

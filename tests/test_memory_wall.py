@@ -103,11 +103,13 @@ class Phases(TrainerCallback):
 HELD = 3 * GB
 
 
+@pytest.mark.launch
 def test_a_second_process_taking_memory_lowers_the_budget_by_that_amount(tokenizer, tmp_path, one_thread):
     """Steps 1-5 alone, 6-10 beside a process holding 3 GiB, 11-15 alone again, 16-20 beside it again: the budget
     (``mem/limit_gb``, 85% of what the run can reach) of the steps with the holder is lower by about 85% of 3 GiB,
     and ``mem/outside_gb`` higher by about 3 GiB. Medians of each phase's last three steps (the budget moves one
-    reading after a change) against the other phases' (the machine is shared: other processes come and go)."""
+    reading after a change) against the other phases' (the machine is shared: other processes come and go, hence
+    the wide tolerance). It starts a second process and touches 3 GiB twice (seconds under gVisor): ``launch``."""
     if psutil.virtual_memory().available < HELD + 6 * GB:
         pytest.skip(f"this machine has {psutil.virtual_memory().available / GB:.1f} GiB available: holding "
                     f"{HELD / GB:.0f} GiB more would bring it near its limit")
@@ -129,8 +131,8 @@ def test_a_second_process_taking_memory_lowers_the_budget_by_that_amount(tokeniz
     drop = phase_median("mem/limit_gb", False) - phase_median("mem/limit_gb", True)
     outside = phase_median("mem/outside_gb", True) - phase_median("mem/outside_gb", False)
     print(f"\nbudget drop {drop:.2f} GiB (expected {0.85 * HELD / GB:.2f}), outside rise {outside:.2f} GiB")
-    assert drop == pytest.approx(0.85 * HELD / GB, rel=0.4)
-    assert outside == pytest.approx(HELD / GB, rel=0.4)
+    assert drop == pytest.approx(0.85 * HELD / GB, rel=0.45)
+    assert outside == pytest.approx(HELD / GB, rel=0.45)
     moves = [e for e in events(tmp_path, "wall") if 6 <= e["step"] <= 10]      # it said so, and why
     assert any(e["message"].startswith("the memory wall moved") and e["budget_gb"] < e["before_gb"]
                and "other processes and the system hold" in e["message"] for e in moves), moves

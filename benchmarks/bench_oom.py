@@ -31,7 +31,9 @@ def main():
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(limit * GB / total)
     out = tempfile.mkdtemp()
-    tuner = AdaptiveBatchTuner(tune=False)
+    # no memory check: it reads the per-process cap and would pick a split that fits before training; the OOM path
+    # is what this measures
+    tuner = AdaptiveBatchTuner(tune=False, memory_check=False)
     trainer = grpo_trainer(out, [ThroughputMeter(), tuner], 32, 1, a.steps, a.completion)
     train_with_tuning(trainer)
     steps = [json.loads(x)["step"] for x in open(os.path.join(out, "perf_log.jsonl"))

@@ -152,18 +152,21 @@ class StepClock(TrainerCallback):
 
 
 def environment() -> dict:
-    import transformers
-    import trl
+    import importlib.metadata
 
-    try:
-        import peft
-        peft_version = peft.__version__
-    except ImportError:
-        peft_version = None
+    import transformers
+
+    def version(name: str) -> str | None:       # TRL and peft may be missing where a benchmark needs neither
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
     return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
-            "trl": trl.__version__, "peft": peft_version, "python": platform.python_version()}
+            "trl": version("trl"), "peft": version("peft"), "accelerate": version("accelerate"),
+            "python": platform.python_version()}
 
 
 def write_result(name: str, payload: dict) -> str:

@@ -9,9 +9,10 @@ import subprocess
 import sys
 import time
 
-ORDER = ["accuracy", "overhead", "tuner", "oom", "watchdog"]
+ORDER = ["accuracy", "overhead", "tuner", "oom", "watchdog", "shared_gpu"]
 SCRIPTS = {"accuracy": ["bench_accuracy.py"], "overhead": ["bench_overhead.py"],
-           "tuner": ["bench_tuner.py", "--part", "sweep"], "oom": ["bench_oom.py"], "watchdog": ["bench_watchdog.py"]}
+           "tuner": ["bench_tuner.py", "--part", "sweep"], "oom": ["bench_oom.py"], "watchdog": ["bench_watchdog.py"],
+           "shared_gpu": ["bench_shared_gpu.py"]}
 
 
 def main(names):

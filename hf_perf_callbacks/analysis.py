@@ -198,6 +198,10 @@ class Measurements:
     seq_len_min: int | None = None           # shortest padded training sequence (differs from seq_len: per-batch)
     launcher: str | None = None              # the command that started the run ("hf-perf train"); None: Python
     logged: frozenset = frozenset()          # the metric keys the step lines hold
+    budget_range_gb: tuple[float, float] | None = None   # lowest and highest mem/limit_gb: the budget per step
+    wall_moves: list[tuple[int | None, str, bool]] = field(default_factory=list)   # the watchdog's wall events:
+    #                                        (step, why, moved: False where the start set it below the device's limit)
+    leak_mib_per_step: float | None = None   # the watchdog saw memory grow on every step (its leak warning)
     skipped: list[str] = field(default_factory=list)   # logged fields of another type, skipped (what the report says)
 
 
@@ -857,6 +861,13 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
     if bloat:
         facts.append(f"the allocator held {m.driver_gb_max:.2f} GB while live tensors were "
                      f"{m.allocated_gb_at_driver_max:.2f} GB ({gap:.2f} GB cached)")
+    if m.budget_range_gb is not None and m.budget_range_gb[1] > 1.01 * m.budget_range_gb[0]:
+        facts.append(f"the budget followed what the run could reach, between {m.budget_range_gb[0]:.2f} and "
+                     f"{m.budget_range_gb[1]:.2f} GiB")
+    facts += [f"at step {step} the wall {'moved' if moved else 'was set'}: {why}"
+              for step, why, moved in m.wall_moves[:4] if why]
+    if m.leak_mib_per_step:
+        facts.append(f"memory grew by {m.leak_mib_per_step:.0f} MiB on every step: a leak")
     if m.watchdog_actions:
         acts = ", ".join(f"{a.get('action')} at step {a.get('step')}" for a in m.watchdog_actions[:5])
         facts.append(f"the watchdog acted {len(m.watchdog_actions)} times ({acts})")
@@ -920,6 +931,14 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
     items.sort(key=lambda item: -item[0])
     lines = [text for _, text, _ in items]
     setting = next((s for _, _, s in items if s), {})
+    if any(why for _, why, _ in m.wall_moves):  # memory outside the run set or moved the wall
+        lines.insert(0, "free the memory held outside this run (another process on the device, a pool outside "
+                        "PyTorch's allocator), or give the run a device of its own"
+                        + ("; with vLLM colocated, a lower `vllm_gpu_memory_utilization`" if m.use_vllm else ""))
+    if m.leak_mib_per_step:                     # no setting fixes a leak: first
+        lines.insert(0, "fix the leak first: memory that grows on every step comes from tensors kept across steps "
+                        "(a loss appended without `.item()`, a growing cache); a smaller micro-batch does not stop "
+                        "it")
     if m.device_type == "mps" and keys.CACHE_CLEARS not in m.logged:
         lines.append(("add `MPSCacheClearer` to the recipe's `callbacks`" if _launcher(m) else
                       "attach `MPSCacheClearer()` (`callbacks=default_callbacks()` has it)")
@@ -1425,6 +1444,7 @@ def measurements(run_log: RunLog) -> Measurements:
     driver_max_row = max(driver, key=lambda row: row[0])[1] if driver else None
     swaps = _values(steps, keys.MEM_SWAP_USED_GB)
     pressures = _values(steps, keys.MEM_PRESSURE)
+    limits = _values(steps, keys.MEM_LIMIT_GB)
     actions = mem_summary.get("actions")
     if isinstance(actions, list):
         actions = [a for a in actions if isinstance(a, dict)]
@@ -1476,6 +1496,11 @@ def measurements(run_log: RunLog) -> Measurements:
         swapout_steps=sum(1 for v in _values(steps, keys.MEM_SWAPOUTS) if v > 0),
         min_steps_to_wall=min(_values(steps[MEM_GRACE_STEPS:], keys.MEM_STEPS_TO_WALL), default=None),
         watchdog_actions=actions, seq_len=int(max(seq)) if seq else None, seq_len_min=int(min(seq)) if seq else None,
+        budget_range_gb=(min(limits), max(limits)) if limits else None,
+        wall_moves=[(e.step, str(e.details.get("why") or ""), e.details.get("moved") is not False) for e in events
+                    if e.source == "mem" and e.kind == "wall"],
+        leak_mib_per_step=max(_values([e.details for e in events if e.source == "mem"], "leak_mib_per_step"),
+                              default=None),
         seq_len_mean=statistics.fmean(seq_steady) if seq_steady else None,
         steps_per_generation=int(spg) if spg else None, pad_to_multiple_of=run.pad_to_multiple_of,
         temperature=run.temperature, use_vllm=run.use_vllm,

@@ -59,6 +59,7 @@ from .runlog import (
 )
 
 if TYPE_CHECKING:
+    from .memory import WallFacts
     from .resize.session import TuningSession
 
 logger = logging.getLogger("hf_perf_callbacks")
@@ -92,6 +93,9 @@ class RunBus(TrainerCallback):
         self.header: RunHeader | None = RunHeader(session=self.session)
         self.start_known = False                # the header's resumed_from_step is known
         self.held: list[EventLine] = []         # events waiting for the header
+        # the watchdog's facts of the memory wall (what holds memory outside the run, a leak), every step: a stop or
+        # a re-size that gives up names them
+        self.memory_facts: WallFacts | None = None
         self.writer = LogWriter()
 
     # ------------------------------------------------------------ publishing
@@ -126,7 +130,8 @@ class RunBus(TrainerCallback):
         """Log an event (warning, action, decision) to the console and the perf log; returns its JSON object."""
         entry = EventLine(source, kind, message, step, round(time.time(), 3), fields)
         if self.is_main:
-            (logger.warning if kind in ("warning", "action", "stop") else logger.info)("[%s] %s", source, message)
+            (logger.warning if kind in ("warning", "action", "stop", "wall") else logger.info)("[%s] %s", source,
+                                                                                            message)
             if self.header is not None:
                 self.held.append(entry)
             else:

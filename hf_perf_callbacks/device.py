@@ -66,6 +66,9 @@ class MemorySample:
     system_available: int = 0
     swap_used: int = 0
     rss: int | None = None              # CPU: this process's resident memory (the CPU has no allocator to ask)
+    device_free: int | None = None      # CUDA/XPU: what the device can still give (``mem_get_info``'s free bytes)
+    allocator_cap: int | None = None    # CUDA: PyTorch's per-process memory fraction × total, when below the total
+    unified: bool = False               # the device's memory is the system's (MPS, CPU): what the system can give
 
     @property
     def used(self) -> int:
@@ -75,6 +78,50 @@ class MemorySample:
             if value is not None:
                 return value
         return 0
+
+    @property
+    def held(self) -> int | None:
+        """What this process holds now of the memory ``used`` counts: the allocator's reserved memory (CUDA/XPU; MPS:
+        driver memory), resident memory (CPU)."""
+        return self.reserved if self.reserved is not None else self.rss
+
+    @property
+    def within_reach(self) -> int | None:
+        """What this process holds plus what the device can still give it: CUDA/XPU the allocator's reserved memory
+        plus the device's free memory (so other processes, a vLLM pool, NCCL buffers, the CUDA context and whatever
+        this process holds outside PyTorch's caching allocator are not in it); unified memory (MPS, CPU) what the
+        process holds plus the system's available memory. None when the device does not say."""
+        held = self.held
+        if self.device_free is not None:
+            return (self.reserved or 0) + self.device_free
+        if self.unified and held is not None:         # the layer reads the system's available memory: 0 is real
+            return held + self.system_available
+        return None
+
+    @property
+    def reachable(self) -> int | None:
+        """:attr:`within_reach`, capped by PyTorch's per-process memory fraction (CUDA) where one is set."""
+        reach = self.within_reach
+        if reach is not None and self.allocator_cap is not None:
+            return min(reach, self.allocator_cap)
+        return reach
+
+    @property
+    def total(self) -> int | None:
+        """The memory this run's device has in all: the card's (CUDA/XPU), the machine's RAM (MPS, CPU)."""
+        if self.unified:
+            return self.system_total or None
+        return self.device_limit
+
+    @property
+    def outside(self) -> int | None:
+        """Memory of :attr:`total` outside this run's reach: held by other processes (CUDA: and by this process
+        outside PyTorch's caching allocator: the CUDA context, NCCL buffers, a pool such as vLLM's; MPS/CPU: and by
+        the system, and this process's memory that ``used`` does not count). None when the device does not say."""
+        reach, total = self.within_reach, self.total
+        if reach is None or total is None:
+            return None
+        return max(0, total - reach)
 
 
 class DeviceLayer:
@@ -153,12 +200,16 @@ class DeviceLayer:
         system = dict(system_total=vm.total, system_available=vm.available, swap_used=swap.used)
         if self.type == "cuda":
             stats = torch.cuda.memory_stats(self.device)
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            free, _ = torch.cuda.mem_get_info(self.device)
             return MemorySample(
                 allocated=stats.get("allocated_bytes.all.current", 0),
                 reserved=stats.get("reserved_bytes.all.current", 0),
                 peak=stats.get("allocated_bytes.all.peak", 0),
-                device_limit=torch.cuda.get_device_properties(self.device).total_memory,
+                device_limit=total,
                 alloc_retries=stats.get("num_alloc_retries", 0),
+                device_free=free,
+                allocator_cap=self._allocator_cap(total),
                 **system,
             )
         if self.type == "mps":
@@ -168,17 +219,59 @@ class DeviceLayer:
                 reserved=torch.mps.driver_allocated_memory(),
                 device_limit=recommended,
                 hard_limit=mps_hard_limit(recommended),
+                unified=True,
                 **system,
             )
         if self.type == "xpu":
+            mem_get_info = getattr(torch.xpu, "mem_get_info", None)
             return MemorySample(
                 allocated=torch.xpu.memory_allocated(self.device),
                 reserved=torch.xpu.memory_reserved(self.device),
                 peak=torch.xpu.max_memory_allocated(self.device),
                 device_limit=torch.xpu.get_device_properties(self.device).total_memory,
+                device_free=mem_get_info(self.device)[0] if mem_get_info is not None else None,
                 **system,
             )
-        return MemorySample(rss=psutil.Process().memory_info().rss, device_limit=vm.total, **system)
+        return MemorySample(rss=psutil.Process().memory_info().rss, device_limit=vm.total, unified=True, **system)
+
+    def _allocator_cap(self, total: int) -> int | None:
+        """PyTorch's per-process memory fraction (``torch.cuda.set_per_process_memory_fraction``) × ``total``, when
+        below the total; None where torch cannot say (``get_per_process_memory_fraction`` came in torch 2.9)."""
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if get_fraction is None:
+            return None
+        fraction = float(get_fraction(self.device))
+        return int(fraction * total) if 0 < fraction < 1 else None
+
+    def memory_holders(self) -> list[tuple[int, str, int]] | None:
+        """The processes holding memory on this CUDA device, as (pid, name, bytes), this process included, read
+        through NVML (``pynvml``, from the ``nvidia-ml-py`` package) when it is installed; None when it is not, off
+        CUDA, or when NVML cannot say (e.g. a container that hides other processes). Called only when the memory wall
+        moves, never per step."""
+        if self.type != "cuda":
+            return None
+        try:
+            import pynvml
+        except ImportError:
+            return None
+        try:
+            pynvml.nvmlInit()
+            uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            holders = []
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                used = getattr(proc, "usedGpuMemory", None)
+                if used is None:
+                    return None                      # NVML may not say how much (no permission): no guess
+                try:
+                    name = psutil.Process(proc.pid).name()
+                except (psutil.Error, OSError):
+                    name = "?"
+                holders.append((int(proc.pid), name, int(used)))
+            return holders
+        except Exception as error:  # noqa: BLE001 - NVML is a nicety for a message; the figures stand without it
+            logger.debug("NVML could not list the processes on %s: %s", self.device, error)
+            return None
 
     # ---------------------------------------------------------------- peaks
     def peak(self) -> DevicePeak | None:

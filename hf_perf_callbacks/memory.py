@@ -1,35 +1,158 @@
-"""Pure memory policy: budget levels with hysteresis, the growth trend, leak detection, the action ladder, and the
-cache-clear schedule with back-off. No torch, no transformers: numbers in, decisions out.
+"""Pure memory policy: the budget and how it follows what the device can give, levels with hysteresis, the growth
+trend, leak detection, the action ladder, and the cache-clear schedule with back-off. No torch, no transformers:
+numbers in, decisions out.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from .stats import WallForecast, linear_fit, steps_to_limit
+from .stats import WallForecast, linear_fit, median, steps_to_limit
 from .validation import check_number
 
 OK, WARN, CRITICAL = 0, 1, 2
 LEVEL_NAMES = {OK: "ok", WARN: "warn", CRITICAL: "critical"}
 #: the ladder's actions (logged as an event's ``action``; the bus's signals have their own names in ``bus.py``)
 CLEAR, SMALLER_BATCH, STOP = "clear_cache", "smaller_batch", "stop"
+GIB, MIB = 2**30, 2**20
 
 
-#: the watchdog's default share of the smallest real limit used as the budget
+#: the watchdog's default share of what the run can reach used as the budget
 BUDGET_FRACTION = 0.85
+#: the budget moves only when what the run can reach moved by more than this share of the budget
+WALL_BAND = 0.05
+#: memory outside the run's reach is named as a cause of the wall when it is at least this share of the device
+OUTSIDE_MATERIAL = 0.10
+#: steps of growth on every step (3 increments) after which a smaller micro-batch is no longer asked for
+STEADY_GROWTH_SAMPLES = 4
+
+
+def gib(value: float) -> str:
+    """Bytes in GiB words (``"16.10 GiB"``)."""
+    return f"{value / GIB:.2f} GiB"
+
+
+def mib(value: float) -> str:
+    """Bytes in MiB words (``"512 MiB"``)."""
+    return f"{value / MIB:.0f} MiB" if abs(value) >= 10 * MIB else f"{value / MIB:.1f} MiB"
 
 
 def budget_bytes(device_type: str, device_limit: float | None, hard_limit: float | None, system_total: float | None,
-                 limit_gb: float | None = None, budget_fraction: float = BUDGET_FRACTION) -> float:
+                 limit_gb: float | None = None, budget_fraction: float = BUDGET_FRACTION,
+                 reachable: float | None = None) -> float:
     """The memory budget in bytes: ``limit_gb`` when given, else ``budget_fraction`` × the smallest real limit —
-    device memory and the MPS watermark hard limit, and on unified memory (``mps``, ``cpu``) the physical RAM."""
+    device memory and the MPS watermark hard limit, on unified memory (``mps``, ``cpu``) the physical RAM, and what
+    the run can reach now (``reachable``: what it holds plus what the device can still give, see
+    :attr:`~hf_perf_callbacks.device.MemorySample.reachable`), so other processes and memory outside PyTorch's
+    allocator count against it."""
     if limit_gb:
-        return limit_gb * 2**30
+        return limit_gb * GIB
     limits = [device_limit, hard_limit] + ([system_total] if device_type in ("mps", "cpu") else [])
     known = [x for x in limits if x]
     if not known:
         raise ValueError(f"no memory limit known for device type {device_type!r}: pass limit_gb")
-    return budget_fraction * min(known)
+    static = budget_fraction * min(known)
+    if reachable is None:
+        return static
+    return max(1.0, min(static, budget_fraction * reachable))
+
+
+@dataclass
+class MovingWall:
+    """The budget as what the device can give moves (another process grows or shrinks, a pool is allocated).
+
+    :meth:`update` takes each step's candidate budget and moves the budget to the median of the last ``window``
+    candidates only when that leaves a band of ``band`` × the budget: one noisy reading, up or down, moves nothing;
+    a real change moves it one reading later; a drift within the band does not flap. The first candidate is the
+    budget.
+    """
+
+    band: float = WALL_BAND
+    window: int = 3
+    value: float | None = None
+    candidates: deque[float] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        check_number("band", self.band, low=0, high=1)
+        check_number("window", self.window, low=1, integer=True)
+        self.candidates = deque(self.candidates, maxlen=self.window)
+
+    def update(self, candidate: float) -> float | None:
+        """Account one candidate budget; returns the budget before when it moved, else None."""
+        check_number("candidate budget", candidate, low=0, low_open=True)
+        self.candidates.append(candidate)
+        if self.value is None:
+            self.value = candidate
+            return None
+        if len(self.candidates) < self.window:
+            return None
+        ordered = sorted(self.candidates)
+        level = ordered[(len(ordered) - 1) // 2]
+        if abs(level - self.value) <= self.band * self.value:
+            return None
+        before, self.value = self.value, level
+        return before
+
+
+@dataclass(frozen=True)
+class WallFacts:
+    """What sets the memory wall now and what presses on it, in bytes, for messages: the watchdog publishes it on
+    the bus every step (``RunBus.memory_facts``), so that a stop or a re-size that gives up can name the causes."""
+
+    budget: float
+    total: float | None = None          # the card's memory (CUDA/XPU), the machine's RAM (MPS, CPU)
+    outside: float | None = None        # of ``total``: held outside this run's reach (see MemorySample.outside)
+    unified: bool = False               # unified memory (MPS, CPU): ``outside`` is other processes and the system
+    holders: str | None = None          # who holds ``outside``, in words, when the device can say (NVML)
+    leak_per_step: float | None = None  # growth on every step of the trend window: a leak (bytes a step)
+    set_by: str = "device"              # "limit_gb", "device" (fraction × the device's limit), "reach"
+
+    def outside_words(self) -> str | None:
+        """Who holds the memory outside this run's reach, in words; None when unknown or not material (below
+        :data:`OUTSIDE_MATERIAL` of the device)."""
+        if self.outside is None or not self.total or self.outside < OUTSIDE_MATERIAL * self.total:
+            return None
+        if self.holders:
+            return self.holders
+        if self.unified:
+            return f"other processes and the system hold {self.outside / GIB:.1f} GiB of this machine's " \
+                   f"{self.total / GIB:.1f} GiB"
+        return f"another process (or memory outside PyTorch's allocator) holds {self.outside / GIB:.1f} GiB of " \
+               f"this card"
+
+    def causes(self) -> list[str]:
+        """The causes of memory pressure the watchdog knows, in words (empty when it knows none)."""
+        found = []
+        outside = self.outside_words()
+        if outside is not None:
+            found.append(outside)
+        if self.leak_per_step is not None and self.leak_per_step > 0:
+            found.append(f"a leak of {mib(self.leak_per_step)} a step (memory grew on every step)")
+        return found
+
+    def sentence(self) -> str:
+        """The causes as one clause (``""`` when none is known)."""
+        causes = self.causes()
+        return "; ".join(causes)
+
+
+def holders_words(holders: list[tuple[int, str, int]], own_pid: int, reserved: float) -> str | None:
+    """Who holds a card's memory, in words, from NVML's process list ((pid, name, bytes), this process included)
+    and this process's allocator-reserved bytes: the other processes by size, and what this process holds outside
+    PyTorch's caching allocator. None when the list says nothing useful."""
+    others = sorted(((b, pid, name) for pid, name, b in holders if pid != own_pid), reverse=True)
+    own = sum(b for pid, _, b in holders if pid == own_pid)
+    parts = []
+    if others:
+        listed = ", ".join(f"pid {pid} {name}: {b / GIB:.1f} GiB" for b, pid, name in others[:3])
+        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+        subject = "another process holds" if len(others) == 1 else f"{len(others)} other processes hold"
+        parts.append(f"{subject} {sum(b for b, _, _ in others) / GIB:.1f} GiB of this card ({listed}{more})")
+    outside_allocator = own - reserved
+    if own and outside_allocator > GIB:                # more than a CUDA context's few hundred MiB
+        parts.append(f"this process holds {outside_allocator / GIB:.1f} GiB outside PyTorch's caching allocator "
+                     f"(the CUDA context, NCCL buffers, a pool such as vLLM's)")
+    return "; ".join(parts) or None
 
 
 @dataclass
@@ -38,6 +161,7 @@ class Observation:
 
     step: int
     used: float                          # what counts against the budget (see MemoryWatchdog)
+    micro_batch: int | None = None       # the per-device micro-batch the step ran at
     os_level: int | None = None          # macOS: 1 normal, 2 warn, 4 critical
     swapouts: int | None = None          # macOS: pages swapped out since the previous sample
     alloc_retries: int | None = None     # CUDA: allocator retries since the previous sample
@@ -54,8 +178,15 @@ class MemoryPolicy:
     (first-step allocator spikes).
 
     The ladder, one rung at a time per episode (an episode starts when the level leaves ok or the wall comes
-    within ``warn_within_steps``): clear caches → ask for a smaller micro-batch (when someone can provide one) →
-    save and stop (at critical, or when the wall is ``stop_within_steps`` away with nothing else left).
+    within ``warn_within_steps``): clear caches → ask for a smaller micro-batch (when someone can provide one, and
+    only where that helps: at the warn level or above — a wall that is near only because memory grows is not
+    relieved by it — and not when :meth:`shrink_futile` says why not) → save and stop (at critical, or when the wall
+    is ``stop_within_steps`` away with nothing else left).
+
+    The budget may move between steps (:meth:`set_budget`: what the device can give changed); levels and the
+    forecast always use the current one. A leak is remembered for the run (``leak_rate``) across the segments that
+    in-process re-sizes start, and so is the last smaller micro-batch asked for (``shrink``: its micro-batch and the
+    memory used before).
     """
 
     budget: float
@@ -72,6 +203,9 @@ class MemoryPolicy:
     segment_steps: int = 0
     episode: list[str] = field(default_factory=list)
     leak_reported: bool = False
+    leak_rate: float | None = None       # bytes a step while a leak is known in this run
+    micro_batch: int | None = None       # the micro-batch of the latest observation
+    shrink: tuple[int, float] | None = None   # (micro-batch, memory used) when a smaller one was last asked for
 
     def __post_init__(self) -> None:
         check_number("budget", self.budget, low=0, low_open=True)
@@ -82,6 +216,10 @@ class MemoryPolicy:
         check_number("warn_within_steps", self.warn_within_steps, low=0)
         check_number("stop_within_steps", self.stop_within_steps, low=0, high=self.warn_within_steps)
         self.history = deque(maxlen=self.trend_window)
+
+    def set_budget(self, budget: float) -> None:
+        """The budget from now on (the wall moved); levels and the forecast use it from the next observation."""
+        self.budget = check_number("budget", budget, low=0, low_open=True)
 
     def start_segment(self) -> None:
         self.segment_steps = 0
@@ -98,6 +236,14 @@ class MemoryPolicy:
             self.segment_steps += 1
             self.swap_streak = self.swap_streak + 1 if (obs.swapouts or 0) > 0 else 0
         self.history.append((obs.step, obs.used))
+        if obs.micro_batch is not None:
+            self.micro_batch = obs.micro_batch
+        if self.segment_steps > self.grace_steps and len(self.history) == self.trend_window:
+            slope = self.slope
+            if self.leaking:
+                self.leak_rate = slope
+            elif slope is not None and slope <= self.leak_min_growth:   # a whole window without growth
+                self.leak_rate = None
         self.level = self._level(obs)
         if self.level == OK and not self._wall_near(self.warn_within_steps):
             self.episode = []
@@ -142,8 +288,44 @@ class MemoryPolicy:
         """Memory grew by more than ``leak_min_growth`` on every step of a full trend window after grace."""
         if self.segment_steps <= self.grace_steps or len(self.history) < self.trend_window:
             return False
+        return self._growing_on_every_step()
+
+    @property
+    def steady_growth(self) -> bool:
+        """Memory grew by more than ``leak_min_growth`` on every step of the segment's last
+        :data:`STEADY_GROWTH_SAMPLES` samples at least (all of the trend window's): what a leak looks like before the
+        window is full."""
+        return len(self.history) >= min(STEADY_GROWTH_SAMPLES, self.trend_window) and self._growing_on_every_step()
+
+    def _growing_on_every_step(self) -> bool:
         used = [u for _, u in self.history]
         return all(b - a > self.leak_min_growth for a, b in zip(used, used[1:]))
+
+    def shrink_futile(self) -> str | None:
+        """Why a smaller micro-batch cannot relieve the pressure, or None when it may.
+
+        Never for memory that grows on every step (a leak, known or as it looks before the trend window is full):
+        a smaller micro-batch does not stop it. After an earlier request of this run took effect, from what it did:
+        memory ≈ fixed + micro-batch × per sample, fitted to the two micro-batches; futile when even micro-batch 1
+        would stay at the warn level or above (or the smaller micro-batch did not lower memory at all)."""
+        if self.leak_rate is not None or self.steady_growth:
+            rate = self.leak_rate if self.leak_rate is not None else self.slope
+            return (f"memory grows by {mib(rate or 0.0)} on every step, and a smaller micro-batch does not stop a "
+                    f"leak")
+        if (self.shrink is None or self.micro_batch is None or not self.history
+                or self.segment_steps <= self.grace_steps):
+            return None
+        before_micro, before = self.shrink
+        if self.micro_batch >= before_micro:
+            return None                                   # the smaller micro-batch has not taken effect
+        now = median([u for _, u in self.history])
+        per_sample = (before - now) / (before_micro - self.micro_batch)
+        at_one = now - per_sample * (self.micro_batch - 1)
+        if per_sample > 0 and at_one < self.warn_fraction * self.budget:
+            return None
+        return (f"micro-batch {before_micro} → {self.micro_batch} took memory from {gib(before)} to {gib(now)}: "
+                f"even at micro-batch 1 it would be about {gib(max(at_one, 0.0))} "
+                f"against the warn level of {gib(self.warn_fraction * self.budget)}")
 
     # ------------------------------------------------------------ deciding
     def next_action(self, can_shrink: bool) -> str | None:
@@ -156,7 +338,8 @@ class MemoryPolicy:
             return None
         if CLEAR not in self.episode:
             return CLEAR
-        if can_shrink and SMALLER_BATCH not in self.episode:
+        if (can_shrink and SMALLER_BATCH not in self.episode and self.level >= WARN    # memory over the warn level:
+                and self.shrink_futile() is None):                                   # what a smaller one relieves
             return SMALLER_BATCH
         if urgent and STOP not in self.episode:
             return STOP
@@ -164,13 +347,15 @@ class MemoryPolicy:
 
     def taken(self, action: str) -> None:
         self.episode.append(action)
+        if action == SMALLER_BATCH and self.micro_batch is not None and self.history:
+            self.shrink = (self.micro_batch, median([u for _, u in self.history]))
 
     def reason(self) -> str:
         stw, slope = self.steps_to_wall, self.slope
         used = self.history[-1][1] if self.history else 0.0
-        text = f"{LEVEL_NAMES[self.level]}: {used / 1024**3:.2f} GB used of a {self.budget / 1024**3:.2f} GB budget"
+        text = f"{LEVEL_NAMES[self.level]}: {gib(used)} used of a {gib(self.budget)} budget"
         if stw is not None and slope is not None:         # a wall is forecast only from a slope
-            text += f", wall in {stw:.1f} steps at +{slope / 1024**2:.1f} MB/step"
+            text += f", wall in {stw:.1f} steps at +{mib(slope)}/step"
         if self.swap_streak:
             text += f", macOS swapping for {self.swap_streak} step(s)"
         return text

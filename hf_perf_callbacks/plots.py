@@ -210,23 +210,30 @@ def plot_memory(fig, data: PlotData) -> str | None:
     span = max(high - low, MIN_SPAN * high, 0.01)        # a flat curve stays flat: no zoom into noise
     budget = number(data.f["budget_gb"])
     lx, ly = data.series(keys.MEM_LIMIT_GB)
-    near = budget is not None and budget <= high * NEAR_BUDGET
-    if near and budget is not None:
+    lowest = min(ly) if ly else budget                   # the budget is per step: it follows what the run can reach
+    moved = bool(ly) and max(ly) > 1.01 * min(ly)
+    near = lowest is not None and lowest <= high * NEAR_BUDGET
+    if near and budget is not None and lowest is not None:
         if lx:
-            ax.plot(lx, ly, lw=1.5, color="tab:red", drawstyle="steps-post", label=f"budget ({budget:.2f} GiB)")
+            label = (f"budget per step ({min(ly):.2f}–{max(ly):.2f} GiB: what the run could reach moved)" if moved
+                     else f"budget ({budget:.2f} GiB)")
+            ax.plot(lx, ly, lw=1.5, color="tab:red", drawstyle="steps-post", label=label)
+            high = max(high, min(max(ly), high * NEAR_BUDGET))
         else:
             ax.axhline(budget, lw=1.5, color="tab:red", label=f"budget ({budget:.2f} GiB)")
-        high = max(high, budget)
+            high = max(high, budget)
     used = dict(zip(xs, ys))
     for level, color, name in ((1, "orange", "pressure: warn"), (2, "red", "pressure: critical")):
         pts = [(s.step, used[s.step]) for s in data.steps if s.number(keys.MEM_PRESSURE) == level and s.step in used]
         if pts:
             ax.scatter(*zip(*pts), color=color, s=30, zorder=3, label=name)
     acts = [(e, e.step) for e in run_events(data.run)
-            if e.source == "mem" and e.kind in ("action", "stop") and e.step is not None]
+            if e.source == "mem" and e.kind in ("action", "stop", "wall") and e.step is not None
+            and not (e.kind == "wall" and not e.message.startswith("the memory wall moved"))]
     for i, (e, step) in enumerate(acts):
-        color = "red" if e.kind == "stop" else "purple"
-        _marker(ax, step, str(e.details.get("action") or e.kind).replace("_", " "), color, 0.97 - 0.07 * (i % 4))
+        color = "red" if e.kind == "stop" else "tab:brown" if e.kind == "wall" else "purple"
+        words = "wall moved" if e.kind == "wall" else str(e.details.get("action") or e.kind).replace("_", " ")
+        _marker(ax, step, words, color, 0.97 - 0.07 * (i % 4))
     _mark_resizes(ax, data.split_file.decisions if data.split_file else [], top=0.83)
     ax.set_ylim(max(0.0, low - 0.15 * span), high + 0.3 * span)
     notes = []
@@ -235,6 +242,9 @@ def plot_memory(fig, data: PlotData) -> str | None:
         notes.append(f"growth {growth:+.2g} MiB/step (the watchdog's trend fit)")
     if budget is not None and not near:
         notes.append(f"budget {budget:.2f} GiB (off the scale: {budget / high:.0f}x the highest value)")
+    walls = sum(1 for e, _ in acts if e.kind == "wall")
+    if walls:
+        notes.append(f"the wall moved {walls} time(s): memory outside the run changed (see the events)")
     _title(ax, "Process memory (RSS)" if cpu else "Device memory", *notes)
     ax.set_ylabel("memory (GiB)")
     ax.grid(alpha=0.3)

@@ -1,12 +1,14 @@
-"""MemoryWatchdog: see the memory wall coming and act before the OS swaps or kills the run; lose nothing."""
+"""MemoryWatchdog: see the memory wall coming — where the device really has it — and act before the OS swaps, the
+device runs out or the kernel kills the run; lose nothing."""
 from __future__ import annotations
 
+import os
 import sys
 
 from . import runlog as keys
 from .base import Clock, PerfCallback
 from .bus import SIGNAL_CLEAR, SIGNAL_SMALLER_BATCH
-from .device import GB, DeviceLayer, gather_floats, world_size
+from .device import GB, DeviceLayer, MemorySample, gather_floats, world_size
 from .memory import (
     BUDGET_FRACTION,
     CLEAR,
@@ -14,9 +16,15 @@ from .memory import (
     LEVEL_NAMES,
     SMALLER_BATCH,
     STOP,
+    WALL_BAND,
     MemoryPolicy,
+    MovingWall,
     Observation,
+    WallFacts,
     budget_bytes,
+    gib,
+    holders_words,
+    mib,
 )
 from .validation import check_flag, check_number
 
@@ -46,19 +54,33 @@ class MemoryWatchdog(PerfCallback):
     included); CPU — the process RSS. On macOS the kernel's pressure level, swap-outs and the compressor are read
     through ctypes (psutil's ``available`` and ``sin/sout`` mislead there).
 
-    **Budget:** ``limit_gb`` if given, else ``budget_fraction`` × the smallest real limit: device memory (CUDA),
-    the recommended working set, the watermark hard limit and physical RAM (MPS), physical RAM (CPU).
+    **Budget** (re-read every step): ``limit_gb`` if given, else ``budget_fraction`` × what this run can reach now,
+    and never above ``budget_fraction`` × the smallest real limit (device memory on CUDA; the recommended working set,
+    the watermark hard limit and physical RAM on MPS; physical RAM on a CPU). What the run can reach is what it holds
+    plus what the device can still give: on CUDA the allocator's reserved memory plus the device's free memory
+    (``torch.cuda.mem_get_info``), so other processes, a vLLM pool, NCCL buffers, the CUDA context and anything this
+    process holds outside PyTorch's caching allocator count against the wall (and PyTorch's per-process memory
+    fraction caps it where set); on MPS and CPU what the process holds plus the system's available memory. The
+    budget moves when the median of the last three readings leaves a band of 5% around it
+    (:class:`~hf_perf_callbacks.memory.MovingWall`: one noisy reading moves nothing); each move is an event (console
+    and perf log) saying why ("another process (or memory outside PyTorch's allocator) holds 120.0 GiB of this
+    card"; with ``pynvml`` installed, which processes), and the levels and the forecast use the new budget.
 
     **Ladder** (each rung logged as an event with its reason): (1) clear caches — through the
     :class:`~hf_perf_callbacks.MPSCacheClearer` when attached, else ``gc.collect()`` and the device cache clear;
-    (2) ask for a smaller micro-batch on the bus (``smaller_batch``; the adaptive batch tuner answers);
+    (2) at the warn level or above, ask for a smaller micro-batch on the bus (``smaller_batch``; the adaptive batch
+    tuner answers) — not for a wall that is near only because memory grows, nor when memory grows on every step (a
+    leak: a smaller micro-batch does not stop it), nor when an earlier smaller micro-batch of this run shows that
+    even micro-batch 1 would not leave the warn level;
     (3) at critical, or when the wall is ``stop_within_steps`` away with nothing else left: set
     ``control.should_save`` and ``control.should_training_stop`` — the checkpoint is written at this step, so no
-    optimizer step is lost. Under several ranks each rank watches its own device and a stop on any rank stops all.
+    optimizer step is lost; the message names the causes (what holds memory outside the run, a leak). A steady leak
+    goes down the same ladder: a run with only this callback attached ends with a checkpoint before the wall. Under
+    several ranks each rank watches its own device and a stop on any rank stops all.
 
     Args:
-        limit_gb: absolute budget in GB (overrides the fraction).
-        budget_fraction: fraction of the smallest real limit used as the budget, in (0, 1].
+        limit_gb: absolute budget in GiB (overrides the fraction and the reading).
+        budget_fraction: fraction of what the run can reach used as the budget, in (0, 1].
         warn_fraction: share of the budget at which the level becomes warn, in (0, 1].
         grace_steps: steps at the start of each ``train()`` without actions (first-step spikes).
         trend_window: steps in the growth fit (≥ 3).
@@ -71,24 +93,29 @@ class MemoryWatchdog(PerfCallback):
     ============================  ======  ===================================================================
     key                           unit    meaning
     ============================  ======  ===================================================================
-    ``mem/device_used_gb``        GB      ``used`` (see above)
-    ``mem/allocated_gb``          GB      live tensors at the step end (CUDA/MPS/XPU)
-    ``mem/driver_gb``             GB      MPS driver memory / CUDA reserved: the allocator's holding
-    ``mem/peak_gb``               GB      high-water mark of ``used`` in this run
-    ``mem/limit_gb``              GB      the budget
-    ``mem/system_available_gb``   GB      psutil available RAM (not trusted for decisions on macOS)
-    ``mem/swap_used_gb``          GB      swap in use (macOS: ``vm.swapusage``)
+    ``mem/device_used_gb``        GiB     ``used`` (see above)
+    ``mem/allocated_gb``          GiB     live tensors at the step end (CUDA/MPS/XPU)
+    ``mem/driver_gb``             GiB     MPS driver memory / CUDA reserved: the allocator's holding
+    ``mem/peak_gb``               GiB     high-water mark of ``used`` in this run
+    ``mem/limit_gb``              GiB     the budget of this step (it moves with what the run can reach)
+    ``mem/outside_gb``            GiB     memory of the card (CUDA) or the machine (MPS, CPU) outside this run's
+                                          reach: other processes; on CUDA also this process's memory outside
+                                          PyTorch's caching allocator (context, NCCL, a vLLM pool); on MPS/CPU
+                                          also the system's
+    ``mem/system_available_gb``   GiB     psutil available RAM (macOS: ``inactive + free``; the pressure signals
+                                          below decide there)
+    ``mem/swap_used_gb``          GiB     swap in use (macOS: ``vm.swapusage``)
     ``mem/pressure``              level   0 ok, 1 warn, 2 critical
     ``mem/steps_to_wall``         steps   steps until the budget at the fitted growth; absent when memory is
                                           not growing or the wall lies beyond the run's last step
     ``mem/steps_to_wall_low``     steps   lower end of its 95% range (growth as a random walk with drift:
                                           the slope's uncertainty and the next steps' randomness)
     ``mem/steps_to_wall_high``    steps   upper end, capped at the steps left in the run
-    ``mem/growth_mb_per_step``    MB      slope of the trend fit
+    ``mem/growth_mb_per_step``    MiB     slope of the trend fit
     ``mem/os_pressure``           level   macOS kernel pressure: 1 normal, 2 warn, 4 critical
     ``mem/swapouts``              pages   macOS swap-outs since the previous step
-    ``mem/compressor_gb``         GB      macOS compressor size
-    ``mem/footprint_gb``          GB      macOS process ``phys_footprint``
+    ``mem/compressor_gb``         GiB     macOS compressor size
+    ``mem/footprint_gb``          GiB     macOS process ``phys_footprint``
     ``mem/alloc_retries``         count   CUDA allocator retries since the previous step
     ============================  ======  ===================================================================
     """
@@ -108,10 +135,16 @@ class MemoryWatchdog(PerfCallback):
         self.warn_within_steps, self.stop_within_steps, self.stop = warn_within_steps, stop_within_steps, stop
         self._policy(1.0)                      # validates the policy parameters now, not at train time
         self.device: DeviceLayer | None = None
+        self.policy: MemoryPolicy | None = None     # kept over the in-process resumes of one run
+        self.wall = MovingWall()
+        self.facts: WallFacts | None = None
         self.high_water = 0.0
         self.actions: list[dict] = []
         self.stopped_at: int | None = None
         self.summary: dict | None = None
+        self._announced_outside: float | None = None
+        self._limit_warned = False
+        self._sample: MemorySample | None = None        # the step's reading
 
     @property
     def _device(self) -> DeviceLayer:
@@ -119,6 +152,13 @@ class MemoryWatchdog(PerfCallback):
         if self.device is None:
             raise RuntimeError("MemoryWatchdog has no device yet: it takes one at on_train_begin")
         return self.device
+
+    @property
+    def _watch(self) -> MemoryPolicy:
+        """The policy of this run, made at ``on_train_begin``."""
+        if self.policy is None:
+            raise RuntimeError("MemoryWatchdog has no policy yet: it makes one at on_train_begin")
+        return self.policy
 
     def _policy(self, budget: float) -> MemoryPolicy:
         return MemoryPolicy(budget=budget, warn_fraction=self.warn_fraction, grace_steps=self.grace_steps,
@@ -133,59 +173,154 @@ class MemoryWatchdog(PerfCallback):
         self._previous_mac = self._mac_sample() if self.on_mac else None
         self._previous_retries = None
         sample = self.device.memory()
-        self.budget = self.budget_bytes(self.device, sample)
-        self.policy = self._policy(self.budget)
+        if self.policy is None or state.global_step == 0:        # a run of its own (an in-process resume keeps it)
+            self.wall = MovingWall()
+            self.budget = self.budget_bytes(self.device, sample)
+            self.wall.update(self.budget)
+            self.policy = self._policy(self.budget)
+            self._announced_outside = sample.outside
+            self._explain_start(sample, state.global_step)
+        else:
+            self._follow_wall(sample, state.global_step)
         self.policy.start_segment()
+        self.facts = self._facts(sample)
+        self._bus.memory_facts = self.facts
         self.device.reset_peak()
         self._bus.describe_run(self.source, state.global_step, budget_gb=self.budget / GB,
                                device_limit_gb=(sample.device_limit or 0) / GB,
                                system_total_gb=sample.system_total / GB)
 
     def budget_bytes(self, device: DeviceLayer, sample=None) -> float:
-        """The budget in bytes on ``device`` (:func:`~hf_perf_callbacks.memory.budget_bytes` of its limits)."""
+        """The budget in bytes on ``device`` now (:func:`~hf_perf_callbacks.memory.budget_bytes` of its limits and of
+        what this run can reach)."""
         sample = sample or device.memory()
         return budget_bytes(device.type, sample.device_limit, sample.hard_limit, sample.system_total,
-                            self.limit_gb, self.budget_fraction)
+                            self.limit_gb, self.budget_fraction, reachable=sample.reachable)
+
+    def _static_budget(self, sample) -> float:
+        """The budget from the device's limits alone (what it was before it followed the device's free memory)."""
+        return budget_bytes(self._device.type, sample.device_limit, sample.hard_limit, sample.system_total,
+                            None, self.budget_fraction)
+
+    def _explain_start(self, sample, step: int) -> None:
+        """Say at the start when the budget of a card is set by what the run can reach (another process holds
+        memory), or when ``limit_gb`` lies beyond it. Not on unified memory (MPS, CPU): there other processes and the
+        system always hold part of the machine; a move during the run is said either way."""
+        if self.limit_gb:
+            self._check_limit(sample, step)
+            return
+        if sample.unified:
+            return
+        static = self._static_budget(sample)
+        if self.budget < (1 - WALL_BAND) * static and self._facts(sample).outside_words() is not None:
+            self._wall_event(step, f"the memory budget is {gib(self.budget)}, not {gib(static)} "
+                                   f"({self.budget_fraction:.0%} of the device's limit)", sample, static, start=True)
+
+    def _check_limit(self, sample, step: int) -> None:
+        """``limit_gb`` overrides the reading; one warning when it lies beyond what the run can reach."""
+        reach = sample.reachable
+        if self._limit_warned or reach is None or self.budget <= reach:
+            return
+        self._limit_warned = True
+        why = self._facts(sample).outside_words()
+        self.warn(f"limit_gb={self.limit_gb:g} is above what this run can reach now ({gib(reach)})"
+                  + (f": {why}" if why else "") + "; the watchdog keeps the given budget, so the device may run out "
+                  "of memory before it", step=step)
+
+    def _follow_wall(self, sample, step: int) -> None:
+        """Move the budget with what the run can reach (see :class:`~hf_perf_callbacks.memory.MovingWall`)."""
+        if self.limit_gb:
+            self._check_limit(sample, step)
+            return
+        before = self.wall.update(self.budget_bytes(self._device, sample))
+        if before is None or self.wall.value is None:
+            return
+        self.budget = self.wall.value
+        self._watch.set_budget(self.budget)
+        self._wall_event(step, f"the memory wall moved: the budget is now {gib(self.budget)} (was {gib(before)})",
+                         sample, before)
+
+    def _wall_event(self, step: int, headline: str, sample, before: float, start: bool = False) -> None:
+        """One event (console and perf log) saying where the wall is and why (``start``: where it is at the start)."""
+        outside, reach, total = sample.outside, sample.reachable, sample.total
+        facts = self._facts(sample, holders=True)
+        why = facts.outside_words()
+        if why is None and outside is not None and self._announced_outside is not None and not start:
+            why = (f"memory outside this run's reach is {outside / GB:.1f} GiB (was "
+                   f"{self._announced_outside / GB:.1f} GiB)")
+        elif why is None and sample.allocator_cap is not None and reach == sample.allocator_cap:
+            why = f"PyTorch's per-process memory fraction caps this process at {gib(sample.allocator_cap)}"
+        self._announced_outside = outside
+        reach_words = (f"; the budget is {self.budget_fraction:.0%} of the {gib(reach)} this run can reach"
+                       + (f" ({gib(total)} in all)" if total else "") if reach is not None else "")
+        self._bus.event(self.source, "wall", headline + (f": {why}" if why else "") + reach_words, step=step,
+                        why=why, moved=not start, budget_gb=self.budget / GB, before_gb=before / GB,
+                        outside_gb=outside / GB if outside is not None else None,
+                        reachable_gb=reach / GB if reach is not None else None)
+
+    def _facts(self, sample, holders: bool = False) -> WallFacts:
+        """What sets the wall now and what presses on it (``holders``: ask NVML who holds the card's memory)."""
+        names = None
+        if holders and sample.outside is not None and sample.total and not sample.unified:
+            found = self._device.memory_holders()
+            names = holders_words(found, os.getpid(), float(sample.reserved or 0)) if found else None
+        policy = self.policy
+        static = None if self.limit_gb else self._static_budget(sample)
+        set_by = "limit_gb" if self.limit_gb else "reach" if static and self.budget < static else "device"
+        return WallFacts(budget=self.budget, total=sample.total, outside=sample.outside, unified=sample.unified,
+                         holders=names, leak_per_step=policy.leak_rate if policy is not None else None, set_by=set_by)
 
     # ------------------------------------------------------------ per step
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
-        obs, fields = self._observe(step)
-        self.policy.observe(obs)
+        policy = self._watch
+        sample = self._device.memory()
+        self._follow_wall(sample, step)
+        micro = getattr(args, "per_device_train_batch_size", None)
+        obs, fields = self._observe(step, sample, micro)
+        policy.observe(obs)
+        self._sample = sample
+        self.facts = self._facts(sample)
+        self._bus.memory_facts = self.facts
         self.high_water = max(self.high_water, obs.used)
         can_shrink = self._bus.has_subscribers(SIGNAL_SMALLER_BATCH)
         decision = None
         for _ in range(3):                                          # clear → re-sample → maybe the next rung
-            action = self.policy.next_action(can_shrink)
+            action = policy.next_action(can_shrink)
             if action is None:
                 break
-            self.policy.taken(action)
+            policy.taken(action)
             if action == CLEAR:
                 self._clear(step)
-                obs, fields = self._observe(step, resample=True)
-                self.policy.observe(obs, replace_last=True)
+                obs, fields = self._observe(step, self._device.memory(), micro, resample=True)
+                policy.observe(obs, replace_last=True)
                 continue
             decision = action
             break
         local = decision
         self.collective_step = step
-        decision, any_critical = self._agree(decision, self.policy.level == CRITICAL)
+        decision, any_critical = self._agree(decision, policy.level == CRITICAL)
         if decision == SMALLER_BATCH:
-            self._act(step, SMALLER_BATCH, "asked for a smaller micro-batch: " + self.policy.reason())
-            accepted = any(self._bus.signal(SIGNAL_SMALLER_BATCH, reason=self.policy.reason(), step=step,
+            self._act(step, SMALLER_BATCH, "asked for a smaller micro-batch: " + policy.reason())
+            accepted = any(self._bus.signal(SIGNAL_SMALLER_BATCH, reason=policy.reason(), step=step,
                                             control=control))
             if not accepted and any_critical:   # nobody can shrink (the same answer on every rank)
                 decision = STOP
         if decision == STOP:
             self._stop(args, state, control, follower=local != STOP and local != SMALLER_BATCH)
-        slope = self.policy.slope                   # None before the trend window holds 3 steps (a leak needs it full)
-        if self.policy.leaking and slope is not None and not self.policy.leak_reported:
-            self.policy.leak_reported = True
-            self.warn(f"memory grew on each of the last {self.policy.trend_window} steps "
-                      f"(+{slope / 1024**2:.1f} MB/step): a steady leak, e.g. tensors kept across "
-                      f"steps (a loss appended without .item(), a growing cache)", step=step)
-        fields[keys.MEM_PRESSURE] = self.policy.level
-        fields.update(wall_fields(self.policy.forecast(), state.max_steps - step if state.max_steps > 0 else None))
+        slope = policy.slope                        # None before the trend window holds 3 steps (a leak needs it full)
+        if policy.leaking and slope is not None and not policy.leak_reported:
+            policy.leak_reported = True
+            forecast = policy.steps_to_wall
+            plan = (f"the watchdog clears caches when the wall is {self.warn_within_steps:g} steps away and saves "
+                    f"a checkpoint and stops {self.stop_within_steps:g} steps before it"
+                    + (f" (the wall is {forecast:.0f} steps away now)" if forecast is not None else "")
+                    if self.stop else "stop=False: the watchdog will only warn")
+            self.warn(f"memory grew on each of the last {policy.trend_window} steps (+{mib(slope)}/step): a steady "
+                      f"leak, e.g. tensors kept across steps (a loss appended without .item(), a growing cache); a "
+                      f"smaller micro-batch does not stop it: {plan}", step=step, leak_mib_per_step=slope / 2**20)
+        fields[keys.MEM_PRESSURE] = policy.level
+        fields.update(wall_fields(policy.forecast(), state.max_steps - step if state.max_steps > 0 else None))
         # a forecast of an earlier step must not reach this step's log
         self._bus.withdraw(*(key for key in WALL_KEYS if key not in fields))
         if slope is not None:
@@ -194,8 +329,8 @@ class MemoryWatchdog(PerfCallback):
         self._bus.publish(fields)
         self._device.reset_peak()
 
-    def _observe(self, step: int, resample: bool = False) -> tuple[Observation, dict]:
-        sample = self._device.memory()
+    def _observe(self, step: int, sample, micro: int | None = None,
+                 resample: bool = False) -> tuple[Observation, dict]:
         if resample and sample.peak is not None and sample.allocated is not None:
             used = float(sample.allocated)      # after a clear the high-water mark is history: what is allocated counts
         else:
@@ -210,6 +345,8 @@ class MemoryWatchdog(PerfCallback):
                                            keys.MEM_PEAK_GB: max(self.high_water, used) / GB,
                                            keys.MEM_SYSTEM_AVAILABLE_GB: sample.system_available / GB,
                                            keys.MEM_SWAP_USED_GB: sample.swap_used / GB}
+        if sample.outside is not None:
+            fields[keys.MEM_OUTSIDE_GB] = sample.outside / GB
         if sample.allocated is not None:
             fields[keys.MEM_ALLOCATED_GB] = sample.allocated / GB
         if sample.reserved is not None:
@@ -227,7 +364,7 @@ class MemoryWatchdog(PerfCallback):
                            keys.MEM_FOOTPRINT_GB: mac.phys_footprint_bytes / GB if mac.phys_footprint_bytes else None})
             if mac.swap_used_bytes is not None:
                 fields[keys.MEM_SWAP_USED_GB] = mac.swap_used_bytes / GB
-        obs = Observation(step, used, os_level=os_level, swapouts=swapouts, alloc_retries=retries)
+        obs = Observation(step, used, micro_batch=micro, os_level=os_level, swapouts=swapouts, alloc_retries=retries)
         return obs, fields
 
     def _mac_sample(self):
@@ -251,14 +388,24 @@ class MemoryWatchdog(PerfCallback):
         return {0: None, 1: SMALLER_BATCH, 2: STOP}[int(max(r[0] for r in rows))], max(r[1] for r in rows) > 0
 
     def _clear(self, step: int) -> None:
-        answers = self._bus.signal(SIGNAL_CLEAR, reason=self.policy.reason(), step=step)
+        answers = self._bus.signal(SIGNAL_CLEAR, reason=self._watch.reason(), step=step)
         if not answers:                       # no clearer attached: do the cheap part ourselves
             self._device.empty_cache()
-        self._act(step, CLEAR, "cleared caches: " + self.policy.reason())
+        self._act(step, CLEAR, "cleared caches: " + self._watch.reason())
 
     def _stop(self, args, state, control, follower: bool = False) -> None:
+        policy = self._watch
         reason = ("another rank is about to run out of memory; this rank stops with it, at the same step"
-                  if follower else self.policy.reason())
+                  if follower else policy.reason())
+        if self._sample is not None:                        # the stop names who holds the memory, where NVML can say
+            self.facts = self._facts(self._sample, holders=True)
+            self._bus.memory_facts = self.facts
+        causes = self.facts.sentence() if self.facts is not None else ""
+        futile = policy.shrink_futile() if self._bus.has_subscribers(SIGNAL_SMALLER_BATCH) else None
+        if causes:
+            reason += f"; the causes: {causes}"
+        if futile:
+            reason += f"; no smaller micro-batch was asked for: {futile}"
         if not self.stop:
             self._act(state.global_step, "stop_suppressed", "would stop (stop=False): " + reason)
             return
@@ -269,16 +416,24 @@ class MemoryWatchdog(PerfCallback):
         tuning = self._bus.tuning
         resume = (f"train_with_tuning(trainer, resume_from_checkpoint='{checkpoint}')"
                   if tuning is not None and tuning.managed else f"trainer.train(resume_from_checkpoint='{checkpoint}')")
+        lower = ("a smaller per_device_train_batch_size with a larger gradient_accumulation_steps, activation "
+                 "checkpointing, or a shorter max_completion_length (GRPO)")
+        if self.facts is not None and self.facts.leak_per_step:
+            after = ("after fixing the leak (memory that grows on every step: tensors kept across steps, e.g. a loss "
+                     "appended without .item(), a growing cache); a smaller micro-batch does not stop it")
+        elif self.facts is not None and self.facts.outside_words():
+            after = f"once the memory held outside this run is freed, or with less memory: {lower}"
+        else:
+            after = f"after freeing memory: {lower}"
         self._act(state.global_step, STOP,
                   f"stopped training at step {state.global_step} before running out of memory ({reason})."
-                  f" A checkpoint is saved to {checkpoint}; no step is lost. Resume with {resume} after freeing "
-                  f"memory: a smaller per_device_train_batch_size with a larger gradient_accumulation_steps, "
-                  f"activation checkpointing, or a shorter max_completion_length (GRPO).", kind="stop")
+                  f" A checkpoint is saved to {checkpoint}; no step is lost. Resume with {resume} {after}.",
+                  kind="stop")
 
     def _act(self, step: int, action: str, message: str, kind: str = "action") -> None:
         self.actions.append({"step": step, "action": action, "message": message})
         self._bus.event(self.source, kind, message, step=step, action=action,
-                        level=LEVEL_NAMES[self.policy.level], steps_to_wall=self.policy.steps_to_wall)
+                        level=LEVEL_NAMES[self._watch.level], steps_to_wall=self._watch.steps_to_wall)
 
     # ------------------------------------------------------------ end
     def on_train_end(self, args, state, control, **kwargs):
@@ -293,13 +448,14 @@ class MemoryWatchdog(PerfCallback):
         if s is None:
             raise RuntimeError("MemoryWatchdog has no summary yet: it writes one at on_train_end")
         lines = ["== MemoryWatchdog summary ==",
-                 f"high-water mark: {s['high_water_gb']:.2f} GB of a {s['budget_gb']:.2f} GB budget "
+                 f"high-water mark: {s['high_water_gb']:.2f} GiB of a {s['budget_gb']:.2f} GiB budget "
                  f"({s['high_water_gb'] / s['budget_gb']:.0%})"]
         lines += [f"step {a['step']}: {a['action']} — {a['message']}" for a in s["actions"]] or ["no actions needed"]
         return "\n".join(lines)
 
     def start_fresh(self) -> None:
         self.high_water, self.actions, self.stopped_at, self.summary = 0.0, [], None, None
+        self.policy, self._limit_warned = None, False
 
     def export(self) -> dict:
         return {"high_water": self.high_water, "actions": self.actions}

@@ -1,8 +1,10 @@
-"""The device layer: OOM recognition, memory samples on CPU, and MPS paths against a fake ``torch.mps``.
+"""The device layer: OOM recognition, memory samples on CPU, and MPS and CUDA paths against fakes.
 
-This machine has no Apple GPU, so the MPS tests replace ``torch.mps`` functions with fakes that follow the
-documented torch 2.13 API (``current_allocated_memory``, ``driver_allocated_memory``, ``recommended_max_memory``,
-``empty_cache``, ``synchronize``; no ``clear_graph_cache``).
+This machine has no Apple GPU and no NVIDIA GPU, so the MPS tests replace ``torch.mps`` functions with fakes that
+follow the documented torch 2.13 API (``current_allocated_memory``, ``driver_allocated_memory``,
+``recommended_max_memory``, ``empty_cache``, ``synchronize``; no ``clear_graph_cache``), and the CUDA test replaces
+``torch.cuda``'s documented ``memory_stats``, ``get_device_properties``, ``mem_get_info`` and
+``get_per_process_memory_fraction``.
 """
 import types
 
@@ -42,6 +44,44 @@ def test_cpu_memory_sample_and_no_peak_table():
     assert layer.calibrate_flops(torch.float32, size=128, repeats=2) > 1e6
 
 
+def test_cpu_memory_within_reach_is_what_the_process_holds_plus_what_the_system_can_give():
+    sample = DeviceLayer("cpu").memory()
+    assert sample.unified and sample.held == sample.rss
+    assert sample.reachable == sample.rss + sample.system_available
+    assert sample.total == sample.system_total and sample.outside == sample.system_total - sample.reachable >= 0
+
+
+def test_a_system_with_nothing_left_to_give_leaves_the_run_what_it_holds():
+    # seen: an available reading of 0 was taken for "unknown" and the budget jumped back to 85% of the RAM
+    sample = dev.MemorySample(reserved=6 * 2**30, system_total=16 * 2**30, system_available=0, unified=True)
+    assert sample.reachable == 6 * 2**30 and sample.outside == 10 * 2**30
+
+
+def test_cuda_memory_within_reach_counts_other_processes_and_memory_outside_the_allocator(monkeypatch):
+    """An H200 (139.8 GiB) where another process and a pool outside PyTorch's allocator leave 18.0 GiB free and this
+    process's allocator reserves 2.0 GiB: the run can reach 20.0 GiB; a per-process fraction of 0.1 caps it at
+    13.98 GiB (the outside memory is still 119.8 GiB: the cap is this process's own)."""
+    gib, total = 2**30, int(139.8 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: {
+        "allocated_bytes.all.current": 1 * gib, "reserved_bytes.all.current": 2 * gib,
+        "allocated_bytes.all.peak": int(1.5 * gib), "num_alloc_retries": 0})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(
+        total_memory=total))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (18 * gib, total))
+    fraction = {"value": 1.0}
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: fraction["value"])
+    layer = DeviceLayer("cuda:0")
+    sample = layer.memory()
+    assert not sample.unified and sample.device_free == 18 * gib and sample.allocator_cap is None
+    assert sample.reachable == 20 * gib and sample.total == total and sample.outside == total - 20 * gib
+    fraction["value"] = 0.1
+    capped = layer.memory()
+    assert capped.reachable == int(0.1 * total) and capped.outside == total - 20 * gib
+    monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction")          # torch before 2.9
+    assert layer.memory().allocator_cap is None and layer.memory().reachable == 20 * gib
+    assert DeviceLayer("cpu").memory_holders() is None                          # NVML is for CUDA only
+
+
 def test_watermark_ratio(monkeypatch):
     monkeypatch.delenv("PYTORCH_MPS_HIGH_WATERMARK_RATIO", raising=False)
     assert mps_hard_limit(10 * 2**30) == int(1.7 * 10 * 2**30)
@@ -71,6 +111,7 @@ def test_mps_memory_sample_from_the_documented_api(fake_mps, monkeypatch):
     sample = layer.memory()
     assert (sample.allocated, sample.reserved, sample.device_limit) == (3 * 2**30, 5 * 2**30, 12 * 2**30)
     assert sample.hard_limit == int(1.7 * 12 * 2**30) and sample.peak is None
+    assert sample.unified and sample.reachable == 5 * 2**30 + sample.system_available   # Metal's plus the system's
 
 
 def test_mps_cache_clear_feature_detects_clear_graph_cache(fake_mps):

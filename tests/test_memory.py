@@ -230,3 +230,131 @@ def test_the_budget_is_the_fraction_of_the_smallest_real_limit_or_the_given_limi
     assert budget_bytes("cuda", 80 * gib, None, None, limit_gb=12) == 12 * gib
     with pytest.raises(ValueError, match="no memory limit known for device type 'xpu': pass limit_gb"):
         budget_bytes("xpu", None, None, None)
+
+
+# ------------------------------------------------------------ the budget from what the device can give
+GIB = 1024**3
+
+
+def test_the_budget_follows_what_the_run_can_reach_and_never_exceeds_the_fraction_of_the_limit():
+    from hf_perf_callbacks.memory import budget_bytes
+
+    # an H200 (139.8 GiB) with another process holding 120 GiB: 85% of the 19.8 GiB this run can reach
+    assert budget_bytes("cuda", 139.8 * GIB, None, None, reachable=19.8 * GIB) == pytest.approx(0.85 * 19.8 * GIB)
+    assert budget_bytes("cuda", 80 * GIB, None, None, reachable=80 * GIB) == 0.85 * 80 * GIB
+    assert budget_bytes("cuda", 80 * GIB, None, None, reachable=90 * GIB) == 0.85 * 80 * GIB     # never above
+    # MPS: the recommended working set and the watermark hard limit still cap it; what the system can give too
+    assert budget_bytes("mps", 12 * GIB, 20 * GIB, 16 * GIB, reachable=14 * GIB) == 0.85 * 12 * GIB
+    assert budget_bytes("mps", 12 * GIB, 20 * GIB, 16 * GIB, reachable=6 * GIB) == 0.85 * 6 * GIB
+    assert budget_bytes("cpu", None, None, 24 * GIB, reachable=10 * GIB, budget_fraction=0.5) == 5 * GIB
+    assert budget_bytes("cuda", 80 * GIB, None, None, limit_gb=70, reachable=10 * GIB) == 70 * GIB   # it overrides
+    assert budget_bytes("cuda", 80 * GIB, None, None, reachable=0) == 1.0     # nothing left: a budget still exists
+
+
+def test_the_wall_ignores_one_noisy_reading_and_follows_a_real_move_one_reading_later():
+    from hf_perf_callbacks.memory import MovingWall
+
+    wall = MovingWall(band=0.05, window=3)
+    assert wall.update(100.0) is None and wall.value == 100.0
+    assert wall.update(60.0) is None and wall.value == 100.0           # one low reading moves nothing
+    assert wall.update(100.0) is None and wall.value == 100.0
+    assert wall.update(140.0) is None and wall.value == 100.0          # one high reading neither
+    assert wall.update(60.0) is None and wall.value == 100.0           # (100, 140, 60): median 100
+    assert wall.update(60.0) == 100.0 and wall.value == 60.0           # a real drop: moved at its second reading
+    assert wall.update(62.0) is None and wall.value == 60.0            # within the band: no flapping
+    assert wall.update(58.0) is None and wall.value == 60.0
+    assert wall.update(80.0) is None and wall.value == 60.0            # a rise moves after its second reading too
+    assert wall.update(80.0) == 60.0 and wall.value == 80.0
+
+
+def test_a_moving_budget_moves_the_forecast_and_the_levels():
+    p = policy(trend_window=4, warn_fraction=0.9, hysteresis=0.05)
+    for step, used in enumerate([100.0, 110.0, 120.0, 130.0], start=1):
+        p.observe(Observation(step, used))
+    assert p.steps_to_wall == pytest.approx((1000 - 130) / 10) and p.level == OK
+    p.set_budget(200.0)                                  # another process took most of the device
+    assert p.steps_to_wall == pytest.approx((200 - 130) / 10)
+    assert p.observe(Observation(5, 140.0)) == OK        # 140 < 0.9 × 200
+    p.set_budget(150.0)
+    assert p.observe(Observation(6, 150.0)) == CRITICAL and p.steps_to_wall == 0.0
+    p.set_budget(1000.0)                                  # it left again
+    assert p.observe(Observation(7, 160.0)) == OK
+    with pytest.raises(ValueError, match="budget"):
+        p.set_budget(0.0)
+
+
+def test_a_leak_goes_down_the_ladder_without_a_smaller_micro_batch():
+    """With a tuner listening (``can_shrink``) memory that grows on every step is still cleared and then stopped:
+    a smaller micro-batch does not stop a leak."""
+    p = policy(budget=1000.0, trend_window=8, warn_within_steps=20, stop_within_steps=3, leak_min_growth=1.0)
+    actions, levels = [], set()
+    for step in range(1, 40):
+        levels.add(p.observe(Observation(step, 500.0 + 25.0 * step, micro_batch=4)))
+        action = p.next_action(can_shrink=True)
+        if action:
+            p.taken(action)
+            actions.append((step, action))
+        if action == STOP:
+            break
+    assert [a for _, a in actions] == [CLEAR, STOP] and WARN in levels     # at warn too: no smaller micro-batch
+    clear_at, stop_at = actions[0][0], actions[1][0]
+    assert (1000 - (500 + 25 * clear_at)) / 25 <= 20 and (1000 - (500 + 25 * stop_at)) / 25 <= 3
+    assert 500 + 25 * stop_at < 1000                   # before the wall
+    assert "a smaller micro-batch does not stop a leak" in p.shrink_futile()
+
+
+def test_the_leak_is_remembered_across_segments_until_a_whole_window_is_flat():
+    p = policy(trend_window=4, grace_steps=0)
+    for step in range(1, 6):
+        p.observe(Observation(step, 100.0 + 10 * step))
+    assert p.leaking and p.leak_rate == pytest.approx(10.0)
+    p.start_segment()                                    # an in-process re-size
+    p.observe(Observation(6, 90.0))
+    assert not p.leaking and p.leak_rate == pytest.approx(10.0) and p.shrink_futile() is not None
+    for step in range(7, 11):
+        p.observe(Observation(step, 90.0))
+    assert p.leak_rate is None and p.shrink_futile() is None
+
+
+def test_a_pressure_that_does_not_grow_still_asks_for_a_smaller_micro_batch_once_then_judges_what_it_did():
+    """Another process took memory: used stays flat above the warn level. The first smaller micro-batch is asked
+    for; what it did (memory ≈ fixed + micro-batch × per sample) decides whether another can help."""
+    def run(used_after):
+        p = policy(budget=100.0, warn_fraction=0.9, grace_steps=1, trend_window=4, leak_min_growth=0.5)
+        for step in (1, 2, 3):
+            p.observe(Observation(step, 95.0, micro_batch=4))
+        assert p.next_action(can_shrink=True) == CLEAR
+        p.taken(CLEAR)
+        assert p.next_action(can_shrink=True) == SMALLER_BATCH
+        p.taken(SMALLER_BATCH)
+        assert p.shrink == (4, 95.0)
+        p.start_segment()                                  # re-sized to micro-batch 2
+        for step in (4, 5, 6):
+            p.observe(Observation(step, used_after, micro_batch=2))
+        return p
+
+    helps = run(used_after=91.0)          # 2 per sample: at micro-batch 1 ≈ 89 < 90, the warn level
+    assert helps.shrink_futile() is None and helps.next_action(can_shrink=True) == CLEAR
+    helps.taken(CLEAR)
+    assert helps.next_action(can_shrink=True) == SMALLER_BATCH
+    futile = run(used_after=94.0)         # 0.5 per sample: at micro-batch 1 ≈ 93.5, still above the warn level
+    assert "even at micro-batch 1 it would be about" in futile.shrink_futile()
+    futile.taken(futile.next_action(can_shrink=True))
+    assert futile.next_action(can_shrink=True) is None   # warn, not critical: nothing more to do
+
+
+def test_the_causes_in_words():
+    from hf_perf_callbacks.memory import WallFacts, holders_words
+
+    card = WallFacts(budget=16.1 * GIB, total=139.8 * GIB, outside=120.0 * GIB, leak_per_step=512 * 1024**2)
+    assert card.causes() == ["another process (or memory outside PyTorch's allocator) holds 120.0 GiB of this card",
+                             "a leak of 512 MiB a step (memory grew on every step)"]
+    assert WallFacts(budget=1.0, total=80 * GIB, outside=0.6 * GIB).causes() == []       # a CUDA context: no cause
+    machine = WallFacts(budget=1.0, total=24 * GIB, outside=6 * GIB, unified=True)
+    assert machine.sentence() == "other processes and the system hold 6.0 GiB of this machine's 24.0 GiB"
+    named = holders_words([(10, "python", int(120 * GIB)), (42, "python", int(9 * GIB))], own_pid=42,
+                          reserved=2 * GIB)
+    assert named == ("another process holds 120.0 GiB of this card (pid 10 python: 120.0 GiB); this process holds "
+                     "7.0 GiB outside PyTorch's caching allocator (the CUDA context, NCCL buffers, a pool such as "
+                     "vLLM's)")
+    assert WallFacts(budget=1.0, total=139.8 * GIB, outside=127 * GIB, holders=named).sentence() == named

@@ -146,7 +146,8 @@ def test_the_bus_writes_one_header_per_train_call_before_any_other_line(tokenize
     assert headers[0]["device_type"] == "cpu" and headers[0]["budget_gb"] > 0
     assert entries[1]["type"] == "event" and "MFU omitted" in entries[1]["message"]
     run = read_run(tmp_path)
-    assert run.replaced_runs == 0 and [s.step for s in run.steps] == [1, 2, 3] and len(run.events) == 1
+    assert run.replaced_runs == 0 and [s.step for s in run.steps] == [1, 2, 3]
+    assert len([e for e in run.events if e.kind != "wall"]) == 1     # a wall move follows other processes' memory
 
 
 def test_read_run_parses_a_real_log(demo_run):

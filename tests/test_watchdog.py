@@ -72,20 +72,27 @@ def test_planted_leak_is_stopped_with_a_checkpoint_before_the_budget(tokenizer, 
 
 
 class FakeMPS(DeviceLayer):
-    """A DeviceLayer of type "mps" whose readings follow a script indexed by the trainer's step."""
+    """A DeviceLayer of type "mps" whose readings follow a script indexed by the trainer's step: a 16 GiB Mac whose
+    recommended working set is 16 GiB (the watermark hard limit 27.2 GiB); other apps and the system hold
+    ``others_gb`` (a number, or a function of the step), so the system can still give 16 GiB minus that minus the
+    driver memory (unified memory: what Metal takes, the system no longer has)."""
 
-    def __init__(self, driver_gb, live_gb=1.0, freed_gb=0.0, mac=None):
+    def __init__(self, driver_gb, live_gb=1.0, freed_gb=0.0, mac=None, others_gb=0.0):
         super().__init__("cpu")
         self.type = "mps"
         self.driver, self.live, self.freed, self.step = driver_gb, live_gb, freed_gb, 0
+        self.others = others_gb
         self.extra_freed = 0.0
         self.clears = []
         self._mac = mac
 
     def memory(self):
         driver = self.driver[min(self.step, len(self.driver) - 1)] - self.extra_freed
+        others = self.others(self.step) if callable(self.others) else self.others
+        available = max(0.0, 16 - others - driver)
         return MemorySample(allocated=int(self.live * GB), reserved=int(driver * GB), device_limit=int(16 * GB),
-                            hard_limit=int(27.2 * GB), system_total=int(16 * GB), system_available=int(4 * GB))
+                            hard_limit=int(27.2 * GB), system_total=int(16 * GB), system_available=int(available * GB),
+                            unified=True)
 
     def empty_cache(self):
         self.clears.append(self.step)
@@ -239,3 +246,24 @@ def test_steps_to_wall_is_absent_from_logs_once_memory_is_flat(tokenizer, tmp_pa
         assert not any(k.startswith("mem/steps_to_wall") for k in logs[step]), logs[step]
     steps = {s["step"]: s for s in perf_log(tmp_path) if s["type"] == "step"}
     assert "mem/steps_to_wall" in steps[6] and not any("mem/steps_to_wall" in steps[s] for s in range(7, 17))
+
+
+def test_on_a_mac_other_apps_lower_the_budget_and_the_ladder_acts_on_the_new_one(tokenizer, tmp_path):
+    """Unified memory (fake MPS readings): 6 GiB of Metal memory, flat; from step 4 other apps take 6 GiB of the
+    16 GiB Mac. The budget falls from 85% of the recommended working set (13.6 GiB) to 85% of the 10 GiB the run can
+    still reach (8.5 GiB) one reading later, said with the cause; 6 GiB stays under its warn level (7.65 GiB), so
+    nothing is done. From step 8 they take 10 GiB: the budget is 5.1 GiB, below what Metal holds: critical, so the
+    watchdog clears and then saves and stops, naming the cause."""
+    device = FakeMPS(driver_gb=[6.0], others_gb=lambda step: 0.0 if step < 4 else 6.0 if step < 8 else 10.0)
+    watchdog = MemoryWatchdog(grace_steps=1)
+    watchdog.device = device
+    trainer = make_trainer(tokenizer, tmp_path, [StepClock(device), watchdog], max_steps=14)
+    trainer.train()
+    limits = {s["step"]: round(s["mem/limit_gb"], 2) for s in perf_log(tmp_path) if s["type"] == "step"}
+    assert [limits[s] for s in (3, 4, 5, 8, 9)] == [13.6, 13.6, 8.5, 8.5, 5.1]
+    moves = [e for e in perf_log(tmp_path) if e["type"] == "event" and e["kind"] == "wall"]
+    assert [e["step"] for e in moves] == [5, 9]
+    assert "other processes and the system hold 6.0 GiB of this machine's 16.0 GiB" in moves[0]["message"]
+    assert [(a["step"], a["action"]) for a in watchdog.actions] == [(9, "clear_cache"), (9, "stop")]
+    assert "other processes and the system hold 10.0 GiB" in watchdog.actions[-1]["message"]
+    assert os.path.isdir(tmp_path / "checkpoint-9")

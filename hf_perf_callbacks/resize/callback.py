@@ -205,7 +205,7 @@ class AdaptiveBatchTuner(PerfCallback):
             return used * GB, limit * GB
         sample = self.device.memory()
         return float(sample.used), budget_bytes(self.device.type, sample.device_limit, sample.hard_limit,
-                                                sample.system_total)
+                                                sample.system_total, reachable=sample.reachable)
 
     def _on_smaller_batch(self, reason: str, step: int, control=None, **_) -> bool:
         """The watchdog asks for a smaller micro-batch: plan it, checkpoint now and stop this train() call."""

@@ -51,7 +51,7 @@ from . import memcheck, sharding
 from .agreement import ResizeNeeded, guard_training_step, recoverable
 from .callback import AdaptiveBatchTuner, candidates, find_callback
 from .checkpoints import checkpoint_dir, is_complete, move_aside, newest_complete, step_of
-from .oomsite import UnfixableOOM, oom_site, unfixable_message
+from .oomsite import UnfixableOOM, leak_message, oom_site, unfixable_message
 from .session import TuningSession, recorded_session
 from .tuning import OnRunTuning
 
@@ -135,6 +135,8 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
                     raise
                 site = error.site if isinstance(error, ResizeNeeded) else oom_site(error, trainer)
                 cause = unfixable_message(site, trainer, error)
+                if cause is None and world_size() == 1:  # a leak the watchdog knows: a re-size cannot fix it
+                    cause = leak_message(_memory_facts(session), error)
                 if cause is not None:                    # no micro-batch fixes it: no re-size
                     unfixable = UnfixableOOM(cause)
                     _save_before_raising(trainer, session, tuner, unfixable, agreed=isinstance(error, ResizeNeeded))
@@ -142,13 +144,14 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
                 if resizes >= max_resizes:
                     session.gave_up = True
                     _save_before_raising(trainer, session, tuner, error)
-                    raise RuntimeError(f"train_with_tuning gave up after {max_resizes} re-sizes") from error
+                    raise RuntimeError(f"train_with_tuning gave up after {max_resizes} re-sizes"
+                                       f"{_memory_causes(session)}") from error
                 try:
                     resume_from_checkpoint = _recover_from_oom(trainer, session, tuner, error)
                 except ValueError as none_left:          # no smaller exact split
                     session.gave_up = True
                     _save_before_raising(trainer, session, tuner, error)
-                    raise none_left from error
+                    raise ValueError(f"{none_left}{_memory_causes(session)}") from error
                 resizes += 1
                 set_rng_state(start_rng)
                 continue
@@ -173,6 +176,18 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
         if guard is not None:
             guard.remove()
         session.settle(trainer)
+
+
+def _memory_facts(session: TuningSession):
+    """The watchdog's facts of the memory wall (:class:`~hf_perf_callbacks.memory.WallFacts`), when it is attached."""
+    return session.bus.memory_facts if session.bus is not None else None
+
+
+def _memory_causes(session: TuningSession) -> str:
+    """What the watchdog knows presses on memory (another process, a leak), as a sentence to end a message with."""
+    facts = _memory_facts(session)
+    causes = facts.sentence() if facts is not None else ""
+    return f" The memory wall, as the watchdog reads it: {causes}." if causes else ""
 
 
 def _tuning(trainer, session: TuningSession, tuner: AdaptiveBatchTuner) -> OnRunTuning:

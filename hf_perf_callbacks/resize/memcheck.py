@@ -118,7 +118,7 @@ def check_memory(trainer, session: TuningSession, candidates: list[Split], budge
     device = DeviceLayer(training_device())
     sample = device.memory()
     budget = budget if budget is not None else budget_bytes(device.type, sample.device_limit, sample.hard_limit,
-                                                            sample.system_total)
+                                                            sample.system_total, reachable=sample.reachable)
     budget = min(r[0] for r in gather_floats([budget], device.device))          # the tightest rank
     started = wall()
     configured = current_split(trainer.args)

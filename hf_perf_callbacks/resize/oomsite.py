@@ -15,6 +15,10 @@ generation``, TRL's     the tuner re-sizes                             ``max_com
 vLLM generation, vLLM)
 ======================  =============================================  ============================================
 
+An OOM while the :class:`~hf_perf_callbacks.MemoryWatchdog` knows of a leak (memory that grew on every step of its
+trend window) is not re-sized either (:func:`leak_message`): a smaller micro-batch does not stop a leak, and every
+smaller split would run out of memory again.
+
 The outermost match wins: a reward function that calls ``generate`` itself (a judge model) is named as the reward
 function. Every other OOM (the training forward and backward, GRPO's scoring forwards, which run in micro-batches)
 is the micro-batch's. A site is an integer so that ranks can agree on it in one exchange: :data:`MICRO_BATCH`,
@@ -80,3 +84,19 @@ def unfixable_message(site: int, trainer, error: BaseException) -> str | None:
                 f"micro-batch cannot fix: TRL scores {batch} in one call. Make {name!r} use less memory (score in "
                 f"chunks, keep no large tensors), or lower generation_batch_size")
     return None
+
+
+def leak_message(facts, error: BaseException) -> str | None:
+    """The cause of an out-of-memory error while the watchdog knows of a leak (``facts``: its
+    :class:`~hf_perf_callbacks.memory.WallFacts`), naming what else holds memory; None without a known leak."""
+    from ..device import error_line
+    from ..memory import mib
+
+    leak = getattr(facts, "leak_per_step", None)
+    if not leak:
+        return None
+    others = facts.outside_words()
+    return (f"out of memory ({error_line(error)[:120]}) while memory grew by {mib(leak)} on every step: a leak, which "
+            f"a smaller micro-batch cannot fix (each smaller split would run out of memory again). Fix the leak: "
+            f"tensors kept across steps (a loss appended without .item(), a growing cache)"
+            + (f"; also, {others}" if others else ""))

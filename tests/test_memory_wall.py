@@ -1,0 +1,381 @@
+"""The memory wall where the device really has it: the budget follows what the run can reach, step by step, and a
+steady leak ends with a checkpoint before the wall, never with an out-of-memory error.
+
+Real parts on the CPU: a real second process takes a known amount of memory (pages touched) during a real Trainer
+run and the budget drops by about that amount; planted leaks (a callback keeping tensors each step) on a plain
+``Trainer`` and a ``GRPOTrainer`` with only ``MemoryWatchdog`` attached, and under ``train_with_tuning``, against a
+budget from the real reading. CUDA scenarios this machine cannot make (another process holding 120 GiB of an
+H200) run against a scripted ``DeviceLayer`` of type "cuda" whose samples are built as the real layer builds them
+from the documented ``torch.cuda`` API (``memory_stats``, ``mem_get_info``, ``get_device_properties``) and NVML's
+process list.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, train_with_tuning
+from hf_perf_callbacks.device import GB, DeviceLayer, MemorySample
+from hf_perf_callbacks.resize.oomsite import UnfixableOOM
+from tests.conftest import make_grpo, make_trainer
+from tests.faults import Fault
+
+MIB = 2**20
+
+
+def perf_log(output_dir) -> list[dict]:
+    return [json.loads(line) for line in open(os.path.join(output_dir, "perf_log.jsonl"))]
+
+
+def step_lines(output_dir) -> dict[int, dict]:
+    return {line["step"]: line for line in perf_log(output_dir) if line["type"] == "step"}
+
+
+def events(output_dir, kind=None) -> list[dict]:
+    return [line for line in perf_log(output_dir) if line["type"] == "event" and line["source"] == "mem"
+            and (kind is None or line["kind"] == kind)]
+
+
+# ---------------------------------------------------------------- a real second process
+HOLDER = textwrap.dedent("""
+    import sys
+    size = int(sys.argv[1])
+    held = None
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "take":
+            held = bytearray(size)
+            held[::4096] = b"\\x01" * len(range(0, size, 4096))     # every page touched: resident, not promised
+        elif command == "free":
+            held = None
+        else:
+            break
+        print(command, flush=True)
+""")
+
+
+class Holder:
+    """A second process that takes ``size`` bytes (every page touched) and gives them back on command."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.process = subprocess.Popen([sys.executable, "-c", HOLDER, str(size)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+
+    def command(self, what: str) -> None:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(what + "\n")
+        self.process.stdin.flush()
+        assert self.process.stdout.readline().strip() == what          # done: the pages are in (or gone)
+
+    def close(self) -> None:
+        try:
+            self.command("quit")
+        except (AssertionError, BrokenPipeError, OSError):
+            pass
+        self.process.kill()
+        self.process.wait(timeout=30)
+
+
+class Phases(TrainerCallback):
+    """Before step k: the holder takes its memory when ``holding(k)``, else gives it back."""
+
+    def __init__(self, holder: Holder, holding):
+        self.holder, self.holding, self.held = holder, holding, False
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        want = self.holding(state.global_step + 1)
+        if want != self.held:
+            self.holder.command("take" if want else "free")
+            self.held = want
+
+
+HELD = 3 * GB
+
+
+@pytest.mark.launch
+def test_a_second_process_taking_memory_lowers_the_budget_by_that_amount(tokenizer, tmp_path, one_thread):
+    """Steps 1-5 alone, 6-10 beside a process holding 3 GiB, 11-15 alone again, 16-20 beside it again: the budget
+    (``mem/limit_gb``, 85% of what the run can reach) of the steps with the holder is lower by about 85% of 3 GiB,
+    and ``mem/outside_gb`` higher by about 3 GiB. Medians of each phase's last three steps (the budget moves one
+    reading after a change) against the other phases' (the machine is shared: other processes come and go, hence
+    the wide tolerance). It starts a second process and touches 3 GiB twice (seconds under gVisor): ``launch``."""
+    if psutil.virtual_memory().available < HELD + 6 * GB:
+        pytest.skip(f"this machine has {psutil.virtual_memory().available / GB:.1f} GiB available: holding "
+                    f"{HELD / GB:.0f} GiB more would bring it near its limit")
+    holder = Holder(HELD)
+    try:
+        def holding(step):
+            return (step - 1) // 5 % 2 == 1
+        watchdog = MemoryWatchdog()
+        trainer = make_trainer(tokenizer, tmp_path, [Phases(holder, holding), watchdog], max_steps=20, bs=2, ga=1)
+        trainer.train()
+    finally:
+        holder.close()
+    steps = step_lines(tmp_path)
+
+    def phase_median(key, held):
+        values = sorted(steps[s][key] for s in range(1, 21) if holding(s) == held and (s - 1) % 5 >= 2)
+        return values[len(values) // 2]
+
+    drop = phase_median("mem/limit_gb", False) - phase_median("mem/limit_gb", True)
+    outside = phase_median("mem/outside_gb", True) - phase_median("mem/outside_gb", False)
+    print(f"\nbudget drop {drop:.2f} GiB (expected {0.85 * HELD / GB:.2f}), outside rise {outside:.2f} GiB")
+    assert drop == pytest.approx(0.85 * HELD / GB, rel=0.45)
+    assert outside == pytest.approx(HELD / GB, rel=0.45)
+    moves = [e for e in events(tmp_path, "wall") if 6 <= e["step"] <= 10]      # it said so, and why
+    assert any(e["message"].startswith("the memory wall moved") and e["budget_gb"] < e["before_gb"]
+               and "other processes and the system hold" in e["message"] for e in moves), moves
+
+
+# ---------------------------------------------------------------- planted leaks against the real reading
+class Leak(TrainerCallback):
+    """Keeps a new resident tensor of ``size`` bytes alive every step (tensors kept across steps)."""
+
+    def __init__(self, size: int):
+        self.size, self.kept = size, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.kept.append(torch.ones(self.size // 4, dtype=torch.float32))
+
+
+LEAK = 128 * MIB
+
+
+def fraction_for(headroom: float) -> float:
+    """The budget fraction that puts the wall ``headroom`` bytes above this process's memory now: the budget stays
+    the watchdog's own reading (fraction × what the run can reach), the wall comes in a handful of steps, and the
+    machine is never near its limit."""
+    gc.collect()
+    vm = psutil.virtual_memory()
+    rss = psutil.Process().memory_info().rss
+    return (rss + headroom) / (rss + vm.available)
+
+
+def assert_stopped_before_the_wall(output_dir, watchdog, trainer, max_steps):
+    stop = watchdog.stopped_at
+    assert stop is not None and trainer.state.global_step == stop < max_steps
+    assert os.path.isdir(os.path.join(output_dir, f"checkpoint-{stop}"))
+    line = step_lines(output_dir)[stop]
+    assert line["mem/device_used_gb"] + LEAK / GB < line["mem/limit_gb"]     # one more step would still have fit
+    stop_event = events(output_dir, "stop")[-1]
+    rate = re.search(r"a leak of (\d+) MiB a step", stop_event["message"])
+    assert rate is not None and 100 <= int(rate.group(1)) <= 160, stop_event["message"]
+    assert "after fixing the leak" in stop_event["message"]
+    return stop
+
+
+@pytest.mark.parametrize("kind", ["trainer", "grpo"])
+def test_a_leak_with_only_the_watchdog_attached_ends_with_a_checkpoint_before_the_wall(tokenizer, tmp_path, kind,
+                                                                                      one_thread):
+    """Default settings but the fraction: the leak is detected after grace + 8 steps and named, the watchdog clears
+    and then saves and stops 3 steps before the wall."""
+    leak = Leak(LEAK)
+    watchdog = MemoryWatchdog(budget_fraction=fraction_for(18 * LEAK))
+    make = make_trainer if kind == "trainer" else make_grpo
+    trainer = make(tokenizer, tmp_path, [leak, watchdog], max_steps=40)
+    try:
+        trainer.train()
+        stop = assert_stopped_before_the_wall(tmp_path, watchdog, trainer, 40)
+    finally:
+        leak.kept.clear()
+    assert [a["action"] for a in watchdog.actions][-2:] == ["clear_cache", "stop"]
+    warned = [e for e in events(tmp_path, "warning") if "steady leak" in e["message"]]
+    assert len(warned) == 1 and warned[0]["step"] < stop
+    assert "a smaller micro-batch does not stop it" in warned[0]["message"]
+
+
+def test_a_leak_under_train_with_tuning_stops_with_a_checkpoint_and_no_re_size(tokenizer, tmp_path, one_thread):
+    """With the tuner listening, the old ladder asked for a smaller micro-batch (and the next, and the next): a
+    leak now goes from clearing straight to the checkpoint and the stop, naming the leak."""
+    leak = Leak(LEAK)
+    watchdog, tuner = MemoryWatchdog(budget_fraction=fraction_for(18 * LEAK)), AdaptiveBatchTuner(tune=False)
+    trainer = make_trainer(tokenizer, tmp_path, [leak, watchdog, tuner], max_steps=40, bs=4, ga=2)
+    try:
+        train_with_tuning(trainer)
+        assert_stopped_before_the_wall(tmp_path, watchdog, trainer, 40)
+    finally:
+        leak.kept.clear()
+    assert "smaller_batch" not in [a["action"] for a in watchdog.actions]
+    assert [d.kind for d in tuner.session.decisions] == [] and tuner.session.resizes == 0
+    assert trainer.args.per_device_train_batch_size == 4
+
+
+def test_an_oom_while_leaking_is_named_not_re_sized(tokenizer, tmp_path, one_thread):
+    """An out-of-memory error after the watchdog saw the leak: every smaller split would run out again, so the
+    run saves its last step and ends naming the leak instead of re-sizing 4 → 2 → 1."""
+    leak = Leak(32 * MIB)
+    fault = Fault("forward", at=9)
+    watchdog, tuner = MemoryWatchdog(trend_window=4), AdaptiveBatchTuner(tune=False)
+    trainer = make_trainer(tokenizer, tmp_path, [leak, fault, watchdog, tuner], max_steps=12, bs=4, ga=2)
+    fault.attach(trainer)
+    try:
+        with pytest.raises(UnfixableOOM, match="while memory grew by .* MiB on every step: a leak") as raised:
+            train_with_tuning(trainer)
+    finally:
+        leak.kept.clear()
+    assert "Fix the leak" in str(raised.value)
+    assert tuner.session.resizes == 0 and trainer.state.global_step == 8
+    assert os.path.isdir(tmp_path / "checkpoint-8")                          # the last step saved first
+
+
+# ---------------------------------------------------------------- a shared H200 (scripted CUDA readings)
+class SharedCard(DeviceLayer):
+    """A scripted CUDA device of 139.8 GiB: another process holds ``other(step)`` bytes, the CUDA context 0.5 GiB,
+    and this run's allocator peaks at ``base`` (9 GiB) plus ``leak`` bytes a step; the sample is built as
+    ``DeviceLayer.memory`` builds a CUDA one (reserved a little above the peak, free = total − everything held).
+    NVML's process list comes from ``holders`` (None: no pynvml)."""
+
+    TOTAL = int(139.8 * GB)
+
+    def __init__(self, other, leak=512 * MIB, holders=None, base=9 * GB):
+        super().__init__("cpu")
+        self.type = "cuda"
+        self.other, self.leak, self.holders, self.base, self.step = other, leak, holders, base, 0
+
+    def used(self) -> int:
+        return int(self.base + self.leak * self.step)
+
+    def free(self) -> int:
+        return self.TOTAL - int(self.other(self.step)) - int(0.5 * GB) - self.used() - int(0.25 * GB)
+
+    def memory(self):
+        peak = self.used()
+        reserved = peak + int(0.25 * GB)
+        free = max(0, self.free())
+        return MemorySample(allocated=peak, reserved=reserved, peak=peak, device_limit=self.TOTAL, alloc_retries=0,
+                            device_free=free, system_total=64 * GB, system_available=32 * GB)
+
+    def memory_holders(self):
+        return self.holders(self) if self.holders else None
+
+    def synchronize(self):
+        pass
+
+    def reset_peak(self):
+        pass
+
+    def empty_cache(self):
+        pass
+
+
+class StepOf(TrainerCallback):
+    """Advances the scripted card to the step about to run; the step runs out of memory where the card would."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.device.step = state.global_step + 1
+        if self.device.free() < 0:
+            raise torch.OutOfMemoryError("CUDA out of memory (the scripted card is full)")
+
+
+def test_the_shared_h200_of_the_report_stops_with_a_checkpoint_before_the_oom(tokenizer, tmp_path, one_thread):
+    """The report's H200: another process holds 120 GiB, a leak of 512 MiB a step, ``MemoryWatchdog()`` with its
+    defaults. Before, the budget stayed 118.8 GiB (85% of the card) and the run died of an OOM at 17.6 GiB used with
+    no checkpoint. Now the budget is 85% of the 19.3 GiB the run can reach, said at the start with who holds the
+    rest (NVML's list), and the run stops with a checkpoint, the message naming both causes."""
+    def nvml(device):
+        return [(4242, "python", 120 * GB), (os.getpid(), "python", device.used() + int(0.75 * GB))]
+
+    card = SharedCard(other=lambda step: 120 * GB, holders=nvml)
+    watchdog = MemoryWatchdog()
+    watchdog.device = card
+    trainer = make_trainer(tokenizer, tmp_path, [StepOf(card), watchdog], max_steps=60, bs=2, ga=1)
+    trainer.train()                                  # the scripted card raises an OOM past 19.3 GiB: none came
+    reach = SharedCard.TOTAL - 120 * GB - 0.5 * GB
+    assert watchdog.budget == pytest.approx(0.85 * reach)
+    start = events(tmp_path, "wall")[0]
+    assert start["step"] == 0 and start["message"].startswith(
+        f"the memory budget is {0.85 * reach / GB:.2f} GiB, not {0.85 * SharedCard.TOTAL / GB:.2f} GiB")
+    assert "another process holds 120.0 GiB of this card (pid 4242 python: 120.0 GiB)" in start["message"]
+    stop = watchdog.stopped_at
+    assert stop is not None and os.path.isdir(tmp_path / f"checkpoint-{stop}")
+    assert card.used() + 512 * MIB < 0.85 * reach                        # one more step would still have fit
+    message = events(tmp_path, "stop")[-1]["message"]
+    assert "another process holds 120.0 GiB of this card (pid 4242 python: 120.0 GiB)" in message
+    assert "a leak of 512 MiB a step" in message
+    steps = step_lines(tmp_path)
+    assert steps[1]["mem/outside_gb"] == pytest.approx(120.5) and steps[1]["mem/limit_gb"] == pytest.approx(
+        0.85 * reach / GB)
+
+
+def test_a_tenant_that_comes_and_goes_moves_the_wall_both_ways(tokenizer, tmp_path, one_thread):
+    """No leak: another process takes 100 GiB at step 4 and gives it back at step 8. The budget per step follows
+    (one reading late: one reading alone never moves it), with one event each way, and nothing else happens."""
+    card = SharedCard(other=lambda step: 100 * GB if 4 <= step < 8 else 0, leak=0)
+    watchdog = MemoryWatchdog()
+    watchdog.device = card
+    trainer = make_trainer(tokenizer, tmp_path, [StepOf(card), watchdog], max_steps=10, bs=2, ga=1)
+    trainer.train()
+    limits = {step: line["mem/limit_gb"] for step, line in step_lines(tmp_path).items()}
+    full, shared = 0.85 * (SharedCard.TOTAL / GB - 0.5), 0.85 * (SharedCard.TOTAL / GB - 100 - 0.5)   # a context
+    assert [round(limits[s], 2) for s in (3, 4, 5, 7, 8, 9)] == [round(x, 2) for x in
+                                                                  (full, full, shared, shared, shared, full)]
+    moves = events(tmp_path, "wall")
+    assert [(e["step"], round(e["budget_gb"], 2)) for e in moves] == [(5, round(shared, 2)), (9, round(full, 2))]
+    assert "another process (or memory outside PyTorch's allocator) holds 100.5 GiB of this card" in moves[0][
+        "message"]
+    assert "memory outside this run's reach is 0.5 GiB (was 100.5 GiB)" in moves[1]["message"]
+    assert watchdog.actions == [] and watchdog.stopped_at is None
+
+
+def test_a_re_size_that_gives_up_names_the_causes(tokenizer, tmp_path, one_thread):
+    """Every micro-batch runs out of memory on a card another process holds: the tuner goes 4 → 2 → 1 and gives
+    up, and the message says what the watchdog knows presses on the card."""
+    card = SharedCard(other=lambda step: 120 * GB, leak=0)
+    watchdog, tuner = MemoryWatchdog(), AdaptiveBatchTuner(tune=False)
+    watchdog.device = card
+    fault = Fault("forward", at=1, times=10)
+    trainer = make_trainer(tokenizer, tmp_path, [StepOf(card), fault, watchdog, tuner], max_steps=4, bs=4, ga=1)
+    fault.attach(trainer)
+    with pytest.raises(ValueError, match="does not fit even at micro-batch 1") as raised:
+        train_with_tuning(trainer)
+    assert ("The memory wall, as the watchdog reads it: another process (or memory outside PyTorch's allocator) "
+            "holds 120.5 GiB of this card.") in str(raised.value)
+
+
+# ---------------------------------------------------------------- the report of such runs
+def test_the_report_shows_the_budget_per_step_and_says_when_and_why_the_wall_moved(tokenizer, tmp_path, one_thread):
+    """``hf-perf report`` on the shared H200 run (its perf log as the watchdog wrote it): the summary lists the wall
+    events, the analysis' memory finding names where the wall was set and the leak and puts fixing the leak first,
+    and memory.png draws the budget per step with the move marked."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from hf_perf_callbacks.analysis import write_analysis
+    from hf_perf_callbacks.plots import PlotData, plot_memory
+    from hf_perf_callbacks.report import summarize
+    from hf_perf_callbacks.runlog import read_run
+
+    card = SharedCard(other=lambda step: 60 * GB if step < 4 else 120 * GB)     # a tenant that grows at step 4
+    watchdog = MemoryWatchdog()
+    watchdog.device = card
+    make_trainer(tokenizer, tmp_path, [StepOf(card), watchdog], max_steps=40, bs=2, ga=1).train()
+    run = read_run(str(tmp_path))
+    assert "[mem] wall: the memory wall moved: the budget is now" in summarize(run)
+    _, findings, _ = write_analysis(run)
+    memory = next(f for f in findings if f.rule == "memory_pressure")
+    assert "the budget followed what the run could reach, between" in memory.observation
+    assert ("the wall moved: another process (or memory outside PyTorch's allocator) holds 120.5 GiB of this card"
+            in memory.observation)
+    assert "memory grew by 512 MiB on every step: a leak" in memory.observation
+    assert memory.recommendation.lstrip("- ").startswith("fix the leak first")
+    assert "free the memory held outside this run" in memory.recommendation
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    assert plot_memory(fig, PlotData.of(run)) is None
+    ax = fig.axes[0]
+    names = ax.get_legend_handles_labels()[1]
+    assert any(n.startswith("budget per step (") and "what the run could reach moved" in n for n in names)
+    assert "wall moved" in [t.get_text() for t in ax.texts]

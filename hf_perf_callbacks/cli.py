@@ -28,8 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("train", help=TRAIN_HELP, description=TRAIN_HELP, add_help=False)
     recipes = commands.add_parser("recipes", help="list the packaged recipes (name, machine, model); copy one out "
                                                   "or print a packaged file's path",
-                                  description="Without an action: list the packaged recipes and accelerate configs.")
+                                  description="Without an action (or with `list`): list the packaged recipes and "
+                                              "accelerate configs.")
     actions = recipes.add_subparsers(dest="action")
+    actions.add_parser("list", help="list the packaged recipes and accelerate configs (as without an action)")
     copy = actions.add_parser("copy", help="copy a recipe (or accelerate/NAME) out to edit it")
     copy.add_argument("name", help="a recipe name from `hf-perf recipes`, or accelerate/NAME")
     copy.add_argument("dest", nargs="?", help="a file, or a folder to put NAME.yaml in (default: ./NAME.yaml)")
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def recipes_command(args: argparse.Namespace) -> int:
-    """``hf-perf recipes [copy NAME [DEST] | path NAME]``; 2 (message on stderr) for an unknown name or a DEST that
+    """``hf-perf recipes [list | copy NAME [DEST] | path NAME]``; 2 (message on stderr) for an unknown name or a DEST that
     exists."""
     from . import recipes
 

@@ -781,3 +781,27 @@ def test_trl_grpo_cli_cannot_take_a_recipe():
     flags = {arg for arg in config_rest if arg.startswith("--")}
     assert flags == {"--dataset", "--dataset_size", "--callbacks", "--callback_kwargs"} and not cli_rest
     assert not any("callback" in f.name for f in dataclasses.fields(grpo.GRPOScriptArguments))
+
+
+def test_a_trl_grpo_yaml_gets_one_line_with_what_runs(tmp_path, capsys, nothing_heavy):
+    """A ``trl grpo`` YAML (its script keys) or command shape brought to the launcher: one line saying what to rename
+    or remove, and that the rest of the same YAML runs with ``hf-perf train --config``; nothing loads."""
+    assert {"dataset_name", "dataset_train_split", "reward_model_name_or_path"} <= train.trl_script_keys()
+    assert not train.trl_script_keys() & set(train.field_names())          # reward_funcs, model keys: the same here
+    path = write_recipe(tmp_path, dataset_name="trl-lib/DeepMath-103K", dataset_train_split="train",
+                        reward_model_name_or_path=None, use_cpu=True)
+    assert train.main(["--config", path]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "usage" not in err
+    assert (f"`trl grpo` script keys dataset_name, dataset_train_split, reward_model_name_or_path in {path}: rename "
+            f"dataset_name → dataset, dataset_train_split → dataset_split; remove reward_model_name_or_path") in err
+    assert f"runs as is: hf-perf train --config {path}" in err and "cannot attach callbacks" in err
+
+    assert train.main(["--config", "mac-16gb-qwen1.5b", "--dataset_name=x"]) == 2
+    assert "`trl grpo` script key dataset_name on the command line: rename dataset_name → dataset" in \
+        capsys.readouterr().err
+    assert train.main(["grpo", "--config", "mac-16gb-qwen1.5b"]) == 2
+    err = capsys.readouterr().err
+    assert "'grpo' is a `trl` command word" in err and "drop the word: hf-perf train --config R.yaml" in err
+    assert train.main(["--config", "mac-16gb-qwen1.5b", "--accelerate_config", "multi_gpu"]) == 2
+    assert "accelerate launch --config_file C.yaml -m hf_perf_callbacks.train" in capsys.readouterr().err

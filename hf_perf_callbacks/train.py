@@ -575,6 +575,35 @@ def trust_remote_code(model_args, training_args) -> bool:
     return bool(getattr(source, "trust_remote_code", False))
 
 
+#: the packaged model's folder, for a machine that cannot download one
+PACKAGED_MODEL = ('--model_name_or_path "$(python -c \'from hf_perf_callbacks.real_model import smollm2_path; '
+                  'print(smollm2_path())\')"')
+
+
+def _offline() -> bool:
+    """Whether the hub is switched off for this process (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``)."""
+    from huggingface_hub import constants
+
+    flags = (os.environ.get(name, "") for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return bool(constants.HF_HUB_OFFLINE) or any(flag.upper() in ("1", "ON", "YES", "TRUE") for flag in flags)
+
+
+def model_load_error(name: str, error: Exception) -> str:
+    """The one line for a ``model_name_or_path`` that does not load, worded for what was given: a folder that is
+    not there, a hub id on a machine that cannot download it (offline mode, or no network), or another failure."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    looks_like_path = os.path.isabs(name) or name.startswith(("./", "../", "~")) or name.count("/") > 1
+    if not os.path.isdir(name) and looks_like_path:
+        return f"model_name_or_path={name!r} cannot be loaded (no such folder): name a local model folder or a hub " \
+               f"model id"
+    if not os.path.isdir(name) and (_offline() or "couldn't connect" in first.lower()):
+        why = ("HF_HUB_OFFLINE is set" if _offline() else "the hub cannot be reached from this machine")
+        return (f"model_name_or_path={name!r} cannot be loaded ({why}, and it is not in the local Hugging Face "
+                f"cache): on a machine with internet, `hf download {name} --local-dir DIR`, copy DIR here and name "
+                f"it; or train the packaged SmolLM2-135M-Instruct: {PACKAGED_MODEL}")
+    return f"model_name_or_path={name!r} cannot be loaded ({first}): name a local model folder or a hub model id"
+
+
 def build_tokenizer(model_args, training_args):
     """The model's tokenizer: left padding (as TRL loads it), pad token falls back to eos."""
     from transformers import AutoTokenizer
@@ -586,14 +615,7 @@ def build_tokenizer(model_args, training_args):
                                                   trust_remote_code=trust_remote_code(model_args, training_args),
                                                   padding_side="left", truncation_side="left")
     except OSError as error:                           # no such folder, no such hub model, offline without a copy
-        name = model_args.model_name_or_path
-        if not os.path.isdir(name) and (os.path.isabs(name) or name.startswith(("./", "../", "~")) or
-                                        name.count("/") > 1):
-            reason = "no such folder"
-        else:
-            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise RecipeError(f"model_name_or_path={name!r} cannot be loaded ({reason}): name a local model folder or a "
-                          f"hub model id") from None
+        raise RecipeError(model_load_error(model_args.model_name_or_path, error)) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -740,14 +740,44 @@ def test_a_malformed_flag_is_one_line(tmp_path, capsys, nothing_heavy):
     assert err.count("\n") == 1 and "--num_generations" in err and "usage" not in err
 
 
-@pytest.mark.parametrize("model, reason", [("/no/such/model", "no such folder"), ("./missing", "no such folder"),
-                                           ("nobody/no-such-model", "")])
+@pytest.mark.parametrize("model, reason", [("/no/such/model", "no such folder"), ("./missing", "no such folder")])
 def test_a_model_that_cannot_be_loaded_is_one_line(model, reason, tmp_path, capsys, nothing_heavy,
                                                    launcher_process):
     assert train.main(["--config", write_recipe(tmp_path), "--use_cpu", "true", "--model_name_or_path", model,
                        "--callbacks", "none", "--output_dir", str(tmp_path / "o")]) == 2
     (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert f"model_name_or_path={model!r} cannot be loaded ({reason}" in line and "hub model id" in line
+
+
+def test_a_hub_model_offline_says_how_to_get_it_here(tmp_path, capsys, nothing_heavy, launcher_process):
+    """A hub id that is not in the cache, on a machine with HF_HUB_OFFLINE (the tests' and this launcher's setting):
+    the line names the offline mode and the two ways on, not "name a local model folder or a hub model id"."""
+    model = "Qwen/Qwen2.5-0.5B-Instruct-not-cached"
+    assert train.main(["--config", write_recipe(tmp_path), "--use_cpu", "true", "--model_name_or_path", model,
+                       "--callbacks", "none", "--output_dir", str(tmp_path / "o")]) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert f"model_name_or_path={model!r} cannot be loaded (HF_HUB_OFFLINE is set, and it is not in the local " \
+           f"Hugging Face cache)" in line
+    assert f"`hf download {model} --local-dir DIR`" in line and train.PACKAGED_MODEL in line
+    assert "name a local model folder or a hub model id" not in line
+
+
+def test_a_hub_model_without_network_is_told_apart_from_a_missing_folder(monkeypatch):
+    """Without the offline flag, transformers' "couldn't connect" (no network) gets the same advice; a missing
+    folder and any other failure keep theirs. (The error is transformers' own text for that case.)"""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    no_network = OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find "
+                         "them in the cached files.\nCheck your internet connection")
+    line = train.model_load_error("Qwen/Qwen2.5-0.5B-Instruct", no_network)
+    assert "(the hub cannot be reached from this machine, and it is not in the local Hugging Face cache)" in line
+    assert "smollm2_path()" in line
+    assert "(no such folder)" in train.model_load_error("/no/such/model", no_network)
+    other = train.model_load_error("nobody/x", OSError("nobody/x is not a local folder and is not a valid model"))
+    assert "(nobody/x is not a local folder and is not a valid model): name a local model folder" in other
 
 
 # ---------------------------------------------------------------- the quick trial, TRL's CLI

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from . import recipes
+from . import runlog as keys
 from .batching import Split
 from .splitfile import split_for_run
 
@@ -643,6 +644,40 @@ def build_model(model_args, training_args):
     return model
 
 
+# ---------------------------------------------------------------- the console
+#: the callbacks' keys that the console's log line keeps: throughput, MFU, memory against the budget and the split
+#: in effect (every key still reaches ``log_history``, the reporters and the perf log)
+CONSOLE_KEYS = (keys.PERF_TOKENS_PER_SEC, keys.PERF_MFU, keys.MEM_DEVICE_USED_GB, keys.MEM_LIMIT_GB,
+                keys.TUNER_MICRO_BATCH, keys.TUNER_GRAD_ACCUM)
+
+
+def console_logs(logs: Mapping) -> dict:
+    """A training log as the console shows it: the trainer's own values (what ``trl grpo`` prints) and the callbacks'
+    headline keys (:data:`CONSOLE_KEYS`), not each of their few dozen keys."""
+    return {key: value for key, value in logs.items()
+            if key in CONSOLE_KEYS or not key.startswith(keys.CALLBACK_PREFIXES)}
+
+
+def compact_console(trainer) -> None:
+    """Print the trainer's log lines through :func:`console_logs`: transformers' ``ProgressCallback`` (or
+    ``PrinterCallback`` under ``disable_tqdm``) is replaced by a subclass that prints the compact dict; what the
+    reporters, ``log_history`` and the perf log receive is unchanged."""
+    from transformers import PrinterCallback, ProgressCallback
+
+    class CompactProgressCallback(ProgressCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            return super().on_log(args, state, control, logs=console_logs(logs or {}), **kwargs)
+
+    class CompactPrinterCallback(PrinterCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            return super().on_log(args, state, control, logs=console_logs(logs or {}), **kwargs)
+
+    for plain, compact in ((ProgressCallback, CompactProgressCallback), (PrinterCallback, CompactPrinterCallback)):
+        if any(type(callback) is plain for callback in trainer.callback_handler.callbacks):
+            trainer.remove_callback(plain)
+            trainer.add_callback(compact)
+
+
 def _describe(recipe, args, model_args, callbacks) -> str:
     world, micro, accum = args.world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps
     lora = f", LoRA r={model_args.lora_r}" if model_args.use_peft else ""
@@ -699,6 +734,7 @@ def run(recipe: RecipeArguments, training_args, model_args) -> int:
                               callbacks=callbacks)
     except ValueError as error:                        # TRL's and transformers' checks of the arguments
         raise RecipeError(f"GRPOTrainer refused the recipe: {error}") from None
+    compact_console(trainer)
     if trainer.is_world_process_zero():
         logger.info(_describe(recipe, training_args, model_args, callbacks))
 

@@ -267,8 +267,26 @@ def test_recipe_trains_two_steps_in_process(name, tiny_model, tmp_path, launcher
     out = tmp_path / "out"
     assert train.main(recipe_flags(name, tiny_model, out)) == 0
     check_trained(out, name)
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert "the perf report failed" not in caplog.text + err and "the analysis failed" not in err
+    check_compact_console(captured.out, out)
+
+
+def check_compact_console(out: str, output_dir) -> None:
+    """The console's log lines are TRL's own dict plus the callbacks' headline keys (``train.CONSOLE_KEYS``), while
+    ``log_history`` keeps every key of the callbacks."""
+    import ast
+
+    printed = [ast.literal_eval(line) for line in re.findall(r"\{'loss'.*?\}", out)]
+    history = [h for h in json.load(open(os.path.join(output_dir, "trainer_state.json")))["log_history"]
+               if "loss" in h]
+    assert len(printed) == len(history) == 2
+    for shown, logged in zip(printed, history):
+        callbacks = {k for k in logged if k.startswith(("perf/", "mem/", "tuner/", "cache/"))}
+        assert len(callbacks - set(train.CONSOLE_KEYS)) >= 10                   # the full set reached log_history
+        assert set(shown) == set(logged) - {"step", "total_flos"} - (callbacks - set(train.CONSOLE_KEYS))
+        assert {"reward", "loss", "perf/tokens_per_sec", "tuner/micro_batch"} <= set(shown)
 
 
 @pytest.mark.launch
@@ -835,3 +853,22 @@ def test_a_trl_grpo_yaml_gets_one_line_with_what_runs(tmp_path, capsys, nothing_
     assert "'grpo' is a `trl` command word" in err and "drop the word: hf-perf train --config R.yaml" in err
     assert train.main(["--config", "mac-16gb-qwen1.5b", "--accelerate_config", "multi_gpu"]) == 2
     assert "accelerate launch --config_file C.yaml -m hf_perf_callbacks.train" in capsys.readouterr().err
+
+
+def test_the_compact_console_also_replaces_the_printer_of_disable_tqdm(tmp_path, capsys):
+    """Under ``disable_tqdm`` transformers prints logs with ``PrinterCallback``: the launcher's compact subclass
+    prints the short dict, and the dict the other callbacks get keeps every key."""
+    import torch
+    from transformers import PrinterCallback, ProgressCallback, Trainer, TrainerControl, TrainerState, \
+        TrainingArguments
+
+    args = TrainingArguments(str(tmp_path), disable_tqdm=True, report_to="none", use_cpu=True)
+    trainer = Trainer(torch.nn.Linear(1, 1), args)
+    train.compact_console(trainer)
+    printers = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, (PrinterCallback, ProgressCallback))]
+    assert len(printers) == 1 and type(printers[0]) is not PrinterCallback and isinstance(printers[0], PrinterCallback)
+    logs = {"loss": 0.5, "perf/tokens_per_sec": 900.0, "perf/phase/generation": 0.5, "mem/pressure": 0,
+            "tuner/micro_batch": 2, "cache/clears": 0}
+    printers[0].on_log(args, TrainerState(), TrainerControl(), logs=logs)
+    assert capsys.readouterr().out.strip() == "{'loss': '0.5', 'perf/tokens_per_sec': '900', 'tuner/micro_batch': 2}"
+    assert len(logs) == 6

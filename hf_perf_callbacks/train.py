@@ -161,6 +161,63 @@ def read_recipe(path: str) -> dict:
     return config
 
 
+#: ``trl grpo``'s script keys that the launcher spells differently
+TRL_RENAMED = {"dataset_name": "dataset", "dataset_train_split": "dataset_split"}
+#: ``trl``'s training commands (``trl grpo ...``): the launcher is ``trl grpo`` with the callbacks, without the word
+TRL_COMMANDS = ("grpo", "sft", "dpo", "kto", "rloo", "reward")
+
+
+def trl_script_keys() -> set[str]:
+    """The keys ``trl grpo``'s own script takes besides ``GRPOConfig`` and ``ModelConfig`` (its
+    ``GRPOScriptArguments`` and dataset mixture) that are not recipe keys here: ``dataset_name``,
+    ``reward_model_name_or_path``, ..."""
+    try:
+        from trl.scripts.grpo import GRPOScriptArguments
+        from trl.scripts.utils import DatasetMixtureConfig
+
+        names = {f.name for cls in (GRPOScriptArguments, DatasetMixtureConfig) for f in dataclasses.fields(cls)}
+    except (ImportError, TypeError):                    # a TRL without its scripts: the keys of TRL 1.0-1.16
+        names = {*TRL_RENAMED, "dataset_config", "dataset_test_split", "dataset_streaming", "datasets",
+                 "reward_model_name_or_path", "ignore_bias_buffers"}
+    return names - set(field_names())
+
+
+def check_trl_command(args: list[str]) -> None:
+    """``trl grpo``'s command shape brought to the launcher (its command word, its ``--accelerate_config``): one line
+    with the launcher's form of it."""
+    word = args[0] if args and not args[0].startswith("-") else None
+    if word in TRL_COMMANDS:
+        instead = ("drop the word: hf-perf train --config R.yaml [--key value ...] is `trl grpo --config R.yaml` with "
+                   "the callbacks" if word == "grpo" else
+                   f"hf-perf train trains GRPO only; for `trl {word}` pass callbacks=default_callbacks() to the "
+                   f"trainer in your own script")
+        raise RecipeError(f"{word!r} is a `trl` command word, not a launcher argument: {instead}")
+    if any(a == "--accelerate_config" or a.startswith("--accelerate_config=") for a in args):
+        raise RecipeError("--accelerate_config is `trl`'s launch flag: launch with accelerate itself, accelerate "
+                          "launch --config_file C.yaml -m hf_perf_callbacks.train --config R.yaml (packaged configs: "
+                          "hf-perf recipes path accelerate/NAME)")
+
+
+def check_trl_keys(config: Mapping, args: list[str], path: str | None = None) -> None:
+    """``trl grpo``'s script keys in the recipe or on the command line: one line saying which to rename and which to
+    remove; the rest of a ``trl grpo`` YAML runs as is (TRL's CLI has no way to attach callbacks, so the launcher is
+    the route)."""
+    trl_keys = trl_script_keys()
+    in_config = [k for k in config if k in trl_keys]
+    flags = [a.split("=", 1)[0][2:] for a in args if a.startswith("--") and a.split("=", 1)[0][2:] in trl_keys]
+    if not in_config and not flags:
+        return
+    found = list(dict.fromkeys(in_config + flags))
+    where = " and ".join(filter(None, [f"in {path}" if in_config else "", "on the command line" if flags else ""]))
+    renamed = [f"{k} → {TRL_RENAMED[k]}" for k in found if k in TRL_RENAMED]
+    dropped = [k for k in found if k not in TRL_RENAMED]
+    changes = "; ".join(filter(None, [("rename " + ", ".join(renamed)) if renamed else "",
+                                      (f"remove {', '.join(dropped)} (no counterpart here)") if dropped else ""]))
+    rest = f"the rest of {path} runs as is: hf-perf train --config {path}" if in_config else "the rest runs as is"
+    raise RecipeError(f"`trl grpo` script key{'s' if len(found) > 1 else ''} {', '.join(found)} {where}: {changes}; "
+                      f"{rest} (`trl grpo` itself cannot attach callbacks)")
+
+
 def check_keys(parser, config: Mapping, args: list[str], source: str = "recipe") -> None:
     """Fail on unknown YAML keys and command-line flags, naming each with its closest valid key."""
     names = field_names()
@@ -422,9 +479,11 @@ def parse_recipe(argv: list[str]):
     """Validate and parse ``argv`` into ``(RecipeArguments, GRPOConfig, ModelConfig)``; a :class:`RecipeError`
     comes before anything heavy (distributed init, model, data) happens."""
     config_path, rest = _split_config(argv)
+    check_trl_command(rest)
     config_path = recipes.resolve(config_path) if config_path else None
     config = read_recipe(config_path) if config_path else {}
     parser = make_parser()
+    check_trl_keys(config, rest, config_path)
     check_keys(parser, config, rest, source=config_path or "recipe")
     check_values(config, source=config_path or "recipe")
     values = raw_values(parser, config, rest)

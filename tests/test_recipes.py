@@ -859,8 +859,7 @@ def test_the_compact_console_also_replaces_the_printer_of_disable_tqdm(tmp_path,
     """Under ``disable_tqdm`` transformers prints logs with ``PrinterCallback``: the launcher's compact subclass
     prints the short dict, and the dict the other callbacks get keeps every key."""
     import torch
-    from transformers import PrinterCallback, ProgressCallback, Trainer, TrainerControl, TrainerState, \
-        TrainingArguments
+    from transformers import PrinterCallback, ProgressCallback, Trainer, TrainerControl, TrainerState, TrainingArguments
 
     args = TrainingArguments(str(tmp_path), disable_tqdm=True, report_to="none", use_cpu=True)
     trainer = Trainer(torch.nn.Linear(1, 1), args)

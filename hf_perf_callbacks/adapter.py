@@ -40,7 +40,7 @@ the ``transformers.trainer_utils`` logger         a resume compares the argument
                                                   mismatch; the package's own re-size changes it on purpose
                                                   (and says so in its own line): filtered during those resumes
 warnings during the package's own resumes         TRL's generation context and peft read transformers'
-(:data:`SHOWN_BEFORE_A_RESIZE`)                   deprecated ``is_gradient_checkpointing`` at every generation;
+(:data:`SHOWN_BEFORE_A_RESIZE`)                   deprecated checkpointing methods at every generation;
                                                   Python shows a warning once per code location only until the
                                                   filters change, and transformers changes them at every
                                                   checkpoint save and load (``warnings.catch_warnings`` around
@@ -53,7 +53,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import re
 import signal
 import sys
 import threading
@@ -314,10 +313,11 @@ class _ResizedBatchSize(logging.Filter):
         return True
 
 
-#: (message start, category) of library deprecations that TRL and peft trigger at every generation (TRL's
-#: generation context and peft read transformers' deprecated ``is_gradient_checkpointing``): shown by the run's first
-#: generation, not again after each of the package's re-sizes
-SHOWN_BEFORE_A_RESIZE = (("`is_gradient_checkpointing` is deprecated", FutureWarning),)
+#: (message pattern, category) of library deprecations that TRL and peft trigger at every generation (TRL's
+#: generation context and peft call transformers' deprecated ``is_gradient_checkpointing``,
+#: ``gradient_checkpointing_disable`` and ``gradient_checkpointing_enable``): shown by the run's first generation, not
+#: again after each of the package's re-sizes
+SHOWN_BEFORE_A_RESIZE = ((r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated", FutureWarning),)
 
 
 @contextlib.contextmanager
@@ -332,8 +332,8 @@ def own_resume() -> Iterator[None]:
     target.addFilter(quiet)
     try:
         with warnings.catch_warnings():
-            for start, category in SHOWN_BEFORE_A_RESIZE:
-                warnings.filterwarnings("ignore", message=re.escape(start), category=category, append=True)
+            for pattern, category in SHOWN_BEFORE_A_RESIZE:
+                warnings.filterwarnings("ignore", message=pattern, category=category, append=True)
             yield
     finally:
         target.removeFilter(quiet)

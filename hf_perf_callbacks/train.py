@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from . import recipes
+from . import runlog as keys
 from .batching import Split
 from .splitfile import split_for_run
 
@@ -158,6 +159,63 @@ def read_recipe(path: str) -> dict:
     if not isinstance(config, dict):
         raise RecipeError(f"--config {path!r}: expected a YAML mapping of key: value, got {type(config).__name__}")
     return config
+
+
+#: ``trl grpo``'s script keys that the launcher spells differently
+TRL_RENAMED = {"dataset_name": "dataset", "dataset_train_split": "dataset_split"}
+#: ``trl``'s training commands (``trl grpo ...``): the launcher is ``trl grpo`` with the callbacks, without the word
+TRL_COMMANDS = ("grpo", "sft", "dpo", "kto", "rloo", "reward")
+
+
+def trl_script_keys() -> set[str]:
+    """The keys ``trl grpo``'s own script takes besides ``GRPOConfig`` and ``ModelConfig`` (its
+    ``GRPOScriptArguments`` and dataset mixture) that are not recipe keys here: ``dataset_name``,
+    ``reward_model_name_or_path``, ..."""
+    try:
+        from trl.scripts.grpo import GRPOScriptArguments
+        from trl.scripts.utils import DatasetMixtureConfig
+
+        names = {f.name for cls in (GRPOScriptArguments, DatasetMixtureConfig) for f in dataclasses.fields(cls)}
+    except (ImportError, TypeError):                    # a TRL without its scripts: the keys of TRL 1.0-1.16
+        names = {*TRL_RENAMED, "dataset_config", "dataset_test_split", "dataset_streaming", "datasets",
+                 "reward_model_name_or_path", "ignore_bias_buffers"}
+    return names - set(field_names())
+
+
+def check_trl_command(args: list[str]) -> None:
+    """``trl grpo``'s command shape brought to the launcher (its command word, its ``--accelerate_config``): one line
+    with the launcher's form of it."""
+    word = args[0] if args and not args[0].startswith("-") else None
+    if word in TRL_COMMANDS:
+        instead = ("drop the word: hf-perf train --config R.yaml [--key value ...] is `trl grpo --config R.yaml` with "
+                   "the callbacks" if word == "grpo" else
+                   f"hf-perf train trains GRPO only; for `trl {word}` pass callbacks=default_callbacks() to the "
+                   f"trainer in your own script")
+        raise RecipeError(f"{word!r} is a `trl` command word, not a launcher argument: {instead}")
+    if any(a == "--accelerate_config" or a.startswith("--accelerate_config=") for a in args):
+        raise RecipeError("--accelerate_config is `trl`'s launch flag: launch with accelerate itself, accelerate "
+                          "launch --config_file C.yaml -m hf_perf_callbacks.train --config R.yaml (packaged configs: "
+                          "hf-perf recipes path accelerate/NAME)")
+
+
+def check_trl_keys(config: Mapping, args: list[str], path: str | None = None) -> None:
+    """``trl grpo``'s script keys in the recipe or on the command line: one line saying which to rename and which to
+    remove; the rest of a ``trl grpo`` YAML runs as is (TRL's CLI has no way to attach callbacks, so the launcher is
+    the route)."""
+    trl_keys = trl_script_keys()
+    in_config = [k for k in config if k in trl_keys]
+    flags = [a.split("=", 1)[0][2:] for a in args if a.startswith("--") and a.split("=", 1)[0][2:] in trl_keys]
+    if not in_config and not flags:
+        return
+    found = list(dict.fromkeys(in_config + flags))
+    where = " and ".join(filter(None, [f"in {path}" if in_config else "", "on the command line" if flags else ""]))
+    renamed = [f"{k} → {TRL_RENAMED[k]}" for k in found if k in TRL_RENAMED]
+    dropped = [k for k in found if k not in TRL_RENAMED]
+    changes = "; ".join(filter(None, [("rename " + ", ".join(renamed)) if renamed else "",
+                                      (f"remove {', '.join(dropped)} (no counterpart here)") if dropped else ""]))
+    rest = f"the rest of {path} runs as is: hf-perf train --config {path}" if in_config else "the rest runs as is"
+    raise RecipeError(f"`trl grpo` script key{'s' if len(found) > 1 else ''} {', '.join(found)} {where}: {changes}; "
+                      f"{rest} (`trl grpo` itself cannot attach callbacks)")
 
 
 def check_keys(parser, config: Mapping, args: list[str], source: str = "recipe") -> None:
@@ -421,9 +479,11 @@ def parse_recipe(argv: list[str]):
     """Validate and parse ``argv`` into ``(RecipeArguments, GRPOConfig, ModelConfig)``; a :class:`RecipeError`
     comes before anything heavy (distributed init, model, data) happens."""
     config_path, rest = _split_config(argv)
+    check_trl_command(rest)
     config_path = recipes.resolve(config_path) if config_path else None
     config = read_recipe(config_path) if config_path else {}
     parser = make_parser()
+    check_trl_keys(config, rest, config_path)
     check_keys(parser, config, rest, source=config_path or "recipe")
     check_values(config, source=config_path or "recipe")
     values = raw_values(parser, config, rest)
@@ -575,6 +635,35 @@ def trust_remote_code(model_args, training_args) -> bool:
     return bool(getattr(source, "trust_remote_code", False))
 
 
+#: the packaged model's folder, for a machine that cannot download one
+PACKAGED_MODEL = ('--model_name_or_path "$(python -c \'from hf_perf_callbacks.real_model import smollm2_path; '
+                  'print(smollm2_path())\')"')
+
+
+def _offline() -> bool:
+    """Whether the hub is switched off for this process (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``)."""
+    from huggingface_hub import constants
+
+    flags = (os.environ.get(name, "") for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return bool(constants.HF_HUB_OFFLINE) or any(flag.upper() in ("1", "ON", "YES", "TRUE") for flag in flags)
+
+
+def model_load_error(name: str, error: Exception) -> str:
+    """The one line for a ``model_name_or_path`` that does not load, worded for what was given: a folder that is
+    not there, a hub id on a machine that cannot download it (offline mode, or no network), or another failure."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    looks_like_path = os.path.isabs(name) or name.startswith(("./", "../", "~")) or name.count("/") > 1
+    if not os.path.isdir(name) and looks_like_path:
+        return f"model_name_or_path={name!r} cannot be loaded (no such folder): name a local model folder or a hub " \
+               f"model id"
+    if not os.path.isdir(name) and (_offline() or "couldn't connect" in first.lower()):
+        why = ("HF_HUB_OFFLINE is set" if _offline() else "the hub cannot be reached from this machine")
+        return (f"model_name_or_path={name!r} cannot be loaded ({why}, and it is not in the local Hugging Face "
+                f"cache): on a machine with internet, `hf download {name} --local-dir DIR`, copy DIR here and name "
+                f"it; or train the packaged SmolLM2-135M-Instruct: {PACKAGED_MODEL}")
+    return f"model_name_or_path={name!r} cannot be loaded ({first}): name a local model folder or a hub model id"
+
+
 def build_tokenizer(model_args, training_args):
     """The model's tokenizer: left padding (as TRL loads it), pad token falls back to eos."""
     from transformers import AutoTokenizer
@@ -586,14 +675,7 @@ def build_tokenizer(model_args, training_args):
                                                   trust_remote_code=trust_remote_code(model_args, training_args),
                                                   padding_side="left", truncation_side="left")
     except OSError as error:                           # no such folder, no such hub model, offline without a copy
-        name = model_args.model_name_or_path
-        if not os.path.isdir(name) and (os.path.isabs(name) or name.startswith(("./", "../", "~")) or
-                                        name.count("/") > 1):
-            reason = "no such folder"
-        else:
-            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise RecipeError(f"model_name_or_path={name!r} cannot be loaded ({reason}): name a local model folder or a "
-                          f"hub model id") from None
+        raise RecipeError(model_load_error(model_args.model_name_or_path, error)) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -619,6 +701,40 @@ def build_model(model_args, training_args):
     model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
     training_args.model_init_kwargs = None             # used here; GRPOTrainer would warn about them
     return model
+
+
+# ---------------------------------------------------------------- the console
+#: the callbacks' keys that the console's log line keeps: throughput, MFU, memory against the budget and the split
+#: in effect (every key still reaches ``log_history``, the reporters and the perf log)
+CONSOLE_KEYS = (keys.PERF_TOKENS_PER_SEC, keys.PERF_MFU, keys.MEM_DEVICE_USED_GB, keys.MEM_LIMIT_GB,
+                keys.TUNER_MICRO_BATCH, keys.TUNER_GRAD_ACCUM)
+
+
+def console_logs(logs: Mapping) -> dict:
+    """A training log as the console shows it: the trainer's own values (what ``trl grpo`` prints) and the callbacks'
+    headline keys (:data:`CONSOLE_KEYS`), not each of their few dozen keys."""
+    return {key: value for key, value in logs.items()
+            if key in CONSOLE_KEYS or not key.startswith(keys.CALLBACK_PREFIXES)}
+
+
+def compact_console(trainer) -> None:
+    """Print the trainer's log lines through :func:`console_logs`: transformers' ``ProgressCallback`` (or
+    ``PrinterCallback`` under ``disable_tqdm``) is replaced by a subclass that prints the compact dict; what the
+    reporters, ``log_history`` and the perf log receive is unchanged."""
+    from transformers import PrinterCallback, ProgressCallback
+
+    class CompactProgressCallback(ProgressCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            return super().on_log(args, state, control, logs=console_logs(logs or {}), **kwargs)
+
+    class CompactPrinterCallback(PrinterCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            return super().on_log(args, state, control, logs=console_logs(logs or {}), **kwargs)
+
+    for plain, compact in ((ProgressCallback, CompactProgressCallback), (PrinterCallback, CompactPrinterCallback)):
+        if any(type(callback) is plain for callback in trainer.callback_handler.callbacks):
+            trainer.remove_callback(plain)
+            trainer.add_callback(compact)
 
 
 def _describe(recipe, args, model_args, callbacks) -> str:
@@ -677,6 +793,7 @@ def run(recipe: RecipeArguments, training_args, model_args) -> int:
                               callbacks=callbacks)
     except ValueError as error:                        # TRL's and transformers' checks of the arguments
         raise RecipeError(f"GRPOTrainer refused the recipe: {error}") from None
+    compact_console(trainer)
     if trainer.is_world_process_zero():
         logger.info(_describe(recipe, training_args, model_args, callbacks))
 

@@ -2,6 +2,7 @@
 version that renames one fails here with a message saying which, instead of somewhere deep in a run."""
 import inspect
 import json
+import logging
 import os
 
 import pytest
@@ -235,3 +236,80 @@ def test_fsdp2_internals_the_in_process_resume_relies_on_are_there():
     state_source = inspect.getsource(_fsdp_state)
     assert "self._state_ctx" in state_source and "all_states" in state_source
     assert "_fsdp_param_groups" in state_source or "_fsdp_param_group" in state_source
+
+class LogRecords(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_own_resume_leaves_the_batch_size_out_of_transformers_resume_check(tmp_path):
+    """transformers' ``compare_trainer_and_checkpoint_args`` logs a changed batch size on the logger
+    ``adapter.RESUME_CHECK_LOGGER``, a line starting with ``adapter.BATCH_SIZE_LINE``: a user's resume shows it; the
+    package's own resume (``adapter.own_resume``) leaves that line out and keeps any other mismatch. (Each call
+    differs in its values: transformers logs each message once per process.)"""
+    from transformers import TrainerState
+    from transformers.trainer_utils import compare_trainer_and_checkpoint_args
+
+    def check(micro: int, saved: int, logging_steps: float = 500) -> None:
+        args = TrainingArguments(str(tmp_path), per_device_train_batch_size=micro, logging_steps=logging_steps,
+                                 use_cpu=True, report_to=[])
+        compare_trainer_and_checkpoint_args(args, TrainerState(train_batch_size=saved, logging_steps=500))
+
+    seen = LogRecords()
+    target = logging.getLogger(adapter.RESUME_CHECK_LOGGER)
+    target.addHandler(seen)
+    try:
+        check(13, 7)                                          # a user's own resume
+        assert_present(len(seen.messages) == 1 and f"\n\t{adapter.BATCH_SIZE_LINE}13 (from args) != 7 (from "
+                       f"trainer_state.json)" in seen.messages[0],
+                       f"the batch-size line of {adapter.RESUME_CHECK_LOGGER}.compare_trainer_and_checkpoint_args")
+        with adapter.own_resume():
+            check(17, 9)                                      # the package's re-size: nothing else differs
+            check(19, 9, logging_steps=3)                     # another mismatch stays, without the batch size
+        assert len(seen.messages) == 2 and "logging_steps: 3 (from args) != 500" in seen.messages[1]
+        assert adapter.BATCH_SIZE_LINE not in seen.messages[1]
+        check(23, 11)                                         # the filter is gone with the context
+        assert len(seen.messages) == 3 and "23 (from args) != 11" in seen.messages[2]
+    finally:
+        target.removeHandler(seen)
+
+
+def test_re_sizes_say_one_line_each_and_repeat_no_warning(tokenizer, tmp_path, caplog, one_thread):
+    """Two watchdog re-sizes of a GRPO run under ``train_with_tuning`` (a fake MPS reading whose memory grows with
+    the micro-batch): each says in one ``[tuner]`` line what changed and why; transformers' batch-size mismatch does
+    not appear at their resumes; the FutureWarnings of the deprecated checkpointing methods that TRL calls around
+    every generation show once each, not again after each re-size's checkpoint save and load (which reset Python's
+    once-per-location memory)."""
+    import warnings
+
+    from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog
+    from tests.conftest import make_grpo
+    from tests.test_tuner import MemoryByBatch
+
+    watchdog, tuner = MemoryWatchdog(limit_gb=3.0, grace_steps=1), AdaptiveBatchTuner(tune=False)
+    trainer = make_grpo(tokenizer, tmp_path, [watchdog, tuner], max_steps=5, bs=4, ga=2, completion=4,
+                        extra={"activation_checkpointing": True})     # TRL turns it off and on around generation
+    watchdog.device = MemoryByBatch(trainer.args)
+    mismatch = LogRecords()
+    logging.getLogger(adapter.RESUME_CHECK_LOGGER).addHandler(mismatch)
+    try:
+        with warnings.catch_warnings(record=True) as shown, caplog.at_level(logging.WARNING, "hf_perf_callbacks"):
+            warnings.resetwarnings()                          # Python's defaults, not the suite's ignore filters
+            train_with_tuning(trainer)
+    finally:
+        logging.getLogger(adapter.RESUME_CHECK_LOGGER).removeHandler(mismatch)
+    assert trainer.state.global_step == 5 and trainer.args.per_device_train_batch_size == 1
+    assert [(d.old.micro_batch, d.new.micro_batch) for d in tuner.session.decisions] == [(4, 2), (2, 1)]
+    switches = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[tuner] step ")]
+    assert len(switches) == 2 and "step 2: 4×2, steps_per_generation=2 → 2×4, steps_per_generation=4" in switches[0]
+    assert "step 4: 2×4, steps_per_generation=4 → 1×8, steps_per_generation=8" in switches[1]
+    assert all("the watchdog asked for a smaller micro-batch" in line and "resuming from checkpoint-" in line
+               for line in switches)
+    assert not [m for m in mismatch.messages if adapter.BATCH_SIZE_LINE in m]
+    deprecations = [str(w.message).split()[0] for w in shown if "gradient_checkpointing" in str(w.message)]
+    assert sorted(deprecations) == ["`gradient_checkpointing_disable`", "`gradient_checkpointing_enable`",
+                                    "`is_gradient_checkpointing`"]

@@ -54,3 +54,72 @@ def test_tiny_demo_trainer_uses_the_wordle_rewards(tmp_path):
     trainer = demo.build_demo_trainer(str(tmp_path), model="tiny", callbacks=[])
     assert [f.__name__ for f in trainer.reward_funcs] == [f.__name__ for f in REWARD_FUNCS]
     assert trainer.args.max_steps == demo.DEFAULT_STEPS["tiny"] and trainer.args.num_generations == 4
+
+
+@pytest.mark.parametrize(("threads", "other", "cores", "expected"), [
+    (2, 0.0, 2, 2),        # an idle 2-core machine: torch's default stays
+    (2, 0.4, 2, 2),        # 2.4 asked of 2 cores: within the rule's margin (OVERSUBSCRIBED)
+    (2, 1.3, 2, 1),        # 3.3 asked of 2 cores: the one core the others leave free
+    (2, 3.5, 2, 1),        # a saturated machine: at least one thread
+    (8, 3.0, 8, 5),        # 11 of 8: the five free cores
+    (1, 1.5, 2, 1),        # already at one thread
+])
+def test_the_demo_chooses_its_threads_by_the_analysis_rule(threads, other, cores, expected):
+    from hf_perf_callbacks.analysis import OVERSUBSCRIBED, free_cores, oversubscribed
+
+    assert demo.choose_threads(threads, other, cores) == expected
+    assert (expected < threads) == (oversubscribed(threads, other, cores) and free_cores(cores, other) < threads)
+    assert oversubscribed(2, 1.3, 2) and not oversubscribed(2, OVERSUBSCRIBED - 0.01, 2)
+
+
+def test_the_demo_sets_its_threads_and_says_so_in_one_line(monkeypatch, tmp_path, capsys):
+    """A planted reading of other processes' load (never this machine's): the demo's first line says the thread
+    count it took and why, before the trainer is built; OMP_NUM_THREADS set by the user is kept."""
+    import torch
+
+    class Built(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Built
+
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(demo, "other_busy_cores", lambda: 1.3)
+    monkeypatch.setattr(demo.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(demo, "build_demo_trainer", stop)
+    try:
+        torch.set_num_threads(2)
+        with pytest.raises(Built):
+            demo.run_demo(str(tmp_path), model="tiny")
+        assert capsys.readouterr().out.splitlines() == ["torch on 1 thread: 2 cores, 1.3 busy with other work"]
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        assert demo.set_threads(lambda: 0.2, cores=2) == "torch on 2 threads: 2 cores, 0.2 busy with other work"
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert demo.set_threads(lambda: 1.9, cores=2) == "torch on 2 threads: OMP_NUM_THREADS=2"
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_other_busy_cores_reads_the_machine_less_this_process(monkeypatch):
+    """The reading itself, on planted psutil counters: 3 busy CPU seconds of the machine over a 2-second window, of
+    which 0.5 are this process's own, are 1.25 cores of other work."""
+    import psutil
+
+    class Times:
+        def __init__(self, busy):
+            self.user, self.system, self.idle = busy, 0.0, 100.0
+
+        def __iter__(self):
+            return iter((self.user, self.system, self.idle))
+
+    readings = iter([Times(10.0), Times(13.0)])
+    clock, own = iter([0.0, 2.0]), iter([1.0, 1.5])
+    monkeypatch.setattr(psutil, "cpu_times", lambda: next(readings))
+    monkeypatch.setattr(demo.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(demo.time, "process_time", lambda: next(own))
+    monkeypatch.setattr(demo.time, "sleep", lambda seconds: None)
+    assert demo.other_busy_cores(2.0) == pytest.approx(1.25)

@@ -67,6 +67,16 @@ def test_recipes_lists_each_recipe_with_its_machine_and_model(capsys):
         assert any(line.split()[:1] == [name] for line in out.splitlines())
 
 
+def test_recipes_list_is_the_bare_command(capsys):
+    assert cli.main(["recipes"]) == 0
+    bare = capsys.readouterr().out
+    assert cli.main(["recipes", "list"]) == 0
+    assert capsys.readouterr().out == bare and "mac-16gb-qwen1.5b" in bare
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["recipes", "--help"])
+    assert exit_.value.code == 0 and "list" in capsys.readouterr().out
+
+
 def test_recipes_copy_writes_the_packaged_file_and_keeps_an_existing_one(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["recipes", "copy", "mac-32gb-qwen3b"]) == 0

@@ -114,3 +114,58 @@ def test_real_demo_step_gives_grpo_a_gradient(tmp_path):
     assert len(logs) == 2
     assert any(x["completions/clipped_ratio"] < 1.0 for x in logs)               # some end at EOS
     assert any(x["frac_reward_zero_std"] < 1.0 for x in logs), logs            # a group with reward variance
+
+
+# ---------------------------------------------------------------- the README's Usage block, run from README.md itself
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+#: the knobs the tests turn (README, "Usage"): the step count, and the model line for the fast suite's tiny model
+USAGE_STEPS = "max_steps=5"
+USAGE_MODEL = "model = smollm2_path()"
+
+
+def usage_block(steps: int, model: str | None = None) -> str:
+    """The first ``python`` block of README.md's "## Usage" section, with ``max_steps`` set to ``steps`` and, when
+    ``model`` is given, that model path in place of ``smollm2_path()``; each knob must appear exactly once."""
+    import re
+
+    text = open(README, encoding="utf-8").read()
+    block = re.search(r"```python\n(.*?)```", text[text.index("\n## Usage\n"):], re.S).group(1)
+    assert block.count(USAGE_STEPS) == 1 and block.count(USAGE_MODEL) == 1, \
+        f"README's Usage block no longer has the knobs the tests turn ({USAGE_STEPS!r}, {USAGE_MODEL!r})"
+    block = block.replace(USAGE_STEPS, f"max_steps={steps}")
+    return block.replace(USAGE_MODEL, f"model = {model!r}") if model else block
+
+
+def check_usage_run(out_dir, steps: int) -> None:
+    from hf_perf_callbacks.runlog import read_run
+
+    run = read_run(str(out_dir))
+    assert [s.step for s in run.unique_steps()] == list(range(1, steps + 1))
+    assert run.header().grpo and run.header().num_generations == 4 and run.header().model
+
+
+def test_the_readme_usage_block_runs_with_the_tiny_model(tmp_path, monkeypatch, one_thread):
+    """The Usage block as README.md has it, one step, with the tests' tiny model (saved with the chat template the
+    block's conversational prompts need) in place of the packaged SmolLM2: nothing in it may need the hub."""
+    from hf_perf_callbacks.tasks import wordle
+    from hf_perf_callbacks.tiny import save_tiny_model
+
+    corpus = list(wordle.make_dataset(64, seed=0)["prompt"]) + [f"<guess>{w}</guess>" for w in wordle.load_words()]
+    tiny = save_tiny_model(str(tmp_path / "tiny"), corpus)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(usage_block(1, tiny), "README.md (Usage)", "exec"), {"__name__": "__usage__"})
+    check_usage_run(tmp_path / "out", 1)
+
+
+@pytest.mark.real_model
+def test_the_readme_usage_block_runs_offline_as_written(tmp_path):
+    """The Usage block as pasted (the packaged SmolLM2), in a new Python process with the hub switched off, one
+    step (on one torch thread, as README advises on a shared CPU)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", usage_block(1)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_usage_run(tmp_path / "out", 1)

@@ -166,7 +166,7 @@ def test_each_mac_tier_runs_the_largest_model_that_fits(name):
 
 def test_readme_tier_table_matches_the_recipes():
     text = open(os.path.join(recipes.DIR, "README.md"), encoding="utf-8").read()
-    rows = re.findall(r"^\| (\d+) GB \| (Qwen2\.5-[\w.-]+) \| (\d+) × (\d+) \| ([\d.]+) \| ([^|]+) \| ([\d.]+) \| "
+    rows = re.findall(r"^\| (\d+) GiB \| (Qwen2\.5-[\w.-]+) \| (\d+) × (\d+) \| ([\d.]+) \| ([^|]+) \| ([\d.]+) \| "
                       r"(\d+) \| (\d+) % \|", text, flags=re.M)
     assert len(rows) == len(MAC_TIERS)
     for name, (ram, model, micro, accum, est, measured, doubled, budget, margin) in zip(MAC_TIERS, rows):
@@ -267,8 +267,26 @@ def test_recipe_trains_two_steps_in_process(name, tiny_model, tmp_path, launcher
     out = tmp_path / "out"
     assert train.main(recipe_flags(name, tiny_model, out)) == 0
     check_trained(out, name)
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert "the perf report failed" not in caplog.text + err and "the analysis failed" not in err
+    check_compact_console(captured.out, out)
+
+
+def check_compact_console(out: str, output_dir) -> None:
+    """The console's log lines are TRL's own dict plus the callbacks' headline keys (``train.CONSOLE_KEYS``), while
+    ``log_history`` keeps every key of the callbacks."""
+    import ast
+
+    printed = [ast.literal_eval(line) for line in re.findall(r"\{'loss'.*?\}", out)]
+    history = [h for h in json.load(open(os.path.join(output_dir, "trainer_state.json")))["log_history"]
+               if "loss" in h]
+    assert len(printed) == len(history) == 2
+    for shown, logged in zip(printed, history):
+        callbacks = {k for k in logged if k.startswith(("perf/", "mem/", "tuner/", "cache/"))}
+        assert len(callbacks - set(train.CONSOLE_KEYS)) >= 10                   # the full set reached log_history
+        assert set(shown) == set(logged) - {"step", "total_flos"} - (callbacks - set(train.CONSOLE_KEYS))
+        assert {"reward", "loss", "perf/tokens_per_sec", "tuner/micro_batch"} <= set(shown)
 
 
 @pytest.mark.launch
@@ -300,8 +318,9 @@ def test_fsdp_accelerate_config():
 
 
 def test_the_fsdp_recipe_needs_sharding_and_fits_when_sharded():
-    """Its full fine-tune does not fit one 80 GB GPU (DDP's full copy) but does, sharded over its GPUs, under the
-    watchdog's default budget (0.85 × 80 GB), by the package's memory model."""
+    """Its full fine-tune does not fit one 80 GiB GPU (DDP's full copy) but does, sharded over its GPUs, under the
+    watchdog's default budget (0.85 × 80e9 bytes here, below the 67.3 GiB an H100 gives), by the package's memory
+    model."""
     from hf_perf_callbacks.estimate import QWEN25, estimate_grpo_memory
 
     values = values_of(train.read_recipe(recipe_path("cuda-fsdp-qwen7b")))
@@ -740,14 +759,44 @@ def test_a_malformed_flag_is_one_line(tmp_path, capsys, nothing_heavy):
     assert err.count("\n") == 1 and "--num_generations" in err and "usage" not in err
 
 
-@pytest.mark.parametrize("model, reason", [("/no/such/model", "no such folder"), ("./missing", "no such folder"),
-                                           ("nobody/no-such-model", "")])
+@pytest.mark.parametrize("model, reason", [("/no/such/model", "no such folder"), ("./missing", "no such folder")])
 def test_a_model_that_cannot_be_loaded_is_one_line(model, reason, tmp_path, capsys, nothing_heavy,
                                                    launcher_process):
     assert train.main(["--config", write_recipe(tmp_path), "--use_cpu", "true", "--model_name_or_path", model,
                        "--callbacks", "none", "--output_dir", str(tmp_path / "o")]) == 2
     (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert f"model_name_or_path={model!r} cannot be loaded ({reason}" in line and "hub model id" in line
+
+
+def test_a_hub_model_offline_says_how_to_get_it_here(tmp_path, capsys, nothing_heavy, launcher_process):
+    """A hub id that is not in the cache, on a machine with HF_HUB_OFFLINE (the tests' and this launcher's setting):
+    the line names the offline mode and the two ways on, not "name a local model folder or a hub model id"."""
+    model = "Qwen/Qwen2.5-0.5B-Instruct-not-cached"
+    assert train.main(["--config", write_recipe(tmp_path), "--use_cpu", "true", "--model_name_or_path", model,
+                       "--callbacks", "none", "--output_dir", str(tmp_path / "o")]) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert f"model_name_or_path={model!r} cannot be loaded (HF_HUB_OFFLINE is set, and it is not in the local " \
+           f"Hugging Face cache)" in line
+    assert f"`hf download {model} --local-dir DIR`" in line and train.PACKAGED_MODEL in line
+    assert "name a local model folder or a hub model id" not in line
+
+
+def test_a_hub_model_without_network_is_told_apart_from_a_missing_folder(monkeypatch):
+    """Without the offline flag, transformers' "couldn't connect" (no network) gets the same advice; a missing
+    folder and any other failure keep theirs. (The error is transformers' own text for that case.)"""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    no_network = OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find "
+                         "them in the cached files.\nCheck your internet connection")
+    line = train.model_load_error("Qwen/Qwen2.5-0.5B-Instruct", no_network)
+    assert "(the hub cannot be reached from this machine, and it is not in the local Hugging Face cache)" in line
+    assert "smollm2_path()" in line
+    assert "(no such folder)" in train.model_load_error("/no/such/model", no_network)
+    other = train.model_load_error("nobody/x", OSError("nobody/x is not a local folder and is not a valid model"))
+    assert "(nobody/x is not a local folder and is not a valid model): name a local model folder" in other
 
 
 # ---------------------------------------------------------------- the quick trial, TRL's CLI
@@ -781,3 +830,45 @@ def test_trl_grpo_cli_cannot_take_a_recipe():
     flags = {arg for arg in config_rest if arg.startswith("--")}
     assert flags == {"--dataset", "--dataset_size", "--callbacks", "--callback_kwargs"} and not cli_rest
     assert not any("callback" in f.name for f in dataclasses.fields(grpo.GRPOScriptArguments))
+
+
+def test_a_trl_grpo_yaml_gets_one_line_with_what_runs(tmp_path, capsys, nothing_heavy):
+    """A ``trl grpo`` YAML (its script keys) or command shape brought to the launcher: one line saying what to rename
+    or remove, and that the rest of the same YAML runs with ``hf-perf train --config``; nothing loads."""
+    assert {"dataset_name", "dataset_train_split", "reward_model_name_or_path"} <= train.trl_script_keys()
+    assert not train.trl_script_keys() & set(train.field_names())          # reward_funcs, model keys: the same here
+    path = write_recipe(tmp_path, dataset_name="trl-lib/DeepMath-103K", dataset_train_split="train",
+                        reward_model_name_or_path=None, use_cpu=True)
+    assert train.main(["--config", path]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "usage" not in err
+    assert (f"`trl grpo` script keys dataset_name, dataset_train_split, reward_model_name_or_path in {path}: rename "
+            f"dataset_name → dataset, dataset_train_split → dataset_split; remove reward_model_name_or_path") in err
+    assert f"runs as is: hf-perf train --config {path}" in err and "cannot attach callbacks" in err
+
+    assert train.main(["--config", "mac-16gb-qwen1.5b", "--dataset_name=x"]) == 2
+    assert "`trl grpo` script key dataset_name on the command line: rename dataset_name → dataset" in \
+        capsys.readouterr().err
+    assert train.main(["grpo", "--config", "mac-16gb-qwen1.5b"]) == 2
+    err = capsys.readouterr().err
+    assert "'grpo' is a `trl` command word" in err and "drop the word: hf-perf train --config R.yaml" in err
+    assert train.main(["--config", "mac-16gb-qwen1.5b", "--accelerate_config", "multi_gpu"]) == 2
+    assert "accelerate launch --config_file C.yaml -m hf_perf_callbacks.train" in capsys.readouterr().err
+
+
+def test_the_compact_console_also_replaces_the_printer_of_disable_tqdm(tmp_path, capsys):
+    """Under ``disable_tqdm`` transformers prints logs with ``PrinterCallback``: the launcher's compact subclass
+    prints the short dict, and the dict the other callbacks get keeps every key."""
+    import torch
+    from transformers import PrinterCallback, ProgressCallback, Trainer, TrainerControl, TrainerState, TrainingArguments
+
+    args = TrainingArguments(str(tmp_path), disable_tqdm=True, report_to="none", use_cpu=True)
+    trainer = Trainer(torch.nn.Linear(1, 1), args)
+    train.compact_console(trainer)
+    printers = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, (PrinterCallback, ProgressCallback))]
+    assert len(printers) == 1 and type(printers[0]) is not PrinterCallback and isinstance(printers[0], PrinterCallback)
+    logs = {"loss": 0.5, "perf/tokens_per_sec": 900.0, "perf/phase/generation": 0.5, "mem/pressure": 0,
+            "tuner/micro_batch": 2, "cache/clears": 0}
+    printers[0].on_log(args, TrainerState(), TrainerControl(), logs=logs)
+    assert capsys.readouterr().out.strip() == "{'loss': '0.5', 'perf/tokens_per_sec': '900', 'tuner/micro_batch': 2}"
+    assert len(logs) == 6

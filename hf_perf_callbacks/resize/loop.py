@@ -27,6 +27,7 @@ Guarantees (each has a fault-injection test in ``tests/test_faults.py``):
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -118,12 +119,14 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
         if wants_tuning and not sharded and not any(d.kind == "tune" for d in session.decisions):
             session.tuning = _tuning(trainer, session, tuner)
         start_rng = rng_state()              # every in-process resume starts from it, as a new process would
+        resized = False                      # from the first re-size on, the resumes are the package's own
         while True:
             adapter.rearm_jit_checkpoint(trainer)
             if guard is not None:
                 guard.arm()                          # after a start and every change (FSDP: off once stable)
             try:
-                with adapter.fsdp2_prepared_again(trainer):     # a resume in this process: FSDP2 wrapped it already
+                with adapter.fsdp2_prepared_again(trainer), (adapter.own_resume() if resized
+                                                             else contextlib.nullcontext()):
                     output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
             except (Exception, KeyboardInterrupt) as error:          # OOMs re-size, the rest is re-raised
                 if max_resizes > 0 and sharding.unagreed_oom(sharded, error):    # the others wait in a collective
@@ -153,6 +156,7 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
                     _save_before_raising(trainer, session, tuner, error)
                     raise ValueError(f"{none_left}{_memory_causes(session)}") from error
                 resizes += 1
+                resized = True
                 set_rng_state(start_rng)
                 continue
             if session.switch is None:
@@ -168,8 +172,13 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
             resume_from_checkpoint = _save_verified(trainer, session, tuner, step)
             if not memory:
                 session.switched_at(step, wrote)
+            if is_main_process():
+                why = session.switch_reason.removeprefix(f"back to {session.switch}: ")
+                logger.warning("[tuner] step %d: %s → %s (%s): resuming from %s in this process", step,
+                               session.split, session.switch, why, os.path.basename(resume_from_checkpoint))
             _prepare_resume(trainer, session, tuner)
             resizes += memory
+            resized = True
             set_rng_state(start_rng)
     finally:
         undo_evaluate()

@@ -68,6 +68,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
 
 import torch
 from transformers.trainer_callback import CallbackHandler, ExportableState, ProgressCallback
@@ -302,7 +303,7 @@ def intercept_collectives(before: Callable[[], None], failed: Callable[[], None]
 
 
 # ---------------------------------------------------------------- FSDP2
-def fsdp2_root(model) -> torch.nn.Module | None:
+def fsdp2_root(model) -> Any:
     """The outermost module FSDP2's ``fully_shard`` wrapped in ``model`` (the root FSDP module), or None."""
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -319,7 +320,7 @@ def reset_fsdp_iteration(model) -> bool:
     root = fsdp2_root(model)
     if root is None:
         return False
-    state = root._get_fsdp_state()
+    state = root._get_fsdp_state()                   # typed Any: FSDP2's state is not a public type
     reset = getattr(root, "reset_iter_state", None)
     if reset is not None:
         reset()
@@ -337,7 +338,7 @@ def reset_fsdp_iteration(model) -> bool:
 def _fsdp_param_groups(root_state) -> list:
     """Every FSDP2 parameter group under a root state (torch 2.13: ``_fsdp_param_groups`` per state; earlier one
     ``_fsdp_param_group``)."""
-    groups = []
+    groups: list[Any] = []
     for each in root_state._state_ctx.all_states:
         found = getattr(each, "_fsdp_param_groups", None)
         if found is None:

@@ -129,6 +129,8 @@ class DeviceLayer:
 
     def __init__(self, device: torch.device | str | None = None):
         self.device = torch.device(device) if device is not None else training_device()
+        if self.device.type in ("cuda", "xpu") and self.device.index is None:   # "cuda": the current one, by index
+            self.device = torch.device(self.device.type, getattr(torch, self.device.type).current_device())
         self.type = self.device.type
         self._name: str | None = None
         self._mac: MacMemoryReader | None = None

@@ -139,3 +139,13 @@ def test_gather_floats_on_one_process_is_identity():
     assert dev.world_size() == 1
     assert gather_floats([1.0, 2.5]) == [[1.0, 2.5]]
 
+
+
+def test_a_device_named_without_an_index_is_the_current_one_by_index(monkeypatch):
+    """``DeviceLayer("cuda")`` (as a user or a benchmark names it) reads the current device: torch's per-device
+    queries such as ``get_per_process_memory_fraction`` refuse a device without an index ("Expected a torch.device
+    with a specified index", seen on an H100 with torch 2.11). CUDA is faked: this machine has none."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert DeviceLayer("cuda").device == torch.device("cuda", 3)
+    assert DeviceLayer("cuda:1").device == torch.device("cuda", 1)
+    assert DeviceLayer("cpu").device == torch.device("cpu")

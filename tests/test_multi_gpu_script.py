@@ -36,7 +36,7 @@ def test_one_host_fsdp2_figures_resizes_recoveries_and_stop(results):
                   "stop_resumed"):
         assert run[check] is True, check
     guard = run["ranks"]["guard"][0]                      # measured, not judged: a loaded CPU says nothing of 1%
-    assert all(guard[arm]["steps"] == 20 for arm in ("plain", "always_on", "default", "plain_again"))
+    assert all(guard[arm]["steps"] == 20 for arm in ("plain", "never_armed", "default", "always_on"))
 
 
 def test_an_oom_after_the_guard_came_off_is_resumed_by_the_launchers_restart(results):

@@ -5,6 +5,7 @@ scaled gradient shows in the weights).
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -147,9 +148,23 @@ def test_a_callback_raising_at_a_step_leaves_every_step_of_the_checkpoint_in_the
     line = step_lines(tmp_path)[-1]
     assert line["step"] == 3 and "perf/step_wall_sec" in line and "mem/device_used_gb" in line
     assert line["tuner/micro_batch"] == 4
+    # step 3's training log, as the loop would have written it: in log_history, the checkpoint and the perf line
+    logged = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    assert sorted(logged) == [1, 2, 3] and {"grad_norm", "learning_rate"} <= set(logged[3])
+    assert line["log/loss"] == logged[3]["loss"] and line["log/learning_rate"] == logged[3]["learning_rate"]
+    with open(tmp_path / "checkpoint-3" / "trainer_state.json") as f:
+        saved = [h["step"] for h in json.load(f)["log_history"] if "loss" in h]
+    assert saved == [1, 2, 3]
     resumed = make_trainer(tokenizer, tmp_path, [ThroughputMeter(), AdaptiveBatchTuner(tune=False)], max_steps=5)
     train_with_tuning(resumed, resume_from_checkpoint="last")
     assert [s["step"] for s in step_lines(tmp_path)] == [1, 2, 3, 4, 5]
+    assert [h["step"] for h in resumed.state.log_history if "loss" in h] == [1, 2, 3, 4, 5]
+    plain = make_trainer(tokenizer, tmp_path / "plain", [], max_steps=5)
+    plain.train()                                       # the same losses and learning rates as an unfaulted run
+    for key in ("loss", "learning_rate"):
+        expected = {h["step"]: h[key] for h in plain.state.log_history if "loss" in h}
+        assert {h["step"]: h[key] for h in resumed.state.log_history if "loss" in h} == pytest.approx(expected,
+                                                                                                      rel=1e-5)
 
 
 def recorder(seen):

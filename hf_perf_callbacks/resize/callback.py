@@ -14,25 +14,19 @@ from collections.abc import Callable
 from .. import adapter
 from .. import runlog as keys
 from ..base import Clock, PerfCallback
-from ..batching import Split, exact_splits, next_smaller
+from ..batching import next_smaller
 from ..bus import SIGNAL_SMALLER_BATCH
 from ..device import GB, DeviceLayer, gather_floats, world_size
 from ..memory import budget_bytes
 from ..runlog import SPLIT_FILE
 from ..splitfile import read_split_file
 from ..validation import check_flag, check_number
-from .session import TuningSession, current_split
+from .session import SwitchSplit, TuningSession, candidates, current_split
 from .tuning import MIN_SAMPLES, SAMPLES, Switch
 
 logger = logging.getLogger("hf_perf_callbacks")
 
-
-def candidates(args, world: int) -> list[Split]:
-    """Every exact split of the run's effective batch (GRPO: and generation batch), largest micro-batch first."""
-    split = current_split(args)
-    if hasattr(args, "num_generations"):
-        return exact_splits(split.effective_batch(world), world, split.generation_batch(world), args.num_generations)
-    return exact_splits(split.effective_batch(world), world)
+__all__ = ["AdaptiveBatchTuner", "candidates", "find_callback", "format_summary", "format_tuning"]
 
 
 class AdaptiveBatchTuner(PerfCallback):
@@ -140,6 +134,9 @@ class AdaptiveBatchTuner(PerfCallback):
             record = read_split_file(args.output_dir, warn=False)
             if record is not None and record.checkpoint(state.global_step) is not None:
                 session.adopt(record)
+        trainer = adapter.calling_trainer()              # the splits a re-size asked for by the watchdog may use
+        if trainer is not None:
+            session.judge_grouping(trainer, state.max_steps if state.max_steps > 0 else None)
         return session
 
     def on_epoch_begin(self, args, state, control, **kwargs):
@@ -147,8 +144,11 @@ class AdaptiveBatchTuner(PerfCallback):
             self._session.note_rng(state.global_step, epoch_start=True)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if self._session.managed:                        # the RNG a checkpoint of the last step must hold
-            self._session.note_rng(state.global_step)
+        session = self._session
+        if session.managed:                              # the RNG a checkpoint of the last step must hold
+            session.note_rng(state.global_step)
+        if session.switch is not None and session.in_process:
+            raise SwitchSplit(f"switch to {session.switch} before step {state.global_step + 1}")
         if self.measuring:
             self.device.synchronize()
             self._started = self.clock.wall()
@@ -192,8 +192,9 @@ class AdaptiveBatchTuner(PerfCallback):
         action = tuning.observe(step, ranked, whole, peak_gb=max(r[2] for r in rows) / GB, fits=fits)
         if isinstance(action, Switch):
             self._session.request_switch(action.split, action.why)
-            self._bus.continuing = True
-            control.should_training_stop = True
+            if not self._session.in_process:                # takes effect at the next step's begin otherwise
+                self._bus.continuing = True
+                control.should_training_stop = True
         self._tuning_done(step)
 
     def _memory(self) -> tuple[float, float]:
@@ -208,20 +209,31 @@ class AdaptiveBatchTuner(PerfCallback):
                                                 sample.system_total)
 
     def _on_smaller_batch(self, reason: str, step: int, control=None, **_) -> bool:
-        """The watchdog asks for a smaller micro-batch: plan it, checkpoint now and stop this train() call."""
+        """The watchdog asks for a smaller micro-batch: plan it. In train_with_tuning (one process per model) the
+        re-size takes effect at the next step's begin, unless something stops the run at this step first; otherwise
+        checkpoint now and stop this train() call."""
         session = self._session
         if session.switch is not None or control is None:
             return session.switch is not None
+        if session.resizes_left is not None and session.resizes_left <= 0:
+            session.warn_once("max-resizes", "the watchdog asked for a smaller micro-batch, but the run's "
+                                             "max_resizes re-sizes are done", step=step)
+            return False                                 # the watchdog stops instead
         try:
-            new = next_smaller(session.split, candidates(session.args, self.world))
+            new = next_smaller(session.split, session.candidates(session.args))
         except ValueError:
+            if session.exactness is not None and session.exactness.reason is not None:
+                session.warn_once("watchdog-inexact", f"the watchdog asked for a smaller micro-batch, but no smaller "
+                                                      f"split keeps this run exact ({session.exactness.reason})",
+                                  step=step)
             return False                                 # nothing smaller: the watchdog stops instead
         session.end_tuning(step, "memory pressure ended the tuning")
-        session.decide("watchdog", reason, new, step)
-        session.request_switch(new, "the watchdog asked for a smaller micro-batch")
-        self._bus.continuing = session.managed
-        control.should_save = True
-        control.should_training_stop = True
+        decision = session.decide("watchdog", reason, new, step)
+        session.request_switch(new, "the watchdog asked for a smaller micro-batch", decision)
+        if not session.in_process:
+            self._bus.continuing = session.managed
+            control.should_save = True
+            control.should_training_stop = True
         return True
 
     def on_train_end(self, args, state, control, **kwargs):

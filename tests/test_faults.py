@@ -162,7 +162,6 @@ def test_an_oom_in_evaluation_never_changes_the_training_split(tokenizer, tmp_pa
     assert trainer.state.global_step == 4 and tuner.session.decisions == []
     assert {s["tuner/micro_batch"] for s in step_lines(tmp_path)} == {4}
     evals = [h["step"] for h in trainer.state.log_history if "eval_loss" in h]
-    assert trainer.args.per_device_eval_batch_size == 8
     if limit:
         assert evals == [2, 4]
         expected = Trajectory()
@@ -170,6 +169,7 @@ def test_an_oom_in_evaluation_never_changes_the_training_split(tokenizer, tmp_pa
         assert differences(expected, got) == []
     else:
         assert evals == [] and caplog.text.count("evaluations are skipped") == 1      # said once, not per eval
+    assert trainer.args.per_device_eval_batch_size == 8
 
 
 def test_faults_inside_the_package_never_end_training(tokenizer, tmp_path, monkeypatch, caplog):

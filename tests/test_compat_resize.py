@@ -122,8 +122,7 @@ def test_a_resize_and_a_resume_train_exactly_what_an_unfaulted_run_trains(cell, 
             off.setattr(TuningSession, "judge_grouping", lambda session, trainer, planned: None)
             forced_expected, forced, _ = runs(cell, tokenizer, tmp_path / "forced", resume=False)
         needed = differences(forced_expected, forced)
-        why = record.restricted.reason + ("" if needed else " (a forced re-size trained the same here: the rule "
-                                                           "cannot tell)")
+        why = record.restricted.reason + ("" if needed else " (in this cell a forced re-size trained the same)")
         for column in COLUMNS:
             compat.record(cell, column, f"said: {why}")
         return

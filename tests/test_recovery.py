@@ -237,3 +237,28 @@ def test_the_watchdog_stop_says_to_resume_through_the_interface_that_ran(tokeniz
         messages[how] = stop
     assert "Resume with trainer.train(resume_from_checkpoint=" in messages["train"]
     assert "Resume with train_with_tuning(trainer, resume_from_checkpoint=" in messages["train_with_tuning"]
+
+
+def test_a_resume_in_a_later_epoch_draws_that_epochs_order_from_a_sampler_with_its_own_generator():
+    """GRPO's RepeatSampler shuffles with a generator of its own and has no set_epoch, and transformers 5 no longer
+    fast-forwards the epochs a resume skips: a fresh dataloader would draw the first epoch's order again. The tuner
+    advances it by the epochs trained (seen in the re-size matrix: GRPO with two prompts an epoch, re-sized at the
+    epoch's end, trained other prompts in the second epoch)."""
+    import torch
+    from trl.trainer.utils import RepeatSampler
+
+    from hf_perf_callbacks.resize.callback import advance_sampler
+
+    def loader():
+        sampler = RepeatSampler(list(range(8)), mini_repeat_count=2, batch_size=2, repeat_count=1, shuffle=True,
+                                seed=0)
+        return torch.utils.data.DataLoader(list(range(8)), batch_size=4, sampler=sampler)
+
+    once = loader()
+    orders = [[int(i) for batch in once for i in batch] for _ in range(3)]      # epochs 0, 1, 2 of one run
+    assert orders[0] != orders[1]
+    resumed = loader()
+    assert advance_sampler(resumed, 2) == 2
+    assert [int(i) for batch in resumed for i in batch] == orders[2]
+    sequential = torch.utils.data.DataLoader(list(range(8)), batch_size=4)
+    assert advance_sampler(sequential, 2) == 0                                    # nothing shuffled: untouched

@@ -591,3 +591,18 @@ def test_switch_checkpoints_never_push_the_users_out_and_a_run_ending_mid_trial_
     assert decision.kind == "tune" and decision.new == Split(2, 4)
     assert current_split(tuned.args) == Split(2, 4) == read_split_file(str(tmp_path / "tuned")).split
     assert losses(tuned) == pytest.approx(losses(plain), rel=1e-5)          # no padding: the same steps
+
+
+def test_the_watchdogs_request_uses_only_the_splits_exact_for_the_run(tokenizer, tmp_path):
+    """Left padding leaves no smaller split exact: the watchdog's request for one is declined with why (no re-size
+    recorded), and the watchdog stops the run at the wall itself, saved."""
+    from hf_perf_callbacks.runlog import read_run
+
+    watchdog, tuner = MemoryWatchdog(limit_gb=7.0, grace_steps=1), AdaptiveBatchTuner(tune=False)
+    trainer = make_trainer(tokenizer, tmp_path, [watchdog, tuner], max_steps=5, bs=4, ga=2, padding_side="left")
+    watchdog.device = MemoryByBatch(trainer.args)
+    train_with_tuning(trainer)
+    assert tuner.session.decisions == [] and trainer.args.per_device_train_batch_size == 4
+    assert [a["action"] for a in watchdog.actions][-1] == "stop" and os.path.isdir(tmp_path / "checkpoint-2")
+    said = [e.message for e in read_run(str(tmp_path)).events]
+    assert any("no smaller split keeps this run exact" in m and "pads left" in m for m in said)

@@ -11,6 +11,8 @@ import os
 import time
 from collections.abc import Callable
 
+import torch
+
 from .. import adapter
 from .. import runlog as keys
 from ..base import Clock, PerfCallback
@@ -84,7 +86,9 @@ class AdaptiveBatchTuner(PerfCallback):
         self._started: float | None = None
 
     # ------------------------------------------------------------ events
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        if state.global_step > 0:
+            advance_sampler(train_dataloader, int(state.epoch or 0))
         if getattr(args, "auto_find_batch_size", False):
             self.warn("auto_find_batch_size=True re-sizes by itself (restarting at step 0 with a drifting batch): the "
                       "tuner stays off. Turn auto_find_batch_size off to let the tuner keep the batch exact.")
@@ -265,6 +269,26 @@ class AdaptiveBatchTuner(PerfCallback):
         if self._stop_watching is not None:
             self._stop_watching()
             self._stop_watching = None
+
+
+def advance_sampler(dataloader, epochs: int) -> int:
+    """A resume that starts in epoch ``epochs`` (> 0) draws the order of that epoch, not of the first. transformers
+    reseeds its own samplers per epoch (``set_epoch``), but a sampler that shuffles with a generator of its own and
+    has no ``set_epoch`` (TRL's ``RepeatSampler``, GRPO's) draws one permutation per epoch from it: a fresh
+    dataloader's sampler is advanced by the epochs already trained (as transformers 4 fast-forwarded skipped epochs).
+    Returns the permutations drawn."""
+    if dataloader is None or epochs <= 0:
+        return 0
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    for sampler in (getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None),
+                    getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None)):
+        if (sampler is not None and hasattr(sampler, "set_epoch") is False
+                and isinstance(getattr(sampler, "generator", None), torch.Generator)
+                and getattr(sampler, "shuffle", False)):
+            for _ in range(epochs):
+                next(iter(sampler), None)                 # one permutation per epoch
+            return epochs
+    return 0
 
 
 def format_tuning(decision) -> str:

@@ -482,6 +482,11 @@ def test_the_facts_of_the_runs_loss_are_read_from_the_trainer(tokenizer, tmp_pat
     assert read_grouping(dropped, 6, 1).dropout
     assert examples(Dataset.from_dict({"x": [1, 2, 3]}).to_iterable_dataset()) is None
     assert examples(Dataset.from_dict({"x": [1, 2, 3]})) == 3
+    grpo = make_grpo(tokenizer, tmp_path / "g", [])
+    grpo.compute_loss_func = "non-None"          # TRL 1.0's GRPOTrainer sets it so; its own loss never calls it
+    judged = read_grouping(grpo, 6, 1)
+    assert judged.trainer == "GRPOTrainer" and judged.loss_override is None and judged.loss_types == (
+        grpo.args.loss_type,)
 
 
 def test_left_padding_keeps_the_configured_split_and_an_oom_saves_and_ends_saying_why(tokenizer, tmp_path):

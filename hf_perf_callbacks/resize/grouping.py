@@ -10,8 +10,8 @@ fact                           read from
 =============================  ====================================================================================
 the trainer whose loss runs    the library class (transformers ``Trainer``, TRL's ``SFTTrainer``, ``DPOTrainer``,
                                ``GRPOTrainer``, …) whose ``compute_loss`` the trainer's class inherits
-a loss override                a ``compute_loss`` defined outside transformers and TRL, or a ``compute_loss_func``,
-                               whose code never reads ``num_items_in_batch``
+a loss override                a ``compute_loss`` defined outside transformers and TRL, or a ``compute_loss_func``
+                               (Trainer, SFTTrainer), whose code never reads ``num_items_in_batch``
 the loss counts the step's     ``Trainer.model_accepts_loss_kwargs`` (or a ``compute_loss_func``) and a loss that
 label tokens                   takes ``num_items_in_batch`` (the model's ``loss_function``, a ``forward`` naming it,
                                label smoothing, ``compute_loss_func``)
@@ -50,7 +50,7 @@ def read_grouping(trainer, planned_steps: int | None, world: int) -> Grouping:
     """The run's :class:`~hf_perf_callbacks.batching.Grouping` (see the module docstring)."""
     args = trainer.args
     owner, override = loss_owner(type(trainer))
-    compute_loss_func = getattr(trainer, "compute_loss_func", None)
+    compute_loss_func = loss_func(trainer) if owner in ("Trainer", "SFTTrainer") else None
     if override is None and compute_loss_func is not None and not reads(compute_loss_func, "num_items_in_batch"):
         override = f"compute_loss_func ({getattr(compute_loss_func, '__name__', type(compute_loss_func).__name__)})"
     loss_type = getattr(args, "loss_type", None) if owner in ("DPOTrainer", "GRPOTrainer") else None
@@ -107,12 +107,18 @@ def _loads(code, names: set[str]) -> bool:
     return False
 
 
+def loss_func(trainer) -> Callable | None:
+    """The trainer's ``compute_loss_func`` when it is one (TRL 1.0's GRPOTrainer sets the string ``"non-None"``
+    there to keep transformers from dividing its loss by the accumulation; its own loss never calls it)."""
+    func = getattr(trainer, "compute_loss_func", None)
+    return func if callable(func) else None
+
+
 def counts_items(trainer) -> bool:
     """Whether the Trainer's loss is summed over the optimizer step's label tokens and divided by their count:
     transformers passes ``num_items_in_batch`` (the model accepts loss keyword arguments, or a
     ``compute_loss_func`` is set) to a loss that takes it."""
-    func = getattr(trainer, "compute_loss_func", None)
-    if func is not None:
+    if loss_func(trainer) is not None:
         return True                                     # read or not: judged as a loss override
     if not getattr(trainer, "model_accepts_loss_kwargs", False):
         return False

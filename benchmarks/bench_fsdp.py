@@ -97,14 +97,19 @@ class Texts(torch.utils.data.Dataset):
 
 
 def make(output_dir, callbacks, micro, accum, steps, **extra):
+    import copy
+
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    padded_right = copy.copy(tokenizer())     # training pads right (left padding leaves no other split exact)
+    padded_right.padding_side = "right"
 
     settings = dict(output_dir=output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
                     max_steps=steps, learning_rate=1e-5, logging_steps=1, save_strategy="no", report_to="none",
                     bf16=not SMOKE, use_cpu=SMOKE, disable_tqdm=True, seed=0, ddp_timeout=180, **FSDP_ARGS)
     settings.update(extra)
     return Trainer(model=build_model(), args=TrainingArguments(**settings), train_dataset=Texts(),
-                   data_collator=DataCollatorForLanguageModeling(tokenizer(), mlm=False), callbacks=callbacks)
+                   data_collator=DataCollatorForLanguageModeling(padded_right, mlm=False), callbacks=callbacks)
 
 
 def synchronize():

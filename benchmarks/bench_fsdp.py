@@ -110,7 +110,12 @@ class Texts(torch.utils.data.Dataset):
 
 
 def make(output_dir, callbacks, micro, accum, steps, length=None, lora=False, **extra):
+    import copy
+
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    padded_right = copy.copy(tokenizer())     # training pads right (left padding leaves no other split exact)
+    padded_right.padding_side = "right"
 
     settings = dict(output_dir=output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
                     max_steps=steps, learning_rate=1e-5, logging_steps=1, save_strategy="no", report_to="none",
@@ -123,7 +128,7 @@ def make(output_dir, callbacks, micro, accum, steps, length=None, lora=False, **
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
                                                  task_type="CAUSAL_LM"))
     return Trainer(model=model, args=TrainingArguments(**settings), train_dataset=Texts(length=length),
-                   data_collator=DataCollatorForLanguageModeling(tokenizer(), mlm=False), callbacks=callbacks)
+                   data_collator=DataCollatorForLanguageModeling(padded_right, mlm=False), callbacks=callbacks)
 
 
 def synchronize():

@@ -27,6 +27,17 @@ TRL ``GRPOTrainer._step``, ``_buffered_inputs``,  the generation buffer and metr
                                                   runs around a whole micro-batch
 ``trainer.evaluate`` (instance attribute)         an evaluation OOM must be retried with a smaller evaluation
                                                   batch inside ``train()``; no hook runs around an evaluation
+``Trainer._loss_shifts_labels``                   whether the model's loss shifts its labels (a causal language
+                                                  model): with left padding, the first token of a padded row is
+                                                  then a target; transformers decides it from the loss mapping
+the ``Trainer`` on the call stack                 a callback is never handed the trainer; the bus must release the
+(``sys._getframe``)                               output-dir lock when ``train()`` ends, by an error too, and the
+                                                  tuner reads the run's loss facts from it
+``Trainer._get_grad_norm``,                       the step's gradient norm and learning rate are locals of the
+``Trainer._get_learning_rate``,                   training loop, logged after ``on_step_end``: a step whose
+``Trainer._maybe_log_save_evaluate``,             callback raised there never logs them; a recovery logs them
+``Trainer._tr_loss``,                             through the trainer's own logging before it saves the step
+``Trainer._globalstep_last_logged``
 ``JITCheckpointCallback.jit_manager``             its ``on_train_end`` restores the old SIGTERM handler and only
 (``setup_signal_handler``)                        ``Trainer.__init__`` installs it: the next in-process
                                                   ``train()`` of a re-size would run without it
@@ -86,6 +97,20 @@ def calling_handler() -> CallbackHandler | None:
     return None
 
 
+def calling_trainer():
+    """The ``transformers.Trainer`` whose method is running on the call stack (its ``__init__`` or ``train``), if
+    any."""
+    from transformers import Trainer
+
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
 def progress_bars(handler: CallbackHandler | None) -> list:
     """The tqdm training bars of the handler's progress callbacks (empty outside training or without tqdm)."""
     bars = []
@@ -107,19 +132,77 @@ def train_batch_size(trainer) -> int:
     return trainer._train_batch_size
 
 
-def save_checkpoint(trainer) -> None:
+def loss_shifts_labels(trainer) -> bool:
+    """Whether the trainer's model computes a causal language-model loss (labels shifted by one), as transformers
+    decided it at the trainer's init; from the model's config where the attribute is missing."""
+    shifts = getattr(trainer, "_loss_shifts_labels", None)
+    if shifts is not None:
+        return bool(shifts)
+    model = trainer.model
+    config = getattr(model, "config", None)
+    return not getattr(config, "is_encoder_decoder", False) and "ForCausalLM" in type(model).__name__
+
+
+class StepLog:
+    """What the training loop logs for an optimizer step after ``on_step_end`` (its gradient norm and learning rate,
+    locals of the loop): recorded as the loop computes them, so that a step whose ``on_step_end`` raised can still
+    log them (:meth:`log_missed`). ``undo`` removes the recording."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.grad_norm: tuple[int, object] | None = None          # (the step it belongs to, the value)
+        self.learning_rate: tuple[int, float] | None = None
+        self.undos = [replace_method(trainer, "_get_grad_norm", self._recording("grad_norm")),
+                      replace_method(trainer, "_get_learning_rate", self._recording("learning_rate"))]
+
+    def _recording(self, name: str):
+        def make(original):
+            def record(*args, **kwargs):
+                value = original(*args, **kwargs)
+                setattr(self, name, (self.trainer.state.global_step + 1, value))   # before the step counts
+                return value
+            return record
+        return make
+
+    def undo(self) -> None:
+        for undo in self.undos:
+            undo()
+
+    def log_missed(self) -> bool:
+        """Log the last optimizer step as the training loop would have, when it was due (``control.should_log``) and
+        not logged (a callback raised in ``on_step_end``); True when it logged."""
+        trainer = self.trainer
+        step, control = trainer.state.global_step, trainer.control
+        if not control.should_log or step <= getattr(trainer, "_globalstep_last_logged", step):
+            return False
+        grad_norm = self.grad_norm[1] if self.grad_norm and self.grad_norm[0] == step else None
+        rate = self.learning_rate[1] if self.learning_rate and self.learning_rate[0] == step else None
+        evaluate, save = control.should_evaluate, control.should_save
+        control.should_evaluate = control.should_save = False
+        try:
+            trainer._maybe_log_save_evaluate(trainer._tr_loss, grad_norm, trainer.model_wrapped, None,
+                                             trainer.state.epoch, None, None, learning_rate=rate)
+        finally:
+            control.should_evaluate, control.should_save = evaluate, save
+        return True
+
+
+def save_checkpoint(trainer, rotate: bool = True) -> None:
     """Write ``checkpoint-<global_step>`` now, as the Trainer does at a save step, and a complete one whenever there
     is training state: the weights, optimizer, scheduler, scaler and RNG state, also under ``save_only_model=True``
     (which would leave out everything but the weights, and a resume from it would restart the schedule and the
-    optimizer silently)."""
+    optimizer silently). ``rotate=False``: ``save_total_limit`` deletes no checkpoint for this save (a checkpoint
+    written only to switch splits must not push the user's out)."""
     register_stateful_callbacks(trainer.state, trainer.callback_handler.callbacks + [trainer.control])
     args = trainer.args
-    only_model = args.save_only_model
+    only_model, limit = args.save_only_model, args.save_total_limit
     args.save_only_model = only_model and trainer.optimizer is None
+    if not rotate:
+        args.save_total_limit = None            # transformers' rotation would count this save as one of the user's
     try:
         trainer._save_checkpoint(trainer.model, trial=None)
     finally:
-        args.save_only_model = only_model
+        args.save_only_model, args.save_total_limit = only_model, limit
 
 
 def register_stateful_callbacks(state, callbacks) -> list[str]:

@@ -46,7 +46,7 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -373,55 +373,15 @@ def parse_record(entry: object) -> Record | None:
 
 
 # ---------------------------------------------------------------- one writing process per output_dir
-LOCK_FILE = ".hf_perf.lock"
-_HELD: dict[str, TextIO] = {}          # output_dir → the open lock file of this process (one per directory)
-
-
-class OutputDirBusy(RuntimeError):
-    """Another live process is training into the same ``output_dir``."""
-
-
-def lock_output_dir(output_dir: str) -> None:
-    """Hold an exclusive lock on ``output_dir`` for this process (``<output_dir>/.hf_perf.lock``, POSIX ``flock``,
-    released by the OS when the process ends): two processes writing one ``output_dir`` would interleave their
-    perf logs and resume from each other's checkpoints. Raises :class:`OutputDirBusy` naming the process that holds
-    it. Re-entrant within a process; no lock where ``fcntl`` does not exist."""
-    try:
-        import fcntl
-    except ImportError:                        # not POSIX: no lock
-        return
-    key = os.path.realpath(output_dir)
-    if key in _HELD:
-        return
-    os.makedirs(output_dir, exist_ok=True)
-    handle = open(os.path.join(output_dir, LOCK_FILE), "a+", encoding="utf-8")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip() or "unknown"
-        handle.close()
-        raise OutputDirBusy(f"output_dir {output_dir!r} is being written by another training process ({holder}): "
-                            f"two runs in one output_dir interleave their perf logs and resume from each other's "
-                            f"checkpoints. Give this run its own output_dir, or wait for that process to end") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on {os.uname().nodename if hasattr(os, 'uname') else 'this host'}\n")
-    handle.flush()
-    _HELD[key] = handle
-
-
-def unlock_output_dir(output_dir: str) -> None:
-    """Release this process's lock on ``output_dir`` (see :func:`lock_output_dir`)."""
-    handle = _HELD.pop(os.path.realpath(output_dir), None)
-    if handle is not None:
-        handle.close()
+LOCK_FILE = ".hf_perf.lock"            # held by the process training into output_dir (hf_perf_callbacks.bus)
 
 
 # ---------------------------------------------------------------- writer
 class LogWriter:
     """Appends records to ``<output_dir>/perf_log.jsonl``. A failed write (full disk, read-only directory) logs one
-    warning per file and training goes on; later writes are tried again, silently."""
+    warning per file and training goes on; later writes are tried again, silently. A last line cut short (a process
+    killed while writing it) is ended before the next record is appended, so that record is a line of its own (the
+    cut line stays, unreadable and counted by the reader)."""
 
     def __init__(self) -> None:
         self.failed: set[str] = set()
@@ -431,10 +391,16 @@ class LogWriter:
         if not output_dir:
             return False
         path = os.path.join(output_dir, PERF_LOG)
+        line = (json.dumps(record.to_json(), default=_jsonable) + "\n").encode("utf-8")
         try:
             os.makedirs(output_dir, exist_ok=True)
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record.to_json(), default=_jsonable) + "\n")
+            with open(path, "ab+") as f:
+                f.seek(0, os.SEEK_END)
+                if f.tell() > 0:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        line = b"\n" + line          # the last line was cut: end it first
+                f.write(line)
         except OSError as error:  # a full disk must not stop training
             if path not in self.failed:
                 self.failed.add(path)

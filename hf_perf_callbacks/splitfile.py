@@ -15,6 +15,8 @@ field             meaning
 ``written``       the checkpoints this run wrote and verified, each with the fingerprint of its files
 ``decisions``     every :class:`Decision`, oldest first
 ``ended``         why the tuner gave up (the run ended by an error no split fixes), or null
+``restricted``    the splits the run may use when its loss leaves others inexact (:class:`Restriction`: the
+                  splits, why, and the setting that makes every split exact), or null
 ================  ==========================================================================================
 
 A split is written with the field names of :class:`~hf_perf_callbacks.batching.Split` (``micro_batch``,
@@ -244,6 +246,29 @@ class WrittenCheckpoint:
 
 
 @dataclass
+class Restriction:
+    """The splits a run may use (the configured one and those exact under its loss), why the others are left out,
+    and the setting that makes every split exact (:func:`hf_perf_callbacks.batching.exact_under`)."""
+
+    splits: list[Split]
+    reason: str
+    fix: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"splits": [split_to_json(s) for s in self.splits], "reason": self.reason, "fix": self.fix}
+
+    @classmethod
+    def from_json(cls, entry: object, where: str = "restricted") -> Restriction | None:
+        if entry is None:
+            return None
+        if not isinstance(entry, dict) or not isinstance(entry.get("splits"), list) \
+                or not isinstance(entry.get("reason"), str) or not isinstance(entry.get("fix"), str):
+            raise SplitFileError(f"{where} is {entry!r}: expected {{'splits': [...], 'reason': str, 'fix': str}}")
+        return cls([split_from_json(s, f"{where}.splits[{i}]") for i, s in enumerate(entry["splits"])],
+                   entry["reason"], entry["fix"])
+
+
+@dataclass
 class SplitFile:
     """The whole ``tuner_split.json`` (see the module docstring)."""
 
@@ -254,13 +279,14 @@ class SplitFile:
     written: list[WrittenCheckpoint] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
     ended: str | None = None
+    restricted: Restriction | None = None
     version: int = VERSION
 
     def to_json(self) -> dict[str, Any]:
         return {"version": self.version, "session": self.session, "world_size": self.world_size,
                 "configured": split_to_json(self.configured), "split": split_to_json(self.split),
                 "written": [w.to_json() for w in self.written], "decisions": [d.to_json() for d in self.decisions],
-                "ended": self.ended}
+                "ended": self.ended, "restricted": self.restricted.to_json() if self.restricted else None}
 
     @classmethod
     def from_json(cls, entry: object) -> SplitFile:
@@ -280,6 +306,7 @@ class SplitFile:
                             if not isinstance(w, int)],       # version 1 listed bare steps: no fingerprint to trust
                    decisions=[Decision.from_json(d, f"decisions[{i}]") for i, d in enumerate(decisions)],
                    ended=_optional(entry.get("ended"), str, "ended"),
+                   restricted=Restriction.from_json(entry.get("restricted")),
                    version=entry.get("version", 1) if isinstance(entry.get("version", 1), int) else 1)
 
     def write(self, output_dir: str) -> str:

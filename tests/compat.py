@@ -7,8 +7,14 @@ one file the cells' results are recorded in.
   ``resume_exact`` (``tests/test_compat_resize.py``): a planted out-of-memory error re-sizes the run, in the same
   process and through a new one, and it trains exactly what an unfaulted run trains. A cell not yet run reads "not
   yet measured".
-* :func:`record` is the one writer of ``tests/compat_results.json`` (cell → column → outcome); the README's table
-  is rendered from it by ``python -m tests.compat_table``. It records only runs on the pinned versions
+* :data:`TUNING` (rows) × :data:`TRAINERS` = :data:`TUNING_CELLS`: what a user does while the tuner switches
+  splits on the run's own steps (a stop on a switch's step, a trial that runs out of memory, ``save_total_limit``),
+  checked in the column ``tuning`` (``tests/test_compat_tuning.py``) against the same run untuned.
+* A setting may exist for some trainers only (:attr:`Setting.only`); its other cells read "n/a". A re-size cell
+  whose setting leaves no other split exact records ``said: <why>``: the run restricted its splits, said why at the
+  start, and an OOM saved and ended it with that message instead of re-sizing inexactly.
+* :func:`record` is the one writer of ``tests/compat_results.json`` (cell → column → outcome); the README's tables
+  are rendered from it by ``python -m tests.compat_table``. It records only runs on the pinned versions
   (:data:`TABLE_VERSIONS` as in ``constraints.txt``): the table describes those; on other versions (CI's oldest
   set) every cell is still checked, and a refusal listed for it is allowed.
 
@@ -28,7 +34,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from tests.conftest import CORPUS, PROMPTS, length_reward
+from tests.conftest import CORPUS, PROMPTS, length_reward, padded
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "compat_results.json")
@@ -45,6 +51,8 @@ RESIZE_STEPS, RESIZE_PER_EPOCH, RESIZE_FAULT_AT = 4, 3, 3
 
 #: column → its heading in the README's table
 COLUMNS = {"metrics": "metrics reach the reporters", "resize_exact": "re-size exact", "resume_exact": "resume exact"}
+#: the tuning table's one column
+TUNING_COLUMNS = {"tuning": "the run ends where, and trains what, the untuned run does"}
 NOT_MEASURED = "not yet measured"
 
 TRAINERS = ("Trainer", "SFTTrainer", "DPOTrainer", "GRPOTrainer")
@@ -73,6 +81,10 @@ class Setting:
     evaluate: bool = False                        # an evaluation dataset
     refused: dict = field(default_factory=dict)   # trainer → regex of the message it refuses the setting with
     slow: bool = False                            # runs under the `launch` marker
+    padding_side: str = "right"                   # the plain Trainer's collator (training pads right)
+    override: bool = False                        # the trainer's compute_loss overridden, num_items_in_batch unread
+    short_by: int = 0                             # examples per epoch this many short of whole optimizer steps
+    only: tuple = TRAINERS                        # the trainers the setting exists for
 
     def reporters(self) -> list[str]:
         return self.args.get("report_to", ["tensorboard"])
@@ -104,12 +116,41 @@ SETTINGS = [
     Setting("num_train_epochs=1 (no max_steps)", epochs=True),
     Setting("eval_strategy=steps", EVAL_EVERY_STEP, evaluate=True),
     Setting("report_to=[tensorboard, mlflow]", {"report_to": ["tensorboard", "mlflow"]}),
+    # settings under which the loss can depend on how examples are grouped into micro-batches
+    Setting("tokenizer padding_side=left", padding_side="left", slow=True),
+    Setting("max_grad_norm=1.0 (clipping; the re-size columns otherwise train without)", {"max_grad_norm": 1.0},
+            slow=True),
+    Setting("dataloader_drop_last=True, an odd number of examples", {"dataloader_drop_last": True}, short_by=1,
+            slow=True),
+    Setting("gradient_accumulation_steps=2, an uneven last step (DPO: uneven pairs)",
+            {"gradient_accumulation_steps": 2}, short_by=1, only=("Trainer", "SFTTrainer", "DPOTrainer"), slow=True),
+    Setting("compute_loss overridden, num_items_in_batch not passed on", override=True, slow=True),
+    Setting("loss_type=bnpo", {"loss_type": "bnpo"}, only=("GRPOTrainer",), slow=True),
+    Setting("padding_free=True", {"padding_free": True, "max_length": None}, only=("SFTTrainer",), slow=True),
+]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One row of the tuning table: what happens while the tuner switches splits on the run's own steps."""
+
+    name: str
+    key: str                                      # what tests/test_compat_tuning.py plants
+    only: tuple = TRAINERS
+
+
+TUNING = [
+    Scenario("a callback stops the run at the step where the tuner switches", "stop"),
+    Scenario("EarlyStoppingCallback stops it at that step", "early_stopping"),
+    Scenario("a trial split runs out of memory, max_resizes=0", "trial_oom_0"),
+    Scenario("a trial split runs out of memory, max_resizes=1, then a real OOM", "trial_oom_1"),
+    Scenario("save_total_limit=1, a switch after the user's last checkpoint, stopped mid-trial", "rotation"),
 ]
 
 
 @dataclass(frozen=True)
 class Cell:
-    setting: Setting
+    setting: Setting | Scenario
     trainer: str
 
     @property
@@ -117,7 +158,8 @@ class Cell:
         return f"{self.setting.name} | {self.trainer}"
 
 
-CELLS = [Cell(setting, trainer) for setting in SETTINGS for trainer in TRAINERS]
+CELLS = [Cell(setting, trainer) for setting in SETTINGS for trainer in TRAINERS if trainer in setting.only]
+TUNING_CELLS = [Cell(scenario, trainer) for scenario in TUNING for trainer in TRAINERS if trainer in scenario.only]
 
 
 # ---------------------------------------------------------------- building a cell's trainer
@@ -153,7 +195,11 @@ def build(cell: Cell, tokenizer, output_dir: str, callbacks: list, *, steps: int
         values["per_device_eval_batch_size"] = BATCH
     values.update(extra or {})
     values.update(setting.args)
-    rows = per_epoch if cell.trainer == "GRPOTrainer" else per_epoch * BATCH     # GRPO: one prompt per step
+    accumulation = values["gradient_accumulation_steps"]
+    if cell.trainer == "GRPOTrainer":               # GRPO: one prompt (BATCH completions) per micro-batch
+        rows = per_epoch * accumulation - setting.short_by
+    else:
+        rows = per_epoch * BATCH * accumulation - setting.short_by
     train_rows, eval_rows = _rows(cell.trainer, tokenizer, rows), _rows(cell.trainer, tokenizer, BATCH)
     train = Dataset.from_dict(train_rows)
     train = train.to_iterable_dataset() if setting.iterable else train
@@ -163,21 +209,37 @@ def build(cell: Cell, tokenizer, output_dir: str, callbacks: list, *, steps: int
     if cell.trainer == "Trainer":
         from transformers import DataCollatorForLanguageModeling, Trainer
 
-        return Trainer(args=TrainingArguments(**values), processing_class=tokenizer,
-                       data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), **common)
+        return _overridden(Trainer, setting)(
+            args=TrainingArguments(**values), processing_class=tokenizer,
+            data_collator=DataCollatorForLanguageModeling(padded(tokenizer, setting.padding_side), mlm=False),
+            **common)
     if cell.trainer == "SFTTrainer":
         from trl import SFTConfig, SFTTrainer
 
-        return SFTTrainer(args=SFTConfig(**values), processing_class=tokenizer, **common)
+        return _overridden(SFTTrainer, setting)(args=SFTConfig(**values), processing_class=tokenizer, **common)
     if cell.trainer == "DPOTrainer":
         from trl import DPOConfig, DPOTrainer
 
-        return DPOTrainer(args=DPOConfig(**values), ref_model=build_model(tokenizer), processing_class=tokenizer,
-                          **common)
+        return _overridden(DPOTrainer, setting)(args=DPOConfig(**values), ref_model=build_model(tokenizer),
+                                                processing_class=tokenizer, **common)
     from trl import GRPOConfig, GRPOTrainer
 
     values.update(num_generations=BATCH, max_completion_length=8)
-    return GRPOTrainer(args=GRPOConfig(**values), reward_funcs=reward, processing_class=tokenizer, **common)
+    return _overridden(GRPOTrainer, setting)(args=GRPOConfig(**values), reward_funcs=reward,
+                                             processing_class=tokenizer, **common)
+
+
+def _overridden(trainer_cls, setting: Setting):
+    """The trainer class, or (``setting.override``) a user's subclass whose ``compute_loss`` calls the trainer's
+    without passing ``num_items_in_batch`` on (as overrides written for older transformers do)."""
+    if not setting.override:
+        return trainer_cls
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return trainer_cls.compute_loss(self, model, inputs, return_outputs)
+
+    return type(f"My{trainer_cls.__name__}", (trainer_cls,), {"compute_loss": compute_loss,
+                                                               "__module__": __name__})
 
 
 def _rows(trainer: str, tokenizer, n: int) -> dict:
@@ -228,18 +290,20 @@ def load_results() -> dict:
 
 
 def record(cell: Cell, column: str, outcome: str) -> bool:
-    """Record a cell's outcome for ``column``: ``"yes"``, ``"no: <why>"`` or ``"refused: <message>"``; True when
-    recorded (on the pinned versions only). The one writer of the results file; entries of cells no longer in
-    :data:`CELLS` are dropped."""
-    if column not in COLUMNS:
-        raise ValueError(f"column={column!r} is not allowed: expected one of {sorted(COLUMNS)}")
-    if not re.match(r"(yes|no: .+|refused: .+)$", outcome, re.S):
-        raise ValueError(f"outcome={outcome!r} is not allowed: expected 'yes', 'no: <why>' or 'refused: <message>'")
+    """Record a cell's outcome for ``column``: ``"yes"``, ``"no: <why>"``, ``"refused: <message>"`` or ``"said:
+    <why>"``; True when recorded (on the pinned versions only). The one writer of the results file; entries of cells
+    no longer in :data:`CELLS` or :data:`TUNING_CELLS` are dropped."""
+    allowed = TUNING_COLUMNS if isinstance(cell.setting, Scenario) else COLUMNS
+    if column not in allowed:
+        raise ValueError(f"column={column!r} is not allowed: expected one of {sorted(allowed)}")
+    if not re.match(r"(yes|no: .+|refused: .+|said: .+)$", outcome, re.S):
+        raise ValueError(f"outcome={outcome!r} is not allowed: expected 'yes', 'no: <why>', 'refused: <message>' "
+                         f"or 'said: <why>'")
     if installed_versions() != pinned_versions():
         return False
     results = load_results()
     results.setdefault(cell.id, {})[column] = outcome
-    ordered = {c.id: results[c.id] for c in CELLS if c.id in results}
+    ordered = {c.id: results[c.id] for c in CELLS + TUNING_CELLS if c.id in results}
     lines = [f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v, ensure_ascii=False)}" for k, v in ordered.items()]
     with open(RESULTS, "w", encoding="utf-8") as f:
         f.write("{\n" + ",\n".join(lines) + "\n}\n")                 # one cell a line: a diff names the cell

@@ -133,15 +133,28 @@ class TextDataset(torch.utils.data.Dataset):
         return {"input_ids": self.items[i]}
 
 
+def padded(tokenizer, side):
+    """The tokenizer padding on ``side`` (a shallow copy; the session's tokenizer pads left, for generation)."""
+    import copy
+
+    if tokenizer.padding_side == side:
+        return tokenizer
+    other = copy.copy(tokenizer)
+    other.padding_side = side
+    return other
+
+
 def make_trainer(tokenizer, output_dir, callbacks, *, max_steps=6, bs=4, ga=2, delay=0.0, clock=None,
-                 extra=None, trainer_cls=None, model=None, with_eval=False, length=None):
+                 extra=None, trainer_cls=None, model=None, with_eval=False, length=None, padding_side="right"):
+    """A plain Trainer of the tiny causal LM; its collator pads right, as training does (left padding makes the
+    loss depend on how rows are grouped into micro-batches: ``padding_side="left"``)."""
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     settings = dict(output_dir=str(output_dir), per_device_train_batch_size=bs, gradient_accumulation_steps=ga,
                     max_steps=max_steps, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none",
                     use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0)
     settings.update(extra or {})
-    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    collator = DataCollatorForLanguageModeling(padded(tokenizer, padding_side), mlm=False)
     return (trainer_cls or Trainer)(model=model or build_model(tokenizer), args=TrainingArguments(**settings),
                                     train_dataset=TextDataset(tokenizer, delay=delay, clock=clock, length=length),
                                     data_collator=collator,

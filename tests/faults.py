@@ -189,6 +189,13 @@ class SampleRecorder(TrainerCallback):
     def record(self, module, args, kwargs):
         if torch.is_grad_enabled() and module.training:
             ids, mask = kwargs.get("input_ids", args[0] if args else None), kwargs.get("attention_mask")
+            positions = kwargs.get("position_ids")
+            if mask is None and positions is not None:      # padding-free: one row of examples, each from position 0
+                for row, starts in zip(ids.tolist(), positions.tolist()):
+                    cuts = [i for i, p in enumerate(starts) if p == 0] + [len(row)]
+                    for begin, end in zip(cuts, cuts[1:]):
+                        self.by_step.setdefault(self.step + 1, []).append(tuple(row[begin:end]))
+                return
             keep = mask.tolist() if mask is not None else [[1] * ids.shape[1]] * len(ids)
             for row, kept in zip(ids.tolist(), keep):
                 self.by_step.setdefault(self.step + 1, []).append(tuple(t for t, k in zip(row, kept) if k))

@@ -39,6 +39,34 @@ def test_trainer_internals_exist(tokenizer, tmp_path):
          "Trainer.training_step(model, inputs, ...)")
 
 
+def test_the_step_log_and_loss_internals_exist(tokenizer, tmp_path):
+    """What ``adapter.StepLog``, ``adapter.loss_shifts_labels`` and ``adapter.calling_trainer`` read: the training
+    loop's gradient norm and learning rate getters, its logging step and loss accumulator, and whether the model's
+    loss shifts its labels."""
+    trainer = make_trainer(tokenizer, tmp_path, [], max_steps=1)
+    assert_present(trainer._loss_shifts_labels is True, "Trainer._loss_shifts_labels (True for a causal LM)")
+    assert_present(adapter.loss_shifts_labels(trainer), "adapter.loss_shifts_labels")
+    for name in ("_get_grad_norm", "_get_learning_rate", "_maybe_log_save_evaluate"):
+        assert_present(callable(getattr(trainer, name, None)), f"Trainer.{name}")
+    assert_present(list(inspect.signature(Trainer._maybe_log_save_evaluate).parameters)[:8] ==
+                   ["self", "tr_loss", "grad_norm", "model", "trial", "epoch", "ignore_keys_for_eval", "start_time"],
+                   "Trainer._maybe_log_save_evaluate(tr_loss, grad_norm, model, trial, epoch, ignore_keys, start)")
+    source = inspect.getsource(Trainer)
+    for name in ("self._tr_loss", "self._globalstep_last_logged", "self._get_grad_norm(", "self._get_learning_rate()"):
+        assert_present(name in source, f"Trainer.{name.removeprefix('self.')}")
+    step_log = adapter.StepLog(trainer)
+    trainer.train()
+    assert_present(step_log.grad_norm is not None and step_log.grad_norm[0] == 1, "the recorded gradient norm")
+    assert_present(step_log.learning_rate is not None and step_log.learning_rate[0] == 1, "the recorded rate")
+    step_log.undo()
+    assert "_get_grad_norm" not in trainer.__dict__ and "_get_learning_rate" not in trainer.__dict__
+    found = []
+    trainer.add_callback(type("Finds", (transformers.TrainerCallback,), {
+        "on_train_begin": lambda self, *a, **k: found.append(adapter.calling_trainer())})())
+    trainer.train()
+    assert found == [trainer] and adapter.calling_trainer() is None
+
+
 def test_progress_bar_attribute():
     assert_present(hasattr(ProgressCallback(), "training_bar"), "ProgressCallback.training_bar")
 

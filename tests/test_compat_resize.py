@@ -10,11 +10,14 @@ kept) and the run trains exactly what an unfaulted run trains:
 
 Exactly: the same examples in every optimizer step (GRPO: the same prompts and sampled completions), the same RNG
 stream (a digest of every RNG at each step's begin), learning rate at every step, final weights and optimizer
-state (SGD with momentum, where Adam would hide a scaled gradient; float summation order aside), compared by
+state (SGD with momentum, where Adam would hide a scaled gradient, and no gradient clipping, which rescales the
+gradient and hid the left-padding difference; float summation order aside), compared by
 :func:`tests.faults.differences`. Each cell trains :data:`STEPS` steps of a tiny model on the CPU, three steps per
 epoch, so the resumed run crosses an epoch boundary; GRPO's rewards differ within a group, so it learns. A setting
-under which an exact re-size is impossible must be refused up front with one clear line (recorded as refused),
-never be silently different.
+under which an exact re-size is impossible must be refused up front with one clear line (recorded as refused), or
+leave the run at its configured split, said at the start, an OOM saving and ending the run with why (recorded as
+``said: <why>``; the cell then re-sizes once with the rule switched off to check that the restriction was needed,
+and says so where it was not) — never be silently different.
 
 The cells are the matrix's (``tests/compat.py``: every setting of the metrics column × every trainer, built by its
 ``build`` with this column's optimizer and step count); each records its outcome per column through
@@ -34,8 +37,10 @@ import torch
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
-from hf_perf_callbacks.batching import Split
+from hf_perf_callbacks.resize.loop import InexactResize
+from hf_perf_callbacks.resize.session import TuningSession
 from hf_perf_callbacks.runlog import LOCK_FILE
+from hf_perf_callbacks.splitfile import read_split_file
 from tests import compat
 from tests.compat import CELLS, Cell
 from tests.conftest import varied_reward
@@ -46,7 +51,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 COLUMNS = ("resize_exact", "resume_exact")
 STEPS, FAULT_AT, PER_EPOCH = compat.RESIZE_STEPS, compat.RESIZE_FAULT_AT, compat.RESIZE_PER_EPOCH
 EXACT = {"optim": "sgd", "optim_args": "momentum=0.9", "learning_rate": 0.02, "lr_scheduler_type": "linear",
-         "report_to": "none", "disable_tqdm": True}
+         "max_grad_norm": 0.0, "report_to": "none", "disable_tqdm": True}
 #: the cells in the fast suite: the defaults, and the settings that once made a re-size inexact (the rest: launch)
 FAST = {*(f"defaults | {t}" for t in compat.TRAINERS),
         *(f"train_sampling_strategy={v} | Trainer" for v in compat.SAMPLING_STRATEGIES),
@@ -72,10 +77,11 @@ class CopyAtResume(TrainerCallback):
         self.calls += 1
         if self.calls == 2:
             for target in self.targets:
-                shutil.copytree(args.output_dir, target, ignore=shutil.ignore_patterns(LOCK_FILE))
+                shutil.copytree(args.output_dir, target, ignore=shutil.ignore_patterns(LOCK_FILE + "*"))
 
 
-def runs(cell: Cell, tokenizer, tmp_path, copy_to: tuple = ()) -> tuple[Trajectory, Trajectory, Trajectory]:
+def runs(cell: Cell, tokenizer, tmp_path, copy_to: tuple = (),
+         resume: bool = True) -> tuple[Trajectory, Trajectory, Trajectory | None]:
     """(unfaulted, re-sized in process, resumed by a new trainer); ``copy_to``: more copies of what the new trainer
     resumed from."""
     expected = Trajectory()
@@ -84,9 +90,12 @@ def runs(cell: Cell, tokenizer, tmp_path, copy_to: tuple = ()) -> tuple[Trajecto
     tuner = AdaptiveBatchTuner(tune=False)
     trainer = build(cell, tokenizer, tmp_path / "run", [fault, resized, CopyAtResume(resume_dir, *copy_to), tuner])
     fault.attach(resized.attach(trainer))
+    accumulation = trainer.args.gradient_accumulation_steps
     train_with_tuning(trainer)
     assert fault.fired == 1 and [d.kind for d in tuner.session.decisions] == ["oom"]
-    assert tuner.session.split == Split(1, 2, 2 if cell.trainer == "GRPOTrainer" else None)
+    assert tuner.session.split.micro_batch == 1 and tuner.session.split.grad_accum == 2 * accumulation
+    if not resume:
+        return expected, resized, None
     resumed = Trajectory().continues(resized, FAULT_AT - 1)
     again = build(cell, tokenizer, resume_dir, [resumed, AdaptiveBatchTuner(tune=False)])
     train_with_tuning(resumed.attach(again), resume_from_checkpoint="last")
@@ -105,6 +114,18 @@ def test_a_resize_and_a_resume_train_exactly_what_an_unfaulted_run_trains(cell, 
     compat.offline_mlflow(monkeypatch, tmp_path / "mlruns")
     try:
         expected, resized, resumed = runs(cell, tokenizer, tmp_path)
+    except InexactResize as said:
+        record = read_split_file(str(tmp_path / "run"))
+        assert record.restricted is not None and record.restricted.reason in str(said)
+        assert record.ended and "no smaller split keeps this run exact" in record.ended
+        with monkeypatch.context() as off:                       # the re-size the rule refused: was it inexact?
+            off.setattr(TuningSession, "judge_grouping", lambda session, trainer, planned: None)
+            forced_expected, forced, _ = runs(cell, tokenizer, tmp_path / "forced", resume=False)
+        needed = differences(forced_expected, forced)
+        why = record.restricted.reason + ("" if needed else " (in this cell a forced re-size trained the same)")
+        for column in COLUMNS:
+            compat.record(cell, column, f"said: {why}")
+        return
     except Exception as error:
         expected_refusal = cell.setting.refused.get(cell.trainer)
         if expected_refusal is None or not re.search(expected_refusal, str(error)):

@@ -29,7 +29,7 @@ from hf_perf_callbacks.runlog import SPLIT_FILE
 from hf_perf_callbacks.splitfile import SplitFile, read_split_file, split_for_run
 from hf_perf_callbacks.tiny import build_model
 from tests.conftest import make_grpo, make_trainer
-from tests.faults import SAVE_FILES, Fault, checkpoint_weights, same
+from tests.faults import SAVE_FILES, Fault, Trajectory, checkpoint_weights, differences, same
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAVES = {"save_strategy": "steps", "save_steps": 2}
@@ -147,20 +147,29 @@ def test_max_resizes_zero_re_raises_without_side_effects(tokenizer, tmp_path):
 
 @pytest.mark.parametrize("limit", [2, 0], ids=["retried-smaller", "skipped"])
 def test_an_oom_in_evaluation_never_changes_the_training_split(tokenizer, tmp_path, caplog, limit):
+    """Each attempt of an evaluation makes a new dataloader iterator, which draws from torch's global RNG: the retry
+    starts from the RNG the failed attempt started from, so training goes on with the stream of a run whose
+    evaluation fitted (the same RNG at every step, weights and optimizer state); the evaluation batch is the user's
+    again after the run."""
     fault = Fault("eval", at=0, times=10**6, limit=limit)
     tuner = AdaptiveBatchTuner(tune=False)
-    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, tuner], max_steps=4, bs=4, ga=2,
-                                        with_eval=True, extra={"eval_strategy": "steps", "eval_steps": 2,
-                                                               "per_device_eval_batch_size": 8}))
+    settings = dict(max_steps=4, bs=4, ga=2, with_eval=True, extra={"eval_strategy": "steps", "eval_steps": 2,
+                                                                    "per_device_eval_batch_size": 8})
+    got = Trajectory()
+    trainer = got.attach(fault.attach(make_trainer(tokenizer, tmp_path, [fault, tuner, got], **settings)))
     with caplog.at_level(logging.WARNING, logger="hf_perf_callbacks"):
         train_with_tuning(trainer)
     assert trainer.state.global_step == 4 and tuner.session.decisions == []
     assert {s["tuner/micro_batch"] for s in step_lines(tmp_path)} == {4}
     evals = [h["step"] for h in trainer.state.log_history if "eval_loss" in h]
     if limit:
-        assert evals == [2, 4] and trainer.args.per_device_eval_batch_size == 2
+        assert evals == [2, 4]
+        expected = Trajectory()
+        expected.attach(make_trainer(tokenizer, tmp_path / "fits", [expected], **settings)).train()
+        assert differences(expected, got) == []
     else:
         assert evals == [] and caplog.text.count("evaluations are skipped") == 1      # said once, not per eval
+    assert trainer.args.per_device_eval_batch_size == 8
 
 
 def test_faults_inside_the_package_never_end_training(tokenizer, tmp_path, monkeypatch, caplog):

@@ -5,6 +5,7 @@ scaled gradient shows in the weights).
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -147,9 +148,23 @@ def test_a_callback_raising_at_a_step_leaves_every_step_of_the_checkpoint_in_the
     line = step_lines(tmp_path)[-1]
     assert line["step"] == 3 and "perf/step_wall_sec" in line and "mem/device_used_gb" in line
     assert line["tuner/micro_batch"] == 4
+    # step 3's training log, as the loop would have written it: in log_history, the checkpoint and the perf line
+    logged = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    assert sorted(logged) == [1, 2, 3] and {"grad_norm", "learning_rate"} <= set(logged[3])
+    assert line["log/loss"] == logged[3]["loss"] and line["log/learning_rate"] == logged[3]["learning_rate"]
+    with open(tmp_path / "checkpoint-3" / "trainer_state.json") as f:
+        saved = [h["step"] for h in json.load(f)["log_history"] if "loss" in h]
+    assert saved == [1, 2, 3]
     resumed = make_trainer(tokenizer, tmp_path, [ThroughputMeter(), AdaptiveBatchTuner(tune=False)], max_steps=5)
     train_with_tuning(resumed, resume_from_checkpoint="last")
     assert [s["step"] for s in step_lines(tmp_path)] == [1, 2, 3, 4, 5]
+    assert [h["step"] for h in resumed.state.log_history if "loss" in h] == [1, 2, 3, 4, 5]
+    plain = make_trainer(tokenizer, tmp_path / "plain", [], max_steps=5)
+    plain.train()                                       # the same losses and learning rates as an unfaulted run
+    for key in ("loss", "learning_rate"):
+        expected = {h["step"]: h[key] for h in plain.state.log_history if "loss" in h}
+        assert {h["step"]: h[key] for h in resumed.state.log_history if "loss" in h} == pytest.approx(expected,
+                                                                                                      rel=1e-5)
 
 
 def recorder(seen):
@@ -222,3 +237,28 @@ def test_the_watchdog_stop_says_to_resume_through_the_interface_that_ran(tokeniz
         messages[how] = stop
     assert "Resume with trainer.train(resume_from_checkpoint=" in messages["train"]
     assert "Resume with train_with_tuning(trainer, resume_from_checkpoint=" in messages["train_with_tuning"]
+
+
+def test_a_resume_in_a_later_epoch_draws_that_epochs_order_from_a_sampler_with_its_own_generator():
+    """GRPO's RepeatSampler shuffles with a generator of its own and has no set_epoch, and transformers 5 no longer
+    fast-forwards the epochs a resume skips: a fresh dataloader would draw the first epoch's order again. The tuner
+    advances it by the epochs trained (seen in the re-size matrix: GRPO with two prompts an epoch, re-sized at the
+    epoch's end, trained other prompts in the second epoch)."""
+    import torch
+    from trl.trainer.utils import RepeatSampler
+
+    from hf_perf_callbacks.resize.callback import advance_sampler
+
+    def loader():
+        sampler = RepeatSampler(list(range(8)), mini_repeat_count=2, batch_size=2, repeat_count=1, shuffle=True,
+                                seed=0)
+        return torch.utils.data.DataLoader(list(range(8)), batch_size=4, sampler=sampler)
+
+    once = loader()
+    orders = [[int(i) for batch in once for i in batch] for _ in range(3)]      # epochs 0, 1, 2 of one run
+    assert orders[0] != orders[1]
+    resumed = loader()
+    assert advance_sampler(resumed, 2) == 2
+    assert [int(i) for batch in resumed for i in batch] == orders[2]
+    sequential = torch.utils.data.DataLoader(list(range(8)), batch_size=4)
+    assert advance_sampler(sequential, 2) == 0                                    # nothing shuffled: untouched

@@ -252,3 +252,20 @@ def test_a_header_field_of_another_type_reads_as_unset_and_is_kept_aside(field, 
     h = RunHeader.from_json(header("s", **{field: value}))
     assert getattr(h, field) in (None, {}) and h.malformed == {field: value}
     assert RunHeader.from_json(header("s", world_size=2.0, grpo=1)).world_size == 2    # 2.0 is an integer
+
+
+def test_the_writer_ends_a_line_a_killed_process_cut_short_before_appending(tmp_path):
+    """A process killed while writing a line leaves it without its end: the next record (a resume's run header)
+    starts a line of its own, and the reader reads it (the cut line counted as unreadable)."""
+    from hf_perf_callbacks.runlog import PERF_LOG, LogWriter, RunHeader, StepLine
+
+    writer = LogWriter()
+    writer.append(str(tmp_path), RunHeader(session="s1", resumed_from_step=0))
+    writer.append(str(tmp_path), StepLine(1, 1.0, {"perf/step_time": 1.0}))
+    with open(tmp_path / PERF_LOG, "a", encoding="utf-8") as f:
+        f.write('{"type": "step", "step": 2, "time": 2.0, "perf/st')          # killed mid-line
+    LogWriter().append(str(tmp_path), RunHeader(session="s1", resumed_from_step=1))
+    LogWriter().append(str(tmp_path), StepLine(2, 3.0, {"perf/step_time": 1.5}))
+    run = read_run(str(tmp_path))
+    assert [h.resumed_from_step for h in run.headers] == [0, 1] and run.skipped_lines == 1
+    assert [s.step for s in run.unique_steps()] == [1, 2] and run.unique_steps()[1].values["perf/step_time"] == 1.5

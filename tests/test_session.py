@@ -10,8 +10,9 @@ from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, ThroughputMeter, adapter, train_with_tuning
 from hf_perf_callbacks.batching import Split
+from hf_perf_callbacks.bus import OutputDirBusy
 from hf_perf_callbacks.resize import current_split
-from hf_perf_callbacks.runlog import OutputDirBusy, read_run
+from hf_perf_callbacks.runlog import LOCK_FILE, SPLIT_FILE, read_run
 from hf_perf_callbacks.splitfile import read_split_file
 from tests.conftest import PlantedClock, make_trainer
 from tests.faults import Fault, SampleRecorder
@@ -121,20 +122,89 @@ def test_a_checkpoint_another_process_rewrote_is_never_resumed_from(tokenizer, t
 
 
 def test_a_second_process_in_the_same_output_dir_is_refused_naming_the_first(tokenizer, tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hf_perf_callbacks.runlog import "
-                               "lock_output_dir; lock_output_dir(sys.argv[1]); print('locked', flush=True); "
+    """A live process holds the output_dir: plain train() and train_with_tuning are refused before they write
+    anything, with a message for a run that never started (no checkpoint to save, nothing to resume)."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hf_perf_callbacks.bus import "
+                               "OutputDirLock; OutputDirLock().acquire(sys.argv[1]); print('locked', flush=True); "
                                "time.sleep(120)", str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         assert holder.stdout.readline().strip() == "locked"
         trainer = make_trainer(tokenizer, tmp_path, [ThroughputMeter()], max_steps=1)
         with pytest.raises(OutputDirBusy, match=f"another training process \\(pid {holder.pid} on "):
             trainer.train()
+        tuned = make_trainer(tokenizer, tmp_path, [ThroughputMeter(), AdaptiveBatchTuner(tune=False)], max_steps=1)
+        with pytest.raises(OutputDirBusy) as refused:
+            train_with_tuning(tuned)
+        said = str(refused.value) + " ".join(getattr(refused.value, "__notes__", []))
+        assert "did not start" in said and "checkpoint-0" not in said and "must start again" not in said
+        assert not os.path.exists(tmp_path / SPLIT_FILE) and tuned.state.global_step == 0
     finally:
         holder.kill()
         holder.wait()
     trainer = make_trainer(tokenizer, tmp_path, [ThroughputMeter()], max_steps=1)
     trainer.train()                                      # the lock died with its process
     assert trainer.state.global_step == 1
+
+
+def another_process_can_lock(output_dir) -> bool:
+    """Whether a process of its own (filelock alone: a fast start) can take the output_dir's lock now."""
+    done = subprocess.run([sys.executable, "-c", "import sys; from filelock import FileLock, Timeout\ntry:\n"
+                           "    FileLock(sys.argv[1], timeout=0).acquire(); print('free')\nexcept Timeout:\n"
+                           "    print('held')", os.path.join(str(output_dir), LOCK_FILE)], capture_output=True,
+                          text=True, timeout=120)
+    return done.stdout.strip() == "free"
+
+
+@pytest.mark.parametrize("how", ["trainer.train", "train_with_tuning"])
+def test_the_lock_is_released_and_its_file_removed_when_train_ends_by_an_error_too(tokenizer, tmp_path, how):
+    """A run that ended with an error in a process that lives on (a notebook) does not keep the output_dir from the
+    resume command it printed; a run that ended normally leaves no lock file behind."""
+    class Fails(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise RuntimeError("planted failure")
+
+    callbacks = [ThroughputMeter(), AdaptiveBatchTuner(tune=False), Fails()]
+    trainer = make_trainer(tokenizer, tmp_path / "failed", callbacks, max_steps=3)
+    with pytest.raises(RuntimeError, match="planted failure"):
+        trainer.train() if how == "trainer.train" else train_with_tuning(trainer)
+    assert not os.path.exists(tmp_path / "failed" / LOCK_FILE) and another_process_can_lock(tmp_path / "failed")
+    ended = make_trainer(tokenizer, tmp_path / "ended", [ThroughputMeter()], max_steps=1)
+    ended.train() if how == "trainer.train" else train_with_tuning(ended)
+    assert not [n for n in os.listdir(tmp_path / "ended") if n.startswith(LOCK_FILE)]
+
+
+@pytest.mark.parametrize("filesystem", ["read-only", "no flock"])
+def test_an_output_dir_that_cannot_hold_a_lock_trains_as_transformers_does(tokenizer, tmp_path, monkeypatch, caplog,
+                                                                          filesystem):
+    """Faked for the lock file alone (this machine runs as root, where a read-only directory stays writable): a
+    read-only file system fails to open it (EROFS), a file system without flock fails flock with ENOSYS (filelock's
+    documented cases). The run trains to its end, with at most one warning."""
+    import builtins
+    import errno
+    import fcntl
+    import logging
+
+    if filesystem == "read-only":
+        real_open, real_os_open = builtins.open, os.open
+
+        def refuse(path):
+            if str(path).endswith(LOCK_FILE) or LOCK_FILE + "." in str(path):
+                raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+        monkeypatch.setattr(builtins, "open", lambda path, *a, **k: refuse(path) or real_open(path, *a, **k))
+        monkeypatch.setattr(os, "open", lambda path, *a, **k: refuse(path) or real_os_open(path, *a, **k))
+    else:
+        def no_flock(fd, operation):
+            raise OSError(errno.ENOSYS, "Function not implemented")
+
+        monkeypatch.setattr(fcntl, "flock", no_flock)
+    trainer = make_trainer(tokenizer, tmp_path, [ThroughputMeter(), AdaptiveBatchTuner(tune=False)], max_steps=2)
+    with caplog.at_level(logging.WARNING):
+        train_with_tuning(trainer)
+        trainer.train()                                  # a second call: not warned again
+    assert trainer.state.global_step == 2
+    assert caplog.text.count("cannot lock") <= 1
 
 
 @pytest.mark.parametrize("step", [True, -1, 2.5, "4", None])

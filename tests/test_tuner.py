@@ -17,7 +17,7 @@ from hf_perf_callbacks.device import GB, MemorySample
 from hf_perf_callbacks.splitfile import read_split_file
 from hf_perf_callbacks.throughput import forward_entry
 from tests.conftest import PlantedClock, make_grpo, make_trainer
-from tests.faults import SampleRecorder
+from tests.faults import Fault, SampleRecorder, Trajectory, differences
 from tests.test_watchdog import FakeMPS
 
 CUDA_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.10 GiB total capacity)"
@@ -178,12 +178,12 @@ class PlantedStepTime(TrainerCallback):
         self.clock.spend(base * (1 + self.rng.uniform(-self.noise, self.noise)))
 
 
-def tuned_run(tokenizer, path, seconds, max_steps=25, bs=2, ga=4, noise=0.0, **tuner_kw):
+def tuned_run(tokenizer, path, seconds, max_steps=25, bs=2, ga=4, noise=0.0, padding_side="right", **tuner_kw):
     clock = PlantedClock()
     tuner = AdaptiveBatchTuner(clock=clock, **tuner_kw)
     samples = SampleRecorder()
     trainer = samples.attach(make_trainer(tokenizer, path, [samples, PlantedStepTime(clock, seconds, noise), tuner],
-                                          max_steps=max_steps, bs=bs, ga=ga, length=16))
+                                          max_steps=max_steps, bs=bs, ga=ga, length=16, padding_side=padding_side))
     train_with_tuning(trainer)
     return trainer, tuner, samples
 
@@ -245,20 +245,34 @@ def test_a_slower_split_is_left_and_the_run_goes_back_to_the_configured_one(toke
     assert [s["step"] for s in step_lines(tmp_path)] == list(range(1, 31))
 
 
-def test_a_larger_split_that_runs_out_of_memory_is_left_and_nothing_is_lost(tokenizer, tmp_path):
+@pytest.mark.parametrize("max_resizes", [0, 1])
+def test_a_larger_split_that_runs_out_of_memory_is_left_and_nothing_is_lost(tokenizer, tmp_path, max_resizes):
+    """The tuning's own trials that run out of memory (8×1, then 4×2) are left and the run goes on: they spend none
+    of ``max_resizes`` (with 0 the configured split, which fits, trains to the end; with 1 a real OOM later still
+    gets its re-size)."""
     clock = PlantedClock()
     plant = PlantedOOM(limit=2, text=CUDA_OOM)
-    tuner = AdaptiveBatchTuner(clock=clock)
-    trainer = plant.attach(make_trainer(tokenizer, tmp_path, [plant, PlantedStepTime(clock, {8: 50.0, 4: 100.0,
-                                        2: 200.0, 1: 400.0}), tuner], max_steps=20, bs=2, ga=4))
-    train_with_tuning(trainer)
+    real = Fault("forward", at=12) if max_resizes else None      # at the kept split, after the tuning
+    tuner = AdaptiveBatchTuner(clock=clock, must_pay=False)
+    callbacks = [plant, PlantedStepTime(clock, {8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}), tuner]
+    trainer = plant.attach(make_trainer(tokenizer, tmp_path, callbacks + ([real] if real else []), max_steps=13,
+                                        bs=2, ga=4))
+    if real:
+        real.attach(trainer)
+    train_with_tuning(trainer, max_resizes=max_resizes)
     kinds = [(d.kind, d.old.micro_batch, d.new.micro_batch) for d in tuner.session.decisions]
     # the largest first; out of memory: straight on to the next largest; then the walk down (1×8, slower): back
-    assert kinds[:2] == [("oom", 8, 4), ("oom", 4, 1)] and kinds[-1][0] == "tune" and kinds[-1][2] == 2
-    tried = {t.split.micro_batch: t for t in tuner.session.decisions[-1].trials}
+    assert kinds[0][0] == "tune" and kinds[0][2] == 2
+    tried = {t.split.micro_batch: t for t in tuner.session.decisions[0].trials}
     assert tried[8].error == tried[4].error == "out of memory" and len(tried[1].samples) == 1
-    assert [s["step"] for s in step_lines(tmp_path)] == list(range(1, 21)) and trainer.state.global_step == 20
-    assert tuner.session.resizes == 2
+    assert [s["step"] for s in step_lines(tmp_path)] == list(range(1, 14)) and trainer.state.global_step == 13
+    if max_resizes:
+        assert kinds[1:] == [("oom", 2, 1)] and tuner.session.resizes == 1 and real.fired == 1
+    else:
+        assert kinds[1:] == [] and tuner.session.resizes == 0
+    assert os.listdir(tmp_path / "tuner_switch") == []                      # the trials' checkpoints are gone
+    assert [n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")] == (["checkpoint-11"] if max_resizes
+                                                                                 else [])
 
 
 def test_grpo_tuning_switches_at_generation_boundaries_and_samples_what_an_untuned_run_samples(tokenizer, tmp_path):
@@ -369,3 +383,231 @@ def test_the_memory_check_runs_only_where_memory_is_tight(tokenizer, tmp_path):
     plain = make_trainer(tokenizer, tmp_path / "plain", [], max_steps=1)
     assert memcheck.estimated_peak(plain, "cuda") is None
     assert memcheck.tight(plain, budget=GB, device_type="cuda") == (True, "no estimate of the worst-case peak")
+
+
+# ---------------------------------------------------------------- the splits exact under the run's loss
+def test_the_rule_keeps_only_the_splits_under_which_the_loss_is_what_the_configured_split_trains():
+    """The pure rule over a run's facts (``batching.exact_under``): settings under which the loss depends on each
+    micro-batch's own content keep the configured split alone, with why and what makes every split exact; the
+    examples of an epoch's last micro-batch decide the rest."""
+    from hf_perf_callbacks.batching import Grouping, exact_splits, exact_under
+
+    every = exact_splits(8)                                      # 8×1, 4×2, 2×4, 1×8
+    configured = Split(4, 2)
+    assert exact_under(Grouping(rows=64), configured, every).splits == tuple(every)          # right padding
+    alone = {"left padding": (Grouping(left_padding=True, rows=64), "pads left", "padding_side = 'right'"),
+             "dropout": (Grouping(dropout=True, rows=64), "dropout", "lora_dropout=0.0"),
+             "batch norm": (Grouping(batch_norm=True, rows=64), "batch normalisation", "BatchNorm"),
+             "override": (Grouping(loss_override="Mine.compute_loss", rows=64), "never reads num_items_in_batch",
+                          "num_items_in_batch=num_items_in_batch"),
+             "mean per micro-batch": (Grouping(counts_items=False, rows=64), "mean over each micro-batch",
+                                      "takes num_items_in_batch"),
+             "bnpo": (Grouping(trainer="GRPOTrainer", loss_types=("bnpo",)), "'bnpo'", "loss_type='dapo'"),
+             "entropy quantile": (Grouping(trainer="GRPOTrainer", loss_types=("dapo",), top_entropy_quantile=0.2),
+                                  "top_entropy_quantile=0.2", "top_entropy_quantile=1.0"),
+             "DPO sft": (Grouping(trainer="DPOTrainer", loss_types=("sigmoid", "sft"), rows=64), "'sft'",
+                         "without 'sft'"),
+             "an unknown trainer": (Grouping(trainer="KTOTrainer"), "KTOTrainer computes its own loss", "SFTTrainer"),
+             "tokens per rank": (Grouping(world=2, tokens_across_devices=False, rows=64),
+                                 "average_tokens_across_devices=False", "average_tokens_across_devices=True")}
+    for name, (grouping, why, fix) in alone.items():
+        judged = exact_under(grouping, configured, every)
+        assert judged.splits == (configured,) and why in judged.reason and fix in judged.fix, name
+        assert "4×2" in judged.message(every) and "8×1, 2×4, 1×8" in judged.message(every), name
+    for loss in ("dapo", "dr_grpo", "grpo"):                     # normalised over the step: every split
+        assert exact_under(Grouping(trainer="GRPOTrainer", loss_types=(loss,), dropout=False), configured,
+                           every).reason is None
+    # DPO: a mean over each micro-batch's pairs; 10 pairs at 3×2 leave a last micro-batch of one pair
+    dpo = exact_splits(6)
+    judged = exact_under(Grouping(trainer="DPOTrainer", loss_types=("sigmoid",), rows=10), Split(3, 2), dpo)
+    assert judged.splits == (Split(3, 2),) and "last micro-batch of 1" in judged.reason and "(6)" in judged.fix
+    # 10 pairs at 2×3: every micro-batch full, and so at 1×6: those two are exact; 12 pairs: all
+    assert exact_under(Grouping(trainer="DPOTrainer", loss_types=("sigmoid",), rows=10), Split(2, 3),
+                       dpo).splits == (Split(2, 3), Split(1, 6))
+    assert exact_under(Grouping(trainer="DPOTrainer", loss_types=("sigmoid",), rows=12), Split(3, 2),
+                       dpo).reason is None
+    assert exact_under(Grouping(trainer="DPOTrainer", loss_types=("sigmoid",), rows=None), Split(3, 2),
+                       dpo).splits == (Split(3, 2),)                                    # unknown: not checkable
+    # drop_last: 4×2 drops 2 of 66 examples an epoch, 2×4 none; 1×8 none either; 8×1 drops 2 too
+    dropping = exact_under(Grouping(drop_last=True, rows=66), configured, every)
+    assert dropping.splits == (Split(8, 1), configured) and "dataloader_drop_last=True" in dropping.reason
+    # a run that ends before the first epoch's last step never meets the difference
+    assert exact_under(Grouping(drop_last=True, rows=66, planned_steps=8), configured, every).reason is None
+    # GRPO draws whole generation batches: the epoch's examples are the same for every split
+    assert exact_under(Grouping(trainer="GRPOTrainer", loss_types=("dapo",), drop_last=True, rows=7), configured,
+                       every).reason is None
+
+
+class IgnoresItems:
+    """A compute_loss override that never reads num_items_in_batch (a mean over each micro-batch's tokens)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs)
+        return (outputs.loss, outputs) if return_outputs else outputs.loss
+
+
+class PassesItems:
+    """An override that passes num_items_in_batch on (the trainer's own normalisation)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch=num_items_in_batch)
+
+
+class PassesKwargs:
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+
+def test_the_facts_of_the_runs_loss_are_read_from_the_trainer(tokenizer, tmp_path):
+    from datasets import Dataset
+    from transformers import Trainer
+
+    from hf_perf_callbacks.resize.grouping import examples, loss_owner, read_grouping, reads
+
+    assert loss_owner(Trainer) == ("Trainer", None)
+    assert loss_owner(type("Mine", (IgnoresItems, Trainer), {})) == ("Trainer", "IgnoresItems.compute_loss")
+    assert loss_owner(type("Mine", (PassesItems, Trainer), {})) == ("Trainer", None)
+    assert loss_owner(type("Mine", (PassesKwargs, Trainer), {})) == ("Trainer", None)
+    assert reads(lambda outputs, labels, num_items_in_batch=None: num_items_in_batch, "num_items_in_batch")
+    assert not reads(lambda outputs, labels, num_items_in_batch=None: outputs.loss, "num_items_in_batch")
+    left = read_grouping(make_trainer(tokenizer, tmp_path / "l", [], padding_side="left"), 6, 1)
+    assert left.left_padding and left.trainer == "Trainer" and left.counts_items and left.rows == 64
+    right = read_grouping(make_trainer(tokenizer, tmp_path / "r", [], extra={"dataloader_drop_last": True}), 6, 1)
+    assert not right.left_padding and right.drop_last and not right.dropout and right.loss_override is None
+    func = make_trainer(tokenizer, tmp_path / "f", [])
+    func.compute_loss_func = lambda outputs, labels, num_items_in_batch=None: outputs.loss
+    assert read_grouping(func, 6, 1).loss_override.startswith("compute_loss_func")
+    dropped = make_trainer(tokenizer, tmp_path / "d", [])
+    dropped.model.model.layers[0].self_attn.attention_dropout = 0.1
+    assert read_grouping(dropped, 6, 1).dropout
+    assert examples(Dataset.from_dict({"x": [1, 2, 3]}).to_iterable_dataset()) is None
+    assert examples(Dataset.from_dict({"x": [1, 2, 3]})) == 3
+    grpo = make_grpo(tokenizer, tmp_path / "g", [])
+    grpo.compute_loss_func = "non-None"          # TRL 1.0's GRPOTrainer sets it so; its own loss never calls it
+    judged = read_grouping(grpo, 6, 1)
+    assert judged.trainer == "GRPOTrainer" and judged.loss_override is None and judged.loss_types == (
+        grpo.args.loss_type,)
+
+
+def test_left_padding_keeps_the_configured_split_and_an_oom_saves_and_ends_saying_why(tokenizer, tmp_path):
+    """The collator pads left: the first token of a row shorter than its micro-batch's longest is a target only in
+    that grouping, so no other split trains the configured run. Said once at the start (perf log, split file); the
+    tuning tries nothing; an OOM saves and ends with why and the setting that makes every split exact."""
+    from hf_perf_callbacks.resize.checkpoints import is_complete
+    from hf_perf_callbacks.runlog import read_run
+
+    clock = PlantedClock()
+    plant = PlantedOOM(limit=2, text=CUDA_OOM, armed_at=2)
+    tuner = AdaptiveBatchTuner(clock=clock, must_pay=False)
+    trainer = plant.attach(make_trainer(tokenizer, tmp_path, [plant, PlantedStepTime(clock, {4: 100.0}), tuner],
+                                        max_steps=6, bs=4, ga=2, padding_side="left"))
+    with pytest.raises(ValueError, match="no smaller split keeps this run exact") as raised:
+        train_with_tuning(trainer)
+    assert "pads left" in str(raised.value) and "padding_side = 'right'" in str(raised.value)
+    assert "per_device_train_batch_size=2 and gradient_accumulation_steps=4" in str(raised.value)
+    assert not tuner.session.tuning.larger and not tuner.session.tuning.smaller      # nothing to try
+    assert is_complete(str(tmp_path / "checkpoint-2"), 2) and trainer.state.global_step == 2
+    record = read_split_file(str(tmp_path))
+    assert record.restricted.splits == [Split(4, 2)] and "pads left" in record.restricted.reason
+    assert "no smaller split keeps this run exact" in record.ended and record.split == Split(4, 2)
+    said = [e for e in read_run(str(tmp_path)).events if "use only 4×2" in e.message]
+    assert len(said) == 1 and "padding_side = 'right'" in said[0].message
+    assert [d.kind for d in tuner.session.decisions if d.kind != "tune"] == []      # no re-size recorded
+    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (4, 2)
+
+
+class StopAt(TrainerCallback):
+    """The user's callback: stop training at step ``step``."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+#: planted step times under which the tuner measures 2×4 on steps 4-7 and asks for 8×1 at the end of step 7
+FASTER_LARGER = {8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}
+
+
+@pytest.mark.parametrize("stop", ["callback", "early_stopping"])
+def test_a_users_stop_on_the_step_where_the_tuner_switches_ends_the_run_there(tokenizer, tmp_path, stop):
+    """The tuner asks for 8×1 at the end of step 7, where the user's callback (or early stopping, in the evaluation
+    of step 7) stops the run: it ends at step 7, as the untuned run does, with the same weights and optimizer state;
+    the tuning is recorded as ended, and args and the split file keep the configured split."""
+    from transformers import EarlyStoppingCallback
+
+    def run(path, tuned):
+        clock = PlantedClock()
+        if stop == "callback":
+            stopper, extra = StopAt(7), {}
+        else:                                # no improvement counts: the 7th evaluation ends patience 6
+            stopper = EarlyStoppingCallback(early_stopping_patience=6, early_stopping_threshold=1e9)
+            extra = {"eval_strategy": "steps", "eval_steps": 1, "metric_for_best_model": "loss"}
+        trajectory = Trajectory()
+        callbacks = [trajectory, PlantedStepTime(clock, FASTER_LARGER)]
+        callbacks += [AdaptiveBatchTuner(clock=clock, must_pay=False)] if tuned else []
+        trainer = trajectory.attach(make_trainer(tokenizer, path, callbacks + [stopper], max_steps=25, bs=2, ga=4,
+                                                 length=16, with_eval=stop != "callback",
+                                                 extra={"optim": "sgd", "optim_args": "momentum=0.9",
+                                                        "max_grad_norm": 0.0, **extra}))
+        train_with_tuning(trainer) if tuned else trainer.train()
+        return trainer, trajectory
+
+    tuned, tuned_path = run(tmp_path / "tuned", True)
+    plain, plain_path = run(tmp_path / "plain", False)
+    assert tuned.state.global_step == plain.state.global_step == 7
+    assert differences(plain_path, tuned_path) == []
+    tuner = find_tuner(tuned)
+    assert [(d.kind, d.new) for d in tuner.session.decisions] == [("tune", Split(2, 4))]
+    assert "the run ended before the tuning did" in tuner.session.decisions[0].reason
+    assert tuner.session.switch is None and read_split_file(str(tmp_path / "tuned")).split == Split(2, 4)
+    assert (tuned.args.per_device_train_batch_size, tuned.args.gradient_accumulation_steps) == (2, 4)
+
+
+def find_tuner(trainer):
+    return next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, AdaptiveBatchTuner))
+
+
+def test_switch_checkpoints_never_push_the_users_out_and_a_run_ending_mid_trial_says_one_split(tokenizer, tmp_path):
+    """save_total_limit=1, the user's checkpoint-5; the tuner switches to 8×1 at step 7 and the user stops the run at
+    step 9, mid-trial. The switch checkpoint is no checkpoint-N of the rotation: checkpoint-5 stays, as in the
+    untuned run; args, the split file and the tuning's decision all say 2×4."""
+    from hf_perf_callbacks.resize import current_split
+
+    saves = {"save_strategy": "steps", "save_steps": 5, "save_total_limit": 1}
+
+    def checkpoints(path):
+        return sorted(n for n in os.listdir(path) if n.startswith("checkpoint-"))
+
+    clock = PlantedClock()
+    tuner = AdaptiveBatchTuner(clock=clock, must_pay=False)
+    tuned = make_trainer(tokenizer, tmp_path / "tuned", [PlantedStepTime(clock, FASTER_LARGER), tuner, StopAt(9)],
+                         max_steps=25, bs=2, ga=4, length=16, extra=saves)
+    train_with_tuning(tuned)
+    assert [s["tuner/micro_batch"] for s in step_lines(tmp_path / "tuned")] == [2] * 7 + [8] * 2   # a trial ran
+    plain = make_trainer(tokenizer, tmp_path / "plain", [StopAt(9)], max_steps=25, bs=2, ga=4, length=16,
+                         extra=saves)
+    plain.train()
+    assert checkpoints(tmp_path / "tuned") == checkpoints(tmp_path / "plain") == ["checkpoint-5"]
+    assert not os.listdir(tmp_path / "tuned" / "tuner_switch")              # the switch checkpoint is gone
+    [decision] = tuner.session.decisions
+    assert decision.kind == "tune" and decision.new == Split(2, 4)
+    assert current_split(tuned.args) == Split(2, 4) == read_split_file(str(tmp_path / "tuned")).split
+    assert losses(tuned) == pytest.approx(losses(plain), rel=1e-5)          # no padding: the same steps
+
+
+def test_the_watchdogs_request_uses_only_the_splits_exact_for_the_run(tokenizer, tmp_path):
+    """Left padding leaves no smaller split exact: the watchdog's request for one is declined with why (no re-size
+    recorded), and the watchdog stops the run at the wall itself, saved."""
+    from hf_perf_callbacks.runlog import read_run
+
+    watchdog, tuner = MemoryWatchdog(limit_gb=7.0, grace_steps=1), AdaptiveBatchTuner(tune=False)
+    trainer = make_trainer(tokenizer, tmp_path, [watchdog, tuner], max_steps=5, bs=4, ga=2, padding_side="left")
+    watchdog.device = MemoryByBatch(trainer.args)
+    train_with_tuning(trainer)
+    assert tuner.session.decisions == [] and trainer.args.per_device_train_batch_size == 4
+    assert [a["action"] for a in watchdog.actions][-1] == "stop" and os.path.isdir(tmp_path / "checkpoint-2")
+    said = [e.message for e in read_run(str(tmp_path)).events]
+    assert any("no smaller split keeps this run exact" in m and "pads left" in m for m in said)

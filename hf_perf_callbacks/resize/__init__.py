@@ -9,6 +9,8 @@ module             job
 ``callback``       :class:`AdaptiveBatchTuner`: measures the steps, logs the split, answers the watchdog
 ``loop``           :func:`train_with_tuning`: the switch / re-size loop, OOM recovery, checkpoint choice
 ``memcheck``       one step at the worst-case length before training, where memory is tight (CUDA, MPS)
+``grouping``       the facts that decide whether the run's loss depends on how examples are grouped into
+                   micro-batches, read once at the start (the rule over them: ``batching.exact_under``)
 ``agreement``      cross-rank agreement on OOMs inside a training step (:class:`ResizeNeeded`, :class:`PeerFailed`)
 ``oomsite``        where an OOM struck: an OOM no smaller micro-batch fixes (generation, a reward function) ends the
                    run named, with its fix (:class:`UnfixableOOM`), instead of a re-size
@@ -20,9 +22,9 @@ The split file's schema and its one reader are :mod:`hf_perf_callbacks.splitfile
 """
 from .agreement import PeerFailed, ResizeNeeded
 from .callback import AdaptiveBatchTuner
-from .loop import train_with_tuning
+from .loop import InexactResize, train_with_tuning
 from .oomsite import UnfixableOOM
 from .session import TuningSession, current_split
 
-__all__ = ["AdaptiveBatchTuner", "train_with_tuning", "PeerFailed", "ResizeNeeded", "TuningSession", "UnfixableOOM",
-           "current_split"]
+__all__ = ["AdaptiveBatchTuner", "train_with_tuning", "InexactResize", "PeerFailed", "ResizeNeeded", "TuningSession",
+           "UnfixableOOM", "current_split"]

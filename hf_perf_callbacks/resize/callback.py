@@ -11,28 +11,24 @@ import os
 import time
 from collections.abc import Callable
 
+import torch
+
 from .. import adapter
 from .. import runlog as keys
 from ..base import Clock, PerfCallback
-from ..batching import Split, exact_splits, next_smaller
+from ..batching import next_smaller
 from ..bus import SIGNAL_SMALLER_BATCH
 from ..device import GB, DeviceLayer, gather_floats, world_size
 from ..memory import budget_bytes
 from ..runlog import SPLIT_FILE
 from ..splitfile import read_split_file
 from ..validation import check_flag, check_number
-from .session import TuningSession, current_split
+from .session import SwitchSplit, TuningSession, candidates, current_split
 from .tuning import MIN_SAMPLES, SAMPLES, Switch
 
 logger = logging.getLogger("hf_perf_callbacks")
 
-
-def candidates(args, world: int) -> list[Split]:
-    """Every exact split of the run's effective batch (GRPO: and generation batch), largest micro-batch first."""
-    split = current_split(args)
-    if hasattr(args, "num_generations"):
-        return exact_splits(split.effective_batch(world), world, split.generation_batch(world), args.num_generations)
-    return exact_splits(split.effective_batch(world), world)
+__all__ = ["AdaptiveBatchTuner", "candidates", "find_callback", "format_summary", "format_tuning"]
 
 
 class AdaptiveBatchTuner(PerfCallback):
@@ -90,7 +86,9 @@ class AdaptiveBatchTuner(PerfCallback):
         self._started: float | None = None
 
     # ------------------------------------------------------------ events
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        if state.global_step > 0:
+            advance_sampler(train_dataloader, int(state.epoch or 0))
         if getattr(args, "auto_find_batch_size", False):
             self.warn("auto_find_batch_size=True re-sizes by itself (restarting at step 0 with a drifting batch): the "
                       "tuner stays off. Turn auto_find_batch_size off to let the tuner keep the batch exact.")
@@ -140,6 +138,9 @@ class AdaptiveBatchTuner(PerfCallback):
             record = read_split_file(args.output_dir, warn=False)
             if record is not None and record.checkpoint(state.global_step) is not None:
                 session.adopt(record)
+        trainer = adapter.calling_trainer()              # the splits a re-size asked for by the watchdog may use
+        if trainer is not None:
+            session.judge_grouping(trainer, state.max_steps if state.max_steps > 0 else None)
         return session
 
     def on_epoch_begin(self, args, state, control, **kwargs):
@@ -147,8 +148,11 @@ class AdaptiveBatchTuner(PerfCallback):
             self._session.note_rng(state.global_step, epoch_start=True)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if self._session.managed:                        # the RNG a checkpoint of the last step must hold
-            self._session.note_rng(state.global_step)
+        session = self._session
+        if session.managed:                              # the RNG a checkpoint of the last step must hold
+            session.note_rng(state.global_step)
+        if session.switch is not None and session.in_process:
+            raise SwitchSplit(f"switch to {session.switch} before step {state.global_step + 1}")
         if self.measuring:
             self.device.synchronize()
             self._started = self.clock.wall()
@@ -192,8 +196,9 @@ class AdaptiveBatchTuner(PerfCallback):
         action = tuning.observe(step, ranked, whole, peak_gb=max(r[2] for r in rows) / GB, fits=fits)
         if isinstance(action, Switch):
             self._session.request_switch(action.split, action.why)
-            self._bus.continuing = True
-            control.should_training_stop = True
+            if not self._session.in_process:                # takes effect at the next step's begin otherwise
+                self._bus.continuing = True
+                control.should_training_stop = True
         self._tuning_done(step)
 
     def _memory(self) -> tuple[float, float]:
@@ -208,20 +213,31 @@ class AdaptiveBatchTuner(PerfCallback):
                                                 sample.system_total, reachable=sample.reachable)
 
     def _on_smaller_batch(self, reason: str, step: int, control=None, **_) -> bool:
-        """The watchdog asks for a smaller micro-batch: plan it, checkpoint now and stop this train() call."""
+        """The watchdog asks for a smaller micro-batch: plan it. In train_with_tuning (one process per model) the
+        re-size takes effect at the next step's begin, unless something stops the run at this step first; otherwise
+        checkpoint now and stop this train() call."""
         session = self._session
         if session.switch is not None or control is None:
             return session.switch is not None
+        if session.resizes_left is not None and session.resizes_left <= 0:
+            session.warn_once("max-resizes", "the watchdog asked for a smaller micro-batch, but the run's "
+                                             "max_resizes re-sizes are done", step=step)
+            return False                                 # the watchdog stops instead
         try:
-            new = next_smaller(session.split, candidates(session.args, self.world))
+            new = next_smaller(session.split, session.candidates(session.args))
         except ValueError:
+            if session.exactness is not None and session.exactness.reason is not None:
+                session.warn_once("watchdog-inexact", f"the watchdog asked for a smaller micro-batch, but no smaller "
+                                                      f"split keeps this run exact ({session.exactness.reason})",
+                                  step=step)
             return False                                 # nothing smaller: the watchdog stops instead
         session.end_tuning(step, "memory pressure ended the tuning")
-        session.decide("watchdog", reason, new, step)
-        session.request_switch(new, "the watchdog asked for a smaller micro-batch")
-        self._bus.continuing = session.managed
-        control.should_save = True
-        control.should_training_stop = True
+        decision = session.decide("watchdog", reason, new, step)
+        session.request_switch(new, "the watchdog asked for a smaller micro-batch", decision)
+        if not session.in_process:
+            self._bus.continuing = session.managed
+            control.should_save = True
+            control.should_training_stop = True
         return True
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -253,6 +269,26 @@ class AdaptiveBatchTuner(PerfCallback):
         if self._stop_watching is not None:
             self._stop_watching()
             self._stop_watching = None
+
+
+def advance_sampler(dataloader, epochs: int) -> int:
+    """A resume that starts in epoch ``epochs`` (> 0) draws the order of that epoch, not of the first. transformers
+    reseeds its own samplers per epoch (``set_epoch``), but a sampler that shuffles with a generator of its own and
+    has no ``set_epoch`` (TRL's ``RepeatSampler``, GRPO's) draws one permutation per epoch from it: a fresh
+    dataloader's sampler is advanced by the epochs already trained (as transformers 4 fast-forwarded skipped epochs).
+    Returns the permutations drawn."""
+    if dataloader is None or epochs <= 0:
+        return 0
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    for sampler in (getattr(dataloader, "sampler", None), getattr(batch_sampler, "sampler", None),
+                    getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None)):
+        if (sampler is not None and hasattr(sampler, "set_epoch") is False
+                and isinstance(getattr(sampler, "generator", None), torch.Generator)
+                and getattr(sampler, "shuffle", False)):
+            for _ in range(epochs):
+                next(iter(sampler), None)                 # one permutation per epoch
+            return epochs
+    return 0
 
 
 def format_tuning(decision) -> str:

@@ -9,7 +9,10 @@ this run wrote and verified (its ``written`` list, with its session id); recover
 in the way (an earlier run's, or a partial one) is moved aside to ``moved_aside/checkpoint-N.<why>-<n>`` inside
 ``output_dir``: out of the ``checkpoint-*`` names that transformers resumes from and that its rotation
 (``save_total_limit``) sorts, so it can be neither resumed from, nor kept as the newest while a complete one is
-deleted. Under several ranks only the main
+deleted. A checkpoint written only to switch splits on the run's own steps (the tuning's trials) is moved to
+``tuner_switch/checkpoint-N`` right after it is written (:func:`hide`): out of the names transformers' rotation
+counts, so ``save_total_limit`` never deletes one of the user's checkpoints because of it; it is resumed from there
+and removed once a newer one supersedes it or the run ends. Under several ranks only the main
 process (which writes the files) checks and moves them; the others take its word (no rank races another's write).
 """
 from __future__ import annotations
@@ -30,6 +33,7 @@ INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"   # transformers' JIT checkpo
 WEIGHT_PREFIXES = ("model", "adapter_model", "pytorch_model")
 _CHECKPOINT = re.compile(rf"^{PREFIX}-(\d+)$")
 MOVED_ASIDE = "moved_aside"                # the folder of output_dir that checkpoints are moved aside into
+SWITCH_DIR = "tuner_switch"                # the folder of output_dir that holds the checkpoints of switches
 
 
 def checkpoint_dir(output_dir: str, step: int) -> str:
@@ -108,6 +112,23 @@ def move_aside(path: str, why: str) -> str | None:
                 return None
             return target
     return None
+
+
+def switch_dir(output_dir: str, step: int) -> str:
+    return os.path.join(output_dir, SWITCH_DIR, f"{PREFIX}-{step}")
+
+
+def hide(output_dir: str, step: int) -> str:
+    """Move ``checkpoint-<step>`` to ``tuner_switch/checkpoint-<step>`` (see the module docstring); returns the new
+    path. Its fingerprint stays (names, sizes and times move with it). OSError when it cannot be moved."""
+    target = switch_dir(output_dir, step)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if os.path.exists(target):
+        import shutil
+
+        shutil.rmtree(target)
+    os.replace(checkpoint_dir(output_dir, step), target)
+    return target
 
 
 def newest_complete(output_dir: str) -> str | None:

@@ -20,7 +20,19 @@ Guarantees (each has a fault-injection test in ``tests/test_faults.py``):
 * a split read from disk is applied only when exact for the run (:mod:`~hf_perf_callbacks.resize.splitfile`);
 * every path that ends the run early saves the last completed optimizer step first when it can, and says how to
   resume;
-* an OOM in evaluation never changes the training split: the evaluation batch is halved, or the evaluation skipped;
+* a re-size and the tuning use only splits under which the run's loss stays what it is at the configured split
+  (:meth:`~hf_perf_callbacks.resize.session.TuningSession.judge_grouping`; said once at the start when some are left
+  out); an OOM with no smaller such split saves and ends with why and what makes every split exact;
+* a stop from anything but the tuner (a callback, early stopping, ``max_steps``) ends the run at its step, also at
+  the step where the tuner asked for a switch: a switch takes effect only when the next step begins
+  (:class:`~hf_perf_callbacks.resize.session.SwitchSplit`);
+* the tuning's own trials never spend ``max_resizes``: a trial split that runs out of memory is left and the run goes
+  on (also with ``max_resizes=0``); their checkpoints never push the user's out of ``save_total_limit``; a run that
+  ends mid-trial leaves ``args``, the split file and the decision at the split the tuning kept;
+* an OOM in evaluation never changes the training split: the evaluation batch is halved (the RNG put back before
+  the retry, the batch size put back when the run ends), or the evaluation skipped;
+* a step whose callback raised in ``on_step_end`` still gets its training log (loss, gradient norm, learning rate)
+  before the checkpoint that ends the run is saved;
 * a fault in the memory check or in the recovery's own housekeeping is one warning, never the end of training;
 * transformers' just-in-time SIGTERM checkpoint stays armed across in-process re-sizes; ``auto_find_batch_size``
   is refused.
@@ -32,7 +44,7 @@ import logging
 import os
 
 from .. import adapter
-from ..batching import next_smaller
+from ..batching import Split, next_smaller
 from ..bus import bus_for
 from ..device import (
     DeviceLayer,
@@ -53,7 +65,7 @@ from .agreement import ResizeNeeded, guard_training_step, recoverable
 from .callback import AdaptiveBatchTuner, candidates, find_callback
 from .checkpoints import checkpoint_dir, is_complete, move_aside, newest_complete, step_of
 from .oomsite import UnfixableOOM, leak_message, oom_site, unfixable_message
-from .session import TuningSession, recorded_session
+from .session import SwitchSplit, TuningSession, recorded_session
 from .tuning import OnRunTuning
 
 logger = logging.getLogger("hf_perf_callbacks")
@@ -88,10 +100,22 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
         tuner = AdaptiveBatchTuner()
         trainer.add_callback(tuner)
     output_dir = trainer.args.output_dir
+    bus = bus_for(trainer.callback_handler)
+    bus.watch_trainer(trainer)
+    if is_main_process():
+        bus.hold(output_dir)                 # another process there: refused before anything is written
+    try:
+        return _train(trainer, tuner, bus, resume_from_checkpoint, tune, max_resizes)
+    finally:
+        bus.unhold()
+
+
+def _train(trainer, tuner: AdaptiveBatchTuner, bus, resume_from_checkpoint, tune: bool | None, max_resizes: int):
+    output_dir = trainer.args.output_dir
     if resume_from_checkpoint is None and sharding.restarted_by_launcher():
         resume_from_checkpoint = _restart_checkpoint(output_dir)
     resume_from_checkpoint = _checked_resume(resume_from_checkpoint, output_dir)
-    session = TuningSession(trainer.args, bus=bus_for(trainer.callback_handler))
+    session = TuningSession(trainer.args, bus=bus)
     session.managed = True
     if resume_from_checkpoint:
         record = recorded_session(output_dir, resume_from_checkpoint)
@@ -105,12 +129,17 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
         if step is not None and os.path.realpath(parent) == os.path.realpath(output_dir):
             session.record_written(step)             # the base of this run: a valid fallback for a later OOM
     sharded = sharding.start(trainer, session)       # FSDP: guard off once stable, no tuning; DeepSpeed: refused
+    session.in_process = sharded is None             # a switch takes effect at the next step's begin
+    session.resizes_left = max_resizes
     guard = (guard_training_step(trainer, sharding.STABLE_STEPS if sharded else None, notify=session.note)
              if sharded is None or sharding.guardable(trainer) else None)
+    eval_batch = trainer.args.per_device_eval_batch_size
     undo_evaluate = adapter.replace_method(trainer, "evaluate",
                                            lambda original: _evaluate_within_memory(trainer, original, session))
+    session.step_log = adapter.StepLog(trainer)
     resizes = 0
     try:
+        session.judge_grouping(trainer, planned_steps(trainer))    # the splits exact under the run's loss
         if not resume_from_checkpoint and not sharded:
             device = DeviceLayer(training_device())
             if memcheck.wanted(tuner.memory_check, device.type):
@@ -124,17 +153,23 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
             adapter.rearm_jit_checkpoint(trainer)
             if guard is not None:
                 guard.arm()                          # after a start and every change (FSDP: off once stable)
+            switching = False
             try:
                 with adapter.fsdp2_prepared_again(trainer), (adapter.own_resume() if resized
                                                              else contextlib.nullcontext()):
                     output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+            except SwitchSplit:                           # the step after a switch's step began: switch now
+                switching = True
             except (Exception, KeyboardInterrupt) as error:          # OOMs re-size, the rest is re-raised
                 if max_resizes > 0 and sharding.unagreed_oom(sharded, error):    # the others wait in a collective
                     _record_for_restart(trainer, session, error)
                     raise
-                if max_resizes == 0 or not isinstance(error, Exception) or not recoverable(error):
+                if not isinstance(error, Exception) or not recoverable(error):
                     if max_resizes > 0:
                         _save_before_raising(trainer, session, tuner, error)
+                    raise
+                trial = _in_trial(session)        # the tuning's own trial: never a re-size the user counts
+                if max_resizes == 0 and not trial:
                     raise
                 site = error.site if isinstance(error, ResizeNeeded) else oom_site(error, trainer)
                 cause = unfixable_message(site, trainer, error)
@@ -144,32 +179,35 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
                     unfixable = UnfixableOOM(cause)
                     _save_before_raising(trainer, session, tuner, unfixable, agreed=isinstance(error, ResizeNeeded))
                     raise unfixable from error
-                if resizes >= max_resizes:
+                if not trial and resizes >= max_resizes:
                     session.gave_up = True
                     _save_before_raising(trainer, session, tuner, error)
                     raise RuntimeError(f"train_with_tuning gave up after {max_resizes} re-sizes"
                                        f"{_memory_causes(session)}") from error
                 try:
-                    resume_from_checkpoint = _recover_from_oom(trainer, session, tuner, error)
+                    resume_from_checkpoint = _recover_from_oom(trainer, session, tuner, error, trial)
+                except InexactResize as inexact:         # smaller splits exist, none exact for this run
+                    session.gave_up = True
+                    _save_before_raising(trainer, session, tuner, inexact)
+                    raise inexact from error
                 except ValueError as none_left:          # no smaller exact split
                     session.gave_up = True
                     _save_before_raising(trainer, session, tuner, error)
                     raise ValueError(f"{none_left}{_memory_causes(session)}") from error
-                resizes += 1
+                resizes += not trial
                 resized = True
+                session.resizes_left = max_resizes - resizes
                 set_rng_state(start_rng)
                 continue
+            if not switching and session.switch is not None and session.in_process:
+                session.cancel_switch()                   # a stop at the switch's step came first: it wins
             if session.switch is None:
                 session.drop_switch_checkpoints()
                 return output
             step = trainer.state.global_step
             memory = session.decisions[-1].kind == "watchdog" if session.decisions else False
-            if memory and resizes >= max_resizes:
-                logger.warning("[tuner] the watchdog asked for a smaller micro-batch but max_resizes=%d re-sizes "
-                               "are done: stopping at step %d (checkpoint saved)", max_resizes, step)
-                return output
             wrote = not session.is_ours(step)
-            resume_from_checkpoint = _save_verified(trainer, session, tuner, step)
+            resume_from_checkpoint = _save_verified(trainer, session, tuner, step, switch=not memory)
             if not memory:
                 session.switched_at(step, wrote)
             if is_main_process():
@@ -179,11 +217,16 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
             _prepare_resume(trainer, session, tuner)
             resizes += memory
             resized = True
+            session.resizes_left = max_resizes - resizes
             set_rng_state(start_rng)
     finally:
+        session.step_log.undo()
         undo_evaluate()
+        trainer.args.per_device_eval_batch_size = eval_batch     # an evaluation OOM shrank it for this run only
         if guard is not None:
             guard.remove()
+        if session.tuning is not None and session.tuning.done is None:
+            session.end_tuning(trainer.state.global_step, "the run ended before the tuning did")
         session.settle(trainer)
 
 
@@ -199,10 +242,21 @@ def _memory_causes(session: TuningSession) -> str:
     return f" The memory wall, as the watchdog reads it: {causes}." if causes else ""
 
 
+class InexactResize(ValueError):
+    """An out-of-memory error where smaller splits of the batch exist but none keeps the run's loss exact (the run
+    saves and ends with why, and what makes every split exact)."""
+
+
+def _in_trial(session: TuningSession) -> bool:
+    """The split in effect is one the tuning is trying (not its baseline)."""
+    tuning = session.tuning
+    return tuning is not None and tuning.done is None and session.split != tuning.baseline
+
+
 def _tuning(trainer, session: TuningSession, tuner: AdaptiveBatchTuner) -> OnRunTuning:
     """The tuning on the run's own steps, from the split in effect."""
     args = trainer.args
-    others = [s for s in candidates(args, session.world) if s != session.split
+    others = [s for s in session.candidates(args) if s != session.split
               and (tuner.max_micro_batch is None or s.micro_batch <= tuner.max_micro_batch)]
     period = (generation_period(args.steps_per_generation, getattr(args, "num_iterations", 1),
                                 args.gradient_accumulation_steps) if hasattr(args, "num_generations") else 1)
@@ -297,7 +351,7 @@ def _check_memory_or_warn(trainer, session: TuningSession, tuner: AdaptiveBatchT
     split."""
     configured = session.split
     try:
-        memcheck.check_memory(trainer, session, candidates(trainer.args, session.world), clock=tuner.clock,
+        memcheck.check_memory(trainer, session, session.candidates(trainer.args), clock=tuner.clock,
                               force=tuner.memory_check is True)
     except Exception as error:  # noqa: BLE001 - the check is a safety net, never a reason to stop
         session.apply(trainer, configured)
@@ -318,19 +372,22 @@ def _free_memory(trainer, session: TuningSession) -> None:
                                                        f"({type(error).__name__}: {error}); going on without it")
 
 
-def _recover_from_oom(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, error: BaseException) -> str | None:
-    """Plan the next split and the checkpoint to resume from (ValueError when no smaller split is left). A split
-    under trial that ran out of memory is left: the run goes back to the tuning baseline."""
+def _recover_from_oom(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, error: BaseException,
+                      trial: bool = False) -> str | None:
+    """Plan the next split and the checkpoint to resume from (ValueError when no smaller split is left,
+    :class:`InexactResize` when the smaller ones are not exact for this run). A split under trial that ran out of
+    memory (``trial``) is left: the run goes on at the next candidate or the tuning baseline, no re-size counted and
+    no ``oom`` decision (the tuning's decision lists it)."""
     reason = f"out of memory: {error_line(error)[:160]}"
     old = session.split
     tuning = session.tuning
     step = trainer.state.global_step
-    if tuning is not None and tuning.done is None and old != tuning.baseline:
+    if trial and tuning is not None:
         new = tuning.failed(old, "out of memory", step)       # the next candidate, or back to the baseline
         if tuning.done is not None:
             session.record_tuning(step)
     else:
-        new = next_smaller(old, candidates(trainer.args, session.world))
+        new = _smaller(trainer, session, old, step)
         if tuning is not None and tuning.done is None:
             session.end_tuning(step, "out of memory ended the tuning")
     _free_memory(trainer, session)
@@ -343,8 +400,11 @@ def _recover_from_oom(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
     elif step == 0:
         checkpoint = None                                           # nothing trained yet: start again
     else:                                                           # weights and optimizer are at step N: keep them
+        wrote = not session.is_ours(step)
         try:
-            checkpoint = _save_verified(trainer, session, tuner, step)
+            checkpoint = _save_verified(trainer, session, tuner, step, switch=trial)
+            if trial:
+                session.switched_at(step, wrote)
         except Exception as save_error:  # noqa: BLE001 - fall back to the newest complete one of this run
             checkpoint = session.newest_ours(step)
             if checkpoint is None:
@@ -353,7 +413,12 @@ def _recover_from_oom(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
                                    f"checkpoint to resume from") from error
             session.warn_once("fallback", f"saving checkpoint-{step} failed ({save_error}): resuming from "
                                           f"{checkpoint}; steps after it are trained again")
-    session.decide("oom", reason, new, step, checkpoint=checkpoint)
+    if trial:
+        if session.bus is not None:
+            session.bus.event("tuner", "action", f"the tuning's trial of {old} ran out of memory at step {step}: "
+                                                 f"left, going on at {new} (not a re-size)", step=step)
+    else:
+        session.decide("oom", reason, new, step, checkpoint=checkpoint)
     session.request_switch(new, reason)
     _prepare_resume(trainer, session, tuner)
     logger.warning("[tuner] %s at step %d: resuming from %s with split %s", reason, step, checkpoint or "the start",
@@ -361,20 +426,45 @@ def _recover_from_oom(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
     return checkpoint
 
 
-def _save_verified(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, step: int) -> str:
+def _smaller(trainer, session: TuningSession, old: Split, step: int) -> Split:
+    """The next smaller split exact for the run; :class:`InexactResize` when smaller ones exist but none is exact
+    under its loss, ValueError when there is none at all."""
+    try:
+        return next_smaller(old, session.candidates(trainer.args))
+    except ValueError:
+        exactness = session.exactness
+        smaller = [s for s in candidates(trainer.args, session.world) if s.micro_batch < old.micro_batch]
+        if not smaller or exactness is None or exactness.reason is None:
+            raise
+        anyway = smaller[0]
+        raise InexactResize(
+            f"out of memory at step {step} at split {old}, and no smaller split keeps this run exact: "
+            f"{exactness.reason}. {exactness.fix} The run is saved and ends here rather than going on inexactly. To "
+            f"go on anyway at {anyway} (not exactly the configured run), set per_device_train_batch_size="
+            f"{anyway.micro_batch} and gradient_accumulation_steps={anyway.grad_accum} and resume with "
+            f"trainer.train(resume_from_checkpoint=...) from the saved checkpoint.") from None
+
+
+def _save_verified(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, step: int,
+                   switch: bool = False) -> str:
     """``checkpoint-<step>`` written by this run, verified complete and holding the whole training state (weights,
-    optimizer, scheduler and the RNG the next step starts from, whatever ``save_only_model`` says), with the perf
-    line of step ``step`` written first. A folder of that name that this run did not write (an earlier run's, or a
-    partial one) is moved aside first; one this run wrote with the weights alone (``save_only_model``) is saved
-    again, whole; a save that fails or comes out incomplete is moved aside too, and the error raised."""
+    optimizer, scheduler and the RNG the next step starts from, whatever ``save_only_model`` says), with the
+    training log and the perf line of step ``step`` written first. A folder of that name that this run did not write
+    (an earlier run's, or a partial one) is moved aside first; one this run wrote with the weights alone
+    (``save_only_model``) is saved again, whole; a save that fails or comes out incomplete is moved aside too, and
+    the error raised. ``switch``: written only to switch splits, so it is saved without ``save_total_limit``'s
+    rotation and moved out of the ``checkpoint-*`` names (the path returned is where it is)."""
     output_dir = trainer.args.output_dir
     path = checkpoint_dir(output_dir, step)
     main = is_main_process()             # under several ranks only the main process checks and moves folders
-    if session.bus is not None:
-        session.bus.complete_step(trainer.args, trainer.state)     # the checkpoint's steps all have their line
+    step_log = session.step_log                                    # a callback raised before the step's log
+    if session.bus is not None:                                    # the checkpoint's steps all have their line
+        session.bus.complete_step(trainer.args, trainer.state, step_log.log_missed if step_log else None)
+    elif step_log is not None:
+        step_log.log_missed()
     ours = session.is_ours(step)
     if ours and session.resumable(step):
-        return path
+        return session.location(step)
     if main and not ours and os.path.exists(path):
         why = "stale" if is_complete(path, step) else "partial"
         moved = move_aside(path, why)
@@ -385,7 +475,7 @@ def _save_verified(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, s
     current = rng_state()
     try:
         set_rng_state(session.rng_after(step) or current)   # the RNG the next step starts from
-        adapter.save_checkpoint(trainer)
+        adapter.save_checkpoint(trainer, rotate=not switch)
     except BaseException:
         if main and os.path.exists(path):
             move_aside(path, "partial")
@@ -396,6 +486,12 @@ def _save_verified(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, s
         moved = move_aside(path, "partial")
         raise RuntimeError(f"checkpoint-{step} came out incomplete (moved aside to {moved})")
     session.saved_complete.add(step)
+    if switch:
+        try:
+            return session.hide(step)
+        except OSError as error:          # it stays where it is: rotation may count it, training goes on
+            session.warn_once("hide-switch", f"could not move the switch checkpoint-{step} out of the checkpoint "
+                                             f"names ({error})")
     return path
 
 
@@ -430,7 +526,8 @@ def _save_before_raising(trainer, session: TuningSession, tuner: AdaptiveBatchTu
     resume = (f"resume with train_with_tuning(trainer, resume_from_checkpoint={checkpoint!r}) (the split in "
               f"{os.path.join(output_dir, SPLIT_FILE)} is applied when it fits)" if checkpoint
               else "the run must start again")
-    what = str(error) if isinstance(error, UnfixableOOM) else error_line(error)[:160]    # its cause and its fix
+    what = (str(error) if isinstance(error, (UnfixableOOM, InexactResize))     # its cause and its fix
+            else error_line(error)[:160])
     message = f"training ended at step {step} by {type(error).__name__}: {what}; {saved}; {resume}"
     session.switch = None
     session.ended = message
@@ -450,12 +547,14 @@ def _evaluate_within_memory(trainer, original, session: TuningSession):
     def evaluate(*args, **kwargs):
         targs = trainer.args
         while True:
+            drawn = rng_state()          # a new evaluation dataloader iterator draws from the global RNG
             try:
                 return original(*args, **kwargs)
             except Exception as error:
                 if world_size() > 1 or not is_oom_error(error):
                     raise
                 error = error.with_traceback(None)
+                set_rng_state(drawn)     # the retry draws what the failed attempt drew: the run's stream goes on
                 _free_memory(trainer, session)
                 batch = targs.per_device_eval_batch_size
                 smaller = _smaller_eval_batch(targs, batch)

@@ -16,6 +16,9 @@ the RNG a checkpoint holds    :attr:`~TuningSession.next_rng`, noted by the tune
                               (:meth:`~TuningSession.note_rng`), written by the loop's saves
 the session id                :attr:`~TuningSession.id`: the run in the perf log (the bus's session) and the split
                               file; kept across in-process re-sizes and resumes of the same run
+the splits the run may use    :attr:`~TuningSession.exactness`, judged once at the start
+                              (:meth:`~TuningSession.judge_grouping`); :meth:`~TuningSession.candidates` is every
+                              reader's list (the tuning, the memory check, the OOM and watchdog re-sizes)
 ``tuner_split.json``          written by :meth:`~TuningSession.persist` only (main process, atomically)
 ============================  ================================================================================
 
@@ -33,10 +36,10 @@ import uuid
 from typing import TYPE_CHECKING
 
 from .. import adapter
-from ..batching import Split
+from ..batching import Exactness, Split, exact_splits, exact_under
 from ..device import is_main_process, rng_state, world_size
-from ..splitfile import Decision, SplitFile, WrittenCheckpoint, read_split_file
-from .checkpoints import checkpoint_dir, fingerprint, has_training_state, is_complete
+from ..splitfile import Decision, Restriction, SplitFile, WrittenCheckpoint, read_split_file
+from .checkpoints import checkpoint_dir, fingerprint, has_training_state, hide, is_complete, switch_dir
 
 if TYPE_CHECKING:
     from ..bus import RunBus
@@ -49,6 +52,23 @@ def current_split(args) -> Split:
     """The split a trainer's args hold (GRPO: with its ``steps_per_generation``)."""
     spg = getattr(args, "steps_per_generation", None) if hasattr(args, "num_generations") else None
     return Split(args.per_device_train_batch_size, args.gradient_accumulation_steps, spg)
+
+
+def candidates(args, world: int) -> list[Split]:
+    """Every split that keeps the run's effective batch (GRPO: and generation batch), largest micro-batch first;
+    which of them keep its loss exact is :meth:`TuningSession.candidates`."""
+    split = current_split(args)
+    if hasattr(args, "num_generations"):
+        return exact_splits(split.effective_batch(world), world, split.generation_batch(world), args.num_generations)
+    return exact_splits(split.effective_batch(world), world)
+
+
+class SwitchSplit(BaseException):
+    """Raised at the begin of the optimizer step after the one where a switch was requested, before that step
+    trains: :func:`~hf_perf_callbacks.train_with_tuning` catches it and resumes at the new split. A stop set by
+    anything else at the requested step (a callback's ``should_training_stop``, early stopping, ``max_steps``) ends
+    ``train()`` before that begin, so the user's stop wins. A ``BaseException``: the package's fault isolation and
+    the user's ``except Exception`` let it through."""
 
 
 class TuningSession:
@@ -76,6 +96,12 @@ class TuningSession:
         self.ran: Split | None = None           # the split of the last completed optimizer step
         self.gave_up = False                    # no smaller split fitted, or max_resizes were spent
         self.switch_steps: list[int] = []       # checkpoints written only to switch splits (removed when superseded)
+        self.hidden: dict[int, str] = {}        # step → where a switch checkpoint was moved (out of checkpoint-*)
+        self.exactness: Exactness | None = None  # the splits exact under the run's loss (judge_grouping)
+        self.in_process = False                 # switches take effect by SwitchSplit (train_with_tuning, unsharded)
+        self.switch_decision: Decision | None = None   # the decision of the pending switch (dropped if cancelled)
+        self.resizes_left: int | None = None    # re-sizes forced by memory still allowed (train_with_tuning)
+        self.step_log: adapter.StepLog | None = None   # the training loop's step log (train_with_tuning)
         if bus is not None:
             bus.tuning = self
             bus.pin_session(self.id)
@@ -109,14 +135,62 @@ class TuningSession:
 
     def settle(self, trainer) -> None:
         """Leave the trainer at the split in effect, whatever ended the call (args, dataloader batch size and the
-        logged ``tuner/*`` keys agree)."""
-        if current_split(trainer.args) != self.split or adapter.train_batch_size(trainer) != self.split.micro_batch:
-            self.apply(trainer, self.split)
+        logged ``tuner/*`` keys agree). A run that ended on a split the tuning tried and left (it ended mid-trial)
+        is left at the split the tuning decided, so that ``args``, the split file and the decision say one split."""
+        target = self.split
+        last = self.decisions[-1] if self.decisions else None
+        if self.switch is None and last is not None and last.kind == "tune" and last.new != target:
+            target = last.new
+        if current_split(trainer.args) != target or adapter.train_batch_size(trainer) != target.micro_batch:
+            self.apply(trainer, target)
 
-    def request_switch(self, split: Split, reason: str) -> None:
-        """The next ``train()`` call runs with ``split`` (the running one stops at this step boundary)."""
+    def request_switch(self, split: Split, reason: str, decision: Decision | None = None) -> None:
+        """The next ``train()`` call runs with ``split`` (the running one stops at this step boundary);
+        ``decision``: the one that asked for it, dropped if the switch never takes effect (:meth:`cancel_switch`)."""
         self.switch, self.switch_reason, self.switch_requested_at = split, reason, time.time()
+        self.switch_decision = decision
         self.persist()
+
+    def cancel_switch(self) -> Split | None:
+        """A stop came first (the user's, early stopping, the run's end): the pending switch never takes effect, and
+        the decision that asked for it is dropped. Returns the cancelled split."""
+        split, self.switch = self.switch, None
+        if self.switch_decision is not None and self.switch_decision in self.decisions:
+            self.decisions.remove(self.switch_decision)
+        self.switch_decision = None
+        self.persist()
+        return split
+
+    # ------------------------------------------------------------ the splits exact under the run's loss
+    def judge_grouping(self, trainer, planned_steps: int | None) -> Exactness:
+        """Read the facts of the run's loss once and keep the splits exact under it (said once, with why and what
+        makes every split exact, on the console, in the perf log and in the split file). Facts that cannot be read
+        leave the configured split alone."""
+        from .grouping import read_grouping
+
+        every = candidates(trainer.args, self.world)
+        try:
+            self.exactness = exact_under(read_grouping(trainer, planned_steps, self.world), self.configured, every)
+        except Exception as error:  # noqa: BLE001 - unknown facts: only the configured split is known to be exact
+            self.exactness = Exactness((self.configured,), f"the run's loss could not be read "
+                                                           f"({type(error).__name__}: {error})",
+                                       "Nothing to change: this is a fault of the package.")
+        if self.exactness.reason is not None:
+            self.warn_once("grouping", self.exactness.message(every))
+            self.persist()
+        return self.exactness
+
+    def candidates(self, args) -> list[Split]:
+        """The splits the run may use: every split of its batch that keeps its loss exact (all of them before
+        :meth:`judge_grouping` ran)."""
+        every = candidates(args, self.world)
+        return [s for s in every if self.exactness is None or self.exactness.allows(s) or s == self.split]
+
+    def restriction(self) -> Restriction | None:
+        exactness = self.exactness
+        if exactness is None or exactness.reason is None:
+            return None
+        return Restriction(list(exactness.splits), exactness.reason, exactness.fix or "")
 
     def take_switch(self, trainer) -> Split | None:
         """Apply the pending switch (None when there is none)."""
@@ -190,8 +264,21 @@ class TuningSession:
         else:
             mark = "written by the main process"
         self.written = [w for w in self.written if w.step != step] + [WrittenCheckpoint(step, mark)]
+        self.hidden.pop(step, None)             # written again where transformers writes it
         self.persist()
         return True
+
+    def location(self, step: int) -> str:
+        """Where this run's checkpoint of ``step`` is: ``checkpoint-<step>``, or ``tuner_switch/checkpoint-<step>``
+        for a switch checkpoint moved out of the rotation's way."""
+        return self.hidden.get(step) or checkpoint_dir(self.output_dir, step)
+
+    def hide(self, step: int) -> str:
+        """Move the switch checkpoint of ``step`` out of the names transformers' rotation counts (main process; the
+        other ranks take the same path)."""
+        path = hide(self.output_dir, step) if is_main_process() else switch_dir(self.output_dir, step)
+        self.hidden[step] = path
+        return path
 
     def is_ours(self, step: int) -> bool:
         """Whether ``checkpoint-<step>`` is one this run wrote and its files are still the ones it wrote."""
@@ -200,7 +287,7 @@ class TuningSession:
             return False
         if not is_main_process():
             return True
-        path = checkpoint_dir(self.output_dir, step)
+        path = self.location(step)
         return is_complete(path, step) and fingerprint(path) == entry.fingerprint
 
     def newest_ours(self, at_most: int) -> str | None:
@@ -209,7 +296,7 @@ class TuningSession:
         replaced one; ``save_only_model`` leaves the weights alone)."""
         for entry in sorted(self.written, key=lambda w: -w.step):
             if entry.step <= at_most and self.is_ours(entry.step) and self.resumable(entry.step):
-                return checkpoint_dir(self.output_dir, entry.step)
+                return self.location(entry.step)
         return None
 
     def resumable(self, step: int) -> bool:
@@ -220,23 +307,28 @@ class TuningSession:
             return True
         if not is_main_process():
             return not self.args.save_only_model
-        return has_training_state(checkpoint_dir(self.output_dir, step))
+        return has_training_state(self.location(step))
 
     def switched_at(self, step: int, wrote: bool) -> None:
         """A switch resumed from ``checkpoint-<step>`` (``wrote``: written for the switch, not by a save the run
         makes anyway). The newest such checkpoint stays as the run's fallback; older ones are removed."""
-        self.drop_switch_checkpoints()
-        if wrote:
-            self.switch_steps = [step]
+        keep = step if wrote or step in self.switch_steps else None
+        self.drop_switch_checkpoints(keep)
+        if keep is not None:
+            self.switch_steps = [keep]
 
-    def drop_switch_checkpoints(self) -> None:
-        """Remove the checkpoints written only for switches (main process; the run's own saves stay)."""
-        steps, self.switch_steps = self.switch_steps, []
+    def drop_switch_checkpoints(self, keep: int | None = None) -> None:
+        """Remove the checkpoints written only for switches (main process; the run's own saves stay), but the one of
+        step ``keep``."""
+        steps = [s for s in self.switch_steps if s != keep]
+        self.switch_steps = [s for s in self.switch_steps if s == keep]
         if not steps:
             return
         if is_main_process():
             for step in steps:
-                shutil.rmtree(checkpoint_dir(self.output_dir, step), ignore_errors=True)
+                shutil.rmtree(self.location(step), ignore_errors=True)
+        for step in steps:
+            self.hidden.pop(step, None)
         self.written = [w for w in self.written if w.step not in steps]
         self.persist()
 
@@ -244,7 +336,7 @@ class TuningSession:
     def record(self) -> SplitFile:
         return SplitFile(session=self.id, world_size=self.world, configured=self.configured,
                          split=self.resume_split, written=list(self.written), decisions=list(self.decisions),
-                         ended=self.ended)
+                         ended=self.ended, restricted=self.restriction())
 
     def persist(self) -> None:
         """Write ``tuner_split.json`` (main process only; a failure is one warning, the facts stay in memory)."""

@@ -24,9 +24,9 @@ the last one (on the second node of a two-node launch):
 6. ``stop`` — a watchdog stop on the planted rank only stops every rank at one step with one checkpoint, which a
    fresh trainer resumes.
 
-``restart`` (a separate launch with ``--max_restarts``): an OOM on rank 0 after the guard came off ends its process
-with the next smaller split recorded; the launcher restarts every rank, and ``train_with_tuning`` resumes from the
-newest checkpoint with it, to ``max_steps``.
+``restart`` (a separate launch): an OOM on rank 0 after the guard came off ends its process with the next smaller
+split recorded; the launcher's restart (``--max_restarts``) or ``restart --relaunch`` (the same command again)
+resumes every rank from the newest checkpoint with it, to ``max_steps``.
 
 Arguments: ``--smoke`` (CPU processes, gloo, the tests' tiny model, FSDP2 switched on for CPU processes as in
 ``tests/scripts/two_rank_fsdp.py``), ``--fsdp_args``, ``--scenarios a,b``, ``--name NAME`` (the results file,
@@ -397,25 +397,26 @@ def stop_on_planted_rank() -> dict:
             "resumed_to": resumed.state.global_step, "target": stopped + 2}
 
 
-def restart_after_the_guard() -> None:
-    """An OOM on rank 0 after the step guard came off: rank 0 records the next smaller split and ends its process,
-    the launcher (``--max_restarts``) restarts every rank, and ``train_with_tuning`` resumes from the newest checkpoint
-    with that split, to ``max_steps`` (the OOM is planted in the first attempt only)."""
+def restart_after_the_guard(relaunch: bool) -> None:
+    """An OOM on rank 0 after the step guard came off: rank 0 records the next smaller split and ends its process.
+    The next attempt — the launcher's own restart (``--max_restarts``), or ``relaunch``: the same command started
+    again — resumes from the newest checkpoint with that split, to ``max_steps`` (the OOM is planted in the first
+    attempt of the first launch only)."""
     from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
     from hf_perf_callbacks.resize import sharding
 
     attempt, at, steps = sharding.restarted_by_launcher(), sharding.STABLE_STEPS + 3, sharding.STABLE_STEPS + 5
-    plant = PlantedOOM(0 if attempt == 0 else -1, at=at)
+    plant = PlantedOOM(0 if attempt == 0 and not relaunch else -1, at=at)
     tuner = AdaptiveBatchTuner(tune=False)
     out = os.path.join(SHARED, "restart")
     trainer = make(out, [plant, tuner], 4, 1, steps, save_strategy="steps", save_steps=2)
     plant.attach(trainer)
     start = time.perf_counter()
-    train_with_tuning(trainer)
+    train_with_tuning(trainer, resume_from_checkpoint=True if relaunch else None)
     args = trainer.args
     lines = [json.loads(x) for x in open(os.path.join(out, "perf_log.jsonl"))] if RANK == 0 else []
-    mine = {"rank": RANK, "attempt": attempt, "reached": trainer.state.global_step, "target": steps, "oom_at": at,
-            "seconds_this_attempt": time.perf_counter() - start,
+    mine = {"rank": RANK, "attempt": attempt, "relaunch": relaunch, "reached": trainer.state.global_step,
+            "target": steps, "oom_at": at, "seconds_this_attempt": time.perf_counter() - start,
             "split": [args.per_device_train_batch_size, args.gradient_accumulation_steps],
             "decisions": [(d.kind, d.step, d.new.micro_batch, d.checkpoint) for d in tuner.session.decisions],
             "perf_log_steps": [x["step"] for x in lines if x["type"] == "step"],
@@ -423,7 +424,7 @@ def restart_after_the_guard() -> None:
     everyone = gathered(mine)
     if RANK == 0:
         write_result(NAME + "_restart", {
-            "ranks": everyone, "restarted": all(r["attempt"] >= 1 for r in everyone),
+            "ranks": everyone, "started_again": all(r["attempt"] >= 1 or r["relaunch"] for r in everyone),
             "reached_max_steps": all(r["reached"] == steps for r in everyone),
             "split_recorded_and_applied": all(r["split"] == [2, 2] for r in everyone),
             "logged_once": everyone[0]["perf_log_steps"] == list(range(1, steps + 1))})
@@ -474,7 +475,7 @@ def checks(by_rank: dict) -> dict:
 
 def main():
     if "restart" in sys.argv[1:]:
-        restart_after_the_guard()
+        restart_after_the_guard(relaunch="--relaunch" in sys.argv)
         return
     scenarios = {"throughput": throughput, "resize": resize_on_planted_rank, "recover": recover,
                  "lora": lambda: recover(lora=True), "guard": guard_cost, "stop": stop_on_planted_rank}

@@ -147,11 +147,12 @@ def shut_down():
         dist.destroy_process_group()
 
 
-def restart(out):
+def restart(out, relaunch: bool):
     """An OOM on rank 0 after the step guard came off (``STABLE_STEPS`` steps after the start): rank 0 records the
-    next smaller split and ends its process; the launcher (``--max-restarts 1``) restarts both ranks, and
-    ``train_with_tuning`` resumes from the newest checkpoint this run wrote with the recorded split, to max_steps.
-    The planted OOM fires in the first attempt only."""
+    next smaller split and ends its process (the first launch fails). ``relaunch``: the launch a launcher's restart
+    (or a person) makes next — ``train_with_tuning`` resumes from the newest checkpoint this run wrote with the
+    recorded split, to max_steps (``resume_from_checkpoint=True``: the restart's own detection,
+    ``TORCHELASTIC_RESTART_COUNT``, is tested in one process)."""
     fsdp_on_cpu()
     from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
     from hf_perf_callbacks.resize import sharding
@@ -159,18 +160,18 @@ def restart(out):
     from tests.conftest import CORPUS, make_trainer
     from tests.test_tuner import CUDA_OOM, PlantedOOM
 
-    rank, attempt = int(os.environ["RANK"]), sharding.restarted_by_launcher()
+    rank = int(os.environ["RANK"])
     at = sharding.STABLE_STEPS + 2                     # the guard is off from step STABLE_STEPS on
-    plant = PlantedOOM(limit=2 if rank == 0 and attempt == 0 else 99, text=CUDA_OOM, armed_at=at - 1)
+    plant = PlantedOOM(limit=2 if rank == 0 and not relaunch else 99, text=CUDA_OOM, armed_at=at - 1)
     tuner = AdaptiveBatchTuner(tune=False)
     extra = dict(FSDP_ARGS, save_strategy="steps", save_steps=2)
     trainer = plant.attach(make_trainer(build_tokenizer(CORPUS, vocab_size=300), os.path.join(out, "run"),
                                         [plant, tuner], max_steps=at + 2, bs=4, ga=1, extra=extra, length=12))
-    train_with_tuning(trainer)
+    train_with_tuning(trainer, resume_from_checkpoint=True if relaunch else None)
     args = trainer.args
     lines = [json.loads(x) for x in open(os.path.join(out, "run", "perf_log.jsonl"))] if rank == 0 else []
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"attempt": attempt, "step": trainer.state.global_step, "oom_at": at,
+        json.dump({"step": trainer.state.global_step, "oom_at": at,
                    "split": [args.per_device_train_batch_size, args.gradient_accumulation_steps],
                    "decisions": [(d.kind, d.step, d.new.micro_batch, d.checkpoint) for d in tuner.session.decisions],
                    "steps_logged": [x["step"] for x in lines if x["type"] == "step"],
@@ -241,10 +242,10 @@ def recover(out):
 
 
 if __name__ == "__main__":
-    if sys.argv[2:] == ["restart"]:
-        restart(sys.argv[1])
+    if sys.argv[2] == "restart":
+        restart(sys.argv[1], relaunch=sys.argv[3:] == ["relaunch"])
         shut_down()
-    elif sys.argv[2:] == ["recover"]:
+    elif sys.argv[2] == "recover":
         recover(sys.argv[1])
         shut_down()
     else:

@@ -20,9 +20,9 @@ machine hits both), while rounds are affordable; a candidate whose every sample 
 that runs out of memory or passes the memory budget is left at once.
 
 **Cost before you pay.** A trial's cost is its switches (measured on this run once one happened; before that, the
-run's own first-step overhead plus writing and reading the training state at ``SAVE_BYTES_PER_SEC``, at least
-``SWITCH_FLOOR_SEC``), the warm-up step after each switch, the slower steps of a worse candidate and the switch
-back when it is left. A round starts only when the saving it can plausibly make over the steps left *after* it
+run's own first step — a switch starts a train() call anew — plus writing and reading the training state at
+``SAVE_BYTES_PER_SEC``, at least ``SWITCH_FLOOR_SEC``), the warm-up step after each switch, the slower steps of a
+worse candidate (reckoned beforehand at the baseline's spread) and the switch back when it is left. A round starts only when the saving it can plausibly make over the steps left *after* it
 exceeds its cost (:meth:`OnRunTuning.plausible_saving`): per step, before a candidate is measured, the baseline's
 ranked time (a split with no split-dependent time: the ceiling) less the baseline's interquartile range (the
 candidate's steps carry the machine's noise too, and a saving within it cannot be told from the noise: on a machine
@@ -290,18 +290,19 @@ class OnRunTuning:
 
     # ------------------------------------------------------------ cost against gain
     def switch_cost(self) -> float:
-        """Seconds one switch costs: the mean of this run's measured switches, else the run's own first-step
-        overhead (over the baseline's steady step) plus writing and reading the training state, at least
-        :data:`SWITCH_FLOOR_SEC`."""
+        """Seconds one switch costs: the mean of this run's measured switches, else — a switch ends a train() call
+        and starts the next, which runs its first step anew — the run's own first step (its whole time) plus
+        writing and reading the training state, at least :data:`SWITCH_FLOOR_SEC` for the latter."""
         if self.switch_seconds:
             return sum(self.switch_seconds) / len(self.switch_seconds)
-        steady = self.trials[self.start].step_samples
-        overhead = max(0.0, (self.first_step or 0.0) - median(steady)) if steady else 0.0
-        return overhead + max(SWITCH_FLOOR_SEC, 2 * self.state_bytes / SAVE_BYTES_PER_SEC)
+        return (self.first_step or 0.0) + max(SWITCH_FLOOR_SEC, 2 * self.state_bytes / SAVE_BYTES_PER_SEC)
 
     def round_cost(self) -> float:
-        """A round's cost: a switch there and one back."""
-        return 2 * self.switch_cost()
+        """A round's cost: a switch there and one back, and the candidate's block of steps at the noise (the
+        baseline's interquartile range a step: a candidate within the noise may as well be that much slower)."""
+        base = self.trials[self.baseline].samples
+        low, high = iqr(base) if base else (0.0, 0.0)
+        return 2 * self.switch_cost() + self.samples * (high - low)
 
     def _trial_steps(self) -> int:
         """Steps of one block after a switch: its warm-up and its samples."""

@@ -80,18 +80,27 @@ import json
 import math
 import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from . import estimate
 from . import runlog as keys
 from .batching import Split, exact_splits, next_smaller
 from .dataloader import dataloader_advice, dataloader_changes
-from .figures import completion_stats, figures, last_value
-from .runlog import GB, RunHeader, RunLog, StepLine, conform, number, read_run
-from .splitfile import Decision, SplitFile, read_split_file
+from .figures import (
+    LogStep,
+    completion_stats,
+    figures,
+    last_value,
+    ranges_text,
+    step_ranges,
+    train_seconds,
+    trainer_logs,
+)
+from .runlog import GB, RunHeader, RunLog, conform, number, read_run
+from .splitfile import Decision, SplitFile, read_split_file, trial_figures
 from .stats import classify_slow_steps, quantile
-from .wording import warmup_words
+from .wording import TUNER_NEEDS_TRAIN_WITH_TUNING, warmup_words
 
 REPORT_FILE = "perf_report.md"
 CONSOLE_WIDTH = 160
@@ -118,6 +127,10 @@ PAD_FRACTION = 0.2
 NO_LEARNING_LOGS = 3         # consecutive logs with zero reward variance in every group and zero gradient norm
 ZERO = 1e-12
 CONTENTION_SHARE = 0.05      # time lost to contention / run time worth a finding
+CONTENTION_RATIO = 0.2       # a contended step's wall/CPU above the steady steps' by this share (else not contention)
+EVAL_SHARE = 0.1             # evaluation's share of the wall time worth a finding
+EVAL_TARGET = 0.05           # the share the advised eval_steps brings it to
+TUNING_COST_SHARE = 0.01     # a tuning that cost more than it saved, by this share of the training time: a finding
 # Evidence thresholds: below them a rule says "too few steps to judge" instead of a finding or a gain.
 MIN_STEADY_STEPS = 3         # timing rules (shares of wall time, MFU, slow steps, any gain): warmup over + these steps
 MIN_MACHINE_STEPS = 4        # whole-run contention: steps with CPU time and the machine's load ...
@@ -199,6 +212,11 @@ class Measurements:
     launcher: str | None = None              # the command that started the run ("hf-perf train"); None: Python
     logged: frozenset = frozenset()          # the metric keys the step lines hold
     skipped: list[str] = field(default_factory=list)   # logged fields of another type, skipped (what the report says)
+    tuner_hint: str | None = None            # the tuner said it needs train_with_tuning (a plain train())
+    trainer_kind: str | None = None          # "sft", "dpo" (their own training logs show it), None: Trainer / GRPO
+    evaluation: dict | None = None           # the run's evaluations, measured (see _evaluation)
+    first_steady: dict | None = None         # the latest train() call's first step, steady or not (_first_steady)
+    train_sec: float | None = None           # Σ training seconds of the run's steps (what the tuning's cost is against)
 
 
 @dataclass
@@ -535,10 +553,10 @@ def rule_no_learning(m: Measurements) -> Finding | Note | None:
                  "parsing error that always returns 0) looks exactly like this",
                  "or start where the model succeeds sometimes: an easier task or curriculum, or a model (or a short "
                  "supervised warm-start) that solves some prompts"]
-        if clipped >= CLIPPED_LARGE and limit:
-            setting = {"max_completion_length": 2 * limit}
-            items.insert(0, f"`max_completion_length: {2 * limit}` (now {limit}): {_pct(clipped)} of completions were "
-                            f"cut at the limit, before an answer at their end could score")
+        if clipped >= CLIPPED_LARGE and limit:         # no setting: a length cannot move a constant reward
+            items.append(f"then, if the answers need more room: `max_completion_length: {2 * limit}` (now {limit}; "
+                         f"{_pct(clipped)} of completions were cut at the limit) — a longer limit cannot make a "
+                         f"reward that no completion moved vary by itself")
         title = "The run cannot learn: every completion got the same reward"
     else:
         obs = (f"On {m.no_signal_run} consecutive logs (of {m.logs}) every prompt group's completions got the same "
@@ -572,11 +590,26 @@ def rule_no_learning(m: Measurements) -> Finding | Note | None:
                    "within a group no step changes the weights", "high", setting, "try", None, priority=0)
 
 
+def _contention_words(m: Measurements) -> str:
+    """What the report says about other processes beside warmup: the finding that names them (only one the report
+    has), else the meter's measured seconds when there are any, else nothing."""
+    names = [name for name, rule in (("oversubscription", rule_oversubscription), ("contention", rule_contention))
+             if rule(m) is not None]
+    if names:
+        return (f" Other processes slowed this run too (the {' and the '.join(names)} finding"
+                f"{'s' if len(names) > 1 else ''} above): that time is contention, not warmup, and it recurs.")
+    c = m.contention
+    if c:
+        return (f" Other processes slowed {c['steps']} step(s) ({ranges_text(step_ranges(c['step_list']))}) by "
+                f"{c['lost_sec']:.1f} s, {_pct(c['lost_share'])} of the run: contention, not warmup (below the "
+                f"{CONTENTION_SHARE:.0%} that makes a finding).")
+    return ""
+
+
 def rule_warmup(m: Measurements) -> Note | None:
     slow, overhead, steady, n = m.first_step_slowdown, m.warmup_overhead_sec, m.steady_step_sec, m.warmup_steps
-    contended = _oversubscription(m) is not None or bool(m.contention)
-    other = (" Other processes slowed this run too (see the oversubscription or contention finding): that time is "
-             "contention, not warmup, and it recurs." if contended else "")
+    other = _contention_words(m)
+    contended = bool(other)
     if m.warmup_done is False:
         return Note("warmup", "Warmup not finished",
                     f"Warmup was not finished after {m.steps} step{'' if m.steps == 1 else 's'}: the meter has not "
@@ -584,12 +617,20 @@ def rule_warmup(m: Measurements) -> Note | None:
                     + other, judged=False)
     if slow is None and overhead is None:
         return None
-    parts = [warmup_words(n, slow, overhead)]
+    first = m.first_steady or {}
+    parts = [warmup_words(n, slow, overhead, first.get("step"))]
+    fresh = ("One-time costs of a fresh process (optimizer state, allocator growth"
+             + {"mps": ", Metal shader compilation", "cuda": ", CUDA context and kernel selection",
+                "xpu": ", kernel compilation"}.get(m.device_type, "") + ") do not recur")
+    if first.get("included"):
+        text = _sentence(parts) + (
+            f" Step {first['step']} counts among the steady steps (the meter found no warmup beyond it), so its "
+            f"{first['sec']:.3g} s are in the steady figures: steady step {first['with']:.3g} s, "
+            f"{first['without']:.3g} s without it.")
+    else:
+        text = _sentence(parts) + " " + fresh + "; the steady figures exclude the warmup steps."
+    text += other
     share = overhead / (m.steps * steady + overhead) if (overhead and steady and m.steps) else None
-    text = _sentence(parts) + (" One-time costs of a fresh process (optimizer state, allocator growth"
-                               + {"mps": ", Metal shader compilation", "cuda": ", CUDA context and kernel selection",
-                                  "xpu": ", kernel compilation"}.get(m.device_type, "")
-                               + ") do not recur; the steady figures exclude them.") + other
     if overhead and steady and share is not None and share >= WARMUP_SHARE and not contended:
         target = 0.05
         steps_needed = math.ceil(overhead * (1 - target) / (target * steady))
@@ -665,10 +706,11 @@ def rule_contention(m: Measurements) -> Finding | None:
     if not c or (c.get("lost_share") or 0.0) < CONTENTION_SHARE or _too_short(m):
         return None
     lost, share = c["lost_sec"], c["lost_share"]
-    obs = (f"{c['steps']} step(s) ran slower than the steady level while their process CPU time stayed at its usual "
-           f"level (wall/CPU {c['wall_over_cpu']:.2f} against {c['steady_wall_over_cpu']:.2f} when steady): "
-           f"{lost:.1f} s ({_pct(share)} of the run" + (", the meter's `early_contention_sec`" if c["source"] == "meter"
-                                                       else "") + ") went to waiting for a CPU")
+    obs = (f"{c['steps']} step(s) ({ranges_text(step_ranges(c['step_list']))}) ran slower than the steady level "
+           f"while their process CPU time did not rise with them (wall/CPU {c['wall_over_cpu']:.2f} against "
+           f"{c['steady_wall_over_cpu']:.2f} when steady): {lost:.1f} s ({_pct(share)} of the run"
+           + (", the meter's `early_contention_sec`" if c["source"] == "meter" else "")
+           + ") went to waiting for a CPU")
     if c.get("other_cores") is not None:
         obs += f"; other processes kept up to {c['other_cores']:.1f} CPU cores busy during those steps"
     obs += "."
@@ -683,6 +725,83 @@ def rule_contention(m: Measurements) -> Finding | None:
                f"the steady level)")
     return Finding("contention", "CPU contention: other processes slowed the run", obs, root, _bullets(items), gain,
                    formula, "medium", {}, "measured", gain)
+
+
+def rule_evaluation(m: Measurements) -> Finding | None:
+    """Evaluation's share of the wall time, measured on this run's own evaluations: ``eval_steps``."""
+    e = m.evaluation
+    if not e or e["share"] < EVAL_SHARE or e["evals"] < 2:
+        return None
+    per_eval, train_per_step = e["eval_sec"] / e["evals"], e["train_sec"] / max(1, e["steps"])
+    every = e["every"]
+    needed = per_eval * (1 - EVAL_TARGET) / (EVAL_TARGET * train_per_step) if train_per_step > 0 else every * 10
+    new = max(every + 1, _nice_interval(needed))
+    saved = e["eval_sec"] * (1 - every / new)
+    gain = e["wall_sec"] / (e["wall_sec"] - saved)
+    obs = (f"{e['evals']} evaluations (every {every} step{'s' if every != 1 else ''}) took {e['eval_sec']:.1f} s of "
+           f"the run's {e['wall_sec']:.1f} s wall time ({_pct(e['share'])}), {per_eval:.3g} s each, against "
+           f"{train_per_step:.3g} s of training per step. The steady figures (s/step, tokens/s) leave evaluation "
+           f"out: the run's wall time does not.")
+    root = ("Each evaluation runs the whole `eval_dataset` through the model; evaluating every few steps spends more "
+            "time judging the model than training it.")
+    items = [f"`eval_strategy: steps` with `eval_steps: {new}` (now every {every}): evaluation then takes about "
+             f"{_pct(per_eval / new / (per_eval / new + train_per_step))} of the wall time",
+             "with `load_best_model_at_end: true`, `save_steps` must be a multiple of `eval_steps`",
+             "or evaluate a smaller set (`eval_dataset.select(range(n))`) or with a larger "
+             "`per_device_eval_batch_size`"]
+    formula = (f"measured: this run's {e['evals']} evaluations took {e['eval_sec']:.1f} s; every {new} steps instead "
+               f"of {every} saves {saved:.1f} s of {e['wall_sec']:.1f} s: {e['wall_sec']:.1f} / "
+               f"({e['wall_sec']:.1f} − {saved:.1f}) = {gain:.2f}x (each evaluation costing what this run's did)")
+    return Finding("evaluation", "Evaluation takes a large share of the wall time", obs, root, _bullets(items), gain,
+                   formula, "high", {"eval_strategy": "steps", "eval_steps": new}, "measured", gain)
+
+
+def _nice_interval(x: float) -> int:
+    """The next 1, 2, 5 × 10^k at or above ``x``."""
+    if x <= 1:
+        return 1
+    scale = 10 ** math.floor(math.log10(x))
+    return int(next(k * scale for k in (1, 2, 5, 10) if k * scale >= x - 1e-9))
+
+
+def rule_tuning_cost(m: Measurements) -> Finding | None:
+    """The tuner's measurement cost more than it is expected to save: a finding with its cost."""
+    d = m.tune
+    if d is None or not d.cost_sec or not m.train_sec:
+        return None
+    saving = d.expected_gain_sec or 0.0
+    lost = d.cost_sec - saving
+    if lost <= TUNING_COST_SHARE * m.train_sec:
+        return None
+    trials = "; ".join(t.words() for t in trial_figures(d))
+    obs = (f"The tuner's measurement of splits on this run's own steps cost {d.cost_sec:.1f} s "
+           f"({_pct(d.cost_sec / m.train_sec)} of the {m.train_sec:.1f} s of training) and is expected to save "
+           f"{saving:.1f} s over the rest of the run "
+           f"({'kept ' + _split_name(d.new) if d.new == d.old else 'switched to ' + _split_name(d.new)} at step "
+           f"{d.step}): {trials}.")
+    root = ("A trial costs its switches (a checkpoint, the end of a train() call and the start of the next), the "
+            "warm-up steps after each and any slower steps of the candidate; it pays only when the split it keeps "
+            "saves more over the steps left. In a short or noisy run the candidate cannot be told apart from the "
+            "noise in the steps there are" + (f" (the tuner's reason: {d.reason})" if d.reason else "") + ".")
+    how = ("`tune: false` in the recipe (`--tune false`)" if _launcher(m) else
+           "`train_with_tuning(trainer, tune=False)` (or `AdaptiveBatchTuner(tune=False)`)")
+    items = [f"{how} for runs this short; the split it measured: {_split_name(d.new)}",
+             "or let the run be long enough to pay a trial back: the tuner weighs each round against the steps left"]
+    gain = m.train_sec / (m.train_sec - lost) if m.train_sec > lost else None
+    formula = (f"measured: the tuning's own cost {d.cost_sec:.1f} s less its expected saving {saving:.1f} s, "
+               f"against {m.train_sec:.1f} s of training: {m.train_sec:.1f} / ({m.train_sec:.1f} − {lost:.1f})"
+               + (f" = {gain:.2f}x" if gain else ""))
+    return Finding("tuning_cost", "The batch tuning cost more than it saved", obs, root, _bullets(items), gain,
+                   formula, "medium", {"tune": False} if _launcher(m) else {}, "measured" if gain else "try", gain)
+
+
+def rule_tuner_hint(m: Measurements) -> Note | None:
+    """The tuner attached to a plain ``trainer.train()``: it measured nothing, and said so (its event)."""
+    if not m.tuner_hint or m.tune is not None:
+        return None
+    return Note("tuner_hint", "Batch split not measured: the tuner needs train_with_tuning",
+                _sentence([TUNER_NEEDS_TRAIN_WITH_TUNING]) + (" Use `hf-perf train`'s recipe key `tune`."
+                                                              if _launcher(m) else ""), judged=False)
 
 
 def rule_input_bound(m: Measurements) -> Finding | None:
@@ -941,31 +1060,32 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
                    _bullets(lines), None, formula, confidence, setting, "try", None, priority=0 if urgent else 1)
 
 
-def _tune_note(m: Measurements, d: Decision) -> Note:
-    """The tuner's measurement ``d`` (``m.tune``) of splits on this run's own steps, trial by trial."""
-    measured = []
-    for t in d.trials:
-        name = _split_name(t.split)
-        if t.error:
-            measured.append(f"{name} {t.error}")
-        elif t.median is None:
-            measured.append(f"{name} not measured")
-        else:
-            text = f"{name} {t.median:.3g} s over {len(t.samples)} step(s)"
-            if t.gain is not None:
-                text += f", {t.gain:+.0%} against the configured split" + (f" (p = {t.p_value:.2g})"
-                                                                          if t.p_value is not None else "")
-            measured.append(text + ("" if t.fits else ", over the memory budget"))
+def _tune_note(m: Measurements, d: Decision) -> Note | None:
+    """The tuner's measurement ``d`` (``m.tune``) of splits on this run's own steps, trial by trial, worded once
+    (:func:`~hf_perf_callbacks.splitfile.trial_figures`: the numbers the console, the summary and the plots print).
+    Checked and fine only when it measured another split and did not cost more than it saves (then
+    :func:`rule_tuning_cost` speaks); not judged when it measured none."""
+    figures_ = trial_figures(d)
+    measured = [t for t in figures_ if t.status != "reference" and t.measured]
     kept = (f"kept the configured {_split_name(d.old)}" if d.new == d.old
             else f"switched from {_split_name(d.old)} to {_split_name(d.new)}")
-    cost = (f" Measuring cost {d.cost_sec:.0f} s" if d.cost_sec is not None else "") + (
-        f"; expected saving {d.expected_gain_sec:.0f} s over the rest of the run" if d.expected_gain_sec is not None
+    reason = f" (the tuner's reason: {d.reason})" if d.reason else ""
+    if not measured:
+        tried = "; ".join(t.words() for t in figures_ if t.status != "reference")
+        base = next((t for t in figures_ if t.status == "reference"), None)
+        return Note("small_micro_batch", "Batch split not measured",
+                    f"The tuner {kept} at step {d.step} without measuring another split{reason}"
+                    + (f"; {base.words()}" if base is not None else "")
+                    + (f"; {tried}" if tried else "") + ".", judged=False)
+    if rule_tuning_cost(m) is not None:
+        return None
+    cost = (f" Measuring cost {d.cost_sec:.1f} s" if d.cost_sec is not None else "") + (
+        f"; expected saving {d.expected_gain_sec:.1f} s over the rest of the run" if d.expected_gain_sec is not None
         else "") + ("." if d.cost_sec is not None or d.expected_gain_sec is not None else "")
     _, limit = _memory_cap(m)
     return Note("small_micro_batch", "Batch split chosen by measurement",
-                f"The tuner measured {len(d.trials)} split(s) on this run's own training steps (median seconds per "
-                f"optimizer step{' outside generation' if m.grpo else ''}: {'; '.join(measured)}) and {kept} at step "
-                f"{d.step}" + (f" (the tuner's reason: {d.reason})" if d.reason else "") + "." + cost
+                f"The tuner measured {len([t for t in figures_ if t.measured])} split(s) on this run's own training "
+                f"steps ({'; '.join(t.words() for t in figures_)}) and {kept} at step {d.step}{reason}." + cost
                 + (f" No larger micro-batch is advised: {limit}." if limit else ""))
 
 
@@ -1046,19 +1166,27 @@ def _fixed_length_padding(m: Measurements, length: int, p: float, c: float) -> F
             f"whatever the lengths of its sequences, so the device computes on the pad positions, and attention on "
             "them quadratically. Grouping by length cannot help: it sorts sequences into batches, and a fixed length "
             f"pads every batch to {length} all the same.")
-    items = ["pad per batch, to the longest sequence of each batch: tokenize without `padding='max_length'` and "
-             "collate with `DataCollatorWithPadding(tokenizer)` (causal LM: `DataCollatorForLanguageModeling("
-             f"tokenizer, mlm=False)`) and no fixed `max_length` (keep `truncation=True, max_length={length}` to "
-             "bound the longest)",
-             "with TRL SFT: its collator pads per batch already; `padding_free: true` or `packing: true` removes "
-             "the padding altogether",
-             "then `train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before): "
-             "similar lengths in a batch pad less"]
-    ceiling = 1.0 / ((1.0 - c) + c * (1.0 - p)) if c > 0 else None
+    if m.trainer_kind == "sft":
+        items = [f"let `SFTTrainer`'s own collator pad per batch: drop the fixed-length `data_collator` (and "
+                 f"`padding='max_length'` in any tokenization of your own), keeping `max_length: {length}` to bound "
+                 "the longest",
+                 "`padding_free: true` (flash attention) or `packing: true`: no padding at all",
+                 "then `train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before): "
+                 "similar lengths in a batch pad less"]
+    else:
+        items = ["pad per batch, to the longest sequence of each batch: tokenize without `padding='max_length'` and "
+                 "collate with `DataCollatorWithPadding(tokenizer)` (causal LM: `DataCollatorForLanguageModeling("
+                 f"tokenizer, mlm=False)`) and no fixed `max_length` (keep `truncation=True, max_length={length}` to "
+                 "bound the longest)",
+                 "with TRL's `SFTTrainer`: its own collator pads per batch (pass no `data_collator`); `padding_free: "
+                 "true` or `packing: true` removes the padding altogether",
+                 "then `train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before): "
+                 "similar lengths in a batch pad less"]
     formula = ("not predicted: per-batch padding keeps the padding up to each batch's longest sequence, which the "
-               "log does not record" + (f"; removing every pad position would be the ceiling, 1/((1 − {c:.2f}) + "
-                                        f"{c:.2f} × (1 − {p:.2f})) = {ceiling:.2f}x (attention more)" if ceiling
-                                        else ""))
+               "log does not record, and a step's costs that do not shrink with its positions (the optimizer step, "
+               "per-micro-batch work outside the model's matmuls) cannot be told from those that do in a log padded "
+               f"to one length on every step; the pad positions are {_pct(p)} of the positions, compute "
+               f"{_pct(c)} of the wall time")
     return Finding("padding_waste", "Padding to a fixed length", obs, root, _bullets(items), None, formula, "medium",
                    {}, "try", None)
 
@@ -1152,10 +1280,9 @@ def rule_log_fields(m: Measurements) -> Note | None:
 
 #: The one place to add a rule: each takes Measurements and returns a Finding, a Note or None.
 RULES: list[Callable[[Measurements], Finding | Note | None]] = [
-    rule_no_learning, rule_memory_pressure, rule_oversubscription, rule_contention, rule_input_bound,
-    rule_duplicate_forward,
-    rule_padding_waste, rule_generation_bound, rule_small_micro_batch, rule_completion_budget, rule_warmup,
-    rule_evidence, rule_log_fields,
+    rule_no_learning, rule_memory_pressure, rule_oversubscription, rule_contention, rule_evaluation,
+    rule_input_bound, rule_duplicate_forward, rule_padding_waste, rule_generation_bound, rule_tuning_cost,
+    rule_small_micro_batch, rule_tuner_hint, rule_completion_budget, rule_warmup, rule_evidence, rule_log_fields,
 ]
 _ORDER = {rule.__name__.removeprefix("rule_"): i for i, rule in enumerate(RULES)}
 
@@ -1185,21 +1312,6 @@ def _values(rows: list, key: str) -> list[float]:
 
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
-
-
-def trainer_logs(run_log: RunLog) -> tuple[list[dict], str | None]:
-    """The trainer's own training logs and where they came from: the step lines' ``log/<key>`` values (one dict per
-    logging step, keys without the prefix, plus ``step``), else ``trainer_state.json``'s ``log_history`` (else the
-    latest checkpoint's); ``([], None)`` when neither holds any."""
-    rows = []
-    for s in run_log.unique_steps():
-        logged = {k[len(keys.TRAINER_LOG):]: v for k, v in s.values.items() if k.startswith(keys.TRAINER_LOG)}
-        if logged:
-            rows.append({**logged, "step": s.step})
-    if rows:
-        return rows, "perf log"
-    history = run_log.latest_log_history()
-    return history, (keys.TRAINER_STATE if history else None)
 
 
 def _rewards(logs: list[dict]) -> dict | None:
@@ -1248,11 +1360,15 @@ def _no_signal(logs: list[dict]) -> tuple[int, int, float | None]:
 
 
 def _contention(run_log: RunLog, f: dict) -> dict | None:
-    """Slow early steps that other processes caused (CPU device: wall time above the steady level that no extra
-    process CPU time explains): the meter's own figure (``contention_sec`` / the summary's ``early_contention_sec``,
-    with the steps when it lists them), else, for a log without it, the same classification
-    (:func:`~hf_perf_callbacks.stats.classify_slow_steps` at a 20% tolerance) over the step lines. None on other
-    devices (CPU time is not the work there), without ``perf/cpu_sec``, or when nothing was lost."""
+    """Slow steps that other processes caused (CPU device: wall time above the steady level that no extra process
+    CPU time explains): the meter's own figure (``contention_sec`` / the summary's ``early_contention_sec``, with
+    the steps when it lists them), else, for a log without it, the same classification
+    (:func:`~hf_perf_callbacks.stats.classify_slow_steps` at a 20% tolerance) over the step lines. A step counts only
+    when its own wall/CPU ratio stands above the steady steps' by :data:`CONTENTION_RATIO` (the meter judges each
+    ``train()`` call against its own early steps; a step at the run's steady ratio was not slowed by other
+    processes): when some listed steps do not, the time lost is recounted over those that do (their wall seconds
+    beyond their CPU time at the steady ratio). None on other devices (CPU time is not the work there), without
+    ``perf/cpu_sec``, or when nothing was lost."""
     steps = run_log.unique_steps()
     if run_log.header("perf").device_type != "cpu":
         return None
@@ -1277,13 +1393,60 @@ def _contention(run_log: RunLog, f: dict) -> dict | None:
         if isinstance(listed, list) and listed:
             slow = [(s, w, c) for s, w, c in rows if s.step in {number(v) for v in listed}]
         lost_sec, source = meter, "meter"
+    ratio = wall0 / cpu0
+    corroborated = [(s, w, c) for s, w, c in slow if w / c > ratio * (1 + CONTENTION_RATIO)]
+    if len(corroborated) < len(slow):                      # recount over the steps whose own ratio shows it
+        lost_sec = sum(max(0.0, w - c * ratio) for _, w, c in corroborated)
+        source = "step lines"
+    slow = corroborated
     if not slow or lost_sec <= 0:
         return None
     others = [v for v in (s.number(keys.PERF_OTHER_CPU_CORES) for s, _, _ in slow) if v is not None]
-    return {"lost_sec": lost_sec, "source": source, "steps": len(slow), "run_sec": run_sec,
-            "lost_share": lost_sec / run_sec,
-            "wall_over_cpu": statistics.median(w / c for _, w, c in slow), "steady_wall_over_cpu": wall0 / cpu0,
+    return {"lost_sec": lost_sec, "source": source, "steps": len(slow), "step_list": [s.step for s, _, _ in slow],
+            "run_sec": run_sec, "lost_share": lost_sec / run_sec,
+            "wall_over_cpu": statistics.median(w / c for _, w, c in slow), "steady_wall_over_cpu": ratio,
             "other_cores": max(others) if others else None}
+
+
+def _evaluation(steps: Sequence[LogStep], train_sec: float) -> dict | None:
+    """The run's evaluations as measured on its step lines (``perf/phase_sec/eval`` > 0): how many, every how many
+    steps (the median gap), their seconds, the run's wall and training seconds and evaluation's share of the wall
+    time; None without any."""
+    at = [(s.step, v) for s in steps if (v := s.number(keys.PERF_PHASE_SEC["eval"])) is not None and v > 0]
+    if not at:
+        return None
+    wall = sum(s.number(keys.PERF_STEP_WALL_SEC) or 0.0 for s in steps)
+    gaps = [b - a for (a, _), (b, _) in zip(at, at[1:])]
+    every = int(statistics.median(gaps)) if gaps else max(1, len(steps))
+    eval_sec = sum(v for _, v in at)
+    return {"evals": len(at), "every": max(1, every), "eval_sec": eval_sec, "wall_sec": wall, "train_sec": train_sec,
+            "steps": len(steps), "share": eval_sec / wall if wall > 0 else 0.0}
+
+
+def _first_steady(steps: Sequence[LogStep], f: dict) -> dict | None:
+    """The latest ``train()`` call's first step when the meter counted it steady (no warmup beyond it): its training
+    seconds and the steady step time with and without it (the figures' definition); None otherwise."""
+    first = f.get("call_first_step")
+    steady = set(f.get("steady_steps") or [])
+    if first not in steady:
+        return {"step": first, "included": False} if first else None
+    seconds = {s.step: t for s in steps if s.step in steady and (t := train_seconds(s)) is not None}
+    if first not in seconds or len(seconds) < 2:
+        return {"step": first, "included": False}
+    total = sum(seconds.values())
+    return {"step": first, "included": True, "sec": seconds[first], "with": total / len(seconds),
+            "without": (total - seconds[first]) / (len(seconds) - 1)}
+
+
+def _trainer_kind(logs: list[dict]) -> str | None:
+    """The TRL trainer whose own training logs these are, where they show it: SFT logs `mean_token_accuracy`
+    (and `num_tokens`), DPO `rewards/chosen`."""
+    keys_seen = {k for h in logs[:50] for k in h}
+    if "mean_token_accuracy" in keys_seen:
+        return "sft"
+    if "rewards/chosen" in keys_seen:
+        return "dpo"
+    return None
 
 
 def _malformed_values(run_log: RunLog) -> list[str]:
@@ -1311,7 +1474,7 @@ def _fact(header: RunHeader, name: str, kind: str, skipped: list[str]):
     return typed
 
 
-def _machine(steps: list[StepLine], header: RunHeader, skipped: list[str]) -> dict | None:
+def _machine(steps: Sequence[LogStep], header: RunHeader, skipped: list[str]) -> dict | None:
     """The CPU over the whole run, from the step lines (``perf/cpu_sec``, ``perf/step_wall_sec``,
     ``perf/other_cpu_cores``, ``perf/load_per_core``, ``perf/tokens``) and the run header (``cpu_cores``,
     ``torch_threads``, when the writer records them). Medians over the steps: ``busy`` — this process's CPU time /
@@ -1453,6 +1616,9 @@ def measurements(run_log: RunLog) -> Measurements:
         skipped.append(tuner_note)
     grpo = bool(run.grpo)
     fixed = (int(seq[0]) if not grpo and len(seq) >= MIN_FIXED_LENGTH_STEPS and max(seq) == min(seq) else None)
+    train_sec = sum(train_seconds(s) or 0.0 for s in steps)
+    hint = next((e.message for e in events if e.source == "tuner" and e.details.get("needs") == "train_with_tuning"),
+                None)
 
     return Measurements(
         device_type=run.device_type or "unknown", world_size=int(run.world_size or 1),
@@ -1487,7 +1653,10 @@ def measurements(run_log: RunLog) -> Measurements:
         warmup_done=warmup_done,
         steady_steps=_steady_count(f, n_steps, warmup_done, warmup_steps),
         fixed_seq_len=fixed, launcher=_fact(run, "launcher", "str", skipped),
-        logged=frozenset(k for s in steps for k in s.values), skipped=skipped)
+        logged=frozenset(k for s in steps for k in s.values), skipped=skipped,
+        tuner_hint=hint, trainer_kind=_trainer_kind(logs) if not grpo else None,
+        evaluation=_evaluation(steps, train_sec), first_steady=_first_steady(steps, f),
+        train_sec=train_sec or None)
 
 
 def measurements_from_run(output_dir: str) -> Measurements:
@@ -1508,7 +1677,10 @@ def _facts_line(m: Measurements) -> str:
     if m.steady_tokens_per_sec:
         parts.append(f"steady {m.steady_tokens_per_sec:,.0f} tok/s")
     if m.steady_step_sec:
-        parts.append(f"{m.steady_step_sec:.3g} s/step")
+        parts.append(f"{m.steady_step_sec:.3g} s/step of training (evaluation and saving excluded)")
+    e = m.evaluation
+    if e and e["share"] >= 0.01 and m.steps:
+        parts.append(f"{e['wall_sec'] / m.steps:.3g} s/step of wall time with evaluation")
     if m.mfu is not None:
         parts.append(f"MFU {_pct(m.mfu)}")
     split = ", ".join(f"{k.replace('_', ' ')} {_pct(v)}" for k, v in

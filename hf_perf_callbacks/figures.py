@@ -21,7 +21,12 @@ figure                    definition
                           warmup figures are None, and every reader says "not finished", never "no warmup")
 ``warmup_steps``          steps before the first steady step of the latest ``train()`` call
 ``warmup_end_step``       that first steady step
-``first_step_slowdown``   the first step's (GRPO: generation cycle's) training time / the steady step time
+``call_first_step``       the latest ``train()`` call's first step (warmup and the first-step slowdown are that
+                          call's: each ``train()`` call — a resume, a re-size, the tuner's switch — starts over)
+``first_step_slowdown``   the first step's (GRPO: generation cycle's) training time / the steady step time, of the
+                          latest ``train()`` call (its first step: ``call_first_step``)
+``not_steady``            the steps outside the steady figures, as (first, last) ranges: warmup, and the steps of
+                          earlier ``train()`` calls too short to decide it
 ``warmup_overhead_sec``   training seconds of the warmup steps above the steady level (0 until warmup is decided)
 ``contention_sec``        CPU device: wall seconds of slow early steps whose CPU time stayed flat (other
                           processes), the meter's ``early_contention_sec``; ``contention_steps`` lists them (from
@@ -31,15 +36,19 @@ figure                    definition
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import bisect
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from . import runlog as keys
-from .runlog import PHASES, EventLine, RunLog, StepLine, number
+from .runlog import PHASES, EventLine, ReadStep, RunLog, StepLine, number
 from .stats import median, quantile
 
+#: a step line as written (:class:`~hf_perf_callbacks.runlog.StepLine`) or as read back (``ReadStep``)
+LogStep = StepLine | ReadStep
 
-def last_value(steps: list[StepLine], key: str) -> float | None:
+
+def last_value(steps: Sequence[LogStep], key: str) -> float | None:
     """The latest finite value of ``key`` in the step lines."""
     for s in reversed(steps):
         v = s.number(key)
@@ -48,7 +57,7 @@ def last_value(steps: list[StepLine], key: str) -> float | None:
     return None
 
 
-def train_seconds(step: StepLine) -> float | None:
+def train_seconds(step: LogStep) -> float | None:
     """A step line's training time, the one its throughput was computed from: the meter's ``perf/train_sec`` (logs
     of earlier versions: the wall time minus evaluation and saving)."""
     logged = step.number(keys.PERF_TRAIN_SEC)
@@ -60,15 +69,69 @@ def train_seconds(step: StepLine) -> float | None:
     return wall - sum(step.number(keys.PERF_PHASE_SEC[p]) or 0.0 for p in ("eval", "save"))
 
 
-def steady_steps(steps: list[StepLine]) -> list[int]:
-    """The steps the meter counts as steady (see the module docstring), in order."""
-    starts = [(s.step, int(first)) for s in steps if (first := s.number(keys.PERF_FIRST_STEADY_STEP)) is not None]
+def steady_steps(steps: Sequence[LogStep]) -> list[int]:
+    """The steps the meter counts as steady (see the module docstring), in order: one pass over the lines."""
+    upto: dict[int, int] = {}                       # first steady step → the latest line naming it
+    for s in steps:
+        first = s.number(keys.PERF_FIRST_STEADY_STEP)
+        if first is not None and s.step >= first:
+            upto[int(first)] = max(upto.get(int(first), s.step), s.step)
+    spans: list[list[int]] = []                     # the ranges, merged where they touch
+    for first, last in sorted(upto.items()):
+        if spans and first <= spans[-1][1] + 1:
+            spans[-1][1] = max(spans[-1][1], last)
+        else:
+            spans.append([first, last])
+    starts = [a for a, _ in spans]
     out = []
     for s in steps:
-        flagged = s.number(keys.PERF_STEADY) == 1
-        if flagged or any(first <= s.step <= upto for upto, first in starts):
+        at = bisect.bisect_right(starts, s.step) - 1
+        if s.number(keys.PERF_STEADY) == 1 or (at >= 0 and s.step <= spans[at][1]):
             out.append(s.step)
     return out
+
+
+def step_ranges(steps: Iterable[int]) -> list[tuple[int, int]]:
+    """Consecutive steps as (first, last) ranges: ``[1, 2, 3, 7]`` → ``[(1, 3), (7, 7)]``."""
+    out: list[tuple[int, int]] = []
+    for step in sorted(set(steps)):
+        if out and step == out[-1][1] + 1:
+            out[-1] = (out[-1][0], step)
+        else:
+            out.append((step, step))
+    return out
+
+
+def ranges_text(ranges: list[tuple[int, int]]) -> str:
+    """``[(1, 3), (7, 7)]`` → ``1–3, 7``."""
+    return ", ".join(f"{a}–{b}" if b != a else str(a) for a, b in ranges)
+
+
+def train_calls(run: RunLog) -> list[tuple[int, int]]:
+    """The run's ``train()`` calls as (first step, last step) — a fresh start, each resume and each re-size — from
+    the run headers the meter described (its segments: warmup is detected anew in each)."""
+    steps = run.unique_steps()
+    last = steps[-1].step if steps else 0
+    starts = sorted({h.resumed_from_step for h in run.headers if "perf" in h.sources} or {0})
+    return [(start + 1, (starts[i + 1] if i + 1 < len(starts) else last)) for i, start in enumerate(starts)
+            if start < last or i == 0]
+
+
+def trainer_logs(run_log: RunLog) -> tuple[list[dict[str, Any]], str | None]:
+    """The trainer's own training logs and where they came from: the step lines' ``log/<key>`` values (one dict per
+    logging step, keys without the prefix, plus ``step``), else ``trainer_state.json``'s ``log_history`` (else the
+    latest checkpoint's); ``([], None)`` when neither holds any. The one source of every count of logs the report
+    prints (the summary's completion line, the analysis)."""
+    rows = []
+    prefix = keys.TRAINER_LOG
+    for s in run_log.unique_steps():
+        logged = {k[len(prefix):]: v for k, v in s.values.items() if k.startswith(prefix)}
+        if logged:
+            rows.append({**logged, "step": s.step})
+    if rows:
+        return rows, "perf log"
+    history = run_log.latest_log_history()
+    return history, (keys.TRAINER_STATE if history else None)
 
 
 def run_events(run: RunLog) -> list[EventLine]:
@@ -125,7 +188,11 @@ def figures(run: RunLog) -> dict[str, Any]:
     overhead = meter("warmup_overhead_sec", keys.PERF_WARMUP_OVERHEAD_SEC)   # 0 until warmup is decided
     first_steady = perf.get("first_steady_step") if perf else number(latest.get(keys.PERF_FIRST_STEADY_STEP))
     budget = mem_header.budget_gb if mem_header.budget_gb is not None else last_value(steps, keys.MEM_LIMIT_GB)
+    calls = train_calls(run)
     return {
+        "call_first_step": calls[-1][0] if calls else 1,
+        "train_calls": calls,
+        "not_steady": step_ranges(s.step for s in steps if s.step not in steady_set) if steady else [],
         "device": pick(perf, "device", header.device),
         "device_type": header.device_type,
         "world_size": pick(perf, "world_size", header.world_size),

@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Sequence
 
 from . import runlog as keys
-from .figures import figures, last_value, run_events, train_seconds
-from .runlog import PHASES, ReportError, RunLog, StepLine, number
-from .splitfile import Decision, SplitFile, read_split_file
-from .stats import iqr
-from .wording import PHASE_WORDS, split_label, warmup_words
+from .figures import LogStep, figures, last_value, ranges_text, run_events, step_ranges, train_seconds
+from .runlog import PHASES, ReportError, RunLog, number
+from .splitfile import Decision, SplitFile, read_split_file, trial_figures
+from .wording import PHASE_WORDS, split_label, steady_words, warmup_words
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -72,10 +72,16 @@ def plot_all(run: RunLog, out_dir: str | None) -> tuple[list[str], list[str]]:
 
 
 class PlotData:
-    """What the plots read, read once: the run, its step lines, its headline figures and its tuner record."""
+    """What the plots read, read once: the run, its step lines, its headline figures, its tuner record and the split
+    each step ran with (all in one pass over the step lines: the plots are linear in the run's steps)."""
 
-    def __init__(self, run: RunLog, steps: list[StepLine], f: dict, split_file: SplitFile | None):
+    def __init__(self, run: RunLog, steps: Sequence[LogStep], f: dict, split_file: SplitFile | None):
         self.run, self.steps, self.f, self.split_file = run, steps, f, split_file
+        self.splits: dict[int, str] = {}
+        for s in steps:
+            micro, accum = s.number(keys.TUNER_MICRO_BATCH), s.number(keys.TUNER_GRAD_ACCUM)
+            if micro is not None and accum is not None:
+                self.splits[s.step] = f"{micro:.0f}×{accum:.0f}"
 
     @classmethod
     def of(cls, run: RunLog) -> PlotData:
@@ -94,6 +100,34 @@ class PlotData:
     def tune_decisions(self) -> list[Decision]:
         return [d for d in (self.split_file.decisions if self.split_file else []) if d.kind == "tune"]
 
+    def restarts(self) -> list[tuple[int, str, str]]:
+        """Each ``train()`` call after the first, named: (the step it resumed after, words, colour) — the tuner's
+        switch to another split (``tuner: 4×2 → 8×1``), a re-size with its decision (``out of memory: 4×2 → 2×4``),
+        or a resume at the same split; and a decision that changed the split where no restart shows it."""
+        decisions = {d.step: d for d in (self.split_file.decisions if self.split_file else []) if d.kind != "tune"}
+        out = []
+        for step in sorted({h.resumed_from_step for h in self.run.headers if h.resumed_from_step > 0}):
+            before, after = self.splits.get(step), self.splits.get(step + 1)
+            d = decisions.get(step)
+            if d is not None and d.new != d.old:
+                words = f"{DECISION_WORDS.get(d.kind, d.kind)}: {split_label(d.old)} → {split_label(d.new)}"
+                out.append((step, words, "tab:red" if d.kind in ("oom", "watchdog") else "dimgrey"))
+            elif before and after and before != after:
+                out.append((step, f"tuner: {before} → {after}", "dimgrey"))
+            else:
+                out.append((step, "resumed", "dimgrey"))
+        seen = {step for step, _, _ in out}
+        shown = {words.split(": ", 1)[-1] for _, words, _ in out}              # "4×2 → 8×1"
+        for d in (self.split_file.decisions if self.split_file else []):     # a change the step lines do not show
+            change = f"{split_label(d.old)} → {split_label(d.new)}"
+            if d.new != d.old and d.step not in seen and change not in shown:
+                words = f"{DECISION_WORDS.get(d.kind, d.kind)}: {split_label(d.old)} → {split_label(d.new)}"
+                out.append((d.step, words, "tab:red" if d.kind in ("oom", "watchdog") else "dimgrey"))
+        return sorted(out)
+
+    def configured(self) -> str | None:
+        return split_label(self.split_file.configured) if self.split_file else None
+
 
 # ---------------------------------------------------------------- shared helpers
 def _integer_steps(ax) -> None:
@@ -104,11 +138,13 @@ def _integer_steps(ax) -> None:
 
 
 def _legend_below(fig, ax, ncol: int = 3) -> None:
-    """The legend under the plot, off the data."""
+    """The legend under the plot, off the data: as many columns as the labels' length lets fit the width."""
     handles, labels = ax.get_legend_handles_labels()
     if handles:
-        fig.legend(handles, labels, loc="outside lower center", ncol=min(ncol, len(handles)), fontsize=8,
-                   frameon=False)
+        longest = max(len(label) for label in labels)
+        fits = 1 if longest > 55 else 2 if longest > 34 else 3
+        fig.legend(handles, labels, loc="outside lower center", ncol=max(1, min(ncol, fits, len(handles))),
+                   fontsize=8, frameon=False)
 
 
 def _title(ax, title: str, *notes: str | None) -> None:
@@ -127,7 +163,7 @@ def _note(ax, text: str, color: str = "dimgrey") -> None:
 
 
 # ---------------------------------------------------------------- throughput
-def step_rates(steps: list[StepLine], period: int = 1) -> tuple[list[int], list[float]]:
+def step_rates(steps: Sequence[LogStep], period: int = 1) -> tuple[list[int], list[float]]:
     """The run's throughput per step, on the steady figure's basis: tokens per second of training time (the meter's
     ``perf/train_sec``), per step or per generation cycle of ``period`` steps (GRPO counts a cycle's tokens at its
     generation step), at the cycle's last step."""
@@ -156,41 +192,71 @@ def plot_throughput(fig, data: PlotData) -> str | None:
     ax = fig.add_subplot()
     what = "step" if period == 1 else f"generation cycle of {period} steps"
     ax.plot(xs, ys, marker="o" if len(xs) <= 60 else None, ms=4, lw=1.5, color="tab:blue",
-            label=f"throughput per {what} (tokens / training s)")
-    first = f["warmup_end_step"]
-    if f["warmup_done"] and first is not None and first > xs[0]:
-        ax.axvspan(xs[0] - 0.5, first - 0.5, color="grey", alpha=0.15, lw=0,
-                   label=f"warmup ({f['warmup_steps']:.0f} steps; steady from step {first})")
+            label=f"throughput per {what} (its tokens / its training s)")
+    steady_list = f["steady_steps"] if f["warmup_done"] else []
+    if f["warmup_done"] and f["not_steady"]:               # the meter's own record: the steps it did not count
+        for i, (a, b) in enumerate(f["not_steady"]):
+            ax.axvspan(a - 0.5, b + 0.5, color="grey", alpha=0.15, lw=0,
+                       label=(f"not in the steady figures: steps {ranges_text(f['not_steady'])} (warmup; each "
+                              f"train() call starts it anew)") if i == 0 else None)
     elif f["warmup_done"] is False:
         _note(ax, f"warmup not finished after {f['steps']} steps: no steady figure yet", color="tab:red")
     steady = number(f["steady_tokens_per_sec"])
-    if steady is not None:
-        on = [x for x in xs if x in set(f["steady_steps"])] or xs
-        ax.hlines(steady, on[0] - 0.5, on[-1] + 0.5, colors="tab:green", linestyles="--", lw=2,
-                  label=f"steady throughput {steady:,.0f} tokens/s (its tokens / its training time)")
-    contended = [(x, y) for x, y in zip(xs, ys) if any(x - period < s <= x for s in f["contention_steps"])]
+    if steady is not None and steady_list:
+        ax.hlines(steady, steady_list[0] - 0.5, steady_list[-1] + 0.5, colors="tab:green", linestyles="--", lw=2,
+                  label=f"steady figure {steady:,.0f} tokens/s: Σ tokens / Σ training s of the {len(steady_list)} "
+                        f"steady steps (a slow step weighs by its time)")
+    contention = set(f["contention_steps"])
+    contended = [(x, y) for x, y in zip(xs, ys) if any(s in contention for s in range(x - period + 1, x + 1))]
     if contended:
         ax.scatter(*zip(*contended), s=90, facecolors="none", edgecolors="tab:red", lw=1.8, zorder=3,
                    label=f"slowed by other processes ({number(f['contention_sec']) or 0:.1f} s lost)")
-    _mark_restarts(ax, data)
-    _title(ax, "Training throughput (tokens per second of training time; evaluation and saving excluded)",
-           warmup_words(f["warmup_steps"], f["first_step_slowdown"], f["warmup_overhead_sec"])
-           if f["warmup_done"] else None)
-    ax.set_ylabel("tokens / s")
-    ax.set_ylim(0, max(ys + [steady or 0.0]) * 1.12)
     ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
+    _mark_restarts(ax, data)
+    notes = []
+    if f["warmup_done"]:
+        notes.append(warmup_words(f["warmup_steps"], f["first_step_slowdown"], f["warmup_overhead_sec"],
+                                  f["call_first_step"]))
+        if steady_list:
+            notes.append(steady_words(steady_list, ranges_text(step_ranges(steady_list))))
+    _title(ax, "Training throughput (tokens per second of training time; evaluation and saving excluded)", *notes)
+    ax.set_ylabel("tokens / s of training time")
+    ax.set_ylim(0, max(ys + [steady or 0.0]) * 1.12)
     ax.grid(alpha=0.3)
     _integer_steps(ax)
-    _legend_below(fig, ax, ncol=2)
+    _legend_below(fig, ax, ncol=1)
     return None
 
 
-def _mark_restarts(ax, data: PlotData) -> None:
-    """A dotted line where a ``train()`` call resumed the run (a re-size or a resume): its warmup starts anew."""
-    starts = sorted({h.resumed_from_step for h in data.run.headers if h.resumed_from_step > 0})
-    for i, step in enumerate(starts):
-        ax.axvline(step + 0.5, color="dimgrey", ls=":", lw=1.2,
-                   label="resumed (a new train() call: warmup starts anew)" if i == 0 else None)
+def _mark_restarts(ax, data: PlotData, top: float = 0.97) -> None:
+    """A dotted line where a ``train()`` call resumed the run (the tuner's switch, a re-size, a resume: its warmup
+    starts anew), named: few are named beside their line; more get the split in effect written over each stretch
+    between them, and one legend entry."""
+    restarts = data.restarts()
+    if not restarts:
+        return
+    if len(restarts) <= 2:
+        for i, (step, words, color) in enumerate(restarts):
+            _marker(ax, step + 0.5, words, color, top - 0.08 * (i % 4))
+        return
+    tuned = all(words.startswith("tuner") for _, words, _ in restarts)
+    for i, (step, _, color) in enumerate(restarts):
+        ax.axvline(step + 0.5, color=color, ls=":", lw=1.1,
+                   label=(f"{len(restarts)} switches between splits by the tuner (a new train() call each; the split "
+                          f"in effect written above each stretch)" if tuned else
+                          f"{len(restarts)} restarts (a new train() call each: the tuner's switches, re-sizes, "
+                          f"resumes; the split in effect written above each stretch)") if i == 0 else None)
+    if len(restarts) > MAX_NAMED or not data.splits:
+        return
+    edges = [min(data.splits) - 0.5] + [step + 0.5 for step, _, _ in restarts] + [max(data.splits) + 0.5]
+    for a, b in zip(edges, edges[1:]):
+        inside = [data.splits[x] for x in data.splits if a < x < b]
+        if inside:
+            ax.annotate(inside[0], xy=((a + b) / 2, top), xycoords=("data", "axes fraction"), ha="center", va="top",
+                        fontsize=8, color="dimgrey")
+
+
+MAX_NAMED = 8                   # restarts named one by one on a plot; beyond that, one legend entry
 
 
 # ---------------------------------------------------------------- memory
@@ -227,8 +293,9 @@ def plot_memory(fig, data: PlotData) -> str | None:
     for i, (e, step) in enumerate(acts):
         color = "red" if e.kind == "stop" else "purple"
         _marker(ax, step, str(e.details.get("action") or e.kind).replace("_", " "), color, 0.97 - 0.07 * (i % 4))
-    _mark_resizes(ax, data.split_file.decisions if data.split_file else [], top=0.83)
     ax.set_ylim(max(0.0, low - 0.15 * span), high + 0.3 * span)
+    ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
+    _mark_restarts(ax, data, top=0.83)       # a split change moves memory: the switch that explains a step in it
     notes = []
     growth = last_value(data.steps, keys.MEM_GROWTH_MB_PER_STEP)
     if growth is not None:
@@ -260,15 +327,14 @@ def plot_phases(fig, data: PlotData) -> str | None:
             ax.bar(xs, vals, bottom=bottom, width=0.8 * size, color=PHASE_COLORS[p],
                    label=PHASE_WORDS[p] + _share_words((f["phases"] or {}).get(p)))
             bottom = [b + v for b, v in zip(bottom, vals)]
-        for i, d in enumerate(data.tune_decisions()):
-            measured = sorted({step for t in d.trials for step in t.steps})
-            if measured:
-                ax.axvspan(measured[0] - 0.5, measured[-1] + 0.5, color="grey", alpha=0.15, lw=0, zorder=0,
-                           label="steps the tuner measured splits on" if i == 0 else None)
+        measured = step_ranges(step for d in data.tune_decisions() for t in d.trials for step in t.steps)
+        for i, (a, b) in enumerate(measured):
+            ax.axvspan(a - 0.5, b + 0.5, color="grey", alpha=0.15, lw=0, zorder=0,
+                       label=f"steps the tuner measured splits on ({ranges_text(measured)})" if i == 0 else None)
         ax.set_ylim(0, max(bottom) * 1.05 or 1)
         title = ("Time per step by phase, share of the run's time in the legend"
                  + (f" (mean of {size} steps per bar)" if size > 1 else ""))
-        ax.set_ylabel("seconds")
+        ax.set_ylabel("seconds per step")
         ax.grid(alpha=0.3, axis="y")
         _integer_steps(ax)
     elif f["phases"]:
@@ -312,100 +378,116 @@ def _tuning_cost(data: PlotData) -> str | None:
 
 # ---------------------------------------------------------------- tuner
 def plot_tuner(fig, data: PlotData) -> str | None:
-    mx, my = data.series(keys.TUNER_MICRO_BATCH)
-    gx, gy = data.series(keys.TUNER_GRAD_ACCUM)
-    splits = {x: f"{m:.0f}×{a:.0f}" for x, m, a in zip(mx, my, [dict(zip(gx, gy)).get(x) for x in mx])
-              if a is not None}
+    splits = data.splits
     decisions = data.split_file.decisions if data.split_file else []
-    tuned = [d for d in decisions if d.kind == "tune" and d.trials]
+    tuned = [d for d in decisions if d.kind == "tune"]
     if not (splits or decisions):
         return "no tuner/* keys in the step lines and no tuner_split.json (no tuner attached)"
-    if tuned:
-        trials_ax, split_ax = fig.subplots(1, 2, width_ratios=[1.1, 1]) if splits else (fig.add_subplot(), None)
-        _draw_trials(trials_ax, tuned[-1])
+    latest = tuned[-1] if tuned else None
+    shown = [t for t in trial_figures(latest)] if latest is not None else []
+    drawn = latest is not None and any(t.status != "reference" and (t.measured or t.error) for t in shown)
+    if drawn and splits:
+        trials_ax, split_ax = fig.subplots(1, 2, width_ratios=[1.1, 1])
+    elif drawn:
+        trials_ax, split_ax = fig.add_subplot(), None
     else:
-        split_ax = fig.add_subplot()
-    if split_ax is not None and splits:
-        _draw_splits(split_ax, splits, decisions)
-    elif split_ax is not None:
-        split_ax.set_axis_off()
+        trials_ax, split_ax = None, fig.add_subplot() if splits else None
+    if trials_ax is not None and latest is not None:
+        _draw_trials(trials_ax, latest)
+    if split_ax is not None:
+        _draw_splits(split_ax, splits, decisions, data)
+        if latest is not None and not drawn:       # a tuning that measured no other split: said in a line of text
+            _note(split_ax, _untried_words(latest))
+    elif not drawn:
+        ax = fig.add_subplot()
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, _untried_words(latest) if latest is not None else
+                "no tuning decision and no tuner/* keys: nothing to draw", ha="center", va="center", wrap=True,
+                fontsize=10)
     return None
 
 
-def _trial_time(trial) -> tuple[float | None, tuple[float, float] | None]:
-    return (trial.median, iqr(trial.samples) if len(trial.samples) >= 2 else None)
+def _untried_words(decision: Decision) -> str:
+    reason = decision.reason.removeprefix("kept the configured split: ")
+    return (f"Tuning at step {decision.step}: kept {split_label(decision.new)}, no other split measured"
+            + (f"\n({_wrap(reason)})" if reason else ""))
+
+
+def _wrap(text: str, width: int = 70) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width))
 
 
 def _draw_trials(ax, decision: Decision) -> None:
-    """One tuning decision's trials: each split's median measured time with its quartiles; the split kept green."""
-    names = [split_label(t.split) for t in decision.trials]
-    chosen = split_label(decision.new)
+    """One tuning decision's trials: each split's median with its quartiles, the split kept green, and beside each
+    the comparison every reader prints (:func:`~hf_perf_callbacks.splitfile.trial_figures`)."""
+    shown = trial_figures(decision)
+    chosen, before = split_label(decision.new), split_label(decision.old)
     heights, lows, highs, colors = [], [], [], []
-    for t in decision.trials:
-        median, quartiles = _trial_time(t)
-        heights.append(median or 0.0)
-        lows.append(median - quartiles[0] if quartiles and median is not None else 0.0)
-        highs.append(quartiles[1] - median if quartiles and median is not None else 0.0)
-        ok = t.fits and not t.error and median is not None
-        colors.append("tab:green" if split_label(t.split) == chosen and ok else "tab:blue" if ok else "tab:red")
-    ax.bar(range(len(names)), heights, color=colors, yerr=[lows, highs], capsize=3, ecolor="dimgrey")
-    before = split_label(decision.old)
-    ax.set_xticks(range(len(names)), [n + ("\n(before)" if n == before else "\n(chosen)" if n == chosen else "")
-                                      for n in names])
-    top = max([h + e for h, e in zip(heights, highs)] + [1e-9])
-    for i, t in enumerate(decision.trials):
+    for t in shown:
         median = t.median
-        if not t.fits or t.error or median is None:
-            ax.annotate("out of memory" if t.error or not t.fits else "not measured", (i, 0), ha="center",
-                        va="bottom", fontsize=8, color="tab:red", rotation=90, xytext=(0, 3),
-                        textcoords="offset points")
-        else:
-            words = f"{median:.3g} s"
-            if t.gain is not None and split_label(t.split) != before:
-                words += f"\n{-t.gain:+.0%}"
-            ax.annotate(words, (i, median + highs[i]), ha="center", va="bottom", fontsize=8, xytext=(0, 3),
-                        textcoords="offset points")
-    ax.set_ylim(0, top * 1.3)
+        heights.append(median or 0.0)
+        lows.append(median - t.quartiles[0] if t.quartiles and median is not None else 0.0)
+        highs.append(t.quartiles[1] - median if t.quartiles and median is not None else 0.0)
+        ok = t.status in ("reference", "measured") and median is not None
+        colors.append("tab:green" if t.label == chosen and ok else "tab:blue" if ok else "tab:red")
+    ax.bar(range(len(shown)), heights, color=colors, yerr=[lows, highs], capsize=3, ecolor="dimgrey")
+    ax.set_xticks(range(len(shown)), [t.label + ("\n(before)" if t.label == before else "\n(chosen)"
+                                                 if t.label == chosen else "") for t in shown])
+    top = max([h + e for h, e in zip(heights, highs)] + [0.0])
+    for i, t in enumerate(shown):
+        if t.median is None:
+            ax.annotate(t.error or "not measured", (i, 0), ha="center", va="bottom", fontsize=8, color="tab:red",
+                        rotation=90, xytext=(0, 3), textcoords="offset points")
+            continue
+        words = f"{t.median:.3g} s, {len(t.samples)} step{'s' if len(t.samples) != 1 else ''}"
+        compared = t.comparison()
+        if compared:
+            words += "\n" + compared.replace(" than ", "\nthan ")
+        ax.annotate(words, (i, t.median + highs[i]), ha="center", va="bottom", fontsize=7, xytext=(0, 3),
+                    textcoords="offset points")
+    ax.set_ylim(0, (top or 1.0) * 1.45)
     kept = "kept" if decision.new == decision.old else "chose"
-    title = f"Tuning at step {decision.step}: {kept} {chosen} (green)"
     ax.set_xlabel("split (micro-batch × gradient accumulation)", fontsize=9)
-    ax.set_ylabel("measured s per optimizer step (median)")
+    ax.set_ylabel(f"median {shown[0].unit}" if shown else "median s per optimizer step", fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     cost = f"cost {decision.cost_sec:.1f} s" if decision.cost_sec is not None else None
     gain = (f"expected saving {decision.expected_gain_sec:.1f} s" if decision.expected_gain_sec is not None
             else None)
-    _title(ax, title, cost, gain)
+    _title(ax, f"Tuning at step {decision.step}: {kept} {chosen} (green)", cost, gain)
 
 
-def _draw_splits(ax, splits: dict[int, str], decisions: list[Decision]) -> None:
+def _draw_splits(ax, splits: dict[int, str], decisions: list[Decision], data: PlotData) -> None:
     """The split each step ran with, on a categorical axis of split labels (largest micro-batch on top); the
-    decisions that changed it marked with their kind."""
+    restarts that changed it named (the tuner's trials, re-sizes)."""
     def micro(label: str) -> int:
         return int(label.split("×")[0])
 
     levels = sorted(set(splits.values()), key=micro)
+    index = {label: i for i, label in enumerate(levels)}
     xs = sorted(splits)
-    ax.plot(xs, [levels.index(splits[x]) for x in xs], drawstyle="steps-mid", lw=2, color="tab:blue",
+    ax.plot(xs, [index[splits[x]] for x in xs], drawstyle="steps-mid", lw=2, color="tab:blue",
             marker="o" if len(xs) <= 60 else None, ms=3)
     ax.set_yticks(range(len(levels)), levels)
-    ax.set_ylim(-0.5, len(levels) - 0.5 + 0.4)
-    _mark_resizes(ax, decisions)
+    ax.set_ylim(-0.5, len(levels) - 0.5 + 0.6)
+    ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
+    changed = [r for r in data.restarts() if "→" in r[1]]
+    for i, (step, words, color) in enumerate(changed):       # the y-axis names the splits: words only for a few
+        if len(changed) <= 2:
+            _marker(ax, step + 0.5, words, color, 0.97 - 0.08 * (i % 4))
+        else:
+            ax.axvline(step + 0.5, color=color, ls=":", lw=1.1)
+    tuner_switches = sum(words.startswith("tuner") for _, words, _ in changed)
     _title(ax, "Split per step (micro-batch × accumulation)",
-           f"the split stayed {levels[0]}: no re-size" if len(levels) == 1 else None)
+           f"the split stayed {levels[0]}: no re-size" if len(levels) == 1 else
+           f"{len(changed)} switches (dotted), {tuner_switches} of them the tuner's" if len(changed) > 2 else None)
     ax.set_ylabel("split")
     ax.grid(alpha=0.3)
     _integer_steps(ax)
 
 
 DECISION_WORDS = {"tune": "tuned", "memory_check": "memory check", "oom": "out of memory", "watchdog": "watchdog"}
-
-
-def _mark_resizes(ax, decisions: list[Decision], top: float = 0.97) -> None:
-    """A dotted line after each decision that changed the split, labelled with its kind and the change (a decision
-    that kept the split changes nothing on a per-step plot: no marker)."""
-    for i, d in enumerate(d for d in decisions if d.new != d.old):
-        words = f"{DECISION_WORDS.get(d.kind, d.kind)}: {split_label(d.old)} → {split_label(d.new)}"
-        _marker(ax, d.step + 0.5, words, "tab:red" if d.kind in ("oom", "watchdog") else "grey", top - 0.08 * (i % 4))
 
 
 def _marker(ax, x: float, words: str, color: str, height: float) -> None:

@@ -44,7 +44,8 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterable
+from array import array
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -450,25 +451,142 @@ def _jsonable(value: object) -> object:
 
 
 # ---------------------------------------------------------------- reader
+class ReadStep:
+    """A step line as the reader keeps it: read-only and compact (the same reading interface as :class:`StepLine`:
+    ``step``, ``time``, ``values``, :meth:`get`, :meth:`number`, :meth:`to_json`). The finite numbers of a line
+    are one ``array('d')`` under a key tuple shared by every line with the same keys (8 bytes a value, a long run's
+    log in a bounded share of memory); any other value (None, a string, a flag, a list) is kept as written."""
+
+    __slots__ = ("step", "time", "_keys", "_numbers", "_others")
+
+    def __init__(self, step: int, time: float | None, keys: dict[str, int], numbers: array[float],
+                 others: dict[str, Any] | None = None):
+        self.step, self.time, self._keys, self._numbers, self._others = step, time, keys, numbers, others
+
+    @property
+    def values(self) -> Mapping[str, Any]:
+        """The line's fields (metric key → value), read-only."""
+        return _StepValues(self)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        others = self._others
+        if others is not None and key in others:
+            return others[key]
+        at = self._keys.get(key)
+        return default if at is None else self._numbers[at]
+
+    def number(self, key: str) -> float | None:
+        """The value of ``key`` as a finite float, else None."""
+        return number(self.get(key))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "step", "step": self.step, "time": self.time, **self.values}
+
+    def __repr__(self) -> str:
+        return f"ReadStep(step={self.step}, time={self.time}, values={dict(self.values)!r})"
+
+
+class _StepValues(Mapping[str, Any]):
+    """The mapping view of a :class:`ReadStep`'s fields."""
+
+    __slots__ = ("_line",)
+
+    def __init__(self, line: ReadStep):
+        self._line = line
+
+    def __getitem__(self, key: str) -> Any:
+        marker = _MISSING
+        value = self._line.get(key, marker)
+        if value is marker:
+            raise KeyError(key)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._line._keys
+        if self._line._others:
+            yield from self._line._others
+
+    def __len__(self) -> int:
+        return len(self._line._keys) + len(self._line._others or ())
+
+    def __contains__(self, key: object) -> bool:
+        line = self._line
+        return key in line._keys or (line._others is not None and key in line._others)
+
+
+_MISSING = object()
+_STEP_HEAD = ("type", "step", "time")
+
+
+class _StepPacker:
+    """Packs parsed step entries into :class:`ReadStep` lines, sharing one key index per distinct key set."""
+
+    def __init__(self) -> None:
+        self.key_sets: dict[tuple[str, ...], dict[str, int]] = {}
+
+    def pack(self, entry: dict[str, Any]) -> ReadStep | None:
+        step = number(entry.get("step"))
+        if step is None:
+            return None
+        names = tuple(entry)
+        values = list(entry.values())
+        if names[:3] == _STEP_HEAD:                           # the writer's order: type, step, time first
+            names, values = names[3:], values[3:]
+        else:
+            kept = [(k, v) for k, v in zip(names, values) if k not in _STEP_HEAD]
+            names, values = tuple(k for k, _ in kept), [v for _, v in kept]
+        others: dict[str, Any] | None = None
+        try:
+            numbers = array("d", values)                        # numbers (a flag reads as 0/1, as number() does)
+        except TypeError:                                       # None, strings, lists: kept as they are
+            others = {k: v for k, v in zip(names, values) if not isinstance(v, (int, float))}
+            pairs = [(k, v) for k, v in zip(names, values) if k not in others]
+            names, numbers = tuple(k for k, _ in pairs), array("d", [v for _, v in pairs])
+        index = self.key_sets.get(names)
+        if index is None:
+            index = self.key_sets[names] = {k: i for i, k in enumerate(names)}
+        return ReadStep(int(step), number(entry.get("time")), index, numbers, others)
+
+
 @dataclass
 class RunLog:
     """A parsed run directory: the latest run's headers, step lines and events, the summaries written after its
     last header (a resumed session killed before its end shows no stale summary), and ``trainer_state.json``'s
-    ``log_history``."""
+    ``log_history`` (read when first asked for)."""
 
     output_dir: str
     headers: list[RunHeader] = field(default_factory=list)
-    steps: list[StepLine] = field(default_factory=list)
+    steps: list[ReadStep] = field(default_factory=list)
     events: list[EventLine] = field(default_factory=list)
     summaries: dict[str, SummaryLine] = field(default_factory=dict)
-    log_history: list[dict[str, Any]] = field(default_factory=list)
     skipped_lines: int = 0
     replaced_runs: int = 0          # earlier runs started afresh in the same output_dir, dropped
+    _history: list[dict[str, Any]] | None = field(default=None, repr=False, compare=False)
+    _unique: tuple[int, list[ReadStep]] | None = field(default=None, repr=False, compare=False)
 
-    def unique_steps(self) -> list[StepLine]:
-        """Step lines ordered by step, one per step (a step re-run after a resume keeps its latest line)."""
-        by_step = {s.step: s for s in self.steps}
-        return [by_step[k] for k in sorted(by_step)]
+    @property
+    def log_history(self) -> list[dict[str, Any]]:
+        """``trainer_state.json``'s ``log_history`` ([] when absent), read once when first asked for."""
+        if self._history is None:
+            path = os.path.join(self.output_dir, TRAINER_STATE) if self.output_dir else ""
+            self._history = (_read_log_history(path) or []) if path else []
+        return self._history
+
+    @log_history.setter
+    def log_history(self, history: list[dict[str, Any]]) -> None:
+        self._history = history
+
+    def unique_steps(self) -> list[ReadStep]:
+        """Step lines ordered by step, one per step (a step re-run after a resume keeps its latest line); computed
+        once per parse."""
+        if self._unique is None or self._unique[0] != len(self.steps):
+            if all(a.step < b.step for a, b in zip(self.steps, self.steps[1:])):
+                ordered = list(self.steps)
+            else:
+                by_step = {s.step: s for s in self.steps}
+                ordered = [by_step[k] for k in sorted(by_step)]
+            self._unique = (len(self.steps), ordered)
+        return self._unique[1]
 
     def summary(self, source: str) -> dict[str, Any]:
         """The summary of ``source`` ("perf", "mem", "cache", "tuner"), or {} when none was written."""
@@ -501,8 +619,10 @@ class RunLog:
 
 
 def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
-    """Parse perf-log lines (see the module docstring for fresh runs and resumes); garbled lines are counted."""
+    """Parse perf-log lines, one at a time (see the module docstring for fresh runs and resumes); garbled lines are
+    counted. Step lines are kept compact (:class:`ReadStep`)."""
     run = RunLog(output_dir=output_dir)
+    packer = _StepPacker()
     summaries: dict[str, SummaryLine] = {}
     session = None
     steps_since_header = 0
@@ -512,10 +632,20 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
         if not line:
             continue
         try:
-            record = parse_record(json.loads(line))
+            entry = json.loads(line)
         except (ValueError, TypeError):
-            record = None
-        if record is None:
+            entry = None
+        if isinstance(entry, dict) and entry.get("type") == "step":
+            read = packer.pack(entry)
+            if read is None:
+                run.skipped_lines += 1
+                continue
+            run.steps.append(read)
+            steps_since_header += 1
+            current = read.step
+            continue
+        record = parse_record(entry)
+        if record is None or isinstance(record, StepLine):
             run.skipped_lines += 1
         elif isinstance(record, RunHeader):
             last = run.headers[-1] if run.headers else None
@@ -532,10 +662,6 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
             summaries = {}
             steps_since_header = 0
             current = record.resumed_from_step
-        elif isinstance(record, StepLine):
-            run.steps.append(record)
-            steps_since_header += 1
-            current = record.step
         elif isinstance(record, EventLine):
             if record.step is None:                     # logged without one: after the step completed before it
                 record.step, record.step_inferred = current, True
@@ -547,8 +673,9 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
 
 
 def read_run(output_dir: str | os.PathLike[str]) -> RunLog:
-    """Read ``OUTPUT_DIR/perf_log.jsonl`` and ``trainer_state.json`` (when present). Raises :class:`ReportError`
-    (a ``ValueError``) when ``output_dir`` is not a directory, has no perf log, or the log holds nothing readable."""
+    """Read ``OUTPUT_DIR/perf_log.jsonl`` line by line (``trainer_state.json``'s ``log_history`` when first asked
+    for). Raises :class:`ReportError` (a ``ValueError``) when ``output_dir`` is not a directory, has no perf log, or
+    the log holds nothing readable."""
     output_dir = os.fspath(output_dir)
     if not os.path.isdir(output_dir):
         raise ReportError(f"{output_dir!r} is not a directory: expected a training run's output_dir holding "
@@ -566,7 +693,6 @@ def read_run(output_dir: str | os.PathLike[str]) -> RunLog:
         what = f"only {run.skipped_lines} unreadable line(s)" if run.skipped_lines else "nothing"
         raise ReportError(f"{path} holds {what}: the run stopped before its first step was logged, or the log was "
                           f"written by something else. {HOW_TO}")
-    run.log_history = _read_log_history(os.path.join(output_dir, TRAINER_STATE)) or []
     return run
 
 

@@ -255,7 +255,8 @@ def trial_figures(decision: Decision) -> list[TrialFigures]:
     """The figures of every trial of ``decision`` (see :class:`TrialFigures`), the reference (the split before the
     tuning) first: each median, change and p-value from all the samples the split file holds."""
     reference = next((t for t in decision.trials if t.split == decision.old and t.samples), None)
-    unit = RANKED_UNITS[decision.ranked or "step"]
+    no_generation = all(t.samples == t.step_samples for t in decision.trials if t.step_samples)
+    unit = RANKED_UNITS["step" if no_generation else decision.ranked or "step"]   # no generation: the whole step
     out = []
     ordered = sorted(decision.trials, key=lambda t: t is not reference)
     for t in ordered:
@@ -307,8 +308,8 @@ class Decision:
 
     @property
     def ranked(self) -> str | None:
-        """What the trials' samples measure (the tuner's ``rank_by``, from the decision's ``rule``): ``"non_generation"``
-        (the step time minus generation), ``"step"`` (the whole step) or None (not said)."""
+        """What the trials' samples measure (the tuner's ``rank_by``, from the decision's ``rule``):
+        ``"non_generation"`` (the step time minus generation), ``"step"`` (the whole step) or None (not said)."""
         rule = self.rule or ""
         if RANKED_WORDS["non_generation"] in rule:
             return "non_generation"

@@ -350,13 +350,59 @@ def test_small_micro_batch_after_the_tuner_measured_is_a_note_with_its_trials():
     trials = [Trial(Split(2, 4), samples=[1.18, 1.2, 1.17], steps=[1, 2, 3]),
               Trial(Split(4, 2), samples=[1.24, 1.25, 1.23], steps=[4, 5, 6], p_value=0.04, gain=-0.05),
               Trial(Split(8, 1), fits=False, error="out of memory")]
-    m = healthy(micro_batch=2, grad_accum=4, mfu=0.05, tuner_attached=True,
-                tune=tune_decision(trials=trials, cost_sec=12.0, expected_gain_sec=0.0))
+    m = healthy(micro_batch=2, grad_accum=4, mfu=0.05, tuner_attached=True, train_sec=400.0,
+                tune=tune_decision(trials=trials, cost_sec=2.0, expected_gain_sec=3.0))
     assert analyze(m) == []
     n = note(m, "small_micro_batch")
-    assert "4×2 1.24 s over 3 step(s), -5% against the configured split (p = 0.04)" in n.text
-    assert "8×1 out of memory" in n.text and "kept the configured 2×4" in n.text and "cost 12 s" in n.text
-    assert "failed" not in n.text
+    assert n.judged and n.title == "Batch split chosen by measurement"
+    assert ("4×2: median 1.24 s per optimizer step over steps 4–6, 5% slower than 2×4 (median 1.18 s over steps "
+            "1–3; one-sided Mann-Whitney p = 1 that it is faster)") in n.text
+    assert "8×1: out of memory" in n.text and "kept the configured 2×4" in n.text and "cost 2.0 s" in n.text
+    assert "failed" not in n.text and "+5%" not in n.text and "-5%" not in n.text
+
+
+def test_a_tuning_that_cost_more_than_it_saved_is_a_finding_with_its_cost():
+    # seen: "Checked and fine: Batch split chosen by measurement" on a quick start whose tuning cost 7.2 s (11% of its
+    # training) for an expected saving of 0 s
+    trials = [Trial(Split(4, 2), samples=[1.66, 0.24, 4.09, 1.5], steps=[4, 5, 6, 7]),
+              Trial(Split(8, 1), samples=[0.7, 0.69, 0.71, 0.65], steps=[10, 11, 12, 13])]
+    m = healthy(micro_batch=4, grad_accum=2, mfu=0.05, tuner_attached=True, train_sec=65.0,
+                tune=tune_decision(old=(4, 2), new=(4, 2), trials=trials, cost_sec=7.2, expected_gain_sec=0.0))
+    findings, notes = check(m)
+    f = {f.rule: f for f in findings}["tuning_cost"]
+    assert f.basis == "measured" and f.expected_gain == pytest.approx(65.0 / (65.0 - 7.2))
+    assert "cost 7.2 s (11% of the 65.0 s of training)" in f.observation and "save 0.0 s" in f.observation
+    assert "tune=False" in f.recommendation and f.setting == {}
+    assert "small_micro_batch" not in [n.rule for n in notes if n.judged]          # no "fine" beside it
+    launched = only_rule(healthy(micro_batch=4, grad_accum=2, mfu=0.05, tuner_attached=True, train_sec=65.0,
+                                 launcher="hf-perf train", tune=m.tune), "tuning_cost")
+    assert launched.setting == {"tune": False} and "`tune: false`" in launched.recommendation
+
+
+def only_rule(m: Measurements, rule: str) -> Finding:
+    return {f.rule: f for f in analyze(m)}[rule]
+
+
+def test_a_tuning_that_measured_nothing_is_not_judged_never_fine():
+    # seen: "Checked and fine: Batch split chosen by measurement" where "4×1 not measured … too short to pay back"
+    trials = [Trial(Split(4, 1))]
+    m = healthy(micro_batch=4, grad_accum=1, tuner_attached=True, train_sec=100.0,
+                tune=Decision(kind="tune", step=0, reason="kept the configured split: too short to pay back",
+                              old=Split(4, 1), new=Split(4, 1), trials=trials, cost_sec=0.0))
+    n = note(m, "small_micro_batch")
+    assert not n.judged and n.title == "Batch split not measured" and "too short to pay back" in n.text
+    text = render_markdown(*check(m)[:1], m, check(m)[1])
+    assert "## Checked and fine" not in text or "Batch split" not in text.split("## Checked and fine")[1]
+
+
+def test_the_tuner_on_a_plain_train_is_named_in_the_report():
+    # seen: AdaptiveBatchTuner() passed to a plain trainer.train() did nothing and said nothing
+    from hf_perf_callbacks.wording import TUNER_NEEDS_TRAIN_WITH_TUNING
+
+    m = healthy(tuner_attached=True, tuner_hint=TUNER_NEEDS_TRAIN_WITH_TUNING)
+    n = note(m, "tuner_hint")
+    assert not n.judged and "train_with_tuning(trainer)" in n.text and "hf-perf train" in n.text
+    assert "tuner_hint" not in [n.rule for n in check(healthy(tuner_attached=True))[1]]
 
 
 def test_no_micro_batch_larger_than_one_that_ran_out_of_memory_is_advised():
@@ -471,8 +517,8 @@ def test_no_learning_is_a_finding_ranked_first():
 
 
 def test_contention_is_its_own_finding_with_the_measured_loss():
-    c = {"steps": 4, "lost_sec": 39.9, "run_sec": 120.0, "lost_share": 39.9 / 120.0, "wall_over_cpu": 2.6,
-         "steady_wall_over_cpu": 1.05, "other_cores": 1.6, "source": "meter"}
+    c = {"steps": 4, "step_list": [1, 2, 3, 4], "lost_sec": 39.9, "run_sec": 120.0, "lost_share": 39.9 / 120.0,
+         "wall_over_cpu": 2.6, "steady_wall_over_cpu": 1.05, "other_cores": 1.6, "source": "meter"}
     f = only(healthy(contention=c))
     assert f.rule == "contention" and f.basis == "measured"
     assert f.expected_gain == pytest.approx(1 / (1 - 39.9 / 120)) and "39.9 s" in f.observation
@@ -500,7 +546,7 @@ def test_rules_list_is_complete_and_pure():
     names = {r.__name__.removeprefix("rule_") for r in RULES}
     assert names == {"warmup", "input_bound", "generation_bound", "completion_budget", "memory_pressure",
                      "small_micro_batch", "duplicate_forward", "padding_waste", "no_learning", "contention",
-                     "evidence", "log_fields", "oversubscription"}
+                     "evidence", "log_fields", "oversubscription", "evaluation", "tuning_cost", "tuner_hint"}
     m = healthy(phases={"data_wait": 0.5, "compute": 0.5})
     before = dataclasses.replace(m, phases=dict(m.phases))
     check(m)
@@ -810,9 +856,13 @@ def test_a_constant_reward_gets_no_setting_that_cannot_move_it():
     assert f.rule == "no_learning" and f.setting == {} and "every completion got the same reward" in f.title
     assert "`format_reward` 0, `solved_reward` 0" in f.observation and "from the perf log" in f.observation
     assert "partial credit" in f.recommendation and "too hard" in f.root_cause
+    # seen: `max_completion_length: 64` as the first setting of a reward that is always 0: no length moves it
     cut = analyze(healthy(rewards=flat, logs=8, no_signal_run=8, clipped_ratio=0.9, completion_max=128.0,
                           completion_p90=128.0, completion_mean=128.0))[0]
-    assert cut.setting == {"max_completion_length": 256} and "90% of completions were cut" in cut.recommendation
+    assert cut.setting == {} and "90% of completions were cut" in cut.recommendation
+    first, *later = cut.recommendation.splitlines()
+    assert "partial credit" in first and "max_completion_length" not in first
+    assert "`max_completion_length: 256`" in later[-1] and "cannot make a reward" in later[-1]
     # rewards that differ between prompts but never within a group: more samples per prompt can help
     between = {**flat, "max": 0.4}
     f = analyze(healthy(rewards=between, logs=8, no_signal_run=8, temperature=0.7))[0]
@@ -845,7 +895,8 @@ def test_the_tuners_record_is_read_through_its_schema(tmp_path):
     m = measurements_from_run(str(tmp_path))
     assert m.tune == split_file.decisions[0] and [d.kind for d in m.memory_limits] == ["oom"]
     n = note(m, "small_micro_batch")
-    assert "1×2 1.25 s over 3 step(s), -19% against the configured split (p = 0.05)" in n.text
+    assert ("1×2: median 1.25 s per optimizer step over steps 4–6, 19% slower than 2×1 (median 1.05 s over "
+        "steps 1–3; one-sided Mann-Whitney p = 1 that it is faster)") in n.text
     assert "micro-batch 2 ran out of memory at step 5" in {f.rule: f for f in analyze(m)}["memory_pressure"].observation
     (tmp_path / "tuner_split.json").write_text(json.dumps({"decisions": [{"kind": "probe"}]}))
     m = measurements_from_run(str(tmp_path))

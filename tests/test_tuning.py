@@ -239,7 +239,8 @@ def test_the_recorded_gain_and_p_value_are_over_all_samples_against_the_starting
 @pytest.mark.parametrize("machine, ranked, whole", [
     # the quick start's first seven steps as its tuner measured them (`hf-perf demo --model tiny`, 30 steps, GRPO
     # 4×2), on this project's 2-core CPU idle (load 1) and shared (load 7): both tried 8×1 and lost 1.9 s and 15.3 s
-    ("idle", [0.17, 0.15, 0.14, 0.1056, 0.0985, 0.1135, 0.1362], [0.3355, 0.2608, 0.25, 0.3388, 0.2015, 0.2098, 0.3917]),
+    ("idle", [0.17, 0.15, 0.14, 0.1056, 0.0985, 0.1135, 0.1362],
+     [0.3355, 0.2608, 0.25, 0.3388, 0.2015, 0.2098, 0.3917]),
     ("loaded", [0.47, 0.49, 0.37, 0.288, 0.339, 0.502, 0.591], [0.9, 1.14, 0.95, 0.604, 0.719, 1.179, 1.324]),
 ])
 def test_the_quick_start_cannot_pay_back_a_round(machine, ranked, whole):

@@ -22,13 +22,14 @@ that runs out of memory or passes the memory budget is left at once.
 **Cost before you pay.** A trial's cost is its switches (measured on this run once one happened; before that, the
 run's own first step — a switch starts a train() call anew — plus writing and reading the training state at
 ``SAVE_BYTES_PER_SEC``, at least ``SWITCH_FLOOR_SEC``), the warm-up step after each switch, the slower steps of a
-worse candidate (reckoned beforehand at the baseline's spread) and the switch back when it is left. A round starts only when the saving it can plausibly make over the steps left *after* it
-exceeds its cost (:meth:`OnRunTuning.plausible_saving`): per step, before a candidate is measured, the baseline's
-ranked time (a split with no split-dependent time: the ceiling) less the baseline's interquartile range (the
-candidate's steps carry the machine's noise too, and a saving within it cannot be told from the noise: on a machine
-whose steps spread as widely as they take, nothing is tried); once it is measured, its median gain plus the
-standard error of that difference (the most its samples still allow: a candidate that cannot pay for another round
-even then is left). A run too short to pay back tries nothing and costs nothing.
+worse candidate (reckoned beforehand at the baseline's spread) and the switch back when it is left. A round starts
+only when the saving it can plausibly make over the steps left *after* it exceeds its cost
+(:meth:`OnRunTuning.plausible_saving`): per step, before a candidate is measured, the baseline's ranked time (a
+split with no split-dependent time: the ceiling) less the baseline's interquartile range (the candidate's steps
+carry the machine's noise too, and a saving within it cannot be told from the noise: on a machine whose steps spread
+as widely as they take, nothing is tried); once it is measured, its median gain plus the standard error of that
+difference (the most its samples still allow: a candidate that cannot pay for another round even then is left). A
+run too short to pay back tries nothing and costs nothing.
 
 **Order.** Larger micro-batches first, the largest first (on accelerators the largest split that fits is usually
 the fastest, and trying it first spends the fewest steps at slower splits): one that runs out of memory or passes
@@ -354,7 +355,8 @@ class OnRunTuning:
                     f"{max(0, self.planned - step)} are left")
         saving, how = self.plausible_saving()
         return (f"cannot pay back: a round could plausibly save {saving:.3f} s/step ({how}) × {left} steps = "
-                f"{left * saving:.1f} s after it, less than its {self.round_cost():.1f} s of switches")
+                f"{left * saving:.1f} s after it, less than its cost, {self.round_cost():.1f} s (a switch there "
+                f"and back, its steps at the noise)")
 
     # ------------------------------------------------------------ the record
     def ceiling_sec(self, step: int) -> float | None:

@@ -57,10 +57,11 @@ MIN_SAMPLES = 3
 SAMPLES = 4
 #: the rate at which a switch is assumed to write and read the training state, until a switch was measured (bytes/s)
 SAVE_BYTES_PER_SEC = 200e6
-#: the least a switch is assumed to cost until one of the run's was measured: a checkpoint, the end of a train() call
-#: and the start of the next (the fastest switches measured: LoRA on this project's 2-core CPU 0.87 s, on an H100
-#: 0.8–1.4 s; ``benchmarks/results/tuner_switch*.json``)
-SWITCH_FLOOR_SEC = 0.8
+#: the least a switch is assumed to cost beyond the run's first step until one of the run's was measured: a
+#: checkpoint, the end of a train() call and the start of the next (measured: the quick start's tiny model on this
+#: project's idle 2-core CPU 1.8 s, 5.7–7.2 s at a load of 7; LoRA on an H100 0.8–1.4 s, on the CPU 0.87 s,
+#: ``benchmarks/results/tuner_switch*.json``)
+SWITCH_FLOOR_SEC = 2.0
 #: generation cycles not measured at the run's start (first kernels, allocator growth, dataloader workers: seen on an
 #: H100 as outside-generation times of 4.3, 4.2, 2.2, 2.2 s over the first steps of a 4×8 run settling at 2 s)
 WARMUP_AT_START = 3

@@ -97,7 +97,7 @@ from .figures import (
     train_seconds,
     trainer_logs,
 )
-from .runlog import GB, RunHeader, RunLog, conform, number, read_run
+from .runlog import GB, ReadStep, RunHeader, RunLog, conform, number, read_run
 from .splitfile import Decision, SplitFile, read_split_file, trial_figures
 from .stats import classify_slow_steps, quantile
 from .wording import TUNER_NEEDS_TRAIN_WITH_TUNING, warmup_words
@@ -1304,8 +1304,10 @@ def analyze(m: Measurements) -> list[Finding]:
     """The ranked findings (see :func:`check`)."""
     return check(m)[0]
 # ------------------------------------------------------------------ reading a run
-def _values(rows: list, key: str) -> list[float]:
+def _values(rows: Sequence, key: str) -> list[float]:
     """The finite numbers under ``key`` in step lines or log dicts (other types skipped)."""
+    if rows and all(isinstance(r, ReadStep) for r in rows[:1]):      # the reader's lines: their numbers directly
+        return [v for v in (r.number(key) for r in rows) if v is not None]
     values = (r.get(key) for r in rows)
     return [float(v) for v in values if not isinstance(v, bool) and number(v) is not None]
 
@@ -1453,9 +1455,8 @@ def _malformed_values(run_log: RunLog) -> list[str]:
     """The step lines' values that are not numbers (every metric is one), counted per key, and the unreadable lines."""
     bad: dict[str, int] = {}
     for s in run_log.unique_steps():
-        for k, v in s.values.items():
-            if v is not None and number(v) is None:
-                bad[k] = bad.get(k, 0) + 1
+        for k in s.non_numbers():
+            bad[k] = bad.get(k, 0) + 1
     out = [f"`{k}` is not a number on {n} step line(s)" for k, n in sorted(bad.items())]
     if run_log.skipped_lines:
         out.append(f"{run_log.skipped_lines} unreadable line(s) in {keys.PERF_LOG}")
@@ -1653,7 +1654,7 @@ def measurements(run_log: RunLog) -> Measurements:
         warmup_done=warmup_done,
         steady_steps=_steady_count(f, n_steps, warmup_done, warmup_steps),
         fixed_seq_len=fixed, launcher=_fact(run, "launcher", "str", skipped),
-        logged=frozenset(k for s in steps for k in s.values), skipped=skipped,
+        logged=run_log.keys_logged(), skipped=skipped,
         tuner_hint=hint, trainer_kind=_trainer_kind(logs) if not grpo else None,
         evaluation=_evaluation(steps, train_sec), first_steady=_first_steady(steps, f),
         train_sec=train_sec or None)

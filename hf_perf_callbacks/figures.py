@@ -122,14 +122,20 @@ def trainer_logs(run_log: RunLog) -> tuple[list[dict[str, Any]], str | None]:
     logging step, keys without the prefix, plus ``step``), else ``trainer_state.json``'s ``log_history`` (else the
     latest checkpoint's); ``([], None)`` when neither holds any. The one source of every count of logs the report
     prints (the summary's completion line, the analysis)."""
+    cached: tuple[list[dict[str, Any]], str | None] | None = run_log.cache.get("trainer_logs")
+    if cached is not None:
+        return cached
     rows = []
-    prefix = keys.TRAINER_LOG
     for s in run_log.unique_steps():
-        logged = {k[len(prefix):]: v for k, v in s.values.items() if k.startswith(prefix)}
+        logged = s.prefixed(keys.TRAINER_LOG)
         if logged:
-            rows.append({**logged, "step": s.step})
-    if rows:
-        return rows, "perf log"
+            logged["step"] = s.step
+            rows.append(logged)
+    run_log.cache["trainer_logs"] = found = (rows, "perf log") if rows else _history(run_log)
+    return found
+
+
+def _history(run_log: RunLog) -> tuple[list[dict[str, Any]], str | None]:
     history = run_log.latest_log_history()
     return history, (keys.TRAINER_STATE if history else None)
 
@@ -149,7 +155,14 @@ def run_events(run: RunLog) -> list[EventLine]:
 
 def figures(run: RunLog) -> dict[str, Any]:
     """The headline numbers (see the module docstring): from the summaries when the run finished, else from the
-    step lines."""
+    step lines. Computed once per parsed run (the summary, the plots and the analysis share them)."""
+    cached = run.cache.get("figures")
+    if cached is None:
+        cached = run.cache["figures"] = _figures(run)
+    return dict(cached)
+
+
+def _figures(run: RunLog) -> dict[str, Any]:
     steps = run.unique_steps()
     perf, mem, cache = run.summary("perf"), run.summary("mem"), run.summary("cache")
     header, mem_header = run.header("perf"), run.header("mem")

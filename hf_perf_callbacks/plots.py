@@ -162,6 +162,24 @@ def _note(ax, text: str, color: str = "dimgrey") -> None:
             bbox={"boxstyle": "round,pad=0.25", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
 
 
+#: points drawn per line at most: a longer run is drawn per bin of steps (said on the plot), so that a plot takes the
+#: same time to draw whatever the run's length
+MAX_POINTS = 2000
+
+
+def _thin(xs: list[int], ys: list[float], reduce=max) -> tuple[list[int], list[float], int]:
+    """At most :data:`MAX_POINTS` points: (each bin's last step, ``reduce`` of its values, steps per bin)."""
+    size = max(1, math.ceil(len(xs) / MAX_POINTS))
+    if size == 1:
+        return list(xs), list(ys), 1
+    out_x: list[int] = []
+    out_y: list[float] = []
+    for i in range(0, len(xs), size):
+        out_x.append(xs[min(i + size, len(xs)) - 1])
+        out_y.append(reduce(ys[i:i + size]))
+    return out_x, out_y, size
+
+
 # ---------------------------------------------------------------- throughput
 def step_rates(steps: Sequence[LogStep], period: int = 1) -> tuple[list[int], list[float]]:
     """The run's throughput per step, on the steady figure's basis: tokens per second of training time (the meter's
@@ -186,11 +204,13 @@ def step_rates(steps: Sequence[LogStep], period: int = 1) -> tuple[list[int], li
 def plot_throughput(fig, data: PlotData) -> str | None:
     f, steps = data.f, data.steps
     period = int(number(data.run.header("perf").period) or 1)
-    xs, ys = step_rates(steps, period)
+    block = period * max(1, math.ceil(len(steps) / period / MAX_POINTS))     # a long run: per bin of steps
+    xs, ys = step_rates(steps, block)
     if not xs:
         return "no perf/tokens with a training time in the step lines"
     ax = fig.add_subplot()
-    what = "step" if period == 1 else f"generation cycle of {period} steps"
+    what = ("step" if block == 1 else f"generation cycle of {period} steps" if block == period
+            else f"bin of {block} steps")
     ax.plot(xs, ys, marker="o" if len(xs) <= 60 else None, ms=4, lw=1.5, color="tab:blue",
             label=f"throughput per {what} (its tokens / its training s)")
     steady_list = f["steady_steps"] if f["warmup_done"] else []
@@ -207,7 +227,7 @@ def plot_throughput(fig, data: PlotData) -> str | None:
                   label=f"steady figure {steady:,.0f} tokens/s: Σ tokens / Σ training s of the {len(steady_list)} "
                         f"steady steps (a slow step weighs by its time)")
     contention = set(f["contention_steps"])
-    contended = [(x, y) for x, y in zip(xs, ys) if any(s in contention for s in range(x - period + 1, x + 1))]
+    contended = [(x, y) for x, y in zip(xs, ys) if any(s in contention for s in range(x - block + 1, x + 1))]
     if contended:
         ax.scatter(*zip(*contended), s=90, facecolors="none", edgecolors="tab:red", lw=1.8, zorder=3,
                    label=f"slowed by other processes ({number(f['contention_sec']) or 0:.1f} s lost)")
@@ -266,9 +286,12 @@ def plot_memory(fig, data: PlotData) -> str | None:
         return "no mem/device_used_gb in the step lines"
     ax = fig.add_subplot()
     cpu = data.f.get("device_type") == "cpu"
+    all_x = xs
+    xs, ys, binned = _thin(all_x, ys)                   # a long run: the largest value of each bin of steps
     ax.plot(xs, ys, lw=1.8, marker="o" if len(xs) <= 60 else None, ms=3, color="tab:blue",
-            label="process memory (RSS)" if cpu else "device memory used")
-    px, py = data.series(keys.MEM_PEAK_GB)
+            label=("process memory (RSS)" if cpu else "device memory used")
+            + (f", the largest of each {binned} steps" if binned > 1 else ""))
+    px, py, _ = _thin(*data.series(keys.MEM_PEAK_GB))
     if px:
         ax.plot(px, py, lw=1.2, ls=(0, (4, 2)), color="black", label="high-water mark (peak so far)")
     shown = ys + py
@@ -283,7 +306,7 @@ def plot_memory(fig, data: PlotData) -> str | None:
         else:
             ax.axhline(budget, lw=1.5, color="tab:red", label=f"budget ({budget:.2f} GiB)")
         high = max(high, budget)
-    used = dict(zip(xs, ys))
+    used = dict(zip(all_x, data.series(keys.MEM_DEVICE_USED_GB)[1]))
     for level, color, name in ((1, "orange", "pressure: warn"), (2, "red", "pressure: critical")):
         pts = [(s.step, used[s.step]) for s in data.steps if s.number(keys.MEM_PRESSURE) == level and s.step in used]
         if pts:
@@ -313,15 +336,19 @@ def plot_memory(fig, data: PlotData) -> str | None:
 # ---------------------------------------------------------------- phases
 def plot_phases(fig, data: PlotData) -> str | None:
     steps, f = data.steps, data.f
-    rows = [s for s in steps if any(keys.PERF_PHASE_SEC[p] in s.values for p in PHASES)]
+    rows = []                                           # (step, seconds of each phase): one pass over the lines
+    for s in steps:
+        seconds = [s.number(keys.PERF_PHASE_SEC[p]) for p in PHASES]
+        if any(v is not None for v in seconds):
+            rows.append((s.step, [v or 0.0 for v in seconds]))
     ax = fig.add_subplot()
     if rows:
         size = max(1, math.ceil(len(rows) / 150))       # long runs: mean per bin of steps
         bins = [rows[i:i + size] for i in range(0, len(rows), size)]
-        xs = [sum(s.step for s in b) / len(b) for b in bins]
+        xs = [sum(step for step, _ in b) / len(b) for b in bins]
         bottom = [0.0] * len(bins)
-        for p in PHASES:
-            vals = [sum(s.number(keys.PERF_PHASE_SEC[p]) or 0.0 for s in b) / len(b) for b in bins]
+        for index, p in enumerate(PHASES):
+            vals = [sum(seconds[index] for _, seconds in b) / len(b) for b in bins]
             if not any(vals):
                 continue
             ax.bar(xs, vals, bottom=bottom, width=0.8 * size, color=PHASE_COLORS[p],
@@ -466,12 +493,15 @@ def _draw_splits(ax, splits: dict[int, str], decisions: list[Decision], data: Pl
 
     levels = sorted(set(splits.values()), key=micro)
     index = {label: i for i, label in enumerate(levels)}
-    xs = sorted(splits)
+    every = sorted(splits)
+    xs = every if len(every) <= 60 else [x for i, x in enumerate(every)      # a long run: where it changes
+                                         if i in (0, len(every) - 1) or splits[x] != splits[every[i - 1]]
+                                         or splits[x] != splits[every[i + 1]]]
     ax.plot(xs, [index[splits[x]] for x in xs], drawstyle="steps-mid", lw=2, color="tab:blue",
             marker="o" if len(xs) <= 60 else None, ms=3)
     ax.set_yticks(range(len(levels)), levels)
     ax.set_ylim(-0.5, len(levels) - 0.5 + 0.6)
-    ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
+    ax.set_xlim(min(every) - 0.7, max(every) + 0.7)
     changed = [r for r in data.restarts() if "→" in r[1]]
     for i, (step, words, color) in enumerate(changed):       # the y-axis names the splits: words only for a few
         if len(changed) <= 2:

@@ -459,7 +459,7 @@ class ReadStep:
 
     __slots__ = ("step", "time", "_keys", "_numbers", "_others")
 
-    def __init__(self, step: int, time: float | None, keys: dict[str, int], numbers: array[float],
+    def __init__(self, step: int, time: float | None, keys: _KeyIndex, numbers: array[float],
                  others: dict[str, Any] | None = None):
         self.step, self.time, self._keys, self._numbers, self._others = step, time, keys, numbers, others
 
@@ -477,13 +477,56 @@ class ReadStep:
 
     def number(self, key: str) -> float | None:
         """The value of ``key`` as a finite float, else None."""
-        return number(self.get(key))
+        others = self._others
+        if others is not None and key in others:
+            return number(others[key])
+        at = self._keys.get(key)
+        if at is None:
+            return None
+        value = self._numbers[at]
+        return value if value - value == 0.0 else None           # not inf, not nan
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        """(key, value) of every field, without building a mapping."""
+        yield from zip(self._keys, self._numbers)
+        if self._others:
+            yield from self._others.items()
+
+    def prefixed(self, prefix: str) -> dict[str, Any]:
+        """The fields whose key starts with ``prefix``, the prefix removed (``log/reward`` → ``reward``)."""
+        out = {k[len(prefix):]: self._numbers[i] for k, i in self._keys.prefixed(prefix)}
+        if self._others:
+            out.update({k[len(prefix):]: v for k, v in self._others.items() if k.startswith(prefix)})
+        return out
+
+    def non_numbers(self) -> list[str]:
+        """The keys whose value is not a finite number (None aside)."""
+        bad = [k for k, v in (self._others or {}).items() if v is not None and number(v) is None]
+        total = sum(self._numbers)
+        if total - total != 0.0:                                 # an inf or a nan somewhere: find them
+            bad += [k for k, v in zip(self._keys, self._numbers) if v - v != 0.0]
+        return bad
 
     def to_json(self) -> dict[str, Any]:
-        return {"type": "step", "step": self.step, "time": self.time, **self.values}
+        return {"type": "step", "step": self.step, "time": self.time, **dict(self.items())}
 
     def __repr__(self) -> str:
         return f"ReadStep(step={self.step}, time={self.time}, values={dict(self.values)!r})"
+
+
+class _KeyIndex(dict[str, int]):
+    """A key set's positions (key → index into a line's numbers), shared by every line with those keys; it keeps
+    the keys under each prefix asked for."""
+
+    def __init__(self, names: tuple[str, ...]):
+        super().__init__((k, i) for i, k in enumerate(names))
+        self._prefixed: dict[str, list[tuple[str, int]]] = {}
+
+    def prefixed(self, prefix: str) -> list[tuple[str, int]]:
+        found = self._prefixed.get(prefix)
+        if found is None:
+            found = self._prefixed[prefix] = [(k, i) for k, i in self.items() if k.startswith(prefix)]
+        return found
 
 
 class _StepValues(Mapping[str, Any]):
@@ -513,6 +556,9 @@ class _StepValues(Mapping[str, Any]):
         line = self._line
         return key in line._keys or (line._others is not None and key in line._others)
 
+    def items(self) -> Any:          # an iterator of the pairs, not an ItemsView built on lookups
+        return self._line.items()
+
 
 _MISSING = object()
 _STEP_HEAD = ("type", "step", "time")
@@ -522,7 +568,7 @@ class _StepPacker:
     """Packs parsed step entries into :class:`ReadStep` lines, sharing one key index per distinct key set."""
 
     def __init__(self) -> None:
-        self.key_sets: dict[tuple[str, ...], dict[str, int]] = {}
+        self.key_sets: dict[tuple[str, ...], _KeyIndex] = {}
 
     def pack(self, entry: dict[str, Any]) -> ReadStep | None:
         step = number(entry.get("step"))
@@ -544,7 +590,7 @@ class _StepPacker:
             names, numbers = tuple(k for k, _ in pairs), array("d", [v for _, v in pairs])
         index = self.key_sets.get(names)
         if index is None:
-            index = self.key_sets[names] = {k: i for i, k in enumerate(names)}
+            index = self.key_sets[names] = _KeyIndex(names)
         return ReadStep(int(step), number(entry.get("time")), index, numbers, others)
 
 
@@ -563,6 +609,14 @@ class RunLog:
     replaced_runs: int = 0          # earlier runs started afresh in the same output_dir, dropped
     _history: list[dict[str, Any]] | None = field(default=None, repr=False, compare=False)
     _unique: tuple[int, list[ReadStep]] | None = field(default=None, repr=False, compare=False)
+    #: what the readers computed once from this run (``figures.figures``): the report, plots and analysis share it
+    cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def keys_logged(self) -> frozenset[str]:
+        """Every key the step lines hold (from each distinct key set once, not from every line)."""
+        sets = {id(s._keys): s._keys for s in self.steps}
+        others = {k for s in self.steps if s._others for k in s._others}
+        return frozenset(k for index in sets.values() for k in index) | others
 
     @property
     def log_history(self) -> list[dict[str, Any]]:

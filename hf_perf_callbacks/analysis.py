@@ -80,7 +80,7 @@ import json
 import math
 import os
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from . import estimate
@@ -88,13 +88,13 @@ from . import runlog as keys
 from .batching import Split, exact_splits, next_smaller
 from .dataloader import dataloader_advice, dataloader_changes
 from .figures import (
-    LogStep,
     completion_stats,
     figures,
+    finite,
     last_value,
     ranges_text,
     step_ranges,
-    train_seconds,
+    train_column,
     trainer_logs,
 )
 from .runlog import GB, ReadStep, RunHeader, RunLog, conform, number, read_run
@@ -1312,6 +1312,25 @@ def _values(rows: Sequence, key: str) -> list[float]:
     return [float(v) for v in values if not isinstance(v, bool) and number(v) is not None]
 
 
+def _mean(values: Iterable[float]) -> float | None:
+    """The mean of the values (one pass, no list), None without any."""
+    n, total = 0, 0.0
+    for v in values:
+        n, total = n + 1, total + v
+    return total / n if n else None
+
+
+def _spread(column: Iterable[float]) -> tuple[int, float, float, float]:
+    """(count, first, least, largest) of a column's numbers (its NaN left out), in one pass without a list."""
+    n, first, low, high = 0, math.nan, math.inf, -math.inf
+    for v in column:
+        if v == v:
+            if not n:
+                first = v
+            n, low, high = n + 1, min(low, v), max(high, v)
+    return n, first, low, high
+
+
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -1371,21 +1390,29 @@ def _contention(run_log: RunLog, f: dict) -> dict | None:
     processes): when some listed steps do not, the time lost is recounted over those that do (their wall seconds
     beyond their CPU time at the steady ratio). None on other devices (CPU time is not the work there), without
     ``perf/cpu_sec``, or when nothing was lost."""
-    steps = run_log.unique_steps()
     if run_log.header("perf").device_type != "cpu":
         return None
-    rows = []
-    for s in steps:
-        w, c = s.number(keys.PERF_STEP_WALL_SEC) or s.number(keys.PERF_STEP_TIME), s.number(keys.PERF_CPU_SEC)
-        if w and c and w > 0 and c > 0:
-            rows.append((s, w, c))
+    col = run_log.column
+    numbers, steady_flags, others_col = run_log.step_numbers(), col(keys.PERF_STEADY), col(keys.PERF_OTHER_CPU_CORES)
+    wall_col, window_col, cpu_col = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_STEP_TIME), col(keys.PERF_CPU_SEC)
+    rows = []                                                 # the lines with both a wall and a CPU time
+    for i, (w, x, c) in enumerate(zip(wall_col, window_col, cpu_col)):
+        w = w if w == w and w else x
+        if w == w and c == c and w > 0 and c > 0:
+            rows.append(i)
     if len(rows) < 4:
         return None
-    run_sec = sum(w for _, w, _ in rows)
-    steady = [(w, c) for s, w, c in rows if s.number(keys.PERF_STEADY) == 1] or [(w, c) for _, w, c in rows]
+
+    def wall(i: int) -> float:
+        w = wall_col[i]
+        return w if w == w and w else window_col[i]
+
+    walls, cpus = [wall(i) for i in rows], [cpu_col[i] for i in rows]
+    run_sec = sum(walls)
+    steady = [(w, c) for i, w, c in zip(rows, walls, cpus) if steady_flags[i] == 1] or list(zip(walls, cpus))
     wall0, cpu0 = statistics.median(w for w, _ in steady), statistics.median(c for _, c in steady)
-    split = classify_slow_steps([w for _, w, _ in rows], [c for _, _, c in rows], wall0, cpu0, tolerance=0.2)
-    slow = [(s, w, c) for (s, w, c), label in zip(rows, split.labels) if label == "contention"]
+    split = classify_slow_steps(walls, cpus, wall0, cpu0, tolerance=0.2)
+    slow = [(i, w, c) for i, w, c, label in zip(rows, walls, cpus, split.labels) if label == "contention"]
     lost_sec, source = split.contention_sec, "step lines"
     meter = number(f.get("contention_sec"))
     if meter is None:
@@ -1393,51 +1420,56 @@ def _contention(run_log: RunLog, f: dict) -> dict | None:
     if meter is not None:                                   # the meter's figure; its steps when it lists them
         listed = f.get("contention_steps")
         if isinstance(listed, list) and listed:
-            slow = [(s, w, c) for s, w, c in rows if s.step in {number(v) for v in listed}]
+            wanted = {number(v) for v in listed}
+            slow = [(i, w, c) for i, w, c in zip(rows, walls, cpus) if numbers[i] in wanted]
         lost_sec, source = meter, "meter"
     ratio = wall0 / cpu0
-    corroborated = [(s, w, c) for s, w, c in slow if w / c > ratio * (1 + CONTENTION_RATIO)]
+    corroborated = [(i, w, c) for i, w, c in slow if w / c > ratio * (1 + CONTENTION_RATIO)]
     if len(corroborated) < len(slow):                      # recount over the steps whose own ratio shows it
         lost_sec = sum(max(0.0, w - c * ratio) for _, w, c in corroborated)
         source = "step lines"
     slow = corroborated
     if not slow or lost_sec <= 0:
         return None
-    others = [v for v in (s.number(keys.PERF_OTHER_CPU_CORES) for s, _, _ in slow) if v is not None]
-    return {"lost_sec": lost_sec, "source": source, "steps": len(slow), "step_list": [s.step for s, _, _ in slow],
+    others = [v for v in (others_col[i] for i, _, _ in slow) if v == v]
+    return {"lost_sec": lost_sec, "source": source, "steps": len(slow), "step_list": [numbers[i] for i, _, _ in slow],
             "run_sec": run_sec, "lost_share": lost_sec / run_sec,
             "wall_over_cpu": statistics.median(w / c for _, w, c in slow), "steady_wall_over_cpu": ratio,
             "other_cores": max(others) if others else None}
 
 
-def _evaluation(steps: Sequence[LogStep], train_sec: float) -> dict | None:
+def _evaluation(run_log: RunLog, train_sec: float) -> dict | None:
     """The run's evaluations as measured on its step lines (``perf/phase_sec/eval`` > 0): how many, every how many
     steps (the median gap), their seconds, the run's wall and training seconds and evaluation's share of the wall
     time; None without any."""
-    at = [(s.step, v) for s in steps if (v := s.number(keys.PERF_PHASE_SEC["eval"])) is not None and v > 0]
+    numbers = run_log.step_numbers()
+    at = [(numbers[i], v) for i, v in enumerate(run_log.column(keys.PERF_PHASE_SEC["eval"])) if v == v and v > 0]
     if not at:
         return None
-    wall = sum(s.number(keys.PERF_STEP_WALL_SEC) or 0.0 for s in steps)
+    wall = sum(finite(run_log.column(keys.PERF_STEP_WALL_SEC)))
     gaps = [b - a for (a, _), (b, _) in zip(at, at[1:])]
-    every = int(statistics.median(gaps)) if gaps else max(1, len(steps))
+    every = int(statistics.median(gaps)) if gaps else max(1, len(numbers))
     eval_sec = sum(v for _, v in at)
     return {"evals": len(at), "every": max(1, every), "eval_sec": eval_sec, "wall_sec": wall, "train_sec": train_sec,
-            "steps": len(steps), "share": eval_sec / wall if wall > 0 else 0.0}
+            "steps": len(numbers), "share": eval_sec / wall if wall > 0 else 0.0}
 
 
-def _first_steady(steps: Sequence[LogStep], f: dict) -> dict | None:
+def _first_steady(run_log: RunLog, f: dict) -> dict | None:
     """The latest ``train()`` call's first step when the meter counted it steady (no warmup beyond it): its training
     seconds and the steady step time with and without it (the figures' definition); None otherwise."""
     first = f.get("call_first_step")
     steady = set(f.get("steady_steps") or [])
     if first not in steady:
         return {"step": first, "included": False} if first else None
-    seconds = {s.step: t for s in steps if s.step in steady and (t := train_seconds(s)) is not None}
-    if first not in seconds or len(seconds) < 2:
+    count, total, own = 0, 0.0, None
+    for n, t in zip(run_log.step_numbers(), train_column(run_log)):
+        if t == t and n in steady:
+            count, total = count + 1, total + t
+            own = t if n == first else own
+    if own is None or count < 2:
         return {"step": first, "included": False}
-    total = sum(seconds.values())
-    return {"step": first, "included": True, "sec": seconds[first], "with": total / len(seconds),
-            "without": (total - seconds[first]) / (len(seconds) - 1)}
+    return {"step": first, "included": True, "sec": own, "with": total / count,
+            "without": (total - own) / (count - 1)}
 
 
 def _trainer_kind(logs: list[dict]) -> str | None:
@@ -1475,7 +1507,7 @@ def _fact(header: RunHeader, name: str, kind: str, skipped: list[str]):
     return typed
 
 
-def _machine(steps: Sequence[LogStep], header: RunHeader, skipped: list[str]) -> dict | None:
+def _machine(run_log: RunLog, header: RunHeader, skipped: list[str]) -> dict | None:
     """The CPU over the whole run, from the step lines (``perf/cpu_sec``, ``perf/step_wall_sec``,
     ``perf/other_cpu_cores``, ``perf/load_per_core``, ``perf/tokens``) and the run header (``cpu_cores``,
     ``torch_threads``, when the writer records them). Medians over the steps: ``busy`` — this process's CPU time /
@@ -1488,40 +1520,48 @@ def _machine(steps: Sequence[LogStep], header: RunHeader, skipped: list[str]) ->
     (similar work should take similar time); ``lower_bound`` — the mean wall seconds per token over the 10th
     percentile's (what the run's own fastest cycles say contention cost, at least); None without
     :data:`MIN_MACHINE_CYCLES` cycles to compare. None without CPU time in the step lines."""
-    rows = []
-    for s in steps:
-        wall, cpu, other = (s.number(k)
-                            for k in (keys.PERF_STEP_WALL_SEC, keys.PERF_CPU_SEC, keys.PERF_OTHER_CPU_CORES))
-        if wall and cpu and wall > 0 and cpu > 0 and other is not None and math.isfinite(cpu / wall + other):
-            rows.append((s, wall, cpu, max(0.0, other)))
+    col = run_log.column
+    numbers, steady_flags = run_log.step_numbers(), col(keys.PERF_STEADY)
+    load_col, token_col = col(keys.PERF_LOAD_PER_CORE), col(keys.PERF_TOKENS)
+    walls, cpus, others = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_CPU_SEC), col(keys.PERF_OTHER_CPU_CORES)
+    rows = [i for i, (wall, cpu, other) in enumerate(zip(walls, cpus, others))      # the lines with all three
+            if wall == wall and cpu == cpu and other == other and wall > 0 and cpu > 0
+            and math.isfinite(cpu / wall + other)]
     if not rows:
         return None
-    busy = statistics.median(c / w for _, w, c, _ in rows)
-    other = statistics.median(o for *_, o in rows)
-    loads = [v for v in (s.number(keys.PERF_LOAD_PER_CORE) for s, *_ in rows) if v is not None]
+    busy = statistics.median(cpus[i] / walls[i] for i in rows)
+    other = statistics.median(max(0.0, others[i]) for i in rows)
+    loads = finite(load_col[i] for i in rows)
     load = statistics.median(loads) if loads else None
     cores, cores_from = _fact(header, "cpu_cores", "int", skipped), "run header"
     if cores is None and load is not None and load >= 1.0:
-        cores = max(1, round(max(c / w + o for _, w, c, o in rows)))
+        cores = max(1, round(max(cpus[i] / walls[i] + max(0.0, others[i]) for i in rows)))
         cores_from = "the cores counted as the busy cores of the saturated machine"
     threads, threads_from = _fact(header, "torch_threads", "int", skipped), "run header"
     if threads is None and cores:
         threads, threads_from = cores, "the threads taken as torch's default, one per core"
     period = max(1, header.period or 1)
-    blocks: dict[int, list] = {}                 # whole generation cycles (GRPO counts a cycle's tokens at its start)
-    for r in rows:
-        blocks.setdefault((r[0].step - 1) // period, []).append(r)
-    cycles = [b for _, b in sorted(blocks.items()) if len(b) == period]
-    steady = [b for b in cycles if all(s.number(keys.PERF_STEADY) == 1 for s, *_ in b)]
+    # whole generation cycles (GRPO counts a cycle's tokens at its start): (lines, wall, CPU, tokens, all steady)
+    cycles: list[tuple[int, float, float, float, bool]] = []
+    current, acc = None, [0, 0.0, 0.0, 0.0, True]
+    for i in rows + [-1]:
+        cycle = (numbers[i] - 1) // period if i >= 0 else None
+        if cycle != current:
+            if current is not None and acc[0] == period:
+                cycles.append((int(acc[0]), float(acc[1]), float(acc[2]), float(acc[3]), bool(acc[4])))
+            current, acc = cycle, [0, 0.0, 0.0, 0.0, True]
+        if i >= 0:
+            t = token_col[i]
+            acc = [acc[0] + 1, acc[1] + walls[i], acc[2] + cpus[i], acc[3] + (t if t == t else 0.0),
+                   acc[4] and steady_flags[i] == 1]
+    steady = [c for c in cycles if c[4]]
     later = steady if len(steady) >= MIN_MACHINE_CYCLES else cycles[1:]
-    work = [(sum(w for _, w, _, _ in b), sum(c for _, _, c, _ in b),
-             sum(s.number(keys.PERF_TOKENS) or 0 for s, *_ in b)) for b in later]
-    work = [(w, c, t) for w, c, t in work if t > 0]
+    work = [(w, c, t) for _, w, c, t, _ in later if t > 0]
     spread = cpu_spread = lower_bound = None
     if len(work) >= MIN_MACHINE_CYCLES:
-        walls, cpus = [w / t for w, _, t in work], [c / t for _, c, t in work]
-        p10 = quantile(walls, 0.1)
-        spread, cpu_spread = quantile(walls, 0.9) / p10, quantile(cpus, 0.9) / quantile(cpus, 0.1)
+        per_wall, per_cpu = [w / t for w, _, t in work], [c / t for _, c, t in work]
+        p10 = quantile(per_wall, 0.1)
+        spread, cpu_spread = quantile(per_wall, 0.9) / p10, quantile(per_cpu, 0.9) / quantile(per_cpu, 0.1)
         lower_bound = sum(w for w, _, _ in work) / sum(t for _, _, t in work) / p10
     return {"steps": len(rows), "busy": busy, "other": other, "load": load, "cores": cores, "cores_from": cores_from,
             "threads": threads, "threads_from": threads_from, "spread": spread, "cpu_spread": cpu_spread,
@@ -1567,7 +1607,15 @@ def measurements(run_log: RunLog) -> Measurements:
     mem_summary = run_log.summary("mem")
     steps = run_log.unique_steps()
     events = run_log.events
-    steady = [s for s in steps if s.get(keys.PERF_STEADY) == 1] or steps
+    steady_flags = run_log.column(keys.PERF_STEADY)
+    steady_at = [i for i, v in enumerate(steady_flags) if v == 1] or list(range(len(steps)))
+
+    def values(key: str) -> list[float]:                 # the finite numbers under ``key``, every line
+        return finite(run_log.column(key))
+
+    def steady_values(key: str) -> Iterator[float]:      # the same over the steady lines, one at a time
+        column = run_log.column(key)
+        return (v for v in (column[i] for i in steady_at) if v == v)
 
     def figure(name: str, kind: str = "float"):
         ok, value = conform(f.get(name), kind)
@@ -1575,20 +1623,20 @@ def measurements(run_log: RunLog) -> Measurements:
             skipped.append(f"the run's `{name}` is {f.get(name)!r}, not a number")
         return value
 
-    fpm = _median(_values(steps, keys.PERF_FORWARDS_PER_MICROBATCH))
+    fpm = _median(values(keys.PERF_FORWARDS_PER_MICROBATCH))
     if fpm is None:
         fpm = max(_values([e.details for e in events], "forwards_per_microbatch"), default=None)
-    pads = _values(steady, keys.PERF_PAD_FRACTION)
+    pads = _mean(steady_values(keys.PERF_PAD_FRACTION))
 
     micro = last_value(steps, keys.TUNER_MICRO_BATCH) or run.per_device_train_batch_size
     accum = last_value(steps, keys.TUNER_GRAD_ACCUM) or run.gradient_accumulation_steps
-    seq = _values(steps, keys.PERF_SEQ_LEN)
-    seq_steady = _values(steady, keys.PERF_SEQ_LEN)
+    seq = _spread(run_log.column(keys.PERF_SEQ_LEN))             # (count, first, min, max) without a list
+    seq_steady = _mean(steady_values(keys.PERF_SEQ_LEN))
 
-    driver = [(gb, s) for s in steps if (gb := s.number(keys.MEM_DRIVER_GB)) is not None]
-    driver_max_row = max(driver, key=lambda row: row[0])[1] if driver else None
-    swaps = _values(steps, keys.MEM_SWAP_USED_GB)
-    pressures = _values(steps, keys.MEM_PRESSURE)
+    driver = [(gb, i) for i, gb in enumerate(run_log.column(keys.MEM_DRIVER_GB)) if gb == gb]
+    driver_max_row = steps[max(driver, key=lambda row: row[0])[1]] if driver else None
+    swaps = _spread(run_log.column(keys.MEM_SWAP_USED_GB))
+    pressures = _spread(run_log.column(keys.MEM_PRESSURE))
     actions = mem_summary.get("actions")
     if isinstance(actions, list):
         actions = [a for a in actions if isinstance(a, dict)]
@@ -1616,8 +1664,8 @@ def measurements(run_log: RunLog) -> Measurements:
     if tuner_note:
         skipped.append(tuner_note)
     grpo = bool(run.grpo)
-    fixed = (int(seq[0]) if not grpo and len(seq) >= MIN_FIXED_LENGTH_STEPS and max(seq) == min(seq) else None)
-    train_sec = sum(train_seconds(s) or 0.0 for s in steps)
+    fixed = (int(seq[1]) if not grpo and seq[0] >= MIN_FIXED_LENGTH_STEPS and seq[2] == seq[3] else None)
+    train_sec = sum(finite(train_column(run_log)))
     hint = next((e.message for e in events if e.source == "tuner" and e.details.get("needs") == "train_with_tuning"),
                 None)
 
@@ -1631,32 +1679,32 @@ def measurements(run_log: RunLog) -> Measurements:
         warmup_overhead_sec=figure("warmup_overhead_sec"), first_step_slowdown=figure("first_step_slowdown"),
         steady_step_sec=figure("steady_step_sec"), steady_tokens_per_sec=figure("steady_tokens_per_sec"),
         mfu=figure("mfu"), phases=phases,
-        pad_fraction=statistics.fmean(pads) if pads else None, forwards_per_microbatch=fpm,
-        decode_bandwidth_util=_median(_values(steady, keys.PERF_DECODE_BANDWIDTH_UTIL)),
+        pad_fraction=pads, forwards_per_microbatch=fpm,
+        decode_bandwidth_util=_median(list(steady_values(keys.PERF_DECODE_BANDWIDTH_UTIL))),
         completion_mean=completion["mean"], completion_max=completion["max"], completion_p90=completion["p90"],
         clipped_ratio=completion["clipped"], mem_high_water_gb=figure("high_water_gb"),
         mem_budget_gb=figure("budget_gb"),
         driver_gb_max=driver_max_row.number(keys.MEM_DRIVER_GB) if driver_max_row else None,
         allocated_gb_at_driver_max=driver_max_row.number(keys.MEM_ALLOCATED_GB) if driver_max_row else None,
-        max_pressure=int(max(pressures)) if pressures else None,
-        swap_growth_gb=max(0.0, max(swaps) - swaps[0]) if swaps else None,
-        swapout_steps=sum(1 for v in _values(steps, keys.MEM_SWAPOUTS) if v > 0),
-        min_steps_to_wall=min(_values(steps[MEM_GRACE_STEPS:], keys.MEM_STEPS_TO_WALL), default=None),
-        watchdog_actions=actions, seq_len=int(max(seq)) if seq else None, seq_len_min=int(min(seq)) if seq else None,
-        seq_len_mean=statistics.fmean(seq_steady) if seq_steady else None,
+        max_pressure=int(pressures[3]) if pressures[0] else None,
+        swap_growth_gb=max(0.0, swaps[3] - swaps[1]) if swaps[0] else None,
+        swapout_steps=sum(1 for v in values(keys.MEM_SWAPOUTS) if v > 0),
+        min_steps_to_wall=min(finite(run_log.column(keys.MEM_STEPS_TO_WALL)[MEM_GRACE_STEPS:]), default=None),
+        watchdog_actions=actions, seq_len=int(seq[3]) if seq[0] else None,
+        seq_len_min=int(seq[2]) if seq[0] else None, seq_len_mean=seq_steady,
         steps_per_generation=int(spg) if spg else None, pad_to_multiple_of=run.pad_to_multiple_of,
         temperature=run.temperature, use_vllm=run.use_vllm,
-        tuner_attached=any(keys.TUNER_MICRO_BATCH in s.values for s in steps),
+        tuner_attached=keys.TUNER_MICRO_BATCH in run_log.keys_logged(),
         tune=tuner.last("tune") if tuner else None,
         memory_limits=[d for d in tuner.decisions if d.kind in ("oom", "watchdog", "memory_check")] if tuner else [],
         logs=n_logs, no_signal_run=no_signal_run, reward_mean=reward_mean, rewards=_rewards(logs) if grpo else None,
-        trainer_log_source=log_source, contention=_contention(run_log, f), machine=_machine(steps, run, skipped),
+        trainer_log_source=log_source, contention=_contention(run_log, f), machine=_machine(run_log, run, skipped),
         warmup_done=warmup_done,
         steady_steps=_steady_count(f, n_steps, warmup_done, warmup_steps),
         fixed_seq_len=fixed, launcher=_fact(run, "launcher", "str", skipped),
         logged=run_log.keys_logged(), skipped=skipped,
         tuner_hint=hint, trainer_kind=_trainer_kind(logs) if not grpo else None,
-        evaluation=_evaluation(steps, train_sec), first_steady=_first_steady(steps, f),
+        evaluation=_evaluation(run_log, train_sec), first_steady=_first_steady(run_log, f),
         train_sec=train_sec or None)
 
 

@@ -41,7 +41,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from . import runlog as keys
-from .runlog import PHASES, EventLine, ReadStep, RunLog, StepLine, number
+from .runlog import PHASES, EventLine, LogRow, ReadStep, RunLog, StepLine, number
 from .stats import median, quantile
 
 #: a step line as written (:class:`~hf_perf_callbacks.runlog.StepLine`) or as read back (``ReadStep``)
@@ -67,6 +67,30 @@ def train_seconds(step: LogStep) -> float | None:
     if wall is None:
         return None
     return wall - sum(step.number(keys.PERF_PHASE_SEC[p]) or 0.0 for p in ("eval", "save"))
+
+
+def train_column(run: RunLog) -> list[float]:
+    """:func:`train_seconds` of every line of ``run.unique_steps()``, in order (NaN where a line has none), from
+    the run's columns: one pass per key over a long run."""
+    cached: list[float] | None = run.cache.get("train_column")
+    if cached is None:
+        logged, wall, window = (run.column(k) for k in (keys.PERF_TRAIN_SEC, keys.PERF_STEP_WALL_SEC,
+                                                        keys.PERF_STEP_TIME))
+        evals, saves = run.column(keys.PERF_PHASE_SEC["eval"]), run.column(keys.PERF_PHASE_SEC["save"])
+        cached = []
+        for t, w, x, e, v in zip(logged, wall, window, evals, saves):
+            if t == t:
+                cached.append(t)
+                continue
+            whole = w if w == w else x                      # the step's wall time, else (older logs) the window's
+            cached.append(whole - (e if e == e else 0.0) - (v if v == v else 0.0))
+        run.cache["train_column"] = cached
+    return cached
+
+
+def finite(values: Iterable[float]) -> list[float]:
+    """The values that are numbers (a column's NaN left out)."""
+    return [v for v in values if v == v]
 
 
 def steady_steps(steps: Sequence[LogStep]) -> list[int]:
@@ -125,12 +149,7 @@ def trainer_logs(run_log: RunLog) -> tuple[list[dict[str, Any]], str | None]:
     cached: tuple[list[dict[str, Any]], str | None] | None = run_log.cache.get("trainer_logs")
     if cached is not None:
         return cached
-    rows = []
-    for s in run_log.unique_steps():
-        logged = s.prefixed(keys.TRAINER_LOG)
-        if logged:
-            logged["step"] = s.step
-            rows.append(logged)
+    rows: list[Any] = [LogRow(s, keys.TRAINER_LOG) for s in run_log.unique_steps() if s.has_prefix(keys.TRAINER_LOG)]
     run_log.cache["trainer_logs"] = found = (rows, "perf log") if rows else _history(run_log)
     return found
 
@@ -169,16 +188,20 @@ def _figures(run: RunLog) -> dict[str, Any]:
     last = next((s for s in reversed(steps) if keys.PERF_WARMUP_DONE in s.values), None)
     latest = last.values if last is not None else {}
 
-    tokens = sum(s.number(keys.PERF_TOKENS) or 0.0 for s in steps)
-    train = sum(train_seconds(s) or 0.0 for s in steps)
-    steady = steady_steps(steps)
+    numbers = run.step_numbers()
+    token_col, train_col = run.column(keys.PERF_TOKENS), train_column(run)
+    tokens = sum(finite(token_col))
+    train = sum(finite(train_col))
+    steady = run.cache.get("steady_steps")
+    if steady is None:
+        steady = run.cache["steady_steps"] = steady_steps(steps)
     steady_set = set(steady)
-    steady_lines = [s for s in steps if s.step in steady_set] or steps
-    mfus = [v for v in (s.number(keys.PERF_MFU) for s in steady_lines) if v is not None]
-    phase_sums = {p: sum(s.number(keys.PERF_PHASE_SEC[p]) or 0.0 for s in steps) for p in PHASES}
+    steady_at = [i for i, n in enumerate(numbers) if n in steady_set] or list(range(len(numbers)))
+    mfu_col = run.column(keys.PERF_MFU)
+    mfus = finite(mfu_col[i] for i in steady_at)
+    phase_sums = {p: sum(finite(run.column(keys.PERF_PHASE_SEC[p]))) for p in PHASES}
     phase_total = sum(phase_sums.values())
-    used = [v for s in steps for v in (s.number(keys.MEM_PEAK_GB), s.number(keys.MEM_DEVICE_USED_GB))
-            if v is not None]
+    used = finite(run.column(keys.MEM_PEAK_GB)) + finite(run.column(keys.MEM_DEVICE_USED_GB))
     cache_events = [e for e in run.events if e.source == "cache"]
 
     def pick(summary: Mapping[str, Any], key: str, fallback: object) -> object:
@@ -193,8 +216,9 @@ def _figures(run: RunLog) -> dict[str, Any]:
         value = number(latest.get(step_key))
         return value if value is not None else by_definition
 
-    steady_seconds = [v for v in (train_seconds(s) for s in steps if s.step in steady_set) if v is not None]
-    steady_tokens = sum(s.number(keys.PERF_TOKENS) or 0.0 for s in steps if s.step in steady_set)
+    steady_in = [i for i, n in enumerate(numbers) if n in steady_set]
+    steady_seconds = finite(train_col[i] for i in steady_in)
+    steady_tokens = sum(finite(token_col[i] for i in steady_in))
 
     done = meter("warmup_done", keys.PERF_WARMUP_DONE)
     warmup_done = bool(done) if done is not None else None
@@ -205,7 +229,7 @@ def _figures(run: RunLog) -> dict[str, Any]:
     return {
         "call_first_step": calls[-1][0] if calls else 1,
         "train_calls": calls,
-        "not_steady": step_ranges(s.step for s in steps if s.step not in steady_set) if steady else [],
+        "not_steady": step_ranges(n for n in numbers if n not in steady_set) if steady else [],
         "device": pick(perf, "device", header.device),
         "device_type": header.device_type,
         "world_size": pick(perf, "world_size", header.world_size),

@@ -21,7 +21,7 @@ import os
 from collections.abc import Sequence
 
 from . import runlog as keys
-from .figures import LogStep, figures, last_value, ranges_text, run_events, step_ranges, train_seconds
+from .figures import LogStep, figures, last_value, ranges_text, run_events, step_ranges, train_column, train_seconds
 from .runlog import PHASES, ReportError, RunLog, number
 from .splitfile import Decision, SplitFile, read_split_file, trial_figures
 from .wording import PHASE_WORDS, split_label, steady_words, warmup_words
@@ -78,10 +78,14 @@ class PlotData:
     def __init__(self, run: RunLog, steps: Sequence[LogStep], f: dict, split_file: SplitFile | None):
         self.run, self.steps, self.f, self.split_file = run, steps, f, split_file
         self.splits: dict[int, str] = {}
-        for s in steps:
-            micro, accum = s.number(keys.TUNER_MICRO_BATCH), s.number(keys.TUNER_GRAD_ACCUM)
-            if micro is not None and accum is not None:
-                self.splits[s.step] = f"{micro:.0f}×{accum:.0f}"
+        labels: dict[tuple[float, float], str] = {}
+        for n, micro, accum in zip(run.step_numbers(), run.column(keys.TUNER_MICRO_BATCH),
+                                   run.column(keys.TUNER_GRAD_ACCUM)):
+            if micro == micro and accum == accum:
+                label = labels.get((micro, accum))
+                if label is None:
+                    label = labels[(micro, accum)] = f"{micro:.0f}×{accum:.0f}"
+                self.splits[n] = label
 
     @classmethod
     def of(cls, run: RunLog) -> PlotData:
@@ -89,11 +93,11 @@ class PlotData:
         return cls(run, run.unique_steps(), figures(run), split_file)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of the lines with a number under ``key`` (from the run's column of it)."""
         xs, ys = [], []
-        for s in self.steps:
-            v = s.number(key)
-            if v is not None:
-                xs.append(s.step)
+        for n, v in zip(self.run.step_numbers(), self.run.column(key)):
+            if v == v:
+                xs.append(n)
                 ys.append(v)
         return xs, ys
 
@@ -201,11 +205,25 @@ def step_rates(steps: Sequence[LogStep], period: int = 1) -> tuple[list[int], li
     return xs, ys
 
 
+def _rates(run: RunLog, period: int) -> tuple[list[int], list[float]]:
+    """:func:`step_rates` from the run's columns (one pass per key over a long run)."""
+    rows = [(n, t, s) for n, t, s in zip(run.step_numbers(), run.column(keys.PERF_TOKENS), train_column(run))
+            if t == t and s == s and s]
+    xs, ys = [], []
+    for i in range(0, len(rows) - period + 1, period):
+        block = rows[i:i + period]
+        seconds = sum(s for _, _, s in block)
+        if seconds > 0:
+            xs.append(block[-1][0])
+            ys.append(sum(t for _, t, _ in block) / seconds)
+    return xs, ys
+
+
 def plot_throughput(fig, data: PlotData) -> str | None:
     f, steps = data.f, data.steps
     period = int(number(data.run.header("perf").period) or 1)
     block = period * max(1, math.ceil(len(steps) / period / MAX_POINTS))     # a long run: per bin of steps
-    xs, ys = step_rates(steps, block)
+    xs, ys = _rates(data.run, block)
     if not xs:
         return "no perf/tokens with a training time in the step lines"
     ax = fig.add_subplot()
@@ -335,20 +353,19 @@ def plot_memory(fig, data: PlotData) -> str | None:
 
 # ---------------------------------------------------------------- phases
 def plot_phases(fig, data: PlotData) -> str | None:
-    steps, f = data.steps, data.f
-    rows = []                                           # (step, seconds of each phase): one pass over the lines
-    for s in steps:
-        seconds = [s.number(keys.PERF_PHASE_SEC[p]) for p in PHASES]
-        if any(v is not None for v in seconds):
-            rows.append((s.step, [v or 0.0 for v in seconds]))
+    f = data.f
+    columns = [data.run.column(keys.PERF_PHASE_SEC[p]) for p in PHASES]     # the run's columns, one per phase
+    rows = [i for i, seconds in enumerate(zip(*columns)) if any(v == v for v in seconds)]
+    numbers = data.run.step_numbers()
     ax = fig.add_subplot()
     if rows:
         size = max(1, math.ceil(len(rows) / 150))       # long runs: mean per bin of steps
         bins = [rows[i:i + size] for i in range(0, len(rows), size)]
-        xs = [sum(step for step, _ in b) / len(b) for b in bins]
+        xs = [sum(numbers[i] for i in b) / len(b) for b in bins]
         bottom = [0.0] * len(bins)
         for index, p in enumerate(PHASES):
-            vals = [sum(seconds[index] for _, seconds in b) / len(b) for b in bins]
+            column = columns[index]
+            vals = [sum(v for v in (column[i] for i in b) if v == v) / len(b) for b in bins]
             if not any(vals):
                 continue
             ax.bar(xs, vals, bottom=bottom, width=0.8 * size, color=PHASE_COLORS[p],

@@ -499,6 +499,10 @@ class ReadStep:
             out.update({k[len(prefix):]: v for k, v in self._others.items() if k.startswith(prefix)})
         return out
 
+    def has_prefix(self, prefix: str) -> bool:
+        """Whether any field's key starts with ``prefix``."""
+        return bool(self._keys.prefixed(prefix)) or any(k.startswith(prefix) for k in self._others or ())
+
     def non_numbers(self) -> list[str]:
         """The keys whose value is not a finite number (None aside)."""
         bad = [k for k, v in (self._others or {}).items() if v is not None and number(v) is None]
@@ -512,6 +516,42 @@ class ReadStep:
 
     def __repr__(self) -> str:
         return f"ReadStep(step={self.step}, time={self.time}, values={dict(self.values)!r})"
+
+
+class LogRow(Mapping[str, Any]):
+    """The trainer's own log of one step as a read-only mapping over its line (``log/reward`` read as ``reward``,
+    and ``step``), without copying it: a long run's logs cost a small object each."""
+
+    __slots__ = ("_line", "_prefix")
+
+    def __init__(self, line: ReadStep, prefix: str):
+        self._line, self._prefix = line, prefix
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "step":
+            return self._line.step
+        value = self._line.get(self._prefix + key, _MISSING)
+        if value is _MISSING:
+            raise KeyError(key)
+        return value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key == "step":
+            return self._line.step
+        return self._line.get(self._prefix + key, default)
+
+    def __iter__(self) -> Iterator[str]:
+        n = len(self._prefix)
+        yield from (k[n:] for k, _ in self._line._keys.prefixed(self._prefix))
+        if self._line._others:
+            yield from (k[n:] for k in self._line._others if k.startswith(self._prefix))
+        yield "step"
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, key: object) -> bool:
+        return key == "step" or (isinstance(key, str) and self._prefix + key in self._line.values)
 
 
 class _KeyIndex(dict[str, int]):
@@ -611,6 +651,39 @@ class RunLog:
     _unique: tuple[int, list[ReadStep]] | None = field(default=None, repr=False, compare=False)
     #: what the readers computed once from this run (``figures.figures``): the report, plots and analysis share it
     cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def column(self, key: str) -> array[float]:
+        """``key``'s value on every line of :meth:`unique_steps`, in order, as one array (NaN where a line has no
+        finite number under it); read once per parsed run and kept (8 bytes a line), so that the readers pass over
+        a long run's lines once per key, not once per figure."""
+        name = "column:" + key
+        found = self.cache.get(name)
+        if found is None:
+            nan = math.nan
+            values: list[float] = []
+            append = values.append
+            last_index: _KeyIndex | None = None
+            at: int | None = None
+            for line in self.unique_steps():
+                if line._keys is not last_index:            # a key set's position of ``key``, looked up once
+                    last_index, at = line._keys, line._keys.get(key)
+                if line._others is not None and key in line._others:
+                    v = number(line._others[key])
+                    append(nan if v is None else v)
+                elif at is None:
+                    append(nan)
+                else:
+                    v = line._numbers[at]
+                    append(v if v - v == 0.0 else nan)
+            found = self.cache[name] = array("d", values)
+        return found
+
+    def step_numbers(self) -> list[int]:
+        """The step of every line of :meth:`unique_steps`, in order."""
+        found = self.cache.get("steps")
+        if found is None:
+            found = self.cache["steps"] = [s.step for s in self.unique_steps()]
+        return found
 
     def keys_logged(self) -> frozenset[str]:
         """Every key the step lines hold (from each distinct key set once, not from every line)."""

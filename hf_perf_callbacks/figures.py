@@ -229,7 +229,7 @@ def _figures(run: RunLog) -> dict[str, Any]:
     return {
         "call_first_step": calls[-1][0] if calls else 1,
         "train_calls": calls,
-        "not_steady": step_ranges(n for n in numbers if n not in steady_set) if steady else [],
+        "not_steady": step_ranges(n for n in numbers if n not in steady_set) if steady_set else [],
         "device": pick(perf, "device", header.device),
         "device_type": header.device_type,
         "world_size": pick(perf, "world_size", header.world_size),

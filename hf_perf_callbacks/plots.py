@@ -231,14 +231,16 @@ def plot_throughput(fig, data: PlotData) -> str | None:
             else f"bin of {block} steps")
     ax.plot(xs, ys, marker="o" if len(xs) <= 60 else None, ms=4, lw=1.5, color="tab:blue",
             label=f"throughput per {what} (its tokens / its training s)")
-    steady_list = f["steady_steps"] if f["warmup_done"] else []
-    if f["warmup_done"] and f["not_steady"]:               # the meter's own record: the steps it did not count
+    steady_list = f["steady_steps"]
+    if f["not_steady"]:                                    # the meter's own record: the steps it did not count
         for i, (a, b) in enumerate(f["not_steady"]):
             ax.axvspan(a - 0.5, b + 0.5, color="grey", alpha=0.15, lw=0,
                        label=(f"not in the steady figures: steps {ranges_text(f['not_steady'])} (warmup; each "
                               f"train() call starts it anew)") if i == 0 else None)
-    elif f["warmup_done"] is False:
-        _note(ax, f"warmup not finished after {f['steps']} steps: no steady figure yet", color="tab:red")
+    if f["warmup_done"] is False:
+        _note(ax, f"warmup not finished after {f['steps']} steps: no steady figure yet" if not steady_list else
+              f"the latest train() call's warmup had not finished after step {f['steps']}: the steady figure is "
+              f"the earlier calls'", color="tab:red")
     steady = number(f["steady_tokens_per_sec"])
     if steady is not None and steady_list:
         ax.hlines(steady, steady_list[0] - 0.5, steady_list[-1] + 0.5, colors="tab:green", linestyles="--", lw=2,
@@ -255,8 +257,8 @@ def plot_throughput(fig, data: PlotData) -> str | None:
     if f["warmup_done"]:
         notes.append(warmup_words(f["warmup_steps"], f["first_step_slowdown"], f["warmup_overhead_sec"],
                                   f["call_first_step"]))
-        if steady_list:
-            notes.append(steady_words(steady_list, ranges_text(step_ranges(steady_list))))
+    if steady_list:
+        notes.append(steady_words(steady_list, ranges_text(step_ranges(steady_list))))
     _title(ax, "Training throughput (tokens per second of training time; evaluation and saving excluded)", *notes)
     ax.set_ylabel("tokens / s of training time")
     ax.set_ylim(0, max(ys + [steady or 0.0]) * 1.12)

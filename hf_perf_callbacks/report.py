@@ -59,7 +59,7 @@ def summarize(run: RunLog) -> str:
             lines.append("warmup: " + warmup_line(f["warmup_done"], f["warmup_steps"], f["first_step_slowdown"],
                                                   f["warmup_overhead_sec"], f["steps"], f["contention_sec"],
                                                   f["call_first_step"]))
-        if f["warmup_done"] and f["steady_steps"]:
+        if f["steady_steps"]:                 # an earlier train() call's steady steps count while the latest warms up
             steady = steady_words(f["steady_steps"], ranges_text(step_ranges(f["steady_steps"])))
             if f["not_steady"]:
                 single = len(f["not_steady"]) == 1 and f["not_steady"][0][0] == f["not_steady"][0][1]

@@ -3,6 +3,7 @@ and measurements read from a synthetic and a real (demo) run directory."""
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 
@@ -928,3 +929,84 @@ def test_every_key_a_launcher_run_is_told_is_a_recipe_key():
             assert "train_with_tuning" not in text and "default_callbacks" not in text, f.rule
             told += len(keys_told)
     assert told >= 8
+
+
+# ---------------------------------------------------------------- advice that fits the evidence
+def evaluation(evals=40, every=1, eval_sec=60.0, train_sec=40.0, steps=40) -> dict:
+    return {"evals": evals, "every": every, "eval_sec": eval_sec, "wall_sec": eval_sec + train_sec,
+            "train_sec": train_sec, "steps": steps, "share": eval_sec / (eval_sec + train_sec)}
+
+
+def test_evaluation_taking_most_of_the_wall_time_is_a_finding_with_its_measured_gain():
+    # seen: a run spending 60% of its wall time in evaluation (eval_steps=1) got "No rule found something to change",
+    # its header's s/step leaving evaluation out; eval_steps 20 made it 2.2-2.5x faster
+    e = evaluation()
+    m = healthy(evaluation=e, phases={"compute": 0.4, "eval": 0.6})
+    f = only_rule(m, "evaluation")
+    assert f.basis == "measured" and f.setting == {"eval_strategy": "steps", "eval_steps": 50}
+    saved = 60.0 * (1 - 1 / 50)
+    assert f.expected_gain == pytest.approx(100.0 / (100.0 - saved)) and f.expected_gain > 2.2
+    assert "40 evaluations (every 1 step) took 60.0 s of the run's 100.0 s wall time (60%)" in f.observation
+    assert "`eval_steps: 50` (now every 1)" in f.recommendation.splitlines()[0]
+    text = render_markdown([f], m)
+    assert "s/step of wall time with evaluation" in text and "evaluation and saving excluded" in text
+    assert "evaluation" not in [f.rule for f in analyze(healthy(evaluation=evaluation(eval_sec=2.0)))]
+    assert "evaluation" not in [f.rule for f in analyze(healthy(evaluation=evaluation(evals=1)))]
+
+
+def test_the_warmup_note_names_only_a_finding_the_report_has():
+    # seen: 7 of 20 reports said "see the oversubscription or contention finding" where none was in the report
+    small = {"steps": 1, "step_list": [3], "lost_sec": 0.5, "run_sec": 120.0, "lost_share": 0.5 / 120.0,
+             "wall_over_cpu": 2.0, "steady_wall_over_cpu": 1.0, "other_cores": 1.2, "source": "meter"}
+    m = healthy(contention=small, first_step_slowdown=3.0, warmup_steps=2, warmup_overhead_sec=4.0)
+    assert "contention" not in [f.rule for f in analyze(m)]
+    text = note(m, "warmup").text
+    assert "see the" not in text and "finding above" not in text and "slowed 1 step(s) (3) by 0.5 s" in text
+    large = dict(small, lost_sec=40.0, lost_share=40.0 / 120.0)
+    m = healthy(contention=large, first_step_slowdown=3.0, warmup_steps=2, warmup_overhead_sec=4.0)
+    assert "contention" in [f.rule for f in analyze(m)] and "(the contention finding above)" in note(m, "warmup").text
+
+
+def test_a_first_step_among_the_steady_steps_is_not_said_to_be_excluded():
+    # seen: "the steady figures exclude them" where step 1 (21.49 s) was among the steady steps (16.70 s a steady
+    # step with it, 16.27 s without)
+    first = {"step": 1, "included": True, "sec": 21.49, "with": 16.70, "without": 16.27}
+    text = note(healthy(warmup_steps=0, first_step_slowdown=1.29, warmup_overhead_sec=0.0, first_steady=first),
+                "warmup").text
+    assert "exclude" not in text
+    assert "Step 1 counts among the steady steps" in text and "21.5 s" in text and "16.3 s without it" in text
+    excluded = note(healthy(first_steady={"step": 1, "included": False}), "warmup").text
+    assert "the steady figures exclude the warmup steps" in excluded
+
+
+def test_a_last_step_at_the_steady_wall_cpu_ratio_is_no_contention(tmp_path):
+    # seen: a contention finding naming the run's last step as early contention, "wall/CPU 3.95 against 3.95 when
+    # steady" (the meter had judged a late train() call against its own first steps)
+    from hf_perf_callbacks.analysis import measurements_from_run
+    lines = [{"type": "run", "session": "s", "resumed_from_step": 0, "sources": ["perf"], "device_type": "cpu",
+              "world_size": 1, "torch_threads": 1, "cpu_cores": 2}]
+    for step in range(1, 13):
+        wall = 3.95 if step == 12 else 1.0
+        lines.append({"type": "step", "step": step, "perf/step_wall_sec": wall, "perf/train_sec": wall,
+                      "perf/cpu_sec": wall / 1.0 if step == 12 else 1.0, "perf/tokens": 100.0,
+                      "perf/steady": int(step > 2), "perf/other_cpu_cores": 0.5})
+    lines.append({"type": "summary", "source": "perf", "steps": 12, "warmup_done": True, "warmup_steps": 2,
+                  "first_steady_step": 3, "early_contention_sec": 3.0, "contention_steps": [12]})
+    (tmp_path / "perf_log.jsonl").write_text(schema_lines(lines))
+    m = measurements_from_run(str(tmp_path))
+    assert m.contention is None and "contention" not in [f.rule for f in analyze(m)]
+
+
+def test_fixed_length_padding_in_sft_gets_sfttrainers_own_collator_and_no_unfounded_ceiling():
+    # seen: `DataCollatorForLanguageModeling(tokenizer, mlm=False)` as the first bullet of an SFT run (it crashes in
+    # SFTTrainer); "ceiling 3.65x" beside 1.5x measured (per-step costs that do not shrink)
+    base = dict(grpo=False, fixed_seq_len=128, pad_fraction=0.87, seq_len=128, seq_len_min=128, mfu=None,
+                phases={"compute": 0.9, "data_wait": 0.05}, rewards=None)
+    sft = only_rule(healthy(**base, trainer_kind="sft"), "padding_waste")
+    first = sft.recommendation.splitlines()[0]
+    assert "SFTTrainer" in first and "DataCollatorForLanguageModeling" not in sft.recommendation
+    plain = only_rule(healthy(**base), "padding_waste")
+    assert "DataCollatorForLanguageModeling(tokenizer, mlm=False)" in plain.recommendation.splitlines()[0]
+    for f in (sft, plain):
+        assert "ceiling" not in f.gain_formula and not re.search(r"\d\.\d\dx", f.gain_formula)
+        assert "do not shrink" in f.gain_formula

@@ -45,8 +45,11 @@ rule                    fires when (finding) / notes when
                         ≥ ``THREADS_IDLE`` threads not running, similar work ``STEP_SPREAD``x apart →
                         ``OMP_NUM_THREADS`` = the free cores (``Finding.env``); measured, at least (the run's
                         fastest steps)
-``contention``          slow early steps whose CPU time stayed flat (the meter's ``early_contention_sec``) → other
-                        processes, threads; measured (the time lost in those steps)
+``contention``          slow steps whose CPU time stayed flat (the meter's ``early_contention_sec``; each step's own
+                        wall/CPU ratio ≥ ``1 + CONTENTION_RATIO`` times the steady steps') → other processes,
+                        threads; measured (the time lost in those steps)
+``evaluation``          evaluation ≥ ``EVAL_SHARE`` of the wall time (≥ 2 evaluations) → ``eval_steps`` at which it
+                        takes ``EVAL_TARGET``; measured (the run's own evaluation seconds)
 ``input_bound``         data wait ≥ ``DATA_WAIT_FRACTION`` → DataLoader settings; ``1/(1 − wait)``, calibrated
 ``duplicate_forward``   forwards per micro-batch > ``DUPLICATE_FORWARDS``; Amdahl on the compute share, calibrated
 ``padding_waste``       pad fraction ≥ ``PAD_FRACTION``: a Trainer padded to one length on every step → per-batch
@@ -55,9 +58,13 @@ rule                    fires when (finding) / notes when
                         padding to the longest completion → note
 ``generation_bound``    GRPO, generation ≥ ``GENERATION_SHARE`` → vLLM (CUDA), a larger generation batch (its
                         off-policy cost stated); try
+``tuning_cost``         the tuner's measurement cost more than its expected saving by ≥ ``TUNING_COST_SHARE`` of the
+                        training time → ``tune=False`` for runs this short; measured
 ``small_micro_batch``   micro-batch ≤ ``SMALL_MICRO_BATCH`` with accumulation ≥ 2, low MFU (unknown: compute share ≥
                         ``HIGH_COMPUTE_SHARE``), no tuner measurement → a larger exact split, never above a
-                        micro-batch that ran out of memory; try. The tuner measured splits → note with its trials
+                        micro-batch that ran out of memory; try. The tuner measured another split and paid → note
+                        with its trials (``splitfile.trial_figures``); it measured none → note (not judged)
+``tuner_hint``          the tuner attached to a plain ``trainer.train()`` (its event) → note (not judged)
 ``completion_budget``   GRPO: most completions cut at ``max_completion_length`` → the limit and
                         ``mask_truncated_completions``; try. Completions far below it with rare runaways → a cap;
                         try. No runaways (memory headroom only) → note

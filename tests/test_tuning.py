@@ -250,3 +250,14 @@ def test_the_quick_start_cannot_pay_back_a_round(machine, ranked, whole):
     tuning = OnRunTuning(SPLITS[4], [SPLITS[8], SPLITS[2], SPLITS[1]], planned_steps=30, samples=4)
     action = _first_block(tuning, ranked, whole=whole)
     assert action is tuning.done and "cannot pay back" in tuning.done.reason and tuning.cost == 0.0
+
+
+def test_before_any_switch_is_measured_a_round_must_pay_its_reckoned_cost_twice():
+    # seen: a quick start at a load of 6 (baseline 0.71-1.01 s outside generation, first step ~2 s) reckoned a round
+    # at ~7 s against a plausible 8 s; its two switches cost 19 s
+    tuning = OnRunTuning(SPLITS[4], [SPLITS[8]], planned_steps=30, samples=4)
+    ranked = [1.0, 0.9, 0.85, 1.011, 0.709, 0.835, 0.846]
+    action = _first_block(tuning, ranked, whole=[1.5, 2.0, 1.9, 2.147, 1.843, 1.914, 1.993])
+    saving, _ = tuning.plausible_saving()
+    assert 11 * saving > tuning.round_cost()                   # it would have paid its reckoned cost once
+    assert action is tuning.done and "2 × its reckoned cost" in tuning.done.reason and tuning.cost == 0.0

@@ -23,7 +23,8 @@ that runs out of memory or passes the memory budget is left at once.
 run's own first step — a switch starts a train() call anew — plus writing and reading the training state at
 ``SAVE_BYTES_PER_SEC``, at least ``SWITCH_FLOOR_SEC``), the warm-up step after each switch, the slower steps of a
 worse candidate (reckoned beforehand at the baseline's spread) and the switch back when it is left. A round starts
-only when the saving it can plausibly make over the steps left *after* it exceeds its cost
+only when the saving it can plausibly make over the steps left *after* it exceeds its cost (twice over,
+``PRIOR_MARGIN``, while no switch of the run has been measured: the reckoning is a prior)
 (:meth:`OnRunTuning.plausible_saving`): per step, before a candidate is measured, the baseline's ranked time (a
 split with no split-dependent time: the ceiling) less the baseline's interquartile range (the candidate's steps
 carry the machine's noise too, and a saving within it cannot be told from the noise: on a machine whose steps spread
@@ -62,6 +63,10 @@ SAVE_BYTES_PER_SEC = 200e6
 #: project's idle 2-core CPU 1.8 s, 5.7–7.2 s at a load of 7; LoRA on an H100 0.8–1.4 s, on the CPU 0.87 s,
 #: ``benchmarks/results/tuner_switch*.json``)
 SWITCH_FLOOR_SEC = 2.0
+#: until one of the run's switches was measured, a round must plausibly save this many times its reckoned cost: the
+#: reckoning is a prior, seen off by this much (the quick start's switches: 1.8 s idle, 7-10 s at a load of 6-7,
+#: where its first step took 0.9-2.2 s)
+PRIOR_MARGIN = 2.0
 #: generation cycles not measured at the run's start (first kernels, allocator growth, dataloader workers: seen on an
 #: H100 as outside-generation times of 4.3, 4.2, 2.2, 2.2 s over the first steps of a 4×8 run settling at 2 s)
 WARMUP_AT_START = 3
@@ -345,7 +350,12 @@ class OnRunTuning:
         left = self._steps_left_after_round(step)
         if left is None or left <= 0:
             return False
-        return left * self.plausible_saving()[0] > self.round_cost()
+        return left * self.plausible_saving()[0] > self.round_cost() * self._margin()
+
+    def _margin(self) -> float:
+        """How many times its reckoned cost a round must plausibly save: :data:`PRIOR_MARGIN` until a switch of
+        this run was measured, then 1."""
+        return 1.0 if self.switch_seconds else PRIOR_MARGIN
 
     def _cannot_pay_note(self, step: int) -> str:
         left = self._steps_left_after_round(step)
@@ -355,9 +365,12 @@ class OnRunTuning:
             return (f"too short to pay back: a round takes {2 * self._trial_steps()} steps and "
                     f"{max(0, self.planned - step)} are left")
         saving, how = self.plausible_saving()
+        margin = self._margin()
         return (f"cannot pay back: a round could plausibly save {saving:.3f} s/step ({how}) × {left} steps = "
-                f"{left * saving:.1f} s after it, less than its cost, {self.round_cost():.1f} s (a switch there "
-                f"and back, its steps at the noise)")
+                f"{left * saving:.1f} s after it, less than "
+                + (f"{margin:g} × its reckoned cost (no switch of this run measured yet), " if margin != 1 else
+                   "its cost, ")
+                + f"{self.round_cost():.1f} s (a switch there and back, its steps at the noise)")
 
     # ------------------------------------------------------------ the record
     def ceiling_sec(self, step: int) -> float | None:

@@ -152,12 +152,16 @@ def _legend_below(fig, ax, ncol: int = 3) -> None:
 
 
 def _title(ax, title: str, *notes: str | None) -> None:
-    """The title, and under it the plot's notes in smaller grey type (off the data)."""
-    ax.set_title(title, fontsize=10, pad=14 if any(notes) else 6)
+    """The title, and under it the plot's notes in smaller grey type (off the data), wrapped to the axes' width."""
+    import textwrap
+
     words = " · ".join(n for n in notes if n)
-    if words:
-        ax.annotate(words, xy=(0.5, 1.0), xycoords="axes fraction", xytext=(0, 3), textcoords="offset points",
-                    ha="center", va="bottom", fontsize=8, color="dimgrey")
+    width = max(40, int(ax.get_position().width * 150))      # characters of 8-point type across the axes
+    lines = textwrap.wrap(words, width) if words else []
+    ax.set_title(title, fontsize=10, pad=4 + 10 * len(lines) if lines else 6)
+    if lines:
+        ax.annotate("\n".join(lines), xy=(0.5, 1.0), xycoords="axes fraction", xytext=(0, 3),
+                    textcoords="offset points", ha="center", va="bottom", fontsize=8, color="dimgrey")
 
 
 def _note(ax, text: str, color: str = "dimgrey") -> None:

@@ -61,7 +61,8 @@ def warmup_words(steps: object, slowdown: object, overhead: object = None, first
     else:
         parts.append(f"no warmup: {first} ran at the steady speed")
     if slow is not None and slow < 0.95:
-        parts.append(f"{first} was faster than the steady level ({slow:.2f}x): later steps slowed down — "
+        again = first if at is None or at == 1 else "it"        # a named step is named once
+        parts.append(f"{again} was faster than the steady level ({slow:.2f}x): later steps slowed down — "
                      f"longer sequences or other processes, not warmup")
     return "; ".join(parts)
 

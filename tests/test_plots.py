@@ -115,7 +115,7 @@ def test_memory_scaled_to_its_data_budget_far_away_as_words(run_dir):
     low, high = ax.get_ylim()
     assert budget > 2 * max(used) and high < budget and low > 0.5 * min(used)
     assert "budget" not in " ".join(labels(ax))
-    assert f"budget {budget:.2f} GiB (off the scale" in " ".join(t.get_text() for t in ax.texts)
+    assert f"budget {budget:.2f} GiB (off the scale" in " ".join(t.get_text().replace("\n", " ") for t in ax.texts)
     assert ax.get_ylabel() == "memory (GiB)"
     styles = {line.get_label(): line.get_linestyle() for line in ax.get_lines()}
     assert styles["process memory (RSS)"] != styles["high-water mark (peak so far)"]
@@ -140,7 +140,7 @@ def test_phases_in_words_without_empty_phases_and_the_tuners_cost(run_dir):
     assert not any(n.startswith(("generation", "evaluation", "saving")) for n in names)   # a Trainer run has none
     assert not any("_" in n for n in names)
     assert "steps the tuner measured splits on (1–6)" in names
-    notes = " ".join(t.get_text() for t in ax.texts)
+    notes = " ".join(t.get_text().replace("\n", " ") for t in ax.texts)
     assert "the tuner's own cost: 3.5 s" in notes and "expected saving 40.0 s" in notes
     assert integer_ticks(ax) and ax.get_ylabel() == "seconds per step"
 
@@ -198,7 +198,7 @@ def test_throughput_draws_the_meters_own_record_and_names_the_switches(tmp_path)
     ax, f = fig.axes[0], data.f
     assert f["call_first_step"] > 1 and f["not_steady"]
     assert spans(ax) == f["not_steady"]                              # exactly the steps the steady figures leave out
-    notes = " ".join(t.get_text() for t in ax.texts)
+    notes = " ".join(t.get_text().replace("\n", " ") for t in ax.texts)           # the subtitle wraps
     assert f"step {f['call_first_step']} (the first of the latest train() call)" in notes
     assert f"the steady figures are over {len(f['steady_steps'])} steps" in notes
     names = labels(ax)

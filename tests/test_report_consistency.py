@@ -237,8 +237,8 @@ def check_report(output_dir: str) -> int:
             assert "no other split measured" in bars
     fig = Figure(figsize=(8, 4.5), layout="constrained")
     plotted = plot_throughput(fig, PlotData.of(read_run(output_dir))) is None
-    plot_words = (" ".join(t.get_text() for t in fig.axes[0].texts) + " " +
-                  " ".join(fig.axes[0].get_legend_handles_labels()[1])) if plotted else ""
+    plot_words = (" ".join(t.get_text().replace("\n", " ") for t in fig.axes[0].texts) + " " +
+                  " ".join(fig.axes[0].get_legend_handles_labels()[1])) if plotted else ""   # a wrapped subtitle
     check_steady_and_warmup(summary, [n.text for n in notes] + [report, plot_words], evidence)
     steady = steady_steps(evidence["steps"])
     drawn = re.search(r"steady figure ([\d,]+) tokens/s: Σ tokens / Σ training s of the (\d+) steady steps",

@@ -105,13 +105,13 @@ def test_a_run_too_short_to_pay_back_tries_nothing():
 
 def test_switches_that_cost_more_than_the_rest_of_the_run_can_save_are_not_made():
     # 200 s/step outside generation, 20 steps after a round: at most 20 × 200 s = 4000 s could be saved, and the
-    # first switch (a train() call started anew: the run's own first step, 10201 s here) costs more
+    # first switch (a train() call started anew: the run's own first-step overhead, 10000 s here) costs more
     tuning = OnRunTuning(SPLITS[2], [SPLITS[4]], planned_steps=36, samples=3)
     tuning.segment_started(SPLITS[2], 0)
     actions = [tuning.observe(1, 200.0, 10201.0)] + [tuning.observe(s, 200.0, 201.0) for s in range(2, 7)]
     assert actions == [None] * 5 + [tuning.done] and tuning.done.split == SPLITS[2]
     assert "cannot pay back" in tuning.done.reason
-    assert tuning.round_cost() == pytest.approx(2 * (10201.0 + SWITCH_FLOOR_SEC))   # the first step, the floor
+    assert tuning.round_cost() == pytest.approx(2 * (10000.0 + SWITCH_FLOOR_SEC))   # the overhead, the floor
     # the same run told to try every split regardless of cost switches
     free = OnRunTuning(SPLITS[2], [SPLITS[4]], planned_steps=36, samples=3, must_pay=False)
     free.segment_started(SPLITS[2], 0)

@@ -20,7 +20,7 @@ machine hits both), while rounds are affordable; a candidate whose every sample 
 that runs out of memory or passes the memory budget is left at once.
 
 **Cost before you pay.** A trial's cost is its switches (measured on this run once one happened; before that, the
-run's own first step — a switch starts a train() call anew — plus writing and reading the training state at
+run's own first-step overhead — a switch starts a train() call anew — plus writing and reading the training state at
 ``SAVE_BYTES_PER_SEC``, at least ``SWITCH_FLOOR_SEC``), the warm-up step after each switch, the slower steps of a
 worse candidate (reckoned beforehand at the baseline's spread) and the switch back when it is left. A round starts
 only when the saving it can plausibly make over the steps left *after* it exceeds its cost (twice over,
@@ -58,14 +58,13 @@ MIN_SAMPLES = 3
 SAMPLES = 4
 #: the rate at which a switch is assumed to write and read the training state, until a switch was measured (bytes/s)
 SAVE_BYTES_PER_SEC = 200e6
-#: the least a switch is assumed to cost beyond the run's first step until one of the run's was measured: a
+#: the least a switch is assumed to cost beyond the run's first-step overhead until one of the run's was measured: a
 #: checkpoint, the end of a train() call and the start of the next (measured: the quick start's tiny model on this
 #: project's idle 2-core CPU 1.8 s, 5.7–7.2 s at a load of 7; LoRA on an H100 0.8–1.4 s, on the CPU 0.87 s,
 #: ``benchmarks/results/tuner_switch*.json``)
 SWITCH_FLOOR_SEC = 2.0
 #: until one of the run's switches was measured, a round must plausibly save this many times its reckoned cost: the
-#: reckoning is a prior, seen off by this much (the quick start's switches: 1.8 s idle, 7-10 s at a load of 6-7,
-#: where its first step took 0.9-2.2 s)
+#: reckoning is a prior, seen off by more (the quick start's switches: 1.8 s idle, 7-10 s at a load of 6-7)
 PRIOR_MARGIN = 2.0
 #: generation cycles not measured at the run's start (first kernels, allocator growth, dataloader workers: seen on an
 #: H100 as outside-generation times of 4.3, 4.2, 2.2, 2.2 s over the first steps of a 4×8 run settling at 2 s)
@@ -297,12 +296,14 @@ class OnRunTuning:
 
     # ------------------------------------------------------------ cost against gain
     def switch_cost(self) -> float:
-        """Seconds one switch costs: the mean of this run's measured switches, else — a switch ends a train() call
-        and starts the next, which runs its first step anew — the run's own first step (its whole time) plus
-        writing and reading the training state, at least :data:`SWITCH_FLOOR_SEC` for the latter."""
+        """Seconds one switch costs: the mean of this run's measured switches, else the run's own first-step
+        overhead (over the baseline's step: a switch starts a train() call anew) plus writing and reading the
+        training state, at least :data:`SWITCH_FLOOR_SEC` for the latter."""
         if self.switch_seconds:
             return sum(self.switch_seconds) / len(self.switch_seconds)
-        return (self.first_step or 0.0) + max(SWITCH_FLOOR_SEC, 2 * self.state_bytes / SAVE_BYTES_PER_SEC)
+        steady = self.trials[self.start].step_samples
+        overhead = max(0.0, (self.first_step or 0.0) - median(steady)) if steady else 0.0
+        return overhead + max(SWITCH_FLOOR_SEC, 2 * self.state_bytes / SAVE_BYTES_PER_SEC)
 
     def round_cost(self) -> float:
         """A round's cost: a switch there and one back, and the candidate's block of steps at the noise (the

@@ -14,7 +14,10 @@ Scenarios with a cause a setting cannot express plant it and the advised run rem
 twice (``duplicate_forward``), a collator that pads every batch to 128 positions (``pad_to_length``: the advised
 run pads per batch), torch at one thread per core beside a process that keeps one core busy (``threads``,
 ``compete``: the advised run takes the finding's ``OMP_NUM_THREADS``), a reward that is always 0 (``reward``: no
-speed advice; the finding's wording is checked: no setting that cannot move a constant reward).
+speed advice; the finding's wording is checked: no setting that cannot move a constant reward, the first action one
+that can), an evaluation after every step (``eval_steps``: the advised interval, measured in wall time with the
+evaluations), an ``SFTTrainer`` padding to a fixed length (the advice's code must run in SFTTrainer: its own
+collator).
 
     python benchmarks/bench_advice.py --smoke                      # CPU, tiny model, a minute or two
     python benchmarks/bench_advice.py --model tiny --repeats 2     # CPU, tiny model
@@ -96,6 +99,7 @@ class FixedLength:
         self.tok, self.length = tok, length
 
     def __call__(self, features):
+        features = [{"input_ids": f["input_ids"]} for f in features]      # SFT's examples carry more fields
         batch = self.tok.pad(features, padding="max_length", max_length=self.length, return_tensors="pt")
         return self.inner([{k: v[i] for k, v in batch.items()} for i in range(len(features))])
 
@@ -146,6 +150,7 @@ def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device:
     pad_to = cfg.pop("pad_to_length", None)
     reward = cfg.pop("reward", None)
     cfg.pop("compete", None)
+    evaluate = cfg.pop("eval_examples", 0)
     threads = cfg.pop("threads", None)
     if threads and device == "cpu":
         torch.set_num_threads(threads)
@@ -164,6 +169,15 @@ def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device:
         return GRPOTrainer(model=factory(), reward_funcs=rewards, args=args,
                            train_dataset=wordle.make_dataset(256, seed=0, max_history=0, conversational=True),
                            processing_class=tok, peft_config=lora, callbacks=callbacks)
+    if scenario["kind"] == "sft":
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        texts = [TEXTS[i % 5] + " " + TEXTS[(i * 3) % 5][: 5 + (i * 7) % 30] for i in range(256)]
+        args = SFTConfig(**common_args, **cfg)
+        return SFTTrainer(model=factory(), args=args, train_dataset=Dataset.from_dict({"text": texts}),
+                          processing_class=tok, data_collator=FixedLength(tok, pad_to) if pad_to else None,
+                          callbacks=callbacks)
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
     class DuplicateForward(Trainer):
@@ -180,7 +194,7 @@ def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device:
     cls = DuplicateForward if duplicate else Trainer
     collator = FixedLength(tok, pad_to) if pad_to else DataCollatorForLanguageModeling(tok, mlm=False)
     return cls(model=factory(), args=args, train_dataset=SlowText(tok, delay=delay), data_collator=collator,
-               callbacks=callbacks)
+               eval_dataset=SlowText(tok, n=evaluate) if evaluate else None, callbacks=callbacks)
 
 
 def run_once(scenario, settings, factory, tok, device, keep: str | None = None):
@@ -242,6 +256,17 @@ def scenarios(model: str, smoke: bool, steps: int | None = None) -> dict:
         out["trainer_threads"] = {"kind": "trainer", "skip": 2, "measure": ["oversubscription"], "clock": "wall",
                                   "config": dict(per_device_train_batch_size=16, gradient_accumulation_steps=1,
                                                  max_steps=steps + 6, threads=os.cpu_count(), compete=1)}
+        # evaluation after every step (eval_steps 1) on 64 examples: its share of the wall time, measured in wall
+        # time with the evaluations (the steady figures leave them out)
+        out["trainer_eval_every_step"] = {"kind": "trainer", "skip": 2, "measure": ["evaluation"], "clock": "wall",
+                                          "config": dict(per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                                                         max_steps=steps + 14, eval_strategy="steps", eval_steps=1,
+                                                         per_device_eval_batch_size=8, eval_examples=64)}
+        # TRL's SFTTrainer with a collator padding every batch to 128 positions: the advice must be code that runs
+        # in SFTTrainer (its own collator), not transformers' DataCollatorForLanguageModeling
+        out["sft_fixed_length"] = {"kind": "sft", "skip": 2, "measure": ["padding_waste"],
+                                   "config": dict(per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                                                  max_steps=steps + 2, max_length=128, pad_to_length=128)}
         # a reward that is always 0: not speed advice; the finding's wording is what is checked
         out["grpo_constant_reward"] = {"kind": "grpo", "skip": 1, "measure": [], "wording": "no_learning",
                                        "config": {**grpo, "per_device_train_batch_size": 2,
@@ -259,16 +284,17 @@ def scenarios(model: str, smoke: bool, steps: int | None = None) -> dict:
 #: Code fixes a setting cannot express: the scenario switch that removes the planted cause.
 CODE_FIXES = {"duplicate_forward": {"duplicate_forward": False}, "padding_waste": {"pad_to_length": None}}
 #: What a constant reward's finding may not advise: settings that cannot move a reward no sample has moved.
-NO_HELP_FOR_CONSTANT_REWARD = ("num_generations", "temperature")
+NO_HELP_FOR_CONSTANT_REWARD = ("num_generations", "temperature", "max_completion_length")
 
 
 def wording(f) -> dict:
     """The wording check of a finding that is not speed advice (a constant reward)."""
     useless = sorted(k for k in f.setting if k in NO_HELP_FOR_CONSTANT_REWARD)
-    return {"title": f.title, "setting": f.setting, "first_action": f.recommendation.splitlines()[0],
+    first = f.recommendation.splitlines()[0]
+    return {"title": f.title, "setting": f.setting, "first_action": first,
             "settings_that_cannot_help": useless,
             "names_the_cause": "partial credit" in f.recommendation and "too hard" in f.root_cause,
-            "ok": not useless and "partial credit" in f.recommendation and "too hard" in f.root_cause}
+            "ok": not useless and "partial credit" in first and "too hard" in f.root_cause}
 
 
 def measure(name, scenario, label, setting, base_sec, factory, tok, device, repeats) -> dict:

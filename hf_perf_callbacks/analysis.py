@@ -45,8 +45,11 @@ rule                    fires when (finding) / notes when
                         ≥ ``THREADS_IDLE`` threads not running, similar work ``STEP_SPREAD``x apart →
                         ``OMP_NUM_THREADS`` = the free cores (``Finding.env``); measured, at least (the run's
                         fastest steps)
-``contention``          slow early steps whose CPU time stayed flat (the meter's ``early_contention_sec``) → other
-                        processes, threads; measured (the time lost in those steps)
+``contention``          slow steps whose CPU time stayed flat (the meter's ``early_contention_sec``; each step's own
+                        wall/CPU ratio ≥ ``1 + CONTENTION_RATIO`` times the steady steps') → other processes,
+                        threads; measured (the time lost in those steps)
+``evaluation``          evaluation ≥ ``EVAL_SHARE`` of the wall time (≥ 2 evaluations) → ``eval_steps`` at which it
+                        takes ``EVAL_TARGET``; measured (the run's own evaluation seconds)
 ``input_bound``         data wait ≥ ``DATA_WAIT_FRACTION`` → DataLoader settings; ``1/(1 − wait)``, calibrated
 ``duplicate_forward``   forwards per micro-batch > ``DUPLICATE_FORWARDS``; Amdahl on the compute share, calibrated
 ``padding_waste``       pad fraction ≥ ``PAD_FRACTION``: a Trainer padded to one length on every step → per-batch
@@ -55,9 +58,13 @@ rule                    fires when (finding) / notes when
                         padding to the longest completion → note
 ``generation_bound``    GRPO, generation ≥ ``GENERATION_SHARE`` → vLLM (CUDA), a larger generation batch (its
                         off-policy cost stated); try
+``tuning_cost``         the tuner's measurement cost more than its expected saving by ≥ ``TUNING_COST_SHARE`` of the
+                        training time → ``tune=False`` for runs this short; measured
 ``small_micro_batch``   micro-batch ≤ ``SMALL_MICRO_BATCH`` with accumulation ≥ 2, low MFU (unknown: compute share ≥
                         ``HIGH_COMPUTE_SHARE``), no tuner measurement → a larger exact split, never above a
-                        micro-batch that ran out of memory; try. The tuner measured splits → note with its trials
+                        micro-batch that ran out of memory; try. The tuner measured another split and paid → note
+                        with its trials (``splitfile.trial_figures``); it measured none → note (not judged)
+``tuner_hint``          the tuner attached to a plain ``trainer.train()`` (its event) → note (not judged)
 ``completion_budget``   GRPO: most completions cut at ``max_completion_length`` → the limit and
                         ``mask_truncated_completions``; try. Completions far below it with rare runaways → a cap;
                         try. No runaways (memory headroom only) → note
@@ -80,18 +87,27 @@ import json
 import math
 import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from . import estimate
 from . import runlog as keys
 from .batching import Split, exact_splits, next_smaller
 from .dataloader import dataloader_advice, dataloader_changes
-from .figures import completion_stats, figures, last_value
-from .runlog import GB, RunHeader, RunLog, StepLine, conform, number, read_run
-from .splitfile import Decision, SplitFile, read_split_file
+from .figures import (
+    completion_stats,
+    figures,
+    finite,
+    last_value,
+    ranges_text,
+    step_ranges,
+    train_column,
+    trainer_logs,
+)
+from .runlog import GB, ReadStep, RunHeader, RunLog, conform, number, read_run
+from .splitfile import Decision, SplitFile, read_split_file, trial_figures
 from .stats import classify_slow_steps, quantile
-from .wording import warmup_words
+from .wording import TUNER_NEEDS_TRAIN_WITH_TUNING, warmup_words
 
 REPORT_FILE = "perf_report.md"
 CONSOLE_WIDTH = 160
@@ -118,6 +134,10 @@ PAD_FRACTION = 0.2
 NO_LEARNING_LOGS = 3         # consecutive logs with zero reward variance in every group and zero gradient norm
 ZERO = 1e-12
 CONTENTION_SHARE = 0.05      # time lost to contention / run time worth a finding
+CONTENTION_RATIO = 0.2       # a contended step's wall/CPU above the steady steps' by this share (else not contention)
+EVAL_SHARE = 0.1             # evaluation's share of the wall time worth a finding
+EVAL_TARGET = 0.05           # the share the advised eval_steps brings it to
+TUNING_COST_SHARE = 0.01     # a tuning that cost more than it saved, by this share of the training time: a finding
 # Evidence thresholds: below them a rule says "too few steps to judge" instead of a finding or a gain.
 MIN_STEADY_STEPS = 3         # timing rules (shares of wall time, MFU, slow steps, any gain): warmup over + these steps
 MIN_MACHINE_STEPS = 4        # whole-run contention: steps with CPU time and the machine's load ...
@@ -135,7 +155,8 @@ STEP_SPREAD = 1.5            # similar work whose wall (or CPU) seconds per toke
 #: 4.99x against 4.13x measured.
 CALIBRATION: dict[tuple[str, str], tuple[int, float]] = {
     ("duplicate_forward", "cpu"): (1, 0.06), ("duplicate_forward", "cuda"): (1, 0.13),
-    ("input_bound", "cuda"): (1, 0.21), ("padding_waste", "cpu"): (2, 0.13)}
+    ("input_bound", "cuda"): (1, 0.21), ("padding_waste", "cpu"): (2, 0.13),
+    ("evaluation", "cpu"): (1, 0.01)}      # a measured gain, checked too: 3.52x predicted, 3.54x applied
 
 
 @dataclass
@@ -203,6 +224,11 @@ class Measurements:
     #                                        (step, why, moved: False where the start set it below the device's limit)
     leak_mib_per_step: float | None = None   # the watchdog saw memory grow on every step (its leak warning)
     skipped: list[str] = field(default_factory=list)   # logged fields of another type, skipped (what the report says)
+    tuner_hint: str | None = None            # the tuner said it needs train_with_tuning (a plain train())
+    trainer_kind: str | None = None          # "sft", "dpo" (their own training logs show it), None: Trainer / GRPO
+    evaluation: dict | None = None           # the run's evaluations, measured (see _evaluation)
+    first_steady: dict | None = None         # the latest train() call's first step, steady or not (_first_steady)
+    train_sec: float | None = None           # Σ training seconds of the run's steps (what the tuning's cost is against)
 
 
 @dataclass
@@ -539,10 +565,10 @@ def rule_no_learning(m: Measurements) -> Finding | Note | None:
                  "parsing error that always returns 0) looks exactly like this",
                  "or start where the model succeeds sometimes: an easier task or curriculum, or a model (or a short "
                  "supervised warm-start) that solves some prompts"]
-        if clipped >= CLIPPED_LARGE and limit:
-            setting = {"max_completion_length": 2 * limit}
-            items.insert(0, f"`max_completion_length: {2 * limit}` (now {limit}): {_pct(clipped)} of completions were "
-                            f"cut at the limit, before an answer at their end could score")
+        if clipped >= CLIPPED_LARGE and limit:         # no setting: a length cannot move a constant reward
+            items.append(f"then, if the answers need more room: `max_completion_length: {2 * limit}` (now {limit}; "
+                         f"{_pct(clipped)} of completions were cut at the limit) — a longer limit cannot make a "
+                         f"reward that no completion moved vary by itself")
         title = "The run cannot learn: every completion got the same reward"
     else:
         obs = (f"On {m.no_signal_run} consecutive logs (of {m.logs}) every prompt group's completions got the same "
@@ -576,11 +602,26 @@ def rule_no_learning(m: Measurements) -> Finding | Note | None:
                    "within a group no step changes the weights", "high", setting, "try", None, priority=0)
 
 
+def _contention_words(m: Measurements) -> str:
+    """What the report says about other processes beside warmup: the finding that names them (only one the report
+    has), else the meter's measured seconds when there are any, else nothing."""
+    names = [name for name, rule in (("oversubscription", rule_oversubscription), ("contention", rule_contention))
+             if rule(m) is not None]
+    if names:
+        return (f" Other processes slowed this run too (the {' and the '.join(names)} finding"
+                f"{'s' if len(names) > 1 else ''} above): that time is contention, not warmup, and it recurs.")
+    c = m.contention
+    if c:
+        return (f" Other processes slowed {c['steps']} step(s) ({ranges_text(step_ranges(c['step_list']))}) by "
+                f"{c['lost_sec']:.1f} s, {_pct(c['lost_share'])} of the run: contention, not warmup (below the "
+                f"{CONTENTION_SHARE:.0%} that makes a finding).")
+    return ""
+
+
 def rule_warmup(m: Measurements) -> Note | None:
     slow, overhead, steady, n = m.first_step_slowdown, m.warmup_overhead_sec, m.steady_step_sec, m.warmup_steps
-    contended = _oversubscription(m) is not None or bool(m.contention)
-    other = (" Other processes slowed this run too (see the oversubscription or contention finding): that time is "
-             "contention, not warmup, and it recurs." if contended else "")
+    other = _contention_words(m)
+    contended = bool(other)
     if m.warmup_done is False:
         return Note("warmup", "Warmup not finished",
                     f"Warmup was not finished after {m.steps} step{'' if m.steps == 1 else 's'}: the meter has not "
@@ -588,12 +629,20 @@ def rule_warmup(m: Measurements) -> Note | None:
                     + other, judged=False)
     if slow is None and overhead is None:
         return None
-    parts = [warmup_words(n, slow, overhead)]
+    first = m.first_steady or {}
+    parts = [warmup_words(n, slow, overhead, first.get("step"))]
+    fresh = ("One-time costs of a fresh process (optimizer state, allocator growth"
+             + {"mps": ", Metal shader compilation", "cuda": ", CUDA context and kernel selection",
+                "xpu": ", kernel compilation"}.get(m.device_type, "") + ") do not recur")
+    if first.get("included"):
+        text = _sentence(parts) + (
+            f" Step {first['step']} counts among the steady steps (the meter found no warmup beyond it), so its "
+            f"{first['sec']:.3g} s are in the steady figures: steady step {first['with']:.3g} s, "
+            f"{first['without']:.3g} s without it.")
+    else:
+        text = _sentence(parts) + " " + fresh + "; the steady figures exclude the warmup steps."
+    text += other
     share = overhead / (m.steps * steady + overhead) if (overhead and steady and m.steps) else None
-    text = _sentence(parts) + (" One-time costs of a fresh process (optimizer state, allocator growth"
-                               + {"mps": ", Metal shader compilation", "cuda": ", CUDA context and kernel selection",
-                                  "xpu": ", kernel compilation"}.get(m.device_type, "")
-                               + ") do not recur; the steady figures exclude them.") + other
     if overhead and steady and share is not None and share >= WARMUP_SHARE and not contended:
         target = 0.05
         steps_needed = math.ceil(overhead * (1 - target) / (target * steady))
@@ -681,10 +730,11 @@ def rule_contention(m: Measurements) -> Finding | None:
     if not c or (c.get("lost_share") or 0.0) < CONTENTION_SHARE or _too_short(m):
         return None
     lost, share = c["lost_sec"], c["lost_share"]
-    obs = (f"{c['steps']} step(s) ran slower than the steady level while their process CPU time stayed at its usual "
-           f"level (wall/CPU {c['wall_over_cpu']:.2f} against {c['steady_wall_over_cpu']:.2f} when steady): "
-           f"{lost:.1f} s ({_pct(share)} of the run" + (", the meter's `early_contention_sec`" if c["source"] == "meter"
-                                                       else "") + ") went to waiting for a CPU")
+    obs = (f"{c['steps']} step(s) ({ranges_text(step_ranges(c['step_list']))}) ran slower than the steady level "
+           f"while their process CPU time did not rise with them (wall/CPU {c['wall_over_cpu']:.2f} against "
+           f"{c['steady_wall_over_cpu']:.2f} when steady): {lost:.1f} s ({_pct(share)} of the run"
+           + (", the meter's `early_contention_sec`" if c["source"] == "meter" else "")
+           + ") went to waiting for a CPU")
     if c.get("other_cores") is not None:
         obs += f"; other processes kept up to {c['other_cores']:.1f} CPU cores busy during those steps"
     obs += "."
@@ -699,6 +749,83 @@ def rule_contention(m: Measurements) -> Finding | None:
                f"the steady level)")
     return Finding("contention", "CPU contention: other processes slowed the run", obs, root, _bullets(items), gain,
                    formula, "medium", {}, "measured", gain)
+
+
+def rule_evaluation(m: Measurements) -> Finding | None:
+    """Evaluation's share of the wall time, measured on this run's own evaluations: ``eval_steps``."""
+    e = m.evaluation
+    if not e or e["share"] < EVAL_SHARE or e["evals"] < 2:
+        return None
+    per_eval, train_per_step = e["eval_sec"] / e["evals"], e["train_sec"] / max(1, e["steps"])
+    every = e["every"]
+    needed = per_eval * (1 - EVAL_TARGET) / (EVAL_TARGET * train_per_step) if train_per_step > 0 else every * 10
+    new = max(every + 1, _nice_interval(needed))
+    saved = e["eval_sec"] * (1 - every / new)
+    gain = e["wall_sec"] / (e["wall_sec"] - saved)
+    obs = (f"{e['evals']} evaluations (every {every} step{'s' if every != 1 else ''}) took {e['eval_sec']:.1f} s of "
+           f"the run's {e['wall_sec']:.1f} s wall time ({_pct(e['share'])}), {per_eval:.3g} s each, against "
+           f"{train_per_step:.3g} s of training per step. The steady figures (s/step, tokens/s) leave evaluation "
+           f"out: the run's wall time does not.")
+    root = ("Each evaluation runs the whole `eval_dataset` through the model; evaluating every few steps spends more "
+            "time judging the model than training it.")
+    items = [f"`eval_strategy: steps` with `eval_steps: {new}` (now every {every}): evaluation then takes about "
+             f"{_pct(per_eval / new / (per_eval / new + train_per_step))} of the wall time",
+             "with `load_best_model_at_end: true`, `save_steps` must be a multiple of `eval_steps`",
+             "or evaluate a smaller set (`eval_dataset.select(range(n))`) or with a larger "
+             "`per_device_eval_batch_size`"]
+    formula = (f"measured: this run's {e['evals']} evaluations took {e['eval_sec']:.1f} s; every {new} steps instead "
+               f"of {every} saves {saved:.1f} s of {e['wall_sec']:.1f} s: {e['wall_sec']:.1f} / "
+               f"({e['wall_sec']:.1f} − {saved:.1f}) = {gain:.2f}x (each evaluation costing what this run's did)")
+    return Finding("evaluation", "Evaluation takes a large share of the wall time", obs, root, _bullets(items), gain,
+                   formula, "high", {"eval_strategy": "steps", "eval_steps": new}, "measured", gain)
+
+
+def _nice_interval(x: float) -> int:
+    """The next 1, 2, 5 × 10^k at or above ``x``."""
+    if x <= 1:
+        return 1
+    scale = 10 ** math.floor(math.log10(x))
+    return int(next(k * scale for k in (1, 2, 5, 10) if k * scale >= x - 1e-9))
+
+
+def rule_tuning_cost(m: Measurements) -> Finding | None:
+    """The tuner's measurement cost more than it is expected to save: a finding with its cost."""
+    d = m.tune
+    if d is None or not d.cost_sec or not m.train_sec:
+        return None
+    saving = d.expected_gain_sec or 0.0
+    lost = d.cost_sec - saving
+    if lost <= TUNING_COST_SHARE * m.train_sec:
+        return None
+    trials = "; ".join(t.words() for t in trial_figures(d))
+    obs = (f"The tuner's measurement of splits on this run's own steps cost {d.cost_sec:.1f} s "
+           f"({_pct(d.cost_sec / m.train_sec)} of the {m.train_sec:.1f} s of training) and is expected to save "
+           f"{saving:.1f} s over the rest of the run "
+           f"({'kept ' + _split_name(d.new) if d.new == d.old else 'switched to ' + _split_name(d.new)} at step "
+           f"{d.step}): {trials}.")
+    root = ("A trial costs its switches (a checkpoint, the end of a train() call and the start of the next), the "
+            "warm-up steps after each and any slower steps of the candidate; it pays only when the split it keeps "
+            "saves more over the steps left. In a short or noisy run the candidate cannot be told apart from the "
+            "noise in the steps there are" + (f" (the tuner's reason: {d.reason})" if d.reason else "") + ".")
+    how = ("`tune: false` in the recipe (`--tune false`)" if _launcher(m) else
+           "`train_with_tuning(trainer, tune=False)` (or `AdaptiveBatchTuner(tune=False)`)")
+    items = [f"{how} for runs this short; the split it measured: {_split_name(d.new)}",
+             "or let the run be long enough to pay a trial back: the tuner weighs each round against the steps left"]
+    gain = m.train_sec / (m.train_sec - lost) if m.train_sec > lost else None
+    formula = (f"measured: the tuning's own cost {d.cost_sec:.1f} s less its expected saving {saving:.1f} s, "
+               f"against {m.train_sec:.1f} s of training: {m.train_sec:.1f} / ({m.train_sec:.1f} − {lost:.1f})"
+               + (f" = {gain:.2f}x" if gain else ""))
+    return Finding("tuning_cost", "The batch tuning cost more than it saved", obs, root, _bullets(items), gain,
+                   formula, "medium", {"tune": False} if _launcher(m) else {}, "measured" if gain else "try", gain)
+
+
+def rule_tuner_hint(m: Measurements) -> Note | None:
+    """The tuner attached to a plain ``trainer.train()``: it measured nothing, and said so (its event)."""
+    if not m.tuner_hint or m.tune is not None:
+        return None
+    return Note("tuner_hint", "Batch split not measured: the tuner needs train_with_tuning",
+                _sentence([TUNER_NEEDS_TRAIN_WITH_TUNING]) + (" Use `hf-perf train`'s recipe key `tune`."
+                                                              if _launcher(m) else ""), judged=False)
 
 
 def rule_input_bound(m: Measurements) -> Finding | None:
@@ -972,31 +1099,32 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
                    _bullets(lines), None, formula, confidence, setting, "try", None, priority=0 if urgent else 1)
 
 
-def _tune_note(m: Measurements, d: Decision) -> Note:
-    """The tuner's measurement ``d`` (``m.tune``) of splits on this run's own steps, trial by trial."""
-    measured = []
-    for t in d.trials:
-        name = _split_name(t.split)
-        if t.error:
-            measured.append(f"{name} {t.error}")
-        elif t.median is None:
-            measured.append(f"{name} not measured")
-        else:
-            text = f"{name} {t.median:.3g} s over {len(t.samples)} step(s)"
-            if t.gain is not None:
-                text += f", {t.gain:+.0%} against the configured split" + (f" (p = {t.p_value:.2g})"
-                                                                          if t.p_value is not None else "")
-            measured.append(text + ("" if t.fits else ", over the memory budget"))
+def _tune_note(m: Measurements, d: Decision) -> Note | None:
+    """The tuner's measurement ``d`` (``m.tune``) of splits on this run's own steps, trial by trial, worded once
+    (:func:`~hf_perf_callbacks.splitfile.trial_figures`: the numbers the console, the summary and the plots print).
+    Checked and fine only when it measured another split and did not cost more than it saves (then
+    :func:`rule_tuning_cost` speaks); not judged when it measured none."""
+    figures_ = trial_figures(d)
+    measured = [t for t in figures_ if t.status != "reference" and t.measured]
     kept = (f"kept the configured {_split_name(d.old)}" if d.new == d.old
             else f"switched from {_split_name(d.old)} to {_split_name(d.new)}")
-    cost = (f" Measuring cost {d.cost_sec:.0f} s" if d.cost_sec is not None else "") + (
-        f"; expected saving {d.expected_gain_sec:.0f} s over the rest of the run" if d.expected_gain_sec is not None
+    reason = f" (the tuner's reason: {d.reason})" if d.reason else ""
+    if not measured:
+        tried = "; ".join(t.words() for t in figures_ if t.status != "reference")
+        base = next((t for t in figures_ if t.status == "reference"), None)
+        return Note("small_micro_batch", "Batch split not measured",
+                    f"The tuner {kept} at step {d.step} without measuring another split{reason}"
+                    + (f"; {base.words()}" if base is not None else "")
+                    + (f"; {tried}" if tried else "") + ".", judged=False)
+    if rule_tuning_cost(m) is not None:
+        return None
+    cost = (f" Measuring cost {d.cost_sec:.1f} s" if d.cost_sec is not None else "") + (
+        f"; expected saving {d.expected_gain_sec:.1f} s over the rest of the run" if d.expected_gain_sec is not None
         else "") + ("." if d.cost_sec is not None or d.expected_gain_sec is not None else "")
     _, limit = _memory_cap(m)
     return Note("small_micro_batch", "Batch split chosen by measurement",
-                f"The tuner measured {len(d.trials)} split(s) on this run's own training steps (median seconds per "
-                f"optimizer step{' outside generation' if m.grpo else ''}: {'; '.join(measured)}) and {kept} at step "
-                f"{d.step}" + (f" (the tuner's reason: {d.reason})" if d.reason else "") + "." + cost
+                f"The tuner measured {len([t for t in figures_ if t.measured])} split(s) on this run's own training "
+                f"steps ({'; '.join(t.words() for t in figures_)}) and {kept} at step {d.step}{reason}." + cost
                 + (f" No larger micro-batch is advised: {limit}." if limit else ""))
 
 
@@ -1077,19 +1205,27 @@ def _fixed_length_padding(m: Measurements, length: int, p: float, c: float) -> F
             f"whatever the lengths of its sequences, so the device computes on the pad positions, and attention on "
             "them quadratically. Grouping by length cannot help: it sorts sequences into batches, and a fixed length "
             f"pads every batch to {length} all the same.")
-    items = ["pad per batch, to the longest sequence of each batch: tokenize without `padding='max_length'` and "
-             "collate with `DataCollatorWithPadding(tokenizer)` (causal LM: `DataCollatorForLanguageModeling("
-             f"tokenizer, mlm=False)`) and no fixed `max_length` (keep `truncation=True, max_length={length}` to "
-             "bound the longest)",
-             "with TRL SFT: its collator pads per batch already; `padding_free: true` or `packing: true` removes "
-             "the padding altogether",
-             "then `train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before): "
-             "similar lengths in a batch pad less"]
-    ceiling = 1.0 / ((1.0 - c) + c * (1.0 - p)) if c > 0 else None
+    if m.trainer_kind == "sft":
+        items = [f"let `SFTTrainer`'s own collator pad per batch: drop the fixed-length `data_collator` (and "
+                 f"`padding='max_length'` in any tokenization of your own), keeping `max_length: {length}` to bound "
+                 "the longest",
+                 "`padding_free: true` (flash attention) or `packing: true`: no padding at all",
+                 "then `train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before): "
+                 "similar lengths in a batch pad less"]
+    else:
+        items = ["pad per batch, to the longest sequence of each batch: tokenize without `padding='max_length'` and "
+                 "collate with `DataCollatorWithPadding(tokenizer)` (causal LM: `DataCollatorForLanguageModeling("
+                 f"tokenizer, mlm=False)`) and no fixed `max_length` (keep `truncation=True, max_length={length}` to "
+                 "bound the longest)",
+                 "with TRL's `SFTTrainer`: its own collator pads per batch (pass no `data_collator`); `padding_free: "
+                 "true` or `packing: true` removes the padding altogether",
+                 "then `train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before): "
+                 "similar lengths in a batch pad less"]
     formula = ("not predicted: per-batch padding keeps the padding up to each batch's longest sequence, which the "
-               "log does not record" + (f"; removing every pad position would be the ceiling, 1/((1 − {c:.2f}) + "
-                                        f"{c:.2f} × (1 − {p:.2f})) = {ceiling:.2f}x (attention more)" if ceiling
-                                        else ""))
+               "log does not record, and a step's costs that do not shrink with its positions (the optimizer step, "
+               "per-micro-batch work outside the model's matmuls) cannot be told from those that do in a log padded "
+               f"to one length on every step; the pad positions are {_pct(p)} of the positions, compute "
+               f"{_pct(c)} of the wall time")
     return Finding("padding_waste", "Padding to a fixed length", obs, root, _bullets(items), None, formula, "medium",
                    {}, "try", None)
 
@@ -1183,10 +1319,9 @@ def rule_log_fields(m: Measurements) -> Note | None:
 
 #: The one place to add a rule: each takes Measurements and returns a Finding, a Note or None.
 RULES: list[Callable[[Measurements], Finding | Note | None]] = [
-    rule_no_learning, rule_memory_pressure, rule_oversubscription, rule_contention, rule_input_bound,
-    rule_duplicate_forward,
-    rule_padding_waste, rule_generation_bound, rule_small_micro_batch, rule_completion_budget, rule_warmup,
-    rule_evidence, rule_log_fields,
+    rule_no_learning, rule_memory_pressure, rule_oversubscription, rule_contention, rule_evaluation,
+    rule_input_bound, rule_duplicate_forward, rule_padding_waste, rule_generation_bound, rule_tuning_cost,
+    rule_small_micro_batch, rule_tuner_hint, rule_completion_budget, rule_warmup, rule_evidence, rule_log_fields,
 ]
 _ORDER = {rule.__name__.removeprefix("rule_"): i for i, rule in enumerate(RULES)}
 
@@ -1208,29 +1343,35 @@ def analyze(m: Measurements) -> list[Finding]:
     """The ranked findings (see :func:`check`)."""
     return check(m)[0]
 # ------------------------------------------------------------------ reading a run
-def _values(rows: list, key: str) -> list[float]:
+def _values(rows: Sequence, key: str) -> list[float]:
     """The finite numbers under ``key`` in step lines or log dicts (other types skipped)."""
+    if rows and all(isinstance(r, ReadStep) for r in rows[:1]):      # the reader's lines: their numbers directly
+        return [v for v in (r.number(key) for r in rows) if v is not None]
     values = (r.get(key) for r in rows)
     return [float(v) for v in values if not isinstance(v, bool) and number(v) is not None]
 
 
+def _mean(values: Iterable[float]) -> float | None:
+    """The mean of the values (one pass, no list), None without any."""
+    n, total = 0, 0.0
+    for v in values:
+        n, total = n + 1, total + v
+    return total / n if n else None
+
+
+def _spread(column: Iterable[float]) -> tuple[int, float, float, float]:
+    """(count, first, least, largest) of a column's numbers (its NaN left out), in one pass without a list."""
+    n, first, low, high = 0, math.nan, math.inf, -math.inf
+    for v in column:
+        if v == v:
+            if not n:
+                first = v
+            n, low, high = n + 1, min(low, v), max(high, v)
+    return n, first, low, high
+
+
 def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
-
-
-def trainer_logs(run_log: RunLog) -> tuple[list[dict], str | None]:
-    """The trainer's own training logs and where they came from: the step lines' ``log/<key>`` values (one dict per
-    logging step, keys without the prefix, plus ``step``), else ``trainer_state.json``'s ``log_history`` (else the
-    latest checkpoint's); ``([], None)`` when neither holds any."""
-    rows = []
-    for s in run_log.unique_steps():
-        logged = {k[len(keys.TRAINER_LOG):]: v for k, v in s.values.items() if k.startswith(keys.TRAINER_LOG)}
-        if logged:
-            rows.append({**logged, "step": s.step})
-    if rows:
-        return rows, "perf log"
-    history = run_log.latest_log_history()
-    return history, (keys.TRAINER_STATE if history else None)
 
 
 def _rewards(logs: list[dict]) -> dict | None:
@@ -1279,26 +1420,38 @@ def _no_signal(logs: list[dict]) -> tuple[int, int, float | None]:
 
 
 def _contention(run_log: RunLog, f: dict) -> dict | None:
-    """Slow early steps that other processes caused (CPU device: wall time above the steady level that no extra
-    process CPU time explains): the meter's own figure (``contention_sec`` / the summary's ``early_contention_sec``,
-    with the steps when it lists them), else, for a log without it, the same classification
-    (:func:`~hf_perf_callbacks.stats.classify_slow_steps` at a 20% tolerance) over the step lines. None on other
-    devices (CPU time is not the work there), without ``perf/cpu_sec``, or when nothing was lost."""
-    steps = run_log.unique_steps()
+    """Slow steps that other processes caused (CPU device: wall time above the steady level that no extra process
+    CPU time explains): the meter's own figure (``contention_sec`` / the summary's ``early_contention_sec``, with
+    the steps when it lists them), else, for a log without it, the same classification
+    (:func:`~hf_perf_callbacks.stats.classify_slow_steps` at a 20% tolerance) over the step lines. A step counts only
+    when its own wall/CPU ratio stands above the steady steps' by :data:`CONTENTION_RATIO` (the meter judges each
+    ``train()`` call against its own early steps; a step at the run's steady ratio was not slowed by other
+    processes): when some listed steps do not, the time lost is recounted over those that do (their wall seconds
+    beyond their CPU time at the steady ratio). None on other devices (CPU time is not the work there), without
+    ``perf/cpu_sec``, or when nothing was lost."""
     if run_log.header("perf").device_type != "cpu":
         return None
-    rows = []
-    for s in steps:
-        w, c = s.number(keys.PERF_STEP_WALL_SEC) or s.number(keys.PERF_STEP_TIME), s.number(keys.PERF_CPU_SEC)
-        if w and c and w > 0 and c > 0:
-            rows.append((s, w, c))
+    col = run_log.column
+    numbers, steady_flags, others_col = run_log.step_numbers(), col(keys.PERF_STEADY), col(keys.PERF_OTHER_CPU_CORES)
+    wall_col, window_col, cpu_col = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_STEP_TIME), col(keys.PERF_CPU_SEC)
+    rows = []                                                 # the lines with both a wall and a CPU time
+    for i, (w, x, c) in enumerate(zip(wall_col, window_col, cpu_col)):
+        w = w if w == w and w else x
+        if w == w and c == c and w > 0 and c > 0:
+            rows.append(i)
     if len(rows) < 4:
         return None
-    run_sec = sum(w for _, w, _ in rows)
-    steady = [(w, c) for s, w, c in rows if s.number(keys.PERF_STEADY) == 1] or [(w, c) for _, w, c in rows]
+
+    def wall(i: int) -> float:
+        w = wall_col[i]
+        return w if w == w and w else window_col[i]
+
+    walls, cpus = [wall(i) for i in rows], [cpu_col[i] for i in rows]
+    run_sec = sum(walls)
+    steady = [(w, c) for i, w, c in zip(rows, walls, cpus) if steady_flags[i] == 1] or list(zip(walls, cpus))
     wall0, cpu0 = statistics.median(w for w, _ in steady), statistics.median(c for _, c in steady)
-    split = classify_slow_steps([w for _, w, _ in rows], [c for _, _, c in rows], wall0, cpu0, tolerance=0.2)
-    slow = [(s, w, c) for (s, w, c), label in zip(rows, split.labels) if label == "contention"]
+    split = classify_slow_steps(walls, cpus, wall0, cpu0, tolerance=0.2)
+    slow = [(i, w, c) for i, w, c, label in zip(rows, walls, cpus, split.labels) if label == "contention"]
     lost_sec, source = split.contention_sec, "step lines"
     meter = number(f.get("contention_sec"))
     if meter is None:
@@ -1306,24 +1459,75 @@ def _contention(run_log: RunLog, f: dict) -> dict | None:
     if meter is not None:                                   # the meter's figure; its steps when it lists them
         listed = f.get("contention_steps")
         if isinstance(listed, list) and listed:
-            slow = [(s, w, c) for s, w, c in rows if s.step in {number(v) for v in listed}]
+            wanted = {number(v) for v in listed}
+            slow = [(i, w, c) for i, w, c in zip(rows, walls, cpus) if numbers[i] in wanted]
         lost_sec, source = meter, "meter"
+    ratio = wall0 / cpu0
+    corroborated = [(i, w, c) for i, w, c in slow if w / c > ratio * (1 + CONTENTION_RATIO)]
+    if len(corroborated) < len(slow):                      # recount over the steps whose own ratio shows it
+        lost_sec = sum(max(0.0, w - c * ratio) for _, w, c in corroborated)
+        source = "step lines"
+    slow = corroborated
     if not slow or lost_sec <= 0:
         return None
-    others = [v for v in (s.number(keys.PERF_OTHER_CPU_CORES) for s, _, _ in slow) if v is not None]
-    return {"lost_sec": lost_sec, "source": source, "steps": len(slow), "run_sec": run_sec,
-            "lost_share": lost_sec / run_sec,
-            "wall_over_cpu": statistics.median(w / c for _, w, c in slow), "steady_wall_over_cpu": wall0 / cpu0,
+    others = [v for v in (others_col[i] for i, _, _ in slow) if v == v]
+    return {"lost_sec": lost_sec, "source": source, "steps": len(slow), "step_list": [numbers[i] for i, _, _ in slow],
+            "run_sec": run_sec, "lost_share": lost_sec / run_sec,
+            "wall_over_cpu": statistics.median(w / c for _, w, c in slow), "steady_wall_over_cpu": ratio,
             "other_cores": max(others) if others else None}
+
+
+def _evaluation(run_log: RunLog, train_sec: float) -> dict | None:
+    """The run's evaluations as measured on its step lines (``perf/phase_sec/eval`` > 0): how many, every how many
+    steps (the median gap), their seconds, the run's wall and training seconds and evaluation's share of the wall
+    time; None without any."""
+    numbers = run_log.step_numbers()
+    at = [(numbers[i], v) for i, v in enumerate(run_log.column(keys.PERF_PHASE_SEC["eval"])) if v == v and v > 0]
+    if not at:
+        return None
+    wall = sum(finite(run_log.column(keys.PERF_STEP_WALL_SEC)))
+    gaps = [b - a for (a, _), (b, _) in zip(at, at[1:])]
+    every = int(statistics.median(gaps)) if gaps else max(1, len(numbers))
+    eval_sec = sum(v for _, v in at)
+    return {"evals": len(at), "every": max(1, every), "eval_sec": eval_sec, "wall_sec": wall, "train_sec": train_sec,
+            "steps": len(numbers), "share": eval_sec / wall if wall > 0 else 0.0}
+
+
+def _first_steady(run_log: RunLog, f: dict) -> dict | None:
+    """The latest ``train()`` call's first step when the meter counted it steady (no warmup beyond it): its training
+    seconds and the steady step time with and without it (the figures' definition); None otherwise."""
+    first = f.get("call_first_step")
+    steady = set(f.get("steady_steps") or [])
+    if first not in steady:
+        return {"step": first, "included": False} if first else None
+    count, total, own = 0, 0.0, None
+    for n, t in zip(run_log.step_numbers(), train_column(run_log)):
+        if t == t and n in steady:
+            count, total = count + 1, total + t
+            own = t if n == first else own
+    if own is None or count < 2:
+        return {"step": first, "included": False}
+    return {"step": first, "included": True, "sec": own, "with": total / count,
+            "without": (total - own) / (count - 1)}
+
+
+def _trainer_kind(logs: list[dict]) -> str | None:
+    """The TRL trainer whose own training logs these are, where they show it: SFT logs `mean_token_accuracy`
+    (and `num_tokens`), DPO `rewards/chosen`."""
+    keys_seen = {k for h in logs[:50] for k in h}
+    if "mean_token_accuracy" in keys_seen:
+        return "sft"
+    if "rewards/chosen" in keys_seen:
+        return "dpo"
+    return None
 
 
 def _malformed_values(run_log: RunLog) -> list[str]:
     """The step lines' values that are not numbers (every metric is one), counted per key, and the unreadable lines."""
     bad: dict[str, int] = {}
     for s in run_log.unique_steps():
-        for k, v in s.values.items():
-            if v is not None and number(v) is None:
-                bad[k] = bad.get(k, 0) + 1
+        for k in s.non_numbers():
+            bad[k] = bad.get(k, 0) + 1
     out = [f"`{k}` is not a number on {n} step line(s)" for k, n in sorted(bad.items())]
     if run_log.skipped_lines:
         out.append(f"{run_log.skipped_lines} unreadable line(s) in {keys.PERF_LOG}")
@@ -1342,7 +1546,7 @@ def _fact(header: RunHeader, name: str, kind: str, skipped: list[str]):
     return typed
 
 
-def _machine(steps: list[StepLine], header: RunHeader, skipped: list[str]) -> dict | None:
+def _machine(run_log: RunLog, header: RunHeader, skipped: list[str]) -> dict | None:
     """The CPU over the whole run, from the step lines (``perf/cpu_sec``, ``perf/step_wall_sec``,
     ``perf/other_cpu_cores``, ``perf/load_per_core``, ``perf/tokens``) and the run header (``cpu_cores``,
     ``torch_threads``, when the writer records them). Medians over the steps: ``busy`` — this process's CPU time /
@@ -1355,40 +1559,48 @@ def _machine(steps: list[StepLine], header: RunHeader, skipped: list[str]) -> di
     (similar work should take similar time); ``lower_bound`` — the mean wall seconds per token over the 10th
     percentile's (what the run's own fastest cycles say contention cost, at least); None without
     :data:`MIN_MACHINE_CYCLES` cycles to compare. None without CPU time in the step lines."""
-    rows = []
-    for s in steps:
-        wall, cpu, other = (s.number(k)
-                            for k in (keys.PERF_STEP_WALL_SEC, keys.PERF_CPU_SEC, keys.PERF_OTHER_CPU_CORES))
-        if wall and cpu and wall > 0 and cpu > 0 and other is not None and math.isfinite(cpu / wall + other):
-            rows.append((s, wall, cpu, max(0.0, other)))
+    col = run_log.column
+    numbers, steady_flags = run_log.step_numbers(), col(keys.PERF_STEADY)
+    load_col, token_col = col(keys.PERF_LOAD_PER_CORE), col(keys.PERF_TOKENS)
+    walls, cpus, others = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_CPU_SEC), col(keys.PERF_OTHER_CPU_CORES)
+    rows = [i for i, (wall, cpu, other) in enumerate(zip(walls, cpus, others))      # the lines with all three
+            if wall == wall and cpu == cpu and other == other and wall > 0 and cpu > 0
+            and math.isfinite(cpu / wall + other)]
     if not rows:
         return None
-    busy = statistics.median(c / w for _, w, c, _ in rows)
-    other = statistics.median(o for *_, o in rows)
-    loads = [v for v in (s.number(keys.PERF_LOAD_PER_CORE) for s, *_ in rows) if v is not None]
+    busy = statistics.median(cpus[i] / walls[i] for i in rows)
+    other = statistics.median(max(0.0, others[i]) for i in rows)
+    loads = finite(load_col[i] for i in rows)
     load = statistics.median(loads) if loads else None
     cores, cores_from = _fact(header, "cpu_cores", "int", skipped), "run header"
     if cores is None and load is not None and load >= 1.0:
-        cores = max(1, round(max(c / w + o for _, w, c, o in rows)))
+        cores = max(1, round(max(cpus[i] / walls[i] + max(0.0, others[i]) for i in rows)))
         cores_from = "the cores counted as the busy cores of the saturated machine"
     threads, threads_from = _fact(header, "torch_threads", "int", skipped), "run header"
     if threads is None and cores:
         threads, threads_from = cores, "the threads taken as torch's default, one per core"
     period = max(1, header.period or 1)
-    blocks: dict[int, list] = {}                 # whole generation cycles (GRPO counts a cycle's tokens at its start)
-    for r in rows:
-        blocks.setdefault((r[0].step - 1) // period, []).append(r)
-    cycles = [b for _, b in sorted(blocks.items()) if len(b) == period]
-    steady = [b for b in cycles if all(s.number(keys.PERF_STEADY) == 1 for s, *_ in b)]
+    # whole generation cycles (GRPO counts a cycle's tokens at its start): (lines, wall, CPU, tokens, all steady)
+    cycles: list[tuple[int, float, float, float, bool]] = []
+    current, acc = None, [0, 0.0, 0.0, 0.0, True]
+    for i in rows + [-1]:
+        cycle = (numbers[i] - 1) // period if i >= 0 else None
+        if cycle != current:
+            if current is not None and acc[0] == period:
+                cycles.append((int(acc[0]), float(acc[1]), float(acc[2]), float(acc[3]), bool(acc[4])))
+            current, acc = cycle, [0, 0.0, 0.0, 0.0, True]
+        if i >= 0:
+            t = token_col[i]
+            acc = [acc[0] + 1, acc[1] + walls[i], acc[2] + cpus[i], acc[3] + (t if t == t else 0.0),
+                   acc[4] and steady_flags[i] == 1]
+    steady = [c for c in cycles if c[4]]
     later = steady if len(steady) >= MIN_MACHINE_CYCLES else cycles[1:]
-    work = [(sum(w for _, w, _, _ in b), sum(c for _, _, c, _ in b),
-             sum(s.number(keys.PERF_TOKENS) or 0 for s, *_ in b)) for b in later]
-    work = [(w, c, t) for w, c, t in work if t > 0]
+    work = [(w, c, t) for _, w, c, t, _ in later if t > 0]
     spread = cpu_spread = lower_bound = None
     if len(work) >= MIN_MACHINE_CYCLES:
-        walls, cpus = [w / t for w, _, t in work], [c / t for _, c, t in work]
-        p10 = quantile(walls, 0.1)
-        spread, cpu_spread = quantile(walls, 0.9) / p10, quantile(cpus, 0.9) / quantile(cpus, 0.1)
+        per_wall, per_cpu = [w / t for w, _, t in work], [c / t for _, c, t in work]
+        p10 = quantile(per_wall, 0.1)
+        spread, cpu_spread = quantile(per_wall, 0.9) / p10, quantile(per_cpu, 0.9) / quantile(per_cpu, 0.1)
         lower_bound = sum(w for w, _, _ in work) / sum(t for _, _, t in work) / p10
     return {"steps": len(rows), "busy": busy, "other": other, "load": load, "cores": cores, "cores_from": cores_from,
             "threads": threads, "threads_from": threads_from, "spread": spread, "cpu_spread": cpu_spread,
@@ -1434,7 +1646,15 @@ def measurements(run_log: RunLog) -> Measurements:
     mem_summary = run_log.summary("mem")
     steps = run_log.unique_steps()
     events = run_log.events
-    steady = [s for s in steps if s.get(keys.PERF_STEADY) == 1] or steps
+    steady_flags = run_log.column(keys.PERF_STEADY)
+    steady_at = [i for i, v in enumerate(steady_flags) if v == 1] or list(range(len(steps)))
+
+    def values(key: str) -> list[float]:                 # the finite numbers under ``key``, every line
+        return finite(run_log.column(key))
+
+    def steady_values(key: str) -> Iterator[float]:      # the same over the steady lines, one at a time
+        column = run_log.column(key)
+        return (v for v in (column[i] for i in steady_at) if v == v)
 
     def figure(name: str, kind: str = "float"):
         ok, value = conform(f.get(name), kind)
@@ -1442,21 +1662,21 @@ def measurements(run_log: RunLog) -> Measurements:
             skipped.append(f"the run's `{name}` is {f.get(name)!r}, not a number")
         return value
 
-    fpm = _median(_values(steps, keys.PERF_FORWARDS_PER_MICROBATCH))
+    fpm = _median(values(keys.PERF_FORWARDS_PER_MICROBATCH))
     if fpm is None:
         fpm = max(_values([e.details for e in events], "forwards_per_microbatch"), default=None)
-    pads = _values(steady, keys.PERF_PAD_FRACTION)
+    pads = _mean(steady_values(keys.PERF_PAD_FRACTION))
 
     micro = last_value(steps, keys.TUNER_MICRO_BATCH) or run.per_device_train_batch_size
     accum = last_value(steps, keys.TUNER_GRAD_ACCUM) or run.gradient_accumulation_steps
-    seq = _values(steps, keys.PERF_SEQ_LEN)
-    seq_steady = _values(steady, keys.PERF_SEQ_LEN)
+    seq = _spread(run_log.column(keys.PERF_SEQ_LEN))             # (count, first, min, max) without a list
+    seq_steady = _mean(steady_values(keys.PERF_SEQ_LEN))
 
-    driver = [(gb, s) for s in steps if (gb := s.number(keys.MEM_DRIVER_GB)) is not None]
-    driver_max_row = max(driver, key=lambda row: row[0])[1] if driver else None
-    swaps = _values(steps, keys.MEM_SWAP_USED_GB)
-    pressures = _values(steps, keys.MEM_PRESSURE)
-    limits = _values(steps, keys.MEM_LIMIT_GB)
+    driver = [(gb, i) for i, gb in enumerate(run_log.column(keys.MEM_DRIVER_GB)) if gb == gb]
+    driver_max_row = steps[max(driver, key=lambda row: row[0])[1]] if driver else None
+    swaps = _spread(run_log.column(keys.MEM_SWAP_USED_GB))
+    pressures = _spread(run_log.column(keys.MEM_PRESSURE))
+    limits = _spread(run_log.column(keys.MEM_LIMIT_GB))
     actions = mem_summary.get("actions")
     if isinstance(actions, list):
         actions = [a for a in actions if isinstance(a, dict)]
@@ -1484,7 +1704,10 @@ def measurements(run_log: RunLog) -> Measurements:
     if tuner_note:
         skipped.append(tuner_note)
     grpo = bool(run.grpo)
-    fixed = (int(seq[0]) if not grpo and len(seq) >= MIN_FIXED_LENGTH_STEPS and max(seq) == min(seq) else None)
+    fixed = (int(seq[1]) if not grpo and seq[0] >= MIN_FIXED_LENGTH_STEPS and seq[2] == seq[3] else None)
+    train_sec = sum(finite(train_column(run_log)))
+    hint = next((e.message for e in events if e.source == "tuner" and e.details.get("needs") == "train_with_tuning"),
+                None)
 
     return Measurements(
         device_type=run.device_type or "unknown", world_size=int(run.world_size or 1),
@@ -1496,35 +1719,38 @@ def measurements(run_log: RunLog) -> Measurements:
         warmup_overhead_sec=figure("warmup_overhead_sec"), first_step_slowdown=figure("first_step_slowdown"),
         steady_step_sec=figure("steady_step_sec"), steady_tokens_per_sec=figure("steady_tokens_per_sec"),
         mfu=figure("mfu"), phases=phases,
-        pad_fraction=statistics.fmean(pads) if pads else None, forwards_per_microbatch=fpm,
-        decode_bandwidth_util=_median(_values(steady, keys.PERF_DECODE_BANDWIDTH_UTIL)),
+        pad_fraction=pads, forwards_per_microbatch=fpm,
+        decode_bandwidth_util=_median(list(steady_values(keys.PERF_DECODE_BANDWIDTH_UTIL))),
         completion_mean=completion["mean"], completion_max=completion["max"], completion_p90=completion["p90"],
         clipped_ratio=completion["clipped"], mem_high_water_gb=figure("high_water_gb"),
         mem_budget_gb=figure("budget_gb"),
         driver_gb_max=driver_max_row.number(keys.MEM_DRIVER_GB) if driver_max_row else None,
         allocated_gb_at_driver_max=driver_max_row.number(keys.MEM_ALLOCATED_GB) if driver_max_row else None,
-        max_pressure=int(max(pressures)) if pressures else None,
-        swap_growth_gb=max(0.0, max(swaps) - swaps[0]) if swaps else None,
-        swapout_steps=sum(1 for v in _values(steps, keys.MEM_SWAPOUTS) if v > 0),
-        min_steps_to_wall=min(_values(steps[MEM_GRACE_STEPS:], keys.MEM_STEPS_TO_WALL), default=None),
-        watchdog_actions=actions, seq_len=int(max(seq)) if seq else None, seq_len_min=int(min(seq)) if seq else None,
-        budget_range_gb=(min(limits), max(limits)) if limits else None,
+        max_pressure=int(pressures[3]) if pressures[0] else None,
+        swap_growth_gb=max(0.0, swaps[3] - swaps[1]) if swaps[0] else None,
+        swapout_steps=sum(1 for v in values(keys.MEM_SWAPOUTS) if v > 0),
+        min_steps_to_wall=min(finite(run_log.column(keys.MEM_STEPS_TO_WALL)[MEM_GRACE_STEPS:]), default=None),
+        watchdog_actions=actions, seq_len=int(seq[3]) if seq[0] else None,
+        seq_len_min=int(seq[2]) if seq[0] else None, seq_len_mean=seq_steady,
+        budget_range_gb=(limits[2], limits[3]) if limits[0] else None,
         wall_moves=[(e.step, str(e.details.get("why") or ""), e.details.get("moved") is not False) for e in events
                     if e.source == "mem" and e.kind == "wall"],
         leak_mib_per_step=max(_values([e.details for e in events if e.source == "mem"], "leak_mib_per_step"),
                               default=None),
-        seq_len_mean=statistics.fmean(seq_steady) if seq_steady else None,
         steps_per_generation=int(spg) if spg else None, pad_to_multiple_of=run.pad_to_multiple_of,
         temperature=run.temperature, use_vllm=run.use_vllm,
-        tuner_attached=any(keys.TUNER_MICRO_BATCH in s.values for s in steps),
+        tuner_attached=keys.TUNER_MICRO_BATCH in run_log.keys_logged(),
         tune=tuner.last("tune") if tuner else None,
         memory_limits=[d for d in tuner.decisions if d.kind in ("oom", "watchdog", "memory_check")] if tuner else [],
         logs=n_logs, no_signal_run=no_signal_run, reward_mean=reward_mean, rewards=_rewards(logs) if grpo else None,
-        trainer_log_source=log_source, contention=_contention(run_log, f), machine=_machine(steps, run, skipped),
+        trainer_log_source=log_source, contention=_contention(run_log, f), machine=_machine(run_log, run, skipped),
         warmup_done=warmup_done,
         steady_steps=_steady_count(f, n_steps, warmup_done, warmup_steps),
         fixed_seq_len=fixed, launcher=_fact(run, "launcher", "str", skipped),
-        logged=frozenset(k for s in steps for k in s.values), skipped=skipped)
+        logged=run_log.keys_logged(), skipped=skipped,
+        tuner_hint=hint, trainer_kind=_trainer_kind(logs) if not grpo else None,
+        evaluation=_evaluation(run_log, train_sec), first_steady=_first_steady(run_log, f),
+        train_sec=train_sec or None)
 
 
 def measurements_from_run(output_dir: str) -> Measurements:
@@ -1545,7 +1771,10 @@ def _facts_line(m: Measurements) -> str:
     if m.steady_tokens_per_sec:
         parts.append(f"steady {m.steady_tokens_per_sec:,.0f} tok/s")
     if m.steady_step_sec:
-        parts.append(f"{m.steady_step_sec:.3g} s/step")
+        parts.append(f"{m.steady_step_sec:.3g} s/step of training (evaluation and saving excluded)")
+    e = m.evaluation
+    if e and e["share"] >= 0.01 and m.steps:
+        parts.append(f"{e['wall_sec'] / m.steps:.3g} s/step of wall time with evaluation")
     if m.mfu is not None:
         parts.append(f"MFU {_pct(m.mfu)}")
     split = ", ".join(f"{k.replace('_', ' ')} {_pct(v)}" for k, v in

@@ -21,7 +21,12 @@ figure                    definition
                           warmup figures are None, and every reader says "not finished", never "no warmup")
 ``warmup_steps``          steps before the first steady step of the latest ``train()`` call
 ``warmup_end_step``       that first steady step
-``first_step_slowdown``   the first step's (GRPO: generation cycle's) training time / the steady step time
+``call_first_step``       the latest ``train()`` call's first step (warmup and the first-step slowdown are that
+                          call's: each ``train()`` call — a resume, a re-size, the tuner's switch — starts over)
+``first_step_slowdown``   the first step's (GRPO: generation cycle's) training time / the steady step time, of the
+                          latest ``train()`` call (its first step: ``call_first_step``)
+``not_steady``            the steps outside the steady figures, as (first, last) ranges: warmup, and the steps of
+                          earlier ``train()`` calls too short to decide it
 ``warmup_overhead_sec``   training seconds of the warmup steps above the steady level (0 until warmup is decided)
 ``contention_sec``        CPU device: wall seconds of slow early steps whose CPU time stayed flat (other
                           processes), the meter's ``early_contention_sec``; ``contention_steps`` lists them (from
@@ -31,15 +36,19 @@ figure                    definition
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import bisect
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from . import runlog as keys
-from .runlog import PHASES, EventLine, RunLog, StepLine, number
+from .runlog import PHASES, EventLine, LogRow, ReadStep, RunLog, StepLine, number
 from .stats import median, quantile
 
+#: a step line as written (:class:`~hf_perf_callbacks.runlog.StepLine`) or as read back (``ReadStep``)
+LogStep = StepLine | ReadStep
 
-def last_value(steps: list[StepLine], key: str) -> float | None:
+
+def last_value(steps: Sequence[LogStep], key: str) -> float | None:
     """The latest finite value of ``key`` in the step lines."""
     for s in reversed(steps):
         v = s.number(key)
@@ -48,7 +57,7 @@ def last_value(steps: list[StepLine], key: str) -> float | None:
     return None
 
 
-def train_seconds(step: StepLine) -> float | None:
+def train_seconds(step: LogStep) -> float | None:
     """A step line's training time, the one its throughput was computed from: the meter's ``perf/train_sec`` (logs
     of earlier versions: the wall time minus evaluation and saving)."""
     logged = step.number(keys.PERF_TRAIN_SEC)
@@ -60,15 +69,94 @@ def train_seconds(step: StepLine) -> float | None:
     return wall - sum(step.number(keys.PERF_PHASE_SEC[p]) or 0.0 for p in ("eval", "save"))
 
 
-def steady_steps(steps: list[StepLine]) -> list[int]:
-    """The steps the meter counts as steady (see the module docstring), in order."""
-    starts = [(s.step, int(first)) for s in steps if (first := s.number(keys.PERF_FIRST_STEADY_STEP)) is not None]
+def train_column(run: RunLog) -> list[float]:
+    """:func:`train_seconds` of every line of ``run.unique_steps()``, in order (NaN where a line has none), from
+    the run's columns: one pass per key over a long run."""
+    cached: list[float] | None = run.cache.get("train_column")
+    if cached is None:
+        logged, wall, window = (run.column(k) for k in (keys.PERF_TRAIN_SEC, keys.PERF_STEP_WALL_SEC,
+                                                        keys.PERF_STEP_TIME))
+        evals, saves = run.column(keys.PERF_PHASE_SEC["eval"]), run.column(keys.PERF_PHASE_SEC["save"])
+        cached = []
+        for t, w, x, e, v in zip(logged, wall, window, evals, saves):
+            if t == t:
+                cached.append(t)
+                continue
+            whole = w if w == w else x                      # the step's wall time, else (older logs) the window's
+            cached.append(whole - (e if e == e else 0.0) - (v if v == v else 0.0))
+        run.cache["train_column"] = cached
+    return cached
+
+
+def finite(values: Iterable[float]) -> list[float]:
+    """The values that are numbers (a column's NaN left out)."""
+    return [v for v in values if v == v]
+
+
+def steady_steps(steps: Sequence[LogStep]) -> list[int]:
+    """The steps the meter counts as steady (see the module docstring), in order: one pass over the lines."""
+    upto: dict[int, int] = {}                       # first steady step → the latest line naming it
+    for s in steps:
+        first = s.number(keys.PERF_FIRST_STEADY_STEP)
+        if first is not None and s.step >= first:
+            upto[int(first)] = max(upto.get(int(first), s.step), s.step)
+    spans: list[list[int]] = []                     # the ranges, merged where they touch
+    for first, last in sorted(upto.items()):
+        if spans and first <= spans[-1][1] + 1:
+            spans[-1][1] = max(spans[-1][1], last)
+        else:
+            spans.append([first, last])
+    starts = [a for a, _ in spans]
     out = []
     for s in steps:
-        flagged = s.number(keys.PERF_STEADY) == 1
-        if flagged or any(first <= s.step <= upto for upto, first in starts):
+        at = bisect.bisect_right(starts, s.step) - 1
+        if s.number(keys.PERF_STEADY) == 1 or (at >= 0 and s.step <= spans[at][1]):
             out.append(s.step)
     return out
+
+
+def step_ranges(steps: Iterable[int]) -> list[tuple[int, int]]:
+    """Consecutive steps as (first, last) ranges: ``[1, 2, 3, 7]`` → ``[(1, 3), (7, 7)]``."""
+    out: list[tuple[int, int]] = []
+    for step in sorted(set(steps)):
+        if out and step == out[-1][1] + 1:
+            out[-1] = (out[-1][0], step)
+        else:
+            out.append((step, step))
+    return out
+
+
+def ranges_text(ranges: list[tuple[int, int]]) -> str:
+    """``[(1, 3), (7, 7)]`` → ``1–3, 7``."""
+    return ", ".join(f"{a}–{b}" if b != a else str(a) for a, b in ranges)
+
+
+def train_calls(run: RunLog) -> list[tuple[int, int]]:
+    """The run's ``train()`` calls as (first step, last step) — a fresh start, each resume and each re-size — from
+    the run headers the meter described (its segments: warmup is detected anew in each)."""
+    steps = run.unique_steps()
+    last = steps[-1].step if steps else 0
+    starts = sorted({h.resumed_from_step for h in run.headers if "perf" in h.sources} or {0})
+    return [(start + 1, (starts[i + 1] if i + 1 < len(starts) else last)) for i, start in enumerate(starts)
+            if start < last or i == 0]
+
+
+def trainer_logs(run_log: RunLog) -> tuple[list[dict[str, Any]], str | None]:
+    """The trainer's own training logs and where they came from: the step lines' ``log/<key>`` values (one dict per
+    logging step, keys without the prefix, plus ``step``), else ``trainer_state.json``'s ``log_history`` (else the
+    latest checkpoint's); ``([], None)`` when neither holds any. The one source of every count of logs the report
+    prints (the summary's completion line, the analysis)."""
+    cached: tuple[list[dict[str, Any]], str | None] | None = run_log.cache.get("trainer_logs")
+    if cached is not None:
+        return cached
+    rows: list[Any] = [LogRow(s, keys.TRAINER_LOG) for s in run_log.unique_steps() if s.has_prefix(keys.TRAINER_LOG)]
+    run_log.cache["trainer_logs"] = found = (rows, "perf log") if rows else _history(run_log)
+    return found
+
+
+def _history(run_log: RunLog) -> tuple[list[dict[str, Any]], str | None]:
+    history = run_log.latest_log_history()
+    return history, (keys.TRAINER_STATE if history else None)
 
 
 def run_events(run: RunLog) -> list[EventLine]:
@@ -86,23 +174,34 @@ def run_events(run: RunLog) -> list[EventLine]:
 
 def figures(run: RunLog) -> dict[str, Any]:
     """The headline numbers (see the module docstring): from the summaries when the run finished, else from the
-    step lines."""
+    step lines. Computed once per parsed run (the summary, the plots and the analysis share them)."""
+    cached = run.cache.get("figures")
+    if cached is None:
+        cached = run.cache["figures"] = _figures(run)
+    return dict(cached)
+
+
+def _figures(run: RunLog) -> dict[str, Any]:
     steps = run.unique_steps()
     perf, mem, cache = run.summary("perf"), run.summary("mem"), run.summary("cache")
     header, mem_header = run.header("perf"), run.header("mem")
     last = next((s for s in reversed(steps) if keys.PERF_WARMUP_DONE in s.values), None)
     latest = last.values if last is not None else {}
 
-    tokens = sum(s.number(keys.PERF_TOKENS) or 0.0 for s in steps)
-    train = sum(train_seconds(s) or 0.0 for s in steps)
-    steady = steady_steps(steps)
+    numbers = run.step_numbers()
+    token_col, train_col = run.column(keys.PERF_TOKENS), train_column(run)
+    tokens = sum(finite(token_col))
+    train = sum(finite(train_col))
+    steady = run.cache.get("steady_steps")
+    if steady is None:
+        steady = run.cache["steady_steps"] = steady_steps(steps)
     steady_set = set(steady)
-    steady_lines = [s for s in steps if s.step in steady_set] or steps
-    mfus = [v for v in (s.number(keys.PERF_MFU) for s in steady_lines) if v is not None]
-    phase_sums = {p: sum(s.number(keys.PERF_PHASE_SEC[p]) or 0.0 for s in steps) for p in PHASES}
+    steady_at = [i for i, n in enumerate(numbers) if n in steady_set] or list(range(len(numbers)))
+    mfu_col = run.column(keys.PERF_MFU)
+    mfus = finite(mfu_col[i] for i in steady_at)
+    phase_sums = {p: sum(finite(run.column(keys.PERF_PHASE_SEC[p]))) for p in PHASES}
     phase_total = sum(phase_sums.values())
-    used = [v for s in steps for v in (s.number(keys.MEM_PEAK_GB), s.number(keys.MEM_DEVICE_USED_GB))
-            if v is not None]
+    used = finite(run.column(keys.MEM_PEAK_GB)) + finite(run.column(keys.MEM_DEVICE_USED_GB))
     cache_events = [e for e in run.events if e.source == "cache"]
 
     def pick(summary: Mapping[str, Any], key: str, fallback: object) -> object:
@@ -117,15 +216,20 @@ def figures(run: RunLog) -> dict[str, Any]:
         value = number(latest.get(step_key))
         return value if value is not None else by_definition
 
-    steady_seconds = [v for v in (train_seconds(s) for s in steps if s.step in steady_set) if v is not None]
-    steady_tokens = sum(s.number(keys.PERF_TOKENS) or 0.0 for s in steps if s.step in steady_set)
+    steady_in = [i for i, n in enumerate(numbers) if n in steady_set]
+    steady_seconds = finite(train_col[i] for i in steady_in)
+    steady_tokens = sum(finite(token_col[i] for i in steady_in))
 
     done = meter("warmup_done", keys.PERF_WARMUP_DONE)
     warmup_done = bool(done) if done is not None else None
     overhead = meter("warmup_overhead_sec", keys.PERF_WARMUP_OVERHEAD_SEC)   # 0 until warmup is decided
     first_steady = perf.get("first_steady_step") if perf else number(latest.get(keys.PERF_FIRST_STEADY_STEP))
     budget = mem_header.budget_gb if mem_header.budget_gb is not None else last_value(steps, keys.MEM_LIMIT_GB)
+    calls = train_calls(run)
     return {
+        "call_first_step": calls[-1][0] if calls else 1,
+        "train_calls": calls,
+        "not_steady": step_ranges(n for n in numbers if n not in steady_set) if steady_set else [],
         "device": pick(perf, "device", header.device),
         "device_type": header.device_type,
         "world_size": pick(perf, "world_size", header.world_size),

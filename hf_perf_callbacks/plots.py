@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Sequence
 
 from . import runlog as keys
-from .figures import figures, last_value, run_events, train_seconds
-from .runlog import PHASES, ReportError, RunLog, StepLine, number
-from .splitfile import Decision, SplitFile, read_split_file
-from .stats import iqr
-from .wording import PHASE_WORDS, split_label, warmup_words
+from .figures import LogStep, figures, last_value, ranges_text, run_events, step_ranges, train_column, train_seconds
+from .runlog import PHASES, ReportError, RunLog, number
+from .splitfile import Decision, SplitFile, read_split_file, trial_figures
+from .wording import PHASE_WORDS, split_label, steady_words, warmup_words
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -72,10 +72,20 @@ def plot_all(run: RunLog, out_dir: str | None) -> tuple[list[str], list[str]]:
 
 
 class PlotData:
-    """What the plots read, read once: the run, its step lines, its headline figures and its tuner record."""
+    """What the plots read, read once: the run, its step lines, its headline figures, its tuner record and the split
+    each step ran with (all in one pass over the step lines: the plots are linear in the run's steps)."""
 
-    def __init__(self, run: RunLog, steps: list[StepLine], f: dict, split_file: SplitFile | None):
+    def __init__(self, run: RunLog, steps: Sequence[LogStep], f: dict, split_file: SplitFile | None):
         self.run, self.steps, self.f, self.split_file = run, steps, f, split_file
+        self.splits: dict[int, str] = {}
+        labels: dict[tuple[float, float], str] = {}
+        for n, micro, accum in zip(run.step_numbers(), run.column(keys.TUNER_MICRO_BATCH),
+                                   run.column(keys.TUNER_GRAD_ACCUM)):
+            if micro == micro and accum == accum:
+                label = labels.get((micro, accum))
+                if label is None:
+                    label = labels[(micro, accum)] = f"{micro:.0f}×{accum:.0f}"
+                self.splits[n] = label
 
     @classmethod
     def of(cls, run: RunLog) -> PlotData:
@@ -83,16 +93,44 @@ class PlotData:
         return cls(run, run.unique_steps(), figures(run), split_file)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of the lines with a number under ``key`` (from the run's column of it)."""
         xs, ys = [], []
-        for s in self.steps:
-            v = s.number(key)
-            if v is not None:
-                xs.append(s.step)
+        for n, v in zip(self.run.step_numbers(), self.run.column(key)):
+            if v == v:
+                xs.append(n)
                 ys.append(v)
         return xs, ys
 
     def tune_decisions(self) -> list[Decision]:
         return [d for d in (self.split_file.decisions if self.split_file else []) if d.kind == "tune"]
+
+    def restarts(self) -> list[tuple[int, str, str]]:
+        """Each ``train()`` call after the first, named: (the step it resumed after, words, colour) — the tuner's
+        switch to another split (``tuner: 4×2 → 8×1``), a re-size with its decision (``out of memory: 4×2 → 2×4``),
+        or a resume at the same split; and a decision that changed the split where no restart shows it."""
+        decisions = {d.step: d for d in (self.split_file.decisions if self.split_file else []) if d.kind != "tune"}
+        out = []
+        for step in sorted({h.resumed_from_step for h in self.run.headers if h.resumed_from_step > 0}):
+            before, after = self.splits.get(step), self.splits.get(step + 1)
+            d = decisions.get(step)
+            if d is not None and d.new != d.old:
+                words = f"{DECISION_WORDS.get(d.kind, d.kind)}: {split_label(d.old)} → {split_label(d.new)}"
+                out.append((step, words, "tab:red" if d.kind in ("oom", "watchdog") else "dimgrey"))
+            elif before and after and before != after:
+                out.append((step, f"tuner: {before} → {after}", "dimgrey"))
+            else:
+                out.append((step, "resumed", "dimgrey"))
+        seen = {step for step, _, _ in out}
+        shown = {words.split(": ", 1)[-1] for _, words, _ in out}              # "4×2 → 8×1"
+        for d in (self.split_file.decisions if self.split_file else []):     # a change the step lines do not show
+            change = f"{split_label(d.old)} → {split_label(d.new)}"
+            if d.new != d.old and d.step not in seen and change not in shown:
+                words = f"{DECISION_WORDS.get(d.kind, d.kind)}: {split_label(d.old)} → {split_label(d.new)}"
+                out.append((d.step, words, "tab:red" if d.kind in ("oom", "watchdog") else "dimgrey"))
+        return sorted(out)
+
+    def configured(self) -> str | None:
+        return split_label(self.split_file.configured) if self.split_file else None
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -104,20 +142,26 @@ def _integer_steps(ax) -> None:
 
 
 def _legend_below(fig, ax, ncol: int = 3) -> None:
-    """The legend under the plot, off the data."""
+    """The legend under the plot, off the data: as many columns as the labels' length lets fit the width."""
     handles, labels = ax.get_legend_handles_labels()
     if handles:
-        fig.legend(handles, labels, loc="outside lower center", ncol=min(ncol, len(handles)), fontsize=8,
-                   frameon=False)
+        longest = max(len(label) for label in labels)
+        fits = 1 if longest > 55 else 2 if longest > 34 else 3
+        fig.legend(handles, labels, loc="outside lower center", ncol=max(1, min(ncol, fits, len(handles))),
+                   fontsize=8, frameon=False)
 
 
 def _title(ax, title: str, *notes: str | None) -> None:
-    """The title, and under it the plot's notes in smaller grey type (off the data)."""
-    ax.set_title(title, fontsize=10, pad=14 if any(notes) else 6)
+    """The title, and under it the plot's notes in smaller grey type (off the data), wrapped to the axes' width."""
+    import textwrap
+
     words = " · ".join(n for n in notes if n)
-    if words:
-        ax.annotate(words, xy=(0.5, 1.0), xycoords="axes fraction", xytext=(0, 3), textcoords="offset points",
-                    ha="center", va="bottom", fontsize=8, color="dimgrey")
+    width = max(40, int(ax.get_position().width * 150))      # characters of 8-point type across the axes
+    lines = textwrap.wrap(words, width) if words else []
+    ax.set_title(title, fontsize=10, pad=4 + 10 * len(lines) if lines else 6)
+    if lines:
+        ax.annotate("\n".join(lines), xy=(0.5, 1.0), xycoords="axes fraction", xytext=(0, 3),
+                    textcoords="offset points", ha="center", va="bottom", fontsize=8, color="dimgrey")
 
 
 def _note(ax, text: str, color: str = "dimgrey") -> None:
@@ -126,8 +170,26 @@ def _note(ax, text: str, color: str = "dimgrey") -> None:
             bbox={"boxstyle": "round,pad=0.25", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
 
 
+#: points drawn per line at most: a longer run is drawn per bin of steps (said on the plot), so that a plot takes the
+#: same time to draw whatever the run's length
+MAX_POINTS = 2000
+
+
+def _thin(xs: list[int], ys: list[float], reduce=max) -> tuple[list[int], list[float], int]:
+    """At most :data:`MAX_POINTS` points: (each bin's last step, ``reduce`` of its values, steps per bin)."""
+    size = max(1, math.ceil(len(xs) / MAX_POINTS))
+    if size == 1:
+        return list(xs), list(ys), 1
+    out_x: list[int] = []
+    out_y: list[float] = []
+    for i in range(0, len(xs), size):
+        out_x.append(xs[min(i + size, len(xs)) - 1])
+        out_y.append(reduce(ys[i:i + size]))
+    return out_x, out_y, size
+
+
 # ---------------------------------------------------------------- throughput
-def step_rates(steps: list[StepLine], period: int = 1) -> tuple[list[int], list[float]]:
+def step_rates(steps: Sequence[LogStep], period: int = 1) -> tuple[list[int], list[float]]:
     """The run's throughput per step, on the steady figure's basis: tokens per second of training time (the meter's
     ``perf/train_sec``), per step or per generation cycle of ``period`` steps (GRPO counts a cycle's tokens at its
     generation step), at the cycle's last step."""
@@ -147,50 +209,98 @@ def step_rates(steps: list[StepLine], period: int = 1) -> tuple[list[int], list[
     return xs, ys
 
 
+def _rates(run: RunLog, period: int) -> tuple[list[int], list[float]]:
+    """:func:`step_rates` from the run's columns (one pass per key over a long run)."""
+    rows = [(n, t, s) for n, t, s in zip(run.step_numbers(), run.column(keys.PERF_TOKENS), train_column(run))
+            if t == t and s == s and s]
+    xs, ys = [], []
+    for i in range(0, len(rows) - period + 1, period):
+        block = rows[i:i + period]
+        seconds = sum(s for _, _, s in block)
+        if seconds > 0:
+            xs.append(block[-1][0])
+            ys.append(sum(t for _, t, _ in block) / seconds)
+    return xs, ys
+
+
 def plot_throughput(fig, data: PlotData) -> str | None:
     f, steps = data.f, data.steps
     period = int(number(data.run.header("perf").period) or 1)
-    xs, ys = step_rates(steps, period)
+    block = period * max(1, math.ceil(len(steps) / period / MAX_POINTS))     # a long run: per bin of steps
+    xs, ys = _rates(data.run, block)
     if not xs:
         return "no perf/tokens with a training time in the step lines"
     ax = fig.add_subplot()
-    what = "step" if period == 1 else f"generation cycle of {period} steps"
+    what = ("step" if block == 1 else f"generation cycle of {period} steps" if block == period
+            else f"bin of {block} steps")
     ax.plot(xs, ys, marker="o" if len(xs) <= 60 else None, ms=4, lw=1.5, color="tab:blue",
-            label=f"throughput per {what} (tokens / training s)")
-    first = f["warmup_end_step"]
-    if f["warmup_done"] and first is not None and first > xs[0]:
-        ax.axvspan(xs[0] - 0.5, first - 0.5, color="grey", alpha=0.15, lw=0,
-                   label=f"warmup ({f['warmup_steps']:.0f} steps; steady from step {first})")
-    elif f["warmup_done"] is False:
-        _note(ax, f"warmup not finished after {f['steps']} steps: no steady figure yet", color="tab:red")
+            label=f"throughput per {what} (its tokens / its training s)")
+    steady_list = f["steady_steps"]
+    if f["not_steady"]:                                    # the meter's own record: the steps it did not count
+        for i, (a, b) in enumerate(f["not_steady"]):
+            ax.axvspan(a - 0.5, b + 0.5, color="grey", alpha=0.15, lw=0,
+                       label=(f"not in the steady figures: steps {ranges_text(f['not_steady'])} (warmup; each "
+                              f"train() call starts it anew)") if i == 0 else None)
+    if f["warmup_done"] is False:
+        _note(ax, f"warmup not finished after {f['steps']} steps: no steady figure yet" if not steady_list else
+              f"the latest train() call's warmup had not finished after step {f['steps']}: the steady figure is "
+              f"the earlier calls'", color="tab:red")
     steady = number(f["steady_tokens_per_sec"])
-    if steady is not None:
-        on = [x for x in xs if x in set(f["steady_steps"])] or xs
-        ax.hlines(steady, on[0] - 0.5, on[-1] + 0.5, colors="tab:green", linestyles="--", lw=2,
-                  label=f"steady throughput {steady:,.0f} tokens/s (its tokens / its training time)")
-    contended = [(x, y) for x, y in zip(xs, ys) if any(x - period < s <= x for s in f["contention_steps"])]
+    if steady is not None and steady_list:
+        ax.hlines(steady, steady_list[0] - 0.5, steady_list[-1] + 0.5, colors="tab:green", linestyles="--", lw=2,
+                  label=f"steady figure {steady:,.0f} tokens/s: Σ tokens / Σ training s of the {len(steady_list)} "
+                        f"steady steps (a slow step weighs by its time)")
+    contention = set(f["contention_steps"])
+    contended = [(x, y) for x, y in zip(xs, ys) if any(s in contention for s in range(x - block + 1, x + 1))]
     if contended:
         ax.scatter(*zip(*contended), s=90, facecolors="none", edgecolors="tab:red", lw=1.8, zorder=3,
                    label=f"slowed by other processes ({number(f['contention_sec']) or 0:.1f} s lost)")
-    _mark_restarts(ax, data)
-    _title(ax, "Training throughput (tokens per second of training time; evaluation and saving excluded)",
-           warmup_words(f["warmup_steps"], f["first_step_slowdown"], f["warmup_overhead_sec"])
-           if f["warmup_done"] else None)
-    ax.set_ylabel("tokens / s")
-    ax.set_ylim(0, max(ys + [steady or 0.0]) * 1.12)
     ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
+    _mark_restarts(ax, data)
+    notes = []
+    if f["warmup_done"]:
+        notes.append(warmup_words(f["warmup_steps"], f["first_step_slowdown"], f["warmup_overhead_sec"],
+                                  f["call_first_step"]))
+    if steady_list:
+        notes.append(steady_words(steady_list, ranges_text(step_ranges(steady_list))))
+    _title(ax, "Training throughput (tokens per second of training time; evaluation and saving excluded)", *notes)
+    ax.set_ylabel("tokens / s of training time")
+    ax.set_ylim(0, max(ys + [steady or 0.0]) * 1.12)
     ax.grid(alpha=0.3)
     _integer_steps(ax)
-    _legend_below(fig, ax, ncol=2)
+    _legend_below(fig, ax, ncol=1)
     return None
 
 
-def _mark_restarts(ax, data: PlotData) -> None:
-    """A dotted line where a ``train()`` call resumed the run (a re-size or a resume): its warmup starts anew."""
-    starts = sorted({h.resumed_from_step for h in data.run.headers if h.resumed_from_step > 0})
-    for i, step in enumerate(starts):
-        ax.axvline(step + 0.5, color="dimgrey", ls=":", lw=1.2,
-                   label="resumed (a new train() call: warmup starts anew)" if i == 0 else None)
+def _mark_restarts(ax, data: PlotData, top: float = 0.97) -> None:
+    """A dotted line where a ``train()`` call resumed the run (the tuner's switch, a re-size, a resume: its warmup
+    starts anew), named: few are named beside their line; more get the split in effect written over each stretch
+    between them, and one legend entry."""
+    restarts = data.restarts()
+    if not restarts:
+        return
+    if len(restarts) <= 2:
+        for i, (step, words, color) in enumerate(restarts):
+            _marker(ax, step + 0.5, words, color, top - 0.08 * (i % 4))
+        return
+    tuned = all(words.startswith("tuner") for _, words, _ in restarts)
+    for i, (step, _, color) in enumerate(restarts):
+        ax.axvline(step + 0.5, color=color, ls=":", lw=1.1,
+                   label=(f"{len(restarts)} switches between splits by the tuner (a new train() call each; the split "
+                          f"in effect written above each stretch)" if tuned else
+                          f"{len(restarts)} restarts (a new train() call each: the tuner's switches, re-sizes, "
+                          f"resumes; the split in effect written above each stretch)") if i == 0 else None)
+    if len(restarts) > MAX_NAMED or not data.splits:
+        return
+    edges = [min(data.splits) - 0.5] + [step + 0.5 for step, _, _ in restarts] + [max(data.splits) + 0.5]
+    for a, b in zip(edges, edges[1:]):
+        inside = [data.splits[x] for x in data.splits if a < x < b]
+        if inside:
+            ax.annotate(inside[0], xy=((a + b) / 2, top), xycoords=("data", "axes fraction"), ha="center", va="top",
+                        fontsize=8, color="dimgrey")
+
+
+MAX_NAMED = 8                   # restarts named one by one on a plot; beyond that, one legend entry
 
 
 # ---------------------------------------------------------------- memory
@@ -200,16 +310,19 @@ def plot_memory(fig, data: PlotData) -> str | None:
         return "no mem/device_used_gb in the step lines"
     ax = fig.add_subplot()
     cpu = data.f.get("device_type") == "cpu"
+    all_x = xs
+    xs, ys, binned = _thin(all_x, ys)                   # a long run: the largest value of each bin of steps
     ax.plot(xs, ys, lw=1.8, marker="o" if len(xs) <= 60 else None, ms=3, color="tab:blue",
-            label="process memory (RSS)" if cpu else "device memory used")
-    px, py = data.series(keys.MEM_PEAK_GB)
+            label=("process memory (RSS)" if cpu else "device memory used")
+            + (f", the largest of each {binned} steps" if binned > 1 else ""))
+    px, py, _ = _thin(*data.series(keys.MEM_PEAK_GB))
     if px:
         ax.plot(px, py, lw=1.2, ls=(0, (4, 2)), color="black", label="high-water mark (peak so far)")
     shown = ys + py
     low, high = min(shown), max(shown)
     span = max(high - low, MIN_SPAN * high, 0.01)        # a flat curve stays flat: no zoom into noise
     budget = number(data.f["budget_gb"])
-    lx, ly = data.series(keys.MEM_LIMIT_GB)
+    lx, ly, _ = _thin(*data.series(keys.MEM_LIMIT_GB), reduce=min)   # a long run: each bin's lowest budget
     lowest = min(ly) if ly else budget                   # the budget is per step: it follows what the run can reach
     moved = bool(ly) and max(ly) > 1.01 * min(ly)
     near = lowest is not None and lowest <= high * NEAR_BUDGET
@@ -222,7 +335,7 @@ def plot_memory(fig, data: PlotData) -> str | None:
         else:
             ax.axhline(budget, lw=1.5, color="tab:red", label=f"budget ({budget:.2f} GiB)")
             high = max(high, budget)
-    used = dict(zip(xs, ys))
+    used = dict(zip(all_x, data.series(keys.MEM_DEVICE_USED_GB)[1]))
     for level, color, name in ((1, "orange", "pressure: warn"), (2, "red", "pressure: critical")):
         pts = [(s.step, used[s.step]) for s in data.steps if s.number(keys.MEM_PRESSURE) == level and s.step in used]
         if pts:
@@ -234,8 +347,9 @@ def plot_memory(fig, data: PlotData) -> str | None:
         color = "red" if e.kind == "stop" else "tab:brown" if e.kind == "wall" else "purple"
         words = "wall moved" if e.kind == "wall" else str(e.details.get("action") or e.kind).replace("_", " ")
         _marker(ax, step, words, color, 0.97 - 0.07 * (i % 4))
-    _mark_resizes(ax, data.split_file.decisions if data.split_file else [], top=0.83)
     ax.set_ylim(max(0.0, low - 0.15 * span), high + 0.3 * span)
+    ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
+    _mark_restarts(ax, data, top=0.83)       # a split change moves memory: the switch that explains a step in it
     notes = []
     growth = last_value(data.steps, keys.MEM_GROWTH_MB_PER_STEP)
     if growth is not None:
@@ -255,30 +369,32 @@ def plot_memory(fig, data: PlotData) -> str | None:
 
 # ---------------------------------------------------------------- phases
 def plot_phases(fig, data: PlotData) -> str | None:
-    steps, f = data.steps, data.f
-    rows = [s for s in steps if any(keys.PERF_PHASE_SEC[p] in s.values for p in PHASES)]
+    f = data.f
+    columns = [data.run.column(keys.PERF_PHASE_SEC[p]) for p in PHASES]     # the run's columns, one per phase
+    rows = [i for i, seconds in enumerate(zip(*columns)) if any(v == v for v in seconds)]
+    numbers = data.run.step_numbers()
     ax = fig.add_subplot()
     if rows:
         size = max(1, math.ceil(len(rows) / 150))       # long runs: mean per bin of steps
         bins = [rows[i:i + size] for i in range(0, len(rows), size)]
-        xs = [sum(s.step for s in b) / len(b) for b in bins]
+        xs = [sum(numbers[i] for i in b) / len(b) for b in bins]
         bottom = [0.0] * len(bins)
-        for p in PHASES:
-            vals = [sum(s.number(keys.PERF_PHASE_SEC[p]) or 0.0 for s in b) / len(b) for b in bins]
+        for index, p in enumerate(PHASES):
+            column = columns[index]
+            vals = [sum(v for v in (column[i] for i in b) if v == v) / len(b) for b in bins]
             if not any(vals):
                 continue
             ax.bar(xs, vals, bottom=bottom, width=0.8 * size, color=PHASE_COLORS[p],
                    label=PHASE_WORDS[p] + _share_words((f["phases"] or {}).get(p)))
             bottom = [b + v for b, v in zip(bottom, vals)]
-        for i, d in enumerate(data.tune_decisions()):
-            measured = sorted({step for t in d.trials for step in t.steps})
-            if measured:
-                ax.axvspan(measured[0] - 0.5, measured[-1] + 0.5, color="grey", alpha=0.15, lw=0, zorder=0,
-                           label="steps the tuner measured splits on" if i == 0 else None)
+        measured = step_ranges(step for d in data.tune_decisions() for t in d.trials for step in t.steps)
+        for i, (a, b) in enumerate(measured):
+            ax.axvspan(a - 0.5, b + 0.5, color="grey", alpha=0.15, lw=0, zorder=0,
+                       label=f"steps the tuner measured splits on ({ranges_text(measured)})" if i == 0 else None)
         ax.set_ylim(0, max(bottom) * 1.05 or 1)
         title = ("Time per step by phase, share of the run's time in the legend"
                  + (f" (mean of {size} steps per bar)" if size > 1 else ""))
-        ax.set_ylabel("seconds")
+        ax.set_ylabel("seconds per step")
         ax.grid(alpha=0.3, axis="y")
         _integer_steps(ax)
     elif f["phases"]:
@@ -322,100 +438,119 @@ def _tuning_cost(data: PlotData) -> str | None:
 
 # ---------------------------------------------------------------- tuner
 def plot_tuner(fig, data: PlotData) -> str | None:
-    mx, my = data.series(keys.TUNER_MICRO_BATCH)
-    gx, gy = data.series(keys.TUNER_GRAD_ACCUM)
-    splits = {x: f"{m:.0f}×{a:.0f}" for x, m, a in zip(mx, my, [dict(zip(gx, gy)).get(x) for x in mx])
-              if a is not None}
+    splits = data.splits
     decisions = data.split_file.decisions if data.split_file else []
-    tuned = [d for d in decisions if d.kind == "tune" and d.trials]
+    tuned = [d for d in decisions if d.kind == "tune"]
     if not (splits or decisions):
         return "no tuner/* keys in the step lines and no tuner_split.json (no tuner attached)"
-    if tuned:
-        trials_ax, split_ax = fig.subplots(1, 2, width_ratios=[1.1, 1]) if splits else (fig.add_subplot(), None)
-        _draw_trials(trials_ax, tuned[-1])
+    latest = tuned[-1] if tuned else None
+    shown = [t for t in trial_figures(latest)] if latest is not None else []
+    drawn = latest is not None and any(t.status != "reference" and (t.measured or t.error) for t in shown)
+    if drawn and splits:
+        trials_ax, split_ax = fig.subplots(1, 2, width_ratios=[1.1, 1])
+    elif drawn:
+        trials_ax, split_ax = fig.add_subplot(), None
     else:
-        split_ax = fig.add_subplot()
-    if split_ax is not None and splits:
-        _draw_splits(split_ax, splits, decisions)
-    elif split_ax is not None:
-        split_ax.set_axis_off()
+        trials_ax, split_ax = None, fig.add_subplot() if splits else None
+    if trials_ax is not None and latest is not None:
+        _draw_trials(trials_ax, latest)
+    if split_ax is not None:
+        _draw_splits(split_ax, splits, decisions, data)
+        if latest is not None and not drawn:       # a tuning that measured no other split: said in a line of text
+            _note(split_ax, _untried_words(latest))
+    elif not drawn:
+        ax = fig.add_subplot()
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, _untried_words(latest) if latest is not None else
+                "no tuning decision and no tuner/* keys: nothing to draw", ha="center", va="center", wrap=True,
+                fontsize=10)
     return None
 
 
-def _trial_time(trial) -> tuple[float | None, tuple[float, float] | None]:
-    return (trial.median, iqr(trial.samples) if len(trial.samples) >= 2 else None)
+def _untried_words(decision: Decision) -> str:
+    reason = decision.reason.removeprefix("kept the configured split: ")
+    return (f"Tuning at step {decision.step}: kept {split_label(decision.new)}, no other split measured"
+            + (f"\n({_wrap(reason)})" if reason else ""))
+
+
+def _wrap(text: str, width: int = 70) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width))
 
 
 def _draw_trials(ax, decision: Decision) -> None:
-    """One tuning decision's trials: each split's median measured time with its quartiles; the split kept green."""
-    names = [split_label(t.split) for t in decision.trials]
-    chosen = split_label(decision.new)
+    """One tuning decision's trials: each split's median with its quartiles, the split kept green, and beside each
+    the comparison every reader prints (:func:`~hf_perf_callbacks.splitfile.trial_figures`)."""
+    shown = trial_figures(decision)
+    chosen, before = split_label(decision.new), split_label(decision.old)
     heights, lows, highs, colors = [], [], [], []
-    for t in decision.trials:
-        median, quartiles = _trial_time(t)
-        heights.append(median or 0.0)
-        lows.append(median - quartiles[0] if quartiles and median is not None else 0.0)
-        highs.append(quartiles[1] - median if quartiles and median is not None else 0.0)
-        ok = t.fits and not t.error and median is not None
-        colors.append("tab:green" if split_label(t.split) == chosen and ok else "tab:blue" if ok else "tab:red")
-    ax.bar(range(len(names)), heights, color=colors, yerr=[lows, highs], capsize=3, ecolor="dimgrey")
-    before = split_label(decision.old)
-    ax.set_xticks(range(len(names)), [n + ("\n(before)" if n == before else "\n(chosen)" if n == chosen else "")
-                                      for n in names])
-    top = max([h + e for h, e in zip(heights, highs)] + [1e-9])
-    for i, t in enumerate(decision.trials):
+    for t in shown:
         median = t.median
-        if not t.fits or t.error or median is None:
-            ax.annotate("out of memory" if t.error or not t.fits else "not measured", (i, 0), ha="center",
-                        va="bottom", fontsize=8, color="tab:red", rotation=90, xytext=(0, 3),
-                        textcoords="offset points")
-        else:
-            words = f"{median:.3g} s"
-            if t.gain is not None and split_label(t.split) != before:
-                words += f"\n{-t.gain:+.0%}"
-            ax.annotate(words, (i, median + highs[i]), ha="center", va="bottom", fontsize=8, xytext=(0, 3),
-                        textcoords="offset points")
-    ax.set_ylim(0, top * 1.3)
+        heights.append(median or 0.0)
+        lows.append(median - t.quartiles[0] if t.quartiles and median is not None else 0.0)
+        highs.append(t.quartiles[1] - median if t.quartiles and median is not None else 0.0)
+        ok = t.status in ("reference", "measured") and median is not None
+        colors.append("tab:green" if t.label == chosen and ok else "tab:blue" if ok else "tab:red")
+    ax.bar(range(len(shown)), heights, color=colors, yerr=[lows, highs], capsize=3, ecolor="dimgrey")
+    ax.set_xticks(range(len(shown)), [t.label + ("\n(before)" if t.label == before else "\n(chosen)"
+                                                 if t.label == chosen else "") for t in shown])
+    top = max([h + e for h, e in zip(heights, highs)] + [0.0])
+    for i, t in enumerate(shown):
+        if t.median is None:
+            ax.annotate(t.error or "not measured", (i, 0), ha="center", va="bottom", fontsize=8, color="tab:red",
+                        rotation=90, xytext=(0, 3), textcoords="offset points")
+            continue
+        words = f"{t.median:.3g} s, {len(t.samples)} step{'s' if len(t.samples) != 1 else ''}"
+        compared = t.comparison()
+        if compared:
+            words += "\n" + compared.replace(" than ", "\nthan ")
+        ax.annotate(words, (i, t.median + highs[i]), ha="center", va="bottom", fontsize=7, xytext=(0, 3),
+                    textcoords="offset points")
+    ax.set_ylim(0, (top or 1.0) * 1.45)
     kept = "kept" if decision.new == decision.old else "chose"
-    title = f"Tuning at step {decision.step}: {kept} {chosen} (green)"
     ax.set_xlabel("split (micro-batch × gradient accumulation)", fontsize=9)
-    ax.set_ylabel("measured s per optimizer step (median)")
+    ax.set_ylabel(f"median {shown[0].unit}" if shown else "median s per optimizer step", fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     cost = f"cost {decision.cost_sec:.1f} s" if decision.cost_sec is not None else None
     gain = (f"expected saving {decision.expected_gain_sec:.1f} s" if decision.expected_gain_sec is not None
             else None)
-    _title(ax, title, cost, gain)
+    _title(ax, f"Tuning at step {decision.step}: {kept} {chosen} (green)", cost, gain)
 
 
-def _draw_splits(ax, splits: dict[int, str], decisions: list[Decision]) -> None:
+def _draw_splits(ax, splits: dict[int, str], decisions: list[Decision], data: PlotData) -> None:
     """The split each step ran with, on a categorical axis of split labels (largest micro-batch on top); the
-    decisions that changed it marked with their kind."""
+    restarts that changed it named (the tuner's trials, re-sizes)."""
     def micro(label: str) -> int:
         return int(label.split("×")[0])
 
     levels = sorted(set(splits.values()), key=micro)
-    xs = sorted(splits)
-    ax.plot(xs, [levels.index(splits[x]) for x in xs], drawstyle="steps-mid", lw=2, color="tab:blue",
+    index = {label: i for i, label in enumerate(levels)}
+    every = sorted(splits)
+    xs = every if len(every) <= 60 else [x for i, x in enumerate(every)      # a long run: where it changes
+                                         if i in (0, len(every) - 1) or splits[x] != splits[every[i - 1]]
+                                         or splits[x] != splits[every[i + 1]]]
+    ax.plot(xs, [index[splits[x]] for x in xs], drawstyle="steps-mid", lw=2, color="tab:blue",
             marker="o" if len(xs) <= 60 else None, ms=3)
     ax.set_yticks(range(len(levels)), levels)
-    ax.set_ylim(-0.5, len(levels) - 0.5 + 0.4)
-    _mark_resizes(ax, decisions)
+    ax.set_ylim(-0.5, len(levels) - 0.5 + 0.6)
+    ax.set_xlim(min(every) - 0.7, max(every) + 0.7)
+    changed = [r for r in data.restarts() if "→" in r[1]]
+    for i, (step, words, color) in enumerate(changed):       # the y-axis names the splits: words only for a few
+        if len(changed) <= 2:
+            _marker(ax, step + 0.5, words, color, 0.97 - 0.08 * (i % 4))
+        else:
+            ax.axvline(step + 0.5, color=color, ls=":", lw=1.1)
+    tuner_switches = sum(words.startswith("tuner") for _, words, _ in changed)
     _title(ax, "Split per step (micro-batch × accumulation)",
-           f"the split stayed {levels[0]}: no re-size" if len(levels) == 1 else None)
+           f"the split stayed {levels[0]}: no re-size" if len(levels) == 1 else
+           f"{len(changed)} switches (dotted), {tuner_switches} of them the tuner's" if len(changed) > 2 else None)
     ax.set_ylabel("split")
     ax.grid(alpha=0.3)
     _integer_steps(ax)
 
 
 DECISION_WORDS = {"tune": "tuned", "memory_check": "memory check", "oom": "out of memory", "watchdog": "watchdog"}
-
-
-def _mark_resizes(ax, decisions: list[Decision], top: float = 0.97) -> None:
-    """A dotted line after each decision that changed the split, labelled with its kind and the change (a decision
-    that kept the split changes nothing on a per-step plot: no marker)."""
-    for i, d in enumerate(d for d in decisions if d.new != d.old):
-        words = f"{DECISION_WORDS.get(d.kind, d.kind)}: {split_label(d.old)} → {split_label(d.new)}"
-        _marker(ax, d.step + 0.5, words, "tab:red" if d.kind in ("oom", "watchdog") else "grey", top - 0.08 * (i % 4))
 
 
 def _marker(ax, x: float, words: str, color: str, height: float) -> None:

@@ -15,10 +15,11 @@ this module, the plots and :mod:`hf_perf_callbacks.analysis`.
 from __future__ import annotations
 
 from . import runlog as keys
-from .figures import completion_stats, figures, run_events
+from .figures import completion_stats, figures, ranges_text, run_events, step_ranges, trainer_logs
 from .plots import plot_all as _plot_all
 from .runlog import PERF_LOG, EventLine, RunLog, number
-from .wording import phase_line, split_label, throughput_line, warmup_line
+from .splitfile import read_split_file, trial_figures
+from .wording import phase_line, split_label, steady_words, throughput_line, warmup_line
 
 MAX_EVENTS = 40          # events listed in full; beyond that the first and last halves
 
@@ -56,7 +57,14 @@ def summarize(run: RunLog) -> str:
         lines.append(throughput_line(f["steady_tokens_per_sec"], f["steady_step_sec"], f["mean_tokens_per_sec"]))
         if f["warmup_done"] is not None:
             lines.append("warmup: " + warmup_line(f["warmup_done"], f["warmup_steps"], f["first_step_slowdown"],
-                                                  f["warmup_overhead_sec"], f["steps"], f["contention_sec"]))
+                                                  f["warmup_overhead_sec"], f["steps"], f["contention_sec"],
+                                                  f["call_first_step"]))
+        if f["steady_steps"]:                 # an earlier train() call's steady steps count while the latest warms up
+            steady = steady_words(f["steady_steps"], ranges_text(step_ranges(f["steady_steps"])))
+            if f["not_steady"]:
+                single = len(f["not_steady"]) == 1 and f["not_steady"][0][0] == f["not_steady"][0][1]
+                steady += f"; not in them: step{'' if single else 's'} {ranges_text(f['not_steady'])}"
+            lines.append(f"steady steps: {steady}")
         if number(f["mfu"]) is not None:
             lines.append(f"MFU: {f['mfu']:.1%}")
         if f["phases"]:
@@ -95,7 +103,8 @@ def summarize(run: RunLog) -> str:
     else:
         lines.append("events: none (no warnings or actions)")
 
-    completions = _completion_line(run.log_history)
+    lines += _tuning_lines(run)
+    completions = _completion_line(trainer_logs(run)[0])
     if completions:
         lines.append(completions)
     if run.skipped_lines:
@@ -106,9 +115,27 @@ def summarize(run: RunLog) -> str:
     return "\n".join(lines)
 
 
+def _tuning_lines(run: RunLog) -> list[str]:
+    """The latest tuning decision's trials, worded once (:func:`~hf_perf_callbacks.splitfile.trial_figures`: the
+    figures the plots, the analysis and the console print)."""
+    record = read_split_file(run.output_dir, session=run.header().session) if run.output_dir else None
+    decision = record.last("tune") if record is not None else None
+    if decision is None:
+        return []
+    outcome = (f"kept {split_label(decision.new)}" if decision.new == decision.old
+               else f"switched {split_label(decision.old)} → {split_label(decision.new)}")
+    cost = f"; cost {decision.cost_sec:.1f} s" if decision.cost_sec is not None else ""
+    saving = (f"; expected saving {decision.expected_gain_sec:.1f} s" if decision.expected_gain_sec is not None
+              else "")
+    lines = [f"tuning at step {decision.step}: {outcome}{cost}{saving}"]
+    lines += [f"  {t.words()}" for t in trial_figures(decision)]
+    return lines
+
+
 def _completion_line(history: list[dict]) -> str | None:
-    """GRPO completion lengths from ``trainer_state.json`` over the whole run (:func:`figures.completion_stats`, the
-    figures the analysis cites), when present."""
+    """GRPO completion lengths over the run's training logs (:func:`figures.trainer_logs`: the step lines' ``log/``
+    values, else ``trainer_state.json``; :func:`figures.completion_stats`, the figures the analysis cites), when
+    present."""
     c = completion_stats(history)
     if not c["logs"]:
         return None

@@ -44,7 +44,8 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterable
+from array import array
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -417,25 +418,269 @@ def _jsonable(value: object) -> object:
 
 
 # ---------------------------------------------------------------- reader
+class ReadStep:
+    """A step line as the reader keeps it: read-only and compact (the same reading interface as :class:`StepLine`:
+    ``step``, ``time``, ``values``, :meth:`get`, :meth:`number`, :meth:`to_json`). The finite numbers of a line
+    are one ``array('d')`` under a key tuple shared by every line with the same keys (8 bytes a value, a long run's
+    log in a bounded share of memory); any other value (None, a string, a flag, a list) is kept as written."""
+
+    __slots__ = ("step", "time", "_keys", "_numbers", "_others")
+
+    def __init__(self, step: int, time: float | None, keys: _KeyIndex, numbers: array[float],
+                 others: dict[str, Any] | None = None):
+        self.step, self.time, self._keys, self._numbers, self._others = step, time, keys, numbers, others
+
+    @property
+    def values(self) -> Mapping[str, Any]:
+        """The line's fields (metric key → value), read-only."""
+        return _StepValues(self)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        others = self._others
+        if others is not None and key in others:
+            return others[key]
+        at = self._keys.get(key)
+        return default if at is None else self._numbers[at]
+
+    def number(self, key: str) -> float | None:
+        """The value of ``key`` as a finite float, else None."""
+        others = self._others
+        if others is not None and key in others:
+            return number(others[key])
+        at = self._keys.get(key)
+        if at is None:
+            return None
+        value = self._numbers[at]
+        return value if value - value == 0.0 else None           # not inf, not nan
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        """(key, value) of every field, without building a mapping."""
+        yield from zip(self._keys, self._numbers)
+        if self._others:
+            yield from self._others.items()
+
+    def prefixed(self, prefix: str) -> dict[str, Any]:
+        """The fields whose key starts with ``prefix``, the prefix removed (``log/reward`` → ``reward``)."""
+        out = {k[len(prefix):]: self._numbers[i] for k, i in self._keys.prefixed(prefix)}
+        if self._others:
+            out.update({k[len(prefix):]: v for k, v in self._others.items() if k.startswith(prefix)})
+        return out
+
+    def has_prefix(self, prefix: str) -> bool:
+        """Whether any field's key starts with ``prefix``."""
+        return bool(self._keys.prefixed(prefix)) or any(k.startswith(prefix) for k in self._others or ())
+
+    def non_numbers(self) -> list[str]:
+        """The keys whose value is not a finite number (None aside)."""
+        bad = [k for k, v in (self._others or {}).items() if v is not None and number(v) is None]
+        total = sum(self._numbers)
+        if total - total != 0.0:                                 # an inf or a nan somewhere: find them
+            bad += [k for k, v in zip(self._keys, self._numbers) if v - v != 0.0]
+        return bad
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": "step", "step": self.step, "time": self.time, **dict(self.items())}
+
+    def __repr__(self) -> str:
+        return f"ReadStep(step={self.step}, time={self.time}, values={dict(self.values)!r})"
+
+
+class LogRow(Mapping[str, Any]):
+    """The trainer's own log of one step as a read-only mapping over its line (``log/reward`` read as ``reward``,
+    and ``step``), without copying it: a long run's logs cost a small object each."""
+
+    __slots__ = ("_line", "_prefix")
+
+    def __init__(self, line: ReadStep, prefix: str):
+        self._line, self._prefix = line, prefix
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "step":
+            return self._line.step
+        value = self._line.get(self._prefix + key, _MISSING)
+        if value is _MISSING:
+            raise KeyError(key)
+        return value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key == "step":
+            return self._line.step
+        return self._line.get(self._prefix + key, default)
+
+    def __iter__(self) -> Iterator[str]:
+        n = len(self._prefix)
+        yield from (k[n:] for k, _ in self._line._keys.prefixed(self._prefix))
+        if self._line._others:
+            yield from (k[n:] for k in self._line._others if k.startswith(self._prefix))
+        yield "step"
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, key: object) -> bool:
+        return key == "step" or (isinstance(key, str) and self._prefix + key in self._line.values)
+
+
+class _KeyIndex(dict[str, int]):
+    """A key set's positions (key → index into a line's numbers), shared by every line with those keys; it keeps
+    the keys under each prefix asked for."""
+
+    def __init__(self, names: tuple[str, ...]):
+        super().__init__((k, i) for i, k in enumerate(names))
+        self._prefixed: dict[str, list[tuple[str, int]]] = {}
+
+    def prefixed(self, prefix: str) -> list[tuple[str, int]]:
+        found = self._prefixed.get(prefix)
+        if found is None:
+            found = self._prefixed[prefix] = [(k, i) for k, i in self.items() if k.startswith(prefix)]
+        return found
+
+
+class _StepValues(Mapping[str, Any]):
+    """The mapping view of a :class:`ReadStep`'s fields."""
+
+    __slots__ = ("_line",)
+
+    def __init__(self, line: ReadStep):
+        self._line = line
+
+    def __getitem__(self, key: str) -> Any:
+        marker = _MISSING
+        value = self._line.get(key, marker)
+        if value is marker:
+            raise KeyError(key)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._line._keys
+        if self._line._others:
+            yield from self._line._others
+
+    def __len__(self) -> int:
+        return len(self._line._keys) + len(self._line._others or ())
+
+    def __contains__(self, key: object) -> bool:
+        line = self._line
+        return key in line._keys or (line._others is not None and key in line._others)
+
+    def items(self) -> Any:          # an iterator of the pairs, not an ItemsView built on lookups
+        return self._line.items()
+
+
+_MISSING = object()
+_STEP_HEAD = ("type", "step", "time")
+
+
+class _StepPacker:
+    """Packs parsed step entries into :class:`ReadStep` lines, sharing one key index per distinct key set."""
+
+    def __init__(self) -> None:
+        self.key_sets: dict[tuple[str, ...], _KeyIndex] = {}
+
+    def pack(self, entry: dict[str, Any]) -> ReadStep | None:
+        step = number(entry.get("step"))
+        if step is None:
+            return None
+        names = tuple(entry)
+        values = list(entry.values())
+        if names[:3] == _STEP_HEAD:                           # the writer's order: type, step, time first
+            names, values = names[3:], values[3:]
+        else:
+            kept = [(k, v) for k, v in zip(names, values) if k not in _STEP_HEAD]
+            names, values = tuple(k for k, _ in kept), [v for _, v in kept]
+        others: dict[str, Any] | None = None
+        try:
+            numbers = array("d", values)                        # numbers (a flag reads as 0/1, as number() does)
+        except TypeError:                                       # None, strings, lists: kept as they are
+            others = {k: v for k, v in zip(names, values) if not isinstance(v, (int, float))}
+            pairs = [(k, v) for k, v in zip(names, values) if k not in others]
+            names, numbers = tuple(k for k, _ in pairs), array("d", [v for _, v in pairs])
+        index = self.key_sets.get(names)
+        if index is None:
+            index = self.key_sets[names] = _KeyIndex(names)
+        return ReadStep(int(step), number(entry.get("time")), index, numbers, others)
+
+
 @dataclass
 class RunLog:
     """A parsed run directory: the latest run's headers, step lines and events, the summaries written after its
     last header (a resumed session killed before its end shows no stale summary), and ``trainer_state.json``'s
-    ``log_history``."""
+    ``log_history`` (read when first asked for)."""
 
     output_dir: str
     headers: list[RunHeader] = field(default_factory=list)
-    steps: list[StepLine] = field(default_factory=list)
+    steps: list[ReadStep] = field(default_factory=list)
     events: list[EventLine] = field(default_factory=list)
     summaries: dict[str, SummaryLine] = field(default_factory=dict)
-    log_history: list[dict[str, Any]] = field(default_factory=list)
     skipped_lines: int = 0
     replaced_runs: int = 0          # earlier runs started afresh in the same output_dir, dropped
+    _history: list[dict[str, Any]] | None = field(default=None, repr=False, compare=False)
+    _unique: tuple[int, list[ReadStep]] | None = field(default=None, repr=False, compare=False)
+    #: what the readers computed once from this run (``figures.figures``): the report, plots and analysis share it
+    cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
-    def unique_steps(self) -> list[StepLine]:
-        """Step lines ordered by step, one per step (a step re-run after a resume keeps its latest line)."""
-        by_step = {s.step: s for s in self.steps}
-        return [by_step[k] for k in sorted(by_step)]
+    def column(self, key: str) -> array[float]:
+        """``key``'s value on every line of :meth:`unique_steps`, in order, as one array (NaN where a line has no
+        finite number under it); read once per parsed run and kept (8 bytes a line), so that the readers pass over
+        a long run's lines once per key, not once per figure."""
+        name = "column:" + key
+        found = self.cache.get(name)
+        if found is None:
+            nan = math.nan
+            values: list[float] = []
+            append = values.append
+            last_index: _KeyIndex | None = None
+            at: int | None = None
+            for line in self.unique_steps():
+                if line._keys is not last_index:            # a key set's position of ``key``, looked up once
+                    last_index, at = line._keys, line._keys.get(key)
+                if line._others is not None and key in line._others:
+                    v = number(line._others[key])
+                    append(nan if v is None else v)
+                elif at is None:
+                    append(nan)
+                else:
+                    v = line._numbers[at]
+                    append(v if v - v == 0.0 else nan)
+            found = self.cache[name] = array("d", values)
+        return found
+
+    def step_numbers(self) -> list[int]:
+        """The step of every line of :meth:`unique_steps`, in order."""
+        found = self.cache.get("steps")
+        if found is None:
+            found = self.cache["steps"] = [s.step for s in self.unique_steps()]
+        return found
+
+    def keys_logged(self) -> frozenset[str]:
+        """Every key the step lines hold (from each distinct key set once, not from every line)."""
+        sets = {id(s._keys): s._keys for s in self.steps}
+        others = {k for s in self.steps if s._others for k in s._others}
+        return frozenset(k for index in sets.values() for k in index) | others
+
+    @property
+    def log_history(self) -> list[dict[str, Any]]:
+        """``trainer_state.json``'s ``log_history`` ([] when absent), read once when first asked for."""
+        if self._history is None:
+            path = os.path.join(self.output_dir, TRAINER_STATE) if self.output_dir else ""
+            self._history = (_read_log_history(path) or []) if path else []
+        return self._history
+
+    @log_history.setter
+    def log_history(self, history: list[dict[str, Any]]) -> None:
+        self._history = history
+
+    def unique_steps(self) -> list[ReadStep]:
+        """Step lines ordered by step, one per step (a step re-run after a resume keeps its latest line); computed
+        once per parse."""
+        if self._unique is None or self._unique[0] != len(self.steps):
+            if all(a.step < b.step for a, b in zip(self.steps, self.steps[1:])):
+                ordered = list(self.steps)
+            else:
+                by_step = {s.step: s for s in self.steps}
+                ordered = [by_step[k] for k in sorted(by_step)]
+            self._unique = (len(self.steps), ordered)
+        return self._unique[1]
 
     def summary(self, source: str) -> dict[str, Any]:
         """The summary of ``source`` ("perf", "mem", "cache", "tuner"), or {} when none was written."""
@@ -468,8 +713,10 @@ class RunLog:
 
 
 def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
-    """Parse perf-log lines (see the module docstring for fresh runs and resumes); garbled lines are counted."""
+    """Parse perf-log lines, one at a time (see the module docstring for fresh runs and resumes); garbled lines are
+    counted. Step lines are kept compact (:class:`ReadStep`)."""
     run = RunLog(output_dir=output_dir)
+    packer = _StepPacker()
     summaries: dict[str, SummaryLine] = {}
     session = None
     steps_since_header = 0
@@ -479,10 +726,20 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
         if not line:
             continue
         try:
-            record = parse_record(json.loads(line))
+            entry = json.loads(line)
         except (ValueError, TypeError):
-            record = None
-        if record is None:
+            entry = None
+        if isinstance(entry, dict) and entry.get("type") == "step":
+            read = packer.pack(entry)
+            if read is None:
+                run.skipped_lines += 1
+                continue
+            run.steps.append(read)
+            steps_since_header += 1
+            current = read.step
+            continue
+        record = parse_record(entry)
+        if record is None or isinstance(record, StepLine):
             run.skipped_lines += 1
         elif isinstance(record, RunHeader):
             last = run.headers[-1] if run.headers else None
@@ -499,10 +756,6 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
             summaries = {}
             steps_since_header = 0
             current = record.resumed_from_step
-        elif isinstance(record, StepLine):
-            run.steps.append(record)
-            steps_since_header += 1
-            current = record.step
         elif isinstance(record, EventLine):
             if record.step is None:                     # logged without one: after the step completed before it
                 record.step, record.step_inferred = current, True
@@ -514,8 +767,9 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
 
 
 def read_run(output_dir: str | os.PathLike[str]) -> RunLog:
-    """Read ``OUTPUT_DIR/perf_log.jsonl`` and ``trainer_state.json`` (when present). Raises :class:`ReportError`
-    (a ``ValueError``) when ``output_dir`` is not a directory, has no perf log, or the log holds nothing readable."""
+    """Read ``OUTPUT_DIR/perf_log.jsonl`` line by line (``trainer_state.json``'s ``log_history`` when first asked
+    for). Raises :class:`ReportError` (a ``ValueError``) when ``output_dir`` is not a directory, has no perf log, or
+    the log holds nothing readable."""
     output_dir = os.fspath(output_dir)
     if not os.path.isdir(output_dir):
         raise ReportError(f"{output_dir!r} is not a directory: expected a training run's output_dir holding "
@@ -533,7 +787,6 @@ def read_run(output_dir: str | os.PathLike[str]) -> RunLog:
         what = f"only {run.skipped_lines} unreadable line(s)" if run.skipped_lines else "nothing"
         raise ReportError(f"{path} holds {what}: the run stopped before its first step was logged, or the log was "
                           f"written by something else. {HOW_TO}")
-    run.log_history = _read_log_history(os.path.join(output_dir, TRAINER_STATE)) or []
     return run
 
 

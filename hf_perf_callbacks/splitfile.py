@@ -38,7 +38,7 @@ from typing import Any, TypedDict, TypeGuard, TypeVar
 
 from .batching import Split
 from .runlog import SPLIT_FILE, number
-from .stats import iqr, median
+from .stats import iqr, mann_whitney_less, median
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -121,8 +121,8 @@ class Trial:
     fits: bool = True
     error: str | None = None
     cost_sec: float = 0.0
-    p_value: float | None = None            # one-sided Mann-Whitney against the baseline's samples
-    gain: float | None = None               # 1 − median / baseline median
+    p_value: float | None = None            # one-sided Mann-Whitney against the starting split's samples
+    gain: float | None = None               # 1 − median / the starting split's median (positive: faster)
 
     @property
     def median(self) -> float | None:
@@ -163,6 +163,126 @@ class Trial:
                    gain=_optional_number(entry.get("gain"), f"{where}.gain"))
 
 
+#: what a trial's samples measure, by the tuner's ``rank_by`` (the words :meth:`Decision.ranked` reads back from the
+#: decision's ``rule``)
+RANKED_WORDS = {"non_generation": "step time minus generation", "step": "step time"}
+#: the same, as the readers print it beside a median ("s per optimizer step outside generation")
+RANKED_UNITS = {"non_generation": "s per optimizer step outside generation", "step": "s per optimizer step"}
+
+
+def ranges(steps: list[int] | tuple[int, ...]) -> str:
+    """``[3, 4, 5, 9]`` → ``3–5, 9``: steps as the readers print them."""
+    out: list[str] = []
+    ordered = sorted(set(steps))
+    start = None
+    for i, s in enumerate(ordered):
+        if start is None:
+            start = s
+        if i + 1 == len(ordered) or ordered[i + 1] != s + 1:
+            out.append(f"{start}–{s}" if s != start else str(s))
+            start = None
+    return ", ".join(out)
+
+
+@dataclass(frozen=True)
+class TrialFigures:
+    """Everything a reader prints about one trial of a tuning decision — the report, the console, the plots — computed
+    once by :func:`trial_figures` from the samples the split file holds, and worded once (:meth:`words`): a median
+    names its samples (the steps they were measured on), a comparison names what it compares with and its direction
+    (``change`` > 0: slower), a p-value names its test.
+
+    ======================  ===================================================================================
+    field                   meaning
+    ======================  ===================================================================================
+    ``status``              ``reference`` (the split before the tuning: what the others are compared with),
+                            ``measured``, ``not measured``, ``out of memory``, ``over the budget``
+    ``median``              median of ``samples`` (seconds, :attr:`unit`)
+    ``change``              median / the reference's median − 1, over all the samples of both (0.23: 23% slower)
+    ``p_value``             one-sided Mann-Whitney p of "faster than the reference", over all the samples of both
+    ======================  ===================================================================================
+    """
+
+    split: Split
+    label: str
+    status: str
+    samples: tuple[float, ...]
+    steps: tuple[int, ...]
+    median: float | None
+    quartiles: tuple[float, float] | None
+    reference: str | None
+    reference_median: float | None
+    reference_steps: tuple[int, ...]
+    change: float | None
+    p_value: float | None
+    unit: str
+    cost_sec: float
+    peak_gb: float | None
+    error: str | None
+
+    @property
+    def measured(self) -> bool:
+        return self.median is not None
+
+    def comparison(self) -> str | None:
+        """``23% slower than 4×2``, ``12% faster than 4×2``, ``as fast as 4×2`` (within 0.5%); None without one."""
+        if self.change is None or self.reference is None:
+            return None
+        if abs(self.change) < 0.005:
+            return f"as fast as {self.reference}"
+        return f"{abs(self.change):.0%} {'slower' if self.change > 0 else 'faster'} than {self.reference}"
+
+    def words(self) -> str:
+        """The trial in one line, naming its samples: ``8×1: median 0.696 s per optimizer step outside generation
+        over steps 10–13, 23% slower than 4×2 (median 0.566 s over steps 4–7, 16–19; one-sided Mann-Whitney p =
+        0.83 that it is faster)``."""
+        if self.status in ("out of memory", "over the budget") and not self.measured:
+            return f"{self.label}: {self.error or self.status}"
+        if not self.measured:
+            return f"{self.label}: not measured" + (f" ({self.error})" if self.error else "")
+        text = (f"{self.label}: median {self.median:.3g} {self.unit} over step{'s' if len(self.steps) != 1 else ''} "
+                f"{ranges(self.steps)}")
+        compared = self.comparison()
+        if compared and self.reference_median is not None:
+            text += (f", {compared} (median {self.reference_median:.3g} s over steps {ranges(self.reference_steps)}"
+                     + (f"; one-sided Mann-Whitney p = {self.p_value:.2g} that it is faster" if self.p_value is not None
+                        else "") + ")")
+        if self.status == "over the budget":
+            text += ", over the memory budget"
+        elif self.status == "out of memory":
+            text += f", then {self.error or 'out of memory'}"
+        return text
+
+
+def trial_figures(decision: Decision) -> list[TrialFigures]:
+    """The figures of every trial of ``decision`` (see :class:`TrialFigures`), the reference (the split before the
+    tuning) first: each median, change and p-value from all the samples the split file holds."""
+    reference = next((t for t in decision.trials if t.split == decision.old and t.samples), None)
+    no_generation = all(t.samples == t.step_samples for t in decision.trials if t.step_samples)
+    unit = RANKED_UNITS["step" if no_generation else decision.ranked or "step"]   # no generation: the whole step
+    out = []
+    ordered = sorted(decision.trials, key=lambda t: t is not reference)
+    for t in ordered:
+        label = f"{t.split.micro_batch}×{t.split.grad_accum}"
+        samples = tuple(t.samples)
+        status = ("reference" if t is reference else "out of memory" if t.error and "memory" in t.error
+                  and "budget" not in t.error else "over the budget" if not t.fits else
+                  "measured" if samples else "not measured")
+        change = p = None
+        if reference is not None and t is not reference and samples:
+            base = median(reference.samples)
+            change = median(samples) / base - 1.0 if base > 0 else None
+            p = mann_whitney_less(list(samples), reference.samples)
+        out.append(TrialFigures(
+            split=t.split, label=label, status=status, samples=samples, steps=tuple(t.steps),
+            median=median(samples) if samples else None, quartiles=iqr(samples) if samples else None,
+            reference=(f"{reference.split.micro_batch}×{reference.split.grad_accum}" if reference is not None
+                       and t is not reference else None),
+            reference_median=median(reference.samples) if reference is not None and t is not reference else None,
+            reference_steps=tuple(reference.steps) if reference is not None and t is not reference else (),
+            change=change, p_value=p, unit=unit, cost_sec=t.cost_sec, peak_gb=t.peak_gb, error=t.error))
+    return out
+
+
 #: the kinds of decision: ``tune`` (a split measured on the run's own steps kept or left), ``memory_check`` (the
 #: configured split did not fit at the worst-case length), ``oom`` (an out-of-memory error re-sized the run),
 #: ``watchdog`` (the memory watchdog asked for a smaller micro-batch)
@@ -187,6 +307,15 @@ class Decision:
     planned_steps: int | None = None
     budget_gb: float | None = None
     rule: str | None = None
+
+    @property
+    def ranked(self) -> str | None:
+        """What the trials' samples measure (the tuner's ``rank_by``, from the decision's ``rule``):
+        ``"non_generation"`` (the step time minus generation), ``"step"`` (the whole step) or None (not said)."""
+        rule = self.rule or ""
+        if RANKED_WORDS["non_generation"] in rule:
+            return "non_generation"
+        return "step" if f"({RANKED_WORDS['step']})" in rule else None
 
     def headline(self) -> str:
         """One line: what changed (or was kept), why, and what it cost."""

@@ -10,6 +10,12 @@ from collections.abc import Mapping
 PHASE_WORDS = {"data_wait": "waiting for data", "generation": "generation", "compute": "forward/backward/optimizer",
                "eval": "evaluation", "save": "saving"}
 
+#: what the tuner attached to a plain ``trainer.train()`` says once (console and perf log), and the report with it
+TUNER_NEEDS_TRAIN_WITH_TUNING = (
+    "AdaptiveBatchTuner is attached to a plain trainer.train(): it logs the split in effect, but tuning on the "
+    "run's own steps and in-process re-sizes need train_with_tuning(trainer) (or the recipe launcher, hf-perf "
+    "train); under trainer.train() a re-size request saves a checkpoint and stops with the split to resume with")
+
 #: what the throughput of a run is: the steady figure's basis, named once for the summary, the plots and the analysis
 THROUGHPUT_BASIS = "tokens per second of training time (evaluation and saving excluded)"
 
@@ -33,39 +39,50 @@ def split_label(split: object) -> str:
     return f"{micro}×{accum}" if micro is not None and accum is not None else "?"
 
 
-def warmup_words(steps: object, slowdown: object, overhead: object = None) -> str:
+def warmup_words(steps: object, slowdown: object, overhead: object = None, first_step: object = None) -> str:
     """What the warmup figures say, without contradicting themselves: ``steps`` of warmup (0: none beyond the first
     step; None: warmup has not finished), the first step's ``slowdown`` against the steady step (below 1: later
-    steps slowed, not warmup) and the ``overhead`` seconds above steady time."""
+    steps slowed, not warmup) and the ``overhead`` seconds above steady time. ``first_step``: the step the
+    slowdown is of (the latest ``train()`` call's first step), named when it is not step 1."""
     n, slow, over = _number(steps), _number(slowdown), _number(overhead)
     if n is None:
         return "warmup not finished (no stable window of steps yet: too few steps for steady figures)"
+    at = _number(first_step)
+    first = "the first step" if at is None or at == 1 else f"step {at:.0f} (the first of the latest train() call)"
     parts = []
     if n:
         parts.append(f"warmup took {n:.0f} step{'s' if n != 1 else ''}")
         if slow is not None and slow >= 1.05:
-            parts.append(f"the first step took {slow:.1f}x the steady step")
+            parts.append(f"{first} took {slow:.1f}x the steady step")
         if over:
             parts.append(f"{over:.1f} s above steady time")
     elif slow is not None and slow >= 1.05:
-        parts.append(f"only the first step was slow ({slow:.1f}x the steady step); no warmup beyond it")
+        parts.append(f"only {first} was slow ({slow:.1f}x the steady step); no warmup beyond it")
     else:
-        parts.append("no warmup: the first step ran at the steady speed")
+        parts.append(f"no warmup: {first} ran at the steady speed")
     if slow is not None and slow < 0.95:
-        parts.append(f"the first step was faster than the steady level ({slow:.2f}x): later steps slowed down — "
+        again = first if at is None or at == 1 else "it"        # a named step is named once
+        parts.append(f"{again} was faster than the steady level ({slow:.2f}x): later steps slowed down — "
                      f"longer sequences or other processes, not warmup")
     return "; ".join(parts)
 
 
+def steady_words(steady: list[int] | tuple[int, ...], ranges: str) -> str:
+    """Which steps the steady figures are over: ``the steady figures are over 17 steps (14–30)``."""
+    n = len(steady)
+    return f"the steady figures are over {n} step{'s' if n != 1 else ''} ({ranges})" if n else \
+        "no steady steps yet"
+
+
 def warmup_line(done: object, steps: object, slowdown: object, overhead: object, run_steps: object,
-                contention_sec: object = None) -> str:
+                contention_sec: object = None, first_step: object = None) -> str:
     """The summary's warmup line (console and report): :func:`warmup_words` once warmup has finished, else how many
     steps ran without it finishing; the slow early steps the meter put down to other processes when there were."""
     if not done:
         text = (f"not finished after {run_steps} steps (no stable window of steps yet: run longer for steady "
                 f"figures)")
     else:
-        text = warmup_words(steps, slowdown, overhead)
+        text = warmup_words(steps, slowdown, overhead, first_step)
     contention = _number(contention_sec)
     if contention is not None and contention >= 0.05:
         text += f"; {contention:.1f} s of the early steps' slowness had no CPU time of this process behind it " \

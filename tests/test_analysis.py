@@ -3,6 +3,7 @@ and measurements read from a synthetic and a real (demo) run directory."""
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 
@@ -350,13 +351,59 @@ def test_small_micro_batch_after_the_tuner_measured_is_a_note_with_its_trials():
     trials = [Trial(Split(2, 4), samples=[1.18, 1.2, 1.17], steps=[1, 2, 3]),
               Trial(Split(4, 2), samples=[1.24, 1.25, 1.23], steps=[4, 5, 6], p_value=0.04, gain=-0.05),
               Trial(Split(8, 1), fits=False, error="out of memory")]
-    m = healthy(micro_batch=2, grad_accum=4, mfu=0.05, tuner_attached=True,
-                tune=tune_decision(trials=trials, cost_sec=12.0, expected_gain_sec=0.0))
+    m = healthy(micro_batch=2, grad_accum=4, mfu=0.05, tuner_attached=True, train_sec=400.0,
+                tune=tune_decision(trials=trials, cost_sec=2.0, expected_gain_sec=3.0))
     assert analyze(m) == []
     n = note(m, "small_micro_batch")
-    assert "4×2 1.24 s over 3 step(s), -5% against the configured split (p = 0.04)" in n.text
-    assert "8×1 out of memory" in n.text and "kept the configured 2×4" in n.text and "cost 12 s" in n.text
-    assert "failed" not in n.text
+    assert n.judged and n.title == "Batch split chosen by measurement"
+    assert ("4×2: median 1.24 s per optimizer step over steps 4–6, 5% slower than 2×4 (median 1.18 s over steps "
+            "1–3; one-sided Mann-Whitney p = 1 that it is faster)") in n.text
+    assert "8×1: out of memory" in n.text and "kept the configured 2×4" in n.text and "cost 2.0 s" in n.text
+    assert "failed" not in n.text and "+5%" not in n.text and "-5%" not in n.text
+
+
+def test_a_tuning_that_cost_more_than_it_saved_is_a_finding_with_its_cost():
+    # seen: "Checked and fine: Batch split chosen by measurement" on a quick start whose tuning cost 7.2 s (11% of its
+    # training) for an expected saving of 0 s
+    trials = [Trial(Split(4, 2), samples=[1.66, 0.24, 4.09, 1.5], steps=[4, 5, 6, 7]),
+              Trial(Split(8, 1), samples=[0.7, 0.69, 0.71, 0.65], steps=[10, 11, 12, 13])]
+    m = healthy(micro_batch=4, grad_accum=2, mfu=0.05, tuner_attached=True, train_sec=65.0,
+                tune=tune_decision(old=(4, 2), new=(4, 2), trials=trials, cost_sec=7.2, expected_gain_sec=0.0))
+    findings, notes = check(m)
+    f = {f.rule: f for f in findings}["tuning_cost"]
+    assert f.basis == "measured" and f.expected_gain == pytest.approx(65.0 / (65.0 - 7.2))
+    assert "cost 7.2 s (11% of the 65.0 s of training)" in f.observation and "save 0.0 s" in f.observation
+    assert "tune=False" in f.recommendation and f.setting == {}
+    assert "small_micro_batch" not in [n.rule for n in notes if n.judged]          # no "fine" beside it
+    launched = only_rule(healthy(micro_batch=4, grad_accum=2, mfu=0.05, tuner_attached=True, train_sec=65.0,
+                                 launcher="hf-perf train", tune=m.tune), "tuning_cost")
+    assert launched.setting == {"tune": False} and "`tune: false`" in launched.recommendation
+
+
+def only_rule(m: Measurements, rule: str) -> Finding:
+    return {f.rule: f for f in analyze(m)}[rule]
+
+
+def test_a_tuning_that_measured_nothing_is_not_judged_never_fine():
+    # seen: "Checked and fine: Batch split chosen by measurement" where "4×1 not measured … too short to pay back"
+    trials = [Trial(Split(4, 1))]
+    m = healthy(micro_batch=4, grad_accum=1, tuner_attached=True, train_sec=100.0,
+                tune=Decision(kind="tune", step=0, reason="kept the configured split: too short to pay back",
+                              old=Split(4, 1), new=Split(4, 1), trials=trials, cost_sec=0.0))
+    n = note(m, "small_micro_batch")
+    assert not n.judged and n.title == "Batch split not measured" and "too short to pay back" in n.text
+    text = render_markdown(*check(m)[:1], m, check(m)[1])
+    assert "## Checked and fine" not in text or "Batch split" not in text.split("## Checked and fine")[1]
+
+
+def test_the_tuner_on_a_plain_train_is_named_in_the_report():
+    # seen: AdaptiveBatchTuner() passed to a plain trainer.train() did nothing and said nothing
+    from hf_perf_callbacks.wording import TUNER_NEEDS_TRAIN_WITH_TUNING
+
+    m = healthy(tuner_attached=True, tuner_hint=TUNER_NEEDS_TRAIN_WITH_TUNING)
+    n = note(m, "tuner_hint")
+    assert not n.judged and "train_with_tuning(trainer)" in n.text and "hf-perf train" in n.text
+    assert "tuner_hint" not in [n.rule for n in check(healthy(tuner_attached=True))[1]]
 
 
 def test_no_micro_batch_larger_than_one_that_ran_out_of_memory_is_advised():
@@ -471,8 +518,8 @@ def test_no_learning_is_a_finding_ranked_first():
 
 
 def test_contention_is_its_own_finding_with_the_measured_loss():
-    c = {"steps": 4, "lost_sec": 39.9, "run_sec": 120.0, "lost_share": 39.9 / 120.0, "wall_over_cpu": 2.6,
-         "steady_wall_over_cpu": 1.05, "other_cores": 1.6, "source": "meter"}
+    c = {"steps": 4, "step_list": [1, 2, 3, 4], "lost_sec": 39.9, "run_sec": 120.0, "lost_share": 39.9 / 120.0,
+         "wall_over_cpu": 2.6, "steady_wall_over_cpu": 1.05, "other_cores": 1.6, "source": "meter"}
     f = only(healthy(contention=c))
     assert f.rule == "contention" and f.basis == "measured"
     assert f.expected_gain == pytest.approx(1 / (1 - 39.9 / 120)) and "39.9 s" in f.observation
@@ -500,7 +547,7 @@ def test_rules_list_is_complete_and_pure():
     names = {r.__name__.removeprefix("rule_") for r in RULES}
     assert names == {"warmup", "input_bound", "generation_bound", "completion_budget", "memory_pressure",
                      "small_micro_batch", "duplicate_forward", "padding_waste", "no_learning", "contention",
-                     "evidence", "log_fields", "oversubscription"}
+                     "evidence", "log_fields", "oversubscription", "evaluation", "tuning_cost", "tuner_hint"}
     m = healthy(phases={"data_wait": 0.5, "compute": 0.5})
     before = dataclasses.replace(m, phases=dict(m.phases))
     check(m)
@@ -810,9 +857,13 @@ def test_a_constant_reward_gets_no_setting_that_cannot_move_it():
     assert f.rule == "no_learning" and f.setting == {} and "every completion got the same reward" in f.title
     assert "`format_reward` 0, `solved_reward` 0" in f.observation and "from the perf log" in f.observation
     assert "partial credit" in f.recommendation and "too hard" in f.root_cause
+    # seen: `max_completion_length: 64` as the first setting of a reward that is always 0: no length moves it
     cut = analyze(healthy(rewards=flat, logs=8, no_signal_run=8, clipped_ratio=0.9, completion_max=128.0,
                           completion_p90=128.0, completion_mean=128.0))[0]
-    assert cut.setting == {"max_completion_length": 256} and "90% of completions were cut" in cut.recommendation
+    assert cut.setting == {} and "90% of completions were cut" in cut.recommendation
+    first, *later = cut.recommendation.splitlines()
+    assert "partial credit" in first and "max_completion_length" not in first
+    assert "`max_completion_length: 256`" in later[-1] and "cannot make a reward" in later[-1]
     # rewards that differ between prompts but never within a group: more samples per prompt can help
     between = {**flat, "max": 0.4}
     f = analyze(healthy(rewards=between, logs=8, no_signal_run=8, temperature=0.7))[0]
@@ -845,7 +896,8 @@ def test_the_tuners_record_is_read_through_its_schema(tmp_path):
     m = measurements_from_run(str(tmp_path))
     assert m.tune == split_file.decisions[0] and [d.kind for d in m.memory_limits] == ["oom"]
     n = note(m, "small_micro_batch")
-    assert "1×2 1.25 s over 3 step(s), -19% against the configured split (p = 0.05)" in n.text
+    assert ("1×2: median 1.25 s per optimizer step over steps 4–6, 19% slower than 2×1 (median 1.05 s over "
+        "steps 1–3; one-sided Mann-Whitney p = 1 that it is faster)") in n.text
     assert "micro-batch 2 ran out of memory at step 5" in {f.rule: f for f in analyze(m)}["memory_pressure"].observation
     (tmp_path / "tuner_split.json").write_text(json.dumps({"decisions": [{"kind": "probe"}]}))
     m = measurements_from_run(str(tmp_path))
@@ -877,3 +929,84 @@ def test_every_key_a_launcher_run_is_told_is_a_recipe_key():
             assert "train_with_tuning" not in text and "default_callbacks" not in text, f.rule
             told += len(keys_told)
     assert told >= 8
+
+
+# ---------------------------------------------------------------- advice that fits the evidence
+def evaluation(evals=40, every=1, eval_sec=60.0, train_sec=40.0, steps=40) -> dict:
+    return {"evals": evals, "every": every, "eval_sec": eval_sec, "wall_sec": eval_sec + train_sec,
+            "train_sec": train_sec, "steps": steps, "share": eval_sec / (eval_sec + train_sec)}
+
+
+def test_evaluation_taking_most_of_the_wall_time_is_a_finding_with_its_measured_gain():
+    # seen: a run spending 60% of its wall time in evaluation (eval_steps=1) got "No rule found something to change",
+    # its header's s/step leaving evaluation out; eval_steps 20 made it 2.2-2.5x faster
+    e = evaluation()
+    m = healthy(evaluation=e, phases={"compute": 0.4, "eval": 0.6})
+    f = only_rule(m, "evaluation")
+    assert f.basis == "measured" and f.setting == {"eval_strategy": "steps", "eval_steps": 50}
+    saved = 60.0 * (1 - 1 / 50)
+    assert f.expected_gain == pytest.approx(100.0 / (100.0 - saved)) and f.expected_gain > 2.2
+    assert "40 evaluations (every 1 step) took 60.0 s of the run's 100.0 s wall time (60%)" in f.observation
+    assert "`eval_steps: 50` (now every 1)" in f.recommendation.splitlines()[0]
+    text = render_markdown([f], m)
+    assert "s/step of wall time with evaluation" in text and "evaluation and saving excluded" in text
+    assert "evaluation" not in [f.rule for f in analyze(healthy(evaluation=evaluation(eval_sec=2.0)))]
+    assert "evaluation" not in [f.rule for f in analyze(healthy(evaluation=evaluation(evals=1)))]
+
+
+def test_the_warmup_note_names_only_a_finding_the_report_has():
+    # seen: 7 of 20 reports said "see the oversubscription or contention finding" where none was in the report
+    small = {"steps": 1, "step_list": [3], "lost_sec": 0.5, "run_sec": 120.0, "lost_share": 0.5 / 120.0,
+             "wall_over_cpu": 2.0, "steady_wall_over_cpu": 1.0, "other_cores": 1.2, "source": "meter"}
+    m = healthy(contention=small, first_step_slowdown=3.0, warmup_steps=2, warmup_overhead_sec=4.0)
+    assert "contention" not in [f.rule for f in analyze(m)]
+    text = note(m, "warmup").text
+    assert "see the" not in text and "finding above" not in text and "slowed 1 step(s) (3) by 0.5 s" in text
+    large = dict(small, lost_sec=40.0, lost_share=40.0 / 120.0)
+    m = healthy(contention=large, first_step_slowdown=3.0, warmup_steps=2, warmup_overhead_sec=4.0)
+    assert "contention" in [f.rule for f in analyze(m)] and "(the contention finding above)" in note(m, "warmup").text
+
+
+def test_a_first_step_among_the_steady_steps_is_not_said_to_be_excluded():
+    # seen: "the steady figures exclude them" where step 1 (21.49 s) was among the steady steps (16.70 s a steady
+    # step with it, 16.27 s without)
+    first = {"step": 1, "included": True, "sec": 21.49, "with": 16.70, "without": 16.27}
+    text = note(healthy(warmup_steps=0, first_step_slowdown=1.29, warmup_overhead_sec=0.0, first_steady=first),
+                "warmup").text
+    assert "exclude" not in text
+    assert "Step 1 counts among the steady steps" in text and "21.5 s" in text and "16.3 s without it" in text
+    excluded = note(healthy(first_steady={"step": 1, "included": False}), "warmup").text
+    assert "the steady figures exclude the warmup steps" in excluded
+
+
+def test_a_last_step_at_the_steady_wall_cpu_ratio_is_no_contention(tmp_path):
+    # seen: a contention finding naming the run's last step as early contention, "wall/CPU 3.95 against 3.95 when
+    # steady" (the meter had judged a late train() call against its own first steps)
+    from hf_perf_callbacks.analysis import measurements_from_run
+    lines = [{"type": "run", "session": "s", "resumed_from_step": 0, "sources": ["perf"], "device_type": "cpu",
+              "world_size": 1, "torch_threads": 1, "cpu_cores": 2}]
+    for step in range(1, 13):
+        wall = 3.95 if step == 12 else 1.0
+        lines.append({"type": "step", "step": step, "perf/step_wall_sec": wall, "perf/train_sec": wall,
+                      "perf/cpu_sec": wall / 1.0 if step == 12 else 1.0, "perf/tokens": 100.0,
+                      "perf/steady": int(step > 2), "perf/other_cpu_cores": 0.5})
+    lines.append({"type": "summary", "source": "perf", "steps": 12, "warmup_done": True, "warmup_steps": 2,
+                  "first_steady_step": 3, "early_contention_sec": 3.0, "contention_steps": [12]})
+    (tmp_path / "perf_log.jsonl").write_text(schema_lines(lines))
+    m = measurements_from_run(str(tmp_path))
+    assert m.contention is None and "contention" not in [f.rule for f in analyze(m)]
+
+
+def test_fixed_length_padding_in_sft_gets_sfttrainers_own_collator_and_no_unfounded_ceiling():
+    # seen: `DataCollatorForLanguageModeling(tokenizer, mlm=False)` as the first bullet of an SFT run (it crashes in
+    # SFTTrainer); "ceiling 3.65x" beside 1.5x measured (per-step costs that do not shrink)
+    base = dict(grpo=False, fixed_seq_len=128, pad_fraction=0.87, seq_len=128, seq_len_min=128, mfu=None,
+                phases={"compute": 0.9, "data_wait": 0.05}, rewards=None)
+    sft = only_rule(healthy(**base, trainer_kind="sft"), "padding_waste")
+    first = sft.recommendation.splitlines()[0]
+    assert "SFTTrainer" in first and "DataCollatorForLanguageModeling" not in sft.recommendation
+    plain = only_rule(healthy(**base), "padding_waste")
+    assert "DataCollatorForLanguageModeling(tokenizer, mlm=False)" in plain.recommendation.splitlines()[0]
+    for f in (sft, plain):
+        assert "ceiling" not in f.gain_formula and not re.search(r"\d\.\d\dx", f.gain_formula)
+        assert "do not shrink" in f.gain_formula

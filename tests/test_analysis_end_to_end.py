@@ -185,17 +185,54 @@ def test_the_tuners_record_of_a_real_tuning_run_is_what_the_analysis_reports(tok
     plant = PlantedOOM(limit=2, text=CUDA_OOM)
     callbacks = [plant, PlantedStepTime(clock, {8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}),
                  AdaptiveBatchTuner(clock=clock), ThroughputMeter(clock=clock)]
-    train_with_tuning(plant.attach(make_trainer(tokenizer, tmp_path, callbacks, max_steps=20, bs=2, ga=4)))
+    train_with_tuning(plant.attach(make_trainer(tokenizer, tmp_path, callbacks, max_steps=30, bs=2, ga=4)))
     m = measurements_from_run(str(tmp_path))
     assert m.tune is not None and {d.kind for d in m.memory_limits} == {"oom"}
     assert min(d.old.micro_batch for d in m.memory_limits) == 4                  # the planted limit: above 2
     findings, notes = check(m)
-    n = {n.rule: n for n in notes}["small_micro_batch"]
-    assert n.title == "Batch split chosen by measurement" and "failed" not in n.text
-    assert "4×2 out of memory" in n.text and "kept the configured 2×4" in n.text
-    assert "No larger micro-batch is advised: micro-batch 4 ran out of memory at step" in n.text
+    # the trial of 1×8 (400 s a step against 200) cost more than the 30-step run can save: a finding with its cost,
+    # no "checked and fine"
+    f = {f.rule: f for f in findings}["tuning_cost"]
+    assert "small_micro_batch" not in [n.rule for n in notes]
+    assert f"cost {m.tune.cost_sec:.1f} s" in f.observation and "failed" not in f.observation
+    assert "4×2: " in f.observation and "out of memory" in f.observation and "kept 2×4" in f.observation
     measured = [t for t in m.tune.trials if t.median is not None]
-    assert measured and all(f"{t.split.micro_batch}×{t.split.grad_accum} {t.median:.3g} s over" in n.text
-                            for t in measured)
+    assert measured and all(f"{t.split.micro_batch}×{t.split.grad_accum}: median {t.median:.3g} s per optimizer "
+                            f"step over" in f.observation for t in measured)
+    assert "outside generation" not in f.observation                 # a Trainer run: the whole step was ranked
     for f in findings:                                     # nothing at or above the micro-batch that ran out
         assert f.setting.get("per_device_train_batch_size", 0) < 4
+
+
+def test_the_tuner_on_a_plain_train_says_once_that_it_needs_train_with_tuning(tokenizer, tmp_path, caplog, capsys):
+    # seen: AdaptiveBatchTuner() passed to a plain trainer.train() did nothing and said nothing (no tuner summary,
+    # nothing in the report)
+    import logging
+
+    from hf_perf_callbacks import AdaptiveBatchTuner
+    from hf_perf_callbacks.run_report import report_command
+    from hf_perf_callbacks.wording import TUNER_NEEDS_TRAIN_WITH_TUNING
+
+    tuner = AdaptiveBatchTuner()
+    trainer = make_trainer(tokenizer, tmp_path, [ThroughputMeter(), tuner], max_steps=2, bs=2, ga=1)
+    with caplog.at_level(logging.WARNING, logger="hf_perf_callbacks"):
+        trainer.train()
+        trainer.args.max_steps = 3
+        trainer.train(resume_from_checkpoint=None)          # a second plain train() call: said once, not again
+    said = [r for r in caplog.records if "train_with_tuning(trainer)" in r.getMessage()]
+    assert len(said) == 1 and TUNER_NEEDS_TRAIN_WITH_TUNING in said[0].getMessage()
+    events = [e for e in read_run(tmp_path).events if e.source == "tuner"]
+    assert [e.details.get("needs") for e in events] == ["train_with_tuning"]
+    assert report_command(str(tmp_path), plots=False) == 0
+    out = capsys.readouterr().out
+    assert "not judged: batch split not measured: the tuner needs train_with_tuning" in out
+    text = open(tmp_path / "perf_report.md").read()
+    assert "Batch split not measured: the tuner needs train_with_tuning" in text.split("## Not judged")[1]
+    # under train_with_tuning it says nothing of the kind
+    from hf_perf_callbacks import train_with_tuning
+
+    caplog.clear()
+    managed = make_trainer(tokenizer, tmp_path / "managed", [AdaptiveBatchTuner()], max_steps=2, bs=2, ga=1)
+    with caplog.at_level(logging.WARNING, logger="hf_perf_callbacks"):
+        train_with_tuning(managed)
+    assert not [r for r in caplog.records if "train_with_tuning(trainer)" in r.getMessage()]

@@ -67,15 +67,18 @@ def test_throughput_one_line_on_the_steady_basis_warmup_marked_legend_off_the_da
     fig, data = draw(plot_throughput, run_dir)
     ax, f = fig.axes[0], data.f
     lines = [line for line in ax.get_lines() if not line.get_label().startswith("_")]
-    assert [line.get_label() for line in lines] == ["throughput per step (tokens / training s)"]
+    assert [line.get_label() for line in lines] == ["throughput per step (its tokens / its training s)"]
     expected = [s.number("perf/tokens") / s.number("perf/train_sec") for s in data.steps]
     assert list(lines[0].get_ydata()) == pytest.approx(expected)
     names = labels(ax)
-    assert f"steady throughput {f['steady_tokens_per_sec']:,.0f} tokens/s (its tokens / its training time)" in names
+    steady = f["steady_steps"]
+    assert (f"steady figure {f['steady_tokens_per_sec']:,.0f} tokens/s: Σ tokens / Σ training s of the {len(steady)} "
+            f"steady steps (a slow step weighs by its time)") in names
     assert f["warmup_steps"] >= 1                    # the planted warmup
-    assert f"warmup ({f['warmup_steps']:.0f} steps; steady from step {f['warmup_end_step']})" in names
+    assert f"not in the steady figures: steps 1–{f['warmup_end_step'] - 1} (warmup; each train() call starts it anew)" \
+        in names
     assert ax.get_legend() is None and fig.legends                 # the legend is the figure's, under the plot
-    assert integer_ticks(ax) and ax.get_ylabel() == "tokens / s"
+    assert integer_ticks(ax) and ax.get_ylabel() == "tokens / s of training time"
 
 
 def test_throughput_marks_the_steps_the_meter_put_down_to_other_processes(tokenizer, tmp_path):
@@ -99,7 +102,7 @@ def test_grpo_throughput_is_per_generation_cycle(tokenizer, tmp_path):
               completion=6, extra={"steps_per_generation": 4}).train()
     fig, data = draw(plot_throughput, tmp_path)
     line = next(x for x in fig.axes[0].get_lines() if x.get_label().startswith("throughput"))
-    assert line.get_label() == "throughput per generation cycle of 2 steps (tokens / training s)"
+    assert line.get_label() == "throughput per generation cycle of 2 steps (its tokens / its training s)"
     assert list(line.get_xdata()) == [2, 4]                          # one point per whole cycle, no spikes
 
 
@@ -112,7 +115,7 @@ def test_memory_scaled_to_its_data_budget_far_away_as_words(run_dir):
     low, high = ax.get_ylim()
     assert budget > 2 * max(used) and high < budget and low > 0.5 * min(used)
     assert "budget" not in " ".join(labels(ax))
-    assert f"budget {budget:.2f} GiB (off the scale" in " ".join(t.get_text() for t in ax.texts)
+    assert f"budget {budget:.2f} GiB (off the scale" in " ".join(t.get_text().replace("\n", " ") for t in ax.texts)
     assert ax.get_ylabel() == "memory (GiB)"
     styles = {line.get_label(): line.get_linestyle() for line in ax.get_lines()}
     assert styles["process memory (RSS)"] != styles["high-water mark (peak so far)"]
@@ -136,10 +139,10 @@ def test_phases_in_words_without_empty_phases_and_the_tuners_cost(run_dir):
     assert any(n.startswith("forward/backward/optimizer (") for n in names)
     assert not any(n.startswith(("generation", "evaluation", "saving")) for n in names)   # a Trainer run has none
     assert not any("_" in n for n in names)
-    assert "steps the tuner measured splits on" in names
-    notes = " ".join(t.get_text() for t in ax.texts)
+    assert "steps the tuner measured splits on (1–6)" in names
+    notes = " ".join(t.get_text().replace("\n", " ") for t in ax.texts)
     assert "the tuner's own cost: 3.5 s" in notes and "expected saving 40.0 s" in notes
-    assert integer_ticks(ax) and ax.get_ylabel() == "seconds"
+    assert integer_ticks(ax) and ax.get_ylabel() == "seconds per step"
 
 
 def test_tuner_trials_with_their_times_and_the_split_per_step_in_split_labels(run_dir):
@@ -164,3 +167,89 @@ def test_a_tuning_that_kept_the_split_draws_no_empty_marker(run_dir):
     texts = [t.get_text() for ax in fig.axes for t in ax.texts]
     assert not any("→" in t for t in texts)
     assert "kept 2×2" in fig.axes[0].get_title()
+
+
+# ---------------------------------------------------------------- runs of the tuner (planted: tests/synthetic_runs.py)
+def synthetic(tmp_path, name, **plan):
+    from tests.synthetic_runs import Plan, write_run
+
+    return write_run(str(tmp_path / name), Plan(**plan))
+
+
+TUNED = dict(steps=40, tune=True, must_pay=False, split_sec={8: 1.2, 2: 0.9, 1: 1.1}, noise=0.15, warmup=(3.0, 1.0))
+
+
+def spans(ax):
+    """The (first, last) steps of the shaded spans of ``ax``."""
+    from matplotlib.patches import Rectangle
+
+    out = []
+    for p in ax.patches:
+        if isinstance(p, Rectangle) and p.get_alpha() == 0.15:
+            out.append((round(p.get_x() + 0.5), round(p.get_x() + p.get_width() - 0.5)))
+    return sorted(out)
+
+
+def test_throughput_draws_the_meters_own_record_and_names_the_switches(tmp_path):
+    # seen: steps 1-13 shaded as "warmup (0 steps; steady from step 14)", a subtitle describing step 14 as "the first
+    # step", the tuner's restarts drawn but not named
+    out = synthetic(tmp_path, "tuned", **TUNED)
+    fig, data = draw(plot_throughput, out)
+    ax, f = fig.axes[0], data.f
+    assert f["call_first_step"] > 1 and f["not_steady"]
+    assert spans(ax) == f["not_steady"]                              # exactly the steps the steady figures leave out
+    notes = " ".join(t.get_text().replace("\n", " ") for t in ax.texts)           # the subtitle wraps
+    assert f"step {f['call_first_step']} (the first of the latest train() call)" in notes
+    assert f"the steady figures are over {len(f['steady_steps'])} steps" in notes
+    names = labels(ax)
+    assert any(n.startswith(f"{len(data.restarts())} switches between splits by the tuner") for n in names)
+    stretches = [t.get_text() for t in ax.texts if "×" in t.get_text() and len(t.get_text()) <= 4]
+    assert stretches[0] == "4×2" and len(stretches) == len(data.restarts()) + 1
+    steady = next(c for c in ax.collections if c.get_label().startswith("steady figure"))
+    (x0, _), (x1, _) = steady.get_segments()[0]
+    assert (x0 + 0.5, x1 - 0.5) == (f["steady_steps"][0], f["steady_steps"][-1])
+
+
+def test_phases_shade_only_the_steps_the_tuner_measured(tmp_path):
+    # seen: steps 4-19 shaded as measured by the tuner where only 4-7, 10-13 and 16-19 were
+    from hf_perf_callbacks.figures import step_ranges
+
+    out = synthetic(tmp_path, "tuned", **TUNED)
+    fig, data = draw(plot_phases, out)
+    measured = step_ranges(s for d in data.tune_decisions() for t in d.trials for s in t.steps)
+    assert len(measured) > 1 and spans(fig.axes[0]) == measured
+    assert fig.axes[0].get_ylabel() == "seconds per step"
+
+
+def test_memory_marks_the_switch_that_explains_its_step(tmp_path):
+    # seen: memory.png stepped where the tuner switched splits, with nothing saying so
+    out = synthetic(tmp_path, "kept", steps=30, tune=True, must_pay=False, split_sec={8: 0.4}, noise=0.05)
+    fig, data = draw(plot_memory, out)
+    assert [words for _, words, _ in data.restarts()] == ["tuner: 4×2 → 8×1"]
+    assert "tuner: 4×2 → 8×1" in [t.get_text() for t in fig.axes[0].texts]
+
+
+def test_a_tuning_that_measured_no_other_split_is_a_line_of_text_not_an_empty_panel(tmp_path):
+    # seen: an empty panel scaled 1e-9 under "kept 4×1 (green)"
+    out = synthetic(tmp_path, "untried", steps=30, tune=True, base_sec=0.11, generation_sec=0.15, noise=0.15)
+    fig, data = draw(plot_tuner, out)
+    assert len(fig.axes) == 1 and not fig.axes[0].patches                  # the split panel only, no bars
+    words = " ".join(t.get_text() for t in fig.axes[0].texts)
+    assert "no other split measured" in words and "cannot pay back" in words
+
+
+def test_the_tuners_bars_say_what_every_reader_says_and_name_the_quantity(tmp_path):
+    # seen: tuner.png labelled a trial −58% where the report said +58%, and its axis "measured s per optimizer step
+    # (median)" for time outside generation
+    from hf_perf_callbacks.splitfile import trial_figures
+
+    out = synthetic(tmp_path, "tuned", **TUNED)
+    fig, data = draw(plot_tuner, out)
+    trials_ax = fig.axes[0]
+    assert trials_ax.get_ylabel() == "median s per optimizer step outside generation"
+    shown = trial_figures(data.tune_decisions()[-1])
+    texts = [t.get_text() for t in trials_ax.texts]
+    for t in shown:
+        if t.comparison():
+            assert any(t.comparison().replace(" than ", "\nthan ") in x for x in texts), t.comparison()
+    assert not any("%" in x and ("+" in x or "−" in x or "-" in x) for x in texts)     # a direction in words only

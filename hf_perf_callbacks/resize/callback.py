@@ -21,8 +21,9 @@ from ..bus import SIGNAL_SMALLER_BATCH
 from ..device import GB, DeviceLayer, gather_floats, world_size
 from ..memory import budget_bytes
 from ..runlog import SPLIT_FILE
-from ..splitfile import read_split_file
+from ..splitfile import read_split_file, trial_figures
 from ..validation import check_flag, check_number
+from ..wording import TUNER_NEEDS_TRAIN_WITH_TUNING
 from .session import SwitchSplit, TuningSession, candidates, current_split
 from .tuning import MIN_SAMPLES, SAMPLES, Switch
 
@@ -84,6 +85,7 @@ class AdaptiveBatchTuner(PerfCallback):
         self.generation = adapter.GenerationClock(self.clock.wall)
         self._stop_watching: Callable[[], None] | None = None
         self._started: float | None = None
+        self._hinted = False
 
     # ------------------------------------------------------------ events
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
@@ -95,6 +97,9 @@ class AdaptiveBatchTuner(PerfCallback):
             self.disabled = True
             return
         self.session = self._open_session(args, state)
+        if self.tune and not self.session.managed and not self._hinted:   # said once: nothing will be tuned
+            self._hinted = True
+            self.warn(TUNER_NEEDS_TRAIN_WITH_TUNING, step=state.global_step, needs="train_with_tuning")
         self.world = world_size()
         self._bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
         self.in_optimizer_step = False
@@ -292,22 +297,14 @@ def advance_sampler(dataloader, epochs: int) -> int:
 
 
 def format_tuning(decision) -> str:
-    """The tuning decision and its evidence for the console (printed once)."""
+    """The tuning decision and its evidence for the console (printed once): each trial worded as every reader of the
+    record words it (:func:`~hf_perf_callbacks.splitfile.trial_figures`)."""
     lines = [f"AdaptiveBatchTuner: {decision.headline()}"
              + (f"; expected to save {decision.expected_gain_sec:.1f} s over the rest of the run"
                 if decision.expected_gain_sec else "")]
-    for trial in decision.trials:
-        if trial.error:
-            lines.append(f"  {trial.split}: {trial.error}")
-            continue
-        if not trial.samples:
-            lines.append(f"  {trial.split}: not measured")
-            continue
-        q1, q3 = trial.quartiles
-        p = f", p={trial.p_value:.3f}" if trial.p_value is not None else ""
-        peak = f", peak {trial.peak_gb:.2f} GiB" if trial.peak_gb is not None else ""
-        lines.append(f"  {trial.split}: median {trial.median:.3f} s (IQR {q1:.3f}-{q3:.3f}) over steps "
-                     f"{_ranges(trial.steps)}{p}{peak}, cost {trial.cost_sec:.1f} s")
+    for t in trial_figures(decision):
+        peak = f", peak {t.peak_gb:.2f} GiB" if t.peak_gb is not None and t.measured else ""
+        lines.append(f"  {t.words()}{peak}, cost {t.cost_sec:.1f} s")
     return "\n".join(lines)
 
 
@@ -317,18 +314,6 @@ def format_summary(session: TuningSession) -> str:
         extra = f", recovered in {d.recovery_sec:.2f} s" if d.recovery_sec is not None else ""
         lines.append(f"step {d.step}: {d.headline()}{extra}")
     return "\n".join(lines)
-
-
-def _ranges(steps: list[int]) -> str:
-    """``[3, 4, 5, 9]`` → ``3-5, 9``."""
-    out, start = [], None
-    for i, s in enumerate(steps):
-        if start is None:
-            start = s
-        if i + 1 == len(steps) or steps[i + 1] != s + 1:
-            out.append(f"{start}-{s}" if s != start else str(s))
-            start = None
-    return ", ".join(out)
 
 
 def find_callback(trainer, cls):

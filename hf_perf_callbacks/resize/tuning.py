@@ -20,10 +20,17 @@ machine hits both), while rounds are affordable; a candidate whose every sample 
 that runs out of memory or passes the memory budget is left at once.
 
 **Cost before you pay.** A trial's cost is its switches (measured on this run once one happened; before that, the
-run's own first-step overhead plus writing and reading the training state at ``SAVE_BYTES_PER_SEC``), the warm-up
-step after each switch and the slower steps of a worse candidate. A split can save at most the baseline's ranked
-time per step (``ceiling``), and only over the steps left *after* the trial; a round starts only when that ceiling
-exceeds its cost. A run too short to pay back tries nothing and costs nothing.
+run's own first-step overhead — a switch starts a train() call anew — plus writing and reading the training state at
+``SAVE_BYTES_PER_SEC``, at least ``SWITCH_FLOOR_SEC``), the warm-up step after each switch, the slower steps of a
+worse candidate (reckoned beforehand at the baseline's spread) and the switch back when it is left. A round starts
+only when the saving it can plausibly make over the steps left *after* it exceeds its cost (twice over,
+``PRIOR_MARGIN``, while no switch of the run has been measured: the reckoning is a prior)
+(:meth:`OnRunTuning.plausible_saving`): per step, before a candidate is measured, the baseline's ranked time (a
+split with no split-dependent time: the ceiling) less the baseline's interquartile range (the candidate's steps
+carry the machine's noise too, and a saving within it cannot be told from the noise: on a machine whose steps spread
+as widely as they take, nothing is tried); once it is measured, its median gain plus the standard error of that
+difference (the most its samples still allow: a candidate that cannot pay for another round even then is left). A
+run too short to pay back tries nothing and costs nothing.
 
 **Order.** Larger micro-batches first, the largest first (on accelerators the largest split that fits is usually
 the fastest, and trying it first spends the fewest steps at slower splits): one that runs out of memory or passes
@@ -33,11 +40,12 @@ on from it), until ``patience`` in a row were not kept.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..batching import Split
-from ..splitfile import Trial
-from ..stats import mann_whitney_less, median
+from ..splitfile import RANKED_WORDS, Trial
+from ..stats import iqr, mann_whitney_less, median
 from ..validation import check_flag, check_number
 
 #: one-sided significance level of "faster than the baseline"
@@ -50,6 +58,14 @@ MIN_SAMPLES = 3
 SAMPLES = 4
 #: the rate at which a switch is assumed to write and read the training state, until a switch was measured (bytes/s)
 SAVE_BYTES_PER_SEC = 200e6
+#: the least a switch is assumed to cost beyond the run's first-step overhead until one of the run's was measured: a
+#: checkpoint, the end of a train() call and the start of the next (measured: the quick start's tiny model on this
+#: project's idle 2-core CPU 1.8 s, 5.7–7.2 s at a load of 7; LoRA on an H100 0.8–1.4 s, on the CPU 0.87 s,
+#: ``benchmarks/results/tuner_switch*.json``)
+SWITCH_FLOOR_SEC = 2.0
+#: until one of the run's switches was measured, a round must plausibly save this many times its reckoned cost: the
+#: reckoning is a prior, seen off by more (the quick start's switches: 1.8 s idle, 7-10 s at a load of 6-7)
+PRIOR_MARGIN = 2.0
 #: generation cycles not measured at the run's start (first kernels, allocator growth, dataloader workers: seen on an
 #: H100 as outside-generation times of 4.3, 4.2, 2.2, 2.2 s over the first steps of a 4×8 run settling at 2 s)
 WARMUP_AT_START = 3
@@ -232,7 +248,10 @@ class OnRunTuning:
         following = self._next_candidate(step)
         if following is not None:
             return following
-        if self.current != self.baseline:
+        if self.current != self.baseline:          # the switch back is part of the trial's cost (estimated: the run
+            back = self.switch_cost()               # records the tuning before that switch is made)
+            self.cost += back
+            self.trials[self.current].cost_sec += back
             self.done = Finished(self.baseline, self._verdict(why))
             return Switch(self.baseline, f"back to {self.baseline}: {why}")
         return self._finish(why)
@@ -266,27 +285,32 @@ class OnRunTuning:
         return self.done
 
     def _verdict(self, note: str) -> str:
-        """The tuning's outcome in words: the kept split's evidence against the starting one, then why it ended."""
+        """The tuning's outcome in words: the kept split's evidence against the starting one (over all the samples
+        of both, as every reader of the record prints it), then why it ended."""
         start, kept = self.trials[self.start], self.trials[self.baseline]
         if self.baseline == self.start or not (start.samples and kept.samples):
             return f"kept the configured split: {note}" if note else "kept the configured split"
-        p = f", p={kept.p_value:.3f}" if kept.p_value is not None else ""
+        p = mann_whitney_less(kept.samples, start.samples)
         return (f"{self.baseline} faster than {self.start} beyond the noise (median {kept.median:.3f} vs "
-                f"{start.median:.3f} s{p}); {note}")
+                f"{start.median:.3f} s over {len(kept.samples)} and {len(start.samples)} steps, p={p:.3f}); {note}")
 
     # ------------------------------------------------------------ cost against gain
     def switch_cost(self) -> float:
         """Seconds one switch costs: the mean of this run's measured switches, else the run's own first-step
-        overhead (over the baseline's steady step) plus writing and reading the training state."""
+        overhead (over the baseline's step: a switch starts a train() call anew) plus writing and reading the
+        training state, at least :data:`SWITCH_FLOOR_SEC` for the latter."""
         if self.switch_seconds:
             return sum(self.switch_seconds) / len(self.switch_seconds)
         steady = self.trials[self.start].step_samples
         overhead = max(0.0, (self.first_step or 0.0) - median(steady)) if steady else 0.0
-        return overhead + 2 * self.state_bytes / SAVE_BYTES_PER_SEC
+        return overhead + max(SWITCH_FLOOR_SEC, 2 * self.state_bytes / SAVE_BYTES_PER_SEC)
 
     def round_cost(self) -> float:
-        """A round's cost: a switch there and one back."""
-        return 2 * self.switch_cost()
+        """A round's cost: a switch there and one back, and the candidate's block of steps at the noise (the
+        baseline's interquartile range a step: a candidate within the noise may as well be that much slower)."""
+        base = self.trials[self.baseline].samples
+        low, high = iqr(base) if base else (0.0, 0.0)
+        return 2 * self.switch_cost() + self.samples * (high - low)
 
     def _trial_steps(self) -> int:
         """Steps of one block after a switch: its warm-up and its samples."""
@@ -297,25 +321,57 @@ class OnRunTuning:
             return None
         return self.planned - step - 2 * self._trial_steps()
 
+    def plausible_saving(self) -> tuple[float, str]:
+        """(seconds per step a round can plausibly save, how that was reckoned), at the spread of the samples
+        measured so far:
+
+        - before the candidate is measured: the baseline's median ranked time (the ceiling: a split with no
+          split-dependent time) less the baseline's interquartile range — the candidate's steps carry the machine's
+          noise too, so the part of the time within that spread cannot be told from the noise in a round;
+        - once it is measured: its median gain over the baseline plus the standard error of that difference
+          (0.93 × the two interquartile ranges averaged × √(1/n_baseline + 1/n_candidate)): the most its samples
+          still allow. A candidate that cannot pay for another round even at that gain is left.
+        """
+        base = self.trials[self.baseline].samples
+        candidate = self.trials[self.candidate].samples if self.candidate is not None else []
+        low, high = iqr(base)
+        if candidate:
+            c_low, c_high = iqr(candidate)
+            centre = median(base) - median(candidate)
+            error = 0.93 * ((high - low) + (c_high - c_low)) / 2 * math.sqrt(1 / len(base) + 1 / len(candidate))
+            return max(0.0, centre + error), (f"{self.candidate}'s median gain {centre:.3f} s/step over "
+                                              f"{self.baseline} plus its standard error {error:.3f} s")
+        return max(0.0, median(base) - (high - low)), (
+            f"{self.baseline}'s median {median(base):.3f} s/step, the most a split could save, less its "
+            f"interquartile range {high - low:.3f} s: a saving within the noise cannot be told from it")
+
     def _affordable(self, step: int) -> bool:
         if not self.must_pay:                      # try every split, whatever it costs (benchmarks, tests)
             return True
         left = self._steps_left_after_round(step)
         if left is None or left <= 0:
             return False
-        return left * median(self.trials[self.baseline].samples) > self.round_cost()
+        return left * self.plausible_saving()[0] > self.round_cost() * self._margin()
+
+    def _margin(self) -> float:
+        """How many times its reckoned cost a round must plausibly save: :data:`PRIOR_MARGIN` until a switch of
+        this run was measured, then 1."""
+        return 1.0 if self.switch_seconds else PRIOR_MARGIN
 
     def _cannot_pay_note(self, step: int) -> str:
         left = self._steps_left_after_round(step)
-        base = median(self.trials[self.baseline].samples)
         if left is None or self.planned is None:   # one is None when the other is
             return "the run's length is unknown: no trial can be weighed against its pay-back"
         if left <= 0:
             return (f"too short to pay back: a round takes {2 * self._trial_steps()} steps and "
                     f"{max(0, self.planned - step)} are left")
-        return (f"cannot pay back: even a split with no split-dependent time would save at most {base:.3f} s/step "
-                f"× {left} steps = {left * base:.1f} s after a trial, less than its {self.round_cost():.1f} s of "
-                f"switches")
+        saving, how = self.plausible_saving()
+        margin = self._margin()
+        return (f"cannot pay back: a round could plausibly save {saving:.3f} s/step ({how}) × {left} steps = "
+                f"{left * saving:.1f} s after it, less than "
+                + (f"{margin:g} × its reckoned cost (no switch of this run measured yet), " if margin != 1 else
+                   "its cost, ")
+                + f"{self.round_cost():.1f} s (a switch there and back, its steps at the noise)")
 
     # ------------------------------------------------------------ the record
     def ceiling_sec(self, step: int) -> float | None:
@@ -331,11 +387,19 @@ class OnRunTuning:
         return max(0, self.planned - step) * (median(start) - median(kept))
 
     def rule(self) -> str:
-        ranked = "step time" if self.rank_by == "step" else "step time minus generation"
+        ranked = RANKED_WORDS["step" if self.rank_by == "step" else "non_generation"]
         return (f"keep a split only when it is faster than the baseline by one-sided Mann-Whitney p <= {ALPHA} / "
                 f"{self.max_rounds} rounds and a median at least {MIN_GAIN:.0%} shorter ({ranked}), measured on the "
                 f"run's own steps; try one only when the rest of the run can pay its switches back")
 
     def trial_list(self) -> list[Trial]:
-        """Every split measured, the starting one first."""
-        return [self.trials[self.start]] + [t for s, t in self.trials.items() if s != self.start]
+        """Every split measured, the starting one first; each measured one's ``gain`` and ``p_value`` against the
+        starting split over all the samples of both (the figures every reader of the record prints, not those of
+        the round that judged it)."""
+        start = self.trials[self.start]
+        for s, t in self.trials.items():
+            if s != self.start and t.samples and start.samples:
+                t.p_value = mann_whitney_less(t.samples, start.samples)
+                base = median(start.samples)
+                t.gain = 1.0 - median(t.samples) / base if base > 0 else 0.0
+        return [start] + [t for s, t in self.trials.items() if s != self.start]

@@ -245,11 +245,12 @@ def test_a_slower_split_is_left_and_the_run_goes_back_to_the_configured_one(toke
     assert [s["step"] for s in step_lines(tmp_path)] == list(range(1, 31))
 
 
-@pytest.mark.parametrize("max_resizes", [0, 1])
+@pytest.mark.parametrize("max_resizes", [pytest.param(0, marks=pytest.mark.launch), 1])
 def test_a_larger_split_that_runs_out_of_memory_is_left_and_nothing_is_lost(tokenizer, tmp_path, max_resizes):
     """The tuning's own trials that run out of memory (8×1, then 4×2) are left and the run goes on: they spend none
     of ``max_resizes`` (with 0 the configured split, which fits, trains to the end; with 1 a real OOM later still
-    gets its re-size)."""
+    gets its re-size). The fast suite runs the case of 1 (two trial OOMs, then the real one re-sizes); 0 runs with
+    the launch suite, as do the matrix's tuning cells of it for every trainer."""
     clock = PlantedClock()
     plant = PlantedOOM(limit=2, text=CUDA_OOM)
     real = Fault("forward", at=12) if max_resizes else None      # at the kept split, after the tuning

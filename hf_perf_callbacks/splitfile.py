@@ -307,6 +307,7 @@ class Decision:
     planned_steps: int | None = None
     budget_gb: float | None = None
     rule: str | None = None
+    trial: bool = False                      # an OOM of a split the tuning was trying: no re-size of the user's
 
     @property
     def ranked(self) -> str | None:
@@ -322,7 +323,8 @@ class Decision:
         what = {"tune": "tuning", "memory_check": "memory check", "oom": "out of memory", "watchdog": "watchdog"}
         change = f"{self.old} → {self.new}" if self.old != self.new else f"kept {self.new}"
         cost = f"; cost {self.cost_sec:.1f} s" if self.cost_sec else ""
-        return f"{what[self.kind]} at step {self.step}: {change} ({self.reason}{cost})"
+        trial = "; a trial of the tuning, not a re-size" if self.trial else ""
+        return f"{what[self.kind]} at step {self.step}: {change} ({self.reason}{cost}{trial})"
 
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -352,7 +354,8 @@ class Decision:
                    expected_gain_sec=_optional_number(entry.get("expected_gain_sec"), f"{where}.expected_gain_sec"),
                    planned_steps=_optional(entry.get("planned_steps"), int, f"{where}.planned_steps"),
                    budget_gb=_optional_number(entry.get("budget_gb"), f"{where}.budget_gb"),
-                   rule=_optional(entry.get("rule"), str, f"{where}.rule"))
+                   rule=_optional(entry.get("rule"), str, f"{where}.rule"),
+                   trial=_optional(entry.get("trial"), bool, f"{where}.trial") or False)
 
 
 @dataclass

@@ -245,11 +245,12 @@ def test_a_slower_split_is_left_and_the_run_goes_back_to_the_configured_one(toke
     assert [s["step"] for s in step_lines(tmp_path)] == list(range(1, 31))
 
 
-@pytest.mark.parametrize("max_resizes", [0, 1])
+@pytest.mark.parametrize("max_resizes", [pytest.param(0, marks=pytest.mark.launch), 1])
 def test_a_larger_split_that_runs_out_of_memory_is_left_and_nothing_is_lost(tokenizer, tmp_path, max_resizes):
     """The tuning's own trials that run out of memory (8×1, then 4×2) are left and the run goes on: they spend none
     of ``max_resizes`` (with 0 the configured split, which fits, trains to the end; with 1 a real OOM later still
-    gets its re-size)."""
+    gets its re-size). The fast suite runs the case of 1 (two trial OOMs, then the real one re-sizes); 0 runs with
+    the launch suite, as do the matrix's tuning cells of it for every trainer."""
     clock = PlantedClock()
     plant = PlantedOOM(limit=2, text=CUDA_OOM)
     real = Fault("forward", at=12) if max_resizes else None      # at the kept split, after the tuning
@@ -260,16 +261,17 @@ def test_a_larger_split_that_runs_out_of_memory_is_left_and_nothing_is_lost(toke
     if real:
         real.attach(trainer)
     train_with_tuning(trainer, max_resizes=max_resizes)
-    kinds = [(d.kind, d.old.micro_batch, d.new.micro_batch) for d in tuner.session.decisions]
+    kinds = [(d.kind, d.old.micro_batch, d.new.micro_batch, d.trial) for d in tuner.session.decisions]
     # the largest first; out of memory: straight on to the next largest; then the walk down (1×8, slower): back
-    assert kinds[0][0] == "tune" and kinds[0][2] == 2
-    tried = {t.split.micro_batch: t for t in tuner.session.decisions[0].trials}
+    assert kinds[:3] == [("oom", 8, 4, True), ("oom", 4, 1, True), ("tune", 2, 2, False)]
+    tried = {t.split.micro_batch: t for t in tuner.session.decisions[2].trials}
     assert tried[8].error == tried[4].error == "out of memory" and len(tried[1].samples) == 1
     assert [s["step"] for s in step_lines(tmp_path)] == list(range(1, 14)) and trainer.state.global_step == 13
     if max_resizes:
-        assert kinds[1:] == [("oom", 2, 1)] and tuner.session.resizes == 1 and real.fired == 1
+        assert kinds[3:] == [("oom", 2, 1, False)] and tuner.session.resizes == 1 and real.fired == 1
     else:
-        assert kinds[1:] == [] and tuner.session.resizes == 0
+        assert kinds[3:] == [] and tuner.session.resizes == 0
+    assert {s["tuner/resizes"] for s in step_lines(tmp_path)} <= {0, 1}                 # the trials count none
     assert os.listdir(tmp_path / "tuner_switch") == []                      # the trials' checkpoints are gone
     assert [n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")] == (["checkpoint-11"] if max_resizes
                                                                                  else [])

@@ -376,8 +376,8 @@ def _recover_from_oom(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
                       trial: bool = False) -> str | None:
     """Plan the next split and the checkpoint to resume from (ValueError when no smaller split is left,
     :class:`InexactResize` when the smaller ones are not exact for this run). A split under trial that ran out of
-    memory (``trial``) is left: the run goes on at the next candidate or the tuning baseline, no re-size counted and
-    no ``oom`` decision (the tuning's decision lists it)."""
+    memory (``trial``) is left: the run goes on at the next candidate or the tuning baseline, recorded as an ``oom``
+    decision marked ``trial`` (no re-size: it spends none of ``max_resizes``, nor counts in ``tuner/resizes``)."""
     reason = f"out of memory: {error_line(error)[:160]}"
     old = session.split
     tuning = session.tuning
@@ -413,12 +413,7 @@ def _recover_from_oom(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
                                    f"checkpoint to resume from") from error
             session.warn_once("fallback", f"saving checkpoint-{step} failed ({save_error}): resuming from "
                                           f"{checkpoint}; steps after it are trained again")
-    if trial:
-        if session.bus is not None:
-            session.bus.event("tuner", "action", f"the tuning's trial of {old} ran out of memory at step {step}: "
-                                                 f"left, going on at {new} (not a re-size)", step=step)
-    else:
-        session.decide("oom", reason, new, step, checkpoint=checkpoint)
+    session.decide("oom", reason, new, step, old=old, checkpoint=checkpoint, trial=trial)
     session.request_switch(new, reason)
     _prepare_resume(trainer, session, tuner)
     logger.warning("[tuner] %s at step %d: resuming from %s with split %s", reason, step, checkpoint or "the start",

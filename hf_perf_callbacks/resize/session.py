@@ -233,8 +233,9 @@ class TuningSession:
 
     @property
     def resizes(self) -> int:
-        """Re-sizes forced by memory (out-of-memory errors and the watchdog's requests)."""
-        return sum(d.kind in ("oom", "watchdog") for d in self.decisions)
+        """Re-sizes forced by memory (out-of-memory errors and the watchdog's requests; not the tuning's trials that
+        ran out of memory)."""
+        return sum(d.kind in ("oom", "watchdog") and not d.trial for d in self.decisions)
 
     # ------------------------------------------------------------ the RNG a checkpoint holds
     def note_rng(self, step: int, epoch_start: bool = False) -> None:

@@ -1,7 +1,7 @@
 """MPSCacheClearer: clear the allocator cache when it pays, not every step."""
 from __future__ import annotations
 
-from . import runlog as keys
+from . import keys
 from .base import Clock, PerfCallback
 from .bus import SIGNAL_CLEAR
 from .device import GB, DeviceLayer

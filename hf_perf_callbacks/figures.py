@@ -40,7 +40,7 @@ import bisect
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from . import runlog as keys
+from . import keys
 from .runlog import PHASES, EventLine, LogRow, ReadStep, RunLog, StepLine, number
 from .stats import median, quantile
 

@@ -20,7 +20,7 @@ import math
 import os
 from collections.abc import Sequence
 
-from . import runlog as keys
+from . import keys
 from .figures import LogStep, figures, last_value, ranges_text, run_events, step_ranges, train_column, train_seconds
 from .runlog import PHASES, ReportError, RunLog, number
 from .splitfile import Decision, SplitFile, read_split_file, trial_figures

@@ -14,7 +14,7 @@ this module, the plots and :mod:`hf_perf_callbacks.analysis`.
 """
 from __future__ import annotations
 
-from . import runlog as keys
+from . import keys
 from .figures import completion_stats, figures, ranges_text, run_events, step_ranges, trainer_logs
 from .plots import plot_all as _plot_all
 from .runlog import PERF_LOG, EventLine, RunLog, number

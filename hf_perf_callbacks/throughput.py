@@ -9,8 +9,7 @@ from typing import Any
 import psutil
 import torch
 
-from . import adapter
-from . import runlog as keys
+from . import adapter, keys
 from .base import Clock, PerfCallback
 from .dataloader import dataloader_advice
 from .device import DeviceLayer, dtype_key, gather_floats, world_size

@@ -31,8 +31,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from . import recipes
-from . import runlog as keys
+from . import keys, recipes
 from .batching import Split
 from .splitfile import split_for_run
 

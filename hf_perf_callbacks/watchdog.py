@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from . import runlog as keys
+from . import keys
 from .base import Clock, PerfCallback
 from .bus import SIGNAL_CLEAR, SIGNAL_SMALLER_BATCH
 from .device import GB, DeviceLayer, MemorySample, gather_floats, world_size

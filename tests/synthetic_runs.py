@@ -16,7 +16,7 @@ import os
 import random
 from dataclasses import dataclass, field
 
-from hf_perf_callbacks import runlog as keys
+from hf_perf_callbacks import keys
 from hf_perf_callbacks.batching import Split, exact_splits
 from hf_perf_callbacks.resize.tuning import Finished, OnRunTuning, Switch
 from hf_perf_callbacks.runlog import EventLine, LogWriter, RunHeader, StepLine, SummaryLine

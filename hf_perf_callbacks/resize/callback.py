@@ -13,8 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from .. import adapter
-from .. import runlog as keys
+from .. import adapter, keys
 from ..base import Clock, PerfCallback
 from ..batching import next_smaller
 from ..bus import SIGNAL_SMALLER_BATCH

@@ -46,6 +46,8 @@ import torch.distributed as dist
 from common import GB, table, tokenizer, write_result
 from transformers import TrainerCallback
 
+from hf_perf_callbacks.runlog import read_run
+
 
 def option(name: str, default: str) -> str:
     return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
@@ -420,14 +422,20 @@ def restart_after_the_guard(relaunch: bool) -> None:
             "split": [args.per_device_train_batch_size, args.gradient_accumulation_steps],
             "decisions": [(d.kind, d.step, d.new.micro_batch, d.checkpoint) for d in tuner.session.decisions],
             "perf_log_steps": [x["step"] for x in lines if x["type"] == "step"],
+            # what the report reads: a step the first launch logged after its checkpoint (rank 0 may finish the
+            # step before the other rank's OOM ends the launch) is re-run by the relaunch, whose line replaces it
+            "read_steps": [s.step for s in read_run(out).unique_steps()] if RANK == 0 else [],
             "guard_off_at": [x["step"] for x in lines if x["type"] == "event" and "guard is off" in x["message"]]}
     everyone = gathered(mine)
     if RANK == 0:
+        logged = everyone[0]["perf_log_steps"]       # twice only for steps after the checkpoint the relaunch resumed
+        resumed = max((int(d[3].rsplit("-", 1)[1]) for d in mine["decisions"] if d[3]), default=0)
         write_result(NAME + "_restart", {
             "ranks": everyone, "started_again": all(r["attempt"] >= 1 or r["relaunch"] for r in everyone),
             "reached_max_steps": all(r["reached"] == steps for r in everyone),
             "split_recorded_and_applied": all(r["split"] == [2, 2] for r in everyone),
-            "logged_once": everyone[0]["perf_log_steps"] == list(range(1, steps + 1))})
+            "logged_once": everyone[0]["read_steps"] == list(range(1, steps + 1)) and all(
+                step > resumed for step in set(logged) if logged.count(step) > 1)})
 
 
 def same_decisions(a: dict, b: dict) -> bool:

@@ -53,6 +53,9 @@ FSDP2's iteration state (torch < 2.13, where      an OOM that aborted FSDP2's fo
 ``Accelerator.prepare`` reads it                  second ``train()`` in one process prepares the wrapped model
                                                   again and fails looking up its layer classes by name (FSDP2
                                                   renamed them ``FSDP<Layer>``) or checkpoints them twice
+``Trainer._load_optimizer_and_scheduler``,         accelerate < 1.13 resumes an FSDP2 optimizer from a sharded
+accelerate's ``_prepare_sd_options``              checkpoint without its state (momentum, Adam moments); the
+                                                  state is loaded again as accelerate 1.13 loads it
 the ``transformers.trainer_utils`` logger         a resume compares the arguments with the checkpoint's
 (``compare_trainer_and_checkpoint_args``)         ``trainer_state.json`` and logs a changed batch size as a
                                                   mismatch; the package's own re-size changes it on purpose
@@ -475,6 +478,59 @@ def fsdp2_prepared_again(trainer) -> Iterator[None]:
     finally:
         del plugin.set_auto_wrap_policy
         plugin.activation_checkpointing = checkpointing
+#: accelerate before 1.13 loads an FSDP2 optimizer's sharded checkpoint into ``optimizer.state_dict()`` of the
+#: optimizer ``train()`` has just made — which holds no state yet — so a resume restores no momentum and no Adam
+#: moments, silently; 1.13 reads the state through ``get_optimizer_state_dict`` first
+FSDP2_OPTIMIZER_RESUME_FIXED = (1, 13)
+
+
+@contextlib.contextmanager
+def fsdp2_optimizer_state_restored(trainer) -> Iterator[None]:
+    """Resumes under FSDP2 with a sharded state dict restore the optimizer's state also on accelerate < 1.13: after
+    ``Trainer._load_optimizer_and_scheduler`` (its only route to accelerate's ``load_fsdp_optimizer``) the state is
+    read again as accelerate 1.13 reads it (``get_optimizer_state_dict``, ``torch.distributed.checkpoint.load``,
+    ``set_optimizer_state_dict``). Does nothing on accelerate ≥ 1.13, without FSDP2 or with a full state dict."""
+    import accelerate
+
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "fsdp_plugin", None)
+    version = tuple(int(part) for part in accelerate.__version__.split(".")[:2] if part.isdigit())
+    if (plugin is None or getattr(plugin, "fsdp_version", 1) != 2 or version >= FSDP2_OPTIMIZER_RESUME_FIXED
+            or "FULL" in str(plugin.state_dict_type)):
+        yield
+        return
+
+    def make(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def load(checkpoint: str | None) -> None:
+            original(checkpoint)
+            if checkpoint is not None:
+                _load_fsdp2_optimizer(plugin, trainer, checkpoint)
+        return load
+
+    undo = replace_method(trainer, "_load_optimizer_and_scheduler", make)
+    try:
+        yield
+    finally:
+        undo()
+
+
+def _load_fsdp2_optimizer(plugin, trainer, checkpoint: str) -> None:
+    import os
+
+    import torch.distributed.checkpoint as dist_cp
+    from accelerate.utils.constants import OPTIMIZER_NAME
+    from accelerate.utils.fsdp_utils import _prepare_sd_options
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    folder = os.path.join(checkpoint, f"{OPTIMIZER_NAME}_0")
+    if not os.path.isdir(folder):
+        return
+    options = _prepare_sd_options(plugin)
+    state = {"optimizer": get_optimizer_state_dict(trainer.model, trainer.optimizer, options=options)}
+    dist_cp.load(state, checkpoint_id=folder, storage_reader=dist_cp.FileSystemReader(folder))
+    set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optimizer"], options=options)
+
+
 # ---------------------------------------------------------------- the console during the package's own re-sizes
 #: the logger of transformers' check of a resume's arguments against the checkpoint's ``trainer_state.json``
 #: (``trainer_utils.compare_trainer_and_checkpoint_args``) and the start of its batch-size line

@@ -265,6 +265,28 @@ def test_fsdp2_internals_the_in_process_resume_relies_on_are_there():
     assert "self._state_ctx" in state_source and "all_states" in state_source
     assert "_fsdp_param_groups" in state_source or "_fsdp_param_group" in state_source
 
+
+def test_the_fsdp2_optimizer_resume_fix_names_what_it_relies_on():
+    """``fsdp2_optimizer_state_restored`` wraps ``Trainer._load_optimizer_and_scheduler`` (transformers' only call of
+    accelerate's ``load_fsdp_optimizer``) and reads the sharded optimizer state with accelerate's private
+    ``fsdp_utils._prepare_sd_options`` and ``constants.OPTIMIZER_NAME``, on accelerate < 1.13 only (where
+    ``load_fsdp_optimizer`` loads into a stateless ``optimizer.state_dict()``). The two-rank FSDP2 recovery on the
+    oldest tested versions (``tests/test_fsdp.py``, launch) shows the state restored; this names the internals."""
+    import inspect
+
+    import accelerate
+    from accelerate.utils import constants, fsdp_utils
+    from transformers import Trainer
+
+    from hf_perf_callbacks import adapter
+
+    assert "load_fsdp_optimizer(" in inspect.getsource(Trainer._load_optimizer_and_scheduler)
+    assert callable(fsdp_utils._prepare_sd_options) and constants.OPTIMIZER_NAME == "optimizer"
+    loads = inspect.getsource(fsdp_utils.load_fsdp_optimizer)
+    version = tuple(int(p) for p in accelerate.__version__.split(".")[:2])
+    assert ("get_optimizer_state_dict" in loads) == (version >= adapter.FSDP2_OPTIMIZER_RESUME_FIXED)
+
+
 class LogRecords(logging.Handler):
     def __init__(self):
         super().__init__()

@@ -155,8 +155,8 @@ def _train(trainer, tuner: AdaptiveBatchTuner, bus, resume_from_checkpoint, tune
                 guard.arm()                          # after a start and every change (FSDP: off once stable)
             switching = False
             try:
-                with adapter.fsdp2_prepared_again(trainer), (adapter.own_resume() if resized
-                                                             else contextlib.nullcontext()):
+                with adapter.fsdp2_prepared_again(trainer), adapter.fsdp2_optimizer_state_restored(trainer), (
+                        adapter.own_resume() if resized else contextlib.nullcontext()):
                     output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
             except SwitchSplit:                           # the step after a switch's step began: switch now
                 switching = True

@@ -242,10 +242,11 @@ def recover(out):
 
 
 if __name__ == "__main__":
-    if sys.argv[2] == "restart":
+    mode = sys.argv[2] if len(sys.argv) > 2 else "main"
+    if mode == "restart":
         restart(sys.argv[1], relaunch=sys.argv[3:] == ["relaunch"])
         shut_down()
-    elif sys.argv[2] == "recover":
+    elif mode == "recover":
         recover(sys.argv[1])
         shut_down()
     else:

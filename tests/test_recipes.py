@@ -13,11 +13,12 @@ import sys
 import pytest
 import yaml
 
-from hf_perf_callbacks import recipes, train
+from hf_perf_callbacks import train
 from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.splitfile import SplitFile, read_split_file
 from hf_perf_callbacks.tasks import wordle
 from hf_perf_callbacks.tiny import save_tiny_model
+from hf_perf_callbacks.train import recipes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = recipes.recipe_names()

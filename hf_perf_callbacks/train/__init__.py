@@ -8,7 +8,7 @@ hf-perf train --config mac-16gb-qwen1.5b                          # same
 hf-perf train --config my.yaml                                    # a recipe file (a path that exists wins)
 ```
 
-``--config`` takes a packaged recipe's name (:mod:`hf_perf_callbacks.recipes`) or a YAML file. Keys are fields of
+``--config`` takes a packaged recipe's name (:mod:`hf_perf_callbacks.train.recipes`) or a YAML file. Keys are fields of
 ``RecipeArguments`` (below), TRL's ``GRPOConfig`` and ``ModelConfig`` (TRL's ``TrlParser`` over the three);
 command-line flags override the YAML. Unknown keys, values of the wrong type, impossible batch geometry and
 precision the device lacks fail before the model loads, with the fix in the message; so do a model that cannot be
@@ -31,9 +31,10 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from . import keys, recipes
-from .batching import Split
-from .splitfile import split_for_run
+from .. import keys
+from ..batching import Split
+from ..splitfile import split_for_run
+from . import recipes
 
 logger = logging.getLogger("hf_perf_callbacks.train")   # also when run as __main__
 
@@ -292,7 +293,7 @@ def world_size_from_env() -> int:
 
 def detect_device(use_cpu: bool = False) -> tuple[str, bool, str]:
     """``(kind, bf16_supported, description)`` of the device the trainer will use."""
-    from .device import DeviceLayer
+    from ..device import DeviceLayer
 
     if use_cpu:
         return "cpu", True, "the CPU (use_cpu: true)"
@@ -461,7 +462,7 @@ def resolve_checkpoint(resume: str | None, output_dir: str) -> str | None:
     if resume is None or not _resuming(resume):
         return None
     if resume == "last":
-        from .resize.checkpoints import newest_complete
+        from ..resize.checkpoints import newest_complete
 
         last = newest_complete(output_dir)
         if last is None:
@@ -591,7 +592,7 @@ def build_datasets(recipe: RecipeArguments, seed: int, conversational: bool):
         raise RecipeError(f"dataset_size={recipe.dataset_size} / eval_dataset_size={recipe.eval_dataset_size}: "
                           f"expected dataset_size >= 1 and eval_dataset_size >= 0")
     if recipe.dataset == "wordle":
-        from .tasks import wordle
+        from ..tasks import wordle
 
         train = wordle.make_dataset(recipe.dataset_size, seed=seed, split=recipe.dataset_split,
                                     conversational=conversational)
@@ -750,7 +751,7 @@ def _describe(recipe, args, model_args, callbacks) -> str:
 def _report(output_dir: str) -> None:
     """End-of-run report; a failure here is logged and does not fail the finished run."""
     try:
-        from .run_report import report_command
+        from ..run_report import report_command
 
         report_command(output_dir)
     except Exception:                                  # training and checkpoints are already saved
@@ -797,12 +798,12 @@ def run(recipe: RecipeArguments, training_args, model_args) -> int:
         logger.info(_describe(recipe, training_args, model_args, callbacks))
 
     if callbacks:                                      # the report words its advice as this launcher's recipe keys
-        from .bus import bus_for
+        from ..bus import bus_for
 
         bus_for(trainer.callback_handler).mark_runs(launcher="hf-perf train")
     resume = training_args.resume_from_checkpoint
     if any(type(cb).__name__ == "AdaptiveBatchTuner" for cb in callbacks):
-        from .resize import train_with_tuning
+        from ..resize import train_with_tuning
 
         train_with_tuning(trainer, resume_from_checkpoint=resume, tune=recipe.tune)
     else:
@@ -836,7 +837,3 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as error:
         print(f"hf_perf_callbacks.train: error: {error}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -406,6 +406,32 @@ def test_all_typos_are_reported_at_once(tmp_path):
     assert "'lora_r'" in text and "'num_generations'" in text and "'--max_steps'" in text and "env" not in text
 
 
+@pytest.mark.parametrize("values, world, expected", [
+    ({"per_device_train_batch_size": 2, "gradient_accumulation_steps": 3, "num_generations": 3}, 2, Split(2, 3, 3)),
+    ({"per_device_train_batch_size": 2, "gradient_accumulation_steps": 3, "num_generations": 4,
+      "steps_per_generation": 4}, 1, Split(2, 3, 4)),
+    ({"per_device_train_batch_size": 2, "gradient_accumulation_steps": 3, "num_generations": 4,
+      "generation_batch_size": 16}, 2, Split(2, 3, 4)),
+])
+def test_batch_geometry_returns_the_splits_generation_batch(values, world, expected):
+    assert checks.check_batch_geometry(values, world) == expected.generation_batch(world)
+
+
+def test_batch_geometry_suggests_the_next_whole_group_accumulation():
+    values = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 3, "num_generations": 4}
+    with pytest.raises(train.RecipeError, match=r"gradient_accumulation_steps \(3\) = 3, .* multiple of 4, e\.g\. 4,"):
+        checks.check_batch_geometry(values, 1)
+
+
+def test_the_launchers_default_callbacks_are_default_callbacks():
+    """One list of the package's callbacks: the launcher's default builds what ``default_callbacks()`` builds."""
+    from hf_perf_callbacks import default_callbacks
+
+    names = [type(callback).__name__ for callback in default_callbacks()]
+    assert train.RecipeArguments().callbacks == names
+    assert [type(c).__name__ for c in build.build_callbacks(train.RecipeArguments().callbacks, {})] == names
+
+
 def test_recipe_fields_do_not_collide_with_trl():
     import dataclasses
 

@@ -49,7 +49,8 @@ def check_batch_geometry(values: Mapping, world_size: int = 1) -> int:
     """GRPO's batch rule, checked with a clear fix before ``GRPOConfig`` runs its own; returns the generation batch.
 
     ``generation_batch_size = per_device_train_batch_size × world × steps_per_generation`` (which defaults to
-    ``gradient_accumulation_steps``) must be a multiple of ``num_generations``, and ``num_generations ≥ 2``.
+    ``gradient_accumulation_steps``; :meth:`~hf_perf_callbacks.batching.Split.generation_batch`) must be a multiple of
+    ``num_generations``, and ``num_generations ≥ 2``.
     """
     ngen = values["num_generations"]
     micro, accum = values["per_device_train_batch_size"], values["gradient_accumulation_steps"]
@@ -65,71 +66,83 @@ def check_batch_geometry(values: Mapping, world_size: int = 1) -> int:
         raise RecipeError(f"generation_batch_size={gbs} and steps_per_generation={spg} are both set: set only one "
                           f"(or neither: the generation batch then is per_device_train_batch_size × world size × "
                           f"gradient_accumulation_steps)")
-    if gbs is not None:
-        if gbs % per_step:
-            raise RecipeError(f"generation_batch_size={gbs} is not allowed: it must be a multiple of "
-                              f"per_device_train_batch_size ({micro}) × world size ({world_size}) = {per_step}")
-        formula = f"generation_batch_size = {gbs}"
-    else:
-        steps = spg if spg is not None else accum
-        gbs = per_step * steps                           # micro × world × steps (Split.generation_batch)
-        what = "steps_per_generation" if spg is not None else "gradient_accumulation_steps"
-        formula = (f"generation_batch_size = per_device_train_batch_size ({micro}) × world size ({world_size}) × "
-                   f"{what} ({steps}) = {gbs}")
-    if gbs % ngen:
+    if gbs is not None and gbs % per_step:
+        raise RecipeError(f"generation_batch_size={gbs} is not allowed: it must be a multiple of "
+                          f"per_device_train_batch_size ({micro}) × world size ({world_size}) = {per_step}")
+    steps = gbs // per_step if gbs is not None else spg if spg is not None else accum
+    generation = Split(micro, accum, steps).generation_batch(world_size)
+    assert generation is not None                      # steps_per_generation is set
+    what = "steps_per_generation" if spg is not None else "gradient_accumulation_steps"
+    formula = (f"generation_batch_size = {gbs}" if gbs is not None else
+               f"generation_batch_size = per_device_train_batch_size ({micro}) × world size ({world_size}) × "
+               f"{what} ({steps}) = {generation}")
+    if generation % ngen:
         step = ngen // math.gcd(per_step, ngen)
-        fixed = ((gbs // per_step) // step + 1) * step
         raise RecipeError(f"{formula}, which is not a multiple of num_generations ({ngen}): every prompt needs all "
                           f"its {ngen} completions in one generation batch. Set gradient_accumulation_steps (or "
-                          f"steps_per_generation) to a multiple of {step}, e.g. {fixed}, or num_generations to a "
-                          f"divisor of {gbs} that is >= 2")
-    return gbs
+                          f"steps_per_generation) to a multiple of {step}, e.g. {(steps // step + 1) * step}, or "
+                          f"num_generations to a divisor of {generation} that is >= 2")
+    return generation
 
 
 def check_recipe(values: Mapping, *, device: str, bf16_supported: bool, device_name: str | None = None,
                  world_size: int = 1, accelerate_mixed_precision: str | None = None) -> None:
-    """Reject impossible combinations with what to change: GRPO batch rule, bf16 on a device without it,
-    ``device_map: auto`` on MPS. ``values`` are the merged recipe values (see :func:`raw_values`)."""
-    device_name = device_name or device
-    gbs = check_batch_geometry(values, world_size)
+    """Reject impossible combinations with what to change: GRPO batch rule, the evaluation batch, a Wordle dataset
+    smaller than one generation batch, bf16 on a device without it, ``device_map: auto`` on MPS. ``values`` are the
+    merged recipe values (see :func:`~hf_perf_callbacks.train.arguments.raw_values`)."""
+    generation = check_batch_geometry(values, world_size)
     length = values.get("max_completion_length")
     if length is not None and (not isinstance(length, int) or length < 1):
         raise RecipeError(f"max_completion_length={length!r} is not allowed: expected an integer >= 1")
-
-    if values.get("eval_dataset_size", 0) and values.get("eval_strategy", "no") != "no":
-        ngen = values.get("num_generations_eval") or values["num_generations"]
-        eval_batch = values["per_device_eval_batch_size"] * world_size
-        if eval_batch % ngen:
-            raise RecipeError(f"per_device_eval_batch_size ({values['per_device_eval_batch_size']}) × world size "
-                              f"({world_size}) = {eval_batch} is not a multiple of num_generations"
-                              f"{'_eval' if values.get('num_generations_eval') else ''} ({ngen}): set "
-                              f"per_device_eval_batch_size to a multiple of {ngen // math.gcd(world_size, ngen)}")
-
-    if values.get("dataset", "wordle") == "wordle":
-        prompts = gbs // values["num_generations"]
-        if values.get("dataset_size", prompts) < prompts:
-            raise RecipeError(f"dataset_size={values['dataset_size']} is too small: one generation batch takes "
-                              f"{prompts} prompts ({gbs} completions / num_generations {values['num_generations']})")
-
+    _check_eval_batch(values, world_size)
+    _check_dataset_size(values, generation)
     if not bf16_supported and not values.get("use_cpu"):
-        where = (f"but {device_name} has no bf16" if device != "cpu" else
-                 "on a machine without a GPU, and use_cpu is not set (a recipe for a GPU or a Mac?)")
-        bf16 = values.get("bf16")
-        wants_amp = (not values.get("fp16")) if bf16 is None else bf16
-        if wants_amp or values.get("bf16_full_eval"):
-            how = "bf16: true" if bf16 else "bf16 unset (TRL then turns bf16 on)"
-            raise RecipeError(f"bf16 mixed precision is requested ({how}) {where}: {_bf16_fix(device)}")
-        if str(values.get("dtype")) == "bfloat16":
-            raise RecipeError(f"dtype: bfloat16 loads the weights in bf16 {where}: {_bf16_fix(device)}")
-        if accelerate_mixed_precision == "bf16":
-            raise RecipeError(f"the accelerate config sets mixed_precision: bf16 {where}: launch with "
-                              f"--mixed_precision no")
-
+        _check_no_bf16(values, device, device_name or device, accelerate_mixed_precision)
     if device == "mps" and not values.get("use_cpu"):
         init_kwargs = as_dict(values.get("model_init_kwargs"), "model_init_kwargs")
         if init_kwargs.get("device_map") == "auto":
             raise RecipeError("model_init_kwargs sets device_map: auto, which segfaults on MPS during training "
                               "(TRL #7220): remove device_map; the trainer moves the model to MPS itself")
+
+
+def _check_eval_batch(values: Mapping, world_size: int) -> None:
+    """With evaluation on, the evaluation batch over all ranks holds whole prompt groups."""
+    if not values.get("eval_dataset_size", 0) or values.get("eval_strategy", "no") == "no":
+        return
+    ngen = values.get("num_generations_eval") or values["num_generations"]
+    eval_batch = values["per_device_eval_batch_size"] * world_size
+    if eval_batch % ngen:
+        raise RecipeError(f"per_device_eval_batch_size ({values['per_device_eval_batch_size']}) × world size "
+                          f"({world_size}) = {eval_batch} is not a multiple of num_generations"
+                          f"{'_eval' if values.get('num_generations_eval') else ''} ({ngen}): set "
+                          f"per_device_eval_batch_size to a multiple of {ngen // math.gcd(world_size, ngen)}")
+
+
+def _check_dataset_size(values: Mapping, generation: int) -> None:
+    """The bundled Wordle dataset holds at least the prompts of one generation batch."""
+    if values.get("dataset", "wordle") != "wordle":
+        return
+    prompts = generation // values["num_generations"]
+    if values.get("dataset_size", prompts) < prompts:
+        raise RecipeError(f"dataset_size={values['dataset_size']} is too small: one generation batch takes "
+                          f"{prompts} prompts ({generation} completions / num_generations {values['num_generations']})")
+
+
+def _check_no_bf16(values: Mapping, device: str, device_name: str, accelerate_mixed_precision: str | None) -> None:
+    """On a device without bf16: no bf16 autocast (asked or TRL's default), no bf16 weights, no bf16 from the
+    accelerate config."""
+    where = (f"but {device_name} has no bf16" if device != "cpu" else
+             "on a machine without a GPU, and use_cpu is not set (a recipe for a GPU or a Mac?)")
+    bf16 = values.get("bf16")
+    wants_amp = (not values.get("fp16")) if bf16 is None else bf16
+    if wants_amp or values.get("bf16_full_eval"):
+        how = "bf16: true" if bf16 else "bf16 unset (TRL then turns bf16 on)"
+        raise RecipeError(f"bf16 mixed precision is requested ({how}) {where}: {_bf16_fix(device)}")
+    if str(values.get("dtype")) == "bfloat16":
+        raise RecipeError(f"dtype: bfloat16 loads the weights in bf16 {where}: {_bf16_fix(device)}")
+    if accelerate_mixed_precision == "bf16":
+        raise RecipeError(f"the accelerate config sets mixed_precision: bf16 {where}: launch with "
+                          f"--mixed_precision no")
 
 
 def _resuming(resume) -> bool:

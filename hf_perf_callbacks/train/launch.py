@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping
 
 from .. import keys
+from ..batching import Split
 from . import recipes
 from .arguments import (
     RecipeArguments,
@@ -111,11 +112,12 @@ def compact_console(trainer) -> None:
 
 
 def _describe(recipe, args, model_args, callbacks) -> str:
-    world, micro, accum = args.world_size, args.per_device_train_batch_size, args.gradient_accumulation_steps
+    world, split = args.world_size, Split(args.per_device_train_batch_size, args.gradient_accumulation_steps)
     lora = f", LoRA r={model_args.lora_r}" if model_args.use_peft else ""
     names = ", ".join(type(cb).__name__ for cb in callbacks) or "none"
     return (f"recipe: {model_args.model_name_or_path} ({model_args.dtype}{lora}) on {args.device.type} × {world}; "
-            f"micro-batch {micro} × accumulation {accum} × world {world} = {micro * accum * world} completions per "
+            f"micro-batch {split.micro_batch} × accumulation {split.grad_accum} × world {world} = "
+            f"{split.effective_batch(world)} completions per "
             f"optimizer step; generation batch {args.generation_batch_size} = "
             f"{args.generation_batch_size // args.num_generations} prompts × {args.num_generations}; "
             f"max_completion_length {args.max_completion_length}; dataset {recipe.dataset}; callbacks {names}")

@@ -8,6 +8,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Mapping
+from typing import Any
 
 from ..batching import Split
 from ..splitfile import split_for_run
@@ -45,7 +46,7 @@ def _bf16_fix(kind: str) -> str:
             }.get(kind, "set use_cpu: true to train on the CPU, or bf16: false and dtype: float32")
 
 
-def check_batch_geometry(values: Mapping, world_size: int = 1) -> int:
+def check_batch_geometry(values: Mapping[str, Any], world_size: int = 1) -> int:
     """GRPO's batch rule, checked with a clear fix before ``GRPOConfig`` runs its own; returns the generation batch.
 
     ``generation_batch_size = per_device_train_batch_size × world × steps_per_generation`` (which defaults to
@@ -85,7 +86,7 @@ def check_batch_geometry(values: Mapping, world_size: int = 1) -> int:
     return generation
 
 
-def check_recipe(values: Mapping, *, device: str, bf16_supported: bool, device_name: str | None = None,
+def check_recipe(values: Mapping[str, Any], *, device: str, bf16_supported: bool, device_name: str | None = None,
                  world_size: int = 1, accelerate_mixed_precision: str | None = None) -> None:
     """Reject impossible combinations with what to change: GRPO batch rule, the evaluation batch, a Wordle dataset
     smaller than one generation batch, bf16 on a device without it, ``device_map: auto`` on MPS. ``values`` are the
@@ -105,7 +106,7 @@ def check_recipe(values: Mapping, *, device: str, bf16_supported: bool, device_n
                               "(TRL #7220): remove device_map; the trainer moves the model to MPS itself")
 
 
-def _check_eval_batch(values: Mapping, world_size: int) -> None:
+def _check_eval_batch(values: Mapping[str, Any], world_size: int) -> None:
     """With evaluation on, the evaluation batch over all ranks holds whole prompt groups."""
     if not values.get("eval_dataset_size", 0) or values.get("eval_strategy", "no") == "no":
         return
@@ -118,7 +119,7 @@ def _check_eval_batch(values: Mapping, world_size: int) -> None:
                           f"per_device_eval_batch_size to a multiple of {ngen // math.gcd(world_size, ngen)}")
 
 
-def _check_dataset_size(values: Mapping, generation: int) -> None:
+def _check_dataset_size(values: Mapping[str, Any], generation: int) -> None:
     """The bundled Wordle dataset holds at least the prompts of one generation batch."""
     if values.get("dataset", "wordle") != "wordle":
         return
@@ -128,7 +129,8 @@ def _check_dataset_size(values: Mapping, generation: int) -> None:
                           f"{prompts} prompts ({generation} completions / num_generations {values['num_generations']})")
 
 
-def _check_no_bf16(values: Mapping, device: str, device_name: str, accelerate_mixed_precision: str | None) -> None:
+def _check_no_bf16(values: Mapping[str, Any], device: str, device_name: str,
+                   accelerate_mixed_precision: str | None) -> None:
     """On a device without bf16: no bf16 autocast (asked or TRL's default), no bf16 weights, no bf16 from the
     accelerate config."""
     where = (f"but {device_name} has no bf16" if device != "cpu" else
@@ -145,12 +147,12 @@ def _check_no_bf16(values: Mapping, device: str, device_name: str, accelerate_mi
                           f"--mixed_precision no")
 
 
-def _resuming(resume) -> bool:
+def _resuming(resume: object) -> bool:
     """Whether ``--resume_from_checkpoint`` asks for a resume (a path or ``last``; not unset, false or none)."""
     return bool(resume) and str(resume).lower() not in ("false", "none")
 
 
-def split_to_resume(values: Mapping, world_size: int = 1) -> dict | None:
+def split_to_resume(values: Mapping[str, Any], world_size: int = 1) -> dict[str, int] | None:
     """The split a batch tuner recorded in ``output_dir`` when this launch resumes that run, else None.
 
     The tuner re-sizes the split of a run that ran out of memory or found a faster one and writes it to
@@ -173,12 +175,12 @@ def split_to_resume(values: Mapping, world_size: int = 1) -> dict | None:
     return split.as_args() if split else None
 
 
-def config_with_split(args, split: Mapping):
+def config_with_split(args: Any, split: Mapping[str, int]) -> Any:
     """A copy of the parsed ``GRPOConfig`` (before any trainer exists) with a recorded split, keeping GRPO's
     generation batch: a split with ``steps_per_generation`` sets it and clears ``generation_batch_size`` (GRPOConfig
     accepts only one of the two); one without keeps the current ``generation_batch_size``. (``tuner.apply_split`` sets
     a split on a live trainer, in place.)"""
-    changes = {"per_device_train_batch_size": split["per_device_train_batch_size"],
+    changes: dict[str, int | None] = {"per_device_train_batch_size": split["per_device_train_batch_size"],
                "gradient_accumulation_steps": split["gradient_accumulation_steps"]}
     if split.get("steps_per_generation"):
         changes.update(steps_per_generation=split["steps_per_generation"], generation_batch_size=None)

@@ -78,7 +78,7 @@ def _first_comment(file: str) -> str:
     return line.lstrip("#").strip() if line.startswith("#") else ""
 
 
-def describe(name: str) -> dict:
+def describe(name: str) -> dict[str, str]:
     """``{"name", "machine", "model"}`` of a packaged recipe: the machine from its first line, the model from
     ``model_name_or_path``."""
     import yaml

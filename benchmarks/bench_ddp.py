@@ -1,5 +1,5 @@
 """Two GPUs, NCCL:
-``accelerate launch --config_file hf_perf_callbacks/recipes/accelerate/multi_gpu.yaml benchmarks/bench_ddp.py``.
+``accelerate launch --config_file recipes/accelerate/multi_gpu.yaml benchmarks/bench_ddp.py``.
 
 GRPO+LoRA on the 0.5B-shaped random model, bf16, DDP over two ranks:
 1. throughput is aggregated (global = sum over ranks, per device beside it) and logged once; the callbacks'

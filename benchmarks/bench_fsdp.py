@@ -1,4 +1,4 @@
-"""FSDP2 over several GPUs: ``accelerate launch --config_file hf_perf_callbacks/recipes/accelerate/fsdp.yaml
+"""FSDP2 over several GPUs: ``accelerate launch --config_file recipes/accelerate/fsdp.yaml
 [--num_processes N] benchmarks/bench_fsdp.py`` (or ``torchrun ... benchmarks/bench_fsdp.py --fsdp_args``, FSDP from
 ``TrainingArguments``, as a multi-node launch without an accelerate config does).
 

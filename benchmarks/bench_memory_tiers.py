@@ -3,7 +3,7 @@
 
 For each model size (0.5B, 1.5B, 3B, 7B: the shapes of the public ``config.json`` files, written below; random
 weights built directly on the GPU in bf16, nothing downloaded), each distinct memory-relevant setting of the Mac
-recipes (``hf_perf_callbacks/recipes/mac-*.yaml``: micro-batch, generation batch, LoRA rank and targets, activation
+recipes (``recipes/mac-*.yaml``: micro-batch, generation batch, LoRA rank and targets, activation
 checkpointing, ``bf16``, ``pad_to_multiple_of``) and each ``max_completion_length`` (256, 512), a short GRPO + LoRA run
 (``--steps`` optimizer steps, completions forced to the maximum length with ``min_new_tokens``) records
 
@@ -33,7 +33,8 @@ import torch
 import yaml
 from common import GB, environment, table, tokenizer, write_result
 
-from hf_perf_callbacks import estimate, recipes
+from hf_perf_callbacks import estimate
+from hf_perf_callbacks.train import recipes
 
 #: Hugging Face config keys of Qwen/Qwen2.5-{0.5B,1.5B,3B,7B}-Instruct (each model's config.json on the hub).
 QWEN25_CONFIGS = {

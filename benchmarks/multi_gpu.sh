@@ -44,7 +44,7 @@ else
   if [ "$N" -lt 2 ] || [ $(( N % 2 )) -ne 0 ]; then echo "multi_gpu.sh needs an even number of GPUs >= 2, got $N" >&2; exit 2; fi
   PER_NODE=$(( N / 2 )); FLAG=(); PREFIX=multi_gpu
   [ "$N" -ne 4 ] && PREFIX="multi_gpu_${N}gpu"
-  LAUNCH=(accelerate launch --config_file hf_perf_callbacks/recipes/accelerate/fsdp.yaml --num_processes "$N"
+  LAUNCH=(accelerate launch --config_file recipes/accelerate/fsdp.yaml --num_processes "$N"
           --main_process_port "$(free_port)")
   RESTARTING=("${LAUNCH[@]}" --max_restarts "${RESTARTS:-0}" --rdzv_backend c10d)
   NODE_GPUS=("$(seq -s, 0 $(( PER_NODE - 1 )))" "$(seq -s, "$PER_NODE" $(( N - 1 )))")

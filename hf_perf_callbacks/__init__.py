@@ -20,6 +20,10 @@ _LAZY = {"ThroughputMeter": ".throughput", "MemoryWatchdog": ".watchdog", "MPSCa
          "AdaptiveBatchTuner": ".resize", "train_with_tuning": ".resize"}
 
 
+#: the package's callbacks: what :func:`default_callbacks` builds, in this order (the recipe launcher's default too)
+CALLBACKS = ("ThroughputMeter", "MemoryWatchdog", "MPSCacheClearer", "AdaptiveBatchTuner")
+
+
 def __getattr__(name: str):
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
@@ -38,8 +42,7 @@ def default_callbacks(**overrides) -> list:
     ``overrides`` maps a callback class name to its keyword arguments, e.g.
     ``default_callbacks(ThroughputMeter={"window_steps": 20})``.
     """
-    classes = {name: __getattr__(name) for name in
-               ("ThroughputMeter", "MemoryWatchdog", "MPSCacheClearer", "AdaptiveBatchTuner")}
+    classes = {name: __getattr__(name) for name in CALLBACKS}
     unknown = set(overrides) - set(classes)
     if unknown:
         raise ValueError(f"default_callbacks got unknown callback name(s) {sorted(unknown)}: "

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 def recipes_command(args: argparse.Namespace) -> int:
     """``hf-perf recipes [list | copy NAME [DEST] | path NAME]``; 2 (message on stderr) for an unknown name or a
     DEST that exists."""
-    from . import recipes
+    from .train import recipes
 
     try:
         if args.action == "copy":

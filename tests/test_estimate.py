@@ -6,7 +6,6 @@ import re
 
 import pytest
 
-from hf_perf_callbacks import recipes
 from hf_perf_callbacks.estimate import (
     HEAD_TILE_TEMP_BYTES,
     HEAD_TOKEN_CHUNK,
@@ -23,6 +22,7 @@ from hf_perf_callbacks.estimate import (
     lora_param_count,
     model_from_config,
 )
+from hf_perf_callbacks.train import recipes
 
 SMALL = dict(layers=2, hidden=8, intermediate=16, heads=2, kv_heads=1, head_dim=4, vocab=10, params=1000)
 README = os.path.join(recipes.DIR, "README.md")

@@ -270,7 +270,7 @@ def test_invalid_sharding_inputs_name_the_parameter(overrides, match):
 
 
 def test_recipes_readme_fsdp_table_matches_the_function():
-    from hf_perf_callbacks import recipes
+    from hf_perf_callbacks.train import recipes
 
     readme = os.path.join(recipes.DIR, "README.md")
     rows = [line for line in open(readme, encoding="utf-8") if "| `cuda-fsdp-qwen7b.yaml` | Qwen2.5-7B" in line

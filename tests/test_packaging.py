@@ -12,43 +12,82 @@ import zipfile
 import pytest
 import yaml
 
-from hf_perf_callbacks import cli, recipes, train
+from hf_perf_callbacks import cli, train
+from hf_perf_callbacks.train import recipes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "hf_perf_callbacks")
 
 
-def packaged_files() -> list[str]:
-    """The recipe and accelerate files in the source tree, relative to the package."""
-    return sorted(os.path.relpath(p, PACKAGE) for p in glob.glob(os.path.join(recipes.DIR, "**", "*.yaml"),
-                                                                 recursive=True))
+RECIPES = os.path.join(ROOT, "recipes")
+INSTALLED = "hf_perf_callbacks/recipes/"          # where the wheel puts the recipes folder
 
 
-def test_the_wheel_holds_every_recipe_and_accelerate_config(tmp_path):
-    """Built the way pip builds it (setuptools, from a copy of the project: nothing written into the checkout)."""
+def folder_files(folder: str) -> dict[str, bytes]:
+    """``{path relative to folder: bytes}`` of every file under ``folder`` (no caches)."""
+    found = {}
+    for path in glob.glob(os.path.join(folder, "**", "*"), recursive=True):
+        if os.path.isfile(path) and "__pycache__" not in path:
+            found[os.path.relpath(path, folder).replace(os.sep, "/")] = open(path, "rb").read()
+    return found
+
+
+def build_wheel(tmp_path) -> str:
+    """The wheel built the way pip builds it (setuptools, from a copy of the project: nothing is written into the
+    checkout); its path."""
     pytest.importorskip("setuptools", minversion="77")      # the build backend pyproject.toml names
     source = tmp_path / "src"
     source.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(os.path.join(ROOT, name), source)
-    shutil.copytree(PACKAGE, source / "hf_perf_callbacks", ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("hf_perf_callbacks", "recipes"):
+        shutil.copytree(os.path.join(ROOT, folder), source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", ".",
                            "-w", str(tmp_path / "dist")], cwd=source, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (wheel,) = glob.glob(str(tmp_path / "dist" / "*.whl"))
-    names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {f"hf_perf_callbacks/{path}" for path in packaged_files()}
-    assert len(expected) == len(recipes.recipe_names()) + len(recipes.accelerate_names()) >= 10
-    assert expected <= names and "hf_perf_callbacks/recipes/__init__.py" in names
+    return wheel
+
+
+def test_the_wheel_carries_the_recipes_folder_byte_for_byte(tmp_path):
+    """The top-level ``recipes/`` (YAMLs, accelerate configs, README) is the one source: the wheel holds exactly its
+    files, unchanged, under ``hf_perf_callbacks/recipes/``; every package folder of the source is in the wheel (the
+    package list in pyproject.toml is explicit); and ``hf-perf recipes path`` run from the unpacked wheel alone
+    names the file inside it."""
+    wheel = build_wheel(tmp_path)
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = {name[len(INSTALLED):]: archive.read(name) for name in archive.namelist()
+                   if name.startswith(INSTALLED)}
+        names = set(archive.namelist())
+        archive.extractall(tmp_path / "installed")
+    source = folder_files(RECIPES)
+    assert len(source) == len(recipes.recipe_names()) + len(recipes.accelerate_names()) + 1 >= 11   # + README.md
+    assert shipped == source
+    packages = {os.path.relpath(os.path.dirname(p), ROOT).replace(os.sep, "/") + "/__init__.py"
+                for p in glob.glob(os.path.join(PACKAGE, "**", "__init__.py"), recursive=True)}
+    assert packages - names == set()
+    proc = subprocess.run([sys.executable, "-c", "import sys; from hf_perf_callbacks.cli import main; "
+                           "sys.exit(main(['recipes', 'path', 'accelerate/fsdp']))"],
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path / "installed")},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(tmp_path / "installed" / "hf_perf_callbacks" / "recipes" / "accelerate" /
+                                      "fsdp.yaml")
+
+
+def test_the_checkout_reads_the_top_level_folder():
+    """From a checkout (``PYTHONPATH=<checkout>``, an editable install) the recipes are the top-level folder's."""
+    assert os.path.samefile(recipes.DIR, RECIPES)
+    assert recipes.path("accelerate/mps") == os.path.join(RECIPES, "accelerate", "mps.yaml")
 
 
 def test_one_copy_of_each_recipe():
-    """The recipes live only in the package: no second copy among the project's files."""
+    """The recipes live only in the top-level folder: no second copy among the project's files."""
     proc = subprocess.run(["git", "ls-files", "*.yaml"], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         pytest.skip("not a git checkout")
     tracked = [os.path.basename(p) for p in proc.stdout.split()]
-    assert all(tracked.count(os.path.basename(p)) == 1 for p in packaged_files())
+    assert all(tracked.count(os.path.basename(p)) == 1 for p in folder_files(RECIPES) if p.endswith(".yaml"))
 
 
 # ---------------------------------------------------------------- hf-perf recipes

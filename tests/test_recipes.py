@@ -13,11 +13,12 @@ import sys
 import pytest
 import yaml
 
-from hf_perf_callbacks import recipes, train
+from hf_perf_callbacks import train
 from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.splitfile import SplitFile, read_split_file
 from hf_perf_callbacks.tasks import wordle
 from hf_perf_callbacks.tiny import save_tiny_model
+from hf_perf_callbacks.train import arguments, build, checks, launch, recipes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = recipes.recipe_names()
@@ -37,7 +38,7 @@ def target(name):
 
 
 def values_of(config: dict, args=()):
-    return train.raw_values(train.make_parser(), config, list(args))
+    return arguments.raw_values(arguments.make_parser(), config, list(args))
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def tiny_model(tmp_path_factory):
     return save_tiny_model(str(tmp_path_factory.mktemp("tiny_model")), corpus)
 
 
-def launch(cmd, tmp_path):
+def accelerate_launch(cmd, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "OMP_NUM_THREADS": "1",
            "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true"}
     env.pop("ACCELERATE_MIXED_PRECISION", None)
@@ -79,12 +80,12 @@ def check_run(out, world_size=1) -> list[dict]:
 # ---------------------------------------------------------------- the recipes themselves
 @pytest.mark.parametrize("name", NAMES)
 def test_recipe_parses_and_validates_for_its_machine(name):
-    config = train.read_recipe(recipe_path(name))
-    parser = train.make_parser()
-    train.check_keys(parser, config, [])
-    values = train.raw_values(parser, config, [])
+    config = arguments.read_recipe(recipe_path(name))
+    parser = arguments.make_parser()
+    arguments.check_keys(parser, config, [])
+    values = arguments.raw_values(parser, config, [])
     device, world = target(name)
-    train.check_recipe(values, device=device, bf16_supported=True, world_size=world)
+    checks.check_recipe(values, device=device, bf16_supported=True, world_size=world)
     assert values["dataset"] == "wordle" and values["beta"] == 0
     assert values["use_peft"] is ("fsdp" not in name)               # the FSDP recipe is a full fine-tune
     assert values["max_completion_length"] == 128
@@ -95,8 +96,8 @@ def test_recipe_parses_and_validates_for_its_machine(name):
         assert values["activation_checkpointing"] is True and values["bf16"] is False
         assert values["dataloader_num_workers"] == 0
         assert values["callback_kwargs"]["MemoryWatchdog"]["limit_gb"] > 0
-    train.build_callbacks([n for n in values["callbacks"]], values.get("callback_kwargs") or {})
-    train.resolve_reward_funcs(values["reward_funcs"], values["max_completion_length"])
+    build.build_callbacks([n for n in values["callbacks"]], values.get("callback_kwargs") or {})
+    build.resolve_reward_funcs(values["reward_funcs"], values["max_completion_length"])
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -206,7 +207,7 @@ def check_trained(out, name, world_size=1) -> list[dict]:
     """:func:`check_run`, and the recipe's own batch split trained with a finite loss; for the full path, the tuner's
     tuning decision and the report."""
     steps = check_run(out, world_size)
-    recipe = train.read_recipe(recipe_path(name))
+    recipe = arguments.read_recipe(recipe_path(name))
     effective = recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"] * world_size
     assert [s["tuner/effective_batch"] for s in steps] == [effective, effective]
     state = json.load(open(os.path.join(out, "trainer_state.json")))
@@ -230,7 +231,7 @@ def test_recipe_trains_two_steps_under_accelerate(name, tiny_model, tmp_path):
     """The real launcher, once: ``accelerate launch --cpu -m hf_perf_callbacks.train`` (the in-process test below
     trains every single-device recipe the same way, without a new process)."""
     out = tmp_path / "out"
-    proc = launch([ACCELERATE, "launch", "--num_processes", "1", "--cpu", "--num_machines", "1",
+    proc = accelerate_launch([ACCELERATE, "launch", "--num_processes", "1", "--cpu", "--num_machines", "1",
                    "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hf_perf_callbacks.train",
                    *recipe_flags(name, tiny_model, out)], tmp_path)
     check_trained(out, name)
@@ -274,7 +275,7 @@ def test_recipe_trains_two_steps_in_process(name, tiny_model, tmp_path, launcher
 
 
 def check_compact_console(out: str, output_dir) -> None:
-    """The console's log lines are TRL's own dict plus the callbacks' headline keys (``train.CONSOLE_KEYS``), while
+    """The console's log lines are TRL's own dict plus the callbacks' headline keys (``launch.CONSOLE_KEYS``), while
     ``log_history`` keeps every key of the callbacks."""
     import ast
 
@@ -284,8 +285,8 @@ def check_compact_console(out: str, output_dir) -> None:
     assert len(printed) == len(history) == 2
     for shown, logged in zip(printed, history):
         callbacks = {k for k in logged if k.startswith(("perf/", "mem/", "tuner/", "cache/"))}
-        assert len(callbacks - set(train.CONSOLE_KEYS)) >= 10                   # the full set reached log_history
-        assert set(shown) == set(logged) - {"step", "total_flos"} - (callbacks - set(train.CONSOLE_KEYS))
+        assert len(callbacks - set(launch.CONSOLE_KEYS)) >= 10                   # the full set reached log_history
+        assert set(shown) == set(logged) - {"step", "total_flos"} - (callbacks - set(launch.CONSOLE_KEYS))
         assert {"reward", "loss", "perf/tokens_per_sec", "tuner/micro_batch"} <= set(shown)
 
 
@@ -295,13 +296,13 @@ def test_ddp_recipe_runs_on_two_cpu_processes(tiny_model, tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    launch([ACCELERATE, "launch", "--config_file", recipes.path("accelerate/multi_gpu"),
+    accelerate_launch([ACCELERATE, "launch", "--config_file", recipes.path("accelerate/multi_gpu"),
             "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
             "-m", "hf_perf_callbacks.train", "--config", recipe_path("cuda-ddp-qwen1.5b"),
             "--model_name_or_path", tiny_model, "--output_dir", str(out), *CPU, "--tune", "false",
             "--report", "false"], tmp_path)
     steps = check_run(out, world_size=2)
-    recipe = train.read_recipe(recipe_path("cuda-ddp-qwen1.5b"))
+    recipe = arguments.read_recipe(recipe_path("cuda-ddp-qwen1.5b"))
     effective = recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"] * 2
     assert [s["tuner/effective_batch"] for s in steps] == [effective, effective]   # both ranks counted
     assert all(s["perf/tokens_per_sec"] > 0 for s in steps[1:])
@@ -313,7 +314,7 @@ def test_fsdp_accelerate_config():
     config = fsdp["fsdp_config"]
     assert config["fsdp_version"] == 2 and config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
     assert config["fsdp_state_dict_type"] == "SHARDED_STATE_DICT" and config["fsdp_offload_params"] is False
-    recipe = train.read_recipe(recipe_path("cuda-fsdp-qwen7b"))
+    recipe = arguments.read_recipe(recipe_path("cuda-fsdp-qwen7b"))
     assert config["fsdp_activation_checkpointing"] and recipe["activation_checkpointing"] is False   # not both
 
 
@@ -323,7 +324,7 @@ def test_the_fsdp_recipe_needs_sharding_and_fits_when_sharded():
     model."""
     from hf_perf_callbacks.estimate import QWEN25, estimate_grpo_memory
 
-    values = values_of(train.read_recipe(recipe_path("cuda-fsdp-qwen7b")))
+    values = values_of(arguments.read_recipe(recipe_path("cuda-fsdp-qwen7b")))
     gpus = yaml.safe_load(open(recipes.path("accelerate/fsdp")))["num_processes"]
     settings = dict(micro_batch=values["per_device_train_batch_size"], num_generations=values["num_generations"],
                     generation_batch=values["per_device_train_batch_size"] * values["gradient_accumulation_steps"],
@@ -352,7 +353,7 @@ def test_fsdp_recipe_runs_on_two_cpu_processes(tiny_model, tmp_path, monkeypatch
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     monkeypatch.setenv("PYTHONPATH", f"{shim}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    launch([ACCELERATE, "launch", "--config_file", recipes.path("accelerate/fsdp"),
+    accelerate_launch([ACCELERATE, "launch", "--config_file", recipes.path("accelerate/fsdp"),
             "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
             "-m", "hf_perf_callbacks.train", "--config", recipe_path("cuda-fsdp-qwen7b"),
             "--model_name_or_path", tiny_model, "--output_dir", str(out), *CPU, "--save_steps", "2",
@@ -381,7 +382,7 @@ def nothing_heavy(monkeypatch):
     """Fail the test if the launcher gets as far as loading a model."""
     def boom(*args, **kwargs):
         raise AssertionError("the model was loaded before the recipe was rejected")
-    monkeypatch.setattr(train, "build_model", boom)
+    monkeypatch.setattr(launch, "build_model", boom)
 
 
 def test_typo_in_recipe_names_the_key_and_closest_match(tmp_path, capsys, nothing_heavy):
@@ -398,11 +399,37 @@ def test_typo_on_command_line_names_the_flag_and_closest_match(tmp_path, capsys,
 
 
 def test_all_typos_are_reported_at_once(tmp_path):
-    parser = train.make_parser()
+    parser = arguments.make_parser()
     with pytest.raises(train.RecipeError) as error:
-        train.check_keys(parser, {"lora_rank": 8, "num_generation": 4, "env": {"A": "1"}}, ["--max_step", "3"])
+        arguments.check_keys(parser, {"lora_rank": 8, "num_generation": 4, "env": {"A": "1"}}, ["--max_step", "3"])
     text = str(error.value)
     assert "'lora_r'" in text and "'num_generations'" in text and "'--max_steps'" in text and "env" not in text
+
+
+@pytest.mark.parametrize("values, world, expected", [
+    ({"per_device_train_batch_size": 2, "gradient_accumulation_steps": 3, "num_generations": 3}, 2, Split(2, 3, 3)),
+    ({"per_device_train_batch_size": 2, "gradient_accumulation_steps": 3, "num_generations": 4,
+      "steps_per_generation": 4}, 1, Split(2, 3, 4)),
+    ({"per_device_train_batch_size": 2, "gradient_accumulation_steps": 3, "num_generations": 4,
+      "generation_batch_size": 16}, 2, Split(2, 3, 4)),
+])
+def test_batch_geometry_returns_the_splits_generation_batch(values, world, expected):
+    assert checks.check_batch_geometry(values, world) == expected.generation_batch(world)
+
+
+def test_batch_geometry_suggests_the_next_whole_group_accumulation():
+    values = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 3, "num_generations": 4}
+    with pytest.raises(train.RecipeError, match=r"gradient_accumulation_steps \(3\) = 3, .* multiple of 4, e\.g\. 4,"):
+        checks.check_batch_geometry(values, 1)
+
+
+def test_the_launchers_default_callbacks_are_default_callbacks():
+    """One list of the package's callbacks: the launcher's default builds what ``default_callbacks()`` builds."""
+    from hf_perf_callbacks import default_callbacks
+
+    names = [type(callback).__name__ for callback in default_callbacks()]
+    assert train.RecipeArguments().callbacks == names
+    assert [type(c).__name__ for c in build.build_callbacks(train.RecipeArguments().callbacks, {})] == names
 
 
 def test_recipe_fields_do_not_collide_with_trl():
@@ -422,7 +449,7 @@ def test_command_line_overrides_yaml(tmp_path):
                                                    "--output_dir", str(tmp_path / "o")])
     assert args.max_steps == 7 and recipe.callbacks == ["ThroughputMeter"]
     assert recipe.callback_kwargs == {"ThroughputMeter": {"window_steps": 3}}
-    assert train.build_callbacks(recipe.callbacks, recipe.callback_kwargs)[0].window_steps == 3
+    assert build.build_callbacks(recipe.callbacks, recipe.callback_kwargs)[0].window_steps == 3
 
 
 # ---------------------------------------------------------------- impossible combinations: one test per check
@@ -433,7 +460,7 @@ def test_batch_rule_says_what_to_change():
     values = values_of({**GRPO_DEFAULTS, "num_generations": 2, "per_device_train_batch_size": 1,
                         "gradient_accumulation_steps": 3})
     with pytest.raises(train.RecipeError) as error:
-        train.check_recipe(values, device="cpu", bf16_supported=True)
+        checks.check_recipe(values, device="cpu", bf16_supported=True)
     text = str(error.value)
     assert "gradient_accumulation_steps (3) = 3" in text and "num_generations (2)" in text and "e.g. 4" in text
 
@@ -449,83 +476,83 @@ def test_batch_rule_counts_the_world_size():
     values = values_of({**GRPO_DEFAULTS, "num_generations": 4, "per_device_train_batch_size": 1,
                         "gradient_accumulation_steps": 2})
     with pytest.raises(train.RecipeError, match="world size \\(1\\)"):
-        train.check_recipe(values, device="cpu", bf16_supported=True, world_size=1)
-    train.check_recipe(values, device="cpu", bf16_supported=True, world_size=2)     # 1 × 2 × 2 = 4
+        checks.check_recipe(values, device="cpu", bf16_supported=True, world_size=1)
+    checks.check_recipe(values, device="cpu", bf16_supported=True, world_size=2)     # 1 × 2 × 2 = 4
 
 
 def test_num_generations_below_two():
     values = values_of({**GRPO_DEFAULTS, "num_generations": 1, "per_device_train_batch_size": 2})
     with pytest.raises(train.RecipeError, match="num_generations=1 .* at least 2"):
-        train.check_recipe(values, device="cpu", bf16_supported=True)
+        checks.check_recipe(values, device="cpu", bf16_supported=True)
 
 
 def test_generation_batch_and_steps_per_generation_together():
     values = values_of({**GRPO_DEFAULTS, "generation_batch_size": 16, "steps_per_generation": 2})
     with pytest.raises(train.RecipeError, match="set only one"):
-        train.check_recipe(values, device="cpu", bf16_supported=True)
+        checks.check_recipe(values, device="cpu", bf16_supported=True)
 
 
 def test_generation_batch_must_split_into_micro_batches():
     values = values_of({**GRPO_DEFAULTS, "generation_batch_size": 12, "per_device_train_batch_size": 8})
     with pytest.raises(train.RecipeError, match="generation_batch_size=12 .* multiple of"):
-        train.check_recipe(values, device="cpu", bf16_supported=True)
+        checks.check_recipe(values, device="cpu", bf16_supported=True)
 
 
 def test_eval_batch_rule():
     values = values_of({**GRPO_DEFAULTS, "num_generations": 4, "per_device_train_batch_size": 4,
                         "eval_dataset_size": 8, "eval_strategy": "steps", "per_device_eval_batch_size": 6})
     with pytest.raises(train.RecipeError, match="per_device_eval_batch_size .* multiple of 4"):
-        train.check_recipe(values, device="cpu", bf16_supported=True)
+        checks.check_recipe(values, device="cpu", bf16_supported=True)
 
 
 def test_too_few_wordle_prompts_for_one_generation_batch():
     values = values_of({**GRPO_DEFAULTS, "num_generations": 2, "per_device_train_batch_size": 8,
                         "dataset_size": 3})
     with pytest.raises(train.RecipeError, match="dataset_size=3 is too small: .* 4 prompts"):
-        train.check_recipe(values, device="cpu", bf16_supported=True)
+        checks.check_recipe(values, device="cpu", bf16_supported=True)
 
 
 def test_bf16_on_mps_before_macos_14():
     values = values_of({"bf16": True, "dtype": "float32"})
     with pytest.raises(train.RecipeError, match="bf16: false .* macOS 14"):
-        train.check_recipe(values, device="mps", bf16_supported=False)
+        checks.check_recipe(values, device="mps", bf16_supported=False)
 
 
 def test_bf16_dtype_on_mps_before_macos_14():
     values = values_of({"bf16": False, "dtype": "bfloat16"})
     with pytest.raises(train.RecipeError, match="dtype: bfloat16 .* macOS 14"):
-        train.check_recipe(values, device="mps", bf16_supported=False)
+        checks.check_recipe(values, device="mps", bf16_supported=False)
 
 
 def test_trl_default_bf16_on_a_cpu_only_machine():
     values = values_of({})                                   # bf16 unset: TRL turns it on
     with pytest.raises(train.RecipeError, match="TRL then turns bf16 on.*use_cpu: true"):
-        train.check_recipe(values, device="cpu", bf16_supported=False)
-    train.check_recipe(values_of({"use_cpu": True}), device="cpu", bf16_supported=False)
+        checks.check_recipe(values, device="cpu", bf16_supported=False)
+    checks.check_recipe(values_of({"use_cpu": True}), device="cpu", bf16_supported=False)
 
 
 def test_bf16_on_old_cuda():
     values = values_of({"bf16": True})
     with pytest.raises(train.RecipeError, match="fp16: true .* Ampere"):
-        train.check_recipe(values, device="cuda", bf16_supported=False)
+        checks.check_recipe(values, device="cuda", bf16_supported=False)
 
 
 def test_accelerate_bf16_on_a_device_without_bf16():
     values = values_of({"bf16": False, "dtype": "float16"})
     with pytest.raises(train.RecipeError, match="mixed_precision: bf16 .* --mixed_precision no"):
-        train.check_recipe(values, device="mps", bf16_supported=False, accelerate_mixed_precision="bf16")
+        checks.check_recipe(values, device="mps", bf16_supported=False, accelerate_mixed_precision="bf16")
 
 
 @pytest.mark.parametrize("init_kwargs", [{"device_map": "auto"}, '{"device_map": "auto"}'])
 def test_device_map_auto_on_mps(init_kwargs):
     values = values_of({"bf16": False, "model_init_kwargs": init_kwargs})
     with pytest.raises(train.RecipeError, match="TRL #7220"):
-        train.check_recipe(values, device="mps", bf16_supported=True)
-    train.check_recipe(values, device="cuda", bf16_supported=True)       # fine off MPS
+        checks.check_recipe(values, device="mps", bf16_supported=True)
+    checks.check_recipe(values, device="cuda", bf16_supported=True)       # fine off MPS
 
 
 def test_this_machine_is_detected():
-    kind, bf16, _ = train.detect_device(use_cpu=True)
+    kind, bf16, _ = checks.detect_device(use_cpu=True)
     assert (kind, bf16) == ("cpu", True)
 
 
@@ -539,39 +566,39 @@ def test_an_xpu_is_detected_as_itself(monkeypatch):
             self.type, self._name = "xpu", "Intel(R) Data Center GPU Max 1550"
 
     monkeypatch.setattr(device, "DeviceLayer", FakeXPU)
-    assert train.detect_device() == ("xpu", True, "Intel XPU Intel(R) Data Center GPU Max 1550")
+    assert checks.detect_device() == ("xpu", True, "Intel XPU Intel(R) Data Center GPU Max 1550")
 
 
 # ---------------------------------------------------------------- names, resume, the tuner's split
 def test_unknown_callback_and_reward_names_suggest_the_closest():
     with pytest.raises(train.RecipeError, match="did you mean 'MemoryWatchdog'"):
-        train.build_callbacks(["MemoryWatchdg"], {})
+        build.build_callbacks(["MemoryWatchdg"], {})
     with pytest.raises(train.RecipeError, match="did you mean 'think_format_reward'"):
-        train.resolve_reward_funcs(["think_format_rewrd"], 128)
+        build.resolve_reward_funcs(["think_format_rewrd"], 128)
     with pytest.raises(train.RecipeError, match="cannot import module"):
-        train.resolve_reward_funcs(["no_such_pkg.reward"], 128)
+        build.resolve_reward_funcs(["no_such_pkg.reward"], 128)
     with pytest.raises(train.RecipeError, match="twice"):
-        train.build_callbacks(["ThroughputMeter", "ThroughputMeter"], {})
+        build.build_callbacks(["ThroughputMeter", "ThroughputMeter"], {})
     with pytest.raises(train.RecipeError, match="callback_kwargs\\['MemoryWatchdog'\\]"):
-        train.build_callbacks(["MemoryWatchdog"], {"MemoryWatchdog": {"limit": 3}})
+        build.build_callbacks(["MemoryWatchdog"], {"MemoryWatchdog": {"limit": 3}})
 
 
 def test_trl_reward_names_resolve():
-    funcs = train.resolve_reward_funcs(["think_format_reward", "get_soft_overlong_punishment"], 128)
+    funcs = build.resolve_reward_funcs(["think_format_reward", "get_soft_overlong_punishment"], 128)
     assert all(callable(f) for f in funcs)
 
 
 def test_resume_last_without_checkpoint(tmp_path):
     with pytest.raises(train.RecipeError, match="no complete checkpoint-N folder"):
-        train.resolve_checkpoint("last", str(tmp_path))
+        checks.resolve_checkpoint("last", str(tmp_path))
     complete_checkpoint(tmp_path, 4)
     complete_checkpoint(tmp_path, 12)
     (tmp_path / "checkpoint-13").mkdir()                       # a partial one: moved aside, never the newest
-    assert train.resolve_checkpoint("last", str(tmp_path)).endswith("checkpoint-12")
+    assert checks.resolve_checkpoint("last", str(tmp_path)).endswith("checkpoint-12")
     assert not (tmp_path / "checkpoint-13").exists()
     assert (tmp_path / "moved_aside" / "checkpoint-13.partial-1").is_dir()
     with pytest.raises(train.RecipeError, match="no such directory"):
-        train.resolve_checkpoint(str(tmp_path / "nope"), str(tmp_path))
+        checks.resolve_checkpoint(str(tmp_path / "nope"), str(tmp_path))
 
 
 def complete_checkpoint(output_dir, step):
@@ -637,19 +664,19 @@ def test_saved_split_with_steps_per_generation_replaces_generation_batch_size(tm
 def test_local_dataset_files(tmp_path):
     rows = tmp_path / "train.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"say {i}", "target": i}) + "\n" for i in range(10)))
-    data, held_out = train.build_datasets(train.RecipeArguments(dataset=str(rows), eval_dataset_size=2), seed=0,
+    data, held_out = build.build_datasets(train.RecipeArguments(dataset=str(rows), eval_dataset_size=2), seed=0,
                                           conversational=False)
     assert (len(data), len(held_out)) == (8, 2) and "target" in data.column_names
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "x"}) + "\n")
     with pytest.raises(train.RecipeError, match="no 'prompt' column"):
-        train.build_datasets(train.RecipeArguments(dataset=str(bad)), seed=0, conversational=False)
+        build.build_datasets(train.RecipeArguments(dataset=str(bad)), seed=0, conversational=False)
     with pytest.raises(train.RecipeError, match="no such file"):
-        train.build_datasets(train.RecipeArguments(dataset=str(tmp_path / "nope.json")), seed=0, conversational=False)
+        build.build_datasets(train.RecipeArguments(dataset=str(tmp_path / "nope.json")), seed=0, conversational=False)
 
 
 def test_wordle_datasets_follow_the_sizes():
-    data, held_out = train.build_datasets(train.RecipeArguments(dataset_size=6, eval_dataset_size=3), seed=0,
+    data, held_out = build.build_datasets(train.RecipeArguments(dataset_size=6, eval_dataset_size=3), seed=0,
                                           conversational=True)
     assert (len(data), len(held_out)) == (6, 3) and data[0]["prompt"][0]["role"] == "user"
     assert not set(data["secret"]) & set(held_out["secret"])
@@ -662,7 +689,7 @@ def test_a_failing_report_does_not_fail_the_finished_run(monkeypatch, caplog):
 
     monkeypatch.setattr(run_report, "report_command", broken)
     with caplog.at_level("ERROR", logger="hf_perf_callbacks.train"):
-        train._report("runs/x")
+        launch._report("runs/x")
     assert "hf-perf report runs/x" in caplog.text
 
 
@@ -672,9 +699,9 @@ def test_a_failing_report_does_not_fail_the_finished_run(monkeypatch, caplog):
 def test_bf16_weights_on_a_device_without_bf16(device, fix):
     values = values_of({"bf16": False, "dtype": "bfloat16"})
     with pytest.raises(train.RecipeError, match=f"dtype: bfloat16 loads the weights in bf16 .*{re.escape(fix)}"):
-        train.check_recipe(values, device=device, bf16_supported=False)
-    train.check_recipe(values, device=device, bf16_supported=True)
-    train.check_recipe(values_of({"bf16": False, "dtype": "bfloat16", "use_cpu": True}), device=device,
+        checks.check_recipe(values, device=device, bf16_supported=False)
+    checks.check_recipe(values, device=device, bf16_supported=True)
+    checks.check_recipe(values_of({"bf16": False, "dtype": "bfloat16", "use_cpu": True}), device=device,
                        bf16_supported=False)                    # the CPU chosen on purpose: bf16 is its business
 
 
@@ -696,8 +723,8 @@ def test_each_device_kind_is_detected(kind, bf16, expected, monkeypatch):
             return bf16
 
     monkeypatch.setattr(device, "DeviceLayer", FakeDevice)
-    assert train.detect_device() == expected
-    assert train.detect_device(use_cpu=True)[:2] == ("cpu", True)
+    assert checks.detect_device() == expected
+    assert checks.detect_device(use_cpu=True)[:2] == ("cpu", True)
 
 
 def test_a_cpu_only_machine_without_use_cpu_is_detected_as_such():
@@ -705,7 +732,7 @@ def test_a_cpu_only_machine_without_use_cpu_is_detected_as_such():
 
     if torch.cuda.is_available() or torch.backends.mps.is_available():
         pytest.skip("this machine has an accelerator")
-    kind, bf16, _ = train.detect_device()
+    kind, bf16, _ = checks.detect_device()
     assert (kind, bf16) == ("cpu", False)
 
 
@@ -777,7 +804,7 @@ def test_a_hub_model_offline_says_how_to_get_it_here(tmp_path, capsys, nothing_h
     (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert f"model_name_or_path={model!r} cannot be loaded (HF_HUB_OFFLINE is set, and it is not in the local " \
            f"Hugging Face cache)" in line
-    assert f"`hf download {model} --local-dir DIR`" in line and train.PACKAGED_MODEL in line
+    assert f"`hf download {model} --local-dir DIR`" in line and build.PACKAGED_MODEL in line
     assert "name a local model folder or a hub model id" not in line
 
 
@@ -791,11 +818,11 @@ def test_a_hub_model_without_network_is_told_apart_from_a_missing_folder(monkeyp
         monkeypatch.delenv(name, raising=False)
     no_network = OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find "
                          "them in the cached files.\nCheck your internet connection")
-    line = train.model_load_error("Qwen/Qwen2.5-0.5B-Instruct", no_network)
+    line = build.model_load_error("Qwen/Qwen2.5-0.5B-Instruct", no_network)
     assert "(the hub cannot be reached from this machine, and it is not in the local Hugging Face cache)" in line
     assert "smollm2_path()" in line
-    assert "(no such folder)" in train.model_load_error("/no/such/model", no_network)
-    other = train.model_load_error("nobody/x", OSError("nobody/x is not a local folder and is not a valid model"))
+    assert "(no such folder)" in build.model_load_error("/no/such/model", no_network)
+    other = build.model_load_error("nobody/x", OSError("nobody/x is not a local folder and is not a valid model"))
     assert "(nobody/x is not a local folder and is not a valid model): name a local model folder" in other
 
 
@@ -804,7 +831,7 @@ def test_a_hub_model_without_network_is_told_apart_from_a_missing_folder(monkeyp
 def test_the_quick_trial_flags_apply_to_every_recipe(name, tmp_path):
     recipe, args, _ = train.parse_recipe(["--config", name, "--use_cpu", "true", "--bf16", "false",
                                           *train.QUICK_TRIAL.split()])
-    tunes = train.read_recipe(recipes.resolve(name)).get("tune", True)        # the recipe's own tune key stays
+    tunes = arguments.read_recipe(recipes.resolve(name)).get("tune", True)        # the recipe's own tune key stays
     assert (args.max_steps, args.max_completion_length, recipe.tune) == (2, 32, tunes)
 
 
@@ -835,8 +862,8 @@ def test_trl_grpo_cli_cannot_take_a_recipe():
 def test_a_trl_grpo_yaml_gets_one_line_with_what_runs(tmp_path, capsys, nothing_heavy):
     """A ``trl grpo`` YAML (its script keys) or command shape brought to the launcher: one line saying what to rename
     or remove, and that the rest of the same YAML runs with ``hf-perf train --config``; nothing loads."""
-    assert {"dataset_name", "dataset_train_split", "reward_model_name_or_path"} <= train.trl_script_keys()
-    assert not train.trl_script_keys() & set(train.field_names())          # reward_funcs, model keys: the same here
+    assert {"dataset_name", "dataset_train_split", "reward_model_name_or_path"} <= arguments.trl_script_keys()
+    assert not arguments.trl_script_keys() & set(train.field_names())          # reward_funcs, model keys: the same here
     path = write_recipe(tmp_path, dataset_name="trl-lib/DeepMath-103K", dataset_train_split="train",
                         reward_model_name_or_path=None, use_cpu=True)
     assert train.main(["--config", path]) == 2
@@ -864,7 +891,7 @@ def test_the_compact_console_also_replaces_the_printer_of_disable_tqdm(tmp_path,
 
     args = TrainingArguments(str(tmp_path), disable_tqdm=True, report_to="none", use_cpu=True)
     trainer = Trainer(torch.nn.Linear(1, 1), args)
-    train.compact_console(trainer)
+    launch.compact_console(trainer)
     printers = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, (PrinterCallback, ProgressCallback))]
     assert len(printers) == 1 and type(printers[0]) is not PrinterCallback and isinstance(printers[0], PrinterCallback)
     logs = {"loss": 0.5, "perf/tokens_per_sec": 900.0, "perf/phase/generation": 0.5, "mem/pressure": 0,

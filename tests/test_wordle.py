@@ -241,9 +241,9 @@ def test_reward_funcs_called_like_trl() -> None:
 
 
 def test_recipe_launcher_uses_the_same_rewards() -> None:
-    from hf_perf_callbacks import train
+    from hf_perf_callbacks.train import arguments
 
-    assert train.WORDLE_REWARDS == tuple(f"{f.__module__}.{f.__name__}" for f in REWARD_FUNCS)
+    assert arguments.WORDLE_REWARDS == tuple(f"{f.__module__}.{f.__name__}" for f in REWARD_FUNCS)
 
 
 # --------------------------------------------------------------------------- dataset

@@ -1,5 +1,7 @@
-"""The recipes that ship inside the package: one GRPO YAML per machine and the accelerate configs they are launched
-with (``accelerate/NAME.yaml``). README.md beside them says which recipe fits which machine and why.
+"""The recipes: one GRPO YAML per machine and the accelerate configs they are launched with (``accelerate/NAME.yaml``),
+kept in the project's top-level ``recipes/`` folder (README.md there says which recipe fits which machine and why)
+and shipped inside the wheel as ``hf_perf_callbacks/recipes/`` (pyproject.toml maps the folder). :data:`DIR` is the
+installed copy when there is one, else the checkout's folder (an editable install, ``PYTHONPATH=<checkout>``).
 
 | command | what |
 |---|---|
@@ -16,7 +18,12 @@ from __future__ import annotations
 import os
 import shutil
 
-DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_INSTALLED = os.path.join(_PACKAGE, "recipes")                     # inside an installed wheel
+_CHECKOUT = os.path.join(os.path.dirname(_PACKAGE), "recipes")     # the source checkout's top-level folder
+#: the folder holding the recipes (and ``accelerate/``); a checkout's stale ``hf_perf_callbacks/recipes/`` (left
+#: ``__pycache__``) does not count: the installed copy carries README.md
+DIR = _INSTALLED if os.path.isfile(os.path.join(_INSTALLED, "README.md")) else _CHECKOUT
 ACCELERATE = "accelerate"          # the folder of the accelerate configs; their names are "accelerate/NAME"
 SUFFIX = ".yaml"
 
@@ -44,7 +51,7 @@ def _name(name: str) -> str:
 
 
 def path(name: str) -> str:
-    """The packaged file of a recipe or an accelerate config (``.yaml`` optional); :class:`UnknownRecipe` otherwise."""
+    """The file of a recipe or an accelerate config (``.yaml`` optional); :class:`UnknownRecipe` otherwise."""
     stem = _name(name)
     if stem not in recipe_names() + accelerate_names():
         raise UnknownRecipe(f"no packaged recipe or accelerate config named {name!r}: the recipes are "
@@ -71,7 +78,7 @@ def _first_comment(file: str) -> str:
     return line.lstrip("#").strip() if line.startswith("#") else ""
 
 
-def describe(name: str) -> dict:
+def describe(name: str) -> dict[str, str]:
     """``{"name", "machine", "model"}`` of a packaged recipe: the machine from its first line, the model from
     ``model_name_or_path``."""
     import yaml

@@ -1,0 +1,276 @@
+"""The recipe's keys and values: the launcher's own arguments (:class:`RecipeArguments`), TRL's parser over them,
+``GRPOConfig`` and ``ModelConfig``, and the checks of the YAML and the flags as written (unknown keys with the closest
+valid one, ``trl grpo``'s script keys and command shape, values of the wrong type) before any value is used.
+Standard library at import; TRL and PyYAML when a function runs."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import json
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .. import CALLBACKS
+
+WORDLE_REWARDS = tuple(f"hf_perf_callbacks.tasks.wordle.{name}" for name in (
+    "format_reward", "valid_word_reward", "letters_reward", "consistency_reward", "solved_reward"))  # REWARD_FUNCS
+TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
+FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run: the message names the key, its value and what to change."""
+
+
+@dataclass
+class RecipeArguments:
+    """The launcher's own recipe keys (the rest are ``GRPOConfig`` and ``ModelConfig`` fields)."""
+
+    callbacks: list[str] = field(default_factory=lambda: list(CALLBACKS), metadata={
+        "help": "callback class names from hf_perf_callbacks (or dotted paths of TrainerCallback classes); "
+                "'none' for no callbacks; default: all four"})
+    callback_kwargs: dict | str | None = field(default=None, metadata={
+        "help": "keyword arguments per callback class name, e.g. {MemoryWatchdog: {limit_gb: 12}} (JSON on the "
+                "command line)"})
+    reward_funcs: list[str] = field(default_factory=lambda: list(WORDLE_REWARDS), metadata={
+        "help": f"TRL reward names ({', '.join(TRL_REWARDS)}) or dotted paths pkg.module.func; "
+                "default: the bundled Wordle rewards"})
+    dataset: str = field(default="wordle", metadata={
+        "help": "'wordle' (bundled, offline), a local .json/.jsonl/.csv/.parquet file, or a hub dataset name; "
+                "needs a 'prompt' column"})
+    dataset_split: str = field(default="train", metadata={"help": "split to train on (Wordle: train or eval)"})
+    dataset_size: int = field(default=512, metadata={"help": "number of Wordle prompts"})
+    eval_dataset_size: int = field(default=0, metadata={
+        "help": "evaluation prompts (0 = none): Wordle's eval split, else rows held out of the training split"})
+    tune: bool = field(default=True, metadata={
+        "help": "let AdaptiveBatchTuner try other exact splits on the run's own steps when the rest of the run can "
+                "pay the switches back (false: keep the recipe's split)"})
+    report: bool = field(default=True, metadata={"help": "print the perf report and write its plots at the end"})
+
+
+# ---------------------------------------------------------------- parsing and validation
+#: a quick trial of any recipe: two optimizer steps (too few for the tuner to try another split: it costs nothing),
+#: completions cut at 32 tokens, its own output_dir
+QUICK_TRIAL = "--max_steps 2 --max_completion_length 32 --output_dir runs/trial"
+
+
+def make_parser():
+    """``TrlParser`` over ``(RecipeArguments, GRPOConfig, ModelConfig)``; a value argparse cannot convert raises
+    :class:`RecipeError` (one line) instead of printing the whole usage and exiting."""
+    from trl import GRPOConfig, ModelConfig, TrlParser
+
+    class RecipeParser(TrlParser):
+        def error(self, message):
+            raise RecipeError(message)
+
+    # transformers types dataclass_types with DataClassType, a NewType of Any that no real dataclass matches
+    return RecipeParser((RecipeArguments, GRPOConfig, ModelConfig),  # type: ignore[arg-type]
+                        prog="python -m hf_perf_callbacks.train")
+
+
+def launcher_help() -> str:
+    """The launcher's own keys (``RecipeArguments``) with their defaults, and the quick-trial flags."""
+    import textwrap
+
+    lines = ["the launcher's own keys (besides every GRPOConfig and ModelConfig field):"]
+    for f in dataclasses.fields(RecipeArguments):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        flags = f"--{f.name}" + (f" / --no_{f.name}" if default is True else "")
+        shown = f" (default {default!r})" if len(repr(default)) < 60 else ""
+        lines.append(f"  {flags}{shown}")
+        lines += textwrap.wrap(f.metadata["help"], 110, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    lines += ["", f"a quick trial of any recipe: hf-perf train --config NAME {QUICK_TRIAL}",
+              "`python -m hf_perf_callbacks.train --help` lists every key (over a thousand lines)."]
+    return "\n".join(lines)
+
+
+def field_names() -> list[str]:
+    """Every valid recipe key: the fields of the three dataclasses."""
+    from trl import GRPOConfig, ModelConfig
+
+    return sorted({f.name for cls in (RecipeArguments, GRPOConfig, ModelConfig) for f in dataclasses.fields(cls)})
+
+
+def did_you_mean(name: str, names: list[str], prefix: str = "") -> str:
+    """The closest name (difflib); one sharing the first word wins (lora_rank → lora_r, not local_rank)."""
+    close = difflib.get_close_matches(name, names, n=5, cutoff=0.6)
+    same_family = [c for c in close if c.split("_")[0] == name.split("_")[0]]
+    best = (same_family or close)[:1]
+    return f" (did you mean '{prefix}{best[0]}'?)" if best else ""
+
+
+def split_config(argv: list[str]) -> tuple[str | None, list[str]]:
+    """The ``--config`` path (also ``--config=PATH``) and the remaining arguments."""
+    rest, path, i = [], None, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config":
+            if i + 1 >= len(argv):
+                raise RecipeError("--config needs a packaged recipe's name (hf-perf recipes lists them) or a "
+                                  "recipe YAML file")
+            path, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return path, rest
+
+
+def read_recipe(path: str) -> dict:
+    """The recipe YAML as a dict (``env`` included)."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise RecipeError(f"--config {path!r}: no such file")
+    with open(path) as handle:
+        try:
+            config = yaml.safe_load(handle) or {}
+        except yaml.YAMLError as error:
+            raise RecipeError(f"--config {path!r} is not valid YAML: {error}") from None
+    if not isinstance(config, dict):
+        raise RecipeError(f"--config {path!r}: expected a YAML mapping of key: value, got {type(config).__name__}")
+    return config
+
+
+#: ``trl grpo``'s script keys that the launcher spells differently
+TRL_RENAMED = {"dataset_name": "dataset", "dataset_train_split": "dataset_split"}
+#: ``trl``'s training commands (``trl grpo ...``): the launcher is ``trl grpo`` with the callbacks, without the word
+TRL_COMMANDS = ("grpo", "sft", "dpo", "kto", "rloo", "reward")
+
+
+def trl_script_keys() -> set[str]:
+    """The keys ``trl grpo``'s own script takes besides ``GRPOConfig`` and ``ModelConfig`` (its
+    ``GRPOScriptArguments`` and dataset mixture) that are not recipe keys here: ``dataset_name``,
+    ``reward_model_name_or_path``, ..."""
+    try:
+        from trl.scripts.grpo import GRPOScriptArguments
+        from trl.scripts.utils import DatasetMixtureConfig
+
+        names = {f.name for cls in (GRPOScriptArguments, DatasetMixtureConfig) for f in dataclasses.fields(cls)}
+    except (ImportError, TypeError):                    # a TRL without its scripts: the keys of TRL 1.0-1.16
+        names = {*TRL_RENAMED, "dataset_config", "dataset_test_split", "dataset_streaming", "datasets",
+                 "reward_model_name_or_path", "ignore_bias_buffers"}
+    return names - set(field_names())
+
+
+def check_trl_command(args: list[str]) -> None:
+    """``trl grpo``'s command shape brought to the launcher (its command word, its ``--accelerate_config``): one line
+    with the launcher's form of it."""
+    word = args[0] if args and not args[0].startswith("-") else None
+    if word in TRL_COMMANDS:
+        instead = ("drop the word: hf-perf train --config R.yaml [--key value ...] is `trl grpo --config R.yaml` with "
+                   "the callbacks" if word == "grpo" else
+                   f"hf-perf train trains GRPO only; for `trl {word}` pass callbacks=default_callbacks() to the "
+                   f"trainer in your own script")
+        raise RecipeError(f"{word!r} is a `trl` command word, not a launcher argument: {instead}")
+    if any(a == "--accelerate_config" or a.startswith("--accelerate_config=") for a in args):
+        raise RecipeError("--accelerate_config is `trl`'s launch flag: launch with accelerate itself, accelerate "
+                          "launch --config_file C.yaml -m hf_perf_callbacks.train --config R.yaml (packaged configs: "
+                          "hf-perf recipes path accelerate/NAME)")
+
+
+def check_trl_keys(config: Mapping, args: list[str], path: str | None = None) -> None:
+    """``trl grpo``'s script keys in the recipe or on the command line: one line saying which to rename and which to
+    remove; the rest of a ``trl grpo`` YAML runs as is (TRL's CLI has no way to attach callbacks, so the launcher is
+    the route)."""
+    trl_keys = trl_script_keys()
+    in_config = [k for k in config if k in trl_keys]
+    flags = [a.split("=", 1)[0][2:] for a in args if a.startswith("--") and a.split("=", 1)[0][2:] in trl_keys]
+    if not in_config and not flags:
+        return
+    found = list(dict.fromkeys(in_config + flags))
+    where = " and ".join(filter(None, [f"in {path}" if in_config else "", "on the command line" if flags else ""]))
+    renamed = [f"{k} → {TRL_RENAMED[k]}" for k in found if k in TRL_RENAMED]
+    dropped = [k for k in found if k not in TRL_RENAMED]
+    changes = "; ".join(filter(None, [("rename " + ", ".join(renamed)) if renamed else "",
+                                      (f"remove {', '.join(dropped)} (no counterpart here)") if dropped else ""]))
+    rest = f"the rest of {path} runs as is: hf-perf train --config {path}" if in_config else "the rest runs as is"
+    raise RecipeError(f"`trl grpo` script key{'s' if len(found) > 1 else ''} {', '.join(found)} {where}: {changes}; "
+                      f"{rest} (`trl grpo` itself cannot attach callbacks)")
+
+
+def check_keys(parser, config: Mapping, args: list[str], source: str = "recipe") -> None:
+    """Fail on unknown YAML keys and command-line flags, naming each with its closest valid key."""
+    names = field_names()
+    dests = {action.dest for action in parser._actions}
+    flags = {flag for action in parser._actions for flag in action.option_strings}
+    problems = []
+    for key in config:
+        if key != "env" and key not in dests:
+            problems.append(f"unknown recipe key {key!r} in {source}{did_you_mean(str(key), names)}")
+    for arg in args:
+        if arg.startswith("--") and len(arg) > 2 and not arg[2].isdigit():
+            flag = arg.split("=", 1)[0]
+            if flag not in flags:
+                problems.append(f"unknown command-line flag {flag!r}{did_you_mean(flag[2:], names, '--')}")
+    if problems:
+        raise RecipeError("; ".join(problems) + ". Valid keys are the fields of RecipeArguments, GRPOConfig and "
+                          "ModelConfig (python -m hf_perf_callbacks.train --help lists them).")
+
+
+def _expected(hint) -> tuple:
+    """``(test, words)`` for a field's annotation: a test of a YAML value and what it expects, in words. A type not
+    known here (``ParallelismConfig``) passes: the library checks it."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_expected(arg) for arg in args]
+        words = [w for _, w in parts]
+        return (lambda v: any(test(v) for test, _ in parts)), ", ".join(words[:-1]) + f" or {words[-1]}"
+    if origin is typing.Literal:
+        return (lambda v: v in args), "one of " + ", ".join(map(repr, args))
+    if origin is list or hint is list:
+        item, words = _expected(args[0]) if args else ((lambda v: True), "anything")
+        plural = {"a string": "strings", "an integer": "integers", "a number": "numbers"}.get(words, words)
+        return (lambda v: isinstance(v, list) and all(map(item, v))), f"a list of {plural}"
+    if origin is dict or hint is dict:
+        return (lambda v: isinstance(v, dict)), "a mapping"
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        values = [member.value for member in hint]
+        return (lambda v: isinstance(v, hint) or v in values), "one of " + ", ".join(map(str, values))
+    scalars = {type(None): (lambda v: v is None, "null"), bool: (lambda v: isinstance(v, bool), "true or false"),
+               int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+               float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+               str: (lambda v: isinstance(v, str), "a string")}
+    return scalars.get(hint, ((lambda v: True), getattr(hint, "__name__", str(hint))))
+
+
+def check_values(config: Mapping, source: str = "recipe") -> None:
+    """Fail on YAML values of the wrong type (``callbacks: 5``, ``max_steps: 2.5``, ``output_dir: [a]``), each
+    named with the type its field declares. Strings are left to argparse, which converts them as it converts flags."""
+    from trl import GRPOConfig, ModelConfig
+
+    hints = {}
+    for cls in (ModelConfig, GRPOConfig, RecipeArguments):
+        hints.update(typing.get_type_hints(cls))
+    expected = {key: _expected(hints[key]) for key, value in config.items()
+                if key != "env" and key in hints and not isinstance(value, str)}
+    problems = [f"{key}={config[key]!r} is not allowed: expected {words}"
+                for key, (test, words) in expected.items() if not test(config[key])]
+    if problems:
+        raise RecipeError(f"{source}: " + "; ".join(problems))
+
+
+def raw_values(parser, config: Mapping, args: list[str]) -> dict:
+    """Merged values (YAML under command line) before any dataclass validation runs."""
+    parser.set_defaults_with_config(**{k: v for k, v in config.items() if k != "env"})
+    namespace, _ = parser.parse_known_args(args)
+    return vars(namespace)
+
+
+def as_dict(value, name: str) -> dict:
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise RecipeError(f"{name}={value!r} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise RecipeError(f"{name}={value!r} is not allowed: expected a mapping")
+    return value

@@ -1,0 +1,208 @@
+"""The recipe's values against the machine and the run: the device and its bf16, GRPO's batch geometry, the
+evaluation batch, ``device_map`` on MPS; the split a batch tuner recorded for a resumed run and the checkpoint to
+resume from. Every check raises :class:`~hf_perf_callbacks.train.arguments.RecipeError` with the fix, before the
+model loads."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ..batching import Split
+from ..splitfile import split_for_run
+from .arguments import (
+    RecipeError,
+    as_dict,
+)
+
+
+def world_size_from_env() -> int:
+    """Processes of this launch (``WORLD_SIZE`` from accelerate launch / torchrun; 1 otherwise)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def detect_device(use_cpu: bool = False) -> tuple[str, bool, str]:
+    """``(kind, bf16_supported, description)`` of the device the trainer will use."""
+    from ..device import DeviceLayer
+
+    if use_cpu:
+        return "cpu", True, "the CPU (use_cpu: true)"
+    device = DeviceLayer()
+    if device.type in ("cuda", "xpu"):
+        return device.type, device.bf16_supported(), f"{'CUDA GPU' if device.type == 'cuda' else 'Intel XPU'} " \
+                                                     f"{device.name}"
+    if device.type == "mps":
+        new_enough = device.bf16_supported()
+        return "mps", new_enough, "Apple MPS" + ("" if new_enough else " on macOS older than 14")
+    return "cpu", False, "a machine without a GPU (use_cpu is false)"
+
+
+def _bf16_fix(kind: str) -> str:
+    return {"mps": "set bf16: false and dtype: float16 or float32 (bf16 on MPS needs macOS 14)",
+            "cuda": "set bf16: false, fp16: true and dtype: float16 (bf16 needs an Ampere or newer GPU)",
+            "xpu": "set bf16: false and dtype: float16 or float32",
+            }.get(kind, "set use_cpu: true to train on the CPU, or bf16: false and dtype: float32")
+
+
+def check_batch_geometry(values: Mapping[str, Any], world_size: int = 1) -> int:
+    """GRPO's batch rule, checked with a clear fix before ``GRPOConfig`` runs its own; returns the generation batch.
+
+    ``generation_batch_size = per_device_train_batch_size × world × steps_per_generation`` (which defaults to
+    ``gradient_accumulation_steps``; :meth:`~hf_perf_callbacks.batching.Split.generation_batch`) must be a multiple of
+    ``num_generations``, and ``num_generations ≥ 2``.
+    """
+    ngen = values["num_generations"]
+    micro, accum = values["per_device_train_batch_size"], values["gradient_accumulation_steps"]
+    gbs, spg = values.get("generation_batch_size"), values.get("steps_per_generation")
+    if ngen is None or ngen < 2:
+        raise RecipeError(f"num_generations={ngen} is not allowed: GRPO compares completions of one prompt, so it "
+                          f"needs at least 2 (set num_generations: 2 or more)")
+    for name, value in (("per_device_train_batch_size", micro), ("gradient_accumulation_steps", accum)):
+        if not isinstance(value, int) or value < 1:
+            raise RecipeError(f"{name}={value!r} is not allowed: expected an integer >= 1")
+    per_step = micro * world_size
+    if gbs is not None and spg is not None:
+        raise RecipeError(f"generation_batch_size={gbs} and steps_per_generation={spg} are both set: set only one "
+                          f"(or neither: the generation batch then is per_device_train_batch_size × world size × "
+                          f"gradient_accumulation_steps)")
+    if gbs is not None and gbs % per_step:
+        raise RecipeError(f"generation_batch_size={gbs} is not allowed: it must be a multiple of "
+                          f"per_device_train_batch_size ({micro}) × world size ({world_size}) = {per_step}")
+    steps = gbs // per_step if gbs is not None else spg if spg is not None else accum
+    generation = Split(micro, accum, steps).generation_batch(world_size)
+    assert generation is not None                      # steps_per_generation is set
+    what = "steps_per_generation" if spg is not None else "gradient_accumulation_steps"
+    formula = (f"generation_batch_size = {gbs}" if gbs is not None else
+               f"generation_batch_size = per_device_train_batch_size ({micro}) × world size ({world_size}) × "
+               f"{what} ({steps}) = {generation}")
+    if generation % ngen:
+        step = ngen // math.gcd(per_step, ngen)
+        raise RecipeError(f"{formula}, which is not a multiple of num_generations ({ngen}): every prompt needs all "
+                          f"its {ngen} completions in one generation batch. Set gradient_accumulation_steps (or "
+                          f"steps_per_generation) to a multiple of {step}, e.g. {(steps // step + 1) * step}, or "
+                          f"num_generations to a divisor of {generation} that is >= 2")
+    return generation
+
+
+def check_recipe(values: Mapping[str, Any], *, device: str, bf16_supported: bool, device_name: str | None = None,
+                 world_size: int = 1, accelerate_mixed_precision: str | None = None) -> None:
+    """Reject impossible combinations with what to change: GRPO batch rule, the evaluation batch, a Wordle dataset
+    smaller than one generation batch, bf16 on a device without it, ``device_map: auto`` on MPS. ``values`` are the
+    merged recipe values (see :func:`~hf_perf_callbacks.train.arguments.raw_values`)."""
+    generation = check_batch_geometry(values, world_size)
+    length = values.get("max_completion_length")
+    if length is not None and (not isinstance(length, int) or length < 1):
+        raise RecipeError(f"max_completion_length={length!r} is not allowed: expected an integer >= 1")
+    _check_eval_batch(values, world_size)
+    _check_dataset_size(values, generation)
+    if not bf16_supported and not values.get("use_cpu"):
+        _check_no_bf16(values, device, device_name or device, accelerate_mixed_precision)
+    if device == "mps" and not values.get("use_cpu"):
+        init_kwargs = as_dict(values.get("model_init_kwargs"), "model_init_kwargs")
+        if init_kwargs.get("device_map") == "auto":
+            raise RecipeError("model_init_kwargs sets device_map: auto, which segfaults on MPS during training "
+                              "(TRL #7220): remove device_map; the trainer moves the model to MPS itself")
+
+
+def _check_eval_batch(values: Mapping[str, Any], world_size: int) -> None:
+    """With evaluation on, the evaluation batch over all ranks holds whole prompt groups."""
+    if not values.get("eval_dataset_size", 0) or values.get("eval_strategy", "no") == "no":
+        return
+    ngen = values.get("num_generations_eval") or values["num_generations"]
+    eval_batch = values["per_device_eval_batch_size"] * world_size
+    if eval_batch % ngen:
+        raise RecipeError(f"per_device_eval_batch_size ({values['per_device_eval_batch_size']}) × world size "
+                          f"({world_size}) = {eval_batch} is not a multiple of num_generations"
+                          f"{'_eval' if values.get('num_generations_eval') else ''} ({ngen}): set "
+                          f"per_device_eval_batch_size to a multiple of {ngen // math.gcd(world_size, ngen)}")
+
+
+def _check_dataset_size(values: Mapping[str, Any], generation: int) -> None:
+    """The bundled Wordle dataset holds at least the prompts of one generation batch."""
+    if values.get("dataset", "wordle") != "wordle":
+        return
+    prompts = generation // values["num_generations"]
+    if values.get("dataset_size", prompts) < prompts:
+        raise RecipeError(f"dataset_size={values['dataset_size']} is too small: one generation batch takes "
+                          f"{prompts} prompts ({generation} completions / num_generations {values['num_generations']})")
+
+
+def _check_no_bf16(values: Mapping[str, Any], device: str, device_name: str,
+                   accelerate_mixed_precision: str | None) -> None:
+    """On a device without bf16: no bf16 autocast (asked or TRL's default), no bf16 weights, no bf16 from the
+    accelerate config."""
+    where = (f"but {device_name} has no bf16" if device != "cpu" else
+             "on a machine without a GPU, and use_cpu is not set (a recipe for a GPU or a Mac?)")
+    bf16 = values.get("bf16")
+    wants_amp = (not values.get("fp16")) if bf16 is None else bf16
+    if wants_amp or values.get("bf16_full_eval"):
+        how = "bf16: true" if bf16 else "bf16 unset (TRL then turns bf16 on)"
+        raise RecipeError(f"bf16 mixed precision is requested ({how}) {where}: {_bf16_fix(device)}")
+    if str(values.get("dtype")) == "bfloat16":
+        raise RecipeError(f"dtype: bfloat16 loads the weights in bf16 {where}: {_bf16_fix(device)}")
+    if accelerate_mixed_precision == "bf16":
+        raise RecipeError(f"the accelerate config sets mixed_precision: bf16 {where}: launch with "
+                          f"--mixed_precision no")
+
+
+def _resuming(resume: object) -> bool:
+    """Whether ``--resume_from_checkpoint`` asks for a resume (a path or ``last``; not unset, false or none)."""
+    return bool(resume) and str(resume).lower() not in ("false", "none")
+
+
+def split_to_resume(values: Mapping[str, Any], world_size: int = 1) -> dict[str, int] | None:
+    """The split a batch tuner recorded in ``output_dir`` when this launch resumes that run, else None.
+
+    The tuner re-sizes the split of a run that ran out of memory or found a faster one and writes it to
+    ``output_dir``; a resume continues with it. It is applied only when ``resume_from_checkpoint`` is given and the
+    recorded split is exact for the recipe (the one rule of :func:`~hf_perf_callbacks.resize.splitfile.split_for_run`,
+    which ``train_with_tuning`` applies too): a fresh run, or a recipe whose batch was changed since, starts from the
+    recipe's own split.
+    ``values`` are the merged recipe values (see :func:`raw_values`).
+    """
+    output_dir = values.get("output_dir")
+    if not output_dir or not _resuming(values.get("resume_from_checkpoint")):
+        return None
+    micro, accum = values.get("per_device_train_batch_size"), values.get("gradient_accumulation_steps")
+    if not (isinstance(micro, int) and micro >= 1 and isinstance(accum, int) and accum >= 1):
+        return None                                     # check_recipe names the bad value
+    configured = Split(micro, accum, values.get("steps_per_generation") or accum)   # GRPO's default: the accumulation
+    generation = values.get("generation_batch_size") or configured.generation_batch(world_size)
+    split = split_for_run(output_dir, effective_batch=configured.effective_batch(world_size), world_size=world_size,
+                          generation_batch=generation)
+    return split.as_args() if split else None
+
+
+def config_with_split(args: Any, split: Mapping[str, int]) -> Any:
+    """A copy of the parsed ``GRPOConfig`` (before any trainer exists) with a recorded split, keeping GRPO's
+    generation batch: a split with ``steps_per_generation`` sets it and clears ``generation_batch_size`` (GRPOConfig
+    accepts only one of the two); one without keeps the current ``generation_batch_size``. (``tuner.apply_split`` sets
+    a split on a live trainer, in place.)"""
+    changes: dict[str, int | None] = {"per_device_train_batch_size": split["per_device_train_batch_size"],
+               "gradient_accumulation_steps": split["gradient_accumulation_steps"]}
+    if split.get("steps_per_generation"):
+        changes.update(steps_per_generation=split["steps_per_generation"], generation_batch_size=None)
+    else:
+        changes.update(generation_batch_size=args.generation_batch_size, steps_per_generation=None)
+    return dataclasses.replace(args, **changes)
+
+
+def resolve_checkpoint(resume: str | None, output_dir: str) -> str | None:
+    """``--resume_from_checkpoint PATH`` or ``last`` (the newest *complete* ``checkpoint-N`` in ``output_dir``;
+    newer incomplete ones are moved aside, see :mod:`hf_perf_callbacks.resize.checkpoints`)."""
+    if resume is None or not _resuming(resume):
+        return None
+    if resume == "last":
+        from ..resize.checkpoints import newest_complete
+
+        last = newest_complete(output_dir)
+        if last is None:
+            raise RecipeError(f"resume_from_checkpoint=last: no complete checkpoint-N folder in output_dir "
+                              f"{output_dir!r}; drop the flag to start fresh or pass a checkpoint path")
+        return last
+    if not os.path.isdir(resume):
+        raise RecipeError(f"resume_from_checkpoint={resume!r}: no such directory (pass a checkpoint-N folder or "
+                          f"'last')")
+    return resume

@@ -1,0 +1,214 @@
+"""The launch: the command line parsed and checked (:func:`parse_recipe`), the trainer built and trained with a
+compact console (:func:`run`), the model saved and the perf report written; :func:`main` is ``hf-perf train`` and
+``python -m hf_perf_callbacks.train``."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Mapping
+
+from .. import keys
+from ..batching import Split
+from . import recipes
+from .arguments import (
+    RecipeArguments,
+    RecipeError,
+    as_dict,
+    check_keys,
+    check_trl_command,
+    check_trl_keys,
+    check_values,
+    make_parser,
+    raw_values,
+    read_recipe,
+    split_config,
+)
+from .build import build_callbacks, build_datasets, build_model, build_tokenizer, resolve_reward_funcs
+from .checks import (
+    check_recipe,
+    config_with_split,
+    detect_device,
+    resolve_checkpoint,
+    split_to_resume,
+    world_size_from_env,
+)
+
+logger = logging.getLogger("hf_perf_callbacks.train")   # also when run as __main__
+
+
+def parse_recipe(argv: list[str]):
+    """Validate and parse ``argv`` into ``(RecipeArguments, GRPOConfig, ModelConfig)``; a :class:`RecipeError`
+    comes before anything heavy (distributed init, model, data) happens."""
+    config_path, rest = split_config(argv)
+    check_trl_command(rest)
+    config_path = recipes.resolve(config_path) if config_path else None
+    config = read_recipe(config_path) if config_path else {}
+    parser = make_parser()
+    check_trl_keys(config, rest, config_path)
+    check_keys(parser, config, rest, source=config_path or "recipe")
+    check_values(config, source=config_path or "recipe")
+    values = raw_values(parser, config, rest)
+    split = split_to_resume(values, world_size_from_env())
+    if split:
+        values.update(split)
+        if split.get("steps_per_generation"):
+            values["generation_batch_size"] = None
+    kind, bf16_ok, name = detect_device(bool(values.get("use_cpu")))
+    check_recipe(values, device=kind, bf16_supported=bf16_ok, device_name=name, world_size=world_size_from_env(),
+                 accelerate_mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION"))
+    if os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16" and values.get("bf16") is False:
+        logger.warning("the accelerate config sets mixed_precision: bf16, which overrides bf16: false in the recipe "
+                       "(training then runs under bf16 autocast); launch with --mixed_precision no, or "
+                       "hf-perf recipes path accelerate/mps, to keep the recipe's precision")
+
+    args = ["--config", config_path, *rest] if config_path else rest
+    recipe, training_args, model_args = make_parser().parse_args_and_config(args)
+    if split:
+        logger.info("applying the split recorded by the batch tuner in %s: %s", training_args.output_dir, split)
+        training_args = config_with_split(training_args, split)
+    recipe.callbacks = [name for name in ([recipe.callbacks] if isinstance(recipe.callbacks, str)
+                                          else recipe.callbacks) if name.lower() != "none"]
+    recipe.reward_funcs = [recipe.reward_funcs] if isinstance(recipe.reward_funcs, str) else recipe.reward_funcs
+    recipe.callback_kwargs = as_dict(recipe.callback_kwargs, "callback_kwargs")
+    training_args.resume_from_checkpoint = resolve_checkpoint(training_args.resume_from_checkpoint,
+                                                              training_args.output_dir)
+    return recipe, training_args, model_args
+
+
+# ---------------------------------------------------------------- the console
+#: the callbacks' keys that the console's log line keeps: throughput, MFU, memory against the budget and the split
+#: in effect (every key still reaches ``log_history``, the reporters and the perf log)
+CONSOLE_KEYS = (keys.PERF_TOKENS_PER_SEC, keys.PERF_MFU, keys.MEM_DEVICE_USED_GB, keys.MEM_LIMIT_GB,
+                keys.TUNER_MICRO_BATCH, keys.TUNER_GRAD_ACCUM)
+
+
+def console_logs(logs: Mapping) -> dict:
+    """A training log as the console shows it: the trainer's own values (what ``trl grpo`` prints) and the callbacks'
+    headline keys (:data:`CONSOLE_KEYS`), not each of their few dozen keys."""
+    return {key: value for key, value in logs.items()
+            if key in CONSOLE_KEYS or not key.startswith(keys.CALLBACK_PREFIXES)}
+
+
+def compact_console(trainer) -> None:
+    """Print the trainer's log lines through :func:`console_logs`: transformers' ``ProgressCallback`` (or
+    ``PrinterCallback`` under ``disable_tqdm``) is replaced by a subclass that prints the compact dict; what the
+    reporters, ``log_history`` and the perf log receive is unchanged."""
+    from transformers import PrinterCallback, ProgressCallback
+
+    class CompactProgressCallback(ProgressCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            return super().on_log(args, state, control, logs=console_logs(logs or {}), **kwargs)
+
+    class CompactPrinterCallback(PrinterCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            return super().on_log(args, state, control, logs=console_logs(logs or {}), **kwargs)
+
+    for plain, compact in ((ProgressCallback, CompactProgressCallback), (PrinterCallback, CompactPrinterCallback)):
+        if any(type(callback) is plain for callback in trainer.callback_handler.callbacks):
+            trainer.remove_callback(plain)
+            trainer.add_callback(compact)
+
+
+def _describe(recipe, args, model_args, callbacks) -> str:
+    world, split = args.world_size, Split(args.per_device_train_batch_size, args.gradient_accumulation_steps)
+    lora = f", LoRA r={model_args.lora_r}" if model_args.use_peft else ""
+    names = ", ".join(type(cb).__name__ for cb in callbacks) or "none"
+    return (f"recipe: {model_args.model_name_or_path} ({model_args.dtype}{lora}) on {args.device.type} × {world}; "
+            f"micro-batch {split.micro_batch} × accumulation {split.grad_accum} × world {world} = "
+            f"{split.effective_batch(world)} completions per "
+            f"optimizer step; generation batch {args.generation_batch_size} = "
+            f"{args.generation_batch_size // args.num_generations} prompts × {args.num_generations}; "
+            f"max_completion_length {args.max_completion_length}; dataset {recipe.dataset}; callbacks {names}")
+
+
+def _report(output_dir: str) -> None:
+    """End-of-run report; a failure here is logged and does not fail the finished run."""
+    try:
+        from ..run_report import report_command
+
+        report_command(output_dir)
+    except Exception:                                  # training and checkpoints are already saved
+        logger.exception("the perf report failed; rerun it with `hf-perf report %s`", output_dir)
+
+
+def _end(trainer) -> None:
+    """Finish the trackers and destroy the process group (``Trainer.end``).
+
+    Several processes meet at a barrier first and then sleep briefly without the GIL: gloo's process-group
+    destructor joins its worker thread while holding the GIL, and deadlocks when that thread still has to release
+    the last collective's tensors (pytorch/pytorch#56297, #75097; seen on 2-process CPU runs).
+    """
+    if trainer.args.world_size > 1:
+        trainer.accelerator.wait_for_everyone()
+        time.sleep(0.5)
+    if hasattr(trainer, "end"):                        # transformers >= 5.18
+        trainer.end()
+
+
+# ---------------------------------------------------------------- entry point
+def run(recipe: RecipeArguments, training_args, model_args) -> int:
+    """Build the trainer from parsed arguments, train, save, report."""
+    from trl import GRPOTrainer, get_peft_config
+
+    callbacks = build_callbacks(recipe.callbacks, as_dict(recipe.callback_kwargs, "callback_kwargs"))
+    rewards = resolve_reward_funcs(recipe.reward_funcs, training_args.max_completion_length)
+    tokenizer = build_tokenizer(model_args, training_args)
+    train_data, eval_data = build_datasets(recipe, training_args.seed,
+                                           conversational=getattr(tokenizer, "chat_template", None) is not None)
+    model = build_model(model_args, training_args)
+    if eval_data is not None and training_args.eval_strategy == "no":
+        logger.warning("eval_dataset_size=%d but eval_strategy is 'no': set eval_strategy: steps to evaluate",
+                       recipe.eval_dataset_size)
+    try:
+        trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=training_args, train_dataset=train_data,
+                              eval_dataset=eval_data, processing_class=tokenizer,
+                              peft_config=get_peft_config(model_args) if model_args.use_peft else None,
+                              callbacks=callbacks)
+    except ValueError as error:                        # TRL's and transformers' checks of the arguments
+        raise RecipeError(f"GRPOTrainer refused the recipe: {error}") from None
+    compact_console(trainer)
+    if trainer.is_world_process_zero():
+        logger.info(_describe(recipe, training_args, model_args, callbacks))
+
+    if callbacks:                                      # the report words its advice as this launcher's recipe keys
+        from ..bus import bus_for
+
+        bus_for(trainer.callback_handler).mark_runs(launcher="hf-perf train")
+    resume = training_args.resume_from_checkpoint
+    if any(type(cb).__name__ == "AdaptiveBatchTuner" for cb in callbacks):
+        from ..resize import train_with_tuning
+
+        train_with_tuning(trainer, resume_from_checkpoint=resume, tune=recipe.tune)
+    else:
+        trainer.train(resume_from_checkpoint=resume)
+
+    if getattr(trainer, "is_fsdp_enabled", False):    # checkpoints stay sharded; the final model is one loadable file
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+    trainer.save_model(training_args.output_dir)
+    main_process = trainer.is_world_process_zero()
+    if main_process:
+        trainer.save_state()
+    _end(trainer)
+    if main_process and recipe.report:
+        _report(training_args.output_dir)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Launch a recipe: ``--config R.yaml [--key value ...]``; 0 on success, 2 on an invalid recipe."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("hf_perf_callbacks").setLevel(logging.INFO)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        recipe, training_args, model_args = parse_recipe(argv)
+    except ValueError as error:                        # RecipeError and the dataclasses' own checks
+        print(f"hf_perf_callbacks.train: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        return run(recipe, training_args, model_args)
+    except RecipeError as error:
+        print(f"hf_perf_callbacks.train: error: {error}", file=sys.stderr)
+        return 2

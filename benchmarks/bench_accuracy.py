@@ -1,6 +1,7 @@
 """2. Meter accuracy: the steady tokens/s ThroughputMeter reports against an independent measurement over the SAME
 steps the meter calls steady (its ``perf/first_steady_step`` and ``perf/steady`` lines, read back with
-``hf_perf_callbacks.figures``): CUDA events at every optimizer-step end on a GPU (the wall clock on a CPU), tokens
+``hf_perf_callbacks.report.figures``):
+CUDA events at every optimizer-step end on a GPU (the wall clock on a CPU), tokens
 counted from the generate calls. Also the warmup end it reports against the first step within 5% of the steady
 median. Run in a fresh process: the first step is a cold one.
 
@@ -20,7 +21,7 @@ import tempfile
 from common import StepClock, grpo_trainer, median, table, tokenizer, write_result
 
 from hf_perf_callbacks import default_callbacks
-from hf_perf_callbacks.figures import figures
+from hf_perf_callbacks.report.figures import figures
 from hf_perf_callbacks.runlog import PERF_STEADY, read_run
 
 

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter
-from hf_perf_callbacks.figures import figures, steady_steps
 from hf_perf_callbacks.report import summarize
+from hf_perf_callbacks.report.figures import figures, steady_steps
 from hf_perf_callbacks.runlog import PERF_LOG, read_run
 from hf_perf_callbacks.wording import throughput_line, warmup_line
 from tests.conftest import make_grpo, make_trainer
@@ -102,8 +102,8 @@ def test_the_steady_range_includes_the_steps_before_the_decision(trainer_run):
 
 
 def test_unfinished_warmup_says_so_everywhere_and_never_no_warmup(tokenizer, tmp_path, capsys):
-    from hf_perf_callbacks.plots import PlotData, plot_throughput
-    from hf_perf_callbacks.run_report import report_command
+    from hf_perf_callbacks.report import report_command
+    from hf_perf_callbacks.report.plots import PlotData, plot_throughput
 
     meter = ThroughputMeter(warmup_window=4)           # 3 steps cannot fill two windows of 4
     trainer = make_trainer(tokenizer, tmp_path, [meter], max_steps=3, bs=2, ga=1)

@@ -7,7 +7,7 @@ from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter
 from hf_perf_callbacks.batching import Split
-from hf_perf_callbacks.plots import PlotData, plot_memory, plot_phases, plot_throughput, plot_tuner
+from hf_perf_callbacks.report.plots import PlotData, plot_memory, plot_phases, plot_throughput, plot_tuner
 from hf_perf_callbacks.runlog import read_run
 from hf_perf_callbacks.splitfile import Decision, SplitFile, Trial
 from tests.conftest import make_grpo, make_trainer
@@ -212,7 +212,7 @@ def test_throughput_draws_the_meters_own_record_and_names_the_switches(tmp_path)
 
 def test_phases_shade_only_the_steps_the_tuner_measured(tmp_path):
     # seen: steps 4-19 shaded as measured by the tuner where only 4-7, 10-13 and 16-19 were
-    from hf_perf_callbacks.figures import step_ranges
+    from hf_perf_callbacks.report.figures import step_ranges
 
     out = synthetic(tmp_path, "tuned", **TUNED)
     fig, data = draw(plot_phases, out)

@@ -1,5 +1,5 @@
 """``hf-perf report OUTPUT_DIR``: the text summary of a training run's ``perf_log.jsonl`` (its plots:
-:mod:`hf_perf_callbacks.plots`).
+:mod:`hf_perf_callbacks.report.plots`).
 
 ```python
 from hf_perf_callbacks.runlog import read_run
@@ -8,18 +8,17 @@ print(summarize(read_run("outputs/my_run")))
 ```
 
 The log may come from a killed run (truncated lines, no summaries): the headline figures are the meter's either way
-(:func:`hf_perf_callbacks.figures.figures`, the numbers the plots and the written analysis use too), worded as the
+(:func:`.figures.figures`, the numbers the plots and the written analysis use too), worded as the
 meter's console summary words them (:mod:`hf_perf_callbacks.wording`). The command reads the log once and hands it to
-this module, the plots and :mod:`hf_perf_callbacks.analysis`.
+this module, the plots and :mod:`.analysis`.
 """
 from __future__ import annotations
 
-from . import keys
+from .. import keys
+from ..runlog import PERF_LOG, EventLine, RunLog, number
+from ..splitfile import read_split_file, trial_figures
+from ..wording import phase_line, split_label, steady_words, throughput_line, warmup_line
 from .figures import completion_stats, figures, ranges_text, run_events, step_ranges, trainer_logs
-from .plots import plot_all as _plot_all
-from .runlog import PERF_LOG, EventLine, RunLog, number
-from .splitfile import read_split_file, trial_figures
-from .wording import phase_line, split_label, steady_words, throughput_line, warmup_line
 
 MAX_EVENTS = 40          # events listed in full; beyond that the first and last halves
 
@@ -141,15 +140,3 @@ def _completion_line(history: list[dict]) -> str | None:
         return None
     return (f"completions ({c['logs']} logs): mean length {_fmt(c['mean'], '.1f')}, max {_fmt(c['max'], '.0f')}, "
             f"clipped {_fmt(c['clipped'], '.0%')} (mean over the run)")
-
-
-def print_report(run: RunLog, plots: bool = True) -> None:
-    """Print the summary of a parsed run and write its plots (listing them); raises :class:`ReportError`."""
-    print(summarize(run))
-    if plots:
-        paths, notes = _plot_all(run, None)
-        print("plots:")
-        for path in paths:
-            print(f"  {path}")
-        for note in notes:
-            print(f"  ({note})")

@@ -2,11 +2,11 @@
 
 ```python
 from hf_perf_callbacks.runlog import read_run
-from hf_perf_callbacks.plots import write_plots
+from hf_perf_callbacks.report.plots import write_plots
 write_plots(read_run("outputs/my_run"))      # outputs/my_run/plots/{throughput,memory,phases,tuner}.png
 ```
 
-Each plot reads the headline figures (:func:`hf_perf_callbacks.figures.figures`, the numbers the summary and the
+Each plot reads the headline figures (:func:`hf_perf_callbacks.report.figures.figures`, the numbers the summary and the
 analysis print), the step lines and the tuner's record (:func:`hf_perf_callbacks.splitfile.read_split_file`), and is
 drawn to be read at a glance at the size a README shows it (800×450 pixels): one throughput line on the steady
 figure's basis with the warmup and the steps slowed by other processes marked, memory on a scale of its own data (GiB)
@@ -20,11 +20,11 @@ import math
 import os
 from collections.abc import Sequence
 
-from . import keys
+from .. import keys
+from ..runlog import PHASES, ReportError, RunLog, number
+from ..splitfile import Decision, SplitFile, read_split_file, trial_figures
+from ..wording import PHASE_WORDS, split_label, steady_words, warmup_words
 from .figures import LogStep, figures, last_value, ranges_text, run_events, step_ranges, train_column, train_seconds
-from .runlog import PHASES, ReportError, RunLog, number
-from .splitfile import Decision, SplitFile, read_split_file, trial_figures
-from .wording import PHASE_WORDS, split_label, steady_words, warmup_words
 
 logger = logging.getLogger("hf_perf_callbacks")
 

@@ -2,7 +2,7 @@
 tuner's ``tuner_split.json``). Pure: no torch, no transformers.
 
 :func:`measurements` reduces a parsed run log (:func:`hf_perf_callbacks.runlog.read_run`) to :class:`Measurements`:
-headline figures from :func:`hf_perf_callbacks.figures.figures` (the ones ``hf-perf report`` prints, never
+headline figures from :func:`hf_perf_callbacks.report.figures.figures` (the ones ``hf-perf report`` prints, never
 recomputed here), the trainer's own logs from the step lines' ``log/<key>`` values (else ``trainer_state.json``),
 the tuner's decisions through :func:`hf_perf_callbacks.splitfile.read_split_file`, and what the run header says
 about the interface (``launcher``) and the CPU (``cpu_cores``, ``torch_threads``) when its writer records them. Every
@@ -90,9 +90,13 @@ import statistics
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from . import estimate, keys
-from .batching import Split, exact_splits, next_smaller
-from .dataloader import dataloader_advice, dataloader_changes
+from .. import estimate, keys
+from ..batching import Split, exact_splits, next_smaller
+from ..dataloader import dataloader_advice, dataloader_changes
+from ..runlog import GB, ReadStep, RunHeader, RunLog, conform, number, read_run
+from ..splitfile import Decision, SplitFile, read_split_file, trial_figures
+from ..stats import classify_slow_steps, quantile
+from ..wording import TUNER_NEEDS_TRAIN_WITH_TUNING, warmup_words
 from .figures import (
     completion_stats,
     figures,
@@ -103,10 +107,6 @@ from .figures import (
     train_column,
     trainer_logs,
 )
-from .runlog import GB, ReadStep, RunHeader, RunLog, conform, number, read_run
-from .splitfile import Decision, SplitFile, read_split_file, trial_figures
-from .stats import classify_slow_steps, quantile
-from .wording import TUNER_NEEDS_TRAIN_WITH_TUNING, warmup_words
 
 REPORT_FILE = "perf_report.md"
 CONSOLE_WIDTH = 160

@@ -40,9 +40,9 @@ import bisect
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from . import keys
-from .runlog import PHASES, EventLine, LogRow, ReadStep, RunLog, StepLine, number
-from .stats import median, quantile
+from .. import keys
+from ..runlog import PHASES, EventLine, LogRow, ReadStep, RunLog, StepLine, number
+from ..stats import median, quantile
 
 #: a step line as written (:class:`~hf_perf_callbacks.runlog.StepLine`) or as read back (``ReadStep``)
 LogStep = StepLine | ReadStep

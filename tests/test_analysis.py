@@ -9,10 +9,7 @@ import pytest
 
 from hf_perf_callbacks import estimate
 from hf_perf_callbacks.batching import Split
-from hf_perf_callbacks.report import analysis
-from hf_perf_callbacks.report.analysis import (
-    MIN_MACHINE_STEPS,
-    MIN_STEADY_STEPS,
+from hf_perf_callbacks.report import (
     RULES,
     Finding,
     Measurements,
@@ -25,6 +22,8 @@ from hf_perf_callbacks.report.analysis import (
     render_markdown,
     write_perf_report,
 )
+from hf_perf_callbacks.report.model import MIN_MACHINE_STEPS, MIN_STEADY_STEPS
+from hf_perf_callbacks.report.rules import basis
 from hf_perf_callbacks.runlog import ReportError, read_run
 from hf_perf_callbacks.splitfile import Decision, SplitFile, Trial
 from tests.conftest import schema_lines
@@ -72,7 +71,7 @@ def calibrated(monkeypatch):
     """The calibration table as if bench_advice had checked every model within 8% on 3 runs on every device."""
     table = {(rule, device): (3, 0.08) for rule in ("input_bound", "duplicate_forward", "padding_waste")
              for device in ("cpu", "cuda", "mps")}
-    monkeypatch.setattr(analysis, "CALIBRATION", table)
+    monkeypatch.setattr(basis, "CALIBRATION", table)
     return table
 
 
@@ -700,7 +699,7 @@ def test_the_calibration_table_is_what_the_advice_check_measured():
                     errors.setdefault((row["rule"], device), []).append(
                         abs(row["predicted_gain"] / row["measured_gain"] - 1))
     table = {key: (len(e), round(max(e) + 0.005, 2)) for key, e in errors.items() if max(e) <= 0.25}
-    assert analysis.CALIBRATION == table
+    assert basis.CALIBRATION == table
     assert ("input_bound", "cpu") in errors and ("input_bound", "cpu") not in table   # checked, missed by > 25%
 
 
@@ -708,8 +707,7 @@ def test_a_field_of_another_type_is_skipped_with_a_note_never_a_crash(demo_run, 
     """A newer or older writer: every field of every record of a real run's log, and of its trainer logs, in turn
     given another type (a string where a number belongs, a list where a mapping does, a mapping where a string
     does). The summary and the analysis never raise; the analysis names each skipped field it reads."""
-    from hf_perf_callbacks.report import summarize
-    from hf_perf_callbacks.report.analysis import measurements
+    from hf_perf_callbacks.report import measurements, summarize
     from hf_perf_callbacks.runlog import HEADER_KINDS, SUMMARY_KINDS, conform, parse_lines
 
     entries = [json.loads(line) for line in open(os.path.join(demo_run, "perf_log.jsonl"))]
@@ -983,7 +981,7 @@ def test_a_first_step_among_the_steady_steps_is_not_said_to_be_excluded():
 def test_a_last_step_at_the_steady_wall_cpu_ratio_is_no_contention(tmp_path):
     # seen: a contention finding naming the run's last step as early contention, "wall/CPU 3.95 against 3.95 when
     # steady" (the meter had judged a late train() call against its own first steps)
-    from hf_perf_callbacks.report.analysis import measurements_from_run
+    from hf_perf_callbacks.report import measurements_from_run
     lines = [{"type": "run", "session": "s", "resumed_from_step": 0, "sources": ["perf"], "device_type": "cpu",
               "world_size": 1, "torch_threads": 1, "cpu_cores": 2}]
     for step in range(1, 13):

@@ -3,7 +3,7 @@ GRPO run that cannot learn (every reward 0) with the MPS-only ``pad_to_multiple_
 import torch
 
 from hf_perf_callbacks import ThroughputMeter, default_callbacks
-from hf_perf_callbacks.report.analysis import check, measurements_from_run, write_analysis
+from hf_perf_callbacks.report import check, measurements_from_run, write_analysis
 from hf_perf_callbacks.runlog import read_run
 from hf_perf_callbacks.tiny import build_model
 from tests.conftest import PlantedClock, make_grpo, make_trainer

@@ -107,7 +107,7 @@ def test_truncated_log_still_reports(demo_run, tmp_path, capsys):
 def test_figures_from_step_lines_match_the_meters_and_the_analysis_uses_them(demo_run, tmp_path):
     """A killed run has no summaries: the step-line fallbacks must measure what the meter measures (training
     time, not wall time with eval/save), and perf_report.md must print the same figures as the report."""
-    from hf_perf_callbacks.report.analysis import measurements_from_run
+    from hf_perf_callbacks.report import measurements_from_run
     from hf_perf_callbacks.report.figures import figures
 
     finished = figures(read_run(demo_run))
@@ -211,7 +211,7 @@ def test_plots_skip_absent_data(tmp_path):
 
 def test_completion_line_and_the_analysis_cite_the_same_clipped_share(tmp_path):
     # seen: the analysis said 83% clipped while the summary line of the same report said 75% (its last log)
-    from hf_perf_callbacks.report.analysis import check, measurements_from_run
+    from hf_perf_callbacks.report import check, measurements_from_run
 
     lines = [{"type": "run", "source": "perf", "device_type": "cpu", "world_size": 1, "grpo": True,
               "max_completion_length": 16, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 
 from ..runlog import ReportError, RunLog, read_run
-from .analysis import console_summary, write_analysis
 from .plots import plot_all
+from .render import console_summary, write_analysis
 from .summary import summarize
 
 #: the one line printed instead of the plots when matplotlib is missing

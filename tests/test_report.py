@@ -114,14 +114,14 @@ def test_figures_from_step_lines_match_the_meters_and_the_analysis_uses_them(dem
     with open(os.path.join(demo_run, PERF_LOG), encoding="utf-8") as f:
         (tmp_path / PERF_LOG).write_text("".join(line for line in f if '"type": "summary"' not in line))
     killed = figures(read_run(str(tmp_path)))
-    assert killed["mean_tokens_per_sec"] == pytest.approx(finished["mean_tokens_per_sec"], rel=0.01)
-    if finished["steady_step_sec"] is None:                   # the shared demo run is too short for a steady phase
-        assert killed["steady_step_sec"] is None
+    assert killed.mean_tokens_per_sec == pytest.approx(finished.mean_tokens_per_sec, rel=0.01)
+    if finished.steady_step_sec is None:                   # the shared demo run is too short for a steady phase
+        assert killed.steady_step_sec is None
     else:
-        assert killed["steady_step_sec"] == pytest.approx(finished["steady_step_sec"], rel=0.2)
+        assert killed.steady_step_sec == pytest.approx(finished.steady_step_sec, rel=0.2)
     m = measurements_from_run(str(tmp_path))
     assert (m.mfu, m.steady_step_sec, m.mem_high_water_gb, m.phases) == (
-        killed["mfu"], killed["steady_step_sec"], killed["high_water_gb"], killed["phases"])
+        killed.mfu, killed.steady_step_sec, killed.high_water_gb, killed.phases)
 
 
 def synthetic_log(path, steps=30):

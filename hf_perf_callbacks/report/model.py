@@ -4,6 +4,7 @@ and the evidence thresholds the reading and the rules share. The rules and what 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..splitfile import Decision
 
@@ -30,8 +31,8 @@ class Measurements:
     max_completion_length: int | None
     num_generations: int | None
     activation_checkpointing: bool | None
-    model: dict
-    dataloader: dict
+    model: dict[str, Any]
+    dataloader: dict[str, Any]
     steps: int
     warmup_steps: int | None
     warmup_overhead_sec: float | None
@@ -55,7 +56,7 @@ class Measurements:
     swap_growth_gb: float | None
     swapout_steps: int
     min_steps_to_wall: float | None
-    watchdog_actions: list[dict]
+    watchdog_actions: list[dict[str, Any]]
     seq_len: int | None = None               # longest padded training sequence (tokens), for memory estimates
     seq_len_mean: float | None = None        # mean padded training length of the steady steps
     steps_per_generation: int | None = None  # as configured (TRL's default: gradient_accumulation_steps)
@@ -68,16 +69,16 @@ class Measurements:
     logs: int = 0                            # training logs with reward statistics (GRPO)
     no_signal_run: int = 0                   # longest run of logs with frac_reward_zero_std 1 and grad_norm 0
     reward_mean: float | None = None         # mean reward over those logs
-    rewards: dict | None = None              # the run's reward statistics (see _rewards); None: no reward data
+    rewards: dict[str, Any] | None = None    # the run's reward statistics (see _rewards); None: no reward data
     trainer_log_source: str | None = None    # where the trainer's logs came from: "perf log", "trainer_state.json"
-    contention: dict | None = None           # steps slowed by other processes: see rule_contention
-    machine: dict | None = None              # the CPU over the whole run: cores, threads, load (see _machine)
+    contention: dict[str, Any] | None = None  # steps slowed by other processes: see rule_contention
+    machine: dict[str, Any] | None = None    # the CPU over the whole run: cores, threads, load (see _machine)
     warmup_done: bool | None = None          # the meter decided warmup (None: no meter data)
     steady_steps: int = 0                    # steps after warmup (0 while warmup is not finished)
     fixed_seq_len: int | None = None         # Trainer: every step padded to this one length (a fixed-length collator)
     seq_len_min: int | None = None           # shortest padded training sequence (differs from seq_len: per-batch)
     launcher: str | None = None              # the command that started the run ("hf-perf train"); None: Python
-    logged: frozenset = frozenset()          # the metric keys the step lines hold
+    logged: frozenset[str] = frozenset()          # the metric keys the step lines hold
     budget_range_gb: tuple[float, float] | None = None   # lowest and highest mem/limit_gb: the budget per step
     wall_moves: list[tuple[int | None, str, bool]] = field(default_factory=list)   # the watchdog's wall events:
     #                                        (step, why, moved: False where the start set it below the device's limit)
@@ -85,8 +86,8 @@ class Measurements:
     skipped: list[str] = field(default_factory=list)   # logged fields of another type, skipped (what the report says)
     tuner_hint: str | None = None            # the tuner said it needs train_with_tuning (a plain train())
     trainer_kind: str | None = None          # "sft", "dpo" (their own training logs show it), None: Trainer / GRPO
-    evaluation: dict | None = None           # the run's evaluations, measured (see _evaluation)
-    first_steady: dict | None = None         # the latest train() call's first step, steady or not (_first_steady)
+    evaluation: dict[str, Any] | None = None  # the run's evaluations, measured (see _evaluation)
+    first_steady: dict[str, Any] | None = None  # the latest train() call's first step, steady or not
     train_sec: float | None = None           # Σ training seconds of the run's steps (what the tuning's cost is against)
 
 
@@ -104,11 +105,11 @@ class Finding:
     expected_gain: float | None
     gain_formula: str
     confidence: str                          # "high" | "medium" | "low"
-    setting: dict = field(default_factory=dict)
+    setting: dict[str, Any] = field(default_factory=dict)
     basis: str = "try"                       # "measured" | "calibrated" | "try" | "too few steps"
     predicted_gain: float | None = None
     priority: int = 1                        # 0: cannot learn / swapping / near the wall, ranked first
-    env: dict = field(default_factory=dict)  # environment variables to set before the process starts
+    env: dict[str, str] = field(default_factory=dict)  # environment variables to set before the process starts
     lower_bound: bool = False                # expected_gain is a floor ("at least"), not a prediction
 
 

@@ -18,13 +18,28 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from .. import keys
 from ..runlog import PHASES, ReportError, RunLog, number
 from ..splitfile import Decision, SplitFile, read_split_file, trial_figures
 from ..wording import PHASE_WORDS, split_label, steady_words, warmup_words
-from .figures import LogStep, figures, last_value, ranges_text, run_events, step_ranges, train_column, train_seconds
+from .figures import (
+    Figures,
+    LogStep,
+    figures,
+    last_value,
+    ranges_text,
+    run_events,
+    step_ranges,
+    train_column,
+    train_seconds,
+)
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -75,7 +90,7 @@ class PlotData:
     """What the plots read, read once: the run, its step lines, its headline figures, its tuner record and the split
     each step ran with (all in one pass over the step lines: the plots are linear in the run's steps)."""
 
-    def __init__(self, run: RunLog, steps: Sequence[LogStep], f: dict, split_file: SplitFile | None):
+    def __init__(self, run: RunLog, steps: Sequence[LogStep], f: Figures, split_file: SplitFile | None):
         self.run, self.steps, self.f, self.split_file = run, steps, f, split_file
         self.splits: dict[int, str] = {}
         labels: dict[tuple[float, float], str] = {}
@@ -134,14 +149,14 @@ class PlotData:
 
 
 # ---------------------------------------------------------------- shared helpers
-def _integer_steps(ax) -> None:
+def _integer_steps(ax: Axes) -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
 
 
-def _legend_below(fig, ax, ncol: int = 3) -> None:
+def _legend_below(fig: Figure, ax: Axes, ncol: int = 3) -> None:
     """The legend under the plot, off the data: as many columns as the labels' length lets fit the width."""
     handles, labels = ax.get_legend_handles_labels()
     if handles:
@@ -151,7 +166,7 @@ def _legend_below(fig, ax, ncol: int = 3) -> None:
                    fontsize=8, frameon=False)
 
 
-def _title(ax, title: str, *notes: str | None) -> None:
+def _title(ax: Axes, title: str, *notes: str | None) -> None:
     """The title, and under it the plot's notes in smaller grey type (off the data), wrapped to the axes' width."""
     import textwrap
 
@@ -164,7 +179,7 @@ def _title(ax, title: str, *notes: str | None) -> None:
                     textcoords="offset points", ha="center", va="bottom", fontsize=8, color="dimgrey")
 
 
-def _note(ax, text: str, color: str = "dimgrey") -> None:
+def _note(ax: Axes, text: str, color: str = "dimgrey") -> None:
     """A line of text in the top left corner of the plot."""
     ax.text(0.01, 0.98, text, transform=ax.transAxes, fontsize=9, color=color, va="top", ha="left",
             bbox={"boxstyle": "round,pad=0.25", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
@@ -175,7 +190,8 @@ def _note(ax, text: str, color: str = "dimgrey") -> None:
 MAX_POINTS = 2000
 
 
-def _thin(xs: list[int], ys: list[float], reduce=max) -> tuple[list[int], list[float], int]:
+def _thin(xs: list[int], ys: list[float],
+          reduce: Callable[[list[float]], float] = max) -> tuple[list[int], list[float], int]:
     """At most :data:`MAX_POINTS` points: (each bin's last step, ``reduce`` of its values, steps per bin)."""
     size = max(1, math.ceil(len(xs) / MAX_POINTS))
     if size == 1:
@@ -223,7 +239,7 @@ def _rates(run: RunLog, period: int) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
-def plot_throughput(fig, data: PlotData) -> str | None:
+def plot_throughput(fig: Figure, data: PlotData) -> str | None:
     f, steps = data.f, data.steps
     period = int(number(data.run.header("perf").period) or 1)
     block = period * max(1, math.ceil(len(steps) / period / MAX_POINTS))     # a long run: per bin of steps
@@ -235,32 +251,33 @@ def plot_throughput(fig, data: PlotData) -> str | None:
             else f"bin of {block} steps")
     ax.plot(xs, ys, marker="o" if len(xs) <= 60 else None, ms=4, lw=1.5, color="tab:blue",
             label=f"throughput per {what} (its tokens / its training s)")
-    steady_list = f["steady_steps"]
-    if f["not_steady"]:                                    # the meter's own record: the steps it did not count
-        for i, (a, b) in enumerate(f["not_steady"]):
+    steady_list = f.steady_steps
+    if f.not_steady:                                    # the meter's own record: the steps it did not count
+        for i, (a, b) in enumerate(f.not_steady):
             ax.axvspan(a - 0.5, b + 0.5, color="grey", alpha=0.15, lw=0,
-                       label=(f"not in the steady figures: steps {ranges_text(f['not_steady'])} (warmup; each "
+                       label=(f"not in the steady figures: steps {ranges_text(f.not_steady)} (warmup; each "
                               f"train() call starts it anew)") if i == 0 else None)
-    if f["warmup_done"] is False:
-        _note(ax, f"warmup not finished after {f['steps']} steps: no steady figure yet" if not steady_list else
-              f"the latest train() call's warmup had not finished after step {f['steps']}: the steady figure is "
+    if f.warmup_done is False:
+        _note(ax, f"warmup not finished after {f.steps} steps: no steady figure yet" if not steady_list else
+              f"the latest train() call's warmup had not finished after step {f.steps}: the steady figure is "
               f"the earlier calls'", color="tab:red")
-    steady = number(f["steady_tokens_per_sec"])
+    steady = number(f.steady_tokens_per_sec)
     if steady is not None and steady_list:
         ax.hlines(steady, steady_list[0] - 0.5, steady_list[-1] + 0.5, colors="tab:green", linestyles="--", lw=2,
                   label=f"steady figure {steady:,.0f} tokens/s: Σ tokens / Σ training s of the {len(steady_list)} "
                         f"steady steps (a slow step weighs by its time)")
-    contention = set(f["contention_steps"])
+    contention = set(f.contention_steps)
     contended = [(x, y) for x, y in zip(xs, ys) if any(s in contention for s in range(x - block + 1, x + 1))]
     if contended:
-        ax.scatter(*zip(*contended), s=90, facecolors="none", edgecolors="tab:red", lw=1.8, zorder=3,
-                   label=f"slowed by other processes ({number(f['contention_sec']) or 0:.1f} s lost)")
+        ax.scatter([x for x, _ in contended], [y for _, y in contended],
+                   s=90, facecolors="none", edgecolors="tab:red", lw=1.8, zorder=3,
+                   label=f"slowed by other processes ({number(f.contention_sec) or 0:.1f} s lost)")
     ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
     _mark_restarts(ax, data)
     notes = []
-    if f["warmup_done"]:
-        notes.append(warmup_words(f["warmup_steps"], f["first_step_slowdown"], f["warmup_overhead_sec"],
-                                  f["call_first_step"]))
+    if f.warmup_done:
+        notes.append(warmup_words(f.warmup_steps, f.first_step_slowdown, f.warmup_overhead_sec,
+                                  f.call_first_step))
     if steady_list:
         notes.append(steady_words(steady_list, ranges_text(step_ranges(steady_list))))
     _title(ax, "Training throughput (tokens per second of training time; evaluation and saving excluded)", *notes)
@@ -272,7 +289,7 @@ def plot_throughput(fig, data: PlotData) -> str | None:
     return None
 
 
-def _mark_restarts(ax, data: PlotData, top: float = 0.97) -> None:
+def _mark_restarts(ax: Axes, data: PlotData, top: float = 0.97) -> None:
     """A dotted line where a ``train()`` call resumed the run (the tuner's switch, a re-size, a resume: its warmup
     starts anew), named: few are named beside their line; more get the split in effect written over each stretch
     between them, and one legend entry."""
@@ -304,12 +321,12 @@ MAX_NAMED = 8                   # restarts named one by one on a plot; beyond th
 
 
 # ---------------------------------------------------------------- memory
-def plot_memory(fig, data: PlotData) -> str | None:
+def plot_memory(fig: Figure, data: PlotData) -> str | None:
     xs, ys = data.series(keys.MEM_DEVICE_USED_GB)
     if not xs:
         return "no mem/device_used_gb in the step lines"
     ax = fig.add_subplot()
-    cpu = data.f.get("device_type") == "cpu"
+    cpu = data.f.device_type == "cpu"
     all_x = xs
     xs, ys, binned = _thin(all_x, ys)                   # a long run: the largest value of each bin of steps
     ax.plot(xs, ys, lw=1.8, marker="o" if len(xs) <= 60 else None, ms=3, color="tab:blue",
@@ -321,7 +338,7 @@ def plot_memory(fig, data: PlotData) -> str | None:
     shown = ys + py
     low, high = min(shown), max(shown)
     span = max(high - low, MIN_SPAN * high, 0.01)        # a flat curve stays flat: no zoom into noise
-    budget = number(data.f["budget_gb"])
+    budget = number(data.f.budget_gb)
     lx, ly, _ = _thin(*data.series(keys.MEM_LIMIT_GB), reduce=min)   # a long run: each bin's lowest budget
     lowest = min(ly) if ly else budget                   # the budget is per step: it follows what the run can reach
     moved = bool(ly) and max(ly) > 1.01 * min(ly)
@@ -339,7 +356,7 @@ def plot_memory(fig, data: PlotData) -> str | None:
     for level, color, name in ((1, "orange", "pressure: warn"), (2, "red", "pressure: critical")):
         pts = [(s.step, used[s.step]) for s in data.steps if s.number(keys.MEM_PRESSURE) == level and s.step in used]
         if pts:
-            ax.scatter(*zip(*pts), color=color, s=30, zorder=3, label=name)
+            ax.scatter([x for x, _ in pts], [y for _, y in pts], color=color, s=30, zorder=3, label=name)
     acts = [(e, e.step) for e in run_events(data.run)
             if e.source == "mem" and e.kind in ("action", "stop", "wall") and e.step is not None
             and not (e.kind == "wall" and not e.message.startswith("the memory wall moved"))]
@@ -368,7 +385,7 @@ def plot_memory(fig, data: PlotData) -> str | None:
 
 
 # ---------------------------------------------------------------- phases
-def plot_phases(fig, data: PlotData) -> str | None:
+def plot_phases(fig: Figure, data: PlotData) -> str | None:
     f = data.f
     columns = [data.run.column(keys.PERF_PHASE_SEC[p]) for p in PHASES]     # the run's columns, one per phase
     rows = [i for i, seconds in enumerate(zip(*columns)) if any(v == v for v in seconds)]
@@ -385,7 +402,7 @@ def plot_phases(fig, data: PlotData) -> str | None:
             if not any(vals):
                 continue
             ax.bar(xs, vals, bottom=bottom, width=0.8 * size, color=PHASE_COLORS[p],
-                   label=PHASE_WORDS[p] + _share_words((f["phases"] or {}).get(p)))
+                   label=PHASE_WORDS[p] + _share_words((f.phases or {}).get(p)))
             bottom = [b + v for b, v in zip(bottom, vals)]
         measured = step_ranges(step for d in data.tune_decisions() for t in d.trials for step in t.steps)
         for i, (a, b) in enumerate(measured):
@@ -397,9 +414,9 @@ def plot_phases(fig, data: PlotData) -> str | None:
         ax.set_ylabel("seconds per step")
         ax.grid(alpha=0.3, axis="y")
         _integer_steps(ax)
-    elif f["phases"]:
+    elif f.phases:
         left = 0.0
-        for p, v in f["phases"].items():
+        for p, v in f.phases.items():
             v = number(v) or 0.0
             if v <= 0:
                 continue
@@ -416,7 +433,7 @@ def plot_phases(fig, data: PlotData) -> str | None:
     return None
 
 
-def _share_words(share) -> str:
+def _share_words(share: object) -> str:
     v = number(share)
     if v is None:
         return ""
@@ -437,7 +454,7 @@ def _tuning_cost(data: PlotData) -> str | None:
 
 
 # ---------------------------------------------------------------- tuner
-def plot_tuner(fig, data: PlotData) -> str | None:
+def plot_tuner(fig: Figure, data: PlotData) -> str | None:
     splits = data.splits
     decisions = data.split_file.decisions if data.split_file else []
     tuned = [d for d in decisions if d.kind == "tune"]
@@ -479,7 +496,7 @@ def _wrap(text: str, width: int = 70) -> str:
     return "\n".join(textwrap.wrap(text, width))
 
 
-def _draw_trials(ax, decision: Decision) -> None:
+def _draw_trials(ax: Axes, decision: Decision) -> None:
     """One tuning decision's trials: each split's median with its quartiles, the split kept green, and beside each
     the comparison every reader prints (:func:`~hf_perf_callbacks.splitfile.trial_figures`)."""
     shown = trial_figures(decision)
@@ -518,7 +535,7 @@ def _draw_trials(ax, decision: Decision) -> None:
     _title(ax, f"Tuning at step {decision.step}: {kept} {chosen} (green)", cost, gain)
 
 
-def _draw_splits(ax, splits: dict[int, str], decisions: list[Decision], data: PlotData) -> None:
+def _draw_splits(ax: Axes, splits: dict[int, str], decisions: list[Decision], data: PlotData) -> None:
     """The split each step ran with, on a categorical axis of split labels (largest micro-batch on top); the
     restarts that changed it named (the tuner's trials, re-sizes)."""
     def micro(label: str) -> int:
@@ -553,7 +570,7 @@ def _draw_splits(ax, splits: dict[int, str], decisions: list[Decision], data: Pl
 DECISION_WORDS = {"tune": "tuned", "memory_check": "memory check", "oom": "out of memory", "watchdog": "watchdog"}
 
 
-def _marker(ax, x: float, words: str, color: str, height: float) -> None:
+def _marker(ax: Axes, x: float, words: str, color: str, height: float) -> None:
     """A dotted vertical line at ``x`` with ``words`` beside it, on the side with room."""
     ax.axvline(x, color=color, ls=":", lw=1.2)
     left, right = ax.get_xlim()

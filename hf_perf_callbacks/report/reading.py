@@ -8,12 +8,13 @@ import math
 import os
 import statistics
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 from .. import keys
 from ..runlog import ReadStep, RunHeader, RunLog, conform, number, read_run
 from ..splitfile import SplitFile, read_split_file
 from ..stats import classify_slow_steps, quantile
-from .figures import completion_stats, figures, finite, last_value, train_column, trainer_logs
+from .figures import Figures, completion_stats, figures, finite, last_value, train_column, trainer_logs
 from .model import (
     CONTENTION_RATIO,
     CONTENTION_SHARE,
@@ -25,7 +26,7 @@ from .model import (
 )
 
 
-def _values(rows: Sequence, key: str) -> list[float]:
+def _values(rows: Sequence[Any], key: str) -> list[float]:
     """The finite numbers under ``key`` in step lines or log dicts (other types skipped)."""
     if rows and all(isinstance(r, ReadStep) for r in rows[:1]):      # the reader's lines: their numbers directly
         return [v for v in (r.number(key) for r in rows) if v is not None]
@@ -56,7 +57,7 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _rewards(logs: list[dict]) -> dict | None:
+def _rewards(logs: list[dict[str, Any]]) -> dict[str, Any] | None:
     """GRPO's reward statistics over the training logs: the range of the mean reward, the largest within-group
     spread (``reward_std``), the smallest share of groups without spread (``frac_reward_zero_std``), each reward
     function's range (``rewards/<name>/mean``); None when the logs hold no reward."""
@@ -73,7 +74,7 @@ def _rewards(logs: list[dict]) -> dict | None:
             "zero_std_min": min(zero, default=None), "funcs": {n: (min(v), max(v)) for n, v in sorted(funcs.items())}}
 
 
-def _no_signal(logs: list[dict]) -> tuple[int, int, float | None]:
+def _no_signal(logs: list[dict[str, Any]]) -> tuple[int, int, float | None]:
     """(GRPO logs with reward statistics, the longest run of consecutive logs where every group had zero reward
     variance and the gradient norm was 0, the mean reward over that run)."""
     rows = [(h, zero_std) for h in logs if (zero_std := number(h.get("frac_reward_zero_std"))) is not None]
@@ -95,7 +96,7 @@ def _no_signal(logs: list[dict]) -> tuple[int, int, float | None]:
     return len(rows), best, (statistics.fmean(best_rewards) if best_rewards else None)
 
 
-def _contention(run_log: RunLog, f: dict) -> dict | None:
+def _contention(run_log: RunLog, f: Figures) -> dict[str, Any] | None:
     """Slow steps that other processes caused (CPU device: wall time above the steady level that no extra process
     CPU time explains): the meter's own figure (``contention_sec`` / the summary's ``early_contention_sec``, with
     the steps when it lists them), else, for a log without it, the same classification
@@ -129,13 +130,10 @@ def _contention(run_log: RunLog, f: dict) -> dict | None:
     split = classify_slow_steps(walls, cpus, wall0, cpu0, tolerance=0.2)
     slow = [(i, w, c) for i, w, c, label in zip(rows, walls, cpus, split.labels) if label == "contention"]
     lost_sec, source = split.contention_sec, "step lines"
-    meter = number(f.get("contention_sec"))
-    if meter is None:
-        meter = number(run_log.summary("perf").get("early_contention_sec"))
+    meter = f.contention_sec
     if meter is not None:                                   # the meter's figure; its steps when it lists them
-        listed = f.get("contention_steps")
-        if isinstance(listed, list) and listed:
-            wanted = {number(v) for v in listed}
+        if f.contention_steps:
+            wanted = set(f.contention_steps)
             slow = [(i, w, c) for i, w, c in zip(rows, walls, cpus) if numbers[i] in wanted]
         lost_sec, source = meter, "meter"
     ratio = wall0 / cpu0
@@ -153,7 +151,7 @@ def _contention(run_log: RunLog, f: dict) -> dict | None:
             "other_cores": max(others) if others else None}
 
 
-def _evaluation(run_log: RunLog, train_sec: float) -> dict | None:
+def _evaluation(run_log: RunLog, train_sec: float) -> dict[str, Any] | None:
     """The run's evaluations as measured on its step lines (``perf/phase_sec/eval`` > 0): how many, every how many
     steps (the median gap), their seconds, the run's wall and training seconds and evaluation's share of the wall
     time; None without any."""
@@ -169,11 +167,11 @@ def _evaluation(run_log: RunLog, train_sec: float) -> dict | None:
             "steps": len(numbers), "share": eval_sec / wall if wall > 0 else 0.0}
 
 
-def _first_steady(run_log: RunLog, f: dict) -> dict | None:
+def _first_steady(run_log: RunLog, f: Figures) -> dict[str, Any] | None:
     """The latest ``train()`` call's first step when the meter counted it steady (no warmup beyond it): its training
     seconds and the steady step time with and without it (the figures' definition); None otherwise."""
-    first = f.get("call_first_step")
-    steady = set(f.get("steady_steps") or [])
+    first = f.call_first_step
+    steady = set(f.steady_steps or [])
     if first not in steady:
         return {"step": first, "included": False} if first else None
     count, total, own = 0, 0.0, None
@@ -187,7 +185,7 @@ def _first_steady(run_log: RunLog, f: dict) -> dict | None:
             "without": (total - own) / (count - 1)}
 
 
-def _trainer_kind(logs: list[dict]) -> str | None:
+def _trainer_kind(logs: list[dict[str, Any]]) -> str | None:
     """The TRL trainer whose own training logs these are, where they show it: SFT logs `mean_token_accuracy`
     (and `num_tokens`), DPO `rewards/chosen`."""
     keys_seen = {k for h in logs[:50] for k in h}
@@ -210,7 +208,7 @@ def _malformed_values(run_log: RunLog) -> list[str]:
     return out
 
 
-def _fact(header: RunHeader, name: str, kind: str, skipped: list[str]):
+def _fact(header: RunHeader, name: str, kind: str, skipped: list[str]) -> Any:
     """A run-header fact by name and type: a field of :class:`RunHeader`, or one a newer writer added (kept in
     ``extra`` by this version's reader); None when absent, and noted in ``skipped`` when of another type."""
     value = getattr(header, name, None)
@@ -222,7 +220,7 @@ def _fact(header: RunHeader, name: str, kind: str, skipped: list[str]):
     return typed
 
 
-def _machine(run_log: RunLog, header: RunHeader, skipped: list[str]) -> dict | None:
+def _machine(run_log: RunLog, header: RunHeader, skipped: list[str]) -> dict[str, Any] | None:
     """The CPU over the whole run, from the step lines (``perf/cpu_sec``, ``perf/step_wall_sec``,
     ``perf/other_cpu_cores``, ``perf/load_per_core``, ``perf/tokens``) and the run header (``cpu_cores``,
     ``torch_threads``, when the writer records them). Medians over the steps: ``busy`` — this process's CPU time /
@@ -283,15 +281,6 @@ def _machine(run_log: RunLog, header: RunHeader, skipped: list[str]) -> dict | N
             "lower_bound": lower_bound if lower_bound and lower_bound >= 1.0 + CONTENTION_SHARE else None}
 
 
-def _steady_count(f: dict, steps: int, warmup_done: bool | None, warmup_steps: float | None) -> int:
-    """Steps the meter counts as steady: the figures' list of them when they give one, else the steps after warmup
-    (none while warmup is not finished)."""
-    listed = f.get("steady_steps")
-    if isinstance(listed, list):
-        return len(listed) if warmup_done else 0
-    return max(0, steps - int(warmup_steps)) if warmup_done and warmup_steps is not None else 0
-
-
 def _resolve_split_file(run_log: RunLog) -> tuple[SplitFile | None, str | None]:
     """This run's record from the tuner (:func:`~hf_perf_callbacks.splitfile.read_split_file`, the one reader, for
     the perf log's session) and, when a file is there but is not read, a note saying it was skipped."""
@@ -332,12 +321,6 @@ def measurements(run_log: RunLog) -> Measurements:
         column = run_log.column(key)
         return (v for v in (column[i] for i in steady_at) if v == v)
 
-    def figure(name: str, kind: str = "float"):
-        ok, value = conform(f.get(name), kind)
-        if not ok:
-            skipped.append(f"the run's `{name}` is {f.get(name)!r}, not a number")
-        return value
-
     fpm = _median(values(keys.PERF_FORWARDS_PER_MICROBATCH))
     if fpm is None:
         fpm = max(_values([e.details for e in events], "forwards_per_microbatch"), default=None)
@@ -368,14 +351,7 @@ def measurements(run_log: RunLog) -> Measurements:
     spg = run.steps_per_generation           # a re-size keeps the generation batch: this split's share of it
     if spg and micro and run.per_device_train_batch_size:
         spg = max(1, int(spg) * int(run.per_device_train_batch_size) // int(micro))
-    n_steps = int(figure("steps") or 0)
-    warmup_steps = figure("warmup_steps")
-    warmup_done = f.get("warmup_done") if isinstance(f.get("warmup_done"), bool) else None
-    phases = f.get("phases")
-    if not isinstance(phases, dict):
-        skipped.append(f"the run's phase split is {type(phases).__name__}, not a mapping")
-        phases = {}
-    phases = {k: number(v) for k, v in phases.items() if number(v) is not None}
+    n_steps, warmup_steps, warmup_done = f.steps, f.warmup_steps, f.warmup_done
     tuner, tuner_note = _resolve_split_file(run_log)
     if tuner_note:
         skipped.append(tuner_note)
@@ -391,15 +367,15 @@ def measurements(run_log: RunLog) -> Measurements:
         grad_accum=int(accum) if accum else None, max_completion_length=run.max_completion_length,
         num_generations=run.num_generations, activation_checkpointing=run.activation_checkpointing,
         model=run.model or {}, dataloader=run.dataloader or {},
-        steps=n_steps, warmup_steps=int(warmup_steps) if warmup_steps is not None else None,
-        warmup_overhead_sec=figure("warmup_overhead_sec"), first_step_slowdown=figure("first_step_slowdown"),
-        steady_step_sec=figure("steady_step_sec"), steady_tokens_per_sec=figure("steady_tokens_per_sec"),
-        mfu=figure("mfu"), phases=phases,
+        steps=n_steps, warmup_steps=warmup_steps,
+        warmup_overhead_sec=f.warmup_overhead_sec, first_step_slowdown=f.first_step_slowdown,
+        steady_step_sec=f.steady_step_sec, steady_tokens_per_sec=f.steady_tokens_per_sec,
+        mfu=f.mfu, phases=dict(f.phases),
         pad_fraction=pads, forwards_per_microbatch=fpm,
         decode_bandwidth_util=_median(list(steady_values(keys.PERF_DECODE_BANDWIDTH_UTIL))),
         completion_mean=completion["mean"], completion_max=completion["max"], completion_p90=completion["p90"],
-        clipped_ratio=completion["clipped"], mem_high_water_gb=figure("high_water_gb"),
-        mem_budget_gb=figure("budget_gb"),
+        clipped_ratio=completion["clipped"], mem_high_water_gb=f.high_water_gb,
+        mem_budget_gb=f.budget_gb,
         driver_gb_max=driver_max_row.number(keys.MEM_DRIVER_GB) if driver_max_row else None,
         allocated_gb_at_driver_max=driver_max_row.number(keys.MEM_ALLOCATED_GB) if driver_max_row else None,
         max_pressure=int(pressures[3]) if pressures[0] else None,
@@ -421,7 +397,7 @@ def measurements(run_log: RunLog) -> Measurements:
         logs=n_logs, no_signal_run=no_signal_run, reward_mean=reward_mean, rewards=_rewards(logs) if grpo else None,
         trainer_log_source=log_source, contention=_contention(run_log, f), machine=_machine(run_log, run, skipped),
         warmup_done=warmup_done,
-        steady_steps=_steady_count(f, n_steps, warmup_done, warmup_steps),
+        steady_steps=len(f.steady_steps) if warmup_done else 0,
         fixed_seq_len=fixed, launcher=_fact(run, "launcher", "str", skipped),
         logged=run_log.keys_logged(), skipped=skipped,
         tuner_hint=hint, trainer_kind=_trainer_kind(logs) if not grpo else None,

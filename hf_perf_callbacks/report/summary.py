@@ -14,6 +14,8 @@ this module, the plots and :mod:`.analysis`.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from .. import keys
 from ..runlog import PERF_LOG, EventLine, RunLog, number
 from ..splitfile import read_split_file, trial_figures
@@ -23,7 +25,7 @@ from .figures import completion_stats, figures, ranges_text, run_events, step_ra
 MAX_EVENTS = 40          # events listed in full; beyond that the first and last halves
 
 
-def _fmt(value, spec: str, unit: str = "") -> str:
+def _fmt(value: object, spec: str, unit: str = "") -> str:
     v = number(value)
     return f"{format(v, spec)}{unit}" if v is not None else "n/a"
 
@@ -34,11 +36,11 @@ def summarize(run: RunLog) -> str:
     f = figures(run)
     steps = run.unique_steps()
     lines = [f"== hf-perf report: {run.output_dir} =="]
-    device = f["device"] or "unknown device"
-    if f["device_type"] and f["device_type"] not in str(device):
-        device += f" ({f['device_type']})"
-    lines.append(f"device: {device} × {f['world_size'] or '?'}   steps: {f['steps']}   "
-                 f"tokens: {_fmt(f['tokens'], ',.0f')}")
+    device = f.device or "unknown device"
+    if f.device_type and f.device_type not in str(device):
+        device += f" ({f.device_type})"
+    lines.append(f"device: {device} × {f.world_size or '?'}   steps: {f.steps}   "
+                 f"tokens: {_fmt(f.tokens, ',.0f')}")
     if run.summaries:
         lines.append("status: finished")
     else:
@@ -53,36 +55,36 @@ def summarize(run: RunLog) -> str:
         lines.append(f"resumed: from step {headers[0].resumed_from_step}")
 
     if headers or "perf" in run.summaries or any(keys.PERF_TOKENS in s.values for s in steps):
-        lines.append(throughput_line(f["steady_tokens_per_sec"], f["steady_step_sec"], f["mean_tokens_per_sec"]))
-        if f["warmup_done"] is not None:
-            lines.append("warmup: " + warmup_line(f["warmup_done"], f["warmup_steps"], f["first_step_slowdown"],
-                                                  f["warmup_overhead_sec"], f["steps"], f["contention_sec"],
-                                                  f["call_first_step"]))
-        if f["steady_steps"]:                 # an earlier train() call's steady steps count while the latest warms up
-            steady = steady_words(f["steady_steps"], ranges_text(step_ranges(f["steady_steps"])))
-            if f["not_steady"]:
-                single = len(f["not_steady"]) == 1 and f["not_steady"][0][0] == f["not_steady"][0][1]
-                steady += f"; not in them: step{'' if single else 's'} {ranges_text(f['not_steady'])}"
+        lines.append(throughput_line(f.steady_tokens_per_sec, f.steady_step_sec, f.mean_tokens_per_sec))
+        if f.warmup_done is not None:
+            lines.append("warmup: " + warmup_line(f.warmup_done, f.warmup_steps, f.first_step_slowdown,
+                                                  f.warmup_overhead_sec, f.steps, f.contention_sec,
+                                                  f.call_first_step))
+        if f.steady_steps:                 # an earlier train() call's steady steps count while the latest warms up
+            steady = steady_words(f.steady_steps, ranges_text(step_ranges(f.steady_steps)))
+            if f.not_steady:
+                single = len(f.not_steady) == 1 and f.not_steady[0][0] == f.not_steady[0][1]
+                steady += f"; not in them: step{'' if single else 's'} {ranges_text(f.not_steady)}"
             lines.append(f"steady steps: {steady}")
-        if number(f["mfu"]) is not None:
-            lines.append(f"MFU: {f['mfu']:.1%}")
-        if f["phases"]:
-            lines.append(phase_line(f["phases"]))
+        if number(f.mfu) is not None:
+            lines.append(f"MFU: {f.mfu:.1%}")
+        if f.phases:
+            lines.append(phase_line(f.phases))
     else:
         lines.append("throughput: no ThroughputMeter data in the log")
 
-    high, budget = number(f["high_water_gb"]), number(f["budget_gb"])
+    high, budget = number(f.high_water_gb), number(f.budget_gb)
     if high is not None and budget:
         lines.append(f"memory: high-water {high:.2f} GiB of a {budget:.2f} GiB budget ({high / budget:.0%})")
     elif high is not None:
         lines.append(f"memory: high-water {high:.2f} GiB (budget unknown)")
     else:
         lines.append("memory: no MemoryWatchdog data in the log")
-    if f["stopped_at"] is not None:
-        lines.append(f"stopped: the watchdog stopped training at step {f['stopped_at']} (a checkpoint was saved)")
+    if f.stopped_at is not None:
+        lines.append(f"stopped: the watchdog stopped training at step {f.stopped_at} (a checkpoint was saved)")
 
-    if f["cache_clears"] is not None:
-        lines.append(f"cache clears: {f['cache_clears']:.0f}, freed {_fmt(f['cache_freed_gb'], '.2f', ' GiB')}")
+    if f.cache_clears is not None:
+        lines.append(f"cache clears: {f.cache_clears:.0f}, freed {_fmt(f.cache_freed_gb, '.2f', ' GiB')}")
 
     events = run_events(run)
     if events:
@@ -131,7 +133,7 @@ def _tuning_lines(run: RunLog) -> list[str]:
     return lines
 
 
-def _completion_line(history: list[dict]) -> str | None:
+def _completion_line(history: list[dict[str, Any]]) -> str | None:
     """GRPO completion lengths over the run's training logs (:func:`figures.trainer_logs`: the step lines' ``log/``
     values, else ``trainer_state.json``; :func:`figures.completion_stats`, the figures the analysis cites), when
     present."""

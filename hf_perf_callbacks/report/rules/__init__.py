@@ -22,7 +22,7 @@ RULES: list[Callable[[Measurements], Finding | Note | None]] = [
 _ORDER = {rule.__name__.removeprefix("rule_"): i for i, rule in enumerate(RULES)}
 
 
-def _rank(f: Finding) -> tuple:
+def _rank(f: Finding) -> tuple[int, bool, float, int]:
     """Priority, then an expected gain before none, the larger first, then the order of RULES: a total order, so
     one run's findings always rank the same."""
     return (f.priority, f.expected_gain is None, -round(f.expected_gain or 0.0, 2), _ORDER.get(f.rule, len(_ORDER)))

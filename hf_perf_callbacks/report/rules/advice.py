@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 from ...batching import Split, exact_splits
 from ...runlog import GB
@@ -78,8 +79,8 @@ def _splits(m: Measurements) -> list[Split]:
         return []
 
 
-def _yaml(setting: dict) -> str:
-    def value(v):
+def _yaml(setting: dict[str, Any]) -> str:
+    def value(v: object) -> str:
         return "null" if v is None else "true" if v is True else "false" if v is False else json.dumps(v)
     return ", ".join(f"`{k}: {value(v)}`" for k, v in setting.items())
 
@@ -93,7 +94,7 @@ def _generation_batch(m: Measurements) -> int | None:
     return m.micro_batch * max(1, m.world_size or 1) * spg
 
 
-def _split_setting(m: Measurements, split: Split) -> dict:
+def _split_setting(m: Measurements, split: Split) -> dict[str, Any]:
     """The complete config change to run ``split``: micro-batch and accumulation, and for GRPO the
     ``steps_per_generation`` that keeps the generation batch when TRL's default (= accumulation) would not."""
     setting = {"per_device_train_batch_size": split.micro_batch, "gradient_accumulation_steps": split.grad_accum}

@@ -5,13 +5,14 @@ the LM head's logits).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from ... import estimate
 from ..model import Measurements
 from .advice import _gb, _generation_batch
 
 
-def _dims(model: dict) -> dict | None:
+def _dims(model: dict[str, Any]) -> dict[str, Any] | None:
     """The run header's model facts as :mod:`~hf_perf_callbacks.estimate`'s model dict plus ``bytes`` (bytes per
     parameter, default 2); None when layers, hidden size or attention heads are unknown."""
     if not (model.get("num_hidden_layers") and model.get("hidden_size") and model.get("num_attention_heads")):
@@ -19,7 +20,7 @@ def _dims(model: dict) -> dict | None:
     return {**estimate.model_from_config(model), "bytes": model.get("bytes_per_param") or 2}
 
 
-def _known(compute: Callable, *args):
+def _known(compute: Callable[..., int], *args: Any) -> int | None:
     """``compute(*args)``, or None when the model facts it needs are missing from the run header."""
     try:
         return compute(*args)
@@ -27,34 +28,34 @@ def _known(compute: Callable, *args):
         return None
 
 
-def _kv_per_token(model: dict) -> int | None:
+def _kv_per_token(model: dict[str, Any]) -> int | None:
     d = _dims(model)
     return _known(estimate.kv_cache_bytes_per_token, d, d["bytes"]) if d else None
 
 
-def _act_per_token(model: dict, checkpointing: bool) -> int | None:
+def _act_per_token(model: dict[str, Any], checkpointing: bool) -> int | None:
     d = _dims(model)
     return _known(estimate.activation_bytes_per_token, d, d["bytes"], checkpointing) if d else None
 
 
-def _logits_per_token(model: dict) -> int:
+def _logits_per_token(model: dict[str, Any]) -> int:
     d = _dims(model)
     return (_known(estimate.logits_bytes_per_token, d) or 0) if d else 0
 
 
-def _known_dims(model: dict) -> dict:
+def _known_dims(model: dict[str, Any]) -> dict[str, Any]:
     """:func:`_dims` of a model whose per-token bytes were computed: the formulas are written only then."""
     d = _dims(model)
     assert d is not None, "a formula of a model without layers, hidden size or attention heads"
     return d
 
 
-def _kv_formula(model: dict) -> str:
+def _kv_formula(model: dict[str, Any]) -> str:
     d = _known_dims(model)
     return f"2 × {d['layers']} layers × {d['kv_heads']} kv_heads × {d['head_dim']} head_dim × {d['bytes']} B"
 
 
-def _act_formula(model: dict, checkpointing: bool) -> str:
+def _act_formula(model: dict[str, Any], checkpointing: bool) -> str:
     """The activation bytes per token as :func:`estimate.activation_bytes_per_token` computes them, written with
     this model's numbers (each number followed by its name: the text evaluates to the bytes)."""
     d = _known_dims(model)
@@ -66,7 +67,7 @@ def _act_formula(model: dict, checkpointing: bool) -> str:
             f"{d['heads'] * d['head_dim']} q_dim + 3 × {d['intermediate']} intermediate) + 4 × {lora} lora_inputs) B")
 
 
-def _train_formula(model: dict, checkpointing: bool) -> str:
+def _train_formula(model: dict[str, Any], checkpointing: bool) -> str:
     """Activations plus the LM head's tile per training token (:func:`estimate.logits_bytes_per_token`), as text."""
     d = _known_dims(model)
     if not _logits_per_token(model):

@@ -2,6 +2,8 @@
 """
 from __future__ import annotations
 
+from typing import Any
+
 from ..model import ZERO, Finding, Measurements, Note
 from .advice import (
     CLIPPED_LARGE,
@@ -40,7 +42,7 @@ def rule_no_learning(m: Measurements) -> Finding | Note | None:
                         f"trainer logs).", judged=False)
         return None
     clipped, limit = m.clipped_ratio or 0.0, m.max_completion_length
-    setting: dict = {}
+    setting: dict[str, Any] = {}
     if constant:
         funcs = ", ".join(f"`{name}` {lo:.3g}" for name, (lo, _) in r["funcs"].items())
         obs = (f"On all {r['logs']} logs every completion got the same reward, {r['min']:.3g}: no prompt group had "
@@ -205,7 +207,7 @@ def rule_completion_budget(m: Measurements) -> Finding | Note | None:
                    f"depends on how often a batch holds one", "low", {"max_completion_length": new}, "try", None)
 
 
-def _constant_reward(r: dict | None) -> bool:
+def _constant_reward(r: dict[str, Any] | None) -> bool:
     """Every completion of the run scored the same: the mean reward never moved and no group had any spread."""
     return (r is not None and r["max"] - r["min"] <= ZERO and (r["std_max"] or 0.0) <= ZERO
             and (r["zero_std_min"] is None or r["zero_std_min"] >= 1.0 - 1e-9))

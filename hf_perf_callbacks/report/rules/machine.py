@@ -2,6 +2,8 @@
 """
 from __future__ import annotations
 
+from typing import Any
+
 from ..figures import (
     ranges_text,
     step_ranges,
@@ -26,7 +28,7 @@ def free_cores(cores: float, other: float) -> int:
     return max(1, int(cores - other + 0.25))
 
 
-def _oversubscription(m: Measurements) -> dict | None:
+def _oversubscription(m: Measurements) -> dict[str, Any] | None:
     """Whole-run thread oversubscription on a CPU (:func:`_machine`'s figures): over ≥ :data:`MIN_MACHINE_STEPS`
     steps, this process's threads plus the other processes' busy cores exceed the cores by :data:`OVERSUBSCRIBED`,
     at least :data:`THREADS_IDLE` of its threads were not running (CPU time / wall time below the thread count),

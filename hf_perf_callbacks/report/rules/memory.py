@@ -2,6 +2,8 @@
 """
 from __future__ import annotations
 
+from typing import Any
+
 from ... import keys
 from ...batching import Split, next_smaller
 from ..model import Finding, Measurements
@@ -85,7 +87,7 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
     if swapping and m.grpo:
         root += (" In GRPO the peak is the training forward/backward over prompt + completion tokens (activations "
                  "and full-vocabulary logits) on top of the generation KV cache.")
-    items: list[tuple[float, str, dict]] = []        # (bytes freed, recommendation, setting): the largest first
+    items: list[tuple[float, str, dict[str, Any]]] = []   # (bytes freed, advice, setting): the largest first
     tokens = _training_tokens(m)
     ckpt_on = bool(m.activation_checkpointing)
     act_now = _act_per_token(m.model, ckpt_on)

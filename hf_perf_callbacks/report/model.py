@@ -3,8 +3,9 @@ and the evidence thresholds the reading and the rules share. The rules and what 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ..splitfile import Decision
 
@@ -122,3 +123,27 @@ class Note:
     title: str
     text: str
     judged: bool = True
+
+
+@dataclass(frozen=True)
+class RuleCard:
+    """A rule's row of the README's rule table (section "The analysis"), written next to the rule with its
+    thresholds' constants: when it finds something and what it advises, the gain it prints, the note it gives
+    instead."""
+
+    finding: str = ""
+    gain: str = ""
+    note: str = ""
+
+
+#: each rule's card by rule name (``no_learning``), filled as the rule modules are imported (:func:`card`)
+CARDS: dict[str, RuleCard] = {}
+RuleT = TypeVar("RuleT", bound=Callable[[Measurements], "Finding | Note | None"])
+
+
+def card(finding: str = "", gain: str = "", note: str = "") -> Callable[[RuleT], RuleT]:
+    """Attach a rule's :class:`RuleCard` (a decorator on ``rule_<name>``)."""
+    def attach(rule: RuleT) -> RuleT:
+        CARDS[rule.__name__.removeprefix("rule_")] = RuleCard(finding, gain, note)
+        return rule
+    return attach

@@ -205,28 +205,10 @@ def _thin(xs: list[int], ys: list[float],
 
 
 # ---------------------------------------------------------------- throughput
-def step_rates(steps: Sequence[LogStep], period: int = 1) -> tuple[list[int], list[float]]:
-    """The run's throughput per step, on the steady figure's basis: tokens per second of training time (the meter's
-    ``perf/train_sec``), per step or per generation cycle of ``period`` steps (GRPO counts a cycle's tokens at its
-    generation step), at the cycle's last step."""
-    xs, ys = [], []
-    period = max(1, int(period or 1))
-    rows = []                                    # (step, tokens, training seconds) of the steps that have both
-    for s in steps:
-        tokens, train = s.number(keys.PERF_TOKENS), train_seconds(s)
-        if tokens is not None and train:
-            rows.append((s.step, tokens, train))
-    for i in range(0, len(rows) - period + 1, period):
-        block = rows[i:i + period]
-        seconds = sum(train for _, _, train in block)
-        if seconds > 0:
-            xs.append(block[-1][0])
-            ys.append(sum(tokens for _, tokens, _ in block) / seconds)
-    return xs, ys
-
-
 def _rates(run: RunLog, period: int) -> tuple[list[int], list[float]]:
-    """:func:`step_rates` from the run's columns (one pass per key over a long run)."""
+    """The run's throughput on the steady figure's basis: tokens per second of training time (the meter's
+    ``perf/train_sec``), per block of ``period`` steps (GRPO counts a cycle's tokens at its generation step), at the
+    block's last step; from the run's columns (one pass per key over a long run)."""
     rows = [(n, t, s) for n, t, s in zip(run.step_numbers(), run.column(keys.PERF_TOKENS), train_column(run))
             if t == t and s == s and s]
     xs, ys = [], []
@@ -321,38 +303,26 @@ MAX_NAMED = 8                   # restarts named one by one on a plot; beyond th
 
 
 # ---------------------------------------------------------------- memory
-def plot_memory(fig: Figure, data: PlotData) -> str | None:
-    xs, ys = data.series(keys.MEM_DEVICE_USED_GB)
-    if not xs:
-        return "no mem/device_used_gb in the step lines"
-    ax = fig.add_subplot()
-    cpu = data.f.device_type == "cpu"
-    all_x = xs
-    xs, ys, binned = _thin(all_x, ys)                   # a long run: the largest value of each bin of steps
-    ax.plot(xs, ys, lw=1.8, marker="o" if len(xs) <= 60 else None, ms=3, color="tab:blue",
-            label=("process memory (RSS)" if cpu else "device memory used")
-            + (f", the largest of each {binned} steps" if binned > 1 else ""))
-    px, py, _ = _thin(*data.series(keys.MEM_PEAK_GB))
-    if px:
-        ax.plot(px, py, lw=1.2, ls=(0, (4, 2)), color="black", label="high-water mark (peak so far)")
-    shown = ys + py
-    low, high = min(shown), max(shown)
-    span = max(high - low, MIN_SPAN * high, 0.01)        # a flat curve stays flat: no zoom into noise
-    budget = number(data.f.budget_gb)
+def _memory_budget(ax: Axes, data: PlotData, high: float) -> tuple[bool, float]:
+    """Draw the budget where it is near the curves (per step when the log has it): (drawn, the new top)."""
+    budget = data.f.budget_gb
     lx, ly, _ = _thin(*data.series(keys.MEM_LIMIT_GB), reduce=min)   # a long run: each bin's lowest budget
     lowest = min(ly) if ly else budget                   # the budget is per step: it follows what the run can reach
-    moved = bool(ly) and max(ly) > 1.01 * min(ly)
     near = lowest is not None and lowest <= high * NEAR_BUDGET
-    if near and budget is not None and lowest is not None:
-        if lx:
-            label = (f"budget per step ({min(ly):.2f}–{max(ly):.2f} GiB: what the run could reach moved)" if moved
-                     else f"budget ({budget:.2f} GiB)")
-            ax.plot(lx, ly, lw=1.5, color="tab:red", drawstyle="steps-post", label=label)
-            high = max(high, min(max(ly), high * NEAR_BUDGET))
-        else:
-            ax.axhline(budget, lw=1.5, color="tab:red", label=f"budget ({budget:.2f} GiB)")
-            high = max(high, budget)
-    used = dict(zip(all_x, data.series(keys.MEM_DEVICE_USED_GB)[1]))
+    if not near or budget is None:
+        return near, high
+    if lx:
+        moved = max(ly) > 1.01 * min(ly)
+        label = (f"budget per step ({min(ly):.2f}–{max(ly):.2f} GiB: what the run could reach moved)" if moved
+                 else f"budget ({budget:.2f} GiB)")
+        ax.plot(lx, ly, lw=1.5, color="tab:red", drawstyle="steps-post", label=label)
+        return near, max(high, min(max(ly), high * NEAR_BUDGET))
+    ax.axhline(budget, lw=1.5, color="tab:red", label=f"budget ({budget:.2f} GiB)")
+    return near, max(high, budget)
+
+
+def _memory_marks(ax: Axes, data: PlotData, used: dict[int, float]) -> int:
+    """Mark the pressure levels and the watchdog's actions and wall moves; returns how often the wall moved."""
     for level, color, name in ((1, "orange", "pressure: warn"), (2, "red", "pressure: critical")):
         pts = [(s.step, used[s.step]) for s in data.steps if s.number(keys.MEM_PRESSURE) == level and s.step in used]
         if pts:
@@ -364,19 +334,44 @@ def plot_memory(fig: Figure, data: PlotData) -> str | None:
         color = "red" if e.kind == "stop" else "tab:brown" if e.kind == "wall" else "purple"
         words = "wall moved" if e.kind == "wall" else str(e.details.get("action") or e.kind).replace("_", " ")
         _marker(ax, step, words, color, 0.97 - 0.07 * (i % 4))
-    ax.set_ylim(max(0.0, low - 0.15 * span), high + 0.3 * span)
-    ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
-    _mark_restarts(ax, data, top=0.83)       # a split change moves memory: the switch that explains a step in it
+    return sum(1 for e, _ in acts if e.kind == "wall")
+
+
+def _memory_notes(data: PlotData, near: bool, high: float, walls: int) -> list[str]:
     notes = []
     growth = last_value(data.steps, keys.MEM_GROWTH_MB_PER_STEP)
     if growth is not None:
         notes.append(f"growth {growth:+.2g} MiB/step (the watchdog's trend fit)")
+    budget = data.f.budget_gb
     if budget is not None and not near:
         notes.append(f"budget {budget:.2f} GiB (off the scale: {budget / high:.0f}x the highest value)")
-    walls = sum(1 for e, _ in acts if e.kind == "wall")
     if walls:
         notes.append(f"the wall moved {walls} time(s): memory outside the run changed (see the events)")
-    _title(ax, "Process memory (RSS)" if cpu else "Device memory", *notes)
+    return notes
+
+
+def plot_memory(fig: Figure, data: PlotData) -> str | None:
+    all_x, all_y = data.series(keys.MEM_DEVICE_USED_GB)
+    if not all_x:
+        return "no mem/device_used_gb in the step lines"
+    ax = fig.add_subplot()
+    cpu = data.f.device_type == "cpu"
+    xs, ys, binned = _thin(all_x, all_y)                # a long run: the largest value of each bin of steps
+    ax.plot(xs, ys, lw=1.8, marker="o" if len(xs) <= 60 else None, ms=3, color="tab:blue",
+            label=("process memory (RSS)" if cpu else "device memory used")
+            + (f", the largest of each {binned} steps" if binned > 1 else ""))
+    px, py, _ = _thin(*data.series(keys.MEM_PEAK_GB))
+    if px:
+        ax.plot(px, py, lw=1.2, ls=(0, (4, 2)), color="black", label="high-water mark (peak so far)")
+    shown = ys + py
+    low, high = min(shown), max(shown)
+    span = max(high - low, MIN_SPAN * high, 0.01)        # a flat curve stays flat: no zoom into noise
+    near, top = _memory_budget(ax, data, high)
+    walls = _memory_marks(ax, data, dict(zip(all_x, all_y)))
+    ax.set_ylim(max(0.0, low - 0.15 * span), top + 0.3 * span)
+    ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
+    _mark_restarts(ax, data, top=0.83)       # a split change moves memory: the switch that explains a step in it
+    _title(ax, "Process memory (RSS)" if cpu else "Device memory", *_memory_notes(data, near, top, walls))
     ax.set_ylabel("memory (GiB)")
     ax.grid(alpha=0.3)
     _integer_steps(ax)
@@ -385,49 +380,54 @@ def plot_memory(fig: Figure, data: PlotData) -> str | None:
 
 
 # ---------------------------------------------------------------- phases
+def _phase_bars(ax: Axes, data: PlotData, columns: Sequence[Sequence[float]], rows: list[int]) -> str:
+    """Seconds per step by phase, stacked (long runs: the mean per bin of steps); returns the title."""
+    numbers = data.run.step_numbers()
+    size = max(1, math.ceil(len(rows) / 150))
+    bins = [rows[i:i + size] for i in range(0, len(rows), size)]
+    xs = [sum(numbers[i] for i in b) / len(b) for b in bins]
+    bottom = [0.0] * len(bins)
+    for index, p in enumerate(PHASES):
+        column = columns[index]
+        vals = [sum(v for v in (column[i] for i in b) if v == v) / len(b) for b in bins]
+        if not any(vals):
+            continue
+        ax.bar(xs, vals, bottom=bottom, width=0.8 * size, color=PHASE_COLORS[p],
+               label=PHASE_WORDS[p] + _share_words(data.f.phases.get(p)))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    measured = step_ranges(step for d in data.tune_decisions() for t in d.trials for step in t.steps)
+    for i, (a, b) in enumerate(measured):
+        ax.axvspan(a - 0.5, b + 0.5, color="grey", alpha=0.15, lw=0, zorder=0,
+                   label=f"steps the tuner measured splits on ({ranges_text(measured)})" if i == 0 else None)
+    ax.set_ylim(0, max(bottom) * 1.05 or 1)
+    ax.set_ylabel("seconds per step")
+    ax.grid(alpha=0.3, axis="y")
+    _integer_steps(ax)
+    return ("Time per step by phase, share of the run's time in the legend"
+            + (f" (mean of {size} steps per bar)" if size > 1 else ""))
+
+
+def _phase_shares(ax: Axes, phases: dict[str, float]) -> str:
+    """The run summary's phase split as one bar of shares; returns the title."""
+    left = 0.0
+    for p, v in phases.items():
+        if v <= 0:
+            continue
+        ax.barh([0], [v * 100], left=left, color=PHASE_COLORS.get(p), label=PHASE_WORDS.get(p, p) + _share_words(v))
+        left += v * 100
+    ax.set_yticks([])
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("share of wall time (%)")
+    return "Share of the run's time by phase (run summary)"
+
+
 def plot_phases(fig: Figure, data: PlotData) -> str | None:
-    f = data.f
     columns = [data.run.column(keys.PERF_PHASE_SEC[p]) for p in PHASES]     # the run's columns, one per phase
     rows = [i for i, seconds in enumerate(zip(*columns)) if any(v == v for v in seconds)]
-    numbers = data.run.step_numbers()
-    ax = fig.add_subplot()
-    if rows:
-        size = max(1, math.ceil(len(rows) / 150))       # long runs: mean per bin of steps
-        bins = [rows[i:i + size] for i in range(0, len(rows), size)]
-        xs = [sum(numbers[i] for i in b) / len(b) for b in bins]
-        bottom = [0.0] * len(bins)
-        for index, p in enumerate(PHASES):
-            column = columns[index]
-            vals = [sum(v for v in (column[i] for i in b) if v == v) / len(b) for b in bins]
-            if not any(vals):
-                continue
-            ax.bar(xs, vals, bottom=bottom, width=0.8 * size, color=PHASE_COLORS[p],
-                   label=PHASE_WORDS[p] + _share_words((f.phases or {}).get(p)))
-            bottom = [b + v for b, v in zip(bottom, vals)]
-        measured = step_ranges(step for d in data.tune_decisions() for t in d.trials for step in t.steps)
-        for i, (a, b) in enumerate(measured):
-            ax.axvspan(a - 0.5, b + 0.5, color="grey", alpha=0.15, lw=0, zorder=0,
-                       label=f"steps the tuner measured splits on ({ranges_text(measured)})" if i == 0 else None)
-        ax.set_ylim(0, max(bottom) * 1.05 or 1)
-        title = ("Time per step by phase, share of the run's time in the legend"
-                 + (f" (mean of {size} steps per bar)" if size > 1 else ""))
-        ax.set_ylabel("seconds per step")
-        ax.grid(alpha=0.3, axis="y")
-        _integer_steps(ax)
-    elif f.phases:
-        left = 0.0
-        for p, v in f.phases.items():
-            v = number(v) or 0.0
-            if v <= 0:
-                continue
-            ax.barh([0], [v * 100], left=left, color=PHASE_COLORS.get(p), label=PHASE_WORDS.get(p, p) + _share_words(v))
-            left += v * 100
-        ax.set_yticks([])
-        ax.set_xlim(0, 100)
-        title = "Share of the run's time by phase (run summary)"
-        ax.set_xlabel("share of wall time (%)")
-    else:
+    if not rows and not data.f.phases:
         return "no perf/phase_sec/* in the step lines and no phase split in the summary"
+    ax = fig.add_subplot()
+    title = _phase_bars(ax, data, columns, rows) if rows else _phase_shares(ax, data.f.phases)
     _title(ax, title, _tuning_cost(data))
     _legend_below(fig, ax, ncol=3)
     return None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..model import Finding, Measurements, Note
+from ..model import CARDS, Finding, Measurements, Note
 from .grpo import rule_completion_budget, rule_generation_bound, rule_no_learning
 from .machine import rule_contention, rule_oversubscription
 from .memory import rule_memory_pressure
@@ -38,3 +38,15 @@ def check(m: Measurements) -> tuple[list[Finding], list[Note]]:
 def analyze(m: Measurements) -> list[Finding]:
     """The ranked findings (see :func:`check`)."""
     return check(m)[0]
+
+
+def rule_table() -> str:
+    """The README's rule table (section "The analysis"), one row per rule in the order of :data:`RULES`, from the
+    cards the rules carry (:func:`~..model.card`): ``python -m hf_perf_callbacks.report.rules`` prints it."""
+    rows = ["| rule | finding (setting) | gain printed | note instead |", "|---|---|---|---|"]
+    for rule in RULES:
+        name = rule.__name__.removeprefix("rule_")
+        c = CARDS[name]
+        rows.append(" ".join(f"| {cell}" if cell else "|" for cell in (f"`{name}`", c.finding, c.gain, c.note))
+                    + " |")
+    return "\n".join(rows)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..model import ZERO, Finding, Measurements, Note
+from ..model import ZERO, Finding, Measurements, Note, card
 from .advice import (
     CLIPPED_LARGE,
     COMPLETION_HEADROOM,
@@ -25,6 +25,34 @@ LAUNCH_BOUND_UTIL = 0.1      # decode bandwidth utilisation below which decode i
 NO_LEARNING_LOGS = 3         # consecutive logs with zero reward variance in every group and zero gradient norm
 
 
+def _more_samples(m: Measurements, r: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    """Where some prompts score and others do not: more samples per prompt (whole groups in the generation batch)
+    and, below 1, a temperature of 1 — the advice's words and its setting."""
+    items: list[str] = []
+    setting: dict[str, Any] = {}
+    n, gen = m.num_generations, _generation_batch(m)
+    if n and r and r["max"] - r["min"] > ZERO:       # some prompts score: more samples per prompt can differ
+        setting["num_generations"] = 2 * n
+        text = (f"`num_generations: {2 * n}` (more samples per prompt: more chances that one scores "
+                f"differently from the others)")
+        if gen and gen % (2 * n):
+            spg = 2 * (m.steps_per_generation or m.grad_accum or 1)
+            setting["steps_per_generation"] = spg
+            text += f" with `steps_per_generation: {spg}` (the generation batch must hold whole groups)"
+        items.append(text)
+        t = m.temperature
+        if t is not None and t < 1.0:
+            setting["temperature"] = 1.0
+            items.append(f"`temperature: 1.0` (now {t:g}): more varied samples within a group")
+    return items, setting
+
+
+@card(finding=f"GRPO, ≥ {NO_LEARNING_LOGS} logs: every completion scored the same → partial credit, a check of the "
+              "reward, an easier task (no setting: `num_generations`, `temperature` and `max_completion_length` "
+              "cannot move a constant reward; a longer limit is a later bullet when most completions were cut); "
+              "every group flat while the mean reward moved → `num_generations` ×2",
+      gain="no (fix first)",
+      note="no reward data in the logs")
 def rule_no_learning(m: Measurements) -> Finding | Note | None:
     if not m.grpo:
         return None
@@ -76,20 +104,8 @@ def rule_no_learning(m: Measurements) -> Finding | Note | None:
                 "not move.")
         items = ["reward shaping: give partial credit a sampled completion can reach (format, a correct part, "
                  "closeness), so completions of a group differ"]
-        n, gen = m.num_generations, _generation_batch(m)
-        if n and r and r["max"] - r["min"] > ZERO:       # some prompts score: more samples per prompt can differ
-            setting["num_generations"] = 2 * n
-            text = (f"`num_generations: {2 * n}` (more samples per prompt: more chances that one scores "
-                    f"differently from the others)")
-            if gen and gen % (2 * n):
-                spg = 2 * (m.steps_per_generation or m.grad_accum or 1)
-                setting["steps_per_generation"] = spg
-                text += f" with `steps_per_generation: {spg}` (the generation batch must hold whole groups)"
-            items.append(text)
-            t = m.temperature
-            if t is not None and t < 1.0:
-                setting["temperature"] = 1.0
-                items.append(f"`temperature: 1.0` (now {t:g}): more varied samples within a group")
+        more, setting = _more_samples(m, r)
+        items += more
         items.append("check the reward functions on a few completions by hand: a reward that is constant by mistake "
                      "(a parsing error that always returns 0) looks exactly like this")
         title = "The run cannot learn: no reward variance, zero gradients"
@@ -97,6 +113,9 @@ def rule_no_learning(m: Measurements) -> Finding | Note | None:
                    "within a group no step changes the weights", "high", setting, "try", None, priority=0)
 
 
+@card(finding=f"GRPO generation ≥ {GENERATION_SHARE:.0%} → vLLM (CUDA), `steps_per_generation` ×2 (with its cost: "
+              "later updates learn off-policy)",
+      gain="no")
 def rule_generation_bound(m: Measurements) -> Finding | None:
     g = _phase(m, "generation")
     if not m.grpo or g < GENERATION_SHARE or _too_short(m):
@@ -169,6 +188,10 @@ def _cut_off(m: Measurements, obs: str, limit: int, clipped: float) -> Finding:
                    "not faster)", "medium", setting, "try", None)
 
 
+@card(finding="GRPO: most completions cut at `max_completion_length` → the limit, `mask_truncated_completions`; "
+              "rare runaways reach a limit far above use → a cap",
+      gain="no",
+      note="no runaways (memory only)")
 def rule_completion_budget(m: Measurements) -> Finding | Note | None:
     limit = m.max_completion_length
     if not m.grpo or not limit:

@@ -8,7 +8,7 @@ from ..figures import (
     ranges_text,
     step_ranges,
 )
-from ..model import CONTENTION_SHARE, MIN_MACHINE_STEPS, Finding, Measurements
+from ..model import CONTENTION_RATIO, CONTENTION_SHARE, MIN_MACHINE_STEPS, Finding, Measurements, card
 from .advice import _bullets, _launcher, _pct
 from .basis import _too_short
 
@@ -60,6 +60,10 @@ def _threads_item(m: Measurements, n: int) -> str:
             f"before training")
 
 
+@card(finding="CPU, the whole run: torch threads + other processes' busy cores above the cores, threads idle, "
+              f"similar work ≥ {STEP_SPREAD:g}x apart → `OMP_NUM_THREADS` = the free cores (measured on the run's "
+              "CPU time and load)",
+      gain="measured: at least the run's mean over its fastest steps")
 def rule_oversubscription(m: Measurements) -> Finding | None:
     o = _oversubscription(m)
     if not o:
@@ -91,6 +95,10 @@ def rule_oversubscription(m: Measurements) -> Finding | None:
                    "measured" if gain else "try", None, env={"OMP_NUM_THREADS": str(a)}, lower_bound=bool(gain))
 
 
+@card(finding="steps slower while their process CPU time stayed flat, each step's own wall/CPU ratio ≥ "
+              f"{1 + CONTENTION_RATIO:g}× the steady steps' (the steps named) → other processes, `OMP_NUM_THREADS`",
+      gain="measured: the time lost",
+      note="(warmup is never blamed for it)")
 def rule_contention(m: Measurements) -> Finding | None:
     c = m.contention
     if not c or (c.get("lost_share") or 0.0) < CONTENTION_SHARE or _too_short(m):

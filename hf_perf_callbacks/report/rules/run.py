@@ -11,7 +11,7 @@ from ..figures import (
     ranges_text,
     step_ranges,
 )
-from ..model import CONTENTION_SHARE, MIN_MACHINE_STEPS, MIN_STEADY_STEPS, Finding, Measurements, Note
+from ..model import CONTENTION_SHARE, MIN_MACHINE_STEPS, MIN_STEADY_STEPS, Finding, Measurements, Note, card
 from .advice import _bullets, _launcher, _pct, _sentence, _split_name
 from .basis import _too_short
 from .machine import rule_contention, rule_oversubscription
@@ -38,6 +38,7 @@ def _contention_words(m: Measurements) -> str:
     return ""
 
 
+@card(note="always a note, from the meter's figures (\"not finished after N steps\" while it is)")
 def rule_warmup(m: Measurements) -> Note | None:
     slow, overhead, steady, n = m.first_step_slowdown, m.warmup_overhead_sec, m.steady_step_sec, m.warmup_steps
     other = _contention_words(m)
@@ -71,6 +72,9 @@ def rule_warmup(m: Measurements) -> Note | None:
     return Note("warmup", "Warmup", text)
 
 
+@card(finding=f"evaluation ≥ {EVAL_SHARE:.0%} of the wall time, ≥ 2 evaluations (`perf/phase_sec/eval`, measured) → "
+              f"`eval_strategy: steps`, `eval_steps` at which it takes ~{EVAL_TARGET:.0%}",
+      gain="measured: the run's own evaluation seconds at the new interval")
 def rule_evaluation(m: Measurements) -> Finding | None:
     """Evaluation's share of the wall time, measured on this run's own evaluations: ``eval_steps``."""
     e = m.evaluation
@@ -108,6 +112,9 @@ def _nice_interval(x: float) -> int:
     return int(next(k * scale for k in (1, 2, 5, 10) if k * scale >= x - 1e-9))
 
 
+@card(finding=f"the tuner's measurement cost more than its expected saving, by ≥ {TUNING_COST_SHARE:.0%} of the "
+              "training time → `tune=False` (recipe: `tune: false`) for runs this short",
+      gain="measured: the cost less the saving, against the training time")
 def rule_tuning_cost(m: Measurements) -> Finding | None:
     """The tuner's measurement cost more than it is expected to save: a finding with its cost."""
     d = m.tune
@@ -139,6 +146,7 @@ def rule_tuning_cost(m: Measurements) -> Finding | None:
                    formula, "medium", {"tune": False} if _launcher(m) else {}, "measured" if gain else "try", gain)
 
 
+@card(note="not judged: the tuner attached to a plain `trainer.train()` (its event)")
 def rule_tuner_hint(m: Measurements) -> Note | None:
     """The tuner attached to a plain ``trainer.train()``: it measured nothing, and said so (its event)."""
     if not m.tuner_hint or m.tune is not None:
@@ -148,6 +156,7 @@ def rule_tuner_hint(m: Measurements) -> Note | None:
                                                               if _launcher(m) else ""), judged=False)
 
 
+@card(note="not judged: too few steps")
 def rule_evidence(m: Measurements) -> Note | None:
     """What this run is too short to judge, and how many steps would do."""
     why = _too_short(m)
@@ -164,6 +173,7 @@ def rule_evidence(m: Measurements) -> Note | None:
                 f"on. To judge the rest, {more}.", judged=False)
 
 
+@card(note="not judged: fields of another type skipped")
 def rule_log_fields(m: Measurements) -> Note | None:
     """Logged fields of another type than this version reads (a newer or older writer), skipped."""
     if not m.skipped:

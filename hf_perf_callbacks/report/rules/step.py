@@ -7,7 +7,7 @@ import math
 
 from ...dataloader import dataloader_changes
 from ...splitfile import Decision, trial_figures
-from ..model import MIN_FIXED_LENGTH_STEPS, Finding, Measurements, Note
+from ..model import MIN_FIXED_LENGTH_STEPS, Finding, Measurements, Note, card
 from .advice import (
     _amdahl,
     _bullets,
@@ -21,7 +21,7 @@ from .advice import (
     _under_pressure,
     _yaml,
 )
-from .basis import _calibrated, _too_short
+from .basis import CALIBRATION, _calibrated, _too_short
 from .run import rule_tuning_cost
 
 DATA_WAIT_FRACTION = 0.1
@@ -32,6 +32,9 @@ DUPLICATE_FORWARDS = 1.05
 PAD_FRACTION = 0.2
 
 
+@card(finding=f"data wait ≥ {DATA_WAIT_FRACTION:.0%} → DataLoader settings",
+      gain=f"calibrated on CUDA (within {CALIBRATION[('input_bound', 'cuda')][1]:.0%}); not on CPUs (missed by "
+                "38%, below)")
 def rule_input_bound(m: Measurements) -> Finding | None:
     f = _phase(m, "data_wait")
     if f < DATA_WAIT_FRACTION or _too_short(m):
@@ -88,18 +91,37 @@ def _tune_note(m: Measurements, d: Decision) -> Note | None:
                 + (f" No larger micro-batch is advised: {limit}." if limit else ""))
 
 
-def rule_small_micro_batch(m: Measurements) -> Finding | Note | None:
+def _small_split_applies(m: Measurements) -> bool:
+    """A small micro-batch with accumulation, no memory pressure, the timings judged, and the device under-used
+    (low MFU; unknown: a high compute share)."""
     mb, ga, c = m.micro_batch, m.grad_accum, _phase(m, "compute")
+    if not (mb and ga and mb <= SMALL_MICRO_BATCH and ga >= 2) or _under_pressure(m) or _too_short(m):
+        return False
+    if m.mfu is not None and m.mfu >= LOW_MFU:
+        return False
+    return c > 0 and (m.mfu is not None or c >= HIGH_COMPUTE_SHARE)
+
+
+def _small_split_root(m: Measurements, ga: int) -> str:
+    if m.device_type == "cpu":
+        return ("Each micro-batch pays fixed costs (Python and autograd set-up, adapter dispatch, the optimizer's "
+                f"accumulation) {ga} times per optimizer step; on a CPU the matmuls of a larger micro-batch run at "
+                "about the same FLOP rate, so only those fixed costs can shrink — whether they matter is measured, "
+                "not known in advance.")
+    return ("With 1–2 sequences per micro-batch the matmuls are too thin to fill the device: each micro-batch "
+            f"pays its kernel launches and a forward/backward at low arithmetic intensity, {ga} times per "
+            "optimizer step.")
+
+
+@card(finding=f"micro-batch ≤ {SMALL_MICRO_BATCH}, low MFU, no tuner measurement → a larger exact split (never one "
+              "that ran out of memory), or the tuner",
+      gain="no",
+      note="the tuner measured another split and paid: its trials (fine); it measured none: not judged")
+def rule_small_micro_batch(m: Measurements) -> Finding | Note | None:
     if m.tune:
         return _tune_note(m, m.tune)
-    if not (mb and ga and mb <= SMALL_MICRO_BATCH and ga >= 2) or _under_pressure(m) or _too_short(m):
-        return None
-    if m.mfu is not None:
-        if m.mfu >= LOW_MFU:
-            return None
-    elif c < HIGH_COMPUTE_SHARE:
-        return None
-    if c <= 0:
+    mb, ga, c = m.micro_batch, m.grad_accum, _phase(m, "compute")
+    if not _small_split_applies(m) or not mb or not ga:
         return None
     world = max(1, m.world_size or 1)
     effective = mb * ga * world
@@ -117,25 +139,18 @@ def rule_small_micro_batch(m: Measurements) -> Finding | Note | None:
            + f" (effective batch {effective})"
            + (f"; MFU {_pct(m.mfu)}" if m.mfu is not None else "") + f"; compute {_pct(c)} of the wall time"
            + (f"; {why}, so nothing above micro-batch {cap} is advised" if why else "") + ".")
-    if m.device_type == "cpu":
-        root = ("Each micro-batch pays fixed costs (Python and autograd set-up, adapter dispatch, the optimizer's "
-                f"accumulation) {ga} times per optimizer step; on a CPU the matmuls of a larger micro-batch run at "
-                "about the same FLOP rate, so only those fixed costs can shrink — whether they matter is measured, "
-                "not known in advance.")
-    else:
-        root = ("With 1–2 sequences per micro-batch the matmuls are too thin to fill the device: each micro-batch "
-                f"pays its kernel launches and a forward/backward at low arithmetic intensity, {ga} times per "
-                "optimizer step.")
     listed = ", ".join(f"{s.micro_batch}×{s.grad_accum}" for s in splits[:6])
     rec = (f"Try {_yaml(setting)} (effective batch {effective} unchanged"
            + (", the generation batch and GRPO's groups too" if m.grpo else "") + f"), or measure instead of "
            f"guessing: {_tuner_how(m)}; the tuner times the exact splits ({listed}) on the run's own steps and keeps "
            f"the fastest that fits memory.")
-    return Finding("small_micro_batch", "Small micro-batch", obs, root, rec, None,
+    return Finding("small_micro_batch", "Small micro-batch", obs, _small_split_root(m, ga), rec, None,
                    "not predicted: a larger micro-batch helps only where per-micro-batch costs dominate (measured "
                    "on GPUs, not on every CPU); the tuner measures it", "low", setting, "try", None)
 
 
+@card(finding=f"> {DUPLICATE_FORWARDS:g} grad-enabled forwards per micro-batch → a code fix",
+      gain="calibrated (CPU, CUDA)")
 def rule_duplicate_forward(m: Measurements) -> Finding | None:
     f = m.forwards_per_microbatch
     if f is None or f <= DUPLICATE_FORWARDS:
@@ -190,6 +205,13 @@ def _fixed_length_padding(m: Measurements, length: int, p: float, c: float) -> F
                    {}, "try", None)
 
 
+@card(finding="a Trainer padded to one length on every step (`perf/seq_len` constant) → per-batch padding first "
+              "(grouping cannot shorten a fixed length; for an `SFTTrainer` run, recognised by its own logs, "
+              "SFTTrainer's own collator, not transformers' `DataCollatorForLanguageModeling`); "
+              "`pad_to_multiple_of` off MPS → `null`; per-batch padding → `group_by_length` (try)",
+      gain="calibrated on CPUs (`pad_to_multiple_of`); try elsewhere, and no ceiling the log cannot support (one "
+           "padded length on every step cannot tell the per-step costs that do not shrink from those that do)",
+      note="GRPO padding to the longest completion")
 def rule_padding_waste(m: Measurements) -> Finding | Note | None:
     p = m.pad_fraction
     if p is None or p < PAD_FRACTION:

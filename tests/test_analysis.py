@@ -22,7 +22,15 @@ from hf_perf_callbacks.report import (
     render_markdown,
     write_perf_report,
 )
-from hf_perf_callbacks.report.model import MIN_MACHINE_STEPS, MIN_STEADY_STEPS
+from hf_perf_callbacks.report.model import (
+    MIN_MACHINE_STEPS,
+    MIN_STEADY_STEPS,
+    Contention,
+    Evaluation,
+    FirstSteady,
+    Machine,
+    Rewards,
+)
 from hf_perf_callbacks.report.rules import basis
 from hf_perf_callbacks.runlog import ReportError, read_run
 from hf_perf_callbacks.splitfile import Decision, SplitFile, Trial
@@ -49,7 +57,7 @@ def healthy(**changes) -> Measurements:
         mem_high_water_gb=30.0, mem_budget_gb=68.0, driver_gb_max=34.0, allocated_gb_at_driver_max=30.0,
         max_pressure=0, swap_growth_gb=0.0, swapout_steps=0, min_steps_to_wall=None, watchdog_actions=[],
         seq_len=400, warmup_done=True, steady_steps=198,
-        rewards={"logs": 40, "min": 0.2, "max": 1.4, "std_max": 0.5, "zero_std_min": 0.1, "funcs": {}},
+        rewards=Rewards(logs=40, min=0.2, max=1.4, std_max=0.5, zero_std_min=0.1, funcs={}),
         logged=frozenset({"perf/steady_tokens_per_sec", "perf/tokens_per_sec", "mem/device_used_gb"}))
     return dataclasses.replace(m, **changes)
 
@@ -516,8 +524,8 @@ def test_no_learning_is_a_finding_ranked_first():
 
 
 def test_contention_is_its_own_finding_with_the_measured_loss():
-    c = {"steps": 4, "step_list": [1, 2, 3, 4], "lost_sec": 39.9, "run_sec": 120.0, "lost_share": 39.9 / 120.0,
-         "wall_over_cpu": 2.6, "steady_wall_over_cpu": 1.05, "other_cores": 1.6, "source": "meter"}
+    c = Contention(steps=4, step_list=[1, 2, 3, 4], lost_sec=39.9, run_sec=120.0, lost_share=39.9 / 120.0,
+                   wall_over_cpu=2.6, steady_wall_over_cpu=1.05, other_cores=1.6, source="meter")
     f = only(healthy(contention=c))
     assert f.rule == "contention" and f.basis == "measured"
     assert f.expected_gain == pytest.approx(1 / (1 - 39.9 / 120)) and "39.9 s" in f.observation
@@ -797,12 +805,13 @@ def test_thread_oversubscription_over_the_whole_run_gets_the_thread_count(tmp_pa
 
 
 def test_oversubscription_needs_its_evidence():
-    machine = {"steps": 12, "busy": 0.3, "other": 1.7, "load": 4.9, "cores": 2, "cores_from": "run header",
-               "threads": 2, "threads_from": "run header", "spread": 1.9, "cpu_spread": 1.6, "lower_bound": 1.4}
+    machine = Machine(steps=12, busy=0.3, other=1.7, load=4.9, cores=2, cores_from="run header", threads=2,
+                      threads_from="run header", spread=1.9, cpu_spread=1.6, lower_bound=1.4)
     assert only(healthy(device_type="cpu", mfu=None, machine=machine)).rule == "oversubscription"
     for change in ({"steps": MIN_MACHINE_STEPS - 1}, {"other": 0.2}, {"busy": 1.8}, {"spread": 1.1, "cpu_spread": 1.1},
                    {"threads": 1}, {"threads_from": "assumed", "cpu_spread": 1.2}):
-        assert analyze(healthy(device_type="cpu", mfu=None, machine={**machine, **change})) == [], change
+        changed = dataclasses.replace(machine, **change)
+        assert analyze(healthy(device_type="cpu", mfu=None, machine=changed)) == [], change
     launcher = only(healthy(device_type="cpu", mfu=None, machine=machine, launcher="hf-perf train"))
     assert "`OMP_NUM_THREADS=1 hf-perf train --config …`" in launcher.recommendation
     assert "set_num_threads" not in launcher.recommendation
@@ -850,8 +859,8 @@ def test_the_no_finding_text_fits_the_run():
 
 def test_a_constant_reward_gets_no_setting_that_cannot_move_it():
     # seen: a GRPO run whose rewards were all 0 advised `num_generations` and `temperature`
-    flat = {"logs": 8, "min": 0.0, "max": 0.0, "std_max": 0.0, "zero_std_min": 1.0,
-            "funcs": {"format_reward": (0.0, 0.0), "solved_reward": (0.0, 0.0)}}
+    flat = Rewards(logs=8, min=0.0, max=0.0, std_max=0.0, zero_std_min=1.0,
+                   funcs={"format_reward": (0.0, 0.0), "solved_reward": (0.0, 0.0)})
     f = analyze(healthy(rewards=flat, logs=8, no_signal_run=8, temperature=0.7, trainer_log_source="perf log"))[0]
     assert f.rule == "no_learning" and f.setting == {} and "every completion got the same reward" in f.title
     assert "`format_reward` 0, `solved_reward` 0" in f.observation and "from the perf log" in f.observation
@@ -864,10 +873,10 @@ def test_a_constant_reward_gets_no_setting_that_cannot_move_it():
     assert "partial credit" in first and "max_completion_length" not in first
     assert "`max_completion_length: 256`" in later[-1] and "cannot make a reward" in later[-1]
     # rewards that differ between prompts but never within a group: more samples per prompt can help
-    between = {**flat, "max": 0.4}
+    between = dataclasses.replace(flat, max=0.4)
     f = analyze(healthy(rewards=between, logs=8, no_signal_run=8, temperature=0.7))[0]
     assert f.setting == {"num_generations": 16, "temperature": 1.0}
-    two = healthy(rewards={**flat, "logs": 2}, logs=2, no_signal_run=2)
+    two = healthy(rewards=dataclasses.replace(flat, logs=2), logs=2, no_signal_run=2)
     assert analyze(two) == [] and not note(two, "no_learning").judged          # two logs: too few to judge
 
 
@@ -931,9 +940,9 @@ def test_every_key_a_launcher_run_is_told_is_a_recipe_key():
 
 
 # ---------------------------------------------------------------- advice that fits the evidence
-def evaluation(evals=40, every=1, eval_sec=60.0, train_sec=40.0, steps=40) -> dict:
-    return {"evals": evals, "every": every, "eval_sec": eval_sec, "wall_sec": eval_sec + train_sec,
-            "train_sec": train_sec, "steps": steps, "share": eval_sec / (eval_sec + train_sec)}
+def evaluation(evals=40, every=1, eval_sec=60.0, train_sec=40.0, steps=40) -> Evaluation:
+    return Evaluation(evals=evals, every=every, eval_sec=eval_sec, wall_sec=eval_sec + train_sec,
+                      train_sec=train_sec, steps=steps, share=eval_sec / (eval_sec + train_sec))
 
 
 def test_evaluation_taking_most_of_the_wall_time_is_a_finding_with_its_measured_gain():
@@ -955,13 +964,13 @@ def test_evaluation_taking_most_of_the_wall_time_is_a_finding_with_its_measured_
 
 def test_the_warmup_note_names_only_a_finding_the_report_has():
     # seen: 7 of 20 reports said "see the oversubscription or contention finding" where none was in the report
-    small = {"steps": 1, "step_list": [3], "lost_sec": 0.5, "run_sec": 120.0, "lost_share": 0.5 / 120.0,
-             "wall_over_cpu": 2.0, "steady_wall_over_cpu": 1.0, "other_cores": 1.2, "source": "meter"}
+    small = Contention(steps=1, step_list=[3], lost_sec=0.5, run_sec=120.0, lost_share=0.5 / 120.0,
+                       wall_over_cpu=2.0, steady_wall_over_cpu=1.0, other_cores=1.2, source="meter")
     m = healthy(contention=small, first_step_slowdown=3.0, warmup_steps=2, warmup_overhead_sec=4.0)
     assert "contention" not in [f.rule for f in analyze(m)]
     text = note(m, "warmup").text
     assert "see the" not in text and "finding above" not in text and "slowed 1 step(s) (3) by 0.5 s" in text
-    large = dict(small, lost_sec=40.0, lost_share=40.0 / 120.0)
+    large = dataclasses.replace(small, lost_sec=40.0, lost_share=40.0 / 120.0)
     m = healthy(contention=large, first_step_slowdown=3.0, warmup_steps=2, warmup_overhead_sec=4.0)
     assert "contention" in [f.rule for f in analyze(m)] and "(the contention finding above)" in note(m, "warmup").text
 
@@ -969,12 +978,12 @@ def test_the_warmup_note_names_only_a_finding_the_report_has():
 def test_a_first_step_among_the_steady_steps_is_not_said_to_be_excluded():
     # seen: "the steady figures exclude them" where step 1 (21.49 s) was among the steady steps (16.70 s a steady
     # step with it, 16.27 s without)
-    first = {"step": 1, "included": True, "sec": 21.49, "with": 16.70, "without": 16.27}
+    first = FirstSteady(step=1, included=True, sec=21.49, with_it=16.70, without_it=16.27)
     text = note(healthy(warmup_steps=0, first_step_slowdown=1.29, warmup_overhead_sec=0.0, first_steady=first),
                 "warmup").text
     assert "exclude" not in text
     assert "Step 1 counts among the steady steps" in text and "21.5 s" in text and "16.3 s without it" in text
-    excluded = note(healthy(first_steady={"step": 1, "included": False}), "warmup").text
+    excluded = note(healthy(first_steady=FirstSteady(step=1, included=False)), "warmup").text
     assert "the steady figures exclude the warmup steps" in excluded
 
 

@@ -74,7 +74,7 @@ def test_a_run_that_cannot_learn_is_the_first_finding(tokenizer, tmp_path):
     # trainer_state.json: the same finding, from the perf log
     moved = _trainer_logs_into_step_lines(tmp_path, tmp_path / "moved")
     m = measurements_from_run(moved)
-    assert m.trainer_log_source == "perf log" and m.rewards["logs"] == 4 and m.no_signal_run == 4
+    assert m.trainer_log_source == "perf log" and m.rewards.logs == 4 and m.no_signal_run == 4
     assert check(m)[0][0].title == findings[0].title and "from the perf log" in check(m)[0][0].observation
 
 
@@ -168,7 +168,7 @@ def test_a_grpo_run_without_trainer_state_reads_its_rewards_from_the_perf_log(to
     assert not (tmp_path / "trainer_state.json").exists()
     text, findings, notes = _report(tmp_path)
     m = measurements_from_run(str(tmp_path))
-    assert m.trainer_log_source == "perf log" and m.rewards["logs"] == 3 and m.rewards["max"] == 0.0
+    assert m.trainer_log_source == "perf log" and m.rewards.logs == 3 and m.rewards.max == 0.0
     f = findings[0]
     assert f.rule == "no_learning" and "from the perf log" in f.observation and "rewards vary" not in text
     assert "num_generations" not in f.setting and "temperature" not in f.setting

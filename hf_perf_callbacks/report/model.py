@@ -20,6 +20,84 @@ MIN_MACHINE_CYCLES = 3       # ... and this many whole steps (GRPO: generation c
 MIN_FIXED_LENGTH_STEPS = 3   # fixed-length padding: steps padded to one and the same length
 
 
+@dataclass(frozen=True)
+class Rewards:
+    """GRPO's reward statistics over the training logs: the range of the mean reward, the largest within-group
+    spread (``reward_std``), the smallest share of groups without spread (``frac_reward_zero_std``), each reward
+    function's (lowest, highest) mean."""
+
+    logs: int
+    min: float
+    max: float
+    std_max: float | None
+    zero_std_min: float | None
+    funcs: dict[str, tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class Contention:
+    """Steps slowed by other processes (CPU): the seconds lost, where that figure comes from ("meter", "step
+    lines"), the steps, the run's wall seconds, the slow steps' and the steady steps' wall/CPU ratio, the other
+    processes' busiest cores during them."""
+
+    lost_sec: float
+    source: str
+    steps: int
+    step_list: list[int]
+    run_sec: float
+    lost_share: float
+    wall_over_cpu: float
+    steady_wall_over_cpu: float
+    other_cores: float | None = None
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The CPU over the whole run (medians over the steps): this process's busy cores (CPU time / wall time), other
+    processes' busy cores, the load per core, the cores and torch's threads and where each count comes from ("run
+    header", else what it is taken as), and over whole cycles the 90th over the 10th percentile of wall and CPU
+    seconds per token (``spread``, ``cpu_spread``) and what the fastest cycles say contention cost, at least
+    (``lower_bound``)."""
+
+    steps: int
+    busy: float
+    other: float
+    load: float | None
+    cores: int | None
+    cores_from: str
+    threads: int | None
+    threads_from: str
+    spread: float | None = None
+    cpu_spread: float | None = None
+    lower_bound: float | None = None
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The run's evaluations as measured on its step lines: how many, every how many steps, their seconds, the run's
+    wall and training seconds and steps, evaluation's share of the wall time."""
+
+    evals: int
+    every: int
+    eval_sec: float
+    wall_sec: float
+    train_sec: float
+    steps: int
+    share: float
+
+
+@dataclass(frozen=True)
+class FirstSteady:
+    """The latest ``train()`` call's first step; when the meter counted it steady, its training seconds and the
+    steady step time with and without it."""
+
+    step: int
+    included: bool
+    sec: float = 0.0
+    with_it: float = 0.0
+    without_it: float = 0.0
+
+
 @dataclass
 class Measurements:
     """Everything the rules look at (the pure input of every rule; None = not measured)."""
@@ -70,10 +148,10 @@ class Measurements:
     logs: int = 0                            # training logs with reward statistics (GRPO)
     no_signal_run: int = 0                   # longest run of logs with frac_reward_zero_std 1 and grad_norm 0
     reward_mean: float | None = None         # mean reward over those logs
-    rewards: dict[str, Any] | None = None    # the run's reward statistics (see _rewards); None: no reward data
+    rewards: Rewards | None = None           # the run's reward statistics (see _rewards); None: no reward data
     trainer_log_source: str | None = None    # where the trainer's logs came from: "perf log", "trainer_state.json"
-    contention: dict[str, Any] | None = None  # steps slowed by other processes: see rule_contention
-    machine: dict[str, Any] | None = None    # the CPU over the whole run: cores, threads, load (see _machine)
+    contention: Contention | None = None     # steps slowed by other processes: see rule_contention
+    machine: Machine | None = None           # the CPU over the whole run: cores, threads, load (see _machine)
     warmup_done: bool | None = None          # the meter decided warmup (None: no meter data)
     steady_steps: int = 0                    # steps after warmup (0 while warmup is not finished)
     fixed_seq_len: int | None = None         # Trainer: every step padded to this one length (a fixed-length collator)
@@ -87,8 +165,8 @@ class Measurements:
     skipped: list[str] = field(default_factory=list)   # logged fields of another type, skipped (what the report says)
     tuner_hint: str | None = None            # the tuner said it needs train_with_tuning (a plain train())
     trainer_kind: str | None = None          # "sft", "dpo" (their own training logs show it), None: Trainer / GRPO
-    evaluation: dict[str, Any] | None = None  # the run's evaluations, measured (see _evaluation)
-    first_steady: dict[str, Any] | None = None  # the latest train() call's first step, steady or not
+    evaluation: Evaluation | None = None     # the run's evaluations, measured (see _evaluation)
+    first_steady: FirstSteady | None = None  # the latest train() call's first step, steady or not
     train_sec: float | None = None           # Σ training seconds of the run's steps (what the tuning's cost is against)
 
 

@@ -22,7 +22,12 @@ from .model import (
     MIN_FIXED_LENGTH_STEPS,
     MIN_MACHINE_CYCLES,
     ZERO,
+    Contention,
+    Evaluation,
+    FirstSteady,
+    Machine,
     Measurements,
+    Rewards,
 )
 
 
@@ -57,7 +62,7 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _rewards(logs: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _rewards(logs: list[dict[str, Any]]) -> Rewards | None:
     """GRPO's reward statistics over the training logs: the range of the mean reward, the largest within-group
     spread (``reward_std``), the smallest share of groups without spread (``frac_reward_zero_std``), each reward
     function's range (``rewards/<name>/mean``); None when the logs hold no reward."""
@@ -70,8 +75,8 @@ def _rewards(logs: list[dict[str, Any]]) -> dict[str, Any] | None:
             if k.startswith("rewards/") and k.endswith("/mean") and not isinstance(v, bool) and number(v) is not None:
                 funcs.setdefault(k[len("rewards/"):-len("/mean")], []).append(float(v))
     stds, zero = _values(logs, "reward_std"), _values(logs, "frac_reward_zero_std")
-    return {"logs": len(means), "min": min(means), "max": max(means), "std_max": max(stds, default=None),
-            "zero_std_min": min(zero, default=None), "funcs": {n: (min(v), max(v)) for n, v in sorted(funcs.items())}}
+    return Rewards(logs=len(means), min=min(means), max=max(means), std_max=max(stds, default=None),
+                   zero_std_min=min(zero, default=None), funcs={n: (min(v), max(v)) for n, v in sorted(funcs.items())})
 
 
 def _no_signal(logs: list[dict[str, Any]]) -> tuple[int, int, float | None]:
@@ -128,7 +133,7 @@ def _slow_steps(run_log: RunLog, f: Figures, rows: list[int], walls: list[float]
     return slow, f.contention_sec, "meter", wall0 / cpu0
 
 
-def _contention(run_log: RunLog, f: Figures) -> dict[str, Any] | None:
+def _contention(run_log: RunLog, f: Figures) -> Contention | None:
     """Slow steps that other processes caused (CPU device: wall time above the steady level that no extra process
     CPU time explains): the meter's own figure (``contention_sec`` / the summary's ``early_contention_sec``, with
     the steps when it lists them), else, for a log without it, the same classification
@@ -153,13 +158,13 @@ def _contention(run_log: RunLog, f: Figures) -> dict[str, Any] | None:
     numbers, others_col = run_log.step_numbers(), run_log.column(keys.PERF_OTHER_CPU_CORES)
     others = [v for v in (others_col[i] for i, _, _ in corroborated) if v == v]
     run_sec = sum(walls)
-    return {"lost_sec": lost_sec, "source": source, "steps": len(corroborated),
-            "step_list": [numbers[i] for i, _, _ in corroborated], "run_sec": run_sec, "lost_share": lost_sec / run_sec,
-            "wall_over_cpu": statistics.median(w / c for _, w, c in corroborated), "steady_wall_over_cpu": ratio,
-            "other_cores": max(others) if others else None}
+    return Contention(lost_sec=lost_sec, source=source, steps=len(corroborated),
+                      step_list=[numbers[i] for i, _, _ in corroborated], run_sec=run_sec,
+                      lost_share=lost_sec / run_sec, wall_over_cpu=statistics.median(w / c for _, w, c in corroborated),
+                      steady_wall_over_cpu=ratio, other_cores=max(others) if others else None)
 
 
-def _evaluation(run_log: RunLog, train_sec: float) -> dict[str, Any] | None:
+def _evaluation(run_log: RunLog, train_sec: float) -> Evaluation | None:
     """The run's evaluations as measured on its step lines (``perf/phase_sec/eval`` > 0): how many, every how many
     steps (the median gap), their seconds, the run's wall and training seconds and evaluation's share of the wall
     time; None without any."""
@@ -171,26 +176,25 @@ def _evaluation(run_log: RunLog, train_sec: float) -> dict[str, Any] | None:
     gaps = [b - a for (a, _), (b, _) in zip(at, at[1:])]
     every = int(statistics.median(gaps)) if gaps else max(1, len(numbers))
     eval_sec = sum(v for _, v in at)
-    return {"evals": len(at), "every": max(1, every), "eval_sec": eval_sec, "wall_sec": wall, "train_sec": train_sec,
-            "steps": len(numbers), "share": eval_sec / wall if wall > 0 else 0.0}
+    return Evaluation(evals=len(at), every=max(1, every), eval_sec=eval_sec, wall_sec=wall, train_sec=train_sec,
+                      steps=len(numbers), share=eval_sec / wall if wall > 0 else 0.0)
 
 
-def _first_steady(run_log: RunLog, f: Figures) -> dict[str, Any] | None:
+def _first_steady(run_log: RunLog, f: Figures) -> FirstSteady | None:
     """The latest ``train()`` call's first step when the meter counted it steady (no warmup beyond it): its training
     seconds and the steady step time with and without it (the figures' definition); None otherwise."""
     first = f.call_first_step
     steady = set(f.steady_steps or [])
     if first not in steady:
-        return {"step": first, "included": False} if first else None
+        return FirstSteady(first, included=False) if first else None
     count, total, own = 0, 0.0, None
     for n, t in zip(run_log.step_numbers(), train_column(run_log)):
         if t == t and n in steady:
             count, total = count + 1, total + t
             own = t if n == first else own
     if own is None or count < 2:
-        return {"step": first, "included": False}
-    return {"step": first, "included": True, "sec": own, "with": total / count,
-            "without": (total - own) / (count - 1)}
+        return FirstSteady(first, included=False)
+    return FirstSteady(first, included=True, sec=own, with_it=total / count, without_it=(total - own) / (count - 1))
 
 
 def _trainer_kind(logs: list[dict[str, Any]]) -> str | None:
@@ -292,7 +296,7 @@ def _cycle_spread(cycles: list[Cycle]) -> tuple[float | None, float | None, floa
     return quantile(per_wall, 0.9) / p10, quantile(per_cpu, 0.9) / quantile(per_cpu, 0.1), lower_bound
 
 
-def _machine(run_log: RunLog, header: RunHeader, skipped: list[str]) -> dict[str, Any] | None:
+def _machine(run_log: RunLog, header: RunHeader, skipped: list[str]) -> Machine | None:
     """The CPU over the whole run, from the step lines (``perf/cpu_sec``, ``perf/step_wall_sec``,
     ``perf/other_cpu_cores``, ``perf/load_per_core``, ``perf/tokens``) and the run header (``cpu_cores``,
     ``torch_threads``, when the writer records them). Medians over the steps: ``busy`` — this process's CPU time /
@@ -314,11 +318,11 @@ def _machine(run_log: RunLog, header: RunHeader, skipped: list[str]) -> dict[str
     load = statistics.median(loads) if loads else None
     cores, cores_from, threads, threads_from = _cores_and_threads(run_log, header, rows, load, skipped)
     spread, cpu_spread, lower_bound = _cycle_spread(_cycles(run_log, rows, max(1, header.period or 1)))
-    return {"steps": len(rows), "busy": statistics.median(cpus[i] / walls[i] for i in rows),
-            "other": statistics.median(max(0.0, others[i]) for i in rows), "load": load, "cores": cores,
-            "cores_from": cores_from, "threads": threads, "threads_from": threads_from, "spread": spread,
-            "cpu_spread": cpu_spread,
-            "lower_bound": lower_bound if lower_bound and lower_bound >= 1.0 + CONTENTION_SHARE else None}
+    return Machine(steps=len(rows), busy=statistics.median(cpus[i] / walls[i] for i in rows),
+                   other=statistics.median(max(0.0, others[i]) for i in rows), load=load, cores=cores,
+                   cores_from=cores_from, threads=threads, threads_from=threads_from, spread=spread,
+                   cpu_spread=cpu_spread,
+                   lower_bound=lower_bound if lower_bound and lower_bound >= 1.0 + CONTENTION_SHARE else None)
 
 
 def _resolve_split_file(run_log: RunLog) -> tuple[SplitFile | None, str | None]:

@@ -31,8 +31,8 @@ def _facts_line(m: Measurements) -> str:
     if m.steady_step_sec:
         parts.append(f"{m.steady_step_sec:.3g} s/step of training (evaluation and saving excluded)")
     e = m.evaluation
-    if e and e["share"] >= 0.01 and m.steps:
-        parts.append(f"{e['wall_sec'] / m.steps:.3g} s/step of wall time with evaluation")
+    if e and e.share >= 0.01 and m.steps:
+        parts.append(f"{e.wall_sec / m.steps:.3g} s/step of wall time with evaluation")
     if m.mfu is not None:
         parts.append(f"MFU {_pct(m.mfu)}")
     split = ", ".join(f"{k.replace('_', ' ')} {_pct(v)}" for k, v in
@@ -64,7 +64,7 @@ def _nothing_found(m: Measurements, notes: list[Note]) -> str:
     if m.grpo:
         r = m.rewards
         checked.append("no reward data in this run's logs" if r is None else
-                       "the rewards varied within prompt groups" if (r["std_max"] or 0.0) > ZERO else
+                       "the rewards varied within prompt groups" if (r.std_max or 0.0) > ZERO else
                        "the rewards never varied within a prompt group")
     text = "No rule found something to change" + (": " + ", ".join(checked) if checked else "") + "."
     if any(not n.judged and n.rule == "evidence" for n in notes):

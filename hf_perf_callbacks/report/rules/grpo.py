@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..model import ZERO, Finding, Measurements, Note, card
+from ..model import ZERO, Finding, Measurements, Note, Rewards, card
 from .advice import (
     CLIPPED_LARGE,
     COMPLETION_HEADROOM,
@@ -25,13 +25,13 @@ LAUNCH_BOUND_UTIL = 0.1      # decode bandwidth utilisation below which decode i
 NO_LEARNING_LOGS = 3         # consecutive logs with zero reward variance in every group and zero gradient norm
 
 
-def _more_samples(m: Measurements, r: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+def _more_samples(m: Measurements, r: Rewards) -> tuple[list[str], dict[str, Any]]:
     """Where some prompts score and others do not: more samples per prompt (whole groups in the generation batch)
     and, below 1, a temperature of 1 — the advice's words and its setting."""
     items: list[str] = []
     setting: dict[str, Any] = {}
     n, gen = m.num_generations, _generation_batch(m)
-    if n and r and r["max"] - r["min"] > ZERO:       # some prompts score: more samples per prompt can differ
+    if n and r and r.max - r.min > ZERO:       # some prompts score: more samples per prompt can differ
         setting["num_generations"] = 2 * n
         text = (f"`num_generations: {2 * n}` (more samples per prompt: more chances that one scores "
                 f"differently from the others)")
@@ -61,19 +61,19 @@ def rule_no_learning(m: Measurements) -> Finding | Note | None:
         return Note("no_learning", "No reward data",
                     "No reward data in this run's logs (no `log/reward` in the step lines, no `trainer_state.json` "
                     "with rewards): whether the run can learn was not checked.", judged=False)
-    constant = _constant_reward(r) and r["logs"] >= NO_LEARNING_LOGS
+    constant = _constant_reward(r) and r.logs >= NO_LEARNING_LOGS
     if not constant and m.no_signal_run < NO_LEARNING_LOGS:
         if _constant_reward(r):
             return Note("no_learning", "Too few logs to judge the rewards",
-                        f"Every completion of the {r['logs']} log(s) scored {r['min']:.3g}: too few logs to judge "
+                        f"Every completion of the {r.logs} log(s) scored {r.min:.3g}: too few logs to judge "
                         f"whether the run can learn ({NO_LEARNING_LOGS} needed; `logging_steps` sets how often the "
                         f"trainer logs).", judged=False)
         return None
     clipped, limit = m.clipped_ratio or 0.0, m.max_completion_length
     setting: dict[str, Any] = {}
     if constant:
-        funcs = ", ".join(f"`{name}` {lo:.3g}" for name, (lo, _) in r["funcs"].items())
-        obs = (f"On all {r['logs']} logs every completion got the same reward, {r['min']:.3g}: no prompt group had "
+        funcs = ", ".join(f"`{name}` {lo:.3g}" for name, (lo, _) in r.funcs.items())
+        obs = (f"On all {r.logs} logs every completion got the same reward, {r.min:.3g}: no prompt group had "
                f"any spread (`reward_std` 0)" + (f"; per reward function: {funcs}" if funcs else "")
                + (f"; the gradient norm was 0 on {m.no_signal_run} consecutive logs" if m.no_signal_run else "")
                + (f" (from the {m.trainer_log_source})." if m.trainer_log_source else "."))
@@ -98,7 +98,7 @@ def rule_no_learning(m: Measurements) -> Finding | Note | None:
                f"reward (`frac_reward_zero_std` 1) and the gradient norm was 0"
                + (f"; mean reward {m.reward_mean:.3g}" if m.reward_mean is not None else "")
                + ("; the mean reward differed between logs, so some prompts score and others do not"
-                  if r and r["max"] - r["min"] > ZERO else "") + ".")
+                  if r and r.max - r.min > ZERO else "") + ".")
         root = ("GRPO's advantage is each completion's reward minus its group's mean: when all completions of a "
                 "group score the same, every advantage is 0, so the loss and the gradient are 0 and the weights do "
                 "not move.")
@@ -230,7 +230,7 @@ def rule_completion_budget(m: Measurements) -> Finding | Note | None:
                    f"depends on how often a batch holds one", "low", {"max_completion_length": new}, "try", None)
 
 
-def _constant_reward(r: dict[str, Any] | None) -> bool:
+def _constant_reward(r: Rewards | None) -> bool:
     """Every completion of the run scored the same: the mean reward never moved and no group had any spread."""
-    return (r is not None and r["max"] - r["min"] <= ZERO and (r["std_max"] or 0.0) <= ZERO
-            and (r["zero_std_min"] is None or r["zero_std_min"] >= 1.0 - 1e-9))
+    return (r is not None and r.max - r.min <= ZERO and (r.std_max or 0.0) <= ZERO
+            and (r.zero_std_min is None or r.zero_std_min >= 1.0 - 1e-9))

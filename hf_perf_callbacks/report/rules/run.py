@@ -32,8 +32,8 @@ def _contention_words(m: Measurements) -> str:
                 f"{'s' if len(names) > 1 else ''} above): that time is contention, not warmup, and it recurs.")
     c = m.contention
     if c:
-        return (f" Other processes slowed {c['steps']} step(s) ({ranges_text(step_ranges(c['step_list']))}) by "
-                f"{c['lost_sec']:.1f} s, {_pct(c['lost_share'])} of the run: contention, not warmup (below the "
+        return (f" Other processes slowed {c.steps} step(s) ({ranges_text(step_ranges(c.step_list))}) by "
+                f"{c.lost_sec:.1f} s, {_pct(c.lost_share)} of the run: contention, not warmup (below the "
                 f"{CONTENTION_SHARE:.0%} that makes a finding).")
     return ""
 
@@ -50,16 +50,16 @@ def rule_warmup(m: Measurements) -> Note | None:
                     + other, judged=False)
     if slow is None and overhead is None:
         return None
-    first = m.first_steady or {}
-    parts = [warmup_words(n, slow, overhead, first.get("step"))]
+    first = m.first_steady
+    parts = [warmup_words(n, slow, overhead, first.step if first else None)]
     fresh = ("One-time costs of a fresh process (optimizer state, allocator growth"
              + {"mps": ", Metal shader compilation", "cuda": ", CUDA context and kernel selection",
                 "xpu": ", kernel compilation"}.get(m.device_type, "") + ") do not recur")
-    if first.get("included"):
+    if first and first.included:
         text = _sentence(parts) + (
-            f" Step {first['step']} counts among the steady steps (the meter found no warmup beyond it), so its "
-            f"{first['sec']:.3g} s are in the steady figures: steady step {first['with']:.3g} s, "
-            f"{first['without']:.3g} s without it.")
+            f" Step {first.step} counts among the steady steps (the meter found no warmup beyond it), so its "
+            f"{first.sec:.3g} s are in the steady figures: steady step {first.with_it:.3g} s, "
+            f"{first.without_it:.3g} s without it.")
     else:
         text = _sentence(parts) + " " + fresh + "; the steady figures exclude the warmup steps."
     text += other
@@ -78,16 +78,16 @@ def rule_warmup(m: Measurements) -> Note | None:
 def rule_evaluation(m: Measurements) -> Finding | None:
     """Evaluation's share of the wall time, measured on this run's own evaluations: ``eval_steps``."""
     e = m.evaluation
-    if not e or e["share"] < EVAL_SHARE or e["evals"] < 2:
+    if not e or e.share < EVAL_SHARE or e.evals < 2:
         return None
-    per_eval, train_per_step = e["eval_sec"] / e["evals"], e["train_sec"] / max(1, e["steps"])
-    every = e["every"]
+    per_eval, train_per_step = e.eval_sec / e.evals, e.train_sec / max(1, e.steps)
+    every = e.every
     needed = per_eval * (1 - EVAL_TARGET) / (EVAL_TARGET * train_per_step) if train_per_step > 0 else every * 10
     new = max(every + 1, _nice_interval(needed))
-    saved = e["eval_sec"] * (1 - every / new)
-    gain = e["wall_sec"] / (e["wall_sec"] - saved)
-    obs = (f"{e['evals']} evaluations (every {every} step{'s' if every != 1 else ''}) took {e['eval_sec']:.1f} s of "
-           f"the run's {e['wall_sec']:.1f} s wall time ({_pct(e['share'])}), {per_eval:.3g} s each, against "
+    saved = e.eval_sec * (1 - every / new)
+    gain = e.wall_sec / (e.wall_sec - saved)
+    obs = (f"{e.evals} evaluations (every {every} step{'s' if every != 1 else ''}) took {e.eval_sec:.1f} s of "
+           f"the run's {e.wall_sec:.1f} s wall time ({_pct(e.share)}), {per_eval:.3g} s each, against "
            f"{train_per_step:.3g} s of training per step. The steady figures (s/step, tokens/s) leave evaluation "
            f"out: the run's wall time does not.")
     root = ("Each evaluation runs the whole `eval_dataset` through the model; evaluating every few steps spends more "
@@ -97,9 +97,9 @@ def rule_evaluation(m: Measurements) -> Finding | None:
              "with `load_best_model_at_end: true`, `save_steps` must be a multiple of `eval_steps`",
              "or evaluate a smaller set (`eval_dataset.select(range(n))`) or with a larger "
              "`per_device_eval_batch_size`"]
-    formula = (f"measured: this run's {e['evals']} evaluations took {e['eval_sec']:.1f} s; every {new} steps instead "
-               f"of {every} saves {saved:.1f} s of {e['wall_sec']:.1f} s: {e['wall_sec']:.1f} / "
-               f"({e['wall_sec']:.1f} − {saved:.1f}) = {gain:.2f}x (each evaluation costing what this run's did)")
+    formula = (f"measured: this run's {e.evals} evaluations took {e.eval_sec:.1f} s; every {new} steps instead "
+               f"of {every} saves {saved:.1f} s of {e.wall_sec:.1f} s: {e.wall_sec:.1f} / "
+               f"({e.wall_sec:.1f} − {saved:.1f}) = {gain:.2f}x (each evaluation costing what this run's did)")
     return Finding("evaluation", "Evaluation takes a large share of the wall time", obs, root, _bullets(items), gain,
                    formula, "high", {"eval_strategy": "steps", "eval_steps": new}, "measured", gain)
 

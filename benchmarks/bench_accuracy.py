@@ -1,6 +1,7 @@
 """2. Meter accuracy: the steady tokens/s ThroughputMeter reports against an independent measurement over the SAME
 steps the meter calls steady (its ``perf/first_steady_step`` and ``perf/steady`` lines, read back with
-``hf_perf_callbacks.figures``): CUDA events at every optimizer-step end on a GPU (the wall clock on a CPU), tokens
+``hf_perf_callbacks.report.figures``):
+CUDA events at every optimizer-step end on a GPU (the wall clock on a CPU), tokens
 counted from the generate calls. Also the warmup end it reports against the first step within 5% of the steady
 median. Run in a fresh process: the first step is a cold one.
 
@@ -20,7 +21,7 @@ import tempfile
 from common import StepClock, grpo_trainer, median, table, tokenizer, write_result
 
 from hf_perf_callbacks import default_callbacks
-from hf_perf_callbacks.figures import figures
+from hf_perf_callbacks.report.figures import figures
 from hf_perf_callbacks.runlog import PERF_STEADY, read_run
 
 
@@ -65,12 +66,12 @@ def main():
     seconds = clock.event_seconds()
     if len(steps) != len(seconds) or steps != list(range(1, len(seconds) + 1)):
         raise SystemExit(f"the perf log's steps {steps} do not match the {len(seconds)} steps the clock timed")
-    if not f["warmup_done"]:
+    if not f.warmup_done:
         raise SystemExit(f"warmup did not end within {a.steps} steps: run with more --steps")
-    steady = [step - 1 for step in f["steady_steps"]]                     # the meter's steady steps, as indices
+    steady = [step - 1 for step in f.steady_steps]                     # the meter's steady steps, as indices
     flagged = [i for i, s in enumerate(run.unique_steps()) if s.number(PERF_STEADY) == 1]
     independent = rate(clock.tokens, seconds, steady)
-    reported = f["steady_tokens_per_sec"]
+    reported = f.steady_tokens_per_sec
     assert reported == meter.summary["steady_tokens_per_sec"]             # the report's figure is the meter's
     reference = median(seconds[len(seconds) // 2:])
     true_end = next(i for i, t in enumerate(seconds) if abs(t - reference) / reference <= 0.05)
@@ -78,14 +79,14 @@ def main():
               "reported_steady_tokens_per_sec": reported, "independent_steady_tokens_per_sec": independent,
               "relative_error": reported / independent - 1,
               "independent_over_flagged_steps": rate(clock.tokens, seconds, flagged),
-              "reported_steady_step_sec": f["steady_step_sec"],
+              "reported_steady_step_sec": f.steady_step_sec,
               "independent_steady_step_sec": sum(seconds[i] for i in steady) / len(steady),
-              "reported_warmup_steps": f["warmup_steps"], "first_steady_step": f["warmup_end_step"],
+              "reported_warmup_steps": f.warmup_steps, "first_steady_step": f.warmup_end_step,
               "true_warmup_steps": true_end, "first_step_slowdown_measured": seconds[0] / reference,
-              "first_step_slowdown_reported": f["first_step_slowdown"],
+              "first_step_slowdown_reported": f.first_step_slowdown,
               "token_count_meter": sum(s.number("perf/tokens") or 0.0 for s in run.unique_steps()),
               "token_count_independent": sum(clock.tokens), "event_seconds": seconds, "wall_seconds": clock.walls,
-              "steady_steps": f["steady_steps"], "flagged_steps": [i + 1 for i in flagged],
+              "steady_steps": f.steady_steps, "flagged_steps": [i + 1 for i in flagged],
               "settings": vars(a), "targets": {"relative_error": 0.01, "warmup_steps": 2}}
     write_result("accuracy_cpu" if a.cpu else "accuracy", result)
     print(table(["steady tok/s (meter)", "independent, same steps", "error", "target",

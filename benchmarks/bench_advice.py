@@ -1,6 +1,6 @@
 """Advice check: does applying a finding's advice give the gain the analysis predicts?
 
-For each scenario a baseline run is analysed (:func:`hf_perf_callbacks.analysis.check`); for every finding with a
+For each scenario a baseline run is analysed (:func:`hf_perf_callbacks.report.check`); for every finding with a
 setting (or a code fix the scenario knows), the same run is made again with exactly that setting applied and
 everything else equal (seed, data, model, callbacks). Baseline and advised runs alternate (A B A B …) so that load
 drifts hit both; the measured gain is the median over the pairs of baseline / advised mean time per optimizer step
@@ -316,7 +316,7 @@ def measure(name, scenario, label, setting, base_sec, factory, tok, device, repe
 
 
 def check_scenario(name, scenario, factory, tok, device, repeats, rules=None) -> list[dict]:
-    from hf_perf_callbacks.analysis import check, measurements_from_run
+    from hf_perf_callbacks.report import check, measurements_from_run
 
     base_sec, base_dir = run_once(scenario, {}, factory, tok, device, keep="yes")
     findings, notes = check(measurements_from_run(base_dir))

@@ -31,7 +31,7 @@ sys.path.insert(0, ROOT)
 CHILD = """
 import contextlib, io, json, sys, time
 started, cpu = time.perf_counter(), time.process_time()
-from hf_perf_callbacks.run_report import report_command
+from hf_perf_callbacks.report import report_command
 with contextlib.redirect_stdout(io.StringIO()) as out:
     code = report_command(sys.argv[1], plots=sys.argv[2] == "plots")
 def high_water_mb():

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "recipes":
         return recipes_command(args)
     elif args.command == "report":
-        from .run_report import report_command
+        from .report import report_command
 
         return report_command(args.output_dir, plots=args.plots)
     return 0

@@ -8,7 +8,8 @@ Two models, neither downloaded:
 | ``tiny`` | a 2-layer Llama with random weights and a tokenizer trained locally, plain prompts | 30 |
 
 Before it trains, the demo picks torch's thread count for the machine it runs on by the analysis' oversubscription
-rule (:func:`~hf_perf_callbacks.analysis.oversubscribed`): when torch's threads plus the cores other processes keep
+rule (:func:`~hf_perf_callbacks.report.rules.machine.oversubscribed`):
+when torch's threads plus the cores other processes keep
 busy (sampled for a second) exceed the cores, it runs on the cores they leave free, and says so in one line
 (``torch on 1 thread: 2 cores, 1.3 busy with other work``); ``OMP_NUM_THREADS`` in the environment is kept.
 
@@ -46,7 +47,7 @@ def other_busy_cores(seconds: float = 1.0) -> float:
 def choose_threads(threads: int, other: float, cores: int) -> int:
     """Torch's thread count by the analysis' oversubscription rule: ``threads`` unless they and the ``other``
     processes' busy cores oversubscribe the ``cores``; then the cores those leave free (at least 1)."""
-    from .analysis import free_cores, oversubscribed
+    from .report.rules.machine import free_cores, oversubscribed
 
     return min(threads, free_cores(cores, other)) if oversubscribed(threads, other, cores) else threads
 
@@ -177,7 +178,7 @@ def run_demo(output_dir: str | None = None, max_steps: int | None = None, model:
     print the report and write its plots and ``perf_report.md``; returns the output directory."""
     _check_model(model)
     from . import train_with_tuning
-    from .run_report import report_command
+    from .report import report_command
 
     output_dir = output_dir or tempfile.mkdtemp(prefix="hf_perf_demo_")
     print(set_threads(), flush=True)

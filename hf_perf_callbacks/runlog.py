@@ -17,7 +17,7 @@ One JSON object per line, appended to across resumes and re-sizes (main process 
 step line's ``perf/steady`` is 1 only for steps known to be steady when the line was written. From the decision on,
 every step line of that ``train()`` call also carries ``perf/first_steady_step``: the steps from it up to that line
 are steady too. A reader of a killed run (no summary) thus finds the meter's steady steps exactly
-(:func:`hf_perf_callbacks.figures.steady_steps`); each step line's ``perf/train_sec`` is the training time its
+(:func:`hf_perf_callbacks.report.figures.steady_steps`); each step line's ``perf/train_sec`` is the training time its
 throughput was computed from.
 
 The trainer's own log in the step lines: at a logging step the bus copies every numeric value of the trainer's

@@ -7,10 +7,9 @@ import re
 
 import pytest
 
-from hf_perf_callbacks import analysis, estimate
-from hf_perf_callbacks.analysis import (
-    MIN_MACHINE_STEPS,
-    MIN_STEADY_STEPS,
+from hf_perf_callbacks import estimate
+from hf_perf_callbacks.batching import Split
+from hf_perf_callbacks.report import (
     RULES,
     Finding,
     Measurements,
@@ -23,7 +22,16 @@ from hf_perf_callbacks.analysis import (
     render_markdown,
     write_perf_report,
 )
-from hf_perf_callbacks.batching import Split
+from hf_perf_callbacks.report.model import (
+    MIN_MACHINE_STEPS,
+    MIN_STEADY_STEPS,
+    Contention,
+    Evaluation,
+    FirstSteady,
+    Machine,
+    Rewards,
+)
+from hf_perf_callbacks.report.rules import basis
 from hf_perf_callbacks.runlog import ReportError, read_run
 from hf_perf_callbacks.splitfile import Decision, SplitFile, Trial
 from tests.conftest import schema_lines
@@ -49,7 +57,7 @@ def healthy(**changes) -> Measurements:
         mem_high_water_gb=30.0, mem_budget_gb=68.0, driver_gb_max=34.0, allocated_gb_at_driver_max=30.0,
         max_pressure=0, swap_growth_gb=0.0, swapout_steps=0, min_steps_to_wall=None, watchdog_actions=[],
         seq_len=400, warmup_done=True, steady_steps=198,
-        rewards={"logs": 40, "min": 0.2, "max": 1.4, "std_max": 0.5, "zero_std_min": 0.1, "funcs": {}},
+        rewards=Rewards(logs=40, min=0.2, max=1.4, std_max=0.5, zero_std_min=0.1, funcs={}),
         logged=frozenset({"perf/steady_tokens_per_sec", "perf/tokens_per_sec", "mem/device_used_gb"}))
     return dataclasses.replace(m, **changes)
 
@@ -71,7 +79,7 @@ def calibrated(monkeypatch):
     """The calibration table as if bench_advice had checked every model within 8% on 3 runs on every device."""
     table = {(rule, device): (3, 0.08) for rule in ("input_bound", "duplicate_forward", "padding_waste")
              for device in ("cpu", "cuda", "mps")}
-    monkeypatch.setattr(analysis, "CALIBRATION", table)
+    monkeypatch.setattr(basis, "CALIBRATION", table)
     return table
 
 
@@ -151,7 +159,7 @@ def test_input_bound_keeps_settings_already_right_and_raises_workers():
     f = only(healthy(grpo=False, phases={"data_wait": 0.4, "compute": 0.6},
                      dataloader={"num_workers": 4, "persistent_workers": True, "prefetch_factor": 4,
                                  "pin_memory": True}))
-    assert "`dataloader_num_workers: 8`" in f.recommendation and "4 DataLoader workers" in f.root_cause
+    assert "4 DataLoader workers" in f.root_cause
     assert "persistent_workers" not in f.recommendation and "pin_memory" not in f.recommendation
     assert f.setting == {"dataloader_num_workers": 8}                 # nothing already in effect
     assert "CPU cores" not in f.recommendation
@@ -161,8 +169,8 @@ def test_input_bound_on_mps_warns_about_fork_and_leaves_pin_memory_off():
     f = only(healthy(device_type="mps", mfu=None,
                      phases={"data_wait": 0.25, "generation": 0.3, "compute": 0.45, "eval": 0.0, "save": 0.0}))
     assert f.rule == "input_bound"
-    assert "`dataloader_num_workers: 2`" in f.recommendation and "fork" in f.recommendation
-    assert "`dataloader_pin_memory: false`" in f.recommendation
+    assert f.setting["dataloader_num_workers"] == 2 and f.setting["dataloader_pin_memory"] is False
+    assert "fork" in f.recommendation
 
 
 def test_generation_bound_on_cuda_points_at_vllm_and_says_launch_bound():
@@ -249,8 +257,7 @@ def test_most_completions_cut_off_is_a_finding_naming_the_limit_and_the_masking(
     m = healthy(completion_mean=127.0, completion_max=128.0, completion_p90=128.0, clipped_ratio=0.9)
     f = only(m)
     assert f.rule == "completion_budget" and "90%" in f.root_cause and f.expected_gain is None
-    assert "`max_completion_length: 256`" in f.recommendation
-    assert "`mask_truncated_completions: true`" in f.recommendation
+    assert "`mask_truncated_completions: true`" in f.recommendation      # the other bullet, not the setting
     assert f.setting == {"max_completion_length": 256}           # memory 30 of 68 GB: room for a longer limit
     assert "completion_budget" not in {n.rule for n in check(m)[1]}
     near_the_wall = only(dataclasses.replace(m, mem_high_water_gb=60.0))
@@ -268,7 +275,6 @@ def test_memory_pressure_swapping_on_a_mac():
     assert f.rule == "memory_pressure" and f.confidence == "medium" and f.priority == 0
     assert f.expected_gain is None and "not predicted" in f.gain_formula      # no unmeasured multiplier
     assert f.setting == {"activation_checkpointing": True}                    # the item that frees the most
-    assert "`activation_checkpointing: true`" in f.recommendation
     assert "`per_device_train_batch_size: 1` with `gradient_accumulation_steps: 2`" in f.recommendation
     assert "2 × 1 = 1 × 2 = 2" in f.recommendation
     assert "MPSCacheClearer" in f.recommendation          # the run logged no cache clears: the clearer was missing
@@ -518,8 +524,8 @@ def test_no_learning_is_a_finding_ranked_first():
 
 
 def test_contention_is_its_own_finding_with_the_measured_loss():
-    c = {"steps": 4, "step_list": [1, 2, 3, 4], "lost_sec": 39.9, "run_sec": 120.0, "lost_share": 39.9 / 120.0,
-         "wall_over_cpu": 2.6, "steady_wall_over_cpu": 1.05, "other_cores": 1.6, "source": "meter"}
+    c = Contention(steps=4, step_list=[1, 2, 3, 4], lost_sec=39.9, run_sec=120.0, lost_share=39.9 / 120.0,
+                   wall_over_cpu=2.6, steady_wall_over_cpu=1.05, other_cores=1.6, source="meter")
     f = only(healthy(contention=c))
     assert f.rule == "contention" and f.basis == "measured"
     assert f.expected_gain == pytest.approx(1 / (1 - 39.9 / 120)) and "39.9 s" in f.observation
@@ -544,10 +550,12 @@ def test_no_finding_repeats_a_setting_already_in_effect():
 
 
 def test_rules_list_is_complete_and_pure():
-    names = {r.__name__.removeprefix("rule_") for r in RULES}
-    assert names == {"warmup", "input_bound", "generation_bound", "completion_budget", "memory_pressure",
-                     "small_micro_batch", "duplicate_forward", "padding_waste", "no_learning", "contention",
-                     "evidence", "log_fields", "oversubscription", "evaluation", "tuning_cost", "tuner_hint"}
+    """Every rule carries its card (its row of the README's table) and every card belongs to a rule of RULES."""
+    from hf_perf_callbacks.report.model import CARDS
+
+    names = [r.__name__.removeprefix("rule_") for r in RULES]
+    assert len(names) == len(set(names)) == 16 and set(names) == set(CARDS)
+    assert all(card.finding or card.note for card in CARDS.values())
     m = healthy(phases={"data_wait": 0.5, "compute": 0.5})
     before = dataclasses.replace(m, phases=dict(m.phases))
     check(m)
@@ -699,7 +707,7 @@ def test_the_calibration_table_is_what_the_advice_check_measured():
                     errors.setdefault((row["rule"], device), []).append(
                         abs(row["predicted_gain"] / row["measured_gain"] - 1))
     table = {key: (len(e), round(max(e) + 0.005, 2)) for key, e in errors.items() if max(e) <= 0.25}
-    assert analysis.CALIBRATION == table
+    assert basis.CALIBRATION == table
     assert ("input_bound", "cpu") in errors and ("input_bound", "cpu") not in table   # checked, missed by > 25%
 
 
@@ -707,8 +715,7 @@ def test_a_field_of_another_type_is_skipped_with_a_note_never_a_crash(demo_run, 
     """A newer or older writer: every field of every record of a real run's log, and of its trainer logs, in turn
     given another type (a string where a number belongs, a list where a mapping does, a mapping where a string
     does). The summary and the analysis never raise; the analysis names each skipped field it reads."""
-    from hf_perf_callbacks.analysis import measurements
-    from hf_perf_callbacks.report import summarize
+    from hf_perf_callbacks.report import measurements, summarize
     from hf_perf_callbacks.runlog import HEADER_KINDS, SUMMARY_KINDS, conform, parse_lines
 
     entries = [json.loads(line) for line in open(os.path.join(demo_run, "perf_log.jsonl"))]
@@ -798,12 +805,13 @@ def test_thread_oversubscription_over_the_whole_run_gets_the_thread_count(tmp_pa
 
 
 def test_oversubscription_needs_its_evidence():
-    machine = {"steps": 12, "busy": 0.3, "other": 1.7, "load": 4.9, "cores": 2, "cores_from": "run header",
-               "threads": 2, "threads_from": "run header", "spread": 1.9, "cpu_spread": 1.6, "lower_bound": 1.4}
+    machine = Machine(steps=12, busy=0.3, other=1.7, load=4.9, cores=2, cores_from="run header", threads=2,
+                      threads_from="run header", spread=1.9, cpu_spread=1.6, lower_bound=1.4)
     assert only(healthy(device_type="cpu", mfu=None, machine=machine)).rule == "oversubscription"
     for change in ({"steps": MIN_MACHINE_STEPS - 1}, {"other": 0.2}, {"busy": 1.8}, {"spread": 1.1, "cpu_spread": 1.1},
                    {"threads": 1}, {"threads_from": "assumed", "cpu_spread": 1.2}):
-        assert analyze(healthy(device_type="cpu", mfu=None, machine={**machine, **change})) == [], change
+        changed = dataclasses.replace(machine, **change)
+        assert analyze(healthy(device_type="cpu", mfu=None, machine=changed)) == [], change
     launcher = only(healthy(device_type="cpu", mfu=None, machine=machine, launcher="hf-perf train"))
     assert "`OMP_NUM_THREADS=1 hf-perf train --config …`" in launcher.recommendation
     assert "set_num_threads" not in launcher.recommendation
@@ -851,8 +859,8 @@ def test_the_no_finding_text_fits_the_run():
 
 def test_a_constant_reward_gets_no_setting_that_cannot_move_it():
     # seen: a GRPO run whose rewards were all 0 advised `num_generations` and `temperature`
-    flat = {"logs": 8, "min": 0.0, "max": 0.0, "std_max": 0.0, "zero_std_min": 1.0,
-            "funcs": {"format_reward": (0.0, 0.0), "solved_reward": (0.0, 0.0)}}
+    flat = Rewards(logs=8, min=0.0, max=0.0, std_max=0.0, zero_std_min=1.0,
+                   funcs={"format_reward": (0.0, 0.0), "solved_reward": (0.0, 0.0)})
     f = analyze(healthy(rewards=flat, logs=8, no_signal_run=8, temperature=0.7, trainer_log_source="perf log"))[0]
     assert f.rule == "no_learning" and f.setting == {} and "every completion got the same reward" in f.title
     assert "`format_reward` 0, `solved_reward` 0" in f.observation and "from the perf log" in f.observation
@@ -865,10 +873,10 @@ def test_a_constant_reward_gets_no_setting_that_cannot_move_it():
     assert "partial credit" in first and "max_completion_length" not in first
     assert "`max_completion_length: 256`" in later[-1] and "cannot make a reward" in later[-1]
     # rewards that differ between prompts but never within a group: more samples per prompt can help
-    between = {**flat, "max": 0.4}
+    between = dataclasses.replace(flat, max=0.4)
     f = analyze(healthy(rewards=between, logs=8, no_signal_run=8, temperature=0.7))[0]
     assert f.setting == {"num_generations": 16, "temperature": 1.0}
-    two = healthy(rewards={**flat, "logs": 2}, logs=2, no_signal_run=2)
+    two = healthy(rewards=dataclasses.replace(flat, logs=2), logs=2, no_signal_run=2)
     assert analyze(two) == [] and not note(two, "no_learning").judged          # two logs: too few to judge
 
 
@@ -932,9 +940,9 @@ def test_every_key_a_launcher_run_is_told_is_a_recipe_key():
 
 
 # ---------------------------------------------------------------- advice that fits the evidence
-def evaluation(evals=40, every=1, eval_sec=60.0, train_sec=40.0, steps=40) -> dict:
-    return {"evals": evals, "every": every, "eval_sec": eval_sec, "wall_sec": eval_sec + train_sec,
-            "train_sec": train_sec, "steps": steps, "share": eval_sec / (eval_sec + train_sec)}
+def evaluation(evals=40, every=1, eval_sec=60.0, train_sec=40.0, steps=40) -> Evaluation:
+    return Evaluation(evals=evals, every=every, eval_sec=eval_sec, wall_sec=eval_sec + train_sec,
+                      train_sec=train_sec, steps=steps, share=eval_sec / (eval_sec + train_sec))
 
 
 def test_evaluation_taking_most_of_the_wall_time_is_a_finding_with_its_measured_gain():
@@ -956,13 +964,13 @@ def test_evaluation_taking_most_of_the_wall_time_is_a_finding_with_its_measured_
 
 def test_the_warmup_note_names_only_a_finding_the_report_has():
     # seen: 7 of 20 reports said "see the oversubscription or contention finding" where none was in the report
-    small = {"steps": 1, "step_list": [3], "lost_sec": 0.5, "run_sec": 120.0, "lost_share": 0.5 / 120.0,
-             "wall_over_cpu": 2.0, "steady_wall_over_cpu": 1.0, "other_cores": 1.2, "source": "meter"}
+    small = Contention(steps=1, step_list=[3], lost_sec=0.5, run_sec=120.0, lost_share=0.5 / 120.0,
+                       wall_over_cpu=2.0, steady_wall_over_cpu=1.0, other_cores=1.2, source="meter")
     m = healthy(contention=small, first_step_slowdown=3.0, warmup_steps=2, warmup_overhead_sec=4.0)
     assert "contention" not in [f.rule for f in analyze(m)]
     text = note(m, "warmup").text
     assert "see the" not in text and "finding above" not in text and "slowed 1 step(s) (3) by 0.5 s" in text
-    large = dict(small, lost_sec=40.0, lost_share=40.0 / 120.0)
+    large = dataclasses.replace(small, lost_sec=40.0, lost_share=40.0 / 120.0)
     m = healthy(contention=large, first_step_slowdown=3.0, warmup_steps=2, warmup_overhead_sec=4.0)
     assert "contention" in [f.rule for f in analyze(m)] and "(the contention finding above)" in note(m, "warmup").text
 
@@ -970,19 +978,19 @@ def test_the_warmup_note_names_only_a_finding_the_report_has():
 def test_a_first_step_among_the_steady_steps_is_not_said_to_be_excluded():
     # seen: "the steady figures exclude them" where step 1 (21.49 s) was among the steady steps (16.70 s a steady
     # step with it, 16.27 s without)
-    first = {"step": 1, "included": True, "sec": 21.49, "with": 16.70, "without": 16.27}
+    first = FirstSteady(step=1, included=True, sec=21.49, with_it=16.70, without_it=16.27)
     text = note(healthy(warmup_steps=0, first_step_slowdown=1.29, warmup_overhead_sec=0.0, first_steady=first),
                 "warmup").text
     assert "exclude" not in text
     assert "Step 1 counts among the steady steps" in text and "21.5 s" in text and "16.3 s without it" in text
-    excluded = note(healthy(first_steady={"step": 1, "included": False}), "warmup").text
+    excluded = note(healthy(first_steady=FirstSteady(step=1, included=False)), "warmup").text
     assert "the steady figures exclude the warmup steps" in excluded
 
 
 def test_a_last_step_at_the_steady_wall_cpu_ratio_is_no_contention(tmp_path):
     # seen: a contention finding naming the run's last step as early contention, "wall/CPU 3.95 against 3.95 when
     # steady" (the meter had judged a late train() call against its own first steps)
-    from hf_perf_callbacks.analysis import measurements_from_run
+    from hf_perf_callbacks.report import measurements_from_run
     lines = [{"type": "run", "session": "s", "resumed_from_step": 0, "sources": ["perf"], "device_type": "cpu",
               "world_size": 1, "torch_threads": 1, "cpu_cores": 2}]
     for step in range(1, 13):
@@ -1010,3 +1018,17 @@ def test_fixed_length_padding_in_sft_gets_sfttrainers_own_collator_and_no_unfoun
     for f in (sft, plain):
         assert "ceiling" not in f.gain_formula and not re.search(r"\d\.\d\dx", f.gain_formula)
         assert "do not shrink" in f.gain_formula
+
+
+def test_the_readme_rule_table_is_the_rules_own():
+    """The README's rule table is generated from the rules' cards (thresholds from the rules' constants), in the
+    order of RULES; regenerate it with ``python -m hf_perf_callbacks.report.rules``."""
+    from hf_perf_callbacks.report.rules import rule_table
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md"),
+                  encoding="utf-8").read()
+    start = readme.index("\n", readme.index("<!-- rule table:")) + 1
+    block = readme[start:readme.index("<!-- end of rule table -->")].rstrip("\n")
+    assert block == rule_table()
+    rows = [line.split(" | ")[0].removeprefix("| ").strip("`") for line in block.splitlines()[2:]]
+    assert rows == [r.__name__.removeprefix("rule_") for r in RULES]

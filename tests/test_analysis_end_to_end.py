@@ -3,7 +3,7 @@ GRPO run that cannot learn (every reward 0) with the MPS-only ``pad_to_multiple_
 import torch
 
 from hf_perf_callbacks import ThroughputMeter, default_callbacks
-from hf_perf_callbacks.analysis import check, measurements_from_run, write_analysis
+from hf_perf_callbacks.report import check, measurements_from_run, write_analysis
 from hf_perf_callbacks.runlog import read_run
 from hf_perf_callbacks.tiny import build_model
 from tests.conftest import PlantedClock, make_grpo, make_trainer
@@ -74,7 +74,7 @@ def test_a_run_that_cannot_learn_is_the_first_finding(tokenizer, tmp_path):
     # trainer_state.json: the same finding, from the perf log
     moved = _trainer_logs_into_step_lines(tmp_path, tmp_path / "moved")
     m = measurements_from_run(moved)
-    assert m.trainer_log_source == "perf log" and m.rewards["logs"] == 4 and m.no_signal_run == 4
+    assert m.trainer_log_source == "perf log" and m.rewards.logs == 4 and m.no_signal_run == 4
     assert check(m)[0][0].title == findings[0].title and "from the perf log" in check(m)[0][0].observation
 
 
@@ -168,7 +168,7 @@ def test_a_grpo_run_without_trainer_state_reads_its_rewards_from_the_perf_log(to
     assert not (tmp_path / "trainer_state.json").exists()
     text, findings, notes = _report(tmp_path)
     m = measurements_from_run(str(tmp_path))
-    assert m.trainer_log_source == "perf log" and m.rewards["logs"] == 3 and m.rewards["max"] == 0.0
+    assert m.trainer_log_source == "perf log" and m.rewards.logs == 3 and m.rewards.max == 0.0
     f = findings[0]
     assert f.rule == "no_learning" and "from the perf log" in f.observation and "rewards vary" not in text
     assert "num_generations" not in f.setting and "temperature" not in f.setting
@@ -210,7 +210,7 @@ def test_the_tuner_on_a_plain_train_says_once_that_it_needs_train_with_tuning(to
     import logging
 
     from hf_perf_callbacks import AdaptiveBatchTuner
-    from hf_perf_callbacks.run_report import report_command
+    from hf_perf_callbacks.report import report_command
     from hf_perf_callbacks.wording import TUNER_NEEDS_TRAIN_WITH_TUNING
 
     tuner = AdaptiveBatchTuner()

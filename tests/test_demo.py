@@ -65,7 +65,7 @@ def test_tiny_demo_trainer_uses_the_wordle_rewards(tmp_path):
     (1, 1.5, 2, 1),        # already at one thread
 ])
 def test_the_demo_chooses_its_threads_by_the_analysis_rule(threads, other, cores, expected):
-    from hf_perf_callbacks.analysis import OVERSUBSCRIBED, free_cores, oversubscribed
+    from hf_perf_callbacks.report.rules.machine import OVERSUBSCRIBED, free_cores, oversubscribed
 
     assert demo.choose_threads(threads, other, cores) == expected
     assert (expected < threads) == (oversubscribed(threads, other, cores) and free_cores(cores, other) < threads)

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter
-from hf_perf_callbacks.figures import figures, steady_steps
 from hf_perf_callbacks.report import summarize
+from hf_perf_callbacks.report.figures import figures, steady_steps
 from hf_perf_callbacks.runlog import PERF_LOG, read_run
 from hf_perf_callbacks.wording import throughput_line, warmup_line
 from tests.conftest import make_grpo, make_trainer
@@ -51,39 +51,39 @@ def grpo_run(tokenizer, tmp_path_factory):
 def test_console_summary_step_line_reporters_and_figures_agree(which, request, tmp_path):
     output_dir, meter, trainer = request.getfixturevalue(which)
     s, f = meter.summary, figures(read_run(output_dir))
-    assert s["warmup_done"] and f["warmup_done"]
+    assert s["warmup_done"] and f.warmup_done
     for key in ("steady_tokens_per_sec", "steady_step_sec", "warmup_steps", "first_step_slowdown",
                 "warmup_overhead_sec", "mean_tokens_per_sec", "steps"):
-        assert f[key] == s[key], key
-    assert f["warmup_end_step"] == s["first_steady_step"] and f["contention_sec"] == s["early_contention_sec"]
+        assert getattr(f, key) == s[key], key
+    assert f.warmup_end_step == s["first_steady_step"] and f.contention_sec == s["early_contention_sec"]
     # one definition: steady tokens/s × steady step time = the mean tokens of a steady step
     steps = {x["step"]: x for x in log_lines(output_dir, "step")}
-    steady = f["steady_steps"]
-    assert len(steady) == s["steady_step_count"] and steady[0] == f["warmup_end_step"] and steady[-1] == 8
+    steady = f.steady_steps
+    assert len(steady) == s["steady_step_count"] and steady[0] == f.warmup_end_step and steady[-1] == 8
     mean_tokens = sum(steps[k]["perf/tokens"] for k in steady) / len(steady)
-    assert f["steady_tokens_per_sec"] * f["steady_step_sec"] == pytest.approx(mean_tokens)
-    assert f["steady_step_sec"] == pytest.approx(sum(steps[k]["perf/train_sec"] for k in steady) / len(steady))
+    assert f.steady_tokens_per_sec * f.steady_step_sec == pytest.approx(mean_tokens)
+    assert f.steady_step_sec == pytest.approx(sum(steps[k]["perf/train_sec"] for k in steady) / len(steady))
     # the last step line and the reporters (log_history) carry the same values
     last = steps[8]
     published = [h for h in trainer.state.log_history if "perf/steady_tokens_per_sec" in h][-1]
     for key, name in (("perf/steady_tokens_per_sec", "steady_tokens_per_sec"),
                       ("perf/steady_step_time", "steady_step_sec"), ("perf/warmup_steps", "warmup_steps"),
                       ("perf/first_step_slowdown", "first_step_slowdown")):
-        assert last[key] == published[key] == f[name], key
+        assert last[key] == published[key] == getattr(f, name), key
     # the console and hf-perf report print the same lines
     console = meter.format_summary()
     report = summarize(read_run(output_dir))
-    expected = [throughput_line(f["steady_tokens_per_sec"], f["steady_step_sec"], f["mean_tokens_per_sec"]),
-                warmup_line(True, f["warmup_steps"], f["first_step_slowdown"], f["warmup_overhead_sec"], f["steps"],
-                            f["contention_sec"])]
+    expected = [throughput_line(f.steady_tokens_per_sec, f.steady_step_sec, f.mean_tokens_per_sec),
+                warmup_line(True, f.warmup_steps, f.first_step_slowdown, f.warmup_overhead_sec, f.steps,
+                            f.contention_sec)]
     for line in expected:
         assert line in console and line in report
     # a killed run (no summary) gives the same figures from its step lines
     killed = figures(killed_copy(output_dir, tmp_path))
     for key in ("steady_tokens_per_sec", "steady_step_sec", "warmup_steps", "warmup_end_step", "steady_steps",
                 "first_step_slowdown", "warmup_overhead_sec", "contention_sec", "warmup_done"):
-        assert killed[key] == f[key], key
-    assert killed["mean_tokens_per_sec"] == pytest.approx(f["mean_tokens_per_sec"])
+        assert getattr(killed, key) == getattr(f, key), key
+    assert killed.mean_tokens_per_sec == pytest.approx(f.mean_tokens_per_sec)
 
 
 def test_the_steady_range_includes_the_steps_before_the_decision(trainer_run):
@@ -102,8 +102,8 @@ def test_the_steady_range_includes_the_steps_before_the_decision(trainer_run):
 
 
 def test_unfinished_warmup_says_so_everywhere_and_never_no_warmup(tokenizer, tmp_path, capsys):
-    from hf_perf_callbacks.plots import PlotData, plot_throughput
-    from hf_perf_callbacks.run_report import report_command
+    from hf_perf_callbacks.report import report_command
+    from hf_perf_callbacks.report.plots import PlotData, plot_throughput
 
     meter = ThroughputMeter(warmup_window=4)           # 3 steps cannot fill two windows of 4
     trainer = make_trainer(tokenizer, tmp_path, [meter], max_steps=3, bs=2, ga=1)
@@ -112,8 +112,8 @@ def test_unfinished_warmup_says_so_everywhere_and_never_no_warmup(tokenizer, tmp
     assert "warmup: not finished after 3 steps" in console
     run = read_run(str(tmp_path))
     f = figures(run)
-    assert f["warmup_done"] is False and f["warmup_steps"] is None and f["steady_tokens_per_sec"] is None
-    assert f["steady_steps"] == [] and f["warmup_end_step"] is None
+    assert f.warmup_done is False and f.warmup_steps is None and f.steady_tokens_per_sec is None
+    assert f.steady_steps == [] and f.warmup_end_step is None
     assert all("perf/warmup_steps" not in h for h in trainer.state.log_history)
     assert report_command(str(tmp_path)) == 0
     out = capsys.readouterr().out

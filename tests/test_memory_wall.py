@@ -354,9 +354,8 @@ def test_the_report_shows_the_budget_per_step_and_says_when_and_why_the_wall_mov
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
-    from hf_perf_callbacks.analysis import write_analysis
-    from hf_perf_callbacks.plots import PlotData, plot_memory
-    from hf_perf_callbacks.report import summarize
+    from hf_perf_callbacks.report import summarize, write_analysis
+    from hf_perf_callbacks.report.plots import PlotData, plot_memory
     from hf_perf_callbacks.runlog import read_run
 
     card = SharedCard(other=lambda step: 60 * GB if step < 4 else 120 * GB)     # a tenant that grows at step 4

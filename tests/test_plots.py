@@ -7,7 +7,7 @@ from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter
 from hf_perf_callbacks.batching import Split
-from hf_perf_callbacks.plots import PlotData, plot_memory, plot_phases, plot_throughput, plot_tuner
+from hf_perf_callbacks.report.plots import PlotData, plot_memory, plot_phases, plot_throughput, plot_tuner
 from hf_perf_callbacks.runlog import read_run
 from hf_perf_callbacks.splitfile import Decision, SplitFile, Trial
 from tests.conftest import make_grpo, make_trainer
@@ -71,11 +71,11 @@ def test_throughput_one_line_on_the_steady_basis_warmup_marked_legend_off_the_da
     expected = [s.number("perf/tokens") / s.number("perf/train_sec") for s in data.steps]
     assert list(lines[0].get_ydata()) == pytest.approx(expected)
     names = labels(ax)
-    steady = f["steady_steps"]
-    assert (f"steady figure {f['steady_tokens_per_sec']:,.0f} tokens/s: Σ tokens / Σ training s of the {len(steady)} "
+    steady = f.steady_steps
+    assert (f"steady figure {f.steady_tokens_per_sec:,.0f} tokens/s: Σ tokens / Σ training s of the {len(steady)} "
             f"steady steps (a slow step weighs by its time)") in names
-    assert f["warmup_steps"] >= 1                    # the planted warmup
-    assert f"not in the steady figures: steps 1–{f['warmup_end_step'] - 1} (warmup; each train() call starts it anew)" \
+    assert f.warmup_steps >= 1                    # the planted warmup
+    assert f"not in the steady figures: steps 1–{f.warmup_end_step - 1} (warmup; each train() call starts it anew)" \
         in names
     assert ax.get_legend() is None and fig.legends                 # the legend is the figure's, under the plot
     assert integer_ticks(ax) and ax.get_ylabel() == "tokens / s of training time"
@@ -91,10 +91,10 @@ def test_throughput_marks_the_steps_the_meter_put_down_to_other_processes(tokeni
     make_trainer(tokenizer, tmp_path, [Inside(), ThroughputMeter(warmup_window=2, clock=load.clock)],
                  max_steps=8).train()
     fig, data = draw(plot_throughput, tmp_path)
-    assert data.f["contention_steps"] == [1, 2, 3]
+    assert data.f.contention_steps == [1, 2, 3]
     marked = [c for c in fig.axes[0].collections if c.get_label().startswith("slowed by other processes")]
     assert len(marked) == 1 and [x for x, _ in marked[0].get_offsets()] == [1, 2, 3]
-    assert f"({data.f['contention_sec']:.1f} s lost)" in marked[0].get_label()
+    assert f"({data.f.contention_sec:.1f} s lost)" in marked[0].get_label()
 
 
 def test_grpo_throughput_is_per_generation_cycle(tokenizer, tmp_path):
@@ -111,7 +111,7 @@ def test_memory_scaled_to_its_data_budget_far_away_as_words(run_dir):
     fig, data = draw(plot_memory, run_dir)
     ax = fig.axes[0]
     used = [s.number("mem/device_used_gb") for s in data.steps]
-    budget = data.f["budget_gb"]
+    budget = data.f.budget_gb
     low, high = ax.get_ylim()
     assert budget > 2 * max(used) and high < budget and low > 0.5 * min(used)
     assert "budget" not in " ".join(labels(ax))
@@ -196,23 +196,23 @@ def test_throughput_draws_the_meters_own_record_and_names_the_switches(tmp_path)
     out = synthetic(tmp_path, "tuned", **TUNED)
     fig, data = draw(plot_throughput, out)
     ax, f = fig.axes[0], data.f
-    assert f["call_first_step"] > 1 and f["not_steady"]
-    assert spans(ax) == f["not_steady"]                              # exactly the steps the steady figures leave out
+    assert f.call_first_step > 1 and f.not_steady
+    assert spans(ax) == f.not_steady                              # exactly the steps the steady figures leave out
     notes = " ".join(t.get_text().replace("\n", " ") for t in ax.texts)           # the subtitle wraps
-    assert f"step {f['call_first_step']} (the first of the latest train() call)" in notes
-    assert f"the steady figures are over {len(f['steady_steps'])} steps" in notes
+    assert f"step {f.call_first_step} (the first of the latest train() call)" in notes
+    assert f"the steady figures are over {len(f.steady_steps)} steps" in notes
     names = labels(ax)
     assert any(n.startswith(f"{len(data.restarts())} switches between splits by the tuner") for n in names)
     stretches = [t.get_text() for t in ax.texts if "×" in t.get_text() and len(t.get_text()) <= 4]
     assert stretches[0] == "4×2" and len(stretches) == len(data.restarts()) + 1
     steady = next(c for c in ax.collections if c.get_label().startswith("steady figure"))
     (x0, _), (x1, _) = steady.get_segments()[0]
-    assert (x0 + 0.5, x1 - 0.5) == (f["steady_steps"][0], f["steady_steps"][-1])
+    assert (x0 + 0.5, x1 - 0.5) == (f.steady_steps[0], f.steady_steps[-1])
 
 
 def test_phases_shade_only_the_steps_the_tuner_measured(tmp_path):
     # seen: steps 4-19 shaded as measured by the tuner where only 4-7, 10-13 and 16-19 were
-    from hf_perf_callbacks.figures import step_ranges
+    from hf_perf_callbacks.report.figures import step_ranges
 
     out = synthetic(tmp_path, "tuned", **TUNED)
     fig, data = draw(plot_phases, out)

@@ -685,7 +685,7 @@ def test_wordle_datasets_follow_the_sizes():
 def test_a_failing_report_does_not_fail_the_finished_run(monkeypatch, caplog):
     def broken(output_dir, plots=True):
         raise RuntimeError("plot backend missing")
-    from hf_perf_callbacks import run_report
+    from hf_perf_callbacks import report as run_report
 
     monkeypatch.setattr(run_report, "report_command", broken)
     with caplog.at_level("ERROR", logger="hf_perf_callbacks.train"):

@@ -7,10 +7,11 @@ import shutil
 import numpy as np
 import pytest
 
-from hf_perf_callbacks.plots import write_plots
-from hf_perf_callbacks.report import summarize
-from hf_perf_callbacks.run_report import report_command
+from hf_perf_callbacks.report import report_command, summarize
+from hf_perf_callbacks.report.figures import figures, run_events
+from hf_perf_callbacks.report.plots import write_plots
 from hf_perf_callbacks.runlog import PERF_LOG, ReportError, read_run
+from hf_perf_callbacks.wording import phase_line, throughput_line
 from tests.conftest import schema_lines
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -108,21 +109,20 @@ def test_truncated_log_still_reports(demo_run, tmp_path, capsys):
 def test_figures_from_step_lines_match_the_meters_and_the_analysis_uses_them(demo_run, tmp_path):
     """A killed run has no summaries: the step-line fallbacks must measure what the meter measures (training
     time, not wall time with eval/save), and perf_report.md must print the same figures as the report."""
-    from hf_perf_callbacks.analysis import measurements_from_run
-    from hf_perf_callbacks.figures import figures
+    from hf_perf_callbacks.report import measurements_from_run
 
     finished = figures(read_run(demo_run))
     with open(os.path.join(demo_run, PERF_LOG), encoding="utf-8") as f:
         (tmp_path / PERF_LOG).write_text("".join(line for line in f if '"type": "summary"' not in line))
     killed = figures(read_run(str(tmp_path)))
-    assert killed["mean_tokens_per_sec"] == pytest.approx(finished["mean_tokens_per_sec"], rel=0.01)
-    if finished["steady_step_sec"] is None:                   # the shared demo run is too short for a steady phase
-        assert killed["steady_step_sec"] is None
+    assert killed.mean_tokens_per_sec == pytest.approx(finished.mean_tokens_per_sec, rel=0.01)
+    if finished.steady_step_sec is None:                   # the shared demo run is too short for a steady phase
+        assert killed.steady_step_sec is None
     else:
-        assert killed["steady_step_sec"] == pytest.approx(finished["steady_step_sec"], rel=0.2)
+        assert killed.steady_step_sec == pytest.approx(finished.steady_step_sec, rel=0.2)
     m = measurements_from_run(str(tmp_path))
     assert (m.mfu, m.steady_step_sec, m.mem_high_water_gb, m.phases) == (
-        killed["mfu"], killed["steady_step_sec"], killed["high_water_gb"], killed["phases"])
+        killed.mfu, killed.steady_step_sec, killed.high_water_gb, killed.phases)
 
 
 def synthetic_log(path, steps=30):
@@ -170,20 +170,22 @@ def test_synthetic_watchdog_and_tuner(tmp_path):
     run = read_run(str(tmp_path))
     assert run.skipped_lines == 1 and len(run.steps) == 30
 
-    text = summarize(run)
-    assert "NVIDIA H100 (cuda) × 2" in text
-    assert "did not finish" in text
-    assert "resumed" in text and "step 20" in text
-    assert "steady tokens/s: 5,500" in text
-    assert "MFU: 41.0%" in text
-    assert "time split: waiting for data 6.3%, generation 37.5%, forward/backward/optimizer 56.2%" in text
-    assert "of a 70.00 GiB budget" in text
-    assert "step 10: [mem] warning" in text
-    assert "step 11: [mem] action clear_cache" in text
-    assert "step 12: [tuner] decision (8x1 -> 4x2)" in text
-    assert "step 20: [mem] stop: stopped training" in text
-    assert "watchdog stopped training at step 20" in text
-    assert "cache clears: 1, freed 1.50 GiB" in text
+    f = figures(run)
+    assert (f.device, f.device_type, f.world_size, f.steps) == ("NVIDIA H100", "cuda", 2, 30)
+    assert f.steady_tokens_per_sec == 5500.0 and f.mfu == pytest.approx(0.41)
+    assert {p: v for p, v in f.phases.items() if v} == pytest.approx(
+        {"data_wait": 0.05 / 0.8, "generation": 0.3 / 0.8, "compute": 0.45 / 0.8})
+    assert (f.budget_gb, f.stopped_at, f.cache_clears, f.cache_freed_gb) == (70.0, 20, 1, 1.5)
+    assert [h.resumed_from_step for h in run.headers if "perf" in h.sources] == [0, 20]
+    assert [(e.step, e.source, e.kind, e.details.get("action")) for e in run_events(run)] == [
+        (10, "mem", "warning", None), (11, "mem", "action", "clear_cache"), (11, "cache", "info", None),
+        (12, "tuner", "decision", None), (20, "mem", "stop", "stop")]
+
+    text = summarize(run)                                   # the summary prints exactly these
+    assert not run.summaries and "did not finish" in text
+    assert throughput_line(f.steady_tokens_per_sec, f.steady_step_sec, f.mean_tokens_per_sec) in text
+    assert phase_line(f.phases) in text and "MFU: 41.0%" in text
+    assert "step 12: [tuner] decision (8x1 -> 4x2)" in text                 # an event line: the split change
 
     out_dir = tmp_path / "figs"
     paths = write_plots(run, str(out_dir))
@@ -201,10 +203,12 @@ def test_plots_skip_absent_data(tmp_path):
                "actions": [{"step": 3, "action": "clear_cache", "message": "cleared caches"}], "stopped_at": None}]
     (tmp_path / PERF_LOG).write_text(schema_lines(lines))
     run = read_run(str(tmp_path))
+    f = figures(run)
+    assert (f.high_water_gb, f.budget_gb, f.steady_tokens_per_sec, f.warmup_done) == (2.5, 8.0, None, None)
+    assert [(e.step, e.details.get("action")) for e in run_events(run)] == [(3, "clear_cache")]  # the summary's list
     text = summarize(run)
     assert "no ThroughputMeter data" in text
     assert "high-water 2.50 GiB of a 8.00 GiB budget (31%)" in text
-    assert "step 3: [mem] action clear_cache" in text                 # from the summary's action list
     paths = write_plots(run)
     assert [os.path.basename(p) for p in paths] == ["memory.png"]
     assert os.path.dirname(paths[0]) == str(tmp_path / "plots")
@@ -212,7 +216,7 @@ def test_plots_skip_absent_data(tmp_path):
 
 def test_completion_line_and_the_analysis_cite_the_same_clipped_share(tmp_path):
     # seen: the analysis said 83% clipped while the summary line of the same report said 75% (its last log)
-    from hf_perf_callbacks.analysis import check, measurements_from_run
+    from hf_perf_callbacks.report import check, measurements_from_run
 
     lines = [{"type": "run", "source": "perf", "device_type": "cpu", "world_size": 1, "grpo": True,
               "max_completion_length": 16, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4,

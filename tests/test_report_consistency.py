@@ -16,9 +16,8 @@ import statistics
 import pytest
 from matplotlib.figure import Figure
 
-from hf_perf_callbacks.analysis import console_summary, write_analysis
-from hf_perf_callbacks.plots import PlotData, plot_throughput, plot_tuner
-from hf_perf_callbacks.report import summarize
+from hf_perf_callbacks.report import console_summary, summarize, write_analysis
+from hf_perf_callbacks.report.plots import PlotData, plot_throughput, plot_tuner
 from hf_perf_callbacks.resize.callback import format_tuning
 from hf_perf_callbacks.runlog import read_run
 from hf_perf_callbacks.splitfile import read_split_file

@@ -10,7 +10,7 @@ import sys
 import tracemalloc
 
 import hf_perf_callbacks
-from hf_perf_callbacks.run_report import report_command
+from hf_perf_callbacks.report import report_command
 from hf_perf_callbacks.runlog import read_run
 from tests.synthetic_runs import Plan, write_run
 

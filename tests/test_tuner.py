@@ -216,7 +216,7 @@ def test_a_faster_split_is_found_on_the_runs_own_steps_and_nothing_is_trained_tw
     # the report's tuner plot reads this real file: the measured trials with their times, the chosen split
     from matplotlib.figure import Figure
 
-    from hf_perf_callbacks.plots import PlotData, plot_tuner
+    from hf_perf_callbacks.report.plots import PlotData, plot_tuner
     from hf_perf_callbacks.runlog import read_run
 
     fig = Figure()

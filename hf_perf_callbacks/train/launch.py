@@ -126,7 +126,7 @@ def _describe(recipe, args, model_args, callbacks) -> str:
 def _report(output_dir: str) -> None:
     """End-of-run report; a failure here is logged and does not fail the finished run."""
     try:
-        from ..run_report import report_command
+        from ..report import report_command
 
         report_command(output_dir)
     except Exception:                                  # training and checkpoints are already saved

@@ -2,11 +2,11 @@
 
 ```python
 from hf_perf_callbacks.runlog import read_run
-from hf_perf_callbacks.plots import write_plots
+from hf_perf_callbacks.report.plots import write_plots
 write_plots(read_run("outputs/my_run"))      # outputs/my_run/plots/{throughput,memory,phases,tuner}.png
 ```
 
-Each plot reads the headline figures (:func:`hf_perf_callbacks.figures.figures`, the numbers the summary and the
+Each plot reads the headline figures (:func:`hf_perf_callbacks.report.figures.figures`, the numbers the summary and the
 analysis print), the step lines and the tuner's record (:func:`hf_perf_callbacks.splitfile.read_split_file`), and is
 drawn to be read at a glance at the size a README shows it (800×450 pixels): one throughput line on the steady
 figure's basis with the warmup and the steps slowed by other processes marked, memory on a scale of its own data (GiB)
@@ -18,13 +18,28 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from . import keys
-from .figures import LogStep, figures, last_value, ranges_text, run_events, step_ranges, train_column, train_seconds
-from .runlog import PHASES, ReportError, RunLog, number
-from .splitfile import Decision, SplitFile, read_split_file, trial_figures
-from .wording import PHASE_WORDS, split_label, steady_words, warmup_words
+from .. import keys
+from ..runlog import PHASES, ReportError, RunLog, number
+from ..splitfile import Decision, SplitFile, read_split_file, trial_figures
+from ..wording import PHASE_WORDS, split_label, steady_words, warmup_words
+from .figures import (
+    Figures,
+    LogStep,
+    figures,
+    last_value,
+    ranges_text,
+    run_events,
+    step_ranges,
+    train_column,
+    train_seconds,
+)
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -75,7 +90,7 @@ class PlotData:
     """What the plots read, read once: the run, its step lines, its headline figures, its tuner record and the split
     each step ran with (all in one pass over the step lines: the plots are linear in the run's steps)."""
 
-    def __init__(self, run: RunLog, steps: Sequence[LogStep], f: dict, split_file: SplitFile | None):
+    def __init__(self, run: RunLog, steps: Sequence[LogStep], f: Figures, split_file: SplitFile | None):
         self.run, self.steps, self.f, self.split_file = run, steps, f, split_file
         self.splits: dict[int, str] = {}
         labels: dict[tuple[float, float], str] = {}
@@ -134,14 +149,14 @@ class PlotData:
 
 
 # ---------------------------------------------------------------- shared helpers
-def _integer_steps(ax) -> None:
+def _integer_steps(ax: Axes) -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
 
 
-def _legend_below(fig, ax, ncol: int = 3) -> None:
+def _legend_below(fig: Figure, ax: Axes, ncol: int = 3) -> None:
     """The legend under the plot, off the data: as many columns as the labels' length lets fit the width."""
     handles, labels = ax.get_legend_handles_labels()
     if handles:
@@ -151,7 +166,7 @@ def _legend_below(fig, ax, ncol: int = 3) -> None:
                    fontsize=8, frameon=False)
 
 
-def _title(ax, title: str, *notes: str | None) -> None:
+def _title(ax: Axes, title: str, *notes: str | None) -> None:
     """The title, and under it the plot's notes in smaller grey type (off the data), wrapped to the axes' width."""
     import textwrap
 
@@ -164,7 +179,7 @@ def _title(ax, title: str, *notes: str | None) -> None:
                     textcoords="offset points", ha="center", va="bottom", fontsize=8, color="dimgrey")
 
 
-def _note(ax, text: str, color: str = "dimgrey") -> None:
+def _note(ax: Axes, text: str, color: str = "dimgrey") -> None:
     """A line of text in the top left corner of the plot."""
     ax.text(0.01, 0.98, text, transform=ax.transAxes, fontsize=9, color=color, va="top", ha="left",
             bbox={"boxstyle": "round,pad=0.25", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
@@ -175,7 +190,8 @@ def _note(ax, text: str, color: str = "dimgrey") -> None:
 MAX_POINTS = 2000
 
 
-def _thin(xs: list[int], ys: list[float], reduce=max) -> tuple[list[int], list[float], int]:
+def _thin(xs: list[int], ys: list[float],
+          reduce: Callable[[list[float]], float] = max) -> tuple[list[int], list[float], int]:
     """At most :data:`MAX_POINTS` points: (each bin's last step, ``reduce`` of its values, steps per bin)."""
     size = max(1, math.ceil(len(xs) / MAX_POINTS))
     if size == 1:
@@ -189,28 +205,10 @@ def _thin(xs: list[int], ys: list[float], reduce=max) -> tuple[list[int], list[f
 
 
 # ---------------------------------------------------------------- throughput
-def step_rates(steps: Sequence[LogStep], period: int = 1) -> tuple[list[int], list[float]]:
-    """The run's throughput per step, on the steady figure's basis: tokens per second of training time (the meter's
-    ``perf/train_sec``), per step or per generation cycle of ``period`` steps (GRPO counts a cycle's tokens at its
-    generation step), at the cycle's last step."""
-    xs, ys = [], []
-    period = max(1, int(period or 1))
-    rows = []                                    # (step, tokens, training seconds) of the steps that have both
-    for s in steps:
-        tokens, train = s.number(keys.PERF_TOKENS), train_seconds(s)
-        if tokens is not None and train:
-            rows.append((s.step, tokens, train))
-    for i in range(0, len(rows) - period + 1, period):
-        block = rows[i:i + period]
-        seconds = sum(train for _, _, train in block)
-        if seconds > 0:
-            xs.append(block[-1][0])
-            ys.append(sum(tokens for _, tokens, _ in block) / seconds)
-    return xs, ys
-
-
 def _rates(run: RunLog, period: int) -> tuple[list[int], list[float]]:
-    """:func:`step_rates` from the run's columns (one pass per key over a long run)."""
+    """The run's throughput on the steady figure's basis: tokens per second of training time (the meter's
+    ``perf/train_sec``), per block of ``period`` steps (GRPO counts a cycle's tokens at its generation step), at the
+    block's last step; from the run's columns (one pass per key over a long run)."""
     rows = [(n, t, s) for n, t, s in zip(run.step_numbers(), run.column(keys.PERF_TOKENS), train_column(run))
             if t == t and s == s and s]
     xs, ys = [], []
@@ -223,7 +221,7 @@ def _rates(run: RunLog, period: int) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
-def plot_throughput(fig, data: PlotData) -> str | None:
+def plot_throughput(fig: Figure, data: PlotData) -> str | None:
     f, steps = data.f, data.steps
     period = int(number(data.run.header("perf").period) or 1)
     block = period * max(1, math.ceil(len(steps) / period / MAX_POINTS))     # a long run: per bin of steps
@@ -235,32 +233,33 @@ def plot_throughput(fig, data: PlotData) -> str | None:
             else f"bin of {block} steps")
     ax.plot(xs, ys, marker="o" if len(xs) <= 60 else None, ms=4, lw=1.5, color="tab:blue",
             label=f"throughput per {what} (its tokens / its training s)")
-    steady_list = f["steady_steps"]
-    if f["not_steady"]:                                    # the meter's own record: the steps it did not count
-        for i, (a, b) in enumerate(f["not_steady"]):
+    steady_list = f.steady_steps
+    if f.not_steady:                                    # the meter's own record: the steps it did not count
+        for i, (a, b) in enumerate(f.not_steady):
             ax.axvspan(a - 0.5, b + 0.5, color="grey", alpha=0.15, lw=0,
-                       label=(f"not in the steady figures: steps {ranges_text(f['not_steady'])} (warmup; each "
+                       label=(f"not in the steady figures: steps {ranges_text(f.not_steady)} (warmup; each "
                               f"train() call starts it anew)") if i == 0 else None)
-    if f["warmup_done"] is False:
-        _note(ax, f"warmup not finished after {f['steps']} steps: no steady figure yet" if not steady_list else
-              f"the latest train() call's warmup had not finished after step {f['steps']}: the steady figure is "
+    if f.warmup_done is False:
+        _note(ax, f"warmup not finished after {f.steps} steps: no steady figure yet" if not steady_list else
+              f"the latest train() call's warmup had not finished after step {f.steps}: the steady figure is "
               f"the earlier calls'", color="tab:red")
-    steady = number(f["steady_tokens_per_sec"])
+    steady = number(f.steady_tokens_per_sec)
     if steady is not None and steady_list:
         ax.hlines(steady, steady_list[0] - 0.5, steady_list[-1] + 0.5, colors="tab:green", linestyles="--", lw=2,
                   label=f"steady figure {steady:,.0f} tokens/s: Σ tokens / Σ training s of the {len(steady_list)} "
                         f"steady steps (a slow step weighs by its time)")
-    contention = set(f["contention_steps"])
+    contention = set(f.contention_steps)
     contended = [(x, y) for x, y in zip(xs, ys) if any(s in contention for s in range(x - block + 1, x + 1))]
     if contended:
-        ax.scatter(*zip(*contended), s=90, facecolors="none", edgecolors="tab:red", lw=1.8, zorder=3,
-                   label=f"slowed by other processes ({number(f['contention_sec']) or 0:.1f} s lost)")
+        ax.scatter([x for x, _ in contended], [y for _, y in contended],
+                   s=90, facecolors="none", edgecolors="tab:red", lw=1.8, zorder=3,
+                   label=f"slowed by other processes ({number(f.contention_sec) or 0:.1f} s lost)")
     ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
     _mark_restarts(ax, data)
     notes = []
-    if f["warmup_done"]:
-        notes.append(warmup_words(f["warmup_steps"], f["first_step_slowdown"], f["warmup_overhead_sec"],
-                                  f["call_first_step"]))
+    if f.warmup_done:
+        notes.append(warmup_words(f.warmup_steps, f.first_step_slowdown, f.warmup_overhead_sec,
+                                  f.call_first_step))
     if steady_list:
         notes.append(steady_words(steady_list, ranges_text(step_ranges(steady_list))))
     _title(ax, "Training throughput (tokens per second of training time; evaluation and saving excluded)", *notes)
@@ -272,7 +271,7 @@ def plot_throughput(fig, data: PlotData) -> str | None:
     return None
 
 
-def _mark_restarts(ax, data: PlotData, top: float = 0.97) -> None:
+def _mark_restarts(ax: Axes, data: PlotData, top: float = 0.97) -> None:
     """A dotted line where a ``train()`` call resumed the run (the tuner's switch, a re-size, a resume: its warmup
     starts anew), named: few are named beside their line; more get the split in effect written over each stretch
     between them, and one legend entry."""
@@ -304,14 +303,60 @@ MAX_NAMED = 8                   # restarts named one by one on a plot; beyond th
 
 
 # ---------------------------------------------------------------- memory
-def plot_memory(fig, data: PlotData) -> str | None:
-    xs, ys = data.series(keys.MEM_DEVICE_USED_GB)
-    if not xs:
+def _memory_budget(ax: Axes, data: PlotData, high: float) -> tuple[bool, float]:
+    """Draw the budget where it is near the curves (per step when the log has it): (drawn, the new top)."""
+    budget = data.f.budget_gb
+    lx, ly, _ = _thin(*data.series(keys.MEM_LIMIT_GB), reduce=min)   # a long run: each bin's lowest budget
+    lowest = min(ly) if ly else budget                   # the budget is per step: it follows what the run can reach
+    near = lowest is not None and lowest <= high * NEAR_BUDGET
+    if not near or budget is None:
+        return near, high
+    if lx:
+        moved = max(ly) > 1.01 * min(ly)
+        label = (f"budget per step ({min(ly):.2f}–{max(ly):.2f} GiB: what the run could reach moved)" if moved
+                 else f"budget ({budget:.2f} GiB)")
+        ax.plot(lx, ly, lw=1.5, color="tab:red", drawstyle="steps-post", label=label)
+        return near, max(high, min(max(ly), high * NEAR_BUDGET))
+    ax.axhline(budget, lw=1.5, color="tab:red", label=f"budget ({budget:.2f} GiB)")
+    return near, max(high, budget)
+
+
+def _memory_marks(ax: Axes, data: PlotData, used: dict[int, float]) -> int:
+    """Mark the pressure levels and the watchdog's actions and wall moves; returns how often the wall moved."""
+    for level, color, name in ((1, "orange", "pressure: warn"), (2, "red", "pressure: critical")):
+        pts = [(s.step, used[s.step]) for s in data.steps if s.number(keys.MEM_PRESSURE) == level and s.step in used]
+        if pts:
+            ax.scatter([x for x, _ in pts], [y for _, y in pts], color=color, s=30, zorder=3, label=name)
+    acts = [(e, e.step) for e in run_events(data.run)
+            if e.source == "mem" and e.kind in ("action", "stop", "wall") and e.step is not None
+            and not (e.kind == "wall" and not e.message.startswith("the memory wall moved"))]
+    for i, (e, step) in enumerate(acts):
+        color = "red" if e.kind == "stop" else "tab:brown" if e.kind == "wall" else "purple"
+        words = "wall moved" if e.kind == "wall" else str(e.details.get("action") or e.kind).replace("_", " ")
+        _marker(ax, step, words, color, 0.97 - 0.07 * (i % 4))
+    return sum(1 for e, _ in acts if e.kind == "wall")
+
+
+def _memory_notes(data: PlotData, near: bool, high: float, walls: int) -> list[str]:
+    notes = []
+    growth = last_value(data.steps, keys.MEM_GROWTH_MB_PER_STEP)
+    if growth is not None:
+        notes.append(f"growth {growth:+.2g} MiB/step (the watchdog's trend fit)")
+    budget = data.f.budget_gb
+    if budget is not None and not near:
+        notes.append(f"budget {budget:.2f} GiB (off the scale: {budget / high:.0f}x the highest value)")
+    if walls:
+        notes.append(f"the wall moved {walls} time(s): memory outside the run changed (see the events)")
+    return notes
+
+
+def plot_memory(fig: Figure, data: PlotData) -> str | None:
+    all_x, all_y = data.series(keys.MEM_DEVICE_USED_GB)
+    if not all_x:
         return "no mem/device_used_gb in the step lines"
     ax = fig.add_subplot()
-    cpu = data.f.get("device_type") == "cpu"
-    all_x = xs
-    xs, ys, binned = _thin(all_x, ys)                   # a long run: the largest value of each bin of steps
+    cpu = data.f.device_type == "cpu"
+    xs, ys, binned = _thin(all_x, all_y)                # a long run: the largest value of each bin of steps
     ax.plot(xs, ys, lw=1.8, marker="o" if len(xs) <= 60 else None, ms=3, color="tab:blue",
             label=("process memory (RSS)" if cpu else "device memory used")
             + (f", the largest of each {binned} steps" if binned > 1 else ""))
@@ -321,45 +366,12 @@ def plot_memory(fig, data: PlotData) -> str | None:
     shown = ys + py
     low, high = min(shown), max(shown)
     span = max(high - low, MIN_SPAN * high, 0.01)        # a flat curve stays flat: no zoom into noise
-    budget = number(data.f["budget_gb"])
-    lx, ly, _ = _thin(*data.series(keys.MEM_LIMIT_GB), reduce=min)   # a long run: each bin's lowest budget
-    lowest = min(ly) if ly else budget                   # the budget is per step: it follows what the run can reach
-    moved = bool(ly) and max(ly) > 1.01 * min(ly)
-    near = lowest is not None and lowest <= high * NEAR_BUDGET
-    if near and budget is not None and lowest is not None:
-        if lx:
-            label = (f"budget per step ({min(ly):.2f}–{max(ly):.2f} GiB: what the run could reach moved)" if moved
-                     else f"budget ({budget:.2f} GiB)")
-            ax.plot(lx, ly, lw=1.5, color="tab:red", drawstyle="steps-post", label=label)
-            high = max(high, min(max(ly), high * NEAR_BUDGET))
-        else:
-            ax.axhline(budget, lw=1.5, color="tab:red", label=f"budget ({budget:.2f} GiB)")
-            high = max(high, budget)
-    used = dict(zip(all_x, data.series(keys.MEM_DEVICE_USED_GB)[1]))
-    for level, color, name in ((1, "orange", "pressure: warn"), (2, "red", "pressure: critical")):
-        pts = [(s.step, used[s.step]) for s in data.steps if s.number(keys.MEM_PRESSURE) == level and s.step in used]
-        if pts:
-            ax.scatter(*zip(*pts), color=color, s=30, zorder=3, label=name)
-    acts = [(e, e.step) for e in run_events(data.run)
-            if e.source == "mem" and e.kind in ("action", "stop", "wall") and e.step is not None
-            and not (e.kind == "wall" and not e.message.startswith("the memory wall moved"))]
-    for i, (e, step) in enumerate(acts):
-        color = "red" if e.kind == "stop" else "tab:brown" if e.kind == "wall" else "purple"
-        words = "wall moved" if e.kind == "wall" else str(e.details.get("action") or e.kind).replace("_", " ")
-        _marker(ax, step, words, color, 0.97 - 0.07 * (i % 4))
-    ax.set_ylim(max(0.0, low - 0.15 * span), high + 0.3 * span)
+    near, top = _memory_budget(ax, data, high)
+    walls = _memory_marks(ax, data, dict(zip(all_x, all_y)))
+    ax.set_ylim(max(0.0, low - 0.15 * span), top + 0.3 * span)
     ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
     _mark_restarts(ax, data, top=0.83)       # a split change moves memory: the switch that explains a step in it
-    notes = []
-    growth = last_value(data.steps, keys.MEM_GROWTH_MB_PER_STEP)
-    if growth is not None:
-        notes.append(f"growth {growth:+.2g} MiB/step (the watchdog's trend fit)")
-    if budget is not None and not near:
-        notes.append(f"budget {budget:.2f} GiB (off the scale: {budget / high:.0f}x the highest value)")
-    walls = sum(1 for e, _ in acts if e.kind == "wall")
-    if walls:
-        notes.append(f"the wall moved {walls} time(s): memory outside the run changed (see the events)")
-    _title(ax, "Process memory (RSS)" if cpu else "Device memory", *notes)
+    _title(ax, "Process memory (RSS)" if cpu else "Device memory", *_memory_notes(data, near, top, walls))
     ax.set_ylabel("memory (GiB)")
     ax.grid(alpha=0.3)
     _integer_steps(ax)
@@ -368,55 +380,60 @@ def plot_memory(fig, data: PlotData) -> str | None:
 
 
 # ---------------------------------------------------------------- phases
-def plot_phases(fig, data: PlotData) -> str | None:
-    f = data.f
+def _phase_bars(ax: Axes, data: PlotData, columns: Sequence[Sequence[float]], rows: list[int]) -> str:
+    """Seconds per step by phase, stacked (long runs: the mean per bin of steps); returns the title."""
+    numbers = data.run.step_numbers()
+    size = max(1, math.ceil(len(rows) / 150))
+    bins = [rows[i:i + size] for i in range(0, len(rows), size)]
+    xs = [sum(numbers[i] for i in b) / len(b) for b in bins]
+    bottom = [0.0] * len(bins)
+    for index, p in enumerate(PHASES):
+        column = columns[index]
+        vals = [sum(v for v in (column[i] for i in b) if v == v) / len(b) for b in bins]
+        if not any(vals):
+            continue
+        ax.bar(xs, vals, bottom=bottom, width=0.8 * size, color=PHASE_COLORS[p],
+               label=PHASE_WORDS[p] + _share_words(data.f.phases.get(p)))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    measured = step_ranges(step for d in data.tune_decisions() for t in d.trials for step in t.steps)
+    for i, (a, b) in enumerate(measured):
+        ax.axvspan(a - 0.5, b + 0.5, color="grey", alpha=0.15, lw=0, zorder=0,
+                   label=f"steps the tuner measured splits on ({ranges_text(measured)})" if i == 0 else None)
+    ax.set_ylim(0, max(bottom) * 1.05 or 1)
+    ax.set_ylabel("seconds per step")
+    ax.grid(alpha=0.3, axis="y")
+    _integer_steps(ax)
+    return ("Time per step by phase, share of the run's time in the legend"
+            + (f" (mean of {size} steps per bar)" if size > 1 else ""))
+
+
+def _phase_shares(ax: Axes, phases: dict[str, float]) -> str:
+    """The run summary's phase split as one bar of shares; returns the title."""
+    left = 0.0
+    for p, v in phases.items():
+        if v <= 0:
+            continue
+        ax.barh([0], [v * 100], left=left, color=PHASE_COLORS.get(p), label=PHASE_WORDS.get(p, p) + _share_words(v))
+        left += v * 100
+    ax.set_yticks([])
+    ax.set_xlim(0, 100)
+    ax.set_xlabel("share of wall time (%)")
+    return "Share of the run's time by phase (run summary)"
+
+
+def plot_phases(fig: Figure, data: PlotData) -> str | None:
     columns = [data.run.column(keys.PERF_PHASE_SEC[p]) for p in PHASES]     # the run's columns, one per phase
     rows = [i for i, seconds in enumerate(zip(*columns)) if any(v == v for v in seconds)]
-    numbers = data.run.step_numbers()
-    ax = fig.add_subplot()
-    if rows:
-        size = max(1, math.ceil(len(rows) / 150))       # long runs: mean per bin of steps
-        bins = [rows[i:i + size] for i in range(0, len(rows), size)]
-        xs = [sum(numbers[i] for i in b) / len(b) for b in bins]
-        bottom = [0.0] * len(bins)
-        for index, p in enumerate(PHASES):
-            column = columns[index]
-            vals = [sum(v for v in (column[i] for i in b) if v == v) / len(b) for b in bins]
-            if not any(vals):
-                continue
-            ax.bar(xs, vals, bottom=bottom, width=0.8 * size, color=PHASE_COLORS[p],
-                   label=PHASE_WORDS[p] + _share_words((f["phases"] or {}).get(p)))
-            bottom = [b + v for b, v in zip(bottom, vals)]
-        measured = step_ranges(step for d in data.tune_decisions() for t in d.trials for step in t.steps)
-        for i, (a, b) in enumerate(measured):
-            ax.axvspan(a - 0.5, b + 0.5, color="grey", alpha=0.15, lw=0, zorder=0,
-                       label=f"steps the tuner measured splits on ({ranges_text(measured)})" if i == 0 else None)
-        ax.set_ylim(0, max(bottom) * 1.05 or 1)
-        title = ("Time per step by phase, share of the run's time in the legend"
-                 + (f" (mean of {size} steps per bar)" if size > 1 else ""))
-        ax.set_ylabel("seconds per step")
-        ax.grid(alpha=0.3, axis="y")
-        _integer_steps(ax)
-    elif f["phases"]:
-        left = 0.0
-        for p, v in f["phases"].items():
-            v = number(v) or 0.0
-            if v <= 0:
-                continue
-            ax.barh([0], [v * 100], left=left, color=PHASE_COLORS.get(p), label=PHASE_WORDS.get(p, p) + _share_words(v))
-            left += v * 100
-        ax.set_yticks([])
-        ax.set_xlim(0, 100)
-        title = "Share of the run's time by phase (run summary)"
-        ax.set_xlabel("share of wall time (%)")
-    else:
+    if not rows and not data.f.phases:
         return "no perf/phase_sec/* in the step lines and no phase split in the summary"
+    ax = fig.add_subplot()
+    title = _phase_bars(ax, data, columns, rows) if rows else _phase_shares(ax, data.f.phases)
     _title(ax, title, _tuning_cost(data))
     _legend_below(fig, ax, ncol=3)
     return None
 
 
-def _share_words(share) -> str:
+def _share_words(share: object) -> str:
     v = number(share)
     if v is None:
         return ""
@@ -437,7 +454,7 @@ def _tuning_cost(data: PlotData) -> str | None:
 
 
 # ---------------------------------------------------------------- tuner
-def plot_tuner(fig, data: PlotData) -> str | None:
+def plot_tuner(fig: Figure, data: PlotData) -> str | None:
     splits = data.splits
     decisions = data.split_file.decisions if data.split_file else []
     tuned = [d for d in decisions if d.kind == "tune"]
@@ -479,7 +496,7 @@ def _wrap(text: str, width: int = 70) -> str:
     return "\n".join(textwrap.wrap(text, width))
 
 
-def _draw_trials(ax, decision: Decision) -> None:
+def _draw_trials(ax: Axes, decision: Decision) -> None:
     """One tuning decision's trials: each split's median with its quartiles, the split kept green, and beside each
     the comparison every reader prints (:func:`~hf_perf_callbacks.splitfile.trial_figures`)."""
     shown = trial_figures(decision)
@@ -518,7 +535,7 @@ def _draw_trials(ax, decision: Decision) -> None:
     _title(ax, f"Tuning at step {decision.step}: {kept} {chosen} (green)", cost, gain)
 
 
-def _draw_splits(ax, splits: dict[int, str], decisions: list[Decision], data: PlotData) -> None:
+def _draw_splits(ax: Axes, splits: dict[int, str], decisions: list[Decision], data: PlotData) -> None:
     """The split each step ran with, on a categorical axis of split labels (largest micro-batch on top); the
     restarts that changed it named (the tuner's trials, re-sizes)."""
     def micro(label: str) -> int:
@@ -553,7 +570,7 @@ def _draw_splits(ax, splits: dict[int, str], decisions: list[Decision], data: Pl
 DECISION_WORDS = {"tune": "tuned", "memory_check": "memory check", "oom": "out of memory", "watchdog": "watchdog"}
 
 
-def _marker(ax, x: float, words: str, color: str, height: float) -> None:
+def _marker(ax: Axes, x: float, words: str, color: str, height: float) -> None:
     """A dotted vertical line at ``x`` with ``words`` beside it, on the side with room."""
     ax.axvline(x, color=color, ls=":", lw=1.2)
     left, right = ax.get_xlim()

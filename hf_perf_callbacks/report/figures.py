@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from . import keys
-from .runlog import PHASES, EventLine, LogRow, ReadStep, RunLog, StepLine, number
-from .stats import median, quantile
+from .. import keys
+from ..runlog import PHASES, EventLine, LogRow, ReadStep, RunLog, StepLine, number
+from ..stats import median, quantile
 
 #: a step line as written (:class:`~hf_perf_callbacks.runlog.StepLine`) or as read back (``ReadStep``)
 LogStep = StepLine | ReadStep
@@ -172,92 +173,158 @@ def run_events(run: RunLog) -> list[EventLine]:
     return sorted(events, key=lambda e: e.step if e.step is not None else -1)
 
 
-def figures(run: RunLog) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Figures:
+    """The headline figures of a run (see the module docstring), typed once here: every reader (the summary, the
+    plots, the analysis) reads these attributes. None: not measured (or of another type in the log)."""
+
+    steps: int
+    call_first_step: int
+    train_calls: list[tuple[int, int]]
+    not_steady: list[tuple[int, int]]
+    steady_steps: list[int]
+    contention_steps: list[int]
+    phases: dict[str, float]                 # fractions of the run's wall time, by phase
+    device: str | None = None
+    device_type: str | None = None
+    world_size: int | None = None
+    tokens: float | None = None
+    warmup_done: bool | None = None
+    warmup_steps: int | None = None
+    warmup_end_step: int | None = None
+    warmup_overhead_sec: float | None = None
+    first_step_slowdown: float | None = None
+    steady_tokens_per_sec: float | None = None
+    steady_step_sec: float | None = None
+    contention_sec: float | None = None
+    mean_tokens_per_sec: float | None = None
+    mfu: float | None = None
+    high_water_gb: float | None = None
+    budget_gb: float | None = None
+    stopped_at: int | None = None
+    cache_clears: int | None = None
+    cache_freed_gb: float | None = None
+
+
+def figures(run: RunLog) -> Figures:
     """The headline numbers (see the module docstring): from the summaries when the run finished, else from the
     step lines. Computed once per parsed run (the summary, the plots and the analysis share them)."""
-    cached = run.cache.get("figures")
+    cached: Figures | None = run.cache.get("figures")
     if cached is None:
         cached = run.cache["figures"] = _figures(run)
-    return dict(cached)
+    return cached
 
 
-def _figures(run: RunLog) -> dict[str, Any]:
+def _int(value: object) -> int | None:
+    v = number(value)
+    return int(v) if v is not None else None
+
+
+def _pick(summary: Mapping[str, Any], key: str, fallback: object) -> float | None:
+    """A summary's number, else ``fallback``'s."""
+    value = number(summary.get(key))
+    return value if value is not None else number(fallback)
+
+
+def _meter(perf: Mapping[str, Any], latest: Mapping[str, Any], summary_key: str, step_key: str,
+           by_definition: float | None = None) -> float | None:
+    """The meter's figure: its summary's, else the latest step line's (a killed run), else (a log of an earlier
+    version without that key) computed from the step lines by its definition."""
+    if perf:
+        return number(perf.get(summary_key))
+    value = number(latest.get(step_key))
+    return value if value is not None else by_definition
+
+
+def _steady(run: RunLog) -> list[int]:
+    steady: list[int] | None = run.cache.get("steady_steps")
+    if steady is None:
+        steady = run.cache["steady_steps"] = steady_steps(run.unique_steps())
+    return steady
+
+
+def _steady_rates(run: RunLog, steady_set: set[int]) -> tuple[float | None, float | None, float | None]:
+    """(steady tokens/s, steady step seconds, MFU's median) computed from the step lines by their definitions."""
+    numbers, token_col, train_col = run.step_numbers(), run.column(keys.PERF_TOKENS), train_column(run)
+    steady_in = [i for i, n in enumerate(numbers) if n in steady_set]
+    seconds = finite(train_col[i] for i in steady_in)
+    tokens = sum(finite(token_col[i] for i in steady_in))
+    mfu_col = run.column(keys.PERF_MFU)
+    mfus = finite(mfu_col[i] for i in (steady_in or range(len(numbers))))
+    return (tokens / sum(seconds) if sum(seconds) > 0 else None, sum(seconds) / len(seconds) if seconds else None,
+            median(mfus) if mfus else None)
+
+
+def _phases(run: RunLog, perf: Mapping[str, Any]) -> dict[str, float]:
+    logged = perf.get("phases")
+    if isinstance(logged, dict) and logged:
+        return {str(k): float(v) for k, v in logged.items() if number(v) is not None}
+    sums = {p: sum(finite(run.column(keys.PERF_PHASE_SEC[p]))) for p in PHASES}
+    total = sum(sums.values())
+    return {p: v / total for p, v in sums.items()} if total else {}
+
+
+def _warmup(perf: Mapping[str, Any], latest: Mapping[str, Any]) -> dict[str, Any]:
+    """The latest ``train()`` call's warmup figures (None while it is not decided)."""
+    done = _meter(perf, latest, "warmup_done", keys.PERF_WARMUP_DONE)
+    warmup_done = bool(done) if done is not None else None
+    overhead = _meter(perf, latest, "warmup_overhead_sec", keys.PERF_WARMUP_OVERHEAD_SEC)  # 0 until decided
+    first = _int(perf.get("first_steady_step") if perf else latest.get(keys.PERF_FIRST_STEADY_STEP))
+    return {"warmup_done": warmup_done,
+            "warmup_steps": _int(_meter(perf, latest, "warmup_steps", keys.PERF_WARMUP_STEPS)) if warmup_done
+            else None,
+            "warmup_end_step": first if warmup_done else None,
+            "warmup_overhead_sec": overhead if overhead is not None or warmup_done is not False else 0.0,
+            "first_step_slowdown": _meter(perf, latest, "first_step_slowdown", keys.PERF_FIRST_STEP_SLOWDOWN)
+            if warmup_done else None}
+
+
+def _memory_and_cache(run: RunLog) -> dict[str, Any]:
+    """The watchdog's and the cache clearer's figures: their summaries', else the step lines' and events'."""
+    steps, mem, cache = run.unique_steps(), run.summary("mem"), run.summary("cache")
+    mem_header = run.header("mem")
+    used = finite(run.column(keys.MEM_PEAK_GB)) + finite(run.column(keys.MEM_DEVICE_USED_GB))
+    budget = mem_header.budget_gb if mem_header.budget_gb is not None else last_value(steps, keys.MEM_LIMIT_GB)
+    stop = next((e.step for e in run.events if e.source == "mem" and e.kind == "stop"), None)
+    cache_events = [e for e in run.events if e.source == "cache"]
+    clears = last_value(steps, keys.CACHE_CLEARS) or len(cache_events) or None
+    freed = sum(number(e.details.get("freed_gb")) or 0.0 for e in cache_events)   # cache/freed_gb: per window
+    return {"high_water_gb": _pick(mem, "high_water_gb", max(used) if used else None),
+            "budget_gb": _pick(mem, "budget_gb", budget), "stopped_at": _int(_pick(mem, "stopped_at", stop)),
+            "cache_clears": _int(_pick(cache, "clears", clears)), "cache_freed_gb": _pick(cache, "freed_gb", freed)}
+
+
+def _figures(run: RunLog) -> Figures:
     steps = run.unique_steps()
-    perf, mem, cache = run.summary("perf"), run.summary("mem"), run.summary("cache")
-    header, mem_header = run.header("perf"), run.header("mem")
+    perf, header = run.summary("perf"), run.header("perf")
     last = next((s for s in reversed(steps) if keys.PERF_WARMUP_DONE in s.values), None)
     latest = last.values if last is not None else {}
-
     numbers = run.step_numbers()
-    token_col, train_col = run.column(keys.PERF_TOKENS), train_column(run)
-    tokens = sum(finite(token_col))
-    train = sum(finite(train_col))
-    steady = run.cache.get("steady_steps")
-    if steady is None:
-        steady = run.cache["steady_steps"] = steady_steps(steps)
+    tokens = sum(finite(run.column(keys.PERF_TOKENS)))
+    train = sum(finite(train_column(run)))
+    steady = _steady(run)
     steady_set = set(steady)
-    steady_at = [i for i, n in enumerate(numbers) if n in steady_set] or list(range(len(numbers)))
-    mfu_col = run.column(keys.PERF_MFU)
-    mfus = finite(mfu_col[i] for i in steady_at)
-    phase_sums = {p: sum(finite(run.column(keys.PERF_PHASE_SEC[p]))) for p in PHASES}
-    phase_total = sum(phase_sums.values())
-    used = finite(run.column(keys.MEM_PEAK_GB)) + finite(run.column(keys.MEM_DEVICE_USED_GB))
-    cache_events = [e for e in run.events if e.source == "cache"]
-
-    def pick(summary: Mapping[str, Any], key: str, fallback: object) -> object:
-        value = summary.get(key)
-        return value if value is not None else fallback
-
-    def meter(summary_key: str, step_key: str, by_definition: float | None = None) -> object:
-        """The meter's figure: its summary's, else the latest step line's (a killed run), else (a log of an earlier
-        version without that key) computed from the step lines by its definition."""
-        if perf:
-            return perf.get(summary_key)
-        value = number(latest.get(step_key))
-        return value if value is not None else by_definition
-
-    steady_in = [i for i, n in enumerate(numbers) if n in steady_set]
-    steady_seconds = finite(train_col[i] for i in steady_in)
-    steady_tokens = sum(finite(token_col[i] for i in steady_in))
-
-    done = meter("warmup_done", keys.PERF_WARMUP_DONE)
-    warmup_done = bool(done) if done is not None else None
-    overhead = meter("warmup_overhead_sec", keys.PERF_WARMUP_OVERHEAD_SEC)   # 0 until warmup is decided
-    first_steady = perf.get("first_steady_step") if perf else number(latest.get(keys.PERF_FIRST_STEADY_STEP))
-    budget = mem_header.budget_gb if mem_header.budget_gb is not None else last_value(steps, keys.MEM_LIMIT_GB)
+    rate, step_sec, mfu = _steady_rates(run, steady_set)
     calls = train_calls(run)
-    return {
-        "call_first_step": calls[-1][0] if calls else 1,
-        "train_calls": calls,
-        "not_steady": step_ranges(n for n in numbers if n not in steady_set) if steady_set else [],
-        "device": pick(perf, "device", header.device),
-        "device_type": header.device_type,
-        "world_size": pick(perf, "world_size", header.world_size),
-        "steps": pick(perf, "steps", steps[-1].step if steps else 0),
-        "tokens": pick(perf, "tokens", tokens or None),
-        "warmup_done": warmup_done,
-        "warmup_steps": meter("warmup_steps", keys.PERF_WARMUP_STEPS) if warmup_done else None,
-        "warmup_end_step": int(first_steady) if warmup_done and first_steady is not None else None,
-        "warmup_overhead_sec": overhead if overhead is not None or warmup_done is not False else 0.0,
-        "first_step_slowdown": meter("first_step_slowdown", keys.PERF_FIRST_STEP_SLOWDOWN) if warmup_done else None,
-        "steady_tokens_per_sec": meter("steady_tokens_per_sec", keys.PERF_STEADY_TOKENS_PER_SEC,
-                                       steady_tokens / sum(steady_seconds) if sum(steady_seconds) > 0 else None),
-        "steady_step_sec": meter("steady_step_sec", keys.PERF_STEADY_STEP_TIME,
-                                 sum(steady_seconds) / len(steady_seconds) if steady_seconds else None),
-        "steady_steps": steady,
-        "contention_sec": meter("early_contention_sec", keys.PERF_EARLY_CONTENTION_SEC),
-        "contention_steps": list(perf.get("contention_steps") or []),
-        "mean_tokens_per_sec": pick(perf, "mean_tokens_per_sec", tokens / train if tokens and train else None),
-        "mfu": pick(perf, "mfu", median(mfus) if mfus else None),
-        "phases": perf.get("phases") or ({p: v / phase_total for p, v in phase_sums.items()} if phase_total else {}),
-        "high_water_gb": pick(mem, "high_water_gb", max(used) if used else None),
-        "budget_gb": pick(mem, "budget_gb", budget),
-        "stopped_at": pick(mem, "stopped_at", next((e.step for e in run.events
-                                                    if e.source == "mem" and e.kind == "stop"), None)),
-        "cache_clears": pick(cache, "clears", last_value(steps, keys.CACHE_CLEARS) or len(cache_events) or None),
-        "cache_freed_gb": pick(cache, "freed_gb",                 # cache/freed_gb is per logging window
-                               sum(number(e.details.get("freed_gb")) or 0.0 for e in cache_events)),
-    }
+    device = perf.get("device") or header.device
+    return Figures(
+        steps=_int(_pick(perf, "steps", steps[-1].step if steps else 0)) or 0,
+        call_first_step=calls[-1][0] if calls else 1, train_calls=calls,
+        not_steady=step_ranges(n for n in numbers if n not in steady_set) if steady_set else [],
+        steady_steps=steady,
+        contention_steps=[int(v) for v in perf.get("contention_steps") or [] if number(v) is not None],
+        phases=_phases(run, perf),
+        device=str(device) if device else None, device_type=header.device_type,
+        world_size=_int(_pick(perf, "world_size", header.world_size)),
+        tokens=_pick(perf, "tokens", tokens or None),
+        **_warmup(perf, latest),
+        steady_tokens_per_sec=_meter(perf, latest, "steady_tokens_per_sec", keys.PERF_STEADY_TOKENS_PER_SEC, rate),
+        steady_step_sec=_meter(perf, latest, "steady_step_sec", keys.PERF_STEADY_STEP_TIME, step_sec),
+        contention_sec=_meter(perf, latest, "early_contention_sec", keys.PERF_EARLY_CONTENTION_SEC),
+        mean_tokens_per_sec=_pick(perf, "mean_tokens_per_sec", tokens / train if tokens and train else None),
+        mfu=_pick(perf, "mfu", mfu),
+        **_memory_and_cache(run),
+    )
 
 
 def completion_stats(history: list[dict[str, Any]]) -> dict[str, float | None]:

@@ -1,16 +1,18 @@
 """``hf-perf report OUTPUT_DIR``: the whole report of a run, for the command line, the demo and the recipe launcher.
 
-It reads the run log once and hands it to the two siblings that never import each other: the summary and plots
-(:mod:`.report`) and the written analysis (:mod:`.analysis`, ``perf_report.md``). The written analysis needs no
-plotting: without matplotlib the plots are skipped with one line and everything else is written.
+It reads the run log once and hands it to the three readers that never import each other: the summary
+(:mod:`.summary`), the plots (:mod:`.plots`) and the written analysis (``perf_report.md``).
+The written analysis needs no plotting: without matplotlib the plots are skipped with one line and
+everything else is written.
 """
 from __future__ import annotations
 
 import sys
 
-from .analysis import console_summary, write_analysis
-from .report import print_report
-from .runlog import ReportError, read_run
+from ..runlog import ReportError, RunLog, read_run
+from .plots import plot_all
+from .render import console_summary, write_analysis
+from .summary import summarize
 
 #: the one line printed instead of the plots when matplotlib is missing
 NO_MATPLOTLIB = ("plots: skipped, matplotlib is not installed (pip install 'hf-perf-callbacks[plots]'; --no-plots "
@@ -46,3 +48,15 @@ def report_command(output_dir: str, plots: bool = True) -> int:
     print(console_summary(findings, notes=notes))
     print(f"analysis: {path}")
     return 0
+
+
+def print_report(run: RunLog, plots: bool = True) -> None:
+    """Print the summary of a parsed run and write its plots (listing them); raises :class:`ReportError`."""
+    print(summarize(run))
+    if plots:
+        paths, notes = plot_all(run, None)
+        print("plots:")
+        for path in paths:
+            print(f"  {path}")
+        for note in notes:
+            print(f"  ({note})")

@@ -1,0 +1,227 @@
+"""The analysis' typed model: :class:`Measurements` (the one input of every rule), :class:`Finding`, :class:`Note`,
+and the evidence thresholds the reading and the rules share. The rules and what they advise: README "The analysis".
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ..splitfile import Decision
+
+MEM_GRACE_STEPS = 3          # first steps' trend (allocator ramp) ignored for steps-to-wall
+ZERO = 1e-12
+CONTENTION_SHARE = 0.05      # time lost to contention / run time worth a finding
+CONTENTION_RATIO = 0.2       # a contended step's wall/CPU above the steady steps' by this share (else not contention)
+# Evidence thresholds: below them a rule says "too few steps to judge" instead of a finding or a gain.
+MIN_STEADY_STEPS = 3         # timing rules (shares of wall time, MFU, slow steps, any gain): warmup over + these steps
+MIN_MACHINE_STEPS = 4        # whole-run contention: steps with CPU time and the machine's load ...
+MIN_MACHINE_CYCLES = 3       # ... and this many whole steps (GRPO: generation cycles) after the first to compare
+MIN_FIXED_LENGTH_STEPS = 3   # fixed-length padding: steps padded to one and the same length
+
+
+@dataclass(frozen=True)
+class Rewards:
+    """GRPO's reward statistics over the training logs: the range of the mean reward, the largest within-group
+    spread (``reward_std``), the smallest share of groups without spread (``frac_reward_zero_std``), each reward
+    function's (lowest, highest) mean."""
+
+    logs: int
+    min: float
+    max: float
+    std_max: float | None
+    zero_std_min: float | None
+    funcs: dict[str, tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class Contention:
+    """Steps slowed by other processes (CPU): the seconds lost, where that figure comes from ("meter", "step
+    lines"), the steps, the run's wall seconds, the slow steps' and the steady steps' wall/CPU ratio, the other
+    processes' busiest cores during them."""
+
+    lost_sec: float
+    source: str
+    steps: int
+    step_list: list[int]
+    run_sec: float
+    lost_share: float
+    wall_over_cpu: float
+    steady_wall_over_cpu: float
+    other_cores: float | None = None
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The CPU over the whole run (medians over the steps): this process's busy cores (CPU time / wall time), other
+    processes' busy cores, the load per core, the cores and torch's threads and where each count comes from ("run
+    header", else what it is taken as), and over whole cycles the 90th over the 10th percentile of wall and CPU
+    seconds per token (``spread``, ``cpu_spread``) and what the fastest cycles say contention cost, at least
+    (``lower_bound``)."""
+
+    steps: int
+    busy: float
+    other: float
+    load: float | None
+    cores: int | None
+    cores_from: str
+    threads: int | None
+    threads_from: str
+    spread: float | None = None
+    cpu_spread: float | None = None
+    lower_bound: float | None = None
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The run's evaluations as measured on its step lines: how many, every how many steps, their seconds, the run's
+    wall and training seconds and steps, evaluation's share of the wall time."""
+
+    evals: int
+    every: int
+    eval_sec: float
+    wall_sec: float
+    train_sec: float
+    steps: int
+    share: float
+
+
+@dataclass(frozen=True)
+class FirstSteady:
+    """The latest ``train()`` call's first step; when the meter counted it steady, its training seconds and the
+    steady step time with and without it."""
+
+    step: int
+    included: bool
+    sec: float = 0.0
+    with_it: float = 0.0
+    without_it: float = 0.0
+
+
+@dataclass
+class Measurements:
+    """Everything the rules look at (the pure input of every rule; None = not measured)."""
+
+    device_type: str
+    world_size: int
+    grpo: bool
+    micro_batch: int | None
+    grad_accum: int | None
+    max_completion_length: int | None
+    num_generations: int | None
+    activation_checkpointing: bool | None
+    model: dict[str, Any]
+    dataloader: dict[str, Any]
+    steps: int
+    warmup_steps: int | None
+    warmup_overhead_sec: float | None
+    first_step_slowdown: float | None
+    steady_step_sec: float | None
+    steady_tokens_per_sec: float | None
+    mfu: float | None
+    phases: dict[str, float]                 # fractions of wall time
+    pad_fraction: float | None
+    forwards_per_microbatch: float | None
+    decode_bandwidth_util: float | None
+    completion_mean: float | None
+    completion_max: float | None
+    completion_p90: float | None             # 90th percentile of the per-log longest completion
+    clipped_ratio: float | None              # mean over the run's logs (the report's summary line says the same)
+    mem_high_water_gb: float | None
+    mem_budget_gb: float | None
+    driver_gb_max: float | None
+    allocated_gb_at_driver_max: float | None
+    max_pressure: int | None
+    swap_growth_gb: float | None
+    swapout_steps: int
+    min_steps_to_wall: float | None
+    watchdog_actions: list[dict[str, Any]]
+    seq_len: int | None = None               # longest padded training sequence (tokens), for memory estimates
+    seq_len_mean: float | None = None        # mean padded training length of the steady steps
+    steps_per_generation: int | None = None  # as configured (TRL's default: gradient_accumulation_steps)
+    pad_to_multiple_of: int | None = None
+    temperature: float | None = None
+    use_vllm: bool | None = None
+    tuner_attached: bool = False             # tuner/* keys in the step lines
+    tune: Decision | None = None             # the tuner's latest measurement of splits on this run's own steps
+    memory_limits: list[Decision] = field(default_factory=list)   # the tuner's oom / watchdog / memory_check decisions
+    logs: int = 0                            # training logs with reward statistics (GRPO)
+    no_signal_run: int = 0                   # longest run of logs with frac_reward_zero_std 1 and grad_norm 0
+    reward_mean: float | None = None         # mean reward over those logs
+    rewards: Rewards | None = None           # the run's reward statistics (see _rewards); None: no reward data
+    trainer_log_source: str | None = None    # where the trainer's logs came from: "perf log", "trainer_state.json"
+    contention: Contention | None = None     # steps slowed by other processes: see rule_contention
+    machine: Machine | None = None           # the CPU over the whole run: cores, threads, load (see _machine)
+    warmup_done: bool | None = None          # the meter decided warmup (None: no meter data)
+    steady_steps: int = 0                    # steps after warmup (0 while warmup is not finished)
+    fixed_seq_len: int | None = None         # Trainer: every step padded to this one length (a fixed-length collator)
+    seq_len_min: int | None = None           # shortest padded training sequence (differs from seq_len: per-batch)
+    launcher: str | None = None              # the command that started the run ("hf-perf train"); None: Python
+    logged: frozenset[str] = frozenset()          # the metric keys the step lines hold
+    budget_range_gb: tuple[float, float] | None = None   # lowest and highest mem/limit_gb: the budget per step
+    wall_moves: list[tuple[int | None, str, bool]] = field(default_factory=list)   # the watchdog's wall events:
+    #                                        (step, why, moved: False where the start set it below the device's limit)
+    leak_mib_per_step: float | None = None   # the watchdog saw memory grow on every step (its leak warning)
+    skipped: list[str] = field(default_factory=list)   # logged fields of another type, skipped (what the report says)
+    tuner_hint: str | None = None            # the tuner said it needs train_with_tuning (a plain train())
+    trainer_kind: str | None = None          # "sft", "dpo" (their own training logs show it), None: Trainer / GRPO
+    evaluation: Evaluation | None = None     # the run's evaluations, measured (see _evaluation)
+    first_steady: FirstSteady | None = None  # the latest train() call's first step, steady or not
+    train_sec: float | None = None           # Σ training seconds of the run's steps (what the tuning's cost is against)
+
+
+@dataclass
+class Finding:
+    """A bottleneck with its fix. ``setting`` is the complete change (config keys → values) relative to the run's
+    own configuration; ``expected_gain`` is printed only when ``basis`` is "measured" or "calibrated" (None: "try");
+    ``predicted_gain`` is the rule's model prediction (what ``benchmarks/bench_advice.py`` checks), printed or not."""
+
+    rule: str
+    title: str
+    observation: str
+    root_cause: str
+    recommendation: str
+    expected_gain: float | None
+    gain_formula: str
+    confidence: str                          # "high" | "medium" | "low"
+    setting: dict[str, Any] = field(default_factory=dict)
+    basis: str = "try"                       # "measured" | "calibrated" | "try" | "too few steps"
+    predicted_gain: float | None = None
+    priority: int = 1                        # 0: cannot learn / swapping / near the wall, ranked first
+    env: dict[str, str] = field(default_factory=dict)  # environment variables to set before the process starts
+    lower_bound: bool = False                # expected_gain is a floor ("at least"), not a prediction
+
+
+@dataclass
+class Note:
+    """Checked and fine (``judged``): what a rule looked at and why there is nothing to gain; or not judged
+    (``judged`` False): what the run's evidence is too short for, and how much more it needs."""
+
+    rule: str
+    title: str
+    text: str
+    judged: bool = True
+
+
+@dataclass(frozen=True)
+class RuleCard:
+    """A rule's row of the README's rule table (section "The analysis"), written next to the rule with its
+    thresholds' constants: when it finds something and what it advises, the gain it prints, the note it gives
+    instead."""
+
+    finding: str = ""
+    gain: str = ""
+    note: str = ""
+
+
+#: each rule's card by rule name (``no_learning``), filled as the rule modules are imported (:func:`card`)
+CARDS: dict[str, RuleCard] = {}
+RuleT = TypeVar("RuleT", bound=Callable[[Measurements], "Finding | Note | None"])
+
+
+def card(finding: str = "", gain: str = "", note: str = "") -> Callable[[RuleT], RuleT]:
+    """Attach a rule's :class:`RuleCard` (a decorator on ``rule_<name>``)."""
+    def attach(rule: RuleT) -> RuleT:
+        CARDS[rule.__name__.removeprefix("rule_")] = RuleCard(finding, gain, note)
+        return rule
+    return attach

@@ -1,0 +1,483 @@
+"""Reading a run into :class:`~.model.Measurements`: the headline figures (:func:`.figures.figures`, never
+recomputed), the trainer's own logs, the tuner's decisions, the run header's facts. Every logged value is read
+through a typed accessor: a field of another type is skipped and listed, never a crash. Pure: no torch.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from .. import keys
+from ..runlog import ReadStep, RunHeader, RunLog, conform, number, read_run
+from ..splitfile import SplitFile, read_split_file
+from ..stats import classify_slow_steps, quantile
+from .figures import Figures, completion_stats, figures, finite, last_value, train_column, trainer_logs
+from .model import (
+    CONTENTION_RATIO,
+    CONTENTION_SHARE,
+    MEM_GRACE_STEPS,
+    MIN_FIXED_LENGTH_STEPS,
+    MIN_MACHINE_CYCLES,
+    ZERO,
+    Contention,
+    Evaluation,
+    FirstSteady,
+    Machine,
+    Measurements,
+    Rewards,
+)
+
+
+def _values(rows: Sequence[Any], key: str) -> list[float]:
+    """The finite numbers under ``key`` in step lines or log dicts (other types skipped)."""
+    if rows and all(isinstance(r, ReadStep) for r in rows[:1]):      # the reader's lines: their numbers directly
+        return [v for v in (r.number(key) for r in rows) if v is not None]
+    values = (r.get(key) for r in rows)
+    return [float(v) for v in values if not isinstance(v, bool) and number(v) is not None]
+
+
+def _mean(values: Iterable[float]) -> float | None:
+    """The mean of the values (one pass, no list), None without any."""
+    n, total = 0, 0.0
+    for v in values:
+        n, total = n + 1, total + v
+    return total / n if n else None
+
+
+def _spread(column: Iterable[float]) -> tuple[int, float, float, float]:
+    """(count, first, least, largest) of a column's numbers (its NaN left out), in one pass without a list."""
+    n, first, low, high = 0, math.nan, math.inf, -math.inf
+    for v in column:
+        if v == v:
+            if not n:
+                first = v
+            n, low, high = n + 1, min(low, v), max(high, v)
+    return n, first, low, high
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _rewards(logs: list[dict[str, Any]]) -> Rewards | None:
+    """GRPO's reward statistics over the training logs: the range of the mean reward, the largest within-group
+    spread (``reward_std``), the smallest share of groups without spread (``frac_reward_zero_std``), each reward
+    function's range (``rewards/<name>/mean``); None when the logs hold no reward."""
+    means = _values(logs, "reward")
+    if not means:
+        return None
+    funcs: dict[str, list[float]] = {}
+    for h in logs:
+        for k, v in h.items():
+            if k.startswith("rewards/") and k.endswith("/mean") and not isinstance(v, bool) and number(v) is not None:
+                funcs.setdefault(k[len("rewards/"):-len("/mean")], []).append(float(v))
+    stds, zero = _values(logs, "reward_std"), _values(logs, "frac_reward_zero_std")
+    return Rewards(logs=len(means), min=min(means), max=max(means), std_max=max(stds, default=None),
+                   zero_std_min=min(zero, default=None), funcs={n: (min(v), max(v)) for n, v in sorted(funcs.items())})
+
+
+def _no_signal(logs: list[dict[str, Any]]) -> tuple[int, int, float | None]:
+    """(GRPO logs with reward statistics, the longest run of consecutive logs where every group had zero reward
+    variance and the gradient norm was 0, the mean reward over that run)."""
+    rows = [(h, zero_std) for h in logs if (zero_std := number(h.get("frac_reward_zero_std"))) is not None]
+    best, run = 0, 0
+    best_rewards: list[float] = []
+    rewards: list[float] = []
+    for h, zero_std in rows:
+        grad = number(h.get("grad_norm"))
+        flat = zero_std >= 1.0 - 1e-9 and (grad is None or abs(grad) <= ZERO)
+        if flat:
+            run += 1
+            reward = number(h.get("reward"))
+            if reward is not None:
+                rewards.append(reward)
+            if run > best:
+                best, best_rewards = run, list(rewards)
+        else:
+            run, rewards = 0, []
+    return len(rows), best, (statistics.fmean(best_rewards) if best_rewards else None)
+
+
+def _timed_rows(run_log: RunLog) -> tuple[list[int], list[float], list[float]]:
+    """The lines with both a wall and a CPU time: (their indices, wall seconds — the window's for a log without the
+    step's own —, CPU seconds)."""
+    col = run_log.column
+    wall_col, window_col, cpu_col = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_STEP_TIME), col(keys.PERF_CPU_SEC)
+    rows, walls, cpus = [], [], []
+    for i, (w, x, c) in enumerate(zip(wall_col, window_col, cpu_col)):
+        w = w if w == w and w else x
+        if w == w and c == c and w > 0 and c > 0:
+            rows.append(i)
+            walls.append(w)
+            cpus.append(c)
+    return rows, walls, cpus
+
+
+def _slow_steps(run_log: RunLog, f: Figures, rows: list[int], walls: list[float],
+                cpus: list[float]) -> tuple[list[tuple[int, float, float]], float, str, float]:
+    """(the slow steps as (line, wall, CPU), the seconds lost, where that figure comes from, the steady steps'
+    wall/CPU ratio): the meter's figure and its steps when it has them, else the step lines' classification."""
+    steady_flags = run_log.column(keys.PERF_STEADY)
+    steady = [(w, c) for i, w, c in zip(rows, walls, cpus) if steady_flags[i] == 1] or list(zip(walls, cpus))
+    wall0, cpu0 = statistics.median(w for w, _ in steady), statistics.median(c for _, c in steady)
+    split = classify_slow_steps(walls, cpus, wall0, cpu0, tolerance=0.2)
+    slow = [(i, w, c) for i, w, c, label in zip(rows, walls, cpus, split.labels) if label == "contention"]
+    if f.contention_sec is None:
+        return slow, split.contention_sec, "step lines", wall0 / cpu0
+    if f.contention_steps:                                  # the meter's figure; its steps when it lists them
+        numbers, wanted = run_log.step_numbers(), set(f.contention_steps)
+        slow = [(i, w, c) for i, w, c in zip(rows, walls, cpus) if numbers[i] in wanted]
+    return slow, f.contention_sec, "meter", wall0 / cpu0
+
+
+def _contention(run_log: RunLog, f: Figures) -> Contention | None:
+    """Slow steps that other processes caused (CPU device: wall time above the steady level that no extra process
+    CPU time explains): the meter's own figure (``contention_sec`` / the summary's ``early_contention_sec``, with
+    the steps when it lists them), else, for a log without it, the same classification
+    (:func:`~hf_perf_callbacks.stats.classify_slow_steps` at a 20% tolerance) over the step lines. A step counts only
+    when its own wall/CPU ratio stands above the steady steps' by :data:`CONTENTION_RATIO` (the meter judges each
+    ``train()`` call against its own early steps; a step at the run's steady ratio was not slowed by other
+    processes): when some listed steps do not, the time lost is recounted over those that do (their wall seconds
+    beyond their CPU time at the steady ratio). None on other devices (CPU time is not the work there), without
+    ``perf/cpu_sec``, or when nothing was lost."""
+    if run_log.header("perf").device_type != "cpu":
+        return None
+    rows, walls, cpus = _timed_rows(run_log)
+    if len(rows) < 4:
+        return None
+    slow, lost_sec, source, ratio = _slow_steps(run_log, f, rows, walls, cpus)
+    corroborated = [(i, w, c) for i, w, c in slow if w / c > ratio * (1 + CONTENTION_RATIO)]
+    if len(corroborated) < len(slow):                      # recount over the steps whose own ratio shows it
+        lost_sec = sum(max(0.0, w - c * ratio) for _, w, c in corroborated)
+        source = "step lines"
+    if not corroborated or lost_sec <= 0:
+        return None
+    numbers, others_col = run_log.step_numbers(), run_log.column(keys.PERF_OTHER_CPU_CORES)
+    others = [v for v in (others_col[i] for i, _, _ in corroborated) if v == v]
+    run_sec = sum(walls)
+    return Contention(lost_sec=lost_sec, source=source, steps=len(corroborated),
+                      step_list=[numbers[i] for i, _, _ in corroborated], run_sec=run_sec,
+                      lost_share=lost_sec / run_sec, wall_over_cpu=statistics.median(w / c for _, w, c in corroborated),
+                      steady_wall_over_cpu=ratio, other_cores=max(others) if others else None)
+
+
+def _evaluation(run_log: RunLog, train_sec: float) -> Evaluation | None:
+    """The run's evaluations as measured on its step lines (``perf/phase_sec/eval`` > 0): how many, every how many
+    steps (the median gap), their seconds, the run's wall and training seconds and evaluation's share of the wall
+    time; None without any."""
+    numbers = run_log.step_numbers()
+    at = [(numbers[i], v) for i, v in enumerate(run_log.column(keys.PERF_PHASE_SEC["eval"])) if v == v and v > 0]
+    if not at:
+        return None
+    wall = sum(finite(run_log.column(keys.PERF_STEP_WALL_SEC)))
+    gaps = [b - a for (a, _), (b, _) in zip(at, at[1:])]
+    every = int(statistics.median(gaps)) if gaps else max(1, len(numbers))
+    eval_sec = sum(v for _, v in at)
+    return Evaluation(evals=len(at), every=max(1, every), eval_sec=eval_sec, wall_sec=wall, train_sec=train_sec,
+                      steps=len(numbers), share=eval_sec / wall if wall > 0 else 0.0)
+
+
+def _first_steady(run_log: RunLog, f: Figures) -> FirstSteady | None:
+    """The latest ``train()`` call's first step when the meter counted it steady (no warmup beyond it): its training
+    seconds and the steady step time with and without it (the figures' definition); None otherwise."""
+    first = f.call_first_step
+    steady = set(f.steady_steps or [])
+    if first not in steady:
+        return FirstSteady(first, included=False) if first else None
+    count, total, own = 0, 0.0, None
+    for n, t in zip(run_log.step_numbers(), train_column(run_log)):
+        if t == t and n in steady:
+            count, total = count + 1, total + t
+            own = t if n == first else own
+    if own is None or count < 2:
+        return FirstSteady(first, included=False)
+    return FirstSteady(first, included=True, sec=own, with_it=total / count, without_it=(total - own) / (count - 1))
+
+
+def _trainer_kind(logs: list[dict[str, Any]]) -> str | None:
+    """The TRL trainer whose own training logs these are, where they show it: SFT logs `mean_token_accuracy`
+    (and `num_tokens`), DPO `rewards/chosen`."""
+    keys_seen = {k for h in logs[:50] for k in h}
+    if "mean_token_accuracy" in keys_seen:
+        return "sft"
+    if "rewards/chosen" in keys_seen:
+        return "dpo"
+    return None
+
+
+def _malformed_values(run_log: RunLog) -> list[str]:
+    """The step lines' values that are not numbers (every metric is one), counted per key, and the unreadable lines."""
+    bad: dict[str, int] = {}
+    for s in run_log.unique_steps():
+        for k in s.non_numbers():
+            bad[k] = bad.get(k, 0) + 1
+    out = [f"`{k}` is not a number on {n} step line(s)" for k, n in sorted(bad.items())]
+    if run_log.skipped_lines:
+        out.append(f"{run_log.skipped_lines} unreadable line(s) in {keys.PERF_LOG}")
+    return out
+
+
+def _fact(header: RunHeader, name: str, kind: str, skipped: list[str]) -> Any:
+    """A run-header fact by name and type: a field of :class:`RunHeader`, or one a newer writer added (kept in
+    ``extra`` by this version's reader); None when absent, and noted in ``skipped`` when of another type."""
+    value = getattr(header, name, None)
+    if value is None:
+        value = header.extra.get(name, header.malformed.get(name))
+    ok, typed = conform(value, kind)
+    if not ok:
+        skipped.append(f"run header `{name}` is {value!r}, not {'an' if kind == 'int' else 'a'} {kind}")
+    return typed
+
+
+#: one whole cycle of ``period`` steps: (lines, wall seconds, CPU seconds, tokens, all of its steps steady)
+Cycle = tuple[int, float, float, float, bool]
+
+
+def _cpu_rows(run_log: RunLog) -> list[int]:
+    """The lines with a wall time, a CPU time and the other processes' busy cores."""
+    col = run_log.column
+    walls, cpus, others = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_CPU_SEC), col(keys.PERF_OTHER_CPU_CORES)
+    return [i for i, (wall, cpu, other) in enumerate(zip(walls, cpus, others))
+            if wall == wall and cpu == cpu and other == other and wall > 0 and cpu > 0
+            and math.isfinite(cpu / wall + other)]
+
+
+def _cores_and_threads(run_log: RunLog, header: RunHeader, rows: list[int], load: float | None,
+                       skipped: list[str]) -> tuple[int | None, str, int | None, str]:
+    """(cores, where that count comes from, torch's threads, where that count comes from): the run header's facts,
+    else the busy cores of a saturated machine and torch's default of one thread per core."""
+    col = run_log.column
+    walls, cpus, others = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_CPU_SEC), col(keys.PERF_OTHER_CPU_CORES)
+    cores, cores_from = _fact(header, "cpu_cores", "int", skipped), "run header"
+    if cores is None and load is not None and load >= 1.0:
+        cores = max(1, round(max(cpus[i] / walls[i] + max(0.0, others[i]) for i in rows)))
+        cores_from = "the cores counted as the busy cores of the saturated machine"
+    threads, threads_from = _fact(header, "torch_threads", "int", skipped), "run header"
+    if threads is None and cores:
+        threads, threads_from = cores, "the threads taken as torch's default, one per core"
+    return cores, cores_from, threads, threads_from
+
+
+def _cycles(run_log: RunLog, rows: list[int], period: int) -> list[Cycle]:
+    """The whole cycles of ``period`` steps among ``rows`` (GRPO counts a cycle's tokens at its start)."""
+    col = run_log.column
+    numbers, steady_flags, tokens = run_log.step_numbers(), col(keys.PERF_STEADY), col(keys.PERF_TOKENS)
+    walls, cpus = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_CPU_SEC)
+    cycles: list[Cycle] = []
+    current: int | None = None
+    acc: Cycle = (0, 0.0, 0.0, 0.0, True)
+    for i in rows + [-1]:
+        cycle = (numbers[i] - 1) // period if i >= 0 else None
+        if cycle != current:
+            if current is not None and acc[0] == period:
+                cycles.append(acc)
+            current, acc = cycle, (0, 0.0, 0.0, 0.0, True)
+        if i >= 0:
+            t = tokens[i]
+            acc = (acc[0] + 1, acc[1] + walls[i], acc[2] + cpus[i], acc[3] + (t if t == t else 0.0),
+                   acc[4] and steady_flags[i] == 1)
+    return cycles
+
+
+def _cycle_spread(cycles: list[Cycle]) -> tuple[float | None, float | None, float | None]:
+    """(spread, cpu_spread, lower_bound) over the steady cycles (without :data:`MIN_MACHINE_CYCLES` of them, all but
+    the first); Nones without that many cycles to compare."""
+    steady = [c for c in cycles if c[4]]
+    later = steady if len(steady) >= MIN_MACHINE_CYCLES else cycles[1:]
+    work = [(w, c, t) for _, w, c, t, _ in later if t > 0]
+    if len(work) < MIN_MACHINE_CYCLES:
+        return None, None, None
+    per_wall, per_cpu = [w / t for w, _, t in work], [c / t for _, c, t in work]
+    p10 = quantile(per_wall, 0.1)
+    lower_bound = sum(w for w, _, _ in work) / sum(t for _, _, t in work) / p10
+    return quantile(per_wall, 0.9) / p10, quantile(per_cpu, 0.9) / quantile(per_cpu, 0.1), lower_bound
+
+
+def _machine(run_log: RunLog, header: RunHeader, skipped: list[str]) -> Machine | None:
+    """The CPU over the whole run, from the step lines (``perf/cpu_sec``, ``perf/step_wall_sec``,
+    ``perf/other_cpu_cores``, ``perf/load_per_core``, ``perf/tokens``) and the run header (``cpu_cores``,
+    ``torch_threads``, when the writer records them). Medians over the steps: ``busy`` — this process's CPU time /
+    wall time (cores it kept busy), ``other`` — other processes' busy cores, ``load`` — load average per core;
+    ``threads`` (torch's intra-op threads; without the header fact, torch's default of one per core), ``cores``
+    (without the header fact, the busy cores of a machine whose load per core was ≥ 1: a saturated machine's busy
+    cores are its cores). Over whole cycles of the header's ``period`` steps (GRPO: a generation cycle, whose tokens
+    the meter counts at its first step), the steady ones (without :data:`MIN_MACHINE_CYCLES` of them, all but the
+    first): ``spread`` and ``cpu_spread`` — the 90th over the 10th percentile of wall and CPU seconds per token
+    (similar work should take similar time); ``lower_bound`` — the mean wall seconds per token over the 10th
+    percentile's (what the run's own fastest cycles say contention cost, at least); None without
+    :data:`MIN_MACHINE_CYCLES` cycles to compare. None without CPU time in the step lines."""
+    rows = _cpu_rows(run_log)
+    if not rows:
+        return None
+    col = run_log.column
+    walls, cpus, others = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_CPU_SEC), col(keys.PERF_OTHER_CPU_CORES)
+    loads = finite(col(keys.PERF_LOAD_PER_CORE)[i] for i in rows)
+    load = statistics.median(loads) if loads else None
+    cores, cores_from, threads, threads_from = _cores_and_threads(run_log, header, rows, load, skipped)
+    spread, cpu_spread, lower_bound = _cycle_spread(_cycles(run_log, rows, max(1, header.period or 1)))
+    return Machine(steps=len(rows), busy=statistics.median(cpus[i] / walls[i] for i in rows),
+                   other=statistics.median(max(0.0, others[i]) for i in rows), load=load, cores=cores,
+                   cores_from=cores_from, threads=threads, threads_from=threads_from, spread=spread,
+                   cpu_spread=cpu_spread,
+                   lower_bound=lower_bound if lower_bound and lower_bound >= 1.0 + CONTENTION_SHARE else None)
+
+
+def _resolve_split_file(run_log: RunLog) -> tuple[SplitFile | None, str | None]:
+    """This run's record from the tuner (:func:`~hf_perf_callbacks.splitfile.read_split_file`, the one reader, for
+    the perf log's session) and, when a file is there but is not read, a note saying it was skipped."""
+    if not run_log.output_dir:
+        return None, None
+    found = read_split_file(run_log.output_dir, session=run_log.header().session)
+    if found is None and os.path.exists(os.path.join(run_log.output_dir, keys.SPLIT_FILE)):
+        return None, (f"`{keys.SPLIT_FILE}` is another run's record or does not follow this version's schema: its "
+                      f"decisions are skipped")
+    return found, None
+
+
+def _skipped(run_log: RunLog) -> list[str]:
+    """The run's fields of another type than this version reads, and its unreadable lines, in words."""
+    skipped = [f"run header `{k}` is {v!r}" for h in run_log.headers for k, v in h.malformed.items()]
+    skipped += [f"the {source} summary's `{k}` is {v!r}" for source, line in sorted(run_log.summaries.items())
+                for k, v in line.malformed.items()]
+    return skipped + _malformed_values(run_log)
+
+
+def _steady_values(run_log: RunLog, key: str) -> Iterator[float]:
+    """The finite numbers under ``key`` on the steady lines (every line when none is steady), one at a time."""
+    flags = run_log.column(keys.PERF_STEADY)
+    steady_at = [i for i, v in enumerate(flags) if v == 1] or list(range(len(flags)))
+    column = run_log.column(key)
+    return (v for v in (column[i] for i in steady_at) if v == v)
+
+
+def _step_counts(run_log: RunLog, grpo: bool) -> dict[str, Any]:
+    """What the step lines count: forwards per micro-batch, padding, sequence lengths, decode bandwidth."""
+    fpm = _median(finite(run_log.column(keys.PERF_FORWARDS_PER_MICROBATCH)))
+    if fpm is None:
+        fpm = max(_values([e.details for e in run_log.events], "forwards_per_microbatch"), default=None)
+    n, first, low, high = _spread(run_log.column(keys.PERF_SEQ_LEN))     # without a list
+    fixed = int(first) if not grpo and n >= MIN_FIXED_LENGTH_STEPS and low == high else None
+    return {"forwards_per_microbatch": fpm, "pad_fraction": _mean(_steady_values(run_log, keys.PERF_PAD_FRACTION)),
+            "seq_len": int(high) if n else None, "seq_len_min": int(low) if n else None,
+            "seq_len_mean": _mean(_steady_values(run_log, keys.PERF_SEQ_LEN)), "fixed_seq_len": fixed,
+            "decode_bandwidth_util": _median(list(_steady_values(run_log, keys.PERF_DECODE_BANDWIDTH_UTIL)))}
+
+
+def _watchdog_actions(run_log: RunLog, skipped: list[str]) -> list[dict[str, Any]]:
+    """The watchdog's actions: its summary's list, else (a killed run) its action and stop events."""
+    actions = run_log.summary("mem").get("actions")
+    if isinstance(actions, list):
+        return [a for a in actions if isinstance(a, dict)]
+    if actions is not None:
+        skipped.append(f"the watchdog summary's `actions` is {type(actions).__name__}, not a list")
+    return [{"step": e.step, "action": e.details.get("action"), "message": e.message}
+            for e in run_log.events if e.source == "mem" and e.kind in ("action", "stop")]
+
+
+def _memory_readings(run_log: RunLog, skipped: list[str]) -> dict[str, Any]:
+    """The memory columns and the watchdog's events: driver memory at its peak, swap, pressure, the budget, the
+    wall's moves, a leak."""
+    steps, events = run_log.unique_steps(), run_log.events
+    driver = [(gb, i) for i, gb in enumerate(run_log.column(keys.MEM_DRIVER_GB)) if gb == gb]
+    row = steps[max(driver, key=lambda d: d[0])[1]] if driver else None
+    swaps = _spread(run_log.column(keys.MEM_SWAP_USED_GB))
+    pressures = _spread(run_log.column(keys.MEM_PRESSURE))
+    limits = _spread(run_log.column(keys.MEM_LIMIT_GB))
+    mem_events = [e for e in events if e.source == "mem"]
+    return {
+        "driver_gb_max": row.number(keys.MEM_DRIVER_GB) if row else None,
+        "allocated_gb_at_driver_max": row.number(keys.MEM_ALLOCATED_GB) if row else None,
+        "max_pressure": int(pressures[3]) if pressures[0] else None,
+        "swap_growth_gb": max(0.0, swaps[3] - swaps[1]) if swaps[0] else None,
+        "swapout_steps": sum(1 for v in finite(run_log.column(keys.MEM_SWAPOUTS)) if v > 0),
+        "min_steps_to_wall": min(finite(run_log.column(keys.MEM_STEPS_TO_WALL)[MEM_GRACE_STEPS:]), default=None),
+        "watchdog_actions": _watchdog_actions(run_log, skipped),
+        "budget_range_gb": (limits[2], limits[3]) if limits[0] else None,
+        "wall_moves": [(e.step, str(e.details.get("why") or ""), e.details.get("moved") is not False)
+                       for e in mem_events if e.kind == "wall"],
+        "leak_mib_per_step": max(_values([e.details for e in mem_events], "leak_mib_per_step"), default=None)}
+
+
+def _geometry(run_log: RunLog, run: RunHeader) -> dict[str, Any]:
+    """The split the run ended with (the tuner's, else the configured one) and its steps per generation: a re-size
+    keeps the generation batch, so this split's share of it."""
+    steps = run_log.unique_steps()
+    micro = last_value(steps, keys.TUNER_MICRO_BATCH) or run.per_device_train_batch_size
+    accum = last_value(steps, keys.TUNER_GRAD_ACCUM) or run.gradient_accumulation_steps
+    spg = run.steps_per_generation
+    if spg and micro and run.per_device_train_batch_size:
+        spg = max(1, int(spg) * int(run.per_device_train_batch_size) // int(micro))
+    return {"micro_batch": int(micro) if micro else None, "grad_accum": int(accum) if accum else None,
+            "steps_per_generation": int(spg) if spg else None}
+
+
+def _trainer_readings(run_log: RunLog, grpo: bool) -> dict[str, Any]:
+    """The trainer's own logs: completion lengths, rewards, the runs of logs without a learning signal."""
+    logs, source = trainer_logs(run_log)
+    completion = completion_stats(logs)
+    n_logs, no_signal_run, reward_mean = _no_signal(logs)
+    return {"completion_mean": completion["mean"], "completion_max": completion["max"],
+            "completion_p90": completion["p90"], "clipped_ratio": completion["clipped"],
+            "logs": n_logs, "no_signal_run": no_signal_run, "reward_mean": reward_mean,
+            "rewards": _rewards(logs) if grpo else None, "trainer_log_source": source,
+            "trainer_kind": _trainer_kind(logs) if not grpo else None}
+
+
+def _tuner_readings(run_log: RunLog, skipped: list[str]) -> dict[str, Any]:
+    """The tuner's record (its latest measurement, the decisions that hit the memory limit) and its events."""
+    tuner, note = _resolve_split_file(run_log)
+    if note:
+        skipped.append(note)
+    hint = next((e.message for e in run_log.events if e.source == "tuner"
+                 and e.details.get("needs") == "train_with_tuning"), None)
+    return {"tuner_attached": keys.TUNER_MICRO_BATCH in run_log.keys_logged(),
+            "tune": tuner.last("tune") if tuner else None,
+            "memory_limits": [d for d in tuner.decisions if d.kind in ("oom", "watchdog", "memory_check")]
+            if tuner else [],
+            "tuner_hint": hint}
+
+
+def _figure_readings(f: Figures) -> dict[str, Any]:
+    """The headline figures the rules read, exactly as the report prints them."""
+    return {"steps": f.steps, "warmup_steps": f.warmup_steps, "warmup_done": f.warmup_done,
+            "warmup_overhead_sec": f.warmup_overhead_sec, "first_step_slowdown": f.first_step_slowdown,
+            "steady_step_sec": f.steady_step_sec, "steady_tokens_per_sec": f.steady_tokens_per_sec, "mfu": f.mfu,
+            "phases": dict(f.phases), "mem_high_water_gb": f.high_water_gb, "mem_budget_gb": f.budget_gb,
+            "steady_steps": len(f.steady_steps) if f.warmup_done else 0}
+
+
+def measurements(run_log: RunLog) -> Measurements:
+    """Reduce a parsed run log to what the rules look at (plus ``tuner_split.json``: the tuner's decisions).
+
+    The latest training session's summaries count (a resumed session that was killed has none, so the figures
+    come from the step lines), and a step logged again after an out-of-memory rollback or a resume counts once
+    (its latest line). The trainer's own logs (rewards, completion lengths, gradient norm) come from the step lines'
+    ``log/<key>`` values, else from ``trainer_state.json``'s ``log_history``, else the latest checkpoint's. Every
+    logged value is read through a typed accessor: a field of another type is skipped and listed in ``skipped``.
+    """
+    f = figures(run_log)
+    skipped = _skipped(run_log)
+    run = run_log.header("perf")
+    grpo = bool(run.grpo)
+    train_sec = sum(finite(train_column(run_log)))
+    return Measurements(
+        device_type=run.device_type or "unknown", world_size=int(run.world_size or 1), grpo=grpo,
+        max_completion_length=run.max_completion_length, num_generations=run.num_generations,
+        activation_checkpointing=run.activation_checkpointing, model=run.model or {},
+        dataloader=run.dataloader or {}, pad_to_multiple_of=run.pad_to_multiple_of, temperature=run.temperature,
+        use_vllm=run.use_vllm,
+        **_figure_readings(f), **_geometry(run_log, run), **_step_counts(run_log, grpo),
+        **_memory_readings(run_log, skipped), **_trainer_readings(run_log, grpo), **_tuner_readings(run_log, skipped),
+        contention=_contention(run_log, f), machine=_machine(run_log, run, skipped),
+        evaluation=_evaluation(run_log, train_sec), first_steady=_first_steady(run_log, f),
+        launcher=_fact(run, "launcher", "str", skipped), logged=run_log.keys_logged(), skipped=skipped,
+        train_sec=train_sec or None)
+
+
+def measurements_from_run(output_dir: str) -> Measurements:
+    """:func:`measurements` of the run in ``output_dir`` (raises :class:`~hf_perf_callbacks.runlog.ReportError`, a
+    ``ValueError``, when it holds no readable ``perf_log.jsonl``)."""
+    return measurements(read_run(output_dir))

@@ -1,0 +1,151 @@
+"""The analysis written out: ``perf_report.md`` (:func:`render_markdown`, :func:`write_analysis`) and the console's
+top findings (:func:`console_summary`).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from .. import keys
+from ..runlog import RunLog, read_run
+from .model import ZERO, Finding, Measurements, Note
+from .reading import measurements
+from .rules import check
+from .rules.advice import _pct, _yaml
+from .rules.basis import _too_short
+
+REPORT_FILE = "perf_report.md"
+CONSOLE_WIDTH = 160
+
+
+def _facts_line(m: Measurements) -> str:
+    parts = [f"{m.device_type} × {m.world_size}", "GRPO" if m.grpo else "Trainer", f"{m.steps} steps"]
+    if m.launcher:
+        parts.insert(0, f"`{m.launcher}`")
+    if m.micro_batch and m.grad_accum:
+        parts.append(f"micro-batch {m.micro_batch} × accumulation {m.grad_accum}")
+    if m.warmup_done is False:
+        parts.append("warmup not finished (no steady figures)")
+    if m.steady_tokens_per_sec:
+        parts.append(f"steady {m.steady_tokens_per_sec:,.0f} tok/s")
+    if m.steady_step_sec:
+        parts.append(f"{m.steady_step_sec:.3g} s/step of training (evaluation and saving excluded)")
+    e = m.evaluation
+    if e and e.share >= 0.01 and m.steps:
+        parts.append(f"{e.wall_sec / m.steps:.3g} s/step of wall time with evaluation")
+    if m.mfu is not None:
+        parts.append(f"MFU {_pct(m.mfu)}")
+    split = ", ".join(f"{k.replace('_', ' ')} {_pct(v)}" for k, v in
+                      sorted(m.phases.items(), key=lambda kv: -kv[1]) if v >= 0.005)
+    if split:
+        parts.append(f"time: {split}")
+    if m.mem_high_water_gb is not None and m.mem_budget_gb:
+        parts.append(f"memory {m.mem_high_water_gb:.2f}/{m.mem_budget_gb:.2f} GB")
+    return " · ".join(parts)
+
+
+def gain_text(f: Finding) -> str:
+    """``1.21x (calibrated, medium confidence)``, ``≥ 1.70x (measured, …)``, ``too few steps to judge the gain``
+    or ``try (no predicted gain)``."""
+    if f.expected_gain is None:
+        if f.basis == "too few steps":
+            return "too few steps to judge the gain"
+        return "try (no predicted gain)" if f.priority else "fix first"
+    return f"{'≥ ' if f.lower_bound else ''}{f.expected_gain:.2f}x ({f.basis}, {f.confidence} confidence)"
+
+
+def _nothing_found(m: Measurements, notes: list[Note]) -> str:
+    """The "no finding" paragraph: only what this run's log shows, and a metric it holds."""
+    checked = []
+    if not _too_short(m) and m.phases:
+        checked.append("the device did not wait for data")
+    if m.mem_high_water_gb is not None:
+        checked.append("memory stayed within budget")
+    if m.grpo:
+        r = m.rewards
+        checked.append("no reward data in this run's logs" if r is None else
+                       "the rewards varied within prompt groups" if (r.std_max or 0.0) > ZERO else
+                       "the rewards never varied within a prompt group")
+    text = "No rule found something to change" + (": " + ", ".join(checked) if checked else "") + "."
+    if any(not n.judged and n.rule == "evidence" for n in notes):
+        text += " The timings were too short to judge (see Not judged)."
+    metric = next((k for k in (keys.PERF_STEADY_TOKENS_PER_SEC, keys.PERF_TOKENS_PER_SEC) if k in m.logged), None)
+    if metric:
+        text += f" Track `{metric}` to compare future runs."
+    return text
+
+
+def render_markdown(findings: list[Finding], m: Measurements, notes: list[Note] | None = None) -> str:
+    """The content of ``perf_report.md``: the findings, what the run was too short to judge, and what was checked
+    and is fine."""
+    notes = notes or []
+    lines = ["# Performance report", "", f"**Run:** {_facts_line(m)}", ""]
+    if not findings:
+        lines += ["## No bottleneck found", "", _nothing_found(m, notes), ""]
+    for i, f in enumerate(findings, 1):
+        lines += [f"## {i}. {f.title} — {gain_text(f)}", "",
+                  "### Observation", "", f.observation, "",
+                  "### Root cause", "", f.root_cause, "",
+                  "### Recommendation", "", f.recommendation, ""]
+        if f.setting:
+            lines += ["### Setting", "", "```yaml"]
+            lines += [f"{k}: {'null' if v is None else json.dumps(v)}" for k, v in f.setting.items()]
+            lines += ["```", ""]
+        if f.env:
+            lines += ["### Environment", "", "```bash"] + [f"{k}={v}" for k, v in f.env.items()] + ["```", ""]
+        lines += ["### Expected gain", "",
+                  (f"**{'≥ ' if f.lower_bound else ''}{f.expected_gain:.2f}x** — " if f.expected_gain is not None
+                   else "**too few steps** — " if f.basis == "too few steps" else "**try** — ") + f.gain_formula,
+                  "", "### Confidence", "", f.confidence, ""]
+    unjudged = [n for n in notes if not n.judged]
+    fine = [n for n in notes if n.judged]
+    if unjudged:
+        lines += ["## Not judged", ""] + [f"- **{n.title}.** {n.text}" for n in unjudged] + [""]
+    if fine:
+        lines += ["## Checked and fine", ""] + [f"- **{n.title}.** {n.text}" for n in fine] + [""]
+    return "\n".join(lines)
+
+
+def write_analysis(run: RunLog | str) -> tuple[str, list[Finding], list[Note]]:
+    """Analyse a parsed run (or the run directory) and write ``<output_dir>/perf_report.md``; returns (path,
+    findings, notes)."""
+    run = read_run(run) if isinstance(run, (str, os.PathLike)) else run
+    m = measurements(run)
+    findings, notes = check(m)
+    path = os.path.join(run.output_dir, REPORT_FILE)
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(render_markdown(findings, m, notes))
+    return path, findings, notes
+
+
+def write_perf_report(run: RunLog | str) -> tuple[str, list[Finding]]:
+    """:func:`write_analysis` without the notes: (path, findings)."""
+    path, findings, _ = write_analysis(run)
+    return path, findings
+
+
+def console_summary(findings: list[Finding], top: int = 3, notes: list[Note] | None = None) -> str:
+    """The top findings, a few lines each, what the run was too short to judge, and the titles of what was checked
+    and is fine."""
+    lines = ["== Performance analysis =="]
+    if not findings:
+        lines.append("no bottleneck found")
+    for i, f in enumerate(findings[:top], 1):
+        actions = [line.removeprefix("- ") for line in f.recommendation.splitlines() if line.strip()]
+        first = (_yaml(f.setting) if f.setting else
+                 ", ".join(f"`{k}={v}` (environment)" for k, v in f.env.items()) if f.env else
+                 actions[0].split(" (")[0] if actions else "-")
+        first = first if len(first) <= CONSOLE_WIDTH else first[:CONSOLE_WIDTH - 1] + "…"
+        more = f" (+{len(actions) - 1} more)" if len(actions) > 1 else ""
+        lines += [f"{i}. {f.title} — {gain_text(f)}",
+                  f"   seen: {f.observation}",
+                  f"   do:   {first}{more}"]
+    if len(findings) > top:
+        lines.append(f"... {len(findings) - top} more in {REPORT_FILE}")
+    unjudged = [n.title.lower() for n in notes or [] if not n.judged]
+    if unjudged:
+        lines.append("not judged: " + "; ".join(unjudged))
+    fine = [n.title.lower() for n in notes or [] if n.judged]
+    if fine:
+        lines.append("checked and fine: " + ", ".join(fine))
+    return "\n".join(lines)

@@ -1,0 +1,52 @@
+"""The analysis' rules: each a pure function of :class:`~..model.Measurements` returning a
+:class:`~..model.Finding`, a :class:`~..model.Note` or None; :data:`RULES` lists them in ranking order and
+:func:`check` runs them. The rule table (README "The analysis") is :func:`rule_table`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..model import CARDS, Finding, Measurements, Note
+from .grpo import rule_completion_budget, rule_generation_bound, rule_no_learning
+from .machine import rule_contention, rule_oversubscription
+from .memory import rule_memory_pressure
+from .run import rule_evaluation, rule_evidence, rule_log_fields, rule_tuner_hint, rule_tuning_cost, rule_warmup
+from .step import rule_duplicate_forward, rule_input_bound, rule_padding_waste, rule_small_micro_batch
+
+#: The one place to add a rule: each takes Measurements and returns a Finding, a Note or None.
+RULES: list[Callable[[Measurements], Finding | Note | None]] = [
+    rule_no_learning, rule_memory_pressure, rule_oversubscription, rule_contention, rule_evaluation,
+    rule_input_bound, rule_duplicate_forward, rule_padding_waste, rule_generation_bound, rule_tuning_cost,
+    rule_small_micro_batch, rule_tuner_hint, rule_completion_budget, rule_warmup, rule_evidence, rule_log_fields,
+]
+_ORDER = {rule.__name__.removeprefix("rule_"): i for i, rule in enumerate(RULES)}
+
+
+def _rank(f: Finding) -> tuple[int, bool, float, int]:
+    """Priority, then an expected gain before none, the larger first, then the order of RULES: a total order, so
+    one run's findings always rank the same."""
+    return (f.priority, f.expected_gain is None, -round(f.expected_gain or 0.0, 2), _ORDER.get(f.rule, len(_ORDER)))
+
+
+def check(m: Measurements) -> tuple[list[Finding], list[Note]]:
+    """Every rule's result: the findings, ranked (:func:`_rank`), and the notes (checked and fine, or not judged)."""
+    results = [r for r in (rule(m) for rule in RULES) if r is not None]
+    findings = sorted((r for r in results if isinstance(r, Finding)), key=_rank)
+    return findings, [r for r in results if isinstance(r, Note)]
+
+
+def analyze(m: Measurements) -> list[Finding]:
+    """The ranked findings (see :func:`check`)."""
+    return check(m)[0]
+
+
+def rule_table() -> str:
+    """The README's rule table (section "The analysis"), one row per rule in the order of :data:`RULES`, from the
+    cards the rules carry (:func:`~..model.card`): ``python -m hf_perf_callbacks.report.rules`` prints it."""
+    rows = ["| rule | finding (setting) | gain printed | note instead |", "|---|---|---|---|"]
+    for rule in RULES:
+        name = rule.__name__.removeprefix("rule_")
+        c = CARDS[name]
+        rows.append(" ".join(f"| {cell}" if cell else "|" for cell in (f"`{name}`", c.finding, c.gain, c.note))
+                    + " |")
+    return "\n".join(rows)

@@ -1,0 +1,160 @@
+"""Wording and settings several rule families share: the run's exact splits, the interface it was started with,
+the memory cap the advice respects, number formats.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from ...batching import Split, exact_splits
+from ...runlog import GB
+from ..model import Measurements
+
+COMPLETION_SLACK = 0.5
+COMPLETION_HEADROOM = 1.25
+CLIPPED_SMALL = 0.05
+CLIPPED_LARGE = 0.5
+SWAP_GROWTH_GB = 0.25
+STEPS_TO_WALL = 20.0         # the watchdog's default warn distance
+HIGH_WATER_FRACTION = 0.75   # CUDA: reserved ≫ allocated only matters this close to the budget
+
+
+def _bullets(items: list[str]) -> str:
+    return "\n".join(f"- {item}" for item in items)
+
+
+def _sentence(parts: list[str]) -> str:
+    text = "; ".join(parts) + "."
+    return text[0].upper() + text[1:]
+
+
+def _pct(x: float) -> str:
+    return f"{x:.0%}" if x >= 0.1 else f"{x:.1%}"
+
+
+def _gb(nbytes: float) -> str:
+    gb = nbytes / GB
+    return f"{gb:.2f} GB" if gb >= 0.1 else f"{nbytes / 1024**2:.0f} MB"
+
+
+def _amdahl(share: float, speedup: float) -> float:
+    """End-to-end speed-up when a part taking ``share`` of the time gets ``speedup`` times faster."""
+    return 1.0 / ((1.0 - share) + share / speedup)
+
+
+def _next_pow2(x: float) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(x, 1.0))))
+
+
+def _phase(m: Measurements, name: str) -> float:
+    return float(m.phases.get(name) or 0.0)
+
+
+def _completion_target(m: Measurements) -> tuple[int, float, str] | None:
+    """(new max_completion_length, the observed length it is based on, its name) when there is room to cut."""
+    limit = m.max_completion_length
+    basis, name = ((m.completion_p90, "p90 of the per-log longest completion") if m.completion_p90 is not None
+                   else (m.completion_max, "longest completion"))
+    if not (m.grpo and limit and basis is not None and basis > 0):
+        return None
+    if basis >= COMPLETION_SLACK * limit or (m.clipped_ratio or 0.0) > CLIPPED_SMALL:
+        return None
+    new = _next_pow2(COMPLETION_HEADROOM * basis)
+    return (new, basis, name) if new < limit else None
+
+
+def _splits(m: Measurements) -> list[Split]:
+    """Exact splits of this run's effective batch (GRPO: keeping the generation batch and whole prompt groups),
+    largest micro-batch first; empty when the batch is unknown or the geometry is not a valid one."""
+    if not (m.micro_batch and m.grad_accum):
+        return []
+    world = max(1, m.world_size or 1)
+    effective = m.micro_batch * m.grad_accum * world
+    grpo = m.grpo and m.num_generations and m.num_generations >= 2
+    try:
+        return exact_splits(effective, world, _generation_batch(m) if grpo else None,
+                            m.num_generations if grpo else None)
+    except ValueError:
+        return []
+
+
+def _yaml(setting: dict[str, Any]) -> str:
+    def value(v: object) -> str:
+        return "null" if v is None else "true" if v is True else "false" if v is False else json.dumps(v)
+    return ", ".join(f"`{k}: {value(v)}`" for k, v in setting.items())
+
+
+def _generation_batch(m: Measurements) -> int | None:
+    """Completions per generation call over all devices: micro-batch × world × steps_per_generation (as configured;
+    a tuner re-size keeps it)."""
+    if not (m.micro_batch and m.grad_accum):
+        return None
+    spg = m.steps_per_generation or m.grad_accum
+    return m.micro_batch * max(1, m.world_size or 1) * spg
+
+
+def _split_setting(m: Measurements, split: Split) -> dict[str, Any]:
+    """The complete config change to run ``split``: micro-batch and accumulation, and for GRPO the
+    ``steps_per_generation`` that keeps the generation batch when TRL's default (= accumulation) would not."""
+    setting = {"per_device_train_batch_size": split.micro_batch, "gradient_accumulation_steps": split.grad_accum}
+    gen = _generation_batch(m)
+    if m.grpo and gen:
+        spg = gen // (split.micro_batch * max(1, m.world_size or 1))
+        if spg != split.grad_accum:
+            setting["steps_per_generation"] = spg
+    return setting
+
+
+def _launcher(m: Measurements) -> bool:
+    return bool(m.launcher)
+
+
+def _tuner_how(m: Measurements) -> str:
+    """How this run gets the batch tuner to measure its splits, in the interface it was started with."""
+    if _launcher(m):
+        return ("keep `AdaptiveBatchTuner` in the recipe's `callbacks` (the default) with `tune: true` (the "
+                "default; `--tune false` turns it off)")
+    if m.tuner_attached:
+        return ("call `train_with_tuning(trainer)` instead of `trainer.train()`, with `AdaptiveBatchTuner(tune=True)` "
+                "(the default): only then does the tuner measure the splits")
+    return "attach `AdaptiveBatchTuner()` (`callbacks=default_callbacks()`) and call `train_with_tuning(trainer)`"
+
+
+def _split_name(split: Split) -> str:
+    return f"{split.micro_batch}×{split.grad_accum}"
+
+
+def _memory_cap(m: Measurements) -> tuple[int | None, str | None]:
+    """The largest micro-batch any advice may name — one below the smallest that ran out of memory or that the
+    memory watchdog had to shrink (the tuner's ``oom``, ``watchdog`` and ``memory_check`` decisions, its trials that
+    did not fit, the watchdog's stops and smaller-batch requests) — and the sentence that says why; (None, None)
+    when nothing hit the memory limit."""
+    hits: list[tuple[int, str]] = []
+    for d in m.memory_limits:
+        what = {"oom": "ran out of memory", "watchdog": "neared the memory budget (the watchdog asked for less)",
+                "memory_check": "did not fit at the longest length"}[d.kind]
+        hits.append((d.old.micro_batch, f"micro-batch {d.old.micro_batch} {what} at step {d.step}"
+                     + (f" ({d.reason})" if d.reason else "")))
+    for t in (m.tune.trials if m.tune else []):
+        if not t.fits or (t.error and "memory" in t.error.lower()):
+            hits.append((t.split.micro_batch, f"the tuner's trial of {_split_name(t.split)} "
+                         + ("ran out of memory" if t.error else "went over the memory budget")))
+    if not m.memory_limits and m.micro_batch:
+        for a in m.watchdog_actions:
+            if a.get("action") in ("smaller_batch", "stop"):
+                hits.append((m.micro_batch, f"the memory watchdog's {a.get('action')} at step {a.get('step')} at "
+                             f"micro-batch {m.micro_batch}"))
+    if not hits:
+        return None, None
+    micro, why = min(hits, key=lambda h: h[0])
+    return max(0, micro - 1), why
+
+
+def _swapping(m: Measurements) -> bool:
+    return (m.swap_growth_gb or 0.0) >= SWAP_GROWTH_GB or m.swapout_steps > 0
+
+
+def _under_pressure(m: Measurements) -> bool:
+    return _swapping(m) or (m.max_pressure or 0) >= 1 or (
+        m.min_steps_to_wall is not None and m.min_steps_to_wall <= STEPS_TO_WALL)

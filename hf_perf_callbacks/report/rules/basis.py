@@ -1,0 +1,58 @@
+"""How a finding earns its number: ``measured`` (the run measured the alternative), ``calibrated`` (a model checked by
+``benchmarks/bench_advice.py`` on this device type), ``too few steps`` (the run is shorter than the evidence needs),
+``try`` (no number).
+"""
+from __future__ import annotations
+
+import math
+
+from ..model import MIN_STEADY_STEPS, Measurements
+
+#: How close each model came to the measured gain when ``benchmarks/bench_advice.py`` applied its advice
+#: (``benchmarks/results/advice_*.json``): (rule, device type) → (checks, worst |predicted / measured − 1|). A rule
+#: prints its number only on a device type listed here within 25%: a gain checked on a CPU (process CPU time) says
+#: nothing about a GPU's wall time. ``input_bound`` is absent on CPUs: 1/(1 − wait) predicted 2.30x where two workers
+#: measured 1.67x on a loaded 2-core CPU (the workers' own collation competed for the cores); on an H100 it predicted
+#: 4.99x against 4.13x measured.
+CALIBRATION: dict[tuple[str, str], tuple[int, float]] = {
+    ("duplicate_forward", "cpu"): (1, 0.06), ("duplicate_forward", "cuda"): (1, 0.13),
+    ("input_bound", "cuda"): (1, 0.21), ("padding_waste", "cpu"): (2, 0.13),
+    ("evaluation", "cpu"): (1, 0.01)}      # a measured gain, checked too: 3.52x predicted, 3.54x applied
+
+
+def _calibrated(rule: str, m: Measurements, predicted: float, formula: str) -> tuple[float | None, str, str, str]:
+    """(expected_gain, basis, confidence, formula) for a model prediction: printed only when CALIBRATION holds the
+    rule's check against runs with the advice applied on this device type, and when the run has the steps to
+    judge it (:func:`_too_short`)."""
+    device_type = m.device_type
+    runs, error = CALIBRATION.get((rule, device_type), (0, math.inf))
+    if not runs or error > 0.25:
+        checked = sorted(d for r, d in CALIBRATION if r == rule)
+        where = (f"calibrated on {', '.join(checked)} only, not on {device_type}" if checked and not runs
+                 else "not calibrated against runs with the advice applied")
+        return None, "try", "low", f"not printed: this model ({formula}) is {where}"
+    confidence = "high" if error <= 0.1 and runs >= 3 else "medium"
+    return _judged(m, predicted, "calibrated", confidence,
+                   f"{formula}; calibrated on {device_type}: on {runs} run(s) with the advice applied the measured "
+                   f"gain was within {error:.0%} of this model's")
+
+
+def _too_short(m: Measurements) -> str | None:
+    """Why this run's timings cannot be judged (None: they can): the timing rules and every gain need warmup over
+    and :data:`MIN_STEADY_STEPS` steps measured after it."""
+    if m.warmup_done is None:
+        return "the log holds no warmup decision (no ThroughputMeter step lines)"
+    if not m.warmup_done:
+        return f"warmup was not finished after {m.steps} step{'' if m.steps == 1 else 's'}"
+    if m.steady_steps < MIN_STEADY_STEPS:
+        return f"only {m.steady_steps} step(s) ran after warmup ({MIN_STEADY_STEPS} needed)"
+    return None
+
+
+def _judged(m: Measurements, gain: float | None, basis: str, confidence: str,
+            formula: str) -> tuple[float | None, str, str, str]:
+    """A gain as the run's evidence allows it: without warmup over and enough steady steps, "too few steps"."""
+    why = _too_short(m)
+    if why is None or gain is None:
+        return gain, basis, confidence, formula
+    return None, "too few steps", "low", f"too few steps to judge the gain ({why}); the model: {formula}"

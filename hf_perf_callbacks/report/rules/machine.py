@@ -1,0 +1,124 @@
+"""The CPU's rules: thread oversubscription over the whole run, and steps slowed by other processes.
+"""
+from __future__ import annotations
+
+from ..figures import (
+    ranges_text,
+    step_ranges,
+)
+from ..model import CONTENTION_RATIO, CONTENTION_SHARE, MIN_MACHINE_STEPS, Finding, Machine, Measurements, card
+from .advice import _bullets, _launcher, _pct
+from .basis import _too_short
+
+OVERSUBSCRIBED = 0.5         # threads + other processes' busy cores above the cores by this much: oversubscribed
+THREADS_IDLE = 0.5           # threads of this process not running (threads − CPU time / wall) worth a finding
+STEP_SPREAD = 1.5            # similar work whose wall (or CPU) seconds per token differ this much between steps
+
+
+def oversubscribed(threads: float, other: float, cores: float) -> bool:
+    """Torch's threads plus the other processes' busy cores exceed the cores by :data:`OVERSUBSCRIBED` (the demand
+    half of :func:`rule_oversubscription`; ``hf-perf demo`` applies it before its run)."""
+    return threads + other >= cores + OVERSUBSCRIBED
+
+
+def free_cores(cores: float, other: float) -> int:
+    """The thread count :func:`rule_oversubscription` advises: the cores the other processes leave free, at least 1."""
+    return max(1, int(cores - other + 0.25))
+
+
+def _oversubscription(m: Measurements) -> tuple[Machine, float, int] | None:
+    """Whole-run thread oversubscription on a CPU (:func:`_machine`'s figures): over ≥ :data:`MIN_MACHINE_STEPS`
+    steps, this process's threads plus the other processes' busy cores exceed the cores by :data:`OVERSUBSCRIBED`,
+    at least :data:`THREADS_IDLE` of its threads were not running (CPU time / wall time below the thread count),
+    and time was lost: similar work took ≥ :data:`STEP_SPREAD` times longer (wall or CPU seconds per token) on some
+    steps than on others.
+    With the thread count assumed (the run header does not record it), the CPU time per token must vary as much
+    (threads spinning while a partner waits for a core), so that a run already at one thread is not advised one.
+    Returns the machine's figures, the demand (threads + other busy cores) and the advised thread count (the cores
+    the others leave free, at least 1); None when it is not below the run's."""
+    c = m.machine
+    if not c or c.steps < MIN_MACHINE_STEPS or not c.cores or not c.threads or c.threads < 2:
+        return None
+    demand, idle = c.threads + c.other, c.threads - c.busy
+    spread, cpu_spread = c.spread or 0.0, c.cpu_spread or 0.0
+    if not oversubscribed(c.threads, c.other, c.cores) or idle < THREADS_IDLE \
+            or max(spread, cpu_spread) < STEP_SPREAD:
+        return None
+    if c.threads_from != "run header" and cpu_spread < STEP_SPREAD:
+        return None
+    advised = free_cores(c.cores, c.other)
+    return (c, demand, advised) if advised < c.threads else None
+
+
+def _threads_item(m: Measurements, n: int) -> str:
+    if _launcher(m):
+        return (f"`OMP_NUM_THREADS={n}` in the environment that starts the run: `OMP_NUM_THREADS={n} hf-perf train "
+                f"--config …` (a recipe's `env:` is applied after torch has started its threads)")
+    return (f"`OMP_NUM_THREADS={n}` in the environment that starts the run, or `torch.set_num_threads({n})` "
+            f"before training")
+
+
+@card(finding="CPU, the whole run: torch threads + other processes' busy cores above the cores, threads idle, "
+              f"similar work ≥ {STEP_SPREAD:g}x apart → `OMP_NUM_THREADS` = the free cores (measured on the run's "
+              "CPU time and load)",
+      gain="measured: at least the run's mean over its fastest steps")
+def rule_oversubscription(m: Measurements) -> Finding | None:
+    found = _oversubscription(m)
+    if not found:
+        return None
+    o, demand, a = found
+    t = o.threads
+    obs = (f"Over the whole run ({o.steps} steps) this process kept {o.busy:.2f} of its {t} threads running "
+           f"(process CPU time / wall time) while other processes kept {o.other:.1f} of the {o.cores} cores "
+           f"busy" + (f" (load {o.load:.1f} per core)" if o.load is not None else "")
+           + f": {t} threads and {o.other:.1f} cores of other work asked for {demand:.1f} cores of "
+           f"{o.cores}; steps of similar work took {o.spread:.1f}x apart in wall time per token and "
+           f"{o.cpu_spread:.1f}x in CPU time per token.")
+    assumed = [where for where in (o.cores_from, o.threads_from) if where != "run header"]
+    if assumed:
+        obs += " The run header does not record them: " + "; ".join(assumed) + "."
+    root = (f"Thread oversubscription: torch splits each operation over {t} threads and waits at its end for all of "
+            "them. While another process holds a core, one thread waits for it and its partner spins at the barrier, "
+            "so CPU time rises with the wall time (why the slow-step check, which looks for slow steps with flat CPU "
+            "time, cannot see it, and why it is not warmup: it recurs all run). With no more threads than free cores "
+            "no thread waits for a core.")
+    items = [_threads_item(m, a) + f" ({o.cores} cores − {o.other:.1f} busy with other work, at least 1)",
+             "or stop or move the other processes using these cores (a second training, a test suite, a build)"]
+    gain, formula = None, "not predicted: the run has no step without contention to compare with"
+    if o.lower_bound:
+        gain = o.lower_bound
+        formula = (f"at least {gain:.2f}x: the run's mean wall seconds per token over its fastest steps' (10th "
+                   f"percentile) — those steps were contended too, and fewer threads also stop the spinning")
+    return Finding("oversubscription", "Thread oversubscription: more threads than free cores", obs, root,
+                   _bullets(items), gain, formula, "medium" if o.threads_from == "run header" else "low", {},
+                   "measured" if gain else "try", None, env={"OMP_NUM_THREADS": str(a)}, lower_bound=bool(gain))
+
+
+@card(finding="steps slower while their process CPU time stayed flat, each step's own wall/CPU ratio ≥ "
+              f"{1 + CONTENTION_RATIO:g}× the steady steps' (the steps named) → other processes, `OMP_NUM_THREADS`",
+      gain="measured: the time lost",
+      note="(warmup is never blamed for it)")
+def rule_contention(m: Measurements) -> Finding | None:
+    c = m.contention
+    if not c or (c.lost_share or 0.0) < CONTENTION_SHARE or _too_short(m):
+        return None
+    lost, share = c.lost_sec, c.lost_share
+    obs = (f"{c.steps} step(s) ({ranges_text(step_ranges(c.step_list))}) ran slower than the steady level "
+           f"while their process CPU time did not rise with them (wall/CPU {c.wall_over_cpu:.2f} against "
+           f"{c.steady_wall_over_cpu:.2f} when steady): {lost:.1f} s ({_pct(share)} of the run"
+           + (", the meter's `early_contention_sec`" if c.source == "meter" else "")
+           + ") went to waiting for a CPU")
+    if c.other_cores is not None:
+        obs += f"; other processes kept up to {c.other_cores:.1f} CPU cores busy during those steps"
+    obs += "."
+    root = ("Other processes (or too many threads of this one) shared the CPU cores: the training process was "
+            "runnable but not running. This is not warmup — warmup costs CPU time (allocation, compilation) and "
+            "does not recur.")
+    items = ["stop or move the other processes using these cores (a second training, a test suite, a build)",
+             "or leave them the cores they need: `OMP_NUM_THREADS` / `torch.set_num_threads` at most the cores "
+             "the other processes leave free (threads beyond them wait for each other)"]
+    gain = 1.0 / (1.0 - share)
+    formula = (f"the measured time lost: 1/(1 − {lost:.1f} s / {c.run_sec:.1f} s) = {gain:.2f}x (those steps at "
+               f"the steady level)")
+    return Finding("contention", "CPU contention: other processes slowed the run", obs, root, _bullets(items), gain,
+                   formula, "medium", {}, "measured", gain)

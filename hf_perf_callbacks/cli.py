@@ -11,8 +11,9 @@ import sys
 
 #: the quick start's (``hf-perf demo --model tiny``) measured time and its conditions: ``--help`` and README's Quick
 #: start both carry this text (tests/test_cli.py checks that they agree)
-QUICK_START_TIME = ("53 s and 56 s of wall time, 28 s and 29 s of CPU time, on a 2-core x86-64 CPU shared with "
-                    "other work at a load average of 3.4-6.1, on the 1 torch thread the demo chose")
+QUICK_START_TIME = ("34 s and 69 s of wall time, 21 s and 23 s of CPU time, from the installed wheel in a fresh "
+                    "virtualenv outside the clone, on a 2-core x86-64 CPU shared with other work at a load average of "
+                    "4.0 and of 8.5-9.1, on the 1 torch thread the demo chose")
 
 TRAIN_HELP = ("run a recipe in this process: hf-perf train --config NAME [--key value ...]; NAME is a packaged "
               "recipe (hf-perf recipes lists them) or a recipe YAML file; keys are RecipeArguments, GRPOConfig and "

@@ -184,7 +184,7 @@ class MemoryWatchdog(PerfCallback):
             self._follow_wall(sample, state.global_step)
         self.policy.start_segment()
         self.facts = self._facts(sample)
-        self._bus.memory_facts = self.facts
+        self._bus.note_memory_facts(self.facts)
         self.device.reset_peak()
         self._bus.describe_run(self.source, state.global_step, budget_gb=self.budget / GB,
                                device_limit_gb=(sample.device_limit or 0) / GB,
@@ -281,7 +281,7 @@ class MemoryWatchdog(PerfCallback):
         policy.observe(obs)
         self._sample = sample
         self.facts = self._facts(sample)
-        self._bus.memory_facts = self.facts
+        self._bus.note_memory_facts(self.facts)
         self.high_water = max(self.high_water, obs.used)
         can_shrink = self._bus.has_subscribers(SIGNAL_SMALLER_BATCH)
         decision = None
@@ -399,7 +399,7 @@ class MemoryWatchdog(PerfCallback):
                   if follower else policy.reason())
         if self._sample is not None:                        # the stop names who holds the memory, where NVML can say
             self.facts = self._facts(self._sample, holders=True)
-            self._bus.memory_facts = self.facts
+            self._bus.note_memory_facts(self.facts)
         causes = self.facts.sentence() if self.facts is not None else ""
         futile = policy.shrink_futile() if self._bus.has_subscribers(SIGNAL_SMALLER_BATCH) else None
         if causes:

@@ -31,6 +31,7 @@ from .validation import check_flag, check_number
 WALL_KEYS = (keys.MEM_STEPS_TO_WALL, keys.MEM_STEPS_TO_WALL_LOW, keys.MEM_STEPS_TO_WALL_HIGH)
 
 
+from .runlog import WatchdogSummary
 def wall_fields(forecast, remaining: int | None) -> dict:
     """The ``mem/steps_to_wall*`` keys of one step: none when memory is not growing or the wall lies beyond the
     run's ``remaining`` steps even at the point estimate; ``_high`` capped at ``remaining`` (past the run's end
@@ -141,7 +142,7 @@ class MemoryWatchdog(PerfCallback):
         self.high_water = 0.0
         self.actions: list[dict] = []
         self.stopped_at: int | None = None
-        self.summary: dict | None = None
+        self.summary: WatchdogSummary | None = None
         self._announced_outside: float | None = None
         self._limit_warned = False
         self._sample: MemorySample | None = None        # the step's reading

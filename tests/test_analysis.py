@@ -219,7 +219,7 @@ def test_memory_freed_by_a_cut_is_the_estimate_modules_difference():
     assert f.setting == {"max_completion_length": 128}
     # the KV-cache formula with this model's numbers: 2 × 36 × 2 × 128 × 2 B × (512 − 128) × 2 sequences
     assert "2 × 36 layers × 2 kv_heads × 128 head_dim × 2 B × (512 − 128) tokens × 2 sequences" in f.recommendation
-    model = {**estimate.model_from_config(QWEN_3B)}
+    model = estimate.model_from_config(QWEN_3B)
     common = dict(micro_batch=2, num_generations=2, generation_batch=2, prompt_tokens=200, dtype_bytes=2,
                   lora_params=0, activation_checkpointing=False)
     before = estimate.estimate_grpo_memory(model, max_completion_length=512, **common)

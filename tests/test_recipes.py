@@ -153,7 +153,7 @@ def test_each_mac_tier_runs_the_largest_model_that_fits(name):
     from hf_perf_callbacks.estimate import QWEN25
 
     recipe = yaml.safe_load(open(recipe_path(name)))
-    by_size = sorted(QWEN25, key=lambda n: QWEN25[n]["params"])
+    by_size = sorted(QWEN25, key=lambda n: QWEN25[n].params or 0)
     chosen = recipe["model_name_or_path"]
     assert fits(recipe, chosen)
     larger = by_size[by_size.index(chosen) + 1:]

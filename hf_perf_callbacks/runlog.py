@@ -113,6 +113,7 @@ class RunHeader:
     budget_gb: float | None = None
     device_limit_gb: float | None = None
     system_total_gb: float | None = None
+    warn_within_steps: float | None = None    # how many steps away the wall makes the watchdog warn and act
     extra: dict[str, Any] = field(default_factory=dict)   # fields this version does not know
     malformed: dict[str, Any] = field(default_factory=dict)   # known fields of another type (another writer): unset
 

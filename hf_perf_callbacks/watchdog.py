@@ -13,10 +13,15 @@ from .memory import (
     BUDGET_FRACTION,
     CLEAR,
     CRITICAL,
+    GRACE_STEPS,
     LEVEL_NAMES,
     SMALLER_BATCH,
     STOP,
+    STOP_WITHIN_STEPS,
+    TREND_WINDOW,
     WALL_BAND,
+    WARN_FRACTION,
+    WARN_WITHIN_STEPS,
     MemoryPolicy,
     MovingWall,
     Observation,
@@ -26,12 +31,12 @@ from .memory import (
     holders_words,
     mib,
 )
+from .runlog import WatchdogSummary
 from .validation import check_flag, check_number
 
 WALL_KEYS = (keys.MEM_STEPS_TO_WALL, keys.MEM_STEPS_TO_WALL_LOW, keys.MEM_STEPS_TO_WALL_HIGH)
 
 
-from .runlog import WatchdogSummary
 def wall_fields(forecast, remaining: int | None) -> dict:
     """The ``mem/steps_to_wall*`` keys of one step: none when memory is not growing or the wall lies beyond the
     run's ``remaining`` steps even at the point estimate; ``_high`` capped at ``remaining`` (past the run's end
@@ -125,8 +130,9 @@ class MemoryWatchdog(PerfCallback):
     exchange_width = 2
 
     def __init__(self, limit_gb: float | None = None, budget_fraction: float = BUDGET_FRACTION,
-                 warn_fraction: float = 0.9, grace_steps: int = 2, trend_window: int = 8, warn_within_steps: float = 20,
-                 stop_within_steps: float = 3, stop: bool = True, clock: Clock | None = None):
+                 warn_fraction: float = WARN_FRACTION, grace_steps: int = GRACE_STEPS, trend_window: int = TREND_WINDOW,
+                 warn_within_steps: float = WARN_WITHIN_STEPS, stop_within_steps: float = STOP_WITHIN_STEPS,
+                 stop: bool = True, clock: Clock | None = None):
         check_number("limit_gb", limit_gb, low=0, low_open=True, allow_none=True)
         check_number("budget_fraction", budget_fraction, low=0, high=1, low_open=True)
         check_flag("stop", stop)
@@ -189,7 +195,7 @@ class MemoryWatchdog(PerfCallback):
         self.device.reset_peak()
         self._bus.describe_run(self.source, state.global_step, budget_gb=self.budget / GB,
                                device_limit_gb=(sample.device_limit or 0) / GB,
-                               system_total_gb=sample.system_total / GB)
+                               system_total_gb=sample.system_total / GB, warn_within_steps=self.warn_within_steps)
 
     def budget_bytes(self, device: DeviceLayer, sample=None) -> float:
         """The budget in bytes on ``device`` now (:func:`~hf_perf_callbacks.memory.budget_bytes` of its limits and of

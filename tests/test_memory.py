@@ -358,3 +358,18 @@ def test_the_causes_in_words():
                      "7.0 GiB outside PyTorch's caching allocator (the CUDA context, NCCL buffers, a pool such as "
                      "vLLM's)")
     assert WallFacts(budget=1.0, total=139.8 * GIB, outside=127 * GIB, holders=named).sentence() == named
+
+
+def test_the_watchdog_and_the_policy_share_one_set_of_defaults():
+    """Each default is written once, in memory.py: the watchdog's arguments and the policy's fields both use it."""
+    import inspect
+
+    from hf_perf_callbacks import MemoryWatchdog
+    from hf_perf_callbacks.memory import GRACE_STEPS, STOP_WITHIN_STEPS, TREND_WINDOW, WARN_FRACTION, WARN_WITHIN_STEPS
+
+    defaults = {"warn_fraction": WARN_FRACTION, "grace_steps": GRACE_STEPS, "trend_window": TREND_WINDOW,
+                "warn_within_steps": WARN_WITHIN_STEPS, "stop_within_steps": STOP_WITHIN_STEPS}
+    watchdog = inspect.signature(MemoryWatchdog).parameters
+    assert {name: watchdog[name].default for name in defaults} == defaults
+    policy = MemoryPolicy(budget=1.0)
+    assert {name: getattr(policy, name) for name in defaults} == defaults

@@ -135,7 +135,7 @@ def test_the_bus_writes_one_header_per_train_call_before_any_other_line(tokenize
     from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter
     from tests.conftest import make_trainer
 
-    trainer = make_trainer(tokenizer, tmp_path, [ThroughputMeter(), MemoryWatchdog()], max_steps=3)
+    trainer = make_trainer(tokenizer, tmp_path, [ThroughputMeter(), MemoryWatchdog(warn_within_steps=12)], max_steps=3)
     trainer.train()
     entries = [json.loads(line) for line in open(tmp_path / PERF_LOG)]
     headers = [e for e in entries if e["type"] == "run"]
@@ -144,6 +144,7 @@ def test_the_bus_writes_one_header_per_train_call_before_any_other_line(tokenize
     assert headers[0]["session"] == bus.session and headers[0]["resumed_from_step"] == 0
     assert headers[0]["sources"] == ["perf", "mem"]
     assert headers[0]["device_type"] == "cpu" and headers[0]["budget_gb"] > 0
+    assert headers[0]["warn_within_steps"] == 12                      # the run's own warn distance, for the report
     assert entries[1]["type"] == "event" and "MFU omitted" in entries[1]["message"]
     run = read_run(tmp_path)
     assert run.replaced_runs == 0 and [s.step for s in run.steps] == [1, 2, 3]

@@ -21,7 +21,7 @@ time for compute; activations, KV cache and logits are per rank as without shard
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,7 +127,7 @@ def _linear_shapes(model: ModelShape) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def lora_param_count(model: ModelLike, r: int, target_modules=ALL_LINEAR) -> int:
+def lora_param_count(model: ModelLike, r: int, target_modules: Sequence[str] = ALL_LINEAR) -> int:
     """Trainable LoRA parameters: ``layers × Σ r × (in + out)`` over the targeted linear layers of each block."""
     shape = ModelShape.of(model)
     (layers,) = shape.ints("layers")
@@ -140,7 +140,7 @@ def lora_param_count(model: ModelLike, r: int, target_modules=ALL_LINEAR) -> int
     return layers * sum(r * (shapes[name][0] + shapes[name][1]) for name in target_modules)
 
 
-def _lora_inputs(model: ModelShape, lora_targets) -> int:
+def _lora_inputs(model: ModelShape, lora_targets: Sequence[str]) -> int:
     """Input features summed over the LoRA-targeted linear layers of one block."""
     shapes = _linear_shapes(model)
     unknown = [name for name in lora_targets if name not in shapes]
@@ -151,7 +151,7 @@ def _lora_inputs(model: ModelShape, lora_targets) -> int:
 
 
 def layer_activation_bytes(model: ModelLike, dtype_bytes: int, lora_input_bytes: int = 4,
-                           lora_targets=ALL_LINEAR) -> int:
+                           lora_targets: Sequence[str] = ALL_LINEAR) -> int:
     """Bytes autograd keeps per token for one Qwen2 / Llama block with LoRA on a frozen base:
     ``2·4·hidden + dtype_bytes·(4·q_dim + 3·intermediate) + lora_input_bytes·Σ in_features(targets)``.
 
@@ -190,7 +190,7 @@ def kv_cache_bytes_per_token(model: ModelLike, dtype_bytes: int) -> int:
 
 
 def activation_bytes_per_token(model: ModelLike, dtype_bytes: int, activation_checkpointing: bool, *,
-                               lora_input_bytes: int = 4, lora_targets=ALL_LINEAR) -> int:
+                               lora_input_bytes: int = 4, lora_targets: Sequence[str] = ALL_LINEAR) -> int:
     """Activations autograd keeps per training token while the forward is done: without checkpointing
     ``layers × layer_activation_bytes``; with it ``layers × hidden × dtype_bytes`` (one saved input per block; the
     block being recomputed in backward is counted by :func:`estimate_grpo_memory`, which compares it with the
@@ -234,7 +234,8 @@ def lm_head_bytes(model: ModelLike, scored_tokens: int, dtype_bytes: int = 2, lm
 def estimate_grpo_memory(model: ModelLike, *, micro_batch: int, num_generations: int, generation_batch: int,
                          prompt_tokens: int, max_completion_length: int, dtype_bytes: int, lora_params: int,
                          activation_checkpointing: bool, lm_head: str = "torch", lora_input_bytes: int = 4,
-                         lora_targets=ALL_LINEAR, shards: int = 1, full_finetune: bool = False) -> dict[str, float]:
+                         lora_targets: Sequence[str] = ALL_LINEAR, shards: int = 1,
+                         full_finetune: bool = False) -> dict[str, float]:
     """Estimated bytes on one device for GRPO (+ LoRA, or a full fine-tune) in TRL 1.16, by part: the allocator's
     live-tensor peak (what ``torch.cuda.max_memory_allocated`` reports). All values are estimates, see the module
     docstring.

@@ -13,7 +13,7 @@ the checkpoints this run      :attr:`~TuningSession.checkpoints` (:class:`~.chec
 wrote                         with the fingerprint of its files: a recovery resumes only from one whose fingerprint
                               still matches and that holds the training state (:meth:`~TuningSession.resumable`)
 the RNG a checkpoint holds    :attr:`~TuningSession.next_rng`, noted by the tuner where transformers restores it
-                              (:meth:`~TuningSession.note_rng`), written by the loop's saves
+                              (:meth:`~TuningSession.note_rng`), written by :meth:`~TuningSession.save_checkpoint`
 the session id                :attr:`~TuningSession.id`: the run in the perf log (the bus's session) and the split
                               file; kept across in-process re-sizes and resumes of the same run
 the splits the run may use    :attr:`~TuningSession.exactness`, judged once at the start
@@ -21,6 +21,13 @@ the splits the run may use    :attr:`~TuningSession.exactness`, judged once at t
                               reader's list (the tuning, the memory check, the OOM and watchdog re-sizes)
 ``tuner_split.json``          written by :meth:`~TuningSession.persist` only (main process, atomically)
 ============================  ================================================================================
+
+Only this module assigns the session's fields: the tuner and :func:`~hf_perf_callbacks.train_with_tuning` ask it
+through its methods (the tuner: :meth:`~TuningSession.follow_args`, :meth:`~TuningSession.switch_taken`,
+:meth:`~TuningSession.step_completed`, :meth:`~TuningSession.request_switch`; the loop: :meth:`~TuningSession.drive`,
+:meth:`~TuningSession.resume_from`, :meth:`~TuningSession.save_checkpoint`, :meth:`~TuningSession.resume_with_switch`,
+:meth:`~TuningSession.end_run`, :meth:`~TuningSession.close`), and it saves the checkpoints a re-size resumes from
+itself.
 
 :func:`~hf_perf_callbacks.train_with_tuning` creates one session per call (a resume adopts the recorded one when it
 is this run's) and hands it to the trainer's bus; the :class:`~hf_perf_callbacks.AdaptiveBatchTuner` — also an

@@ -110,9 +110,9 @@ def test_mfu_follows_the_flops_model_with_a_given_peak(tokenizer, tmp_path):
     per_token = train + forward_flops_per_token(meter.shape, meter.seq_len)     # GRPO: + one generation forward
     assert last["perf/mfu"] == pytest.approx(per_token * last["perf/tokens_per_sec"] / 1e12)
     assert "perf/hfu" not in last                                 # no activation checkpointing here
-    assert set(meter.summary) == set(MeterSummary.__annotations__) - {"hfu"}     # its type names every key
+    assert MeterSummary.__required_keys__ <= set(meter.summary) <= set(MeterSummary.__annotations__)  # its type
     written = [s for s in perf_lines(tmp_path, "summary") if s["source"] == "perf"][-1]   # read back: its types
-    assert SummaryLine.from_json(written).malformed == {} and SummaryLine.from_json(written).values["mfu"] > 0
+    assert SummaryLine.from_json(written).malformed == {} and SummaryLine.from_json(written).values["steps"] == 4
 
 
 def test_resume_restores_counters_and_first_window_does_not_spike(tokenizer, tmp_path):

@@ -12,6 +12,8 @@ import json
 import os
 import sys
 
+from hf_perf_callbacks import keys
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch
@@ -90,7 +92,7 @@ def main(out):
         meter_trainable=meter.shape.trainable_matmul_params, disabled=[type(c).__name__ for c in callbacks
                                                                        if c.disabled],
         keys=keys_logged(plain), tokens=meter.timeline.total_tokens, independent_tokens=int(counted.item()),
-        rates=[entry.get("perf/tokens_per_sec") for entry in plain.state.log_history if "loss" in entry],
+        rates=[entry.get(keys.PERF_TOKENS_PER_SEC) for entry in plain.state.log_history if "loss" in entry],
         device=str(meter.device.device), world=meter.world)
 
     # 2. the watchdog: a tiny budget on rank 1 only stops both ranks at one step, with one sharded checkpoint
@@ -131,7 +133,7 @@ def main(out):
                   tuned_actions=[a["action"] for a in watchdog.actions],
                   tuned_checkpoint=sorted(os.listdir(os.path.join(out, "tuned", "checkpoint-2"))),
                   tuned_steps_logged=[x["step"] for x in lines if x["type"] == "step"],
-                  tuned_micro_batches=[x.get("tuner/micro_batch") for x in lines if x["type"] == "step"],
+                  tuned_micro_batches=[x.get(keys.TUNER_MICRO_BATCH) for x in lines if x["type"] == "step"],
                   tuned_notes_logged=[x["message"][:40] for x in lines if x["type"] == "event"
                                       and x.get("source") == "tuner" and x.get("kind") == "warning"])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

@@ -88,7 +88,7 @@ import math
 import os
 import statistics
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from . import estimate, keys
 from .batching import Split, exact_splits, next_smaller
@@ -299,7 +299,7 @@ def _dims(model: dict) -> dict | None:
     parameter, default 2); None when layers, hidden size or attention heads are unknown."""
     if not (model.get("num_hidden_layers") and model.get("hidden_size") and model.get("num_attention_heads")):
         return None
-    return {**asdict(estimate.model_from_config(model)), "bytes": model.get("bytes_per_param") or 2}
+    return {**estimate.model_from_config(model), "bytes": model.get("bytes_per_param") or 2}
 
 
 def _known(compute: Callable, *args):

@@ -58,6 +58,16 @@ class ModelShape:
                              f"{', '.join(MODEL_KEYS)}")
         return cls(**{f.name: model[f.name] for f in dataclasses.fields(cls) if model.get(f.name) is not None})
 
+    def keys(self) -> list[str]:
+        """Its field names: a ModelShape also reads as the mapping of its fields (``shape["layers"]``,
+        ``{**shape}``), as the model dicts it replaces did."""
+        return [f.name for f in dataclasses.fields(self)]
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self.keys():
+            raise KeyError(name)
+        return getattr(self, name)
+
     def ints(self, *names: str) -> tuple[int, ...]:
         """The fields ``names``, each checked to be an integer >= 1 (ValueError naming the missing or bad one)."""
         missing = [name for name in names if getattr(self, name) is None]

@@ -192,6 +192,9 @@ def test_a_model_dict_is_read_as_its_shape_and_a_missing_field_is_named():
         logits_bytes_per_token(dataclasses.replace(shape, vocab=None))
     with pytest.raises(ValueError, match="model=3 is not allowed"):
         kv_cache_bytes_per_token(3, 2)
+    assert shape["layers"] == 24 and {**shape}["params"] == 494_032_768      # it still reads as the dict it was
+    with pytest.raises(KeyError):
+        shape["bytes"]
 
 
 def test_lora_param_count_by_hand():

@@ -12,8 +12,6 @@ import json
 import os
 import sys
 
-from hf_perf_callbacks import keys
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch
@@ -64,7 +62,7 @@ def keys_logged(trainer):
 
 def main(out):
     fsdp_on_cpu()
-    from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter, default_callbacks
+    from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter, default_callbacks, keys
     from hf_perf_callbacks.flops import shape_of
     from hf_perf_callbacks.tiny import build_model, build_tokenizer
     from tests.conftest import CORPUS, make_trainer

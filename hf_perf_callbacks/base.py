@@ -64,7 +64,7 @@ def _isolate_faults(name: str, method):
             bus = self._bus
             if name == "on_train_begin":
                 bus.on_train_begin(args, state, control)          # once per call, also when it joined just now
-            bus.output_dir, bus.is_main = args.output_dir, state.is_world_process_zero
+            bus.bind(args, state)
             if name == "on_train_begin":
                 if state.global_step > 0:
                     self._restore_from(state)

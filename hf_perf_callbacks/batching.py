@@ -35,6 +35,13 @@ class Split:
             return None
         return self.micro_batch * world_size * self.steps_per_generation
 
+    @staticmethod
+    def generation_steps(generation_batch: int, micro_batch: int, world_size: int = 1) -> int | None:
+        """The ``steps_per_generation`` at which ``micro_batch`` over ``world_size`` ranks generates
+        ``generation_batch`` completions at a time (the inverse of :meth:`generation_batch`); None when none does."""
+        per_step = micro_batch * world_size
+        return generation_batch // per_step if generation_batch % per_step == 0 else None
+
     def as_args(self) -> dict[str, int]:
         """The split as the trainer arguments that set it."""
         return {"per_device_train_batch_size": self.micro_batch, "gradient_accumulation_steps": self.grad_accum,
@@ -69,8 +76,8 @@ def exact_splits(effective_batch: int, world_size: int = 1, generation_batch: in
             continue
         if generation_batch is None:
             splits.append(Split(micro, effective_batch // per_step))
-        elif generation_batch % per_step == 0:
-            splits.append(Split(micro, effective_batch // per_step, generation_batch // per_step))
+        elif (spg := Split.generation_steps(generation_batch, micro, world_size)) is not None:
+            splits.append(Split(micro, effective_batch // per_step, spg))
     return splits
 
 

@@ -10,8 +10,8 @@ into the next training log *before* any reporter runs, and into ``log_history[-1
 Only training logs get the metrics (:func:`is_training_log`): not an evaluation's log, not the end-of-training
 summary.
 
-The bus is also the small shared object through which the callbacks talk (the signals below; the tuning session
-of :mod:`hf_perf_callbacks.resize.session`, :attr:`RunBus.tuning`), and it writes the run log
+The bus is also the small shared object through which the callbacks talk (the signals below; the run's tuning
+session, :attr:`RunBus.tuning`, seen here only as a :class:`TuningLink`), and it writes the run log
 ``<output_dir>/perf_log.jsonl`` (main process only; records and reader in :mod:`hf_perf_callbacks.runlog`):
 one run header per ``train()`` call with the run's ``session`` and the facts the callbacks handed it
 (:meth:`RunBus.describe_run`), one step line per optimizer step (at a logging step with every numeric value of the
@@ -48,7 +48,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
@@ -72,7 +72,6 @@ __all__ = ["RunBus", "OutputDirBusy", "OutputDirLock", "SIGNAL_CLEAR", "SIGNAL_S
 
 if TYPE_CHECKING:
     from .memory import WallFacts
-    from .resize.session import TuningSession
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -80,6 +79,17 @@ logger = logging.getLogger("hf_perf_callbacks")
 SIGNAL_CLEAR = "clear_cache"
 #: the watchdog asks for a smaller micro-batch
 SIGNAL_SMALLER_BATCH = "smaller_batch"
+
+
+class TuningLink(Protocol):
+    """What the bus and its readers need of the run's tuning session (the session itself lives a layer up, in
+    :mod:`hf_perf_callbacks.resize`, and attaches itself: :meth:`RunBus.attach_tuning`)."""
+
+    @property
+    def output_dir(self) -> str: ...
+
+    @property
+    def managed(self) -> bool: ...          # train_with_tuning drives the run (it resumes after a re-size)
 
 
 class RunBus(TrainerCallback):
@@ -97,7 +107,7 @@ class RunBus(TrainerCallback):
         self.pinned = False                     # a tuning session fixed the session (see pin_session)
         self.trained = False                    # a train() call has begun on this bus
         self.begun = None                       # the TrainerState of the train() call that began last
-        self.tuning: TuningSession | None = None    # the tuning session of train_with_tuning or the tuner
+        self.tuning: TuningLink | None = None       # the tuning session of train_with_tuning or the tuner
         self.standing: dict = {}                # run facts of every train() call of this trainer (see mark_runs)
         self.continuing = False                 # this train() ends for an in-process re-size: the run goes on
         # this train() call's header while it is not written yet; the first call's is opened here, as the bus
@@ -153,7 +163,7 @@ class RunBus(TrainerCallback):
                 self._append(entry)
         return entry.to_json()
 
-    def write_summary(self, source: str, values: dict) -> None:
+    def write_summary(self, source: str, values: Mapping[str, Any]) -> None:
         """A callback's end-of-run summary."""
         self._emit(SummaryLine(source, dict(values)))
 
@@ -269,6 +279,24 @@ class RunBus(TrainerCallback):
         self.holding = max(0, self.holding - 1)
         if not self.holding:
             self.lock.release()
+
+    # ------------------------------------------------------------ what the callbacks tell the bus
+    def attach_tuning(self, tuning: TuningLink) -> None:
+        """The run's tuning session (one per ``train_with_tuning`` call, or the tuner's own)."""
+        self.tuning = tuning
+
+    def continue_run(self, continuing: bool) -> None:
+        """Whether this ``train()`` call ends for an in-process re-size (the run goes on: no end-of-run output,
+        the lock stays held)."""
+        self.continuing = continuing
+
+    def bind(self, args, state) -> None:
+        """Follow the trainer's ``output_dir`` and whether this is the main process (at every callback event)."""
+        self.output_dir, self.is_main = args.output_dir, state.is_world_process_zero
+
+    def note_memory_facts(self, facts: WallFacts | None) -> None:
+        """The watchdog's latest facts of the memory wall (a stop or a re-size that gives up names them)."""
+        self.memory_facts = facts
 
     # ------------------------------------------------------------ trainer events
     def mark_runs(self, **facts) -> None:

@@ -6,6 +6,7 @@ from .base import Clock, PerfCallback
 from .bus import SIGNAL_CLEAR
 from .device import GB, DeviceLayer
 from .memory import ClearSchedule
+from .runlog import ClearerSummary
 from .validation import check_flag, check_number
 
 
@@ -137,8 +138,9 @@ class MPSCacheClearer(PerfCallback):
             self.clear(state.global_step, "after checkpoint save", automatic=False)
 
     def on_train_end(self, args, state, control, **kwargs):
-        self._bus.write_summary(self.source, {"clears": self.clears, "freed_gb": self.total_freed / GB,
-                                              "seconds": self.total_seconds, "interval": self.schedule.interval})
+        summary: ClearerSummary = {"clears": self.clears, "freed_gb": self.total_freed / GB,
+                                   "seconds": self.total_seconds, "interval": self.schedule.interval}
+        self._bus.write_summary(self.source, summary)
 
     def start_fresh(self) -> None:
         self.schedule = ClearSchedule(self.interval_steps, self.min_interval, self.max_interval,

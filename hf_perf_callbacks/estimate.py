@@ -20,22 +20,81 @@ time for compute; activations, KV cache and logits are per rank as without shard
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
 from .validation import check_flag, check_number
 
-#: Qwen2.5 Instruct configs (source: the models' config.json on the hub, see the module docstring).
-QWEN25: dict[str, dict] = {
-    "Qwen/Qwen2.5-0.5B-Instruct": dict(layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, head_dim=64,
-                                       vocab=151936, tie_word_embeddings=True, params=494_032_768),
-    "Qwen/Qwen2.5-1.5B-Instruct": dict(layers=28, hidden=1536, intermediate=8960, heads=12, kv_heads=2, head_dim=128,
-                                       vocab=151936, tie_word_embeddings=True, params=1_543_714_304),
-    "Qwen/Qwen2.5-3B-Instruct": dict(layers=36, hidden=2048, intermediate=11008, heads=16, kv_heads=2, head_dim=128,
-                                     vocab=151936, tie_word_embeddings=True, params=3_085_938_688),
-    # untied embeddings (embedding and LM head are separate matrices of vocab × hidden each)
-    "Qwen/Qwen2.5-7B-Instruct": dict(layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4, head_dim=128,
-                                     vocab=152064, tie_word_embeddings=False, params=7_615_616_512),
-}
-
 MODEL_KEYS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "params")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape of a decoder-only LM that the estimates read: ``layers``, ``hidden`` (size), ``intermediate`` (MLP
+    size), ``heads`` and ``kv_heads`` (attention), ``head_dim``, ``vocab`` (size), ``params`` (the parameter count)
+    and whether the embedding and the LM head share their weights. A field a config lacks is None; a function
+    that needs it raises a ValueError naming it."""
+
+    layers: int | None = None
+    hidden: int | None = None
+    intermediate: int | None = None
+    heads: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    vocab: int | None = None
+    params: int | None = None
+    tie_word_embeddings: bool = True
+
+    @classmethod
+    def of(cls, model: ModelShape | Mapping[str, Any]) -> ModelShape:
+        """``model`` as a ModelShape: itself, or a mapping of its fields (as the recipes' README shows; other keys
+        are left out). ValueError when it is neither."""
+        if isinstance(model, ModelShape):
+            return model
+        if not isinstance(model, Mapping):
+            raise ValueError(f"model={model!r} is not allowed: expected a ModelShape or a dict with keys "
+                             f"{', '.join(MODEL_KEYS)}")
+        return cls(**{f.name: model[f.name] for f in dataclasses.fields(cls) if model.get(f.name) is not None})
+
+    def keys(self) -> list[str]:
+        """Its field names: a ModelShape also reads as the mapping of its fields (``shape["layers"]``,
+        ``{**shape}``), as the model dicts it replaces did."""
+        return [f.name for f in dataclasses.fields(self)]
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self.keys():
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def ints(self, *names: str) -> tuple[int, ...]:
+        """The fields ``names``, each checked to be an integer >= 1 (ValueError naming the missing or bad one)."""
+        missing = [name for name in names if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"model is missing {missing}: expected {', '.join(names)} (see QWEN25 for examples)")
+        for name in names:
+            check_number(f"model[{name!r}]", getattr(self, name), low=1, integer=True)
+        return tuple(int(getattr(self, name)) for name in names)
+
+
+#: a ModelShape, or a mapping of its fields
+ModelLike = ModelShape | Mapping[str, Any]
+
+#: Qwen2.5 Instruct configs (source: the models' config.json on the hub, see the module docstring).
+QWEN25: dict[str, ModelShape] = {
+    "Qwen/Qwen2.5-0.5B-Instruct": ModelShape(layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2,
+                                             head_dim=64, vocab=151936, tie_word_embeddings=True, params=494_032_768),
+    "Qwen/Qwen2.5-1.5B-Instruct": ModelShape(layers=28, hidden=1536, intermediate=8960, heads=12, kv_heads=2,
+                                             head_dim=128, vocab=151936, tie_word_embeddings=True,
+                                             params=1_543_714_304),
+    "Qwen/Qwen2.5-3B-Instruct": ModelShape(layers=36, hidden=2048, intermediate=11008, heads=16, kv_heads=2,
+                                           head_dim=128, vocab=151936, tie_word_embeddings=True, params=3_085_938_688),
+    # untied embeddings (embedding and LM head are separate matrices of vocab × hidden each)
+    "Qwen/Qwen2.5-7B-Instruct": ModelShape(layers=28, hidden=3584, intermediate=18944, heads=28, kv_heads=4,
+                                           head_dim=128, vocab=152064, tie_word_embeddings=False,
+                                           params=7_615_616_512),
+}
 #: Every linear layer of a Llama / Qwen2 block (what ``lora_target_modules: [all-linear]`` selects).
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: Bytes per trainable LoRA parameter: fp32 weight (4) + fp32 gradient (4) + AdamW exp_avg and exp_avg_sq (8).
@@ -56,51 +115,42 @@ HEAD_TILE_TEMP_BYTES = {"triton": 0, "torch": 33}
 #: (The tile buffer itself is ``HEAD_VOCAB_CHUNK`` columns of the compute dtype whatever the vocabulary size.)
 
 
-def _check_model(model: dict, keys=MODEL_KEYS) -> None:
-    """``model`` is a dict whose ``keys`` are integers >= 1 (ValueError naming the key otherwise)."""
-    if not isinstance(model, dict):
-        raise ValueError(f"model={model!r} is not allowed: expected a dict with keys {', '.join(keys)}")
-    missing = [key for key in keys if key not in model]
-    if missing:
-        raise ValueError(f"model is missing {missing}: expected a dict with keys {', '.join(keys)} "
-                         f"(see QWEN25 for examples)")
-    for key in keys:
-        check_number(f"model[{key!r}]", model[key], low=1, integer=True)
-
-
-def model_from_config(config: dict) -> dict:
-    """This module's model dict from a Hugging Face config's keys (``num_hidden_layers``, ``hidden_size``,
+def model_from_config(config: Mapping[str, Any]) -> ModelShape:
+    """The :class:`ModelShape` of a Hugging Face config's keys (``num_hidden_layers``, ``hidden_size``,
     ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``vocab_size``,
-    ``params``), e.g. the ``model`` facts of a run's perf log header. ``kv_heads`` defaults to ``heads`` and
-    ``head_dim`` to ``hidden / heads``; keys the config lacks are None (the functions needing them raise)."""
+    ``params``, ``tie_word_embeddings``), e.g. the ``model`` facts of a run's perf log header. ``kv_heads`` defaults
+    to ``heads`` and ``head_dim`` to ``hidden / heads``; keys the config lacks are None (the functions needing them
+    raise)."""
     layers, hidden, heads = (config.get(k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads"))
     head_dim = config.get("head_dim") or (hidden // heads if hidden and heads else None)
-    return dict(layers=layers, hidden=hidden, intermediate=config.get("intermediate_size"), heads=heads,
-                kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
-                vocab=config.get("vocab_size"), params=config.get("params"))
+    return ModelShape(layers=layers, hidden=hidden, intermediate=config.get("intermediate_size"), heads=heads,
+                      kv_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
+                      vocab=config.get("vocab_size"), params=config.get("params"),
+                      tie_word_embeddings=bool(config.get("tie_word_embeddings", True)))
 
 
-def _linear_shapes(model: dict) -> dict[str, tuple[int, int]]:
+def _linear_shapes(model: ModelShape) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each linear layer in one block."""
-    h, i = model["hidden"], model["intermediate"]
-    q, kv = model["heads"] * model["head_dim"], model["kv_heads"] * model["head_dim"]
+    h, i, heads, kv_heads, head_dim = model.ints("hidden", "intermediate", "heads", "kv_heads", "head_dim")
+    q, kv = heads * head_dim, kv_heads * head_dim
     return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
-def lora_param_count(model: dict, r: int, target_modules=ALL_LINEAR) -> int:
+def lora_param_count(model: ModelLike, r: int, target_modules: Sequence[str] = ALL_LINEAR) -> int:
     """Trainable LoRA parameters: ``layers × Σ r × (in + out)`` over the targeted linear layers of each block."""
-    _check_model(model)
+    shape = ModelShape.of(model)
+    (layers,) = shape.ints("layers")
     check_number("r", r, low=1, integer=True)
-    shapes = _linear_shapes(model)
+    shapes = _linear_shapes(shape)
     unknown = [name for name in target_modules if name not in shapes]
     if unknown:
         raise ValueError(f"target_modules={list(target_modules)!r} is not allowed: {unknown} unknown; "
                          f"allowed are {list(shapes)}")
-    return model["layers"] * sum(r * (shapes[name][0] + shapes[name][1]) for name in target_modules)
+    return layers * sum(r * (shapes[name][0] + shapes[name][1]) for name in target_modules)
 
 
-def _lora_inputs(model: dict, lora_targets) -> int:
+def _lora_inputs(model: ModelShape, lora_targets: Sequence[str]) -> int:
     """Input features summed over the LoRA-targeted linear layers of one block."""
     shapes = _linear_shapes(model)
     unknown = [name for name in lora_targets if name not in shapes]
@@ -110,8 +160,8 @@ def _lora_inputs(model: dict, lora_targets) -> int:
     return sum(shapes[name][0] for name in lora_targets)
 
 
-def layer_activation_bytes(model: dict, dtype_bytes: int, lora_input_bytes: int = 4,
-                           lora_targets=ALL_LINEAR) -> int:
+def layer_activation_bytes(model: ModelLike, dtype_bytes: int, lora_input_bytes: int = 4,
+                           lora_targets: Sequence[str] = ALL_LINEAR) -> int:
     """Bytes autograd keeps per token for one Qwen2 / Llama block with LoRA on a frozen base:
     ``2·4·hidden + dtype_bytes·(4·q_dim + 3·intermediate) + lora_input_bytes·Σ in_features(targets)``.
 
@@ -127,39 +177,41 @@ def layer_activation_bytes(model: dict, dtype_bytes: int, lora_input_bytes: int 
     Checked against ``torch.profiler``'s memory timeline of a real Qwen2 + PEFT LoRA forward/backward on CPU
     (``tests/test_estimate.py``): the per-layer slope matches to within 1 %.
     """
-    _check_model(model, ("hidden", "intermediate", "heads", "head_dim"))
+    shape = ModelShape.of(model)
+    h, i, heads, head_dim = shape.ints("hidden", "intermediate", "heads", "head_dim")
     check_number("dtype_bytes", dtype_bytes, low=1, integer=True)
     check_number("lora_input_bytes", lora_input_bytes, low=0, integer=True)
-    h, i, q = model["hidden"], model["intermediate"], model["heads"] * model["head_dim"]
-    return 2 * NORM_BYTES * h + dtype_bytes * (4 * q + 3 * i) + lora_input_bytes * _lora_inputs(model, lora_targets)
+    q = heads * head_dim
+    return 2 * NORM_BYTES * h + dtype_bytes * (4 * q + 3 * i) + lora_input_bytes * _lora_inputs(shape, lora_targets)
 
 
-def backward_work_bytes(model: dict, dtype_bytes: int) -> int:
+def backward_work_bytes(model: ModelLike, dtype_bytes: int) -> int:
     """Gradient buffers alive while one block's backward runs, per token: ``dtype_bytes·(3·intermediate +
     4·hidden)`` (the MLP's three intermediate-sized gradients and a few hidden-sized ones)."""
-    _check_model(model, ("hidden", "intermediate"))
-    return dtype_bytes * (3 * model["intermediate"] + 4 * model["hidden"])
+    hidden, intermediate = ModelShape.of(model).ints("hidden", "intermediate")
+    return dtype_bytes * (3 * intermediate + 4 * hidden)
 
 
-def kv_cache_bytes_per_token(model: dict, dtype_bytes: int) -> int:
+def kv_cache_bytes_per_token(model: ModelLike, dtype_bytes: int) -> int:
     """Keys and values of one token over all layers: ``2 × layers × kv_heads × head_dim × dtype_bytes``."""
-    _check_model(model, ("layers", "kv_heads", "head_dim"))
+    layers, kv_heads, head_dim = ModelShape.of(model).ints("layers", "kv_heads", "head_dim")
     check_number("dtype_bytes", dtype_bytes, low=1, integer=True)
-    return 2 * model["layers"] * model["kv_heads"] * model["head_dim"] * dtype_bytes
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
-def activation_bytes_per_token(model: dict, dtype_bytes: int, activation_checkpointing: bool, *,
-                               lora_input_bytes: int = 4, lora_targets=ALL_LINEAR) -> int:
+def activation_bytes_per_token(model: ModelLike, dtype_bytes: int, activation_checkpointing: bool, *,
+                               lora_input_bytes: int = 4, lora_targets: Sequence[str] = ALL_LINEAR) -> int:
     """Activations autograd keeps per training token while the forward is done: without checkpointing
     ``layers × layer_activation_bytes``; with it ``layers × hidden × dtype_bytes`` (one saved input per block; the
     block being recomputed in backward is counted by :func:`estimate_grpo_memory`, which compares it with the
     LM head's working set: the two never overlap)."""
-    _check_model(model, ("layers", "hidden"))
+    shape = ModelShape.of(model)
+    layers, hidden = shape.ints("layers", "hidden")
     check_flag("activation_checkpointing", activation_checkpointing)
     if activation_checkpointing:
         check_number("dtype_bytes", dtype_bytes, low=1, integer=True)
-        return model["layers"] * model["hidden"] * dtype_bytes
-    return model["layers"] * layer_activation_bytes(model, dtype_bytes, lora_input_bytes, lora_targets)
+        return layers * hidden * dtype_bytes
+    return layers * layer_activation_bytes(shape, dtype_bytes, lora_input_bytes, lora_targets)
 
 
 def _check_head(lm_head: str) -> None:
@@ -168,30 +220,32 @@ def _check_head(lm_head: str) -> None:
                          f"('triton' on CUDA/XPU with Triton, 'torch' on MPS and CPU)")
 
 
-def logits_bytes_per_token(model: dict, dtype_bytes: int = 2, lm_head: str = "torch") -> int:
+def logits_bytes_per_token(model: ModelLike, dtype_bytes: int = 2, lm_head: str = "torch") -> int:
     """What TRL's chunked log-prob head holds per scored token, below ``HEAD_TOKEN_CHUNK`` tokens: its tile buffer,
     always ``HEAD_VOCAB_CHUNK`` columns wide (``HEAD_VOCAB_CHUNK × dtype_bytes``), the temporaries of one tile
     (``min(vocab, HEAD_VOCAB_CHUNK) × HEAD_TILE_TEMP_BYTES[lm_head]``) — never the whole vocabulary — and the hidden
     state it keeps with its fp32 gradient, ``hidden × (dtype_bytes + 4)``."""
-    _check_model(model, ("vocab", "hidden"))
+    vocab, hidden = ModelShape.of(model).ints("vocab", "hidden")
     check_number("dtype_bytes", dtype_bytes, low=1, integer=True)
     _check_head(lm_head)
-    tile = HEAD_VOCAB_CHUNK * dtype_bytes + min(model["vocab"], HEAD_VOCAB_CHUNK) * HEAD_TILE_TEMP_BYTES[lm_head]
-    return tile + model["hidden"] * (dtype_bytes + 4)
+    tile = HEAD_VOCAB_CHUNK * dtype_bytes + min(vocab, HEAD_VOCAB_CHUNK) * HEAD_TILE_TEMP_BYTES[lm_head]
+    return tile + hidden * (dtype_bytes + 4)
 
 
-def lm_head_bytes(model: dict, scored_tokens: int, dtype_bytes: int = 2, lm_head: str = "torch") -> int:
+def lm_head_bytes(model: ModelLike, scored_tokens: int, dtype_bytes: int = 2, lm_head: str = "torch") -> int:
     """TRL's chunked log-prob head for ``scored_tokens``: the tile rows stop at ``HEAD_TOKEN_CHUNK`` tokens."""
     check_number("scored_tokens", scored_tokens, low=0, integer=True)
     per_token = logits_bytes_per_token(model, dtype_bytes, lm_head)
-    tile = per_token - model["hidden"] * (dtype_bytes + 4)
-    return min(scored_tokens, HEAD_TOKEN_CHUNK) * tile + scored_tokens * model["hidden"] * (dtype_bytes + 4)
+    (hidden,) = ModelShape.of(model).ints("hidden")
+    tile = per_token - hidden * (dtype_bytes + 4)
+    return min(scored_tokens, HEAD_TOKEN_CHUNK) * tile + scored_tokens * hidden * (dtype_bytes + 4)
 
 
-def estimate_grpo_memory(model: dict, *, micro_batch: int, num_generations: int, generation_batch: int,
+def estimate_grpo_memory(model: ModelLike, *, micro_batch: int, num_generations: int, generation_batch: int,
                          prompt_tokens: int, max_completion_length: int, dtype_bytes: int, lora_params: int,
                          activation_checkpointing: bool, lm_head: str = "torch", lora_input_bytes: int = 4,
-                         lora_targets=ALL_LINEAR, shards: int = 1, full_finetune: bool = False) -> dict[str, float]:
+                         lora_targets: Sequence[str] = ALL_LINEAR, shards: int = 1,
+                         full_finetune: bool = False) -> dict[str, float]:
     """Estimated bytes on one device for GRPO (+ LoRA, or a full fine-tune) in TRL 1.16, by part: the allocator's
     live-tensor peak (what ``torch.cuda.max_memory_allocated`` reports). All values are estimates, see the module
     docstring.
@@ -236,7 +290,8 @@ def estimate_grpo_memory(model: dict, *, micro_batch: int, num_generations: int,
       ``recompute`` left out), kept for comparing a change part by part; it is not a peak — a fit check reads
       ``peak``.
     """
-    _check_model(model)
+    shape = ModelShape.of(model)
+    _, hidden, intermediate, _, _, _, vocab, params = shape.ints(*MODEL_KEYS)
     for name, value in (("micro_batch", micro_batch), ("num_generations", num_generations),
                         ("generation_batch", generation_batch), ("max_completion_length", max_completion_length),
                         ("dtype_bytes", dtype_bytes)):
@@ -260,22 +315,22 @@ def estimate_grpo_memory(model: dict, *, micro_batch: int, num_generations: int,
     seq = prompt_tokens + max_completion_length
     tokens = micro_batch * seq
     scored = micro_batch * (max_completion_length if lm_head == "triton" else seq)
-    block = layer_activation_bytes(model, dtype_bytes, lora_input_bytes, lora_targets)
-    work = backward_work_bytes(model, dtype_bytes)
+    block = layer_activation_bytes(shape, dtype_bytes, lora_input_bytes, lora_targets)
+    work = backward_work_bytes(shape, dtype_bytes)
     parts = {
-        "weights": model["params"] * (FULL_BYTES_PER_PARAM if full_finetune else dtype_bytes) / shards,
+        "weights": params * (FULL_BYTES_PER_PARAM if full_finetune else dtype_bytes) / shards,
         "lora": lora_params * LORA_BYTES_PER_PARAM / shards,
-        "kv_cache": kv_cache_bytes_per_token(model, dtype_bytes) * seq * generation_batch,
-        "prefill": generation_batch * (prompt_tokens * model["intermediate"] * (3 * dtype_bytes + lora_input_bytes)
-                                       + model["vocab"] * (dtype_bytes + 8)),
-        "activations": activation_bytes_per_token(model, dtype_bytes, activation_checkpointing,
+        "kv_cache": kv_cache_bytes_per_token(shape, dtype_bytes) * seq * generation_batch,
+        "prefill": generation_batch * (prompt_tokens * intermediate * (3 * dtype_bytes + lora_input_bytes)
+                                       + vocab * (dtype_bytes + 8)),
+        "activations": activation_bytes_per_token(shape, dtype_bytes, activation_checkpointing,
                                                   lora_input_bytes=lora_input_bytes,
                                                   lora_targets=lora_targets) * tokens,
-        "logits": lm_head_bytes(model, scored, dtype_bytes, lm_head),
+        "logits": lm_head_bytes(shape, scored, dtype_bytes, lm_head),
         "recompute": (block + work) * tokens if activation_checkpointing else work * tokens,
     }
     if shards > 1:
-        parts["gathered"] = 2 * max(model["vocab"] * model["hidden"], layer_param_count(model)) * dtype_bytes
+        parts["gathered"] = 2 * max(vocab * hidden, layer_param_count(shape)) * dtype_bytes
     parts = {key: float(value) for key, value in parts.items()}
     parts["generation"] = parts["kv_cache"] + parts["prefill"]
     parts["training"] = parts["activations"] + max(parts["logits"], parts["recompute"])
@@ -285,10 +340,11 @@ def estimate_grpo_memory(model: dict, *, micro_batch: int, num_generations: int,
     return parts
 
 
-def layer_param_count(model: dict) -> int:
+def layer_param_count(model: ModelLike) -> int:
     """Weights of one Llama / Qwen2 decoder block: its seven linear layers and two RMSNorms (biases left out)."""
-    _check_model(model, ("hidden", "intermediate", "heads", "kv_heads", "head_dim"))
-    return sum(i * o for i, o in _linear_shapes(model).values()) + 2 * model["hidden"]
+    shape = ModelShape.of(model)
+    (hidden,) = shape.ints("hidden")
+    return sum(i * o for i, o in _linear_shapes(shape).values()) + 2 * hidden
 
 
 def format_gib(value: float) -> str:

@@ -19,6 +19,14 @@ GIB, MIB = 2**30, 2**20
 
 #: the watchdog's default share of what the run can reach used as the budget
 BUDGET_FRACTION = 0.85
+#: the memory policy's defaults (:class:`MemoryPolicy`'s and the MemoryWatchdog's arguments of the same names): the
+#: share of the budget at which the level becomes warn, the steps at a segment's start without actions, the steps
+#: in the growth fit, and how many steps away the wall makes the watchdog warn and act, and stop
+WARN_FRACTION = 0.9
+GRACE_STEPS = 2
+TREND_WINDOW = 8
+WARN_WITHIN_STEPS = 20.0
+STOP_WITHIN_STEPS = 3.0
 #: the budget moves only when what the run can reach moved by more than this share of the budget
 WALL_BAND = 0.05
 #: memory outside the run's reach is named as a cause of the wall when it is at least this share of the device
@@ -190,12 +198,12 @@ class MemoryPolicy:
     """
 
     budget: float
-    warn_fraction: float = 0.9
+    warn_fraction: float = WARN_FRACTION
     hysteresis: float = 0.05
-    grace_steps: int = 2
-    trend_window: int = 8
-    warn_within_steps: float = 20
-    stop_within_steps: float = 3
+    grace_steps: int = GRACE_STEPS
+    trend_window: int = TREND_WINDOW
+    warn_within_steps: float = WARN_WITHIN_STEPS
+    stop_within_steps: float = STOP_WITHIN_STEPS
     leak_min_growth: float = 1024**2
     level: int = OK
     history: deque[tuple[int, float]] = field(default_factory=deque)   # (step, used bytes)

@@ -51,7 +51,7 @@ import socket
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from .keys import *  # noqa: F403 -- the keys and file names stay importable from here (runlog.PERF_MFU)
 from .keys import PERF_LOG, TRAINER_STATE
@@ -113,6 +113,7 @@ class RunHeader:
     budget_gb: float | None = None
     device_limit_gb: float | None = None
     system_total_gb: float | None = None
+    warn_within_steps: float | None = None    # how many steps away the wall makes the watchdog warn and act
     extra: dict[str, Any] = field(default_factory=dict)   # fields this version does not know
     malformed: dict[str, Any] = field(default_factory=dict)   # known fields of another type (another writer): unset
 
@@ -243,17 +244,63 @@ class EventLine:
                    int(step) if step is not None else None, number(entry.get("time")), details)
 
 
-#: the type of each summary value the readers use, per source (:func:`conform`'s kinds)
-SUMMARY_KINDS = {
-    "perf": {"steps": "int", "tokens": "float", "train_seconds": "float", "warmup_done": "bool", "warmup_steps": "int",
-             "warmup_overhead_sec": "float", "first_step_slowdown": "float", "steady_step_sec": "float",
-             "steady_tokens_per_sec": "float", "mean_tokens_per_sec": "float", "phases": "dict", "device": "str",
-             "world_size": "int", "peak_flops": "float", "warmup_measured_on": "str", "first_steady_step": "int",
-             "steady_step_count": "int", "early_contention_sec": "float", "contention_steps": "list",
-             "mfu": "float", "hfu": "float"},
-    "mem": {"high_water_gb": "float", "budget_gb": "float", "actions": "list", "stopped_at": "int"},
-    "cache": {"clears": "int", "freed_gb": "float"},
-}
+class _MeterSummaryBase(TypedDict):
+    steps: int
+    tokens: float
+    train_seconds: float
+    warmup_done: bool
+    warmup_steps: int | None
+    warmup_overhead_sec: float
+    first_step_slowdown: float | None
+    steady_step_sec: float | None
+    steady_tokens_per_sec: float | None
+    mean_tokens_per_sec: float | None
+    phases: dict[str, float]
+    device: str
+    world_size: int
+    peak_flops: float | None
+    warmup_measured_on: str
+    first_steady_step: int | None
+    steady_step_count: int
+    early_contention_sec: float
+    contention_steps: list[int]
+
+
+class MeterSummary(_MeterSummaryBase, total=False):
+    """The ThroughputMeter's end-of-run summary (``source="perf"``); ``mfu`` and ``hfu`` only when the device's
+    peak is known."""
+
+    mfu: float
+    hfu: float
+
+
+class WatchdogSummary(TypedDict):
+    """The MemoryWatchdog's end-of-run summary (``source="mem"``)."""
+
+    high_water_gb: float
+    budget_gb: float
+    actions: list[dict[str, Any]]
+    stopped_at: int | None
+
+
+class ClearerSummary(TypedDict):
+    """The MPSCacheClearer's end-of-run summary (``source="cache"``)."""
+
+    clears: int
+    freed_gb: float
+    seconds: float
+    interval: int
+
+
+def _kinds(summary: type) -> dict[str, str]:
+    """Each key's :func:`conform` kind, from its annotation (``"int | None"`` → ``"int"``, ``"list[int]"`` →
+    ``"list"``)."""
+    return {name: str(getattr(kind, "__forward_arg__", kind)).split(" |")[0].split("[")[0]
+            for name, kind in summary.__annotations__.items()}
+
+
+#: the type of each summary value the readers use, per source (:func:`conform`'s kinds): read off the summaries' types
+SUMMARY_KINDS = {"perf": _kinds(MeterSummary), "mem": _kinds(WatchdogSummary), "cache": _kinds(ClearerSummary)}
 
 
 @dataclass

@@ -259,28 +259,38 @@ def trial_figures(decision: Decision) -> list[TrialFigures]:
     reference = next((t for t in decision.trials if t.split == decision.old and t.samples), None)
     no_generation = all(t.samples == t.step_samples for t in decision.trials if t.step_samples)
     unit = RANKED_UNITS["step" if no_generation else decision.ranked or "step"]   # no generation: the whole step
-    out = []
     ordered = sorted(decision.trials, key=lambda t: t is not reference)
-    for t in ordered:
-        label = f"{t.split.micro_batch}×{t.split.grad_accum}"
-        samples = tuple(t.samples)
-        status = ("reference" if t is reference else "out of memory" if t.error and "memory" in t.error
-                  and "budget" not in t.error else "over the budget" if not t.fits else
-                  "measured" if samples else "not measured")
-        change = p = None
-        if reference is not None and t is not reference and samples:
-            base = median(reference.samples)
-            change = median(samples) / base - 1.0 if base > 0 else None
-            p = mann_whitney_less(list(samples), reference.samples)
-        out.append(TrialFigures(
-            split=t.split, label=label, status=status, samples=samples, steps=tuple(t.steps),
-            median=median(samples) if samples else None, quartiles=iqr(samples) if samples else None,
-            reference=(f"{reference.split.micro_batch}×{reference.split.grad_accum}" if reference is not None
-                       and t is not reference else None),
-            reference_median=median(reference.samples) if reference is not None and t is not reference else None,
-            reference_steps=tuple(reference.steps) if reference is not None and t is not reference else (),
-            change=change, p_value=p, unit=unit, cost_sec=t.cost_sec, peak_gb=t.peak_gb, error=t.error))
-    return out
+    return [_trial_figures(t, reference, unit) for t in ordered]
+
+
+def _trial_status(trial: Trial, is_reference: bool) -> str:
+    if is_reference:
+        return "reference"
+    if trial.error and "memory" in trial.error and "budget" not in trial.error:
+        return "out of memory"
+    if not trial.fits:
+        return "over the budget"
+    return "measured" if trial.samples else "not measured"
+
+
+def _trial_figures(t: Trial, reference: Trial | None, unit: str) -> TrialFigures:
+    """One trial's figures against the decision's ``reference`` trial (None: there is none)."""
+    is_reference = t is reference
+    reference = None if is_reference else reference
+    samples = tuple(t.samples)
+    change = p = None
+    if reference is not None and samples:
+        base = median(reference.samples)
+        change = median(samples) / base - 1.0 if base > 0 else None
+        p = mann_whitney_less(list(samples), reference.samples)
+    return TrialFigures(
+        split=t.split, label=f"{t.split.micro_batch}×{t.split.grad_accum}", status=_trial_status(t, is_reference),
+        samples=samples, steps=tuple(t.steps), median=median(samples) if samples else None,
+        quartiles=iqr(samples) if samples else None,
+        reference=f"{reference.split.micro_batch}×{reference.split.grad_accum}" if reference is not None else None,
+        reference_median=median(reference.samples) if reference is not None else None,
+        reference_steps=tuple(reference.steps) if reference is not None else (),
+        change=change, p_value=p, unit=unit, cost_sec=t.cost_sec, peak_gb=t.peak_gb, error=t.error)
 
 
 #: the kinds of decision: ``tune`` (a split measured on the run's own steps kept or left), ``memory_check`` (the

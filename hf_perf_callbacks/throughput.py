@@ -14,7 +14,8 @@ from .base import Clock, PerfCallback
 from .dataloader import dataloader_advice
 from .device import DeviceLayer, dtype_key, gather_floats, world_size
 from .flops import forward_flops_per_token, shape_of, train_flops_per_token
-from .runlog import PHASES
+from .keys import PHASES
+from .runlog import MeterSummary
 from .stats import generation_period
 from .timeline import StepTimeline
 from .validation import check_flag, check_number
@@ -189,7 +190,7 @@ class ThroughputMeter(PerfCallback):
         self.warned: set[str] = set()
         self._hooks: list = []
         self._stop_watching_generate: Callable[[], None] | None = None
-        self.summary: dict | None = None
+        self.summary: MeterSummary | None = None
 
     # ------------------------------------------------------------ setup
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -464,9 +465,9 @@ class ThroughputMeter(PerfCallback):
                       step=step, data_wait_fraction=share)
 
     # ------------------------------------------------------------ summary
-    def summarize(self) -> dict:
+    def summarize(self) -> MeterSummary:
         tl = self.timeline
-        out = {"steps": tl.steps, "tokens": tl.total_tokens, "train_seconds": tl.total_train_seconds,
+        out: MeterSummary = {"steps": tl.steps, "tokens": tl.total_tokens, "train_seconds": tl.total_train_seconds,
                "warmup_done": tl.warmup_done, "warmup_steps": tl.warmup_steps,
                "warmup_overhead_sec": tl.warmup_overhead, "first_step_slowdown": tl.first_step_slowdown,
                "steady_step_sec": tl.steady_step_seconds, "steady_tokens_per_sec": tl.steady_tokens_per_sec,
@@ -476,8 +477,10 @@ class ThroughputMeter(PerfCallback):
                "first_steady_step": tl.first_steady_step, "steady_step_count": tl.steady_steps,
                "early_contention_sec": tl.early_contention, "contention_steps": tl.contention_steps}
         utilisation = self._utilisation(tl.steady_tokens_per_sec)
-        out.update({name: utilisation[key] for name, key in (("mfu", keys.PERF_MFU), ("hfu", keys.PERF_HFU))
-                    if key in utilisation})
+        if keys.PERF_MFU in utilisation:
+            out["mfu"] = utilisation[keys.PERF_MFU]
+        if keys.PERF_HFU in utilisation:
+            out["hfu"] = utilisation[keys.PERF_HFU]
         return out
 
     def format_summary(self) -> str:

@@ -13,10 +13,15 @@ from .memory import (
     BUDGET_FRACTION,
     CLEAR,
     CRITICAL,
+    GRACE_STEPS,
     LEVEL_NAMES,
     SMALLER_BATCH,
     STOP,
+    STOP_WITHIN_STEPS,
+    TREND_WINDOW,
     WALL_BAND,
+    WARN_FRACTION,
+    WARN_WITHIN_STEPS,
     MemoryPolicy,
     MovingWall,
     Observation,
@@ -26,6 +31,7 @@ from .memory import (
     holders_words,
     mib,
 )
+from .runlog import WatchdogSummary
 from .validation import check_flag, check_number
 
 WALL_KEYS = (keys.MEM_STEPS_TO_WALL, keys.MEM_STEPS_TO_WALL_LOW, keys.MEM_STEPS_TO_WALL_HIGH)
@@ -124,8 +130,9 @@ class MemoryWatchdog(PerfCallback):
     exchange_width = 2
 
     def __init__(self, limit_gb: float | None = None, budget_fraction: float = BUDGET_FRACTION,
-                 warn_fraction: float = 0.9, grace_steps: int = 2, trend_window: int = 8, warn_within_steps: float = 20,
-                 stop_within_steps: float = 3, stop: bool = True, clock: Clock | None = None):
+                 warn_fraction: float = WARN_FRACTION, grace_steps: int = GRACE_STEPS, trend_window: int = TREND_WINDOW,
+                 warn_within_steps: float = WARN_WITHIN_STEPS, stop_within_steps: float = STOP_WITHIN_STEPS,
+                 stop: bool = True, clock: Clock | None = None):
         check_number("limit_gb", limit_gb, low=0, low_open=True, allow_none=True)
         check_number("budget_fraction", budget_fraction, low=0, high=1, low_open=True)
         check_flag("stop", stop)
@@ -141,7 +148,7 @@ class MemoryWatchdog(PerfCallback):
         self.high_water = 0.0
         self.actions: list[dict] = []
         self.stopped_at: int | None = None
-        self.summary: dict | None = None
+        self.summary: WatchdogSummary | None = None
         self._announced_outside: float | None = None
         self._limit_warned = False
         self._sample: MemorySample | None = None        # the step's reading
@@ -184,11 +191,11 @@ class MemoryWatchdog(PerfCallback):
             self._follow_wall(sample, state.global_step)
         self.policy.start_segment()
         self.facts = self._facts(sample)
-        self._bus.memory_facts = self.facts
+        self._bus.note_memory_facts(self.facts)
         self.device.reset_peak()
         self._bus.describe_run(self.source, state.global_step, budget_gb=self.budget / GB,
                                device_limit_gb=(sample.device_limit or 0) / GB,
-                               system_total_gb=sample.system_total / GB)
+                               system_total_gb=sample.system_total / GB, warn_within_steps=self.warn_within_steps)
 
     def budget_bytes(self, device: DeviceLayer, sample=None) -> float:
         """The budget in bytes on ``device`` now (:func:`~hf_perf_callbacks.memory.budget_bytes` of its limits and of
@@ -281,7 +288,7 @@ class MemoryWatchdog(PerfCallback):
         policy.observe(obs)
         self._sample = sample
         self.facts = self._facts(sample)
-        self._bus.memory_facts = self.facts
+        self._bus.note_memory_facts(self.facts)
         self.high_water = max(self.high_water, obs.used)
         can_shrink = self._bus.has_subscribers(SIGNAL_SMALLER_BATCH)
         decision = None
@@ -399,7 +406,7 @@ class MemoryWatchdog(PerfCallback):
                   if follower else policy.reason())
         if self._sample is not None:                        # the stop names who holds the memory, where NVML can say
             self.facts = self._facts(self._sample, holders=True)
-            self._bus.memory_facts = self.facts
+            self._bus.note_memory_facts(self.facts)
         causes = self.facts.sentence() if self.facts is not None else ""
         futile = policy.shrink_futile() if self._bus.has_subscribers(SIGNAL_SMALLER_BATCH) else None
         if causes:

@@ -13,6 +13,8 @@ def test_a_split_names_its_effective_and_generation_batch():
     assert Split(4, 2).effective_batch() == 8 and Split(4, 2).effective_batch(world_size=2) == 16
     assert Split(4, 2, 3).generation_batch(world_size=2) == 24          # micro × world × steps_per_generation
     assert Split(4, 2).generation_batch(world_size=2) is None            # a plain Trainer generates nothing
+    assert Split.generation_steps(24, micro_batch=4, world_size=2) == 3   # its inverse
+    assert Split.generation_steps(20, micro_batch=4, world_size=2) is None   # no whole number of steps
 
 
 @pytest.mark.parametrize("num_generations", [2, 4, 8])

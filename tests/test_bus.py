@@ -8,7 +8,7 @@ import os
 import pytest
 from transformers import TrainerCallback
 
-from hf_perf_callbacks import ThroughputMeter, default_callbacks
+from hf_perf_callbacks import ThroughputMeter, default_callbacks, keys
 from hf_perf_callbacks.base import PerfCallback
 from hf_perf_callbacks.bus import RunBus, is_training_log
 from hf_perf_callbacks.runlog import CALLBACK_PREFIXES, TRAINER_LOG
@@ -34,18 +34,19 @@ def test_grpo_metrics_reach_tensorboard_log_history_console_and_perf_log(tokeniz
 
     assert isinstance(trainer.callback_handler.callbacks[0], RunBus)      # put first, before every reporter
     tags = read_tensorboard_tags(str(tmp_path))
-    for key in ("perf/tokens_per_sec", "perf/warmup_done", "perf/step_time", "perf/phase/generation"):
+    for key in (keys.PERF_TOKENS_PER_SEC, keys.PERF_WARMUP_DONE, keys.PERF_STEP_TIME,
+                keys.PERF_PHASE_SHARE["generation"]):
         assert f"train/{key}" in tags, sorted(tags)
     assert all(v > 0 for v in tags["train/perf/tokens_per_sec"])
     assert "train/loss" in tags                                          # the trainer's own keys are intact
 
     history = [h for h in trainer.state.log_history if "loss" in h]
     assert len(history) == 6
-    assert all("perf/warmup_done" in h for h in history)
-    assert all("perf/step_time" in h and "perf/phase/compute" in h for h in history)
+    assert all(keys.PERF_WARMUP_DONE in h for h in history)
+    assert all(keys.PERF_STEP_TIME in h and keys.PERF_PHASE_SHARE["compute"] in h for h in history)
     trainer.save_state()
     saved = json.load(open(os.path.join(tmp_path, "trainer_state.json")))
-    assert sum("perf/tokens_per_sec" in h for h in saved["log_history"]) == 6
+    assert sum(keys.PERF_TOKENS_PER_SEC in h for h in saved["log_history"]) == 6
 
     out = capsys.readouterr().out
     assert "'perf/tokens_per_sec'" in out                                # PrinterCallback shows them
@@ -54,7 +55,7 @@ def test_grpo_metrics_reach_tensorboard_log_history_console_and_perf_log(tokeniz
     lines = [json.loads(line) for line in open(os.path.join(tmp_path, "perf_log.jsonl"))]
     steps = [line for line in lines if line["type"] == "step"]
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6]
-    assert all(s["perf/tokens"] > 0 for s in steps)                      # GRPO generates every step here
+    assert all(s[keys.PERF_TOKENS] > 0 for s in steps)                      # GRPO generates every step here
     run = next(line for line in lines if line["type"] == "run")
     assert run["grpo"] is True and run["token_source"] == "trainer" and run["period"] == 1
     assert any(line["type"] == "event" and "MFU omitted" in line["message"] for line in lines)

@@ -2,7 +2,7 @@
 import pytest
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from hf_perf_callbacks import cli, demo
+from hf_perf_callbacks import cli, demo, keys
 from hf_perf_callbacks.tasks.wordle import REWARD_FUNCS, format_reward
 
 
@@ -43,7 +43,7 @@ def test_sampler_keeps_the_latest_completions_and_the_reward(tmp_path, capsys):
     state.global_step = 7
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
     progress.on_log(args, state, TrainerControl(), logs=logs)
-    progress.on_log(args, state, TrainerControl(), logs={"perf/step_time": 1.0})        # not a training log: silent
+    progress.on_log(args, state, TrainerControl(), logs={keys.PERF_STEP_TIME: 1.0})        # not a training log: silent
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("step   7  reward 1.25 (format 0.25, valid_word 0.25, letters 0.25")
     assert "zero-std groups 50%" in out[0] and "ended at EOS: 21" in out[0] and "clipped 25%" in out[0]

@@ -1,5 +1,6 @@
 """hf_perf_callbacks.estimate: hand-computed values, monotonicity, checkpointing, the fix of a swapping Mac run,
 the per-token functions the analysis shares, the README table."""
+import dataclasses
 import importlib.util
 import os
 import re
@@ -11,6 +12,7 @@ from hf_perf_callbacks.estimate import (
     HEAD_TOKEN_CHUNK,
     HEAD_VOCAB_CHUNK,
     QWEN25,
+    ModelShape,
     activation_bytes_per_token,
     backward_work_bytes,
     estimate_grpo_memory,
@@ -73,7 +75,7 @@ def test_head_tile_rows_stop_at_the_token_chunk():
     m = QWEN25["Qwen/Qwen2.5-0.5B-Instruct"]
     below = lm_head_bytes(m, HEAD_TOKEN_CHUNK)
     above = lm_head_bytes(m, 2 * HEAD_TOKEN_CHUNK)
-    assert above - below == HEAD_TOKEN_CHUNK * m["hidden"] * 6                             # only the hidden part grows
+    assert above - below == HEAD_TOKEN_CHUNK * m.hidden * 6                             # only the hidden part grows
     assert below == HEAD_TOKEN_CHUNK * logits_bytes_per_token(m)
 
 
@@ -175,9 +177,24 @@ def test_training_part_matches_the_profiled_peak(checkpointing):
 def test_model_from_a_hugging_face_config():
     config = {"num_hidden_layers": 36, "hidden_size": 2048, "intermediate_size": 11008, "num_attention_heads": 16,
               "num_key_value_heads": 2, "head_dim": None, "vocab_size": 151936, "params": 3_085_938_688}
-    model = model_from_config(config)
-    assert model == {k: v for k, v in QWEN25["Qwen/Qwen2.5-3B-Instruct"].items() if k in model}
-    assert model_from_config({"num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2})["kv_heads"] == 2
+    assert model_from_config(config) == QWEN25["Qwen/Qwen2.5-3B-Instruct"]
+    assert model_from_config({"num_hidden_layers": 2, "hidden_size": 8, "num_attention_heads": 2}).kv_heads == 2
+    assert model_from_config({**config, "tie_word_embeddings": False}).tie_word_embeddings is False
+
+
+def test_a_model_dict_is_read_as_its_shape_and_a_missing_field_is_named():
+    """The recipes' README passes a dict: it is read as the ModelShape of its keys (others left out)."""
+    shape = QWEN25["Qwen/Qwen2.5-0.5B-Instruct"]
+    as_dict = {**dataclasses.asdict(shape), "bytes": 2}
+    assert ModelShape.of(as_dict) == shape
+    assert kv_cache_bytes_per_token(as_dict, 2) == kv_cache_bytes_per_token(shape, 2) == 2 * 24 * 2 * 64 * 2
+    with pytest.raises(ValueError, match=r"model is missing \['vocab'\]"):
+        logits_bytes_per_token(dataclasses.replace(shape, vocab=None))
+    with pytest.raises(ValueError, match="model=3 is not allowed"):
+        kv_cache_bytes_per_token(3, 2)
+    assert shape["layers"] == 24 and {**shape}["params"] == 494_032_768      # it still reads as the dict it was
+    with pytest.raises(KeyError):
+        shape["bytes"]
 
 
 def test_lora_param_count_by_hand():
@@ -191,12 +208,12 @@ def test_lora_param_count_by_hand():
 @pytest.mark.parametrize("name", sorted(QWEN25))
 def test_qwen_table_is_self_consistent(name):
     m = QWEN25[name]
-    assert m["heads"] * m["head_dim"] == m["hidden"] and m["vocab"] in (151936, 152064)
-    assert m["tie_word_embeddings"] == (m["params"] < 7e9)                   # only the 7B has its own LM head
-    h, i, kv = m["hidden"], m["intermediate"], m["kv_heads"] * m["head_dim"]
+    assert m.heads * m.head_dim == m.hidden and m.vocab in (151936, 152064)
+    assert m.tie_word_embeddings == (m.params < 7e9)                   # only the 7B has its own LM head
+    h, i, kv = m.hidden, m.intermediate, m.kv_heads * m.head_dim
     per_layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h   # q/k/v with bias, o, MLP, 2 norms
-    embeddings = m["vocab"] * h * (1 if m["tie_word_embeddings"] else 2)
-    assert embeddings + m["layers"] * per_layer + h == m["params"]          # embeddings (+ LM head) + final norm
+    embeddings = m.vocab * h * (1 if m.tie_word_embeddings else 2)
+    assert embeddings + m.layers * per_layer + h == m.params          # embeddings (+ LM head) + final norm
 
 
 def test_longer_completions_and_larger_micro_batches_need_more():

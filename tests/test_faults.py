@@ -21,6 +21,7 @@ from hf_perf_callbacks import (
     MPSCacheClearer,
     ThroughputMeter,
     default_callbacks,
+    keys,
     train_with_tuning,
 )
 from hf_perf_callbacks.batching import Split
@@ -51,7 +52,7 @@ def assert_crash_consistent(trainer, fault, output_dir, max_steps, effective, ge
     assert steps == list(range(1, max_steps + 1)), steps                       # each step trained once
     logged = [h["step"] for h in trainer.state.log_history if "loss" in h]
     assert logged == list(range(1, max_steps + 1)), logged
-    assert {s["tuner/effective_batch"] for s in step_lines(output_dir)} == {effective}
+    assert {s[keys.TUNER_EFFECTIVE_BATCH] for s in step_lines(output_dir)} == {effective}
     args = trainer.args
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == effective
     if generation is not None:
@@ -160,7 +161,7 @@ def test_an_oom_in_evaluation_never_changes_the_training_split(tokenizer, tmp_pa
     with caplog.at_level(logging.WARNING, logger="hf_perf_callbacks"):
         train_with_tuning(trainer)
     assert trainer.state.global_step == 4 and tuner.session.decisions == []
-    assert {s["tuner/micro_batch"] for s in step_lines(tmp_path)} == {4}
+    assert {s[keys.TUNER_MICRO_BATCH] for s in step_lines(tmp_path)} == {4}
     evals = [h["step"] for h in trainer.state.log_history if "eval_loss" in h]
     if limit:
         assert evals == [2, 4]
@@ -217,8 +218,8 @@ def test_decision_history_survives_every_resume(tokenizer, tmp_path, restore):
     trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, AdaptiveBatchTuner(tune=False)],
                                         max_steps=3, bs=4, ga=2, extra=extra))
     train_with_tuning(trainer)
-    assert [s["tuner/resizes"] for s in step_lines(tmp_path)] == [0, 2, 2]
-    assert [s["tuner/micro_batch"] for s in step_lines(tmp_path)] == [4, 1, 1]
+    assert [s[keys.TUNER_RESIZES] for s in step_lines(tmp_path)] == [0, 2, 2]
+    assert [s[keys.TUNER_MICRO_BATCH] for s in step_lines(tmp_path)] == [4, 1, 1]
     record = read_split_file(str(tmp_path))
     assert len(record.decisions) == 2 and record.split == Split(1, 8)
     # a new process resumes from checkpoint-2 at the recorded split, with the whole history
@@ -230,7 +231,7 @@ def test_decision_history_survives_every_resume(tokenizer, tmp_path, restore):
     live = find_callback(resumed, AdaptiveBatchTuner)          # with restore_callback_states: a rebuilt instance
     assert live.session.decisions == record.decisions and live.session.id == record.session
     assert resumed.args.per_device_train_batch_size == 1
-    assert step_lines(tmp_path)[-1]["tuner/resizes"] == 2
+    assert step_lines(tmp_path)[-1][keys.TUNER_RESIZES] == 2
 
 
 def written(split: Split, world: int = 1) -> str:

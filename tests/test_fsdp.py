@@ -245,8 +245,8 @@ def test_shards_divide_weights_gradients_and_optimizer_state_only():
     for part in ("kv_cache", "activations", "logits"):                   # per rank, not sharded
         assert two[part] == one[part]
     assert "gathered" not in one
-    assert two["gathered"] == 2 * SEVEN_B["vocab"] * SEVEN_B["hidden"] * 2    # embedding > one layer here
-    assert SEVEN_B["vocab"] * SEVEN_B["hidden"] > layer_param_count(SEVEN_B) == 233_053_184
+    assert two["gathered"] == 2 * SEVEN_B.vocab * SEVEN_B.hidden * 2    # embedding > one layer here
+    assert SEVEN_B.vocab * SEVEN_B.hidden > layer_param_count(SEVEN_B) == 233_053_184
     assert two["total"] == pytest.approx(sum(two[k] for k in ("weights", "lora", "gathered", "kv_cache",
                                                                "activations", "logits")))
     assert two["peak"] == pytest.approx(two["weights"] + two["lora"] + two["gathered"]
@@ -255,7 +255,7 @@ def test_shards_divide_weights_gradients_and_optimizer_state_only():
 
 def test_a_full_fine_tune_counts_sixteen_bytes_per_parameter_over_the_shards():
     full = estimate_grpo_memory(SEVEN_B, lora_params=0, full_finetune=True, shards=4, **GRPO)
-    assert full["weights"] == SEVEN_B["params"] * FULL_BYTES_PER_PARAM / 4 and full["lora"] == 0
+    assert full["weights"] == SEVEN_B.params * FULL_BYTES_PER_PARAM / 4 and full["lora"] == 0
 
 
 @pytest.mark.parametrize("overrides, match", [

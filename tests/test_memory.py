@@ -2,6 +2,7 @@
 cache-clear back-off — exact values, no trainer."""
 import pytest
 
+from hf_perf_callbacks import keys
 from hf_perf_callbacks.memory import (
     CLEAR,
     CRITICAL,
@@ -174,8 +175,8 @@ def test_wall_beyond_the_run_is_not_logged_and_the_high_end_is_capped():
     assert wall_fields(f, remaining=50) == {}
     near = steps_to_limit([1, 2, 3, 4], [10.0, 14.0, 13.0, 14.5], 40.0)
     fields = wall_fields(near, remaining=int(near.steps) + 2)
-    assert fields["mem/steps_to_wall_high"] == int(near.steps) + 2     # no bound within the interval: capped
-    assert set(wall_fields(near, remaining=None)) == {"mem/steps_to_wall", "mem/steps_to_wall_low"}
+    assert fields[keys.MEM_STEPS_TO_WALL_HIGH] == int(near.steps) + 2     # no bound within the interval: capped
+    assert set(wall_fields(near, remaining=None)) == {keys.MEM_STEPS_TO_WALL, keys.MEM_STEPS_TO_WALL_LOW}
 
 
 def planted_leak_forecasts(seed, window=4, headroom=3 * 1024.0, mean=128.0, max_steps=80, base=1000.0):
@@ -193,14 +194,14 @@ def planted_leak_forecasts(seed, window=4, headroom=3 * 1024.0, mean=128.0, max_
         used += sizes[step - 1]
         policy.observe(Observation(step, used))
         fields = wall_fields(policy.forecast(), max_steps - step)
-        if "mem/steps_to_wall" in fields:
+        if keys.MEM_STEPS_TO_WALL in fields:
             total, k = used, 0
             while total < budget and step + k < max_steps:
                 total += sizes[step + k]
                 k += 1
             if total >= budget and k > 0:
-                held = fields["mem/steps_to_wall_low"] <= k <= fields.get("mem/steps_to_wall_high", float("inf"))
-                out.append((abs(fields["mem/steps_to_wall"] - k) / k, held))
+                held = fields[keys.MEM_STEPS_TO_WALL_LOW] <= k <= fields.get(keys.MEM_STEPS_TO_WALL_HIGH, float("inf"))
+                out.append((abs(fields[keys.MEM_STEPS_TO_WALL] - k) / k, held))
         if used >= budget:
             break
     return out
@@ -358,3 +359,18 @@ def test_the_causes_in_words():
                      "7.0 GiB outside PyTorch's caching allocator (the CUDA context, NCCL buffers, a pool such as "
                      "vLLM's)")
     assert WallFacts(budget=1.0, total=139.8 * GIB, outside=127 * GIB, holders=named).sentence() == named
+
+
+def test_the_watchdog_and_the_policy_share_one_set_of_defaults():
+    """Each default is written once, in memory.py: the watchdog's arguments and the policy's fields both use it."""
+    import inspect
+
+    from hf_perf_callbacks import MemoryWatchdog
+    from hf_perf_callbacks.memory import GRACE_STEPS, STOP_WITHIN_STEPS, TREND_WINDOW, WARN_FRACTION, WARN_WITHIN_STEPS
+
+    defaults = {"warn_fraction": WARN_FRACTION, "grace_steps": GRACE_STEPS, "trend_window": TREND_WINDOW,
+                "warn_within_steps": WARN_WITHIN_STEPS, "stop_within_steps": STOP_WITHIN_STEPS}
+    watchdog = inspect.signature(MemoryWatchdog).parameters
+    assert {name: watchdog[name].default for name in defaults} == defaults
+    policy = MemoryPolicy(budget=1.0)
+    assert {name: getattr(policy, name) for name in defaults} == defaults

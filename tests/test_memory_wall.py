@@ -24,7 +24,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, train_with_tuning
+from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, keys, train_with_tuning
 from hf_perf_callbacks.device import GB, DeviceLayer, MemorySample
 from hf_perf_callbacks.resize.oomsite import UnfixableOOM
 from tests.conftest import make_grpo, make_trainer
@@ -128,8 +128,8 @@ def test_a_second_process_taking_memory_lowers_the_budget_by_that_amount(tokeniz
         values = sorted(steps[s][key] for s in range(1, 21) if holding(s) == held and (s - 1) % 5 >= 2)
         return values[len(values) // 2]
 
-    drop = phase_median("mem/limit_gb", False) - phase_median("mem/limit_gb", True)
-    outside = phase_median("mem/outside_gb", True) - phase_median("mem/outside_gb", False)
+    drop = phase_median(keys.MEM_LIMIT_GB, False) - phase_median(keys.MEM_LIMIT_GB, True)
+    outside = phase_median(keys.MEM_OUTSIDE_GB, True) - phase_median(keys.MEM_OUTSIDE_GB, False)
     print(f"\nbudget drop {drop:.2f} GiB (expected {0.85 * HELD / GB:.2f}), outside rise {outside:.2f} GiB")
     assert drop == pytest.approx(0.85 * HELD / GB, rel=0.45)
     assert outside == pytest.approx(HELD / GB, rel=0.45)
@@ -167,7 +167,7 @@ def assert_stopped_before_the_wall(output_dir, watchdog, trainer, max_steps):
     assert stop is not None and trainer.state.global_step == stop < max_steps
     assert os.path.isdir(os.path.join(output_dir, f"checkpoint-{stop}"))
     line = step_lines(output_dir)[stop]
-    assert line["mem/device_used_gb"] + LEAK / GB < line["mem/limit_gb"]     # one more step would still have fit
+    assert line[keys.MEM_DEVICE_USED_GB] + LEAK / GB < line[keys.MEM_LIMIT_GB]     # one more step would still have fit
     stop_event = events(output_dir, "stop")[-1]
     rate = re.search(r"a leak of (\d+) MiB a step", stop_event["message"])
     assert rate is not None and 100 <= int(rate.group(1)) <= 160, stop_event["message"]
@@ -307,7 +307,7 @@ def test_the_shared_h200_of_the_report_stops_with_a_checkpoint_before_the_oom(to
     assert "another process holds 120.0 GiB of this card (pid 4242 python: 120.0 GiB)" in message
     assert "a leak of 512 MiB a step" in message
     steps = step_lines(tmp_path)
-    assert steps[1]["mem/outside_gb"] == pytest.approx(120.5) and steps[1]["mem/limit_gb"] == pytest.approx(
+    assert steps[1][keys.MEM_OUTSIDE_GB] == pytest.approx(120.5) and steps[1][keys.MEM_LIMIT_GB] == pytest.approx(
         0.85 * reach / GB)
 
 
@@ -319,7 +319,7 @@ def test_a_tenant_that_comes_and_goes_moves_the_wall_both_ways(tokenizer, tmp_pa
     watchdog.device = card
     trainer = make_trainer(tokenizer, tmp_path, [StepOf(card), watchdog], max_steps=10, bs=2, ga=1)
     trainer.train()
-    limits = {step: line["mem/limit_gb"] for step, line in step_lines(tmp_path).items()}
+    limits = {step: line[keys.MEM_LIMIT_GB] for step, line in step_lines(tmp_path).items()}
     full, shared = 0.85 * (SharedCard.TOTAL / GB - 0.5), 0.85 * (SharedCard.TOTAL / GB - 100 - 0.5)   # a context
     assert [round(limits[s], 2) for s in (3, 4, 5, 7, 8, 9)] == [round(x, 2) for x in
                                                                   (full, full, shared, shared, shared, full)]

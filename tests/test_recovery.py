@@ -11,7 +11,7 @@ import os
 import pytest
 from transformers import TrainerCallback
 
-from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, train_with_tuning
+from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, keys, train_with_tuning
 from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.resize.checkpoints import MOVED_ASIDE, has_training_state, is_complete
 from hf_perf_callbacks.resize.oomsite import UnfixableOOM
@@ -146,8 +146,8 @@ def test_a_callback_raising_at_a_step_leaves_every_step_of_the_checkpoint_in_the
         train_with_tuning(trainer)
     assert is_complete(str(tmp_path / "checkpoint-3"), 3)
     line = step_lines(tmp_path)[-1]
-    assert line["step"] == 3 and "perf/step_wall_sec" in line and "mem/device_used_gb" in line
-    assert line["tuner/micro_batch"] == 4
+    assert line["step"] == 3 and keys.PERF_STEP_WALL_SEC in line and keys.MEM_DEVICE_USED_GB in line
+    assert line[keys.TUNER_MICRO_BATCH] == 4
     # step 3's training log, as the loop would have written it: in log_history, the checkpoint and the perf line
     logged = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
     assert sorted(logged) == [1, 2, 3] and {"grad_norm", "learning_rate"} <= set(logged[3])

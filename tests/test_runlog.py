@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from hf_perf_callbacks import runlog
+from hf_perf_callbacks import keys, runlog
 from hf_perf_callbacks.report import summarize
 from hf_perf_callbacks.runlog import (
     PERF_LOG,
@@ -43,7 +43,7 @@ def event(n, message="note", source="perf"):
 def test_records_round_trip_through_their_json():
     records = [RunHeader(session="s1", resumed_from_step=4, sources=["perf", "mem"], device="cpu", budget_gb=8.0,
                          model={"hidden_size": 64}, extra={"new_fact": 1}),
-               StepLine(5, 1000.5, {"perf/tokens": 10.0, "mem/pressure": 0}),
+               StepLine(5, 1000.5, {keys.PERF_TOKENS: 10.0, keys.MEM_PRESSURE: 0}),
                EventLine("mem", "action", "cleared", 5, 1.0, {"action": "clear_cache"}),
                SummaryLine("cache", {"clears": 2})]
     for record in records:
@@ -61,10 +61,10 @@ def test_a_fresh_session_at_step_0_replaces_earlier_lines_and_a_resume_keeps_the
     text = lines(header("a"), step(1), step(2), event(2),
                  header("a", resumed=2), step(3),                 # the same process re-sized: a resume
                  header("b", resumed=3), step(4),                 # a new process resumed from a checkpoint
-                 header("c"), step(1, **{"perf/tokens": 5.0}))    # a new process started afresh
+                 header("c"), step(1, **{keys.PERF_TOKENS: 5.0}))    # a new process started afresh
     run = parse_lines(text)
     assert run.replaced_runs == 1
-    assert [s.step for s in run.steps] == [1] and run.steps[0].number("perf/tokens") == 5.0
+    assert [s.step for s in run.steps] == [1] and run.steps[0].number(keys.PERF_TOKENS) == 5.0
     assert [h.session for h in run.headers] == ["c"] and run.events == []
     kept = parse_lines(text[:8])
     assert kept.replaced_runs == 0 and [s.step for s in kept.steps] == [1, 2, 3, 4]
@@ -135,7 +135,7 @@ def test_the_bus_writes_one_header_per_train_call_before_any_other_line(tokenize
     from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter
     from tests.conftest import make_trainer
 
-    trainer = make_trainer(tokenizer, tmp_path, [ThroughputMeter(), MemoryWatchdog()], max_steps=3)
+    trainer = make_trainer(tokenizer, tmp_path, [ThroughputMeter(), MemoryWatchdog(warn_within_steps=12)], max_steps=3)
     trainer.train()
     entries = [json.loads(line) for line in open(tmp_path / PERF_LOG)]
     headers = [e for e in entries if e["type"] == "run"]
@@ -144,6 +144,7 @@ def test_the_bus_writes_one_header_per_train_call_before_any_other_line(tokenize
     assert headers[0]["session"] == bus.session and headers[0]["resumed_from_step"] == 0
     assert headers[0]["sources"] == ["perf", "mem"]
     assert headers[0]["device_type"] == "cpu" and headers[0]["budget_gb"] > 0
+    assert headers[0]["warn_within_steps"] == 12                      # the run's own warn distance, for the report
     assert entries[1]["type"] == "event" and "MFU omitted" in entries[1]["message"]
     run = read_run(tmp_path)
     assert run.replaced_runs == 0 and [s.step for s in run.steps] == [1, 2, 3]
@@ -264,11 +265,11 @@ def test_the_writer_ends_a_line_a_killed_process_cut_short_before_appending(tmp_
 
     writer = LogWriter()
     writer.append(str(tmp_path), RunHeader(session="s1", resumed_from_step=0))
-    writer.append(str(tmp_path), StepLine(1, 1.0, {"perf/step_time": 1.0}))
+    writer.append(str(tmp_path), StepLine(1, 1.0, {keys.PERF_STEP_TIME: 1.0}))
     with open(tmp_path / PERF_LOG, "a", encoding="utf-8") as f:
         f.write('{"type": "step", "step": 2, "time": 2.0, "perf/st')          # killed mid-line
     LogWriter().append(str(tmp_path), RunHeader(session="s1", resumed_from_step=1))
-    LogWriter().append(str(tmp_path), StepLine(2, 3.0, {"perf/step_time": 1.5}))
+    LogWriter().append(str(tmp_path), StepLine(2, 3.0, {keys.PERF_STEP_TIME: 1.5}))
     run = read_run(str(tmp_path))
     assert [h.resumed_from_step for h in run.headers] == [0, 1] and run.skipped_lines == 1
-    assert [s.step for s in run.unique_steps()] == [1, 2] and run.unique_steps()[1].values["perf/step_time"] == 1.5
+    assert [s.step for s in run.unique_steps()] == [1, 2] and run.unique_steps()[1].values[keys.PERF_STEP_TIME] == 1.5

@@ -8,7 +8,7 @@ import sys
 import pytest
 from transformers import TrainerCallback
 
-from hf_perf_callbacks import AdaptiveBatchTuner, ThroughputMeter, adapter, train_with_tuning
+from hf_perf_callbacks import AdaptiveBatchTuner, ThroughputMeter, adapter, keys, train_with_tuning
 from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.resize import current_split
 from hf_perf_callbacks.runlog import LOCK_FILE, SPLIT_FILE, OutputDirBusy, read_run
@@ -60,7 +60,7 @@ def test_ctrl_c_leaves_one_split_that_the_next_train_trains_and_logs(tokenizer, 
     trainer.remove_callback(stop)
     trainer.args.max_steps = 2
     trainer.train()                                                  # a plain train() afterwards
-    logged = [s["tuner/effective_batch"] for s in step_lines(tmp_path)][-2:]
+    logged = [s[keys.TUNER_EFFECTIVE_BATCH] for s in step_lines(tmp_path)][-2:]
     trained = [len(rows) for rows in samples.trained().values()]
     assert logged == trained == [split.effective_batch()] * 2        # what it logs is what it trains
 
@@ -77,7 +77,7 @@ def test_a_second_fresh_run_of_one_trainer_is_a_run_of_its_own(tokenizer, tmp_pa
     assert tuner.session.id != first and tuner.session.decisions == []
     run = read_run(str(tmp_path))
     assert [s.step for s in run.steps] == [1, 2] and run.replaced_runs == 1
-    assert [s.get("tuner/resizes") for s in run.steps] == [0, 0]
+    assert [s.get(keys.TUNER_RESIZES) for s in run.steps] == [0, 0]
     assert meter.summary["steps"] == 2                               # the meter counts this run only
     # the split file still holds the first run's record (this one decided nothing): readers of this run skip it
     assert read_split_file(str(tmp_path)).session == first != run.header().session == tuner.session.id

@@ -7,9 +7,10 @@ import pytest
 import torch
 from transformers import Trainer
 
-from hf_perf_callbacks import ThroughputMeter
+from hf_perf_callbacks import ThroughputMeter, keys
 from hf_perf_callbacks.dataloader import dataloader_advice
 from hf_perf_callbacks.flops import forward_flops_per_token, train_flops_per_token
+from hf_perf_callbacks.runlog import MeterSummary, SummaryLine
 from tests.conftest import PlantedClock, make_grpo, make_trainer
 
 
@@ -30,7 +31,7 @@ def test_plain_trainer_counts_non_padding_tokens_like_the_trainer_does(tokenizer
     assert own.timeline.total_tokens == trainer.state.num_input_tokens_seen == reference.timeline.total_tokens
     assert own.timeline.total_tokens > 0
     steps = perf_lines(tmp_path / "own")
-    assert all(0 < s["perf/pad_fraction"] < 1 for s in steps)     # batches of uneven length are padded
+    assert all(0 < s[keys.PERF_PAD_FRACTION] < 1 for s in steps)     # batches of uneven length are padded
     run = perf_lines(tmp_path / "own", "run")[0]
     assert run["model"]["num_hidden_layers"] == 2 and run["dataloader"]["num_workers"] == 0
 
@@ -41,9 +42,9 @@ def test_grpo_tokens_phases_and_rollout_throughput(tokenizer, tmp_path):
     trainer.train()
     assert meter.timeline.total_tokens == trainer.state.num_input_tokens_seen
     steps = perf_lines(tmp_path)
-    assert all(s["perf/phase_sec/generation"] > 0 for s in steps)
-    assert all(s["perf/rollout_tokens_per_sec"] > 0 and s["perf/train_tokens_per_sec"] > 0 for s in steps)
-    assert all(s["perf/forwards_per_microbatch"] == 1.0 for s in steps)
+    assert all(s[keys.PERF_PHASE_SEC["generation"]] > 0 for s in steps)
+    assert all(s[keys.PERF_ROLLOUT_TOKENS_PER_SEC] > 0 and s[keys.PERF_TRAIN_TOKENS_PER_SEC] > 0 for s in steps)
+    assert all(s[keys.PERF_FORWARDS_PER_MICROBATCH] == 1.0 for s in steps)
     summary = meter.summary
     assert summary["phases"]["generation"] > 0.1 and summary["steps"] == 6
     assert sum(summary["phases"].values()) == pytest.approx(1.0)
@@ -54,12 +55,13 @@ def test_grpo_generating_every_other_step_gives_no_spikes(tokenizer, tmp_path):
     make_grpo(tokenizer, tmp_path, [meter], max_steps=8, extra={"steps_per_generation": 4}).train()
     assert meter.period == 2
     steps = perf_lines(tmp_path)
-    tokens = [s["perf/tokens"] for s in steps]
+    tokens = [s[keys.PERF_TOKENS] for s in steps]
     assert all(t > 0 for t in tokens[0::2]) and all(t == 0 for t in tokens[1::2])
-    assert "perf/tokens_per_sec" not in steps[0]                  # half a cycle: no number rather than a spike
+    assert keys.PERF_TOKENS_PER_SEC not in steps[0]                  # half a cycle: no number rather than a spike
     for prev, cur in zip(steps, steps[1:]):                       # every rate spans one whole generation cycle
-        expected = (prev["perf/tokens"] + cur["perf/tokens"]) / (prev["perf/step_wall_sec"] + cur["perf/step_wall_sec"])
-        assert cur["perf/tokens_per_sec"] == pytest.approx(expected)
+        expected = ((prev[keys.PERF_TOKENS] + cur[keys.PERF_TOKENS])
+                    / (prev[keys.PERF_STEP_WALL_SEC] + cur[keys.PERF_STEP_WALL_SEC]))
+        assert cur[keys.PERF_TOKENS_PER_SEC] == pytest.approx(expected)
 
 
 class DoubleForwardTrainer(Trainer):
@@ -76,7 +78,7 @@ def test_duplicate_forward_pass_is_flagged_once(tokenizer, tmp_path, caplog):
         make_trainer(tokenizer, tmp_path, [meter], max_steps=3, trainer_cls=DoubleForwardTrainer).train()
     flagged = [r.getMessage() for r in caplog.records if "grad-enabled forward passes" in r.getMessage()]
     assert len(flagged) == 1 and "2.0 per micro-batch" in flagged[0]
-    assert perf_lines(tmp_path)[-1]["perf/forwards_per_microbatch"] == 2.0
+    assert perf_lines(tmp_path)[-1][keys.PERF_FORWARDS_PER_MICROBATCH] == 2.0
 
 
 def test_no_duplicate_warning_for_a_normal_trainer(tokenizer, tmp_path):
@@ -104,11 +106,14 @@ def test_slow_dataset_warns_about_dataloader_settings(tokenizer, tmp_path, caplo
 def test_mfu_follows_the_flops_model_with_a_given_peak(tokenizer, tmp_path):
     meter = ThroughputMeter(peak_flops=1e12)
     make_grpo(tokenizer, tmp_path, [meter], max_steps=4).train()
-    last = [s for s in perf_lines(tmp_path) if "perf/mfu" in s][-1]
+    last = [s for s in perf_lines(tmp_path) if keys.PERF_MFU in s][-1]
     train, _ = train_flops_per_token(meter.shape, meter.seq_len)
     per_token = train + forward_flops_per_token(meter.shape, meter.seq_len)     # GRPO: + one generation forward
-    assert last["perf/mfu"] == pytest.approx(per_token * last["perf/tokens_per_sec"] / 1e12)
-    assert "perf/hfu" not in last                                 # no activation checkpointing here
+    assert last[keys.PERF_MFU] == pytest.approx(per_token * last[keys.PERF_TOKENS_PER_SEC] / 1e12)
+    assert keys.PERF_HFU not in last                                 # no activation checkpointing here
+    assert MeterSummary.__required_keys__ <= set(meter.summary) <= set(MeterSummary.__annotations__)  # its type
+    written = [s for s in perf_lines(tmp_path, "summary") if s["source"] == "perf"][-1]   # read back: its types
+    assert SummaryLine.from_json(written).malformed == {} and SummaryLine.from_json(written).values["steps"] == 4
 
 
 def test_resume_restores_counters_and_first_window_does_not_spike(tokenizer, tmp_path):
@@ -123,7 +128,7 @@ def test_resume_restores_counters_and_first_window_does_not_spike(tokenizer, tmp
     assert second.timeline.total_tokens == resumed.state.num_input_tokens_seen
     after = [s for s in perf_lines(tmp_path) if s["step"] > 4]
     per_step_before = tokens_before / 4
-    assert after[0]["perf/tokens"] < 2 * per_step_before          # not the restored total (transformers #40560)
+    assert after[0][keys.PERF_TOKENS] < 2 * per_step_before          # not the restored total (transformers #40560)
     assert second.timeline.segments == 2
 
 
@@ -202,9 +207,10 @@ def test_slow_first_steps_are_warmup_only_when_cpu_time_says_so(tokenizer, tmp_p
         assert s["warmup_steps"] == 3 and s["warmup_overhead_sec"] > 2500
         assert s["early_contention_sec"] < 0.1 * s["warmup_overhead_sec"] and not contention
     steps = perf_lines(tmp_path)
-    assert steps[0]["perf/cpu_sec"] == pytest.approx(100.0 + (1000.0 if kind == "warmup" else 0.0))
-    assert steps[0]["perf/cpu_time_ratio"] == pytest.approx(steps[0]["perf/cpu_sec"] / steps[0]["perf/step_wall_sec"])
-    assert all(k in steps[-1] for k in ("perf/other_cpu_cores", "perf/load_per_core"))
+    assert steps[0][keys.PERF_CPU_SEC] == pytest.approx(100.0 + (1000.0 if kind == "warmup" else 0.0))
+    assert steps[0][keys.PERF_CPU_TIME_RATIO] == pytest.approx(
+        steps[0][keys.PERF_CPU_SEC] / steps[0][keys.PERF_STEP_WALL_SEC])
+    assert all(k in steps[-1] for k in (keys.PERF_OTHER_CPU_CORES, keys.PERF_LOAD_PER_CORE))
 
 
 def test_calibrating_the_peak_leaves_the_sampled_completions_unchanged(tokenizer, tmp_path):

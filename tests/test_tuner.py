@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, train_with_tuning
+from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, keys, train_with_tuning
 from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.device import GB, MemorySample
 from hf_perf_callbacks.splitfile import read_split_file
@@ -84,7 +84,7 @@ def test_grpo_oom_mid_run_resizes_and_reaches_max_steps(tokenizer, tmp_path, tex
     assert decision.recovery_sec is not None                          # the next step completed after it
     steps = [s["step"] for s in step_lines(tmp_path)]
     assert steps == [1, 2, 3, 4, 5, 6, 7]                           # no optimizer step lost or repeated
-    assert [s["tuner/micro_batch"] for s in step_lines(tmp_path)] == [4, 4, 4, 2, 2, 2, 2]
+    assert [s[keys.TUNER_MICRO_BATCH] for s in step_lines(tmp_path)] == [4, 4, 4, 2, 2, 2, 2]
     assert read_split_file(str(tmp_path)).decisions == tuner.session.decisions    # the file holds what happened
 
 
@@ -198,7 +198,7 @@ def test_a_faster_split_is_found_on_the_runs_own_steps_and_nothing_is_trained_tw
     assert decision.expected_gain_sec > 0 and decision.cost_sec >= 0
     lines = step_lines(tmp_path / "tuned")
     assert [s["step"] for s in lines] == list(range(1, 26))                  # every step once: none retrained
-    assert [s["tuner/micro_batch"] for s in lines] == [2] * 7 + [8] * 18
+    assert [s[keys.TUNER_MICRO_BATCH] for s in lines] == [2] * 7 + [8] * 18
     assert [h["step"] for h in trainer.state.log_history if "loss" in h] == list(range(1, 26))
     # the same samples in every optimizer step as a run that never switched
     plain_samples = SampleRecorder()
@@ -232,7 +232,7 @@ def test_a_run_too_short_to_pay_back_tries_no_split_and_writes_no_checkpoint(tok
     [decision] = tuner.session.decisions
     assert decision.kind == "tune" and decision.new == Split(2, 4) and "too short to pay back" in decision.reason
     assert [t.split for t in decision.trials] == [Split(2, 4)] and decision.cost_sec == 0
-    assert {s["tuner/micro_batch"] for s in step_lines(tmp_path)} == {2}
+    assert {s[keys.TUNER_MICRO_BATCH] for s in step_lines(tmp_path)} == {2}
     assert not [n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")]
 
 
@@ -271,7 +271,7 @@ def test_a_larger_split_that_runs_out_of_memory_is_left_and_nothing_is_lost(toke
         assert kinds[3:] == [("oom", 2, 1, False)] and tuner.session.resizes == 1 and real.fired == 1
     else:
         assert kinds[3:] == [] and tuner.session.resizes == 0
-    assert {s["tuner/resizes"] for s in step_lines(tmp_path)} <= {0, 1}                 # the trials count none
+    assert {s[keys.TUNER_RESIZES] for s in step_lines(tmp_path)} <= {0, 1}                 # the trials count none
     assert os.listdir(tmp_path / "tuner_switch") == []                      # the trials' checkpoints are gone
     assert [n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")] == (["checkpoint-11"] if max_resizes
                                                                                  else [])
@@ -286,8 +286,9 @@ def test_grpo_tuning_switches_at_generation_boundaries_and_samples_what_an_untun
                       tuner], max_steps=18, bs=2, ga=2, completion=6, extra=extra, reward=recorder(tuned_seen))
     train_with_tuning(tuned)
     lines = step_lines(tmp_path / "tuned")
-    micro = [s["tuner/micro_batch"] for s in lines]
-    changes = [s["step"] for prev, s in zip(lines, lines[1:]) if s["tuner/micro_batch"] != prev["tuner/micro_batch"]]
+    micro = [s[keys.TUNER_MICRO_BATCH] for s in lines]
+    changes = [s["step"] for prev, s in zip(lines, lines[1:])
+               if s[keys.TUNER_MICRO_BATCH] != prev[keys.TUNER_MICRO_BATCH]]
     assert changes and all((step - 1) % 2 == 0 for step in changes)     # a new split begins a generation cycle
     assert tuned.args.generation_batch_size == 8 and 4 in micro
     plain = make_grpo(tokenizer, tmp_path / "plain", [], max_steps=18, bs=2, ga=2, completion=6, extra=extra,
@@ -338,7 +339,7 @@ def test_without_train_with_tuning_it_saves_stops_and_records_the_split(tokenize
     train_with_tuning(resumed, resume_from_checkpoint="last")
     assert resumed.args.per_device_train_batch_size == 2 and resumed.state.global_step == 4
     assert [d.kind for d in tuner2.session.decisions] == ["watchdog"]
-    assert [s["tuner/micro_batch"] for s in step_lines(tmp_path) if s["step"] > 2] == [2, 2]
+    assert [s[keys.TUNER_MICRO_BATCH] for s in step_lines(tmp_path) if s["step"] > 2] == [2, 2]
 
 
 @pytest.mark.parametrize("bad", [{"tune": "yes"}, {"samples": 2}, {"max_micro_batch": 0}, {"max_rounds": 0},
@@ -588,7 +589,7 @@ def test_switch_checkpoints_never_push_the_users_out_and_a_run_ending_mid_trial_
     tuned = make_trainer(tokenizer, tmp_path / "tuned", [PlantedStepTime(clock, FASTER_LARGER), tuner, StopAt(9)],
                          max_steps=25, bs=2, ga=4, length=16, extra=saves)
     train_with_tuning(tuned)
-    assert [s["tuner/micro_batch"] for s in step_lines(tmp_path / "tuned")] == [2] * 7 + [8] * 2   # a trial ran
+    assert [s[keys.TUNER_MICRO_BATCH] for s in step_lines(tmp_path / "tuned")] == [2] * 7 + [8] * 2   # a trial ran
     plain = make_trainer(tokenizer, tmp_path / "plain", [StopAt(9)], max_steps=25, bs=2, ga=4, length=16,
                          extra=saves)
     plain.train()

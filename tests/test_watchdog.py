@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from hf_perf_callbacks import MemoryWatchdog, MPSCacheClearer
+from hf_perf_callbacks import MemoryWatchdog, MPSCacheClearer, keys
 from hf_perf_callbacks.base import PerfCallback
 from hf_perf_callbacks.bus import SIGNAL_SMALLER_BATCH
 from hf_perf_callbacks.device import GB, DeviceLayer, MemorySample
@@ -49,9 +49,9 @@ def test_planted_leak_is_stopped_with_a_checkpoint_before_the_budget(tokenizer, 
     assert stop is not None and trainer.state.global_step == stop < 60
     assert os.path.isdir(tmp_path / f"checkpoint-{stop}")
     steps = [line for line in perf_log(tmp_path) if line["type"] == "step"]
-    used_at_stop = steps[-1]["mem/device_used_gb"] * GB
+    used_at_stop = steps[-1][keys.MEM_DEVICE_USED_GB] * GB
     assert used_at_stop < budget                                     # stopped before crossing
-    countdown = [s["mem/steps_to_wall"] for s in steps if "mem/steps_to_wall" in s][-4:]
+    countdown = [s[keys.MEM_STEPS_TO_WALL] for s in steps if keys.MEM_STEPS_TO_WALL in s][-4:]
     assert countdown == sorted(countdown, reverse=True)              # counts down
     events = [line for line in perf_log(tmp_path) if line["type"] == "event"]
     leak = [e for e in events if "steady leak" in e["message"]]
@@ -142,9 +142,9 @@ def test_macos_pressure_then_swapping_clears_then_stops(tokenizer, tmp_path, mon
     assert clearer.history[0]["reason"].startswith("watchdog: warn") and clearer.history[0]["freed_gb"] == 0.5
     assert trainer.state.global_step == 7 and os.path.isdir(tmp_path / "checkpoint-7")
     steps = {s["step"]: s for s in perf_log(tmp_path) if s["type"] == "step"}
-    assert steps[4]["mem/os_pressure"] == 2 and steps[7]["mem/swapouts"] == 50
-    assert steps[7]["mem/pressure"] == 2 and steps[3]["mem/pressure"] == 0
-    assert steps[4]["mem/footprint_gb"] == 9.0
+    assert steps[4][keys.MEM_OS_PRESSURE] == 2 and steps[7][keys.MEM_SWAPOUTS] == 50
+    assert steps[7][keys.MEM_PRESSURE] == 2 and steps[3][keys.MEM_PRESSURE] == 0
+    assert steps[4][keys.MEM_FOOTPRINT_GB] == 9.0
 
 
 def test_failing_macos_reader_degrades_to_device_memory(tokenizer, tmp_path, monkeypatch, caplog):
@@ -241,11 +241,12 @@ def test_steps_to_wall_is_absent_from_logs_once_memory_is_flat(tokenizer, tmp_pa
     trainer.train()
     logs = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
     assert set(logs) == {4, 8, 12, 16}
-    assert logs[4]["mem/steps_to_wall_low"] <= logs[4]["mem/steps_to_wall"] <= logs[4]["mem/steps_to_wall_high"]
+    assert (logs[4][keys.MEM_STEPS_TO_WALL_LOW] <= logs[4][keys.MEM_STEPS_TO_WALL]
+            <= logs[4][keys.MEM_STEPS_TO_WALL_HIGH])
     for step in (8, 12, 16):                             # flat since step 6: no stale value from step 6
-        assert not any(k.startswith("mem/steps_to_wall") for k in logs[step]), logs[step]
+        assert not any(k.startswith(keys.MEM_STEPS_TO_WALL) for k in logs[step]), logs[step]
     steps = {s["step"]: s for s in perf_log(tmp_path) if s["type"] == "step"}
-    assert "mem/steps_to_wall" in steps[6] and not any("mem/steps_to_wall" in steps[s] for s in range(7, 17))
+    assert keys.MEM_STEPS_TO_WALL in steps[6] and not any(keys.MEM_STEPS_TO_WALL in steps[s] for s in range(7, 17))
 
 
 def test_on_a_mac_other_apps_lower_the_budget_and_the_ladder_acts_on_the_new_one(tokenizer, tmp_path):
@@ -259,7 +260,7 @@ def test_on_a_mac_other_apps_lower_the_budget_and_the_ladder_acts_on_the_new_one
     watchdog.device = device
     trainer = make_trainer(tokenizer, tmp_path, [StepClock(device), watchdog], max_steps=14)
     trainer.train()
-    limits = {s["step"]: round(s["mem/limit_gb"], 2) for s in perf_log(tmp_path) if s["type"] == "step"}
+    limits = {s["step"]: round(s[keys.MEM_LIMIT_GB], 2) for s in perf_log(tmp_path) if s["type"] == "step"}
     assert [limits[s] for s in (3, 4, 5, 8, 9)] == [13.6, 13.6, 8.5, 8.5, 5.1]
     moves = [e for e in perf_log(tmp_path) if e["type"] == "event" and e["kind"] == "wall"]
     assert [e["step"] for e in moves] == [5, 9]

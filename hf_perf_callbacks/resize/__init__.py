@@ -22,9 +22,9 @@ The split file's schema and its one reader are :mod:`hf_perf_callbacks.splitfile
 """
 from .agreement import PeerFailed, ResizeNeeded
 from .callback import AdaptiveBatchTuner
-from .loop import InexactResize, train_with_tuning
+from .loop import train_with_tuning
 from .oomsite import UnfixableOOM
-from .session import TuningSession, current_split
+from .session import InexactResize, TuningSession, current_split
 
 __all__ = ["AdaptiveBatchTuner", "train_with_tuning", "InexactResize", "PeerFailed", "ResizeNeeded", "TuningSession",
            "UnfixableOOM", "current_split"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 
 import torch
@@ -23,7 +22,7 @@ from ..runlog import SPLIT_FILE
 from ..splitfile import read_split_file, trial_figures
 from ..validation import check_flag, check_number
 from ..wording import TUNER_NEEDS_TRAIN_WITH_TUNING
-from .session import SwitchSplit, TuningSession, candidates, current_split
+from .session import SwitchSplit, TuningSession, candidates
 from .tuning import MIN_SAMPLES, SAMPLES, Switch
 
 logger = logging.getLogger("hf_perf_callbacks")
@@ -102,15 +101,11 @@ class AdaptiveBatchTuner(PerfCallback):
         self.world = world_size()
         self._bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
         self.in_optimizer_step = False
-        if current_split(args) != self.session.split:  # args changed by hand between train() calls: they rule
-            self.session.split = current_split(args)
+        self.session.follow_args(args)                 # args changed by hand between train() calls: they rule
         tuning = self.session.tuning
         self.measuring = False
         if self.session.managed and tuning is not None and tuning.done is None:
-            switched = self.session.switch_requested_at
-            tuning.segment_started(self.session.split, state.global_step,
-                                   switch_sec=None if switched is None else max(0.0, time.time() - switched))
-            self.session.switch_requested_at = None
+            tuning.segment_started(self.session.split, state.global_step, switch_sec=self.session.switch_taken())
             self._tuning_done(state.global_step)
             self.measuring = tuning.done is None
         if self.measuring:
@@ -134,9 +129,9 @@ class AdaptiveBatchTuner(PerfCallback):
 
     def _open_session(self, args, state) -> TuningSession:
         """The run's tuning session: train_with_tuning's (on the bus), or one of the tuner's own."""
-        session = self._bus.tuning
-        if session is not None and session.output_dir == args.output_dir:
-            return session
+        found = self._bus.tuning
+        if isinstance(found, TuningSession) and found.output_dir == args.output_dir:
+            return found
         session = TuningSession(args, bus=self.bus)
         if state.global_step > 0:                        # a resume: continue the recorded run when it is this one
             record = read_split_file(args.output_dir, warn=False)
@@ -174,12 +169,7 @@ class AdaptiveBatchTuner(PerfCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         session, step = self._session, state.global_step
-        last = session.decisions[-1] if session.decisions else None
-        if (last is not None and last.kind in ("oom", "watchdog") and last.recovery_sec is None and step > last.step
-                and last.time is not None):                     # a split file's decision may not hold its time
-            last.recovery_sec = time.time() - last.time           # from the decision to the next completed step
-            session.persist()
-        split = session.ran = session.split
+        split = session.step_completed(step)
         fields = {keys.TUNER_MICRO_BATCH: split.micro_batch, keys.TUNER_GRAD_ACCUM: split.grad_accum,
                   keys.TUNER_EFFECTIVE_BATCH: split.effective_batch(self.world), keys.TUNER_RESIZES: session.resizes}
         self._bus.record_step(step, fields)
@@ -201,7 +191,7 @@ class AdaptiveBatchTuner(PerfCallback):
         if isinstance(action, Switch):
             self._session.request_switch(action.split, action.why)
             if not self._session.in_process:                # takes effect at the next step's begin otherwise
-                self._bus.continuing = True
+                self._bus.continue_run(True)
                 control.should_training_stop = True
         self._tuning_done(step)
 
@@ -223,7 +213,7 @@ class AdaptiveBatchTuner(PerfCallback):
         session = self._session
         if session.switch is not None or control is None:
             return session.switch is not None
-        if session.resizes_left is not None and session.resizes_left <= 0:
+        if session.resizes_spent:
             session.warn_once("max-resizes", "the watchdog asked for a smaller micro-batch, but the run's "
                                              "max_resizes re-sizes are done", step=step)
             return False                                 # the watchdog stops instead
@@ -239,7 +229,7 @@ class AdaptiveBatchTuner(PerfCallback):
         decision = session.decide("watchdog", reason, new, step)
         session.request_switch(new, "the watchdog asked for a smaller micro-batch", decision)
         if not session.in_process:
-            self._bus.continuing = session.managed
+            self._bus.continue_run(session.managed)
             control.should_save = True
             control.should_training_stop = True
         return True

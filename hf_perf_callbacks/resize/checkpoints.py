@@ -22,8 +22,11 @@ import json
 import logging
 import os
 import re
+import shutil
 
 from ..device import is_main_process
+from ..keys import SPLIT_FILE
+from ..splitfile import WrittenCheckpoint, read_split_file
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -151,3 +154,144 @@ def newest_complete(output_dir: str) -> str | None:
                        "in-progress marker left): moved aside to %s; resuming from an older one",
                        path, STATE_FILE, moved)
     return None
+
+
+def resume_point(resume, output_dir: str, restarts: int = 0) -> str | None:
+    """The checkpoint a run resumes from: ``resume`` (a ``checkpoint-N`` folder, ``True`` or ``"last"``: the newest
+    complete one, None: none) checked complete, or a clear ValueError; after a launcher's restart (``restarts`` > 0)
+    without one, the newest complete checkpoint the job's split file lists."""
+    if resume is None and restarts:
+        resume = _restart_checkpoint(output_dir, restarts)
+    return _checked_resume(resume, output_dir)
+
+
+def _checked_resume(resume, output_dir: str) -> str | None:
+    """The checkpoint to resume from: complete, or a clear error; ``True``/``"last"`` finds the newest complete one."""
+    if resume is None or resume is False:
+        return None
+    if resume is True or resume == "last":
+        found = newest_complete(output_dir)
+        if found is None:
+            logger.warning("[tuner] resume_from_checkpoint=%r: no complete checkpoint-N in %s; starting from the "
+                           "beginning", resume, output_dir)
+            return None
+        resume = found
+    if not isinstance(resume, str):
+        raise ValueError(f"train_with_tuning: resume_from_checkpoint={resume!r} is not allowed: expected a "
+                         f"checkpoint-N folder, True, 'last' or None")
+    step = step_of(resume)
+    if not is_complete(resume, step):
+        raise ValueError(f"train_with_tuning: resume_from_checkpoint={resume!r} is not a complete checkpoint (no "
+                         f"valid trainer_state.json for step {step}, a weights file missing, or transformers' "
+                         f"in-progress marker left): pass an earlier checkpoint-N, or 'last' for the newest "
+                         f"complete one")
+    return resume
+
+
+def _restart_checkpoint(output_dir: str, restarts: int) -> str | None:
+    """The checkpoint a launcher's restart resumes from: the newest complete one this job's record lists (the split
+    file of the run the launcher started first), else None (the restart starts from the beginning)."""
+    record = read_split_file(output_dir, warn=False)
+    for entry in sorted(record.written if record is not None else [], key=lambda w: -w.step):
+        path = checkpoint_dir(output_dir, entry.step)
+        if is_complete(path, entry.step):
+            logger.warning("[tuner] restarted by the launcher (restart %d): resuming from %s with the split in %s",
+                           restarts, path, os.path.join(output_dir, SPLIT_FILE))
+            return path
+    return None
+
+
+class RunCheckpoints:
+    """The checkpoints one run wrote, each with the fingerprint of its files (:func:`fingerprint`), and where its
+    switch checkpoints were moved (:func:`hide`). Held by the run's
+    :class:`~hf_perf_callbacks.resize.session.TuningSession`, which writes them to the split file."""
+
+    def __init__(self, output_dir: str) -> None:
+        self.output_dir = output_dir
+        self.written: list[WrittenCheckpoint] = []
+        self.saved_whole: set[int] = set()       # steps of the checkpoints the run saved itself (whole state)
+        self.switch_steps: list[int] = []        # checkpoints written only to switch splits (removed when superseded)
+        self.hidden: dict[int, str] = {}         # step → where a switch checkpoint was moved (out of checkpoint-*)
+
+    def record(self, step: int, whole: bool = False) -> bool:
+        """Record ``checkpoint-<step>`` as this run's, with its fingerprint, when it is complete (checked by the
+        main process, which writes it; the other ranks take its word). ``whole``: saved by the run itself, with the
+        whole training state whatever ``save_only_model`` says. True when recorded."""
+        path = checkpoint_dir(self.output_dir, step)
+        if is_main_process():
+            if not is_complete(path, step):
+                return False
+            mark = fingerprint(path)
+        else:
+            mark = "written by the main process"
+        self.written = [w for w in self.written if w.step != step] + [WrittenCheckpoint(step, mark)]
+        self.hidden.pop(step, None)             # written again where transformers writes it
+        if whole:
+            self.saved_whole.add(step)
+        return True
+
+    def location(self, step: int) -> str:
+        """Where this run's checkpoint of ``step`` is: ``checkpoint-<step>``, or ``tuner_switch/checkpoint-<step>``
+        for a switch checkpoint moved out of the rotation's way."""
+        return self.hidden.get(step) or checkpoint_dir(self.output_dir, step)
+
+    def hide(self, step: int) -> str:
+        """Move the switch checkpoint of ``step`` out of the names transformers' rotation counts (main process; the
+        other ranks take the same path)."""
+        path = hide(self.output_dir, step) if is_main_process() else switch_dir(self.output_dir, step)
+        self.hidden[step] = path
+        return path
+
+    def is_ours(self, step: int) -> bool:
+        """Whether ``checkpoint-<step>`` is one this run wrote and its files are still the ones it wrote."""
+        entry = next((w for w in self.written if w.step == step), None)
+        if entry is None:
+            return False
+        if not is_main_process():
+            return True
+        path = self.location(step)
+        return is_complete(path, step) and fingerprint(path) == entry.fingerprint
+
+    def resumable(self, step: int, save_only_model: bool) -> bool:
+        """Whether ``checkpoint-<step>`` holds the optimizer and scheduler state: one the run saved itself (always
+        whole), else as its files say (the main process, which wrote them; the other ranks, which cannot see
+        them, go by ``save_only_model``, so that every rank decides alike)."""
+        if step in self.saved_whole:
+            return True
+        if not is_main_process():
+            return not save_only_model
+        return has_training_state(self.location(step))
+
+    def newest_ours(self, at_most: int, save_only_model: bool) -> str | None:
+        """The newest checkpoint this run wrote at a step ≤ ``at_most`` that is still there, unchanged, and holds the
+        training state (rotation by ``save_total_limit`` may have removed older ones; another process may have
+        replaced one; ``save_only_model`` leaves the weights alone)."""
+        for entry in sorted(self.written, key=lambda w: -w.step):
+            if entry.step <= at_most and self.is_ours(entry.step) and self.resumable(entry.step, save_only_model):
+                return self.location(entry.step)
+        return None
+
+    def switched_at(self, step: int, wrote: bool) -> bool:
+        """A switch resumed from ``checkpoint-<step>`` (``wrote``: written for the switch, not by a save the run
+        makes anyway). The newest such checkpoint stays as the run's fallback; older ones are removed. True when
+        the written list changed."""
+        keep = step if wrote or step in self.switch_steps else None
+        changed = self.drop_switch(keep)
+        if keep is not None:
+            self.switch_steps = [keep]
+        return changed
+
+    def drop_switch(self, keep: int | None = None) -> bool:
+        """Remove the checkpoints written only for switches (main process; the run's own saves stay), but the one of
+        step ``keep``. True when any was removed."""
+        steps = [s for s in self.switch_steps if s != keep]
+        self.switch_steps = [s for s in self.switch_steps if s == keep]
+        if not steps:
+            return False
+        if is_main_process():
+            for step in steps:
+                shutil.rmtree(self.location(step), ignore_errors=True)
+        for step in steps:
+            self.hidden.pop(step, None)
+        self.written = [w for w in self.written if w.step not in steps]
+        return True

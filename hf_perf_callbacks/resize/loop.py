@@ -44,7 +44,6 @@ import logging
 import os
 
 from .. import adapter
-from ..batching import Split, next_smaller
 from ..bus import bus_for
 from ..device import (
     DeviceLayer,
@@ -56,16 +55,14 @@ from ..device import (
     training_device,
     world_size,
 )
-from ..runlog import SPLIT_FILE
-from ..splitfile import read_split_file, run_geometry, split_for_run
 from ..stats import generation_period
 from ..validation import check_number
 from . import memcheck, sharding
 from .agreement import ResizeNeeded, guard_training_step, recoverable
-from .callback import AdaptiveBatchTuner, candidates, find_callback
-from .checkpoints import checkpoint_dir, is_complete, move_aside, newest_complete, step_of
+from .callback import AdaptiveBatchTuner, find_callback
+from .checkpoints import resume_point
 from .oomsite import UnfixableOOM, leak_message, oom_site, unfixable_message
-from .session import SwitchSplit, TuningSession, recorded_session
+from .session import InexactResize, SwitchSplit, TuningSession
 from .tuning import OnRunTuning
 
 logger = logging.getLogger("hf_perf_callbacks")
@@ -111,42 +108,17 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
 
 
 def _train(trainer, tuner: AdaptiveBatchTuner, bus, resume_from_checkpoint, tune: bool | None, max_resizes: int):
-    output_dir = trainer.args.output_dir
-    if resume_from_checkpoint is None and sharding.restarted_by_launcher():
-        resume_from_checkpoint = _restart_checkpoint(output_dir)
-    resume_from_checkpoint = _checked_resume(resume_from_checkpoint, output_dir)
-    session = TuningSession(trainer.args, bus=bus)
-    session.managed = True
-    if resume_from_checkpoint:
-        record = recorded_session(output_dir, resume_from_checkpoint)
-        if record is not None:                       # this run's record: its history goes on
-            session.adopt(record)
-        split = split_for_run(output_dir, **run_geometry(trainer.args, world_size()))
-        if split is not None:
-            session.apply(trainer, split)
-        step = step_of(resume_from_checkpoint)
-        parent = os.path.dirname(os.path.normpath(resume_from_checkpoint))
-        if step is not None and os.path.realpath(parent) == os.path.realpath(output_dir):
-            session.record_written(step)             # the base of this run: a valid fallback for a later OOM
-    sharded = sharding.start(trainer, session)       # FSDP: guard off once stable, no tuning; DeepSpeed: refused
-    session.in_process = sharded is None             # a switch takes effect at the next step's begin
-    session.resizes_left = max_resizes
+    resume_from_checkpoint = resume_point(resume_from_checkpoint, trainer.args.output_dir,
+                                          restarts=sharding.restarted_by_launcher())
+    session = TuningSession(trainer.args, bus=bus, managed=True)
+    sharded = _start(trainer, session, resume_from_checkpoint, max_resizes)
     guard = (guard_training_step(trainer, sharding.STABLE_STEPS if sharded else None, notify=session.note)
              if sharded is None or sharding.guardable(trainer) else None)
     eval_batch = trainer.args.per_device_eval_batch_size
     undo_evaluate = adapter.replace_method(trainer, "evaluate",
                                            lambda original: _evaluate_within_memory(trainer, original, session))
-    session.step_log = adapter.StepLog(trainer)
-    resizes = 0
     try:
-        session.judge_grouping(trainer, planned_steps(trainer))    # the splits exact under the run's loss
-        if not resume_from_checkpoint and not sharded:
-            device = DeviceLayer(training_device())
-            if memcheck.wanted(tuner.memory_check, device.type):
-                _check_memory_or_warn(trainer, session, tuner)
-        wants_tuning = tuner.tune if tune is None else tune
-        if wants_tuning and not sharded and not any(d.kind == "tune" for d in session.decisions):
-            session.tuning = _tuning(trainer, session, tuner)
+        _before_training(trainer, session, tuner, tune, resumed=bool(resume_from_checkpoint), sharded=sharded)
         start_rng = rng_state()              # every in-process resume starts from it, as a new process would
         resized = False                      # from the first re-size on, the resumes are the package's own
         while True:
@@ -160,43 +132,9 @@ def _train(trainer, tuner: AdaptiveBatchTuner, bus, resume_from_checkpoint, tune
                     output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
             except SwitchSplit:                           # the step after a switch's step began: switch now
                 switching = True
-            except (Exception, KeyboardInterrupt) as error:          # OOMs re-size, the rest is re-raised
-                if max_resizes > 0 and sharding.unagreed_oom(sharded, error):    # the others wait in a collective
-                    _record_for_restart(trainer, session, error)
-                    raise
-                if not isinstance(error, Exception) or not recoverable(error):
-                    if max_resizes > 0:
-                        _save_before_raising(trainer, session, tuner, error)
-                    raise
-                trial = _in_trial(session)        # the tuning's own trial: never a re-size the user counts
-                if max_resizes == 0 and not trial:
-                    raise
-                site = error.site if isinstance(error, ResizeNeeded) else oom_site(error, trainer)
-                cause = unfixable_message(site, trainer, error)
-                if cause is None and world_size() == 1:  # a leak the watchdog knows: a re-size cannot fix it
-                    cause = leak_message(_memory_facts(session), error)
-                if cause is not None:                    # no micro-batch fixes it: no re-size
-                    unfixable = UnfixableOOM(cause)
-                    _save_before_raising(trainer, session, tuner, unfixable, agreed=isinstance(error, ResizeNeeded))
-                    raise unfixable from error
-                if not trial and resizes >= max_resizes:
-                    session.gave_up = True
-                    _save_before_raising(trainer, session, tuner, error)
-                    raise RuntimeError(f"train_with_tuning gave up after {max_resizes} re-sizes"
-                                       f"{_memory_causes(session)}") from error
-                try:
-                    resume_from_checkpoint = _recover_from_oom(trainer, session, tuner, error, trial)
-                except InexactResize as inexact:         # smaller splits exist, none exact for this run
-                    session.gave_up = True
-                    _save_before_raising(trainer, session, tuner, inexact)
-                    raise inexact from error
-                except ValueError as none_left:          # no smaller exact split
-                    session.gave_up = True
-                    _save_before_raising(trainer, session, tuner, error)
-                    raise ValueError(f"{none_left}{_memory_causes(session)}") from error
-                resizes += not trial
+            except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - OOMs re-size, _recover_or_raise raises the rest
+                resume_from_checkpoint = _recover_or_raise(trainer, session, tuner, error, sharded, max_resizes)
                 resized = True
-                session.resizes_left = max_resizes - resizes
                 set_rng_state(start_rng)
                 continue
             if not switching and session.switch is not None and session.in_process:
@@ -204,30 +142,110 @@ def _train(trainer, tuner: AdaptiveBatchTuner, bus, resume_from_checkpoint, tune
             if session.switch is None:
                 session.drop_switch_checkpoints()
                 return output
-            step = trainer.state.global_step
-            memory = session.decisions[-1].kind == "watchdog" if session.decisions else False
-            wrote = not session.is_ours(step)
-            resume_from_checkpoint = _save_verified(trainer, session, tuner, step, switch=not memory)
-            if not memory:
-                session.switched_at(step, wrote)
-            if is_main_process():
-                why = session.switch_reason.removeprefix(f"back to {session.switch}: ")
-                logger.warning("[tuner] step %d: %s → %s (%s): resuming from %s in this process", step,
-                               session.split, session.switch, why, os.path.basename(resume_from_checkpoint))
-            _prepare_resume(trainer, session, tuner)
-            resizes += memory
+            resume_from_checkpoint = _switch(trainer, session)
             resized = True
-            session.resizes_left = max_resizes - resizes
             set_rng_state(start_rng)
     finally:
-        session.step_log.undo()
         undo_evaluate()
         trainer.args.per_device_eval_batch_size = eval_batch     # an evaluation OOM shrank it for this run only
         if guard is not None:
             guard.remove()
-        if session.tuning is not None and session.tuning.done is None:
-            session.end_tuning(trainer.state.global_step, "the run ended before the tuning did")
-        session.settle(trainer)
+        session.close(trainer)
+
+
+def _start(trainer, session: TuningSession, checkpoint: str | None, max_resizes: int) -> str | None:
+    """The session takes the run (a resume from ``checkpoint`` continues the run's record); returns the trainer's
+    sharding (refused when it cannot work; FSDP: no tuning, the step guard off once stable)."""
+    sharded = sharding.start(trainer, session)
+    session.drive(in_process=sharded is None,        # a switch takes effect at the next step's begin
+                  max_resizes=max_resizes, step_log=adapter.StepLog(trainer))
+    if checkpoint:
+        session.resume_from(trainer, checkpoint)
+    return sharded
+
+
+def _before_training(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, tune: bool | None, resumed: bool,
+                     sharded: str | None) -> None:
+    """The splits exact under the run's loss, the memory check (a fresh unsharded start) and the tuning on the
+    run's own steps (unless sharded, or the run's record holds a tuning decision)."""
+    session.judge_grouping(trainer, planned_steps(trainer))
+    if not resumed and not sharded:
+        device = DeviceLayer(training_device())
+        if memcheck.wanted(tuner.memory_check, device.type):
+            _check_memory_or_warn(trainer, session, tuner)
+    wants_tuning = tuner.tune if tune is None else tune
+    if wants_tuning and not sharded and not any(d.kind == "tune" for d in session.decisions):
+        tuning = _tuning(trainer, session, tuner, planned_steps(trainer))    # at the split the check left
+        session.start_tuning(tuning)
+
+
+def _recover_or_raise(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, error: BaseException,
+                 sharded: str | None, max_resizes: int) -> str | None:
+    r"""What ``train()`` raised: an out-of-memory error a smaller split fixes re-sizes (returns the checkpoint to
+    resume from, None: the start); anything else saves when it can and is raised (the bare ``raise``\ s re-raise
+    ``error`` as it was, this runs inside its ``except``)."""
+    if max_resizes > 0 and sharding.unagreed_oom(sharded, error):    # the others wait in a collective
+        _record_for_restart(trainer, session, error)
+        raise
+    if not isinstance(error, Exception) or not recoverable(error):
+        if max_resizes > 0:
+            session.end_run(trainer, error, tuner.in_optimizer_step)
+        raise
+    trial = _in_trial(session)        # the tuning's own trial: never a re-size the user counts
+    if max_resizes == 0 and not trial:
+        raise
+    cause = _unfixable_cause(trainer, session, error)
+    if cause is not None:                    # no micro-batch fixes it: no re-size
+        unfixable = UnfixableOOM(cause)
+        session.end_run(trainer, unfixable, tuner.in_optimizer_step, agreed=isinstance(error, ResizeNeeded))
+        raise unfixable from error
+    if not trial and session.resizes_spent:
+        session.give_up()
+        session.end_run(trainer, error, tuner.in_optimizer_step)
+        raise RuntimeError(f"train_with_tuning gave up after {max_resizes} re-sizes"
+                           f"{_memory_causes(session)}") from error
+    try:
+        checkpoint = _recover_from_oom(trainer, session, tuner, error, trial)
+    except InexactResize as inexact:         # smaller splits exist, none exact for this run
+        session.give_up()
+        session.end_run(trainer, inexact, tuner.in_optimizer_step)
+        raise inexact from error
+    except ValueError as none_left:          # no smaller exact split
+        session.give_up()
+        session.end_run(trainer, error, tuner.in_optimizer_step)
+        raise ValueError(f"{none_left}{_memory_causes(session)}") from error
+    if not trial:
+        session.spend_resize()
+    return checkpoint
+
+
+def _unfixable_cause(trainer, session: TuningSession, error: Exception) -> str | None:
+    """Why no smaller micro-batch fixes this out-of-memory error (generation, a reward function, a leak the watchdog
+    knows), or None."""
+    site = error.site if isinstance(error, ResizeNeeded) else oom_site(error, trainer)
+    cause = unfixable_message(site, trainer, error)
+    if cause is None and world_size() == 1:  # a leak the watchdog knows: a re-size cannot fix it
+        cause = leak_message(_memory_facts(session), error)
+    return cause
+
+
+def _switch(trainer, session: TuningSession) -> str:
+    """The pending switch, in this process: the step's checkpoint (a watchdog's re-size keeps it as a save of the
+    run), the switch applied; returns the checkpoint to resume from."""
+    step = trainer.state.global_step
+    memory = session.decisions[-1].kind == "watchdog" if session.decisions else False
+    wrote = not session.is_ours(step)
+    checkpoint = session.save_checkpoint(trainer, step, switch=not memory)
+    if not memory:
+        session.switched_at(step, wrote)
+    if is_main_process():
+        why = session.switch_reason.removeprefix(f"back to {session.switch}: ")
+        logger.warning("[tuner] step %d: %s → %s (%s): resuming from %s in this process", step,
+                       session.split, session.switch, why, os.path.basename(checkpoint))
+    session.resume_with_switch(trainer)
+    if memory:
+        session.spend_resize()
+    return checkpoint
 
 
 def _memory_facts(session: TuningSession):
@@ -242,27 +260,23 @@ def _memory_causes(session: TuningSession) -> str:
     return f" The memory wall, as the watchdog reads it: {causes}." if causes else ""
 
 
-class InexactResize(ValueError):
-    """An out-of-memory error where smaller splits of the batch exist but none keeps the run's loss exact (the run
-    saves and ends with why, and what makes every split exact)."""
-
-
 def _in_trial(session: TuningSession) -> bool:
     """The split in effect is one the tuning is trying (not its baseline)."""
     tuning = session.tuning
     return tuning is not None and tuning.done is None and session.split != tuning.baseline
 
 
-def _tuning(trainer, session: TuningSession, tuner: AdaptiveBatchTuner) -> OnRunTuning:
-    """The tuning on the run's own steps, from the split in effect."""
+def _tuning(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, planned: int | None) -> OnRunTuning:
+    """The tuning on the run's own steps (``planned`` of them), from the split in effect."""
     args = trainer.args
+    state_bytes = _training_state_bytes(trainer.model)
     others = [s for s in session.candidates(args) if s != session.split
               and (tuner.max_micro_batch is None or s.micro_batch <= tuner.max_micro_batch)]
     period = (generation_period(args.steps_per_generation, getattr(args, "num_iterations", 1),
                                 args.gradient_accumulation_steps) if hasattr(args, "num_generations") else 1)
-    return OnRunTuning(session.split, others, planned_steps(trainer), period=period, samples=tuner.samples,
+    return OnRunTuning(session.split, others, planned, period=period, samples=tuner.samples,
                        max_rounds=tuner.max_rounds, patience=tuner.patience, must_pay=tuner.must_pay,
-                       state_bytes=_training_state_bytes(trainer.model), rank_by=tuner.rank_by)
+                       state_bytes=state_bytes, rank_by=tuner.rank_by)
 
 
 def _training_state_bytes(model) -> float:
@@ -294,51 +308,12 @@ def planned_steps(trainer) -> int | None:
     return math.ceil(args.num_train_epochs * per_epoch)
 
 
-def _checked_resume(resume, output_dir: str) -> str | None:
-    """The checkpoint to resume from: complete, or a clear error; ``True``/``"last"`` finds the newest complete one."""
-    if resume is None or resume is False:
-        return None
-    if resume is True or resume == "last":
-        found = newest_complete(output_dir)
-        if found is None:
-            logger.warning("[tuner] resume_from_checkpoint=%r: no complete checkpoint-N in %s; starting from the "
-                           "beginning", resume, output_dir)
-            return None
-        resume = found
-    if not isinstance(resume, str):
-        raise ValueError(f"train_with_tuning: resume_from_checkpoint={resume!r} is not allowed: expected a "
-                         f"checkpoint-N folder, True, 'last' or None")
-    step = step_of(resume)
-    if not is_complete(resume, step):
-        raise ValueError(f"train_with_tuning: resume_from_checkpoint={resume!r} is not a complete checkpoint (no "
-                         f"valid trainer_state.json for step {step}, a weights file missing, or transformers' "
-                         f"in-progress marker left): pass an earlier checkpoint-N, or 'last' for the newest "
-                         f"complete one")
-    return resume
-
-
-def _restart_checkpoint(output_dir: str) -> str | None:
-    """The checkpoint a launcher's restart resumes from: the newest complete one this job's record lists (the split
-    file of the run the launcher started first), else None (the restart starts from the beginning)."""
-    record = read_split_file(output_dir, warn=False)
-    for entry in sorted(record.written if record is not None else [], key=lambda w: -w.step):
-        path = checkpoint_dir(output_dir, entry.step)
-        if is_complete(path, entry.step):
-            logger.warning("[tuner] restarted by the launcher (restart %d): resuming from %s with the split in %s",
-                           sharding.restarted_by_launcher(), path, os.path.join(output_dir, SPLIT_FILE))
-            return path
-    return None
-
-
 def _record_for_restart(trainer, session: TuningSession, error: BaseException) -> None:
     """An out-of-memory error under FSDP that the ranks could not agree on: record the next smaller split for the
     launcher's restart (the main process writes it) and say what happens; the caller re-raises."""
     step = trainer.state.global_step
     checkpoint = session.newest_ours(step)
-    try:
-        new = next_smaller(session.split, candidates(trainer.args, session.world))
-    except ValueError:
-        new = session.split
+    new = session.smaller_for_restart()
     reason = f"out of memory, not agreed inside the step: {error_line(error)[:160]}"
     if new != session.split:
         session.decide("oom", reason, new, step, checkpoint=checkpoint)
@@ -359,19 +334,6 @@ def _check_memory_or_warn(trainer, session: TuningSession, tuner: AdaptiveBatchT
                                           f"goes on at the configured split {configured} without it")
 
 
-def _free_memory(trainer, session: TuningSession) -> None:
-    """Drop the gradients and give the device's cached memory back (after an OOM, before a save or a resume; FSDP2:
-    its iteration state reset on this rank first, the gathered parameters freed). A failing cache clear is one
-    warning, never the end of the run."""
-    adapter.reset_fsdp_iteration(trainer.model)
-    trainer.model.zero_grad(set_to_none=True)
-    try:
-        DeviceLayer(training_device()).empty_cache()
-    except Exception as error:  # noqa: BLE001 - housekeeping: going on without it
-        session.warn_once("emptying the device cache", f"emptying the device cache failed during recovery "
-                                                       f"({type(error).__name__}: {error}); going on without it")
-
-
 def _recover_from_oom(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, error: BaseException,
                       trial: bool = False) -> str | None:
     """Plan the next split and the checkpoint to resume from (ValueError when no smaller split is left,
@@ -387,10 +349,10 @@ def _recover_from_oom(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
         if tuning.done is not None:
             session.record_tuning(step)
     else:
-        new = _smaller(trainer, session, old, step)
+        new = session.smaller_split(step, old)
         if tuning is not None and tuning.done is None:
             session.end_tuning(step, "out of memory ended the tuning")
-    _free_memory(trainer, session)
+    session.free_memory(trainer)
     if tuner.in_optimizer_step:                                     # weights may be half-updated: go back
         checkpoint = session.newest_ours(step)
         if checkpoint is None:
@@ -402,7 +364,7 @@ def _recover_from_oom(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
     else:                                                           # weights and optimizer are at step N: keep them
         wrote = not session.is_ours(step)
         try:
-            checkpoint = _save_verified(trainer, session, tuner, step, switch=trial)
+            checkpoint = session.save_checkpoint(trainer, step, switch=trial)
             if trial:
                 session.switched_at(step, wrote)
         except Exception as save_error:  # noqa: BLE001 - fall back to the newest complete one of this run
@@ -415,121 +377,10 @@ def _recover_from_oom(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
                                           f"{checkpoint}; steps after it are trained again")
     session.decide("oom", reason, new, step, old=old, checkpoint=checkpoint, trial=trial)
     session.request_switch(new, reason)
-    _prepare_resume(trainer, session, tuner)
+    session.resume_with_switch(trainer)
     logger.warning("[tuner] %s at step %d: resuming from %s with split %s", reason, step, checkpoint or "the start",
                    new)
     return checkpoint
-
-
-def _smaller(trainer, session: TuningSession, old: Split, step: int) -> Split:
-    """The next smaller split exact for the run; :class:`InexactResize` when smaller ones exist but none is exact
-    under its loss, ValueError when there is none at all."""
-    try:
-        return next_smaller(old, session.candidates(trainer.args))
-    except ValueError:
-        exactness = session.exactness
-        smaller = [s for s in candidates(trainer.args, session.world) if s.micro_batch < old.micro_batch]
-        if not smaller or exactness is None or exactness.reason is None:
-            raise
-        anyway = smaller[0]
-        raise InexactResize(
-            f"out of memory at step {step} at split {old}, and no smaller split keeps this run exact: "
-            f"{exactness.reason}. {exactness.fix} The run is saved and ends here rather than going on inexactly. To "
-            f"go on anyway at {anyway} (not exactly the configured run), set per_device_train_batch_size="
-            f"{anyway.micro_batch} and gradient_accumulation_steps={anyway.grad_accum} and resume with "
-            f"trainer.train(resume_from_checkpoint=...) from the saved checkpoint.") from None
-
-
-def _save_verified(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, step: int,
-                   switch: bool = False) -> str:
-    """``checkpoint-<step>`` written by this run, verified complete and holding the whole training state (weights,
-    optimizer, scheduler and the RNG the next step starts from, whatever ``save_only_model`` says), with the
-    training log and the perf line of step ``step`` written first. A folder of that name that this run did not write
-    (an earlier run's, or a partial one) is moved aside first; one this run wrote with the weights alone
-    (``save_only_model``) is saved again, whole; a save that fails or comes out incomplete is moved aside too, and
-    the error raised. ``switch``: written only to switch splits, so it is saved without ``save_total_limit``'s
-    rotation and moved out of the ``checkpoint-*`` names (the path returned is where it is)."""
-    output_dir = trainer.args.output_dir
-    path = checkpoint_dir(output_dir, step)
-    main = is_main_process()             # under several ranks only the main process checks and moves folders
-    step_log = session.step_log                                    # a callback raised before the step's log
-    if session.bus is not None:                                    # the checkpoint's steps all have their line
-        session.bus.complete_step(trainer.args, trainer.state, step_log.log_missed if step_log else None)
-    elif step_log is not None:
-        step_log.log_missed()
-    ours = session.is_ours(step)
-    if ours and session.resumable(step):
-        return session.location(step)
-    if main and not ours and os.path.exists(path):
-        why = "stale" if is_complete(path, step) else "partial"
-        moved = move_aside(path, why)
-        if moved is None:
-            raise RuntimeError(f"{path} is in the way (not written by this run) and could not be moved aside")
-        logger.warning("[tuner] %s was not written by this run (%s): moved aside to %s", path,
-                       "an earlier run's or another process's" if why == "stale" else "incomplete", moved)
-    current = rng_state()
-    try:
-        set_rng_state(session.rng_after(step) or current)   # the RNG the next step starts from
-        adapter.save_checkpoint(trainer, rotate=not switch)
-    except BaseException:
-        if main and os.path.exists(path):
-            move_aside(path, "partial")
-        raise
-    finally:
-        set_rng_state(current)
-    if not session.record_written(step):
-        moved = move_aside(path, "partial")
-        raise RuntimeError(f"checkpoint-{step} came out incomplete (moved aside to {moved})")
-    session.saved_complete.add(step)
-    if switch:
-        try:
-            return session.hide(step)
-        except OSError as error:          # it stays where it is: rotation may count it, training goes on
-            session.warn_once("hide-switch", f"could not move the switch checkpoint-{step} out of the checkpoint "
-                                             f"names ({error})")
-    return path
-
-
-def _save_before_raising(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, error: BaseException,
-                         agreed: bool | None = None) -> None:
-    """The run is about to end with ``error``: save its last completed optimizer step when it can, and say how to
-    resume (as a log line and a note on the error). ``agreed``: every rank left the step together (default: the
-    error is the agreement's). The split file records why the run ended (``ended``) and the split to resume with
-    (:attr:`TuningSession.resume_split`: after the tuner gave up, the last split that completed a step)."""
-    output_dir = trainer.args.output_dir
-    step = trainer.state.global_step
-    checkpoint, why = None, ""
-    agreed = isinstance(error, ResizeNeeded) if agreed is None else agreed
-    if world_size() > 1 and not agreed:
-        why = "other ranks may be inside a collective, so no rank can save now"
-    elif tuner.in_optimizer_step:
-        why = "it struck inside optimizer.step, so the weights may be half-updated"
-    elif step == 0:
-        why = "no optimizer step was completed"
-    else:
-        try:
-            _free_memory(trainer, session)
-            checkpoint = _save_verified(trainer, session, tuner, step)
-        except Exception as save_error:  # noqa: BLE001
-            why = f"saving failed: {type(save_error).__name__}: {save_error}"
-    if checkpoint is None:
-        checkpoint = session.newest_ours(step) or newest_complete(output_dir)
-        saved = (f"checkpoint-{step} was not saved ({why}); the newest complete checkpoint is "
-                 f"{checkpoint or 'none'}")
-    else:
-        saved = f"saved {checkpoint} (the last completed optimizer step, {step})"
-    resume = (f"resume with train_with_tuning(trainer, resume_from_checkpoint={checkpoint!r}) (the split in "
-              f"{os.path.join(output_dir, SPLIT_FILE)} is applied when it fits)" if checkpoint
-              else "the run must start again")
-    what = (str(error) if isinstance(error, (UnfixableOOM, InexactResize))     # its cause and its fix
-            else error_line(error)[:160])
-    message = f"training ended at step {step} by {type(error).__name__}: {what}; {saved}; {resume}"
-    session.switch = None
-    session.ended = message
-    session.persist()
-    logger.error("[tuner] %s", message)
-    if hasattr(error, "add_note"):
-        error.add_note(message)
 
 
 def _evaluate_within_memory(trainer, original, session: TuningSession):
@@ -550,9 +401,9 @@ def _evaluate_within_memory(trainer, original, session: TuningSession):
                     raise
                 error = error.with_traceback(None)
                 set_rng_state(drawn)     # the retry draws what the failed attempt drew: the run's stream goes on
-                _free_memory(trainer, session)
                 batch = targs.per_device_eval_batch_size
                 smaller = _smaller_eval_batch(targs, batch)
+                session.free_memory(trainer)
                 if smaller is not None:
                     targs.per_device_eval_batch_size = smaller
                     session.warn_once(f"eval-{smaller}", f"evaluation ran out of memory at "
@@ -583,11 +434,3 @@ def _smaller_eval_batch(args, batch: int) -> int | None:
                 return smaller
         return None
     return batch // 2 if batch > 1 else None
-
-
-def _prepare_resume(trainer, session: TuningSession, tuner: AdaptiveBatchTuner) -> None:
-    """Apply the pending switch to a trainer whose last train() ended, forget that train()'s state, free its
-    memory."""
-    session.take_switch(trainer)
-    adapter.forget_last_train(trainer)
-    _free_memory(trainer, session)

@@ -9,11 +9,11 @@ the split in effect           :attr:`TuningSession.split`; set only by :meth:`~T
 the split a resume starts     :attr:`~TuningSession.resume_split`: a pending switch, else the tuning baseline,
 with                          else the split in effect; after giving up, the last split that completed a step
 every decision                :attr:`~TuningSession.decisions` (typed :class:`~hf_perf_callbacks.splitfile.Decision`)
-the checkpoints this run      :attr:`~TuningSession.written`, each with the fingerprint of its files: a recovery
-wrote                         resumes only from one whose fingerprint still matches and that holds the training
-                              state (:meth:`~TuningSession.resumable`)
+the checkpoints this run      :attr:`~TuningSession.checkpoints` (:class:`~.checkpoints.RunCheckpoints`), each
+wrote                         with the fingerprint of its files: a recovery resumes only from one whose fingerprint
+                              still matches and that holds the training state (:meth:`~TuningSession.resumable`)
 the RNG a checkpoint holds    :attr:`~TuningSession.next_rng`, noted by the tuner where transformers restores it
-                              (:meth:`~TuningSession.note_rng`), written by the loop's saves
+                              (:meth:`~TuningSession.note_rng`), written by :meth:`~TuningSession.save_checkpoint`
 the session id                :attr:`~TuningSession.id`: the run in the perf log (the bus's session) and the split
                               file; kept across in-process re-sizes and resumes of the same run
 the splits the run may use    :attr:`~TuningSession.exactness`, judged once at the start
@@ -21,6 +21,13 @@ the splits the run may use    :attr:`~TuningSession.exactness`, judged once at t
                               reader's list (the tuning, the memory check, the OOM and watchdog re-sizes)
 ``tuner_split.json``          written by :meth:`~TuningSession.persist` only (main process, atomically)
 ============================  ================================================================================
+
+Only this module assigns the session's fields: the tuner and :func:`~hf_perf_callbacks.train_with_tuning` ask it
+through its methods (the tuner: :meth:`~TuningSession.follow_args`, :meth:`~TuningSession.switch_taken`,
+:meth:`~TuningSession.step_completed`, :meth:`~TuningSession.request_switch`; the loop: :meth:`~TuningSession.drive`,
+:meth:`~TuningSession.resume_from`, :meth:`~TuningSession.save_checkpoint`, :meth:`~TuningSession.resume_with_switch`,
+:meth:`~TuningSession.end_run`, :meth:`~TuningSession.close`), and it saves the checkpoints a re-size resumes from
+itself.
 
 :func:`~hf_perf_callbacks.train_with_tuning` creates one session per call (a resume adopts the recorded one when it
 is this run's) and hands it to the trainer's bus; the :class:`~hf_perf_callbacks.AdaptiveBatchTuner` — also an
@@ -30,16 +37,35 @@ itself. No process-global registry, no reconciliation: every reader asks the ses
 from __future__ import annotations
 
 import logging
-import shutil
+import os
 import time
 import uuid
 from typing import TYPE_CHECKING
 
 from .. import adapter
-from ..batching import Exactness, Split, exact_splits, exact_under
-from ..device import is_main_process, rng_state, world_size
-from ..splitfile import Decision, Restriction, SplitFile, WrittenCheckpoint, read_split_file
-from .checkpoints import checkpoint_dir, fingerprint, has_training_state, hide, is_complete, switch_dir
+from ..batching import Exactness, Split, exact_splits, exact_under, next_smaller
+from ..device import DeviceLayer, error_line, is_main_process, rng_state, set_rng_state, training_device, world_size
+from ..keys import SPLIT_FILE
+from ..splitfile import (
+    Decision,
+    Restriction,
+    SplitFile,
+    WrittenCheckpoint,
+    read_split_file,
+    run_geometry,
+    split_for_run,
+)
+from .agreement import ResizeNeeded
+from .checkpoints import (
+    RunCheckpoints,
+    checkpoint_dir,
+    fingerprint,
+    is_complete,
+    move_aside,
+    newest_complete,
+    step_of,
+)
+from .oomsite import UnfixableOOM
 
 if TYPE_CHECKING:
     from ..bus import RunBus
@@ -71,10 +97,15 @@ class SwitchSplit(BaseException):
     the user's ``except Exception`` let it through."""
 
 
+class InexactResize(ValueError):
+    """An out-of-memory error where smaller splits of the batch exist but none keeps the run's loss exact (the run
+    saves and ends with why, and what makes every split exact)."""
+
+
 class TuningSession:
     """See the module docstring."""
 
-    def __init__(self, args, bus: RunBus | None = None, session_id: str | None = None):
+    def __init__(self, args, bus: RunBus | None = None, session_id: str | None = None, managed: bool = False):
         self.id = session_id or uuid.uuid4().hex[:12]
         self.args = args                        # the trainer's args (the split is written there by apply)
         self.output_dir = args.output_dir
@@ -86,25 +117,103 @@ class TuningSession:
         self.switch_reason = ""
         self.switch_requested_at: float | None = None
         self.decisions: list[Decision] = []
-        self.written: list[WrittenCheckpoint] = []
-        self.saved_complete: set[int] = set()   # steps of the checkpoints the session saved itself (complete)
+        self.checkpoints = RunCheckpoints(self.output_dir)    # the checkpoints this run wrote
         self.ended: str | None = None
-        self.managed = False                    # train_with_tuning drives the run (acts on switches)
+        self.managed = managed                  # train_with_tuning drives the run (acts on switches)
         self.tuning: OnRunTuning | None = None  # the tuning on the run's own steps
         self.warned: set[str] = set()
         self.next_rng: tuple[int, tuple] | None = None   # (step, the RNG the step after it starts from)
         self.ran: Split | None = None           # the split of the last completed optimizer step
         self.gave_up = False                    # no smaller split fitted, or max_resizes were spent
-        self.switch_steps: list[int] = []       # checkpoints written only to switch splits (removed when superseded)
-        self.hidden: dict[int, str] = {}        # step → where a switch checkpoint was moved (out of checkpoint-*)
         self.exactness: Exactness | None = None  # the splits exact under the run's loss (judge_grouping)
         self.in_process = False                 # switches take effect by SwitchSplit (train_with_tuning, unsharded)
         self.switch_decision: Decision | None = None   # the decision of the pending switch (dropped if cancelled)
         self.resizes_left: int | None = None    # re-sizes forced by memory still allowed (train_with_tuning)
         self.step_log: adapter.StepLog | None = None   # the training loop's step log (train_with_tuning)
         if bus is not None:
-            bus.tuning = self
+            bus.attach_tuning(self)
             bus.pin_session(self.id)
+
+    # ------------------------------------------------------------ the run train_with_tuning drives
+    def drive(self, in_process: bool, max_resizes: int, step_log: adapter.StepLog | None = None) -> None:
+        """:func:`~hf_perf_callbacks.train_with_tuning` drives the run: a switch takes effect in this process at the
+        next step's begin (``in_process``; else by stopping ``train()``), ``max_resizes`` re-sizes forced by memory
+        are allowed, ``step_log`` is the training loop's step log."""
+        self.in_process, self.resizes_left, self.step_log = in_process, max_resizes, step_log
+
+    def resume_from(self, trainer, checkpoint: str) -> None:
+        """A resume from ``checkpoint``: the run's record goes on when it is this run's, the split recorded for the
+        run is applied when it is exact for it, and a checkpoint of this ``output_dir`` is a valid fallback for a
+        later out-of-memory error (the base of this run)."""
+        record = recorded_session(self.output_dir, checkpoint)
+        if record is not None:                       # this run's record: its history goes on
+            self.adopt(record)
+        split = split_for_run(self.output_dir, **run_geometry(trainer.args, self.world))
+        if split is not None:
+            self.apply(trainer, split)
+        step = step_of(checkpoint)
+        parent = os.path.dirname(os.path.normpath(checkpoint))
+        if step is not None and os.path.realpath(parent) == os.path.realpath(self.output_dir):
+            self.record_written(step)
+
+    def close(self, trainer) -> None:
+        """The driven run's ``train()`` calls are over: the step log undone, a tuning still running ended and
+        recorded, the trainer left at the split in effect (:meth:`settle`)."""
+        if self.tuning is not None and self.tuning.done is None:
+            self.end_tuning(trainer.state.global_step, "the run ended before the tuning did")
+        self.settle(trainer)
+        if self.step_log is not None:
+            self.step_log.undo()
+
+    def start_tuning(self, tuning: OnRunTuning) -> None:
+        """The tuning on the run's own steps starts (the tuner measures for it)."""
+        self.tuning = tuning
+
+    def spend_resize(self) -> None:
+        """A re-size forced by memory took place: one fewer is left."""
+        if self.resizes_left is not None:
+            self.resizes_left -= 1
+
+    @property
+    def resizes_spent(self) -> bool:
+        """No re-size forced by memory is left (``max_resizes`` of :func:`~hf_perf_callbacks.train_with_tuning`)."""
+        return self.resizes_left is not None and self.resizes_left <= 0
+
+    def give_up(self) -> None:
+        """No smaller split fits, or the re-sizes are spent: a resume starts from the last split that completed a
+        step (:attr:`resume_split`)."""
+        self.gave_up = True
+
+    def end(self, message: str) -> None:
+        """The run ends early with ``message`` (why, what was saved, how to resume): no switch is pending, and the
+        split file says so."""
+        self.switch = None
+        self.ended = message
+        self.persist()
+
+    # ------------------------------------------------------------ what the tuner reports of each step
+    def follow_args(self, args) -> None:
+        """Args changed by hand between ``train()`` calls rule: their split is the split in effect."""
+        split = current_split(args)
+        if split != self.split:
+            self.split = split
+
+    def switch_taken(self) -> float | None:
+        """The switch requested last took effect: seconds since it was requested (None: none was), said once."""
+        requested, self.switch_requested_at = self.switch_requested_at, None
+        return None if requested is None else max(0.0, time.time() - requested)
+
+    def step_completed(self, step: int) -> Split:
+        """Optimizer step ``step`` completed at the split in effect, which is returned: it is the last split that
+        completed a step, and a re-size forced by memory before it has its recovery time (from its decision to this
+        step)."""
+        last = self.decisions[-1] if self.decisions else None
+        if (last is not None and last.kind in ("oom", "watchdog") and last.recovery_sec is None and step > last.step
+                and last.time is not None):                     # a split file's decision may not hold its time
+            last.recovery_sec = time.time() - last.time
+            self.persist()
+        self.ran = self.split
+        return self.split
 
     # ------------------------------------------------------------ the split
     @property
@@ -186,6 +295,35 @@ class TuningSession:
         every = candidates(args, self.world)
         return [s for s in every if self.exactness is None or self.exactness.allows(s) or s == self.split]
 
+    def smaller_split(self, step: int, old: Split) -> Split:
+        """The next smaller split than ``old`` exact for the run (after an out-of-memory error at ``step``);
+        :class:`InexactResize` when smaller ones exist but none is exact under its loss, ValueError when there is
+        none at all."""
+        allowed = self.candidates(self.args)
+        try:
+            return next_smaller(old, allowed)
+        except ValueError:
+            exactness = self.exactness
+            smaller = [s for s in candidates(self.args, self.world) if s.micro_batch < old.micro_batch]
+            if not smaller or exactness is None or exactness.reason is None:
+                raise
+            anyway = smaller[0]
+            raise InexactResize(
+                f"out of memory at step {step} at split {old}, and no smaller split keeps this run exact: "
+                f"{exactness.reason}. {exactness.fix} The run is saved and ends here rather than going on inexactly. "
+                f"To go on anyway at {anyway} (not exactly the configured run), set per_device_train_batch_size="
+                f"{anyway.micro_batch} and gradient_accumulation_steps={anyway.grad_accum} and resume with "
+                f"trainer.train(resume_from_checkpoint=...) from the saved checkpoint.") from None
+
+    def smaller_for_restart(self) -> Split:
+        """The split a launcher's restart resumes with after an out-of-memory error the ranks could not agree on: the
+        next smaller one of the batch, else the split in effect."""
+        every = candidates(self.args, self.world)
+        try:
+            return next_smaller(self.split, every)
+        except ValueError:
+            return self.split
+
     def restriction(self) -> Restriction | None:
         exactness = self.exactness
         if exactness is None or exactness.reason is None:
@@ -214,10 +352,8 @@ class TuningSession:
 
     def end_tuning(self, step: int, reason: str) -> None:
         """Stop the tuning on the run's steps now (memory ended it) at its baseline, and record it."""
-        from .tuning import Finished
-
         if self.tuning is not None and self.tuning.done is None:
-            self.tuning.done = Finished(self.tuning.baseline, reason)
+            self.tuning.end(reason)
             self.record_tuning(step)
 
     def record_tuning(self, step: int) -> Decision | None:
@@ -225,7 +361,7 @@ class TuningSession:
         tuning = self.tuning
         if tuning is None or tuning.done is None or tuning.recorded:
             return None
-        tuning.recorded = True
+        tuning.mark_recorded()
         return self.decide("tune", tuning.done.reason, tuning.done.split, step, old=tuning.start,
                            trials=tuning.trial_list(), cost_sec=tuning.cost,
                            expected_gain_sec=tuning.expected_gain_sec(step), planned_steps=tuning.planned,
@@ -254,84 +390,153 @@ class TuningSession:
         return self.next_rng[1] if self.next_rng is not None and self.next_rng[0] == step else None
 
     # ------------------------------------------------------------ checkpoints
-    def record_written(self, step: int) -> bool:
-        """Record ``checkpoint-<step>`` as this run's, with its fingerprint, when it is complete (checked by the
-        main process, which writes it; the other ranks take its word). True when recorded."""
-        path = checkpoint_dir(self.output_dir, step)
-        if is_main_process():
-            if not is_complete(path, step):
-                return False
-            mark = fingerprint(path)
-        else:
-            mark = "written by the main process"
-        self.written = [w for w in self.written if w.step != step] + [WrittenCheckpoint(step, mark)]
-        self.hidden.pop(step, None)             # written again where transformers writes it
+    def record_written(self, step: int, whole: bool = False) -> bool:
+        """Record ``checkpoint-<step>`` as this run's when it is complete (:meth:`RunCheckpoints.record
+        <hf_perf_callbacks.resize.checkpoints.RunCheckpoints.record>`); ``whole``: the session saved it itself, with
+        the whole training state. True when recorded (and the split file says so)."""
+        if not self.checkpoints.record(step, whole):
+            return False
         self.persist()
         return True
 
+    @property
+    def written(self) -> list[WrittenCheckpoint]:
+        """The checkpoints this run wrote, each with the fingerprint of its files."""
+        return self.checkpoints.written
+
     def location(self, step: int) -> str:
-        """Where this run's checkpoint of ``step`` is: ``checkpoint-<step>``, or ``tuner_switch/checkpoint-<step>``
-        for a switch checkpoint moved out of the rotation's way."""
-        return self.hidden.get(step) or checkpoint_dir(self.output_dir, step)
+        return self.checkpoints.location(step)
 
     def hide(self, step: int) -> str:
-        """Move the switch checkpoint of ``step`` out of the names transformers' rotation counts (main process; the
-        other ranks take the same path)."""
-        path = hide(self.output_dir, step) if is_main_process() else switch_dir(self.output_dir, step)
-        self.hidden[step] = path
-        return path
+        return self.checkpoints.hide(step)
 
     def is_ours(self, step: int) -> bool:
-        """Whether ``checkpoint-<step>`` is one this run wrote and its files are still the ones it wrote."""
-        entry = next((w for w in self.written if w.step == step), None)
-        if entry is None:
-            return False
-        if not is_main_process():
-            return True
-        path = self.location(step)
-        return is_complete(path, step) and fingerprint(path) == entry.fingerprint
+        return self.checkpoints.is_ours(step)
 
     def newest_ours(self, at_most: int) -> str | None:
-        """The newest checkpoint this run wrote at a step ≤ ``at_most`` that is still there, unchanged, and holds the
-        training state (rotation by ``save_total_limit`` may have removed older ones; another process may have
-        replaced one; ``save_only_model`` leaves the weights alone)."""
-        for entry in sorted(self.written, key=lambda w: -w.step):
-            if entry.step <= at_most and self.is_ours(entry.step) and self.resumable(entry.step):
-                return self.location(entry.step)
-        return None
+        return self.checkpoints.newest_ours(at_most, self.args.save_only_model)
 
     def resumable(self, step: int) -> bool:
-        """Whether ``checkpoint-<step>`` holds the optimizer and scheduler state: one the session saved (always
-        complete), else as its files say (the main process, which wrote them; the other ranks, which cannot see
-        them, go by ``save_only_model``, so that every rank decides alike)."""
-        if step in self.saved_complete:
-            return True
-        if not is_main_process():
-            return not self.args.save_only_model
-        return has_training_state(self.location(step))
+        return self.checkpoints.resumable(step, self.args.save_only_model)
 
     def switched_at(self, step: int, wrote: bool) -> None:
-        """A switch resumed from ``checkpoint-<step>`` (``wrote``: written for the switch, not by a save the run
-        makes anyway). The newest such checkpoint stays as the run's fallback; older ones are removed."""
-        keep = step if wrote or step in self.switch_steps else None
-        self.drop_switch_checkpoints(keep)
-        if keep is not None:
-            self.switch_steps = [keep]
+        """A switch resumed from ``checkpoint-<step>`` (``wrote``: written for the switch): older switch checkpoints
+        are removed."""
+        if self.checkpoints.switched_at(step, wrote):
+            self.persist()
 
     def drop_switch_checkpoints(self, keep: int | None = None) -> None:
-        """Remove the checkpoints written only for switches (main process; the run's own saves stay), but the one of
-        step ``keep``."""
-        steps = [s for s in self.switch_steps if s != keep]
-        self.switch_steps = [s for s in self.switch_steps if s == keep]
-        if not steps:
-            return
-        if is_main_process():
-            for step in steps:
-                shutil.rmtree(self.location(step), ignore_errors=True)
-        for step in steps:
-            self.hidden.pop(step, None)
-        self.written = [w for w in self.written if w.step not in steps]
-        self.persist()
+        """Remove the checkpoints written only for switches, but the one of step ``keep``."""
+        if self.checkpoints.drop_switch(keep):
+            self.persist()
+
+    # ------------------------------------------------------------ saving, resuming and ending in this process
+    def free_memory(self, trainer) -> None:
+        """Drop the gradients and give the device's cached memory back (after an OOM, before a save or a resume; FSDP2:
+        its iteration state reset on this rank first, the gathered parameters freed). A failing cache clear is one
+        warning, never the end of the run."""
+        adapter.reset_fsdp_iteration(trainer.model)
+        trainer.model.zero_grad(set_to_none=True)
+        try:
+            DeviceLayer(training_device()).empty_cache()
+        except Exception as error:  # noqa: BLE001 - housekeeping: going on without it
+            self.warn_once("emptying the device cache", f"emptying the device cache failed during recovery "
+                                                        f"({type(error).__name__}: {error}); going on without it")
+
+    def save_checkpoint(self, trainer, step: int, switch: bool = False) -> str:
+        """``checkpoint-<step>`` written by this run, verified complete and holding the whole training state (weights,
+        optimizer, scheduler and the RNG the next step starts from, whatever ``save_only_model`` says), with the
+        training log and the perf line of step ``step`` written first. A folder of that name that this run did not write
+        (an earlier run's, or a partial one) is moved aside first; one this run wrote with the weights alone
+        (``save_only_model``) is saved again, whole; a save that fails or comes out incomplete is moved aside too, and
+        the error raised. ``switch``: written only to switch splits, so it is saved without ``save_total_limit``'s
+        rotation and moved out of the ``checkpoint-*`` names (the path returned is where it is)."""
+        output_dir = trainer.args.output_dir
+        path = checkpoint_dir(output_dir, step)
+        main = is_main_process()             # under several ranks only the main process checks and moves folders
+        ours = self.is_ours(step)
+        there = self.location(step) if ours and self.resumable(step) else None    # saved already, whole
+        next_rng = self.rng_after(step)                             # the RNG the next step starts from
+        step_log = self.step_log                                    # a callback raised before the step's log
+        if self.bus is not None:                                    # the checkpoint's steps all have their line
+            self.bus.complete_step(trainer.args, trainer.state, step_log.log_missed if step_log else None)
+        elif step_log is not None:
+            step_log.log_missed()
+        if there is not None:
+            return there
+        if main and not ours and os.path.exists(path):
+            why = "stale" if is_complete(path, step) else "partial"
+            moved = move_aside(path, why)
+            if moved is None:
+                raise RuntimeError(f"{path} is in the way (not written by this run) and could not be moved aside")
+            logger.warning("[tuner] %s was not written by this run (%s): moved aside to %s", path,
+                           "an earlier run's or another process's" if why == "stale" else "incomplete", moved)
+        current = rng_state()
+        try:
+            set_rng_state(next_rng or current)
+            adapter.save_checkpoint(trainer, rotate=not switch)
+        except BaseException:
+            if main and os.path.exists(path):
+                move_aside(path, "partial")
+            raise
+        finally:
+            set_rng_state(current)
+        if not self.record_written(step, whole=True):
+            moved = move_aside(path, "partial")
+            raise RuntimeError(f"checkpoint-{step} came out incomplete (moved aside to {moved})")
+        if switch:
+            try:
+                return self.hide(step)
+            except OSError as error:          # it stays where it is: rotation may count it, training goes on
+                self.warn_once("hide-switch", f"could not move the switch checkpoint-{step} out of the "
+                                              f"checkpoint names ({error})")
+        return path
+
+    def end_run(self, trainer, error: BaseException, in_optimizer_step: bool = False,
+                agreed: bool | None = None) -> None:
+        """The run is about to end with ``error``: save its last completed optimizer step when it can, and say how to
+        resume (as a log line and a note on the error). ``agreed``: every rank left the step together (default: the
+        error is the agreement's). The split file records why the run ended (``ended``) and the split to resume with
+        (:attr:`resume_split`: after the tuner gave up, the last split that completed a step)."""
+        output_dir = trainer.args.output_dir
+        step = trainer.state.global_step
+        checkpoint, why = None, ""
+        agreed = isinstance(error, ResizeNeeded) if agreed is None else agreed
+        if world_size() > 1 and not agreed:
+            why = "other ranks may be inside a collective, so no rank can save now"
+        elif in_optimizer_step:
+            why = "it struck inside optimizer.step, so the weights may be half-updated"
+        elif step == 0:
+            why = "no optimizer step was completed"
+        else:
+            try:
+                self.free_memory(trainer)
+                checkpoint = self.save_checkpoint(trainer, step)
+            except Exception as save_error:  # noqa: BLE001
+                why = f"saving failed: {type(save_error).__name__}: {save_error}"
+        if checkpoint is None:
+            checkpoint = self.newest_ours(step) or newest_complete(output_dir)
+            saved = (f"checkpoint-{step} was not saved ({why}); the newest complete checkpoint is "
+                     f"{checkpoint or 'none'}")
+        else:
+            saved = f"saved {checkpoint} (the last completed optimizer step, {step})"
+        resume = (f"resume with train_with_tuning(trainer, resume_from_checkpoint={checkpoint!r}) (the split in "
+                  f"{os.path.join(output_dir, SPLIT_FILE)} is applied when it fits)" if checkpoint
+                  else "the run must start again")
+        what = (str(error) if isinstance(error, (UnfixableOOM, InexactResize))     # its cause and its fix
+                else error_line(error)[:160])
+        message = f"training ended at step {step} by {type(error).__name__}: {what}; {saved}; {resume}"
+        self.end(message)
+        logger.error("[tuner] %s", message)
+        if hasattr(error, "add_note"):
+            error.add_note(message)
+
+    def resume_with_switch(self, trainer) -> None:
+        """Apply the pending switch to a trainer whose last train() ended, forget that train()'s state, free its
+        memory."""
+        self.take_switch(trainer)
+        adapter.forget_last_train(trainer)
+        self.free_memory(trainer)
 
     # ------------------------------------------------------------ the file
     def record(self) -> SplitFile:
@@ -351,7 +556,8 @@ class TuningSession:
 
     def adopt(self, record: SplitFile) -> None:
         """Continue the recorded run (a resume in a new process): its id, decisions and written checkpoints."""
-        self.id, self.decisions, self.written = record.session, list(record.decisions), list(record.written)
+        self.id, self.decisions = record.session, list(record.decisions)
+        self.checkpoints.written = list(record.written)
         self.configured = record.configured
         if self.bus is not None:
             self.bus.pin_session(self.id)
@@ -383,8 +589,6 @@ def recorded_session(output_dir: str, checkpoint: str | None) -> SplitFile | Non
     record = read_split_file(output_dir)
     if record is None or checkpoint is None:
         return record if checkpoint is None else None
-    from .checkpoints import step_of
-
     step = step_of(checkpoint)
     entry = record.checkpoint(step) if step is not None else None
     if entry is None or not is_complete(checkpoint, step):

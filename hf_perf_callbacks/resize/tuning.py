@@ -280,6 +280,14 @@ class OnRunTuning:
     def _switch(self, split: Split, why: str) -> Switch:
         return Switch(split, why)
 
+    def end(self, reason: str) -> None:
+        """End the tuning now at its baseline (memory or the run's end ended it), for ``reason``."""
+        self.done = Finished(self.baseline, reason)
+
+    def mark_recorded(self) -> None:
+        """The tune decision was recorded (once)."""
+        self.recorded = True
+
     def _finish(self, reason: str) -> Finished:
         self.done = Finished(self.baseline, self._verdict(reason))
         return self.done

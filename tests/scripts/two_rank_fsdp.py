@@ -62,7 +62,7 @@ def keys_logged(trainer):
 
 def main(out):
     fsdp_on_cpu()
-    from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter, default_callbacks
+    from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter, default_callbacks, keys
     from hf_perf_callbacks.flops import shape_of
     from hf_perf_callbacks.tiny import build_model, build_tokenizer
     from tests.conftest import CORPUS, make_trainer
@@ -90,7 +90,7 @@ def main(out):
         meter_trainable=meter.shape.trainable_matmul_params, disabled=[type(c).__name__ for c in callbacks
                                                                        if c.disabled],
         keys=keys_logged(plain), tokens=meter.timeline.total_tokens, independent_tokens=int(counted.item()),
-        rates=[entry.get("perf/tokens_per_sec") for entry in plain.state.log_history if "loss" in entry],
+        rates=[entry.get(keys.PERF_TOKENS_PER_SEC) for entry in plain.state.log_history if "loss" in entry],
         device=str(meter.device.device), world=meter.world)
 
     # 2. the watchdog: a tiny budget on rank 1 only stops both ranks at one step, with one sharded checkpoint
@@ -131,7 +131,7 @@ def main(out):
                   tuned_actions=[a["action"] for a in watchdog.actions],
                   tuned_checkpoint=sorted(os.listdir(os.path.join(out, "tuned", "checkpoint-2"))),
                   tuned_steps_logged=[x["step"] for x in lines if x["type"] == "step"],
-                  tuned_micro_batches=[x.get("tuner/micro_batch") for x in lines if x["type"] == "step"],
+                  tuned_micro_batches=[x.get(keys.TUNER_MICRO_BATCH) for x in lines if x["type"] == "step"],
                   tuned_notes_logged=[x["message"][:40] for x in lines if x["type"] == "event"
                                       and x.get("source") == "tuner" and x.get("kind") == "warning"])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from hf_perf_callbacks import estimate
+from hf_perf_callbacks import estimate, keys
 from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.report import (
     RULES,
@@ -58,7 +58,7 @@ def healthy(**changes) -> Measurements:
         max_pressure=0, swap_growth_gb=0.0, swapout_steps=0, min_steps_to_wall=None, watchdog_actions=[],
         seq_len=400, warmup_done=True, steady_steps=198,
         rewards=Rewards(logs=40, min=0.2, max=1.4, std_max=0.5, zero_std_min=0.1, funcs={}),
-        logged=frozenset({"perf/steady_tokens_per_sec", "perf/tokens_per_sec", "mem/device_used_gb"}))
+        logged=frozenset({keys.PERF_STEADY_TOKENS_PER_SEC, keys.PERF_TOKENS_PER_SEC, keys.MEM_DEVICE_USED_GB}))
     return dataclasses.replace(m, **changes)
 
 
@@ -589,14 +589,15 @@ def _write_run(tmp_path, steps, state=True):
 def _steps(n=10):
     out = []
     for s in range(1, n + 1):
-        out.append({"type": "step", "step": s, "perf/steady": int(s > 2), "perf/warmup_done": int(s > 5),
-                    "perf/warmup_steps": 2, "perf/step_wall_sec": 40.0 + 20 * s,
-                    "perf/phase_sec/data_wait": 1.0, "perf/phase_sec/generation": 30.0, "perf/phase_sec/compute": 9.0,
-                    "perf/phase_sec/eval": 0.0, "perf/phase_sec/save": 0.0, "perf/pad_fraction": 0.1,
-                    "perf/forwards_per_microbatch": 1.0, "perf/seq_len": 500 + s, "perf/tokens": 1000.0,
-                    "mem/device_used_gb": 30.0 + s, "mem/driver_gb": 30.0 + s, "mem/allocated_gb": 20.0,
-                    "mem/pressure": 2 if s > 6 else 0, "mem/swap_used_gb": 1.0 + 0.5 * s,
-                    "mem/swapouts": 100 if s > 6 else 0, "mem/steps_to_wall": 50.0 - s})
+        out.append({"type": "step", "step": s, keys.PERF_STEADY: int(s > 2), keys.PERF_WARMUP_DONE: int(s > 5),
+                    keys.PERF_WARMUP_STEPS: 2, keys.PERF_STEP_WALL_SEC: 40.0 + 20 * s,
+                    keys.PERF_PHASE_SEC["data_wait"]: 1.0, keys.PERF_PHASE_SEC["generation"]: 30.0,
+                    keys.PERF_PHASE_SEC["compute"]: 9.0,
+                    keys.PERF_PHASE_SEC["eval"]: 0.0, keys.PERF_PHASE_SEC["save"]: 0.0, keys.PERF_PAD_FRACTION: 0.1,
+                    keys.PERF_FORWARDS_PER_MICROBATCH: 1.0, keys.PERF_SEQ_LEN: 500 + s, keys.PERF_TOKENS: 1000.0,
+                    keys.MEM_DEVICE_USED_GB: 30.0 + s, keys.MEM_DRIVER_GB: 30.0 + s, keys.MEM_ALLOCATED_GB: 20.0,
+                    keys.MEM_PRESSURE: 2 if s > 6 else 0, keys.MEM_SWAP_USED_GB: 1.0 + 0.5 * s,
+                    keys.MEM_SWAPOUTS: 100 if s > 6 else 0, keys.MEM_STEPS_TO_WALL: 50.0 - s})
     return out
 
 
@@ -656,7 +657,7 @@ def test_a_killed_resumed_session_ignores_the_earlier_summary_and_repeated_steps
                  "max_completion_length": 512, "num_generations": 2, "model": QWEN_3B}]
     rerun = _steps(6)[2:]                                        # steps 3..6 again (an OOM rollback to step 2)
     for s in rerun:
-        s["perf/phase_sec/generation"] = 10.0                   # the re-run lines differ from the first ones
+        s[keys.PERF_PHASE_SEC["generation"]] = 10.0                   # the re-run lines differ from the first ones
     with open(tmp_path / "perf_log.jsonl", "a") as fh:
         fh.write("\n" + schema_lines(session2 + rerun))
     m = measurements_from_run(str(tmp_path))
@@ -848,7 +849,7 @@ def test_a_run_too_short_for_its_timings_says_so_and_prints_no_gain(calibrated):
 
 def test_the_no_finding_text_fits_the_run():
     # seen: "the run's rewards vary" and "Track `perf/steady_tokens_per_sec`" on a Trainer run that never logged it
-    trainer = healthy(grpo=False, logged=frozenset({"perf/tokens_per_sec"}), rewards=None)
+    trainer = healthy(grpo=False, logged=frozenset({keys.PERF_TOKENS_PER_SEC}), rewards=None)
     text = render_markdown([], trainer, check(trainer)[1])
     assert "reward" not in text.lower() and "`perf/tokens_per_sec`" in text and "steady_tokens" not in text
     grpo = healthy(rewards=None, logged=frozenset())
@@ -995,9 +996,9 @@ def test_a_last_step_at_the_steady_wall_cpu_ratio_is_no_contention(tmp_path):
               "world_size": 1, "torch_threads": 1, "cpu_cores": 2}]
     for step in range(1, 13):
         wall = 3.95 if step == 12 else 1.0
-        lines.append({"type": "step", "step": step, "perf/step_wall_sec": wall, "perf/train_sec": wall,
-                      "perf/cpu_sec": wall / 1.0 if step == 12 else 1.0, "perf/tokens": 100.0,
-                      "perf/steady": int(step > 2), "perf/other_cpu_cores": 0.5})
+        lines.append({"type": "step", "step": step, keys.PERF_STEP_WALL_SEC: wall, keys.PERF_TRAIN_SEC: wall,
+                      keys.PERF_CPU_SEC: wall / 1.0 if step == 12 else 1.0, keys.PERF_TOKENS: 100.0,
+                      keys.PERF_STEADY: int(step > 2), keys.PERF_OTHER_CPU_CORES: 0.5})
     lines.append({"type": "summary", "source": "perf", "steps": 12, "warmup_done": True, "warmup_steps": 2,
                   "first_steady_step": 3, "early_contention_sec": 3.0, "contention_steps": [12]})
     (tmp_path / "perf_log.jsonl").write_text(schema_lines(lines))

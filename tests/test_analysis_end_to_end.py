@@ -2,7 +2,7 @@
 GRPO run that cannot learn (every reward 0) with the MPS-only ``pad_to_multiple_of`` on a CPU."""
 import torch
 
-from hf_perf_callbacks import ThroughputMeter, default_callbacks
+from hf_perf_callbacks import ThroughputMeter, default_callbacks, keys
 from hf_perf_callbacks.report import check, measurements_from_run, write_analysis
 from hf_perf_callbacks.runlog import read_run
 from hf_perf_callbacks.tiny import build_model
@@ -119,7 +119,7 @@ def test_a_short_trainer_run_is_too_short_to_judge_and_says_so_the_same_way_twic
         assert "Warmup was not finished after 2 steps" in text and "No warmup" not in text
         assert "Too few steps to judge (warmup was not finished after 2 steps)" in text
         assert "reward" not in text.lower()                      # a Trainer run: no GRPO words
-        for metric in ("perf/steady_tokens_per_sec", "perf/tokens_per_sec"):
+        for metric in (keys.PERF_STEADY_TOKENS_PER_SEC, keys.PERF_TOKENS_PER_SEC):
             assert f"`{metric}`" not in text or metric in m.logged
         assert all(f.expected_gain is None for f in findings)   # no gain from a run this short
         results.append(([(f.rule, f.title, f.setting, f.env) for f in findings], [n.title for n in notes]))

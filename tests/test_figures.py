@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter
+from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter, keys
 from hf_perf_callbacks.report import summarize
 from hf_perf_callbacks.report.figures import figures, steady_steps
 from hf_perf_callbacks.runlog import PERF_LOG, read_run
@@ -60,15 +60,15 @@ def test_console_summary_step_line_reporters_and_figures_agree(which, request, t
     steps = {x["step"]: x for x in log_lines(output_dir, "step")}
     steady = f.steady_steps
     assert len(steady) == s["steady_step_count"] and steady[0] == f.warmup_end_step and steady[-1] == 8
-    mean_tokens = sum(steps[k]["perf/tokens"] for k in steady) / len(steady)
+    mean_tokens = sum(steps[k][keys.PERF_TOKENS] for k in steady) / len(steady)
     assert f.steady_tokens_per_sec * f.steady_step_sec == pytest.approx(mean_tokens)
-    assert f.steady_step_sec == pytest.approx(sum(steps[k]["perf/train_sec"] for k in steady) / len(steady))
+    assert f.steady_step_sec == pytest.approx(sum(steps[k][keys.PERF_TRAIN_SEC] for k in steady) / len(steady))
     # the last step line and the reporters (log_history) carry the same values
     last = steps[8]
-    published = [h for h in trainer.state.log_history if "perf/steady_tokens_per_sec" in h][-1]
-    for key, name in (("perf/steady_tokens_per_sec", "steady_tokens_per_sec"),
-                      ("perf/steady_step_time", "steady_step_sec"), ("perf/warmup_steps", "warmup_steps"),
-                      ("perf/first_step_slowdown", "first_step_slowdown")):
+    published = [h for h in trainer.state.log_history if keys.PERF_STEADY_TOKENS_PER_SEC in h][-1]
+    for key, name in ((keys.PERF_STEADY_TOKENS_PER_SEC, "steady_tokens_per_sec"),
+                      (keys.PERF_STEADY_STEP_TIME, "steady_step_sec"), (keys.PERF_WARMUP_STEPS, "warmup_steps"),
+                      (keys.PERF_FIRST_STEP_SLOWDOWN, "first_step_slowdown")):
         assert last[key] == published[key] == getattr(f, name), key
     # the console and hf-perf report print the same lines
     console = meter.format_summary()
@@ -91,11 +91,11 @@ def test_the_steady_range_includes_the_steps_before_the_decision(trainer_run):
     output_dir, meter, _ = trainer_run
     lines = log_lines(output_dir, "step")
     first = meter.summary["first_steady_step"]
-    decided = next(x["step"] for x in lines if x.get("perf/warmup_done") == 1)
+    decided = next(x["step"] for x in lines if x.get(keys.PERF_WARMUP_DONE) == 1)
     assert decided > first                                           # decided a few steps late
-    assert all(x["perf/steady"] == 0 for x in lines if first <= x["step"] < decided)   # flagged 0 when written
-    assert all(x["perf/first_steady_step"] == first for x in lines if x["step"] >= decided)
-    assert "perf/first_steady_step" not in lines[0]
+    assert all(x[keys.PERF_STEADY] == 0 for x in lines if first <= x["step"] < decided)   # flagged 0 when written
+    assert all(x[keys.PERF_FIRST_STEADY_STEP] == first for x in lines if x["step"] >= decided)
+    assert keys.PERF_FIRST_STEADY_STEP not in lines[0]
     assert steady_steps(read_run(output_dir).unique_steps()) == list(range(first, 9))
     header = log_lines(output_dir, "run")[0]
     assert header["torch_threads"] >= 1 and header["cpu_cores"] == os.cpu_count()
@@ -114,7 +114,7 @@ def test_unfinished_warmup_says_so_everywhere_and_never_no_warmup(tokenizer, tmp
     f = figures(run)
     assert f.warmup_done is False and f.warmup_steps is None and f.steady_tokens_per_sec is None
     assert f.steady_steps == [] and f.warmup_end_step is None
-    assert all("perf/warmup_steps" not in h for h in trainer.state.log_history)
+    assert all(keys.PERF_WARMUP_STEPS not in h for h in trainer.state.log_history)
     assert report_command(str(tmp_path)) == 0
     out = capsys.readouterr().out
     assert "warmup: not finished after 3 steps" in out

@@ -5,7 +5,7 @@ import pytest
 from matplotlib.figure import Figure
 from transformers import TrainerCallback
 
-from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter
+from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, keys
 from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.report.plots import PlotData, plot_memory, plot_phases, plot_throughput, plot_tuner
 from hf_perf_callbacks.runlog import read_run
@@ -68,7 +68,7 @@ def test_throughput_one_line_on_the_steady_basis_warmup_marked_legend_off_the_da
     ax, f = fig.axes[0], data.f
     lines = [line for line in ax.get_lines() if not line.get_label().startswith("_")]
     assert [line.get_label() for line in lines] == ["throughput per step (its tokens / its training s)"]
-    expected = [s.number("perf/tokens") / s.number("perf/train_sec") for s in data.steps]
+    expected = [s.number(keys.PERF_TOKENS) / s.number(keys.PERF_TRAIN_SEC) for s in data.steps]
     assert list(lines[0].get_ydata()) == pytest.approx(expected)
     names = labels(ax)
     steady = f.steady_steps
@@ -110,7 +110,7 @@ def test_memory_scaled_to_its_data_budget_far_away_as_words(run_dir):
     # seen: the budget line flattened a 1.5-3 GB curve into a stripe; "peak" looked like RSS; GB for GiB
     fig, data = draw(plot_memory, run_dir)
     ax = fig.axes[0]
-    used = [s.number("mem/device_used_gb") for s in data.steps]
+    used = [s.number(keys.MEM_DEVICE_USED_GB) for s in data.steps]
     budget = data.f.budget_gb
     low, high = ax.get_ylim()
     assert budget > 2 * max(used) and high < budget and low > 0.5 * min(used)

@@ -13,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-from hf_perf_callbacks import train
+from hf_perf_callbacks import keys, train
 from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.splitfile import SplitFile, read_split_file
 from hf_perf_callbacks.tasks import wordle
@@ -209,7 +209,7 @@ def check_trained(out, name, world_size=1) -> list[dict]:
     steps = check_run(out, world_size)
     recipe = arguments.read_recipe(recipe_path(name))
     effective = recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"] * world_size
-    assert [s["tuner/effective_batch"] for s in steps] == [effective, effective]
+    assert [s[keys.TUNER_EFFECTIVE_BATCH] for s in steps] == [effective, effective]
     state = json.load(open(os.path.join(out, "trainer_state.json")))
     losses = [h["loss"] for h in state["log_history"] if "loss" in h]
     assert len(losses) == 2 and all(loss == loss and abs(loss) != float("inf") for loss in losses)
@@ -287,7 +287,7 @@ def check_compact_console(out: str, output_dir) -> None:
         callbacks = {k for k in logged if k.startswith(("perf/", "mem/", "tuner/", "cache/"))}
         assert len(callbacks - set(launch.CONSOLE_KEYS)) >= 10                   # the full set reached log_history
         assert set(shown) == set(logged) - {"step", "total_flos"} - (callbacks - set(launch.CONSOLE_KEYS))
-        assert {"reward", "loss", "perf/tokens_per_sec", "tuner/micro_batch"} <= set(shown)
+        assert {"reward", "loss", keys.PERF_TOKENS_PER_SEC, keys.TUNER_MICRO_BATCH} <= set(shown)
 
 
 @pytest.mark.launch
@@ -304,8 +304,8 @@ def test_ddp_recipe_runs_on_two_cpu_processes(tiny_model, tmp_path):
     steps = check_run(out, world_size=2)
     recipe = arguments.read_recipe(recipe_path("cuda-ddp-qwen1.5b"))
     effective = recipe["per_device_train_batch_size"] * recipe["gradient_accumulation_steps"] * 2
-    assert [s["tuner/effective_batch"] for s in steps] == [effective, effective]   # both ranks counted
-    assert all(s["perf/tokens_per_sec"] > 0 for s in steps[1:])
+    assert [s[keys.TUNER_EFFECTIVE_BATCH] for s in steps] == [effective, effective]   # both ranks counted
+    assert all(s[keys.PERF_TOKENS_PER_SEC] > 0 for s in steps[1:])
 
 
 def test_fsdp_accelerate_config():
@@ -364,7 +364,7 @@ def test_fsdp_recipe_runs_on_two_cpu_processes(tiny_model, tmp_path, monkeypatch
     assert os.path.exists(out / "model.safetensors")                      # the final model, gathered
     lines = [json.loads(line) for line in open(out / "perf_log.jsonl")]
     steps = [line for line in lines if line["type"] == "step"]
-    assert [s["step"] for s in steps] == [1, 2] and all(s["perf/tokens_per_sec"] > 0 for s in steps)
+    assert [s["step"] for s in steps] == [1, 2] and all(s[keys.PERF_TOKENS_PER_SEC] > 0 for s in steps)
     assert any(line["type"] == "event" and "under FSDP" in line["message"] for line in lines)
 
 
@@ -894,8 +894,8 @@ def test_the_compact_console_also_replaces_the_printer_of_disable_tqdm(tmp_path,
     launch.compact_console(trainer)
     printers = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, (PrinterCallback, ProgressCallback))]
     assert len(printers) == 1 and type(printers[0]) is not PrinterCallback and isinstance(printers[0], PrinterCallback)
-    logs = {"loss": 0.5, "perf/tokens_per_sec": 900.0, "perf/phase/generation": 0.5, "mem/pressure": 0,
-            "tuner/micro_batch": 2, "cache/clears": 0}
+    logs = {"loss": 0.5, keys.PERF_TOKENS_PER_SEC: 900.0, keys.PERF_PHASE_SHARE["generation"]: 0.5,
+            keys.MEM_PRESSURE: 0, keys.TUNER_MICRO_BATCH: 2, keys.CACHE_CLEARS: 0}
     printers[0].on_log(args, TrainerState(), TrainerControl(), logs=logs)
     assert capsys.readouterr().out.strip() == "{'loss': '0.5', 'perf/tokens_per_sec': '900', 'tuner/micro_batch': 2}"
     assert len(logs) == 6

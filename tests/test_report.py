@@ -7,6 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
+from hf_perf_callbacks import keys
 from hf_perf_callbacks.report import report_command, summarize
 from hf_perf_callbacks.report.figures import figures, run_events
 from hf_perf_callbacks.report.plots import write_plots
@@ -137,14 +138,16 @@ def synthetic_log(path, steps=30):
         used = 40 + step * 1.2 if step <= 20 else 45 + (step - 20) * 0.5
         micro, accum = (8, 1) if step < 12 else (4, 2)
         entries.append({"type": "step", "step": step, "time": 1000.0 + step,
-                        "perf/tokens_per_sec": 5000.0 + 100 * min(step, 5), "perf/tokens": 4096.0,
-                        "perf/step_wall_sec": 0.8, "perf/warmup_done": int(step >= 5), "perf/steady": int(step >= 5),
-                        "perf/steady_tokens_per_sec": 5500.0 if step >= 5 else None, "perf/warmup_steps": 4,
-                        "perf/mfu": 0.41, "perf/phase_sec/data_wait": 0.05, "perf/phase_sec/generation": 0.3,
-                        "perf/phase_sec/compute": 0.45,
-                        "mem/device_used_gb": used, "mem/limit_gb": 70.0, "mem/peak_gb": used + 0.5,
-                        "mem/pressure": 2 if used > 60 else 1 if used > 52 else 0,
-                        "tuner/micro_batch": micro, "tuner/grad_accum": accum})
+                        keys.PERF_TOKENS_PER_SEC: 5000.0 + 100 * min(step, 5), keys.PERF_TOKENS: 4096.0,
+                        keys.PERF_STEP_WALL_SEC: 0.8, keys.PERF_WARMUP_DONE: int(step >= 5),
+                        keys.PERF_STEADY: int(step >= 5),
+                        keys.PERF_STEADY_TOKENS_PER_SEC: 5500.0 if step >= 5 else None, keys.PERF_WARMUP_STEPS: 4,
+                        keys.PERF_MFU: 0.41, keys.PERF_PHASE_SEC["data_wait"]: 0.05,
+                        keys.PERF_PHASE_SEC["generation"]: 0.3,
+                        keys.PERF_PHASE_SEC["compute"]: 0.45,
+                        keys.MEM_DEVICE_USED_GB: used, keys.MEM_LIMIT_GB: 70.0, keys.MEM_PEAK_GB: used + 0.5,
+                        keys.MEM_PRESSURE: 2 if used > 60 else 1 if used > 52 else 0,
+                        keys.TUNER_MICRO_BATCH: micro, keys.TUNER_GRAD_ACCUM: accum})
         entries[-1] = {k: v for k, v in entries[-1].items() if v is not None}
         if step == 10:
             entries.append({"type": "event", "source": "mem", "kind": "warning", "step": 10,
@@ -198,7 +201,8 @@ def test_synthetic_watchdog_and_tuner(tmp_path):
 def test_plots_skip_absent_data(tmp_path):
     """A log with only watchdog data: memory.png only, the rest skipped with notes; summary still works."""
     lines = [{"type": "run", "source": "mem", "budget_gb": 8.0}]
-    lines += [{"type": "step", "step": s, "mem/device_used_gb": 2.0 + s / 10, "mem/limit_gb": 8.0} for s in range(1, 6)]
+    lines += [{"type": "step", "step": s, keys.MEM_DEVICE_USED_GB: 2.0 + s / 10, keys.MEM_LIMIT_GB: 8.0}
+              for s in range(1, 6)]
     lines += [{"type": "summary", "source": "mem", "high_water_gb": 2.5, "budget_gb": 8.0,
                "actions": [{"step": 3, "action": "clear_cache", "message": "cleared caches"}], "stopped_at": None}]
     (tmp_path / PERF_LOG).write_text(schema_lines(lines))
@@ -220,7 +224,7 @@ def test_completion_line_and_the_analysis_cite_the_same_clipped_share(tmp_path):
 
     lines = [{"type": "run", "source": "perf", "device_type": "cpu", "world_size": 1, "grpo": True,
               "max_completion_length": 16, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4,
-              "num_generations": 4}, {"type": "step", "step": 1, "perf/tokens": 10.0, "perf/step_wall_sec": 1.0}]
+              "num_generations": 4}, {"type": "step", "step": 1, keys.PERF_TOKENS: 10.0, keys.PERF_STEP_WALL_SEC: 1.0}]
     (tmp_path / PERF_LOG).write_text(schema_lines(lines))
     logs = [{"step": s, "completions/mean_length": 15.0, "completions/max_length": 16.0,
              "completions/clipped_ratio": r} for s, r in enumerate((1.0, 1.0, 0.75, 0.75), 1)]
@@ -236,7 +240,7 @@ def test_a_warning_before_the_first_header_is_kept_and_no_earlier_run_is_claimed
     # warning was dropped
     lines = [{"type": "event", "source": "perf", "kind": "warning", "step": 0, "message": "MFU omitted: no peak"},
              {"type": "run", "source": "perf", "session": "s1", "resumed_from_step": 0, "device_type": "cpu"},
-             {"type": "step", "step": 1, "perf/tokens": 10.0, "perf/step_wall_sec": 1.0}]
+             {"type": "step", "step": 1, keys.PERF_TOKENS: 10.0, keys.PERF_STEP_WALL_SEC: 1.0}]
     (tmp_path / PERF_LOG).write_text(schema_lines(lines))
     run = read_run(str(tmp_path))
     text = summarize(run)
@@ -252,8 +256,8 @@ def test_a_warning_before_the_first_header_is_kept_and_no_earlier_run_is_claimed
 def test_summary_warmup_line_never_contradicts_itself(tmp_path, warmup, slowdown, says, never):
     # seen: "warmup: ended after 0 steps … first step 3.5x the steady step"; "first step 0.3x the steady step"
     lines = [{"type": "run", "source": "perf", "session": "s", "device_type": "cpu", "world_size": 1},
-             {"type": "step", "step": 1, "perf/tokens": 10.0, "perf/step_wall_sec": 1.0,
-              "perf/tokens_per_sec": 10.0},
+             {"type": "step", "step": 1, keys.PERF_TOKENS: 10.0, keys.PERF_STEP_WALL_SEC: 1.0,
+              keys.PERF_TOKENS_PER_SEC: 10.0},
              {"type": "summary", "source": "perf", "steps": 1, "warmup_done": True, "warmup_steps": warmup,
               "first_step_slowdown": slowdown, "warmup_overhead_sec": 0.5}]
     (tmp_path / PERF_LOG).write_text(schema_lines(lines))

@@ -16,6 +16,7 @@ import statistics
 import pytest
 from matplotlib.figure import Figure
 
+from hf_perf_callbacks import keys
 from hf_perf_callbacks.report import console_summary, summarize, write_analysis
 from hf_perf_callbacks.report.plots import PlotData, plot_throughput, plot_tuner
 from hf_perf_callbacks.resize.callback import format_tuning
@@ -60,15 +61,15 @@ def raw(output_dir: str) -> dict:
 def steady_steps(lines: list[dict]) -> list[int]:
     upto: dict[int, int] = {}
     for s in lines:
-        first = s.get("perf/first_steady_step")
+        first = s.get(keys.PERF_FIRST_STEADY_STEP)
         if first is not None:
             upto[first] = max(upto.get(first, 0), s["step"])
-    return [s["step"] for s in lines if s.get("perf/steady") == 1
+    return [s["step"] for s in lines if s.get(keys.PERF_STEADY) == 1
             or any(first <= s["step"] <= last for first, last in upto.items())]
 
 
 def train_sec(line: dict) -> float:
-    return line["perf/train_sec"]
+    return line[keys.PERF_TRAIN_SEC]
 
 
 def mann_whitney_less(a: list[float], b: list[float]) -> float:
@@ -135,7 +136,7 @@ def check_steady_and_warmup(summary: str, notes: list[str], evidence: dict) -> N
     figure = re.search(r"steady tokens/s: ([\d,]+|n/a)(?: at ([\d.e+-]+) s per steady step)?", summary)
     assert figure, summary
     if steady:
-        tokens = sum(by_step[s]["perf/tokens"] for s in steady)
+        tokens = sum(by_step[s][keys.PERF_TOKENS] for s in steady)
         seconds = sum(train_sec(by_step[s]) for s in steady)
         assert figure[1] == format(tokens / seconds, ",.0f"), (figure.group(0), tokens / seconds)
         assert figure[2] == format(seconds / len(steady), ".3g"), (figure.group(0), seconds / len(steady))
@@ -196,11 +197,11 @@ def check_fine(report: str, console: str, evidence: dict) -> None:
             assert (decision["cost_sec"] or 0) - (decision["expected_gain_sec"] or 0) <= 0.01 * train
         elif title == "Warmup":
             steady = steady_steps(evidence["steps"])
-            assert steady and (perf.get("warmup_done") or any(s.get("perf/warmup_done") for s in evidence["steps"]))
+            assert steady and (perf.get("warmup_done") or any(s.get(keys.PERF_WARMUP_DONE) for s in evidence["steps"]))
         elif title.startswith("max_completion_length"):
             assert any("log/completions/max_length" in s for s in evidence["steps"])
         elif title == "Padding":
-            assert any("perf/pad_fraction" in s for s in evidence["steps"])
+            assert any(keys.PERF_PAD_FRACTION in s for s in evidence["steps"])
         else:
             raise AssertionError(f"a fine without a check here: {title}")
 
@@ -244,7 +245,7 @@ def check_report(output_dir: str) -> int:
                       plot_words)
     if steady and plotted:
         by_step = {x["step"]: x for x in evidence["steps"]}
-        rate = sum(by_step[x]["perf/tokens"] for x in steady) / sum(train_sec(by_step[x]) for x in steady)
+        rate = sum(by_step[x][keys.PERF_TOKENS] for x in steady) / sum(train_sec(by_step[x]) for x in steady)
         assert drawn and drawn[1] == format(rate, ",.0f") and int(drawn[2]) == len(steady), (drawn, rate)
         over = re.search(r"the steady figures are over (\d+) steps? \(([\d–, ]+)\)", plot_words)
         assert over and steps_of(over[2]) == steady

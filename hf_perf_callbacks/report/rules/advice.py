@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 from ...batching import Split, exact_splits
+from ...memory import WARN_WITHIN_STEPS as STEPS_TO_WALL  # the watchdog's default warn distance
 from ...runlog import GB
 from ..model import Measurements
 
@@ -16,7 +17,6 @@ COMPLETION_HEADROOM = 1.25
 CLIPPED_SMALL = 0.05
 CLIPPED_LARGE = 0.5
 SWAP_GROWTH_GB = 0.25
-STEPS_TO_WALL = 20.0         # the watchdog's default warn distance
 HIGH_WATER_FRACTION = 0.75   # CUDA: reserved ≫ allocated only matters this close to the budget
 
 
@@ -90,8 +90,8 @@ def _generation_batch(m: Measurements) -> int | None:
     a tuner re-size keeps it)."""
     if not (m.micro_batch and m.grad_accum):
         return None
-    spg = m.steps_per_generation or m.grad_accum
-    return m.micro_batch * max(1, m.world_size or 1) * spg
+    split = Split(m.micro_batch, m.grad_accum, m.steps_per_generation or m.grad_accum)
+    return split.generation_batch(max(1, m.world_size or 1))
 
 
 def _split_setting(m: Measurements, split: Split) -> dict[str, Any]:

@@ -91,13 +91,7 @@ from transformers.trainer_callback import CallbackHandler, ExportableState, Prog
 # ---------------------------------------------------------------- the callback handler
 def calling_handler() -> CallbackHandler | None:
     """The ``CallbackHandler`` dispatching the current event (the ``self`` of a ``call_event`` frame), if any."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, CallbackHandler):
-            return candidate
-        frame = frame.f_back
-    return None
+    return _self_on_stack(CallbackHandler)
 
 
 def calling_trainer():
@@ -105,10 +99,15 @@ def calling_trainer():
     any."""
     from transformers import Trainer
 
-    frame: FrameType | None = sys._getframe(1)
+    return _self_on_stack(Trainer)
+
+
+def _self_on_stack(cls: type) -> Any:
+    """The innermost ``self`` on the call stack that is a ``cls``, if any."""
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer):
+        if isinstance(candidate, cls):
             return candidate
         frame = frame.f_back
     return None

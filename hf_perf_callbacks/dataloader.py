@@ -2,15 +2,17 @@
 torch); shared by the meter's warning and the analysis' ``input_bound`` finding, so both give the same advice."""
 from __future__ import annotations
 
+from typing import Any
 
-def dataloader_advice(device_type: str, dataloader: dict) -> list[str]:
+
+def dataloader_advice(device_type: str, dataloader: dict[str, Any] | None) -> list[str]:
     """The DataLoader settings to change when the device waits for data, one line each (the meter's warning and the
     ``input_bound`` finding both give this advice): ``dataloader`` holds the run's ``num_workers``,
     ``persistent_workers``, ``prefetch_factor`` and ``pin_memory``. Settings already in effect are not repeated."""
     return [line for line, _ in dataloader_changes(device_type, dataloader)]
 
 
-def dataloader_changes(device_type: str, dataloader: dict) -> list[tuple[str, dict]]:
+def dataloader_changes(device_type: str, dataloader: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:
     """(advice line, the config keys it sets) for :func:`dataloader_advice` and the finding's setting."""
     dl = dataloader or {}
     workers = dl.get("num_workers") or 0

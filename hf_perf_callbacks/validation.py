@@ -3,10 +3,11 @@ allowed. Pure: no torch, no transformers."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 
-def check_number(name: str, value, *, low: float | None = None, high: float | None = None,
-                 low_open: bool = False, integer: bool = False, allow_none: bool = False):
+def check_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, integer: bool = False, allow_none: bool = False) -> Any:
     """Validate a public numeric parameter; raise a ``ValueError`` naming it, its value and what is allowed."""
     if value is None and allow_none:
         return value
@@ -29,7 +30,7 @@ def check_number(name: str, value, *, low: float | None = None, high: float | No
     return value
 
 
-def check_flag(name: str, value, *, allow_none: bool = False):
+def check_flag(name: str, value: Any, *, allow_none: bool = False) -> Any:
     """Validate a public boolean parameter; raise a ``ValueError`` naming it, its value and what is allowed."""
     if not (isinstance(value, bool) or (value is None and allow_none)):
         allowed = "True, False or None" if allow_none else "True or False"

@@ -87,7 +87,12 @@ def assert_metrics_reach_everything(trainer, output_dir, reporters, tracking_dir
         f"perf_log.jsonl lacks the trainer's {TRAINER_LOG}loss"
 
 
-@pytest.mark.parametrize("cell", [pytest.param(c, id=c.id, marks=[pytest.mark.launch] if c.setting.slow else [])
+def _fast(cell) -> bool:
+    """The fast suite runs each trainer's defaults once; `pytest -m launch` every other cell."""
+    return cell.setting.name == "defaults" and not cell.setting.slow
+
+
+@pytest.mark.parametrize("cell", [pytest.param(c, id=c.id, marks=[] if _fast(c) else [pytest.mark.launch])
                                   for c in CELLS])
 def test_metrics_reach_every_reporter_on_every_step(cell, tokenizer, tmp_path, monkeypatch, one_thread):
     output_dir, tracking_dir = tmp_path / "out", tmp_path / "mlruns"

@@ -32,6 +32,8 @@ from hf_perf_callbacks.tiny import build_model
 from tests.conftest import make_grpo, make_trainer
 from tests.faults import SAVE_FILES, Fault, Trajectory, checkpoint_weights, differences, same
 
+pytestmark = pytest.mark.launch   # many trainings each: with the launch suite, to keep `make test` quick
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAVES = {"save_strategy": "steps", "save_steps": 2}
 

@@ -30,6 +30,8 @@ from hf_perf_callbacks.resize.oomsite import UnfixableOOM
 from tests.conftest import make_grpo, make_trainer
 from tests.faults import Fault
 
+pytestmark = pytest.mark.launch   # many trainings each: with the launch suite, to keep `make test` quick
+
 MIB = 2**20
 
 

@@ -305,6 +305,7 @@ def test_the_checks_catch_a_wrong_sign_and_an_unmeasured_fine(tmp_path):
 # ---------------------------------------------------------------- real tiny runs
 def test_a_real_demo_run_agrees_with_its_files(demo_run):
     check_report(demo_run)
+    assert read_run(demo_run).unique_steps(), "the demo run logged no step to check the report against"
 
 
 def test_a_real_tuning_run_agrees_with_its_files(tokenizer, tmp_path):

@@ -19,7 +19,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import GB, RESULTS, StepClock, grpo_trainer, median, table, write_result
+from common import GB, StepClock, grpo_trainer, median, sweep_limit_gb, table, write_result
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, MPSCacheClearer, ThroughputMeter, train_with_tuning
 from hf_perf_callbacks import throughput as throughput_module
@@ -142,12 +142,7 @@ def stop_on_rank1(steps: int) -> dict:
 
 def main():
     count_collectives()
-    with open(os.path.join(RESULTS, "tuner_sweep.json")) as f:
-        peaks = {r["split"]: r["peak_gb"] for r in json.load(f)["sweep"] if r.get("peak_gb")}
-    if not {"16×2", "32×1"} <= set(peaks):
-        raise SystemExit("results/tuner_sweep.json has no 16×2 and 32×1 peaks: run `bench_tuner.py --part sweep "
-                         "--splits 16 2 --splits 32 1` first")
-    limit = 0.5 * (peaks["16×2"] + peaks["32×1"])
+    limit = sweep_limit_gb()
     skip = set(sys.argv[1:])                   # e.g. "oom": run only the other scenarios
     results = {}
     if "oom" not in skip:                      # first: the memory fraction assumes a process holding nothing else

@@ -29,6 +29,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+from common import write_result  # noqa: E402 - after the path to the package
+
 
 def one_run(model: str, arm: str, output_dir: str, steps: int | None) -> dict:
     """One demo run in this process (the child of a pair): build, train through train_with_tuning, report."""
@@ -125,9 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tuned / plain: demo {payload['demo_ratio_total']:.3f} over all pairs (median of pairs "
           f"{payload['demo_ratio_median']:.3f}), training median {payload['train_ratio_median']:.3f}")
     if not a.smoke:
-        path = os.path.join(HERE, "results", f"demo_tuning_{a.model}.json")
-        with open(path, "w") as f:
-            json.dump(payload, f, indent=1)
+        path = write_result(f"demo_tuning_{a.model}", payload)
         print(f"wrote {path}")
     return 0
 

@@ -8,7 +8,7 @@ import os
 import tempfile
 
 import torch
-from common import GB, RESULTS, grpo_trainer, table, write_result
+from common import GB, grpo_trainer, sweep_limit_gb, table, write_result
 
 from hf_perf_callbacks import AdaptiveBatchTuner, ThroughputMeter, train_with_tuning
 
@@ -22,12 +22,7 @@ def main():
     a = p.parse_args()
     limit = a.limit_gb
     if limit is None:
-        with open(os.path.join(RESULTS, "tuner_sweep.json")) as f:
-            peaks = {r["split"]: r["peak_gb"] for r in json.load(f)["sweep"] if r.get("peak_gb")}
-        if not {"16×2", "32×1"} <= set(peaks):
-            raise SystemExit("results/tuner_sweep.json has no 16×2 and 32×1 peaks: run `bench_tuner.py --part sweep "
-                             "--splits 16 2 --splits 32 1` first, or pass --limit_gb")
-        limit = 0.5 * (peaks["16×2"] + peaks["32×1"])
+        limit = sweep_limit_gb()
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(limit * GB / total)
     out = tempfile.mkdtemp()

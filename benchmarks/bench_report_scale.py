@@ -27,6 +27,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+from common import write_result  # noqa: E402 - after the path to the package
+
 #: what one report process prints on its last line (JSON): its own wall and CPU seconds and peak memory
 CHILD = """
 import contextlib, io, json, sys, time
@@ -92,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = {"benchmark": "report_scale", "rows": rows, "cpu_count": os.cpu_count(),
                    "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": sys.version.split()[0],
                    "targets": {"steps": 200_000, "wall_sec": 60, "peak_rss_mb": 500}}
-        path = os.path.join(HERE, "results", "report_scale.json")
-        with open(path, "w") as f:
-            json.dump(payload, f, indent=1)
+        path = write_result("report_scale", payload)
         print(f"wrote {path}")
     return 0
 

@@ -170,15 +170,27 @@ def environment() -> dict:
 
 
 def write_result(name: str, payload: dict) -> str:
+    """``results/NAME.json`` (and ``$OUT/NAME.json`` where the device tool brings ``$OUT`` back): the payload with the
+    benchmark's name and the machine's software and device."""
+    text = json.dumps({"benchmark": name, "environment": environment(), **payload}, indent=1, default=float)
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, f"{name}.json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump({"benchmark": name, "environment": environment(), **payload}, f, indent=1, default=float)
-    out = os.environ.get("OUT")
-    if out:                                             # the device tool brings $OUT back
-        with open(os.path.join(out, f"{name}.json"), "w", encoding="utf-8") as f:
-            json.dump({"benchmark": name, "environment": environment(), **payload}, f, indent=1, default=float)
+    for folder in (RESULTS, os.environ.get("OUT")):
+        if folder:
+            with open(os.path.join(folder, f"{name}.json"), "w", encoding="utf-8") as f:
+                f.write(text)
     return path
+
+
+def sweep_limit_gb() -> float:
+    """A memory limit between the 16×2 and 32×1 peaks of ``results/tuner_sweep.json``: 32×1 does not fit under it,
+    16×2 does."""
+    with open(os.path.join(RESULTS, "tuner_sweep.json")) as f:
+        peaks = {r["split"]: r["peak_gb"] for r in json.load(f)["sweep"] if r.get("peak_gb")}
+    if not {"16×2", "32×1"} <= set(peaks):
+        raise SystemExit("results/tuner_sweep.json has no 16×2 and 32×1 peaks: run `bench_tuner.py --part sweep "
+                         "--splits 16 2 --splits 32 1` first")
+    return 0.5 * (peaks["16×2"] + peaks["32×1"])
 
 
 def table(headers: list[str], rows: list[list]) -> str:

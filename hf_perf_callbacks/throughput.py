@@ -11,7 +11,7 @@ import torch
 
 from . import adapter, keys
 from .base import Clock, PerfCallback
-from .dataloader import dataloader_advice
+from .dataloader import DataLoaderFacts, dataloader_advice, dataloader_facts
 from .device import DeviceLayer, dtype_key, gather_floats, world_size
 from .flops import forward_flops_per_token, shape_of, train_flops_per_token
 from .keys import PHASES
@@ -405,16 +405,7 @@ class ThroughputMeter(PerfCallback):
     def _step_metrics(self, record, generated: float) -> dict:
         tl = self.timeline
         rate = tl.tokens_per_sec
-        m = {keys.PERF_WARMUP_DONE: int(tl.warmup_done), keys.PERF_STEP_TIME: tl.rate.mean_seconds()}
-        if rate is not None:
-            m[keys.PERF_TOKENS_PER_SEC] = rate
-            m[keys.PERF_TOKENS_PER_SEC_PER_DEVICE] = rate / self.world
-        if tl.steady_tokens_per_sec is not None:
-            m[keys.PERF_STEADY_TOKENS_PER_SEC] = tl.steady_tokens_per_sec
-            m[keys.PERF_STEADY_STEP_TIME] = tl.steady_step_seconds
-        if tl.warmup_done:
-            m.update({keys.PERF_WARMUP_STEPS: tl.warmup_steps, keys.PERF_WARMUP_OVERHEAD_SEC: tl.warmup_overhead,
-                      keys.PERF_FIRST_STEP_SLOWDOWN: tl.first_step_slowdown})
+        m: dict[str, Any] = dict(tl.rate_metrics(self.world))
         mfu = self._utilisation(rate)
         m.update(mfu)
         m[keys.PERF_FORWARDS_PER_MICROBATCH] = self.forwards / max(1, self.microbatches)
@@ -523,7 +514,7 @@ class ThroughputMeter(PerfCallback):
             self._stop_watching_generate = None
 
 
-def _dataloader_settings(args) -> dict:
+def _dataloader_settings(args) -> DataLoaderFacts:
     """The DataLoader settings of the training arguments (for the run header and the data-wait advice)."""
-    return {k: getattr(args, f"dataloader_{k}", None)
-            for k in ("num_workers", "persistent_workers", "prefetch_factor", "pin_memory")}
+    return dataloader_facts({k: getattr(args, f"dataloader_{k}", None)
+                             for k in ("num_workers", "persistent_workers", "prefetch_factor", "pin_memory")})

@@ -54,6 +54,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from . import keys
 from .runlog import PHASES
 from .stats import SlowStart, WarmupDetector, WindowedRate, classify_slow_steps, median
 from .validation import check_number
@@ -316,6 +317,20 @@ class StepTimeline:
     @property
     def steady_tokens_per_sec(self) -> float | None:
         return self.steady_tokens / self.steady_seconds if self.steady_seconds > 0 else None
+
+    def rate_metrics(self, world: int = 1) -> dict[str, float]:
+        """The step's rate figures as the perf log names them (those known so far): tokens/s over the window (whole
+        run and per device), the steady rate and step time, and once warmup is over its length and cost."""
+        rate, steady = self.tokens_per_sec, self.steady_tokens_per_sec
+        m: dict[str, float | None] = {
+            keys.PERF_WARMUP_DONE: int(self.warmup_done), keys.PERF_STEP_TIME: self.rate.mean_seconds(),
+            keys.PERF_TOKENS_PER_SEC: rate, keys.PERF_TOKENS_PER_SEC_PER_DEVICE: None if rate is None else rate / world,
+            keys.PERF_STEADY_TOKENS_PER_SEC: steady,
+            keys.PERF_STEADY_STEP_TIME: None if steady is None else self.steady_step_seconds}
+        if self.warmup_done:
+            m.update({keys.PERF_WARMUP_STEPS: self.warmup_steps, keys.PERF_WARMUP_OVERHEAD_SEC: self.warmup_overhead,
+                      keys.PERF_FIRST_STEP_SLOWDOWN: self.first_step_slowdown})
+        return {k: v for k, v in m.items() if v is not None}
 
     def take_window_phases(self) -> dict[str, float]:
         """Phase fractions since the last call (one logging interval)."""

@@ -139,16 +139,7 @@ class _Run:
         record = tl.measure(step, end, cpu=self.cpu)
         tokens = p.tokens * (1 + self.rng.uniform(-0.05, 0.05))
         tl.commit(record, tokens)
-        rate = tl.tokens_per_sec
-        values: dict = {keys.PERF_WARMUP_DONE: int(tl.warmup_done), keys.PERF_STEP_TIME: tl.rate.mean_seconds()}
-        if rate is not None:
-            values[keys.PERF_TOKENS_PER_SEC] = values[keys.PERF_TOKENS_PER_SEC_PER_DEVICE] = rate
-        if tl.steady_tokens_per_sec is not None:
-            values[keys.PERF_STEADY_TOKENS_PER_SEC] = tl.steady_tokens_per_sec
-            values[keys.PERF_STEADY_STEP_TIME] = tl.steady_step_seconds
-        if tl.warmup_done:
-            values.update({keys.PERF_WARMUP_STEPS: tl.warmup_steps, keys.PERF_WARMUP_OVERHEAD_SEC: tl.warmup_overhead,
-                           keys.PERF_FIRST_STEP_SLOWDOWN: tl.first_step_slowdown})
+        values: dict = dict(tl.rate_metrics())
         values[keys.PERF_FORWARDS_PER_MICROBATCH] = 1.0
         values[keys.PERF_PAD_FRACTION] = 0.05 + 0.05 * self.rng.random()
         values.update({keys.PERF_PHASE_SEC[ph]: getattr(record, ph) for ph in keys.PHASES})

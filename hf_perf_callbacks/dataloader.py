@@ -2,19 +2,43 @@
 torch); shared by the meter's warning and the analysis' ``input_bound`` finding, so both give the same advice."""
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypedDict, cast
 
 
-def dataloader_advice(device_type: str, dataloader: dict[str, Any] | None) -> list[str]:
+class DataLoaderFacts(TypedDict, total=False):
+    """The run's DataLoader settings (the training arguments' ``dataloader_*``; a key the run header lacks is
+    absent)."""
+
+    num_workers: int | None
+    persistent_workers: bool | None
+    prefetch_factor: int | None
+    pin_memory: bool | None
+
+
+_FACT_TYPES: dict[str, type] = {"num_workers": int, "persistent_workers": bool, "prefetch_factor": int,
+                                "pin_memory": bool}
+
+
+def dataloader_facts(settings: Mapping[str, Any] | None) -> DataLoaderFacts:
+    """The DataLoader facts of a mapping (the run header's ``dataloader``): each known key whose value is None or
+    of its type (a bool is no count of workers); others are left out."""
+    given = settings or {}
+    facts = {key: given[key] for key, kind in _FACT_TYPES.items() if key in given and (
+        given[key] is None or (isinstance(given[key], kind) and (kind is bool or not isinstance(given[key], bool))))}
+    return cast(DataLoaderFacts, facts)
+
+
+def dataloader_advice(device_type: str, dataloader: DataLoaderFacts | None) -> list[str]:
     """The DataLoader settings to change when the device waits for data, one line each (the meter's warning and the
     ``input_bound`` finding both give this advice): ``dataloader`` holds the run's ``num_workers``,
     ``persistent_workers``, ``prefetch_factor`` and ``pin_memory``. Settings already in effect are not repeated."""
     return [line for line, _ in dataloader_changes(device_type, dataloader)]
 
 
-def dataloader_changes(device_type: str, dataloader: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:
+def dataloader_changes(device_type: str, dataloader: DataLoaderFacts | None) -> list[tuple[str, dict[str, bool | int]]]:
     """(advice line, the config keys it sets) for :func:`dataloader_advice` and the finding's setting."""
-    dl = dataloader or {}
+    dl: DataLoaderFacts = dataloader or {}
     workers = dl.get("num_workers") or 0
     target = {"cuda": 4, "xpu": 4}.get(device_type, 2)
     if workers >= target:
@@ -25,11 +49,12 @@ def dataloader_changes(device_type: str, dataloader: dict[str, Any] | None) -> l
                   "`dataloader_multiprocessing_context: spawn`, which needs a picklable dataset and collator)")
     elif device_type != "cuda":
         first += " (workers share the CPU cores with training: they hide waiting, not computing)"
-    out = [(first, {"dataloader_num_workers": target})]
+    out: list[tuple[str, dict[str, bool | int]]] = [(first, {"dataloader_num_workers": target})]
     if dl.get("persistent_workers") is not True:
         out.append(("`dataloader_persistent_workers: true` (workers survive epochs instead of restarting)",
                     {"dataloader_persistent_workers": True}))
-    if dl.get("prefetch_factor") is not None and dl["prefetch_factor"] < 2:     # None: torch's default, 2
+    prefetch = dl.get("prefetch_factor")
+    if prefetch is not None and prefetch < 2:     # None: torch's default, 2
         out.append(("`dataloader_prefetch_factor: 2` (batches each worker prepares ahead)",
                     {"dataloader_prefetch_factor": 2}))
     if device_type == "cuda" and dl.get("pin_memory") is not True:

@@ -274,12 +274,20 @@ class MeterSummary(_MeterSummaryBase, total=False):
     hfu: float
 
 
+class WatchdogAction(TypedDict):
+    """One rung of the MemoryWatchdog's ladder it took: at which step, which action, and why."""
+
+    step: int | None
+    action: str | None
+    message: str | None
+
+
 class WatchdogSummary(TypedDict):
     """The MemoryWatchdog's end-of-run summary (``source="mem"``)."""
 
     high_water_gb: float
     budget_gb: float
-    actions: list[dict[str, Any]]
+    actions: list[WatchdogAction]
     stopped_at: int | None
 
 

@@ -31,7 +31,7 @@ from .memory import (
     holders_words,
     mib,
 )
-from .runlog import WatchdogSummary
+from .runlog import WatchdogAction, WatchdogSummary
 from .validation import check_flag, check_number
 
 WALL_KEYS = (keys.MEM_STEPS_TO_WALL, keys.MEM_STEPS_TO_WALL_LOW, keys.MEM_STEPS_TO_WALL_HIGH)
@@ -146,7 +146,7 @@ class MemoryWatchdog(PerfCallback):
         self.wall = MovingWall()
         self.facts: WallFacts | None = None
         self.high_water = 0.0
-        self.actions: list[dict] = []
+        self.actions: list[WatchdogAction] = []
         self.stopped_at: int | None = None
         self.summary: WatchdogSummary | None = None
         self._announced_outside: float | None = None
@@ -438,7 +438,7 @@ class MemoryWatchdog(PerfCallback):
                   kind="stop")
 
     def _act(self, step: int, action: str, message: str, kind: str = "action") -> None:
-        self.actions.append({"step": step, "action": action, "message": message})
+        self.actions.append(WatchdogAction(step=step, action=action, message=message))
         self._bus.event(self.source, kind, message, step=step, action=action,
                         level=LEVEL_NAMES[self._watch.level], steps_to_wall=self._watch.steps_to_wall)
 

@@ -9,6 +9,7 @@ import pytest
 
 from hf_perf_callbacks import estimate, keys
 from hf_perf_callbacks.batching import Split
+from hf_perf_callbacks.dataloader import dataloader_facts
 from hf_perf_callbacks.report import (
     RULES,
     Finding,
@@ -29,6 +30,7 @@ from hf_perf_callbacks.report.model import (
     Evaluation,
     FirstSteady,
     Machine,
+    ModelFacts,
     Rewards,
 )
 from hf_perf_callbacks.report.rules import basis
@@ -47,7 +49,7 @@ def healthy(**changes) -> Measurements:
     pressure, 5% padding, completions near the limit with little clipping."""
     m = Measurements(
         device_type="cuda", world_size=1, grpo=True, micro_batch=8, grad_accum=4, max_completion_length=128,
-        num_generations=8, activation_checkpointing=False, model=dict(QWEN_3B),
+        num_generations=8, activation_checkpointing=False, model=ModelFacts.of(QWEN_3B),
         dataloader={"num_workers": 0, "persistent_workers": False, "prefetch_factor": None, "pin_memory": True},
         steps=200, warmup_steps=2, warmup_overhead_sec=0.8, first_step_slowdown=1.4, steady_step_sec=2.0,
         steady_tokens_per_sec=9000.0, mfu=0.45,
@@ -92,12 +94,26 @@ def test_healthy_run_has_no_findings_and_says_so():
     assert "no bottleneck found" in console_summary([])
 
 
+def test_the_run_headers_model_and_dataloader_are_read_into_typed_facts():
+    facts = ModelFacts.of(QWEN_3B)
+    assert facts.shape is not None and (facts.shape.layers, facts.shape.kv_heads, facts.shape.head_dim) == (36, 2, 128)
+    assert facts.bytes_per_param == 2
+    assert ModelFacts.of({**QWEN_3B, "bytes_per_param": 4}).bytes_per_param == 4
+    assert ModelFacts.of({**QWEN_3B, "bytes_per_param": "two"}).bytes_per_param == 2      # not a size: the default
+    assert ModelFacts.of({k: v for k, v in QWEN_3B.items() if k != "num_attention_heads"}).shape is None
+    assert ModelFacts.of({**QWEN_3B, "num_hidden_layers": "36"}).shape is None
+    assert ModelFacts.of(None) == ModelFacts()
+    assert dataloader_facts({"num_workers": 2, "persistent_workers": None, "pin_memory": "yes", "prefetch_factor": True,
+                             "drop_last": True}) == {"num_workers": 2, "persistent_workers": None}
+    assert dataloader_facts({"num_workers": True}) == {} and dataloader_facts(None) == {}
+
+
 def test_missing_optional_data_fires_nothing():
     m = healthy(mfu=None, phases={}, pad_fraction=None, forwards_per_microbatch=None, decode_bandwidth_util=None,
                 completion_mean=None, completion_max=None, completion_p90=None, clipped_ratio=None,
                 first_step_slowdown=None, warmup_overhead_sec=None, warmup_steps=None, mem_high_water_gb=None,
                 mem_budget_gb=None, driver_gb_max=None, allocated_gb_at_driver_max=None, max_pressure=None,
-                swap_growth_gb=None, model={}, seq_len=None, micro_batch=None, grad_accum=None)
+                swap_growth_gb=None, model=ModelFacts(), seq_len=None, micro_batch=None, grad_accum=None)
     assert analyze(m) == []
 
 
@@ -605,7 +621,7 @@ def test_measurements_from_a_synthetic_run(tmp_path):
     _write_run(tmp_path, _steps())
     m = measurements_from_run(str(tmp_path))
     assert m.device_type == "mps" and m.grpo and m.micro_batch == 2 and m.grad_accum == 1
-    assert m.max_completion_length == 512 and m.activation_checkpointing is False and m.model == QWEN_3B
+    assert m.max_completion_length == 512 and m.activation_checkpointing is False and m.model == ModelFacts.of(QWEN_3B)
     assert m.steps == 10 and m.seq_len == 510
     assert m.phases["generation"] == pytest.approx(0.75) and m.phases["data_wait"] == pytest.approx(0.025)
     assert m.steady_step_sec == pytest.approx(40 + 20 * 6.5)        # median of the steady steps 3..10
@@ -674,7 +690,7 @@ def test_measurements_from_a_real_demo_run(demo_run):
     m = measurements_from_run(demo_run)
     assert m.device_type == "cpu" and m.grpo and m.steps == 6
     assert m.micro_batch == 4 and m.grad_accum == 2 and m.max_completion_length == 24 and m.num_generations == 4
-    assert m.model["num_hidden_layers"] == 2 and m.dataloader["num_workers"] == 0
+    assert m.model.shape is not None and m.model.shape.layers == 2 and m.dataloader.get("num_workers") == 0
     assert sum(m.phases.values()) == pytest.approx(1.0) and m.phases["generation"] > 0
     assert m.forwards_per_microbatch == pytest.approx(1.0) and 0 <= m.pad_fraction < 1
     assert m.completion_max is not None and m.completion_max <= 24 and m.clipped_ratio is not None

@@ -3,10 +3,13 @@ and the evidence thresholds the reading and the rules share. The rules and what 
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ..dataloader import DataLoaderFacts
+from ..estimate import ModelShape, model_from_config
+from ..runlog import WatchdogAction
 from ..splitfile import Decision
 
 MEM_GRACE_STEPS = 3          # first steps' trend (allocator ramp) ignored for steps-to-wall
@@ -98,6 +101,29 @@ class FirstSteady:
     without_it: float = 0.0
 
 
+SettingValue = bool | int | float | str | None    # None: the key removed (its default)
+Setting = dict[str, SettingValue]            # config keys → values: a finding's complete change
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The run header's model: its shape (None: layers, hidden size or attention heads unknown; the memory formulas
+    are then not written) and the bytes of one weight (2 unless the header says)."""
+
+    shape: ModelShape | None = None
+    bytes_per_param: int = 2
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any] | None) -> ModelFacts:
+        """The facts of a run header's ``model`` (a Hugging Face config's keys and ``bytes_per_param``)."""
+        config = config or {}
+        known = all(isinstance(config.get(k), int) and config.get(k)
+                    for k in ("num_hidden_layers", "hidden_size", "num_attention_heads"))
+        size = config.get("bytes_per_param")
+        return cls(model_from_config(config) if known else None,
+                   size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 2)
+
+
 @dataclass
 class Measurements:
     """Everything the rules look at (the pure input of every rule; None = not measured)."""
@@ -110,8 +136,8 @@ class Measurements:
     max_completion_length: int | None
     num_generations: int | None
     activation_checkpointing: bool | None
-    model: dict[str, Any]
-    dataloader: dict[str, Any]
+    model: ModelFacts
+    dataloader: DataLoaderFacts
     steps: int
     warmup_steps: int | None
     warmup_overhead_sec: float | None
@@ -135,7 +161,7 @@ class Measurements:
     swap_growth_gb: float | None
     swapout_steps: int
     min_steps_to_wall: float | None
-    watchdog_actions: list[dict[str, Any]]
+    watchdog_actions: list[WatchdogAction]
     seq_len: int | None = None               # longest padded training sequence (tokens), for memory estimates
     seq_len_mean: float | None = None        # mean padded training length of the steady steps
     steps_per_generation: int | None = None  # as configured (TRL's default: gradient_accumulation_steps)
@@ -184,7 +210,7 @@ class Finding:
     expected_gain: float | None
     gain_formula: str
     confidence: str                          # "high" | "medium" | "low"
-    setting: dict[str, Any] = field(default_factory=dict)
+    setting: Setting = field(default_factory=dict)
     basis: str = "try"                       # "measured" | "calibrated" | "try" | "too few steps"
     predicted_gain: float | None = None
     priority: int = 1                        # 0: cannot learn / swapping / near the wall, ranked first

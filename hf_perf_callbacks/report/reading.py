@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from .. import keys
+from ..dataloader import dataloader_facts
 from ..runlog import ReadStep, RunHeader, RunLog, conform, number, read_run
 from ..splitfile import SplitFile, read_split_file
 from ..stats import classify_slow_steps, quantile
@@ -27,6 +28,7 @@ from .model import (
     FirstSteady,
     Machine,
     Measurements,
+    ModelFacts,
     Rewards,
 )
 
@@ -466,9 +468,9 @@ def measurements(run_log: RunLog) -> Measurements:
     return Measurements(
         device_type=run.device_type or "unknown", world_size=int(run.world_size or 1), grpo=grpo,
         max_completion_length=run.max_completion_length, num_generations=run.num_generations,
-        activation_checkpointing=run.activation_checkpointing, model=run.model or {},
-        dataloader=run.dataloader or {}, pad_to_multiple_of=run.pad_to_multiple_of, temperature=run.temperature,
-        use_vllm=run.use_vllm,
+        activation_checkpointing=run.activation_checkpointing, model=ModelFacts.of(run.model),
+        dataloader=dataloader_facts(run.dataloader), pad_to_multiple_of=run.pad_to_multiple_of,
+        temperature=run.temperature, use_vllm=run.use_vllm,
         **_figure_readings(f), **_geometry(run_log, run), **_step_counts(run_log, grpo),
         **_memory_readings(run_log, skipped), **_trainer_readings(run_log, grpo), **_tuner_readings(run_log, skipped),
         contention=_contention(run_log, f), machine=_machine(run_log, run, skipped),

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
 
 from ...batching import Split, exact_splits
 from ...memory import WARN_WITHIN_STEPS as STEPS_TO_WALL  # the watchdog's default warn distance
 from ...runlog import GB
-from ..model import Measurements
+from ..model import Measurements, Setting
 
 COMPLETION_SLACK = 0.5
 COMPLETION_HEADROOM = 1.25
@@ -79,7 +78,7 @@ def _splits(m: Measurements) -> list[Split]:
         return []
 
 
-def _yaml(setting: dict[str, Any]) -> str:
+def _yaml(setting: Setting) -> str:
     def value(v: object) -> str:
         return "null" if v is None else "true" if v is True else "false" if v is False else json.dumps(v)
     return ", ".join(f"`{k}: {value(v)}`" for k, v in setting.items())
@@ -94,10 +93,11 @@ def _generation_batch(m: Measurements) -> int | None:
     return split.generation_batch(max(1, m.world_size or 1))
 
 
-def _split_setting(m: Measurements, split: Split) -> dict[str, Any]:
+def _split_setting(m: Measurements, split: Split) -> Setting:
     """The complete config change to run ``split``: micro-batch and accumulation, and for GRPO the
     ``steps_per_generation`` that keeps the generation batch when TRL's default (= accumulation) would not."""
-    setting = {"per_device_train_batch_size": split.micro_batch, "gradient_accumulation_steps": split.grad_accum}
+    setting: Setting = {"per_device_train_batch_size": split.micro_batch,
+                        "gradient_accumulation_steps": split.grad_accum}
     gen = _generation_batch(m)
     if m.grpo and gen:
         spg = gen // (split.micro_batch * max(1, m.world_size or 1))

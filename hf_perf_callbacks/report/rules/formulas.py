@@ -8,16 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ... import estimate
-from ..model import Measurements
+from ...estimate import ModelShape
+from ..model import Measurements, ModelFacts
 from .advice import _gb, _generation_batch
-
-
-def _dims(model: dict[str, Any]) -> dict[str, Any] | None:
-    """The run header's model facts as :mod:`~hf_perf_callbacks.estimate`'s model dict plus ``bytes`` (bytes per
-    parameter, default 2); None when layers, hidden size or attention heads are unknown."""
-    if not (model.get("num_hidden_layers") and model.get("hidden_size") and model.get("num_attention_heads")):
-        return None
-    return {**estimate.model_from_config(model), "bytes": model.get("bytes_per_param") or 2}
 
 
 def _known(compute: Callable[..., int], *args: Any) -> int | None:
@@ -28,52 +21,52 @@ def _known(compute: Callable[..., int], *args: Any) -> int | None:
         return None
 
 
-def _kv_per_token(model: dict[str, Any]) -> int | None:
-    d = _dims(model)
-    return _known(estimate.kv_cache_bytes_per_token, d, d["bytes"]) if d else None
+def _kv_per_token(model: ModelFacts) -> int | None:
+    d = model.shape
+    return _known(estimate.kv_cache_bytes_per_token, d, model.bytes_per_param) if d else None
 
 
-def _act_per_token(model: dict[str, Any], checkpointing: bool) -> int | None:
-    d = _dims(model)
-    return _known(estimate.activation_bytes_per_token, d, d["bytes"], checkpointing) if d else None
+def _act_per_token(model: ModelFacts, checkpointing: bool) -> int | None:
+    d = model.shape
+    return _known(estimate.activation_bytes_per_token, d, model.bytes_per_param, checkpointing) if d else None
 
 
-def _logits_per_token(model: dict[str, Any]) -> int:
-    d = _dims(model)
+def _logits_per_token(model: ModelFacts) -> int:
+    d = model.shape
     return (_known(estimate.logits_bytes_per_token, d) or 0) if d else 0
 
 
-def _known_dims(model: dict[str, Any]) -> dict[str, Any]:
-    """:func:`_dims` of a model whose per-token bytes were computed: the formulas are written only then."""
-    d = _dims(model)
-    assert d is not None, "a formula of a model without layers, hidden size or attention heads"
-    return d
+def _known_shape(model: ModelFacts) -> ModelShape:
+    """The shape of a model whose per-token bytes were computed: the formulas are written only then."""
+    assert model.shape is not None, "a formula of a model without layers, hidden size or attention heads"
+    return model.shape
 
 
-def _kv_formula(model: dict[str, Any]) -> str:
-    d = _known_dims(model)
-    return f"2 × {d['layers']} layers × {d['kv_heads']} kv_heads × {d['head_dim']} head_dim × {d['bytes']} B"
+def _kv_formula(model: ModelFacts) -> str:
+    d = _known_shape(model)
+    return f"2 × {d.layers} layers × {d.kv_heads} kv_heads × {d.head_dim} head_dim × {model.bytes_per_param} B"
 
 
-def _act_formula(model: dict[str, Any], checkpointing: bool) -> str:
+def _act_formula(model: ModelFacts, checkpointing: bool) -> str:
     """The activation bytes per token as :func:`estimate.activation_bytes_per_token` computes them, written with
     this model's numbers (each number followed by its name: the text evaluates to the bytes)."""
-    d = _known_dims(model)
-    b = d["bytes"]
+    d, b = _known_shape(model), model.bytes_per_param
     if checkpointing:
-        return f"{d['layers']} layers × {d['hidden']} hidden × {b} B"
+        return f"{d.layers} layers × {d.hidden} hidden × {b} B"
     lora = estimate.layer_activation_bytes(d, b, 1) - estimate.layer_activation_bytes(d, b, 0)   # Σ LoRA inputs
-    return (f"{d['layers']} layers × (2 × {estimate.NORM_BYTES} × {d['hidden']} hidden + {b} × (4 × "
-            f"{d['heads'] * d['head_dim']} q_dim + 3 × {d['intermediate']} intermediate) + 4 × {lora} lora_inputs) B")
+    heads, head_dim = d.ints("heads", "head_dim")
+    return (f"{d.layers} layers × (2 × {estimate.NORM_BYTES} × {d.hidden} hidden + {b} × (4 × "
+            f"{heads * head_dim} q_dim + 3 × {d.intermediate} intermediate) + 4 × {lora} lora_inputs) B")
 
 
-def _train_formula(model: dict[str, Any], checkpointing: bool) -> str:
+def _train_formula(model: ModelFacts, checkpointing: bool) -> str:
     """Activations plus the LM head's tile per training token (:func:`estimate.logits_bytes_per_token`), as text."""
-    d = _known_dims(model)
+    d = _known_shape(model)
     if not _logits_per_token(model):
         return _act_formula(model, checkpointing)
-    head = (f"({estimate.HEAD_VOCAB_CHUNK} vocab_chunk × 2 + {min(d['vocab'], estimate.HEAD_VOCAB_CHUNK)} "
-            f"tile_columns × {estimate.HEAD_TILE_TEMP_BYTES['torch']} + {d['hidden']} hidden × (2 + 4)) B lm_head")
+    (vocab,) = d.ints("vocab")
+    head = (f"({estimate.HEAD_VOCAB_CHUNK} vocab_chunk × 2 + {min(vocab, estimate.HEAD_VOCAB_CHUNK)} "
+            f"tile_columns × {estimate.HEAD_TILE_TEMP_BYTES['torch']} + {d.hidden} hidden × (2 + 4)) B lm_head")
     return f"{_act_formula(model, checkpointing)} + {head}"
 
 

@@ -2,9 +2,7 @@
 """
 from __future__ import annotations
 
-from typing import Any
-
-from ..model import ZERO, Finding, Measurements, Note, Rewards, card
+from ..model import ZERO, Finding, Measurements, Note, Rewards, Setting, card
 from .advice import (
     CLIPPED_LARGE,
     COMPLETION_HEADROOM,
@@ -25,11 +23,11 @@ LAUNCH_BOUND_UTIL = 0.1      # decode bandwidth utilisation below which decode i
 NO_LEARNING_LOGS = 3         # consecutive logs with zero reward variance in every group and zero gradient norm
 
 
-def _more_samples(m: Measurements, r: Rewards) -> tuple[list[str], dict[str, Any]]:
+def _more_samples(m: Measurements, r: Rewards) -> tuple[list[str], Setting]:
     """Where some prompts score and others do not: more samples per prompt (whole groups in the generation batch)
     and, below 1, a temperature of 1 — the advice's words and its setting."""
     items: list[str] = []
-    setting: dict[str, Any] = {}
+    setting: Setting = {}
     n, gen = m.num_generations, _generation_batch(m)
     if n and r and r.max - r.min > ZERO:       # some prompts score: more samples per prompt can differ
         setting["num_generations"] = 2 * n
@@ -70,7 +68,7 @@ def rule_no_learning(m: Measurements) -> Finding | Note | None:
                         f"trainer logs).", judged=False)
         return None
     clipped, limit = m.clipped_ratio or 0.0, m.max_completion_length
-    setting: dict[str, Any] = {}
+    setting: Setting = {}
     if constant:
         funcs = ", ".join(f"`{name}` {lo:.3g}" for name, (lo, _) in r.funcs.items())
         obs = (f"On all {r.logs} logs every completion got the same reward, {r.min:.3g}: no prompt group had "
@@ -134,7 +132,8 @@ def rule_generation_bound(m: Measurements) -> Finding | None:
             "dominates a GRPO step.")
     target = _completion_target(m)
     clipped = m.clipped_ratio or 0.0
-    lines, setting = [], {}
+    lines: list[str] = []
+    setting: Setting = {}
     if m.device_type == "cuda" and not m.use_vllm:
         setting = {"use_vllm": True, "vllm_mode": "colocate"}
         lines += ["`use_vllm: true` with `vllm_mode: colocate` (paged KV cache and CUDA graphs remove the per-token "
@@ -182,7 +181,7 @@ def _cut_off(m: Measurements, obs: str, limit: int, clipped: float) -> Finding:
     items = [raise_it, mask] if headroom else [mask, raise_it]
     items.append("or reward finishing within the budget (TRL's `get_soft_overlong_punishment`), or ask for shorter "
                  "answers in the prompt")
-    setting = {"max_completion_length": 2 * limit} if headroom else {"mask_truncated_completions": True}
+    setting: Setting = {"max_completion_length": 2 * limit} if headroom else {"mask_truncated_completions": True}
     return Finding("completion_budget", "Most completions are cut off at max_completion_length", obs, root,
                    _bullets(items), None, "no speed figure: a quality finding (a higher limit makes steps slower, "
                    "not faster)", "medium", setting, "try", None)

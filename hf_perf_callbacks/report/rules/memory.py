@@ -2,11 +2,9 @@
 """
 from __future__ import annotations
 
-from typing import Any
-
 from ... import keys
 from ...batching import Split, next_smaller
-from ..model import Finding, Measurements, card
+from ..model import Finding, Measurements, Setting, card
 from .advice import (
     CLIPPED_LARGE,
     HIGH_WATER_FRACTION,
@@ -37,7 +35,7 @@ DRIVER_BLOAT_MIN_GB = 0.5
 
 
 #: (bytes freed, the advice's words, its setting): one remedy for memory pressure
-Remedy = tuple[float, str, dict[str, Any]]
+Remedy = tuple[float, str, Setting]
 
 
 def _near_budget(m: Measurements) -> bool:
@@ -177,7 +175,7 @@ def _completion_remedy(m: Measurements) -> Remedy | None:
     return None
 
 
-def _advice(m: Measurements) -> tuple[list[str], dict[str, Any]]:
+def _advice(m: Measurements) -> tuple[list[str], Setting]:
     """The remedies, the one that frees the most memory first, with what no setting fixes around them, and the
     setting of the first remedy that has one."""
     remedies = [r for r in (_checkpointing_remedy(m), _smaller_split_remedy(m), _completion_remedy(m)) if r]

@@ -7,7 +7,7 @@ import math
 
 from ...dataloader import dataloader_changes
 from ...splitfile import Decision, trial_figures
-from ..model import MIN_FIXED_LENGTH_STEPS, Finding, Measurements, Note, card
+from ..model import MIN_FIXED_LENGTH_STEPS, Finding, Measurements, Note, Setting, card
 from .advice import (
     _amdahl,
     _bullets,
@@ -53,7 +53,7 @@ def rule_input_bound(m: Measurements) -> Finding | None:
         root = f"{workers} DataLoader workers cannot keep up: preparing a batch takes longer than computing one."
     changes = dataloader_changes(m.device_type, dl)
     lines = [line for line, _ in changes]
-    setting = {k: v for _, keys_set in changes for k, v in keys_set.items()}
+    setting: Setting = {k: v for _, keys_set in changes for k, v in keys_set.items()}
     predicted = 1.0 / (1.0 - f)
     gain, basis, confidence, formula = _calibrated(
         "input_bound", m, predicted,

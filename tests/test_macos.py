@@ -138,6 +138,15 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
 
 
+def assert_none_twice_warned_once(read, caplog: pytest.LogCaptureFixture, named: str) -> None:
+    """``read()`` gives None twice and the reader warns once, naming ``named`` (the failing call)."""
+    assert read() is None
+    assert read() is None
+    records = warnings_of(caplog)
+    assert len(records) == 1
+    assert named in records[0].getMessage()
+
+
 def test_struct_layouts() -> None:
     assert ctypes.sizeof(macos.vm_statistics64) == 152
     assert ctypes.sizeof(macos.vm_statistics64) == macos.HOST_VM_INFO64_COUNT * 4
@@ -160,11 +169,7 @@ def test_pressure_level_unknown_is_none(fake: FakeLibSystem, level: int,
                                         caplog: pytest.LogCaptureFixture) -> None:
     fake.set_pressure(level)
     reader = MacMemoryReader(lib=fake)
-    assert reader.pressure_level() is None
-    assert reader.pressure_level() is None
-    records = warnings_of(caplog)
-    assert len(records) == 1
-    assert "kern.memorystatus_vm_pressure_level" in records[0].getMessage()
+    assert_none_twice_warned_once(reader.pressure_level, caplog, "kern.memorystatus_vm_pressure_level")
     fake.set_pressure(2)
     assert reader.pressure_level() == 2
 
@@ -199,11 +204,7 @@ def test_host_statistics_failure_is_none(fake: FakeLibSystem,
                                          caplog: pytest.LogCaptureFixture) -> None:
     fake.host_rc = 5  # KERN_FAILURE
     reader = MacMemoryReader(lib=fake)
-    assert reader.vm_counters() is None
-    assert reader.vm_counters() is None
-    records = warnings_of(caplog)
-    assert len(records) == 1
-    assert "host_statistics64" in records[0].getMessage()
+    assert_none_twice_warned_once(reader.vm_counters, caplog, "host_statistics64")
 
 
 def test_swapout_growth_between_samples(fake: FakeLibSystem) -> None:

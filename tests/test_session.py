@@ -214,3 +214,27 @@ def test_a_written_checkpoint_whose_step_is_not_a_step_is_malformed(step):
     assert WrittenCheckpoint.from_json({"step": 4, "fingerprint": "ab"}) == WrittenCheckpoint(4, "ab")
     with pytest.raises(SplitFileError, match="expected"):
         WrittenCheckpoint.from_json({"step": step, "fingerprint": "ab"})
+
+
+@pytest.mark.parametrize("grouping, expected", [("right padding", Split(1, 8)), ("dropout", None)])
+def test_a_launcher_restart_resumes_only_with_a_smaller_exact_split(tokenizer, tmp_path, monkeypatch, grouping,
+                                                                     expected):
+    """Under FSDP an out-of-memory error the ranks could not agree on ends the process and records the split the
+    launcher's restart resumes with: the next smaller split that keeps the run exact, none where only the configured
+    one does (dropout: each micro-batch draws its own masks), and the message says the restart would fail again."""
+    from hf_perf_callbacks.batching import Grouping
+    from hf_perf_callbacks.resize import grouping as grouping_module
+    from hf_perf_callbacks.resize import sharding
+    from hf_perf_callbacks.resize.session import TuningSession
+
+    facts = Grouping(rows=64) if grouping == "right padding" else Grouping(dropout=True, rows=64)
+    monkeypatch.setattr(grouping_module, "read_grouping", lambda trainer, planned, world: facts)
+    trainer = make_trainer(tokenizer, tmp_path, [], max_steps=4, bs=2, ga=4, length=16)
+    session = TuningSession(trainer.args)
+    session.judge_grouping(trainer, 4)
+    assert session.smaller_for_restart() == expected
+    message = sharding.restart_message(MemoryError("CUDA out of memory"), 3, expected, None, session.exactness)
+    if expected is None:
+        assert "would run out of memory again" in message and session.exactness.fix in message
+    else:
+        assert f"with the split {expected}" in message

@@ -58,7 +58,7 @@ from ..device import (
 from ..stats import generation_period
 from ..validation import check_number
 from . import memcheck, sharding
-from .agreement import ResizeNeeded, guard_training_step, recoverable
+from .agreement import ResizeNeeded, StepGuard, guard_training_step, recoverable
 from .callback import AdaptiveBatchTuner, find_callback
 from .checkpoints import resume_point
 from .oomsite import UnfixableOOM, leak_message, oom_site, unfixable_message
@@ -111,9 +111,7 @@ def _train(trainer, tuner: AdaptiveBatchTuner, bus, resume_from_checkpoint, tune
     resume_from_checkpoint = resume_point(resume_from_checkpoint, trainer.args.output_dir,
                                           restarts=sharding.restarted_by_launcher())
     session = TuningSession(trainer.args, bus=bus, managed=True)
-    sharded = _start(trainer, session, resume_from_checkpoint, max_resizes)
-    guard = (guard_training_step(trainer, sharding.STABLE_STEPS if sharded else None, notify=session.note)
-             if sharded is None or sharding.guardable(trainer) else None)
+    sharded, guard = _start(trainer, session, resume_from_checkpoint, max_resizes)
     eval_batch = trainer.args.per_device_eval_batch_size
     undo_evaluate = adapter.replace_method(trainer, "evaluate",
                                            lambda original: _evaluate_within_memory(trainer, original, session))
@@ -153,15 +151,19 @@ def _train(trainer, tuner: AdaptiveBatchTuner, bus, resume_from_checkpoint, tune
         session.close(trainer)
 
 
-def _start(trainer, session: TuningSession, checkpoint: str | None, max_resizes: int) -> str | None:
+def _start(trainer, session: TuningSession, checkpoint: str | None,
+           max_resizes: int) -> tuple[str | None, StepGuard | None]:
     """The session takes the run (a resume from ``checkpoint`` continues the run's record); returns the trainer's
-    sharding (refused when it cannot work; FSDP: no tuning, the step guard off once stable)."""
-    sharded = sharding.start(trainer, session)
+    sharding (refused when it cannot work; FSDP: no tuning) and the step guard (FSDP: off once stable; none where it
+    cannot see the sharding's collectives)."""
+    sharded, guarded = sharding.start(trainer, session)
     session.drive(in_process=sharded is None,        # a switch takes effect at the next step's begin
                   max_resizes=max_resizes, step_log=adapter.StepLog(trainer))
     if checkpoint:
         session.resume_from(trainer, checkpoint)
-    return sharded
+    if not guarded:
+        return sharded, None
+    return sharded, guard_training_step(trainer, sharding.STABLE_STEPS if sharded else None, notify=session.note)
 
 
 def _before_training(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, tune: bool | None, resumed: bool,
@@ -309,16 +311,16 @@ def planned_steps(trainer) -> int | None:
 
 
 def _record_for_restart(trainer, session: TuningSession, error: BaseException) -> None:
-    """An out-of-memory error under FSDP that the ranks could not agree on: record the next smaller split for the
-    launcher's restart (the main process writes it) and say what happens; the caller re-raises."""
+    """An out-of-memory error under FSDP that the ranks could not agree on: record the next smaller exact split for
+    the launcher's restart (the main process writes it) and say what happens; the caller re-raises."""
     step = trainer.state.global_step
     checkpoint = session.newest_ours(step)
     new = session.smaller_for_restart()
-    reason = f"out of memory, not agreed inside the step: {error_line(error)[:160]}"
-    if new != session.split:
+    if new is not None:
+        reason = f"out of memory, not agreed inside the step: {error_line(error)[:160]}"
         session.decide("oom", reason, new, step, checkpoint=checkpoint)
         session.request_switch(new, reason)
-    logger.error(sharding.restart_message(error, step, new, checkpoint))
+    logger.error(sharding.restart_message(error, step, new, checkpoint, session.exactness))
 
 
 def _check_memory_or_warn(trainer, session: TuningSession, tuner: AdaptiveBatchTuner) -> None:

@@ -315,14 +315,13 @@ class TuningSession:
                 f"{anyway.micro_batch} and gradient_accumulation_steps={anyway.grad_accum} and resume with "
                 f"trainer.train(resume_from_checkpoint=...) from the saved checkpoint.") from None
 
-    def smaller_for_restart(self) -> Split:
+    def smaller_for_restart(self) -> Split | None:
         """The split a launcher's restart resumes with after an out-of-memory error the ranks could not agree on: the
-        next smaller one of the batch, else the split in effect."""
-        every = candidates(self.args, self.world)
+        next smaller one exact for the run (:meth:`candidates`), None when there is none."""
         try:
-            return next_smaller(self.split, every)
+            return next_smaller(self.split, self.candidates(self.args))
         except ValueError:
-            return self.split
+            return None
 
     def restriction(self) -> Restriction | None:
         exactness = self.exactness

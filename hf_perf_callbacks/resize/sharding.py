@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 
+from ..batching import Exactness, Split
 from ..device import error_line, is_oom_error
 
 logger = logging.getLogger("hf_perf_callbacks")
@@ -74,14 +75,16 @@ def guardable(trainer) -> bool:
     return mesh is None or getattr(mesh, "ndim", 1) <= 1
 
 
-def start(trainer, session) -> str | None:
-    """Refuse what cannot work under the trainer's sharding, say what is limited; returns the sharding."""
+def start(trainer, session) -> tuple[str | None, bool]:
+    """Refuse what cannot work under the trainer's sharding, say what is limited; returns the sharding and whether
+    the step guard sees its collectives (always, unsharded)."""
     kind = sharding(trainer)
     if kind == "deepspeed":
         raise ValueError(DEEPSPEED_REFUSED)
+    guarded = kind is None or guardable(trainer)
     if kind == "fsdp":
-        session.warn_once("sharding-limits", FSDP_NOTES if guardable(trainer) else NO_GUARD)  # console and perf log
-    return kind
+        session.warn_once("sharding-limits", FSDP_NOTES if guarded else NO_GUARD)  # console and perf log
+    return kind, guarded
 
 
 def restarted_by_launcher() -> int:
@@ -90,15 +93,23 @@ def restarted_by_launcher() -> int:
     return int(count) if count.isdigit() else 0
 
 
-def restart_message(error: BaseException, step: int, split, checkpoint: str | None) -> str:
-    """What happens after an out-of-memory error that the ranks could not agree on under FSDP."""
-    where = checkpoint or "the start"
-    return (f"[tuner] out of memory under FSDP at step {step} that the other ranks cannot learn of inside the step "
+def restart_message(error: BaseException, step: int, split: Split | None, checkpoint: str | None,
+                    exactness: Exactness | None = None) -> str:
+    """What happens after an out-of-memory error that the ranks could not agree on under FSDP: the restart resumes
+    with ``split``; None: no smaller split keeps the run exact (``exactness`` says why), so a restart would run out
+    of memory again."""
+    what = (f"[tuner] out of memory under FSDP at step {step} that the other ranks cannot learn of inside the step "
             f"(the step guard is off after {STABLE_STEPS} stable steps, or it struck outside the step): "
-            f"{error_line(error)[:120]}. This process ends; the launcher's restart (torchrun --max-restarts, "
-            f"accelerate launch --max_restarts) resumes every rank from {where} with the split {split} recorded in "
-            f"tuner_split.json. Without restarts, relaunch the same command: train_with_tuning resumes with "
-            f"resume_from_checkpoint=True.")
+            f"{error_line(error)[:120]}. This process ends")
+    if split is None:
+        why = (f"no smaller split keeps this run exact ({exactness.reason}). {exactness.fix}"
+               if exactness is not None and exactness.reason else "no smaller split of the batch is left.")
+        return (f"{what}; {why} A restart would run out of memory again: lower the run's memory (a shorter "
+                f"sequence, activation checkpointing, more ranks) before relaunching.")
+    where = checkpoint or "the start"
+    return (f"{what}; the launcher's restart (torchrun --max-restarts, accelerate launch --max_restarts) resumes "
+            f"every rank from {where} with the split {split} recorded in tuner_split.json. Without restarts, relaunch "
+            f"the same command: train_with_tuning resumes with resume_from_checkpoint=True.")
 
 
 def unagreed_oom(kind: str | None, error: BaseException) -> bool:

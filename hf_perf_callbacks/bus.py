@@ -27,7 +27,7 @@ without which transformers' next save raises ``KeyError``
 (:func:`~hf_perf_callbacks.adapter.register_stateful_callbacks`).
 
 **One process per ``output_dir``.** While a ``train()`` call runs, the main process holds
-``<output_dir>/.hf_perf.lock`` (:class:`~hf_perf_callbacks.runlog.OutputDirLock`, a ``filelock.FileLock``: released
+``<output_dir>/.hf_perf.lock`` (:class:`OutputDirLock`, a ``filelock.FileLock``: released
 by the OS when the process dies): two processes training into one ``output_dir`` would interleave their perf logs and
 resume from each other's checkpoints, so a second one is refused with ``OutputDirBusy`` before it writes anything.
 The lock is released, and its file removed, when ``train()`` ends, by an error too (the bus wraps the trainer's
@@ -44,23 +44,25 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import socket
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
+from filelock import FileLock, Timeout
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from . import adapter
 from .runlog import (
     CALLBACK_PREFIXES,
+    LOCK_FILE,
     TRAINER_LOG,
     EventLine,
     LogWriter,
-    OutputDirBusy,
-    OutputDirLock,
     Record,
     RunHeader,
     StepLine,
@@ -74,6 +76,96 @@ if TYPE_CHECKING:
     from .memory import WallFacts
 
 logger = logging.getLogger("hf_perf_callbacks")
+
+
+class OutputDirBusy(RuntimeError):
+    """Another live process is training into the same ``output_dir``."""
+
+
+#: the file beside the lock naming the process that holds it (read by a refused process)
+HOLDER_FILE = LOCK_FILE + ".holder"
+#: output_dir (real path) → its lock, held by this process (re-entrant within the process)
+_HELD: dict[str, Any] = {}            # FileLock objects
+
+
+class OutputDirLock:
+    """This process's hold on one ``output_dir`` (see "One process per ``output_dir``" in the module docstring)."""
+
+    def __init__(self) -> None:
+        self.key: str | None = None           # the real path of the output_dir held
+        self.output_dir: str | None = None
+        self.unlockable: set[str] = set()     # output_dirs warned about: no lock there
+
+    def acquire(self, output_dir: str) -> bool:
+        """Hold ``output_dir`` for this process; True when held. Raises :class:`OutputDirBusy` naming the holder
+        when another process holds it; a file system that cannot hold the lock is one warning and no lock."""
+        key = os.path.realpath(output_dir)
+        if key == self.key:
+            return True
+        self.release()
+        if key in _HELD:                      # another trainer of this process holds it: the same process
+            self.key, self.output_dir = key, output_dir
+            return True
+        path = os.path.join(output_dir, LOCK_FILE)
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+            probe = path + ".probe"                        # a read-only directory fails here, plainly
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+            os.remove(probe)
+            lock = FileLock(path, timeout=0)
+            try:
+                lock.acquire()
+            except Timeout:
+                holder = _read_holder(output_dir)
+                raise OutputDirBusy(
+                    f"output_dir {output_dir!r} is being written by another training process ({holder}): two runs "
+                    f"in one output_dir interleave their perf logs and resume from each other's checkpoints. This "
+                    f"run did not start and wrote nothing there: give it its own output_dir, or start it again once "
+                    f"that process has ended") from None
+        except (OSError, NotImplementedError) as error:    # read-only, or no flock: transformers trains there
+            if isinstance(error, NotImplementedError):      # filelock left its file on a file system without flock
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass                                    # nothing to tidy
+            if key not in self.unlockable:
+                self.unlockable.add(key)
+                logger.warning("cannot lock %s (%s: %s): training goes on without the one-process-per-output_dir "
+                               "check (warned once)", output_dir, type(error).__name__, error)
+            return False
+        try:
+            with open(os.path.join(output_dir, HOLDER_FILE), "w", encoding="utf-8") as f:
+                f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        except OSError:
+            pass                                           # the lock holds without the holder's name
+        _HELD[key] = lock
+        self.key, self.output_dir = key, output_dir
+        return True
+
+    def release(self) -> None:
+        """Release the hold, removing the lock's files first (while still held, so no other process takes a lock on
+        a file about to be removed)."""
+        key, output_dir, self.key, self.output_dir = self.key, self.output_dir, None, None
+        lock = _HELD.pop(key, None) if key is not None else None
+        if lock is None or output_dir is None:
+            return
+        for name in (HOLDER_FILE, LOCK_FILE):
+            try:
+                os.remove(os.path.join(output_dir, name))
+            except OSError:
+                pass                                       # gone already, or not removable: released all the same
+        try:
+            lock.release()
+        except OSError as error:                           # the hold ends with the descriptor anyway
+            logger.warning("releasing the lock of %s: %s", output_dir, error)
+
+
+def _read_holder(output_dir: str) -> str:
+    try:
+        with open(os.path.join(output_dir, HOLDER_FILE), encoding="utf-8") as f:
+            return f.read().strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 #: the watchdog asks for a cache clear
 SIGNAL_CLEAR = "clear_cache"

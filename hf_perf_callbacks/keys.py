@@ -10,6 +10,7 @@ from __future__ import annotations
 PERF_LOG = "perf_log.jsonl"
 GB = 1024**3                           # bytes per GB in every ``*_gb`` figure (GiB, 2³⁰ bytes)
 SPLIT_FILE = "tuner_split.json"        # the tuner's split and decisions, beside the perf log
+LOCK_FILE = ".hf_perf.lock"            # held by the process training into output_dir (the bus holds it)
 TRAINER_STATE = "trainer_state.json"
 
 #: the phases of a step's wall time (``perf/phase/<phase>``, ``perf/phase_sec/<phase>``; meanings in

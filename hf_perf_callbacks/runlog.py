@@ -35,9 +35,6 @@ every event has one. A header field of another type than its own (a newer or old
 kept in ``RunHeader.malformed`` (a summary's, in ``SummaryLine.malformed``); step values are read through
 :func:`number`.
 
-The one-process-per-``output_dir`` lock (:class:`OutputDirLock`, held by the bus while a run trains) lives here too:
-a refused process learns it before importing torch.
-
 Pure: no torch, no transformers.
 """
 from __future__ import annotations
@@ -47,7 +44,6 @@ import json
 import logging
 import math
 import os
-import socket
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -357,102 +353,6 @@ def parse_record(entry: object) -> Record | None:
     if kind == "summary":
         return SummaryLine.from_json(entry)
     return None
-
-
-# ---------------------------------------------------------------- one writing process per output_dir
-LOCK_FILE = ".hf_perf.lock"            # held by the process training into output_dir (the bus holds it)
-
-
-class OutputDirBusy(RuntimeError):
-    """Another live process is training into the same ``output_dir``."""
-
-
-#: the file beside the lock naming the process that holds it (read by a refused process)
-HOLDER_FILE = LOCK_FILE + ".holder"
-#: output_dir (real path) → its lock, held by this process (re-entrant within the process)
-_HELD: dict[str, Any] = {}            # FileLock objects
-
-
-class OutputDirLock:
-    """This process's hold on one ``output_dir`` (see the module docstring)."""
-
-    def __init__(self) -> None:
-        self.key: str | None = None           # the real path of the output_dir held
-        self.output_dir: str | None = None
-        self.unlockable: set[str] = set()     # output_dirs warned about: no lock there
-
-    def acquire(self, output_dir: str) -> bool:
-        """Hold ``output_dir`` for this process; True when held. Raises :class:`OutputDirBusy` naming the holder
-        when another process holds it; a file system that cannot hold the lock is one warning and no lock."""
-        key = os.path.realpath(output_dir)
-        if key == self.key:
-            return True
-        self.release()
-        if key in _HELD:                      # another trainer of this process holds it: the same process
-            self.key, self.output_dir = key, output_dir
-            return True
-        path = os.path.join(output_dir, LOCK_FILE)
-        try:
-            os.makedirs(output_dir, exist_ok=True)
-            probe = path + ".probe"                        # a read-only directory fails here, plainly
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
-            os.remove(probe)
-            from filelock import FileLock, Timeout  # imported here: the report reads logs without it
-
-            lock = FileLock(path, timeout=0)
-            try:
-                lock.acquire()
-            except Timeout:
-                holder = _read_holder(output_dir)
-                raise OutputDirBusy(
-                    f"output_dir {output_dir!r} is being written by another training process ({holder}): two runs "
-                    f"in one output_dir interleave their perf logs and resume from each other's checkpoints. This "
-                    f"run did not start and wrote nothing there: give it its own output_dir, or start it again once "
-                    f"that process has ended") from None
-        except (OSError, NotImplementedError) as error:    # read-only, or no flock: transformers trains there
-            if isinstance(error, NotImplementedError):      # filelock left its file on a file system without flock
-                try:
-                    os.remove(path)
-                except OSError:
-                    pass                                    # nothing to tidy
-            if key not in self.unlockable:
-                self.unlockable.add(key)
-                logger.warning("cannot lock %s (%s: %s): training goes on without the one-process-per-output_dir "
-                               "check (warned once)", output_dir, type(error).__name__, error)
-            return False
-        try:
-            with open(os.path.join(output_dir, HOLDER_FILE), "w", encoding="utf-8") as f:
-                f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        except OSError:
-            pass                                           # the lock holds without the holder's name
-        _HELD[key] = lock
-        self.key, self.output_dir = key, output_dir
-        return True
-
-    def release(self) -> None:
-        """Release the hold, removing the lock's files first (while still held, so no other process takes a lock on
-        a file about to be removed)."""
-        key, output_dir, self.key, self.output_dir = self.key, self.output_dir, None, None
-        lock = _HELD.pop(key, None) if key is not None else None
-        if lock is None or output_dir is None:
-            return
-        for name in (HOLDER_FILE, LOCK_FILE):
-            try:
-                os.remove(os.path.join(output_dir, name))
-            except OSError:
-                pass                                       # gone already, or not removable: released all the same
-        try:
-            lock.release()
-        except OSError as error:                           # the hold ends with the descriptor anyway
-            logger.warning("releasing the lock of %s: %s", output_dir, error)
-
-
-def _read_holder(output_dir: str) -> str:
-    try:
-        with open(os.path.join(output_dir, HOLDER_FILE), encoding="utf-8") as f:
-            return f.read().strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 # ---------------------------------------------------------------- writer

@@ -16,15 +16,16 @@ class DataLoaderFacts(TypedDict, total=False):
     pin_memory: bool | None
 
 
-_FACT_TYPES: dict[str, type] = {"num_workers": int, "persistent_workers": bool, "prefetch_factor": int,
-                                "pin_memory": bool}
+#: each fact's type: the training arguments' ``dataloader_<key>``
+FACT_TYPES: dict[str, type] = {"num_workers": int, "persistent_workers": bool, "prefetch_factor": int,
+                               "pin_memory": bool}
 
 
 def dataloader_facts(settings: Mapping[str, Any] | None) -> DataLoaderFacts:
     """The DataLoader facts of a mapping (the run header's ``dataloader``): each known key whose value is None or
     of its type (a bool is no count of workers); others are left out."""
     given = settings or {}
-    facts = {key: given[key] for key, kind in _FACT_TYPES.items() if key in given and (
+    facts = {key: given[key] for key, kind in FACT_TYPES.items() if key in given and (
         given[key] is None or (isinstance(given[key], kind) and (kind is bool or not isinstance(given[key], bool))))}
     return cast(DataLoaderFacts, facts)
 

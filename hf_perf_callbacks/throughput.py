@@ -11,7 +11,7 @@ import torch
 
 from . import adapter, keys
 from .base import Clock, PerfCallback
-from .dataloader import DataLoaderFacts, dataloader_advice, dataloader_facts
+from .dataloader import FACT_TYPES, DataLoaderFacts, dataloader_advice, dataloader_facts
 from .device import DeviceLayer, dtype_key, gather_floats, world_size
 from .flops import forward_flops_per_token, shape_of, train_flops_per_token
 from .keys import PHASES
@@ -516,5 +516,4 @@ class ThroughputMeter(PerfCallback):
 
 def _dataloader_settings(args) -> DataLoaderFacts:
     """The DataLoader settings of the training arguments (for the run header and the data-wait advice)."""
-    return dataloader_facts({k: getattr(args, f"dataloader_{k}", None)
-                             for k in ("num_workers", "persistent_workers", "prefetch_factor", "pin_memory")})
+    return dataloader_facts({k: getattr(args, f"dataloader_{k}", None) for k in FACT_TYPES})

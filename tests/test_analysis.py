@@ -9,7 +9,7 @@ import pytest
 
 from hf_perf_callbacks import estimate, keys
 from hf_perf_callbacks.batching import Split
-from hf_perf_callbacks.dataloader import dataloader_facts
+from hf_perf_callbacks.dataloader import FACT_TYPES, DataLoaderFacts, dataloader_facts
 from hf_perf_callbacks.report import (
     RULES,
     Finding,
@@ -106,6 +106,7 @@ def test_the_run_headers_model_and_dataloader_are_read_into_typed_facts():
     assert dataloader_facts({"num_workers": 2, "persistent_workers": None, "pin_memory": "yes", "prefetch_factor": True,
                              "drop_last": True}) == {"num_workers": 2, "persistent_workers": None}
     assert dataloader_facts({"num_workers": True}) == {} and dataloader_facts(None) == {}
+    assert set(FACT_TYPES) == set(DataLoaderFacts.__annotations__)       # the typed facts are the ones read
 
 
 def test_missing_optional_data_fires_nothing():

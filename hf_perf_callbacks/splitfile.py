@@ -328,6 +328,11 @@ class Decision:
             return "non_generation"
         return "step" if f"({RANKED_WORDS['step']})" in rule else None
 
+    def event_fields(self) -> dict[str, Any]:
+        """The fields of its ``tuner``/``decision`` event in the perf log (beside the headline and the step)."""
+        return {"old_split": self.old.as_args(), "new_split": self.new.as_args(), "cost_sec": self.cost_sec,
+                "expected_gain_sec": self.expected_gain_sec}
+
     def headline(self) -> str:
         """One line: what changed (or was kept), why, and what it cost."""
         what = {"tune": "tuning", "memory_check": "memory check", "oom": "out of memory", "watchdog": "watchdog"}

@@ -210,15 +210,8 @@ class _Run:
 
     def record_tuning(self, step: int) -> None:
         """The tune decision once the tuning finished, as ``TuningSession.record_tuning`` records it."""
-        tuning = self.tuning
-        if tuning is None or tuning.done is None or tuning.recorded:
+        d = self.tuning.decision(step, self.t) if self.tuning is not None else None
+        if d is None:
             return
-        tuning.recorded = True
-        d = Decision(kind="tune", step=step, reason=tuning.done.reason, old=tuning.start, new=tuning.done.split,
-                     time=self.t, trials=tuning.trial_list(), cost_sec=tuning.cost,
-                     expected_gain_sec=tuning.expected_gain_sec(step), planned_steps=tuning.planned,
-                     rule=tuning.rule())
         self.decisions.append(d)
-        self._append(EventLine("tuner", "decision", d.headline(), step, round(self.t, 3),
-                               {"old_split": d.old.as_args(), "new_split": d.new.as_args(), "cost_sec": d.cost_sec,
-                                "expected_gain_sec": d.expected_gain_sec}))
+        self._append(EventLine("tuner", "decision", d.headline(), step, round(self.t, 3), d.event_fields()))

@@ -41,13 +41,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 from .. import adapter
 from ..bus import bus_for
 from ..device import (
     DeviceLayer,
-    error_line,
     is_main_process,
     is_oom_error,
     rng_state,
@@ -55,15 +53,13 @@ from ..device import (
     training_device,
     world_size,
 )
-from ..stats import generation_period
 from ..validation import check_number
 from . import memcheck, sharding
 from .agreement import ResizeNeeded, StepGuard, guard_training_step, recoverable
 from .callback import AdaptiveBatchTuner, find_callback
 from .checkpoints import resume_point
-from .oomsite import UnfixableOOM, leak_message, oom_site, unfixable_message
+from .oomsite import UnfixableOOM, unfixable_cause
 from .session import InexactResize, SwitchSplit, TuningSession
-from .tuning import OnRunTuning
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -140,7 +136,7 @@ def _train(trainer, tuner: AdaptiveBatchTuner, bus, resume_from_checkpoint, tune
             if session.switch is None:
                 session.drop_switch_checkpoints()
                 return output
-            resume_from_checkpoint = _switch(trainer, session)
+            resume_from_checkpoint = session.switch_now(trainer)
             resized = True
             set_rng_state(start_rng)
     finally:
@@ -177,26 +173,29 @@ def _before_training(trainer, session: TuningSession, tuner: AdaptiveBatchTuner,
             _check_memory_or_warn(trainer, session, tuner)
     wants_tuning = tuner.tune if tune is None else tune
     if wants_tuning and not sharded and not any(d.kind == "tune" for d in session.decisions):
-        tuning = _tuning(trainer, session, tuner, planned_steps(trainer))    # at the split the check left
-        session.start_tuning(tuning)
+        planned, state_bytes = planned_steps(trainer), _training_state_bytes(trainer.model)
+        session.start_tuning(planned, state_bytes, max_micro_batch=tuner.max_micro_batch,  # at the split the check left
+                             samples=tuner.samples, max_rounds=tuner.max_rounds, patience=tuner.patience,
+                             must_pay=tuner.must_pay, rank_by=tuner.rank_by)
 
 
 def _recover_or_raise(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, error: BaseException,
-                 sharded: str | None, max_resizes: int) -> str | None:
+                      sharded: str | None, max_resizes: int) -> str | None:
     r"""What ``train()`` raised: an out-of-memory error a smaller split fixes re-sizes (returns the checkpoint to
     resume from, None: the start); anything else saves when it can and is raised (the bare ``raise``\ s re-raise
     ``error`` as it was, this runs inside its ``except``)."""
     if max_resizes > 0 and sharding.unagreed_oom(sharded, error):    # the others wait in a collective
-        _record_for_restart(trainer, session, error)
+        session.record_for_restart(trainer.state.global_step, error)
         raise
     if not isinstance(error, Exception) or not recoverable(error):
         if max_resizes > 0:
             session.end_run(trainer, error, tuner.in_optimizer_step)
         raise
-    trial = _in_trial(session)        # the tuning's own trial: never a re-size the user counts
+    trial = session.in_trial          # the tuning's own trial: never a re-size the user counts
     if max_resizes == 0 and not trial:
         raise
-    cause = _unfixable_cause(trainer, session, error)
+    cause = unfixable_cause(error, trainer, error.site if isinstance(error, ResizeNeeded) else None,
+                            _memory_facts(session))
     if cause is not None:                    # no micro-batch fixes it: no re-size
         unfixable = UnfixableOOM(cause)
         session.end_run(trainer, unfixable, tuner.in_optimizer_step, agreed=isinstance(error, ResizeNeeded))
@@ -207,7 +206,7 @@ def _recover_or_raise(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
         raise RuntimeError(f"train_with_tuning gave up after {max_resizes} re-sizes"
                            f"{_memory_causes(session)}") from error
     try:
-        checkpoint = _recover_from_oom(trainer, session, tuner, error, trial)
+        checkpoint = session.recover_from_oom(trainer, error, tuner.in_optimizer_step, trial)
     except InexactResize as inexact:         # smaller splits exist, none exact for this run
         session.give_up()
         session.end_run(trainer, inexact, tuner.in_optimizer_step)
@@ -217,35 +216,6 @@ def _recover_or_raise(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
         session.end_run(trainer, error, tuner.in_optimizer_step)
         raise ValueError(f"{none_left}{_memory_causes(session)}") from error
     if not trial:
-        session.spend_resize()
-    return checkpoint
-
-
-def _unfixable_cause(trainer, session: TuningSession, error: Exception) -> str | None:
-    """Why no smaller micro-batch fixes this out-of-memory error (generation, a reward function, a leak the watchdog
-    knows), or None."""
-    site = error.site if isinstance(error, ResizeNeeded) else oom_site(error, trainer)
-    cause = unfixable_message(site, trainer, error)
-    if cause is None and world_size() == 1:  # a leak the watchdog knows: a re-size cannot fix it
-        cause = leak_message(_memory_facts(session), error)
-    return cause
-
-
-def _switch(trainer, session: TuningSession) -> str:
-    """The pending switch, in this process: the step's checkpoint (a watchdog's re-size keeps it as a save of the
-    run), the switch applied; returns the checkpoint to resume from."""
-    step = trainer.state.global_step
-    memory = session.decisions[-1].kind == "watchdog" if session.decisions else False
-    wrote = not session.is_ours(step)
-    checkpoint = session.save_checkpoint(trainer, step, switch=not memory)
-    if not memory:
-        session.switched_at(step, wrote)
-    if is_main_process():
-        why = session.switch_reason.removeprefix(f"back to {session.switch}: ")
-        logger.warning("[tuner] step %d: %s → %s (%s): resuming from %s in this process", step,
-                       session.split, session.switch, why, os.path.basename(checkpoint))
-    session.resume_with_switch(trainer)
-    if memory:
         session.spend_resize()
     return checkpoint
 
@@ -260,25 +230,6 @@ def _memory_causes(session: TuningSession) -> str:
     facts = _memory_facts(session)
     causes = facts.sentence() if facts is not None else ""
     return f" The memory wall, as the watchdog reads it: {causes}." if causes else ""
-
-
-def _in_trial(session: TuningSession) -> bool:
-    """The split in effect is one the tuning is trying (not its baseline)."""
-    tuning = session.tuning
-    return tuning is not None and tuning.done is None and session.split != tuning.baseline
-
-
-def _tuning(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, planned: int | None) -> OnRunTuning:
-    """The tuning on the run's own steps (``planned`` of them), from the split in effect."""
-    args = trainer.args
-    state_bytes = _training_state_bytes(trainer.model)
-    others = [s for s in session.candidates(args) if s != session.split
-              and (tuner.max_micro_batch is None or s.micro_batch <= tuner.max_micro_batch)]
-    period = (generation_period(args.steps_per_generation, getattr(args, "num_iterations", 1),
-                                args.gradient_accumulation_steps) if hasattr(args, "num_generations") else 1)
-    return OnRunTuning(session.split, others, planned, period=period, samples=tuner.samples,
-                       max_rounds=tuner.max_rounds, patience=tuner.patience, must_pay=tuner.must_pay,
-                       state_bytes=state_bytes, rank_by=tuner.rank_by)
 
 
 def _training_state_bytes(model) -> float:
@@ -310,19 +261,6 @@ def planned_steps(trainer) -> int | None:
     return math.ceil(args.num_train_epochs * per_epoch)
 
 
-def _record_for_restart(trainer, session: TuningSession, error: BaseException) -> None:
-    """An out-of-memory error under FSDP that the ranks could not agree on: record the next smaller exact split for
-    the launcher's restart (the main process writes it) and say what happens; the caller re-raises."""
-    step = trainer.state.global_step
-    checkpoint = session.newest_ours(step)
-    new = session.smaller_for_restart()
-    if new is not None:
-        reason = f"out of memory, not agreed inside the step: {error_line(error)[:160]}"
-        session.decide("oom", reason, new, step, checkpoint=checkpoint)
-        session.request_switch(new, reason)
-    logger.error(sharding.restart_message(error, step, new, checkpoint, session.exactness))
-
-
 def _check_memory_or_warn(trainer, session: TuningSession, tuner: AdaptiveBatchTuner) -> None:
     """The memory check; a failure of its own (a memory reading, an exchange) is one warning and the configured
     split."""
@@ -334,55 +272,6 @@ def _check_memory_or_warn(trainer, session: TuningSession, tuner: AdaptiveBatchT
         session.apply(trainer, configured)
         session.warn_once("memory-check", f"the memory check failed ({type(error).__name__}: {error}); training "
                                           f"goes on at the configured split {configured} without it")
-
-
-def _recover_from_oom(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, error: BaseException,
-                      trial: bool = False) -> str | None:
-    """Plan the next split and the checkpoint to resume from (ValueError when no smaller split is left,
-    :class:`InexactResize` when the smaller ones are not exact for this run). A split under trial that ran out of
-    memory (``trial``) is left: the run goes on at the next candidate or the tuning baseline, recorded as an ``oom``
-    decision marked ``trial`` (no re-size: it spends none of ``max_resizes``, nor counts in ``tuner/resizes``)."""
-    reason = f"out of memory: {error_line(error)[:160]}"
-    old = session.split
-    tuning = session.tuning
-    step = trainer.state.global_step
-    if trial and tuning is not None:
-        new = tuning.failed(old, "out of memory", step)       # the next candidate, or back to the baseline
-        if tuning.done is not None:
-            session.record_tuning(step)
-    else:
-        new = session.smaller_split(step, old)
-        if tuning is not None and tuning.done is None:
-            session.end_tuning(step, "out of memory ended the tuning")
-    session.free_memory(trainer)
-    if tuner.in_optimizer_step:                                     # weights may be half-updated: go back
-        checkpoint = session.newest_ours(step)
-        if checkpoint is None:
-            raise RuntimeError("out of memory inside optimizer.step before this run saved any complete checkpoint: "
-                               "the weights may be half-updated, so the run cannot continue safely. Restart it "
-                               f"with a smaller split ({new}) or set save_steps.") from error
-    elif step == 0:
-        checkpoint = None                                           # nothing trained yet: start again
-    else:                                                           # weights and optimizer are at step N: keep them
-        wrote = not session.is_ours(step)
-        try:
-            checkpoint = session.save_checkpoint(trainer, step, switch=trial)
-            if trial:
-                session.switched_at(step, wrote)
-        except Exception as save_error:  # noqa: BLE001 - fall back to the newest complete one of this run
-            checkpoint = session.newest_ours(step)
-            if checkpoint is None:
-                raise RuntimeError(f"out of memory at step {step}, and saving checkpoint-{step} failed too "
-                                   f"({type(save_error).__name__}: {save_error}); this run has no complete "
-                                   f"checkpoint to resume from") from error
-            session.warn_once("fallback", f"saving checkpoint-{step} failed ({save_error}): resuming from "
-                                          f"{checkpoint}; steps after it are trained again")
-    session.decide("oom", reason, new, step, old=old, checkpoint=checkpoint, trial=trial)
-    session.request_switch(new, reason)
-    session.resume_with_switch(trainer)
-    logger.warning("[tuner] %s at step %d: resuming from %s with split %s", reason, step, checkpoint or "the start",
-                   new)
-    return checkpoint
 
 
 def _evaluate_within_memory(trainer, original, session: TuningSession):

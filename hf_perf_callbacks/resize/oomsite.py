@@ -64,6 +64,18 @@ def _runs(frame, func) -> bool:
     return frame.f_code is code if code is not None else frame.f_locals.get("self") is inner
 
 
+def unfixable_cause(error: BaseException, trainer, site: int | None = None, facts=None) -> str | None:
+    """Why no smaller micro-batch fixes this out-of-memory error, or None: it struck in generation or a reward
+    function (``site``: where, as the ranks agreed; None: read from the error's traceback), or in one process while
+    the watchdog knows of a leak (``facts``: its :class:`~hf_perf_callbacks.memory.WallFacts`)."""
+    from ..device import world_size
+
+    cause = unfixable_message(oom_site(error, trainer) if site is None else site, trainer, error)
+    if cause is None and world_size() == 1:
+        cause = leak_message(facts, error)
+    return cause
+
+
 def unfixable_message(site: int, trainer, error: BaseException) -> str | None:
     """What ran out of memory and what fixes it, for a site no smaller micro-batch fixes (None for the micro-batch)."""
     from ..device import error_line

@@ -25,9 +25,9 @@ the splits the run may use    :attr:`~TuningSession.exactness`, judged once at t
 Only this module assigns the session's fields: the tuner and :func:`~hf_perf_callbacks.train_with_tuning` ask it
 through its methods (the tuner: :meth:`~TuningSession.follow_args`, :meth:`~TuningSession.switch_taken`,
 :meth:`~TuningSession.step_completed`, :meth:`~TuningSession.request_switch`; the loop: :meth:`~TuningSession.drive`,
-:meth:`~TuningSession.resume_from`, :meth:`~TuningSession.save_checkpoint`, :meth:`~TuningSession.resume_with_switch`,
-:meth:`~TuningSession.end_run`, :meth:`~TuningSession.close`), and it saves the checkpoints a re-size resumes from
-itself.
+:meth:`~TuningSession.resume_from`, :meth:`~TuningSession.start_tuning`, :meth:`~TuningSession.switch_now`,
+:meth:`~TuningSession.recover_from_oom`, :meth:`~TuningSession.record_for_restart`, :meth:`~TuningSession.end_run`,
+:meth:`~TuningSession.close`), and it saves the checkpoints a re-size resumes from itself.
 
 :func:`~hf_perf_callbacks.train_with_tuning` creates one session per call (a resume adopts the recorded one when it
 is this run's) and hands it to the trainer's bus; the :class:`~hf_perf_callbacks.AdaptiveBatchTuner` — also an
@@ -55,6 +55,7 @@ from ..splitfile import (
     run_geometry,
     split_for_run,
 )
+from ..stats import generation_period
 from .agreement import ResizeNeeded
 from .checkpoints import (
     RunCheckpoints,
@@ -66,10 +67,11 @@ from .checkpoints import (
     step_of,
 )
 from .oomsite import UnfixableOOM
+from .sharding import restart_message
+from .tuning import OnRunTuning
 
 if TYPE_CHECKING:
     from ..bus import RunBus
-    from .tuning import OnRunTuning
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -165,9 +167,18 @@ class TuningSession:
         if self.step_log is not None:
             self.step_log.undo()
 
-    def start_tuning(self, tuning: OnRunTuning) -> None:
-        """The tuning on the run's own steps starts (the tuner measures for it)."""
-        self.tuning = tuning
+    def start_tuning(self, planned: int | None, state_bytes: float, max_micro_batch: int | None = None,
+                     **settings) -> None:
+        """The tuning on the run's own steps starts (the tuner measures for it): the split in effect against every
+        other split the run may use up to ``max_micro_batch``, over ``planned`` optimizer steps, GRPO's trials whole
+        generation cycles; ``state_bytes``: what a switch's checkpoint writes and reads; ``settings``: the rest of
+        :class:`~hf_perf_callbacks.resize.tuning.OnRunTuning`'s (``samples``, ``max_rounds``, ...)."""
+        args = self.args
+        others = [s for s in self.candidates(args)
+                  if s != self.split and (max_micro_batch is None or s.micro_batch <= max_micro_batch)]
+        period = (generation_period(args.steps_per_generation, getattr(args, "num_iterations", 1),
+                                    args.gradient_accumulation_steps) if hasattr(args, "num_generations") else 1)
+        self.tuning = OnRunTuning(self.split, others, planned, period=period, state_bytes=state_bytes, **settings)
 
     def spend_resize(self) -> None:
         """A re-size forced by memory took place: one fewer is left."""
@@ -339,14 +350,14 @@ class TuningSession:
     def decide(self, kind: str, reason: str, new: Split, step: int, old: Split | None = None, **details) -> Decision:
         """Record a decision (it takes effect through :meth:`request_switch` or :meth:`apply`) and log it as an
         event of the perf log."""
-        decision = Decision(kind=kind, step=step, reason=reason, old=old or self.split, new=new, time=time.time(),
-                            **details)
+        return self._record(Decision(kind=kind, step=step, reason=reason, old=old or self.split, new=new,
+                                     time=time.time(), **details))
+
+    def _record(self, decision: Decision) -> Decision:
         self.decisions.append(decision)
         self.persist()
         if self.bus is not None:
-            self.bus.event("tuner", "decision", decision.headline(), step=step, old_split=decision.old.as_args(),
-                           new_split=decision.new.as_args(), cost_sec=decision.cost_sec,
-                           expected_gain_sec=decision.expected_gain_sec)
+            self.bus.event("tuner", "decision", decision.headline(), step=decision.step, **decision.event_fields())
         return decision
 
     def end_tuning(self, step: int, reason: str) -> None:
@@ -356,15 +367,16 @@ class TuningSession:
             self.record_tuning(step)
 
     def record_tuning(self, step: int) -> Decision | None:
-        """Record the finished tuning as one ``tune`` decision: every split measured, its cost and expected gain."""
+        """Record the finished tuning as its one ``tune`` decision (:meth:`OnRunTuning.decision
+        <hf_perf_callbacks.resize.tuning.OnRunTuning.decision>`)."""
+        decision = self.tuning.decision(step, time.time()) if self.tuning is not None else None
+        return self._record(decision) if decision is not None else None
+
+    @property
+    def in_trial(self) -> bool:
+        """The split in effect is one the tuning is trying (not its baseline)."""
         tuning = self.tuning
-        if tuning is None or tuning.done is None or tuning.recorded:
-            return None
-        tuning.mark_recorded()
-        return self.decide("tune", tuning.done.reason, tuning.done.split, step, old=tuning.start,
-                           trials=tuning.trial_list(), cost_sec=tuning.cost,
-                           expected_gain_sec=tuning.expected_gain_sec(step), planned_steps=tuning.planned,
-                           rule=tuning.rule())
+        return tuning is not None and tuning.done is None and self.split != tuning.baseline
 
     @property
     def resizes(self) -> int:
@@ -536,6 +548,85 @@ class TuningSession:
         self.take_switch(trainer)
         adapter.forget_last_train(trainer)
         self.free_memory(trainer)
+
+    def switch_now(self, trainer) -> str:
+        """The pending switch, in this process: the step's checkpoint (a watchdog's re-size keeps it as a save of the
+        run, and spends one of ``max_resizes``), the switch applied; returns the checkpoint to resume from."""
+        step = trainer.state.global_step
+        memory = self.decisions[-1].kind == "watchdog" if self.decisions else False
+        wrote = not self.is_ours(step)
+        checkpoint = self.save_checkpoint(trainer, step, switch=not memory)
+        if not memory:
+            self.switched_at(step, wrote)
+        if is_main_process():
+            why = self.switch_reason.removeprefix(f"back to {self.switch}: ")
+            logger.warning("[tuner] step %d: %s → %s (%s): resuming from %s in this process", step, self.split,
+                           self.switch, why, os.path.basename(checkpoint))
+        self.resume_with_switch(trainer)
+        if memory:
+            self.spend_resize()
+        return checkpoint
+
+    def recover_from_oom(self, trainer, error: BaseException, in_optimizer_step: bool = False,
+                         trial: bool = False) -> str | None:
+        """An out-of-memory error at the trainer's step (``in_optimizer_step``: it struck inside
+        ``optimizer.step``): the next split planned and applied, recorded as an ``oom`` decision; returns the
+        checkpoint to resume from (None: the start). ValueError when no smaller split is left, :class:`InexactResize`
+        when the smaller ones are not exact for this run. A split under trial that ran out of memory (``trial``) is
+        left: the run goes on at the next candidate or the tuning baseline, the decision marked ``trial`` (no re-size:
+        it spends none of ``max_resizes``, nor counts in ``tuner/resizes``)."""
+        reason = f"out of memory: {error_line(error)[:160]}"
+        old, tuning = self.split, self.tuning
+        step = trainer.state.global_step
+        if trial and tuning is not None:
+            new = tuning.failed(old, "out of memory", step)         # the next candidate, or back to the baseline
+            if tuning.done is not None:
+                self.record_tuning(step)
+        else:
+            new = self.smaller_split(step, old)
+            if tuning is not None and tuning.done is None:
+                self.end_tuning(step, "out of memory ended the tuning")
+        self.free_memory(trainer)
+        if in_optimizer_step:                                       # weights may be half-updated: go back
+            checkpoint = self.newest_ours(step)
+            if checkpoint is None:
+                raise RuntimeError("out of memory inside optimizer.step before this run saved any complete "
+                                   "checkpoint: the weights may be half-updated, so the run cannot continue safely. "
+                                   f"Restart it with a smaller split ({new}) or set save_steps.") from error
+        elif step == 0:
+            checkpoint = None                                           # nothing trained yet: start again
+        else:                                                           # weights and optimizer are at step N: keep them
+            wrote = not self.is_ours(step)
+            try:
+                checkpoint = self.save_checkpoint(trainer, step, switch=trial)
+                if trial:
+                    self.switched_at(step, wrote)
+            except Exception as save_error:  # noqa: BLE001 - fall back to the newest complete one of this run
+                checkpoint = self.newest_ours(step)
+                if checkpoint is None:
+                    raise RuntimeError(f"out of memory at step {step}, and saving checkpoint-{step} failed too "
+                                       f"({type(save_error).__name__}: {save_error}); this run has no complete "
+                                       f"checkpoint to resume from") from error
+                self.warn_once("fallback", f"saving checkpoint-{step} failed ({save_error}): resuming from "
+                                           f"{checkpoint}; steps after it are trained again")
+        self.decide("oom", reason, new, step, old=old, checkpoint=checkpoint, trial=trial)
+        self.request_switch(new, reason)
+        self.resume_with_switch(trainer)
+        logger.warning("[tuner] %s at step %d: resuming from %s with split %s", reason, step,
+                       checkpoint or "the start", new)
+        return checkpoint
+
+    def record_for_restart(self, step: int, error: BaseException) -> None:
+        """An out-of-memory error at ``step`` under FSDP that the ranks could not agree on: record the next smaller
+        exact split for the launcher's restart (the main process writes it) and say what happens; the caller
+        re-raises."""
+        checkpoint = self.newest_ours(step)
+        new = self.smaller_for_restart()
+        if new is not None:
+            reason = f"out of memory, not agreed inside the step: {error_line(error)[:160]}"
+            self.decide("oom", reason, new, step, checkpoint=checkpoint)
+            self.request_switch(new, reason)
+        logger.error(restart_message(error, step, new, checkpoint, self.exactness))
 
     # ------------------------------------------------------------ the file
     def record(self) -> SplitFile:

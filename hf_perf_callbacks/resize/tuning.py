@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass
 
 from ..batching import Split
-from ..splitfile import RANKED_WORDS, Trial
+from ..splitfile import RANKED_WORDS, Decision, Trial
 from ..stats import iqr, mann_whitney_less, median
 from ..validation import check_flag, check_number
 
@@ -284,10 +284,6 @@ class OnRunTuning:
         """End the tuning now at its baseline (memory or the run's end ended it), for ``reason``."""
         self.done = Finished(self.baseline, reason)
 
-    def mark_recorded(self) -> None:
-        """The tune decision was recorded (once)."""
-        self.recorded = True
-
     def _finish(self, reason: str) -> Finished:
         self.done = Finished(self.baseline, self._verdict(reason))
         return self.done
@@ -382,6 +378,17 @@ class OnRunTuning:
                 + f"{self.round_cost():.1f} s (a switch there and back, its steps at the noise)")
 
     # ------------------------------------------------------------ the record
+    def decision(self, step: int, time: float | None) -> Decision | None:
+        """The finished tuning as its one ``tune`` decision, taken at ``step`` (at ``time``): every split measured,
+        the tuning's cost and its expected gain over the rest of the run. Given once: None before the tuning
+        finished and after the decision was taken."""
+        if self.done is None or self.recorded:
+            return None
+        self.recorded = True
+        return Decision(kind="tune", step=step, reason=self.done.reason, old=self.start, new=self.done.split,
+                        time=time, trials=self.trial_list(), cost_sec=self.cost,
+                        expected_gain_sec=self.expected_gain_sec(step), planned_steps=self.planned, rule=self.rule())
+
     def ceiling_sec(self, step: int) -> float | None:
         samples = self.trials[self.start].samples
         if self.planned is None or not samples:

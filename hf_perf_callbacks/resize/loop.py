@@ -201,19 +201,16 @@ def _recover_or_raise(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
         session.end_run(trainer, unfixable, tuner.in_optimizer_step, agreed=isinstance(error, ResizeNeeded))
         raise unfixable from error
     if not trial and session.resizes_spent:
-        session.give_up()
-        session.end_run(trainer, error, tuner.in_optimizer_step)
+        session.end_run(trainer, error, tuner.in_optimizer_step, gave_up=True)
         raise RuntimeError(f"train_with_tuning gave up after {max_resizes} re-sizes"
                            f"{_memory_causes(session)}") from error
     try:
         checkpoint = session.recover_from_oom(trainer, error, tuner.in_optimizer_step, trial)
     except InexactResize as inexact:         # smaller splits exist, none exact for this run
-        session.give_up()
-        session.end_run(trainer, inexact, tuner.in_optimizer_step)
+        session.end_run(trainer, inexact, tuner.in_optimizer_step, gave_up=True)
         raise inexact from error
     except ValueError as none_left:          # no smaller exact split
-        session.give_up()
-        session.end_run(trainer, error, tuner.in_optimizer_step)
+        session.end_run(trainer, error, tuner.in_optimizer_step, gave_up=True)
         raise ValueError(f"{none_left}{_memory_causes(session)}") from error
     if not trial:
         session.spend_resize()

@@ -190,11 +190,6 @@ class TuningSession:
         """No re-size forced by memory is left (``max_resizes`` of :func:`~hf_perf_callbacks.train_with_tuning`)."""
         return self.resizes_left is not None and self.resizes_left <= 0
 
-    def give_up(self) -> None:
-        """No smaller split fits, or the re-sizes are spent: a resume starts from the last split that completed a
-        step (:attr:`resume_split`)."""
-        self.gave_up = True
-
     def end(self, message: str) -> None:
         """The run ends early with ``message`` (why, what was saved, how to resume): no switch is pending, and the
         split file says so."""
@@ -503,12 +498,14 @@ class TuningSession:
                                               f"checkpoint names ({error})")
         return path
 
-    def end_run(self, trainer, error: BaseException, in_optimizer_step: bool = False,
-                agreed: bool | None = None) -> None:
+    def end_run(self, trainer, error: BaseException, in_optimizer_step: bool = False, agreed: bool | None = None,
+                gave_up: bool = False) -> None:
         """The run is about to end with ``error``: save its last completed optimizer step when it can, and say how to
         resume (as a log line and a note on the error). ``agreed``: every rank left the step together (default: the
-        error is the agreement's). The split file records why the run ended (``ended``) and the split to resume with
-        (:attr:`resume_split`: after the tuner gave up, the last split that completed a step)."""
+        error is the agreement's). ``gave_up``: no smaller split fits, or the re-sizes are spent. The split file
+        records why the run ended (``ended``) and the split to resume with (:attr:`resume_split`: after giving up,
+        the last split that completed a step)."""
+        self.gave_up = self.gave_up or gave_up
         output_dir = trainer.args.output_dir
         step = trainer.state.global_step
         checkpoint, why = None, ""

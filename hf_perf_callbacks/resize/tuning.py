@@ -412,9 +412,11 @@ class OnRunTuning:
         starting split over all the samples of both (the figures every reader of the record prints, not those of
         the round that judged it)."""
         start = self.trials[self.start]
-        for s, t in self.trials.items():
-            if s != self.start and t.samples and start.samples:
-                t.p_value = mann_whitney_less(t.samples, start.samples)
-                base = median(start.samples)
-                t.gain = 1.0 - median(t.samples) / base if base > 0 else 0.0
-        return [start] + [t for s, t in self.trials.items() if s != self.start]
+        others = [t for s, t in self.trials.items() if s != self.start]
+        if start.samples:
+            base = median(start.samples)
+            for t in others:
+                if t.samples:
+                    t.p_value = mann_whitney_less(t.samples, start.samples)
+                    t.gain = 1.0 - median(t.samples) / base if base > 0 else 0.0
+        return [start] + others

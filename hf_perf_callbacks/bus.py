@@ -214,6 +214,7 @@ class RunBus(TrainerCallback):
         self.lock = OutputDirLock()
         self.holding = 0                        # train_with_tuning calls holding the lock across their train() calls
         self.watched: set[int] = set()          # ids of the trainers whose train() releases the lock when it ends
+        self.own_passes = False                 # the package's own forwards and backwards run (not the run's step)
 
     # ------------------------------------------------------------ publishing
     def publish(self, metrics: Mapping[str, float | None]) -> None:

@@ -17,6 +17,8 @@ field             meaning
 ``ended``         why the tuner gave up (the run ended by an error no split fixes), or null
 ``restricted``    the splits the run may use when its loss leaves others inexact (:class:`Restriction`: the
                   splits, why, and the setting that makes every split exact), or null
+``measured``      the exactness check on the run's own rows (:class:`ExactnessCheck`: the splits shown exact,
+                  those shown not exact with why, its cost), or null when it did not run
 ================  ==========================================================================================
 
 A split is written with the field names of :class:`~hf_perf_callbacks.batching.Split` (``micro_batch``,
@@ -416,6 +418,57 @@ class Restriction:
 
 
 @dataclass
+class ExactnessCheck:
+    """What the exactness check (:mod:`hf_perf_callbacks.resize.measured`) found on the run's own rows: the splits
+    shown to train what the configured split trains (``exact``, the configured one first), the splits shown not to
+    (``inexact``: split → why), the rows it used, its passes (one optimizer step's forward and backward each), its
+    cost, the sketches' bytes, whether the step drew random numbers, and why nothing was measured (``skipped``)."""
+
+    exact: list[Split] = field(default_factory=list)
+    inexact: dict[Split, str] = field(default_factory=dict)
+    rows: int = 0
+    passes: int = 0
+    cost_sec: float = 0.0
+    sketch_bytes: int = 0
+    drew_rng: bool = False
+    skipped: str | None = None
+
+    def reason(self) -> str | None:
+        """Why the left-out splits are left out (one clause), None when every measured split is exact."""
+        if not self.inexact:
+            return None
+        split, why = next(iter(self.inexact.items()))
+        names = ", ".join(map(str, self.inexact))
+        return f"measured on {self.rows} of the run's own rows, {names} train other gradients ({split}: {why})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"exact": [split_to_json(s) for s in self.exact],
+                "inexact": [{"split": split_to_json(s), "why": why} for s, why in self.inexact.items()],
+                "rows": self.rows, "passes": self.passes, "cost_sec": self.cost_sec,
+                "sketch_bytes": self.sketch_bytes, "drew_rng": self.drew_rng, "skipped": self.skipped}
+
+    @classmethod
+    def from_json(cls, entry: object, where: str = "measured") -> ExactnessCheck | None:
+        if entry is None:
+            return None
+        if not isinstance(entry, dict) or not isinstance(entry.get("exact"), list) \
+                or not isinstance(entry.get("inexact"), list):
+            raise SplitFileError(f"{where} is {entry!r}: expected {{'exact': [...], 'inexact': [...], ...}}")
+        inexact = {}
+        for i, item in enumerate(entry["inexact"]):
+            if not isinstance(item, dict) or not isinstance(item.get("why"), str):
+                raise SplitFileError(f"{where}.inexact[{i}] is {item!r}: expected {{'split': ..., 'why': str}}")
+            inexact[split_from_json(item.get("split"), f"{where}.inexact[{i}].split")] = item["why"]
+        return cls(exact=[split_from_json(s, f"{where}.exact[{i}]") for i, s in enumerate(entry["exact"])],
+                   inexact=inexact, rows=_optional(entry.get("rows"), int, f"{where}.rows") or 0,
+                   passes=_optional(entry.get("passes"), int, f"{where}.passes") or 0,
+                   cost_sec=_optional_number(entry.get("cost_sec"), f"{where}.cost_sec") or 0.0,
+                   sketch_bytes=_optional(entry.get("sketch_bytes"), int, f"{where}.sketch_bytes") or 0,
+                   drew_rng=bool(entry.get("drew_rng", False)),
+                   skipped=_optional(entry.get("skipped"), str, f"{where}.skipped"))
+
+
+@dataclass
 class SplitFile:
     """The whole ``tuner_split.json`` (see the module docstring)."""
 
@@ -427,13 +480,15 @@ class SplitFile:
     decisions: list[Decision] = field(default_factory=list)
     ended: str | None = None
     restricted: Restriction | None = None
+    measured: ExactnessCheck | None = None
     version: int = VERSION
 
     def to_json(self) -> dict[str, Any]:
         return {"version": self.version, "session": self.session, "world_size": self.world_size,
                 "configured": split_to_json(self.configured), "split": split_to_json(self.split),
                 "written": [w.to_json() for w in self.written], "decisions": [d.to_json() for d in self.decisions],
-                "ended": self.ended, "restricted": self.restricted.to_json() if self.restricted else None}
+                "ended": self.ended, "restricted": self.restricted.to_json() if self.restricted else None,
+                "measured": self.measured.to_json() if self.measured else None}
 
     @classmethod
     def from_json(cls, entry: object) -> SplitFile:
@@ -454,6 +509,7 @@ class SplitFile:
                    decisions=[Decision.from_json(d, f"decisions[{i}]") for i, d in enumerate(decisions)],
                    ended=_optional(entry.get("ended"), str, "ended"),
                    restricted=Restriction.from_json(entry.get("restricted")),
+                   measured=ExactnessCheck.from_json(entry.get("measured")),
                    version=entry.get("version", 1) if isinstance(entry.get("version", 1), int) else 1)
 
     def write(self, output_dir: str) -> str:

@@ -180,14 +180,18 @@ class SampleRecorder(TrainerCallback):
     def __init__(self):
         self.by_step: dict[int, list[tuple]] = {}
         self.step = 0
+        self.bus = None
 
     def attach(self, trainer):
+        from hf_perf_callbacks.bus import bus_for
+
         inner = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
         forward_entry(inner).register_forward_pre_hook(self.record, with_kwargs=True)
+        self.bus = bus_for(trainer.callback_handler)     # the exactness check's passes train nothing: not recorded
         return trainer
 
     def record(self, module, args, kwargs):
-        if torch.is_grad_enabled() and module.training:
+        if torch.is_grad_enabled() and module.training and not self.bus.own_passes:
             ids, mask = kwargs.get("input_ids", args[0] if args else None), kwargs.get("attention_mask")
             positions = kwargs.get("position_ids")
             if mask is None and positions is not None:      # padding-free: one row of examples, each from position 0

@@ -80,9 +80,10 @@ def test_a_second_fresh_run_of_one_trainer_is_a_run_of_its_own(tokenizer, tmp_pa
     assert [s.step for s in run.steps] == [1, 2] and run.replaced_runs == 1
     assert [s.get(keys.TUNER_RESIZES) for s in run.steps] == [0, 0]
     assert meter.summary["steps"] == 2                               # the meter counts this run only
-    # the split file still holds the first run's record (this one decided nothing): readers of this run skip it
-    assert read_split_file(str(tmp_path)).session == first != run.header().session == tuner.session.id
-    assert read_split_file(str(tmp_path), session=run.header().session) is None
+    # the split file holds this run's record now (its exactness check), not the first run's decisions
+    record = read_split_file(str(tmp_path), session=run.header().session)
+    assert record is not None and record.session == tuner.session.id != first
+    assert record.decisions == [] and record.measured is not None
 
 
 def test_a_plain_fresh_train_after_another_is_its_own_run_too(tokenizer, tmp_path):

@@ -150,6 +150,11 @@ class AdaptiveBatchTuner(PerfCallback):
         session = self._session
         if session.managed:                              # the RNG a checkpoint of the last step must hold
             session.note_rng(state.global_step)
+            if session.measured is None and kwargs.get("train_dataloader") is not None:
+                trainer = adapter.calling_trainer()      # the splits to trust, shown on the run's own rows
+                if trainer is not None:
+                    session.measure_exactness(trainer, trainer.model_wrapped, kwargs["train_dataloader"],
+                                              self.clock.wall)
         if session.switch is not None and session.in_process:
             raise SwitchSplit(f"switch to {session.switch} before step {state.global_step + 1}")
         if self.measuring:

@@ -48,6 +48,7 @@ from ..device import DeviceLayer, error_line, is_main_process, rng_state, set_rn
 from ..keys import SPLIT_FILE
 from ..splitfile import (
     Decision,
+    ExactnessCheck,
     Restriction,
     SplitFile,
     WrittenCheckpoint,
@@ -128,6 +129,7 @@ class TuningSession:
         self.ran: Split | None = None           # the split of the last completed optimizer step
         self.gave_up = False                    # no smaller split fitted, or max_resizes were spent
         self.exactness: Exactness | None = None  # the splits exact under the run's loss (judge_grouping)
+        self.measured: ExactnessCheck | None = None  # the check on the run's own rows (measure_exactness)
         self.in_process = False                 # switches take effect by SwitchSplit (train_with_tuning, unsharded)
         self.switch_decision: Decision | None = None   # the decision of the pending switch (dropped if cancelled)
         self.resizes_left: int | None = None    # re-sizes forced by memory still allowed (train_with_tuning)
@@ -293,7 +295,66 @@ class TuningSession:
         if self.exactness.reason is not None:
             self.warn_once("grouping", self.exactness.message(every))
             self.persist()
+        if self.measured is not None and self.measured.inexact:     # a resume: what the run's rows showed holds
+            self._leave_out(self.measured)
         return self.exactness
+
+    def measure_exactness(self, trainer, model, dataloader, wall) -> ExactnessCheck | None:
+        """At the run's first optimizer step (train_with_tuning drives it): check every split the rules allow on
+        the run's own rows (:mod:`~hf_perf_callbacks.resize.measured`) and keep only those shown exact; once per
+        run (a resume keeps the recorded result). A fault of the check is one warning and the rules' splits."""
+        from .measured import measure
+
+        if self.measured is not None or not self.managed or self.exactness is None:
+            return self.measured
+        others = [s for s in self.exactness.splits if s != self.configured]
+        skipped = ("the run has several ranks" if self.world > 1 else
+                   "GRPO's rows are generated inside the step" if hasattr(self.args, "num_generations") else
+                   f"the memory check moved the run to {self.split} before its first step"
+                   if self.split != self.configured else None)
+        if skipped is not None or not others:
+            self.measured = ExactnessCheck(exact=list(self.exactness.splits), skipped=skipped)
+            self.persist()
+            return self.measured
+        if self.bus is not None:
+            self.bus.own_passes = True               # the meter counts none of the check's forwards
+        try:
+            check = measure(trainer, model, self.configured, others, dataloader.dataset, dataloader.collate_fn, wall)
+        except Exception as error:  # noqa: BLE001 - the check is evidence, never a reason to stop training
+            self.free_memory(trainer)
+            why = f"the check failed ({type(error).__name__}: {error_line(error)})"
+            self.measured = ExactnessCheck(exact=list(self.exactness.splits), skipped=why)
+            self.warn_once("measured", f"exactness not measured ({why[:90]}): the rules decide")
+            self.persist()
+            return self.measured
+        finally:
+            if self.bus is not None:
+                self.bus.own_passes = False
+        self.measured = check
+        shown = ", ".join(map(str, check.exact))
+        cost = f"{check.cost_sec:.1f} s, {check.passes} passes"
+        if check.inexact:
+            self._leave_out(check)
+            first = next(iter(check.inexact))
+            self.warn_once("measured", f"measured on {check.rows} rows: {first} not exact, so the re-size and the "
+                                       f"tuning keep to {shown} ({cost}; why in {SPLIT_FILE})")
+        else:
+            self.note(f"measured on {check.rows} rows: {shown} exact ({cost})")
+        self.persist()
+        return check
+
+    def _leave_out(self, check: ExactnessCheck) -> None:
+        """Keep only the splits the check did not show inexact (the rules' reason and fix, and the check's)."""
+        exactness = self.exactness
+        if exactness is None:
+            return
+        kept = tuple(s for s in exactness.splits if s not in check.inexact or s == self.configured)
+        reason = "; ".join(r for r in (exactness.reason, check.reason()) if r)
+        fix = exactness.fix or ("A loss that sums over the step's rows and divides by num_items_in_batch, with no "
+                                "term or noise drawn per micro-batch, lets every split be used.")
+        self.exactness = Exactness(kept, reason, fix)
+        if self.tuning is not None:
+            self.tuning.leave_out(set(check.inexact))
 
     def candidates(self, args) -> list[Split]:
         """The splits the run may use: every split of its batch that keeps its loss exact (all of them before
@@ -629,7 +690,7 @@ class TuningSession:
     def record(self) -> SplitFile:
         return SplitFile(session=self.id, world_size=self.world, configured=self.configured,
                          split=self.resume_split, written=list(self.written), decisions=list(self.decisions),
-                         ended=self.ended, restricted=self.restriction())
+                         ended=self.ended, restricted=self.restriction(), measured=self.measured)
 
     def persist(self) -> None:
         """Write ``tuner_split.json`` (main process only; a failure is one warning, the facts stay in memory)."""
@@ -646,6 +707,7 @@ class TuningSession:
         self.id, self.decisions = record.session, list(record.decisions)
         self.checkpoints.written = list(record.written)
         self.configured = record.configured
+        self.measured = record.measured
         if self.bus is not None:
             self.bus.pin_session(self.id)
 

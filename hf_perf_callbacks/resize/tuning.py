@@ -41,6 +41,7 @@ on from it), until ``patience`` in a row were not kept.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from ..batching import Split
@@ -406,6 +407,11 @@ class OnRunTuning:
         return (f"keep a split only when it is faster than the baseline by one-sided Mann-Whitney p <= {ALPHA} / "
                 f"{self.max_rounds} rounds and a median at least {MIN_GAIN:.0%} shorter ({ranked}), measured on the "
                 f"run's own steps; try one only when the rest of the run can pay its switches back")
+
+    def leave_out(self, splits: Collection[Split]) -> None:
+        """Never try ``splits`` (shown not exact for the run after the tuning was planned)."""
+        self.larger = [s for s in self.larger if s not in splits]
+        self.smaller = [s for s in self.smaller if s not in splits]
 
     def trial_list(self) -> list[Trial]:
         """Every split measured, the starting one first; each measured one's ``gain`` and ``p_value`` against the

@@ -1,0 +1,178 @@
+"""Exactness measured on the run's own rows: a split is trusted because the run's rows show it trains what the
+configured split trains, not because its settings are on a list.
+
+At the first optimizer step of a run that :func:`~hf_perf_callbacks.train_with_tuning` drives (inside ``train()``,
+with the model as the run prepared it: NEFTune's noise hook, the mixed precision, the user's collator and loss in
+place), before that step trains, :func:`measure` takes one optimizer step's rows of the training set (``E`` rows:
+the configured effective batch of one rank, mixed long and short so that regrouping changes the padding), and with
+the RNG put back before each pass, computes the accumulated gradients the trainer's own ``training_step`` gives them
+
+* grouped as the configured split (the reference),
+* grouped as each other split the rules of :mod:`~hf_perf_callbacks.batching` allow,
+* grouped as the configured split again, only when a split differs past the compute dtype's rounding: the noise
+  of the same grouping run twice (it can only widen the tolerance, so an equal split never needs it),
+
+and compares their :mod:`~hf_perf_callbacks.sketch` es (a few KB each): a split whose gradients or summed loss differ
+past the noise and the compute dtype's rounding is not exact for this run, whatever its settings, and the run says
+so once, with the parameter that differs and the cause where one is seen (the step drew random numbers). The rules
+still explain, and still skip the splits they refuse (a check that is sure to fail). Nothing of the check stays:
+gradients, RNG, the trainer's accumulation count and args are put back; the cost (seconds, passes, sketch bytes) is
+recorded in the ``exactness`` decision.
+
+Not measured (the rules decide, said in the decision): several ranks (each rank's gradient is one part of the
+exchange), GRPO (its rows are generated in the step), a training set with fewer than two micro-batches of rows.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..batching import Split
+from ..device import rng_state, set_rng_state
+from ..sketch import Difference, Sketch, compare, rtol_for, sketch
+from ..splitfile import ExactnessCheck
+
+#: rows of the training set looked at to pick an optimizer step's rows of mixed lengths (times the step's rows)
+POOL = 8
+
+
+def measure(trainer, model, configured: Split, splits: Sequence[Split], dataset, collate: Callable,
+            wall: Callable[[], float] = time.perf_counter) -> ExactnessCheck:
+    """Measure ``splits`` against ``configured`` on one optimizer step's rows of ``dataset`` collated by
+    ``collate`` (see the module docstring); the trainer, model and RNG are left as they were."""
+    started = wall()
+    wanted = [s for s in splits if s != configured]
+    rows = step_rows(dataset, configured.micro_batch * configured.grad_accum)
+    result = ExactnessCheck(exact=[configured], rows=len(rows))
+    if not wanted:
+        return result
+    if len(rows) < configured.micro_batch * configured.grad_accum or len(rows) < 2:
+        result.skipped = f"the training set has fewer rows ({len(rows)}) than one optimizer step"
+        return result
+    rtol = rtol_for(_compute_dtype(trainer, model))
+    saved = _Saved(trainer, model)
+    try:
+        reference = _pass(trainer, model, configured, rows, collate, saved.rng)
+        repeat: Sketch | None = None         # run only when a difference passes rounding: noise can only widen it
+        result.passes = 1
+        result.drew_rng = reference.drew_rng
+        for split in wanted:
+            candidate = _pass(trainer, model, split, rows, collate, saved.rng)
+            result.passes += 1
+            difference = compare(reference, repeat or reference, candidate, rtol)
+            if not difference.same and repeat is None:
+                repeat = _pass(trainer, model, configured, rows, collate, saved.rng)
+                result.passes += 1
+                difference = compare(reference, repeat, candidate, rtol)
+            if difference.same:
+                result.exact.append(split)
+            else:
+                result.inexact[split] = _why(difference, reference.drew_rng)
+        result.sketch_bytes = reference.nbytes * 3           # the reference, its repeat and one candidate at once
+    finally:
+        saved.restore()
+    result.cost_sec = wall() - started
+    return result
+
+
+def _why(difference: Difference, drew_rng: bool) -> str:
+    what = (f"{difference.where} differs by {difference.relative:.1e} of its size (rounding and noise allow "
+            f"{difference.tolerance:.1e})")
+    if drew_rng:
+        return f"{what}; the step draws random numbers (dropout, embedding noise such as NEFTune) per micro-batch"
+    return f"{what}; the loss depends on how the rows are grouped into micro-batches"
+
+
+def step_rows(dataset, count: int) -> list:
+    """``count`` rows of ``dataset`` for the check: from its first ``POOL × count`` rows, ``count`` of spread
+    lengths, long and short alternating (so that every split's micro-batches pad differently); an iterable
+    dataset's first ``count`` rows."""
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
+        return list(itertools.islice(iter(dataset), count))
+    size = len(dataset)
+    pool = [dataset[i] for i in range(min(size, POOL * count))]
+    if len(pool) <= count:
+        return pool
+    lengths = [_length(row) for row in pool]
+    order = sorted(range(len(pool)), key=lambda i: (lengths[i], i))
+    picked = [order[round(k * (len(order) - 1) / (count - 1))] for k in range(count)] if count > 1 else order[:1]
+    long_short = [i for pair in itertools.zip_longest(picked[::-1][:(count + 1) // 2], picked[:count // 2])
+                  for i in pair if i is not None]
+    return [pool[i] for i in long_short]
+
+
+def _length(row) -> int:
+    if isinstance(row, dict):
+        for key in ("input_ids", "prompt", "text"):
+            value = row.get(key)
+            if value is not None and hasattr(value, "__len__"):
+                return len(value)
+    return 0
+
+
+def _pass(trainer, model, split: Split, rows: list, collate: Callable, rng: tuple) -> Sketch:
+    """One optimizer step's gradients of ``rows`` grouped as ``split``, through the trainer's own
+    ``get_batch_samples`` (the step's label count) and ``training_step``, from the RNG ``rng``; sketched, then
+    the gradients are dropped."""
+    args = trainer.args
+    args.per_device_train_batch_size, args.gradient_accumulation_steps = split.micro_batch, split.grad_accum
+    micro = split.micro_batch
+    batches = [collate(rows[i:i + micro]) for i in range(0, len(rows), micro)]
+    set_rng_state(rng)
+    batch_samples, num_items = trainer.get_batch_samples(iter(batches), len(batches), args.device)
+    trainer.current_gradient_accumulation_steps = len(batch_samples)
+    drawn_from = rng_state()
+    loss = 0.0
+    for inputs in batch_samples:
+        loss += float(trainer.training_step(model, inputs, num_items))
+    drew = not _same_rng(drawn_from, rng_state())
+    result = sketch(((n, p.grad) for n, p in model.named_parameters() if p.requires_grad), loss, drew)
+    model.zero_grad(set_to_none=True)
+    return result
+
+
+def _same_rng(a: tuple, b: tuple) -> bool:
+    """Whether torch's CPU and CUDA generators are where they were (Python's and NumPy's are not compared:
+    transformers' own bookkeeping may draw from them)."""
+    if not torch.equal(a[2], b[2]):
+        return False
+    if a[3] is None or b[3] is None:
+        return a[3] is b[3]
+    return all(torch.equal(x, y) for x, y in zip(a[3], b[3]))
+
+
+def _compute_dtype(trainer, model) -> torch.dtype:
+    """The dtype the step's matrix products run in: the mixed precision's when set, else the trainable weights'."""
+    args = trainer.args
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    weight = next((p for p in model.parameters() if p.requires_grad), None)
+    return weight.dtype if weight is not None else torch.float32
+
+
+class _Saved:
+    """What the check changes, put back by :meth:`restore`: the split in args, the trainer's accumulation count,
+    the gradients the model holds, the RNG."""
+
+    def __init__(self, trainer, model):
+        self.trainer, self.model = trainer, model
+        args = trainer.args
+        self.split = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
+        self.accumulation = getattr(trainer, "current_gradient_accumulation_steps", None)
+        self.grads = {n: p.grad for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        self.rng = rng_state()
+
+    def restore(self) -> None:
+        args = self.trainer.args
+        args.per_device_train_batch_size, args.gradient_accumulation_steps = self.split
+        if self.accumulation is not None:
+            self.trainer.current_gradient_accumulation_steps = self.accumulation
+        for name, param in self.model.named_parameters():
+            param.grad = self.grads.get(name)
+        set_rng_state(self.rng)

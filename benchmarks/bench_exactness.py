@@ -1,0 +1,128 @@
+"""The exactness check's cost: seconds and memory per split checked, against one optimizer step of the same run.
+
+A full fine-tune of a causal LM (GPU: Qwen2.5-0.5B's shape in bf16, rows of ``--tokens`` tokens; CPU: the tests'
+tiny Llama at hidden 256, 4 layers, float32) under ``train_with_tuning`` at the split ``--split``: the check runs
+at the first step (every other split of the effective batch), then ``--steps`` steps train. Recorded:
+
+* the check's seconds, passes and seconds per split checked, against the median of the steady steps (steps 3 on);
+* the peak memory of the step that ran the check against the steady steps' peak (GPU), the sketches' bytes;
+* the verdicts of a plain loss (every split exact) and of NEFTune (every split but the configured one inexact).
+
+Run: ``python benchmarks/bench_exactness.py`` (CUDA when present, else the CPU); results go to
+``results/exactness_<device>.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import tempfile
+import time
+
+import torch
+from common import release, write_result
+from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments
+
+from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
+from hf_perf_callbacks.splitfile import read_split_file
+
+
+class Steps(TrainerCallback):
+    """Each optimizer step's wall seconds (synchronized) and peak memory."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.seconds, self.peaks = cuda, [], []
+
+    def _sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._sync()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self.started = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._sync()
+        self.seconds.append(time.perf_counter() - self.started)
+        self.peaks.append(torch.cuda.max_memory_allocated() / 2**30 if self.cuda else 0.0)
+
+
+class Rows(torch.utils.data.Dataset):
+    """Rows of random token ids, lengths spread between half and all of ``tokens`` (so splits pad differently)."""
+
+    def __init__(self, count: int, tokens: int, vocab: int):
+        generator = torch.Generator().manual_seed(0)
+        self.rows = [torch.randint(3, vocab, (int(tokens // 2 + (i * 7919) % (tokens // 2 + 1)),),
+                                   generator=generator).tolist() for i in range(count)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i]}
+
+
+def model_and_tokenizer(cuda: bool):
+    if cuda:
+        from common import qwen05_model, tokenizer
+
+        return qwen05_model(), tokenizer()
+    from hf_perf_callbacks.tiny import build_model, build_tokenizer
+
+    tok = build_tokenizer(["the quick brown fox jumps over the lazy dog"] * 20, vocab_size=300)
+    return build_model(tok, hidden=256, layers=4, heads=4), tok
+
+
+def run(cuda: bool, micro: int, accum: int, tokens: int, steps: int, extra: dict) -> dict:
+    model, tok = model_and_tokenizer(cuda)
+    tok = copy.copy(tok)
+    tok.padding_side = "right"                        # training pads right (left padding is refused by rule)
+    clock = Steps(cuda)
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=micro, gradient_accumulation_steps=accum,
+                                 max_steps=steps, learning_rate=1e-5, optim="sgd", max_grad_norm=0.0,
+                                 logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+                                 bf16=cuda, use_cpu=not cuda, seed=0, **extra)
+        trainer = Trainer(model=model, args=args, train_dataset=Rows(micro * accum * steps, tokens, model.config.vocab_size),
+                          data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+                          callbacks=[AdaptiveBatchTuner(tune=False), clock])
+        train_with_tuning(trainer)
+        check = read_split_file(out).measured
+    release(trainer, model)
+    steady = clock.seconds[2:] or clock.seconds
+    step = statistics.median(steady)
+    checked = len(check.exact) + len(check.inexact) - 1
+    return {"split": f"{micro}×{accum}", "tokens": tokens, "extra": extra,
+            "check_sec": check.cost_sec, "passes": check.passes, "splits_checked": checked,
+            "check_sec_per_split": check.cost_sec / max(checked, 1), "step_sec": step,
+            "check_per_split_over_step": check.cost_sec / max(checked, 1) / step,
+            "first_step_sec": clock.seconds[0], "first_step_peak_gb": clock.peaks[0],
+            "steady_peak_gb": max(clock.peaks[2:] or clock.peaks), "sketch_bytes": check.sketch_bytes,
+            "exact": [str(s) for s in check.exact], "inexact": {str(s): w for s, w in check.inexact.items()},
+            "drew_rng": check.drew_rng}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--split", type=int, nargs=2, default=None, help="micro-batch and accumulation")
+    parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=8)
+    cli = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    micro, accum = cli.split or ((8, 2) if cuda else (4, 2))
+    tokens = cli.tokens or (512 if cuda else 128)
+    cases = {"plain": {}, "neftune": {"neftune_noise_alpha": 5.0}}
+    results = {name: run(cuda, micro, accum, tokens, cli.steps, extra) for name, extra in cases.items()}
+    for name, r in results.items():
+        print(f"{name}: check {r['check_sec']:.2f} s, {r['passes']} passes for {r['splits_checked']} splits "
+              f"({r['check_per_split_over_step']:.2f} step per split; step {r['step_sec']:.3f} s); peak "
+              f"{r['first_step_peak_gb']:.2f} GiB at the check's step vs {r['steady_peak_gb']:.2f} GiB steady; "
+              f"sketches {r['sketch_bytes']} B; inexact {sorted(r['inexact'])}")
+    device = torch.cuda.get_device_name().split()[1].lower() if cuda else "cpu"
+    print(write_result(f"exactness_{device}", {"cases": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -154,7 +154,7 @@ def _start(trainer, session: TuningSession, checkpoint: str | None,
     cannot see the sharding's collectives)."""
     sharded, guarded = sharding.start(trainer, session)
     session.drive(in_process=sharded is None,        # a switch takes effect at the next step's begin
-                  max_resizes=max_resizes, step_log=adapter.StepLog(trainer))
+                  max_resizes=max_resizes, step_log=adapter.StepLog(trainer), loop_state=adapter.LoopState(trainer))
     if checkpoint:
         session.resume_from(trainer, checkpoint)
     if not guarded:

@@ -19,12 +19,17 @@ the session id                :attr:`~TuningSession.id`: the run in the perf log
 the splits the run may use    :attr:`~TuningSession.exactness`, judged once at the start
                               (:meth:`~TuningSession.judge_grouping`); :meth:`~TuningSession.candidates` is every
                               reader's list (the tuning, the memory check, the OOM and watchdog re-sizes)
+what the training loop holds  :attr:`~TuningSession.loop_state` (:class:`~hf_perf_callbacks.adapter.LoopState`),
+between steps                 noted by the tuner at each step's begin and save, rewound before a recovery's save
+                              (:meth:`~TuningSession.rewind_loop`), carried into the resume
+                              (:meth:`~TuningSession.carry_loop`)
 ``tuner_split.json``          written by :meth:`~TuningSession.persist` only (main process, atomically)
 ============================  ================================================================================
 
 Only this module assigns the session's fields: the tuner and :func:`~hf_perf_callbacks.train_with_tuning` ask it
 through its methods (the tuner: :meth:`~TuningSession.follow_args`, :meth:`~TuningSession.switch_taken`,
-:meth:`~TuningSession.step_completed`, :meth:`~TuningSession.request_switch`; the loop: :meth:`~TuningSession.drive`,
+:meth:`~TuningSession.step_completed`, :meth:`~TuningSession.request_switch`, :meth:`~TuningSession.loop_step_begins`,
+:meth:`~TuningSession.loop_saved`, :meth:`~TuningSession.loop_resumed`; the loop: :meth:`~TuningSession.drive`,
 :meth:`~TuningSession.resume_from`, :meth:`~TuningSession.start_tuning`, :meth:`~TuningSession.switch_now`,
 :meth:`~TuningSession.recover_from_oom`, :meth:`~TuningSession.record_for_restart`, :meth:`~TuningSession.end_run`,
 :meth:`~TuningSession.close`), and it saves the checkpoints a re-size resumes from itself.

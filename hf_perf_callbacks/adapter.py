@@ -38,6 +38,11 @@ the ``Trainer`` on the call stack                 a callback is never handed the
 ``Trainer._maybe_log_save_evaluate``,             callback raised there never logs them; a recovery logs them
 ``Trainer._tr_loss``,                             through the trainer's own logging before it saves the step
 ``Trainer._globalstep_last_logged``
+``Trainer.current_flos``, ``Trainer._tr_loss``,   what the training loop holds between optimizer steps and no
+``Trainer._globalstep_last_logged``,              checkpoint keeps: a step left mid-way by an OOM has counted its
+``Trainer._total_loss_scalar``, TRL               first micro-batches' tokens and FLOPs, and a resume starts the
+``GRPOTrainer._step``, ``_buffered_inputs``,      loss window and GRPO's generation buffer afresh
+``_metrics``                                      (:class:`LoopState` takes them back and carries them over)
 ``JITCheckpointCallback.jit_manager``             its ``on_train_end`` restores the old SIGTERM handler and only
 (``setup_signal_handler``)                        ``Trainer.__init__`` installs it: the next in-process
                                                   ``train()`` of a re-size would run without it
@@ -71,6 +76,7 @@ warnings during the package's own resumes         TRL's generation context and p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -237,6 +243,176 @@ def forget_last_train(trainer) -> None:
     if isinstance(metrics, dict):
         for per_mode in metrics.values():
             per_mode.clear()
+
+
+class CannotReplay(ValueError):
+    """A resume would not train the buffered GRPO completions the step it resumes at replays (the reason)."""
+
+
+#: keys of a GRPO batch whose rows are not one per completion (images): such a buffer is not re-split
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "image_position_ids", "pixel_attention_mask", "spatial_shapes",
+              "image_sizes", "num_images")
+
+
+@dataclasses.dataclass
+class _Noted:
+    """The training loop's state between two optimizer steps (after ``step``, before the next one)."""
+
+    step: int
+    tokens: int                       # state.num_input_tokens_seen
+    flos: float                       # state.total_flos + trainer.current_flos
+    loss: torch.Tensor                # the loss accumulated since the last log (a copy)
+    last_logged: int                  # the step of the last training log
+    micro_steps: int | None = None    # GRPO: micro-batches since its counter started (TRL's ``_step``)
+    buffer: list | None = None        # GRPO: the buffered generation, one dict per micro-batch of it
+    metrics: dict | None = None       # GRPO: the metrics gathered since the last log (copies of the lists)
+
+
+@dataclasses.dataclass
+class _Carry:
+    step: int
+    noted: _Noted
+    micro_steps: int | None
+    buffer: list | None
+
+
+class LoopState:
+    """What the training loop holds between optimizer steps besides weights, optimizer, scheduler and RNG, none of
+    which a checkpoint keeps whole: the token and FLOP counters (``state.num_input_tokens_seen``, ``total_flos``
+    with ``Trainer.current_flos``, not yet stored), the loss summed since the last log (``Trainer._tr_loss``) and
+    the step of that log (``Trainer._globalstep_last_logged``), and for TRL's GRPO its buffered generation
+    (``_buffered_inputs``), micro-batch counter (``_step``) and the metrics since the last log (``_metrics``).
+
+    Noted at every step's begin (:meth:`note`) and at every save of transformers (:meth:`note_save`): a step left
+    mid-way takes back what its first micro-batches counted (:meth:`rewind`), and a resume in this process goes on
+    with the same logging windows and, in a step that replays buffered completions, the same completions re-split
+    for the new micro-batch (:meth:`carry`, then :meth:`install` at the resumed ``train()``'s begin)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.noted: _Noted | None = None          # at the begin of the step after noted.step
+        self.saved: _Noted | None = None          # at transformers' newest save
+        self.pending: _Carry | None = None        # what the next train() takes over
+
+    def _now(self) -> _Noted:
+        trainer = self.trainer
+        state = trainer.state
+        metrics = getattr(trainer, "_metrics", None)
+        train = metrics.get("train") if isinstance(metrics, dict) else None
+        return _Noted(step=state.global_step, tokens=state.num_input_tokens_seen,
+                      flos=state.total_flos + getattr(trainer, "current_flos", 0),
+                      loss=trainer._tr_loss.detach().clone(), last_logged=trainer._globalstep_last_logged,
+                      micro_steps=getattr(trainer, "_step", None) if hasattr(trainer, "_buffered_inputs") else None,
+                      buffer=getattr(trainer, "_buffered_inputs", None),
+                      metrics={k: list(v) for k, v in train.items()} if train is not None else None)
+
+    def note(self) -> None:
+        """An optimizer step begins: what the loop holds now is the state after the last completed step."""
+        self.noted = self._now()
+
+    def note_save(self) -> None:
+        """transformers saved the step (after its log): a later resume from that checkpoint goes on from here."""
+        self.saved = self._now()
+
+    def at(self, step: int) -> _Noted | None:
+        for noted in (self.noted, self.saved):
+            if noted is not None and noted.step == step:
+                return noted
+        return None
+
+    def rewind(self, step: int) -> bool:
+        """The run goes back to completed step ``step`` (its checkpoint is saved next): the tokens and FLOPs that a
+        later step left mid-way counted are taken back. True when they were (the state of ``step`` was noted)."""
+        noted = self.at(step)
+        if noted is None:
+            return False
+        trainer = self.trainer
+        trainer.state.num_input_tokens_seen = noted.tokens
+        trainer.state.total_flos = noted.flos
+        trainer.current_flos = 0
+        return True
+
+    def carry(self, step: int | None, old_micro_batch: int, old_grad_accum: int, new_micro_batch: int,
+              new_steps_per_generation: int | None = None, generate_every: int | None = None) -> None:
+        """The next ``train()`` resumes from ``checkpoint-<step>`` (None: from the start) at ``new_micro_batch``:
+        prepare what it takes over. GRPO: ``generate_every`` (micro-batches between generations at the old split);
+        a resume in a step that replays buffered completions keeps them, re-split for the new micro-batch.
+        :class:`CannotReplay` when it would have to generate other completions instead."""
+        self.pending = None
+        if step is None:
+            return
+        noted = self.at(step)
+        if noted is None:                  # a checkpoint of an older step: its logging window is not held
+            if generate_every is not None and (step * old_grad_accum) % generate_every:
+                raise CannotReplay(f"step {step + 1} replays completions generated before checkpoint-{step}, and "
+                                   f"they are not held in this process")
+            return
+        micro, buffer = noted.micro_steps, None
+        if micro is not None and generate_every is not None:
+            rows = micro * old_micro_batch
+            if rows % new_micro_batch:
+                raise CannotReplay(f"{rows} completions trained since the counter started are not whole "
+                                   f"micro-batches of {new_micro_batch}")
+            if micro % generate_every:                  # the next step replays the buffered completions
+                if noted.buffer is None:
+                    raise CannotReplay(f"no buffered completions were held at step {step}")
+                buffer = resplit_generation(noted.buffer, new_steps_per_generation or 1)
+            micro = rows // new_micro_batch
+        self.pending = _Carry(step, noted, micro, buffer)
+
+    def keep(self, step: int) -> None:
+        """A checkpoint of ``step`` was saved from the state noted for it: a later resume from it goes on from there."""
+        if self.noted is not None and self.noted.step == step:
+            self.saved = self.noted
+
+    def install(self) -> bool:
+        """At the begin of the resumed ``train()`` (after transformers reset its logging state): the loss since the
+        last log, that log's step and GRPO's buffer, counter and metrics are what they were at the step resumed
+        from. ``train_loss`` of this call stays the mean loss of the steps it trains. True when installed."""
+        carry, self.pending = self.pending, None
+        trainer = self.trainer
+        if carry is None or carry.step != trainer.state.global_step:
+            return False
+        noted = carry.noted
+        trainer._tr_loss = noted.loss.clone().to(trainer._tr_loss.device)
+        trainer._globalstep_last_logged = noted.last_logged
+        trainer._total_loss_scalar -= noted.loss.item()     # counted in this call's log, trained before it
+        if carry.micro_steps is not None:
+            trainer._step = carry.micro_steps
+            trainer._buffered_inputs = carry.buffer
+        metrics = getattr(trainer, "_metrics", None)
+        if noted.metrics is not None and isinstance(metrics, dict) and "train" in metrics:
+            metrics["train"].clear()
+            metrics["train"].update({k: list(v) for k, v in noted.metrics.items()})
+        return True
+
+
+def resplit_generation(buffer: list, chunks: int) -> list[dict]:
+    """GRPO's buffered generation (one dict per micro-batch, consecutive rows of the shuffled generation batch) as
+    ``chunks`` micro-batches of the same rows in the same order. :class:`CannotReplay` for a batch with images
+    (their rows are not one per completion) or rows that do not divide."""
+    parts = list(buffer)
+    if any(part.get(key) is not None for part in parts for key in IMAGE_KEYS):
+        raise CannotReplay("the buffered completions hold images, whose rows cannot be re-split")
+    merged: dict[str, Any] = {}
+    for key, first in parts[0].items():
+        values = [part[key] for part in parts]
+        if isinstance(first, torch.Tensor) and first.ndim > 0:
+            merged[key] = torch.cat(values)
+        elif isinstance(first, list):
+            merged[key] = [v for value in values for v in value]
+        else:                                                   # a scalar or None: the same in every part
+            merged[key] = first
+    rows = next((len(v) for v in merged.values() if isinstance(v, list) or (isinstance(v, torch.Tensor) and v.ndim)),
+                0)
+    if rows % chunks:
+        raise CannotReplay(f"{rows} buffered completions do not divide into {chunks} micro-batches")
+    size = rows // chunks
+
+    def part(v, i):
+        return v[i * size:(i + 1) * size] if isinstance(v, list) or (isinstance(v, torch.Tensor) and v.ndim) else v
+
+    return [{k: part(v, i) for k, v in merged.items()} for i in range(chunks)]
 
 
 def replace_method(trainer, name: str, make: Callable[[Callable], Callable]) -> Callable[[], None]:

@@ -52,10 +52,12 @@ class Fault(TrainerCallback):
     writing ``checkpoint-<at>``; eval: every evaluation, micro-batches above ``limit``). ``error``: ``"oom"`` (the
     CUDA text), ``"bare"`` (a ``MemoryError()`` with no message) or ``"other"`` (a ``ValueError``). Records the
     weights at the end of every step (``after``) and at the start of every resumed ``train()`` (``resumed``), to
-    compare with what was saved."""
+    compare with what was saved. ``micro_batch``: the training forward of step ``at`` that fails (``forward``: 2 is
+    its second micro-batch, after the first one was trained and counted)."""
 
-    def __init__(self, phase: str, at: int, error: str = "oom", times: int = 1, limit: int = 0):
+    def __init__(self, phase: str, at: int, error: str = "oom", times: int = 1, limit: int = 0, micro_batch: int = 1):
         self.phase, self.at, self.error, self.left, self.limit = phase, at, error, times, limit
+        self.micro_batch, self.forwards = micro_batch, 0
         self.fired, self.step, self.model = 0, 0, None
         self.after: dict[int, dict] = {}
         self.resumed: dict[int, dict] = {}
@@ -91,7 +93,9 @@ class Fault(TrainerCallback):
         ids = kwargs.get("input_ids", args[0] if args else None)
         grad = torch.is_grad_enabled()
         if self.phase == "forward" and grad and self.due():
-            self.fire()
+            self.forwards += 1
+            if self.forwards >= self.micro_batch:
+                self.fire()
         if self.phase == "generation" and not grad and self.due():
             self.fire()
         if self.phase == "eval" and not grad and ids is not None and ids.shape[0] > self.limit and self.left > 0:
@@ -111,6 +115,7 @@ class Fault(TrainerCallback):
             self.resumed[state.global_step] = weights(self.model)
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.forwards = 0
         if self.phase == "optimizer" and optimizer is not None:
             inner = getattr(optimizer, "optimizer", optimizer)
             if id(inner) not in self._optimizers:

@@ -363,3 +363,34 @@ def test_re_sizes_say_one_line_each_and_repeat_no_warning(tokenizer, tmp_path, c
     deprecations = [str(w.message).split()[0] for w in shown if "gradient_checkpointing" in str(w.message)]
     assert sorted(deprecations) == ["`gradient_checkpointing_disable`", "`gradient_checkpointing_enable`",
                                     "`is_gradient_checkpointing`"]
+
+
+def test_the_loop_state_internals_exist(tokenizer, tmp_path):
+    """What ``adapter.LoopState`` reads and sets: the FLOPs not yet stored, the loss window and its step, the loss
+    total, all set by ``_inner_training_loop`` before ``on_train_begin`` (where a resume's carry is installed), and
+    TRL GRPO's micro-batch counter, generation buffer and metrics."""
+    source = inspect.getsource(Trainer._inner_training_loop)
+    begin = source.index("on_train_begin")
+    for name in ("self._tr_loss =", "self._total_loss_scalar =", "self._globalstep_last_logged ="):
+        assert_present(0 <= source.find(name) < begin, f"Trainer.{name[5:-2]} set before on_train_begin")
+    trainer = make_trainer(tokenizer, tmp_path, [], max_steps=1)
+    assert_present(trainer.current_flos == 0, "Trainer.current_flos")
+    assert_present("self.current_flos +=" in inspect.getsource(Trainer), "Trainer.current_flos counted per batch")
+    grpo = inspect.getsource(trl.GRPOTrainer)
+    for name in ("self._step", "self._buffered_inputs", "self._metrics",
+                 "self._buffered_inputs[self._step % self.args.steps_per_generation]"):
+        assert_present(name in grpo, f"GRPOTrainer.{name.removeprefix('self.')}")
+
+
+def test_a_buffered_generation_is_re_split_in_its_order_and_images_are_refused():
+    rows = torch.arange(8)
+    buffer = [{"completion_ids": rows[i:i + 2].unsqueeze(1), "num_items_in_batch": torch.tensor(8.0),
+               "old_per_token_logps": None, "tags": [f"r{j}" for j in range(i, i + 2)]} for i in range(0, 8, 2)]
+    halves = adapter.resplit_generation(buffer, 2)
+    assert [h["completion_ids"].flatten().tolist() for h in halves] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [h["tags"] for h in halves] == [["r0", "r1", "r2", "r3"], ["r4", "r5", "r6", "r7"]]
+    assert all(h["num_items_in_batch"].item() == 8.0 and h["old_per_token_logps"] is None for h in halves)
+    with pytest.raises(adapter.CannotReplay, match="do not divide"):
+        adapter.resplit_generation(buffer, 3)
+    with pytest.raises(adapter.CannotReplay, match="images"):
+        adapter.resplit_generation([{**part, "pixel_values": torch.zeros(1, 3)} for part in buffer], 8)

@@ -262,3 +262,111 @@ def test_a_resume_in_a_later_epoch_draws_that_epochs_order_from_a_sampler_with_i
     assert [int(i) for batch in resumed for i in batch] == orders[2]
     sequential = torch.utils.data.DataLoader(list(range(8)), batch_size=4)
     assert advance_sampler(sequential, 2) == 0                                    # nothing shuffled: untouched
+
+
+def counters(history) -> dict[int, tuple]:
+    return {h["step"]: (h.get("num_input_tokens_seen"), h.get("loss")) for h in history if "loss" in h}
+
+
+@pytest.mark.parametrize("tokens", ["non_padding", True], ids=["non_padding", "all"])
+def test_a_step_left_mid_way_counts_no_tokens_and_no_flos(tokenizer, tmp_path, tokens):
+    """An OOM in step 3's second micro-batch, after the first was trained and counted: the tokens and FLOPs of the
+    left step are taken back, so every log, the recovery checkpoint and the end of the run count what an unfaulted
+    run counts (examples of one length: every split counts alike)."""
+    import json
+
+    extra = {**SGD, "include_num_input_tokens_seen": tokens}
+    settings = dict(max_steps=5, extra=extra, length=12)
+    plain = make_trainer(tokenizer, tmp_path / "plain", [], **settings)
+    plain.train()
+    fault = Fault("forward", at=3, micro_batch=2)
+    trainer = fault.attach(make_trainer(tokenizer, tmp_path / "run", [fault, AdaptiveBatchTuner(tune=False)],
+                                        **settings))
+    train_with_tuning(trainer)
+    assert fault.fired == 1 and trainer.args.per_device_train_batch_size == 2
+    assert trainer.state.num_input_tokens_seen == plain.state.num_input_tokens_seen > 0
+    assert trainer.state.total_flos == plain.state.total_flos > 0
+    got, expected = counters(trainer.state.log_history), counters(plain.state.log_history)
+    assert {s: t for s, (t, _) in got.items()} == {s: t for s, (t, _) in expected.items()}
+    with open(tmp_path / "run" / "checkpoint-2" / "trainer_state.json") as f:
+        saved = json.load(f)
+    assert saved["num_input_tokens_seen"] == expected[2][0]
+    assert saved["total_flos"] == pytest.approx(plain.state.total_flos * 2 / 5, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["oom", "switch"])
+def test_the_loss_logged_after_a_resize_covers_the_steps_of_the_unfaulted_runs_window(tokenizer, tmp_path, kind):
+    """logging_steps=4, a re-size in step 6 resumes from checkpoint-5: step 8's loss is the mean of steps 5-8, as in
+    the unfaulted run (step 5's loss is carried into the resumed train()), not of 6-8; and the left step's first
+    micro-batch adds nothing to it."""
+    extra = {**SGD, "logging_steps": 4}
+    plain = make_trainer(tokenizer, tmp_path / "plain", [], max_steps=10, extra=extra)
+    plain.train()
+    fault = Fault("forward", at=6, micro_batch=2)
+    tuner = AdaptiveBatchTuner(tune=False)
+    trainer = make_trainer(tokenizer, tmp_path / "run", [fault, tuner] if kind == "oom" else [tuner],
+                           max_steps=10, extra=extra)
+    if kind == "oom":
+        fault.attach(trainer)
+    else:                                   # the watchdog's re-size: a switch at the begin of step 6
+        class Asks(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == 5:
+                    tuner.session.request_switch(Split(2, 4), "planted")
+        trainer.add_callback(Asks())
+    train_with_tuning(trainer)
+    assert trainer.args.per_device_train_batch_size == 2
+    got, expected = counters(trainer.state.log_history), counters(plain.state.log_history)
+    assert sorted(got) == sorted(expected) == [4, 8]
+    assert {s: loss for s, (_, loss) in got.items()} == pytest.approx({s: loss for s, (_, loss) in expected.items()},
+                                                                      rel=1e-5)
+
+
+#: GRPO settings where a step replays completions generated at an earlier step (generation batch 8 each)
+REPLAYS = {"num_iterations": dict(bs=4, ga=2, extra={"num_iterations": 2}),
+           "steps_per_generation": dict(bs=2, ga=2, extra={"steps_per_generation": 4})}
+
+
+@pytest.mark.parametrize("setting", list(REPLAYS))
+def test_a_grpo_resize_in_a_step_that_replays_completions_replays_the_same_ones(tokenizer, tmp_path, setting):
+    """Step 2 trains completions generated at step 1 (num_iterations=2, or steps_per_generation=4 over 2
+    accumulation steps); an OOM in its second micro-batch resumes from checkpoint-1 at a smaller micro-batch: the
+    buffered completions are kept, re-split for the new micro-batch, and step 2 trains the same rows as the unfaulted
+    run, from the same RNG, to the same weights and momentum; tokens and logged windows as unfaulted too."""
+    config = REPLAYS[setting]
+    extra = {**SGD, "learning_rate": 0.01, **config["extra"]}
+    settings = dict(max_steps=4, completion=6, bs=config["bs"], ga=config["ga"], reward=varied_reward)
+    expected = Trajectory()
+    plain = expected.attach(make_grpo(tokenizer, tmp_path / "plain", [expected], extra=extra, **settings))
+    plain.train()
+    fault, got = Fault("forward", at=2, micro_batch=2), Trajectory()
+    trainer = fault.attach(got.attach(make_grpo(tokenizer, tmp_path / "run", [fault, got,
+                                                AdaptiveBatchTuner(tune=False)], extra=extra, **settings)))
+    train_with_tuning(trainer)
+    assert fault.fired == 1 and trainer.args.per_device_train_batch_size == config["bs"] // 2
+    assert trainer.args.generation_batch_size == plain.args.generation_batch_size
+    assert differences(expected, got) == []
+    assert trainer.state.num_input_tokens_seen == plain.state.num_input_tokens_seen
+    for key in ("loss", "reward", "num_tokens"):
+        assert {h["step"]: h[key] for h in trainer.state.log_history if key in h} == pytest.approx(
+            {h["step"]: h[key] for h in plain.state.log_history if key in h}, rel=1e-5, abs=1e-7), key
+
+
+def test_a_grpo_resize_that_could_not_replay_the_buffer_saves_and_ends_with_why(tokenizer, tmp_path, monkeypatch):
+    """A buffer that cannot be re-split (planted: its completions counted as images) is refused before the re-size
+    changes anything: no oom decision, the split in effect kept, checkpoint-1 saved, the reason and what to change
+    in the error and the split file."""
+    from hf_perf_callbacks import adapter
+    from hf_perf_callbacks.resize.session import InexactResize
+
+    monkeypatch.setattr(adapter, "IMAGE_KEYS", ("completion_ids",))
+    fault, tuner = Fault("forward", at=2, micro_batch=2), AdaptiveBatchTuner(tune=False)
+    trainer = fault.attach(make_grpo(tokenizer, tmp_path, [fault, tuner], max_steps=3, completion=6,
+                                     extra=REPLAYS["num_iterations"]["extra"]))
+    with pytest.raises(InexactResize, match="num_iterations=2") as raised:
+        train_with_tuning(trainer)
+    assert "images" in str(raised.value) and "per_device_train_batch_size=2" in str(raised.value)
+    assert tuner.session.decisions == [] and trainer.args.per_device_train_batch_size == 4
+    record = read_split_file(str(tmp_path))
+    assert record.split == Split(4, 2, 2) and record.ended.startswith("training ended at step 1 by ReplayLost")
+    assert is_complete(str(tmp_path / "checkpoint-1"), 1)

@@ -102,6 +102,8 @@ class AdaptiveBatchTuner(PerfCallback):
         self._bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
         self.in_optimizer_step = False
         self.session.follow_args(args)                 # args changed by hand between train() calls: they rule
+        if state.global_step > 0:
+            self.session.loop_resumed()                # a resume in process: the loop's windows and buffer go on
         tuning = self.session.tuning
         self.measuring = False
         if self.session.managed and tuning is not None and tuning.done is None:
@@ -150,6 +152,7 @@ class AdaptiveBatchTuner(PerfCallback):
         session = self._session
         if session.managed:                              # the RNG a checkpoint of the last step must hold
             session.note_rng(state.global_step)
+            session.loop_step_begins()                   # and what the loop holds after that step
             if session.measured is None and kwargs.get("train_dataloader") is not None:
                 trainer = adapter.calling_trainer()      # the splits to trust, shown on the run's own rows
                 if trainer is not None:
@@ -171,6 +174,7 @@ class AdaptiveBatchTuner(PerfCallback):
     def on_save(self, args, state, control, **kwargs):
         """transformers wrote checkpoint-N (on_save follows a whole _save_checkpoint): this run's, if complete."""
         self._session.record_written(state.global_step)
+        self._session.loop_saved()
 
     def on_step_end(self, args, state, control, **kwargs):
         session, step = self._session, state.global_step

@@ -15,6 +15,10 @@ Guarantees (each has a fault-injection test in ``tests/test_faults.py``):
   loop's own saves hold the whole training state whatever ``save_only_model`` says, and the RNG the next step
   starts from (:meth:`~hf_perf_callbacks.resize.session.TuningSession.note_rng`), so a re-size trains what the run
   would have trained without it;
+* what the training loop holds between steps goes on as unfaulted (:class:`~hf_perf_callbacks.adapter.LoopState`):
+  the tokens and FLOPs of a step left mid-way are taken back, a resumed ``train()`` logs the loss window the
+  unfaulted run logs, and a GRPO step that replays buffered completions replays the same ones, re-split for the new
+  micro-batch (or the re-size is refused before it changes anything: :class:`~.session.ReplayLost`);
 * an OOM no smaller micro-batch fixes (generation, a reward function: :mod:`~hf_perf_callbacks.resize.oomsite`) is
   not re-sized: the run saves and ends with its cause and fix;
 * a split read from disk is applied only when exact for the run (:mod:`~hf_perf_callbacks.resize.splitfile`);
@@ -154,7 +158,7 @@ def _start(trainer, session: TuningSession, checkpoint: str | None,
     cannot see the sharding's collectives)."""
     sharded, guarded = sharding.start(trainer, session)
     session.drive(in_process=sharded is None,        # a switch takes effect at the next step's begin
-                  max_resizes=max_resizes, step_log=adapter.StepLog(trainer))
+                  max_resizes=max_resizes, step_log=adapter.StepLog(trainer), loop_state=adapter.LoopState(trainer))
     if checkpoint:
         session.resume_from(trainer, checkpoint)
     if not guarded:

@@ -19,12 +19,17 @@ the session id                :attr:`~TuningSession.id`: the run in the perf log
 the splits the run may use    :attr:`~TuningSession.exactness`, judged once at the start
                               (:meth:`~TuningSession.judge_grouping`); :meth:`~TuningSession.candidates` is every
                               reader's list (the tuning, the memory check, the OOM and watchdog re-sizes)
+what the training loop holds  :attr:`~TuningSession.loop_state` (:class:`~hf_perf_callbacks.adapter.LoopState`),
+between steps                 noted by the tuner at each step's begin and save, rewound before a recovery's save
+                              (:meth:`~TuningSession.rewind_loop`), carried into the resume
+                              (:meth:`~TuningSession.carry_loop`)
 ``tuner_split.json``          written by :meth:`~TuningSession.persist` only (main process, atomically)
 ============================  ================================================================================
 
 Only this module assigns the session's fields: the tuner and :func:`~hf_perf_callbacks.train_with_tuning` ask it
 through its methods (the tuner: :meth:`~TuningSession.follow_args`, :meth:`~TuningSession.switch_taken`,
-:meth:`~TuningSession.step_completed`, :meth:`~TuningSession.request_switch`; the loop: :meth:`~TuningSession.drive`,
+:meth:`~TuningSession.step_completed`, :meth:`~TuningSession.request_switch`, :meth:`~TuningSession.loop_step_begins`,
+:meth:`~TuningSession.loop_saved`, :meth:`~TuningSession.loop_resumed`; the loop: :meth:`~TuningSession.drive`,
 :meth:`~TuningSession.resume_from`, :meth:`~TuningSession.start_tuning`, :meth:`~TuningSession.switch_now`,
 :meth:`~TuningSession.recover_from_oom`, :meth:`~TuningSession.record_for_restart`, :meth:`~TuningSession.end_run`,
 :meth:`~TuningSession.close`), and it saves the checkpoints a re-size resumes from itself.
@@ -105,6 +110,11 @@ class InexactResize(ValueError):
     saves and ends with why, and what makes every split exact)."""
 
 
+class ReplayLost(InexactResize):
+    """A re-size in a GRPO step that replays completions generated at an earlier step, where the resume could not
+    train those completions (the run saves and ends with why, and what to change)."""
+
+
 class TuningSession:
     """See the module docstring."""
 
@@ -134,16 +144,62 @@ class TuningSession:
         self.switch_decision: Decision | None = None   # the decision of the pending switch (dropped if cancelled)
         self.resizes_left: int | None = None    # re-sizes forced by memory still allowed (train_with_tuning)
         self.step_log: adapter.StepLog | None = None   # the training loop's step log (train_with_tuning)
+        self.loop_state: adapter.LoopState | None = None   # the loop's counters, windows, GRPO buffer (ditto)
         if bus is not None:
             bus.attach_tuning(self)
             bus.pin_session(self.id)
 
     # ------------------------------------------------------------ the run train_with_tuning drives
-    def drive(self, in_process: bool, max_resizes: int, step_log: adapter.StepLog | None = None) -> None:
+    def drive(self, in_process: bool, max_resizes: int, step_log: adapter.StepLog | None = None,
+              loop_state: adapter.LoopState | None = None) -> None:
         """:func:`~hf_perf_callbacks.train_with_tuning` drives the run: a switch takes effect in this process at the
         next step's begin (``in_process``; else by stopping ``train()``), ``max_resizes`` re-sizes forced by memory
-        are allowed, ``step_log`` is the training loop's step log."""
+        are allowed, ``step_log`` is the training loop's step log, ``loop_state`` what the loop holds between
+        steps (its counters, logging windows and GRPO's buffered generation), carried into a resume in process."""
         self.in_process, self.resizes_left, self.step_log = in_process, max_resizes, step_log
+        self.loop_state = loop_state
+
+    # ------------------------------------------------------------ what the training loop holds between steps
+    def loop_step_begins(self) -> None:
+        """An optimizer step begins: the loop's state after the last completed step is noted."""
+        if self.loop_state is not None:
+            self.loop_state.note()
+
+    def loop_saved(self) -> None:
+        """transformers saved the step: the loop's state at that checkpoint is noted."""
+        if self.loop_state is not None:
+            self.loop_state.note_save()
+
+    def loop_resumed(self) -> bool:
+        """A ``train()`` of this process resumed: it goes on with the loop's state carried from the checkpoint's
+        step (the loss since the last log, GRPO's buffered completions). True when something was carried."""
+        return self.loop_state.install() if self.loop_state is not None else False
+
+    def carry_loop(self, trainer, checkpoint: str | None, new: Split) -> None:
+        """The next ``train()`` resumes from ``checkpoint`` at ``new``: what the loop held at that step is prepared
+        for it (GRPO: the buffered completions re-split for ``new``). :class:`adapter.CannotReplay` when a GRPO
+        step that replays buffered completions could not replay them."""
+        if self.loop_state is None:
+            return
+        old, args = self.split, trainer.args
+        every = (old.steps_per_generation * getattr(args, "num_iterations", 1)
+                 if old.steps_per_generation is not None else None)
+        self.loop_state.carry(step_of(checkpoint) if checkpoint else None, old.micro_batch, old.grad_accum,
+                              new.micro_batch, new.steps_per_generation, every)
+
+    def replay_lost(self, trainer, step: int, new: Split, why: adapter.CannotReplay) -> ReplayLost:
+        """The refusal of a re-size at ``step`` to ``new`` whose resume could not replay GRPO's buffered
+        completions, with why and what to change."""
+        args = trainer.args
+        return ReplayLost(
+            f"a re-size at step {step + 1} from {self.split} to {new}: that step trains completions generated at an "
+            f"earlier step (num_iterations={getattr(args, 'num_iterations', 1)}, steps_per_generation="
+            f"{args.steps_per_generation}, gradient_accumulation_steps={args.gradient_accumulation_steps}), and "
+            f"{why}; a resume would train other completions. The run is saved and ends here rather than going on "
+            f"inexactly. Every optimizer step generates its own completions with num_iterations=1 and "
+            f"steps_per_generation dividing gradient_accumulation_steps; to go on anyway at {new}, resume with "
+            f"per_device_train_batch_size={new.micro_batch}, gradient_accumulation_steps={new.grad_accum} and "
+            f"steps_per_generation={new.steps_per_generation} from the saved checkpoint.")
 
     def resume_from(self, trainer, checkpoint: str) -> None:
         """A resume from ``checkpoint``: the run's record goes on when it is this run's, the split recorded for the
@@ -551,6 +607,8 @@ class TuningSession:
         if not self.record_written(step, whole=True):
             moved = move_aside(path, "partial")
             raise RuntimeError(f"checkpoint-{step} came out incomplete (moved aside to {moved})")
+        if self.loop_state is not None:
+            self.loop_state.keep(step)
         if switch:
             try:
                 return self.hide(step)
@@ -580,6 +638,7 @@ class TuningSession:
         else:
             try:
                 self.free_memory(trainer)
+                self.rewind_loop(step)
                 checkpoint = self.save_checkpoint(trainer, step)
             except Exception as save_error:  # noqa: BLE001
                 why = f"saving failed: {type(save_error).__name__}: {save_error}"
@@ -600,6 +659,12 @@ class TuningSession:
         if hasattr(error, "add_note"):
             error.add_note(message)
 
+    def rewind_loop(self, step: int) -> None:
+        """The run goes back to completed step ``step``: the tokens and FLOPs counted by a step left mid-way are
+        taken back (the checkpoint of ``step`` and every later log count what an unfaulted run counts)."""
+        if self.loop_state is not None:
+            self.loop_state.rewind(step)
+
     def resume_with_switch(self, trainer) -> None:
         """Apply the pending switch to a trainer whose last train() ended, forget that train()'s state, free its
         memory."""
@@ -614,6 +679,15 @@ class TuningSession:
         memory = self.decisions[-1].kind == "watchdog" if self.decisions else False
         wrote = not self.is_ours(step)
         checkpoint = self.save_checkpoint(trainer, step, switch=not memory)
+        new = self.switch
+        if new is not None:
+            try:
+                self.carry_loop(trainer, checkpoint, new)
+            except adapter.CannotReplay as cannot:       # ended here, saved: no switch to a run that differs
+                lost = self.replay_lost(trainer, step, new, cannot)
+                self.cancel_switch()
+                self.end_run(trainer, lost, gave_up=True)
+                raise lost from None
         if not memory:
             self.switched_at(step, wrote)
         if is_main_process():
@@ -645,6 +719,7 @@ class TuningSession:
             if tuning is not None and tuning.done is None:
                 self.end_tuning(step, "out of memory ended the tuning")
         self.free_memory(trainer)
+        self.rewind_loop(step)
         if in_optimizer_step:                                       # weights may be half-updated: go back
             checkpoint = self.newest_ours(step)
             if checkpoint is None:
@@ -667,6 +742,10 @@ class TuningSession:
                                        f"checkpoint to resume from") from error
                 self.warn_once("fallback", f"saving checkpoint-{step} failed ({save_error}): resuming from "
                                            f"{checkpoint}; steps after it are trained again")
+        try:
+            self.carry_loop(trainer, checkpoint, new)
+        except adapter.CannotReplay as why:
+            raise self.replay_lost(trainer, step, new, why) from None
         self.decide("oom", reason, new, step, old=old, checkpoint=checkpoint, trial=trial)
         self.request_switch(new, reason)
         self.resume_with_switch(trainer)

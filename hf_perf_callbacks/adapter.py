@@ -43,6 +43,9 @@ the ``Trainer`` on the call stack                 a callback is never handed the
 ``Trainer._total_loss_scalar``, TRL               first micro-batches' tokens and FLOPs, and a resume starts the
 ``GRPOTrainer._step``, ``_buffered_inputs``,      loss window and GRPO's generation buffer afresh
 ``_metrics``                                      (:class:`LoopState` takes them back and carries them over)
+TRL ``_metrics``, ``_total_train_tokens``        the metrics TRL's ``compute_loss`` adds to on every call (SFT,
+(SFT, DPO, GRPO)                                  DPO: the tokens trained so far): the exactness check's passes
+                                                  are no training, and take back what they added
 ``JITCheckpointCallback.jit_manager``             its ``on_train_end`` restores the old SIGTERM handler and only
 (``setup_signal_handler``)                        ``Trainer.__init__`` installs it: the next in-process
                                                   ``train()`` of a re-size would run without it
@@ -228,6 +231,25 @@ def register_stateful_callbacks(state, callbacks) -> list[str]:
     for name, states in missing.items():
         entries[name] = states[0] if len(states) == 1 else states
     return list(missing)
+
+
+@contextlib.contextmanager
+def metrics_kept(trainer) -> Iterator[None]:
+    """What TRL's ``compute_loss`` adds to on every call (``_metrics``, ``_total_train_tokens``) is put back when the
+    block ends: calls that train nothing (the exactness check) leave the logged figures as they were."""
+    metrics = getattr(trainer, "_metrics", None)
+    kept = ({mode: {k: list(v) for k, v in values.items()} for mode, values in metrics.items()}
+            if isinstance(metrics, dict) else None)
+    tokens = getattr(trainer, "_total_train_tokens", None)
+    try:
+        yield
+    finally:
+        if kept is not None and isinstance(metrics, dict):
+            for mode, values in kept.items():
+                metrics[mode].clear()
+                metrics[mode].update(values)
+        if tokens is not None:
+            trainer._total_train_tokens = tokens
 
 
 def forget_last_train(trainer) -> None:

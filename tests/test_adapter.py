@@ -394,3 +394,24 @@ def test_a_buffered_generation_is_re_split_in_its_order_and_images_are_refused()
         adapter.resplit_generation(buffer, 3)
     with pytest.raises(adapter.CannotReplay, match="images"):
         adapter.resplit_generation([{**part, "pixel_values": torch.zeros(1, 3)} for part in buffer], 8)
+
+
+def test_the_metrics_trl_adds_to_on_every_loss_call_exist_and_are_put_back():
+    """What ``adapter.metrics_kept`` puts back after the exactness check: TRL SFT's and DPO's ``_metrics`` and
+    ``_total_train_tokens``, added to in every ``compute_loss``."""
+    for trainer_class in (trl.SFTTrainer, trl.DPOTrainer):
+        source = inspect.getsource(trainer_class)
+        for name in ("self._metrics[mode]", "self._total_train_tokens +="):
+            assert_present(name in source, f"{trainer_class.__name__}.{name.removeprefix('self.')}")
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder._metrics = {"train": {"num_tokens": [5]}, "eval": {}}
+    holder._total_train_tokens = 5
+    with adapter.metrics_kept(holder):
+        holder._metrics["train"]["num_tokens"] = [9]
+        holder._metrics["train"]["entropy"] = [1.0]
+        holder._total_train_tokens = 9
+    assert holder._metrics == {"train": {"num_tokens": [5]}, "eval": {}} and holder._total_train_tokens == 5

@@ -230,3 +230,24 @@ def test_the_check_leaves_the_run_as_it_was_and_the_meter_counts_none_of_its_pas
     assert all(torch.equal(checked.first[n], plain.first[n]) for n in plain.first)     # the same first step
     steps = [r for r in read_run(str(tmp_path / "checked")).steps if keys.PERF_FORWARDS_PER_MICROBATCH in r.values]
     assert steps and all(r.values[keys.PERF_FORWARDS_PER_MICROBATCH] == 1.0 for r in steps)
+
+
+@pytest.mark.parametrize("trainer_name", ["SFTTrainer", "DPOTrainer"])
+def test_trl_figures_logged_after_the_check_equal_a_run_without_it(tokenizer, tmp_path, trainer_name):
+    """TRL's compute_loss adds to its logged metrics on every call (SFT, DPO: the tokens trained so far): the
+    check's passes take back what they added."""
+    from tests import compat
+
+    cell = next(c for c in compat.CELLS if c.id == f"defaults | {trainer_name}")
+    extra = {"gradient_accumulation_steps": 2, "report_to": "none", "optim": "sgd", "max_grad_norm": 0.0}
+    logged = {}
+    for name in ("checked", "plain"):
+        callbacks = [AdaptiveBatchTuner(tune=False)] if name == "checked" else []
+        trainer = compat.build(cell, tokenizer, str(tmp_path / name), callbacks, steps=2, extra=extra)
+        train_with_tuning(trainer) if name == "checked" else trainer.train()
+        logged[name] = [{k: v for k, v in h.items() if k not in ("train_runtime", "train_samples_per_second",
+                                                                 "train_steps_per_second") and "tuner/" not in k}
+                        for h in trainer.state.log_history]
+        if name == "checked":
+            assert _measured(trainer).passes >= 2
+    assert logged["checked"] == logged["plain"]

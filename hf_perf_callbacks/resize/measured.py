@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .. import adapter
 from ..batching import Split
 from ..device import rng_state, set_rng_state
 from ..sketch import Difference, Sketch, compare, rtol_for, sketch
@@ -55,27 +56,36 @@ def measure(trainer, model, configured: Split, splits: Sequence[Split], dataset,
     rtol = rtol_for(_compute_dtype(trainer, model))
     saved = _Saved(trainer, model)
     try:
-        reference = _pass(trainer, model, configured, rows, collate, saved.rng)
-        repeat: Sketch | None = None         # run only when a difference passes rounding: noise can only widen it
-        result.passes = 1
-        result.drew_rng = reference.drew_rng
-        for split in wanted:
-            candidate = _pass(trainer, model, split, rows, collate, saved.rng)
-            result.passes += 1
-            difference = compare(reference, repeat or reference, candidate, rtol)
-            if not difference.same and repeat is None:
-                repeat = _pass(trainer, model, configured, rows, collate, saved.rng)
-                result.passes += 1
-                difference = compare(reference, repeat, candidate, rtol)
-            if difference.same:
-                result.exact.append(split)
-            else:
-                result.inexact[split] = _why(difference, reference.drew_rng)
-        result.sketch_bytes = reference.nbytes * 3           # the reference, its repeat and one candidate at once
+        with adapter.metrics_kept(trainer):           # TRL's logged figures count none of the check's passes
+            result.passes = _measure_all(trainer, model, configured, wanted, rows, collate, saved.rng, rtol, result)
     finally:
         saved.restore()
     result.cost_sec = wall() - started
     return result
+
+
+def _measure_all(trainer, model, configured: Split, wanted: list[Split], rows: list, collate: Callable, rng: tuple,
+                 rtol: float, result: ExactnessCheck) -> int:
+    """The passes: the reference, each split, the repeat where a split differs past rounding (noise can only widen
+    the tolerance, so an equal split never needs it); fills ``result``; returns the passes run."""
+    reference = _pass(trainer, model, configured, rows, collate, rng)
+    repeat: Sketch | None = None
+    passes = 1
+    result.drew_rng = reference.drew_rng
+    for split in wanted:
+        candidate = _pass(trainer, model, split, rows, collate, rng)
+        passes += 1
+        difference = compare(reference, repeat or reference, candidate, rtol)
+        if not difference.same and repeat is None:
+            repeat = _pass(trainer, model, configured, rows, collate, rng)
+            passes += 1
+            difference = compare(reference, repeat, candidate, rtol)
+        if difference.same:
+            result.exact.append(split)
+        else:
+            result.inexact[split] = _why(difference, reference.drew_rng)
+    result.sketch_bytes = reference.nbytes * 3           # the reference, its repeat and one candidate at once
+    return passes
 
 
 def _why(difference: Difference, drew_rng: bool) -> str:

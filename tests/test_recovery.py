@@ -262,3 +262,58 @@ def test_a_resume_in_a_later_epoch_draws_that_epochs_order_from_a_sampler_with_i
     assert [int(i) for batch in resumed for i in batch] == orders[2]
     sequential = torch.utils.data.DataLoader(list(range(8)), batch_size=4)
     assert advance_sampler(sequential, 2) == 0                                    # nothing shuffled: untouched
+
+
+def told(error: BaseException) -> str:
+    """Everything the error says: its message and the notes on it and on its cause."""
+    cause = error.__cause__
+    return " ".join([str(error), *getattr(error, "__notes__", []), *getattr(cause, "__notes__", [])])
+
+
+@pytest.mark.parametrize("at", [3, 1], ids=["saved", "nothing-to-save"])
+def test_an_inexact_resize_says_one_thing_what_was_saved_or_why_not(tokenizer, tmp_path, at):
+    """Left padding leaves no smaller split exact: an OOM at step 3 saves checkpoint-2 and the error names it as the
+    checkpoint to go on from; at step 1 nothing was trained, so nothing is saved and the error says why, never that
+    the run is saved."""
+    from hf_perf_callbacks.resize import InexactResize
+
+    fault = Fault("forward", at=at)
+    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, AdaptiveBatchTuner(tune=False)], max_steps=4,
+                                        padding_side="left"))
+    with pytest.raises(InexactResize) as raised:
+        train_with_tuning(trainer)
+    inexact, record = raised.value, read_split_file(str(tmp_path))
+    assert record.ended in raised.value.__notes__                      # one message: the error, the file, the log
+    if at == 3:
+        checkpoint = str(tmp_path / "checkpoint-2")
+        assert inexact.checkpoint == checkpoint and is_complete(checkpoint, 2)
+        assert f"resume_from_checkpoint={checkpoint!r}" in str(inexact)              # to go on anyway at 2×4
+        assert f"train_with_tuning(trainer, resume_from_checkpoint={checkpoint!r})" in record.ended
+        assert "not saved" not in told(inexact) and "start again" not in told(inexact)
+    else:
+        assert inexact.checkpoint is None and not any(n.startswith("checkpoint-") for n in os.listdir(tmp_path))
+        assert "no optimizer step was completed" in told(inexact) and "resume_from_checkpoint=" not in told(inexact)
+        assert "is saved" not in told(inexact)
+
+
+def test_an_inexact_resize_every_rank_agreed_on_saves_the_last_completed_step(tokenizer, tmp_path, monkeypatch):
+    """Under several ranks the ranks agree on an OOM inside the step and every rank raises ``ResizeNeeded``
+    together, so every rank can save, as for any agreed stop. One process stands for them here: it counts two ranks
+    once training runs, and the agreement's error is planted at step 3 (two real ranks:
+    tests/test_distributed.py)."""
+    from hf_perf_callbacks.resize import InexactResize
+    from hf_perf_callbacks.resize import session as session_module
+
+    class SeesTwoRanks(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            monkeypatch.setattr(session_module, "world_size", lambda: 2)
+
+    fault = Fault("forward", at=3, error="agreed")
+    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, SeesTwoRanks(), AdaptiveBatchTuner(tune=False)],
+                                        max_steps=4, padding_side="left"))
+    with pytest.raises(InexactResize) as raised:
+        train_with_tuning(trainer)
+    checkpoint = str(tmp_path / "checkpoint-2")
+    assert raised.value.checkpoint == checkpoint and is_complete(checkpoint, 2)
+    assert read_split_file(str(tmp_path)).ended in raised.value.__notes__
+

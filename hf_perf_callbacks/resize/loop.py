@@ -206,8 +206,9 @@ def _recover_or_raise(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
                            f"{_memory_causes(session)}") from error
     try:
         checkpoint = session.recover_from_oom(trainer, error, tuner.in_optimizer_step, trial)
-    except InexactResize as inexact:         # smaller splits exist, none exact for this run
-        session.end_run(trainer, inexact, tuner.in_optimizer_step, gave_up=True)
+    except InexactResize as inexact:         # smaller splits exist, none exact for this run: every rank agreed on it
+        session.end_run(trainer, inexact, tuner.in_optimizer_step, agreed=isinstance(error, ResizeNeeded),
+                        gave_up=True)
         raise inexact from error
     except ValueError as none_left:          # no smaller exact split
         session.end_run(trainer, error, tuner.in_optimizer_step, gave_up=True)

@@ -100,8 +100,34 @@ class SwitchSplit(BaseException):
 
 
 class InexactResize(ValueError):
-    """An out-of-memory error where smaller splits of the batch exist but none keeps the run's loss exact (the run
-    saves and ends with why, and what makes every split exact)."""
+    """An out-of-memory error at ``step`` and split ``old`` where smaller splits of the batch exist but none keeps the
+    run's loss exact under ``exactness`` (the run saves and ends with why, and what makes every split exact);
+    ``anyway``: the next smaller split, for going on inexactly by hand. What the run saved is said once it is known
+    (:meth:`ended`): :attr:`checkpoint`, the checkpoint to go on from (None: none, and :attr:`not_saved` says why)."""
+
+    def __init__(self, step: int, old: Split, anyway: Split, exactness: Exactness):
+        self.step, self.old, self.anyway, self.exactness = step, old, anyway, exactness
+        self.checkpoint: str | None = None
+        self.not_saved = ""
+        super().__init__(self.message())
+
+    def ended(self, checkpoint: str | None, not_saved: str = "") -> None:
+        """The run ended: ``checkpoint`` is the one to go on from (None: none; ``not_saved``: why the last completed
+        step was not saved); the message says that and nothing else."""
+        self.checkpoint, self.not_saved = checkpoint, not_saved
+        self.args = (self.message(),)
+
+    def message(self) -> str:
+        anyway, exactness = self.anyway, self.exactness
+        head = (f"out of memory at step {self.step} at split {self.old}, and no smaller split keeps this run exact: "
+                f"{exactness.reason}. {exactness.fix} The run ends here rather than going on inexactly. To go on "
+                f"anyway at {anyway} (not exactly the configured run), set per_device_train_batch_size="
+                f"{anyway.micro_batch} and gradient_accumulation_steps={anyway.grad_accum} and ")
+        if self.checkpoint is not None:
+            return f"{head}resume with trainer.train(resume_from_checkpoint={self.checkpoint!r})."
+        if self.not_saved:
+            return f"{head}start again with trainer.train(): nothing was saved to go on from ({self.not_saved})."
+        return f"{head}resume with trainer.train(resume_from_checkpoint=...) from the checkpoint the run saved."
 
 
 class TuningSession:
@@ -313,13 +339,7 @@ class TuningSession:
             smaller = [s for s in candidates(self.args, self.world) if s.micro_batch < old.micro_batch]
             if not smaller or exactness is None or exactness.reason is None:
                 raise
-            anyway = smaller[0]
-            raise InexactResize(
-                f"out of memory at step {step} at split {old}, and no smaller split keeps this run exact: "
-                f"{exactness.reason}. {exactness.fix} The run is saved and ends here rather than going on inexactly. "
-                f"To go on anyway at {anyway} (not exactly the configured run), set per_device_train_batch_size="
-                f"{anyway.micro_batch} and gradient_accumulation_steps={anyway.grad_accum} and resume with "
-                f"trainer.train(resume_from_checkpoint=...) from the saved checkpoint.") from None
+            raise InexactResize(step, old, smaller[0], exactness) from None
 
     def smaller_for_restart(self) -> Split | None:
         """The split a launcher's restart resumes with after an out-of-memory error the ranks could not agree on: the
@@ -520,14 +540,16 @@ class TuningSession:
             try:
                 self.free_memory(trainer)
                 checkpoint = self.save_checkpoint(trainer, step)
-            except Exception as save_error:  # noqa: BLE001
-                why = f"saving failed: {type(save_error).__name__}: {save_error}"
+            except (Exception, KeyboardInterrupt) as save_error:  # noqa: BLE001 - a second Ctrl-C too: say what is left
+                why = f"saving failed: {type(save_error).__name__}: {error_line(save_error)[:160]}"
         if checkpoint is None:
             checkpoint = self.newest_ours(step) or newest_complete(output_dir)
             saved = (f"checkpoint-{step} was not saved ({why}); the newest complete checkpoint is "
                      f"{checkpoint or 'none'}")
         else:
             saved = f"saved {checkpoint} (the last completed optimizer step, {step})"
+        if isinstance(error, InexactResize):                 # its own words say the same: what is there to go on from
+            error.ended(checkpoint, "" if checkpoint else why)
         resume = (f"resume with train_with_tuning(trainer, resume_from_checkpoint={checkpoint!r}) (the split in "
                   f"{os.path.join(output_dir, SPLIT_FILE)} is applied when it fits)" if checkpoint
                   else "the run must start again")

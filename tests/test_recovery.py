@@ -317,3 +317,48 @@ def test_an_inexact_resize_every_rank_agreed_on_saves_the_last_completed_step(to
     assert raised.value.checkpoint == checkpoint and is_complete(checkpoint, 2)
     assert read_split_file(str(tmp_path)).ended in raised.value.__notes__
 
+
+FASTER_LARGER = {8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}    # the tuner measures 2×4 and asks for 8×1 after step 7
+SWITCHING = {**SGD, "max_grad_norm": 0.0}
+
+
+def switching_run(tokenizer, path, callbacks, tuned=True, **kwargs):
+    """A run of 2×4 whose tuning switches to 8×1 at the end of step 7 (planted step times; no padding, so every
+    split trains the same loss)."""
+    from tests.conftest import PlantedClock
+    from tests.test_tuner import PlantedStepTime
+
+    clock = PlantedClock()
+    tuner = [AdaptiveBatchTuner(clock=clock, must_pay=False)] if tuned else []
+    return make_trainer(tokenizer, path, [*callbacks, PlantedStepTime(clock, FASTER_LARGER), *tuner], bs=2, ga=4,
+                        length=16, **kwargs)
+
+
+def test_the_users_weights_only_checkpoint_at_a_switch_step_is_never_rewritten_or_moved(tokenizer, tmp_path):
+    """``save_only_model=True`` and ``save_steps`` on the tuning's switch step (7): the switch's whole-state checkpoint
+    goes to the package's own folder; the user's checkpoint-7 and checkpoint-14 stay where the user's settings put
+    them, with the same files as untuned (the weights alone), and the run trains what the untuned run trains."""
+    import torch
+
+    from tests.faults import checkpoint_weights
+    from tests.test_tuner import find_tuner
+
+    settings = {"max_steps": 14, "extra": {**SWITCHING, "save_strategy": "steps", "save_steps": 7,
+                                           "save_only_model": True}}
+    got, expected = Trajectory(), Trajectory()
+    tuned = got.attach(switching_run(tokenizer, tmp_path / "tuned", [got], **settings))
+    train_with_tuning(tuned)
+    assert any(d.kind == "tune" for d in find_tuner(tuned).session.decisions)
+    expected.attach(switching_run(tokenizer, tmp_path / "plain", [expected], tuned=False, **settings)).train()
+    assert differences(expected, got) == []
+
+    def users(path):
+        return {n: sorted(os.listdir(path / n)) for n in os.listdir(path) if n.startswith("checkpoint-")}
+
+    assert users(tmp_path / "tuned") == users(tmp_path / "plain") and sorted(users(tmp_path / "plain")) == [
+        "checkpoint-14", "checkpoint-7"]
+    for name in users(tmp_path / "plain"):
+        assert not has_training_state(str(tmp_path / "tuned" / name))
+        mine, theirs = checkpoint_weights(str(tmp_path / "tuned" / name)), checkpoint_weights(str(tmp_path / "plain"
+                                                                                                  / name))
+        assert all(torch.allclose(mine[k], theirs[k], rtol=1e-4, atol=1e-6) for k in theirs)

@@ -334,6 +334,38 @@ def switching_run(tokenizer, path, callbacks, tuned=True, **kwargs):
                         length=16, **kwargs)
 
 
+@pytest.mark.parametrize("where", ["resize", "switch"])
+def test_ctrl_c_while_the_package_saves_its_own_checkpoint_saves_and_says_how_to_resume(tokenizer, tmp_path, where):
+    """Ctrl-C lands while the package writes its own checkpoint: a re-size's (an OOM at step 3, checkpoint-2) or a
+    tuning switch's (checkpoint-7). The half-written folder is moved aside, the step is saved whole, the split file
+    says how the run ended, the error carries the resume command, and ``resume_from_checkpoint="last"`` trains what
+    the uninterrupted run trains."""
+    at = 2 if where == "resize" else 7
+    settings = {"max_steps": at + 2, "extra": SWITCHING, "bs": 2, "ga": 4, "length": 16}
+    interrupt, got = Fault("save:optimizer", at=at, error="interrupt"), Trajectory()
+    if where == "resize":
+        fault = Fault("forward", at=3)
+        trainer = fault.attach(got.attach(make_trainer(tokenizer, tmp_path / "run", [fault, got,
+                                                       AdaptiveBatchTuner(tune=False)], **settings)))
+    else:
+        trainer = got.attach(switching_run(tokenizer, tmp_path / "run", [got], max_steps=at + 2, extra=SWITCHING))
+    with interrupt.planted_save(), pytest.raises(KeyboardInterrupt) as raised:
+        train_with_tuning(trainer)
+    assert interrupt.fired == 1
+    checkpoint = str(tmp_path / "run" / f"checkpoint-{at}")
+    assert is_complete(checkpoint, at) and has_training_state(checkpoint)
+    record = read_split_file(str(tmp_path / "run"))
+    assert record.ended is not None and record.ended in raised.value.__notes__
+    assert f"resume_from_checkpoint={checkpoint!r}" in record.ended
+    assert os.listdir(tmp_path / "run" / MOVED_ASIDE) == [f"checkpoint-{at}.partial-1"]
+    again, seen = Trajectory().continues(got, at), Fault("forward", at=99)
+    resumed = seen.attach(again.attach(make_trainer(tokenizer, tmp_path / "run", [again, seen,
+                                                    AdaptiveBatchTuner(tune=False)], **settings)))
+    train_with_tuning(resumed, resume_from_checkpoint="last")
+    assert list(seen.resumed) == [at]
+    assert differences(unfaulted(tokenizer, tmp_path / "plain", **settings), again) == []
+
+
 def test_the_users_weights_only_checkpoint_at_a_switch_step_is_never_rewritten_or_moved(tokenizer, tmp_path):
     """``save_only_model=True`` and ``save_steps`` on the tuning's switch step (7): the switch's whole-state checkpoint
     goes to the package's own folder; the user's checkpoint-7 and checkpoint-14 stay where the user's settings put
@@ -357,6 +389,7 @@ def test_the_users_weights_only_checkpoint_at_a_switch_step_is_never_rewritten_o
 
     assert users(tmp_path / "tuned") == users(tmp_path / "plain") and sorted(users(tmp_path / "plain")) == [
         "checkpoint-14", "checkpoint-7"]
+    assert os.listdir(tmp_path / "tuned" / "tuner_switch") == []        # the switch's own save, removed at the end
     for name in users(tmp_path / "plain"):
         assert not has_training_state(str(tmp_path / "tuned" / name))
         mine, theirs = checkpoint_weights(str(tmp_path / "tuned" / name)), checkpoint_weights(str(tmp_path / "plain"

@@ -12,8 +12,12 @@ in the way (an earlier run's, or a partial one) is moved aside to ``moved_aside/
 deleted. A checkpoint written only to switch splits on the run's own steps (the tuning's trials) is moved to
 ``tuner_switch/checkpoint-N`` right after it is written (:func:`hide`): out of the names transformers' rotation
 counts, so ``save_total_limit`` never deletes one of the user's checkpoints because of it; it is resumed from there
-and removed once a newer one supersedes it or the run ends. Under several ranks only the main
-process (which writes the files) checks and moves them; the others take its word (no rank races another's write).
+and removed once a newer one supersedes it or the run ends. Where the user's own ``checkpoint-N`` of a switch's step
+holds the weights alone (``save_only_model``), the switch's whole save is written straight to
+``tuner_switch/checkpoint-N`` beside it (:meth:`RunCheckpoints.record_copy`): the user's is never written over nor
+moved, and no complete checkpoint is moved or removed before the one replacing it is complete. Under several ranks
+only the main process (which writes the files) checks and moves them; the others take its word (no rank races another's
+write).
 """
 from __future__ import annotations
 

@@ -198,22 +198,30 @@ class StepLog:
         return True
 
 
-def save_checkpoint(trainer, rotate: bool = True) -> None:
+def save_checkpoint(trainer, rotate: bool = True, run_dir: str | None = None) -> None:
     """Write ``checkpoint-<global_step>`` now, as the Trainer does at a save step, and a complete one whenever there
     is training state: the weights, optimizer, scheduler, scaler and RNG state, also under ``save_only_model=True``
     (which would leave out everything but the weights, and a resume from it would restart the schedule and the
     optimizer silently). ``rotate=False``: ``save_total_limit`` deletes no checkpoint for this save (a checkpoint
-    written only to switch splits must not push the user's out)."""
+    written only to switch splits must not push the user's out). ``run_dir``: written into that folder instead of
+    ``output_dir`` (transformers' ``_save_checkpoint`` writes into ``args.output_dir``, so it is set there for the
+    save; no rotation, and the best model's checkpoint is left as it was), so that a ``checkpoint-<global_step>`` of
+    the user's in ``output_dir`` is never written over."""
     register_stateful_callbacks(trainer.state, trainer.callback_handler.callbacks + [trainer.control])
-    args = trainer.args
-    only_model, limit = args.save_only_model, args.save_total_limit
+    args, state = trainer.args, trainer.state
+    only_model, limit, output_dir, best = (args.save_only_model, args.save_total_limit, args.output_dir,
+                                           state.best_model_checkpoint)
     args.save_only_model = only_model and trainer.optimizer is None
-    if not rotate:
+    if not rotate or run_dir is not None:
         args.save_total_limit = None            # transformers' rotation would count this save as one of the user's
+    if run_dir is not None:
+        args.output_dir = run_dir
     try:
         trainer._save_checkpoint(trainer.model, trial=None)
     finally:
-        args.save_only_model, args.save_total_limit = only_model, limit
+        args.save_only_model, args.save_total_limit, args.output_dir = only_model, limit, output_dir
+        if run_dir is not None:
+            state.best_model_checkpoint = best
 
 
 def register_stateful_callbacks(state, callbacks) -> list[str]:

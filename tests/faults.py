@@ -14,6 +14,7 @@ import os
 import torch
 from transformers import TrainerCallback
 
+from hf_perf_callbacks.resize.agreement import ResizeNeeded
 from hf_perf_callbacks.throughput import forward_entry
 
 CUDA_OOM = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.10 GiB total capacity)"
@@ -50,10 +51,12 @@ def same(a: dict, b: dict) -> bool:
 class Fault(TrainerCallback):
     """One planted fault (``times`` firings) at ``phase`` of optimizer step ``at`` (1-based; save phases: while
     writing ``checkpoint-<at>``; eval: every evaluation, micro-batches above ``limit``). ``error``: ``"oom"`` (the
-    CUDA text), ``"bare"`` (a ``MemoryError()`` with no message) or ``"other"`` (a ``ValueError``). Records the
-    weights at the end of every step (``after``) and at the start of every resumed ``train()`` (``resumed``), to
-    compare with what was saved. ``micro_batch``: the training forward of step ``at`` that fails (``forward``: 2 is
-    its second micro-batch, after the first one was trained and counted)."""
+    CUDA text), ``"bare"`` (a ``MemoryError()`` with no message), ``"other"`` (a ``ValueError``), ``"interrupt"``
+    (a ``KeyboardInterrupt``: Ctrl-C, or a SIGTERM handler that raises) or ``"agreed"`` (the ``ResizeNeeded`` that
+    every rank raises once the ranks agreed on an out-of-memory error). Records the weights at the end of every step
+    (``after``) and at the start of every resumed ``train()`` (``resumed``), to compare with what was saved.
+    ``micro_batch``: the training forward of step ``at`` that fails (``forward``: 2 is its second micro-batch, after
+    the first one was trained and counted)."""
 
     def __init__(self, phase: str, at: int, error: str = "oom", times: int = 1, limit: int = 0, micro_batch: int = 1):
         self.phase, self.at, self.error, self.left, self.limit = phase, at, error, times, limit
@@ -63,9 +66,10 @@ class Fault(TrainerCallback):
         self.resumed: dict[int, dict] = {}
         self._optimizers: set[int] = set()
 
-    def make_error(self) -> Exception:
+    def make_error(self) -> BaseException:
         return {"oom": lambda: torch.OutOfMemoryError(CUDA_OOM), "bare": MemoryError,
-                "other": lambda: ValueError("planted failure")}[self.error]()
+                "other": lambda: ValueError("planted failure"), "interrupt": KeyboardInterrupt,
+                "agreed": lambda: ResizeNeeded("out of memory on another rank")}[self.error]()
 
     def due(self) -> bool:
         return self.left > 0 and self.step + 1 == self.at

@@ -31,6 +31,9 @@ def test_trainer_internals_exist(tokenizer, tmp_path):
          "Trainer._save_checkpoint(model, trial)")
     assert_present("self.args.save_only_model" in inspect.getsource(Trainer._save_checkpoint),
                    "Trainer._save_checkpoint reading args.save_only_model (adapter.save_checkpoint sets it aside)")
+    assert_present("self._get_output_dir(" in inspect.getsource(Trainer._save_checkpoint)
+                   and "self.args.output_dir" in inspect.getsource(Trainer._get_output_dir),
+                   "Trainer._save_checkpoint writing into args.output_dir (adapter.save_checkpoint's run_dir)")
     assert_present(isinstance(trainer.callback_handler, CallbackHandler), "Trainer.callback_handler")
     assert_present("self" in inspect.signature(CallbackHandler.call_event).parameters,
                    "CallbackHandler.call_event's self")

@@ -144,3 +144,21 @@ def test_an_oom_outside_the_step_on_one_rank_ends_the_run_instead_of_hanging(tmp
     rank1 = json.load(open(tmp_path / "rank1.json"))
     assert rank1 == {"reraised": True, "step": 1, "decisions": []}
     assert "out of memory outside the training step" in proc.stderr
+
+
+def test_an_oom_no_smaller_split_fixes_exactly_saves_on_every_rank_and_names_the_checkpoint(tmp_path):
+    """Left padding leaves only the configured split exact: the ranks agree on rank 1's OOM at step 3, save
+    checkpoint-2 together (an agreed stop, like an OOM no micro-batch fixes), and both raise ``InexactResize``
+    naming it; the split file's ``ended`` says the same."""
+    from hf_perf_callbacks.resize.checkpoints import is_complete
+    from hf_perf_callbacks.splitfile import read_split_file
+
+    proc = torchrun(os.path.join(os.path.dirname(SCRIPT), "two_rank_inexact.py"), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    checkpoint = str(tmp_path / "run" / "checkpoint-2")
+    assert (r0["planted"], r1["planted"]) == (0, 1) and r0["step"] == r1["step"] == 2
+    assert r0["raised"] == r1["raised"] == "InexactResize" and r0["decisions"] == r1["decisions"] == []
+    assert r0["checkpoint"] == r1["checkpoint"] == checkpoint and is_complete(checkpoint, 2)
+    assert r0["not_saved"] == r1["not_saved"] == "" and f"resume_from_checkpoint={checkpoint!r}" in r0["message"]
+    assert read_split_file(str(tmp_path / "run")).ended == r0["notes"][-1]

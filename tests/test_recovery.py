@@ -370,3 +370,136 @@ def test_a_grpo_resize_that_could_not_replay_the_buffer_saves_and_ends_with_why(
     record = read_split_file(str(tmp_path))
     assert record.split == Split(4, 2, 2) and record.ended.startswith("training ended at step 1 by ReplayLost")
     assert is_complete(str(tmp_path / "checkpoint-1"), 1)
+
+
+def told(error: BaseException) -> str:
+    """Everything the error says: its message and the notes on it and on its cause."""
+    cause = error.__cause__
+    return " ".join([str(error), *getattr(error, "__notes__", []), *getattr(cause, "__notes__", [])])
+
+
+@pytest.mark.parametrize("at", [3, 1], ids=["saved", "nothing-to-save"])
+def test_an_inexact_resize_says_one_thing_what_was_saved_or_why_not(tokenizer, tmp_path, at):
+    """Left padding leaves no smaller split exact: an OOM at step 3 saves checkpoint-2 and the error names it as the
+    checkpoint to go on from; at step 1 nothing was trained, so nothing is saved and the error says why, never that
+    the run is saved."""
+    from hf_perf_callbacks.resize import InexactResize
+
+    fault = Fault("forward", at=at)
+    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, AdaptiveBatchTuner(tune=False)], max_steps=4,
+                                        padding_side="left"))
+    with pytest.raises(InexactResize) as raised:
+        train_with_tuning(trainer)
+    inexact, record = raised.value, read_split_file(str(tmp_path))
+    assert record.ended in raised.value.__notes__                      # one message: the error, the file, the log
+    if at == 3:
+        checkpoint = str(tmp_path / "checkpoint-2")
+        assert inexact.checkpoint == checkpoint and is_complete(checkpoint, 2)
+        assert f"resume_from_checkpoint={checkpoint!r}" in str(inexact)              # to go on anyway at 2×4
+        assert f"train_with_tuning(trainer, resume_from_checkpoint={checkpoint!r})" in record.ended
+        assert "not saved" not in told(inexact) and "start again" not in told(inexact)
+    else:
+        assert inexact.checkpoint is None and not any(n.startswith("checkpoint-") for n in os.listdir(tmp_path))
+        assert "no optimizer step was completed" in told(inexact) and "resume_from_checkpoint=" not in told(inexact)
+        assert "is saved" not in told(inexact)
+
+
+def test_an_inexact_resize_every_rank_agreed_on_saves_the_last_completed_step(tokenizer, tmp_path, monkeypatch):
+    """Under several ranks the ranks agree on an OOM inside the step and every rank raises ``ResizeNeeded``
+    together, so every rank can save, as for any agreed stop. One process stands for them here: it counts two ranks
+    once training runs, and the agreement's error is planted at step 3 (two real ranks:
+    tests/test_distributed.py)."""
+    from hf_perf_callbacks.resize import InexactResize
+    from hf_perf_callbacks.resize import session as session_module
+
+    class SeesTwoRanks(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            monkeypatch.setattr(session_module, "world_size", lambda: 2)
+
+    fault = Fault("forward", at=3, error="agreed")
+    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, SeesTwoRanks(), AdaptiveBatchTuner(tune=False)],
+                                        max_steps=4, padding_side="left"))
+    with pytest.raises(InexactResize) as raised:
+        train_with_tuning(trainer)
+    checkpoint = str(tmp_path / "checkpoint-2")
+    assert raised.value.checkpoint == checkpoint and is_complete(checkpoint, 2)
+    assert read_split_file(str(tmp_path)).ended in raised.value.__notes__
+
+
+FASTER_LARGER = {8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}    # the tuner measures 2×4 and asks for 8×1 after step 7
+SWITCHING = {**SGD, "max_grad_norm": 0.0}
+
+
+def switching_run(tokenizer, path, callbacks, tuned=True, **kwargs):
+    """A run of 2×4 whose tuning switches to 8×1 at the end of step 7 (planted step times; no padding, so every
+    split trains the same loss)."""
+    from tests.conftest import PlantedClock
+    from tests.test_tuner import PlantedStepTime
+
+    clock = PlantedClock()
+    tuner = [AdaptiveBatchTuner(clock=clock, must_pay=False)] if tuned else []
+    return make_trainer(tokenizer, path, [*callbacks, PlantedStepTime(clock, FASTER_LARGER), *tuner], bs=2, ga=4,
+                        length=16, **kwargs)
+
+
+@pytest.mark.parametrize("where", ["resize", "switch"])
+def test_ctrl_c_while_the_package_saves_its_own_checkpoint_saves_and_says_how_to_resume(tokenizer, tmp_path, where):
+    """Ctrl-C lands while the package writes its own checkpoint: a re-size's (an OOM at step 3, checkpoint-2) or a
+    tuning switch's (checkpoint-7). The half-written folder is moved aside, the step is saved whole, the split file
+    says how the run ended, the error carries the resume command, and ``resume_from_checkpoint="last"`` trains what
+    the uninterrupted run trains."""
+    at = 2 if where == "resize" else 7
+    settings = {"max_steps": at + 2, "extra": SWITCHING, "bs": 2, "ga": 4, "length": 16}
+    interrupt, got = Fault("save:optimizer", at=at, error="interrupt"), Trajectory()
+    if where == "resize":
+        fault = Fault("forward", at=3)
+        trainer = fault.attach(got.attach(make_trainer(tokenizer, tmp_path / "run", [fault, got,
+                                                       AdaptiveBatchTuner(tune=False)], **settings)))
+    else:
+        trainer = got.attach(switching_run(tokenizer, tmp_path / "run", [got], max_steps=at + 2, extra=SWITCHING))
+    with interrupt.planted_save(), pytest.raises(KeyboardInterrupt) as raised:
+        train_with_tuning(trainer)
+    assert interrupt.fired == 1
+    checkpoint = str(tmp_path / "run" / f"checkpoint-{at}")
+    assert is_complete(checkpoint, at) and has_training_state(checkpoint)
+    record = read_split_file(str(tmp_path / "run"))
+    assert record.ended is not None and record.ended in raised.value.__notes__
+    assert f"resume_from_checkpoint={checkpoint!r}" in record.ended
+    assert os.listdir(tmp_path / "run" / MOVED_ASIDE) == [f"checkpoint-{at}.partial-1"]
+    again, seen = Trajectory().continues(got, at), Fault("forward", at=99)
+    resumed = seen.attach(again.attach(make_trainer(tokenizer, tmp_path / "run", [again, seen,
+                                                    AdaptiveBatchTuner(tune=False)], **settings)))
+    train_with_tuning(resumed, resume_from_checkpoint="last")
+    assert list(seen.resumed) == [at]
+    assert differences(unfaulted(tokenizer, tmp_path / "plain", **settings), again) == []
+
+
+def test_the_users_weights_only_checkpoint_at_a_switch_step_is_never_rewritten_or_moved(tokenizer, tmp_path):
+    """``save_only_model=True`` and ``save_steps`` on the tuning's switch step (7): the switch's whole-state checkpoint
+    goes to the package's own folder; the user's checkpoint-7 and checkpoint-14 stay where the user's settings put
+    them, with the same files as untuned (the weights alone), and the run trains what the untuned run trains."""
+    import torch
+
+    from tests.faults import checkpoint_weights
+    from tests.test_tuner import find_tuner
+
+    settings = {"max_steps": 14, "extra": {**SWITCHING, "save_strategy": "steps", "save_steps": 7,
+                                           "save_only_model": True}}
+    got, expected = Trajectory(), Trajectory()
+    tuned = got.attach(switching_run(tokenizer, tmp_path / "tuned", [got], **settings))
+    train_with_tuning(tuned)
+    assert any(d.kind == "tune" for d in find_tuner(tuned).session.decisions)
+    expected.attach(switching_run(tokenizer, tmp_path / "plain", [expected], tuned=False, **settings)).train()
+    assert differences(expected, got) == []
+
+    def users(path):
+        return {n: sorted(os.listdir(path / n)) for n in os.listdir(path) if n.startswith("checkpoint-")}
+
+    assert users(tmp_path / "tuned") == users(tmp_path / "plain") and sorted(users(tmp_path / "plain")) == [
+        "checkpoint-14", "checkpoint-7"]
+    assert os.listdir(tmp_path / "tuned" / "tuner_switch") == []        # the switch's own save, removed at the end
+    for name in users(tmp_path / "plain"):
+        assert not has_training_state(str(tmp_path / "tuned" / name))
+        mine, theirs = checkpoint_weights(str(tmp_path / "tuned" / name)), checkpoint_weights(str(tmp_path / "plain"
+                                                                                                  / name))
+        assert all(torch.allclose(mine[k], theirs[k], rtol=1e-4, atol=1e-6) for k in theirs)

@@ -12,8 +12,12 @@ in the way (an earlier run's, or a partial one) is moved aside to ``moved_aside/
 deleted. A checkpoint written only to switch splits on the run's own steps (the tuning's trials) is moved to
 ``tuner_switch/checkpoint-N`` right after it is written (:func:`hide`): out of the names transformers' rotation
 counts, so ``save_total_limit`` never deletes one of the user's checkpoints because of it; it is resumed from there
-and removed once a newer one supersedes it or the run ends. Under several ranks only the main
-process (which writes the files) checks and moves them; the others take its word (no rank races another's write).
+and removed once a newer one supersedes it or the run ends. Where the user's own ``checkpoint-N`` of a switch's step
+holds the weights alone (``save_only_model``), the switch's whole save is written straight to
+``tuner_switch/checkpoint-N`` beside it (:meth:`RunCheckpoints.record_copy`): the user's is never written over nor
+moved, and no complete checkpoint is moved or removed before the one replacing it is complete. Under several ranks
+only the main process (which writes the files) checks and moves them; the others take its word (no rank races another's
+write).
 """
 from __future__ import annotations
 
@@ -134,6 +138,18 @@ def hide(output_dir: str, step: int) -> str:
     return target
 
 
+def add_training_state(staged: str, path: str) -> None:
+    """Move the files of the whole checkpoint ``staged`` that the complete checkpoint ``path`` of the same step lacks
+    (the optimizer, scheduler, RNG state beside weights saved alone) into ``path``, then remove ``staged``. No file of
+    ``path`` is written over, and ``path`` stays complete at every moment: a resume loads the optimizer only with the
+    scheduler, so a move cut short leaves a checkpoint that resumes as before (the scheduler goes last)."""
+    names = sorted(os.listdir(staged), key=lambda name: name.startswith("scheduler"))
+    for name in names:
+        if not os.path.exists(os.path.join(path, name)):
+            os.replace(os.path.join(staged, name), os.path.join(path, name))
+    shutil.rmtree(staged, ignore_errors=True)
+
+
 def newest_complete(output_dir: str) -> str | None:
     """``resume_from_checkpoint="last"``: the newest complete ``checkpoint-N``. Newer folders that are not complete
     are moved aside with one warning each (so a partial checkpoint never stays the newest)."""
@@ -212,6 +228,8 @@ class RunCheckpoints:
         self.saved_whole: set[int] = set()       # steps of the checkpoints the run saved itself (whole state)
         self.switch_steps: list[int] = []        # checkpoints written only to switch splits (removed when superseded)
         self.hidden: dict[int, str] = {}         # step → where a switch checkpoint was moved (out of checkpoint-*)
+        self.copies: dict[int, str] = {}         # step → fingerprint of a switch's whole save in tuner_switch/ beside
+                                                 # the user's checkpoint-N of that step (saved with the weights alone)
 
     def record(self, step: int, whole: bool = False) -> bool:
         """Record ``checkpoint-<step>`` as this run's, with its fingerprint, when it is complete (checked by the
@@ -230,9 +248,27 @@ class RunCheckpoints:
             self.saved_whole.add(step)
         return True
 
+    def record_copy(self, step: int) -> bool:
+        """Record ``tuner_switch/checkpoint-<step>`` as this run's whole save of ``step`` for a switch, written beside
+        the user's ``checkpoint-<step>`` (which holds the weights alone and is left as it is) when complete (checked by
+        the main process); it is removed like any switch checkpoint. True when recorded."""
+        path = switch_dir(self.output_dir, step)
+        if is_main_process():
+            if not is_complete(path, step):
+                return False
+            mark = fingerprint(path)
+        else:
+            mark = "written by the main process"
+        self.copies[step] = mark
+        if step not in self.switch_steps:
+            self.switch_steps.append(step)
+        return True
+
     def location(self, step: int) -> str:
         """Where this run's checkpoint of ``step`` is: ``checkpoint-<step>``, or ``tuner_switch/checkpoint-<step>``
-        for a switch checkpoint moved out of the rotation's way."""
+        for a switch checkpoint moved out of the rotation's way or saved beside the user's (:meth:`record_copy`)."""
+        if step in self.copies:
+            return switch_dir(self.output_dir, step)
         return self.hidden.get(step) or checkpoint_dir(self.output_dir, step)
 
     def hide(self, step: int) -> str:
@@ -244,19 +280,22 @@ class RunCheckpoints:
 
     def is_ours(self, step: int) -> bool:
         """Whether ``checkpoint-<step>`` is one this run wrote and its files are still the ones it wrote."""
-        entry = next((w for w in self.written if w.step == step), None)
-        if entry is None:
-            return False
+        mark = self.copies.get(step)
+        if mark is None:
+            entry = next((w for w in self.written if w.step == step), None)
+            if entry is None:
+                return False
+            mark = entry.fingerprint
         if not is_main_process():
             return True
         path = self.location(step)
-        return is_complete(path, step) and fingerprint(path) == entry.fingerprint
+        return is_complete(path, step) and fingerprint(path) == mark
 
     def resumable(self, step: int, save_only_model: bool) -> bool:
         """Whether ``checkpoint-<step>`` holds the optimizer and scheduler state: one the run saved itself (always
         whole), else as its files say (the main process, which wrote them; the other ranks, which cannot see
         them, go by ``save_only_model``, so that every rank decides alike)."""
-        if step in self.saved_whole:
+        if step in self.saved_whole or step in self.copies:
             return True
         if not is_main_process():
             return not save_only_model
@@ -292,6 +331,7 @@ class RunCheckpoints:
             for step in steps:
                 shutil.rmtree(self.location(step), ignore_errors=True)
         for step in steps:
-            self.hidden.pop(step, None)
-        self.written = [w for w in self.written if w.step not in steps]
+            if self.copies.pop(step, None) is None:       # a copy beside the user's: the user's stays this run's
+                self.hidden.pop(step, None)
+                self.written = [w for w in self.written if w.step != step]
         return True

@@ -23,7 +23,9 @@ Guarantees (each has a fault-injection test in ``tests/test_faults.py``):
   not re-sized: the run saves and ends with its cause and fix;
 * a split read from disk is applied only when exact for the run (:mod:`~hf_perf_callbacks.resize.splitfile`);
 * every path that ends the run early saves the last completed optimizer step first when it can, and says how to
-  resume;
+  resume — also Ctrl-C or SIGTERM while the loop writes its own checkpoint (a re-size's, a switch's), and an OOM no
+  exact smaller split fixes that every rank agreed on (:class:`~hf_perf_callbacks.resize.session.InexactResize`);
+* a user's own ``checkpoint-N`` saved with the weights alone is never written over nor moved by a switch's save;
 * a re-size and the tuning use only splits under which the run's loss stays what it is at the configured split
   (:meth:`~hf_perf_callbacks.resize.session.TuningSession.judge_grouping`; said once at the start when some are left
   out); an OOM with no smaller such split saves and ends with why and what makes every split exact;
@@ -140,7 +142,11 @@ def _train(trainer, tuner: AdaptiveBatchTuner, bus, resume_from_checkpoint, tune
             if session.switch is None:
                 session.drop_switch_checkpoints()
                 return output
-            resume_from_checkpoint = session.switch_now(trainer)
+            try:
+                resume_from_checkpoint = session.switch_now(trainer)
+            except BaseException as error:               # Ctrl-C, SIGTERM or a failure while the switch saved
+                session.end_run(trainer, error, tuner.in_optimizer_step, agreed=False)
+                raise
             resized = True
             set_rng_state(start_rng)
     finally:
@@ -210,12 +216,16 @@ def _recover_or_raise(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
                            f"{_memory_causes(session)}") from error
     try:
         checkpoint = session.recover_from_oom(trainer, error, tuner.in_optimizer_step, trial)
-    except InexactResize as inexact:         # smaller splits exist, none exact for this run
-        session.end_run(trainer, inexact, tuner.in_optimizer_step, gave_up=True)
+    except InexactResize as inexact:         # smaller splits exist, none exact for this run: every rank agreed on it
+        session.end_run(trainer, inexact, tuner.in_optimizer_step, agreed=isinstance(error, ResizeNeeded),
+                        gave_up=True)
         raise inexact from error
     except ValueError as none_left:          # no smaller exact split
         session.end_run(trainer, error, tuner.in_optimizer_step, gave_up=True)
         raise ValueError(f"{none_left}{_memory_causes(session)}") from error
+    except (KeyboardInterrupt, SystemExit) as stopped:      # Ctrl-C or SIGTERM while the re-size saved: a stop
+        session.end_run(trainer, stopped, tuner.in_optimizer_step, agreed=isinstance(error, ResizeNeeded))
+        raise
     if not trial:
         session.spend_resize()
     return checkpoint

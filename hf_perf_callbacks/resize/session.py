@@ -65,12 +65,14 @@ from ..stats import generation_period
 from .agreement import ResizeNeeded
 from .checkpoints import (
     RunCheckpoints,
+    add_training_state,
     checkpoint_dir,
     fingerprint,
     is_complete,
     move_aside,
     newest_complete,
     step_of,
+    switch_dir,
 )
 from .oomsite import UnfixableOOM
 from .sharding import restart_message
@@ -106,8 +108,34 @@ class SwitchSplit(BaseException):
 
 
 class InexactResize(ValueError):
-    """An out-of-memory error where smaller splits of the batch exist but none keeps the run's loss exact (the run
-    saves and ends with why, and what makes every split exact)."""
+    """An out-of-memory error at ``step`` and split ``old`` where smaller splits of the batch exist but none keeps the
+    run's loss exact under ``exactness`` (the run saves and ends with why, and what makes every split exact);
+    ``anyway``: the next smaller split, for going on inexactly by hand. What the run saved is said once it is known
+    (:meth:`ended`): :attr:`checkpoint`, the checkpoint to go on from (None: none, and :attr:`not_saved` says why)."""
+
+    def __init__(self, step: int, old: Split, anyway: Split, exactness: Exactness):
+        self.step, self.old, self.anyway, self.exactness = step, old, anyway, exactness
+        self.checkpoint: str | None = None
+        self.not_saved = ""
+        super().__init__(self.message())
+
+    def ended(self, checkpoint: str | None, not_saved: str = "") -> None:
+        """The run ended: ``checkpoint`` is the one to go on from (None: none; ``not_saved``: why the last completed
+        step was not saved); the message says that and nothing else."""
+        self.checkpoint, self.not_saved = checkpoint, not_saved
+        self.args = (self.message(),)
+
+    def message(self) -> str:
+        anyway, exactness = self.anyway, self.exactness
+        head = (f"out of memory at step {self.step} at split {self.old}, and no smaller split keeps this run exact: "
+                f"{exactness.reason}. {exactness.fix} The run ends here rather than going on inexactly. To go on "
+                f"anyway at {anyway} (not exactly the configured run), set per_device_train_batch_size="
+                f"{anyway.micro_batch} and gradient_accumulation_steps={anyway.grad_accum} and ")
+        if self.checkpoint is not None:
+            return f"{head}resume with trainer.train(resume_from_checkpoint={self.checkpoint!r})."
+        if self.not_saved:
+            return f"{head}start again with trainer.train(): nothing was saved to go on from ({self.not_saved})."
+        return f"{head}resume with trainer.train(resume_from_checkpoint=...) from the checkpoint the run saved."
 
 
 class ReplayLost(InexactResize):
@@ -430,13 +458,7 @@ class TuningSession:
             smaller = [s for s in candidates(self.args, self.world) if s.micro_batch < old.micro_batch]
             if not smaller or exactness is None or exactness.reason is None:
                 raise
-            anyway = smaller[0]
-            raise InexactResize(
-                f"out of memory at step {step} at split {old}, and no smaller split keeps this run exact: "
-                f"{exactness.reason}. {exactness.fix} The run is saved and ends here rather than going on inexactly. "
-                f"To go on anyway at {anyway} (not exactly the configured run), set per_device_train_batch_size="
-                f"{anyway.micro_batch} and gradient_accumulation_steps={anyway.grad_accum} and resume with "
-                f"trainer.train(resume_from_checkpoint=...) from the saved checkpoint.") from None
+            raise InexactResize(step, old, smaller[0], exactness) from None
 
     def smaller_for_restart(self) -> Split | None:
         """The split a launcher's restart resumes with after an out-of-memory error the ranks could not agree on: the
@@ -570,10 +592,13 @@ class TuningSession:
         """``checkpoint-<step>`` written by this run, verified complete and holding the whole training state (weights,
         optimizer, scheduler and the RNG the next step starts from, whatever ``save_only_model`` says), with the
         training log and the perf line of step ``step`` written first. A folder of that name that this run did not write
-        (an earlier run's, or a partial one) is moved aside first; one this run wrote with the weights alone
-        (``save_only_model``) is saved again, whole; a save that fails or comes out incomplete is moved aside too, and
-        the error raised. ``switch``: written only to switch splits, so it is saved without ``save_total_limit``'s
-        rotation and moved out of the ``checkpoint-*`` names (the path returned is where it is)."""
+        (an earlier run's, or a partial one) is moved aside first; a save that fails or comes out incomplete is moved
+        aside too, and the error raised. ``switch``: written only to switch splits, so it is saved without
+        ``save_total_limit``'s rotation and moved out of the ``checkpoint-*`` names (the path returned is where it is).
+        One this run wrote with the weights alone (``save_only_model``: the user's) is never written over nor moved:
+        the whole save is written in ``tuner_switch/`` beside it; a switch resumes from there, a recovery or the run's
+        end moves in the files the user's lacks (optimizer, scheduler, RNG) once the whole save is complete
+        (:func:`~.checkpoints.add_training_state`)."""
         output_dir = trainer.args.output_dir
         path = checkpoint_dir(output_dir, step)
         main = is_main_process()             # under several ranks only the main process checks and moves folders
@@ -587,6 +612,10 @@ class TuningSession:
             step_log.log_missed()
         if there is not None:
             return there
+        beside = ours                        # the user's checkpoint-<step>, weights alone: written beside, not over
+        target = switch_dir(output_dir, step) if beside else path
+        if main and beside and os.path.exists(target):
+            move_aside(target, "stale")      # the package's own folder: a leftover, not this run's
         if main and not ours and os.path.exists(path):
             why = "stale" if is_complete(path, step) else "partial"
             moved = move_aside(path, why)
@@ -597,13 +626,15 @@ class TuningSession:
         current = rng_state()
         try:
             set_rng_state(next_rng or current)
-            adapter.save_checkpoint(trainer, rotate=not switch)
+            adapter.save_checkpoint(trainer, rotate=not switch, run_dir=os.path.dirname(target) if beside else None)
         except BaseException:
-            if main and os.path.exists(path):
-                move_aside(path, "partial")
+            if main and os.path.exists(target):
+                move_aside(target, "partial")
             raise
         finally:
             set_rng_state(current)
+        if beside:
+            return self._whole_beside(step, target, path, switch)
         if not self.record_written(step, whole=True):
             moved = move_aside(path, "partial")
             raise RuntimeError(f"checkpoint-{step} came out incomplete (moved aside to {moved})")
@@ -615,6 +646,28 @@ class TuningSession:
             except OSError as error:          # it stays where it is: rotation may count it, training goes on
                 self.warn_once("hide-switch", f"could not move the switch checkpoint-{step} out of the "
                                               f"checkpoint names ({error})")
+        return path
+
+    def _whole_beside(self, step: int, staged: str, path: str, switch: bool) -> str:
+        """The whole save of ``step`` written in ``staged`` beside the user's ``path`` (:meth:`save_checkpoint`): a
+        switch's stays there; a recovery's or the run's end's training state joins the user's weights in ``path``."""
+        main = is_main_process()
+        if switch:
+            if not self.checkpoints.record_copy(step):
+                moved = move_aside(staged, "partial") if main else None
+                raise RuntimeError(f"{staged} came out incomplete (moved aside to {moved})")
+            return staged
+        every_rank_here()                    # every rank's files are in the staged folder
+        try:
+            if main:
+                if not is_complete(staged, step):
+                    moved = move_aside(staged, "partial")
+                    raise RuntimeError(f"{staged} came out incomplete (moved aside to {moved})")
+                add_training_state(staged, path)
+        finally:
+            every_rank_here()                # no rank resumes before the files are in place
+        if not self.record_written(step, whole=True):
+            raise RuntimeError(f"checkpoint-{step} is not complete after its training state was added")
         return path
 
     def end_run(self, trainer, error: BaseException, in_optimizer_step: bool = False, agreed: bool | None = None,
@@ -640,14 +693,16 @@ class TuningSession:
                 self.free_memory(trainer)
                 self.rewind_loop(step)
                 checkpoint = self.save_checkpoint(trainer, step)
-            except Exception as save_error:  # noqa: BLE001
-                why = f"saving failed: {type(save_error).__name__}: {save_error}"
+            except (Exception, KeyboardInterrupt) as save_error:  # noqa: BLE001 - a second Ctrl-C too: say what is left
+                why = f"saving failed: {type(save_error).__name__}: {error_line(save_error)[:160]}"
         if checkpoint is None:
             checkpoint = self.newest_ours(step) or newest_complete(output_dir)
             saved = (f"checkpoint-{step} was not saved ({why}); the newest complete checkpoint is "
                      f"{checkpoint or 'none'}")
         else:
             saved = f"saved {checkpoint} (the last completed optimizer step, {step})"
+        if isinstance(error, InexactResize):                 # its own words say the same: what is there to go on from
+            error.ended(checkpoint, "" if checkpoint else why)
         resume = (f"resume with train_with_tuning(trainer, resume_from_checkpoint={checkpoint!r}) (the split in "
                   f"{os.path.join(output_dir, SPLIT_FILE)} is applied when it fits)" if checkpoint
                   else "the run must start again")
@@ -808,6 +863,15 @@ class TuningSession:
         else:
             logger.warning("[tuner] %s", message)
         return True
+
+
+def every_rank_here() -> None:
+    """Under several ranks, wait until every rank is here (every rank calls it at the same point)."""
+    if world_size() > 1:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
 
 
 def recorded_session(output_dir: str, checkpoint: str | None) -> SplitFile | None:

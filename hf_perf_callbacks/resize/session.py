@@ -140,7 +140,21 @@ class InexactResize(ValueError):
 
 class ReplayLost(InexactResize):
     """A re-size in a GRPO step that replays completions generated at an earlier step, where the resume could not
-    train those completions (the run saves and ends with why, and what to change)."""
+    train those completions (the run saves and ends with why, and what to change): ``head``, the message up to how
+    to go on, which :meth:`ended` completes as for any :class:`InexactResize`."""
+
+    def __init__(self, head: str):    # the message is its own; the ending is shared
+        self.head = head
+        self.checkpoint = None
+        self.not_saved = ""
+        ValueError.__init__(self, self.message())
+
+    def message(self) -> str:
+        if self.checkpoint is not None:
+            return f"{self.head}resume with trainer.train(resume_from_checkpoint={self.checkpoint!r})."
+        if self.not_saved:
+            return f"{self.head}start again with trainer.train(): nothing was saved to go on from ({self.not_saved})."
+        return f"{self.head}resume with trainer.train(resume_from_checkpoint=...) from the checkpoint the run saved."
 
 
 class TuningSession:
@@ -223,11 +237,11 @@ class TuningSession:
             f"a re-size at step {step + 1} from {self.split} to {new}: that step trains completions generated at an "
             f"earlier step (num_iterations={getattr(args, 'num_iterations', 1)}, steps_per_generation="
             f"{args.steps_per_generation}, gradient_accumulation_steps={args.gradient_accumulation_steps}), and "
-            f"{why}; a resume would train other completions. The run is saved and ends here rather than going on "
-            f"inexactly. Every optimizer step generates its own completions with num_iterations=1 and "
-            f"steps_per_generation dividing gradient_accumulation_steps; to go on anyway at {new}, resume with "
-            f"per_device_train_batch_size={new.micro_batch}, gradient_accumulation_steps={new.grad_accum} and "
-            f"steps_per_generation={new.steps_per_generation} from the saved checkpoint.")
+            f"{why}; a resume would train other completions. The run ends here rather than going on inexactly. "
+            f"Every optimizer step generates its own completions with num_iterations=1 and steps_per_generation "
+            f"dividing gradient_accumulation_steps; to go on anyway at {new}, set per_device_train_batch_size="
+            f"{new.micro_batch}, gradient_accumulation_steps={new.grad_accum} and steps_per_generation="
+            f"{new.steps_per_generation} and ")
 
     def resume_from(self, trainer, checkpoint: str) -> None:
         """A resume from ``checkpoint``: the run's record goes on when it is this run's, the split recorded for the

@@ -279,17 +279,21 @@ def watch_batch_samples(trainer, fetched: Callable[[list, int], None]) -> Callab
 TRAINING_LOOP_FRAMES = ("_run_epoch", "_inner_training_loop")
 
 
+#: what the training loop calls after it counted a step (its batches are then the step that completed)
+AFTER_THE_STEP = ("_maybe_log_save_evaluate", "on_step_end", "on_epoch_end")
+
+
 def fetched_batches(error: BaseException) -> list | None:
-    """The micro-batches the training loop had fetched for the optimizer step that ``error`` left (the innermost
-    training-loop frame of its traceback), or None when the traceback holds none."""
-    found = None
-    tb = error.__traceback__
+    """The micro-batches the training loop had fetched for the optimizer step that ``error`` left before that step
+    counted (the innermost training-loop frame of its traceback), or None: the traceback holds none, or the error
+    struck after the step counted (saving, evaluating, a callback's ``on_step_end``)."""
+    found, tb = None, error.__traceback__
     while tb is not None:
         frame = tb.tb_frame
         if frame.f_code.co_name in TRAINING_LOOP_FRAMES:
             batches = frame.f_locals.get("batch_samples")
-            if isinstance(batches, list):
-                found = batches
+            child = tb.tb_next.tb_frame.f_code.co_name if tb.tb_next is not None else None
+            found = batches if isinstance(batches, list) and child not in AFTER_THE_STEP else None
         tb = tb.tb_next
     return found
 

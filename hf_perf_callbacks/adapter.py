@@ -68,6 +68,13 @@ the ``transformers.trainer_utils`` logger         a resume compares the argument
 (``compare_trainer_and_checkpoint_args``)         ``trainer_state.json`` and logs a changed batch size as a
                                                   mismatch; the package's own re-size changes it on purpose
                                                   (and says so in its own line): filtered during those resumes
+``Trainer.get_batch_samples`` (instance            the micro-batches of an optimizer step are fetched there,
+attribute)                                        before ``on_step_begin``; no hook sees them before the step
+                                                  trains (the row-stream check, only while a switch is pending or
+                                                  just applied)
+the training loop's ``batch_samples`` local       an out-of-memory error leaves the loop with the failed step's
+(``Trainer._run_epoch``, older:                   micro-batches fetched; the error's traceback is the only route
+``_inner_training_loop``)                         to them (the reference of the re-size's row-stream check)
 warnings during the package's own resumes         TRL's generation context and peft read transformers'
 (:data:`SHOWN_BEFORE_A_RESIZE`)                   deprecated checkpointing methods at every generation;
                                                   Python shows a warning once per code location only until the
@@ -457,6 +464,44 @@ def replace_method(trainer, name: str, make: Callable[[Callable], Callable]) -> 
             delattr(trainer, name)
 
     return undo
+
+
+def watch_batch_samples(trainer, fetched: Callable[[list, int], None]) -> Callable[[], None]:
+    """Call ``fetched(batch_samples, num_batches)`` with what ``trainer.get_batch_samples`` fetched for each
+    optimizer step (the micro-batches, and how many were asked for), before the step trains; an exception of
+    ``fetched`` goes through to the training loop. Returns the undo."""
+
+    def make(original):
+        def get_batch_samples(epoch_iterator, num_batches, *args, **kwargs):
+            result = original(epoch_iterator, num_batches, *args, **kwargs)
+            fetched(result[0], num_batches)
+            return result
+        return get_batch_samples
+
+    return replace_method(trainer, "get_batch_samples", make)
+
+
+#: the training loop's functions whose ``batch_samples`` local holds the step's micro-batches
+TRAINING_LOOP_FRAMES = ("_run_epoch", "_inner_training_loop")
+
+
+#: what the training loop calls after it counted a step (its batches are then the step that completed)
+AFTER_THE_STEP = ("_maybe_log_save_evaluate", "on_step_end", "on_epoch_end")
+
+
+def fetched_batches(error: BaseException) -> list | None:
+    """The micro-batches the training loop had fetched for the optimizer step that ``error`` left before that step
+    counted (the innermost training-loop frame of its traceback), or None: the traceback holds none, or the error
+    struck after the step counted (saving, evaluating, a callback's ``on_step_end``)."""
+    found, tb = None, error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name in TRAINING_LOOP_FRAMES:
+            batches = frame.f_locals.get("batch_samples")
+            child = tb.tb_next.tb_frame.f_code.co_name if tb.tb_next is not None else None
+            found = batches if isinstance(batches, list) and child not in AFTER_THE_STEP else None
+        tb = tb.tb_next
+    return found
 
 
 def rearm_jit_checkpoint(trainer) -> bool:

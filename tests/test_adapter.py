@@ -418,3 +418,35 @@ def test_the_metrics_trl_adds_to_on_every_loss_call_exist_and_are_put_back():
         holder._metrics["train"]["entropy"] = [1.0]
         holder._total_train_tokens = 9
     assert holder._metrics == {"train": {"num_tokens": [5]}, "eval": {}} and holder._total_train_tokens == 5
+
+
+def test_the_row_stream_hook_sees_each_steps_fetch_and_an_error_leaves_its_batches(tokenizer, tmp_path):
+    """``Trainer.get_batch_samples`` (an instance attribute for the row-stream check) fetches a step's micro-batches
+    before ``on_step_begin``; the training loop's ``batch_samples`` local (``Trainer._run_epoch``) is read from an
+    error's traceback."""
+    from transformers import TrainerCallback
+
+    assert_present(list(inspect.signature(Trainer.get_batch_samples).parameters)[:3] ==
+                   ["self", "epoch_iterator", "num_batches"], "Trainer.get_batch_samples(epoch_iterator, num_batches)")
+    source = inspect.getsource(Trainer)
+    assert_present("batch_samples, num_items_in_batch = self.get_batch_samples(" in source,
+                   "the training loop's batch_samples local")
+    order: list = []
+
+    class Raise(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            order.append(("begin", state.global_step + 1))
+            if state.global_step == 1:
+                raise RuntimeError("planted")
+
+    trainer = make_trainer(tokenizer, tmp_path, [Raise()], max_steps=3, bs=2, ga=2)
+    undo = adapter.watch_batch_samples(trainer, lambda batches, asked: order.append(
+        ("fetch", trainer.state.global_step + 1, len(batches), asked)))
+    with pytest.raises(RuntimeError) as caught:
+        trainer.train()
+    undo()
+    assert_present(order == [("fetch", 1, 2, 2), ("begin", 1), ("fetch", 2, 2, 2), ("begin", 2)],
+                   f"get_batch_samples before on_step_begin ({order})")
+    batches = adapter.fetched_batches(caught.value)
+    assert_present(batches is not None and len(batches) == 2, f"batch_samples in {adapter.TRAINING_LOOP_FRAMES}")
+    assert "get_batch_samples" not in trainer.__dict__

@@ -16,7 +16,7 @@ from .. import adapter, keys
 from ..base import Clock, PerfCallback
 from ..batching import next_smaller
 from ..bus import SIGNAL_SMALLER_BATCH
-from ..device import GB, DeviceLayer, gather_floats, world_size
+from ..device import GB, DeviceLayer, gather_floats, set_rng_state, world_size
 from ..memory import budget_bytes
 from ..runlog import SPLIT_FILE
 from ..splitfile import read_split_file, trial_figures
@@ -84,9 +84,11 @@ class AdaptiveBatchTuner(PerfCallback):
         self._stop_watching: Callable[[], None] | None = None
         self._started: float | None = None
         self._hinted = False
+        self._resumed = False
 
     # ------------------------------------------------------------ events
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        self._resumed = state.global_step > 0            # the next epoch begin is a resume within an epoch
         if state.global_step > 0:
             advance_sampler(train_dataloader, int(state.epoch or 0))
         if getattr(args, "auto_find_batch_size", False):
@@ -145,8 +147,14 @@ class AdaptiveBatchTuner(PerfCallback):
         return session
 
     def on_epoch_begin(self, args, state, control, **kwargs):
-        if self._session.managed and float(state.epoch or 0).is_integer():  # an epoch's start, not a resume within it
-            self._session.note_rng(state.global_step, epoch_start=True)
+        resumed, self._resumed = self._resumed, False
+        session, epoch = self._session, float(state.epoch or 0)
+        if not session.managed:
+            return
+        if epoch.is_integer():                           # an epoch's start, not a resume within it
+            session.note_rng(state.global_step, epoch_start=True, epoch=int(epoch))
+        elif resumed and (rng := session.epoch_start_rng(int(epoch))) is not None:
+            set_rng_state(rng)                           # the epoch's iterator draws what it drew before the resume
 
     def on_step_begin(self, args, state, control, **kwargs):
         session = self._session

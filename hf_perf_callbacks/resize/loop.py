@@ -65,6 +65,7 @@ from .agreement import ResizeNeeded, StepGuard, guard_training_step, recoverable
 from .callback import AdaptiveBatchTuner, find_callback
 from .checkpoints import resume_point
 from .oomsite import UnfixableOOM, unfixable_cause
+from .rowcheck import RowsDiffer
 from .session import InexactResize, SwitchSplit, TuningSession
 
 logger = logging.getLogger("hf_perf_callbacks")
@@ -132,6 +133,11 @@ def _train(trainer, tuner: AdaptiveBatchTuner, bus, resume_from_checkpoint, tune
                     output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
             except SwitchSplit:                           # the step after a switch's step began: switch now
                 switching = True
+            except RowsDiffer as differ:                  # a step fetched other rows than the run trains: back
+                resume_from_checkpoint = _back_from(trainer, session, differ)
+                resized = True
+                set_rng_state(start_rng)
+                continue
             except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - OOMs re-size, _recover_or_raise raises the rest
                 resume_from_checkpoint = _recover_or_raise(trainer, session, tuner, error, sharded, max_resizes)
                 resized = True
@@ -177,6 +183,8 @@ def _before_training(trainer, session: TuningSession, tuner: AdaptiveBatchTuner,
     """The splits exact under the run's loss, the memory check (a fresh unsharded start) and the tuning on the
     run's own steps (unless sharded, or the run's record holds a tuning decision)."""
     session.judge_grouping(trainer, planned_steps(trainer))
+    session.apply_recorded(trainer)          # a resume's recorded split, when exact for this run
+    session.check_rows(trainer)
     if not resumed and not sharded:
         device = DeviceLayer(training_device())
         if memcheck.wanted(tuner.memory_check, device.type):
@@ -214,6 +222,7 @@ def _recover_or_raise(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
         session.end_run(trainer, error, tuner.in_optimizer_step, gave_up=True)
         raise RuntimeError(f"train_with_tuning gave up after {max_resizes} re-sizes"
                            f"{_memory_causes(session)}") from error
+    session.hold_rows(adapter.fetched_batches(error), trainer.state.global_step + 1)   # the failed step's rows
     try:
         checkpoint = session.recover_from_oom(trainer, error, tuner.in_optimizer_step, trial)
     except InexactResize as inexact:         # smaller splits exist, none exact for this run: every rank agreed on it
@@ -229,6 +238,16 @@ def _recover_or_raise(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
     if not trial:
         session.spend_resize()
     return checkpoint
+
+
+def _back_from(trainer, session: TuningSession, differ: RowsDiffer) -> str | None:
+    """A step fetched other rows than the run trains there: the run goes back (the checkpoint to resume from), or,
+    when no split continues it exactly, saves and ends saying why."""
+    try:
+        return session.refuse_rows(trainer, differ)
+    except InexactResize as inexact:
+        session.end_run(trainer, inexact, gave_up=True)
+        raise inexact from None
 
 
 def _memory_facts(session: TuningSession):

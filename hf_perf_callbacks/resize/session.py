@@ -75,6 +75,7 @@ from .checkpoints import (
     switch_dir,
 )
 from .oomsite import UnfixableOOM
+from .rowcheck import RowCheck, RowsDiffer
 from .sharding import restart_message
 from .tuning import OnRunTuning
 
@@ -138,10 +139,9 @@ class InexactResize(ValueError):
         return f"{head}resume with trainer.train(resume_from_checkpoint=...) from the checkpoint the run saved."
 
 
-class ReplayLost(InexactResize):
-    """A re-size in a GRPO step that replays completions generated at an earlier step, where the resume could not
-    train those completions (the run saves and ends with why, and what to change): ``head``, the message up to how
-    to go on, which :meth:`ended` completes as for any :class:`InexactResize`."""
+class _OwnWords(InexactResize):
+    """An :class:`InexactResize` that says its cause in its own words (``head``: the message up to how to go on),
+    completed by :meth:`ended` as for any other."""
 
     def __init__(self, head: str):    # the message is its own; the ending is shared
         self.head = head
@@ -155,6 +155,16 @@ class ReplayLost(InexactResize):
         if self.not_saved:
             return f"{self.head}start again with trainer.train(): nothing was saved to go on from ({self.not_saved})."
         return f"{self.head}resume with trainer.train(resume_from_checkpoint=...) from the checkpoint the run saved."
+
+
+class ReplayLost(_OwnWords):
+    """A re-size in a GRPO step that replays completions generated at an earlier step, where the resume could not
+    train those completions (the run saves and ends with why, and what to change)."""
+
+
+class RowsLost(_OwnWords):
+    """The split that trained the run fetched other rows for the next step than the run would have trained: no
+    split can go on exactly from this step (the run saves and ends with why)."""
 
 
 class TuningSession:
@@ -187,6 +197,9 @@ class TuningSession:
         self.resizes_left: int | None = None    # re-sizes forced by memory still allowed (train_with_tuning)
         self.step_log: adapter.StepLog | None = None   # the training loop's step log (train_with_tuning)
         self.loop_state: adapter.LoopState | None = None   # the loop's counters, windows, GRPO buffer (ditto)
+        self.rows: RowCheck | None = None       # the row-stream check of in-process switches (check_rows)
+        self.recorded: Split | None = None      # the split the run's record asks a resume for (resume_from)
+        self.epoch_rng: tuple[int, tuple] | None = None  # (epoch, the RNG its data iterator was made with)
         if bus is not None:
             bus.attach_tuning(self)
             bus.pin_session(self.id)
@@ -250,17 +263,81 @@ class TuningSession:
         record = recorded_session(self.output_dir, checkpoint)
         if record is not None:                       # this run's record: its history goes on
             self.adopt(record)
-        split = split_for_run(self.output_dir, **run_geometry(trainer.args, self.world))
-        if split is not None:
-            self.apply(trainer, split)
+        self.recorded = split_for_run(self.output_dir, **run_geometry(trainer.args, self.world))
         step = step_of(checkpoint)
         parent = os.path.dirname(os.path.normpath(checkpoint))
         if step is not None and os.path.realpath(parent) == os.path.realpath(self.output_dir):
             self.record_written(step)
 
+    def apply_recorded(self, trainer) -> Split | None:
+        """After :meth:`judge_grouping`: the split the run's record asks a resume for (:meth:`resume_from`; or one
+        the recipe launcher set from it) is kept only when the run's exactness allows it; otherwise that is said
+        once and the run trains at its configured split. Returns the split applied (None: none changed)."""
+        recorded, self.recorded = self.recorded, None
+        wanted = recorded or self.split
+        if self.exactness is not None and not self.exactness.allows(wanted) and wanted != self.configured:
+            self.warn_once("recorded-inexact", f"the split recorded in {os.path.join(self.output_dir, SPLIT_FILE)} "
+                                               f"({wanted}) is not exact for this run ({self.exactness.reason}): "
+                                               f"training at the configured split {self.configured}")
+            wanted = self.configured
+        if wanted == self.split:
+            return None
+        self.apply(trainer, wanted)
+        return wanted
+
+    def check_rows(self, trainer) -> None:
+        """The row-stream check of this run's in-process switches (:mod:`~hf_perf_callbacks.resize.rowcheck`)."""
+        self.rows = RowCheck(trainer, self.configured, current_split)
+
+    def hold_rows(self, batches: list | None, step: int) -> None:
+        """``batches``: what the split in effect fetched for ``step``, which an error left before it trained (the
+        reference of the re-size that follows)."""
+        if self.rows is not None:
+            self.rows.hold(batches, step, self.split)
+
+    def refuse_rows(self, trainer, differ: RowsDiffer) -> str | None:
+        """The split in effect fetched other rows for a step than the unfaulted run trains (``differ``, found before
+        the step trained): the split is not exact for this run (said once, never used again) and the run goes back
+        — a split under trial to the tuning's next candidate or its baseline, any other to the split that fetched
+        the unfaulted rows — from a checkpoint of the last completed step; returns it (None: the start).
+        :class:`InexactResize` when the split that fetched the unfaulted rows is the one that differs (a resume at
+        this step trains other rows at any split)."""
+        step, bad, why = trainer.state.global_step, differ.split, str(differ)
+        if self.rows is not None:
+            self.rows.refuse(bad, why)
+        kept = self.exactness.splits if self.exactness is not None else tuple(candidates(self.args, self.world))
+        reason = why if self.exactness is None or self.exactness.reason is None else f"{self.exactness.reason}; {why}"
+        fix = (self.exactness.fix if self.exactness is not None and self.exactness.fix
+               else f"The configured split {self.configured} keeps every step's rows.")
+        self.exactness = Exactness(tuple(s for s in kept if s != bad), reason, fix)
+        self.warn_once(f"rows-{bad}", f"{why}: {bad} is not exact for this run and is not used again", step=step)
+        self.free_memory(trainer)
+        wrote = not self.is_ours(step)
+        checkpoint = self.save_checkpoint(trainer, step, switch=True) if step > 0 else None
+        if self.in_trial and self.tuning is not None:
+            new = self.tuning.failed(bad, "trains other rows", step)
+            if self.tuning.done is not None:
+                self.record_tuning(step)
+        elif differ.expected is not None and differ.expected != bad:
+            new = differ.expected
+        else:
+            raise RowsLost(f"{why}, and it is the split that trained the run: resuming at step {step} trains other "
+                           f"rows than the run would have at any split. The run ends here rather than going on "
+                           f"inexactly; ")
+        if checkpoint is not None:
+            self.switched_at(step, wrote)
+        self.request_switch(new, why)
+        self.resume_with_switch(trainer)
+        if is_main_process():
+            logger.warning("[tuner] step %d: %s → %s (the rows differ): resuming from %s in this process", step, bad,
+                           new, os.path.basename(checkpoint) if checkpoint else "the start")
+        return checkpoint
+
     def close(self, trainer) -> None:
         """The driven run's ``train()`` calls are over: the step log undone, a tuning still running ended and
         recorded, the trainer left at the split in effect (:meth:`settle`)."""
+        if self.rows is not None:
+            self.rows.close()
         if self.tuning is not None and self.tuning.done is None:
             self.end_tuning(trainer.state.global_step, "the run ended before the tuning did")
         self.settle(trainer)
@@ -364,6 +441,8 @@ class TuningSession:
         ``decision``: the one that asked for it, dropped if the switch never takes effect (:meth:`cancel_switch`)."""
         self.switch, self.switch_reason, self.switch_requested_at = split, reason, time.time()
         self.switch_decision = decision
+        if self.rows is not None:
+            self.rows.arm()                     # the old split's next fetch: the rows the unfaulted run trains
         self.persist()
 
     def cancel_switch(self) -> Split | None:
@@ -533,7 +612,7 @@ class TuningSession:
         return sum(d.kind in ("oom", "watchdog") and not d.trial for d in self.decisions)
 
     # ------------------------------------------------------------ the RNG a checkpoint holds
-    def note_rng(self, step: int, epoch_start: bool = False) -> None:
+    def note_rng(self, step: int, epoch_start: bool = False, epoch: int | None = None) -> None:
         """Remember the RNG that the optimizer step after ``step`` starts from: what a checkpoint of ``step`` must
         hold for a resume to draw what the run drew. transformers restores a checkpoint's RNG where the next step's
         batches are fetched (mid-epoch) or before the epoch's data iterator is made (at an epoch's start), so it is
@@ -542,6 +621,14 @@ class TuningSession:
         of an out-of-memory error too late (the failing step drew already)."""
         if epoch_start or self.next_rng is None or self.next_rng[0] != step:
             self.next_rng = (step, rng_state())
+        if epoch_start and epoch is not None:
+            self.epoch_rng = (epoch, self.next_rng[1])
+
+    def epoch_start_rng(self, epoch: int) -> tuple | None:
+        """The RNG that epoch ``epoch``'s data iterator was made with in this process (None: not seen): a resume
+        within that epoch makes its iterator with it again, so that a sampler drawing its order from the global RNG
+        (the length-grouped one) draws that epoch's order."""
+        return self.epoch_rng[1] if self.epoch_rng is not None and self.epoch_rng[0] == epoch else None
 
     def rng_after(self, step: int) -> tuple | None:
         """The RNG to save in ``checkpoint-<step>`` (None: the step after it has not begun; the current one is
@@ -740,6 +827,8 @@ class TuningSession:
         self.take_switch(trainer)
         adapter.forget_last_train(trainer)
         self.free_memory(trainer)
+        if self.rows is not None:
+            self.rows.switched()                # the new split's first fetch is checked before it trains
 
     def switch_now(self, trainer) -> str:
         """The pending switch, in this process: the step's checkpoint (a watchdog's re-size keeps it as a save of the

@@ -1,0 +1,235 @@
+"""The rows an optimizer step trains, measured: a digest per row of what the training loop fetched for a step, and
+the comparison of two such steps. Pure: no torch, no transformers (a batch's tensors are read through ``tolist``).
+
+A re-size must not change which rows an optimizer step trains. :class:`RowWatch` holds what the run's old split
+fetched for the step after the switch (the unfaulted run's rows) and compares, as a multiset, what the new split
+fetches for that step before it trains (:func:`compare`). A difference that appears only later — an iterable dataset
+whose epoch ends inside an optimizer step (:func:`crosses`) — is caught by watching the row counts of every fetch
+until the first epoch end after the switch. transformers fetches a step's micro-batches before ``on_step_begin``
+(``Trainer.get_batch_samples``), so both checks run before the step trains.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .batching import Split
+
+#: label value of the tokens a loss ignores (transformers' padding of labels)
+IGNORE_INDEX = -100
+
+
+def _rows_of(value) -> list | None:
+    """A batch field as a list of rows (a tensor or array through ``tolist``; a list as it is); None for a scalar."""
+    rows = value.tolist() if hasattr(value, "tolist") else value
+    return rows if isinstance(rows, list) else None
+
+
+def _kept(row, mask) -> list:
+    """``row`` without its padding: the positions ``mask`` marks (a mask row of the same length), labels without
+    ``IGNORE_INDEX``."""
+    if mask is not None and isinstance(row, list) and len(mask) == len(row):
+        return [v for v, m in zip(row, mask) if m]
+    return row
+
+
+def _digest(parts) -> str:
+    return hashlib.blake2b(repr(parts).encode(), digest_size=12).hexdigest()
+
+
+def row_digests(batch) -> list[str]:
+    """One digest per row of a micro-batch: its fields (sorted by name) with padding removed (positions the
+    ``attention_mask`` leaves out, labels equal to ``IGNORE_INDEX``), so that the same example padded to another
+    micro-batch's length has the same digest. A padding-free batch (one row of examples packed, ``position_ids``
+    starting again at 0 for each) gives one digest per packed example. A list of examples (dicts or anything else)
+    gives one per example."""
+    if isinstance(batch, Mapping):
+        fields = {name: rows for name, value in batch.items() if (rows := _rows_of(value)) is not None}
+        if not fields:
+            return []
+        count = max(len(rows) for rows in fields.values())
+        fields = {name: rows for name, rows in fields.items() if len(rows) == count}
+        masks = fields.get("attention_mask")
+        if masks is None and "position_ids" in fields and "input_ids" in fields:
+            return _packed_digests(fields)
+        out = []
+        for i in range(count):
+            parts = []
+            for name in sorted(fields):
+                if name == "attention_mask":
+                    continue
+                row = fields[name][i]
+                if name == "labels" and isinstance(row, list):
+                    row = [v for v in row if v != IGNORE_INDEX] if masks is None else _kept(row, masks[i])
+                else:
+                    row = _kept(row, masks[i] if masks is not None else None)
+                parts.append((name, row))
+            out.append(_digest(parts))
+        return out
+    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
+        return [_digest(sorted(item.items(), key=lambda kv: kv[0]) if isinstance(item, Mapping) else item)
+                for item in batch]
+    return [_digest(batch)]
+
+
+def _packed_digests(fields: dict[str, list]) -> list[str]:
+    out: list[str] = []
+    for row, positions in zip(fields["input_ids"], fields["position_ids"]):
+        cuts = [i for i, p in enumerate(positions) if p == 0] + [len(row)]
+        out.extend(_digest(row[begin:end]) for begin, end in zip(cuts, cuts[1:]) if end > begin)
+    return out
+
+
+def batch_rows(batch) -> int:
+    """Rows (examples) of one micro-batch, without hashing them."""
+    if isinstance(batch, Mapping):
+        sizes = [len(rows) for value in batch.values() if (rows := _rows_of_shape(value)) is not None]
+        return max(sizes) if sizes else 0
+    return len(batch) if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)) else 1
+
+
+def _rows_of_shape(value):
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return range(shape[0]) if len(shape) else None
+    return value if isinstance(value, list) else None
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """What the training loop fetched for optimizer step ``step`` at ``split``: a digest per row (empty when only
+    counted), the rows, the micro-batches fetched and the number asked for (fewer: the data ran out)."""
+
+    step: int
+    split: Split
+    rows: int
+    micro_batches: int
+    asked: int
+    digests: tuple[str, ...] = ()
+
+    @property
+    def short(self) -> bool:
+        return self.micro_batches < self.asked
+
+
+def step_rows(step: int, split: Split, batches: Sequence, asked: int, digest: bool = True) -> StepRows:
+    """:class:`StepRows` of the micro-batches ``batches`` fetched for ``step`` (``asked``: how many were asked
+    for); ``digest=False`` counts the rows without hashing them."""
+    digests: tuple[str, ...] = tuple(d for b in batches for d in row_digests(b)) if digest else ()
+    rows = len(digests) if digest else sum(batch_rows(b) for b in batches)
+    return StepRows(step, split, rows, len(batches), asked, digests)
+
+
+def compare(expected: StepRows, got: StepRows) -> str | None:
+    """How the rows ``got`` fetched differ from ``expected``'s as a multiset (None: the same rows)."""
+    want, have = Counter(expected.digests), Counter(got.digests)
+    if want == have:
+        return None
+    missing, extra = sum((want - have).values()), sum((have - want).values())
+    words = [f"{got.rows} rows instead of {expected.rows}"]
+    if missing:
+        words.append(f"{missing} of {expected.split}'s rows missing")
+    if extra:
+        words.append(f"{extra} other rows")
+    return ", ".join(words)
+
+
+def crosses(rows_left: int, split: Split, world: int = 1) -> bool:
+    """Whether ``split``'s optimizer step that begins with ``rows_left`` rows left in an epoch of a dataloader
+    without a length (an iterable dataset) goes on into the next epoch: transformers ends an epoch's last
+    optimizer step early only when it knows the epoch's length, so when the epoch's last micro-batches are fewer
+    than the accumulation, their gradients wait for the next epoch's first micro-batches."""
+    per_step = split.micro_batch * world
+    batches = -(-rows_left // per_step)
+    return 0 < batches < split.grad_accum
+
+
+def epoch_end(fetched: StepRows, configured: Split, world: int = 1) -> str | None:
+    """The epoch's last fetch of a dataloader without a length (fewer rows than a step's, or fewer micro-batches
+    than asked for): how the step differs from what ``configured`` (the unfaulted run's split) trains there (None:
+    the same rows). The rows left in the epoch are the same under every split, so the step differs exactly when one
+    of the two splits goes on into the next epoch and the other does not (:func:`crosses`)."""
+    new, old = fetched.short and fetched.micro_batches > 0, crosses(fetched.rows * world, configured, world)
+    if new == old:
+        return None
+    if new:
+        return (f"the epoch ends {fetched.rows} rows into this step: {configured} trains them alone, "
+                f"{fetched.split} adds the next epoch's first rows")
+    return (f"the epoch ends {fetched.rows} rows into this step: {fetched.split} trains them alone, "
+            f"{configured} adds the next epoch's first rows")
+
+
+def _ends_epoch(fetched: StepRows) -> bool:
+    """The fetch holds the epoch's last rows: fewer micro-batches than asked for, or fewer rows than a step's."""
+    return fetched.short or fetched.rows < fetched.split.micro_batch * fetched.split.grad_accum
+
+
+@dataclass
+class RowWatch:
+    """The row-stream check of one run (pure state; the training loop's fetches are handed to :meth:`fetched`).
+
+    ``armed``: the next fetch is the old split's step after a switch — kept as the reference. After the switch
+    (:meth:`switched`) the next fetch is compared with the reference before it trains; then, for a dataloader without
+    a length (``sized=False``), every fetch is counted until the first epoch end, which is judged by
+    :func:`epoch_end` against ``configured``."""
+
+    configured: Split
+    sized: bool = True
+    world: int = 1
+    armed: bool = False
+    reference: StepRows | None = None
+    checking: bool = False
+    counting: bool = False
+    refused: dict[Split, str] = field(default_factory=dict)
+
+    @property
+    def active(self) -> bool:
+        """Whether the training loop's fetches must be handed over now."""
+        return self.armed or self.checking or self.counting
+
+    def arm(self, step: int) -> None:
+        """A switch was asked for after ``step``: the next fetch (step ``step + 1`` at the old split) is the
+        reference, unless it is held already."""
+        if self.reference is None or self.reference.step != step + 1:
+            self.reference, self.armed = None, True
+
+    def hold(self, reference: StepRows) -> None:
+        """The reference is known already (the step that failed fetched it)."""
+        self.reference, self.armed = reference, False
+
+    def switched(self) -> None:
+        """A switch was applied: the next fetch is checked."""
+        self.armed, self.checking = False, True
+
+    def fetched(self, step: int, split: Split, batches: Sequence, asked: int) -> str | None:
+        """The training loop fetched ``batches`` (``asked`` were asked for) for optimizer ``step`` at ``split``:
+        returns how they differ from what the unfaulted run trains there (None: the same, or nothing to check)."""
+        if self.armed:
+            self.reference, self.armed = step_rows(step, split, batches, asked), False
+            return None
+        if self.checking:
+            self.checking = False
+            got = step_rows(step, split, batches, asked)
+            differs = compare(self.reference, got) if self.reference is not None and self.reference.step == step \
+                else None
+            if differs is None and not self.sized and _ends_epoch(got):
+                differs = epoch_end(got, self.configured, self.world)
+            self.counting = (differs is None and not self.sized and self.world == 1 and not got.short
+                             and split != self.configured)
+            return differs
+        if self.counting:
+            got = step_rows(step, split, batches, asked, digest=False)
+            if not _ends_epoch(got):
+                return None
+            self.counting = False                             # the first epoch end: every later one is alike
+            differs = epoch_end(got, self.configured, self.world)
+            self.reference = (step_rows(step, split, batches, asked)    # the unfaulted run trains these rows alone
+                              if differs is not None and got.short and got.micro_batches else None)
+            return differs
+        return None
+
+    def refuse(self, split: Split, why: str) -> None:
+        self.refused[split] = why
+        self.checking = self.counting = False

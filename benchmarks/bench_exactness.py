@@ -65,17 +65,60 @@ class Rows(torch.utils.data.Dataset):
 
 
 def model_and_tokenizer(cuda: bool):
-    if cuda:
-        from common import qwen05_model, tokenizer
-
-        return qwen05_model(), tokenizer()
+    """GPU: Qwen2.5-0.5B's shape (:func:`common.qwen05_model`'s config; the rows are random ids, the tokenizer only
+    pads); CPU: the tests' tiny Llama at hidden 256, 4 layers."""
     from hf_perf_callbacks.tiny import build_model, build_tokenizer
 
     tok = build_tokenizer(["the quick brown fox jumps over the lazy dog"] * 20, vocab_size=300)
-    return build_model(tok, hidden=256, layers=4, heads=4), tok
+    if not cuda:
+        return build_model(tok, hidden=256, layers=4, heads=4), tok
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id)
+    return Qwen2ForCausalLM(config).to(device="cuda"), tok
+
+
+PASSES: list[dict] = []
+
+
+def timed_passes(cuda: bool) -> None:
+    """Each pass of the check timed (synchronized), and the sketch's share of it."""
+    from hf_perf_callbacks.resize import measured
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def wrap_pass(original):
+        def timed(trainer, model, split, *args):
+            sync()
+            started = time.perf_counter()
+            out = original(trainer, model, split, *args)
+            sync()
+            PASSES.append({"split": str(split), "sec": time.perf_counter() - started, "sketch_sec": SKETCH.pop(0)})
+            return out
+        return timed
+
+    SKETCH: list[float] = []
+
+    def wrap_sketch(original):
+        def timed(*args, **kwargs):
+            sync()
+            started = time.perf_counter()
+            out = original(*args, **kwargs)
+            SKETCH.append(time.perf_counter() - started)
+            return out
+        return timed
+
+    measured._pass = wrap_pass(measured._pass)
+    measured.sketch = wrap_sketch(measured.sketch)
 
 
 def run(cuda: bool, micro: int, accum: int, tokens: int, steps: int, extra: dict) -> dict:
+    PASSES.clear()
     model, tok = model_and_tokenizer(cuda)
     tok = copy.copy(tok)
     tok.padding_side = "right"                        # training pads right (left padding is refused by rule)
@@ -101,7 +144,7 @@ def run(cuda: bool, micro: int, accum: int, tokens: int, steps: int, extra: dict
             "first_step_sec": clock.seconds[0], "first_step_peak_gb": clock.peaks[0],
             "steady_peak_gb": max(clock.peaks[2:] or clock.peaks), "sketch_bytes": check.sketch_bytes,
             "exact": [str(s) for s in check.exact], "inexact": {str(s): w for s, w in check.inexact.items()},
-            "drew_rng": check.drew_rng}
+            "drew_rng": check.drew_rng, "passes_timed": list(PASSES)}
 
 
 def main():
@@ -111,6 +154,7 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     cli = parser.parse_args()
     cuda = torch.cuda.is_available()
+    timed_passes(cuda)
     micro, accum = cli.split or ((8, 2) if cuda else (4, 2))
     tokens = cli.tokens or (512 if cuda else 128)
     cases = {"plain": {}, "neftune": {"neftune_noise_alpha": 5.0}}

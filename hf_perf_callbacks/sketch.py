@@ -74,8 +74,15 @@ def sketch(named_grads: Iterable[tuple[str, torch.Tensor | None]], loss: float, 
         padded = torch.nn.functional.pad(flat, (0, blocks * BLOCK - flat.numel())).view(blocks, BLOCK)
         signs = torch.randint(0, 2, (blocks,), generator=torch.Generator().manual_seed(seed * 1_000_003 + index))
         signs = (signs.to(torch.float32) * 2 - 1).to(grad.device)
-        rows.append((signs @ (padded @ block.T)).double().cpu())
-    projections = torch.stack(rows) if rows else torch.zeros(0, WIDTH, dtype=torch.float64)
+        rows.append((signs @ (padded @ block.T)).double())
+    by_device: dict[torch.device, list[int]] = {}       # one copy to the host per device, not one per parameter
+    for index, row in enumerate(rows):
+        by_device.setdefault(row.device, []).append(index)
+    host = [torch.zeros(0)] * len(rows)
+    for indices in by_device.values():
+        for index, row in zip(indices, torch.stack([rows[i] for i in indices]).cpu()):
+            host[index] = row
+    projections = torch.stack(host) if host else torch.zeros(0, WIDTH, dtype=torch.float64)
     return Sketch(tuple(names), projections, float(loss), drew_rng)
 
 

@@ -180,11 +180,13 @@ def test_a_split_the_rules_allowed_is_shown_inexact_on_the_runs_rows(tokenizer, 
         trainer.compute_loss_func = loss_func
     train_with_tuning(trainer)
     check = _measured(trainer)
-    assert check.skipped is None and check.rows == CONFIGURED.effective_batch()
+    # without the tuning only smaller splits can be used: each measured on one configured micro-batch of rows
+    assert check.skipped is None and check.rows == CONFIGURED.micro_batch
     assert check.exact == [CONFIGURED]
-    assert set(check.inexact) == {Split(8, 1), *SMALLER}
+    assert set(check.inexact) == set(SMALLER)
     assert check.drew_rng == (case == "neftune")
-    assert 3 <= check.passes <= 5 and 0 < check.sketch_bytes < 64 * 1024
+    assert check.passes == 4 and 0 < check.sketch_bytes < 64 * 1024      # reference, its repeat, two splits
+    assert read_split_file(trainer.args.output_dir).restricted.splits == [CONFIGURED]
 
 
 @pytest.mark.parametrize("case", ["plain", "token weights over num_items_in_batch"])
@@ -194,8 +196,19 @@ def test_a_loss_over_the_whole_step_is_shown_exact_for_every_split(tokenizer, tm
         trainer.compute_loss_func = weighted_tokens
     train_with_tuning(trainer)
     check = _measured(trainer)
-    assert check.inexact == {} and check.exact == [CONFIGURED, Split(8, 1), *SMALLER]
-    assert check.passes == 4                         # the repeat runs only when a split differs
+    assert check.inexact == {} and check.exact == [CONFIGURED, *SMALLER]
+    assert check.passes == 3                         # the repeat runs only when a split differs
+    assert read_split_file(trainer.args.output_dir).restricted is None
+
+
+def test_with_the_tuning_a_larger_split_is_measured_on_its_own_micro_batch_of_rows(tokenizer, tmp_path):
+    trainer = make_trainer(tokenizer, tmp_path / "run", [AdaptiveBatchTuner(tune=True)], max_steps=1,
+                           bs=CONFIGURED.micro_batch, ga=CONFIGURED.grad_accum,
+                           extra={"optim": "sgd", "max_grad_norm": 0.0, "neftune_noise_alpha": 5.0})
+    train_with_tuning(trainer)
+    check = _measured(trainer)
+    assert set(check.inexact) == {Split(8, 1), *SMALLER} and check.rows == 8       # 8×1 against 4×2 on 8 rows
+    assert check.passes == 7                      # two row counts: a reference and a repeat each, three splits
 
 
 def test_an_oom_after_the_check_is_not_resized_to_a_split_it_showed_inexact(tokenizer, tmp_path):
@@ -223,7 +236,7 @@ def test_the_check_leaves_the_run_as_it_was_and_the_meter_counts_none_of_its_pas
     meter = ThroughputMeter()
     trainer = _run(tokenizer, tmp_path, "checked", steps=2, callbacks=[checked, meter])
     train_with_tuning(trainer)
-    assert _measured(trainer).passes == 4
+    assert _measured(trainer).passes == 3
     control = make_trainer(tokenizer, tmp_path / "plain", [plain], max_steps=2, bs=4, ga=2,
                            extra={"optim": "sgd", "max_grad_norm": 0.0})
     control.train()

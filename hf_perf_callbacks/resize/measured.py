@@ -7,10 +7,13 @@ place), before that step trains, :func:`measure` takes one optimizer step's rows
 the configured effective batch of one rank, mixed long and short so that regrouping changes the padding), and with
 the RNG put back before each pass, computes the accumulated gradients the trainer's own ``training_step`` gives them
 
-* grouped as the configured split (the reference),
-* grouped as each other split the rules of :mod:`~hf_perf_callbacks.batching` allow,
-* grouped as the configured split again, only when a split differs past the compute dtype's rounding: the noise
-  of the same grouping run twice (it can only widen the tolerance, so an equal split never needs it),
+* grouped as each split the run may use that the rules of :mod:`~hf_perf_callbacks.batching` allow, on the fewest
+  of those rows that it and the configured split both group whole (the ``lcm`` of their micro-batches: for a
+  smaller split, one configured micro-batch; a loss that depends on the grouping shows it there as on a whole
+  step, and a pass costs a fraction of a step),
+* grouped as the configured split, on the same rows (the reference, once per row count), and again only when a
+  split differs past the compute dtype's rounding: the noise of the same grouping run twice (it can only widen
+  the tolerance, so an equal split never needs it),
 
 and compares their :mod:`~hf_perf_callbacks.sketch` es (a few KB each): a split whose gradients or summed loss differ
 past the noise and the compute dtype's rounding is not exact for this run, whatever its settings, and the run says
@@ -25,6 +28,7 @@ exchange), GRPO (its rows are generated in the step), a training set with fewer 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -66,25 +70,34 @@ def measure(trainer, model, configured: Split, splits: Sequence[Split], dataset,
 
 def _measure_all(trainer, model, configured: Split, wanted: list[Split], rows: list, collate: Callable, rng: tuple,
                  rtol: float, result: ExactnessCheck) -> int:
-    """The passes: the reference, each split, the repeat where a split differs past rounding (noise can only widen
-    the tolerance, so an equal split never needs it); fills ``result``; returns the passes run."""
-    reference = _pass(trainer, model, configured, rows, collate, rng)
-    repeat: Sketch | None = None
-    passes = 1
-    result.drew_rng = reference.drew_rng
+    """The passes; fills ``result``; returns how many ran. Each split is compared on the fewest rows both it and the
+    configured split group whole (``lcm`` of the micro-batches: one configured micro-batch for a smaller split),
+    with the configured grouping of the same rows, computed once per row count; the repeat of that grouping runs
+    only when a split differs past rounding (noise can only widen the tolerance, so an equal split never needs
+    it)."""
+    references: dict[int, list[Sketch]] = {}      # rows → [reference, its repeat once run]
+    passes = 0
     for split in wanted:
-        candidate = _pass(trainer, model, split, rows, collate, rng)
-        passes += 1
-        difference = compare(reference, repeat or reference, candidate, rtol)
-        if not difference.same and repeat is None:
-            repeat = _pass(trainer, model, configured, rows, collate, rng)
+        count = math.lcm(configured.micro_batch, split.micro_batch)
+        part, ours = rows[:count], Split(configured.micro_batch, count // configured.micro_batch)
+        if count not in references:
+            references[count] = [_pass(trainer, model, ours, part, collate, rng)]
             passes += 1
-            difference = compare(reference, repeat, candidate, rtol)
+        sketches = references[count]
+        candidate = _pass(trainer, model, Split(split.micro_batch, count // split.micro_batch), part, collate, rng)
+        passes += 1
+        difference = compare(sketches[0], sketches[-1], candidate, rtol)
+        if not difference.same and len(sketches) == 1:
+            sketches.append(_pass(trainer, model, ours, part, collate, rng))
+            passes += 1
+            difference = compare(sketches[0], sketches[1], candidate, rtol)
+        result.drew_rng = result.drew_rng or sketches[0].drew_rng
         if difference.same:
             result.exact.append(split)
         else:
-            result.inexact[split] = _why(difference, reference.drew_rng)
-    result.sketch_bytes = reference.nbytes * 3           # the reference, its repeat and one candidate at once
+            result.inexact[split] = _why(difference, sketches[0].drew_rng)
+        result.sketch_bytes = max(result.sketch_bytes, candidate.nbytes * (1 + sum(map(len, references.values()))))
+    result.rows = max(references, default=0)
     return passes
 
 

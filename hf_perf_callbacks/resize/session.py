@@ -472,7 +472,7 @@ class TuningSession:
         if self.exactness.reason is not None:
             self.warn_once("grouping", self.exactness.message(every))
             self.persist()
-        if self.measured is not None and self.measured.inexact:     # a resume: what the run's rows showed holds
+        if self.measured is not None:                 # a resume: what the run's rows showed holds
             self._leave_out(self.measured)
         return self.exactness
 
@@ -484,7 +484,8 @@ class TuningSession:
 
         if self.measured is not None or not self.managed or self.exactness is None:
             return self.measured
-        others = [s for s in self.exactness.splits if s != self.configured]
+        larger = self.tuning.larger if self.tuning is not None else []     # only the tuning tries larger splits
+        others = [s for s in self.exactness.splits if s.micro_batch < self.configured.micro_batch or s in larger]
         skipped = ("the run has several ranks" if self.world > 1 else
                    "GRPO's rows are generated inside the step" if hasattr(self.args, "num_generations") else
                    f"the memory check moved the run to {self.split} before its first step"
@@ -510,8 +511,8 @@ class TuningSession:
         self.measured = check
         shown = ", ".join(map(str, check.exact))
         cost = f"{check.cost_sec:.1f} s, {check.passes} passes"
+        self._leave_out(check)
         if check.inexact:
-            self._leave_out(check)
             first = next(iter(check.inexact))
             self.warn_once("measured", f"measured on {check.rows} rows: {first} not exact, so the re-size and the "
                                        f"tuning keep to {shown} ({cost}; why in {SPLIT_FILE})")
@@ -521,14 +522,15 @@ class TuningSession:
         return check
 
     def _leave_out(self, check: ExactnessCheck) -> None:
-        """Keep only the splits the check did not show inexact (the rules' reason and fix, and the check's)."""
+        """Keep only the splits the check showed exact (a split it had no need to measure is not trusted either;
+        the rules' reason and fix, and the check's)."""
         exactness = self.exactness
-        if exactness is None:
+        if exactness is None or check.skipped is not None:
             return
-        kept = tuple(s for s in exactness.splits if s not in check.inexact or s == self.configured)
-        reason = "; ".join(r for r in (exactness.reason, check.reason()) if r)
+        kept = tuple(s for s in exactness.splits if s in check.exact or s == self.configured)
+        reason = "; ".join(r for r in (exactness.reason, check.reason()) if r) or None
         fix = exactness.fix or ("A loss that sums over the step's rows and divides by num_items_in_batch, with no "
-                                "term or noise drawn per micro-batch, lets every split be used.")
+                                "term or noise drawn per micro-batch, lets every split be used." if reason else None)
         self.exactness = Exactness(kept, reason, fix)
         if self.tuning is not None:
             self.tuning.leave_out(set(check.inexact))

@@ -57,7 +57,11 @@ def render(results: dict) -> str:
               f"the same process, and a fresh trainer resumes the recovery checkpoint at the new split as a new "
               f"process does; each trains the unfaulted run's samples (GRPO: its completions), RNG stream, "
               f"learning rates, weights and optimizer state. The plain Trainer's collator pads right, as training "
-              f"does, except in the `padding_side=left` row. Versions: " +
+              f"does, except in the `padding_side=left` row. Exact by: ✓ the run's own rows showed it (the "
+              f"exactness check at the first step: the gradients of each split the run may use against the "
+              f"configured split's, `hf_perf_callbacks/resize/measured.py`), said: measured: the check showed the "
+              f"other splits train something else, said: rule: the check did not run (why noted) and the rules "
+              f"decided. Versions: " +
               ", ".join(f"{name}\0{version}" for name, version in pinned_versions().items()) +
               " (`constraints.txt`); on CI's oldest set the cells are checked too, without changing the table.")
     lines = [_fill(legend), "", "| setting | " + " | ".join(TRAINERS) + " |", "|---" * (len(TRAINERS) + 1) + "|"]

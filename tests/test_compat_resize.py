@@ -48,7 +48,7 @@ from tests.faults import Fault, Trajectory, differences
 from tests.test_compat_matrix import first_line
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-COLUMNS = ("resize_exact", "resume_exact")
+COLUMNS = ("resize_exact", "resume_exact", "exact_by")
 STEPS, FAULT_AT, PER_EPOCH = compat.RESIZE_STEPS, compat.RESIZE_FAULT_AT, compat.RESIZE_PER_EPOCH
 EXACT = {"optim": "sgd", "optim_args": "momentum=0.9", "learning_rate": 0.02, "lr_scheduler_type": "linear",
          "max_grad_norm": 0.0, "report_to": "none", "disable_tqdm": True}
@@ -121,8 +121,10 @@ def test_a_resize_and_a_resume_train_exactly_what_an_unfaulted_run_trains(cell, 
             forced_expected, forced, _ = runs(cell, tokenizer, tmp_path / "forced", resume=False)
         needed = differences(forced_expected, forced)
         why = record.restricted.reason + ("" if needed else " (in this cell a forced re-size trained the same)")
-        for column in COLUMNS:
+        for column in ("resize_exact", "resume_exact"):
             compat.record(cell, column, f"said: {why}")
+        measured = record.measured is not None and bool(record.measured.inexact)
+        compat.record(cell, "exact_by", f"said: {'measured' if measured else 'rule'}: {why}")
         return
     except Exception as error:
         expected_refusal = cell.setting.refused.get(cell.trainer)
@@ -136,7 +138,17 @@ def test_a_resize_and_a_resume_train_exactly_what_an_unfaulted_run_trains(cell, 
     found = {"resize_exact": differences(expected, resized), "resume_exact": differences(expected, resumed)}
     for column, what in found.items():
         compat.record(cell, column, "no: " + "; ".join(what) if what else "yes")
+    compat.record(cell, "exact_by", exact_by(read_split_file(str(tmp_path / "run"))))
     assert found == {"resize_exact": [], "resume_exact": []}
+
+
+def exact_by(record) -> str:
+    """How the run's re-size was trusted: ``yes`` (its own rows showed it: the exactness check), ``said: rule: …``
+    (the check did not run, why; the rules decided)."""
+    check = record.measured if record is not None else None
+    if check is not None and check.skipped is None:
+        return "yes"
+    return f"said: rule: {check.skipped if check is not None else 'the exactness check did not run'}"
 
 
 #: cells whose resume also runs in a real new process: the check that a fresh trainer stands for one

@@ -19,7 +19,7 @@ from hf_perf_callbacks.runlog import read_run
 from hf_perf_callbacks.sketch import RTOL, WIDTH, compare, rtol_for, sketch
 from hf_perf_callbacks.splitfile import ExactnessCheck, SplitFile, read_split_file
 from tests.conftest import make_trainer, padded
-from tests.faults import Fault
+from tests.faults import Fault, Trajectory, differences
 
 CONFIGURED = Split(4, 2)
 SMALLER = [Split(2, 4), Split(1, 8)]
@@ -115,6 +115,25 @@ def weights_over_padded_length(outputs, labels, num_items_in_batch=None):
     return (each * torch.linspace(0.5, 1.5, each.shape[-1])).sum() / num_items_in_batch
 
 
+def _aux_loss_model(tokenizer):
+    """A user's model whose forward adds an auxiliary loss of its own: a mean over the micro-batch's last hidden
+    states, added once per forward (the library's loss, with num_items_in_batch, is left as it is)."""
+    from transformers import LlamaForCausalLM
+
+    from hf_perf_callbacks.tiny import build_model
+
+    class AuxLossLlama(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+            kwargs["output_hidden_states"] = True
+            out = super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+            if out.loss is not None:
+                out.loss = out.loss + 0.1 * out.hidden_states[-1].pow(2).mean()
+            return out
+
+    torch.manual_seed(0)
+    return AuxLossLlama(build_model(tokenizer).config)
+
+
 def _mixtral(tokenizer):
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -164,6 +183,7 @@ CASES = {
     "token weights over the padded length": dict(loss_func=weights_over_padded_length),
     "own collate padding left": dict(collate="left"),
     "router loss of a mixture of experts": dict(model="mixtral"),
+    "auxiliary loss in the model's own forward": dict(model="aux"),
 }
 
 
@@ -173,8 +193,9 @@ def test_a_split_the_rules_allowed_is_shown_inexact_on_the_runs_rows(tokenizer, 
     loss_func = spec.pop("loss_func", None)
     if spec.pop("collate", None):
         spec["collate"] = _own_collate(tokenizer)
-    if spec.pop("model", None):
-        spec["model"] = _mixtral(tokenizer)
+    model = spec.pop("model", None)
+    if model is not None:
+        spec["model"] = _mixtral(tokenizer) if model == "mixtral" else _aux_loss_model(tokenizer)
     trainer = _run(tokenizer, tmp_path, "run", **spec)
     if loss_func is not None:
         trainer.compute_loss_func = loss_func
@@ -209,6 +230,25 @@ def test_with_the_tuning_a_larger_split_is_measured_on_its_own_micro_batch_of_ro
     check = _measured(trainer)
     assert set(check.inexact) == {Split(8, 1), *SMALLER} and check.rows == 8       # 8×1 against 4×2 on 8 rows
     assert check.passes == 7                      # two row counts: a reference and a repeat each, three splits
+
+
+def test_a_split_shown_exact_re_sizes_to_what_the_unfaulted_run_trains(tokenizer, tmp_path):
+    """Token weights by position over the step's label tokens: shown exact, so an OOM re-sizes 4×2 → 2×4, and the
+    run trains the unfaulted run's samples, RNG stream, schedule, weights and optimizer state."""
+    settings = {"optim": "sgd", "optim_args": "momentum=0.9", "learning_rate": 0.02, "max_grad_norm": 0.0}
+    expected = Trajectory()
+    plain = make_trainer(tokenizer, tmp_path / "plain", [expected], max_steps=4, bs=4, ga=2, extra=settings)
+    plain.compute_loss_func = weighted_tokens
+    expected.attach(plain).train()
+    fault, got = Fault("forward", at=3), Trajectory()
+    trainer = make_trainer(tokenizer, tmp_path / "run", [fault, got, AdaptiveBatchTuner(tune=False)], max_steps=4,
+                           bs=4, ga=2, extra=settings)
+    trainer.compute_loss_func = weighted_tokens
+    fault.attach(got.attach(trainer))
+    train_with_tuning(trainer)
+    assert fault.fired == 1 and trainer.args.per_device_train_batch_size == 2
+    assert _measured(trainer).exact == [CONFIGURED, *SMALLER]
+    assert differences(expected, got) == []
 
 
 def test_an_oom_after_the_check_is_not_resized_to_a_split_it_showed_inexact(tokenizer, tmp_path):

@@ -5,7 +5,7 @@ tiny Llama at hidden 256, 4 layers, float32) under ``train_with_tuning`` at the 
 at the first step (every other split of the effective batch), then ``--steps`` steps train. Recorded:
 
 * the check's seconds, passes and seconds per split checked, against the median of the steady steps (steps 3 on);
-* the peak memory of the step that ran the check against the steady steps' peak (GPU), the sketches' bytes;
+* the peak memory during the check against the steady steps' peak (GPU), the sketches' bytes;
 * the verdicts of a plain loss (every split exact) and of NEFTune (every split but the configured one inexact).
 
 The plain case runs twice: first in a fresh process (its passes at new micro-batch shapes pay the kernels' and the
@@ -85,6 +85,7 @@ def model_and_tokenizer(cuda: bool):
 
 
 PASSES: list[dict] = []
+CHECK_PEAK: list[float] = []
 
 
 def timed_passes(cuda: bool) -> None:
@@ -116,8 +117,19 @@ def timed_passes(cuda: bool) -> None:
             return out
         return timed
 
+    def wrap_measure(original):
+        def peaked(*args, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            out = original(*args, **kwargs)
+            CHECK_PEAK.append(torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
+            return out
+        return peaked
+
     measured._pass = wrap_pass(measured._pass)
     measured.sketch = wrap_sketch(measured.sketch)
+    measured.measure = wrap_measure(measured.measure)
 
 
 def run(cuda: bool, micro: int, accum: int, tokens: int, steps: int, extra: dict) -> dict:
@@ -145,7 +157,7 @@ def run(cuda: bool, micro: int, accum: int, tokens: int, steps: int, extra: dict
             "check_sec": check.cost_sec, "passes": check.passes, "splits_checked": checked,
             "check_sec_per_split": check.cost_sec / max(checked, 1), "step_sec": step,
             "check_per_split_over_step": check.cost_sec / max(checked, 1) / step,
-            "first_step_sec": clock.seconds[0], "first_step_peak_gb": clock.peaks[0],
+            "check_peak_gb": CHECK_PEAK.pop() if CHECK_PEAK else None, "first_step_peak_gb": clock.peaks[0],
             "steady_peak_gb": max(clock.peaks[2:] or clock.peaks), "sketch_bytes": check.sketch_bytes,
             "exact": [str(s) for s in check.exact], "inexact": {str(s): w for s, w in check.inexact.items()},
             "drew_rng": check.drew_rng, "passes_timed": list(PASSES)}
@@ -168,7 +180,7 @@ def main():
     for name, r in results.items():
         print(f"{name}: check {r['check_sec']:.2f} s, {r['passes']} passes for {r['splits_checked']} splits "
               f"({r['check_per_split_over_step']:.2f} step per split; step {r['step_sec']:.3f} s); peak "
-              f"{r['first_step_peak_gb']:.2f} GiB at the check's step vs {r['steady_peak_gb']:.2f} GiB steady; "
+              f"{r['check_peak_gb']:.2f} GiB in the check vs {r['steady_peak_gb']:.2f} GiB steady; "
               f"sketches {r['sketch_bytes']} B; inexact {sorted(r['inexact'])}")
     device = torch.cuda.get_device_name().split()[1].lower() if cuda else "cpu"
     print(write_result(f"exactness_{device}", {"cases": results}))

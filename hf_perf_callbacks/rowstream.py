@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .batching import Split
@@ -49,7 +49,9 @@ def row_digests(batch) -> list[str]:
         fields = {name: rows for name, value in batch.items() if (rows := _rows_of(value)) is not None}
         if not fields:
             return []
-        count = max(len(rows) for rows in fields.values())
+        # the rows of the batch: input_ids' first dimension where there is one (a padding-free batch also holds
+        # flat per-batch lists, cu_seq_lens_*, which are no rows)
+        count = len(fields["input_ids"]) if "input_ids" in fields else max(len(rows) for rows in fields.values())
         fields = {name: rows for name, rows in fields.items() if len(rows) == count}
         masks = fields.get("attention_mask")
         if masks is None and "position_ids" in fields and "input_ids" in fields:
@@ -203,15 +205,19 @@ class RowWatch:
         """A switch was applied: the next fetch is checked."""
         self.armed, self.checking = False, True
 
-    def fetched(self, step: int, split: Split, batches: Sequence, asked: int) -> str | None:
+    def fetched(self, step: int, split: Split, batches: Sequence, asked: int,
+                every_rank: Callable[[StepRows], StepRows] | None = None) -> str | None:
         """The training loop fetched ``batches`` (``asked`` were asked for) for optimizer ``step`` at ``split``:
-        returns how they differ from what the unfaulted run trains there (None: the same, or nothing to check)."""
+        returns how they differ from what the unfaulted run trains there (None: the same, or nothing to check).
+        ``every_rank``: the step's rows on every rank from this rank's (several ranks: a split deals a step's rows
+        to the ranks in another order, so only all of them together are the step's rows)."""
+        whole = every_rank or (lambda rows: rows)
         if self.armed:
-            self.reference, self.armed = step_rows(step, split, batches, asked), False
+            self.reference, self.armed = whole(step_rows(step, split, batches, asked)), False
             return None
         if self.checking:
             self.checking = False
-            got = step_rows(step, split, batches, asked)
+            got = whole(step_rows(step, split, batches, asked))
             differs = compare(self.reference, got) if self.reference is not None and self.reference.step == step \
                 else None
             if differs is None and not self.sized and _ends_epoch(got):

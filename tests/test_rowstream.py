@@ -36,6 +36,25 @@ def test_a_rows_digest_ignores_padding_and_the_comparison_is_a_multiset():
     assert len(row_digests(packed)) == 2
 
 
+def test_a_padding_free_batch_gives_one_digest_per_packed_example_whatever_else_it_holds():
+    """TRL's padding-free collator packs a micro-batch's examples into one row and adds flat per-batch lists
+    (``cu_seq_lens_q``: one entry per example, plus one), which are no rows."""
+    a, b = [5, 6, 7], [8, 9]
+
+    def packed(*examples):
+        ids = [t for e in examples for t in e]
+        cuts = [0]
+        for e in examples:
+            cuts.append(cuts[-1] + len(e))
+        return {"input_ids": torch.tensor([ids]), "labels": torch.tensor([ids]),
+                "position_ids": torch.tensor([[p for e in examples for p in range(len(e))]]),
+                "cu_seq_lens_q": torch.tensor(cuts), "max_length_q": max(map(len, examples))}
+
+    together = row_digests(packed(a, b))
+    assert len(together) == 2
+    assert sorted(together) == sorted(row_digests(packed(a)) + row_digests(packed(b)))
+
+
 def test_an_iterable_epoch_end_inside_a_step_is_judged_against_the_configured_split():
     # 62 rows, effective batch 8: the last step of an epoch holds 6 rows
     assert not crosses(6, Split(4, 2)) and not crosses(6, Split(8, 1))

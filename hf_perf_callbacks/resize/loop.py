@@ -222,7 +222,8 @@ def _recover_or_raise(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
         session.end_run(trainer, error, tuner.in_optimizer_step, gave_up=True)
         raise RuntimeError(f"train_with_tuning gave up after {max_resizes} re-sizes"
                            f"{_memory_causes(session)}") from error
-    session.hold_rows(adapter.fetched_batches(error), trainer.state.global_step + 1)   # the failed step's rows
+    if world_size() == 1 or isinstance(error, ResizeNeeded):     # several ranks: every one of them is here
+        session.hold_rows(adapter.fetched_batches(error), trainer.state.global_step + 1)   # the failed step's rows
     try:
         checkpoint = session.recover_from_oom(trainer, error, tuner.in_optimizer_step, trial)
     except InexactResize as inexact:         # smaller splits exist, none exact for this run: every rank agreed on it

@@ -6,12 +6,13 @@ rows differ from the unfaulted run's trains. The session owns it (:meth:`TuningS
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from .. import adapter
 from ..batching import Split
 from ..device import gather_floats, world_size
-from ..rowstream import RowWatch, step_rows
+from ..rowstream import RowWatch, StepRows, step_rows
 
 
 class RowsDiffer(BaseException):
@@ -22,6 +23,16 @@ class RowsDiffer(BaseException):
     def __init__(self, step: int, split: Split, why: str, expected: Split | None):
         super().__init__(f"the rows of step {step} differ under {split}: {why}")
         self.step, self.split, self.why, self.expected = step, split, why, expected
+
+
+def every_rank(rows: StepRows) -> StepRows:
+    """The step's rows on every rank (two collectives: the counts, then each row's digest cut to 48 bits, which a
+    float carries exactly)."""
+    counts = [int(r[0]) for r in gather_floats([float(len(rows.digests))])]
+    mine = [float(int(d[:12], 16)) for d in rows.digests] + [-1.0] * (max(counts) - len(rows.digests))
+    gathered = gather_floats(mine) if max(counts) else [[] for _ in counts]
+    digests = tuple(f"{int(v):012x}" for rank, values in enumerate(gathered) for v in values[:counts[rank]])
+    return dataclasses.replace(rows, rows=len(digests), digests=digests)
 
 
 class RowCheck:
@@ -48,7 +59,7 @@ class RowCheck:
         step, split = self.trainer.state.global_step + 1, self.split_of(self.trainer.args)
         expected = self.watch.reference.split if self.watch.reference is not None else self.watch.configured
         checking = self.watch.checking
-        why = self.watch.fetched(step, split, batches, asked)
+        why = self.watch.fetched(step, split, batches, asked, every_rank if world_size() > 1 else None)
         if world_size() > 1 and checking:                   # every rank fetched this step: they decide together
             if any(r[0] for r in gather_floats([1.0 if why else 0.0])) and why is None:
                 why = "another rank's rows differ"
@@ -64,7 +75,12 @@ class RowCheck:
     def hold(self, batches: list | None, step: int, split: Split) -> None:
         """The micro-batches ``batches`` that ``split`` fetched for ``step`` (the step an error left) are the
         reference (None: unknown, the check compares nothing)."""
-        if batches is not None and self.enabled:
+        if not self.enabled:
+            return
+        if world_size() > 1:                                # every rank recovers together: all of them, or none
+            if min(r[0] for r in gather_floats([float(batches is not None)])) > 0 and batches is not None:
+                self.watch.hold(every_rank(step_rows(step, split, batches, len(batches))))
+        elif batches is not None:
             self.watch.hold(step_rows(step, split, batches, len(batches)))
 
     def switched(self) -> None:

@@ -486,13 +486,13 @@ class TuningSession:
             return self.measured
         larger = self.tuning.larger if self.tuning is not None else []     # only the tuning tries larger splits
         others = [s for s in self.exactness.splits if s.micro_batch < self.configured.micro_batch or s in larger]
-        skipped = ("the run has several ranks" if self.world > 1 else
+        skipped = ("no re-size can happen (max_resizes=0, no tuning)" if self.resizes_left == 0 and larger == [] else
+                   "the run has several ranks" if self.world > 1 else
                    "GRPO's rows are generated inside the step" if hasattr(self.args, "num_generations") else
                    f"the memory check moved the run to {self.split} before its first step"
                    if self.split != self.configured else None)
-        if skipped is not None or not others:
+        if skipped is not None or not others:       # nothing changes: the split file is written when it is
             self.measured = ExactnessCheck(exact=list(self.exactness.splits), skipped=skipped)
-            self.persist()
             return self.measured
         if self.bus is not None:
             self.bus.own_passes = True               # the meter counts none of the check's forwards

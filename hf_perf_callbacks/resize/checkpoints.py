@@ -235,13 +235,9 @@ class RunCheckpoints:
         """Record ``checkpoint-<step>`` as this run's, with its fingerprint, when it is complete (checked by the
         main process, which writes it; the other ranks take its word). ``whole``: saved by the run itself, with the
         whole training state whatever ``save_only_model`` says. True when recorded."""
-        path = checkpoint_dir(self.output_dir, step)
-        if is_main_process():
-            if not is_complete(path, step):
-                return False
-            mark = fingerprint(path)
-        else:
-            mark = "written by the main process"
+        mark = _mark(checkpoint_dir(self.output_dir, step), step)
+        if mark is None:
+            return False
         self.written = [w for w in self.written if w.step != step] + [WrittenCheckpoint(step, mark)]
         self.hidden.pop(step, None)             # written again where transformers writes it
         if whole:
@@ -252,13 +248,9 @@ class RunCheckpoints:
         """Record ``tuner_switch/checkpoint-<step>`` as this run's whole save of ``step`` for a switch, written beside
         the user's ``checkpoint-<step>`` (which holds the weights alone and is left as it is) when complete (checked by
         the main process); it is removed like any switch checkpoint. True when recorded."""
-        path = switch_dir(self.output_dir, step)
-        if is_main_process():
-            if not is_complete(path, step):
-                return False
-            mark = fingerprint(path)
-        else:
-            mark = "written by the main process"
+        mark = _mark(switch_dir(self.output_dir, step), step)
+        if mark is None:
+            return False
         self.copies[step] = mark
         if step not in self.switch_steps:
             self.switch_steps.append(step)
@@ -335,3 +327,11 @@ class RunCheckpoints:
                 self.hidden.pop(step, None)
                 self.written = [w for w in self.written if w.step != step]
         return True
+
+
+def _mark(path: str, step: int) -> str | None:
+    """The fingerprint of the checkpoint of ``step`` at ``path`` when it is complete (checked by the main process,
+    which writes it; the other ranks take its word), None when it is not."""
+    if not is_main_process():
+        return "written by the main process"
+    return fingerprint(path) if is_complete(path, step) else None

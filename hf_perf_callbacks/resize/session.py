@@ -126,12 +126,16 @@ class InexactResize(ValueError):
         self.checkpoint, self.not_saved = checkpoint, not_saved
         self.args = (self.message(),)
 
-    def message(self) -> str:
+    def opening(self) -> str:
+        """The message up to how to go on."""
         anyway, exactness = self.anyway, self.exactness
-        head = (f"out of memory at step {self.step} at split {self.old}, and no smaller split keeps this run exact: "
+        return (f"out of memory at step {self.step} at split {self.old}, and no smaller split keeps this run exact: "
                 f"{exactness.reason}. {exactness.fix} The run ends here rather than going on inexactly. To go on "
                 f"anyway at {anyway} (not exactly the configured run), set per_device_train_batch_size="
                 f"{anyway.micro_batch} and gradient_accumulation_steps={anyway.grad_accum} and ")
+
+    def message(self) -> str:
+        head = self.opening()
         if self.checkpoint is not None:
             return f"{head}resume with trainer.train(resume_from_checkpoint={self.checkpoint!r})."
         if self.not_saved:
@@ -149,12 +153,8 @@ class _OwnWords(InexactResize):
         self.not_saved = ""
         ValueError.__init__(self, self.message())
 
-    def message(self) -> str:
-        if self.checkpoint is not None:
-            return f"{self.head}resume with trainer.train(resume_from_checkpoint={self.checkpoint!r})."
-        if self.not_saved:
-            return f"{self.head}start again with trainer.train(): nothing was saved to go on from ({self.not_saved})."
-        return f"{self.head}resume with trainer.train(resume_from_checkpoint=...) from the checkpoint the run saved."
+    def opening(self) -> str:
+        return self.head
 
 
 class ReplayLost(_OwnWords):

@@ -111,8 +111,9 @@ def _why(difference: Difference, drew_rng: bool) -> str:
 
 def step_rows(dataset, count: int) -> list:
     """``count`` rows of ``dataset`` for the check: from its first ``POOL × count`` rows, ``count`` of spread
-    lengths, long and short alternating (so that every split's micro-batches pad differently); an iterable
-    dataset's first ``count`` rows."""
+    lengths, longest first, in bit-reversed order (every prefix the check uses spans the lengths, and consecutive
+    micro-batches hold different numbers of tokens and pad differently); an iterable dataset's first ``count``
+    rows."""
     if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
         return list(itertools.islice(iter(dataset), count))
     size = len(dataset)
@@ -122,9 +123,10 @@ def step_rows(dataset, count: int) -> list:
     lengths = [_length(row) for row in pool]
     order = sorted(range(len(pool)), key=lambda i: (lengths[i], i))
     picked = [order[round(k * (len(order) - 1) / (count - 1))] for k in range(count)] if count > 1 else order[:1]
-    long_short = [i for pair in itertools.zip_longest(picked[::-1][:(count + 1) // 2], picked[:count // 2])
-                  for i in pair if i is not None]
-    return [pool[i] for i in long_short]
+    longest_first = picked[::-1]
+    bits = max(count - 1, 1).bit_length()
+    spread = sorted(range(count), key=lambda k: int(f"{k:0{bits}b}"[::-1], 2))
+    return [pool[longest_first[k]] for k in spread]
 
 
 def _length(row) -> int:

@@ -297,9 +297,9 @@ def record(cell: Cell, column: str, outcome: str) -> bool:
     allowed = TUNING_COLUMNS if isinstance(cell.setting, Scenario) else COLUMNS
     if column not in allowed:
         raise ValueError(f"column={column!r} is not allowed: expected one of {sorted(allowed)}")
-    if not re.match(r"(yes|no: .+|refused: .+|said: .+)$", outcome, re.S):
-        raise ValueError(f"outcome={outcome!r} is not allowed: expected 'yes', 'no: <why>', 'refused: <message>' "
-                         f"or 'said: <why>'")
+    if not re.match(r"(yes|no: .+|refused: .+|said: .+|rule: .+|measured: .+)$", outcome, re.S):
+        raise ValueError(f"outcome={outcome!r} is not allowed: expected 'yes', 'no: <why>', 'refused: <message>', "
+                         f"'said: <why>', 'rule: <why>' or 'measured: <why>'")
     if installed_versions() != pinned_versions():
         return False
     results = load_results()

@@ -30,7 +30,7 @@ from tests.compat import (
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 BEGIN = "<!-- compat-table: rendered by `python -m tests.compat_table` from tests/compat_results.json -->"
 END = "<!-- compat-table: end -->"
-MARKS = {"yes": "✓", "no": "✗", "refused": "refused", "said": "said"}
+MARKS = {"yes": "✓", "no": "✗", "refused": "refused", "said": "said", "rule": "rule", "measured": "measured"}
 NOT_APPLICABLE = "n/a"
 
 
@@ -59,9 +59,9 @@ def render(results: dict) -> str:
               f"learning rates, weights and optimizer state. The plain Trainer's collator pads right, as training "
               f"does, except in the `padding_side=left` row. Exact by: ✓ the run's own rows showed it (the "
               f"exactness check at the first step: the gradients of each split the run may use against the "
-              f"configured split's, `hf_perf_callbacks/resize/measured.py`), said: measured: the check showed the "
-              f"other splits train something else, said: rule: the check did not run (why noted) and the rules "
-              f"decided. Versions: " +
+              f"configured split's, `hf_perf_callbacks/resize/measured.py`), measured: the check showed the other "
+              f"splits train something else, rule: the settings list decided (it refused the other splits first, "
+              f"or the check does not run for the cell: why noted). Versions: " +
               ", ".join(f"{name}\0{version}" for name, version in pinned_versions().items()) +
               " (`constraints.txt`); on CI's oldest set the cells are checked too, without changing the table.")
     lines = [_fill(legend), "", "| setting | " + " | ".join(TRAINERS) + " |", "|---" * (len(TRAINERS) + 1) + "|"]
@@ -103,10 +103,9 @@ def _mark(outcome: str | None, cell: Cell, notes: list[str]) -> str:
     kind, _, detail = outcome.partition(": ")
     if not detail:
         return MARKS[kind]
-    text = f"{cell.trainer}, `{cell.setting.name}`: {detail}"
-    if not any(note.endswith(f". {text}") for note in notes):          # the cell's other columns: one note
-        notes.append(f"{len(notes) + 1}. {text}")
-    return f"{MARKS[kind]} ({next(i for i, note in enumerate(notes, 1) if note.endswith(f'. {text}'))})"
+    if not any(note.endswith(f". {detail}") for note in notes):        # the same words anywhere: one note
+        notes.append(f"{len(notes) + 1}. {detail}")
+    return f"{MARKS[kind]} ({next(i for i, note in enumerate(notes, 1) if note.endswith(f'. {detail}'))})"
 
 
 def split_readme(text: str) -> tuple[str, str, str]:

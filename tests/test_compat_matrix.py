@@ -139,8 +139,9 @@ def test_results_are_recorded_only_in_their_format_and_on_the_pinned_versions(mo
     compat.record(cell, "metrics", "refused: ValueError: no")
     compat.record(cell, "resume_exact", "yes")
     assert compat.load_results() == {cell.id: {"metrics": "refused: ValueError: no", "resume_exact": "yes"}}
+    compat.record(cell, "exact_by", "rule: the check did not run")
     table = compat_table.render(compat.load_results())
-    assert "refused (1) · – · ✓" in table and f"1. {cell.trainer}, `{cell.setting.name}`: ValueError: no" in table
+    assert "refused (1) · – · ✓ · rule (2)" in table and "1. ValueError: no\n2. the check did not run" in table
     monkeypatch.setattr(compat, "installed_versions", lambda: {**compat.pinned_versions(), "trl": "1.0.0"})
     assert compat.record(cell, "metrics", "yes") is False                       # another version set: not recorded
     assert compat.load_results()[cell.id]["metrics"] == "refused: ValueError: no"

@@ -125,7 +125,7 @@ def test_a_resize_and_a_resume_train_exactly_what_an_unfaulted_run_trains(cell, 
         for column in ("resize_exact", "resume_exact"):
             compat.record(cell, column, f"said: {why}")
         measured = record.measured is not None and bool(record.measured.inexact)
-        compat.record(cell, "exact_by", f"said: {'measured' if measured else 'rule'}: {why}")
+        compat.record(cell, "exact_by", f"{'measured' if measured else 'rule'}: {why}")
         return
     except Exception as error:
         expected_refusal = cell.setting.refused.get(cell.trainer)
@@ -144,12 +144,12 @@ def test_a_resize_and_a_resume_train_exactly_what_an_unfaulted_run_trains(cell, 
 
 
 def exact_by(record) -> str:
-    """How the run's re-size was trusted: ``yes`` (its own rows showed it: the exactness check), ``said: rule: …``
-    (the check did not run, why; the rules decided)."""
+    """How the run's re-size was trusted: ``yes`` (its own rows showed it: the exactness check), ``rule: …`` (the
+    check did not run, why; the settings list decided)."""
     check = record.measured if record is not None else None
     if check is not None and check.skipped is None:
         return "yes"
-    return f"said: rule: {check.skipped if check is not None else 'the exactness check did not run'}"
+    return f"rule: {check.skipped if check is not None else 'the exactness check did not run'}"
 
 
 #: cells whose resume also runs in a real new process: the check that a fresh trainer stands for one

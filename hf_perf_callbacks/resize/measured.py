@@ -4,8 +4,8 @@ configured split trains, not because its settings are on a list.
 At the first optimizer step of a run that :func:`~hf_perf_callbacks.train_with_tuning` drives (inside ``train()``,
 with the model as the run prepared it: NEFTune's noise hook, the mixed precision, the user's collator and loss in
 place), before that step trains, :func:`measure` takes one optimizer step's rows of the training set (``E`` rows:
-the configured effective batch of one rank, mixed long and short so that regrouping changes the padding), and with
-the RNG put back before each pass, computes the accumulated gradients the trainer's own ``training_step`` gives them
+the configured effective batch of one rank, of spread lengths, :func:`step_rows`), and with the RNG put back before
+each pass, computes the accumulated gradients the trainer's own ``training_step`` gives them
 
 * grouped as each split the run may use that the rules of :mod:`~hf_perf_callbacks.batching` allow, on the fewest
   of those rows that it and the configured split both group whole (the ``lcm`` of their micro-batches: for a
@@ -19,11 +19,15 @@ and compares their :mod:`~hf_perf_callbacks.sketch` es (a few KB each): a split 
 past the noise and the compute dtype's rounding is not exact for this run, whatever its settings, and the run says
 so once, with the parameter that differs and the cause where one is seen (the step drew random numbers). The rules
 still explain, and still skip the splits they refuse (a check that is sure to fail). Nothing of the check stays:
-gradients, RNG, the trainer's accumulation count and args are put back; the cost (seconds, passes, sketch bytes) is
-recorded in the ``exactness`` decision.
+gradients, RNG, the trainer's accumulation count, args and TRL's logged metrics are put back; what it found and
+cost (seconds, passes, sketch bytes) is the split file's ``measured`` record
+(:class:`~hf_perf_callbacks.splitfile.ExactnessCheck`).
 
-Not measured (the rules decide, said in the decision): several ranks (each rank's gradient is one part of the
-exchange), GRPO (its rows are generated in the step), a training set with fewer than two micro-batches of rows.
+Not measured (the rules decide; :meth:`TuningSession.measure_exactness
+<hf_perf_callbacks.resize.session.TuningSession.measure_exactness>` says why in the record): several ranks (each
+rank's gradient is one part of the exchange), GRPO (its rows are generated in the step), a run that cannot re-size
+(``max_resizes=0`` without the tuning), a run the memory check moved before its first step, a training set with
+fewer rows than one optimizer step.
 """
 from __future__ import annotations
 

@@ -16,8 +16,10 @@ the RNG a checkpoint holds    :attr:`~TuningSession.next_rng`, noted by the tune
                               (:meth:`~TuningSession.note_rng`), written by :meth:`~TuningSession.save_checkpoint`
 the session id                :attr:`~TuningSession.id`: the run in the perf log (the bus's session) and the split
                               file; kept across in-process re-sizes and resumes of the same run
-the splits the run may use    :attr:`~TuningSession.exactness`, judged once at the start
-                              (:meth:`~TuningSession.judge_grouping`); :meth:`~TuningSession.candidates` is every
+the splits the run may use    :attr:`~TuningSession.exactness`, judged once at the start by the settings list
+                              (:meth:`~TuningSession.judge_grouping`), then narrowed to the splits the run's own
+                              rows showed exact at its first step (:meth:`~TuningSession.measure_exactness`,
+                              :attr:`~TuningSession.measured`); :meth:`~TuningSession.candidates` is every
                               reader's list (the tuning, the memory check, the OOM and watchdog re-sizes)
 what the training loop holds  :attr:`~TuningSession.loop_state` (:class:`~hf_perf_callbacks.adapter.LoopState`),
 between steps                 noted by the tuner at each step's begin and save, rewound before a recovery's save

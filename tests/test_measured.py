@@ -210,11 +210,35 @@ def test_a_split_the_rules_allowed_is_shown_inexact_on_the_runs_rows(tokenizer, 
     assert read_split_file(trainer.args.output_dir).restricted.splits == [CONFIGURED]
 
 
-@pytest.mark.parametrize("case", ["plain", "token weights over num_items_in_batch"])
+def _lora(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    from hf_perf_callbacks.tiny import build_model
+
+    return get_peft_model(build_model(tokenizer), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                             target_modules=["q_proj", "v_proj"],
+                                                             task_type="CAUSAL_LM"))
+
+
+EXACT_CASES = {
+    "plain": {},
+    "token weights over num_items_in_batch": {"loss_func": weighted_tokens},
+    "label smoothing": {"extra": {"label_smoothing_factor": 0.1}},
+    "gradient checkpointing": {"extra": {"gradient_checkpointing": True}},
+    "bf16 autocast": {"extra": {"bf16": True}},
+    "LoRA": {"model": "lora"},
+}
+
+
+@pytest.mark.parametrize("case", list(EXACT_CASES))
 def test_a_loss_over_the_whole_step_is_shown_exact_for_every_split(tokenizer, tmp_path, case):
-    trainer = _run(tokenizer, tmp_path, "run")
-    if case != "plain":
-        trainer.compute_loss_func = weighted_tokens
+    spec = dict(EXACT_CASES[case])
+    loss_func = spec.pop("loss_func", None)
+    if spec.pop("model", None):
+        spec["model"] = _lora(tokenizer)
+    trainer = _run(tokenizer, tmp_path, "run", **spec)
+    if loss_func is not None:
+        trainer.compute_loss_func = loss_func
     train_with_tuning(trainer)
     check = _measured(trainer)
     assert check.inexact == {} and check.exact == [CONFIGURED, *SMALLER]

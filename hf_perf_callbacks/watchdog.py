@@ -66,9 +66,9 @@ class MemoryWatchdog(PerfCallback):
     plus what the device can still give: on CUDA the allocator's reserved memory plus the device's free memory
     (``torch.cuda.mem_get_info``), so other processes, a vLLM pool, NCCL buffers, the CUDA context and anything this
     process holds outside PyTorch's caching allocator count against the wall (and PyTorch's per-process memory
-    fraction caps it where set); on MPS and CPU what the process holds plus the system's available memory. The
-    budget moves when the median of the last three readings leaves a band of 5% around it
-    (:class:`~hf_perf_callbacks.memory.MovingWall`: one noisy reading moves nothing); each move is an event (console
+    fraction caps it where set); on MPS and CPU what the process holds plus the system's available memory. A lower
+    wall is believed at once (below a band of 5% around the budget); a higher one only when the median of the last
+    three readings leaves the band (:class:`~hf_perf_callbacks.memory.MovingWall`); each move is an event (console
     and perf log) saying why ("another process (or memory outside PyTorch's allocator) holds 120.0 GiB of this
     card"; with ``pynvml`` installed, which processes), and the levels and the forecast use the new budget.
 
@@ -81,8 +81,14 @@ class MemoryWatchdog(PerfCallback):
     (3) at critical, or when the wall is ``stop_within_steps`` away with nothing else left: set
     ``control.should_save`` and ``control.should_training_stop`` — the checkpoint is written at this step, so no
     optimizer step is lost; the message names the causes (what holds memory outside the run, a leak). A steady leak
-    goes down the same ladder: a run with only this callback attached ends with a checkpoint before the wall. Under
-    several ranks each rank watches its own device and a stop on any rank stops all.
+    goes down the same ladder: a run with only this callback attached ends with a checkpoint before the wall.
+    **The next step** is held against the budget as it is now, every step: what it needs is this step's own peak
+    (never a residency re-sampled after a cache clear), its part above what stays allocated scaled to the most
+    tokens of one step seen where the Trainer counts them (``include_num_input_tokens_seen``). When it cannot fit,
+    the watchdog asks for a smaller micro-batch where something can re-size and the micro-batch is above 1, else
+    saves this step and stops, naming what holds the memory (``mem/outside_gb``). The stop's checkpoint holds the
+    whole training state (optimizer, scheduler, RNG) also under ``save_only_model=True``, so that its resume line
+    holds. Under several ranks each rank watches its own device and a stop on any rank stops all.
 
     Args:
         limit_gb: absolute budget in GiB (overrides the fraction and the reading).
@@ -156,6 +162,7 @@ class MemoryWatchdog(PerfCallback):
         self._tokens_seen: int | None = None             # state.num_input_tokens_seen at the last step's end
         self._most_tokens = 0                            # the most tokens of one step of this segment
         self._only_model_set_aside = False               # save_only_model set aside for the stop's checkpoint
+        self._sample_used = 0.0                          # the step's peak (before any cache clear)
 
     @property
     def _device(self) -> DeviceLayer:
@@ -292,6 +299,7 @@ class MemoryWatchdog(PerfCallback):
         obs, fields = self._observe(step, sample, micro)
         policy.observe(obs)
         need = self._next_step_need(sample, obs.used, state)
+        self._sample_used = obs.used
         self._sample = sample
         self.facts = self._facts(sample)
         self._bus.note_memory_facts(self.facts)
@@ -322,9 +330,9 @@ class MemoryWatchdog(PerfCallback):
         self.collective_step = step
         decision, any_critical = self._agree(decision, policy.level == CRITICAL or self._short is not None)
         if decision == SMALLER_BATCH:
-            self._act(step, SMALLER_BATCH, "asked for a smaller micro-batch: " + policy.reason())
-            accepted = any(self._bus.signal(SIGNAL_SMALLER_BATCH, reason=policy.reason(), step=step,
-                                            control=control))
+            why = self._short_words() or policy.reason()
+            self._act(step, SMALLER_BATCH, "asked for a smaller micro-batch: " + why)
+            accepted = any(self._bus.signal(SIGNAL_SMALLER_BATCH, reason=why, step=step, control=control))
             if not accepted and any_critical:   # nobody can shrink (the same answer on every rank)
                 decision = STOP
         if decision == STOP:
@@ -349,6 +357,14 @@ class MemoryWatchdog(PerfCallback):
         self._bus.record_step(step, fields)
         self._bus.publish(fields)
         self._device.reset_peak()
+
+    def _short_words(self) -> str | None:
+        """Why the next step cannot fit, in words (None when it can)."""
+        if self._short is None:
+            return None
+        need, budget = self._short
+        scaled = ", its activations at the longest rows seen" if need > self._sample_used else ""
+        return f"the next step needs about {gib(need)} (this step's peak{scaled}) and the budget is now {gib(budget)}"
 
     def _next_step_need(self, sample, used: float, state) -> float:
         """What the next step needs: this step's own peak, its part above what stays allocated between steps
@@ -435,8 +451,7 @@ class MemoryWatchdog(PerfCallback):
                   if follower else policy.reason())
         short = self._short if not follower else None
         if short is not None:
-            reason = (f"the next step needs about {gib(short[0])} (this step's peak) and the budget is now "
-                      f"{gib(short[1])}")
+            reason = self._short_words() or reason
         if self._sample is not None:                        # the stop names who holds the memory, where NVML can say
             self.facts = self._facts(self._sample, holders=True)
             self._bus.note_memory_facts(self.facts)

@@ -389,6 +389,63 @@ def test_a_wall_that_drops_in_one_step_asks_a_tuner_that_can_re_size_for_a_small
     assert [step for step, _ in tuner.requests] == [10] and watchdog.stopped_at is None
 
 
+class TokenCard(SharedCard):
+    """A scripted card whose step peaks at 4 GiB held between steps plus 64 MiB a token of the step (activations).
+    :class:`StepTokens` gives it each step's tokens and has another process take the card, at the first step from 4
+    on whose rows are shorter (0.8×) than the longest step's so far, down to a budget 2% above that step's peak."""
+
+    def __init__(self):
+        super().__init__(other=lambda step: self.held if self.taken_at is not None and step >= self.taken_at else 0,
+                         leak=0)
+        self.tokens = self.most = 0
+        self.taken_at: int | None = None
+        self.held = 0
+
+    def used(self) -> int:
+        return int(4 * GB + self.tokens * 64 * MIB)
+
+    def memory(self):
+        return dataclasses.replace(super().memory(), allocated=4 * GB)
+
+
+class StepTokens(TrainerCallback):
+    """Before the watchdog at each step's end: the step's tokens to the card, the other process's move, and the
+    out-of-memory error of a step the card could not hold."""
+
+    def __init__(self, card: TokenCard):
+        self.card, self.seen = card, 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        card = self.card
+        card.step, card.tokens, self.seen = state.global_step, state.num_input_tokens_seen - self.seen, \
+            state.num_input_tokens_seen
+        if card.taken_at is None and state.global_step >= 4 and card.tokens < 0.8 * card.most:
+            peak = card.used()
+            free = 1.02 * peak / 0.85 - peak - 0.25 * GB                     # the budget: 2% above this peak
+            card.held, card.taken_at = int(card.TOTAL - 0.5 * GB - peak - 0.25 * GB - free), state.global_step
+        card.most = max(card.most, card.tokens)
+        if card.free() < 0:
+            raise torch.OutOfMemoryError("CUDA out of memory (the scripted card is full)")
+
+
+def test_the_next_step_is_measured_at_the_longest_rows_seen(tokenizer, tmp_path, one_thread):
+    """The wall drops to just above a step of short rows: its own peak fits, but the next step may hold rows as
+    long as the longest seen so far (the Trainer counts the tokens: ``include_num_input_tokens_seen``), whose
+    activations do not. The watchdog stops there with a checkpoint; before, it looked only at the short step's peak
+    and the run ran out of memory at the next long step."""
+    card = TokenCard()
+    watchdog = MemoryWatchdog()
+    watchdog.device = card
+    trainer = make_trainer(tokenizer, tmp_path, [StepTokens(card), watchdog], max_steps=30, bs=2, ga=1,
+                           extra={"include_num_input_tokens_seen": "all"})
+    trainer.train()
+    assert card.taken_at is not None and watchdog.stopped_at == card.taken_at
+    assert os.path.isdir(tmp_path / f"checkpoint-{card.taken_at}")
+    stop = events(tmp_path, "stop")[-1]
+    peak = card.used() / GB
+    assert stop["budget_gb"] > peak and stop["need_gb"] > stop["budget_gb"]        # its own peak fits: the longest not
+
+
 def test_a_wall_that_rises_again_is_believed_only_once_it_holds(tokenizer, tmp_path, one_thread):
     """The other process holds 100 GiB for steps 4-7 and 9: the budget drops at step 4 (the reading that shows it),
     step 8's one reading of a higher wall moves nothing, and it rises at step 10, once two readings of the last

@@ -66,9 +66,9 @@ class MemoryWatchdog(PerfCallback):
     plus what the device can still give: on CUDA the allocator's reserved memory plus the device's free memory
     (``torch.cuda.mem_get_info``), so other processes, a vLLM pool, NCCL buffers, the CUDA context and anything this
     process holds outside PyTorch's caching allocator count against the wall (and PyTorch's per-process memory
-    fraction caps it where set); on MPS and CPU what the process holds plus the system's available memory. The
-    budget moves when the median of the last three readings leaves a band of 5% around it
-    (:class:`~hf_perf_callbacks.memory.MovingWall`: one noisy reading moves nothing); each move is an event (console
+    fraction caps it where set); on MPS and CPU what the process holds plus the system's available memory. A lower
+    wall is believed at once (below a band of 5% around the budget); a higher one only when the median of the last
+    three readings leaves the band (:class:`~hf_perf_callbacks.memory.MovingWall`); each move is an event (console
     and perf log) saying why ("another process (or memory outside PyTorch's allocator) holds 120.0 GiB of this
     card"; with ``pynvml`` installed, which processes), and the levels and the forecast use the new budget.
 
@@ -81,8 +81,14 @@ class MemoryWatchdog(PerfCallback):
     (3) at critical, or when the wall is ``stop_within_steps`` away with nothing else left: set
     ``control.should_save`` and ``control.should_training_stop`` — the checkpoint is written at this step, so no
     optimizer step is lost; the message names the causes (what holds memory outside the run, a leak). A steady leak
-    goes down the same ladder: a run with only this callback attached ends with a checkpoint before the wall. Under
-    several ranks each rank watches its own device and a stop on any rank stops all.
+    goes down the same ladder: a run with only this callback attached ends with a checkpoint before the wall.
+    **The next step** is held against the budget as it is now, every step: what it needs is this step's own peak
+    (never a residency re-sampled after a cache clear), its part above what stays allocated scaled to the most
+    tokens of one step seen where the Trainer counts them (``include_num_input_tokens_seen``). When it cannot fit,
+    the watchdog asks for a smaller micro-batch where something can re-size and the micro-batch is above 1, else
+    saves this step and stops, naming what holds the memory (``mem/outside_gb``). The stop's checkpoint holds the
+    whole training state (optimizer, scheduler, RNG) also under ``save_only_model=True``, so that its resume line
+    holds. Under several ranks each rank watches its own device and a stop on any rank stops all.
 
     Args:
         limit_gb: absolute budget in GiB (overrides the fraction and the reading).
@@ -152,6 +158,11 @@ class MemoryWatchdog(PerfCallback):
         self._announced_outside: float | None = None
         self._limit_warned = False
         self._sample: MemorySample | None = None        # the step's reading
+        self._short: tuple[float, float] | None = None   # (the next step's need, the budget) when it cannot fit
+        self._tokens_seen: int | None = None             # state.num_input_tokens_seen at the last step's end
+        self._most_tokens = 0                            # the most tokens of one step of this segment
+        self._only_model_set_aside = False               # save_only_model set aside for the stop's checkpoint
+        self._sample_used = 0.0                          # the step's peak (before any cache clear)
 
     @property
     def _device(self) -> DeviceLayer:
@@ -190,6 +201,7 @@ class MemoryWatchdog(PerfCallback):
         else:
             self._follow_wall(sample, state.global_step)
         self.policy.start_segment()
+        self._tokens_seen, self._most_tokens, self._short = None, 0, None
         self.facts = self._facts(sample)
         self._bus.note_memory_facts(self.facts)
         self.device.reset_peak()
@@ -286,6 +298,8 @@ class MemoryWatchdog(PerfCallback):
         micro = getattr(args, "per_device_train_batch_size", None)
         obs, fields = self._observe(step, sample, micro)
         policy.observe(obs)
+        need = self._next_step_need(sample, obs.used, state)
+        self._sample_used = obs.used
         self._sample = sample
         self.facts = self._facts(sample)
         self._bus.note_memory_facts(self.facts)
@@ -304,13 +318,21 @@ class MemoryWatchdog(PerfCallback):
                 continue
             decision = action
             break
+        self._short = None
+        if need >= self.budget and policy.segment_steps > policy.grace_steps and decision is None:
+            # the next step cannot fit in the budget as it is now (not as a residency re-sampled after a clear says)
+            self._short = (need, self.budget)
+            shrinkable = can_shrink and (micro or 1) > 1 and SMALLER_BATCH not in policy.episode
+            decision = SMALLER_BATCH if shrinkable else STOP if STOP not in policy.episode else None
+            if decision is not None:
+                policy.taken(decision)
         local = decision
         self.collective_step = step
-        decision, any_critical = self._agree(decision, policy.level == CRITICAL)
+        decision, any_critical = self._agree(decision, policy.level == CRITICAL or self._short is not None)
         if decision == SMALLER_BATCH:
-            self._act(step, SMALLER_BATCH, "asked for a smaller micro-batch: " + policy.reason())
-            accepted = any(self._bus.signal(SIGNAL_SMALLER_BATCH, reason=policy.reason(), step=step,
-                                            control=control))
+            why = self._short_words() or policy.reason()
+            self._act(step, SMALLER_BATCH, "asked for a smaller micro-batch: " + why)
+            accepted = any(self._bus.signal(SIGNAL_SMALLER_BATCH, reason=why, step=step, control=control))
             if not accepted and any_critical:   # nobody can shrink (the same answer on every rank)
                 decision = STOP
         if decision == STOP:
@@ -335,6 +357,29 @@ class MemoryWatchdog(PerfCallback):
         self._bus.record_step(step, fields)
         self._bus.publish(fields)
         self._device.reset_peak()
+
+    def _short_words(self) -> str | None:
+        """Why the next step cannot fit, in words (None when it can)."""
+        if self._short is None:
+            return None
+        need, budget = self._short
+        scaled = ", its activations at the longest rows seen" if need > self._sample_used else ""
+        return f"the next step needs about {gib(need)} (this step's peak{scaled}) and the budget is now {gib(budget)}"
+
+    def _next_step_need(self, sample, used: float, state) -> float:
+        """What the next step needs: this step's own peak, its part above what stays allocated between steps
+        scaled to the most tokens of one step seen in this segment where the Trainer counts them
+        (``include_num_input_tokens_seen``); the peak alone where it does not or the device has no peak."""
+        tokens = getattr(state, "num_input_tokens_seen", 0) or 0
+        step_tokens = tokens - self._tokens_seen if self._tokens_seen is not None else 0
+        self._tokens_seen = tokens
+        if step_tokens <= 0:
+            return used
+        self._most_tokens = max(self._most_tokens, step_tokens)
+        if sample.peak is None or sample.allocated is None:
+            return used
+        live = min(float(sample.allocated), used)
+        return live + (used - live) * self._most_tokens / step_tokens
 
     def _observe(self, step: int, sample, micro: int | None = None,
                  resample: bool = False) -> tuple[Observation, dict]:
@@ -404,6 +449,9 @@ class MemoryWatchdog(PerfCallback):
         policy = self._watch
         reason = ("another rank is about to run out of memory; this rank stops with it, at the same step"
                   if follower else policy.reason())
+        short = self._short if not follower else None
+        if short is not None:
+            reason = self._short_words() or reason
         if self._sample is not None:                        # the stop names who holds the memory, where NVML can say
             self.facts = self._facts(self._sample, holders=True)
             self._bus.note_memory_facts(self.facts)
@@ -418,6 +466,9 @@ class MemoryWatchdog(PerfCallback):
             return
         control.should_save = True
         control.should_training_stop = True
+        if getattr(args, "save_only_model", False):
+            args.save_only_model = False        # the stop's checkpoint holds the whole training state: the resume
+            self._only_model_set_aside = True   # below restores the schedule, the optimizer and the RNG (on_save)
         self.stopped_at = state.global_step
         checkpoint = f"{args.output_dir}/checkpoint-{state.global_step}"
         tuning = self._bus.tuning
@@ -432,18 +483,29 @@ class MemoryWatchdog(PerfCallback):
             after = f"once the memory held outside this run is freed, or with less memory: {lower}"
         else:
             after = f"after freeing memory: {lower}"
+        outside = self._sample.outside if self._sample is not None else None
         self._act(state.global_step, STOP,
                   f"stopped training at step {state.global_step} before running out of memory ({reason})."
                   f" A checkpoint is saved to {checkpoint}; no step is lost. Resume with {resume} {after}.",
-                  kind="stop")
+                  kind="stop", outside_gb=outside / GB if outside is not None else None,
+                  need_gb=short[0] / GB if short is not None else None, budget_gb=self.budget / GB)
 
-    def _act(self, step: int, action: str, message: str, kind: str = "action") -> None:
+    def _act(self, step: int, action: str, message: str, kind: str = "action", **fields) -> None:
         self.actions.append(WatchdogAction(step=step, action=action, message=message))
         self._bus.event(self.source, kind, message, step=step, action=action,
-                        level=LEVEL_NAMES[self._watch.level], steps_to_wall=self._watch.steps_to_wall)
+                        level=LEVEL_NAMES[self._watch.level], steps_to_wall=self._watch.steps_to_wall, **fields)
+
+    def on_save(self, args, state, control, **kwargs):
+        self._restore_only_model(args)
+
+    def _restore_only_model(self, args) -> None:
+        """Give ``save_only_model`` back once the stop's checkpoint is written."""
+        if self._only_model_set_aside:
+            args.save_only_model, self._only_model_set_aside = True, False
 
     # ------------------------------------------------------------ end
     def on_train_end(self, args, state, control, **kwargs):
+        self._restore_only_model(args)
         self.summary = {"high_water_gb": self.high_water / GB, "budget_gb": self.budget / GB,
                         "actions": list(self.actions), "stopped_at": self.stopped_at}
         self._bus.write_summary(self.source, self.summary)

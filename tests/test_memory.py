@@ -252,20 +252,23 @@ def test_the_budget_follows_what_the_run_can_reach_and_never_exceeds_the_fractio
     assert budget_bytes("cuda", 80 * GIB, None, None, reachable=0) == 1.0     # nothing left: a budget still exists
 
 
-def test_the_wall_ignores_one_noisy_reading_and_follows_a_real_move_one_reading_later():
+def test_a_lower_wall_is_believed_at_once_and_a_higher_one_only_once_it_holds():
+    """Safety first: a drop below the band moves the budget at the reading that shows it (another process took the
+    card between two steps: the next step meets it); a rise moves it only when the median of the last three
+    readings leaves the band; a drift within the band moves nothing."""
     from hf_perf_callbacks.memory import MovingWall
 
     wall = MovingWall(band=0.05, window=3)
     assert wall.update(100.0) is None and wall.value == 100.0
-    assert wall.update(60.0) is None and wall.value == 100.0           # one low reading moves nothing
+    assert wall.update(140.0) is None and wall.value == 100.0          # one high reading moves nothing
     assert wall.update(100.0) is None and wall.value == 100.0
-    assert wall.update(140.0) is None and wall.value == 100.0          # one high reading neither
-    assert wall.update(60.0) is None and wall.value == 100.0           # (100, 140, 60): median 100
-    assert wall.update(60.0) == 100.0 and wall.value == 60.0           # a real drop: moved at its second reading
+    assert wall.update(60.0) == 100.0 and wall.value == 60.0           # a drop: believed at once
     assert wall.update(62.0) is None and wall.value == 60.0            # within the band: no flapping
     assert wall.update(58.0) is None and wall.value == 60.0
-    assert wall.update(80.0) is None and wall.value == 60.0            # a rise moves after its second reading too
-    assert wall.update(80.0) == 60.0 and wall.value == 80.0
+    assert wall.update(80.0) is None and wall.value == 60.0            # a rise: not at its first reading
+    assert wall.update(60.0) is None and wall.value == 60.0            # (58, 80, 60): it did not hold
+    assert wall.update(80.0) == 60.0 and wall.value == 80.0            # (60, 80, 80): it held, believed
+    assert wall.update(40.0) == 80.0 and wall.value == 40.0            # down again at once
 
 
 def test_a_moving_budget_moves_the_forecast_and_the_levels():

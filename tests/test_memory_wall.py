@@ -11,6 +11,7 @@ process list.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -28,7 +29,7 @@ from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, keys, train_wi
 from hf_perf_callbacks.device import GB, DeviceLayer, MemorySample
 from hf_perf_callbacks.resize.oomsite import UnfixableOOM
 from tests.conftest import make_grpo, make_trainer
-from tests.faults import Fault
+from tests.faults import Fault, Trajectory, differences
 
 pytestmark = pytest.mark.launch   # many trainings each: with the launch suite, to keep `make test` quick
 
@@ -314,8 +315,9 @@ def test_the_shared_h200_of_the_report_stops_with_a_checkpoint_before_the_oom(to
 
 
 def test_a_tenant_that_comes_and_goes_moves_the_wall_both_ways(tokenizer, tmp_path, one_thread):
-    """No leak: another process takes 100 GiB at step 4 and gives it back at step 8. The budget per step follows
-    (one reading late: one reading alone never moves it), with one event each way, and nothing else happens."""
+    """No leak: another process takes 100 GiB at step 4 and gives it back at step 8. The budget per step follows:
+    down at the reading that shows it, up one reading late (one reading alone never raises it), with one event each
+    way, and nothing else happens."""
     card = SharedCard(other=lambda step: 100 * GB if 4 <= step < 8 else 0, leak=0)
     watchdog = MemoryWatchdog()
     watchdog.device = card
@@ -324,13 +326,166 @@ def test_a_tenant_that_comes_and_goes_moves_the_wall_both_ways(tokenizer, tmp_pa
     limits = {step: line[keys.MEM_LIMIT_GB] for step, line in step_lines(tmp_path).items()}
     full, shared = 0.85 * (SharedCard.TOTAL / GB - 0.5), 0.85 * (SharedCard.TOTAL / GB - 100 - 0.5)   # a context
     assert [round(limits[s], 2) for s in (3, 4, 5, 7, 8, 9)] == [round(x, 2) for x in
-                                                                  (full, full, shared, shared, shared, full)]
+                                                                  (full, shared, shared, shared, shared, full)]
     moves = events(tmp_path, "wall")
-    assert [(e["step"], round(e["budget_gb"], 2)) for e in moves] == [(5, round(shared, 2)), (9, round(full, 2))]
+    assert [(e["step"], round(e["budget_gb"], 2)) for e in moves] == [(4, round(shared, 2)), (9, round(full, 2))]
     assert "another process (or memory outside PyTorch's allocator) holds 100.5 GiB of this card" in moves[0][
         "message"]
     assert "memory outside this run's reach is 0.5 GiB (was 100.5 GiB)" in moves[1]["message"]
     assert watchdog.actions == [] and watchdog.stopped_at is None
+
+
+class SteppedCard(SharedCard):
+    """A scripted card whose steps peak at ``base`` (9 GiB) and from ``longer_from`` on at 11 GiB (longer rows),
+    with 4 GiB allocated between steps (weights, gradients, optimizer state): a residency re-sampled after a cache
+    clear looks far from the wall. Another process takes all the free memory but 0.5 GiB at the end of ``taken_at``
+    (the watchdog's reading of that step sees it)."""
+
+    def __init__(self, taken_at=10, longer_from=11):
+        self.taken_at, self.longer_from = taken_at, longer_from
+        held = self.TOTAL - int(0.5 * GB) - 9 * GB - int(0.25 * GB) - int(0.5 * GB)
+        super().__init__(other=lambda step: held if step >= taken_at else 0, leak=0)
+
+    def used(self) -> int:
+        return int(11 * GB if self.step >= self.longer_from else self.base)
+
+    def memory(self):
+        return dataclasses.replace(super().memory(), allocated=4 * GB)
+
+
+def test_a_wall_that_drops_in_one_step_ends_with_a_checkpoint_of_that_step_not_an_oom(tokenizer, tmp_path,
+                                                                                     one_thread):
+    """Another process takes all the free memory but 0.5 GiB at the end of step 10; step 11's rows are longer.
+    Before, the budget stayed (the median of three readings had not moved) and step 11 ran out of memory with no
+    checkpoint. Now the lower wall is believed at once, this step's peak does not fit in it for the next step, and
+    nothing can shrink the step (no tuner): a checkpoint of step 10 and a stop there, naming the other process."""
+    card = SteppedCard()
+    watchdog = MemoryWatchdog()
+    watchdog.device = card
+    trainer = make_trainer(tokenizer, tmp_path, [StepOf(card), watchdog], max_steps=16, bs=2, ga=1)
+    trainer.train()                                  # the scripted card raises an OOM at step 11: none came
+    assert watchdog.stopped_at == 10 and trainer.state.global_step == 10
+    assert os.path.isdir(tmp_path / "checkpoint-10")
+    line = step_lines(tmp_path)[10]
+    assert line[keys.MEM_LIMIT_GB] < 9.0 < line[keys.MEM_OUTSIDE_GB]        # the budget of step 10 is the new one
+    stop = events(tmp_path, "stop")[-1]
+    assert stop["step"] == 10 and stop["outside_gb"] == pytest.approx(line[keys.MEM_OUTSIDE_GB])
+    assert stop["need_gb"] == pytest.approx(9.0) and stop["budget_gb"] < stop["need_gb"]
+    assert "another process (or memory outside PyTorch's allocator) holds" in stop["message"]
+    assert [a["action"] for a in watchdog.actions] == ["clear_cache", "stop"]
+
+
+def test_a_wall_that_drops_in_one_step_asks_a_tuner_that_can_re_size_for_a_smaller_micro_batch(tokenizer,
+                                                                                              tmp_path, one_thread):
+    """The same wall with something that can re-size listening and a micro-batch above 1: the existing ladder's
+    request for a smaller micro-batch at step 10, not a stop."""
+    from tests.test_watchdog import FakeTuner
+
+    card = SteppedCard()
+    watchdog, tuner = MemoryWatchdog(), FakeTuner()
+    watchdog.device = card
+    make_trainer(tokenizer, tmp_path, [StepOf(card), watchdog, tuner], max_steps=10, bs=2, ga=1).train()
+    assert [(a["step"], a["action"]) for a in watchdog.actions] == [(10, "clear_cache"), (10, "smaller_batch")]
+    assert [step for step, _ in tuner.requests] == [10] and watchdog.stopped_at is None
+
+
+class TokenCard(SharedCard):
+    """A scripted card whose step peaks at 4 GiB held between steps plus 64 MiB a token of the step (activations).
+    :class:`StepTokens` gives it each step's tokens and has another process take the card, at the first step from 4
+    on whose rows are shorter (0.8×) than the longest step's so far, down to a budget 2% above that step's peak."""
+
+    def __init__(self):
+        super().__init__(other=lambda step: self.held if self.taken_at is not None and step >= self.taken_at else 0,
+                         leak=0)
+        self.tokens = self.most = 0
+        self.taken_at: int | None = None
+        self.held = 0
+
+    def used(self) -> int:
+        return int(4 * GB + self.tokens * 64 * MIB)
+
+    def memory(self):
+        return dataclasses.replace(super().memory(), allocated=4 * GB)
+
+
+class StepTokens(TrainerCallback):
+    """Before the watchdog at each step's end: the step's tokens to the card, the other process's move, and the
+    out-of-memory error of a step the card could not hold."""
+
+    def __init__(self, card: TokenCard):
+        self.card, self.seen = card, 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        card = self.card
+        card.step, card.tokens, self.seen = state.global_step, state.num_input_tokens_seen - self.seen, \
+            state.num_input_tokens_seen
+        if card.taken_at is None and state.global_step >= 4 and card.tokens < 0.8 * card.most:
+            peak = card.used()
+            free = 1.02 * peak / 0.85 - peak - 0.25 * GB                     # the budget: 2% above this peak
+            card.held, card.taken_at = int(card.TOTAL - 0.5 * GB - peak - 0.25 * GB - free), state.global_step
+        card.most = max(card.most, card.tokens)
+        if card.free() < 0:
+            raise torch.OutOfMemoryError("CUDA out of memory (the scripted card is full)")
+
+
+def test_the_next_step_is_measured_at_the_longest_rows_seen(tokenizer, tmp_path, one_thread):
+    """The wall drops to just above a step of short rows: its own peak fits, but the next step may hold rows as
+    long as the longest seen so far (the Trainer counts the tokens: ``include_num_input_tokens_seen``), whose
+    activations do not. The watchdog stops there with a checkpoint; before, it looked only at the short step's peak
+    and the run ran out of memory at the next long step."""
+    card = TokenCard()
+    watchdog = MemoryWatchdog()
+    watchdog.device = card
+    trainer = make_trainer(tokenizer, tmp_path, [StepTokens(card), watchdog], max_steps=30, bs=2, ga=1,
+                           extra={"include_num_input_tokens_seen": "all"})
+    trainer.train()
+    assert card.taken_at is not None and watchdog.stopped_at == card.taken_at
+    assert os.path.isdir(tmp_path / f"checkpoint-{card.taken_at}")
+    stop = events(tmp_path, "stop")[-1]
+    peak = card.used() / GB
+    assert stop["budget_gb"] > peak and stop["need_gb"] > stop["budget_gb"]        # its own peak fits: the longest not
+
+
+def test_a_wall_that_rises_again_is_believed_only_once_it_holds(tokenizer, tmp_path, one_thread):
+    """The other process holds 100 GiB for steps 4-7 and 9: the budget drops at step 4 (the reading that shows it),
+    step 8's one reading of a higher wall moves nothing, and it rises at step 10, once two readings of the last
+    three hold it (before, the drop too waited for the median: step 5)."""
+    held = {4, 5, 6, 7, 9}
+    card = SharedCard(other=lambda step: 100 * GB if step in held else 0, leak=0)
+    watchdog = MemoryWatchdog()
+    watchdog.device = card
+    trainer = make_trainer(tokenizer, tmp_path, [StepOf(card), watchdog], max_steps=12, bs=2, ga=1)
+    trainer.train()
+    limits = {step: round(line[keys.MEM_LIMIT_GB], 2) for step, line in step_lines(tmp_path).items()}
+    full, shared = (round(0.85 * (SharedCard.TOTAL / GB - 0.5 - x), 2) for x in (0, 100))
+    assert [limits[s] for s in range(3, 13)] == [full] + [shared] * 6 + [full] * 3
+    assert [(e["step"], round(e["budget_gb"], 2)) for e in events(tmp_path, "wall")] == [(4, shared), (10, full)]
+    assert watchdog.actions == [] and watchdog.stopped_at is None
+
+
+def test_the_stop_under_save_only_model_resumes_as_it_says(tokenizer, tmp_path, one_thread):
+    """``save_only_model=True``: the watchdog's stop used to write the weights alone while saying "no step is lost.
+    Resume with trainer.train(resume_from_checkpoint=…)"; resuming as told restarted the schedule, the optimizer
+    and the RNG. Its checkpoint now holds the whole training state (``save_only_model`` set aside for that save and
+    given back), and a new trainer resumed from it trains what the unstopped run trains: the same samples, RNG
+    stream, learning rates, weights and optimizer state."""
+    only_model = dict(save_only_model=True)
+    expected = Trajectory()
+    expected.attach(make_trainer(tokenizer, tmp_path / "plain", [expected], max_steps=12, bs=2, ga=1,
+                                 extra=only_model)).train()
+    card, stopped = SteppedCard(), Trajectory()
+    watchdog = MemoryWatchdog()
+    watchdog.device = card
+    trainer = make_trainer(tokenizer, tmp_path / "run", [StepOf(card), watchdog, stopped], max_steps=12, bs=2, ga=1,
+                           extra=only_model)
+    stopped.attach(trainer).train()
+    assert watchdog.stopped_at == 10 and trainer.args.save_only_model            # given back after the save
+    checkpoint = tmp_path / "run" / "checkpoint-10"
+    assert {"optimizer.pt", "scheduler.pt", "rng_state.pth"} <= set(os.listdir(checkpoint))
+    resumed = Trajectory().continues(stopped, 10)
+    again = make_trainer(tokenizer, tmp_path / "run", [resumed], max_steps=12, bs=2, ga=1, extra=only_model)
+    resumed.attach(again).train(resume_from_checkpoint=str(checkpoint))
+    assert differences(expected, resumed) == []
 
 
 def test_a_re_size_that_gives_up_names_the_causes(tokenizer, tmp_path, one_thread):

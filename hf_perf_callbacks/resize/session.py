@@ -51,7 +51,16 @@ from typing import TYPE_CHECKING
 
 from .. import adapter
 from ..batching import Exactness, Split, exact_splits, exact_under, next_smaller
-from ..device import DeviceLayer, error_line, is_main_process, rng_state, set_rng_state, training_device, world_size
+from ..device import (
+    DeviceLayer,
+    error_line,
+    gather_floats,
+    is_main_process,
+    rng_state,
+    set_rng_state,
+    training_device,
+    world_size,
+)
 from ..keys import SPLIT_FILE
 from ..splitfile import (
     Decision,
@@ -986,12 +995,12 @@ def recorded_session(output_dir: str, checkpoint: str | None) -> SplitFile | Non
     the record lists as written, with the same fingerprint (another run's record, or one whose checkpoint was
     rewritten since, is not adopted)."""
     record = read_split_file(output_dir)
-    if record is None or checkpoint is None:
-        return record if checkpoint is None else None
+    if checkpoint is None:
+        return record
     step = step_of(checkpoint)
-    entry = record.checkpoint(step) if step is not None else None
-    if entry is None or not is_complete(checkpoint, step):
-        return None
-    if is_main_process() and fingerprint(checkpoint) != entry.fingerprint:
-        return None
-    return record
+    entry = record.checkpoint(step) if record is not None and step is not None else None
+    adopted = (entry is not None and is_complete(checkpoint, step)
+               and (not is_main_process() or fingerprint(checkpoint) == entry.fingerprint))
+    if world_size() > 1:            # every rank takes the main process's word: one split on every rank
+        adopted = gather_floats([float(adopted)])[0][0] > 0
+    return record if adopted else None

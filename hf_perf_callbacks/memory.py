@@ -210,7 +210,11 @@ class MemoryPolicy:
     stop_within_steps: float = STOP_WITHIN_STEPS
     leak_min_growth: float = 1024**2
     level: int = OK
-    history: deque[tuple[int, float]] = field(default_factory=deque)   # (step, used bytes)
+    history: deque[tuple[int, float]] = field(default_factory=deque)   # (step, used bytes) of this segment
+    growth: deque[float] = field(default_factory=deque)   # step-to-step growth within segments, after their grace
+    grew_last: bool = False              # the latest reading added to ``growth``
+    last_used: float | None = None       # the latest reading, across segments
+    switch_rise: float = 0.0             # the largest rise a segment's first reading brought over the one before
     swap_streak: int = 0
     segment_steps: int = 0
     episode: list[str] = field(default_factory=list)
@@ -228,6 +232,7 @@ class MemoryPolicy:
         check_number("warn_within_steps", self.warn_within_steps, low=0)
         check_number("stop_within_steps", self.stop_within_steps, low=0, high=self.warn_within_steps)
         self.history = deque(maxlen=self.trend_window)
+        self.growth = deque(maxlen=self.trend_window - 1)
 
     def set_budget(self, budget: float) -> None:
         """The budget from now on (the wall moved); levels and the forecast use it from the next observation."""
@@ -244,17 +249,25 @@ class MemoryPolicy:
         """Account a reading (``replace_last``: a re-sample after an action in the same step); returns the level."""
         if replace_last and self.history:
             self.history.pop()
+            if self.grew_last:
+                self.growth.pop()
         else:
             self.segment_steps += 1
             self.swap_streak = self.swap_streak + 1 if (obs.swapouts or 0) > 0 else 0
+        self.grew_last = bool(self.history) and self.segment_steps > self.grace_steps   # from the grace on
+        if self.grew_last:
+            self.growth.append(obs.used - self.history[-1][1])
+        if not self.history and self.last_used is not None and not replace_last:   # a segment's first reading
+            self.switch_rise = max(self.switch_rise, obs.used - self.last_used - max(self.leak_rate or 0.0, 0.0))
+        self.last_used = obs.used
         self.history.append((obs.step, obs.used))
         if obs.micro_batch is not None:
             self.micro_batch = obs.micro_batch
-        if self.segment_steps > self.grace_steps and len(self.history) == self.trend_window:
+        if self.leaking:
+            self.leak_rate = sum(self.growth) / len(self.growth)
+        elif self.segment_steps > self.grace_steps and len(self.history) == self.trend_window:
             slope = self.slope
-            if self.leaking:
-                self.leak_rate = slope
-            elif slope is not None and slope <= self.leak_min_growth:   # a whole window without growth
+            if slope is not None and slope <= self.leak_min_growth:     # a whole window without growth
                 self.leak_rate = None
         self.level = self._level(obs)
         if self.level == OK and not self._wall_near(self.warn_within_steps):
@@ -288,8 +301,18 @@ class MemoryPolicy:
 
     def forecast(self) -> WallForecast | None:
         """Steps to the budget with a 95% range (:func:`~hf_perf_callbacks.stats.steps_to_limit`); None when the
-        trend is not growing or fewer than 3 samples."""
-        return steps_to_limit([s for s, _ in self.history], [u for _, u in self.history], self.budget)
+        trend is not growing or fewer than 3 samples. While a leak is known (``leak_rate``, kept across segments),
+        the wall is never forecast farther than the leak brings it from the latest reading, less the largest rise a
+        switch brought in this run: a switch starts a new segment, not a new leak."""
+        segment = steps_to_limit([s for s, _ in self.history], [u for _, u in self.history], self.budget)
+        if self.leak_rate is None or self.leak_rate <= 0 or not self.history:
+            return segment
+        # the next switch may bring the largest rise one brought before (a larger split's level)
+        steps = max(self.budget - self.history[-1][1] - self.switch_rise, 0.0) / self.leak_rate
+        if segment is not None and segment.steps <= steps:
+            return segment
+        rate = self.leak_rate
+        return WallForecast(steps=steps, low=steps, high=steps, slope=rate, growth_low=rate, growth_high=rate)
 
     def _wall_near(self, within: float) -> bool:
         stw = self.steps_to_wall
@@ -297,10 +320,18 @@ class MemoryPolicy:
 
     @property
     def leaking(self) -> bool:
-        """Memory grew by more than ``leak_min_growth`` on every step of a full trend window after grace."""
-        if self.segment_steps <= self.grace_steps or len(self.history) < self.trend_window:
+        """Growth no split explains: over the last ``trend_window - 1`` step-to-step changes within segments (a
+        switch or re-size starts a segment; the changes into its first ``grace_steps`` steps are left out, and so
+        is the change across it), memory never fell by more than ``leak_min_growth``, grew by more than that on at
+        least every other step (one of the last two among them), and by more than that a step on average: a leak
+        on every step, on every other step, or across the splits of a tuning in turn."""
+        changes = list(self.growth)
+        if len(changes) < self.trend_window - 1:
             return False
-        return self._growing_on_every_step()
+        grew = sum(1 for c in changes if c > self.leak_min_growth)
+        return (min(changes) > -self.leak_min_growth and 2 * grew >= len(changes) - 1
+                and max(changes[-2:]) > self.leak_min_growth                 # still growing
+                and sum(changes) > self.leak_min_growth * len(changes))
 
     @property
     def steady_growth(self) -> bool:
@@ -341,8 +372,9 @@ class MemoryPolicy:
 
     # ------------------------------------------------------------ deciding
     def next_action(self, can_shrink: bool) -> str | None:
-        """The next rung of the ladder for this step, or None. Call :meth:`taken` after acting."""
-        if self.segment_steps <= self.grace_steps:
+        """The next rung of the ladder for this step, or None (in a segment's grace steps too, unless a leak is
+        known: a switch starts a new segment, not a new leak). Call :meth:`taken` after acting."""
+        if self.segment_steps <= self.grace_steps and self.leak_rate is None:
             return None
         urgent = self.level == CRITICAL or self._wall_near(self.stop_within_steps)
         pressing = urgent or self.level == WARN or self._wall_near(self.warn_within_steps)

@@ -337,21 +337,23 @@ class MemoryWatchdog(PerfCallback):
                 decision = STOP
         if decision == STOP:
             self._stop(args, state, control, follower=local != STOP and local != SMALLER_BATCH)
-        slope = policy.slope                        # None before the trend window holds 3 steps (a leak needs it full)
-        if policy.leaking and slope is not None and not policy.leak_reported:
+        rate = policy.leak_rate                     # growth a step, within segments (across a tuning's switches)
+        if policy.leaking and rate is not None and not policy.leak_reported:
             policy.leak_reported = True
             forecast = policy.steps_to_wall
             plan = (f"the watchdog clears caches when the wall is {self.warn_within_steps:g} steps away and saves "
                     f"a checkpoint and stops {self.stop_within_steps:g} steps before it"
                     + (f" (the wall is {forecast:.0f} steps away now)" if forecast is not None else "")
                     if self.stop else "stop=False: the watchdog will only warn")
-            self.warn(f"memory grew on each of the last {policy.trend_window} steps (+{mib(slope)}/step): a steady "
-                      f"leak, e.g. tensors kept across steps (a loss appended without .item(), a growing cache); a "
-                      f"smaller micro-batch does not stop it: {plan}", step=step, leak_mib_per_step=slope / 2**20)
+            self.warn(f"memory grew by {mib(rate)} a step over the last {policy.trend_window} steps, whatever the "
+                      f"split: a steady leak, e.g. tensors kept across steps (a loss appended without .item(), a "
+                      f"growing cache); a smaller micro-batch does not stop it: {plan}", step=step,
+                      leak_mib_per_step=rate / 2**20)
         fields[keys.MEM_PRESSURE] = policy.level
         fields.update(wall_fields(policy.forecast(), state.max_steps - step if state.max_steps > 0 else None))
         # a forecast of an earlier step must not reach this step's log
         self._bus.withdraw(*(key for key in WALL_KEYS if key not in fields))
+        slope = policy.slope                        # None before the segment holds 3 steps
         if slope is not None:
             fields[keys.MEM_GROWTH_MB_PER_STEP] = slope / 1024**2
         self._bus.record_step(step, fields)

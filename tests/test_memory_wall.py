@@ -214,6 +214,32 @@ def test_a_leak_under_train_with_tuning_stops_with_a_checkpoint_and_no_re_size(t
     assert trainer.args.per_device_train_batch_size == 4
 
 
+class EveryOtherStepLeak(Leak):
+    """Keeps twice the tensor every second step (with the logs, say): the same growth a step on average, but a
+    step without growth between two that grow."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % 2 == 0:
+            self.kept.append(torch.ones(2 * self.size // 4, dtype=torch.float32))
+
+
+def test_a_leak_every_other_step_under_train_with_tuning_is_named_and_stopped_without_a_re_size(tokenizer, tmp_path,
+                                                                                              one_thread):
+    """Growth on every other step is a leak too: the old rule (growth on every step) missed it, asked for a smaller
+    micro-batch, re-sized and blamed the micro-batch."""
+    leak = EveryOtherStepLeak(LEAK)
+    watchdog, tuner = MemoryWatchdog(budget_fraction=fraction_for(18 * LEAK)), AdaptiveBatchTuner(tune=False)
+    trainer = make_trainer(tokenizer, tmp_path, [leak, watchdog, tuner], max_steps=40, bs=4, ga=2)
+    try:
+        train_with_tuning(trainer)
+        assert_stopped_before_the_wall(tmp_path, watchdog, trainer, 40)
+    finally:
+        leak.kept.clear()
+    assert "smaller_batch" not in [a["action"] for a in watchdog.actions]
+    assert [d.kind for d in tuner.session.decisions] == [] and tuner.session.resizes == 0
+    assert any("steady leak" in e["message"] for e in events(tmp_path, "warning"))
+
+
 def test_an_oom_while_leaking_is_named_not_re_sized(tokenizer, tmp_path, one_thread):
     """An out-of-memory error after the watchdog saw the leak: every smaller split would run out again, so the
     run saves its last step and ends naming the leak instead of re-sizing 4 → 2 → 1."""

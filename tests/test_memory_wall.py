@@ -198,10 +198,22 @@ def test_a_leak_with_only_the_watchdog_attached_ends_with_a_checkpoint_before_th
     assert "a smaller micro-batch does not stop it" in warned[0]["message"]
 
 
-def test_a_leak_under_train_with_tuning_stops_with_a_checkpoint_and_no_re_size(tokenizer, tmp_path, one_thread):
+class EveryOtherStepLeak(Leak):
+    """Keeps twice the tensor every second step (with the logs, say): the same growth a step on average, but a
+    step without growth between two that grow."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % 2 == 0:
+            self.kept.append(torch.ones(2 * self.size // 4, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("leak_kind", [Leak, EveryOtherStepLeak], ids=["every step", "every other step"])
+def test_a_leak_under_train_with_tuning_stops_with_a_checkpoint_and_no_re_size(tokenizer, tmp_path, one_thread,
+                                                                               leak_kind):
     """With the tuner listening, the old ladder asked for a smaller micro-batch (and the next, and the next): a
-    leak now goes from clearing straight to the checkpoint and the stop, naming the leak."""
-    leak = Leak(LEAK)
+    leak now goes from clearing straight to the checkpoint and the stop, naming the leak. Growth on every other
+    step is a leak too (the old rule, growth on every step, missed it, re-sized and blamed the micro-batch)."""
+    leak = leak_kind(LEAK)
     watchdog, tuner = MemoryWatchdog(budget_fraction=fraction_for(18 * LEAK)), AdaptiveBatchTuner(tune=False)
     trainer = make_trainer(tokenizer, tmp_path, [leak, watchdog, tuner], max_steps=40, bs=4, ga=2)
     try:
@@ -212,31 +224,6 @@ def test_a_leak_under_train_with_tuning_stops_with_a_checkpoint_and_no_re_size(t
     assert "smaller_batch" not in [a["action"] for a in watchdog.actions]
     assert [d.kind for d in tuner.session.decisions] == [] and tuner.session.resizes == 0
     assert trainer.args.per_device_train_batch_size == 4
-
-
-class EveryOtherStepLeak(Leak):
-    """Keeps twice the tensor every second step (with the logs, say): the same growth a step on average, but a
-    step without growth between two that grow."""
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % 2 == 0:
-            self.kept.append(torch.ones(2 * self.size // 4, dtype=torch.float32))
-
-
-def test_a_leak_every_other_step_under_train_with_tuning_is_named_and_stopped_without_a_re_size(tokenizer, tmp_path,
-                                                                                              one_thread):
-    """Growth on every other step is a leak too: the old rule (growth on every step) missed it, asked for a smaller
-    micro-batch, re-sized and blamed the micro-batch."""
-    leak = EveryOtherStepLeak(LEAK)
-    watchdog, tuner = MemoryWatchdog(budget_fraction=fraction_for(18 * LEAK)), AdaptiveBatchTuner(tune=False)
-    trainer = make_trainer(tokenizer, tmp_path, [leak, watchdog, tuner], max_steps=40, bs=4, ga=2)
-    try:
-        train_with_tuning(trainer)
-        assert_stopped_before_the_wall(tmp_path, watchdog, trainer, 40)
-    finally:
-        leak.kept.clear()
-    assert "smaller_batch" not in [a["action"] for a in watchdog.actions]
-    assert [d.kind for d in tuner.session.decisions] == [] and tuner.session.resizes == 0
     assert any("steady leak" in e["message"] for e in events(tmp_path, "warning"))
 
 

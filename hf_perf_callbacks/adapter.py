@@ -466,19 +466,43 @@ def replace_method(trainer, name: str, make: Callable[[Callable], Callable]) -> 
     return undo
 
 
-def watch_batch_samples(trainer, fetched: Callable[[list, int], None]) -> Callable[[], None]:
+#: what a :func:`watch_batch_samples` watcher returns to leave the fetched optimizer step untrained
+SKIP_STEP = "skip"
+
+
+def watch_batch_samples(trainer, fetched: Callable[[list, int], object]) -> Callable[[], None]:
     """Call ``fetched(batch_samples, num_batches)`` with what ``trainer.get_batch_samples`` fetched for each
     optimizer step (the micro-batches, and how many were asked for), before the step trains; an exception of
-    ``fetched`` goes through to the training loop. Returns the undo."""
+    ``fetched`` goes through to the training loop. Several watchers share one wrapper and run in the order they came;
+    one that returns :data:`SKIP_STEP` leaves the step untrained: the loop gets no micro-batch, so it trains none,
+    sees ``control.should_training_stop`` and ends the epoch and the run there (its ``on_epoch_end``, the save the
+    control asks for, ``on_train_end``), and the watchers after it are not called. Returns the undo."""
+    watchers = trainer.__dict__.get("_hf_perf_batch_watchers")
+    if watchers is None:
+        watchers = []
 
-    def make(original):
-        def get_batch_samples(epoch_iterator, num_batches, *args, **kwargs):
-            result = original(epoch_iterator, num_batches, *args, **kwargs)
-            fetched(result[0], num_batches)
-            return result
-        return get_batch_samples
+        def make(original):
+            def get_batch_samples(epoch_iterator, num_batches, *args, **kwargs):
+                batches, count = original(epoch_iterator, num_batches, *args, **kwargs)
+                for watcher in list(watchers):
+                    if watcher(batches, num_batches) == SKIP_STEP:
+                        return [], count
+                return batches, count
+            return get_batch_samples
 
-    return replace_method(trainer, "get_batch_samples", make)
+        unwrap = replace_method(trainer, "get_batch_samples", make)
+        trainer.__dict__["_hf_perf_batch_watchers"] = watchers
+        trainer.__dict__["_hf_perf_batch_unwrap"] = unwrap
+    watchers.append(fetched)
+
+    def undo() -> None:
+        if fetched in watchers:
+            watchers.remove(fetched)
+        if not watchers and trainer.__dict__.get("_hf_perf_batch_watchers") is watchers:
+            trainer.__dict__.pop("_hf_perf_batch_unwrap")()
+            del trainer.__dict__["_hf_perf_batch_watchers"]
+
+    return undo
 
 
 #: the training loop's functions whose ``batch_samples`` local holds the step's micro-batches

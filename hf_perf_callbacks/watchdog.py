@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Mapping
 
-from . import keys
+from . import adapter, keys
 from .base import Clock, PerfCallback
 from .bus import SIGNAL_CLEAR, SIGNAL_SMALLER_BATCH
 from .device import GB, DeviceLayer, MemorySample, gather_floats, world_size
@@ -159,8 +160,11 @@ class MemoryWatchdog(PerfCallback):
         self._limit_warned = False
         self._sample: MemorySample | None = None        # the step's reading
         self._short: tuple[float, float] | None = None   # (the next step's need, the budget) when it cannot fit
-        self._tokens_seen: int | None = None             # state.num_input_tokens_seen at the last step's end
-        self._most_tokens = 0                            # the most tokens of one step of this segment
+        self._planned: int | None = None                 # the size of the step's largest micro-batch (fetched)
+        self._most_rows = 0                              # the largest micro-batch of a step of this segment
+        self._reference: tuple[float, float, int] | None = None  # (peak, held between steps, size) of the last step
+        self._stop_watching_fetches: Callable[[], None] | None = None
+        self._watching: object = None                            # the trainer whose fetches are watched
         self._only_model_set_aside = False               # save_only_model set aside for the stop's checkpoint
         self._sample_used = 0.0                          # the step's peak (before any cache clear)
 
@@ -201,7 +205,12 @@ class MemoryWatchdog(PerfCallback):
         else:
             self._follow_wall(sample, state.global_step)
         self.policy.start_segment()
-        self._tokens_seen, self._most_tokens, self._short = None, 0, None
+        self._planned, self._most_rows, self._short, self._reference = None, 0, None, None
+        trainer = adapter.calling_trainer()
+        if trainer is not None and self._watching is not trainer:
+            self.close()
+            self._stop_watching_fetches = adapter.watch_batch_samples(trainer, self._before_step)
+            self._watching = trainer
         self.facts = self._facts(sample)
         self._bus.note_memory_facts(self.facts)
         self.device.reset_peak()
@@ -365,23 +374,87 @@ class MemoryWatchdog(PerfCallback):
         if self._short is None:
             return None
         need, budget = self._short
-        scaled = ", its activations at the longest rows seen" if need > self._sample_used else ""
-        return f"the next step needs about {gib(need)} (this step's peak{scaled}) and the budget is now {gib(budget)}"
+        scaled = ", its activations at the longest rows" if need > self._sample_used else ""
+        return (f"the next step needs about {gib(need)} (the last step's peak{scaled}) and the budget is now "
+                f"{gib(budget)}")
 
     def _next_step_need(self, sample, used: float, state) -> float:
-        """What the next step needs: this step's own peak, its part above what stays allocated between steps
-        scaled to the most tokens of one step seen in this segment where the Trainer counts them
-        (``include_num_input_tokens_seen``); the peak alone where it does not or the device has no peak."""
-        tokens = getattr(state, "num_input_tokens_seen", 0) or 0
-        step_tokens = tokens - self._tokens_seen if self._tokens_seen is not None else 0
-        self._tokens_seen = tokens
-        if step_tokens <= 0:
-            return used
-        self._most_tokens = max(self._most_tokens, step_tokens)
-        if sample.peak is None or sample.allocated is None:
+        """What the next step needs: this step's own peak, its part above what stays allocated between steps scaled
+        to the largest micro-batch of this segment (padded rows × length, as fetched); the peak alone where the rows
+        or the device's peak are unknown. Keeps this step as the reference of the check before the next step."""
+        size, self._planned = self._planned, None
+        if sample.peak is None or sample.allocated is None or not size:
+            self._reference = None
             return used
         live = min(float(sample.allocated), used)
-        return live + (used - live) * self._most_tokens / step_tokens
+        self._reference = (used, live, size)
+        self._most_rows = max(self._most_rows, size)
+        return live + (used - live) * self._most_rows / size
+
+    # ------------------------------------------------------------ before a step
+    def _before_step(self, batches: list, asked: int):
+        """The next optimizer step's rows are fetched and it has not trained yet (the training loop's
+        ``get_batch_samples``, watched through :func:`~hf_perf_callbacks.adapter.watch_batch_samples`): it needs the
+        last step's peak, its part above what stays allocated scaled to these rows when they are longer, against the
+        budget as the device reads now (a lower wall believed at once). When that cannot fit: a smaller micro-batch
+        where something can re-size (before this step trains), else a checkpoint of the last completed step and a
+        stop, this step untrained. Ranks decide together. A fault here is one warning, never the end of training."""
+        trainer = adapter.calling_trainer()
+        short = False
+        if not self.disabled and trainer is not None and not self._bus.own_passes:
+            try:
+                short = self._short_before(batches, trainer.state.global_step)
+            except Exception as error:  # noqa: BLE001 - the watchdog's own fault must not end training
+                self._reference = None
+                self.warn(f"the check before each step is off: {type(error).__name__}: {error}")
+        if self.world > 1:
+            short = any(r[0] > 0 for r in gather_floats([1.0 if short else 0.0], self._device.device))
+        if not short or trainer is None:
+            return None
+        return self._act_before(trainer, batches)
+
+    @staticmethod
+    def _rows_size(batches: list) -> int | None:
+        """The largest micro-batch's ``input_ids`` (rows × padded length); None where the batches hold none
+        (GRPO's prompts, a custom batch)."""
+        sizes = [int(b["input_ids"].numel()) for b in batches
+                 if isinstance(b, Mapping) and hasattr(b.get("input_ids"), "numel")]
+        return max(sizes) if sizes else None
+
+    def _short_before(self, batches: list, step: int) -> bool:
+        size = self._rows_size(batches)
+        self._planned = size
+        reference, policy = self._reference, self._watch
+        if reference is None or policy.segment_steps <= policy.grace_steps:
+            return False
+        sample = self._device.memory()
+        if not self.limit_gb and self.budget_bytes(self._device, sample) < self.budget:
+            self._follow_wall(sample, step)                  # a lower wall is believed at once
+        peak, live, seen = reference
+        need = live + (peak - live) * max(1.0, (size or seen) / seen)
+        if need < self.budget:
+            return False
+        self._short, self._sample = (need, self.budget), sample
+        self.facts = self._facts(sample)
+        return True
+
+    def _act_before(self, trainer, batches: list):
+        """Act on a next step that cannot fit, before it trains (see :meth:`_before_step`)."""
+        args, state, control, policy = trainer.args, trainer.state, trainer.control, self._watch
+        step = state.global_step
+        why = self._short_words() or "another rank's next step does not fit in its memory budget"
+        micro = getattr(args, "per_device_train_batch_size", 1) or 1
+        if (self._bus.has_subscribers(SIGNAL_SMALLER_BATCH) and micro > 1
+                and SMALLER_BATCH not in policy.episode):
+            policy.taken(SMALLER_BATCH)
+            self._act(step, SMALLER_BATCH, f"asked for a smaller micro-batch before step {step + 1}: " + why)
+            if any(self._bus.signal(SIGNAL_SMALLER_BATCH, reason=why, step=step, control=control, rows=batches)):
+                return adapter.SKIP_STEP if control.should_training_stop else None
+        if STOP in policy.episode:
+            return None
+        policy.taken(STOP)
+        self._stop(args, state, control, follower=self._short is None)
+        return adapter.SKIP_STEP if control.should_training_stop else None
 
     def _observe(self, step: int, sample, micro: int | None = None,
                  resample: bool = False) -> tuple[Observation, dict]:
@@ -508,11 +581,17 @@ class MemoryWatchdog(PerfCallback):
     # ------------------------------------------------------------ end
     def on_train_end(self, args, state, control, **kwargs):
         self._restore_only_model(args)
+        self.close()
         self.summary = {"high_water_gb": self.high_water / GB, "budget_gb": self.budget / GB,
                         "actions": list(self.actions), "stopped_at": self.stopped_at}
         self._bus.write_summary(self.source, self.summary)
         if state.is_world_process_zero and not self._bus.continuing:    # printed once, at the run's end
             print(self.format_summary())
+
+    def close(self) -> None:
+        if self._stop_watching_fetches is not None:
+            self._stop_watching_fetches()
+        self._stop_watching_fetches = self._watching = None
 
     def format_summary(self) -> str:
         s = self.summary

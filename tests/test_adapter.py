@@ -450,3 +450,30 @@ def test_the_row_stream_hook_sees_each_steps_fetch_and_an_error_leaves_its_batch
     batches = adapter.fetched_batches(caught.value)
     assert_present(batches is not None and len(batches) == 2, f"batch_samples in {adapter.TRAINING_LOOP_FRAMES}")
     assert "get_batch_samples" not in trainer.__dict__
+
+
+def test_a_batch_watcher_can_leave_a_fetched_step_untrained_and_the_loop_ends_there_with_its_save(tokenizer, tmp_path):
+    """Two watchers share one ``get_batch_samples`` wrapper; one that returns ``SKIP_STEP`` (having set
+    ``control.should_training_stop`` and ``should_save``) leaves the fetched step untrained: the training loop gets
+    no micro-batch (``for i, inputs in enumerate(batch_samples)`` runs none), breaks on the control and saves the
+    last completed step; the watcher after it is not called. Undoing both removes the wrapper."""
+    source = inspect.getsource(Trainer)
+    assert_present("for i, inputs in enumerate(batch_samples):" in source, "the loop over the fetched micro-batches")
+    trainer = make_trainer(tokenizer, tmp_path, [], max_steps=6, bs=2, ga=1)
+    seen: list = []
+
+    def stop_before_fourth(batches, asked):
+        if trainer.state.global_step == 3:
+            trainer.control.should_training_stop = trainer.control.should_save = True
+            return adapter.SKIP_STEP
+        return None
+
+    undo_first = adapter.watch_batch_samples(trainer, stop_before_fourth)
+    undo_second = adapter.watch_batch_samples(trainer, lambda batches, asked: seen.append(trainer.state.global_step))
+    trainer.train()
+    assert trainer.state.global_step == 3 and seen == [0, 1, 2]
+    assert os.path.isdir(tmp_path / "checkpoint-3")
+    undo_first()
+    assert "get_batch_samples" in trainer.__dict__          # the second watcher still watches
+    undo_second()
+    assert "get_batch_samples" not in trainer.__dict__

@@ -223,10 +223,11 @@ class AdaptiveBatchTuner(PerfCallback):
         return float(sample.used), budget_bytes(self.device.type, sample.device_limit, sample.hard_limit,
                                                 sample.system_total, reachable=sample.reachable)
 
-    def _on_smaller_batch(self, reason: str, step: int, control=None, **_) -> bool:
+    def _on_smaller_batch(self, reason: str, step: int, control=None, rows: list | None = None, **_) -> bool:
         """The watchdog asks for a smaller micro-batch: plan it. In train_with_tuning (one process per model) the
         re-size takes effect at the next step's begin, unless something stops the run at this step first; otherwise
-        checkpoint now and stop this train() call."""
+        checkpoint now and stop this train() call. ``rows``: the next step's micro-batches when the watchdog asks
+        after they were fetched (the rows the re-sized run must train at that step)."""
         session = self._session
         if session.switch is not None or control is None:
             return session.switch is not None
@@ -245,6 +246,8 @@ class AdaptiveBatchTuner(PerfCallback):
         session.end_tuning(step, "memory pressure ended the tuning")
         decision = session.decide("watchdog", reason, new, step)
         session.request_switch(new, "the watchdog asked for a smaller micro-batch", decision)
+        if rows is not None:
+            session.hold_rows(rows, step + 1)
         if not session.in_process:
             self._bus.continue_run(session.managed)
             control.should_save = True

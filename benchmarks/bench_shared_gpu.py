@@ -11,16 +11,25 @@ CUDA tensor alive every step and ``MemoryWatchdog()`` with its defaults:
 - ``c_tuning``: ``a`` under ``train_with_tuning`` with ``AdaptiveBatchTuner(tune=False)`` at 4×2: a leak and another
   tenant must cause no re-size, and the stop names both.
 
-Each must end with a checkpoint written by the watchdog's stop and no out-of-memory error. Recorded per run in
-``benchmarks/results/shared_gpu.json``: the device, date and versions, the budget per step (``mem/limit_gb``) with
-``used`` and ``mem/outside_gb``, the budget the watchdog used to take (85% of the card), the stop step, whether the
-checkpoint is there, the OOM (if any), the watchdog's events (the wall at the start, the leak, the stop) and the
+- ``d_wall_moves``: no leak; a 16×1 run of 256-token rows (CPU smoke: 8×1, 64 tokens); at the end of step 10 another
+  process takes all the free memory but ``--moved_leave_gb`` (0.5 GiB), and the rows of step 11 on are twice as long.
+  ``MemoryWatchdog()`` alone must end with a checkpoint of step 10 (the last completed step), a stop naming the other
+  process and no out-of-memory error;
+- ``e_wall_moves_tuning``: ``d`` under ``train_with_tuning`` (``AdaptiveBatchTuner(tune=False)``): a re-size before or
+  at the out-of-memory error, and ``max_steps`` reached.
+
+Runs ``a``-``d`` must end with a checkpoint written by the watchdog's stop and no out-of-memory error. Recorded per
+run in ``benchmarks/results/shared_gpu.json``: the device, date and versions, the budget per step (``mem/limit_gb``)
+with ``used`` and ``mem/outside_gb``, the budget the watchdog used to take (85% of the card), the stop step, whether
+the checkpoint is there, the OOM (if any), the watchdog's events (the wall at the start, the leak, the stop) and the
 tuner's decisions. About 2 minutes on one H100.
 
     python benchmarks/bench_shared_gpu.py            # one NVIDIA GPU
     python benchmarks/bench_shared_gpu.py --smoke    # CPU stand-ins: a process holding 512 MiB, memory this process
                                                      # holds outside torch (libc malloc), a 64 MiB leak, the tiny
-                                                     # model and a budget fraction that puts the wall 18 leaks away
+                                                     # model and a budget fraction that puts the wall 18 leaks away;
+                                                     # d and e on a machine of this process and the tenant alone
+                                                     # (:class:`SmallMachine`)
 """
 from __future__ import annotations
 
@@ -46,12 +55,16 @@ from hf_perf_callbacks.tiny import build_model, build_tokenizer
 
 MIB = 2**20
 
-#: the other process: holds ``size`` bytes (CUDA: one tensor; CPU: a bytearray with every page touched) until told
+#: the other process: holds ``size`` bytes (CUDA: one tensor; CPU: a bytearray with every page touched) until told;
+#: a negative ``size`` on CUDA: all the free memory but ``-size`` bytes once its own CUDA context is up
 HOLDER = textwrap.dedent("""
     import sys
     size, device = int(sys.argv[1]), sys.argv[2]
     if device == "cuda":
         import torch
+        torch.cuda.init()
+        torch.empty(1, device="cuda")
+        size = size if size > 0 else torch.cuda.mem_get_info()[0] + size
         held = torch.empty(size, dtype=torch.uint8, device="cuda")
         torch.cuda.synchronize()
     else:
@@ -227,13 +240,147 @@ def one_run(name: str, a, device: str, tuning: bool) -> dict:
     return result
 
 
+class Longer:
+    """A collator of fixed-length rows cut to half their length until ``full`` is set (the run's rows grow)."""
+
+    def __init__(self):
+        self.full = False
+
+    def __call__(self, examples):
+        ids = torch.stack([e["input_ids"] for e in examples])
+        ids = ids if self.full else ids[:, : ids.shape[1] // 2]
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+class SmallMachine(DeviceLayer):
+    """CPU smoke: a machine of ``size`` bytes that this process and the tenant alone share. Its memory reading is the
+    real CPU one with the machine's total and available memory taken from the two processes' real resident memory
+    (psutil), so the tenant moves the wall as it would on a machine that small, whatever else this host runs."""
+
+    def __init__(self, size: int):
+        super().__init__("cpu")
+        self.size, self.tenant = size, None
+
+    def memory(self):
+        import dataclasses
+
+        import psutil
+
+        sample = super().memory()
+        tenant = psutil.Process(self.tenant).memory_info().rss if self.tenant else 0
+        own = psutil.Process().memory_info().rss
+        return dataclasses.replace(sample, system_total=self.size, device_limit=self.size,
+                                   system_available=max(0, self.size - own - tenant))
+
+
+class TakeTheCard(TrainerCallback):
+    """At the end of step ``at`` (before the watchdog reads it) another process takes all of the free memory but
+    ``leave`` bytes (CPU smoke: ``leave`` below what the small machine has free); the rows of steps from ``at + 1`` on
+    are full length (accelerate's dataloader collates one batch ahead, so the collator knows two steps before)."""
+
+    def __init__(self, at: int, leave: int, device: str, collator: Longer, machine: SmallMachine | None):
+        self.at, self.leave, self.device, self.collator, self.machine = at, leave, device, collator, machine
+        self.other: OtherProcess | None = None
+        self.taken_gb: float | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.collator.full = self.collator.full or state.global_step >= self.at - 1
+        if state.global_step != self.at or self.other is not None:
+            return
+        if self.device == "cuda":                  # all the free memory but ``leave``, its own context counted
+            self.other = OtherProcess(-self.leave, self.device)
+            self.taken_gb = (torch.cuda.get_device_properties(0).total_memory - torch.cuda.mem_get_info()[0]
+                             - torch.cuda.memory_reserved()) / GB
+        else:
+            size = int(self.machine.memory().system_available - self.leave)
+            self.other = OtherProcess(size, self.device)
+            self.machine.tenant = self.other.process.pid
+            self.taken_gb = size / GB
+
+    def close(self) -> None:
+        if self.other is not None:
+            self.other.close()
+
+
+def moving_wall_run(name: str, a, device: str, tuning: bool) -> dict:
+    out = tempfile.mkdtemp(prefix=f"shared_gpu_{name}_")
+    model, vocab = make_model(a.model, device)
+    micro, length = (16, 512) if device == "cuda" else (8, 128)
+    collator = Longer()
+    machine = None
+    if device == "cpu":
+        import psutil
+
+        gc.collect()
+        machine = SmallMachine(psutil.Process().memory_info().rss + 1536 * MIB)
+    take = TakeTheCard(10, int(a.moved_leave_gb * GB) if device == "cuda" else 64 * MIB, device, collator, machine)
+    watchdog = MemoryWatchdog()
+    if machine is not None:
+        watchdog.device = machine
+    tuner = AdaptiveBatchTuner(tune=False) if tuning else None
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=micro, gradient_accumulation_steps=1,
+                             max_steps=a.moved_steps, learning_rate=1e-5, logging_steps=1, save_strategy="no",
+                             report_to="none", disable_tqdm=True, seed=0, use_cpu=device == "cpu",
+                             dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(vocab, length=length), data_collator=collator,
+                      callbacks=[take, watchdog] + ([tuner] if tuner else []))
+    started, oom, error = time.perf_counter(), None, None
+    try:
+        train_with_tuning(trainer) if tuning else trainer.train()
+    except torch.OutOfMemoryError as failure:
+        oom = str(failure).splitlines()[0][:300]
+    except Exception as failure:  # noqa: BLE001 - recorded: the benchmark reports what ended the run
+        error = f"{type(failure).__name__}: {str(failure)[:600]}"
+        if "out of memory" in str(failure).lower():
+            oom = error
+    finally:
+        take.close()
+    seconds = time.perf_counter() - started
+    lines = [json.loads(x) for x in open(os.path.join(out, "perf_log.jsonl"))]
+    steps = [x for x in lines if x["type"] == "step"]
+    events = [{k: x.get(k) for k in ("step", "kind", "action", "message", "need_gb", "budget_gb")} for x in lines
+              if x["type"] == "event" and x["source"] in ("mem", "tuner")]
+    stop = watchdog.stopped_at
+    stop_message = next((e["message"] for e in reversed(events) if e["kind"] == "stop"), None)
+    decisions = [{"kind": d.kind, "step": d.step, "old": str(d.old), "new": str(d.new), "reason": d.reason}
+                 for d in (tuner.session.decisions if tuner and tuner.session else [])]
+    result = {
+        "run": name, "seconds": seconds, "steps_trained": trainer.state.global_step, "max_steps": a.moved_steps,
+        "split": f"{micro}x1", "rows": f"{length // 2} tokens, {length} from step 11", "taken_at_step": take.at,
+        "taken_gb": take.taken_gb, "left_gb": (a.moved_leave_gb if device == "cuda" else 64 * MIB / GB),
+        "stop_step": stop, "checkpoint": bool(stop) and os.path.isdir(os.path.join(out, f"checkpoint-{stop}")),
+        "checkpoints": sorted(d for d in os.listdir(out) if d.startswith("checkpoint-")),
+        "oom": oom, "error": error,
+        "budget_per_step": [{"step": s["step"], "limit_gb": s.get("mem/limit_gb"),
+                             "used_gb": s.get("mem/device_used_gb"), "outside_gb": s.get("mem/outside_gb")}
+                            for s in steps],
+        "stop_message": stop_message, "events": events, "tuner_decisions": decisions,
+        "memory_resizes": sum(d["kind"] in ("oom", "watchdog") for d in decisions),
+        "stop_names_outside": bool(stop_message and ("another process" in stop_message
+                                                     or "other processes" in stop_message)),
+    }
+    if tuning:     # CPU smoke: a smaller micro-batch does not give resident memory back, so a stop may follow
+        ended = trainer.state.global_step == a.moved_steps or (device == "cpu" and result["checkpoint"])
+        result["passed"] = bool(not error and not oom and result["memory_resizes"] >= 1 and ended)
+    else:
+        result["passed"] = bool(not oom and not error and stop == take.at and result["checkpoint"]
+                                and result["stop_names_outside"])
+    del trainer, model, watchdog, tuner
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--leave_gb", type=float, default=20.0, help="what the other tenant leaves of the card (GiB)")
     p.add_argument("--leak_mb", type=int, default=512, help="the planted leak, MiB a step")
     p.add_argument("--steps", type=int, default=80, help="max_steps (beyond the wall: without a stop, an OOM)")
     p.add_argument("--model", choices=["qwen05", "tiny"], default="qwen05")
-    p.add_argument("--runs", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"])
+    p.add_argument("--runs", nargs="+", default=["a", "b", "c", "d", "e"], choices=["a", "b", "c", "d", "e"])
+    p.add_argument("--moved_leave_gb", type=float, default=0.5, help="d, e: what the other process leaves (GiB)")
+    p.add_argument("--moved_steps", type=int, default=16, help="d, e: max_steps")
     p.add_argument("--smoke", action="store_true", help="CPU stand-ins (see the module docstring)")
     a = p.parse_args(argv)
     device = "cpu" if a.smoke else "cuda"
@@ -253,8 +400,11 @@ def main(argv=None):
         raise SystemExit(f"the card has only {free / GB:.1f} GiB free: nothing to hold beside --leave_gb")
     results = {}
     for run in a.runs:
-        name = {"a": "a_other_process", "b": "b_outside_allocator", "c": "c_tuning"}[run]
-        if run == "b":
+        name = {"a": "a_other_process", "b": "b_outside_allocator", "c": "c_tuning", "d": "d_wall_moves",
+                "e": "e_wall_moves_tuning"}[run]
+        if run in ("d", "e"):
+            results[name] = {**moving_wall_run(name, a, device, tuning=run == "e"), "held_by": "another process"}
+        elif run == "b":
             release, how = hold_outside_torch(held, device)
             try:
                 results[name] = {**one_run(name, a, device, tuning=False), "held_gb": held / GB, "held_by": how}
@@ -273,11 +423,11 @@ def main(argv=None):
     path = write_result("shared_gpu_smoke" if a.smoke else "shared_gpu", payload)
     print(table(["run", "held by", "held GiB", "budget first/last GiB", "old budget", "stop", "checkpoint", "OOM",
                  "re-sizes", "causes named", "s"],
-                [[r["run"], r["held_by"], r["held_gb"],
+                [[r["run"], r["held_by"], r.get("held_gb", r.get("taken_gb")),
                   f"{r['budget_per_step'][0]['limit_gb']:.2f}/{r['budget_per_step'][-1]['limit_gb']:.2f}"
-                  if r["budget_per_step"] else "-", r["old_budget_gb"] or "-", r["stop_step"], r["checkpoint"],
+                  if r["budget_per_step"] else "-", r.get("old_budget_gb") or "-", r["stop_step"], r["checkpoint"],
                   bool(r["oom"]), r["memory_resizes"],
-                  ("leak " if r["stop_names_leak"] else "") + ("outside" if r["stop_names_outside"] else ""),
+                  ("leak " if r.get("stop_names_leak") else "") + ("outside" if r["stop_names_outside"] else ""),
                   r["seconds"]] for r in results.values()]))
     print(f"written: {path}")
     return 0 if payload["passed"] else 1

@@ -222,6 +222,8 @@ class MemoryPolicy:
     leak_rate: float | None = None       # bytes a step while a leak is known in this run
     micro_batch: int | None = None       # the micro-batch of the latest observation
     shrink: tuple[int, float] | None = None   # (micro-batch, memory used) when a smaller one was last asked for
+    completions: WallForecast | None = None   # GRPO: the wall as the completions' growth brings it (CompletionTrend)
+    completions_explain: bool = False    # GRPO: the peaks follow the completions' lengths (CompletionTrend.explains)
 
     def __post_init__(self) -> None:
         check_number("budget", self.budget, low=0, low_open=True)
@@ -237,6 +239,13 @@ class MemoryPolicy:
     def set_budget(self, budget: float) -> None:
         """The budget from now on (the wall moved); levels and the forecast use it from the next observation."""
         self.budget = check_number("budget", budget, low=0, low_open=True)
+
+    def follow_completions(self, forecast: WallForecast | None, explain: bool) -> None:
+        """GRPO: the wall as the completions' growth brings it, and whether their lengths explain the peaks (then
+        the growth is no leak)."""
+        self.completions, self.completions_explain = forecast, explain
+        if explain:
+            self.leak_rate = None
 
     def start_segment(self) -> None:
         self.segment_steps = 0
@@ -304,7 +313,8 @@ class MemoryPolicy:
         trend is not growing or fewer than 3 samples. While a leak is known (``leak_rate``, kept across segments),
         the wall is never forecast farther than the leak brings it from the latest reading, less the largest rise a
         switch brought in this run: a switch starts a new segment, not a new leak."""
-        segment = steps_to_limit([s for s, _ in self.history], [u for _, u in self.history], self.budget)
+        segment = self._sooner(steps_to_limit([s for s, _ in self.history], [u for _, u in self.history],
+                                              self.budget), self.completions)
         if self.leak_rate is None or self.leak_rate <= 0 or not self.history:
             return segment
         # the next switch may bring the largest rise one brought before (a larger split's level)
@@ -313,6 +323,10 @@ class MemoryPolicy:
             return segment
         rate = self.leak_rate
         return WallForecast(steps=steps, low=steps, high=steps, slope=rate, growth_low=rate, growth_high=rate)
+
+    @staticmethod
+    def _sooner(a: WallForecast | None, b: WallForecast | None) -> WallForecast | None:
+        return a if b is None or (a is not None and a.steps <= b.steps) else b
 
     def _wall_near(self, within: float) -> bool:
         stw = self.steps_to_wall
@@ -324,9 +338,10 @@ class MemoryPolicy:
         switch or re-size starts a segment; the changes into its first ``grace_steps`` steps are left out, and so
         is the change across it), memory never fell by more than ``leak_min_growth``, grew by more than that on at
         least every other step (one of the last two among them), and by more than that a step on average: a leak
-        on every step, on every other step, or across the splits of a tuning in turn."""
+        on every step, on every other step, or across the splits of a tuning in turn. Growth that longer GRPO
+        completions explain (``completions_explain``) is not a leak."""
         changes = list(self.growth)
-        if len(changes) < self.trend_window - 1:
+        if len(changes) < self.trend_window - 1 or self.completions_explain:
             return False
         grew = sum(1 for c in changes if c > self.leak_min_growth)
         return (min(changes) > -self.leak_min_growth and 2 * grew >= len(changes) - 1
@@ -351,7 +366,7 @@ class MemoryPolicy:
         a smaller micro-batch does not stop it. After an earlier request of this run took effect, from what it did:
         memory ≈ fixed + micro-batch × per sample, fitted to the two micro-batches; futile when even micro-batch 1
         would stay at the warn level or above (or the smaller micro-batch did not lower memory at all)."""
-        if self.leak_rate is not None or self.steady_growth:
+        if not self.completions_explain and (self.leak_rate is not None or self.steady_growth):
             rate = self.leak_rate if self.leak_rate is not None else self.slope
             return (f"memory grows by {mib(rate or 0.0)} on every step, and a smaller micro-batch does not stop a "
                     f"leak")
@@ -382,8 +397,9 @@ class MemoryPolicy:
             return None
         if CLEAR not in self.episode:
             return CLEAR
-        if (can_shrink and SMALLER_BATCH not in self.episode and self.level >= WARN    # memory over the warn level:
-                and self.shrink_futile() is None):                                   # what a smaller one relieves
+        longer = self.completions is not None and self.completions.steps <= self.warn_within_steps
+        if (can_shrink and SMALLER_BATCH not in self.episode and (self.level >= WARN or longer)   # over the warn
+                and self.shrink_futile() is None):     # level or longer completions: what a smaller one relieves
             return SMALLER_BATCH
         if urgent and STOP not in self.episode:
             return STOP
@@ -403,6 +419,65 @@ class MemoryPolicy:
         if self.swap_streak:
             text += f", macOS swapping for {self.swap_streak} step(s)"
         return text
+
+
+@dataclass
+class CompletionTrend:
+    """GRPO: a step's peak grows with its longest completions. From (step, longest completion, peak) points (the
+    last ``window``): the peak as a line in the completion length (least squares), the completion length at which a
+    step stops fitting a budget, and, where the completions grow, in how many steps they reach it at their trend."""
+
+    window: int = TREND_WINDOW
+    points: deque[tuple[int, float, float]] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        check_number("window", self.window, low=3, integer=True)
+        self.points = deque(maxlen=self.window)
+
+    def add(self, step: int, length: float, peak: float) -> None:
+        self.points.append((step, float(length), float(peak)))
+
+    def line(self) -> tuple[float, float] | None:
+        """(peak at length 0, bytes per completion token); None before 3 points, when the lengths hardly differ
+        (less than a tenth of the longest) or the peak does not grow with them."""
+        if len(self.points) < 3:
+            return None
+        lengths, peaks = [p[1] for p in self.points], [p[2] for p in self.points]
+        if max(lengths) - min(lengths) < 0.1 * max(lengths):
+            return None
+        slope, intercept = linear_fit(lengths, peaks)
+        return (intercept, slope) if slope > 0 else None
+
+    def explains(self) -> bool:
+        """Whether the completions' lengths explain the peaks: the line fits them with R² ≥ 0.9."""
+        line = self.line()
+        if line is None:
+            return False
+        peaks = [p[2] for p in self.points]
+        mean = sum(peaks) / len(peaks)
+        total = sum((y - mean) ** 2 for y in peaks)
+        residual = sum((p[2] - line[0] - line[1] * p[1]) ** 2 for p in self.points)
+        return total > 0 and residual <= 0.1 * total
+
+    def wall_length(self, budget: float) -> float | None:
+        """The completion length at which a step's peak reaches ``budget`` (None: unknown)."""
+        line = self.line()
+        return (budget - line[0]) / line[1] if line is not None else None
+
+    def forecast(self, budget: float, limit: float, step: int | None = None) -> WallForecast | None:
+        """Steps after ``step`` (default: the latest point's) until the completions reach :meth:`wall_length` at
+        their trend; None when a step of ``limit``-token completions (``max_completion_length``) fits, the length is
+        unknown, or the completions are not growing."""
+        wall, line = self.wall_length(budget), self.line()
+        if wall is None or line is None or wall >= limit:
+            return None
+        per_step = linear_fit([p[0] for p in self.points], [p[1] for p in self.points])[0]
+        if per_step <= 0:
+            return None
+        latest_step, latest = self.points[-1][0], self.points[-1][1]
+        steps = max(0.0, (wall - latest) / per_step - ((step if step is not None else latest_step) - latest_step))
+        rate = line[1] * per_step
+        return WallForecast(steps=steps, low=steps, high=steps, slope=rate, growth_low=rate, growth_high=rate)
 
 
 @dataclass

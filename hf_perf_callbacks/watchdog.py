@@ -23,6 +23,7 @@ from .memory import (
     WALL_BAND,
     WARN_FRACTION,
     WARN_WITHIN_STEPS,
+    CompletionTrend,
     MemoryPolicy,
     MovingWall,
     Observation,
@@ -103,34 +104,37 @@ class MemoryWatchdog(PerfCallback):
 
     Logged keys:
 
-    ============================  ======  ===================================================================
-    key                           unit    meaning
-    ============================  ======  ===================================================================
-    ``mem/device_used_gb``        GiB     ``used`` (see above)
-    ``mem/allocated_gb``          GiB     live tensors at the step end (CUDA/MPS/XPU)
-    ``mem/driver_gb``             GiB     MPS driver memory / CUDA reserved: the allocator's holding
-    ``mem/peak_gb``               GiB     high-water mark of ``used`` in this run
-    ``mem/limit_gb``              GiB     the budget of this step (it moves with what the run can reach)
-    ``mem/outside_gb``            GiB     memory of the card (CUDA) or the machine (MPS, CPU) outside this run's
-                                          reach: other processes; on CUDA also this process's memory outside
-                                          PyTorch's caching allocator (context, NCCL, a vLLM pool); on MPS/CPU
-                                          also the system's
-    ``mem/system_available_gb``   GiB     psutil available RAM (macOS: ``inactive + free``; the pressure signals
-                                          below decide there)
-    ``mem/swap_used_gb``          GiB     swap in use (macOS: ``vm.swapusage``)
-    ``mem/pressure``              level   0 ok, 1 warn, 2 critical
-    ``mem/steps_to_wall``         steps   steps until the budget at the fitted growth; absent when memory is
-                                          not growing or the wall lies beyond the run's last step
-    ``mem/steps_to_wall_low``     steps   lower end of its 95% range (growth as a random walk with drift:
-                                          the slope's uncertainty and the next steps' randomness)
-    ``mem/steps_to_wall_high``    steps   upper end, capped at the steps left in the run
-    ``mem/growth_mb_per_step``    MiB     slope of the trend fit
-    ``mem/os_pressure``           level   macOS kernel pressure: 1 normal, 2 warn, 4 critical
-    ``mem/swapouts``              pages   macOS swap-outs since the previous step
-    ``mem/compressor_gb``         GiB     macOS compressor size
-    ``mem/footprint_gb``          GiB     macOS process ``phys_footprint``
-    ``mem/alloc_retries``         count   CUDA allocator retries since the previous step
-    ============================  ======  ===================================================================
+    ================================  ======  ===================================================================
+    key                               unit    meaning
+    ================================  ======  ===================================================================
+    ``mem/device_used_gb``            GiB     ``used`` (see above)
+    ``mem/allocated_gb``              GiB     live tensors at the step end (CUDA/MPS/XPU)
+    ``mem/driver_gb``                 GiB     MPS driver memory / CUDA reserved: the allocator's holding
+    ``mem/peak_gb``                   GiB     high-water mark of ``used`` in this run
+    ``mem/limit_gb``                  GiB     the budget of this step (it moves with what the run can reach)
+    ``mem/outside_gb``                GiB     memory of the card (CUDA) or the machine (MPS, CPU) outside this run's
+                                              reach: other processes; on CUDA also this process's memory outside
+                                              PyTorch's caching allocator (context, NCCL, a vLLM pool); on MPS/CPU
+                                              also the system's
+    ``mem/system_available_gb``       GiB     psutil available RAM (macOS: ``inactive + free``; the pressure signals
+                                              below decide there)
+    ``mem/swap_used_gb``              GiB     swap in use (macOS: ``vm.swapusage``)
+    ``mem/pressure``                  level   0 ok, 1 warn, 2 critical
+    ``mem/steps_to_wall``             steps   steps until the budget at the fitted growth; absent when memory is
+                                              not growing or the wall lies beyond the run's last step
+    ``mem/steps_to_wall_low``         steps   lower end of its 95% range (growth as a random walk with drift:
+                                              the slope's uncertainty and the next steps' randomness)
+    ``mem/steps_to_wall_high``        steps   upper end, capped at the steps left in the run
+    ``mem/growth_mb_per_step``        MiB     slope of the trend fit
+    ``mem/completion_wall_tokens``    tokens  GRPO: the completion length at which a step's peak reaches the budget
+                                              (the peak fitted as a line in the longest completion of each log);
+                                              absent until the completions' lengths differ enough to fit it
+    ``mem/os_pressure``               level   macOS kernel pressure: 1 normal, 2 warn, 4 critical
+    ``mem/swapouts``                  pages   macOS swap-outs since the previous step
+    ``mem/compressor_gb``             GiB     macOS compressor size
+    ``mem/footprint_gb``              GiB     macOS process ``phys_footprint``
+    ``mem/alloc_retries``             count   CUDA allocator retries since the previous step
+    ================================  ======  ===================================================================
     """
 
     source = "mem"
@@ -167,6 +171,10 @@ class MemoryWatchdog(PerfCallback):
         self._watching: object = None                            # the trainer whose fetches are watched
         self._only_model_set_aside = False               # save_only_model set aside for the stop's checkpoint
         self._sample_used = 0.0                          # the step's peak (before any cache clear)
+        self._completions: CompletionTrend | None = None  # GRPO: peaks against the longest completions
+        self._completion_limit: int | None = None        # GRPO: max_completion_length
+        self._log_peak = 0.0                             # the highest step peak since the last training log
+        self._completions_warned = False
 
     @property
     def _device(self) -> DeviceLayer:
@@ -206,6 +214,9 @@ class MemoryWatchdog(PerfCallback):
             self._follow_wall(sample, state.global_step)
         self.policy.start_segment()
         self._planned, self._most_rows, self._short, self._reference = None, 0, None, None
+        limit = getattr(args, "max_completion_length", None) if hasattr(args, "num_generations") else None
+        if limit and (self._completions is None or state.global_step == 0):
+            self._completions, self._completion_limit, self._completions_warned = CompletionTrend(), limit, False
         trainer = adapter.calling_trainer()
         if trainer is not None and self._watching is not trainer:
             self.close()
@@ -309,7 +320,11 @@ class MemoryWatchdog(PerfCallback):
         policy.observe(obs)
         need = self._next_step_need(sample, obs.used, state)
         self._sample_used = obs.used
+        self._log_peak = max(self._log_peak, obs.used)
         self._sample = sample
+        if self._completions is not None and self._completion_limit:
+            policy.follow_completions(self._completions.forecast(self.budget, self._completion_limit, step),
+                                      self._completions.explains())
         self.facts = self._facts(sample)
         self._bus.note_memory_facts(self.facts)
         self.high_water = max(self.high_water, obs.used)
@@ -365,9 +380,43 @@ class MemoryWatchdog(PerfCallback):
         slope = policy.slope                        # None before the segment holds 3 steps
         if slope is not None:
             fields[keys.MEM_GROWTH_MB_PER_STEP] = slope / 1024**2
+        wall_length = self._completions.wall_length(self.budget) if self._completions is not None else None
+        if wall_length is not None:
+            fields[keys.MEM_COMPLETION_WALL_TOKENS] = wall_length
         self._bus.record_step(step, fields)
         self._bus.publish(fields)
         self._device.reset_peak()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """GRPO: each training log's longest completion (TRL's ``completions/max_length``) against the highest step
+        peak since the last log; once the completions' growth brings the wall within the run, one warning says at
+        which completion length a step stops fitting."""
+        length = (logs or {}).get("completions/max_length")
+        if self._completions is None or not isinstance(length, (int, float)) or self._log_peak <= 0:
+            return
+        self._completions.add(state.global_step, length, self._log_peak)
+        self._log_peak = 0.0
+        forecast = self._completions.forecast(self.budget, self._completion_limit or 0, state.global_step)
+        left = state.max_steps - state.global_step if state.max_steps > 0 else None
+        if forecast is None or self._completions_warned or (left is not None and forecast.steps > left):
+            return
+        self._completions_warned = True
+        wall = self._completions.wall_length(self.budget) or 0.0
+        per_step = forecast.slope / (self._completions.line() or (0.0, 1.0))[1]
+        self.warn(f"completions grow {per_step:.1f} tokens a step (longest {length:.0f}): a step stops fitting the "
+                  f"budget at about {wall:.0f} tokens (max_completion_length={self._completion_limit}), "
+                  f"{forecast.steps:.0f} steps away", step=state.global_step, completion_wall_tokens=wall,
+                  steps_to_wall=forecast.steps)
+
+    def _completion_words(self) -> str | None:
+        """Why the wall is near when the completions' growth brings it (None otherwise)."""
+        policy = self._watch
+        near, trend = policy.steps_to_wall, policy.completions
+        if self._completions is None or trend is None or near is None or trend.steps > near + 1:
+            return None
+        wall = self._completions.wall_length(self.budget) or 0.0
+        return (f"completions grow toward max_completion_length={self._completion_limit}, and a step stops fitting "
+                f"at about {wall:.0f} tokens")
 
     def _short_words(self) -> str | None:
         """Why the next step cannot fit, in words (None when it can)."""
@@ -527,6 +576,8 @@ class MemoryWatchdog(PerfCallback):
         short = self._short if not follower else None
         if short is not None:
             reason = self._short_words() or reason
+        elif not follower and self._completion_words():
+            reason = f"{reason}: {self._completion_words()}"
         if self._sample is not None:                        # the stop names who holds the memory, where NVML can say
             self.facts = self._facts(self._sample, holders=True)
             self._bus.note_memory_facts(self.facts)

@@ -1,6 +1,7 @@
-"""``benchmarks/bench_shared_gpu.py --smoke``: the shared-GPU benchmark's three runs on CPU stand-ins (another process
-holding 512 MiB, memory this process holds outside torch, a 64 MiB leak a step, the tiny model), so that it is known to
-work before a GPU session runs it. It starts a Python process (and the holder's): ``launch``."""
+"""``benchmarks/bench_shared_gpu.py --smoke``: the shared-GPU benchmark's five runs on CPU stand-ins (another process
+holding 512 MiB, memory this process holds outside torch, a 64 MiB leak a step, the tiny model; a real tenant process
+taking a small machine's free memory at step 10 while the rows grow), so that it is known to work before a GPU
+session runs it. It starts a Python process (and the holder's): ``launch``."""
 import json
 import os
 import subprocess
@@ -21,7 +22,12 @@ def test_every_run_ends_with_a_checkpoint_no_oom_and_the_causes_named(tmp_path):
     result = json.load(open(tmp_path / "shared_gpu_smoke.json"))
     assert result["passed"] and result["environment"]["torch"] and result["environment"]["date"]
     runs = result["runs"]
-    assert set(runs) == {"a_other_process", "b_outside_allocator", "c_tuning"}
+    assert set(runs) == {"a_other_process", "b_outside_allocator", "c_tuning", "d_wall_moves", "e_wall_moves_tuning"}
+    moved, moved_tuning = runs.pop("d_wall_moves"), runs.pop("e_wall_moves_tuning")
+    assert moved["stop_step"] == moved["taken_at_step"] == 10 and moved["checkpoints"] == ["checkpoint-10"]
+    assert moved["oom"] is None and moved["error"] is None and moved["stop_names_outside"]
+    assert moved_tuning["oom"] is None and moved_tuning["error"] is None and moved_tuning["memory_resizes"] >= 1
+    assert moved_tuning["tuner_decisions"][0]["step"] == 10 and moved_tuning["checkpoints"]
     for name, run in runs.items():
         assert run["checkpoint"] and run["oom"] is None and run["error"] is None, name
         assert run["stop_step"] < run["max_steps"] and run["stop_names_leak"], name

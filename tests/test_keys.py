@@ -13,6 +13,7 @@ LOGGED = {
     "MEM_DEVICE_USED_GB": "mem/device_used_gb",
     "MEM_DRIVER_GB": "mem/driver_gb",
     "MEM_FOOTPRINT_GB": "mem/footprint_gb",
+    "MEM_COMPLETION_WALL_TOKENS": "mem/completion_wall_tokens",
     "MEM_GROWTH_MB_PER_STEP": "mem/growth_mb_per_step",
     "MEM_LIMIT_GB": "mem/limit_gb",
     "MEM_OS_PRESSURE": "mem/os_pressure",

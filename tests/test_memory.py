@@ -11,11 +11,13 @@ from hf_perf_callbacks.memory import (
     STOP,
     WARN,
     ClearSchedule,
+    CompletionTrend,
     MemoryPolicy,
     Observation,
 )
 
 MB = 1024**2
+MIB_, GIB_ = MB, 1024**3
 
 
 def policy(**kw):
@@ -439,3 +441,68 @@ def test_a_leak_stops_before_the_wall_without_a_smaller_micro_batch_in_ten_of_te
                 break
         assert actions[-1:] == [STOP] and SMALLER_BATCH not in actions, (seed, actions)
         assert p.leak_rate == pytest.approx(64 * mib, rel=0.2)
+
+
+# ---------------------------------------------------------------- GRPO: completions that grow toward the limit
+def growing_completions(seed: int, steps: int = 8, noise: float = 32 * MIB_):
+    """Completions 2 tokens longer each step from 12, a peak of 4 GiB plus 128 MiB a token and up to ``noise`` of
+    jitter; a budget of 9 GiB: the wall at 40 tokens, ``max_completion_length`` 64."""
+    import random
+
+    rng = random.Random(seed)
+    trend = CompletionTrend()
+    for step in range(1, steps + 1):
+        length = 10 + 2 * step
+        trend.add(step, length, 4 * GIB_ + 128 * MIB_ * length + rng.uniform(-noise, noise))
+    return trend
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_completion_length_at_the_wall_and_the_steps_to_it_come_from_the_completions_trend(seed):
+    trend = growing_completions(seed)
+    assert trend.wall_length(9 * GIB_) == pytest.approx(40, abs=1.5)
+    forecast = trend.forecast(9 * GIB_, limit=64)
+    assert forecast is not None and forecast.steps == pytest.approx((40 - 26) / 2, abs=1.0)
+    assert forecast.slope == pytest.approx(2 * 128 * MIB_, rel=0.1)
+    assert trend.explains()
+    later = trend.forecast(9 * GIB_, limit=64, step=10)          # two steps after the last point: two fewer
+    assert later is not None and later.steps == pytest.approx(forecast.steps - 2)
+
+
+def test_no_completion_forecast_when_the_limit_fits_the_lengths_stay_or_the_peak_does_not_follow_them():
+    trend = growing_completions(0)
+    assert trend.forecast(9 * GIB_, limit=32) is None                   # 32-token completions fit the budget
+    steady = CompletionTrend()
+    for step in range(1, 9):                                             # the same length every step: no line
+        steady.add(step, 30, 4 * GIB_ + step * 256 * MIB_)
+    assert steady.line() is None and steady.forecast(9 * GIB_, limit=64) is None and not steady.explains()
+    flat = CompletionTrend()
+    for step in range(1, 9):                                             # longer completions, the same peak
+        flat.add(step, 10 + 2 * step, 6 * GIB_)
+    assert flat.line() is None and not flat.explains()
+    shrinking = CompletionTrend()
+    for step in range(1, 9):                                             # shorter each step: never reaches the wall
+        shrinking.add(step, 40 - 2 * step, 4 * GIB_ + 128 * MIB_ * (40 - 2 * step))
+    assert shrinking.wall_length(6 * GIB_) == pytest.approx(16) and shrinking.forecast(6 * GIB_, limit=64) is None
+
+
+def test_growth_the_completions_explain_is_not_a_leak_and_their_forecast_drives_the_ladder():
+    """Memory that grows on every step with the completions: not a leak; the completions' forecast brings the
+    wall near, and the ladder asks for a smaller micro-batch (longer completions are what a smaller one relieves),
+    then stops."""
+    policy = MemoryPolicy(budget=9 * GIB_, grace_steps=0, trend_window=4)
+    trend = growing_completions(0, noise=0.0)
+    for step, _length, peak in trend.points:
+        policy.observe(Observation(step, peak, micro_batch=4))
+    assert policy.leaking                                                # alone, the growth looks like a leak
+    policy.follow_completions(trend.forecast(9 * GIB_, limit=64), trend.explains())
+    assert not policy.leaking and policy.leak_rate is None
+    policy.follow_completions(trend.forecast(9 * GIB_, limit=64, step=13), True)    # 2 steps from the wall
+    actions = []
+    for _ in range(3):
+        action = policy.next_action(can_shrink=True)
+        if action is None:
+            break
+        policy.taken(action)
+        actions.append(action)
+    assert actions == [CLEAR, SMALLER_BATCH, STOP]

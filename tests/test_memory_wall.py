@@ -648,3 +648,62 @@ def test_the_report_shows_the_budget_per_step_and_says_when_and_why_the_wall_mov
     names = ax.get_legend_handles_labels()[1]
     assert any(n.startswith("budget per step (") and "what the run could reach moved" in n for n in names)
     assert "wall moved" in [t.get_text() for t in ax.texts]
+
+
+# ---------------------------------------------------------------- GRPO: completions that grow toward the limit
+class CompletionCard(SharedCard):
+    """A scripted card whose GRPO step peaks at 4 GiB plus 128 MiB a token of its completions; another process
+    leaves it a budget of 9 GiB: completions of 40 tokens reach it, and ``max_completion_length`` is 64."""
+
+    def __init__(self):
+        held = self.TOTAL - int(0.5 * GB) - int(9 * GB / 0.85)
+        super().__init__(other=lambda step: held, leak=0)
+        self.tokens = 0
+
+    def used(self) -> int:
+        return int(4 * GB + self.tokens * 128 * MIB)
+
+    def memory(self):
+        return dataclasses.replace(super().memory(), allocated=4 * GB)
+
+
+class GrowingCompletions(TrainerCallback):
+    """Each step generates completions of exactly ``6 + 2 × step`` tokens (TRL's generation config, min and max);
+    the scripted card peaks with them and runs out of memory where it would."""
+
+    def __init__(self, card: CompletionCard):
+        self.card, self.trainer = card, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        step = self.card.step = state.global_step + 1
+        self.card.tokens = 4 + 2 * step
+        config = self.trainer.generation_config
+        config.min_new_tokens = config.max_new_tokens = self.card.tokens
+        if self.card.free() < 0:
+            raise torch.OutOfMemoryError("CUDA out of memory (the scripted card is full)")
+
+
+def test_grpo_completions_growing_toward_the_limit_are_forecast_and_stopped_before_the_wall(tokenizer, tmp_path,
+                                                                                          one_thread):
+    """GRPO whose completions grow 2 tokens a step toward ``max_completion_length=64``, on a card where a step of
+    40-token completions reaches the budget. The memory trend alone sees a slope; the completions say where it ends:
+    the watchdog fits the peak against the longest completions, warns once at which completion length the run stops
+    fitting (about 40 tokens, ``mem/completion_wall_tokens``), forecasts the wall from the completions' trend and
+    saves and stops before it: no out-of-memory error."""
+    card = CompletionCard()
+    watchdog, grow = MemoryWatchdog(), GrowingCompletions(card)
+    watchdog.device = card
+    trainer = make_grpo(tokenizer, tmp_path, [watchdog, grow], max_steps=30, bs=4, ga=1, num_generations=4,
+                        completion=64, extra={"steps_per_generation": 1})
+    grow.trainer = trainer
+    trainer.train()                                  # a step of 40-token completions would run out of memory
+    stop = watchdog.stopped_at
+    assert stop is not None and 4 + 2 * stop < 40 and os.path.isdir(tmp_path / f"checkpoint-{stop}")
+    lines = step_lines(tmp_path)
+    walls = [line[keys.MEM_COMPLETION_WALL_TOKENS] for line in lines.values() if keys.MEM_COMPLETION_WALL_TOKENS
+             in line]
+    assert walls and all(abs(w - 40) < 1 for w in walls)
+    warned = [e for e in events(tmp_path, "warning") if "completion_wall_tokens" in e]
+    assert len(warned) == 1 and abs(warned[0]["completion_wall_tokens"] - 40) < 1
+    assert warned[0]["step"] < stop and events(tmp_path, "stop")[-1]["step"] == stop
+    assert watchdog.policy.leak_rate is None and watchdog.facts.leak_per_step is None    # the completions explain it

@@ -12,8 +12,9 @@ each pass, computes the accumulated gradients the trainer's own ``training_step`
   smaller split, one configured micro-batch; a loss that depends on the grouping shows it there as on a whole
   step, and a pass costs a fraction of a step),
 * grouped as the configured split, on the same rows (the reference, once per row count), and again only when a
-  split differs past the compute dtype's rounding: the noise of the same grouping run twice (it can only widen
-  the tolerance, so an equal split never needs it),
+  split differs past the compute dtype's rounding: the noise of the same grouping run twice, its rows in reverse
+  order where the step draws no random numbers (the same micro-batches summed in another order: what rounding
+  alone moves; it can only widen the tolerance, so an equal split never needs it),
 
 and compares their :mod:`~hf_perf_callbacks.sketch` es (a few KB each): a split whose gradients or summed loss differ
 past the noise and the compute dtype's rounding is not exact for this run, whatever its settings, and the run says
@@ -92,7 +93,7 @@ def _measure_all(trainer, model, configured: Split, wanted: list[Split], rows: l
         passes += 1
         difference = compare(sketches[0], sketches[-1], candidate, rtol)
         if not difference.same and len(sketches) == 1:
-            sketches.append(_pass(trainer, model, ours, part, collate, rng))
+            sketches.append(_pass(trainer, model, ours, _reordered(part, sketches[0].drew_rng), collate, rng))
             passes += 1
             difference = compare(sketches[0], sketches[1], candidate, rtol)
         result.drew_rng = result.drew_rng or sketches[0].drew_rng
@@ -103,6 +104,14 @@ def _measure_all(trainer, model, configured: Split, wanted: list[Split], rows: l
         result.sketch_bytes = max(result.sketch_bytes, candidate.nbytes * (1 + sum(map(len, references.values()))))
     result.rows = max(references, default=0)
     return passes
+
+
+def _reordered(rows: list, drew_rng: bool) -> list:
+    """The rows of the repeat: reversed (the same micro-batches, each reversed, in reverse order: the same sums in
+    another order, so on a device whose kernels are deterministic the repeat shows the rounding a regrouping leaves,
+    e.g. a gradient that is zero but for rounding, such as a key projection's bias); as they were when the step draws
+    random numbers, which follow the order of the rows."""
+    return rows if drew_rng else rows[::-1]
 
 
 def _why(difference: Difference, drew_rng: bool) -> str:

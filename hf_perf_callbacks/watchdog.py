@@ -175,6 +175,7 @@ class MemoryWatchdog(PerfCallback):
         self._completion_limit: int | None = None        # GRPO: max_completion_length
         self._log_peak = 0.0                             # the highest step peak since the last training log
         self._completions_warned = False
+        self._shrinking = False                          # a smaller micro-batch was granted and has yet to begin
 
     @property
     def _device(self) -> DeviceLayer:
@@ -214,6 +215,7 @@ class MemoryWatchdog(PerfCallback):
             self._follow_wall(sample, state.global_step)
         self.policy.start_segment()
         self._planned, self._most_rows, self._short, self._reference = None, 0, None, None
+        self._shrinking = False
         limit = getattr(args, "max_completion_length", None) if hasattr(args, "num_generations") else None
         if limit and (self._completions is None or state.global_step == 0):
             self._completions, self._completion_limit, self._completions_warned = CompletionTrend(), limit, False
@@ -313,6 +315,7 @@ class MemoryWatchdog(PerfCallback):
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
         policy = self._watch
+        self._shrinking = False
         sample = self._device.memory()
         self._follow_wall(sample, step)
         micro = getattr(args, "per_device_train_batch_size", None)
@@ -357,6 +360,7 @@ class MemoryWatchdog(PerfCallback):
             why = self._short_words() or policy.reason()
             self._act(step, SMALLER_BATCH, "asked for a smaller micro-batch: " + why)
             accepted = any(self._bus.signal(SIGNAL_SMALLER_BATCH, reason=why, step=step, control=control))
+            self._shrinking = accepted          # the re-size comes at the next step's begin: its fetch waits for it
             if not accepted and any_critical:   # nobody can shrink (the same answer on every rank)
                 decision = STOP
         if decision == STOP:
@@ -474,7 +478,7 @@ class MemoryWatchdog(PerfCallback):
         size = self._rows_size(batches)
         self._planned = size
         reference, policy = self._reference, self._watch
-        if reference is None or policy.segment_steps <= policy.grace_steps:
+        if reference is None or policy.segment_steps <= policy.grace_steps or self._shrinking:
             return False
         sample = self._device.memory()
         if not self.limit_gb and self.budget_bytes(self._device, sample) < self.budget:

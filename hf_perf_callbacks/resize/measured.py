@@ -62,7 +62,8 @@ def measure(trainer, model, configured: Split, splits: Sequence[Split], dataset,
     if len(rows) < configured.micro_batch * configured.grad_accum or len(rows) < 2:
         result.skipped = f"the training set has fewer rows ({len(rows)}) than one optimizer step"
         return result
-    rtol = rtol_for(_compute_dtype(trainer, model))
+    weight = next((p for p in model.parameters() if p.requires_grad), None)
+    rtol = rtol_for(_compute_dtype(trainer, model), weight.dtype if weight is not None else None)
     saved = _Saved(trainer, model)
     try:
         with adapter.metrics_kept(trainer):           # TRL's logged figures count none of the check's passes

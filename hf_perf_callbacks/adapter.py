@@ -50,6 +50,9 @@ TRL ``_metrics``, ``_total_train_tokens``        the metrics TRL's ``compute_los
 (``setup_signal_handler``)                        ``Trainer.__init__`` installs it: the next in-process
                                                   ``train()`` of a re-size would run without it
 ``model.generate`` (instance attribute)           no hook reports the start and end of a generation
+TRL ``GRPOTrainer._generate``,                    TRL's generation entry points (instance attributes): no hook
+``_calculate_rewards``, ``vllm_generation``'s     reports a rollout, a weight sync to vLLM or the reward
+``sync_weights`` and ``generate``                 functions; under vLLM ``model.generate`` is never called
 ``OptimizedModule._orig_mod`` (torch.compile)     the compiled wrapper hides the DDP module it compiles
 ``torch.distributed`` collectives, process-wide   TRL's reward and metric gathers run through accelerate into
                                                   these functions; no hook runs before a collective of the
@@ -593,6 +596,85 @@ class GenerationClock:
 
     def reset(self) -> None:
         self.seconds = 0.0
+
+
+# ---------------------------------------------------------------- TRL's generation entry
+#: what :func:`watch_generation_entry` times, by the ``kind`` it tells its listener: the trainer's whole rollout
+#: (``GRPOTrainer._generate``: every backend, a custom ``rollout_func`` and tool calls), a weight sync to vLLM
+#: (``VLLMGeneration.sync_weights``), one vLLM engine call (``VLLMGeneration.generate``) and the reward functions
+#: (``GRPOTrainer._calculate_rewards``)
+ROLLOUT, SYNC, ENGINE, REWARD = "rollout", "sync", "engine", "reward"
+
+
+def generation_backend(trainer) -> str | None:
+    """How a TRL trainer generates: ``"vllm-server"``, ``"vllm-colocate"``, ``"transformers-paged"`` (TRL's
+    continuous batching) or ``"transformers"`` (``model.generate``); None for a trainer that does not generate."""
+    if not callable(getattr(trainer, "_generate", None)):
+        return None
+    if getattr(trainer, "use_vllm", False):
+        return f"vllm-{getattr(trainer, 'vllm_mode', None) or 'server'}"
+    if getattr(trainer, "use_transformers_continuous_batching", False):
+        return "transformers-paged"
+    return "transformers"
+
+
+def rollout_counts(kind: str, result) -> tuple[int, int, int]:
+    """(completions, completion tokens, longest completion) in what ``kind``'s call returned: ``_generate``'s tuple
+    (``prompt_ids, completion_ids, tool_mask, ...``; with tools only the model's own tokens, ``tool_mask`` 1, count)
+    or ``VLLMGeneration.generate``'s (``prompt_ids, completion_ids, logprobs, logprob_token_ids``); zeros for
+    anything else."""
+    if kind not in (ROLLOUT, ENGINE) or not isinstance(result, tuple) or len(result) < 2:
+        return 0, 0, 0
+    completions = result[1]
+    mask = result[2] if kind == ROLLOUT and len(result) > 2 else None
+    rows = mask if isinstance(mask, list) and mask else completions
+    if not isinstance(rows, list):
+        return 0, 0, 0
+    lengths = [int(sum(row)) if rows is mask else len(row) for row in rows]
+    return len(lengths), sum(lengths), max(lengths, default=0)
+
+
+def watch_generation_entry(trainer, listener) -> Callable[[], None]:
+    """Tell ``listener.entry_started(kind)`` and ``listener.entry_finished(kind, result)`` (result None on an error)
+    around TRL's own generation entry points on this trainer instance (kinds: :data:`ROLLOUT`, :data:`SYNC`,
+    :data:`ENGINE`, :data:`REWARD`), so that HF ``generate``, vLLM server and vLLM colocate are timed at the same
+    place. Nothing is watched on a trainer without ``_generate`` (not a TRL generating trainer). Returns the undo."""
+    if generation_backend(trainer) is None:
+        return lambda: None
+
+    alive = [True]              # a wrapper another one was put over outlives the undo: it then only passes through
+
+    def timed(kind: str):
+        def make(original):
+            @functools.wraps(original)
+            def entry(*args, **kwargs):
+                if not alive[0]:
+                    return original(*args, **kwargs)
+                listener.entry_started(kind)
+                result = None
+                try:
+                    result = original(*args, **kwargs)
+                    return result
+                finally:
+                    listener.entry_finished(kind, result)
+            return entry
+        return make
+
+    undos = [replace_method(trainer, "_generate", timed(ROLLOUT))]
+    if callable(getattr(trainer, "_calculate_rewards", None)):
+        undos.append(replace_method(trainer, "_calculate_rewards", timed(REWARD)))
+    engine = getattr(trainer, "vllm_generation", None) if getattr(trainer, "use_vllm", False) else None
+    if engine is not None:
+        undos.append(replace_method(engine, "sync_weights", timed(SYNC)))
+        undos.append(replace_method(engine, "generate", timed(ENGINE)))
+
+    def undo() -> None:
+        alive[0] = False
+        for each in reversed(undos):
+            each()
+        undos.clear()
+
+    return undo
 
 
 # ---------------------------------------------------------------- collectives

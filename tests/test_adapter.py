@@ -80,6 +80,76 @@ def test_grpo_internals_exist():
         assert_present(name in source, f"GRPOTrainer.{name.removeprefix('self.')}")
 
 
+def test_trl_generation_entry_internals_exist():
+    """What ``adapter.watch_generation_entry`` and ``adapter.rollout_counts`` rely on: TRL's ``GRPOTrainer._generate``
+    (its tuple: ``prompt_ids, completion_ids, tool_mask, ...``) and ``_calculate_rewards``, the trainer's
+    ``use_vllm``/``vllm_mode``/``vllm_generation``, and ``VLLMGeneration.sync_weights`` and ``generate`` (its tuple:
+    ``prompt_ids, completion_ids, logprobs, logprob_token_ids``)."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    source = inspect.getsource(trl.GRPOTrainer)
+    for name in ("_generate", "_calculate_rewards", "_generate_single_turn"):
+        assert_present(callable(getattr(trl.GRPOTrainer, name, None)), f"GRPOTrainer.{name}")
+    assert_present("return prompt_ids, completion_ids, tool_mask, completions, logprobs" in
+                   inspect.getsource(trl.GRPOTrainer._generate), "GRPOTrainer._generate's returned tuple")
+    for name in ("self.use_vllm", "self.vllm_mode", "self.vllm_generation.sync_weights()",
+                 "self.vllm_generation.generate(", "self._calculate_rewards(", "self._generate(prompts)"):
+        assert_present(name in source, f"GRPOTrainer: {name}")
+    for name in ("sync_weights", "generate"):
+        assert_present(callable(getattr(VLLMGeneration, name, None)), f"VLLMGeneration.{name}")
+    assert_present("return prompt_ids, completion_ids, logprobs, logprob_token_ids" in
+                   inspect.getsource(VLLMGeneration.generate), "VLLMGeneration.generate's returned tuple")
+    assert adapter.rollout_counts(adapter.ROLLOUT, ([[1]], [[5, 6, 7], [8]], None)) == (2, 4, 3)
+    assert adapter.rollout_counts(adapter.ROLLOUT, ([[1]], [[5, 6, 7]], [[1, 0, 1]])) == (1, 2, 2)  # tools: model's
+    assert adapter.rollout_counts(adapter.ENGINE, ([[1]], [[5, 6], [7]], None, None)) == (2, 3, 2)
+    assert adapter.rollout_counts(adapter.SYNC, None) == (0, 0, 0)
+
+
+def test_generation_entry_wrappers_tell_each_kind_and_come_off():
+    class Engine:
+        def sync_weights(self):
+            return None
+
+        def generate(self, prompts):
+            return prompts, [[1, 2]], None, None
+
+    class Trainer:
+        use_vllm, vllm_mode = True, "colocate"
+
+        def __init__(self):
+            self.vllm_generation = Engine()
+
+        def _generate(self, prompts):
+            self.vllm_generation.sync_weights()
+            return prompts, self.vllm_generation.generate(prompts)[1], None
+
+        def _calculate_rewards(self, *args):
+            raise RuntimeError("boom")
+
+    class Entries:
+        def __init__(self):
+            self.events = []
+
+        def entry_started(self, kind):
+            self.events.append(("start", kind))
+
+        def entry_finished(self, kind, result):
+            self.events.append(("end", kind, result is not None))
+
+    trainer, listener = Trainer(), Entries()
+    assert adapter.generation_backend(trainer) == "vllm-colocate"
+    undo = adapter.watch_generation_entry(trainer, listener)
+    trainer._generate([[0]])
+    with pytest.raises(RuntimeError):
+        trainer._calculate_rewards()
+    assert listener.events == [("start", "rollout"), ("start", "sync"), ("end", "sync", False),
+                               ("start", "engine"), ("end", "engine", True), ("end", "rollout", True),
+                               ("start", "reward"), ("end", "reward", False)]
+    undo()
+    assert not {"_generate", "_calculate_rewards"} & trainer.__dict__.keys()
+    assert not {"sync_weights", "generate"} & trainer.vllm_generation.__dict__.keys()
+
+
 def test_torch_internals_exist():
     compiled = torch.compile(torch.nn.Linear(2, 2))
     assert_present(isinstance(getattr(compiled, "_orig_mod", None), torch.nn.Linear), "OptimizedModule._orig_mod")

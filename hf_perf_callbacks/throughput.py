@@ -295,12 +295,19 @@ class ThroughputMeter(PerfCallback):
             self._hook_safely(self._count_generated, input_ids, output)
 
     def entry_started(self, kind: str) -> None:
-        """TRL's generation entry ``kind`` begins (see :func:`~hf_perf_callbacks.adapter.watch_generation_entry`)."""
+        """TRL's generation entry ``kind`` begins (see :func:`~hf_perf_callbacks.adapter.watch_generation_entry`);
+        called from the trainer's own code, so a fault disables the meter instead of failing the step."""
+        self._hook_safely(self._entry_started, kind)
+
+    def entry_finished(self, kind: str, result) -> None:
+        self._hook_safely(self._entry_finished, kind, result)
+
+    def _entry_started(self, kind: str) -> None:
         self.entry_start[kind] = self.clock.wall()
         if kind in (adapter.ROLLOUT, adapter.SYNC):
             self._generation_opened()
 
-    def entry_finished(self, kind: str, result) -> None:
+    def _entry_finished(self, kind: str, result) -> None:
         if kind in (adapter.ROLLOUT, adapter.SYNC):
             self._generation_closed()
         started = self.entry_start.pop(kind, None)

@@ -136,18 +136,42 @@ def test_generation_entry_wrappers_tell_each_kind_and_come_off():
         def entry_finished(self, kind, result):
             self.events.append(("end", kind, result is not None))
 
-    trainer, listener = Trainer(), Entries()
+    trainer, listener, second = Trainer(), Entries(), Entries()
     assert adapter.generation_backend(trainer) == "vllm-colocate"
     undo = adapter.watch_generation_entry(trainer, listener)
+    wrapper = trainer.__dict__["_generate"]
+    undo_second = adapter.watch_generation_entry(trainer, second)
+    assert trainer.__dict__["_generate"] is wrapper                   # one set of wrappers, two listeners
     trainer._generate([[0]])
     with pytest.raises(RuntimeError):
         trainer._calculate_rewards()
-    assert listener.events == [("start", "rollout"), ("start", "sync"), ("end", "sync", False),
-                               ("start", "engine"), ("end", "engine", True), ("end", "rollout", True),
-                               ("start", "reward"), ("end", "reward", False)]
+    assert listener.events == second.events == [
+        ("start", "rollout"), ("start", "sync"), ("end", "sync", False), ("start", "engine"), ("end", "engine", True),
+        ("end", "rollout", True), ("start", "reward"), ("end", "reward", False)]
     undo()
+    trainer._generate([[0]])                                            # the other listener still hears it
+    assert len(second.events) == 14 and len(listener.events) == 8
+    undo_second()
     assert not {"_generate", "_calculate_rewards"} & trainer.__dict__.keys()
     assert not {"sync_weights", "generate"} & trainer.vllm_generation.__dict__.keys()
+
+
+def test_the_generation_clock_counts_nested_generation_once():
+    """TRL's rollout holds a weight sync and (HF) ``model.generate``: the tuner's clock times the outermost call."""
+    now = [0.0]
+    clock = adapter.GenerationClock(lambda: now[0])
+    clock.entry_started(adapter.ROLLOUT)
+    clock.entry_started(adapter.SYNC)
+    now[0] += 1.0
+    clock.entry_finished(adapter.SYNC, None)
+    clock.generate_started()
+    now[0] += 2.0
+    clock.generate_finished(None, None)
+    clock.entry_started(adapter.REWARD)                # not generation
+    clock.entry_finished(adapter.REWARD, None)
+    now[0] += 0.5
+    clock.entry_finished(adapter.ROLLOUT, None)
+    assert clock.seconds == 3.5 and clock.depth == 0
 
 
 def test_torch_internals_exist():

@@ -130,7 +130,7 @@ def rule_generation_bound(m: Measurements) -> Finding | None:
     if m.steady_step_sec:
         obs += f" (≈ {g * m.steady_step_sec:.2f} s of a {m.steady_step_sec:.2f} s step)"
     if m.weight_sync_share:
-        obs += f", weight syncs to vLLM {_pct(m.weight_sync_share)} of it"
+        obs += f", weight syncs to vLLM {_pct(m.weight_sync_share)} of the wall time within it"
     if m.rollout_tokens_per_sec:
         obs += f"; {m.rollout_tokens_per_sec:.0f} completion tokens/s"
     launch_bound = u is not None and u < LAUNCH_BOUND_UTIL and not vllm

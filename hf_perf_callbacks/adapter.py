@@ -50,6 +50,9 @@ TRL ``_metrics``, ``_total_train_tokens``        the metrics TRL's ``compute_los
 (``setup_signal_handler``)                        ``Trainer.__init__`` installs it: the next in-process
                                                   ``train()`` of a re-size would run without it
 ``model.generate`` (instance attribute)           no hook reports the start and end of a generation
+TRL ``GRPOTrainer._generate``,                    TRL's generation entry points (instance attributes): no hook
+``_calculate_rewards``, ``vllm_generation``'s     reports a rollout, a weight sync to vLLM or the reward
+``sync_weights`` and ``generate``                 functions; under vLLM ``model.generate`` is never called
 ``OptimizedModule._orig_mod`` (torch.compile)     the compiled wrapper hides the DDP module it compiles
 ``torch.distributed`` collectives, process-wide   TRL's reward and metric gathers run through accelerate into
                                                   these functions; no hook runs before a collective of the
@@ -600,23 +603,156 @@ def watch_generate(model, listener) -> Callable[[], None]:
 
 
 class GenerationClock:
-    """Seconds spent in ``generate`` since the last :meth:`reset` (a listener for :func:`watch_generate`)."""
+    """Seconds spent generating since the last :meth:`reset`: a listener for :func:`watch_generation` (TRL's
+    rollouts and weight syncs, ``model.generate`` nested in them counted once) or :func:`watch_generate` alone."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self.clock = clock
         self.seconds = 0.0
         self.started: float | None = None
+        self.depth = 0                              # generation calls open now (nested ones time nothing more)
+
+    def _open(self) -> None:
+        if self.depth == 0:
+            self.started = self.clock()
+        self.depth += 1
+
+    def _close(self) -> None:
+        self.depth = max(0, self.depth - 1)
+        if self.depth == 0 and self.started is not None:
+            self.seconds += self.clock() - self.started
+            self.started = None
 
     def generate_started(self) -> None:
-        self.started = self.clock()
+        self._open()
 
     def generate_finished(self, input_ids, output) -> None:
-        if self.started is not None:
-            self.seconds += self.clock() - self.started
-        self.started = None
+        self._close()
+
+    def entry_started(self, kind: str) -> None:
+        if kind in (ROLLOUT, SYNC):
+            self._open()
+
+    def entry_finished(self, kind: str, result) -> None:
+        if kind in (ROLLOUT, SYNC):
+            self._close()
 
     def reset(self) -> None:
         self.seconds = 0.0
+
+
+# ---------------------------------------------------------------- TRL's generation entry
+#: what :func:`watch_generation_entry` times, by the ``kind`` it tells its listener: the trainer's whole rollout
+#: (``GRPOTrainer._generate``: every backend, a custom ``rollout_func`` and tool calls), a weight sync to vLLM
+#: (``VLLMGeneration.sync_weights``), one vLLM engine call (``VLLMGeneration.generate``) and the reward functions
+#: (``GRPOTrainer._calculate_rewards``)
+ROLLOUT, SYNC, ENGINE, REWARD = "rollout", "sync", "engine", "reward"
+
+
+def generation_backend(trainer) -> str | None:
+    """How a TRL trainer generates: ``"vllm-server"``, ``"vllm-colocate"``, ``"transformers-paged"`` (TRL's
+    continuous batching) or ``"transformers"`` (``model.generate``); None for a trainer that does not generate."""
+    if not callable(getattr(trainer, "_generate", None)):
+        return None
+    if getattr(trainer, "use_vllm", False):
+        return f"vllm-{getattr(trainer, 'vllm_mode', None) or 'server'}"
+    if getattr(trainer, "use_transformers_continuous_batching", False):
+        return "transformers-paged"
+    return "transformers"
+
+
+def rollout_counts(kind: str, result) -> tuple[int, int, int]:
+    """(completions, completion tokens, longest completion) in what ``kind``'s call returned: ``_generate``'s tuple
+    (``prompt_ids, completion_ids, tool_mask, ...``; with tools only the model's own tokens, ``tool_mask`` 1, count)
+    or ``VLLMGeneration.generate``'s (``prompt_ids, completion_ids, logprobs, logprob_token_ids``); zeros for
+    anything else."""
+    if kind not in (ROLLOUT, ENGINE) or not isinstance(result, tuple) or len(result) < 2:
+        return 0, 0, 0
+    completions = result[1]
+    mask = result[2] if kind == ROLLOUT and len(result) > 2 else None
+    rows = mask if isinstance(mask, list) and mask else completions
+    if not isinstance(rows, list):
+        return 0, 0, 0
+    lengths = [int(sum(row)) if rows is mask else len(row) for row in rows]
+    return len(lengths), sum(lengths), max(lengths, default=0)
+
+
+class _EntryWatch:
+    """One set of wrappers around one trainer's generation entry points that tells every listener."""
+
+    def __init__(self, trainer):
+        self.listeners: list = []
+        self.alive = True           # a wrapper another one was put over outlives the undo: it then only passes through
+        self.undos = [replace_method(trainer, "_generate", self._timed(ROLLOUT))]
+        self.wrapper = trainer.__dict__["_generate"]
+        if callable(getattr(trainer, "_calculate_rewards", None)):
+            self.undos.append(replace_method(trainer, "_calculate_rewards", self._timed(REWARD)))
+        engine = getattr(trainer, "vllm_generation", None) if getattr(trainer, "use_vllm", False) else None
+        if engine is not None:
+            self.undos.append(replace_method(engine, "sync_weights", self._timed(SYNC)))
+            self.undos.append(replace_method(engine, "generate", self._timed(ENGINE)))
+
+    def _timed(self, kind: str) -> Callable[[Callable], Callable]:
+        def make(original):
+            @functools.wraps(original)
+            def entry(*args, **kwargs):
+                listeners = list(self.listeners) if self.alive else []
+                for listener in listeners:
+                    listener.entry_started(kind)
+                result = None
+                try:
+                    result = original(*args, **kwargs)
+                    return result
+                finally:
+                    for listener in listeners:
+                        listener.entry_finished(kind, result)
+            return entry
+        return make
+
+    def undo(self) -> None:
+        self.alive = False
+        for each in reversed(self.undos):
+            each()
+        self.undos.clear()
+
+
+_ENTRY_WATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def watch_generation_entry(trainer, listener) -> Callable[[], None]:
+    """Tell ``listener.entry_started(kind)`` and ``listener.entry_finished(kind, result)`` (result None on an error)
+    around TRL's own generation entry points on this trainer instance (kinds: :data:`ROLLOUT`, :data:`SYNC`,
+    :data:`ENGINE`, :data:`REWARD`), so that HF ``generate``, vLLM server and vLLM colocate are timed at the same
+    place. One set of wrappers per trainer, shared by all listeners, taken off when the last one leaves; nothing is
+    watched on a trainer without ``_generate`` (not a TRL generating trainer). Returns the function that stops it."""
+    if generation_backend(trainer) is None:
+        return lambda: None
+    watch = _ENTRY_WATCHES.get(trainer)
+    if watch is None or trainer.__dict__.get("_generate") is not watch.wrapper:
+        watch = _ENTRY_WATCHES[trainer] = _EntryWatch(trainer)
+    watch.listeners.append(listener)
+
+    def stop() -> None:
+        if listener in watch.listeners:
+            watch.listeners.remove(listener)
+        if not watch.listeners and watch.alive:
+            watch.undo()
+            if _ENTRY_WATCHES.get(trainer) is watch:
+                del _ENTRY_WATCHES[trainer]
+
+    return stop
+
+
+def watch_generation(model, listener) -> Callable[[], None]:
+    """:func:`watch_generate` on ``model`` and :func:`watch_generation_entry` on the trainer whose ``train()`` runs
+    on the call stack (if any), for one listener of both; returns the undo of both."""
+    undos = [watch_generate(model, listener), watch_generation_entry(calling_trainer(), listener)]
+
+    def undo() -> None:
+        for each in undos:
+            each()
+
+    return undo
 
 
 # ---------------------------------------------------------------- collectives

@@ -50,6 +50,11 @@ PERF_CPU_SEC = "perf/cpu_sec"
 PERF_CPU_TIME_RATIO = "perf/cpu_time_ratio"
 PERF_OTHER_CPU_CORES = "perf/other_cpu_cores"
 PERF_LOAD_PER_CORE = "perf/load_per_core"
+# ThroughputMeter, GRPO: TRL's generation entry (step lines only; every backend: HF generate, vLLM server, colocate)
+PERF_GENERATION_BATCH = "perf/generation_batch"
+PERF_COMPLETION_TOKENS = "perf/completion_tokens"
+PERF_WEIGHT_SYNC_SEC = "perf/weight_sync_sec"
+PERF_REWARD_SEC = "perf/reward_sec"
 # MemoryWatchdog
 MEM_DEVICE_USED_GB = "mem/device_used_gb"
 MEM_ALLOCATED_GB = "mem/allocated_gb"

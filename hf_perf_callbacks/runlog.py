@@ -100,6 +100,8 @@ class RunHeader:
     pad_to_multiple_of: int | None = None
     temperature: float | None = None
     use_vllm: bool | None = None
+    generation_backend: str | None = None      # how TRL generated: "transformers", "vllm-server", "vllm-colocate"
+    vllm_enable_sleep_mode: bool | None = None
     activation_checkpointing: bool | None = None
     model: dict[str, Any] = field(default_factory=dict)
     dataloader: dict[str, Any] = field(default_factory=dict)

@@ -96,6 +96,11 @@ class ThroughputMeter(PerfCallback):
     ``attention_mask`` of grad-enabled forwards (no extra synchronize, no collective per micro-batch, training
     unchanged); ranks exchange their counts once per optimizer step.
 
+    **GRPO's generation** is timed at TRL's own entry (``GRPOTrainer._generate``, through
+    :func:`~hf_perf_callbacks.adapter.watch_generation_entry`), so HF ``generate``, vLLM server and vLLM colocate
+    give the same figures; ``model.generate`` nested inside is not counted again (a trainer without ``_generate``
+    is timed at ``model.generate`` alone). Weight syncs to vLLM and the reward functions are timed on their own.
+
     **MFU** uses :mod:`hf_perf_callbacks.flops` (LoRA-aware, attention included) against the device's peak for
     the training dtype (table, ``peak_flops`` override or ``peak_flops="calibrate"``); unknown device → MFU is
     omitted with one warning. GRPO's model FLOPs per token are ``num_iterations`` × training plus one forward
@@ -139,6 +144,13 @@ class ThroughputMeter(PerfCallback):
     ``perf/other_cpu_cores``              cores     busy cores of the machine during the step minus this process's
                                                     (``psutil.cpu_times``): other processes' load
     ``perf/load_per_core``                ratio     1-minute load average / logical cores (``os.getloadavg``)
+    ``perf/generation_batch``             count     GRPO: completions TRL generated in the step on this rank (its
+                                                    generation batch; 0 on a step that trains buffered ones)
+    ``perf/completion_tokens``            tokens    GRPO: tokens of those completions (with tools: the model's own)
+    ``perf/weight_sync_sec``              s         GRPO with vLLM: time in ``VLLMGeneration.sync_weights`` (part
+                                                    of the ``generation`` phase)
+    ``perf/reward_sec``                   s         GRPO: time in TRL's reward functions (``_calculate_rewards``;
+                                                    part of the ``compute`` phase)
     ====================================  ========  ==============================================================
 
     ====================================  ========  ==============================================================
@@ -158,9 +170,13 @@ class ThroughputMeter(PerfCallback):
     ``perf/mfu``                          fraction  model FLOPs utilisation (absent when the peak is unknown)
     ``perf/hfu``                          fraction  hardware FLOPs utilisation, recompute included
                                                     (only with activation checkpointing)
-    ``perf/rollout_tokens_per_sec``       tok/s     GRPO: generated tokens per second of generation (this rank)
+    ``perf/rollout_tokens_per_sec``       tok/s     GRPO: completion tokens per second of generation, weight
+                                                    syncs left out (this rank; every backend)
     ``perf/train_tokens_per_sec``         tok/s     GRPO: windowed tokens per second of non-generation time
     ``perf/decode_bandwidth_util``        fraction  GRPO: weight bytes read per decode step × steps / time / peak
+                                                    (HF ``generate``: forwards counted; vLLM colocate: the longest
+                                                    completion of each engine call, weights / tensor-parallel
+                                                    size; vLLM server: absent, the engine runs elsewhere)
     ``perf/forwards_per_microbatch``      count     grad-enabled top-level forwards per micro-batch (expect 1)
     ``perf/pad_fraction``                 fraction  padding share of the positions in this step's training forwards
     ====================================  ========  ==============================================================
@@ -190,6 +206,10 @@ class ThroughputMeter(PerfCallback):
         self.warned: set[str] = set()
         self._hooks: list = []
         self._stop_watching_generate: Callable[[], None] | None = None
+        self._stop_watching_entry: Callable[[], None] | None = None
+        self.backend: str | None = None              # how TRL generates (adapter.generation_backend), if it does
+        self.engine_parallel = 1                     # vLLM colocate: the devices one engine's weights are split over
+        self.generation_depth = 0                    # nested generation calls open now (entry, sync, model.generate)
         self.summary: MeterSummary | None = None
 
     # ------------------------------------------------------------ setup
@@ -225,7 +245,9 @@ class ThroughputMeter(PerfCallback):
                                steps_per_generation=getattr(args, "steps_per_generation", None),
                                pad_to_multiple_of=getattr(args, "pad_to_multiple_of", None),
                                temperature=getattr(args, "temperature", None),
-                               use_vllm=getattr(args, "use_vllm", None),
+                               use_vllm=getattr(args, "use_vllm", None), generation_backend=self.backend,
+                               vllm_enable_sleep_mode=(getattr(args, "vllm_enable_sleep_mode", None)
+                                                       if getattr(args, "use_vllm", False) else None),
                                activation_checkpointing=self.recompute, model=self._model_facts(),
                                dataloader=_dataloader_settings(args), torch_threads=torch.get_num_threads(),
                                cpu_cores=os.cpu_count())
@@ -242,19 +264,66 @@ class ThroughputMeter(PerfCallback):
         self._hooks.append(forward_entry(inner).register_forward_pre_hook(self._on_forward, with_kwargs=True))
         if self.is_grpo and hasattr(model, "generate"):
             self._stop_watching_generate = adapter.watch_generate(model, self)
+        trainer = adapter.calling_trainer() if self.is_grpo else None
+        self.backend = adapter.generation_backend(trainer)
+        if self.backend is not None:          # TRL's own entry: every backend timed at one place
+            self._stop_watching_entry = adapter.watch_generation_entry(trainer, self)
+            self.engine_parallel = int(getattr(getattr(trainer, "args", None), "vllm_tensor_parallel_size", 1) or 1)
+
+    # A rollout is timed once, from the outermost of the calls that nest in it: TRL's ``_generate`` (every backend),
+    # a weight sync to vLLM, and ``model.generate`` (HF generation inside ``_generate``, or a trainer without it).
+    def _generation_opened(self) -> None:
+        if self.generation_depth == 0:
+            self.generate_start = self.clock.wall()
+        self.generation_depth += 1
+        self.in_generate = True
+
+    def _generation_closed(self) -> None:
+        self.generation_depth = max(0, self.generation_depth - 1)
+        if self.generation_depth == 0:
+            self.in_generate = False
+            if not self.disabled:
+                self.timeline.add_generation(self.clock.wall() - self.generate_start)
 
     def generate_started(self) -> None:
         """A GRPO rollout begins (see :func:`~hf_perf_callbacks.adapter.watch_generate`)."""
-        self.in_generate = True
-        self.generate_start = self.clock.wall()
+        self._generation_opened()
 
     def generate_finished(self, input_ids, output) -> None:
-        self.in_generate = False
-        if self.disabled:
-            return
-        self.timeline.add_generation(self.clock.wall() - self.generate_start)
-        if output is not None:
+        self._generation_closed()
+        if not self.disabled and output is not None and self._stop_watching_entry is None:   # else counted there
             self._hook_safely(self._count_generated, input_ids, output)
+
+    def entry_started(self, kind: str) -> None:
+        """TRL's generation entry ``kind`` begins (see :func:`~hf_perf_callbacks.adapter.watch_generation_entry`);
+        called from the trainer's own code, so a fault disables the meter instead of failing the step."""
+        self._hook_safely(self._entry_started, kind)
+
+    def entry_finished(self, kind: str, result) -> None:
+        self._hook_safely(self._entry_finished, kind, result)
+
+    def _entry_started(self, kind: str) -> None:
+        self.entry_start[kind] = self.clock.wall()
+        if kind in (adapter.ROLLOUT, adapter.SYNC):
+            self._generation_opened()
+
+    def _entry_finished(self, kind: str, result) -> None:
+        if kind in (adapter.ROLLOUT, adapter.SYNC):
+            self._generation_closed()
+        started = self.entry_start.pop(kind, None)
+        if self.disabled or started is None or self.timeline.step_begin_at is None:   # eval's generation: eval's
+            return
+        seconds = self.clock.wall() - started
+        if kind == adapter.SYNC:
+            self.sync_seconds += seconds
+        elif kind == adapter.REWARD:
+            self.reward_seconds += seconds
+        completions, tokens, longest = adapter.rollout_counts(kind, result)
+        if kind == adapter.ROLLOUT:
+            self.completions += completions
+            self.completion_tokens += tokens
+        elif kind == adapter.ENGINE and self.backend == "vllm-colocate":
+            self.decode_steps += longest        # the engine decodes the whole batch until its longest completion
 
     def _setup_flops(self, args, step: int) -> None:
         self.shape = shape_of(self.model)
@@ -294,7 +363,10 @@ class ThroughputMeter(PerfCallback):
         return facts
 
     def _reset_step_counters(self) -> None:
-        self.in_generate = False
+        self.in_generate = self.generation_depth > 0
+        self.entry_start: dict[str, float] = {}
+        self.sync_seconds = self.reward_seconds = 0.0
+        self.completions = self.completion_tokens = 0
         self.decode_steps = 0
         self.forwards = 0
         self.microbatches = 0
@@ -373,6 +445,8 @@ class ThroughputMeter(PerfCallback):
             train_seconds = max(r[1] for r in rows)
         self.timeline.commit(record, tokens, train_seconds)
         generated = float(counts[GENERATED]) if self.is_grpo else 0.0
+        if self._stop_watching_entry is not None:                   # counted at TRL's entry, every backend
+            generated = float(self.completion_tokens)
         metrics = self._step_metrics(record, generated)
         if self.padded_positions:
             metrics[keys.PERF_PAD_FRACTION] = 1.0 - counts[REAL_POSITIONS] / self.padded_positions
@@ -386,7 +460,7 @@ class ThroughputMeter(PerfCallback):
                                                  keys.PERF_STEADY: int(record.steady),
                                                  keys.PERF_FIRST_STEADY_STEP: self.timeline.first_steady_step,
                                                  keys.PERF_EARLY_CONTENTION_SEC: self.timeline.early_contention,
-                                                 **self.machine.step_fields(record)})
+                                                 **self.machine.step_fields(record), **self._rollout_fields()})
         if control.should_log:   # phase shares over this logging interval
             metrics.update({keys.PERF_PHASE_SHARE[k]: v for k, v in self.timeline.take_window_phases().items()})
         self._bus.publish(metrics)
@@ -409,14 +483,25 @@ class ThroughputMeter(PerfCallback):
         mfu = self._utilisation(rate)
         m.update(mfu)
         m[keys.PERF_FORWARDS_PER_MICROBATCH] = self.forwards / max(1, self.microbatches)
-        if self.is_grpo and record.generation > 0:
-            m[keys.PERF_ROLLOUT_TOKENS_PER_SEC] = generated / record.generation
-            if self.run_peak_bandwidth and self.decode_steps:
-                m[keys.PERF_DECODE_BANDWIDTH_UTIL] = (self.weight_bytes * self.decode_steps / record.generation
-                                                   / self.run_peak_bandwidth)
+        rollout = record.generation - self.sync_seconds          # the weight syncs to vLLM left out
+        if self.is_grpo and rollout > 0:
+            m[keys.PERF_ROLLOUT_TOKENS_PER_SEC] = generated / rollout
+            if self.run_peak_bandwidth and self.decode_steps:       # none counted where vLLM runs as a server
+                m[keys.PERF_DECODE_BANDWIDTH_UTIL] = (self.weight_bytes / self.engine_parallel * self.decode_steps
+                                                   / rollout / self.run_peak_bandwidth)
         if self.is_grpo and tl.train_rate.rate():          # windowed over whole generation cycles, like tokens/s
             m[keys.PERF_TRAIN_TOKENS_PER_SEC] = tl.train_rate.rate()
         return {k: v for k, v in m.items() if v is not None}
+
+    def _rollout_fields(self) -> dict:
+        """The step line's figures of TRL's generation entry (none for a trainer that does not generate)."""
+        if self.backend is None:
+            return {}
+        fields = {keys.PERF_GENERATION_BATCH: self.completions, keys.PERF_COMPLETION_TOKENS: self.completion_tokens,
+                  keys.PERF_REWARD_SEC: self.reward_seconds}
+        if self.backend.startswith("vllm"):
+            fields[keys.PERF_WEIGHT_SYNC_SEC] = self.sync_seconds
+        return fields
 
     def _flops_per_token(self) -> tuple[float, float]:
         model, hardware = train_flops_per_token(self.shape, self.seq_len, self.recompute)
@@ -512,6 +597,10 @@ class ThroughputMeter(PerfCallback):
         if self._stop_watching_generate is not None:
             self._stop_watching_generate()
             self._stop_watching_generate = None
+        if self._stop_watching_entry is not None:
+            self._stop_watching_entry()
+            self._stop_watching_entry = None
+        self.generation_depth = 0
 
 
 def _dataloader_settings(args) -> DataLoaderFacts:

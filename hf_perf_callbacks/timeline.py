@@ -11,7 +11,8 @@ phase                 time
                       next batches (the Trainer prefetches a whole accumulation window before it) and logging;
                       time the other callbacks report as their own (memory sampling, cache clears) is not
                       counted here but under ``compute``
-``generation``        inside ``generate`` (GRPO rollouts)
+``generation``        GRPO rollouts: inside TRL's ``_generate`` (HF ``generate``, vLLM server or colocate, weight
+                      syncs to vLLM included), else inside ``model.generate``
 ``compute``           the rest: forward, backward, optimizer
 ``eval``              from the previous mark to ``on_evaluate``
 ``save``              from the previous mark to ``on_save``

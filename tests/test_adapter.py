@@ -80,6 +80,100 @@ def test_grpo_internals_exist():
         assert_present(name in source, f"GRPOTrainer.{name.removeprefix('self.')}")
 
 
+def test_trl_generation_entry_internals_exist():
+    """What ``adapter.watch_generation_entry`` and ``adapter.rollout_counts`` rely on: TRL's ``GRPOTrainer._generate``
+    (its tuple: ``prompt_ids, completion_ids, tool_mask, ...``) and ``_calculate_rewards``, the trainer's
+    ``use_vllm``/``vllm_mode``/``vllm_generation``, and ``VLLMGeneration.sync_weights`` and ``generate`` (its tuple:
+    ``prompt_ids, completion_ids, logprobs, logprob_token_ids``)."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    source = inspect.getsource(trl.GRPOTrainer)
+    for name in ("_generate", "_calculate_rewards", "_generate_single_turn"):
+        assert_present(callable(getattr(trl.GRPOTrainer, name, None)), f"GRPOTrainer.{name}")
+    assert_present("return prompt_ids, completion_ids, tool_mask, completions, logprobs" in
+                   inspect.getsource(trl.GRPOTrainer._generate), "GRPOTrainer._generate's returned tuple")
+    for name in ("self.use_vllm", "self.vllm_mode", "self.vllm_generation.sync_weights()",
+                 "self.vllm_generation.generate(", "self._calculate_rewards(", "self._generate(prompts)"):
+        assert_present(name in source, f"GRPOTrainer: {name}")
+    for name in ("sync_weights", "generate"):
+        assert_present(callable(getattr(VLLMGeneration, name, None)), f"VLLMGeneration.{name}")
+    assert_present("return prompt_ids, completion_ids, logprobs, logprob_token_ids" in
+                   inspect.getsource(VLLMGeneration.generate), "VLLMGeneration.generate's returned tuple")
+    assert adapter.rollout_counts(adapter.ROLLOUT, ([[1]], [[5, 6, 7], [8]], None)) == (2, 4, 3)
+    assert adapter.rollout_counts(adapter.ROLLOUT, ([[1]], [[5, 6, 7]], [[1, 0, 1]])) == (1, 2, 2)  # tools: model's
+    assert adapter.rollout_counts(adapter.ENGINE, ([[1]], [[5, 6], [7]], None, None)) == (2, 3, 2)
+    assert adapter.rollout_counts(adapter.SYNC, None) == (0, 0, 0)
+
+
+def test_generation_entry_wrappers_tell_each_kind_and_come_off():
+    class Engine:
+        def sync_weights(self):
+            return None
+
+        def generate(self, prompts):
+            return prompts, [[1, 2]], None, None
+
+    class Trainer:
+        use_vllm, vllm_mode = True, "colocate"
+
+        def __init__(self):
+            self.vllm_generation = Engine()
+
+        def _generate(self, prompts):
+            self.vllm_generation.sync_weights()
+            return prompts, self.vllm_generation.generate(prompts)[1], None
+
+        def _calculate_rewards(self, *args):
+            raise RuntimeError("boom")
+
+    class Entries:
+        def __init__(self):
+            self.events = []
+
+        def entry_started(self, kind):
+            self.events.append(("start", kind))
+
+        def entry_finished(self, kind, result):
+            self.events.append(("end", kind, result is not None))
+
+    trainer, listener, second = Trainer(), Entries(), Entries()
+    assert adapter.generation_backend(trainer) == "vllm-colocate"
+    undo = adapter.watch_generation_entry(trainer, listener)
+    wrapper = trainer.__dict__["_generate"]
+    undo_second = adapter.watch_generation_entry(trainer, second)
+    assert trainer.__dict__["_generate"] is wrapper                   # one set of wrappers, two listeners
+    trainer._generate([[0]])
+    with pytest.raises(RuntimeError):
+        trainer._calculate_rewards()
+    assert listener.events == second.events == [
+        ("start", "rollout"), ("start", "sync"), ("end", "sync", False), ("start", "engine"), ("end", "engine", True),
+        ("end", "rollout", True), ("start", "reward"), ("end", "reward", False)]
+    undo()
+    trainer._generate([[0]])                                            # the other listener still hears it
+    assert len(second.events) == 14 and len(listener.events) == 8
+    undo_second()
+    assert not {"_generate", "_calculate_rewards"} & trainer.__dict__.keys()
+    assert not {"sync_weights", "generate"} & trainer.vllm_generation.__dict__.keys()
+
+
+def test_the_generation_clock_counts_nested_generation_once():
+    """TRL's rollout holds a weight sync and (HF) ``model.generate``: the tuner's clock times the outermost call."""
+    now = [0.0]
+    clock = adapter.GenerationClock(lambda: now[0])
+    clock.entry_started(adapter.ROLLOUT)
+    clock.entry_started(adapter.SYNC)
+    now[0] += 1.0
+    clock.entry_finished(adapter.SYNC, None)
+    clock.generate_started()
+    now[0] += 2.0
+    clock.generate_finished(None, None)
+    clock.entry_started(adapter.REWARD)                # not generation
+    clock.entry_finished(adapter.REWARD, None)
+    now[0] += 0.5
+    clock.entry_finished(adapter.ROLLOUT, None)
+    assert clock.seconds == 3.5 and clock.depth == 0
+
+
 def test_torch_internals_exist():
     compiled = torch.compile(torch.nn.Linear(2, 2))
     assert_present(isinstance(getattr(compiled, "_orig_mod", None), torch.nn.Linear), "OptimizedModule._orig_mod")

@@ -194,6 +194,14 @@ class Measurements:
     evaluation: Evaluation | None = None     # the run's evaluations, measured (see _evaluation)
     first_steady: FirstSteady | None = None  # the latest train() call's first step, steady or not
     train_sec: float | None = None           # Σ training seconds of the run's steps (what the tuning's cost is against)
+    # GRPO, timed at TRL's generation entry (the meter's perf/weight_sync_sec, perf/reward_sec, ... step keys)
+    generation_backend: str | None = None    # "transformers", "vllm-server", "vllm-colocate" (None: not recorded)
+    vllm_enable_sleep_mode: bool | None = None
+    weight_sync_share: float | None = None   # Σ perf/weight_sync_sec / Σ step wall time (vLLM only)
+    weight_sync_sec: float | None = None     # mean seconds of a step that synced weights
+    weight_syncs: int = 0                    # steps that synced weights
+    reward_share: float | None = None        # Σ perf/reward_sec / Σ step wall time
+    rollout_tokens_per_sec: float | None = None   # median of the steady steps' perf/rollout_tokens_per_sec
 
 
 @dataclass

@@ -368,6 +368,24 @@ def _step_counts(run_log: RunLog, grpo: bool) -> dict[str, Any]:
             "decode_bandwidth_util": _median(list(_steady_values(run_log, keys.PERF_DECODE_BANDWIDTH_UTIL)))}
 
 
+def _generation_readings(run_log: RunLog, run: RunHeader, skipped: list[str]) -> dict[str, Any]:
+    """GRPO's figures of TRL's generation entry: the backend, the weight syncs' and reward functions' shares of the
+    wall time, the rollout's decode rate (None where the step lines do not hold them)."""
+    backend = _fact(run, "generation_backend", "str", skipped)
+    if backend is None and run.use_vllm:
+        backend = "vllm"                                # an older log: vLLM, mode not recorded
+    wall = sum(sum(finite(run_log.column(keys.PERF_PHASE_SEC[p]))) for p in keys.PHASES)
+    syncs = [v for v in finite(run_log.column(keys.PERF_WEIGHT_SYNC_SEC)) if v > 0]
+    rewards = finite(run_log.column(keys.PERF_REWARD_SEC))
+    logged = run_log.keys_logged()
+    return {"generation_backend": backend,
+            "vllm_enable_sleep_mode": _fact(run, "vllm_enable_sleep_mode", "bool", skipped),
+            "weight_sync_share": sum(syncs) / wall if wall and keys.PERF_WEIGHT_SYNC_SEC in logged else None,
+            "weight_sync_sec": sum(syncs) / len(syncs) if syncs else None, "weight_syncs": len(syncs),
+            "reward_share": sum(rewards) / wall if wall and rewards else None,
+            "rollout_tokens_per_sec": _median(list(_steady_values(run_log, keys.PERF_ROLLOUT_TOKENS_PER_SEC)))}
+
+
 def _watchdog_actions(run_log: RunLog, skipped: list[str]) -> list[dict[str, Any]]:
     """The watchdog's actions: its summary's list, else (a killed run) its action and stop events."""
     actions = run_log.summary("mem").get("actions")
@@ -476,7 +494,7 @@ def measurements(run_log: RunLog) -> Measurements:
         contention=_contention(run_log, f), machine=_machine(run_log, run, skipped),
         evaluation=_evaluation(run_log, train_sec), first_steady=_first_steady(run_log, f),
         launcher=_fact(run, "launcher", "str", skipped), logged=run_log.keys_logged(), skipped=skipped,
-        train_sec=train_sec or None)
+        train_sec=train_sec or None, **_generation_readings(run_log, run, skipped))
 
 
 def measurements_from_run(output_dir: str) -> Measurements:

@@ -114,7 +114,7 @@ class AdaptiveBatchTuner(PerfCallback):
             self.measuring = tuning.done is None
         if self.measuring:
             self.device = DeviceLayer()
-            self._stop_watching = adapter.watch_generate(model, self.generation) if model is not None else None
+            self._stop_watching = adapter.watch_generation(model, self.generation) if model is not None else None
 
     def _tuning_done(self, step: int) -> None:
         """Record the tuning once it finished (and print its evidence once)."""

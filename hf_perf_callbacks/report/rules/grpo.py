@@ -1,4 +1,8 @@
-"""GRPO's rules: a run that cannot learn, a generation-bound step, the completion budget.
+"""GRPO's rules: a run that cannot learn, a generation-bound step, weight syncs to vLLM, the completion budget.
+
+Generation is measured at TRL's own entry (HF ``generate``, vLLM server and vLLM colocate alike), so the timing rules
+read the same figures on every backend and word their causes and advice for the one the run used
+(:attr:`~..model.Measurements.generation_backend`).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from .basis import _too_short
 from .formulas import _memory_freed_by_cut
 
 GENERATION_SHARE = 0.5
+WEIGHT_SYNC_SHARE = 0.15     # weight syncs to vLLM at or above this share of the wall time: a finding
 LAUNCH_BOUND_UTIL = 0.1      # decode bandwidth utilisation below which decode is launch-bound
 NO_LEARNING_LOGS = 3         # consecutive logs with zero reward variance in every group and zero gradient norm
 
@@ -119,10 +124,16 @@ def rule_generation_bound(m: Measurements) -> Finding | None:
     if not m.grpo or g < GENERATION_SHARE or _too_short(m):
         return None
     u = m.decode_bandwidth_util
-    obs = f"Generation (rollouts) took {_pct(g)} of the wall time"
+    backend = m.generation_backend or ("vllm" if m.use_vllm else "transformers")
+    vllm = backend.startswith("vllm")
+    obs = f"Generation (rollouts, {_BACKEND_WORDS.get(backend, backend)}) took {_pct(g)} of the wall time"
     if m.steady_step_sec:
         obs += f" (≈ {g * m.steady_step_sec:.2f} s of a {m.steady_step_sec:.2f} s step)"
-    launch_bound = u is not None and u < LAUNCH_BOUND_UTIL
+    if m.weight_sync_share:
+        obs += f", weight syncs to vLLM {_pct(m.weight_sync_share)} of the wall time within it"
+    if m.rollout_tokens_per_sec:
+        obs += f"; {m.rollout_tokens_per_sec:.0f} completion tokens/s"
+    launch_bound = u is not None and u < LAUNCH_BOUND_UTIL and not vllm
     if u is not None:
         obs += f"; decode read the weights at {_pct(u)} of peak memory bandwidth"
         obs += " — launch-bound, not bandwidth-bound" if launch_bound else ""
@@ -130,6 +141,10 @@ def rule_generation_bound(m: Measurements) -> Finding | None:
     root = ("HF `generate` decodes one token per step for the whole batch and runs every layer for each token; a "
             "batch decodes until its longest completion. Generation does not depend on the training split, so it "
             "dominates a GRPO step.")
+    if vllm:
+        root = ("TRL generates synchronously: training waits while vLLM decodes the generation batch until its "
+                "longest completion (and, after each optimizer step, while the new weights are sent to it). "
+                "Generation does not depend on the training split, so it dominates a GRPO step.")
     target = _completion_target(m)
     clipped = m.clipped_ratio or 0.0
     lines: list[str] = []
@@ -140,6 +155,9 @@ def rule_generation_bound(m: Measurements) -> Finding | None:
                   "launch overhead; `vllm_gpu_memory_utilization: 0.3` leaves room for training)",
                   "or, without vLLM, `cache_implementation: static` (fixed-shape KV cache, no re-allocation per "
                   "token)"]
+    if backend == "vllm-server":
+        lines.append("more GPUs for the vLLM server (`vllm serve ... --data-parallel-size N`): the generation batch "
+                     "is spread over its engines")
     spg = m.steps_per_generation or m.grad_accum
     if spg and not _under_pressure(m):
         steps_per_rollout = 2 * spg / (m.grad_accum or spg)
@@ -165,6 +183,49 @@ def rule_generation_bound(m: Measurements) -> Finding | None:
                f"would be the ceiling, 1/(1 − {g:.2f}) = {1 / (1 - g):.1f}x)")
     return Finding("generation_bound", "Generation-bound GRPO step", obs, root, _bullets(lines), None, formula,
                    "low", setting, "try", None)
+
+
+_BACKEND_WORDS = {"transformers": "HF generate", "transformers-paged": "HF continuous batching",
+                  "vllm-server": "vLLM server", "vllm-colocate": "vLLM colocated", "vllm": "vLLM"}
+
+
+@card(finding=f"GRPO with vLLM: weight syncs ≥ {WEIGHT_SYNC_SHARE:.0%} of the wall time → `steps_per_generation` "
+              "×2 (one sync per generation; with its cost: later updates learn off-policy), the server near the "
+              "trainer",
+      gain="no")
+def rule_weight_sync(m: Measurements) -> Finding | None:
+    share = m.weight_sync_share
+    if not m.grpo or share is None or share < WEIGHT_SYNC_SHARE or _too_short(m):
+        return None
+    backend = m.generation_backend or "vllm"
+    obs = (f"Sending the weights to vLLM ({_BACKEND_WORDS.get(backend, backend)}) took {_pct(share)} of the wall "
+           f"time: {m.weight_syncs} syncs"
+           + (f" of ≈ {m.weight_sync_sec:.2f} s each" if m.weight_sync_sec else "")
+           + (f"; generation as a whole {_pct(_phase(m, 'generation'))}" if _phase(m, "generation") else "") + ".")
+    root = ("Before generating after an optimizer step, TRL sends every weight of the model to vLLM "
+            "(`VLLMGeneration.sync_weights`; with LoRA the adapters are merged and the whole model is sent), and the "
+            "trainer waits for it. Its cost grows with the model, not with the batch, so it weighs most where "
+            "generation batches are small.")
+    if backend == "vllm-colocate" and m.vllm_enable_sleep_mode:
+        root += (" With `vllm_enable_sleep_mode` the engine drops its weights after every generate call (sleep "
+                 "level 2), so a second call in one step (tool-call turns, evaluation) sends them again.")
+    lines: list[str] = []
+    setting: Setting = {}
+    spg = m.steps_per_generation or m.grad_accum
+    if spg and not _under_pressure(m):
+        lines.append(f"`steps_per_generation: {2 * spg}` (now {spg}): one generation, and one sync, for twice the "
+                     f"micro-batches; the cost is on-policy-ness (the later updates learn from completions of older "
+                     f"weights, and TRL clips the importance ratio)")
+        setting = {"steps_per_generation": 2 * spg}
+    if backend == "vllm-server":
+        lines.append("keep the server on GPUs of the training node (NVLink or PCIe, not across the network): the "
+                     "weights travel over NCCL from the training process's first rank")
+    if not lines:
+        return None
+    formula = (f"not predicted: the run measures syncs at one setting (syncs free would be the ceiling, "
+               f"1/(1 − {share:.2f}) = {1 / (1 - share):.2f}x)")
+    return Finding("weight_sync", "Weight syncs to vLLM take a large share of the step", obs, root, _bullets(lines),
+                   None, formula, "medium", setting, "try", None)
 
 
 def _cut_off(m: Measurements, obs: str, limit: int, clipped: float) -> Finding:

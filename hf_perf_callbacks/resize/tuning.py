@@ -450,6 +450,8 @@ class OnRunTuning:
         - once it is measured: its median gain over the baseline plus the standard error of that difference
           (0.93 × the two interquartile ranges averaged × √(1/n_baseline + 1/n_candidate)): the most its samples
           still allow. A candidate that cannot pay for another round even at that gain is left.
+
+        The interquartile range of fewer than four samples is estimated from their range (:func:`spread_width`).
         """
         base = self.trials[self.baseline].samples
         trial = self.trials.get(self.candidate) if self.candidate is not None else None

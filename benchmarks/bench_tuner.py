@@ -12,6 +12,12 @@ completions of 32 tokens per optimizer step, bf16). Parts (each prints and write
                    split (``must_pay=False``) with LoRA and as a full fine-tune (``tuner_switch_<device>.json``)
 ``--part ab``      an interleaved A/B of two splits: fresh runs A B B A ..., per-step times after the first step,
                    Mann-Whitney on the per-run medians (``tuner_ab.json``)
+``--part sequential``  the tuning from every ``--starts`` split (default 4×8, 2×16, 32×1), each run beside a plain
+                   run of the best split (``--rival``, 32×1) at the same time on one GPU host, one process a GPU:
+                   ``--part run`` in each, with ``CUDA_VISIBLE_DEVICES``; 2 × starts GPUs: each tuned run its own
+                   plain twin; starts + 1: one plain run beside all; fewer (at least 2): the pairs one after another.
+                   Each pair's wall-time ratio tuned / plain, the steps at the starting split, the decision
+                   (``tuner_sequential_<card>.json``; the per-run files are folded into it)
 
 ``--smoke`` uses the demo's trainer on the CPU (the real SmolLM2-135M-Instruct, chat prompts, 4×1; one prompt group
 of four completions up to 40 tokens per step), as ``hf-perf demo`` runs it. ``--model smollm2`` uses the real model
@@ -20,6 +26,10 @@ on a GPU (bf16). The targets (issue: a probe that costs nothing) compare runs of
 end where a better one exists, and the tuned run's steady training throughput ≥ 0.95 of the sweep's best.
 """
 import argparse
+import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -206,6 +216,90 @@ def ab(a) -> dict:
     return result
 
 
+def side_by_side(a) -> dict:
+    """``--part sequential``: tuned runs from each start and plain runs of the best split at the same time, one
+    process a GPU (see the module docstring); every run ``--steps`` steps of the same trainer."""
+    import torch
+
+    gpus = torch.cuda.device_count() if not a.tiny else 2 * len(a.starts)     # --tiny: a CPU check of the plumbing
+    if gpus < 2:
+        raise SystemExit(f"--part sequential runs a tuned and a plain run side by side, one a GPU: it needs 2 GPUs at "
+                         f"least, this host has {gpus}")
+    starts, best = [tuple(s) for s in a.starts], tuple(a.rival)
+    if gpus >= 2 * len(starts):
+        layout = "twins"                               # each tuned run beside its own plain run
+        waves = [[("tuned", start, 2 * i) for i, start in enumerate(starts)]
+                 + [("plain", start, 2 * i + 1) for i, start in enumerate(starts)]]
+    elif gpus >= len(starts) + 1:
+        layout = "shared"                              # one plain run beside all of them
+        waves = [[("tuned", start, i) for i, start in enumerate(starts)] + [("plain", None, len(starts))]]
+    else:
+        layout = "pairs in turn"
+        waves = [[("tuned", start, 0), ("plain", start, 1)] for start in starts]
+    folder = os.path.dirname(os.path.abspath(__file__))
+    runs: dict = {}
+    for wave in waves:
+        jobs = []
+        for mode, start, gpu in wave:
+            split = start if mode == "tuned" else best
+            label = f"seq_{mode}_{split[0]}x{split[1]}_gpu{gpu}"
+            command = [sys.executable, os.path.join(folder, "bench_tuner.py"), "--part", "run", "--mode", mode,
+                       "--split", str(split[0]), str(split[1]), "--steps", str(a.steps), "--completion",
+                       str(a.completion), "--label", label, "--model", a.model] + (["--full"] if a.full else [])
+            command += ["--tiny"] if a.tiny else []
+            env = {k: v for k, v in os.environ.items() if k != "OUT"}              # this part's file alone to $OUT
+            env.update({"CUDA_VISIBLE_DEVICES": str(gpu), "PYTHONUNBUFFERED": "1"})
+            log = open(os.path.join(tempfile.gettempdir(), f"{label}.log"), "w")
+            jobs.append((mode, start, gpu, label, log, subprocess.Popen(command, env=env, stdout=log,
+                                                                        stderr=subprocess.STDOUT, cwd=folder)))
+        deadline = time.monotonic() + a.timeout
+        for mode, start, gpu, label, log, process in jobs:
+            try:
+                code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                code = "timed out"
+            log.close()
+            path = os.path.join(folder, "results", f"tuner_run_{label}.json")
+            entry = {"gpu": gpu, "exit": code, "log": open(log.name).read()[-2000:] if code != 0 else None}
+            if code == 0 and os.path.exists(path):
+                with open(path) as f:
+                    entry.update(json.load(f))
+                os.remove(path)                           # folded into this part's file
+            runs[(mode, start, gpu)] = entry
+    pairs = []
+    for start in starts:
+        tuned = next(v for (m, s, g), v in runs.items() if m == "tuned" and s == start)
+        plain = next(v for (m, s, g), v in runs.items()
+                     if m == "plain" and (s == start or s is None))
+        t, p = tuned.get("run", {}), plain.get("run", {})
+        name = f"{start[0]}×{start[1]}"
+        tunes = [d for d in t.get("decisions", []) if d["kind"] == "tune"]
+        pairs.append({"start": name, "best": f"{best[0]}×{best[1]}", "start_is_best": start == best,
+                      "ratio": t["wall_sec"] / p["wall_sec"] if t.get("wall_sec") and p.get("wall_sec") else None,
+                      "tuned_wall_sec": t.get("wall_sec"), "plain_wall_sec": p.get("wall_sec"),
+                      "steps_at_start": t.get("steps_by_split", {}).get(name), "end": t.get("end"),
+                      "tune_step": tunes[0]["step"] if tunes else None,
+                      "tune_reason": tunes[0]["reason"] if tunes else None,
+                      "tuned": tuned, "plain": plain})
+    print(table(["start", "end", "tuned s", "plain s", "tuned/plain", "target", "steps at start", "decided at"],
+                [[r["start"], r["end"], r["tuned_wall_sec"], r["plain_wall_sec"], r["ratio"],
+                  "1.00-1.01" if r["start_is_best"] else "<= 1.03", r["steps_at_start"], r["tune_step"]]
+                 for r in pairs]))
+    return {"layout": layout, "gpus": gpus, "pairs": pairs}
+
+
+def card_name() -> str:
+    """``h100``, ``h200``, ...: the first GPU's model, for the result file's name."""
+    import re
+
+    import torch
+
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    found = re.search(r"\b([A-Z]\d{2,4})\b", name.upper())
+    return found.group(1).lower() if found else re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
 def _counts(splits: list[str]) -> dict:
     out: dict[str, int] = {}
     for s in splits:
@@ -215,14 +309,18 @@ def _counts(splits: list[str]) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", required=True, choices=["sweep", "run", "switch", "ab"])
+    p.add_argument("--part", required=True, choices=["sweep", "run", "switch", "ab", "sequential"])
     p.add_argument("--mode", default="tuned", choices=["plain", "tuned"], help="part run")
     p.add_argument("--label", default=None, help="part run: the result file's suffix")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--completion", type=int, default=32)
     p.add_argument("--split", type=int, nargs=2, default=[4, 8], help="micro-batch and accumulation")
     p.add_argument("--splits", type=int, nargs=2, action="append", default=None, help="part sweep: these only")
-    p.add_argument("--rival", type=int, nargs=2, default=[32, 1], help="part ab: the other split")
+    p.add_argument("--rival", type=int, nargs=2, default=[32, 1],
+                   help="part ab: the other split; part sequential: the best split, run plainly")
+    p.add_argument("--starts", type=int, nargs=2, action="append", default=None,
+                   help="part sequential: the tuned runs' starting splits (default 4 8, 2 16, 32 1)")
+    p.add_argument("--timeout", type=float, default=520.0, help="part sequential: seconds a wave of runs may take")
     p.add_argument("--ab_rounds", type=int, default=4)
     p.add_argument("--ab_steps", type=int, default=8)
     p.add_argument("--try_all", action="store_true", help="part run: tune with must_pay=False")
@@ -237,8 +335,12 @@ def main():
         a.split = [4, 2]
     if (a.smoke or a.tiny) and a.rival == [32, 1]:
         a.rival = [2, 2] if a.smoke else [8, 1]    # the next exact split of the CPU demos' effective batch
+    if a.starts is None:
+        a.starts = [[4, 8], [2, 16], [32, 1]]
     settings = vars(a).copy()
-    if a.part == "sweep":
+    if a.part == "sequential":
+        write_result(f"tuner_sequential_{card_name()}", {**side_by_side(a), "settings": settings})
+    elif a.part == "sweep":
         write_result("tuner_sweep" + ("_cpu" if a.smoke else ""), {"sweep": sweep(a), "settings": settings})
     elif a.part == "run":
         label = a.label or f"{a.mode}_{a.split[0]}x{a.split[1]}" + ("_cpu" if a.smoke else "_tiny" if a.tiny else "")

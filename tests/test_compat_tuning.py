@@ -55,7 +55,7 @@ def run(cell: Cell, tokenizer, path, tuned: bool):
     key = cell.setting.key
     clock, trajectory = PlantedClock(), Trajectory()
     callbacks = [trajectory, PlantedStepTime(clock, TIMES)]
-    tuner = AdaptiveBatchTuner(clock=clock, samples=3, must_pay=False) if tuned else None
+    tuner = AdaptiveBatchTuner(clock=clock, samples=3, must_pay=False, first_samples=3) if tuned else None
     extra: dict = {}
     if key == "stop":
         callbacks.append(StopAt(SWITCH_AT))

@@ -437,7 +437,7 @@ def switching_run(tokenizer, path, callbacks, tuned=True, **kwargs):
     from tests.test_tuner import PlantedStepTime
 
     clock = PlantedClock()
-    tuner = [AdaptiveBatchTuner(clock=clock, must_pay=False)] if tuned else []
+    tuner = [AdaptiveBatchTuner(clock=clock, must_pay=False, first_samples=4)] if tuned else []
     return make_trainer(tokenizer, path, [*callbacks, PlantedStepTime(clock, FASTER_LARGER), *tuner], bs=2, ga=4,
                         length=16, **kwargs)
 

@@ -194,11 +194,12 @@ def test_a_faster_split_is_found_on_the_runs_own_steps_and_nothing_is_trained_tw
     [decision] = tuner.session.decisions
     assert decision.kind == "tune" and (decision.old, decision.new) == (Split(2, 4), Split(8, 1))
     trials = {t.split.micro_batch: t for t in decision.trials}
-    assert trials[2].steps == [4, 5, 6, 7] and trials[8].steps == [10, 11, 12, 13] and set(trials) == {2, 8}
+    # 2 samples of the configured split, then 8×1 (4× faster) kept on its first measured step: the sequential test
+    assert trials[2].steps == [4, 5] and trials[8].steps == [8] and set(trials) == {2, 8}
     assert decision.expected_gain_sec > 0 and decision.cost_sec >= 0
     lines = step_lines(tmp_path / "tuned")
     assert [s["step"] for s in lines] == list(range(1, 26))                  # every step once: none retrained
-    assert [s[keys.TUNER_MICRO_BATCH] for s in lines] == [2] * 7 + [8] * 18
+    assert [s[keys.TUNER_MICRO_BATCH] for s in lines] == [2] * 5 + [8] * 20
     assert [h["step"] for h in trainer.state.log_history if "loss" in h] == list(range(1, 26))
     # the same samples in every optimizer step as a run that never switched
     plain_samples = SampleRecorder()
@@ -212,7 +213,7 @@ def test_a_faster_split_is_found_on_the_runs_own_steps_and_nothing_is_trained_tw
     assert not [n for n in os.listdir(tmp_path / "tuned") if n.startswith("checkpoint-")]   # switch checkpoints go
     record = read_split_file(str(tmp_path / "tuned"))
     assert record.split == Split(8, 1) and record.decisions == [decision]
-    assert "tuning at step 13: 2×4 → 8×1" in capsys.readouterr().out
+    assert "tuning at step 8: 2×4 → 8×1" in capsys.readouterr().out
     # the report's tuner plot reads this real file: the measured trials with their times, the chosen split
     from matplotlib.figure import Figure
 
@@ -225,6 +226,21 @@ def test_a_faster_split_is_found_on_the_runs_own_steps_and_nothing_is_trained_tw
     assert ticks == ["2×4\n(before)", "8×1\n(chosen)"]
     assert [round(b.get_height(), 1) for b in fig.axes[0].patches] == [round(trials[2].median, 1),
                                                                       round(trials[8].median, 1)]
+
+
+def test_a_split_8x_faster_is_kept_on_its_first_measured_step_and_the_split_file_says_why(tokenizer, tmp_path):
+    """Planted: the configured 2×4 8× slower than 8×1. The tuner measures 2×4 on 2 steps after its warm-up (4-5),
+    switches, and keeps 8×1 on its first measured step (8, after 2 warm-up steps) by the sequential test: the
+    decision in the split file names it, with the samples it rests on; 5 steps ran at the slow split, not 7 + 6."""
+    trainer, tuner, _ = tuned_run(tokenizer, tmp_path, {8: 25.0, 4: 100.0, 2: 200.0, 1: 400.0}, max_steps=18)
+    record = read_split_file(str(tmp_path))
+    [decision] = record.decisions
+    assert (decision.kind, decision.step, decision.old, decision.new) == ("tune", 8, Split(2, 4), Split(8, 1))
+    trials = {t.split.micro_batch: t for t in decision.trials}
+    assert trials[2].steps == [4, 5] and trials[8].steps == [8] and trials[8].gain == pytest.approx(7 / 8, abs=0.02)
+    assert "sequential test" in decision.reason
+    assert [s[keys.TUNER_MICRO_BATCH] for s in step_lines(tmp_path)] == [2] * 5 + [8] * 13
+    assert record.split == Split(8, 1) and trainer.state.global_step == 18
 
 
 def test_a_run_too_short_to_pay_back_tries_no_split_and_writes_no_checkpoint(tokenizer, tmp_path):
@@ -530,7 +546,8 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-#: planted step times under which the tuner measures 2×4 on steps 4-7 and asks for 8×1 at the end of step 7
+#: planted step times under which the tuner measures 2×4 on steps 4-5 and asks for 8×1 at the end of step 5 (with
+#: ``first_samples=4``: on steps 4-7 and at the end of step 7), and keeps it on its first measured step (2 later)
 FASTER_LARGER = {8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}
 
 
@@ -550,7 +567,7 @@ def test_a_users_stop_on_the_step_where_the_tuner_switches_ends_the_run_there(to
             extra = {"eval_strategy": "steps", "eval_steps": 1, "metric_for_best_model": "loss"}
         trajectory = Trajectory()
         callbacks = [trajectory, PlantedStepTime(clock, FASTER_LARGER)]
-        callbacks += [AdaptiveBatchTuner(clock=clock, must_pay=False)] if tuned else []
+        callbacks += [AdaptiveBatchTuner(clock=clock, must_pay=False, first_samples=4)] if tuned else []
         trainer = trajectory.attach(make_trainer(tokenizer, path, callbacks + [stopper], max_steps=25, bs=2, ga=4,
                                                  length=16, with_eval=stop != "callback",
                                                  extra={"optim": "sgd", "optim_args": "momentum=0.9",
@@ -585,7 +602,7 @@ def test_switch_checkpoints_never_push_the_users_out_and_a_run_ending_mid_trial_
         return sorted(n for n in os.listdir(path) if n.startswith("checkpoint-"))
 
     clock = PlantedClock()
-    tuner = AdaptiveBatchTuner(clock=clock, must_pay=False)
+    tuner = AdaptiveBatchTuner(clock=clock, must_pay=False, first_samples=4)
     tuned = make_trainer(tokenizer, tmp_path / "tuned", [PlantedStepTime(clock, FASTER_LARGER), tuner, StopAt(9)],
                          max_steps=25, bs=2, ga=4, length=16, extra=saves)
     train_with_tuning(tuned)

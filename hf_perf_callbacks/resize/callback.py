@@ -23,7 +23,7 @@ from ..splitfile import read_split_file, trial_figures
 from ..validation import check_flag, check_number
 from ..wording import TUNER_NEEDS_TRAIN_WITH_TUNING
 from .session import SwitchSplit, TuningSession, candidates
-from .tuning import MIN_SAMPLES, SAMPLES, Switch
+from .tuning import FIRST_SAMPLES, MIN_SAMPLES, SAMPLES, Switch
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -39,6 +39,9 @@ class AdaptiveBatchTuner(PerfCallback):
         samples: measured steps per split and round (at least 3: fewer cannot separate two splits; 4 by default,
             the fewest at which one round can separate two splits at the per-round significance level).
         max_rounds: interleaved rounds per candidate before it is left as not separable from the noise.
+        first_samples: measured steps of the configured split before the first candidate is tried (2 by default, at
+            least 2, at most ``samples``): each may be a step at a slow split; a candidate far from it is decided on
+            its first measured steps by the sequential test, one near it gets interleaved rounds.
         max_micro_batch: the largest micro-batch tried (None: up to the whole effective batch per rank).
         patience: smaller splits tried in a row without one being kept before the walk down stops.
         rank_by: ``"non_generation"`` (step time minus generation) or ``"step"`` (the whole step).
@@ -64,10 +67,12 @@ class AdaptiveBatchTuner(PerfCallback):
 
     def __init__(self, tune: bool = True, samples: int = SAMPLES, max_rounds: int = 3,
                  max_micro_batch: int | None = None, patience: int = 1, rank_by: str = "non_generation",
-                 must_pay: bool = True, memory_check: bool | None = None, clock: Clock | None = None):
+                 must_pay: bool = True, memory_check: bool | None = None, clock: Clock | None = None,
+                 first_samples: int = FIRST_SAMPLES):
         check_flag("tune", tune)
         check_number("samples", samples, low=MIN_SAMPLES, integer=True)
         check_number("max_rounds", max_rounds, low=1, integer=True)
+        check_number("first_samples", first_samples, low=2, high=samples, integer=True)
         check_number("max_micro_batch", max_micro_batch, low=1, integer=True, allow_none=True)
         check_number("patience", patience, low=1, integer=True)
         if rank_by not in ("step", "non_generation"):
@@ -77,6 +82,7 @@ class AdaptiveBatchTuner(PerfCallback):
         super().__init__(clock)
         self.tune, self.samples, self.max_rounds, self.max_micro_batch = tune, samples, max_rounds, max_micro_batch
         self.patience, self.rank_by, self.must_pay, self.memory_check = patience, rank_by, must_pay, memory_check
+        self.first_samples = first_samples
         self.session: TuningSession | None = None
         self.in_optimizer_step = False
         self.measuring = False

@@ -194,7 +194,7 @@ def _before_training(trainer, session: TuningSession, tuner: AdaptiveBatchTuner,
         planned, state_bytes = planned_steps(trainer), _training_state_bytes(trainer.model)
         session.start_tuning(planned, state_bytes, max_micro_batch=tuner.max_micro_batch,  # at the split the check left
                              samples=tuner.samples, max_rounds=tuner.max_rounds, patience=tuner.patience,
-                             must_pay=tuner.must_pay, rank_by=tuner.rank_by)
+                             must_pay=tuner.must_pay, rank_by=tuner.rank_by, first_samples=tuner.first_samples)
 
 
 def _recover_or_raise(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, error: BaseException,

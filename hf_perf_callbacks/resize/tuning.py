@@ -10,14 +10,24 @@ is trained twice, nothing is thrown away.
 **Evidence.** Each split is ranked by its step time outside generation (``rank_by="non_generation"``: the
 generation batch is the same for every split, and HF ``generate`` jitters by tens of percent) or by the whole step.
 The run's first ``WARMUP_AT_START`` generation cycles, and the first ``WARMUP_AFTER_SWITCH`` after
-a switch, are a warm-up and are not measured (they are trained like any step). A candidate is judged after each block
-of ``samples`` measured steps against all of the baseline's samples (:func:`judge`: one-sided Mann-Whitney
-``p <= ALPHA / max_rounds`` — the candidate is looked at up to ``max_rounds`` times, so each look gets its share of
-the significance level — and a median at least ``MIN_GAIN`` shorter). On equal splits with 20% noise, noise alone
-keeps another split in about 8% of runs (two candidates tried; ``tests/test_tuning.py``). Not yet separable from the
-noise: another round, back to the baseline for a block and to the candidate again (interleaved, so that a drift of the
-machine hits both), while rounds are affordable; a candidate whose every sample is slower than every baseline sample,
-that runs out of memory or passes the memory budget is left at once.
+a switch, are a warm-up and are not measured (they are trained like any step). The configured split is measured on
+``first_samples`` steps (``FIRST_SAMPLES``) before the first candidate is tried: a slow configured split costs every
+step it runs, and a candidate far from it needs no more. After each measured generation cycle of a candidate, a
+*sequential test* (:func:`sequential`) decides at once when the gap is beyond the noise: kept when the baseline's
+fastest step is more than the noise allows (and ``MIN_GAIN``) above the candidate's slowest, left when the candidate's
+fastest is more than the noise allows above the baseline's slowest — the extremes, so that one stray step on either
+side never decides; the noise allowed is ``z × spread × √(1/n_baseline + 1/n_candidate)`` in log time, ``spread``
+the pooled spread of the log step times measured so far (at least ``SIGMA_FLOOR``), ``z`` the one-sided normal
+quantile of ``ALPHA_SEQUENTIAL`` shared by the candidate's looks (Bonferroni): a split 8× slower or faster is decided
+on its first measured step, one within a few tens of percent never by this test. Otherwise the candidate is judged
+after each block of ``samples`` measured steps against all of the baseline's samples (:func:`judge`: one-sided
+Mann-Whitney ``p <= ALPHA / max_rounds`` — the candidate is looked at up to ``max_rounds`` times, so each look gets
+its share of the significance level — and a median at least ``MIN_GAIN`` shorter). On equal splits with 20% noise,
+noise alone keeps another split in under 10% of runs (two candidates tried; ``tests/test_tuning.py``). Not yet
+separable from the noise: another round, back to the baseline for a block and to the candidate again (interleaved,
+so that a drift of the machine hits both), while rounds are affordable; a candidate that runs out of memory or passes
+the memory budget is left at once. Every figure the tests use is the slowest rank's, gathered: every rank decides
+alike.
 
 **Cost before you pay.** A trial's cost is its switches (measured on this run once one happened; before that, the
 run's own first-step overhead — a switch starts a train() call anew — plus writing and reading the training state at
@@ -41,8 +51,9 @@ on from it), until ``patience`` in a row were not kept.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 
 from ..batching import Split
 from ..splitfile import RANKED_WORDS, Decision, Trial
@@ -72,6 +83,15 @@ PRIOR_MARGIN = 2.0
 WARMUP_AT_START = 3
 #: cycles not measured after a switch (the new micro-batch's first shapes)
 WARMUP_AFTER_SWITCH = 2
+#: measured steps of the configured split before the first candidate is tried (rounded up to whole generation
+#: cycles): each costs a step at a split that may be the slow one (from a 7.8× slower start, 2 instead of 4 samples
+#: save 2 slow steps); a candidate near it gets interleaved rounds, which measure the baseline further
+FIRST_SAMPLES = 2
+#: the sequential test's chance of deciding wrongly over all of one candidate's looks, each way (Bonferroni)
+ALPHA_SEQUENTIAL = 0.01
+#: the least spread (standard deviation of the log step time) the sequential test assumes of a split's steady steps:
+#: 15% a step (the H100 GRPO+LoRA runs' blocks spread 0.22-0.41 with a stray step; planted runs have none)
+SIGMA_FLOOR = 0.15
 
 
 def judge(candidate: list[float], baseline: list[float], alpha: float = ALPHA) -> tuple[float, float, bool]:
@@ -81,6 +101,80 @@ def judge(candidate: list[float], baseline: list[float], alpha: float = ALPHA) -
     base = median(baseline)
     gain = 1.0 - median(candidate) / base if base > 0 else 0.0
     return p, gain, p <= alpha and gain >= MIN_GAIN
+
+
+@dataclass
+class Evidence:
+    """What the sequential test (:func:`sequential`) saw after one look: ``verdict`` ``"faster"``, ``"slower"`` or
+    None (keep sampling); ``ratio``: the baseline's fastest step over the candidate's slowest (``faster``: above 1
+    when every candidate step was faster) and ``slower_ratio``: the candidate's fastest over the baseline's slowest;
+    ``bound``: the ratio beyond which either is decided (the noise allowed; ``faster`` also needs ``MIN_GAIN``);
+    ``spread``: the log step time's standard deviation assumed; ``error``: this look's chance of a wrong verdict."""
+
+    verdict: str | None
+    ratio: float
+    slower_ratio: float
+    bound: float
+    spread: float
+    error: float
+
+    def words(self, candidate: object, baseline: object) -> str:
+        if self.verdict == "slower":
+            return (f"{candidate}'s fastest step {self.slower_ratio:.2f}× {baseline}'s slowest, beyond the noise bound "
+                    f"{self.bound:.2f}× (sequential test, spread {self.spread:.2f}, error <= {self.error:.2g} a look)")
+        return (f"{baseline}'s fastest step {self.ratio:.2f}× {candidate}'s slowest, beyond the noise bound "
+                f"{self.bound / (1 - MIN_GAIN):.2f}× (the noise and {MIN_GAIN:.0%}; sequential test, spread "
+                f"{self.spread:.2f}, error <= {self.error:.2g} a look)")
+
+
+#: the expected range of n normal samples in standard deviations (d2), for the spread of fewer than four samples
+_RANGE_SD = {2: 1.128, 3: 1.693}
+
+
+def spread_width(values: Sequence[float]) -> float:
+    """The width of the samples' interquartile range, from four samples up; below that, the range's estimate of it
+    (1.349 standard deviations, the standard deviation from the range): the quartiles of two or three samples
+    understate the spread (two give half their range, where the interquartile range is 1.2 times it)."""
+    if len(values) >= 4:
+        low, high = iqr(values)
+        return high - low
+    if len(values) < 2:
+        return 0.0
+    return 1.349 * (max(values) - min(values)) / _RANGE_SD[len(values)]
+
+
+def log_spread(groups: Sequence[Sequence[float]]) -> float:
+    """The pooled standard deviation of the log step times of ``groups`` (each split's samples about its own mean;
+    non-positive times left out), at least :data:`SIGMA_FLOOR`."""
+    squares, freedom = 0.0, 0
+    for group in groups:
+        logs = [math.log(x) for x in group if x > 0]
+        if len(logs) > 1:
+            mean = sum(logs) / len(logs)
+            squares += sum((v - mean) ** 2 for v in logs)
+            freedom += len(logs) - 1
+    return max(SIGMA_FLOOR, math.sqrt(squares / freedom) if freedom else 0.0)
+
+
+def sequential(candidate: Sequence[float], baseline: Sequence[float], spread: float, looks: int,
+               alpha: float = ALPHA_SEQUENTIAL) -> Evidence:
+    """One look of the sequential test of a candidate's samples against the baseline's (pure: figures in, verdict
+    out; every rank gets the same from the same gathered figures).
+
+    In log time, ``gap = log min(baseline) - log max(candidate)`` (faster) or ``log min(candidate) -
+    log max(baseline)`` (slower) is decided when it exceeds ``t = z × spread × √(1/n_b + 1/n_c)`` (faster: plus
+    ``-log(1 - MIN_GAIN)``), ``z`` the normal quantile of ``1 - alpha / looks``. Error bound: the extremes' gap is at
+    most the means' gap, so where a split's log step times spread normally by ``spread`` and the candidate is not
+    faster by ``MIN_GAIN`` (not slower), a look says ``faster`` (``slower``) with a chance of at most
+    ``alpha / looks``, and at most ``alpha`` over ``looks`` looks. Non-positive times decide nothing."""
+    if not candidate or not baseline or min(candidate) <= 0 or min(baseline) <= 0:
+        return Evidence(None, 0.0, 0.0, math.inf, spread, 0.0)
+    error = alpha / max(1, looks)
+    t = NormalDist().inv_cdf(1 - error) * spread * math.sqrt(1 / len(baseline) + 1 / len(candidate))
+    bound = math.exp(t)
+    ratio, slower_ratio = min(baseline) / max(candidate), min(candidate) / max(baseline)
+    verdict = ("faster" if ratio >= bound / (1 - MIN_GAIN) else "slower" if slower_ratio >= bound else None)
+    return Evidence(verdict, ratio, slower_ratio, bound, spread, error)
 
 
 @dataclass
@@ -106,8 +200,9 @@ class OnRunTuning:
 
     def __init__(self, baseline: Split, candidates: list[Split], planned_steps: int | None, period: int = 1,
                  samples: int = SAMPLES, max_rounds: int = 3, patience: int = 1, must_pay: bool = True,
-                 state_bytes: float = 0.0, rank_by: str = "non_generation"):
+                 state_bytes: float = 0.0, rank_by: str = "non_generation", first_samples: int = FIRST_SAMPLES):
         check_number("samples", samples, low=MIN_SAMPLES, integer=True)
+        check_number("first_samples", first_samples, low=2, high=samples, integer=True)
         check_number("max_rounds", max_rounds, low=1, integer=True)
         check_number("patience", patience, low=1, integer=True)
         check_number("period", period, low=1, integer=True)
@@ -115,6 +210,7 @@ class OnRunTuning:
         check_flag("must_pay", must_pay)
         self.period, self.planned = period, planned_steps
         self.samples = -(-samples // period) * period            # whole generation cycles
+        self.first = -(-first_samples // period) * period         # the configured split's first block
         self.max_rounds, self.patience, self.must_pay = max_rounds, patience, must_pay
         self.state_bytes, self.rank_by = state_bytes, rank_by
         self.start = baseline                                     # the split tuning started from
@@ -138,6 +234,7 @@ class OnRunTuning:
         self.done: Finished | None = None
         self.recorded = False                  # the tune decision was recorded
         self.note = ""                         # why tuning stopped (for the decision's reason)
+        self.kept_by: dict[Split, tuple[Split, str]] = {}   # a split the sequential test kept: against what, why
 
     # ------------------------------------------------------------ what the caller reports
     def segment_started(self, split: Split, step: int, switch_sec: float | None = None) -> None:
@@ -205,11 +302,25 @@ class OnRunTuning:
             if not fits:
                 trial.fits, trial.error = False, "peak memory over the budget"
                 return self._leave(step, f"{self.candidate} passed the memory budget", memory=True)
-            if min(self.block) > max(base):
-                return self._leave(step, f"{self.candidate} was slower on every step")
-        if len(self.block) < self.samples:
+            if len(self.block) % self.period == 0:     # a whole generation cycle: a switch may follow
+                evidence = self.evidence()
+                if evidence.verdict == "slower":
+                    why = evidence.words(self.candidate, self.baseline)
+                    return self._leave(step, f"{self.candidate} slower: {why}")
+                if evidence.verdict == "faster":
+                    self.kept_by[self.candidate] = (self.baseline, evidence.words(self.candidate, self.baseline))
+                    return self._keep(step, self.candidate)
+        if len(self.block) < (self.first if self.candidate is None else self.samples):
             return None
         return self._block_done(step)
+
+    def evidence(self) -> Evidence:
+        """The sequential test of the candidate's samples so far against all of the baseline's (:func:`sequential`),
+        at the pooled spread of every split measured, its looks: one per generation cycle of every round."""
+        assert self.candidate is not None
+        spread = log_spread([t.samples for t in self.trials.values()])
+        return sequential(self.trials[self.candidate].samples, self.trials[self.baseline].samples, spread,
+                          self.max_rounds * (self.samples // self.period))
 
     # ------------------------------------------------------------ decisions
     def _block_done(self, step: int) -> Switch | Finished | None:
@@ -295,6 +406,10 @@ class OnRunTuning:
         start, kept = self.trials[self.start], self.trials[self.baseline]
         if self.baseline == self.start or not (start.samples and kept.samples):
             return f"kept the configured split: {note}" if note else "kept the configured split"
+        against, why = self.kept_by.get(self.baseline, (None, ""))
+        if against == self.start:                  # kept at once by the sequential test: its evidence
+            return (f"{self.baseline} faster than {self.start} beyond the noise (median {kept.median:.3f} vs "
+                    f"{start.median:.3f} s over {len(kept.samples)} and {len(start.samples)} steps; {why}); {note}")
         p = mann_whitney_less(kept.samples, start.samples)
         return (f"{self.baseline} faster than {self.start} beyond the noise (median {kept.median:.3f} vs "
                 f"{start.median:.3f} s over {len(kept.samples)} and {len(start.samples)} steps, p={p:.3f}); {note}")
@@ -314,8 +429,7 @@ class OnRunTuning:
         """A round's cost: a switch there and one back, and the candidate's block of steps at the noise (the
         baseline's interquartile range a step: a candidate within the noise may as well be that much slower)."""
         base = self.trials[self.baseline].samples
-        low, high = iqr(base) if base else (0.0, 0.0)
-        return 2 * self.switch_cost() + self.samples * (high - low)
+        return 2 * self.switch_cost() + self.samples * spread_width(base)
 
     def _trial_steps(self) -> int:
         """Steps of one block after a switch: its warm-up and its samples."""
@@ -336,19 +450,21 @@ class OnRunTuning:
         - once it is measured: its median gain over the baseline plus the standard error of that difference
           (0.93 × the two interquartile ranges averaged × √(1/n_baseline + 1/n_candidate)): the most its samples
           still allow. A candidate that cannot pay for another round even at that gain is left.
+
+        The interquartile range of fewer than four samples is estimated from their range (:func:`spread_width`).
         """
         base = self.trials[self.baseline].samples
-        candidate = self.trials[self.candidate].samples if self.candidate is not None else []
-        low, high = iqr(base)
+        trial = self.trials.get(self.candidate) if self.candidate is not None else None
+        candidate = trial.samples if trial is not None else []
+        width = spread_width(base)
         if candidate:
-            c_low, c_high = iqr(candidate)
             centre = median(base) - median(candidate)
-            error = 0.93 * ((high - low) + (c_high - c_low)) / 2 * math.sqrt(1 / len(base) + 1 / len(candidate))
+            error = 0.93 * (width + spread_width(candidate)) / 2 * math.sqrt(1 / len(base) + 1 / len(candidate))
             return max(0.0, centre + error), (f"{self.candidate}'s median gain {centre:.3f} s/step over "
                                               f"{self.baseline} plus its standard error {error:.3f} s")
-        return max(0.0, median(base) - (high - low)), (
+        return max(0.0, median(base) - width), (
             f"{self.baseline}'s median {median(base):.3f} s/step, the most a split could save, less its "
-            f"interquartile range {high - low:.3f} s: a saving within the noise cannot be told from it")
+            f"interquartile range {width:.3f} s: a saving within the noise cannot be told from it")
 
     def _affordable(self, step: int) -> bool:
         if not self.must_pay:                      # try every split, whatever it costs (benchmarks, tests)
@@ -406,7 +522,9 @@ class OnRunTuning:
         ranked = RANKED_WORDS["step" if self.rank_by == "step" else "non_generation"]
         return (f"keep a split only when it is faster than the baseline by one-sided Mann-Whitney p <= {ALPHA} / "
                 f"{self.max_rounds} rounds and a median at least {MIN_GAIN:.0%} shorter ({ranked}), measured on the "
-                f"run's own steps; try one only when the rest of the run can pay its switches back")
+                f"run's own steps, or at once when its slowest step is faster than the baseline's fastest beyond the "
+                f"noise (sequential, error <= {ALPHA_SEQUENTIAL} over its looks; leave it at once when slower so); "
+                f"try one only when the rest of the run can pay its switches back")
 
     def leave_out(self, splits: Collection[Split]) -> None:
         """Never try ``splits`` (shown not exact for the run after the tuning was planned)."""

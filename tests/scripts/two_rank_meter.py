@@ -51,7 +51,7 @@ def main(out):
     # the tuning on the run's own steps, each rank's step times planted differently: both take the same decisions
     clock = PlantedClock()
     seconds = {4: 50.0, 2: 100.0, 1: 200.0} if rank == 0 else {4: 60.0, 2: 100.0, 1: 150.0}
-    tune_tuner = AdaptiveBatchTuner(clock=clock, must_pay=False)
+    tune_tuner = AdaptiveBatchTuner(clock=clock, must_pay=False, first_samples=4)
     tuned = make_trainer(tokenizer, os.path.join(out, "tune"), [PlantedStepTime(clock, seconds), tune_tuner],
                          max_steps=13, bs=2, ga=2)
     train_with_tuning(tuned)

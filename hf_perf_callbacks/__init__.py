@@ -12,12 +12,23 @@ The callbacks are imported on first use (module ``__getattr__``), so ``hf-perf -
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-#: public name → the module that defines it
+#: public name → the module that defines it (the callbacks, the loop, and the errors a caller may catch)
 _LAZY = {"ThroughputMeter": ".throughput", "MemoryWatchdog": ".watchdog", "MPSCacheClearer": ".cache",
-         "AdaptiveBatchTuner": ".resize", "train_with_tuning": ".resize"}
+         "AdaptiveBatchTuner": ".resize", "train_with_tuning": ".resize",
+         "UnfixableOOM": ".resize", "InexactResize": ".resize", "PeerFailed": ".resize",
+         "OutputDirBusy": ".bus", "ReportError": ".runlog"}
+
+if TYPE_CHECKING:                      # what the lazy names are, for type checkers and editors
+    from .bus import OutputDirBusy
+    from .cache import MPSCacheClearer
+    from .resize import AdaptiveBatchTuner, InexactResize, PeerFailed, UnfixableOOM, train_with_tuning
+    from .runlog import ReportError
+    from .throughput import ThroughputMeter
+    from .watchdog import MemoryWatchdog
 
 
 #: the package's callbacks: what :func:`default_callbacks` builds, in this order (the recipe launcher's default too)
@@ -55,4 +66,5 @@ def default_callbacks(**overrides) -> list:
 
 
 __all__ = ["ThroughputMeter", "MemoryWatchdog", "MPSCacheClearer", "AdaptiveBatchTuner", "default_callbacks",
-           "train_with_tuning", "__version__"]
+           "train_with_tuning", "UnfixableOOM", "InexactResize", "PeerFailed", "OutputDirBusy", "ReportError",
+           "__version__"]

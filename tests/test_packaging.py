@@ -200,3 +200,21 @@ def test_no_module_imports_the_command_line():
 def test_the_docs_give_the_launchers_quick_trial():
     for readme in (os.path.join(ROOT, "README.md"), os.path.join(recipes.DIR, "README.md")):
         assert train.QUICK_TRIAL in open(readme, encoding="utf-8").read(), readme
+
+
+def test_the_public_names_resolve_and_the_errors_a_caller_catches_are_exported():
+    """``from hf_perf_callbacks import *`` gives every name of ``__all__`` (the lazy ones loaded on use), the errors
+    a caller of ``train_with_tuning``, the lock or the report catches among them, and the ``TYPE_CHECKING`` block
+    names the same lazy names for type checkers."""
+    import inspect
+
+    import hf_perf_callbacks as package
+
+    namespace: dict = {}
+    exec("from hf_perf_callbacks import *", namespace)
+    assert set(package.__all__) <= set(namespace)
+    for error in ("UnfixableOOM", "InexactResize", "PeerFailed", "OutputDirBusy", "ReportError"):
+        assert issubclass(namespace[error], Exception)
+    source = inspect.getsource(package)
+    checked = source[source.index("if TYPE_CHECKING:"):source.index("def __getattr__")]
+    assert all(name in checked for name in package._LAZY)

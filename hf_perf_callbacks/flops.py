@@ -20,8 +20,10 @@ from .validation import check_number
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    """What the FLOP count needs to know about a model."""
+class MatmulCount:
+    """What the FLOP count needs to know about a model: its matrix-multiply weights, frozen and trained, its layers
+    and attention width (read off a live model by :func:`shape_of`; the estimates' architecture is
+    :class:`~hf_perf_callbacks.estimate.ModelShape`, read from a config)."""
 
     frozen_matmul_params: int     # matmul weights that receive no gradient (LoRA base, frozen layers)
     trainable_matmul_params: int  # matmul weights that are trained (all of them in full fine-tuning)
@@ -33,18 +35,18 @@ class ModelShape:
         return self.frozen_matmul_params + self.trainable_matmul_params
 
 
-def attention_flops_per_token(shape: ModelShape, seq_len: float) -> float:
+def attention_flops_per_token(shape: MatmulCount, seq_len: float) -> float:
     """Forward FLOPs per token of QKᵀ and the attention-weighted sum."""
     return 4.0 * shape.num_layers * shape.attention_dim * seq_len
 
 
-def forward_flops_per_token(shape: ModelShape, seq_len: float) -> float:
+def forward_flops_per_token(shape: MatmulCount, seq_len: float) -> float:
     """One forward pass (also a generation step) per token."""
     check_number("seq_len", seq_len, low=0)
     return 2.0 * shape.matmul_params + attention_flops_per_token(shape, seq_len)
 
 
-def train_flops_per_token(shape: ModelShape, seq_len: float, recompute: bool = False) -> tuple[float, float]:
+def train_flops_per_token(shape: MatmulCount, seq_len: float, recompute: bool = False) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) per trained token for forward + backward.
 
     Model FLOPs: ``2N + 4·frozen + 4·trainable + 3·attention`` = ``6N + 3A`` for full fine-tuning and
@@ -58,8 +60,8 @@ def train_flops_per_token(shape: ModelShape, seq_len: float, recompute: bool = F
     return model, model + (forward if recompute else 0.0)
 
 
-def shape_of(model: Any) -> ModelShape:
-    """Read a ``ModelShape`` off a torch model (a PEFT model works: LoRA layers are ``nn.Linear``).
+def shape_of(model: Any) -> MatmulCount:
+    """Read a ``MatmulCount`` off a torch model (a PEFT model works: LoRA layers are ``nn.Linear``).
 
     Matmul parameters are the weights of ``nn.Linear`` modules (and GPT-2 style ``Conv1D``); they are frozen or
     trainable by ``requires_grad``. Layers and attention width come from the model config.
@@ -80,7 +82,7 @@ def shape_of(model: Any) -> ModelShape:
     heads = int(_first(config, "num_attention_heads", "n_head", default=0))
     hidden = int(_first(config, "hidden_size", "n_embd", "d_model", default=0))
     head_dim = _first(config, "head_dim", default=None) or (hidden // heads if heads else 0)
-    return ModelShape(frozen, trainable, layers, int(heads * head_dim))
+    return MatmulCount(frozen, trainable, layers, int(heads * head_dim))
 
 
 def _text_config(model: Any) -> Any:

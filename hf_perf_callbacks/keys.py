@@ -1,7 +1,7 @@
-"""Every name the package writes down: the metric keys the callbacks log (their units and meanings are in each
-callback's docstring and the README), the phases of a step, the prefixes of the callbacks' keys and of the
-trainer's own values in a step line, and the files beside a run. One owner: every module and test imports them from
-here (``runlog`` re-exports them: ``hf_perf_callbacks.runlog.PERF_MFU`` stays valid).
+"""Every name the package writes down: the metric keys the callbacks log (their units and meanings in
+:data:`KEY_DOCS`, from which docs/keys.md is generated), the phases of a step, the prefixes of the callbacks' keys
+and of the trainer's own values in a step line, and the files beside a run. One owner: every module and test
+imports them from here (``runlog`` re-exports them: ``hf_perf_callbacks.runlog.PERF_MFU`` stays valid).
 
 Pure: no torch, no transformers.
 """
@@ -89,3 +89,114 @@ CACHE_INTERVAL = "cache/interval"
 CALLBACK_PREFIXES = ("perf/", "mem/", "tuner/", "cache/")
 #: the prefix of the trainer's own log values in a step line: ``TRAINER_LOG + "reward"`` is GRPO's ``reward``
 TRAINER_LOG = "log/"
+
+# ---------------------------------------------------------------- what each key means (docs/keys.md is generated)
+#: where a key goes: to the trainer's logs (so the reporters, ``log_history`` and the step lines), or to the step
+#: lines of ``perf_log.jsonl`` only
+REPORTED, PERF_LOG_ONLY = "reporters and perf log", "perf log only"
+#: key → (unit, meaning, where it goes). ``python -m hf_perf_callbacks.keys`` prints the table of docs/keys.md;
+#: ``tests/test_docs.py`` checks that every metric key above has its row and that the page shows this table.
+KEY_DOCS: dict[str, tuple[str, str, str]] = {
+    PERF_TOKENS_PER_SEC: ("tok/s", "windowed (whole GRPO generation cycles), global", REPORTED),
+    PERF_TOKENS_PER_SEC_PER_DEVICE: ("tok/s", "windowed, global / world size", REPORTED),
+    PERF_STEADY_TOKENS_PER_SEC: ("tok/s", "after warmup only, eval and save excluded", REPORTED),
+    PERF_STEADY_STEP_TIME: ("s", "mean training time of the steady steps", REPORTED),
+    PERF_STEP_TIME: ("s", "mean training time per optimizer step in the window", REPORTED),
+    PERF_WARMUP_DONE: ("0/1", "warmup has ended in this `train()` call", REPORTED),
+    PERF_WARMUP_STEPS: ("steps", "steps before steady state", REPORTED),
+    PERF_WARMUP_OVERHEAD_SEC: ("s", "time above the steady step time during warmup", REPORTED),
+    PERF_FIRST_STEP_SLOWDOWN: ("ratio", "first step (GRPO: generation cycle) / steady step time", REPORTED),
+    PERF_MFU: ("fraction", "model FLOPs utilisation: model FLOPs per token × tokens/s per device / peak (absent when "
+                           "the peak is unknown)", REPORTED),
+    PERF_HFU: ("fraction", "hardware FLOPs utilisation: MFU with activation recompute counted", REPORTED),
+    PERF_ROLLOUT_TOKENS_PER_SEC: ("tok/s", "GRPO: generated (finished, non-pad) tokens per second of generation; not "
+                                           "decode speed (a batch decodes until its longest completion)", REPORTED),
+    PERF_TRAIN_TOKENS_PER_SEC: ("tok/s", "GRPO: tokens per second of non-generation time", REPORTED),
+    PERF_GENERATION_BATCH: ("count", "GRPO: completions TRL generated in the step on this rank (0 on a step that "
+                                     "trains buffered ones)", PERF_LOG_ONLY),
+    PERF_COMPLETION_TOKENS: ("tokens", "GRPO: tokens of those completions (with tools: the model's own)",
+                             PERF_LOG_ONLY),
+    PERF_WEIGHT_SYNC_SEC: ("s", "GRPO with vLLM: time in `VLLMGeneration.sync_weights` (part of the generation "
+                                "phase)", PERF_LOG_ONLY),
+    PERF_REWARD_SEC: ("s", "GRPO: time in TRL's reward functions (part of the compute phase)", PERF_LOG_ONLY),
+    PERF_DECODE_BANDWIDTH_UTIL: ("fraction", "GRPO: weight bytes read per decode step × steps / time / peak "
+                                             "bandwidth", REPORTED),
+    PERF_FORWARDS_PER_MICROBATCH: ("count", "grad-enabled forwards per micro-batch (more than 1 is flagged once)",
+                                   REPORTED),
+    PERF_PAD_FRACTION: ("fraction", "padding share of the positions in the step's training forwards", REPORTED),
+    **{key: ("fraction", f"share of wall time in {phase} since the last log", REPORTED)
+       for phase, key in PERF_PHASE_SHARE.items()},
+    **{key: ("s", f"the step's seconds in {phase}", PERF_LOG_ONLY) for phase, key in PERF_PHASE_SEC.items()},
+    PERF_STEP_WALL_SEC: ("s", "the step's wall time", PERF_LOG_ONLY),
+    PERF_TOKENS: ("tokens", "the step's tokens (global)", PERF_LOG_ONLY),
+    PERF_SEQ_LEN: ("tokens", "the longest padded sequence of the step's training forwards", PERF_LOG_ONLY),
+    PERF_TRAIN_SEC: ("s", "the step's training time (wall minus eval and save; the slowest rank's): what its "
+                          "throughput is computed from", PERF_LOG_ONLY),
+    PERF_STEADY: ("0/1", "1: the step was known to be steady when its line was written", PERF_LOG_ONLY),
+    PERF_FIRST_STEADY_STEP: ("step", "this `train()` call's first steady step, on every line from the warmup "
+                                     "decision on (a killed run's log still gives the steady steps exactly)",
+                             PERF_LOG_ONLY),
+    PERF_EARLY_CONTENTION_SEC: ("s", "the meter's contention figure so far: slow early steps' excess that no extra "
+                                     "CPU time of the process explains", PERF_LOG_ONLY),
+    PERF_CPU_SEC: ("s", "process CPU time (all threads) over the same span as `perf/step_wall_sec`", PERF_LOG_ONLY),
+    PERF_CPU_TIME_RATIO: ("cores", "`perf/cpu_sec` / `perf/step_wall_sec`: threads this process kept busy",
+                          PERF_LOG_ONLY),
+    PERF_OTHER_CPU_CORES: ("cores", "busy cores of the machine during the step minus this process's",
+                           PERF_LOG_ONLY),
+    PERF_LOAD_PER_CORE: ("ratio", "1-minute load average / logical cores (where `os.getloadavg` exists)",
+                         PERF_LOG_ONLY),
+    MEM_DEVICE_USED_GB: ("GiB", "used: the allocator's peak in the step (CUDA), Metal's driver memory (MPS), the "
+                                "process RSS (CPU)", REPORTED),
+    MEM_ALLOCATED_GB: ("GiB", "live tensors at the step end", REPORTED),
+    MEM_DRIVER_GB: ("GiB", "MPS driver memory / CUDA reserved", REPORTED),
+    MEM_PEAK_GB: ("GiB", "high-water mark of used memory in this run", REPORTED),
+    MEM_LIMIT_GB: ("GiB", "the budget of the step (the wall): it moves with what the run can reach", REPORTED),
+    MEM_OUTSIDE_GB: ("GiB", "memory of the card (CUDA) or machine (MPS, CPU) outside this run's reach: other "
+                            "processes, and memory this process holds outside PyTorch's allocator", REPORTED),
+    MEM_SYSTEM_AVAILABLE_GB: ("GiB", "available RAM (macOS: inactive + free)", REPORTED),
+    MEM_SWAP_USED_GB: ("GiB", "swap in use", REPORTED),
+    MEM_PRESSURE: ("level", "0 ok, 1 warn, 2 critical", REPORTED),
+    MEM_STEPS_TO_WALL: ("steps", "steps until the budget at the fitted growth; absent when memory is not growing or "
+                                 "the wall lies beyond the run's last step", REPORTED),
+    MEM_STEPS_TO_WALL_LOW: ("steps", "low end of its 95% range", REPORTED),
+    MEM_STEPS_TO_WALL_HIGH: ("steps", "high end of its 95% range (capped at the steps left in the run)", REPORTED),
+    MEM_GROWTH_MB_PER_STEP: ("MiB", "slope of the trend fit", REPORTED),
+    MEM_COMPLETION_WALL_TOKENS: ("tokens", "GRPO: the completion length at which a step's peak reaches the budget "
+                                           "(the peak fitted against each log's longest completion)", REPORTED),
+    MEM_OS_PRESSURE: ("level", "macOS: the kernel's memory pressure level (1/2/4)", REPORTED),
+    MEM_SWAPOUTS: ("count", "macOS: swap-outs since the last step", REPORTED),
+    MEM_COMPRESSOR_GB: ("GiB", "macOS: compressor size", REPORTED),
+    MEM_FOOTPRINT_GB: ("GiB", "macOS: the process's `phys_footprint`", REPORTED),
+    MEM_ALLOC_RETRIES: ("count", "CUDA allocator retries since the last step", REPORTED),
+    TUNER_MICRO_BATCH: ("samples", "per-device micro-batch now", REPORTED),
+    TUNER_GRAD_ACCUM: ("steps", "gradient accumulation now", REPORTED),
+    TUNER_EFFECTIVE_BATCH: ("samples", "micro-batch × accumulation × world (constant)", REPORTED),
+    TUNER_RESIZES: ("count", "re-sizes so far", REPORTED),
+    CACHE_CLEARS: ("count", "clears so far", REPORTED),
+    CACHE_FREED_GB: ("GiB", "freed by clears since the last log", REPORTED),
+    CACHE_SECONDS: ("s", "time spent clearing since the last log", REPORTED),
+    CACHE_INTERVAL: ("steps", "current periodic interval", REPORTED),
+}
+
+
+def metric_keys() -> list[str]:
+    """Every metric key this module defines (module constants and the per-phase dicts), in definition order."""
+    found: list[str] = []
+    for value in list(globals().values()):
+        for key in (value.values() if isinstance(value, dict) and value is not KEY_DOCS else [value]):
+            if isinstance(key, str) and key.startswith(CALLBACK_PREFIXES) and key not in found:
+                found.append(key)
+    return found
+
+
+def key_table() -> str:
+    """The markdown table of docs/keys.md: one row per key of :data:`KEY_DOCS`, grouped by prefix."""
+    rows = ["| key | unit | meaning | goes to |", "|---|---|---|---|"]
+    for prefix in CALLBACK_PREFIXES:
+        rows += [f"| `{key}` | {unit} | {meaning} | {where} |"
+                 for key, (unit, meaning, where) in KEY_DOCS.items() if key.startswith(prefix)]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(key_table())

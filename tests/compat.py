@@ -13,16 +13,17 @@ one file the cells' results are recorded in.
 * A setting may exist for some trainers only (:attr:`Setting.only`); its other cells read "n/a". A re-size cell
   whose setting leaves no other split exact records ``said: <why>``: the run restricted its splits, said why at the
   start, and an OOM saved and ended it with that message instead of re-sizing inexactly.
-* :func:`record` is the one writer of ``tests/compat_results.json`` (cell → column → outcome); the README's tables
-  are rendered from it by ``python -m tests.compat_table``. It records only runs on the pinned versions
-  (:data:`TABLE_VERSIONS` as in ``constraints.txt``): the table describes those; on other versions (CI's oldest
+* :func:`record` is the one writer of ``tests/compat_results.json`` (cell → column → outcome); the tables of
+  docs/compatibility.md are rendered from it by ``python -m tests.compat_table``. It records only runs on the pinned
+  versions (:data:`TABLE_VERSIONS` as in ``constraints.txt``): the table describes those; on other versions (CI's oldest
   set) every cell is still checked, and a refusal listed for it is allowed.
 
 A cell runs :data:`STEPS` optimizer steps of a tiny model (``tests/conftest.py``) on the CPU, ``logging_steps=1``,
 reporting to TensorBoard (and MLflow where the setting says so), with ``default_callbacks()`` attached. A setting
 that a trainer cannot run must be refused there before its first step with one clear message, listed in
 :attr:`Setting.refused` (a listed refusal is allowed, not required: some hold for older versions only; on the
-pinned versions the recorded outcome and the README's table say which happened); any other error fails the cell.
+pinned versions the recorded outcome and docs/compatibility.md's table say which happened); any other error fails
+the cell.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ BATCH = 2                                         # per-device micro-batch; GRPO
 #: the step whose training forward runs out of memory
 RESIZE_STEPS, RESIZE_PER_EPOCH, RESIZE_FAULT_AT = 4, 3, 3
 
-#: column → its heading in the README's table
+#: column → its heading in docs/compatibility.md's table
 COLUMNS = {"metrics": "metrics reach the reporters", "resize_exact": "re-size exact", "resume_exact": "resume exact",
            "exact_by": "exact by"}
 #: the tuning table's one column

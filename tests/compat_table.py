@@ -1,8 +1,9 @@
-"""The README's compatibility table, rendered from the matrix's recorded results (``tests/compat_results.json``,
-written by the matrix's tests through :func:`tests.compat.record`), never written by hand.
+"""The compatibility table of ``docs/compatibility.md``, rendered from the matrix's recorded results
+(``tests/compat_results.json``, written by the matrix's tests through :func:`tests.compat.record`), never written
+by hand.
 
-``python -m tests.compat_table`` writes it into ``README.md`` between :data:`BEGIN` and :data:`END`;
-``tests/test_compat_matrix.py`` fails while the README's table differs from what the recorded results render.
+``python -m tests.compat_table`` writes it into ``docs/compatibility.md`` between :data:`BEGIN` and :data:`END`;
+``tests/test_compat_matrix.py`` fails while that table differs from what the recorded results render.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from tests.compat import (
     pinned_versions,
 )
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "compatibility.md")
 BEGIN = "<!-- compat-table: rendered by `python -m tests.compat_table` from tests/compat_results.json -->"
 END = "<!-- compat-table: end -->"
 MARKS = {"yes": "✓", "no": "✗", "refused": "refused", "said": "said", "rule": "rule", "measured": "measured"}
@@ -108,21 +109,22 @@ def _mark(outcome: str | None, cell: Cell, notes: list[str]) -> str:
     return f"{MARKS[kind]} ({next(i for i, note in enumerate(notes, 1) if note.endswith(f'. {detail}'))})"
 
 
-def split_readme(text: str) -> tuple[str, str, str]:
+def split_doc(text: str) -> tuple[str, str, str]:
     """(before, table, after) around the markers; a ``ValueError`` naming them when they are missing."""
     if BEGIN not in text or END not in text:
-        raise ValueError(f"README.md has no compatibility table markers: expected {BEGIN!r} and then {END!r}")
+        raise ValueError(f"docs/compatibility.md has no compatibility table markers: expected {BEGIN!r}, then "
+                         f"{END!r}")
     before, rest = text.split(BEGIN, 1)
     table, after = rest.split(END, 1)
     return before + BEGIN, table.strip("\n") + "\n", END + after
 
 
 def main() -> int:
-    with open(README, encoding="utf-8") as f:
-        before, _, after = split_readme(f.read())
-    with open(README, "w", encoding="utf-8") as f:
+    with open(DOC, encoding="utf-8") as f:
+        before, _, after = split_doc(f.read())
+    with open(DOC, "w", encoding="utf-8") as f:
         f.write(f"{before}\n{render(load_results())}{after}")
-    print(f"wrote the compatibility table into {README}")
+    print(f"wrote the compatibility table into {DOC}")
     return 0
 
 

@@ -322,8 +322,9 @@ def test_a_checkpoint_written_without_the_callbacks_resumes_with_them_and_saves_
 
 
 def readme_snippet(heading: str) -> str:
-    """The first Python block after ``heading`` in the README."""
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
+    """The first Python block after ``heading`` in docs/known-issues.md."""
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "known-issues.md"),
+              encoding="utf-8") as f:
         text = f.read()
     after = text[text.index(heading):]
     return after[after.index("```python") + len("```python"):after.index("```", after.index("```python") + 3)]
@@ -334,7 +335,7 @@ def test_the_readme_reproducer_of_the_upstream_keyerror_still_reproduces_it(tmp_
     fixed it: drop the known issue, and ``register_stateful_callbacks`` when the oldest supported version has it."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(KeyError, match="EarlyStoppingCallback"):
-        exec(compile(readme_snippet("KeyError at the first save after a resume"), "README.md", "exec"), {})
+        exec(compile(readme_snippet("KeyError at the first save after a resume"), "docs/known-issues.md", "exec"), {})
 
 
 def test_fsdp2_internals_the_in_process_resume_relies_on_are_there():

@@ -1039,11 +1039,11 @@ def test_fixed_length_padding_in_sft_gets_sfttrainers_own_collator_and_no_unfoun
 
 
 def test_the_readme_rule_table_is_the_rules_own():
-    """The README's rule table is generated from the rules' cards (thresholds from the rules' constants), in the
+    """docs/report.md's rule table is generated from the rules' cards (thresholds from the rules' constants), in the
     order of RULES; regenerate it with ``python -m hf_perf_callbacks.report.rules``."""
     from hf_perf_callbacks.report.rules import rule_table
 
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md"),
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "report.md"),
                   encoding="utf-8").read()
     start = readme.index("\n", readme.index("<!-- rule table:")) + 1
     block = readme[start:readme.index("<!-- end of rule table -->")].rstrip("\n")

@@ -1,7 +1,7 @@
 """The compatibility matrix, metrics column (``tests/compat.py``): for every setting × trainer, with
 ``default_callbacks()`` attached, the callbacks' keys reach ``log_history``, every reporter and ``perf_log.jsonl`` on
 every step, or the trainer refuses the setting before its first step with the message the matrix lists. Each cell
-records its outcome (``tests/compat_results.json``); the README's table is rendered from those records."""
+records its outcome (``tests/compat_results.json``); docs/compatibility.md's table is rendered from those records."""
 from __future__ import annotations
 
 import contextlib
@@ -112,12 +112,12 @@ def test_metrics_reach_every_reporter_on_every_step(cell, tokenizer, tmp_path, m
         assert_metrics_reach_everything(trainer, str(output_dir), cell.setting.reporters(), str(tracking_dir))
 
 
-def test_the_readme_table_is_rendered_from_the_recorded_results():
-    """Runs after the cells (the last test of this module): the README shows what they recorded."""
-    with open(compat_table.README, encoding="utf-8") as f:
-        _, table, _ = compat_table.split_readme(f.read())
+def test_the_docs_table_is_rendered_from_the_recorded_results():
+    """Runs after the cells (the last test of this module): docs/compatibility.md shows what they recorded."""
+    with open(compat_table.DOC, encoding="utf-8") as f:
+        _, table, _ = compat_table.split_doc(f.read())
     assert table == compat_table.render(compat.load_results()), \
-        "README.md's compatibility table differs from tests/compat_results.json: run `python -m tests.compat_table`"
+        "docs/compatibility.md's table differs from tests/compat_results.json: run `python -m tests.compat_table`"
 
 
 def test_the_table_is_for_the_pinned_versions_and_says_which():

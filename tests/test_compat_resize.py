@@ -21,8 +21,8 @@ and says so where it was not) — never be silently different.
 
 The cells are the matrix's (``tests/compat.py``: every setting of the metrics column × every trainer, built by its
 ``build`` with this column's optimizer and step count); each records its outcome per column through
-:func:`tests.compat.record` (``yes``, ``no: <what differed>``, ``refused: <message>``), from which the README's table
-is rendered.
+:func:`tests.compat.record` (``yes``, ``no: <what differed>``, ``refused: <message>``), from which
+docs/compatibility.md's table is rendered.
 """
 from __future__ import annotations
 

@@ -820,7 +820,7 @@ def test_a_hub_model_without_network_is_told_apart_from_a_missing_folder(monkeyp
                          "them in the cached files.\nCheck your internet connection")
     line = build.model_load_error("Qwen/Qwen2.5-0.5B-Instruct", no_network)
     assert "(the hub cannot be reached from this machine, and it is not in the local Hugging Face cache)" in line
-    assert "smollm2_path()" in line
+    assert build.PACKAGED_MODEL in line
     assert "(no such folder)" in build.model_load_error("/no/such/model", no_network)
     other = build.model_load_error("nobody/x", OSError("nobody/x is not a local folder and is not a valid model"))
     assert "(nobody/x is not a local folder and is not a valid model): name a local model folder" in other

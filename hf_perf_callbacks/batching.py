@@ -14,6 +14,12 @@ from dataclasses import dataclass
 from .validation import check_number
 
 
+def is_grpo(args: object) -> bool:
+    """Whether ``args`` are a GRPO run's (TRL's ``GRPOConfig`` and its kin: they carry ``num_generations``, the
+    completions per prompt): the one place the package decides the run kind."""
+    return hasattr(args, "num_generations")
+
+
 @dataclass(frozen=True)
 class Split:
     micro_batch: int

@@ -38,7 +38,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, TypeGuard, TypeVar
 
-from .batching import Split
+from .batching import Split, is_grpo
 from .runlog import SPLIT_FILE, number
 from .stats import iqr, mann_whitney_less, median
 
@@ -595,5 +595,5 @@ def run_geometry(args: Any, world_size: int) -> RunGeometry:
     """The keyword arguments of :func:`split_for_run` for a trainer's args (as configured, before any re-size;
     ``args``: a ``TrainingArguments`` or a GRPO config, read by attribute: no transformers import)."""
     effective = Split(args.per_device_train_batch_size, args.gradient_accumulation_steps).effective_batch(world_size)
-    generation = getattr(args, "generation_batch_size", None) if hasattr(args, "num_generations") else None
+    generation = getattr(args, "generation_batch_size", None) if is_grpo(args) else None
     return {"effective_batch": effective, "world_size": world_size, "generation_batch": generation}

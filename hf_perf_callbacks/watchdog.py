@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 
 from . import adapter, keys
 from .base import Clock, PerfCallback
+from .batching import is_grpo
 from .bus import SIGNAL_CLEAR, SIGNAL_SMALLER_BATCH
 from .device import GB, DeviceLayer, MemorySample, gather_floats, world_size
 from .memory import (
@@ -216,7 +217,7 @@ class MemoryWatchdog(PerfCallback):
         self.policy.start_segment()
         self._planned, self._most_rows, self._short, self._reference = None, 0, None, None
         self._shrinking = False
-        limit = getattr(args, "max_completion_length", None) if hasattr(args, "num_generations") else None
+        limit = getattr(args, "max_completion_length", None) if is_grpo(args) else None
         if limit and (self._completions is None or state.global_step == 0):
             self._completions, self._completion_limit, self._completions_warned = CompletionTrend(), limit, False
         trainer = adapter.calling_trainer()

@@ -49,6 +49,7 @@ import contextlib
 import logging
 
 from .. import adapter
+from ..batching import is_grpo
 from ..bus import bus_for
 from ..device import (
     DeviceLayer,
@@ -349,7 +350,7 @@ def _evaluate_within_memory(trainer, original, session: TuningSession):
 
 def _smaller_eval_batch(args, batch: int) -> int | None:
     """Half the evaluation batch (GRPO: still whole groups of ``num_generations_eval`` completions), or None."""
-    if hasattr(args, "num_generations"):
+    if is_grpo(args):
         group = getattr(args, "num_generations_eval", None) or args.num_generations
         for smaller in range(batch // 2, 0, -1):
             if (smaller * world_size()) % group == 0:

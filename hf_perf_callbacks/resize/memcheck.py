@@ -21,7 +21,7 @@ import torch
 from transformers import TrainerCallback
 
 from .. import adapter
-from ..batching import Split
+from ..batching import Split, is_grpo
 from ..device import GB, DeviceLayer, error_line, gather_floats, rng_state, set_rng_state, training_device, world_size
 from ..memory import budget_bytes
 from ..splitfile import Trial
@@ -47,7 +47,7 @@ def estimated_peak(trainer, device_type: str) -> float | None:
     from ..estimate import estimate_grpo_memory, model_from_config
 
     args = trainer.args
-    if not hasattr(args, "num_generations"):
+    if not is_grpo(args):
         return None
     try:
         model = trainer.model
@@ -206,7 +206,7 @@ def _snapshot(trainer) -> dict:
         saved["min_new_tokens"] = config.min_new_tokens
         config.min_new_tokens = getattr(args, "max_completion_length", None)
     split = current_split(args)
-    needed = (split.generation_batch(world_size()) // args.num_generations if hasattr(args, "num_generations")
+    needed = (split.generation_batch(world_size()) // args.num_generations if is_grpo(args)
               else split.effective_batch(world_size()))
     trainer.train_dataset = _longest(trainer.train_dataset, needed)
     return saved

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Callable
 
 from .. import adapter
-from ..batching import Split
+from ..batching import Split, is_grpo
 from ..device import gather_floats, world_size
 from ..rowstream import RowWatch, StepRows, step_rows
 
@@ -43,7 +43,7 @@ class RowCheck:
         from .grouping import examples
 
         self.trainer, self.split_of = trainer, split_of
-        self.enabled = not hasattr(trainer.args, "num_generations")
+        self.enabled = not is_grpo(trainer.args)
         self.watch = RowWatch(configured, sized=examples(trainer.train_dataset) is not None, world=world_size())
         self._undo: Callable[[], None] | None = None
 

@@ -50,7 +50,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from .. import adapter
-from ..batching import Exactness, Split, exact_splits, exact_under, next_smaller
+from ..batching import Exactness, Split, exact_splits, exact_under, is_grpo, next_smaller
 from ..device import (
     DeviceLayer,
     error_line,
@@ -98,7 +98,7 @@ logger = logging.getLogger("hf_perf_callbacks")
 
 def current_split(args) -> Split:
     """The split a trainer's args hold (GRPO: with its ``steps_per_generation``)."""
-    spg = getattr(args, "steps_per_generation", None) if hasattr(args, "num_generations") else None
+    spg = getattr(args, "steps_per_generation", None) if is_grpo(args) else None
     return Split(args.per_device_train_batch_size, args.gradient_accumulation_steps, spg)
 
 
@@ -106,7 +106,7 @@ def candidates(args, world: int) -> list[Split]:
     """Every split that keeps the run's effective batch (GRPO: and generation batch), largest micro-batch first;
     which of them keep its loss exact is :meth:`TuningSession.candidates`."""
     split = current_split(args)
-    if hasattr(args, "num_generations"):
+    if is_grpo(args):
         return exact_splits(split.effective_batch(world), world, split.generation_batch(world), args.num_generations)
     return exact_splits(split.effective_batch(world), world)
 
@@ -365,7 +365,7 @@ class TuningSession:
         others = [s for s in self.candidates(args)
                   if s != self.split and (max_micro_batch is None or s.micro_batch <= max_micro_batch)]
         period = (generation_period(args.steps_per_generation, getattr(args, "num_iterations", 1),
-                                    args.gradient_accumulation_steps) if hasattr(args, "num_generations") else 1)
+                                    args.gradient_accumulation_steps) if is_grpo(args) else 1)
         self.tuning = OnRunTuning(self.split, others, planned, period=period, state_bytes=state_bytes, **settings)
 
     def spend_resize(self) -> None:
@@ -499,7 +499,7 @@ class TuningSession:
         others = [s for s in self.exactness.splits if s.micro_batch < self.configured.micro_batch or s in larger]
         skipped = ("no re-size can happen (max_resizes=0, no tuning)" if self.resizes_left == 0 and larger == [] else
                    "the run has several ranks" if self.world > 1 else
-                   "GRPO's rows are generated inside the step" if hasattr(self.args, "num_generations") else
+                   "GRPO's rows are generated inside the step" if is_grpo(self.args) else
                    f"the memory check moved the run to {self.split} before its first step"
                    if self.split != self.configured else None)
         if skipped is not None or not others:       # nothing changes: the split file is written when it is

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 from ..batching import Exactness, Split
 from ..device import error_line, is_oom_error, world_size
@@ -145,8 +146,8 @@ def deepspeed_sizes(trainer) -> dict[str, list[int]]:
     hf_config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
     if isinstance(hf_config, dict):
         sizes["hf_deepspeed_config"] = [hf_config.get(k) for k in DEEPSPEED_SPLIT_KEYS]
-    engine = getattr(trainer, "model_wrapped", None)
-    if hasattr(engine, "train_micro_batch_size_per_gpu") and hasattr(engine, "gradient_accumulation_steps"):
+    engine: Any = getattr(trainer, "model_wrapped", None)     # DeepSpeedEngine's getters, duck-typed
+    if engine is not None and hasattr(engine, "train_micro_batch_size_per_gpu"):
         sizes["engine"] = [engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
                            engine.train_batch_size()]
     return sizes

@@ -26,7 +26,8 @@ def zero_config(stage: int) -> dict:
 
 
 def ds_args(stage: int, **extra) -> dict:
-    return dict(deepspeed=zero_config(stage), **extra)
+    """The Trainer's DeepSpeed settings; on a GPU machine (``benchmarks/deepspeed.sh``) the GPUs, else CPU."""
+    return dict(deepspeed=zero_config(stage), use_cpu=not torch.cuda.is_available(), **extra)
 
 
 class TokenCount:
@@ -73,7 +74,7 @@ def main(out, stage):
                          extra=ds_args(stage))
     count = TokenCount(plain)
     plain.train()
-    counted = torch.tensor([count.tokens], dtype=torch.long)
+    counted = torch.tensor([count.tokens], dtype=torch.long, device=plain.args.device)
     dist.all_reduce(counted)
     engine = plain.model_wrapped
     result.update(

@@ -238,3 +238,32 @@ def test_the_shipped_accelerate_configs_are_trls_zero_configs(stage):
     ds = config["deepspeed_config"]
     assert ds["zero_stage"] == stage and ds["zero3_init_flag"] is (stage == 3)
     assert ds["offload_optimizer_device"] == ds["offload_param_device"] == "none"
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])
+def test_the_shipped_configs_run_under_accelerate_launch(tmp_path, stage):
+    """``accelerate launch --config_file <deepspeed_zero{2,3}.yaml>`` (its own DeepSpeed plugin from the launcher's
+    environment, nothing in ``TrainingArguments``), on 2 CPU processes: the same figures, stop and exact re-size."""
+    pytest.importorskip("deepspeed", reason="deepspeed is not installed (not a test dependency)")
+    from hf_perf_callbacks.train import recipes
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "FROM_LAUNCHER": "1"}
+    if not torch.cuda.is_available():
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    proc = subprocess.run([accelerate, "launch", "--config_file", recipes.path(f"accelerate/deepspeed_zero{stage}"),
+                           "--mixed_precision", "no", "--main_process_port", str(port), SCRIPT, str(tmp_path),
+                           str(stage), "main"], env=env, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    for r in (r0, r1):
+        assert r["zero_stage"] == stage and r["tokens"] == r["independent_tokens"] > 0
+        assert r["stop_step"] == 2 and r["tuned_step"] == 5 and r["engines"] == 2
+        assert set(r["tuned_sizes"]) == {"args", "plugin", "engine"}          # no HfTrainerDeepSpeedConfig here
+        assert all(v == [2, 4, 16] for v in r["tuned_sizes"].values()), r["tuned_sizes"]
+        assert r["exact"]["differences"] == []
+    assert r0["rates"] == r1["rates"]

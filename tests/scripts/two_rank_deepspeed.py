@@ -26,8 +26,10 @@ def zero_config(stage: int) -> dict:
 
 
 def ds_args(stage: int, **extra) -> dict:
-    """The Trainer's DeepSpeed settings; on a GPU machine (``benchmarks/deepspeed.sh``) the GPUs, else CPU."""
-    return dict(deepspeed=zero_config(stage), use_cpu=not torch.cuda.is_available(), **extra)
+    """The Trainer's DeepSpeed settings; on a GPU machine (``benchmarks/deepspeed.sh``) the GPUs, else CPU. Under
+    ``accelerate launch`` with a DeepSpeed config (``FROM_LAUNCHER=1``) the launcher's plugin instead."""
+    launcher = {} if os.environ.get("FROM_LAUNCHER") else {"deepspeed": zero_config(stage)}
+    return dict(use_cpu=not torch.cuda.is_available(), **launcher, **extra)
 
 
 class TokenCount:

@@ -135,6 +135,19 @@ def _sequential(r: dict) -> str:
                      f"the start" for p in r["pairs"] if p.get("ratio"))
 
 
+def _deepspeed(r: dict) -> str:
+    done = {name: stage for name, stage in r["stages"].items() if stage}
+    parts = []
+    for name, stage in done.items():
+        main, restart = stage.get("main", {}), stage.get("restart", {})
+        parts.append(f"{name}: meter/independent tokens {main['meter_vs_independent']:.3f}, a stop on one rank at "
+                     f"steps {main['stop_steps']}, re-size and relaunch "
+                     + ("as the unfaulted run" if not any(main.get("resize_vs_unfaulted_differences", [[1]])[0])
+                        and not any(restart.get("relaunch_vs_unfaulted_differences", [[1]])[0]) else "DIFFER"))
+    return f"{r['gpus']} GPUs, " + "; ".join(parts) + (f" (not measured: {len(r['not_measured'])} items)"
+                                                        if r.get("not_measured") else "")
+
+
 def _checks(r: dict) -> str:
     """Any other result: its top-level checks (true/false), counted."""
     flags = [v for k, v in r.items() if isinstance(v, bool) and k != "hung"]
@@ -149,7 +162,7 @@ HEADLINES: list[tuple[str, Callable[[dict], str]]] = [
     ("tuner_switch", _switch), ("tuner_sweep", _sweep), ("tuner_run", _run), ("memory_tiers", _tiers),
     ("exactness", _exactness), ("demo_tuning", _demo_tuning), ("report_scale", _scale),
     ("wordle_rewards_untrained", _checks), ("wordle_rewards", _wordle), ("advice", _advice),
-    ("shared_gpu", _shared), ("tuner_sequential", _sequential),
+    ("shared_gpu", _shared), ("tuner_sequential", _sequential), ("deepspeed", _deepspeed),
 ]
 
 

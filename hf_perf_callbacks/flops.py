@@ -60,6 +60,14 @@ def train_flops_per_token(shape: MatmulCount, seq_len: float, recompute: bool = 
     return model, model + (forward if recompute else 0.0)
 
 
+def full_numel(tensor: Any) -> int:
+    """A parameter's elements in the whole model: DeepSpeed ZeRO-3 leaves each rank's parameter empty (its partition
+    lives elsewhere) and records the full count as ``ds_numel``; an FSDP2 DTensor's ``numel()`` is already the full
+    tensor's."""
+    full = getattr(tensor, "ds_numel", None)
+    return int(full) if isinstance(full, int) else int(tensor.numel())
+
+
 def shape_of(model: Any) -> MatmulCount:
     """Read a ``MatmulCount`` off a torch model (a PEFT model works: LoRA layers are ``nn.Linear``).
 
@@ -74,9 +82,9 @@ def shape_of(model: Any) -> MatmulCount:
         weight = getattr(module, "weight", None)
         if is_matmul and isinstance(weight, torch.Tensor):
             if weight.requires_grad:
-                trainable += weight.numel()
+                trainable += full_numel(weight)
             else:
-                frozen += weight.numel()
+                frozen += full_numel(weight)
     config = _text_config(model)
     layers = int(_first(config, "num_hidden_layers", "n_layer", "num_layers", default=0))
     heads = int(_first(config, "num_attention_heads", "n_head", default=0))

@@ -13,7 +13,7 @@ from . import adapter, keys
 from .base import Clock, PerfCallback
 from .dataloader import FACT_TYPES, DataLoaderFacts, dataloader_advice, dataloader_facts
 from .device import DeviceLayer, dtype_key, gather_floats, world_size
-from .flops import forward_flops_per_token, shape_of, train_flops_per_token
+from .flops import forward_flops_per_token, full_numel, shape_of, train_flops_per_token
 from .keys import PHASES
 from .runlog import MeterSummary
 from .stats import generation_period
@@ -105,7 +105,8 @@ class ThroughputMeter(PerfCallback):
     the training dtype (table, ``peak_flops`` override or ``peak_flops="calibrate"``); unknown device → MFU is
     omitted with one warning. GRPO's model FLOPs per token are ``num_iterations`` × training plus one forward
     for generation. Under FSDP the FLOPs are the unsharded model's (a sharded DTensor parameter's ``numel()`` is the
-    full tensor's), divided over the ranks like any data-parallel throughput.
+    full tensor's), divided over the ranks like any data-parallel throughput; under DeepSpeed ZeRO-3 too (a
+    partitioned parameter's full count is its ``ds_numel``).
 
     Args:
         window_steps: optimizer steps in the windowed rate (rounded up to whole GRPO generation cycles).
@@ -335,7 +336,7 @@ class ThroughputMeter(PerfCallback):
         name = ("is_activation_checkpointing" if hasattr(type(self.inner), "is_activation_checkpointing")
                 else "is_gradient_checkpointing")
         self.recompute = bool(getattr(self.inner, name, False))
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.inner.parameters())
+        self.weight_bytes = sum(full_numel(p) * p.element_size() for p in self.inner.parameters())
         table = self.device.peak()
         if self.peak_flops == "calibrate":
             self.run_peak_flops = self.device.calibrate_flops(dtype)
@@ -356,8 +357,8 @@ class ThroughputMeter(PerfCallback):
         keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "vocab_size", "max_position_embeddings")
         facts = {k: getattr(config, k, None) for k in keys}
-        facts.update(params=sum(p.numel() for p in self.inner.parameters()),
-                     trainable_params=sum(p.numel() for p in self.inner.parameters() if p.requires_grad),
+        facts.update(params=sum(full_numel(p) for p in self.inner.parameters()),
+                     trainable_params=sum(full_numel(p) for p in self.inner.parameters() if p.requires_grad),
                      bytes_per_param=next(self.inner.parameters()).element_size(),
                      matmul_params=self.shape.matmul_params, trainable_matmul_params=self.shape.trainable_matmul_params)
         return facts

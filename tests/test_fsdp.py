@@ -2,8 +2,8 @@
 
 The two-process runs use real FSDP2 over gloo (``fully_shard`` per decoder layer through accelerate's
 ``fsdp2_prepare_model``, transformers' sharded FSDP checkpoints); accelerate only turns FSDP on for GPU processes, so
-``tests/scripts/two_rank_fsdp.py`` makes that one switch for CPU processes (see its docstring). DeepSpeed is not
-installed here: its refusal is tested on a real Trainer whose accelerator state says ``DEEPSPEED``.
+``tests/scripts/two_rank_fsdp.py`` makes that one switch for CPU processes (see its docstring). DeepSpeed:
+``tests/test_deepspeed.py``.
 """
 import json
 import os
@@ -182,18 +182,6 @@ def test_a_launchers_restart_resumes_from_the_runs_newest_checkpoint_with_the_re
     fresh = trainer(tmp_path / "fresh", 2, save=False)
     train_with_tuning(fresh)
     assert fresh.state.global_step == 2 and fresh.args.per_device_train_batch_size == 4
-
-
-def test_deepspeed_is_refused_at_start_with_what_to_use_instead(tokenizer, tmp_path, monkeypatch):
-    from accelerate.utils import DistributedType
-
-    trainer = make_trainer(tokenizer, tmp_path, [AdaptiveBatchTuner(tune=False)], max_steps=2)
-    assert sharding.sharding(trainer) is None
-    monkeypatch.setattr(trainer.accelerator.state, "distributed_type", DistributedType.DEEPSPEED)
-    assert sharding.sharding(trainer) == "deepspeed"
-    with pytest.raises(ValueError, match="does not support DeepSpeed.*trainer.train\\(\\).*accelerate/fsdp"):
-        train_with_tuning(trainer)
-    assert trainer.state.global_step == 0                                 # refused before any step
 
 
 # ---------------------------------------------------------------- the device comes from the process

@@ -14,7 +14,7 @@ module             job
 ``agreement``      cross-rank agreement on OOMs inside a training step (:class:`ResizeNeeded`, :class:`PeerFailed`)
 ``oomsite``        where an OOM struck: an OOM no smaller micro-batch fixes (generation, a reward function) ends the
                    run named, with its fix (:class:`UnfixableOOM`), instead of a re-size
-``sharding``       what works under FSDP (re-size by checkpoint) and DeepSpeed (refused), said at start
+``sharding``       what works under FSDP and DeepSpeed (re-size by checkpoint; DeepSpeed: a new engine)
 ``checkpoints``    which checkpoints a run may resume from: complete ones; partial and stale ones moved aside
 =================  ==========================================================================================
 

@@ -4,7 +4,8 @@
 disk, a kill) leaves a half-written one behind. transformers' ``_save_checkpoint`` writes the weights, optimizer,
 scheduler, scaler and RNG state first and ``trainer_state.json`` last, and its just-in-time (SIGTERM) checkpoint
 marks a save in progress with ``checkpoint-is-incomplete.txt``; so a folder is complete when that marker is absent,
-``trainer_state.json`` parses and names the folder's step, and a weights file is there. The tuner records the steps
+``trainer_state.json`` parses and names the folder's step, and a weights file is there (under DeepSpeed: its
+``global_step<N>/`` with the ZeRO partitions of the weights). The tuner records the steps
 this run wrote and verified (its ``written`` list, with its session id); recovery resumes only from those. A folder
 in the way (an earlier run's, or a partial one) is moved aside to ``moved_aside/checkpoint-N.<why>-<n>`` inside
 ``output_dir``: out of the ``checkpoint-*`` names that transformers resumes from and that its rotation
@@ -38,6 +39,11 @@ PREFIX = "checkpoint"
 STATE_FILE = "trainer_state.json"          # transformers' TRAINER_STATE_NAME, written last
 INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"   # transformers' JIT checkpoint sentinel
 WEIGHT_PREFIXES = ("model", "adapter_model", "pytorch_model")
+#: DeepSpeed's own checkpoint inside ``checkpoint-N`` (``engine.save_checkpoint``): ``global_step<N>/`` with each
+#: rank's ZeRO partition of the weights (``*model_states.pt``; under ZeRO-3 there is no other weights file) and of
+#: the optimizer (``*optim_states.pt``)
+DEEPSPEED_DIR = re.compile(r"global_step\d+")
+DEEPSPEED_WEIGHTS, DEEPSPEED_OPTIMIZER = "model_states.pt", "optim_states.pt"
 _CHECKPOINT = re.compile(rf"^{PREFIX}-(\d+)$")
 MOVED_ASIDE = "moved_aside"                # the folder of output_dir that checkpoints are moved aside into
 SWITCH_DIR = "tuner_switch"                # the folder of output_dir that holds the checkpoints of switches
@@ -63,7 +69,17 @@ def is_complete(path: str, step: int | None = None) -> bool:
         return False
     if step is not None and global_step != step:
         return False
-    return any(name.startswith(WEIGHT_PREFIXES) for name in os.listdir(path))
+    return (any(name.startswith(WEIGHT_PREFIXES) for name in os.listdir(path))
+            or bool(deepspeed_files(path, DEEPSPEED_WEIGHTS)))
+
+
+def deepspeed_files(path: str, suffix: str) -> list[str]:
+    """The files of DeepSpeed's checkpoint in ``path`` (``global_step<N>/*<suffix>``): none when it holds none."""
+    try:
+        folders = [n for n in os.listdir(path) if DEEPSPEED_DIR.fullmatch(n) and os.path.isdir(os.path.join(path, n))]
+        return [os.path.join(f, n) for f in folders for n in os.listdir(os.path.join(path, f)) if n.endswith(suffix)]
+    except OSError:
+        return []
 
 
 def has_training_state(path: str) -> bool:
@@ -76,12 +92,14 @@ def has_training_state(path: str) -> bool:
         return False
     optimizer = any(n in ("optimizer.pt", "optimizer.bin") or (n.startswith("optimizer")
                                                                 and os.path.isdir(os.path.join(path, n)))
-                    for n in names)
+                    for n in names) or bool(deepspeed_files(path, DEEPSPEED_OPTIMIZER))
     return optimizer and "scheduler.pt" in names
 
 
 #: an RNG file transformers writes per rank, of a rank other than the main process
 OTHER_RANKS_RNG = re.compile(r"rng_state_[1-9][0-9]*\.pth")
+#: DeepSpeed's ZeRO partition files of a rank other than the main process (each rank writes its own)
+OTHER_RANKS_ZERO = re.compile(r"(bf16_)?zero_pp_rank_[1-9][0-9]*_.*")
 
 
 def fingerprint(path: str) -> str:
@@ -89,11 +107,12 @@ def fingerprint(path: str) -> str:
     time, and the bytes of ``trainer_state.json`` (its losses and step are this run's). A folder rewritten by
     another process, or replaced by another run's, no longer matches the fingerprint recorded when it was written.
     The other ranks' RNG files (``rng_state_<rank>.pth``, rank > 0) are left out: each rank writes its own after the
-    main process may have fingerprinted the folder (no barrier follows them in transformers' save)."""
+    main process may have fingerprinted the folder (no barrier follows them in transformers' save); so are their
+    ZeRO partitions in DeepSpeed's ``global_step<N>/``."""
     digest = hashlib.sha256()
     for root, _, files in sorted(os.walk(path)):
         for name in sorted(files):
-            if root == path and OTHER_RANKS_RNG.fullmatch(name):
+            if root == path and OTHER_RANKS_RNG.fullmatch(name) or OTHER_RANKS_ZERO.fullmatch(name):
                 continue
             full = os.path.join(root, name)
             stat = os.stat(full)

@@ -167,8 +167,8 @@ def _train(trainer, tuner: AdaptiveBatchTuner, bus, resume_from_checkpoint, tune
 def _start(trainer, session: TuningSession, checkpoint: str | None,
            max_resizes: int) -> tuple[str | None, StepGuard | None]:
     """The session takes the run (a resume from ``checkpoint`` continues the run's record); returns the trainer's
-    sharding (refused when it cannot work; FSDP: no tuning) and the step guard (FSDP: off once stable; none where it
-    cannot see the sharding's collectives)."""
+    sharding (FSDP, DeepSpeed: no tuning) and the step guard (FSDP: off once stable; none where it cannot see the
+    sharding's collectives: DeepSpeed)."""
     sharded, guarded = sharding.start(trainer, session)
     session.drive(in_process=sharded is None,        # a switch takes effect at the next step's begin
                   max_resizes=max_resizes, step_log=adapter.StepLog(trainer), loop_state=adapter.LoopState(trainer))
@@ -204,7 +204,7 @@ def _recover_or_raise(trainer, session: TuningSession, tuner: AdaptiveBatchTuner
     resume from, None: the start); anything else saves when it can and is raised (the bare ``raise``\ s re-raise
     ``error`` as it was, this runs inside its ``except``)."""
     if max_resizes > 0 and sharding.unagreed_oom(sharded, error):    # the others wait in a collective
-        session.record_for_restart(trainer.state.global_step, error)
+        session.record_for_restart(trainer.state.global_step, error, sharded)
         raise
     if not isinstance(error, Exception) or not recoverable(error):
         if max_resizes > 0:

@@ -87,7 +87,7 @@ from .checkpoints import (
 )
 from .oomsite import UnfixableOOM
 from .rowcheck import RowCheck, RowsDiffer
-from .sharding import restart_message
+from .sharding import deepspeed_split, release_engine, restart_message
 from .tuning import OnRunTuning
 
 if TYPE_CHECKING:
@@ -433,6 +433,7 @@ class TuningSession:
             args.steps_per_generation = split.steps_per_generation
             args.generation_batch_size = split.generation_batch(self.world)
         adapter.set_train_batch_size(trainer)
+        deepspeed_split(trainer)                # DeepSpeed: the config the next engine is built from
         self.split = split
         self.persist()
 
@@ -839,6 +840,7 @@ class TuningSession:
         memory."""
         self.take_switch(trainer)
         adapter.forget_last_train(trainer)
+        release_engine(trainer)                 # DeepSpeed: the next train() builds an engine for the new split
         self.free_memory(trainer)
         if self.rows is not None:
             self.rows.switched()                # the new split's first fetch is checked before it trains
@@ -924,17 +926,17 @@ class TuningSession:
                        checkpoint or "the start", new)
         return checkpoint
 
-    def record_for_restart(self, step: int, error: BaseException) -> None:
-        """An out-of-memory error at ``step`` under FSDP that the ranks could not agree on: record the next smaller
-        exact split for the launcher's restart (the main process writes it) and say what happens; the caller
-        re-raises."""
+    def record_for_restart(self, step: int, error: BaseException, kind: str | None = "fsdp") -> None:
+        """An out-of-memory error at ``step`` under FSDP (or DeepSpeed: ``kind``) that the ranks could not agree on:
+        record the next smaller exact split for the launcher's restart (the main process writes it) and say what
+        happens; the caller re-raises."""
         checkpoint = self.newest_ours(step)
         new = self.smaller_for_restart()
         if new is not None:
             reason = f"out of memory, not agreed inside the step: {error_line(error)[:160]}"
             self.decide("oom", reason, new, step, checkpoint=checkpoint)
             self.request_switch(new, reason)
-        logger.error(restart_message(error, step, new, checkpoint, self.exactness))
+        logger.error(restart_message(error, step, new, checkpoint, self.exactness, kind))
 
     # ------------------------------------------------------------ the file
     def record(self) -> SplitFile:

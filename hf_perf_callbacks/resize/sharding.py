@@ -1,15 +1,15 @@
 """What of :func:`~hf_perf_callbacks.train_with_tuning` works when accelerate shards the model (FSDP, DeepSpeed).
 
 =====================================  ===============================  ==========================================
-part                                   FSDP2                            DeepSpeed ZeRO
+part                                   FSDP2                            DeepSpeed ZeRO (stages 1-3)
 =====================================  ===============================  ==========================================
-an OOM inside a step, on any rank      every rank re-sizes alike in     refused at start (``ValueError``): its
-                                       the same process while the step  config fixes the micro-batch when the
-                                       guard is armed; once it is off,  engine is built; use ``trainer.train()``,
-                                       the launcher's restart resumes   a re-size request then saves, stops and
-                                       with the next smaller split      prints the split
-re-size on the watchdog's request      in the same process              —
-tuning on the run's steps, memory      skipped                          —
+an OOM inside a step, on any rank      every rank re-sizes alike in     one process: re-sized in this process;
+                                       the same process while the step  several: the launcher's restart resumes
+                                       guard is armed; once it is off,  with the next smaller split (no step
+                                       the launcher's restart resumes   guard: DeepSpeed's collectives bypass
+                                       with the next smaller split      ``torch.distributed``'s functions)
+re-size on the watchdog's request      in the same process              in the same process, a new engine
+tuning on the run's steps, memory      skipped                          skipped
 check
 =====================================  ===============================  ==========================================
 
@@ -30,14 +30,30 @@ this run wrote with the recorded split, no person in the loop. Not seen by the g
 2-D device mesh (HSDP, tensor parallelism): there no guard is installed, every OOM takes the restart path.
 
 The tuning on the run's steps and the memory check stay off under FSDP: the watchdog re-sizes before the wall.
+
+**DeepSpeed** fixes the split in its config when ``accelerator.prepare`` builds the engine
+(``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``, ``train_batch_size``, which DeepSpeed checks
+against each other and the world size). The engine's own setters (``set_train_micro_batch_size``,
+``set_train_batch_size``) change only its bookkeeping: under transformers the micro-batch is the dataloader's, the
+accumulation boundary is accelerate's (``set_gradient_accumulation_boundary`` at every micro-batch) and the loss is
+not scaled by DeepSpeed (``scale_wrt_gas=False``), and after an out-of-memory error inside a step the engine's
+ZeRO buffers hold a half-reduced step. So a re-size goes as transformers' own ``auto_find_batch_size`` goes: the
+split is written to the DeepSpeed config in every place that holds it (:func:`deepspeed_split`: the plugin's config,
+which transformers' ``HfTrainerDeepSpeedConfig`` shares, the accelerator's, its accumulation steps), the engine is
+destroyed (:func:`release_engine`: ``Accelerator.free_memory``), and the resumed ``train()`` builds a new engine
+from that config and loads DeepSpeed's checkpoint of the last completed step (weights, ZeRO optimizer partitions,
+scheduler) into it. The step guard is not installed: DeepSpeed's ``deepspeed.comm`` binds ``torch.distributed``'s
+functions when it starts (on CPU it all-reduces through its own shared-memory op), so no exchange could run before
+its collectives; an OOM inside a step under several ranks takes the restart path, as under FSDP with the guard off.
 """
 from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 from ..batching import Exactness, Split
-from ..device import error_line, is_oom_error
+from ..device import error_line, is_oom_error, world_size
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -53,12 +69,16 @@ FSDP_NOTES = ("train_with_tuning under FSDP: an out-of-memory error inside a tra
 NO_GUARD = ("train_with_tuning under FSDP with a device mesh of more than one dimension: FSDP's collectives run on "
             "sub-groups that the step guard cannot see, so every out-of-memory error ends the process and the "
             "launcher's restart (--max_restarts) resumes with the next smaller split.")
-DEEPSPEED_REFUSED = ("train_with_tuning does not support DeepSpeed: the DeepSpeed config fixes the micro-batch "
-                     "(train_micro_batch_size_per_gpu) when the engine is built, so a resume in the same process "
-                     "cannot change it. Use trainer.train() with the callbacks instead: a re-size request then saves "
-                     "a checkpoint, stops and prints the split to restart with (a new process builds a new engine). "
-                     "Or shard with FSDP (`hf-perf recipes path accelerate/fsdp`), under which train_with_tuning "
-                     "re-sizes.")
+DEEPSPEED_NOTES = ("train_with_tuning under DeepSpeed: a re-size (the watchdog's, or an out-of-memory error in one "
+                   "process) saves DeepSpeed's checkpoint, writes the split to the DeepSpeed config and resumes with a "
+                   "new engine in this process; under several ranks an out-of-memory error ends the process and the "
+                   "launcher's restart resumes from the newest checkpoint with the next smaller split: launch with "
+                   "`accelerate launch --max_restarts 2` and set save_steps. The tuning on the run's steps and the "
+                   "memory check are skipped under DeepSpeed; MemoryWatchdog re-sizes before the wall.")
+
+#: the DeepSpeed config's keys that hold the split (DeepSpeed checks micro × accumulation × data-parallel ranks
+#: = train batch)
+DEEPSPEED_SPLIT_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 
 
 def sharding(trainer) -> str | None:
@@ -80,11 +100,70 @@ def start(trainer, session) -> tuple[str | None, bool]:
     the step guard sees its collectives (always, unsharded)."""
     kind = sharding(trainer)
     if kind == "deepspeed":
-        raise ValueError(DEEPSPEED_REFUSED)
+        session.warn_once("sharding-limits", DEEPSPEED_NOTES)     # console and perf log
+        return kind, False                   # deepspeed.comm's collectives bypass the guard's exchanges
     guarded = kind is None or guardable(trainer)
     if kind == "fsdp":
         session.warn_once("sharding-limits", FSDP_NOTES if guarded else NO_GUARD)  # console and perf log
     return kind, guarded
+
+
+def deepspeed_plugin(trainer):
+    """The DeepSpeed plugin of the trainer's accelerator (``AcceleratorState.deepspeed_plugin``), or None."""
+    return getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
+
+
+def deepspeed_split(trainer) -> bool:
+    """Write the split in ``trainer.args`` into every place that holds DeepSpeed's: the plugin's config (the dict
+    transformers' ``HfTrainerDeepSpeedConfig`` and ``args.hf_deepspeed_config`` share), the accelerator's copy
+    made at ``prepare`` and its gradient-accumulation steps; the next engine is built from them. False without
+    DeepSpeed."""
+    plugin = deepspeed_plugin(trainer)
+    if plugin is None:
+        return False
+    args, accelerator = trainer.args, trainer.accelerator
+    micro, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    values = dict(zip(DEEPSPEED_SPLIT_KEYS, (micro, accum, micro * accum * world_size())))
+    configs = [plugin.deepspeed_config, getattr(getattr(plugin, "hf_ds_config", None), "config", None),
+               getattr(getattr(args, "hf_deepspeed_config", None), "config", None),
+               getattr(accelerator, "deepspeed_config", None)]
+    for config in {id(c): c for c in configs if isinstance(c, dict)}.values():
+        config.update(values)
+    accelerator.gradient_accumulation_steps = accum
+    return True
+
+
+def deepspeed_sizes(trainer) -> dict[str, list[int]]:
+    """What each holder of DeepSpeed's split says, ``[micro-batch, accumulation, train batch]`` (the engine's from
+    its public getters); they must all agree with ``trainer.args``."""
+    plugin = deepspeed_plugin(trainer)
+    if plugin is None:
+        return {}
+    args = trainer.args
+    sizes = {"args": [args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                      args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size()],
+             "plugin": [plugin.deepspeed_config.get(k) for k in DEEPSPEED_SPLIT_KEYS]}
+    hf_config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
+    if isinstance(hf_config, dict):
+        sizes["hf_deepspeed_config"] = [hf_config.get(k) for k in DEEPSPEED_SPLIT_KEYS]
+    engine: Any = getattr(trainer, "model_wrapped", None)     # DeepSpeedEngine's getters, duck-typed
+    if engine is not None and hasattr(engine, "train_micro_batch_size_per_gpu"):
+        sizes["engine"] = [engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
+                           engine.train_batch_size()]
+    return sizes
+
+
+def release_engine(trainer) -> bool:
+    """Destroy the trainer's DeepSpeed engine and the accelerator's references to what it prepared
+    (``Accelerator.free_memory``), so that the next ``train()`` builds a new engine from the config; False without
+    DeepSpeed."""
+    if deepspeed_plugin(trainer) is None:
+        return False
+    trainer.accelerator.free_memory()
+    trainer.model_wrapped = trainer.model
+    if hasattr(trainer, "deepspeed"):
+        trainer.deepspeed = None
+    return True
 
 
 def restarted_by_launcher() -> int:
@@ -94,13 +173,14 @@ def restarted_by_launcher() -> int:
 
 
 def restart_message(error: BaseException, step: int, split: Split | None, checkpoint: str | None,
-                    exactness: Exactness | None = None) -> str:
-    """What happens after an out-of-memory error that the ranks could not agree on under FSDP: the restart resumes
-    with ``split``; None: no smaller split keeps the run exact (``exactness`` says why), so a restart would run out
-    of memory again."""
-    what = (f"[tuner] out of memory under FSDP at step {step} that the other ranks cannot learn of inside the step "
-            f"(the step guard is off after {STABLE_STEPS} stable steps, or it struck outside the step): "
-            f"{error_line(error)[:120]}. This process ends")
+                    exactness: Exactness | None = None, kind: str | None = "fsdp") -> str:
+    """What happens after an out-of-memory error that the ranks could not agree on under FSDP (or DeepSpeed,
+    ``kind``): the restart resumes with ``split``; None: no smaller split keeps the run exact (``exactness`` says
+    why), so a restart would run out of memory again."""
+    why = ("DeepSpeed's collectives are not seen by the step guard" if kind == "deepspeed" else
+           f"the step guard is off after {STABLE_STEPS} stable steps, or it struck outside the step")
+    what = (f"[tuner] out of memory under {'DeepSpeed' if kind == 'deepspeed' else 'FSDP'} at step {step} that the "
+            f"other ranks cannot learn of inside the step ({why}): {error_line(error)[:120]}. This process ends")
     if split is None:
         why = (f"no smaller split keeps this run exact ({exactness.reason}). {exactness.fix}"
                if exactness is not None and exactness.reason else "no smaller split of the batch is left.")
@@ -113,7 +193,9 @@ def restart_message(error: BaseException, step: int, split: Split | None, checkp
 
 
 def unagreed_oom(kind: str | None, error: BaseException) -> bool:
-    """An out-of-memory error under FSDP that no exchange told the other ranks of (they are inside a collective)."""
+    """An out-of-memory error under FSDP, or DeepSpeed with several ranks, that no exchange told the other ranks of
+    (they are inside a collective)."""
     from .agreement import ResizeNeeded
 
-    return kind == "fsdp" and is_oom_error(error) and not isinstance(error, ResizeNeeded)
+    sharded = kind == "fsdp" or (kind == "deepspeed" and world_size() > 1)
+    return sharded and is_oom_error(error) and not isinstance(error, ResizeNeeded)

@@ -1,0 +1,66 @@
+"""The summary of ``benchmarks/deepspeed.sh``: every scenario's checks, the exact commands, exit codes and seconds,
+written to ``results/deepspeed_<card>[_<N>gpu].json`` (and ``$OUT``)."""
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+from common import write_result
+
+
+def ranks(folder: str) -> list[dict]:
+    return [json.load(open(p)) for p in sorted(glob.glob(os.path.join(folder, "rank*.json")))]
+
+
+def main(run: str, gpus: int) -> None:
+    commands = []
+    for line in open(os.path.join(run, "commands.txt")):
+        name, rc, seconds, command = line.rstrip("\n").split("\t", 3)
+        commands.append({"name": name, "exit_code": int(rc), "seconds": round(float(seconds), 1),
+                         "command": command.replace(run, "$RUN")})
+    stages = {}
+    for stage in (2, 3):
+        found = {}
+        main_ranks = ranks(os.path.join(run, f"zero{stage}_main"))
+        if main_ranks:
+            r0 = main_ranks[0]
+            found["main"] = {
+                "ranks": len(main_ranks), "zero_stage": r0["zero_stage"],
+                "meter_tokens": r0["tokens"], "independent_tokens": r0["independent_tokens"],
+                "meter_vs_independent": r0["tokens"] / r0["independent_tokens"],
+                "rates_equal_on_every_rank": all(r["rates"] == r0["rates"] for r in main_ranks),
+                "meter_matmul_params": r0["meter_matmul"], "model_matmul_params": r0["reference_matmul"],
+                "stop_steps": [r["stop_step"] for r in main_ranks],
+                "stop_actions": [r["stop_actions"] for r in main_ranks],
+                "resize_decisions": r0["tuned_decisions"], "resize_split": r0["tuned_split"],
+                "resize_sizes_every_rank": [r["tuned_sizes"] for r in main_ranks],
+                "resize_engines": r0["engines"], "resize_steps_logged": r0["tuned_steps_logged"],
+                "resize_micro_batches": r0["tuned_micro_batches"],
+                "resize_vs_unfaulted_differences": [r["exact"]["differences"] for r in main_ranks]}
+        restart_ranks = ranks(os.path.join(run, f"zero{stage}_restart"))
+        if restart_ranks:
+            found["restart"] = {"steps": [r["step"] for r in restart_ranks], "split": restart_ranks[0]["split"],
+                                "decisions": restart_ranks[0]["decisions"],
+                                "sizes_every_rank": [r["sizes"] for r in restart_ranks],
+                                "relaunch_vs_unfaulted_differences": [r["differences"] for r in restart_ranks]}
+        one = ranks(os.path.join(run, f"zero{stage}_one"))
+        if one:
+            found["one_process_oom"] = one[0]
+        stages[f"zero{stage}"] = found
+    card = torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else "cpu"
+    name = f"deepspeed_{card}" + ("" if gpus == 2 else f"_{gpus}gpu")
+    path = write_result(name, {"gpus": gpus, "deepspeed": importlib.metadata.version("deepspeed"),
+                               "model": "tests' tiny Llama (hf_perf_callbacks.tiny), fp32, SGD with momentum",
+                               "commands": commands, "stages": stages})
+    print(json.dumps(stages, indent=1)[:6000])
+    print(f"written: {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

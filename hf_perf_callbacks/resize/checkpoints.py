@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 
-from ..device import is_main_process
+from ..device import gather_floats, is_main_process, world_size
 from ..keys import SPLIT_FILE
 from ..splitfile import WrittenCheckpoint, read_split_file
 
@@ -194,10 +194,20 @@ def newest_complete(output_dir: str) -> str | None:
 def resume_point(resume, output_dir: str, restarts: int = 0) -> str | None:
     """The checkpoint a run resumes from: ``resume`` (a ``checkpoint-N`` folder, ``True`` or ``"last"``: the newest
     complete one, None: none) checked complete, or a clear ValueError; after a launcher's restart (``restarts`` > 0)
-    without one, the newest complete checkpoint the job's split file lists."""
+    without one, the newest complete checkpoint the job's split file lists. Under several ranks every rank takes the
+    main process's checkpoint (each rank reading the folder and the split file on its own could pick another while
+    the main process moves a partial checkpoint aside or rewrites the file, and the ranks would then wait in
+    different steps' collectives)."""
     if resume is None and restarts:
         resume = _restart_checkpoint(output_dir, restarts)
-    return _checked_resume(resume, output_dir)
+    found = _checked_resume(resume, output_dir)
+    if world_size() == 1:
+        return found
+    step = step_of(found) if found is not None else None
+    chosen = gather_floats([float(step) if step is not None else -1.0])[0][0]
+    if chosen < 0:
+        return None
+    return found if step == int(chosen) else os.path.join(output_dir, f"checkpoint-{int(chosen)}")
 
 
 def _checked_resume(resume, output_dir: str) -> str | None:

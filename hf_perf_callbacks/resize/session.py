@@ -1003,6 +1003,6 @@ def recorded_session(output_dir: str, checkpoint: str | None) -> SplitFile | Non
     entry = record.checkpoint(step) if record is not None and step is not None else None
     adopted = (entry is not None and is_complete(checkpoint, step)
                and (not is_main_process() or fingerprint(checkpoint) == entry.fingerprint))
-    if world_size() > 1:            # every rank takes the main process's word: one split on every rank
-        adopted = gather_floats([float(adopted)])[0][0] > 0
+    if world_size() > 1:            # on every rank or on none (the main process checks the fingerprint): one split
+        adopted = min(r[0] for r in gather_floats([float(adopted)])) > 0
     return record if adopted else None

@@ -10,6 +10,13 @@ into the next training log *before* any reporter runs, and into ``log_history[-1
 Only training logs get the metrics (:func:`is_training_log`): not an evaluation's log, not the end-of-training
 summary.
 
+**The console stays readable.** The callbacks that print each log (transformers' ``ProgressCallback``,
+``PrinterCallback``, ``NotebookProgressCallback``) come last in the list; their ``on_log`` is given the log through
+:func:`console_logs` (the trainer's own keys and :data:`~hf_perf_callbacks.keys.CONSOLE_KEYS`), while the dict every
+other callback receives (the reporters, a user's callbacks) keeps every key. An event is one console line of at most
+:data:`~hf_perf_callbacks.keys.CONSOLE_WIDTH` characters (:func:`console_line`; the whole text in the perf log); a
+move of the memory wall is said once at INFO (every move is in the perf log); a decision is printed once, when made.
+
 The bus is also the small shared object through which the callbacks talk (the signals below; the run's tuning
 session, :attr:`RunBus.tuning`, seen here only as a :class:`TuningLink`), and it writes the run log
 ``<output_dir>/perf_log.jsonl`` (main process only; records and reader in :mod:`hf_perf_callbacks.runlog`):
@@ -57,6 +64,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from . import adapter
+from .keys import CONSOLE_KEYS, CONSOLE_WIDTH
 from .runlog import (
     CALLBACK_PREFIXES,
     LOCK_FILE,
@@ -69,7 +77,7 @@ from .runlog import (
     SummaryLine,
 )
 
-__all__ = ["RunBus", "OutputDirBusy", "OutputDirLock", "SIGNAL_CLEAR", "SIGNAL_SMALLER_BATCH", "bus_for",
+__all__ = ["RunBus", "OutputDirBusy", "OutputDirLock", "SIGNAL_CLEAR", "SIGNAL_SMALLER_BATCH", "bus_for", "console_line", "console_logs",
            "is_training_log"]
 
 if TYPE_CHECKING:
@@ -215,6 +223,8 @@ class RunBus(TrainerCallback):
         self.holding = 0                        # train_with_tuning calls holding the lock across their train() calls
         self.watched: set[int] = set()          # ids of the trainers whose train() releases the lock when it ends
         self.own_passes = False                 # the package's own forwards and backwards run (not the run's step)
+        self.said: set[tuple[str, str]] = set()    # (source, kind) of the events said on the console
+        self.quieted: set[int] = set()          # ids of the console printers given the compact log
 
     # ------------------------------------------------------------ publishing
     def publish(self, metrics: Mapping[str, float | None]) -> None:
@@ -248,8 +258,15 @@ class RunBus(TrainerCallback):
         """Log an event (warning, action, decision) to the console and the perf log; returns its JSON object."""
         entry = EventLine(source, kind, message, step, round(time.time(), 3), fields)
         if self.is_main:
-            (logger.warning if kind in ("warning", "action", "stop", "wall") else logger.info)("[%s] %s", source,
-                                                                                            message)
+            line = console_line(f"[{source}] {message}", EVENT_WIDTH)
+            if kind == "decision":                           # printed once, when made, whatever the log level
+                self.say(console_line(f"[{source}] {message}", CONSOLE_WIDTH))
+                logger.debug("%s", line)
+            elif kind in QUIET_ONCE and (source, kind) in self.said:
+                logger.debug("%s", line)                     # said once already: the perf log has every one
+            else:
+                self.said.add((source, kind))
+                logger.log(logging.WARNING if kind in LOUD_KINDS else logging.INFO, "%s", line)
             if self.header is not None:
                 self.held.append(entry)
             else:
@@ -344,6 +361,30 @@ class RunBus(TrainerCallback):
         for bar in adapter.progress_bars(self.handler):
             bar.set_postfix_str(text, refresh=False)
 
+    def say(self, text: str) -> None:
+        """Print ``text`` on the console on lines of its own: above the tqdm progress bar while there is one (not
+        glued to it), else plainly."""
+        bars = adapter.progress_bars(self.handler)
+        if bars:
+            bars[0].write(text)
+        else:
+            print(text, flush=True)
+
+    def _compact_console(self) -> None:
+        """Give the console printers of the trainer the compact log (see "The console stays readable" above)."""
+        for printer in adapter.console_printers(self.handler):
+            if id(printer) in self.quieted:
+                continue
+            self.quieted.add(id(printer))
+
+            def make(original):
+                def on_log(args, state, control, logs=None, **kwargs):
+                    return original(args, state, control,
+                                    logs=console_logs(logs) if isinstance(logs, Mapping) else logs, **kwargs)
+                return on_log
+
+            adapter.replace_method(printer, "on_log", make)
+
     # ------------------------------------------------------------ the output_dir lock
     def watch_trainer(self, trainer) -> None:
         """Release the output-dir lock whenever ``trainer.train()`` ends, by an error too (its ``train`` wrapped
@@ -437,6 +478,7 @@ class RunBus(TrainerCallback):
             adapter.register_stateful_callbacks(state, self.handler.callbacks + [control])
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        self._compact_console()
         if logs is None or not is_training_log(logs):
             return
         if self.step_line is not None and self.step_line.step == state.global_step:   # the step's line is pending
@@ -453,6 +495,38 @@ class RunBus(TrainerCallback):
         self.flush()
         if not self.continuing and not self.holding:
             self.lock.release()
+
+
+#: event kinds said at WARNING on the console (the others at INFO)
+LOUD_KINDS = ("warning", "action", "stop")
+#: event kinds said once on the console (INFO; the later ones at DEBUG): a move of the memory wall needs no action
+QUIET_ONCE = ("wall",)
+#: the widest "[source] message" of an event: room for a logging prefix (``WARNING hf_perf_callbacks.train: ``)
+EVENT_WIDTH = CONSOLE_WIDTH - 36
+
+
+def console_logs(logs: Mapping) -> dict:
+    """A training log as the console shows it: the trainer's own values and the callbacks' headline keys
+    (:data:`~hf_perf_callbacks.keys.CONSOLE_KEYS`), not each of their few dozen keys."""
+    return {key: value for key, value in logs.items()
+            if key in CONSOLE_KEYS or not (isinstance(key, str) and key.startswith(CALLBACK_PREFIXES))}
+
+
+def console_line(text: str, width: int = CONSOLE_WIDTH) -> str:
+    """``text`` as one console line of at most ``width`` characters: its first line, cut at the last clause boundary
+    (``: ``, ``; ``, ``. ``, `` (``, ``, ``) that fits, or at a space, and ended by `` …`` when cut."""
+    lines = text.strip().splitlines() or [""]
+    first = lines[0].rstrip()
+    if len(first) <= width and len(lines) == 1:
+        return first
+    room = width - 2
+    if len(first) <= room:
+        return first + " …"
+    head = first[:room]
+    cut = max(head.rfind(mark) for mark in (": ", "; ", ". ", " (", ", "))
+    if cut < width // 2:
+        cut = head.rfind(" ")
+    return (head[:cut] if cut > 0 else head).rstrip(" :;,.(") + " …"
 
 
 def bus_for(handler: CallbackHandler) -> RunBus:

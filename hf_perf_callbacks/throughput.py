@@ -277,8 +277,8 @@ class ThroughputMeter(PerfCallback):
         self.run_peak_bandwidth = self.peak_bandwidth or (table.bandwidth if table else None)
         if self.run_peak_flops is None and "mfu" not in self.warned:
             self.warned.add("mfu")
-            self.warn(f"MFU omitted: no {self.dtype_key} peak FLOP/s known for device '{self.device.name}'. Pass "
-                      f"ThroughputMeter(peak_flops=<FLOP/s>) or peak_flops='calibrate' to measure it.", step=step)
+            self.warn(f"MFU omitted: no {self.dtype_key} peak FLOP/s known for '{self.device.name}'; pass "
+                      f"ThroughputMeter(peak_flops=<FLOP/s> or 'calibrate')", step=step)
 
     def _model_facts(self) -> dict:
         """What memory and FLOP estimates need from the model config (for the report)."""
@@ -398,7 +398,7 @@ class ThroughputMeter(PerfCallback):
         self.summary = self.summarize()
         self._bus.write_summary(self.source, self.summary)
         if state.is_world_process_zero and not self._bus.continuing:    # printed once, at the run's end
-            print(self.format_summary())
+            self._bus.say(self.format_summary())
         self.close()
 
     # ------------------------------------------------------------ metrics

@@ -481,7 +481,11 @@ class TuningSession:
                                                            f"({type(error).__name__}: {error})",
                                        "Nothing to change: this is a fault of the package.")
         if self.exactness.reason is not None:
-            self.warn_once("grouping", self.exactness.message(every))
+            if self.managed:
+                self.warn_once("grouping", self.exactness.message(every))
+            elif "grouping" not in self.warned:        # a plain train() tunes nothing: a note (INFO), said once
+                self.warned.add("grouping")
+                self.note(self.exactness.message(every))
             self.persist()
         if self.measured is not None:                 # a resume: what the run's rows showed holds
             self._leave_out(self.measured)

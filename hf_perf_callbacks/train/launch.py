@@ -78,17 +78,16 @@ def parse_recipe(argv: list[str]):
 
 
 # ---------------------------------------------------------------- the console
-#: the callbacks' keys that the console's log line keeps: throughput, MFU, memory against the budget and the split
-#: in effect (every key still reaches ``log_history``, the reporters and the perf log)
-CONSOLE_KEYS = (keys.PERF_TOKENS_PER_SEC, keys.PERF_MFU, keys.MEM_DEVICE_USED_GB, keys.MEM_LIMIT_GB,
-                keys.TUNER_MICRO_BATCH, keys.TUNER_GRAD_ACCUM)
+#: the callbacks' keys that the console's log line keeps (every key still reaches ``log_history``, the reporters and
+#: the perf log); the bus gives every trainer's console printer the same compact log
+CONSOLE_KEYS = keys.CONSOLE_KEYS
 
 
 def console_logs(logs: Mapping) -> dict:
-    """A training log as the console shows it: the trainer's own values (what ``trl grpo`` prints) and the callbacks'
-    headline keys (:data:`CONSOLE_KEYS`), not each of their few dozen keys."""
-    return {key: value for key, value in logs.items()
-            if key in CONSOLE_KEYS or not key.startswith(keys.CALLBACK_PREFIXES)}
+    """A training log as the console shows it (:func:`hf_perf_callbacks.bus.console_logs`)."""
+    from ..bus import console_logs as compact
+
+    return compact(logs)
 
 
 def compact_console(trainer) -> None:

@@ -87,7 +87,10 @@ logger = logging.getLogger("hf_perf_callbacks")
 
 
 class OutputDirBusy(RuntimeError):
-    """Another live process is training into the same ``output_dir``."""
+    """Another live process is training into the same ``output_dir`` (``holder`` names it: ``pid N on host``)."""
+
+    output_dir: str | None = None
+    holder: str | None = None
 
 
 #: the file beside the lock naming the process that holds it (read by a refused process)
@@ -125,11 +128,13 @@ class OutputDirLock:
                 lock.acquire()
             except Timeout:
                 holder = _read_holder(output_dir)
-                raise OutputDirBusy(
+                busy = OutputDirBusy(
                     f"output_dir {output_dir!r} is being written by another training process ({holder}): two runs "
                     f"in one output_dir interleave their perf logs and resume from each other's checkpoints. This "
                     f"run did not start and wrote nothing there: give it its own output_dir, or start it again once "
-                    f"that process has ended") from None
+                    f"that process has ended")
+                busy.output_dir, busy.holder = output_dir, holder
+                raise busy from None
         except (OSError, NotImplementedError) as error:    # read-only, or no flock: transformers trains there
             if isinstance(error, NotImplementedError):      # filelock left its file on a file system without flock
                 try:

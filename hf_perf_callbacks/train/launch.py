@@ -146,12 +146,33 @@ def _end(trainer) -> None:
         trainer.end()
 
 
+def hold_output_dir(output_dir: str):
+    """Hold ``output_dir`` for this process before anything heavy loads (the main process; the bus holds the same
+    lock during ``train()``): another live process training there is one :class:`RecipeError` line."""
+    from ..bus import OutputDirBusy, OutputDirLock
+
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        return None
+    lock = OutputDirLock()
+    try:
+        lock.acquire(output_dir)
+    except OutputDirBusy as busy:
+        raise RecipeError(busy_line(busy)) from None
+    return lock
+
+
+def busy_line(busy) -> str:
+    """The one line a refused launch says (the whole reason is :class:`~hf_perf_callbacks.bus.OutputDirBusy`'s)."""
+    return f"output_dir {busy.output_dir} is in use by another run ({busy.holder}): pick another or wait for it"
+
+
 # ---------------------------------------------------------------- entry point
 def run(recipe: RecipeArguments, training_args, model_args) -> int:
     """Build the trainer from parsed arguments, train, save, report."""
     from trl import GRPOTrainer, get_peft_config
 
     callbacks = build_callbacks(recipe.callbacks, as_dict(recipe.callback_kwargs, "callback_kwargs"))
+    lock = hold_output_dir(training_args.output_dir) if callbacks else None    # before the model loads
     rewards = resolve_reward_funcs(recipe.reward_funcs, training_args.max_completion_length)
     tokenizer = build_tokenizer(model_args, training_args)
     train_data, eval_data = build_datasets(recipe, training_args.seed,
@@ -190,6 +211,8 @@ def run(recipe: RecipeArguments, training_args, model_args) -> int:
     if main_process:
         trainer.save_state()
     _end(trainer)
+    if lock is not None:
+        lock.release()                                 # the bus released it when train() ended: a no-op then
     if main_process and recipe.report:
         _report(training_args.output_dir)
     return 0
@@ -206,8 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:                        # RecipeError and the dataclasses' own checks
         print(f"hf_perf_callbacks.train: error: {error}", file=sys.stderr)
         return 2
+    from ..bus import OutputDirBusy
+
     try:
         return run(recipe, training_args, model_args)
-    except RecipeError as error:
-        print(f"hf_perf_callbacks.train: error: {error}", file=sys.stderr)
+    except (RecipeError, OutputDirBusy) as error:      # the lock taken during train() too: one line, not a traceback
+        text = busy_line(error) if isinstance(error, OutputDirBusy) and error.holder else str(error)
+        print(f"hf_perf_callbacks.train: error: {text}", file=sys.stderr)
         return 2

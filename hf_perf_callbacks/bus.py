@@ -77,8 +77,8 @@ from .runlog import (
     SummaryLine,
 )
 
-__all__ = ["RunBus", "OutputDirBusy", "OutputDirLock", "SIGNAL_CLEAR", "SIGNAL_SMALLER_BATCH", "bus_for", "console_line", "console_logs",
-           "is_training_log"]
+__all__ = ["RunBus", "OutputDirBusy", "OutputDirLock", "SIGNAL_CLEAR", "SIGNAL_SMALLER_BATCH", "bus_for",
+           "console_line", "console_logs", "is_training_log"]
 
 if TYPE_CHECKING:
     from .memory import WallFacts

@@ -18,7 +18,7 @@ from .keys import PHASES
 from .runlog import MeterSummary
 from .stats import generation_period
 from .timeline import StepTimeline
-from .validation import check_flag, check_number
+from .validation import check_flag, check_number, did_you_mean
 from .wording import phase_line, throughput_line, warmup_line
 
 #: model → the meter whose hook and wrapper are installed on it (a replaced instance is closed by its successor)
@@ -174,7 +174,12 @@ class ThroughputMeter(PerfCallback):
                  peak_bandwidth: float | None = None, data_wait_threshold: float = 0.1, progress_bar: bool = True,
                  clock: Clock | None = None):
         if not (peak_flops is None or peak_flops == "calibrate"):
-            check_number("peak_flops", peak_flops, low=0, low_open=True)
+            try:
+                check_number("peak_flops", peak_flops, low=0, low_open=True)
+            except ValueError:                      # the valid choices named, the closest first
+                hint = did_you_mean(peak_flops, ["calibrate"]) if isinstance(peak_flops, str) else ""
+                raise ValueError(f"peak_flops={peak_flops!r} is not allowed{hint}: expected a number of FLOP/s > 0, "
+                                 f"'calibrate' (measure it) or None (the device table)") from None
         check_number("peak_bandwidth", peak_bandwidth, low=0, low_open=True, allow_none=True)
         check_number("data_wait_threshold", data_wait_threshold, low=0, high=1, low_open=True)
         check_flag("progress_bar", progress_bar)

@@ -200,3 +200,40 @@ def test_the_memory_wall_moving_is_said_once_at_info(tmp_path):
     levels = [r.levelno for r in records if "[mem]" in r.getMessage()]
     assert levels == [logging.INFO, logging.DEBUG, logging.DEBUG]
     assert [e.step for e in read_run(tmp_path).events if e.kind == "wall"] == [3, 5, 8]
+
+
+@pytest.mark.parametrize("value", ["calibrated", "Calibrate", "auto", -1.0, float("nan")])
+def test_a_bad_peak_flops_names_the_valid_choices(value):
+    from hf_perf_callbacks import ThroughputMeter
+
+    with pytest.raises(ValueError, match="'calibrate'") as refused:
+        ThroughputMeter(peak_flops=value)
+    assert f"peak_flops={value!r}" in str(refused.value)
+    if value in ("calibrated", "Calibrate"):
+        assert "did you mean 'calibrate'" in str(refused.value)
+
+
+@pytest.mark.parametrize("make, typo, meant", [
+    ("ThroughputMeter", "peak_flop", "peak_flops"),
+    ("MemoryWatchdog", "limit_g", "limit_gb"),
+    ("AdaptiveBatchTuner", "tunes", "tune"),
+    ("MPSCacheClearer", "interval_step", "interval_steps"),
+])
+def test_a_typod_callback_keyword_gets_the_closest_one(make, typo, meant):
+    import hf_perf_callbacks
+
+    cls = getattr(hf_perf_callbacks, make)
+    for caught in (TypeError, ValueError):                   # either way a caller catches it
+        with pytest.raises(caught) as refused:
+            cls(**{typo: 1})
+        said = str(refused.value)
+        assert f"did you mean {meant!r}" in said and f"{typo!r}" in said and meant in said.split("allowed")[-1]
+
+
+def test_train_with_tuning_and_default_callbacks_suggest_the_closest_keyword():
+    from hf_perf_callbacks import default_callbacks, train_with_tuning
+
+    with pytest.raises(TypeError, match="did you mean 'tune'"):
+        train_with_tuning(None, tunes=False)
+    with pytest.raises(ValueError, match="did you mean 'ThroughputMeter'"):
+        default_callbacks(ThroughputMetre={})

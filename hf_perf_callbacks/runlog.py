@@ -264,10 +264,16 @@ class _MeterSummaryBase(TypedDict):
 
 class MeterSummary(_MeterSummaryBase, total=False):
     """The ThroughputMeter's end-of-run summary (``source="perf"``); ``mfu`` and ``hfu`` only when the device's
-    peak is known."""
+    peak is known. A run too short for steady figures (warmup not decided) has ``provisional: True`` and its rate
+    over the steps it has (``provisional_tokens_per_sec``, ``provisional_step_sec``, ``provisional_steps``: first
+    and last step); its ``mfu``/``hfu`` are then of that provisional rate."""
 
     mfu: float
     hfu: float
+    provisional: bool
+    provisional_tokens_per_sec: float
+    provisional_step_sec: float
+    provisional_steps: list[int]
 
 
 class WatchdogAction(TypedDict):

@@ -19,7 +19,7 @@ from .runlog import MeterSummary
 from .stats import generation_period
 from .timeline import StepTimeline
 from .validation import check_flag, check_number, did_you_mean
-from .wording import phase_line, throughput_line, warmup_line
+from .wording import phase_line, provisional_line, throughput_line, warmup_line
 
 #: model → the meter whose hook and wrapper are installed on it (a replaced instance is closed by its successor)
 _INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -472,7 +472,13 @@ class ThroughputMeter(PerfCallback):
                "peak_flops": self.run_peak_flops, "warmup_measured_on": tl.work,
                "first_steady_step": tl.first_steady_step, "steady_step_count": tl.steady_steps,
                "early_contention_sec": tl.early_contention, "contention_steps": tl.contention_steps}
-        utilisation = self._utilisation(tl.steady_tokens_per_sec)
+        rate = tl.steady_tokens_per_sec
+        provisional = tl.provisional() if rate is None else None
+        if provisional is not None:                 # a short run: the rate of the steps it has, marked as such
+            rate = provisional[0]
+            out["provisional"], out["provisional_tokens_per_sec"] = True, provisional[0]
+            out["provisional_step_sec"], out["provisional_steps"] = provisional[1], [provisional[2], provisional[3]]
+        utilisation = self._utilisation(rate)
         if keys.PERF_MFU in utilisation:
             out["mfu"] = utilisation[keys.PERF_MFU]
         if keys.PERF_HFU in utilisation:
@@ -481,8 +487,8 @@ class ThroughputMeter(PerfCallback):
 
     def format_summary(self) -> str:
         s = self.summary or self.summarize()
-        mfu = (f"   MFU {s['mfu']:.1%}" if "mfu" in s else "   MFU n/a (peak unknown)" if not s["peak_flops"]
-               else "")
+        mfu = (f"   MFU {s['mfu']:.1%}" + (" (provisional)" if s.get("provisional") else "") if "mfu" in s
+               else "   MFU n/a (peak unknown)" if not s["peak_flops"] else "")
         warmup = warmup_line(s["warmup_done"], s["warmup_steps"], s["first_step_slowdown"], s["warmup_overhead_sec"],
                              s["steps"], s.get("early_contention_sec"))
         if s["warmup_done"] and s.get("warmup_measured_on") == "cpu":
@@ -491,7 +497,9 @@ class ThroughputMeter(PerfCallback):
             "== ThroughputMeter summary ==",
             f"device: {s['device']} × {s['world_size']}   steps: {s['steps']}   tokens: {s['tokens']:.0f}",
             f"warmup: {warmup}",
-            throughput_line(s["steady_tokens_per_sec"], s["steady_step_sec"], s["mean_tokens_per_sec"]) + mfu,
+            (provisional_line(s["provisional_tokens_per_sec"], s["provisional_step_sec"], s["provisional_steps"],
+                              s["mean_tokens_per_sec"]) if s.get("provisional")
+             else throughput_line(s["steady_tokens_per_sec"], s["steady_step_sec"], s["mean_tokens_per_sec"])) + mfu,
             phase_line(s["phases"]),
         ]
         return "\n".join(lines)

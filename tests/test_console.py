@@ -237,3 +237,32 @@ def test_train_with_tuning_and_default_callbacks_suggest_the_closest_keyword():
         train_with_tuning(None, tunes=False)
     with pytest.raises(ValueError, match="did you mean 'ThroughputMeter'"):
         default_callbacks(ThroughputMetre={})
+
+
+@pytest.mark.parametrize("steps", [1, 2, 5])
+def test_a_short_run_gets_a_provisional_rate_marked_as_such(tokenizer, tmp_path, one_thread, steps):
+    """A run too short for steady figures (warmup not decided) reports the rate of the steps it has, flagged
+    ``provisional``, in the meter's summary, the perf log and the report's figures, instead of no rate."""
+    from hf_perf_callbacks import ThroughputMeter
+    from hf_perf_callbacks.report.figures import figures
+    from hf_perf_callbacks.runlog import read_run
+
+    meter = ThroughputMeter(warmup_window=6)                    # 5 steps cannot decide a warmup of this window
+    trainer = make_trainer(tokenizer, tmp_path, [meter], max_steps=steps, bs=2, ga=1)
+    trainer.train()
+    s = meter.summary
+    assert s["steady_tokens_per_sec"] is None and s["provisional"] is True
+    assert s["provisional_tokens_per_sec"] > 0 and s["provisional_step_sec"] > 0
+    assert s["provisional_steps"] == [min(2, steps), steps]     # the first step left out when there are others
+    assert all(len(line) <= keys.CONSOLE_WIDTH for line in meter.format_summary().splitlines())
+    f = figures(read_run(tmp_path))
+    assert f.provisional_tokens_per_sec == pytest.approx(s["provisional_tokens_per_sec"])
+    assert f.provisional_steps == s["provisional_steps"]
+
+
+def test_a_run_with_steady_figures_has_no_provisional_rate(tokenizer, tmp_path, one_thread):
+    from hf_perf_callbacks import ThroughputMeter
+
+    meter = ThroughputMeter(warmup_window=2, max_warmup_steps=2)
+    make_trainer(tokenizer, tmp_path, [meter], max_steps=8, bs=2, ga=1).train()
+    assert meter.summary["steady_tokens_per_sec"] is not None and "provisional" not in meter.summary

@@ -230,6 +230,7 @@ class RunBus(TrainerCallback):
         self.own_passes = False                 # the package's own forwards and backwards run (not the run's step)
         self.said: set[tuple[str, str]] = set()    # (source, kind) of the events said on the console
         self.quieted: set[int] = set()          # ids of the console printers given the compact log
+        self.calls_held = 0                     # train() calls begun while train_with_tuning holds the lock
 
     # ------------------------------------------------------------ publishing
     def publish(self, metrics: Mapping[str, float | None]) -> None:
@@ -413,6 +414,7 @@ class RunBus(TrainerCallback):
         """Hold the lock across several ``train()`` calls (train_with_tuning); raises :class:`OutputDirBusy`."""
         self.lock.acquire(output_dir)
         self.holding += 1
+        self.calls_held = 0                     # train() calls begun in this hold: the later ones are re-sizes
 
     def unhold(self) -> None:
         self.holding = max(0, self.holding - 1)
@@ -471,6 +473,10 @@ class RunBus(TrainerCallback):
         self.header = RunHeader(session=self.session, resumed_from_step=state.global_step)   # replaces an unused one
         if self.standing:
             self.header.describe("bus", **self.standing)
+        if self.holding:                                # train_with_tuning's later calls re-size, not resume
+            self.calls_held += 1
+            if self.calls_held > 1:
+                self.header.describe("bus", resize=True)
         self.start_known = True
         self._register_stateful(state, control)
 

@@ -82,6 +82,8 @@ class RunHeader:
     sources: list[str] = field(default_factory=list)      # the callbacks that described the run
     time: float | None = None
     launcher: str | None = None                            # the command that started the run ("hf-perf train")
+    resize: bool | None = None            # True: this call continues the run after train_with_tuning's in-process
+    #                                       re-size or switch of split (not a resume)
     # ThroughputMeter
     device: str | None = None
     device_type: str | None = None

@@ -8,6 +8,7 @@ import collections
 import contextlib
 import io
 import logging
+import os
 import re
 import warnings
 
@@ -266,3 +267,49 @@ def test_a_run_with_steady_figures_has_no_provisional_rate(tokenizer, tmp_path, 
     meter = ThroughputMeter(warmup_window=2, max_warmup_steps=2)
     make_trainer(tokenizer, tmp_path, [meter], max_steps=8, bs=2, ga=1).train()
     assert meter.summary["steady_tokens_per_sec"] is not None and "provisional" not in meter.summary
+
+
+def test_a_resize_in_process_is_not_called_a_resume_and_a_resume_is(tokenizer, tmp_path, one_thread):
+    """train_with_tuning re-sizes in process after an out-of-memory error: the later ``train()`` call's header is
+    marked ``resize`` and the report says no "resumed"; a user's own resume of the run still is one."""
+    from hf_perf_callbacks import AdaptiveBatchTuner, ThroughputMeter, train_with_tuning
+    from hf_perf_callbacks.report.summary import summarize
+    from hf_perf_callbacks.runlog import read_run
+
+    from .faults import Fault
+
+    fault = Fault("forward", at=2)
+    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, ThroughputMeter(), AdaptiveBatchTuner(tune=False)],
+                                        max_steps=3, bs=4, ga=2))
+    train_with_tuning(trainer)
+    assert fault.fired == 1
+    run = read_run(tmp_path)
+    perf_headers = [h for h in run.headers if "perf" in h.sources]
+    assert len(perf_headers) == 2 and [bool(h.resize) for h in perf_headers] == [False, True]
+    assert not any(line.startswith("resumed:") for line in summarize(run).splitlines())
+
+    checkpoints = sorted((p for p in os.listdir(tmp_path) if p.startswith("checkpoint-")),
+                         key=lambda p: int(p.split("-")[1]))
+    assert checkpoints                                   # the re-size saved one
+    resumed = make_trainer(tokenizer, tmp_path, [ThroughputMeter()], max_steps=4,   # a user's resume, one step more
+                           bs=trainer.args.per_device_train_batch_size, ga=trainer.args.gradient_accumulation_steps)
+    resumed.train(resume_from_checkpoint=str(tmp_path / checkpoints[-1]))
+    headers = [h for h in read_run(tmp_path).headers if "perf" in h.sources]
+    assert headers[-1].resumed_from_step > 0 and not headers[-1].resize
+    assert any(line.startswith("resumed:") for line in summarize(read_run(tmp_path)).splitlines())
+
+
+def test_the_tuner_plot_is_not_said_to_lack_a_tuner_when_the_events_hold_its_decisions(tmp_path):
+    from hf_perf_callbacks.report.figures import figures
+    from hf_perf_callbacks.report.plots import PlotData, plot_tuner
+    from hf_perf_callbacks.runlog import read_run
+
+    from .conftest import schema_lines
+
+    lines = schema_lines([{"type": "run", "session": "s", "sources": ["perf"]},
+                          {"type": "event", "source": "tuner", "kind": "decision", "step": 5, "time": 1.0,
+                           "message": "tuning at step 5: kept 4×2 (no split saves time)"}])
+    (tmp_path / "perf_log.jsonl").write_text(lines)
+    run = read_run(tmp_path)
+    missing = plot_tuner(None, PlotData(run, run.unique_steps(), figures(run), None))
+    assert missing is not None and "no tuner attached" not in missing and "1 decision" in missing

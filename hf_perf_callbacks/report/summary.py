@@ -55,7 +55,7 @@ def _run_lines(run: RunLog, f: Figures) -> list[str]:
         lines.append(f"status: the run did not finish (no summary lines: killed, crashed or still running); "
                      f"the figures below are the meter's as of its last step line ({len(run.unique_steps())} step "
                      f"line(s))")
-    headers = [h for h in run.headers if "perf" in h.sources]
+    headers = [h for h in run.headers if "perf" in h.sources and not h.resize]   # a tuner's switch is no resume
     if len(headers) > 1:
         starts = [str(h.resumed_from_step) for h in headers[1:]]
         lines.append(f"resumed: {len(headers)} training sessions in this log; later sessions started from "

@@ -78,7 +78,7 @@ from .runlog import (
 )
 
 __all__ = ["RunBus", "OutputDirBusy", "OutputDirLock", "SIGNAL_CLEAR", "SIGNAL_SMALLER_BATCH", "bus_for",
-           "console_line", "console_logs", "is_training_log"]
+           "console_line", "console_logs", "is_training_log", "wrapped"]
 
 if TYPE_CHECKING:
     from .memory import WallFacts
@@ -369,7 +369,9 @@ class RunBus(TrainerCallback):
 
     def say(self, text: str) -> None:
         """Print ``text`` on the console on lines of its own: above the tqdm progress bar while there is one (not
-        glued to it), else plainly."""
+        glued to it), else plainly; a line wider than the console's width goes on over indented lines
+        (:func:`wrapped`)."""
+        text = "\n".join(wrapped(line) for line in text.splitlines())
         bars = adapter.progress_bars(self.handler)
         if bars:
             bars[0].write(text)
@@ -538,6 +540,23 @@ def console_line(text: str, width: int = CONSOLE_WIDTH) -> str:
     if cut < width // 2:
         cut = head.rfind(" ")
     return (head[:cut] if cut > 0 else head).rstrip(" :;,.(") + " …"
+
+
+def wrapped(line: str, width: int = CONSOLE_WIDTH) -> str:
+    """``line`` as lines of at most ``width`` characters, broken after its clauses (``; ``, ``, ``, a space) and
+    continued with an indent; nothing is left out."""
+    out, indent = [], "    "
+    rest = line.rstrip()
+    while len(rest) > width:
+        head = rest[:width]
+        cut = max(head.rfind("; "), head.rfind(", "))
+        cut = cut + 1 if cut > width // 3 else head.rfind(" ")
+        if cut <= len(indent):
+            cut = width
+        out.append(rest[:cut].rstrip())
+        rest = indent + rest[cut:].lstrip()
+    out.append(rest)
+    return "\n".join(out)
 
 
 def bus_for(handler: CallbackHandler) -> RunBus:

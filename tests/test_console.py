@@ -16,7 +16,7 @@ import pytest
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import keys
-from hf_perf_callbacks.bus import console_line, console_logs
+from hf_perf_callbacks.bus import console_line, console_logs, wrapped
 
 from .conftest import make_grpo, make_trainer
 
@@ -103,6 +103,13 @@ def test_an_event_is_one_line_within_the_width(text):
     assert "\n" not in line and len(line) <= 120
     assert line == text or line.endswith(" …")
     assert text.startswith(line.removesuffix(" …")[:10])
+
+
+@pytest.mark.parametrize("text", ["short", "a; " * 100, "x" * 400, "word " * 90, "clause, " * 50])
+def test_a_summary_line_wider_than_the_console_goes_on_over_indented_lines(text):
+    lines = wrapped(text, 120).splitlines()
+    assert all(len(line) <= 120 for line in lines) and all(line.startswith("    ") for line in lines[1:])
+    assert "".join(line.strip() for line in lines).replace(" ", "") == text.replace(" ", "")   # nothing left out
 
 
 def _long_lines(text: str) -> list[str]:

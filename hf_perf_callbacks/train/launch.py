@@ -114,12 +114,12 @@ def _describe(recipe, args, model_args, callbacks) -> str:
     world, split = args.world_size, Split(args.per_device_train_batch_size, args.gradient_accumulation_steps)
     lora = f", LoRA r={model_args.lora_r}" if model_args.use_peft else ""
     names = ", ".join(type(cb).__name__ for cb in callbacks) or "none"
-    return (f"recipe: {model_args.model_name_or_path} ({model_args.dtype}{lora}) on {args.device.type} × {world}; "
+    return (f"recipe: {model_args.model_name_or_path} ({model_args.dtype}{lora}) on {args.device.type} × {world}\n"
             f"micro-batch {split.micro_batch} × accumulation {split.grad_accum} × world {world} = "
             f"{split.effective_batch(world)} completions per "
             f"optimizer step; generation batch {args.generation_batch_size} = "
             f"{args.generation_batch_size // args.num_generations} prompts × {args.num_generations}; "
-            f"max_completion_length {args.max_completion_length}; dataset {recipe.dataset}; callbacks {names}")
+            f"max_completion_length {args.max_completion_length}\ndataset {recipe.dataset}; callbacks {names}")
 
 
 def _report(output_dir: str) -> None:
@@ -190,7 +190,8 @@ def run(recipe: RecipeArguments, training_args, model_args) -> int:
         raise RecipeError(f"GRPOTrainer refused the recipe: {error}") from None
     compact_console(trainer)
     if trainer.is_world_process_zero():
-        logger.info(_describe(recipe, training_args, model_args, callbacks))
+        for line in _describe(recipe, training_args, model_args, callbacks).splitlines():   # short lines
+            logger.info("%s", line)
 
     if callbacks:                                      # the report words its advice as this launcher's recipe keys
         from ..bus import bus_for

@@ -118,6 +118,14 @@ class ThroughputMeter(PerfCallback):
     warmup. On a GPU the host's CPU time is launch and wait time, not the work, so warmup stays on wall time; the
     step lines still carry the machine's load (a busy host slows launch-bound steps such as HF ``generate``).
 
+    **Short runs.** A run that ends before warmup is decided (a few steps) gets a provisional rate from the steps it
+    has (its first step left out when there are others): the summary's ``provisional: True`` with
+    ``provisional_tokens_per_sec``, ``provisional_step_sec`` and ``provisional_steps`` (first and last step); its
+    MFU is then of that rate, marked provisional. The steady keys stay absent.
+
+    The console's log line shows :data:`~hf_perf_callbacks.keys.CONSOLE_KEYS` of these keys; the reporters,
+    ``log_history`` and the perf log get every one.
+
     Logged keys (at each logging step; every step in ``perf_log.jsonl``, which also holds
     ``perf/phase_sec/<phase>``, ``perf/step_wall_sec``, ``perf/tokens``, ``perf/seq_len`` and the keys of the
     table below). Memory keys are in GiB (2³⁰ bytes) throughout the package.

@@ -56,8 +56,11 @@ def default_callbacks(**overrides) -> list:
     classes = {name: __getattr__(name) for name in CALLBACKS}
     unknown = set(overrides) - set(classes)
     if unknown:
-        raise ValueError(f"default_callbacks got unknown callback name(s) {sorted(unknown)}: "
-                         f"allowed are {sorted(classes)}")
+        from .validation import did_you_mean
+
+        first = sorted(unknown)[0]
+        raise ValueError(f"default_callbacks got unknown callback name(s) {sorted(unknown)}"
+                         f"{did_you_mean(first, classes)}: allowed are {sorted(classes)}")
     for name, kwargs in overrides.items():
         if not isinstance(kwargs, dict):
             raise ValueError(f"default_callbacks({name}={kwargs!r}) is not allowed: expected a dict of that "

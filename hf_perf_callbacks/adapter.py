@@ -142,6 +142,20 @@ def progress_bars(handler: CallbackHandler | None) -> list:
     return bars
 
 
+def console_printers(handler: CallbackHandler | None) -> list:
+    """The callbacks that print each training log on the console: transformers' ``ProgressCallback`` (tqdm),
+    ``PrinterCallback`` (``disable_tqdm``) and ``NotebookProgressCallback`` (Jupyter), subclasses included."""
+    from transformers.trainer_callback import PrinterCallback
+
+    kinds: tuple[type, ...] = (ProgressCallback, PrinterCallback)
+    try:
+        from transformers.utils.notebook import NotebookProgressCallback
+        kinds += (NotebookProgressCallback,)
+    except ImportError:                                 # no IPython: no notebook printer either
+        pass
+    return [cb for cb in (handler.callbacks if handler is not None else ()) if isinstance(cb, kinds)]
+
+
 # ---------------------------------------------------------------- trainer state between train() calls
 def set_train_batch_size(trainer) -> None:
     """Make the next ``train()`` build its dataloader from ``args.per_device_train_batch_size``."""

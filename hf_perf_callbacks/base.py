@@ -27,6 +27,7 @@ from transformers.trainer_callback import ExportableState
 from .adapter import calling_handler
 from .bus import RunBus, bus_for
 from .device import gather_floats, world_size
+from .validation import UnknownKeyword, check_keywords
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -100,12 +101,25 @@ class ArgumentError(ValueError):
     """A callback constructor's bad argument, naming the class and the key (a ``ValueError``)."""
 
 
+class UnknownArgument(ArgumentError, UnknownKeyword):
+    """A keyword a callback's constructor does not take, with the closest one it does (also a ``TypeError``)."""
+
+
 def _named_init(owner: str, init):
     """A constructor whose bad arguments raise a ``ValueError`` naming the class and the key (an unknown keyword
     too, which Python reports as a ``TypeError``)."""
 
+    parameters = inspect.signature(init).parameters
+    keywords = [p for p in parameters if p != "self"]
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
+        if not open_ended:                               # a typo gets the closest keyword (a TypeError and ValueError)
+            try:
+                check_keywords(owner, kwargs, keywords)
+            except UnknownKeyword as error:
+                raise UnknownArgument(str(error)) from None
         try:
             init(self, *args, **kwargs)
         except (TypeError, ValueError) as error:

@@ -10,6 +10,13 @@ into the next training log *before* any reporter runs, and into ``log_history[-1
 Only training logs get the metrics (:func:`is_training_log`): not an evaluation's log, not the end-of-training
 summary.
 
+**The console stays readable.** The callbacks that print each log (transformers' ``ProgressCallback``,
+``PrinterCallback``, ``NotebookProgressCallback``) come last in the list; their ``on_log`` is given the log through
+:func:`console_logs` (the trainer's own keys and :data:`~hf_perf_callbacks.keys.CONSOLE_KEYS`), while the dict every
+other callback receives (the reporters, a user's callbacks) keeps every key. An event is one console line of at most
+:data:`~hf_perf_callbacks.keys.CONSOLE_WIDTH` characters (:func:`console_line`; the whole text in the perf log); a
+move of the memory wall is said once at INFO (every move is in the perf log); a decision is printed once, when made.
+
 The bus is also the small shared object through which the callbacks talk (the signals below; the run's tuning
 session, :attr:`RunBus.tuning`, seen here only as a :class:`TuningLink`), and it writes the run log
 ``<output_dir>/perf_log.jsonl`` (main process only; records and reader in :mod:`hf_perf_callbacks.runlog`):
@@ -57,6 +64,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from . import adapter
+from .keys import CONSOLE_KEYS, CONSOLE_WIDTH
 from .runlog import (
     CALLBACK_PREFIXES,
     LOCK_FILE,
@@ -70,7 +78,7 @@ from .runlog import (
 )
 
 __all__ = ["RunBus", "OutputDirBusy", "OutputDirLock", "SIGNAL_CLEAR", "SIGNAL_SMALLER_BATCH", "bus_for",
-           "is_training_log"]
+           "console_line", "console_logs", "is_training_log", "wrapped"]
 
 if TYPE_CHECKING:
     from .memory import WallFacts
@@ -79,7 +87,10 @@ logger = logging.getLogger("hf_perf_callbacks")
 
 
 class OutputDirBusy(RuntimeError):
-    """Another live process is training into the same ``output_dir``."""
+    """Another live process is training into the same ``output_dir`` (``holder`` names it: ``pid N on host``)."""
+
+    output_dir: str | None = None
+    holder: str | None = None
 
 
 #: the file beside the lock naming the process that holds it (read by a refused process)
@@ -117,11 +128,13 @@ class OutputDirLock:
                 lock.acquire()
             except Timeout:
                 holder = _read_holder(output_dir)
-                raise OutputDirBusy(
+                busy = OutputDirBusy(
                     f"output_dir {output_dir!r} is being written by another training process ({holder}): two runs "
                     f"in one output_dir interleave their perf logs and resume from each other's checkpoints. This "
                     f"run did not start and wrote nothing there: give it its own output_dir, or start it again once "
-                    f"that process has ended") from None
+                    f"that process has ended")
+                busy.output_dir, busy.holder = output_dir, holder
+                raise busy from None
         except (OSError, NotImplementedError) as error:    # read-only, or no flock: transformers trains there
             if isinstance(error, NotImplementedError):      # filelock left its file on a file system without flock
                 try:
@@ -215,6 +228,9 @@ class RunBus(TrainerCallback):
         self.holding = 0                        # train_with_tuning calls holding the lock across their train() calls
         self.watched: set[int] = set()          # ids of the trainers whose train() releases the lock when it ends
         self.own_passes = False                 # the package's own forwards and backwards run (not the run's step)
+        self.said: set[tuple[str, str]] = set()    # (source, kind) of the events said on the console
+        self.quieted: set[int] = set()          # ids of the console printers given the compact log
+        self.calls_held = 0                     # train() calls begun while train_with_tuning holds the lock
 
     # ------------------------------------------------------------ publishing
     def publish(self, metrics: Mapping[str, float | None]) -> None:
@@ -248,8 +264,15 @@ class RunBus(TrainerCallback):
         """Log an event (warning, action, decision) to the console and the perf log; returns its JSON object."""
         entry = EventLine(source, kind, message, step, round(time.time(), 3), fields)
         if self.is_main:
-            (logger.warning if kind in ("warning", "action", "stop", "wall") else logger.info)("[%s] %s", source,
-                                                                                            message)
+            line = console_line(f"[{source}] {message}", EVENT_WIDTH)
+            if kind == "decision":                           # printed once, when made, whatever the log level
+                self.say(console_line(f"[{source}] {message}", CONSOLE_WIDTH))
+                logger.debug("%s", line)
+            elif kind in QUIET_ONCE and (source, kind) in self.said:
+                logger.debug("%s", line)                     # said once already: the perf log has every one
+            else:
+                self.said.add((source, kind))
+                logger.log(logging.WARNING if kind in LOUD_KINDS else logging.INFO, "%s", line)
             if self.header is not None:
                 self.held.append(entry)
             else:
@@ -344,6 +367,32 @@ class RunBus(TrainerCallback):
         for bar in adapter.progress_bars(self.handler):
             bar.set_postfix_str(text, refresh=False)
 
+    def say(self, text: str) -> None:
+        """Print ``text`` on the console on lines of its own: above the tqdm progress bar while there is one (not
+        glued to it), else plainly; a line wider than the console's width goes on over indented lines
+        (:func:`wrapped`)."""
+        text = "\n".join(wrapped(line) for line in text.splitlines())
+        bars = adapter.progress_bars(self.handler)
+        if bars:
+            bars[0].write(text)
+        else:
+            print(text, flush=True)
+
+    def _compact_console(self) -> None:
+        """Give the console printers of the trainer the compact log (see "The console stays readable" above)."""
+        for printer in adapter.console_printers(self.handler):
+            if id(printer) in self.quieted:
+                continue
+            self.quieted.add(id(printer))
+
+            def make(original):
+                def on_log(args, state, control, logs=None, **kwargs):
+                    return original(args, state, control,
+                                    logs=console_logs(logs) if isinstance(logs, Mapping) else logs, **kwargs)
+                return on_log
+
+            adapter.replace_method(printer, "on_log", make)
+
     # ------------------------------------------------------------ the output_dir lock
     def watch_trainer(self, trainer) -> None:
         """Release the output-dir lock whenever ``trainer.train()`` ends, by an error too (its ``train`` wrapped
@@ -367,6 +416,7 @@ class RunBus(TrainerCallback):
         """Hold the lock across several ``train()`` calls (train_with_tuning); raises :class:`OutputDirBusy`."""
         self.lock.acquire(output_dir)
         self.holding += 1
+        self.calls_held = 0                     # train() calls begun in this hold: the later ones are re-sizes
 
     def unhold(self) -> None:
         self.holding = max(0, self.holding - 1)
@@ -425,6 +475,10 @@ class RunBus(TrainerCallback):
         self.header = RunHeader(session=self.session, resumed_from_step=state.global_step)   # replaces an unused one
         if self.standing:
             self.header.describe("bus", **self.standing)
+        if self.holding:                                # train_with_tuning's later calls re-size, not resume
+            self.calls_held += 1
+            if self.calls_held > 1:
+                self.header.describe("bus", resize=True)
         self.start_known = True
         self._register_stateful(state, control)
 
@@ -437,6 +491,7 @@ class RunBus(TrainerCallback):
             adapter.register_stateful_callbacks(state, self.handler.callbacks + [control])
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        self._compact_console()
         if logs is None or not is_training_log(logs):
             return
         if self.step_line is not None and self.step_line.step == state.global_step:   # the step's line is pending
@@ -453,6 +508,55 @@ class RunBus(TrainerCallback):
         self.flush()
         if not self.continuing and not self.holding:
             self.lock.release()
+
+
+#: event kinds said at WARNING on the console (the others at INFO)
+LOUD_KINDS = ("warning", "action", "stop")
+#: event kinds said once on the console (INFO; the later ones at DEBUG): a move of the memory wall needs no action
+QUIET_ONCE = ("wall",)
+#: the widest "[source] message" of an event: room for a logging prefix (``WARNING hf_perf_callbacks.train: ``)
+EVENT_WIDTH = CONSOLE_WIDTH - 36
+
+
+def console_logs(logs: Mapping) -> dict:
+    """A training log as the console shows it: the trainer's own values and the callbacks' headline keys
+    (:data:`~hf_perf_callbacks.keys.CONSOLE_KEYS`), not each of their few dozen keys."""
+    return {key: value for key, value in logs.items()
+            if key in CONSOLE_KEYS or not (isinstance(key, str) and key.startswith(CALLBACK_PREFIXES))}
+
+
+def console_line(text: str, width: int = CONSOLE_WIDTH) -> str:
+    """``text`` as one console line of at most ``width`` characters: its first line, cut at the last clause boundary
+    (``: ``, ``; ``, ``. ``, `` (``, ``, ``) that fits, or at a space, and ended by `` …`` when cut."""
+    lines = text.strip().splitlines() or [""]
+    first = lines[0].rstrip()
+    if len(first) <= width and len(lines) == 1:
+        return first
+    room = width - 2
+    if len(first) <= room:
+        return first + " …"
+    head = first[:room]
+    cut = max(head.rfind(mark) for mark in (": ", "; ", ". ", " (", ", "))
+    if cut < width // 2:
+        cut = head.rfind(" ")
+    return (head[:cut] if cut > 0 else head).rstrip(" :;,.(") + " …"
+
+
+def wrapped(line: str, width: int = CONSOLE_WIDTH) -> str:
+    """``line`` as lines of at most ``width`` characters, broken after its clauses (``; ``, ``, ``, a space) and
+    continued with an indent; nothing is left out."""
+    out, indent = [], "    "
+    rest = line.rstrip()
+    while len(rest) > width:
+        head = rest[:width]
+        cut = max(head.rfind("; "), head.rfind(", "))
+        cut = cut + 1 if cut > width // 3 else head.rfind(" ")
+        if cut <= len(indent):
+            cut = width
+        out.append(rest[:cut].rstrip())
+        rest = indent + rest[cut:].lstrip()
+    out.append(rest)
+    return "\n".join(out)
 
 
 def bus_for(handler: CallbackHandler) -> RunBus:

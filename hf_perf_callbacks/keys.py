@@ -87,6 +87,13 @@ CACHE_SECONDS = "cache/seconds"
 CACHE_INTERVAL = "cache/interval"
 #: the prefixes of the callbacks' own keys above
 CALLBACK_PREFIXES = ("perf/", "mem/", "tuner/", "cache/")
+#: the callbacks' keys that the console's log line keeps (transformers' ``ProgressCallback``/``PrinterCallback``):
+#: throughput, MFU, memory against the budget and the split in effect; every key still reaches ``log_history``, the
+#: reporters (``report_to``) and the perf log
+CONSOLE_KEYS = (PERF_TOKENS_PER_SEC, PERF_MFU, MEM_DEVICE_USED_GB, MEM_LIMIT_GB, TUNER_MICRO_BATCH, TUNER_GRAD_ACCUM)
+#: the widest line the package prints on the console (a logging prefix such as ``WARNING hf_perf_callbacks: ``
+#: included); the whole text of an event is in the perf log
+CONSOLE_WIDTH = 160
 #: the prefix of the trainer's own log values in a step line: ``TRAINER_LOG + "reward"`` is GRPO's ``reward``
 TRAINER_LOG = "log/"
 

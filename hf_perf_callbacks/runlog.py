@@ -82,6 +82,8 @@ class RunHeader:
     sources: list[str] = field(default_factory=list)      # the callbacks that described the run
     time: float | None = None
     launcher: str | None = None                            # the command that started the run ("hf-perf train")
+    resize: bool | None = None            # True: this call continues the run after train_with_tuning's in-process
+    #                                       re-size or switch of split (not a resume)
     # ThroughputMeter
     device: str | None = None
     device_type: str | None = None
@@ -266,10 +268,16 @@ class _MeterSummaryBase(TypedDict):
 
 class MeterSummary(_MeterSummaryBase, total=False):
     """The ThroughputMeter's end-of-run summary (``source="perf"``); ``mfu`` and ``hfu`` only when the device's
-    peak is known."""
+    peak is known. A run too short for steady figures (warmup not decided) has ``provisional: True`` and its rate
+    over the steps it has (``provisional_tokens_per_sec``, ``provisional_step_sec``, ``provisional_steps``: first
+    and last step); its ``mfu``/``hfu`` are then of that provisional rate."""
 
     mfu: float
     hfu: float
+    provisional: bool
+    provisional_tokens_per_sec: float
+    provisional_step_sec: float
+    provisional_steps: list[int]
 
 
 class WatchdogAction(TypedDict):

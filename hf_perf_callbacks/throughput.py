@@ -18,8 +18,8 @@ from .keys import PHASES
 from .runlog import MeterSummary
 from .stats import generation_period
 from .timeline import StepTimeline
-from .validation import check_flag, check_number
-from .wording import phase_line, throughput_line, warmup_line
+from .validation import check_flag, check_number, did_you_mean
+from .wording import phase_line, provisional_line, throughput_line, warmup_line
 
 #: model → the meter whose hook and wrapper are installed on it (a replaced instance is closed by its successor)
 _INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -124,6 +124,14 @@ class ThroughputMeter(PerfCallback):
     warmup. On a GPU the host's CPU time is launch and wait time, not the work, so warmup stays on wall time; the
     step lines still carry the machine's load (a busy host slows launch-bound steps such as HF ``generate``).
 
+    **Short runs.** A run that ends before warmup is decided (a few steps) gets a provisional rate from the steps it
+    has (its first step left out when there are others): the summary's ``provisional: True`` with
+    ``provisional_tokens_per_sec``, ``provisional_step_sec`` and ``provisional_steps`` (first and last step); its
+    MFU is then of that rate, marked provisional. The steady keys stay absent.
+
+    The console's log line shows :data:`~hf_perf_callbacks.keys.CONSOLE_KEYS` of these keys; the reporters,
+    ``log_history`` and the perf log get every one.
+
     Logged keys (at each logging step; every step in ``perf_log.jsonl``, which also holds
     ``perf/phase_sec/<phase>``, ``perf/step_wall_sec``, ``perf/tokens``, ``perf/seq_len`` and the keys of the
     table below). Memory keys are in GiB (2³⁰ bytes) throughout the package.
@@ -191,7 +199,12 @@ class ThroughputMeter(PerfCallback):
                  peak_bandwidth: float | None = None, data_wait_threshold: float = 0.1, progress_bar: bool = True,
                  clock: Clock | None = None):
         if not (peak_flops is None or peak_flops == "calibrate"):
-            check_number("peak_flops", peak_flops, low=0, low_open=True)
+            try:
+                check_number("peak_flops", peak_flops, low=0, low_open=True)
+            except ValueError:                      # the valid choices named, the closest first
+                hint = did_you_mean(peak_flops, ["calibrate"]) if isinstance(peak_flops, str) else ""
+                raise ValueError(f"peak_flops={peak_flops!r} is not allowed{hint}: expected a number of FLOP/s > 0, "
+                                 f"'calibrate' (measure it) or None (the device table)") from None
         check_number("peak_bandwidth", peak_bandwidth, low=0, low_open=True, allow_none=True)
         check_number("data_wait_threshold", data_wait_threshold, low=0, high=1, low_open=True)
         check_flag("progress_bar", progress_bar)
@@ -347,8 +360,8 @@ class ThroughputMeter(PerfCallback):
         self.run_peak_bandwidth = self.peak_bandwidth or (table.bandwidth if table else None)
         if self.run_peak_flops is None and "mfu" not in self.warned:
             self.warned.add("mfu")
-            self.warn(f"MFU omitted: no {self.dtype_key} peak FLOP/s known for device '{self.device.name}'. Pass "
-                      f"ThroughputMeter(peak_flops=<FLOP/s>) or peak_flops='calibrate' to measure it.", step=step)
+            self.warn(f"MFU omitted: no {self.dtype_key} peak FLOP/s known for '{self.device.name}'; pass "
+                      f"ThroughputMeter(peak_flops=<FLOP/s> or 'calibrate')", step=step)
 
     def _model_facts(self) -> dict:
         """What memory and FLOP estimates need from the model config (for the report)."""
@@ -473,7 +486,7 @@ class ThroughputMeter(PerfCallback):
         self.summary = self.summarize()
         self._bus.write_summary(self.source, self.summary)
         if state.is_world_process_zero and not self._bus.continuing:    # printed once, at the run's end
-            print(self.format_summary())
+            self._bus.say(self.format_summary())
         self.close()
 
     # ------------------------------------------------------------ metrics
@@ -553,7 +566,13 @@ class ThroughputMeter(PerfCallback):
                "peak_flops": self.run_peak_flops, "warmup_measured_on": tl.work,
                "first_steady_step": tl.first_steady_step, "steady_step_count": tl.steady_steps,
                "early_contention_sec": tl.early_contention, "contention_steps": tl.contention_steps}
-        utilisation = self._utilisation(tl.steady_tokens_per_sec)
+        rate = tl.steady_tokens_per_sec
+        provisional = tl.provisional() if rate is None else None
+        if provisional is not None:                 # a short run: the rate of the steps it has, marked as such
+            rate = provisional[0]
+            out["provisional"], out["provisional_tokens_per_sec"] = True, provisional[0]
+            out["provisional_step_sec"], out["provisional_steps"] = provisional[1], [provisional[2], provisional[3]]
+        utilisation = self._utilisation(rate)
         if keys.PERF_MFU in utilisation:
             out["mfu"] = utilisation[keys.PERF_MFU]
         if keys.PERF_HFU in utilisation:
@@ -562,8 +581,8 @@ class ThroughputMeter(PerfCallback):
 
     def format_summary(self) -> str:
         s = self.summary or self.summarize()
-        mfu = (f"   MFU {s['mfu']:.1%}" if "mfu" in s else "   MFU n/a (peak unknown)" if not s["peak_flops"]
-               else "")
+        mfu = (f"   MFU {s['mfu']:.1%}" + (" (provisional)" if s.get("provisional") else "") if "mfu" in s
+               else "   MFU n/a (peak unknown)" if not s["peak_flops"] else "")
         warmup = warmup_line(s["warmup_done"], s["warmup_steps"], s["first_step_slowdown"], s["warmup_overhead_sec"],
                              s["steps"], s.get("early_contention_sec"))
         if s["warmup_done"] and s.get("warmup_measured_on") == "cpu":
@@ -572,7 +591,9 @@ class ThroughputMeter(PerfCallback):
             "== ThroughputMeter summary ==",
             f"device: {s['device']} × {s['world_size']}   steps: {s['steps']}   tokens: {s['tokens']:.0f}",
             f"warmup: {warmup}",
-            throughput_line(s["steady_tokens_per_sec"], s["steady_step_sec"], s["mean_tokens_per_sec"]) + mfu,
+            (provisional_line(s["provisional_tokens_per_sec"], s["provisional_step_sec"], s["provisional_steps"],
+                              s["mean_tokens_per_sec"]) if s.get("provisional")
+             else throughput_line(s["steady_tokens_per_sec"], s["steady_step_sec"], s["mean_tokens_per_sec"])) + mfu,
             phase_line(s["phases"]),
         ]
         return "\n".join(lines)

@@ -319,6 +319,20 @@ class StepTimeline:
     def steady_tokens_per_sec(self) -> float | None:
         return self.steady_tokens / self.steady_seconds if self.steady_seconds > 0 else None
 
+    def provisional(self) -> tuple[float, float, int, int] | None:
+        """While warmup is not decided (a short run): (tokens/s, seconds per step, first step, last step) over this
+        segment's steps so far, its first step left out when there are others (the slowest, as a rule); None once
+        warmup is decided or before any step. A figure of too few steps to call steady: marked provisional."""
+        if self.detector.done:
+            return None
+        records = [r for cycle in self.unsettled for r in cycle] + list(self.cycle)
+        if len(records) > 1:
+            records = records[1:]
+        seconds = sum(r.train for r in records)
+        if not records or seconds <= 0:
+            return None
+        return sum(r.tokens for r in records) / seconds, seconds / len(records), records[0].step, records[-1].step
+
     def rate_metrics(self, world: int = 1) -> dict[str, float]:
         """The step's rate figures as the perf log names them (those known so far): tokens/s over the window (whole
         run and per device), the steady rate and step time, and once warmup is over its length and cost."""

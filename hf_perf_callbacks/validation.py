@@ -2,8 +2,14 @@
 allowed. Pure: no torch, no transformers."""
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import math
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar, cast
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def check_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
@@ -36,3 +42,40 @@ def check_flag(name: str, value: Any, *, allow_none: bool = False) -> Any:
         allowed = "True, False or None" if allow_none else "True or False"
         raise ValueError(f"{name}={value!r} is not allowed: expected {allowed}")
     return value
+
+
+class UnknownKeyword(ValueError, TypeError):
+    """A keyword argument the callable does not take (a ``TypeError`` as Python raises it, and a ``ValueError`` as
+    the package's other bad arguments)."""
+
+
+def did_you_mean(word: str, allowed: Iterable[str]) -> str:
+    """`` (did you mean 'calibrate'?)`` for the closest of ``allowed`` to ``word``, or ``""``."""
+    close = difflib.get_close_matches(str(word), list(allowed), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_keywords(owner: str, given: Iterable[str], allowed: Iterable[str]) -> None:
+    """Raise :class:`UnknownKeyword` for the first of ``given`` that is not in ``allowed``, with the closest allowed
+    keyword and all of them."""
+    allowed = list(allowed)
+    for name in given:
+        if name not in allowed:
+            raise UnknownKeyword(f"{owner} got an unexpected keyword argument {name!r}{did_you_mean(name, allowed)}; "
+                                 f"allowed keywords: {', '.join(allowed)}")
+
+
+def suggest_keywords(function: F) -> F:
+    """``function`` whose unknown keyword arguments raise :class:`UnknownKeyword` with a did-you-mean (its
+    signature's keywords are the allowed ones; ``**kwargs`` in it allows any)."""
+    parameters = inspect.signature(function).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return function
+    allowed = [n for n, p in parameters.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL and n != "self"]
+
+    @functools.wraps(function)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        check_keywords(function.__name__, kwargs, allowed)
+        return function(*args, **kwargs)
+
+    return cast(F, checked)

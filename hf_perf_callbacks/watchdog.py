@@ -642,7 +642,7 @@ class MemoryWatchdog(PerfCallback):
                         "actions": list(self.actions), "stopped_at": self.stopped_at}
         self._bus.write_summary(self.source, self.summary)
         if state.is_world_process_zero and not self._bus.continuing:    # printed once, at the run's end
-            print(self.format_summary())
+            self._bus.say(self.format_summary())
 
     def close(self) -> None:
         if self._stop_watching_fetches is not None:

@@ -102,6 +102,19 @@ def throughput_line(steady_tokens_per_sec: object, steady_step_sec: object, mean
     return text + f"   (mean incl. warmup {num(mean_tokens_per_sec, ',.0f')})"
 
 
+def provisional_line(tokens_per_sec: object, step_sec: object, steps: object, mean_tokens_per_sec: object) -> str:
+    """The summary's throughput line of a run too short for steady figures: the rate of the steps it has (``steps``:
+    first and last), said to be provisional."""
+    rate, sec, mean = _number(tokens_per_sec), _number(step_sec), _number(mean_tokens_per_sec)
+    span = list(steps) if isinstance(steps, (list, tuple)) and len(steps) == 2 else None
+    over = "" if span is None else f" over step {span[0]}" if span[0] == span[1] else \
+        f" over steps {span[0]}–{span[1]}"
+    text = "provisional tokens/s: " + (f"{rate:,.0f}{over}" if rate is not None else "n/a")
+    if sec is not None:
+        text += f" at {sec:.3g} s per step"
+    return text + " (too few steps for steady figures)" + (f"   (mean {mean:,.0f})" if mean is not None else "")
+
+
 def phase_line(phases: Mapping[str, object]) -> str:
     """The summary's time-split line (console and report): each phase with time, in words, as a share of the wall
     time."""

@@ -899,3 +899,29 @@ def test_the_compact_console_also_replaces_the_printer_of_disable_tqdm(tmp_path,
     printers[0].on_log(args, TrainerState(), TrainerControl(), logs=logs)
     assert capsys.readouterr().out.strip() == "{'loss': '0.5', 'perf/tokens_per_sec': '900', 'tuner/micro_batch': 2}"
     assert len(logs) == 6
+
+
+def test_a_busy_output_dir_is_one_line_and_exit_2_before_the_model_loads(tiny_model, tmp_path, launcher_process,
+                                                                           capsys, monkeypatch):
+    """Another live process trains into the output_dir: the launcher refuses with one line and exit code 2, before
+    it loads the tokenizer or the model, and writes nothing there."""
+    from hf_perf_callbacks.train import launch
+
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hf_perf_callbacks.bus import "
+                               "OutputDirLock; OutputDirLock().acquire(sys.argv[1]); print('locked', flush=True); "
+                               "time.sleep(120)", str(out)], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    loaded = []
+    monkeypatch.setattr(launch, "build_tokenizer", lambda *a, **k: loaded.append("tokenizer"))
+    monkeypatch.setattr(launch, "build_model", lambda *a, **k: loaded.append("model"))
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = sorted(os.listdir(out))
+        assert train.main(recipe_flags(SINGLE[0], tiny_model, out)) == 2
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"pid {holder.pid}" in err[0] and len(err[0]) - len(str(out)) <= keys.CONSOLE_WIDTH
+    assert loaded == [] and sorted(os.listdir(out)) == before

@@ -41,7 +41,8 @@ def test_demo_run_summary_and_plots(demo_run, capsys):
     out = capsys.readouterr().out
     perf = next(e for e in reversed(read_log(demo_run)) if e["type"] == "summary" and e["source"] == "perf")
     steady = perf["steady_tokens_per_sec"]          # None when a loaded machine never settled in 6 steps
-    assert (f"steady tokens/s: {steady:,.0f}" if steady else "steady tokens/s: n/a") in out
+    assert (f"steady tokens/s: {steady:,.0f}" if steady
+            else f"provisional tokens/s: {perf['provisional_tokens_per_sec']:,.0f}") in out
     assert f"steps: {perf['steps']}" in out and "× 1" in out
     assert "status: finished" in out and "did not finish" not in out
     assert "time split:" in out and "generation" in out and "%" in out

@@ -10,7 +10,7 @@ from transformers import Trainer
 from hf_perf_callbacks import ThroughputMeter, keys
 from hf_perf_callbacks.dataloader import dataloader_advice
 from hf_perf_callbacks.flops import forward_flops_per_token, train_flops_per_token
-from hf_perf_callbacks.runlog import MeterSummary, SummaryLine
+from hf_perf_callbacks.runlog import MeterSummary, SummaryLine, read_run
 from tests.conftest import PlantedClock, make_grpo, make_trainer
 
 
@@ -76,8 +76,9 @@ def test_duplicate_forward_pass_is_flagged_once(tokenizer, tmp_path, caplog):
     meter = ThroughputMeter()
     with caplog.at_level("WARNING", logger="hf_perf_callbacks"):
         make_trainer(tokenizer, tmp_path, [meter], max_steps=3, trainer_cls=DoubleForwardTrainer).train()
-    flagged = [r.getMessage() for r in caplog.records if "grad-enabled forward passes" in r.getMessage()]
-    assert len(flagged) == 1 and "2.0 per micro-batch" in flagged[0]
+    assert len([r for r in caplog.records if "grad-enabled forward passes" in r.getMessage()]) == 1
+    flagged = [e.message for e in read_run(tmp_path).events if "grad-enabled forward passes" in e.message]
+    assert len(flagged) == 1 and "2.0 per micro-batch" in flagged[0]      # the whole text is in the perf log
     assert perf_lines(tmp_path)[-1][keys.PERF_FORWARDS_PER_MICROBATCH] == 2.0
 
 
@@ -94,8 +95,9 @@ def test_slow_dataset_warns_about_dataloader_settings(tokenizer, tmp_path, caplo
     meter = ThroughputMeter(warmup_window=2, warmup_tolerance=0.5, max_warmup_steps=2, clock=clock)
     with caplog.at_level("WARNING", logger="hf_perf_callbacks"):
         make_trainer(tokenizer, tmp_path, [meter], max_steps=6, delay=1.0, clock=clock).train()
-    messages = [r.getMessage() for r in caplog.records if "waits for data" in r.getMessage()]
-    assert len(messages) == 1
+    assert len([r for r in caplog.records if "waits for data" in r.getMessage()]) == 1
+    messages = [e.message for e in read_run(tmp_path).events if "waits for data" in e.message]
+    assert len(messages) == 1                                              # the whole text is in the perf log
     assert "`dataloader_num_workers: 2` (now 0" in messages[0] and "dataloader_persistent_workers" in messages[0]
     settings = {"num_workers": 0, "persistent_workers": False, "prefetch_factor": None, "pin_memory": True}
     assert "; ".join(dataloader_advice("cpu", settings)) in messages[0]   # the analysis' advice, the same number

@@ -204,6 +204,10 @@ class Figures:
     stopped_at: int | None = None
     cache_clears: int | None = None
     cache_freed_gb: float | None = None
+    # a run too short for steady figures: the meter's provisional rate of the steps it had (first and last step)
+    provisional_tokens_per_sec: float | None = None
+    provisional_step_sec: float | None = None
+    provisional_steps: list[int] | None = None
 
 
 def figures(run: RunLog) -> Figures:
@@ -324,7 +328,19 @@ def _figures(run: RunLog) -> Figures:
         mean_tokens_per_sec=_pick(perf, "mean_tokens_per_sec", tokens / train if tokens and train else None),
         mfu=_pick(perf, "mfu", mfu),
         **_memory_and_cache(run),
+        **_provisional(perf),
     )
+
+
+def _provisional(perf: Mapping[str, Any]) -> dict[str, Any]:
+    """The meter's provisional rate of a run too short for steady figures (its summary's ``provisional``)."""
+    if not perf.get("provisional"):
+        return {}
+    steps = perf.get("provisional_steps")
+    return {"provisional_tokens_per_sec": number(perf.get("provisional_tokens_per_sec")),
+            "provisional_step_sec": number(perf.get("provisional_step_sec")),
+            "provisional_steps": [int(v) for v in steps] if isinstance(steps, list) and len(steps) == 2
+            and all(number(v) is not None for v in steps) else None}
 
 
 def completion_stats(history: list[dict[str, Any]]) -> dict[str, float | None]:

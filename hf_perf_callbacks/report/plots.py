@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from .. import keys
+from ..keys import SPLIT_FILE
 from ..runlog import PHASES, ReportError, RunLog, number
 from ..splitfile import Decision, SplitFile, read_split_file, trial_figures
 from ..wording import PHASE_WORDS, split_label, steady_words, warmup_words
@@ -459,7 +460,11 @@ def plot_tuner(fig: Figure, data: PlotData) -> str | None:
     decisions = data.split_file.decisions if data.split_file else []
     tuned = [d for d in decisions if d.kind == "tune"]
     if not (splits or decisions):
-        return "no tuner/* keys in the step lines and no tuner_split.json (no tuner attached)"
+        logged = sum(1 for e in data.run.events if e.source == "tuner" and e.kind == "decision")
+        if logged:                                 # a tuner was attached: its record is what is missing
+            return (f"no tuner/* keys in the step lines and no {SPLIT_FILE} of this run; the tuner's "
+                    f"{logged} decision(s) are in the events")
+        return f"no tuner/* keys in the step lines and no {SPLIT_FILE} (no tuner attached)"
     latest = tuned[-1] if tuned else None
     shown = [t for t in trial_figures(latest)] if latest is not None else []
     drawn = latest is not None and any(t.status != "reference" and (t.measured or t.error) for t in shown)

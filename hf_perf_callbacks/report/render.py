@@ -40,7 +40,7 @@ def _facts_line(m: Measurements) -> str:
     if split:
         parts.append(f"time: {split}")
     if m.mem_high_water_gb is not None and m.mem_budget_gb:
-        parts.append(f"memory {m.mem_high_water_gb:.2f}/{m.mem_budget_gb:.2f} GB")
+        parts.append(f"memory {m.mem_high_water_gb:.2f}/{m.mem_budget_gb:.2f} GiB")
     return " · ".join(parts)
 
 

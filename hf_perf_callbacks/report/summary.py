@@ -19,7 +19,7 @@ from typing import Any
 from .. import keys
 from ..runlog import PERF_LOG, EventLine, RunLog, number
 from ..splitfile import read_split_file, trial_figures
-from ..wording import phase_line, split_label, steady_words, throughput_line, warmup_line
+from ..wording import phase_line, provisional_line, split_label, steady_words, throughput_line, warmup_line
 from .figures import Figures, completion_stats, figures, ranges_text, run_events, step_ranges, trainer_logs
 
 MAX_EVENTS = 40          # events listed in full; beyond that the first and last halves
@@ -55,7 +55,7 @@ def _run_lines(run: RunLog, f: Figures) -> list[str]:
         lines.append(f"status: the run did not finish (no summary lines: killed, crashed or still running); "
                      f"the figures below are the meter's as of its last step line ({len(run.unique_steps())} step "
                      f"line(s))")
-    headers = [h for h in run.headers if "perf" in h.sources]
+    headers = [h for h in run.headers if "perf" in h.sources and not h.resize]   # a tuner's switch is no resume
     if len(headers) > 1:
         starts = [str(h.resumed_from_step) for h in headers[1:]]
         lines.append(f"resumed: {len(headers)} training sessions in this log; later sessions started from "
@@ -71,7 +71,10 @@ def _throughput_lines(run: RunLog, f: Figures) -> list[str]:
                or any(keys.PERF_TOKENS in s.values for s in run.unique_steps()))
     if not metered:
         return ["throughput: no ThroughputMeter data in the log"]
-    lines = [throughput_line(f.steady_tokens_per_sec, f.steady_step_sec, f.mean_tokens_per_sec)]
+    provisional = f.steady_tokens_per_sec is None and f.provisional_tokens_per_sec is not None
+    lines = [provisional_line(f.provisional_tokens_per_sec, f.provisional_step_sec, f.provisional_steps,
+                              f.mean_tokens_per_sec) if provisional
+             else throughput_line(f.steady_tokens_per_sec, f.steady_step_sec, f.mean_tokens_per_sec)]
     if f.warmup_done is not None:
         lines.append("warmup: " + warmup_line(f.warmup_done, f.warmup_steps, f.first_step_slowdown,
                                               f.warmup_overhead_sec, f.steps, f.contention_sec, f.call_first_step))
@@ -82,7 +85,7 @@ def _throughput_lines(run: RunLog, f: Figures) -> list[str]:
             steady += f"; not in them: step{'' if single else 's'} {ranges_text(f.not_steady)}"
         lines.append(f"steady steps: {steady}")
     if f.mfu is not None:
-        lines.append(f"MFU: {f.mfu:.1%}")
+        lines.append(f"MFU: {f.mfu:.1%}" + (" (provisional)" if provisional else ""))
     if f.phases:
         lines.append(phase_line(f.phases))
     return lines

@@ -104,8 +104,9 @@ class AdaptiveBatchTuner(PerfCallback):
             return
         self.session = self._open_session(args, state)
         if self.tune and not self.session.managed and not self._hinted:   # said once: nothing will be tuned
-            self._hinted = True
-            self.warn(TUNER_NEEDS_TRAIN_WITH_TUNING, step=state.global_step, needs="train_with_tuning")
+            self._hinted = True                         # a note (INFO), not a warning: a meter-only user lost nothing
+            self._bus.event(self.source, "note", TUNER_NEEDS_TRAIN_WITH_TUNING, step=state.global_step,
+                            needs="train_with_tuning")
         self.world = world_size()
         self._bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
         self.in_optimizer_step = False
@@ -123,12 +124,11 @@ class AdaptiveBatchTuner(PerfCallback):
             self._stop_watching = adapter.watch_generation(model, self.generation) if model is not None else None
 
     def _tuning_done(self, step: int) -> None:
-        """Record the tuning once it finished (and print its evidence once)."""
+        """Record the tuning once it finished (its decision event is its one console line; the evidence is in the
+        perf log and the report)."""
         tuning = self._session.tuning
         if tuning is not None and tuning.done is not None and not tuning.recorded:
-            decision = self._session.record_tuning(step)
-            if self._bus.is_main and decision is not None:
-                print(format_tuning(decision))
+            self._session.record_tuning(step)
 
     @property
     def _session(self) -> TuningSession:
@@ -272,7 +272,7 @@ class AdaptiveBatchTuner(PerfCallback):
         if not state.is_world_process_zero or self._bus.continuing:
             return
         if session.decisions:
-            print(format_summary(session))
+            self._bus.say(format_summary(session))
         if session.switch is not None and not session.managed:
             new = session.switch
             checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
@@ -324,11 +324,15 @@ def format_tuning(decision) -> str:
 
 
 def format_summary(session: TuningSession) -> str:
-    lines = ["== AdaptiveBatchTuner summary ==", f"split: {session.split}"]
-    for d in session.decisions:
-        extra = f", recovered in {d.recovery_sec:.2f} s" if d.recovery_sec is not None else ""
-        lines.append(f"step {d.step}: {d.headline()}{extra}")
-    return "\n".join(lines)
+    """The end-of-run summary: the split and when it was decided; each decision's own line was printed when it was
+    made (once), and its detail is in the perf log and the report."""
+    steps = ", ".join(str(d.step) for d in session.decisions)
+    n = len(session.decisions)
+    recovered = [d.recovery_sec for d in session.decisions if d.recovery_sec is not None]
+    extra = f"; recovered in {sum(recovered):.2f} s in all" if recovered else ""
+    return "\n".join(["== AdaptiveBatchTuner summary ==",
+                      f"split: {session.split} after {n} decision{'s' if n != 1 else ''} (step{'s' if n != 1 else ''} "
+                      f"{steps}){extra}; each one is in perf_log.jsonl and the report"])
 
 
 def find_callback(trainer, cls):

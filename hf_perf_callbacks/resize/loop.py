@@ -60,7 +60,7 @@ from ..device import (
     training_device,
     world_size,
 )
-from ..validation import check_number
+from ..validation import check_number, suggest_keywords
 from . import memcheck, sharding
 from .agreement import ResizeNeeded, StepGuard, guard_training_step, recoverable
 from .callback import AdaptiveBatchTuner, find_callback
@@ -72,6 +72,7 @@ from .session import InexactResize, SwitchSplit, TuningSession
 logger = logging.getLogger("hf_perf_callbacks")
 
 
+@suggest_keywords
 def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None, tune: bool | None = None,
                       max_resizes: int = 8):
     """``trainer.train()`` that keeps the fastest exact split that fits, measured on the run's own steps, and

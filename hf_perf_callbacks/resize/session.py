@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 
 from .. import adapter
 from ..batching import Exactness, Split, exact_splits, exact_under, is_grpo, next_smaller
+from ..bus import EVENT_WIDTH, console_line
 from ..device import (
     DeviceLayer,
     error_line,
@@ -482,7 +483,11 @@ class TuningSession:
                                                            f"({type(error).__name__}: {error})",
                                        "Nothing to change: this is a fault of the package.")
         if self.exactness.reason is not None:
-            self.warn_once("grouping", self.exactness.message(every))
+            if self.managed:
+                self.warn_once("grouping", self.exactness.message(every))
+            elif "grouping" not in self.warned:        # a plain train() tunes nothing: a note (INFO), said once
+                self.warned.add("grouping")
+                self.note(self.exactness.message(every))
             self.persist()
         if self.measured is not None:                 # a resume: what the run's rows showed holds
             self._leave_out(self.measured)
@@ -863,10 +868,10 @@ class TuningSession:
                 raise lost from None
         if not memory:
             self.switched_at(step, wrote)
-        if is_main_process():
-            why = self.switch_reason.removeprefix(f"back to {self.switch}: ")
-            logger.warning("[tuner] step %d: %s → %s (%s): resuming from %s in this process", step, self.split,
-                           self.switch, why, os.path.basename(checkpoint))
+        if is_main_process():                    # a memory switch's decision said why already (printed once)
+            why = "" if memory else f" ({self.switch_reason.removeprefix(f'back to {self.switch}: ')})"
+            logger.warning("%s", console_line(f"[tuner] step {step}: {self.split} → {self.switch}: resuming from "
+                                              f"{os.path.basename(checkpoint)} in this process{why}", EVENT_WIDTH))
         self.resume_with_switch(trainer)
         if memory:
             self.spend_resize()
@@ -922,8 +927,8 @@ class TuningSession:
         self.decide("oom", reason, new, step, old=old, checkpoint=checkpoint, trial=trial)
         self.request_switch(new, reason)
         self.resume_with_switch(trainer)
-        logger.warning("[tuner] %s at step %d: resuming from %s with split %s", reason, step,
-                       checkpoint or "the start", new)
+        logger.warning("[tuner] step %d: resuming from %s with split %s (the decision above says why)", step,
+                       os.path.basename(checkpoint) if checkpoint else "the start", new)
         return checkpoint
 
     def record_for_restart(self, step: int, error: BaseException, kind: str | None = "fsdp") -> None:

@@ -78,17 +78,16 @@ def parse_recipe(argv: list[str]):
 
 
 # ---------------------------------------------------------------- the console
-#: the callbacks' keys that the console's log line keeps: throughput, MFU, memory against the budget and the split
-#: in effect (every key still reaches ``log_history``, the reporters and the perf log)
-CONSOLE_KEYS = (keys.PERF_TOKENS_PER_SEC, keys.PERF_MFU, keys.MEM_DEVICE_USED_GB, keys.MEM_LIMIT_GB,
-                keys.TUNER_MICRO_BATCH, keys.TUNER_GRAD_ACCUM)
+#: the callbacks' keys that the console's log line keeps (every key still reaches ``log_history``, the reporters and
+#: the perf log); the bus gives every trainer's console printer the same compact log
+CONSOLE_KEYS = keys.CONSOLE_KEYS
 
 
 def console_logs(logs: Mapping) -> dict:
-    """A training log as the console shows it: the trainer's own values (what ``trl grpo`` prints) and the callbacks'
-    headline keys (:data:`CONSOLE_KEYS`), not each of their few dozen keys."""
-    return {key: value for key, value in logs.items()
-            if key in CONSOLE_KEYS or not key.startswith(keys.CALLBACK_PREFIXES)}
+    """A training log as the console shows it (:func:`hf_perf_callbacks.bus.console_logs`)."""
+    from ..bus import console_logs as compact
+
+    return compact(logs)
 
 
 def compact_console(trainer) -> None:
@@ -115,12 +114,12 @@ def _describe(recipe, args, model_args, callbacks) -> str:
     world, split = args.world_size, Split(args.per_device_train_batch_size, args.gradient_accumulation_steps)
     lora = f", LoRA r={model_args.lora_r}" if model_args.use_peft else ""
     names = ", ".join(type(cb).__name__ for cb in callbacks) or "none"
-    return (f"recipe: {model_args.model_name_or_path} ({model_args.dtype}{lora}) on {args.device.type} × {world}; "
+    return (f"recipe: {model_args.model_name_or_path} ({model_args.dtype}{lora}) on {args.device.type} × {world}\n"
             f"micro-batch {split.micro_batch} × accumulation {split.grad_accum} × world {world} = "
             f"{split.effective_batch(world)} completions per "
             f"optimizer step; generation batch {args.generation_batch_size} = "
             f"{args.generation_batch_size // args.num_generations} prompts × {args.num_generations}; "
-            f"max_completion_length {args.max_completion_length}; dataset {recipe.dataset}; callbacks {names}")
+            f"max_completion_length {args.max_completion_length}\ndataset {recipe.dataset}; callbacks {names}")
 
 
 def _report(output_dir: str) -> None:
@@ -147,12 +146,33 @@ def _end(trainer) -> None:
         trainer.end()
 
 
+def hold_output_dir(output_dir: str):
+    """Hold ``output_dir`` for this process before anything heavy loads (the main process; the bus holds the same
+    lock during ``train()``): another live process training there is one :class:`RecipeError` line."""
+    from ..bus import OutputDirBusy, OutputDirLock
+
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        return None
+    lock = OutputDirLock()
+    try:
+        lock.acquire(output_dir)
+    except OutputDirBusy as busy:
+        raise RecipeError(busy_line(busy)) from None
+    return lock
+
+
+def busy_line(busy) -> str:
+    """The one line a refused launch says (the whole reason is :class:`~hf_perf_callbacks.bus.OutputDirBusy`'s)."""
+    return f"output_dir {busy.output_dir} is in use by another run ({busy.holder}): pick another or wait for it"
+
+
 # ---------------------------------------------------------------- entry point
 def run(recipe: RecipeArguments, training_args, model_args) -> int:
     """Build the trainer from parsed arguments, train, save, report."""
     from trl import GRPOTrainer, get_peft_config
 
     callbacks = build_callbacks(recipe.callbacks, as_dict(recipe.callback_kwargs, "callback_kwargs"))
+    lock = hold_output_dir(training_args.output_dir) if callbacks else None    # before the model loads
     rewards = resolve_reward_funcs(recipe.reward_funcs, training_args.max_completion_length)
     tokenizer = build_tokenizer(model_args, training_args)
     train_data, eval_data = build_datasets(recipe, training_args.seed,
@@ -170,7 +190,8 @@ def run(recipe: RecipeArguments, training_args, model_args) -> int:
         raise RecipeError(f"GRPOTrainer refused the recipe: {error}") from None
     compact_console(trainer)
     if trainer.is_world_process_zero():
-        logger.info(_describe(recipe, training_args, model_args, callbacks))
+        for line in _describe(recipe, training_args, model_args, callbacks).splitlines():   # short lines
+            logger.info("%s", line)
 
     if callbacks:                                      # the report words its advice as this launcher's recipe keys
         from ..bus import bus_for
@@ -191,6 +212,8 @@ def run(recipe: RecipeArguments, training_args, model_args) -> int:
     if main_process:
         trainer.save_state()
     _end(trainer)
+    if lock is not None:
+        lock.release()                                 # the bus released it when train() ended: a no-op then
     if main_process and recipe.report:
         _report(training_args.output_dir)
     return 0
@@ -207,8 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:                        # RecipeError and the dataclasses' own checks
         print(f"hf_perf_callbacks.train: error: {error}", file=sys.stderr)
         return 2
+    from ..bus import OutputDirBusy
+
     try:
         return run(recipe, training_args, model_args)
-    except RecipeError as error:
-        print(f"hf_perf_callbacks.train: error: {error}", file=sys.stderr)
+    except (RecipeError, OutputDirBusy) as error:      # the lock taken during train() too: one line, not a traceback
+        text = busy_line(error) if isinstance(error, OutputDirBusy) and error.holder else str(error)
+        print(f"hf_perf_callbacks.train: error: {text}", file=sys.stderr)
         return 2

@@ -176,7 +176,7 @@ def synthetic(tmp_path, name, **plan):
     return write_run(str(tmp_path / name), Plan(**plan))
 
 
-TUNED = dict(steps=40, tune=True, must_pay=False, split_sec={8: 1.2, 2: 0.9, 1: 1.1}, noise=0.15, warmup=(3.0, 1.0))
+TUNED = dict(steps=40, tune=True, must_pay=False, split_sec={8: 2.5, 2: 0.3, 1: 1.1}, noise=0.15, warmup=(3.0, 1.0))
 
 
 def spans(ax):

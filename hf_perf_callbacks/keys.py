@@ -13,9 +13,13 @@ SPLIT_FILE = "tuner_split.json"        # the tuner's split and decisions, beside
 LOCK_FILE = ".hf_perf.lock"            # held by the process training into output_dir (the bus holds it)
 TRAINER_STATE = "trainer_state.json"
 
-#: the phases of a step's wall time (``perf/phase/<phase>``, ``perf/phase_sec/<phase>``; meanings in
-#: :mod:`hf_perf_callbacks.timeline`)
-PHASES = ("data_wait", "generation", "compute", "eval", "save")
+#: the phases of a step's wall time (``perf/phase/<phase>``, ``perf/phase_sec/<phase>``, seconds on the step line;
+#: meanings in :mod:`hf_perf_callbacks.timeline`): they sum to ``perf/step_wall_sec``, ``unexplained`` included
+PHASES = ("data_wait", "generation", "compute", "eval", "save", "log", "own_callbacks", "user_callbacks", "recompute",
+          "unexplained")
+#: the phases a clock measures directly (a region entered and left); ``compute`` is the step's own time outside
+#: them and ``unexplained`` the time outside a step that no clock measured
+CLOCKED_PHASES = ("data_wait", "eval", "save", "log", "own_callbacks", "user_callbacks", "compute")
 
 # ---------------------------------------------------------------- metric keys (the callbacks document their units)
 # ThroughputMeter: published to the reporters and written to the step lines
@@ -50,6 +54,10 @@ PERF_CPU_SEC = "perf/cpu_sec"
 PERF_CPU_TIME_RATIO = "perf/cpu_time_ratio"
 PERF_OTHER_CPU_CORES = "perf/other_cpu_cores"
 PERF_LOAD_PER_CORE = "perf/load_per_core"
+#: seconds of one of the user's callback classes in the step (``perf/callback_sec/<ClassName>``, s): every event of
+#: the class timed through the trainer's callback handler (the package's own callbacks are the ``own_callbacks``
+#: phase, transformers', TRL's and the reporters' the ``log`` phase)
+PERF_CALLBACK_SEC = "perf/callback_sec/"
 # MemoryWatchdog
 MEM_DEVICE_USED_GB = "mem/device_used_gb"
 MEM_ALLOCATED_GB = "mem/allocated_gb"

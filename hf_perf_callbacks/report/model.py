@@ -194,6 +194,13 @@ class Measurements:
     evaluation: Evaluation | None = None     # the run's evaluations, measured (see _evaluation)
     first_steady: FirstSteady | None = None  # the latest train() call's first step, steady or not
     train_sec: float | None = None           # Σ training seconds of the run's steps (what the tuning's cost is against)
+    phase_sec: dict[str, float] = field(default_factory=dict)   # seconds per phase: the step lines and the tail
+    wall_sec: float | None = None            # Σ the step lines' wall seconds and the tail's: what phase_sec sums to
+    saves: int = 0                           # checkpoint saves measured (step lines with save seconds, the tail's)
+    training_logs: int = 0                   # training logs written (step lines with the trainer's loss)
+    callback_sec: dict[str, dict[str, float]] = field(default_factory=dict)   # callback class → event → seconds
+    trainer_settings: dict[str, Any] = field(default_factory=dict)   # the run header's trainer_settings
+    recompute_clocked: bool = False          # the recompute phase was clocked (else it is inside compute)
 
 
 @dataclass

@@ -201,6 +201,7 @@ class Measurements:
     callback_sec: dict[str, dict[str, float]] = field(default_factory=dict)   # callback class → event → seconds
     trainer_settings: dict[str, Any] = field(default_factory=dict)   # the run header's trainer_settings
     recompute_clocked: bool = False          # the recompute phase was clocked (else it is inside compute)
+    completion_terminated_mean: float | None = None   # mean length of the completions that ended before the limit
 
 
 @dataclass

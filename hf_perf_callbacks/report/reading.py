@@ -470,6 +470,7 @@ def _trainer_readings(run_log: RunLog, grpo: bool) -> dict[str, Any]:
     n_logs, no_signal_run, reward_mean = _no_signal(logs)
     return {"completion_mean": completion["mean"], "completion_max": completion["max"],
             "completion_p90": completion["p90"], "clipped_ratio": completion["clipped"],
+            "completion_terminated_mean": completion["terminated_mean"],
             "logs": n_logs, "no_signal_run": no_signal_run, "reward_mean": reward_mean,
             "rewards": _rewards(logs) if grpo else None, "trainer_log_source": source,
             "trainer_kind": _trainer_kind(logs) if not grpo else None}

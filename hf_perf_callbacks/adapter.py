@@ -522,6 +522,91 @@ def watch_batch_samples(trainer, fetched: Callable[[list, int], object]) -> Call
     return undo
 
 
+#: the trainer's methods whose time is a phase of the step (:func:`clock_trainer`): the fetch of a step's batches,
+#: the log (its callbacks included: they are clocked on their own, see :func:`time_callbacks`), an evaluation and a
+#: checkpoint save. ``_save_checkpoint`` is private (transformers 5.23-5.24 ``Trainer._maybe_log_save_evaluate``
+#: calls it for every save of a training run, before ``on_save``; tests/test_adapter.py names it).
+TRAINER_PHASES = {"get_batch_samples": "data_wait", "log": "log", "evaluate": "eval", "_save_checkpoint": "save"}
+
+
+def clock_trainer(trainer, enter: Callable[[str], None], leave: Callable[[str], None]) -> Callable[[], None]:
+    """Call ``enter(phase)`` and ``leave(phase)`` around each of ``trainer``'s methods of :data:`TRAINER_PHASES`
+    (an error goes through, after ``leave``); returns the undo, which puts back whatever each method was before (a
+    wrapper another callback installed meanwhile stays: it calls through this one)."""
+    undos = []
+    for name, phase in TRAINER_PHASES.items():
+        if not callable(getattr(trainer, name, None)):
+            continue
+
+        def make(original, phase=phase):
+            @functools.wraps(original)
+            def clocked(*args, **kwargs):
+                enter(phase)
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    leave(phase)
+            return clocked
+
+        before = trainer.__dict__.get(name)
+        replacement = make(getattr(trainer, name))
+        setattr(trainer, name, replacement)
+
+        def undo(name=name, before=before, replacement=replacement) -> None:
+            if trainer.__dict__.get(name) is replacement:
+                if before is None:
+                    delattr(trainer, name)
+                else:
+                    setattr(trainer, name, before)
+        undos.append(undo)
+
+    def undo_all() -> None:
+        for undo in reversed(undos):
+            undo()
+    return undo_all
+
+
+#: events :func:`time_callbacks` dispatches whole (not per callback): a callback may join or reorder the list then
+WHOLE_EVENTS = ("on_init_end", "on_train_begin", "on_train_end")
+
+
+def time_callbacks(handler: CallbackHandler, started: Callable[[Any, str], None],
+                   finished: Callable[[Any, str], None]) -> Callable[[], None]:
+    """Call ``started(callback, event)`` and ``finished(callback, event)`` around every callback's every event: the
+    handler's ``call_event`` (transformers 5.23-5.24: a loop over ``handler.callbacks`` with the handler's model,
+    optimizer… as keywords) runs once per callback with ``handler.callbacks`` holding that one callback, so the
+    trainer's own keywords and its ``control`` chaining stay transformers'. A callback that changes the list during
+    its event (the bus putting itself first) keeps its change. Returns the undo."""
+    original = handler.call_event
+
+    def call_event(event, args, state, control, **kwargs):
+        callbacks = handler.callbacks
+        if event in WHOLE_EVENTS:
+            return original(event, args, state, control, **kwargs)
+        for callback in list(callbacks):
+            alone = [callback]
+            handler.callbacks = alone
+            started(callback, event)
+            try:
+                control = original(event, args, state, control, **kwargs)
+            finally:
+                finished(callback, event)
+                if handler.callbacks is alone:
+                    handler.callbacks = callbacks
+                else:                             # the callback replaced the list: its list, then the others
+                    mine = list(handler.callbacks)
+                    callbacks = mine + [c for c in callbacks if c is not callback and all(c is not m for m in mine)]
+                    handler.callbacks = callbacks
+        return control
+
+    handler.call_event = call_event      # type: ignore[method-assign]  # this instance's, undone below
+
+    def undo() -> None:
+        if handler.__dict__.get("call_event") is call_event:
+            del handler.call_event
+    return undo
+
+
 #: the training loop's functions whose ``batch_samples`` local holds the step's micro-batches
 TRAINING_LOOP_FRAMES = ("_run_epoch", "_inner_training_loop")
 

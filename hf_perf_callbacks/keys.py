@@ -13,9 +13,13 @@ SPLIT_FILE = "tuner_split.json"        # the tuner's split and decisions, beside
 LOCK_FILE = ".hf_perf.lock"            # held by the process training into output_dir (the bus holds it)
 TRAINER_STATE = "trainer_state.json"
 
-#: the phases of a step's wall time (``perf/phase/<phase>``, ``perf/phase_sec/<phase>``; meanings in
-#: :mod:`hf_perf_callbacks.timeline`)
-PHASES = ("data_wait", "generation", "compute", "eval", "save")
+#: the phases of a step's wall time (``perf/phase/<phase>``, ``perf/phase_sec/<phase>``, seconds on the step line;
+#: meanings in :mod:`hf_perf_callbacks.timeline`): they sum to ``perf/step_wall_sec``, ``unexplained`` included
+PHASES = ("data_wait", "generation", "compute", "eval", "save", "log", "own_callbacks", "user_callbacks", "recompute",
+          "unexplained")
+#: the phases a clock measures directly (a region entered and left); ``compute`` is the step's own time outside
+#: them and ``unexplained`` the time outside a step that no clock measured
+CLOCKED_PHASES = ("data_wait", "eval", "save", "log", "own_callbacks", "user_callbacks", "compute")
 
 # ---------------------------------------------------------------- metric keys (the callbacks document their units)
 # ThroughputMeter: published to the reporters and written to the step lines
@@ -55,6 +59,10 @@ PERF_GENERATION_BATCH = "perf/generation_batch"
 PERF_COMPLETION_TOKENS = "perf/completion_tokens"
 PERF_WEIGHT_SYNC_SEC = "perf/weight_sync_sec"
 PERF_REWARD_SEC = "perf/reward_sec"
+#: seconds of one of the user's callback classes in the step (``perf/callback_sec/<ClassName>``, s): every event of
+#: the class timed through the trainer's callback handler (the package's own callbacks are the ``own_callbacks``
+#: phase, transformers', TRL's and the reporters' the ``log`` phase)
+PERF_CALLBACK_SEC = "perf/callback_sec/"
 # MemoryWatchdog
 MEM_DEVICE_USED_GB = "mem/device_used_gb"
 MEM_ALLOCATED_GB = "mem/allocated_gb"
@@ -126,6 +134,9 @@ KEY_DOCS: dict[str, tuple[str, str, str]] = {
     PERF_WEIGHT_SYNC_SEC: ("s", "GRPO with vLLM: time in `VLLMGeneration.sync_weights` (part of the generation "
                                 "phase)", PERF_LOG_ONLY),
     PERF_REWARD_SEC: ("s", "GRPO: time in TRL's reward functions (part of the compute phase)", PERF_LOG_ONLY),
+    PERF_CALLBACK_SEC: ("s", "`perf/callback_sec/<ClassName>`: the seconds of one of the user's callback classes' "
+                             "events in the step (the user_callbacks phase by class), present when it spent any",
+                        PERF_LOG_ONLY),
     PERF_DECODE_BANDWIDTH_UTIL: ("fraction", "GRPO: weight bytes read per decode step × steps / time / peak "
                                              "bandwidth", REPORTED),
     PERF_FORWARDS_PER_MICROBATCH: ("count", "grad-enabled forwards per micro-batch (more than 1 is flagged once)",

@@ -107,6 +107,9 @@ class RunHeader:
     activation_checkpointing: bool | None = None
     model: dict[str, Any] = field(default_factory=dict)
     dataloader: dict[str, Any] = field(default_factory=dict)
+    # the settings of the phases a user controls: save_strategy, save_steps, save_only_model, save_total_limit,
+    # logging_strategy, logging_steps, eval_strategy, eval_steps, activation_checkpointing (as the trainer ran them)
+    trainer_settings: dict[str, Any] = field(default_factory=dict)
     torch_threads: int | None = None      # torch.get_num_threads() of the training process
     cpu_cores: int | None = None          # os.cpu_count(): logical cores of the machine
     # MemoryWatchdog
@@ -278,6 +281,11 @@ class MeterSummary(_MeterSummaryBase, total=False):
     provisional_tokens_per_sec: float
     provisional_step_sec: float
     provisional_steps: list[int]
+    phase_sec: dict[str, float]            # seconds per phase, the whole run (the steps and the tail)
+    tail_phase_sec: dict[str, float]       # seconds per phase after the last step (its log, evaluation, save)
+    callback_sec: dict[str, dict[str, float]]   # callback class → event → seconds (the meter's own left out)
+    recompute_clocked: bool                # the recompute phase was clocked (a CPU with gradient checkpointing)
+    tail_callback_sec: dict[str, float]    # callback class → seconds after the last step (in callback_sec too)
 
 
 class WatchdogAction(TypedDict):

@@ -160,7 +160,18 @@ class ThroughputMeter(PerfCallback):
                                                     of the ``generation`` phase)
     ``perf/reward_sec``                   s         GRPO: time in TRL's reward functions (``_calculate_rewards``;
                                                     part of the ``compute`` phase)
+    ``perf/phase_sec/<phase>``            s         the step's seconds per phase (:data:`~hf_perf_callbacks.keys.
+                                                    PHASES`, defined in :mod:`hf_perf_callbacks.timeline`), on the
+                                                    same interval as ``perf/step_wall_sec``: they sum to it, the
+                                                    ``unexplained`` remainder included
+    ``perf/callback_sec/<ClassName>``     s         the seconds of one of the user's callback classes' events in
+                                                    the step (the ``user_callbacks`` phase by class), present when
+                                                    it spent any
     ====================================  ========  ==============================================================
+
+    The summary adds ``phase_sec`` (seconds per phase, the steps and the tail), ``tail_phase_sec`` (the time after
+    the last step: its log, evaluation and save), ``callback_sec`` (the user's callback class → event → seconds, the
+    tail included), ``tail_callback_sec`` (class → seconds after the last step) and ``recompute_clocked``.
 
     ====================================  ========  ==============================================================
     key                                   unit      meaning
@@ -224,6 +235,16 @@ class ThroughputMeter(PerfCallback):
         self.backend: str | None = None              # how TRL generates (adapter.generation_backend), if it does
         self.engine_parallel = 1                     # vLLM colocate: the devices one engine's weights are split over
         self.generation_depth = 0                    # nested generation calls open now (entry, sync, model.generate)
+        self._undo_clocks: list[Callable[[], None]] = []
+        self.clocked = False                       # the trainer's phases and the callbacks are on their own clocks
+        self.step_callback_sec: dict[str, float] = {}    # seconds per callback class in the step in progress
+        self.callback_sec: dict[str, dict[str, float]] = {}   # class → event → seconds, this train() call
+        self.tail_phase_sec: dict[str, float] = {}
+        self.tail_callback_sec: dict[str, float] = {}
+        self._callback_began: list[float] = []
+        self.layer_forwards: dict[int, int] = {}        # a checkpointed layer's part → its forwards this micro-batch
+        self.part_started: dict[int, float] = {}
+        self.part_seconds: dict[int, float] = {}        # a part → its first forward's seconds this micro-batch
         self.summary: MeterSummary | None = None
 
     # ------------------------------------------------------------ setup
@@ -248,6 +269,7 @@ class ThroughputMeter(PerfCallback):
         self.machine.reset()
         self.timeline.start_segment(self.clock.wall(), self.period, cpu=self.clock.cpu(),
                                     work="cpu" if self.device.type == "cpu" else "wall")
+        self._install_clocks(model)
         self._bus.describe_run(self.source, state.global_step, device=self.device.name,
                                device_type=self.device.type, world_size=self.world, grpo=self.is_grpo,
                                token_source=self.token_source, period=self.period, peak_flops=self.run_peak_flops,
@@ -263,7 +285,8 @@ class ThroughputMeter(PerfCallback):
                                vllm_enable_sleep_mode=(getattr(args, "vllm_enable_sleep_mode", None)
                                                        if getattr(args, "use_vllm", False) else None),
                                activation_checkpointing=self.recompute, model=self._model_facts(),
-                               dataloader=_dataloader_settings(args), torch_threads=torch.get_num_threads(),
+                               dataloader=_dataloader_settings(args), trainer_settings=_trainer_settings(args),
+                               torch_threads=torch.get_num_threads(),
                                cpu_cores=os.cpu_count())
 
     def _install(self, model) -> None:
@@ -298,6 +321,79 @@ class ThroughputMeter(PerfCallback):
             self.in_generate = False
             if not self.disabled:
                 self.timeline.add_generation(self.clock.wall() - self.generate_start)
+
+    def _install_clocks(self, model) -> None:
+        """The phase clocks (see :mod:`hf_perf_callbacks.timeline`): the trainer's batch fetch, log, evaluation and
+        checkpoint save, every callback's every event (through the trainer's callback handler), and on a CPU the
+        forwards gradient checkpointing runs again (a GPU runs them asynchronously: there they stay in compute)."""
+        self.step_callback_sec, self.callback_sec, self.tail_phase_sec, self.tail_callback_sec = {}, {}, {}, {}
+        self._callback_began = []
+        self.layer_forwards, self.part_started, self.part_seconds = {}, {}, {}
+        trainer = adapter.calling_trainer()
+        handler = self._bus.handler
+        if trainer is None or handler is None:
+            self.clocked = False
+            return
+        now = self.clock.wall
+        self._undo_clocks.append(adapter.clock_trainer(trainer, lambda phase: self.timeline.enter(phase, now()),
+                                                       lambda phase: self.timeline.leave(phase, now())))
+        self._undo_clocks.append(adapter.time_callbacks(handler, self._callback_started, self._callback_finished))
+        self.clocked = True
+        if self.recompute and self.device.type == "cpu":
+            from transformers.modeling_layers import GradientCheckpointingLayer
+
+            # transformers 5.24 checkpoints a layer's ``forward``, not its ``__call__``: the layer's own hooks run once,
+            # its children's run again in the recompute. The recompute stops early (torch's checkpoint early stop:
+            # a part's forward hook may never run), so each part's recompute is timed as its first forward was
+            for layer in self.inner.modules():
+                if isinstance(layer, GradientCheckpointingLayer):
+                    for part in layer.children():
+                        self._hooks.append(part.register_forward_pre_hook(self._layer_started))
+                        self._hooks.append(part.register_forward_hook(self._layer_finished))
+
+    def _callback_phase(self, callback) -> str:
+        """The phase of a callback's events: the package's own, the trainer's logging and flow (transformers', TRL's
+        and the reporters' callbacks) or the user's."""
+        from .bus import RunBus
+
+        if isinstance(callback, (PerfCallback, RunBus)):
+            return "own_callbacks"
+        module = type(callback).__module__ or ""
+        return "log" if module.split(".")[0] in ("transformers", "trl", "accelerate", "peft") else "user_callbacks"
+
+    def _callback_started(self, callback, event: str) -> None:
+        if not self.disabled:
+            self.timeline.enter(self._callback_phase(callback), self.clock.wall())
+            self._callback_began.append(self.clock.wall())
+
+    def _callback_finished(self, callback, event: str) -> None:
+        if self.disabled or not self._callback_began:
+            return
+        now = self.clock.wall()
+        seconds = now - self._callback_began.pop()
+        phase = self._callback_phase(callback)
+        self.timeline.leave(phase, now)
+        if phase != "user_callbacks":         # the package's and the trainer's own: their phases say it
+            return
+        name = type(callback).__name__
+        self.step_callback_sec[name] = self.step_callback_sec.get(name, 0.0) + seconds
+        events = self.callback_sec.setdefault(name, {})
+        events[event] = events.get(event, 0.0) + seconds
+
+    def _layer_started(self, module, args) -> None:
+        if self.disabled or self.in_generate or not module.training:
+            return
+        key = id(module)
+        n = self.layer_forwards[key] = self.layer_forwards.get(key, 0) + 1
+        if n == 1:
+            self.part_started[key] = self.clock.wall()
+        else:          # a checkpointed layer's part run again in the micro-batch: its first forward's time again
+            self.timeline.add_recompute(self.part_seconds.get(key, 0.0))
+
+    def _layer_finished(self, module, args, output) -> None:
+        started = self.part_started.pop(id(module), None)
+        if started is not None:
+            self.part_seconds[id(module)] = self.clock.wall() - started
 
     def generate_started(self) -> None:
         """A GRPO rollout begins (see :func:`~hf_perf_callbacks.adapter.watch_generate`)."""
@@ -386,6 +482,7 @@ class ThroughputMeter(PerfCallback):
         self.microbatches = 0
         self.counts.zero_()                   # [HOOK_TOKENS, GENERATED, REAL_POSITIONS]
         self.padded_positions = 0
+        self.layer_forwards, self.part_started = {}, {}
 
     # ------------------------------------------------------------ hooks (no synchronize here)
     def _hook_safely(self, fn, *args) -> None:
@@ -432,21 +529,29 @@ class ThroughputMeter(PerfCallback):
 
     # ------------------------------------------------------------ events
     def on_step_begin(self, args, state, control, **kwargs):
-        self.timeline.step_begin(self.clock.wall(), overhead=self._bus.take_overhead())
+        overhead = self._bus.take_overhead()                 # the callbacks' own time, clocked here when clocked
+        self.timeline.step_begin(self.clock.wall(), overhead=0.0 if self.clocked else overhead)
 
     def on_substep_end(self, args, state, control, **kwargs):
         self.microbatches += 1
+        self.layer_forwards, self.part_started = {}, {}
 
     def on_evaluate(self, args, state, control, **kwargs):
-        self.timeline.mark("eval", self.clock.wall())
+        if not self.clocked:
+            self.timeline.mark("eval", self.clock.wall())
 
     def on_save(self, args, state, control, **kwargs):
-        self.timeline.mark("save", self.clock.wall())
+        if not self.clocked:
+            self.timeline.mark("save", self.clock.wall())
 
     def on_step_end(self, args, state, control, **kwargs):
         self.microbatches += 1
+        self.timeline.enter("compute", self.clock.wall())          # waiting for the device is the step's compute
         self.device.synchronize()                                   # the one synchronize per optimizer step
-        record = self.timeline.measure(state.global_step, self.clock.wall(), cpu=self.clock.cpu())
+        end = self.clock.wall()
+        record = self.timeline.measure(state.global_step, end, cpu=self.clock.cpu())
+        self.timeline.leave("compute", end)
+        callbacks, self.step_callback_sec = self.step_callback_sec, {}
         counts = self.counts.tolist()                               # one read of the device counters
         tokens = float(state.num_input_tokens_seen - self.seen) if self.token_source == "trainer" else \
             float(counts[HOOK_TOKENS])
@@ -474,6 +579,7 @@ class ThroughputMeter(PerfCallback):
                                                  keys.PERF_STEADY: int(record.steady),
                                                  keys.PERF_FIRST_STEADY_STEP: self.timeline.first_steady_step,
                                                  keys.PERF_EARLY_CONTENTION_SEC: self.timeline.early_contention,
+                                                 **{keys.PERF_CALLBACK_SEC + k: v for k, v in callbacks.items()},
                                                  **self.machine.step_fields(record), **self._rollout_fields()})
         if control.should_log:   # phase shares over this logging interval
             metrics.update({keys.PERF_PHASE_SHARE[k]: v for k, v in self.timeline.take_window_phases().items()})
@@ -483,6 +589,9 @@ class ThroughputMeter(PerfCallback):
         self._reset_step_counters()
 
     def on_train_end(self, args, state, control, **kwargs):
+        _, tail = self.timeline.tail(self.clock.wall())     # the last log, evaluation and save, after the last step
+        self.tail_phase_sec = {k: v for k, v in tail.items() if v > 0}
+        self.tail_callback_sec, self.step_callback_sec = self.step_callback_sec, {}
         self.summary = self.summarize()
         self._bus.write_summary(self.source, self.summary)
         if state.is_world_process_zero and not self._bus.continuing:    # printed once, at the run's end
@@ -565,7 +674,11 @@ class ThroughputMeter(PerfCallback):
                "phases": tl.phase_fractions(), "device": self.device.name, "world_size": self.world,
                "peak_flops": self.run_peak_flops, "warmup_measured_on": tl.work,
                "first_steady_step": tl.first_steady_step, "steady_step_count": tl.steady_steps,
-               "early_contention_sec": tl.early_contention, "contention_steps": tl.contention_steps}
+               "early_contention_sec": tl.early_contention, "contention_steps": tl.contention_steps,
+               "phase_sec": dict(tl.phase_totals), "tail_phase_sec": dict(self.tail_phase_sec),
+               "callback_sec": {k: dict(v) for k, v in self.callback_sec.items()},
+               "tail_callback_sec": dict(self.tail_callback_sec),
+               "recompute_clocked": bool(self.recompute and self.clocked and self.device.type == "cpu")}
         rate = tl.steady_tokens_per_sec
         provisional = tl.provisional() if rate is None else None
         if provisional is not None:                 # a short run: the rate of the steps it has, marked as such
@@ -613,6 +726,9 @@ class ThroughputMeter(PerfCallback):
         self.warned = set(saved.get("warned", []))
 
     def close(self) -> None:
+        for undo in reversed(self._undo_clocks):
+            undo()
+        self._undo_clocks = []
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -623,6 +739,22 @@ class ThroughputMeter(PerfCallback):
             self._stop_watching_entry()
             self._stop_watching_entry = None
         self.generation_depth = 0
+
+
+#: the training arguments of the phases a user controls (the run header's ``trainer_settings``)
+TRAINER_SETTINGS = ("save_strategy", "save_steps", "save_only_model", "save_total_limit", "logging_strategy",
+                    "logging_steps", "eval_strategy", "eval_steps", "activation_checkpointing", "max_steps")
+
+
+def _trainer_settings(args) -> dict[str, Any]:
+    """The settings of :data:`TRAINER_SETTINGS` as JSON values (an enum as its value)."""
+    out: dict[str, Any] = {}
+    for name in TRAINER_SETTINGS:
+        value = getattr(args, name, None)
+        value = getattr(value, "value", value)
+        if value is None or isinstance(value, (bool, int, float, str)):
+            out[name] = value
+    return out
 
 
 def _dataloader_settings(args) -> DataLoaderFacts:

@@ -4,7 +4,6 @@ The caller feeds timestamps (seconds, any monotonic clock) at the trainer's even
 so every number is exact under test. Each optimizer step's record covers the wall time since the previous step
 ended, split into phases:
 
-====================  ======================================================================================
 phase                 time
 ====================  ======================================================================================
 ``data_wait``         from the last mark (previous step end, eval or save) to ``on_step_begin``: fetching the
@@ -17,6 +16,35 @@ phase                 time
 ``eval``              from the previous mark to ``on_evaluate``
 ``save``              from the previous mark to ``on_save``
 ====================  ======================================================================================
+=======
+==================  ======================================================================================
+phase               time
+==================  ======================================================================================
+``data_wait``       inside the trainer's fetch of the step's batches (``get_batch_samples``: the whole
+                    accumulation window, fetched before ``on_step_begin``), clocked
+``generation``      GRPO rollouts: inside TRL's ``_generate`` (HF ``generate``, vLLM server or colocate, weight
+                    syncs to vLLM included), else inside ``model.generate``
+``compute``         the rest of the step, from ``on_step_begin`` to ``on_step_end``: forward, backward,
+                    optimizer (and the meter's one synchronize)
+``recompute``       forwards the gradient checkpointing runs again during the backward (CPU: each part of a
+                    checkpointed layer run again, timed as its first forward in the micro-batch was;
+                    elsewhere left in ``compute``)
+``eval``            inside the trainer's ``evaluate`` (its callbacks and its log excepted)
+``save``            inside the trainer's checkpoint save (its callbacks excepted)
+``log``             inside the trainer's ``log`` and the events of transformers', TRL's and the reporters' own
+                    callbacks (progress bar, flow, TensorBoard…)
+``own_callbacks``   the events of this package's callbacks (memory sampling, cache clears, the meter)
+``user_callbacks``  the events of every other callback (the user's)
+``unexplained``     time outside a step that no clock above measured (never given to a phase)
+==================  ======================================================================================
+
+The clocks are regions (:meth:`StepTimeline.enter`, :meth:`StepTimeline.leave`) counted exclusively: a region's
+time excludes the regions opened inside it (a callback's ``on_log`` inside ``log`` is the callback's, a log inside
+``evaluate`` is ``log``). Every figure of a step covers one interval, from the previous step's end to this step's end,
+so the time after a step (its log, evaluation, save, the callbacks' ``on_step_end``) is on the next step's line and
+the time after the last step is the run's *tail* (:meth:`StepTimeline.tail`, the meter's summary). The phases sum to
+the wall time. A caller without clocks (``mark``, ``step_begin``'s ``overhead``) gets the older split: ``mark``
+books the time since the last event as eval or save.
 
 Training time of a step excludes eval and save. Warmup is detected on cycles of ``period`` steps (GRPO generates
 every ``period`` optimizer steps; 1 otherwise), on the **work** of a cycle: its wall time (``work="wall"``), or on
@@ -56,6 +84,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from . import keys
+from .keys import CLOCKED_PHASES
 from .runlog import PHASES
 from .stats import SlowStart, WarmupDetector, WindowedRate, classify_slow_steps, median
 from .validation import check_number
@@ -76,6 +105,11 @@ class StepRecord:
     tokens: float = 0.0
     steady: bool = False
     cpu: float | None = None   # process CPU seconds since the previous step ended (all threads), when measured
+    log: float = 0.0
+    own_callbacks: float = 0.0
+    user_callbacks: float = 0.0
+    recompute: float = 0.0
+    unexplained: float = 0.0
 
     @property
     def train_cpu(self) -> float | None:
@@ -138,6 +172,7 @@ class StepTimeline:
         self.rate = WindowedRate(self.window_steps, period)
         self.train_rate = WindowedRate(self.window_steps, period)   # tokens per second outside generation
         self.last_mark = self.prev_end = t
+        self.regions: list[str] = []          # clocked regions open now, innermost last
         self.step_begin_at: float | None = None
         self.step_phases = dict.fromkeys(PHASES, 0.0)        # seconds per phase of the step in progress
         self.cycle: list[StepRecord] = []
@@ -172,37 +207,90 @@ class StepTimeline:
         return self.work == "cpu" and self.decided_at is not None
 
     # ------------------------------------------------------------ events
+    def _charge(self, t: float) -> None:
+        """The time since the last event goes to the innermost open region, else to ``compute`` inside a step and
+        ``unexplained`` outside one."""
+        phase = self.regions[-1] if self.regions else "compute" if self.step_begin_at is not None else "unexplained"
+        self.step_phases[phase] += max(0.0, t - self.last_mark)
+        self.last_mark = max(self.last_mark, t)
+
+    def enter(self, phase: str, t: float) -> None:
+        """A clocked region of ``phase`` (:data:`~hf_perf_callbacks.keys.CLOCKED_PHASES`) begins at ``t``."""
+        if phase not in CLOCKED_PHASES:
+            raise ValueError(f"phase={phase!r} is not allowed: expected one of {', '.join(CLOCKED_PHASES)}")
+        self._charge(t)
+        self.regions.append(phase)
+
+    def leave(self, phase: str, t: float) -> None:
+        """The innermost open region of ``phase`` ends at ``t`` (one never entered is ignored)."""
+        self._charge(t)
+        for i in range(len(self.regions) - 1, -1, -1):
+            if self.regions[i] == phase:
+                del self.regions[i]
+                break
+
     def step_begin(self, t: float, overhead: float = 0.0) -> None:
-        """A step begins at ``t``; ``overhead`` seconds since the last mark were callbacks' work, not data wait."""
-        self.step_phases["data_wait"] += max(0.0, t - self.last_mark - overhead)
-        self.step_begin_at = self.last_mark = t
+        """A step begins at ``t``; ``overhead`` seconds of the unclocked time since the last event were the
+        package's callbacks' work (a caller without callback clocks), not unexplained."""
+        self._charge(t)
+        moved = min(max(0.0, overhead), self.step_phases["unexplained"])
+        self.step_phases["unexplained"] -= moved
+        self.step_phases["own_callbacks"] += moved
+        self.step_begin_at = t
 
     def mark(self, phase: str, t: float) -> None:
-        """Eval or save ended at ``t``: the time since the previous mark was that phase."""
+        """Eval or save ended at ``t``, unclocked: the time since the last event was that phase."""
         if phase not in ("eval", "save"):
             raise ValueError(f"phase={phase!r} is not allowed: expected 'eval' or 'save'")
         self.step_phases[phase] += max(0.0, t - self.last_mark)
-        self.last_mark = t
+        self.last_mark = max(self.last_mark, t)
 
     def add_generation(self, seconds: float) -> None:
         if self.step_begin_at is not None:   # generation during eval belongs to eval
             self.step_phases["generation"] += seconds
 
+    def add_recompute(self, seconds: float) -> None:
+        """``seconds`` of the step's compute were forwards run again by gradient checkpointing."""
+        if self.step_begin_at is not None:
+            self.step_phases["recompute"] += seconds
+
+    def _take_phases(self, t: float) -> tuple[float, dict[str, float]]:
+        """(wall, phases) of the interval from the previous step's end to ``t``; the next interval starts at ``t``
+        (open regions go on in it)."""
+        self._charge(t)
+        wall = max(0.0, t - self.prev_end)
+        p = self.step_phases
+        generation = min(p["generation"], p["compute"])     # generate ran inside the step's compute time
+        p["compute"] -= generation
+        p["generation"] = generation
+        recompute = min(p["recompute"], p["compute"])     # so did the recompute
+        p["compute"] -= recompute
+        p["recompute"] = recompute
+        self.step_phases = dict.fromkeys(PHASES, 0.0)
+        self.last_mark = self.prev_end = t
+        return wall, p
+
     def measure(self, step: int, t: float, cpu: float | None = None) -> StepRecord:
         """The step ended at ``t`` (``cpu``: the process CPU clock then): its local durations (tokens come with
         :meth:`commit`)."""
-        wall = max(0.0, t - self.prev_end)
-        p = self.step_phases
-        compute = max(0.0, wall - p["data_wait"] - p["generation"] - p["eval"] - p["save"])
-        record = StepRecord(step, wall, wall - p["eval"] - p["save"], p["data_wait"], p["generation"], compute,
-                            p["eval"], p["save"])
+        wall, p = self._take_phases(t)
+        record = StepRecord(step, wall, wall - p["eval"] - p["save"], p["data_wait"], p["generation"], p["compute"],
+                            p["eval"], p["save"], log=p["log"], own_callbacks=p["own_callbacks"],
+                            user_callbacks=p["user_callbacks"], recompute=p["recompute"], unexplained=p["unexplained"])
         if cpu is not None and self.prev_cpu is not None:
             record.cpu = max(0.0, cpu - self.prev_cpu)
         self.prev_cpu = cpu
-        self.step_phases = dict.fromkeys(PHASES, 0.0)
-        self.last_mark = self.prev_end = t
         self.step_begin_at = None
         return record
+
+    def tail(self, t: float) -> tuple[float, dict[str, float]]:
+        """The run's time after its last step up to ``t`` (the last log, evaluation and save): (wall, phases), added
+        to the run's phase totals; no step."""
+        wall, p = self._take_phases(t)
+        self.step_begin_at = None
+        for phase, seconds in p.items():
+            self.phase_totals[phase] += seconds
+        return wall, p
 
     def commit(self, record: StepRecord, tokens: float, train_seconds: float | None = None) -> StepRecord:
         """Account a measured step with its (global) tokens; ``train_seconds`` overrides the local figure

@@ -8,7 +8,9 @@ from collections.abc import Mapping
 
 #: what each phase of a step's wall time is, in words (keys: :data:`hf_perf_callbacks.runlog.PHASES`)
 PHASE_WORDS = {"data_wait": "waiting for data", "generation": "generation", "compute": "forward/backward/optimizer",
-               "eval": "evaluation", "save": "saving"}
+               "eval": "evaluation", "save": "saving", "log": "logging", "own_callbacks": "this package's callbacks",
+               "user_callbacks": "other callbacks", "recompute": "recompute (gradient checkpointing)",
+               "unexplained": "unexplained"}
 
 #: what the tuner attached to a plain ``trainer.train()`` says once (console and perf log), and the report with it
 TUNER_NEEDS_TRAIN_WITH_TUNING = (

@@ -131,6 +131,8 @@ class _Run:
         ranked, generation, warm = self.seconds(split, step)
         stall = p.contention.get(step, 0.0)
         begin = self.t + p.data_wait_sec
+        tl.enter("data_wait", self.t)
+        tl.leave("data_wait", begin)
         tl.step_begin(begin)
         tl.add_generation(generation)
         end = begin + generation + ranked + warm + stall

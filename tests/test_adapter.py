@@ -572,3 +572,39 @@ def test_a_batch_watcher_can_leave_a_fetched_step_untrained_and_the_loop_ends_th
     assert "get_batch_samples" in trainer.__dict__          # the second watcher still watches
     undo_second()
     assert "get_batch_samples" not in trainer.__dict__
+
+def test_the_phase_clocks_name_what_they_wrap(tokenizer, tmp_path):
+    """:func:`adapter.clock_trainer` wraps ``Trainer._save_checkpoint`` (private: what
+    ``_maybe_log_save_evaluate`` calls for a save, before ``on_save``) and three public methods, undone to what was
+    there before; :func:`adapter.time_callbacks` dispatches ``CallbackHandler.call_event`` (its loop over
+    ``handler.callbacks``) once per callback, chaining ``control`` as transformers does."""
+    assert_present("self._save_checkpoint(model, trial)" in inspect.getsource(Trainer._maybe_log_save_evaluate),
+                   "Trainer._maybe_log_save_evaluate calling self._save_checkpoint(model, trial)")
+    assert_present("for callback in self.callbacks:" in inspect.getsource(CallbackHandler.call_event),
+                   "CallbackHandler.call_event looping over self.callbacks")
+    seen: list = []
+
+    class Marker(transformers.TrainerCallback):
+        def on_log(self, args, state, control, **kwargs):
+            seen.append(("marker", "on_log"))
+
+    trainer = make_trainer(tokenizer, tmp_path, [Marker()], max_steps=2, bs=2, ga=1,
+                           extra={"save_strategy": "steps", "save_steps": 2})
+    before = trainer.__dict__.get("log")
+    undo_trainer = adapter.clock_trainer(trainer, lambda p: seen.append(("enter", p)),
+                                         lambda p: seen.append(("leave", p)))
+    undo_handler = adapter.time_callbacks(trainer.callback_handler,
+                                          lambda cb, e: seen.append(("start", type(cb).__name__, e)),
+                                          lambda cb, e: seen.append(("end", type(cb).__name__, e)))
+    callbacks = trainer.callback_handler.callbacks
+    trainer.train()
+    assert trainer.callback_handler.callbacks == callbacks            # the list is the handler's again
+    phases = {x[1] for x in seen if x[0] == "enter"}
+    assert phases == {"data_wait", "log", "save"}                      # no evaluation in this run
+    assert ("start", "Marker", "on_log") in seen and seen.index(("marker", "on_log")) \
+        == seen.index(("start", "Marker", "on_log")) + 1
+    assert not any(x[0] == "start" and x[2] == "on_train_begin" for x in seen)   # dispatched whole
+    undo_trainer()
+    undo_handler()
+    assert trainer.__dict__.get("log") is before and "call_event" not in trainer.callback_handler.__dict__
+    assert "_save_checkpoint" not in trainer.__dict__ and "get_batch_samples" not in trainer.__dict__

@@ -281,6 +281,17 @@ def test_most_completions_cut_off_is_a_finding_naming_the_limit_and_the_masking(
     assert near_the_wall.setting == {"mask_truncated_completions": True}
 
 
+def test_a_raised_completion_limit_is_sized_from_the_lengths_observed():
+    """94% of completions cut at 8 tokens, the 6% that ended averaging 7: spread evenly from 6 to 8 and growing at
+    that rate, 95% end by 6 + 0.95 × 2 / 0.06 ≈ 38 tokens, so 64, not twice the limit (16 left 94% cut)."""
+    m = healthy(max_completion_length=8, completion_mean=8.0, completion_max=8.0, completion_p90=8.0,
+                clipped_ratio=0.94, completion_terminated_mean=7.0)
+    f = only(m)
+    assert f.rule == "completion_budget" and f.setting == {"max_completion_length": 64}
+    unseen = only(dataclasses.replace(m, completion_terminated_mean=None))     # nothing ended: a guess, said so
+    assert unseen.setting == {"max_completion_length": 16} and "a guess" in unseen.recommendation
+
+
 def test_memory_pressure_swapping_on_a_mac():
     # field report: a 3B + LoRA Wordle GRPO run on a Mac went from ~40 s to 226 s per iteration while swapping
     f = only(healthy(device_type="mps", mfu=None, decode_bandwidth_util=None, micro_batch=2, grad_accum=1,
@@ -571,7 +582,7 @@ def test_rules_list_is_complete_and_pure():
     from hf_perf_callbacks.report.model import CARDS
 
     names = [r.__name__.removeprefix("rule_") for r in RULES]
-    assert len(names) == len(set(names)) == 17 and set(names) == set(CARDS)
+    assert len(names) == len(set(names)) == 20 and set(names) == set(CARDS)
     assert all(card.finding or card.note for card in CARDS.values())
     m = healthy(phases={"data_wait": 0.5, "compute": 0.5})
     before = dataclasses.replace(m, phases=dict(m.phases))

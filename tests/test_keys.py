@@ -26,6 +26,7 @@ LOGGED = {
     "MEM_SWAPOUTS": "mem/swapouts",
     "MEM_SWAP_USED_GB": "mem/swap_used_gb",
     "MEM_SYSTEM_AVAILABLE_GB": "mem/system_available_gb",
+    "PERF_CALLBACK_SEC": "perf/callback_sec/",
     "PERF_CPU_SEC": "perf/cpu_sec",
     "PERF_COMPLETION_TOKENS": "perf/completion_tokens",
     "PERF_CPU_TIME_RATIO": "perf/cpu_time_ratio",
@@ -69,7 +70,8 @@ def test_the_logged_names_stay():
 
 
 def test_the_phase_keys_follow_the_phases():
-    assert keys.PHASES == ("data_wait", "generation", "compute", "eval", "save")
+    assert keys.PHASES == ("data_wait", "generation", "compute", "eval", "save", "log", "own_callbacks",
+                           "user_callbacks", "recompute", "unexplained")
     assert keys.PERF_PHASE_SHARE == {p: f"perf/phase/{p}" for p in keys.PHASES}
     assert keys.PERF_PHASE_SEC == {p: f"perf/phase_sec/{p}" for p in keys.PHASES}
 

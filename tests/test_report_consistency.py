@@ -187,6 +187,58 @@ def check_counts(summary: str, report: str, evidence: dict) -> None:
         assert int(n) == len(rewards)
 
 
+def phase_seconds(evidence: dict) -> tuple[dict[str, float], float]:
+    """Seconds per phase and the wall seconds of the run: the step lines' and the meter's tail after the last step."""
+    tail = (evidence["summaries"].get("perf") or {}).get("tail_phase_sec") or {}
+    lines = evidence["steps"]
+    sec = {p: sum(s.get(keys.PERF_PHASE_SEC[p], 0.0) for s in lines) + tail.get(p, 0.0) for p in keys.PHASES}
+    return sec, sum(s.get(keys.PERF_STEP_WALL_SEC, 0.0) for s in lines) + sum(tail.values())
+
+
+def check_phases(summary: str, report: str, evidence: dict) -> int:
+    """Every phase figure printed (the time split's shares, the seconds the phase rules and the evaluation rule
+    print) recomputed from the step lines' ``perf/phase_sec/*`` and the tail; every step line's phases sum to its
+    wall time. Returns the figures checked."""
+    from hf_perf_callbacks.wording import PHASE_WORDS
+
+    checked = 0
+    for line in evidence["steps"]:
+        if all(keys.PERF_PHASE_SEC[p] in line for p in keys.PHASES):
+            total = sum(line[keys.PERF_PHASE_SEC[p]] for p in keys.PHASES)
+            assert total == pytest.approx(line[keys.PERF_STEP_WALL_SEC], rel=1e-6, abs=1e-6), line["step"]
+    sec, wall = phase_seconds(evidence)
+    words = {w: p for p, w in PHASE_WORDS.items()}
+    split = re.search(r"time split: (.+)", summary)
+    if split and wall > 0 and split[1] != "n/a":
+        for part in split[1].split(", "):
+            name, share = part.rsplit(" ", 1)
+            assert share == format(sec[words[name]] / wall, ".1%"), (part, sec[words[name]] / wall)
+            checked += 1
+    one = r"([\d.]+)"
+    saves = [s for s in evidence["steps"] if s.get(keys.PERF_PHASE_SEC["save"], 0.0) > 0]
+    tail = (evidence["summaries"].get("perf") or {}).get("tail_phase_sec") or {}
+    for n, save, total in re.findall(rf"(\d+) checkpoint saves \(every \d+ steps?\) took {one} s of the run's "
+                                     rf"{one} s wall time", report):
+        assert int(n) == len(saves) + (tail.get("save", 0.0) > 0)
+        assert (save, total) == (format(sec["save"], ".1f"), format(wall, ".1f"))
+        checked += 1
+    for user, log, total in re.findall(rf"other than the package's took {one} s and the trainer's logging {one} s "
+                                       rf"of the {one} s wall time", report):
+        assert (user, log, total) == (format(sec["user_callbacks"], ".1f"), format(sec["log"], ".1f"),
+                                      format(wall, ".1f"))
+        checked += 1
+    for recompute, total in re.findall(rf"forwards for {one} s of the {one} s wall time", report):
+        assert (recompute, total) == (format(sec["recompute"], ".1f"), format(wall, ".1f"))
+        checked += 1
+    evals = [s for s in evidence["steps"] if s.get(keys.PERF_PHASE_SEC["eval"], 0.0) > 0]
+    for n, seconds, total in re.findall(rf"(\d+) evaluations \(every \d+ steps?\) took {one} s of the run's "
+                                        rf"{one} s wall time", report):
+        assert int(n) == len(evals) + (tail.get("eval", 0.0) > 0)
+        assert (seconds, total) == (format(sec["eval"], ".1f"), format(wall, ".1f"))
+        checked += 1
+    return checked
+
+
 def check_fine(report: str, console: str, evidence: dict) -> None:
     """Each "checked and fine" has its evidence on this run."""
     fine = report.split("## Checked and fine")[1] if "## Checked and fine" in report else ""
@@ -209,6 +261,8 @@ def check_fine(report: str, console: str, evidence: dict) -> None:
             assert any("log/completions/max_length" in s for s in evidence["steps"])
         elif title == "Padding":
             assert any(keys.PERF_PAD_FRACTION in s for s in evidence["steps"])
+        elif title.startswith("Gradient checkpointing kept"):
+            assert phase_seconds(evidence)[0]["recompute"] > 0
         else:
             raise AssertionError(f"a fine without a check here: {title}")
 
@@ -258,6 +312,7 @@ def check_report(output_dir: str) -> int:
         assert over and steps_of(over[2]) == steady
     check_counts(summary, report, evidence)
     check_fine(report, console, evidence)
+    check_phases(summary, report, evidence)
     return check_trials(texts, evidence)
 
 
@@ -325,3 +380,35 @@ def test_a_real_tuning_run_agrees_with_its_files(tokenizer, tmp_path):
     decision = read_split_file(str(tmp_path)).last("tune")
     assert decision is not None and sum(bool(t.samples) for t in decision.trials) >= 2
     assert check_report(str(tmp_path)) >= 4
+
+
+def test_a_real_run_with_every_phase_agrees_with_its_files(tokenizer, tmp_path):
+    """A real run with a costly callback at every log, a slow checkpoint save on every step and an evaluation after
+    the last step: every phase figure the report prints recomputes from its perf log."""
+    from transformers import Trainer, TrainerCallback
+
+    from hf_perf_callbacks import ThroughputMeter
+    from tests.conftest import PlantedClock, make_trainer
+
+    clock = PlantedClock()
+
+    class CostlyOnLog(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            clock.spend(30.0)
+
+    class SlowSave(Trainer):
+        def save_model(self, *args, **kwargs):
+            clock.spend(40.0)
+            return super().save_model(*args, **kwargs)
+
+    make_trainer(tokenizer, tmp_path, [ThroughputMeter(clock=clock, warmup_window=2, max_warmup_steps=2),
+                                       CostlyOnLog()], max_steps=6, bs=2, ga=1, trainer_cls=SlowSave,
+                 with_eval=True, extra={"save_strategy": "steps", "save_steps": 1, "save_total_limit": 1,
+                                        "eval_strategy": "steps", "eval_steps": 3}).train()
+    check_report(str(tmp_path))
+    evidence = raw(str(tmp_path))
+    run = read_run(str(tmp_path))
+    with contextlib.redirect_stdout(io.StringIO()):
+        write_analysis(run)
+    report = open(os.path.join(str(tmp_path), "perf_report.md"), encoding="utf-8").read()
+    assert check_phases(summarize(run), report, evidence) >= 5       # the split, saving, callbacks, evaluation

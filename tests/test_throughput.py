@@ -135,8 +135,10 @@ def test_resume_restores_counters_and_first_window_does_not_spike(tokenizer, tmp
 
 
 def test_the_callbacks_own_time_between_steps_is_not_data_wait(tokenizer, tmp_path):
-    """Work a callback of the package does after a step (memory sampling, a cache clear: here 100 planted seconds)
-    is overhead, not waiting for data; the same work in a foreign callback stays in the data-wait phase."""
+    """Work a callback does after a step (here 100 planted seconds in ``on_step_end``) is that callback's phase, never
+    waiting for data: the package's own callbacks' under ``own_callbacks``, a foreign one's under ``user_callbacks``
+    with its class and event named (the user's callbacks alone are named by class); the step lines' phases sum to
+    their wall time, and the work after the last step is the run's tail (the summary's)."""
     from transformers import TrainerCallback
 
     from hf_perf_callbacks.base import PerfCallback
@@ -151,14 +153,23 @@ def test_the_callbacks_own_time_between_steps_is_not_data_wait(tokenizer, tmp_pa
         def on_step_end(self, args, state, control, **kwargs):
             clock.spend(100.0)
 
-    waits = []
-    for slow in (SlowOwn(clock=clock), SlowForeign()):
+    for slow, phase in ((SlowOwn(clock=clock), "own_callbacks"), (SlowForeign(), "user_callbacks")):
         meter = ThroughputMeter(clock=clock)
-        make_trainer(tokenizer, tmp_path / type(slow).__name__, [meter, slow], max_steps=6, bs=2, ga=1).train()
+        out = tmp_path / type(slow).__name__
+        make_trainer(tokenizer, out, [meter, slow], max_steps=6, bs=2, ga=1).train()
+        s = meter.summary
         assert meter.timeline.steps == 6
-        waits.append(meter.timeline.phase_totals["data_wait"])
-    own, foreign = waits
-    assert foreign >= 5 * 100.0 and own < 0.1 * foreign     # the work after step 6 precedes no step
+        assert s["phase_sec"][phase] >= 6 * 100.0 and s["phase_sec"]["data_wait"] < 1.0
+        assert s["tail_phase_sec"][phase] >= 100.0                 # the work after step 6 precedes no step
+        named = s["callback_sec"].get(type(slow).__name__, {}).get("on_step_end", 0.0)   # the user's, by class
+        assert named >= 6 * 100.0 if phase == "user_callbacks" else named == 0.0
+        lines = perf_lines(out)
+        for line in lines:
+            phases = sum(line[keys.PERF_PHASE_SEC[p]] for p in keys.PHASES)
+            assert phases == pytest.approx(line[keys.PERF_STEP_WALL_SEC], rel=1e-6, abs=1e-6)
+        assert all(line[keys.PERF_PHASE_SEC[phase]] >= 100.0 for line in lines[1:])
+        assert all(line.get(keys.PERF_CALLBACK_SEC + type(slow).__name__, 0.0) >= 100.0 for line in lines[1:]) \
+            == (phase == "user_callbacks")
 
 
 class PlantedLoad:

@@ -5,8 +5,10 @@ from hf_perf_callbacks.timeline import StepTimeline
 
 
 def run_step(tl, step, t, *, wait=0.0, gen=0.0, compute=1.0, tokens=100, eval_s=0.0, save_s=0.0):
-    """Drive one optimizer step starting at time t; returns (record, end time)."""
+    """Drive one optimizer step starting at time t (its batches clocked as data wait); returns (record, end time)."""
+    tl.enter("data_wait", t)
     t += wait
+    tl.leave("data_wait", t)
     tl.step_begin(t)
     tl.add_generation(gen)
     t += gen + compute

@@ -352,6 +352,8 @@ def completion_stats(history: list[dict[str, Any]]) -> dict[str, float | None]:
 
     means, maxes, clipped = (values(k) for k in ("completions/mean_length", "completions/max_length",
                                                   "completions/clipped_ratio"))
+    ended = [v for v in values("completions/mean_terminated_length") if v > 0]    # TRL: the finished completions'
     return {"mean": sum(means) / len(means) if means else None, "max": max(maxes, default=None),
+            "terminated_mean": sum(ended) / len(ended) if ended else None,
             "p90": quantile(maxes, 0.9) if maxes else None,
             "clipped": sum(clipped) / len(clipped) if clipped else None, "logs": len(means)}

@@ -202,6 +202,14 @@ class Measurements:
     weight_syncs: int = 0                    # steps that synced weights
     reward_share: float | None = None        # Σ perf/reward_sec / Σ step wall time
     rollout_tokens_per_sec: float | None = None   # median of the steady steps' perf/rollout_tokens_per_sec
+    phase_sec: dict[str, float] = field(default_factory=dict)   # seconds per phase: the step lines and the tail
+    wall_sec: float | None = None            # Σ the step lines' wall seconds and the tail's: what phase_sec sums to
+    saves: int = 0                           # checkpoint saves measured (step lines with save seconds, the tail's)
+    training_logs: int = 0                   # training logs written (step lines with the trainer's loss)
+    callback_sec: dict[str, dict[str, float]] = field(default_factory=dict)   # callback class → event → seconds
+    trainer_settings: dict[str, Any] = field(default_factory=dict)   # the run header's trainer_settings
+    recompute_clocked: bool = False          # the recompute phase was clocked (else it is inside compute)
+    completion_terminated_mean: float | None = None   # mean length of the completions that ended before the limit
 
 
 @dataclass

@@ -12,10 +12,19 @@ from typing import Any
 
 from .. import keys
 from ..dataloader import dataloader_facts
-from ..runlog import ReadStep, RunHeader, RunLog, conform, number, read_run
+from ..runlog import PHASES, ReadStep, RunHeader, RunLog, conform, number, read_run
 from ..splitfile import SplitFile, read_split_file
 from ..stats import classify_slow_steps, quantile
-from .figures import Figures, completion_stats, figures, finite, last_value, train_column, trainer_logs
+from .figures import (
+    Figures,
+    _steady,
+    completion_stats,
+    figures,
+    finite,
+    last_value,
+    train_column,
+    trainer_logs,
+)
 from .model import (
     CONTENTION_RATIO,
     CONTENTION_SHARE,
@@ -104,14 +113,16 @@ def _no_signal(logs: list[dict[str, Any]]) -> tuple[int, int, float | None]:
 
 
 def _timed_rows(run_log: RunLog) -> tuple[list[int], list[float], list[float]]:
-    """The lines with both a wall and a CPU time: (their indices, wall seconds — the window's for a log without the
-    step's own —, CPU seconds)."""
+    """The lines with both a wall and a CPU time and no checkpoint save (a save's disk time is wall time without
+    CPU time, not other processes): (their indices, wall seconds — the window's for a log without the step's own —,
+    CPU seconds)."""
     col = run_log.column
     wall_col, window_col, cpu_col = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_STEP_TIME), col(keys.PERF_CPU_SEC)
+    save_col = col(keys.PERF_PHASE_SEC["save"])
     rows, walls, cpus = [], [], []
-    for i, (w, x, c) in enumerate(zip(wall_col, window_col, cpu_col)):
+    for i, (w, x, c, saved) in enumerate(zip(wall_col, window_col, cpu_col, save_col)):
         w = w if w == w and w else x
-        if w == w and c == c and w > 0 and c > 0:
+        if w == w and c == c and w > 0 and c > 0 and not saved > 0:
             rows.append(i)
             walls.append(w)
             cpus.append(c)
@@ -122,15 +133,15 @@ def _slow_steps(run_log: RunLog, f: Figures, rows: list[int], walls: list[float]
                 cpus: list[float]) -> tuple[list[tuple[int, float, float]], float, str, float]:
     """(the slow steps as (line, wall, CPU), the seconds lost, where that figure comes from, the steady steps'
     wall/CPU ratio): the meter's figure and its steps when it has them, else the step lines' classification."""
-    steady_flags = run_log.column(keys.PERF_STEADY)
-    steady = [(w, c) for i, w, c in zip(rows, walls, cpus) if steady_flags[i] == 1] or list(zip(walls, cpus))
+    steady_set, numbers = set(_steady(run_log)), run_log.step_numbers()
+    steady = [(w, c) for i, w, c in zip(rows, walls, cpus) if numbers[i] in steady_set] or list(zip(walls, cpus))
     wall0, cpu0 = statistics.median(w for w, _ in steady), statistics.median(c for _, c in steady)
     split = classify_slow_steps(walls, cpus, wall0, cpu0, tolerance=0.2)
     slow = [(i, w, c) for i, w, c, label in zip(rows, walls, cpus, split.labels) if label == "contention"]
     if f.contention_sec is None:
         return slow, split.contention_sec, "step lines", wall0 / cpu0
     if f.contention_steps:                                  # the meter's figure; its steps when it lists them
-        numbers, wanted = run_log.step_numbers(), set(f.contention_steps)
+        wanted = set(f.contention_steps)
         slow = [(i, w, c) for i, w, c in zip(rows, walls, cpus) if numbers[i] in wanted]
     return slow, f.contention_sec, "meter", wall0 / cpu0
 
@@ -166,15 +177,48 @@ def _contention(run_log: RunLog, f: Figures) -> Contention | None:
                       steady_wall_over_cpu=ratio, other_cores=max(others) if others else None)
 
 
+def _tail(run_log: RunLog) -> dict[str, float]:
+    """The meter's seconds per phase after the last step (its summary's ``tail_phase_sec``: the last log, evaluation
+    and save), {} without it."""
+    tail = run_log.summary("perf").get("tail_phase_sec")
+    return {str(k): float(v) for k, v in tail.items() if number(v) is not None} if isinstance(tail, dict) else {}
+
+
+def _phase_readings(run_log: RunLog) -> dict[str, Any]:
+    """The run's seconds per phase (the step lines' ``perf/phase_sec/*`` and the tail), its wall seconds, the saves
+    and training logs counted, the seconds of each callback class (the summary's ``callback_sec``, else the step
+    lines' ``perf/callback_sec/*``), the trainer's settings of those phases."""
+    col, tail = run_log.column, _tail(run_log)
+    phase_sec = {p: sum(finite(col(keys.PERF_PHASE_SEC[p]))) + tail.get(p, 0.0) for p in PHASES}
+    wall = sum(finite(col(keys.PERF_STEP_WALL_SEC))) + sum(tail.values())
+    saves = sum(1 for v in col(keys.PERF_PHASE_SEC["save"]) if v > 0) + (tail.get("save", 0.0) > 0)
+    perf = run_log.summary("perf")
+    callbacks = perf.get("callback_sec")
+    if isinstance(callbacks, dict) and all(isinstance(v, dict) for v in callbacks.values()):
+        callback_sec = {str(k): {str(e): float(x) for e, x in v.items() if number(x) is not None}
+                        for k, v in callbacks.items()}
+    else:
+        callback_sec = {k.removeprefix(keys.PERF_CALLBACK_SEC): {"all events": sum(finite(col(k)))}
+                        for k in sorted(run_log.keys_logged()) if k.startswith(keys.PERF_CALLBACK_SEC)}
+    settings = run_log.header("perf").trainer_settings
+    return {"phase_sec": phase_sec, "wall_sec": wall or None, "saves": int(saves),
+            "training_logs": sum(1 for v in col(keys.TRAINER_LOG + "loss") if v == v),
+            "callback_sec": callback_sec, "trainer_settings": dict(settings or {}),
+            "recompute_clocked": perf.get("recompute_clocked") is True}
+
+
 def _evaluation(run_log: RunLog, train_sec: float) -> Evaluation | None:
-    """The run's evaluations as measured on its step lines (``perf/phase_sec/eval`` > 0): how many, every how many
-    steps (the median gap), their seconds, the run's wall and training seconds and evaluation's share of the wall
-    time; None without any."""
+    """The run's evaluations as measured on its step lines (``perf/phase_sec/eval`` > 0) and after its last step
+    (the meter's tail): how many, every how many steps (the median gap), their seconds, the run's wall and training
+    seconds and evaluation's share of the wall time; None without any."""
     numbers = run_log.step_numbers()
+    tail = _tail(run_log)
     at = [(numbers[i], v) for i, v in enumerate(run_log.column(keys.PERF_PHASE_SEC["eval"])) if v == v and v > 0]
+    if numbers and tail.get("eval", 0.0) > 0:              # after the last step: the line the next step would have
+        at.append((numbers[-1] + 1, tail["eval"]))
     if not at:
         return None
-    wall = sum(finite(run_log.column(keys.PERF_STEP_WALL_SEC)))
+    wall = sum(finite(run_log.column(keys.PERF_STEP_WALL_SEC))) + sum(tail.values())
     gaps = [b - a for (a, _), (b, _) in zip(at, at[1:])]
     every = int(statistics.median(gaps)) if gaps else max(1, len(numbers))
     eval_sec = sum(v for _, v in at)
@@ -266,7 +310,8 @@ def _cores_and_threads(run_log: RunLog, header: RunHeader, rows: list[int], load
 def _cycles(run_log: RunLog, rows: list[int], period: int) -> list[Cycle]:
     """The whole cycles of ``period`` steps among ``rows`` (GRPO counts a cycle's tokens at its start)."""
     col = run_log.column
-    numbers, steady_flags, tokens = run_log.step_numbers(), col(keys.PERF_STEADY), col(keys.PERF_TOKENS)
+    numbers, tokens = run_log.step_numbers(), col(keys.PERF_TOKENS)
+    steady_set = set(_steady(run_log))
     walls, cpus = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_CPU_SEC)
     cycles: list[Cycle] = []
     current: int | None = None
@@ -280,7 +325,7 @@ def _cycles(run_log: RunLog, rows: list[int], period: int) -> list[Cycle]:
         if i >= 0:
             t = tokens[i]
             acc = (acc[0] + 1, acc[1] + walls[i], acc[2] + cpus[i], acc[3] + (t if t == t else 0.0),
-                   acc[4] and steady_flags[i] == 1)
+                   acc[4] and numbers[i] in steady_set)
     return cycles
 
 
@@ -348,9 +393,11 @@ def _skipped(run_log: RunLog) -> list[str]:
 
 
 def _steady_values(run_log: RunLog, key: str) -> Iterator[float]:
-    """The finite numbers under ``key`` on the steady lines (every line when none is steady), one at a time."""
-    flags = run_log.column(keys.PERF_STEADY)
-    steady_at = [i for i, v in enumerate(flags) if v == 1] or list(range(len(flags)))
+    """The finite numbers under ``key`` on the steady lines — the steps the meter's final warmup decision counts
+    steady (:func:`~.figures.steady_steps`), not the lines' ``perf/steady`` flag written before it — (every line when
+    none is steady), one at a time."""
+    steady_set, numbers = set(_steady(run_log)), run_log.step_numbers()
+    steady_at = [i for i, n in enumerate(numbers) if n in steady_set] or list(range(len(numbers)))
     column = run_log.column(key)
     return (v for v in (column[i] for i in steady_at) if v == v)
 
@@ -441,6 +488,7 @@ def _trainer_readings(run_log: RunLog, grpo: bool) -> dict[str, Any]:
     n_logs, no_signal_run, reward_mean = _no_signal(logs)
     return {"completion_mean": completion["mean"], "completion_max": completion["max"],
             "completion_p90": completion["p90"], "clipped_ratio": completion["clipped"],
+            "completion_terminated_mean": completion["terminated_mean"],
             "logs": n_logs, "no_signal_run": no_signal_run, "reward_mean": reward_mean,
             "rewards": _rewards(logs) if grpo else None, "trainer_log_source": source,
             "trainer_kind": _trainer_kind(logs) if not grpo else None}
@@ -494,7 +542,7 @@ def measurements(run_log: RunLog) -> Measurements:
         contention=_contention(run_log, f), machine=_machine(run_log, run, skipped),
         evaluation=_evaluation(run_log, train_sec), first_steady=_first_steady(run_log, f),
         launcher=_fact(run, "launcher", "str", skipped), logged=run_log.keys_logged(), skipped=skipped,
-        train_sec=train_sec or None, **_generation_readings(run_log, run, skipped))
+        train_sec=train_sec or None, **_generation_readings(run_log, run, skipped), **_phase_readings(run_log))
 
 
 def measurements_from_run(output_dir: str) -> Measurements:

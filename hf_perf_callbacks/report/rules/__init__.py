@@ -10,14 +10,15 @@ from ..model import CARDS, Finding, Measurements, Note
 from .grpo import rule_completion_budget, rule_generation_bound, rule_no_learning, rule_weight_sync
 from .machine import rule_contention, rule_oversubscription
 from .memory import rule_memory_pressure
+from .phases import rule_callbacks, rule_recompute, rule_saving
 from .run import rule_evaluation, rule_evidence, rule_log_fields, rule_tuner_hint, rule_tuning_cost, rule_warmup
 from .step import rule_duplicate_forward, rule_input_bound, rule_padding_waste, rule_small_micro_batch
 
 #: The one place to add a rule: each takes Measurements and returns a Finding, a Note or None.
 RULES: list[Callable[[Measurements], Finding | Note | None]] = [
-    rule_no_learning, rule_memory_pressure, rule_oversubscription, rule_contention, rule_evaluation,
-    rule_input_bound, rule_duplicate_forward, rule_padding_waste, rule_generation_bound, rule_weight_sync,
-    rule_tuning_cost,
+    rule_no_learning, rule_memory_pressure, rule_oversubscription, rule_contention, rule_evaluation, rule_saving,
+    rule_callbacks, rule_input_bound, rule_recompute, rule_duplicate_forward, rule_padding_waste,
+    rule_generation_bound, rule_weight_sync, rule_tuning_cost,
     rule_small_micro_batch, rule_tuner_hint, rule_completion_budget, rule_warmup, rule_evidence, rule_log_fields,
 ]
 _ORDER = {rule.__name__.removeprefix("rule_"): i for i, rule in enumerate(RULES)}

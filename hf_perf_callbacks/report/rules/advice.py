@@ -63,6 +63,25 @@ def _completion_target(m: Measurements) -> tuple[int, float, str] | None:
     return (new, basis, name) if new < limit else None
 
 
+def _raised_limit(m: Measurements, limit: int, clipped: float) -> tuple[int, str]:
+    """The ``max_completion_length`` the observed lengths call for when ``clipped`` of the completions reach
+    ``limit``, and how it was sized. The completions that ended (share 1 − clipped, mean length t — TRL's
+    ``completions/mean_terminated_length``) are taken as spread evenly from x0 = 2t − limit (at least 0) to the
+    limit, and the share ended by a length as growing on at that rate: it reaches 1 − :data:`CLIPPED_SMALL` at
+    x0 + (1 − CLIPPED_SMALL) × (limit − x0) / (1 − clipped); the next power of two at or above that (at least twice
+    the limit, at most 16 times). Without a completion that ended, no length beyond the limit was observed: twice
+    the limit, said to be a guess."""
+    ended, t = 1.0 - clipped, m.completion_terminated_mean
+    if ended <= 0 or t is None or not 0 < t <= limit:
+        return 2 * limit, (f"no completion ended before the limit, so no length beyond {limit} was observed: twice "
+                           "the limit is a guess")
+    x0 = max(0.0, 2 * t - limit)
+    need = x0 + (1 - CLIPPED_SMALL) * (limit - x0) / ended
+    new = min(16 * limit, max(2 * limit, _next_pow2(need)))
+    return new, (f"the {_pct(ended)} of completions that ended averaged {t:.1f} tokens; at that spread "
+                 f"{1 - CLIPPED_SMALL:.0%} end by ≈ {need:.0f} tokens (next power of two {new})")
+
+
 def _splits(m: Measurements) -> list[Split]:
     """Exact splits of this run's effective batch (GRPO: keeping the generation batch and whole prompt groups),
     largest micro-batch first; empty when the batch is unknown or the geometry is not a valid one."""

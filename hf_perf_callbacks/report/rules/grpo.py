@@ -17,6 +17,7 @@ from .advice import (
     _generation_batch,
     _pct,
     _phase,
+    _raised_limit,
     _under_pressure,
 )
 from .basis import _too_short
@@ -92,7 +93,8 @@ def rule_no_learning(m: Measurements) -> Finding | Note | None:
                  "or start where the model succeeds sometimes: an easier task or curriculum, or a model (or a short "
                  "supervised warm-start) that solves some prompts"]
         if clipped >= CLIPPED_LARGE and limit:         # no setting: a length cannot move a constant reward
-            items.append(f"then, if the answers need more room: `max_completion_length: {2 * limit}` (now {limit}; "
+            raised, _ = _raised_limit(m, limit, clipped)
+            items.append(f"then, if the answers need more room: `max_completion_length: {raised}` (now {limit}; "
                          f"{_pct(clipped)} of completions were cut at the limit) — a longer limit cannot make a "
                          f"reward that no completion moved vary by itself")
         title = "The run cannot learn: every completion got the same reward"
@@ -233,8 +235,9 @@ def _cut_off(m: Measurements, obs: str, limit: int, clipped: float) -> Finding:
     root = (f"{_pct(clipped)} of completions reached `max_completion_length` {limit} before the model ended them. A "
             "cut completion is scored on an unfinished answer (a missing closing tag or final answer usually scores "
             "0) and, unless masked, trained on as if it were complete.")
-    raise_it = (f"`max_completion_length: {2 * limit}` (now {limit}) if the answers need the room: each step then "
-                f"decodes up to twice as many tokens (slower) and holds a longer KV cache")
+    raised, sized = _raised_limit(m, limit, clipped)
+    raise_it = (f"`max_completion_length: {raised}` (now {limit}; {sized}) if the answers need the room: each step "
+                f"then decodes up to {raised / limit:.0f} times as many tokens (slower) and holds a longer KV cache")
     mask = ("`mask_truncated_completions: true`: cut completions are left out of the loss, so only finished answers "
             f"teach (with {_pct(clipped)} cut, few remain: raise the limit too)")
     headroom = (m.mem_high_water_gb is not None and m.mem_budget_gb
@@ -242,7 +245,7 @@ def _cut_off(m: Measurements, obs: str, limit: int, clipped: float) -> Finding:
     items = [raise_it, mask] if headroom else [mask, raise_it]
     items.append("or reward finishing within the budget (TRL's `get_soft_overlong_punishment`), or ask for shorter "
                  "answers in the prompt")
-    setting: Setting = {"max_completion_length": 2 * limit} if headroom else {"mask_truncated_completions": True}
+    setting: Setting = {"max_completion_length": raised} if headroom else {"mask_truncated_completions": True}
     return Finding("completion_budget", "Most completions are cut off at max_completion_length", obs, root,
                    _bullets(items), None, "no speed figure: a quality finding (a higher limit makes steps slower, "
                    "not faster)", "medium", setting, "try", None)

@@ -132,10 +132,17 @@ def _self_on_stack(cls: type) -> Any:
     return None
 
 
+def all_callbacks(handler: CallbackHandler | None) -> list:
+    """The handler's callbacks, all of them also while :func:`time_callbacks` dispatches an event to one at a time."""
+    if handler is None:
+        return []
+    return list(handler.__dict__.get("_hf_perf_all_callbacks") or handler.callbacks)
+
+
 def progress_bars(handler: CallbackHandler | None) -> list:
     """The tqdm training bars of the handler's progress callbacks (empty outside training or without tqdm)."""
     bars = []
-    for callback in handler.callbacks if handler is not None else ():
+    for callback in all_callbacks(handler):
         bar = getattr(callback, "training_bar", None) if isinstance(callback, ProgressCallback) else None
         if bar is not None:
             bars.append(bar)
@@ -153,7 +160,7 @@ def console_printers(handler: CallbackHandler | None) -> list:
         kinds += (NotebookProgressCallback,)
     except ImportError:                                 # no IPython: no notebook printer either
         pass
-    return [cb for cb in (handler.callbacks if handler is not None else ()) if isinstance(cb, kinds)]
+    return [cb for cb in all_callbacks(handler) if isinstance(cb, kinds)]
 
 
 # ---------------------------------------------------------------- trainer state between train() calls
@@ -583,20 +590,30 @@ def time_callbacks(handler: CallbackHandler, started: Callable[[Any, str], None]
         callbacks = handler.callbacks
         if event in WHOLE_EVENTS:
             return original(event, args, state, control, **kwargs)
-        for callback in list(callbacks):
-            alone = [callback]
-            handler.callbacks = alone
-            started(callback, event)
-            try:
-                control = original(event, args, state, control, **kwargs)
-            finally:
-                finished(callback, event)
-                if handler.callbacks is alone:
-                    handler.callbacks = callbacks
-                else:                             # the callback replaced the list: its list, then the others
-                    mine = list(handler.callbacks)
-                    callbacks = mine + [c for c in callbacks if c is not callback and all(c is not m for m in mine)]
-                    handler.callbacks = callbacks
+        outer = handler.__dict__.get("_hf_perf_all_callbacks")      # an event dispatched inside another's
+        handler.__dict__["_hf_perf_all_callbacks"] = callbacks
+        try:
+            for callback in list(callbacks):
+                alone = [callback]
+                handler.callbacks = alone
+                started(callback, event)
+                try:
+                    control = original(event, args, state, control, **kwargs)
+                finally:
+                    finished(callback, event)
+                    if handler.callbacks is alone:
+                        handler.callbacks = callbacks
+                    else:                             # the callback replaced the list: its list, then the others
+                        mine = list(handler.callbacks)
+                        callbacks = mine + [c for c in callbacks
+                                            if c is not callback and all(c is not m for m in mine)]
+                        handler.callbacks = callbacks
+                    handler.__dict__["_hf_perf_all_callbacks"] = callbacks
+        finally:
+            if outer is None:
+                handler.__dict__.pop("_hf_perf_all_callbacks", None)
+            else:
+                handler.__dict__["_hf_perf_all_callbacks"] = outer
         return control
 
     handler.call_event = call_event      # type: ignore[method-assign]  # this instance's, undone below

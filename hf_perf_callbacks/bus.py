@@ -300,7 +300,7 @@ class RunBus(TrainerCallback):
         writes the step's training log if the trainer never did (its values join the line)."""
         from transformers import TrainerControl
 
-        for callback in list(self.handler.callbacks if self.handler is not None else []):
+        for callback in adapter.all_callbacks(self.handler):
             ended = getattr(callback, "ended_step", None)
             if ended is not None and ended < state.global_step and not callback.disabled:
                 callback.on_step_end(args, state, TrainerControl())
@@ -481,6 +481,8 @@ class RunBus(TrainerCallback):
                 self.header.describe("bus", resize=True)
         self.start_known = True
         self._register_stateful(state, control)
+        self._compact_console()      # the whole list is the handler's now (the meter's clocks dispatch other events
+                                     # to one callback at a time)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.flush()                             # every callback has begun: the header goes out now at the latest

@@ -336,4 +336,4 @@ def format_summary(session: TuningSession) -> str:
 
 
 def find_callback(trainer, cls):
-    return next((cb for cb in trainer.callback_handler.callbacks if isinstance(cb, cls)), None)
+    return next((cb for cb in adapter.all_callbacks(trainer.callback_handler) if isinstance(cb, cls)), None)

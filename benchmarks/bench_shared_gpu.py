@@ -180,6 +180,21 @@ def budget_fraction_for(headroom: int) -> float:
     return (rss + headroom) / (rss + psutil.virtual_memory().available)
 
 
+def train_and_catch(trainer, tuning: bool) -> tuple[float, str | None, str | None]:
+    """Train (``train_with_tuning`` when ``tuning``); returns the seconds, the out-of-memory error's first line (None:
+    none) and any other error that ended the run (None: none): the benchmark reports what ended it."""
+    started, oom, error = time.perf_counter(), None, None
+    try:
+        train_with_tuning(trainer) if tuning else trainer.train()
+    except torch.OutOfMemoryError as failure:
+        oom = str(failure).splitlines()[0][:300]
+    except Exception as failure:  # noqa: BLE001 - recorded: the benchmark reports what ended the run
+        error = f"{type(failure).__name__}: {str(failure)[:600]}"
+        if "out of memory" in str(failure).lower():
+            oom = error
+    return time.perf_counter() - started, oom, error
+
+
 def one_run(name: str, a, device: str, tuning: bool) -> dict:
     out = tempfile.mkdtemp(prefix=f"shared_gpu_{name}_")
     model, vocab = make_model(a.model, device)
@@ -193,16 +208,7 @@ def one_run(name: str, a, device: str, tuning: bool) -> dict:
                              dataloader_num_workers=0)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(vocab),
                       callbacks=[leak, watchdog] + ([tuner] if tuner else []))
-    started, oom, error = time.perf_counter(), None, None
-    try:
-        train_with_tuning(trainer) if tuning else trainer.train()
-    except torch.OutOfMemoryError as failure:
-        oom = str(failure).splitlines()[0][:300]
-    except Exception as failure:  # noqa: BLE001 - recorded: the benchmark reports what ended the run
-        error = f"{type(failure).__name__}: {str(failure)[:600]}"
-        if "out of memory" in str(failure).lower():
-            oom = error
-    seconds = time.perf_counter() - started
+    seconds, oom, error = train_and_catch(trainer, tuning)
     lines = [json.loads(x) for x in open(os.path.join(out, "perf_log.jsonl"))]
     steps = [x for x in lines if x["type"] == "step"]
     events = [{k: x.get(k) for k in ("step", "kind", "action", "message")} for x in lines
@@ -324,18 +330,10 @@ def moving_wall_run(name: str, a, device: str, tuning: bool) -> dict:
                              dataloader_num_workers=0)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(vocab, length=length), data_collator=collator,
                       callbacks=[take, watchdog] + ([tuner] if tuner else []))
-    started, oom, error = time.perf_counter(), None, None
     try:
-        train_with_tuning(trainer) if tuning else trainer.train()
-    except torch.OutOfMemoryError as failure:
-        oom = str(failure).splitlines()[0][:300]
-    except Exception as failure:  # noqa: BLE001 - recorded: the benchmark reports what ended the run
-        error = f"{type(failure).__name__}: {str(failure)[:600]}"
-        if "out of memory" in str(failure).lower():
-            oom = error
+        seconds, oom, error = train_and_catch(trainer, tuning)
     finally:
         take.close()
-    seconds = time.perf_counter() - started
     lines = [json.loads(x) for x in open(os.path.join(out, "perf_log.jsonl"))]
     steps = [x for x in lines if x["type"] == "step"]
     events = [{k: x.get(k) for k in ("step", "kind", "action", "message", "need_gb", "budget_gb")} for x in lines

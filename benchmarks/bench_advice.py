@@ -17,8 +17,12 @@ run pads per batch), torch at one thread per core beside a process that keeps on
 speed advice; the finding's wording is checked: no setting that cannot move a constant reward, the first action one
 that can), an evaluation after every step (``eval_steps``: the advised interval, measured in wall time with the
 evaluations), an ``SFTTrainer`` padding to a fixed length (the advice's code must run in SFTTrainer: its own
-collator).
+collator), a user's callback generating 24 tokens at every log (``callbacks``: the advised ``logging_steps``), a
+checkpoint save after every step (``saving``: the advised ``save_steps``), TRL's ``SFTConfig`` with its default
+gradient checkpointing and memory to spare (``recompute``).
 
+    python benchmarks/bench_advice.py --only trainer_costly_on_log trainer_save_every_step \
+        sft_checkpointing_not_needed --results advice_phases   # the phase rules: results/advice_phases_cpu.json
     python benchmarks/bench_advice.py --smoke                      # CPU, tiny model, a minute or two
     python benchmarks/bench_advice.py --model tiny --repeats 2     # CPU, tiny model
     python benchmarks/bench_advice.py --model smollm2              # SmolLM2-135M-Instruct (CPU: one small scenario;
@@ -109,6 +113,23 @@ def _burn():                                   # another process's work: one cor
         pass
 
 
+def generate_on_log():
+    """A user's callback that runs ``model.generate`` of 24 tokens at every log (the field report's costly
+    ``on_log``)."""
+    from transformers import TrainerCallback
+
+    class GenerateOnLog(TrainerCallback):
+        def on_log(self, args, state, control, model=None, processing_class=None, **kwargs):
+            if model is None:
+                return
+            ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]], device=model.device)
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                               min_new_tokens=24, do_sample=False)
+
+    return GenerateOnLog()
+
+
 def zero_reward(prompts, completions, **kwargs):
     """A reward no completion can move (every completion scores 0)."""
     return [0.0] * len(completions)
@@ -145,6 +166,8 @@ def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device:
 
     callbacks = default_callbacks(AdaptiveBatchTuner={"tune": False}) + ([clock] if clock else [])
     cfg = {**scenario["config"], **settings}
+    if cfg.pop("costly_on_log", False):
+        callbacks.append(generate_on_log())
     duplicate = cfg.pop("duplicate_forward", False)
     delay = cfg.pop("delay", 0.0)
     pad_to = cfg.pop("pad_to_length", None)
@@ -163,7 +186,7 @@ def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device:
 
         from hf_perf_callbacks.tasks import wordle
 
-        args = GRPOConfig(**common_args, beta=0.0, activation_checkpointing=False, **cfg)
+        args = GRPOConfig(**{**common_args, "beta": 0.0, "activation_checkpointing": False, **cfg})
         lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
         rewards = zero_reward if reward == "zero" else wordle.REWARD_FUNCS
         return GRPOTrainer(model=factory(), reward_funcs=rewards, args=args,
@@ -174,7 +197,7 @@ def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device:
         from trl import SFTConfig, SFTTrainer
 
         texts = [TEXTS[i % 5] + " " + TEXTS[(i * 3) % 5][: 5 + (i * 7) % 30] for i in range(256)]
-        args = SFTConfig(**common_args, **cfg)
+        args = SFTConfig(**{**common_args, **cfg})      # TRL's default: gradient_checkpointing on
         return SFTTrainer(model=factory(), args=args, train_dataset=Dataset.from_dict({"text": texts}),
                           processing_class=tok, data_collator=FixedLength(tok, pad_to) if pad_to else None,
                           callbacks=callbacks)
@@ -190,7 +213,7 @@ def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device:
                 return (first[0] + second[0]) / 2, first[1]
             return (first + second) / 2
 
-    args = TrainingArguments(**common_args, **cfg)
+    args = TrainingArguments(**{**common_args, **cfg})
     cls = DuplicateForward if duplicate else Trainer
     collator = FixedLength(tok, pad_to) if pad_to else DataCollatorForLanguageModeling(tok, mlm=False)
     return cls(model=factory(), args=args, train_dataset=SlowText(tok, delay=delay), data_collator=collator,
@@ -272,6 +295,20 @@ def scenarios(model: str, smoke: bool, steps: int | None = None) -> dict:
                                        "config": {**grpo, "per_device_train_batch_size": 2,
                                                   "gradient_accumulation_steps": 1, "num_generations": 2,
                                                   "reward": "zero"}}
+        # the phases a user controls (issue "every second of a run accounted for"), each measured in wall time:
+        # a user's callback generating 24 tokens at every log, a checkpoint save after every step, and TRL's
+        # SFTConfig with its default gradient checkpointing where memory does not need it
+        out["trainer_costly_on_log"] = {"kind": "trainer", "skip": 2, "measure": ["callbacks"], "clock": "wall",
+                                        "config": dict(per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                                                       max_steps=steps + 14, costly_on_log=True)}
+        out["trainer_save_every_step"] = {"kind": "trainer", "skip": 2, "measure": ["saving"], "clock": "wall",
+                                          "config": dict(per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                                                         max_steps=steps + 14, save_strategy="steps", save_steps=1,
+                                                         save_total_limit=2)}
+        out["sft_checkpointing_not_needed"] = {"kind": "sft", "skip": 2, "measure": ["recompute"], "clock": "wall",
+                                               "config": dict(per_device_train_batch_size=8,
+                                                              gradient_accumulation_steps=1, max_steps=steps + 6,
+                                                              max_length=128)}
     if model == "smollm2" and not gpu:   # the real model on a CPU: one prompt group of 2 per step keeps it to minutes
         out = {"grpo_2x1_pad32": {"kind": "grpo", "skip": 1,
                                   "config": {**grpo, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
@@ -378,6 +415,8 @@ def main():
     p.add_argument("--only", nargs="*", default=None, help="scenario names")
     p.add_argument("--rules", nargs="*", default=None, help="measure only these rules' advice")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 6; 4 with --smoke)")
+    p.add_argument("--results", default="advice", help="the result file's name: results/<name>_<device>.json "
+                   "(advice_phases for the phase scenarios)")
     a = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
@@ -401,7 +440,7 @@ def main():
         return 0
     env = environment(device)
     slug = "cpu" if device == "cpu" else env["device"].lower().replace("nvidia ", "").replace(" ", "_")
-    path = os.path.join(RESULTS, f"advice_{slug}.json")
+    path = os.path.join(RESULTS, f"{a.results}_{slug}.json")
     try:
         with open(path, encoding="utf-8") as fh:
             previous = json.load(fh)

@@ -629,6 +629,21 @@ def _steps(n=10):
     return out
 
 
+def test_steady_means_read_the_meters_final_warmup_not_the_per_line_flag(tmp_path):
+    """Warmup decided at step 6 with step 3 the first steady step: lines 3-5 were written with ``perf/steady`` 0
+    before the decision. The steady means of padding and sequence length count steps 3-10, not 6-10."""
+    steps = _steps()
+    for s in steps:
+        s[keys.PERF_STEADY] = int(s["step"] >= 6)
+        if s["step"] >= 6:
+            s[keys.PERF_FIRST_STEADY_STEP] = 3
+        s[keys.PERF_PAD_FRACTION] = 0.5 if s["step"] in (3, 4, 5) else 0.1 if s["step"] > 5 else 0.9
+    _write_run(tmp_path, steps)
+    m = measurements_from_run(str(tmp_path))
+    assert m.pad_fraction == pytest.approx((3 * 0.5 + 5 * 0.1) / 8)
+    assert m.seq_len_mean == pytest.approx(sum(500 + s for s in range(3, 11)) / 8)
+
+
 def test_measurements_from_a_synthetic_run(tmp_path):
     _write_run(tmp_path, _steps())
     m = measurements_from_run(str(tmp_path))

@@ -163,7 +163,8 @@ def _contention(run_log: RunLog, f: Figures) -> Contention | None:
         return None
     slow, lost_sec, source, ratio = _slow_steps(run_log, f, rows, walls, cpus)
     corroborated = [(i, w, c) for i, w, c in slow if w / c > ratio * (1 + CONTENTION_RATIO)]
-    if len(corroborated) < len(slow):                      # recount over the steps whose own ratio shows it
+    left_out = source == "meter" and len(slow) < len(f.contention_steps or [])   # the meter's steps that saved
+    if len(corroborated) < len(slow) or left_out:          # recount over the steps whose own ratio shows it
         lost_sec = sum(max(0.0, w - c * ratio) for _, w, c in corroborated)
         source = "step lines"
     if not corroborated or lost_sec <= 0:

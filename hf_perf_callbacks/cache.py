@@ -38,7 +38,7 @@ class MPSCacheClearer(PerfCallback):
     key                     unit   meaning
     ======================  =====  ==========================================================
     ``cache/clears``        count  clears so far in this run
-    ``cache/freed_gb``      GB     memory freed by clears since the last log
+    ``cache/freed_gb``      GiB    memory freed by clears since the last log
     ``cache/seconds``       s      time spent clearing since the last log
     ``cache/interval``      steps  current periodic interval (after back-off)
     ======================  =====  ==========================================================

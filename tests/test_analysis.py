@@ -250,7 +250,7 @@ def test_memory_freed_by_a_cut_is_the_estimate_modules_difference():
     before = estimate.estimate_grpo_memory(model, max_completion_length=512, **common)
     after = estimate.estimate_grpo_memory(model, max_completion_length=128, **common)
     freed = sum(before[k] - after[k] for k in ("kv_cache", "activations", "logits"))
-    assert f"frees ≈ {freed / 1024**3:.2f} GB" in f.recommendation
+    assert f"frees ≈ {freed / 1024**3:.2f} GiB" in f.recommendation
     per_token = estimate.activation_bytes_per_token(model, 2, False) + estimate.logits_bytes_per_token(model)
     assert printed_bytes(f.recommendation, "training activations and logits = (") == per_token
 
@@ -313,9 +313,9 @@ def test_memory_pressure_swapping_on_a_mac():
         model, 2, False)
     assert printed_bytes(f.recommendation, "→ ") == estimate.activation_bytes_per_token(model, 2, True)
     per_token = estimate.activation_bytes_per_token(model, 2, False) + estimate.logits_bytes_per_token(model)
-    assert f"frees ≈ {per_token * 600 / 1024**3:.2f} GB" in f.recommendation      # one sequence of 600 tokens less
-    assert f.observation.startswith("Swap grew by 6.00 GB") and "clear_cache at step 4" in f.observation
-    assert "16.00 GB cached" in f.observation
+    assert f"frees ≈ {per_token * 600 / 1024**3:.2f} GiB" in f.recommendation      # one sequence of 600 tokens less
+    assert f.observation.startswith("Swap grew by 6.00 GiB") and "clear_cache at step 4" in f.observation
+    assert "16.00 GiB cached" in f.observation
 
 
 def test_swapping_mac_run_ranks_memory_first_and_cuts_completions_to_128():

@@ -34,7 +34,7 @@ def _pct(x: float) -> str:
 
 def _gb(nbytes: float) -> str:
     gb = nbytes / GB
-    return f"{gb:.2f} GB" if gb >= 0.1 else f"{nbytes / 1024**2:.0f} MB"
+    return f"{gb:.2f} GiB" if gb >= 0.1 else f"{nbytes / 1024**2:.0f} MB"
 
 
 def _amdahl(share: float, speedup: float) -> float:

@@ -81,19 +81,19 @@ def _pressure_facts(m: Measurements, swapping: bool, bloat: bool) -> list[str]:
     """What the run measured of its memory pressure, in words (the finding's observation)."""
     facts = []
     if swapping:
-        facts.append(f"swap grew by {m.swap_growth_gb or 0:.2f} GB" +
+        facts.append(f"swap grew by {m.swap_growth_gb or 0:.2f} GiB" +
                      (f" with swap-outs on {m.swapout_steps} steps" if m.swapout_steps else ""))
     if m.max_pressure:
         facts.append(f"memory pressure reached {('warn', 'critical')[min(m.max_pressure, 2) - 1]} "
                      f"(level {m.max_pressure})")
     if m.mem_high_water_gb is not None and m.mem_budget_gb:
-        facts.append(f"high-water mark {m.mem_high_water_gb:.2f} GB of a {m.mem_budget_gb:.2f} GB budget "
+        facts.append(f"high-water mark {m.mem_high_water_gb:.2f} GiB of a {m.mem_budget_gb:.2f} GiB budget "
                      f"({_pct(m.mem_high_water_gb / m.mem_budget_gb)})")
     if m.min_steps_to_wall is not None and m.min_steps_to_wall <= STEPS_TO_WALL:
         facts.append(f"the budget was {m.min_steps_to_wall:.0f} steps away at the current growth")
     if bloat:
-        facts.append(f"the allocator held {m.driver_gb_max:.2f} GB while live tensors were "
-                     f"{m.allocated_gb_at_driver_max:.2f} GB ({_cached_gb(m):.2f} GB cached)")
+        facts.append(f"the allocator held {m.driver_gb_max:.2f} GiB while live tensors were "
+                     f"{m.allocated_gb_at_driver_max:.2f} GiB ({_cached_gb(m):.2f} GiB cached)")
     return facts + _wall_facts(m)
 
 
@@ -212,7 +212,7 @@ def _gain_words(m: Measurements, swapping: bool) -> tuple[str, str]:
         return ("not predicted: this run never ran without swapping, so its own step time without it is not "
                 "measured; swapping steps wait for the SSD and can be several times slower",
                 "medium" if strong else "low")
-    return ("no swapping observed: no speed-up; the gain is headroom (the GB freed above) and no lost run",
+    return ("no swapping observed: no speed-up; the gain is headroom (the GiB freed above) and no lost run",
             "high" if (m.max_pressure or 0) >= 2 or m.watchdog_actions else "medium")
 
 

@@ -149,16 +149,16 @@ def rule_recompute(m: Measurements) -> Finding | Note | None:
     if after > MEMORY_ROOM * m.mem_budget_gb:
         return Note("recompute", "Gradient checkpointing kept: the activations would not fit",
                     f"Recompute took {recompute:.1f} s ({_pct(recompute / wall)} of the wall time), but keeping the "
-                    f"activations would take about {_gb(extra)} more: {after:.2f} of the {m.mem_budget_gb:.2f} GB "
+                    f"activations would take about {_gb(extra)} more: {after:.2f} of the {m.mem_budget_gb:.2f} GiB "
                     "budget, above the watchdog's margin.")
     gain = wall / (wall - recompute)
     obs = (f"Gradient checkpointing re-ran the checkpointed layers' forwards for {recompute:.1f} s of the "
            f"{wall:.1f} s wall time ({_pct(recompute / wall)}); memory peaked at {m.mem_high_water_gb:.2f} of "
-           f"{m.mem_budget_gb:.2f} GB.")
+           f"{m.mem_budget_gb:.2f} GiB.")
     root = ("Activation checkpointing trades compute for memory: the backward runs each layer's forward again. "
             "TRL's `SFTConfig` and `GRPOConfig` turn it on by default (`gradient_checkpointing: true`), whether "
             f"or not the memory is short; here keeping the activations takes about {_gb(extra)} more "
-            f"(micro-batch {m.micro_batch} × {m.seq_len} tokens), {after:.2f} GB of the {m.mem_budget_gb:.2f} GB "
+            f"(micro-batch {m.micro_batch} × {m.seq_len} tokens), {after:.2f} GiB of the {m.mem_budget_gb:.2f} GiB "
             "budget.")
     rec = ("`activation_checkpointing: false` (TRL: `gradient_checkpointing: false`); keep the `MemoryWatchdog` "
            "attached: it stops or re-sizes the run before the wall")

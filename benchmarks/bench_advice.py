@@ -21,8 +21,9 @@ collator), a user's callback generating 24 tokens at every log (``callbacks``: t
 checkpoint save after every step (``saving``: the advised ``save_steps``), TRL's ``SFTConfig`` with its default
 gradient checkpointing and memory to spare (``recompute``).
 
-    python benchmarks/bench_advice.py --only trainer_costly_on_log trainer_save_every_step \
-        sft_checkpointing_not_needed --results advice_phases   # the phase rules: results/advice_phases_cpu.json
+    python benchmarks/bench_advice.py --paired --repeats 4 --only trainer_costly_on_log trainer_save_every_step \
+        sft_checkpointing_not_needed trainer_eval_every_step --results advice_phases   # the phase rules, two runs
+                                                                   #  at a time, one per core, swapped
     python benchmarks/bench_advice.py --smoke                      # CPU, tiny model, a minute or two
     python benchmarks/bench_advice.py --model tiny --repeats 2     # CPU, tiny model
     python benchmarks/bench_advice.py --model smollm2              # SmolLM2-135M-Instruct (CPU: one small scenario;
@@ -310,9 +311,12 @@ def scenarios(model: str, smoke: bool, steps: int | None = None) -> dict:
                                                               gradient_accumulation_steps=1, max_steps=steps + 6,
                                                               max_length=128)}
     if model == "smollm2" and not gpu:   # the real model on a CPU: one prompt group of 2 per step keeps it to minutes
-        out = {"grpo_2x1_pad32": {"kind": "grpo", "skip": 1,
-                                  "config": {**grpo, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
-                                             "num_generations": 2, "pad_to_multiple_of": 32}}}
+        small = {**grpo, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "num_generations": 2}
+        out = {"grpo_2x1_pad32": {"kind": "grpo", "skip": 1, "config": {**small, "pad_to_multiple_of": 32}},
+               # the instruct model's answers need far more than 8 tokens: the raised limit is applied and the
+               # advised run's report read again (a quality finding: no speed gain to measure)
+               "grpo_clipped_8": {"kind": "grpo", "skip": 1, "measure": [], "followup": "completion_budget",
+                                  "config": {**small, "max_completion_length": 8}}}
     if smoke:
         out = {k: out[k] for k in list(out)[:2]}
     return out
@@ -334,8 +338,32 @@ def wording(f) -> dict:
             "ok": not useless and "partial credit" in first and "too hard" in f.root_cause}
 
 
-def measure(name, scenario, label, setting, base_sec, factory, tok, device, repeats) -> dict:
-    """Baseline and advised runs alternating (the first baseline is the analysed one): the gain per pair."""
+def followup(scenario, finding, setting, factory, tok, device) -> dict:
+    """A finding that is not speed advice, applied: the advised run's report, read for the same rule. Recorded: the
+    clipped share before and after, and whether the rule still asks for a larger ``max_completion_length``."""
+    from hf_perf_callbacks.report import check, measurements_from_run
+    from hf_perf_callbacks.report.rules.advice import CLIPPED_LARGE
+
+    _, out = run_once(scenario, setting, factory, tok, device, keep="yes")
+    after = measurements_from_run(out)
+    findings, _ = check(after)
+    shutil.rmtree(out, ignore_errors=True)
+    again = next((f for f in findings if f.rule == finding.rule), None)
+    asks_more = bool(again and (again.setting or {}).get("max_completion_length", 0) > setting.get(
+        "max_completion_length", 0))
+    return {"applied": setting, "clipped_after": after.clipped_ratio, "completion_mean_after": after.completion_mean,
+            "terminated_mean_after": after.completion_terminated_mean, "fires_again": again is not None,
+            "asks_for_more": asks_more,
+            "ok": after.clipped_ratio is not None and after.clipped_ratio < CLIPPED_LARGE and not asks_more}
+
+
+def measure(name, scenario, label, setting, base_sec, factory, tok, device, repeats, paired=None) -> dict:
+    """Baseline and advised runs, the gain per pair. ``paired`` (a CPU with two cores or more): each pair is two
+    child processes started at the same time, one per core (``taskset``), the cores swapped from one pair to the
+    next, so the machine's other load hits both alike; otherwise the runs alternate in this process (the first
+    baseline is the analysed one)."""
+    if paired:
+        return measure_paired(name, label, setting, repeats, **paired)
     which = scenario.get("clock") or ("cpu" if device == "cpu" else "wall")
     pairs, bases, advised = [], [base_sec], []
     for i in range(repeats):
@@ -352,11 +380,40 @@ def measure(name, scenario, label, setting, base_sec, factory, tok, device, repe
             "baseline_step_sec": bases, "advised_step_sec": advised}
 
 
-def check_scenario(name, scenario, factory, tok, device, repeats, rules=None) -> list[dict]:
+def measure_paired(name, label, setting, repeats, model, steps) -> dict:
+    """Each pair: the baseline and the advised run at the same time, one per core, cores swapped every pair; the
+    gain is baseline / advised wall seconds per step (both ran under the same load), the median over the pairs."""
+    import subprocess
+
+    def child(core: int, applied: dict):
+        cmd = ["taskset", "-c", str(core), sys.executable, os.path.abspath(__file__), "--model", model,
+               "--child", name, "--setting", json.dumps(applied)] + (["--steps", str(steps)] if steps else [])
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    pairs, bases, advised, loads = [], [], [], []
+    for i in range(repeats):
+        cores = (0, 1) if i % 2 == 0 else (1, 0)
+        load = os.getloadavg()[0]
+        procs = [child(cores[0], {}), child(cores[1], setting)]
+        b, a = (json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs)
+        bases.append(b)
+        advised.append(a)
+        loads.append(round(max(load, os.getloadavg()[0]), 2))
+        pairs.append(b["wall"] / a["wall"])
+        print(f"[{name}] {label} {setting}: baseline on core {cores[0]} {b}, advised on core {cores[1]} {a} "
+              f"→ {pairs[-1]:.2f}x (wall, paired; load {loads[-1]})", flush=True)
+    return {"measured_gain": statistics.median(pairs), "measured_on": "wall, paired", "pair_gains": pairs,
+            "cpu_pair_gains": [b["cpu"] / a["cpu"] for b, a in zip(bases, advised)],
+            "baseline_step_sec": bases, "advised_step_sec": advised, "load_avg_per_pair": loads}
+
+
+def check_scenario(name, scenario, factory, tok, device, repeats, rules=None, paired=None) -> list[dict]:
     from hf_perf_callbacks.report import check, measurements_from_run
 
     base_sec, base_dir = run_once(scenario, {}, factory, tok, device, keep="yes")
-    findings, notes = check(measurements_from_run(base_dir))
+    before = measurements_from_run(base_dir)
+    findings, notes = check(before)
     shutil.rmtree(base_dir, ignore_errors=True)
     print(f"[{name}] baseline {base_sec} s/step; findings: {[f.rule for f in findings]}; "
           f"notes: {[n.rule for n in notes]}", flush=True)
@@ -371,6 +428,10 @@ def check_scenario(name, scenario, factory, tok, device, repeats, rules=None) ->
                base_sec["load_per_core"]}
         if scenario.get("wording") == f.rule:
             row["wording"] = wording(f)
+        if scenario.get("followup") == f.rule and setting:
+            row["followup"] = {"clipped_before": before.clipped_ratio,
+                               "terminated_mean_before": before.completion_terminated_mean,
+                               **followup(scenario, f, setting, factory, tok, device)}
         skip = ("not speed advice" if f.rule in SKIP_RULES else "no setting to apply" if not setting else
                 "needs vLLM, not installed here" if setting.get("use_vllm") and not importlib.util.find_spec("vllm")
                 else
@@ -381,14 +442,14 @@ def check_scenario(name, scenario, factory, tok, device, repeats, rules=None) ->
             row["why_not_measured"] = skip
             rows.append(row)
             continue
-        row.update(measure(name, scenario, f.rule, setting, base_sec, factory, tok, device, repeats))
+        row.update(measure(name, scenario, f.rule, setting, base_sec, factory, tok, device, repeats, paired))
         if f.predicted_gain:
             row["prediction_error"] = f.predicted_gain / row["measured_gain"] - 1
         rows.append(row)
         for label, other in scenario.get("also", {}).get(f.rule, []):   # a later bullet of the same finding
             rows.append({"scenario": name, "rule": f.rule, "title": f"{f.title} ({label})", "setting": other,
                          "predicted_gain": None, "expected_gain": None, "basis": "not advised first",
-                         **measure(name, scenario, label, other, base_sec, factory, tok, device, repeats)})
+                         **measure(name, scenario, label, other, base_sec, factory, tok, device, repeats, paired)})
     if scenario.get("wording") and not any(r.get("wording") for r in rows):
         rows.append({"scenario": name, "rule": scenario["wording"], "measured_gain": None,
                      "why_not_measured": "the finding did not fire", "wording": {"ok": False}})
@@ -415,6 +476,10 @@ def main():
     p.add_argument("--only", nargs="*", default=None, help="scenario names")
     p.add_argument("--rules", nargs="*", default=None, help="measure only these rules' advice")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 6; 4 with --smoke)")
+    p.add_argument("--paired", action="store_true",
+                   help="CPU: measure each pair as two runs at the same time, one per core, cores swapped")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)      # one run of a paired measurement
+    p.add_argument("--setting", default="{}", help=argparse.SUPPRESS)
     p.add_argument("--results", default="advice", help="the result file's name: results/<name>_<device>.json "
                    "(advice_phases for the phase scenarios)")
     a = p.parse_args()
@@ -425,11 +490,20 @@ def main():
     if a.smoke:
         model, a.repeats = "tiny", 1
     factory, tok = load_model(model, device)
+    if a.child:                    # one run of a pair: its seconds per step as the last line of stdout
+        seconds, _ = run_once(scenarios(model, False, a.steps)[a.child], json.loads(a.setting), factory, tok, device)
+        print(json.dumps(seconds))
+        return 0
+    if a.paired and (device != "cpu" or (os.cpu_count() or 1) < 2 or not shutil.which("taskset")):
+        raise SystemExit("--paired needs a CPU run on a machine with two cores or more and taskset")
     rows = []
     for name, scenario in scenarios(model, a.smoke, a.steps).items():
         if a.only and name not in a.only:
             continue
-        rows += check_scenario(name, scenario, factory, tok, device, a.repeats, a.rules)
+        # a scenario that sets torch's threads or starts other processes measures exactly that: not paired
+        own_threads = {"threads", "compete"} & set(scenario["config"])
+        paired = {"model": model, "steps": a.steps} if a.paired and not own_threads else None
+        rows += check_scenario(name, scenario, factory, tok, device, a.repeats, a.rules, paired)
     print("\nrule | scenario | setting | predicted (model) | printed | measured")
     for r in rows:
         pred = f"{r['predicted_gain']:.2f}x" if r["predicted_gain"] else "-"

@@ -289,7 +289,9 @@ def test_a_raised_completion_limit_is_sized_from_the_lengths_observed():
     f = only(m)
     assert f.rule == "completion_budget" and f.setting == {"max_completion_length": 64}
     unseen = only(dataclasses.replace(m, completion_terminated_mean=None))     # nothing ended: a guess, said so
-    assert unseen.setting == {"max_completion_length": 16} and "a guess" in unseen.recommendation
+    assert unseen.setting == {"max_completion_length": 128} and "a guess" in unseen.recommendation   # 16 × 8
+    wide = only(dataclasses.replace(m, max_completion_length=64, completion_terminated_mean=None))
+    assert wide.setting == {"max_completion_length": 256}                                   # TRL's default
 
 
 def test_memory_pressure_swapping_on_a_mac():

@@ -15,6 +15,7 @@ COMPLETION_SLACK = 0.5
 COMPLETION_HEADROOM = 1.25
 CLIPPED_SMALL = 0.05
 CLIPPED_LARGE = 0.5
+UNSEEN_LIMIT = 256       # TRL's default max_completion_length: the raised limit when no completion ended
 SWAP_GROWTH_GB = 0.25
 HIGH_WATER_FRACTION = 0.75   # CUDA: reserved ≫ allocated only matters this close to the budget
 
@@ -69,12 +70,15 @@ def _raised_limit(m: Measurements, limit: int, clipped: float) -> tuple[int, str
     ``completions/mean_terminated_length``) are taken as spread evenly from x0 = 2t − limit (at least 0) to the
     limit, and the share ended by a length as growing on at that rate: it reaches 1 − :data:`CLIPPED_SMALL` at
     x0 + (1 − CLIPPED_SMALL) × (limit − x0) / (1 − clipped); the next power of two at or above that (at least twice
-    the limit, at most 16 times). Without a completion that ended, no length beyond the limit was observed: twice
-    the limit, said to be a guess."""
+    the limit, at most 16 times). Without a completion that ended, no length beyond the limit was observed: TRL's
+    default limit (:data:`UNSEEN_LIMIT`), within twice to 16 times the limit, said to be a guess (twice the limit
+    took two more runs on SmolLM2-135M-Instruct's Wordle answers: 8 → 16 still cut 92%, and 96 still cut 42%)."""
     ended, t = 1.0 - clipped, m.completion_terminated_mean
     if ended <= 0 or t is None or not 0 < t <= limit:
-        return 2 * limit, (f"no completion ended before the limit, so no length beyond {limit} was observed: twice "
-                           "the limit is a guess")
+        new = max(2 * limit, min(16 * limit, UNSEEN_LIMIT))
+        return new, (f"no completion ended before the limit, so no length beyond {limit} was observed: {new} (TRL's "
+                     f"default {UNSEEN_LIMIT}, within 2 to 16 times the limit) is a guess; the next report sizes it "
+                     "from the lengths that end")
     x0 = max(0.0, 2 * t - limit)
     need = x0 + (1 - CLIPPED_SMALL) * (limit - x0) / ended
     new = min(16 * limit, max(2 * limit, _next_pow2(need)))

@@ -12,14 +12,17 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import psutil
 import torch
 
 from .peaks import DevicePeak, dtype_key, lookup_peak
 from .runlog import GB
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from .macos import MacMemoryReader
@@ -399,6 +402,16 @@ def gather_floats(values: list[float], device: torch.device | None = None) -> li
     return [g.tolist() for g in gathered]
 
 
+def main_process_value(read: Callable[[], T]) -> T:
+    """``read()`` on the main process and its result on every rank (one broadcast), so that ranks act on one reading
+    of a shared file that the main process may rewrite meanwhile; ``read()`` itself on one process."""
+    if world_size() == 1:
+        return read()
+    box: list[object] = [read() if is_main_process() else None]
+    torch.distributed.broadcast_object_list(box, src=0, device=exchange_device())
+    return cast("T", box[0])
+
+
 def exchange_device(device: torch.device | str | None = None) -> torch.device:
     """Where a tensor for the default process group's collectives must live: the CPU under gloo; otherwise
     ``device`` (default :func:`training_device`), and never the CPU, which NCCL/XCCL cannot carry ("No backend type
@@ -412,5 +425,6 @@ def exchange_device(device: torch.device | str | None = None) -> torch.device:
     return chosen
 
 
-__all__ = ["DeviceLayer", "MemorySample", "is_oom_error", "dtype_key", "gather_floats", "exchange_device",
+__all__ = ["DeviceLayer", "MemorySample", "is_oom_error", "dtype_key", "gather_floats", "main_process_value",
+           "exchange_device",
            "training_device", "world_size", "is_main_process", "rng_state", "set_rng_state", "GB", "error_line"]

@@ -569,7 +569,13 @@ def check_split(split: Split, *, effective_batch: int, world_size: int,
 def split_for_run(output_dir: str, *, effective_batch: int, world_size: int,
                   generation_batch: int | None = None) -> Split | None:
     """The recorded split when it is exact for this run (see the module docstring), else None."""
-    record = read_split_file(output_dir)
+    return recorded_split(read_split_file(output_dir), output_dir, effective_batch=effective_batch,
+                          world_size=world_size, generation_batch=generation_batch)
+
+
+def recorded_split(record: SplitFile | None, output_dir: str, *, effective_batch: int, world_size: int,
+                   generation_batch: int | None = None) -> Split | None:
+    """:func:`split_for_run` of a record already read (``record``, read from ``output_dir``)."""
     if record is None:
         return None
     why = check_split(record.split, effective_batch=effective_batch, world_size=world_size,

@@ -165,3 +165,12 @@ def test_an_oom_no_smaller_split_fixes_exactly_saves_on_every_rank_and_names_the
     assert r0["checkpoint"] == r1["checkpoint"] == checkpoint and is_complete(checkpoint, 2)
     assert r0["not_saved"] == r1["not_saved"] == "" and f"resume_from_checkpoint={checkpoint!r}" in r0["message"]
     assert read_split_file(str(tmp_path / "run")).ended == r0["notes"][-1]
+
+
+def test_a_resume_reads_the_split_file_once_for_every_rank(two_rank_run):
+    """Rank 1's own reading of the split file is withheld (as if the main process rewrote it at that moment): both
+    ranks still resume at the split the main process read, with its history."""
+    _, (r0, r1) = two_rank_run
+    assert r0["main_process_value"] == r1["main_process_value"] == 0
+    assert r0["resumed_split"] == r1["resumed_split"] == r0["oom_split"] == [2, 2]
+    assert r0["resumed_decisions"] == r1["resumed_decisions"] >= 1

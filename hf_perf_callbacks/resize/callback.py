@@ -16,7 +16,7 @@ from .. import adapter, keys
 from ..base import Clock, PerfCallback
 from ..batching import next_smaller
 from ..bus import SIGNAL_SMALLER_BATCH
-from ..device import GB, DeviceLayer, gather_floats, set_rng_state, world_size
+from ..device import GB, DeviceLayer, gather_floats, main_process_value, set_rng_state, world_size
 from ..memory import budget_bytes
 from ..runlog import SPLIT_FILE
 from ..splitfile import read_split_file, trial_figures
@@ -144,7 +144,7 @@ class AdaptiveBatchTuner(PerfCallback):
             return found
         session = TuningSession(args, bus=self.bus)
         if state.global_step > 0:                        # a resume: continue the recorded run when it is this one
-            record = read_split_file(args.output_dir, warn=False)
+            record = main_process_value(lambda: read_split_file(args.output_dir, warn=False))   # one reading
             if record is not None and record.checkpoint(state.global_step) is not None:
                 session.adopt(record)
         trainer = adapter.calling_trainer()              # the splits a re-size asked for by the watchdog may use

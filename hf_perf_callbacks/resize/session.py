@@ -57,6 +57,7 @@ from ..device import (
     error_line,
     gather_floats,
     is_main_process,
+    main_process_value,
     rng_state,
     set_rng_state,
     training_device,
@@ -70,8 +71,8 @@ from ..splitfile import (
     SplitFile,
     WrittenCheckpoint,
     read_split_file,
+    recorded_split,
     run_geometry,
-    split_for_run,
 )
 from ..stats import generation_period
 from .agreement import ResizeNeeded
@@ -272,10 +273,11 @@ class TuningSession:
         """A resume from ``checkpoint``: the run's record goes on when it is this run's, the split recorded for the
         run is applied when it is exact for it, and a checkpoint of this ``output_dir`` is a valid fallback for a
         later out-of-memory error (the base of this run)."""
-        record = recorded_session(self.output_dir, checkpoint)
+        found = main_process_value(lambda: read_split_file(self.output_dir))   # one reading for every rank: the
+        record = recorded_session(found, checkpoint)                           # main process rewrites the file
         if record is not None:                       # this run's record: its history goes on
             self.adopt(record)
-        self.recorded = split_for_run(self.output_dir, **run_geometry(trainer.args, self.world))
+        self.recorded = recorded_split(found, self.output_dir, **run_geometry(trainer.args, self.world))
         step = step_of(checkpoint)
         parent = os.path.dirname(os.path.normpath(checkpoint))
         if step is not None and os.path.realpath(parent) == os.path.realpath(self.output_dir):
@@ -997,11 +999,10 @@ def every_rank_here() -> None:
             dist.barrier()
 
 
-def recorded_session(output_dir: str, checkpoint: str | None) -> SplitFile | None:
-    """The split file's record when it belongs to the run being resumed from ``checkpoint``: the checkpoint is one
-    the record lists as written, with the same fingerprint (another run's record, or one whose checkpoint was
+def recorded_session(record: SplitFile | None, checkpoint: str | None) -> SplitFile | None:
+    """The split file's ``record`` when it belongs to the run being resumed from ``checkpoint``: the checkpoint is
+    one the record lists as written, with the same fingerprint (another run's record, or one whose checkpoint was
     rewritten since, is not adopted)."""
-    record = read_split_file(output_dir)
     if checkpoint is None:
         return record
     step = step_of(checkpoint)

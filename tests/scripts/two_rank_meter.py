@@ -72,7 +72,7 @@ def main(out):
     grpo_guarded = make_grpo(tokenizer, os.path.join(out, "grpo_guarded"), [AdaptiveBatchTuner(tune=False)],
                              max_steps=2, bs=2, ga=2)
     train_with_tuning(grpo_guarded)
-    result = {**grpo_ooms(tokenizer, out, rank), "grpo_guarded_step": grpo_guarded.state.global_step,
+    result = {**grpo_ooms(tokenizer, out, rank), **one_reading(oom, rank), "grpo_guarded_step": grpo_guarded.state.global_step,
               "backward_split": [backward.args.per_device_train_batch_size, backward.args.gradient_accumulation_steps],
               "backward_step": backward.state.global_step, "backward_raised": plant3.raised,
               "guarded_vs_ddp_max_weight_diff": max(weights), "guarded_weight_change": max(moved),
@@ -94,6 +94,30 @@ def main(out):
               "plain_token_source": plain_meter.token_source}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+
+
+def one_reading(oom, rank):
+    """A resume of the re-sized run where rank 1's own reading of the split file finds nothing (as when the main
+    process rewrites it at that moment): every rank must take the main process's reading, so they resume at one
+    split (two readings let rank 1 train the old split beside rank 0's new one, and FSDP's collectives hung)."""
+    from hf_perf_callbacks.device import main_process_value
+    from hf_perf_callbacks.resize import session as session_module
+    from hf_perf_callbacks.resize.session import TuningSession
+
+    own = session_module.read_split_file
+    if rank == 1:
+        session_module.read_split_file = lambda *args, **kwargs: None
+    try:
+        resumed = TuningSession(oom.args)
+        checkpoint = sorted((d for d in os.listdir(oom.args.output_dir) if d.startswith("checkpoint-")),
+                            key=lambda d: int(d.rsplit("-", 1)[1]))[-1]
+        resumed.resume_from(oom, os.path.join(oom.args.output_dir, checkpoint))
+    finally:
+        session_module.read_split_file = own
+    recorded = resumed.recorded
+    return {"main_process_value": main_process_value(lambda: rank),
+            "resumed_split": [recorded.micro_batch, recorded.grad_accum] if recorded else None,
+            "resumed_decisions": len(resumed.decisions)}
 
 
 def grpo_ooms(tokenizer, out, rank):

@@ -21,8 +21,10 @@ def results(tmp_path_factory):
     done = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "multi_gpu.sh"), "--smoke"], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=2400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return {name: json.load(open(out / f"multi_gpu_smoke_{name}.json"))
-            for name in ("fsdp", "fsdp_restart", "two_nodes")}
+    files = {name: out / f"multi_gpu_smoke_{name}.json" for name in ("fsdp", "fsdp_restart", "two_nodes")}
+    missing = [name for name, path in files.items() if not path.exists()]
+    assert not missing, f"no result of {missing}; the script printed:\n{done.stdout[-4000:]}"
+    return {name: json.load(open(path)) for name, path in files.items()}
 
 
 def test_one_host_fsdp2_figures_resizes_recoveries_and_stop(results):

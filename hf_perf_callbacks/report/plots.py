@@ -257,6 +257,10 @@ def plot_throughput(fig: Figure, data: PlotData) -> str | None:
     levels = split_levels(data.run)
     if len(levels) > 1:                                 # two splits, two levels: one line each, never one between
         _steady_levels(ax, levels)
+        if steady is not None and steady_list:          # the summary's figure, named (a line would fall between)
+            ax.plot([], [], color="none",
+                    label=f"steady figure {steady:,.0f} tokens/s: Σ tokens / Σ training s of the {len(steady_list)} "
+                          f"steady steps (all splits; each split's level drawn)")
     elif steady is not None and steady_list:
         ax.hlines(steady, steady_list[0] - 0.5, steady_list[-1] + 0.5, colors="tab:green", linestyles="--", lw=2,
                   label=f"steady figure {steady:,.0f} tokens/s: Σ tokens / Σ training s of the {len(steady_list)} "

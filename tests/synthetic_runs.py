@@ -47,6 +47,8 @@ class Plan:
     contention: dict[int, float] = field(default_factory=dict)   # step → extra wall seconds, CPU time flat
     slower: dict[int, float] = field(default_factory=dict)       # step → its seconds × this, CPU time with them
     walls: tuple[int, ...] = ()            # steps where the watchdog's memory wall moved (its event)
+    resize_at: dict[int, tuple[int, int]] = field(default_factory=dict)   # step → the split a new train() call
+    #                                        takes after it (micro-batch, accumulation), no tuner involved
     tune: bool = False
     must_pay: bool = True
     switch_sec: float = 2.0
@@ -193,6 +195,14 @@ class _Run:
         while step < p.steps:
             step += 1
             ranked, whole = self.step(step, split)
+            if step in p.resize_at and step < p.steps:        # a re-size: a new train() call at another split
+                if p.summaries:
+                    self.summaries(split)
+                self.t += p.switch_sec
+                micro, accum = p.resize_at[step]
+                split = Split(micro, accum, accum if p.grpo else None)
+                self.header(split, step)
+                continue
             tuning = self.tuning
             if tuning is None or tuning.done is not None and tuning.recorded:
                 continue

@@ -33,6 +33,16 @@ figure                    definition
                           the summary; a killed run has the seconds only)
 ``mean_tokens_per_sec``   Σ tokens / Σ training seconds over all steps
 ========================  ==================================================================================
+
+**Levels and slow stretches** (:func:`split_levels`, :func:`slow_stretches`: the throughput plot and the contention
+rule read the same ones). A split's level is Σ tokens / Σ training seconds over the steady steps of one stretch of
+consecutive steps at that split (``tuner/micro_batch`` × ``tuner/grad_accum``), drawn where it has at least
+:data:`MIN_LEVEL_STEPS` steady steps: a tuned run with two splits has two levels, not one line between them. A slow
+stretch is at least :data:`SLOW_MIN_STEPS` consecutive steady steps each below :data:`SLOW_SHARE` (70%) of its
+split's median per-step rate (GRPO: per generation cycle; the median, so that a long stretch does not pull its own
+reference down); its seconds lost are its training seconds minus those its tokens take at that median; its cause is
+"contention" where its wall/CPU ratio stands :data:`STRETCH_RATIO` above the split's steps at speed, else
+"unexplained" (its CPU time rose with it: not other processes).
 """
 from __future__ import annotations
 
@@ -371,9 +381,9 @@ class SlowStretch:
     """At least :data:`SLOW_MIN_STEPS` consecutive steady steps of one split, each (GRPO: each generation cycle)
     below :data:`SLOW_SHARE` of the split's median rate (steps the meter already counted as early contention left
     out). ``lost_sec``: their training seconds minus the seconds their tokens take at the split's median rate.
-    ``cause``: "contention" where their wall/CPU ratio stands :data:`STRETCH_RATIO` above the split's other steady
-    steps' (CPU device: the process was runnable, not running), else "unexplained" (its CPU time rose with the
-    wall time, or no CPU time is the work: a GPU)."""
+    ``cause``: "contention" where their median wall/CPU ratio stands :data:`STRETCH_RATIO` above that of the split's
+    steady steps at its speed (none of them slow; CPU device: the process was runnable, not running), else
+    "unexplained" (its CPU time rose with the wall time, or no CPU time is the work: a GPU)."""
 
     first: int
     last: int
@@ -470,20 +480,20 @@ def _stretches(run: RunLog) -> list[SlowStretch]:
         for u in units:
             rate = sum(tokens[i] for i in u) / sum(train[i] for i in u)
             if rate < SLOW_SHARE * level.median_tokens_per_sec and not booked.intersection(numbers[i] for i in u):
-                if slow and slow[-1] and numbers[slow[-1][-1]] + 1 == numbers[u[0]]:
+                if slow and numbers[slow[-1][-1]] + 1 == numbers[u[0]]:
                     slow[-1].extend(u)
-                    continue
-                slow.append(list(u))
+                else:
+                    slow.append(list(u))
+        below = {i for rows in slow for i in rows}
+        rest = [r for u in units for i in u if i not in below and (r := ratios[i]) is not None]
+        steady_ratio = median(rest) if rest else None           # the split's steady steps at its speed
         for rows in slow:
             if len(rows) < SLOW_MIN_STEPS:
                 continue
-            inside = set(rows)
             seconds = sum(train[i] for i in rows)
             at_level = sum(tokens[i] for i in rows) / level.median_tokens_per_sec
             mine = [r for i in rows if (r := ratios[i]) is not None]
-            rest = [r for u in units for i in u if i not in inside and (r := ratios[i]) is not None]
             stretch_ratio = median(mine) if mine else None
-            steady_ratio = median(rest) if rest else None
             contended = (stretch_ratio is not None and steady_ratio is not None
                          and stretch_ratio >= steady_ratio * (1 + STRETCH_RATIO))
             out.append(SlowStretch(numbers[rows[0]], numbers[rows[-1]], level.split,

@@ -9,9 +9,12 @@ write_plots(read_run("outputs/my_run"))      # outputs/my_run/plots/{throughput,
 Each plot reads the headline figures (:func:`hf_perf_callbacks.report.figures.figures`, the numbers the summary and the
 analysis print), the step lines and the tuner's record (:func:`hf_perf_callbacks.splitfile.read_split_file`), and is
 drawn to be read at a glance at the size a README shows it (800×450 pixels): one throughput line on the steady
-figure's basis with the warmup and the steps slowed by other processes marked, memory on a scale of its own data (GiB)
-with the budget as a line only when it is near, phases in words, the tuner's trials and costs. A ``plot_*`` function
-draws on a matplotlib figure and returns None, or why it has nothing to draw. Needs matplotlib (the ``plots`` extra).
+figure's basis with the warmup and the steps slowed by other processes marked, a steady line per split at its own
+level, the long slow stretches shaded (other processes, or unexplained), memory on a scale of its own data (GiB)
+with the budget as a line only when it is near, phases in words, the tuner's trials and costs. The words written
+inside a plot (restarts, wall moves, the split over each stretch) are placed by their boxes once the layout is
+settled, so that none overlaps another (:func:`_place_labels`). A ``plot_*`` function draws on a matplotlib figure
+and returns None, or why it has nothing to draw. Needs matplotlib (the ``plots`` extra).
 """
 from __future__ import annotations
 

@@ -7,8 +7,9 @@ The figures come from the callbacks' own pure cores — the meter's :class:`~hf_
 (:class:`~hf_perf_callbacks.runlog.RunHeader`, ``StepLine``, ``EventLine``, ``SummaryLine`` through ``LogWriter``)
 and the split file's (:class:`~hf_perf_callbacks.splitfile.SplitFile`). What is planted: each split's seconds per
 step outside generation, generation seconds, relative noise, a warmup (slow first steps with CPU time behind them),
-contention (slow steps whose CPU time stayed flat), evaluations, what a switch costs, the rewards and completions the
-trainer logs. A plan's step count can be large (the report's scaling benchmark writes 200,000 steps).
+contention (slow steps whose CPU time stayed flat), slower steps (their CPU time with them), the watchdog's wall
+moves, evaluations, what a switch costs, the rewards and completions the trainer logs. A plan's step count can be
+large (the report's scaling benchmark writes 200,000 steps).
 """
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ class Plan:
     noise: float = 0.1                     # each step's seconds × (1 ± noise), uniform
     warmup: tuple[float, ...] = ()         # extra seconds of the run's first steps, with CPU time behind them
     contention: dict[int, float] = field(default_factory=dict)   # step → extra wall seconds, CPU time flat
+    slower: dict[int, float] = field(default_factory=dict)       # step → its seconds × this, CPU time with them
+    walls: tuple[int, ...] = ()            # steps where the watchdog's memory wall moved (its event)
+    resize_at: dict[int, tuple[int, int]] = field(default_factory=dict)   # step → the split a new train() call
+    #                                        takes after it (micro-batch, accumulation), no tuner involved
     tune: bool = False
     must_pay: bool = True
     switch_sec: float = 2.0
@@ -120,7 +125,7 @@ class _Run:
         """(outside generation, generation, extra warmup) seconds of ``step`` at ``split``, noise included."""
         p = self.plan
         noise = 1 + self.rng.uniform(-p.noise, p.noise)
-        ranked = p.split_sec.get(split.micro_batch, p.base_sec) * noise
+        ranked = p.split_sec.get(split.micro_batch, p.base_sec) * noise * p.slower.get(step, 1.0)
         generation = p.generation_sec * (1 + self.rng.uniform(-p.noise, p.noise)) if p.grpo else 0.0
         warm = p.warmup[step - 1] if step - 1 < len(p.warmup) else 0.0
         return ranked, generation, warm
@@ -168,6 +173,9 @@ class _Run:
                            keys.TRAINER_LOG + "completions/max_length": float(p.max_completion_length),
                            keys.TRAINER_LOG + "completions/clipped_ratio": p.clipped})
         self._append(StepLine(step, round(self.t, 3), values))
+        if step in p.walls:
+            self._append(EventLine("mem", "wall", "the memory wall moved: the budget is now 19.00 GiB (was 20.00 GiB)",
+                                   step, round(self.t, 3), {"budget_gb": 19.0, "was_gb": 20.0}))
         if p.eval_every and step % p.eval_every == 0:       # evaluation after the step: the next step's wall has it
             self.t += p.eval_sec * (1 + self.rng.uniform(-p.noise, p.noise))
             tl.mark("eval", self.t)
@@ -187,6 +195,14 @@ class _Run:
         while step < p.steps:
             step += 1
             ranked, whole = self.step(step, split)
+            if step in p.resize_at and step < p.steps:        # a re-size: a new train() call at another split
+                if p.summaries:
+                    self.summaries(split)
+                self.t += p.switch_sec
+                micro, accum = p.resize_at[step]
+                split = Split(micro, accum, accum if p.grpo else None)
+                self.header(split, step)
+                continue
             tuning = self.tuning
             if tuning is None or tuning.done is not None and tuning.recorded:
                 continue

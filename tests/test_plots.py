@@ -253,3 +253,139 @@ def test_the_tuners_bars_say_what_every_reader_says_and_name_the_quantity(tmp_pa
         if t.comparison():
             assert any(t.comparison().replace(" than ", "\nthan ") in x for x in texts), t.comparison()
     assert not any("%" in x and ("+" in x or "−" in x or "-" in x) for x in texts)     # a direction in words only
+
+
+# ---------------------------------------------------------------- labels by their boxes, levels, slow stretches
+CLOSE = dict(TUNED, steps=300, walls=(4, 5, 11), contention={s: 1.2 for s in range(60, 180)})   # trials in 1-12
+CLOSE_PLANS = {"tuned, long": CLOSE, "tuned": dict(TUNED, walls=(3, 6, 9)),
+               "one switch": dict(steps=300, tune=True, must_pay=False, split_sec={8: 0.4}, noise=0.05,
+                                  walls=(2, 5, 7))}
+
+
+def text_boxes(fig):
+    """Each axes' visible texts as (words, box on the canvas), the figure drawn with Agg."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    return {ax: [(t.get_text(), t.get_window_extent(renderer)) for t in ax.texts if t.get_visible() and t.get_text()]
+            for ax in fig.axes}
+
+
+@pytest.mark.parametrize("plan", sorted(CLOSE_PLANS))
+def test_no_two_labels_overlap_and_every_label_stays_in_the_figure(tmp_path, plan):
+    # seen: split labels over steps 1-19 printed on top of each other ("4×8×4×2"), "wall moved" ran into "8×1"
+    out = synthetic(tmp_path, "close", **CLOSE_PLANS[plan])
+    for plot in (plot_throughput, plot_memory, plot_tuner, plot_phases):
+        fig, data = draw(plot, out)
+        for boxes in text_boxes(fig).values():
+            for i, (words, box) in enumerate(boxes):
+                assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and fig.bbox.y0 <= box.y0 \
+                    and box.y1 <= fig.bbox.y1, (plot.__name__, words)
+                for other, box2 in boxes[i + 1:]:
+                    assert not box.overlaps(box2), (plot.__name__, words, other)
+        if plot in (plot_throughput, plot_memory):          # the labels are there, not dropped to avoid overlaps
+            words = " ".join(w for w, _ in text_boxes(fig)[fig.axes[0]])
+            if len(data.restarts()) > 2:                    # every split named over its stretch, merged or not
+                assert set(data.splits.values()) <= set(words.replace("→", " ").split())
+            else:
+                assert all(restart in words for _, restart, _ in data.restarts())
+            if plot is plot_memory:
+                assert "wall moved" in words
+
+
+def test_close_split_stretches_merge_into_one_label_in_step_order(tmp_path):
+    out = synthetic(tmp_path, "close", **CLOSE)
+    fig, data = draw(plot_throughput, out)
+    first, *switches = data.restarts()
+    order = [data.splits[1]] + [data.splits[step + 1] for step, _, _ in [first, *switches]][:-1]
+    merged = [w for w, _ in text_boxes(fig)[fig.axes[0]] if "→" in w]
+    assert merged == [" → ".join(order) + f" (steps 1–{switches[-1][0]})"]
+
+
+def level_lines(ax):
+    """The steady lines of ``ax``: (y, first x, last x) of each horizontal segment of its line collections."""
+    from matplotlib.collections import LineCollection
+
+    out = []
+    for c in ax.collections:
+        if isinstance(c, LineCollection):
+            for (x0, y0), (x1, y1) in c.get_segments():
+                if y0 == y1:
+                    out.append((y0, x0, x1))
+    return sorted(out, key=lambda line: line[1])
+
+
+def test_a_two_split_run_gets_a_steady_line_at_each_splits_level(tmp_path):
+    # seen: one steady line drawn between two real levels (≈4,000 and ≈10,500 tok/s) of a tuned run
+    out = synthetic(tmp_path, "two", steps=40, grpo=False, resize_at={20: (8, 1)}, split_sec={8: 0.3})
+    fig, data = draw(plot_throughput, out)
+    steady = set(data.f.steady_steps)
+    expected = []
+    for split in ("4×2", "8×1"):
+        mine = [s for s in data.steps if s.step in steady and data.splits[s.step] == split]
+        level = sum(s.number(keys.PERF_TOKENS) for s in mine) / sum(s.number(keys.PERF_TRAIN_SEC) for s in mine)
+        expected.append((level, mine[0].step - 0.5, mine[-1].step + 0.5))
+    lines = level_lines(fig.axes[0])
+    assert len(lines) == 2 and [x for _, *x in lines] == [x for _, *x in expected]
+    assert [y for y, *_ in lines] == pytest.approx([y for y, *_ in expected])
+    assert lines[1][0] > 2 * lines[0][0]                       # two real levels, none drawn between them
+    assert f"steady figure {data.f.steady_tokens_per_sec:,.0f} tokens/s" in " ".join(labels(fig.axes[0]))
+
+
+def test_a_one_split_run_keeps_its_single_steady_line(run_dir):
+    fig, data = draw(plot_throughput, run_dir)
+    assert [y for y, *_ in level_lines(fig.axes[0])] == pytest.approx([data.f.steady_tokens_per_sec])
+
+
+def stretch_spans(ax):
+    """The (first, last) steps of ``ax``'s slow-stretch shading (alpha 0.12) and their colours."""
+    from matplotlib.patches import Rectangle
+
+    return sorted((round(p.get_x() + 0.5), round(p.get_x() + p.get_width() - 0.5), p.get_facecolor()[:3])
+                  for p in ax.patches if isinstance(p, Rectangle) and p.get_alpha() == 0.12)
+
+
+SLOW = dict(steps=80, grpo=False, noise=0.1)          # 1.0 s a step: a stretch of 20 steps at a third of the speed
+
+
+@pytest.mark.parametrize("cause", ["contention", "unexplained"])
+def test_a_long_slow_stretch_is_shaded_and_named_with_its_seconds(tmp_path, cause):
+    # seen: ~120 steps at 40% of the split's speed drowned into "1.1 s lost" and one steady line
+    from matplotlib.colors import to_rgb
+
+    from hf_perf_callbacks.report.figures import slow_stretches
+    from hf_perf_callbacks.report.model import Finding, Note
+    from hf_perf_callbacks.report.reading import measurements_from_run
+    from hf_perf_callbacks.report.rules import analyze, rule_contention
+
+    planted = {s: 2.0 for s in range(40, 60)} if cause == "contention" else {}
+    slower = {s: 3.0 for s in range(40, 60)} if cause == "unexplained" else {}
+    out = synthetic(tmp_path, cause, **SLOW, contention=planted, slower=slower)
+    fig, data = draw(plot_throughput, out)
+    (stretch,) = slow_stretches(data.run)
+    assert (stretch.first, stretch.last, stretch.cause) == (40, 59, cause)
+    color = to_rgb("tab:red" if cause == "contention" else "tab:orange")
+    assert stretch_spans(fig.axes[0]) == [(40, 59, pytest.approx(color))]
+    m = measurements_from_run(out)
+    found = rule_contention(m)
+    assert isinstance(found, Finding if cause == "contention" else Note)
+    assert found.steps == [(40, 59)] and found.lost_sec == pytest.approx(40.0, rel=0.15)   # 20 steps × 2 s more
+    assert ("contention" in [f.rule for f in analyze(m)]) == (cause == "contention")      # never blamed unexplained
+    if cause == "contention":
+        assert found.expected_gain == pytest.approx(1 / (1 - found.lost_sec / m.contention.run_sec if m.contention
+                                                         else 1 - found.lost_sec / m.wall_sec))
+    else:
+        assert not found.judged
+
+
+def test_a_run_without_a_slow_stretch_has_no_shading_and_no_finding(tmp_path):
+    from hf_perf_callbacks.report.figures import slow_stretches
+    from hf_perf_callbacks.report.reading import measurements_from_run
+    from hf_perf_callbacks.report.rules import rule_contention
+
+    out = synthetic(tmp_path, "plain", **SLOW)
+    fig, data = draw(plot_throughput, out)
+    assert slow_stretches(data.run) == [] and stretch_spans(fig.axes[0]) == []
+    assert rule_contention(measurements_from_run(out)) is None

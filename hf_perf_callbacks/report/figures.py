@@ -33,6 +33,16 @@ figure                    definition
                           the summary; a killed run has the seconds only)
 ``mean_tokens_per_sec``   Σ tokens / Σ training seconds over all steps
 ========================  ==================================================================================
+
+**Levels and slow stretches** (:func:`split_levels`, :func:`slow_stretches`: the throughput plot and the contention
+rule read the same ones). A split's level is Σ tokens / Σ training seconds over the steady steps of one stretch of
+consecutive steps at that split (``tuner/micro_batch`` × ``tuner/grad_accum``), drawn where it has at least
+:data:`MIN_LEVEL_STEPS` steady steps: a tuned run with two splits has two levels, not one line between them. A slow
+stretch is at least :data:`SLOW_MIN_STEPS` consecutive steady steps each below :data:`SLOW_SHARE` (70%) of its
+split's median per-step rate (GRPO: per generation cycle; the median, so that a long stretch does not pull its own
+reference down); its seconds lost are its training seconds minus those its tokens take at that median; its cause is
+"contention" where its wall/CPU ratio stands :data:`STRETCH_RATIO` above the split's steps at speed, else
+"unexplained" (its CPU time rose with it: not other processes).
 """
 from __future__ import annotations
 
@@ -341,6 +351,169 @@ def _provisional(perf: Mapping[str, Any]) -> dict[str, Any]:
             "provisional_step_sec": number(perf.get("provisional_step_sec")),
             "provisional_steps": [int(v) for v in steps] if isinstance(steps, list) and len(steps) == 2
             and all(number(v) is not None for v in steps) else None}
+
+
+#: the levels of a run and its slow stretches (:func:`split_levels`, :func:`slow_stretches`): a split's stretch of
+#: steps needs this many steady steps for a level of its own (drawn, and judged for slow stretches)
+MIN_LEVEL_STEPS = 3
+SLOW_SHARE = 0.7          # a steady step (GRPO: cycle) below this share of its split's median rate is slow ...
+SLOW_MIN_STEPS = 5        # ... and this many consecutive slow steady steps (at least) are a slow stretch
+STRETCH_RATIO = 0.2       # a stretch's wall/CPU above its split's other steady steps' by this share: contention
+
+
+@dataclass(frozen=True)
+class SplitLevel:
+    """The steady level of one stretch of steps run at one split (consecutive step lines with the same
+    ``tuner/micro_batch`` × ``tuner/grad_accum``; a run without them is one stretch): its first and last step, its
+    steady steps, Σ tokens / Σ training seconds over them (the level drawn) and the median rate of its steady steps
+    (GRPO: of its generation cycles; what a slow stretch is judged against: a long slow stretch does not move it)."""
+
+    split: str | None            # "4×2"; None: the step lines name no split
+    first: int
+    last: int
+    steady: list[int]
+    tokens_per_sec: float
+    median_tokens_per_sec: float
+
+
+@dataclass(frozen=True)
+class SlowStretch:
+    """At least :data:`SLOW_MIN_STEPS` consecutive steady steps of one split, each (GRPO: each generation cycle)
+    below :data:`SLOW_SHARE` of the split's median rate (steps the meter already counted as early contention left
+    out). ``lost_sec``: their training seconds minus the seconds their tokens take at the split's median rate.
+    ``cause``: "contention" where their median wall/CPU ratio stands :data:`STRETCH_RATIO` above that of the split's
+    steady steps at its speed (none of them slow; CPU device: the process was runnable, not running), else
+    "unexplained" (its CPU time rose with the wall time, or no CPU time is the work: a GPU)."""
+
+    first: int
+    last: int
+    split: str | None
+    share: float                 # the stretch's rate / the split's median rate
+    seconds: float               # training seconds of the stretch
+    lost_sec: float
+    cause: str                   # "contention" | "unexplained"
+    wall_over_cpu: float | None = None
+    steady_wall_over_cpu: float | None = None
+
+    @property
+    def steps(self) -> int:
+        return self.last - self.first + 1
+
+
+def _split_column(run: RunLog) -> list[str | None]:
+    """The split of each line of ``run.unique_steps()`` ("4×2"; None where the line names none)."""
+    out: list[str | None] = []
+    for micro, accum in zip(run.column(keys.TUNER_MICRO_BATCH), run.column(keys.TUNER_GRAD_ACCUM)):
+        out.append(f"{micro:.0f}×{accum:.0f}" if micro == micro and accum == accum else None)
+    return out
+
+
+def _segments(run: RunLog) -> list[tuple[str | None, list[int]]]:
+    """Consecutive lines with the same split: (split, their indices)."""
+    out: list[tuple[str | None, list[int]]] = []
+    for i, split in enumerate(_split_column(run)):
+        if out and out[-1][0] == split:
+            out[-1][1].append(i)
+        else:
+            out.append((split, [i]))
+    return out
+
+
+def _units(rows: list[int], period: int) -> list[list[int]]:
+    """Rows in blocks of ``period`` (GRPO counts a cycle's tokens at its generation step: a rate needs whole
+    cycles), consecutive rows only; a trailing part block is left out."""
+    out: list[list[int]] = []
+    block: list[int] = []
+    for i in rows:
+        if block and i != block[-1] + 1:
+            block = []
+        block.append(i)
+        if len(block) == period:
+            out.append(block)
+            block = []
+    return out
+
+
+def split_levels(run: RunLog) -> list[SplitLevel]:
+    """The steady level of each stretch of steps run at one split (see :class:`SplitLevel`), those with at least
+    :data:`MIN_LEVEL_STEPS` steady steps, in step order. Computed once per parsed run."""
+    cached: list[SplitLevel] | None = run.cache.get("split_levels")
+    if cached is None:
+        cached = run.cache["split_levels"] = [level for level, _ in _levels(run)]
+    return cached
+
+
+def _levels(run: RunLog) -> list[tuple[SplitLevel, list[list[int]]]]:
+    """Each :class:`SplitLevel` with its steady rows in units (steps; GRPO: cycles)."""
+    numbers, tokens, train = run.step_numbers(), run.column(keys.PERF_TOKENS), train_column(run)
+    steady = set(_steady(run))
+    period = max(1, int(number(run.header("perf").period) or 1))
+    out = []
+    for split, rows in _segments(run):
+        rows = [i for i in rows if numbers[i] in steady and tokens[i] == tokens[i] and train[i] == train[i]]
+        units = [u for u in _units(rows, period) if sum(train[i] for i in u) > 0]
+        if len(rows) < MIN_LEVEL_STEPS or not units:
+            continue
+        seconds = sum(train[i] for u in units for i in u)
+        rates = [sum(tokens[i] for i in u) / sum(train[i] for i in u) for u in units]
+        out.append((SplitLevel(split, numbers[rows[0]], numbers[rows[-1]], [numbers[i] for u in units for i in u],
+                               sum(tokens[i] for u in units for i in u) / seconds, median(rates)), units))
+    return out
+
+
+def slow_stretches(run: RunLog) -> list[SlowStretch]:
+    """The run's slow stretches (see :class:`SlowStretch`), in step order: the same for the throughput plot and the
+    analysis' contention rule. Computed once per parsed run."""
+    cached: list[SlowStretch] | None = run.cache.get("slow_stretches")
+    if cached is None:
+        cached = run.cache["slow_stretches"] = _stretches(run)
+    return cached
+
+
+def _stretches(run: RunLog) -> list[SlowStretch]:
+    numbers, tokens, train = run.step_numbers(), run.column(keys.PERF_TOKENS), train_column(run)
+    booked = {int(v) for v in run.summary("perf").get("contention_steps") or [] if number(v) is not None}
+    ratios = _wall_over_cpu(run)
+    out = []
+    for level, units in _levels(run):
+        slow: list[list[int]] = []          # runs of consecutive slow units
+        for u in units:
+            rate = sum(tokens[i] for i in u) / sum(train[i] for i in u)
+            if rate < SLOW_SHARE * level.median_tokens_per_sec and not booked.intersection(numbers[i] for i in u):
+                if slow and numbers[slow[-1][-1]] + 1 == numbers[u[0]]:
+                    slow[-1].extend(u)
+                else:
+                    slow.append(list(u))
+        below = {i for rows in slow for i in rows}
+        rest = [r for u in units for i in u if i not in below and (r := ratios[i]) is not None]
+        steady_ratio = median(rest) if rest else None           # the split's steady steps at its speed
+        for rows in slow:
+            if len(rows) < SLOW_MIN_STEPS:
+                continue
+            seconds = sum(train[i] for i in rows)
+            at_level = sum(tokens[i] for i in rows) / level.median_tokens_per_sec
+            mine = [r for i in rows if (r := ratios[i]) is not None]
+            stretch_ratio = median(mine) if mine else None
+            contended = (stretch_ratio is not None and steady_ratio is not None
+                         and stretch_ratio >= steady_ratio * (1 + STRETCH_RATIO))
+            out.append(SlowStretch(numbers[rows[0]], numbers[rows[-1]], level.split,
+                                   at_level / seconds if seconds > 0 else 0.0, seconds, max(0.0, seconds - at_level),
+                                   "contention" if contended else "unexplained", stretch_ratio, steady_ratio))
+    return out
+
+
+def _wall_over_cpu(run: RunLog) -> list[float | None]:
+    """Each line's wall seconds / process CPU seconds on a CPU device (None elsewhere, without CPU time, or on a
+    line that saved a checkpoint: disk time is wall time without CPU time, not other processes)."""
+    if run.header("perf").device_type != "cpu":
+        return [None] * len(run.step_numbers())
+    wall, window, cpu = (run.column(k) for k in (keys.PERF_STEP_WALL_SEC, keys.PERF_STEP_TIME, keys.PERF_CPU_SEC))
+    save = run.column(keys.PERF_PHASE_SEC["save"])
+    out: list[float | None] = []
+    for w, x, c, saved in zip(wall, window, cpu, save):
+        w = w if w == w and w else x
+        out.append(w / c if w == w and c == c and w > 0 and c > 0 and not saved > 0 else None)
+    return out
 
 
 def completion_stats(history: list[dict[str, Any]]) -> dict[str, float | None]:

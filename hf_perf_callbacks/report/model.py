@@ -11,6 +11,7 @@ from ..dataloader import DataLoaderFacts
 from ..estimate import ModelShape, model_from_config
 from ..runlog import WatchdogAction
 from ..splitfile import Decision
+from .figures import SlowStretch
 
 MEM_GRACE_STEPS = 3          # first steps' trend (allocator ramp) ignored for steps-to-wall
 ZERO = 1e-12
@@ -210,6 +211,7 @@ class Measurements:
     trainer_settings: dict[str, Any] = field(default_factory=dict)   # the run header's trainer_settings
     recompute_clocked: bool = False          # the recompute phase was clocked (else it is inside compute)
     completion_terminated_mean: float | None = None   # mean length of the completions that ended before the limit
+    slow_stretches: list[SlowStretch] = field(default_factory=list)   # long slow stretches of steady steps
 
 
 @dataclass
@@ -232,6 +234,8 @@ class Finding:
     priority: int = 1                        # 0: cannot learn / swapping / near the wall, ranked first
     env: dict[str, str] = field(default_factory=dict)  # environment variables to set before the process starts
     lower_bound: bool = False                # expected_gain is a floor ("at least"), not a prediction
+    steps: list[tuple[int, int]] = field(default_factory=list)   # the steps it is about, as (first, last) ranges
+    lost_sec: float | None = None            # the seconds it says were lost on them
 
 
 @dataclass
@@ -243,6 +247,8 @@ class Note:
     title: str
     text: str
     judged: bool = True
+    steps: list[tuple[int, int]] = field(default_factory=list)   # the steps it is about, as (first, last) ranges
+    lost_sec: float | None = None            # the seconds it says were lost on them
 
 
 @dataclass(frozen=True)

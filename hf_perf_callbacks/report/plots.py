@@ -9,16 +9,21 @@ write_plots(read_run("outputs/my_run"))      # outputs/my_run/plots/{throughput,
 Each plot reads the headline figures (:func:`hf_perf_callbacks.report.figures.figures`, the numbers the summary and the
 analysis print), the step lines and the tuner's record (:func:`hf_perf_callbacks.splitfile.read_split_file`), and is
 drawn to be read at a glance at the size a README shows it (800×450 pixels): one throughput line on the steady
-figure's basis with the warmup and the steps slowed by other processes marked, memory on a scale of its own data (GiB)
-with the budget as a line only when it is near, phases in words, the tuner's trials and costs. A ``plot_*`` function
-draws on a matplotlib figure and returns None, or why it has nothing to draw. Needs matplotlib (the ``plots`` extra).
+figure's basis with the warmup and the steps slowed by other processes marked, a steady line per split at its own
+level, the long slow stretches shaded (other processes, or unexplained), memory on a scale of its own data (GiB)
+with the budget as a line only when it is near, phases in words, the tuner's trials and costs. The words written
+inside a plot (restarts, wall moves, the split over each stretch) are placed by their boxes once the layout is
+settled, so that none overlaps another (:func:`_place_labels`). A ``plot_*`` function draws on a matplotlib figure
+and returns None, or why it has nothing to draw. Needs matplotlib (the ``plots`` extra).
 """
 from __future__ import annotations
 
 import logging
 import math
 import os
+import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .. import keys
@@ -29,10 +34,13 @@ from ..wording import PHASE_WORDS, split_label, steady_words, warmup_words
 from .figures import (
     Figures,
     LogStep,
+    SplitLevel,
     figures,
     last_value,
     ranges_text,
     run_events,
+    slow_stretches,
+    split_levels,
     step_ranges,
     train_column,
     train_seconds,
@@ -40,7 +48,10 @@ from .figures import (
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.backend_bases import RendererBase
     from matplotlib.figure import Figure
+    from matplotlib.text import Text
+    from matplotlib.transforms import Bbox
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -246,7 +257,14 @@ def plot_throughput(fig: Figure, data: PlotData) -> str | None:
               f"the latest train() call's warmup had not finished after step {f.steps}: the steady figure is "
               f"the earlier calls'", color="tab:red")
     steady = number(f.steady_tokens_per_sec)
-    if steady is not None and steady_list:
+    levels = split_levels(data.run)
+    if len(levels) > 1:                                 # two splits, two levels: one line each, never one between
+        _steady_levels(ax, levels)
+        if steady is not None and steady_list:          # the summary's figure, named (a line would fall between)
+            ax.plot([], [], color="none",
+                    label=f"steady figure {steady:,.0f} tokens/s: Σ tokens / Σ training s of the {len(steady_list)} "
+                          f"steady steps (all splits; each split's level drawn)")
+    elif steady is not None and steady_list:
         ax.hlines(steady, steady_list[0] - 0.5, steady_list[-1] + 0.5, colors="tab:green", linestyles="--", lw=2,
                   label=f"steady figure {steady:,.0f} tokens/s: Σ tokens / Σ training s of the {len(steady_list)} "
                         f"steady steps (a slow step weighs by its time)")
@@ -256,6 +274,7 @@ def plot_throughput(fig: Figure, data: PlotData) -> str | None:
         ax.scatter([x for x, _ in contended], [y for _, y in contended],
                    s=90, facecolors="none", edgecolors="tab:red", lw=1.8, zorder=3,
                    label=f"slowed by other processes ({number(f.contention_sec) or 0:.1f} s lost)")
+    _shade_stretches(ax, data)
     ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
     _mark_restarts(ax, data)
     notes = []
@@ -266,14 +285,63 @@ def plot_throughput(fig: Figure, data: PlotData) -> str | None:
         notes.append(steady_words(steady_list, ranges_text(step_ranges(steady_list))))
     _title(ax, "Training throughput (tokens per second of training time; evaluation and saving excluded)", *notes)
     ax.set_ylabel("tokens / s of training time")
-    ax.set_ylim(0, max(ys + [steady or 0.0]) * 1.12)
+    ax.set_ylim(0, max(ys + [steady or 0.0] + [level.tokens_per_sec for level in levels]) * 1.12)
     ax.grid(alpha=0.3)
     _integer_steps(ax)
     _legend_below(fig, ax, ncol=1)
+    _place_labels(fig)
     return None
 
 
-def _mark_restarts(ax: Axes, data: PlotData, top: float = 0.97) -> None:
+LEVEL_COLORS = ("tab:green", "tab:purple", "tab:olive", "tab:cyan", "tab:brown")
+
+
+def _steady_levels(ax: Axes, levels: Sequence[SplitLevel]) -> None:
+    """One steady line per stretch of steps at one split, at its level (Σ tokens / Σ training s of its steady
+    steps, :func:`~hf_perf_callbacks.report.figures.split_levels`), over its steady steps; one legend entry per
+    split, in a colour of its own."""
+    by_split: dict[str | None, list[SplitLevel]] = {}
+    for level in levels:
+        by_split.setdefault(level.split, []).append(level)
+    for n, (split, mine) in enumerate(by_split.items()):
+        rates = " / ".join(f"{level.tokens_per_sec:,.0f}" for level in mine)
+        label = (f"steady at {split or 'one split'}: {rates} tokens/s (Σ tokens / Σ training s of its "
+                 f"{sum(len(level.steady) for level in mine)} steady steps)")
+        for i, level in enumerate(mine):
+            ax.hlines(level.tokens_per_sec, level.steady[0] - 0.5, level.steady[-1] + 0.5,
+                      colors=LEVEL_COLORS[n % len(LEVEL_COLORS)], linestyles="--", lw=2,
+                      label=label if i == 0 else "")
+
+
+STRETCH_COLORS = {"contention": "tab:red", "unexplained": "tab:orange"}
+
+
+def _shade_stretches(ax: Axes, data: PlotData) -> None:
+    """Shade the run's slow stretches (:func:`~hf_perf_callbacks.report.figures.slow_stretches`: at least
+    ``SLOW_MIN_STEPS`` consecutive steady steps below ``SLOW_SHARE`` of their split's median speed), one
+    legend entry per cause with the steps and the seconds lost: other processes, or unexplained."""
+    stretches = slow_stretches(data.run)
+    for cause, color in STRETCH_COLORS.items():
+        mine = [s for s in stretches if s.cause == cause]
+        if not mine:
+            continue
+        ranges = ranges_text([(s.first, s.last) for s in mine[:4]]) + (", …" if len(mine) > 4 else "")
+        low, high = min(s.share for s in mine), max(s.share for s in mine)
+        speed = f"{low:.0%}" if f"{low:.0%}" == f"{high:.0%}" else f"{low:.0%}–{high:.0%}"
+        lost = sum(s.lost_sec for s in mine)
+        if cause == "contention":
+            why = (f"other processes (wall/CPU {max(s.wall_over_cpu or 0.0 for s in mine):.1f} against "
+                   f"{min(s.steady_wall_over_cpu or 0.0 for s in mine):.1f})")
+        else:
+            why = ("cause unexplained (CPU time rose with it)" if any(s.wall_over_cpu is not None for s in mine)
+                   else "cause unexplained")
+        for i, s in enumerate(mine):
+            ax.axvspan(s.first - 0.5, s.last + 0.5, color=color, alpha=0.12, lw=0, zorder=0,
+                       label=(f"slow stretch{'es' if len(mine) > 1 else ''}, {why}: steps {ranges} at {speed} of "
+                              f"the split's speed, {lost:.1f} s lost") if i == 0 else None)
+
+
+def _mark_restarts(ax: Axes, data: PlotData) -> None:
     """A dotted line where a ``train()`` call resumed the run (the tuner's switch, a re-size, a resume: its warmup
     starts anew), named: few are named beside their line; more get the split in effect written over each stretch
     between them, and one legend entry."""
@@ -281,8 +349,8 @@ def _mark_restarts(ax: Axes, data: PlotData, top: float = 0.97) -> None:
     if not restarts:
         return
     if len(restarts) <= 2:
-        for i, (step, words, color) in enumerate(restarts):
-            _marker(ax, step + 0.5, words, color, top - 0.08 * (i % 4))
+        for step, words, color in restarts:
+            _marker(ax, step + 0.5, words, color)
         return
     tuned = all(words.startswith("tuner") for _, words, _ in restarts)
     for i, (step, _, color) in enumerate(restarts):
@@ -296,9 +364,8 @@ def _mark_restarts(ax: Axes, data: PlotData, top: float = 0.97) -> None:
     edges = [min(data.splits) - 0.5] + [step + 0.5 for step, _, _ in restarts] + [max(data.splits) + 0.5]
     for a, b in zip(edges, edges[1:]):
         inside = [data.splits[x] for x in data.splits if a < x < b]
-        if inside:
-            ax.annotate(inside[0], xy=((a + b) / 2, top), xycoords=("data", "axes fraction"), ha="center", va="top",
-                        fontsize=8, color="dimgrey")
+        if inside:                  # placed with the others: stretches too narrow for their split merge into one
+            _pending(ax).append(_Label(a, inside[0], "dimgrey", "stretch", b))
 
 
 MAX_NAMED = 8                   # restarts named one by one on a plot; beyond that, one legend entry
@@ -332,10 +399,10 @@ def _memory_marks(ax: Axes, data: PlotData, used: dict[int, float]) -> int:
     acts = [(e, e.step) for e in run_events(data.run)
             if e.source == "mem" and e.kind in ("action", "stop", "wall") and e.step is not None
             and not (e.kind == "wall" and not e.message.startswith("the memory wall moved"))]
-    for i, (e, step) in enumerate(acts):
+    for e, step in acts:
         color = "red" if e.kind == "stop" else "tab:brown" if e.kind == "wall" else "purple"
         words = "wall moved" if e.kind == "wall" else str(e.details.get("action") or e.kind).replace("_", " ")
-        _marker(ax, step, words, color, 0.97 - 0.07 * (i % 4))
+        _marker(ax, step, words, color)
     return sum(1 for e, _ in acts if e.kind == "wall")
 
 
@@ -372,12 +439,13 @@ def plot_memory(fig: Figure, data: PlotData) -> str | None:
     walls = _memory_marks(ax, data, dict(zip(all_x, all_y)))
     ax.set_ylim(max(0.0, low - 0.15 * span), top + 0.3 * span)
     ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
-    _mark_restarts(ax, data, top=0.83)       # a split change moves memory: the switch that explains a step in it
+    _mark_restarts(ax, data)                 # a split change moves memory: the switch that explains a step in it
     _title(ax, "Process memory (RSS)" if cpu else "Device memory", *_memory_notes(data, near, top, walls))
     ax.set_ylabel("memory (GiB)")
     ax.grid(alpha=0.3)
     _integer_steps(ax)
     _legend_below(fig, ax)
+    _place_labels(fig)
     return None
 
 
@@ -487,6 +555,7 @@ def plot_tuner(fig: Figure, data: PlotData) -> str | None:
         ax.text(0.5, 0.5, _untried_words(latest) if latest is not None else
                 "no tuning decision and no tuner/* keys: nothing to draw", ha="center", va="center", wrap=True,
                 fontsize=10)
+    _place_labels(fig)
     return None
 
 
@@ -559,9 +628,9 @@ def _draw_splits(ax: Axes, splits: dict[int, str], decisions: list[Decision], da
     ax.set_ylim(-0.5, len(levels) - 0.5 + 0.6)
     ax.set_xlim(min(every) - 0.7, max(every) + 0.7)
     changed = [r for r in data.restarts() if "→" in r[1]]
-    for i, (step, words, color) in enumerate(changed):       # the y-axis names the splits: words only for a few
+    for step, words, color in changed:       # the y-axis names the splits: words only for a few
         if len(changed) <= 2:
-            _marker(ax, step + 0.5, words, color, 0.97 - 0.08 * (i % 4))
+            _marker(ax, step + 0.5, words, color)
         else:
             ax.axvline(step + 0.5, color=color, ls=":", lw=1.1)
     tuner_switches = sum(words.startswith("tuner") for _, words, _ in changed)
@@ -576,14 +645,162 @@ def _draw_splits(ax: Axes, splits: dict[int, str], decisions: list[Decision], da
 DECISION_WORDS = {"tune": "tuned", "memory_check": "memory check", "oom": "out of memory", "watchdog": "watchdog"}
 
 
-def _marker(ax: Axes, x: float, words: str, color: str, height: float) -> None:
-    """A dotted vertical line at ``x`` with ``words`` beside it, on the side with room."""
+def _marker(ax: Axes, x: float, words: str, color: str) -> None:
+    """A dotted vertical line at ``x`` with ``words`` beside it (placed by :func:`_place_labels`: on the side with
+    room, in the first row where it overlaps no other text)."""
     ax.axvline(x, color=color, ls=":", lw=1.2)
-    left, right = ax.get_xlim()
-    late = x > (left + right) / 2
-    ax.annotate(words, xy=(x, height), xycoords=("data", "axes fraction"), xytext=(-3 if late else 3, 0),
-                textcoords="offset points", fontsize=8, color=color if color != "grey" else "dimgrey", va="top",
-                ha="right" if late else "left")
+    _pending(ax).append(_Label(x, words, color if color != "grey" else "dimgrey", "beside"))
+
+
+# ---------------------------------------------------------------- labels in the plot, placed by their boxes
+LABEL_ROWS = 4                  # rows of labels under an axes' top edge; a label finding no room in them is left out
+LABEL_GAP = 3.0                 # pixels between two labels, and between a label and its line
+
+
+@dataclass
+class _Label:
+    """Words to write inside an axes at step ``x``: beside a marker line ("beside"), or centred over the stretch
+    of steps ``x``–``end`` ("stretch": the split in effect between two restarts)."""
+
+    x: float
+    words: str
+    color: str
+    kind: str
+    end: float = 0.0
+
+
+_PENDING: weakref.WeakKeyDictionary[Axes, list[_Label]] = weakref.WeakKeyDictionary()
+
+
+def _pending(ax: Axes) -> list[_Label]:
+    """The labels waiting to be placed on ``ax``."""
+    return _PENDING.setdefault(ax, [])
+
+
+def _place_labels(fig: Figure) -> None:
+    """Place every axes' pending labels once the figure's layout is settled (its constrained layout drawn without
+    rendering; the labels stay out of it, so the layout they were placed in is the one saved): markers first, then
+    the split stretches (consecutive stretches too narrow for their split merged into one label, ``4×2 → 8×1 → 2×4
+    (steps 1–9)``). Each takes the first of :data:`LABEL_ROWS` rows under the top edge, on either side of its line,
+    where its box overlaps no other text of the axes (a note, a placed label) and stays inside the axes; a label
+    with no room is left out, and how many were is said in a last label when it fits."""
+    todo = [(ax, labels) for ax in fig.axes if (labels := _PENDING.pop(ax, None))]
+    if not todo:
+        return
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)
+    fig.draw_without_rendering()
+    renderer: RendererBase = canvas.get_renderer()  # type: ignore[no-untyped-call]
+    for ax, labels in todo:
+        frame = ax.get_window_extent(renderer)
+        taken = [_box(t, renderer) for t in ax.texts]
+        markers = _merge_markers(ax, sorted((lab for lab in labels if lab.kind == "beside"), key=lambda lab: lab.x),
+                                 renderer)
+        stretches = _merge_stretches(ax, sorted((lab for lab in labels if lab.kind == "stretch"),
+                                                key=lambda lab: lab.x), renderer)
+        left_out = sum(not _put(ax, lab, frame, taken, renderer) for lab in markers + stretches)
+        if left_out:
+            _put(ax, _Label(frame.x1, f"{left_out} label(s) left out: too close together", "dimgrey", "corner"),
+                 frame, taken, renderer)
+
+
+def _box(text: Text, renderer: RendererBase) -> Bbox:
+    """A text's box on the canvas, its background box included."""
+    patch = text.get_bbox_patch()
+    return patch.get_window_extent(renderer) if patch is not None else text.get_window_extent(renderer)
+
+
+def _text(ax: Axes, words: str, color: str) -> Text:
+    text = ax.text(0, 0, words, transform=ax.transAxes, fontsize=8, color=color, ha="left", va="top")
+    text.set_in_layout(False)
+    return text
+
+
+def _width(ax: Axes, words: str, renderer: RendererBase) -> float:
+    text = _text(ax, words, "black")
+    width = text.get_window_extent(renderer).width
+    text.remove()
+    return float(width)
+
+
+def _pixels(ax: Axes, x: float) -> float:
+    return float(ax.transData.transform((x, 0))[0])
+
+
+def _merge_markers(ax: Axes, markers: list[_Label], renderer: RendererBase) -> list[_Label]:
+    """Markers of the same words closer together than their label is wide as one label: ``wall moved ×3 (steps
+    4–5, 11)``."""
+    groups: list[list[_Label]] = []
+    for lab in markers:
+        last = groups[-1][-1] if groups else None
+        if last is not None and (last.words, last.color) == (lab.words, lab.color) \
+                and _pixels(ax, lab.x) - _pixels(ax, last.x) < _width(ax, lab.words, renderer) + 2 * LABEL_GAP:
+            groups[-1].append(lab)
+        else:
+            groups.append([lab])
+    return [g[0] if len(g) == 1 else
+            _Label(g[0].x, f"{g[0].words} ×{len(g)} (steps {ranges_text(step_ranges(int(lab.x) for lab in g))})",
+                   g[0].color, "beside")
+            for g in groups]
+
+
+def _merge_stretches(ax: Axes, stretches: list[_Label], renderer: RendererBase) -> list[_Label]:
+    """Consecutive stretches too narrow for their split's label as one label over them all."""
+    out: list[_Label] = []
+    group: list[_Label] = []
+
+    def flush() -> None:
+        if len(group) == 1:
+            out.append(group[0])
+        elif group:
+            first, last = math.ceil(group[0].x), math.floor(group[-1].end)
+            out.append(_Label(group[0].x, " → ".join(lab.words for lab in group) + f" (steps {first}–{last})",
+                              "dimgrey", "stretch", group[-1].end))
+        group.clear()
+
+    for lab in stretches:
+        if _width(ax, lab.words, renderer) + 2 * LABEL_GAP <= abs(_pixels(ax, lab.end) - _pixels(ax, lab.x)):
+            flush()
+            out.append(lab)
+        else:
+            group.append(lab)
+    flush()
+    return out
+
+
+def _put(ax: Axes, lab: _Label, frame: Bbox, taken: list[Bbox], renderer: RendererBase) -> bool:
+    """Write ``lab`` in the first free row (see :func:`_place_labels`); False where it finds none (removed)."""
+    from matplotlib.transforms import Bbox
+
+    text = _text(ax, lab.words, lab.color)
+    box = text.get_window_extent(renderer)
+    width, height = box.width, box.height
+    at = _pixels(ax, lab.x)
+    if lab.kind == "stretch":
+        centre = (at + _pixels(ax, lab.end)) / 2
+        lefts = [centre - width / 2]
+    elif lab.kind == "corner":
+        lefts = [frame.x1 - LABEL_GAP - width]
+    else:
+        right, left = at + LABEL_GAP, at - LABEL_GAP - width
+        lefts = [left, right] if at > (frame.x0 + frame.x1) / 2 else [right, left]
+    low, high = frame.x0 + LABEL_GAP, frame.x1 - LABEL_GAP - width
+    if high < low:
+        text.remove()
+        return False
+    for row in range(LABEL_ROWS):
+        top = frame.y1 - LABEL_GAP - row * (height + LABEL_GAP)
+        for left in lefts:
+            left = min(max(left, low), high)
+            spot = Bbox.from_bounds(left, top - height, width, height)
+            grown = spot.expanded(1.0, 1.0).padded(LABEL_GAP / 2)
+            if spot.y0 >= frame.y0 and not any(grown.overlaps(t) for t in taken):
+                text.set_position(tuple(ax.transAxes.inverted().transform((left, top))))
+                taken.append(text.get_window_extent(renderer))
+                return True
+    text.remove()
+    return False
 
 
 DRAW = {"throughput": plot_throughput, "memory": plot_memory, "phases": plot_phases, "tuner": plot_tuner}

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from ..figures import (
+    SLOW_MIN_STEPS,
+    SLOW_SHARE,
+    STRETCH_RATIO,
+    SlowStretch,
     ranges_text,
     step_ranges,
 )
-from ..model import CONTENTION_RATIO, CONTENTION_SHARE, MIN_MACHINE_STEPS, Finding, Machine, Measurements, card
+from ..model import CONTENTION_RATIO, CONTENTION_SHARE, MIN_MACHINE_STEPS, Finding, Machine, Measurements, Note, card
 from .advice import _bullets, _launcher, _pct
 from .basis import _too_short
 
@@ -94,23 +98,71 @@ def rule_oversubscription(m: Measurements) -> Finding | None:
                    "measured" if gain else "try", None, env={"OMP_NUM_THREADS": str(a)}, lower_bound=bool(gain))
 
 
+def _stretches_words(stretches: list[SlowStretch]) -> str:
+    """``steps 60–179 at 43% of the 2×4 split's speed (136.2 s lost)``, each stretch."""
+    return "; ".join(f"steps {s.first}–{s.last} at {s.share:.0%} of the {s.split + ' ' if s.split else ''}split's "
+                     f"speed ({s.lost_sec:.1f} s lost)" for s in stretches)
+
+
+def _unexplained_words(stretches: list[SlowStretch]) -> str:
+    ratios = [s for s in stretches if s.wall_over_cpu is not None and s.steady_wall_over_cpu is not None]
+    why = (f"the process's CPU time rose with the wall time (wall/CPU {ratios[0].wall_over_cpu:.2f} against "
+           f"{ratios[0].steady_wall_over_cpu:.2f} on the split's other steady steps), so other processes do not "
+           "explain it" if ratios else "no CPU time on this device tells other processes from the run's own work")
+    return (f"{len(stretches)} stretch(es) of steady steps ran well below their split's speed ("
+            f"{_stretches_words(stretches)}) and {why}; the log does not say what slowed them (longer sequences, "
+            "the data, the machine's clock or memory)")
+
+
 @card(finding="steps slower while their process CPU time stayed flat, each step's own wall/CPU ratio ≥ "
-              f"{1 + CONTENTION_RATIO:g}× the steady steps' (the steps named) → other processes, `OMP_NUM_THREADS`",
+              f"{1 + CONTENTION_RATIO:g}× the steady steps' (the steps named); a slow stretch (≥ {SLOW_MIN_STEPS} "
+              f"consecutive steady steps below {SLOW_SHARE:.0%} of their split's median speed) whose wall/CPU stands "
+              f"{STRETCH_RATIO:.0%} above its split's → other processes, `OMP_NUM_THREADS`",
       gain="measured: the time lost",
-      note="(warmup is never blamed for it)")
-def rule_contention(m: Measurements) -> Finding | None:
-    c = m.contention
-    if not c or (c.lost_share or 0.0) < CONTENTION_SHARE or _too_short(m):
+      note="a slow stretch whose CPU time rose with it: unexplained, not blamed on other processes (nor on warmup)")
+def rule_contention(m: Measurements) -> Finding | Note | None:
+    if _too_short(m):
         return None
-    lost, share = c.lost_sec, c.lost_share
-    obs = (f"{c.steps} step(s) ({ranges_text(step_ranges(c.step_list))}) ran slower than the steady level "
-           f"while their process CPU time did not rise with them (wall/CPU {c.wall_over_cpu:.2f} against "
-           f"{c.steady_wall_over_cpu:.2f} when steady): {lost:.1f} s ({_pct(share)} of the run"
-           + (", the meter's `early_contention_sec`" if c.source == "meter" else "")
-           + ") went to waiting for a CPU")
-    if c.other_cores is not None:
+    c = m.contention
+    contended = [s for s in m.slow_stretches if s.cause == "contention"]
+    unexplained = [s for s in m.slow_stretches if s.cause == "unexplained"]
+    run_sec = c.run_sec if c else (m.wall_sec or 0.0)
+    lost = (c.lost_sec if c else 0.0) + sum(s.lost_sec for s in contended)
+    share = lost / run_sec if run_sec > 0 else 0.0
+    steps = (step_ranges(c.step_list) if c else []) + [(s.first, s.last) for s in contended]
+    if share < CONTENTION_SHARE or not (c or contended):
+        if not m.slow_stretches:
+            return None
+        text = ""
+        if contended:
+            text = (f"Other processes slowed {len(contended)} stretch(es) of steady steps ("
+                    f"{_stretches_words(contended)}, wall/CPU {max(s.wall_over_cpu or 0.0 for s in contended):.2f} "
+                    f"against "
+                    f"{min(s.steady_wall_over_cpu or 0.0 for s in contended):.2f}): {lost:.1f} s, {_pct(share)} of "
+                    f"the run, below the {CONTENTION_SHARE:.0%} that makes a finding. ")
+        if unexplained:
+            text += _unexplained_words(unexplained) + "."
+        stretches = contended + unexplained
+        return Note("contention", "Slow stretches" + (", cause unexplained" if not contended else ""), text.strip(),
+                    judged=False, steps=[(s.first, s.last) for s in stretches],
+                    lost_sec=sum(s.lost_sec for s in stretches))
+    parts = []
+    if c:
+        parts.append(f"{c.steps} step(s) ({ranges_text(step_ranges(c.step_list))}) ran slower than the steady level "
+                     f"while their process CPU time did not rise with them (wall/CPU {c.wall_over_cpu:.2f} against "
+                     f"{c.steady_wall_over_cpu:.2f} when steady): {c.lost_sec:.1f} s"
+                     + (", the meter's `early_contention_sec`" if c.source == "meter" else ""))
+    if contended:
+        parts.append(f"{len(contended)} stretch(es) of steady steps ran well below their split's speed with their "
+                     f"CPU time flat ({_stretches_words(contended)}; wall/CPU "
+                     f"{max(s.wall_over_cpu or 0.0 for s in contended):.2f} against "
+                     f"{min(s.steady_wall_over_cpu or 0.0 for s in contended):.2f})")
+    obs = "; ".join(parts) + f": {lost:.1f} s ({_pct(share)} of the run) went to waiting for a CPU"
+    if c and c.other_cores is not None:
         obs += f"; other processes kept up to {c.other_cores:.1f} CPU cores busy during those steps"
     obs += "."
+    if unexplained:
+        obs += " Besides, " + _unexplained_words(unexplained) + "."
     root = ("Other processes (or too many threads of this one) shared the CPU cores: the training process was "
             "runnable but not running. This is not warmup — warmup costs CPU time (allocation, compilation) and "
             "does not recur.")
@@ -118,7 +170,7 @@ def rule_contention(m: Measurements) -> Finding | None:
              "or leave them the cores they need: `OMP_NUM_THREADS` / `torch.set_num_threads` at most the cores "
              "the other processes leave free (threads beyond them wait for each other)"]
     gain = 1.0 / (1.0 - share)
-    formula = (f"the measured time lost: 1/(1 − {lost:.1f} s / {c.run_sec:.1f} s) = {gain:.2f}x (those steps at "
+    formula = (f"the measured time lost: 1/(1 − {lost:.1f} s / {run_sec:.1f} s) = {gain:.2f}x (those steps at "
                f"the steady level)")
     return Finding("contention", "CPU contention: other processes slowed the run", obs, root, _bullets(items), gain,
-                   formula, "medium", {}, "measured", gain)
+                   formula, "medium", {}, "measured", gain, steps=steps, lost_sec=lost)

@@ -26,7 +26,7 @@ def _contention_words(m: Measurements) -> str:
     """What the report says about other processes beside warmup: the finding that names them (only one the report
     has), else the meter's measured seconds when there are any, else nothing."""
     names = [name for name, rule in (("oversubscription", rule_oversubscription), ("contention", rule_contention))
-             if rule(m) is not None]
+             if isinstance(rule(m), Finding)]
     if names:
         return (f" Other processes slowed this run too (the {' and the '.join(names)} finding"
                 f"{'s' if len(names) > 1 else ''} above): that time is contention, not warmup, and it recurs.")

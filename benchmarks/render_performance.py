@@ -117,8 +117,16 @@ def _wordle(r: dict) -> str:
 
 
 def _advice(r: dict) -> str:
-    measured = [x for run in r["runs"] for x in run["results"] if x.get("measured_gain")]
-    return f"{len(measured)} findings applied and measured (the table in Advice check)"
+    rows = [x for run in r["runs"] for x in run["results"]]
+    measured = [x for x in rows if x.get("measured_gain")]
+    followed = [x["followup"] for x in rows if x.get("followup")]
+    predicted = [x for x in measured if x.get("predicted_gain")]
+    within = [x for x in predicted if abs(x["predicted_gain"] / x["measured_gain"] - 1) <= 0.25]
+    parts = [f"{len(measured)} findings applied and measured; {len(within)} of the {len(predicted)} with a predicted "
+             f"gain within 25% of it"] if measured else []
+    parts += [f"{f['applied']} applied: {f['clipped_before']:.0%} → {f['clipped_after']:.0%} of completions cut"
+              + (", asked for no more" if f["ok"] else ", STILL CUT") for f in followed]
+    return "; ".join(parts) or "no finding applied"
 
 
 def _shared(r: dict) -> str:

@@ -41,11 +41,13 @@ def split_label(split: object) -> str:
     return f"{micro}×{accum}" if micro is not None and accum is not None else "?"
 
 
-def warmup_words(steps: object, slowdown: object, overhead: object = None, first_step: object = None) -> str:
+def warmup_words(steps: object, slowdown: object, overhead: object = None, first_step: object = None,
+                 levels: int = 1) -> str:
     """What the warmup figures say, without contradicting themselves: ``steps`` of warmup (0: none beyond the first
     step; None: warmup has not finished), the first step's ``slowdown`` against the steady step (below 1: later
-    steps slowed, not warmup) and the ``overhead`` seconds above steady time. ``first_step``: the step the
-    slowdown is of (the latest ``train()`` call's first step), named when it is not step 1."""
+    steps slowed, not warmup — or, over ``levels`` > 1 splits at different speeds, another split) and the
+    ``overhead`` seconds above steady time. ``first_step``: the step the slowdown is of (the latest ``train()``
+    call's first step), named when it is not step 1."""
     n, slow, over = _number(steps), _number(slowdown), _number(overhead)
     if n is None:
         return "warmup not finished (no stable window of steps yet: too few steps for steady figures)"
@@ -64,7 +66,9 @@ def warmup_words(steps: object, slowdown: object, overhead: object = None, first
         parts.append(f"no warmup: {first} ran at the steady speed")
     if slow is not None and slow < 0.95:
         again = first if at is None or at == 1 else "it"        # a named step is named once
-        parts.append(f"{again} was faster than the steady level ({slow:.2f}x): later steps slowed down — "
+        parts.append(f"{again} was faster than the steady level ({slow:.2f}x), which mixes {levels} splits at "
+                     f"different speeds (each split's own level is in the throughput plot)" if levels > 1 else
+                     f"{again} was faster than the steady level ({slow:.2f}x): later steps slowed down — "
                      f"longer sequences or other processes, not warmup")
     return "; ".join(parts)
 

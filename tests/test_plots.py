@@ -389,3 +389,14 @@ def test_a_run_without_a_slow_stretch_has_no_shading_and_no_finding(tmp_path):
     fig, data = draw(plot_throughput, out)
     assert slow_stretches(data.run) == [] and stretch_spans(fig.axes[0]) == []
     assert rule_contention(measurements_from_run(out)) is None
+
+
+def test_a_first_step_faster_than_a_steady_figure_over_several_splits_is_not_called_a_slowdown():
+    """The steady figure of a tuned run mixes splits at different speeds: a first step faster than it says so, and
+    never that later steps slowed down (they ran at another split)."""
+    from hf_perf_callbacks.wording import warmup_words
+
+    one = warmup_words(2, 0.49, 0.0, None)
+    mixed = warmup_words(2, 0.49, 0.0, None, levels=2)
+    assert "later steps slowed down" in one and "later steps slowed down" not in mixed
+    assert "mixes 2 splits" in mixed

@@ -212,6 +212,7 @@ class Measurements:
     recompute_clocked: bool = False          # the recompute phase was clocked (else it is inside compute)
     completion_terminated_mean: float | None = None   # mean length of the completions that ended before the limit
     slow_stretches: list[SlowStretch] = field(default_factory=list)   # long slow stretches of steady steps
+    split_levels: int = 1                    # the splits whose steady level the run measured (several: a tuned run)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from .figures import (
     finite,
     last_value,
     slow_stretches,
+    split_levels,
     train_column,
     trainer_logs,
 )
@@ -542,7 +543,7 @@ def measurements(run_log: RunLog) -> Measurements:
         **_figure_readings(f), **_geometry(run_log, run), **_step_counts(run_log, grpo),
         **_memory_readings(run_log, skipped), **_trainer_readings(run_log, grpo), **_tuner_readings(run_log, skipped),
         contention=_contention(run_log, f), machine=_machine(run_log, run, skipped),
-        slow_stretches=slow_stretches(run_log),
+        slow_stretches=slow_stretches(run_log), split_levels=len(split_levels(run_log)),
         evaluation=_evaluation(run_log, train_sec), first_steady=_first_steady(run_log, f),
         launcher=_fact(run, "launcher", "str", skipped), logged=run_log.keys_logged(), skipped=skipped,
         train_sec=train_sec or None, **_generation_readings(run_log, run, skipped), **_phase_readings(run_log))

@@ -51,7 +51,7 @@ def rule_warmup(m: Measurements) -> Note | None:
     if slow is None and overhead is None:
         return None
     first = m.first_steady
-    parts = [warmup_words(n, slow, overhead, first.step if first else None)]
+    parts = [warmup_words(n, slow, overhead, first.step if first else None, levels=max(1, m.split_levels))]
     fresh = ("One-time costs of a fresh process (optimizer state, allocator growth"
              + {"mps": ", Metal shader compilation", "cuda": ", CUDA context and kernel selection",
                 "xpu": ", kernel compilation"}.get(m.device_type, "") + ") do not recur")

@@ -89,3 +89,8 @@ def _convert(source: str, out: str) -> None:
         del model.config.quantization_config
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+__all__ = [
+    "MissingModelPackage", "smollm2_path", "gguf_path", "cache_root"
+]

@@ -603,3 +603,10 @@ def run_geometry(args: Any, world_size: int) -> RunGeometry:
     effective = Split(args.per_device_train_batch_size, args.gradient_accumulation_steps).effective_batch(world_size)
     generation = getattr(args, "generation_batch_size", None) if is_grpo(args) else None
     return {"effective_batch": effective, "world_size": world_size, "generation_batch": generation}
+
+
+__all__ = [
+    "SplitFile", "SplitFileError", "Decision", "Trial", "TrialFigures", "WrittenCheckpoint", "Restriction",
+    "ExactnessCheck", "RunGeometry", "read_split_file", "check_split", "split_for_run", "recorded_split",
+    "run_geometry", "trial_figures", "split_to_json", "split_from_json", "ranges"
+]

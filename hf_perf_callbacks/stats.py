@@ -298,3 +298,9 @@ def classify_slow_steps(wall: Sequence[float], cpu: Sequence[float], steady_wall
         contended += excess - part_warm
         labels.append("warmup" if part_warm >= excess - part_warm else "contention")
     return SlowStart(labels, warm, contended, steady_wall, steady_cpu)
+
+
+__all__ = [
+    "median", "quantile", "iqr", "linear_fit", "mann_whitney_less", "t975", "WarmupResult", "WarmupDetector",
+    "WindowedRate", "generation_period", "WallForecast", "steps_to_limit", "SlowStart", "classify_slow_steps"
+]

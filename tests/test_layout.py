@@ -60,3 +60,42 @@ def test_the_package_has_no_import_circle():
 def test_a_circle_is_found_when_there_is_one():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_name_the_docs_send_users_to_is_declared_public():
+    """A name the README, docs/ or recipes/README.md write as ``hf_perf_callbacks.module.name`` is in that module's
+    ``__all__`` (so the module declares its public surface), and every name a module declares exists."""
+    import importlib
+    import re
+
+    root = PACKAGE.parent
+    texts = [root / "README.md", root / "recipes" / "README.md", *sorted((root / "docs").glob("*.md"))]
+    named = {m for t in texts for m in re.findall(r"hf_perf_callbacks(?:\.[A-Za-z_][A-Za-z0-9_]*)+", t.read_text())}
+    checked = 0
+    for dotted in sorted(named):
+        parts = dotted.split(".")
+        for cut in range(len(parts), 1, -1):                  # the longest importable prefix is the module
+            try:
+                module = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            rest = parts[cut:]
+            if rest and rest[0] not in ("main",):             # `python -m hf_perf_callbacks.train.main`
+                assert rest[0] in getattr(module, "__all__", ()), f"{dotted}: not in {module.__name__}.__all__"
+                checked += 1
+            break
+    assert checked >= 3
+    for module_name in {m.rsplit(".", 1)[0] for m in named} | {"hf_perf_callbacks"}:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        assert all(hasattr(module, n) for n in getattr(module, "__all__", ())), module_name
+
+
+def test_every_metric_key_constant_is_public():
+    """A key added to keys.py is added to its ``__all__`` too (the constants are the public names of the keys)."""
+    from hf_perf_callbacks import keys
+
+    constants = {n for n in vars(keys) if n.isupper() and not n.startswith("_")}
+    assert constants <= set(keys.__all__), sorted(constants - set(keys.__all__))

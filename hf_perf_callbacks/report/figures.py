@@ -530,3 +530,10 @@ def completion_stats(history: list[dict[str, Any]]) -> dict[str, float | None]:
             "terminated_mean": sum(ended) / len(ended) if ended else None,
             "p90": quantile(maxes, 0.9) if maxes else None,
             "clipped": sum(clipped) / len(clipped) if clipped else None, "logs": len(means)}
+
+
+__all__ = [
+    "Figures", "figures", "SplitLevel", "SlowStretch", "split_levels", "slow_stretches", "completion_stats",
+    "steady_steps", "step_ranges", "ranges_text", "train_calls", "trainer_logs", "run_events", "train_seconds",
+    "train_column", "last_value", "finite"
+]

@@ -804,3 +804,8 @@ def _put(ax: Axes, lab: _Label, frame: Bbox, taken: list[Bbox], renderer: Render
 
 
 DRAW = {"throughput": plot_throughput, "memory": plot_memory, "phases": plot_phases, "tuner": plot_tuner}
+
+
+__all__ = [
+    "write_plots", "plot_all", "PlotData", "plot_throughput", "plot_memory", "plot_phases", "plot_tuner"
+]

@@ -52,3 +52,8 @@ def rule_table() -> str:
         rows.append(" ".join(f"| {cell}" if cell else "|" for cell in (f"`{name}`", c.finding, c.gain, c.note))
                     + " |")
     return "\n".join(rows)
+
+
+__all__ = [
+    "check", "analyze", "rule_table", "RULES"
+]

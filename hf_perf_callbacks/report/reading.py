@@ -8,12 +8,12 @@ import math
 import os
 import statistics
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from .. import keys
 from ..dataloader import dataloader_facts
-from ..runlog import PHASES, ReadStep, RunHeader, RunLog, conform, number, read_run
-from ..splitfile import SplitFile, read_split_file
+from ..runlog import PHASES, ReadStep, RunHeader, RunLog, WatchdogAction, conform, number, read_run
+from ..splitfile import Decision, SplitFile, read_split_file
 from ..stats import classify_slow_steps, quantile
 from .figures import (
     Figures,
@@ -187,7 +187,108 @@ def _tail(run_log: RunLog) -> dict[str, float]:
     return {str(k): float(v) for k, v in tail.items() if number(v) is not None} if isinstance(tail, dict) else {}
 
 
-def _phase_readings(run_log: RunLog) -> dict[str, Any]:
+class PhaseReadings(TypedDict):
+    """What :func:`_phase_readings` reads: fields of :class:`Measurements`."""
+
+    phase_sec: dict[str, float]
+    wall_sec: float | None
+    saves: int
+    training_logs: int
+    callback_sec: dict[str, dict[str, float]]
+    trainer_settings: dict[str, Any]
+    recompute_clocked: bool
+
+
+class StepCountsReadings(TypedDict):
+    """What :func:`_step_counts` reads: fields of :class:`Measurements`."""
+
+    forwards_per_microbatch: float | None
+    pad_fraction: float | None
+    seq_len: int | None
+    seq_len_min: int | None
+    seq_len_mean: float | None
+    fixed_seq_len: int | None
+    decode_bandwidth_util: float | None
+
+
+class GenerationReadings(TypedDict):
+    """What :func:`_generation_readings` reads: fields of :class:`Measurements`."""
+
+    generation_backend: str | None
+    vllm_enable_sleep_mode: bool | None
+    weight_sync_share: float | None
+    weight_sync_sec: float | None
+    weight_syncs: int
+    reward_share: float | None
+    rollout_tokens_per_sec: float | None
+
+
+class MemoryReadings(TypedDict):
+    """What :func:`_memory_readings` reads: fields of :class:`Measurements`."""
+
+    driver_gb_max: float | None
+    allocated_gb_at_driver_max: float | None
+    max_pressure: int | None
+    swap_growth_gb: float | None
+    swapout_steps: int
+    min_steps_to_wall: float | None
+    watchdog_actions: list[WatchdogAction]
+    budget_range_gb: tuple[float, float] | None
+    wall_moves: list[tuple[int | None, str, bool]]
+    leak_mib_per_step: float | None
+
+
+class GeometryReadings(TypedDict):
+    """What :func:`_geometry` reads: fields of :class:`Measurements`."""
+
+    micro_batch: int | None
+    grad_accum: int | None
+    steps_per_generation: int | None
+
+
+class TrainerReadings(TypedDict):
+    """What :func:`_trainer_readings` reads: fields of :class:`Measurements`."""
+
+    completion_mean: float | None
+    completion_max: float | None
+    completion_p90: float | None
+    clipped_ratio: float | None
+    completion_terminated_mean: float | None
+    logs: int
+    no_signal_run: int
+    reward_mean: float | None
+    rewards: Rewards | None
+    trainer_log_source: str | None
+    trainer_kind: str | None
+
+
+class TunerReadings(TypedDict):
+    """What :func:`_tuner_readings` reads: fields of :class:`Measurements`."""
+
+    tuner_attached: bool
+    tune: Decision | None
+    memory_limits: list[Decision]
+    tuner_hint: str | None
+
+
+class FigureReadings(TypedDict):
+    """What :func:`_figure_readings` reads: fields of :class:`Measurements`."""
+
+    steps: int
+    warmup_steps: int | None
+    warmup_done: bool | None
+    warmup_overhead_sec: float | None
+    first_step_slowdown: float | None
+    steady_step_sec: float | None
+    steady_tokens_per_sec: float | None
+    mfu: float | None
+    phases: dict[str, float]
+    mem_high_water_gb: float | None
+    mem_budget_gb: float | None
+    steady_steps: int
+
+
+def _phase_readings(run_log: RunLog) -> PhaseReadings:
     """The run's seconds per phase (the step lines' ``perf/phase_sec/*`` and the tail), its wall seconds, the saves
     and training logs counted, the seconds of each callback class (the summary's ``callback_sec``, else the step
     lines' ``perf/callback_sec/*``), the trainer's settings of those phases."""
@@ -405,7 +506,7 @@ def _steady_values(run_log: RunLog, key: str) -> Iterator[float]:
     return (v for v in (column[i] for i in steady_at) if v == v)
 
 
-def _step_counts(run_log: RunLog, grpo: bool) -> dict[str, Any]:
+def _step_counts(run_log: RunLog, grpo: bool) -> StepCountsReadings:
     """What the step lines count: forwards per micro-batch, padding, sequence lengths, decode bandwidth."""
     fpm = _median(finite(run_log.column(keys.PERF_FORWARDS_PER_MICROBATCH)))
     if fpm is None:
@@ -418,7 +519,7 @@ def _step_counts(run_log: RunLog, grpo: bool) -> dict[str, Any]:
             "decode_bandwidth_util": _median(list(_steady_values(run_log, keys.PERF_DECODE_BANDWIDTH_UTIL)))}
 
 
-def _generation_readings(run_log: RunLog, run: RunHeader, skipped: list[str]) -> dict[str, Any]:
+def _generation_readings(run_log: RunLog, run: RunHeader, skipped: list[str]) -> GenerationReadings:
     """GRPO's figures of TRL's generation entry: the backend, the weight syncs' and reward functions' shares of the
     wall time, the rollout's decode rate (None where the step lines do not hold them)."""
     backend = _fact(run, "generation_backend", "str", skipped)
@@ -436,18 +537,19 @@ def _generation_readings(run_log: RunLog, run: RunHeader, skipped: list[str]) ->
             "rollout_tokens_per_sec": _median(list(_steady_values(run_log, keys.PERF_ROLLOUT_TOKENS_PER_SEC)))}
 
 
-def _watchdog_actions(run_log: RunLog, skipped: list[str]) -> list[dict[str, Any]]:
+def _watchdog_actions(run_log: RunLog, skipped: list[str]) -> list[WatchdogAction]:
     """The watchdog's actions: its summary's list, else (a killed run) its action and stop events."""
     actions = run_log.summary("mem").get("actions")
     if isinstance(actions, list):
-        return [a for a in actions if isinstance(a, dict)]
+        return [WatchdogAction(step=a.get("step"), action=a.get("action"), message=a.get("message"))
+                for a in actions if isinstance(a, dict)]
     if actions is not None:
         skipped.append(f"the watchdog summary's `actions` is {type(actions).__name__}, not a list")
-    return [{"step": e.step, "action": e.details.get("action"), "message": e.message}
+    return [WatchdogAction(step=e.step, action=e.details.get("action"), message=e.message)
             for e in run_log.events if e.source == "mem" and e.kind in ("action", "stop")]
 
 
-def _memory_readings(run_log: RunLog, skipped: list[str]) -> dict[str, Any]:
+def _memory_readings(run_log: RunLog, skipped: list[str]) -> MemoryReadings:
     """The memory columns and the watchdog's events: driver memory at its peak, swap, pressure, the budget, the
     wall's moves, a leak."""
     steps, events = run_log.unique_steps(), run_log.events
@@ -471,7 +573,7 @@ def _memory_readings(run_log: RunLog, skipped: list[str]) -> dict[str, Any]:
         "leak_mib_per_step": max(_values([e.details for e in mem_events], "leak_mib_per_step"), default=None)}
 
 
-def _geometry(run_log: RunLog, run: RunHeader) -> dict[str, Any]:
+def _geometry(run_log: RunLog, run: RunHeader) -> GeometryReadings:
     """The split the run ended with (the tuner's, else the configured one) and its steps per generation: a re-size
     keeps the generation batch, so this split's share of it."""
     steps = run_log.unique_steps()
@@ -484,7 +586,7 @@ def _geometry(run_log: RunLog, run: RunHeader) -> dict[str, Any]:
             "steps_per_generation": int(spg) if spg else None}
 
 
-def _trainer_readings(run_log: RunLog, grpo: bool) -> dict[str, Any]:
+def _trainer_readings(run_log: RunLog, grpo: bool) -> TrainerReadings:
     """The trainer's own logs: completion lengths, rewards, the runs of logs without a learning signal."""
     logs, source = trainer_logs(run_log)
     completion = completion_stats(logs)
@@ -497,7 +599,7 @@ def _trainer_readings(run_log: RunLog, grpo: bool) -> dict[str, Any]:
             "trainer_kind": _trainer_kind(logs) if not grpo else None}
 
 
-def _tuner_readings(run_log: RunLog, skipped: list[str]) -> dict[str, Any]:
+def _tuner_readings(run_log: RunLog, skipped: list[str]) -> TunerReadings:
     """The tuner's record (its latest measurement, the decisions that hit the memory limit) and its events."""
     tuner, note = _resolve_split_file(run_log)
     if note:
@@ -511,7 +613,7 @@ def _tuner_readings(run_log: RunLog, skipped: list[str]) -> dict[str, Any]:
             "tuner_hint": hint}
 
 
-def _figure_readings(f: Figures) -> dict[str, Any]:
+def _figure_readings(f: Figures) -> FigureReadings:
     """The headline figures the rules read, exactly as the report prints them."""
     return {"steps": f.steps, "warmup_steps": f.warmup_steps, "warmup_done": f.warmup_done,
             "warmup_overhead_sec": f.warmup_overhead_sec, "first_step_slowdown": f.first_step_slowdown,

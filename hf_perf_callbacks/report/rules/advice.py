@@ -17,6 +17,11 @@ CLIPPED_SMALL = 0.05
 CLIPPED_LARGE = 0.5
 UNSEEN_LIMIT = 256       # TRL's default max_completion_length: the raised limit when no completion ended
 SWAP_GROWTH_GB = 0.25
+#: what a phase's measured gain leaves out: checked with the advice applied (benchmarks/results/advice_phases_cpu.json),
+#: the steps around a save, a log or an evaluation ran faster without it (caches), so the gains measured came out
+#: 13-26% above these figures; printed as floors ("≥")
+FLOOR = ("; a floor: only the phase's own seconds are counted, not what it costs the steps around it (caches "
+         "evicted)")
 HIGH_WATER_FRACTION = 0.75   # CUDA: reserved ≫ allocated only matters this close to the budget
 
 

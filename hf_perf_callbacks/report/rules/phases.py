@@ -7,7 +7,7 @@ on this run (a save, a log, a recompute costing what this run's did): ``measured
 from __future__ import annotations
 
 from ..model import Finding, Measurements, Note, Setting, card
-from .advice import _bullets, _gb, _pct
+from .advice import FLOOR, _bullets, _gb, _pct
 from .formulas import _act_per_token
 from .run import _nice_interval
 
@@ -70,7 +70,7 @@ def rule_saving(m: Measurements) -> Finding | None:
                f"{saved:.1f} s of {wall:.1f} s: {wall:.1f} / ({wall:.1f} − {saved:.1f}) = {gain:.2f}x (each save "
                f"costing what this run's did)")
     return Finding("saving", "Checkpoint saving takes a large share of the wall time", obs, root, _bullets(items),
-                   gain, formula, "high", setting, "measured", gain)
+                   gain, formula + FLOOR, "high", setting, "measured", gain, lower_bound=True)
 
 
 def _user_callbacks(m: Measurements) -> list[tuple[str, float, dict[str, float]]]:
@@ -113,7 +113,8 @@ def rule_callbacks(m: Measurements) -> Finding | None:
         formula = (f"measured: this run's {logs} logs cost {on_log:.1f} s; every {new} steps instead of {every} "
                    f"saves {saved:.1f} s of {wall:.1f} s: {wall:.1f} / ({wall:.1f} − {saved:.1f}) = {gain:.2f}x")
         return Finding("callbacks", "Logging and callbacks take a large share of the wall time", obs, root,
-                       _bullets(items), gain, formula, "high", {"logging_steps": new}, "measured", gain)
+                       _bullets(items), gain, formula + FLOOR, "high", {"logging_steps": new}, "measured", gain,
+                       lower_bound=True)
     if not classes:
         return None
     name, sec, events = classes[0]
@@ -165,4 +166,4 @@ def rule_recompute(m: Measurements) -> Finding | Note | None:
     formula = (f"measured: this run's recompute took {recompute:.1f} s of {wall:.1f} s: {wall:.1f} / "
                f"({wall:.1f} − {recompute:.1f}) = {gain:.2f}x")
     return Finding("recompute", "Gradient checkpointing recomputes with memory to spare", obs, root, rec, gain,
-                   formula, "medium", {"activation_checkpointing": False}, "measured", gain)
+                   formula + FLOOR, "medium", {"activation_checkpointing": False}, "measured", gain, lower_bound=True)

@@ -12,7 +12,7 @@ from ..figures import (
     step_ranges,
 )
 from ..model import CONTENTION_SHARE, MIN_MACHINE_STEPS, MIN_STEADY_STEPS, Finding, Measurements, Note, card
-from .advice import _bullets, _launcher, _pct, _sentence, _split_name
+from .advice import FLOOR, _bullets, _launcher, _pct, _sentence, _split_name
 from .basis import _too_short
 from .machine import rule_contention, rule_oversubscription
 
@@ -101,7 +101,8 @@ def rule_evaluation(m: Measurements) -> Finding | None:
                f"of {every} saves {saved:.1f} s of {e.wall_sec:.1f} s: {e.wall_sec:.1f} / "
                f"({e.wall_sec:.1f} − {saved:.1f}) = {gain:.2f}x (each evaluation costing what this run's did)")
     return Finding("evaluation", "Evaluation takes a large share of the wall time", obs, root, _bullets(items), gain,
-                   formula, "high", {"eval_strategy": "steps", "eval_steps": new}, "measured", gain)
+                   formula + FLOOR, "high", {"eval_strategy": "steps", "eval_steps": new}, "measured", gain,
+                   lower_bound=True)
 
 
 def _nice_interval(x: float) -> int:

@@ -11,6 +11,7 @@ import torch
 
 from . import adapter, keys
 from .base import Clock, PerfCallback
+from .batching import is_grpo
 from .dataloader import FACT_TYPES, DataLoaderFacts, dataloader_advice, dataloader_facts
 from .device import DeviceLayer, dtype_key, gather_floats, world_size
 from .flops import forward_flops_per_token, full_numel, shape_of, train_flops_per_token
@@ -251,7 +252,7 @@ class ThroughputMeter(PerfCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.device = DeviceLayer()
         self.world = world_size()
-        self.is_grpo = hasattr(args, "num_generations") and hasattr(args, "steps_per_generation")
+        self.is_grpo = is_grpo(args)
         self.token_source = ("trainer" if self.is_grpo or args.include_num_input_tokens_seen not in ("no", False)
                              else "hook")
         self.num_iterations = getattr(args, "num_iterations", 1)

@@ -13,6 +13,12 @@ One JSON object per line, appended to across resumes and re-sizes (main process 
 ``summary``  :class:`SummaryLine` — a callback's end-of-run summary
 ===========  ===========================================================================================
 
+**Events.** An event's ``kind`` is one of :data:`EventKind` (``warning``, ``action``, ``stop``, ``decision``,
+``info``, ``note``, ``wall``); its other fields are its details, one frozen type per shape, written and read through
+that type: :class:`ActionDetails` (the watchdog's ``action``/``stop``, a stop's :class:`StopFigures`),
+:class:`WallMove` (``wall``), :class:`DecisionDetails` (the tuner's ``decision``), :class:`CacheClear` (``cache``'s
+``info``), :class:`NoteDetails` and :class:`WarningFigures`.
+
 **Steady steps.** The meter decides a few steps late that warmup has ended (it needs confirming steps), so a
 step line's ``perf/steady`` is 1 only for steps known to be steady when the line was written. From the decision on,
 every step line of that ``train()`` call also carries ``perf/first_steady_step``: the steps from it up to that line

@@ -27,6 +27,7 @@ from transformers.trainer_callback import ExportableState
 from .adapter import calling_handler
 from .bus import RunBus, bus_for
 from .device import gather_floats, world_size
+from .runlog import WarningFigures
 from .validation import UnknownKeyword, check_keywords
 
 logger = logging.getLogger("hf_perf_callbacks")
@@ -222,5 +223,5 @@ class PerfCallback(TrainerCallback, ExportableState):
     def close(self) -> None:
         """Undo anything attached to the model (hooks, wrappers); called when disabled or at train end."""
 
-    def warn(self, message: str, step: int | None = None, **fields) -> None:
-        self._bus.event(self.source, "warning", message, step=step, **fields)
+    def warn(self, message: str, step: int | None = None, figures: WarningFigures | None = None) -> None:
+        self._bus.event(self.source, "warning", message, step=step, details=figures)

@@ -15,9 +15,11 @@ from .validation import check_number
 
 
 def is_grpo(args: object) -> bool:
-    """Whether ``args`` are a GRPO run's (TRL's ``GRPOConfig`` and its kin: they carry ``num_generations``, the
-    completions per prompt): the one place the package decides the run kind."""
-    return hasattr(args, "num_generations")
+    """Whether ``args`` are a GRPO run's (TRL's ``GRPOConfig`` and its kin, ``RLOOConfig``: they carry
+    ``num_generations``, the completions per prompt, and ``steps_per_generation``, the optimizer steps one generation
+    batch feeds): the one place the package decides the run kind. A config with ``num_generations`` alone (TRL's
+    experimental ``GOLDConfig``, an SFT run that samples) is not: nothing of GRPO's step accounting applies to it."""
+    return hasattr(args, "num_generations") and hasattr(args, "steps_per_generation")
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,8 @@ from .runlog import (
     CALLBACK_PREFIXES,
     LOCK_FILE,
     TRAINER_LOG,
+    EventDetails,
+    EventKind,
     EventLine,
     LogWriter,
     Record,
@@ -260,9 +262,12 @@ class RunBus(TrainerCallback):
             self.header.resumed_from_step, self.start_known = step, True
         self.header.describe(source, **facts)
 
-    def event(self, source: str, kind: str, message: str, step: int | None = None, **fields) -> dict:
-        """Log an event (warning, action, decision) to the console and the perf log; returns its JSON object."""
-        entry = EventLine(source, kind, message, step, round(time.time(), 3), fields)
+    def event(self, source: str, kind: EventKind, message: str, step: int | None = None,
+              details: EventDetails | None = None) -> dict:
+        """Log an event (warning, action, decision) to the console and the perf log; returns its JSON object.
+        ``details``: its fields, through the type of its shape (:data:`~hf_perf_callbacks.runlog.EventDetails`)."""
+        entry = EventLine(source, kind, message, step, round(time.time(), 3),
+                          details.to_details() if details is not None else {})
         if self.is_main:
             line = console_line(f"[{source}] {message}", EVENT_WIDTH)
             if kind == "decision":                           # printed once, when made, whatever the log level
@@ -513,9 +518,9 @@ class RunBus(TrainerCallback):
 
 
 #: event kinds said at WARNING on the console (the others at INFO)
-LOUD_KINDS = ("warning", "action", "stop")
+LOUD_KINDS: tuple[EventKind, ...] = ("warning", "action", "stop")
 #: event kinds said once on the console (INFO; the later ones at DEBUG): a move of the memory wall needs no action
-QUIET_ONCE = ("wall",)
+QUIET_ONCE: tuple[EventKind, ...] = ("wall",)
 #: the widest "[source] message" of an event: room for a logging prefix (``WARNING hf_perf_callbacks.train: ``)
 EVENT_WIDTH = CONSOLE_WIDTH - 36
 

@@ -6,7 +6,7 @@ from .base import Clock, PerfCallback
 from .bus import SIGNAL_CLEAR
 from .device import GB, DeviceLayer
 from .memory import ClearSchedule
-from .runlog import ClearerSummary
+from .runlog import CacheClear, ClearerSummary
 from .validation import check_flag, check_number
 
 
@@ -106,7 +106,7 @@ class MPSCacheClearer(PerfCallback):
                              "interval": self.schedule.interval})
         self._bus.event(self.source, "info", f"cleared cache ({reason}): freed {freed / GB:.3f} GB in "
                         f"{seconds * 1000:.0f} ms; next periodic clear in {self.schedule.interval} steps",
-                        step=step, freed_gb=freed / GB, seconds=seconds)
+                        step=step, details=CacheClear(freed_gb=freed / GB, seconds=seconds))
         return freed
 
     def on_step_end(self, args, state, control, **kwargs):

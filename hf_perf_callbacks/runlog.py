@@ -13,6 +13,12 @@ One JSON object per line, appended to across resumes and re-sizes (main process 
 ``summary``  :class:`SummaryLine` — a callback's end-of-run summary
 ===========  ===========================================================================================
 
+**Events.** An event's ``kind`` is one of :data:`EventKind` (``warning``, ``action``, ``stop``, ``decision``,
+``info``, ``note``, ``wall``); its other fields are its details, one frozen type per shape, written and read through
+that type: :class:`ActionDetails` (the watchdog's ``action``/``stop``, a stop's :class:`StopFigures`),
+:class:`WallMove` (``wall``), :class:`DecisionDetails` (the tuner's ``decision``), :class:`CacheClear` (``cache``'s
+``info``), :class:`NoteDetails` and :class:`WarningFigures`.
+
 **Steady steps.** The meter decides a few steps late that warmup has ended (it needs confirming steps), so a
 step line's ``perf/steady`` is 1 only for steps known to be steady when the line was written. From the decision on,
 every step line of that ``train()`` call also carries ``perf/first_steady_step``: the steps from it up to that line
@@ -47,7 +53,7 @@ import os
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict, TypeGuard, get_args
 
 from .keys import *  # noqa: F403 -- the keys and file names stay importable from here (runlog.PERF_MFU)
 from .keys import PERF_LOG, TRAINER_STATE
@@ -223,16 +229,28 @@ class StepLine:
         return cls(int(step), number(entry.get("time")), values)
 
 
+#: every kind of event a callback writes: ``warning`` (said at WARNING), ``action`` (the watchdog acted), ``stop``
+#: (the watchdog stopped training), ``decision`` (the tuner changed or kept the split), ``info`` (a cache clear),
+#: ``note`` (informational), ``wall`` (where the memory wall is, or that it moved)
+EventKind = Literal["warning", "action", "stop", "decision", "info", "note", "wall"]
+EVENT_KINDS: tuple[EventKind, ...] = get_args(EventKind)
+
+
 @dataclass
 class EventLine:
-    """A warning, action, decision or note of one callback (``source``), with the step it happened at."""
+    """A warning, action, decision or note of one callback (``source``), with the step it happened at.
+
+    ``details`` holds the event's fields as written (JSON); read them through the detail type of the event's shape
+    (:class:`ActionDetails`, :class:`WallMove`, :class:`DecisionDetails`, :class:`CacheClear`, :class:`NoteDetails`,
+    :class:`WarningFigures`): ``WallMove.from_details(e.details).why``, never ``e.details["why"]``. A kind this
+    version does not know (a newer writer) reads as ``info``."""
 
     source: str
-    kind: str                     # "warning" | "action" | "stop" | "decision" | "info"
+    kind: EventKind
     message: str
     step: int | None = None
     time: float | None = None
-    details: dict[str, Any] = field(default_factory=dict)   # e.g. action, level, old_split/new_split, freed_gb
+    details: dict[str, Any] = field(default_factory=dict)   # the detail type's to_details(): see the class docstring
     step_inferred: bool = field(default=False, compare=False)   # the reader set ``step`` from the line's position
 
     def to_json(self) -> dict[str, Any]:
@@ -243,8 +261,176 @@ class EventLine:
     def from_json(cls, entry: dict[str, Any]) -> EventLine:
         details = {k: v for k, v in entry.items() if k not in ("type", "source", "kind", "message", "step", "time")}
         step = number(entry.get("step"))
-        return cls(str(entry.get("source", "?")), str(entry.get("kind", "?")), str(entry.get("message", "")),
-                   int(step) if step is not None else None, number(entry.get("time")), details)
+        kind = entry.get("kind")
+        return cls(str(entry.get("source", "?")), kind if _is_event_kind(kind) else "info",
+                   str(entry.get("message", "")), int(step) if step is not None else None, number(entry.get("time")),
+                   details)
+
+
+def _is_event_kind(kind: object) -> TypeGuard[EventKind]:
+    return kind in EVENT_KINDS
+
+
+# ---------------------------------------------------------------- event details
+# One frozen type per shape of an event's details, written by its writer (``bus.event(..., details=WallMove(...))``)
+# and read back by the report through the same type (``WallMove.from_details(e.details)``), so that a renamed field
+# fails type checking. ``to_details`` gives the JSON fields exactly as the perf log holds them (their order, and which
+# are written as null); ``from_details`` tolerates any log: a missing field or one of another type reads as None.
+
+def _num(value: object) -> float | None:
+    """A detail's number (not a bool), else None."""
+    return None if isinstance(value, bool) else number(value)
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _split_args(value: object) -> dict[str, Any] | str | None:
+    """A logged split: the trainer arguments that set it (a mapping), or a string as it is."""
+    return value if isinstance(value, (dict, str)) else None
+
+
+@dataclass(frozen=True)
+class StopFigures:
+    """What a watchdog stop adds to its :class:`ActionDetails`: the memory held outside the run, the memory the
+    next steps need beyond the budget, the budget (GiB; None: not known)."""
+
+    outside_gb: float | None
+    need_gb: float | None
+    budget_gb: float | None
+
+    def to_details(self) -> dict[str, Any]:
+        return {"outside_gb": self.outside_gb, "need_gb": self.need_gb, "budget_gb": self.budget_gb}
+
+    @classmethod
+    def from_details(cls, details: Mapping[str, Any]) -> StopFigures | None:
+        if not any(k in details for k in ("outside_gb", "need_gb", "budget_gb")):
+            return None
+        return cls(_num(details.get("outside_gb")), _num(details.get("need_gb")), _num(details.get("budget_gb")))
+
+
+@dataclass(frozen=True)
+class ActionDetails:
+    """A ``mem`` ``action`` or ``stop`` event: the watchdog's action (``clear_cache``, ``smaller_batch``, ``stop``,
+    ``stop_suppressed``), its pressure level then, the steps to the wall then, and a stop's figures."""
+
+    action: str | None
+    level: str | None = None
+    steps_to_wall: float | None = None
+    stop: StopFigures | None = None
+
+    def to_details(self) -> dict[str, Any]:
+        return {"action": self.action, "level": self.level, "steps_to_wall": self.steps_to_wall,
+                **(self.stop.to_details() if self.stop is not None else {})}
+
+    @classmethod
+    def from_details(cls, details: Mapping[str, Any]) -> ActionDetails:
+        action = details.get("action")
+        return cls(str(action) if action is not None else None, _text(details.get("level")),
+                   _num(details.get("steps_to_wall")), StopFigures.from_details(details))
+
+
+@dataclass(frozen=True)
+class WallMove:
+    """A ``mem`` ``wall`` event: where the memory wall is (``moved`` False: at the start) and why (None: no cause
+    known), the budget now and before, the memory outside the run and what the run can reach (GiB)."""
+
+    why: str | None
+    moved: bool = True
+    budget_gb: float | None = None
+    before_gb: float | None = None
+    outside_gb: float | None = None
+    reachable_gb: float | None = None
+
+    def to_details(self) -> dict[str, Any]:
+        return {"why": self.why, "moved": self.moved, "budget_gb": self.budget_gb, "before_gb": self.before_gb,
+                "outside_gb": self.outside_gb, "reachable_gb": self.reachable_gb}
+
+    @classmethod
+    def from_details(cls, details: Mapping[str, Any]) -> WallMove:
+        why = details.get("why")
+        return cls(str(why) if why else None, details.get("moved") is not False, _num(details.get("budget_gb")),
+                   _num(details.get("before_gb")), _num(details.get("outside_gb")), _num(details.get("reachable_gb")))
+
+
+@dataclass(frozen=True)
+class DecisionDetails:
+    """A ``tuner`` ``decision`` event: the split before and after (the trainer arguments that set it), what the
+    decision cost beyond training and its expected saving (seconds)."""
+
+    old_split: dict[str, Any] | str | None
+    new_split: dict[str, Any] | str | None
+    cost_sec: float | None = None
+    expected_gain_sec: float | None = None
+
+    def to_details(self) -> dict[str, Any]:
+        return {"old_split": self.old_split, "new_split": self.new_split, "cost_sec": self.cost_sec,
+                "expected_gain_sec": self.expected_gain_sec}
+
+    @classmethod
+    def from_details(cls, details: Mapping[str, Any]) -> DecisionDetails | None:
+        """The decision's details, or None for an event without a new split (not a decision)."""
+        if "new_split" not in details:
+            return None
+        return cls(_split_args(details.get("old_split")), _split_args(details.get("new_split")),
+                   _num(details.get("cost_sec")), _num(details.get("expected_gain_sec")))
+
+
+@dataclass(frozen=True)
+class CacheClear:
+    """A ``cache`` ``info`` event: the memory a clear freed (GB) and the seconds it took."""
+
+    freed_gb: float | None
+    seconds: float | None = None
+
+    def to_details(self) -> dict[str, Any]:
+        return {"freed_gb": self.freed_gb, "seconds": self.seconds}
+
+    @classmethod
+    def from_details(cls, details: Mapping[str, Any]) -> CacheClear:
+        return cls(_num(details.get("freed_gb")), _num(details.get("seconds")))
+
+
+@dataclass(frozen=True)
+class NoteDetails:
+    """A ``note`` event's details: what the note says is needed (``train_with_tuning``: the tuner is attached but
+    no re-size can happen without it)."""
+
+    needs: str | None
+
+    def to_details(self) -> dict[str, Any]:
+        return {"needs": self.needs}
+
+    @classmethod
+    def from_details(cls, details: Mapping[str, Any]) -> NoteDetails:
+        return cls(_text(details.get("needs")))
+
+
+@dataclass(frozen=True)
+class WarningFigures:
+    """The figures of a ``warning`` event (each warning writes the ones it is about; None: not written): a leak's
+    growth per step (MiB), the completion length at which a step stops fitting and the steps until then, the
+    model's forward passes per micro-batch, the share of time spent waiting for data."""
+
+    leak_mib_per_step: float | None = None
+    completion_wall_tokens: float | None = None
+    steps_to_wall: float | None = None
+    forwards_per_microbatch: float | None = None
+    data_wait_fraction: float | None = None
+
+    def to_details(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_details(cls, details: Mapping[str, Any]) -> WarningFigures:
+        return cls(_num(details.get("leak_mib_per_step")), _num(details.get("completion_wall_tokens")),
+                   _num(details.get("steps_to_wall")), _num(details.get("forwards_per_microbatch")),
+                   _num(details.get("data_wait_fraction")))
+
+
+#: the details of an event, one type per shape (:meth:`EventLine.details` holds their ``to_details()``)
+EventDetails = ActionDetails | WallMove | DecisionDetails | CacheClear | NoteDetails | WarningFigures
 
 
 class _MeterSummaryBase(TypedDict):

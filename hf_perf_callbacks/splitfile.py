@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict, TypeGuard, TypeVar
 
 from .batching import Split, is_grpo
-from .runlog import SPLIT_FILE, number
+from .runlog import SPLIT_FILE, DecisionDetails, number
 from .stats import iqr, mann_whitney_less, median
 
 logger = logging.getLogger("hf_perf_callbacks")
@@ -330,10 +330,14 @@ class Decision:
             return "non_generation"
         return "step" if f"({RANKED_WORDS['step']})" in rule else None
 
+    def event_details(self) -> DecisionDetails:
+        """The details of its ``tuner``/``decision`` event in the perf log (beside the headline and the step)."""
+        return DecisionDetails(old_split=self.old.as_args(), new_split=self.new.as_args(), cost_sec=self.cost_sec,
+                               expected_gain_sec=self.expected_gain_sec)
+
     def event_fields(self) -> dict[str, Any]:
-        """The fields of its ``tuner``/``decision`` event in the perf log (beside the headline and the step)."""
-        return {"old_split": self.old.as_args(), "new_split": self.new.as_args(), "cost_sec": self.cost_sec,
-                "expected_gain_sec": self.expected_gain_sec}
+        """Its event's details as the perf log's JSON fields."""
+        return self.event_details().to_details()
 
     def headline(self) -> str:
         """One line: what changed (or was kept), why, and what it cost."""

@@ -11,11 +11,12 @@ import torch
 
 from . import adapter, keys
 from .base import Clock, PerfCallback
+from .batching import is_grpo
 from .dataloader import FACT_TYPES, DataLoaderFacts, dataloader_advice, dataloader_facts
 from .device import DeviceLayer, dtype_key, gather_floats, world_size
 from .flops import forward_flops_per_token, full_numel, shape_of, train_flops_per_token
 from .keys import PHASES
-from .runlog import MeterSummary
+from .runlog import MeterSummary, WarningFigures
 from .stats import generation_period
 from .timeline import StepTimeline
 from .validation import check_flag, check_number, did_you_mean
@@ -251,7 +252,7 @@ class ThroughputMeter(PerfCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.device = DeviceLayer()
         self.world = world_size()
-        self.is_grpo = hasattr(args, "num_generations") and hasattr(args, "steps_per_generation")
+        self.is_grpo = is_grpo(args)
         self.token_source = ("trainer" if self.is_grpo or args.include_num_input_tokens_seen not in ("no", False)
                              else "hook")
         self.num_iterations = getattr(args, "num_iterations", 1)
@@ -650,7 +651,7 @@ class ThroughputMeter(PerfCallback):
             self.warn(f"{self.forwards} grad-enabled forward passes over {self.microbatches} micro-batches at step "
                       f"{step} ({per:.1f} per micro-batch, expected 1): a custom compute_loss or training_step runs "
                       f"the model more than once per batch and pays its cost twice.", step=step,
-                      forwards_per_microbatch=per)
+                      figures=WarningFigures(forwards_per_microbatch=per))
 
     def _check_data_wait(self, args, step: int) -> None:
         tl = self.timeline
@@ -661,7 +662,7 @@ class ThroughputMeter(PerfCallback):
             self.warned.add("data_wait")
             advice = dataloader_advice(self.device.type, _dataloader_settings(args))
             self.warn(f"the accelerator waits for data {share:.0%} of the time: " + "; ".join(advice) + ".",
-                      step=step, data_wait_fraction=share)
+                      step=step, figures=WarningFigures(data_wait_fraction=share))
 
     # ------------------------------------------------------------ summary
     def summarize(self) -> MeterSummary:

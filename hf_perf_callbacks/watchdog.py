@@ -34,7 +34,7 @@ from .memory import (
     holders_words,
     mib,
 )
-from .runlog import WatchdogAction, WatchdogSummary
+from .runlog import ActionDetails, StopFigures, WallMove, WarningFigures, WatchdogAction, WatchdogSummary
 from .validation import check_flag, check_number
 
 WALL_KEYS = (keys.MEM_STEPS_TO_WALL, keys.MEM_STEPS_TO_WALL_LOW, keys.MEM_STEPS_TO_WALL_HIGH)
@@ -296,9 +296,9 @@ class MemoryWatchdog(PerfCallback):
         reach_words = (f"; the budget is {self.budget_fraction:.0%} of the {gib(reach)} this run can reach"
                        + (f" ({gib(total)} in all)" if total else "") if reach is not None else "")
         self._bus.event(self.source, "wall", headline + (f": {why}" if why else "") + reach_words, step=step,
-                        why=why, moved=not start, budget_gb=self.budget / GB, before_gb=before / GB,
-                        outside_gb=outside / GB if outside is not None else None,
-                        reachable_gb=reach / GB if reach is not None else None)
+                        details=WallMove(why=why, moved=not start, budget_gb=self.budget / GB, before_gb=before / GB,
+                                         outside_gb=outside / GB if outside is not None else None,
+                                         reachable_gb=reach / GB if reach is not None else None))
 
     def _facts(self, sample, holders: bool = False) -> WallFacts:
         """What sets the wall now and what presses on it (``holders``: ask NVML who holds the card's memory)."""
@@ -377,7 +377,7 @@ class MemoryWatchdog(PerfCallback):
             self.warn(f"memory grew by {mib(rate)} a step over the last {policy.trend_window} steps, whatever the "
                       f"split: a steady leak, e.g. tensors kept across steps (a loss appended without .item(), a "
                       f"growing cache); a smaller micro-batch does not stop it: {plan}", step=step,
-                      leak_mib_per_step=rate / 2**20)
+                      figures=WarningFigures(leak_mib_per_step=rate / 2**20))
         fields[keys.MEM_PRESSURE] = policy.level
         fields.update(wall_fields(policy.forecast(), state.max_steps - step if state.max_steps > 0 else None))
         # a forecast of an earlier step must not reach this step's log
@@ -410,8 +410,8 @@ class MemoryWatchdog(PerfCallback):
         per_step = forecast.slope / (self._completions.line() or (0.0, 1.0))[1]
         self.warn(f"completions grow {per_step:.1f} tokens a step (longest {length:.0f}): a step stops fitting the "
                   f"budget at about {wall:.0f} tokens (max_completion_length={self._completion_limit}), "
-                  f"{forecast.steps:.0f} steps away", step=state.global_step, completion_wall_tokens=wall,
-                  steps_to_wall=forecast.steps)
+                  f"{forecast.steps:.0f} steps away", step=state.global_step,
+                  figures=WarningFigures(completion_wall_tokens=wall, steps_to_wall=forecast.steps))
 
     def _completion_words(self) -> str | None:
         """Why the wall is near when the completions' growth brings it (None otherwise)."""
@@ -618,13 +618,15 @@ class MemoryWatchdog(PerfCallback):
         self._act(state.global_step, STOP,
                   f"stopped training at step {state.global_step} before running out of memory ({reason})."
                   f" A checkpoint is saved to {checkpoint}; no step is lost. Resume with {resume} {after}.",
-                  kind="stop", outside_gb=outside / GB if outside is not None else None,
-                  need_gb=short[0] / GB if short is not None else None, budget_gb=self.budget / GB)
+                  stop=StopFigures(outside_gb=outside / GB if outside is not None else None,
+                                   need_gb=short[0] / GB if short is not None else None, budget_gb=self.budget / GB))
 
-    def _act(self, step: int, action: str, message: str, kind: str = "action", **fields) -> None:
+    def _act(self, step: int, action: str, message: str, stop: StopFigures | None = None) -> None:
+        """Record and log an action (``stop``: the stop's figures; its event's kind is ``stop``)."""
         self.actions.append(WatchdogAction(step=step, action=action, message=message))
-        self._bus.event(self.source, kind, message, step=step, action=action,
-                        level=LEVEL_NAMES[self._watch.level], steps_to_wall=self._watch.steps_to_wall, **fields)
+        details = ActionDetails(action=action, level=LEVEL_NAMES[self._watch.level],
+                                steps_to_wall=self._watch.steps_to_wall, stop=stop)
+        self._bus.event(self.source, "stop" if stop is not None else "action", message, step=step, details=details)
 
     def on_save(self, args, state, control, **kwargs):
         self._restore_only_model(args)

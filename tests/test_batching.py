@@ -1,7 +1,7 @@
 """Exact split math, including GRPO (num_generations 2/4/8, world 1/2, grad_accum ≠ steps_per_generation)."""
 import pytest
 
-from hf_perf_callbacks.batching import Split, exact_splits, next_smaller
+from hf_perf_callbacks.batching import Split, exact_splits, is_grpo, next_smaller
 
 
 def test_plain_trainer_splits():
@@ -56,3 +56,13 @@ def test_next_smaller_and_the_error_when_none_is_left():
 def test_bad_input(kwargs, name):
     with pytest.raises(ValueError, match=name):
         exact_splits(**kwargs)
+
+
+def test_the_run_kind_is_decided_by_num_generations_and_steps_per_generation():
+    """GRPO's kin carry both (GRPOConfig, RLOOConfig); a config with num_generations alone (TRL's GOLDConfig, an SFT
+    run that samples) has no generation batch spanning steps, so nothing of GRPO's step accounting applies."""
+    from types import SimpleNamespace
+
+    assert is_grpo(SimpleNamespace(num_generations=4, steps_per_generation=2))
+    assert not is_grpo(SimpleNamespace(num_generations=4))
+    assert not is_grpo(SimpleNamespace(per_device_train_batch_size=8))

@@ -273,3 +273,74 @@ def test_the_writer_ends_a_line_a_killed_process_cut_short_before_appending(tmp_
     run = read_run(str(tmp_path))
     assert [h.resumed_from_step for h in run.headers] == [0, 1] and run.skipped_lines == 1
     assert [s.step for s in run.unique_steps()] == [1, 2] and run.unique_steps()[1].values[keys.PERF_STEP_TIME] == 1.5
+
+
+def test_event_details_write_the_fields_the_perf_log_holds_and_read_them_back():
+    """Each detail type gives its event's JSON fields in the order and form the log has always held them (a stop's
+    figures and a wall's unknowns as null, a warning only its own figures), and reads them back as written."""
+    stop = runlog.ActionDetails(action="stop", level="critical", steps_to_wall=1.5,
+                                stop=runlog.StopFigures(outside_gb=None, need_gb=0.5, budget_gb=8.0))
+    written = [
+        (stop, {"action": "stop", "level": "critical", "steps_to_wall": 1.5, "outside_gb": None, "need_gb": 0.5,
+                "budget_gb": 8.0}),
+        (runlog.ActionDetails(action="clear_cache", level="warn", steps_to_wall=None),
+         {"action": "clear_cache", "level": "warn", "steps_to_wall": None}),
+        (runlog.WallMove(why=None, moved=False, budget_gb=7.0, before_gb=8.0, outside_gb=None, reachable_gb=9.0),
+         {"why": None, "moved": False, "budget_gb": 7.0, "before_gb": 8.0, "outside_gb": None, "reachable_gb": 9.0}),
+        (runlog.DecisionDetails(old_split={"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1},
+                                new_split={"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2},
+                                cost_sec=1.5, expected_gain_sec=None),
+         {"old_split": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1},
+          "new_split": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}, "cost_sec": 1.5,
+          "expected_gain_sec": None}),
+        (runlog.CacheClear(freed_gb=0.25, seconds=0.01), {"freed_gb": 0.25, "seconds": 0.01}),
+        (runlog.NoteDetails(needs="train_with_tuning"), {"needs": "train_with_tuning"}),
+        (runlog.WarningFigures(completion_wall_tokens=300.0, steps_to_wall=12.0),
+         {"completion_wall_tokens": 300.0, "steps_to_wall": 12.0}),
+    ]
+    for details, fields in written:
+        assert list(details.to_details().items()) == list(fields.items())
+        line = EventLine("mem", "action", "m", 3, 1.0, details.to_details())
+        assert type(details).from_details(parse_record(json.loads(json.dumps(line.to_json()))).details) == details
+    assert list(EventLine("mem", "stop", "m", 3, 1.0, stop.to_details()).to_json()) == [
+        "type", "source", "kind", "step", "message", "action", "level", "steps_to_wall", "outside_gb", "need_gb",
+        "budget_gb", "time"]
+
+
+def test_event_details_read_an_older_or_stranger_log_field_by_field():
+    """A missing field reads as None (a wall's ``moved`` as True: the older logs wrote only moves), one of another
+    type as None; an event without a new split has no decision details; an unknown kind reads as ``info``."""
+    assert runlog.WallMove.from_details({}) == runlog.WallMove(why=None, moved=True)
+    assert runlog.WallMove.from_details({"why": "", "budget_gb": "8", "moved": 0}).why is None
+    assert runlog.ActionDetails.from_details({"level": 2}) == runlog.ActionDetails(action=None)
+    assert runlog.ActionDetails.from_details({"action": "stop", "need_gb": True}).stop == runlog.StopFigures(
+        None, None, None)
+    assert runlog.DecisionDetails.from_details({"cost_sec": 1.0}) is None
+    assert runlog.DecisionDetails.from_details({"new_split": "2×2"}) == runlog.DecisionDetails(None, "2×2")
+    assert runlog.WarningFigures.from_details({"leak_mib_per_step": 3, "data_wait_fraction": False}) == \
+        runlog.WarningFigures(leak_mib_per_step=3.0)
+    assert runlog.NoteDetails.from_details({"needs": 1}).needs is None
+    entry = {"type": "event", "source": "x", "kind": "shout", "step": 2, "message": "m", "time": 1.0}
+    assert parse_record(entry).kind == "info" and set(runlog.EVENT_KINDS) >= {"wall", "note", "stop", "decision"}
+
+
+def test_a_misspelled_event_field_or_kind_fails_type_checking(tmp_path, monkeypatch):
+    """The detail types and the kinds make a renamed key a mypy error at the writer and at the reader (mypy on one
+    snippet; the libraries behind the package's ``__init__`` skipped, so it takes about two seconds)."""
+    api = pytest.importorskip("mypy.api")
+    snippet = tmp_path / "snippet.py"
+    snippet.write_text(
+        "from hf_perf_callbacks.runlog import DecisionDetails, EventLine, WallMove, WarningFigures\n"
+        "WallMove(why=None, moved=True, budgt_gb=1.0)\n"                      # 2: a writer's misspelled field
+        "WarningFigures.from_details({}).leak_mib_per_stepp\n"               # 3: a reader's misspelled field
+        "EventLine('mem', 'walls', 'the memory wall moved')\n"              # 4: a kind that is none
+        "DecisionDetails(old_split=None, new_split=None, cost_secs=1.0)\n"  # 5
+        "WallMove(why=None, moved=True, budget_gb=1.0).why\n"               # 6: right: no error
+        "EventLine('mem', 'wall', 'm', details=WallMove(why='x').to_details())\n")   # 7: right
+    config = tmp_path / "mypy.ini"
+    config.write_text("[mypy]\npython_version = 3.10\nfollow_imports = skip\nignore_missing_imports = true\n"
+                      "[mypy-hf_perf_callbacks.runlog,hf_perf_callbacks.keys]\nfollow_imports = silent\n")
+    monkeypatch.setenv("MYPYPATH", os.path.dirname(os.path.dirname(runlog.__file__)))
+    out, err, status = api.run([str(snippet), "--config-file", str(config), "--cache-dir", str(tmp_path / "cache")])
+    lines_with_errors = {int(m) for m in re.findall(r"snippet\.py:(\d+): error", out)}
+    assert status == 1 and lines_with_errors == {2, 3, 4, 5}, out + err

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import keys
-from ..runlog import PHASES, EventLine, LogRow, ReadStep, RunLog, StepLine, number
+from ..runlog import PHASES, EventKind, EventLine, LogRow, ReadStep, RunLog, StepLine, number
 from ..stats import median, quantile
 
 #: a step line as written (:class:`~hf_perf_callbacks.runlog.StepLine`) or as read back (``ReadStep``)
@@ -176,7 +176,7 @@ def run_events(run: RunLog) -> list[EventLine]:
     seen = {(e.step, e.details.get("action")) for e in events if e.source == "mem"}
     for a in run.summary("mem").get("actions") or []:
         if isinstance(a, dict) and (a.get("step"), a.get("action")) not in seen:
-            kind = "stop" if a.get("action") == "stop" else "action"
+            kind: EventKind = "stop" if a.get("action") == "stop" else "action"
             step = number(a.get("step"))
             events.append(EventLine("mem", kind, str(a.get("message", "")), int(step) if step is not None else None,
                                     details={k: v for k, v in a.items() if k not in ("step", "message")}))

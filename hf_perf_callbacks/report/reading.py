@@ -12,7 +12,20 @@ from typing import Any, TypedDict
 
 from .. import keys
 from ..dataloader import dataloader_facts
-from ..runlog import PHASES, ReadStep, RunHeader, RunLog, WatchdogAction, conform, number, read_run
+from ..runlog import (
+    PHASES,
+    ActionDetails,
+    NoteDetails,
+    ReadStep,
+    RunHeader,
+    RunLog,
+    WallMove,
+    WarningFigures,
+    WatchdogAction,
+    conform,
+    number,
+    read_run,
+)
 from ..splitfile import Decision, SplitFile, read_split_file
 from ..stats import classify_slow_steps, quantile
 from .figures import (
@@ -510,7 +523,8 @@ def _step_counts(run_log: RunLog, grpo: bool) -> StepCountsReadings:
     """What the step lines count: forwards per micro-batch, padding, sequence lengths, decode bandwidth."""
     fpm = _median(finite(run_log.column(keys.PERF_FORWARDS_PER_MICROBATCH)))
     if fpm is None:
-        fpm = max(_values([e.details for e in run_log.events], "forwards_per_microbatch"), default=None)
+        fpm = max((v for v in (WarningFigures.from_details(e.details).forwards_per_microbatch
+                               for e in run_log.events) if v is not None), default=None)
     n, first, low, high = _spread(run_log.column(keys.PERF_SEQ_LEN))     # without a list
     fixed = int(first) if not grpo and n >= MIN_FIXED_LENGTH_STEPS and low == high else None
     return {"forwards_per_microbatch": fpm, "pad_fraction": _mean(_steady_values(run_log, keys.PERF_PAD_FRACTION)),
@@ -545,7 +559,7 @@ def _watchdog_actions(run_log: RunLog, skipped: list[str]) -> list[WatchdogActio
                 for a in actions if isinstance(a, dict)]
     if actions is not None:
         skipped.append(f"the watchdog summary's `actions` is {type(actions).__name__}, not a list")
-    return [WatchdogAction(step=e.step, action=e.details.get("action"), message=e.message)
+    return [WatchdogAction(step=e.step, action=ActionDetails.from_details(e.details).action, message=e.message)
             for e in run_log.events if e.source == "mem" and e.kind in ("action", "stop")]
 
 
@@ -568,9 +582,10 @@ def _memory_readings(run_log: RunLog, skipped: list[str]) -> MemoryReadings:
         "min_steps_to_wall": min(finite(run_log.column(keys.MEM_STEPS_TO_WALL)[MEM_GRACE_STEPS:]), default=None),
         "watchdog_actions": _watchdog_actions(run_log, skipped),
         "budget_range_gb": (limits[2], limits[3]) if limits[0] else None,
-        "wall_moves": [(e.step, str(e.details.get("why") or ""), e.details.get("moved") is not False)
-                       for e in mem_events if e.kind == "wall"],
-        "leak_mib_per_step": max(_values([e.details for e in mem_events], "leak_mib_per_step"), default=None)}
+        "wall_moves": [(e.step, wall.why or "", wall.moved)
+                       for e in mem_events if e.kind == "wall" for wall in [WallMove.from_details(e.details)]],
+        "leak_mib_per_step": max((v for v in (WarningFigures.from_details(e.details).leak_mib_per_step
+                                              for e in mem_events) if v is not None), default=None)}
 
 
 def _geometry(run_log: RunLog, run: RunHeader) -> GeometryReadings:
@@ -605,7 +620,7 @@ def _tuner_readings(run_log: RunLog, skipped: list[str]) -> TunerReadings:
     if note:
         skipped.append(note)
     hint = next((e.message for e in run_log.events if e.source == "tuner"
-                 and e.details.get("needs") == "train_with_tuning"), None)
+                 and NoteDetails.from_details(e.details).needs == "train_with_tuning"), None)
     return {"tuner_attached": keys.TUNER_MICRO_BATCH in run_log.keys_logged(),
             "tune": tuner.last("tune") if tuner else None,
             "memory_limits": [d for d in tuner.decisions if d.kind in ("oom", "watchdog", "memory_check")]

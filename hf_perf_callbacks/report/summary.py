@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import keys
-from ..runlog import PERF_LOG, EventLine, RunLog, number
+from ..runlog import PERF_LOG, ActionDetails, DecisionDetails, EventLine, RunLog, number
 from ..splitfile import read_split_file, trial_figures
 from ..wording import phase_line, provisional_line, split_label, steady_words, throughput_line, warmup_line
 from .figures import Figures, completion_stats, figures, ranges_text, run_events, step_ranges, trainer_logs
@@ -108,10 +108,10 @@ def _memory_lines(f: Figures) -> list[str]:
 
 
 def _event_line(e: EventLine) -> str:
-    action = e.details.get("action")
+    action, decision = ActionDetails.from_details(e.details).action, DecisionDetails.from_details(e.details)
     label = e.kind + (f" {action}" if action and action != e.kind else "")
-    old, new = split_label(e.details.get("old_split")), split_label(e.details.get("new_split"))
-    extra = "" if "new_split" not in e.details else f" (kept {new})" if old == new else f" ({old} -> {new})"
+    old, new = (split_label(decision.old_split), split_label(decision.new_split)) if decision else ("", "")
+    extra = "" if decision is None else f" (kept {new})" if old == new else f" ({old} -> {new})"
     when = f"step {e.step}" if e.step is not None else "(no step)"
     return f"  {when}: [{e.source}] {label}{extra}: {e.message}"
 

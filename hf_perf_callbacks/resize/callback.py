@@ -18,7 +18,7 @@ from ..batching import next_smaller
 from ..bus import SIGNAL_SMALLER_BATCH
 from ..device import GB, DeviceLayer, gather_floats, main_process_value, set_rng_state, world_size
 from ..memory import budget_bytes
-from ..runlog import SPLIT_FILE
+from ..runlog import SPLIT_FILE, NoteDetails
 from ..splitfile import read_split_file, trial_figures
 from ..validation import check_flag, check_number
 from ..wording import TUNER_NEEDS_TRAIN_WITH_TUNING
@@ -106,7 +106,7 @@ class AdaptiveBatchTuner(PerfCallback):
         if self.tune and not self.session.managed and not self._hinted:   # said once: nothing will be tuned
             self._hinted = True                         # a note (INFO), not a warning: a meter-only user lost nothing
             self._bus.event(self.source, "note", TUNER_NEEDS_TRAIN_WITH_TUNING, step=state.global_step,
-                            needs="train_with_tuning")
+                            details=NoteDetails(needs="train_with_tuning"))
         self.world = world_size()
         self._bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
         self.in_optimizer_step = False

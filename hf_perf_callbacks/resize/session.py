@@ -605,7 +605,8 @@ class TuningSession:
         self.decisions.append(decision)
         self.persist()
         if self.bus is not None:
-            self.bus.event("tuner", "decision", decision.headline(), step=decision.step, **decision.event_fields())
+            self.bus.event("tuner", "decision", decision.headline(), step=decision.step,
+                           details=decision.event_details())
         return decision
 
     def end_tuning(self, step: int, reason: str) -> None:

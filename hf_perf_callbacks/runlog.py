@@ -57,6 +57,7 @@ from typing import Any, Literal, TypedDict, TypeGuard, get_args
 
 from .keys import *  # noqa: F403 -- the keys and file names stay importable from here (runlog.PERF_MFU)
 from .keys import PERF_LOG, TRAINER_STATE
+from .keys import __all__ as _KEYS
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -986,3 +987,13 @@ def _listdir(path: str) -> list[str]:
         return os.listdir(path)
     except OSError:
         return []
+
+
+__all__ = [
+    "HOW_TO", "ReportError", "number", "RunHeader", "HEADER_KINDS", "conform", "StepLine", "EventKind",
+    "EVENT_KINDS", "EventLine", "StopFigures", "ActionDetails", "WallMove", "DecisionDetails", "CacheClear",
+    "NoteDetails", "WarningFigures", "EventDetails", "MeterSummary", "WatchdogAction", "WatchdogSummary",
+    "ClearerSummary", "SUMMARY_KINDS", "SummaryLine", "Record", "parse_record", "LogWriter", "ReadStep", "LogRow",
+    "RunLog", "parse_lines", "read_run"
+]
+__all__ += _KEYS        # the keys and file names, importable from here too

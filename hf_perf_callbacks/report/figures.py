@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import keys
-from ..runlog import PHASES, EventKind, EventLine, LogRow, ReadStep, RunLog, StepLine, number
+from ..runlog import PHASES, ActionDetails, CacheClear, EventKind, EventLine, LogRow, ReadStep, RunLog, StepLine, number
 from ..stats import median, quantile
 
 #: a step line as written (:class:`~hf_perf_callbacks.runlog.StepLine`) or as read back (``ReadStep``)
@@ -173,7 +173,7 @@ def _history(run_log: RunLog) -> tuple[list[dict[str, Any]], str | None]:
 def run_events(run: RunLog) -> list[EventLine]:
     """Logged events plus watchdog summary actions missing from them (their event line was lost), by step."""
     events = list(run.events)
-    seen = {(e.step, e.details.get("action")) for e in events if e.source == "mem"}
+    seen = {(e.step, ActionDetails.from_details(e.details).action) for e in events if e.source == "mem"}
     for a in run.summary("mem").get("actions") or []:
         if isinstance(a, dict) and (a.get("step"), a.get("action")) not in seen:
             kind: EventKind = "stop" if a.get("action") == "stop" else "action"
@@ -302,7 +302,7 @@ def _memory_and_cache(run: RunLog) -> dict[str, Any]:
     stop = next((e.step for e in run.events if e.source == "mem" and e.kind == "stop"), None)
     cache_events = [e for e in run.events if e.source == "cache"]
     clears = last_value(steps, keys.CACHE_CLEARS) or len(cache_events) or None
-    freed = sum(number(e.details.get("freed_gb")) or 0.0 for e in cache_events)   # cache/freed_gb: per window
+    freed = sum(CacheClear.from_details(e.details).freed_gb or 0.0 for e in cache_events)   # per window
     return {"high_water_gb": _pick(mem, "high_water_gb", max(used) if used else None),
             "budget_gb": _pick(mem, "budget_gb", budget), "stopped_at": _int(_pick(mem, "stopped_at", stop)),
             "cache_clears": _int(_pick(cache, "clears", clears)), "cache_freed_gb": _pick(cache, "freed_gb", freed)}

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from .. import keys
 from ..keys import SPLIT_FILE
-from ..runlog import PHASES, ReportError, RunLog, number
+from ..runlog import PHASES, ActionDetails, ReportError, RunLog, number
 from ..splitfile import Decision, SplitFile, read_split_file, trial_figures
 from ..wording import PHASE_WORDS, split_label, steady_words, warmup_words
 from .figures import (
@@ -401,7 +401,8 @@ def _memory_marks(ax: Axes, data: PlotData, used: dict[int, float]) -> int:
             and not (e.kind == "wall" and not e.message.startswith("the memory wall moved"))]
     for e, step in acts:
         color = "red" if e.kind == "stop" else "tab:brown" if e.kind == "wall" else "purple"
-        words = "wall moved" if e.kind == "wall" else str(e.details.get("action") or e.kind).replace("_", " ")
+        words = ("wall moved" if e.kind == "wall" else
+                 str(ActionDetails.from_details(e.details).action or e.kind).replace("_", " "))
         _marker(ax, step, words, color)
     return sum(1 for e, _ in acts if e.kind == "wall")
 

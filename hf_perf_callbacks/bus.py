@@ -42,10 +42,10 @@ The lock is released, and its file removed, when ``train()`` ends, by an error t
 re-sizes). Where the file system cannot hold a lock (read-only, no ``flock``) one warning says so and training goes
 on without it, as transformers trains there.
 
-Signals (:meth:`RunBus.signal`): ``SIGNAL_CLEAR`` — the watchdog asks for a cache clear; handler
-``(reason: str, step: int) -> freed bytes`` (MPSCacheClearer). ``SIGNAL_SMALLER_BATCH`` — the watchdog asks for a
-smaller micro-batch; handler ``(reason, step, control) -> bool``, True when it will re-size the run
-(AdaptiveBatchTuner).
+Requests between callbacks are typed methods, not strings: the watchdog asks for a cache clear
+(:meth:`RunBus.ask_clear`; a :class:`ClearRequest` handler, the MPSCacheClearer, answers with the bytes freed) and
+for a smaller micro-batch (:meth:`RunBus.ask_smaller_batch`; a :class:`ShrinkRequest` handler, the
+AdaptiveBatchTuner, answers True when it will re-size the run).
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ from .runlog import (
     SummaryLine,
 )
 
-__all__ = ["RunBus", "OutputDirBusy", "OutputDirLock", "SIGNAL_CLEAR", "SIGNAL_SMALLER_BATCH", "bus_for",
+__all__ = ["RunBus", "OutputDirBusy", "OutputDirLock", "ClearRequest", "ShrinkRequest", "bus_for",
            "console_line", "console_logs", "is_training_log", "wrapped"]
 
 if TYPE_CHECKING:
@@ -186,6 +186,20 @@ def _read_holder(output_dir: str) -> str:
 SIGNAL_CLEAR = "clear_cache"
 #: the watchdog asks for a smaller micro-batch
 SIGNAL_SMALLER_BATCH = "smaller_batch"
+
+
+class ClearRequest(Protocol):
+    """Answers the watchdog's request for a cache clear with the bytes it freed."""
+
+    def __call__(self, reason: str, step: int) -> float: ...
+
+
+class ShrinkRequest(Protocol):
+    """Answers the watchdog's request for a smaller micro-batch: True when the run will re-size. ``control``: the
+    trainer's control of the step it asks at; ``rows``: the next step's fetched micro-batches (asked before it
+    trains)."""
+
+    def __call__(self, reason: str, step: int, control: Any = None, rows: list[Any] | None = None) -> bool: ...
 
 
 class TuningLink(Protocol):
@@ -339,15 +353,40 @@ class RunBus(TrainerCallback):
         seconds, self.overhead = self.overhead, 0.0
         return seconds
 
-    # ------------------------------------------------------------ signals
-    def subscribe(self, signal: str, handler: Callable[..., object]) -> None:
+    # ------------------------------------------------------------ requests between callbacks
+    def on_clear_request(self, handler: ClearRequest) -> None:
+        """``handler`` answers the watchdog's requests for a cache clear (one per callback class)."""
+        self._subscribe(SIGNAL_CLEAR, handler)
+
+    def on_smaller_batch_request(self, handler: ShrinkRequest) -> None:
+        """``handler`` answers the watchdog's requests for a smaller micro-batch (one per callback class)."""
+        self._subscribe(SIGNAL_SMALLER_BATCH, handler)
+
+    def ask_clear(self, reason: str, step: int) -> list[float]:
+        """Every cache-clear handler's bytes freed (empty when nobody listens)."""
+        return [float(freed) for freed in self._signal(SIGNAL_CLEAR, reason=reason, step=step)]
+
+    def ask_smaller_batch(self, reason: str, step: int, control: Any = None, rows: list[Any] | None = None
+                          ) -> list[bool]:
+        """Every smaller-batch handler's answer: True when it will re-size the run (empty when nobody listens).
+        ``rows``: the next step's fetched micro-batches, when it asks before that step trains."""
+        payload: dict[str, Any] = {"reason": reason, "step": step, "control": control}
+        if rows is not None:
+            payload["rows"] = rows
+        return [bool(answer) for answer in self._signal(SIGNAL_SMALLER_BATCH, **payload)]
+
+    def can_shrink(self) -> bool:
+        """Whether something answers requests for a smaller micro-batch."""
+        return self._has_subscribers(SIGNAL_SMALLER_BATCH)
+
+    def _subscribe(self, signal: str, handler: Callable[..., object]) -> None:
         """Subscribe a bound method; it replaces an earlier subscriber of the same class (a resumed instance)."""
         owner = type(getattr(handler, "__self__", None))
         self.subscribers[signal] = [h for h in self.subscribers[signal]
                                     if type(getattr(h, "__self__", None)) is not owner or owner is type(None)]
         self.subscribers[signal].append(handler)
 
-    def signal(self, signal: str, **payload) -> list:
+    def _signal(self, signal: str, **payload: Any) -> list[Any]:
         """Call every subscriber of ``signal``; returns their answers (empty when nobody listens).
 
         A subscriber that raises is dropped with one warning: it must not take the caller down with it.
@@ -364,7 +403,7 @@ class RunBus(TrainerCallback):
                                type(error).__name__, error)
         return answers
 
-    def has_subscribers(self, signal: str) -> bool:
+    def _has_subscribers(self, signal: str) -> bool:
         return any(not getattr(getattr(h, "__self__", None), "disabled", False) for h in self.subscribers[signal])
 
     def show_progress(self, text: str) -> None:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from . import keys
 from .base import Clock, PerfCallback
-from .bus import SIGNAL_CLEAR
 from .device import GB, DeviceLayer
 from .memory import ClearSchedule
 from .runlog import CacheClear, ClearerSummary
@@ -81,7 +80,7 @@ class MPSCacheClearer(PerfCallback):
         self.device = self.device or DeviceLayer()
         self.active = self.device.type == "mps" if self.enabled is None else self.enabled
         if self.active:
-            self._bus.subscribe(SIGNAL_CLEAR, self._on_request)
+            self._bus.on_clear_request(self._on_request)
         self.schedule.last_clear_step = state.global_step
 
     def _on_request(self, reason: str, step: int) -> float:

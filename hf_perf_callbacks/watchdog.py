@@ -9,7 +9,6 @@ from collections.abc import Callable, Mapping
 from . import adapter, keys
 from .base import Clock, PerfCallback
 from .batching import is_grpo
-from .bus import SIGNAL_CLEAR, SIGNAL_SMALLER_BATCH
 from .device import GB, DeviceLayer, MemorySample, gather_floats, world_size
 from .memory import (
     BUDGET_FRACTION,
@@ -332,7 +331,7 @@ class MemoryWatchdog(PerfCallback):
         self.facts = self._facts(sample)
         self._bus.note_memory_facts(self.facts)
         self.high_water = max(self.high_water, obs.used)
-        can_shrink = self._bus.has_subscribers(SIGNAL_SMALLER_BATCH)
+        can_shrink = self._bus.can_shrink()
         decision = None
         for _ in range(3):                                          # clear → re-sample → maybe the next rung
             action = policy.next_action(can_shrink)
@@ -360,7 +359,7 @@ class MemoryWatchdog(PerfCallback):
         if decision == SMALLER_BATCH:
             why = self._short_words() or policy.reason()
             self._act(step, SMALLER_BATCH, "asked for a smaller micro-batch: " + why)
-            accepted = any(self._bus.signal(SIGNAL_SMALLER_BATCH, reason=why, step=step, control=control))
+            accepted = any(self._bus.ask_smaller_batch(why, step, control))
             self._shrinking = accepted          # the re-size comes at the next step's begin: its fetch waits for it
             if not accepted and any_critical:   # nobody can shrink (the same answer on every rank)
                 decision = STOP
@@ -498,11 +497,11 @@ class MemoryWatchdog(PerfCallback):
         step = state.global_step
         why = self._short_words() or "another rank's next step does not fit in its memory budget"
         micro = getattr(args, "per_device_train_batch_size", 1) or 1
-        if (self._bus.has_subscribers(SIGNAL_SMALLER_BATCH) and micro > 1
+        if (self._bus.can_shrink() and micro > 1
                 and SMALLER_BATCH not in policy.episode):
             policy.taken(SMALLER_BATCH)
             self._act(step, SMALLER_BATCH, f"asked for a smaller micro-batch before step {step + 1}: " + why)
-            if any(self._bus.signal(SIGNAL_SMALLER_BATCH, reason=why, step=step, control=control, rows=batches)):
+            if any(self._bus.ask_smaller_batch(why, step, control, rows=batches)):
                 return adapter.SKIP_STEP if control.should_training_stop else None
         if STOP in policy.episode:
             return None
@@ -569,7 +568,7 @@ class MemoryWatchdog(PerfCallback):
         return {0: None, 1: SMALLER_BATCH, 2: STOP}[int(max(r[0] for r in rows))], max(r[1] for r in rows) > 0
 
     def _clear(self, step: int) -> None:
-        answers = self._bus.signal(SIGNAL_CLEAR, reason=self._watch.reason(), step=step)
+        answers = self._bus.ask_clear(self._watch.reason(), step)
         if not answers:                       # no clearer attached: do the cheap part ourselves
             self._device.empty_cache()
         self._act(step, CLEAR, "cleared caches: " + self._watch.reason())
@@ -587,7 +586,7 @@ class MemoryWatchdog(PerfCallback):
             self.facts = self._facts(self._sample, holders=True)
             self._bus.note_memory_facts(self.facts)
         causes = self.facts.sentence() if self.facts is not None else ""
-        futile = policy.shrink_futile() if self._bus.has_subscribers(SIGNAL_SMALLER_BATCH) else None
+        futile = policy.shrink_futile() if self._bus.can_shrink() else None
         if causes:
             reason += f"; the causes: {causes}"
         if futile:

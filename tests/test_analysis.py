@@ -389,7 +389,7 @@ def test_small_micro_batch_after_the_tuner_measured_is_a_note_with_its_trials():
                 tune=tune_decision(trials=trials, cost_sec=2.0, expected_gain_sec=3.0))
     assert analyze(m) == []
     n = note(m, "small_micro_batch")
-    assert n.judged and n.title == "Batch split chosen by measurement"
+    assert n.judged
     assert ("4×2: median 1.24 s per optimizer step over steps 4–6, 5% slower than 2×4 (median 1.18 s over steps "
             "1–3; one-sided Mann-Whitney p = 1 that it is faster)") in n.text
     assert "8×1: out of memory" in n.text and "kept the configured 2×4" in n.text and "cost 2.0 s" in n.text
@@ -425,9 +425,8 @@ def test_a_tuning_that_measured_nothing_is_not_judged_never_fine():
                 tune=Decision(kind="tune", step=0, reason="kept the configured split: too short to pay back",
                               old=Split(4, 1), new=Split(4, 1), trials=trials, cost_sec=0.0))
     n = note(m, "small_micro_batch")
-    assert not n.judged and n.title == "Batch split not measured" and "too short to pay back" in n.text
-    text = render_markdown(*check(m)[:1], m, check(m)[1])
-    assert "## Checked and fine" not in text or "Batch split" not in text.split("## Checked and fine")[1]
+    assert not n.judged and m.tune.reason.split(": ")[-1] in n.text            # the tuner's own reason
+    assert "small_micro_batch" not in [n.rule for n in check(m)[1] if n.judged]   # never under "checked and fine"
 
 
 def test_the_tuner_on_a_plain_train_is_named_in_the_report():
@@ -436,7 +435,7 @@ def test_the_tuner_on_a_plain_train_is_named_in_the_report():
 
     m = healthy(tuner_attached=True, tuner_hint=TUNER_NEEDS_TRAIN_WITH_TUNING)
     n = note(m, "tuner_hint")
-    assert not n.judged and "train_with_tuning(trainer)" in n.text and "hf-perf train" in n.text
+    assert not n.judged and TUNER_NEEDS_TRAIN_WITH_TUNING in n.text and "train_with_tuning(trainer)" in n.text
     assert "tuner_hint" not in [n.rule for n in check(healthy(tuner_attached=True))[1]]
 
 

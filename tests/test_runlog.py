@@ -113,7 +113,7 @@ def test_the_writer_warns_once_and_training_goes_on(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="hf_perf_callbacks"):
         assert not writer.append(str(tmp_path), StepLine(1))
         assert not writer.append(str(tmp_path), StepLine(2))
-    assert sum("could not write" in r.getMessage() for r in caplog.records) == 1
+    assert sum(PERF_LOG in r.getMessage() for r in caplog.records) == 1            # warned once
     assert not writer.append(None, StepLine(3))
 
 
@@ -126,7 +126,7 @@ def test_an_unwritable_log_warns_once_over_a_whole_run(tokenizer, tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="hf_perf_callbacks"):
         trainer.train()
     assert trainer.state.global_step == 4
-    assert sum("could not write" in r.getMessage() for r in caplog.records) == 1
+    assert sum(PERF_LOG in r.getMessage() for r in caplog.records) == 1            # warned once
 
 
 def test_the_bus_writes_one_header_per_train_call_before_any_other_line(tokenizer, tmp_path):

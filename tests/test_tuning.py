@@ -137,15 +137,15 @@ def test_an_out_of_memory_candidate_is_left_and_the_next_is_tried_at_once():
     tuning.segment_started(SPLITS[2], 0)
     for step in range(1, 5):                   # a warm-up step, then steady: 3 samples
         action = tuning.observe(step, 200.0, 201.0)
-    assert action == Switch(SPLITS[8], "trying a split on the next steps")
-    assert tuning.failed(SPLITS[8], "out of memory", 5) == SPLITS[4]      # the next largest, straight away
+    oom = "out of memory"                      # the error each failed trial records as given
+    assert isinstance(action, Switch) and action.split == SPLITS[8]
+    assert tuning.failed(SPLITS[8], oom, 5) == SPLITS[4]                  # the next largest, straight away
     tuning.segment_started(SPLITS[4], 4, switch_sec=1.0)
     assert tuning.candidate == SPLITS[4]
-    assert tuning.failed(SPLITS[4], "out of memory", 5) == SPLITS[1]      # the walk down, straight away
-    assert tuning.failed(SPLITS[1], "out of memory", 6) == SPLITS[2]      # nothing left: back to the baseline
+    assert tuning.failed(SPLITS[4], oom, 5) == SPLITS[1]                  # the walk down, straight away
+    assert tuning.failed(SPLITS[1], oom, 6) == SPLITS[2]                  # nothing left: back to the baseline
     assert tuning.done is not None and tuning.done.split == SPLITS[2]
-    assert {t.split.micro_batch: t.error for t in tuning.trial_list()} == {2: None, 8: "out of memory",
-                                                                            4: "out of memory", 1: "out of memory"}
+    assert {t.split.micro_batch: t.error for t in tuning.trial_list()} == {2: None, 8: oom, 4: oom, 1: oom}
 
 
 def test_grpo_blocks_are_whole_generation_cycles_and_switches_fall_on_their_boundaries():

@@ -627,7 +627,7 @@ def test_saved_split_is_applied_on_resume_and_keeps_the_generation_batch(tmp_pat
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (1, 8)
     assert args.generation_batch_size == 8 and args.steps_per_generation == 8      # recipe: 2 × 4 = 8
     assert args.resume_from_checkpoint.endswith("checkpoint-2")
-    assert any(out in r.getMessage() and str(Split(1, 8, 8).as_args()) in r.getMessage() for r in caplog.records)   # said
+    assert any(out in r.getMessage() and str(Split(1, 8, 8).as_args()) in r.getMessage() for r in caplog.records)
 
 
 def test_saved_split_is_not_applied_to_a_fresh_run(tmp_path, caplog):

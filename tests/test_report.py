@@ -44,10 +44,10 @@ def test_demo_run_summary_and_plots(demo_run, capsys):
     assert (f"steady tokens/s: {steady:,.0f}" if steady
             else f"provisional tokens/s: {perf['provisional_tokens_per_sec']:,.0f}") in out
     assert f"steps: {perf['steps']}" in out and "× 1" in out
-    assert "status: finished" in out and "did not finish" not in out
-    assert "time split:" in out and "generation" in out and "%" in out
-    assert "memory: high-water" in out and "budget" in out
-    assert "cache clears: 0" in out
+    run = read_run(demo_run)
+    assert summarize(run) in out and run.summaries            # finished (the summary's lines: tests/golden/)
+    assert "generation" in out and "%" in out and "budget" in out
+    assert figures(run).cache_clears == 0 and figures(run).high_water_gb > 0
     assert "completions" in out                     # from trainer_state.json
     for name in ("throughput", "memory", "phases", "tuner"):       # the demo attaches all four callbacks
         path = os.path.join(demo_run, "plots", f"{name}.png")

@@ -13,7 +13,7 @@ import pytest
 #: the largest share of test functions allowed to assert on an English phrase
 MAX_ENGLISH_SHARE = 0.15
 #: the test functions that assert English today: a ratchet, lowered as tests move to data, never raised
-ENGLISH_CEILING = 164
+ENGLISH_CEILING = 163
 WORDS = re.compile(r"[A-Za-z]{3,} [A-Za-z]{2,}")
 TESTS = os.path.dirname(__file__)
 

@@ -130,8 +130,8 @@ def _describe(recipe: RecipeArguments, args: GRPOConfig, model_args: ModelConfig
             f"micro-batch {split.micro_batch} × accumulation {split.grad_accum} × world {world} = "
             f"{split.effective_batch(world)} completions per "
             f"optimizer step; generation batch {args.generation_batch_size} = "
-            f"{cast(int, args.generation_batch_size) // cast(int, args.num_generations)} prompts × "   # set by
-            f"{args.num_generations}; "                                                                 # __post_init__
+            f"{cast(int, args.generation_batch_size) // cast(int, args.num_generations)} prompts × "   # both set
+            f"{args.num_generations}; "                                                   # by GRPOConfig.__post_init__
             f"max_completion_length {args.max_completion_length}\ndataset {recipe.dataset}; callbacks {names}")
 
 
@@ -187,8 +187,8 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
     callbacks = build_callbacks(recipe.callbacks, as_dict(recipe.callback_kwargs, "callback_kwargs"))
     lock = (hold_output_dir(cast(str, training_args.output_dir))    # set by __post_init__
             if callbacks else None)                                  # before the model loads
-    rewards = resolve_reward_funcs(recipe.reward_funcs, cast(int, training_args.max_completion_length))  # TRL's
-    # GRPO computes with it: it must be set
+    # max_completion_length: None is no GRPO run (TRL's trainer computes with it)
+    rewards = resolve_reward_funcs(recipe.reward_funcs, cast(int, training_args.max_completion_length))
     tokenizer = build_tokenizer(model_args, training_args)
     train_data, eval_data = build_datasets(recipe, training_args.seed,
                                            conversational=getattr(tokenizer, "chat_template", None) is not None)

@@ -433,4 +433,5 @@ def exchange_device(device: torch.device | str | None = None) -> torch.device:
 
 __all__ = ["DeviceLayer", "MemorySample", "is_oom_error", "dtype_key", "gather_floats", "main_process_value",
            "exchange_device",
-           "training_device", "world_size", "is_main_process", "rng_state", "set_rng_state", "GB", "error_line"]
+           "training_device", "world_size", "is_main_process", "rng_state", "set_rng_state", "GB", "error_line",
+           "RngState"]

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ..batching import Exactness, Split
 from ..device import error_line, is_oom_error, world_size
@@ -59,8 +59,6 @@ if TYPE_CHECKING:
     import torch
     from accelerate.utils import DeepSpeedPlugin
     from transformers import Trainer
-
-    from .session import TuningSession
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -102,7 +100,14 @@ def guardable(trainer: Trainer) -> bool:
     return mesh is None or getattr(mesh, "ndim", 1) <= 1
 
 
-def start(trainer: Trainer, session: TuningSession) -> tuple[str | None, bool]:
+class Warner(Protocol):
+    """What :func:`start` needs of the session (:meth:`TuningSession.warn_once
+    <hf_perf_callbacks.resize.session.TuningSession.warn_once>`); a protocol, as the session imports this module."""
+
+    def warn_once(self, key: str, message: str, step: int | None = None) -> bool: ...
+
+
+def start(trainer: Trainer, session: Warner) -> tuple[str | None, bool]:
     """Refuse what cannot work under the trainer's sharding, say what is limited; returns the sharding and whether
     the step guard sees its collectives (always, unsharded)."""
     kind = sharding(trainer)

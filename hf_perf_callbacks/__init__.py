@@ -12,7 +12,7 @@ The callbacks are imported on first use (module ``__getattr__``), so ``hf-perf -
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
@@ -23,6 +23,8 @@ _LAZY = {"ThroughputMeter": ".throughput", "MemoryWatchdog": ".watchdog", "MPSCa
          "OutputDirBusy": ".bus", "ReportError": ".runlog"}
 
 if TYPE_CHECKING:                      # what the lazy names are, for type checkers and editors
+    from transformers import TrainerCallback
+
     from .bus import OutputDirBusy
     from .cache import MPSCacheClearer
     from .resize import AdaptiveBatchTuner, InexactResize, PeerFailed, UnfixableOOM, train_with_tuning
@@ -35,7 +37,7 @@ if TYPE_CHECKING:                      # what the lazy names are, for type check
 CALLBACKS = ("ThroughputMeter", "MemoryWatchdog", "MPSCacheClearer", "AdaptiveBatchTuner")
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:                     # the lazy names' types: the TYPE_CHECKING imports above
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value
@@ -47,7 +49,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-def default_callbacks(**overrides) -> list:
+def default_callbacks(**overrides: dict[str, Any]) -> list[TrainerCallback]:
     """The package's callbacks, configured for the detected device (the cache clearer acts on MPS only).
 
     ``overrides`` maps a callback class name to its keyword arguments, e.g.

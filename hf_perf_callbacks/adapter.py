@@ -99,12 +99,15 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
-from transformers.trainer_callback import CallbackHandler, ExportableState, ProgressCallback
+from transformers.trainer_callback import CallbackHandler, ExportableState, ProgressCallback, TrainerCallback
+
+if TYPE_CHECKING:
+    from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
 
 # ---------------------------------------------------------------- the callback handler
@@ -113,7 +116,7 @@ def calling_handler() -> CallbackHandler | None:
     return _self_on_stack(CallbackHandler)
 
 
-def calling_trainer():
+def calling_trainer() -> Trainer | None:
     """The ``transformers.Trainer`` whose method is running on the call stack (its ``__init__`` or ``train``), if
     any."""
     from transformers import Trainer
@@ -121,7 +124,10 @@ def calling_trainer():
     return _self_on_stack(Trainer)
 
 
-def _self_on_stack(cls: type) -> Any:
+_T = TypeVar("_T")
+
+
+def _self_on_stack(cls: type[_T]) -> _T | None:
     """The innermost ``self`` on the call stack that is a ``cls``, if any."""
     frame: FrameType | None = sys._getframe(2)
     while frame is not None:
@@ -132,14 +138,14 @@ def _self_on_stack(cls: type) -> Any:
     return None
 
 
-def all_callbacks(handler: CallbackHandler | None) -> list:
+def all_callbacks(handler: CallbackHandler | None) -> list[Any]:     # TrainerCallbacks, read duck-typed by the bus
     """The handler's callbacks, all of them also while :func:`time_callbacks` dispatches an event to one at a time."""
     if handler is None:
         return []
     return list(handler.__dict__.get("_hf_perf_all_callbacks") or handler.callbacks)
 
 
-def progress_bars(handler: CallbackHandler | None) -> list:
+def progress_bars(handler: CallbackHandler | None) -> list[Any]:   # tqdm bars (tqdm has no types)
     """The tqdm training bars of the handler's progress callbacks (empty outside training or without tqdm)."""
     bars = []
     for callback in all_callbacks(handler):
@@ -149,12 +155,12 @@ def progress_bars(handler: CallbackHandler | None) -> list:
     return bars
 
 
-def console_printers(handler: CallbackHandler | None) -> list:
+def console_printers(handler: CallbackHandler | None) -> list[TrainerCallback]:
     """The callbacks that print each training log on the console: transformers' ``ProgressCallback`` (tqdm),
     ``PrinterCallback`` (``disable_tqdm``) and ``NotebookProgressCallback`` (Jupyter), subclasses included."""
     from transformers.trainer_callback import PrinterCallback
 
-    kinds: tuple[type, ...] = (ProgressCallback, PrinterCallback)
+    kinds: tuple[type[TrainerCallback], ...] = (ProgressCallback, PrinterCallback)
     try:
         from transformers.utils.notebook import NotebookProgressCallback
         kinds += (NotebookProgressCallback,)
@@ -164,17 +170,17 @@ def console_printers(handler: CallbackHandler | None) -> list:
 
 
 # ---------------------------------------------------------------- trainer state between train() calls
-def set_train_batch_size(trainer) -> None:
+def set_train_batch_size(trainer: Trainer) -> None:
     """Make the next ``train()`` build its dataloader from ``args.per_device_train_batch_size``."""
     trainer._train_batch_size = trainer.args.train_batch_size
 
 
-def train_batch_size(trainer) -> int:
+def train_batch_size(trainer: Trainer) -> int:
     """The per-device batch size the next ``train()`` builds its dataloader with."""
     return trainer._train_batch_size
 
 
-def loss_shifts_labels(trainer) -> bool:
+def loss_shifts_labels(trainer: Trainer) -> bool:
     """Whether the trainer's model computes a causal language-model loss (labels shifted by one), as transformers
     decided it at the trainer's init; from the model's config where the attribute is missing."""
     shifts = getattr(trainer, "_loss_shifts_labels", None)
@@ -190,16 +196,16 @@ class StepLog:
     locals of the loop): recorded as the loop computes them, so that a step whose ``on_step_end`` raised can still
     log them (:meth:`log_missed`). ``undo`` removes the recording."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
-        self.grad_norm: tuple[int, object] | None = None          # (the step it belongs to, the value)
+        self.grad_norm: tuple[int, torch.Tensor | float | None] | None = None   # (the step it belongs to, the value)
         self.learning_rate: tuple[int, float] | None = None
         self.undos = [replace_method(trainer, "_get_grad_norm", self._recording("grad_norm")),
                       replace_method(trainer, "_get_learning_rate", self._recording("learning_rate"))]
 
-    def _recording(self, name: str):
-        def make(original):
-            def record(*args, **kwargs):
+    def _recording(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def record(*args: Any, **kwargs: Any) -> Any:
                 value = original(*args, **kwargs)
                 setattr(self, name, (self.trainer.state.global_step + 1, value))   # before the step counts
                 return value
@@ -223,13 +229,15 @@ class StepLog:
         control.should_evaluate = control.should_save = False
         try:
             trainer._maybe_log_save_evaluate(trainer._tr_loss, grad_norm, trainer.model_wrapped, None,
-                                             trainer.state.epoch, None, None, learning_rate=rate)
+                                             trainer.state.epoch, None,
+                                             None,    # type: ignore[arg-type]  # start_time: log() takes None
+                                             learning_rate=rate)
         finally:
             control.should_evaluate, control.should_save = evaluate, save
         return True
 
 
-def save_checkpoint(trainer, rotate: bool = True, run_dir: str | None = None) -> None:
+def save_checkpoint(trainer: Trainer, rotate: bool = True, run_dir: str | None = None) -> None:
     """Write ``checkpoint-<global_step>`` now, as the Trainer does at a save step, and a complete one whenever there
     is training state: the weights, optimizer, scheduler, scaler and RNG state, also under ``save_only_model=True``
     (which would leave out everything but the weights, and a resume from it would restart the schedule and the
@@ -248,21 +256,21 @@ def save_checkpoint(trainer, rotate: bool = True, run_dir: str | None = None) ->
     if run_dir is not None:
         args.output_dir = run_dir
     try:
-        trainer._save_checkpoint(trainer.model, trial=None)
+        trainer._save_checkpoint(cast(torch.nn.Module, trainer.model), trial=None)   # None only before init
     finally:
         args.save_only_model, args.save_total_limit, args.output_dir = only_model, limit, output_dir
         if run_dir is not None:
             state.best_model_checkpoint = best
 
 
-def register_stateful_callbacks(state, callbacks) -> list[str]:
+def register_stateful_callbacks(state: TrainerState, callbacks: Iterable[object]) -> list[str]:
     """Give every ``ExportableState`` in ``callbacks`` that has none an entry in ``state.stateful_callbacks`` (its
     current ``state()``; a list for several instances of one class, as ``TrainerState`` builds it for a fresh run),
     so that ``Trainer._save_checkpoint`` finds one for each. Returns the class names added."""
     entries = getattr(state, "stateful_callbacks", None)
     if entries is None or not isinstance(entries, dict):
         return []
-    missing: dict[str, list] = {}
+    missing: dict[str, list[dict[str, Any]]] = {}
     for callback in callbacks:
         name = type(callback).__name__
         if isinstance(callback, ExportableState) and name not in entries:
@@ -273,7 +281,7 @@ def register_stateful_callbacks(state, callbacks) -> list[str]:
 
 
 @contextlib.contextmanager
-def metrics_kept(trainer) -> Iterator[None]:
+def metrics_kept(trainer: Trainer) -> Iterator[None]:
     """What TRL's ``compute_loss`` adds to on every call (``_metrics``, ``_total_train_tokens``) is put back when the
     block ends: calls that train nothing (the exactness check) leave the logged figures as they were."""
     metrics = getattr(trainer, "_metrics", None)
@@ -288,15 +296,16 @@ def metrics_kept(trainer) -> Iterator[None]:
                 metrics[mode].clear()
                 metrics[mode].update(values)
         if tokens is not None:
-            trainer._total_train_tokens = tokens
+            trainer._total_train_tokens = tokens      # type: ignore[attr-defined]  # TRL's trainers only
 
 
-def forget_last_train(trainer) -> None:
+def forget_last_train(trainer: Trainer) -> None:
     """Drop what the last ``train()`` left behind (its optimizer, scheduler and wrapper are restored from the
     checkpoint by a resume), the gradients, and TRL's generation buffer and metric accumulators."""
     trainer.optimizer, trainer.lr_scheduler = None, None
-    trainer.model_wrapped = trainer.model
-    trainer.model.zero_grad(set_to_none=True)
+    model = cast(torch.nn.Module, trainer.model)             # None only before the trainer's init
+    trainer.model_wrapped = model
+    model.zero_grad(set_to_none=True)
     for name, value in (("_step", 0), ("_buffered_inputs", None)):
         if hasattr(trainer, name):
             setattr(trainer, name, value)
@@ -325,8 +334,8 @@ class _Noted:
     loss: torch.Tensor                # the loss accumulated since the last log (a copy)
     last_logged: int                  # the step of the last training log
     micro_steps: int | None = None    # GRPO: micro-batches since its counter started (TRL's ``_step``)
-    buffer: list | None = None        # GRPO: the buffered generation, one dict per micro-batch of it
-    metrics: dict | None = None       # GRPO: the metrics gathered since the last log (copies of the lists)
+    buffer: list[dict[str, Any]] | None = None    # GRPO: the buffered generation, one dict per micro-batch of it
+    metrics: dict[str, list[Any]] | None = None   # GRPO: the metrics gathered since the last log (copies of the lists)
 
 
 @dataclasses.dataclass
@@ -334,7 +343,7 @@ class _Carry:
     step: int
     noted: _Noted
     micro_steps: int | None
-    buffer: list | None
+    buffer: list[dict[str, Any]] | None
 
 
 class LoopState:
@@ -349,7 +358,7 @@ class LoopState:
     with the same logging windows and, in a step that replays buffered completions, the same completions re-split
     for the new micro-batch (:meth:`carry`, then :meth:`install` at the resumed ``train()``'s begin)."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
         self.noted: _Noted | None = None          # at the begin of the step after noted.step
         self.saved: _Noted | None = None          # at transformers' newest save
@@ -439,8 +448,8 @@ class LoopState:
         trainer._globalstep_last_logged = noted.last_logged
         trainer._total_loss_scalar -= noted.loss.item()     # counted in this call's log, trained before it
         if carry.micro_steps is not None:
-            trainer._step = carry.micro_steps
-            trainer._buffered_inputs = carry.buffer
+            trainer._step = carry.micro_steps             # type: ignore[attr-defined]  # TRL's GRPOTrainer
+            trainer._buffered_inputs = carry.buffer       # type: ignore[attr-defined]
         metrics = getattr(trainer, "_metrics", None)
         if noted.metrics is not None and isinstance(metrics, dict) and "train" in metrics:
             metrics["train"].clear()
@@ -448,7 +457,7 @@ class LoopState:
         return True
 
 
-def resplit_generation(buffer: list, chunks: int) -> list[dict]:
+def resplit_generation(buffer: Iterable[dict[str, Any]], chunks: int) -> list[dict[str, Any]]:
     """GRPO's buffered generation (one dict per micro-batch, consecutive rows of the shuffled generation batch) as
     ``chunks`` micro-batches of the same rows in the same order. :class:`CannotReplay` for a batch with images
     (their rows are not one per completion) or rows that do not divide."""
@@ -470,13 +479,14 @@ def resplit_generation(buffer: list, chunks: int) -> list[dict]:
         raise CannotReplay(f"{rows} buffered completions do not divide into {chunks} micro-batches")
     size = rows // chunks
 
-    def part(v, i):
+    def part(v: Any, i: int) -> Any:
         return v[i * size:(i + 1) * size] if isinstance(v, list) or (isinstance(v, torch.Tensor) and v.ndim) else v
 
     return [{k: part(v, i) for k, v in merged.items()} for i in range(chunks)]
 
 
-def replace_method(trainer, name: str, make: Callable[[Callable], Callable]) -> Callable[[], None]:
+def replace_method(trainer: object, name: str,
+                   make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
     """Replace ``trainer.<name>`` (``training_step``, or ``evaluate``, which ``train()`` calls at an evaluation
     step) by ``make(original)`` on this instance; returns the undo."""
     original = getattr(trainer, name)
@@ -494,19 +504,20 @@ def replace_method(trainer, name: str, make: Callable[[Callable], Callable]) -> 
 SKIP_STEP = "skip"
 
 
-def watch_batch_samples(trainer, fetched: Callable[[list, int], object]) -> Callable[[], None]:
+def watch_batch_samples(trainer: Trainer, fetched: Callable[[list[Any], int], object]) -> Callable[[], None]:
     """Call ``fetched(batch_samples, num_batches)`` with what ``trainer.get_batch_samples`` fetched for each
     optimizer step (the micro-batches, and how many were asked for), before the step trains; an exception of
     ``fetched`` goes through to the training loop. Several watchers share one wrapper and run in the order they came;
     one that returns :data:`SKIP_STEP` leaves the step untrained: the loop gets no micro-batch, so it trains none,
     sees ``control.should_training_stop`` and ends the epoch and the run there (its ``on_epoch_end``, the save the
     control asks for, ``on_train_end``), and the watchers after it are not called. Returns the undo."""
-    watchers = trainer.__dict__.get("_hf_perf_batch_watchers")
+    watchers: list[Callable[[list[Any], int], object]] | None = trainer.__dict__.get("_hf_perf_batch_watchers")
     if watchers is None:
         watchers = []
 
-        def make(original):
-            def get_batch_samples(epoch_iterator, num_batches, *args, **kwargs):
+        def make(original: Callable[..., tuple[list[Any], Any]]) -> Callable[..., tuple[list[Any], Any]]:
+            def get_batch_samples(epoch_iterator: Any, num_batches: int, *args: Any,
+                                  **kwargs: Any) -> tuple[list[Any], Any]:
                 batches, count = original(epoch_iterator, num_batches, *args, **kwargs)
                 for watcher in list(watchers):
                     if watcher(batches, num_batches) == SKIP_STEP:
@@ -536,18 +547,18 @@ def watch_batch_samples(trainer, fetched: Callable[[list, int], object]) -> Call
 TRAINER_PHASES = {"get_batch_samples": "data_wait", "log": "log", "evaluate": "eval", "_save_checkpoint": "save"}
 
 
-def clock_trainer(trainer, enter: Callable[[str], None], leave: Callable[[str], None]) -> Callable[[], None]:
+def clock_trainer(trainer: Trainer, enter: Callable[[str], None], leave: Callable[[str], None]) -> Callable[[], None]:
     """Call ``enter(phase)`` and ``leave(phase)`` around each of ``trainer``'s methods of :data:`TRAINER_PHASES`
     (an error goes through, after ``leave``); returns the undo, which puts back whatever each method was before (a
     wrapper another callback installed meanwhile stays: it calls through this one)."""
-    undos = []
+    undos: list[Callable[[], None]] = []
     for name, phase in TRAINER_PHASES.items():
         if not callable(getattr(trainer, name, None)):
             continue
 
-        def make(original, phase=phase):
+        def make(original: Callable[..., Any], phase: str = phase) -> Callable[..., Any]:
             @functools.wraps(original)
-            def clocked(*args, **kwargs):
+            def clocked(*args: Any, **kwargs: Any) -> Any:
                 enter(phase)
                 try:
                     return original(*args, **kwargs)
@@ -559,7 +570,7 @@ def clock_trainer(trainer, enter: Callable[[str], None], leave: Callable[[str], 
         replacement = make(getattr(trainer, name))
         setattr(trainer, name, replacement)
 
-        def undo(name=name, before=before, replacement=replacement) -> None:
+        def undo(name: str = name, before: Any = before, replacement: Callable[..., Any] = replacement) -> None:
             if trainer.__dict__.get(name) is replacement:
                 if before is None:
                     delattr(trainer, name)
@@ -577,16 +588,17 @@ def clock_trainer(trainer, enter: Callable[[str], None], leave: Callable[[str], 
 WHOLE_EVENTS = ("on_init_end", "on_train_begin", "on_train_end")
 
 
-def time_callbacks(handler: CallbackHandler, started: Callable[[Any, str], None],
-                   finished: Callable[[Any, str], None]) -> Callable[[], None]:
+def time_callbacks(handler: CallbackHandler, started: Callable[[TrainerCallback, str], None],
+                   finished: Callable[[TrainerCallback, str], None]) -> Callable[[], None]:
     """Call ``started(callback, event)`` and ``finished(callback, event)`` around every callback's every event: the
     handler's ``call_event`` (transformers 5.23-5.24: a loop over ``handler.callbacks`` with the handler's model,
     optimizer… as keywords) runs once per callback with ``handler.callbacks`` holding that one callback, so the
     trainer's own keywords and its ``control`` chaining stay transformers'. A callback that changes the list during
     its event (the bus putting itself first) keeps its change. Returns the undo."""
-    original = handler.call_event
+    original: Callable[..., TrainerControl] = handler.call_event     # untyped in transformers
 
-    def call_event(event, args, state, control, **kwargs):
+    def call_event(event: str, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                   **kwargs: Any) -> TrainerControl:
         callbacks = handler.callbacks
         if event in WHOLE_EVENTS:
             return original(event, args, state, control, **kwargs)
@@ -632,7 +644,7 @@ TRAINING_LOOP_FRAMES = ("_run_epoch", "_inner_training_loop")
 AFTER_THE_STEP = ("_maybe_log_save_evaluate", "on_step_end", "on_epoch_end")
 
 
-def fetched_batches(error: BaseException) -> list | None:
+def fetched_batches(error: BaseException) -> list[Any] | None:     # the user's batches
     """The micro-batches the training loop had fetched for the optimizer step that ``error`` left before that step
     counted (the innermost training-loop frame of its traceback), or None: the traceback holds none, or the error
     struck after the step counted (saving, evaluating, a callback's ``on_step_end``)."""
@@ -647,7 +659,7 @@ def fetched_batches(error: BaseException) -> list | None:
     return found
 
 
-def rearm_jit_checkpoint(trainer) -> bool:
+def rearm_jit_checkpoint(trainer: Trainer) -> bool:
     """Install transformers' just-in-time checkpoint SIGTERM handler again when it is enabled but no longer
     installed (its ``on_train_end`` restored the previous one); True when it re-installed it."""
     if threading.current_thread() is not threading.main_thread():
@@ -661,22 +673,43 @@ def rearm_jit_checkpoint(trainer) -> bool:
     return False
 
 
-def unwrap_compiled(module):
+def unwrap_compiled(module: torch.nn.Module) -> torch.nn.Module:
     """The module that ``torch.compile`` wrapped (the module itself when not compiled)."""
-    return getattr(module, "_orig_mod", module)
+    unwrapped: torch.nn.Module = getattr(module, "_orig_mod", module)
+    return unwrapped
 
 
 # ---------------------------------------------------------------- generate
+class GenerateListener(Protocol):
+    """What :func:`watch_generate` tells (``input_ids`` and ``output``: what ``generate`` was given and returned)."""
+
+    def generate_started(self) -> None: ...
+
+    def generate_finished(self, input_ids: Any, output: Any) -> None: ...
+
+
+class EntryListener(Protocol):
+    """What :func:`watch_generation_entry` tells (``result``: what the entry point returned, None on an error)."""
+
+    def entry_started(self, kind: str) -> None: ...
+
+    def entry_finished(self, kind: str, result: Any) -> None: ...
+
+
+class GenerationListener(GenerateListener, EntryListener, Protocol):
+    """A listener of both (:func:`watch_generation`)."""
+
+
 class _GenerateWatch:
     """One wrapper around one model's ``generate`` that tells every listener when a generation starts and ends."""
 
-    def __init__(self, model):
-        self.listeners: list = []
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.listeners: list[GenerateListener] = []
         self.before = model.__dict__.get("generate")
-        original = model.generate
+        original = cast("Callable[..., Any]", model.generate)      # a generating model's (typed as a submodule)
 
         @functools.wraps(original)
-        def generate(*args, **kwargs):
+        def generate(*args: Any, **kwargs: Any) -> Any:
             listeners = list(self.listeners)
             for listener in listeners:
                 listener.generate_started()
@@ -690,13 +723,13 @@ class _GenerateWatch:
                     listener.generate_finished(input_ids, output)
 
         self.wrapper = generate
-        model.generate = generate
+        model.generate = generate       # type: ignore[assignment]  # an instance attribute over the method
 
 
-_WATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WATCHES: weakref.WeakKeyDictionary[torch.nn.Module, _GenerateWatch] = weakref.WeakKeyDictionary()
 
 
-def watch_generate(model, listener) -> Callable[[], None]:
+def watch_generate(model: torch.nn.Module, listener: GenerateListener) -> Callable[[], None]:
     """Call ``listener.generate_started()`` and ``listener.generate_finished(input_ids, output)`` (output None on
     an error) around every ``model.generate``; returns the function that stops it. One wrapper per model, shared
     by all listeners; the model's own ``generate`` comes back when the last listener leaves."""
@@ -742,14 +775,14 @@ class GenerationClock:
     def generate_started(self) -> None:
         self._open()
 
-    def generate_finished(self, input_ids, output) -> None:
+    def generate_finished(self, input_ids: Any, output: Any) -> None:
         self._close()
 
     def entry_started(self, kind: str) -> None:
         if kind in (ROLLOUT, SYNC):
             self._open()
 
-    def entry_finished(self, kind: str, result) -> None:
+    def entry_finished(self, kind: str, result: Any) -> None:
         if kind in (ROLLOUT, SYNC):
             self._close()
 
@@ -765,7 +798,7 @@ class GenerationClock:
 ROLLOUT, SYNC, ENGINE, REWARD = "rollout", "sync", "engine", "reward"
 
 
-def generation_backend(trainer) -> str | None:
+def generation_backend(trainer: Trainer | None) -> str | None:
     """How a TRL trainer generates: ``"vllm-server"``, ``"vllm-colocate"``, ``"transformers-paged"`` (TRL's
     continuous batching) or ``"transformers"`` (``model.generate``); None for a trainer that does not generate."""
     if not callable(getattr(trainer, "_generate", None)):
@@ -777,7 +810,7 @@ def generation_backend(trainer) -> str | None:
     return "transformers"
 
 
-def rollout_counts(kind: str, result) -> tuple[int, int, int]:
+def rollout_counts(kind: str, result: Any) -> tuple[int, int, int]:
     """(completions, completion tokens, longest completion) in what ``kind``'s call returned: ``_generate``'s tuple
     (``prompt_ids, completion_ids, tool_mask, ...``; with tools only the model's own tokens, ``tool_mask`` 1, count)
     or ``VLLMGeneration.generate``'s (``prompt_ids, completion_ids, logprobs, logprob_token_ids``); zeros for
@@ -796,8 +829,8 @@ def rollout_counts(kind: str, result) -> tuple[int, int, int]:
 class _EntryWatch:
     """One set of wrappers around one trainer's generation entry points that tells every listener."""
 
-    def __init__(self, trainer):
-        self.listeners: list = []
+    def __init__(self, trainer: Trainer) -> None:
+        self.listeners: list[EntryListener] = []
         self.alive = True           # a wrapper another one was put over outlives the undo: it then only passes through
         self.undos = [replace_method(trainer, "_generate", self._timed(ROLLOUT))]
         self.wrapper = trainer.__dict__["_generate"]
@@ -808,10 +841,10 @@ class _EntryWatch:
             self.undos.append(replace_method(engine, "sync_weights", self._timed(SYNC)))
             self.undos.append(replace_method(engine, "generate", self._timed(ENGINE)))
 
-    def _timed(self, kind: str) -> Callable[[Callable], Callable]:
-        def make(original):
+    def _timed(self, kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
             @functools.wraps(original)
-            def entry(*args, **kwargs):
+            def entry(*args: Any, **kwargs: Any) -> Any:
                 listeners = list(self.listeners) if self.alive else []
                 for listener in listeners:
                     listener.entry_started(kind)
@@ -832,16 +865,16 @@ class _EntryWatch:
         self.undos.clear()
 
 
-_ENTRY_WATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ENTRY_WATCHES: weakref.WeakKeyDictionary[Trainer, _EntryWatch] = weakref.WeakKeyDictionary()
 
 
-def watch_generation_entry(trainer, listener) -> Callable[[], None]:
+def watch_generation_entry(trainer: Trainer | None, listener: EntryListener) -> Callable[[], None]:
     """Tell ``listener.entry_started(kind)`` and ``listener.entry_finished(kind, result)`` (result None on an error)
     around TRL's own generation entry points on this trainer instance (kinds: :data:`ROLLOUT`, :data:`SYNC`,
     :data:`ENGINE`, :data:`REWARD`), so that HF ``generate``, vLLM server and vLLM colocate are timed at the same
     place. One set of wrappers per trainer, shared by all listeners, taken off when the last one leaves; nothing is
     watched on a trainer without ``_generate`` (not a TRL generating trainer). Returns the function that stops it."""
-    if generation_backend(trainer) is None:
+    if trainer is None or generation_backend(trainer) is None:
         return lambda: None
     watch = _ENTRY_WATCHES.get(trainer)
     if watch is None or trainer.__dict__.get("_generate") is not watch.wrapper:
@@ -859,7 +892,7 @@ def watch_generation_entry(trainer, listener) -> Callable[[], None]:
     return stop
 
 
-def watch_generation(model, listener) -> Callable[[], None]:
+def watch_generation(model: torch.nn.Module, listener: GenerationListener) -> Callable[[], None]:
     """:func:`watch_generate` on ``model`` and :func:`watch_generation_entry` on the trainer whose ``train()`` runs
     on the call stack (if any), for one listener of both; returns the undo of both."""
     undos = [watch_generate(model, listener), watch_generation_entry(calling_trainer(), listener)]
@@ -885,7 +918,7 @@ def intercept_collectives(before: Callable[[], None], failed: Callable[[], None]
     """Until the returned undo runs, call ``before()`` ahead of every collective on the default group that goes
     through the ``torch.distributed`` module functions (``before`` may raise to skip it), and ``failed()`` when the
     collective itself raises."""
-    originals: dict[str, Callable] = {}
+    originals: dict[str, Callable[..., Any]] = {}
     for name in COLLECTIVES:
         original = getattr(torch.distributed, name, None)
         if original is None:
@@ -893,7 +926,8 @@ def intercept_collectives(before: Callable[[], None], failed: Callable[[], None]
         signature = inspect.signature(original)
 
         @functools.wraps(original)
-        def checked(*args, _original=original, _signature=signature, **kwargs):
+        def checked(*args: Any, _original: Callable[..., Any] = original, _signature: inspect.Signature = signature,
+                    **kwargs: Any) -> Any:
             group = _signature.bind_partial(*args, **kwargs).arguments.get("group")
             if group is None or group is torch.distributed.GroupMember.WORLD:
                 before()
@@ -915,7 +949,7 @@ def intercept_collectives(before: Callable[[], None], failed: Callable[[], None]
 
 
 # ---------------------------------------------------------------- FSDP2
-def fsdp2_root(model) -> Any:
+def fsdp2_root(model: torch.nn.Module) -> Any:
     """The outermost module FSDP2's ``fully_shard`` wrapped in ``model`` (the root FSDP module), or None."""
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -924,7 +958,7 @@ def fsdp2_root(model) -> Any:
     return next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
 
 
-def reset_fsdp_iteration(model) -> bool:
+def reset_fsdp_iteration(model: torch.nn.Module) -> bool:
     """After an exception aborted FSDP2's forward or backward: reshard every parameter group and clear the
     iteration's trackers on this rank, so that the next forward starts clean (no collective: every rank does it on
     its own). torch ≥ 2.13: the public ``FSDPModule.reset_iter_state``; older: the same steps on FSDP2's state.
@@ -947,7 +981,7 @@ def reset_fsdp_iteration(model) -> bool:
     return True
 
 
-def _fsdp_param_groups(root_state) -> list:
+def _fsdp_param_groups(root_state: Any) -> list[Any]:       # FSDP2's private state and groups: no public type
     """Every FSDP2 parameter group under a root state (torch 2.13: ``_fsdp_param_groups`` per state; earlier one
     ``_fsdp_param_group``)."""
     groups: list[Any] = []
@@ -960,7 +994,7 @@ def _fsdp_param_groups(root_state) -> list:
     return groups
 
 
-def _reset_fsdp_state(state) -> None:
+def _reset_fsdp_state(state: Any) -> None:
     """``FSDPModule.reset_iter_state`` for a torch without it (before 2.13), on the root's state."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
@@ -987,13 +1021,13 @@ def _reset_fsdp_state(state) -> None:
 
 
 @contextlib.contextmanager
-def fsdp2_prepared_again(trainer) -> Iterator[None]:
+def fsdp2_prepared_again(trainer: Trainer) -> Iterator[None]:
     """Let ``train()`` prepare a model that FSDP2 already wrapped (an in-process resume): accelerate's
     ``prepare`` then takes the model as it is — ``fsdp2_prepare_model`` returns a wrapped model unchanged, but the
     layer-class lookup before it (``set_auto_wrap_policy``: FSDP2 renamed the classes ``FSDP<Layer>``) and
     FSDP's activation checkpointing (already applied) would run again — and only the new optimizer is prepared."""
     plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "fsdp_plugin", None)
-    if plugin is None or fsdp2_root(trainer.model) is None:
+    if plugin is None or fsdp2_root(cast(torch.nn.Module, trainer.model)) is None:
         yield
         return
     checkpointing = plugin.activation_checkpointing
@@ -1011,7 +1045,7 @@ FSDP2_OPTIMIZER_RESUME_FIXED = (1, 13)
 
 
 @contextlib.contextmanager
-def fsdp2_optimizer_state_restored(trainer) -> Iterator[None]:
+def fsdp2_optimizer_state_restored(trainer: Trainer) -> Iterator[None]:
     """Resumes under FSDP2 with a sharded state dict restore the optimizer's state also on accelerate < 1.13: after
     ``Trainer._load_optimizer_and_scheduler`` (its only route to accelerate's ``load_fsdp_optimizer``) the state is
     read again as accelerate 1.13 reads it (``get_optimizer_state_dict``, ``torch.distributed.checkpoint.load``,
@@ -1025,7 +1059,7 @@ def fsdp2_optimizer_state_restored(trainer) -> Iterator[None]:
         yield
         return
 
-    def make(original: Callable) -> Callable:
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def load(checkpoint: str | None) -> None:
             original(checkpoint)
@@ -1040,7 +1074,7 @@ def fsdp2_optimizer_state_restored(trainer) -> Iterator[None]:
         undo()
 
 
-def _load_fsdp2_optimizer(plugin, trainer, checkpoint: str) -> None:
+def _load_fsdp2_optimizer(plugin: Any, trainer: Trainer, checkpoint: str) -> None:   # accelerate has no types
     import os
 
     import torch.distributed.checkpoint as dist_cp
@@ -1052,9 +1086,11 @@ def _load_fsdp2_optimizer(plugin, trainer, checkpoint: str) -> None:
     if not os.path.isdir(folder):
         return
     options = _prepare_sd_options(plugin)
-    state = {"optimizer": get_optimizer_state_dict(trainer.model, trainer.optimizer, options=options)}
-    dist_cp.load(state, checkpoint_id=folder, storage_reader=dist_cp.FileSystemReader(folder))
-    set_optimizer_state_dict(trainer.model, trainer.optimizer, state["optimizer"], options=options)
+    model, optimizer = cast(torch.nn.Module, trainer.model), cast(torch.optim.Optimizer, trainer.optimizer)  # train()'s
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=options)}
+    dist_cp.load(state, checkpoint_id=folder,                 # type: ignore[attr-defined, unused-ignore]
+                 storage_reader=dist_cp.FileSystemReader(folder))   # type: ignore[attr-defined, unused-ignore]
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
 
 
 # ---------------------------------------------------------------- the console during the package's own re-sizes

@@ -1,6 +1,8 @@
 """MPSCacheClearer: clear the allocator cache when it pays, not every step."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from . import keys
 from .base import Clock, PerfCallback
 from .device import GB, DeviceLayer
@@ -8,8 +10,12 @@ from .memory import ClearSchedule
 from .runlog import CacheClear, ClearerSummary
 from .validation import check_flag, check_number
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import TrainerControl, TrainerState, TrainingArguments
 
-class MPSCacheClearer(PerfCallback):
+
+class MPSCacheClearer(PerfCallback):  # type: ignore[no-untyped-call]  # base.py's __init_subclass__ is untyped
     """Runs ``gc.collect()`` and the device cache clear (plus ``torch.mps.clear_graph_cache`` where it exists)
     when it pays: on the watchdog's request, every ``interval_steps`` (backing off), after eval and checkpoint
     saves, and after a step whose driver memory far exceeds live tensors (GRPO generation leaves a large cache).
@@ -48,7 +54,7 @@ class MPSCacheClearer(PerfCallback):
     def __init__(self, enabled: bool | None = None, interval_steps: int = 50, min_interval: int = 10,
                  max_interval: int = 400, min_freed_gb: float = 0.1, bloat_ratio: float = 1.5,
                  bloat_min_gb: float = 0.5, after_eval: bool = True, after_save: bool = True,
-                 clock: Clock | None = None):
+                 clock: Clock | None = None) -> None:
         check_flag("enabled", enabled, allow_none=True)
         check_flag("after_eval", after_eval)
         check_flag("after_save", after_save)
@@ -67,7 +73,7 @@ class MPSCacheClearer(PerfCallback):
         self.total_freed = 0.0
         self.total_seconds = 0.0
         self._window = [0.0, 0.0]
-        self.history: list[dict] = []
+        self.history: list[dict[str, float | str]] = []
 
     @property
     def _device(self) -> DeviceLayer:
@@ -76,7 +82,8 @@ class MPSCacheClearer(PerfCallback):
             raise RuntimeError("MPSCacheClearer has no device yet: it takes one at on_train_begin")
         return self.device
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       model: torch.nn.Module | None = None, **kwargs: Any) -> None:
         self.device = self.device or DeviceLayer()
         self.active = self.device.type == "mps" if self.enabled is None else self.enabled
         if self.active:
@@ -108,7 +115,7 @@ class MPSCacheClearer(PerfCallback):
                         step=step, details=CacheClear(freed_gb=freed / GB, seconds=seconds))
         return freed
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if not self.active:
             return
         step = state.global_step
@@ -128,15 +135,16 @@ class MPSCacheClearer(PerfCallback):
         live, held = sample.allocated or 0, sample.reserved or 0
         return held - live >= self.bloat_min_gb * GB and held > self.bloat_ratio * live
 
-    def on_evaluate(self, args, state, control, **kwargs):
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.active and self.after_eval:
             self.clear(state.global_step, "after eval", automatic=False)
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.active and self.after_save:
             self.clear(state.global_step, "after checkpoint save", automatic=False)
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
         summary: ClearerSummary = {"clears": self.clears, "freed_gb": self.total_freed / GB,
                                    "seconds": self.total_seconds, "interval": self.schedule.interval}
         self._bus.write_summary(self.source, summary)
@@ -146,11 +154,11 @@ class MPSCacheClearer(PerfCallback):
                                       self.min_freed_gb * GB)
         self.clears, self.total_freed, self.total_seconds, self._window, self.history = 0, 0.0, 0.0, [0.0, 0.0], []
 
-    def export(self) -> dict:
+    def export(self) -> dict[str, float]:
         return {"clears": self.clears, "freed": self.total_freed, "seconds": self.total_seconds,
                 "interval": self.schedule.interval}
 
-    def load(self, saved: dict) -> None:
+    def load(self, saved: dict[str, Any]) -> None:                 # what export() wrote, read back from JSON
         self.clears = saved.get("clears", 0)
         self.total_freed = saved.get("freed", 0.0)
         self.total_seconds = saved.get("seconds", 0.0)

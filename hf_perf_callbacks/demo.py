@@ -24,6 +24,21 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from transformers import (
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        TrainerCallback,
+        TrainerControl,
+        TrainerState,
+        TrainingArguments,
+    )
+    from trl import GRPOTrainer
+
+#: a reward function as TRL calls it: (prompts, completions, **columns) → one reward per completion
+Reward = Callable[..., list[float]]
 
 MODELS = ("real", "tiny")
 DEFAULT_STEPS = {"real": 8, "tiny": 30}
@@ -36,7 +51,8 @@ def other_busy_cores(seconds: float = 1.0) -> float:
 
     def busy() -> float:
         t = psutil.cpu_times()
-        return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+        return cast(float, sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0)
+                    - getattr(t, "guest_nice", 0.0))
 
     machine, own, start = busy(), time.process_time(), time.monotonic()
     time.sleep(seconds)
@@ -73,7 +89,7 @@ def _check_model(model: str) -> None:
         raise ValueError(f"model={model!r} is not allowed: expected one of {', '.join(map(repr, MODELS))}")
 
 
-def _settings(model: str, output_dir: str, max_steps: int, seed: int) -> dict:
+def _settings(model: str, output_dir: str, max_steps: int, seed: int) -> dict[str, Any]:     # GRPOConfig's keywords
     common = dict(output_dir=output_dir, max_steps=max_steps, save_strategy="no", report_to="none", use_cpu=True,
                   bf16=False, activation_checkpointing=False, disable_tqdm=True, seed=seed, beta=0.0)
     if model == "tiny":
@@ -84,8 +100,9 @@ def _settings(model: str, output_dir: str, max_steps: int, seed: int) -> dict:
                 max_completion_length=40, learning_rate=2e-4, logging_steps=1)
 
 
-def build_demo_trainer(output_dir: str, max_steps: int | None = None, callbacks=None, seed: int = 0,
-                       model: str = "real", reward_funcs=None, **overrides):
+def build_demo_trainer(output_dir: str, max_steps: int | None = None, callbacks: list[TrainerCallback] | None = None,
+                       seed: int = 0, model: str = "real", reward_funcs: list[Reward] | None = None,
+                       **overrides: Any) -> GRPOTrainer:
     """A ``GRPOTrainer`` on Wordle with LoRA and ``callbacks`` (default: all of them): ``model="real"`` is
     SmolLM2-135M-Instruct (chat prompts), ``model="tiny"`` a 2-layer random Llama. ``reward_funcs`` default to
     ``wordle.REWARD_FUNCS``; ``overrides`` go to ``GRPOConfig``."""
@@ -106,8 +123,8 @@ def build_demo_trainer(output_dir: str, max_steps: int | None = None, callbacks=
 
         dataset = wordle.make_dataset(64, seed=seed)
         corpus = list(dataset["prompt"]) + [f"<think>try {w}</think><guess>{w}</guess>" for w in wordle.load_words()]
-        tokenizer = build_tokenizer(corpus)
-        net = build_model(tokenizer, seed=seed)
+        tokenizer: PreTrainedTokenizerBase = build_tokenizer(corpus)
+        net: PreTrainedModel = build_model(tokenizer, seed=seed)
         lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
                           task_type="CAUSAL_LM")
     else:
@@ -134,12 +151,12 @@ def build_demo_trainer(output_dir: str, max_steps: int | None = None, callbacks=
 class CompletionSampler:
     """Wraps a reward function (same name and result) and keeps the completions of its latest call."""
 
-    def __init__(self, func):
+    def __init__(self, func: Reward) -> None:
         self.func = func
         self.__name__ = func.__name__
         self.latest: list[tuple[str, str]] = []
 
-    def __call__(self, prompts, completions, *args, **kwargs):
+    def __call__(self, prompts: list[Any], completions: list[Any], *args: Any, **kwargs: Any) -> list[float]:
         from .tasks.wordle import _text
 
         secrets = kwargs.get("secret") or [""] * len(completions)
@@ -147,7 +164,7 @@ class CompletionSampler:
         return self.func(prompts, completions, *args, **kwargs)
 
 
-def _progress_callback(sampler: CompletionSampler, shown: int):
+def _progress_callback(sampler: CompletionSampler, shown: int) -> TrainerCallback:
     from transformers import TrainerCallback
 
     from .tasks.wordle import REWARD_FUNCS
@@ -155,7 +172,8 @@ def _progress_callback(sampler: CompletionSampler, shown: int):
     class DemoProgress(TrainerCallback):
         """Prints TRL's reward and completion metrics per logged step and a few of the latest completions."""
 
-        def on_log(self, args, state, control, logs=None, **kwargs):
+        def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                   logs: dict[str, float] | None = None, **kwargs: Any) -> None:
             if not state.is_world_process_zero or not logs or "reward" not in logs:
                 return
             parts = [f"{f.__name__.removesuffix('_reward')} {logs.get(f'rewards/{f.__name__}/mean', float('nan')):.2f}"

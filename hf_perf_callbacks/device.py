@@ -14,7 +14,7 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
 
 import psutil
 import torch
@@ -358,7 +358,13 @@ def training_device() -> torch.device:
 
 
 # -------------------------------------------------------------------- RNG
-def rng_state() -> tuple:
+#: :func:`rng_state`'s value: Python's state, NumPy's (its legacy form: the array is a uint32 one), torch's CPU
+#: generator's, the CUDA generators' (None without CUDA)
+RngState: TypeAlias = ("tuple[tuple[Any, ...], dict[str, Any] | tuple[str, Any, int, int, float], torch.Tensor, "
+                       "list[torch.Tensor] | None]")
+
+
+def rng_state() -> RngState:
     """Every RNG stream a training step draws from (Python, NumPy, torch CPU and CUDA)."""
     import random
 
@@ -368,7 +374,7 @@ def rng_state() -> tuple:
             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
 
 
-def set_rng_state(state: tuple) -> None:
+def set_rng_state(state: RngState) -> None:
     import random
 
     import numpy as np
@@ -427,4 +433,5 @@ def exchange_device(device: torch.device | str | None = None) -> torch.device:
 
 __all__ = ["DeviceLayer", "MemorySample", "is_oom_error", "dtype_key", "gather_floats", "main_process_value",
            "exchange_device",
-           "training_device", "world_size", "is_main_process", "rng_state", "set_rng_state", "GB", "error_line"]
+           "training_device", "world_size", "is_main_process", "rng_state", "set_rng_state", "GB", "error_line",
+           "RngState"]

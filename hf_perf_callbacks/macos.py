@@ -41,7 +41,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 logger = logging.getLogger(__name__)
 
@@ -365,7 +365,7 @@ class MacMemoryReader:
         def read() -> int:
             usage = xsw_usage()
             self._sysctl_into("vm.swapusage", usage)
-            return usage.xsu_used
+            return cast(int, usage.xsu_used)            # a ctypes field (typed Any)
 
         return self._read_or_none("vm.swapusage", read)
 
@@ -378,7 +378,7 @@ class MacMemoryReader:
             rc = self._lib().proc_pid_rusage(target, RUSAGE_INFO_V0, ctypes.byref(info))
             if rc != 0:
                 raise _call_error("proc_pid_rusage", rc)
-            return info.ri_phys_footprint
+            return cast(int, info.ri_phys_footprint)
 
         return self._read_or_none("proc_pid_rusage(RUSAGE_INFO_V0)", read)
 

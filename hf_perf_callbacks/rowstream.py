@@ -14,6 +14,7 @@ import hashlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .batching import Split
 
@@ -21,13 +22,13 @@ from .batching import Split
 IGNORE_INDEX = -100
 
 
-def _rows_of(value) -> list | None:
+def _rows_of(value: object) -> list[Any] | None:
     """A batch field as a list of rows (a tensor or array through ``tolist``; a list as it is); None for a scalar."""
     rows = value.tolist() if hasattr(value, "tolist") else value
     return rows if isinstance(rows, list) else None
 
 
-def _kept(row, mask) -> list:
+def _kept(row: object, mask: Sequence[object] | None) -> object:
     """``row`` without its padding: the positions ``mask`` marks (a mask row of the same length), labels without
     ``IGNORE_INDEX``."""
     if mask is not None and isinstance(row, list) and len(mask) == len(row):
@@ -35,11 +36,11 @@ def _kept(row, mask) -> list:
     return row
 
 
-def _digest(parts) -> str:
+def _digest(parts: object) -> str:
     return hashlib.blake2b(repr(parts).encode(), digest_size=12).hexdigest()
 
 
-def row_digests(batch) -> list[str]:
+def row_digests(batch: object) -> list[str]:          # a micro-batch: whatever the user's collator made
     """One digest per row of a micro-batch: its fields (sorted by name) with padding removed (positions the
     ``attention_mask`` leaves out, labels equal to ``IGNORE_INDEX``), so that the same example padded to another
     micro-batch's length has the same digest. A padding-free batch (one row of examples packed, ``position_ids``
@@ -76,7 +77,7 @@ def row_digests(batch) -> list[str]:
     return [_digest(batch)]
 
 
-def _packed_digests(fields: dict[str, list]) -> list[str]:
+def _packed_digests(fields: dict[str, list[Any]]) -> list[str]:
     out: list[str] = []
     for row, positions in zip(fields["input_ids"], fields["position_ids"]):
         cuts = [i for i, p in enumerate(positions) if p == 0] + [len(row)]
@@ -84,7 +85,7 @@ def _packed_digests(fields: dict[str, list]) -> list[str]:
     return out
 
 
-def batch_rows(batch) -> int:
+def batch_rows(batch: object) -> int:
     """Rows (examples) of one micro-batch, without hashing them."""
     if isinstance(batch, Mapping):
         sizes = [len(rows) for value in batch.values() if (rows := _rows_of_shape(value)) is not None]
@@ -92,7 +93,7 @@ def batch_rows(batch) -> int:
     return len(batch) if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)) else 1
 
 
-def _rows_of_shape(value):
+def _rows_of_shape(value: object) -> Sequence[Any] | None:
     shape = getattr(value, "shape", None)
     if shape is not None:
         return range(shape[0]) if len(shape) else None
@@ -116,7 +117,7 @@ class StepRows:
         return self.micro_batches < self.asked
 
 
-def step_rows(step: int, split: Split, batches: Sequence, asked: int, digest: bool = True) -> StepRows:
+def step_rows(step: int, split: Split, batches: Sequence[object], asked: int, digest: bool = True) -> StepRows:
     """:class:`StepRows` of the micro-batches ``batches`` fetched for ``step`` (``asked``: how many were asked
     for); ``digest=False`` counts the rows without hashing them."""
     digests: tuple[str, ...] = tuple(d for b in batches for d in row_digests(b)) if digest else ()
@@ -205,7 +206,7 @@ class RowWatch:
         """A switch was applied: the next fetch is checked."""
         self.armed, self.checking = False, True
 
-    def fetched(self, step: int, split: Split, batches: Sequence, asked: int,
+    def fetched(self, step: int, split: Split, batches: Sequence[object], asked: int,
                 every_rank: Callable[[StepRows], StepRows] | None = None) -> str | None:
         """The training loop fetched ``batches`` (``asked`` were asked for) for optimizer ``step`` at ``split``:
         returns how they differ from what the unfaulted run trains there (None: the same, or nothing to check).

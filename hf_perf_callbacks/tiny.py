@@ -5,6 +5,10 @@ Used by ``hf-perf demo``, the recipes' offline smoke runs and the tests.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
@@ -14,7 +18,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(corpus: Iterable[str], vocab_size: int = 400):
+def build_tokenizer(corpus: Iterable[str], vocab_size: int = 400) -> PreTrainedTokenizerFast:
     """A ``PreTrainedTokenizerFast`` (byte-level BPE) trained in memory on ``corpus``, with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -25,13 +29,15 @@ def build_tokenizer(corpus: Iterable[str], vocab_size: int = 400):
     tok.train_from_iterator(list(corpus), trainer=trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                     pad_token="<pad>", padding_side="left")
+    hf_tok = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # its __init__ is untyped in transformers
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        padding_side="left")
     hf_tok.chat_template = CHAT_TEMPLATE
     return hf_tok
 
 
-def build_model(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0):
+def build_model(tokenizer: PreTrainedTokenizerBase, hidden: int = 64, layers: int = 2, heads: int = 4,
+                seed: int = 0) -> LlamaForCausalLM:
     """A Llama-architecture causal LM with random weights sized for CPU tests."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -43,13 +49,13 @@ def build_model(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, se
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          tie_word_embeddings=False)
     model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,  # type: ignore[no-untyped-call]
                                                eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)
     return model
 
 
-def save_tiny_model(path: str, corpus: Iterable[str], **model_kwargs) -> str:
+def save_tiny_model(path: str, corpus: Iterable[str], **model_kwargs: int) -> str:
     """Write a tiny model and its tokenizer to ``path`` (a directory ``from_pretrained`` can load)."""
     tokenizer = build_tokenizer(corpus)
     model = build_model(tokenizer, **model_kwargs)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -28,6 +29,9 @@ from .. import adapter
 from ..device import error_line, gather_floats, is_oom_error, training_device, world_size
 from .oomsite import MICRO_BATCH, oom_site
 
+if TYPE_CHECKING:
+    from transformers import Trainer
+
 logger = logging.getLogger("hf_perf_callbacks")
 
 
@@ -35,7 +39,7 @@ class ResizeNeeded(RuntimeError):
     """Raised inside the training step on every rank when any rank ran out of memory in that micro-batch; ``site``
     is where it struck (:mod:`~hf_perf_callbacks.resize.oomsite`; the same on every rank)."""
 
-    def __init__(self, message: str, site: int = MICRO_BATCH):
+    def __init__(self, message: str, site: int = MICRO_BATCH) -> None:
         super().__init__(message)
         self.site = site
 
@@ -47,7 +51,7 @@ class PeerFailed(RuntimeError):
 class OOMAgreement:
     """The flag exchange of one process (see the module docstring)."""
 
-    def __init__(self, device):
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self.inside = False        # within a guarded training step
         self.exchanging = False    # our own exchange is running (its all_gather passes through unchecked)
@@ -67,7 +71,7 @@ class OOMAgreement:
         site = int(max(r[0] for r in rows))
         return (None if site < 0 else site), min(r[1] for r in rows) > 0, max(r[2] for r in rows) > 0
 
-    def check(self, *_args) -> None:
+    def check(self, *_args: object) -> None:
         """Before a collective of the step: leave the step if another rank ran out of memory or failed."""
         if self.inside and not self.exchanging:
             site, _, failed = self.exchange(None, False)
@@ -96,8 +100,8 @@ class StepGuard:
     collective of FSDP then runs without an exchange before it — and :meth:`arm` puts it back (after a re-size or
     a switch); None keeps it armed (DDP, whose gradient averaging it takes over)."""
 
-    def __init__(self, trainer, stable_steps: int | None = None,
-                 notify: Callable[[str, int], None] | None = None):
+    def __init__(self, trainer: Trainer, stable_steps: int | None = None,
+                 notify: Callable[[str, int], None] | None = None) -> None:
         self.trainer = trainer
         self.stable_steps = stable_steps
         self.notify = notify                       # (message, step): the guard coming off, for the perf log
@@ -136,10 +140,11 @@ class StepGuard:
             self.armed_since = step
         return self.stable_steps is not None and step - self.armed_since >= self.stable_steps
 
-    def _make(self, original):
+    def _make(self, original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         trainer, agreement = self.trainer, self.agreement
 
-        def training_step(model, inputs, *args, **kwargs):
+        def training_step(model: torch.nn.Module, inputs: dict[str, Any], *args: Any,
+                          **kwargs: Any) -> torch.Tensor:         # inputs: the user's micro-batch
             if self.armed and self._stable():
                 self.disarm()
                 step = trainer.state.global_step
@@ -155,11 +160,11 @@ class StepGuard:
             ddp = adapter.unwrap_compiled(model)
             hook = (ddp.register_forward_pre_hook(agreement.check) if isinstance(ddp, DistributedDataParallel)
                     else None)
-            with model.no_sync() if syncing else contextlib.nullcontext():
+            with model.no_sync() if syncing else contextlib.nullcontext():  # type: ignore[operator]  # DDP's (hasattr)
                 agreement.begin()
                 try:
                     loss = original(model, inputs, *args, **kwargs)
-                    grads = _trainable_gradients(trainer.model) if syncing else []
+                    grads = _trainable_gradients(cast(torch.nn.Module, trainer.model)) if syncing else []
                     buffers = average_buffers(grads) if grads else None    # allocated before the agreement
                 except Exception as error:
                     if agreement.broken:         # it struck inside a collective: the ranks can no longer pair up
@@ -188,7 +193,7 @@ class StepGuard:
         return training_step
 
 
-def guard_training_step(trainer, stable_steps: int | None = None,
+def guard_training_step(trainer: Trainer, stable_steps: int | None = None,
                         notify: Callable[[str, int], None] | None = None) -> StepGuard | None:
     """Under several ranks, agree on out-of-memory errors inside a training step: a rank that ran out of memory
     anywhere in its step (GRPO's generation, the forward, the backward) raises ``ResizeNeeded`` on all ranks
@@ -205,13 +210,13 @@ def guard_training_step(trainer, stable_steps: int | None = None,
     return StepGuard(trainer, stable_steps, notify)
 
 
-def _trainable_gradients(model) -> list[torch.Tensor]:
+def _trainable_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
     """Every trainable parameter's gradient (zeros where a parameter got none), for averaging like DDP."""
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    return [p.grad for p in params]
+    return [p.grad for p in params]        # type: ignore[misc]  # none is None now
 
 
 #: the most a gradient average stages at once (DDP's default bucket): never a second copy of all the gradients
@@ -239,7 +244,7 @@ def average_across_ranks(tensors: list[torch.Tensor], buffers: dict[torch.dtype,
     packed: dict[torch.dtype, list[torch.Tensor]] = {dtype: [] for dtype in buffers}
     used = dict.fromkeys(buffers, 0)
 
-    def flush(dtype):
+    def flush(dtype: torch.dtype) -> None:
         view = buffers[dtype][:used[dtype]]
         offset = 0
         for t in packed[dtype]:

@@ -191,7 +191,7 @@ def newest_complete(output_dir: str) -> str | None:
     return None
 
 
-def resume_point(resume, output_dir: str, restarts: int = 0) -> str | None:
+def resume_point(resume: str | bool | None, output_dir: str, restarts: int = 0) -> str | None:
     """The checkpoint a run resumes from: ``resume`` (a ``checkpoint-N`` folder, ``True`` or ``"last"``: the newest
     complete one, None: none) checked complete, or a clear ValueError; after a launcher's restart (``restarts`` > 0)
     without one, the newest complete checkpoint the job's split file lists. Under several ranks every rank takes the
@@ -210,7 +210,7 @@ def resume_point(resume, output_dir: str, restarts: int = 0) -> str | None:
     return found if step == int(chosen) else os.path.join(output_dir, f"checkpoint-{int(chosen)}")
 
 
-def _checked_resume(resume, output_dir: str) -> str | None:
+def _checked_resume(resume: str | bool | None, output_dir: str) -> str | None:
     """The checkpoint to resume from: complete, or a clear error; ``True``/``"last"`` finds the newest complete one."""
     if resume is None or resume is False:
         return None

@@ -31,11 +31,16 @@ from __future__ import annotations
 import dis
 import inspect
 from collections.abc import Callable
+from types import CodeType
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from .. import adapter
 from ..batching import Grouping
+
+if TYPE_CHECKING:
+    from transformers import Trainer
 
 #: dropout layers (the lazy and feature variants subclass these)
 DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
@@ -46,9 +51,10 @@ BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d,
 LIBRARIES = ("transformers", "trl")
 
 
-def read_grouping(trainer, planned_steps: int | None, world: int) -> Grouping:
+def read_grouping(trainer: Trainer, planned_steps: int | None, world: int) -> Grouping:
     """The run's :class:`~hf_perf_callbacks.batching.Grouping` (see the module docstring)."""
     args = trainer.args
+    model = cast(torch.nn.Module, trainer.model)            # None only before the trainer's init
     owner, override = loss_owner(type(trainer))
     compute_loss_func = loss_func(trainer) if owner in ("Trainer", "SFTTrainer") else None
     if override is None and compute_loss_func is not None and not reads(compute_loss_func, "num_items_in_batch"):
@@ -59,8 +65,8 @@ def read_grouping(trainer, planned_steps: int | None, world: int) -> Grouping:
                     loss_types=types, top_entropy_quantile=float(getattr(args, "top_entropy_quantile", 1.0)),
                     entropy_coef=float(getattr(args, "entropy_coef", 0.0) or 0.0),
                     adaptive_entropy=bool(getattr(args, "use_adaptive_entropy", False)),
-                    left_padding=pads_left(trainer), dropout=has_dropout(trainer.model),
-                    batch_norm=any(isinstance(m, BATCH_NORMS) for m in trainer.model.modules()),
+                    left_padding=pads_left(trainer), dropout=has_dropout(model),
+                    batch_norm=any(isinstance(m, BATCH_NORMS) for m in model.modules()),
                     rows=examples(trainer.train_dataset), drop_last=bool(args.dataloader_drop_last),
                     planned_steps=planned_steps, world=world,
                     tokens_across_devices=bool(getattr(args, "average_tokens_across_devices", True)))
@@ -80,7 +86,7 @@ def loss_owner(cls: type) -> tuple[str, str | None]:
     return cls.__name__, override
 
 
-def reads(function: Callable, name: str) -> bool:
+def reads(function: Callable[..., Any], name: str) -> bool:
     """Whether ``function``'s code reads the argument ``name`` (or passes its ``**kwargs`` on, which may hold it);
     False when it has no Python code to read."""
     function = inspect.unwrap(getattr(function, "__func__", function))
@@ -96,7 +102,7 @@ def reads(function: Callable, name: str) -> bool:
     return _loads(code, names)
 
 
-def _loads(code, names: set[str]) -> bool:
+def _loads(code: CodeType, names: set[str]) -> bool:
     for instruction in dis.get_instructions(code):
         value = instruction.argval
         if instruction.opname.startswith("LOAD") and (value in names if isinstance(value, str)
@@ -107,14 +113,14 @@ def _loads(code, names: set[str]) -> bool:
     return False
 
 
-def loss_func(trainer) -> Callable | None:
+def loss_func(trainer: Trainer) -> Callable[..., Any] | None:
     """The trainer's ``compute_loss_func`` when it is one (TRL 1.0's GRPOTrainer sets the string ``"non-None"``
     there to keep transformers from dividing its loss by the accumulation; its own loss never calls it)."""
     func = getattr(trainer, "compute_loss_func", None)
     return func if callable(func) else None
 
 
-def counts_items(trainer) -> bool:
+def counts_items(trainer: Trainer) -> bool:
     """Whether the Trainer's loss is summed over the optimizer step's label tokens and divided by their count:
     transformers passes ``num_items_in_batch`` (the model accepts loss keyword arguments, or a
     ``compute_loss_func`` is set) to a loss that takes it."""
@@ -124,11 +130,11 @@ def counts_items(trainer) -> bool:
         return False
     if getattr(trainer, "label_smoother", None) is not None:
         return True                                     # transformers' label smoother divides by it
-    model = trainer.model
+    model: Any = trainer.model                  # the model, or a peft wrapper with get_base_model()
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     inner = adapter.unwrap_compiled(inner)
     try:
-        loss_function = inner.loss_function
+        loss_function: Any = inner.loss_function     # a PreTrainedModel's (typed Tensor | Module by torch's getattr)
     except (AttributeError, ValueError, KeyError):
         loss_function = None
     if loss_function is not None:
@@ -136,13 +142,13 @@ def counts_items(trainer) -> bool:
     return "num_items_in_batch" in inspect.signature(inner.forward).parameters
 
 
-def pads_left(trainer) -> bool:
+def pads_left(trainer: Trainer) -> bool:
     """The training collator pads left and the model's loss shifts its labels (a causal language model)."""
     tokenizer = getattr(trainer.data_collator, "tokenizer", None)
     return getattr(tokenizer, "padding_side", None) == "left" and adapter.loss_shifts_labels(trainer)
 
 
-def has_dropout(model) -> bool:
+def has_dropout(model: torch.nn.Module) -> bool:
     """A dropout with ``p > 0`` (a LoRA dropout too), or an attention dropout > 0 (an attention module's
     ``attention_dropout`` or float ``dropout``)."""
     for module in model.modules():
@@ -155,7 +161,7 @@ def has_dropout(model) -> bool:
     return False
 
 
-def examples(dataset) -> int | None:
+def examples(dataset: Any) -> int | None:          # the user's dataset: any object, sized or not
     """Examples per epoch: ``len(dataset)``, None for an iterable dataset (or none)."""
     if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset):
         return None

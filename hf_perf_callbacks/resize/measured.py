@@ -36,21 +36,28 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import adapter
 from ..batching import Split
-from ..device import rng_state, set_rng_state
+from ..device import RngState, rng_state, set_rng_state
 from ..sketch import Difference, Sketch, compare, rtol_for, sketch
 from ..splitfile import ExactnessCheck
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+#: the trainer's data collator: rows of the user's dataset (any objects) to one micro-batch (whatever the model takes)
+Collate = Callable[[list[Any]], Any]
 
 #: rows of the training set looked at to pick an optimizer step's rows of mixed lengths (times the step's rows)
 POOL = 8
 
 
-def measure(trainer, model, configured: Split, splits: Sequence[Split], dataset, collate: Callable,
-            wall: Callable[[], float] = time.perf_counter) -> ExactnessCheck:
+def measure(trainer: Trainer, model: torch.nn.Module, configured: Split, splits: Sequence[Split],
+            dataset: Any, collate: Collate, wall: Callable[[], float] = time.perf_counter) -> ExactnessCheck:
     """Measure ``splits`` against ``configured`` on one optimizer step's rows of ``dataset`` collated by
     ``collate`` (see the module docstring); the trainer, model and RNG are left as they were."""
     started = wall()
@@ -74,8 +81,8 @@ def measure(trainer, model, configured: Split, splits: Sequence[Split], dataset,
     return result
 
 
-def _measure_all(trainer, model, configured: Split, wanted: list[Split], rows: list, collate: Callable, rng: tuple,
-                 rtol: float, result: ExactnessCheck) -> int:
+def _measure_all(trainer: Trainer, model: torch.nn.Module, configured: Split, wanted: list[Split], rows: list[Any],
+                 collate: Collate, rng: RngState, rtol: float, result: ExactnessCheck) -> int:
     """The passes; fills ``result``; returns how many ran. Each split is compared on the fewest rows both it and the
     configured split group whole (``lcm`` of the micro-batches: one configured micro-batch for a smaller split),
     with the configured grouping of the same rows, computed once per row count; the repeat of that grouping runs
@@ -107,7 +114,7 @@ def _measure_all(trainer, model, configured: Split, wanted: list[Split], rows: l
     return passes
 
 
-def _reordered(rows: list, drew_rng: bool) -> list:
+def _reordered(rows: list[Any], drew_rng: bool) -> list[Any]:
     """The rows of the repeat: reversed (the same micro-batches, each reversed, in reverse order: the same sums in
     another order, so on a device whose kernels are deterministic the repeat shows the rounding a regrouping leaves,
     e.g. a gradient that is zero but for rounding, such as a key projection's bias); as they were when the step draws
@@ -123,7 +130,7 @@ def _why(difference: Difference, drew_rng: bool) -> str:
     return f"{what}; the loss depends on how the rows are grouped into micro-batches"
 
 
-def step_rows(dataset, count: int) -> list:
+def step_rows(dataset: Any, count: int) -> list[Any]:      # the user's dataset and rows: any objects
     """``count`` rows of ``dataset`` for the check: from its first ``POOL × count`` rows, ``count`` of spread
     lengths, longest first, in bit-reversed order (every prefix the check uses spans the lengths, and consecutive
     micro-batches hold different numbers of tokens and pad differently); an iterable dataset's first ``count``
@@ -143,7 +150,7 @@ def step_rows(dataset, count: int) -> list:
     return [pool[longest_first[k]] for k in spread]
 
 
-def _length(row) -> int:
+def _length(row: object) -> int:
     if isinstance(row, dict):
         for key in ("input_ids", "prompt", "text"):
             value = row.get(key)
@@ -152,7 +159,8 @@ def _length(row) -> int:
     return 0
 
 
-def _pass(trainer, model, split: Split, rows: list, collate: Callable, rng: tuple) -> Sketch:
+def _pass(trainer: Trainer, model: torch.nn.Module, split: Split, rows: list[Any], collate: Collate,
+          rng: RngState) -> Sketch:
     """One optimizer step's gradients of ``rows`` grouped as ``split``, through the trainer's own
     ``get_batch_samples`` (the step's label count) and ``training_step``, from the RNG ``rng``; sketched, then
     the gradients are dropped."""
@@ -173,7 +181,7 @@ def _pass(trainer, model, split: Split, rows: list, collate: Callable, rng: tupl
     return result
 
 
-def _same_rng(a: tuple, b: tuple) -> bool:
+def _same_rng(a: RngState, b: RngState) -> bool:
     """Whether torch's CPU and CUDA generators are where they were (Python's and NumPy's are not compared:
     transformers' own bookkeeping may draw from them)."""
     if not torch.equal(a[2], b[2]):
@@ -183,7 +191,7 @@ def _same_rng(a: tuple, b: tuple) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a[3], b[3]))
 
 
-def _compute_dtype(trainer, model) -> torch.dtype:
+def _compute_dtype(trainer: Trainer, model: torch.nn.Module) -> torch.dtype:
     """The dtype the step's matrix products run in: the mixed precision's when set, else the trainable weights'."""
     args = trainer.args
     if getattr(args, "bf16", False):
@@ -198,7 +206,7 @@ class _Saved:
     """What the check changes, put back by :meth:`restore`: the split in args, the trainer's accumulation count,
     the gradients the model holds, the RNG."""
 
-    def __init__(self, trainer, model):
+    def __init__(self, trainer: Trainer, model: torch.nn.Module) -> None:
         self.trainer, self.model = trainer, model
         args = trainer.args
         self.split = (args.per_device_train_batch_size, args.gradient_accumulation_steps)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import torch
 from transformers import TrainerCallback
@@ -27,6 +29,20 @@ from ..memory import budget_bytes
 from ..splitfile import Trial
 from .agreement import recoverable
 from .session import TuningSession, current_split
+
+if TYPE_CHECKING:
+    from transformers import (
+        GenerationConfig,
+        PreTrainedTokenizerBase,
+        Trainer,
+        TrainerControl,
+        TrainerState,
+        TrainingArguments,
+    )
+    from trl import GRPOConfig
+
+    from ..base import Clock
+    from ..device import RngState
 
 #: what the allocator holds beyond the live tensors the estimate counts: CUDA's caching allocator, and MPS driver
 #: memory (about twice the live tensors on a Mac; recipes/README.md)
@@ -40,17 +56,17 @@ def wanted(setting: bool | None, device_type: str) -> bool:
     return setting if setting is not None else device_type in ("cuda", "mps")
 
 
-def estimated_peak(trainer, device_type: str) -> float | None:
+def estimated_peak(trainer: Trainer, device_type: str) -> float | None:
     """GRPO's live-tensor peak in bytes at the worst-case length (the longest prompt, every completion at
     ``max_completion_length``) for the split in effect, from the model's config; None when it cannot be estimated
     (not GRPO, an unknown architecture, prompts that cannot be measured)."""
     from ..estimate import estimate_grpo_memory, model_from_config
 
-    args = trainer.args
+    args = cast("GRPOConfig", trainer.args)          # its GRPO fields are read past is_grpo only
     if not is_grpo(args):
         return None
     try:
-        model = trainer.model
+        model: Any = trainer.model                     # the model or a peft wrapper (get_base_model)
         peft = hasattr(model, "peft_config")
         inner = model.get_base_model() if peft else model
         config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
@@ -63,9 +79,9 @@ def estimated_peak(trainer, device_type: str) -> float | None:
         if generation_batch is None:                    # no steps_per_generation: no generation batch to size
             return None
         return estimate_grpo_memory(
-            facts, micro_batch=split.micro_batch, num_generations=args.num_generations,
+            facts, micro_batch=split.micro_batch, num_generations=cast(int, args.num_generations),  # None: raises,
             generation_batch=generation_batch, prompt_tokens=_longest_prompt_tokens(trainer),
-            max_completion_length=args.max_completion_length, dtype_bytes=dtype_bytes,
+            max_completion_length=cast(int, args.max_completion_length), dtype_bytes=dtype_bytes,   # no estimate
             lora_params=sum(p.numel() for p in model.parameters() if p.requires_grad) if peft else 0,
             activation_checkpointing=bool(getattr(args, "activation_checkpointing", False)
                                           or getattr(args, "gradient_checkpointing", False)),
@@ -74,19 +90,19 @@ def estimated_peak(trainer, device_type: str) -> float | None:
         return None
 
 
-def _longest_prompt_tokens(trainer) -> int:
+def _longest_prompt_tokens(trainer: Trainer) -> int:
     """Tokens of the dataset's longest prompt (longest by characters), as the trainer's tokenizer encodes it."""
-    dataset = trainer.train_dataset
+    dataset: Any = trainer.train_dataset                # the user's: a datasets.Dataset or any indexable rows
     prompts = dataset["prompt"] if hasattr(dataset, "column_names") else [dataset[i]["prompt"]
                                                                            for i in range(len(dataset))]
     longest = max(prompts, key=lambda p: len(p) if isinstance(p, str) else sum(len(m.get("content", "")) for m in p))
-    tokenizer = trainer.processing_class
+    tokenizer = cast("PreTrainedTokenizerBase", trainer.processing_class)      # GRPO's: a tokenizer
     if isinstance(longest, str):
         return len(tokenizer(longest)["input_ids"])
     return len(tokenizer.apply_chat_template(longest, tokenize=True, add_generation_prompt=True))
 
 
-def tight(trainer, budget: float, device_type: str) -> tuple[bool, str]:
+def tight(trainer: Trainer, budget: float, device_type: str) -> tuple[bool, str]:
     """Whether the check is worth its step (see the module docstring), and why."""
     peak = estimated_peak(trainer, device_type)
     if peak is None:
@@ -100,16 +116,17 @@ def tight(trainer, budget: float, device_type: str) -> tuple[bool, str]:
 class _PeakWatch(TrainerCallback):
     """The peak memory of the step."""
 
-    def __init__(self, device: DeviceLayer):
+    def __init__(self, device: DeviceLayer) -> None:
         self.device, self.peak, self.steps = device, 0.0, 0
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
         self.steps += 1
         self.peak = max(self.peak, float(self.device.memory().used))
 
 
-def check_memory(trainer, session: TuningSession, candidates: list[Split], budget: float | None = None,
-                 clock=None, force: bool = False) -> Split:
+def check_memory(trainer: Trainer, session: TuningSession, candidates: list[Split], budget: float | None = None,
+                 clock: Clock | None = None, force: bool = False) -> Split:
     """Run the check (see the module docstring; ``force``: whether memory is tight or not); returns the split that
     fits (the configured one when it does)."""
     import time
@@ -155,7 +172,8 @@ def check_memory(trainer, session: TuningSession, candidates: list[Split], budge
     return chosen
 
 
-def _step(trainer, session: TuningSession, split: Split, device: DeviceLayer, budget: float, wall) -> Trial:
+def _step(trainer: Trainer, session: TuningSession, split: Split, device: DeviceLayer, budget: float,
+          wall: Callable[[], float]) -> Trial:
     """One optimizer step at ``split`` on the longest examples: its peak (every rank's highest) and any failure."""
     started = wall()
     session.apply(trainer, split)
@@ -184,15 +202,31 @@ def _step(trainer, session: TuningSession, split: Split, device: DeviceLayer, bu
     return trial
 
 
-def _snapshot(trainer) -> dict:
-    args = trainer.args
+class _Saved(TypedDict):
+    """What :func:`_snapshot` set aside for :func:`_restore`."""
+
+    args: dict[str, Any]                              # TrainingArguments' values, by field name
+    callbacks: list[TrainerCallback]
+    dataset: Any                                      # the user's training set
+    params: dict[str, torch.Tensor]
+    rng: RngState
+    generation_config: GenerationConfig | None
+
+
+class _Snapshot(_Saved, total=False):
+    dir: str
+    min_new_tokens: int | None
+
+
+def _snapshot(trainer: Trainer) -> _Snapshot:
+    args = cast("GRPOConfig", trainer.args)          # num_generations is read for GRPO only
     keys = ("max_steps", "learning_rate", "output_dir", "save_strategy", "logging_strategy", "report_to",
             "eval_strategy")                            # the split is the session's (it applies the chosen one)
-    saved = {"args": {k: getattr(args, k) for k in keys if hasattr(args, k)},
+    saved: _Snapshot = {"args": {k: getattr(args, k) for k in keys if hasattr(args, k)},
              "callbacks": list(trainer.callback_handler.callbacks),
              "dataset": trainer.train_dataset,
-             "params": {n: p.detach().to("cpu", copy=True) for n, p in trainer.model.named_parameters()
-                        if p.requires_grad},
+             "params": {n: p.detach().to("cpu", copy=True)
+                        for n, p in cast(torch.nn.Module, trainer.model).named_parameters() if p.requires_grad},
              "rng": rng_state(),
              "generation_config": getattr(trainer, "generation_config", None)}
     saved["dir"] = tempfile.mkdtemp(prefix="hf_perf_memcheck_")
@@ -206,13 +240,13 @@ def _snapshot(trainer) -> dict:
         saved["min_new_tokens"] = config.min_new_tokens
         config.min_new_tokens = getattr(args, "max_completion_length", None)
     split = current_split(args)
-    needed = (split.generation_batch(world_size()) // args.num_generations if is_grpo(args)
+    needed = (cast(int, split.generation_batch(world_size())) // cast(int, args.num_generations) if is_grpo(args)
               else split.effective_batch(world_size()))
     trainer.train_dataset = _longest(trainer.train_dataset, needed)
     return saved
 
 
-def _restore(trainer, saved: dict) -> None:
+def _restore(trainer: Trainer, saved: _Snapshot) -> None:
     args = trainer.args
     for key, value in saved["args"].items():
         setattr(args, key, value)
@@ -221,7 +255,7 @@ def _restore(trainer, saved: dict) -> None:
     if saved["generation_config"] is not None:
         saved["generation_config"].min_new_tokens = saved["min_new_tokens"]
     with torch.no_grad():
-        for name, param in trainer.model.named_parameters():
+        for name, param in cast(torch.nn.Module, trainer.model).named_parameters():     # set since init
             if name in saved["params"]:
                 param.copy_(saved["params"][name])
     set_rng_state(saved["rng"])
@@ -231,7 +265,7 @@ def _restore(trainer, saved: dict) -> None:
     DeviceLayer(training_device()).empty_cache()
 
 
-def _longest(dataset, count: int):
+def _longest(dataset: Any, count: int) -> Any:        # the user's training set (its rows, or a subset of them)
     """The ``count`` longest examples (worst-case memory), when lengths can be read; else the dataset itself."""
     try:
         lengths = [_length(dataset[i]) for i in range(len(dataset))]
@@ -243,7 +277,7 @@ def _longest(dataset, count: int):
     return torch.utils.data.Subset(dataset, order)
 
 
-def _length(example) -> int:
+def _length(example: Any) -> int:                    # a row of the user's training set
     if "input_ids" in example:
         return len(example["input_ids"])
     prompt = example["prompt"]

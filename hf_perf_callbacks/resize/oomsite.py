@@ -27,6 +27,13 @@ is the micro-batch's. A site is an integer so that ranks can agree on it in one 
 from __future__ import annotations
 
 import traceback
+from types import FrameType
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+    from ..memory import WallFacts
 
 MICRO_BATCH, GENERATION, REWARD = 0, 1, 2
 
@@ -39,7 +46,7 @@ class UnfixableOOM(RuntimeError):
     """An out-of-memory error that no smaller micro-batch fixes (see :mod:`~hf_perf_callbacks.resize.oomsite`)."""
 
 
-def oom_site(error: BaseException, trainer) -> int:
+def oom_site(error: BaseException, trainer: Trainer) -> int:
     """The site of ``error`` (an out-of-memory error) in ``trainer``'s step: see the module docstring."""
     rewards = list(getattr(trainer, "reward_funcs", None) or [])
     seen: set[int] = set()
@@ -56,7 +63,7 @@ def oom_site(error: BaseException, trainer) -> int:
     return MICRO_BATCH
 
 
-def _runs(frame, func) -> bool:
+def _runs(frame: FrameType, func: object) -> bool:
     """Whether ``frame`` is a call of the reward function ``func``: a function (or a partial of one), or a callable
     object or reward model (a frame of one of its methods)."""
     inner = getattr(func, "func", func)                      # functools.partial
@@ -64,7 +71,8 @@ def _runs(frame, func) -> bool:
     return frame.f_code is code if code is not None else frame.f_locals.get("self") is inner
 
 
-def unfixable_cause(error: BaseException, trainer, site: int | None = None, facts=None) -> str | None:
+def unfixable_cause(error: BaseException, trainer: Trainer, site: int | None = None,
+                    facts: WallFacts | None = None) -> str | None:
     """Why no smaller micro-batch fixes this out-of-memory error, or None: it struck in generation or a reward
     function (``site``: where, as the ranks agreed; None: read from the error's traceback), or in one process while
     the watchdog knows of a leak (``facts``: its :class:`~hf_perf_callbacks.memory.WallFacts`)."""
@@ -76,7 +84,7 @@ def unfixable_cause(error: BaseException, trainer, site: int | None = None, fact
     return cause
 
 
-def unfixable_message(site: int, trainer, error: BaseException) -> str | None:
+def unfixable_message(site: int, trainer: Trainer, error: BaseException) -> str | None:
     """What ran out of memory and what fixes it, for a site no smaller micro-batch fixes (None for the micro-batch)."""
     from ..device import error_line
 
@@ -98,7 +106,7 @@ def unfixable_message(site: int, trainer, error: BaseException) -> str | None:
     return None
 
 
-def leak_message(facts, error: BaseException) -> str | None:
+def leak_message(facts: WallFacts | None, error: BaseException) -> str | None:
     """The cause of an out-of-memory error while the watchdog knows of a leak (``facts``: its
     :class:`~hf_perf_callbacks.memory.WallFacts`), naming what else holds memory; None without a known leak."""
     from ..device import error_line
@@ -107,7 +115,7 @@ def leak_message(facts, error: BaseException) -> str | None:
     leak = getattr(facts, "leak_per_step", None)
     if not leak:
         return None
-    others = facts.outside_words()
+    others = cast("WallFacts", facts).outside_words()             # not None: it has a leak
     return (f"out of memory ({error_line(error)[:120]}) while memory grew by {mib(leak)} on every step: a leak, which "
             f"a smaller micro-batch cannot fix (each smaller split would run out of memory again). Fix the leak: "
             f"tensors kept across steps (a loss appended without .item(), a growing cache)"

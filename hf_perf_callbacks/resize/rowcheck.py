@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .. import adapter
 from ..batching import Split, is_grpo
 from ..device import gather_floats, world_size
 from ..rowstream import RowWatch, StepRows, step_rows
+
+if TYPE_CHECKING:
+    from transformers import Trainer
 
 
 class RowsDiffer(BaseException):
@@ -20,7 +24,7 @@ class RowsDiffer(BaseException):
     (``why``), found before the step trained: :func:`~hf_perf_callbacks.train_with_tuning` goes back to
     ``expected``'s split. A ``BaseException``, as :class:`~hf_perf_callbacks.resize.session.SwitchSplit`."""
 
-    def __init__(self, step: int, split: Split, why: str, expected: Split | None):
+    def __init__(self, step: int, split: Split, why: str, expected: Split | None) -> None:
         super().__init__(f"the rows of step {step} differ under {split}: {why}")
         self.step, self.split, self.why, self.expected = step, split, why, expected
 
@@ -39,7 +43,7 @@ class RowCheck:
     """The row-stream check of one trainer's run (see the module docstring). Off for GRPO, whose dataloader yields
     prompts that its generation turns into the trained rows (the same generation batches under every split)."""
 
-    def __init__(self, trainer, configured: Split, split_of: Callable[[object], Split]):
+    def __init__(self, trainer: Trainer, configured: Split, split_of: Callable[[object], Split]) -> None:
         from .grouping import examples
 
         self.trainer, self.split_of = trainer, split_of
@@ -55,7 +59,7 @@ class RowCheck:
             self._undo()
             self._undo = None
 
-    def _fetched(self, batches: list, asked: int) -> None:
+    def _fetched(self, batches: list[Any], asked: int) -> None:      # the user's micro-batches
         step, split = self.trainer.state.global_step + 1, self.split_of(self.trainer.args)
         expected = self.watch.reference.split if self.watch.reference is not None else self.watch.configured
         checking = self.watch.checking
@@ -72,7 +76,7 @@ class RowCheck:
         self.watch.arm(self.trainer.state.global_step)
         self._sync()
 
-    def hold(self, batches: list | None, step: int, split: Split) -> None:
+    def hold(self, batches: list[Any] | None, step: int, split: Split) -> None:
         """The micro-batches ``batches`` that ``split`` fetched for ``step`` (the step an error left) are the
         reference (None: unknown, the check compares nothing)."""
         if not self.enabled:

@@ -50,10 +50,15 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from ..batching import Exactness, Split
 from ..device import error_line, is_oom_error, world_size
+
+if TYPE_CHECKING:
+    import torch
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers import Trainer
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -81,21 +86,28 @@ DEEPSPEED_NOTES = ("train_with_tuning under DeepSpeed: a re-size (the watchdog's
 DEEPSPEED_SPLIT_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
 
 
-def sharding(trainer) -> str | None:
+def sharding(trainer: Trainer) -> str | None:
     """``"fsdp"``, ``"deepspeed"`` or None, from the trainer's accelerator (``Accelerator.distributed_type``)."""
     kind = getattr(getattr(trainer, "accelerator", None), "distributed_type", None)
     name = str(getattr(kind, "value", kind or "")).upper()
     return {"FSDP": "fsdp", "DEEPSPEED": "deepspeed"}.get(name)
 
 
-def guardable(trainer) -> bool:
+def guardable(trainer: Trainer) -> bool:
     """Whether the step guard sees the collectives of the trainer's sharding: FSDP over the whole world (the default
     group), not a device mesh of more than one dimension."""
     mesh = getattr(getattr(trainer, "accelerator", None), "torch_device_mesh", None)
     return mesh is None or getattr(mesh, "ndim", 1) <= 1
 
 
-def start(trainer, session) -> tuple[str | None, bool]:
+class Warner(Protocol):
+    """What :func:`start` needs of the session (:meth:`TuningSession.warn_once
+    <hf_perf_callbacks.resize.session.TuningSession.warn_once>`); a protocol, as the session imports this module."""
+
+    def warn_once(self, key: str, message: str, step: int | None = None) -> bool: ...
+
+
+def start(trainer: Trainer, session: Warner) -> tuple[str | None, bool]:
     """Refuse what cannot work under the trainer's sharding, say what is limited; returns the sharding and whether
     the step guard sees its collectives (always, unsharded)."""
     kind = sharding(trainer)
@@ -108,12 +120,12 @@ def start(trainer, session) -> tuple[str | None, bool]:
     return kind, guarded
 
 
-def deepspeed_plugin(trainer):
+def deepspeed_plugin(trainer: Trainer) -> DeepSpeedPlugin | None:
     """The DeepSpeed plugin of the trainer's accelerator (``AcceleratorState.deepspeed_plugin``), or None."""
     return getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
 
 
-def deepspeed_split(trainer) -> bool:
+def deepspeed_split(trainer: Trainer) -> bool:
     """Write the split in ``trainer.args`` into every place that holds DeepSpeed's: the plugin's config (the dict
     transformers' ``HfTrainerDeepSpeedConfig`` and ``args.hf_deepspeed_config`` share), the accelerator's copy
     made at ``prepare`` and its gradient-accumulation steps; the next engine is built from them. False without
@@ -133,7 +145,7 @@ def deepspeed_split(trainer) -> bool:
     return True
 
 
-def deepspeed_sizes(trainer) -> dict[str, list[int]]:
+def deepspeed_sizes(trainer: Trainer) -> dict[str, list[int]]:
     """What each holder of DeepSpeed's split says, ``[micro-batch, accumulation, train batch]`` (the engine's from
     its public getters); they must all agree with ``trainer.args``."""
     plugin = deepspeed_plugin(trainer)
@@ -153,14 +165,14 @@ def deepspeed_sizes(trainer) -> dict[str, list[int]]:
     return sizes
 
 
-def release_engine(trainer) -> bool:
+def release_engine(trainer: Trainer) -> bool:
     """Destroy the trainer's DeepSpeed engine and the accelerator's references to what it prepared
     (``Accelerator.free_memory``), so that the next ``train()`` builds a new engine from the config; False without
     DeepSpeed."""
     if deepspeed_plugin(trainer) is None:
         return False
     trainer.accelerator.free_memory()
-    trainer.model_wrapped = trainer.model
+    trainer.model_wrapped = cast("torch.nn.Module", trainer.model)      # None only before the trainer's init
     if hasattr(trainer, "deepspeed"):
         trainer.deepspeed = None
     return True

@@ -11,10 +11,14 @@ import json
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .. import CALLBACKS
+
+if TYPE_CHECKING:
+    from trl import TrlParser
 
 WORDLE_REWARDS = tuple(f"hf_perf_callbacks.tasks.wordle.{name}" for name in (
     "format_reward", "valid_word_reward", "letters_reward", "consistency_reward", "solved_reward"))  # REWARD_FUNCS
@@ -33,7 +37,7 @@ class RecipeArguments:
     callbacks: list[str] = field(default_factory=lambda: list(CALLBACKS), metadata={
         "help": "callback class names from hf_perf_callbacks (or dotted paths of TrainerCallback classes); "
                 "'none' for no callbacks; default: all four"})
-    callback_kwargs: dict | str | None = field(default=None, metadata={
+    callback_kwargs: dict[str, typing.Any] | str | None = field(default=None, metadata={
         "help": "keyword arguments per callback class name, e.g. {MemoryWatchdog: {limit_gb: 12}} (JSON on the "
                 "command line)"})
     reward_funcs: list[str] = field(default_factory=lambda: list(WORDLE_REWARDS), metadata={
@@ -58,13 +62,13 @@ class RecipeArguments:
 QUICK_TRIAL = "--max_steps 2 --max_completion_length 32 --output_dir runs/trial"
 
 
-def make_parser():
+def make_parser() -> TrlParser:
     """``TrlParser`` over ``(RecipeArguments, GRPOConfig, ModelConfig)``; a value argparse cannot convert raises
     :class:`RecipeError` (one line) instead of printing the whole usage and exiting."""
     from trl import GRPOConfig, ModelConfig, TrlParser
 
     class RecipeParser(TrlParser):
-        def error(self, message):
+        def error(self, message: str) -> NoReturn:
             raise RecipeError(message)
 
     # transformers types dataclass_types with DataClassType, a NewType of Any that no real dataclass matches
@@ -122,7 +126,7 @@ def split_config(argv: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
-def read_recipe(path: str) -> dict:
+def read_recipe(path: str) -> dict[str, Any]:          # the YAML's values: any
     """The recipe YAML as a dict (``env`` included)."""
     import yaml
 
@@ -175,7 +179,7 @@ def check_trl_command(args: list[str]) -> None:
                           "hf-perf recipes path accelerate/NAME)")
 
 
-def check_trl_keys(config: Mapping, args: list[str], path: str | None = None) -> None:
+def check_trl_keys(config: Mapping[str, Any], args: list[str], path: str | None = None) -> None:
     """``trl grpo``'s script keys in the recipe or on the command line: one line saying which to rename and which to
     remove; the rest of a ``trl grpo`` YAML runs as is (TRL's CLI has no way to attach callbacks, so the launcher is
     the route)."""
@@ -195,7 +199,7 @@ def check_trl_keys(config: Mapping, args: list[str], path: str | None = None) ->
                       f"{rest} (`trl grpo` itself cannot attach callbacks)")
 
 
-def check_keys(parser, config: Mapping, args: list[str], source: str = "recipe") -> None:
+def check_keys(parser: TrlParser, config: Mapping[str, Any], args: list[str], source: str = "recipe") -> None:
     """Fail on unknown YAML keys and command-line flags, naming each with its closest valid key."""
     names = field_names()
     dests = {action.dest for action in parser._actions}
@@ -214,10 +218,11 @@ def check_keys(parser, config: Mapping, args: list[str], source: str = "recipe")
                           "ModelConfig (python -m hf_perf_callbacks.train --help lists them).")
 
 
-def _expected(hint) -> tuple:
+def _expected(hint: Any) -> tuple[Callable[[Any], bool], str]:    # any annotation: a class, a Union, a Literal...
     """``(test, words)`` for a field's annotation: a test of a YAML value and what it expects, in words. A type not
     known here (``ParallelismConfig``) passes: the library checks it."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    words: list[str] | str                              # a union's, or a list item's
     if origin in (typing.Union, types.UnionType):
         parts = [_expected(arg) for arg in args]
         words = [w for _, w in parts]
@@ -240,7 +245,7 @@ def _expected(hint) -> tuple:
     return scalars.get(hint, ((lambda v: True), getattr(hint, "__name__", str(hint))))
 
 
-def check_values(config: Mapping, source: str = "recipe") -> None:
+def check_values(config: Mapping[str, Any], source: str = "recipe") -> None:
     """Fail on YAML values of the wrong type (``callbacks: 5``, ``max_steps: 2.5``, ``output_dir: [a]``), each
     named with the type its field declares. Strings are left to argparse, which converts them as it converts flags."""
     from trl import GRPOConfig, ModelConfig
@@ -256,14 +261,14 @@ def check_values(config: Mapping, source: str = "recipe") -> None:
         raise RecipeError(f"{source}: " + "; ".join(problems))
 
 
-def raw_values(parser, config: Mapping, args: list[str]) -> dict:
+def raw_values(parser: TrlParser, config: Mapping[str, Any], args: list[str]) -> dict[str, Any]:
     """Merged values (YAML under command line) before any dataclass validation runs."""
     parser.set_defaults_with_config(**{k: v for k, v in config.items() if k != "env"})
     namespace, _ = parser.parse_known_args(args)
     return vars(namespace)
 
 
-def as_dict(value, name: str) -> dict:
+def as_dict(value: object, name: str) -> dict[str, Any]:
     if value is None:
         return {}
     if isinstance(value, str):

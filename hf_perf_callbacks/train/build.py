@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 from .. import CALLBACKS
 from .arguments import (
@@ -19,10 +20,17 @@ from .arguments import (
     did_you_mean,
 )
 
+if TYPE_CHECKING:
+    import torch
+    from datasets import Dataset
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
+    from trl import GRPOConfig, ModelConfig
+    from trl.trainer.grpo_trainer import RewardFunc
+
 logger = logging.getLogger(__name__)
 
 
-def _import_object(path: str, what: str):
+def _import_object(path: str, what: str) -> Any:          # whatever the dotted path names (checked by the caller)
     module_name, _, attr = path.rpartition(".")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -35,7 +43,7 @@ def _import_object(path: str, what: str):
     return getattr(module, attr)
 
 
-def _callback_class(name: str):
+def _callback_class(name: str) -> Any:          # a class by name or dotted path: what it builds is checked by no one
     import hf_perf_callbacks
 
     if "." in name:
@@ -46,7 +54,7 @@ def _callback_class(name: str):
     return getattr(hf_perf_callbacks, name)
 
 
-def build_callbacks(names: list[str], kwargs: Mapping) -> list:
+def build_callbacks(names: list[str], kwargs: Mapping[str, Any]) -> list[TrainerCallback]:
     """Instantiate the named callbacks with their ``callback_kwargs`` (keyed by class name or dotted path)."""
     if len(set(names)) != len(names):
         raise RecipeError(f"callbacks={names!r} names a callback twice: two instances of one class overwrite each "
@@ -56,7 +64,7 @@ def build_callbacks(names: list[str], kwargs: Mapping) -> list:
         if short not in CALLBACKS and key not in names and short not in (n.rsplit(".", 1)[-1] for n in names):
             raise RecipeError(f"callback_kwargs names unknown callback {key!r}"
                               f"{did_you_mean(short, list(CALLBACKS))}")
-    callbacks = []
+    callbacks: list[TrainerCallback] = []
     for name in names:
         cls = _callback_class(name)
         options = kwargs.get(name, kwargs.get(name.rsplit(".", 1)[-1], {})) or {}
@@ -69,11 +77,11 @@ def build_callbacks(names: list[str], kwargs: Mapping) -> list:
     return callbacks
 
 
-def resolve_reward_funcs(names: list[str], max_completion_length: int) -> list:
+def resolve_reward_funcs(names: list[str], max_completion_length: int) -> list[RewardFunc]:
     """TRL's reward registry names or dotted paths, as functions."""
     if not names:
         raise RecipeError("reward_funcs is empty: GRPO needs at least one reward function")
-    funcs = []
+    funcs: list[RewardFunc] = []
     for name in names:
         if name in TRL_REWARDS:
             from trl import rewards
@@ -93,7 +101,7 @@ def resolve_reward_funcs(names: list[str], max_completion_length: int) -> list:
     return funcs
 
 
-def build_datasets(recipe: RecipeArguments, seed: int, conversational: bool):
+def build_datasets(recipe: RecipeArguments, seed: int, conversational: bool) -> tuple[Dataset, Dataset | None]:
     """(train, eval or None) for ``recipe.dataset``."""
     if recipe.eval_dataset_size < 0 or recipe.dataset_size < 1:
         raise RecipeError(f"dataset_size={recipe.dataset_size} / eval_dataset_size={recipe.eval_dataset_size}: "
@@ -125,17 +133,17 @@ def build_datasets(recipe: RecipeArguments, seed: int, conversational: bool):
     return parts["train"], parts["test"]
 
 
-def _torch_dtype(dtype):
+def _torch_dtype(dtype: str | torch.dtype | None) -> str | torch.dtype | None:
     import torch
 
     if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
         return dtype
     if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
         raise RecipeError(f"dtype={dtype!r} is not allowed: expected auto, bfloat16, float16 or float32")
-    return getattr(torch, dtype)
+    return cast(torch.dtype, getattr(torch, dtype))
 
 
-def trust_remote_code(model_args, training_args) -> bool:
+def trust_remote_code(model_args: ModelConfig, training_args: GRPOConfig) -> bool:
     """The recipe's ``trust_remote_code``: a field of ``GRPOConfig`` in newer TRL (1.8), of ``ModelConfig`` in
     older (1.0)."""
     source = training_args if hasattr(training_args, "trust_remote_code") else model_args
@@ -182,7 +190,7 @@ def hub_unreachable() -> bool:
     return False
 
 
-def resolve_model(model_args) -> bool:
+def resolve_model(model_args: ModelConfig) -> bool:
     """Where the model comes from, decided once before the tokenizer loads: ``packaged`` becomes the packaged model's
     folder (converted on the first use, then cached; one line says so), a missing package a :class:`RecipeError`
     saying how to install it. Returns whether to load from this machine only (``local_files_only``): a hub id when
@@ -222,27 +230,28 @@ def model_load_error(name: str, error: Exception, unreachable: bool = False) -> 
     return f"model_name_or_path={name!r} cannot be loaded ({first}): name a local model folder or a hub model id"
 
 
-def build_tokenizer(model_args, training_args):
+def build_tokenizer(model_args: ModelConfig, training_args: GRPOConfig) -> PreTrainedTokenizerBase:
     """The model's tokenizer: left padding (as TRL loads it), pad token falls back to eos. The model's source is
     resolved first (:func:`resolve_model`): ``packaged`` is replaced by its folder in ``model_args``, and
     ``model_args.local_files_only`` is set where the hub is out of reach (:func:`build_model` reads it)."""
     from transformers import AutoTokenizer
 
     local_only = resolve_model(model_args)
-    model_args.local_files_only = local_only
+    model_args.local_files_only = local_only           # type: ignore[attr-defined]  # the launcher's own attribute
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
                                                   trust_remote_code=trust_remote_code(model_args, training_args),
                                                   padding_side="left", truncation_side="left",
                                                   local_files_only=local_only)
     except OSError as error:                           # no such folder, no such hub model, offline without a copy
-        raise RecipeError(model_load_error(model_args.model_name_or_path, error, unreachable=local_only)) from None
+        name = cast(str, model_args.model_name_or_path)          # set: resolve_model refused an empty one
+        raise RecipeError(model_load_error(name, error, unreachable=local_only)) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def build_model(model_args, training_args):
+def build_model(model_args: ModelConfig, training_args: GRPOConfig) -> PreTrainedModel:
     """``AutoModelForCausalLM.from_pretrained`` with the recipe's dtype and ``model_init_kwargs``; no
     ``device_map`` on MPS (the trainer moves the model)."""
     from transformers import AutoModelForCausalLM
@@ -261,6 +270,6 @@ def build_model(model_args, training_args):
         kwargs["quantization_config"] = quantization
     if training_args.device.type == "mps":
         kwargs.pop("device_map", None)                 # device_map on MPS segfaults in training (TRL #7220)
-    model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(cast(str, model_args.model_name_or_path), **kwargs)  # resolved
     training_args.model_init_kwargs = None             # used here; GRPOTrainer would warn about them
     return model

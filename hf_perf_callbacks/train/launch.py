@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 from .. import keys
 from ..batching import Split
@@ -35,10 +36,16 @@ from .checks import (
     world_size_from_env,
 )
 
+if TYPE_CHECKING:
+    from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from trl import GRPOConfig, ModelConfig
+
+    from ..bus import OutputDirBusy, OutputDirLock
+
 logger = logging.getLogger("hf_perf_callbacks.train")   # also when run as __main__
 
 
-def parse_recipe(argv: list[str]):
+def parse_recipe(argv: list[str]) -> tuple[RecipeArguments, GRPOConfig, ModelConfig]:
     """Validate and parse ``argv`` into ``(RecipeArguments, GRPOConfig, ModelConfig)``; a :class:`RecipeError`
     comes before anything heavy (distributed init, model, data) happens."""
     config_path, rest = split_config(argv)
@@ -83,26 +90,30 @@ def parse_recipe(argv: list[str]):
 CONSOLE_KEYS = keys.CONSOLE_KEYS
 
 
-def console_logs(logs: Mapping) -> dict:
+def console_logs(logs: Mapping[str, Any]) -> dict[str, Any]:
     """A training log as the console shows it (:func:`hf_perf_callbacks.bus.console_logs`)."""
     from ..bus import console_logs as compact
 
     return compact(logs)
 
 
-def compact_console(trainer) -> None:
+def compact_console(trainer: Trainer) -> None:
     """Print the trainer's log lines through :func:`console_logs`: transformers' ``ProgressCallback`` (or
     ``PrinterCallback`` under ``disable_tqdm``) is replaced by a subclass that prints the compact dict; what the
     reporters, ``log_history`` and the perf log receive is unchanged."""
     from transformers import PrinterCallback, ProgressCallback
 
     class CompactProgressCallback(ProgressCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            return super().on_log(args, state, control, logs=console_logs(logs or {}), **kwargs)
+        def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                   logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+            return super().on_log(  # type: ignore[no-untyped-call, no-any-return]  # untyped (returns None)
+                args, state, control, logs=console_logs(logs or {}), **kwargs)
 
     class CompactPrinterCallback(PrinterCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            return super().on_log(args, state, control, logs=console_logs(logs or {}), **kwargs)
+        def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                   logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+            return super().on_log(  # type: ignore[no-untyped-call, no-any-return]  # untyped (returns None)
+                args, state, control, logs=console_logs(logs or {}), **kwargs)
 
     for plain, compact in ((ProgressCallback, CompactProgressCallback), (PrinterCallback, CompactPrinterCallback)):
         if any(type(callback) is plain for callback in trainer.callback_handler.callbacks):
@@ -110,7 +121,8 @@ def compact_console(trainer) -> None:
             trainer.add_callback(compact)
 
 
-def _describe(recipe, args, model_args, callbacks) -> str:
+def _describe(recipe: RecipeArguments, args: GRPOConfig, model_args: ModelConfig,
+              callbacks: list[TrainerCallback]) -> str:
     world, split = args.world_size, Split(args.per_device_train_batch_size, args.gradient_accumulation_steps)
     lora = f", LoRA r={model_args.lora_r}" if model_args.use_peft else ""
     names = ", ".join(type(cb).__name__ for cb in callbacks) or "none"
@@ -118,7 +130,8 @@ def _describe(recipe, args, model_args, callbacks) -> str:
             f"micro-batch {split.micro_batch} × accumulation {split.grad_accum} × world {world} = "
             f"{split.effective_batch(world)} completions per "
             f"optimizer step; generation batch {args.generation_batch_size} = "
-            f"{args.generation_batch_size // args.num_generations} prompts × {args.num_generations}; "
+            f"{cast(int, args.generation_batch_size) // cast(int, args.num_generations)} prompts × "   # both set
+            f"{args.num_generations}; "                                                   # by GRPOConfig.__post_init__
             f"max_completion_length {args.max_completion_length}\ndataset {recipe.dataset}; callbacks {names}")
 
 
@@ -132,7 +145,7 @@ def _report(output_dir: str) -> None:
         logger.exception("the perf report failed; rerun it with `hf-perf report %s`", output_dir)
 
 
-def _end(trainer) -> None:
+def _end(trainer: Trainer) -> None:
     """Finish the trackers and destroy the process group (``Trainer.end``).
 
     Several processes meet at a barrier first and then sleep briefly without the GIL: gloo's process-group
@@ -143,10 +156,10 @@ def _end(trainer) -> None:
         trainer.accelerator.wait_for_everyone()
         time.sleep(0.5)
     if hasattr(trainer, "end"):                        # transformers >= 5.18
-        trainer.end()
+        trainer.end()                                  # type: ignore[no-untyped-call]  # untyped in transformers
 
 
-def hold_output_dir(output_dir: str):
+def hold_output_dir(output_dir: str) -> OutputDirLock | None:
     """Hold ``output_dir`` for this process before anything heavy loads (the main process; the bus holds the same
     lock during ``train()``): another live process training there is one :class:`RecipeError` line."""
     from ..bus import OutputDirBusy, OutputDirLock
@@ -161,19 +174,21 @@ def hold_output_dir(output_dir: str):
     return lock
 
 
-def busy_line(busy) -> str:
+def busy_line(busy: OutputDirBusy) -> str:
     """The one line a refused launch says (the whole reason is :class:`~hf_perf_callbacks.bus.OutputDirBusy`'s)."""
     return f"output_dir {busy.output_dir} is in use by another run ({busy.holder}): pick another or wait for it"
 
 
 # ---------------------------------------------------------------- entry point
-def run(recipe: RecipeArguments, training_args, model_args) -> int:
+def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelConfig) -> int:
     """Build the trainer from parsed arguments, train, save, report."""
     from trl import GRPOTrainer, get_peft_config
 
     callbacks = build_callbacks(recipe.callbacks, as_dict(recipe.callback_kwargs, "callback_kwargs"))
-    lock = hold_output_dir(training_args.output_dir) if callbacks else None    # before the model loads
-    rewards = resolve_reward_funcs(recipe.reward_funcs, training_args.max_completion_length)
+    lock = (hold_output_dir(cast(str, training_args.output_dir))    # set by __post_init__
+            if callbacks else None)                                  # before the model loads
+    # max_completion_length: None is no GRPO run (TRL's trainer computes with it)
+    rewards = resolve_reward_funcs(recipe.reward_funcs, cast(int, training_args.max_completion_length))
     tokenizer = build_tokenizer(model_args, training_args)
     train_data, eval_data = build_datasets(recipe, training_args.seed,
                                            conversational=getattr(tokenizer, "chat_template", None) is not None)
@@ -215,7 +230,7 @@ def run(recipe: RecipeArguments, training_args, model_args) -> int:
     if lock is not None:
         lock.release()                                 # the bus released it when train() ended: a no-op then
     if main_process and recipe.report:
-        _report(training_args.output_dir)
+        _report(cast(str, training_args.output_dir))
     return 0
 
 

@@ -54,7 +54,9 @@ def warmup_words(steps: object, slowdown: object, overhead: object = None, first
     at = _number(first_step)
     first = "the first step" if at is None or at == 1 else f"step {at:.0f} (the first of the latest train() call)"
     parts = []
-    if n:
+    if n and slow is not None and slow < 0.95:       # the speed settled later, but no slow start: not a warmup
+        parts.append(f"the speed settled after {n:.0f} step{'s' if n != 1 else ''}")
+    elif n:
         parts.append(f"warmup took {n:.0f} step{'s' if n != 1 else ''}")
         if slow is not None and slow >= 1.05:
             parts.append(f"{first} took {slow:.1f}x the steady step")
@@ -62,8 +64,10 @@ def warmup_words(steps: object, slowdown: object, overhead: object = None, first
             parts.append(f"{over:.1f} s above steady time")
     elif slow is not None and slow >= 1.05:
         parts.append(f"only {first} was slow ({slow:.1f}x the steady step); no warmup beyond it")
-    else:
+    elif slow is None or slow >= 0.95:
         parts.append(f"no warmup: {first} ran at the steady speed")
+    else:
+        parts.append("no warmup")
     if slow is not None and slow < 0.95:
         again = first if at is None or at == 1 else "it"        # a named step is named once
         parts.append(f"{again} was faster than the steady level ({slow:.2f}x), which mixes {levels} splits at "

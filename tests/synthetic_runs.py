@@ -88,9 +88,11 @@ class _Run:
     def _append(self, record) -> None:
         self.writer.append(self.out, record)
 
-    def header(self, split: Split, start: int) -> None:
+    def header(self, split: Split, start: int, resize: bool = False) -> None:
         p = self.plan
         header = RunHeader(session=self.session, resumed_from_step=start, time=self.t)
+        if resize:                                  # a later train() call of train_with_tuning, as the bus marks it
+            header.describe("bus", resize=True)
         header.describe("perf", device="x86_64", device_type="cpu", world_size=1, grpo=p.grpo,
                         token_source="trainer" if p.grpo else "hook", period=1, peak_flops=7e10, dtype="fp32",
                         per_device_train_batch_size=split.micro_batch, gradient_accumulation_steps=split.grad_accum,
@@ -201,7 +203,7 @@ class _Run:
                 self.t += p.switch_sec
                 micro, accum = p.resize_at[step]
                 split = Split(micro, accum, accum if p.grpo else None)
-                self.header(split, step)
+                self.header(split, step, resize=True)
                 continue
             tuning = self.tuning
             if tuning is None or tuning.done is not None and tuning.recorded:
@@ -213,7 +215,7 @@ class _Run:
                     self.summaries(split)
                 self.t += p.switch_sec
                 split = action.split
-                self.header(split, step)
+                self.header(split, step, resize=True)
                 if tuning.done is None:
                     tuning.segment_started(split, step, switch_sec=p.switch_sec)
         if self.tuning is not None and self.tuning.done is None:

@@ -157,7 +157,7 @@ def check_steady_and_warmup(summary: str, notes: list[str], evidence: dict) -> N
         assert figure is not None and figure[1] == "n/a", summary
     first_call = max([h["resumed_from_step"] for h in evidence["headers"]] + [0]) + 1
     for text in [summary, *notes]:
-        took = re.search(r"warmup took (\d+) steps?", text)
+        took = re.search(r"(?:warmup took|speed settled after) (\d+) steps?", text)
         if took:
             first_steady = min(s for s in steady if s >= first_call)
             assert int(took[1]) == first_steady - first_call, (took.group(0), first_steady, first_call)

@@ -245,7 +245,9 @@ def test_calibrating_the_peak_leaves_the_sampled_completions_unchanged(tokenizer
 
 
 @pytest.mark.parametrize("steps,slowdown,says,never", [
-    (0, 0.7, "no warmup: the first step ran at the steady speed", "ended after 0 steps"),
+    (0, 0.7, "no warmup; the first step was faster than the steady level (0.70x)", "ran at the steady speed"),
+    (0, 1.0, "no warmup: the first step ran at the steady speed", "ended after 0 steps"),
+    (3, 0.7, "the speed settled after 3 steps; the first step was faster", "warmup took"),
     (0, 3.5, "only the first step was slow (3.5x the steady step)", "0 steps"),
     (3, 2.0, "warmup took 3 steps; the first step took 2.0x the steady step", "only the first"),
 ])

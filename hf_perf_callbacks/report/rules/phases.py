@@ -30,6 +30,19 @@ def _interval(per_event: float, other_per_step: float, every: int, target: float
     return max(every + 1, _nice_interval(needed))
 
 
+def _spaced(m: Measurements, seconds: float, events: int, every: int | None,
+            target: float) -> tuple[int, float, int, float, float]:
+    """An event costing ``seconds`` over ``events`` runs, every ``every`` steps (None: read from the count): (every,
+    the other seconds per step, the interval at which it takes about ``target`` of the wall time, the seconds that
+    interval saves, the gain)."""
+    wall, steps = _wall(m), max(1, m.steps)
+    every = every or max(1, round(steps / events))
+    other_per_step = (wall - seconds) / steps
+    new = _interval(seconds / events, other_per_step, every, target)
+    saved = seconds * (1 - every / new)
+    return every, other_per_step, new, saved, wall / (wall - saved)
+
+
 def _setting_int(m: Measurements, name: str) -> int | None:
     value = m.trainer_settings.get(name)
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 1 else None
@@ -45,11 +58,7 @@ def rule_saving(m: Measurements) -> Finding | None:
         return None
     per_save = save / n
     every = _setting_int(m, "save_steps") if m.trainer_settings.get("save_strategy") == "steps" else None
-    every = every or max(1, round(m.steps / n))
-    other_per_step = (wall - save) / m.steps
-    new = _interval(per_save, other_per_step, every, SAVE_TARGET)
-    saved = save * (1 - every / new)
-    gain = wall / (wall - saved)
+    every, other_per_step, new, saved, gain = _spaced(m, save, n, every, SAVE_TARGET)
     obs = (f"{n} checkpoint saves (every {every} step{'s' if every != 1 else ''}) took {save:.1f} s of the run's "
            f"{wall:.1f} s wall time ({_pct(save / wall)}), {per_save:.3g} s each, against {other_per_step:.3g} s of "
            f"everything else per step.")
@@ -97,12 +106,8 @@ def rule_callbacks(m: Measurements) -> Finding | None:
            f"of the {wall:.1f} s wall time ({_pct((user + log) / wall)})" + (f": {named}" if named else "") + ".")
     logs, every = m.training_logs, _setting_int(m, "logging_steps")
     if on_log / wall >= CALLBACK_SHARE and logs >= 2:
-        every = every or max(1, round(m.steps / logs))
         per_log = on_log / logs
-        other_per_step = (wall - on_log) / m.steps
-        new = _interval(per_log, other_per_step, every, LOG_TARGET)
-        saved = on_log * (1 - every / new)
-        gain = wall / (wall - saved)
+        every, other_per_step, new, saved, gain = _spaced(m, on_log, logs, every, LOG_TARGET)
         root = (f"The work runs at every training log: {logs} logs (every {every} step{'s' if every != 1 else ''}) "
                 f"cost {per_log:.3g} s each in `on_log` and the trainer's log, against {other_per_step:.3g} s of "
                 "everything else per step; the time between steps was not waiting for data.")

@@ -380,14 +380,15 @@ def measure(name, scenario, label, setting, base_sec, factory, tok, device, repe
             "baseline_step_sec": bases, "advised_step_sec": advised}
 
 
-def measure_paired(name, label, setting, repeats, model, steps) -> dict:
+def measure_paired(name, label, setting, repeats, model, steps, smoke) -> dict:
     """Each pair: the baseline and the advised run at the same time, one per core, cores swapped every pair; the
     gain is baseline / advised wall seconds per step (both ran under the same load), the median over the pairs."""
     import subprocess
 
     def child(core: int, applied: dict):
         cmd = ["taskset", "-c", str(core), sys.executable, os.path.abspath(__file__), "--model", model,
-               "--child", name, "--setting", json.dumps(applied)] + (["--steps", str(steps)] if steps else [])
+               "--child", name, "--setting", json.dumps(applied)] + (["--steps", str(steps)] if steps else []) + (
+                   ["--smoke"] if smoke else [])      # the child builds the same scenario as this process
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -491,7 +492,7 @@ def main():
         model, a.repeats = "tiny", 1
     factory, tok = load_model(model, device)
     if a.child:                    # one run of a pair: its seconds per step as the last line of stdout
-        seconds, _ = run_once(scenarios(model, False, a.steps)[a.child], json.loads(a.setting), factory, tok, device)
+        seconds, _ = run_once(scenarios(model, a.smoke, a.steps)[a.child], json.loads(a.setting), factory, tok, device)
         print(json.dumps(seconds))
         return 0
     if a.paired and (device != "cpu" or (os.cpu_count() or 1) < 2 or not shutil.which("taskset")):
@@ -502,7 +503,8 @@ def main():
             continue
         # a scenario that sets torch's threads or starts other processes measures exactly that: not paired
         own_threads = {"threads", "compete"} & set(scenario["config"])
-        paired = {"model": model, "steps": a.steps} if a.paired and not own_threads else None
+        paired = ({"model": model, "steps": a.steps, "smoke": a.smoke} if a.paired and not own_threads
+                  else None)
         rows += check_scenario(name, scenario, factory, tok, device, a.repeats, a.rules, paired)
     print("\nrule | scenario | setting | predicted (model) | printed | measured")
     for r in rows:

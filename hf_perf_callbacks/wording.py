@@ -77,6 +77,12 @@ def warmup_words(steps: object, slowdown: object, overhead: object = None, first
     return "; ".join(parts)
 
 
+def value_range(values: list[float], spec: str = ".2f") -> str:
+    """``1.20`` when the values print alike, else ``1.20–1.50`` (lowest to highest)."""
+    low, high = format(min(values), spec), format(max(values), spec)
+    return low if low == high else f"{low}–{high}"
+
+
 def steady_words(steady: list[int] | tuple[int, ...], ranges: str) -> str:
     """Which steps the steady figures are over: ``the steady figures are over 17 steps (14–30)``."""
     n = len(steady)

@@ -562,6 +562,20 @@ def test_contention_is_its_own_finding_with_the_measured_loss():
     assert "OMP_NUM_THREADS" in f.recommendation and f.setting == {}    # how many threads: the machine decides
 
 
+def test_a_slow_stretch_counts_once_beside_the_step_lines_contention():
+    """A log without the meter's own contention figure: the step lines' classification already holds the slow
+    stretch's steps, so its seconds are not added twice; a stretch elsewhere adds its own."""
+    from hf_perf_callbacks.report.figures import SlowStretch
+
+    c = Contention(steps=10, step_list=list(range(20, 30)), lost_sec=30.0, run_sec=120.0, lost_share=0.25,
+                   wall_over_cpu=2.0, steady_wall_over_cpu=1.0, source="step lines")
+    inside = SlowStretch(20, 29, "4×2", 0.4, 40.0, 24.0, "contention", 2.0, 1.0)
+    elsewhere = SlowStretch(60, 69, "4×2", 0.5, 20.0, 10.0, "contention", 2.0, 1.0)
+    assert only(healthy(contention=c, slow_stretches=[inside])).lost_sec == pytest.approx(30.0)
+    both = only(healthy(contention=c, slow_stretches=[inside, elsewhere]))
+    assert both.lost_sec == pytest.approx(40.0) and (60, 69) in both.steps
+
+
 def test_no_finding_repeats_a_setting_already_in_effect():
     # every setting a finding carries differs from the run's own configuration
     m = healthy(micro_batch=1, grad_accum=8, mfu=0.05, steps_per_generation=8, pad_to_multiple_of=32,

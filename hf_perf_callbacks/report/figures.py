@@ -502,17 +502,29 @@ def _stretches(run: RunLog) -> list[SlowStretch]:
     return out
 
 
-def _wall_over_cpu(run: RunLog) -> list[float | None]:
-    """Each line's wall seconds / process CPU seconds on a CPU device (None elsewhere, without CPU time, or on a
-    line that saved a checkpoint: disk time is wall time without CPU time, not other processes)."""
-    if run.header("perf").device_type != "cpu":
-        return [None] * len(run.step_numbers())
-    wall, window, cpu = (run.column(k) for k in (keys.PERF_STEP_WALL_SEC, keys.PERF_STEP_TIME, keys.PERF_CPU_SEC))
-    save = run.column(keys.PERF_PHASE_SEC["save"])
-    out: list[float | None] = []
-    for w, x, c, saved in zip(wall, window, cpu, save):
+def timed_rows(run: RunLog) -> tuple[list[int], list[float], list[float]]:
+    """The lines with both a wall and a CPU time and no checkpoint save (a save's disk time is wall time without
+    CPU time, not other processes): (their indices, wall seconds — the window's for a log without the step's own —,
+    CPU seconds)."""
+    col = run.column
+    wall_col, window_col, cpu_col = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_STEP_TIME), col(keys.PERF_CPU_SEC)
+    save_col = col(keys.PERF_PHASE_SEC["save"])
+    rows, walls, cpus = [], [], []
+    for i, (w, x, c, saved) in enumerate(zip(wall_col, window_col, cpu_col, save_col)):
         w = w if w == w and w else x
-        out.append(w / c if w == w and c == c and w > 0 and c > 0 and not saved > 0 else None)
+        if w == w and c == c and w > 0 and c > 0 and not saved > 0:
+            rows.append(i)
+            walls.append(w)
+            cpus.append(c)
+    return rows, walls, cpus
+
+
+def _wall_over_cpu(run: RunLog) -> list[float | None]:
+    """Each line's wall seconds / process CPU seconds (:func:`timed_rows`) on a CPU device; None elsewhere."""
+    out: list[float | None] = [None] * len(run.step_numbers())
+    if run.header("perf").device_type == "cpu":
+        for i, w, c in zip(*timed_rows(run)):
+            out[i] = w / c
     return out
 
 
@@ -534,6 +546,6 @@ def completion_stats(history: list[dict[str, Any]]) -> dict[str, float | None]:
 
 __all__ = [
     "Figures", "figures", "SplitLevel", "SlowStretch", "split_levels", "slow_stretches", "completion_stats",
-    "steady_steps", "step_ranges", "ranges_text", "train_calls", "trainer_logs", "run_events", "train_seconds",
-    "train_column", "last_value", "finite"
+    "steady_steps", "step_ranges", "timed_rows", "ranges_text", "train_calls", "trainer_logs", "run_events",
+    "train_seconds", "train_column", "last_value", "finite"
 ]

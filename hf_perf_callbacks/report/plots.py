@@ -30,7 +30,7 @@ from .. import keys
 from ..keys import SPLIT_FILE
 from ..runlog import PHASES, ActionDetails, ReportError, RunLog, number
 from ..splitfile import Decision, SplitFile, read_split_file, trial_figures
-from ..wording import PHASE_WORDS, split_label, steady_words, warmup_words
+from ..wording import PHASE_WORDS, split_label, steady_words, value_range, warmup_words
 from .figures import (
     Figures,
     LogStep,
@@ -326,12 +326,11 @@ def _shade_stretches(ax: Axes, data: PlotData) -> None:
         if not mine:
             continue
         ranges = ranges_text([(s.first, s.last) for s in mine[:4]]) + (", …" if len(mine) > 4 else "")
-        low, high = min(s.share for s in mine), max(s.share for s in mine)
-        speed = f"{low:.0%}" if f"{low:.0%}" == f"{high:.0%}" else f"{low:.0%}–{high:.0%}"
+        speed = value_range([s.share for s in mine], ".0%")
         lost = sum(s.lost_sec for s in mine)
         if cause == "contention":
-            why = (f"other processes (wall/CPU {max(s.wall_over_cpu or 0.0 for s in mine):.1f} against "
-                   f"{min(s.steady_wall_over_cpu or 0.0 for s in mine):.1f})")
+            why = (f"other processes (wall/CPU {value_range([s.wall_over_cpu or 0.0 for s in mine], '.1f')} "
+                   f"against {value_range([s.steady_wall_over_cpu or 0.0 for s in mine], '.1f')})")
         else:
             why = ("cause unexplained (CPU time rose with it)" if any(s.wall_over_cpu is not None for s in mine)
                    else "cause unexplained")

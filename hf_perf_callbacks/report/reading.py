@@ -37,6 +37,7 @@ from .figures import (
     last_value,
     slow_stretches,
     split_levels,
+    timed_rows,
     train_column,
     trainer_logs,
 )
@@ -127,23 +128,6 @@ def _no_signal(logs: list[dict[str, Any]]) -> tuple[int, int, float | None]:
     return len(rows), best, (statistics.fmean(best_rewards) if best_rewards else None)
 
 
-def _timed_rows(run_log: RunLog) -> tuple[list[int], list[float], list[float]]:
-    """The lines with both a wall and a CPU time and no checkpoint save (a save's disk time is wall time without
-    CPU time, not other processes): (their indices, wall seconds — the window's for a log without the step's own —,
-    CPU seconds)."""
-    col = run_log.column
-    wall_col, window_col, cpu_col = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_STEP_TIME), col(keys.PERF_CPU_SEC)
-    save_col = col(keys.PERF_PHASE_SEC["save"])
-    rows, walls, cpus = [], [], []
-    for i, (w, x, c, saved) in enumerate(zip(wall_col, window_col, cpu_col, save_col)):
-        w = w if w == w and w else x
-        if w == w and c == c and w > 0 and c > 0 and not saved > 0:
-            rows.append(i)
-            walls.append(w)
-            cpus.append(c)
-    return rows, walls, cpus
-
-
 def _slow_steps(run_log: RunLog, f: Figures, rows: list[int], walls: list[float],
                 cpus: list[float]) -> tuple[list[tuple[int, float, float]], float, str, float]:
     """(the slow steps as (line, wall, CPU), the seconds lost, where that figure comes from, the steady steps'
@@ -173,7 +157,7 @@ def _contention(run_log: RunLog, f: Figures) -> Contention | None:
     ``perf/cpu_sec``, or when nothing was lost."""
     if run_log.header("perf").device_type != "cpu":
         return None
-    rows, walls, cpus = _timed_rows(run_log)
+    rows, walls, cpus = timed_rows(run_log)
     if len(rows) < 4:
         return None
     slow, lost_sec, source, ratio = _slow_steps(run_log, f, rows, walls, cpus)

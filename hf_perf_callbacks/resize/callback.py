@@ -15,7 +15,7 @@ import torch
 from .. import adapter, keys
 from ..base import Clock, PerfCallback
 from ..batching import next_smaller
-from ..device import GB, DeviceLayer, gather_floats, main_process_value, set_rng_state, world_size
+from ..device import GB, DeviceLayer, gather_floats, set_rng_state, world_size
 from ..memory import budget_bytes
 from ..runlog import SPLIT_FILE, NoteDetails
 from ..splitfile import read_split_file, trial_figures
@@ -143,7 +143,9 @@ class AdaptiveBatchTuner(PerfCallback):
             return found
         session = TuningSession(args, bus=self.bus)
         if state.global_step > 0:                        # a resume: continue the recorded run when it is this one
-            record = main_process_value(lambda: read_split_file(args.output_dir, warn=False))   # one reading
+            # each rank's own reading, no collective (a rank whose tuner a fault disabled skips this hook): the
+            # main process may rewrite the file meanwhile, but a rewrite keeps the checkpoints of an adopted record
+            record = read_split_file(args.output_dir, warn=False)
             if record is not None and record.checkpoint(state.global_step) is not None:
                 session.adopt(record)
         trainer = adapter.calling_trainer()              # the splits a re-size asked for by the watchdog may use

@@ -99,16 +99,18 @@ def rule_oversubscription(m: Measurements) -> Finding | None:
 
 
 def _stretches_words(stretches: list[SlowStretch]) -> str:
-    """``steps 60–179 at 43% of the 2×4 split's speed (136.2 s lost)``, each stretch."""
+    """``steps 60–179 at 43% of the 2×4 split's speed, wall/CPU 1.90 against 1.02 (136.2 s lost)``, each stretch
+    with its own figures."""
     return "; ".join(f"steps {s.first}–{s.last} at {s.share:.0%} of the {s.split + ' ' if s.split else ''}split's "
-                     f"speed ({s.lost_sec:.1f} s lost)" for s in stretches)
+                     f"speed" + (f", wall/CPU {s.wall_over_cpu:.2f} against {s.steady_wall_over_cpu:.2f}"
+                                 if s.wall_over_cpu is not None and s.steady_wall_over_cpu is not None else "")
+                     + f" ({s.lost_sec:.1f} s lost)" for s in stretches)
 
 
 def _unexplained_words(stretches: list[SlowStretch]) -> str:
-    ratios = [s for s in stretches if s.wall_over_cpu is not None and s.steady_wall_over_cpu is not None]
-    why = (f"the process's CPU time rose with the wall time (wall/CPU {ratios[0].wall_over_cpu:.2f} against "
-           f"{ratios[0].steady_wall_over_cpu:.2f} on the split's other steady steps), so other processes do not "
-           "explain it" if ratios else "no CPU time on this device tells other processes from the run's own work")
+    why = ("the process's CPU time rose with the wall time (wall/CPU against the split's other steady steps), so "
+           "other processes do not explain it" if any(s.wall_over_cpu is not None for s in stretches) else
+           "no CPU time on this device tells other processes from the run's own work")
     return (f"{len(stretches)} stretch(es) of steady steps ran well below their split's speed ("
             f"{_stretches_words(stretches)}) and {why}; the log does not say what slowed them (longer sequences, "
             "the data, the machine's clock or memory)")
@@ -124,7 +126,11 @@ def rule_contention(m: Measurements) -> Finding | Note | None:
     if _too_short(m):
         return None
     c = m.contention
-    contended = [s for s in m.slow_stretches if s.cause == "contention"]
+    # a stretch among the steps the step lines already found contended is counted there (a log without the meter's
+    # own figure): its seconds once
+    counted = set(c.step_list) if c and c.source != "meter" else set()
+    contended = [s for s in m.slow_stretches if s.cause == "contention"
+                 and not counted.intersection(range(s.first, s.last + 1))]
     unexplained = [s for s in m.slow_stretches if s.cause == "unexplained"]
     run_sec = c.run_sec if c else (m.wall_sec or 0.0)
     lost = (c.lost_sec if c else 0.0) + sum(s.lost_sec for s in contended)
@@ -136,10 +142,8 @@ def rule_contention(m: Measurements) -> Finding | Note | None:
         text = ""
         if contended:
             text = (f"Other processes slowed {len(contended)} stretch(es) of steady steps ("
-                    f"{_stretches_words(contended)}, wall/CPU {max(s.wall_over_cpu or 0.0 for s in contended):.2f} "
-                    f"against "
-                    f"{min(s.steady_wall_over_cpu or 0.0 for s in contended):.2f}): {lost:.1f} s, {_pct(share)} of "
-                    f"the run, below the {CONTENTION_SHARE:.0%} that makes a finding. ")
+                    f"{_stretches_words(contended)}): {lost:.1f} s, {_pct(share)} of the run, below the "
+                    f"{CONTENTION_SHARE:.0%} that makes a finding. ")
         if unexplained:
             text += _unexplained_words(unexplained) + "."
         stretches = contended + unexplained
@@ -154,9 +158,7 @@ def rule_contention(m: Measurements) -> Finding | Note | None:
                      + (", the meter's `early_contention_sec`" if c.source == "meter" else ""))
     if contended:
         parts.append(f"{len(contended)} stretch(es) of steady steps ran well below their split's speed with their "
-                     f"CPU time flat ({_stretches_words(contended)}; wall/CPU "
-                     f"{max(s.wall_over_cpu or 0.0 for s in contended):.2f} against "
-                     f"{min(s.steady_wall_over_cpu or 0.0 for s in contended):.2f})")
+                     f"CPU time flat ({_stretches_words(contended)})")
     obs = "; ".join(parts) + f": {lost:.1f} s ({_pct(share)} of the run) went to waiting for a CPU"
     if c and c.other_cores is not None:
         obs += f"; other processes kept up to {c.other_cores:.1f} CPU cores busy during those steps"

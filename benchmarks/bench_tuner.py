@@ -15,7 +15,8 @@ completions of 32 tokens per optimizer step, bf16). Parts (each prints and write
 ``--part sequential``  the tuning from every ``--starts`` split (default 4×8, 2×16, 32×1), each run beside a plain
                    run of the best split (``--rival``, 32×1) at the same time on one GPU host, one process a GPU:
                    ``--part run`` in each, with ``CUDA_VISIBLE_DEVICES``; 2 × starts GPUs: each tuned run its own
-                   plain twin; starts + 1: one plain run beside all; fewer (at least 2): the pairs one after another.
+                   plain twin; starts + 1: one plain run beside all; fewer (at least 2): the pairs one after another;
+                   ``--swap``: each pair twice, the cards swapped, the cost the geometric mean of the two ratios.
                    Each pair's wall-time ratio tuned / plain, the steps at the starting split, the decision
                    (``tuner_sequential_<card>.json``; the per-run files are folded into it)
 
@@ -226,7 +227,10 @@ def side_by_side(a) -> dict:
         raise SystemExit(f"--part sequential runs a tuned and a plain run side by side, one a GPU: it needs 2 GPUs at "
                          f"least, this host has {gpus}")
     starts, best = [tuple(s) for s in a.starts], tuple(a.rival)
-    if gpus >= 2 * len(starts):
+    if a.swap:
+        layout = "swapped"                             # each pair twice, the cards swapped: their difference cancels
+        waves = [[("tuned", start, g), ("plain", start, 1 - g)] for start in starts for g in (0, 1)]
+    elif gpus >= 2 * len(starts):
         layout = "twins"                               # each tuned run beside its own plain run
         waves = [[("tuned", start, 2 * i) for i, start in enumerate(starts)]
                  + [("plain", start, 2 * i + 1) for i, start in enumerate(starts)]]
@@ -242,7 +246,7 @@ def side_by_side(a) -> dict:
         jobs = []
         for mode, start, gpu in wave:
             split = start if mode == "tuned" else best
-            label = f"seq_{mode}_{split[0]}x{split[1]}_gpu{gpu}"
+            label = f"seq_{mode}_{split[0]}x{split[1]}_gpu{gpu}" + (f"_from{start[0]}x{start[1]}" if a.swap else "")
             command = [sys.executable, os.path.join(folder, "bench_tuner.py"), "--part", "run", "--mode", mode,
                        "--split", str(split[0]), str(split[1]), "--steps", str(a.steps), "--completion",
                        str(a.completion), "--label", label, "--model", a.model] + (["--full"] if a.full else [])
@@ -267,6 +271,8 @@ def side_by_side(a) -> dict:
                     entry.update(json.load(f))
                 os.remove(path)                           # folded into this part's file
             runs[(mode, start, gpu)] = entry
+    if a.swap:
+        return {"layout": layout, "gpus": gpus, "pairs": [swapped_pair(runs, start, best) for start in starts]}
     pairs = []
     for start in starts:
         tuned = next(v for (m, s, g), v in runs.items() if m == "tuned" and s == start)
@@ -287,6 +293,36 @@ def side_by_side(a) -> dict:
                   "1.00-1.01" if r["start_is_best"] else "<= 1.03", r["steps_at_start"], r["tune_step"]]
                  for r in pairs]))
     return {"layout": layout, "gpus": gpus, "pairs": pairs}
+
+
+def swapped_pair(runs: dict, start: tuple, best: tuple) -> dict:
+    """One start's two halves (tuned on GPU 0 beside plain on GPU 1, then the cards swapped): the tuning's cost is the
+    geometric mean of the two wall-time ratios, in which each card's own speed cancels; the cards' ratio is what the
+    plain runs of the two halves say about them."""
+    halves, name = [], f"{start[0]}×{start[1]}"
+    for g in (0, 1):
+        t = runs[("tuned", start, g)].get("run", {})
+        p = runs[("plain", start, 1 - g)].get("run", {})
+        tunes = [d for d in t.get("decisions", []) if d["kind"] == "tune"]
+        halves.append({"tuned_gpu": g, "plain_gpu": 1 - g, "tuned_wall_sec": t.get("wall_sec"),
+                       "plain_wall_sec": p.get("wall_sec"), "end": t.get("end"),
+                       "ratio": t["wall_sec"] / p["wall_sec"] if t.get("wall_sec") and p.get("wall_sec") else None,
+                       "steps_at_start": t.get("steps_by_split", {}).get(name),
+                       "tune_step": tunes[0]["step"] if tunes else None,
+                       "tune_reason": tunes[0]["reason"] if tunes else None,
+                       "tuned": runs[("tuned", start, g)], "plain": runs[("plain", start, 1 - g)]})
+    r = [h["ratio"] for h in halves]
+    walls = [h["plain_wall_sec"] for h in halves]
+    for h in halves:
+        print(table(["start", "tuned GPU", "end", "tuned s", "plain s", "tuned/plain", "steps at start", "decided at"],
+                    [[name, h["tuned_gpu"], h["end"], h["tuned_wall_sec"], h["plain_wall_sec"], h["ratio"],
+                      h["steps_at_start"], h["tune_step"]]]))
+    ratio = (r[0] * r[1]) ** 0.5 if None not in r else None
+    print(f"{name}: tuned / plain {ratio} (geometric mean of the two halves; target "
+          f"{'1.00-1.01' if start == best else '<= 1.03'})")
+    return {"start": name, "best": f"{best[0]}×{best[1]}", "start_is_best": start == best, "ratio": ratio,
+            "card_ratio_plain_gpu1_over_gpu0": walls[0] / walls[1] if None not in walls else None,
+            "halves": halves}
 
 
 def card_name() -> str:
@@ -328,6 +364,8 @@ def main():
     p.add_argument("--smoke", action="store_true", help="the CPU demo's trainer (SmolLM2, 4×1)")
     p.add_argument("--tiny", action="store_true", help="the tiny CPU demo's trainer (random 2-layer Llama, 4×2)")
     p.add_argument("--model", default="qwen05", choices=["qwen05", "smollm2"])
+    p.add_argument("--swap", action="store_true",
+                   help="part sequential: each pair run twice on two GPUs, the cards swapped (one pair at a time)")
     a = p.parse_args()
     if a.smoke and a.split == [4, 8]:
         a.split = [4, 1]
@@ -339,7 +377,9 @@ def main():
         a.starts = [[4, 8], [2, 16], [32, 1]]
     settings = vars(a).copy()
     if a.part == "sequential":
-        write_result(f"tuner_sequential_{card_name()}", {**side_by_side(a), "settings": settings})
+        name = f"tuner_sequential_{card_name()}" + ("_swapped_" + "_".join(f"{x}x{y}" for x, y in a.starts)
+                                                     if a.swap else "")
+        write_result(name, {**side_by_side(a), "settings": settings})
     elif a.part == "sweep":
         write_result("tuner_sweep" + ("_cpu" if a.smoke else ""), {"sweep": sweep(a), "settings": settings})
     elif a.part == "run":

@@ -13,6 +13,9 @@
 #  restart: an OOM planted on rank 0 at step 5 ends the launch with the split recorded; the relaunch resumes from
 #           checkpoint-4 and trains steps 5-8 as the unfaulted run does
 #  one:     one process: an OOM planted at step 3 recovered in the same process, exactly
+#  accelerate: the main scenario under `accelerate launch --config_file recipes/accelerate/deepspeed_zero<stage>.yaml`
+#           (DeepSpeed's plugin from the launcher's environment, nothing in TrainingArguments)
+# Stages and scenarios not run keep their figures from the result file already there (each says its date).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -37,6 +40,19 @@ timed() {  # timed NAME NPROC ARGS...: the script launched on NPROC ranks; recor
   [ "$rc" -ne 0 ] && grep -v -E "Warning|warnings.warn|return func" "$RUN/$name.log" | tail -n 15
   return 0
 }
+launched() {  # launched NAME NPROC STAGE: the main scenario under `accelerate launch` with the shipped ZeRO config
+  local name="$1" n="$2" stage="$3"
+  local t0; t0=$(date +%s)
+  set -- "$PY" -m accelerate.commands.launch --config_file "recipes/accelerate/deepspeed_zero${stage}.yaml" \
+    --num_processes "$n" --mixed_precision no --main_process_port "$(free_port)" \
+    tests/scripts/two_rank_deepspeed.py "$RUN/$name" "$stage" main
+  FROM_LAUNCHER=1 timeout "${LIMIT:-240}" "$@" > "$RUN/$name.log" 2>&1
+  local rc=$?
+  echo "$name	$rc	$(( $(date +%s) - t0 ))	FROM_LAUNCHER=1 $*" >> "$COMMANDS"
+  echo "$name: exit code $rc"
+  [ "$rc" -ne 0 ] && grep -v -E "Warning|warnings.warn|return func" "$RUN/$name.log" | tail -n 15
+  return 0
+}
 if [ -z "${PLAN:-}" ]; then
   PLAN=""
   for stage in ${STAGES:-2 3}; do for scenario in ${SCENARIOS:-main restart}; do PLAN="$PLAN $stage:$scenario"; done; done
@@ -48,6 +64,7 @@ for item in $PLAN; do
       restart) timed "zero${stage}_restart" "$N" "$RUN/zero${stage}_restart" "$stage" restart
                timed "zero${stage}_relaunch" "$N" "$RUN/zero${stage}_restart" "$stage" restart relaunch ;;
       one) timed "zero${stage}_one" 1 "$RUN/zero${stage}_one" "$stage" one ;;
+      accelerate) launched "zero${stage}_accelerate" "$N" "$stage" ;;
     esac
 done
 "$PY" benchmarks/deepspeed_summary.py "$RUN" "$N"

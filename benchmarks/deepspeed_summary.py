@@ -18,6 +18,23 @@ def ranks(folder: str) -> list[dict]:
     return [json.load(open(p)) for p in sorted(glob.glob(os.path.join(folder, "rank*.json")))]
 
 
+def main_figures(main_ranks: list[dict]) -> dict:
+    r0 = main_ranks[0]
+    return {
+        "ranks": len(main_ranks), "zero_stage": r0["zero_stage"],
+        "meter_tokens": r0["tokens"], "independent_tokens": r0["independent_tokens"],
+        "meter_vs_independent": r0["tokens"] / r0["independent_tokens"],
+        "rates_equal_on_every_rank": all(r["rates"] == r0["rates"] for r in main_ranks),
+        "meter_matmul_params": r0["meter_matmul"], "model_matmul_params": r0["reference_matmul"],
+        "stop_steps": [r["stop_step"] for r in main_ranks],
+        "stop_actions": [r["stop_actions"] for r in main_ranks],
+        "resize_decisions": r0["tuned_decisions"], "resize_split": r0["tuned_split"],
+        "resize_sizes_every_rank": [r["tuned_sizes"] for r in main_ranks],
+        "resize_engines": r0["engines"], "resize_steps_logged": r0["tuned_steps_logged"],
+        "resize_micro_batches": r0["tuned_micro_batches"],
+        "resize_vs_unfaulted_differences": [r["exact"]["differences"] for r in main_ranks]}
+
+
 def main(run: str, gpus: int) -> None:
     commands = []
     for line in open(os.path.join(run, "commands.txt")):
@@ -27,22 +44,10 @@ def main(run: str, gpus: int) -> None:
     stages = {}
     for stage in (2, 3):
         found = {}
-        main_ranks = ranks(os.path.join(run, f"zero{stage}_main"))
-        if main_ranks:
-            r0 = main_ranks[0]
-            found["main"] = {
-                "ranks": len(main_ranks), "zero_stage": r0["zero_stage"],
-                "meter_tokens": r0["tokens"], "independent_tokens": r0["independent_tokens"],
-                "meter_vs_independent": r0["tokens"] / r0["independent_tokens"],
-                "rates_equal_on_every_rank": all(r["rates"] == r0["rates"] for r in main_ranks),
-                "meter_matmul_params": r0["meter_matmul"], "model_matmul_params": r0["reference_matmul"],
-                "stop_steps": [r["stop_step"] for r in main_ranks],
-                "stop_actions": [r["stop_actions"] for r in main_ranks],
-                "resize_decisions": r0["tuned_decisions"], "resize_split": r0["tuned_split"],
-                "resize_sizes_every_rank": [r["tuned_sizes"] for r in main_ranks],
-                "resize_engines": r0["engines"], "resize_steps_logged": r0["tuned_steps_logged"],
-                "resize_micro_batches": r0["tuned_micro_batches"],
-                "resize_vs_unfaulted_differences": [r["exact"]["differences"] for r in main_ranks]}
+        for scenario in ("main", "accelerate"):
+            main_ranks = ranks(os.path.join(run, f"zero{stage}_{scenario}"))
+            if main_ranks:
+                found[scenario] = main_figures(main_ranks)
         restart_ranks = ranks(os.path.join(run, f"zero{stage}_restart"))
         if restart_ranks:
             found["restart"] = {"steps": [r["step"] for r in restart_ranks], "split": restart_ranks[0]["split"],
@@ -55,9 +60,23 @@ def main(run: str, gpus: int) -> None:
         stages[f"zero{stage}"] = found
     card = torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else "cpu"
     name = f"deepspeed_{card}" + ("" if gpus == 2 else f"_{gpus}gpu")
+    earlier = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{name}.json")
+    kept = {}
+    if os.path.exists(earlier):                  # what this launch did not run keeps the earlier run's figures
+        with open(earlier) as f:
+            before = json.load(f)
+        for stage, figures in before.get("stages", {}).items():
+            for scenario, value in figures.items():
+                if scenario not in stages.get(stage, {}):
+                    stages.setdefault(stage, {})[scenario] = value
+                    kept[f"{stage}.{scenario}"] = before.get("earlier_runs", {}).get(
+                        f"{stage}.{scenario}", before.get("environment", {}).get("date"))
+        if kept:
+            commands = {"this_run": commands, "earlier_run": before.get("commands")}
     path = write_result(name, {"gpus": gpus, "deepspeed": importlib.metadata.version("deepspeed"),
                                "model": "tests' tiny Llama (hf_perf_callbacks.tiny), fp32, SGD with momentum",
-                               "commands": commands, "stages": stages})
+                               "commands": commands, "stages": stages,
+                               "earlier_runs": kept})
     print(json.dumps(stages, indent=1)[:6000])
     print(f"written: {path}")
 

@@ -3,8 +3,7 @@ user does while the tuner switches splits on the run's own steps, each cell comp
 
 The tuning is driven by planted step times (:class:`tests.test_tuner.PlantedStepTime`: far above the real step, so a
 loaded machine cannot flip a decision): the run is configured at 2×2 (SGD with momentum, no gradient clipping), the
-tuner measures it on steps 2-6 (step 1 a warm-up, the planted times steady from step 2; ``samples=5,
-first_samples=5``) and asks for 4×1 at the end of step 6. Then, per row:
+tuner measures it on steps 4-6 and asks for 4×1 at the end of step 6. Then, per row:
 
 * ``stop`` — the user's callback stops the run at step 6; ``early_stopping`` — ``EarlyStoppingCallback`` does, in the
   evaluation of step 6: the run ends at step 6, as untuned, the tuning recorded as ended at 2×2;
@@ -56,7 +55,7 @@ def run(cell: Cell, tokenizer, path, tuned: bool):
     key = cell.setting.key
     clock, trajectory = PlantedClock(), Trajectory()
     callbacks = [trajectory, PlantedStepTime(clock, TIMES)]
-    tuner = AdaptiveBatchTuner(clock=clock, samples=5, must_pay=False, first_samples=5) if tuned else None
+    tuner = AdaptiveBatchTuner(clock=clock, samples=3, must_pay=False, first_samples=3) if tuned else None
     extra: dict = {}
     if key == "stop":
         callbacks.append(StopAt(SWITCH_AT))

@@ -84,9 +84,9 @@ def test_the_tuning_on_the_runs_steps_takes_the_same_decisions_on_every_rank(two
     _, (r0, r1) = two_rank_run
     assert r0["tune_decisions"] == r1["tune_decisions"] and r0["tune_decisions"][0][0] == "tune"
     assert r0["tune_split"] == r1["tune_split"] == [4, 1] and r0["tune_step"] == r1["tune_step"] == 13
-    # 2×2 measured on steps 2-5 (step 1 a warm-up, steps 2-3 agree); 4×1 (1.67× faster on the slowest rank) kept by
-    # the sequential test on its second measured step (9, after 2 warm-up steps)
-    assert r0["tune_decisions"][0][1] == 9
+    # 2×2 measured on steps 4-7; 4×1 (1.67× faster on the slowest rank) kept by the sequential test on its second
+    # measured step (11, after 2 warm-up steps)
+    assert r0["tune_decisions"][0][1] == 11
     samples = dict((micro, s) for micro, s in r0["tune_decisions"][0][3])
     assert len(samples[4]) == 2 and min(samples[4]) >= 60.0            # rank 1's (slower) time counts for both
 

@@ -431,13 +431,13 @@ SWITCHING = {**SGD, "max_grad_norm": 0.0}
 
 
 def switching_run(tokenizer, path, callbacks, tuned=True, **kwargs):
-    """A run of 2×4 whose tuning switches to 8×1 at the end of step 7 (planted step times, steady from step 2: a
-    warm-up step and 6 samples; no padding, so every split trains the same loss)."""
+    """A run of 2×4 whose tuning switches to 8×1 at the end of step 7 (planted step times; no padding, so every
+    split trains the same loss)."""
     from tests.conftest import PlantedClock
     from tests.test_tuner import PlantedStepTime
 
     clock = PlantedClock()
-    tuner = [AdaptiveBatchTuner(clock=clock, must_pay=False, samples=6, first_samples=6)] if tuned else []
+    tuner = [AdaptiveBatchTuner(clock=clock, must_pay=False, first_samples=4)] if tuned else []
     return make_trainer(tokenizer, path, [*callbacks, PlantedStepTime(clock, FASTER_LARGER), *tuner], bs=2, ga=4,
                         length=16, **kwargs)
 

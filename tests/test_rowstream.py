@@ -104,7 +104,7 @@ def test_a_tuning_switch_within_a_later_epoch_of_a_length_grouped_run_trains_the
     rows = TextDataset(tokenizer, n=40, length=16)
     clock = PlantedClock()
     _, expected = trajectory_run(tokenizer, tmp_path / "plain", bs=2, ga=4, max_steps=12, extra=extra, dataset=rows)
-    tuner = AdaptiveBatchTuner(clock=clock, must_pay=False, samples=6, first_samples=6)   # a warm-up step, 6 samples
+    tuner = AdaptiveBatchTuner(clock=clock, must_pay=False, first_samples=4)
     trainer, got = trajectory_run(tokenizer, tmp_path / "run", [PlantedStepTime(clock, FASTER_LARGER), tuner],
                                   tuned=True, bs=2, ga=4, max_steps=12, extra=extra, dataset=rows)
     micro = [s[keys.TUNER_MICRO_BATCH] for s in step_lines(tmp_path / "run")]

@@ -48,7 +48,7 @@ def consistent(trainer, tuner) -> Split:
 @pytest.mark.parametrize("where", ["switch", "step"])
 def test_ctrl_c_leaves_one_split_that_the_next_train_trains_and_logs(tokenizer, tmp_path, where):
     clock = PlantedClock()
-    tuner = AdaptiveBatchTuner(clock=clock, must_pay=False, samples=6, first_samples=6)    # switches after step 7
+    tuner = AdaptiveBatchTuner(clock=clock, must_pay=False, first_samples=4)
     stop = Interrupt(at_call=2) if where == "switch" else Interrupt(step=5)
     trainer = make_trainer(tokenizer, tmp_path, [stop, PlantedStepTime(clock, {8: 50.0, 4: 100.0, 2: 200.0,
                                                                                1: 400.0}), tuner],

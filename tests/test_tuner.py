@@ -194,13 +194,12 @@ def test_a_faster_split_is_found_on_the_runs_own_steps_and_nothing_is_trained_tw
     [decision] = tuner.session.decisions
     assert decision.kind == "tune" and (decision.old, decision.new) == (Split(2, 4), Split(8, 1))
     trials = {t.split.micro_batch: t for t in decision.trials}
-    # 2 samples of the configured split (step 1 a warm-up, steps 2-3 agree), then 8×1 (4× faster) kept on its first
-    # measured step: the sequential test
-    assert trials[2].steps == [2, 3] and trials[8].steps == [6] and set(trials) == {2, 8}
+    # 2 samples of the configured split, then 8×1 (4× faster) kept on its first measured step: the sequential test
+    assert trials[2].steps == [4, 5] and trials[8].steps == [8] and set(trials) == {2, 8}
     assert decision.expected_gain_sec > 0 and decision.cost_sec >= 0
     lines = step_lines(tmp_path / "tuned")
     assert [s["step"] for s in lines] == list(range(1, 26))                  # every step once: none retrained
-    assert [s[keys.TUNER_MICRO_BATCH] for s in lines] == [2] * 3 + [8] * 22
+    assert [s[keys.TUNER_MICRO_BATCH] for s in lines] == [2] * 5 + [8] * 20
     assert [h["step"] for h in trainer.state.log_history if "loss" in h] == list(range(1, 26))
     # the same samples in every optimizer step as a run that never switched
     plain_samples = SampleRecorder()
@@ -214,7 +213,7 @@ def test_a_faster_split_is_found_on_the_runs_own_steps_and_nothing_is_trained_tw
     assert not [n for n in os.listdir(tmp_path / "tuned") if n.startswith("checkpoint-")]   # switch checkpoints go
     record = read_split_file(str(tmp_path / "tuned"))
     assert record.split == Split(8, 1) and record.decisions == [decision]
-    assert decision.step == 6 and decision.headline().split(" (")[0] in capsys.readouterr().out     # printed
+    assert decision.step == 8 and decision.headline().split(" (")[0] in capsys.readouterr().out     # printed
     # the report's tuner plot reads this real file: the measured trials with their times, the chosen split
     from matplotlib.figure import Figure
 
@@ -230,18 +229,17 @@ def test_a_faster_split_is_found_on_the_runs_own_steps_and_nothing_is_trained_tw
 
 
 def test_a_split_8x_faster_is_kept_on_its_first_measured_step_and_the_split_file_says_why(tokenizer, tmp_path):
-    """Planted: the configured 2×4 8× slower than 8×1. The tuner measures 2×4 on 2 steps after its warm-up (2-3:
-    step 1 a warm-up, steps 2 and 3 agree), switches, and keeps 8×1 on its first measured step (6, after 2 warm-up
-    steps) by the sequential test: the decision in the split file names it, with the samples it rests on; 3 steps
-    ran at the slow split, not 7 + 6."""
+    """Planted: the configured 2×4 8× slower than 8×1. The tuner measures 2×4 on 2 steps after its warm-up (4-5),
+    switches, and keeps 8×1 on its first measured step (8, after 2 warm-up steps) by the sequential test: the
+    decision in the split file names it, with the samples it rests on; 5 steps ran at the slow split, not 7 + 6."""
     trainer, tuner, _ = tuned_run(tokenizer, tmp_path, {8: 25.0, 4: 100.0, 2: 200.0, 1: 400.0}, max_steps=18)
     record = read_split_file(str(tmp_path))
     [decision] = record.decisions
-    assert (decision.kind, decision.step, decision.old, decision.new) == ("tune", 6, Split(2, 4), Split(8, 1))
+    assert (decision.kind, decision.step, decision.old, decision.new) == ("tune", 8, Split(2, 4), Split(8, 1))
     trials = {t.split.micro_batch: t for t in decision.trials}
-    assert trials[2].steps == [2, 3] and trials[8].steps == [6] and trials[8].gain == pytest.approx(7 / 8, abs=0.02)
+    assert trials[2].steps == [4, 5] and trials[8].steps == [8] and trials[8].gain == pytest.approx(7 / 8, abs=0.02)
     assert "sequential test" in decision.reason
-    assert [s[keys.TUNER_MICRO_BATCH] for s in step_lines(tmp_path)] == [2] * 3 + [8] * 15
+    assert [s[keys.TUNER_MICRO_BATCH] for s in step_lines(tmp_path)] == [2] * 5 + [8] * 13
     assert record.split == Split(8, 1) and trainer.state.global_step == 18
 
 
@@ -548,9 +546,8 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-#: planted step times under which the tuner measures 2×4 on steps 2-3 (step 1 a warm-up, the steps steady from step 2
-#: on) and asks for 8×1 at the end of step 3 (with ``samples=6, first_samples=6``: on steps 2-7 and at the end of step
-#: 7), and keeps it on its first measured step (3 later)
+#: planted step times under which the tuner measures 2×4 on steps 4-5 and asks for 8×1 at the end of step 5 (with
+#: ``first_samples=4``: on steps 4-7 and at the end of step 7), and keeps it on its first measured step (2 later)
 FASTER_LARGER = {8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}
 
 
@@ -570,7 +567,7 @@ def test_a_users_stop_on_the_step_where_the_tuner_switches_ends_the_run_there(to
             extra = {"eval_strategy": "steps", "eval_steps": 1, "metric_for_best_model": "loss"}
         trajectory = Trajectory()
         callbacks = [trajectory, PlantedStepTime(clock, FASTER_LARGER)]
-        callbacks += [AdaptiveBatchTuner(clock=clock, must_pay=False, samples=6, first_samples=6)] if tuned else []
+        callbacks += [AdaptiveBatchTuner(clock=clock, must_pay=False, first_samples=4)] if tuned else []
         trainer = trajectory.attach(make_trainer(tokenizer, path, callbacks + [stopper], max_steps=25, bs=2, ga=4,
                                                  length=16, with_eval=stop != "callback",
                                                  extra={"optim": "sgd", "optim_args": "momentum=0.9",
@@ -605,7 +602,7 @@ def test_switch_checkpoints_never_push_the_users_out_and_a_run_ending_mid_trial_
         return sorted(n for n in os.listdir(path) if n.startswith("checkpoint-"))
 
     clock = PlantedClock()
-    tuner = AdaptiveBatchTuner(clock=clock, must_pay=False, samples=6, first_samples=6)
+    tuner = AdaptiveBatchTuner(clock=clock, must_pay=False, first_samples=4)
     tuned = make_trainer(tokenizer, tmp_path / "tuned", [PlantedStepTime(clock, FASTER_LARGER), tuner, StopAt(9)],
                          max_steps=25, bs=2, ga=4, length=16, extra=saves)
     train_with_tuning(tuned)

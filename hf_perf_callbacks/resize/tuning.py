@@ -10,13 +10,10 @@ is trained twice, nothing is thrown away.
 **Evidence.** Each split is ranked by its step time outside generation (``rank_by="non_generation"``: the
 generation batch is the same for every split, and HF ``generate`` jitters by tens of percent) or by the whole step.
 The run's first ``WARMUP_AT_START`` generation cycles, and the first ``WARMUP_AFTER_SWITCH`` after
-a switch, are a warm-up and are not measured (they are trained like any step). Where a generation cycle is one
-optimizer step, the warm-up at the start is data-driven within that cap: the first step is always a warm-up; from the
-second on, it ends as soon as a step's ranked time is within ``WARMUP_TOLERANCE`` of the previous step's (the larger
-at most ``1 + WARMUP_TOLERANCE`` times the smaller), and then that previous step and this one are both samples (the
-level was steady from the previous one on): a start steady from its second step is measured on steps 2 and 3, one
-that keeps falling waits out the cap (the 2×16 start measured on one H200, 15.9, 5.2, 5.4 s a step, is measured on
-steps 2-3 and tries its first candidate from step 4, where the fixed warm-up waited until step 6). A decision on the
+a switch, are a warm-up and are not measured (they are trained like any step). The warm-up at the start is fixed,
+not ended early by two steps that agree: on one H200 a 32×1 start ran 2.29 and 1.94 s outside generation on steps
+2-3, then 0.68, 0.59 and 0.22 from step 6 (the plain run on that card alike), and a warm-up ended at step 3 kept a
+16×2 candidate (0.63 s) that ran 2× slower than 32×1 for the rest of the run. A decision on the
 gathered figures alone, alike on every rank. The configured split is measured on
 ``first_samples`` steps (``FIRST_SAMPLES``) before the first candidate is tried: a slow configured split costs every
 step it runs, and a candidate far from it needs no more. After each measured generation cycle of a candidate, a
@@ -88,11 +85,6 @@ PRIOR_MARGIN = 2.0
 #: generation cycles not measured at the run's start (first kernels, allocator growth, dataloader workers: seen on an
 #: H100 as outside-generation times of 4.3, 4.2, 2.2, 2.2 s over the first steps of a 4×8 run settling at 2 s)
 WARMUP_AT_START = 3
-#: where a generation cycle is one optimizer step, the warm-up at the start ends earlier, as soon as a step's ranked
-#: time is within this fraction of the previous step's (the larger at most ``1 +`` this times the smaller): both are
-#: measured (the level was steady from the previous step on). The first step is always a warm-up; at most
-#: ``WARMUP_AT_START`` steps are (seen on one H200 from a 2×16 start: 15.9, 5.2, 5.4, 5.6 s, steady from step 2)
-WARMUP_TOLERANCE = 0.25
 #: cycles not measured after a switch (the new micro-batch's first shapes)
 WARMUP_AFTER_SWITCH = 2
 #: measured steps of the configured split before the first candidate is tried (rounded up to whole generation
@@ -241,9 +233,6 @@ class OnRunTuning:
         self.block: list[float] = []           # this block's samples
         self.warm_left = 0
         self.warm_steps = 0                    # warm-up steps taken in this train() call
-        self.settle = False                    # the warm-up may end once two steps agree (WARMUP_TOLERANCE)
-        self.held: tuple[int, float, float, float] | None = None   # the last warm-up step (step, ranked, whole,
-        #                                        its excess counted as cost) that the next one may show steady
         self.first_step: float | None = None   # the whole time of this run's first step (its restart overhead)
         self.switch_seconds: list[float] = []
         self.cost = 0.0                        # spent beyond training: switches, warm-up excess, slower steps
@@ -261,8 +250,7 @@ class OnRunTuning:
         self.block = []
         cycles = WARMUP_AFTER_SWITCH if switch_sec is not None else WARMUP_AT_START
         self.warm_left = (self.period - step % self.period) % self.period + cycles * self.period
-        self.warm_steps, self.held = 0, None
-        self.settle = switch_sec is None and self.period == 1 and split != self.candidate
+        self.warm_steps = 0
         needed = self.warm_left + self._trial_steps()                  # a baseline block and one trial
         if self.must_pay and self.planned is not None and self.planned - step < needed \
                 and not self.trials[self.start].samples:
@@ -300,12 +288,6 @@ class OnRunTuning:
             trial.peak_gb = max(trial.peak_gb or 0.0, peak_gb)
         if self.first_step is None:
             self.first_step = whole
-        held, self.held = self.held, None
-        if self.warm_left > 0 and held is not None and self._steady(held[1], ranked):
-            self.warm_left = 0                     # steady since the previous step: it and this one are samples
-            self.cost -= held[3]
-            trial.cost_sec -= held[3]
-            self._sample(trial, *held[:3])
         if self.warm_left > 0:                     # the first cycles after a (re)start: a warm-up, not a sample
             self.warm_left -= 1
             self.warm_steps += 1
@@ -315,8 +297,6 @@ class OnRunTuning:
                 excess = max(0.0, whole - median(self.trials[self.baseline].step_samples or [whole]))
                 self.cost += excess
                 trial.cost_sec += excess
-            if self.settle and self.warm_steps > 1 and self.warm_left > 0:   # never the first: a later one may
-                self.held = (step, ranked, whole, excess)                     # show this one steady
             return None
         self._sample(trial, step, ranked, whole)
         if self.current == self.candidate:
@@ -344,12 +324,6 @@ class OnRunTuning:
         trial.step_samples.append(whole)
         trial.steps.append(step)
         self.block.append(ranked)
-
-    @staticmethod
-    def _steady(previous: float, ranked: float) -> bool:
-        """Two consecutive warm-up steps' ranked times agree within :data:`WARMUP_TOLERANCE` (order-free)."""
-        low, high = sorted((previous, ranked))
-        return low > 0 and high <= (1 + WARMUP_TOLERANCE) * low
 
     def evidence(self) -> Evidence:
         """The sequential test of the candidate's samples so far against all of the baseline's (:func:`sequential`),

@@ -138,7 +138,14 @@ def _shared(r: dict) -> str:
     return f"{passed} of {len(r['runs'])} runs end as they must, no OOM ({stops})"
 
 
+def _swapped(p: dict) -> str:
+    halves = ", ".join(f"{h['ratio']:.3f}× ending at {h['end']}" for h in p["halves"])
+    return f"from {p['start']}, the cards swapped: {p['ratio']:.3f}× the plain {p['best']} run (halves {halves})"
+
+
 def _sequential(r: dict) -> str:
+    if r.get("layout") == "swapped":
+        return "; ".join(_swapped(p) for p in r["pairs"] if p.get("ratio"))
     return "; ".join(f"from {p['start']}: {p['ratio']:.3f}× the plain {p['best']} run, {p['steps_at_start']} steps at "
                      f"the start" for p in r["pairs"] if p.get("ratio"))
 
@@ -148,10 +155,14 @@ def _deepspeed(r: dict) -> str:
     parts = []
     for name, stage in done.items():
         main, restart = stage.get("main", {}), stage.get("restart", {})
+        exact = not any(main.get("resize_vs_unfaulted_differences", [[1]])[0]) \
+            and not any(restart.get("relaunch_vs_unfaulted_differences", [[1]])[0])
+        extra = [w for w, key in (("accelerate launch", "accelerate"), ("one-process OOM", "one_process_oom"))
+                 if key in stage]
         parts.append(f"{name}: meter/independent tokens {main['meter_vs_independent']:.3f}, a stop on one rank at "
-                     f"steps {main['stop_steps']}, re-size and relaunch "
-                     + ("as the unfaulted run" if not any(main.get("resize_vs_unfaulted_differences", [[1]])[0])
-                        and not any(restart.get("relaunch_vs_unfaulted_differences", [[1]])[0]) else "DIFFER"))
+                     f"steps {main['stop_steps']}, re-size and relaunch " + ("as the unfaulted run" if exact else
+                                                                               "DIFFER")
+                     + (f", also {' and '.join(extra)}" if extra else ""))
     return f"{r['gpus']} GPUs, " + "; ".join(parts) + (f" (not measured: {len(r['not_measured'])} items)"
                                                         if r.get("not_measured") else "")
 

@@ -68,6 +68,8 @@ from ..stats import iqr, mann_whitney_less, median
 from ..validation import check_flag, check_number
 from ..wording import TUNER_ENDED_WORDS, Figure, evidence_words, saving_words, tuner_reason, tuning_outcome
 
+#: a trial's ``error`` when its peak memory passed the budget (a caller's words otherwise: "out of memory")
+OVER_BUDGET = "peak memory over the budget"
 #: one-sided significance level of "faster than the baseline"
 ALPHA = 0.05
 #: the least relative saving (of the ranked time) worth keeping a candidate
@@ -345,7 +347,7 @@ class OnRunTuning:
             self.cost += slower
             trial.cost_sec += slower
             if not fits:
-                trial.fits, trial.error = False, "peak memory over the budget"
+                trial.fits, trial.error = False, OVER_BUDGET
                 return self._leave(step, Why("over_budget", {"candidate": str(self.candidate)}), memory=True)
             if len(self.block) % self.period == 0:     # a whole generation cycle: a switch may follow
                 evidence = self.evidence()

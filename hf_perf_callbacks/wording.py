@@ -41,6 +41,20 @@ def split_label(split: object) -> str:
     return f"{micro}×{accum}" if micro is not None and accum is not None else "?"
 
 
+def warmup_case(steps: object, slowdown: object) -> str:
+    """Which warmup :func:`warmup_words` describes, as a code: ``not_finished``; ``settled`` (the speed settled
+    after some steps, with no slow start: not a warmup); ``warmup`` (it took some steps); ``first_only`` (only the
+    first step was slow); ``none`` (the first step ran at the steady speed, or faster)."""
+    n, slow = _number(steps), _number(slowdown)
+    if n is None:
+        return "not_finished"
+    if n and slow is not None and slow < 0.95:
+        return "settled"
+    if n:
+        return "warmup"
+    return "first_only" if slow is not None and slow >= 1.05 else "none"
+
+
 def warmup_words(steps: object, slowdown: object, overhead: object = None, first_step: object = None,
                  levels: int = 1) -> str:
     """What the warmup figures say, without contradicting themselves: ``steps`` of warmup (0: none beyond the first
@@ -49,20 +63,21 @@ def warmup_words(steps: object, slowdown: object, overhead: object = None, first
     ``overhead`` seconds above steady time. ``first_step``: the step the slowdown is of (the latest ``train()``
     call's first step), named when it is not step 1."""
     n, slow, over = _number(steps), _number(slowdown), _number(overhead)
+    case = warmup_case(steps, slowdown)
     if n is None:
         return "warmup not finished (no stable window of steps yet: too few steps for steady figures)"
     at = _number(first_step)
     first = "the first step" if at is None or at == 1 else f"step {at:.0f} (the first of the latest train() call)"
     parts = []
-    if n and slow is not None and slow < 0.95:       # the speed settled later, but no slow start: not a warmup
+    if case == "settled":                            # the speed settled later, but no slow start: not a warmup
         parts.append(f"the speed settled after {n:.0f} step{'s' if n != 1 else ''}")
-    elif n:
+    elif case == "warmup":
         parts.append(f"warmup took {n:.0f} step{'s' if n != 1 else ''}")
         if slow is not None and slow >= 1.05:
             parts.append(f"{first} took {slow:.1f}x the steady step")
         if over:
             parts.append(f"{over:.1f} s above steady time")
-    elif slow is not None and slow >= 1.05:
+    elif case == "first_only":
         parts.append(f"only {first} was slow ({slow:.1f}x the steady step); no warmup beyond it")
     elif slow is None or slow >= 0.95:
         parts.append(f"no warmup: {first} ran at the steady speed")

@@ -1,5 +1,6 @@
 """Performance analysis: each rule on the situation of a field report, a healthy run, ranking, the Markdown report,
 and measurements read from a synthetic and a real (demo) run directory."""
+import math
 import dataclasses
 import json
 import os
@@ -34,6 +35,7 @@ from hf_perf_callbacks.report.model import (
     Rewards,
 )
 from hf_perf_callbacks.report.rules import basis
+from hf_perf_callbacks.report.rules.run import FRESH_COSTS
 from hf_perf_callbacks.runlog import ReportError, read_run
 from hf_perf_callbacks.splitfile import Decision, SplitFile, Trial
 from tests.conftest import schema_lines
@@ -122,13 +124,16 @@ def test_slow_first_steps_on_a_mac_are_a_note_not_a_finding():
                 steady_step_sec=4.0, steady_tokens_per_sec=254.3, mfu=None, decode_bandwidth_util=None)
     assert analyze(m) == []
     n = note(m, "warmup")
-    assert "warmup took 10 steps" in n.text.lower() and "7.3x" in n.text and "Metal shader" in n.text
+    assert (n.reason, n.facts["case"], n.facts["warmup_steps"], n.facts["slowdown"]) == ("excluded", "warmup", 10, 7.3)
+    assert n.facts["fresh_cost"] == FRESH_COSTS["mps"]
 
 
 def test_warmup_in_a_short_run_says_compare_steady_figures():
     n = note(healthy(first_step_slowdown=7.3, warmup_steps=3, warmup_overhead_sec=25.6, steady_step_sec=4.0,
                      steps=10), "warmup")
-    assert "39%" in n.text and "steady figures only" in n.text and "steps for warmup below 5%" in n.text
+    # 25.6 s of warmup against 10 steps of 4.0 s: 39% of the time; 122 steps bring it below 5%
+    assert n.facts["share"] == pytest.approx(25.6 / 65.6) and n.facts["target_share"] == 0.05
+    assert n.facts["steps_for_target"] == math.ceil(25.6 * 0.95 / (0.05 * 4.0)) == 122
 
 
 @pytest.mark.parametrize("steps, slowdown, says, never", [
@@ -1027,23 +1032,24 @@ def test_the_warmup_note_names_only_a_finding_the_report_has():
                        wall_over_cpu=2.0, steady_wall_over_cpu=1.0, other_cores=1.2, source="meter")
     m = healthy(contention=small, first_step_slowdown=3.0, warmup_steps=2, warmup_overhead_sec=4.0)
     assert "contention" not in [f.rule for f in analyze(m)]
-    text = note(m, "warmup").text
-    assert "see the" not in text and "finding above" not in text and "slowed 1 step(s) (3) by 0.5 s" in text
+    facts = note(m, "warmup").facts                 # no finding named: the measured seconds
+    assert (facts["contention_findings"], facts["contention_sec"]) == ("", 0.5)
     large = dataclasses.replace(small, lost_sec=40.0, lost_share=40.0 / 120.0)
     m = healthy(contention=large, first_step_slowdown=3.0, warmup_steps=2, warmup_overhead_sec=4.0)
-    assert "contention" in [f.rule for f in analyze(m)] and "(the contention finding above)" in note(m, "warmup").text
+    assert "contention" in [f.rule for f in analyze(m)] and note(m, "warmup").facts["contention_findings"] == \
+        "contention"
 
 
 def test_a_first_step_among_the_steady_steps_is_not_said_to_be_excluded():
     # seen: "the steady figures exclude them" where step 1 (21.49 s) was among the steady steps (16.70 s a steady
     # step with it, 16.27 s without)
     first = FirstSteady(step=1, included=True, sec=21.49, with_it=16.70, without_it=16.27)
-    text = note(healthy(warmup_steps=0, first_step_slowdown=1.29, warmup_overhead_sec=0.0, first_steady=first),
-                "warmup").text
-    assert "exclude" not in text
-    assert "Step 1 counts among the steady steps" in text and "21.5 s" in text and "16.3 s without it" in text
-    excluded = note(healthy(first_steady=FirstSteady(step=1, included=False)), "warmup").text
-    assert "the steady figures exclude the warmup steps" in excluded
+    n = note(healthy(warmup_steps=0, first_step_slowdown=1.29, warmup_overhead_sec=0.0, first_steady=first),
+             "warmup")
+    assert "exclude" not in n.text and n.reason == "first_step_steady"
+    assert (n.facts["first_step"], n.facts["first_sec"], n.facts["steady_without"]) == (1, 21.49, 16.27)
+    excluded = note(healthy(first_steady=FirstSteady(step=1, included=False)), "warmup")
+    assert excluded.reason == "excluded" and "exclude" in excluded.text
 
 
 def test_a_last_step_at_the_steady_wall_cpu_ratio_is_no_contention(tmp_path):

@@ -104,6 +104,8 @@ class FirstSteady:
 
 SettingValue = bool | int | float | str | None    # None: the key removed (its default)
 Setting = dict[str, SettingValue]            # config keys → values: a finding's complete change
+Fact = bool | int | float | str | None
+Facts = dict[str, Fact]                      # the figures a finding or a note rests on, by name
 
 
 @dataclass(frozen=True)
@@ -237,6 +239,8 @@ class Finding:
     lower_bound: bool = False                # expected_gain is a floor ("at least"), not a prediction
     steps: list[tuple[int, int]] = field(default_factory=list)   # the steps it is about, as (first, last) ranges
     lost_sec: float | None = None            # the seconds it says were lost on them
+    reason: str = ""                         # which case of its rule it is, as a code (the rule's ``Reason``)
+    facts: Facts = field(default_factory=dict)   # the figures its words rest on, by name
 
 
 @dataclass
@@ -250,6 +254,8 @@ class Note:
     judged: bool = True
     steps: list[tuple[int, int]] = field(default_factory=list)   # the steps it is about, as (first, last) ranges
     lost_sec: float | None = None            # the seconds it says were lost on them
+    reason: str = ""                         # which case of its rule it is, as a code (the rule's ``Reason``)
+    facts: Facts = field(default_factory=dict)   # the figures its words rest on, by name
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from hf_perf_callbacks.report.model import (
 from hf_perf_callbacks.report.rules import basis
 from hf_perf_callbacks.report.rules.run import FRESH_COSTS
 from hf_perf_callbacks.runlog import ReportError, read_run
-from hf_perf_callbacks.splitfile import Decision, SplitFile, Trial
+from hf_perf_callbacks.splitfile import Decision, SplitFile, Trial, trial_figures
 from tests.conftest import schema_lines
 
 QWEN_3B = {"num_hidden_layers": 36, "hidden_size": 2048, "intermediate_size": 11008, "num_attention_heads": 16,
@@ -179,7 +179,7 @@ def test_input_bound_keeps_settings_already_right_and_raises_workers():
     f = only(healthy(grpo=False, phases={"data_wait": 0.4, "compute": 0.6},
                      dataloader={"num_workers": 4, "persistent_workers": True, "prefetch_factor": 4,
                                  "pin_memory": True}))
-    assert "4 DataLoader workers" in f.root_cause
+    assert f.reason == "workers_behind" and f.facts["num_workers"] == 4
     assert "persistent_workers" not in f.recommendation and "pin_memory" not in f.recommendation
     assert f.setting == {"dataloader_num_workers": 8}                 # nothing already in effect
     assert "CPU cores" not in f.recommendation
@@ -395,10 +395,15 @@ def test_small_micro_batch_after_the_tuner_measured_is_a_note_with_its_trials():
                 tune=tune_decision(trials=trials, cost_sec=2.0, expected_gain_sec=3.0))
     assert analyze(m) == []
     n = note(m, "small_micro_batch")
-    assert n.judged
-    assert ("4×2: median 1.24 s per optimizer step over steps 4–6, 5% slower than 2×4 (median 1.18 s over steps "
-            "1–3; one-sided Mann-Whitney p = 1 that it is faster)") in n.text
-    assert "8×1: out of memory" in n.text and "kept the configured 2×4" in n.text and "cost 2.0 s" in n.text
+    assert n.judged and n.reason == "tuner_measured"
+    assert (n.facts["old"], n.facts["new"], n.facts["measured"], n.facts["cost_sec"]) == ("2×4", "2×4", 2, 2.0)
+    assert (n.facts["capped_by"], n.facts["hit_micro_batch"]) == ("trial", 8)     # 8×1 did not fit: no larger one
+    # the trials as the note prints them (trial_figures): 4×2 5% slower than 2×4 over all samples, p = 1
+    figures = {t.label: t for t in trial_figures(m.tune)}
+    assert (figures["4×2"].status, figures["4×2"].steps, figures["4×2"].reference) == ("measured", (4, 5, 6), "2×4")
+    assert figures["4×2"].change == pytest.approx(1.24 / 1.18 - 1) and figures["4×2"].p_value == pytest.approx(1.0)
+    assert figures["8×1"].status == figures["8×1"].error == "out of memory"
+    assert all(t.words() in n.text for t in figures.values())
     assert "failed" not in n.text and "+5%" not in n.text and "-5%" not in n.text
 
 
@@ -450,10 +455,12 @@ def test_no_micro_batch_larger_than_one_that_ran_out_of_memory_is_advised():
     oom = Decision(kind="oom", step=7, reason="CUDA out of memory", old=Split(4, 2), new=Split(2, 4))
     f = only(healthy(micro_batch=1, grad_accum=16, mfu=0.05, memory_limits=[oom]))
     assert f.setting == {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 8}   # not 4×4
-    assert "micro-batch 4 ran out of memory at step 7" in f.observation
+    limit = {"cap": 3, "hit_micro_batch": 4, "capped_by": "oom", "capped_at_step": 7}
+    assert {k: f.facts[k] for k in limit} == limit
     capped = healthy(micro_batch=2, grad_accum=4, mfu=0.05, memory_limits=[oom])     # 4×2, 8×1: both ≥ 4
     assert analyze(capped) == []
-    assert "micro-batch 4 ran out of memory at step 7" in note(capped, "small_micro_batch").text
+    n = note(capped, "small_micro_batch")
+    assert n.reason == "memory_cap" and {k: n.facts[k] for k in limit} == limit
     watchdog = healthy(micro_batch=2, grad_accum=4, mfu=0.05,
                        watchdog_actions=[{"step": 3, "action": "stop", "message": "near the wall"}])
     assert "small_micro_batch" not in [f.rule for f in analyze(watchdog)]
@@ -465,7 +472,7 @@ def test_small_micro_batch_splits_keep_grpo_prompt_groups_whole():
     f = only(healthy(micro_batch=2, grad_accum=6, num_generations=4, mfu=0.05))
     assert "(3×4, 4×3, 6×2, 12×1)" in f.recommendation
     f = only(healthy(micro_batch=1, grad_accum=8, world_size=2, num_generations=4, mfu=0.05))
-    assert "effective batch 16" in f.recommendation and "(2×4, 4×2, 8×1)" in f.recommendation
+    assert f.facts["effective_batch"] == 16 and "(2×4, 4×2, 8×1)" in f.recommendation
     assert "× 2 devices" in f.observation
 
 

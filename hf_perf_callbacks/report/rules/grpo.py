@@ -286,7 +286,7 @@ def rule_completion_budget(m: Measurements) -> Finding | Note | None:
     new, basis, name = target
     freed = _memory_freed_by_cut(m, limit, new)
     r = clipped or 0.0
-    facts: Facts = {"limit": limit, "target": new, "target_basis": name, "basis_tokens": basis, "clipped": r,
+    facts: Facts = {"limit": limit, "target": new, "basis_tokens": basis, "clipped": r,
                     "freed_bytes": freed[0] if freed else None, "completion_max": m.completion_max,
                     "longest_cut": m.completion_max is not None and m.completion_max > new}
     if r <= 0 or _phase(m, "generation") <= 0:

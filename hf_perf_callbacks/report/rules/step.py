@@ -212,7 +212,9 @@ def _fixed_length_padding(m: Measurements, length: int, p: float, c: float) -> F
                f"to one length on every step; the pad positions are {_pct(p)} of the positions, compute "
                f"{_pct(c)} of the wall time")
     return Finding("padding_waste", "Padding to a fixed length", obs, root, _bullets(items), None, formula, "medium",
-                   {}, "try", None)
+                   {}, "try", None, reason="fixed_length",
+                   facts={"length": length, "pad_fraction": p, "compute": c, "trainer_kind": m.trainer_kind,
+                          "ceiling_known": False})
 
 
 @card(finding="a Trainer padded to one length on every step (`perf/seq_len` constant) → per-batch padding first "
@@ -261,7 +263,9 @@ def rule_padding_waste(m: Measurements) -> Finding | Note | None:
                 + ": unequal completion lengths are inherent in sampling and no setting removes that padding"
                 + ("; on MPS `pad_to_multiple_of` adds to it on purpose (fewer Metal graphs)" if k > 1 else "")
                 + ".")
-        return Note("padding_waste", "Padding", text)
+        return Note("padding_waste", "Padding", text, reason="grpo_inherent",
+                    facts={"pad_fraction": p, "prompts_per_micro_batch": per_batch, "pad_to_multiple_of": k,
+                           "setting_removes_it": False})
     group = ("`train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before) puts "
              "similar lengths in a batch")
     rest = ["with TRL SFT: `padding_free: true` or `packing: true`",

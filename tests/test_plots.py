@@ -7,7 +7,14 @@ from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, keys
 from hf_perf_callbacks.batching import Split
-from hf_perf_callbacks.report.plots import PlotData, plot_memory, plot_phases, plot_throughput, plot_tuner
+from hf_perf_callbacks.report.plots import (
+    PlotData,
+    _untried_words,
+    plot_memory,
+    plot_phases,
+    plot_throughput,
+    plot_tuner,
+)
 from hf_perf_callbacks.runlog import read_run
 from hf_perf_callbacks.splitfile import Decision, SplitFile, Trial
 from tests.conftest import make_grpo, make_trainer
@@ -234,8 +241,9 @@ def test_a_tuning_that_measured_no_other_split_is_a_line_of_text_not_an_empty_pa
     out = synthetic(tmp_path, "untried", steps=30, tune=True, base_sec=0.11, generation_sec=0.15, noise=0.15)
     fig, data = draw(plot_tuner, out)
     assert len(fig.axes) == 1 and not fig.axes[0].patches                  # the split panel only, no bars
-    words = " ".join(t.get_text() for t in fig.axes[0].texts)
-    assert "no other split measured" in words and "cannot pay back" in words
+    decision = data.split_file.decisions[-1]       # kept for want of pay-back, and the panel says its reason
+    assert (decision.kind, decision.reason_code, decision.ended_by) == ("tune", "kept_configured", "cannot_pay_back")
+    assert _untried_words(decision) in [t.get_text() for t in fig.axes[0].texts]
 
 
 def test_the_tuners_bars_say_what_every_reader_says_and_name_the_quantity(tmp_path):

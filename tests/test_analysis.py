@@ -28,6 +28,7 @@ from hf_perf_callbacks.report.figures import FROM_PERF_LOG
 from hf_perf_callbacks.report.model import (
     MIN_MACHINE_STEPS,
     MIN_STEADY_STEPS,
+    TOO_FEW_STEPS,
     Contention,
     Evaluation,
     FirstSteady,
@@ -35,9 +36,10 @@ from hf_perf_callbacks.report.model import (
     ModelFacts,
     Rewards,
 )
+from hf_perf_callbacks.report.render import REWARD_WORDS, nothing_found_facts
 from hf_perf_callbacks.report.rules import basis
 from hf_perf_callbacks.report.rules.run import FRESH_COSTS
-from hf_perf_callbacks.runlog import ReportError, read_run
+from hf_perf_callbacks.runlog import HF_PERF_TRAIN, ReportError, read_run
 from hf_perf_callbacks.splitfile import Decision, SplitFile, Trial, trial_figures
 from tests.conftest import schema_lines
 
@@ -864,17 +866,18 @@ def test_thread_oversubscription_over_the_whole_run_gets_the_thread_count(tmp_pa
         assert f.env == {"OMP_NUM_THREADS": "1"} and f.setting == {}
         assert "`OMP_NUM_THREADS=1`" in f.recommendation.splitlines()[0]
         assert "torch.set_num_threads(1)" in f.recommendation
-        assert "of its 2 threads running" in f.observation and "not warmup" in f.root_cause
-        assert f.lower_bound and f.basis == "measured" and f.expected_gain > 1.2 and "at least" in f.gain_formula
-        assert ("taken as torch's default" in f.observation) == (not facts)     # an assumption is said to be one
+        assert (f.reason, f.facts["threads"], f.facts["advised_threads"]) == ("threads_over_free_cores", 2, 1)
+        assert f.lower_bound and f.basis == "measured" and f.expected_gain > 1.2
+        assumed = f.facts["threads_from"] != "run header"                      # an assumption is said to be one
+        assert assumed == (not facts) and (str(f.facts["threads_from"]) in f.observation) == assumed
         text = render_markdown([f], m)
         assert "### Environment" in text and "OMP_NUM_THREADS=1" in text and f"≥ {f.expected_gain:.2f}x" in text
         assert "`OMP_NUM_THREADS=1` (environment)" in console_summary([f])
-        assert "contention, not warmup" in note(m, "warmup").text      # the warmup note does not book it as warmup
-    launched = measurements_from_run(copy_run("two_threads_contended", tmp_path / "l", launcher="hf-perf train"))
-    assert launched.launcher == "hf-perf train"
+        assert note(m, "warmup").facts["contention_findings"] == "oversubscription"   # not booked as warmup
+    launched = measurements_from_run(copy_run("two_threads_contended", tmp_path / "l", launcher=HF_PERF_TRAIN))
+    assert launched.launcher == HF_PERF_TRAIN
     f = {f.rule: f for f in analyze(launched)}["oversubscription"]
-    assert "`OMP_NUM_THREADS=1 hf-perf train --config …`" in f.recommendation
+    assert f"`OMP_NUM_THREADS=1 {HF_PERF_TRAIN} --config …`" in f.recommendation
     assert "set_num_threads" not in f.recommendation
     one = measurements_from_run(copy_run("one_thread_contended", tmp_path))
     assert "oversubscription" not in [f.rule for f in analyze(one)]    # already at one thread: nothing to advise
@@ -890,9 +893,9 @@ def test_oversubscription_needs_its_evidence():
                    {"threads": 1}, {"threads_from": "assumed", "cpu_spread": 1.2}):
         changed = dataclasses.replace(machine, **change)
         assert analyze(healthy(device_type="cpu", mfu=None, machine=changed)) == [], change
-    launcher = only(healthy(device_type="cpu", mfu=None, machine=machine, launcher="hf-perf train"))
-    assert "`OMP_NUM_THREADS=1 hf-perf train --config …`" in launcher.recommendation
-    assert "set_num_threads" not in launcher.recommendation
+    launcher = only(healthy(device_type="cpu", mfu=None, machine=machine, launcher=HF_PERF_TRAIN))
+    assert launcher.facts["launcher"] and launcher.env == {"OMP_NUM_THREADS": "1"}   # the words: golden/rules.md
+    assert "set_num_threads" not in launcher.recommendation and HF_PERF_TRAIN in launcher.recommendation
 
 
 def test_a_run_too_short_for_its_timings_says_so_and_prints_no_gain(calibrated):
@@ -903,7 +906,7 @@ def test_a_run_too_short_for_its_timings_says_so_and_prints_no_gain(calibrated):
     findings, notes = check(m)
     assert {f.rule for f in findings} == {"padding_waste", "duplicate_forward"}     # counts, not timings
     for f in findings:
-        assert f.expected_gain is None and f.basis == "too few steps" and "too few steps to judge" in gain_text(f)
+        assert f.expected_gain is None and f.basis == TOO_FEW_STEPS and "too few steps to judge" in gain_text(f)
         assert "warmup was not finished after 2 steps" in f.gain_formula
     assert [f.rule for f in findings] == ["duplicate_forward", "padding_waste"]     # the order of RULES, every time
     unjudged = {n.rule: n for n in notes if not n.judged}
@@ -927,12 +930,16 @@ def test_a_run_too_short_for_its_timings_says_so_and_prints_no_gain(calibrated):
 def test_the_no_finding_text_fits_the_run():
     # seen: "the run's rewards vary" and "Track `perf/steady_tokens_per_sec`" on a Trainer run that never logged it
     trainer = healthy(grpo=False, logged=frozenset({keys.PERF_TOKENS_PER_SEC}), rewards=None)
+    facts = nothing_found_facts(trainer, check(trainer)[1])
+    assert (facts["rewards"], facts["metric"]) == (None, keys.PERF_TOKENS_PER_SEC)
     text = render_markdown([], trainer, check(trainer)[1])
     assert "reward" not in text.lower() and "`perf/tokens_per_sec`" in text and "steady_tokens" not in text
     grpo = healthy(rewards=None, logged=frozenset())
     findings, notes = check(grpo)
+    assert not findings and nothing_found_facts(grpo, notes) == {"data_wait": True, "memory": True, "rewards": "none",
+                                                                 "timings_unjudged": False, "metric": None}
     text = render_markdown(findings, grpo, notes)
-    assert "no reward data in this run's logs" in text.lower() and "rewards vary" not in text and "Track" not in text
+    assert REWARD_WORDS["none"] in text and "Track" not in text      # the words: tests/golden/rules.md
 
 
 def test_a_constant_reward_gets_no_setting_that_cannot_move_it():
@@ -1031,10 +1038,11 @@ def test_evaluation_taking_most_of_the_wall_time_is_a_finding_with_its_measured_
     assert f.basis == "measured" and f.setting == {"eval_strategy": "steps", "eval_steps": 50}
     saved = 60.0 * (1 - 1 / 50)
     assert f.expected_gain == pytest.approx(100.0 / (100.0 - saved)) and f.expected_gain > 2.2
-    assert "40 evaluations (every 1 step) took 60.0 s of the run's 100.0 s wall time (60%)" in f.observation
-    assert "`eval_steps: 50` (now every 1)" in f.recommendation.splitlines()[0]
-    text = render_markdown([f], m)
-    assert "s/step of wall time with evaluation" in text and "evaluation and saving excluded" in text
+    assert (f.facts["evals"], f.facts["every"], f.facts["eval_sec"], f.facts["wall_sec"]) == (40, 1, 60.0, 100.0)
+    assert f.facts["share"] == 0.6 and f.facts["saved_sec"] == pytest.approx(saved)
+    assert "`eval_steps: 50`" in f.recommendation.splitlines()[0]
+    text = render_markdown([f], m)                  # the header shows both step times (words: golden/rules.md)
+    assert f"{e.wall_sec / m.steps:.3g} s/step" in text and f"{m.steady_step_sec:.3g} s/step" in text
     assert "evaluation" not in [f.rule for f in analyze(healthy(evaluation=evaluation(eval_sec=2.0)))]
     assert "evaluation" not in [f.rule for f in analyze(healthy(evaluation=evaluation(evals=1)))]
 

@@ -53,8 +53,9 @@ def test_the_rendered_report_matches_its_golden_file(name, tmp_path, capsys):
 def _rule_scenarios() -> dict[str, object]:
     """name → the Measurements of a unit test of ``tests/test_analysis.py`` whose findings' and notes' words this
     golden file holds (the tests themselves assert the findings' data: reasons, figures, settings)."""
-    from hf_perf_callbacks.report.model import Contention, Rewards
-    from tests.test_analysis import healthy
+    from hf_perf_callbacks.report.model import Contention, Machine, Rewards
+    from hf_perf_callbacks.runlog import HF_PERF_TRAIN
+    from tests.test_analysis import evaluation, healthy
 
     flat = Rewards(logs=8, min=0.0, max=0.0, std_max=0.0, zero_std_min=1.0,
                    funcs={"format_reward": (0.0, 0.0), "solved_reward": (0.0, 0.0)})
@@ -91,6 +92,15 @@ def _rule_scenarios() -> dict[str, object]:
                                          steady_step_sec=4.0, steps=10),
         "small_micro_batch_two_devices": healthy(micro_batch=1, grad_accum=8, world_size=2, num_generations=4,
                                                  mfu=0.05),
+        "oversubscription_launched": healthy(device_type="cpu", mfu=None, launcher=HF_PERF_TRAIN, machine=Machine(
+            steps=12, busy=0.3, other=1.7, load=4.9, cores=2, cores_from="run header", threads=2,
+            threads_from="run header", spread=1.9, cpu_spread=1.6, lower_bound=1.4)),
+        "evaluation": healthy(evaluation=evaluation(), phases={"compute": 0.4, "eval": 0.6}),
+        "nothing_found_no_rewards": healthy(rewards=None, logged=frozenset()),
+        "too_short": healthy(device_type="cpu", mfu=None, micro_batch=2, grad_accum=4, num_generations=4,
+                             pad_to_multiple_of=32, pad_fraction=0.45, seq_len=96, seq_len_mean=80.0,
+                             phases={"generation": 0.6, "compute": 0.4}, steps=2, warmup_done=False, steady_steps=0,
+                             warmup_steps=None, forwards_per_microbatch=2.0),
     }
 
 

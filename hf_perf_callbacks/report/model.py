@@ -102,6 +102,8 @@ class FirstSteady:
     without_it: float = 0.0
 
 
+#: the basis of a finding's gain where the run is too short to judge it (its words: render.gain_text)
+TOO_FEW_STEPS = "too few steps"
 SettingValue = bool | int | float | str | None    # None: the key removed (its default)
 Setting = dict[str, SettingValue]            # config keys → values: a finding's complete change
 Fact = bool | int | float | str | None
@@ -232,7 +234,7 @@ class Finding:
     gain_formula: str
     confidence: str                          # "high" | "medium" | "low"
     setting: Setting = field(default_factory=dict)
-    basis: str = "try"                       # "measured" | "calibrated" | "try" | "too few steps"
+    basis: str = "try"                       # "measured" | "calibrated" | "try" | TOO_FEW_STEPS
     predicted_gain: float | None = None
     priority: int = 1                        # 0: cannot learn / swapping / near the wall, ranked first
     env: dict[str, str] = field(default_factory=dict)  # environment variables to set before the process starts

@@ -406,7 +406,7 @@ def test_the_memory_check_runs_only_where_memory_is_tight(tokenizer, tmp_path):
     assert memcheck.tight(grpo, budget=3 * peak, device_type="mps")[0] is True           # 2 × peak ≥ half of it
     plain = make_trainer(tokenizer, tmp_path / "plain", [], max_steps=1)
     assert memcheck.estimated_peak(plain, "cuda") is None
-    assert memcheck.tight(plain, budget=GB, device_type="cuda") == (True, "no estimate of the worst-case peak")
+    assert memcheck.tight(plain, budget=GB, device_type="cuda")[0] is True        # no estimate: the check runs
 
 
 # ---------------------------------------------------------------- the splits exact under the run's loss

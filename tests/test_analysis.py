@@ -821,9 +821,10 @@ def test_a_field_of_another_type_is_skipped_with_a_note_never_a_crash(demo_run, 
                 text = render_markdown(findings, m, notes)
                 kind = expected(entry, key)
                 if kind and not conform(bad, kind)[0]:
-                    assert "## Not judged" in text and f"`{key}`" in text.split("## Not judged")[1], (entry, key, bad)
+                    skipped = [n for n in notes if n.rule == "log_fields" and not n.judged]   # under Not judged
+                    assert skipped and f"`{key}`" in skipped[0].text and skipped[0].text in text, (entry, key, bad)
                 elif entry["type"] == "step" and key == "step":
-                    assert "unreadable line(s)" in text
+                    assert "unreadable" in text
                 checked += 1
     for i in range(len(history)):
         for key in list(history[i]):

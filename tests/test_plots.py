@@ -8,6 +8,7 @@ from transformers import TrainerCallback
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, keys
 from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.report.plots import (
+    PHASES_AXIS,
     PlotData,
     _untried_words,
     plot_memory,
@@ -16,7 +17,7 @@ from hf_perf_callbacks.report.plots import (
     plot_tuner,
 )
 from hf_perf_callbacks.runlog import read_run
-from hf_perf_callbacks.splitfile import Decision, SplitFile, Trial
+from hf_perf_callbacks.splitfile import RANKED_UNITS, Decision, SplitFile, Trial
 from tests.conftest import make_grpo, make_trainer
 from tests.test_throughput import PlantedLoad
 
@@ -225,7 +226,7 @@ def test_phases_shade_only_the_steps_the_tuner_measured(tmp_path):
     fig, data = draw(plot_phases, out)
     measured = step_ranges(s for d in data.tune_decisions() for t in d.trials for s in t.steps)
     assert len(measured) > 1 and spans(fig.axes[0]) == measured
-    assert fig.axes[0].get_ylabel() == "seconds per step"
+    assert fig.axes[0].get_ylabel() == PHASES_AXIS
 
 
 def test_memory_marks_the_switch_that_explains_its_step(tmp_path):
@@ -254,7 +255,8 @@ def test_the_tuners_bars_say_what_every_reader_says_and_name_the_quantity(tmp_pa
     out = synthetic(tmp_path, "tuned", **TUNED)
     fig, data = draw(plot_tuner, out)
     trials_ax = fig.axes[0]
-    assert trials_ax.get_ylabel() == "median s per optimizer step outside generation"
+    ranked = data.tune_decisions()[-1].ranked                  # what the samples measure, in every reader's unit
+    assert ranked == "non_generation" and trials_ax.get_ylabel() == f"median {RANKED_UNITS[ranked]}"
     shown = trial_figures(data.tune_decisions()[-1])
     texts = [t.get_text() for t in trials_ax.texts]
     for t in shown:

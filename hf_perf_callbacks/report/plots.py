@@ -198,6 +198,9 @@ def _note(ax: Axes, text: str, color: str = "dimgrey") -> None:
             bbox={"boxstyle": "round,pad=0.25", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
 
 
+#: the phases plot's y axis
+PHASES_AXIS = "seconds per step"
+
 #: points drawn per line at most: a longer run is drawn per bin of steps (said on the plot), so that a plot takes the
 #: same time to draw whatever the run's length
 MAX_POINTS = 2000
@@ -470,7 +473,7 @@ def _phase_bars(ax: Axes, data: PlotData, columns: Sequence[Sequence[float]], ro
         ax.axvspan(a - 0.5, b + 0.5, color="grey", alpha=0.15, lw=0, zorder=0,
                    label=f"steps the tuner measured splits on ({ranges_text(measured)})" if i == 0 else None)
     ax.set_ylim(0, max(bottom) * 1.05 or 1)
-    ax.set_ylabel("seconds per step")
+    ax.set_ylabel(PHASES_AXIS)
     ax.grid(alpha=0.3, axis="y")
     _integer_steps(ax)
     return ("Time per step by phase, share of the run's time in the legend"

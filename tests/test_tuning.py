@@ -490,3 +490,32 @@ def test_the_warm_up_decision_is_deterministic_from_the_gathered_figures():
     b, sw_b = from_start(list(times), candidate=1.2)
     assert sw_a == sw_b and a.trials[SPLITS[2]].steps == b.trials[SPLITS[2]].steps
     assert a.decision(60, 0.0) == b.decision(60, 0.0)
+
+
+def test_a_tune_decision_keeps_its_reason_as_data_and_a_file_without_it_still_reads():
+    """The decision's reason code, why the tuning ended and the figures travel through the split file's JSON; a
+    decision written before them (no such keys) reads with none, and its ``ranked`` comes from its rule's words."""
+    from hf_perf_callbacks.splitfile import Decision
+
+    tuning, _, _ = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0})
+    decision = tuning.decision(step=6, time=None)
+    assert (decision.reason_code, decision.ended_by, decision.rank_by) == ("faster_beyond_noise", "no_other_split",
+                                                                           "non_generation")
+    assert Decision.from_json(decision.to_json()) == decision and decision.reason == tuning.done.reason
+    old = {k: v for k, v in decision.to_json().items() if k not in ("reason_code", "ended_by", "figures", "rank_by")}
+    read = Decision.from_json(old)
+    assert (read.reason_code, read.ended_by, read.figures, read.rank_by) == (None, None, {}, None)
+    assert read.code == "tune" and read.ranked == "non_generation"          # from the rule's words
+    stepped = Decision.from_json({**old, "rank_by": "step"})
+    assert stepped.ranked == "step"                                          # the stored field wins
+
+
+def test_every_reason_code_is_worded_by_the_one_renderer():
+    from hf_perf_callbacks.wording import TUNER_REASONS, tuner_reason
+
+    figures = {"needed": 9, "left": 8, "round_steps": 12, "saving": 0.1, "steps_after": 20, "margin": 2.0, "cost": 5.0,
+               "how": "ceiling", "baseline": "2×4", "median": 1.0, "iqr": 0.9, "candidate": "8×1", "rounds": 3,
+               "why": "out of memory", "slower_ratio": 2.0, "bound": 1.5, "spread": 0.15, "error": 0.001,
+               "ratio": 0.5, "min_gain": MIN_GAIN}
+    words = {code: tuner_reason(code, figures) for code in TUNER_REASONS}
+    assert all(words.values()) and len(set(words.values())) == len(TUNER_REASONS)      # one sentence per code

@@ -124,3 +124,18 @@ def test_the_rules_words_match_their_golden_file():
     diff = "".join(difflib.unified_diff(golden.splitlines(True), text.splitlines(True), "golden/rules.md",
                                         "rendered", n=2))
     assert not diff, f"a rule's words changed (UPDATE_GOLDEN=1 rewrites it after review):\n{diff}"
+
+
+def test_every_finding_and_note_says_which_case_of_its_rule_it_is():
+    """Each finding and note of the planted measurements carries a reason code of its own rule (model.REASONS), the
+    case its words were chosen for."""
+    from hf_perf_callbacks.report import check
+    from hf_perf_callbacks.report.model import REASONS
+
+    seen = set()
+    for m in _rule_scenarios().values():
+        findings, notes = check(m)
+        for r in [*findings, *notes]:
+            assert r.reason in REASONS[r.rule], (r.rule, r.reason)
+            seen.add((r.rule, r.reason))
+    assert len(seen) >= 20

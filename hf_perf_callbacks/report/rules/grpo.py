@@ -239,7 +239,8 @@ def rule_weight_sync(m: Measurements) -> Finding | None:
     formula = (f"not predicted: the run measures syncs at one setting (syncs free would be the ceiling, "
                f"1/(1 − {share:.2f}) = {1 / (1 - share):.2f}x)")
     return Finding("weight_sync", "Weight syncs to vLLM take a large share of the step", obs, root, _bullets(lines),
-                   None, formula, "medium", setting, "try", None)
+                   None, formula, "medium", setting, "try", None, reason="sync_share",
+                   facts={"share": share, "syncs": m.weight_syncs, "sync_sec": m.weight_sync_sec, "backend": backend})
 
 
 def _cut_off(m: Measurements, obs: str, limit: int, clipped: float) -> Finding:

@@ -178,7 +178,7 @@ def rule_duplicate_forward(m: Measurements) -> Finding | None:
         "duplicate_forward", m, predicted,
         f"compute scales with forwards per micro-batch: 1/((1 − {c:.2f}) + {c:.2f}/{f:.2f}) = {predicted:.2f}x")
     return Finding("duplicate_forward", "Duplicate forward pass", obs, root, rec, gain, formula, confidence, {},
-                   basis, predicted)
+                   basis, predicted, reason="grad_forwards", facts={"forwards_per_microbatch": f, "compute": c})
 
 
 def _fixed_length_padding(m: Measurements, length: int, p: float, c: float) -> Finding:
@@ -247,14 +247,16 @@ def rule_padding_waste(m: Measurements) -> Finding | Note | None:
         if r is None or c <= 0:
             return Finding("padding_waste", "Padding from pad_to_multiple_of", obs, root, rec, None,
                            "not predicted: compute share or sequence length not measured", "low",
-                           {"pad_to_multiple_of": None}, "try", None)
+                           {"pad_to_multiple_of": None}, "try", None, reason="pad_to_multiple",
+                           facts={"pad_fraction": p, "pad_to_multiple_of": k})
         predicted = 1.0 / ((1.0 - c) + c * (1.0 - r))
         gain, basis, confidence, formula = _calibrated(
             "padding_waste", m, predicted,
             f"the rounding adds ≈ {parts} × ({k} − 1)/2 of the mean {length:.0f} padded positions = {_pct(r)}; "
             f"compute on them saved: 1/((1 − {c:.2f}) + {c:.2f} × (1 − {r:.3f})) = {predicted:.2f}x")
         return Finding("padding_waste", "Padding from pad_to_multiple_of", obs, root, rec, gain, formula,
-                       confidence, {"pad_to_multiple_of": None}, basis, predicted)
+                       confidence, {"pad_to_multiple_of": None}, basis, predicted, reason="pad_to_multiple",
+                       facts={"pad_fraction": p, "pad_to_multiple_of": k, "rounding_share": r})
     if m.grpo:
         per_batch = math.ceil((m.micro_batch or 1) / (m.num_generations or 1))
         text = (f"{obs} GRPO pads each micro-batch's completions to its longest one"
@@ -280,10 +282,11 @@ def rule_padding_waste(m: Measurements) -> Finding | Note | None:
                  "length", group] + rest
         return Finding("padding_waste", "Padding waste", obs, root, _bullets(items), None,
                        "not predicted: which padding the collator does is not yet known from the log", "low", {},
-                       "try", None)
+                       "try", None, reason="one_length_unsure", facts={"pad_fraction": p, "length": m.seq_len})
     root = ("Batches are padded to the longest sequence of each batch (the padded length changed from step to step, "
             "so the padding is per batch): long and short sequences share batches, and the device computes on the "
             "pad positions, attention quadratically.")
     return Finding("padding_waste", "Padding waste", obs, root, _bullets([group] + rest), None,
                    "not predicted: how much padding grouping removes depends on the length distribution", "low",
-                   {"train_sampling_strategy": "group_by_length"}, "try", None)
+                   {"train_sampling_strategy": "group_by_length"}, "try", None, reason="per_batch",
+                   facts={"pad_fraction": p})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 from .stats import WallForecast, linear_fit, median, steps_to_limit
 from .validation import check_number
@@ -106,6 +107,82 @@ class MovingWall:
         return before
 
 
+CauseCode = Literal["outside", "leak"]
+
+
+@dataclass(frozen=True)
+class Pressure:
+    """Why the watchdog acts, as data: its ``level`` (OK, WARN, CRITICAL), the bytes ``used`` of the ``budget``, the
+    wall's forecast (``steps_to_wall`` at ``slope`` bytes a step; None: no growth forecast) and the steps macOS has
+    been swapping (``swap_streak``). Its words: :func:`pressure_words`."""
+
+    level: int
+    used: float
+    budget: float
+    steps_to_wall: float | None = None
+    slope: float | None = None
+    swap_streak: int = 0
+
+
+@dataclass(frozen=True)
+class Futile:
+    """Why a smaller micro-batch cannot relieve memory pressure, as data: ``leak`` (memory grows by ``rate`` bytes on
+    every step) or ``no_relief`` (micro-batch ``before_micro`` → ``micro_batch`` took memory from ``before`` to
+    ``now`` bytes; at micro-batch 1 it would be ``at_one``, against the ``warn`` level). Words: :func:`futile_words`."""
+
+    code: Literal["leak", "no_relief"]
+    rate: float = 0.0
+    before_micro: int = 0
+    micro_batch: int = 0
+    before: float = 0.0
+    now: float = 0.0
+    at_one: float = 0.0
+    warn: float = 0.0
+
+
+def futile_words(f: Futile) -> str:
+    """Why a smaller micro-batch cannot help, in words: the one place they are written."""
+    if f.code == "leak":
+        return f"memory grows by {mib(f.rate)} on every step, and a smaller micro-batch does not stop a leak"
+    return (f"micro-batch {f.before_micro} → {f.micro_batch} took memory from {gib(f.before)} to {gib(f.now)}: "
+            f"even at micro-batch 1 it would be about {gib(f.at_one)} against the warn level of {gib(f.warn)}")
+
+
+def pressure_words(p: Pressure) -> str:
+    """The watchdog's reason in words: the one place they are written."""
+    text = f"{LEVEL_NAMES[p.level]}: {gib(p.used)} used of a {gib(p.budget)} budget"
+    if p.steps_to_wall is not None and p.slope is not None:
+        text += f", wall in {p.steps_to_wall:.1f} steps at +{mib(p.slope)}/step"
+    if p.swap_streak:
+        text += f", macOS swapping for {p.swap_streak} step(s)"
+    return text
+
+
+@dataclass(frozen=True)
+class Cause:
+    """A cause of memory pressure the watchdog knows, as data: ``outside`` (``bytes`` of the device's ``total`` held
+    outside this run's reach; ``unified`` memory; ``holders``: who, in words, when the device can say) or ``leak``
+    (``bytes`` a step). Its words: :func:`cause_words`."""
+
+    code: CauseCode
+    bytes: float
+    total: float | None = None
+    unified: bool = False
+    holders: str | None = None
+
+
+def cause_words(cause: Cause) -> str:
+    """A cause in words: the one place they are written."""
+    if cause.code == "leak":
+        return f"a leak of {mib(cause.bytes)} a step (memory grew on every step)"
+    if cause.holders:
+        return cause.holders
+    if cause.unified:
+        return f"other processes and the system hold {cause.bytes / GIB:.1f} GiB of this machine's " \
+               f"{(cause.total or 0.0) / GIB:.1f} GiB"
+    return f"another process (or memory outside PyTorch's allocator) holds {cause.bytes / GIB:.1f} GiB of this card"
+
+
 @dataclass(frozen=True)
 class WallFacts:
     """What sets the memory wall now and what presses on it, in bytes, for messages: the watchdog publishes it on
@@ -119,28 +196,32 @@ class WallFacts:
     leak_per_step: float | None = None  # growth on every step of the trend window: a leak (bytes a step)
     set_by: str = "device"              # "limit_gb", "device" (fraction × the device's limit), "reach"
 
-    def outside_words(self) -> str | None:
-        """Who holds the memory outside this run's reach, in words; None when unknown or not material (below
+    def outside_cause(self) -> Cause | None:
+        """The memory held outside this run's reach as a :class:`Cause`; None when unknown or not material (below
         :data:`OUTSIDE_MATERIAL` of the device)."""
         if self.outside is None or not self.total or self.outside < OUTSIDE_MATERIAL * self.total:
             return None
-        if self.holders:
-            return self.holders
-        if self.unified:
-            return f"other processes and the system hold {self.outside / GIB:.1f} GiB of this machine's " \
-                   f"{self.total / GIB:.1f} GiB"
-        return f"another process (or memory outside PyTorch's allocator) holds {self.outside / GIB:.1f} GiB of " \
-               f"this card"
+        return Cause("outside", self.outside, self.total, self.unified, self.holders)
 
-    def causes(self) -> list[str]:
-        """The causes of memory pressure the watchdog knows, in words (empty when it knows none)."""
+    def outside_words(self) -> str | None:
+        """Who holds the memory outside this run's reach, in words (:meth:`outside_cause`); None when unknown or
+        not material."""
+        cause = self.outside_cause()
+        return cause_words(cause) if cause is not None else None
+
+    def cause_list(self) -> list[Cause]:
+        """The causes of memory pressure the watchdog knows, as data (empty when it knows none)."""
         found = []
-        outside = self.outside_words()
+        outside = self.outside_cause()
         if outside is not None:
             found.append(outside)
         if self.leak_per_step is not None and self.leak_per_step > 0:
-            found.append(f"a leak of {mib(self.leak_per_step)} a step (memory grew on every step)")
+            found.append(Cause("leak", self.leak_per_step))
         return found
+
+    def causes(self) -> list[str]:
+        """The causes of memory pressure the watchdog knows, in words (empty when it knows none)."""
+        return [cause_words(c) for c in self.cause_list()]
 
     def sentence(self) -> str:
         """The causes as one clause (``""`` when none is known)."""
@@ -360,7 +441,13 @@ class MemoryPolicy:
         return all(b - a > self.leak_min_growth for a, b in zip(used, used[1:]))
 
     def shrink_futile(self) -> str | None:
-        """Why a smaller micro-batch cannot relieve the pressure, or None when it may.
+        """Why a smaller micro-batch cannot relieve the pressure, in words (:meth:`futile`, :func:`futile_words`),
+        or None when it may."""
+        why = self.futile()
+        return futile_words(why) if why is not None else None
+
+    def futile(self) -> Futile | None:
+        """Why a smaller micro-batch cannot relieve the pressure, as data, or None when it may.
 
         Never for memory that grows on every step (a leak, known or as it looks before the trend window is full):
         a smaller micro-batch does not stop it. After an earlier request of this run took effect, from what it did:
@@ -368,8 +455,7 @@ class MemoryPolicy:
         would stay at the warn level or above (or the smaller micro-batch did not lower memory at all)."""
         if not self.completions_explain and (self.leak_rate is not None or self.steady_growth):
             rate = self.leak_rate if self.leak_rate is not None else self.slope
-            return (f"memory grows by {mib(rate or 0.0)} on every step, and a smaller micro-batch does not stop a "
-                    f"leak")
+            return Futile("leak", rate=rate or 0.0)
         if (self.shrink is None or self.micro_batch is None or not self.history
                 or self.segment_steps <= self.grace_steps):
             return None
@@ -381,9 +467,8 @@ class MemoryPolicy:
         at_one = now - per_sample * (self.micro_batch - 1)
         if per_sample > 0 and at_one < self.warn_fraction * self.budget:
             return None
-        return (f"micro-batch {before_micro} → {self.micro_batch} took memory from {gib(before)} to {gib(now)}: "
-                f"even at micro-batch 1 it would be about {gib(max(at_one, 0.0))} "
-                f"against the warn level of {gib(self.warn_fraction * self.budget)}")
+        return Futile("no_relief", before_micro=before_micro, micro_batch=self.micro_batch, before=before, now=now,
+                      at_one=max(at_one, 0.0), warn=self.warn_fraction * self.budget)
 
     # ------------------------------------------------------------ deciding
     def next_action(self, can_shrink: bool) -> str | None:
@@ -410,15 +495,17 @@ class MemoryPolicy:
         if action == SMALLER_BATCH and self.micro_batch is not None and self.history:
             self.shrink = (self.micro_batch, median([u for _, u in self.history]))
 
-    def reason(self) -> str:
+    def pressure(self) -> Pressure:
+        """Why the watchdog acts now, as data (:class:`Pressure`)."""
         stw, slope = self.steps_to_wall, self.slope
         used = self.history[-1][1] if self.history else 0.0
-        text = f"{LEVEL_NAMES[self.level]}: {gib(used)} used of a {gib(self.budget)} budget"
-        if stw is not None and slope is not None:         # a wall is forecast only from a slope
-            text += f", wall in {stw:.1f} steps at +{mib(slope)}/step"
-        if self.swap_streak:
-            text += f", macOS swapping for {self.swap_streak} step(s)"
-        return text
+        forecast = stw is not None and slope is not None          # a wall is forecast only from a slope
+        return Pressure(self.level, used, self.budget, stw if forecast else None, slope if forecast else None,
+                        self.swap_streak)
+
+    def reason(self) -> str:
+        """:meth:`pressure` in words (:func:`pressure_words`)."""
+        return pressure_words(self.pressure())
 
 
 @dataclass

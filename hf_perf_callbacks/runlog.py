@@ -79,7 +79,11 @@ def number(value: object) -> float | None:
     return None
 
 
+#: a run header's ``launcher`` when the recipe launcher started the run (the report words its advice as recipe keys)
+HF_PERF_TRAIN = "hf-perf train"
+
 # ---------------------------------------------------------------- records
+
 @dataclass
 class RunHeader:
     """One ``train()`` call: the bus's session and the facts the callbacks handed it (None: not described)."""
@@ -88,7 +92,7 @@ class RunHeader:
     resumed_from_step: int = 0
     sources: list[str] = field(default_factory=list)      # the callbacks that described the run
     time: float | None = None
-    launcher: str | None = None                            # the command that started the run ("hf-perf train")
+    launcher: str | None = None                            # the command that started the run (HF_PERF_TRAIN)
     resize: bool | None = None            # True: this call continues the run after train_with_tuning's in-process
     #                                       re-size or switch of split (not a resume)
     # ThroughputMeter

@@ -99,6 +99,17 @@ def _optional_number(value: object, where: str) -> float | None:
     return v
 
 
+def _figures(value: object, where: str) -> dict[str, float | int | str]:
+    """A decision's figures: a mapping of names to numbers or words (absent: empty)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float, str)) and not isinstance(v, bool)
+            for k, v in value.items()):
+        raise SplitFileError(f"{where} is {value!r}: expected a mapping of names to numbers or words")
+    return dict(value)
+
+
 def _optional(value: object, kind: type[_T], where: str) -> _T | None:
     """``value`` when it is None or of ``kind`` (``int``: not a bool), else a SplitFileError; numbers:
     :func:`_optional_number`."""
@@ -320,12 +331,27 @@ class Decision:
     budget_gb: float | None = None
     rule: str | None = None
     trial: bool = False                      # an OOM of a split the tuning was trying: no re-size of the user's
+    # the reason as data (absent from files written before them: None / empty). A tune decision's ``reason_code``
+    # is its outcome ("kept_configured", "faster_beyond_noise"), ``ended_by`` why the tuning ended
+    # (wording.TUNER_REASONS), ``figures`` the numbers both rest on; ``rank_by``: what its trials' samples measure
+    reason_code: str | None = None
+    ended_by: str | None = None
+    figures: dict[str, float | int | str] = field(default_factory=dict)
+    rank_by: str | None = None
+
+    @property
+    def code(self) -> str:
+        """Why it was taken, as a code: a tune decision's outcome, else its kind ("oom", "watchdog",
+        "memory_check")."""
+        return self.reason_code or self.kind
 
     @property
     def ranked(self) -> str | None:
         """What the trials' samples measure (the tuner's ``rank_by``, from the decision's ``rule``):
         ``"non_generation"`` (the step time minus generation), ``"step"`` (the whole step) or None (not said)."""
-        rule = self.rule or ""
+        if self.rank_by in RANKED_WORDS:
+            return self.rank_by
+        rule = self.rule or ""                   # a file written before rank_by was stored: its rule's words
         if RANKED_WORDS["non_generation"] in rule:
             return "non_generation"
         return "step" if f"({RANKED_WORDS['step']})" in rule else None
@@ -376,7 +402,11 @@ class Decision:
                    planned_steps=_optional(entry.get("planned_steps"), int, f"{where}.planned_steps"),
                    budget_gb=_optional_number(entry.get("budget_gb"), f"{where}.budget_gb"),
                    rule=_optional(entry.get("rule"), str, f"{where}.rule"),
-                   trial=_optional(entry.get("trial"), bool, f"{where}.trial") or False)
+                   trial=_optional(entry.get("trial"), bool, f"{where}.trial") or False,
+                   reason_code=_optional(entry.get("reason_code"), str, f"{where}.reason_code"),
+                   ended_by=_optional(entry.get("ended_by"), str, f"{where}.ended_by"),
+                   figures=_figures(entry.get("figures", {}), f"{where}.figures"),
+                   rank_by=_optional(entry.get("rank_by"), str, f"{where}.rank_by"))
 
 
 @dataclass

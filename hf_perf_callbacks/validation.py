@@ -46,13 +46,24 @@ def check_flag(name: str, value: Any, *, allow_none: bool = False) -> Any:
 
 class UnknownKeyword(ValueError, TypeError):
     """A keyword argument the callable does not take (a ``TypeError`` as Python raises it, and a ``ValueError`` as
-    the package's other bad arguments)."""
+    the package's other bad arguments): ``keyword``, the ``closest`` allowed one (None: none close) and ``allowed``."""
+
+    def __init__(self, message: str, keyword: str = "", closest: str | None = None,
+                 allowed: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.keyword, self.closest, self.allowed = keyword, closest, allowed
+
+
+def closest(word: str, allowed: Iterable[str]) -> str | None:
+    """The closest of ``allowed`` to ``word`` (difflib, cutoff 0.6), or None."""
+    close = difflib.get_close_matches(str(word), list(allowed), n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def did_you_mean(word: str, allowed: Iterable[str]) -> str:
-    """`` (did you mean 'calibrate'?)`` for the closest of ``allowed`` to ``word``, or ``""``."""
-    close = difflib.get_close_matches(str(word), list(allowed), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    """`` (did you mean 'calibrate'?)`` for the closest of ``allowed`` to ``word`` (:func:`closest`), or ``""``."""
+    close = closest(word, allowed)
+    return f" (did you mean {close!r}?)" if close else ""
 
 
 def check_keywords(owner: str, given: Iterable[str], allowed: Iterable[str]) -> None:
@@ -62,7 +73,8 @@ def check_keywords(owner: str, given: Iterable[str], allowed: Iterable[str]) -> 
     for name in given:
         if name not in allowed:
             raise UnknownKeyword(f"{owner} got an unexpected keyword argument {name!r}{did_you_mean(name, allowed)}; "
-                                 f"allowed keywords: {', '.join(allowed)}")
+                                 f"allowed keywords: {', '.join(allowed)}", name, closest(name, allowed),
+                                 tuple(allowed))
 
 
 def suggest_keywords(function: F) -> F:

@@ -41,6 +41,20 @@ def split_label(split: object) -> str:
     return f"{micro}×{accum}" if micro is not None and accum is not None else "?"
 
 
+def warmup_case(steps: object, slowdown: object) -> str:
+    """Which warmup :func:`warmup_words` describes, as a code: ``not_finished``; ``settled`` (the speed settled
+    after some steps, with no slow start: not a warmup); ``warmup`` (it took some steps); ``first_only`` (only the
+    first step was slow); ``none`` (the first step ran at the steady speed, or faster)."""
+    n, slow = _number(steps), _number(slowdown)
+    if n is None:
+        return "not_finished"
+    if n and slow is not None and slow < 0.95:
+        return "settled"
+    if n:
+        return "warmup"
+    return "first_only" if slow is not None and slow >= 1.05 else "none"
+
+
 def warmup_words(steps: object, slowdown: object, overhead: object = None, first_step: object = None,
                  levels: int = 1) -> str:
     """What the warmup figures say, without contradicting themselves: ``steps`` of warmup (0: none beyond the first
@@ -49,20 +63,21 @@ def warmup_words(steps: object, slowdown: object, overhead: object = None, first
     ``overhead`` seconds above steady time. ``first_step``: the step the slowdown is of (the latest ``train()``
     call's first step), named when it is not step 1."""
     n, slow, over = _number(steps), _number(slowdown), _number(overhead)
+    case = warmup_case(steps, slowdown)
     if n is None:
         return "warmup not finished (no stable window of steps yet: too few steps for steady figures)"
     at = _number(first_step)
     first = "the first step" if at is None or at == 1 else f"step {at:.0f} (the first of the latest train() call)"
     parts = []
-    if n and slow is not None and slow < 0.95:       # the speed settled later, but no slow start: not a warmup
+    if case == "settled":                            # the speed settled later, but no slow start: not a warmup
         parts.append(f"the speed settled after {n:.0f} step{'s' if n != 1 else ''}")
-    elif n:
+    elif case == "warmup":
         parts.append(f"warmup took {n:.0f} step{'s' if n != 1 else ''}")
         if slow is not None and slow >= 1.05:
             parts.append(f"{first} took {slow:.1f}x the steady step")
         if over:
             parts.append(f"{over:.1f} s above steady time")
-    elif slow is not None and slow >= 1.05:
+    elif case == "first_only":
         parts.append(f"only {first} was slow ({slow:.1f}x the steady step); no warmup beyond it")
     elif slow is None or slow >= 0.95:
         parts.append(f"no warmup: {first} ran at the steady speed")
@@ -137,3 +152,95 @@ def phase_line(phases: Mapping[str, object]) -> str:
     numbers = [(k, _number(v)) for k, v in phases.items()]
     shares = [(PHASE_WORDS.get(k, k), v) for k, v in numbers if v is not None and v > 0]
     return "time split: " + (", ".join(f"{name} {v:.1%}" for name, v in shares) or "n/a")
+
+
+# ------------------------------------------------------------------ the tuner's reasons, from their codes and figures
+#: a figure of a typed reason: a number, or a split's label, or words a caller passed on
+Figure = float | int | str
+
+#: why the tuning on the run's own steps ended, or left a candidate: :class:`hf_perf_callbacks.resize.tuning.Why`'s
+#: codes (their words: :func:`tuner_reason`); the first four end the tuning before or between its trials
+TUNER_REASONS = ("too_short", "round_too_long", "cannot_pay_back", "unknown_length", "no_other_split", "slower",
+                 "not_faster", "not_separable", "over_budget", "failed", "memory_pressure", "run_ended", "oom_ended",
+                 "ended")
+#: the tuning's outcome (a ``tune`` decision's ``reason_code``): the configured split kept, or another split kept
+#: because it was faster beyond the noise (by the sequential test at once, or by Mann-Whitney over its rounds)
+TUNER_OUTCOMES = ("kept_configured", "faster_beyond_noise")
+#: the words of the codes that callers end the tuning with (``OnRunTuning.end``)
+TUNER_ENDED_WORDS = {"memory_pressure": "memory pressure ended the tuning",
+                     "run_ended": "the run ended before the tuning did",
+                     "oom_ended": "out of memory ended the tuning"}
+
+
+def evidence_words(verdict: object, f: Mapping[str, Figure], prefix: str = "") -> str:
+    """The sequential test's evidence for ``verdict`` ("faster" or "slower") from its figures (``candidate``,
+    ``baseline``, ``ratio``, ``slower_ratio``, ``bound``, ``spread``, ``error``, ``min_gain``; each under
+    ``prefix``)."""
+    def get(key: str) -> Figure:
+        return f[prefix + key]
+
+    candidate, baseline = get("candidate"), get("baseline")
+    if verdict == "slower":
+        return (f"{candidate}'s fastest step {float(get('slower_ratio')):.2f}× {baseline}'s slowest, beyond the "
+                f"noise bound {float(get('bound')):.2f}× (sequential test, spread {float(get('spread')):.2f}, "
+                f"error <= {float(get('error')):.2g} a look)")
+    gain = float(get("min_gain"))
+    return (f"{baseline}'s fastest step {float(get('ratio')):.2f}× {candidate}'s slowest, beyond the noise bound "
+            f"{float(get('bound')) / (1 - gain):.2f}× (the noise and {gain:.0%}; sequential test, spread "
+            f"{float(get('spread')):.2f}, error <= {float(get('error')):.2g} a look)")
+
+
+def saving_words(f: Mapping[str, Figure]) -> str:
+    """How the tuner reckoned what a round can plausibly save a step, from its figures (``how`` "measured": the
+    candidate's median ``gain`` plus its ``std_error``; else the baseline's ``median`` less its ``iqr``)."""
+    if f["how"] == "measured":
+        return (f"{f['candidate']}'s median gain {float(f['gain']):.3f} s/step over {f['baseline']} plus its "
+                f"standard error {float(f['std_error']):.3f} s")
+    return (f"{f['baseline']}'s median {float(f['median']):.3f} s/step, the most a split could save, less its "
+            f"interquartile range {float(f['iqr']):.3f} s: a saving within the noise cannot be told from it")
+
+
+def tuner_reason(code: str, f: Mapping[str, Figure]) -> str:
+    """Why the tuning ended or left a candidate, in words, from its code (:data:`TUNER_REASONS`) and figures: the one
+    place these sentences are written."""
+    if code == "too_short":
+        return (f"too short to pay back: measuring this split and trying one other takes {f['needed']} steps and "
+                f"{f['left']} are left")
+    if code == "round_too_long":
+        return f"too short to pay back: a round takes {f['round_steps']} steps and {f['left']} are left"
+    if code == "unknown_length":
+        return "the run's length is unknown: no trial can be weighed against its pay-back"
+    if code == "cannot_pay_back":
+        saving, after, margin = float(f["saving"]), int(f["steps_after"]), float(f["margin"])
+        how = saving_words(f)
+        return (f"cannot pay back: a round could plausibly save {saving:.3f} s/step ({how}) × {after} steps = "
+                f"{after * saving:.1f} s after it, less than "
+                + (f"{margin:g} × its reckoned cost (no switch of this run measured yet), " if margin != 1 else
+                   "its cost, ")
+                + f"{float(f['cost']):.1f} s (a switch there and back, its steps at the noise)")
+    if code == "no_other_split":
+        return "no other split to try"
+    if code == "slower":
+        return f"{f['candidate']} slower: {evidence_words('slower', f)}"
+    if code == "not_faster":
+        return f"{f['candidate']} not faster beyond the noise in {f['rounds']} round(s)"
+    if code == "not_separable":
+        return f"{f['candidate']} not separable from the noise and no round left that could pay back"
+    if code == "over_budget":
+        return f"{f['candidate']} passed the memory budget"
+    if code == "failed":
+        return f"{f['candidate']} {f['why']}"
+    if code in TUNER_ENDED_WORDS:
+        return TUNER_ENDED_WORDS[code]
+    return str(f.get("why", code))
+
+
+def tuning_outcome(outcome: str, f: Mapping[str, Figure], note: str) -> str:
+    """A ``tune`` decision's reason: its outcome (:data:`TUNER_OUTCOMES`) with the figures it rests on, then why the
+    tuning ended (``note``, :func:`tuner_reason`'s words)."""
+    if outcome == "kept_configured":
+        return f"kept the configured split: {note}" if note else "kept the configured split"
+    head = (f"{f['kept']} faster than {f['start']} beyond the noise (median {float(f['median_kept']):.3f} vs "
+            f"{float(f['median_start']):.3f} s over {f['steps_kept']} and {f['steps_start']} steps")
+    evidence = f"; {evidence_words('faster', f, 'seq_')}" if "seq_ratio" in f else f", p={float(f['p']):.3f}"
+    return f"{head}{evidence}); {note}"

@@ -4,7 +4,9 @@ import torch
 
 from hf_perf_callbacks import ThroughputMeter, default_callbacks, keys
 from hf_perf_callbacks.report import check, measurements_from_run, write_analysis
+from hf_perf_callbacks.report.figures import FROM_PERF_LOG
 from hf_perf_callbacks.runlog import read_run
+from hf_perf_callbacks.splitfile import RANKED_UNITS, trial_figures
 from hf_perf_callbacks.tiny import build_model
 from tests.conftest import PlantedClock, make_grpo, make_trainer
 
@@ -74,7 +76,7 @@ def test_a_run_that_cannot_learn_is_the_first_finding(tokenizer, tmp_path):
     # trainer_state.json: the same finding, from the perf log
     moved = _trainer_logs_into_step_lines(tmp_path, tmp_path / "moved")
     m = measurements_from_run(moved)
-    assert m.trainer_log_source == "perf log" and m.rewards.logs == 4 and m.no_signal_run == 4
+    assert m.trainer_log_source == FROM_PERF_LOG and m.rewards.logs == 4 and m.no_signal_run == 4
     assert check(m)[0][0].title == findings[0].title and m.trainer_log_source in check(m)[0][0].observation
 
 
@@ -168,7 +170,7 @@ def test_a_grpo_run_without_trainer_state_reads_its_rewards_from_the_perf_log(to
     assert not (tmp_path / "trainer_state.json").exists()
     text, findings, notes = _report(tmp_path)
     m = measurements_from_run(str(tmp_path))
-    assert m.trainer_log_source == "perf log" and m.rewards.logs == 3 and m.rewards.max == 0.0
+    assert m.trainer_log_source == FROM_PERF_LOG and m.rewards.logs == 3 and m.rewards.max == 0.0
     f = findings[0]
     assert f.rule == "no_learning" and m.trainer_log_source in f.observation and f"## 1. {f.title}" in text
     assert "num_generations" not in f.setting and "temperature" not in f.setting
@@ -195,11 +197,13 @@ def test_the_tuners_record_of_a_real_tuning_run_is_what_the_analysis_reports(tok
     f = {f.rule: f for f in findings}["tuning_cost"]
     assert "small_micro_batch" not in [n.rule for n in notes]
     assert f"cost {m.tune.cost_sec:.1f} s" in f.observation and "failed" not in f.observation
-    assert "4×2: " in f.observation and "out of memory" in f.observation and "kept 2×4" in f.observation
-    measured = [t for t in m.tune.trials if t.median is not None]
-    assert measured and all(f"{t.split.micro_batch}×{t.split.grad_accum}: median {t.median:.3g} s per optimizer "
-                            f"step over" in f.observation for t in measured)
-    assert "outside generation" not in f.observation                 # a Trainer run: the whole step was ranked
+    assert (f.facts["kept"], f.facts["step"], f.facts["cost_sec"]) == ("2×4", m.tune.step, m.tune.cost_sec)
+    assert m.tune.new == m.tune.old                 # kept, not switched
+    figures = {t.label: t for t in trial_figures(m.tune)}           # every trial as every reader prints it
+    assert all(t.words() in f.observation for t in figures.values())
+    assert not figures["4×2"].measured and not next(t.fits for t in m.tune.trials if t.split.micro_batch == 4)
+    assert [t for t in figures.values() if t.measured]
+    assert all(t.unit == RANKED_UNITS["step"] for t in figures.values())   # a Trainer run: the whole step was ranked
     for f in findings:                                     # nothing at or above the micro-batch that ran out
         assert f.setting.get("per_device_train_batch_size", 0) < 4
 

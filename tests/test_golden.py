@@ -48,3 +48,94 @@ def test_the_rendered_report_matches_its_golden_file(name, tmp_path, capsys):
     diff = "".join(difflib.unified_diff(golden.splitlines(True), text.splitlines(True), f"golden/{name}.md",
                                         "rendered", n=2))
     assert not diff, f"the rendered report changed (UPDATE_GOLDEN=1 rewrites it after review):\n{diff}"
+
+
+def _rule_scenarios() -> dict[str, object]:
+    """name → the Measurements of a unit test of ``tests/test_analysis.py`` whose findings' and notes' words this
+    golden file holds (the tests themselves assert the findings' data: reasons, figures, settings)."""
+    from hf_perf_callbacks.report.model import Contention, Machine, Rewards
+    from hf_perf_callbacks.runlog import HF_PERF_TRAIN
+    from tests.test_analysis import evaluation, healthy
+
+    flat = Rewards(logs=8, min=0.0, max=0.0, std_max=0.0, zero_std_min=1.0,
+                   funcs={"format_reward": (0.0, 0.0), "solved_reward": (0.0, 0.0)})
+    return {
+        "contention": healthy(contention=Contention(
+            steps=4, step_list=[1, 2, 3, 4], lost_sec=39.9, run_sec=120.0, lost_share=39.9 / 120.0,
+            wall_over_cpu=2.6, steady_wall_over_cpu=1.05, other_cores=1.6, source="meter")),
+        "input_bound_with_workers": healthy(grpo=False, phases={"data_wait": 0.4, "compute": 0.6},
+                                            dataloader={"num_workers": 4, "persistent_workers": True,
+                                                        "prefetch_factor": 4, "pin_memory": True}),
+        "generation_bound_cuda": healthy(phases={"data_wait": 0.0, "generation": 0.95, "compute": 0.05, "eval": 0.0,
+                                                 "save": 0.0}, decode_bandwidth_util=0.008, mfu=0.3),
+        "more_steps_per_generation": healthy(device_type="mps", mfu=None, decode_bandwidth_util=None, grad_accum=4,
+                                             steps_per_generation=4, phases={"generation": 0.7, "compute": 0.3}),
+        "memory_pressure_swapping_mac": healthy(
+            device_type="mps", mfu=None, decode_bandwidth_util=None, micro_batch=2, grad_accum=1, num_generations=2,
+            max_completion_length=512, completion_mean=None, completion_max=None, completion_p90=None,
+            clipped_ratio=None, seq_len=600, swap_growth_gb=6.0, swapout_steps=20, max_pressure=2,
+            mem_high_water_gb=40.0, mem_budget_gb=38.0, driver_gb_max=40.0, allocated_gb_at_driver_max=24.0,
+            watchdog_actions=[{"step": 4, "action": "clear_cache", "message": "cleared"}]),
+        "memory_pressure_near_the_wall": healthy(max_pressure=1, min_steps_to_wall=8.0),
+        "no_learning": healthy(logs=12, no_signal_run=12, reward_mean=0.0, temperature=0.7,
+                               phases={"data_wait": 0.5, "compute": 0.5}),
+        "constant_reward_cut": healthy(rewards=flat, logs=8, no_signal_run=8, clipped_ratio=0.9, completion_max=128.0,
+                                       completion_p90=128.0, completion_mean=128.0, trainer_log_source="perf log"),
+        "completion_budget_note": healthy(device_type="mps", mfu=None, decode_bandwidth_util=None, micro_batch=2,
+                                          grad_accum=1, num_generations=2, max_completion_length=512,
+                                          completion_mean=60.0, completion_max=80.0, completion_p90=78.0,
+                                          clipped_ratio=0.0),
+        "warmup_on_a_mac": healthy(device_type="mps", first_step_slowdown=7.3, warmup_steps=10,
+                                   warmup_overhead_sec=25.6, steady_step_sec=4.0, steady_tokens_per_sec=254.3,
+                                   mfu=None, decode_bandwidth_util=None),
+        "warmup_in_a_short_run": healthy(first_step_slowdown=7.3, warmup_steps=3, warmup_overhead_sec=25.6,
+                                         steady_step_sec=4.0, steps=10),
+        "small_micro_batch_two_devices": healthy(micro_batch=1, grad_accum=8, world_size=2, num_generations=4,
+                                                 mfu=0.05),
+        "oversubscription_launched": healthy(device_type="cpu", mfu=None, launcher=HF_PERF_TRAIN, machine=Machine(
+            steps=12, busy=0.3, other=1.7, load=4.9, cores=2, cores_from="run header", threads=2,
+            threads_from="run header", spread=1.9, cpu_spread=1.6, lower_bound=1.4)),
+        "evaluation": healthy(evaluation=evaluation(), phases={"compute": 0.4, "eval": 0.6}),
+        "nothing_found_no_rewards": healthy(rewards=None, logged=frozenset()),
+        "too_short": healthy(device_type="cpu", mfu=None, micro_batch=2, grad_accum=4, num_generations=4,
+                             pad_to_multiple_of=32, pad_fraction=0.45, seq_len=96, seq_len_mean=80.0,
+                             phases={"generation": 0.6, "compute": 0.4}, steps=2, warmup_done=False, steady_steps=0,
+                             warmup_steps=None, forwards_per_microbatch=2.0),
+    }
+
+
+def test_the_rules_words_match_their_golden_file():
+    """Each rule's words for the planted measurements of its unit tests (``perf_report.md`` and the console's top
+    findings), compared exactly with ``tests/golden/rules.md``."""
+    from hf_perf_callbacks.report import check, console_summary, render_markdown
+
+    parts = []
+    for name, m in _rule_scenarios().items():
+        findings, notes = check(m)
+        parts += [f"======== {name} ========", console_summary(findings, notes=notes), "",
+                  render_markdown(findings, m, notes), ""]
+    text = "\n".join(parts)
+    path = os.path.join(GOLDEN, "rules.md")
+    if os.environ.get("UPDATE_GOLDEN") == "1":
+        with open(path, "w") as f:
+            f.write(text)
+    with open(path) as f:
+        golden = f.read()
+    diff = "".join(difflib.unified_diff(golden.splitlines(True), text.splitlines(True), "golden/rules.md",
+                                        "rendered", n=2))
+    assert not diff, f"a rule's words changed (UPDATE_GOLDEN=1 rewrites it after review):\n{diff}"
+
+
+def test_every_finding_and_note_says_which_case_of_its_rule_it_is():
+    """Each finding and note of the planted measurements carries a reason code of its own rule (model.REASONS), the
+    case its words were chosen for."""
+    from hf_perf_callbacks.report import check
+    from hf_perf_callbacks.report.model import REASONS
+
+    seen = set()
+    for m in _rule_scenarios().values():
+        findings, notes = check(m)
+        for r in [*findings, *notes]:
+            assert r.reason in REASONS[r.rule], (r.rule, r.reason)
+            seen.add((r.rule, r.reason))
+    assert len(seen) >= 20

@@ -88,7 +88,7 @@ def test_a_leak_across_the_splits_of_a_tuning_is_a_leak_and_a_switch_is_no_growt
             base += 10.0
             p.observe(Observation(step, base + offset, micro_batch=micro))
     assert p.leaking and p.leak_rate == pytest.approx(10.0)
-    assert "does not stop a leak" in p.shrink_futile()
+    assert p.futile().code == "leak" and p.futile().rate == pytest.approx(10.0)
     flat = policy(grace_steps=1, trend_window=8)          # the same switches without a leak
     step = 0
     for micro in (4, 8, 2, 4):
@@ -335,7 +335,7 @@ def test_a_leak_goes_down_the_ladder_without_a_smaller_micro_batch():
     clear_at, stop_at = actions[0][0], actions[1][0]
     assert (1000 - (500 + 25 * clear_at)) / 25 <= 20 and (1000 - (500 + 25 * stop_at)) / 25 <= 3
     assert 500 + 25 * stop_at < 1000                   # before the wall
-    assert "a smaller micro-batch does not stop a leak" in p.shrink_futile()
+    assert p.futile().code == "leak" and p.futile().rate == pytest.approx(25.0)
 
 
 def test_the_leak_is_remembered_across_segments_until_a_whole_window_is_flat():
@@ -373,18 +373,21 @@ def test_a_pressure_that_does_not_grow_still_asks_for_a_smaller_micro_batch_once
     helps.taken(CLEAR)
     assert helps.next_action(can_shrink=True) == SMALLER_BATCH
     futile = run(used_after=94.0)         # 0.5 per sample: at micro-batch 1 ≈ 93.5, still above the warn level
-    assert "even at micro-batch 1 it would be about" in futile.shrink_futile()
+    why = futile.futile()                 # at micro-batch 1: 94 - 0.5 = 93.5, above the warn level of 90
+    assert (why.code, why.before_micro, why.micro_batch) == ("no_relief", 4, 2)
+    assert (why.before, why.now, why.at_one, why.warn) == pytest.approx((95.0, 94.0, 93.5, 90.0))
     futile.taken(futile.next_action(can_shrink=True))
     assert futile.next_action(can_shrink=True) is None   # warn, not critical: nothing more to do
 
 
 def test_the_causes_in_words():
-    from hf_perf_callbacks.memory import WallFacts, holders_words
+    from hf_perf_callbacks.memory import Cause, WallFacts, holders_words
 
     card = WallFacts(budget=16.1 * GIB, total=139.8 * GIB, outside=120.0 * GIB, leak_per_step=512 * 1024**2)
     assert card.causes() == ["another process (or memory outside PyTorch's allocator) holds 120.0 GiB of this card",
                              "a leak of 512 MiB a step (memory grew on every step)"]
     assert WallFacts(budget=1.0, total=80 * GIB, outside=0.6 * GIB).causes() == []       # a CUDA context: no cause
+    assert card.cause_list() == [Cause("outside", 120.0 * GIB, 139.8 * GIB), Cause("leak", 512 * 1024**2)]
     machine = WallFacts(budget=1.0, total=24 * GIB, outside=6 * GIB, unified=True)
     assert machine.sentence() == "other processes and the system hold 6.0 GiB of this machine's 24.0 GiB"
     named = holders_words([(10, "python", int(120 * GIB)), (42, "python", int(9 * GIB))], own_pid=42,

@@ -7,9 +7,17 @@ from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, keys
 from hf_perf_callbacks.batching import Split
-from hf_perf_callbacks.report.plots import PlotData, plot_memory, plot_phases, plot_throughput, plot_tuner
+from hf_perf_callbacks.report.plots import (
+    PHASES_AXIS,
+    PlotData,
+    _untried_words,
+    plot_memory,
+    plot_phases,
+    plot_throughput,
+    plot_tuner,
+)
 from hf_perf_callbacks.runlog import read_run
-from hf_perf_callbacks.splitfile import Decision, SplitFile, Trial
+from hf_perf_callbacks.splitfile import RANKED_UNITS, Decision, SplitFile, Trial
 from tests.conftest import make_grpo, make_trainer
 from tests.test_throughput import PlantedLoad
 
@@ -218,7 +226,7 @@ def test_phases_shade_only_the_steps_the_tuner_measured(tmp_path):
     fig, data = draw(plot_phases, out)
     measured = step_ranges(s for d in data.tune_decisions() for t in d.trials for s in t.steps)
     assert len(measured) > 1 and spans(fig.axes[0]) == measured
-    assert fig.axes[0].get_ylabel() == "seconds per step"
+    assert fig.axes[0].get_ylabel() == PHASES_AXIS
 
 
 def test_memory_marks_the_switch_that_explains_its_step(tmp_path):
@@ -234,8 +242,9 @@ def test_a_tuning_that_measured_no_other_split_is_a_line_of_text_not_an_empty_pa
     out = synthetic(tmp_path, "untried", steps=30, tune=True, base_sec=0.11, generation_sec=0.15, noise=0.15)
     fig, data = draw(plot_tuner, out)
     assert len(fig.axes) == 1 and not fig.axes[0].patches                  # the split panel only, no bars
-    words = " ".join(t.get_text() for t in fig.axes[0].texts)
-    assert "no other split measured" in words and "cannot pay back" in words
+    decision = data.split_file.decisions[-1]       # kept for want of pay-back, and the panel says its reason
+    assert (decision.kind, decision.reason_code, decision.ended_by) == ("tune", "kept_configured", "cannot_pay_back")
+    assert _untried_words(decision) in [t.get_text() for t in fig.axes[0].texts]
 
 
 def test_the_tuners_bars_say_what_every_reader_says_and_name_the_quantity(tmp_path):
@@ -246,7 +255,8 @@ def test_the_tuners_bars_say_what_every_reader_says_and_name_the_quantity(tmp_pa
     out = synthetic(tmp_path, "tuned", **TUNED)
     fig, data = draw(plot_tuner, out)
     trials_ax = fig.axes[0]
-    assert trials_ax.get_ylabel() == "median s per optimizer step outside generation"
+    ranked = data.tune_decisions()[-1].ranked                  # what the samples measure, in every reader's unit
+    assert ranked == "non_generation" and trials_ax.get_ylabel() == f"median {RANKED_UNITS[ranked]}"
     shown = trial_figures(data.tune_decisions()[-1])
     texts = [t.get_text() for t in trials_ax.texts]
     for t in shown:

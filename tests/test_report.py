@@ -11,6 +11,7 @@ from hf_perf_callbacks import keys
 from hf_perf_callbacks.report import report_command, summarize
 from hf_perf_callbacks.report.figures import figures, run_events
 from hf_perf_callbacks.report.plots import write_plots
+from hf_perf_callbacks.report.summary import NO_METER, UNFINISHED
 from hf_perf_callbacks.runlog import PERF_LOG, ReportError, read_run
 from hf_perf_callbacks.wording import phase_line, throughput_line
 from tests.conftest import schema_lines
@@ -97,13 +98,14 @@ def test_truncated_log_still_reports(demo_run, tmp_path, capsys):
     run = read_run(str(tmp_path))
     assert run.skipped_lines == 1 and run.summaries == {}
     text = summarize(run)
-    assert "did not finish" in text
-    assert "skipped 1 unreadable line" in text
+    assert UNFINISHED in text and f"skipped {run.skipped_lines} " in text
     assert "steps: 5" in text                                  # step 6 was the cut line
-    assert "steady tokens/s:" in text and "memory: high-water" in text and "time split:" in text
+    f = figures(run)                                           # the meter's and the watchdog's figures, all printed
+    assert throughput_line(f.steady_tokens_per_sec, f.steady_step_sec, f.mean_tokens_per_sec) in text
+    assert phase_line(f.phases) in text and f.high_water_gb is not None and f"{f.high_water_gb:.2f} GiB" in text
 
     assert report_command(str(tmp_path)) == 0
-    assert "did not finish" in capsys.readouterr().out
+    assert UNFINISHED in capsys.readouterr().out
     for name in ("throughput", "memory", "phases"):
         assert_good_png(str(tmp_path / "plots" / f"{name}.png"))
 
@@ -186,7 +188,7 @@ def test_synthetic_watchdog_and_tuner(tmp_path):
         (12, "tuner", "decision", None), (20, "mem", "stop", "stop")]
 
     text = summarize(run)                                   # the summary prints exactly these
-    assert not run.summaries and "did not finish" in text
+    assert not run.summaries and UNFINISHED in text
     assert throughput_line(f.steady_tokens_per_sec, f.steady_step_sec, f.mean_tokens_per_sec) in text
     assert phase_line(f.phases) in text and "MFU: 41.0%" in text
     assert "step 12: [tuner] decision (8x1 -> 4x2)" in text                 # an event line: the split change
@@ -212,8 +214,9 @@ def test_plots_skip_absent_data(tmp_path):
     assert (f.high_water_gb, f.budget_gb, f.steady_tokens_per_sec, f.warmup_done) == (2.5, 8.0, None, None)
     assert [(e.step, e.details.get("action")) for e in run_events(run)] == [(3, "clear_cache")]  # the summary's list
     text = summarize(run)
-    assert "no ThroughputMeter data" in text
-    assert "high-water 2.50 GiB of a 8.00 GiB budget (31%)" in text
+    memory = next(line for line in text.splitlines() if line.startswith("memory:"))     # high-water of budget
+    assert NO_METER in text and [w for w in ("2.50 GiB", "8.00 GiB", "(31%)") if w in memory] == ["2.50 GiB",
+                                                                                                "8.00 GiB", "(31%)"]
     paths = write_plots(run)
     assert [os.path.basename(p) for p in paths] == ["memory.png"]
     assert os.path.dirname(paths[0]) == str(tmp_path / "plots")

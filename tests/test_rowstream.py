@@ -9,7 +9,16 @@ import torch
 
 from hf_perf_callbacks import AdaptiveBatchTuner, keys, train_with_tuning
 from hf_perf_callbacks.batching import Split
-from hf_perf_callbacks.rowstream import RowWatch, compare, crosses, epoch_end, row_digests, step_rows
+from hf_perf_callbacks.rowstream import (
+    RowDifference,
+    RowWatch,
+    compare,
+    crosses,
+    difference,
+    epoch_end,
+    row_digests,
+    step_rows,
+)
 from hf_perf_callbacks.splitfile import read_split_file
 from tests.conftest import PlantedClock, TextDataset, make_trainer
 from tests.faults import Fault, Trajectory, differences
@@ -29,8 +38,9 @@ def test_a_rows_digest_ignores_padding_and_the_comparison_is_a_multiset():
     one, two = Split(2, 1), Split(1, 2)
     first = step_rows(3, one, [a], 1)
     assert compare(first, step_rows(3, two, [b, {k: v[:1] for k, v in a.items()}], 2)) is None   # other order
-    differs = compare(first, step_rows(3, two, [b, b], 2))
-    assert differs is not None and "1 of 2×1's rows missing" in differs
+    differs = difference(first, step_rows(3, two, [b, b], 2))        # b twice: a's first row missing, b extra
+    assert differs == RowDifference(rows=2, expected_rows=2, split=one, missing=1, extra=1)
+    assert compare(first, step_rows(3, two, [b, b], 2)) == differs.words()
     # packed rows (padding-free): one digest per example, cut where the positions start again
     packed = {"input_ids": torch.tensor([[8, 9, 5, 6, 7]]), "position_ids": torch.tensor([[0, 1, 0, 1, 2]])}
     assert len(row_digests(packed)) == 2

@@ -11,6 +11,7 @@ from hf_perf_callbacks import ThroughputMeter, keys
 from hf_perf_callbacks.dataloader import dataloader_advice
 from hf_perf_callbacks.flops import forward_flops_per_token, train_flops_per_token
 from hf_perf_callbacks.runlog import MeterSummary, SummaryLine, read_run
+from hf_perf_callbacks.wording import throughput_line
 from tests.conftest import PlantedClock, make_grpo, make_trainer
 
 
@@ -212,8 +213,8 @@ def test_slow_first_steps_are_warmup_only_when_cpu_time_says_so(tokenizer, tmp_p
     if kind == "contention":
         assert s["warmup_steps"] == 0 and s["early_contention_sec"] > 2500       # 3 × 1000 s planted
         assert len(contention) == 1 and contention[0].basis == "measured"
-        assert contention[0].expected_gain > 2 and "3 step(s)" in contention[0].observation
-        assert "other processes kept up to" in contention[0].observation        # perf/other_cpu_cores, on a CPU
+        assert contention[0].expected_gain > 2 and contention[0].facts["contended_steps"] == 3
+        assert contention[0].facts["other_cores"] is not None        # perf/other_cpu_cores, on a CPU
     else:
         # the real steps' own wall time (no planted CPU behind it) may count as contention on a loaded machine:
         # bounded against the planted 3000 s, not in absolute seconds
@@ -259,4 +260,4 @@ def test_console_summary_words_warmup_as_the_report_does(steps, slowdown, says, 
                      "steady_step_sec": 0.2, "steady_tokens_per_sec": 500.0, "mean_tokens_per_sec": 450.0,
                      "phases": {"compute": 0.9}, "device": "cpu", "world_size": 1, "peak_flops": None}
     text = meter.format_summary()
-    assert says in text and never not in text and "steady tokens/s: 500 at 0.2 s per steady step" in text
+    assert says in text and never not in text and throughput_line(500.0, 0.2, 450.0) in text

@@ -238,7 +238,9 @@ def test_a_split_8x_faster_is_kept_on_its_first_measured_step_and_the_split_file
     assert (decision.kind, decision.step, decision.old, decision.new) == ("tune", 8, Split(2, 4), Split(8, 1))
     trials = {t.split.micro_batch: t for t in decision.trials}
     assert trials[2].steps == [4, 5] and trials[8].steps == [8] and trials[8].gain == pytest.approx(7 / 8, abs=0.02)
-    assert "sequential test" in decision.reason
+    # the split file holds why as data: kept by the sequential test (its evidence's figures, no p-value)
+    assert decision.reason_code == "faster_beyond_noise" and decision.rank_by == decision.ranked == "non_generation"
+    assert "p" not in decision.figures and decision.figures["seq_ratio"] > decision.figures["seq_bound"]
     assert [s[keys.TUNER_MICRO_BATCH] for s in step_lines(tmp_path)] == [2] * 5 + [8] * 13
     assert record.split == Split(8, 1) and trainer.state.global_step == 18
 
@@ -246,7 +248,8 @@ def test_a_split_8x_faster_is_kept_on_its_first_measured_step_and_the_split_file
 def test_a_run_too_short_to_pay_back_tries_no_split_and_writes_no_checkpoint(tokenizer, tmp_path):
     trainer, tuner, _ = tuned_run(tokenizer, tmp_path, {8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}, max_steps=6)
     [decision] = tuner.session.decisions
-    assert decision.kind == "tune" and decision.new == Split(2, 4) and "too short to pay back" in decision.reason
+    assert decision.kind == "tune" and decision.new == Split(2, 4) and decision.ended_by == "too_short"
+    assert decision.figures["left"] < decision.figures["needed"]
     assert [t.split for t in decision.trials] == [Split(2, 4)] and decision.cost_sec == 0
     assert {s[keys.TUNER_MICRO_BATCH] for s in step_lines(tmp_path)} == {2}
     assert not [n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")]
@@ -281,7 +284,10 @@ def test_a_larger_split_that_runs_out_of_memory_is_left_and_nothing_is_lost(toke
     # the largest first; out of memory: straight on to the next largest; then the walk down (1×8, slower): back
     assert kinds[:3] == [("oom", 8, 4, True), ("oom", 4, 1, True), ("tune", 2, 2, False)]
     tried = {t.split.micro_batch: t for t in tuner.session.decisions[2].trials}
-    assert tried[8].error == tried[4].error == "out of memory" and len(tried[1].samples) == 1
+    from hf_perf_callbacks.resize.tuning import OVER_BUDGET
+
+    assert not tried[8].fits and not tried[4].fits and len(tried[1].samples) == 1      # out of memory, as the kinds
+    assert tried[8].error == tried[4].error != OVER_BUDGET                              # say, not over the budget
     assert [s["step"] for s in step_lines(tmp_path)] == list(range(1, 14)) and trainer.state.global_step == 13
     if max_resizes:
         assert kinds[3:] == [("oom", 2, 1, False)] and tuner.session.resizes == 1 and real.fired == 1
@@ -401,7 +407,7 @@ def test_the_memory_check_runs_only_where_memory_is_tight(tokenizer, tmp_path):
     assert memcheck.tight(grpo, budget=3 * peak, device_type="mps")[0] is True           # 2 × peak ≥ half of it
     plain = make_trainer(tokenizer, tmp_path / "plain", [], max_steps=1)
     assert memcheck.estimated_peak(plain, "cuda") is None
-    assert memcheck.tight(plain, budget=GB, device_type="cuda") == (True, "no estimate of the worst-case peak")
+    assert memcheck.tight(plain, budget=GB, device_type="cuda")[0] is True        # no estimate: the check runs
 
 
 # ---------------------------------------------------------------- the splits exact under the run's loss
@@ -581,7 +587,7 @@ def test_a_users_stop_on_the_step_where_the_tuner_switches_ends_the_run_there(to
     assert differences(plain_path, tuned_path) == []
     tuner = find_tuner(tuned)
     assert [(d.kind, d.new) for d in tuner.session.decisions] == [("tune", Split(2, 4))]
-    assert "the run ended before the tuning did" in tuner.session.decisions[0].reason
+    assert tuner.session.decisions[0].ended_by == "run_ended"
     assert tuner.session.switch is None and read_split_file(str(tmp_path / "tuned")).split == Split(2, 4)
     assert (tuned.args.per_device_train_batch_size, tuned.args.gradient_accumulation_steps) == (2, 4)
 

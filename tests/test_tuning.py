@@ -6,7 +6,7 @@ import pytest
 
 from hf_perf_callbacks.batching import exact_splits
 from hf_perf_callbacks.resize import tuning as tuning_module
-from hf_perf_callbacks.resize.tuning import Finished, OnRunTuning, Switch, judge
+from hf_perf_callbacks.resize.tuning import MIN_GAIN, OVER_BUDGET, Finished, OnRunTuning, Switch, judge
 
 SWITCH_FLOOR_SEC = getattr(tuning_module, "SWITCH_FLOOR_SEC", 0.0)
 
@@ -63,13 +63,16 @@ def test_the_largest_faster_split_is_tried_first_and_kept():
     assert trials[2].steps == [4, 5] and trials[8].steps == [8]
     assert trials[8].gain == pytest.approx(0.75)
     assert set(trials) == {2, 8}                  # the largest was kept: neither 4×2 nor smaller ones are tried
-    assert "8×1 faster than 2×4 beyond the noise" in tuning.done.reason and "sequential test" in tuning.done.reason
+    kept = tuning.done.figures                    # kept by the sequential test: its evidence, no p-value
+    assert tuning.done.outcome == "faster_beyond_noise" and (kept["kept"], kept["start"]) == ("8×1", "2×4")
+    assert "p" not in kept and kept["seq_ratio"] >= kept["seq_bound"] / (1 - MIN_GAIN)
+    assert (kept["median_kept"], kept["median_start"], kept["steps_kept"], kept["steps_start"]) == (50.0, 200.0, 1, 2)
 
 
 def test_a_largest_split_that_does_not_fit_makes_way_for_the_next_largest():
     tuning, ran, switches = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}, fits=lambda split: split.micro_batch <= 4)
     trials = {t.split.micro_batch: t for t in tuning.trial_list()}
-    assert trials[8].fits is False and len(trials[8].samples) == 1 and "over the budget" in trials[8].error
+    assert trials[8].fits is False and len(trials[8].samples) == 1 and trials[8].error == OVER_BUDGET
     assert tuning.done.split == SPLITS[4] and set(ran[-5:]) == {4}
 
 
@@ -102,7 +105,9 @@ def test_a_slower_candidate_is_left_after_one_sample_and_the_run_goes_back():
 def test_a_run_too_short_to_pay_back_tries_nothing():
     tuning, ran, switches = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}, planned=8)
     assert switches == [] and set(ran) == {2} and tuning.cost == 0.0
-    assert tuning.done.split == SPLITS[2] and "too short to pay back" in tuning.done.reason
+    # 3 warm-up steps, 2 of the baseline and a trial's 2 warm-up steps and 4 samples: 9 steps, 8 left
+    assert tuning.done.split == SPLITS[2] and tuning.done.ended.code == "too_short"
+    assert tuning.done.ended.figures == {"needed": 9, "left": 8}
 
 
 def test_switches_that_cost_more_than_the_rest_of_the_run_can_save_are_not_made():
@@ -112,7 +117,9 @@ def test_switches_that_cost_more_than_the_rest_of_the_run_can_save_are_not_made(
     tuning.segment_started(SPLITS[2], 0)
     actions = [tuning.observe(1, 200.0, 10201.0)] + [tuning.observe(s, 200.0, 201.0) for s in range(2, 7)]
     assert actions == [None] * 5 + [tuning.done] and tuning.done.split == SPLITS[2]
-    assert "cannot pay back" in tuning.done.reason
+    why = tuning.done.ended
+    assert why.code == "cannot_pay_back" and why.figures["steps_after"] == 20 and why.figures["margin"] == 2.0
+    assert why.figures["saving"] * 20 < 2.0 * why.figures["cost"] and why.figures["cost"] == tuning.round_cost()
     assert tuning.round_cost() == pytest.approx(2 * (10000.0 + SWITCH_FLOOR_SEC))   # the overhead, the floor
     # the same run told to try every split regardless of cost switches
     free = OnRunTuning(SPLITS[2], [SPLITS[4]], planned_steps=36, samples=3, must_pay=False, first_samples=3)
@@ -128,7 +135,7 @@ def test_a_measured_switch_replaces_the_estimate():
 def test_candidates_over_the_memory_budget_are_left_one_after_another():
     tuning, ran, _ = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}, fits=lambda split: split.micro_batch <= 2)
     trials = {t.split.micro_batch: t for t in tuning.trial_list()}
-    assert trials[8].fits is False and trials[4].fits is False and "over the budget" in trials[4].error
+    assert trials[8].fits is False and trials[4].fits is False and trials[4].error == OVER_BUDGET
     assert tuning.done.split == SPLITS[2] and ran[-1] == 2
 
 
@@ -188,9 +195,11 @@ def test_a_baseline_whose_steps_spread_as_widely_as_they_take_tries_nothing():
     tuning = OnRunTuning(SPLITS[2], [SPLITS[8]], planned_steps=40, samples=4, first_samples=4)
     action = _first_block(tuning, noisy)
     assert action is tuning.done and tuning.done.split == SPLITS[2] and tuning.cost == 0.0
-    assert "cannot pay back" in tuning.done.reason and "interquartile range" in tuning.done.reason
+    why = tuning.done.ended                       # the ceiling less the baseline's interquartile range
+    assert why.code == "cannot_pay_back" and why.figures["how"] == "ceiling"
     saving, _ = tuning.plausible_saving()
     base = sorted(noisy[3:])
+    assert why.figures["iqr"] == pytest.approx(judge_iqr(base)) and why.figures["saving"] == saving
     assert saving == pytest.approx(max(0.0, (base[1] + base[2]) / 2 - (judge_iqr(base))))
     # the same median with a tight spread pays: the round starts
     quiet = OnRunTuning(SPLITS[2], [SPLITS[8]], planned_steps=40, samples=4, first_samples=4)
@@ -211,7 +220,8 @@ def test_a_switch_costs_at_least_the_floor_until_one_is_measured():
     ranked = [0.11, 0.10, 0.11, 0.12, 0.11, 0.10, 0.105, 0.113, 0.136, 0.099]
     action = _first_block(tuning, ranked, whole=[r + 0.15 for r in ranked], period=2)
     assert tuning.switch_cost() >= SWITCH_FLOOR_SEC
-    assert action is tuning.done and "cannot pay back" in tuning.done.reason and tuning.cost == 0.0
+    assert action is tuning.done and tuning.done.ended.code == "cannot_pay_back" and tuning.cost == 0.0
+    assert tuning.done.ended.figures["cost"] >= 2 * SWITCH_FLOOR_SEC
 
 
 def test_the_switch_back_is_part_of_the_recorded_cost():
@@ -253,7 +263,7 @@ def test_the_recorded_gain_and_p_value_are_over_all_samples_against_the_starting
 def test_the_quick_start_cannot_pay_back_a_round(machine, ranked, whole):
     tuning = OnRunTuning(SPLITS[4], [SPLITS[8], SPLITS[2], SPLITS[1]], planned_steps=30, samples=4)
     action = _first_block(tuning, ranked, whole=whole)
-    assert action is tuning.done and "cannot pay back" in tuning.done.reason and tuning.cost == 0.0
+    assert action is tuning.done and tuning.done.ended.code == "cannot_pay_back" and tuning.cost == 0.0
 
 
 def test_before_any_switch_is_measured_a_round_must_pay_its_reckoned_cost_twice():
@@ -264,7 +274,10 @@ def test_before_any_switch_is_measured_a_round_must_pay_its_reckoned_cost_twice(
     action = _first_block(tuning, ranked, whole=[1.5, 2.0, 1.9, 2.147, 1.843, 1.914, 1.993])
     saving, _ = tuning.plausible_saving()
     assert 11 * saving > tuning.round_cost()                   # it would have paid its reckoned cost once
-    assert action is tuning.done and "2 × its reckoned cost" in tuning.done.reason and tuning.cost == 0.0
+    why = tuning.done.ended                       # no switch measured yet: twice the reckoned cost
+    assert action is tuning.done and why.code == "cannot_pay_back" and tuning.cost == 0.0
+    assert why.figures["margin"] == 2.0 and why.figures["cost"] == tuning.round_cost()
+    assert why.figures["steps_after"] * saving < 2.0 * tuning.round_cost()
 
 
 # ------------------------------------------------------------ the sequential decision (issue 39: a decision within 3%)
@@ -298,7 +311,9 @@ def test_a_candidate_8x_off_is_decided_on_at_most_two_samples(ratio, seed):
     assert len(trials[2].samples) == 2 and 1 <= len(trials[8].samples) <= 2
     assert switches[0] == 5                                    # 3 warm-up steps and 2 samples at the start
     assert tuning.done.split == (SPLITS[2] if ratio > 1 else SPLITS[8])
-    assert "sequential test" in tuning.done.reason
+    decided = tuning.done.ended if ratio > 1 else tuning.done      # left by the test, or kept by it
+    assert (decided.code, "spread" in decided.figures) == ("slower", True) if ratio > 1 else \
+        (decided.outcome, "seq_spread" in decided.figures) == ("faster_beyond_noise", True)
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -434,3 +449,32 @@ def test_two_steps_that_agree_early_do_not_end_the_warm_up_at_the_start():
     tuning, switches = from_start(start, candidate=0.63, planned=110)            # the measured run's 110 steps
     assert tuning.trials[SPLITS[2]].steps[:2] == [4, 5] and switches[:2] == [5, 11]
     assert tuning.done.split == SPLITS[2]
+
+
+def test_a_tune_decision_keeps_its_reason_as_data_and_a_file_without_it_still_reads():
+    """The decision's reason code, why the tuning ended and the figures travel through the split file's JSON; a
+    decision written before them (no such keys) reads with none, and its ``ranked`` comes from its rule's words."""
+    from hf_perf_callbacks.splitfile import Decision
+
+    tuning, _, _ = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0})
+    decision = tuning.decision(step=6, time=None)
+    assert (decision.reason_code, decision.ended_by, decision.rank_by) == ("faster_beyond_noise", "no_other_split",
+                                                                           "non_generation")
+    assert Decision.from_json(decision.to_json()) == decision and decision.reason == tuning.done.reason
+    old = {k: v for k, v in decision.to_json().items() if k not in ("reason_code", "ended_by", "figures", "rank_by")}
+    read = Decision.from_json(old)
+    assert (read.reason_code, read.ended_by, read.figures, read.rank_by) == (None, None, {}, None)
+    assert read.code == "tune" and read.ranked == "non_generation"          # from the rule's words
+    stepped = Decision.from_json({**old, "rank_by": "step"})
+    assert stepped.ranked == "step"                                          # the stored field wins
+
+
+def test_every_reason_code_is_worded_by_the_one_renderer():
+    from hf_perf_callbacks.wording import TUNER_REASONS, tuner_reason
+
+    figures = {"needed": 9, "left": 8, "round_steps": 12, "saving": 0.1, "steps_after": 20, "margin": 2.0, "cost": 5.0,
+               "how": "ceiling", "baseline": "2×4", "median": 1.0, "iqr": 0.9, "candidate": "8×1", "rounds": 3,
+               "why": "out of memory", "slower_ratio": 2.0, "bound": 1.5, "spread": 0.15, "error": 0.001,
+               "ratio": 0.5, "min_gain": MIN_GAIN}
+    words = {code: tuner_reason(code, figures) for code in TUNER_REASONS}
+    assert all(words.values()) and len(set(words.values())) == len(TUNER_REASONS)      # one sentence per code

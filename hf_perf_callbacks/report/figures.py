@@ -152,6 +152,10 @@ def train_calls(run: RunLog) -> list[tuple[int, int]]:
             if start < last or i == 0]
 
 
+#: where the trainer's logs came from when the step lines hold them (``log/<key>``); else ``keys.TRAINER_STATE``
+FROM_PERF_LOG = "perf log"
+
+
 def trainer_logs(run_log: RunLog) -> tuple[list[dict[str, Any]], str | None]:
     """The trainer's own training logs and where they came from: the step lines' ``log/<key>`` values (one dict per
     logging step, keys without the prefix, plus ``step``), else ``trainer_state.json``'s ``log_history`` (else the
@@ -161,7 +165,7 @@ def trainer_logs(run_log: RunLog) -> tuple[list[dict[str, Any]], str | None]:
     if cached is not None:
         return cached
     rows: list[Any] = [LogRow(s, keys.TRAINER_LOG) for s in run_log.unique_steps() if s.has_prefix(keys.TRAINER_LOG)]
-    run_log.cache["trainer_logs"] = found = (rows, "perf log") if rows else _history(run_log)
+    run_log.cache["trainer_logs"] = found = (rows, FROM_PERF_LOG) if rows else _history(run_log)
     return found
 
 
@@ -547,5 +551,6 @@ def completion_stats(history: list[dict[str, Any]]) -> dict[str, float | None]:
 __all__ = [
     "Figures", "figures", "SplitLevel", "SlowStretch", "split_levels", "slow_stretches", "completion_stats",
     "steady_steps", "step_ranges", "timed_rows", "ranges_text", "train_calls", "trainer_logs", "run_events",
+    "FROM_PERF_LOG",
     "train_seconds", "train_column", "last_value", "finite"
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 from ..dataloader import DataLoaderFacts
 from ..estimate import ModelShape, model_from_config
@@ -102,8 +102,50 @@ class FirstSteady:
     without_it: float = 0.0
 
 
+#: the basis of a finding's gain where the run is too short to judge it (its words: render.gain_text)
+TOO_FEW_STEPS = "too few steps"
 SettingValue = bool | int | float | str | None    # None: the key removed (its default)
 Setting = dict[str, SettingValue]            # config keys → values: a finding's complete change
+Fact = bool | int | float | str | None
+Facts = dict[str, Fact]                      # the figures a finding or a note rests on, by name
+#: which case of its rule a finding or a note is (``Finding.reason``, ``Note.reason``): the rules' codes, by rule in
+#: :data:`REASONS`
+Reason = Literal[
+    "no_reward_data", "too_few_logs", "constant_reward", "no_group_variance",                     # no_learning
+    "swapping", "near_the_wall", "pressure",                                                      # memory_pressure
+    "threads_over_free_cores",                                                                    # oversubscription
+    "other_processes", "contention_below_share", "unexplained_stretches",                         # contention
+    "eval_share", "save_share", "logging_share", "one_callback",                   # evaluation, saving, callbacks
+    "no_workers", "workers_behind",                                                               # input_bound
+    "memory_to_spare", "would_not_fit",                                                           # recompute
+    "grad_forwards",                                                                              # duplicate_forward
+    "fixed_length", "pad_to_multiple", "grpo_inherent", "one_length_unsure", "per_batch",         # padding_waste
+    "launch_bound", "generation_share", "sync_share",                              # generation_bound, weight_sync
+    "cost_over_saving",                                                                           # tuning_cost
+    "small_split", "memory_cap", "tuner_measured", "tuner_measured_none",                         # small_micro_batch
+    "needs_train_with_tuning",                                                                    # tuner_hint
+    "cut_off", "runaways", "no_runaways",                                                         # completion_budget
+    "not_finished", "first_step_steady", "excluded",                                              # warmup
+    "too_few_steps", "skipped",                                                                   # evidence, log_fields
+]
+#: each rule's reason codes
+REASONS: dict[str, tuple[str, ...]] = {
+    "no_learning": ("no_reward_data", "too_few_logs", "constant_reward", "no_group_variance"),
+    "memory_pressure": ("swapping", "near_the_wall", "pressure"),
+    "oversubscription": ("threads_over_free_cores",),
+    "contention": ("other_processes", "contention_below_share", "unexplained_stretches"),
+    "evaluation": ("eval_share",), "saving": ("save_share",), "callbacks": ("logging_share", "one_callback"),
+    "input_bound": ("no_workers", "workers_behind"), "recompute": ("memory_to_spare", "would_not_fit"),
+    "duplicate_forward": ("grad_forwards",),
+    "padding_waste": ("fixed_length", "pad_to_multiple", "grpo_inherent", "one_length_unsure", "per_batch"),
+    "generation_bound": ("launch_bound", "generation_share"), "weight_sync": ("sync_share",),
+    "tuning_cost": ("cost_over_saving",),
+    "small_micro_batch": ("small_split", "memory_cap", "tuner_measured", "tuner_measured_none"),
+    "tuner_hint": ("needs_train_with_tuning",), "completion_budget": ("cut_off", "runaways", "no_runaways"),
+    "warmup": ("not_finished", "first_step_steady", "excluded"), "evidence": ("too_few_steps",),
+    "log_fields": ("skipped",),
+}
+assert {c for codes in REASONS.values() for c in codes} == set(get_args(Reason))
 
 
 @dataclass(frozen=True)
@@ -230,13 +272,15 @@ class Finding:
     gain_formula: str
     confidence: str                          # "high" | "medium" | "low"
     setting: Setting = field(default_factory=dict)
-    basis: str = "try"                       # "measured" | "calibrated" | "try" | "too few steps"
+    basis: str = "try"                       # "measured" | "calibrated" | "try" | TOO_FEW_STEPS
     predicted_gain: float | None = None
     priority: int = 1                        # 0: cannot learn / swapping / near the wall, ranked first
     env: dict[str, str] = field(default_factory=dict)  # environment variables to set before the process starts
     lower_bound: bool = False                # expected_gain is a floor ("at least"), not a prediction
     steps: list[tuple[int, int]] = field(default_factory=list)   # the steps it is about, as (first, last) ranges
     lost_sec: float | None = None            # the seconds it says were lost on them
+    reason: Reason | Literal[""] = ""        # which case of its rule it is (:data:`REASONS`)
+    facts: Facts = field(default_factory=dict)   # the figures its words rest on, by name
 
 
 @dataclass
@@ -250,6 +294,8 @@ class Note:
     judged: bool = True
     steps: list[tuple[int, int]] = field(default_factory=list)   # the steps it is about, as (first, last) ranges
     lost_sec: float | None = None            # the seconds it says were lost on them
+    reason: Reason | Literal[""] = ""        # which case of its rule it is (:data:`REASONS`)
+    facts: Facts = field(default_factory=dict)   # the figures its words rest on, by name
 
 
 @dataclass(frozen=True)

@@ -198,6 +198,9 @@ def _note(ax: Axes, text: str, color: str = "dimgrey") -> None:
             bbox={"boxstyle": "round,pad=0.25", "facecolor": "white", "edgecolor": "none", "alpha": 0.85})
 
 
+#: the phases plot's y axis
+PHASES_AXIS = "seconds per step"
+
 #: points drawn per line at most: a longer run is drawn per bin of steps (said on the plot), so that a plot takes the
 #: same time to draw whatever the run's length
 MAX_POINTS = 2000
@@ -470,7 +473,7 @@ def _phase_bars(ax: Axes, data: PlotData, columns: Sequence[Sequence[float]], ro
         ax.axvspan(a - 0.5, b + 0.5, color="grey", alpha=0.15, lw=0, zorder=0,
                    label=f"steps the tuner measured splits on ({ranges_text(measured)})" if i == 0 else None)
     ax.set_ylim(0, max(bottom) * 1.05 or 1)
-    ax.set_ylabel("seconds per step")
+    ax.set_ylabel(PHASES_AXIS)
     ax.grid(alpha=0.3, axis="y")
     _integer_steps(ax)
     return ("Time per step by phase, share of the run's time in the legend"
@@ -524,13 +527,23 @@ def _tuning_cost(data: PlotData) -> str | None:
 
 
 # ---------------------------------------------------------------- tuner
+def tuner_missing(data: PlotData) -> tuple[str, int] | None:
+    """Why the tuner plot has nothing to draw, as data: ("record_missing", the tuner's decisions in the events: a
+    tuner was attached, its record is what is missing) or ("no_tuner", 0); None when it has something."""
+    if data.splits or (data.split_file and data.split_file.decisions):
+        return None
+    logged = sum(1 for e in data.run.events if e.source == "tuner" and e.kind == "decision")
+    return ("record_missing", logged) if logged else ("no_tuner", 0)
+
+
 def plot_tuner(fig: Figure, data: PlotData) -> str | None:
     splits = data.splits
     decisions = data.split_file.decisions if data.split_file else []
     tuned = [d for d in decisions if d.kind == "tune"]
-    if not (splits or decisions):
-        logged = sum(1 for e in data.run.events if e.source == "tuner" and e.kind == "decision")
-        if logged:                                 # a tuner was attached: its record is what is missing
+    missing = tuner_missing(data)
+    if missing is not None:
+        code, logged = missing
+        if code == "record_missing":
             return (f"no tuner/* keys in the step lines and no {SPLIT_FILE} of this run; the tuner's "
                     f"{logged} decision(s) are in the events")
         return f"no tuner/* keys in the step lines and no {SPLIT_FILE} (no tuner attached)"

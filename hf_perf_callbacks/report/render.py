@@ -8,7 +8,7 @@ import os
 
 from .. import keys
 from ..runlog import RunLog, read_run
-from .model import ZERO, Finding, Measurements, Note
+from .model import TOO_FEW_STEPS, ZERO, Facts, Finding, Measurements, Note
 from .reading import measurements
 from .rules import check
 from .rules.advice import _pct, _yaml
@@ -48,30 +48,46 @@ def gain_text(f: Finding) -> str:
     """``1.21x (calibrated, medium confidence)``, ``≥ 1.70x (measured, …)``, ``too few steps to judge the gain``
     or ``try (no predicted gain)``."""
     if f.expected_gain is None:
-        if f.basis == "too few steps":
+        if f.basis == TOO_FEW_STEPS:
             return "too few steps to judge the gain"
         return "try (no predicted gain)" if f.priority else "fix first"
     return f"{'≥ ' if f.lower_bound else ''}{f.expected_gain:.2f}x ({f.basis}, {f.confidence} confidence)"
 
 
+def nothing_found_facts(m: Measurements, notes: list[Note]) -> Facts:
+    """What the "no finding" paragraph says, as data: ``data_wait`` (the device did not wait for data: judged),
+    ``memory`` (memory stayed within budget: measured), ``rewards`` (GRPO: "none", "varied", "flat"; None: not
+    GRPO), ``timings_unjudged`` (too short to judge), ``metric`` (the throughput key to track; None: none logged)."""
+    r = m.rewards
+    return {"data_wait": bool(not _too_short(m) and m.phases), "memory": m.mem_high_water_gb is not None,
+            "rewards": None if not m.grpo else "none" if r is None else
+            "varied" if (r.std_max or 0.0) > ZERO else "flat",
+            "timings_unjudged": any(not n.judged and n.rule == "evidence" for n in notes),
+            "metric": next((k for k in (keys.PERF_STEADY_TOKENS_PER_SEC, keys.PERF_TOKENS_PER_SEC)
+                            if k in m.logged), None)}
+
+
+#: the "no finding" paragraph's words for the rewards (``nothing_found_facts(...)["rewards"]``)
+REWARD_WORDS = {"none": "no reward data in this run's logs", "varied": "the rewards varied within prompt groups",
+                "flat": "the rewards never varied within a prompt group"}
+
+
 def _nothing_found(m: Measurements, notes: list[Note]) -> str:
-    """The "no finding" paragraph: only what this run's log shows, and a metric it holds."""
+    """The "no finding" paragraph: only what this run's log shows, and a metric it holds
+    (:func:`nothing_found_facts`)."""
+    facts = nothing_found_facts(m, notes)
     checked = []
-    if not _too_short(m) and m.phases:
+    if facts["data_wait"]:
         checked.append("the device did not wait for data")
-    if m.mem_high_water_gb is not None:
+    if facts["memory"]:
         checked.append("memory stayed within budget")
-    if m.grpo:
-        r = m.rewards
-        checked.append("no reward data in this run's logs" if r is None else
-                       "the rewards varied within prompt groups" if (r.std_max or 0.0) > ZERO else
-                       "the rewards never varied within a prompt group")
+    if isinstance(facts["rewards"], str):
+        checked.append(REWARD_WORDS[facts["rewards"]])
     text = "No rule found something to change" + (": " + ", ".join(checked) if checked else "") + "."
-    if any(not n.judged and n.rule == "evidence" for n in notes):
+    if facts["timings_unjudged"]:
         text += " The timings were too short to judge (see Not judged)."
-    metric = next((k for k in (keys.PERF_STEADY_TOKENS_PER_SEC, keys.PERF_TOKENS_PER_SEC) if k in m.logged), None)
-    if metric:
-        text += f" Track `{metric}` to compare future runs."
+    if facts["metric"]:
+        text += f" Track `{facts['metric']}` to compare future runs."
     return text
 
 
@@ -95,7 +111,7 @@ def render_markdown(findings: list[Finding], m: Measurements, notes: list[Note] 
             lines += ["### Environment", "", "```bash"] + [f"{k}={v}" for k, v in f.env.items()] + ["```", ""]
         lines += ["### Expected gain", "",
                   (f"**{'≥ ' if f.lower_bound else ''}{f.expected_gain:.2f}x** — " if f.expected_gain is not None
-                   else "**too few steps** — " if f.basis == "too few steps" else "**try** — ") + f.gain_formula,
+                   else "**too few steps** — " if f.basis == TOO_FEW_STEPS else "**try** — ") + f.gain_formula,
                   "", "### Confidence", "", f.confidence, ""]
     unjudged = [n for n in notes if not n.judged]
     fine = [n for n in notes if n.judged]

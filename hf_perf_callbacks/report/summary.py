@@ -43,6 +43,11 @@ def summarize(run: RunLog) -> str:
     return "\n".join(lines + _log_notes(run))
 
 
+#: the summary's status line of a log without summary lines (its start), and its throughput line without the meter
+UNFINISHED = "status: the run did not finish (no summary lines: killed, crashed or still running)"
+NO_METER = "throughput: no ThroughputMeter data in the log"
+
+
 def _run_lines(run: RunLog, f: Figures) -> list[str]:
     """The device, steps and tokens; whether the run finished; its training sessions."""
     device = f.device or "unknown device"
@@ -52,9 +57,8 @@ def _run_lines(run: RunLog, f: Figures) -> list[str]:
     if run.summaries:
         lines.append("status: finished")
     else:
-        lines.append(f"status: the run did not finish (no summary lines: killed, crashed or still running); "
-                     f"the figures below are the meter's as of its last step line ({len(run.unique_steps())} step "
-                     f"line(s))")
+        lines.append(f"{UNFINISHED}; the figures below are the meter's as of its last step line "
+                     f"({len(run.unique_steps())} step line(s))")
     headers = [h for h in run.headers if "perf" in h.sources and not h.resize]   # a tuner's switch is no resume
     if len(headers) > 1:
         starts = [str(h.resumed_from_step) for h in headers[1:]]
@@ -70,7 +74,7 @@ def _throughput_lines(run: RunLog, f: Figures) -> list[str]:
     metered = (any("perf" in h.sources for h in run.headers) or "perf" in run.summaries
                or any(keys.PERF_TOKENS in s.values for s in run.unique_steps()))
     if not metered:
-        return ["throughput: no ThroughputMeter data in the log"]
+        return [NO_METER]
     provisional = f.steady_tokens_per_sec is None and f.provisional_tokens_per_sec is not None
     lines = [provisional_line(f.provisional_tokens_per_sec, f.provisional_step_sec, f.provisional_steps,
                               f.mean_tokens_per_sec) if provisional

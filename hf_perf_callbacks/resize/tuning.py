@@ -56,14 +56,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import NormalDist
 
 from ..batching import Split
 from ..splitfile import RANKED_WORDS, Decision, Trial
 from ..stats import iqr, mann_whitney_less, median
 from ..validation import check_flag, check_number
+from ..wording import TUNER_ENDED_WORDS, Figure, evidence_words, saving_words, tuner_reason, tuning_outcome
 
+#: a trial's ``error`` when its peak memory passed the budget (a caller's words otherwise: "out of memory")
+OVER_BUDGET = "peak memory over the budget"
 #: one-sided significance level of "faster than the baseline"
 ALPHA = 0.05
 #: the least relative saving (of the ranked time) worth keeping a candidate
@@ -122,13 +125,15 @@ class Evidence:
     spread: float
     error: float
 
+    def figures(self, candidate: object, baseline: object, prefix: str = "") -> dict[str, Figure]:
+        """Its figures (and the two splits' labels), each key under ``prefix``: what a typed reason carries."""
+        return {prefix + k: v for k, v in (("candidate", str(candidate)), ("baseline", str(baseline)),
+                                           ("ratio", self.ratio), ("slower_ratio", self.slower_ratio),
+                                           ("bound", self.bound), ("spread", self.spread), ("error", self.error),
+                                           ("min_gain", MIN_GAIN))}
+
     def words(self, candidate: object, baseline: object) -> str:
-        if self.verdict == "slower":
-            return (f"{candidate}'s fastest step {self.slower_ratio:.2f}× {baseline}'s slowest, beyond the noise bound "
-                    f"{self.bound:.2f}× (sequential test, spread {self.spread:.2f}, error <= {self.error:.2g} a look)")
-        return (f"{baseline}'s fastest step {self.ratio:.2f}× {candidate}'s slowest, beyond the noise bound "
-                f"{self.bound / (1 - MIN_GAIN):.2f}× (the noise and {MIN_GAIN:.0%}; sequential test, spread "
-                f"{self.spread:.2f}, error <= {self.error:.2g} a look)")
+        return evidence_words(self.verdict, self.figures(candidate, baseline))
 
 
 #: the expected range of n normal samples in standard deviations (d2), for the spread of fewer than four samples
@@ -189,12 +194,29 @@ class Switch:
     why: str
 
 
+@dataclass(frozen=True)
+class Why:
+    """Why the tuning ended or left a candidate, as data: ``code`` (one of :data:`~hf_perf_callbacks.wording.
+    TUNER_REASONS`) and the figures it rests on; its words are :func:`~hf_perf_callbacks.wording.tuner_reason`'s."""
+
+    code: str
+    figures: dict[str, Figure] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return tuner_reason(self.code, self.figures)
+
+
 @dataclass
 class Finished:
-    """Tuning is over: ``split`` is the one to keep (the loop switches back to it when another runs now)."""
+    """Tuning is over: ``split`` is the one to keep (the loop switches back to it when another runs now); ``reason``
+    in words, rendered from ``outcome`` (``kept_configured``, ``faster_beyond_noise``), ``ended`` (why it ended: a
+    :class:`Why`) and ``figures`` (what the outcome rests on)."""
 
     split: Split
     reason: str
+    outcome: str = "kept_configured"
+    ended: Why | None = None
+    figures: dict[str, Figure] = field(default_factory=dict)
 
 
 class OnRunTuning:
@@ -238,8 +260,9 @@ class OnRunTuning:
         self.cost = 0.0                        # spent beyond training: switches, warm-up excess, slower steps
         self.done: Finished | None = None
         self.recorded = False                  # the tune decision was recorded
-        self.note = ""                         # why tuning stopped (for the decision's reason)
-        self.kept_by: dict[Split, tuple[Split, str]] = {}   # a split the sequential test kept: against what, why
+        self.note: Why | None = None           # why tuning stopped (for the decision's reason)
+        self.kept_by: dict[Split, tuple[Split, dict[str, Figure]]] = {}   # a split the sequential test kept:
+        #                                        against what, its evidence's figures
 
     # ------------------------------------------------------------ what the caller reports
     def segment_started(self, split: Split, step: int, switch_sec: float | None = None) -> None:
@@ -254,8 +277,7 @@ class OnRunTuning:
         needed = self.warm_left + self._trial_steps()                  # a baseline block and one trial
         if self.must_pay and self.planned is not None and self.planned - step < needed \
                 and not self.trials[self.start].samples:
-            self._finish(f"too short to pay back: measuring this split and trying one other takes {needed} steps "
-                         f"and {max(0, self.planned - step)} are left")
+            self._finish(Why("too_short", {"needed": needed, "left": max(0, self.planned - step)}))
             return
         if switch_sec is not None:
             self.switch_seconds.append(switch_sec)
@@ -271,7 +293,7 @@ class OnRunTuning:
         self.candidate, self.rounds, self.block = None, 0, []
         if self.walk == "smaller":
             self.misses += 1
-        self.note = f"{split} {why}"
+        self.note = Why("failed", {"candidate": str(split), "why": why})
         following = self._next_candidate(step)
         if following is not None:
             return following.split
@@ -305,15 +327,15 @@ class OnRunTuning:
             self.cost += slower
             trial.cost_sec += slower
             if not fits:
-                trial.fits, trial.error = False, "peak memory over the budget"
-                return self._leave(step, f"{self.candidate} passed the memory budget", memory=True)
+                trial.fits, trial.error = False, OVER_BUDGET
+                return self._leave(step, Why("over_budget", {"candidate": str(self.candidate)}), memory=True)
             if len(self.block) % self.period == 0:     # a whole generation cycle: a switch may follow
                 evidence = self.evidence()
                 if evidence.verdict == "slower":
-                    why = evidence.words(self.candidate, self.baseline)
-                    return self._leave(step, f"{self.candidate} slower: {why}")
+                    return self._leave(step, Why("slower", evidence.figures(self.candidate, self.baseline)))
                 if evidence.verdict == "faster":
-                    self.kept_by[self.candidate] = (self.baseline, evidence.words(self.candidate, self.baseline))
+                    self.kept_by[self.candidate] = (self.baseline,
+                                                    evidence.figures(self.candidate, self.baseline, "seq_"))
                     return self._keep(step, self.candidate)
         if len(self.block) < (self.first if self.candidate is None else self.samples):
             return None
@@ -341,18 +363,16 @@ class OnRunTuning:
         if self.current == self.baseline:          # an interleaving block of the baseline: the candidate again
             if self._affordable(step):
                 return self._switch(self.candidate, "measuring again (interleaved)")
-            return self._leave(step, f"{self.candidate} not separable from the noise and no round left that could "
-                                     f"pay back")
+            return self._leave(step, Why("not_separable", {"candidate": str(self.candidate)}))
         candidate, base = self.trials[self.candidate], self.trials[self.baseline]
         candidate.p_value, candidate.gain, faster = judge(candidate.samples, base.samples, ALPHA / self.max_rounds)
         self.rounds += 1
         if faster:
             return self._keep(step, self.candidate)
         if self.rounds >= self.max_rounds:
-            return self._leave(step, f"{self.candidate} not faster beyond the noise in {self.rounds} round(s)")
+            return self._leave(step, Why("not_faster", {"candidate": str(self.candidate), "rounds": self.rounds}))
         if not self._affordable(step):
-            return self._leave(step, f"{self.candidate} not separable from the noise and no round left that could "
-                                     f"pay back")
+            return self._leave(step, Why("not_separable", {"candidate": str(self.candidate)}))
         return self._switch(self.baseline, "measuring the baseline again (interleaved)")
 
     def _keep(self, step: int, kept: Split) -> Switch | Finished:
@@ -363,7 +383,7 @@ class OnRunTuning:
         self.misses = 0
         return self._next_candidate(step) or self._finish(self.note)
 
-    def _leave(self, step: int, why: str, memory: bool = False) -> Switch | Finished:
+    def _leave(self, step: int, why: Why, memory: bool = False) -> Switch | Finished:
         self.candidate, self.rounds, self.block = None, 0, []
         if not (memory and self.walk == "larger"):   # too large for memory: the next largest may fit
             self.misses += 1
@@ -375,7 +395,7 @@ class OnRunTuning:
             back = self.switch_cost()               # records the tuning before that switch is made)
             self.cost += back
             self.trials[self.current].cost_sec += back
-            self.done = Finished(self.baseline, self._verdict(why))
+            self.done = self._verdict(why)
             return Switch(self.baseline, f"back to {self.baseline}: {why}")
         return self._finish(why)
 
@@ -391,7 +411,7 @@ class OnRunTuning:
         if self.misses >= self.patience:
             queue.clear()
         if not queue:
-            self.note = self.note or "no other split to try"
+            self.note = self.note or Why("no_other_split")
             return None
         if step is not None and not self._affordable(step):
             self.note = self._cannot_pay_note(step)
@@ -404,26 +424,34 @@ class OnRunTuning:
         return Switch(split, why)
 
     def end(self, reason: str) -> None:
-        """End the tuning now at its baseline (memory or the run's end ended it), for ``reason``."""
-        self.done = Finished(self.baseline, reason)
+        """End the tuning now at its baseline (memory or the run's end ended it), for ``reason``: a code of
+        :data:`~hf_perf_callbacks.wording.TUNER_ENDED_WORDS` or their words (other words: code ``ended``)."""
+        words = {w: c for c, w in TUNER_ENDED_WORDS.items()}
+        code = reason if reason in TUNER_ENDED_WORDS else words.get(reason, "ended")
+        why = Why(code, {} if code != "ended" else {"why": reason})
+        self.done = Finished(self.baseline, str(why), "kept_configured", why)
 
-    def _finish(self, reason: str) -> Finished:
-        self.done = Finished(self.baseline, self._verdict(reason))
+    def _finish(self, reason: Why | None) -> Finished:
+        self.done = self._verdict(reason)
         return self.done
 
-    def _verdict(self, note: str) -> str:
-        """The tuning's outcome in words: the kept split's evidence against the starting one (over all the samples
-        of both, as every reader of the record prints it), then why it ended."""
+    def _verdict(self, note: Why | None) -> Finished:
+        """The tuning's outcome: the kept split's evidence against the starting one (over all the samples of both,
+        as every reader of the record prints it), then why it ended; its words rendered from these figures."""
         start, kept = self.trials[self.start], self.trials[self.baseline]
+        words = str(note) if note is not None else ""
         if self.baseline == self.start or not (start.samples and kept.samples):
-            return f"kept the configured split: {note}" if note else "kept the configured split"
-        against, why = self.kept_by.get(self.baseline, (None, ""))
+            return Finished(self.baseline, tuning_outcome("kept_configured", {}, words), "kept_configured", note)
+        figures: dict[str, Figure] = {"kept": str(self.baseline), "start": str(self.start),
+                                      "median_kept": median(kept.samples), "median_start": median(start.samples),
+                                      "steps_kept": len(kept.samples), "steps_start": len(start.samples)}
+        against, evidence = self.kept_by.get(self.baseline, (None, {}))
         if against == self.start:                  # kept at once by the sequential test: its evidence
-            return (f"{self.baseline} faster than {self.start} beyond the noise (median {kept.median:.3f} vs "
-                    f"{start.median:.3f} s over {len(kept.samples)} and {len(start.samples)} steps; {why}); {note}")
-        p = mann_whitney_less(kept.samples, start.samples)
-        return (f"{self.baseline} faster than {self.start} beyond the noise (median {kept.median:.3f} vs "
-                f"{start.median:.3f} s over {len(kept.samples)} and {len(start.samples)} steps, p={p:.3f}); {note}")
+            figures.update(evidence)
+        else:
+            figures["p"] = mann_whitney_less(kept.samples, start.samples)
+        return Finished(self.baseline, tuning_outcome("faster_beyond_noise", figures, words), "faster_beyond_noise",
+                        note, figures)
 
     # ------------------------------------------------------------ cost against gain
     def switch_cost(self) -> float:
@@ -452,8 +480,13 @@ class OnRunTuning:
         return self.planned - step - 2 * self._trial_steps()
 
     def plausible_saving(self) -> tuple[float, str]:
-        """(seconds per step a round can plausibly save, how that was reckoned), at the spread of the samples
-        measured so far:
+        """(seconds per step a round can plausibly save, how that was reckoned in words): :meth:`saving_figures`."""
+        saving, figures = self.saving_figures()
+        return saving, saving_words(figures)
+
+    def saving_figures(self) -> tuple[float, dict[str, Figure]]:
+        """(seconds per step a round can plausibly save, the figures of how that was reckoned: ``how`` "measured"
+        or "ceiling"), at the spread of the samples measured so far:
 
         - before the candidate is measured: the baseline's median ranked time (the ceiling: a split with no
           split-dependent time) less the baseline's interquartile range — the candidate's steps carry the machine's
@@ -471,11 +504,10 @@ class OnRunTuning:
         if candidate:
             centre = median(base) - median(candidate)
             error = 0.93 * (width + spread_width(candidate)) / 2 * math.sqrt(1 / len(base) + 1 / len(candidate))
-            return max(0.0, centre + error), (f"{self.candidate}'s median gain {centre:.3f} s/step over "
-                                              f"{self.baseline} plus its standard error {error:.3f} s")
-        return max(0.0, median(base) - width), (
-            f"{self.baseline}'s median {median(base):.3f} s/step, the most a split could save, less its "
-            f"interquartile range {width:.3f} s: a saving within the noise cannot be told from it")
+            return max(0.0, centre + error), {"how": "measured", "candidate": str(self.candidate),
+                                              "baseline": str(self.baseline), "gain": centre, "std_error": error}
+        return max(0.0, median(base) - width), {"how": "ceiling", "baseline": str(self.baseline),
+                                                "median": median(base), "iqr": width}
 
     def _affordable(self, step: int) -> bool:
         if not self.must_pay:                      # try every split, whatever it costs (benchmarks, tests)
@@ -483,27 +515,22 @@ class OnRunTuning:
         left = self._steps_left_after_round(step)
         if left is None or left <= 0:
             return False
-        return left * self.plausible_saving()[0] > self.round_cost() * self._margin()
+        return left * self.saving_figures()[0] > self.round_cost() * self._margin()
 
     def _margin(self) -> float:
         """How many times its reckoned cost a round must plausibly save: :data:`PRIOR_MARGIN` until a switch of
         this run was measured, then 1."""
         return 1.0 if self.switch_seconds else PRIOR_MARGIN
 
-    def _cannot_pay_note(self, step: int) -> str:
+    def _cannot_pay_note(self, step: int) -> Why:
         left = self._steps_left_after_round(step)
         if left is None or self.planned is None:   # one is None when the other is
-            return "the run's length is unknown: no trial can be weighed against its pay-back"
+            return Why("unknown_length")
         if left <= 0:
-            return (f"too short to pay back: a round takes {2 * self._trial_steps()} steps and "
-                    f"{max(0, self.planned - step)} are left")
-        saving, how = self.plausible_saving()
-        margin = self._margin()
-        return (f"cannot pay back: a round could plausibly save {saving:.3f} s/step ({how}) × {left} steps = "
-                f"{left * saving:.1f} s after it, less than "
-                + (f"{margin:g} × its reckoned cost (no switch of this run measured yet), " if margin != 1 else
-                   "its cost, ")
-                + f"{self.round_cost():.1f} s (a switch there and back, its steps at the noise)")
+            return Why("round_too_long", {"round_steps": 2 * self._trial_steps(), "left": max(0, self.planned - step)})
+        saving, how = self.saving_figures()
+        return Why("cannot_pay_back", {**how, "saving": saving, "steps_after": left, "margin": self._margin(),
+                                       "cost": self.round_cost()})
 
     # ------------------------------------------------------------ the record
     def decision(self, step: int, time: float | None) -> Decision | None:
@@ -515,7 +542,10 @@ class OnRunTuning:
         self.recorded = True
         return Decision(kind="tune", step=step, reason=self.done.reason, old=self.start, new=self.done.split,
                         time=time, trials=self.trial_list(), cost_sec=self.cost,
-                        expected_gain_sec=self.expected_gain_sec(step), planned_steps=self.planned, rule=self.rule())
+                        expected_gain_sec=self.expected_gain_sec(step), planned_steps=self.planned, rule=self.rule(),
+                        reason_code=self.done.outcome, ended_by=self.done.ended.code if self.done.ended else None,
+                        figures={**(self.done.ended.figures if self.done.ended else {}), **self.done.figures},
+                        rank_by="step" if self.rank_by == "step" else "non_generation")
 
     def ceiling_sec(self, step: int) -> float | None:
         samples = self.trials[self.start].samples

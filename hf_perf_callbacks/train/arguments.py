@@ -99,12 +99,18 @@ def field_names() -> list[str]:
     return sorted({f.name for cls in (RecipeArguments, GRPOConfig, ModelConfig) for f in dataclasses.fields(cls)})
 
 
-def did_you_mean(name: str, names: list[str], prefix: str = "") -> str:
+def closest_name(name: str, names: list[str]) -> str | None:
     """The closest name (difflib); one sharing the first word wins (lora_rank → lora_r, not local_rank)."""
     close = difflib.get_close_matches(name, names, n=5, cutoff=0.6)
     same_family = [c for c in close if c.split("_")[0] == name.split("_")[0]]
     best = (same_family or close)[:1]
-    return f" (did you mean '{prefix}{best[0]}'?)" if best else ""
+    return best[0] if best else None
+
+
+def did_you_mean(name: str, names: list[str], prefix: str = "") -> str:
+    """`` (did you mean 'lora_r'?)`` for :func:`closest_name`, or ``""``."""
+    best = closest_name(name, names)
+    return f" (did you mean '{prefix}{best}'?)" if best else ""
 
 
 def split_config(argv: list[str]) -> tuple[str | None, list[str]]:

@@ -210,8 +210,9 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
 
     if callbacks:                                      # the report words its advice as this launcher's recipe keys
         from ..bus import bus_for
+        from ..runlog import HF_PERF_TRAIN
 
-        bus_for(trainer.callback_handler).mark_runs(launcher="hf-perf train")
+        bus_for(trainer.callback_handler).mark_runs(launcher=HF_PERF_TRAIN)
     resume = training_args.resume_from_checkpoint
     if any(type(cb).__name__ == "AdaptiveBatchTuner" for cb in callbacks):
         from ..resize import train_with_tuning

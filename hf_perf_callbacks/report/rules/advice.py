@@ -153,29 +153,48 @@ def _split_name(split: Split) -> str:
     return f"{split.micro_batch}×{split.grad_accum}"
 
 
+def _memory_hits(m: Measurements) -> list[tuple[int, str, object, str]]:
+    """Every micro-batch that hit the memory limit: (micro-batch, what hit it: a decision's kind "oom", "watchdog",
+    "memory_check", "trial" or the watchdog's action, at which step (None: a trial), the sentence that says so)."""
+    hits: list[tuple[int, str, object, str]] = []
+    for d in m.memory_limits:
+        what = {"oom": "ran out of memory", "watchdog": "neared the memory budget (the watchdog asked for less)",
+                "memory_check": "did not fit at the longest length"}[d.kind]
+        hits.append((d.old.micro_batch, d.kind, d.step, f"micro-batch {d.old.micro_batch} {what} at step {d.step}"
+                     + (f" ({d.reason})" if d.reason else "")))
+    for t in (m.tune.trials if m.tune else []):
+        if not t.fits or (t.error and "memory" in t.error.lower()):
+            hits.append((t.split.micro_batch, "trial", None, f"the tuner's trial of {_split_name(t.split)} "
+                         + ("ran out of memory" if t.error else "went over the memory budget")))
+    if not m.memory_limits and m.micro_batch:
+        for a in m.watchdog_actions:
+            if a.get("action") in ("smaller_batch", "stop"):
+                hits.append((m.micro_batch, str(a.get("action")), a.get("step"),
+                             f"the memory watchdog's {a.get('action')} at step {a.get('step')} at micro-batch "
+                             f"{m.micro_batch}"))
+    return hits
+
+
+def _memory_cap_facts(m: Measurements) -> dict[str, int | str | None]:
+    """The memory cap as figures: ``cap`` (the largest micro-batch advised), the micro-batch that hit the limit,
+    what hit it (``capped_by``) and at which step; empty when nothing hit it."""
+    hits = _memory_hits(m)
+    if not hits:
+        return {}
+    micro, kind, step, _ = min(hits, key=lambda h: h[0])
+    return {"cap": max(0, micro - 1), "hit_micro_batch": micro, "capped_by": kind,
+            "capped_at_step": step if isinstance(step, int) else None}
+
+
 def _memory_cap(m: Measurements) -> tuple[int | None, str | None]:
     """The largest micro-batch any advice may name — one below the smallest that ran out of memory or that the
     memory watchdog had to shrink (the tuner's ``oom``, ``watchdog`` and ``memory_check`` decisions, its trials that
     did not fit, the watchdog's stops and smaller-batch requests) — and the sentence that says why; (None, None)
     when nothing hit the memory limit."""
-    hits: list[tuple[int, str]] = []
-    for d in m.memory_limits:
-        what = {"oom": "ran out of memory", "watchdog": "neared the memory budget (the watchdog asked for less)",
-                "memory_check": "did not fit at the longest length"}[d.kind]
-        hits.append((d.old.micro_batch, f"micro-batch {d.old.micro_batch} {what} at step {d.step}"
-                     + (f" ({d.reason})" if d.reason else "")))
-    for t in (m.tune.trials if m.tune else []):
-        if not t.fits or (t.error and "memory" in t.error.lower()):
-            hits.append((t.split.micro_batch, f"the tuner's trial of {_split_name(t.split)} "
-                         + ("ran out of memory" if t.error else "went over the memory budget")))
-    if not m.memory_limits and m.micro_batch:
-        for a in m.watchdog_actions:
-            if a.get("action") in ("smaller_batch", "stop"):
-                hits.append((m.micro_batch, f"the memory watchdog's {a.get('action')} at step {a.get('step')} at "
-                             f"micro-batch {m.micro_batch}"))
+    hits = _memory_hits(m)
     if not hits:
         return None, None
-    micro, why = min(hits, key=lambda h: h[0])
+    micro, _, _, why = min(hits, key=lambda h: h[0])
     return max(0, micro - 1), why
 
 

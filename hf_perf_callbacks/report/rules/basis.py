@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from ..model import MIN_STEADY_STEPS, Measurements
+from ..model import MIN_STEADY_STEPS, TOO_FEW_STEPS, Measurements
 
 #: How close each model came to the measured gain when ``benchmarks/bench_advice.py`` applied its advice
 #: (``benchmarks/results/advice_*.json``): (rule, device type) → (checks, worst |predicted / measured − 1|). A rule
@@ -59,4 +59,4 @@ def _judged(m: Measurements, gain: float | None, basis: str, confidence: str,
     why = _too_short(m)
     if why is None or gain is None:
         return gain, basis, confidence, formula
-    return None, "too few steps", "low", f"too few steps to judge the gain ({why}); the model: {formula}"
+    return None, TOO_FEW_STEPS, "low", f"too few steps to judge the gain ({why}); the model: {formula}"

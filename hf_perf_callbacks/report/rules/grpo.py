@@ -6,7 +6,7 @@ read the same figures on every backend and word their causes and advice for the 
 """
 from __future__ import annotations
 
-from ..model import ZERO, Finding, Measurements, Note, Rewards, Setting, card
+from ..model import ZERO, Facts, Finding, Measurements, Note, Rewards, Setting, card
 from .advice import (
     CLIPPED_LARGE,
     COMPLETION_HEADROOM,
@@ -64,18 +64,23 @@ def rule_no_learning(m: Measurements) -> Finding | Note | None:
     if r is None:
         return Note("no_learning", "No reward data",
                     "No reward data in this run's logs (no `log/reward` in the step lines, no `trainer_state.json` "
-                    "with rewards): whether the run can learn was not checked.", judged=False)
+                    "with rewards): whether the run can learn was not checked.", judged=False, reason="no_reward_data")
     constant = _constant_reward(r) and r.logs >= NO_LEARNING_LOGS
     if not constant and m.no_signal_run < NO_LEARNING_LOGS:
         if _constant_reward(r):
             return Note("no_learning", "Too few logs to judge the rewards",
                         f"Every completion of the {r.logs} log(s) scored {r.min:.3g}: too few logs to judge "
                         f"whether the run can learn ({NO_LEARNING_LOGS} needed; `logging_steps` sets how often the "
-                        f"trainer logs).", judged=False)
+                        f"trainer logs).", judged=False, reason="too_few_logs",
+                        facts={"logs": r.logs, "reward": r.min, "logs_needed": NO_LEARNING_LOGS})
         return None
     clipped, limit = m.clipped_ratio or 0.0, m.max_completion_length
     setting: Setting = {}
+    facts: Facts = {"logs": r.logs if constant else m.logs, "no_signal_run": m.no_signal_run,
+                    "reward_mean": m.reward_mean, "reward_min": r.min, "reward_max": r.max,
+                    "source": m.trainer_log_source, "clipped": clipped}
     if constant:
+        facts.update({f"reward_func:{name}": lo for name, (lo, _) in r.funcs.items()})
         funcs = ", ".join(f"`{name}` {lo:.3g}" for name, (lo, _) in r.funcs.items())
         obs = (f"On all {r.logs} logs every completion got the same reward, {r.min:.3g}: no prompt group had "
                f"any spread (`reward_std` 0)" + (f"; per reward function: {funcs}" if funcs else "")
@@ -94,6 +99,7 @@ def rule_no_learning(m: Measurements) -> Finding | Note | None:
                  "supervised warm-start) that solves some prompts"]
         if clipped >= CLIPPED_LARGE and limit:         # no setting: a length cannot move a constant reward
             raised, _ = _raised_limit(m, limit, clipped)
+            facts["raised_limit"] = raised
             items.append(f"then, if the answers need more room: `max_completion_length: {raised}` (now {limit}; "
                          f"{_pct(clipped)} of completions were cut at the limit) — a longer limit cannot make a "
                          f"reward that no completion moved vary by itself")
@@ -115,7 +121,8 @@ def rule_no_learning(m: Measurements) -> Finding | Note | None:
                      "(a parsing error that always returns 0) looks exactly like this")
         title = "The run cannot learn: no reward variance, zero gradients"
     return Finding("no_learning", title, obs, root, _bullets(items), None, "no speed figure: until rewards differ "
-                   "within a group no step changes the weights", "high", setting, "try", None, priority=0)
+                   "within a group no step changes the weights", "high", setting, "try", None, priority=0,
+                   reason="constant_reward" if constant else "no_group_variance", facts=facts)
 
 
 @card(finding=f"GRPO generation ≥ {GENERATION_SHARE:.0%} → vLLM (CUDA), `steps_per_generation` ×2 (with its cost: "
@@ -184,7 +191,12 @@ def rule_generation_bound(m: Measurements) -> Finding | None:
     formula = (f"not predicted: the run does not measure generation at another batch or backend (generation free "
                f"would be the ceiling, 1/(1 − {g:.2f}) = {1 / (1 - g):.1f}x)")
     return Finding("generation_bound", "Generation-bound GRPO step", obs, root, _bullets(lines), None, formula,
-                   "low", setting, "try", None)
+                   "low", setting, "try", None, reason="launch_bound" if launch_bound else "generation_share",
+                   facts={"generation": g, "decode_bandwidth_util": u, "backend": backend,
+                          "steps_per_generation": spg, "optimizer_steps_per_rollout":
+                              2 * spg / (m.grad_accum or spg) if spg and not _under_pressure(m) else None,
+                          "completion_target": target[0] if target else None, "clipped": clipped,
+                          "ceiling": 1 / (1 - g)})
 
 
 _BACKEND_WORDS = {"transformers": "HF generate", "transformers-paged": "HF continuous batching",
@@ -227,7 +239,8 @@ def rule_weight_sync(m: Measurements) -> Finding | None:
     formula = (f"not predicted: the run measures syncs at one setting (syncs free would be the ceiling, "
                f"1/(1 − {share:.2f}) = {1 / (1 - share):.2f}x)")
     return Finding("weight_sync", "Weight syncs to vLLM take a large share of the step", obs, root, _bullets(lines),
-                   None, formula, "medium", setting, "try", None)
+                   None, formula, "medium", setting, "try", None, reason="sync_share",
+                   facts={"share": share, "syncs": m.weight_syncs, "sync_sec": m.weight_sync_sec, "backend": backend})
 
 
 def _cut_off(m: Measurements, obs: str, limit: int, clipped: float) -> Finding:
@@ -248,7 +261,8 @@ def _cut_off(m: Measurements, obs: str, limit: int, clipped: float) -> Finding:
     setting: Setting = {"max_completion_length": raised} if headroom else {"mask_truncated_completions": True}
     return Finding("completion_budget", "Most completions are cut off at max_completion_length", obs, root,
                    _bullets(items), None, "no speed figure: a quality finding (a higher limit makes steps slower, "
-                   "not faster)", "medium", setting, "try", None)
+                   "not faster)", "medium", setting, "try", None, reason="cut_off",
+                   facts={"limit": limit, "clipped": clipped, "raised_limit": raised, "headroom": bool(headroom)})
 
 
 @card(finding="GRPO: most completions cut at `max_completion_length` → the limit, `mask_truncated_completions`; "
@@ -273,12 +287,16 @@ def rule_completion_budget(m: Measurements) -> Finding | Note | None:
     new, basis, name = target
     freed = _memory_freed_by_cut(m, limit, new)
     r = clipped or 0.0
+    facts: Facts = {"limit": limit, "target": new, "basis_tokens": basis, "clipped": r,
+                    "freed_bytes": freed[0] if freed else None, "completion_max": m.completion_max,
+                    "longest_cut": m.completion_max is not None and m.completion_max > new}
     if r <= 0 or _phase(m, "generation") <= 0:
         return Note("completion_budget", "max_completion_length far above what completions use",
                     f"{obs} No completion reached the limit, so time is unchanged by a cap; "
                     f"`max_completion_length: {new}` (next power of two ≥ {COMPLETION_HEADROOM} × the {name}) would "
                     f"bound runaway rollouts"
-                    + (f" and free ≈ {_gb(freed[0])} at the limit, if memory is ever short" if freed else "") + ".")
+                    + (f" and free ≈ {_gb(freed[0])} at the limit, if memory is ever short" if freed else "") + ".",
+                    reason="no_runaways", facts=facts)
     root = (f"The limit is {limit / basis:.1f}x what the task uses. A completion that never emits end-of-sequence "
             f"decodes to the limit, holds the whole generation batch for {limit} decode steps and pads every "
             f"training sequence of its batch to {limit} tokens.")
@@ -290,7 +308,8 @@ def rule_completion_budget(m: Measurements) -> Finding | Note | None:
         rec += f" At the limit this frees ≈ {_gb(freed[0])}: {freed[1]}."
     return Finding("completion_budget", "Runaway completions reach max_completion_length", obs, root, rec, None,
                    f"not predicted: {_pct(r)} of completions reached the limit; how much decode time a cap saves "
-                   f"depends on how often a batch holds one", "low", {"max_completion_length": new}, "try", None)
+                   f"depends on how often a batch holds one", "low", {"max_completion_length": new}, "try", None,
+                   reason="runaways", facts=facts)
 
 
 def _constant_reward(r: Rewards | None) -> bool:

@@ -95,7 +95,12 @@ def rule_oversubscription(m: Measurements) -> Finding | None:
                    f"percentile) — those steps were contended too, and fewer threads also stop the spinning")
     return Finding("oversubscription", "Thread oversubscription: more threads than free cores", obs, root,
                    _bullets(items), gain, formula, "medium" if o.threads_from == "run header" else "low", {},
-                   "measured" if gain else "try", None, env={"OMP_NUM_THREADS": str(a)}, lower_bound=bool(gain))
+                   "measured" if gain else "try", None, env={"OMP_NUM_THREADS": str(a)}, lower_bound=bool(gain),
+                   reason="threads_over_free_cores",
+                   facts={"steps": o.steps, "busy": o.busy, "threads": t, "threads_from": o.threads_from,
+                          "other": o.other, "cores": o.cores, "cores_from": o.cores_from, "load": o.load,
+                          "demand": demand, "advised_threads": a, "spread": o.spread, "cpu_spread": o.cpu_spread,
+                          "launcher": _launcher(m)})
 
 
 def _stretches_words(stretches: list[SlowStretch]) -> str:
@@ -149,7 +154,10 @@ def rule_contention(m: Measurements) -> Finding | Note | None:
         stretches = contended + unexplained
         return Note("contention", "Slow stretches" + (", cause unexplained" if not contended else ""), text.strip(),
                     judged=False, steps=[(s.first, s.last) for s in stretches],
-                    lost_sec=sum(s.lost_sec for s in stretches))
+                    lost_sec=sum(s.lost_sec for s in stretches),
+                    reason="contention_below_share" if contended else "unexplained_stretches",
+                    facts={"contended_stretches": len(contended), "unexplained_stretches": len(unexplained),
+                           "lost_sec": lost, "share": share})
     parts = []
     if c:
         parts.append(f"{c.steps} step(s) ({ranges_text(step_ranges(c.step_list))}) ran slower than the steady level "
@@ -175,4 +183,9 @@ def rule_contention(m: Measurements) -> Finding | Note | None:
     formula = (f"the measured time lost: 1/(1 − {lost:.1f} s / {run_sec:.1f} s) = {gain:.2f}x (those steps at "
                f"the steady level)")
     return Finding("contention", "CPU contention: other processes slowed the run", obs, root, _bullets(items), gain,
-                   formula, "medium", {}, "measured", gain, steps=steps, lost_sec=lost)
+                   formula, "medium", {}, "measured", gain, steps=steps, lost_sec=lost, reason="other_processes",
+                   facts={"lost_sec": lost, "share": share, "run_sec": run_sec, "source": c.source if c else None,
+                          "contended_steps": c.steps if c else 0, "wall_over_cpu": c.wall_over_cpu if c else None,
+                          "steady_wall_over_cpu": c.steady_wall_over_cpu if c else None,
+                          "other_cores": c.other_cores if c else None, "contended_stretches": len(contended),
+                          "unexplained_stretches": len(unexplained)})

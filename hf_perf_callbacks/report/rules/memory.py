@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from ... import keys
 from ...batching import Split, next_smaller
-from ..model import Finding, Measurements, Setting, card
+from ...memory import WARN_WITHIN_STEPS as STEPS_TO_WALL  # the watchdog's default warn distance
+from ..model import Facts, Finding, Measurements, Setting, card
 from .advice import (
     CLIPPED_LARGE,
     HIGH_WATER_FRACTION,
-    STEPS_TO_WALL,
     _bullets,
     _completion_target,
     _gb,
@@ -36,6 +36,9 @@ DRIVER_BLOAT_MIN_GB = 0.5
 
 #: (bytes freed, the advice's words, its setting): one remedy for memory pressure
 Remedy = tuple[float, str, Setting]
+#: what each remedy's words are, by the setting key that marks it (the finding's ``facts["remedies"]``)
+REMEDY_CODES = {"activation_checkpointing": "checkpointing", "per_device_train_batch_size": "smaller_split",
+                "max_completion_length": "shorter_completions"}
 
 
 def _near_budget(m: Measurements) -> bool:
@@ -227,8 +230,39 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
         return None
     lines, setting = _advice(m)
     formula, confidence = _gain_words(m, swapping)
+    facts: Facts = {"swapping": swapping, "swap_growth_gb": m.swap_growth_gb, "swapout_steps": m.swapout_steps,
+                    "max_pressure": m.max_pressure, "high_water_gb": m.mem_high_water_gb,
+                    "budget_gb": m.mem_budget_gb, "steps_to_wall": m.min_steps_to_wall,
+                    "allocator_bloat": bloat, "cached_gb": _cached_gb(m) if bloat else None,
+                    "leak_mib_per_step": m.leak_mib_per_step, "wall_moves": len(m.wall_moves),
+                    "watchdog_actions": ", ".join(f"{a.get('action')}@{a.get('step')}" for a in m.watchdog_actions),
+                    "oom_micro_batches": ", ".join(f"{d.old.micro_batch}@{d.step}" for d in m.memory_limits
+                                                   if d.kind == "oom"),
+                    "remedies": _remedy_codes(m), "allocator_advice": _allocator_code(m)}
     urgent = swapping or (m.max_pressure or 0) >= 2 or (m.min_steps_to_wall is not None
                                                       and m.min_steps_to_wall <= STEPS_TO_WALL)
     return Finding("memory_pressure", "Memory pressure" + (": the run is swapping" if swapping else ""),
                    _sentence(_pressure_facts(m, swapping, bloat)), _root_cause(m, swapping), _bullets(lines), None,
-                   formula, confidence, setting, "try", None, priority=0 if urgent else 1)
+                   formula, confidence, setting, "try", None, priority=0 if urgent else 1,
+                   reason="swapping" if swapping else "near_the_wall" if urgent else "pressure", facts=facts)
+
+
+def _remedy_codes(m: Measurements) -> str:
+    """The advice in its order, as codes: ``leak_first``, ``free_outside``, then the remedies by the memory they free
+    (:data:`REMEDY_CODES`; ``shorter_completions_hint`` without a setting), comma-separated."""
+    remedies = [r for r in (_checkpointing_remedy(m), _smaller_split_remedy(m), _completion_remedy(m)) if r]
+    remedies.sort(key=lambda item: -item[0])
+    codes = [next((REMEDY_CODES[k] for k in s if k in REMEDY_CODES), "shorter_completions_hint")
+             for _, _, s in remedies]
+    if any(why for _, why, _ in m.wall_moves):
+        codes.insert(0, "free_outside")
+    if m.leak_mib_per_step:
+        codes.insert(0, "leak_first")
+    return ", ".join(codes)
+
+
+def _allocator_code(m: Measurements) -> str | None:
+    """Which allocator advice :func:`_allocator_advice` gives: ``mps_cache_clearer``, ``expandable_segments``."""
+    if m.device_type == "mps" and keys.CACHE_CLEARS not in m.logged:
+        return "mps_cache_clearer"
+    return "expandable_segments" if m.device_type == "cuda" else None

@@ -79,7 +79,7 @@ def rule_saving(m: Measurements) -> Finding | None:
                f"{saved:.1f} s of {wall:.1f} s: {wall:.1f} / ({wall:.1f} − {saved:.1f}) = {gain:.2f}x (each save "
                f"costing what this run's did)")
     return Finding("saving", "Checkpoint saving takes a large share of the wall time", obs, root, _bullets(items),
-                   gain, formula + FLOOR, "high", setting, "measured", gain, lower_bound=True)
+                   gain, formula + FLOOR, "high", setting, "measured", gain, lower_bound=True, reason="save_share")
 
 
 def _user_callbacks(m: Measurements) -> list[tuple[str, float, dict[str, float]]]:
@@ -119,7 +119,7 @@ def rule_callbacks(m: Measurements) -> Finding | None:
                    f"saves {saved:.1f} s of {wall:.1f} s: {wall:.1f} / ({wall:.1f} − {saved:.1f}) = {gain:.2f}x")
         return Finding("callbacks", "Logging and callbacks take a large share of the wall time", obs, root,
                        _bullets(items), gain, formula + FLOOR, "high", {"logging_steps": new}, "measured", gain,
-                       lower_bound=True)
+                       lower_bound=True, reason="logging_share")
     if not classes:
         return None
     name, sec, events = classes[0]
@@ -131,7 +131,7 @@ def rule_callbacks(m: Measurements) -> Finding | None:
     formula = (f"not predicted: how often the callback must run is the user's choice; all of its {sec:.1f} s of "
                f"{wall:.1f} s would be {wall / max(1e-9, wall - sec):.2f}x")
     return Finding("callbacks", f"Callback {name} takes a large share of the wall time", obs, root, _bullets(items),
-                   None, formula, "medium", {}, "try", None)
+                   None, formula, "medium", {}, "try", None, reason="one_callback", facts={"callback": name})
 
 
 @card(finding=f"gradient checkpointing's recompute ≥ {RECOMPUTE_SHARE:.0%} of the wall time (clocked on CPUs) and "
@@ -156,7 +156,7 @@ def rule_recompute(m: Measurements) -> Finding | Note | None:
         return Note("recompute", "Gradient checkpointing kept: the activations would not fit",
                     f"Recompute took {recompute:.1f} s ({_pct(recompute / wall)} of the wall time), but keeping the "
                     f"activations would take about {_gb(extra)} more: {after:.2f} of the {m.mem_budget_gb:.2f} GiB "
-                    "budget, above the watchdog's margin.")
+                    "budget, above the watchdog's margin.", reason="would_not_fit")
     gain = wall / (wall - recompute)
     obs = (f"Gradient checkpointing re-ran the checkpointed layers' forwards for {recompute:.1f} s of the "
            f"{wall:.1f} s wall time ({_pct(recompute / wall)}); memory peaked at {m.mem_high_water_gb:.2f} of "
@@ -171,4 +171,5 @@ def rule_recompute(m: Measurements) -> Finding | Note | None:
     formula = (f"measured: this run's recompute took {recompute:.1f} s of {wall:.1f} s: {wall:.1f} / "
                f"({wall:.1f} − {recompute:.1f}) = {gain:.2f}x")
     return Finding("recompute", "Gradient checkpointing recomputes with memory to spare", obs, root, rec, gain,
-                   formula + FLOOR, "medium", {"activation_checkpointing": False}, "measured", gain, lower_bound=True)
+                   formula + FLOOR, "medium", {"activation_checkpointing": False}, "measured", gain, lower_bound=True,
+                   reason="memory_to_spare")

@@ -4,14 +4,15 @@ the run is too short to judge, fields skipped.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 from ...splitfile import trial_figures
-from ...wording import TUNER_NEEDS_TRAIN_WITH_TUNING, warmup_words
+from ...wording import TUNER_NEEDS_TRAIN_WITH_TUNING, warmup_case, warmup_words
 from ..figures import (
     ranges_text,
     step_ranges,
 )
-from ..model import CONTENTION_SHARE, MIN_MACHINE_STEPS, MIN_STEADY_STEPS, Finding, Measurements, Note, card
+from ..model import CONTENTION_SHARE, MIN_MACHINE_STEPS, MIN_STEADY_STEPS, Facts, Finding, Measurements, Note, card
 from .advice import FLOOR, _bullets, _launcher, _pct, _sentence, _split_name
 from .basis import _too_short
 from .machine import rule_contention, rule_oversubscription
@@ -21,12 +22,24 @@ EVAL_SHARE = 0.1             # evaluation's share of the wall time worth a findi
 EVAL_TARGET = 0.05           # the share the advised eval_steps brings it to
 TUNING_COST_SHARE = 0.01     # a tuning that cost more than it saved, by this share of the training time: a finding
 
+#: the warmup note's cases (its ``reason``): not finished yet; the first step among the steady steps; else the
+#: warmup steps left out of the steady figures (``facts["case"]``: :func:`~hf_perf_callbacks.wording.warmup_case`)
+WarmupReason = Literal["not_finished", "first_step_steady", "excluded"]
+#: the one-time costs of a fresh process the warmup note names beside the optimizer state and the allocator
+FRESH_COSTS = {"mps": "Metal shader compilation", "cuda": "CUDA context and kernel selection",
+               "xpu": "kernel compilation"}
+
+
+def _contention_names(m: Measurements) -> list[str]:
+    """The findings of this report that name other processes (oversubscription, contention)."""
+    return [name for name, rule in (("oversubscription", rule_oversubscription), ("contention", rule_contention))
+            if isinstance(rule(m), Finding)]
+
 
 def _contention_words(m: Measurements) -> str:
     """What the report says about other processes beside warmup: the finding that names them (only one the report
     has), else the meter's measured seconds when there are any, else nothing."""
-    names = [name for name, rule in (("oversubscription", rule_oversubscription), ("contention", rule_contention))
-             if isinstance(rule(m), Finding)]
+    names = _contention_names(m)
     if names:
         return (f" Other processes slowed this run too (the {' and the '.join(names)} finding"
                 f"{'s' if len(names) > 1 else ''} above): that time is contention, not warmup, and it recurs.")
@@ -43,18 +56,25 @@ def rule_warmup(m: Measurements) -> Note | None:
     slow, overhead, steady, n = m.first_step_slowdown, m.warmup_overhead_sec, m.steady_step_sec, m.warmup_steps
     other = _contention_words(m)
     contended = bool(other)
+    facts: Facts = {"steps": m.steps, "contention_findings": ", ".join(_contention_names(m)),
+                    "contention_sec": m.contention.lost_sec if m.contention else None}
     if m.warmup_done is False:
         return Note("warmup", "Warmup not finished",
                     f"Warmup was not finished after {m.steps} step{'' if m.steps == 1 else 's'}: the meter has not "
                     f"seen its steps settle at one level, so the run has no steady figures yet (run longer)."
-                    + other, judged=False)
+                    + other, judged=False, reason="not_finished", facts=facts)
     if slow is None and overhead is None:
         return None
     first = m.first_steady
     parts = [warmup_words(n, slow, overhead, first.step if first else None, levels=max(1, m.split_levels))]
     fresh = ("One-time costs of a fresh process (optimizer state, allocator growth"
-             + {"mps": ", Metal shader compilation", "cuda": ", CUDA context and kernel selection",
-                "xpu": ", kernel compilation"}.get(m.device_type, "") + ") do not recur")
+             + (f", {FRESH_COSTS[m.device_type]}" if m.device_type in FRESH_COSTS else "") + ") do not recur")
+    facts.update(case=warmup_case(n, slow), warmup_steps=n, slowdown=slow, overhead_sec=overhead,
+                 fresh_cost=FRESH_COSTS.get(m.device_type))
+    reason: WarmupReason = "first_step_steady" if first and first.included else "excluded"
+    if first and first.included:
+        facts.update(first_step=first.step, first_sec=first.sec, steady_with=first.with_it,
+                     steady_without=first.without_it)
     if first and first.included:
         text = _sentence(parts) + (
             f" Step {first.step} counts among the steady steps (the meter found no warmup beyond it), so its "
@@ -69,7 +89,8 @@ def rule_warmup(m: Measurements) -> Note | None:
         steps_needed = math.ceil(overhead * (1 - target) / (target * steady))
         text += (f" In this short run warmup is {_pct(share)} of the time: compare steady figures only, or run "
                  f"≥ {steps_needed} steps for warmup below 5%.")
-    return Note("warmup", "Warmup", text)
+        facts.update(share=share, steps_for_target=steps_needed, target_share=target)
+    return Note("warmup", "Warmup", text, reason=reason, facts=facts)
 
 
 @card(finding=f"evaluation ≥ {EVAL_SHARE:.0%} of the wall time, ≥ 2 evaluations (`perf/phase_sec/eval`, measured) → "
@@ -102,7 +123,10 @@ def rule_evaluation(m: Measurements) -> Finding | None:
                f"({e.wall_sec:.1f} − {saved:.1f}) = {gain:.2f}x (each evaluation costing what this run's did)")
     return Finding("evaluation", "Evaluation takes a large share of the wall time", obs, root, _bullets(items), gain,
                    formula + FLOOR, "high", {"eval_strategy": "steps", "eval_steps": new}, "measured", gain,
-                   lower_bound=True)
+                   lower_bound=True, reason="eval_share",
+                   facts={"evals": e.evals, "every": every, "eval_sec": e.eval_sec, "wall_sec": e.wall_sec,
+                          "share": e.share, "per_eval_sec": per_eval, "train_per_step_sec": train_per_step,
+                          "saved_sec": saved})
 
 
 def _nice_interval(x: float) -> int:
@@ -144,7 +168,11 @@ def rule_tuning_cost(m: Measurements) -> Finding | None:
                f"against {m.train_sec:.1f} s of training: {m.train_sec:.1f} / ({m.train_sec:.1f} − {lost:.1f})"
                + (f" = {gain:.2f}x" if gain else ""))
     return Finding("tuning_cost", "The batch tuning cost more than it saved", obs, root, _bullets(items), gain,
-                   formula, "medium", {"tune": False} if _launcher(m) else {}, "measured" if gain else "try", gain)
+                   formula, "medium", {"tune": False} if _launcher(m) else {}, "measured" if gain else "try", gain,
+                   reason="cost_over_saving",
+                   facts={"cost_sec": d.cost_sec, "saving_sec": saving, "lost_sec": lost, "train_sec": m.train_sec,
+                          "kept": _split_name(d.new), "step": d.step, "tuner_reason": d.code,
+                          "ended_by": d.ended_by})
 
 
 @card(note="not judged: the tuner attached to a plain `trainer.train()` (its event)")
@@ -154,7 +182,8 @@ def rule_tuner_hint(m: Measurements) -> Note | None:
         return None
     return Note("tuner_hint", "Batch split not measured: the tuner needs train_with_tuning",
                 _sentence([TUNER_NEEDS_TRAIN_WITH_TUNING]) + (" Use `hf-perf train`'s recipe key `tune`."
-                                                              if _launcher(m) else ""), judged=False)
+                                                              if _launcher(m) else ""), judged=False,
+                reason="needs_train_with_tuning")
 
 
 @card(note="not judged: too few steps")
@@ -168,10 +197,13 @@ def rule_evidence(m: Measurements) -> Note | None:
             f"it are needed")
     timed = "data wait, " + ("generation share, " if m.grpo else "") + "micro-batch, slow early steps"
     counted = "forwards per micro-batch, padding, " + ("rewards, completion lengths, " if m.grpo else "") + "memory"
+    facts: Facts = {"steps": m.steps, "warmup_done": m.warmup_done, "steady_steps": m.steady_steps,
+                    "needed_steps": (m.warmup_steps or 0) + MIN_STEADY_STEPS if m.warmup_done else None,
+                    "timed": timed, "counted": counted}
     return Note("evidence", f"Too few steps to judge ({why})",
                 f"Too few steps to judge the timings: {why}. Not judged: {timed}; no gain is estimated. Judged "
                 f"anyway (counts, not timings): {counted}; thread oversubscription from {MIN_MACHINE_STEPS} steps "
-                f"on. To judge the rest, {more}.", judged=False)
+                f"on. To judge the rest, {more}.", judged=False, reason="too_few_steps", facts=facts)
 
 
 @card(note="not judged: fields of another type skipped")
@@ -180,4 +212,4 @@ def rule_log_fields(m: Measurements) -> Note | None:
     if not m.skipped:
         return None
     return Note("log_fields", "Fields skipped", "Skipped (another writer's format): " + "; ".join(m.skipped) + ".",
-                judged=False)
+                judged=False, reason="skipped", facts={"skipped": len(m.skipped)})

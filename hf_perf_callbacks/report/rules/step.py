@@ -7,11 +7,12 @@ import math
 
 from ...dataloader import dataloader_changes
 from ...splitfile import Decision, trial_figures
-from ..model import MIN_FIXED_LENGTH_STEPS, Finding, Measurements, Note, Setting, card
+from ..model import MIN_FIXED_LENGTH_STEPS, Facts, Finding, Measurements, Note, Setting, card
 from .advice import (
     _amdahl,
     _bullets,
     _memory_cap,
+    _memory_cap_facts,
     _pct,
     _phase,
     _split_name,
@@ -59,7 +60,8 @@ def rule_input_bound(m: Measurements) -> Finding | None:
         "input_bound", m, predicted,
         f"workers hide the measured wait: 1/(1 − {f:.2f}) = {predicted:.2f}x")
     return Finding("input_bound", "Input-bound: the device waits for data", obs, root, _bullets(lines), gain,
-                   formula, confidence, setting, basis, predicted)
+                   formula, confidence, setting, basis, predicted, reason="no_workers" if workers == 0 else
+                   "workers_behind", facts={"data_wait": f, "num_workers": workers})
 
 
 def _tune_note(m: Measurements, d: Decision) -> Note | None:
@@ -72,13 +74,16 @@ def _tune_note(m: Measurements, d: Decision) -> Note | None:
     kept = (f"kept the configured {_split_name(d.old)}" if d.new == d.old
             else f"switched from {_split_name(d.old)} to {_split_name(d.new)}")
     reason = f" (the tuner's reason: {d.reason})" if d.reason else ""
+    facts: Facts = {"old": _split_name(d.old), "new": _split_name(d.new), "step": d.step,
+                    "measured": len([t for t in figures_ if t.measured]), "cost_sec": d.cost_sec,
+                    "expected_gain_sec": d.expected_gain_sec, "tuner_reason": d.code, "ended_by": d.ended_by}
     if not measured:
         tried = "; ".join(t.words() for t in figures_ if t.status != "reference")
         base = next((t for t in figures_ if t.status == "reference"), None)
         return Note("small_micro_batch", "Batch split not measured",
                     f"The tuner {kept} at step {d.step} without measuring another split{reason}"
                     + (f"; {base.words()}" if base is not None else "")
-                    + (f"; {tried}" if tried else "") + ".", judged=False)
+                    + (f"; {tried}" if tried else "") + ".", judged=False, reason="tuner_measured_none", facts=facts)
     if rule_tuning_cost(m) is not None:
         return None
     cost = (f" Measuring cost {d.cost_sec:.1f} s" if d.cost_sec is not None else "") + (
@@ -88,7 +93,8 @@ def _tune_note(m: Measurements, d: Decision) -> Note | None:
     return Note("small_micro_batch", "Batch split chosen by measurement",
                 f"The tuner measured {len([t for t in figures_ if t.measured])} split(s) on this run's own training "
                 f"steps ({'; '.join(t.words() for t in figures_)}) and {kept} at step {d.step}{reason}." + cost
-                + (f" No larger micro-batch is advised: {limit}." if limit else ""))
+                + (f" No larger micro-batch is advised: {limit}." if limit else ""), reason="tuner_measured",
+                facts={**facts, **_memory_cap_facts(m)})
 
 
 def _small_split_applies(m: Measurements) -> bool:
@@ -131,7 +137,8 @@ def rule_small_micro_batch(m: Measurements) -> Finding | Note | None:
     if not splits:
         if larger and why:
             return Note("small_micro_batch", "Micro-batch kept small by memory",
-                        f"Micro-batch {mb} × accumulation {ga}: no larger micro-batch is advised, because {why}.")
+                        f"Micro-batch {mb} × accumulation {ga}: no larger micro-batch is advised, because {why}.",
+                        reason="memory_cap", facts={"micro_batch": mb, "grad_accum": ga, **_memory_cap_facts(m)})
         return None
     manual = next((s for s in splits if s.micro_batch >= 4 * mb), splits[-1])
     setting = _split_setting(m, manual)
@@ -146,7 +153,10 @@ def rule_small_micro_batch(m: Measurements) -> Finding | Note | None:
            f"the fastest that fits memory.")
     return Finding("small_micro_batch", "Small micro-batch", obs, _small_split_root(m, ga), rec, None,
                    "not predicted: a larger micro-batch helps only where per-micro-batch costs dominate (measured "
-                   "on GPUs, not on every CPU); the tuner measures it", "low", setting, "try", None)
+                   "on GPUs, not on every CPU); the tuner measures it", "low", setting, "try", None,
+                   reason="small_split", facts={"micro_batch": mb, "grad_accum": ga, "world_size": world,
+                                                "effective_batch": effective, "mfu": m.mfu, "compute": c,
+                                                "splits": listed, **_memory_cap_facts(m)})
 
 
 @card(finding=f"> {DUPLICATE_FORWARDS:g} grad-enabled forwards per micro-batch → a code fix",
@@ -168,7 +178,7 @@ def rule_duplicate_forward(m: Measurements) -> Finding | None:
         "duplicate_forward", m, predicted,
         f"compute scales with forwards per micro-batch: 1/((1 − {c:.2f}) + {c:.2f}/{f:.2f}) = {predicted:.2f}x")
     return Finding("duplicate_forward", "Duplicate forward pass", obs, root, rec, gain, formula, confidence, {},
-                   basis, predicted)
+                   basis, predicted, reason="grad_forwards", facts={"forwards_per_microbatch": f, "compute": c})
 
 
 def _fixed_length_padding(m: Measurements, length: int, p: float, c: float) -> Finding:
@@ -202,7 +212,9 @@ def _fixed_length_padding(m: Measurements, length: int, p: float, c: float) -> F
                f"to one length on every step; the pad positions are {_pct(p)} of the positions, compute "
                f"{_pct(c)} of the wall time")
     return Finding("padding_waste", "Padding to a fixed length", obs, root, _bullets(items), None, formula, "medium",
-                   {}, "try", None)
+                   {}, "try", None, reason="fixed_length",
+                   facts={"length": length, "pad_fraction": p, "compute": c, "trainer_kind": m.trainer_kind,
+                          "ceiling_known": False})
 
 
 @card(finding="a Trainer padded to one length on every step (`perf/seq_len` constant) → per-batch padding first "
@@ -235,14 +247,16 @@ def rule_padding_waste(m: Measurements) -> Finding | Note | None:
         if r is None or c <= 0:
             return Finding("padding_waste", "Padding from pad_to_multiple_of", obs, root, rec, None,
                            "not predicted: compute share or sequence length not measured", "low",
-                           {"pad_to_multiple_of": None}, "try", None)
+                           {"pad_to_multiple_of": None}, "try", None, reason="pad_to_multiple",
+                           facts={"pad_fraction": p, "pad_to_multiple_of": k})
         predicted = 1.0 / ((1.0 - c) + c * (1.0 - r))
         gain, basis, confidence, formula = _calibrated(
             "padding_waste", m, predicted,
             f"the rounding adds ≈ {parts} × ({k} − 1)/2 of the mean {length:.0f} padded positions = {_pct(r)}; "
             f"compute on them saved: 1/((1 − {c:.2f}) + {c:.2f} × (1 − {r:.3f})) = {predicted:.2f}x")
         return Finding("padding_waste", "Padding from pad_to_multiple_of", obs, root, rec, gain, formula,
-                       confidence, {"pad_to_multiple_of": None}, basis, predicted)
+                       confidence, {"pad_to_multiple_of": None}, basis, predicted, reason="pad_to_multiple",
+                       facts={"pad_fraction": p, "pad_to_multiple_of": k, "rounding_share": r})
     if m.grpo:
         per_batch = math.ceil((m.micro_batch or 1) / (m.num_generations or 1))
         text = (f"{obs} GRPO pads each micro-batch's completions to its longest one"
@@ -251,7 +265,9 @@ def rule_padding_waste(m: Measurements) -> Finding | Note | None:
                 + ": unequal completion lengths are inherent in sampling and no setting removes that padding"
                 + ("; on MPS `pad_to_multiple_of` adds to it on purpose (fewer Metal graphs)" if k > 1 else "")
                 + ".")
-        return Note("padding_waste", "Padding", text)
+        return Note("padding_waste", "Padding", text, reason="grpo_inherent",
+                    facts={"pad_fraction": p, "prompts_per_micro_batch": per_batch, "pad_to_multiple_of": k,
+                           "setting_removes_it": False})
     group = ("`train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before) puts "
              "similar lengths in a batch")
     rest = ["with TRL SFT: `padding_free: true` or `packing: true`",
@@ -266,10 +282,11 @@ def rule_padding_waste(m: Measurements) -> Finding | Note | None:
                  "length", group] + rest
         return Finding("padding_waste", "Padding waste", obs, root, _bullets(items), None,
                        "not predicted: which padding the collator does is not yet known from the log", "low", {},
-                       "try", None)
+                       "try", None, reason="one_length_unsure", facts={"pad_fraction": p, "length": m.seq_len})
     root = ("Batches are padded to the longest sequence of each batch (the padded length changed from step to step, "
             "so the padding is per batch): long and short sequences share batches, and the device computes on the "
             "pad positions, attention quadratically.")
     return Finding("padding_waste", "Padding waste", obs, root, _bullets([group] + rest), None,
                    "not predicted: how much padding grouping removes depends on the length distribution", "low",
-                   {"train_sampling_strategy": "group_by_length"}, "try", None)
+                   {"train_sampling_strategy": "group_by_length"}, "try", None, reason="per_batch",
+                   facts={"pad_fraction": p})

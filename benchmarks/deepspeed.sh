@@ -13,6 +13,8 @@
 #  restart: an OOM planted on rank 0 at step 5 ends the launch with the split recorded; the relaunch resumes from
 #           checkpoint-4 and trains steps 5-8 as the unfaulted run does
 #  one:     one process: an OOM planted at step 3 recovered in the same process, exactly
+#  grpo:    GRPO (LoRA) under ZeRO: the watchdog's request on rank 1 re-sizes every rank in process, the groups
+#           and the generation batch kept, against a run that never re-sized (needs trl and datasets)
 #  accelerate: the main scenario under `accelerate launch --config_file recipes/accelerate/deepspeed_zero<stage>.yaml`
 #           (DeepSpeed's plugin from the launcher's environment, nothing in TrainingArguments)
 # Stages and scenarios not run keep their figures from the result file already there (each says its date).
@@ -65,6 +67,7 @@ for item in $PLAN; do
                timed "zero${stage}_relaunch" "$N" "$RUN/zero${stage}_restart" "$stage" restart relaunch ;;
       one) timed "zero${stage}_one" 1 "$RUN/zero${stage}_one" "$stage" one ;;
       accelerate) launched "zero${stage}_accelerate" "$N" "$stage" ;;
+      grpo) timed "zero${stage}_grpo" "$N" "$RUN/zero${stage}_grpo" "$stage" grpo ;;
     esac
 done
 "$PY" benchmarks/deepspeed_summary.py "$RUN" "$N"

@@ -208,6 +208,28 @@ def test_an_oom_in_one_process_is_recovered_in_process_and_exactly(tmp_path, sta
 
 @pytest.mark.launch
 @pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])
+def test_grpo_under_zero_resizes_in_process_with_its_groups_kept_and_exactly(tmp_path, stage):
+    """GRPO (LoRA, 4 completions a prompt) under ZeRO on 2 ranks: the watchdog's request on rank 1 at step 2 re-sizes
+    both ranks in the same process, 4×2 (steps_per_generation 2) → 2×4 (4): the generation batch, the groups and
+    the effective batch kept, every copy of the DeepSpeed config and the new engine agreeing; the run trains what
+    the run that never re-sized trains (samples of every step over both ranks, learning rates, weights); the meter's
+    tokens/s equal on both ranks."""
+    proc = launch(tmp_path, stage, "grpo")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    for r in (r0, r1):
+        assert r["differences"] == []
+        plain, resized = r["unfaulted"], r["resized"]
+        assert plain["zero_stage"] == resized["zero_stage"] == stage
+        assert plain["step"] == resized["step"] == 4 and resized["decisions"] == [["watchdog", 2, 2]]
+        assert plain["split"] == [4, 2, 2, 4] and resized["split"] == [2, 4, 4, 4]     # 4 × 2 = 2 × 4 per rank
+        assert all(v == [2, 4, 16] for v in resized["sizes"].values()), resized["sizes"]
+    assert [f["perf/tokens_per_sec"] for f in r0["resized"]["figures"]] == \
+        [f["perf/tokens_per_sec"] for f in r1["resized"]["figures"]]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])
 def test_an_oom_under_several_ranks_ends_the_process_and_the_relaunch_resumes_exactly(tmp_path, stage):
     """No step guard under DeepSpeed: an OOM on rank 0 at step 5 ends the first launch (no hang) with the next
     smaller split recorded; the relaunch (what the launcher's restart starts) resumes from checkpoint-4 at 2×2 and

@@ -242,6 +242,52 @@ def one_process(out, stage):
                    "differences": compare(expected, got)}, f)
 
 
+def grpo(out, stage):
+    """GRPO (LoRA, SGD with momentum) under ZeRO: the meter's GRPO figures on every rank, and the watchdog's request
+    on rank 1 at step 2 (memory that grows with the micro-batch) re-sizing both ranks in this process, 4×2 → 2×4, with
+    the prompt groups and the generation batch kept: the same samples, learning rates and weights as a run that never
+    re-sized."""
+    from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, keys, train_with_tuning
+    from hf_perf_callbacks.resize import sharding
+    from hf_perf_callbacks.tiny import build_tokenizer
+    from tests.conftest import CORPUS, make_grpo, varied_reward
+    from tests.faults import SampleRecorder
+    from tests.test_tuner import MemoryByBatch
+
+    rank = int(os.environ["RANK"])
+    tokenizer = build_tokenizer(CORPUS, vocab_size=300)
+    result = {"rank": rank, "stage": stage}
+    runs = {}
+    for name in ("unfaulted", "resized"):
+        meter, recorder, tuner = ThroughputMeter(), SampleRecorder(), AdaptiveBatchTuner(tune=False)
+        callbacks = [recorder, meter, tuner]
+        watchdog = MemoryWatchdog(limit_gb=7.0 if rank == 1 else None, grace_steps=1) if name == "resized" else None
+        trainer = make_grpo(tokenizer, os.path.join(out, f"grpo_{name}"), callbacks + ([watchdog] if watchdog else []),
+                            max_steps=4, bs=4, ga=2, reward=varied_reward, extra=ds_args(stage, **EXACT))
+        if watchdog is not None and rank == 1:
+            watchdog.device = MemoryByBatch(trainer.args)
+        recorder.attach(trainer)
+        train_with_tuning(trainer)
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, recorder.by_step)
+        samples = {step: sorted(row for each in ranks for row in each.get(step, [])) for step in set().union(*ranks)}
+        rates = {h["step"]: h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h}
+        runs[name] = {"samples": samples, "rates": rates, "weights": full_weights(trainer)}
+        figures = [{k: entry.get(k) for k in (keys.PERF_ROLLOUT_TOKENS_PER_SEC, keys.PERF_GENERATION_BATCH,
+                                              keys.PERF_COMPLETION_TOKENS, keys.PERF_TOKENS_PER_SEC)}
+                   for entry in trainer.state.log_history if "loss" in entry]
+        result[name] = {"step": trainer.state.global_step, "figures": figures,
+                        "split": [trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps,
+                                  trainer.args.steps_per_generation, trainer.args.num_generations],
+                        "sizes": sharding.deepspeed_sizes(trainer), "zero_stage":
+                            trainer.model_wrapped.zero_optimization_stage(),
+                        "decisions": [(d.kind, d.step, d.new.micro_batch) for d in tuner.session.decisions],
+                        "actions": [a["action"] for a in watchdog.actions] if watchdog else []}
+    result["differences"] = compare(runs["unfaulted"], runs["resized"])
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def shut_down():
     import time
 
@@ -260,4 +306,6 @@ if __name__ == "__main__":
         restart(sys.argv[1], int(sys.argv[2]), relaunch=sys.argv[4:] == ["relaunch"])
     elif mode == "one":
         one_process(sys.argv[1], int(sys.argv[2]))
+    elif mode == "grpo":
+        grpo(sys.argv[1], int(sys.argv[2]))
     shut_down()

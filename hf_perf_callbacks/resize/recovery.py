@@ -290,7 +290,7 @@ def end_run(trainer: Trainer, session: TuningSession, error: BaseException, in_o
     ``gave_up``: no smaller split fits, or the re-sizes are spent. The split file records why the run ended
     (``ended``) and the split to resume with (the session's ``resume_split``: after giving up, the last split that
     completed a step)."""
-    output_dir = trainer.args.output_dir
+    output_dir = str(trainer.args.output_dir)
     step = trainer.state.global_step
     agreed = isinstance(error, ResizeNeeded) if agreed is None else agreed
     plan = plans.on_end(session.snapshot(), step, world_size(), agreed, in_optimizer_step, gave_up)
@@ -337,7 +337,7 @@ def save_checkpoint(trainer: Trainer, session: TuningSession, step: int, switch:
     the whole save is written in ``tuner_switch/`` beside it; a switch resumes from there, a recovery or the run's
     end moves in the files the user's lacks (optimizer, scheduler, RNG) once the whole save is complete
     (:func:`~.checkpoints.add_training_state`)."""
-    output_dir = trainer.args.output_dir
+    output_dir = str(trainer.args.output_dir)
     checkpoints = session.checkpoints
     path = checkpoint_dir(output_dir, step)
     main = is_main_process()             # under several ranks only the main process checks and moves folders

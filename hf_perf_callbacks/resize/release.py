@@ -3,7 +3,9 @@ session's own checks and :mod:`~hf_perf_callbacks.resize.recovery`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
+
+import torch
 
 from .. import adapter
 from ..device import DeviceLayer, training_device
@@ -16,8 +18,9 @@ def free_memory(trainer: Trainer, warn_once: Callable[[str, str], object]) -> No
     """Drop the gradients and give the device's cached memory back (after an OOM, before a save or a resume; FSDP2:
     its iteration state reset on this rank first, the gathered parameters freed). A failing cache clear is one
     warning (``warn_once(key, message)``), never the end of the run."""
-    adapter.reset_fsdp_iteration(trainer.model)
-    trainer.model.zero_grad(set_to_none=True)
+    model = cast(torch.nn.Module, trainer.model)             # None only before the trainer's init
+    adapter.reset_fsdp_iteration(model)
+    model.zero_grad(set_to_none=True)
     try:
         DeviceLayer(training_device()).empty_cache()
     except Exception as error:  # noqa: BLE001 - housekeeping: going on without it

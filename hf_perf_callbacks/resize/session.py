@@ -50,7 +50,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from .. import adapter
 from ..batching import Exactness, Split, exact_splits, exact_under, is_grpo
@@ -85,30 +85,34 @@ from .sharding import start as start_sharding
 from .tuning import OnRunTuning, Switch
 
 if TYPE_CHECKING:
+    import torch
     from torch.utils.data import DataLoader
     from transformers import Trainer, TrainerState, TrainingArguments
+    from trl import GRPOConfig
 
     from ..bus import RunBus
+    from ..device import RngState
 
 __all__ = ["InexactResize", "ReplayLost", "RowsLost", "SwitchSplit", "TuningSession", "candidates", "current_split",
            "format_summary"]
 
 logger = logging.getLogger("hf_perf_callbacks")
-_Result = TypeVar("_Result")
 
 
-def current_split(args) -> Split:
+def current_split(args: object) -> Split:
     """The split a trainer's args hold (GRPO: with its ``steps_per_generation``)."""
     spg = getattr(args, "steps_per_generation", None) if is_grpo(args) else None
-    return Split(args.per_device_train_batch_size, args.gradient_accumulation_steps, spg)
+    targs = cast("TrainingArguments", args)     # any trainer's args (RowCheck reads any object's)
+    return Split(targs.per_device_train_batch_size, targs.gradient_accumulation_steps, spg)
 
 
-def candidates(args, world: int) -> list[Split]:
+def candidates(args: TrainingArguments, world: int) -> list[Split]:
     """Every split that keeps the run's effective batch (GRPO: and generation batch), largest micro-batch first;
     which of them keep its loss exact is :meth:`TuningSession.candidates`."""
     split = current_split(args)
     if is_grpo(args):
-        return exact_splits(split.effective_batch(world), world, split.generation_batch(world), args.num_generations)
+        return exact_splits(split.effective_batch(world), world, split.generation_batch(world),
+                            cast("GRPOConfig", args).num_generations)
     return exact_splits(split.effective_batch(world), world)
 
 
@@ -127,7 +131,7 @@ class TuningSession:
                  managed: bool = False):
         self.id = session_id or uuid.uuid4().hex[:12]
         self.args = args                        # the trainer's args (the split is written there by apply)
-        self.output_dir: str = args.output_dir
+        self.output_dir = str(args.output_dir)    # set by TrainingArguments (None only before its init)
         self.bus = bus                          # the trainer's RunBus: decisions reach the perf log through it
         self.world = world_size()
         configured = current_split(args)
@@ -139,14 +143,14 @@ class TuningSession:
         self.managed = managed                  # train_with_tuning drives the run (acts on switches)
         self.tuning: OnRunTuning | None = None  # the tuning on the run's own steps
         self.warned: set[str] = set()
-        self.next_rng: tuple[int, Any] | None = None   # (step, the RNG the step after it starts from)
+        self.next_rng: tuple[int, RngState] | None = None   # (step, the RNG the step after it starts from)
         self.measured: ExactnessCheck | None = None  # the check on the run's own rows (measure_exactness)
         self.switch_decision: Decision | None = None   # the decision of the pending switch (dropped if cancelled)
         self.step_log: adapter.StepLog | None = None   # the training loop's step log (train_with_tuning)
         self.loop_state: adapter.LoopState | None = None   # the loop's counters, windows, GRPO buffer (ditto)
         self.rows: RowCheck | None = None       # the row-stream check of in-process switches (check_rows)
         self.recorded: Split | None = None      # the split the run's record asks a resume for (resume_from)
-        self.epoch_rng: tuple[int, Any] | None = None  # (epoch, the RNG its data iterator was made with)
+        self.epoch_rng: tuple[int, RngState] | None = None  # (epoch, the RNG its data iterator was made with)
         self._open = 0                          # transitions under way (nested calls are one)
         self._changed = False                   # the record changed in the transition under way
         if bus is not None:
@@ -287,7 +291,7 @@ class TuningSession:
         step (the loss since the last log, GRPO's buffered completions). True when something was carried."""
         return self.loop_state.install() if self.loop_state is not None else False
 
-    def resume_from(self, trainer, checkpoint: str) -> None:
+    def resume_from(self, trainer: Trainer, checkpoint: str) -> None:
         """A resume from ``checkpoint``: the run's record goes on when it is this run's, the split recorded for the
         run is applied when it is exact for it, and a checkpoint of this ``output_dir`` is a valid fallback for a
         later out-of-memory error (the base of this run)."""
@@ -301,7 +305,7 @@ class TuningSession:
         if step is not None and os.path.realpath(parent) == os.path.realpath(self.output_dir):
             self.record_written(step)
 
-    def apply_recorded(self, trainer) -> Split | None:
+    def apply_recorded(self, trainer: Trainer) -> Split | None:
         """After :meth:`judge_grouping`: the split the run's record asks a resume for (:meth:`resume_from`; or one
         the recipe launcher set from it) is kept only when the run's exactness allows it; otherwise that is said
         once and the run trains at its configured split. Returns the split applied (None: none changed)."""
@@ -317,17 +321,17 @@ class TuningSession:
         self.apply(trainer, wanted)
         return wanted
 
-    def check_rows(self, trainer) -> None:
+    def check_rows(self, trainer: Trainer) -> None:
         """The row-stream check of this run's in-process switches (:mod:`~hf_perf_callbacks.resize.rowcheck`)."""
         self.rows = RowCheck(trainer, self.configured, current_split)
 
-    def hold_rows(self, batches: list | None, step: int) -> None:
+    def hold_rows(self, batches: list[Any] | None, step: int) -> None:
         """``batches``: what the split in effect fetched for ``step``, which an error left before it trained (the
         reference of the re-size that follows)."""
         if self.rows is not None:
             self.rows.hold(batches, step, self.split)
 
-    def close(self, trainer) -> None:
+    def close(self, trainer: Trainer) -> None:
         """The driven run's ``train()`` calls are over: the step log undone, a tuning still running ended and
         recorded, the trainer left at the split in effect (:meth:`settle`)."""
         if self.rows is not None:
@@ -339,7 +343,7 @@ class TuningSession:
             self.step_log.undo()
 
     def start_tuning(self, planned: int | None, state_bytes: float, max_micro_batch: int | None = None,
-                     **settings) -> None:
+                     **settings: Any) -> None:
         """The tuning on the run's own steps starts (the tuner measures for it): the split in effect against every
         other split the run may use up to ``max_micro_batch``, over ``planned`` optimizer steps, GRPO's trials whole
         generation cycles; ``state_bytes``: what a switch's checkpoint writes and reads; ``settings``: the rest of
@@ -347,8 +351,9 @@ class TuningSession:
         args = self.args
         others = [s for s in self.candidates(args)
                   if s != self.split and (max_micro_batch is None or s.micro_batch <= max_micro_batch)]
-        period = (generation_period(args.steps_per_generation, getattr(args, "num_iterations", 1),
-                                    args.gradient_accumulation_steps) if is_grpo(args) else 1)
+        spg = cast(int, cast("GRPOConfig", args).steps_per_generation) if is_grpo(args) else 1
+        period = (generation_period(spg, getattr(args, "num_iterations", 1), args.gradient_accumulation_steps)
+                  if is_grpo(args) else 1)
         self.tuning = OnRunTuning(self.split, others, planned, period=period, state_bytes=state_bytes, **settings)
 
     @property
@@ -364,7 +369,7 @@ class TuningSession:
         self.changed()
 
     # ------------------------------------------------------------ what the tuner reports of each step
-    def follow_args(self, args) -> None:
+    def follow_args(self, args: TrainingArguments) -> None:
         """Args changed by hand between ``train()`` calls rule: their split is the split in effect."""
         split = current_split(args)
         if split != self.split:
@@ -401,21 +406,22 @@ class TuningSession:
             return self.tuning.baseline
         return self.split
 
-    def apply(self, trainer, split: Split) -> None:
+    def apply(self, trainer: Trainer, split: Split) -> None:
         """Make ``split`` the split in effect: the trainer's args and the batch size its next ``train()`` builds
         its dataloader with (GRPO: the generation batch kept through ``steps_per_generation``)."""
         args = trainer.args
         args.per_device_train_batch_size = split.micro_batch
         args.gradient_accumulation_steps = split.grad_accum
         if split.steps_per_generation is not None:
-            args.steps_per_generation = split.steps_per_generation
-            args.generation_batch_size = split.generation_batch(self.world)
+            grpo = cast("GRPOConfig", args)     # a split with steps_per_generation is GRPO's
+            grpo.steps_per_generation = split.steps_per_generation
+            grpo.generation_batch_size = split.generation_batch(self.world)
         adapter.set_train_batch_size(trainer)
         deepspeed_split(trainer)                # DeepSpeed: the config the next engine is built from
         self._set(split=split)
         self.changed()
 
-    def settle(self, trainer) -> None:
+    def settle(self, trainer: Trainer) -> None:
         """Leave the trainer at the split in effect, whatever ended the call (args, dataloader batch size and the
         logged ``tuner/*`` keys agree). A run that ended on a split the tuning tried and left (it ended mid-trial)
         is left at the split the tuning decided, so that ``args``, the split file and the decision say one split."""
@@ -447,7 +453,7 @@ class TuningSession:
         return split
 
     # ------------------------------------------------------------ the splits exact under the run's loss
-    def judge_grouping(self, trainer, planned_steps: int | None) -> Exactness:
+    def judge_grouping(self, trainer: Trainer, planned_steps: int | None) -> Exactness:
         """Read the facts of the run's loss once and keep the splits exact under it (said once, with why and what
         makes every split exact, on the console, in the perf log and in the split file). Facts that cannot be read
         leave the configured split alone."""
@@ -472,7 +478,8 @@ class TuningSession:
             self._leave_out(self.measured)
         return self.exactness or exactness
 
-    def measure_exactness(self, trainer, model, dataloader, wall) -> ExactnessCheck | None:
+    def measure_exactness(self, trainer: Trainer, model: torch.nn.Module, dataloader: DataLoader[Any],
+                          wall: Callable[[], float]) -> ExactnessCheck | None:
         """At the run's first optimizer step (train_with_tuning drives it): check every split the rules allow on
         the run's own rows (:mod:`~hf_perf_callbacks.resize.measured`) and keep only those shown exact; once per
         run (a resume keeps the recorded result). A fault of the check is one warning and the rules' splits."""
@@ -531,7 +538,7 @@ class TuningSession:
         if self.tuning is not None:
             self.tuning.leave_out(set(check.inexact))
 
-    def candidates(self, args) -> list[Split]:
+    def candidates(self, args: TrainingArguments) -> list[Split]:
         """The splits the run may use: every split of its batch that keeps its loss exact (all of them before
         :meth:`judge_grouping` ran)."""
         every = candidates(args, self.world)
@@ -548,7 +555,7 @@ class TuningSession:
             return None
         return Restriction(list(exactness.splits), exactness.reason, exactness.fix or "")
 
-    def take_switch(self, trainer) -> Split | None:
+    def take_switch(self, trainer: Trainer) -> Split | None:
         """Apply the pending switch (None when there is none)."""
         split = self.switch
         self._set(switch=None)
@@ -556,7 +563,8 @@ class TuningSession:
             self.apply(trainer, split)
         return split
 
-    def decide(self, kind: str, reason: str, new: Split, step: int, old: Split | None = None, **details) -> Decision:
+    def decide(self, kind: str, reason: str, new: Split, step: int, old: Split | None = None,
+               **details: Any) -> Decision:
         """Record a decision (it takes effect through :meth:`request_switch` or :meth:`apply`) and log it as an
         event of the perf log."""
         return self._record(Decision(kind=kind, step=step, reason=reason, old=old or self.split, new=new,
@@ -607,13 +615,13 @@ class TuningSession:
         if epoch_start and epoch is not None:
             self.epoch_rng = (epoch, self.next_rng[1])
 
-    def epoch_start_rng(self, epoch: int) -> tuple | None:
+    def epoch_start_rng(self, epoch: int) -> RngState | None:
         """The RNG that epoch ``epoch``'s data iterator was made with in this process (None: not seen): a resume
         within that epoch makes its iterator with it again, so that a sampler drawing its order from the global RNG
         (the length-grouped one) draws that epoch's order."""
         return self.epoch_rng[1] if self.epoch_rng is not None and self.epoch_rng[0] == epoch else None
 
-    def rng_after(self, step: int) -> tuple | None:
+    def rng_after(self, step: int) -> RngState | None:
         """The RNG to save in ``checkpoint-<step>`` (None: the step after it has not begun; the current one is
         right)."""
         return self.next_rng[1] if self.next_rng is not None and self.next_rng[0] == step else None
@@ -656,7 +664,7 @@ class TuningSession:
         if state.global_step > 0:                        # a resume: continue the recorded run when it is this one
             # each rank's own reading, no collective (a rank whose tuner a fault disabled skips this hook): the
             # main process may rewrite the file meanwhile, but a rewrite keeps the checkpoints of an adopted record
-            record = read_split_file(args.output_dir, warn=False)
+            record = read_split_file(str(args.output_dir), warn=False)
             if record is not None and record.checkpoint(state.global_step) is not None:
                 session.adopt(record)
         trainer = adapter.calling_trainer()              # the splits a re-size asked for by the watchdog may use
@@ -679,7 +687,7 @@ class TuningSession:
             self._tuning_done(step)
             return tuning.done is None
 
-    def epoch_begins(self, step: int, epoch: float, resumed: bool) -> Any | None:
+    def epoch_begins(self, step: int, epoch: float, resumed: bool) -> RngState | None:
         """An epoch's begin (``resumed``: the first after a resume within it): the RNG at an epoch's start is noted;
         returns the RNG a resumed epoch's data iterator must draw from (None: the current one)."""
         if not self.managed:
@@ -866,7 +874,7 @@ class TunerView(Protocol):
 
     def begin_train(self, args: TrainingArguments, step: int) -> bool: ...
 
-    def epoch_begins(self, step: int, epoch: float, resumed: bool) -> Any | None: ...
+    def epoch_begins(self, step: int, epoch: float, resumed: bool) -> RngState | None: ...
 
     def step_begins(self, step: int, dataloader: DataLoader[Any] | None, wall: Callable[[], float]) -> None: ...
 

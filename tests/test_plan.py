@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from hf_perf_callbacks.batching import Exactness, Split, exact_splits
+from hf_perf_callbacks.batching import Exactness, exact_splits
 from hf_perf_callbacks.resize import plan
 from hf_perf_callbacks.resize.plan import InexactResize, SplitState
 
@@ -138,7 +138,7 @@ def test_the_loop_and_the_tuner_see_a_small_session():
 
 
 def test_plan_is_pure():
-    imported = {n.module or "" for n in ast.walk(ast.parse((RESIZE / "plan.py").read_text()))
-                if isinstance(n, ast.ImportFrom)} | {a.name for n in ast.walk(ast.parse((RESIZE / "plan.py").read_text()))
-                                                     if isinstance(n, ast.Import) for a in n.names}
+    tree = ast.parse((RESIZE / "plan.py").read_text())
+    imported = ({n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+                | {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names})
     assert not any(m.split(".")[0] in ("torch", "transformers", "trl", "accelerate") for m in imported)

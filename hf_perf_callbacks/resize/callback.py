@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -23,12 +24,20 @@ from ..wording import TUNER_NEEDS_TRAIN_WITH_TUNING
 from .session import TunerView, TuningSession, candidates, format_summary
 from .tuning import FIRST_SAMPLES, MIN_SAMPLES, SAMPLES
 
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+    from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+    from ..splitfile import Decision
+
+_Callback = TypeVar("_Callback", bound="TrainerCallback")
+
 logger = logging.getLogger("hf_perf_callbacks")
 
 __all__ = ["AdaptiveBatchTuner", "candidates", "find_callback", "format_summary", "format_tuning"]
 
 
-class AdaptiveBatchTuner(PerfCallback):
+class AdaptiveBatchTuner(PerfCallback):  # type: ignore[no-untyped-call]  # base.py's __init_subclass__ is untyped
     """Keeps the fastest exact micro-batch / accumulation split that fits (see :mod:`hf_perf_callbacks.resize`).
 
     Args:
@@ -91,7 +100,9 @@ class AdaptiveBatchTuner(PerfCallback):
         self._resumed = False
 
     # ------------------------------------------------------------ events
-    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       model: torch.nn.Module | None = None, train_dataloader: DataLoader[Any] | None = None,
+                       **kwargs: Any) -> None:
         self._resumed = state.global_step > 0            # the next epoch begin is a resume within an epoch
         if state.global_step > 0:
             advance_sampler(train_dataloader, int(state.epoch or 0))
@@ -121,13 +132,15 @@ class AdaptiveBatchTuner(PerfCallback):
             raise RuntimeError("AdaptiveBatchTuner has no tuning session yet: it opens one at on_train_begin")
         return self.session
 
-    def on_epoch_begin(self, args, state, control, **kwargs):
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
         resumed, self._resumed = self._resumed, False
         rng = self._session.epoch_begins(state.global_step, float(state.epoch or 0), resumed)
         if rng is not None:
             set_rng_state(rng)                           # the epoch's iterator draws what it drew before the resume
 
-    def on_step_begin(self, args, state, control, **kwargs):
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
         # the RNG and loop state a checkpoint of the last step must hold; a pending switch raises SwitchSplit
         self._session.step_begins(state.global_step, kwargs.get("train_dataloader"), self.clock.wall)
         if self.measuring:
@@ -135,17 +148,19 @@ class AdaptiveBatchTuner(PerfCallback):
             self._started = self.clock.wall()
             self.generation.reset()
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                              **kwargs: Any) -> None:
         self.in_optimizer_step = True
 
-    def on_optimizer_step(self, args, state, control, **kwargs):
+    def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                          **kwargs: Any) -> None:
         self.in_optimizer_step = False
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """transformers wrote checkpoint-N (on_save follows a whole _save_checkpoint): this run's, if complete."""
         self._session.saved(state.global_step)
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         step = state.global_step
         split, resizes = self._session.step_ends(step)
         fields = {keys.TUNER_MICRO_BATCH: split.micro_batch, keys.TUNER_GRAD_ACCUM: split.grad_accum,
@@ -155,7 +170,7 @@ class AdaptiveBatchTuner(PerfCallback):
         if self.measuring and self._started is not None:
             self._measure(args, step, control, self._started)
 
-    def _measure(self, args, step: int, control, started: float) -> None:
+    def _measure(self, args: TrainingArguments, step: int, control: TrainerControl, started: float) -> None:
         self.device.synchronize()
         whole = self.clock.wall() - started
         ranked = whole if self.rank_by == "step" else max(0.0, whole - self.generation.seconds)
@@ -177,7 +192,8 @@ class AdaptiveBatchTuner(PerfCallback):
         return float(sample.used), budget_bytes(self.device.type, sample.device_limit, sample.hard_limit,
                                                 sample.system_total, reachable=sample.reachable)
 
-    def _on_smaller_batch(self, reason: str, step: int, control=None, rows: list | None = None, **_) -> bool:
+    def _on_smaller_batch(self, reason: str, step: int, control: TrainerControl | None = None,
+                          rows: list[Any] | None = None, **_: Any) -> bool:
         """The watchdog asks for a smaller micro-batch: plan it. In train_with_tuning (one process per model) the
         re-size takes effect at the next step's begin, unless something stops the run at this step first; otherwise
         checkpoint now and stop this train() call. ``rows``: the next step's micro-batches when the watchdog asks
@@ -190,7 +206,8 @@ class AdaptiveBatchTuner(PerfCallback):
             control.should_training_stop = True
         return plan.new is not None and plan.action in ("resize", "none")
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
         if self._stop_watching is not None:
             self._stop_watching()
             self._stop_watching = None
@@ -203,7 +220,7 @@ class AdaptiveBatchTuner(PerfCallback):
             self._bus.say(end.summary)
         if end.switch is not None:
             new = end.switch
-            checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            checkpoint = os.path.join(str(args.output_dir), f"checkpoint-{state.global_step}")
             print(f"AdaptiveBatchTuner: memory asked for a smaller micro-batch at step {state.global_step}. "
                   f"A checkpoint is saved to {checkpoint}. Resume with the exact split "
                   f"{', '.join(f'{k}={v}' for k, v in new.as_args().items())} (effective batch unchanged):\n"
@@ -211,7 +228,7 @@ class AdaptiveBatchTuner(PerfCallback):
                   f"trainer.args.gradient_accumulation_steps = {new.grad_accum}; "
                   f"trainer.train(resume_from_checkpoint='{checkpoint}')\n"
                   f"or hf_perf_callbacks.train_with_tuning(trainer, resume_from_checkpoint='{checkpoint}'), which "
-                  f"applies it from {os.path.join(args.output_dir, SPLIT_FILE)}; the recipe launcher does too.")
+                  f"applies it from {os.path.join(str(args.output_dir), SPLIT_FILE)}; the recipe launcher does too.")
 
     def close(self) -> None:
         if self._stop_watching is not None:
@@ -219,7 +236,7 @@ class AdaptiveBatchTuner(PerfCallback):
             self._stop_watching = None
 
 
-def advance_sampler(dataloader, epochs: int) -> int:
+def advance_sampler(dataloader: DataLoader[Any] | None, epochs: int) -> int:
     """A resume that starts in epoch ``epochs`` (> 0) draws the order of that epoch, not of the first. transformers
     reseeds its own samplers per epoch (``set_epoch``), but a sampler that shuffles with a generator of its own and
     has no ``set_epoch`` (TRL's ``RepeatSampler``, GRPO's) draws one permutation per epoch from it: a fresh
@@ -239,7 +256,7 @@ def advance_sampler(dataloader, epochs: int) -> int:
     return 0
 
 
-def format_tuning(decision) -> str:
+def format_tuning(decision: Decision) -> str:
     """The tuning decision and its evidence for the console (printed once): each trial worded as every reader of the
     record words it (:func:`~hf_perf_callbacks.splitfile.trial_figures`)."""
     lines = [f"AdaptiveBatchTuner: {decision.headline()}"
@@ -251,5 +268,5 @@ def format_tuning(decision) -> str:
     return "\n".join(lines)
 
 
-def find_callback(trainer, cls):
+def find_callback(trainer: Trainer, cls: type[_Callback]) -> _Callback | None:
     return next((cb for cb in adapter.all_callbacks(trainer.callback_handler) if isinstance(cb, cls)), None)

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from .. import adapter
 from ..bus import bus_for
@@ -60,14 +60,18 @@ from .rowcheck import RowsDiffer
 from .session import SwitchSplit, TuningSession
 
 if TYPE_CHECKING:
+    import torch
     from transformers import Trainer
+    from transformers.trainer_utils import TrainOutput
+
+    from ..bus import RunBus
 
 logger = logging.getLogger("hf_perf_callbacks")
 
 
 @suggest_keywords
-def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None, tune: bool | None = None,
-                      max_resizes: int = 8):
+def train_with_tuning(trainer: Trainer, resume_from_checkpoint: str | bool | None = None, tune: bool | None = None,
+                      max_resizes: int = 8) -> TrainOutput:
     """``trainer.train()`` that keeps the fastest exact split that fits, measured on the run's own steps, and
     survives re-sizes and out-of-memory errors.
 
@@ -94,7 +98,7 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
     if tuner is None:
         tuner = AdaptiveBatchTuner()
         trainer.add_callback(tuner)
-    output_dir = trainer.args.output_dir
+    output_dir = str(trainer.args.output_dir)
     bus = bus_for(trainer.callback_handler)
     bus.watch_trainer(trainer)
     if is_main_process():
@@ -105,8 +109,9 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
         bus.unhold()
 
 
-def _train(trainer, tuner: AdaptiveBatchTuner, bus, resume_from_checkpoint, tune: bool | None, max_resizes: int):
-    resume_from_checkpoint = resume_point(resume_from_checkpoint, trainer.args.output_dir,
+def _train(trainer: Trainer, tuner: AdaptiveBatchTuner, bus: RunBus, resume_from_checkpoint: str | bool | None,
+           tune: bool | None, max_resizes: int) -> TrainOutput:
+    resume_from_checkpoint = resume_point(resume_from_checkpoint, str(trainer.args.output_dir),
                                           restarts=sharding.restarted_by_launcher())
     session = TuningSession(trainer.args, bus=bus, managed=True)
     sharded, guard = session.take_run(trainer, resume_from_checkpoint, max_resizes)
@@ -162,14 +167,15 @@ def _before_training(trainer: Trainer, session: TuningSession, tuner: AdaptiveBa
         def check() -> None:
             memcheck.check_or_warn(trainer, session, clock=tuner.clock, force=tuner.memory_check is True)
     wants_tuning = tuner.tune if tune is None else tune
-    settings = (dict(state_bytes=_training_state_bytes(trainer.model), max_micro_batch=tuner.max_micro_batch,
+    model = cast("torch.nn.Module", trainer.model)          # None only before the trainer's init
+    settings = (dict(state_bytes=_training_state_bytes(model), max_micro_batch=tuner.max_micro_batch,
                      samples=tuner.samples, max_rounds=tuner.max_rounds, patience=tuner.patience,
                      must_pay=tuner.must_pay, rank_by=tuner.rank_by, first_samples=tuner.first_samples)
                 if wants_tuning and not sharded else None)
     session.prepare(trainer, lambda: planned_steps(trainer), check, settings)
 
 
-def _training_state_bytes(model) -> float:
+def _training_state_bytes(model: torch.nn.Module) -> float:
     """What a switch's checkpoint writes and reads: the saved weights (a PEFT model's adapter only, else every
     weight) and Adam's two moments of every trainable weight."""
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -178,7 +184,7 @@ def _training_state_bytes(model) -> float:
     return float(weights + 2 * sum(p.numel() * 4 for p in model.parameters() if p.requires_grad))
 
 
-def planned_steps(trainer) -> int | None:
+def planned_steps(trainer: Trainer) -> int | None:
     """Optimizer steps the run will take: ``max_steps``, else epochs × steps per epoch (as the Trainer counts
     them); None when the dataloader has no length."""
     import math
@@ -195,4 +201,4 @@ def planned_steps(trainer) -> int | None:
         set_rng_state(state)
     accum = args.gradient_accumulation_steps
     per_epoch = max(batches // accum + int(batches % accum > 0), 1)
-    return math.ceil(args.num_train_epochs * per_epoch)
+    return int(math.ceil(args.num_train_epochs * per_epoch))

@@ -142,3 +142,27 @@ def test_plan_is_pure():
     imported = ({n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
                 | {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names})
     assert not any(m.split(".")[0] in ("torch", "transformers", "trl", "accelerate") for m in imported)
+
+
+def test_the_split_file_is_written_once_per_transition(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from hf_perf_callbacks import splitfile
+    from hf_perf_callbacks.resize.session import TuningSession
+
+    writes = []
+    monkeypatch.setattr(splitfile.SplitFile, "write", lambda record, output_dir: writes.append(record))
+    args = SimpleNamespace(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    session = TuningSession(args)
+    with session.transition():                        # a re-size: a decision, a pending switch, the plan's state
+        session.decide("oom", "out of memory", S2, 3)
+        session.request_switch(S2, "out of memory")
+        session.commit(plan.on_oom(session.snapshot(), 3))
+        assert writes == []
+    assert len(writes) == 1 and (writes[0].split, [d.kind for d in writes[0].decisions]) == (S2, ["oom"])
+    assert session.split == S2 and session.switch is None
+    with session.transition():                        # nothing changed: nothing written
+        session.snapshot()
+    assert len(writes) == 1
+    session.decide("watchdog", "memory", S1, 4)       # outside a transition: its own
+    assert len(writes) == 2

@@ -7,16 +7,16 @@ checkpoint a re-size resumes from through the run's :class:`~hf_perf_callbacks.r
 holds into the resume, applies the new split, writes the user's resume message when the run ends, and commits the
 plan's state. Each entry point is one transition of the session: the split file is written once, at its end.
 
-==========================  =====================================================================================
-entry point                 the event (called by :func:`~hf_perf_callbacks.train_with_tuning`)
-==========================  =====================================================================================
-:func:`after_train`         a ``train()`` call returned: finish, or the pending switch now (:func:`switch_now`)
-:func:`recover_or_raise`    ``train()`` raised: an out-of-memory error a smaller split fixes re-sizes
-                            (:func:`recover_from_oom`); anything else saves when it can and is raised
-:func:`back_from`           a step fetched other rows than the run trains: back to an exact split, or end
-:func:`end_run`             the run ends with an error: the last completed step saved when it can, the message
+==============================  ===================================================================================
+entry point                     the event (called by :func:`~hf_perf_callbacks.train_with_tuning`)
+==============================  ===================================================================================
+:func:`after_train`             a ``train()`` call returned: finish, or the pending switch now (:func:`switch_now`)
+:func:`recover_or_raise`        ``train()`` raised: an out-of-memory error a smaller split fixes re-sizes
+                                (:func:`recover_from_oom`); anything else saves when it can and is raised
+:func:`back_from`               a step fetched other rows than the run trains: back to an exact split, or end
+:func:`end_run`                 the run ends with an error: the last completed step saved when it can, the message
 :func:`evaluate_within_memory`  ``trainer.evaluate`` that halves its batch on an out-of-memory error
-==========================  =====================================================================================
+==============================  ===================================================================================
 """
 from __future__ import annotations
 

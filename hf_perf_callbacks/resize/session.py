@@ -3,6 +3,11 @@
 ============================  ================================================================================
 fact                          owner and readers
 ============================  ================================================================================
+the split facts               :attr:`TuningSession.state`, one frozen :class:`~.plan.SplitState` (the split in
+                              effect, a pending switch, the re-sizes left, ...): the decisions are pure
+                              transitions of it (:mod:`~hf_perf_callbacks.resize.plan`), whose plan
+                              :mod:`~hf_perf_callbacks.resize.recovery` carries out and commits
+                              (:meth:`~TuningSession.commit`)
 the split in effect           :attr:`TuningSession.split`; set only by :meth:`~TuningSession.apply`, which writes
                               it to the trainer's ``args`` and the dataloader's batch size together (the only
                               writer of both); the tuner logs ``tuner/*`` from it
@@ -11,9 +16,9 @@ with                          else the split in effect; after giving up, the las
 every decision                :attr:`~TuningSession.decisions` (typed :class:`~hf_perf_callbacks.splitfile.Decision`)
 the checkpoints this run      :attr:`~TuningSession.checkpoints` (:class:`~.checkpoints.RunCheckpoints`), each
 wrote                         with the fingerprint of its files: a recovery resumes only from one whose fingerprint
-                              still matches and that holds the training state (:meth:`~TuningSession.resumable`)
+                              still matches and that holds the training state (``RunCheckpoints.resumable``)
 the RNG a checkpoint holds    :attr:`~TuningSession.next_rng`, noted by the tuner where transformers restores it
-                              (:meth:`~TuningSession.note_rng`), written by :meth:`~TuningSession.save_checkpoint`
+                              (:meth:`~TuningSession.note_rng`), written by :func:`.recovery.save_checkpoint`
 the session id                :attr:`~TuningSession.id`: the run in the perf log (the bus's session) and the split
                               file; kept across in-process re-sizes and resumes of the same run
 the splits the run may use    :attr:`~TuningSession.exactness`, judged once at the start by the settings list
@@ -23,18 +28,19 @@ the splits the run may use    :attr:`~TuningSession.exactness`, judged once at t
                               reader's list (the tuning, the memory check, the OOM and watchdog re-sizes)
 what the training loop holds  :attr:`~TuningSession.loop_state` (:class:`~hf_perf_callbacks.adapter.LoopState`),
 between steps                 noted by the tuner at each step's begin and save, rewound before a recovery's save
-                              (:meth:`~TuningSession.rewind_loop`), carried into the resume
-                              (:meth:`~TuningSession.carry_loop`)
-``tuner_split.json``          written by :meth:`~TuningSession.persist` only (main process, atomically)
+                              (:func:`.recovery.rewind_loop`), carried into the resume
+                              (:func:`.recovery.carry_loop`)
+``tuner_split.json``          written by :meth:`~TuningSession.persist` only (main process, atomically), once at the
+                              end of each transition that changed the record (:meth:`~TuningSession.transition`)
 ============================  ================================================================================
 
-Only this module assigns the session's fields: the tuner and :func:`~hf_perf_callbacks.train_with_tuning` ask it
-through its methods (the tuner: :meth:`~TuningSession.follow_args`, :meth:`~TuningSession.switch_taken`,
-:meth:`~TuningSession.step_completed`, :meth:`~TuningSession.request_switch`, :meth:`~TuningSession.loop_step_begins`,
-:meth:`~TuningSession.loop_saved`, :meth:`~TuningSession.loop_resumed`; the loop: :meth:`~TuningSession.drive`,
-:meth:`~TuningSession.resume_from`, :meth:`~TuningSession.start_tuning`, :meth:`~TuningSession.switch_now`,
-:meth:`~TuningSession.recover_from_oom`, :meth:`~TuningSession.record_for_restart`, :meth:`~TuningSession.end_run`,
-:meth:`~TuningSession.close`), and it saves the checkpoints a re-size resumes from itself.
+Only this module (and :mod:`~hf_perf_callbacks.resize.recovery`, through the session's methods) changes the
+session's facts. The tuner sees :class:`TunerView`, one method per event it reports (:meth:`~TuningSession.begin_train`,
+:meth:`~TuningSession.epoch_begins`, :meth:`~TuningSession.step_begins`, :meth:`~TuningSession.saved`,
+:meth:`~TuningSession.step_ends`, :meth:`~TuningSession.measured_step`, :meth:`~TuningSession.on_watchdog`,
+:meth:`~TuningSession.train_ends`) and ``managed``; :func:`~hf_perf_callbacks.train_with_tuning` calls
+:meth:`~TuningSession.take_run`, :meth:`~TuningSession.prepare` and :meth:`~TuningSession.close`, and hands every
+recovery to :mod:`~hf_perf_callbacks.resize.recovery`, which saves the checkpoints a re-size resumes from.
 
 :func:`~hf_perf_callbacks.train_with_tuning` creates one session per call (a resume adopts the recorded one when it
 is this run's) and hands it to the trainer's bus; the :class:`~hf_perf_callbacks.AdaptiveBatchTuner` — also an

@@ -56,6 +56,7 @@ from ..validation import check_number, suggest_keywords
 from . import memcheck, recovery, sharding
 from .callback import AdaptiveBatchTuner, find_callback
 from .checkpoints import resume_point
+from .plan import InexactResize as InexactResize  # its name here before resize/plan.py held it
 from .rowcheck import RowsDiffer
 from .session import SwitchSplit, TuningSession
 

@@ -119,7 +119,7 @@ def test_a_checkpoint_another_process_rewrote_is_never_resumed_from(tokenizer, t
                                         extra={"save_strategy": "steps", "save_steps": 2}))
     with pytest.raises(RuntimeError, match="before this run saved any complete checkpoint"):
         train_with_tuning(trainer)
-    assert [w.step for w in tuner.session.written] == [2] and not tuner.session.is_ours(2)
+    assert [w.step for w in tuner.session.written] == [2] and not tuner.session.checkpoints.is_ours(2)
 
 
 def test_a_second_process_in_the_same_output_dir_is_refused_naming_the_first(tokenizer, tmp_path):

@@ -9,27 +9,35 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from .. import adapter, keys
 from ..base import Clock, PerfCallback
-from ..batching import next_smaller
 from ..device import GB, DeviceLayer, gather_floats, set_rng_state, world_size
 from ..memory import budget_bytes
 from ..runlog import SPLIT_FILE, NoteDetails
-from ..splitfile import read_split_file, trial_figures
+from ..splitfile import trial_figures
 from ..validation import check_flag, check_number
 from ..wording import TUNER_NEEDS_TRAIN_WITH_TUNING
-from .session import SwitchSplit, TuningSession, candidates
-from .tuning import FIRST_SAMPLES, MIN_SAMPLES, SAMPLES, Switch
+from .session import TunerView, TuningSession, candidates, format_summary
+from .tuning import FIRST_SAMPLES, MIN_SAMPLES, SAMPLES
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+    from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+    from ..splitfile import Decision
+
+_Callback = TypeVar("_Callback", bound="TrainerCallback")
 
 logger = logging.getLogger("hf_perf_callbacks")
 
 __all__ = ["AdaptiveBatchTuner", "candidates", "find_callback", "format_summary", "format_tuning"]
 
 
-class AdaptiveBatchTuner(PerfCallback):
+class AdaptiveBatchTuner(PerfCallback):  # type: ignore[no-untyped-call]  # base.py's __init_subclass__ is untyped
     """Keeps the fastest exact micro-batch / accumulation split that fits (see :mod:`hf_perf_callbacks.resize`).
 
     Args:
@@ -82,7 +90,7 @@ class AdaptiveBatchTuner(PerfCallback):
         self.tune, self.samples, self.max_rounds, self.max_micro_batch = tune, samples, max_rounds, max_micro_batch
         self.patience, self.rank_by, self.must_pay, self.memory_check = patience, rank_by, must_pay, memory_check
         self.first_samples = first_samples
-        self.session: TuningSession | None = None
+        self.session: TunerView | None = None
         self.in_optimizer_step = False
         self.measuring = False
         self.generation = adapter.GenerationClock(self.clock.wall)
@@ -92,7 +100,9 @@ class AdaptiveBatchTuner(PerfCallback):
         self._resumed = False
 
     # ------------------------------------------------------------ events
-    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       model: torch.nn.Module | None = None, train_dataloader: DataLoader[Any] | None = None,
+                       **kwargs: Any) -> None:
         self._resumed = state.global_step > 0            # the next epoch begin is a resume within an epoch
         if state.global_step > 0:
             advance_sampler(train_dataloader, int(state.epoch or 0))
@@ -101,107 +111,66 @@ class AdaptiveBatchTuner(PerfCallback):
                       "tuner stays off. Turn auto_find_batch_size off to let the tuner keep the batch exact.")
             self.disabled = True
             return
-        self.session = self._open_session(args, state)
-        if self.tune and not self.session.managed and not self._hinted:   # said once: nothing will be tuned
+        session = self.session = TuningSession.for_tuner(args, state, self.bus)
+        if self.tune and not session.managed and not self._hinted:   # said once: nothing will be tuned
             self._hinted = True                         # a note (INFO), not a warning: a meter-only user lost nothing
             self._bus.event(self.source, "note", TUNER_NEEDS_TRAIN_WITH_TUNING, step=state.global_step,
                             details=NoteDetails(needs="train_with_tuning"))
         self.world = world_size()
         self._bus.on_smaller_batch_request(self._on_smaller_batch)
         self.in_optimizer_step = False
-        self.session.follow_args(args)                 # args changed by hand between train() calls: they rule
-        if state.global_step > 0:
-            self.session.loop_resumed()                # a resume in process: the loop's windows and buffer go on
-        tuning = self.session.tuning
-        self.measuring = False
-        if self.session.managed and tuning is not None and tuning.done is None:
-            tuning.segment_started(self.session.split, state.global_step, switch_sec=self.session.switch_taken())
-            self._tuning_done(state.global_step)
-            self.measuring = tuning.done is None
+        # args changed by hand between train() calls rule; a resume in process goes on with the loop's windows
+        self.measuring = session.begin_train(args, state.global_step)
         if self.measuring:
             self.device = DeviceLayer()
             self._stop_watching = adapter.watch_generation(model, self.generation) if model is not None else None
 
-    def _tuning_done(self, step: int) -> None:
-        """Record the tuning once it finished (its decision event is its one console line; the evidence is in the
-        perf log and the report)."""
-        tuning = self._session.tuning
-        if tuning is not None and tuning.done is not None and not tuning.recorded:
-            self._session.record_tuning(step)
-
     @property
-    def _session(self) -> TuningSession:
+    def _session(self) -> TunerView:
         """The run's tuning session, opened at ``on_train_begin`` (the events after it may use it)."""
         if self.session is None:
             raise RuntimeError("AdaptiveBatchTuner has no tuning session yet: it opens one at on_train_begin")
         return self.session
 
-    def _open_session(self, args, state) -> TuningSession:
-        """The run's tuning session: train_with_tuning's (on the bus), or one of the tuner's own."""
-        found = self._bus.tuning
-        if isinstance(found, TuningSession) and found.output_dir == args.output_dir:
-            return found
-        session = TuningSession(args, bus=self.bus)
-        if state.global_step > 0:                        # a resume: continue the recorded run when it is this one
-            # each rank's own reading, no collective (a rank whose tuner a fault disabled skips this hook): the
-            # main process may rewrite the file meanwhile, but a rewrite keeps the checkpoints of an adopted record
-            record = read_split_file(args.output_dir, warn=False)
-            if record is not None and record.checkpoint(state.global_step) is not None:
-                session.adopt(record)
-        trainer = adapter.calling_trainer()              # the splits a re-size asked for by the watchdog may use
-        if trainer is not None:
-            session.judge_grouping(trainer, state.max_steps if state.max_steps > 0 else None)
-        return session
-
-    def on_epoch_begin(self, args, state, control, **kwargs):
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
         resumed, self._resumed = self._resumed, False
-        session, epoch = self._session, float(state.epoch or 0)
-        if not session.managed:
-            return
-        if epoch.is_integer():                           # an epoch's start, not a resume within it
-            session.note_rng(state.global_step, epoch_start=True, epoch=int(epoch))
-        elif resumed and (rng := session.epoch_start_rng(int(epoch))) is not None:
+        rng = self._session.epoch_begins(state.global_step, float(state.epoch or 0), resumed)
+        if rng is not None:
             set_rng_state(rng)                           # the epoch's iterator draws what it drew before the resume
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        session = self._session
-        if session.managed:                              # the RNG a checkpoint of the last step must hold
-            session.note_rng(state.global_step)
-            session.loop_step_begins()                   # and what the loop holds after that step
-            if session.measured is None and kwargs.get("train_dataloader") is not None:
-                trainer = adapter.calling_trainer()      # the splits to trust, shown on the run's own rows
-                if trainer is not None:
-                    session.measure_exactness(trainer, trainer.model_wrapped, kwargs["train_dataloader"],
-                                              self.clock.wall)
-        if session.switch is not None and session.in_process:
-            raise SwitchSplit(f"switch to {session.switch} before step {state.global_step + 1}")
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        # the RNG and loop state a checkpoint of the last step must hold; a pending switch raises SwitchSplit
+        self._session.step_begins(state.global_step, kwargs.get("train_dataloader"), self.clock.wall)
         if self.measuring:
             self.device.synchronize()
             self._started = self.clock.wall()
             self.generation.reset()
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                              **kwargs: Any) -> None:
         self.in_optimizer_step = True
 
-    def on_optimizer_step(self, args, state, control, **kwargs):
+    def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                          **kwargs: Any) -> None:
         self.in_optimizer_step = False
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """transformers wrote checkpoint-N (on_save follows a whole _save_checkpoint): this run's, if complete."""
-        self._session.record_written(state.global_step)
-        self._session.loop_saved()
+        self._session.saved(state.global_step)
 
-    def on_step_end(self, args, state, control, **kwargs):
-        session, step = self._session, state.global_step
-        split = session.step_completed(step)
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        step = state.global_step
+        split, resizes = self._session.step_ends(step)
         fields = {keys.TUNER_MICRO_BATCH: split.micro_batch, keys.TUNER_GRAD_ACCUM: split.grad_accum,
-                  keys.TUNER_EFFECTIVE_BATCH: split.effective_batch(self.world), keys.TUNER_RESIZES: session.resizes}
+                  keys.TUNER_EFFECTIVE_BATCH: split.effective_batch(self.world), keys.TUNER_RESIZES: resizes}
         self._bus.record_step(step, fields)
         self._bus.publish(fields)
         if self.measuring and self._started is not None:
             self._measure(args, step, control, self._started)
 
-    def _measure(self, args, step: int, control, started: float) -> None:
+    def _measure(self, args: TrainingArguments, step: int, control: TrainerControl, started: float) -> None:
         self.device.synchronize()
         whole = self.clock.wall() - started
         ranked = whole if self.rank_by == "step" else max(0.0, whole - self.generation.seconds)
@@ -209,15 +178,9 @@ class AdaptiveBatchTuner(PerfCallback):
         rows = gather_floats([ranked, whole, used, limit], self.device.device)     # every rank judges alike
         ranked, whole = max(r[0] for r in rows), max(r[1] for r in rows)
         fits = all(r[2] <= r[3] for r in rows)
-        tuning = self._session.tuning
-        assert tuning is not None, "measuring starts only with a tuning to measure for (on_train_begin)"
-        action = tuning.observe(step, ranked, whole, peak_gb=max(r[2] for r in rows) / GB, fits=fits)
-        if isinstance(action, Switch):
-            self._session.request_switch(action.split, action.why)
-            if not self._session.in_process:                # takes effect at the next step's begin otherwise
-                self._bus.continue_run(True)
-                control.should_training_stop = True
-        self._tuning_done(step)
+        if self._session.measured_step(step, ranked, whole, max(r[2] for r in rows) / GB, fits):
+            self._bus.continue_run(True)                    # a switch by stopping this train() (not in process)
+            control.should_training_stop = True
 
     def _memory(self, step: int) -> tuple[float, float]:
         """(bytes used at ``step``, the budget): the watchdog's reading of this step when it is attached (it owns
@@ -229,53 +192,35 @@ class AdaptiveBatchTuner(PerfCallback):
         return float(sample.used), budget_bytes(self.device.type, sample.device_limit, sample.hard_limit,
                                                 sample.system_total, reachable=sample.reachable)
 
-    def _on_smaller_batch(self, reason: str, step: int, control=None, rows: list | None = None, **_) -> bool:
+    def _on_smaller_batch(self, reason: str, step: int, control: TrainerControl | None = None,
+                          rows: list[Any] | None = None, **_: Any) -> bool:
         """The watchdog asks for a smaller micro-batch: plan it. In train_with_tuning (one process per model) the
         re-size takes effect at the next step's begin, unless something stops the run at this step first; otherwise
         checkpoint now and stop this train() call. ``rows``: the next step's micro-batches when the watchdog asks
         after they were fetched (the rows the re-sized run must train at that step)."""
         session = self._session
-        if session.switch is not None or control is None:
-            return session.switch is not None
-        if session.resizes_spent:
-            session.warn_once("max-resizes", "the watchdog asked for a smaller micro-batch, but the run's "
-                                             "max_resizes re-sizes are done", step=step)
-            return False                                 # the watchdog stops instead
-        try:
-            new = next_smaller(session.split, session.candidates(session.args))
-        except ValueError:
-            if session.exactness is not None and session.exactness.reason is not None:
-                session.warn_once("watchdog-inexact", f"the watchdog asked for a smaller micro-batch, but no smaller "
-                                                      f"split keeps this run exact ({session.exactness.reason})",
-                                  step=step)
-            return False                                 # nothing smaller: the watchdog stops instead
-        session.end_tuning(step, "memory pressure ended the tuning")
-        decision = session.decide("watchdog", reason, new, step)
-        session.request_switch(new, "the watchdog asked for a smaller micro-batch", decision)
-        if rows is not None:
-            session.hold_rows(rows, step + 1)
-        if not session.in_process:
+        plan = session.on_watchdog(reason, step, rows, acting=control is not None)
+        if plan.stop_now and control is not None:
             self._bus.continue_run(session.managed)
             control.should_save = True
             control.should_training_stop = True
-        return True
+        return plan.new is not None and plan.action in ("resize", "none")
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
         if self._stop_watching is not None:
             self._stop_watching()
             self._stop_watching = None
-        session = self._session
-        if self.measuring and not self._bus.continuing:           # the run ended before the tuning did
-            session.end_tuning(state.global_step, "the run ended before the tuning did")
-        self._bus.write_summary(self.source, {"split": session.split.as_args(), "session": session.id,
-                                              "decisions": len(session.decisions)})
+        end = self._session.train_ends(state.global_step, self.measuring, self._bus.continuing)
+        self._bus.write_summary(self.source, {"split": end.split.as_args(), "session": end.session,
+                                              "decisions": end.decisions})
         if not state.is_world_process_zero or self._bus.continuing:
             return
-        if session.decisions:
-            self._bus.say(format_summary(session))
-        if session.switch is not None and not session.managed:
-            new = session.switch
-            checkpoint = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if end.summary is not None:
+            self._bus.say(end.summary)
+        if end.switch is not None:
+            new = end.switch
+            checkpoint = os.path.join(str(args.output_dir), f"checkpoint-{state.global_step}")
             print(f"AdaptiveBatchTuner: memory asked for a smaller micro-batch at step {state.global_step}. "
                   f"A checkpoint is saved to {checkpoint}. Resume with the exact split "
                   f"{', '.join(f'{k}={v}' for k, v in new.as_args().items())} (effective batch unchanged):\n"
@@ -283,7 +228,7 @@ class AdaptiveBatchTuner(PerfCallback):
                   f"trainer.args.gradient_accumulation_steps = {new.grad_accum}; "
                   f"trainer.train(resume_from_checkpoint='{checkpoint}')\n"
                   f"or hf_perf_callbacks.train_with_tuning(trainer, resume_from_checkpoint='{checkpoint}'), which "
-                  f"applies it from {os.path.join(args.output_dir, SPLIT_FILE)}; the recipe launcher does too.")
+                  f"applies it from {os.path.join(str(args.output_dir), SPLIT_FILE)}; the recipe launcher does too.")
 
     def close(self) -> None:
         if self._stop_watching is not None:
@@ -291,7 +236,7 @@ class AdaptiveBatchTuner(PerfCallback):
             self._stop_watching = None
 
 
-def advance_sampler(dataloader, epochs: int) -> int:
+def advance_sampler(dataloader: DataLoader[Any] | None, epochs: int) -> int:
     """A resume that starts in epoch ``epochs`` (> 0) draws the order of that epoch, not of the first. transformers
     reseeds its own samplers per epoch (``set_epoch``), but a sampler that shuffles with a generator of its own and
     has no ``set_epoch`` (TRL's ``RepeatSampler``, GRPO's) draws one permutation per epoch from it: a fresh
@@ -311,7 +256,7 @@ def advance_sampler(dataloader, epochs: int) -> int:
     return 0
 
 
-def format_tuning(decision) -> str:
+def format_tuning(decision: Decision) -> str:
     """The tuning decision and its evidence for the console (printed once): each trial worded as every reader of the
     record words it (:func:`~hf_perf_callbacks.splitfile.trial_figures`)."""
     lines = [f"AdaptiveBatchTuner: {decision.headline()}"
@@ -323,17 +268,5 @@ def format_tuning(decision) -> str:
     return "\n".join(lines)
 
 
-def format_summary(session: TuningSession) -> str:
-    """The end-of-run summary: the split and when it was decided; each decision's own line was printed when it was
-    made (once), and its detail is in the perf log and the report."""
-    steps = ", ".join(str(d.step) for d in session.decisions)
-    n = len(session.decisions)
-    recovered = [d.recovery_sec for d in session.decisions if d.recovery_sec is not None]
-    extra = f"; recovered in {sum(recovered):.2f} s in all" if recovered else ""
-    return "\n".join(["== AdaptiveBatchTuner summary ==",
-                      f"split: {session.split} after {n} decision{'s' if n != 1 else ''} (step{'s' if n != 1 else ''} "
-                      f"{steps}){extra}; each one is in perf_log.jsonl and the report"])
-
-
-def find_callback(trainer, cls):
+def find_callback(trainer: Trainer, cls: type[_Callback]) -> _Callback | None:
     return next((cb for cb in adapter.all_callbacks(trainer.callback_handler) if isinstance(cb, cls)), None)

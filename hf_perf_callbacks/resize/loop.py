@@ -47,34 +47,32 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import TYPE_CHECKING, cast
 
 from .. import adapter
-from ..batching import is_grpo
 from ..bus import bus_for
-from ..device import (
-    DeviceLayer,
-    is_main_process,
-    is_oom_error,
-    rng_state,
-    set_rng_state,
-    training_device,
-    world_size,
-)
+from ..device import DeviceLayer, is_main_process, rng_state, set_rng_state, training_device
 from ..validation import check_number, suggest_keywords
-from . import memcheck, sharding
-from .agreement import ResizeNeeded, StepGuard, guard_training_step, recoverable
+from . import memcheck, recovery, sharding
 from .callback import AdaptiveBatchTuner, find_callback
 from .checkpoints import resume_point
-from .oomsite import UnfixableOOM, unfixable_cause
+from .plan import InexactResize as InexactResize  # its name here before resize/plan.py held it
 from .rowcheck import RowsDiffer
-from .session import InexactResize, SwitchSplit, TuningSession
+from .session import SwitchSplit, TuningSession
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import Trainer
+    from transformers.trainer_utils import TrainOutput
+
+    from ..bus import RunBus
 
 logger = logging.getLogger("hf_perf_callbacks")
 
 
 @suggest_keywords
-def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None, tune: bool | None = None,
-                      max_resizes: int = 8):
+def train_with_tuning(trainer: Trainer, resume_from_checkpoint: str | bool | None = None, tune: bool | None = None,
+                      max_resizes: int = 8) -> TrainOutput:
     """``trainer.train()`` that keeps the fastest exact split that fits, measured on the run's own steps, and
     survives re-sizes and out-of-memory errors.
 
@@ -101,7 +99,7 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
     if tuner is None:
         tuner = AdaptiveBatchTuner()
         trainer.add_callback(tuner)
-    output_dir = trainer.args.output_dir
+    output_dir = str(trainer.args.output_dir)
     bus = bus_for(trainer.callback_handler)
     bus.watch_trainer(trainer)
     if is_main_process():
@@ -112,14 +110,15 @@ def train_with_tuning(trainer, resume_from_checkpoint: str | bool | None = None,
         bus.unhold()
 
 
-def _train(trainer, tuner: AdaptiveBatchTuner, bus, resume_from_checkpoint, tune: bool | None, max_resizes: int):
-    resume_from_checkpoint = resume_point(resume_from_checkpoint, trainer.args.output_dir,
+def _train(trainer: Trainer, tuner: AdaptiveBatchTuner, bus: RunBus, resume_from_checkpoint: str | bool | None,
+           tune: bool | None, max_resizes: int) -> TrainOutput:
+    resume_from_checkpoint = resume_point(resume_from_checkpoint, str(trainer.args.output_dir),
                                           restarts=sharding.restarted_by_launcher())
     session = TuningSession(trainer.args, bus=bus, managed=True)
-    sharded, guard = _start(trainer, session, resume_from_checkpoint, max_resizes)
+    sharded, guard = session.take_run(trainer, resume_from_checkpoint, max_resizes)
     eval_batch = trainer.args.per_device_eval_batch_size
-    undo_evaluate = adapter.replace_method(trainer, "evaluate",
-                                           lambda original: _evaluate_within_memory(trainer, original, session))
+    undo_evaluate = adapter.replace_method(
+        trainer, "evaluate", lambda original: recovery.evaluate_within_memory(trainer, original, session))
     try:
         _before_training(trainer, session, tuner, tune, resumed=bool(resume_from_checkpoint), sharded=sharded)
         start_rng = rng_state()              # every in-process resume starts from it, as a new process would
@@ -136,25 +135,20 @@ def _train(trainer, tuner: AdaptiveBatchTuner, bus, resume_from_checkpoint, tune
             except SwitchSplit:                           # the step after a switch's step began: switch now
                 switching = True
             except RowsDiffer as differ:                  # a step fetched other rows than the run trains: back
-                resume_from_checkpoint = _back_from(trainer, session, differ)
+                resume_from_checkpoint = recovery.back_from(trainer, session, differ)
                 resized = True
                 set_rng_state(start_rng)
                 continue
-            except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - OOMs re-size, _recover_or_raise raises the rest
-                resume_from_checkpoint = _recover_or_raise(trainer, session, tuner, error, sharded, max_resizes)
+            except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - OOMs re-size, recover_or_raise raises the rest
+                resume_from_checkpoint = recovery.recover_or_raise(trainer, session, error, tuner.in_optimizer_step,
+                                                                   sharded, max_resizes, bus.memory_facts)
                 resized = True
                 set_rng_state(start_rng)
                 continue
-            if not switching and session.switch is not None and session.in_process:
-                session.cancel_switch()                   # a stop at the switch's step came first: it wins
-            if session.switch is None:
-                session.drop_switch_checkpoints()
+            finished, resume_from_checkpoint = recovery.after_train(trainer, session, switching,
+                                                                    tuner.in_optimizer_step)
+            if finished:
                 return output
-            try:
-                resume_from_checkpoint = session.switch_now(trainer)
-            except BaseException as error:               # Ctrl-C, SIGTERM or a failure while the switch saved
-                session.end_run(trainer, error, tuner.in_optimizer_step, agreed=False)
-                raise
             resized = True
             set_rng_state(start_rng)
     finally:
@@ -165,107 +159,24 @@ def _train(trainer, tuner: AdaptiveBatchTuner, bus, resume_from_checkpoint, tune
         session.close(trainer)
 
 
-def _start(trainer, session: TuningSession, checkpoint: str | None,
-           max_resizes: int) -> tuple[str | None, StepGuard | None]:
-    """The session takes the run (a resume from ``checkpoint`` continues the run's record); returns the trainer's
-    sharding (FSDP, DeepSpeed: no tuning) and the step guard (FSDP: off once stable; none where it cannot see the
-    sharding's collectives: DeepSpeed)."""
-    sharded, guarded = sharding.start(trainer, session)
-    session.drive(in_process=sharded is None,        # a switch takes effect at the next step's begin
-                  max_resizes=max_resizes, step_log=adapter.StepLog(trainer), loop_state=adapter.LoopState(trainer))
-    if checkpoint:
-        session.resume_from(trainer, checkpoint)
-    if not guarded:
-        return sharded, None
-    return sharded, guard_training_step(trainer, sharding.STABLE_STEPS if sharded else None, notify=session.note)
-
-
-def _before_training(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, tune: bool | None, resumed: bool,
-                     sharded: str | None) -> None:
+def _before_training(trainer: Trainer, session: TuningSession, tuner: AdaptiveBatchTuner, tune: bool | None,
+                     resumed: bool, sharded: str | None) -> None:
     """The splits exact under the run's loss, the memory check (a fresh unsharded start) and the tuning on the
     run's own steps (unless sharded, or the run's record holds a tuning decision)."""
-    session.judge_grouping(trainer, planned_steps(trainer))
-    session.apply_recorded(trainer)          # a resume's recorded split, when exact for this run
-    session.check_rows(trainer)
-    if not resumed and not sharded:
-        device = DeviceLayer(training_device())
-        if memcheck.wanted(tuner.memory_check, device.type):
-            _check_memory_or_warn(trainer, session, tuner)
+    check = None
+    if not resumed and not sharded and memcheck.wanted(tuner.memory_check, DeviceLayer(training_device()).type):
+        def check() -> None:
+            memcheck.check_or_warn(trainer, session, clock=tuner.clock, force=tuner.memory_check is True)
     wants_tuning = tuner.tune if tune is None else tune
-    if wants_tuning and not sharded and not any(d.kind == "tune" for d in session.decisions):
-        planned, state_bytes = planned_steps(trainer), _training_state_bytes(trainer.model)
-        session.start_tuning(planned, state_bytes, max_micro_batch=tuner.max_micro_batch,  # at the split the check left
-                             samples=tuner.samples, max_rounds=tuner.max_rounds, patience=tuner.patience,
-                             must_pay=tuner.must_pay, rank_by=tuner.rank_by, first_samples=tuner.first_samples)
+    model = cast("torch.nn.Module", trainer.model)          # None only before the trainer's init
+    settings = (dict(state_bytes=_training_state_bytes(model), max_micro_batch=tuner.max_micro_batch,
+                     samples=tuner.samples, max_rounds=tuner.max_rounds, patience=tuner.patience,
+                     must_pay=tuner.must_pay, rank_by=tuner.rank_by, first_samples=tuner.first_samples)
+                if wants_tuning and not sharded else None)
+    session.prepare(trainer, lambda: planned_steps(trainer), check, settings)
 
 
-def _recover_or_raise(trainer, session: TuningSession, tuner: AdaptiveBatchTuner, error: BaseException,
-                      sharded: str | None, max_resizes: int) -> str | None:
-    r"""What ``train()`` raised: an out-of-memory error a smaller split fixes re-sizes (returns the checkpoint to
-    resume from, None: the start); anything else saves when it can and is raised (the bare ``raise``\ s re-raise
-    ``error`` as it was, this runs inside its ``except``)."""
-    if max_resizes > 0 and sharding.unagreed_oom(sharded, error):    # the others wait in a collective
-        session.record_for_restart(trainer.state.global_step, error, sharded)
-        raise
-    if not isinstance(error, Exception) or not recoverable(error):
-        if max_resizes > 0:
-            session.end_run(trainer, error, tuner.in_optimizer_step)
-        raise
-    trial = session.in_trial          # the tuning's own trial: never a re-size the user counts
-    if max_resizes == 0 and not trial:
-        raise
-    cause = unfixable_cause(error, trainer, error.site if isinstance(error, ResizeNeeded) else None,
-                            _memory_facts(session))
-    if cause is not None:                    # no micro-batch fixes it: no re-size
-        unfixable = UnfixableOOM(cause)
-        session.end_run(trainer, unfixable, tuner.in_optimizer_step, agreed=isinstance(error, ResizeNeeded))
-        raise unfixable from error
-    if not trial and session.resizes_spent:
-        session.end_run(trainer, error, tuner.in_optimizer_step, gave_up=True)
-        raise RuntimeError(f"train_with_tuning gave up after {max_resizes} re-sizes"
-                           f"{_memory_causes(session)}") from error
-    if world_size() == 1 or isinstance(error, ResizeNeeded):     # several ranks: every one of them is here
-        session.hold_rows(adapter.fetched_batches(error), trainer.state.global_step + 1)   # the failed step's rows
-    try:
-        checkpoint = session.recover_from_oom(trainer, error, tuner.in_optimizer_step, trial)
-    except InexactResize as inexact:         # smaller splits exist, none exact for this run: every rank agreed on it
-        session.end_run(trainer, inexact, tuner.in_optimizer_step, agreed=isinstance(error, ResizeNeeded),
-                        gave_up=True)
-        raise inexact from error
-    except ValueError as none_left:          # no smaller exact split
-        session.end_run(trainer, error, tuner.in_optimizer_step, gave_up=True)
-        raise ValueError(f"{none_left}{_memory_causes(session)}") from error
-    except (KeyboardInterrupt, SystemExit) as stopped:      # Ctrl-C or SIGTERM while the re-size saved: a stop
-        session.end_run(trainer, stopped, tuner.in_optimizer_step, agreed=isinstance(error, ResizeNeeded))
-        raise
-    if not trial:
-        session.spend_resize()
-    return checkpoint
-
-
-def _back_from(trainer, session: TuningSession, differ: RowsDiffer) -> str | None:
-    """A step fetched other rows than the run trains there: the run goes back (the checkpoint to resume from), or,
-    when no split continues it exactly, saves and ends saying why."""
-    try:
-        return session.refuse_rows(trainer, differ)
-    except InexactResize as inexact:
-        session.end_run(trainer, inexact, gave_up=True)
-        raise inexact from None
-
-
-def _memory_facts(session: TuningSession):
-    """The watchdog's facts of the memory wall (:class:`~hf_perf_callbacks.memory.WallFacts`), when it is attached."""
-    return session.bus.memory_facts if session.bus is not None else None
-
-
-def _memory_causes(session: TuningSession) -> str:
-    """What the watchdog knows presses on memory (another process, a leak), as a sentence to end a message with."""
-    facts = _memory_facts(session)
-    causes = facts.sentence() if facts is not None else ""
-    return f" The memory wall, as the watchdog reads it: {causes}." if causes else ""
-
-
-def _training_state_bytes(model) -> float:
+def _training_state_bytes(model: torch.nn.Module) -> float:
     """What a switch's checkpoint writes and reads: the saved weights (a PEFT model's adapter only, else every
     weight) and Adam's two moments of every trainable weight."""
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -274,7 +185,7 @@ def _training_state_bytes(model) -> float:
     return float(weights + 2 * sum(p.numel() * 4 for p in model.parameters() if p.requires_grad))
 
 
-def planned_steps(trainer) -> int | None:
+def planned_steps(trainer: Trainer) -> int | None:
     """Optimizer steps the run will take: ``max_steps``, else epochs × steps per epoch (as the Trainer counts
     them); None when the dataloader has no length."""
     import math
@@ -291,70 +202,4 @@ def planned_steps(trainer) -> int | None:
         set_rng_state(state)
     accum = args.gradient_accumulation_steps
     per_epoch = max(batches // accum + int(batches % accum > 0), 1)
-    return math.ceil(args.num_train_epochs * per_epoch)
-
-
-def _check_memory_or_warn(trainer, session: TuningSession, tuner: AdaptiveBatchTuner) -> None:
-    """The memory check; a failure of its own (a memory reading, an exchange) is one warning and the configured
-    split."""
-    configured = session.split
-    try:
-        memcheck.check_memory(trainer, session, session.candidates(trainer.args), clock=tuner.clock,
-                              force=tuner.memory_check is True)
-    except Exception as error:  # noqa: BLE001 - the check is a safety net, never a reason to stop
-        session.apply(trainer, configured)
-        session.warn_once("memory-check", f"the memory check failed ({type(error).__name__}: {error}); training "
-                                          f"goes on at the configured split {configured} without it")
-
-
-def _evaluate_within_memory(trainer, original, session: TuningSession):
-    """``trainer.evaluate`` that never turns an evaluation OOM into a training re-size: the evaluation batch is
-    halved and the evaluation retried; at batch 1 it is skipped with one warning (empty metrics). When the run
-    needs the metric (``metric_for_best_model``, a plateau scheduler), a RuntimeError ends the run instead (saved
-    first by the loop).
-    Under several ranks an OOM in evaluation is raised as it is (the other ranks are inside a collective)."""
-
-    def evaluate(*args, **kwargs):
-        targs = trainer.args
-        while True:
-            drawn = rng_state()          # a new evaluation dataloader iterator draws from the global RNG
-            try:
-                return original(*args, **kwargs)
-            except Exception as error:
-                if world_size() > 1 or not is_oom_error(error):
-                    raise
-                error = error.with_traceback(None)
-                set_rng_state(drawn)     # the retry draws what the failed attempt drew: the run's stream goes on
-                batch = targs.per_device_eval_batch_size
-                smaller = _smaller_eval_batch(targs, batch)
-                session.free_memory(trainer)
-                if smaller is not None:
-                    targs.per_device_eval_batch_size = smaller
-                    session.warn_once(f"eval-{smaller}", f"evaluation ran out of memory at "
-                                      f"per_device_eval_batch_size={batch}: retrying with {smaller}; the training "
-                                      f"split is unchanged")
-                    continue
-                scheduler = str(getattr(targs, "lr_scheduler_type", ""))
-                if getattr(targs, "metric_for_best_model", None) or "plateau" in scheduler or "greedy" in scheduler:
-                    raise RuntimeError(f"evaluation does not fit even at per_device_eval_batch_size={batch} and "
-                                       f"the run needs its metric (metric_for_best_model="
-                                       f"{targs.metric_for_best_model!r}, lr_scheduler_type={scheduler}): lower the "
-                                       f"evaluation's memory (shorter eval sequences, eval_accumulation_steps)"
-                                       ) from error
-                session.warn_once("eval-skip", f"evaluation ran out of memory even at "
-                                  f"per_device_eval_batch_size={batch}: evaluations are skipped for this run; "
-                                  f"training goes on at its split")
-                return {}
-
-    return evaluate
-
-
-def _smaller_eval_batch(args, batch: int) -> int | None:
-    """Half the evaluation batch (GRPO: still whole groups of ``num_generations_eval`` completions), or None."""
-    if is_grpo(args):
-        group = getattr(args, "num_generations_eval", None) or args.num_generations
-        for smaller in range(batch // 2, 0, -1):
-            if (smaller * world_size()) % group == 0:
-                return smaller
-        return None
-    return batch // 2 if batch > 1 else None
+    return int(math.ceil(args.num_train_epochs * per_epoch))

@@ -172,6 +172,18 @@ def check_memory(trainer: Trainer, session: TuningSession, candidates: list[Spli
     return chosen
 
 
+def check_or_warn(trainer: Trainer, session: TuningSession, clock: Clock | None = None, force: bool = False) -> None:
+    """The memory check over the splits the run may use; a failure of its own (a memory reading, an exchange) is one
+    warning and the configured split."""
+    configured = session.split
+    try:
+        check_memory(trainer, session, session.candidates(trainer.args), clock=clock, force=force)
+    except Exception as error:  # noqa: BLE001 - the check is a safety net, never a reason to stop
+        session.apply(trainer, configured)
+        session.warn_once("memory-check", f"the memory check failed ({type(error).__name__}: {error}); training "
+                                          f"goes on at the configured split {configured} without it")
+
+
 def _step(trainer: Trainer, session: TuningSession, split: Split, device: DeviceLayer, budget: float,
           wall: Callable[[], float]) -> Trial:
     """One optimizer step at ``split`` on the longest examples: its peak (every rank's highest) and any failure."""

@@ -1,8 +1,8 @@
 """The row-stream check on a real trainer: :class:`~hf_perf_callbacks.rowstream.RowWatch` fed with what the training
 loop fetches (``Trainer.get_batch_samples``, hooked through :mod:`~hf_perf_callbacks.adapter` only while a switch is
 pending or was just applied, so that other steps pay nothing), and :class:`RowsDiffer` raised before a step whose
-rows differ from the unfaulted run's trains. The session owns it (:meth:`TuningSession.refuse_rows
-<hf_perf_callbacks.resize.session.TuningSession.refuse_rows>` acts on a difference).
+rows differ from the unfaulted run's trains. The session owns it (:func:`~hf_perf_callbacks.resize.recovery.refuse_rows`
+acts on a difference).
 """
 from __future__ import annotations
 

@@ -3,6 +3,11 @@
 ============================  ================================================================================
 fact                          owner and readers
 ============================  ================================================================================
+the split facts               :attr:`TuningSession.state`, one frozen :class:`~.plan.SplitState` (the split in
+                              effect, a pending switch, the re-sizes left, ...): the decisions are pure
+                              transitions of it (:mod:`~hf_perf_callbacks.resize.plan`), whose plan
+                              :mod:`~hf_perf_callbacks.resize.recovery` carries out and commits
+                              (:meth:`~TuningSession.commit`)
 the split in effect           :attr:`TuningSession.split`; set only by :meth:`~TuningSession.apply`, which writes
                               it to the trainer's ``args`` and the dataloader's batch size together (the only
                               writer of both); the tuner logs ``tuner/*`` from it
@@ -11,9 +16,9 @@ with                          else the split in effect; after giving up, the las
 every decision                :attr:`~TuningSession.decisions` (typed :class:`~hf_perf_callbacks.splitfile.Decision`)
 the checkpoints this run      :attr:`~TuningSession.checkpoints` (:class:`~.checkpoints.RunCheckpoints`), each
 wrote                         with the fingerprint of its files: a recovery resumes only from one whose fingerprint
-                              still matches and that holds the training state (:meth:`~TuningSession.resumable`)
+                              still matches and that holds the training state (``RunCheckpoints.resumable``)
 the RNG a checkpoint holds    :attr:`~TuningSession.next_rng`, noted by the tuner where transformers restores it
-                              (:meth:`~TuningSession.note_rng`), written by :meth:`~TuningSession.save_checkpoint`
+                              (:meth:`~TuningSession.note_rng`), written by :func:`.recovery.save_checkpoint`
 the session id                :attr:`~TuningSession.id`: the run in the perf log (the bus's session) and the split
                               file; kept across in-process re-sizes and resumes of the same run
 the splits the run may use    :attr:`~TuningSession.exactness`, judged once at the start by the settings list
@@ -23,18 +28,19 @@ the splits the run may use    :attr:`~TuningSession.exactness`, judged once at t
                               reader's list (the tuning, the memory check, the OOM and watchdog re-sizes)
 what the training loop holds  :attr:`~TuningSession.loop_state` (:class:`~hf_perf_callbacks.adapter.LoopState`),
 between steps                 noted by the tuner at each step's begin and save, rewound before a recovery's save
-                              (:meth:`~TuningSession.rewind_loop`), carried into the resume
-                              (:meth:`~TuningSession.carry_loop`)
-``tuner_split.json``          written by :meth:`~TuningSession.persist` only (main process, atomically)
+                              (:func:`.recovery.rewind_loop`), carried into the resume
+                              (:func:`.recovery.carry_loop`)
+``tuner_split.json``          written by :meth:`~TuningSession.persist` only (main process, atomically), once at the
+                              end of each transition that changed the record (:meth:`~TuningSession.transition`)
 ============================  ================================================================================
 
-Only this module assigns the session's fields: the tuner and :func:`~hf_perf_callbacks.train_with_tuning` ask it
-through its methods (the tuner: :meth:`~TuningSession.follow_args`, :meth:`~TuningSession.switch_taken`,
-:meth:`~TuningSession.step_completed`, :meth:`~TuningSession.request_switch`, :meth:`~TuningSession.loop_step_begins`,
-:meth:`~TuningSession.loop_saved`, :meth:`~TuningSession.loop_resumed`; the loop: :meth:`~TuningSession.drive`,
-:meth:`~TuningSession.resume_from`, :meth:`~TuningSession.start_tuning`, :meth:`~TuningSession.switch_now`,
-:meth:`~TuningSession.recover_from_oom`, :meth:`~TuningSession.record_for_restart`, :meth:`~TuningSession.end_run`,
-:meth:`~TuningSession.close`), and it saves the checkpoints a re-size resumes from itself.
+Only this module (and :mod:`~hf_perf_callbacks.resize.recovery`, through the session's methods) changes the
+session's facts. The tuner sees :class:`TunerView`, one method per event it reports (:meth:`~TuningSession.begin_train`,
+:meth:`~TuningSession.epoch_begins`, :meth:`~TuningSession.step_begins`, :meth:`~TuningSession.saved`,
+:meth:`~TuningSession.step_ends`, :meth:`~TuningSession.measured_step`, :meth:`~TuningSession.on_watchdog`,
+:meth:`~TuningSession.train_ends`) and ``managed``; :func:`~hf_perf_callbacks.train_with_tuning` calls
+:meth:`~TuningSession.take_run`, :meth:`~TuningSession.prepare` and :meth:`~TuningSession.close`, and hands every
+recovery to :mod:`~hf_perf_callbacks.resize.recovery`, which saves the checkpoints a re-size resumes from.
 
 :func:`~hf_perf_callbacks.train_with_tuning` creates one session per call (a resume adopts the recorded one when it
 is this run's) and hands it to the trainer's bus; the :class:`~hf_perf_callbacks.AdaptiveBatchTuner` — also an
@@ -43,24 +49,23 @@ itself. No process-global registry, no reconciliation: every reader asks the ses
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from .. import adapter
-from ..batching import Exactness, Split, exact_splits, exact_under, is_grpo, next_smaller
-from ..bus import EVENT_WIDTH, console_line
+from ..batching import Exactness, Split, exact_splits, exact_under, is_grpo
 from ..device import (
-    DeviceLayer,
     error_line,
     gather_floats,
     is_main_process,
     main_process_value,
     rng_state,
-    set_rng_state,
-    training_device,
     world_size,
 )
 from ..keys import SPLIT_FILE
@@ -75,41 +80,45 @@ from ..splitfile import (
     run_geometry,
 )
 from ..stats import generation_period
-from .agreement import ResizeNeeded
-from .checkpoints import (
-    RunCheckpoints,
-    add_training_state,
-    checkpoint_dir,
-    fingerprint,
-    is_complete,
-    move_aside,
-    newest_complete,
-    step_of,
-    switch_dir,
-)
-from .oomsite import UnfixableOOM
-from .rowcheck import RowCheck, RowsDiffer
-from .sharding import deepspeed_split, release_engine, restart_message
-from .tuning import OnRunTuning
+from . import plan as plans
+from .agreement import StepGuard, guard_training_step
+from .checkpoints import RunCheckpoints, fingerprint, is_complete, step_of
+from .plan import InexactResize, Plan, ReplayLost, RowsLost, SplitState
+from .release import free_memory
+from .rowcheck import RowCheck
+from .sharding import STABLE_STEPS, deepspeed_split
+from .sharding import start as start_sharding
+from .tuning import OnRunTuning, Switch
 
 if TYPE_CHECKING:
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers import Trainer, TrainerState, TrainingArguments
+    from trl import GRPOConfig
+
     from ..bus import RunBus
+    from ..device import RngState
+
+__all__ = ["InexactResize", "ReplayLost", "RowsLost", "SwitchSplit", "TuningSession", "candidates", "current_split",
+           "format_summary"]
 
 logger = logging.getLogger("hf_perf_callbacks")
 
 
-def current_split(args) -> Split:
+def current_split(args: object) -> Split:
     """The split a trainer's args hold (GRPO: with its ``steps_per_generation``)."""
     spg = getattr(args, "steps_per_generation", None) if is_grpo(args) else None
-    return Split(args.per_device_train_batch_size, args.gradient_accumulation_steps, spg)
+    targs = cast("TrainingArguments", args)     # any trainer's args (RowCheck reads any object's)
+    return Split(targs.per_device_train_batch_size, targs.gradient_accumulation_steps, spg)
 
 
-def candidates(args, world: int) -> list[Split]:
+def candidates(args: TrainingArguments, world: int) -> list[Split]:
     """Every split that keeps the run's effective batch (GRPO: and generation batch), largest micro-batch first;
     which of them keep its loss exact is :meth:`TuningSession.candidates`."""
     split = current_split(args)
     if is_grpo(args):
-        return exact_splits(split.effective_batch(world), world, split.generation_batch(world), args.num_generations)
+        return exact_splits(split.effective_batch(world), world, split.generation_batch(world),
+                            cast("GRPOConfig", args).num_generations)
     return exact_splits(split.effective_batch(world), world)
 
 
@@ -121,78 +130,18 @@ class SwitchSplit(BaseException):
     the user's ``except Exception`` let it through."""
 
 
-class InexactResize(ValueError):
-    """An out-of-memory error at ``step`` and split ``old`` where smaller splits of the batch exist but none keeps the
-    run's loss exact under ``exactness`` (the run saves and ends with why, and what makes every split exact);
-    ``anyway``: the next smaller split, for going on inexactly by hand. What the run saved is said once it is known
-    (:meth:`ended`): :attr:`checkpoint`, the checkpoint to go on from (None: none, and :attr:`not_saved` says why)."""
-
-    def __init__(self, step: int, old: Split, anyway: Split, exactness: Exactness):
-        self.step, self.old, self.anyway, self.exactness = step, old, anyway, exactness
-        self.checkpoint: str | None = None
-        self.not_saved = ""
-        super().__init__(self.message())
-
-    def ended(self, checkpoint: str | None, not_saved: str = "") -> None:
-        """The run ended: ``checkpoint`` is the one to go on from (None: none; ``not_saved``: why the last completed
-        step was not saved); the message says that and nothing else."""
-        self.checkpoint, self.not_saved = checkpoint, not_saved
-        self.args = (self.message(),)
-
-    def opening(self) -> str:
-        """The message up to how to go on."""
-        anyway, exactness = self.anyway, self.exactness
-        return (f"out of memory at step {self.step} at split {self.old}, and no smaller split keeps this run exact: "
-                f"{exactness.reason}. {exactness.fix} The run ends here rather than going on inexactly. To go on "
-                f"anyway at {anyway} (not exactly the configured run), set per_device_train_batch_size="
-                f"{anyway.micro_batch} and gradient_accumulation_steps={anyway.grad_accum} and ")
-
-    def message(self) -> str:
-        head = self.opening()
-        if self.checkpoint is not None:
-            return f"{head}resume with trainer.train(resume_from_checkpoint={self.checkpoint!r})."
-        if self.not_saved:
-            return f"{head}start again with trainer.train(): nothing was saved to go on from ({self.not_saved})."
-        return f"{head}resume with trainer.train(resume_from_checkpoint=...) from the checkpoint the run saved."
-
-
-class _OwnWords(InexactResize):
-    """An :class:`InexactResize` that says its cause in its own words (``head``: the message up to how to go on),
-    completed by :meth:`ended` as for any other."""
-
-    def __init__(self, head: str):    # the message is its own; the ending is shared
-        self.head = head
-        self.checkpoint = None
-        self.not_saved = ""
-        ValueError.__init__(self, self.message())
-
-    def opening(self) -> str:
-        return self.head
-
-
-class ReplayLost(_OwnWords):
-    """A re-size in a GRPO step that replays completions generated at an earlier step, where the resume could not
-    train those completions (the run saves and ends with why, and what to change)."""
-
-
-class RowsLost(_OwnWords):
-    """The split that trained the run fetched other rows for the next step than the run would have trained: no
-    split can go on exactly from this step (the run saves and ends with why)."""
-
-
 class TuningSession:
     """See the module docstring."""
 
-    def __init__(self, args, bus: RunBus | None = None, session_id: str | None = None, managed: bool = False):
+    def __init__(self, args: TrainingArguments, bus: RunBus | None = None, session_id: str | None = None,
+                 managed: bool = False):
         self.id = session_id or uuid.uuid4().hex[:12]
         self.args = args                        # the trainer's args (the split is written there by apply)
-        self.output_dir = args.output_dir
+        self.output_dir = str(args.output_dir)    # set by TrainingArguments (None only before its init)
         self.bus = bus                          # the trainer's RunBus: decisions reach the perf log through it
         self.world = world_size()
-        self.configured = current_split(args)
-        self.split = self.configured
-        self.switch: Split | None = None        # the split the next train() call runs with (a pending re-size)
-        self.switch_reason = ""
+        configured = current_split(args)
+        self.state = SplitState(configured, configured)   # the split facts the decisions read (plan.SplitState)
         self.switch_requested_at: float | None = None
         self.decisions: list[Decision] = []
         self.checkpoints = RunCheckpoints(self.output_dir)    # the checkpoints this run wrote
@@ -200,22 +149,98 @@ class TuningSession:
         self.managed = managed                  # train_with_tuning drives the run (acts on switches)
         self.tuning: OnRunTuning | None = None  # the tuning on the run's own steps
         self.warned: set[str] = set()
-        self.next_rng: tuple[int, tuple] | None = None   # (step, the RNG the step after it starts from)
-        self.ran: Split | None = None           # the split of the last completed optimizer step
-        self.gave_up = False                    # no smaller split fitted, or max_resizes were spent
-        self.exactness: Exactness | None = None  # the splits exact under the run's loss (judge_grouping)
+        self.next_rng: tuple[int, RngState] | None = None   # (step, the RNG the step after it starts from)
         self.measured: ExactnessCheck | None = None  # the check on the run's own rows (measure_exactness)
-        self.in_process = False                 # switches take effect by SwitchSplit (train_with_tuning, unsharded)
         self.switch_decision: Decision | None = None   # the decision of the pending switch (dropped if cancelled)
-        self.resizes_left: int | None = None    # re-sizes forced by memory still allowed (train_with_tuning)
         self.step_log: adapter.StepLog | None = None   # the training loop's step log (train_with_tuning)
         self.loop_state: adapter.LoopState | None = None   # the loop's counters, windows, GRPO buffer (ditto)
         self.rows: RowCheck | None = None       # the row-stream check of in-process switches (check_rows)
         self.recorded: Split | None = None      # the split the run's record asks a resume for (resume_from)
-        self.epoch_rng: tuple[int, tuple] | None = None  # (epoch, the RNG its data iterator was made with)
+        self.epoch_rng: tuple[int, RngState] | None = None  # (epoch, the RNG its data iterator was made with)
+        self._open = 0                          # transitions under way (nested calls are one)
+        self._changed = False                   # the record changed in the transition under way
         if bus is not None:
             bus.attach_tuning(self)
             bus.pin_session(self.id)
+
+    # ------------------------------------------------------------ the state (plan.SplitState) and its transitions
+    @property
+    def configured(self) -> Split:
+        """The split the user configured."""
+        return self.state.configured
+
+    @property
+    def split(self) -> Split:
+        """The split in effect (set only by :meth:`apply`)."""
+        return self.state.split
+
+    @property
+    def switch(self) -> Split | None:
+        """The split the next train() call runs with (a pending re-size)."""
+        return self.state.switch
+
+    @property
+    def switch_reason(self) -> str:
+        return self.state.switch_reason
+
+    @property
+    def resizes_left(self) -> int | None:
+        """Re-sizes forced by memory still allowed (train_with_tuning; None: no limit)."""
+        return self.state.resizes_left
+
+    @property
+    def ran(self) -> Split | None:
+        """The split of the last completed optimizer step."""
+        return self.state.ran
+
+    @property
+    def gave_up(self) -> bool:
+        """No smaller split fitted, or max_resizes were spent."""
+        return self.state.gave_up
+
+    @property
+    def in_process(self) -> bool:
+        """Switches take effect by :class:`SwitchSplit` (train_with_tuning, unsharded)."""
+        return self.state.in_process
+
+    @property
+    def exactness(self) -> Exactness | None:
+        """The splits exact under the run's loss (:meth:`judge_grouping`)."""
+        return self.state.exactness
+
+    def snapshot(self) -> SplitState:
+        """The state a transition of :mod:`~hf_perf_callbacks.resize.plan` reads: every split of the run's batch and
+        the last decision's kind as they are now."""
+        last = self.decisions[-1].kind if self.decisions else None
+        return replace(self.state, every=tuple(candidates(self.args, self.world)), last_decision=last)
+
+    def commit(self, plan: Plan) -> None:
+        """The plan was carried out: its state is the session's (the split facts a plan decides)."""
+        new = plan.state
+        self._set(split=new.split, switch=new.switch, resizes_left=new.resizes_left, gave_up=new.gave_up)
+
+    def _set(self, **fields: Any) -> None:
+        self.state = replace(self.state, **fields)
+
+    @contextlib.contextmanager
+    def transition(self) -> Iterator[None]:
+        """One transition of the session (nested ones are part of it): the split file is written once, at its end,
+        when the record changed (also when it ends by an error)."""
+        self._open += 1
+        try:
+            yield
+        finally:
+            self._open -= 1
+            if self._open == 0 and self._changed:
+                self._changed = False
+                self.persist()
+
+    def changed(self) -> None:
+        """The record changed: written at the end of the transition under way (now, when none is)."""
+        self._changed = True
+        if self._open == 0:
+            self._changed = False
+            self.persist()
 
     # ------------------------------------------------------------ the run train_with_tuning drives
     def drive(self, in_process: bool, max_resizes: int, step_log: adapter.StepLog | None = None,
@@ -224,8 +249,37 @@ class TuningSession:
         next step's begin (``in_process``; else by stopping ``train()``), ``max_resizes`` re-sizes forced by memory
         are allowed, ``step_log`` is the training loop's step log, ``loop_state`` what the loop holds between
         steps (its counters, logging windows and GRPO's buffered generation), carried into a resume in process."""
-        self.in_process, self.resizes_left, self.step_log = in_process, max_resizes, step_log
-        self.loop_state = loop_state
+        self._set(in_process=in_process, resizes_left=max_resizes)
+        self.step_log, self.loop_state = step_log, loop_state
+
+    def take_run(self, trainer: Trainer, checkpoint: str | None,
+                 max_resizes: int) -> tuple[str | None, StepGuard | None]:
+        """The session takes the run of :func:`~hf_perf_callbacks.train_with_tuning` (a resume from ``checkpoint``
+        continues the run's record); returns the trainer's sharding (FSDP, DeepSpeed: no tuning) and the step
+        guard (FSDP: off once stable; none where it cannot see the sharding's collectives: DeepSpeed)."""
+        sharded, guarded = start_sharding(trainer, self)
+        self.drive(in_process=sharded is None,        # a switch takes effect at the next step's begin
+                   max_resizes=max_resizes, step_log=adapter.StepLog(trainer), loop_state=adapter.LoopState(trainer))
+        if checkpoint:
+            self.resume_from(trainer, checkpoint)
+        if not guarded:
+            return sharded, None
+        return sharded, guard_training_step(trainer, STABLE_STEPS if sharded else None, notify=self.note)
+
+    def prepare(self, trainer: Trainer, planned: Callable[[], int | None], check_memory: Callable[[], None] | None,
+                tuning: dict[str, Any] | None) -> None:
+        """Before the run's first ``train()``: the splits exact under the run's loss, a resume's recorded split when
+        exact, the row check, the memory check (``check_memory``: a fresh unsharded start) and the tuning on the
+        run's own steps (``tuning``: :meth:`start_tuning`'s settings; none when sharded, or when the run's record
+        holds a tuning decision). ``planned``: the optimizer steps the run will take (read again after the memory
+        check, which may change the split)."""
+        self.judge_grouping(trainer, planned())
+        self.apply_recorded(trainer)          # a resume's recorded split, when exact for this run
+        self.check_rows(trainer)
+        if check_memory is not None:
+            check_memory()
+        if tuning is not None and not any(d.kind == "tune" for d in self.decisions):
+            self.start_tuning(planned(), **tuning)     # at the split the check left
 
     # ------------------------------------------------------------ what the training loop holds between steps
     def loop_step_begins(self) -> None:
@@ -243,33 +297,7 @@ class TuningSession:
         step (the loss since the last log, GRPO's buffered completions). True when something was carried."""
         return self.loop_state.install() if self.loop_state is not None else False
 
-    def carry_loop(self, trainer, checkpoint: str | None, new: Split) -> None:
-        """The next ``train()`` resumes from ``checkpoint`` at ``new``: what the loop held at that step is prepared
-        for it (GRPO: the buffered completions re-split for ``new``). :class:`adapter.CannotReplay` when a GRPO
-        step that replays buffered completions could not replay them."""
-        if self.loop_state is None:
-            return
-        old, args = self.split, trainer.args
-        every = (old.steps_per_generation * getattr(args, "num_iterations", 1)
-                 if old.steps_per_generation is not None else None)
-        self.loop_state.carry(step_of(checkpoint) if checkpoint else None, old.micro_batch, old.grad_accum,
-                              new.micro_batch, new.steps_per_generation, every)
-
-    def replay_lost(self, trainer, step: int, new: Split, why: adapter.CannotReplay) -> ReplayLost:
-        """The refusal of a re-size at ``step`` to ``new`` whose resume could not replay GRPO's buffered
-        completions, with why and what to change."""
-        args = trainer.args
-        return ReplayLost(
-            f"a re-size at step {step + 1} from {self.split} to {new}: that step trains completions generated at an "
-            f"earlier step (num_iterations={getattr(args, 'num_iterations', 1)}, steps_per_generation="
-            f"{args.steps_per_generation}, gradient_accumulation_steps={args.gradient_accumulation_steps}), and "
-            f"{why}; a resume would train other completions. The run ends here rather than going on inexactly. "
-            f"Every optimizer step generates its own completions with num_iterations=1 and steps_per_generation "
-            f"dividing gradient_accumulation_steps; to go on anyway at {new}, set per_device_train_batch_size="
-            f"{new.micro_batch}, gradient_accumulation_steps={new.grad_accum} and steps_per_generation="
-            f"{new.steps_per_generation} and ")
-
-    def resume_from(self, trainer, checkpoint: str) -> None:
+    def resume_from(self, trainer: Trainer, checkpoint: str) -> None:
         """A resume from ``checkpoint``: the run's record goes on when it is this run's, the split recorded for the
         run is applied when it is exact for it, and a checkpoint of this ``output_dir`` is a valid fallback for a
         later out-of-memory error (the base of this run)."""
@@ -283,7 +311,7 @@ class TuningSession:
         if step is not None and os.path.realpath(parent) == os.path.realpath(self.output_dir):
             self.record_written(step)
 
-    def apply_recorded(self, trainer) -> Split | None:
+    def apply_recorded(self, trainer: Trainer) -> Split | None:
         """After :meth:`judge_grouping`: the split the run's record asks a resume for (:meth:`resume_from`; or one
         the recipe launcher set from it) is kept only when the run's exactness allows it; otherwise that is said
         once and the run trains at its configured split. Returns the split applied (None: none changed)."""
@@ -299,55 +327,17 @@ class TuningSession:
         self.apply(trainer, wanted)
         return wanted
 
-    def check_rows(self, trainer) -> None:
+    def check_rows(self, trainer: Trainer) -> None:
         """The row-stream check of this run's in-process switches (:mod:`~hf_perf_callbacks.resize.rowcheck`)."""
         self.rows = RowCheck(trainer, self.configured, current_split)
 
-    def hold_rows(self, batches: list | None, step: int) -> None:
+    def hold_rows(self, batches: list[Any] | None, step: int) -> None:
         """``batches``: what the split in effect fetched for ``step``, which an error left before it trained (the
         reference of the re-size that follows)."""
         if self.rows is not None:
             self.rows.hold(batches, step, self.split)
 
-    def refuse_rows(self, trainer, differ: RowsDiffer) -> str | None:
-        """The split in effect fetched other rows for a step than the unfaulted run trains (``differ``, found before
-        the step trained): the split is not exact for this run (said once, never used again) and the run goes back
-        — a split under trial to the tuning's next candidate or its baseline, any other to the split that fetched
-        the unfaulted rows — from a checkpoint of the last completed step; returns it (None: the start).
-        :class:`InexactResize` when the split that fetched the unfaulted rows is the one that differs (a resume at
-        this step trains other rows at any split)."""
-        step, bad, why = trainer.state.global_step, differ.split, str(differ)
-        if self.rows is not None:
-            self.rows.refuse(bad, why)
-        kept = self.exactness.splits if self.exactness is not None else tuple(candidates(self.args, self.world))
-        reason = why if self.exactness is None or self.exactness.reason is None else f"{self.exactness.reason}; {why}"
-        fix = (self.exactness.fix if self.exactness is not None and self.exactness.fix
-               else f"The configured split {self.configured} keeps every step's rows.")
-        self.exactness = Exactness(tuple(s for s in kept if s != bad), reason, fix)
-        self.warn_once(f"rows-{bad}", f"{why}: {bad} is not exact for this run and is not used again", step=step)
-        self.free_memory(trainer)
-        wrote = not self.is_ours(step)
-        checkpoint = self.save_checkpoint(trainer, step, switch=True) if step > 0 else None
-        if self.in_trial and self.tuning is not None:
-            new = self.tuning.failed(bad, "trains other rows", step)
-            if self.tuning.done is not None:
-                self.record_tuning(step)
-        elif differ.expected is not None and differ.expected != bad:
-            new = differ.expected
-        else:
-            raise RowsLost(f"{why}, and it is the split that trained the run: resuming at step {step} trains other "
-                           f"rows than the run would have at any split. The run ends here rather than going on "
-                           f"inexactly; ")
-        if checkpoint is not None:
-            self.switched_at(step, wrote)
-        self.request_switch(new, why)
-        self.resume_with_switch(trainer)
-        if is_main_process():
-            logger.warning("[tuner] step %d: %s → %s (the rows differ): resuming from %s in this process", step, bad,
-                           new, os.path.basename(checkpoint) if checkpoint else "the start")
-        return checkpoint
-
-    def close(self, trainer) -> None:
+    def close(self, trainer: Trainer) -> None:
         """The driven run's ``train()`` calls are over: the step log undone, a tuning still running ended and
         recorded, the trainer left at the split in effect (:meth:`settle`)."""
         if self.rows is not None:
@@ -359,7 +349,7 @@ class TuningSession:
             self.step_log.undo()
 
     def start_tuning(self, planned: int | None, state_bytes: float, max_micro_batch: int | None = None,
-                     **settings) -> None:
+                     **settings: Any) -> None:
         """The tuning on the run's own steps starts (the tuner measures for it): the split in effect against every
         other split the run may use up to ``max_micro_batch``, over ``planned`` optimizer steps, GRPO's trials whole
         generation cycles; ``state_bytes``: what a switch's checkpoint writes and reads; ``settings``: the rest of
@@ -367,33 +357,29 @@ class TuningSession:
         args = self.args
         others = [s for s in self.candidates(args)
                   if s != self.split and (max_micro_batch is None or s.micro_batch <= max_micro_batch)]
-        period = (generation_period(args.steps_per_generation, getattr(args, "num_iterations", 1),
-                                    args.gradient_accumulation_steps) if is_grpo(args) else 1)
+        spg = cast(int, cast("GRPOConfig", args).steps_per_generation) if is_grpo(args) else 1
+        period = (generation_period(spg, getattr(args, "num_iterations", 1), args.gradient_accumulation_steps)
+                  if is_grpo(args) else 1)
         self.tuning = OnRunTuning(self.split, others, planned, period=period, state_bytes=state_bytes, **settings)
-
-    def spend_resize(self) -> None:
-        """A re-size forced by memory took place: one fewer is left."""
-        if self.resizes_left is not None:
-            self.resizes_left -= 1
 
     @property
     def resizes_spent(self) -> bool:
         """No re-size forced by memory is left (``max_resizes`` of :func:`~hf_perf_callbacks.train_with_tuning`)."""
-        return self.resizes_left is not None and self.resizes_left <= 0
+        return self.state.resizes_spent
 
     def end(self, message: str) -> None:
         """The run ends early with ``message`` (why, what was saved, how to resume): no switch is pending, and the
         split file says so."""
-        self.switch = None
+        self._set(switch=None)
         self.ended = message
-        self.persist()
+        self.changed()
 
     # ------------------------------------------------------------ what the tuner reports of each step
-    def follow_args(self, args) -> None:
+    def follow_args(self, args: TrainingArguments) -> None:
         """Args changed by hand between ``train()`` calls rule: their split is the split in effect."""
         split = current_split(args)
         if split != self.split:
-            self.split = split
+            self._set(split=split)
 
     def switch_taken(self) -> float | None:
         """The switch requested last took effect: seconds since it was requested (None: none was), said once."""
@@ -408,8 +394,8 @@ class TuningSession:
         if (last is not None and last.kind in ("oom", "watchdog") and last.recovery_sec is None and step > last.step
                 and last.time is not None):                     # a split file's decision may not hold its time
             last.recovery_sec = time.time() - last.time
-            self.persist()
-        self.ran = self.split
+            self.changed()
+        self._set(ran=self.split)
         return self.split
 
     # ------------------------------------------------------------ the split
@@ -426,21 +412,22 @@ class TuningSession:
             return self.tuning.baseline
         return self.split
 
-    def apply(self, trainer, split: Split) -> None:
+    def apply(self, trainer: Trainer, split: Split) -> None:
         """Make ``split`` the split in effect: the trainer's args and the batch size its next ``train()`` builds
         its dataloader with (GRPO: the generation batch kept through ``steps_per_generation``)."""
         args = trainer.args
         args.per_device_train_batch_size = split.micro_batch
         args.gradient_accumulation_steps = split.grad_accum
         if split.steps_per_generation is not None:
-            args.steps_per_generation = split.steps_per_generation
-            args.generation_batch_size = split.generation_batch(self.world)
+            grpo = cast("GRPOConfig", args)     # a split with steps_per_generation is GRPO's
+            grpo.steps_per_generation = split.steps_per_generation
+            grpo.generation_batch_size = split.generation_batch(self.world)
         adapter.set_train_batch_size(trainer)
         deepspeed_split(trainer)                # DeepSpeed: the config the next engine is built from
-        self.split = split
-        self.persist()
+        self._set(split=split)
+        self.changed()
 
-    def settle(self, trainer) -> None:
+    def settle(self, trainer: Trainer) -> None:
         """Leave the trainer at the split in effect, whatever ended the call (args, dataloader batch size and the
         logged ``tuner/*`` keys agree). A run that ended on a split the tuning tried and left (it ended mid-trial)
         is left at the split the tuning decided, so that ``args``, the split file and the decision say one split."""
@@ -454,24 +441,25 @@ class TuningSession:
     def request_switch(self, split: Split, reason: str, decision: Decision | None = None) -> None:
         """The next ``train()`` call runs with ``split`` (the running one stops at this step boundary);
         ``decision``: the one that asked for it, dropped if the switch never takes effect (:meth:`cancel_switch`)."""
-        self.switch, self.switch_reason, self.switch_requested_at = split, reason, time.time()
-        self.switch_decision = decision
+        self._set(switch=split, switch_reason=reason)
+        self.switch_requested_at, self.switch_decision = time.time(), decision
         if self.rows is not None:
             self.rows.arm()                     # the old split's next fetch: the rows the unfaulted run trains
-        self.persist()
+        self.changed()
 
     def cancel_switch(self) -> Split | None:
         """A stop came first (the user's, early stopping, the run's end): the pending switch never takes effect, and
         the decision that asked for it is dropped. Returns the cancelled split."""
-        split, self.switch = self.switch, None
+        split = self.switch
+        self._set(switch=None)
         if self.switch_decision is not None and self.switch_decision in self.decisions:
             self.decisions.remove(self.switch_decision)
         self.switch_decision = None
-        self.persist()
+        self.changed()
         return split
 
     # ------------------------------------------------------------ the splits exact under the run's loss
-    def judge_grouping(self, trainer, planned_steps: int | None) -> Exactness:
+    def judge_grouping(self, trainer: Trainer, planned_steps: int | None) -> Exactness:
         """Read the facts of the run's loss once and keep the splits exact under it (said once, with why and what
         makes every split exact, on the console, in the perf log and in the split file). Facts that cannot be read
         leave the configured split alone."""
@@ -479,23 +467,25 @@ class TuningSession:
 
         every = candidates(trainer.args, self.world)
         try:
-            self.exactness = exact_under(read_grouping(trainer, planned_steps, self.world), self.configured, every)
+            exactness = exact_under(read_grouping(trainer, planned_steps, self.world), self.configured, every)
         except Exception as error:  # noqa: BLE001 - unknown facts: only the configured split is known to be exact
-            self.exactness = Exactness((self.configured,), f"the run's loss could not be read "
-                                                           f"({type(error).__name__}: {error})",
-                                       "Nothing to change: this is a fault of the package.")
-        if self.exactness.reason is not None:
+            exactness = Exactness((self.configured,), f"the run's loss could not be read "
+                                                      f"({type(error).__name__}: {error})",
+                                  "Nothing to change: this is a fault of the package.")
+        self._set(exactness=exactness)
+        if exactness.reason is not None:
             if self.managed:
-                self.warn_once("grouping", self.exactness.message(every))
+                self.warn_once("grouping", exactness.message(every))
             elif "grouping" not in self.warned:        # a plain train() tunes nothing: a note (INFO), said once
                 self.warned.add("grouping")
-                self.note(self.exactness.message(every))
-            self.persist()
+                self.note(exactness.message(every))
+            self.changed()
         if self.measured is not None:                 # a resume: what the run's rows showed holds
             self._leave_out(self.measured)
-        return self.exactness
+        return self.exactness or exactness
 
-    def measure_exactness(self, trainer, model, dataloader, wall) -> ExactnessCheck | None:
+    def measure_exactness(self, trainer: Trainer, model: torch.nn.Module, dataloader: DataLoader[Any],
+                          wall: Callable[[], float]) -> ExactnessCheck | None:
         """At the run's first optimizer step (train_with_tuning drives it): check every split the rules allow on
         the run's own rows (:mod:`~hf_perf_callbacks.resize.measured`) and keep only those shown exact; once per
         run (a resume keeps the recorded result). A fault of the check is one warning and the rules' splits."""
@@ -518,11 +508,11 @@ class TuningSession:
         try:
             check = measure(trainer, model, self.configured, others, dataloader.dataset, dataloader.collate_fn, wall)
         except Exception as error:  # noqa: BLE001 - the check is evidence, never a reason to stop training
-            self.free_memory(trainer)
+            free_memory(trainer, self.warn_once)
             why = f"the check failed ({type(error).__name__}: {error_line(error)})"
             self.measured = ExactnessCheck(exact=list(self.exactness.splits), skipped=why)
             self.warn_once("measured", f"exactness not measured ({why[:90]}): the rules decide")
-            self.persist()
+            self.changed()
             return self.measured
         finally:
             if self.bus is not None:
@@ -537,7 +527,7 @@ class TuningSession:
                                        f"tuning keep to {shown} ({cost}; why in {SPLIT_FILE})")
         else:
             self.note(f"measured on {check.rows} rows: {shown} exact ({cost})")
-        self.persist()
+        self.changed()
         return check
 
     def _leave_out(self, check: ExactnessCheck) -> None:
@@ -550,37 +540,20 @@ class TuningSession:
         reason = "; ".join(r for r in (exactness.reason, check.reason()) if r) or None
         fix = exactness.fix or ("A loss that sums over the step's rows and divides by num_items_in_batch, with no "
                                 "term or noise drawn per micro-batch, lets every split be used." if reason else None)
-        self.exactness = Exactness(kept, reason, fix)
+        self._set(exactness=Exactness(kept, reason, fix))
         if self.tuning is not None:
             self.tuning.leave_out(set(check.inexact))
 
-    def candidates(self, args) -> list[Split]:
+    def candidates(self, args: TrainingArguments) -> list[Split]:
         """The splits the run may use: every split of its batch that keeps its loss exact (all of them before
         :meth:`judge_grouping` ran)."""
         every = candidates(args, self.world)
         return [s for s in every if self.exactness is None or self.exactness.allows(s) or s == self.split]
 
-    def smaller_split(self, step: int, old: Split) -> Split:
-        """The next smaller split than ``old`` exact for the run (after an out-of-memory error at ``step``);
-        :class:`InexactResize` when smaller ones exist but none is exact under its loss, ValueError when there is
-        none at all."""
-        allowed = self.candidates(self.args)
-        try:
-            return next_smaller(old, allowed)
-        except ValueError:
-            exactness = self.exactness
-            smaller = [s for s in candidates(self.args, self.world) if s.micro_batch < old.micro_batch]
-            if not smaller or exactness is None or exactness.reason is None:
-                raise
-            raise InexactResize(step, old, smaller[0], exactness) from None
-
     def smaller_for_restart(self) -> Split | None:
         """The split a launcher's restart resumes with after an out-of-memory error the ranks could not agree on: the
         next smaller one exact for the run (:meth:`candidates`), None when there is none."""
-        try:
-            return next_smaller(self.split, self.candidates(self.args))
-        except ValueError:
-            return None
+        return plans.on_restart(self.snapshot()).new
 
     def restriction(self) -> Restriction | None:
         exactness = self.exactness
@@ -588,14 +561,16 @@ class TuningSession:
             return None
         return Restriction(list(exactness.splits), exactness.reason, exactness.fix or "")
 
-    def take_switch(self, trainer) -> Split | None:
+    def take_switch(self, trainer: Trainer) -> Split | None:
         """Apply the pending switch (None when there is none)."""
-        split, self.switch = self.switch, None
+        split = self.switch
+        self._set(switch=None)
         if split is not None:
             self.apply(trainer, split)
         return split
 
-    def decide(self, kind: str, reason: str, new: Split, step: int, old: Split | None = None, **details) -> Decision:
+    def decide(self, kind: str, reason: str, new: Split, step: int, old: Split | None = None,
+               **details: Any) -> Decision:
         """Record a decision (it takes effect through :meth:`request_switch` or :meth:`apply`) and log it as an
         event of the perf log."""
         return self._record(Decision(kind=kind, step=step, reason=reason, old=old or self.split, new=new,
@@ -603,7 +578,7 @@ class TuningSession:
 
     def _record(self, decision: Decision) -> Decision:
         self.decisions.append(decision)
-        self.persist()
+        self.changed()
         if self.bus is not None:
             self.bus.event("tuner", "decision", decision.headline(), step=decision.step,
                            details=decision.event_details())
@@ -646,13 +621,13 @@ class TuningSession:
         if epoch_start and epoch is not None:
             self.epoch_rng = (epoch, self.next_rng[1])
 
-    def epoch_start_rng(self, epoch: int) -> tuple | None:
+    def epoch_start_rng(self, epoch: int) -> RngState | None:
         """The RNG that epoch ``epoch``'s data iterator was made with in this process (None: not seen): a resume
         within that epoch makes its iterator with it again, so that a sampler drawing its order from the global RNG
         (the length-grouped one) draws that epoch's order."""
         return self.epoch_rng[1] if self.epoch_rng is not None and self.epoch_rng[0] == epoch else None
 
-    def rng_after(self, step: int) -> tuple | None:
+    def rng_after(self, step: int) -> RngState | None:
         """The RNG to save in ``checkpoint-<step>`` (None: the step after it has not begun; the current one is
         right)."""
         return self.next_rng[1] if self.next_rng is not None and self.next_rng[0] == step else None
@@ -664,7 +639,7 @@ class TuningSession:
         the whole training state. True when recorded (and the split file says so)."""
         if not self.checkpoints.record(step, whole):
             return False
-        self.persist()
+        self.changed()
         return True
 
     @property
@@ -672,279 +647,148 @@ class TuningSession:
         """The checkpoints this run wrote, each with the fingerprint of its files."""
         return self.checkpoints.written
 
-    def location(self, step: int) -> str:
-        return self.checkpoints.location(step)
-
-    def hide(self, step: int) -> str:
-        return self.checkpoints.hide(step)
-
-    def is_ours(self, step: int) -> bool:
-        return self.checkpoints.is_ours(step)
-
-    def newest_ours(self, at_most: int) -> str | None:
-        return self.checkpoints.newest_ours(at_most, self.args.save_only_model)
-
-    def resumable(self, step: int) -> bool:
-        return self.checkpoints.resumable(step, self.args.save_only_model)
-
     def switched_at(self, step: int, wrote: bool) -> None:
         """A switch resumed from ``checkpoint-<step>`` (``wrote``: written for the switch): older switch checkpoints
         are removed."""
         if self.checkpoints.switched_at(step, wrote):
-            self.persist()
+            self.changed()
 
     def drop_switch_checkpoints(self, keep: int | None = None) -> None:
         """Remove the checkpoints written only for switches, but the one of step ``keep``."""
         if self.checkpoints.drop_switch(keep):
-            self.persist()
+            self.changed()
 
-    # ------------------------------------------------------------ saving, resuming and ending in this process
-    def free_memory(self, trainer) -> None:
-        """Drop the gradients and give the device's cached memory back (after an OOM, before a save or a resume; FSDP2:
-        its iteration state reset on this rank first, the gathered parameters freed). A failing cache clear is one
-        warning, never the end of the run."""
-        adapter.reset_fsdp_iteration(trainer.model)
-        trainer.model.zero_grad(set_to_none=True)
-        try:
-            DeviceLayer(training_device()).empty_cache()
-        except Exception as error:  # noqa: BLE001 - housekeeping: going on without it
-            self.warn_once("emptying the device cache", f"emptying the device cache failed during recovery "
-                                                        f"({type(error).__name__}: {error}); going on without it")
+    # ------------------------------------------------------------ the tuner's events (TunerView)
+    @classmethod
+    def for_tuner(cls, args: TrainingArguments, state: TrainerState, bus: RunBus | None) -> TuningSession:
+        """The run's tuning session for the tuner at ``on_train_begin``: train_with_tuning's (on the bus), or one of
+        the tuner's own."""
+        found = bus.tuning if bus is not None else None
+        if isinstance(found, TuningSession) and found.output_dir == args.output_dir:
+            return found
+        session = cls(args, bus=bus)
+        if state.global_step > 0:                        # a resume: continue the recorded run when it is this one
+            # each rank's own reading, no collective (a rank whose tuner a fault disabled skips this hook): the
+            # main process may rewrite the file meanwhile, but a rewrite keeps the checkpoints of an adopted record
+            record = read_split_file(str(args.output_dir), warn=False)
+            if record is not None and record.checkpoint(state.global_step) is not None:
+                session.adopt(record)
+        trainer = adapter.calling_trainer()              # the splits a re-size asked for by the watchdog may use
+        if trainer is not None:
+            session.judge_grouping(trainer, state.max_steps if state.max_steps > 0 else None)
+        return session
 
-    def save_checkpoint(self, trainer, step: int, switch: bool = False) -> str:
-        """``checkpoint-<step>`` written by this run, verified complete and holding the whole training state (weights,
-        optimizer, scheduler and the RNG the next step starts from, whatever ``save_only_model`` says), with the
-        training log and the perf line of step ``step`` written first. A folder of that name that this run did not write
-        (an earlier run's, or a partial one) is moved aside first; a save that fails or comes out incomplete is moved
-        aside too, and the error raised. ``switch``: written only to switch splits, so it is saved without
-        ``save_total_limit``'s rotation and moved out of the ``checkpoint-*`` names (the path returned is where it is).
-        One this run wrote with the weights alone (``save_only_model``: the user's) is never written over nor moved:
-        the whole save is written in ``tuner_switch/`` beside it; a switch resumes from there, a recovery or the run's
-        end moves in the files the user's lacks (optimizer, scheduler, RNG) once the whole save is complete
-        (:func:`~.checkpoints.add_training_state`)."""
-        output_dir = trainer.args.output_dir
-        path = checkpoint_dir(output_dir, step)
-        main = is_main_process()             # under several ranks only the main process checks and moves folders
-        ours = self.is_ours(step)
-        there = self.location(step) if ours and self.resumable(step) else None    # saved already, whole
-        next_rng = self.rng_after(step)                             # the RNG the next step starts from
-        step_log = self.step_log                                    # a callback raised before the step's log
-        if self.bus is not None:                                    # the checkpoint's steps all have their line
-            self.bus.complete_step(trainer.args, trainer.state, step_log.log_missed if step_log else None)
-        elif step_log is not None:
-            step_log.log_missed()
-        if there is not None:
-            return there
-        beside = ours                        # the user's checkpoint-<step>, weights alone: written beside, not over
-        target = switch_dir(output_dir, step) if beside else path
-        if main and beside and os.path.exists(target):
-            move_aside(target, "stale")      # the package's own folder: a leftover, not this run's
-        if main and not ours and os.path.exists(path):
-            why = "stale" if is_complete(path, step) else "partial"
-            moved = move_aside(path, why)
-            if moved is None:
-                raise RuntimeError(f"{path} is in the way (not written by this run) and could not be moved aside")
-            logger.warning("[tuner] %s was not written by this run (%s): moved aside to %s", path,
-                           "an earlier run's or another process's" if why == "stale" else "incomplete", moved)
-        current = rng_state()
-        try:
-            set_rng_state(next_rng or current)
-            adapter.save_checkpoint(trainer, rotate=not switch, run_dir=os.path.dirname(target) if beside else None)
-        except BaseException:
-            if main and os.path.exists(target):
-                move_aside(target, "partial")
-            raise
-        finally:
-            set_rng_state(current)
-        if beside:
-            return self._whole_beside(step, target, path, switch)
-        if not self.record_written(step, whole=True):
-            moved = move_aside(path, "partial")
-            raise RuntimeError(f"checkpoint-{step} came out incomplete (moved aside to {moved})")
-        if self.loop_state is not None:
-            self.loop_state.keep(step)
-        if switch:
-            try:
-                return self.hide(step)
-            except OSError as error:          # it stays where it is: rotation may count it, training goes on
-                self.warn_once("hide-switch", f"could not move the switch checkpoint-{step} out of the "
-                                              f"checkpoint names ({error})")
-        return path
+    def begin_train(self, args: TrainingArguments, step: int) -> bool:
+        """A ``train()`` call begins at ``step``: args changed by hand between calls rule, a resume in process goes
+        on with the loop's windows and buffer, and a tuning under way measures a new segment. True when the tuner
+        measures this call's steps (a tuning is under way)."""
+        with self.transition():
+            self.follow_args(args)
+            if step > 0:
+                self.loop_resumed()
+            tuning = self.tuning
+            if not (self.managed and tuning is not None and tuning.done is None):
+                return False
+            tuning.segment_started(self.split, step, switch_sec=self.switch_taken())
+            self._tuning_done(step)
+            return tuning.done is None
 
-    def _whole_beside(self, step: int, staged: str, path: str, switch: bool) -> str:
-        """The whole save of ``step`` written in ``staged`` beside the user's ``path`` (:meth:`save_checkpoint`): a
-        switch's stays there; a recovery's or the run's end's training state joins the user's weights in ``path``."""
-        main = is_main_process()
-        if switch:
-            if not self.checkpoints.record_copy(step):
-                moved = move_aside(staged, "partial") if main else None
-                raise RuntimeError(f"{staged} came out incomplete (moved aside to {moved})")
-            return staged
-        every_rank_here()                    # every rank's files are in the staged folder
-        try:
-            if main:
-                if not is_complete(staged, step):
-                    moved = move_aside(staged, "partial")
-                    raise RuntimeError(f"{staged} came out incomplete (moved aside to {moved})")
-                add_training_state(staged, path)
-        finally:
-            every_rank_here()                # no rank resumes before the files are in place
-        if not self.record_written(step, whole=True):
-            raise RuntimeError(f"checkpoint-{step} is not complete after its training state was added")
-        return path
+    def epoch_begins(self, step: int, epoch: float, resumed: bool) -> RngState | None:
+        """An epoch's begin (``resumed``: the first after a resume within it): the RNG at an epoch's start is noted;
+        returns the RNG a resumed epoch's data iterator must draw from (None: the current one)."""
+        if not self.managed:
+            return None
+        if epoch.is_integer():                           # an epoch's start, not a resume within it
+            self.note_rng(step, epoch_start=True, epoch=int(epoch))
+            return None
+        return self.epoch_start_rng(int(epoch)) if resumed else None
 
-    def end_run(self, trainer, error: BaseException, in_optimizer_step: bool = False, agreed: bool | None = None,
-                gave_up: bool = False) -> None:
-        """The run is about to end with ``error``: save its last completed optimizer step when it can, and say how to
-        resume (as a log line and a note on the error). ``agreed``: every rank left the step together (default: the
-        error is the agreement's). ``gave_up``: no smaller split fits, or the re-sizes are spent. The split file
-        records why the run ended (``ended``) and the split to resume with (:attr:`resume_split`: after giving up,
-        the last split that completed a step)."""
-        self.gave_up = self.gave_up or gave_up
-        output_dir = trainer.args.output_dir
-        step = trainer.state.global_step
-        checkpoint, why = None, ""
-        agreed = isinstance(error, ResizeNeeded) if agreed is None else agreed
-        if world_size() > 1 and not agreed:
-            why = "other ranks may be inside a collective, so no rank can save now"
-        elif in_optimizer_step:
-            why = "it struck inside optimizer.step, so the weights may be half-updated"
-        elif step == 0:
-            why = "no optimizer step was completed"
-        else:
-            try:
-                self.free_memory(trainer)
-                self.rewind_loop(step)
-                checkpoint = self.save_checkpoint(trainer, step)
-            except (Exception, KeyboardInterrupt) as save_error:  # noqa: BLE001 - a second Ctrl-C too: say what is left
-                why = f"saving failed: {type(save_error).__name__}: {error_line(save_error)[:160]}"
-        if checkpoint is None:
-            checkpoint = self.newest_ours(step) or newest_complete(output_dir)
-            saved = (f"checkpoint-{step} was not saved ({why}); the newest complete checkpoint is "
-                     f"{checkpoint or 'none'}")
-        else:
-            saved = f"saved {checkpoint} (the last completed optimizer step, {step})"
-        if isinstance(error, InexactResize):                 # its own words say the same: what is there to go on from
-            error.ended(checkpoint, "" if checkpoint else why)
-        resume = (f"resume with train_with_tuning(trainer, resume_from_checkpoint={checkpoint!r}) (the split in "
-                  f"{os.path.join(output_dir, SPLIT_FILE)} is applied when it fits)" if checkpoint
-                  else "the run must start again")
-        what = (str(error) if isinstance(error, (UnfixableOOM, InexactResize))     # its cause and its fix
-                else error_line(error)[:160])
-        message = f"training ended at step {step} by {type(error).__name__}: {what}; {saved}; {resume}"
-        self.end(message)
-        logger.error("[tuner] %s", message)
-        if hasattr(error, "add_note"):
-            error.add_note(message)
+    def step_begins(self, step: int, dataloader: DataLoader[Any] | None, wall: Callable[[], float]) -> None:
+        """Optimizer step ``step + 1`` begins: the RNG and the loop's state a checkpoint of ``step`` must hold are
+        noted, the first one checks the exact splits on the run's own rows, and a pending in-process switch raises
+        :class:`SwitchSplit` before the step trains."""
+        if self.managed:                                 # the RNG a checkpoint of the last step must hold
+            self.note_rng(step)
+            self.loop_step_begins()                      # and what the loop holds after that step
+            if self.measured is None and dataloader is not None:
+                trainer = adapter.calling_trainer()      # the splits to trust, shown on the run's own rows
+                if trainer is not None:
+                    with self.transition():
+                        self.measure_exactness(trainer, trainer.model_wrapped, dataloader, wall)
+        if self.switch is not None and self.in_process:
+            raise SwitchSplit(f"switch to {self.switch} before step {step + 1}")
 
-    def rewind_loop(self, step: int) -> None:
-        """The run goes back to completed step ``step``: the tokens and FLOPs counted by a step left mid-way are
-        taken back (the checkpoint of ``step`` and every later log count what an unfaulted run counts)."""
-        if self.loop_state is not None:
-            self.loop_state.rewind(step)
+    def saved(self, step: int) -> None:
+        """transformers wrote ``checkpoint-<step>`` (on_save follows a whole save): this run's, if complete."""
+        self.record_written(step)
+        self.loop_saved()
 
-    def resume_with_switch(self, trainer) -> None:
-        """Apply the pending switch to a trainer whose last train() ended, forget that train()'s state, free its
-        memory."""
-        self.take_switch(trainer)
-        adapter.forget_last_train(trainer)
-        release_engine(trainer)                 # DeepSpeed: the next train() builds an engine for the new split
-        self.free_memory(trainer)
+    def step_ends(self, step: int) -> tuple[Split, int]:
+        """Optimizer step ``step`` completed: the split in effect and the re-sizes forced by memory so far."""
+        return self.step_completed(step), self.resizes
+
+    def measured_step(self, step: int, ranked: float, whole: float, peak_gb: float, fits: bool) -> bool:
+        """The tuner measured step ``step`` for the tuning (every rank's figures agreed): a switch the tuning asks
+        for is requested; True when it takes effect by stopping this ``train()`` (not in process)."""
+        tuning = self.tuning
+        assert tuning is not None, "measuring starts only with a tuning to measure for (begin_train)"
+        stop = False
+        with self.transition():
+            action = tuning.observe(step, ranked, whole, peak_gb=peak_gb, fits=fits)
+            if isinstance(action, Switch):
+                self.request_switch(action.split, action.why)
+                stop = not self.in_process              # takes effect at the next step's begin otherwise
+            self._tuning_done(step)
+        return stop
+
+    def on_watchdog(self, reason: str, step: int, rows: list[Any] | None, acting: bool) -> Plan:
+        """The watchdog asks for a smaller micro-batch at ``step`` (``acting``: the tuner can stop the run now;
+        ``rows``: the next step's micro-batches, when fetched already): the plan of
+        :func:`~hf_perf_callbacks.resize.plan.on_watchdog`, recorded as a ``watchdog`` decision and requested as
+        the pending switch. Its ``new`` is the split asked for (None: refused); ``stop_now``: stop this ``train()``."""
+        if not acting and self.switch is None:
+            return Plan("none", self.state)
+        plan = plans.on_watchdog(self.snapshot(), step)
+        if plan.action == "refuse" and plan.warn is not None:
+            self.warn_once(*plan.warn, step=step)
+        if plan.action != "resize" or plan.new is None:
+            return plan
+        with self.transition():
+            self.end_tuning(step, "memory pressure ended the tuning")
+            decision = self.decide("watchdog", reason, plan.new, step)
+            self.request_switch(plan.new, plan.state.switch_reason, decision)
+            if rows is not None:
+                self.hold_rows(rows, step + 1)
+            self.commit(plan)
+        return plan
+
+    def train_ends(self, step: int, measuring: bool, continuing: bool) -> TunerEnd:
+        """A ``train()`` call ends at ``step`` (``continuing``: train_with_tuning resumes it in this process): a
+        tuning still measuring ends; returns what the tuner reports."""
+        if measuring and not continuing:                 # the run ended before the tuning did
+            self.end_tuning(step, "the run ended before the tuning did")
+        return TunerEnd(self.split, self.id, len(self.decisions), format_summary(self) if self.decisions else None,
+                        None if self.managed else self.switch)
+
+    def _tuning_done(self, step: int) -> None:
+        """Record the tuning once it finished (its decision event is its one console line; the evidence is in the
+        perf log and the report)."""
+        tuning = self.tuning
+        if tuning is not None and tuning.done is not None and not tuning.recorded:
+            self.record_tuning(step)
+
+    def leave_out(self, bad: Split, why: str, step: int) -> None:
+        """``bad`` fetched other rows for ``step`` than the unfaulted run trains (``why``): it is not exact for this
+        run (said once) and never used again."""
         if self.rows is not None:
-            self.rows.switched()                # the new split's first fetch is checked before it trains
-
-    def switch_now(self, trainer) -> str:
-        """The pending switch, in this process: the step's checkpoint (a watchdog's re-size keeps it as a save of the
-        run, and spends one of ``max_resizes``), the switch applied; returns the checkpoint to resume from."""
-        step = trainer.state.global_step
-        memory = self.decisions[-1].kind == "watchdog" if self.decisions else False
-        wrote = not self.is_ours(step)
-        checkpoint = self.save_checkpoint(trainer, step, switch=not memory)
-        new = self.switch
-        if new is not None:
-            try:
-                self.carry_loop(trainer, checkpoint, new)
-            except adapter.CannotReplay as cannot:       # ended here, saved: no switch to a run that differs
-                lost = self.replay_lost(trainer, step, new, cannot)
-                self.cancel_switch()
-                self.end_run(trainer, lost, gave_up=True)
-                raise lost from None
-        if not memory:
-            self.switched_at(step, wrote)
-        if is_main_process():                    # a memory switch's decision said why already (printed once)
-            why = "" if memory else f" ({self.switch_reason.removeprefix(f'back to {self.switch}: ')})"
-            logger.warning("%s", console_line(f"[tuner] step {step}: {self.split} → {self.switch}: resuming from "
-                                              f"{os.path.basename(checkpoint)} in this process{why}", EVENT_WIDTH))
-        self.resume_with_switch(trainer)
-        if memory:
-            self.spend_resize()
-        return checkpoint
-
-    def recover_from_oom(self, trainer, error: BaseException, in_optimizer_step: bool = False,
-                         trial: bool = False) -> str | None:
-        """An out-of-memory error at the trainer's step (``in_optimizer_step``: it struck inside
-        ``optimizer.step``): the next split planned and applied, recorded as an ``oom`` decision; returns the
-        checkpoint to resume from (None: the start). ValueError when no smaller split is left, :class:`InexactResize`
-        when the smaller ones are not exact for this run. A split under trial that ran out of memory (``trial``) is
-        left: the run goes on at the next candidate or the tuning baseline, the decision marked ``trial`` (no re-size:
-        it spends none of ``max_resizes``, nor counts in ``tuner/resizes``)."""
-        reason = f"out of memory: {error_line(error)[:160]}"
-        old, tuning = self.split, self.tuning
-        step = trainer.state.global_step
-        if trial and tuning is not None:
-            new = tuning.failed(old, "out of memory", step)         # the next candidate, or back to the baseline
-            if tuning.done is not None:
-                self.record_tuning(step)
-        else:
-            new = self.smaller_split(step, old)
-            if tuning is not None and tuning.done is None:
-                self.end_tuning(step, "out of memory ended the tuning")
-        self.free_memory(trainer)
-        self.rewind_loop(step)
-        if in_optimizer_step:                                       # weights may be half-updated: go back
-            checkpoint = self.newest_ours(step)
-            if checkpoint is None:
-                raise RuntimeError("out of memory inside optimizer.step before this run saved any complete "
-                                   "checkpoint: the weights may be half-updated, so the run cannot continue safely. "
-                                   f"Restart it with a smaller split ({new}) or set save_steps.") from error
-        elif step == 0:
-            checkpoint = None                                           # nothing trained yet: start again
-        else:                                                           # weights and optimizer are at step N: keep them
-            wrote = not self.is_ours(step)
-            try:
-                checkpoint = self.save_checkpoint(trainer, step, switch=trial)
-                if trial:
-                    self.switched_at(step, wrote)
-            except Exception as save_error:  # noqa: BLE001 - fall back to the newest complete one of this run
-                checkpoint = self.newest_ours(step)
-                if checkpoint is None:
-                    raise RuntimeError(f"out of memory at step {step}, and saving checkpoint-{step} failed too "
-                                       f"({type(save_error).__name__}: {save_error}); this run has no complete "
-                                       f"checkpoint to resume from") from error
-                self.warn_once("fallback", f"saving checkpoint-{step} failed ({save_error}): resuming from "
-                                           f"{checkpoint}; steps after it are trained again")
-        try:
-            self.carry_loop(trainer, checkpoint, new)
-        except adapter.CannotReplay as why:
-            raise self.replay_lost(trainer, step, new, why) from None
-        self.decide("oom", reason, new, step, old=old, checkpoint=checkpoint, trial=trial)
-        self.request_switch(new, reason)
-        self.resume_with_switch(trainer)
-        logger.warning("[tuner] step %d: resuming from %s with split %s (the decision above says why)", step,
-                       os.path.basename(checkpoint) if checkpoint else "the start", new)
-        return checkpoint
-
-    def record_for_restart(self, step: int, error: BaseException, kind: str | None = "fsdp") -> None:
-        """An out-of-memory error at ``step`` under FSDP (or DeepSpeed: ``kind``) that the ranks could not agree on:
-        record the next smaller exact split for the launcher's restart (the main process writes it) and say what
-        happens; the caller re-raises."""
-        checkpoint = self.newest_ours(step)
-        new = self.smaller_for_restart()
-        if new is not None:
-            reason = f"out of memory, not agreed inside the step: {error_line(error)[:160]}"
-            self.decide("oom", reason, new, step, checkpoint=checkpoint)
-            self.request_switch(new, reason)
-        logger.error(restart_message(error, step, new, checkpoint, self.exactness, kind))
+            self.rows.refuse(bad, why)
+        exactness = self.exactness
+        kept = exactness.splits if exactness is not None else tuple(candidates(self.args, self.world))
+        reason = why if exactness is None or exactness.reason is None else f"{exactness.reason}; {why}"
+        fix = (exactness.fix if exactness is not None and exactness.fix
+               else f"The configured split {self.configured} keeps every step's rows.")
+        self._set(exactness=Exactness(tuple(s for s in kept if s != bad), reason, fix))
+        self.warn_once(f"rows-{bad}", f"{why}: {bad} is not exact for this run and is not used again", step=step)
 
     # ------------------------------------------------------------ the file
     def record(self) -> SplitFile:
@@ -966,7 +810,7 @@ class TuningSession:
         """Continue the recorded run (a resume in a new process): its id, decisions and written checkpoints."""
         self.id, self.decisions = record.session, list(record.decisions)
         self.checkpoints.written = list(record.written)
-        self.configured = record.configured
+        self._set(configured=record.configured)
         self.measured = record.measured
         if self.bus is not None:
             self.bus.pin_session(self.id)
@@ -1013,3 +857,51 @@ def recorded_session(record: SplitFile | None, checkpoint: str | None) -> SplitF
     if world_size() > 1:            # on every rank or on none (the main process checks the fingerprint): one split
         adopted = min(r[0] for r in gather_floats([float(adopted)])) > 0
     return record if adopted else None
+
+
+@dataclass(frozen=True)
+class TunerEnd:
+    """What the tuner reports when a ``train()`` call ends: the split in effect, the session id, the decisions so
+    far, the end-of-run summary (None: no decision) and, without train_with_tuning, the split a pending re-size
+    asks the user to resume with."""
+
+    split: Split
+    session: str
+    decisions: int
+    summary: str | None
+    switch: Split | None
+
+
+class TunerView(Protocol):
+    """What :class:`~hf_perf_callbacks.resize.callback.AdaptiveBatchTuner` sees of the session: one method per
+    event it reports, and whether train_with_tuning drives the run."""
+
+    managed: bool
+
+    def begin_train(self, args: TrainingArguments, step: int) -> bool: ...
+
+    def epoch_begins(self, step: int, epoch: float, resumed: bool) -> RngState | None: ...
+
+    def step_begins(self, step: int, dataloader: DataLoader[Any] | None, wall: Callable[[], float]) -> None: ...
+
+    def saved(self, step: int) -> None: ...
+
+    def step_ends(self, step: int) -> tuple[Split, int]: ...
+
+    def measured_step(self, step: int, ranked: float, whole: float, peak_gb: float, fits: bool) -> bool: ...
+
+    def on_watchdog(self, reason: str, step: int, rows: list[Any] | None, acting: bool) -> Plan: ...
+
+    def train_ends(self, step: int, measuring: bool, continuing: bool) -> TunerEnd: ...
+
+
+def format_summary(session: TuningSession) -> str:
+    """The end-of-run summary: the split and when it was decided; each decision's own line was printed when it was
+    made (once), and its detail is in the perf log and the report."""
+    steps = ", ".join(str(d.step) for d in session.decisions)
+    n = len(session.decisions)
+    recovered = [d.recovery_sec for d in session.decisions if d.recovery_sec is not None]
+    extra = f"; recovered in {sum(recovered):.2f} s in all" if recovered else ""
+    return "\n".join(["== AdaptiveBatchTuner summary ==",
+                      f"split: {session.split} after {n} decision{'s' if n != 1 else ''} (step{'s' if n != 1 else ''} "
+                      f"{steps}){extra}; each one is in perf_log.jsonl and the report"])

@@ -82,7 +82,7 @@ def _isolate_faults(name: str, method):
                 if name == "on_step_end":
                     self.ended_step = state.global_step
                 if name in BETWEEN_STEPS:
-                    bus.add_overhead(self.clock.wall() - started)
+                    bus.overhead += self.clock.wall() - started
         except Exception as error:                      # a callback must never take training down
             self.disabled = True
             logger.warning("%s disabled after an internal error in %s: %s: %s. Training continues without it.",
@@ -224,4 +224,4 @@ class PerfCallback(TrainerCallback, ExportableState):
         """Undo anything attached to the model (hooks, wrappers); called when disabled or at train end."""
 
     def warn(self, message: str, step: int | None = None, figures: WarningFigures | None = None) -> None:
-        self._bus.event(self.source, "warning", message, step=step, details=figures)
+        self._bus.log.event(self.source, "warning", message, step=step, details=figures)

@@ -87,7 +87,7 @@ class MPSCacheClearer(PerfCallback):  # type: ignore[no-untyped-call]  # base.py
         self.device = self.device or DeviceLayer()
         self.active = self.device.type == "mps" if self.enabled is None else self.enabled
         if self.active:
-            self._bus.on_clear_request(self._on_request)
+            self._bus.requests.on_clear_request(self._on_request)
         self.schedule.last_clear_step = state.global_step
 
     def _on_request(self, reason: str, step: int) -> float:
@@ -110,7 +110,7 @@ class MPSCacheClearer(PerfCallback):  # type: ignore[no-untyped-call]  # base.py
         self._window[1] += seconds
         self.history.append({"step": step, "reason": reason, "freed_gb": freed / GB, "seconds": seconds,
                              "interval": self.schedule.interval})
-        self._bus.event(self.source, "info", f"cleared cache ({reason}): freed {freed / GB:.3f} GB in "
+        self._bus.log.event(self.source, "info", f"cleared cache ({reason}): freed {freed / GB:.3f} GB in "
                         f"{seconds * 1000:.0f} ms; next periodic clear in {self.schedule.interval} steps",
                         step=step, details=CacheClear(freed_gb=freed / GB, seconds=seconds))
         return freed
@@ -125,9 +125,9 @@ class MPSCacheClearer(PerfCallback):  # type: ignore[no-untyped-call]  # base.py
             self.clear(step, "driver memory far above live tensors")
         fields = {keys.CACHE_CLEARS: self.clears, keys.CACHE_FREED_GB: self._window[0] / GB,
                   keys.CACHE_SECONDS: self._window[1], keys.CACHE_INTERVAL: self.schedule.interval}
-        self._bus.record_step(step, fields)
+        self._bus.log.record_step(step, fields)
         if control.should_log:
-            self._bus.publish(fields)
+            self._bus.merger.publish(fields)
             self._window = [0.0, 0.0]
 
     def _bloated(self) -> bool:
@@ -147,7 +147,7 @@ class MPSCacheClearer(PerfCallback):  # type: ignore[no-untyped-call]  # base.py
                      **kwargs: Any) -> None:
         summary: ClearerSummary = {"clears": self.clears, "freed_gb": self.total_freed / GB,
                                    "seconds": self.total_seconds, "interval": self.schedule.interval}
-        self._bus.write_summary(self.source, summary)
+        self._bus.log.write_summary(self.source, summary)
 
     def start_fresh(self) -> None:
         self.schedule = ClearSchedule(self.interval_steps, self.min_interval, self.max_interval,

@@ -271,7 +271,7 @@ class ThroughputMeter(PerfCallback):
         self.timeline.start_segment(self.clock.wall(), self.period, cpu=self.clock.cpu(),
                                     work="cpu" if self.device.type == "cpu" else "wall")
         self._install_clocks(model)
-        self._bus.describe_run(self.source, state.global_step, device=self.device.name,
+        self._bus.log.describe_run(self.source, state.global_step, device=self.device.name,
                                device_type=self.device.type, world_size=self.world, grpo=self.is_grpo,
                                token_source=self.token_source, period=self.period, peak_flops=self.run_peak_flops,
                                peak_bandwidth=self.run_peak_bandwidth, dtype=self.dtype_key,
@@ -572,7 +572,7 @@ class ThroughputMeter(PerfCallback):
             metrics[keys.PERF_PAD_FRACTION] = 1.0 - counts[REAL_POSITIONS] / self.padded_positions
         self._check_duplicates(state.global_step)
         self._check_data_wait(args, state.global_step)
-        self._bus.record_step(state.global_step, {**metrics, **{keys.PERF_PHASE_SEC[p]: getattr(record, p)
+        self._bus.log.record_step(state.global_step, {**metrics, **{keys.PERF_PHASE_SEC[p]: getattr(record, p)
                                                                  for p in PHASES},
                                                  keys.PERF_STEP_WALL_SEC: record.wall,
                                                  keys.PERF_TRAIN_SEC: record.train,
@@ -584,9 +584,9 @@ class ThroughputMeter(PerfCallback):
                                                  **self.machine.step_fields(record), **self._rollout_fields()})
         if control.should_log:   # phase shares over this logging interval
             metrics.update({keys.PERF_PHASE_SHARE[k]: v for k, v in self.timeline.take_window_phases().items()})
-        self._bus.publish(metrics)
+        self._bus.merger.publish(metrics)
         if self.progress_bar and metrics.get(keys.PERF_TOKENS_PER_SEC):
-            self._bus.show_progress(f"tok/s={metrics[keys.PERF_TOKENS_PER_SEC]:.0f}")
+            self._bus.console.show_progress(f"tok/s={metrics[keys.PERF_TOKENS_PER_SEC]:.0f}")
         self._reset_step_counters()
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -594,9 +594,9 @@ class ThroughputMeter(PerfCallback):
         self.tail_phase_sec = {k: v for k, v in tail.items() if v > 0}
         self.tail_callback_sec, self.step_callback_sec = self.step_callback_sec, {}
         self.summary = self.summarize()
-        self._bus.write_summary(self.source, self.summary)
+        self._bus.log.write_summary(self.source, self.summary)
         if state.is_world_process_zero and not self._bus.continuing:    # printed once, at the run's end
-            self._bus.say(self.format_summary())
+            self._bus.console.say(self.format_summary())
         self.close()
 
     # ------------------------------------------------------------ metrics

@@ -226,9 +226,9 @@ class MemoryWatchdog(PerfCallback):
             self._stop_watching_fetches = adapter.watch_batch_samples(trainer, self._before_step)
             self._watching = trainer
         self.facts = self._facts(sample)
-        self._bus.note_memory_facts(self.facts)
+        self._bus.memory_facts = self.facts
         self.device.reset_peak()
-        self._bus.describe_run(self.source, state.global_step, budget_gb=self.budget / GB,
+        self._bus.log.describe_run(self.source, state.global_step, budget_gb=self.budget / GB,
                                device_limit_gb=(sample.device_limit or 0) / GB,
                                system_total_gb=sample.system_total / GB, warn_within_steps=self.warn_within_steps)
 
@@ -295,7 +295,7 @@ class MemoryWatchdog(PerfCallback):
         self._announced_outside = outside
         reach_words = (f"; the budget is {self.budget_fraction:.0%} of the {gib(reach)} this run can reach"
                        + (f" ({gib(total)} in all)" if total else "") if reach is not None else "")
-        self._bus.event(self.source, "wall", headline + (f": {why}" if why else "") + reach_words, step=step,
+        self._bus.log.event(self.source, "wall", headline + (f": {why}" if why else "") + reach_words, step=step,
                         details=WallMove(why=why, moved=not start, budget_gb=self.budget / GB, before_gb=before / GB,
                                          outside_gb=outside / GB if outside is not None else None,
                                          reachable_gb=reach / GB if reach is not None else None))
@@ -330,9 +330,9 @@ class MemoryWatchdog(PerfCallback):
             policy.follow_completions(self._completions.forecast(self.budget, self._completion_limit, step),
                                       self._completions.explains())
         self.facts = self._facts(sample)
-        self._bus.note_memory_facts(self.facts)
+        self._bus.memory_facts = self.facts
         self.high_water = max(self.high_water, obs.used)
-        can_shrink = self._bus.can_shrink()
+        can_shrink = self._bus.requests.can_shrink()
         decision = None
         for _ in range(3):                                          # clear → re-sample → maybe the next rung
             action = policy.next_action(can_shrink)
@@ -360,7 +360,7 @@ class MemoryWatchdog(PerfCallback):
         if decision == SMALLER_BATCH:
             why = self._short_words() or policy.reason()
             self._act(step, SMALLER_BATCH, "asked for a smaller micro-batch: " + why)
-            accepted = any(self._bus.ask_smaller_batch(why, step, control))
+            accepted = any(self._bus.requests.ask_smaller_batch(why, step, control))
             self._shrinking = accepted          # the re-size comes at the next step's begin: its fetch waits for it
             if not accepted and any_critical:   # nobody can shrink (the same answer on every rank)
                 decision = STOP
@@ -381,15 +381,15 @@ class MemoryWatchdog(PerfCallback):
         fields[keys.MEM_PRESSURE] = policy.level
         fields.update(wall_fields(policy.forecast(), state.max_steps - step if state.max_steps > 0 else None))
         # a forecast of an earlier step must not reach this step's log
-        self._bus.withdraw(*(key for key in WALL_KEYS if key not in fields))
+        self._bus.merger.withdraw(*(key for key in WALL_KEYS if key not in fields))
         slope = policy.slope                        # None before the segment holds 3 steps
         if slope is not None:
             fields[keys.MEM_GROWTH_MB_PER_STEP] = slope / 1024**2
         wall_length = self._completions.wall_length(self.budget) if self._completions is not None else None
         if wall_length is not None:
             fields[keys.MEM_COMPLETION_WALL_TOKENS] = wall_length
-        self._bus.record_step(step, fields)
-        self._bus.publish(fields)
+        self._bus.log.record_step(step, fields)
+        self._bus.merger.publish(fields)
         self._bus.memory = MemoryReading(step, obs.used, self.budget)
         self._device.reset_peak()
 
@@ -499,11 +499,11 @@ class MemoryWatchdog(PerfCallback):
         step = state.global_step
         why = self._short_words() or "another rank's next step does not fit in its memory budget"
         micro = getattr(args, "per_device_train_batch_size", 1) or 1
-        if (self._bus.can_shrink() and micro > 1
+        if (self._bus.requests.can_shrink() and micro > 1
                 and SMALLER_BATCH not in policy.episode):
             policy.taken(SMALLER_BATCH)
             self._act(step, SMALLER_BATCH, f"asked for a smaller micro-batch before step {step + 1}: " + why)
-            if any(self._bus.ask_smaller_batch(why, step, control, rows=batches)):
+            if any(self._bus.requests.ask_smaller_batch(why, step, control, rows=batches)):
                 return adapter.SKIP_STEP if control.should_training_stop else None
         if STOP in policy.episode:
             return None
@@ -570,7 +570,7 @@ class MemoryWatchdog(PerfCallback):
         return {0: None, 1: SMALLER_BATCH, 2: STOP}[int(max(r[0] for r in rows))], max(r[1] for r in rows) > 0
 
     def _clear(self, step: int) -> None:
-        answers = self._bus.ask_clear(self._watch.reason(), step)
+        answers = self._bus.requests.ask_clear(self._watch.reason(), step)
         if not answers:                       # no clearer attached: do the cheap part ourselves
             self._device.empty_cache()
         self._act(step, CLEAR, "cleared caches: " + self._watch.reason())
@@ -586,9 +586,9 @@ class MemoryWatchdog(PerfCallback):
             reason = f"{reason}: {self._completion_words()}"
         if self._sample is not None:                        # the stop names who holds the memory, where NVML can say
             self.facts = self._facts(self._sample, holders=True)
-            self._bus.note_memory_facts(self.facts)
+            self._bus.memory_facts = self.facts
         causes = self.facts.sentence() if self.facts is not None else ""
-        futile = policy.shrink_futile() if self._bus.can_shrink() else None
+        futile = policy.shrink_futile() if self._bus.requests.can_shrink() else None
         if causes:
             reason += f"; the causes: {causes}"
         if futile:
@@ -627,7 +627,7 @@ class MemoryWatchdog(PerfCallback):
         self.actions.append(WatchdogAction(step=step, action=action, message=message))
         details = ActionDetails(action=action, level=LEVEL_NAMES[self._watch.level],
                                 steps_to_wall=self._watch.steps_to_wall, stop=stop)
-        self._bus.event(self.source, "stop" if stop is not None else "action", message, step=step, details=details)
+        self._bus.log.event(self.source, "stop" if stop is not None else "action", message, step=step, details=details)
 
     def on_save(self, args, state, control, **kwargs):
         self._restore_only_model(args)
@@ -643,9 +643,9 @@ class MemoryWatchdog(PerfCallback):
         self.close()
         self.summary = {"high_water_gb": self.high_water / GB, "budget_gb": self.budget / GB,
                         "actions": list(self.actions), "stopped_at": self.stopped_at}
-        self._bus.write_summary(self.source, self.summary)
+        self._bus.log.write_summary(self.source, self.summary)
         if state.is_world_process_zero and not self._bus.continuing:    # printed once, at the run's end
-            self._bus.say(self.format_summary())
+            self._bus.console.say(self.format_summary())
 
     def close(self) -> None:
         if self._stop_watching_fetches is not None:

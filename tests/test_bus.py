@@ -100,8 +100,8 @@ def test_metrics_only_on_training_logs_not_eval_logs(tokenizer, tmp_path):
 
 def test_a_withdrawn_metric_does_not_reach_the_next_log():
     bus = RunBus()
-    bus.publish({"memory/steps_to_wall": 12.0, "memory/pressure": 1})
-    bus.withdraw("memory/steps_to_wall", "never/published")
+    bus.merger.publish({"memory/steps_to_wall": 12.0, "memory/pressure": 1})
+    bus.merger.withdraw("memory/steps_to_wall", "never/published")
     logs = {"loss": 1.0}
     bus.on_log(None, type("State", (), {"log_history": [], "global_step": 1})(), None, logs=logs)
     assert logs == {"loss": 1.0, "memory/pressure": 1}

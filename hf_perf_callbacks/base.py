@@ -2,7 +2,8 @@
 
 * **Own time is not data wait.** The time of every event between an optimizer step's end and the next one's begin
   goes to the bus as overhead, which the meter takes out of the data-wait phase.
-* **Faults stay inside.** Every ``on_*`` event of a subclass is guarded: an exception logs one warning with the
+* **Faults stay inside.** Every ``on_*`` event of a subclass wears the shell :func:`hook` (written at the method:
+  a subclass defining an undecorated one is refused at its definition): an exception logs one warning with the
   cause, disables that callback (its ``close()`` removes any hooks) and training goes on. Under several ranks a
   disabled callback still joins its per-step exchange with neutral values, so no rank is left waiting.
 * **The bus.** On its first event a callback finds the trainer's :class:`~hf_perf_callbacks.bus.RunBus`
@@ -20,6 +21,8 @@ import functools
 import inspect
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -53,9 +56,27 @@ class Clock:
 SYSTEM_CLOCK = Clock()
 
 
-def _isolate_faults(name: str, method):
+#: the attribute :func:`hook` sets on the methods it wraps
+HOOK_MARK = "__perf_hook__"
+
+
+def hook(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The shell of a trainer event (an ``on_*`` method) of a :class:`PerfCallback`, written at each hook:
+
+    1. a disabled callback does nothing (at ``on_step_end`` it still joins the step's cross-rank exchange);
+    2. the callback joins the trainer's bus (at ``on_init_end``, ``on_train_begin`` or its first event), the bus sees
+       the ``train()`` call begin, and follows the trainer's ``output_dir``;
+    3. at ``on_train_begin``: a resumed run restores the exported state, a fresh run of the same instance starts
+       over (:meth:`PerfCallback.start_fresh`);
+    4. the event's own time between steps goes to the bus as overhead (not data wait);
+    5. an exception disables the callback with one warning (its ``close()`` removes any hooks): training goes on.
+    """
+    name = method.__name__
+    if not name.startswith("on_"):
+        raise TypeError(f"@hook decorates a trainer event (on_*), not {name}")
+
     @functools.wraps(method)
-    def guarded(self, args, state, control, **kwargs):
+    def guarded(self: PerfCallback, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self.disabled:
             if name == "on_step_end":
                 self._stand_in(state)
@@ -95,6 +116,7 @@ def _isolate_faults(name: str, method):
                 pass
             return None
 
+    setattr(guarded, HOOK_MARK, True)
     return guarded
 
 
@@ -135,19 +157,22 @@ def _named_init(owner: str, init):
 class PerfCallback(TrainerCallback, ExportableState):
     """Base class of the package's callbacks."""
 
+    #: the shell of every trainer event (:func:`hook`), also as ``@PerfCallback.hook``
+    hook = staticmethod(hook)
     source = "perf"
     exchange_width = 0                   # floats this callback gathers across ranks once per optimizer step
 
-    def __init_subclass__(cls, **kwargs):
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every trainer event a subclass defines must wear the shell (:func:`hook`): one without it is an error
+        here, at the class's definition. A subclass's constructor names the class and the key of a bad argument."""
         super().__init_subclass__(**kwargs)
-        wrapped = {name: _isolate_faults(name, value) for name, value in vars(cls).items()
-                   if name.startswith("on_") and callable(value)}
-        if "on_init_end" not in vars(cls):              # every callback joins the bus at the trainer's init
-            wrapped["on_init_end"] = _isolate_faults("on_init_end", PerfCallback.on_init_end)
+        bare = [name for name, value in vars(cls).items()
+                if name.startswith("on_") and callable(value) and not getattr(value, HOOK_MARK, False)]
+        if bare:
+            raise TypeError(f"{cls.__name__}.{bare[0]} is a trainer event of a PerfCallback: decorate it with "
+                            f"@hook (hf_perf_callbacks.base.hook), which isolates its faults and joins the bus")
         if "__init__" in vars(cls):
-            wrapped["__init__"] = _named_init(cls.__name__, vars(cls)["__init__"])
-        for name, method in wrapped.items():
-            setattr(cls, name, method)
+            cls.__init__ = _named_init(cls.__name__, vars(cls)["__init__"])  # type: ignore[method-assign]
 
     def __init__(self, clock: Clock | None = None):
         if clock is not None and not isinstance(clock, Clock):
@@ -162,13 +187,14 @@ class PerfCallback(TrainerCallback, ExportableState):
     @property
     def _bus(self) -> RunBus:
         """The trainer's bus; every ``on_*`` event attaches it before the event's body runs (see
-        :func:`_isolate_faults`), so the events and what they call may use it."""
+        :func:`hook`), so the events and what they call may use it."""
         if self.bus is None:
             raise RuntimeError(f"{type(self).__name__} is not attached to a trainer yet: its bus is found at its "
                                f"first trainer event")
         return self.bus
 
-    def on_init_end(self, args, state, control, **kwargs):
+    @hook
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Join the trainer's bus at its init, so that the bus sees the first ``train()`` begin."""
 
     def neutral_exchange(self) -> None:

@@ -92,6 +92,7 @@ class AdaptiveBatchTuner(PerfCallback):
         self._resumed = False
 
     # ------------------------------------------------------------ events
+    @PerfCallback.hook
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         self._resumed = state.global_step > 0            # the next epoch begin is a resume within an epoch
         if state.global_step > 0:
@@ -153,6 +154,7 @@ class AdaptiveBatchTuner(PerfCallback):
             session.judge_grouping(trainer, state.max_steps if state.max_steps > 0 else None)
         return session
 
+    @PerfCallback.hook
     def on_epoch_begin(self, args, state, control, **kwargs):
         resumed, self._resumed = self._resumed, False
         session, epoch = self._session, float(state.epoch or 0)
@@ -163,6 +165,7 @@ class AdaptiveBatchTuner(PerfCallback):
         elif resumed and (rng := session.epoch_start_rng(int(epoch))) is not None:
             set_rng_state(rng)                           # the epoch's iterator draws what it drew before the resume
 
+    @PerfCallback.hook
     def on_step_begin(self, args, state, control, **kwargs):
         session = self._session
         if session.managed:                              # the RNG a checkpoint of the last step must hold
@@ -180,17 +183,21 @@ class AdaptiveBatchTuner(PerfCallback):
             self._started = self.clock.wall()
             self.generation.reset()
 
+    @PerfCallback.hook
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.in_optimizer_step = True
 
+    @PerfCallback.hook
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.in_optimizer_step = False
 
+    @PerfCallback.hook
     def on_save(self, args, state, control, **kwargs):
         """transformers wrote checkpoint-N (on_save follows a whole _save_checkpoint): this run's, if complete."""
         self._session.record_written(state.global_step)
         self._session.loop_saved()
 
+    @PerfCallback.hook
     def on_step_end(self, args, state, control, **kwargs):
         session, step = self._session, state.global_step
         split = session.step_completed(step)
@@ -260,6 +267,7 @@ class AdaptiveBatchTuner(PerfCallback):
             control.should_training_stop = True
         return True
 
+    @PerfCallback.hook
     def on_train_end(self, args, state, control, **kwargs):
         if self._stop_watching is not None:
             self._stop_watching()

@@ -2,6 +2,8 @@
 
 * **Own time is not data wait.** The time of every event between an optimizer step's end and the next one's begin
   goes to the bus as overhead, which the meter takes out of the data-wait phase.
+* **One exchange per step.** The callbacks that agree across ranks at a step's end contribute to the bus's one
+  exchange of the step (:meth:`PerfCallback._exchange`, :mod:`hf_perf_callbacks.exchange`).
 * **Faults stay inside.** Every ``on_*`` event of a subclass wears the shell :func:`hook` (written at the method:
   a subclass defining an undecorated one is refused at its definition): an exception logs one warning with the
   cause, disables that callback (its ``close()`` removes any hooks) and training goes on. Under several ranks a
@@ -30,6 +32,7 @@ from transformers.trainer_callback import ExportableState
 from .adapter import calling_handler
 from .bus import RunBus, bus_for
 from .device import gather_floats, world_size
+from .exchange import Rows
 from .runlog import WarningFigures
 from .validation import UnknownKeyword, check_keywords
 
@@ -104,16 +107,13 @@ def hook(method: Callable[..., Any]) -> Callable[..., Any]:
                     self.ended_step = state.global_step
                 if name in BETWEEN_STEPS:
                     bus.overhead += self.clock.wall() - started
-        except Exception as error:                      # a callback must never take training down
-            self.disabled = True
-            logger.warning("%s disabled after an internal error in %s: %s: %s. Training continues without it.",
-                           type(self).__name__, name, type(error).__name__, error, exc_info=True)
-            try:
-                self.close()
-                if name == "on_step_end":
+        except Exception as error:  # noqa: BLE001 - a callback must never take training down
+            self._disable(name, error)
+            if name == "on_step_end":
+                try:
                     self._stand_in(state)
-            except Exception:  # noqa: BLE001
-                pass
+                except Exception:  # noqa: BLE001
+                    pass
             return None
 
     setattr(guarded, HOOK_MARK, True)
@@ -197,16 +197,50 @@ class PerfCallback(TrainerCallback, ExportableState):
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Join the trainer's bus at its init, so that the bus sees the first ``train()`` begin."""
 
-    def neutral_exchange(self) -> None:
-        """Join this callback's per-step cross-rank exchange with zeros (a rank that has nothing to report)."""
-        if self.exchange_width:
-            gather_floats([0.0] * self.exchange_width, getattr(getattr(self, "device", None), "device", None))
+    def _disable(self, name: str, error: Exception) -> None:
+        """Disable this callback after its own fault in ``name``: one warning, its hooks removed; training goes on."""
+        self.disabled = True
+        logger.warning("%s disabled after an internal error in %s: %s: %s. Training continues without it.",
+                       type(self).__name__, name, type(error).__name__, error, exc_info=True)
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
 
-    def _stand_in(self, state) -> None:
+    def _exchange_device(self) -> Any:
+        return getattr(getattr(self, "device", None), "device", None)
+
+    def _exchange(self, step: int, values: list[float], finish: Callable[[Rows], None]) -> None:
+        """Join ``step``'s one cross-rank exchange (:class:`~hf_perf_callbacks.exchange.StepExchange`) with
+        ``values`` (:attr:`exchange_width` floats); ``finish(rows)`` runs with every rank's values once every callback
+        of the trainer has contributed (at once on one process). A fault in ``finish`` disables this callback."""
+        self.collective_step = step
+
+        def guarded(rows: Rows) -> None:
+            if self.disabled:
+                return
+            try:
+                finish(rows)
+            except Exception as error:  # noqa: BLE001 - a callback must never take training down
+                self._disable("on_step_end", error)
+
+        self._bus.exchange.contribute(self, step, values, guarded, self._bus.handler, self._exchange_device())
+
+    def neutral_exchange(self, step: int) -> None:
+        """Join ``step``'s cross-rank exchange with zeros (a rank that has nothing to report)."""
+        if not self.exchange_width:
+            return
+        if self.bus is None:                             # never attached: an exchange of its own
+            gather_floats([0.0] * self.exchange_width, self._exchange_device())
+            return
+        self.bus.exchange.contribute(self, step, [0.0] * self.exchange_width, None, self.bus.handler,
+                                     self._exchange_device())
+
+    def _stand_in(self, state: Any) -> None:
         """A disabled (or failed) callback still joins the step's exchange, so the other ranks do not wait forever."""
         if world_size() > 1 and self.collective_step != state.global_step:
             self.collective_step = state.global_step
-            self.neutral_exchange()
+            self.neutral_exchange(state.global_step)
 
     def _attach(self) -> None:
         handler = calling_handler()

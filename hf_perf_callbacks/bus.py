@@ -12,6 +12,7 @@ field                 part                                      job
 ``console``           :class:`~.console.Console`                the compact console log, event lines, progress text
 ``output_lock``       :class:`~.outputdir.OutputDirHold`        one process per ``output_dir``
 ``requests``          :class:`~.signals.Requests`               the watchdog's requests (cache clear, smaller batch)
+``exchange``          :class:`~.exchange.StepExchange`          one cross-rank exchange per optimizer step
 ``memory``            :class:`MemoryReading`                    the watchdog's reading of the latest step
 ``memory_facts``      :class:`~.memory.WallFacts`               what sets the memory wall now (a stop names it)
 ``tuning``            :class:`TuningLink`                       the run's tuning session
@@ -41,6 +42,7 @@ from transformers.trainer_callback import CallbackHandler
 
 from . import adapter
 from .console import EVENT_WIDTH, LOUD_KINDS, QUIET_ONCE, Console, console_line, console_logs, wrapped
+from .exchange import StepExchange
 from .merger import END_OF_TRAINING_KEYS, MetricsMerger, is_training_log
 from .outputdir import HOLDER_FILE, OutputDirBusy, OutputDirHold, OutputDirLock
 from .perflog import PerfLog
@@ -87,6 +89,7 @@ class RunBus(TrainerCallback):
         self.log = PerfLog(self.console)
         self.output_lock = OutputDirHold()
         self.requests = Requests()
+        self.exchange = StepExchange()
         self.memory: MemoryReading | None = None    # the watchdog's reading of the latest step (None: no watchdog)
         # the watchdog's facts of the memory wall (what holds memory outside the run, a leak), every step: a stop or
         # a re-size that gives up names them

@@ -14,12 +14,13 @@ from . import adapter, keys
 from .base import Clock, PerfCallback, hook
 from .batching import is_grpo
 from .dataloader import FACT_TYPES, DataLoaderFacts, dataloader_advice, dataloader_facts
-from .device import DeviceLayer, dtype_key, gather_floats, world_size
+from .device import DeviceLayer, dtype_key, world_size
+from .exchange import Rows
 from .flops import forward_flops_per_token, full_numel, shape_of, train_flops_per_token
 from .keys import PHASES
 from .runlog import MeterSummary, WarningFigures
 from .stats import generation_period
-from .timeline import StepTimeline
+from .timeline import StepRecord, StepTimeline
 from .validation import check_flag, check_number, did_you_mean
 from .wording import phase_line, provisional_line, throughput_line, warmup_line
 
@@ -620,10 +621,14 @@ class ThroughputMeter(PerfCallback):
         tokens = float(state.num_input_tokens_seen - self._run.seen) if self._run.token_source == "trainer" else \
             float(counts[HOOK_TOKENS])
         self._run.seen = state.num_input_tokens_seen
+        self._exchange(state.global_step, [tokens, record.train],       # the step's one exchange
+                       lambda rows: self._step_ended(args, state, control, record, counts, tokens, callbacks, rows))
+
+    def _step_ended(self, args: Any, state: Any, control: Any, record: StepRecord, counts: list[int],
+                    tokens: float, callbacks: dict[str, float], rows: Rows) -> None:
+        """The step's figures once every rank's tokens and training seconds are known (``rows``)."""
         train_seconds = None
-        if self._run.world > 1:                                          # one small collective per step
-            self.collective_step = state.global_step
-            rows = gather_floats([tokens, record.train], self._run.device.device)
+        if self._run.world > 1:
             tokens = sum(r[0] for r in rows) if self._run.token_source == "hook" else tokens
             train_seconds = max(r[1] for r in rows)
         self.timeline.commit(record, tokens, train_seconds)

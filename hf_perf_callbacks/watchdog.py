@@ -6,13 +6,14 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import adapter, keys
 from .base import Clock, PerfCallback, hook
 from .batching import is_grpo
 from .bus import MemoryReading
 from .device import GB, DeviceLayer, MemorySample, gather_floats, world_size
+from .exchange import Rows
 from .memory import (
     BUDGET_FRACTION,
     CLEAR,
@@ -42,6 +43,8 @@ from .validation import check_flag, check_number
 if TYPE_CHECKING:
     from .macos import MacMemorySample
 
+#: a decision as the number the ranks exchange (the most conservative, the largest, wins)
+RANK_OF: dict[str | None, float] = {None: 0.0, SMALLER_BATCH: 1.0, STOP: 2.0}
 WALL_KEYS = (keys.MEM_STEPS_TO_WALL, keys.MEM_STEPS_TO_WALL_LOW, keys.MEM_STEPS_TO_WALL_HIGH)
 
 
@@ -375,9 +378,15 @@ class MemoryWatchdog(PerfCallback):
             decision = SMALLER_BATCH if shrinkable else STOP if STOP not in policy.episode else None
             if decision is not None:
                 policy.taken(decision)
-        local = decision
-        self.collective_step = step
-        decision, any_critical = self._agree(decision, policy.level == CRITICAL or self._run.short is not None)
+        critical = policy.level == CRITICAL or self._run.short is not None
+        self._exchange(step, [RANK_OF[decision], float(critical)],     # the step's one exchange
+                       lambda rows: self._step_ended(args, state, control, decision, critical, fields, obs.used, rows))
+
+    def _step_ended(self, args: Any, state: Any, control: Any, local: str | None, critical: bool,
+                    fields: dict[str, float | None], used: float, rows: Rows) -> None:
+        """Act on the step once every rank's decision is known (``rows``), and log its figures."""
+        step, policy = state.global_step, self._watch
+        decision, any_critical = self._agree(local, critical, rows)
         if decision == SMALLER_BATCH:
             why = self._short_words() or policy.reason()
             self._act(step, SMALLER_BATCH, "asked for a smaller micro-batch: " + why)
@@ -411,7 +420,7 @@ class MemoryWatchdog(PerfCallback):
             fields[keys.MEM_COMPLETION_WALL_TOKENS] = wall_length
         self._bus.log.record_step(step, fields)
         self._bus.merger.publish(fields)
-        self._bus.memory = MemoryReading(step, obs.used, self.budget)
+        self._bus.memory = MemoryReading(step, used, self.budget)
         self._device.reset_peak()
 
     @hook
@@ -582,13 +591,11 @@ class MemoryWatchdog(PerfCallback):
             return None
 
     # ------------------------------------------------------------ actions
-    def _agree(self, decision: str | None, critical: bool) -> tuple[str | None, bool]:
+    def _agree(self, decision: str | None, critical: bool, rows: Rows) -> tuple[str | None, bool]:
         """Ranks act together: the most conservative decision of any rank (stop > smaller batch > none), and
-        whether any rank is critical; one exchange per step."""
+        whether any rank is critical (``rows``: every rank's ``[RANK_OF[decision], critical]``)."""
         if self._run.world == 1:
             return decision, critical
-        rank_of = {None: 0.0, SMALLER_BATCH: 1.0, STOP: 2.0}
-        rows = gather_floats([rank_of[decision], float(critical)], self._device.device)
         return {0: None, 1: SMALLER_BATCH, 2: STOP}[int(max(r[0] for r in rows))], max(r[1] for r in rows) > 0
 
     def _clear(self, step: int) -> None:

@@ -128,7 +128,7 @@ class UnknownArgument(ArgumentError, UnknownKeyword):
     """A keyword a callback's constructor does not take, with the closest one it does (also a ``TypeError``)."""
 
 
-def _named_init(owner: str, init):
+def _named_init(owner: str, init: Callable[..., None]) -> Callable[..., None]:
     """A constructor whose bad arguments raise a ``ValueError`` naming the class and the key (an unknown keyword
     too, which Python reports as a ``TypeError``)."""
 
@@ -137,7 +137,7 @@ def _named_init(owner: str, init):
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
     @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         if not open_ended:                               # a typo gets the closest keyword (a TypeError and ValueError)
             try:
                 check_keywords(owner, kwargs, keywords)
@@ -252,27 +252,27 @@ class PerfCallback(TrainerCallback, ExportableState):
                            "log_history but not the reporters", type(self).__name__)
 
     # ------------------------------------------------------------ state
-    def settings(self) -> dict:
+    def settings(self) -> dict[str, Any]:
         """The constructor's arguments as this instance holds them (attributes of the same names; the clock is not
         a setting)."""
         names = [n for n in inspect.signature(type(self).__init__).parameters if n not in ("self", "clock")]
         return {name: getattr(self, name) for name in names}
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         return {"args": self.settings(), "attributes": {"saved": self.export()}}
 
-    def export(self) -> dict:
+    def export(self) -> dict[str, Any]:
         """JSON-serialisable counters that must survive a resume (override)."""
         return {}
 
-    def load(self, saved: dict) -> None:
+    def load(self, saved: dict[str, Any]) -> None:
         """Restore what :meth:`export` returned (override)."""
 
     def start_fresh(self) -> None:
         """Forget what earlier runs of this instance counted: a ``train()`` from step 0 is a run of its own
         (override; a resume keeps accumulating)."""
 
-    def _restore_from(self, state) -> None:
+    def _restore_from(self, state: Any) -> None:
         entry = (state.stateful_callbacks or {}).get(type(self).__name__)
         if isinstance(entry, list):  # two instances of one class: transformers keeps a list
             entry = entry[0]

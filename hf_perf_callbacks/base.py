@@ -2,7 +2,10 @@
 
 * **Own time is not data wait.** The time of every event between an optimizer step's end and the next one's begin
   goes to the bus as overhead, which the meter takes out of the data-wait phase.
-* **Faults stay inside.** Every ``on_*`` event of a subclass is guarded: an exception logs one warning with the
+* **One exchange per step.** The callbacks that agree across ranks at a step's end contribute to the bus's one
+  exchange of the step (:meth:`PerfCallback._exchange`, :mod:`hf_perf_callbacks.exchange`).
+* **Faults stay inside.** Every ``on_*`` event of a subclass wears the shell :func:`hook` (written at the method:
+  a subclass defining an undecorated one is refused at its definition): an exception logs one warning with the
   cause, disables that callback (its ``close()`` removes any hooks) and training goes on. Under several ranks a
   disabled callback still joins its per-step exchange with neutral values, so no rank is left waiting.
 * **The bus.** On its first event a callback finds the trainer's :class:`~hf_perf_callbacks.bus.RunBus`
@@ -20,6 +23,8 @@ import functools
 import inspect
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -27,6 +32,7 @@ from transformers.trainer_callback import ExportableState
 from .adapter import calling_handler
 from .bus import RunBus, bus_for
 from .device import gather_floats, world_size
+from .exchange import Rows
 from .runlog import WarningFigures
 from .validation import UnknownKeyword, check_keywords
 
@@ -53,9 +59,27 @@ class Clock:
 SYSTEM_CLOCK = Clock()
 
 
-def _isolate_faults(name: str, method):
+#: the attribute :func:`hook` sets on the methods it wraps
+HOOK_MARK = "__perf_hook__"
+
+
+def hook(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The shell of a trainer event (an ``on_*`` method) of a :class:`PerfCallback`, written at each hook:
+
+    1. a disabled callback does nothing (at ``on_step_end`` it still joins the step's cross-rank exchange);
+    2. the callback joins the trainer's bus (at ``on_init_end``, ``on_train_begin`` or its first event), the bus sees
+       the ``train()`` call begin, and follows the trainer's ``output_dir``;
+    3. at ``on_train_begin``: a resumed run restores the exported state, a fresh run of the same instance starts
+       over (:meth:`PerfCallback.start_fresh`);
+    4. the event's own time between steps goes to the bus as overhead (not data wait);
+    5. an exception disables the callback with one warning (its ``close()`` removes any hooks): training goes on.
+    """
+    name = method.__name__
+    if not name.startswith("on_"):
+        raise TypeError(f"@hook decorates a trainer event (on_*), not {name}")
+
     @functools.wraps(method)
-    def guarded(self, args, state, control, **kwargs):
+    def guarded(self: PerfCallback, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if self.disabled:
             if name == "on_step_end":
                 self._stand_in(state)
@@ -82,19 +106,17 @@ def _isolate_faults(name: str, method):
                 if name == "on_step_end":
                     self.ended_step = state.global_step
                 if name in BETWEEN_STEPS:
-                    bus.add_overhead(self.clock.wall() - started)
-        except Exception as error:                      # a callback must never take training down
-            self.disabled = True
-            logger.warning("%s disabled after an internal error in %s: %s: %s. Training continues without it.",
-                           type(self).__name__, name, type(error).__name__, error, exc_info=True)
-            try:
-                self.close()
-                if name == "on_step_end":
+                    bus.overhead += self.clock.wall() - started
+        except Exception as error:  # noqa: BLE001 - a callback must never take training down
+            self._disable(name, error)
+            if name == "on_step_end":
+                try:
                     self._stand_in(state)
-            except Exception:  # noqa: BLE001
-                pass
+                except Exception:  # noqa: BLE001
+                    pass
             return None
 
+    setattr(guarded, HOOK_MARK, True)
     return guarded
 
 
@@ -106,7 +128,7 @@ class UnknownArgument(ArgumentError, UnknownKeyword):
     """A keyword a callback's constructor does not take, with the closest one it does (also a ``TypeError``)."""
 
 
-def _named_init(owner: str, init):
+def _named_init(owner: str, init: Callable[..., None]) -> Callable[..., None]:
     """A constructor whose bad arguments raise a ``ValueError`` naming the class and the key (an unknown keyword
     too, which Python reports as a ``TypeError``)."""
 
@@ -115,7 +137,7 @@ def _named_init(owner: str, init):
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
     @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         if not open_ended:                               # a typo gets the closest keyword (a TypeError and ValueError)
             try:
                 check_keywords(owner, kwargs, keywords)
@@ -135,19 +157,22 @@ def _named_init(owner: str, init):
 class PerfCallback(TrainerCallback, ExportableState):
     """Base class of the package's callbacks."""
 
+    #: the shell of every trainer event (:func:`hook`), also as ``@PerfCallback.hook``
+    hook = staticmethod(hook)
     source = "perf"
     exchange_width = 0                   # floats this callback gathers across ranks once per optimizer step
 
-    def __init_subclass__(cls, **kwargs):
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every trainer event a subclass defines must wear the shell (:func:`hook`): one without it is an error
+        here, at the class's definition. A subclass's constructor names the class and the key of a bad argument."""
         super().__init_subclass__(**kwargs)
-        wrapped = {name: _isolate_faults(name, value) for name, value in vars(cls).items()
-                   if name.startswith("on_") and callable(value)}
-        if "on_init_end" not in vars(cls):              # every callback joins the bus at the trainer's init
-            wrapped["on_init_end"] = _isolate_faults("on_init_end", PerfCallback.on_init_end)
+        bare = [name for name, value in vars(cls).items()
+                if name.startswith("on_") and callable(value) and not getattr(value, HOOK_MARK, False)]
+        if bare:
+            raise TypeError(f"{cls.__name__}.{bare[0]} is a trainer event of a PerfCallback: decorate it with "
+                            f"@hook (hf_perf_callbacks.base.hook), which isolates its faults and joins the bus")
         if "__init__" in vars(cls):
-            wrapped["__init__"] = _named_init(cls.__name__, vars(cls)["__init__"])
-        for name, method in wrapped.items():
-            setattr(cls, name, method)
+            cls.__init__ = _named_init(cls.__name__, vars(cls)["__init__"])  # type: ignore[method-assign]
 
     def __init__(self, clock: Clock | None = None):
         if clock is not None and not isinstance(clock, Clock):
@@ -162,25 +187,60 @@ class PerfCallback(TrainerCallback, ExportableState):
     @property
     def _bus(self) -> RunBus:
         """The trainer's bus; every ``on_*`` event attaches it before the event's body runs (see
-        :func:`_isolate_faults`), so the events and what they call may use it."""
+        :func:`hook`), so the events and what they call may use it."""
         if self.bus is None:
             raise RuntimeError(f"{type(self).__name__} is not attached to a trainer yet: its bus is found at its "
                                f"first trainer event")
         return self.bus
 
-    def on_init_end(self, args, state, control, **kwargs):
+    @hook
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Join the trainer's bus at its init, so that the bus sees the first ``train()`` begin."""
 
-    def neutral_exchange(self) -> None:
-        """Join this callback's per-step cross-rank exchange with zeros (a rank that has nothing to report)."""
-        if self.exchange_width:
-            gather_floats([0.0] * self.exchange_width, getattr(getattr(self, "device", None), "device", None))
+    def _disable(self, name: str, error: Exception) -> None:
+        """Disable this callback after its own fault in ``name``: one warning, its hooks removed; training goes on."""
+        self.disabled = True
+        logger.warning("%s disabled after an internal error in %s: %s: %s. Training continues without it.",
+                       type(self).__name__, name, type(error).__name__, error, exc_info=True)
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
 
-    def _stand_in(self, state) -> None:
+    def _exchange_device(self) -> Any:
+        return getattr(getattr(self, "device", None), "device", None)
+
+    def _exchange(self, step: int, values: list[float], finish: Callable[[Rows], None]) -> None:
+        """Join ``step``'s one cross-rank exchange (:class:`~hf_perf_callbacks.exchange.StepExchange`) with
+        ``values`` (:attr:`exchange_width` floats); ``finish(rows)`` runs with every rank's values once every callback
+        of the trainer has contributed (at once on one process). A fault in ``finish`` disables this callback."""
+        self.collective_step = step
+
+        def guarded(rows: Rows) -> None:
+            if self.disabled:
+                return
+            try:
+                finish(rows)
+            except Exception as error:  # noqa: BLE001 - a callback must never take training down
+                self._disable("on_step_end", error)
+
+        self._bus.exchange.contribute(self, step, values, guarded, self._bus.handler, self._exchange_device())
+
+    def neutral_exchange(self, step: int) -> None:
+        """Join ``step``'s cross-rank exchange with zeros (a rank that has nothing to report)."""
+        if not self.exchange_width:
+            return
+        if self.bus is None:                             # never attached: an exchange of its own
+            gather_floats([0.0] * self.exchange_width, self._exchange_device())
+            return
+        self.bus.exchange.contribute(self, step, [0.0] * self.exchange_width, None, self.bus.handler,
+                                     self._exchange_device())
+
+    def _stand_in(self, state: Any) -> None:
         """A disabled (or failed) callback still joins the step's exchange, so the other ranks do not wait forever."""
         if world_size() > 1 and self.collective_step != state.global_step:
             self.collective_step = state.global_step
-            self.neutral_exchange()
+            self.neutral_exchange(state.global_step)
 
     def _attach(self) -> None:
         handler = calling_handler()
@@ -192,27 +252,27 @@ class PerfCallback(TrainerCallback, ExportableState):
                            "log_history but not the reporters", type(self).__name__)
 
     # ------------------------------------------------------------ state
-    def settings(self) -> dict:
+    def settings(self) -> dict[str, Any]:
         """The constructor's arguments as this instance holds them (attributes of the same names; the clock is not
         a setting)."""
         names = [n for n in inspect.signature(type(self).__init__).parameters if n not in ("self", "clock")]
         return {name: getattr(self, name) for name in names}
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         return {"args": self.settings(), "attributes": {"saved": self.export()}}
 
-    def export(self) -> dict:
+    def export(self) -> dict[str, Any]:
         """JSON-serialisable counters that must survive a resume (override)."""
         return {}
 
-    def load(self, saved: dict) -> None:
+    def load(self, saved: dict[str, Any]) -> None:
         """Restore what :meth:`export` returned (override)."""
 
     def start_fresh(self) -> None:
         """Forget what earlier runs of this instance counted: a ``train()`` from step 0 is a run of its own
         (override; a resume keeps accumulating)."""
 
-    def _restore_from(self, state) -> None:
+    def _restore_from(self, state: Any) -> None:
         entry = (state.stateful_callbacks or {}).get(type(self).__name__)
         if isinstance(entry, list):  # two instances of one class: transformers keeps a list
             entry = entry[0]
@@ -224,4 +284,4 @@ class PerfCallback(TrainerCallback, ExportableState):
         """Undo anything attached to the model (hooks, wrappers); called when disabled or at train end."""
 
     def warn(self, message: str, step: int | None = None, figures: WarningFigures | None = None) -> None:
-        self._bus.event(self.source, "warning", message, step=step, details=figures)
+        self._bus.log.event(self.source, "warning", message, step=step, details=figures)

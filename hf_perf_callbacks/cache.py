@@ -1,10 +1,11 @@
 """MPSCacheClearer: clear the allocator cache when it pays, not every step."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import keys
-from .base import Clock, PerfCallback
+from .base import Clock, PerfCallback, hook
 from .device import GB, DeviceLayer
 from .memory import ClearSchedule
 from .runlog import CacheClear, ClearerSummary
@@ -15,7 +16,14 @@ if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
 
-class MPSCacheClearer(PerfCallback):  # type: ignore[no-untyped-call]  # base.py's __init_subclass__ is untyped
+@dataclass(frozen=True)
+class ClearerRun:
+    """What the clearer decides at one ``train()`` call's begin: whether it clears at all (MPS, or ``enabled``)."""
+
+    active: bool
+
+
+class MPSCacheClearer(PerfCallback):
     """Runs ``gc.collect()`` and the device cache clear (plus ``torch.mps.clear_graph_cache`` where it exists)
     when it pays: on the watchdog's request, every ``interval_steps`` (backing off), after eval and checkpoint
     saves, and after a step whose driver memory far exceeds live tensors (GRPO generation leaves a large cache).
@@ -68,12 +76,17 @@ class MPSCacheClearer(PerfCallback):  # type: ignore[no-untyped-call]  # base.py
         self.after_eval, self.after_save = after_eval, after_save
         self.schedule = ClearSchedule(interval_steps, min_interval, max_interval, min_freed_gb * GB)
         self.device: DeviceLayer | None = None
-        self.active = False                    # decided at on_train_begin from the device
+        self.run: ClearerRun | None = None     # this train() call's decision (on_train_begin)
         self.clears = 0
         self.total_freed = 0.0
         self.total_seconds = 0.0
         self._window = [0.0, 0.0]
         self.history: list[dict[str, float | str]] = []
+
+    @property
+    def active(self) -> bool:
+        """Whether this ``train()`` call clears (False before one began)."""
+        return self.run is not None and self.run.active
 
     @property
     def _device(self) -> DeviceLayer:
@@ -82,12 +95,13 @@ class MPSCacheClearer(PerfCallback):  # type: ignore[no-untyped-call]  # base.py
             raise RuntimeError("MPSCacheClearer has no device yet: it takes one at on_train_begin")
         return self.device
 
+    @hook
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: torch.nn.Module | None = None, **kwargs: Any) -> None:
         self.device = self.device or DeviceLayer()
-        self.active = self.device.type == "mps" if self.enabled is None else self.enabled
-        if self.active:
-            self._bus.on_clear_request(self._on_request)
+        self.run = ClearerRun(active=self.device.type == "mps" if self.enabled is None else self.enabled)
+        if self.run.active:
+            self._bus.requests.on_clear_request(self._on_request)
         self.schedule.last_clear_step = state.global_step
 
     def _on_request(self, reason: str, step: int) -> float:
@@ -110,11 +124,12 @@ class MPSCacheClearer(PerfCallback):  # type: ignore[no-untyped-call]  # base.py
         self._window[1] += seconds
         self.history.append({"step": step, "reason": reason, "freed_gb": freed / GB, "seconds": seconds,
                              "interval": self.schedule.interval})
-        self._bus.event(self.source, "info", f"cleared cache ({reason}): freed {freed / GB:.3f} GB in "
+        self._bus.log.event(self.source, "info", f"cleared cache ({reason}): freed {freed / GB:.3f} GB in "
                         f"{seconds * 1000:.0f} ms; next periodic clear in {self.schedule.interval} steps",
                         step=step, details=CacheClear(freed_gb=freed / GB, seconds=seconds))
         return freed
 
+    @hook
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if not self.active:
             return
@@ -125,9 +140,9 @@ class MPSCacheClearer(PerfCallback):  # type: ignore[no-untyped-call]  # base.py
             self.clear(step, "driver memory far above live tensors")
         fields = {keys.CACHE_CLEARS: self.clears, keys.CACHE_FREED_GB: self._window[0] / GB,
                   keys.CACHE_SECONDS: self._window[1], keys.CACHE_INTERVAL: self.schedule.interval}
-        self._bus.record_step(step, fields)
+        self._bus.log.record_step(step, fields)
         if control.should_log:
-            self._bus.publish(fields)
+            self._bus.merger.publish(fields)
             self._window = [0.0, 0.0]
 
     def _bloated(self) -> bool:
@@ -135,19 +150,22 @@ class MPSCacheClearer(PerfCallback):  # type: ignore[no-untyped-call]  # base.py
         live, held = sample.allocated or 0, sample.reserved or 0
         return held - live >= self.bloat_min_gb * GB and held > self.bloat_ratio * live
 
+    @hook
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.active and self.after_eval:
             self.clear(state.global_step, "after eval", automatic=False)
 
+    @hook
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.active and self.after_save:
             self.clear(state.global_step, "after checkpoint save", automatic=False)
 
+    @hook
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         summary: ClearerSummary = {"clears": self.clears, "freed_gb": self.total_freed / GB,
                                    "seconds": self.total_seconds, "interval": self.schedule.interval}
-        self._bus.write_summary(self.source, summary)
+        self._bus.log.write_summary(self.source, summary)
 
     def start_fresh(self) -> None:
         self.schedule = ClearSchedule(self.interval_steps, self.min_interval, self.max_interval,

@@ -4,21 +4,23 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 import torch
 
 from . import adapter, keys
-from .base import Clock, PerfCallback
+from .base import Clock, PerfCallback, hook
 from .batching import is_grpo
 from .dataloader import FACT_TYPES, DataLoaderFacts, dataloader_advice, dataloader_facts
-from .device import DeviceLayer, dtype_key, gather_floats, world_size
+from .device import DeviceLayer, dtype_key, world_size
+from .exchange import Rows
 from .flops import forward_flops_per_token, full_numel, shape_of, train_flops_per_token
 from .keys import PHASES
 from .runlog import MeterSummary, WarningFigures
 from .stats import generation_period
-from .timeline import StepTimeline
+from .timeline import StepRecord, StepTimeline
 from .validation import check_flag, check_number, did_you_mean
 from .wording import phase_line, provisional_line, throughput_line, warmup_line
 
@@ -79,6 +81,45 @@ class MachineLoad:
         if hasattr(os, "getloadavg"):
             fields[keys.PERF_LOAD_PER_CORE] = os.getloadavg()[0] / self.cores
         return fields
+
+
+@dataclass
+class MeterRun:
+    """What the meter decides at one ``train()`` call's begin (the device, the run kind, the model's facts), and the
+    device counters it reads once per step."""
+
+    device: DeviceLayer
+    world: int
+    is_grpo: bool
+    token_source: str                    # "trainer" (state.num_input_tokens_seen) or "hook" (the forward pre-hook)
+    num_iterations: int
+    period: int                          # optimizer steps per GRPO generation cycle (1 otherwise)
+    counts: torch.Tensor                 # [HOOK_TOKENS, GENERATED, REAL_POSITIONS] of the step, on the device
+    seen: int                            # state.num_input_tokens_seen at the previous step's end
+    seq_len: int = 0                     # padded length of the latest training forward
+    model: Any = None                    # the trainer's model and its innermost causal LM (_install)
+    inner: Any = None
+    shape: Any = None                    # flops.ModelShape of the model (_setup_flops)
+    dtype_key: str = ""
+    recompute: bool = False              # activation checkpointing is on
+    weight_bytes: int = 0
+    generate_start: float = 0.0          # when the outermost open rollout began
+
+
+@dataclass
+class MeterStep:
+    """The counters of one optimizer step in progress (made afresh after each step)."""
+
+    in_generate: bool = False
+    entry_start: dict[str, float] = field(default_factory=dict)   # TRL's entry kind → when it began
+    sync_seconds: float = 0.0
+    reward_seconds: float = 0.0
+    completions: int = 0
+    completion_tokens: int = 0
+    decode_steps: int = 0
+    forwards: int = 0
+    microbatches: int = 0
+    padded_positions: int = 0
 
 
 class ThroughputMeter(PerfCallback):
@@ -247,34 +288,58 @@ class ThroughputMeter(PerfCallback):
         self.part_started: dict[int, float] = {}
         self.part_seconds: dict[int, float] = {}        # a part → its first forward's seconds this micro-batch
         self.summary: MeterSummary | None = None
+        self.run: MeterRun | None = None             # this train() call's facts (on_train_begin)
+        self.counters: MeterStep | None = None       # the step in progress
+
+    @property
+    def _run(self) -> MeterRun:
+        """This ``train()`` call's facts, made at ``on_train_begin``."""
+        if self.run is None:
+            raise RuntimeError("ThroughputMeter has no run yet: it makes one at on_train_begin")
+        return self.run
+
+    @property
+    def device(self) -> DeviceLayer | None:
+        """The device this ``train()`` call measures (None before one began)."""
+        return self.run.device if self.run is not None else None
+
+    @property
+    def _step(self) -> MeterStep:
+        """The counters of the step in progress, made at ``on_train_begin`` and after each step."""
+        if self.counters is None:
+            raise RuntimeError("ThroughputMeter has no step counters yet: it makes them at on_train_begin")
+        return self.counters
 
     # ------------------------------------------------------------ setup
+    @hook
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.device = DeviceLayer()
-        self.world = world_size()
-        self.is_grpo = is_grpo(args)
-        self.token_source = ("trainer" if self.is_grpo or args.include_num_input_tokens_seen not in ("no", False)
-                             else "hook")
-        self.num_iterations = getattr(args, "num_iterations", 1)
-        self.period = (generation_period(args.steps_per_generation, self.num_iterations,
-                                         args.gradient_accumulation_steps) if self.is_grpo else 1)
+        is_grpo_run = is_grpo(args)
+        iterations = getattr(args, "num_iterations", 1)
+        device = DeviceLayer()
+        self.run = MeterRun(
+            device=device, world=world_size(), is_grpo=is_grpo_run,
+            token_source=("trainer" if is_grpo_run or args.include_num_input_tokens_seen not in ("no", False)
+                          else "hook"),
+            num_iterations=iterations,
+            period=(generation_period(args.steps_per_generation, iterations, args.gradient_accumulation_steps)
+                    if is_grpo_run else 1),
+            # integer counters on the device, read once per step (no synchronize per micro-batch; MPS has no float64)
+            counts=torch.zeros(3, dtype=torch.long, device=device.device),
+            seen=state.num_input_tokens_seen)    # resume: the restored count is the baseline (no spike)
         self.close()
         self._install(model)
         self._setup_flops(args, state.global_step)
-        # integer counters on the device, read once per step (no synchronize per micro-batch; MPS has no float64)
-        self.counts = torch.zeros(3, dtype=torch.long, device=self.device.device)
         self._reset_step_counters()
-        self.seq_len = 0                             # padded length of the latest training forward
-        self.seen = state.num_input_tokens_seen      # resume: the restored count is the baseline (no spike)
-        self.device.synchronize()
+        self._run.device.synchronize()
         self.machine.reset()
-        self.timeline.start_segment(self.clock.wall(), self.period, cpu=self.clock.cpu(),
-                                    work="cpu" if self.device.type == "cpu" else "wall")
+        self.timeline.start_segment(self.clock.wall(), self._run.period, cpu=self.clock.cpu(),
+                                    work="cpu" if self._run.device.type == "cpu" else "wall")
         self._install_clocks(model)
-        self._bus.describe_run(self.source, state.global_step, device=self.device.name,
-                               device_type=self.device.type, world_size=self.world, grpo=self.is_grpo,
-                               token_source=self.token_source, period=self.period, peak_flops=self.run_peak_flops,
-                               peak_bandwidth=self.run_peak_bandwidth, dtype=self.dtype_key,
+        self._bus.log.describe_run(self.source, state.global_step, device=self._run.device.name,
+                               device_type=self._run.device.type, world_size=self._run.world, grpo=self._run.is_grpo,
+                               token_source=self._run.token_source, period=self._run.period,
+                               peak_flops=self.run_peak_flops,
+                               peak_bandwidth=self.run_peak_bandwidth, dtype=self._run.dtype_key,
                                per_device_train_batch_size=args.per_device_train_batch_size,
                                gradient_accumulation_steps=args.gradient_accumulation_steps,
                                max_completion_length=getattr(args, "max_completion_length", None),
@@ -285,7 +350,7 @@ class ThroughputMeter(PerfCallback):
                                use_vllm=getattr(args, "use_vllm", None), generation_backend=self.backend,
                                vllm_enable_sleep_mode=(getattr(args, "vllm_enable_sleep_mode", None)
                                                        if getattr(args, "use_vllm", False) else None),
-                               activation_checkpointing=self.recompute, model=self._model_facts(),
+                               activation_checkpointing=self._run.recompute, model=self._model_facts(),
                                dataloader=_dataloader_settings(args), trainer_settings=_trainer_settings(args),
                                torch_threads=torch.get_num_threads(),
                                cpu_cores=os.cpu_count())
@@ -298,11 +363,11 @@ class ThroughputMeter(PerfCallback):
             previous.close()
         _INSTALLED[model] = self
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self.model, self.inner = model, inner
+        self._run.model, self._run.inner = model, inner
         self._hooks.append(forward_entry(inner).register_forward_pre_hook(self._on_forward, with_kwargs=True))
-        if self.is_grpo and hasattr(model, "generate"):
+        if self._run.is_grpo and hasattr(model, "generate"):
             self._stop_watching_generate = adapter.watch_generate(model, self)
-        trainer = adapter.calling_trainer() if self.is_grpo else None
+        trainer = adapter.calling_trainer() if self._run.is_grpo else None
         self.backend = adapter.generation_backend(trainer)
         if self.backend is not None:          # TRL's own entry: every backend timed at one place
             self._stop_watching_entry = adapter.watch_generation_entry(trainer, self)
@@ -312,16 +377,16 @@ class ThroughputMeter(PerfCallback):
     # a weight sync to vLLM, and ``model.generate`` (HF generation inside ``_generate``, or a trainer without it).
     def _generation_opened(self) -> None:
         if self.generation_depth == 0:
-            self.generate_start = self.clock.wall()
+            self._run.generate_start = self.clock.wall()
         self.generation_depth += 1
-        self.in_generate = True
+        self._step.in_generate = True
 
     def _generation_closed(self) -> None:
         self.generation_depth = max(0, self.generation_depth - 1)
         if self.generation_depth == 0:
-            self.in_generate = False
+            self._step.in_generate = False
             if not self.disabled:
-                self.timeline.add_generation(self.clock.wall() - self.generate_start)
+                self.timeline.add_generation(self.clock.wall() - self._run.generate_start)
 
     def _install_clocks(self, model) -> None:
         """The phase clocks (see :mod:`hf_perf_callbacks.timeline`): the trainer's batch fetch, log, evaluation and
@@ -340,13 +405,13 @@ class ThroughputMeter(PerfCallback):
                                                        lambda phase: self.timeline.leave(phase, now())))
         self._undo_clocks.append(adapter.time_callbacks(handler, self._callback_started, self._callback_finished))
         self.clocked = True
-        if self.recompute and self.device.type == "cpu":
+        if self._run.recompute and self._run.device.type == "cpu":
             from transformers.modeling_layers import GradientCheckpointingLayer
 
             # transformers 5.24 checkpoints a layer's ``forward``, not its ``__call__``: the layer's own hooks run once,
             # its children's run again in the recompute. The recompute stops early (torch's checkpoint early stop:
             # a part's forward hook may never run), so each part's recompute is timed as its first forward was
-            for layer in self.inner.modules():
+            for layer in self._run.inner.modules():
                 if isinstance(layer, GradientCheckpointingLayer):
                     for part in layer.children():
                         self._hooks.append(part.register_forward_pre_hook(self._layer_started))
@@ -382,7 +447,7 @@ class ThroughputMeter(PerfCallback):
         events[event] = events.get(event, 0.0) + seconds
 
     def _layer_started(self, module, args) -> None:
-        if self.disabled or self.in_generate or not module.training:
+        if self.disabled or self._step.in_generate or not module.training:
             return
         key = id(module)
         n = self.layer_forwards[key] = self.layer_forwards.get(key, 0) + 1
@@ -414,75 +479,69 @@ class ThroughputMeter(PerfCallback):
         self._hook_safely(self._entry_finished, kind, result)
 
     def _entry_started(self, kind: str) -> None:
-        self.entry_start[kind] = self.clock.wall()
+        self._step.entry_start[kind] = self.clock.wall()
         if kind in (adapter.ROLLOUT, adapter.SYNC):
             self._generation_opened()
 
     def _entry_finished(self, kind: str, result) -> None:
         if kind in (adapter.ROLLOUT, adapter.SYNC):
             self._generation_closed()
-        started = self.entry_start.pop(kind, None)
+        started = self._step.entry_start.pop(kind, None)
         if self.disabled or started is None or self.timeline.step_begin_at is None:   # eval's generation: eval's
             return
         seconds = self.clock.wall() - started
         if kind == adapter.SYNC:
-            self.sync_seconds += seconds
+            self._step.sync_seconds += seconds
         elif kind == adapter.REWARD:
-            self.reward_seconds += seconds
+            self._step.reward_seconds += seconds
         completions, tokens, longest = adapter.rollout_counts(kind, result)
         if kind == adapter.ROLLOUT:
-            self.completions += completions
-            self.completion_tokens += tokens
+            self._step.completions += completions
+            self._step.completion_tokens += tokens
         elif kind == adapter.ENGINE and self.backend == "vllm-colocate":
-            self.decode_steps += longest        # the engine decodes the whole batch until its longest completion
+            self._step.decode_steps += longest        # the engine decodes the whole batch until its longest completion
 
     def _setup_flops(self, args, step: int) -> None:
-        self.shape = shape_of(self.model)
-        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else self.inner.dtype
+        self._run.shape = shape_of(self._run.model)
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else self._run.inner.dtype
         try:
-            self.dtype_key = dtype_key(dtype)
+            self._run.dtype_key = dtype_key(dtype)
         except ValueError:                       # e.g. float64 or int8 weights: no peak to compare with
-            self.dtype_key = str(dtype).removeprefix("torch.")
-        name = ("is_activation_checkpointing" if hasattr(type(self.inner), "is_activation_checkpointing")
+            self._run.dtype_key = str(dtype).removeprefix("torch.")
+        name = ("is_activation_checkpointing" if hasattr(type(self._run.inner), "is_activation_checkpointing")
                 else "is_gradient_checkpointing")
-        self.recompute = bool(getattr(self.inner, name, False))
-        self.weight_bytes = sum(full_numel(p) * p.element_size() for p in self.inner.parameters())
-        table = self.device.peak()
+        self._run.recompute = bool(getattr(self._run.inner, name, False))
+        self._run.weight_bytes = sum(full_numel(p) * p.element_size() for p in self._run.inner.parameters())
+        table = self._run.device.peak()
         if self.peak_flops == "calibrate":
-            self.run_peak_flops = self.device.calibrate_flops(dtype)
+            self.run_peak_flops = self._run.device.calibrate_flops(dtype)
         elif self.peak_flops is not None:
             self.run_peak_flops = float(self.peak_flops)
         else:
-            self.run_peak_flops = table.flops.get(self.dtype_key) if table else None
+            self.run_peak_flops = table.flops.get(self._run.dtype_key) if table else None
         self.run_peak_bandwidth = self.peak_bandwidth or (table.bandwidth if table else None)
         if self.run_peak_flops is None and "mfu" not in self.warned:
             self.warned.add("mfu")
-            self.warn(f"MFU omitted: no {self.dtype_key} peak FLOP/s known for '{self.device.name}'; pass "
+            self.warn(f"MFU omitted: no {self._run.dtype_key} peak FLOP/s known for '{self._run.device.name}'; pass "
                       f"ThroughputMeter(peak_flops=<FLOP/s> or 'calibrate')", step=step)
 
     def _model_facts(self) -> dict:
         """What memory and FLOP estimates need from the model config (for the report)."""
-        config: Any = getattr(self.inner, "config", None)      # a transformers config (or None), read by duck typing
+        config: Any = getattr(self._run.inner, "config", None)   # a transformers config (or None), read by duck typing
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "vocab_size", "max_position_embeddings")
         facts = {k: getattr(config, k, None) for k in keys}
-        facts.update(params=sum(full_numel(p) for p in self.inner.parameters()),
-                     trainable_params=sum(full_numel(p) for p in self.inner.parameters() if p.requires_grad),
-                     bytes_per_param=next(self.inner.parameters()).element_size(),
-                     matmul_params=self.shape.matmul_params, trainable_matmul_params=self.shape.trainable_matmul_params)
+        facts.update(params=sum(full_numel(p) for p in self._run.inner.parameters()),
+                     trainable_params=sum(full_numel(p) for p in self._run.inner.parameters() if p.requires_grad),
+                     bytes_per_param=next(self._run.inner.parameters()).element_size(),
+                     matmul_params=self._run.shape.matmul_params,
+                     trainable_matmul_params=self._run.shape.trainable_matmul_params)
         return facts
 
     def _reset_step_counters(self) -> None:
-        self.in_generate = self.generation_depth > 0
-        self.entry_start: dict[str, float] = {}
-        self.sync_seconds = self.reward_seconds = 0.0
-        self.completions = self.completion_tokens = 0
-        self.decode_steps = 0
-        self.forwards = 0
-        self.microbatches = 0
-        self.counts.zero_()                   # [HOOK_TOKENS, GENERATED, REAL_POSITIONS]
-        self.padded_positions = 0
+        self.counters = MeterStep(in_generate=self.generation_depth > 0)
+        self._run.counts.zero_()                   # [HOOK_TOKENS, GENERATED, REAL_POSITIONS]
         self.layer_forwards, self.part_started = {}, {}
 
     # ------------------------------------------------------------ hooks (no synchronize here)
@@ -501,82 +560,91 @@ class ThroughputMeter(PerfCallback):
         return None
 
     def _count_forward(self, module, args, kwargs) -> None:
-        if self.in_generate:
-            self.decode_steps += 1
+        if self._step.in_generate:
+            self._step.decode_steps += 1
         elif torch.is_grad_enabled() and module.training:
-            self.forwards += 1
+            self._step.forwards += 1
             ids = kwargs.get("input_ids", args[0] if args else None)
             mask = kwargs.get("attention_mask")
             if isinstance(ids, torch.Tensor):
-                self.seq_len = ids.shape[-1]
+                self._run.seq_len = ids.shape[-1]
             if isinstance(mask, torch.Tensor):
                 real = mask.sum()
-                self.padded_positions += mask.numel()
-                self.counts[REAL_POSITIONS] += real
-                if self.token_source == "hook":
-                    self.counts[HOOK_TOKENS] += real
+                self._step.padded_positions += mask.numel()
+                self._run.counts[REAL_POSITIONS] += real
+                if self._run.token_source == "hook":
+                    self._run.counts[HOOK_TOKENS] += real
             elif isinstance(ids, torch.Tensor):
-                self.padded_positions += ids.numel()
-                self.counts[REAL_POSITIONS] += ids.numel()
-                if self.token_source == "hook":
-                    self.counts[HOOK_TOKENS] += ids.numel()
+                self._step.padded_positions += ids.numel()
+                self._run.counts[REAL_POSITIONS] += ids.numel()
+                if self._run.token_source == "hook":
+                    self._run.counts[HOOK_TOKENS] += ids.numel()
 
     def _count_generated(self, input_ids, out) -> None:
         sequences = getattr(out, "sequences", out)
         if isinstance(sequences, torch.Tensor) and isinstance(input_ids, torch.Tensor):
             new = sequences[:, input_ids.shape[-1]:]
-            pad = getattr(getattr(self.inner, "generation_config", None), "pad_token_id", None)
-            self.counts[GENERATED] += (new != pad).sum() if pad is not None else new.numel()
+            pad = getattr(getattr(self._run.inner, "generation_config", None), "pad_token_id", None)
+            self._run.counts[GENERATED] += (new != pad).sum() if pad is not None else new.numel()
 
     # ------------------------------------------------------------ events
+    @hook
     def on_step_begin(self, args, state, control, **kwargs):
         overhead = self._bus.take_overhead()                 # the callbacks' own time, clocked here when clocked
         self.timeline.step_begin(self.clock.wall(), overhead=0.0 if self.clocked else overhead)
 
+    @hook
     def on_substep_end(self, args, state, control, **kwargs):
-        self.microbatches += 1
+        self._step.microbatches += 1
         self.layer_forwards, self.part_started = {}, {}
 
+    @hook
     def on_evaluate(self, args, state, control, **kwargs):
         if not self.clocked:
             self.timeline.mark("eval", self.clock.wall())
 
+    @hook
     def on_save(self, args, state, control, **kwargs):
         if not self.clocked:
             self.timeline.mark("save", self.clock.wall())
 
+    @hook
     def on_step_end(self, args, state, control, **kwargs):
-        self.microbatches += 1
+        self._step.microbatches += 1
         self.timeline.enter("compute", self.clock.wall())          # waiting for the device is the step's compute
-        self.device.synchronize()                                   # the one synchronize per optimizer step
+        self._run.device.synchronize()                                   # the one synchronize per optimizer step
         end = self.clock.wall()
         record = self.timeline.measure(state.global_step, end, cpu=self.clock.cpu())
         self.timeline.leave("compute", end)
         callbacks, self.step_callback_sec = self.step_callback_sec, {}
-        counts = self.counts.tolist()                               # one read of the device counters
-        tokens = float(state.num_input_tokens_seen - self.seen) if self.token_source == "trainer" else \
+        counts = self._run.counts.tolist()                               # one read of the device counters
+        tokens = float(state.num_input_tokens_seen - self._run.seen) if self._run.token_source == "trainer" else \
             float(counts[HOOK_TOKENS])
-        self.seen = state.num_input_tokens_seen
+        self._run.seen = state.num_input_tokens_seen
+        self._exchange(state.global_step, [tokens, record.train],       # the step's one exchange
+                       lambda rows: self._step_ended(args, state, control, record, counts, tokens, callbacks, rows))
+
+    def _step_ended(self, args: Any, state: Any, control: Any, record: StepRecord, counts: list[int],
+                    tokens: float, callbacks: dict[str, float], rows: Rows) -> None:
+        """The step's figures once every rank's tokens and training seconds are known (``rows``)."""
         train_seconds = None
-        if self.world > 1:                                          # one small collective per step
-            self.collective_step = state.global_step
-            rows = gather_floats([tokens, record.train], self.device.device)
-            tokens = sum(r[0] for r in rows) if self.token_source == "hook" else tokens
+        if self._run.world > 1:
+            tokens = sum(r[0] for r in rows) if self._run.token_source == "hook" else tokens
             train_seconds = max(r[1] for r in rows)
         self.timeline.commit(record, tokens, train_seconds)
-        generated = float(counts[GENERATED]) if self.is_grpo else 0.0
+        generated = float(counts[GENERATED]) if self._run.is_grpo else 0.0
         if self._stop_watching_entry is not None:                   # counted at TRL's entry, every backend
-            generated = float(self.completion_tokens)
+            generated = float(self._step.completion_tokens)
         metrics = self._step_metrics(record, generated)
-        if self.padded_positions:
-            metrics[keys.PERF_PAD_FRACTION] = 1.0 - counts[REAL_POSITIONS] / self.padded_positions
+        if self._step.padded_positions:
+            metrics[keys.PERF_PAD_FRACTION] = 1.0 - counts[REAL_POSITIONS] / self._step.padded_positions
         self._check_duplicates(state.global_step)
         self._check_data_wait(args, state.global_step)
-        self._bus.record_step(state.global_step, {**metrics, **{keys.PERF_PHASE_SEC[p]: getattr(record, p)
+        self._bus.log.record_step(state.global_step, {**metrics, **{keys.PERF_PHASE_SEC[p]: getattr(record, p)
                                                                  for p in PHASES},
                                                  keys.PERF_STEP_WALL_SEC: record.wall,
                                                  keys.PERF_TRAIN_SEC: record.train,
-                                                 keys.PERF_TOKENS: tokens, keys.PERF_SEQ_LEN: self.seq_len,
+                                                 keys.PERF_TOKENS: tokens, keys.PERF_SEQ_LEN: self._run.seq_len,
                                                  keys.PERF_STEADY: int(record.steady),
                                                  keys.PERF_FIRST_STEADY_STEP: self.timeline.first_steady_step,
                                                  keys.PERF_EARLY_CONTENTION_SEC: self.timeline.early_contention,
@@ -584,36 +652,37 @@ class ThroughputMeter(PerfCallback):
                                                  **self.machine.step_fields(record), **self._rollout_fields()})
         if control.should_log:   # phase shares over this logging interval
             metrics.update({keys.PERF_PHASE_SHARE[k]: v for k, v in self.timeline.take_window_phases().items()})
-        self._bus.publish(metrics)
+        self._bus.merger.publish(metrics)
         if self.progress_bar and metrics.get(keys.PERF_TOKENS_PER_SEC):
-            self._bus.show_progress(f"tok/s={metrics[keys.PERF_TOKENS_PER_SEC]:.0f}")
+            self._bus.console.show_progress(f"tok/s={metrics[keys.PERF_TOKENS_PER_SEC]:.0f}")
         self._reset_step_counters()
 
+    @hook
     def on_train_end(self, args, state, control, **kwargs):
         _, tail = self.timeline.tail(self.clock.wall())     # the last log, evaluation and save, after the last step
         self.tail_phase_sec = {k: v for k, v in tail.items() if v > 0}
         self.tail_callback_sec, self.step_callback_sec = self.step_callback_sec, {}
         self.summary = self.summarize()
-        self._bus.write_summary(self.source, self.summary)
+        self._bus.log.write_summary(self.source, self.summary)
         if state.is_world_process_zero and not self._bus.continuing:    # printed once, at the run's end
-            self._bus.say(self.format_summary())
+            self._bus.console.say(self.format_summary())
         self.close()
 
     # ------------------------------------------------------------ metrics
     def _step_metrics(self, record, generated: float) -> dict:
         tl = self.timeline
         rate = tl.tokens_per_sec
-        m: dict[str, Any] = dict(tl.rate_metrics(self.world))
+        m: dict[str, Any] = dict(tl.rate_metrics(self._run.world))
         mfu = self._utilisation(rate)
         m.update(mfu)
-        m[keys.PERF_FORWARDS_PER_MICROBATCH] = self.forwards / max(1, self.microbatches)
-        rollout = record.generation - self.sync_seconds          # the weight syncs to vLLM left out
-        if self.is_grpo and rollout > 0:
+        m[keys.PERF_FORWARDS_PER_MICROBATCH] = self._step.forwards / max(1, self._step.microbatches)
+        rollout = record.generation - self._step.sync_seconds          # the weight syncs to vLLM left out
+        if self._run.is_grpo and rollout > 0:
             m[keys.PERF_ROLLOUT_TOKENS_PER_SEC] = generated / rollout
-            if self.run_peak_bandwidth and self.decode_steps:       # none counted where vLLM runs as a server
-                m[keys.PERF_DECODE_BANDWIDTH_UTIL] = (self.weight_bytes / self.engine_parallel * self.decode_steps
-                                                   / rollout / self.run_peak_bandwidth)
-        if self.is_grpo and tl.train_rate.rate():          # windowed over whole generation cycles, like tokens/s
+            if self.run_peak_bandwidth and self._step.decode_steps:       # none counted where vLLM runs as a server
+                m[keys.PERF_DECODE_BANDWIDTH_UTIL] = (self._run.weight_bytes / self.engine_parallel
+                                                      * self._step.decode_steps / rollout / self.run_peak_bandwidth)
+        if self._run.is_grpo and tl.train_rate.rate():          # windowed over whole generation cycles, like tokens/s
             m[keys.PERF_TRAIN_TOKENS_PER_SEC] = tl.train_rate.rate()
         return {k: v for k, v in m.items() if v is not None}
 
@@ -621,36 +690,37 @@ class ThroughputMeter(PerfCallback):
         """The step line's figures of TRL's generation entry (none for a trainer that does not generate)."""
         if self.backend is None:
             return {}
-        fields = {keys.PERF_GENERATION_BATCH: self.completions, keys.PERF_COMPLETION_TOKENS: self.completion_tokens,
-                  keys.PERF_REWARD_SEC: self.reward_seconds}
+        fields = {keys.PERF_GENERATION_BATCH: self._step.completions,
+                  keys.PERF_COMPLETION_TOKENS: self._step.completion_tokens,
+                  keys.PERF_REWARD_SEC: self._step.reward_seconds}
         if self.backend.startswith("vllm"):
-            fields[keys.PERF_WEIGHT_SYNC_SEC] = self.sync_seconds
+            fields[keys.PERF_WEIGHT_SYNC_SEC] = self._step.sync_seconds
         return fields
 
     def _flops_per_token(self) -> tuple[float, float]:
-        model, hardware = train_flops_per_token(self.shape, self.seq_len, self.recompute)
-        if self.is_grpo:   # every generated batch is trained num_iterations times and was generated once
-            forward = forward_flops_per_token(self.shape, self.seq_len)
-            model, hardware = model * self.num_iterations + forward, hardware * self.num_iterations + forward
+        model, hardware = train_flops_per_token(self._run.shape, self._run.seq_len, self._run.recompute)
+        if self._run.is_grpo:   # every generated batch is trained num_iterations times and was generated once
+            forward = forward_flops_per_token(self._run.shape, self._run.seq_len)
+            model, hardware = model * self._run.num_iterations + forward, hardware * self._run.num_iterations + forward
         return model, hardware
 
     def _utilisation(self, rate: float | None) -> dict:
         if not (self.run_peak_flops and rate):
             return {}
         model, hardware = self._flops_per_token()
-        per_device = rate / self.world
+        per_device = rate / self._run.world
         out = {keys.PERF_MFU: model * per_device / self.run_peak_flops}
-        if self.recompute:
+        if self._run.recompute:
             out[keys.PERF_HFU] = hardware * per_device / self.run_peak_flops
         return out
 
     def _check_duplicates(self, step: int) -> None:
-        if self.microbatches and self.forwards > self.microbatches and "duplicate" not in self.warned:
+        if self._step.microbatches and self._step.forwards > self._step.microbatches and "duplicate" not in self.warned:
             self.warned.add("duplicate")
-            per = self.forwards / self.microbatches
-            self.warn(f"{self.forwards} grad-enabled forward passes over {self.microbatches} micro-batches at step "
-                      f"{step} ({per:.1f} per micro-batch, expected 1): a custom compute_loss or training_step runs "
-                      f"the model more than once per batch and pays its cost twice.", step=step,
+            per = self._step.forwards / self._step.microbatches
+            self.warn(f"{self._step.forwards} grad-enabled forward passes over {self._step.microbatches} micro-batches "
+                      f"at step {step} ({per:.1f} per micro-batch, expected 1): a custom compute_loss or training_step "
+                      f"runs the model more than once per batch and pays its cost twice.", step=step,
                       figures=WarningFigures(forwards_per_microbatch=per))
 
     def _check_data_wait(self, args, step: int) -> None:
@@ -660,7 +730,7 @@ class ThroughputMeter(PerfCallback):
         share = tl.phase_fractions()["data_wait"]
         if share > self.data_wait_threshold:
             self.warned.add("data_wait")
-            advice = dataloader_advice(self.device.type, _dataloader_settings(args))
+            advice = dataloader_advice(self._run.device.type, _dataloader_settings(args))
             self.warn(f"the accelerator waits for data {share:.0%} of the time: " + "; ".join(advice) + ".",
                       step=step, figures=WarningFigures(data_wait_fraction=share))
 
@@ -672,14 +742,14 @@ class ThroughputMeter(PerfCallback):
                "warmup_overhead_sec": tl.warmup_overhead, "first_step_slowdown": tl.first_step_slowdown,
                "steady_step_sec": tl.steady_step_seconds, "steady_tokens_per_sec": tl.steady_tokens_per_sec,
                "mean_tokens_per_sec": tl.total_tokens / tl.total_train_seconds if tl.total_train_seconds else None,
-               "phases": tl.phase_fractions(), "device": self.device.name, "world_size": self.world,
+               "phases": tl.phase_fractions(), "device": self._run.device.name, "world_size": self._run.world,
                "peak_flops": self.run_peak_flops, "warmup_measured_on": tl.work,
                "first_steady_step": tl.first_steady_step, "steady_step_count": tl.steady_steps,
                "early_contention_sec": tl.early_contention, "contention_steps": tl.contention_steps,
                "phase_sec": dict(tl.phase_totals), "tail_phase_sec": dict(self.tail_phase_sec),
                "callback_sec": {k: dict(v) for k, v in self.callback_sec.items()},
                "tail_callback_sec": dict(self.tail_callback_sec),
-               "recompute_clocked": bool(self.recompute and self.clocked and self.device.type == "cpu")}
+               "recompute_clocked": bool(self._run.recompute and self.clocked and self._run.device.type == "cpu")}
         rate = tl.steady_tokens_per_sec
         provisional = tl.provisional() if rate is None else None
         if provisional is not None:                 # a short run: the rate of the steps it has, marked as such
@@ -730,8 +800,8 @@ class ThroughputMeter(PerfCallback):
         for undo in reversed(self._undo_clocks):
             undo()
         self._undo_clocks = []
-        for hook in self._hooks:
-            hook.remove()
+        for handle in self._hooks:
+            handle.remove()
         self._hooks = []
         if self._stop_watching_generate is not None:
             self._stop_watching_generate()

@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from . import adapter, keys
-from .base import Clock, PerfCallback
+from .base import Clock, PerfCallback, hook
 from .batching import is_grpo
 from .bus import MemoryReading
 from .device import GB, DeviceLayer, MemorySample, gather_floats, world_size
+from .exchange import Rows
 from .memory import (
     BUDGET_FRACTION,
     CLEAR,
@@ -37,6 +40,11 @@ from .memory import (
 from .runlog import ActionDetails, StopFigures, WallMove, WarningFigures, WatchdogAction, WatchdogSummary
 from .validation import check_flag, check_number
 
+if TYPE_CHECKING:
+    from .macos import MacMemorySample
+
+#: a decision as the number the ranks exchange (the most conservative, the largest, wins)
+RANK_OF: dict[str | None, float] = {None: 0.0, SMALLER_BATCH: 1.0, STOP: 2.0}
 WALL_KEYS = (keys.MEM_STEPS_TO_WALL, keys.MEM_STEPS_TO_WALL_LOW, keys.MEM_STEPS_TO_WALL_HIGH)
 
 
@@ -53,6 +61,21 @@ def wall_fields(forecast, remaining: int | None) -> dict:
     if high is not None:
         fields[keys.MEM_STEPS_TO_WALL_HIGH] = float(high)
     return fields
+
+
+@dataclass
+class WatchdogRun:
+    """The watchdog's state of one ``train()`` call (a segment of the run: an in-process re-size begins another)."""
+
+    world: int
+    on_mac: bool
+    previous_mac: MacMemorySample | None = None           # the macOS signals of the previous step
+    previous_retries: int | None = None                   # CUDA allocator retries at the previous step
+    short: tuple[float, float] | None = None              # (the next step's need, the budget) when it cannot fit
+    planned: int | None = None                            # the size of the step's largest micro-batch (fetched)
+    most_rows: int = 0                                    # the largest micro-batch of a step of this segment
+    reference: tuple[float, float, int] | None = None     # (peak, held between steps, size) of the last step
+    shrinking: bool = False                               # a smaller micro-batch was granted, yet to begin
 
 
 class MemoryWatchdog(PerfCallback):
@@ -164,10 +187,6 @@ class MemoryWatchdog(PerfCallback):
         self._announced_outside: float | None = None
         self._limit_warned = False
         self._sample: MemorySample | None = None        # the step's reading
-        self._short: tuple[float, float] | None = None   # (the next step's need, the budget) when it cannot fit
-        self._planned: int | None = None                 # the size of the step's largest micro-batch (fetched)
-        self._most_rows = 0                              # the largest micro-batch of a step of this segment
-        self._reference: tuple[float, float, int] | None = None  # (peak, held between steps, size) of the last step
         self._stop_watching_fetches: Callable[[], None] | None = None
         self._watching: object = None                            # the trainer whose fetches are watched
         self._only_model_set_aside = False               # save_only_model set aside for the stop's checkpoint
@@ -176,7 +195,14 @@ class MemoryWatchdog(PerfCallback):
         self._completion_limit: int | None = None        # GRPO: max_completion_length
         self._log_peak = 0.0                             # the highest step peak since the last training log
         self._completions_warned = False
-        self._shrinking = False                          # a smaller micro-batch was granted and has yet to begin
+        self.run: WatchdogRun | None = None              # this train() call's state (on_train_begin)
+
+    @property
+    def _run(self) -> WatchdogRun:
+        """This ``train()`` call's state, made at ``on_train_begin``."""
+        if self.run is None:
+            raise RuntimeError("MemoryWatchdog has no run yet: it makes one at on_train_begin")
+        return self.run
 
     @property
     def _device(self) -> DeviceLayer:
@@ -198,12 +224,11 @@ class MemoryWatchdog(PerfCallback):
                             stop_within_steps=self.stop_within_steps)
 
     # ------------------------------------------------------------ setup
+    @hook
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.device = self.device or DeviceLayer()
-        self.world = world_size()
-        self.on_mac = sys.platform == "darwin"
-        self._previous_mac = self._mac_sample() if self.on_mac else None
-        self._previous_retries = None
+        self.run = WatchdogRun(world=world_size(), on_mac=sys.platform == "darwin")
+        self._run.previous_mac = self._mac_sample() if self._run.on_mac else None
         sample = self.device.memory()
         if self.policy is None or state.global_step == 0:        # a run of its own (an in-process resume keeps it)
             self.wall = MovingWall()
@@ -215,8 +240,6 @@ class MemoryWatchdog(PerfCallback):
         else:
             self._follow_wall(sample, state.global_step)
         self.policy.start_segment()
-        self._planned, self._most_rows, self._short, self._reference = None, 0, None, None
-        self._shrinking = False
         limit = getattr(args, "max_completion_length", None) if is_grpo(args) else None
         if limit and (self._completions is None or state.global_step == 0):
             self._completions, self._completion_limit, self._completions_warned = CompletionTrend(), limit, False
@@ -226,9 +249,9 @@ class MemoryWatchdog(PerfCallback):
             self._stop_watching_fetches = adapter.watch_batch_samples(trainer, self._before_step)
             self._watching = trainer
         self.facts = self._facts(sample)
-        self._bus.note_memory_facts(self.facts)
+        self._bus.memory_facts = self.facts
         self.device.reset_peak()
-        self._bus.describe_run(self.source, state.global_step, budget_gb=self.budget / GB,
+        self._bus.log.describe_run(self.source, state.global_step, budget_gb=self.budget / GB,
                                device_limit_gb=(sample.device_limit or 0) / GB,
                                system_total_gb=sample.system_total / GB, warn_within_steps=self.warn_within_steps)
 
@@ -295,7 +318,7 @@ class MemoryWatchdog(PerfCallback):
         self._announced_outside = outside
         reach_words = (f"; the budget is {self.budget_fraction:.0%} of the {gib(reach)} this run can reach"
                        + (f" ({gib(total)} in all)" if total else "") if reach is not None else "")
-        self._bus.event(self.source, "wall", headline + (f": {why}" if why else "") + reach_words, step=step,
+        self._bus.log.event(self.source, "wall", headline + (f": {why}" if why else "") + reach_words, step=step,
                         details=WallMove(why=why, moved=not start, budget_gb=self.budget / GB, before_gb=before / GB,
                                          outside_gb=outside / GB if outside is not None else None,
                                          reachable_gb=reach / GB if reach is not None else None))
@@ -313,10 +336,11 @@ class MemoryWatchdog(PerfCallback):
                          holders=names, leak_per_step=policy.leak_rate if policy is not None else None, set_by=set_by)
 
     # ------------------------------------------------------------ per step
+    @hook
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
         policy = self._watch
-        self._shrinking = False
+        self._run.shrinking = False
         sample = self._device.memory()
         self._follow_wall(sample, step)
         micro = getattr(args, "per_device_train_batch_size", None)
@@ -330,9 +354,9 @@ class MemoryWatchdog(PerfCallback):
             policy.follow_completions(self._completions.forecast(self.budget, self._completion_limit, step),
                                       self._completions.explains())
         self.facts = self._facts(sample)
-        self._bus.note_memory_facts(self.facts)
+        self._bus.memory_facts = self.facts
         self.high_water = max(self.high_water, obs.used)
-        can_shrink = self._bus.can_shrink()
+        can_shrink = self._bus.requests.can_shrink()
         decision = None
         for _ in range(3):                                          # clear → re-sample → maybe the next rung
             action = policy.next_action(can_shrink)
@@ -346,22 +370,28 @@ class MemoryWatchdog(PerfCallback):
                 continue
             decision = action
             break
-        self._short = None
+        self._run.short = None
         if need >= self.budget and policy.segment_steps > policy.grace_steps and decision is None:
             # the next step cannot fit in the budget as it is now (not as a residency re-sampled after a clear says)
-            self._short = (need, self.budget)
+            self._run.short = (need, self.budget)
             shrinkable = can_shrink and (micro or 1) > 1 and SMALLER_BATCH not in policy.episode
             decision = SMALLER_BATCH if shrinkable else STOP if STOP not in policy.episode else None
             if decision is not None:
                 policy.taken(decision)
-        local = decision
-        self.collective_step = step
-        decision, any_critical = self._agree(decision, policy.level == CRITICAL or self._short is not None)
+        critical = policy.level == CRITICAL or self._run.short is not None
+        self._exchange(step, [RANK_OF[decision], float(critical)],     # the step's one exchange
+                       lambda rows: self._step_ended(args, state, control, decision, critical, fields, obs.used, rows))
+
+    def _step_ended(self, args: Any, state: Any, control: Any, local: str | None, critical: bool,
+                    fields: dict[str, float | None], used: float, rows: Rows) -> None:
+        """Act on the step once every rank's decision is known (``rows``), and log its figures."""
+        step, policy = state.global_step, self._watch
+        decision, any_critical = self._agree(local, critical, rows)
         if decision == SMALLER_BATCH:
             why = self._short_words() or policy.reason()
             self._act(step, SMALLER_BATCH, "asked for a smaller micro-batch: " + why)
-            accepted = any(self._bus.ask_smaller_batch(why, step, control))
-            self._shrinking = accepted          # the re-size comes at the next step's begin: its fetch waits for it
+            accepted = any(self._bus.requests.ask_smaller_batch(why, step, control))
+            self._run.shrinking = accepted          # the re-size comes at the next step's begin: its fetch waits for it
             if not accepted and any_critical:   # nobody can shrink (the same answer on every rank)
                 decision = STOP
         if decision == STOP:
@@ -381,18 +411,19 @@ class MemoryWatchdog(PerfCallback):
         fields[keys.MEM_PRESSURE] = policy.level
         fields.update(wall_fields(policy.forecast(), state.max_steps - step if state.max_steps > 0 else None))
         # a forecast of an earlier step must not reach this step's log
-        self._bus.withdraw(*(key for key in WALL_KEYS if key not in fields))
+        self._bus.merger.withdraw(*(key for key in WALL_KEYS if key not in fields))
         slope = policy.slope                        # None before the segment holds 3 steps
         if slope is not None:
             fields[keys.MEM_GROWTH_MB_PER_STEP] = slope / 1024**2
         wall_length = self._completions.wall_length(self.budget) if self._completions is not None else None
         if wall_length is not None:
             fields[keys.MEM_COMPLETION_WALL_TOKENS] = wall_length
-        self._bus.record_step(step, fields)
-        self._bus.publish(fields)
-        self._bus.memory = MemoryReading(step, obs.used, self.budget)
+        self._bus.log.record_step(step, fields)
+        self._bus.merger.publish(fields)
+        self._bus.memory = MemoryReading(step, used, self.budget)
         self._device.reset_peak()
 
+    @hook
     def on_log(self, args, state, control, logs=None, **kwargs):
         """GRPO: each training log's longest completion (TRL's ``completions/max_length``) against the highest step
         peak since the last log; once the completions' growth brings the wall within the run, one warning says at
@@ -426,9 +457,9 @@ class MemoryWatchdog(PerfCallback):
 
     def _short_words(self) -> str | None:
         """Why the next step cannot fit, in words (None when it can)."""
-        if self._short is None:
+        if self._run.short is None:
             return None
-        need, budget = self._short
+        need, budget = self._run.short
         scaled = ", its activations at the longest rows" if need > self._sample_used else ""
         return (f"the next step needs about {gib(need)} (the last step's peak{scaled}) and the budget is now "
                 f"{gib(budget)}")
@@ -437,14 +468,14 @@ class MemoryWatchdog(PerfCallback):
         """What the next step needs: this step's own peak, its part above what stays allocated between steps scaled
         to the largest micro-batch of this segment (padded rows × length, as fetched); the peak alone where the rows
         or the device's peak are unknown. Keeps this step as the reference of the check before the next step."""
-        size, self._planned = self._planned, None
+        size, self._run.planned = self._run.planned, None
         if sample.peak is None or sample.allocated is None or not size:
-            self._reference = None
+            self._run.reference = None
             return used
         live = min(float(sample.allocated), used)
-        self._reference = (used, live, size)
-        self._most_rows = max(self._most_rows, size)
-        return live + (used - live) * self._most_rows / size
+        self._run.reference = (used, live, size)
+        self._run.most_rows = max(self._run.most_rows, size)
+        return live + (used - live) * self._run.most_rows / size
 
     # ------------------------------------------------------------ before a step
     def _before_step(self, batches: list, asked: int):
@@ -460,9 +491,9 @@ class MemoryWatchdog(PerfCallback):
             try:
                 short = self._short_before(batches, trainer.state.global_step)
             except Exception as error:  # noqa: BLE001 - the watchdog's own fault must not end training
-                self._reference = None
+                self._run.reference = None
                 self.warn(f"the check before each step is off: {type(error).__name__}: {error}")
-        if self.world > 1:
+        if self._run.world > 1:
             short = any(r[0] > 0 for r in gather_floats([1.0 if short else 0.0], self._device.device))
         if not short or trainer is None:
             return None
@@ -478,9 +509,9 @@ class MemoryWatchdog(PerfCallback):
 
     def _short_before(self, batches: list, step: int) -> bool:
         size = self._rows_size(batches)
-        self._planned = size
-        reference, policy = self._reference, self._watch
-        if reference is None or policy.segment_steps <= policy.grace_steps or self._shrinking:
+        self._run.planned = size
+        reference, policy = self._run.reference, self._watch
+        if reference is None or policy.segment_steps <= policy.grace_steps or self._run.shrinking:
             return False
         sample = self._device.memory()
         if not self.limit_gb and self.budget_bytes(self._device, sample) < self.budget:
@@ -489,7 +520,7 @@ class MemoryWatchdog(PerfCallback):
         need = live + (peak - live) * max(1.0, (size or seen) / seen)
         if need < self.budget:
             return False
-        self._short, self._sample = (need, self.budget), sample
+        self._run.short, self._sample = (need, self.budget), sample
         self.facts = self._facts(sample)
         return True
 
@@ -499,16 +530,16 @@ class MemoryWatchdog(PerfCallback):
         step = state.global_step
         why = self._short_words() or "another rank's next step does not fit in its memory budget"
         micro = getattr(args, "per_device_train_batch_size", 1) or 1
-        if (self._bus.can_shrink() and micro > 1
+        if (self._bus.requests.can_shrink() and micro > 1
                 and SMALLER_BATCH not in policy.episode):
             policy.taken(SMALLER_BATCH)
             self._act(step, SMALLER_BATCH, f"asked for a smaller micro-batch before step {step + 1}: " + why)
-            if any(self._bus.ask_smaller_batch(why, step, control, rows=batches)):
+            if any(self._bus.requests.ask_smaller_batch(why, step, control, rows=batches)):
                 return adapter.SKIP_STEP if control.should_training_stop else None
         if STOP in policy.episode:
             return None
         policy.taken(STOP)
-        self._stop(args, state, control, follower=self._short is None)
+        self._stop(args, state, control, follower=self._run.short is None)
         return adapter.SKIP_STEP if control.should_training_stop else None
 
     def _observe(self, step: int, sample, micro: int | None = None,
@@ -519,9 +550,9 @@ class MemoryWatchdog(PerfCallback):
             used = float(sample.used)
         retries = None
         if sample.alloc_retries is not None:
-            if self._previous_retries is not None and not resample:
-                retries = sample.alloc_retries - self._previous_retries
-            self._previous_retries = sample.alloc_retries
+            if self._run.previous_retries is not None and not resample:
+                retries = sample.alloc_retries - self._run.previous_retries
+            self._run.previous_retries = sample.alloc_retries
         os_level = swapouts = None
         fields: dict[str, float | None] = {keys.MEM_DEVICE_USED_GB: used / GB, keys.MEM_LIMIT_GB: self.budget / GB,
                                            keys.MEM_PEAK_GB: max(self.high_water, used) / GB,
@@ -535,10 +566,10 @@ class MemoryWatchdog(PerfCallback):
             fields[keys.MEM_DRIVER_GB] = sample.reserved / GB
         if retries is not None:
             fields[keys.MEM_ALLOC_RETRIES] = retries
-        mac = self._mac_sample() if self.on_mac else None
+        mac = self._mac_sample() if self._run.on_mac else None
         if mac is not None:
-            delta = mac.delta_since(self._previous_mac) if self._previous_mac else None
-            self._previous_mac = mac
+            delta = mac.delta_since(self._run.previous_mac) if self._run.previous_mac else None
+            self._run.previous_mac = mac
             os_level = mac.pressure_level
             swapouts = delta.swapouts_delta if delta else None
             fields.update({keys.MEM_OS_PRESSURE: os_level, keys.MEM_SWAPOUTS: swapouts,
@@ -554,23 +585,21 @@ class MemoryWatchdog(PerfCallback):
         try:
             return self._device.mac.sample()
         except Exception as error:  # noqa: BLE001
-            self.on_mac = False
+            self._run.on_mac = False
             self.warn(f"macOS pressure signals unavailable ({type(error).__name__}: {error}); watching device "
                       f"memory only")
             return None
 
     # ------------------------------------------------------------ actions
-    def _agree(self, decision: str | None, critical: bool) -> tuple[str | None, bool]:
+    def _agree(self, decision: str | None, critical: bool, rows: Rows) -> tuple[str | None, bool]:
         """Ranks act together: the most conservative decision of any rank (stop > smaller batch > none), and
-        whether any rank is critical; one exchange per step."""
-        if self.world == 1:
+        whether any rank is critical (``rows``: every rank's ``[RANK_OF[decision], critical]``)."""
+        if self._run.world == 1:
             return decision, critical
-        rank_of = {None: 0.0, SMALLER_BATCH: 1.0, STOP: 2.0}
-        rows = gather_floats([rank_of[decision], float(critical)], self._device.device)
         return {0: None, 1: SMALLER_BATCH, 2: STOP}[int(max(r[0] for r in rows))], max(r[1] for r in rows) > 0
 
     def _clear(self, step: int) -> None:
-        answers = self._bus.ask_clear(self._watch.reason(), step)
+        answers = self._bus.requests.ask_clear(self._watch.reason(), step)
         if not answers:                       # no clearer attached: do the cheap part ourselves
             self._device.empty_cache()
         self._act(step, CLEAR, "cleared caches: " + self._watch.reason())
@@ -579,16 +608,16 @@ class MemoryWatchdog(PerfCallback):
         policy = self._watch
         reason = ("another rank is about to run out of memory; this rank stops with it, at the same step"
                   if follower else policy.reason())
-        short = self._short if not follower else None
+        short = self._run.short if not follower else None
         if short is not None:
             reason = self._short_words() or reason
         elif not follower and self._completion_words():
             reason = f"{reason}: {self._completion_words()}"
         if self._sample is not None:                        # the stop names who holds the memory, where NVML can say
             self.facts = self._facts(self._sample, holders=True)
-            self._bus.note_memory_facts(self.facts)
+            self._bus.memory_facts = self.facts
         causes = self.facts.sentence() if self.facts is not None else ""
-        futile = policy.shrink_futile() if self._bus.can_shrink() else None
+        futile = policy.shrink_futile() if self._bus.requests.can_shrink() else None
         if causes:
             reason += f"; the causes: {causes}"
         if futile:
@@ -627,8 +656,9 @@ class MemoryWatchdog(PerfCallback):
         self.actions.append(WatchdogAction(step=step, action=action, message=message))
         details = ActionDetails(action=action, level=LEVEL_NAMES[self._watch.level],
                                 steps_to_wall=self._watch.steps_to_wall, stop=stop)
-        self._bus.event(self.source, "stop" if stop is not None else "action", message, step=step, details=details)
+        self._bus.log.event(self.source, "stop" if stop is not None else "action", message, step=step, details=details)
 
+    @hook
     def on_save(self, args, state, control, **kwargs):
         self._restore_only_model(args)
 
@@ -638,14 +668,15 @@ class MemoryWatchdog(PerfCallback):
             args.save_only_model, self._only_model_set_aside = True, False
 
     # ------------------------------------------------------------ end
+    @hook
     def on_train_end(self, args, state, control, **kwargs):
         self._restore_only_model(args)
         self.close()
         self.summary = {"high_water_gb": self.high_water / GB, "budget_gb": self.budget / GB,
                         "actions": list(self.actions), "stopped_at": self.stopped_at}
-        self._bus.write_summary(self.source, self.summary)
+        self._bus.log.write_summary(self.source, self.summary)
         if state.is_world_process_zero and not self._bus.continuing:    # printed once, at the run's end
-            self._bus.say(self.format_summary())
+            self._bus.console.say(self.format_summary())
 
     def close(self) -> None:
         if self._stop_watching_fetches is not None:

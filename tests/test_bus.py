@@ -69,6 +69,7 @@ class Exploding(PerfCallback):
         super().__init__()
         self.calls = 0
 
+    @PerfCallback.hook
     def on_step_end(self, args, state, control, **kwargs):
         self.calls += 1
         if self.calls == 3:
@@ -100,8 +101,8 @@ def test_metrics_only_on_training_logs_not_eval_logs(tokenizer, tmp_path):
 
 def test_a_withdrawn_metric_does_not_reach_the_next_log():
     bus = RunBus()
-    bus.publish({"memory/steps_to_wall": 12.0, "memory/pressure": 1})
-    bus.withdraw("memory/steps_to_wall", "never/published")
+    bus.merger.publish({"memory/steps_to_wall": 12.0, "memory/pressure": 1})
+    bus.merger.withdraw("memory/steps_to_wall", "never/published")
     logs = {"loss": 1.0}
     bus.on_log(None, type("State", (), {"log_history": [], "global_step": 1})(), None, logs=logs)
     assert logs == {"loss": 1.0, "memory/pressure": 1}
@@ -201,3 +202,30 @@ def test_grpo_step_lines_keep_reward_and_completion_statistics(tokenizer, tmp_pa
         assert not any(k.startswith(TRAINER_LOG) and k.removeprefix(TRAINER_LOG).startswith(CALLBACK_PREFIXES)
                        for k in line)
         assert any(k.startswith("perf/") for k in logged)        # and the callbacks' keys reach the log
+
+
+def test_a_trainer_event_without_the_visible_shell_is_refused_at_its_definition():
+    """Every on_* event of a PerfCallback wears @hook, written at the method; a bare one is an error at once."""
+    from hf_perf_callbacks.base import HOOK_MARK
+
+    with pytest.raises(TypeError, match="Bare.on_step_end"):
+        class Bare(PerfCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                pass
+
+    for cls in (ThroughputMeter, PerfCallback):
+        events = [name for name in dir(cls) if name.startswith("on_") and name in vars(cls)]
+        assert events and all(getattr(getattr(cls, name), HOOK_MARK, False) for name in events)
+
+
+def test_the_meters_run_state_is_made_at_each_train_begin(tokenizer, tmp_path):
+    from hf_perf_callbacks.throughput import MeterRun
+
+    meter = ThroughputMeter()
+    assert meter.run is None                                  # __init__ holds settings and cores only
+    trainer = make_trainer(tokenizer, tmp_path, [meter], max_steps=2)
+    trainer.train()
+    first = meter.run
+    assert isinstance(first, MeterRun) and first.world == 1 and first.token_source == "hook"
+    trainer.train()                                           # a second train() call: a run state of its own
+    assert meter.run is not first and meter.timeline.steps == 2

@@ -187,7 +187,7 @@ def test_the_memory_wall_moving_is_said_once_at_info(tmp_path):
     from hf_perf_callbacks.runlog import read_run
 
     bus = RunBus()
-    bus.output_dir = str(tmp_path)
+    bus.log.output_dir = str(tmp_path)
     records = []
 
     class Keep(logging.Handler):
@@ -202,7 +202,7 @@ def test_the_memory_wall_moving_is_said_once_at_info(tmp_path):
     try:
         for step in (3, 5, 8):
             bus.event("mem", "wall", f"the memory wall moved: the budget is now {10 - step} GiB", step=step)
-        bus.flush()
+        bus.log.flush()
     finally:
         package.removeHandler(handler)
         package.setLevel(before)

@@ -174,3 +174,16 @@ def test_a_resume_reads_the_split_file_once_for_every_rank(two_rank_run):
     assert r0["main_process_value"] == r1["main_process_value"] == 0
     assert r0["resumed_split"] == r1["resumed_split"] == r0["oom_split"] == [2, 2]
     assert r0["resumed_decisions"] == r1["resumed_decisions"] >= 1
+
+
+def test_the_meter_and_the_watchdog_take_one_collective_per_step_also_with_one_rank_disabled(tmp_path):
+    """Their step ends share one exchange (not one each); rank 1's meter disabled by a fault at step 2 still joins
+    it with zeros, so both ranks finish every step."""
+    script = os.path.join(os.path.dirname(__file__), "scripts", "two_rank_exchange.py")
+    proc = torchrun(script, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.load(open(tmp_path / f"exchange{r}.json")) for r in (0, 1))
+    for result in (r0, r1):
+        assert result["both"]["per_step"] == {"1": 1, "2": 1, "3": 1, "4": 1}
+        assert result["faulted"]["per_step"] == {"1": 1, "2": 1, "3": 1, "4": 1}
+    assert r1["faulted"]["meter_disabled"] is True and r0["faulted"]["meter_disabled"] is False

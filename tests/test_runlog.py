@@ -142,7 +142,7 @@ def test_the_bus_writes_one_header_per_train_call_before_any_other_line(tokenize
     headers = [e for e in entries if e["type"] == "run"]
     assert len(headers) == 1 and entries[0] is headers[0]
     bus = trainer.callback_handler.callbacks[0]
-    assert headers[0]["session"] == bus.session and headers[0]["resumed_from_step"] == 0
+    assert headers[0]["session"] == bus.log.session and headers[0]["resumed_from_step"] == 0
     assert headers[0]["sources"] == ["perf", "mem"]
     assert headers[0]["device_type"] == "cpu" and headers[0]["budget_gb"] > 0
     assert headers[0]["warn_within_steps"] == 12                      # the run's own warn distance, for the report

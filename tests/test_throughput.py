@@ -27,8 +27,8 @@ def test_plain_trainer_counts_non_padding_tokens_like_the_trainer_does(tokenizer
     trainer = make_trainer(tokenizer, tmp_path / "ref", [reference], max_steps=5,
                            extra={"include_num_input_tokens_seen": "non_padding"})
     trainer.train()
-    assert own.token_source == "hook" and reference.token_source == "trainer"
-    assert own.counts.dtype == torch.long          # integer device counters: MPS has no float64
+    assert own.run.token_source == "hook" and reference.run.token_source == "trainer"
+    assert own.run.counts.dtype == torch.long          # integer device counters: MPS has no float64
     assert own.timeline.total_tokens == trainer.state.num_input_tokens_seen == reference.timeline.total_tokens
     assert own.timeline.total_tokens > 0
     steps = perf_lines(tmp_path / "own")
@@ -54,7 +54,7 @@ def test_grpo_tokens_phases_and_rollout_throughput(tokenizer, tmp_path):
 def test_grpo_generating_every_other_step_gives_no_spikes(tokenizer, tmp_path):
     meter = ThroughputMeter(window_steps=2, warmup_window=2, warmup_tolerance=0.9)
     make_grpo(tokenizer, tmp_path, [meter], max_steps=8, extra={"steps_per_generation": 4}).train()
-    assert meter.period == 2
+    assert meter.run.period == 2
     steps = perf_lines(tmp_path)
     tokens = [s[keys.PERF_TOKENS] for s in steps]
     assert all(t > 0 for t in tokens[0::2]) and all(t == 0 for t in tokens[1::2])
@@ -110,8 +110,8 @@ def test_mfu_follows_the_flops_model_with_a_given_peak(tokenizer, tmp_path):
     meter = ThroughputMeter(peak_flops=1e12)
     make_grpo(tokenizer, tmp_path, [meter], max_steps=4).train()
     last = [s for s in perf_lines(tmp_path) if keys.PERF_MFU in s][-1]
-    train, _ = train_flops_per_token(meter.shape, meter.seq_len)
-    per_token = train + forward_flops_per_token(meter.shape, meter.seq_len)     # GRPO: + one generation forward
+    train, _ = train_flops_per_token(meter.run.shape, meter.run.seq_len)
+    per_token = train + forward_flops_per_token(meter.run.shape, meter.run.seq_len)     # GRPO: + one generation forward
     assert last[keys.PERF_MFU] == pytest.approx(per_token * last[keys.PERF_TOKENS_PER_SEC] / 1e12)
     assert keys.PERF_HFU not in last                                 # no activation checkpointing here
     assert MeterSummary.__required_keys__ <= set(meter.summary) <= set(MeterSummary.__annotations__)  # its type
@@ -147,6 +147,7 @@ def test_the_callbacks_own_time_between_steps_is_not_data_wait(tokenizer, tmp_pa
     clock = PlantedClock()                             # the callbacks' one clock: it times their own work too
 
     class SlowOwn(PerfCallback):
+        @PerfCallback.hook
         def on_step_end(self, args, state, control, **kwargs):
             clock.spend(100.0)
 

@@ -102,7 +102,7 @@ def test_grpo_figures_equal_what_the_backend_spent(backend, tokenizer, tmp_path,
         else:
             assert keys.PERF_WEIGHT_SYNC_SEC not in step
         if backend == "vllm-colocate":        # the engine decodes the batch until its longest completion
-            expected = meter.weight_bytes * call["longest"] / GENERATE_SEC / PEAK_BANDWIDTH
+            expected = meter.run.weight_bytes * call["longest"] / GENERATE_SEC / PEAK_BANDWIDTH
             assert step[keys.PERF_DECODE_BANDWIDTH_UTIL] == pytest.approx(expected, rel=1e-12)
         elif backend == "vllm-server":        # the engine runs on the server's devices: no figure for this one
             assert keys.PERF_DECODE_BANDWIDTH_UTIL not in step

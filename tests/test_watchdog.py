@@ -172,6 +172,7 @@ class FakeTuner(PerfCallback):
         super().__init__()
         self.requests = []
 
+    @PerfCallback.hook
     def on_train_begin(self, args, state, control, **kwargs):
         self.bus.on_smaller_batch_request(self.shrink)
 

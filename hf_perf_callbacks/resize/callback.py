@@ -37,7 +37,7 @@ logger = logging.getLogger("hf_perf_callbacks")
 __all__ = ["AdaptiveBatchTuner", "candidates", "find_callback", "format_summary", "format_tuning"]
 
 
-class AdaptiveBatchTuner(PerfCallback):  # type: ignore[no-untyped-call]  # base.py's __init_subclass__ is untyped
+class AdaptiveBatchTuner(PerfCallback):
     """Keeps the fastest exact micro-batch / accumulation split that fits (see :mod:`hf_perf_callbacks.resize`).
 
     Args:
@@ -100,6 +100,7 @@ class AdaptiveBatchTuner(PerfCallback):  # type: ignore[no-untyped-call]  # base
         self._resumed = False
 
     # ------------------------------------------------------------ events
+    @PerfCallback.hook
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: torch.nn.Module | None = None, train_dataloader: DataLoader[Any] | None = None,
                        **kwargs: Any) -> None:
@@ -132,6 +133,7 @@ class AdaptiveBatchTuner(PerfCallback):  # type: ignore[no-untyped-call]  # base
             raise RuntimeError("AdaptiveBatchTuner has no tuning session yet: it opens one at on_train_begin")
         return self.session
 
+    @PerfCallback.hook
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         resumed, self._resumed = self._resumed, False
@@ -139,6 +141,7 @@ class AdaptiveBatchTuner(PerfCallback):  # type: ignore[no-untyped-call]  # base
         if rng is not None:
             set_rng_state(rng)                           # the epoch's iterator draws what it drew before the resume
 
+    @PerfCallback.hook
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
         # the RNG and loop state a checkpoint of the last step must hold; a pending switch raises SwitchSplit
@@ -148,18 +151,22 @@ class AdaptiveBatchTuner(PerfCallback):  # type: ignore[no-untyped-call]  # base
             self._started = self.clock.wall()
             self.generation.reset()
 
+    @PerfCallback.hook
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                               **kwargs: Any) -> None:
         self.in_optimizer_step = True
 
+    @PerfCallback.hook
     def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                           **kwargs: Any) -> None:
         self.in_optimizer_step = False
 
+    @PerfCallback.hook
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """transformers wrote checkpoint-N (on_save follows a whole _save_checkpoint): this run's, if complete."""
         self._session.saved(state.global_step)
 
+    @PerfCallback.hook
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         step = state.global_step
         split, resizes = self._session.step_ends(step)
@@ -206,6 +213,7 @@ class AdaptiveBatchTuner(PerfCallback):  # type: ignore[no-untyped-call]  # base
             control.should_training_stop = True
         return plan.new is not None and plan.action in ("resize", "none")
 
+    @PerfCallback.hook
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         if self._stop_watching is not None:

@@ -84,7 +84,7 @@ def main(out, stage):
         disabled=[type(c).__name__ for c in callbacks if c.disabled], keys=keys_logged(plain),
         tokens=meter.timeline.total_tokens, independent_tokens=int(counted.item()),
         rates=[entry.get(keys.PERF_TOKENS_PER_SEC) for entry in plain.state.log_history if "loss" in entry],
-        device=str(meter.device.device), world=meter.world, meter_matmul=meter.shape.matmul_params,
+        device=str(meter.run.device.device), world=meter.run.world, meter_matmul=meter.run.shape.matmul_params,
         reference_matmul=shape_of(build_model(tokenizer)).matmul_params)
 
     # 2. the watchdog: a tiny budget on rank 1 only stops both ranks at one step, with one DeepSpeed checkpoint

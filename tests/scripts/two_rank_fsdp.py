@@ -86,12 +86,12 @@ def main(out):
     result.update(
         fsdp=plain.is_fsdp_enabled, sharded=all(isinstance(p, DTensor) for p in params),
         local_numel=sum(p.to_local().numel() for p in params), global_numel=sum(p.numel() for p in params),
-        meter_matmul=meter.shape.matmul_params, reference_matmul=reference.matmul_params,
-        meter_trainable=meter.shape.trainable_matmul_params, disabled=[type(c).__name__ for c in callbacks
+        meter_matmul=meter.run.shape.matmul_params, reference_matmul=reference.matmul_params,
+        meter_trainable=meter.run.shape.trainable_matmul_params, disabled=[type(c).__name__ for c in callbacks
                                                                        if c.disabled],
         keys=keys_logged(plain), tokens=meter.timeline.total_tokens, independent_tokens=int(counted.item()),
         rates=[entry.get(keys.PERF_TOKENS_PER_SEC) for entry in plain.state.log_history if "loss" in entry],
-        device=str(meter.device.device), world=meter.world)
+        device=str(meter.run.device.device), world=meter.run.world)
 
     # 2. the watchdog: a tiny budget on rank 1 only stops both ranks at one step, with one sharded checkpoint
     watchdog = MemoryWatchdog(limit_gb=0.001 if rank == 1 else None, grace_steps=1)

@@ -19,6 +19,7 @@ def rates(meter):
 
 
 class RecordingMeter(ThroughputMeter):
+    @ThroughputMeter.hook
     def on_step_end(self, args, state, control, **kwargs):
         super().on_step_end(args, state, control, **kwargs)
         self.rates = getattr(self, "rates", []) + [self.timeline.tokens_per_sec or 0.0]
@@ -91,8 +92,8 @@ def main(out):
               "stop_step": stopped.state.global_step, "stop_actions": [a["action"] for a in watchdog.actions],
               "grpo_rates": rates(grpo_meter), "grpo_tokens": grpo_meter.timeline.total_tokens,
               "grpo_seen": grpo.state.num_input_tokens_seen, "plain_rates": rates(plain_meter),
-              "plain_tokens": plain_meter.timeline.total_tokens, "world": grpo_meter.world,
-              "plain_token_source": plain_meter.token_source}
+              "plain_tokens": plain_meter.timeline.total_tokens, "world": grpo_meter.run.world,
+              "plain_token_source": plain_meter.run.token_source}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 

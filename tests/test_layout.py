@@ -100,3 +100,52 @@ def test_every_metric_key_constant_is_public():
 
     constants = {n for n in vars(keys) if n.isupper() and not n.startswith("_")}
     assert constants <= set(keys.__all__), sorted(constants - set(keys.__all__))
+
+
+def layout_floors(text: str) -> dict[str, int]:
+    """docs/architecture.md's table of floors: each file or folder it names (``resize/`` and ``resize/session.py``)
+    → its floor, counted from the lowest."""
+    import re
+
+    table = text[text.index("| floor | where | job |"):].split("\n\n")[0].splitlines()[2:]
+    floors: dict[str, int] = {}
+    for i, row in enumerate(table):
+        for m in re.finditer(r"`([\w/]+/)` \(([^)]*)\)|`([\w/.]+)`", row.split("|")[2]):
+            if m.group(1):
+                floors[m.group(1)] = i
+                floors.update({m.group(1) + f: i for f in re.findall(r"`([\w/.]+)`", m.group(2))})
+            else:
+                floors[m.group(3)] = i
+    return floors
+
+
+def floor_of(module: str, floors: dict[str, int]) -> int | None:
+    parts = module.split(".")[1:]
+    path = "/".join(parts)
+    for name in (path + ".py", path + "/", path):
+        if name in floors:
+            return floors[name]
+    for k in range(len(parts) - 1, 0, -1):                   # a module in a folder the table names as a whole
+        if "/".join(parts[:k]) + "/" in floors:
+            return floors["/".join(parts[:k]) + "/"]
+    return None
+
+
+def test_the_architecture_pages_floors_are_the_code_and_no_import_goes_up_a_floor():
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    floors, graph = layout_floors(text), import_graph()
+    unnamed = sorted(m for m in graph if m.count(".") and not m.endswith("__main__") and floor_of(m, floors) is None)
+    assert unnamed == [], f"modules docs/architecture.md's table of floors does not name: {unnamed}"
+    named = [n for n in floors if n.endswith(".py")]
+    assert all((PACKAGE / n).exists() for n in named), [n for n in named if not (PACKAGE / n).exists()]
+    up = sorted((a, b) for a, targets in graph.items() for b in targets
+                if None not in (floor_of(a, floors), floor_of(b, floors)) and floor_of(b, floors) > floor_of(a, floors))
+    assert up == [], f"imports up a floor: {up}"
+
+
+def test_the_floor_check_finds_an_import_up_and_an_unnamed_module():
+    floors = layout_floors("| floor | where | job |\n|---|---|---|\n| low | `keys.py` | x |\n"
+                           "| high | `resize/` (`loop.py`) | y |\n\n")
+    assert floors == {"keys.py": 0, "resize/": 1, "resize/loop.py": 1}
+    assert floor_of("hf_perf_callbacks.resize.loop", floors) == 1 > floor_of("hf_perf_callbacks.keys", floors) == 0
+    assert floor_of("hf_perf_callbacks.resize", floors) == 1 and floor_of("hf_perf_callbacks.bus", floors) is None

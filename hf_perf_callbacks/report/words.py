@@ -11,8 +11,46 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .model import Fact, Facts, Finding, Note, Reason, Setting
-from .rules.advice import FLOOR, _bullets, _gb, _pct
+from ..runlog import GB
+from ..splitfile import Decision, trial_figures
+from ..wording import TUNER_NEEDS_TRAIN_WITH_TUNING, warmup_words
+from .figures import ranges_text, step_ranges
+from .model import (
+    CONTENTION_SHARE,
+    MIN_MACHINE_STEPS,
+    MIN_STEADY_STEPS,
+    Contention,
+    Fact,
+    Facts,
+    Finding,
+    Note,
+    Reason,
+    Setting,
+)
+
+#: what a phase's measured gain leaves out: checked with the advice applied (benchmarks/results/advice_phases_cpu.json),
+#: the steps around a save, a log or an evaluation ran faster without it (caches), so the gains measured came out
+#: 13-26% above these figures; printed as floors ("≥")
+FLOOR = ("; a floor: only the phase's own seconds are counted, not what it costs the steps around it (caches "
+         "evicted)")
+
+
+def _bullets(items: list[str]) -> str:
+    return "\n".join(f"- {item}" for item in items)
+
+
+def _sentence(parts: list[str]) -> str:
+    text = "; ".join(parts) + "."
+    return text[0].upper() + text[1:]
+
+
+def _pct(x: float) -> str:
+    return f"{x:.0%}" if x >= 0.1 else f"{x:.1%}"
+
+
+def _gb(nbytes: float) -> str:
+    gb = nbytes / GB
+    return f"{gb:.2f} GiB" if gb >= 0.1 else f"{nbytes / 1024**2:.0f} MB"
 
 
 @dataclass(frozen=True)
@@ -40,7 +78,7 @@ NoteRenderer = Callable[[Facts, Any], NoteWords]
 FINDING_WORDS: dict[str, FindingRenderer] = {}
 NOTE_WORDS: dict[str, NoteRenderer] = {}
 #: the rule modules (under ``report/rules``) whose every result is worded here
-RENDERED_MODULES: tuple[str, ...] = ("phases",)
+RENDERED_MODULES: tuple[str, ...] = ("phases", "run")
 
 
 def _finding_words(*reasons: Reason) -> Callable[[FindingRenderer], FindingRenderer]:
@@ -196,3 +234,136 @@ def _would_not_fit(f: Facts, _: Any) -> NoteWords:
                      f"Recompute took {recompute:.1f} s ({_pct(recompute / wall)} of the wall time), but keeping the "
                      f"activations would take about {_gb(_num(f, 'extra_bytes'))} more: {_num(f, 'after_gb'):.2f} of "
                      f"the {_num(f, 'budget_gb'):.2f} GiB budget, above the watchdog's margin.")
+
+
+# ---- run: warmup, evaluation, the tuning's cost, the tuner's hint, evidence, fields skipped ----------------------
+
+#: the one-time costs of a fresh process the warmup note names beside the optimizer state and the allocator
+FRESH_COSTS = {"mps": "Metal shader compilation", "cuda": "CUDA context and kernel selection",
+               "xpu": "kernel compilation"}
+
+
+def _contention_words(f: Facts, c: Contention | None) -> str:
+    """What the warmup note says about other processes: the findings that name them (facts
+    ``contention_findings``), else the meter's measured seconds (``c``) when there are any, else nothing."""
+    names = [n for n in _str(f, "contention_findings").split(", ") if n]
+    if names:
+        return (f" Other processes slowed this run too (the {' and the '.join(names)} finding"
+                f"{'s' if len(names) > 1 else ''} above): that time is contention, not warmup, and it recurs.")
+    if c:
+        return (f" Other processes slowed {c.steps} step(s) ({ranges_text(step_ranges(c.step_list))}) by "
+                f"{c.lost_sec:.1f} s, {_pct(c.lost_share)} of the run: contention, not warmup (below the "
+                f"{CONTENTION_SHARE:.0%} that makes a finding).")
+    return ""
+
+
+@_note_words("not_finished")
+def _warmup_not_finished(f: Facts, c: Any) -> NoteWords:
+    steps = _int(f, "steps")
+    return NoteWords("Warmup not finished",
+                     f"Warmup was not finished after {steps} step{'' if steps == 1 else 's'}: the meter has not seen "
+                     "its steps settle at one level, so the run has no steady figures yet (run longer)."
+                     + _contention_words(f, c))
+
+
+@_note_words("first_step_steady", "excluded")
+def _warmup(f: Facts, c: Any) -> NoteWords:
+    text = _sentence([warmup_words(f["warmup_steps"], f["slowdown"], f["overhead_sec"], f["latest_first_step"],
+                                   levels=_int(f, "levels"))])
+    if "first_sec" in f:
+        text += (f" Step {_int(f, 'first_step')} counts among the steady steps (the meter found no warmup beyond "
+                 f"it), so its {_num(f, 'first_sec'):.3g} s are in the steady figures: steady step "
+                 f"{_num(f, 'steady_with'):.3g} s, {_num(f, 'steady_without'):.3g} s without it.")
+    else:
+        fresh = f["fresh_cost"]
+        text += (" One-time costs of a fresh process (optimizer state, allocator growth"
+                 + (f", {fresh}" if fresh else "") + ") do not recur; the steady figures exclude the warmup steps.")
+    text += _contention_words(f, c)
+    if "steps_for_target" in f:
+        text += (f" In this short run warmup is {_pct(_num(f, 'share'))} of the time: compare steady figures only, "
+                 f"or run ≥ {_int(f, 'steps_for_target')} steps for warmup below {_num(f, 'target_share'):.0%}.")
+    return NoteWords("Warmup", text)
+
+
+@_finding_words("eval_share")
+def _eval_share(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    evals, every, new = _int(f, "evals"), _int(f, "every"), _int(f, "new_every")
+    eval_sec, wall, saved, gain = _num(f, "eval_sec"), _num(f, "wall_sec"), _num(f, "saved_sec"), _num(f, "gain")
+    obs = (f"{evals} evaluations (every {every} {_steps_word(every)}) took {eval_sec:.1f} s of the run's "
+           f"{wall:.1f} s wall time ({_pct(_num(f, 'share'))}), {_num(f, 'per_eval_sec'):.3g} s each, against "
+           f"{_num(f, 'train_per_step_sec'):.3g} s of training per step. The steady figures (s/step, tokens/s) leave "
+           "evaluation out: the run's wall time does not.")
+    root = ("Each evaluation runs the whole `eval_dataset` through the model; evaluating every few steps spends more "
+            "time judging the model than training it.")
+    items = [f"`eval_strategy: steps` with `eval_steps: {new}` (now every {every}): evaluation then takes about "
+             f"{_pct(_num(f, 'share_after'))} of the wall time",
+             "with `load_best_model_at_end: true`, `save_steps` must be a multiple of `eval_steps`",
+             "or evaluate a smaller set (`eval_dataset.select(range(n))`) or with a larger "
+             "`per_device_eval_batch_size`"]
+    formula = (f"measured: this run's {evals} evaluations took {eval_sec:.1f} s; every {new} steps instead "
+               f"of {every} saves {saved:.1f} s of {wall:.1f} s: {wall:.1f} / ({wall:.1f} − {saved:.1f}) = "
+               f"{gain:.2f}x (each evaluation costing what this run's did)")
+    return FindingWords("Evaluation takes a large share of the wall time", obs, root, _bullets(items),
+                        formula + FLOOR)
+
+
+@_finding_words("cost_over_saving")
+def _cost_over_saving(f: Facts, setting: Setting, d: Decision) -> FindingWords:
+    cost, saving, train, lost = _num(f, "cost_sec"), _num(f, "saving_sec"), _num(f, "train_sec"), _num(f, "lost_sec")
+    kept = _str(f, "kept")
+    trials = "; ".join(t.words() for t in trial_figures(d))
+    obs = (f"The tuner's measurement of splits on this run's own steps cost {cost:.1f} s ({_pct(cost / train)} of "
+           f"the {train:.1f} s of training) and is expected to save {saving:.1f} s over the rest of the run "
+           f"({'switched to' if f['switched'] else 'kept'} {kept} at step {f['step']}): {trials}.")
+    root = ("A trial costs its switches (a checkpoint, the end of a train() call and the start of the next), the "
+            "warm-up steps after each and any slower steps of the candidate; it pays only when the split it keeps "
+            "saves more over the steps left. In a short or noisy run the candidate cannot be told apart from the "
+            "noise in the steps there are" + (f" (the tuner's reason: {d.reason})" if d.reason else "") + ".")
+    how = ("`tune: false` in the recipe (`--tune false`)" if f["launcher"] else
+           "`train_with_tuning(trainer, tune=False)` (or `AdaptiveBatchTuner(tune=False)`)")
+    items = [f"{how} for runs this short; the split it measured: {kept}",
+             "or let the run be long enough to pay a trial back: the tuner weighs each round against the steps left"]
+    gain = f["gain"]
+    formula = (f"measured: the tuning's own cost {cost:.1f} s less its expected saving {saving:.1f} s, "
+               f"against {train:.1f} s of training: {train:.1f} / ({train:.1f} − {lost:.1f})"
+               + (f" = {_num(f, 'gain'):.2f}x" if gain else ""))
+    return FindingWords("The batch tuning cost more than it saved", obs, root, _bullets(items), formula)
+
+
+@_note_words("needs_train_with_tuning")
+def _needs_train_with_tuning(f: Facts, _: Any) -> NoteWords:
+    return NoteWords("Batch split not measured: the tuner needs train_with_tuning",
+                     _sentence([TUNER_NEEDS_TRAIN_WITH_TUNING])
+                     + (" Use `hf-perf train`'s recipe key `tune`." if f["launcher"] else ""))
+
+
+def too_short_words(warmup_done: bool | None, steps: int, steady_steps: int) -> str | None:
+    """Why a run's timings cannot be judged (None: they can): warmup not decided or not over, or fewer than
+    :data:`~.model.MIN_STEADY_STEPS` steps after it."""
+    if warmup_done is None:
+        return "the log holds no warmup decision (no ThroughputMeter step lines)"
+    if not warmup_done:
+        return f"warmup was not finished after {steps} step{'' if steps == 1 else 's'}"
+    if steady_steps < MIN_STEADY_STEPS:
+        return f"only {steady_steps} step(s) ran after warmup ({MIN_STEADY_STEPS} needed)"
+    return None
+
+
+@_note_words("too_few_steps")
+def _too_few_steps(f: Facts, _: Any) -> NoteWords:
+    done, grpo = f["warmup_done"], f["grpo"]
+    why = too_short_words(None if done is None else bool(done), _int(f, "steps"), _int(f, "steady_steps"))
+    more = (f"run ≥ {f['needed_steps']} steps" if done else
+            f"run more steps: warmup ends once the step times settle at one level, and {MIN_STEADY_STEPS} steps after "
+            f"it are needed")
+    timed = "data wait, " + ("generation share, " if grpo else "") + "micro-batch, slow early steps"
+    counted = "forwards per micro-batch, padding, " + ("rewards, completion lengths, " if grpo else "") + "memory"
+    return NoteWords(f"Too few steps to judge ({why})",
+                     f"Too few steps to judge the timings: {why}. Not judged: {timed}; no gain is estimated. Judged "
+                     f"anyway (counts, not timings): {counted}; thread oversubscription from {MIN_MACHINE_STEPS} "
+                     f"steps on. To judge the rest, {more}.")
+
+
+@_note_words("skipped")
+def _skipped(f: Facts, skipped: list[str]) -> NoteWords:
+    return NoteWords("Fields skipped", "Skipped (another writer's format): " + "; ".join(skipped) + ".")

@@ -14,7 +14,7 @@ from typing import Any
 from ..runlog import GB
 from ..splitfile import Decision, trial_figures
 from ..wording import TUNER_NEEDS_TRAIN_WITH_TUNING, warmup_words
-from .figures import ranges_text, step_ranges
+from .figures import SlowStretch, ranges_text, step_ranges
 from .model import (
     CONTENTION_SHARE,
     MIN_MACHINE_STEPS,
@@ -78,7 +78,7 @@ NoteRenderer = Callable[[Facts, Any], NoteWords]
 FINDING_WORDS: dict[str, FindingRenderer] = {}
 NOTE_WORDS: dict[str, NoteRenderer] = {}
 #: the rule modules (under ``report/rules``) whose every result is worded here
-RENDERED_MODULES: tuple[str, ...] = ("phases", "run")
+RENDERED_MODULES: tuple[str, ...] = ("phases", "run", "machine")
 
 
 def _finding_words(*reasons: Reason) -> Callable[[FindingRenderer], FindingRenderer]:
@@ -367,3 +367,107 @@ def _too_few_steps(f: Facts, _: Any) -> NoteWords:
 @_note_words("skipped")
 def _skipped(f: Facts, skipped: list[str]) -> NoteWords:
     return NoteWords("Fields skipped", "Skipped (another writer's format): " + "; ".join(skipped) + ".")
+
+
+# ---- machine: thread oversubscription, contention ------------------------------------------------------------
+
+def _threads_item(n: int, launcher: bool) -> str:
+    if launcher:
+        return (f"`OMP_NUM_THREADS={n}` in the environment that starts the run: `OMP_NUM_THREADS={n} hf-perf train "
+                f"--config …` (a recipe's `env:` is applied after torch has started its threads)")
+    return (f"`OMP_NUM_THREADS={n}` in the environment that starts the run, or `torch.set_num_threads({n})` "
+            f"before training")
+
+
+@_finding_words("threads_over_free_cores")
+def _threads_over_free_cores(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    t, cores, other, a = _int(f, "threads"), _int(f, "cores"), _num(f, "other"), _int(f, "advised_threads")
+    load = f["load"]
+    obs = (f"Over the whole run ({f['steps']} steps) this process kept {_num(f, 'busy'):.2f} of its {t} threads "
+           f"running (process CPU time / wall time) while other processes kept {other:.1f} of the {cores} cores "
+           f"busy" + (f" (load {_num(f, 'load'):.1f} per core)" if load is not None else "")
+           + f": {t} threads and {other:.1f} cores of other work asked for {_num(f, 'demand'):.1f} cores of "
+           f"{cores}; steps of similar work took {_num(f, 'spread'):.1f}x apart in wall time per token and "
+           f"{_num(f, 'cpu_spread'):.1f}x in CPU time per token.")
+    assumed = [str(where) for where in (f["cores_from"], f["threads_from"]) if where != "run header"]
+    if assumed:
+        obs += " The run header does not record them: " + "; ".join(assumed) + "."
+    root = (f"Thread oversubscription: torch splits each operation over {t} threads and waits at its end for all of "
+            "them. While another process holds a core, one thread waits for it and its partner spins at the barrier, "
+            "so CPU time rises with the wall time (why the slow-step check, which looks for slow steps with flat CPU "
+            "time, cannot see it, and why it is not warmup: it recurs all run). With no more threads than free cores "
+            "no thread waits for a core.")
+    items = [_threads_item(a, bool(f["launcher"])) + f" ({cores} cores − {other:.1f} busy with other work, at least 1)",
+             "or stop or move the other processes using these cores (a second training, a test suite, a build)"]
+    formula = "not predicted: the run has no step without contention to compare with"
+    if f["lower_bound"]:
+        formula = (f"at least {_num(f, 'lower_bound'):.2f}x: the run's mean wall seconds per token over its fastest "
+                   f"steps' (10th percentile) — those steps were contended too, and fewer threads also stop the "
+                   f"spinning")
+    return FindingWords("Thread oversubscription: more threads than free cores", obs, root, _bullets(items), formula)
+
+
+def _stretches_words(stretches: list[SlowStretch]) -> str:
+    """``steps 60–179 at 43% of the 2×4 split's speed, wall/CPU 1.90 against 1.02 (136.2 s lost)``, each stretch
+    with its own figures."""
+    return "; ".join(f"steps {s.first}–{s.last} at {s.share:.0%} of the {s.split + ' ' if s.split else ''}split's "
+                     f"speed" + (f", wall/CPU {s.wall_over_cpu:.2f} against {s.steady_wall_over_cpu:.2f}"
+                                 if s.wall_over_cpu is not None and s.steady_wall_over_cpu is not None else "")
+                     + f" ({s.lost_sec:.1f} s lost)" for s in stretches)
+
+
+def _unexplained_words(stretches: list[SlowStretch]) -> str:
+    why = ("the process's CPU time rose with the wall time (wall/CPU against the split's other steady steps), so "
+           "other processes do not explain it" if any(s.wall_over_cpu is not None for s in stretches) else
+           "no CPU time on this device tells other processes from the run's own work")
+    return (f"{len(stretches)} stretch(es) of steady steps ran well below their split's speed ("
+            f"{_stretches_words(stretches)}) and {why}; the log does not say what slowed them (longer sequences, "
+            "the data, the machine's clock or memory)")
+
+
+#: what the contention rule's renderers read beside the facts: the step lines' contended steps (None: none), the
+#: slow stretches blamed on contention, the unexplained ones
+ContentionSubject = tuple[Contention | None, list[SlowStretch], list[SlowStretch]]
+
+
+@_note_words("contention_below_share", "unexplained_stretches")
+def _slow_stretches(f: Facts, subject: ContentionSubject) -> NoteWords:
+    _, contended, unexplained = subject
+    text = ""
+    if contended:
+        text = (f"Other processes slowed {len(contended)} stretch(es) of steady steps ("
+                f"{_stretches_words(contended)}): {_num(f, 'lost_sec'):.1f} s, {_pct(_num(f, 'share'))} of the run, "
+                f"below the {CONTENTION_SHARE:.0%} that makes a finding. ")
+    if unexplained:
+        text += _unexplained_words(unexplained) + "."
+    return NoteWords("Slow stretches" + (", cause unexplained" if not contended else ""), text.strip())
+
+
+@_finding_words("other_processes")
+def _other_processes(f: Facts, setting: Setting, subject: ContentionSubject) -> FindingWords:
+    c, contended, unexplained = subject
+    lost, share, run_sec, gain = _num(f, "lost_sec"), _num(f, "share"), _num(f, "run_sec"), _num(f, "gain")
+    parts = []
+    if c:
+        parts.append(f"{c.steps} step(s) ({ranges_text(step_ranges(c.step_list))}) ran slower than the steady level "
+                     f"while their process CPU time did not rise with them (wall/CPU {c.wall_over_cpu:.2f} against "
+                     f"{c.steady_wall_over_cpu:.2f} when steady): {c.lost_sec:.1f} s"
+                     + (", the meter's `early_contention_sec`" if c.source == "meter" else ""))
+    if contended:
+        parts.append(f"{len(contended)} stretch(es) of steady steps ran well below their split's speed with their "
+                     f"CPU time flat ({_stretches_words(contended)})")
+    obs = "; ".join(parts) + f": {lost:.1f} s ({_pct(share)} of the run) went to waiting for a CPU"
+    if c and c.other_cores is not None:
+        obs += f"; other processes kept up to {c.other_cores:.1f} CPU cores busy during those steps"
+    obs += "."
+    if unexplained:
+        obs += " Besides, " + _unexplained_words(unexplained) + "."
+    root = ("Other processes (or too many threads of this one) shared the CPU cores: the training process was "
+            "runnable but not running. This is not warmup — warmup costs CPU time (allocation, compilation) and "
+            "does not recur.")
+    items = ["stop or move the other processes using these cores (a second training, a test suite, a build)",
+             "or leave them the cores they need: `OMP_NUM_THREADS` / `torch.set_num_threads` at most the cores "
+             "the other processes leave free (threads beyond them wait for each other)"]
+    formula = (f"the measured time lost: 1/(1 − {lost:.1f} s / {run_sec:.1f} s) = {gain:.2f}x (those steps at "
+               f"the steady level)")
+    return FindingWords("CPU contention: other processes slowed the run", obs, root, _bullets(items), formula)

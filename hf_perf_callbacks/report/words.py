@@ -7,16 +7,19 @@ Rule modules whose words are rendered here: :data:`RENDERED_MODULES` (the others
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+from ..dataloader import DataLoaderFacts, dataloader_changes
 from ..runlog import GB
 from ..splitfile import Decision, trial_figures
 from ..wording import TUNER_NEEDS_TRAIN_WITH_TUNING, warmup_words
 from .figures import SlowStretch, ranges_text, step_ranges
 from .model import (
     CONTENTION_SHARE,
+    MIN_FIXED_LENGTH_STEPS,
     MIN_MACHINE_STEPS,
     MIN_STEADY_STEPS,
     Contention,
@@ -42,6 +45,12 @@ def _bullets(items: list[str]) -> str:
 def _sentence(parts: list[str]) -> str:
     text = "; ".join(parts) + "."
     return text[0].upper() + text[1:]
+
+
+def _yaml(setting: Setting) -> str:
+    def value(v: object) -> str:
+        return "null" if v is None else "true" if v is True else "false" if v is False else json.dumps(v)
+    return ", ".join(f"`{k}: {value(v)}`" for k, v in setting.items())
 
 
 def _pct(x: float) -> str:
@@ -78,7 +87,7 @@ NoteRenderer = Callable[[Facts, Any], NoteWords]
 FINDING_WORDS: dict[str, FindingRenderer] = {}
 NOTE_WORDS: dict[str, NoteRenderer] = {}
 #: the rule modules (under ``report/rules``) whose every result is worded here
-RENDERED_MODULES: tuple[str, ...] = ("phases", "run", "machine")
+RENDERED_MODULES: tuple[str, ...] = ("phases", "run", "machine", "step")
 
 
 def _finding_words(*reasons: Reason) -> Callable[[FindingRenderer], FindingRenderer]:
@@ -471,3 +480,225 @@ def _other_processes(f: Facts, setting: Setting, subject: ContentionSubject) -> 
     formula = (f"the measured time lost: 1/(1 − {lost:.1f} s / {run_sec:.1f} s) = {gain:.2f}x (those steps at "
                f"the steady level)")
     return FindingWords("CPU contention: other processes slowed the run", obs, root, _bullets(items), formula)
+
+
+# ---- step: waiting for data, duplicate forwards, padding, the micro-batch --------------------------------------
+
+def tuner_how(launcher: bool, tuner_attached: bool) -> str:
+    """How a run gets the batch tuner to measure its splits, in the interface it was started with."""
+    if launcher:
+        return ("keep `AdaptiveBatchTuner` in the recipe's `callbacks` (the default) with `tune: true` (the "
+                "default; `--tune false` turns it off)")
+    if tuner_attached:
+        return ("call `train_with_tuning(trainer)` instead of `trainer.train()`, with `AdaptiveBatchTuner(tune=True)` "
+                "(the default): only then does the tuner measure the splits")
+    return "attach `AdaptiveBatchTuner()` (`callbacks=default_callbacks()`) and call `train_with_tuning(trainer)`"
+
+
+def model_formula(reason: Reason, f: Facts) -> str:
+    """The model behind a calibrated gain (:func:`~.rules.basis._calibrated` says how far it is checked), written
+    with the run's figures."""
+    if reason in ("no_workers", "workers_behind"):
+        return (f"workers hide the measured wait: 1/(1 − {_num(f, 'data_wait'):.2f}) = {_num(f, 'predicted'):.2f}x")
+    if reason == "grad_forwards":
+        c, n = _num(f, "compute"), _num(f, "forwards_per_microbatch")
+        return (f"compute scales with forwards per micro-batch: 1/((1 − {c:.2f}) + {c:.2f}/{n:.2f}) = "
+                f"{_num(f, 'predicted'):.2f}x")
+    assert reason == "pad_to_multiple", reason
+    c, r, k = _num(f, "compute"), _num(f, "rounding_share"), _int(f, "pad_to_multiple_of")
+    return (f"the rounding adds ≈ {_int(f, 'pad_parts')} × ({k} − 1)/2 of the mean {_num(f, 'mean_length'):.0f} "
+            f"padded positions = {_pct(r)}; compute on them saved: 1/((1 − {c:.2f}) + {c:.2f} × (1 − {r:.3f})) = "
+            f"{_num(f, 'predicted'):.2f}x")
+
+
+@_finding_words("no_workers", "workers_behind")
+def _input_bound(f: Facts, setting: Setting, formula: str) -> FindingWords:
+    dl = {k.split(":", 1)[1]: v for k, v in f.items() if k.startswith("dataloader:")}
+    settings = ", ".join(f"{k}={dl.get(k)}" for k in ("num_workers", "persistent_workers", "prefetch_factor",
+                                                         "pin_memory") if k in dl)
+    obs = f"The device waited for data {_pct(_num(f, 'data_wait'))} of the wall time (data-wait phase)" + \
+          (f"; DataLoader: {settings}." if settings else ".")
+    workers = _int(f, "num_workers")
+    if workers == 0:
+        root = ("Batches are loaded, tokenized and collated on the training process between steps "
+                "(`dataloader_num_workers` 0), serially with compute, so the device idles while the CPU prepares "
+                "the next batch.")
+    else:
+        root = f"{workers} DataLoader workers cannot keep up: preparing a batch takes longer than computing one."
+    lines = [line for line, _ in dataloader_changes(_str(f, "device_type"), cast(DataLoaderFacts, dl))]
+    return FindingWords("Input-bound: the device waits for data", obs, root, _bullets(lines), formula)
+
+
+def _kept_words(f: Facts) -> str:
+    return (f"kept the configured {f['old']}" if f["old"] == f["new"] else f"switched from {f['old']} to {f['new']}")
+
+
+#: what the small-micro-batch rule's renderers read beside the facts: the tuner's decision (None: no tuner
+#: measurement) and the sentence that says why no larger micro-batch is advised (None: nothing hit memory)
+SplitSubject = tuple[Decision | None, str | None]
+
+
+@_note_words("tuner_measured_none")
+def _tuner_measured_none(f: Facts, subject: SplitSubject) -> NoteWords:
+    d, _ = subject
+    assert d is not None
+    figures_ = trial_figures(d)
+    reason = f" (the tuner's reason: {d.reason})" if d.reason else ""
+    tried = "; ".join(t.words() for t in figures_ if t.status != "reference")
+    base = next((t for t in figures_ if t.status == "reference"), None)
+    return NoteWords("Batch split not measured",
+                     f"The tuner {_kept_words(f)} at step {f['step']} without measuring another split{reason}"
+                     + (f"; {base.words()}" if base is not None else "") + (f"; {tried}" if tried else "") + ".")
+
+
+@_note_words("tuner_measured")
+def _tuner_measured(f: Facts, subject: SplitSubject) -> NoteWords:
+    d, limit = subject
+    assert d is not None
+    figures_ = trial_figures(d)
+    reason = f" (the tuner's reason: {d.reason})" if d.reason else ""
+    cost, saving = f["cost_sec"], f["expected_gain_sec"]
+    words = (f" Measuring cost {_num(f, 'cost_sec'):.1f} s" if cost is not None else "") + (
+        f"; expected saving {_num(f, 'expected_gain_sec'):.1f} s over the rest of the run" if saving is not None
+        else "") + ("." if cost is not None or saving is not None else "")
+    return NoteWords("Batch split chosen by measurement",
+                     f"The tuner measured {f['measured']} split(s) on this run's own training steps "
+                     f"({'; '.join(t.words() for t in figures_)}) and {_kept_words(f)} at step {f['step']}{reason}."
+                     + words + (f" No larger micro-batch is advised: {limit}." if limit else ""))
+
+
+@_note_words("memory_cap")
+def _memory_cap_note(f: Facts, subject: SplitSubject) -> NoteWords:
+    return NoteWords("Micro-batch kept small by memory",
+                     f"Micro-batch {f['micro_batch']} × accumulation {f['grad_accum']}: no larger micro-batch is "
+                     f"advised, because {subject[1]}.")
+
+
+@_finding_words("small_split")
+def _small_split(f: Facts, setting: Setting, subject: SplitSubject) -> FindingWords:
+    _, why = subject
+    mb, ga, world, effective = f["micro_batch"], _int(f, "grad_accum"), _int(f, "world_size"), f["effective_batch"]
+    mfu = f["mfu"]
+    obs = (f"Micro-batch {mb} × accumulation {ga}" + (f" × {world} devices" if world > 1 else "")
+           + f" (effective batch {effective})"
+           + (f"; MFU {_pct(_num(f, 'mfu'))}" if mfu is not None else "") + f"; compute {_pct(_num(f, 'compute'))} "
+           "of the wall time" + (f"; {why}, so nothing above micro-batch {f['cap']} is advised" if why else "") + ".")
+    if f["device_type"] == "cpu":
+        root = ("Each micro-batch pays fixed costs (Python and autograd set-up, adapter dispatch, the optimizer's "
+                f"accumulation) {ga} times per optimizer step; on a CPU the matmuls of a larger micro-batch run at "
+                "about the same FLOP rate, so only those fixed costs can shrink — whether they matter is measured, "
+                "not known in advance.")
+    else:
+        root = ("With 1–2 sequences per micro-batch the matmuls are too thin to fill the device: each micro-batch "
+                f"pays its kernel launches and a forward/backward at low arithmetic intensity, {ga} times per "
+                "optimizer step.")
+    rec = (f"Try {_yaml(setting)} (effective batch {effective} unchanged"
+           + (", the generation batch and GRPO's groups too" if f["grpo"] else "") + "), or measure instead of "
+           f"guessing: {tuner_how(bool(f['launcher']), bool(f['tuner_attached']))}; the tuner times the exact splits "
+           f"({f['splits']}) on the run's own steps and keeps the fastest that fits memory.")
+    formula = ("not predicted: a larger micro-batch helps only where per-micro-batch costs dominate (measured on GPUs, "
+               "not on every CPU); the tuner measures it")
+    return FindingWords("Small micro-batch", obs, root, rec, formula)
+
+
+@_finding_words("grad_forwards")
+def _grad_forwards(f: Facts, setting: Setting, formula: str) -> FindingWords:
+    obs = (f"{_num(f, 'forwards_per_microbatch'):.2f} grad-enabled forward passes per micro-batch (expected 1); "
+           f"compute is {_pct(_num(f, 'compute'))} of the wall time.")
+    root = ("A custom `compute_loss` / `training_step` (or a metric or reward inside it) runs the model again with "
+            "gradients on — e.g. recomputing the loss instead of taking it from the first forward's logits — so "
+            "each micro-batch pays for the forward, and its graph and backward, more than once.")
+    rec = ("Compute the loss from the first forward's outputs (`outputs = model(**inputs)`; "
+           "`loss = loss_fn(outputs.logits, labels)`); run any extra pass (metrics, rewards) under "
+           "`torch.no_grad()` or drop it. `perf/forwards_per_microbatch` should read 1.")
+    return FindingWords("Duplicate forward pass", obs, root, rec, formula)
+
+
+@_finding_words("fixed_length")
+def _fixed_length(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    length, p, c = _int(f, "length"), _num(f, "pad_fraction"), _num(f, "compute")
+    obs = (f"Every step was padded to exactly {length} positions (`perf/seq_len` {length} on all {f['steps']} steps) "
+           f"while {_pct(p)} of the positions were padding: about {(1 - p) * length:.0f} real tokens per sequence.")
+    root = (f"A fixed length: the collator (or the tokenizer's `padding='max_length'`) pads every batch to {length} "
+            f"whatever the lengths of its sequences, so the device computes on the pad positions, and attention on "
+            "them quadratically. Grouping by length cannot help: it sorts sequences into batches, and a fixed length "
+            f"pads every batch to {length} all the same.")
+    if f["trainer_kind"] == "sft":
+        items = [f"let `SFTTrainer`'s own collator pad per batch: drop the fixed-length `data_collator` (and "
+                 f"`padding='max_length'` in any tokenization of your own), keeping `max_length: {length}` to bound "
+                 "the longest",
+                 "`padding_free: true` (flash attention) or `packing: true`: no padding at all",
+                 "then `train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before): "
+                 "similar lengths in a batch pad less"]
+    else:
+        items = ["pad per batch, to the longest sequence of each batch: tokenize without `padding='max_length'` and "
+                 "collate with `DataCollatorWithPadding(tokenizer)` (causal LM: `DataCollatorForLanguageModeling("
+                 f"tokenizer, mlm=False)`) and no fixed `max_length` (keep `truncation=True, max_length={length}` to "
+                 "bound the longest)",
+                 "with TRL's `SFTTrainer`: its own collator pads per batch (pass no `data_collator`); `padding_free: "
+                 "true` or `packing: true` removes the padding altogether",
+                 "then `train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before): "
+                 "similar lengths in a batch pad less"]
+    formula = ("not predicted: per-batch padding keeps the padding up to each batch's longest sequence, which the "
+               "log does not record, and a step's costs that do not shrink with its positions (the optimizer step, "
+               "per-micro-batch work outside the model's matmuls) cannot be told from those that do in a log padded "
+               f"to one length on every step; the pad positions are {_pct(p)} of the positions, compute "
+               f"{_pct(c)} of the wall time")
+    return FindingWords("Padding to a fixed length", obs, root, _bullets(items), formula)
+
+
+def _padding_observation(f: Facts) -> str:
+    k, seq_len = _int(f, "pad_to_multiple_of"), f["seq_len"]
+    return f"{_pct(_num(f, 'pad_fraction'))} of the positions in training forwards are padding" + \
+        (f" (padded length up to {seq_len} tokens)" if seq_len else "") + \
+        (f"; `pad_to_multiple_of` {k}" if k > 1 else "") + "."
+
+
+@_finding_words("pad_to_multiple")
+def _pad_to_multiple(f: Facts, setting: Setting, formula: str | None) -> FindingWords:
+    k = _int(f, "pad_to_multiple_of")
+    root = (f"`pad_to_multiple_of: {k}` rounds every padded "
+            + ("prompt and every completion block" if f["grpo"] else "batch") + f" up to a multiple of {k}: "
+            "on average (k − 1)/2 extra positions each. It bounds the number of distinct shapes, which only "
+            "MPS needs (one Metal graph per shape); on this device it is pure extra compute.")
+    rec = "`pad_to_multiple_of: null` (the default: pad to the longest sequence of each batch)"
+    return FindingWords("Padding from pad_to_multiple_of", _padding_observation(f), root, rec,
+                        formula or "not predicted: compute share or sequence length not measured")
+
+
+@_note_words("grpo_inherent")
+def _grpo_inherent(f: Facts, _: Any) -> NoteWords:
+    return NoteWords("Padding", f"{_padding_observation(f)} GRPO pads each micro-batch's completions to its longest one"
+                     + (" and left-pads its prompts to the longest prompt" if _int(f, "prompts_per_micro_batch") > 1
+                        else " (each micro-batch holds one prompt, so prompts add none)")
+                     + ": unequal completion lengths are inherent in sampling and no setting removes that padding"
+                     + ("; on MPS `pad_to_multiple_of` adds to it on purpose (fewer Metal graphs)"
+                        if _int(f, "pad_to_multiple_of") > 1 else "") + ".")
+
+
+_GROUP = ("`train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before) puts "
+          "similar lengths in a batch")
+_PADDING_REST = ["with TRL SFT: `padding_free: true` or `packing: true`",
+                 "split very long documents into `max_length` chunks"]
+
+
+@_finding_words("one_length_unsure")
+def _one_length_unsure(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    root = (f"Batches are padded to one length, {f['seq_len']} positions, on the steps logged: a fixed length (a "
+            f"collator's `max_length`, `padding='max_length'`) or each batch's longest sequence; too few steps "
+            f"({MIN_FIXED_LENGTH_STEPS} needed) to tell which. The device computes on the pad positions, "
+            f"attention quadratically.")
+    items = ["if the collator pads to a fixed length, pad per batch instead (tokenize without "
+             "`padding='max_length'`, collate with `DataCollatorWithPadding`): grouping cannot shorten a fixed "
+             "length", _GROUP, *_PADDING_REST]
+    return FindingWords("Padding waste", _padding_observation(f), root, _bullets(items),
+                        "not predicted: which padding the collator does is not yet known from the log")
+
+
+@_finding_words("per_batch")
+def _per_batch(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    root = ("Batches are padded to the longest sequence of each batch (the padded length changed from step to step, "
+            "so the padding is per batch): long and short sequences share batches, and the device computes on the "
+            "pad positions, attention quadratically.")
+    return FindingWords("Padding waste", _padding_observation(f), root, _bullets([_GROUP, *_PADDING_REST]),
+                        "not predicted: how much padding grouping removes depends on the length distribution")

@@ -3,7 +3,6 @@ the memory cap the advice respects, number formats.
 """
 from __future__ import annotations
 
-import json
 import math
 
 from ...batching import Split, exact_splits
@@ -14,6 +13,8 @@ from ..words import _bullets as _bullets
 from ..words import _gb as _gb
 from ..words import _pct as _pct
 from ..words import _sentence as _sentence
+from ..words import _yaml as _yaml
+from ..words import tuner_how
 
 COMPLETION_SLACK = 0.5
 COMPLETION_HEADROOM = 1.25
@@ -87,12 +88,6 @@ def _splits(m: Measurements) -> list[Split]:
         return []
 
 
-def _yaml(setting: Setting) -> str:
-    def value(v: object) -> str:
-        return "null" if v is None else "true" if v is True else "false" if v is False else json.dumps(v)
-    return ", ".join(f"`{k}: {value(v)}`" for k, v in setting.items())
-
-
 def _generation_batch(m: Measurements) -> int | None:
     """Completions per generation call over all devices: micro-batch × world × steps_per_generation (as configured;
     a tuner re-size keeps it)."""
@@ -121,13 +116,7 @@ def _launcher(m: Measurements) -> bool:
 
 def _tuner_how(m: Measurements) -> str:
     """How this run gets the batch tuner to measure its splits, in the interface it was started with."""
-    if _launcher(m):
-        return ("keep `AdaptiveBatchTuner` in the recipe's `callbacks` (the default) with `tune: true` (the "
-                "default; `--tune false` turns it off)")
-    if m.tuner_attached:
-        return ("call `train_with_tuning(trainer)` instead of `trainer.train()`, with `AdaptiveBatchTuner(tune=True)` "
-                "(the default): only then does the tuner measure the splits")
-    return "attach `AdaptiveBatchTuner()` (`callbacks=default_callbacks()`) and call `train_with_tuning(trainer)`"
+    return tuner_how(_launcher(m), m.tuner_attached)
 
 
 def _split_name(split: Split) -> str:

@@ -87,7 +87,7 @@ NoteRenderer = Callable[[Facts, Any], NoteWords]
 FINDING_WORDS: dict[str, FindingRenderer] = {}
 NOTE_WORDS: dict[str, NoteRenderer] = {}
 #: the rule modules (under ``report/rules``) whose every result is worded here
-RENDERED_MODULES: tuple[str, ...] = ("phases", "run", "machine", "step")
+RENDERED_MODULES: tuple[str, ...] = ("phases", "run", "machine", "step", "grpo")
 
 
 def _finding_words(*reasons: Reason) -> Callable[[FindingRenderer], FindingRenderer]:
@@ -702,3 +702,224 @@ def _per_batch(f: Facts, setting: Setting, _: Any) -> FindingWords:
             "pad positions, attention quadratically.")
     return FindingWords("Padding waste", _padding_observation(f), root, _bullets([_GROUP, *_PADDING_REST]),
                         "not predicted: how much padding grouping removes depends on the length distribution")
+
+
+# ---- grpo: a run that cannot learn, generation, weight syncs, the completion budget ------------------------------
+
+#: the phrases a GRPO renderer takes from the shared helpers (:mod:`.rules.advice`, :mod:`.rules.formulas`) beside
+#: the facts: ``sized`` (how a raised limit was sized), ``freed`` (the memory a cap frees, written out)
+Phrases = dict[str, str]
+_BACKEND_WORDS = {"transformers": "HF generate", "transformers-paged": "HF continuous batching",
+                  "vllm-server": "vLLM server", "vllm-colocate": "vLLM colocated", "vllm": "vLLM"}
+_CHECK_BY_HAND = ("check the reward functions on a few completions by hand: a reward that is constant by mistake (a "
+                  "parsing error that always returns 0) looks exactly like this")
+
+
+@_note_words("no_reward_data")
+def _no_reward_data(f: Facts, _: Any) -> NoteWords:
+    return NoteWords("No reward data",
+                     "No reward data in this run's logs (no `log/reward` in the step lines, no `trainer_state.json` "
+                     "with rewards): whether the run can learn was not checked.")
+
+
+@_note_words("too_few_logs")
+def _too_few_logs(f: Facts, _: Any) -> NoteWords:
+    return NoteWords("Too few logs to judge the rewards",
+                     f"Every completion of the {f['logs']} log(s) scored {_num(f, 'reward'):.3g}: too few logs to "
+                     f"judge whether the run can learn ({f['logs_needed']} needed; `logging_steps` sets how often the "
+                     "trainer logs).")
+
+
+_NO_LEARNING_FORMULA = "no speed figure: until rewards differ within a group no step changes the weights"
+
+
+@_finding_words("constant_reward")
+def _constant_reward(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    funcs = ", ".join(f"`{k.split(':', 1)[1]}` {_num(f, k):.3g}" for k in f if k.startswith("reward_func:"))
+    n, source = _int(f, "no_signal_run"), f["source"]
+    obs = (f"On all {f['logs']} logs every completion got the same reward, {_num(f, 'reward_min'):.3g}: no prompt "
+           f"group had any spread (`reward_std` 0)" + (f"; per reward function: {funcs}" if funcs else "")
+           + (f"; the gradient norm was 0 on {n} consecutive logs" if n else "")
+           + (f" (from the {source})." if source else "."))
+    root = ("GRPO learns from reward differences between the completions of one prompt (each advantage is a "
+            "reward minus its group's mean). Every completion of this run scored the same, so every advantage, "
+            "the loss and the gradient were 0: the weights never moved. More samples per prompt or a higher "
+            "temperature cannot move a reward that no sample of the whole run has moved: the reward gives no "
+            "partial credit the model's completions can reach, or the task is too hard for this model.")
+    items = ["make the reward give partial credit a sampled completion can reach (the format, a correct part, "
+             "closeness to the answer), so that completions of a group differ", _CHECK_BY_HAND,
+             "or start where the model succeeds sometimes: an easier task or curriculum, or a model (or a short "
+             "supervised warm-start) that solves some prompts"]
+    if "raised_limit" in f:
+        clipped = _num(f, "clipped")
+        items.append(f"then, if the answers need more room: `max_completion_length: {f['raised_limit']}` (now "
+                     f"{f['limit']}; {_pct(clipped)} of completions were cut at the limit) — a longer limit cannot "
+                     "make a reward that no completion moved vary by itself")
+    return FindingWords("The run cannot learn: every completion got the same reward", obs, root, _bullets(items),
+                        _NO_LEARNING_FORMULA)
+
+
+@_finding_words("no_group_variance")
+def _no_group_variance(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    mean = f["reward_mean"]
+    obs = (f"On {f['no_signal_run']} consecutive logs (of {f['logs']}) every prompt group's completions got the same "
+           f"reward (`frac_reward_zero_std` 1) and the gradient norm was 0"
+           + (f"; mean reward {_num(f, 'reward_mean'):.3g}" if mean is not None else "")
+           + ("; the mean reward differed between logs, so some prompts score and others do not"
+              if f["reward_varied"] else "") + ".")
+    root = ("GRPO's advantage is each completion's reward minus its group's mean: when all completions of a "
+            "group score the same, every advantage is 0, so the loss and the gradient are 0 and the weights do "
+            "not move.")
+    items = ["reward shaping: give partial credit a sampled completion can reach (format, a correct part, "
+             "closeness), so completions of a group differ"]
+    if "num_generations" in setting:            # more samples per prompt: chosen where some prompts score
+        text = (f"`num_generations: {setting['num_generations']}` (more samples per prompt: more chances that one "
+                "scores differently from the others)")
+        if "steps_per_generation" in setting:
+            text += (f" with `steps_per_generation: {setting['steps_per_generation']}` (the generation batch must "
+                     "hold whole groups)")
+        items.append(text)
+        if "temperature" in setting:
+            items.append(f"`temperature: 1.0` (now {_num(f, 'temperature'):g}): more varied samples within a group")
+    items.append(_CHECK_BY_HAND)
+    return FindingWords("The run cannot learn: no reward variance, zero gradients", obs, root, _bullets(items),
+                        _NO_LEARNING_FORMULA)
+
+
+def _off_policy_item(spg: int, steps_per_rollout: float) -> str:
+    return (f"`steps_per_generation: {2 * spg}` (now {spg}): one generate call for twice the sequences, the same "
+            f"decode steps. The cost is on-policy-ness: the rollouts then serve {2 * spg} micro-batches"
+            + (f" ({steps_per_rollout:g} optimizer steps)" if steps_per_rollout > 1 else "")
+            + ", so the updates after the first learn from completions sampled by older weights (off-policy); "
+              "TRL then computes the sampling policy's log-probabilities (one more forward over the generation "
+              "batch) and clips the importance ratio at `epsilon`")
+
+
+@_finding_words("launch_bound", "generation_share")
+def _generation_bound(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    g, u, backend = _num(f, "generation"), f["decode_bandwidth_util"], _str(f, "backend")
+    step, sync, rate = f["steady_step_sec"], f["weight_sync_share"], f["rollout_tokens_per_sec"]
+    obs = f"Generation (rollouts, {_BACKEND_WORDS.get(backend, backend)}) took {_pct(g)} of the wall time"
+    if step:
+        obs += f" (≈ {g * _num(f, 'steady_step_sec'):.2f} s of a {_num(f, 'steady_step_sec'):.2f} s step)"
+    if sync:
+        obs += f", weight syncs to vLLM {_pct(_num(f, 'weight_sync_share'))} of the wall time within it"
+    if rate:
+        obs += f"; {_num(f, 'rollout_tokens_per_sec'):.0f} completion tokens/s"
+    if u is not None:
+        obs += f"; decode read the weights at {_pct(_num(f, 'decode_bandwidth_util'))} of peak memory bandwidth"
+        obs += " — launch-bound, not bandwidth-bound" if f["launch_bound"] else ""
+    obs += "."
+    if backend.startswith("vllm"):
+        root = ("TRL generates synchronously: training waits while vLLM decodes the generation batch until its "
+                "longest completion (and, after each optimizer step, while the new weights are sent to it). "
+                "Generation does not depend on the training split, so it dominates a GRPO step.")
+    else:
+        root = ("HF `generate` decodes one token per step for the whole batch and runs every layer for each token; a "
+                "batch decodes until its longest completion. Generation does not depend on the training split, so "
+                "it dominates a GRPO step.")
+    lines: list[str] = []
+    if f["suggest_vllm"]:
+        lines += ["`use_vllm: true` with `vllm_mode: colocate` (paged KV cache and CUDA graphs remove the per-token "
+                  "launch overhead; `vllm_gpu_memory_utilization: 0.3` leaves room for training)",
+                  "or, without vLLM, `cache_implementation: static` (fixed-shape KV cache, no re-allocation per "
+                  "token)"]
+    if backend == "vllm-server":
+        lines.append("more GPUs for the vLLM server (`vllm serve ... --data-parallel-size N`): the generation batch "
+                     "is spread over its engines")
+    if f["optimizer_steps_per_rollout"] is not None:
+        lines.append(_off_policy_item(_int(f, "steps_per_generation"), _num(f, "optimizer_steps_per_rollout")))
+    if f["completion_target"] is not None:
+        lines.append(f"`max_completion_length: {f['completion_target']}` (the {f['target_basis']} is "
+                     f"{_num(f, 'target_tokens'):.0f} tokens; decode steps = the longest completion of a batch)")
+    if f["clipped_large"]:
+        lines.append(f"do not shorten `max_completion_length`: {_pct(_num(f, 'clipped'))} of completions are already "
+                     "cut at the limit")
+    formula = (f"not predicted: the run does not measure generation at another batch or backend (generation free "
+               f"would be the ceiling, 1/(1 − {g:.2f}) = {_num(f, 'ceiling'):.1f}x)")
+    return FindingWords("Generation-bound GRPO step", obs, root, _bullets(lines), formula)
+
+
+@_finding_words("sync_share")
+def _sync_share(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    share, backend, sec, gen = _num(f, "share"), _str(f, "backend"), f["sync_sec"], _num(f, "generation")
+    obs = (f"Sending the weights to vLLM ({_BACKEND_WORDS.get(backend, backend)}) took {_pct(share)} of the wall "
+           f"time: {f['syncs']} syncs" + (f" of ≈ {_num(f, 'sync_sec'):.2f} s each" if sec else "")
+           + (f"; generation as a whole {_pct(gen)}" if gen else "") + ".")
+    root = ("Before generating after an optimizer step, TRL sends every weight of the model to vLLM "
+            "(`VLLMGeneration.sync_weights`; with LoRA the adapters are merged and the whole model is sent), and the "
+            "trainer waits for it. Its cost grows with the model, not with the batch, so it weighs most where "
+            "generation batches are small.")
+    if f["sleep_mode"]:
+        root += (" With `vllm_enable_sleep_mode` the engine drops its weights after every generate call (sleep "
+                 "level 2), so a second call in one step (tool-call turns, evaluation) sends them again.")
+    lines: list[str] = []
+    if "steps_per_generation" in setting:
+        spg = _int(f, "steps_per_generation")
+        lines.append(f"`steps_per_generation: {2 * spg}` (now {spg}): one generation, and one sync, for twice the "
+                     f"micro-batches; the cost is on-policy-ness (the later updates learn from completions of older "
+                     f"weights, and TRL clips the importance ratio)")
+    if backend == "vllm-server":
+        lines.append("keep the server on GPUs of the training node (NVLink or PCIe, not across the network): the "
+                     "weights travel over NCCL from the training process's first rank")
+    formula = (f"not predicted: the run measures syncs at one setting (syncs free would be the ceiling, "
+               f"1/(1 − {share:.2f}) = {1 / (1 - share):.2f}x)")
+    return FindingWords("Weight syncs to vLLM take a large share of the step", obs, root, _bullets(lines), formula)
+
+
+def _completion_observation(f: Facts) -> str:
+    stats = ", ".join(f"{name} {_num(f, key):.0f}" for name, key in (
+        ("mean", "completion_mean"), ("p90 of per-log max", "completion_p90"), ("max", "completion_max"))
+        if f[key] is not None)
+    clipped = f["clipped_ratio"]
+    return (f"Completion lengths: {stats or 'n/a'} tokens against `max_completion_length` {f['limit']}"
+            + (f"; clipped ratio {_pct(_num(f, 'clipped_ratio'))} (mean over the run's logs)" if clipped is not None
+               else "") + ".")
+
+
+@_finding_words("cut_off")
+def _cut_off(f: Facts, setting: Setting, phrases: Phrases) -> FindingWords:
+    clipped, limit, raised = _num(f, "clipped"), _int(f, "limit"), _int(f, "raised_limit")
+    root = (f"{_pct(clipped)} of completions reached `max_completion_length` {limit} before the model ended them. A "
+            "cut completion is scored on an unfinished answer (a missing closing tag or final answer usually scores "
+            "0) and, unless masked, trained on as if it were complete.")
+    raise_it = (f"`max_completion_length: {raised}` (now {limit}; {phrases['sized']}) if the answers need the room: "
+                f"each step then decodes up to {raised / limit:.0f} times as many tokens (slower) and holds a longer "
+                "KV cache")
+    mask = ("`mask_truncated_completions: true`: cut completions are left out of the loss, so only finished answers "
+            f"teach (with {_pct(clipped)} cut, few remain: raise the limit too)")
+    items = [raise_it, mask] if f["headroom"] else [mask, raise_it]
+    items.append("or reward finishing within the budget (TRL's `get_soft_overlong_punishment`), or ask for shorter "
+                 "answers in the prompt")
+    return FindingWords("Most completions are cut off at max_completion_length", _completion_observation(f), root,
+                        _bullets(items), "no speed figure: a quality finding (a higher limit makes steps slower, not "
+                        "faster)")
+
+
+@_note_words("no_runaways")
+def _no_runaways(f: Facts, _: Any) -> NoteWords:
+    freed = f["freed_bytes"]
+    return NoteWords("max_completion_length far above what completions use",
+                     f"{_completion_observation(f)} No completion reached the limit, so time is unchanged by a cap; "
+                     f"`max_completion_length: {f['target']}` (next power of two ≥ {f['headroom_factor']} × the "
+                     f"{f['target_basis']}) would bound runaway rollouts"
+                     + (f" and free ≈ {_gb(_num(f, 'freed_bytes'))} at the limit, if memory is ever short"
+                        if freed else "") + ".")
+
+
+@_finding_words("runaways")
+def _runaways(f: Facts, setting: Setting, phrases: Phrases) -> FindingWords:
+    limit, basis, new, headroom = _int(f, "limit"), _num(f, "basis_tokens"), f["target"], _num(f, "headroom_factor")
+    root = (f"The limit is {limit / basis:.1f}x what the task uses. A completion that never emits end-of-sequence "
+            f"decodes to the limit, holds the whole generation batch for {limit} decode steps and pads every "
+            f"training sequence of its batch to {limit} tokens.")
+    rec = (f"`max_completion_length: {new}` (next power of two ≥ {f['headroom_factor']} × {basis:.0f} = "
+           f"{headroom * basis:.0f}, the {f['target_basis']}).")
+    if f["longest_cut"]:
+        rec += f" The longest observed completion ({_num(f, 'completion_max'):.0f}) would be cut."
+    if f["freed_bytes"]:
+        rec += f" At the limit this frees ≈ {_gb(_num(f, 'freed_bytes'))}: {phrases['freed']}."
+    formula = (f"not predicted: {_pct(_num(f, 'clipped'))} of completions reached the limit; how much decode time a "
+               "cap saves depends on how often a batch holds one")
+    return FindingWords("Runaway completions reach max_completion_length", _completion_observation(f), root, rec,
+                        formula)

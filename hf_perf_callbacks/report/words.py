@@ -87,7 +87,7 @@ NoteRenderer = Callable[[Facts, Any], NoteWords]
 FINDING_WORDS: dict[str, FindingRenderer] = {}
 NOTE_WORDS: dict[str, NoteRenderer] = {}
 #: the rule modules (under ``report/rules``) whose every result is worded here
-RENDERED_MODULES: tuple[str, ...] = ("phases", "run", "machine", "step", "grpo")
+RENDERED_MODULES: tuple[str, ...] = ("phases", "run", "machine", "step", "grpo", "memory")
 
 
 def _finding_words(*reasons: Reason) -> Callable[[FindingRenderer], FindingRenderer]:
@@ -923,3 +923,118 @@ def _runaways(f: Facts, setting: Setting, phrases: Phrases) -> FindingWords:
                "cap saves depends on how often a batch holds one")
     return FindingWords("Runaway completions reach max_completion_length", _completion_observation(f), root, rec,
                         formula)
+
+
+# ---- memory: swapping, pressure, the wall close, driver memory far above live tensors ------------------------
+
+@dataclass(frozen=True)
+class MemorySubject:
+    """What the memory rule's renderer reads beside the facts: the remedies in their order (each a code, ``code``,
+    with its figures and formulas), the wall's moves (step, why, moved), the watchdog's actions (action, step), the
+    tuner's out-of-memory decisions (micro-batch, step, the split it went on at)."""
+
+    remedies: list[Facts]
+    wall_moves: list[tuple[int | None, str, bool]]
+    actions: list[tuple[object, object]]
+    ooms: list[tuple[int, int | None, str]]
+
+
+def _remedy_words(r: Facts) -> str:
+    code = r["code"]
+    if code == "checkpointing":
+        text = "`activation_checkpointing: true` (`gradient_checkpointing` before transformers 5; ~20–30% more compute)"
+        if r["saved_bytes"]:
+            text += (f": activations per token {r['formula_now']} → {r['formula_checkpointed']}, × {r['tokens']} "
+                     f"frees ≈ {_gb(_num(r, 'saved_bytes'))}")
+        return text
+    if code == "smaller_split":
+        micro, accum, new_mb, new_ga = r["micro_batch"], r["grad_accum"], r["new_micro_batch"], r["new_grad_accum"]
+        text = (f"`per_device_train_batch_size: {new_mb}` with `gradient_accumulation_steps: {new_ga}` (effective "
+                f"batch {micro} × {accum} = {new_mb} × {new_ga} = {r['effective_batch']}, unchanged)")
+        if r["saved_bytes"]:
+            text += (f": frees ≈ {_gb(_num(r, 'saved_bytes'))} = ({r['formula']}) × {r['seq_len']} tokens × "
+                     f"{r['fewer']} fewer sequences")
+        return text
+    if code == "shorter_completions":
+        text = (f"`max_completion_length: {r['target']}` (now {r['limit']}; the {r['target_basis']} is "
+                f"{_num(r, 'target_tokens'):.0f})")
+        if r["saved_bytes"]:
+            text += f": frees ≈ {_gb(_num(r, 'saved_bytes'))} at the limit — {r['formula']}"
+        return text
+    assert code == "shorter_completions_hint", code
+    return ("a shorter `max_completion_length` if the task's answers are short (see `completions/max_length` in the "
+            "logs)")
+
+
+def _wall_words(f: Facts, s: MemorySubject) -> list[str]:
+    """The budget, the wall's moves, a leak, the watchdog's actions and the tuner's OOMs, in words."""
+    out = []
+    if f["budget_low_gb"] is not None and _num(f, "budget_high_gb") > 1.01 * _num(f, "budget_low_gb"):
+        out.append(f"the budget followed what the run could reach, between {_num(f, 'budget_low_gb'):.2f} and "
+                   f"{_num(f, 'budget_high_gb'):.2f} GiB")
+    out += [f"at step {step} the wall {'moved' if moved else 'was set'}: {why}"
+            for step, why, moved in s.wall_moves[:4] if why]
+    if f["leak_mib_per_step"]:
+        out.append(f"memory grew by {_num(f, 'leak_mib_per_step'):.0f} MiB on every step: a leak")
+    if s.actions:
+        acts = ", ".join(f"{action} at step {step}" for action, step in s.actions[:5])
+        out.append(f"the watchdog acted {len(s.actions)} times ({acts})")
+    out += [f"micro-batch {micro} ran out of memory at step {step} (the tuner went on at {split})"
+            for micro, step, split in s.ooms]
+    return out
+
+
+@_finding_words("swapping", "near_the_wall", "pressure")
+def _memory_pressure(f: Facts, setting: Setting, s: MemorySubject) -> FindingWords:
+    swapping, pressure, device = bool(f["swapping"]), f["max_pressure"], f["device_type"]
+    seen = []
+    if swapping:
+        seen.append(f"swap grew by {float(f['swap_growth_gb'] or 0):.2f} GiB" +
+                    (f" with swap-outs on {f['swapout_steps']} steps" if f["swapout_steps"] else ""))
+    if pressure:
+        level = _int(f, "max_pressure")
+        seen.append(f"memory pressure reached {('warn', 'critical')[min(level, 2) - 1]} (level {level})")
+    if f["high_water_gb"] is not None and f["budget_gb"]:
+        hw, budget = _num(f, "high_water_gb"), _num(f, "budget_gb")
+        seen.append(f"high-water mark {hw:.2f} GiB of a {budget:.2f} GiB budget ({_pct(hw / budget)})")
+    if f["steps_to_wall"] is not None and f["wall_near"]:
+        seen.append(f"the budget was {_num(f, 'steps_to_wall'):.0f} steps away at the current growth")
+    if f["allocator_bloat"]:
+        seen.append(f"the allocator held {_num(f, 'driver_gb'):.2f} GiB while live tensors were "
+                    f"{_num(f, 'allocated_gb'):.2f} GiB ({_num(f, 'cached_gb'):.2f} GiB cached)")
+    seen += _wall_words(f, s)
+    if device == "mps":
+        root = ("Unified memory: Metal memory (weights, activations, the allocator's cache) competes with the OS and "
+                "other apps; past the working set macOS compresses and then swaps pages to SSD, and every kernel "
+                "that touches a swapped page waits for it.")
+    elif device == "cuda":
+        root = ("The GPU works close to its memory limit: the caching allocator retries, fragments and finally "
+                "raises out-of-memory; a GPU does not swap, it stops.")
+    else:
+        root = "Training memory is close to physical RAM: the OS swaps and every step waits for page-ins."
+    if swapping and f["grpo"]:
+        root += (" In GRPO the peak is the training forward/backward over prompt + completion tokens (activations "
+                 "and full-vocabulary logits) on top of the generation KV cache.")
+    lines = [_remedy_words(r) for r in s.remedies]
+    if any(why for _, why, _ in s.wall_moves):  # memory outside the run set or moved the wall
+        lines.insert(0, "free the memory held outside this run (another process on the device, a pool outside "
+                        "PyTorch's allocator), or give the run a device of its own"
+                        + ("; with vLLM colocated, a lower `vllm_gpu_memory_utilization`" if f["use_vllm"] else ""))
+    if f["leak_mib_per_step"]:                  # no setting fixes a leak: first
+        lines.insert(0, "fix the leak first: memory that grows on every step comes from tensors kept across steps "
+                        "(a loss appended without `.item()`, a growing cache); a smaller micro-batch does not stop "
+                        "it")
+    if f["allocator_advice"] == "mps_cache_clearer":
+        lines.append(("add `MPSCacheClearer` to the recipe's `callbacks`" if f["launcher"] else
+                      "attach `MPSCacheClearer()` (`callbacks=default_callbacks()` has it)")
+                     + ": it clears the Metal cache when driver memory runs ahead of live tensors")
+    elif f["allocator_advice"] == "expandable_segments":
+        lines.append("`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` in the environment (less fragmentation of "
+                     "the reserved memory)")
+    if swapping:
+        formula = ("not predicted: this run never ran without swapping, so its own step time without it is not "
+                   "measured; swapping steps wait for the SSD and can be several times slower")
+    else:
+        formula = "no swapping observed: no speed-up; the gain is headroom (the GiB freed above) and no lost run"
+    return FindingWords("Memory pressure" + (": the run is swapping" if swapping else ""), _sentence(seen), root,
+                        _bullets(lines), formula)

@@ -3,7 +3,10 @@ finding's or a note's texts from its ``facts`` (and its ``setting``). A rule com
 the figures, the setting) and builds its result with :func:`finding` or :func:`note`; each sentence here is chosen
 from that data, never appended to another rule's words, so two sentences of one result cannot contradict each other.
 
-Rule modules whose words are rendered here: :data:`RENDERED_MODULES` (the others still write theirs inline).
+Every module under ``report/rules`` that defines a rule is worded here (:data:`RENDERED_MODULES`; checked by
+``tests/test_words.py``). A renderer may take a ``subject`` beside the facts where the figures are structured (the
+tuner's decision, the slow stretches, the memory remedies) and a few phrases the shared helpers write (``advice``: a
+memory limit hit, how a raised limit was sized; ``basis``: a calibration; ``formulas``: a memory formula).
 """
 from __future__ import annotations
 
@@ -86,7 +89,7 @@ NoteRenderer = Callable[[Facts, Any], NoteWords]
 #: reason code → the renderer of a finding of that case / of a note of that case
 FINDING_WORDS: dict[str, FindingRenderer] = {}
 NOTE_WORDS: dict[str, NoteRenderer] = {}
-#: the rule modules (under ``report/rules``) whose every result is worded here
+#: the rule modules (under ``report/rules``) whose every result is worded here: all that define a rule
 RENDERED_MODULES: tuple[str, ...] = ("phases", "run", "machine", "step", "grpo", "memory")
 
 

@@ -3,13 +3,18 @@ the memory cap the advice respects, number formats.
 """
 from __future__ import annotations
 
-import json
 import math
 
 from ...batching import Split, exact_splits
 from ...memory import WARN_WITHIN_STEPS as STEPS_TO_WALL  # the watchdog's default warn distance
-from ...runlog import GB
 from ..model import Measurements, Setting
+from ..words import FLOOR as FLOOR  # shared
+from ..words import _bullets as _bullets
+from ..words import _gb as _gb
+from ..words import _pct as _pct
+from ..words import _sentence as _sentence
+from ..words import _yaml as _yaml
+from ..words import tuner_how
 
 COMPLETION_SLACK = 0.5
 COMPLETION_HEADROOM = 1.25
@@ -17,30 +22,7 @@ CLIPPED_SMALL = 0.05
 CLIPPED_LARGE = 0.5
 UNSEEN_LIMIT = 256       # TRL's default max_completion_length: the raised limit when no completion ended
 SWAP_GROWTH_GB = 0.25
-#: what a phase's measured gain leaves out: checked with the advice applied (benchmarks/results/advice_phases_cpu.json),
-#: the steps around a save, a log or an evaluation ran faster without it (caches), so the gains measured came out
-#: 13-26% above these figures; printed as floors ("≥")
-FLOOR = ("; a floor: only the phase's own seconds are counted, not what it costs the steps around it (caches "
-         "evicted)")
 HIGH_WATER_FRACTION = 0.75   # CUDA: reserved ≫ allocated only matters this close to the budget
-
-
-def _bullets(items: list[str]) -> str:
-    return "\n".join(f"- {item}" for item in items)
-
-
-def _sentence(parts: list[str]) -> str:
-    text = "; ".join(parts) + "."
-    return text[0].upper() + text[1:]
-
-
-def _pct(x: float) -> str:
-    return f"{x:.0%}" if x >= 0.1 else f"{x:.1%}"
-
-
-def _gb(nbytes: float) -> str:
-    gb = nbytes / GB
-    return f"{gb:.2f} GiB" if gb >= 0.1 else f"{nbytes / 1024**2:.0f} MB"
 
 
 def _amdahl(share: float, speedup: float) -> float:
@@ -106,12 +88,6 @@ def _splits(m: Measurements) -> list[Split]:
         return []
 
 
-def _yaml(setting: Setting) -> str:
-    def value(v: object) -> str:
-        return "null" if v is None else "true" if v is True else "false" if v is False else json.dumps(v)
-    return ", ".join(f"`{k}: {value(v)}`" for k, v in setting.items())
-
-
 def _generation_batch(m: Measurements) -> int | None:
     """Completions per generation call over all devices: micro-batch × world × steps_per_generation (as configured;
     a tuner re-size keeps it)."""
@@ -140,13 +116,7 @@ def _launcher(m: Measurements) -> bool:
 
 def _tuner_how(m: Measurements) -> str:
     """How this run gets the batch tuner to measure its splits, in the interface it was started with."""
-    if _launcher(m):
-        return ("keep `AdaptiveBatchTuner` in the recipe's `callbacks` (the default) with `tune: true` (the "
-                "default; `--tune false` turns it off)")
-    if m.tuner_attached:
-        return ("call `train_with_tuning(trainer)` instead of `trainer.train()`, with `AdaptiveBatchTuner(tune=True)` "
-                "(the default): only then does the tuner measure the splits")
-    return "attach `AdaptiveBatchTuner()` (`callbacks=default_callbacks()`) and call `train_with_tuning(trainer)`"
+    return tuner_how(_launcher(m), m.tuner_attached)
 
 
 def _split_name(split: Split) -> str:

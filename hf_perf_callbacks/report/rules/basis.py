@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import math
 
-from ..model import MIN_STEADY_STEPS, TOO_FEW_STEPS, Measurements
+from ..model import TOO_FEW_STEPS, Measurements
+from ..words import too_short_words
 
 #: How close each model came to the measured gain when ``benchmarks/bench_advice.py`` applied its advice
 #: (``benchmarks/results/advice_*.json``): (rule, device type) → (checks, worst |predicted / measured − 1|). A rule
@@ -44,13 +45,7 @@ def _calibrated(rule: str, m: Measurements, predicted: float, formula: str) -> t
 def _too_short(m: Measurements) -> str | None:
     """Why this run's timings cannot be judged (None: they can): the timing rules and every gain need warmup over
     and :data:`MIN_STEADY_STEPS` steps measured after it."""
-    if m.warmup_done is None:
-        return "the log holds no warmup decision (no ThroughputMeter step lines)"
-    if not m.warmup_done:
-        return f"warmup was not finished after {m.steps} step{'' if m.steps == 1 else 's'}"
-    if m.steady_steps < MIN_STEADY_STEPS:
-        return f"only {m.steady_steps} step(s) ran after warmup ({MIN_STEADY_STEPS} needed)"
-    return None
+    return too_short_words(m.warmup_done, m.steps, m.steady_steps)
 
 
 def _judged(m: Measurements, gain: float | None, basis: str, confidence: str,

@@ -6,8 +6,8 @@ on this run (a save, a log, a recompute costing what this run's did): ``measured
 """
 from __future__ import annotations
 
-from ..model import Finding, Measurements, Note, Setting, card
-from .advice import FLOOR, _bullets, _gb, _pct
+from ..model import Facts, Finding, Measurements, Note, Setting, card
+from ..words import finding, note
 from .formulas import _act_per_token
 from .run import _nice_interval
 
@@ -59,27 +59,13 @@ def rule_saving(m: Measurements) -> Finding | None:
     per_save = save / n
     every = _setting_int(m, "save_steps") if m.trainer_settings.get("save_strategy") == "steps" else None
     every, other_per_step, new, saved, gain = _spaced(m, save, n, every, SAVE_TARGET)
-    obs = (f"{n} checkpoint saves (every {every} step{'s' if every != 1 else ''}) took {save:.1f} s of the run's "
-           f"{wall:.1f} s wall time ({_pct(save / wall)}), {per_save:.3g} s each, against {other_per_step:.3g} s of "
-           f"everything else per step.")
-    root = ("Each save writes the model, and unless `save_only_model` is set the optimizer and scheduler state too, "
-            "to disk while training waits; saving every few steps spends more time writing checkpoints than "
-            "training.")
+    facts: Facts = {"saves": n, "every": every, "save_sec": save, "wall_sec": wall, "per_save_sec": per_save,
+                    "other_per_step_sec": other_per_step, "new_every": new, "saved_sec": saved, "gain": gain,
+                    "share_after": per_save / new / (per_save / new + other_per_step),
+                    "save_only_model": m.trainer_settings.get("save_only_model") is True,
+                    "save_total_limit": m.trainer_settings.get("save_total_limit") is not None}
     setting: Setting = {"save_strategy": "steps", "save_steps": new}
-    items = [f"`save_steps: {new}` (now every {every}): saving then takes about "
-             f"{_pct(per_save / new / (per_save / new + other_per_step))} of the wall time"]
-    if m.trainer_settings.get("save_only_model") is not True:
-        items.append("`save_only_model: true` writes the weights alone (no optimizer state: smaller and faster, but "
-                     "a resume from it restarts the optimizer)")
-    if m.trainer_settings.get("save_total_limit") is None:
-        items.append("`save_total_limit: 2` bounds the disk the checkpoints take (not their time)")
-    items.append("with `load_best_model_at_end: true`, `save_steps` must be a multiple of `eval_steps`; this "
-                 "transformers version has no asynchronous checkpoint save")
-    formula = (f"measured: this run's {n} saves took {save:.1f} s; every {new} steps instead of {every} saves "
-               f"{saved:.1f} s of {wall:.1f} s: {wall:.1f} / ({wall:.1f} − {saved:.1f}) = {gain:.2f}x (each save "
-               f"costing what this run's did)")
-    return Finding("saving", "Checkpoint saving takes a large share of the wall time", obs, root, _bullets(items),
-                   gain, formula + FLOOR, "high", setting, "measured", gain, lower_bound=True, reason="save_share")
+    return finding("saving", "save_share", facts, setting, gain, "high", "measured", gain, lower_bound=True)
 
 
 def _user_callbacks(m: Measurements) -> list[tuple[str, float, dict[str, float]]]:
@@ -98,40 +84,25 @@ def rule_callbacks(m: Measurements) -> Finding | None:
     if wall <= 0 or (user + log) / wall < CALLBACK_SHARE or not m.steps:
         return None
     classes = _user_callbacks(m)
-    named = "; ".join(f"`{name}` {sec:.1f} s (" + ", ".join(f"{e} {s:.1f} s" for e, s in
-                                                               sorted(events.items(), key=lambda x: -x[1]) if s > 0)
-                      + ")" for name, sec, events in classes[:4])
+    facts: Facts = {"user_sec": user, "log_sec": log, "wall_sec": wall}
+    for name, sec, events in classes:
+        facts[f"callback:{name}"] = sec
+        facts.update((f"callback:{name}:{e}", s) for e, s in sorted(events.items(), key=lambda x: -x[1]) if s > 0)
     on_log = sum(events.get("on_log", 0.0) for _, _, events in classes) + log
-    obs = (f"Callbacks of this run other than the package's took {user:.1f} s and the trainer's logging {log:.1f} s "
-           f"of the {wall:.1f} s wall time ({_pct((user + log) / wall)})" + (f": {named}" if named else "") + ".")
     logs, every = m.training_logs, _setting_int(m, "logging_steps")
     if on_log / wall >= CALLBACK_SHARE and logs >= 2:
         per_log = on_log / logs
         every, other_per_step, new, saved, gain = _spaced(m, on_log, logs, every, LOG_TARGET)
-        root = (f"The work runs at every training log: {logs} logs (every {every} step{'s' if every != 1 else ''}) "
-                f"cost {per_log:.3g} s each in `on_log` and the trainer's log, against {other_per_step:.3g} s of "
-                "everything else per step; the time between steps was not waiting for data.")
-        items = [f"`logging_steps: {new}` (now {every}): the log-driven work then takes about "
-                 f"{_pct(per_log / new / (per_log / new + other_per_step))} of the wall time",
-                 "or make the costly callback's `on_log` cheaper (a `model.generate` or an evaluation inside it runs "
-                 "at every log)"]
-        formula = (f"measured: this run's {logs} logs cost {on_log:.1f} s; every {new} steps instead of {every} "
-                   f"saves {saved:.1f} s of {wall:.1f} s: {wall:.1f} / ({wall:.1f} − {saved:.1f}) = {gain:.2f}x")
-        return Finding("callbacks", "Logging and callbacks take a large share of the wall time", obs, root,
-                       _bullets(items), gain, formula + FLOOR, "high", {"logging_steps": new}, "measured", gain,
-                       lower_bound=True, reason="logging_share")
+        facts.update(logs=logs, every=every, on_log_sec=on_log, per_log_sec=per_log,
+                     other_per_step_sec=other_per_step, new_every=new, saved_sec=saved, gain=gain,
+                     share_after=per_log / new / (per_log / new + other_per_step))
+        return finding("callbacks", "logging_share", facts, {"logging_steps": new}, gain, "high", "measured", gain,
+                       lower_bound=True)
     if not classes:
         return None
     name, sec, events = classes[0]
-    event = max(events, key=lambda e: events[e])
-    root = (f"`{name}` spends {sec:.1f} s in its callbacks, most in `{event}`: work the trainer waits for at every "
-            "such event; the time between steps was not waiting for data.")
-    items = [f"make `{name}.{event}` cheaper, or let it act every N steps (`if state.global_step % N == 0`)",
-             "or remove the callback from `callbacks`"]
-    formula = (f"not predicted: how often the callback must run is the user's choice; all of its {sec:.1f} s of "
-               f"{wall:.1f} s would be {wall / max(1e-9, wall - sec):.2f}x")
-    return Finding("callbacks", f"Callback {name} takes a large share of the wall time", obs, root, _bullets(items),
-                   None, formula, "medium", {}, "try", None, reason="one_callback", facts={"callback": name})
+    facts.update(callback=name, event=max(events, key=lambda e: events[e]), callback_sec=sec)
+    return finding("callbacks", "one_callback", facts, {}, None, "medium", "try", None)
 
 
 @card(finding=f"gradient checkpointing's recompute ≥ {RECOMPUTE_SHARE:.0%} of the wall time (clocked on CPUs) and "
@@ -152,24 +123,12 @@ def rule_recompute(m: Measurements) -> Finding | Note | None:
         return None
     extra = (kept - freed) * m.micro_batch * m.seq_len
     after = m.mem_high_water_gb + extra / 2**30
+    facts: Facts = {"recompute_sec": recompute, "wall_sec": wall, "extra_bytes": extra, "after_gb": after,
+                    "budget_gb": m.mem_budget_gb, "high_water_gb": m.mem_high_water_gb, "micro_batch": m.micro_batch,
+                    "seq_len": m.seq_len}
     if after > MEMORY_ROOM * m.mem_budget_gb:
-        return Note("recompute", "Gradient checkpointing kept: the activations would not fit",
-                    f"Recompute took {recompute:.1f} s ({_pct(recompute / wall)} of the wall time), but keeping the "
-                    f"activations would take about {_gb(extra)} more: {after:.2f} of the {m.mem_budget_gb:.2f} GiB "
-                    "budget, above the watchdog's margin.", reason="would_not_fit")
+        return note("recompute", "would_not_fit", facts)
     gain = wall / (wall - recompute)
-    obs = (f"Gradient checkpointing re-ran the checkpointed layers' forwards for {recompute:.1f} s of the "
-           f"{wall:.1f} s wall time ({_pct(recompute / wall)}); memory peaked at {m.mem_high_water_gb:.2f} of "
-           f"{m.mem_budget_gb:.2f} GiB.")
-    root = ("Activation checkpointing trades compute for memory: the backward runs each layer's forward again. "
-            "TRL's `SFTConfig` and `GRPOConfig` turn it on by default (`gradient_checkpointing: true`), whether "
-            f"or not the memory is short; here keeping the activations takes about {_gb(extra)} more "
-            f"(micro-batch {m.micro_batch} × {m.seq_len} tokens), {after:.2f} GiB of the {m.mem_budget_gb:.2f} GiB "
-            "budget.")
-    rec = ("`activation_checkpointing: false` (TRL: `gradient_checkpointing: false`); keep the `MemoryWatchdog` "
-           "attached: it stops or re-sizes the run before the wall")
-    formula = (f"measured: this run's recompute took {recompute:.1f} s of {wall:.1f} s: {wall:.1f} / "
-               f"({wall:.1f} − {recompute:.1f}) = {gain:.2f}x")
-    return Finding("recompute", "Gradient checkpointing recomputes with memory to spare", obs, root, rec, gain,
-                   formula + FLOOR, "medium", {"activation_checkpointing": False}, "measured", gain, lower_bound=True,
-                   reason="memory_to_spare")
+    facts["gain"] = gain
+    return finding("recompute", "memory_to_spare", facts, {"activation_checkpointing": False}, gain, "medium",
+                   "measured", gain, lower_bound=True)

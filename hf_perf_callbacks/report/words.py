@@ -1,0 +1,1043 @@
+"""The analysis' English, in one place: one renderer per reason code (:data:`~.model.REASONS`) that writes a
+finding's or a note's texts from its ``facts`` (and its ``setting``). A rule computes data only (the case it found,
+the figures, the setting) and builds its result with :func:`finding` or :func:`note`; each sentence here is chosen
+from that data, never appended to another rule's words, so two sentences of one result cannot contradict each other.
+
+Every module under ``report/rules`` that defines a rule is worded here (:data:`RENDERED_MODULES`; checked by
+``tests/test_words.py``). A renderer may take a ``subject`` beside the facts where the figures are structured (the
+tuner's decision, the slow stretches, the memory remedies) and a few phrases the shared helpers write (``advice``: a
+memory limit hit, how a raised limit was sized; ``basis``: a calibration; ``formulas``: a memory formula).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+from ..dataloader import DataLoaderFacts, dataloader_changes
+from ..runlog import GB
+from ..splitfile import Decision, trial_figures
+from ..wording import TUNER_NEEDS_TRAIN_WITH_TUNING, warmup_words
+from .figures import SlowStretch, ranges_text, step_ranges
+from .model import (
+    CONTENTION_SHARE,
+    MIN_FIXED_LENGTH_STEPS,
+    MIN_MACHINE_STEPS,
+    MIN_STEADY_STEPS,
+    Contention,
+    Fact,
+    Facts,
+    Finding,
+    Note,
+    Reason,
+    Setting,
+)
+
+#: what a phase's measured gain leaves out: checked with the advice applied (benchmarks/results/advice_phases_cpu.json),
+#: the steps around a save, a log or an evaluation ran faster without it (caches), so the gains measured came out
+#: 13-26% above these figures; printed as floors ("≥")
+FLOOR = ("; a floor: only the phase's own seconds are counted, not what it costs the steps around it (caches "
+         "evicted)")
+
+
+def _bullets(items: list[str]) -> str:
+    return "\n".join(f"- {item}" for item in items)
+
+
+def _sentence(parts: list[str]) -> str:
+    text = "; ".join(parts) + "."
+    return text[0].upper() + text[1:]
+
+
+def _yaml(setting: Setting) -> str:
+    def value(v: object) -> str:
+        return "null" if v is None else "true" if v is True else "false" if v is False else json.dumps(v)
+    return ", ".join(f"`{k}: {value(v)}`" for k, v in setting.items())
+
+
+def _pct(x: float) -> str:
+    return f"{x:.0%}" if x >= 0.1 else f"{x:.1%}"
+
+
+def _gb(nbytes: float) -> str:
+    gb = nbytes / GB
+    return f"{gb:.2f} GiB" if gb >= 0.1 else f"{nbytes / 1024**2:.0f} MB"
+
+
+@dataclass(frozen=True)
+class FindingWords:
+    """A finding's texts: its title, observation, root cause, recommendation and gain formula."""
+
+    title: str
+    observation: str
+    root_cause: str
+    recommendation: str
+    formula: str
+
+
+@dataclass(frozen=True)
+class NoteWords:
+    """A note's texts: its title and text."""
+
+    title: str
+    text: str
+
+
+FindingRenderer = Callable[[Facts, Setting, Any], FindingWords]
+NoteRenderer = Callable[[Facts, Any], NoteWords]
+#: reason code → the renderer of a finding of that case / of a note of that case
+FINDING_WORDS: dict[str, FindingRenderer] = {}
+NOTE_WORDS: dict[str, NoteRenderer] = {}
+#: the rule modules (under ``report/rules``) whose every result is worded here: all that define a rule
+RENDERED_MODULES: tuple[str, ...] = ("phases", "run", "machine", "step", "grpo", "memory")
+
+
+def _finding_words(*reasons: Reason) -> Callable[[FindingRenderer], FindingRenderer]:
+    def register(render: FindingRenderer) -> FindingRenderer:
+        for reason in reasons:
+            FINDING_WORDS[reason] = render
+        return render
+    return register
+
+
+def _note_words(*reasons: Reason) -> Callable[[NoteRenderer], NoteRenderer]:
+    def register(render: NoteRenderer) -> NoteRenderer:
+        for reason in reasons:
+            NOTE_WORDS[reason] = render
+        return render
+    return register
+
+
+def finding(rule: str, reason: Reason, facts: Facts, setting: Setting, expected_gain: float | None,
+            confidence: str, basis: str, predicted_gain: float | None, *, subject: Any = None,
+            **more: Any) -> Finding:
+    """A finding of ``rule`` in case ``reason``, its texts rendered from ``facts`` and ``setting`` (``subject``: a
+    structured figure a renderer reads beside the facts, e.g. the tuner's decision; ``more``: Finding's other
+    fields)."""
+    w = FINDING_WORDS[reason](facts, setting, subject)
+    return Finding(rule, w.title, w.observation, w.root_cause, w.recommendation, expected_gain, w.formula,
+                   confidence, setting, basis, predicted_gain, reason=reason, facts=facts, **more)
+
+
+def note(rule: str, reason: Reason, facts: Facts, *, subject: Any = None, **more: Any) -> Note:
+    """A note of ``rule`` in case ``reason``, its title and text rendered from ``facts`` (``more``: Note's other
+    fields: ``judged``, ``steps``, ``lost_sec``)."""
+    w = NOTE_WORDS[reason](facts, subject)
+    return Note(rule, w.title, w.text, reason=reason, facts=facts, **more)
+
+
+def _num(facts: Facts, key: str) -> float:
+    value: Fact = facts[key]
+    assert isinstance(value, (int, float)), (key, value)
+    return float(value)
+
+
+def _int(facts: Facts, key: str) -> int:
+    value: Fact = facts[key]
+    assert isinstance(value, int), (key, value)
+    return value
+
+
+def _str(facts: Facts, key: str) -> str:
+    return str(facts[key])
+
+
+def _steps_word(n: int) -> str:
+    return "step" if n == 1 else "steps"
+
+
+# ---- phases: saving, callbacks, recompute ----------------------------------------------------------------------
+
+@_finding_words("save_share")
+def _save_share(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    n, every, new = _int(f, "saves"), _int(f, "every"), _int(f, "new_every")
+    save, wall, saved, gain = _num(f, "save_sec"), _num(f, "wall_sec"), _num(f, "saved_sec"), _num(f, "gain")
+    obs = (f"{n} checkpoint saves (every {every} {_steps_word(every)}) took {save:.1f} s of the run's "
+           f"{wall:.1f} s wall time ({_pct(save / wall)}), {_num(f, 'per_save_sec'):.3g} s each, against "
+           f"{_num(f, 'other_per_step_sec'):.3g} s of everything else per step.")
+    root = ("Each save writes the model, and unless `save_only_model` is set the optimizer and scheduler state too, "
+            "to disk while training waits; saving every few steps spends more time writing checkpoints than "
+            "training.")
+    items = [f"`save_steps: {new}` (now every {every}): saving then takes about {_pct(_num(f, 'share_after'))} of "
+             "the wall time"]
+    if not f["save_only_model"]:
+        items.append("`save_only_model: true` writes the weights alone (no optimizer state: smaller and faster, but "
+                     "a resume from it restarts the optimizer)")
+    if not f["save_total_limit"]:
+        items.append("`save_total_limit: 2` bounds the disk the checkpoints take (not their time)")
+    items.append("with `load_best_model_at_end: true`, `save_steps` must be a multiple of `eval_steps`; this "
+                 "transformers version has no asynchronous checkpoint save")
+    formula = (f"measured: this run's {n} saves took {save:.1f} s; every {new} steps instead of {every} saves "
+               f"{saved:.1f} s of {wall:.1f} s: {wall:.1f} / ({wall:.1f} − {saved:.1f}) = {gain:.2f}x (each save "
+               f"costing what this run's did)")
+    return FindingWords("Checkpoint saving takes a large share of the wall time", obs, root, _bullets(items),
+                        formula + FLOOR)
+
+
+def _callbacks_observation(f: Facts) -> str:
+    """What the callbacks and the logging took, with the costliest classes (facts ``callback:<class>`` and
+    ``callback:<class>:<event>``, in the order of their seconds)."""
+    user, log, wall = _num(f, "user_sec"), _num(f, "log_sec"), _num(f, "wall_sec")
+    classes = [k.split(":", 1)[1] for k in f if k.startswith("callback:") and k.count(":") == 1]
+    named = "; ".join(
+        f"`{name}` {_num(f, 'callback:' + name):.1f} s ("
+        + ", ".join(f"{k.rsplit(':', 1)[1]} {_num(f, k):.1f} s" for k in f
+                    if k.startswith(f"callback:{name}:") and k.count(":") == 2)
+        + ")" for name in classes[:4])
+    return (f"Callbacks of this run other than the package's took {user:.1f} s and the trainer's logging {log:.1f} s "
+            f"of the {wall:.1f} s wall time ({_pct((user + log) / wall)})" + (f": {named}" if named else "") + ".")
+
+
+@_finding_words("logging_share")
+def _logging_share(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    logs, every, new = _int(f, "logs"), _int(f, "every"), _int(f, "new_every")
+    on_log, wall, saved, gain = _num(f, "on_log_sec"), _num(f, "wall_sec"), _num(f, "saved_sec"), _num(f, "gain")
+    root = (f"The work runs at every training log: {logs} logs (every {every} {_steps_word(every)}) cost "
+            f"{_num(f, 'per_log_sec'):.3g} s each in `on_log` and the trainer's log, against "
+            f"{_num(f, 'other_per_step_sec'):.3g} s of everything else per step; the time between steps was not "
+            "waiting for data.")
+    items = [f"`logging_steps: {new}` (now {every}): the log-driven work then takes about "
+             f"{_pct(_num(f, 'share_after'))} of the wall time",
+             "or make the costly callback's `on_log` cheaper (a `model.generate` or an evaluation inside it runs "
+             "at every log)"]
+    formula = (f"measured: this run's {logs} logs cost {on_log:.1f} s; every {new} steps instead of {every} "
+               f"saves {saved:.1f} s of {wall:.1f} s: {wall:.1f} / ({wall:.1f} − {saved:.1f}) = {gain:.2f}x")
+    return FindingWords("Logging and callbacks take a large share of the wall time", _callbacks_observation(f), root,
+                        _bullets(items), formula + FLOOR)
+
+
+@_finding_words("one_callback")
+def _one_callback(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    name, event, sec, wall = _str(f, "callback"), _str(f, "event"), _num(f, "callback_sec"), _num(f, "wall_sec")
+    root = (f"`{name}` spends {sec:.1f} s in its callbacks, most in `{event}`: work the trainer waits for at every "
+            "such event; the time between steps was not waiting for data.")
+    items = [f"make `{name}.{event}` cheaper, or let it act every N steps (`if state.global_step % N == 0`)",
+             "or remove the callback from `callbacks`"]
+    formula = (f"not predicted: how often the callback must run is the user's choice; all of its {sec:.1f} s of "
+               f"{wall:.1f} s would be {wall / max(1e-9, wall - sec):.2f}x")
+    return FindingWords(f"Callback {name} takes a large share of the wall time", _callbacks_observation(f), root,
+                        _bullets(items), formula)
+
+
+@_finding_words("memory_to_spare")
+def _memory_to_spare(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    recompute, wall, gain = _num(f, "recompute_sec"), _num(f, "wall_sec"), _num(f, "gain")
+    budget, after, extra = _num(f, "budget_gb"), _num(f, "after_gb"), _num(f, "extra_bytes")
+    obs = (f"Gradient checkpointing re-ran the checkpointed layers' forwards for {recompute:.1f} s of the "
+           f"{wall:.1f} s wall time ({_pct(recompute / wall)}); memory peaked at {_num(f, 'high_water_gb'):.2f} of "
+           f"{budget:.2f} GiB.")
+    root = ("Activation checkpointing trades compute for memory: the backward runs each layer's forward again. "
+            "TRL's `SFTConfig` and `GRPOConfig` turn it on by default (`gradient_checkpointing: true`), whether "
+            f"or not the memory is short; here keeping the activations takes about {_gb(extra)} more "
+            f"(micro-batch {_int(f, 'micro_batch')} × {_int(f, 'seq_len')} tokens), {after:.2f} GiB of the "
+            f"{budget:.2f} GiB budget.")
+    rec = ("`activation_checkpointing: false` (TRL: `gradient_checkpointing: false`); keep the `MemoryWatchdog` "
+           "attached: it stops or re-sizes the run before the wall")
+    formula = (f"measured: this run's recompute took {recompute:.1f} s of {wall:.1f} s: {wall:.1f} / "
+               f"({wall:.1f} − {recompute:.1f}) = {gain:.2f}x")
+    return FindingWords("Gradient checkpointing recomputes with memory to spare", obs, root, rec, formula + FLOOR)
+
+
+@_note_words("would_not_fit")
+def _would_not_fit(f: Facts, _: Any) -> NoteWords:
+    recompute, wall = _num(f, "recompute_sec"), _num(f, "wall_sec")
+    return NoteWords("Gradient checkpointing kept: the activations would not fit",
+                     f"Recompute took {recompute:.1f} s ({_pct(recompute / wall)} of the wall time), but keeping the "
+                     f"activations would take about {_gb(_num(f, 'extra_bytes'))} more: {_num(f, 'after_gb'):.2f} of "
+                     f"the {_num(f, 'budget_gb'):.2f} GiB budget, above the watchdog's margin.")
+
+
+# ---- run: warmup, evaluation, the tuning's cost, the tuner's hint, evidence, fields skipped ----------------------
+
+#: the one-time costs of a fresh process the warmup note names beside the optimizer state and the allocator
+FRESH_COSTS = {"mps": "Metal shader compilation", "cuda": "CUDA context and kernel selection",
+               "xpu": "kernel compilation"}
+
+
+def _contention_words(f: Facts, c: Contention | None) -> str:
+    """What the warmup note says about other processes: the findings that name them (facts
+    ``contention_findings``), else the meter's measured seconds (``c``) when there are any, else nothing."""
+    names = [n for n in _str(f, "contention_findings").split(", ") if n]
+    if names:
+        return (f" Other processes slowed this run too (the {' and the '.join(names)} finding"
+                f"{'s' if len(names) > 1 else ''} above): that time is contention, not warmup, and it recurs.")
+    if c:
+        return (f" Other processes slowed {c.steps} step(s) ({ranges_text(step_ranges(c.step_list))}) by "
+                f"{c.lost_sec:.1f} s, {_pct(c.lost_share)} of the run: contention, not warmup (below the "
+                f"{CONTENTION_SHARE:.0%} that makes a finding).")
+    return ""
+
+
+@_note_words("not_finished")
+def _warmup_not_finished(f: Facts, c: Any) -> NoteWords:
+    steps = _int(f, "steps")
+    return NoteWords("Warmup not finished",
+                     f"Warmup was not finished after {steps} step{'' if steps == 1 else 's'}: the meter has not seen "
+                     "its steps settle at one level, so the run has no steady figures yet (run longer)."
+                     + _contention_words(f, c))
+
+
+@_note_words("first_step_steady", "excluded")
+def _warmup(f: Facts, c: Any) -> NoteWords:
+    text = _sentence([warmup_words(f["warmup_steps"], f["slowdown"], f["overhead_sec"], f["latest_first_step"],
+                                   levels=_int(f, "levels"))])
+    if "first_sec" in f:
+        text += (f" Step {_int(f, 'first_step')} counts among the steady steps (the meter found no warmup beyond "
+                 f"it), so its {_num(f, 'first_sec'):.3g} s are in the steady figures: steady step "
+                 f"{_num(f, 'steady_with'):.3g} s, {_num(f, 'steady_without'):.3g} s without it.")
+    else:
+        fresh = f["fresh_cost"]
+        text += (" One-time costs of a fresh process (optimizer state, allocator growth"
+                 + (f", {fresh}" if fresh else "") + ") do not recur; the steady figures exclude the warmup steps.")
+    text += _contention_words(f, c)
+    if "steps_for_target" in f:
+        text += (f" In this short run warmup is {_pct(_num(f, 'share'))} of the time: compare steady figures only, "
+                 f"or run ≥ {_int(f, 'steps_for_target')} steps for warmup below {_num(f, 'target_share'):.0%}.")
+    return NoteWords("Warmup", text)
+
+
+@_finding_words("eval_share")
+def _eval_share(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    evals, every, new = _int(f, "evals"), _int(f, "every"), _int(f, "new_every")
+    eval_sec, wall, saved, gain = _num(f, "eval_sec"), _num(f, "wall_sec"), _num(f, "saved_sec"), _num(f, "gain")
+    obs = (f"{evals} evaluations (every {every} {_steps_word(every)}) took {eval_sec:.1f} s of the run's "
+           f"{wall:.1f} s wall time ({_pct(_num(f, 'share'))}), {_num(f, 'per_eval_sec'):.3g} s each, against "
+           f"{_num(f, 'train_per_step_sec'):.3g} s of training per step. The steady figures (s/step, tokens/s) leave "
+           "evaluation out: the run's wall time does not.")
+    root = ("Each evaluation runs the whole `eval_dataset` through the model; evaluating every few steps spends more "
+            "time judging the model than training it.")
+    items = [f"`eval_strategy: steps` with `eval_steps: {new}` (now every {every}): evaluation then takes about "
+             f"{_pct(_num(f, 'share_after'))} of the wall time",
+             "with `load_best_model_at_end: true`, `save_steps` must be a multiple of `eval_steps`",
+             "or evaluate a smaller set (`eval_dataset.select(range(n))`) or with a larger "
+             "`per_device_eval_batch_size`"]
+    formula = (f"measured: this run's {evals} evaluations took {eval_sec:.1f} s; every {new} steps instead "
+               f"of {every} saves {saved:.1f} s of {wall:.1f} s: {wall:.1f} / ({wall:.1f} − {saved:.1f}) = "
+               f"{gain:.2f}x (each evaluation costing what this run's did)")
+    return FindingWords("Evaluation takes a large share of the wall time", obs, root, _bullets(items),
+                        formula + FLOOR)
+
+
+@_finding_words("cost_over_saving")
+def _cost_over_saving(f: Facts, setting: Setting, d: Decision) -> FindingWords:
+    cost, saving, train, lost = _num(f, "cost_sec"), _num(f, "saving_sec"), _num(f, "train_sec"), _num(f, "lost_sec")
+    kept = _str(f, "kept")
+    trials = "; ".join(t.words() for t in trial_figures(d))
+    obs = (f"The tuner's measurement of splits on this run's own steps cost {cost:.1f} s ({_pct(cost / train)} of "
+           f"the {train:.1f} s of training) and is expected to save {saving:.1f} s over the rest of the run "
+           f"({'switched to' if f['switched'] else 'kept'} {kept} at step {f['step']}): {trials}.")
+    root = ("A trial costs its switches (a checkpoint, the end of a train() call and the start of the next), the "
+            "warm-up steps after each and any slower steps of the candidate; it pays only when the split it keeps "
+            "saves more over the steps left. In a short or noisy run the candidate cannot be told apart from the "
+            "noise in the steps there are" + (f" (the tuner's reason: {d.reason})" if d.reason else "") + ".")
+    how = ("`tune: false` in the recipe (`--tune false`)" if f["launcher"] else
+           "`train_with_tuning(trainer, tune=False)` (or `AdaptiveBatchTuner(tune=False)`)")
+    items = [f"{how} for runs this short; the split it measured: {kept}",
+             "or let the run be long enough to pay a trial back: the tuner weighs each round against the steps left"]
+    gain = f["gain"]
+    formula = (f"measured: the tuning's own cost {cost:.1f} s less its expected saving {saving:.1f} s, "
+               f"against {train:.1f} s of training: {train:.1f} / ({train:.1f} − {lost:.1f})"
+               + (f" = {_num(f, 'gain'):.2f}x" if gain else ""))
+    return FindingWords("The batch tuning cost more than it saved", obs, root, _bullets(items), formula)
+
+
+@_note_words("needs_train_with_tuning")
+def _needs_train_with_tuning(f: Facts, _: Any) -> NoteWords:
+    return NoteWords("Batch split not measured: the tuner needs train_with_tuning",
+                     _sentence([TUNER_NEEDS_TRAIN_WITH_TUNING])
+                     + (" Use `hf-perf train`'s recipe key `tune`." if f["launcher"] else ""))
+
+
+def too_short_words(warmup_done: bool | None, steps: int, steady_steps: int) -> str | None:
+    """Why a run's timings cannot be judged (None: they can): warmup not decided or not over, or fewer than
+    :data:`~.model.MIN_STEADY_STEPS` steps after it."""
+    if warmup_done is None:
+        return "the log holds no warmup decision (no ThroughputMeter step lines)"
+    if not warmup_done:
+        return f"warmup was not finished after {steps} step{'' if steps == 1 else 's'}"
+    if steady_steps < MIN_STEADY_STEPS:
+        return f"only {steady_steps} step(s) ran after warmup ({MIN_STEADY_STEPS} needed)"
+    return None
+
+
+@_note_words("too_few_steps")
+def _too_few_steps(f: Facts, _: Any) -> NoteWords:
+    done, grpo = f["warmup_done"], f["grpo"]
+    why = too_short_words(None if done is None else bool(done), _int(f, "steps"), _int(f, "steady_steps"))
+    more = (f"run ≥ {f['needed_steps']} steps" if done else
+            f"run more steps: warmup ends once the step times settle at one level, and {MIN_STEADY_STEPS} steps after "
+            f"it are needed")
+    timed = "data wait, " + ("generation share, " if grpo else "") + "micro-batch, slow early steps"
+    counted = "forwards per micro-batch, padding, " + ("rewards, completion lengths, " if grpo else "") + "memory"
+    return NoteWords(f"Too few steps to judge ({why})",
+                     f"Too few steps to judge the timings: {why}. Not judged: {timed}; no gain is estimated. Judged "
+                     f"anyway (counts, not timings): {counted}; thread oversubscription from {MIN_MACHINE_STEPS} "
+                     f"steps on. To judge the rest, {more}.")
+
+
+@_note_words("skipped")
+def _skipped(f: Facts, skipped: list[str]) -> NoteWords:
+    return NoteWords("Fields skipped", "Skipped (another writer's format): " + "; ".join(skipped) + ".")
+
+
+# ---- machine: thread oversubscription, contention ------------------------------------------------------------
+
+def _threads_item(n: int, launcher: bool) -> str:
+    if launcher:
+        return (f"`OMP_NUM_THREADS={n}` in the environment that starts the run: `OMP_NUM_THREADS={n} hf-perf train "
+                f"--config …` (a recipe's `env:` is applied after torch has started its threads)")
+    return (f"`OMP_NUM_THREADS={n}` in the environment that starts the run, or `torch.set_num_threads({n})` "
+            f"before training")
+
+
+@_finding_words("threads_over_free_cores")
+def _threads_over_free_cores(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    t, cores, other, a = _int(f, "threads"), _int(f, "cores"), _num(f, "other"), _int(f, "advised_threads")
+    load = f["load"]
+    obs = (f"Over the whole run ({f['steps']} steps) this process kept {_num(f, 'busy'):.2f} of its {t} threads "
+           f"running (process CPU time / wall time) while other processes kept {other:.1f} of the {cores} cores "
+           f"busy" + (f" (load {_num(f, 'load'):.1f} per core)" if load is not None else "")
+           + f": {t} threads and {other:.1f} cores of other work asked for {_num(f, 'demand'):.1f} cores of "
+           f"{cores}; steps of similar work took {_num(f, 'spread'):.1f}x apart in wall time per token and "
+           f"{_num(f, 'cpu_spread'):.1f}x in CPU time per token.")
+    assumed = [str(where) for where in (f["cores_from"], f["threads_from"]) if where != "run header"]
+    if assumed:
+        obs += " The run header does not record them: " + "; ".join(assumed) + "."
+    root = (f"Thread oversubscription: torch splits each operation over {t} threads and waits at its end for all of "
+            "them. While another process holds a core, one thread waits for it and its partner spins at the barrier, "
+            "so CPU time rises with the wall time (why the slow-step check, which looks for slow steps with flat CPU "
+            "time, cannot see it, and why it is not warmup: it recurs all run). With no more threads than free cores "
+            "no thread waits for a core.")
+    items = [_threads_item(a, bool(f["launcher"])) + f" ({cores} cores − {other:.1f} busy with other work, at least 1)",
+             "or stop or move the other processes using these cores (a second training, a test suite, a build)"]
+    formula = "not predicted: the run has no step without contention to compare with"
+    if f["lower_bound"]:
+        formula = (f"at least {_num(f, 'lower_bound'):.2f}x: the run's mean wall seconds per token over its fastest "
+                   f"steps' (10th percentile) — those steps were contended too, and fewer threads also stop the "
+                   f"spinning")
+    return FindingWords("Thread oversubscription: more threads than free cores", obs, root, _bullets(items), formula)
+
+
+def _stretches_words(stretches: list[SlowStretch]) -> str:
+    """``steps 60–179 at 43% of the 2×4 split's speed, wall/CPU 1.90 against 1.02 (136.2 s lost)``, each stretch
+    with its own figures."""
+    return "; ".join(f"steps {s.first}–{s.last} at {s.share:.0%} of the {s.split + ' ' if s.split else ''}split's "
+                     f"speed" + (f", wall/CPU {s.wall_over_cpu:.2f} against {s.steady_wall_over_cpu:.2f}"
+                                 if s.wall_over_cpu is not None and s.steady_wall_over_cpu is not None else "")
+                     + f" ({s.lost_sec:.1f} s lost)" for s in stretches)
+
+
+def _unexplained_words(stretches: list[SlowStretch]) -> str:
+    why = ("the process's CPU time rose with the wall time (wall/CPU against the split's other steady steps), so "
+           "other processes do not explain it" if any(s.wall_over_cpu is not None for s in stretches) else
+           "no CPU time on this device tells other processes from the run's own work")
+    return (f"{len(stretches)} stretch(es) of steady steps ran well below their split's speed ("
+            f"{_stretches_words(stretches)}) and {why}; the log does not say what slowed them (longer sequences, "
+            "the data, the machine's clock or memory)")
+
+
+#: what the contention rule's renderers read beside the facts: the step lines' contended steps (None: none), the
+#: slow stretches blamed on contention, the unexplained ones
+ContentionSubject = tuple[Contention | None, list[SlowStretch], list[SlowStretch]]
+
+
+@_note_words("contention_below_share", "unexplained_stretches")
+def _slow_stretches(f: Facts, subject: ContentionSubject) -> NoteWords:
+    _, contended, unexplained = subject
+    text = ""
+    if contended:
+        text = (f"Other processes slowed {len(contended)} stretch(es) of steady steps ("
+                f"{_stretches_words(contended)}): {_num(f, 'lost_sec'):.1f} s, {_pct(_num(f, 'share'))} of the run, "
+                f"below the {CONTENTION_SHARE:.0%} that makes a finding. ")
+    if unexplained:
+        text += _unexplained_words(unexplained) + "."
+    return NoteWords("Slow stretches" + (", cause unexplained" if not contended else ""), text.strip())
+
+
+@_finding_words("other_processes")
+def _other_processes(f: Facts, setting: Setting, subject: ContentionSubject) -> FindingWords:
+    c, contended, unexplained = subject
+    lost, share, run_sec, gain = _num(f, "lost_sec"), _num(f, "share"), _num(f, "run_sec"), _num(f, "gain")
+    parts = []
+    if c:
+        parts.append(f"{c.steps} step(s) ({ranges_text(step_ranges(c.step_list))}) ran slower than the steady level "
+                     f"while their process CPU time did not rise with them (wall/CPU {c.wall_over_cpu:.2f} against "
+                     f"{c.steady_wall_over_cpu:.2f} when steady): {c.lost_sec:.1f} s"
+                     + (", the meter's `early_contention_sec`" if c.source == "meter" else ""))
+    if contended:
+        parts.append(f"{len(contended)} stretch(es) of steady steps ran well below their split's speed with their "
+                     f"CPU time flat ({_stretches_words(contended)})")
+    obs = "; ".join(parts) + f": {lost:.1f} s ({_pct(share)} of the run) went to waiting for a CPU"
+    if c and c.other_cores is not None:
+        obs += f"; other processes kept up to {c.other_cores:.1f} CPU cores busy during those steps"
+    obs += "."
+    if unexplained:
+        obs += " Besides, " + _unexplained_words(unexplained) + "."
+    root = ("Other processes (or too many threads of this one) shared the CPU cores: the training process was "
+            "runnable but not running. This is not warmup — warmup costs CPU time (allocation, compilation) and "
+            "does not recur.")
+    items = ["stop or move the other processes using these cores (a second training, a test suite, a build)",
+             "or leave them the cores they need: `OMP_NUM_THREADS` / `torch.set_num_threads` at most the cores "
+             "the other processes leave free (threads beyond them wait for each other)"]
+    formula = (f"the measured time lost: 1/(1 − {lost:.1f} s / {run_sec:.1f} s) = {gain:.2f}x (those steps at "
+               f"the steady level)")
+    return FindingWords("CPU contention: other processes slowed the run", obs, root, _bullets(items), formula)
+
+
+# ---- step: waiting for data, duplicate forwards, padding, the micro-batch --------------------------------------
+
+def tuner_how(launcher: bool, tuner_attached: bool) -> str:
+    """How a run gets the batch tuner to measure its splits, in the interface it was started with."""
+    if launcher:
+        return ("keep `AdaptiveBatchTuner` in the recipe's `callbacks` (the default) with `tune: true` (the "
+                "default; `--tune false` turns it off)")
+    if tuner_attached:
+        return ("call `train_with_tuning(trainer)` instead of `trainer.train()`, with `AdaptiveBatchTuner(tune=True)` "
+                "(the default): only then does the tuner measure the splits")
+    return "attach `AdaptiveBatchTuner()` (`callbacks=default_callbacks()`) and call `train_with_tuning(trainer)`"
+
+
+def model_formula(reason: Reason, f: Facts) -> str:
+    """The model behind a calibrated gain (:func:`~.rules.basis._calibrated` says how far it is checked), written
+    with the run's figures."""
+    if reason in ("no_workers", "workers_behind"):
+        return (f"workers hide the measured wait: 1/(1 − {_num(f, 'data_wait'):.2f}) = {_num(f, 'predicted'):.2f}x")
+    if reason == "grad_forwards":
+        c, n = _num(f, "compute"), _num(f, "forwards_per_microbatch")
+        return (f"compute scales with forwards per micro-batch: 1/((1 − {c:.2f}) + {c:.2f}/{n:.2f}) = "
+                f"{_num(f, 'predicted'):.2f}x")
+    assert reason == "pad_to_multiple", reason
+    c, r, k = _num(f, "compute"), _num(f, "rounding_share"), _int(f, "pad_to_multiple_of")
+    return (f"the rounding adds ≈ {_int(f, 'pad_parts')} × ({k} − 1)/2 of the mean {_num(f, 'mean_length'):.0f} "
+            f"padded positions = {_pct(r)}; compute on them saved: 1/((1 − {c:.2f}) + {c:.2f} × (1 − {r:.3f})) = "
+            f"{_num(f, 'predicted'):.2f}x")
+
+
+@_finding_words("no_workers", "workers_behind")
+def _input_bound(f: Facts, setting: Setting, formula: str) -> FindingWords:
+    dl = {k.split(":", 1)[1]: v for k, v in f.items() if k.startswith("dataloader:")}
+    settings = ", ".join(f"{k}={dl.get(k)}" for k in ("num_workers", "persistent_workers", "prefetch_factor",
+                                                         "pin_memory") if k in dl)
+    obs = f"The device waited for data {_pct(_num(f, 'data_wait'))} of the wall time (data-wait phase)" + \
+          (f"; DataLoader: {settings}." if settings else ".")
+    workers = _int(f, "num_workers")
+    if workers == 0:
+        root = ("Batches are loaded, tokenized and collated on the training process between steps "
+                "(`dataloader_num_workers` 0), serially with compute, so the device idles while the CPU prepares "
+                "the next batch.")
+    else:
+        root = f"{workers} DataLoader workers cannot keep up: preparing a batch takes longer than computing one."
+    lines = [line for line, _ in dataloader_changes(_str(f, "device_type"), cast(DataLoaderFacts, dl))]
+    return FindingWords("Input-bound: the device waits for data", obs, root, _bullets(lines), formula)
+
+
+def _kept_words(f: Facts) -> str:
+    return (f"kept the configured {f['old']}" if f["old"] == f["new"] else f"switched from {f['old']} to {f['new']}")
+
+
+#: what the small-micro-batch rule's renderers read beside the facts: the tuner's decision (None: no tuner
+#: measurement) and the sentence that says why no larger micro-batch is advised (None: nothing hit memory)
+SplitSubject = tuple[Decision | None, str | None]
+
+
+@_note_words("tuner_measured_none")
+def _tuner_measured_none(f: Facts, subject: SplitSubject) -> NoteWords:
+    d, _ = subject
+    assert d is not None
+    figures_ = trial_figures(d)
+    reason = f" (the tuner's reason: {d.reason})" if d.reason else ""
+    tried = "; ".join(t.words() for t in figures_ if t.status != "reference")
+    base = next((t for t in figures_ if t.status == "reference"), None)
+    return NoteWords("Batch split not measured",
+                     f"The tuner {_kept_words(f)} at step {f['step']} without measuring another split{reason}"
+                     + (f"; {base.words()}" if base is not None else "") + (f"; {tried}" if tried else "") + ".")
+
+
+@_note_words("tuner_measured")
+def _tuner_measured(f: Facts, subject: SplitSubject) -> NoteWords:
+    d, limit = subject
+    assert d is not None
+    figures_ = trial_figures(d)
+    reason = f" (the tuner's reason: {d.reason})" if d.reason else ""
+    cost, saving = f["cost_sec"], f["expected_gain_sec"]
+    words = (f" Measuring cost {_num(f, 'cost_sec'):.1f} s" if cost is not None else "") + (
+        f"; expected saving {_num(f, 'expected_gain_sec'):.1f} s over the rest of the run" if saving is not None
+        else "") + ("." if cost is not None or saving is not None else "")
+    return NoteWords("Batch split chosen by measurement",
+                     f"The tuner measured {f['measured']} split(s) on this run's own training steps "
+                     f"({'; '.join(t.words() for t in figures_)}) and {_kept_words(f)} at step {f['step']}{reason}."
+                     + words + (f" No larger micro-batch is advised: {limit}." if limit else ""))
+
+
+@_note_words("memory_cap")
+def _memory_cap_note(f: Facts, subject: SplitSubject) -> NoteWords:
+    return NoteWords("Micro-batch kept small by memory",
+                     f"Micro-batch {f['micro_batch']} × accumulation {f['grad_accum']}: no larger micro-batch is "
+                     f"advised, because {subject[1]}.")
+
+
+@_finding_words("small_split")
+def _small_split(f: Facts, setting: Setting, subject: SplitSubject) -> FindingWords:
+    _, why = subject
+    mb, ga, world, effective = f["micro_batch"], _int(f, "grad_accum"), _int(f, "world_size"), f["effective_batch"]
+    mfu = f["mfu"]
+    obs = (f"Micro-batch {mb} × accumulation {ga}" + (f" × {world} devices" if world > 1 else "")
+           + f" (effective batch {effective})"
+           + (f"; MFU {_pct(_num(f, 'mfu'))}" if mfu is not None else "") + f"; compute {_pct(_num(f, 'compute'))} "
+           "of the wall time" + (f"; {why}, so nothing above micro-batch {f['cap']} is advised" if why else "") + ".")
+    if f["device_type"] == "cpu":
+        root = ("Each micro-batch pays fixed costs (Python and autograd set-up, adapter dispatch, the optimizer's "
+                f"accumulation) {ga} times per optimizer step; on a CPU the matmuls of a larger micro-batch run at "
+                "about the same FLOP rate, so only those fixed costs can shrink — whether they matter is measured, "
+                "not known in advance.")
+    else:
+        root = ("With 1–2 sequences per micro-batch the matmuls are too thin to fill the device: each micro-batch "
+                f"pays its kernel launches and a forward/backward at low arithmetic intensity, {ga} times per "
+                "optimizer step.")
+    rec = (f"Try {_yaml(setting)} (effective batch {effective} unchanged"
+           + (", the generation batch and GRPO's groups too" if f["grpo"] else "") + "), or measure instead of "
+           f"guessing: {tuner_how(bool(f['launcher']), bool(f['tuner_attached']))}; the tuner times the exact splits "
+           f"({f['splits']}) on the run's own steps and keeps the fastest that fits memory.")
+    formula = ("not predicted: a larger micro-batch helps only where per-micro-batch costs dominate (measured on GPUs, "
+               "not on every CPU); the tuner measures it")
+    return FindingWords("Small micro-batch", obs, root, rec, formula)
+
+
+@_finding_words("grad_forwards")
+def _grad_forwards(f: Facts, setting: Setting, formula: str) -> FindingWords:
+    obs = (f"{_num(f, 'forwards_per_microbatch'):.2f} grad-enabled forward passes per micro-batch (expected 1); "
+           f"compute is {_pct(_num(f, 'compute'))} of the wall time.")
+    root = ("A custom `compute_loss` / `training_step` (or a metric or reward inside it) runs the model again with "
+            "gradients on — e.g. recomputing the loss instead of taking it from the first forward's logits — so "
+            "each micro-batch pays for the forward, and its graph and backward, more than once.")
+    rec = ("Compute the loss from the first forward's outputs (`outputs = model(**inputs)`; "
+           "`loss = loss_fn(outputs.logits, labels)`); run any extra pass (metrics, rewards) under "
+           "`torch.no_grad()` or drop it. `perf/forwards_per_microbatch` should read 1.")
+    return FindingWords("Duplicate forward pass", obs, root, rec, formula)
+
+
+@_finding_words("fixed_length")
+def _fixed_length(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    length, p, c = _int(f, "length"), _num(f, "pad_fraction"), _num(f, "compute")
+    obs = (f"Every step was padded to exactly {length} positions (`perf/seq_len` {length} on all {f['steps']} steps) "
+           f"while {_pct(p)} of the positions were padding: about {(1 - p) * length:.0f} real tokens per sequence.")
+    root = (f"A fixed length: the collator (or the tokenizer's `padding='max_length'`) pads every batch to {length} "
+            f"whatever the lengths of its sequences, so the device computes on the pad positions, and attention on "
+            "them quadratically. Grouping by length cannot help: it sorts sequences into batches, and a fixed length "
+            f"pads every batch to {length} all the same.")
+    if f["trainer_kind"] == "sft":
+        items = [f"let `SFTTrainer`'s own collator pad per batch: drop the fixed-length `data_collator` (and "
+                 f"`padding='max_length'` in any tokenization of your own), keeping `max_length: {length}` to bound "
+                 "the longest",
+                 "`padding_free: true` (flash attention) or `packing: true`: no padding at all",
+                 "then `train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before): "
+                 "similar lengths in a batch pad less"]
+    else:
+        items = ["pad per batch, to the longest sequence of each batch: tokenize without `padding='max_length'` and "
+                 "collate with `DataCollatorWithPadding(tokenizer)` (causal LM: `DataCollatorForLanguageModeling("
+                 f"tokenizer, mlm=False)`) and no fixed `max_length` (keep `truncation=True, max_length={length}` to "
+                 "bound the longest)",
+                 "with TRL's `SFTTrainer`: its own collator pads per batch (pass no `data_collator`); `padding_free: "
+                 "true` or `packing: true` removes the padding altogether",
+                 "then `train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before): "
+                 "similar lengths in a batch pad less"]
+    formula = ("not predicted: per-batch padding keeps the padding up to each batch's longest sequence, which the "
+               "log does not record, and a step's costs that do not shrink with its positions (the optimizer step, "
+               "per-micro-batch work outside the model's matmuls) cannot be told from those that do in a log padded "
+               f"to one length on every step; the pad positions are {_pct(p)} of the positions, compute "
+               f"{_pct(c)} of the wall time")
+    return FindingWords("Padding to a fixed length", obs, root, _bullets(items), formula)
+
+
+def _padding_observation(f: Facts) -> str:
+    k, seq_len = _int(f, "pad_to_multiple_of"), f["seq_len"]
+    return f"{_pct(_num(f, 'pad_fraction'))} of the positions in training forwards are padding" + \
+        (f" (padded length up to {seq_len} tokens)" if seq_len else "") + \
+        (f"; `pad_to_multiple_of` {k}" if k > 1 else "") + "."
+
+
+@_finding_words("pad_to_multiple")
+def _pad_to_multiple(f: Facts, setting: Setting, formula: str | None) -> FindingWords:
+    k = _int(f, "pad_to_multiple_of")
+    root = (f"`pad_to_multiple_of: {k}` rounds every padded "
+            + ("prompt and every completion block" if f["grpo"] else "batch") + f" up to a multiple of {k}: "
+            "on average (k − 1)/2 extra positions each. It bounds the number of distinct shapes, which only "
+            "MPS needs (one Metal graph per shape); on this device it is pure extra compute.")
+    rec = "`pad_to_multiple_of: null` (the default: pad to the longest sequence of each batch)"
+    return FindingWords("Padding from pad_to_multiple_of", _padding_observation(f), root, rec,
+                        formula or "not predicted: compute share or sequence length not measured")
+
+
+@_note_words("grpo_inherent")
+def _grpo_inherent(f: Facts, _: Any) -> NoteWords:
+    return NoteWords("Padding", f"{_padding_observation(f)} GRPO pads each micro-batch's completions to its longest one"
+                     + (" and left-pads its prompts to the longest prompt" if _int(f, "prompts_per_micro_batch") > 1
+                        else " (each micro-batch holds one prompt, so prompts add none)")
+                     + ": unequal completion lengths are inherent in sampling and no setting removes that padding"
+                     + ("; on MPS `pad_to_multiple_of` adds to it on purpose (fewer Metal graphs)"
+                        if _int(f, "pad_to_multiple_of") > 1 else "") + ".")
+
+
+_GROUP = ("`train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before) puts "
+          "similar lengths in a batch")
+_PADDING_REST = ["with TRL SFT: `padding_free: true` or `packing: true`",
+                 "split very long documents into `max_length` chunks"]
+
+
+@_finding_words("one_length_unsure")
+def _one_length_unsure(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    root = (f"Batches are padded to one length, {f['seq_len']} positions, on the steps logged: a fixed length (a "
+            f"collator's `max_length`, `padding='max_length'`) or each batch's longest sequence; too few steps "
+            f"({MIN_FIXED_LENGTH_STEPS} needed) to tell which. The device computes on the pad positions, "
+            f"attention quadratically.")
+    items = ["if the collator pads to a fixed length, pad per batch instead (tokenize without "
+             "`padding='max_length'`, collate with `DataCollatorWithPadding`): grouping cannot shorten a fixed "
+             "length", _GROUP, *_PADDING_REST]
+    return FindingWords("Padding waste", _padding_observation(f), root, _bullets(items),
+                        "not predicted: which padding the collator does is not yet known from the log")
+
+
+@_finding_words("per_batch")
+def _per_batch(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    root = ("Batches are padded to the longest sequence of each batch (the padded length changed from step to step, "
+            "so the padding is per batch): long and short sequences share batches, and the device computes on the "
+            "pad positions, attention quadratically.")
+    return FindingWords("Padding waste", _padding_observation(f), root, _bullets([_GROUP, *_PADDING_REST]),
+                        "not predicted: how much padding grouping removes depends on the length distribution")
+
+
+# ---- grpo: a run that cannot learn, generation, weight syncs, the completion budget ------------------------------
+
+#: the phrases a GRPO renderer takes from the shared helpers (:mod:`.rules.advice`, :mod:`.rules.formulas`) beside
+#: the facts: ``sized`` (how a raised limit was sized), ``freed`` (the memory a cap frees, written out)
+Phrases = dict[str, str]
+_BACKEND_WORDS = {"transformers": "HF generate", "transformers-paged": "HF continuous batching",
+                  "vllm-server": "vLLM server", "vllm-colocate": "vLLM colocated", "vllm": "vLLM"}
+_CHECK_BY_HAND = ("check the reward functions on a few completions by hand: a reward that is constant by mistake (a "
+                  "parsing error that always returns 0) looks exactly like this")
+
+
+@_note_words("no_reward_data")
+def _no_reward_data(f: Facts, _: Any) -> NoteWords:
+    return NoteWords("No reward data",
+                     "No reward data in this run's logs (no `log/reward` in the step lines, no `trainer_state.json` "
+                     "with rewards): whether the run can learn was not checked.")
+
+
+@_note_words("too_few_logs")
+def _too_few_logs(f: Facts, _: Any) -> NoteWords:
+    return NoteWords("Too few logs to judge the rewards",
+                     f"Every completion of the {f['logs']} log(s) scored {_num(f, 'reward'):.3g}: too few logs to "
+                     f"judge whether the run can learn ({f['logs_needed']} needed; `logging_steps` sets how often the "
+                     "trainer logs).")
+
+
+_NO_LEARNING_FORMULA = "no speed figure: until rewards differ within a group no step changes the weights"
+
+
+@_finding_words("constant_reward")
+def _constant_reward(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    funcs = ", ".join(f"`{k.split(':', 1)[1]}` {_num(f, k):.3g}" for k in f if k.startswith("reward_func:"))
+    n, source = _int(f, "no_signal_run"), f["source"]
+    obs = (f"On all {f['logs']} logs every completion got the same reward, {_num(f, 'reward_min'):.3g}: no prompt "
+           f"group had any spread (`reward_std` 0)" + (f"; per reward function: {funcs}" if funcs else "")
+           + (f"; the gradient norm was 0 on {n} consecutive logs" if n else "")
+           + (f" (from the {source})." if source else "."))
+    root = ("GRPO learns from reward differences between the completions of one prompt (each advantage is a "
+            "reward minus its group's mean). Every completion of this run scored the same, so every advantage, "
+            "the loss and the gradient were 0: the weights never moved. More samples per prompt or a higher "
+            "temperature cannot move a reward that no sample of the whole run has moved: the reward gives no "
+            "partial credit the model's completions can reach, or the task is too hard for this model.")
+    items = ["make the reward give partial credit a sampled completion can reach (the format, a correct part, "
+             "closeness to the answer), so that completions of a group differ", _CHECK_BY_HAND,
+             "or start where the model succeeds sometimes: an easier task or curriculum, or a model (or a short "
+             "supervised warm-start) that solves some prompts"]
+    if "raised_limit" in f:
+        clipped = _num(f, "clipped")
+        items.append(f"then, if the answers need more room: `max_completion_length: {f['raised_limit']}` (now "
+                     f"{f['limit']}; {_pct(clipped)} of completions were cut at the limit) — a longer limit cannot "
+                     "make a reward that no completion moved vary by itself")
+    return FindingWords("The run cannot learn: every completion got the same reward", obs, root, _bullets(items),
+                        _NO_LEARNING_FORMULA)
+
+
+@_finding_words("no_group_variance")
+def _no_group_variance(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    mean = f["reward_mean"]
+    obs = (f"On {f['no_signal_run']} consecutive logs (of {f['logs']}) every prompt group's completions got the same "
+           f"reward (`frac_reward_zero_std` 1) and the gradient norm was 0"
+           + (f"; mean reward {_num(f, 'reward_mean'):.3g}" if mean is not None else "")
+           + ("; the mean reward differed between logs, so some prompts score and others do not"
+              if f["reward_varied"] else "") + ".")
+    root = ("GRPO's advantage is each completion's reward minus its group's mean: when all completions of a "
+            "group score the same, every advantage is 0, so the loss and the gradient are 0 and the weights do "
+            "not move.")
+    items = ["reward shaping: give partial credit a sampled completion can reach (format, a correct part, "
+             "closeness), so completions of a group differ"]
+    if "num_generations" in setting:            # more samples per prompt: chosen where some prompts score
+        text = (f"`num_generations: {setting['num_generations']}` (more samples per prompt: more chances that one "
+                "scores differently from the others)")
+        if "steps_per_generation" in setting:
+            text += (f" with `steps_per_generation: {setting['steps_per_generation']}` (the generation batch must "
+                     "hold whole groups)")
+        items.append(text)
+        if "temperature" in setting:
+            items.append(f"`temperature: 1.0` (now {_num(f, 'temperature'):g}): more varied samples within a group")
+    items.append(_CHECK_BY_HAND)
+    return FindingWords("The run cannot learn: no reward variance, zero gradients", obs, root, _bullets(items),
+                        _NO_LEARNING_FORMULA)
+
+
+def _off_policy_item(spg: int, steps_per_rollout: float) -> str:
+    return (f"`steps_per_generation: {2 * spg}` (now {spg}): one generate call for twice the sequences, the same "
+            f"decode steps. The cost is on-policy-ness: the rollouts then serve {2 * spg} micro-batches"
+            + (f" ({steps_per_rollout:g} optimizer steps)" if steps_per_rollout > 1 else "")
+            + ", so the updates after the first learn from completions sampled by older weights (off-policy); "
+              "TRL then computes the sampling policy's log-probabilities (one more forward over the generation "
+              "batch) and clips the importance ratio at `epsilon`")
+
+
+@_finding_words("launch_bound", "generation_share")
+def _generation_bound(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    g, u, backend = _num(f, "generation"), f["decode_bandwidth_util"], _str(f, "backend")
+    step, sync, rate = f["steady_step_sec"], f["weight_sync_share"], f["rollout_tokens_per_sec"]
+    obs = f"Generation (rollouts, {_BACKEND_WORDS.get(backend, backend)}) took {_pct(g)} of the wall time"
+    if step:
+        obs += f" (≈ {g * _num(f, 'steady_step_sec'):.2f} s of a {_num(f, 'steady_step_sec'):.2f} s step)"
+    if sync:
+        obs += f", weight syncs to vLLM {_pct(_num(f, 'weight_sync_share'))} of the wall time within it"
+    if rate:
+        obs += f"; {_num(f, 'rollout_tokens_per_sec'):.0f} completion tokens/s"
+    if u is not None:
+        obs += f"; decode read the weights at {_pct(_num(f, 'decode_bandwidth_util'))} of peak memory bandwidth"
+        obs += " — launch-bound, not bandwidth-bound" if f["launch_bound"] else ""
+    obs += "."
+    if backend.startswith("vllm"):
+        root = ("TRL generates synchronously: training waits while vLLM decodes the generation batch until its "
+                "longest completion (and, after each optimizer step, while the new weights are sent to it). "
+                "Generation does not depend on the training split, so it dominates a GRPO step.")
+    else:
+        root = ("HF `generate` decodes one token per step for the whole batch and runs every layer for each token; a "
+                "batch decodes until its longest completion. Generation does not depend on the training split, so "
+                "it dominates a GRPO step.")
+    lines: list[str] = []
+    if f["suggest_vllm"]:
+        lines += ["`use_vllm: true` with `vllm_mode: colocate` (paged KV cache and CUDA graphs remove the per-token "
+                  "launch overhead; `vllm_gpu_memory_utilization: 0.3` leaves room for training)",
+                  "or, without vLLM, `cache_implementation: static` (fixed-shape KV cache, no re-allocation per "
+                  "token)"]
+    if backend == "vllm-server":
+        lines.append("more GPUs for the vLLM server (`vllm serve ... --data-parallel-size N`): the generation batch "
+                     "is spread over its engines")
+    if f["optimizer_steps_per_rollout"] is not None:
+        lines.append(_off_policy_item(_int(f, "steps_per_generation"), _num(f, "optimizer_steps_per_rollout")))
+    if f["completion_target"] is not None:
+        lines.append(f"`max_completion_length: {f['completion_target']}` (the {f['target_basis']} is "
+                     f"{_num(f, 'target_tokens'):.0f} tokens; decode steps = the longest completion of a batch)")
+    if f["clipped_large"]:
+        lines.append(f"do not shorten `max_completion_length`: {_pct(_num(f, 'clipped'))} of completions are already "
+                     "cut at the limit")
+    formula = (f"not predicted: the run does not measure generation at another batch or backend (generation free "
+               f"would be the ceiling, 1/(1 − {g:.2f}) = {_num(f, 'ceiling'):.1f}x)")
+    return FindingWords("Generation-bound GRPO step", obs, root, _bullets(lines), formula)
+
+
+@_finding_words("sync_share")
+def _sync_share(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    share, backend, sec, gen = _num(f, "share"), _str(f, "backend"), f["sync_sec"], _num(f, "generation")
+    obs = (f"Sending the weights to vLLM ({_BACKEND_WORDS.get(backend, backend)}) took {_pct(share)} of the wall "
+           f"time: {f['syncs']} syncs" + (f" of ≈ {_num(f, 'sync_sec'):.2f} s each" if sec else "")
+           + (f"; generation as a whole {_pct(gen)}" if gen else "") + ".")
+    root = ("Before generating after an optimizer step, TRL sends every weight of the model to vLLM "
+            "(`VLLMGeneration.sync_weights`; with LoRA the adapters are merged and the whole model is sent), and the "
+            "trainer waits for it. Its cost grows with the model, not with the batch, so it weighs most where "
+            "generation batches are small.")
+    if f["sleep_mode"]:
+        root += (" With `vllm_enable_sleep_mode` the engine drops its weights after every generate call (sleep "
+                 "level 2), so a second call in one step (tool-call turns, evaluation) sends them again.")
+    lines: list[str] = []
+    if "steps_per_generation" in setting:
+        spg = _int(f, "steps_per_generation")
+        lines.append(f"`steps_per_generation: {2 * spg}` (now {spg}): one generation, and one sync, for twice the "
+                     f"micro-batches; the cost is on-policy-ness (the later updates learn from completions of older "
+                     f"weights, and TRL clips the importance ratio)")
+    if backend == "vllm-server":
+        lines.append("keep the server on GPUs of the training node (NVLink or PCIe, not across the network): the "
+                     "weights travel over NCCL from the training process's first rank")
+    formula = (f"not predicted: the run measures syncs at one setting (syncs free would be the ceiling, "
+               f"1/(1 − {share:.2f}) = {1 / (1 - share):.2f}x)")
+    return FindingWords("Weight syncs to vLLM take a large share of the step", obs, root, _bullets(lines), formula)
+
+
+def _completion_observation(f: Facts) -> str:
+    stats = ", ".join(f"{name} {_num(f, key):.0f}" for name, key in (
+        ("mean", "completion_mean"), ("p90 of per-log max", "completion_p90"), ("max", "completion_max"))
+        if f[key] is not None)
+    clipped = f["clipped_ratio"]
+    return (f"Completion lengths: {stats or 'n/a'} tokens against `max_completion_length` {f['limit']}"
+            + (f"; clipped ratio {_pct(_num(f, 'clipped_ratio'))} (mean over the run's logs)" if clipped is not None
+               else "") + ".")
+
+
+@_finding_words("cut_off")
+def _cut_off(f: Facts, setting: Setting, phrases: Phrases) -> FindingWords:
+    clipped, limit, raised = _num(f, "clipped"), _int(f, "limit"), _int(f, "raised_limit")
+    root = (f"{_pct(clipped)} of completions reached `max_completion_length` {limit} before the model ended them. A "
+            "cut completion is scored on an unfinished answer (a missing closing tag or final answer usually scores "
+            "0) and, unless masked, trained on as if it were complete.")
+    raise_it = (f"`max_completion_length: {raised}` (now {limit}; {phrases['sized']}) if the answers need the room: "
+                f"each step then decodes up to {raised / limit:.0f} times as many tokens (slower) and holds a longer "
+                "KV cache")
+    mask = ("`mask_truncated_completions: true`: cut completions are left out of the loss, so only finished answers "
+            f"teach (with {_pct(clipped)} cut, few remain: raise the limit too)")
+    items = [raise_it, mask] if f["headroom"] else [mask, raise_it]
+    items.append("or reward finishing within the budget (TRL's `get_soft_overlong_punishment`), or ask for shorter "
+                 "answers in the prompt")
+    return FindingWords("Most completions are cut off at max_completion_length", _completion_observation(f), root,
+                        _bullets(items), "no speed figure: a quality finding (a higher limit makes steps slower, not "
+                        "faster)")
+
+
+@_note_words("no_runaways")
+def _no_runaways(f: Facts, _: Any) -> NoteWords:
+    freed = f["freed_bytes"]
+    return NoteWords("max_completion_length far above what completions use",
+                     f"{_completion_observation(f)} No completion reached the limit, so time is unchanged by a cap; "
+                     f"`max_completion_length: {f['target']}` (next power of two ≥ {f['headroom_factor']} × the "
+                     f"{f['target_basis']}) would bound runaway rollouts"
+                     + (f" and free ≈ {_gb(_num(f, 'freed_bytes'))} at the limit, if memory is ever short"
+                        if freed else "") + ".")
+
+
+@_finding_words("runaways")
+def _runaways(f: Facts, setting: Setting, phrases: Phrases) -> FindingWords:
+    limit, basis, new, headroom = _int(f, "limit"), _num(f, "basis_tokens"), f["target"], _num(f, "headroom_factor")
+    root = (f"The limit is {limit / basis:.1f}x what the task uses. A completion that never emits end-of-sequence "
+            f"decodes to the limit, holds the whole generation batch for {limit} decode steps and pads every "
+            f"training sequence of its batch to {limit} tokens.")
+    rec = (f"`max_completion_length: {new}` (next power of two ≥ {f['headroom_factor']} × {basis:.0f} = "
+           f"{headroom * basis:.0f}, the {f['target_basis']}).")
+    if f["longest_cut"]:
+        rec += f" The longest observed completion ({_num(f, 'completion_max'):.0f}) would be cut."
+    if f["freed_bytes"]:
+        rec += f" At the limit this frees ≈ {_gb(_num(f, 'freed_bytes'))}: {phrases['freed']}."
+    formula = (f"not predicted: {_pct(_num(f, 'clipped'))} of completions reached the limit; how much decode time a "
+               "cap saves depends on how often a batch holds one")
+    return FindingWords("Runaway completions reach max_completion_length", _completion_observation(f), root, rec,
+                        formula)
+
+
+# ---- memory: swapping, pressure, the wall close, driver memory far above live tensors ------------------------
+
+@dataclass(frozen=True)
+class MemorySubject:
+    """What the memory rule's renderer reads beside the facts: the remedies in their order (each a code, ``code``,
+    with its figures and formulas), the wall's moves (step, why, moved), the watchdog's actions (action, step), the
+    tuner's out-of-memory decisions (micro-batch, step, the split it went on at)."""
+
+    remedies: list[Facts]
+    wall_moves: list[tuple[int | None, str, bool]]
+    actions: list[tuple[object, object]]
+    ooms: list[tuple[int, int | None, str]]
+
+
+def _remedy_words(r: Facts) -> str:
+    code = r["code"]
+    if code == "checkpointing":
+        text = "`activation_checkpointing: true` (`gradient_checkpointing` before transformers 5; ~20–30% more compute)"
+        if r["saved_bytes"]:
+            text += (f": activations per token {r['formula_now']} → {r['formula_checkpointed']}, × {r['tokens']} "
+                     f"frees ≈ {_gb(_num(r, 'saved_bytes'))}")
+        return text
+    if code == "smaller_split":
+        micro, accum, new_mb, new_ga = r["micro_batch"], r["grad_accum"], r["new_micro_batch"], r["new_grad_accum"]
+        text = (f"`per_device_train_batch_size: {new_mb}` with `gradient_accumulation_steps: {new_ga}` (effective "
+                f"batch {micro} × {accum} = {new_mb} × {new_ga} = {r['effective_batch']}, unchanged)")
+        if r["saved_bytes"]:
+            text += (f": frees ≈ {_gb(_num(r, 'saved_bytes'))} = ({r['formula']}) × {r['seq_len']} tokens × "
+                     f"{r['fewer']} fewer sequences")
+        return text
+    if code == "shorter_completions":
+        text = (f"`max_completion_length: {r['target']}` (now {r['limit']}; the {r['target_basis']} is "
+                f"{_num(r, 'target_tokens'):.0f})")
+        if r["saved_bytes"]:
+            text += f": frees ≈ {_gb(_num(r, 'saved_bytes'))} at the limit — {r['formula']}"
+        return text
+    assert code == "shorter_completions_hint", code
+    return ("a shorter `max_completion_length` if the task's answers are short (see `completions/max_length` in the "
+            "logs)")
+
+
+def _wall_words(f: Facts, s: MemorySubject) -> list[str]:
+    """The budget, the wall's moves, a leak, the watchdog's actions and the tuner's OOMs, in words."""
+    out = []
+    if f["budget_low_gb"] is not None and _num(f, "budget_high_gb") > 1.01 * _num(f, "budget_low_gb"):
+        out.append(f"the budget followed what the run could reach, between {_num(f, 'budget_low_gb'):.2f} and "
+                   f"{_num(f, 'budget_high_gb'):.2f} GiB")
+    out += [f"at step {step} the wall {'moved' if moved else 'was set'}: {why}"
+            for step, why, moved in s.wall_moves[:4] if why]
+    if f["leak_mib_per_step"]:
+        out.append(f"memory grew by {_num(f, 'leak_mib_per_step'):.0f} MiB on every step: a leak")
+    if s.actions:
+        acts = ", ".join(f"{action} at step {step}" for action, step in s.actions[:5])
+        out.append(f"the watchdog acted {len(s.actions)} times ({acts})")
+    out += [f"micro-batch {micro} ran out of memory at step {step} (the tuner went on at {split})"
+            for micro, step, split in s.ooms]
+    return out
+
+
+@_finding_words("swapping", "near_the_wall", "pressure")
+def _memory_pressure(f: Facts, setting: Setting, s: MemorySubject) -> FindingWords:
+    swapping, pressure, device = bool(f["swapping"]), f["max_pressure"], f["device_type"]
+    seen = []
+    if swapping:
+        seen.append(f"swap grew by {float(f['swap_growth_gb'] or 0):.2f} GiB" +
+                    (f" with swap-outs on {f['swapout_steps']} steps" if f["swapout_steps"] else ""))
+    if pressure:
+        level = _int(f, "max_pressure")
+        seen.append(f"memory pressure reached {('warn', 'critical')[min(level, 2) - 1]} (level {level})")
+    if f["high_water_gb"] is not None and f["budget_gb"]:
+        hw, budget = _num(f, "high_water_gb"), _num(f, "budget_gb")
+        seen.append(f"high-water mark {hw:.2f} GiB of a {budget:.2f} GiB budget ({_pct(hw / budget)})")
+    if f["steps_to_wall"] is not None and f["wall_near"]:
+        seen.append(f"the budget was {_num(f, 'steps_to_wall'):.0f} steps away at the current growth")
+    if f["allocator_bloat"]:
+        seen.append(f"the allocator held {_num(f, 'driver_gb'):.2f} GiB while live tensors were "
+                    f"{_num(f, 'allocated_gb'):.2f} GiB ({_num(f, 'cached_gb'):.2f} GiB cached)")
+    seen += _wall_words(f, s)
+    if device == "mps":
+        root = ("Unified memory: Metal memory (weights, activations, the allocator's cache) competes with the OS and "
+                "other apps; past the working set macOS compresses and then swaps pages to SSD, and every kernel "
+                "that touches a swapped page waits for it.")
+    elif device == "cuda":
+        root = ("The GPU works close to its memory limit: the caching allocator retries, fragments and finally "
+                "raises out-of-memory; a GPU does not swap, it stops.")
+    else:
+        root = "Training memory is close to physical RAM: the OS swaps and every step waits for page-ins."
+    if swapping and f["grpo"]:
+        root += (" In GRPO the peak is the training forward/backward over prompt + completion tokens (activations "
+                 "and full-vocabulary logits) on top of the generation KV cache.")
+    lines = [_remedy_words(r) for r in s.remedies]
+    if any(why for _, why, _ in s.wall_moves):  # memory outside the run set or moved the wall
+        lines.insert(0, "free the memory held outside this run (another process on the device, a pool outside "
+                        "PyTorch's allocator), or give the run a device of its own"
+                        + ("; with vLLM colocated, a lower `vllm_gpu_memory_utilization`" if f["use_vllm"] else ""))
+    if f["leak_mib_per_step"]:                  # no setting fixes a leak: first
+        lines.insert(0, "fix the leak first: memory that grows on every step comes from tensors kept across steps "
+                        "(a loss appended without `.item()`, a growing cache); a smaller micro-batch does not stop "
+                        "it")
+    if f["allocator_advice"] == "mps_cache_clearer":
+        lines.append(("add `MPSCacheClearer` to the recipe's `callbacks`" if f["launcher"] else
+                      "attach `MPSCacheClearer()` (`callbacks=default_callbacks()` has it)")
+                     + ": it clears the Metal cache when driver memory runs ahead of live tensors")
+    elif f["allocator_advice"] == "expandable_segments":
+        lines.append("`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` in the environment (less fragmentation of "
+                     "the reserved memory)")
+    if swapping:
+        formula = ("not predicted: this run never ran without swapping, so its own step time without it is not "
+                   "measured; swapping steps wait for the SSD and can be several times slower")
+    else:
+        formula = "no swapping observed: no speed-up; the gain is headroom (the GiB freed above) and no lost run"
+    return FindingWords("Memory pressure" + (": the run is swapping" if swapping else ""), _sentence(seen), root,
+                        _bullets(lines), formula)

@@ -150,6 +150,12 @@ def test_warmup_wording_never_contradicts_itself(steps, slowdown, says, never):
     assert says in n.text.lower() and never not in n.text.lower()
 
 
+def test_a_warmup_without_its_steps_is_not_finished_and_claims_no_steady_figures():
+    # seen: "Warmup not finished (no stable window of steps yet…). … the steady figures exclude the warmup steps."
+    n = note(healthy(warmup_steps=None, first_step_slowdown=3.0, warmup_overhead_sec=2.0), "warmup")
+    assert n.reason == "not_finished" and "warmup_steps" not in n.facts          # worded as not finished alone
+
+
 def test_input_bound_on_cuda_prints_its_number_only_when_calibrated(calibrated):
     f = only(healthy(grpo=False, phases={"data_wait": 0.83, "compute": 0.17}))
     assert f.expected_gain == pytest.approx(1 / (1 - 0.83)) and f.basis == "calibrated" and f.confidence == "high"

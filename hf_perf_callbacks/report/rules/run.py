@@ -36,8 +36,8 @@ def rule_warmup(m: Measurements) -> Note | None:
     contended = bool(names) or bool(m.contention)
     facts: Facts = {"steps": m.steps, "contention_findings": ", ".join(names),
                     "contention_sec": m.contention.lost_sec if m.contention else None}
-    if m.warmup_done is False:
-        return note("warmup", "not_finished", facts, subject=m.contention, judged=False)
+    if m.warmup_done is False or (n is None and (slow is not None or overhead is not None)):
+        return note("warmup", "not_finished", facts, subject=m.contention, judged=False)   # no steady figures yet
     if slow is None and overhead is None:
         return None
     first = m.first_steady

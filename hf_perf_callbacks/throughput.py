@@ -5,7 +5,7 @@ import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import psutil
 import torch
@@ -24,8 +24,12 @@ from .timeline import StepRecord, StepTimeline
 from .validation import check_flag, check_number, did_you_mean
 from .wording import phase_line, provisional_line, throughput_line, warmup_line
 
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
 #: model → the meter whose hook and wrapper are installed on it (a replaced instance is closed by its successor)
-_INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_INSTALLED: weakref.WeakKeyDictionary[torch.nn.Module, ThroughputMeter] = weakref.WeakKeyDictionary()
 #: indices of ``ThroughputMeter.counts``
 HOOK_TOKENS, GENERATED, REAL_POSITIONS = range(3)
 
@@ -49,14 +53,16 @@ class MachineLoad:
     ``cpu_percent`` do not disturb it); ``os.getloadavg()`` where the platform has it.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.cores = os.cpu_count() or 1
-        self.previous = None
+        self.previous: float | None = None
 
     @staticmethod
     def _busy() -> float:
         t = psutil.cpu_times()
-        return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+        busy: float = (sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0)
+                       - getattr(t, "guest_nice", 0.0))
+        return busy
 
     def reset(self) -> None:
         try:
@@ -64,8 +70,8 @@ class MachineLoad:
         except Exception:  # noqa: BLE001 - a platform without the reading: no machine figures
             self.previous = None
 
-    def step_fields(self, record) -> dict:
-        fields = {}
+    def step_fields(self, record: StepRecord) -> dict[str, float]:
+        fields: dict[str, float] = {}
         if record.cpu is not None and record.wall > 0:
             fields[keys.PERF_CPU_SEC] = record.cpu
             fields[keys.PERF_CPU_TIME_RATIO] = record.cpu / record.wall
@@ -271,7 +277,7 @@ class ThroughputMeter(PerfCallback):
         self.run_peak_bandwidth: float | None = None
         self.machine = MachineLoad()
         self.warned: set[str] = set()
-        self._hooks: list = []
+        self._hooks: list[RemovableHandle] = []
         self._stop_watching_generate: Callable[[], None] | None = None
         self._stop_watching_entry: Callable[[], None] | None = None
         self.backend: str | None = None              # how TRL generates (adapter.generation_backend), if it does
@@ -312,7 +318,8 @@ class ThroughputMeter(PerfCallback):
 
     # ------------------------------------------------------------ setup
     @hook
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None,
+                       **kwargs: Any) -> None:
         is_grpo_run = is_grpo(args)
         iterations = getattr(args, "num_iterations", 1)
         device = DeviceLayer()
@@ -321,7 +328,9 @@ class ThroughputMeter(PerfCallback):
             token_source=("trainer" if is_grpo_run or args.include_num_input_tokens_seen not in ("no", False)
                           else "hook"),
             num_iterations=iterations,
-            period=(generation_period(args.steps_per_generation, iterations, args.gradient_accumulation_steps)
+            # a GRPO run's arguments are TRL's GRPOConfig, whose __post_init__ sets steps_per_generation (an int)
+            period=(generation_period(cast(Any, args).steps_per_generation, iterations,
+                                      args.gradient_accumulation_steps)
                     if is_grpo_run else 1),
             # integer counters on the device, read once per step (no synchronize per micro-batch; MPS has no float64)
             counts=torch.zeros(3, dtype=torch.long, device=device.device),
@@ -355,7 +364,7 @@ class ThroughputMeter(PerfCallback):
                                torch_threads=torch.get_num_threads(),
                                cpu_cores=os.cpu_count())
 
-    def _install(self, model) -> None:
+    def _install(self, model: Any) -> None:
         """A forward pre-hook on the innermost causal LM's decoder stack (training forwards, tokens, decode
         steps; see :func:`forward_entry`) and a timing wrapper around ``generate`` (GRPO rollouts)."""
         previous = _INSTALLED.get(model)
@@ -388,7 +397,7 @@ class ThroughputMeter(PerfCallback):
             if not self.disabled:
                 self.timeline.add_generation(self.clock.wall() - self._run.generate_start)
 
-    def _install_clocks(self, model) -> None:
+    def _install_clocks(self, model: Any) -> None:
         """The phase clocks (see :mod:`hf_perf_callbacks.timeline`): the trainer's batch fetch, log, evaluation and
         checkpoint save, every callback's every event (through the trainer's callback handler), and on a CPU the
         forwards gradient checkpointing runs again (a GPU runs them asynchronously: there they stay in compute)."""
@@ -417,7 +426,7 @@ class ThroughputMeter(PerfCallback):
                         self._hooks.append(part.register_forward_pre_hook(self._layer_started))
                         self._hooks.append(part.register_forward_hook(self._layer_finished))
 
-    def _callback_phase(self, callback) -> str:
+    def _callback_phase(self, callback: object) -> str:
         """The phase of a callback's events: the package's own, the trainer's logging and flow (transformers', TRL's
         and the reporters' callbacks) or the user's."""
         from .bus import RunBus
@@ -427,12 +436,12 @@ class ThroughputMeter(PerfCallback):
         module = type(callback).__module__ or ""
         return "log" if module.split(".")[0] in ("transformers", "trl", "accelerate", "peft") else "user_callbacks"
 
-    def _callback_started(self, callback, event: str) -> None:
+    def _callback_started(self, callback: object, event: str) -> None:
         if not self.disabled:
             self.timeline.enter(self._callback_phase(callback), self.clock.wall())
             self._callback_began.append(self.clock.wall())
 
-    def _callback_finished(self, callback, event: str) -> None:
+    def _callback_finished(self, callback: object, event: str) -> None:
         if self.disabled or not self._callback_began:
             return
         now = self.clock.wall()
@@ -446,7 +455,7 @@ class ThroughputMeter(PerfCallback):
         events = self.callback_sec.setdefault(name, {})
         events[event] = events.get(event, 0.0) + seconds
 
-    def _layer_started(self, module, args) -> None:
+    def _layer_started(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if self.disabled or self._step.in_generate or not module.training:
             return
         key = id(module)
@@ -456,7 +465,7 @@ class ThroughputMeter(PerfCallback):
         else:          # a checkpointed layer's part run again in the micro-batch: its first forward's time again
             self.timeline.add_recompute(self.part_seconds.get(key, 0.0))
 
-    def _layer_finished(self, module, args, output) -> None:
+    def _layer_finished(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         started = self.part_started.pop(id(module), None)
         if started is not None:
             self.part_seconds[id(module)] = self.clock.wall() - started
@@ -465,7 +474,7 @@ class ThroughputMeter(PerfCallback):
         """A GRPO rollout begins (see :func:`~hf_perf_callbacks.adapter.watch_generate`)."""
         self._generation_opened()
 
-    def generate_finished(self, input_ids, output) -> None:
+    def generate_finished(self, input_ids: Any, output: Any) -> None:
         self._generation_closed()
         if not self.disabled and output is not None and self._stop_watching_entry is None:   # else counted there
             self._hook_safely(self._count_generated, input_ids, output)
@@ -475,7 +484,7 @@ class ThroughputMeter(PerfCallback):
         called from the trainer's own code, so a fault disables the meter instead of failing the step."""
         self._hook_safely(self._entry_started, kind)
 
-    def entry_finished(self, kind: str, result) -> None:
+    def entry_finished(self, kind: str, result: Any) -> None:
         self._hook_safely(self._entry_finished, kind, result)
 
     def _entry_started(self, kind: str) -> None:
@@ -483,7 +492,7 @@ class ThroughputMeter(PerfCallback):
         if kind in (adapter.ROLLOUT, adapter.SYNC):
             self._generation_opened()
 
-    def _entry_finished(self, kind: str, result) -> None:
+    def _entry_finished(self, kind: str, result: Any) -> None:
         if kind in (adapter.ROLLOUT, adapter.SYNC):
             self._generation_closed()
         started = self._step.entry_start.pop(kind, None)
@@ -501,7 +510,7 @@ class ThroughputMeter(PerfCallback):
         elif kind == adapter.ENGINE and self.backend == "vllm-colocate":
             self._step.decode_steps += longest        # the engine decodes the whole batch until its longest completion
 
-    def _setup_flops(self, args, step: int) -> None:
+    def _setup_flops(self, args: TrainingArguments, step: int) -> None:
         self._run.shape = shape_of(self._run.model)
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else self._run.inner.dtype
         try:
@@ -525,7 +534,7 @@ class ThroughputMeter(PerfCallback):
             self.warn(f"MFU omitted: no {self._run.dtype_key} peak FLOP/s known for '{self._run.device.name}'; pass "
                       f"ThroughputMeter(peak_flops=<FLOP/s> or 'calibrate')", step=step)
 
-    def _model_facts(self) -> dict:
+    def _model_facts(self) -> dict[str, Any]:
         """What memory and FLOP estimates need from the model config (for the report)."""
         config: Any = getattr(self._run.inner, "config", None)   # a transformers config (or None), read by duck typing
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -545,7 +554,7 @@ class ThroughputMeter(PerfCallback):
         self.layer_forwards, self.part_started = {}, {}
 
     # ------------------------------------------------------------ hooks (no synchronize here)
-    def _hook_safely(self, fn, *args) -> None:
+    def _hook_safely(self, fn: Callable[..., None], *args: Any) -> None:
         """Run hook-side work; a fault disables the meter (one warning) instead of failing the training step."""
         try:
             fn(*args)
@@ -554,12 +563,12 @@ class ThroughputMeter(PerfCallback):
             self.warn(f"ThroughputMeter disabled after an internal error in a hook: {type(error).__name__}: "
                       f"{error}. Training continues without it.")
 
-    def _on_forward(self, module, args, kwargs):
+    def _on_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self.disabled and not self._bus.own_passes:     # the exactness check's passes are no step's
             self._hook_safely(self._count_forward, module, args, kwargs)
         return None
 
-    def _count_forward(self, module, args, kwargs) -> None:
+    def _count_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._step.in_generate:
             self._step.decode_steps += 1
         elif torch.is_grad_enabled() and module.training:
@@ -580,7 +589,7 @@ class ThroughputMeter(PerfCallback):
                 if self._run.token_source == "hook":
                     self._run.counts[HOOK_TOKENS] += ids.numel()
 
-    def _count_generated(self, input_ids, out) -> None:
+    def _count_generated(self, input_ids: Any, out: Any) -> None:
         sequences = getattr(out, "sequences", out)
         if isinstance(sequences, torch.Tensor) and isinstance(input_ids, torch.Tensor):
             new = sequences[:, input_ids.shape[-1]:]
@@ -589,27 +598,29 @@ class ThroughputMeter(PerfCallback):
 
     # ------------------------------------------------------------ events
     @hook
-    def on_step_begin(self, args, state, control, **kwargs):
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
         overhead = self._bus.take_overhead()                 # the callbacks' own time, clocked here when clocked
         self.timeline.step_begin(self.clock.wall(), overhead=0.0 if self.clocked else overhead)
 
     @hook
-    def on_substep_end(self, args, state, control, **kwargs):
+    def on_substep_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
         self._step.microbatches += 1
         self.layer_forwards, self.part_started = {}, {}
 
     @hook
-    def on_evaluate(self, args, state, control, **kwargs):
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if not self.clocked:
             self.timeline.mark("eval", self.clock.wall())
 
     @hook
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if not self.clocked:
             self.timeline.mark("save", self.clock.wall())
 
     @hook
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._step.microbatches += 1
         self.timeline.enter("compute", self.clock.wall())          # waiting for the device is the step's compute
         self._run.device.synchronize()                                   # the one synchronize per optimizer step
@@ -658,7 +669,8 @@ class ThroughputMeter(PerfCallback):
         self._reset_step_counters()
 
     @hook
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
         _, tail = self.timeline.tail(self.clock.wall())     # the last log, evaluation and save, after the last step
         self.tail_phase_sec = {k: v for k, v in tail.items() if v > 0}
         self.tail_callback_sec, self.step_callback_sec = self.step_callback_sec, {}
@@ -669,7 +681,7 @@ class ThroughputMeter(PerfCallback):
         self.close()
 
     # ------------------------------------------------------------ metrics
-    def _step_metrics(self, record, generated: float) -> dict:
+    def _step_metrics(self, record: StepRecord, generated: float) -> dict[str, Any]:
         tl = self.timeline
         rate = tl.tokens_per_sec
         m: dict[str, Any] = dict(tl.rate_metrics(self._run.world))
@@ -686,7 +698,7 @@ class ThroughputMeter(PerfCallback):
             m[keys.PERF_TRAIN_TOKENS_PER_SEC] = tl.train_rate.rate()
         return {k: v for k, v in m.items() if v is not None}
 
-    def _rollout_fields(self) -> dict:
+    def _rollout_fields(self) -> dict[str, float]:
         """The step line's figures of TRL's generation entry (none for a trainer that does not generate)."""
         if self.backend is None:
             return {}
@@ -704,7 +716,7 @@ class ThroughputMeter(PerfCallback):
             model, hardware = model * self._run.num_iterations + forward, hardware * self._run.num_iterations + forward
         return model, hardware
 
-    def _utilisation(self, rate: float | None) -> dict:
+    def _utilisation(self, rate: float | None) -> dict[str, float]:
         if not (self.run_peak_flops and rate):
             return {}
         model, hardware = self._flops_per_token()
@@ -723,7 +735,7 @@ class ThroughputMeter(PerfCallback):
                       f"runs the model more than once per batch and pays its cost twice.", step=step,
                       figures=WarningFigures(forwards_per_microbatch=per))
 
-    def _check_data_wait(self, args, step: int) -> None:
+    def _check_data_wait(self, args: TrainingArguments, step: int) -> None:
         tl = self.timeline
         if not tl.warmup_done or "data_wait" in self.warned or tl.phase_totals["data_wait"] == 0:
             return
@@ -789,10 +801,10 @@ class ThroughputMeter(PerfCallback):
                                      self.max_warmup_steps)
         self.warned, self.summary = set(), None
 
-    def export(self) -> dict:
+    def export(self) -> dict[str, Any]:
         return {"timeline": self.timeline.export(), "warned": sorted(self.warned)}
 
-    def load(self, saved: dict) -> None:
+    def load(self, saved: dict[str, Any]) -> None:
         self.timeline.load(saved.get("timeline", {}))
         self.warned = set(saved.get("warned", []))
 
@@ -817,7 +829,7 @@ TRAINER_SETTINGS = ("save_strategy", "save_steps", "save_only_model", "save_tota
                     "logging_steps", "eval_strategy", "eval_steps", "activation_checkpointing", "max_steps")
 
 
-def _trainer_settings(args) -> dict[str, Any]:
+def _trainer_settings(args: object) -> dict[str, Any]:
     """The settings of :data:`TRAINER_SETTINGS` as JSON values (an enum as its value)."""
     out: dict[str, Any] = {}
     for name in TRAINER_SETTINGS:
@@ -828,6 +840,6 @@ def _trainer_settings(args) -> dict[str, Any]:
     return out
 
 
-def _dataloader_settings(args) -> DataLoaderFacts:
+def _dataloader_settings(args: object) -> DataLoaderFacts:
     """The DataLoader settings of the training arguments (for the run header and the data-wait advice)."""
     return dataloader_facts({k: getattr(args, f"dataloader_{k}", None) for k in FACT_TYPES})

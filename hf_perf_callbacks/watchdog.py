@@ -41,14 +41,17 @@ from .runlog import ActionDetails, StopFigures, WallMove, WarningFigures, Watchd
 from .validation import check_flag, check_number
 
 if TYPE_CHECKING:
+    from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
+
     from .macos import MacMemorySample
+    from .stats import WallForecast
 
 #: a decision as the number the ranks exchange (the most conservative, the largest, wins)
 RANK_OF: dict[str | None, float] = {None: 0.0, SMALLER_BATCH: 1.0, STOP: 2.0}
 WALL_KEYS = (keys.MEM_STEPS_TO_WALL, keys.MEM_STEPS_TO_WALL_LOW, keys.MEM_STEPS_TO_WALL_HIGH)
 
 
-def wall_fields(forecast, remaining: int | None) -> dict:
+def wall_fields(forecast: WallForecast | None, remaining: int | None) -> dict[str, float]:
     """The ``mem/steps_to_wall*`` keys of one step: none when memory is not growing or the wall lies beyond the
     run's ``remaining`` steps even at the point estimate; ``_high`` capped at ``remaining`` (past the run's end
     the wall is not met) and absent when growth may be zero within the 95% interval and the run has no end."""
@@ -225,7 +228,8 @@ class MemoryWatchdog(PerfCallback):
 
     # ------------------------------------------------------------ setup
     @hook
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None,
+                       **kwargs: Any) -> None:
         self.device = self.device or DeviceLayer()
         self.run = WatchdogRun(world=world_size(), on_mac=sys.platform == "darwin")
         self._run.previous_mac = self._mac_sample() if self._run.on_mac else None
@@ -255,19 +259,19 @@ class MemoryWatchdog(PerfCallback):
                                device_limit_gb=(sample.device_limit or 0) / GB,
                                system_total_gb=sample.system_total / GB, warn_within_steps=self.warn_within_steps)
 
-    def budget_bytes(self, device: DeviceLayer, sample=None) -> float:
+    def budget_bytes(self, device: DeviceLayer, sample: MemorySample | None = None) -> float:
         """The budget in bytes on ``device`` now (:func:`~hf_perf_callbacks.memory.budget_bytes` of its limits and of
         what this run can reach)."""
         sample = sample or device.memory()
         return budget_bytes(device.type, sample.device_limit, sample.hard_limit, sample.system_total,
                             self.limit_gb, self.budget_fraction, reachable=sample.reachable)
 
-    def _static_budget(self, sample) -> float:
+    def _static_budget(self, sample: MemorySample) -> float:
         """The budget from the device's limits alone (what it was before it followed the device's free memory)."""
         return budget_bytes(self._device.type, sample.device_limit, sample.hard_limit, sample.system_total,
                             None, self.budget_fraction)
 
-    def _explain_start(self, sample, step: int) -> None:
+    def _explain_start(self, sample: MemorySample, step: int) -> None:
         """Say at the start when the budget of a card is set by what the run can reach (another process holds
         memory), or when ``limit_gb`` lies beyond it. Not on unified memory (MPS, CPU): there other processes and the
         system always hold part of the machine; a move during the run is said either way."""
@@ -281,7 +285,7 @@ class MemoryWatchdog(PerfCallback):
             self._wall_event(step, f"the memory budget is {gib(self.budget)}, not {gib(static)} "
                                    f"({self.budget_fraction:.0%} of the device's limit)", sample, static, start=True)
 
-    def _check_limit(self, sample, step: int) -> None:
+    def _check_limit(self, sample: MemorySample, step: int) -> None:
         """``limit_gb`` overrides the reading; one warning when it lies beyond what the run can reach."""
         reach = sample.reachable
         if self._limit_warned or reach is None or self.budget <= reach:
@@ -292,7 +296,7 @@ class MemoryWatchdog(PerfCallback):
                   + (f": {why}" if why else "") + "; the watchdog keeps the given budget, so the device may run out "
                   "of memory before it", step=step)
 
-    def _follow_wall(self, sample, step: int) -> None:
+    def _follow_wall(self, sample: MemorySample, step: int) -> None:
         """Move the budget with what the run can reach (see :class:`~hf_perf_callbacks.memory.MovingWall`)."""
         if self.limit_gb:
             self._check_limit(sample, step)
@@ -305,7 +309,7 @@ class MemoryWatchdog(PerfCallback):
         self._wall_event(step, f"the memory wall moved: the budget is now {gib(self.budget)} (was {gib(before)})",
                          sample, before)
 
-    def _wall_event(self, step: int, headline: str, sample, before: float, start: bool = False) -> None:
+    def _wall_event(self, step: int, headline: str, sample: MemorySample, before: float, start: bool = False) -> None:
         """One event (console and perf log) saying where the wall is and why (``start``: where it is at the start)."""
         outside, reach, total = sample.outside, sample.reachable, sample.total
         facts = self._facts(sample, holders=True)
@@ -323,7 +327,7 @@ class MemoryWatchdog(PerfCallback):
                                          outside_gb=outside / GB if outside is not None else None,
                                          reachable_gb=reach / GB if reach is not None else None))
 
-    def _facts(self, sample, holders: bool = False) -> WallFacts:
+    def _facts(self, sample: MemorySample, holders: bool = False) -> WallFacts:
         """What sets the wall now and what presses on it (``holders``: ask NVML who holds the card's memory)."""
         names = None
         if holders and sample.outside is not None and sample.total and not sample.unified:
@@ -337,7 +341,7 @@ class MemoryWatchdog(PerfCallback):
 
     # ------------------------------------------------------------ per step
     @hook
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         step = state.global_step
         policy = self._watch
         self._run.shrinking = False
@@ -424,7 +428,8 @@ class MemoryWatchdog(PerfCallback):
         self._device.reset_peak()
 
     @hook
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         """GRPO: each training log's longest completion (TRL's ``completions/max_length``) against the highest step
         peak since the last log; once the completions' growth brings the wall within the run, one warning says at
         which completion length a step stops fitting."""
@@ -464,7 +469,7 @@ class MemoryWatchdog(PerfCallback):
         return (f"the next step needs about {gib(need)} (the last step's peak{scaled}) and the budget is now "
                 f"{gib(budget)}")
 
-    def _next_step_need(self, sample, used: float, state) -> float:
+    def _next_step_need(self, sample: MemorySample, used: float, state: TrainerState) -> float:
         """What the next step needs: this step's own peak, its part above what stays allocated between steps scaled
         to the largest micro-batch of this segment (padded rows × length, as fetched); the peak alone where the rows
         or the device's peak are unknown. Keeps this step as the reference of the check before the next step."""
@@ -478,7 +483,7 @@ class MemoryWatchdog(PerfCallback):
         return live + (used - live) * self._run.most_rows / size
 
     # ------------------------------------------------------------ before a step
-    def _before_step(self, batches: list, asked: int):
+    def _before_step(self, batches: list[Any], asked: int) -> str | None:
         """The next optimizer step's rows are fetched and it has not trained yet (the training loop's
         ``get_batch_samples``, watched through :func:`~hf_perf_callbacks.adapter.watch_batch_samples`): it needs the
         last step's peak, its part above what stays allocated scaled to these rows when they are longer, against the
@@ -500,14 +505,14 @@ class MemoryWatchdog(PerfCallback):
         return self._act_before(trainer, batches)
 
     @staticmethod
-    def _rows_size(batches: list) -> int | None:
+    def _rows_size(batches: list[Any]) -> int | None:
         """The largest micro-batch's ``input_ids`` (rows × padded length); None where the batches hold none
         (GRPO's prompts, a custom batch)."""
         sizes = [int(b["input_ids"].numel()) for b in batches
                  if isinstance(b, Mapping) and hasattr(b.get("input_ids"), "numel")]
         return max(sizes) if sizes else None
 
-    def _short_before(self, batches: list, step: int) -> bool:
+    def _short_before(self, batches: list[Any], step: int) -> bool:
         size = self._rows_size(batches)
         self._run.planned = size
         reference, policy = self._run.reference, self._watch
@@ -524,7 +529,7 @@ class MemoryWatchdog(PerfCallback):
         self.facts = self._facts(sample)
         return True
 
-    def _act_before(self, trainer, batches: list):
+    def _act_before(self, trainer: Trainer, batches: list[Any]) -> str | None:
         """Act on a next step that cannot fit, before it trains (see :meth:`_before_step`)."""
         args, state, control, policy = trainer.args, trainer.state, trainer.control, self._watch
         step = state.global_step
@@ -542,8 +547,8 @@ class MemoryWatchdog(PerfCallback):
         self._stop(args, state, control, follower=self._run.short is None)
         return adapter.SKIP_STEP if control.should_training_stop else None
 
-    def _observe(self, step: int, sample, micro: int | None = None,
-                 resample: bool = False) -> tuple[Observation, dict]:
+    def _observe(self, step: int, sample: MemorySample, micro: int | None = None,
+                 resample: bool = False) -> tuple[Observation, dict[str, float | None]]:
         if resample and sample.peak is not None and sample.allocated is not None:
             used = float(sample.allocated)      # after a clear the high-water mark is history: what is allocated counts
         else:
@@ -580,7 +585,7 @@ class MemoryWatchdog(PerfCallback):
         obs = Observation(step, used, micro_batch=micro, os_level=os_level, swapouts=swapouts, alloc_retries=retries)
         return obs, fields
 
-    def _mac_sample(self):
+    def _mac_sample(self) -> MacMemorySample | None:
         """macOS signals; a reader that fails is dropped with one warning (the device figures still work)."""
         try:
             return self._device.mac.sample()
@@ -604,7 +609,8 @@ class MemoryWatchdog(PerfCallback):
             self._device.empty_cache()
         self._act(step, CLEAR, "cleared caches: " + self._watch.reason())
 
-    def _stop(self, args, state, control, follower: bool = False) -> None:
+    def _stop(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+              follower: bool = False) -> None:
         policy = self._watch
         reason = ("another rank is about to run out of memory; this rank stops with it, at the same step"
                   if follower else policy.reason())
@@ -659,17 +665,18 @@ class MemoryWatchdog(PerfCallback):
         self._bus.log.event(self.source, "stop" if stop is not None else "action", message, step=step, details=details)
 
     @hook
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._restore_only_model(args)
 
-    def _restore_only_model(self, args) -> None:
+    def _restore_only_model(self, args: TrainingArguments) -> None:
         """Give ``save_only_model`` back once the stop's checkpoint is written."""
         if self._only_model_set_aside:
             args.save_only_model, self._only_model_set_aside = True, False
 
     # ------------------------------------------------------------ end
     @hook
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
         self._restore_only_model(args)
         self.close()
         self.summary = {"high_water_gb": self.high_water / GB, "budget_gb": self.budget / GB,
@@ -697,10 +704,10 @@ class MemoryWatchdog(PerfCallback):
         self.high_water, self.actions, self.stopped_at, self.summary = 0.0, [], None, None
         self.policy, self._limit_warned = None, False
 
-    def export(self) -> dict:
+    def export(self) -> dict[str, Any]:
         return {"high_water": self.high_water, "actions": self.actions}
 
-    def load(self, saved: dict) -> None:
+    def load(self, saved: dict[str, Any]) -> None:
         if not self.actions:            # a new process; in-process resumes keep their own (newer) history
             self.high_water = saved.get("high_water", 0.0)
             self.actions = list(saved.get("actions", []))

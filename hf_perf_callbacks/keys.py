@@ -124,8 +124,9 @@ KEY_DOCS: dict[str, tuple[str, str, str]] = {
     PERF_MFU: ("fraction", "model FLOPs utilisation: model FLOPs per token × tokens/s per device / peak (absent when "
                            "the peak is unknown)", REPORTED),
     PERF_HFU: ("fraction", "hardware FLOPs utilisation: MFU with activation recompute counted", REPORTED),
-    PERF_ROLLOUT_TOKENS_PER_SEC: ("tok/s", "GRPO: generated (finished, non-pad) tokens per second of generation; not "
-                                           "decode speed (a batch decodes until its longest completion)", REPORTED),
+    PERF_ROLLOUT_TOKENS_PER_SEC: ("tok/s", "GRPO: generated (finished, non-pad) tokens of every rank per second of the "
+                                           "slowest rank's generation; not decode speed (a batch decodes until its "
+                                           "longest completion)", REPORTED),
     PERF_TRAIN_TOKENS_PER_SEC: ("tok/s", "GRPO: tokens per second of non-generation time", REPORTED),
     PERF_GENERATION_BATCH: ("count", "GRPO: completions TRL generated in the step on this rank (0 on a step that "
                                      "trains buffered ones)", PERF_LOG_ONLY),

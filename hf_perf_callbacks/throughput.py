@@ -238,8 +238,8 @@ class ThroughputMeter(PerfCallback):
     ``perf/mfu``                          fraction  model FLOPs utilisation (absent when the peak is unknown)
     ``perf/hfu``                          fraction  hardware FLOPs utilisation, recompute included
                                                     (only with activation checkpointing)
-    ``perf/rollout_tokens_per_sec``       tok/s     GRPO: completion tokens per second of generation, weight
-                                                    syncs left out (this rank; every backend)
+    ``perf/rollout_tokens_per_sec``       tok/s     GRPO: completion tokens of every rank per second of the
+                                                    slowest rank's generation, weight syncs left out (every backend)
     ``perf/train_tokens_per_sec``         tok/s     GRPO: windowed tokens per second of non-generation time
     ``perf/decode_bandwidth_util``        fraction  GRPO: weight bytes read per decode step × steps / time / peak
                                                     (HF ``generate``: forwards counted; vLLM colocate: the longest
@@ -251,7 +251,7 @@ class ThroughputMeter(PerfCallback):
     """
 
     source = "perf"
-    exchange_width = 2
+    exchange_width = 4
 
     def __init__(self, window_steps: int = 10, warmup_window: int = 4, warmup_tolerance: float = 0.1,
                  max_warmup_steps: int = 50, peak_flops: float | str | None = None,
@@ -632,21 +632,25 @@ class ThroughputMeter(PerfCallback):
         tokens = float(state.num_input_tokens_seen - self._run.seen) if self._run.token_source == "trainer" else \
             float(counts[HOOK_TOKENS])
         self._run.seen = state.num_input_tokens_seen
-        self._exchange(state.global_step, [tokens, record.train],       # the step's one exchange
-                       lambda rows: self._step_ended(args, state, control, record, counts, tokens, callbacks, rows))
+        generated = float(counts[GENERATED]) if self._run.is_grpo else 0.0
+        if self._stop_watching_entry is not None:                   # counted at TRL's entry, every backend
+            generated = float(self._step.completion_tokens)
+        rollout = max(0.0, record.generation - self._step.sync_seconds)   # the weight syncs to vLLM left out
+        self._exchange(state.global_step, [tokens, record.train, generated, rollout],      # the step's one exchange
+                       lambda rows: self._step_ended(args, state, control, record, counts, tokens, callbacks, rows,
+                                                     rollout))
 
     def _step_ended(self, args: Any, state: Any, control: Any, record: StepRecord, counts: list[int],
-                    tokens: float, callbacks: dict[str, float], rows: Rows) -> None:
+                    tokens: float, callbacks: dict[str, float], rows: Rows, rollout: float) -> None:
         """The step's figures once every rank's tokens and training seconds are known (``rows``)."""
         train_seconds = None
         if self._run.world > 1:
             tokens = sum(r[0] for r in rows) if self._run.token_source == "hook" else tokens
             train_seconds = max(r[1] for r in rows)
         self.timeline.commit(record, tokens, train_seconds)
-        generated = float(counts[GENERATED]) if self._run.is_grpo else 0.0
-        if self._stop_watching_entry is not None:                   # counted at TRL's entry, every backend
-            generated = float(self._step.completion_tokens)
-        metrics = self._step_metrics(record, generated)
+        # the rollout's rate over every rank: all ranks' completion tokens in the slowest rank's generation seconds
+        all_generated, slowest = sum(r[2] for r in rows), max(r[3] for r in rows)
+        metrics = self._step_metrics(record, all_generated / slowest if slowest > 0 else None, rollout)
         if self._step.padded_positions:
             metrics[keys.PERF_PAD_FRACTION] = 1.0 - counts[REAL_POSITIONS] / self._step.padded_positions
         self._check_duplicates(state.global_step)
@@ -681,16 +685,15 @@ class ThroughputMeter(PerfCallback):
         self.close()
 
     # ------------------------------------------------------------ metrics
-    def _step_metrics(self, record: StepRecord, generated: float) -> dict[str, Any]:
+    def _step_metrics(self, record: StepRecord, rollout_rate: float | None, rollout: float) -> dict[str, Any]:
         tl = self.timeline
         rate = tl.tokens_per_sec
         m: dict[str, Any] = dict(tl.rate_metrics(self._run.world))
         mfu = self._utilisation(rate)
         m.update(mfu)
         m[keys.PERF_FORWARDS_PER_MICROBATCH] = self._step.forwards / max(1, self._step.microbatches)
-        rollout = record.generation - self._step.sync_seconds          # the weight syncs to vLLM left out
-        if self._run.is_grpo and rollout > 0:
-            m[keys.PERF_ROLLOUT_TOKENS_PER_SEC] = generated / rollout
+        if self._run.is_grpo and rollout > 0 and rollout_rate is not None:
+            m[keys.PERF_ROLLOUT_TOKENS_PER_SEC] = rollout_rate
             if self.run_peak_bandwidth and self._step.decode_steps:       # none counted where vLLM runs as a server
                 m[keys.PERF_DECODE_BANDWIDTH_UTIL] = (self._run.weight_bytes / self.engine_parallel
                                                       * self._step.decode_steps / rollout / self.run_peak_bandwidth)

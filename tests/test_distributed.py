@@ -38,6 +38,7 @@ def test_global_tokens_per_second_is_equal_on_both_ranks(two_rank_run):
     _, (r0, r1) = two_rank_run
     assert r0["world"] == r1["world"] == 2
     assert r0["grpo_rates"] == r1["grpo_rates"] and any(r0["grpo_rates"])
+    assert r0["grpo_rollout_rates"] == r1["grpo_rollout_rates"] and len(r0["grpo_rollout_rates"]) == 4   # every rank
     assert r0["grpo_tokens"] == r1["grpo_tokens"] == r0["grpo_seen"]      # GRPO's counter is already global
     assert r0["plain_rates"] == r1["plain_rates"] and any(r0["plain_rates"])
     assert r0["plain_token_source"] == "hook"

@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, train_with_tuning
+from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, keys, train_with_tuning
 from hf_perf_callbacks.tiny import build_tokenizer
 from tests.conftest import CORPUS, PlantedClock, length_reward, make_grpo, make_trainer
 from tests.test_tuner import CUDA_OOM, MPS_OOM, PlantedOOM, PlantedStepTime
@@ -91,6 +91,8 @@ def main(out):
               "oom_decisions": [(d.kind, d.step, d.new.micro_batch) for d in tuner.session.decisions],
               "stop_step": stopped.state.global_step, "stop_actions": [a["action"] for a in watchdog.actions],
               "grpo_rates": rates(grpo_meter), "grpo_tokens": grpo_meter.timeline.total_tokens,
+              "grpo_rollout_rates": [round(h[keys.PERF_ROLLOUT_TOKENS_PER_SEC], 6) for h in grpo.state.log_history
+                                     if keys.PERF_ROLLOUT_TOKENS_PER_SEC in h],
               "grpo_seen": grpo.state.num_input_tokens_seen, "plain_rates": rates(plain_meter),
               "plain_tokens": plain_meter.timeline.total_tokens, "world": grpo_meter.run.world,
               "plain_token_source": plain_meter.run.token_source}

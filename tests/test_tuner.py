@@ -178,11 +178,13 @@ class PlantedStepTime(TrainerCallback):
         self.clock.spend(base * (1 + self.rng.uniform(-self.noise, self.noise)))
 
 
-def tuned_run(tokenizer, path, seconds, max_steps=25, bs=2, ga=4, noise=0.0, padding_side="right", **tuner_kw):
+def tuned_run(tokenizer, path, seconds, max_steps=25, bs=2, ga=4, noise=0.0, padding_side="right", extra=(),
+              **tuner_kw):
     clock = PlantedClock()
     tuner = AdaptiveBatchTuner(clock=clock, **tuner_kw)
     samples = SampleRecorder()
-    trainer = samples.attach(make_trainer(tokenizer, path, [samples, PlantedStepTime(clock, seconds, noise), tuner],
+    trainer = samples.attach(make_trainer(tokenizer, path, [samples, PlantedStepTime(clock, seconds, noise), tuner,
+                                                            *extra],
                                           max_steps=max_steps, bs=bs, ga=ga, length=16, padding_side=padding_side))
     train_with_tuning(trainer)
     return trainer, tuner, samples
@@ -243,6 +245,38 @@ def test_a_split_8x_faster_is_kept_on_its_first_measured_step_and_the_split_file
     assert "p" not in decision.figures and decision.figures["seq_ratio"] > decision.figures["seq_bound"]
     assert [s[keys.TUNER_MICRO_BATCH] for s in step_lines(tmp_path)] == [2] * 5 + [8] * 13
     assert record.split == Split(8, 1) and trainer.state.global_step == 18
+
+
+class StepNow(TrainerCallback):
+    """The optimizer step under way (1-based), for what a test counts per step."""
+
+    now = 0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        StepNow.now = state.global_step + 1
+
+
+def test_once_the_tuning_decided_the_tuner_no_longer_synchronizes_or_times_a_step(tokenizer, tmp_path, monkeypatch):
+    """The tuner synchronizes the device at each measured step's begin and end (its timing): from the decision on
+    (step 8 here, in the same train() call) no step of the run is synchronized or timed for the tuning any more,
+    and its generation clock is taken off the model (seen on 2 H200s: a run kept measuring after its decision ran
+    its steps outside generation about 1-5% slower than a plain run of the same split)."""
+    from hf_perf_callbacks.device import DeviceLayer
+
+    synced = []
+    original = DeviceLayer.synchronize
+
+    def counted(self):
+        synced.append(StepNow.now)
+        original(self)
+
+    monkeypatch.setattr(DeviceLayer, "synchronize", counted)
+    trainer, tuner, _ = tuned_run(tokenizer, tmp_path, {8: 25.0, 4: 100.0, 2: 200.0, 1: 400.0}, max_steps=18,
+                                  extra=[StepNow()])
+    [decision] = tuner.session.decisions
+    assert decision.step == 8 and trainer.state.global_step == 18
+    assert max(synced) == 8 and {4, 5, 8} <= set(synced)          # measured steps synchronized, none after step 8
+    assert not tuner.measuring and tuner._stop_watching is None
 
 
 def test_a_run_too_short_to_pay_back_tries_no_split_and_writes_no_checkpoint(tokenizer, tmp_path):

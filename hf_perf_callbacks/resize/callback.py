@@ -185,9 +185,13 @@ class AdaptiveBatchTuner(PerfCallback):
         rows = gather_floats([ranked, whole, used, limit], self.device.device)     # every rank judges alike
         ranked, whole = max(r[0] for r in rows), max(r[1] for r in rows)
         fits = all(r[2] <= r[3] for r in rows)
-        if self._session.measured_step(step, ranked, whole, max(r[2] for r in rows) / GB, fits):
+        stop, self.measuring = self._session.measured_step(step, ranked, whole, max(r[2] for r in rows) / GB, fits)
+        if stop:
             self._bus.continue_run(True)                    # a switch by stopping this train() (not in process)
             control.should_training_stop = True
+        if not self.measuring and self._stop_watching is not None:     # the tuning finished: no more clocks
+            self._stop_watching()
+            self._stop_watching = None
 
     def _memory(self, step: int) -> tuple[float, float]:
         """(bytes used at ``step``, the budget): the watchdog's reading of this step when it is attached (it owns

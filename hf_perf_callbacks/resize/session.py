@@ -727,9 +727,12 @@ class TuningSession:
         """Optimizer step ``step`` completed: the split in effect and the re-sizes forced by memory so far."""
         return self.step_completed(step), self.resizes
 
-    def measured_step(self, step: int, ranked: float, whole: float, peak_gb: float, fits: bool) -> bool:
+    def measured_step(self, step: int, ranked: float, whole: float, peak_gb: float,
+                      fits: bool) -> tuple[bool, bool]:
         """The tuner measured step ``step`` for the tuning (every rank's figures agreed): a switch the tuning asks
-        for is requested; True when it takes effect by stopping this ``train()`` (not in process)."""
+        for is requested. Returns ``(stop, measuring)``: the switch takes effect by stopping this ``train()`` (not in
+        process); the tuning still measures the next steps (False once it finished: the rest of the run is not
+        synchronized or timed for it)."""
         tuning = self.tuning
         assert tuning is not None, "measuring starts only with a tuning to measure for (begin_train)"
         stop = False
@@ -739,7 +742,7 @@ class TuningSession:
                 self.request_switch(action.split, action.why)
                 stop = not self.in_process              # takes effect at the next step's begin otherwise
             self._tuning_done(step)
-        return stop
+        return stop, tuning.done is None
 
     def on_watchdog(self, reason: str, step: int, rows: list[Any] | None, acting: bool) -> Plan:
         """The watchdog asks for a smaller micro-batch at ``step`` (``acting``: the tuner can stop the run now;
@@ -888,7 +891,8 @@ class TunerView(Protocol):
 
     def step_ends(self, step: int) -> tuple[Split, int]: ...
 
-    def measured_step(self, step: int, ranked: float, whole: float, peak_gb: float, fits: bool) -> bool: ...
+    def measured_step(self, step: int, ranked: float, whole: float, peak_gb: float,
+                      fits: bool) -> tuple[bool, bool]: ...
 
     def on_watchdog(self, reason: str, step: int, rows: list[Any] | None, acting: bool) -> Plan: ...
 

@@ -144,10 +144,14 @@ def _swapped(p: dict) -> str:
 
 
 def _sequential(r: dict) -> str:
+    steps = r.get("settings", {}).get("steps")
+    head = f"{steps} steps, {r['gpus']} GPUs: " if steps else ""
     if r.get("layout") == "swapped":
-        return "; ".join(_swapped(p) for p in r["pairs"] if p.get("ratio"))
-    return "; ".join(f"from {p['start']}: {p['ratio']:.3f}× the plain {p['best']} run, {p['steps_at_start']} steps at "
-                     f"the start" for p in r["pairs"] if p.get("ratio"))
+        return head + "; ".join(_swapped(p) for p in r["pairs"] if p.get("ratio"))
+    return head + "; ".join(
+        f"from {p['start']}: {p['ratio']:.3f}× the plain {p['best']} run"
+        + (f" ({p['ratio_same_generation']:.3f}× with its generation seconds)" if p.get("ratio_same_generation")
+           else "") + f", {p['steps_at_start']} steps at the start" for p in r["pairs"] if p.get("ratio"))
 
 
 def _deepspeed(r: dict) -> str:
@@ -159,6 +163,9 @@ def _deepspeed(r: dict) -> str:
             and not any(restart.get("relaunch_vs_unfaulted_differences", [[1]])[0])
         extra = [w for w, key in (("accelerate launch", "accelerate"), ("one-process OOM", "one_process_oom"))
                  if key in stage]
+        if "grpo" in stage:
+            extra.append("GRPO re-sized " + ("as the unfaulted run" if not any(
+                any(d) for d in stage["grpo"]["differences"]) else "DIFFERENTLY"))
         parts.append(f"{name}: meter/independent tokens {main['meter_vs_independent']:.3f}, a stop on one rank at "
                      f"steps {main['stop_steps']}, re-size and relaunch " + ("as the unfaulted run" if exact else
                                                                                "DIFFER")

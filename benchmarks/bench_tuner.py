@@ -17,8 +17,10 @@ completions of 32 tokens per optimizer step, bf16). Parts (each prints and write
                    ``--part run`` in each, with ``CUDA_VISIBLE_DEVICES``; 2 × starts GPUs: each tuned run its own
                    plain twin; starts + 1: one plain run beside all; fewer (at least 2): the pairs one after another;
                    ``--swap``: each pair twice, the cards swapped, the cost the geometric mean of the two ratios.
-                   Each pair's wall-time ratio tuned / plain, the steps at the starting split, the decision
-                   (``tuner_sequential_<card>.json``; the per-run files are folded into it)
+                   Each pair's wall-time ratio tuned / plain (also with the plain run's seconds in generate), the steps
+                   at the starting split, the decision
+                   (``tuner_sequential_<card>[_swapped]_<starts>_<steps>steps.json``; the per-run files are folded
+                   into it)
 
 ``--smoke`` uses the demo's trainer on the CPU (the real SmolLM2-135M-Instruct, chat prompts, 4×1; one prompt group
 of four completions up to 40 tokens per step), as ``hf-perf demo`` runs it. ``--model smollm2`` uses the real model

@@ -18,13 +18,14 @@ NOT_MEASURED = ["a real model (the tests' tiny Llama, fp32, SGD with momentum)",
                 "more than one host (the launches are on the GPUs of one host)"]
 
 
+#: the scenarios of ``deepspeed.sh``, by their names in the result file
+SCENARIOS = ("main", "restart", "accelerate", "one_process_oom", "grpo")
+
+
 def not_measured(stages: dict) -> list[str]:
-    """What the result file does not cover: :data:`NOT_MEASURED`, and each scenario of ``deepspeed.sh`` that no
-    stage of it ran."""
-    ran = {scenario for figures in stages.values() for scenario in figures}
-    missing = [f"scenario {s} (benchmarks/deepspeed.sh)" for s in ("main", "restart", "accelerate", "one_process_oom",
-                                                                   "grpo") if s not in ran]
-    return NOT_MEASURED + missing
+    """What the result file does not cover: :data:`NOT_MEASURED`, and each stage's scenarios it did not run."""
+    return NOT_MEASURED + [f"{stage}: scenario {s} (benchmarks/deepspeed.sh)" for stage, figures in stages.items()
+                           for s in SCENARIOS if s not in figures]
 
 
 def ranks(folder: str) -> list[dict]:

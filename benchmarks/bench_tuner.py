@@ -302,7 +302,7 @@ def side_by_side(a) -> dict:
 def ratios(tuned: dict, plain: dict) -> dict:
     """A pair's wall-time ratio tuned / plain (the headline), and the same with the tuned run's seconds in
     ``generate`` replaced by the plain run's (``ratio_same_generation``): the split never changes what is generated
-    (the generation batch is the same for every split; the two runs' token counts agree step by step), yet two runs
+    (the generation batch is the same for every split; the two runs' token counts agree), yet two runs
     on two cards at one time spend 2-4% apart in ``generate`` either way; this ratio takes that out and leaves what
     the tuning's choices change (the tuner's clock around ``generate`` is taken off once it decided)."""
     if not (tuned.get("wall_sec") and plain.get("wall_sec")):

@@ -159,8 +159,8 @@ def _deepspeed(r: dict) -> str:
     parts = []
     for name, stage in done.items():
         main, restart = stage.get("main", {}), stage.get("restart", {})
-        exact = not any(main.get("resize_vs_unfaulted_differences", [[1]])[0]) \
-            and not any(restart.get("relaunch_vs_unfaulted_differences", [[1]])[0])
+        exact = not any(any(d) for d in main.get("resize_vs_unfaulted_differences", [[1]])) \
+            and not any(any(d) for d in restart.get("relaunch_vs_unfaulted_differences", [[1]]))
         extra = [w for w, key in (("accelerate launch", "accelerate"), ("one-process OOM", "one_process_oom"))
                  if key in stage]
         if "grpo" in stage:

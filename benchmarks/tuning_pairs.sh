@@ -2,7 +2,7 @@
 # The tuning's cost on one 2-GPU host, each start in its own pair: the tuned run from the start on GPU 0 beside a plain
 # run of the best split (32×1) on GPU 1, at the same time (bench_tuner.py --part sequential, one start a call).
 #   RES=/tmp/hfres PAIRS="2x16:500 4x8:250 32x1:250" setsid nohup bash benchmarks/tuning_pairs.sh > /tmp/hfres.log 2>&1 &
-# Each pair's result, tuner_sequential_<card>_<start>_<steps>steps.json, goes to $RES (and benchmarks/results); its
+# Each pair's result, tuner_sequential_<card>_<start>_<steps>steps.json, goes to $RES (copy it to benchmarks/results); its
 # log to $RES/<start>.log; $RES/progress says when each began and ended.
 set -u
 RES=${RES:-/tmp/hfres}

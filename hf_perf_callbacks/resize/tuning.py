@@ -12,8 +12,8 @@ generation batch is the same for every split, and HF ``generate`` jitters by ten
 The run's first ``WARMUP_AT_START`` generation cycles, and the first ``WARMUP_AFTER_SWITCH`` after
 a switch, are a warm-up and are not measured (they are trained like any step). The warm-up at the start is fixed,
 not ended early by two steps that agree: on one H200 a 32×1 start ran 2.29 and 1.94 s outside generation on steps
-2-3, then 0.68, 0.59 and 0.22 from step 6 (the plain run on that card alike), and a warm-up ended at step 3 kept a
-16×2 candidate (0.63 s) that ran 2× slower than 32×1 for the rest of the run. A decision on the
+2-3 (the plain 32×1 run beside it on another card 2.01 and 1.89, then about 0.22 from step 6), and a warm-up ended
+at step 3 kept a 16×2 candidate that ran about 0.42 s, 1.9× the plain run, for the rest of the run. A decision on the
 gathered figures alone, alike on every rank. The configured split is measured on
 ``first_samples`` steps (``FIRST_SAMPLES``) before the first candidate is tried: a slow configured split costs every
 step it runs, and a candidate far from it needs no more. After each measured generation cycle of a candidate, a

@@ -18,6 +18,7 @@ from transformers.trainer_callback import CallbackHandler
 from . import adapter
 from .keys import CONSOLE_KEYS, CONSOLE_WIDTH
 from .runlog import CALLBACK_PREFIXES, EventKind
+from .wording import console_line
 
 __all__ = ["Console", "console_line", "console_logs", "wrapped", "EVENT_WIDTH", "LOUD_KINDS", "QUIET_ONCE"]
 
@@ -89,23 +90,6 @@ def console_logs(logs: Mapping[str, Any]) -> dict[str, Any]:
     (:data:`~hf_perf_callbacks.keys.CONSOLE_KEYS`), not each of their few dozen keys."""
     return {key: value for key, value in logs.items()
             if key in CONSOLE_KEYS or not (isinstance(key, str) and key.startswith(CALLBACK_PREFIXES))}
-
-
-def console_line(text: str, width: int = CONSOLE_WIDTH) -> str:
-    """``text`` as one console line of at most ``width`` characters: its first line, cut at the last clause boundary
-    (``: ``, ``; ``, ``. ``, `` (``, ``, ``) that fits, or at a space, and ended by `` …`` when cut."""
-    lines = text.strip().splitlines() or [""]
-    first = lines[0].rstrip()
-    if len(first) <= width and len(lines) == 1:
-        return first
-    room = width - 2
-    if len(first) <= room:
-        return first + " …"
-    head = first[:room]
-    cut = max(head.rfind(mark) for mark in (": ", "; ", ". ", " (", ", "))
-    if cut < width // 2:
-        cut = head.rfind(" ")
-    return (head[:cut] if cut > 0 else head).rstrip(" :;,.(") + " …"
 
 
 def wrapped(line: str, width: int = CONSOLE_WIDTH) -> str:

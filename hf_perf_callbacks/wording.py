@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from .keys import CONSOLE_WIDTH
+
 #: what each phase of a step's wall time is, in words (keys: :data:`hf_perf_callbacks.runlog.PHASES`)
 PHASE_WORDS = {"data_wait": "waiting for data", "generation": "generation", "compute": "forward/backward/optimizer",
                "eval": "evaluation", "save": "saving", "log": "logging", "own_callbacks": "this package's callbacks",
@@ -242,5 +244,22 @@ def tuning_outcome(outcome: str, f: Mapping[str, Figure], note: str) -> str:
         return f"kept the configured split: {note}" if note else "kept the configured split"
     head = (f"{f['kept']} faster than {f['start']} beyond the noise (median {float(f['median_kept']):.3f} vs "
             f"{float(f['median_start']):.3f} s over {f['steps_kept']} and {f['steps_start']} steps")
-    evidence = f"; {evidence_words('faster', f, 'seq_')}" if "seq_ratio" in f else f", p={float(f['p']):.3f}"
+    evidence = f"; {evidence_words('faster', f, 'seq_')}" if "seq_ratio" in f else f", p={float(f['p']):.2g}"
     return f"{head}{evidence}); {note}"
+
+
+def console_line(text: str, width: int = CONSOLE_WIDTH) -> str:
+    """``text`` as one console line of at most ``width`` characters: its first line, cut at the last clause boundary
+    (``: ``, ``; ``, ``. ``, `` (``, ``, ``) that fits, or at a space, and ended by `` …`` when cut."""
+    lines = text.strip().splitlines() or [""]
+    first = lines[0].rstrip()
+    if len(first) <= width and len(lines) == 1:
+        return first
+    room = width - 2
+    if len(first) <= room:
+        return first + " …"
+    head = first[:room]
+    cut = max(head.rfind(mark) for mark in (": ", "; ", ". ", " (", ", "))
+    if cut < width // 2:
+        cut = head.rfind(" ")
+    return (head[:cut] if cut > 0 else head).rstrip(" :;,.(") + " …"

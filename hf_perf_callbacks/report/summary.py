@@ -17,9 +17,18 @@ from __future__ import annotations
 from typing import Any
 
 from .. import keys
+from ..keys import CONSOLE_WIDTH
 from ..runlog import PERF_LOG, ActionDetails, DecisionDetails, EventLine, RunLog, number
 from ..splitfile import read_split_file, trial_figures
-from ..wording import phase_line, provisional_line, split_label, steady_words, throughput_line, warmup_line
+from ..wording import (
+    console_line,
+    phase_line,
+    provisional_line,
+    split_label,
+    steady_words,
+    throughput_line,
+    warmup_line,
+)
 from .figures import Figures, completion_stats, figures, ranges_text, run_events, step_ranges, trainer_logs
 
 MAX_EVENTS = 40          # events listed in full; beyond that the first and last halves
@@ -117,7 +126,7 @@ def _event_line(e: EventLine) -> str:
     old, new = (split_label(decision.old_split), split_label(decision.new_split)) if decision else ("", "")
     extra = "" if decision is None else f" (kept {new})" if old == new else f" ({old} -> {new})"
     when = f"step {e.step}" if e.step is not None else "(no step)"
-    return f"  {when}: [{e.source}] {label}{extra}: {e.message}"
+    return "  " + console_line(f"{when}: [{e.source}] {label}{extra}: {e.message}", CONSOLE_WIDTH - 2)   # all: the log
 
 
 def _event_lines(run: RunLog) -> list[str]:

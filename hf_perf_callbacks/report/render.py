@@ -11,8 +11,8 @@ from ..runlog import RunLog, read_run
 from .model import TOO_FEW_STEPS, ZERO, Facts, Finding, Measurements, Note
 from .reading import measurements
 from .rules import check
-from .rules.advice import _pct, _yaml
 from .rules.basis import _too_short
+from .words import _pct, _yaml
 
 REPORT_FILE = "perf_report.md"
 CONSOLE_WIDTH = 160

@@ -8,13 +8,7 @@ import math
 from ...batching import Split, exact_splits
 from ...memory import WARN_WITHIN_STEPS as STEPS_TO_WALL  # the watchdog's default warn distance
 from ..model import Measurements, Setting
-from ..words import FLOOR as FLOOR  # shared
-from ..words import _bullets as _bullets
-from ..words import _gb as _gb
-from ..words import _pct as _pct
-from ..words import _sentence as _sentence
-from ..words import _yaml as _yaml
-from ..words import tuner_how
+from ..words import _pct
 
 COMPLETION_SLACK = 0.5
 COMPLETION_HEADROOM = 1.25
@@ -112,11 +106,6 @@ def _split_setting(m: Measurements, split: Split) -> Setting:
 
 def _launcher(m: Measurements) -> bool:
     return bool(m.launcher)
-
-
-def _tuner_how(m: Measurements) -> str:
-    """How this run gets the batch tuner to measure its splits, in the interface it was started with."""
-    return tuner_how(_launcher(m), m.tuner_attached)
 
 
 def _split_name(split: Split) -> str:

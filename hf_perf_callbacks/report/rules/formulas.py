@@ -10,7 +10,8 @@ from typing import Any
 from ... import estimate
 from ...estimate import ModelShape
 from ..model import Measurements, ModelFacts
-from .advice import _gb, _generation_batch
+from ..words import _gb
+from .advice import _generation_batch
 
 
 def _known(compute: Callable[..., int], *args: Any) -> int | None:

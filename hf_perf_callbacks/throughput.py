@@ -559,9 +559,7 @@ class ThroughputMeter(PerfCallback):
         try:
             fn(*args)
         except Exception as error:  # noqa: BLE001
-            self.disabled = True
-            self.warn(f"ThroughputMeter disabled after an internal error in a hook: {type(error).__name__}: "
-                      f"{error}. Training continues without it.")
+            self._disable("a hook", error)               # one warning, and every wrapper and hook of it removed
 
     def _on_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self.disabled and not self._bus.own_passes:     # the exactness check's passes are no step's

@@ -252,8 +252,7 @@ class MemoryWatchdog(PerfCallback):
             self.close()
             self._stop_watching_fetches = adapter.watch_batch_samples(trainer, self._before_step)
             self._watching = trainer
-        self.facts = self._facts(sample)
-        self._bus.memory_facts = self.facts
+        self._note_facts(self._facts(sample))
         self.device.reset_peak()
         self._bus.log.describe_run(self.source, state.global_step, budget_gb=self.budget / GB,
                                device_limit_gb=(sample.device_limit or 0) / GB,
@@ -327,6 +326,11 @@ class MemoryWatchdog(PerfCallback):
                                          outside_gb=outside / GB if outside is not None else None,
                                          reachable_gb=reach / GB if reach is not None else None))
 
+    def _note_facts(self, facts: WallFacts) -> None:
+        """The wall's facts now: this watchdog's, and the bus's for the tuner (one write for both)."""
+        self.facts = facts
+        self._bus.memory_facts = facts
+
     def _facts(self, sample: MemorySample, holders: bool = False) -> WallFacts:
         """What sets the wall now and what presses on it (``holders``: ask NVML who holds the card's memory)."""
         names = None
@@ -357,8 +361,7 @@ class MemoryWatchdog(PerfCallback):
         if self._completions is not None and self._completion_limit:
             policy.follow_completions(self._completions.forecast(self.budget, self._completion_limit, step),
                                       self._completions.explains())
-        self.facts = self._facts(sample)
-        self._bus.memory_facts = self.facts
+        self._note_facts(self._facts(sample))
         self.high_water = max(self.high_water, obs.used)
         can_shrink = self._bus.requests.can_shrink()
         decision = None
@@ -526,7 +529,7 @@ class MemoryWatchdog(PerfCallback):
         if need < self.budget:
             return False
         self._run.short, self._sample = (need, self.budget), sample
-        self.facts = self._facts(sample)
+        self._note_facts(self._facts(sample))
         return True
 
     def _act_before(self, trainer: Trainer, batches: list[Any]) -> str | None:
@@ -620,8 +623,7 @@ class MemoryWatchdog(PerfCallback):
         elif not follower and self._completion_words():
             reason = f"{reason}: {self._completion_words()}"
         if self._sample is not None:                        # the stop names who holds the memory, where NVML can say
-            self.facts = self._facts(self._sample, holders=True)
-            self._bus.memory_facts = self.facts
+            self._note_facts(self._facts(self._sample, holders=True))
         causes = self.facts.sentence() if self.facts is not None else ""
         futile = policy.shrink_futile() if self._bus.requests.can_shrink() else None
         if causes:

@@ -160,11 +160,12 @@ def test_generation_entry_watch_is_undone_and_ignores_other_trainers(tokenizer, 
 
 
 def test_a_fault_in_the_entry_clock_disables_the_meter_not_the_training(tokenizer, tmp_path, monkeypatch):
-    """The entry clock runs inside TRL's own generation: a fault there disables the meter with one warning, and
-    training goes on to its last step."""
+    """The entry clock runs inside TRL's own generation: a fault there disables the meter with one warning, takes its
+    wrappers off the trainer at once, and training goes on to its last step."""
     def broken(kind, result):
         raise RuntimeError("planted")
 
     monkeypatch.setattr(adapter, "rollout_counts", broken)
     trainer, meter, script, _ = run_grpo("vllm-server", tokenizer, tmp_path, monkeypatch, max_steps=2)
     assert meter.disabled and trainer.state.global_step == 2 and len(script.generate_calls) == 2
+    assert "_generate" not in trainer.__dict__ and "get_batch_samples" not in trainer.__dict__

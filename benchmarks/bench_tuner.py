@@ -16,7 +16,8 @@ completions of 32 tokens per optimizer step, bf16). Parts (each prints and write
                    run of the best split (``--rival``, 32×1) at the same time on one GPU host, one process a GPU:
                    ``--part run`` in each, with ``CUDA_VISIBLE_DEVICES``; 2 × starts GPUs: each tuned run its own
                    plain twin; starts + 1: one plain run beside all; fewer (at least 2): the pairs one after another;
-                   ``--swap``: each pair twice, the cards swapped, the cost the geometric mean of the two ratios.
+                   ``--swap``: each pair twice, the cards swapped, the cost the geometric mean of the two ratios
+                   (with 2 GPUs a start, every pair at once; ``--half 0``, then ``--half 1``: one half a call).
                    Each pair's wall-time ratio tuned / plain (also with the plain run's seconds in generate), the steps
                    at the starting split, the decision
                    (``tuner_sequential_<card>[_swapped]_<starts>_<steps>steps.json``; the per-run files are folded
@@ -151,7 +152,8 @@ def sweep(a) -> list[dict]:
 def one_run(a) -> dict:
     timer = WallSteps()
     tuner = AdaptiveBatchTuner(must_pay=not a.try_all)
-    callbacks = [timer] + ([tuner, MemoryWatchdog()] if a.mode == "tuned" else [])
+    watchdog = a.watchdog if a.watchdog is not None else a.mode == "tuned"
+    callbacks = [timer] + ([tuner] if a.mode == "tuned" else []) + ([MemoryWatchdog()] if watchdog else [])
     trainer = make_trainer(a, callbacks, tuple(a.split), a.steps)
     started, cpu = time.perf_counter(), time.process_time()
     if a.mode == "tuned":
@@ -229,10 +231,16 @@ def side_by_side(a) -> dict:
         raise SystemExit(f"--part sequential runs a tuned and a plain run side by side, one a GPU: it needs 2 GPUs at "
                          f"least, this host has {gpus}")
     starts, best = [tuple(s) for s in a.starts], tuple(a.rival)
-    if a.swap:
+    twins = gpus >= 2 * len(starts)
+    if a.swap and twins:
+        layout = "swapped twins"                       # every pair at once on its two cards, then the cards swapped
+        waves = [[("tuned", start, 2 * i + g) for i, start in enumerate(starts)]
+                 + [("plain", start, 2 * i + 1 - g) for i, start in enumerate(starts)]
+                 for g in ((0, 1) if a.half is None else (a.half,))]
+    elif a.swap:
         layout = "swapped"                             # each pair twice, the cards swapped: their difference cancels
         waves = [[("tuned", start, g), ("plain", start, 1 - g)] for start in starts for g in (0, 1)]
-    elif gpus >= 2 * len(starts):
+    elif twins:
         layout = "twins"                               # each tuned run beside its own plain run
         waves = [[("tuned", start, 2 * i) for i, start in enumerate(starts)]
                  + [("plain", start, 2 * i + 1) for i, start in enumerate(starts)]]
@@ -274,7 +282,15 @@ def side_by_side(a) -> dict:
                 os.remove(path)                           # folded into this part's file
             runs[(mode, start, gpu)] = entry
     if a.swap:
-        return {"layout": layout, "gpus": gpus, "pairs": [swapped_pair(runs, start, best) for start in starts]}
+        bases = {start: 2 * i if twins else 0 for i, start in enumerate(starts)}
+        if a.half is not None:
+            runs = {**earlier_half(a, 1 - a.half), **runs}
+            if len(runs) < 4 * len(starts):
+                print(f"half {a.half} of the swap done; run --half {1 - a.half} with this file in the results folder")
+                return {"layout": layout, "gpus": gpus, "half": a.half,
+                        "runs": [[m, list(s), g, v] for (m, s, g), v in runs.items()]}
+        return {"layout": layout, "gpus": gpus,
+                "pairs": [swapped_pair(runs, start, best, bases[start]) for start in starts]}
     pairs = []
     for start in starts:
         tuned = next(v for (m, s, g), v in runs.items() if m == "tuned" and s == start)
@@ -312,21 +328,36 @@ def ratios(tuned: dict, plain: dict) -> dict:
             "generation_sec": {"tuned": sum(tuned["step_generation"]), "plain": sum(plain["step_generation"])}}
 
 
-def swapped_pair(runs: dict, start: tuple, best: tuple) -> dict:
-    """One start's two halves (tuned on GPU 0 beside plain on GPU 1, then the cards swapped): the tuning's cost is the
-    geometric mean of the two wall-time ratios, in which each card's own speed cancels; the cards' ratio is what the
-    plain runs of the two halves say about them."""
+def sequential_name(a) -> str:
+    """The result file's name: ``tuner_sequential_<card>[_swapped]_<starts>_<steps>steps[_half<h>]``."""
+    return f"tuner_sequential_{card_name()}" + ("_swapped" if a.swap else "") + "_" + \
+        "_".join(f"{x}x{y}" for x, y in a.starts) + f"_{a.steps}steps"
+
+
+def earlier_half(a, half: int) -> dict:
+    """The runs of the swap's other half (``--half``), from its file in the results folder, if it is there."""
+    path = os.path.join(RESULTS, f"{sequential_name(a)}_half{half}.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {(m, tuple(s), g): v for m, s, g, v in json.load(f)["runs"]}
+
+
+def swapped_pair(runs: dict, start: tuple, best: tuple, base: int = 0) -> dict:
+    """One start's two halves (tuned on GPU ``base`` beside plain on GPU ``base + 1``, then the cards swapped): the
+    tuning's cost is the geometric mean of the two wall-time ratios, in which each card's own speed cancels; the
+    cards' ratio is what the plain runs of the two halves say about them."""
     halves, name = [], f"{start[0]}×{start[1]}"
     for g in (0, 1):
-        t = runs[("tuned", start, g)].get("run", {})
-        p = runs[("plain", start, 1 - g)].get("run", {})
+        t = runs[("tuned", start, base + g)].get("run", {})
+        p = runs[("plain", start, base + 1 - g)].get("run", {})
         tunes = [d for d in t.get("decisions", []) if d["kind"] == "tune"]
-        halves.append({"tuned_gpu": g, "plain_gpu": 1 - g, "tuned_wall_sec": t.get("wall_sec"),
+        halves.append({"tuned_gpu": base + g, "plain_gpu": base + 1 - g, "tuned_wall_sec": t.get("wall_sec"),
                        "plain_wall_sec": p.get("wall_sec"), "end": t.get("end"), **ratios(t, p),
                        "steps_at_start": t.get("steps_by_split", {}).get(name),
                        "tune_step": tunes[0]["step"] if tunes else None,
                        "tune_reason": tunes[0]["reason"] if tunes else None,
-                       "tuned": runs[("tuned", start, g)], "plain": runs[("plain", start, 1 - g)]})
+                       "tuned": runs[("tuned", start, base + g)], "plain": runs[("plain", start, base + 1 - g)]})
     r = [h["ratio"] for h in halves]
     walls = [h["plain_wall_sec"] for h in halves]
     for h in halves:
@@ -375,13 +406,19 @@ def main():
     p.add_argument("--timeout", type=float, default=520.0, help="part sequential: seconds a wave of runs may take")
     p.add_argument("--ab_rounds", type=int, default=4)
     p.add_argument("--ab_steps", type=int, default=8)
+    p.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=None,
+                   help="part run: with a MemoryWatchdog (default: the tuned run has one, the plain run none)")
     p.add_argument("--try_all", action="store_true", help="part run: tune with must_pay=False")
     p.add_argument("--full", action="store_true", help="a full fine-tune instead of LoRA")
     p.add_argument("--smoke", action="store_true", help="the CPU demo's trainer (SmolLM2, 4×1)")
     p.add_argument("--tiny", action="store_true", help="the tiny CPU demo's trainer (random 2-layer Llama, 4×2)")
     p.add_argument("--model", default="qwen05", choices=["qwen05", "smollm2"])
     p.add_argument("--swap", action="store_true",
-                   help="part sequential: each pair run twice on two GPUs, the cards swapped (one pair at a time)")
+                   help="part sequential: each pair run twice on two GPUs, the cards swapped (one pair at a time; "
+                        "every pair at once where the host has 2 GPUs a start)")
+    p.add_argument("--half", type=int, choices=[0, 1], default=None,
+                   help="part sequential --swap on 2 GPUs a start: only this half (one call each); the second half "
+                        "folds in the first's file from the results folder")
     a = p.parse_args()
     if a.smoke and a.split == [4, 8]:
         a.split = [4, 1]
@@ -393,9 +430,9 @@ def main():
         a.starts = [[4, 8], [2, 16], [32, 1]]
     settings = vars(a).copy()
     if a.part == "sequential":
-        name = f"tuner_sequential_{card_name()}" + ("_swapped" if a.swap else "") + "_" + \
-            "_".join(f"{x}x{y}" for x, y in a.starts) + f"_{a.steps}steps"
-        write_result(name, {**side_by_side(a), "settings": settings})
+        result = side_by_side(a)
+        half = f"_half{a.half}" if "runs" in result else ""
+        write_result(sequential_name(a) + half, {**result, "settings": settings})
     elif a.part == "sweep":
         write_result("tuner_sweep" + ("_cpu" if a.smoke else ""), {"sweep": sweep(a), "settings": settings})
     elif a.part == "run":

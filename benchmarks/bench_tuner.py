@@ -12,6 +12,9 @@ completions of 32 tokens per optimizer step, bf16). Parts (each prints and write
                    split (``must_pay=False``) with LoRA and as a full fine-tune (``tuner_switch_<device>.json``)
 ``--part ab``      an interleaved A/B of two splits: fresh runs A B B A ..., per-step times after the first step,
                    Mann-Whitney on the per-run medians (``tuner_ab.json``)
+``--part overhead``  what the package costs a step once the tuning has decided: four runs of ``--rival`` at once, one
+                   a GPU (plain; plain with a MemoryWatchdog; tuned with it; tuned without it), their median seconds
+                   outside ``generate`` after step 20 against the plain run's (``tuner_overhead_<card>_<steps>steps``)
 ``--part sequential``  the tuning from every ``--starts`` split (default 4×8, 2×16, 32×1), each run beside a plain
                    run of the best split (``--rival``, 32×1) at the same time on one GPU host, one process a GPU:
                    ``--part run`` in each, with ``CUDA_VISIBLE_DEVICES``; 2 × starts GPUs: each tuned run its own
@@ -250,37 +253,14 @@ def side_by_side(a) -> dict:
     else:
         layout = "pairs in turn"
         waves = [[("tuned", start, 0), ("plain", start, 1)] for start in starts]
-    folder = os.path.dirname(os.path.abspath(__file__))
     runs: dict = {}
     for wave in waves:
-        jobs = []
+        specs = []
         for mode, start, gpu in wave:
             split = start if mode == "tuned" else best
             label = f"seq_{mode}_{split[0]}x{split[1]}_gpu{gpu}" + (f"_from{start[0]}x{start[1]}" if a.swap else "")
-            command = [sys.executable, os.path.join(folder, "bench_tuner.py"), "--part", "run", "--mode", mode,
-                       "--split", str(split[0]), str(split[1]), "--steps", str(a.steps), "--completion",
-                       str(a.completion), "--label", label, "--model", a.model] + (["--full"] if a.full else [])
-            command += ["--tiny"] if a.tiny else []
-            env = {k: v for k, v in os.environ.items() if k != "OUT"}              # this part's file alone to $OUT
-            env.update({"CUDA_VISIBLE_DEVICES": str(gpu), "PYTHONUNBUFFERED": "1"})
-            log = open(os.path.join(tempfile.gettempdir(), f"{label}.log"), "w")
-            jobs.append((mode, start, gpu, label, log, subprocess.Popen(command, env=env, stdout=log,
-                                                                        stderr=subprocess.STDOUT, cwd=folder)))
-        deadline = time.monotonic() + a.timeout
-        for mode, start, gpu, label, log, process in jobs:
-            try:
-                code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                code = "timed out"
-            log.close()
-            path = os.path.join(RESULTS, f"tuner_run_{label}.json")        # where write_result put it
-            entry = {"gpu": gpu, "exit": code, "log": open(log.name).read()[-2000:] if code != 0 else None}
-            if code == 0 and os.path.exists(path):
-                with open(path) as f:
-                    entry.update(json.load(f))
-                os.remove(path)                           # folded into this part's file
-            runs[(mode, start, gpu)] = entry
+            specs.append(((mode, start, gpu), gpu, label, ["--mode", mode, "--split", str(split[0]), str(split[1])]))
+        runs.update(run_at_once(a, specs))
     if a.swap:
         bases = {start: 2 * i if twins else 0 for i, start in enumerate(starts)}
         if a.half is not None:
@@ -313,6 +293,79 @@ def side_by_side(a) -> dict:
                   r["tune_step"]]
                  for r in pairs]))
     return {"layout": layout, "gpus": gpus, "pairs": pairs}
+
+
+def run_at_once(a, specs: list) -> dict:
+    """``--part run`` processes at the same time, one a GPU (``CUDA_VISIBLE_DEVICES``): ``specs`` holds (key, gpu,
+    label, arguments); each run's result file is folded into the answer (key → its gpu, exit code and result, or the
+    log's end where it failed) and removed; all are killed at ``--timeout`` seconds."""
+    folder = os.path.dirname(os.path.abspath(__file__))
+    jobs = []
+    for key, gpu, label, arguments in specs:
+        command = [sys.executable, os.path.join(folder, "bench_tuner.py"), "--part", "run", *arguments,
+                   "--steps", str(a.steps), "--completion", str(a.completion), "--label", label, "--model", a.model]
+        command += (["--full"] if a.full else []) + (["--tiny"] if a.tiny else [])
+        env = {k: v for k, v in os.environ.items() if k != "OUT"}                  # this part's file alone to $OUT
+        env.update({"CUDA_VISIBLE_DEVICES": str(gpu), "PYTHONUNBUFFERED": "1"})
+        log = open(os.path.join(tempfile.gettempdir(), f"{label}.log"), "w")
+        jobs.append((key, gpu, label, log, subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                            cwd=folder)))
+    deadline, runs = time.monotonic() + a.timeout, {}
+    for key, gpu, label, log, process in jobs:
+        try:
+            code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            code = "timed out"
+        log.close()
+        path = os.path.join(RESULTS, f"tuner_run_{label}.json")            # where write_result put it
+        entry = {"gpu": gpu, "exit": code, "log": open(log.name).read()[-2000:] if code != 0 else None}
+        if code == 0 and os.path.exists(path):
+            with open(path) as f:
+                entry.update(json.load(f))
+            os.remove(path)                               # folded into this part's file
+        runs[key] = entry
+    return runs
+
+
+#: ``--part overhead``'s four runs: name → arguments of ``--part run`` (all from the rival split)
+OVERHEAD_RUNS = {"plain": ["--mode", "plain"], "plain_watchdog": ["--mode", "plain", "--watchdog"],
+                 "tuned": ["--mode", "tuned"], "tuned_no_watchdog": ["--mode", "tuned", "--no-watchdog"]}
+
+
+def overhead(a) -> dict:
+    """``--part overhead``: what the package costs a step once the tuning has decided, four runs of the rival split
+    at once, one a GPU: plain, plain with a MemoryWatchdog, tuned (with the watchdog, as ``--part sequential``) and
+    tuned without it; each run's median seconds outside ``generate`` after step 20, and its ratio to the plain
+    run's."""
+    import torch
+
+    if not a.tiny and torch.cuda.device_count() < len(OVERHEAD_RUNS):
+        raise SystemExit(f"--part overhead runs {len(OVERHEAD_RUNS)} runs at once, one a GPU: this host has "
+                         f"{torch.cuda.device_count()}")
+    split = [str(n) for n in a.rival]
+    runs = run_at_once(a, [(name, gpu, f"overhead_{name}", [*arguments, "--split", *split])
+                           for gpu, (name, arguments) in enumerate(OVERHEAD_RUNS.items())])
+    return overhead_rows(runs)
+
+
+def overhead_rows(runs: dict) -> dict:
+    """``--part overhead``'s answer from its runs (name → the run's entry)."""
+    rows = {}
+    for name, entry in runs.items():
+        run = entry.get("run", {})
+        outside = [w - g for w, g in zip(run.get("step_walls", []), run.get("step_generation", []))][20:]
+        rows[name] = {"gpu": entry["gpu"], "wall_sec": run.get("wall_sec"),
+                      "median_outside_generation_after_20": median(outside) if outside else None,
+                      "median_generation_after_20": median(run["step_generation"][20:]) if outside else None}
+    base = rows["plain"]["median_outside_generation_after_20"]
+    for row in rows.values():
+        mine = row["median_outside_generation_after_20"]
+        row["outside_vs_plain"] = mine / base if mine and base else None
+    print(table(["run", "GPU", "wall s", "outside generate s (median)", "vs plain"],
+                [[k, r["gpu"], r["wall_sec"], r["median_outside_generation_after_20"], r["outside_vs_plain"]]
+                 for k, r in rows.items()]))
+    return {"gpus": len(runs), "rows": rows, "runs": runs}
 
 
 def ratios(tuned: dict, plain: dict) -> dict:
@@ -392,7 +445,7 @@ def _counts(splits: list[str]) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", required=True, choices=["sweep", "run", "switch", "ab", "sequential"])
+    p.add_argument("--part", required=True, choices=["sweep", "run", "switch", "ab", "sequential", "overhead"])
     p.add_argument("--mode", default="tuned", choices=["plain", "tuned"], help="part run")
     p.add_argument("--label", default=None, help="part run: the result file's suffix")
     p.add_argument("--steps", type=int, default=20)
@@ -433,6 +486,8 @@ def main():
         result = side_by_side(a)
         half = f"_half{a.half}" if "runs" in result else ""
         write_result(sequential_name(a) + half, {**result, "settings": settings})
+    elif a.part == "overhead":
+        write_result(f"tuner_overhead_{card_name()}_{a.steps}steps", {**overhead(a), "settings": settings})
     elif a.part == "sweep":
         write_result("tuner_sweep" + ("_cpu" if a.smoke else ""), {"sweep": sweep(a), "settings": settings})
     elif a.part == "run":

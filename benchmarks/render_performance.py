@@ -146,12 +146,23 @@ def _swapped(p: dict) -> str:
 def _sequential(r: dict) -> str:
     steps = r.get("settings", {}).get("steps")
     head = f"{steps} steps, {r['gpus']} GPUs: " if steps else ""
-    if r.get("layout") == "swapped":
+    if r.get("layout") in ("swapped", "swapped twins"):
         return head + "; ".join(_swapped(p) for p in r["pairs"] if p.get("ratio"))
     return head + "; ".join(
         f"from {p['start']}: {p['ratio']:.3f}× the plain {p['best']} run"
         + (f" ({p['ratio_same_generation']:.3f}× with its generation seconds)" if p.get("ratio_same_generation")
            else "") + f", {p['steps_at_start']} steps at the start" for p in r["pairs"] if p.get("ratio"))
+
+
+def _tuner_overhead(r: dict) -> str:
+    rows = r["rows"]
+    return f"{r['gpus']} runs at once, median seconds a step outside generate after step 20 against the plain run's " \
+        f"{rows['plain']['median_outside_generation_after_20']:.4f} s: " + ", ".join(
+            f"{name.replace('_', ' ')} {row['outside_vs_plain']:.3f}×" for name, row in rows.items() if name != "plain")
+
+
+def _memory_read(r: dict) -> str:
+    return "ms a call: " + ", ".join(f"{name} {ms:.3g}" for name, ms in r["ms_per_call"].items())
 
 
 def _deepspeed(r: dict) -> str:
@@ -189,6 +200,7 @@ HEADLINES: list[tuple[str, Callable[[dict], str]]] = [
     ("exactness", _exactness), ("demo_tuning", _demo_tuning), ("report_scale", _scale),
     ("wordle_rewards_untrained", _checks), ("wordle_rewards", _wordle), ("advice", _advice),
     ("shared_gpu", _shared), ("tuner_sequential", _sequential), ("deepspeed", _deepspeed),
+    ("tuner_overhead", _tuner_overhead), ("memory_read_cost", _memory_read),
 ]
 
 

@@ -158,6 +158,13 @@ def progress_bars(handler: CallbackHandler | None) -> list[Any]:   # tqdm bars (
 def console_printers(handler: CallbackHandler | None) -> list[TrainerCallback]:
     """The callbacks that print each training log on the console: transformers' ``ProgressCallback`` (tqdm),
     ``PrinterCallback`` (``disable_tqdm``) and ``NotebookProgressCallback`` (Jupyter), subclasses included."""
+    return [cb for cb in all_callbacks(handler) if isinstance(cb, _printer_kinds())]
+
+
+@functools.cache
+def _printer_kinds() -> tuple[type[TrainerCallback], ...]:
+    """The printers' classes, looked up once a process: without IPython, importing transformers' notebook module
+    fails, and a failed import runs the module again at every attempt (milliseconds a training log)."""
     from transformers.trainer_callback import PrinterCallback
 
     kinds: tuple[type[TrainerCallback], ...] = (ProgressCallback, PrinterCallback)
@@ -166,7 +173,7 @@ def console_printers(handler: CallbackHandler | None) -> list[TrainerCallback]:
         kinds += (NotebookProgressCallback,)
     except ImportError:                                 # no IPython: no notebook printer either
         pass
-    return [cb for cb in all_callbacks(handler) if isinstance(cb, kinds)]
+    return kinds
 
 
 # ---------------------------------------------------------------- trainer state between train() calls

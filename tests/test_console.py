@@ -323,3 +323,32 @@ def test_the_tuner_plot_is_not_said_to_lack_a_tuner_when_the_events_hold_its_dec
     data = PlotData(run, run.unique_steps(), figures(run), None)
     assert tuner_missing(data) == ("record_missing", 1)          # a tuner was attached: its record is missing
     assert plot_tuner(None, data) is not None
+
+
+def test_the_console_printers_are_looked_up_without_importing_again_at_every_log(tokenizer, tmp_path, one_thread,
+                                                                                 monkeypatch):
+    """Without IPython, importing transformers' notebook printer fails, and a failed import runs the module again at
+    every attempt: the printers' classes are looked up once, not at each training log."""
+    import importlib.abc
+    import sys
+
+    from hf_perf_callbacks import adapter, default_callbacks
+
+    attempts = []
+
+    class Counting(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "transformers.utils.notebook":
+                attempts.append(name)
+            return None                                  # the next finders find it
+
+    monkeypatch.setitem(sys.modules, "IPython", None)    # `import IPython.display` raises ImportError
+    monkeypatch.delitem(sys.modules, "transformers.utils.notebook", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Counting(), *sys.meta_path])
+    adapter._printer_kinds.cache_clear()
+    trainer = make_trainer(tokenizer, tmp_path, default_callbacks(), max_steps=4, bs=2, ga=1)
+    with console():
+        trainer.train()
+    adapter._printer_kinds.cache_clear()
+    assert len([h for h in trainer.state.log_history if "loss" in h]) == 4
+    assert len(attempts) == 1

@@ -13,10 +13,10 @@ The run's first ``WARMUP_AT_START`` generation cycles, and the first ``WARMUP_AF
 a switch, are a warm-up and are not measured (they are trained like any step). The warm-up at the start is fixed,
 not ended early by two steps that agree: on one H200 a 32×1 start ran 2.29 and 1.94 s outside generation on steps
 2-3 (the plain 32×1 run beside it on another card 2.01 and 1.89, then about 0.22 from step 6), and a warm-up ended
-at step 3 kept a 16×2 candidate that ran about 0.42 s, 1.9× the plain run, for the rest of the run. A decision on the
-gathered figures alone, alike on every rank. The configured split is measured on
-``first_samples`` steps (``FIRST_SAMPLES``) before the first candidate is tried: a slow configured split costs every
-step it runs, and a candidate far from it needs no more. After each measured generation cycle of a candidate, a
+at step 3 kept a 16×2 candidate that ran about 0.41 s (its median), 1.9× the plain run, for the rest of the run. A
+decision on the gathered figures alone, alike on every rank. The configured split is measured on ``first_samples`` steps
+(``FIRST_SAMPLES``) before the first candidate is tried: a slow configured split costs every step it runs, and a
+candidate far from it needs no more. After each measured generation cycle of a candidate, a
 *sequential test* (:func:`sequential`) decides at once when the gap is beyond the noise: kept when the baseline's
 fastest step is more than the noise allows (and ``MIN_GAIN``) above the candidate's slowest, left when the candidate's
 fastest is more than the noise allows above the baseline's slowest — the extremes, so that one stray step on either

@@ -183,8 +183,8 @@ def tuned_run(tokenizer, path, seconds, max_steps=25, bs=2, ga=4, noise=0.0, pad
     clock = PlantedClock()
     tuner = AdaptiveBatchTuner(clock=clock, **tuner_kw)
     samples = SampleRecorder()
-    trainer = samples.attach(make_trainer(tokenizer, path, [samples, PlantedStepTime(clock, seconds, noise), tuner,
-                                                            *extra],
+    trainer = samples.attach(make_trainer(tokenizer, path, [samples, PlantedStepTime(clock, seconds, noise), *extra,
+                                                            tuner],
                                           max_steps=max_steps, bs=bs, ga=ga, length=16, padding_side=padding_side))
     train_with_tuning(trainer)
     return trainer, tuner, samples
@@ -248,7 +248,8 @@ def test_a_split_8x_faster_is_kept_on_its_first_measured_step_and_the_split_file
 
 
 class StepNow(TrainerCallback):
-    """The optimizer step under way (1-based), for what a test counts per step."""
+    """The optimizer step under way (1-based), for what a test counts per step (placed before the tuner, so that the
+    tuner's work at a step's begin counts for that step)."""
 
     def __init__(self):
         self.now = 0

@@ -66,7 +66,8 @@ HOOK_MARK = "__perf_hook__"
 def hook(method: Callable[..., Any]) -> Callable[..., Any]:
     """The shell of a trainer event (an ``on_*`` method) of a :class:`PerfCallback`, written at each hook:
 
-    1. a disabled callback does nothing (at ``on_step_end`` it still joins the step's cross-rank exchange);
+    1. a disabled callback does nothing (at ``on_step_end`` it still joins the step's cross-rank exchange, also for
+       a step number an earlier ``train()`` call of the run has seen);
     2. the callback joins the trainer's bus (at ``on_init_end``, ``on_train_begin`` or its first event), the bus sees
        the ``train()`` call begin, and follows the trainer's ``output_dir``;
     3. at ``on_train_begin``: a resumed run restores the exported state, a fresh run of the same instance starts
@@ -80,6 +81,8 @@ def hook(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def guarded(self: PerfCallback, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if name == "on_train_begin":
+            self.collective_step = -1    # a new call may replay a step number (a rewind): it joins that step again
         if self.disabled:
             if name == "on_step_end":
                 self._stand_in(state)

@@ -39,7 +39,6 @@ class StepExchange:
     def __init__(self) -> None:
         self.step = -1
         self.pending: list[_Contribution] = []
-        self.collectives = 0                  # exchanges taken in this process (a test reads it)
 
     @staticmethod
     def participants(handler: Any) -> list[Any]:
@@ -55,7 +54,6 @@ class StepExchange:
             return
         expected = self.participants(handler)
         if not any(p is participant for p in expected):      # not in the trainer's list: an exchange of its own
-            self.collectives += 1
             rows = gather_floats(values, device)
             if finish is not None:
                 finish(rows)
@@ -69,7 +67,6 @@ class StepExchange:
         order = {id(p): i for i, p in enumerate(expected)}
         ready, self.pending = sorted(self.pending, key=lambda c: order.get(id(c.participant), len(order))), []
         device = next((c.device for c in ready if c.device is not None), None)
-        self.collectives += 1
         rows = gather_floats([v for c in ready for v in c.values], device)
         start = 0
         for c in ready:

@@ -386,11 +386,12 @@ class MemoryWatchdog(PerfCallback):
             if decision is not None:
                 policy.taken(decision)
         critical = policy.level == CRITICAL or self._run.short is not None
+        self._bus.memory = MemoryReading(step, obs.used, self.budget)   # the tuner reads it, whenever the exchange ends
         self._exchange(step, [RANK_OF[decision], float(critical)],     # the step's one exchange
-                       lambda rows: self._step_ended(args, state, control, decision, critical, fields, obs.used, rows))
+                       lambda rows: self._step_ended(args, state, control, decision, critical, fields, rows))
 
     def _step_ended(self, args: Any, state: Any, control: Any, local: str | None, critical: bool,
-                    fields: dict[str, float | None], used: float, rows: Rows) -> None:
+                    fields: dict[str, float | None], rows: Rows) -> None:
         """Act on the step once every rank's decision is known (``rows``), and log its figures."""
         step, policy = state.global_step, self._watch
         decision, any_critical = self._agree(local, critical, rows)
@@ -427,7 +428,6 @@ class MemoryWatchdog(PerfCallback):
             fields[keys.MEM_COMPLETION_WALL_TOKENS] = wall_length
         self._bus.log.record_step(step, fields)
         self._bus.merger.publish(fields)
-        self._bus.memory = MemoryReading(step, used, self.budget)
         self._device.reset_peak()
 
     @hook

@@ -229,3 +229,28 @@ def test_the_meters_run_state_is_made_at_each_train_begin(tokenizer, tmp_path):
     assert isinstance(first, MeterRun) and first.world == 1 and first.token_source == "hook"
     trainer.train()                                           # a second train() call: a run state of its own
     assert meter.run is not first and meter.timeline.steps == 2
+
+
+def test_a_disabled_callback_joins_a_replayed_step_number_again_in_a_new_train_call(monkeypatch):
+    """On several ranks a disabled callback stands in for the step's exchange with zeros, once a step. A re-size that
+    rewinds starts a new train() call that can replay a step number this rank already joined: it joins again there,
+    or the other ranks would wait for it until the collective timeout (world size and the exchange are planted: no
+    process group on this machine's CPU tests)."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from hf_perf_callbacks import MemoryWatchdog, base
+
+    joined = []
+    monkeypatch.setattr(base, "world_size", lambda: 2)
+    monkeypatch.setattr(MemoryWatchdog, "neutral_exchange", lambda self, step: joined.append(step))
+    watchdog = MemoryWatchdog()
+    watchdog.disabled = True
+    args, control = TrainingArguments(output_dir="unused", report_to=[]), TrainerControl()
+    # the first call ends at step 5 (an OOM there: its end seen twice, one stand-in); the second resumes from 4
+    for steps in ((5, 5), (5, 6)):
+        state = TrainerState(global_step=4)
+        watchdog.on_train_begin(args, state, control)
+        for step in steps:
+            state.global_step = step
+            watchdog.on_step_end(args, state, control)
+    assert joined == [5, 5, 6]

@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 
 #: a decision as the number the ranks exchange (the most conservative, the largest, wins)
 RANK_OF: dict[str | None, float] = {None: 0.0, SMALLER_BATCH: 1.0, STOP: 2.0}
+#: ... and back
+ACTION_OF: dict[int, str | None] = {int(rank): action for action, rank in RANK_OF.items()}
 WALL_KEYS = (keys.MEM_STEPS_TO_WALL, keys.MEM_STEPS_TO_WALL_LOW, keys.MEM_STEPS_TO_WALL_HIGH)
 
 
@@ -604,7 +606,7 @@ class MemoryWatchdog(PerfCallback):
         whether any rank is critical (``rows``: every rank's ``[RANK_OF[decision], critical]``)."""
         if self._run.world == 1:
             return decision, critical
-        return {0: None, 1: SMALLER_BATCH, 2: STOP}[int(max(r[0] for r in rows))], max(r[1] for r in rows) > 0
+        return ACTION_OF[int(max(r[0] for r in rows))], max(r[1] for r in rows) > 0
 
     def _clear(self, step: int) -> None:
         answers = self._bus.requests.ask_clear(self._watch.reason(), step)

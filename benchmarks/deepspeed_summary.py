@@ -11,7 +11,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
-from common import write_result
+from common import RESULTS, write_result
 
 #: what this benchmark never covers (said in the result file)
 NOT_MEASURED = ["a real model (the tests' tiny Llama, fp32, SGD with momentum)",
@@ -83,7 +83,7 @@ def main(run: str, gpus: int) -> None:
         stages[f"zero{stage}"] = found
     card = torch.cuda.get_device_name().split()[1].lower() if torch.cuda.is_available() else "cpu"
     name = f"deepspeed_{card}" + ("" if gpus == 2 else f"_{gpus}gpu")
-    earlier = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"{name}.json")
+    earlier = os.path.join(RESULTS, f"{name}.json")
     kept = {}
     if os.path.exists(earlier):                  # what this launch did not run keeps the earlier run's figures
         with open(earlier) as f:
@@ -95,13 +95,24 @@ def main(run: str, gpus: int) -> None:
                     kept[f"{stage}.{scenario}"] = before.get("earlier_runs", {}).get(
                         f"{stage}.{scenario}", before.get("environment", {}).get("date"))
         if kept:
-            commands = {"this_run": commands, "earlier_run": before.get("commands")}
+            commands = {"this_run": commands, "earlier_runs": command_lists(before.get("commands"))}
     path = write_result(name, {"gpus": gpus, "deepspeed": importlib.metadata.version("deepspeed"),
                                "model": "tests' tiny Llama (hf_perf_callbacks.tiny), fp32, SGD with momentum",
                                "commands": commands, "stages": stages,
                                "earlier_runs": kept, "not_measured": not_measured(stages)})
     print(json.dumps(stages, indent=1)[:6000])
     print(f"written: {path}")
+
+
+def command_lists(commands: object) -> list:
+    """The command lists of a result file's runs, newest first, flat (a merged file holds its own and its earlier
+    runs' lists)."""
+    if isinstance(commands, dict):
+        return command_lists(commands.get("this_run")) + command_lists(
+            commands.get("earlier_runs", commands.get("earlier_run")))
+    if commands and isinstance(commands, list) and isinstance(commands[0], list):
+        return list(commands)                        # already a list of lists
+    return [commands] if commands else []
 
 
 if __name__ == "__main__":

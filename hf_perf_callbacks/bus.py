@@ -41,17 +41,16 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from . import adapter
-from .console import EVENT_WIDTH, LOUD_KINDS, QUIET_ONCE, Console, console_line, console_logs, wrapped
+from .console import EVENT_WIDTH, Console, console_line, console_logs, wrapped
 from .exchange import StepExchange
-from .merger import END_OF_TRAINING_KEYS, MetricsMerger, is_training_log
-from .outputdir import HOLDER_FILE, OutputDirBusy, OutputDirHold, OutputDirLock
+from .merger import MetricsMerger, is_training_log
+from .outputdir import OutputDirBusy, OutputDirHold, OutputDirLock
 from .perflog import PerfLog
 from .runlog import EventDetails, EventKind
-from .signals import ClearRequest, Requests, ShrinkRequest
+from .signals import Requests, ShrinkRequest
 
-__all__ = ["RunBus", "OutputDirBusy", "OutputDirLock", "ClearRequest", "ShrinkRequest", "MemoryReading", "bus_for",
-           "console_line", "console_logs", "is_training_log", "wrapped", "TuningLink", "EVENT_WIDTH", "LOUD_KINDS",
-           "QUIET_ONCE", "END_OF_TRAINING_KEYS", "HOLDER_FILE"]
+__all__ = ["RunBus", "OutputDirBusy", "OutputDirLock", "ShrinkRequest", "MemoryReading", "bus_for", "console_line",
+           "console_logs", "is_training_log", "wrapped", "TuningLink", "EVENT_WIDTH"]
 
 if TYPE_CHECKING:
     from .memory import WallFacts

@@ -30,30 +30,26 @@ RUN="/tmp/hf_perf_deepspeed/$$"
 mkdir -p "$RUN"
 free_port() { "$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 COMMANDS="$RUN/commands.txt"; : > "$COMMANDS"
-timed() {  # timed NAME NPROC ARGS...: the script launched on NPROC ranks; records the command, exit code, seconds
-  local name="$1" n="$2"; shift 2
+record() {  # record NAME COMMAND...: runs it (environment words like FROM_LAUNCHER=1 first); the command, exit code, seconds
+  local name="$1"; shift
   local t0; t0=$(date +%s)
-  set -- "$PY" -m torch.distributed.run --nproc_per_node "$n" --master_port "$(free_port)" \
-    tests/scripts/two_rank_deepspeed.py "$@"
-  timeout "${LIMIT:-240}" "$@" > "$RUN/$name.log" 2>&1
+  timeout "${LIMIT:-240}" env "$@" > "$RUN/$name.log" 2>&1
   local rc=$?
   echo "$name	$rc	$(( $(date +%s) - t0 ))	$*" >> "$COMMANDS"
   echo "$name: exit code $rc"
   [ "$rc" -ne 0 ] && grep -v -E "Warning|warnings.warn|return func" "$RUN/$name.log" | tail -n 15
   return 0
 }
+timed() {  # timed NAME NPROC ARGS...: the script launched on NPROC ranks
+  local name="$1" n="$2"; shift 2
+  record "$name" "$PY" -m torch.distributed.run --nproc_per_node "$n" --master_port "$(free_port)" \
+    tests/scripts/two_rank_deepspeed.py "$@"
+}
 launched() {  # launched NAME NPROC STAGE: the main scenario under `accelerate launch` with the shipped ZeRO config
   local name="$1" n="$2" stage="$3"
-  local t0; t0=$(date +%s)
-  set -- "$PY" -m accelerate.commands.launch --config_file "recipes/accelerate/deepspeed_zero${stage}.yaml" \
-    --num_processes "$n" --mixed_precision no --main_process_port "$(free_port)" \
-    tests/scripts/two_rank_deepspeed.py "$RUN/$name" "$stage" main
-  FROM_LAUNCHER=1 timeout "${LIMIT:-240}" "$@" > "$RUN/$name.log" 2>&1
-  local rc=$?
-  echo "$name	$rc	$(( $(date +%s) - t0 ))	FROM_LAUNCHER=1 $*" >> "$COMMANDS"
-  echo "$name: exit code $rc"
-  [ "$rc" -ne 0 ] && grep -v -E "Warning|warnings.warn|return func" "$RUN/$name.log" | tail -n 15
-  return 0
+  record "$name" FROM_LAUNCHER=1 "$PY" -m accelerate.commands.launch \
+    --config_file "recipes/accelerate/deepspeed_zero${stage}.yaml" --num_processes "$n" --mixed_precision no \
+    --main_process_port "$(free_port)" tests/scripts/two_rank_deepspeed.py "$RUN/$name" "$stage" main
 }
 if [ -z "${PLAN:-}" ]; then
   PLAN=""

@@ -50,15 +50,6 @@ def test_the_rendered_report_matches_its_golden_file(name, tmp_path, capsys):
     assert not diff, f"the rendered report changed (UPDATE_GOLDEN=1 rewrites it after review):\n{diff}"
 
 
-@pytest.mark.parametrize("name", sorted(RUNS))
-def test_the_console_lines_fit_the_console(name, tmp_path, capsys):
-    """What ``hf-perf report`` prints: no line over ``CONSOLE_WIDTH`` (the whole text is in ``perf_report.md``)."""
-    from hf_perf_callbacks.keys import CONSOLE_WIDTH
-
-    console = rendered(tmp_path, capsys, RUNS[name]).split("\n---- perf_report.md ----\n")[0]
-    assert max(len(line) for line in console.splitlines()) <= CONSOLE_WIDTH
-
-
 def _rule_scenarios() -> dict[str, object]:
     """name → the Measurements of a unit test of ``tests/test_analysis.py`` whose findings' and notes' words this
     golden file holds (the tests themselves assert the findings' data: reasons, figures, settings)."""

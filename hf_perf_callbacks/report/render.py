@@ -8,7 +8,6 @@ import os
 
 from .. import keys
 from ..runlog import RunLog, read_run
-from ..wording import console_line
 from .model import TOO_FEW_STEPS, ZERO, Facts, Finding, Measurements, Note
 from .reading import measurements
 from .rules import check
@@ -16,6 +15,7 @@ from .rules.basis import _too_short
 from .words import _pct, _yaml
 
 REPORT_FILE = "perf_report.md"
+CONSOLE_WIDTH = 160
 
 
 def _facts_line(m: Measurements) -> str:
@@ -140,15 +140,9 @@ def write_perf_report(run: RunLog | str) -> tuple[str, list[Finding]]:
     return path, findings
 
 
-def _console(head: str, text: str, tail: str = "") -> str:
-    """``head``, ``text`` and ``tail`` as one console line of at most ``CONSOLE_WIDTH`` characters, ``text`` cut
-    (:func:`~hf_perf_callbacks.wording.console_line`; the whole of it is in ``perf_report.md``)."""
-    return head + console_line(text, keys.CONSOLE_WIDTH - len(head) - len(tail)) + tail
-
-
 def console_summary(findings: list[Finding], top: int = 3, notes: list[Note] | None = None) -> str:
     """The top findings, a few lines each, what the run was too short to judge, and the titles of what was checked
-    and is fine: lines of at most ``CONSOLE_WIDTH`` characters."""
+    and is fine."""
     lines = ["== Performance analysis =="]
     if not findings:
         lines.append("no bottleneck found")
@@ -157,15 +151,17 @@ def console_summary(findings: list[Finding], top: int = 3, notes: list[Note] | N
         first = (_yaml(f.setting) if f.setting else
                  ", ".join(f"`{k}={v}` (environment)" for k, v in f.env.items()) if f.env else
                  actions[0].split(" (")[0] if actions else "-")
+        first = first if len(first) <= CONSOLE_WIDTH else first[:CONSOLE_WIDTH - 1] + "…"
         more = f" (+{len(actions) - 1} more)" if len(actions) > 1 else ""
-        lines += [_console(f"{i}. ", f"{f.title} — {gain_text(f)}"), _console("   seen: ", f.observation),
-                  _console("   do:   ", first, more)]
+        lines += [f"{i}. {f.title} — {gain_text(f)}",
+                  f"   seen: {f.observation}",
+                  f"   do:   {first}{more}"]
     if len(findings) > top:
         lines.append(f"... {len(findings) - top} more in {REPORT_FILE}")
     unjudged = [n.title.lower() for n in notes or [] if not n.judged]
     if unjudged:
-        lines.append(_console("not judged: ", "; ".join(unjudged)))
+        lines.append("not judged: " + "; ".join(unjudged))
     fine = [n.title.lower() for n in notes or [] if n.judged]
     if fine:
-        lines.append(_console("checked and fine: ", ", ".join(fine)))
+        lines.append("checked and fine: " + ", ".join(fine))
     return "\n".join(lines)

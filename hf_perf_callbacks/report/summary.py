@@ -165,7 +165,7 @@ def _tuning_lines(run: RunLog) -> list[str]:
     saving = (f"; expected saving {decision.expected_gain_sec:.1f} s" if decision.expected_gain_sec is not None
               else "")
     lines = [f"tuning at step {decision.step}: {outcome}{cost}{saving}"]
-    lines += ["  " + console_line(t.words(), CONSOLE_WIDTH - 2) for t in trial_figures(decision)]
+    lines += [f"  {t.words()}" for t in trial_figures(decision)]
     return lines
 
 

@@ -1,6 +1,6 @@
 """What one memory reading costs on this machine: each call the watchdog makes a step (psutil, the allocator's
-statistics, the driver's free memory), timed over many calls with a model's worth of tensors allocated and the device
-busy and idle. Prints a table; writes ``results/memory_read_cost_<card>.json``."""
+statistics, the driver's free memory), timed over 2,000 calls on an idle device with 2,000 blocks of 1-64 MiB held
+(about 64 GiB: a GPU of 80 GB or more). Prints a table; writes ``results/memory_read_cost_<card>.json``."""
 import time
 
 import psutil

@@ -13,8 +13,9 @@ completions of 32 tokens per optimizer step, bf16). Parts (each prints and write
 ``--part ab``      an interleaved A/B of two splits: fresh runs A B B A ..., per-step times after the first step,
                    Mann-Whitney on the per-run medians (``tuner_ab.json``)
 ``--part overhead``  what the package costs a step once the tuning has decided: four runs of ``--rival`` at once, one
-                   a GPU (plain; plain with a MemoryWatchdog; tuned with it; tuned without it), their median seconds
-                   outside ``generate`` after step 20 against the plain run's (``tuner_overhead_<card>_<steps>steps``)
+                   a GPU (plain; plain with a MemoryWatchdog; tuned with it; tuned without it; ``--overhead_runs``:
+                   some of them), their median seconds outside ``generate`` after step 20 against the plain run's
+                   (``tuner_overhead_<card>_<steps>steps``)
 ``--part sequential``  the tuning from every ``--starts`` split (default 4×8, 2×16, 32×1), each run beside a plain
                    run of the best split (``--rival``, 32×1) at the same time on one GPU host, one process a GPU:
                    ``--part run`` in each, with ``CUDA_VISIBLE_DEVICES``; 2 × starts GPUs: each tuned run its own
@@ -259,7 +260,9 @@ def side_by_side(a) -> dict:
         for mode, start, gpu in wave:
             split = start if mode == "tuned" else best
             label = f"seq_{mode}_{split[0]}x{split[1]}_gpu{gpu}" + (f"_from{start[0]}x{start[1]}" if a.swap else "")
-            specs.append(((mode, start, gpu), gpu, label, ["--mode", mode, "--split", str(split[0]), str(split[1])]))
+            both = [] if a.watchdog is None else ["--watchdog" if a.watchdog else "--no-watchdog"]
+            specs.append(((mode, start, gpu), gpu, label,
+                          ["--mode", mode, "--split", str(split[0]), str(split[1]), *both]))
         runs.update(run_at_once(a, specs))
     if a.swap:
         bases = {start: 2 * i if twins else 0 for i, start in enumerate(starts)}
@@ -340,12 +343,15 @@ def overhead(a) -> dict:
     run's."""
     import torch
 
-    if not a.tiny and torch.cuda.device_count() < len(OVERHEAD_RUNS):
-        raise SystemExit(f"--part overhead runs {len(OVERHEAD_RUNS)} runs at once, one a GPU: this host has "
+    names = a.overhead_runs or list(OVERHEAD_RUNS)
+    if "plain" not in names:
+        raise SystemExit(f"--overhead_runs {' '.join(names)}: the plain run is the reference, name it too")
+    if not a.tiny and torch.cuda.device_count() < len(names):
+        raise SystemExit(f"--part overhead runs {len(names)} runs at once, one a GPU: this host has "
                          f"{torch.cuda.device_count()}")
     split = [str(n) for n in a.rival]
-    runs = run_at_once(a, [(name, gpu, f"overhead_{name}", [*arguments, "--split", *split])
-                           for gpu, (name, arguments) in enumerate(OVERHEAD_RUNS.items())])
+    runs = run_at_once(a, [(name, gpu, f"overhead_{name}", [*OVERHEAD_RUNS[name], "--split", *split])
+                           for gpu, name in enumerate(names)])
     return overhead_rows(runs)
 
 
@@ -382,9 +388,11 @@ def ratios(tuned: dict, plain: dict) -> dict:
 
 
 def sequential_name(a) -> str:
-    """The result file's name: ``tuner_sequential_<card>[_swapped]_<starts>_<steps>steps[_half<h>]``."""
+    """The result file's name: ``tuner_sequential_<card>[_swapped]_<starts>_<steps>steps[_watchdog|_no_watchdog]``
+    (``--watchdog`` given: every run with or without one), then ``_half<h>`` for one half of a swap."""
+    both = "" if a.watchdog is None else "_watchdog" if a.watchdog else "_no_watchdog"
     return f"tuner_sequential_{card_name()}" + ("_swapped" if a.swap else "") + "_" + \
-        "_".join(f"{x}x{y}" for x, y in a.starts) + f"_{a.steps}steps"
+        "_".join(f"{x}x{y}" for x, y in a.starts) + f"_{a.steps}steps{both}"
 
 
 def earlier_half(a, half: int) -> dict:
@@ -460,7 +468,10 @@ def main():
     p.add_argument("--ab_rounds", type=int, default=4)
     p.add_argument("--ab_steps", type=int, default=8)
     p.add_argument("--watchdog", action=argparse.BooleanOptionalAction, default=None,
-                   help="part run: with a MemoryWatchdog (default: the tuned run has one, the plain run none)")
+                   help="part run: with a MemoryWatchdog (default: the tuned run has one, the plain run none); "
+                        "part sequential: the same for every run, tuned and plain")
+    p.add_argument("--overhead_runs", nargs="+", choices=list(OVERHEAD_RUNS), default=None,
+                   help="part overhead: these runs only, one a GPU (default all four; plain is the reference)")
     p.add_argument("--try_all", action="store_true", help="part run: tune with must_pay=False")
     p.add_argument("--full", action="store_true", help="a full fine-tune instead of LoRA")
     p.add_argument("--smoke", action="store_true", help="the CPU demo's trainer (SmolLM2, 4×1)")
@@ -487,7 +498,8 @@ def main():
         half = f"_half{a.half}" if "runs" in result else ""
         write_result(sequential_name(a) + half, {**result, "settings": settings})
     elif a.part == "overhead":
-        write_result(f"tuner_overhead_{card_name()}_{a.steps}steps", {**overhead(a), "settings": settings})
+        some = "_" + "_".join(a.overhead_runs) if a.overhead_runs else ""
+        write_result(f"tuner_overhead_{card_name()}_{a.steps}steps{some}", {**overhead(a), "settings": settings})
     elif a.part == "sweep":
         write_result("tuner_sweep" + ("_cpu" if a.smoke else ""), {"sweep": sweep(a), "settings": settings})
     elif a.part == "run":

@@ -161,6 +161,13 @@ def _tuner_overhead(r: dict) -> str:
             f"{name.replace('_', ' ')} {row['outside_vs_plain']:.3f}×" for name, row in rows.items() if name != "plain")
 
 
+def _watchdog_step_cost(r: dict) -> str:
+    runs = [x for x in r["runs"] if x["watchdog"]]
+    return (f"{len(r['runs'])} runs one after another, a MemoryWatchdog clocked at "
+            + ", ".join(f"{x['watchdog_ms_a_step']:.2f}" for x in runs) + " ms a step (its memory readings "
+            + ", ".join(f"{x['ms_a_step'].get('memory readings', 0.0):.2f}" for x in runs) + " ms)")
+
+
 def _memory_read(r: dict) -> str:
     return "ms a call: " + ", ".join(f"{name} {ms:.3g}" for name, ms in r["ms_per_call"].items())
 
@@ -195,7 +202,8 @@ def _checks(r: dict) -> str:
 
 #: a result's benchmark name (or its file name's start) → its headline
 HEADLINES: list[tuple[str, Callable[[dict], str]]] = [
-    ("accuracy", _accuracy), ("overhead", _overhead), ("oom_recovery", _oom), ("watchdog", _watchdog),
+    ("accuracy", _accuracy), ("overhead", _overhead), ("oom_recovery", _oom),
+    ("watchdog_step_cost", _watchdog_step_cost), ("watchdog", _watchdog),
     ("tuner_switch", _switch), ("tuner_sweep", _sweep), ("tuner_run", _run), ("memory_tiers", _tiers),
     ("exactness", _exactness), ("demo_tuning", _demo_tuning), ("report_scale", _scale),
     ("wordle_rewards_untrained", _checks), ("wordle_rewards", _wordle), ("advice", _advice),

@@ -1,0 +1,113 @@
+"""What a MemoryWatchdog costs a training step, clocked directly: runs of ``bench_tuner.py``'s GRPO+LoRA trainer (GPU:
+a Qwen2.5-0.5B-shaped model, 32×1, completions of 16 tokens; CPU: the tiny demo's trainer, 8×1) one after another
+on one device, plain (A) and with a watchdog (B), in the order ``--order`` (default ABBA). Each run's figures a step
+after step 15: the time in the trainer's callback handler (every event, every callback), in the watchdog's memory
+readings and in its check before each step (inside the batch fetch), and in Python's garbage collections; and its
+median seconds outside ``generate``, for scale only: runs of one kind on one card differ by tens of percent from
+run to run, which is why the cost is clocked and not read from step times. Writes
+``results/watchdog_step_cost_<card>.json``."""
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_tuner import WallSteps, card_name, make_trainer  # noqa: E402
+from common import release, table, write_result  # noqa: E402
+
+from hf_perf_callbacks import MemoryWatchdog  # noqa: E402
+from hf_perf_callbacks.device import DeviceLayer  # noqa: E402
+
+SKIP = 15                                       # steps left out at the start (warm-up)
+
+
+class Clocks:
+    """Seconds spent in wrapped callables, by name, and in garbage collections (``gc.callbacks``)."""
+
+    def __init__(self):
+        self.spent: dict[str, float] = {}
+        self._gc_start = 0.0
+        gc.callbacks.append(self._gc)
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.spent[label] = self.spent.get(label, 0.0) + time.perf_counter() - started
+        setattr(owner, name, timed)
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.spent["garbage collection"] = self.spent.get("garbage collection", 0.0) + \
+                time.perf_counter() - self._gc_start
+
+
+class Snapshots(WallSteps):
+    """bench_tuner's step timer, keeping the clocks at every step end."""
+
+    def __init__(self, clocks: Clocks):
+        super().__init__()
+        self.clocks, self.snapshots = clocks, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        super().on_step_end(args, state, control, **kwargs)
+        self.snapshots.append(dict(self.clocks.spent))
+
+
+def one_run(a, clocks: Clocks, watchdog: bool) -> dict:
+    timer = Snapshots(clocks)
+    callbacks = [timer] + ([MemoryWatchdog()] if watchdog else [])
+    trainer = make_trainer(a, callbacks, (8, 1) if a.tiny else (32, 1), a.steps)
+    clocks.wrap(trainer.callback_handler, "call_event", "callback handler")
+    if watchdog:
+        clocks.wrap(callbacks[-1], "_before_step", "watchdog's check before a step")
+    trainer.train()
+    first, last = timer.snapshots[SKIP], timer.snapshots[-1]
+    steps = len(timer.snapshots) - 1 - SKIP
+    outside = [w - g for w, g in zip(timer.walls, timer.generation)][SKIP:]
+    release(trainer)
+    return {"watchdog": watchdog, "steps": steps,
+            "ms_a_step": {k: (last[k] - first.get(k, 0.0)) / steps * 1e3 for k in last},
+            "median_outside_generation_ms": statistics.median(outside) * 1e3}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=70)
+    p.add_argument("--order", default="ABBA", help="A: a plain run, B: a run with a MemoryWatchdog")
+    p.add_argument("--completion", type=int, default=16)
+    p.add_argument("--tiny", action="store_true", help="the tiny demo's trainer on the CPU (a check of the script)")
+    a = p.parse_args()
+    if set(a.order) - {"A", "B"} or not a.order:
+        raise SystemExit(f"--order {a.order!r}: A (plain) and B (with a watchdog) only")
+    if a.steps <= SKIP + 1:
+        raise SystemExit(f"--steps {a.steps}: more than {SKIP + 1} steps, the first {SKIP} are a warm-up")
+    a.smoke = a.full = False
+    a.model = "qwen05"
+    clocks = Clocks()
+    clocks.wrap(DeviceLayer, "memory", "memory readings")
+    runs = [one_run(a, clocks, kind == "B") for kind in a.order]
+    plain = [r["ms_a_step"].get("callback handler", 0.0) for r in runs if not r["watchdog"]]
+    base = statistics.median(plain) if plain else 0.0
+    for r in runs:
+        r["watchdog_ms_a_step"] = (r["ms_a_step"].get("callback handler", 0.0) - base
+                                   + r["ms_a_step"].get("watchdog's check before a step", 0.0)) if r["watchdog"] else 0.0
+    print(table(["run", "watchdog ms a step", "its memory readings ms", "callbacks ms", "gc ms", "outside generate ms"],
+                [[i + 1 if not r["watchdog"] else f"{i + 1} (watchdog)", r["watchdog_ms_a_step"],
+                  r["ms_a_step"].get("memory readings", 0.0), r["ms_a_step"].get("callback handler", 0.0),
+                  r["ms_a_step"].get("garbage collection", 0.0), r["median_outside_generation_ms"]]
+                 for i, r in enumerate(runs)]))
+    write_result(f"watchdog_step_cost_{card_name()}", {"runs": runs, "settings": vars(a)})
+
+
+if __name__ == "__main__":
+    main()

@@ -21,7 +21,7 @@ from ..runlog import SPLIT_FILE, NoteDetails
 from ..splitfile import trial_figures
 from ..validation import check_flag, check_number
 from ..wording import TUNER_NEEDS_TRAIN_WITH_TUNING
-from .session import TunerView, TuningSession, candidates, format_summary
+from .session import TunerView, TuningSession
 from .tuning import FIRST_SAMPLES, MIN_SAMPLES, SAMPLES
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ _Callback = TypeVar("_Callback", bound="TrainerCallback")
 
 logger = logging.getLogger("hf_perf_callbacks")
 
-__all__ = ["AdaptiveBatchTuner", "candidates", "find_callback", "format_summary", "format_tuning"]
+__all__ = ["AdaptiveBatchTuner", "find_callback", "format_tuning"]
 
 
 class AdaptiveBatchTuner(PerfCallback):

@@ -180,10 +180,6 @@ class TuningSession:
         return self.state.switch
 
     @property
-    def switch_reason(self) -> str:
-        return self.state.switch_reason
-
-    @property
     def resizes_left(self) -> int | None:
         """Re-sizes forced by memory still allowed (train_with_tuning; None: no limit)."""
         return self.state.resizes_left
@@ -361,11 +357,6 @@ class TuningSession:
         period = (generation_period(spg, getattr(args, "num_iterations", 1), args.gradient_accumulation_steps)
                   if is_grpo(args) else 1)
         self.tuning = OnRunTuning(self.split, others, planned, period=period, state_bytes=state_bytes, **settings)
-
-    @property
-    def resizes_spent(self) -> bool:
-        """No re-size forced by memory is left (``max_resizes`` of :func:`~hf_perf_callbacks.train_with_tuning`)."""
-        return self.state.resizes_spent
 
     def end(self, message: str) -> None:
         """The run ends early with ``message`` (why, what was saved, how to resume): no switch is pending, and the
@@ -546,9 +537,8 @@ class TuningSession:
 
     def candidates(self, args: TrainingArguments) -> list[Split]:
         """The splits the run may use: every split of its batch that keeps its loss exact (all of them before
-        :meth:`judge_grouping` ran)."""
-        every = candidates(args, self.world)
-        return [s for s in every if self.exactness is None or self.exactness.allows(s) or s == self.split]
+        :meth:`judge_grouping` ran; :meth:`~.plan.SplitState.allowed`)."""
+        return replace(self.state, every=tuple(candidates(args, self.world))).allowed()
 
     def smaller_for_restart(self) -> Split | None:
         """The split a launcher's restart resumes with after an out-of-memory error the ranks could not agree on: the

@@ -26,17 +26,12 @@ def state(split=S4, **fields) -> SplitState:
     (state(), 5, True, dict(action="resize", new=S2, source="newest", spend=True, left=None)),
     # nothing trained yet: from the start
     (state(split=S2), 0, False, dict(action="resize", new=S1, source="start", spend=True, left=None)),
-    # no re-size left: give up, no error of the plan's own (the loop says how many were spent)
-    (state(resizes_left=0), 5, False, dict(action="give_up", new=None, source=None, spend=False, left=0)),
 ])
 def test_on_oom_plans_the_next_smaller_split(before, step, in_opt, expected):
     p = plan.on_oom(before, step, in_opt)
     assert (p.action, p.new, p.source, p.spend, p.state.resizes_left) == (
         expected["action"], expected["new"], expected["source"], expected["spend"], expected["left"])
-    if p.action == "resize":
-        assert (p.state.split, p.state.switch) == (p.new, None)
-    else:
-        assert p.state.gave_up and p.state.split == before.split
+    assert (p.state.split, p.state.switch) == (p.new, None)
 
 
 def test_on_oom_gives_up_with_the_error_of_the_missing_split():

@@ -11,7 +11,8 @@ transition             the event, and what the plan says
 =====================  ============================================================================================
 :func:`on_oom`         an out-of-memory error at a step: the next smaller exact split from this step's checkpoint
                        (the newest this run wrote when it struck inside ``optimizer.step``; the start at step 0),
-                       a trial's next split, or give up (no re-size left, no smaller split, none exact)
+                       a trial's next split, or give up (no smaller split, none exact); the loop checks first
+                       that a re-size is left
 :func:`on_watchdog`    the watchdog asks for a smaller micro-batch: the next smaller exact split, or refuse (why)
 :func:`on_switch`      a pending switch takes effect now: from which checkpoint, and whether it spends a re-size
 :func:`on_stop`        a ``train()`` call returned: finish (a pending in-process switch a stop came before is
@@ -164,10 +165,9 @@ def on_oom(state: SplitState, step: int, in_optimizer_step: bool = False, trial:
            trial_next: Split | None = None) -> Plan:
     """An out-of-memory error at ``step`` (``in_optimizer_step``: inside ``optimizer.step``, so the weights may be
     half-updated). A split under trial (``trial``) is left for ``trial_next`` (the tuning's next candidate or its
-    baseline) and spends no re-size; any other goes to the next smaller exact split and spends one, unless none is
-    left (give up, ``error`` None), none is smaller (a ValueError) or none smaller is exact (:class:`InexactResize`)."""
-    if not trial and state.resizes_spent:
-        return Plan("give_up", replace(state, gave_up=True))
+    baseline) and spends no re-size; any other goes to the next smaller exact split and spends one (the caller
+    checked that one is left), unless none is smaller (a ValueError) or none smaller is exact
+    (:class:`InexactResize`): give up with that ``error``."""
     if trial and trial_next is not None:
         new = trial_next
     else:

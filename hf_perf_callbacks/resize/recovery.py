@@ -178,10 +178,8 @@ def recover_from_oom(trainer: Trainer, session: TuningSession, error: BaseExcept
                 session.record_tuning(step)
         plan = plans.on_oom(session.snapshot(), step, in_optimizer_step, trial=trial and tuning is not None,
                             trial_next=trial_next)
-        if plan.action == "give_up":
-            if plan.error is not None:
-                raise plan.error
-            raise ValueError(f"no re-size is left at step {step}")      # the loop checks this before
+        if plan.error is not None:                 # gave up: no smaller split, or none exact
+            raise plan.error
         new = plan.new
         assert new is not None, "a re-size plan names its split"
         if not plan.trial and tuning is not None and tuning.done is None:

@@ -932,7 +932,7 @@ def _runaways(f: Facts, setting: Setting, phrases: Phrases) -> FindingWords:
 
 @dataclass(frozen=True)
 class MemorySubject:
-    """What the memory rule's renderer reads beside the facts: the remedies in their order (each a code, ``code``,
+    """What the memory rule's renderer reads beside the facts: the advice in the rule's order (each a code, ``code``,
     with its figures and formulas), the wall's moves (step, why, moved), the watchdog's actions (action, step), the
     tuner's out-of-memory decisions (micro-batch, step, the split it went on at)."""
 
@@ -944,6 +944,13 @@ class MemorySubject:
 
 def _remedy_words(r: Facts) -> str:
     code = r["code"]
+    if code == "leak_first":
+        return ("fix the leak first: memory that grows on every step comes from tensors kept across steps (a loss "
+                "appended without `.item()`, a growing cache); a smaller micro-batch does not stop it")
+    if code == "free_outside":
+        return ("free the memory held outside this run (another process on the device, a pool outside PyTorch's "
+                "allocator), or give the run a device of its own"
+                + ("; with vLLM colocated, a lower `vllm_gpu_memory_utilization`" if r["use_vllm"] else ""))
     if code == "checkpointing":
         text = "`activation_checkpointing: true` (`gradient_checkpointing` before transformers 5; ~20–30% more compute)"
         if r["saved_bytes"]:
@@ -1019,14 +1026,6 @@ def _memory_pressure(f: Facts, setting: Setting, s: MemorySubject) -> FindingWor
         root += (" In GRPO the peak is the training forward/backward over prompt + completion tokens (activations "
                  "and full-vocabulary logits) on top of the generation KV cache.")
     lines = [_remedy_words(r) for r in s.remedies]
-    if any(why for _, why, _ in s.wall_moves):  # memory outside the run set or moved the wall
-        lines.insert(0, "free the memory held outside this run (another process on the device, a pool outside "
-                        "PyTorch's allocator), or give the run a device of its own"
-                        + ("; with vLLM colocated, a lower `vllm_gpu_memory_utilization`" if f["use_vllm"] else ""))
-    if f["leak_mib_per_step"]:                  # no setting fixes a leak: first
-        lines.insert(0, "fix the leak first: memory that grows on every step comes from tensors kept across steps "
-                        "(a loss appended without `.item()`, a growing cache); a smaller micro-batch does not stop "
-                        "it")
     if f["allocator_advice"] == "mps_cache_clearer":
         lines.append(("add `MPSCacheClearer` to the recipe's `callbacks`" if f["launcher"] else
                       "attach `MPSCacheClearer()` (`callbacks=default_callbacks()` has it)")

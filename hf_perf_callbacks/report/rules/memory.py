@@ -33,9 +33,6 @@ DRIVER_BLOAT_MIN_GB = 0.5
 
 #: (bytes freed, the remedy's code and figures, its setting): one remedy for memory pressure
 Remedy = tuple[float, Facts, Setting]
-#: what each remedy's words are, by the setting key that marks it (the finding's ``facts["remedies"]``)
-REMEDY_CODES = {"activation_checkpointing": "checkpointing", "per_device_train_batch_size": "smaller_split",
-                "max_completion_length": "shorter_completions"}
 
 
 def _near_budget(m: Measurements) -> bool:
@@ -125,6 +122,15 @@ def _remedies(m: Measurements) -> list[Remedy]:
     return sorted(remedies, key=lambda item: -item[0])
 
 
+def _advice(m: Measurements, remedies: list[Remedy]) -> list[Facts]:
+    """The advice in its order, each a code (``code``) with its figures: ``leak_first`` (no setting fixes a leak),
+    ``free_outside`` (memory outside the run set or moved the wall), then the remedies by the memory they free."""
+    first: list[Facts] = [{"code": "leak_first"}] if m.leak_mib_per_step else []
+    if any(why for _, why, _ in m.wall_moves):
+        first.append({"code": "free_outside", "use_vllm": bool(m.use_vllm)})
+    return first + [figures for _, figures, _ in remedies]
+
+
 def _confidence(m: Measurements, swapping: bool) -> str:
     """The confidence of the finding (no speed figure either way)."""
     if swapping:
@@ -142,6 +148,7 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
     if not (_under_pressure(m) or bloat):
         return None
     remedies = _remedies(m)
+    advice = _advice(m, remedies)
     setting = next((s for _, _, s in remedies if s), {})
     near = m.min_steps_to_wall is not None and m.min_steps_to_wall <= STEPS_TO_WALL
     facts: Facts = {"swapping": swapping, "swap_growth_gb": m.swap_growth_gb, "swapout_steps": m.swapout_steps,
@@ -152,13 +159,13 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
                     "watchdog_actions": ", ".join(f"{a.get('action')}@{a.get('step')}" for a in m.watchdog_actions),
                     "oom_micro_batches": ", ".join(f"{d.old.micro_batch}@{d.step}" for d in m.memory_limits
                                                    if d.kind == "oom"),
-                    "remedies": _remedy_codes(m), "allocator_advice": _allocator_code(m),
+                    "remedies": ", ".join(str(a["code"]) for a in advice), "allocator_advice": _allocator_code(m),
                     "device_type": m.device_type, "grpo": m.grpo, "use_vllm": bool(m.use_vllm),
                     "launcher": _launcher(m), "wall_near": near, "driver_gb": m.driver_gb_max,
                     "allocated_gb": m.allocated_gb_at_driver_max,
                     "budget_low_gb": m.budget_range_gb[0] if m.budget_range_gb else None,
                     "budget_high_gb": m.budget_range_gb[1] if m.budget_range_gb else None}
-    subject = MemorySubject([figures for _, figures, _ in remedies], list(m.wall_moves),
+    subject = MemorySubject(advice, list(m.wall_moves),
                             [(a.get("action"), a.get("step")) for a in m.watchdog_actions],
                             [(d.old.micro_batch, d.step, _split_name(d.new)) for d in m.memory_limits
                              if d.kind == "oom"])
@@ -166,19 +173,6 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
     return finding("memory_pressure", "swapping" if swapping else "near_the_wall" if urgent else "pressure", facts,
                    setting, None, _confidence(m, swapping), "try", None, subject=subject,
                    priority=0 if urgent else 1)
-
-
-def _remedy_codes(m: Measurements) -> str:
-    """The advice in its order, as codes: ``leak_first``, ``free_outside``, then the remedies by the memory they free
-    (:data:`REMEDY_CODES`; ``shorter_completions_hint`` without a setting), comma-separated."""
-    remedies = _remedies(m)
-    codes = [next((REMEDY_CODES[k] for k in s if k in REMEDY_CODES), "shorter_completions_hint")
-             for _, _, s in remedies]
-    if any(why for _, why, _ in m.wall_moves):
-        codes.insert(0, "free_outside")
-    if m.leak_mib_per_step:
-        codes.insert(0, "leak_first")
-    return ", ".join(codes)
 
 
 def _allocator_code(m: Measurements) -> str | None:

@@ -98,16 +98,18 @@ def rule_generation_bound(m: Measurements) -> Finding | None:
         setting = {"steps_per_generation": 2 * spg}
     if target:
         setting = setting or {"max_completion_length": target[0]}
-    if not (suggest_vllm or backend == "vllm-server" or double or target or clipped >= CLIPPED_LARGE):
-        return None
-    return finding("generation_bound", "launch_bound" if launch_bound else "generation_share",
-                   {"generation": g, "decode_bandwidth_util": u, "backend": backend, "steps_per_generation": spg,
+    facts: Facts = {"generation": g, "decode_bandwidth_util": u, "backend": backend, "steps_per_generation": spg,
                     "optimizer_steps_per_rollout": 2 * spg / (m.grad_accum or spg) if spg and double else None,
                     "completion_target": target[0] if target else None, "clipped": clipped,
                     "ceiling": 1 / (1 - g), "launch_bound": launch_bound, "suggest_vllm": suggest_vllm,
                     "steady_step_sec": m.steady_step_sec, "weight_sync_share": m.weight_sync_share,
                     "rollout_tokens_per_sec": m.rollout_tokens_per_sec, "clipped_large": clipped >= CLIPPED_LARGE,
-                    "target_tokens": target[1] if target else None, "target_basis": target[2] if target else None},
+                    "target_tokens": target[1] if target else None, "target_basis": target[2] if target else None}
+    advice = (facts["suggest_vllm"], facts["backend"] == "vllm-server", facts["optimizer_steps_per_rollout"],
+              facts["completion_target"], facts["clipped_large"])
+    if not any(advice):                          # the facts hold nothing to advise
+        return None
+    return finding("generation_bound", "launch_bound" if launch_bound else "generation_share", facts,
                    setting, None, "low", "try", None)
 
 

@@ -149,18 +149,32 @@ def _steps_word(n: int) -> str:
 
 # ---- phases: saving, callbacks, recompute ----------------------------------------------------------------------
 
+def _interval_item(f: Facts, setting: str, work: str) -> str:
+    """The bullet that spaces out saves, logs or evaluations: ``setting`` (at ``new_every``), the interval now, and
+    the share of the wall time ``work`` then takes."""
+    return (f"{setting} (now every {f['every']}): {work} then takes about {_pct(_num(f, 'share_after'))} of the "
+            "wall time")
+
+
+def _interval_formula(f: Facts, done: str, sec: float, each: str) -> str:
+    """The measured gain of doing it every ``new_every`` steps instead of ``every``: ``done`` took ``sec`` seconds,
+    each one (``each``) costing what this run's did."""
+    saved, wall, gain = _num(f, "saved_sec"), _num(f, "wall_sec"), _num(f, "gain")
+    return (f"measured: this run's {done} took {sec:.1f} s; every {f['new_every']} steps instead of {f['every']} "
+            f"saves {saved:.1f} s of {wall:.1f} s: {wall:.1f} / ({wall:.1f} − {saved:.1f}) = {gain:.2f}x (each "
+            f"{each} costing what this run's did)")
+
+
 @_finding_words("save_share")
 def _save_share(f: Facts, setting: Setting, _: Any) -> FindingWords:
-    n, every, new = _int(f, "saves"), _int(f, "every"), _int(f, "new_every")
-    save, wall, saved, gain = _num(f, "save_sec"), _num(f, "wall_sec"), _num(f, "saved_sec"), _num(f, "gain")
+    n, every, save, wall = _int(f, "saves"), _int(f, "every"), _num(f, "save_sec"), _num(f, "wall_sec")
     obs = (f"{n} checkpoint saves (every {every} {_steps_word(every)}) took {save:.1f} s of the run's "
            f"{wall:.1f} s wall time ({_pct(save / wall)}), {_num(f, 'per_save_sec'):.3g} s each, against "
            f"{_num(f, 'other_per_step_sec'):.3g} s of everything else per step.")
     root = ("Each save writes the model, and unless `save_only_model` is set the optimizer and scheduler state too, "
             "to disk while training waits; saving every few steps spends more time writing checkpoints than "
             "training.")
-    items = [f"`save_steps: {new}` (now every {every}): saving then takes about {_pct(_num(f, 'share_after'))} of "
-             "the wall time"]
+    items = [_interval_item(f, f"`save_steps: {f['new_every']}`", "saving")]
     if not f["save_only_model"]:
         items.append("`save_only_model: true` writes the weights alone (no optimizer state: smaller and faster, but "
                      "a resume from it restarts the optimizer)")
@@ -168,11 +182,8 @@ def _save_share(f: Facts, setting: Setting, _: Any) -> FindingWords:
         items.append("`save_total_limit: 2` bounds the disk the checkpoints take (not their time)")
     items.append("with `load_best_model_at_end: true`, `save_steps` must be a multiple of `eval_steps`; this "
                  "transformers version has no asynchronous checkpoint save")
-    formula = (f"measured: this run's {n} saves took {save:.1f} s; every {new} steps instead of {every} saves "
-               f"{saved:.1f} s of {wall:.1f} s: {wall:.1f} / ({wall:.1f} − {saved:.1f}) = {gain:.2f}x (each save "
-               f"costing what this run's did)")
     return FindingWords("Checkpoint saving takes a large share of the wall time", obs, root, _bullets(items),
-                        formula + FLOOR)
+                        _interval_formula(f, f"{n} saves", save, "save") + FLOOR)
 
 
 def _callbacks_observation(f: Facts) -> str:
@@ -191,18 +202,15 @@ def _callbacks_observation(f: Facts) -> str:
 
 @_finding_words("logging_share")
 def _logging_share(f: Facts, setting: Setting, _: Any) -> FindingWords:
-    logs, every, new = _int(f, "logs"), _int(f, "every"), _int(f, "new_every")
-    on_log, wall, saved, gain = _num(f, "on_log_sec"), _num(f, "wall_sec"), _num(f, "saved_sec"), _num(f, "gain")
+    logs, every = _int(f, "logs"), _int(f, "every")
     root = (f"The work runs at every training log: {logs} logs (every {every} {_steps_word(every)}) cost "
             f"{_num(f, 'per_log_sec'):.3g} s each in `on_log` and the trainer's log, against "
             f"{_num(f, 'other_per_step_sec'):.3g} s of everything else per step; the time between steps was not "
             "waiting for data.")
-    items = [f"`logging_steps: {new}` (now {every}): the log-driven work then takes about "
-             f"{_pct(_num(f, 'share_after'))} of the wall time",
+    items = [_interval_item(f, f"`logging_steps: {f['new_every']}`", "the log-driven work"),
              "or make the costly callback's `on_log` cheaper (a `model.generate` or an evaluation inside it runs "
              "at every log)"]
-    formula = (f"measured: this run's {logs} logs cost {on_log:.1f} s; every {new} steps instead of {every} "
-               f"saves {saved:.1f} s of {wall:.1f} s: {wall:.1f} / ({wall:.1f} − {saved:.1f}) = {gain:.2f}x")
+    formula = _interval_formula(f, f"{logs} logs", _num(f, "on_log_sec"), "log")
     return FindingWords("Logging and callbacks take a large share of the wall time", _callbacks_observation(f), root,
                         _bullets(items), formula + FLOOR)
 
@@ -299,24 +307,19 @@ def _warmup(f: Facts, c: Any) -> NoteWords:
 
 @_finding_words("eval_share")
 def _eval_share(f: Facts, setting: Setting, _: Any) -> FindingWords:
-    evals, every, new = _int(f, "evals"), _int(f, "every"), _int(f, "new_every")
-    eval_sec, wall, saved, gain = _num(f, "eval_sec"), _num(f, "wall_sec"), _num(f, "saved_sec"), _num(f, "gain")
+    evals, every, eval_sec, wall = _int(f, "evals"), _int(f, "every"), _num(f, "eval_sec"), _num(f, "wall_sec")
     obs = (f"{evals} evaluations (every {every} {_steps_word(every)}) took {eval_sec:.1f} s of the run's "
            f"{wall:.1f} s wall time ({_pct(_num(f, 'share'))}), {_num(f, 'per_eval_sec'):.3g} s each, against "
            f"{_num(f, 'train_per_step_sec'):.3g} s of training per step. The steady figures (s/step, tokens/s) leave "
            "evaluation out: the run's wall time does not.")
     root = ("Each evaluation runs the whole `eval_dataset` through the model; evaluating every few steps spends more "
             "time judging the model than training it.")
-    items = [f"`eval_strategy: steps` with `eval_steps: {new}` (now every {every}): evaluation then takes about "
-             f"{_pct(_num(f, 'share_after'))} of the wall time",
+    items = [_interval_item(f, f"`eval_strategy: steps` with `eval_steps: {f['new_every']}`", "evaluation"),
              "with `load_best_model_at_end: true`, `save_steps` must be a multiple of `eval_steps`",
              "or evaluate a smaller set (`eval_dataset.select(range(n))`) or with a larger "
              "`per_device_eval_batch_size`"]
-    formula = (f"measured: this run's {evals} evaluations took {eval_sec:.1f} s; every {new} steps instead "
-               f"of {every} saves {saved:.1f} s of {wall:.1f} s: {wall:.1f} / ({wall:.1f} − {saved:.1f}) = "
-               f"{gain:.2f}x (each evaluation costing what this run's did)")
     return FindingWords("Evaluation takes a large share of the wall time", obs, root, _bullets(items),
-                        formula + FLOOR)
+                        _interval_formula(f, f"{evals} evaluations", eval_sec, "evaluation") + FLOOR)
 
 
 @_finding_words("cost_over_saving")

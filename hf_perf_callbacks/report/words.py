@@ -805,11 +805,11 @@ def _off_policy_item(spg: int, steps_per_rollout: float) -> str:
 def _generation_bound(f: Facts, setting: Setting, _: Any) -> FindingWords:
     g, u, backend = _num(f, "generation"), f["decode_bandwidth_util"], _str(f, "backend")
     step, sync, rate = f["steady_step_sec"], f["weight_sync_share"], f["rollout_tokens_per_sec"]
-    obs = f"Generation (rollouts, {_BACKEND_WORDS.get(backend, backend)}) took {_pct(g)} of the wall time"
-    if step:
-        obs += f" (≈ {g * _num(f, 'steady_step_sec'):.2f} s of a {_num(f, 'steady_step_sec'):.2f} s step)"
+    obs = f"Generation (rollouts, {_BACKEND_WORDS.get(backend, backend)}) took {_pct(g)} of the run's wall time"
     if sync:
         obs += f", weight syncs to vLLM {_pct(_num(f, 'weight_sync_share'))} of the wall time within it"
+    if step:
+        obs += f"; a steady step took {_num(f, 'steady_step_sec'):.2f} s"
     if rate:
         obs += f"; {_num(f, 'rollout_tokens_per_sec'):.0f} completion tokens/s"
     if u is not None:

@@ -18,7 +18,7 @@ from transformers.trainer_callback import CallbackHandler
 from . import adapter
 from .keys import CONSOLE_KEYS, CONSOLE_WIDTH
 from .runlog import CALLBACK_PREFIXES, EventKind
-from .wording import console_line
+from .wording import console_line, wrapped
 
 __all__ = ["Console", "console_line", "console_logs", "wrapped", "EVENT_WIDTH", "LOUD_KINDS", "QUIET_ONCE"]
 
@@ -90,20 +90,3 @@ def console_logs(logs: Mapping[str, Any]) -> dict[str, Any]:
     (:data:`~hf_perf_callbacks.keys.CONSOLE_KEYS`), not each of their few dozen keys."""
     return {key: value for key, value in logs.items()
             if key in CONSOLE_KEYS or not (isinstance(key, str) and key.startswith(CALLBACK_PREFIXES))}
-
-
-def wrapped(line: str, width: int = CONSOLE_WIDTH) -> str:
-    """``line`` as lines of at most ``width`` characters, broken after its clauses (``; ``, ``, ``, a space) and
-    continued with an indent; nothing is left out."""
-    out, indent = [], "    "
-    rest = line.rstrip()
-    while len(rest) > width:
-        head = rest[:width]
-        cut = max(head.rfind("; "), head.rfind(", "))
-        cut = cut + 1 if cut > width // 3 else head.rfind(" ")
-        if cut <= len(indent):
-            cut = width
-        out.append(rest[:cut].rstrip())
-        rest = indent + rest[cut:].lstrip()
-    out.append(rest)
-    return "\n".join(out)

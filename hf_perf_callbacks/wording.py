@@ -263,3 +263,20 @@ def console_line(text: str, width: int = CONSOLE_WIDTH) -> str:
     if cut < width // 2:
         cut = head.rfind(" ")
     return (head[:cut] if cut > 0 else head).rstrip(" :;,.(") + " …"
+
+
+def wrapped(line: str, width: int = CONSOLE_WIDTH, indent: str = "    ") -> str:
+    """``line`` as lines of at most ``width`` characters, broken after its clauses (``; ``, ``, ``, a space) and
+    continued with ``indent``; nothing is left out."""
+    out = []
+    rest = line.rstrip()
+    while len(rest) > width:
+        head = rest[:width]
+        cut = max(head.rfind("; "), head.rfind(", "))
+        cut = cut + 1 if cut > width // 3 else head.rfind(" ")
+        if cut <= len(indent):
+            cut = width
+        out.append(rest[:cut].rstrip())
+        rest = indent + rest[cut:].lstrip()
+    out.append(rest)
+    return "\n".join(out)

@@ -139,3 +139,21 @@ def test_every_finding_and_note_says_which_case_of_its_rule_it_is():
             assert r.reason in REASONS[r.rule], (r.rule, r.reason)
             seen.add((r.rule, r.reason))
     assert len(seen) >= 20
+
+
+def test_the_console_summary_keeps_every_word_within_the_console_width():
+    """Every rule's console summary: no line wider than ``CONSOLE_WIDTH``, and each finding's observation whole
+    (a long one goes on over indented lines; it used to be printed on one line of up to 473 characters)."""
+    from hf_perf_callbacks.keys import CONSOLE_WIDTH
+    from hf_perf_callbacks.report import check, console_summary
+
+    long_ones = 0
+    for name, m in _rule_scenarios().items():
+        findings, notes = check(m)
+        text = console_summary(findings, notes=notes)
+        assert all(len(line) <= CONSOLE_WIDTH for line in text.splitlines()), name
+        flat = " ".join(text.split())
+        for f in findings[:3]:
+            assert " ".join(f.observation.split()) in flat, (name, f.observation)
+            long_ones += len(f"   seen: {f.observation}") > CONSOLE_WIDTH
+    assert long_ones >= 5            # the scenarios hold observations wider than the console

@@ -8,6 +8,7 @@ import os
 
 from .. import keys
 from ..runlog import RunLog, read_run
+from ..wording import wrapped
 from .model import TOO_FEW_STEPS, ZERO, Facts, Finding, Measurements, Note
 from .reading import measurements
 from .rules import check
@@ -15,7 +16,6 @@ from .rules.basis import _too_short
 from .words import _pct, _yaml
 
 REPORT_FILE = "perf_report.md"
-CONSOLE_WIDTH = 160
 
 
 def _facts_line(m: Measurements) -> str:
@@ -142,7 +142,7 @@ def write_perf_report(run: RunLog | str) -> tuple[str, list[Finding]]:
 
 def console_summary(findings: list[Finding], top: int = 3, notes: list[Note] | None = None) -> str:
     """The top findings, a few lines each, what the run was too short to judge, and the titles of what was checked
-    and is fine."""
+    and is fine; a line wider than ``CONSOLE_WIDTH`` goes on over indented lines (nothing is cut)."""
     lines = ["== Performance analysis =="]
     if not findings:
         lines.append("no bottleneck found")
@@ -151,17 +151,16 @@ def console_summary(findings: list[Finding], top: int = 3, notes: list[Note] | N
         first = (_yaml(f.setting) if f.setting else
                  ", ".join(f"`{k}={v}` (environment)" for k, v in f.env.items()) if f.env else
                  actions[0].split(" (")[0] if actions else "-")
-        first = first if len(first) <= CONSOLE_WIDTH else first[:CONSOLE_WIDTH - 1] + "…"
         more = f" (+{len(actions) - 1} more)" if len(actions) > 1 else ""
-        lines += [f"{i}. {f.title} — {gain_text(f)}",
-                  f"   seen: {f.observation}",
-                  f"   do:   {first}{more}"]
+        lines += [wrapped(f"{i}. {f.title} — {gain_text(f)}", indent="   "),
+                  wrapped(f"   seen: {f.observation}", indent=" " * 9),
+                  wrapped(f"   do:   {first}{more}", indent=" " * 9)]
     if len(findings) > top:
         lines.append(f"... {len(findings) - top} more in {REPORT_FILE}")
     unjudged = [n.title.lower() for n in notes or [] if not n.judged]
     if unjudged:
-        lines.append("not judged: " + "; ".join(unjudged))
+        lines.append(wrapped("not judged: " + "; ".join(unjudged)))
     fine = [n.title.lower() for n in notes or [] if n.judged]
     if fine:
-        lines.append("checked and fine: " + ", ".join(fine))
+        lines.append(wrapped("checked and fine: " + ", ".join(fine)))
     return "\n".join(lines)

@@ -28,6 +28,7 @@ from ..wording import (
     steady_words,
     throughput_line,
     warmup_line,
+    wrapped,
 )
 from .figures import Figures, completion_stats, figures, ranges_text, run_events, step_ranges, trainer_logs
 
@@ -165,7 +166,7 @@ def _tuning_lines(run: RunLog) -> list[str]:
     saving = (f"; expected saving {decision.expected_gain_sec:.1f} s" if decision.expected_gain_sec is not None
               else "")
     lines = [f"tuning at step {decision.step}: {outcome}{cost}{saving}"]
-    lines += [f"  {t.words()}" for t in trial_figures(decision)]
+    lines += [wrapped(f"  {t.words()}", indent="    ") for t in trial_figures(decision)]
     return lines
 
 

@@ -8,18 +8,14 @@ run to run, which is why the cost is clocked and not read from step times. Write
 ``results/watchdog_step_cost_<card>.json``."""
 import argparse
 import gc
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_tuner import WallSteps, card_name, make_trainer
+from common import release, table, write_result
 
-from bench_tuner import WallSteps, card_name, make_trainer  # noqa: E402
-from common import release, table, write_result  # noqa: E402
-
-from hf_perf_callbacks import MemoryWatchdog  # noqa: E402
-from hf_perf_callbacks.device import DeviceLayer  # noqa: E402
+from hf_perf_callbacks import MemoryWatchdog
+from hf_perf_callbacks.device import DeviceLayer
 
 SKIP = 15                                       # steps left out at the start (warm-up)
 
@@ -99,8 +95,9 @@ def main():
     plain = [r["ms_a_step"].get("callback handler", 0.0) for r in runs if not r["watchdog"]]
     base = statistics.median(plain) if plain else 0.0
     for r in runs:
-        r["watchdog_ms_a_step"] = (r["ms_a_step"].get("callback handler", 0.0) - base
-                                   + r["ms_a_step"].get("watchdog's check before a step", 0.0)) if r["watchdog"] else 0.0
+        ms = r["ms_a_step"]
+        r["watchdog_ms_a_step"] = (ms.get("callback handler", 0.0) - base
+                                   + ms.get("watchdog's check before a step", 0.0)) if r["watchdog"] else 0.0
     print(table(["run", "watchdog ms a step", "its memory readings ms", "callbacks ms", "gc ms", "outside generate ms"],
                 [[i + 1 if not r["watchdog"] else f"{i + 1} (watchdog)", r["watchdog_ms_a_step"],
                   r["ms_a_step"].get("memory readings", 0.0), r["ms_a_step"].get("callback handler", 0.0),

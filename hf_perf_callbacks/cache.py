@@ -1,7 +1,6 @@
 """MPSCacheClearer: clear the allocator cache when it pays, not every step."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import keys
@@ -14,13 +13,6 @@ from .validation import check_flag, check_number
 if TYPE_CHECKING:
     import torch
     from transformers import TrainerControl, TrainerState, TrainingArguments
-
-
-@dataclass(frozen=True)
-class ClearerRun:
-    """What the clearer decides at one ``train()`` call's begin: whether it clears at all (MPS, or ``enabled``)."""
-
-    active: bool
 
 
 class MPSCacheClearer(PerfCallback):
@@ -76,7 +68,7 @@ class MPSCacheClearer(PerfCallback):
         self.after_eval, self.after_save = after_eval, after_save
         self.schedule = ClearSchedule(interval_steps, min_interval, max_interval, min_freed_gb * GB)
         self.device: DeviceLayer | None = None
-        self.run: ClearerRun | None = None     # this train() call's decision (on_train_begin)
+        self._active = False                    # whether this train() call clears (decided at on_train_begin)
         self.clears = 0
         self.total_freed = 0.0
         self.total_seconds = 0.0
@@ -86,7 +78,7 @@ class MPSCacheClearer(PerfCallback):
     @property
     def active(self) -> bool:
         """Whether this ``train()`` call clears (False before one began)."""
-        return self.run is not None and self.run.active
+        return self._active
 
     @property
     def _device(self) -> DeviceLayer:
@@ -99,8 +91,8 @@ class MPSCacheClearer(PerfCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: torch.nn.Module | None = None, **kwargs: Any) -> None:
         self.device = self.device or DeviceLayer()
-        self.run = ClearerRun(active=self.device.type == "mps" if self.enabled is None else self.enabled)
-        if self.run.active:
+        self._active = self.device.type == "mps" if self.enabled is None else bool(self.enabled)
+        if self._active:
             self._bus.requests.on_clear_request(self._on_request)
         self.schedule.last_clear_step = state.global_step
 

@@ -116,7 +116,6 @@ class MeterRun:
 class MeterStep:
     """The counters of one optimizer step in progress (made afresh after each step)."""
 
-    in_generate: bool = False
     entry_start: dict[str, float] = field(default_factory=dict)   # TRL's entry kind → when it began
     sync_seconds: float = 0.0
     reward_seconds: float = 0.0
@@ -388,12 +387,10 @@ class ThroughputMeter(PerfCallback):
         if self.generation_depth == 0:
             self._run.generate_start = self.clock.wall()
         self.generation_depth += 1
-        self._step.in_generate = True
 
     def _generation_closed(self) -> None:
         self.generation_depth = max(0, self.generation_depth - 1)
         if self.generation_depth == 0:
-            self._step.in_generate = False
             if not self.disabled:
                 self.timeline.add_generation(self.clock.wall() - self._run.generate_start)
 
@@ -456,7 +453,7 @@ class ThroughputMeter(PerfCallback):
         events[event] = events.get(event, 0.0) + seconds
 
     def _layer_started(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        if self.disabled or self._step.in_generate or not module.training:
+        if self.disabled or self.generation_depth or not module.training:
             return
         key = id(module)
         n = self.layer_forwards[key] = self.layer_forwards.get(key, 0) + 1
@@ -549,7 +546,7 @@ class ThroughputMeter(PerfCallback):
         return facts
 
     def _reset_step_counters(self) -> None:
-        self.counters = MeterStep(in_generate=self.generation_depth > 0)
+        self.counters = MeterStep()
         self._run.counts.zero_()                   # [HOOK_TOKENS, GENERATED, REAL_POSITIONS]
         self.layer_forwards, self.part_started = {}, {}
 
@@ -567,7 +564,7 @@ class ThroughputMeter(PerfCallback):
         return None
 
     def _count_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._step.in_generate:
+        if self.generation_depth:
             self._step.decode_steps += 1
         elif torch.is_grad_enabled() and module.training:
             self._step.forwards += 1

@@ -162,6 +162,12 @@ def _tuner_overhead(r: dict) -> str:
 
 
 def _watchdog_step_cost(r: dict) -> str:
+    if "alternating" in r:
+        alt = r["alternating"]
+        m = alt["median_outside_generation_ms"]
+        return (f"one run, blocks of {alt['block_steps']} steps by turns: median ms outside generate with the watchdog "
+                f"disabled {m['A']:.1f}, working {m['B']:.1f}, on its last reading {m['C']:.1f}; per cycle B − A "
+                f"{alt['b_minus_a_ms']:.1f} ms (median of {len(alt['cycles_ms'])})")
     runs = [x for x in r["runs"] if x["watchdog"]]
     return (f"{len(r['runs'])} runs one after another, a MemoryWatchdog clocked at "
             + ", ".join(f"{x['watchdog_ms_a_step']:.2f}" for x in runs) + " ms a step (its memory readings "

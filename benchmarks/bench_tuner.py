@@ -21,10 +21,12 @@ completions of 32 tokens per optimizer step, bf16). Parts (each prints and write
                    ``--part run`` in each, with ``CUDA_VISIBLE_DEVICES``; 2 × starts GPUs: each tuned run its own
                    plain twin; starts + 1: one plain run beside all; fewer (at least 2): the pairs one after another;
                    ``--swap``: each pair twice, the cards swapped, the cost the geometric mean of the two ratios
-                   (with 2 GPUs a start, every pair at once; ``--half 0``, then ``--half 1``: one half a call).
+                   (with 2 GPUs a start, every pair at once; ``--half 0``, then ``--half 1``: one half a call);
+                   ``--one-card``: each pair at once on one card, the pairs in turn (a host of one GPU), with the
+                   plain run's excess while the tuned run was at its start and the ratio bounded by it.
                    Each pair's wall-time ratio tuned / plain (also with the plain run's seconds in generate), the steps
                    at the starting split, the decision
-                   (``tuner_sequential_<card>[_swapped]_<starts>_<steps>steps.json``; the per-run files are folded
+                   (``tuner_sequential_<card>[_swapped|_one_card]_<starts>_<steps>steps.json``; the per-run files are folded
                    into it)
 
 ``--smoke`` uses the demo's trainer on the CPU (the real SmolLM2-135M-Instruct, chat prompts, 4×1; one prompt group
@@ -56,7 +58,7 @@ class WallSteps(TrainerCallback):
     train() call of one run)."""
 
     def __init__(self):
-        self.walls, self.generation, self.tokens, self.splits = [], [], [], []
+        self.walls, self.generation, self.tokens, self.splits, self.ends = [], [], [], [], []
         self._gen = self._tokens = 0.0
         self._wrapped = None
 
@@ -88,6 +90,7 @@ class WallSteps(TrainerCallback):
         self.device.synchronize()
         now = time.perf_counter()
         self.walls.append(now - self.start)
+        self.ends.append(time.time())                 # the epoch clock: two processes' steps can be lined up
         self.generation.append(self._gen)
         self.tokens.append(self._tokens)
         self.splits.append(f"{args.per_device_train_batch_size}×{args.gradient_accumulation_steps}")
@@ -159,7 +162,7 @@ def one_run(a) -> dict:
     watchdog = a.watchdog if a.watchdog is not None else a.mode == "tuned"
     callbacks = [timer] + ([tuner] if a.mode == "tuned" else []) + ([MemoryWatchdog()] if watchdog else [])
     trainer = make_trainer(a, callbacks, tuple(a.split), a.steps)
-    started, cpu = time.perf_counter(), time.process_time()
+    started, cpu, started_unix = time.perf_counter(), time.process_time(), time.time()
     if a.mode == "tuned":
         train_with_tuning(trainer)
     else:
@@ -169,7 +172,8 @@ def one_run(a) -> dict:
               "wall_sec": wall, "cpu_sec": cpu, "end": f"{trainer.args.per_device_train_batch_size}×"
                                       f"{trainer.args.gradient_accumulation_steps}",
               "tokens": sum(timer.tokens), "steps_by_split": _counts(timer.splits),
-              "step_walls": timer.walls, "step_generation": timer.generation, **timer.summary()}
+              "step_walls": timer.walls, "step_generation": timer.generation, "started_unix": started_unix,
+              "step_ends_unix": timer.ends, **timer.summary()}
     if a.mode == "tuned":
         session = tuner.session
         result["decisions"] = [d.to_json() for d in session.decisions]
@@ -231,12 +235,17 @@ def side_by_side(a) -> dict:
     import torch
 
     gpus = torch.cuda.device_count() if not a.tiny else 2 * len(a.starts)     # --tiny: a CPU check of the plumbing
-    if gpus < 2:
+    if gpus < 2 and not a.one_card:
         raise SystemExit(f"--part sequential runs a tuned and a plain run side by side, one a GPU: it needs 2 GPUs at "
-                         f"least, this host has {gpus}")
+                         f"least, this host has {gpus} (--one-card: both on one card)")
     starts, best = [tuple(s) for s in a.starts], tuple(a.rival)
     twins = gpus >= 2 * len(starts)
-    if a.swap and twins:
+    if a.one_card:
+        if a.swap:
+            raise SystemExit("--one-card runs a pair on one card: there are no cards to swap (drop --swap)")
+        layout = "one card"                            # each pair at once on the first card, the pairs in turn
+        waves = [[("tuned", start, 0), ("plain", start, 0)] for start in starts]
+    elif a.swap and twins:
         layout = "swapped twins"                       # every pair at once on its two cards, then the cards swapped
         waves = [[("tuned", start, 2 * i + g) for i, start in enumerate(starts)]
                  + [("plain", start, 2 * i + 1 - g) for i, start in enumerate(starts)]
@@ -283,17 +292,17 @@ def side_by_side(a) -> dict:
         name = f"{start[0]}×{start[1]}"
         tunes = [d for d in t.get("decisions", []) if d["kind"] == "tune"]
         pairs.append({"start": name, "best": f"{best[0]}×{best[1]}", "start_is_best": start == best,
-                      **ratios(t, p),
+                      **ratios(t, p), **(shared_card(t, p, name) if a.one_card else {}),
                       "tuned_wall_sec": t.get("wall_sec"), "plain_wall_sec": p.get("wall_sec"),
                       "steps_at_start": t.get("steps_by_split", {}).get(name), "end": t.get("end"),
                       "tune_step": tunes[0]["step"] if tunes else None,
                       "tune_reason": tunes[0]["reason"] if tunes else None,
                       "tuned": tuned, "plain": plain})
-    print(table(["start", "end", "tuned s", "plain s", "tuned/plain", "same generation", "target", "steps at start",
-                 "decided at"],
+    print(table(["start", "end", "tuned s", "plain s", "tuned/plain", "same generation", "bound (one card)", "target",
+                 "steps at start", "decided at"],
                 [[r["start"], r["end"], r["tuned_wall_sec"], r["plain_wall_sec"], r["ratio"],
-                  r["ratio_same_generation"], "1.00-1.01" if r["start_is_best"] else "<= 1.03", r["steps_at_start"],
-                  r["tune_step"]]
+                  r["ratio_same_generation"], r.get("ratio_bound"), "1.00-1.01" if r["start_is_best"] else "<= 1.03",
+                  r["steps_at_start"], r["tune_step"]]
                  for r in pairs]))
     return {"layout": layout, "gpus": gpus, "pairs": pairs}
 
@@ -387,11 +396,27 @@ def ratios(tuned: dict, plain: dict) -> dict:
             "generation_sec": {"tuned": sum(tuned["step_generation"]), "plain": sum(plain["step_generation"])}}
 
 
+def shared_card(tuned: dict, plain: dict, start: str, warm: int = 3) -> dict:
+    """What a pair on one card says of its own bias (``--one-card``): while the tuned run trains at a slower starting
+    split it may load the card more than the plain run beside it, slowing that run and so flattering the ratio. The
+    plain run's steps that ended while the tuned run was at its starting split, past its own first ``warm`` steps
+    (a warm-up every plain run has), and their seconds beyond the plain run's median step; ``ratio_bound``: the ratio
+    with that excess taken off the plain run. Nothing where the tuned run never left its start."""
+    steps = tuned.get("steps_by_split", {}).get(start, 0)
+    if not (plain.get("step_ends_unix") and tuned.get("wall_sec")) or steps >= len(tuned.get("step_walls", [])):
+        return {}
+    until = tuned["step_ends_unix"][steps - 1] if steps else tuned["started_unix"]
+    inside = [w for w, end in list(zip(plain["step_walls"], plain["step_ends_unix"]))[warm:] if end <= until]
+    excess = max(0.0, sum(inside) - len(inside) * median(plain["step_walls"]))
+    return {"window_sec": until - tuned["started_unix"], "plain_steps_in_window": len(inside),
+            "plain_excess_in_window_sec": excess, "ratio_bound": tuned["wall_sec"] / (plain["wall_sec"] - excess)}
+
+
 def sequential_name(a) -> str:
-    """The result file's name: ``tuner_sequential_<card>[_swapped]_<starts>_<steps>steps[_watchdog|_no_watchdog]``
+    """The result file's name: ``tuner_sequential_<card>[_swapped|_one_card]_<starts>_<steps>steps[_watchdog|_no_watchdog]``
     (``--watchdog`` given: every run with or without one), then ``_half<h>`` for one half of a swap."""
     both = "" if a.watchdog is None else "_watchdog" if a.watchdog else "_no_watchdog"
-    return f"tuner_sequential_{card_name()}" + ("_swapped" if a.swap else "") + "_" + \
+    return f"tuner_sequential_{card_name()}" + ("_swapped" if a.swap else "_one_card" if a.one_card else "") + "_" + \
         "_".join(f"{x}x{y}" for x, y in a.starts) + f"_{a.steps}steps{both}"
 
 
@@ -480,6 +505,9 @@ def main():
     p.add_argument("--swap", action="store_true",
                    help="part sequential: each pair run twice on two GPUs, the cards swapped (one pair at a time; "
                         "every pair at once where the host has 2 GPUs a start)")
+    p.add_argument("--one-card", action="store_true",
+                   help="part sequential: each pair at once on the host's first card (a host of one GPU), the pairs "
+                        "in turn; the result says how much the tuned run's start may have slowed the plain run")
     p.add_argument("--half", type=int, choices=[0, 1], default=None,
                    help="part sequential --swap on 2 GPUs a start: only this half (one call each); the second half "
                         "folds in the first's file from the results folder")

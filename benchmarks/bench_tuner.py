@@ -25,9 +25,8 @@ completions of 32 tokens per optimizer step, bf16). Parts (each prints and write
                    ``--one-card``: each pair at once on one card, the pairs in turn (a host of one GPU), with the
                    plain run's excess while the tuned run was at its start and the ratio bounded by it.
                    Each pair's wall-time ratio tuned / plain (also with the plain run's seconds in generate), the steps
-                   at the starting split, the decision
-                   (``tuner_sequential_<card>[_swapped|_one_card]_<starts>_<steps>steps.json``; the per-run files are folded
-                   into it)
+                   at the starting split, the decision (``tuner_sequential_<card>[_swapped|_one_card]_<starts>_
+                   <steps>steps.json``; the per-run files are folded into it)
 
 ``--smoke`` uses the demo's trainer on the CPU (the real SmolLM2-135M-Instruct, chat prompts, 4×1; one prompt group
 of four completions up to 40 tokens per step), as ``hf-perf demo`` runs it. ``--model smollm2`` uses the real model
@@ -413,8 +412,9 @@ def shared_card(tuned: dict, plain: dict, start: str, warm: int = 3) -> dict:
 
 
 def sequential_name(a) -> str:
-    """The result file's name: ``tuner_sequential_<card>[_swapped|_one_card]_<starts>_<steps>steps[_watchdog|_no_watchdog]``
-    (``--watchdog`` given: every run with or without one), then ``_half<h>`` for one half of a swap."""
+    """The result file's name: ``tuner_sequential_<card>[_swapped|_one_card]_<starts>_<steps>steps`` then
+    ``_watchdog`` or ``_no_watchdog`` (``--watchdog`` given: every run with or without one), then ``_half<h>`` for one
+    half of a swap."""
     both = "" if a.watchdog is None else "_watchdog" if a.watchdog else "_no_watchdog"
     return f"tuner_sequential_{card_name()}" + ("_swapped" if a.swap else "_one_card" if a.one_card else "") + "_" + \
         "_".join(f"{x}x{y}" for x, y in a.starts) + f"_{a.steps}steps{both}"

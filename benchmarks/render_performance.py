@@ -144,14 +144,21 @@ def _swapped(p: dict) -> str:
 
 
 def _sequential(r: dict) -> str:
-    steps = r.get("settings", {}).get("steps")
-    head = f"{steps} steps, {r['gpus']} GPUs: " if steps else ""
+    settings = r.get("settings", {})
+    steps, watchdog = settings.get("steps"), settings.get("watchdog")
+    cards = "both runs of a pair on one GPU" if r.get("layout") == "one card" else f"{r['gpus']} GPUs"
+    head = f"{steps} steps, {cards}: " if steps else ""
+    if watchdog is not None:
+        head = head[:-2] + (", a watchdog on both sides: " if watchdog else ", no watchdog on either side: ")
     if r.get("layout") in ("swapped", "swapped twins"):
         return head + "; ".join(_swapped(p) for p in r["pairs"] if p.get("ratio"))
     return head + "; ".join(
         f"from {p['start']}: {p['ratio']:.3f}× the plain {p['best']} run"
         + (f" ({p['ratio_same_generation']:.3f}× with its generation seconds)" if p.get("ratio_same_generation")
-           else "") + f", {p['steps_at_start']} steps at the start" for p in r["pairs"] if p.get("ratio"))
+           else "") + f", {p['steps_at_start']} steps at the start"
+        + (f"; {p['ratio_bound']:.3f}× with the plain run's {p['plain_excess_in_window_sec']:.1f} s beyond its median "
+           f"step while the tuned run was at {p['start']} taken off" if p.get("ratio_bound") else "")
+        for p in r["pairs"] if p.get("ratio"))
 
 
 def _tuner_overhead(r: dict) -> str:

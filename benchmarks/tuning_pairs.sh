@@ -4,8 +4,8 @@
 #   RES=/tmp/hfres PAIRS="2x16:500 4x8:250 32x1:250" setsid nohup bash benchmarks/tuning_pairs.sh > /tmp/hfres.log 2>&1 &
 # Each pair's result, tuner_sequential_<card>_<start>_<steps>steps.json, goes to $RES (copy it to benchmarks/results); its
 # log to $RES/<start>.log; $RES/progress says when each began and ended. ARGS: more flags for every pair, e.g. on a host
-# of one GPU, both runs of a pair on its card, the same callbacks on both sides (a 450-step pair runs over 10 minutes
-# there, about 1.3 s a step each with the card 99% busy: more than one device call; start it so, collect it later):
+# of one GPU, both runs of a pair on its card, the same callbacks on both sides (a 450-step pair takes 9-11 minutes on
+# one H200, 1.15-1.3 s a step each: at or past one device call's 10; start it so and collect it in the next call):
 #   ARGS="--one-card --no-watchdog" PAIRS="2x16:450" setsid nohup bash benchmarks/tuning_pairs.sh > /tmp/hfres.log 2>&1 &
 set -u
 RES=${RES:-/tmp/hfres}

@@ -48,6 +48,7 @@ from transformers import TrainerCallback
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, train_with_tuning
 from hf_perf_callbacks.batching import exact_splits
 from hf_perf_callbacks.device import DeviceLayer, training_device
+from hf_perf_callbacks.resize.tuning import WARMUP_AT_START
 from hf_perf_callbacks.stats import iqr, mann_whitney_less
 
 
@@ -395,12 +396,13 @@ def ratios(tuned: dict, plain: dict) -> dict:
             "generation_sec": {"tuned": sum(tuned["step_generation"]), "plain": sum(plain["step_generation"])}}
 
 
-def shared_card(tuned: dict, plain: dict, start: str, warm: int = 3) -> dict:
+def shared_card(tuned: dict, plain: dict, start: str, warm: int = WARMUP_AT_START) -> dict:
     """What a pair on one card says of its own bias (``--one-card``): while the tuned run trains at a slower starting
     split it may load the card more than the plain run beside it, slowing that run and so flattering the ratio. The
     plain run's steps that ended while the tuned run was at its starting split, past its own first ``warm`` steps
-    (a warm-up every plain run has), and their seconds beyond the plain run's median step; ``ratio_bound``: the ratio
-    with that excess taken off the plain run. Nothing where the tuned run never left its start."""
+    (the tuning's warm-up at the start: one every run has), and their seconds beyond the plain run's median step;
+    ``ratio_bound``: the ratio with that excess taken off the plain run. Nothing where the tuned run never left its
+    start."""
     steps = tuned.get("steps_by_split", {}).get(start, 0)
     if not (plain.get("step_ends_unix") and tuned.get("wall_sec")) or steps >= len(tuned.get("step_walls", [])):
         return {}

@@ -147,9 +147,9 @@ def _sequential(r: dict) -> str:
     settings = r.get("settings", {})
     steps, watchdog = settings.get("steps"), settings.get("watchdog")
     cards = "both runs of a pair on one GPU" if r.get("layout") == "one card" else f"{r['gpus']} GPUs"
-    head = f"{steps} steps, {cards}: " if steps else ""
-    if watchdog is not None:
-        head = head[:-2] + (", a watchdog on both sides: " if watchdog else ", no watchdog on either side: ")
+    parts = ([f"{steps} steps", cards] if steps else []) + \
+        ([] if watchdog is None else ["a watchdog on both sides" if watchdog else "no watchdog on either side"])
+    head = ", ".join(parts) + ": " if parts else ""
     if r.get("layout") in ("swapped", "swapped twins"):
         return head + "; ".join(_swapped(p) for p in r["pairs"] if p.get("ratio"))
     return head + "; ".join(

@@ -41,7 +41,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from . import adapter
-from .console import EVENT_WIDTH, Console, console_line, console_logs, wrapped
+from .console import EVENT_WIDTH, Console, console_line, console_logs
 from .exchange import StepExchange
 from .merger import MetricsMerger, is_training_log
 from .outputdir import OutputDirBusy, OutputDirHold, OutputDirLock
@@ -50,7 +50,7 @@ from .runlog import EventDetails, EventKind
 from .signals import Requests, ShrinkRequest
 
 __all__ = ["RunBus", "OutputDirBusy", "OutputDirLock", "ShrinkRequest", "MemoryReading", "bus_for", "console_line",
-           "console_logs", "is_training_log", "wrapped", "TuningLink", "EVENT_WIDTH"]
+           "console_logs", "is_training_log", "TuningLink", "EVENT_WIDTH"]
 
 if TYPE_CHECKING:
     from .memory import WallFacts

@@ -20,7 +20,7 @@ from .keys import CONSOLE_KEYS, CONSOLE_WIDTH
 from .runlog import CALLBACK_PREFIXES, EventKind
 from .wording import console_line, wrapped
 
-__all__ = ["Console", "console_line", "console_logs", "wrapped", "EVENT_WIDTH", "LOUD_KINDS", "QUIET_ONCE"]
+__all__ = ["Console", "console_line", "console_logs", "EVENT_WIDTH", "LOUD_KINDS", "QUIET_ONCE"]
 
 logger = logging.getLogger("hf_perf_callbacks")
 

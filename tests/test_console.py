@@ -16,7 +16,8 @@ import pytest
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import keys
-from hf_perf_callbacks.bus import console_line, console_logs, wrapped
+from hf_perf_callbacks.bus import console_line, console_logs
+from hf_perf_callbacks.wording import wrapped
 
 from .conftest import make_grpo, make_trainer
 

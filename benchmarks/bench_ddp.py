@@ -127,7 +127,7 @@ def oom_on_rank1(steps: int, limit_gb: float) -> dict:
             "effective_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * 2,
             "generation_batch": args.generation_batch_size, "seconds": time.perf_counter() - start,
             "decisions": [{k: d.to_json()[k] for k in ("kind", "step", "old", "new", "recovery_sec", "reason")}
-                          for d in tuner.session.decisions]}
+                          for d in tuner.executor.record.decisions]}
 
 
 def stop_on_rank1(steps: int) -> dict:

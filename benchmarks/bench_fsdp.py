@@ -236,7 +236,7 @@ def resize_on_planted_rank() -> dict:
               "split": [args.per_device_train_batch_size, args.gradient_accumulation_steps],
               "effective_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * world,
               "decisions": [{k: d.to_json()[k] for k in ("kind", "step", "old", "new", "recovery_sec")}
-                            for d in tuner.session.decisions],
+                            for d in tuner.executor.record.decisions],
               "actions": [a["action"] for a in watchdog.actions],
               "checkpoints": sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))}
     if RANK == 0:
@@ -320,7 +320,7 @@ def run_recorded(name: str, micro: int, accum: int, plant: PlantedOOM | None = N
     return {"samples": samples, "weights": weights_of(trainer), "start_weights": begin.weights, "seconds": seconds,
             "reached": trainer.state.global_step, "split": [args.per_device_train_batch_size,
                                                             args.gradient_accumulation_steps],
-            "decisions": [(d.kind, d.step, d.new.micro_batch, d.recovery_sec) for d in tuner.session.decisions],
+            "decisions": [(d.kind, d.step, d.new.micro_batch, d.recovery_sec) for d in tuner.executor.record.decisions],
             "raised": plant.raised if plant else 0}
 
 
@@ -420,7 +420,7 @@ def restart_after_the_guard(relaunch: bool) -> None:
     mine = {"rank": RANK, "attempt": attempt, "relaunch": relaunch, "reached": trainer.state.global_step,
             "target": steps, "oom_at": at, "seconds_this_attempt": time.perf_counter() - start,
             "split": [args.per_device_train_batch_size, args.gradient_accumulation_steps],
-            "decisions": [(d.kind, d.step, d.new.micro_batch, d.checkpoint) for d in tuner.session.decisions],
+            "decisions": [(d.kind, d.step, d.new.micro_batch, d.checkpoint) for d in tuner.executor.record.decisions],
             "perf_log_steps": [x["step"] for x in lines if x["type"] == "step"],
             # what the report reads: a step the first launch logged after its checkpoint (rank 0 may finish the
             # step before the other rank's OOM ends the launch) is re-run by the relaunch, whose line replaces it

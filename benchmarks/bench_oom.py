@@ -35,7 +35,7 @@ def main():
              if json.loads(x)["type"] == "step"]
     args = trainer.args
     final = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
-    decisions = [d.to_json() for d in tuner.session.decisions]
+    decisions = [d.to_json() for d in tuner.executor.record.decisions]
     result = {"memory_limit_gb": limit, "decisions": decisions, "final_split": final,
               "effective_batch": final[0] * final[1], "generation_batch": args.generation_batch_size,
               "reached_step": trainer.state.global_step, "max_steps": a.steps, "logged_steps": steps,

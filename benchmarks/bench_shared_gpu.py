@@ -216,7 +216,7 @@ def one_run(name: str, a, device: str, tuning: bool) -> dict:
     stop = watchdog.stopped_at
     stop_message = next((e["message"] for e in reversed(events) if e["kind"] == "stop"), None)
     decisions = [{"kind": d.kind, "step": d.step, "old": str(d.old), "new": str(d.new), "reason": d.reason}
-                 for d in (tuner.session.decisions if tuner and tuner.session else [])]
+                 for d in (tuner.executor.record.decisions if tuner and tuner.executor else [])]
     total = DeviceLayer(device).memory().total or 0
     result = {
         "run": name, "seconds": seconds, "steps_trained": trainer.state.global_step, "max_steps": a.steps,
@@ -341,7 +341,7 @@ def moving_wall_run(name: str, a, device: str, tuning: bool) -> dict:
     stop = watchdog.stopped_at
     stop_message = next((e["message"] for e in reversed(events) if e["kind"] == "stop"), None)
     decisions = [{"kind": d.kind, "step": d.step, "old": str(d.old), "new": str(d.new), "reason": d.reason}
-                 for d in (tuner.session.decisions if tuner and tuner.session else [])]
+                 for d in (tuner.executor.record.decisions if tuner and tuner.executor else [])]
     result = {
         "run": name, "seconds": seconds, "steps_trained": trainer.state.global_step, "max_steps": a.moved_steps,
         "split": f"{micro}x1", "rows": f"{length // 2} tokens, {length} from step 11", "taken_at_step": take.at,

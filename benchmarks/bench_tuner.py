@@ -175,7 +175,7 @@ def one_run(a) -> dict:
               "step_walls": timer.walls, "step_generation": timer.generation, "started_unix": started_unix,
               "step_ends_unix": timer.ends, **timer.summary()}
     if a.mode == "tuned":
-        session = tuner.session
+        session = tuner.executor
         result["decisions"] = [d.to_json() for d in session.decisions]
         result["switch_sec"] = list(session.tuning.switch_seconds) if session.tuning else []
     print(table(["mode", "start", "end", "steps", "wall s", "step s", "non-gen s", "tok/s"],
@@ -196,7 +196,7 @@ def switch_cost(a) -> dict:
         tuner = AdaptiveBatchTuner(must_pay=False, samples=3, max_rounds=1)
         trainer = make_trainer(a, [tuner], tuple(a.split), a.steps)
         train_with_tuning(trainer)
-        tuning = tuner.session.tuning
+        tuning = tuner.executor.tuning
         state = sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
         out["full_finetune" if full else "lora"] = {"switch_sec": list(tuning.switch_seconds),
                                                     "trainable_gb": state / GB, "steps": trainer.state.global_step}

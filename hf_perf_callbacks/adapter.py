@@ -25,6 +25,10 @@ TRL ``GRPOTrainer._step``, ``_buffered_inputs``,  the generation buffer and metr
 ``_metrics``                                      ``train()`` survive into the next; a resume must start clean
 ``trainer.training_step`` (instance attribute)    the step is the unit the cross-rank agreement guards; no hook
                                                   runs around a whole micro-batch
+``Trainer._load_from_checkpoint`` (instance        transformers 5.24 loads a resumed checkpoint non-strictly and
+attribute)                                        without its weight conversion: a mixture of experts' router and
+                                                  experts stay at their initial values; the resume is completed
+                                                  (:func:`restore_converted_weights`)
 ``trainer.evaluate`` (instance attribute)         an evaluation OOM must be retried with a smaller evaluation
                                                   batch inside ``train()``; no hook runs around an evaluation
 ``Trainer._loss_shifts_labels``                   whether the model's loss shifts its labels (a causal language
@@ -73,8 +77,12 @@ the ``transformers.trainer_utils`` logger         a resume compares the argument
                                                   (and says so in its own line): filtered during those resumes
 ``Trainer.get_batch_samples`` (instance            the micro-batches of an optimizer step are fetched there,
 attribute)                                        before ``on_step_begin``; no hook sees them before the step
-                                                  trains (the row-stream check, only while a switch is pending or
-                                                  just applied)
+                                                  trains (the check of a change at the step it starts with, only
+                                                  while a change is pending or just applied)
+TRL ``GRPOTrainer._prepare_inputs`` (instance     GRPO's trained rows exist only once its ``_prepare_inputs``
+attribute), ``_buffered_inputs``, ``_step``,      generated them, inside the step's first ``training_step``: the
+``_current_train_step_time``                      check of a change reads the step's buffered completions there,
+                                                  and its passes train them as they are handed over
 the training loop's ``batch_samples`` local       an out-of-memory error leaves the loop with the failed step's
 (``Trainer._run_epoch``, older:                   micro-batches fetched; the error's traceback is the only route
 ``_inner_training_loop``)                         to them (the reference of the re-size's row-stream check)
@@ -93,6 +101,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import os
 import signal
 import sys
 import threading
@@ -495,14 +504,19 @@ def resplit_generation(buffer: Iterable[dict[str, Any]], chunks: int) -> list[di
 def replace_method(trainer: object, name: str,
                    make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
     """Replace ``trainer.<name>`` (``training_step``, or ``evaluate``, which ``train()`` calls at an evaluation
-    step) by ``make(original)`` on this instance; returns the undo."""
+    step) by ``make(original)`` on this instance; returns the undo, which puts back what the instance held before
+    (an earlier replacement stays when replacements are undone in reverse order)."""
     original = getattr(trainer, name)
+    before = trainer.__dict__.get(name)
     replacement = make(original)
     setattr(trainer, name, replacement)
 
     def undo() -> None:
         if trainer.__dict__.get(name) is replacement:
-            delattr(trainer, name)
+            if before is None:
+                delattr(trainer, name)
+            else:
+                setattr(trainer, name, before)
 
     return undo
 
@@ -511,14 +525,16 @@ def replace_method(trainer: object, name: str,
 SKIP_STEP = "skip"
 
 
-def watch_batch_samples(trainer: Trainer, fetched: Callable[[list[Any], int], object]) -> Callable[[], None]:
-    """Call ``fetched(batch_samples, num_batches)`` with what ``trainer.get_batch_samples`` fetched for each
-    optimizer step (the micro-batches, and how many were asked for), before the step trains; an exception of
-    ``fetched`` goes through to the training loop. Several watchers share one wrapper and run in the order they came;
-    one that returns :data:`SKIP_STEP` leaves the step untrained: the loop gets no micro-batch, so it trains none,
-    sees ``control.should_training_stop`` and ends the epoch and the run there (its ``on_epoch_end``, the save the
-    control asks for, ``on_train_end``), and the watchers after it are not called. Returns the undo."""
-    watchers: list[Callable[[list[Any], int], object]] | None = trainer.__dict__.get("_hf_perf_batch_watchers")
+def watch_batch_samples(trainer: Trainer,
+                        fetched: Callable[[list[Any], int, Any], object]) -> Callable[[], None]:
+    """Call ``fetched(batch_samples, num_batches, num_items_in_batch)`` with what ``trainer.get_batch_samples``
+    fetched for each optimizer step (the micro-batches, how many were asked for, the step's label count), before the
+    step trains; an exception of ``fetched`` goes through to the training loop. Several watchers share one wrapper
+    and run in the order they came; one that returns :data:`SKIP_STEP` leaves the step untrained: the loop gets no
+    micro-batch, so it trains none, sees ``control.should_training_stop`` and ends the epoch and the run there (its
+    ``on_epoch_end``, the save the control asks for, ``on_train_end``), and the watchers after it are not called.
+    Returns the undo."""
+    watchers: list[Callable[[list[Any], int, Any], object]] | None = trainer.__dict__.get("_hf_perf_batch_watchers")
     if watchers is None:
         watchers = []
 
@@ -527,7 +543,7 @@ def watch_batch_samples(trainer: Trainer, fetched: Callable[[list[Any], int], ob
                                   **kwargs: Any) -> tuple[list[Any], Any]:
                 batches, count = original(epoch_iterator, num_batches, *args, **kwargs)
                 for watcher in list(watchers):
-                    if watcher(batches, num_batches) == SKIP_STEP:
+                    if watcher(batches, num_batches, count) == SKIP_STEP:
                         return [], count
                 return batches, count
             return get_batch_samples
@@ -545,6 +561,67 @@ def watch_batch_samples(trainer: Trainer, fetched: Callable[[list[Any], int], ob
             del trainer.__dict__["_hf_perf_batch_watchers"]
 
     return undo
+
+
+def guard_saves(trainer: Trainer, failed: Callable[[str], None]) -> Callable[[], None]:
+    """Call ``failed(path)`` with the ``checkpoint-<global_step>`` folder that ``Trainer._save_checkpoint`` was
+    writing when it ends by an error (Ctrl-C and a SIGTERM handler that raises too), before the error goes on: a
+    save cut short must not leave a folder that ``get_last_checkpoint`` picks. Returns the undo."""
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            except BaseException:
+                failed(f"{trainer.args.output_dir}/checkpoint-{trainer.state.global_step}")
+                raise
+        return _save_checkpoint
+
+    return replace_method(trainer, "_save_checkpoint", make)
+
+
+def watch_prepared_inputs(trainer: Trainer, prepared: Callable[[], None]) -> Callable[[], None]:
+    """Call ``prepared()`` each time TRL's GRPO ``_prepare_inputs`` hands a training micro-batch out (after it
+    generated the step's completions or took them from its buffer: :func:`grpo_step_batches` then holds the step's
+    rows), before that micro-batch trains; an exception of ``prepared`` goes through. Returns the undo."""
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _prepare_inputs(batch: Any) -> Any:
+            inputs = original(batch)
+            if cast(torch.nn.Module, trainer.model).training:
+                prepared()
+            return inputs
+        return _prepare_inputs
+
+    return replace_method(trainer, "_prepare_inputs", make)
+
+
+def grpo_step_batches(trainer: Trainer) -> list[dict[str, Any]] | None:
+    """The buffered completions the GRPO optimizer step now training trains: its micro-batches, in order, from TRL's
+    ``_buffered_inputs`` at its micro-batch counter ``_step`` (None: no buffer, not GRPO)."""
+    buffer = getattr(trainer, "_buffered_inputs", None)
+    step = getattr(trainer, "_step", None)
+    if not buffer or step is None:
+        return None
+    spg = len(buffer)
+    return [buffer[(step + i) % spg] for i in range(trainer.args.gradient_accumulation_steps)]
+
+
+@contextlib.contextmanager
+def inputs_as_given(trainer: Trainer, grpo: bool = True) -> Iterator[None]:
+    """While active, GRPO's ``training_step`` trains the micro-batch it is handed as it is: TRL's ``_prepare_inputs``
+    (which generates, or hands out its buffered completions) is bypassed, and TRL's micro-batch counter ``_step``
+    and step timer ``_current_train_step_time`` are put back afterwards (the exactness check's passes train the
+    step's buffered rows regrouped, and count as no micro-batch). Nothing changes when ``grpo`` is False."""
+    if not grpo:
+        yield
+        return
+    kept = {name: getattr(trainer, name) for name in ("_step", "_current_train_step_time") if hasattr(trainer, name)}
+    undo = replace_method(trainer, "_prepare_inputs", lambda original: lambda inputs: inputs)
+    try:
+        yield
+    finally:
+        undo()
+        for name, value in kept.items():
+            setattr(trainer, name, value)
 
 
 #: the trainer's methods whose time is a phase of the step (:func:`clock_trainer`): the fetch of a step's batches,
@@ -651,17 +728,19 @@ TRAINING_LOOP_FRAMES = ("_run_epoch", "_inner_training_loop")
 AFTER_THE_STEP = ("_maybe_log_save_evaluate", "on_step_end", "on_epoch_end")
 
 
-def fetched_batches(error: BaseException) -> list[Any] | None:     # the user's batches
+def fetched_step(error: BaseException) -> tuple[list[Any], Any] | None:     # the user's batches
     """The micro-batches the training loop had fetched for the optimizer step that ``error`` left before that step
-    counted (the innermost training-loop frame of its traceback), or None: the traceback holds none, or the error
-    struck after the step counted (saving, evaluating, a callback's ``on_step_end``)."""
+    counted, and the step's label count (``num_items_in_batch``), from the innermost training-loop frame of its
+    traceback; None: the traceback holds none, or the error struck after the step counted (saving, evaluating, a
+    callback's ``on_step_end``)."""
     found, tb = None, error.__traceback__
     while tb is not None:
         frame = tb.tb_frame
         if frame.f_code.co_name in TRAINING_LOOP_FRAMES:
             batches = frame.f_locals.get("batch_samples")
             child = tb.tb_next.tb_frame.f_code.co_name if tb.tb_next is not None else None
-            found = batches if isinstance(batches, list) and child not in AFTER_THE_STEP else None
+            found = ((batches, frame.f_locals.get("num_items_in_batch"))
+                     if isinstance(batches, list) and child not in AFTER_THE_STEP else None)
         tb = tb.tb_next
     return found
 
@@ -1146,3 +1225,62 @@ def own_resume() -> Iterator[None]:
             yield
     finally:
         target.removeFilter(quiet)
+
+
+def restore_converted_weights(trainer: Trainer, warn: Callable[[str], object]) -> Callable[[], None]:
+    """While active, a resume of ``trainer`` that restored fewer weights than its checkpoint saved is completed.
+    transformers 5 saves a model whose weights its loading converts (a mixture of experts' fused experts, kept as
+    per-expert ``block_sparse_moe.experts.N.w1`` on disk) under the legacy names, and ``Trainer._load_from_checkpoint``
+    loads the checkpoint with ``load_state_dict(strict=False)`` and no conversion: the router and expert weights stay
+    as they were (docs/known-issues.md). After that load, the weights the model has that the checkpoint file does not
+    name are read through the model class's own ``from_pretrained`` (which converts) and loaded; ``warn(message)``
+    says so once. Returns the undo."""
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _load_from_checkpoint(resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+            original(resume_from_checkpoint, model)
+            target = model if model is not None else trainer.model
+            missing = _unsaved_weights(target, resume_from_checkpoint)
+            if missing and target is not None:
+                _load_converted(target, resume_from_checkpoint, missing)
+                warn(f"the checkpoint {os.path.basename(resume_from_checkpoint)} holds {len(missing)} weights under "
+                     f"names transformers' resume does not convert (e.g. {sorted(missing)[0]}): loaded with the "
+                     f"model's own conversion")
+        return _load_from_checkpoint
+
+    return replace_method(trainer, "_load_from_checkpoint", make)
+
+
+def _unsaved_weights(model: torch.nn.Module | None, checkpoint: str) -> set[str]:
+    """The model's weights that the checkpoint's safetensors file (or index) does not name, when it names others in
+    their place (a plain model's whole save; None for an adapter, a sharded or a DeepSpeed checkpoint)."""
+    import json
+
+    if model is None or hasattr(model, "peft_config"):
+        return set()
+    index = os.path.join(checkpoint, "model.safetensors.index.json")
+    single = os.path.join(checkpoint, "model.safetensors")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            saved = set(json.load(f).get("weight_map", {}))
+    elif os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            saved = set(f.keys())
+    else:
+        return set()
+    have = set(model.state_dict())
+    missing, unexpected = have - saved, saved - have
+    tied = {name for name in missing if "lm_head" in name or "embed" in name}   # tied weights are saved once
+    return (missing - tied) if unexpected else set()
+
+
+def _load_converted(model: torch.nn.Module, checkpoint: str, names: set[str]) -> None:
+    """Load ``names`` from ``checkpoint`` as the model class's ``from_pretrained`` reads them (converted)."""
+    loaded = type(model).from_pretrained(checkpoint, dtype=next(model.parameters()).dtype)  # type: ignore[attr-defined]
+    state = loaded.state_dict()
+    with torch.no_grad():
+        for name, value in model.state_dict().items():
+            if name in names and name in state:
+                value.copy_(state[name].to(value.device))
+    del loaded

@@ -18,6 +18,7 @@ field                 part                                      job
 ``tuning``            :class:`TuningLink`                       the run's tuning session
 ``continuing``        bool                                      this ``train()`` ends for an in-process re-size
 ``own_passes``        bool                                      the package's own forwards and backwards run
+                                                                (:meth:`RunBus.own_work`)
 ``overhead``          float                                     the callbacks' own seconds since the step ended
 ====================  ========================================  ==================================================
 
@@ -32,8 +33,9 @@ The methods of the parts that :mod:`hf_perf_callbacks.resize` and :mod:`hf_perf_
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -96,6 +98,7 @@ class RunBus(TrainerCallback):
         self.tuning: TuningLink | None = None       # the tuning session of train_with_tuning or the tuner
         self.continuing = False                 # this train() ends for an in-process re-size: the run goes on
         self.own_passes = False                 # the package's own forwards and backwards run (not the run's step)
+        self.own_work_clocks: list[Callable[[bool], None]] = []    # told when that work begins (True) and ends
         self.overhead = 0.0                     # seconds the callbacks spent after the step ended: not data wait
         self.begun: object = None               # the TrainerState of the train() call that began last
 
@@ -107,6 +110,20 @@ class RunBus(TrainerCallback):
     @handler.setter
     def handler(self, handler: CallbackHandler | None) -> None:
         self.console.handler = handler
+
+    @contextlib.contextmanager
+    def own_work(self) -> Iterator[None]:
+        """The package's own forwards and backwards run inside a step (the check of a change): the meter counts none
+        of them (``own_passes``) and books their seconds as the package's own (``own_work_clocks``)."""
+        self.own_passes = True
+        for clock in list(self.own_work_clocks):
+            clock(True)
+        try:
+            yield
+        finally:
+            self.own_passes = False
+            for clock in list(self.own_work_clocks):
+                clock(False)
 
     def take_overhead(self) -> float:
         """The callbacks' own seconds since the last take (the meter's, at each step's begin)."""

@@ -394,8 +394,13 @@ def world_size() -> int:
     return 1
 
 
+def rank() -> int:
+    """This process's rank (0 on one process)."""
+    return torch.distributed.get_rank() if world_size() > 1 else 0
+
+
 def is_main_process() -> bool:
-    return world_size() == 1 or torch.distributed.get_rank() == 0
+    return rank() == 0
 
 
 def gather_floats(values: list[float], device: torch.device | None = None) -> list[list[float]]:
@@ -433,5 +438,5 @@ def exchange_device(device: torch.device | str | None = None) -> torch.device:
 
 __all__ = ["DeviceLayer", "MemorySample", "is_oom_error", "dtype_key", "gather_floats", "main_process_value",
            "exchange_device",
-           "training_device", "world_size", "is_main_process", "rng_state", "set_rng_state", "GB", "error_line",
+           "training_device", "world_size", "rank", "is_main_process", "rng_state", "set_rng_state", "GB", "error_line",
            "RngState"]

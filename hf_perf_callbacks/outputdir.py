@@ -11,8 +11,10 @@ it, as transformers trains there.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -22,9 +24,69 @@ from filelock import FileLock, Timeout
 from . import adapter
 from .runlog import LOCK_FILE
 
-__all__ = ["OutputDirBusy", "OutputDirLock", "OutputDirHold", "HOLDER_FILE"]
+__all__ = ["OutputDirBusy", "OutputDirLock", "OutputDirHold", "HOLDER_FILE", "move_aside",
+           "checkpoint_dir", "step_of", "STATE_FILE", "PREFIX", "MOVED_ASIDE", "INCOMPLETE_MARKER"]
 
 logger = logging.getLogger("hf_perf_callbacks")
+
+# ------------------------------------------------------------ the output_dir's checkpoints
+PREFIX = "checkpoint"
+STATE_FILE = "trainer_state.json"          # transformers' TRAINER_STATE_NAME, written last
+INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"   # transformers' JIT checkpoint sentinel
+_CHECKPOINT = re.compile(rf"^{PREFIX}-(\d+)$")
+MOVED_ASIDE = "moved_aside"                # the folder of output_dir that checkpoints are moved aside into
+
+
+def checkpoint_dir(output_dir: str, step: int) -> str:
+    return os.path.join(output_dir, f"{PREFIX}-{step}")
+
+
+def step_of(path: str) -> int | None:
+    match = _CHECKPOINT.match(os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else None
+
+
+def set_aside_partial(path: str) -> None:
+    """A save of ``path`` was cut short (Ctrl-C, SIGTERM, an error): the folder, when it is not a complete checkpoint,
+    is moved aside (main process), so that neither transformers' ``get_last_checkpoint`` nor ``--resume_from_checkpoint
+    last`` resumes from it."""
+    from .device import is_main_process
+
+    if is_main_process() and os.path.isdir(path) and not _state_written(path):
+        moved = move_aside(path, "partial")
+        logger.warning("[run] the save of %s was cut short: moved aside to %s (a resume picks the newest complete "
+                       "checkpoint)", os.path.basename(path), moved)
+
+
+def _state_written(path: str) -> bool:
+    """Whether a checkpoint's save reached its end: ``trainer_state.json``, which transformers writes last, parses
+    and transformers' in-progress marker is gone (the whole check of a checkpoint: ``resize/checkpoints.py``)."""
+    try:
+        with open(os.path.join(path, STATE_FILE), encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, ValueError):
+        return False
+    return not os.path.exists(os.path.join(path, INCOMPLETE_MARKER))
+
+
+def move_aside(path: str, why: str) -> str | None:
+    """Move ``path`` to ``moved_aside/<name>.<why>-<n>`` beside it (never read, resumed or rotated as a checkpoint);
+    returns the new path (None on failure)."""
+    path = os.path.normpath(path)
+    folder = os.path.join(os.path.dirname(path), MOVED_ASIDE)
+    for n in range(1, 1000):
+        target = os.path.join(folder, f"{os.path.basename(path)}.{why}-{n}")
+        if not os.path.exists(target):
+            try:
+                os.makedirs(folder, exist_ok=True)
+                os.replace(path, target)
+            except OSError as error:
+                logger.warning("[tuner] could not move %s aside: %s", path, error)
+                return None
+            return target
+    return None
+
+
 
 
 class OutputDirBusy(RuntimeError):
@@ -133,10 +195,12 @@ class OutputDirHold:
         self.calls_held = 0                     # train() calls begun while train_with_tuning holds the lock
 
     def watch_trainer(self, trainer: Any) -> None:
-        """Release the lock whenever ``trainer.train()`` ends, by an error too (its ``train`` wrapped once)."""
+        """Release the lock whenever ``trainer.train()`` ends, by an error too (its ``train`` wrapped once), and move
+        a checkpoint whose save was cut short out of the names a resume picks (:func:`set_aside_partial`)."""
         if trainer is None or id(trainer) in self.watched:
             return
         self.watched.add(id(trainer))
+        adapter.guard_saves(trainer, set_aside_partial)
 
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
             def train(*args: Any, **kwargs: Any) -> Any:

@@ -8,7 +8,8 @@ does (a mean per micro-batch, noise drawn per micro-batch, a term added once per
 parameter's projections far past rounding. :func:`compare` judges a candidate against the reference, with the noise
 of the reference run twice and the rounding of the compute dtype as the tolerance.
 
-Pure torch: no trainer, no Hugging Face import.
+Pure torch: no trainer, no Hugging Face import. A sharded gradient (FSDP2's ``DTensor``) is gathered one parameter at
+a time (``full_tensor``), so every rank sketches the whole gradient.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.fl
 #: other kernels whose roundings, kept in that dtype layer after layer, reach a deep layer's gradient (3.7e-2 seen
 #: on a 24-layer bf16 model between 16×1 and 8×2 of equal-length rows, an exact grouping)
 GRAD_RTOL = {torch.bfloat16: 1e-1, torch.float16: 5e-2}
+#: a :class:`Difference`'s ``where`` when the summed loss, not a parameter's gradient, differs most
+LOSS = "the loss"
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ def sketch(named_grads: Iterable[tuple[str, torch.Tensor | None]], loss: float, 
         if grad is None:
             rows.append(torch.zeros(WIDTH, dtype=torch.float64))
             continue
+        if hasattr(grad, "full_tensor"):     # FSDP2: a DTensor shard; every rank gathers it (same order everywhere)
+            grad = grad.full_tensor()
         flat = grad.detach().reshape(-1).float()
         if grad.device not in random_block:
             generator = torch.Generator().manual_seed(seed)
@@ -112,7 +117,7 @@ def compare(reference: Sketch, repeat: Sketch, candidate: Sketch, rtol: float) -
     loss_tolerance = max(NOISE_FACTOR * abs(repeat.loss - reference.loss), rtol * loss_scale)
     loss_distance = abs(candidate.loss - reference.loss)
     if loss_distance > loss_tolerance and (worst < 0 or loss_distance / loss_tolerance > float(excess[worst])):
-        return Difference(False, "the loss", loss_distance / loss_scale, loss_tolerance / loss_scale)
+        return Difference(False, LOSS, loss_distance / loss_scale, loss_tolerance / loss_scale)
     if worst >= 0 and float(excess[worst]) > 1.0:
         return Difference(False, reference.names[worst], float(distance[worst] / scale[worst]),
                           float(tolerance[worst] / scale[worst]))

@@ -1,6 +1,6 @@
 """``<output_dir>/tuner_split.json``: the tuning session's record, its schema and its one reader. Pure: no torch.
 
-The file is written by one writer only, :class:`~hf_perf_callbacks.resize.session.TuningSession` (atomically, by
+The file is written by one writer only, :class:`~hf_perf_callbacks.resize.record.SplitRecord` (atomically, by
 the main process), and read back through :func:`read_split_file` by every reader: the resume of
 :func:`~hf_perf_callbacks.train_with_tuning`, the recipe launcher, ``hf-perf report``'s plots and the analysis.
 
@@ -17,8 +17,8 @@ field             meaning
 ``ended``         why the tuner gave up (the run ended by an error no split fixes), or null
 ``restricted``    the splits the run may use when its loss leaves others inexact (:class:`Restriction`: the
                   splits, why, and the setting that makes every split exact), or null
-``measured``      the exactness check on the run's own rows (:class:`ExactnessCheck`: the splits shown exact,
-                  those shown not exact with why, its cost), or null when it did not run
+``checks``        the check of every change of the split, made at the step it starts with on that step's rows
+                  (:class:`ExactnessCheck`: the change, exact or not and why, what it cost)
 ================  ==========================================================================================
 
 A split is written with the field names of :class:`~hf_perf_callbacks.batching.Split` (``micro_batch``,
@@ -65,11 +65,10 @@ def split_to_json(split: Split) -> dict[str, int]:
 
 
 def split_from_json(value: object, where: str) -> Split:
-    """A :class:`Split` from its JSON form (field names; a version-1 file's argument names are read too)."""
+    """A :class:`Split` from its JSON form (its field names)."""
     if not isinstance(value, dict):
         raise SplitFileError(f"{where} is {type(value).__name__}, not a mapping of micro_batch and grad_accum")
-    micro = value.get("micro_batch", value.get("per_device_train_batch_size"))
-    accum = value.get("grad_accum", value.get("gradient_accumulation_steps"))
+    micro, accum = value.get("micro_batch"), value.get("grad_accum")
     spg = value.get("steps_per_generation")
     if not (_positive_int(micro) and _positive_int(accum)) or not (spg is None or _positive_int(spg)):
         raise SplitFileError(f"{where} holds micro_batch={micro!r}, grad_accum={accum!r}, steps_per_generation="
@@ -331,9 +330,9 @@ class Decision:
     budget_gb: float | None = None
     rule: str | None = None
     trial: bool = False                      # an OOM of a split the tuning was trying: no re-size of the user's
-    # the reason as data (absent from files written before them: None / empty). A tune decision's ``reason_code``
-    # is its outcome ("kept_configured", "faster_beyond_noise"), ``ended_by`` why the tuning ended
-    # (wording.TUNER_REASONS), ``figures`` the numbers both rest on; ``rank_by``: what its trials' samples measure
+    # the reason as data. A tune decision's ``reason_code`` is its outcome ("kept_configured",
+    # "faster_beyond_noise"), ``ended_by`` why the tuning ended (wording.TUNER_REASONS), ``figures`` the numbers
+    # both rest on; ``rank_by``: what its trials' samples measure
     reason_code: str | None = None
     ended_by: str | None = None
     figures: dict[str, float | int | str] = field(default_factory=dict)
@@ -347,14 +346,9 @@ class Decision:
 
     @property
     def ranked(self) -> str | None:
-        """What the trials' samples measure (the tuner's ``rank_by``, from the decision's ``rule``):
-        ``"non_generation"`` (the step time minus generation), ``"step"`` (the whole step) or None (not said)."""
-        if self.rank_by in RANKED_WORDS:
-            return self.rank_by
-        rule = self.rule or ""                   # a file written before rank_by was stored: its rule's words
-        if RANKED_WORDS["non_generation"] in rule:
-            return "non_generation"
-        return "step" if f"({RANKED_WORDS['step']})" in rule else None
+        """What the trials' samples measure (the tuner's ``rank_by``): ``"non_generation"`` (the step time minus
+        generation), ``"step"`` (the whole step) or None (not a tune decision)."""
+        return self.rank_by if self.rank_by in RANKED_WORDS else None
 
     def event_details(self) -> DecisionDetails:
         """The details of its ``tuner``/``decision`` event in the perf log (beside the headline and the step)."""
@@ -451,55 +445,80 @@ class Restriction:
                    entry["reason"], entry["fix"])
 
 
+#: what the check of a change found: ``exact`` (the new split trains the step's rows as the old one does),
+#: ``inexact`` (it does not), ``unmeasured`` (no check could be made)
+VERDICTS = ("exact", "inexact", "unmeasured")
+#: the changes a check is made for: a decision's kind, or ``restart`` (a launcher's restart resumed with a split
+#: another process chose) and ``back`` (never checked: the split the run trained before)
+CHANGES = ("oom", "watchdog", "tune", "memory_check", "restart")
+
+
 @dataclass
 class ExactnessCheck:
-    """What the exactness check (:mod:`hf_perf_callbacks.resize.measured`) found on the run's own rows: the splits
-    shown to train what the configured split trains (``exact``, the configured one first), the splits shown not to
-    (``inexact``: split → why), the rows it used, its passes (one optimizer step's forward and backward each), its
-    cost, the sketches' bytes, whether the step drew random numbers, and why nothing was measured (``skipped``)."""
+    """The check of one change of the split (:mod:`hf_perf_callbacks.resize.exactness`), made at optimizer step
+    ``step`` — the one the new split starts with — on that step's rows, before it trained: the change (``kind``,
+    ``old`` → ``new``), the ``verdict``, why (inexact: what differs and by how much; unmeasured: why no check
+    could be made), what the new split was compared with (``against``: ``old``, the old split's own micro-batches of
+    those rows; ``finer``, a finer cut of the new split's, where the old one no longer fits or never fetched them),
+    the rows compared, the passes (forward and backward of those rows each), the seconds and peak device memory it
+    cost (None: not read on this device), the sketches' bytes, whether the step drew random numbers, and whether the
+    new split fits (False: its own micro-batches ran out of memory in the check, so the run re-sizes further), and
+    the padded tokens the new split's micro-batches hold beyond the old split's at that step, every rank's
+    (``padded_delta``: what transformers' ``total_flos``, and ``num_input_tokens_seen`` counting padding, count
+    differently from here)."""
 
-    exact: list[Split] = field(default_factory=list)
-    inexact: dict[Split, str] = field(default_factory=dict)
+    step: int
+    kind: str
+    old: Split
+    new: Split
+    verdict: str
+    why: str = ""
+    against: str = ""
     rows: int = 0
     passes: int = 0
     cost_sec: float = 0.0
+    peak_gb: float | None = None
     sketch_bytes: int = 0
     drew_rng: bool = False
-    skipped: str | None = None
+    fits: bool = True
+    padded_delta: int = 0
 
-    def reason(self) -> str | None:
-        """Why the left-out splits are left out (one clause), None when every measured split is exact."""
-        if not self.inexact:
-            return None
-        split, why = next(iter(self.inexact.items()))
-        names = ", ".join(map(str, self.inexact))
-        return f"measured on {self.rows} of the run's own rows, {names} train other gradients ({split}: {why})"
+    @property
+    def exact(self) -> bool:
+        return self.verdict == "exact"
+
+    def words(self) -> str:
+        """One clause: the verdict and its cost."""
+        cost = f"{self.cost_sec:.2f} s, {self.passes} passes over {self.rows} rows"
+        if self.exact:
+            return f"{self.new} exact on step {self.step}'s rows ({cost})"
+        return f"{self.new} {self.verdict} on step {self.step}'s rows: {self.why} ({cost})"
 
     def to_json(self) -> dict[str, Any]:
-        return {"exact": [split_to_json(s) for s in self.exact],
-                "inexact": [{"split": split_to_json(s), "why": why} for s, why in self.inexact.items()],
-                "rows": self.rows, "passes": self.passes, "cost_sec": self.cost_sec,
-                "sketch_bytes": self.sketch_bytes, "drew_rng": self.drew_rng, "skipped": self.skipped}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out.update(old=split_to_json(self.old), new=split_to_json(self.new))
+        return out
 
     @classmethod
-    def from_json(cls, entry: object, where: str = "measured") -> ExactnessCheck | None:
-        if entry is None:
-            return None
-        if not isinstance(entry, dict) or not isinstance(entry.get("exact"), list) \
-                or not isinstance(entry.get("inexact"), list):
-            raise SplitFileError(f"{where} is {entry!r}: expected {{'exact': [...], 'inexact': [...], ...}}")
-        inexact = {}
-        for i, item in enumerate(entry["inexact"]):
-            if not isinstance(item, dict) or not isinstance(item.get("why"), str):
-                raise SplitFileError(f"{where}.inexact[{i}] is {item!r}: expected {{'split': ..., 'why': str}}")
-            inexact[split_from_json(item.get("split"), f"{where}.inexact[{i}].split")] = item["why"]
-        return cls(exact=[split_from_json(s, f"{where}.exact[{i}]") for i, s in enumerate(entry["exact"])],
-                   inexact=inexact, rows=_optional(entry.get("rows"), int, f"{where}.rows") or 0,
+    def from_json(cls, entry: object, where: str = "checks") -> ExactnessCheck:
+        if not isinstance(entry, dict):
+            raise SplitFileError(f"{where} is {type(entry).__name__}, not a mapping")
+        step, kind, verdict = entry.get("step"), entry.get("kind"), entry.get("verdict")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise SplitFileError(f"{where}.step is {step!r}: expected an integer >= 0")
+        if kind not in CHANGES or verdict not in VERDICTS:
+            raise SplitFileError(f"{where}: kind={kind!r}, verdict={verdict!r}: expected one of {CHANGES} and "
+                                 f"one of {VERDICTS}")
+        return cls(step=step, kind=kind, old=split_from_json(entry.get("old"), f"{where}.old"),
+                   new=split_from_json(entry.get("new"), f"{where}.new"), verdict=verdict,
+                   why=str(entry.get("why", "")), against=str(entry.get("against", "")),
+                   rows=_optional(entry.get("rows"), int, f"{where}.rows") or 0,
                    passes=_optional(entry.get("passes"), int, f"{where}.passes") or 0,
                    cost_sec=_optional_number(entry.get("cost_sec"), f"{where}.cost_sec") or 0.0,
+                   peak_gb=_optional_number(entry.get("peak_gb"), f"{where}.peak_gb"),
                    sketch_bytes=_optional(entry.get("sketch_bytes"), int, f"{where}.sketch_bytes") or 0,
-                   drew_rng=bool(entry.get("drew_rng", False)),
-                   skipped=_optional(entry.get("skipped"), str, f"{where}.skipped"))
+                   drew_rng=bool(entry.get("drew_rng", False)), fits=bool(entry.get("fits", True)),
+                   padded_delta=_optional(entry.get("padded_delta"), int, f"{where}.padded_delta") or 0)
 
 
 @dataclass
@@ -514,7 +533,7 @@ class SplitFile:
     decisions: list[Decision] = field(default_factory=list)
     ended: str | None = None
     restricted: Restriction | None = None
-    measured: ExactnessCheck | None = None
+    checks: list[ExactnessCheck] = field(default_factory=list)
     version: int = VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -522,7 +541,7 @@ class SplitFile:
                 "configured": split_to_json(self.configured), "split": split_to_json(self.split),
                 "written": [w.to_json() for w in self.written], "decisions": [d.to_json() for d in self.decisions],
                 "ended": self.ended, "restricted": self.restricted.to_json() if self.restricted else None,
-                "measured": self.measured.to_json() if self.measured else None}
+                "checks": [c.to_json() for c in self.checks]}
 
     @classmethod
     def from_json(cls, entry: object) -> SplitFile:
@@ -532,19 +551,17 @@ class SplitFile:
         if not isinstance(session, str) or not _positive_int(world):
             raise SplitFileError(f"session={session!r} and world_size={world!r}: expected a string and an integer >= 1")
         split = split_from_json(entry.get("split"), "split")
-        decisions, written = entry.get("decisions", []), entry.get("written", [])
-        if not isinstance(decisions, list) or not isinstance(written, list):
-            raise SplitFileError("decisions and written must be lists")
+        decisions, written, checks = entry.get("decisions", []), entry.get("written", []), entry.get("checks", [])
+        if not isinstance(decisions, list) or not isinstance(written, list) or not isinstance(checks, list):
+            raise SplitFileError("decisions, written and checks must be lists")
         return cls(session=session, world_size=world,
                    configured=split_from_json(entry.get("configured", entry.get("split")), "configured"),
                    split=split,
-                   written=[WrittenCheckpoint.from_json(w, f"written[{i}]") for i, w in enumerate(written)
-                            if not isinstance(w, int)],       # version 1 listed bare steps: no fingerprint to trust
+                   written=[WrittenCheckpoint.from_json(w, f"written[{i}]") for i, w in enumerate(written)],
                    decisions=[Decision.from_json(d, f"decisions[{i}]") for i, d in enumerate(decisions)],
                    ended=_optional(entry.get("ended"), str, "ended"),
                    restricted=Restriction.from_json(entry.get("restricted")),
-                   measured=ExactnessCheck.from_json(entry.get("measured")),
-                   version=entry.get("version", 1) if isinstance(entry.get("version", 1), int) else 1)
+                   checks=[ExactnessCheck.from_json(c, f"checks[{i}]") for i, c in enumerate(checks)])
 
     def write(self, output_dir: str) -> str:
         """Write atomically (a temporary file, then a rename); returns the path. OSError on failure."""
@@ -641,6 +658,6 @@ def run_geometry(args: Any, world_size: int) -> RunGeometry:
 
 __all__ = [
     "SplitFile", "SplitFileError", "Decision", "Trial", "TrialFigures", "WrittenCheckpoint", "Restriction",
-    "ExactnessCheck", "RunGeometry", "read_split_file", "check_split", "split_for_run", "recorded_split",
+    "ExactnessCheck", "VERDICTS", "RunGeometry", "read_split_file", "check_split", "split_for_run", "recorded_split",
     "run_geometry", "trial_figures", "split_to_json", "split_from_json", "ranges"
 ]

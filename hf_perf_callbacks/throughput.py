@@ -410,6 +410,7 @@ class ThroughputMeter(PerfCallback):
         self._undo_clocks.append(adapter.clock_trainer(trainer, lambda phase: self.timeline.enter(phase, now()),
                                                        lambda phase: self.timeline.leave(phase, now())))
         self._undo_clocks.append(adapter.time_callbacks(handler, self._callback_started, self._callback_finished))
+        self._undo_clocks.append(self._clock_own_work(now))
         self.clocked = True
         if self._run.recompute and self._run.device.type == "cpu":
             from transformers.modeling_layers import GradientCheckpointingLayer
@@ -422,6 +423,15 @@ class ThroughputMeter(PerfCallback):
                     for part in layer.children():
                         self._hooks.append(part.register_forward_pre_hook(self._layer_started))
                         self._hooks.append(part.register_forward_hook(self._layer_finished))
+
+    def _clock_own_work(self, now: Callable[[], float]) -> Callable[[], None]:
+        """The package's own passes inside a step (the check of a change) are its own callbacks' time; returns the
+        undo."""
+        def clock(began: bool) -> None:
+            (self.timeline.enter if began else self.timeline.leave)("own_callbacks", now())
+
+        self._bus.own_work_clocks.append(clock)
+        return lambda: self._bus.own_work_clocks.remove(clock) if clock in self._bus.own_work_clocks else None
 
     def _callback_phase(self, callback: object) -> str:
         """The phase of a callback's events: the package's own, the trainer's logging and flow (transformers', TRL's

@@ -488,7 +488,7 @@ class MemoryWatchdog(PerfCallback):
         return live + (used - live) * self._run.most_rows / size
 
     # ------------------------------------------------------------ before a step
-    def _before_step(self, batches: list[Any], asked: int) -> str | None:
+    def _before_step(self, batches: list[Any], asked: int, num_items: Any = None) -> str | None:
         """The next optimizer step's rows are fetched and it has not trained yet (the training loop's
         ``get_batch_samples``, watched through :func:`~hf_perf_callbacks.adapter.watch_batch_samples`): it needs the
         last step's peak, its part above what stays allocated scaled to these rows when they are longer, against the

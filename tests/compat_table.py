@@ -58,11 +58,10 @@ def render(results: dict) -> str:
               f"the same process, and a fresh trainer resumes the recovery checkpoint at the new split as a new "
               f"process does; each trains the unfaulted run's samples (GRPO: its completions), RNG stream, "
               f"learning rates, weights and optimizer state. The plain Trainer's collator pads right, as training "
-              f"does, except in the `padding_side=left` row. Exact by: ✓ the run's own rows showed it (the "
-              f"exactness check at the first step: the gradients of each split the run may use against the "
-              f"configured split's, `hf_perf_callbacks/resize/measured.py`), measured: the check showed the other "
-              f"splits train something else, rule: the settings list decided (it refused the other splits first, "
-              f"or the check does not run for the cell: why noted). Versions: " +
+              f"does, except in the `padding_side=left` row. Exact by: ✓ the step the new split started with showed it "
+              f"(the check of the change on that step's rows: the new split's gradients against the old split's, "
+              f"`hf_perf_callbacks/resize/exactness.py`), measured: the check showed the new split trains something "
+              f"else, rule: the settings list refused the smaller splits before any check (why noted). Versions: " +
               ", ".join(f"{name}\0{version}" for name, version in pinned_versions().items()) +
               " (`constraints.txt`); on CI's oldest set the cells are checked too, without changing the table.")
     lines = [_fill(legend), "", "| setting | " + " | ".join(TRAINERS) + " |", "|---" * (len(TRAINERS) + 1) + "|"]

@@ -56,12 +56,13 @@ class Fault(TrainerCallback):
     every rank raises once the ranks agreed on an out-of-memory error). Records the weights at the end of every step
     (``after``) and at the start of every resumed ``train()`` (``resumed``), to compare with what was saved.
     ``micro_batch``: the training forward of step ``at`` that fails (``forward``: 2 is its second micro-batch, after
-    the first one was trained and counted)."""
+    the first one was trained and counted). The package's own passes (the exactness check of a re-size) are no
+    training forward: the fault is planted in the run's steps only (a size-aware wall: tests/test_exactness.py)."""
 
     def __init__(self, phase: str, at: int, error: str = "oom", times: int = 1, limit: int = 0, micro_batch: int = 1):
         self.phase, self.at, self.error, self.left, self.limit = phase, at, error, times, limit
         self.micro_batch, self.forwards = micro_batch, 0
-        self.fired, self.step, self.model = 0, 0, None
+        self.fired, self.step, self.model, self.bus = 0, 0, None, None
         self.after: dict[int, dict] = {}
         self.resumed: dict[int, dict] = {}
         self._optimizers: set[int] = set()
@@ -81,6 +82,9 @@ class Fault(TrainerCallback):
 
     # ------------------------------------------------------------ hooks on the model
     def attach(self, trainer):
+        from hf_perf_callbacks.bus import bus_for
+
+        self.bus = bus_for(trainer.callback_handler)
         self.model = trainer.model
         inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         if self.phase == "backward":
@@ -90,10 +94,12 @@ class Fault(TrainerCallback):
         return trainer
 
     def _backward(self, module, grad_in, grad_out):
-        if self.due():
+        if self.due() and not self.bus.own_passes:
             self.fire()
 
     def _forward(self, module, args, kwargs):
+        if self.bus.own_passes:
+            return
         ids = kwargs.get("input_ids", args[0] if args else None)
         grad = torch.is_grad_enabled()
         if self.phase == "forward" and grad and self.due():

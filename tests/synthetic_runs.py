@@ -229,7 +229,7 @@ class _Run:
         return self.out
 
     def record_tuning(self, step: int) -> None:
-        """The tune decision once the tuning finished, as ``TuningSession.record_tuning`` records it."""
+        """The tune decision once the tuning finished, as ``Executor.record_tuning`` records it."""
         d = self.tuning.decision(step, self.t) if self.tuning is not None else None
         if d is None:
             return

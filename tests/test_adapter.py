@@ -453,12 +453,12 @@ def test_re_sizes_say_one_line_each_and_repeat_no_warning(tokenizer, tmp_path, c
     finally:
         logging.getLogger(adapter.RESUME_CHECK_LOGGER).removeHandler(mismatch)
     assert trainer.state.global_step == 5 and trainer.args.per_device_train_batch_size == 1
-    assert [(d.old.micro_batch, d.new.micro_batch) for d in tuner.session.decisions] == [(4, 2), (2, 1)]
+    assert [(d.old.micro_batch, d.new.micro_batch) for d in tuner.executor.record.decisions] == [(4, 2), (2, 1)]
     switches = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[tuner] step ")]
     assert len(switches) == 2 and "step 2: 4×2, steps_per_generation=2 → 2×4, steps_per_generation=4" in switches[0]
     assert "step 4: 2×4, steps_per_generation=4 → 1×8, steps_per_generation=8" in switches[1]
     assert all("resuming from checkpoint-" in line for line in switches)      # the decisions said why, once
-    assert [d.kind for d in tuner.session.decisions] == ["watchdog", "watchdog"]
+    assert [d.kind for d in tuner.executor.record.decisions] == ["watchdog", "watchdog"]
     assert not [m for m in mismatch.messages if adapter.BATCH_SIZE_LINE in m]
     deprecations = [str(w.message).split()[0] for w in shown if "gradient_checkpointing" in str(w.message)]
     assert sorted(deprecations) == ["`gradient_checkpointing_disable`", "`gradient_checkpointing_enable`",
@@ -537,15 +537,16 @@ def test_the_row_stream_hook_sees_each_steps_fetch_and_an_error_leaves_its_batch
                 raise RuntimeError("planted")
 
     trainer = make_trainer(tokenizer, tmp_path, [Raise()], max_steps=3, bs=2, ga=2)
-    undo = adapter.watch_batch_samples(trainer, lambda batches, asked: order.append(
+    undo = adapter.watch_batch_samples(trainer, lambda batches, asked, count: order.append(
         ("fetch", trainer.state.global_step + 1, len(batches), asked)))
     with pytest.raises(RuntimeError) as caught:
         trainer.train()
     undo()
     assert_present(order == [("fetch", 1, 2, 2), ("begin", 1), ("fetch", 2, 2, 2), ("begin", 2)],
                    f"get_batch_samples before on_step_begin ({order})")
-    batches = adapter.fetched_batches(caught.value)
-    assert_present(batches is not None and len(batches) == 2, f"batch_samples in {adapter.TRAINING_LOOP_FRAMES}")
+    fetched = adapter.fetched_step(caught.value)
+    assert_present(fetched is not None and len(fetched[0]) == 2, f"batch_samples in {adapter.TRAINING_LOOP_FRAMES}")
+    assert_present(fetched[1] is not None and int(fetched[1]) > 0, "the training loop's num_items_in_batch local")
     assert "get_batch_samples" not in trainer.__dict__
 
 
@@ -559,14 +560,15 @@ def test_a_batch_watcher_can_leave_a_fetched_step_untrained_and_the_loop_ends_th
     trainer = make_trainer(tokenizer, tmp_path, [], max_steps=6, bs=2, ga=1)
     seen: list = []
 
-    def stop_before_fourth(batches, asked):
+    def stop_before_fourth(batches, asked, count):
         if trainer.state.global_step == 3:
             trainer.control.should_training_stop = trainer.control.should_save = True
             return adapter.SKIP_STEP
         return None
 
     undo_first = adapter.watch_batch_samples(trainer, stop_before_fourth)
-    undo_second = adapter.watch_batch_samples(trainer, lambda batches, asked: seen.append(trainer.state.global_step))
+    undo_second = adapter.watch_batch_samples(trainer, lambda batches, asked, count: seen.append(
+        trainer.state.global_step))
     trainer.train()
     assert trainer.state.global_step == 3 and seen == [0, 1, 2]
     assert os.path.isdir(tmp_path / "checkpoint-3")

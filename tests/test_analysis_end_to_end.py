@@ -178,7 +178,7 @@ def test_a_grpo_run_without_trainer_state_reads_its_rewards_from_the_perf_log(to
 
 def test_the_tuners_record_of_a_real_tuning_run_is_what_the_analysis_reports(tokenizer, tmp_path):
     # seen: every measured split shown as "failed" (the note read a field the writer had renamed); a micro-batch of
-    # 8 advised right after the run ran out of memory at 4. The record here is the real writer's (TuningSession):
+    # 8 advised right after the run ran out of memory at 4. The record here is the real writer's (SplitRecord):
     # 4×2 runs out of memory (planted), the tuner goes back to 2×4 and measures the splits on the run's own steps
     from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
     from tests.test_tuner import CUDA_OOM, PlantedOOM, PlantedStepTime

@@ -37,8 +37,10 @@ import torch
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
+from hf_perf_callbacks.resize import exactness
+from hf_perf_callbacks.resize.executor import Executor
 from hf_perf_callbacks.resize.loop import InexactResize
-from hf_perf_callbacks.resize.session import TuningSession
+from hf_perf_callbacks.rowstream import RowWatch
 from hf_perf_callbacks.runlog import LOCK_FILE
 from hf_perf_callbacks.splitfile import read_split_file
 from tests import compat
@@ -65,15 +67,19 @@ def build(cell: Cell, tokenizer, output_dir, callbacks):
 
 # ---------------------------------------------------------------- the runs
 class CopyAtResume(TrainerCallback):
-    """What a new process would find: ``output_dir`` copied when the in-process re-size resumes (the begin of the
-    second ``train()`` call), without the lock of the live process."""
+    """What a new process would find: ``output_dir`` copied once the in-process re-size resumed and its first step
+    was checked (the end of the second ``train()`` call's first step, before that step's save), without the lock of
+    the live process."""
 
     def __init__(self, *targets: str):
-        self.targets, self.calls = targets, 0
+        self.targets, self.calls, self.copied = targets, 0, False
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.calls += 1
-        if self.calls == 2:
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.calls == 2 and not self.copied:
+            self.copied = True
             for target in self.targets:
                 shutil.copytree(args.output_dir, target, ignore=shutil.ignore_patterns(LOCK_FILE + "*"))
 
@@ -90,8 +96,8 @@ def runs(cell: Cell, tokenizer, tmp_path, copy_to: tuple = (),
     fault.attach(resized.attach(trainer))
     accumulation = trainer.args.gradient_accumulation_steps
     train_with_tuning(trainer)
-    assert fault.fired == 1 and [d.kind for d in tuner.session.decisions] == ["oom"]
-    assert tuner.session.split.micro_batch == 1 and tuner.session.split.grad_accum == 2 * accumulation
+    assert fault.fired == 1 and [d.kind for d in tuner.executor.record.decisions] == ["oom"]
+    assert tuner.executor.split.micro_batch == 1 and tuner.executor.split.grad_accum == 2 * accumulation
     if not resume:
         return expected, resized, None
     resumed = Trajectory().continues(resized, FAULT_AT - 1)
@@ -116,15 +122,16 @@ def test_a_resize_and_a_resume_train_exactly_what_an_unfaulted_run_trains(cell, 
         record = read_split_file(str(tmp_path / "run"))
         assert record.restricted is not None and record.restricted.reason in str(said)
         assert record.ended and "no smaller split keeps this run exact" in record.ended
-        with monkeypatch.context() as off:                       # the re-size the rule refused: was it inexact?
-            off.setattr(TuningSession, "judge_grouping", lambda session, trainer, planned: None)
-            off.setattr(TuningSession, "check_rows", lambda session, trainer: None)      # the row check too
+        with monkeypatch.context() as off:                       # the re-size refused: was it inexact?
+            off.setattr(Executor, "judge_grouping", lambda executor, trainer: None)       # no rule,
+            off.setattr(exactness, "check", forced_exact)                                 # no check,
+            off.setattr(RowWatch, "fetched", lambda watch, *args, **kwargs: None)         # no row check
             forced_expected, forced, _ = runs(cell, tokenizer, tmp_path / "forced", resume=False)
         needed = differences(forced_expected, forced)
         why = record.restricted.reason + ("" if needed else " (in this cell a forced re-size trained the same)")
         for column in ("resize_exact", "resume_exact"):
             compat.record(cell, column, f"said: {why}")
-        measured = record.measured is not None and bool(record.measured.inexact)
+        measured = any(c.verdict == "inexact" for c in record.checks)
         compat.record(cell, "exact_by", f"{'measured' if measured else 'rule'}: {why}")
         return
     except Exception as error:
@@ -143,13 +150,20 @@ def test_a_resize_and_a_resume_train_exactly_what_an_unfaulted_run_trains(cell, 
     assert found == {"resize_exact": [], "resume_exact": []}
 
 
+def forced_exact(trainer, kind, step, old, new, ours, theirs, **kwargs):
+    """A check that says every change is exact (to see what a re-size the rules or the check refused trains)."""
+    from hf_perf_callbacks.splitfile import ExactnessCheck
+
+    return ExactnessCheck(step=step, kind=kind, old=old, new=new, verdict="exact", why="forced")
+
+
 def exact_by(record) -> str:
-    """How the run's re-size was trusted: ``yes`` (its own rows showed it: the exactness check), ``rule: …`` (the
-    check did not run, why; the settings list decided)."""
-    check = record.measured if record is not None else None
-    if check is not None and check.skipped is None:
+    """How the run's re-size was trusted: ``yes`` (the step it started with showed it: the check of the change),
+    else what was recorded instead."""
+    checks = record.checks if record is not None else []
+    if checks and checks[-1].exact:
         return "yes"
-    return f"rule: {check.skipped if check is not None else 'the exactness check did not run'}"
+    return f"rule: {checks[-1].why if checks else 'no check of a change was recorded'}"
 
 
 #: cells whose resume also runs in a real new process: the check that a fresh trainer stands for one

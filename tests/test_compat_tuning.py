@@ -89,11 +89,11 @@ def check(cell: Cell, tokenizer, tmp_path) -> list[str]:
     found = differences(expected, got)
     if tuned.state.global_step != plain.state.global_step:
         found.append(f"ended at step {tuned.state.global_step} instead of {plain.state.global_step}")
-    kinds = [d.kind for d in tuner.session.decisions if not d.trial]       # the trials' OOMs are the tuning's
+    kinds = [d.kind for d in tuner.executor.record.decisions if not d.trial]       # the trials' OOMs are the tuning's
     wanted = ["tune", "oom"] if key == "trial_oom_1" else ["tune"]
     if kinds != wanted:
         found.append(f"decisions {kinds} instead of {wanted}")
-    decision = next((d for d in tuner.session.decisions if d.kind == "tune"), None)
+    decision = next((d for d in tuner.executor.record.decisions if d.kind == "tune"), None)
     split = current_split(tuned.args)
     record = read_split_file(str(tmp_path / "tuned"))
     said = (decision.new if decision else None, record.split if record else None)

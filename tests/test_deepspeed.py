@@ -82,13 +82,13 @@ def test_deepspeed_is_taken_at_start_and_says_what_a_resize_does(tokenizer, tmp_
     """No engine here: the accelerator state says ``DEEPSPEED`` (accelerate's own enum)."""
     from accelerate.utils import DistributedType
 
-    from hf_perf_callbacks.resize import TuningSession
+    from hf_perf_callbacks.resize.executor import Executor
 
     trainer = make_trainer(tokenizer, tmp_path, [AdaptiveBatchTuner(tune=False)], max_steps=2)
     monkeypatch.setattr(trainer.accelerator.state, "distributed_type", DistributedType.DEEPSPEED)
-    session = TuningSession(trainer.args)
-    assert sharding.start(trainer, session) == ("deepspeed", False)         # taken; no step guard
-    assert "sharding-limits" in session.warned
+    executor = Executor(trainer.args)
+    assert sharding.start(trainer, executor) == ("deepspeed", False)        # taken; no step guard
+    assert "sharding-limits" in executor.record.said
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     assert not sharding.unagreed_oom("deepspeed", oom)                      # one process: recovered in process
     monkeypatch.setattr(sharding, "world_size", lambda: 2)

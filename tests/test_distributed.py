@@ -188,3 +188,23 @@ def test_the_meter_and_the_watchdog_take_one_collective_per_step_also_with_one_r
         assert result["both"]["per_step"] == {"1": 1, "2": 1, "3": 1, "4": 1}
         assert result["faulted"]["per_step"] == {"1": 1, "2": 1, "3": 1, "4": 1}
     assert r1["faulted"]["meter_disabled"] is True and r0["faulted"]["meter_disabled"] is False
+
+
+def test_a_resize_on_two_ranks_is_checked_on_every_ranks_rows_with_one_verdict(tmp_path):
+    """Rank 1 runs out of memory; both ranks check 2×2 on their own rows, summing their sketches: the plain loss
+    goes on exactly on both (the weights of the unfaulted two-rank run), a loss warming up with the step is refused
+    on both with one reason (tests/scripts/two_rank_exactness.py)."""
+    proc = torchrun(os.path.join(os.path.dirname(SCRIPT), "two_rank_exactness.py"), tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))
+    for name in ("resized", "refused"):
+        assert r0[name]["planted"] == 0 and r1[name]["planted"] == 1
+    resized = r0["resized"]
+    assert resized["split"] == r1["resized"]["split"] == [2, 2] and resized["step"] == r1["resized"]["step"] == 5
+    assert resized["same_weights"] and r1["resized"]["same_weights"]
+    [check] = resized["checks"]
+    assert (check["step"], check["verdict"]) == (3, "exact")
+    refused = r0["refused"]
+    assert refused["raised"] == r1["refused"]["raised"] == "Refused"             # an InexactResize
+    assert refused["message"] == r1["refused"]["message"]
+    assert refused["step"] == r1["refused"]["step"] == 2 and [c["verdict"] for c in refused["checks"]] == ["inexact"]

@@ -25,7 +25,8 @@ from hf_perf_callbacks import (
     train_with_tuning,
 )
 from hf_perf_callbacks.batching import Split
-from hf_perf_callbacks.resize.checkpoints import MOVED_ASIDE, is_complete, step_of
+from hf_perf_callbacks.outputdir import MOVED_ASIDE
+from hf_perf_callbacks.resize.checkpoints import is_complete, step_of
 from hf_perf_callbacks.runlog import SPLIT_FILE
 from hf_perf_callbacks.splitfile import SplitFile, read_split_file, split_for_run
 from hf_perf_callbacks.tiny import build_model
@@ -89,7 +90,7 @@ def test_an_oom_at_any_phase_loses_and_repeats_no_step(tokenizer, tmp_path, kind
     with fault.planted_save():
         train_with_tuning(trainer)
     assert fault.fired == 1
-    decision = tuner.session.decisions[-1]
+    decision = tuner.executor.record.decisions[-1]
     assert decision.kind == "oom" and (decision.old.micro_batch, decision.new.micro_batch) == (4, 2)
     assert_crash_consistent(trainer, fault, str(tmp_path), max_steps, effective, generation)
     resumed_at = 2                      # step 3 failed (or checkpoint-2's save): back to this run's checkpoint-2
@@ -111,7 +112,7 @@ def test_an_earlier_runs_checkpoint_is_never_resumed_from(tokenizer, tmp_path):
     assert_crash_consistent(trainer, fault, str(tmp_path), 4, 8)
     assert not same(fault.resumed[2], stale_weights)
     assert os.path.isdir(tmp_path / MOVED_ASIDE / "checkpoint-2.stale-1")
-    assert [w.step for w in tuner.session.written] == [2]
+    assert [w.step for w in tuner.executor.checkpoints.written] == [2]
 
 
 @pytest.mark.parametrize("error", ["oom", "other"])
@@ -162,7 +163,7 @@ def test_an_oom_in_evaluation_never_changes_the_training_split(tokenizer, tmp_pa
     trainer = got.attach(fault.attach(make_trainer(tokenizer, tmp_path, [fault, tuner, got], **settings)))
     with caplog.at_level(logging.WARNING, logger="hf_perf_callbacks"):
         train_with_tuning(trainer)
-    assert trainer.state.global_step == 4 and tuner.session.decisions == []
+    assert trainer.state.global_step == 4 and tuner.executor.record.decisions == []
     assert {s[keys.TUNER_MICRO_BATCH] for s in step_lines(tmp_path)} == {4}
     evals = [h["step"] for h in trainer.state.log_history if "eval_loss" in h]
     if limit:
@@ -193,7 +194,7 @@ def test_faults_inside_the_package_never_end_training(tokenizer, tmp_path, monke
     with caplog.at_level(logging.WARNING, logger="hf_perf_callbacks"):
         train_with_tuning(trainer)
     assert trainer.state.global_step == 3 and watchdog.disabled
-    assert [d.kind for d in tuner.session.decisions] == ["oom"]                 # no memory-check decision
+    assert [d.kind for d in tuner.executor.record.decisions] == ["oom"]                 # no memory-check decision
     assert caplog.text.count("the memory check failed") == 1
     assert caplog.text.count("emptying the device cache failed") == 1
     assert [s["step"] for s in step_lines(tmp_path)] == [1, 2, 3]
@@ -208,7 +209,7 @@ def test_unwritable_logs_warn_once(tokenizer, tmp_path, caplog):
                                         bs=4, ga=2, extra=SAVES))
     with caplog.at_level(logging.WARNING, logger="hf_perf_callbacks"):
         train_with_tuning(trainer)
-    assert trainer.state.global_step == 4 and tuner.session.split.micro_batch == 2
+    assert trainer.state.global_step == 4 and tuner.executor.split.micro_batch == 2
     assert caplog.text.count(f"could not write {tmp_path / 'perf_log.jsonl'}") == 1
     assert caplog.text.count(f"could not write the split file in {tmp_path}") == 1
 
@@ -231,7 +232,7 @@ def test_decision_history_survives_every_resume(tokenizer, tmp_path, restore):
     from hf_perf_callbacks.resize.callback import find_callback
 
     live = find_callback(resumed, AdaptiveBatchTuner)          # with restore_callback_states: a rebuilt instance
-    assert live.session.decisions == record.decisions and live.session.id == record.session
+    assert live.executor.record.decisions == record.decisions and live.executor.record.id == record.session
     assert resumed.args.per_device_train_batch_size == 1
     assert step_lines(tmp_path)[-1][keys.TUNER_RESIZES] == 2
 

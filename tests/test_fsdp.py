@@ -126,7 +126,7 @@ def test_an_oom_inside_one_ranks_step_under_fsdp2_is_recovered_in_process_and_ex
             got = r[case]
             assert got["differences"] == [], (case, got["differences"])
             assert got["step"] == 8 and got["split"] == [2, 2]                # 4 × 1 × 2 ranks = 2 × 2 × 2 ranks
-            assert got["decisions"] == [["oom", struck, 2]]
+            assert got["decisions"] == [["oom", struck + 1, 2]]                # the step that ran out of memory
         assert [r[case]["raised"] for r in ranks] == ([0, 1] if case == "forward" else [1, 0])
 
 
@@ -152,13 +152,16 @@ def test_an_oom_after_the_guard_came_off_ends_the_process_with_the_split_recorde
     assert r0["guard_off"] == [sharding.STABLE_STEPS]                        # said in the perf log, at its step
 
 
+@pytest.mark.parametrize("rank", [0, 1])
 def test_a_launchers_restart_resumes_from_the_runs_newest_checkpoint_with_the_recorded_split(tokenizer, tmp_path,
-                                                                                            monkeypatch):
+                                                                                            monkeypatch, rank):
     """A restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0, as torchrun and ``accelerate launch --max_restarts``
     set it) runs the same script, ``train_with_tuning(trainer)``: it resumes from the newest checkpoint the run's record
-    lists, at the split recorded for the restart; a first start (count 0) starts from the beginning."""
-    from hf_perf_callbacks.batching import Split
-    from hf_perf_callbacks.resize import TuningSession
+    lists, at the split the rank that ran out of memory recorded for the restart — the main process in the split file,
+    rank 1 in its own file, which the restart merges — checked at its first step; a first start (count 0) starts from
+    the beginning."""
+    from hf_perf_callbacks.resize.executor import Executor
+    from hf_perf_callbacks.resize.record import rank_files
     from hf_perf_callbacks.splitfile import read_split_file
 
     def trainer(folder, steps, save=True):
@@ -167,15 +170,20 @@ def test_a_launchers_restart_resumes_from_the_runs_newest_checkpoint_with_the_re
                             extra=extra)
 
     train_with_tuning(trainer(tmp_path, 4))
-    session = TuningSession(trainer(tmp_path, 4).args)     # what the OOM's rank records before its process ends
-    session.adopt(read_split_file(str(tmp_path)))
-    session.decide("oom", "out of memory, not agreed inside the step", Split(2, 2), 4)
-    session.request_switch(Split(2, 2), "out of memory")
+    failing = Executor(trainer(tmp_path, 4).args)        # what the OOM's rank records before its process ends
+    recorded = read_split_file(str(tmp_path))
+    failing.record.adopt(recorded)
+    failing.checkpoints.written = list(recorded.written)
+    failing.record.main, failing.record.rank = rank == 0, rank
+    failing.record_for_restart(4, torch.OutOfMemoryError("CUDA out of memory"), "fsdp")
+    assert len(rank_files(str(tmp_path))) == rank                       # rank 1: its own file, not the main one
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     restarted = trainer(tmp_path, 6)
     train_with_tuning(restarted)
-    assert restarted.state.global_step == 6
+    assert restarted.state.global_step == 6 and rank_files(str(tmp_path)) == []     # merged, then cleared
     assert (restarted.args.per_device_train_batch_size, restarted.args.gradient_accumulation_steps) == (2, 2)
+    [check] = read_split_file(str(tmp_path)).checks
+    assert (check.kind, check.verdict, check.against) == ("restart", "exact", "finer")
     lines = [json.loads(x) for x in open(tmp_path / "perf_log.jsonl")]
     assert [x["step"] for x in lines if x["type"] == "step"] == [1, 2, 3, 4, 5, 6]      # resumed at 4, none twice
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")

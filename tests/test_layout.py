@@ -53,7 +53,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_package_has_no_import_circle():
     graph = import_graph()
-    assert "hf_perf_callbacks.resize.session" in graph["hf_perf_callbacks.resize.loop"]      # the graph is read
+    assert "hf_perf_callbacks.resize.executor" in graph["hf_perf_callbacks.resize.loop"]     # the graph is read
     assert cycles(graph) == []
 
 
@@ -103,7 +103,7 @@ def test_every_metric_key_constant_is_public():
 
 
 def layout_floors(text: str) -> dict[str, int]:
-    """docs/architecture.md's table of floors: each file or folder it names (``resize/`` and ``resize/session.py``)
+    """docs/architecture.md's table of floors: each file or folder it names (``resize/`` and ``resize/executor.py``)
     → its floor, counted from the lowest."""
     import re
 

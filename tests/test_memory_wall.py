@@ -222,7 +222,7 @@ def test_a_leak_under_train_with_tuning_stops_with_a_checkpoint_and_no_re_size(t
     finally:
         leak.kept.clear()
     assert "smaller_batch" not in [a["action"] for a in watchdog.actions]
-    assert [d.kind for d in tuner.session.decisions] == [] and tuner.session.resizes == 0
+    assert [d.kind for d in tuner.executor.record.decisions] == [] and tuner.executor.resizes == 0
     assert trainer.args.per_device_train_batch_size == 4
     assert any(e.get("leak_mib_per_step", 0) > 0 for e in events(tmp_path, "warning"))      # the leak, with its rate
 
@@ -241,7 +241,7 @@ def test_an_oom_while_leaking_is_named_not_re_sized(tokenizer, tmp_path, one_thr
     finally:
         leak.kept.clear()
     assert "Fix the leak" in str(raised.value)
-    assert tuner.session.resizes == 0 and trainer.state.global_step == 8
+    assert tuner.executor.resizes == 0 and trainer.state.global_step == 8
     assert os.path.isdir(tmp_path / "checkpoint-8")                          # the last step saved first
 
 
@@ -495,7 +495,7 @@ def test_under_train_with_tuning_the_fetched_rows_that_do_not_fit_re_size_the_st
     got.attach(trainer)
     train_with_tuning(trainer)
     assert trainer.state.global_step == 14 and watchdog.stopped_at is None
-    decisions = [(d.kind, d.step, str(d.old), str(d.new)) for d in tuner.session.decisions]
+    decisions = [(d.kind, d.step, str(d.old), str(d.new)) for d in tuner.executor.record.decisions]
     assert decisions == [("watchdog", 10, "2×1", "1×2")]
     assert [(a["step"], a["action"]) for a in watchdog.actions if a["action"] != "clear_cache"] == [
         (10, "smaller_batch")]

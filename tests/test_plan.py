@@ -114,22 +114,22 @@ def test_the_state_and_the_plan_are_frozen_values():
 RESIZE = pathlib.Path(__file__).resolve().parents[1] / "hf_perf_callbacks" / "resize"
 
 
-def session_members(path: pathlib.Path) -> set[str]:
-    """Every ``session.X`` (also ``self.session.X``, ``self._session.X``) a module uses."""
+def executor_members(path: pathlib.Path) -> set[str]:
+    """Every ``executor.X`` (also ``self.executor.X``, ``self._executor.X``) a module uses."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Attribute):
             owner = node.value
-            if ((isinstance(owner, ast.Name) and owner.id == "session")
-                    or (isinstance(owner, ast.Attribute) and owner.attr in ("session", "_session"))):
+            if ((isinstance(owner, ast.Name) and owner.id == "executor")
+                    or (isinstance(owner, ast.Attribute) and owner.attr in ("executor", "_executor"))):
                 found.add(node.attr)
     return found
 
 
-def test_the_loop_and_the_tuner_see_a_small_session():
-    used = session_members(RESIZE / "loop.py") | session_members(RESIZE / "callback.py")
-    assert len(used) <= 12, sorted(used)
-    assert "tuning" not in used                       # no reaching through the session into the tuning
+def test_the_loop_and_the_tuner_see_a_small_executor():
+    used = executor_members(RESIZE / "loop.py") | executor_members(RESIZE / "callback.py")
+    assert len(used) <= 17, sorted(used)
+    assert "tuning" not in used and "record" not in used     # no reaching through the executor into its parts
 
 
 def test_plan_is_pure():
@@ -139,25 +139,24 @@ def test_plan_is_pure():
     assert not any(m.split(".")[0] in ("torch", "transformers", "trl", "accelerate") for m in imported)
 
 
-def test_the_split_file_is_written_once_per_transition(tmp_path, monkeypatch):
+def test_the_split_file_is_written_once_per_event_and_only_when_it_changed(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from hf_perf_callbacks import splitfile
-    from hf_perf_callbacks.resize.session import TuningSession
+    from hf_perf_callbacks.resize.executor import Executor
 
     writes = []
     monkeypatch.setattr(splitfile.SplitFile, "write", lambda record, output_dir: writes.append(record))
     args = SimpleNamespace(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2)
-    session = TuningSession(args)
-    with session.transition():                        # a re-size: a decision, a pending switch, the plan's state
-        session.decide("oom", "out of memory", S2, 3)
-        session.request_switch(S2, "out of memory")
-        session.commit(plan.on_oom(session.snapshot(), 3))
+    executor = Executor(args)
+    with executor.event():                            # a decision, a pending switch, the plan's state
+        executor.decided(executor.decide("oom", "out of memory", S2, 3))
+        executor.request_switch(S2, "out of memory")
         assert writes == []
     assert len(writes) == 1 and (writes[0].split, [d.kind for d in writes[0].decisions]) == (S2, ["oom"])
-    assert session.split == S2 and session.switch is None
-    with session.transition():                        # nothing changed: nothing written
-        session.snapshot()
+    with executor.event():                            # nothing changed: nothing written
+        executor.snapshot()
+        executor.commit()
     assert len(writes) == 1
-    session.decide("watchdog", "memory", S1, 4)       # outside a transition: its own
+    executor.decided(executor.decide("watchdog", "memory", S1, 4))       # outside an event: its own
     assert len(writes) == 2

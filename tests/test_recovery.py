@@ -13,7 +13,8 @@ from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, keys, train_with_tuning
 from hf_perf_callbacks.batching import Split
-from hf_perf_callbacks.resize.checkpoints import MOVED_ASIDE, has_training_state, is_complete
+from hf_perf_callbacks.outputdir import MOVED_ASIDE
+from hf_perf_callbacks.resize.checkpoints import has_training_state, is_complete
 from hf_perf_callbacks.resize.oomsite import UnfixableOOM
 from hf_perf_callbacks.splitfile import read_split_file
 from tests.conftest import make_grpo, make_trainer, varied_reward
@@ -91,8 +92,9 @@ def test_a_bare_memory_error_re_sizes_or_saves_and_ends(tokenizer, tmp_path, bs)
         assert is_complete(str(tmp_path / "checkpoint-2"), 2)
         return
     train_with_tuning(trainer)
-    [decision] = tuner.session.decisions
-    assert decision.code == "oom" and decision.reason.endswith("MemoryError") and decision.new == Split(2, 4)
+    [decision] = tuner.executor.record.decisions
+    assert decision.code == "oom" and decision.reason.startswith("out of memory: MemoryError")
+    assert decision.new == Split(2, 4)
     assert trainer.state.global_step == 4 and [s["step"] for s in step_lines(tmp_path)] == [1, 2, 3, 4]
 
 
@@ -106,8 +108,9 @@ def test_after_giving_up_the_split_file_holds_the_last_split_that_completed_step
     assert [(d.old, d.new) for d in record.decisions] == [(Split(4, 2), Split(2, 4)), (Split(2, 4), Split(1, 8))]
 
 
-def test_a_run_stopped_right_after_a_resize_records_the_new_split_to_resume_with(tokenizer, tmp_path):
-    """Ctrl-C as the in-process re-size resumes: 4×2 just ran out of memory, so the split to resume with is 2×4."""
+def test_a_run_stopped_before_a_resize_was_checked_records_the_split_that_trained(tokenizer, tmp_path):
+    """Ctrl-C as the in-process re-size resumes, before 2×4's first step was checked: the record keeps 4×2, the split
+    that trained the run (a resume re-sizes again, checked), and no decision that never took effect."""
     from tests.test_session import Interrupt
 
     fault = Fault("forward", at=3)
@@ -116,7 +119,7 @@ def test_a_run_stopped_right_after_a_resize_records_the_new_split_to_resume_with
     with pytest.raises(KeyboardInterrupt):
         train_with_tuning(trainer)
     record = read_split_file(str(tmp_path))
-    assert record.split == Split(2, 4) and "KeyboardInterrupt" in record.ended
+    assert record.split == Split(4, 2) and record.decisions == [] and "KeyboardInterrupt" in record.ended
 
 
 class Raises(TrainerCallback):
@@ -195,7 +198,7 @@ def grpo_oom(tokenizer, path, reward, fault=None):
         fault.attach(trainer)
     with pytest.raises(UnfixableOOM) as raised:
         train_with_tuning(trainer)
-    assert tuner.session.decisions == [] and trainer.args.per_device_train_batch_size == 4     # no re-size
+    assert tuner.executor.record.decisions == [] and trainer.args.per_device_train_batch_size == 4     # no re-size
     record = read_split_file(str(path))
     assert record.split == Split(4, 2, 2) and record.ended.startswith("training ended at step 2 by UnfixableOOM")
     assert str(raised.value) in record.ended                              # the cause and its fix, whole
@@ -312,7 +315,7 @@ def test_the_loss_logged_after_a_resize_covers_the_steps_of_the_unfaulted_runs_w
         class Asks(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
                 if state.global_step == 5:
-                    tuner.session.request_switch(Split(2, 4), "planted")
+                    tuner.executor.request_switch(Split(2, 4), "planted")
         trainer.add_callback(Asks())
     train_with_tuning(trainer)
     assert trainer.args.per_device_train_batch_size == 2
@@ -357,7 +360,7 @@ def test_a_grpo_resize_that_could_not_replay_the_buffer_saves_and_ends_with_why(
     changes anything: no oom decision, the split in effect kept, checkpoint-1 saved, the reason and what to change
     in the error and the split file."""
     from hf_perf_callbacks import adapter
-    from hf_perf_callbacks.resize.session import InexactResize
+    from hf_perf_callbacks.resize.plan import InexactResize
 
     monkeypatch.setattr(adapter, "IMAGE_KEYS", ("completion_ids",))
     fault, tuner = Fault("forward", at=2, micro_batch=2), AdaptiveBatchTuner(tune=False)
@@ -366,7 +369,7 @@ def test_a_grpo_resize_that_could_not_replay_the_buffer_saves_and_ends_with_why(
     with pytest.raises(InexactResize, match="num_iterations=2") as raised:
         train_with_tuning(trainer)
     assert "images" in str(raised.value) and "per_device_train_batch_size=2" in str(raised.value)
-    assert tuner.session.decisions == [] and trainer.args.per_device_train_batch_size == 4
+    assert tuner.executor.record.decisions == [] and trainer.args.per_device_train_batch_size == 4
     record = read_split_file(str(tmp_path))
     assert record.split == Split(4, 2, 2) and record.ended.startswith("training ended at step 1 by ReplayLost")
     assert is_complete(str(tmp_path / "checkpoint-1"), 1)
@@ -410,15 +413,16 @@ def test_an_inexact_resize_every_rank_agreed_on_saves_the_last_completed_step(to
     once training runs, and the agreement's error is planted at step 3 (two real ranks:
     tests/test_distributed.py)."""
     from hf_perf_callbacks.resize import InexactResize
-    from hf_perf_callbacks.resize import session as session_module
+
+    tuner = AdaptiveBatchTuner(tune=False)
 
     class SeesTwoRanks(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
-            monkeypatch.setattr(session_module, "world_size", lambda: 2)
+            tuner.executor.world = 2
 
     fault = Fault("forward", at=3, error="agreed")
-    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, SeesTwoRanks(), AdaptiveBatchTuner(tune=False)],
-                                        max_steps=4, padding_side="left"))
+    trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, tuner, SeesTwoRanks()], max_steps=4,
+                                        padding_side="left"))
     with pytest.raises(InexactResize) as raised:
         train_with_tuning(trainer)
     checkpoint = str(tmp_path / "checkpoint-2")
@@ -488,7 +492,7 @@ def test_the_users_weights_only_checkpoint_at_a_switch_step_is_never_rewritten_o
     got, expected = Trajectory(), Trajectory()
     tuned = got.attach(switching_run(tokenizer, tmp_path / "tuned", [got], **settings))
     train_with_tuning(tuned)
-    assert any(d.kind == "tune" for d in find_tuner(tuned).session.decisions)
+    assert any(d.kind == "tune" for d in find_tuner(tuned).executor.record.decisions)
     expected.attach(switching_run(tokenizer, tmp_path / "plain", [expected], tuned=False, **settings)).train()
     assert differences(expected, got) == []
 

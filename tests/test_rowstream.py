@@ -102,8 +102,8 @@ def test_a_resize_within_the_second_epoch_of_a_length_grouped_run_trains_the_unf
     tuner, fault = AdaptiveBatchTuner(tune=False), Fault("forward", at=12)
     trainer, got = trajectory_run(tokenizer, tmp_path / "run", [fault, tuner], tuned=True, max_steps=13, extra=extra)
     assert fault.fired == 1 and trainer.state.epoch > 1
-    assert [(d.kind, d.step, d.new) for d in tuner.session.decisions] == [("oom", 11, Split(2, 4))]
-    reference = tuner.session.rows.watch.reference
+    assert [(d.kind, d.step, d.new) for d in tuner.executor.record.decisions] == [("oom", 12, Split(2, 4))]
+    reference = tuner.executor.watch.watch.reference
     assert (reference.step, reference.split, reference.rows) == (12, Split(4, 2), 8)    # compared, and the same
     assert differences(expected, got) == []
 
@@ -143,9 +143,9 @@ def test_an_iterable_dataset_whose_epoch_ends_inside_a_step_goes_back_to_the_spl
     trainer, got = trajectory_run(tokenizer, tmp_path / "run", [fault, tuner], tuned=True, max_steps=9, extra=SGD,
                                   dataset=rows)
     assert [s[keys.TUNER_MICRO_BATCH] for s in step_lines(tmp_path / "run")] == [4, 4] + [2] * 5 + [4, 4]
-    session = tuner.session
-    assert not session.exactness.allows(Split(2, 4)) and Split(2, 4) not in session.candidates(trainer.args)
-    assert "the rows of step 8 differ under 2×4" in read_split_file(str(tmp_path / "run")).restricted.reason
+    executor = tuner.executor
+    assert not executor.state.exactness.allows(Split(2, 4)) and Split(2, 4) not in executor.allowed()
+    assert "2×4 refused at step 8 (the rows differ" in read_split_file(str(tmp_path / "run")).restricted.reason
     assert differences(expected, got) == []
 
 
@@ -177,8 +177,8 @@ def test_a_plain_map_style_resize_is_checked_allowed_and_exact(tokenizer, tmp_pa
     tuner = AdaptiveBatchTuner(tune=False)
     trainer, got = trajectory_run(tokenizer, tmp_path / "run", [Fault("forward", at=3), tuner], tuned=True,
                                   max_steps=10, extra=SGD)
-    watch = tuner.session.rows.watch
+    watch = tuner.executor.watch.watch
     assert (watch.reference.step, watch.reference.rows, watch.refused) == (3, 8, {})
-    assert trainer.args.per_device_train_batch_size == 2 and tuner.session.exactness.allows(Split(2, 4))
+    assert trainer.args.per_device_train_batch_size == 2 and tuner.executor.state.exactness.allows(Split(2, 4))
     assert differences(expected, got) == []
     assert json.loads((tmp_path / "run" / "tuner_split.json").read_text()).get("restricted") is None

@@ -41,7 +41,7 @@ def consistent(trainer, tuner) -> Split:
     """The trainer's args, the dataloader batch size and the session agree on one split."""
     split = current_split(trainer.args)
     assert adapter.train_batch_size(trainer) == split.micro_batch
-    assert tuner.session.split == split
+    assert tuner.executor.split == split
     return split
 
 
@@ -71,19 +71,19 @@ def test_a_second_fresh_run_of_one_trainer_is_a_run_of_its_own(tokenizer, tmp_pa
     tuner, meter = AdaptiveBatchTuner(tune=False), ThroughputMeter()
     trainer = fault.attach(make_trainer(tokenizer, tmp_path, [fault, meter, tuner], max_steps=3, bs=4, ga=2))
     train_with_tuning(trainer)
-    first = tuner.session.id
-    assert [d.kind for d in tuner.session.decisions] == ["oom"]
+    first = tuner.executor.record.id
+    assert [d.kind for d in tuner.executor.record.decisions] == ["oom"]
     trainer.args.max_steps = 2
     train_with_tuning(trainer)                                       # again, from step 0: a new run
-    assert tuner.session.id != first and tuner.session.decisions == []
+    assert tuner.executor.record.id != first and tuner.executor.record.decisions == []
     run = read_run(str(tmp_path))
     assert [s.step for s in run.steps] == [1, 2] and run.replaced_runs == 1
     assert [s.get(keys.TUNER_RESIZES) for s in run.steps] == [0, 0]
     assert meter.summary["steps"] == 2                               # the meter counts this run only
-    # the split file holds this run's record now (its exactness check), not the first run's decisions
+    # the split file holds this run's record now (no change: no check), not the first run's decisions
     record = read_split_file(str(tmp_path), session=run.header().session)
-    assert record is not None and record.session == tuner.session.id != first
-    assert record.decisions == [] and record.measured is not None
+    assert record is not None and record.session == tuner.executor.record.id != first
+    assert record.decisions == [] and record.checks == []
 
 
 def test_a_plain_fresh_train_after_another_is_its_own_run_too(tokenizer, tmp_path):
@@ -119,7 +119,7 @@ def test_a_checkpoint_another_process_rewrote_is_never_resumed_from(tokenizer, t
                                         extra={"save_strategy": "steps", "save_steps": 2}))
     with pytest.raises(RuntimeError, match="before this run saved any complete checkpoint"):
         train_with_tuning(trainer)
-    assert [w.step for w in tuner.session.written] == [2] and not tuner.session.checkpoints.is_ours(2)
+    assert [w.step for w in tuner.executor.checkpoints.written] == [2] and not tuner.executor.checkpoints.is_ours(2)
 
 
 def test_a_second_process_in_the_same_output_dir_is_refused_naming_the_first(tokenizer, tmp_path):
@@ -219,24 +219,25 @@ def test_a_written_checkpoint_whose_step_is_not_a_step_is_malformed(step):
 
 
 @pytest.mark.parametrize("grouping, expected", [("right padding", Split(1, 8)), ("dropout", None)])
-def test_a_launcher_restart_resumes_only_with_a_smaller_exact_split(tokenizer, tmp_path, monkeypatch, grouping,
-                                                                     expected):
+def test_a_launcher_restart_resumes_only_with_a_smaller_split_the_rules_allow(tokenizer, tmp_path, monkeypatch,
+                                                                             grouping, expected):
     """Under FSDP an out-of-memory error the ranks could not agree on ends the process and records the split the
-    launcher's restart resumes with: the next smaller split that keeps the run exact, none where only the configured
-    one does (dropout: each micro-batch draws its own masks), and the message says the restart would fail again."""
+    launcher's restart resumes with (checked at its first step): the next smaller split the run's rules allow, none
+    where only the configured one is (dropout: each micro-batch draws its own masks), and the message says the
+    restart would fail again."""
     from hf_perf_callbacks.batching import Grouping
     from hf_perf_callbacks.resize import grouping as grouping_module
-    from hf_perf_callbacks.resize import sharding
-    from hf_perf_callbacks.resize.session import TuningSession
+    from hf_perf_callbacks.resize import plan, sharding
+    from hf_perf_callbacks.resize.executor import Executor
 
     facts = Grouping(rows=64) if grouping == "right padding" else Grouping(dropout=True, rows=64)
     monkeypatch.setattr(grouping_module, "read_grouping", lambda trainer, planned, world: facts)
     trainer = make_trainer(tokenizer, tmp_path, [], max_steps=4, bs=2, ga=4, length=16)
-    session = TuningSession(trainer.args)
-    session.judge_grouping(trainer, 4)
-    assert session.smaller_for_restart() == expected
-    message = sharding.restart_message(MemoryError("CUDA out of memory"), 3, expected, None, session.exactness)
+    executor = Executor(trainer.args)
+    executor.judge_grouping(trainer)
+    assert plan.on_restart(executor.snapshot()).new == expected
+    message = sharding.restart_message(MemoryError("CUDA out of memory"), 3, expected, None, executor.state.exactness)
     if expected is None:
-        assert "would run out of memory again" in message and session.exactness.fix in message
+        assert "would run out of memory again" in message and executor.state.exactness.fix in message
     else:
         assert f"with the split {expected}" in message

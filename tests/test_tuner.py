@@ -27,13 +27,18 @@ MPS_OOM = "MPS backend out of memory (MPS allocated: 17.80 GB, other allocations
 class PlantedOOM(TrainerCallback):
     """Raises an OOM from the forward pass of micro-batches larger than ``limit`` once ``armed_at`` steps ran
     (hooked on the model when :meth:`attach` is called, so the memory check meets it too): the training forward, its
-    backward (``in_backward``) or the no-grad forwards of generation (``in_generation``); ``once``: one OOM only."""
+    backward (``in_backward``) or the no-grad forwards of generation (``in_generation``); ``once``: one OOM only. A
+    wall: the exactness check's own passes meet it too (``raised`` counts the training's, ``in_check`` theirs)."""
 
     def __init__(self, limit, text, armed_at=0, in_backward=False, in_generation=False, once=False):
         self.limit, self.text, self.armed_at, self.raised, self.step = limit, text, armed_at, 0, 0
         self.in_backward, self.in_generation, self.once = in_backward, in_generation, once
+        self.in_check, self.bus = 0, None
 
     def attach(self, trainer):
+        from hf_perf_callbacks.bus import bus_for
+
+        self.bus = bus_for(trainer.callback_handler)
         model = trainer.model
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         if self.in_backward:                           # raise while gradients flow back through the first layer
@@ -46,7 +51,10 @@ class PlantedOOM(TrainerCallback):
 
     def fire(self, batch):
         if self.step >= self.armed_at and batch > self.limit and not (self.once and self.raised):
-            self.raised += 1
+            if self.bus is not None and self.bus.own_passes:
+                self.in_check += 1
+            else:
+                self.raised += 1
             raise torch.OutOfMemoryError(self.text) if self.text == CUDA_OOM else RuntimeError(self.text)
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -78,23 +86,36 @@ def test_grpo_oom_mid_run_resizes_and_reaches_max_steps(tokenizer, tmp_path, tex
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 4)
     assert args.per_device_train_batch_size * args.gradient_accumulation_steps == 8       # effective batch kept
     assert args.generation_batch_size == 8 and args.steps_per_generation == 4              # generation batch kept
-    decision = tuner.session.decisions[-1]
-    assert decision.kind == "oom" and decision.step == 3 and decision.checkpoint.endswith("checkpoint-3")
+    decision = tuner.executor.record.decisions[-1]
+    assert decision.kind == "oom" and decision.step == 4 and decision.checkpoint.endswith("checkpoint-3")
     assert (decision.old.micro_batch, decision.new.micro_batch) == (4, 2)
     assert decision.recovery_sec is not None                          # the next step completed after it
     steps = [s["step"] for s in step_lines(tmp_path)]
     assert steps == [1, 2, 3, 4, 5, 6, 7]                           # no optimizer step lost or repeated
     assert [s[keys.TUNER_MICRO_BATCH] for s in step_lines(tmp_path)] == [4, 4, 4, 2, 2, 2, 2]
-    assert read_split_file(str(tmp_path)).decisions == tuner.session.decisions    # the file holds what happened
+    assert read_split_file(str(tmp_path)).decisions == tuner.executor.record.decisions    # the file holds what happened
 
 
-def test_plain_trainer_oom_at_the_first_step_restarts_at_a_smaller_split(tokenizer, tmp_path):
+@pytest.mark.parametrize("accept", [False, True])
+def test_an_oom_at_the_first_step_where_only_one_row_fits_is_unmeasured(tokenizer, tmp_path, accept):
+    """Only one-row micro-batches fit (the wall at the first step): 2×4 does not fit in its check, 1×8 fits but no
+    grouping of the step's rows at a size that fits can be compared with it. The run ends before training anything,
+    naming accept_unmeasured; with it, it goes on at 1×8 (one decision: 4×2 → 1×8)."""
+    from hf_perf_callbacks.resize import InexactResize
+
     plant = PlantedOOM(limit=1, text=MPS_OOM)
-    tuner = AdaptiveBatchTuner(tune=False)
+    tuner = AdaptiveBatchTuner(tune=False, accept_unmeasured=accept)
     trainer = plant.attach(make_trainer(tokenizer, tmp_path, [plant, tuner], max_steps=4, bs=4, ga=2))
+    if not accept:
+        with pytest.raises(InexactResize, match="accept_unmeasured=True"):
+            train_with_tuning(trainer)
+        assert trainer.state.global_step == 0 and tuner.executor.record.decisions == []
+        assert [(c.new.micro_batch, c.fits, c.verdict) for c in read_split_file(str(tmp_path)).checks] == [
+            (2, False, "unmeasured"), (1, True, "unmeasured")]
+        return
     train_with_tuning(trainer)
     assert trainer.state.global_step == 4
-    assert [(d.old.micro_batch, d.new.micro_batch) for d in tuner.session.decisions] == [(4, 2), (2, 1)]
+    assert [(d.old.micro_batch, d.new.micro_batch) for d in tuner.executor.record.decisions] == [(4, 1)]
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (1, 8)
 
 
@@ -119,7 +140,7 @@ def test_the_memory_check_picks_a_fitting_split_and_leaves_the_trajectory_unchan
     tuner = AdaptiveBatchTuner(tune=False, memory_check=True)       # on CPU it runs only when asked
     checked = plant.attach(make_trainer(tokenizer, tmp_path / "checked", [plant, tuner], max_steps=3, bs=8, ga=1))
     train_with_tuning(checked)
-    check = tuner.session.decisions[0]
+    check = tuner.executor.record.decisions[0]
     assert check.kind == "memory_check" and check.cost_sec > 0
     tried = {t.split.micro_batch: t for t in check.trials}
     assert "out of memory" in tried[8].error and "out of memory" in tried[4].error and tried[2].fits
@@ -135,7 +156,7 @@ def test_no_memory_check_on_a_cpu_unless_asked(tokenizer, tmp_path):
     tuner = AdaptiveBatchTuner(tune=False)
     trainer = make_trainer(tokenizer, tmp_path, [tuner], max_steps=2, bs=4, ga=2)
     train_with_tuning(trainer)
-    assert tuner.session.decisions == [] and trainer.state.global_step == 2
+    assert tuner.executor.record.decisions == [] and trainer.state.global_step == 2
 
 
 def recorder(seen):
@@ -155,7 +176,7 @@ def test_grpo_memory_check_keeps_the_generation_batch_and_the_sampling(tokenizer
     config = checked.generation_config
     train_with_tuning(checked)
     assert config.min_new_tokens is None                              # restored after the check
-    assert checked.args.generation_batch_size == 8 and tuner.session.decisions[0].kind == "memory_check"
+    assert checked.args.generation_batch_size == 8 and tuner.executor.record.decisions[0].kind == "memory_check"
     plain = make_grpo(tokenizer, tmp_path / "plain", [], max_steps=2, bs=4, ga=2, completion=10,
                       reward=recorder(plain_seen))
     plain.train()
@@ -193,7 +214,7 @@ def tuned_run(tokenizer, path, seconds, max_steps=25, bs=2, ga=4, noise=0.0, pad
 def test_a_faster_split_is_found_on_the_runs_own_steps_and_nothing_is_trained_twice(tokenizer, tmp_path, capsys):
     trainer, tuner, samples = tuned_run(tokenizer, tmp_path / "tuned", {8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0})
     assert trainer.state.global_step == 25 and trainer.args.per_device_train_batch_size == 8
-    [decision] = tuner.session.decisions
+    [decision] = tuner.executor.record.decisions
     assert decision.kind == "tune" and (decision.old, decision.new) == (Split(2, 4), Split(8, 1))
     trials = {t.split.micro_batch: t for t in decision.trials}
     # 2 samples of the configured split, then 8×1 (4× faster) kept on its first measured step: the sequential test
@@ -275,7 +296,7 @@ def test_once_the_tuning_decided_the_tuner_no_longer_synchronizes_or_times_a_ste
     monkeypatch.setattr(DeviceLayer, "synchronize", counted)
     trainer, tuner, _ = tuned_run(tokenizer, tmp_path, {8: 25.0, 4: 100.0, 2: 200.0, 1: 400.0}, max_steps=18,
                                   extra=[step])
-    [decision] = tuner.session.decisions
+    [decision] = tuner.executor.record.decisions
     assert decision.step == 8 and trainer.state.global_step == 18
     assert max(synced) == 8 and {4, 5, 8} <= set(synced)          # measured steps synchronized, none after step 8
     assert not tuner.measuring and tuner._stop_watching is None
@@ -283,7 +304,7 @@ def test_once_the_tuning_decided_the_tuner_no_longer_synchronizes_or_times_a_ste
 
 def test_a_run_too_short_to_pay_back_tries_no_split_and_writes_no_checkpoint(tokenizer, tmp_path):
     trainer, tuner, _ = tuned_run(tokenizer, tmp_path, {8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0}, max_steps=6)
-    [decision] = tuner.session.decisions
+    [decision] = tuner.executor.record.decisions
     assert decision.kind == "tune" and decision.new == Split(2, 4) and decision.ended_by == "too_short"
     assert decision.figures["left"] < decision.figures["needed"]
     assert [t.split for t in decision.trials] == [Split(2, 4)] and decision.cost_sec == 0
@@ -293,7 +314,7 @@ def test_a_run_too_short_to_pay_back_tries_no_split_and_writes_no_checkpoint(tok
 
 def test_a_slower_split_is_left_and_the_run_goes_back_to_the_configured_one(tokenizer, tmp_path):
     trainer, tuner, _ = tuned_run(tokenizer, tmp_path, {8: 800.0, 4: 400.0, 2: 200.0, 1: 400.0}, max_steps=30)
-    decision = tuner.session.decisions[-1]
+    decision = tuner.executor.record.decisions[-1]
     assert decision.kind == "tune" and decision.new == Split(2, 4) and trainer.args.per_device_train_batch_size == 2
     left = {t.split.micro_batch: t for t in decision.trials}
     assert len(left[8].samples) == 1 and len(left[1].samples) == 1 and decision.cost_sec > 0
@@ -316,19 +337,19 @@ def test_a_larger_split_that_runs_out_of_memory_is_left_and_nothing_is_lost(toke
     if real:
         real.attach(trainer)
     train_with_tuning(trainer, max_resizes=max_resizes)
-    kinds = [(d.kind, d.old.micro_batch, d.new.micro_batch, d.trial) for d in tuner.session.decisions]
+    kinds = [(d.kind, d.old.micro_batch, d.new.micro_batch, d.trial) for d in tuner.executor.record.decisions]
     # the largest first; out of memory: straight on to the next largest; then the walk down (1×8, slower): back
     assert kinds[:3] == [("oom", 8, 4, True), ("oom", 4, 1, True), ("tune", 2, 2, False)]
-    tried = {t.split.micro_batch: t for t in tuner.session.decisions[2].trials}
+    tried = {t.split.micro_batch: t for t in tuner.executor.record.decisions[2].trials}
     from hf_perf_callbacks.resize.tuning import OVER_BUDGET
 
     assert not tried[8].fits and not tried[4].fits and len(tried[1].samples) == 1      # out of memory, as the kinds
     assert tried[8].error == tried[4].error != OVER_BUDGET                              # say, not over the budget
     assert [s["step"] for s in step_lines(tmp_path)] == list(range(1, 14)) and trainer.state.global_step == 13
     if max_resizes:
-        assert kinds[3:] == [("oom", 2, 1, False)] and tuner.session.resizes == 1 and real.fired == 1
+        assert kinds[3:] == [("oom", 2, 1, False)] and tuner.executor.resizes == 1 and real.fired == 1
     else:
-        assert kinds[3:] == [] and tuner.session.resizes == 0
+        assert kinds[3:] == [] and tuner.executor.resizes == 0
     assert {s[keys.TUNER_RESIZES] for s in step_lines(tmp_path)} <= {0, 1}                 # the trials count none
     assert os.listdir(tmp_path / "tuner_switch") == []                      # the trials' checkpoints are gone
     assert [n for n in os.listdir(tmp_path) if n.startswith("checkpoint-")] == (["checkpoint-11"] if max_resizes
@@ -374,7 +395,7 @@ def test_watchdog_request_resizes_through_train_with_tuning(tokenizer, tmp_path)
     watchdog.device = MemoryByBatch(trainer.args)
     train_with_tuning(trainer)
     assert trainer.state.global_step == 5
-    assert [(d.kind, d.step) for d in tuner.session.decisions] == [("watchdog", 2)]
+    assert [(d.kind, d.step) for d in tuner.executor.record.decisions] == [("watchdog", 2)]
     assert [a["action"] for a in watchdog.actions] == ["clear_cache", "smaller_batch"]
     assert trainer.args.per_device_train_batch_size == 2 and trainer.args.gradient_accumulation_steps == 4
     assert [s["step"] for s in step_lines(tmp_path)] == [1, 2, 3, 4, 5]
@@ -396,7 +417,7 @@ def test_without_train_with_tuning_it_saves_stops_and_records_the_split(tokenize
     resumed = make_trainer(tokenizer, tmp_path, [MemoryWatchdog(limit_gb=7.0), tuner2], max_steps=4, bs=4, ga=2)
     train_with_tuning(resumed, resume_from_checkpoint="last")
     assert resumed.args.per_device_train_batch_size == 2 and resumed.state.global_step == 4
-    assert [d.kind for d in tuner2.session.decisions] == ["watchdog"]
+    assert [d.kind for d in tuner2.executor.record.decisions] == ["watchdog"]
     assert [s[keys.TUNER_MICRO_BATCH] for s in step_lines(tmp_path) if s["step"] > 2] == [2, 2]
 
 
@@ -566,14 +587,14 @@ def test_left_padding_keeps_the_configured_split_and_an_oom_saves_and_ends_sayin
         train_with_tuning(trainer)
     assert "pads left" in str(raised.value) and "padding_side = 'right'" in str(raised.value)
     assert "per_device_train_batch_size=2 and gradient_accumulation_steps=4" in str(raised.value)
-    assert not tuner.session.tuning.larger and not tuner.session.tuning.smaller      # nothing to try
+    assert not tuner.executor.tuning.larger and not tuner.executor.tuning.smaller      # nothing to try
     assert is_complete(str(tmp_path / "checkpoint-2"), 2) and trainer.state.global_step == 2
     record = read_split_file(str(tmp_path))
     assert record.restricted.splits == [Split(4, 2)] and "pads left" in record.restricted.reason
     assert "no smaller split keeps this run exact" in record.ended and record.split == Split(4, 2)
     said = [e for e in read_run(str(tmp_path)).events if "use only 4×2" in e.message]
     assert len(said) == 1 and "padding_side = 'right'" in said[0].message
-    assert [d.kind for d in tuner.session.decisions if d.kind != "tune"] == []      # no re-size recorded
+    assert [d.kind for d in tuner.executor.record.decisions if d.kind != "tune"] == []      # no re-size recorded
     assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (4, 2)
 
 
@@ -622,9 +643,9 @@ def test_a_users_stop_on_the_step_where_the_tuner_switches_ends_the_run_there(to
     assert tuned.state.global_step == plain.state.global_step == 7
     assert differences(plain_path, tuned_path) == []
     tuner = find_tuner(tuned)
-    assert [(d.kind, d.new) for d in tuner.session.decisions] == [("tune", Split(2, 4))]
-    assert tuner.session.decisions[0].ended_by == "run_ended"
-    assert tuner.session.switch is None and read_split_file(str(tmp_path / "tuned")).split == Split(2, 4)
+    assert [(d.kind, d.new) for d in tuner.executor.record.decisions] == [("tune", Split(2, 4))]
+    assert tuner.executor.record.decisions[0].ended_by == "run_ended"
+    assert tuner.executor.state.switch is None and read_split_file(str(tmp_path / "tuned")).split == Split(2, 4)
     assert (tuned.args.per_device_train_batch_size, tuned.args.gradient_accumulation_steps) == (2, 4)
 
 
@@ -654,7 +675,7 @@ def test_switch_checkpoints_never_push_the_users_out_and_a_run_ending_mid_trial_
     plain.train()
     assert checkpoints(tmp_path / "tuned") == checkpoints(tmp_path / "plain") == ["checkpoint-5"]
     assert not os.listdir(tmp_path / "tuned" / "tuner_switch")              # the switch checkpoint is gone
-    [decision] = tuner.session.decisions
+    [decision] = tuner.executor.record.decisions
     assert decision.kind == "tune" and decision.new == Split(2, 4)
     assert current_split(tuned.args) == Split(2, 4) == read_split_file(str(tmp_path / "tuned")).split
     assert losses(tuned) == pytest.approx(losses(plain), rel=1e-5)          # no padding: the same steps
@@ -669,7 +690,7 @@ def test_the_watchdogs_request_uses_only_the_splits_exact_for_the_run(tokenizer,
     trainer = make_trainer(tokenizer, tmp_path, [watchdog, tuner], max_steps=5, bs=4, ga=2, padding_side="left")
     watchdog.device = MemoryByBatch(trainer.args)
     train_with_tuning(trainer)
-    assert tuner.session.decisions == [] and trainer.args.per_device_train_batch_size == 4
+    assert tuner.executor.record.decisions == [] and trainer.args.per_device_train_batch_size == 4
     assert [a["action"] for a in watchdog.actions][-1] == "stop" and os.path.isdir(tmp_path / "checkpoint-2")
     said = [e.message for e in read_run(str(tmp_path)).events]
     assert any("no smaller split keeps this run exact" in m and "pads left" in m for m in said)

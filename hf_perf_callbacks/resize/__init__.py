@@ -3,28 +3,54 @@
 =================  ==========================================================================================
 module             job
 =================  ==========================================================================================
-``session``        :class:`TuningSession`: the one owner of the split, the decisions, the checkpoints this run
-                   wrote and the session id; the only writer of ``tuner_split.json``
+``record``         :class:`SplitRecord`: the split facts, decisions and checks of a run, and the one writer of
+                   ``tuner_split.json`` (pure: no trainer, no torch)
+``plan``           the decisions as pure transitions: a split state in, a plan out
+``executor``       :class:`Executor`: the trainer side; carries every change out (snapshot → plan → stage →
+                   check → commit once) and owns the checkpoints, the loop's state and the change watch
+``watch``          what a change is checked on: the old and new split's fetches of the step it starts with
+``exactness``      the check of a change on that step's rows: gradients grouped both ways, compared
 ``tuning``         the tuning on the run's own steps: which split to try next, when it pays back (pure)
 ``callback``       :class:`AdaptiveBatchTuner`: measures the steps, logs the split, answers the watchdog
-``loop``           :func:`train_with_tuning`: the switch / re-size loop, OOM recovery, checkpoint choice
+``loop``           :func:`train_with_tuning`: the switch / re-size loop
+``evaluation``     an evaluation OOM halves the evaluation batch, never the training split
 ``memcheck``       one step at the worst-case length before training, where memory is tight (CUDA, MPS)
-``grouping``       the facts that decide whether the run's loss depends on how examples are grouped into
-                   micro-batches, read once at the start (the rule over them: ``batching.exact_under``)
+``grouping``       the facts the settings list reads (the rule over them: ``batching.exact_under``)
 ``agreement``      cross-rank agreement on OOMs inside a training step (:class:`ResizeNeeded`, :class:`PeerFailed`)
-``oomsite``        where an OOM struck: an OOM no smaller micro-batch fixes (generation, a reward function) ends the
-                   run named, with its fix (:class:`UnfixableOOM`), instead of a re-size
+``oomsite``        where an OOM struck: an OOM no smaller micro-batch fixes ends the run named (:class:`UnfixableOOM`)
 ``sharding``       what works under FSDP and DeepSpeed (re-size by checkpoint; DeepSpeed: a new engine)
 ``checkpoints``    which checkpoints a run may resume from: complete ones; partial and stale ones moved aside
+``release``        the memory a failed step holds, given back
 =================  ==========================================================================================
 
 The split file's schema and its one reader are :mod:`hf_perf_callbacks.splitfile` (pure, for the report).
 """
-from .agreement import PeerFailed, ResizeNeeded
-from .callback import AdaptiveBatchTuner
-from .loop import train_with_tuning
-from .oomsite import UnfixableOOM
-from .session import InexactResize, TuningSession, current_split
+from __future__ import annotations
 
-__all__ = ["AdaptiveBatchTuner", "train_with_tuning", "InexactResize", "PeerFailed", "ResizeNeeded", "TuningSession",
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: public name → the module that defines it, imported on first use (the pure record and plan load without torch)
+_LAZY = {"AdaptiveBatchTuner": ".callback", "train_with_tuning": ".loop", "InexactResize": ".plan",
+         "PeerFailed": ".agreement", "ResizeNeeded": ".agreement", "Executor": ".executor",
+         "UnfixableOOM": ".oomsite", "current_split": ".executor"}
+
+if TYPE_CHECKING:
+    from .agreement import PeerFailed, ResizeNeeded
+    from .callback import AdaptiveBatchTuner
+    from .executor import Executor, current_split
+    from .loop import train_with_tuning
+    from .oomsite import UnfixableOOM
+    from .plan import InexactResize
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["AdaptiveBatchTuner", "train_with_tuning", "InexactResize", "PeerFailed", "ResizeNeeded", "Executor",
            "UnfixableOOM", "current_split"]

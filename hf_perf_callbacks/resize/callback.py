@@ -1,8 +1,8 @@
 """AdaptiveBatchTuner: the callback side of re-sizing. It measures the run's own steps for the tuning on them,
-logs the split in effect, and answers the watchdog's request for a smaller micro-batch; the facts live in the
-:class:`~hf_perf_callbacks.resize.session.TuningSession` (found on the trainer's bus), and
-:mod:`~hf_perf_callbacks.resize.loop` acts on them. Without ``train_with_tuning`` a re-size request saves, stops
-cleanly and prints the split and the command to resume with.
+logs the split in effect, and answers the watchdog's request for a smaller micro-batch; it sees the run's
+:class:`~hf_perf_callbacks.resize.executor.Executor` (found on the trainer's bus) through
+:class:`~hf_perf_callbacks.resize.executor.TunerView`, which carries every change out. Without ``train_with_tuning``
+a re-size request saves, stops cleanly and prints the split and the command to resume with.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from ..runlog import SPLIT_FILE, NoteDetails
 from ..splitfile import trial_figures
 from ..validation import check_flag, check_number
 from ..wording import TUNER_NEEDS_TRAIN_WITH_TUNING
-from .session import TunerView, TuningSession
+from .executor import Executor, TunerView
 from .tuning import FIRST_SAMPLES, MIN_SAMPLES, SAMPLES
 
 if TYPE_CHECKING:
@@ -56,6 +56,9 @@ class AdaptiveBatchTuner(PerfCallback):
         memory_check: one step at the worst-case length before training, to catch a split that cannot fit
             (None: on CUDA and MPS when memory is tight — the estimated worst-case peak reaches half the budget, or
             cannot be estimated; True: always; False: never).
+        accept_unmeasured: use a split whose change could not be checked on the step it starts with (it ran out of
+            memory at every size, or the gradient is sharded: FSDP, DeepSpeed), saying so once; False (the default)
+            ends the run there, saved, instead (docs/exactness.md).
         clock: the clock seam (:class:`~hf_perf_callbacks.base.Clock`; tests plant one).
 
     Logged keys:
@@ -75,7 +78,7 @@ class AdaptiveBatchTuner(PerfCallback):
     def __init__(self, tune: bool = True, samples: int = SAMPLES, max_rounds: int = 3,
                  max_micro_batch: int | None = None, patience: int = 1, rank_by: str = "non_generation",
                  must_pay: bool = True, memory_check: bool | None = None, clock: Clock | None = None,
-                 first_samples: int = FIRST_SAMPLES):
+                 first_samples: int = FIRST_SAMPLES, accept_unmeasured: bool = False):
         check_flag("tune", tune)
         check_number("samples", samples, low=MIN_SAMPLES, integer=True)
         check_number("max_rounds", max_rounds, low=1, integer=True)
@@ -86,11 +89,12 @@ class AdaptiveBatchTuner(PerfCallback):
             raise ValueError(f"rank_by={rank_by!r} is not allowed: expected 'step' or 'non_generation'")
         check_flag("must_pay", must_pay)
         check_flag("memory_check", memory_check, allow_none=True)
+        check_flag("accept_unmeasured", accept_unmeasured)
         super().__init__(clock)
         self.tune, self.samples, self.max_rounds, self.max_micro_batch = tune, samples, max_rounds, max_micro_batch
         self.patience, self.rank_by, self.must_pay, self.memory_check = patience, rank_by, must_pay, memory_check
-        self.first_samples = first_samples
-        self.session: TunerView | None = None
+        self.first_samples, self.accept_unmeasured = first_samples, accept_unmeasured
+        self.executor: TunerView | None = None
         self.in_optimizer_step = False
         self.measuring = False
         self.generation = adapter.GenerationClock(self.clock.wall)
@@ -112,8 +116,8 @@ class AdaptiveBatchTuner(PerfCallback):
                       "tuner stays off. Turn auto_find_batch_size off to let the tuner keep the batch exact.")
             self.disabled = True
             return
-        session = self.session = TuningSession.for_tuner(args, state, self.bus)
-        if self.tune and not session.managed and not self._hinted:   # said once: nothing will be tuned
+        executor = self.executor = Executor.for_tuner(args, state, self.bus, self.accept_unmeasured)
+        if self.tune and not executor.managed and not self._hinted:   # said once: nothing will be tuned
             self._hinted = True                         # a note (INFO), not a warning: a meter-only user lost nothing
             self._bus.event(self.source, "note", TUNER_NEEDS_TRAIN_WITH_TUNING, step=state.global_step,
                             details=NoteDetails(needs="train_with_tuning"))
@@ -121,31 +125,32 @@ class AdaptiveBatchTuner(PerfCallback):
         self._bus.on_smaller_batch_request(self._on_smaller_batch)
         self.in_optimizer_step = False
         # args changed by hand between train() calls rule; a resume in process goes on with the loop's windows
-        self.measuring = session.begin_train(args, state.global_step)
+        self.measuring = executor.begin_train(args, state.global_step, state.max_steps)
         if self.measuring:
             self.device = DeviceLayer()
             self._stop_watching = adapter.watch_generation(model, self.generation) if model is not None else None
 
     @property
-    def _session(self) -> TunerView:
-        """The run's tuning session, opened at ``on_train_begin`` (the events after it may use it)."""
-        if self.session is None:
-            raise RuntimeError("AdaptiveBatchTuner has no tuning session yet: it opens one at on_train_begin")
-        return self.session
+    def _executor(self) -> TunerView:
+        """The run's executor, found at ``on_train_begin`` (the events after it may use it)."""
+        if self.executor is None:
+            raise RuntimeError("AdaptiveBatchTuner has no executor yet: it finds one at on_train_begin")
+        return self.executor
 
     @PerfCallback.hook
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         resumed, self._resumed = self._resumed, False
-        rng = self._session.epoch_begins(state.global_step, float(state.epoch or 0), resumed)
+        rng = self._executor.epoch_begins(state.global_step, float(state.epoch or 0), resumed)
         if rng is not None:
             set_rng_state(rng)                           # the epoch's iterator draws what it drew before the resume
 
     @PerfCallback.hook
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
-        # the RNG and loop state a checkpoint of the last step must hold; a pending switch raises SwitchSplit
-        self._session.step_begins(state.global_step, kwargs.get("train_dataloader"), self.clock.wall)
+        # the RNG and loop state a checkpoint of the last step must hold, a staged change checked on this step's
+        # rows (ChangeRefused), a pending switch (SwitchSplit)
+        self._executor.step_begins(state.global_step)
         if self.measuring:
             self.device.synchronize()
             self._started = self.clock.wall()
@@ -164,12 +169,12 @@ class AdaptiveBatchTuner(PerfCallback):
     @PerfCallback.hook
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """transformers wrote checkpoint-N (on_save follows a whole _save_checkpoint): this run's, if complete."""
-        self._session.saved(state.global_step)
+        self._executor.saved(state.global_step)
 
     @PerfCallback.hook
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         step = state.global_step
-        split, resizes = self._session.step_ends(step)
+        split, resizes = self._executor.step_ends(step)
         fields = {keys.TUNER_MICRO_BATCH: split.micro_batch, keys.TUNER_GRAD_ACCUM: split.grad_accum,
                   keys.TUNER_EFFECTIVE_BATCH: split.effective_batch(self.world), keys.TUNER_RESIZES: resizes}
         self._bus.record_step(step, fields)
@@ -185,7 +190,7 @@ class AdaptiveBatchTuner(PerfCallback):
         rows = gather_floats([ranked, whole, used, limit], self.device.device)     # every rank judges alike
         ranked, whole = max(r[0] for r in rows), max(r[1] for r in rows)
         fits = all(r[2] <= r[3] for r in rows)
-        stop, self.measuring = self._session.measured_step(step, ranked, whole, max(r[2] for r in rows) / GB, fits)
+        stop, self.measuring = self._executor.measured_step(step, ranked, whole, max(r[2] for r in rows) / GB, fits)
         if stop:
             self._bus.continue_run(True)                    # a switch by stopping this train() (not in process)
             control.should_training_stop = True
@@ -209,10 +214,10 @@ class AdaptiveBatchTuner(PerfCallback):
         re-size takes effect at the next step's begin, unless something stops the run at this step first; otherwise
         checkpoint now and stop this train() call. ``rows``: the next step's micro-batches when the watchdog asks
         after they were fetched (the rows the re-sized run must train at that step)."""
-        session = self._session
-        plan = session.on_watchdog(reason, step, rows, acting=control is not None)
+        executor = self._executor
+        plan = executor.on_watchdog(reason, step, rows, acting=control is not None)
         if plan.stop_now and control is not None:
-            self._bus.continue_run(session.managed)
+            self._bus.continue_run(executor.managed)
             control.should_save = True
             control.should_training_stop = True
         return plan.new is not None and plan.action in ("resize", "none")
@@ -223,7 +228,7 @@ class AdaptiveBatchTuner(PerfCallback):
         if self._stop_watching is not None:
             self._stop_watching()
             self._stop_watching = None
-        end = self._session.train_ends(state.global_step, self.measuring, self._bus.continuing)
+        end = self._executor.train_ends(state.global_step, self.measuring, self._bus.continuing)
         self._bus.write_summary(self.source, {"split": end.split.as_args(), "session": end.session,
                                               "decisions": end.decisions})
         if not state.is_world_process_zero or self._bus.continuing:

@@ -28,35 +28,27 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from ..device import gather_floats, is_main_process, world_size
+from .. import adapter
+from ..device import RngState, gather_floats, is_main_process, rng_state, set_rng_state, world_size
 from ..keys import SPLIT_FILE
+from ..outputdir import INCOMPLETE_MARKER, PREFIX, STATE_FILE, checkpoint_dir, move_aside, step_of
 from ..splitfile import WrittenCheckpoint, read_split_file
+
+if TYPE_CHECKING:
+    from transformers import Trainer
 
 logger = logging.getLogger("hf_perf_callbacks")
 
-PREFIX = "checkpoint"
-STATE_FILE = "trainer_state.json"          # transformers' TRAINER_STATE_NAME, written last
-INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"   # transformers' JIT checkpoint sentinel
 WEIGHT_PREFIXES = ("model", "adapter_model", "pytorch_model")
 #: DeepSpeed's own checkpoint inside ``checkpoint-N`` (``engine.save_checkpoint``): ``global_step<N>/`` with each
 #: rank's ZeRO partition of the weights (``*model_states.pt``; under ZeRO-3 there is no other weights file) and of
 #: the optimizer (``*optim_states.pt``)
 DEEPSPEED_DIR = re.compile(r"global_step\d+")
 DEEPSPEED_WEIGHTS, DEEPSPEED_OPTIMIZER = "model_states.pt", "optim_states.pt"
-_CHECKPOINT = re.compile(rf"^{PREFIX}-(\d+)$")
-MOVED_ASIDE = "moved_aside"                # the folder of output_dir that checkpoints are moved aside into
 SWITCH_DIR = "tuner_switch"                # the folder of output_dir that holds the checkpoints of switches
-
-
-def checkpoint_dir(output_dir: str, step: int) -> str:
-    return os.path.join(output_dir, f"{PREFIX}-{step}")
-
-
-def step_of(path: str) -> int | None:
-    match = _CHECKPOINT.match(os.path.basename(os.path.normpath(path)))
-    return int(match.group(1)) if match else None
-
 
 def is_complete(path: str, step: int | None = None) -> bool:
     """Whether ``path`` is a whole checkpoint (of ``step`` when given); see the module docstring."""
@@ -120,24 +112,6 @@ def fingerprint(path: str) -> str:
     with open(os.path.join(path, STATE_FILE), "rb") as f:
         digest.update(f.read())
     return digest.hexdigest()[:32]
-
-
-def move_aside(path: str, why: str) -> str | None:
-    """Move ``path`` to ``moved_aside/<name>.<why>-<n>`` beside it (never read, resumed or rotated as a checkpoint);
-    returns the new path (None on failure)."""
-    path = os.path.normpath(path)
-    folder = os.path.join(os.path.dirname(path), MOVED_ASIDE)
-    for n in range(1, 1000):
-        target = os.path.join(folder, f"{os.path.basename(path)}.{why}-{n}")
-        if not os.path.exists(target):
-            try:
-                os.makedirs(folder, exist_ok=True)
-                os.replace(path, target)
-            except OSError as error:
-                logger.warning("[tuner] could not move %s aside: %s", path, error)
-                return None
-            return target
-    return None
 
 
 def switch_dir(output_dir: str, step: int) -> str:
@@ -249,7 +223,8 @@ def _restart_checkpoint(output_dir: str, restarts: int) -> str | None:
 class RunCheckpoints:
     """The checkpoints one run wrote, each with the fingerprint of its files (:func:`fingerprint`), and where its
     switch checkpoints were moved (:func:`hide`). Held by the run's
-    :class:`~hf_perf_callbacks.resize.session.TuningSession`, which writes them to the split file."""
+    :class:`~hf_perf_callbacks.resize.executor.Executor`; every commit of the run's record writes them to the split
+    file."""
 
     def __init__(self, output_dir: str) -> None:
         self.output_dir = output_dir
@@ -259,6 +234,65 @@ class RunCheckpoints:
         self.hidden: dict[int, str] = {}         # step → where a switch checkpoint was moved (out of checkpoint-*)
         self.copies: dict[int, str] = {}         # step → fingerprint of a switch's whole save in tuner_switch/ beside
                                                  # the user's checkpoint-N of that step (saved with the weights alone)
+
+    def save(self, trainer: Trainer, step: int, switch: bool, rng: RngState | None,
+             warn_once: Callable[[str, str], object]) -> tuple[str, bool]:
+        """``checkpoint-<step>`` written by this run, verified complete and holding the whole training state
+        (weights, optimizer, scheduler and the RNG ``rng`` the next step starts from, whatever ``save_only_model``
+        says); returns where it is and whether it was written now (False: this run saved it whole already). A folder
+        of that name this run did not write is moved aside first; one that comes out incomplete is moved aside and
+        the error raised (a save cut short is moved aside by the trainer's save guard: ``outputdir``). ``switch``:
+        written only to switch splits (saved without ``save_total_limit``'s rotation and moved out of the
+        ``checkpoint-*`` names). One this run wrote with the weights alone (``save_only_model``: the user's) is never
+        written over nor moved: the whole save goes to ``tuner_switch/`` beside it."""
+        output_dir = self.output_dir
+        path, main = checkpoint_dir(output_dir, step), is_main_process()
+        ours = self.is_ours(step)
+        if ours and self.resumable(step, bool(trainer.args.save_only_model)):
+            return self.location(step), False
+        target = switch_dir(output_dir, step) if ours else path
+        if main:
+            _clear(target if ours else path, step, ours)
+        current = rng_state()
+        try:
+            set_rng_state(rng or current)
+            adapter.save_checkpoint(trainer, rotate=not switch, run_dir=os.path.dirname(target) if ours else None)
+        finally:
+            set_rng_state(current)
+        if ours:
+            return self._whole_beside(step, target, path, switch), True
+        if not self.record(step, whole=True):
+            moved = move_aside(path, "partial")
+            raise RuntimeError(f"checkpoint-{step} came out incomplete (moved aside to {moved})")
+        if switch:
+            try:
+                return self.hide(step), True
+            except OSError as error:          # it stays where it is: rotation may count it, training goes on
+                warn_once("hide-switch", f"could not move the switch checkpoint-{step} out of the checkpoint names "
+                                         f"({error})")
+        return path, True
+
+    def _whole_beside(self, step: int, staged: str, path: str, switch: bool) -> str:
+        """The whole save of ``step`` written in ``staged`` beside the user's ``path``: a switch's stays there; a
+        recovery's or the run's end's training state joins the user's weights in ``path``."""
+        main = is_main_process()
+        if switch:
+            if not self.record_copy(step):
+                moved = move_aside(staged, "partial") if main else None
+                raise RuntimeError(f"{staged} came out incomplete (moved aside to {moved})")
+            return staged
+        every_rank_here()                    # every rank's files are in the staged folder
+        try:
+            if main:
+                if not is_complete(staged, step):
+                    moved = move_aside(staged, "partial")
+                    raise RuntimeError(f"{staged} came out incomplete (moved aside to {moved})")
+                add_training_state(staged, path)
+        finally:
+            every_rank_here()                # no rank resumes before the files are in place
+        if not self.record(step, whole=True):
+            raise RuntimeError(f"checkpoint-{step} is not complete after its training state was added")
+        return path
 
     def record(self, step: int, whole: bool = False) -> bool:
         """Record ``checkpoint-<step>`` as this run's, with its fingerprint, when it is complete (checked by the
@@ -364,3 +398,24 @@ def _mark(path: str, step: int) -> str | None:
     if not is_main_process():
         return "written by the main process"
     return fingerprint(path) if is_complete(path, step) else None
+
+
+def _clear(path: str, step: int, ours: bool) -> None:
+    """Make way for a save at ``path``: a leftover of the package's own (``ours``: the folder beside the user's) or a
+    folder this run did not write is moved aside (main process)."""
+    if not os.path.exists(path):
+        return
+    moved = move_aside(path, "stale" if ours or is_complete(path, step) else "partial")
+    if moved is None and not ours:
+        raise RuntimeError(f"{path} is in the way (not written by this run) and could not be moved aside")
+    if not ours:
+        logger.warning("[tuner] %s was not written by this run: moved aside to %s", path, moved)
+
+
+def every_rank_here() -> None:
+    """Under several ranks, wait until every rank is here (every rank calls it at the same point)."""
+    if world_size() > 1:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()

@@ -1,7 +1,7 @@
 """The facts that decide whether a run's loss depends on how its examples are grouped into micro-batches, read once
 at the start of a run from the trainer (:func:`read_grouping`); the rule that judges them is pure
-(:func:`hf_perf_callbacks.batching.exact_under`), and :meth:`TuningSession.judge_grouping
-<hf_perf_callbacks.resize.session.TuningSession.judge_grouping>` applies it to every candidate split once: the
+(:func:`hf_perf_callbacks.batching.exact_under`), and :meth:`Executor.judge_grouping
+<hf_perf_callbacks.resize.executor.Executor.judge_grouping>` applies it to every candidate split once: the
 tuning, the memory check, the re-size on an out-of-memory error and the watchdog's re-size use only the splits it
 keeps, and the run says once why the others are left out and which setting makes every split exact.
 

@@ -2,43 +2,40 @@
 
 The Hugging Face loop cannot change the dataloader's batch size mid-run, and changing gradient accumulation alone
 skews epoch geometry, the LR horizon and GRPO's sampler. What works is **checkpoint → resume with a new split**
-(same effective batch and, for GRPO, the same generation batch). On the watchdog's request for a smaller
-micro-batch, or a recognised out-of-memory error, the loop saves a checkpoint (or falls back to the last one this
-run wrote if the error struck inside ``optimizer.step``), switches to the next smaller exact split and resumes in
-the same process. Under several ranks every micro-batch finishes on every rank before gradients are exchanged and
-the ranks agree on OOMs first (:mod:`~hf_perf_callbacks.resize.agreement`), so an OOM anywhere in one rank's step
-re-sizes every rank together.
+(same effective batch and, for GRPO, the same generation batch), in the same process. Every change — the watchdog's
+request for a smaller micro-batch, a recognised out-of-memory error, a tuning trial — is carried out by the
+:class:`~hf_perf_callbacks.resize.executor.Executor`: planned, staged, **checked at the step it starts with, on that
+step's rows, before it trains** (:mod:`~hf_perf_callbacks.resize.exactness`), and committed once; a change the check
+refuses goes back to the split that trains those rows, or ends the run saved. Under several ranks every micro-batch
+finishes on every rank before gradients are exchanged and the ranks agree on OOMs first
+(:mod:`~hf_perf_callbacks.resize.agreement`), so an OOM anywhere in one rank's step re-sizes every rank together.
 
-Guarantees (each has a fault-injection test in ``tests/test_faults.py``):
+Guarantees (each has a fault-injection test in ``tests/test_faults.py`` or ``tests/test_exactness.py``):
 
+* no trace when nothing changes: without a fault and without tuning, the run trains what ``trainer.train()`` trains
+  — the same dataset reads and RNG, sampler and collator calls, stream rows, model buffers, weights and optimizer
+  state (nothing is read, drawn or run that the trainer itself does not);
+* a split is used only once the step it starts with showed it trains what the old split would have (an unmeasured
+  one only with ``AdaptiveBatchTuner(accept_unmeasured=True)``); the settings list of
+  :func:`~hf_perf_callbacks.batching.exact_under` only skips changes sure to fail and explains why;
 * a resume uses only a checkpoint this run wrote completely (:mod:`~hf_perf_callbacks.resize.checkpoints`); the
   loop's own saves hold the whole training state whatever ``save_only_model`` says, and the RNG the next step
-  starts from (:meth:`~hf_perf_callbacks.resize.session.TuningSession.note_rng`), so a re-size trains what the run
-  would have trained without it;
+  starts from, so a re-size trains what the run would have trained without it;
 * what the training loop holds between steps goes on as unfaulted (:class:`~hf_perf_callbacks.adapter.LoopState`):
   the tokens and FLOPs of a step left mid-way are taken back, a resumed ``train()`` logs the loss window the
   unfaulted run logs, and a GRPO step that replays buffered completions replays the same ones, re-split for the new
-  micro-batch (or the re-size is refused before it changes anything: :class:`~.session.ReplayLost`);
+  micro-batch (or the re-size is refused before it changes anything: :class:`~.plan.ReplayLost`);
 * an OOM no smaller micro-batch fixes (generation, a reward function: :mod:`~hf_perf_callbacks.resize.oomsite`) is
   not re-sized: the run saves and ends with its cause and fix;
-* a split read from disk is applied only when exact for the run (:mod:`~hf_perf_callbacks.resize.splitfile`);
 * every path that ends the run early saves the last completed optimizer step first when it can, and says how to
-  resume — also Ctrl-C or SIGTERM while the loop writes its own checkpoint (a re-size's, a switch's), and an OOM no
-  exact smaller split fixes that every rank agreed on (:class:`~hf_perf_callbacks.resize.session.InexactResize`);
+  resume — also Ctrl-C or SIGTERM while the loop writes its own checkpoint;
 * a user's own ``checkpoint-N`` saved with the weights alone is never written over nor moved by a switch's save;
-* a re-size and the tuning use only splits under which the run's loss stays what it is at the configured split
-  (:meth:`~hf_perf_callbacks.resize.session.TuningSession.judge_grouping`; said once at the start when some are left
-  out); an OOM with no smaller such split saves and ends with why and what makes every split exact;
 * a stop from anything but the tuner (a callback, early stopping, ``max_steps``) ends the run at its step, also at
   the step where the tuner asked for a switch: a switch takes effect only when the next step begins
-  (:class:`~hf_perf_callbacks.resize.session.SwitchSplit`);
-* the tuning's own trials never spend ``max_resizes``: a trial split that runs out of memory is left and the run goes
-  on (also with ``max_resizes=0``); their checkpoints never push the user's out of ``save_total_limit``; a run that
-  ends mid-trial leaves ``args``, the split file and the decision at the split the tuning kept;
-* an OOM in evaluation never changes the training split: the evaluation batch is halved (the RNG put back before
-  the retry, the batch size put back when the run ends), or the evaluation skipped;
-* a step whose callback raised in ``on_step_end`` still gets its training log (loss, gradient norm, learning rate)
-  before the checkpoint that ends the run is saved;
+  (:class:`~hf_perf_callbacks.resize.executor.SwitchSplit`);
+* the tuning's own trials never spend ``max_resizes``: a trial split that runs out of memory, or is refused at its
+  first step, is left and the run goes on; their checkpoints never push the user's out of ``save_total_limit``;
+* an OOM in evaluation never changes the training split (:mod:`~hf_perf_callbacks.resize.evaluation`);
 * a fault in the memory check or in the recovery's own housekeeping is one warning, never the end of training;
 * transformers' just-in-time SIGTERM checkpoint stays armed across in-process re-sizes; ``auto_find_batch_size``
   is refused.
@@ -52,13 +49,13 @@ from typing import TYPE_CHECKING, cast
 from .. import adapter
 from ..bus import bus_for
 from ..device import DeviceLayer, is_main_process, rng_state, set_rng_state, training_device
-from ..validation import check_number, suggest_keywords
-from . import memcheck, recovery, sharding
+from ..validation import check_flag, check_number, suggest_keywords
+from . import memcheck
 from .callback import AdaptiveBatchTuner, find_callback
-from .checkpoints import resume_point
+from .evaluation import evaluate_within_memory
+from .executor import Executor, SwitchSplit
 from .plan import InexactResize as InexactResize  # its name here before resize/plan.py held it
-from .rowcheck import RowsDiffer
-from .session import SwitchSplit, TuningSession
+from .watch import ChangeRefused
 
 if TYPE_CHECKING:
     import torch
@@ -88,8 +85,7 @@ def train_with_tuning(trainer: Trainer, resume_from_checkpoint: str | bool | Non
     smaller exact split is left, after saving the last completed optimizer step when it can.
     """
     check_number("max_resizes", max_resizes, low=0, integer=True)
-    if tune not in (None, True, False):
-        raise ValueError(f"tune={tune!r} is not allowed: expected True, False or None (the tuner's setting)")
+    check_flag("tune", tune, allow_none=True)
     if getattr(trainer.args, "auto_find_batch_size", False):
         raise ValueError("train_with_tuning: auto_find_batch_size=True is not allowed with the AdaptiveBatchTuner: "
                          "transformers would catch the out-of-memory error first and restart at step 0 with a "
@@ -112,15 +108,16 @@ def train_with_tuning(trainer: Trainer, resume_from_checkpoint: str | bool | Non
 
 def _train(trainer: Trainer, tuner: AdaptiveBatchTuner, bus: RunBus, resume_from_checkpoint: str | bool | None,
            tune: bool | None, max_resizes: int) -> TrainOutput:
-    resume_from_checkpoint = resume_point(resume_from_checkpoint, str(trainer.args.output_dir),
-                                          restarts=sharding.restarted_by_launcher())
-    session = TuningSession(trainer.args, bus=bus, managed=True)
-    sharded, guard = session.take_run(trainer, resume_from_checkpoint, max_resizes)
+    executor = Executor(trainer.args, bus=bus, managed=True, accept_unmeasured=tuner.accept_unmeasured)
+    resume_from_checkpoint, sharded, guard = executor.take_run(trainer, resume_from_checkpoint, max_resizes)
     eval_batch = trainer.args.per_device_eval_batch_size
     undo_evaluate = adapter.replace_method(
-        trainer, "evaluate", lambda original: recovery.evaluate_within_memory(trainer, original, session))
+        trainer, "evaluate", lambda original: evaluate_within_memory(trainer, original, executor.warn_once,
+                                                                      executor.grpo))
+    undo_restore = adapter.restore_converted_weights(trainer, lambda message: executor.warn_once("converted",
+                                                                                                  message))
     try:
-        _before_training(trainer, session, tuner, tune, resumed=bool(resume_from_checkpoint), sharded=sharded)
+        _before_training(trainer, executor, tuner, tune, resumed=bool(resume_from_checkpoint), sharded=sharded)
         start_rng = rng_state()              # every in-process resume starts from it, as a new process would
         resized = False                      # from the first re-size on, the resumes are the package's own
         while True:
@@ -134,46 +131,47 @@ def _train(trainer: Trainer, tuner: AdaptiveBatchTuner, bus: RunBus, resume_from
                     output = trainer.train(resume_from_checkpoint=resume_from_checkpoint)
             except SwitchSplit:                           # the step after a switch's step began: switch now
                 switching = True
-            except RowsDiffer as differ:                  # a step fetched other rows than the run trains: back
-                resume_from_checkpoint = recovery.back_from(trainer, session, differ)
+            except ChangeRefused as refusal:              # a change's first step differs from the run's: back
+                resume_from_checkpoint = executor.refused(refusal)
                 resized = True
                 set_rng_state(start_rng)
                 continue
-            except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - OOMs re-size, recover_or_raise raises the rest
-                resume_from_checkpoint = recovery.recover_or_raise(trainer, session, error, tuner.in_optimizer_step,
-                                                                   sharded, max_resizes, bus.memory_facts)
+            except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - OOMs re-size, recover raises the rest
+                resume_from_checkpoint = executor.recover(error, tuner.in_optimizer_step, bus.memory_facts)
                 resized = True
                 set_rng_state(start_rng)
                 continue
-            finished, resume_from_checkpoint = recovery.after_train(trainer, session, switching,
-                                                                    tuner.in_optimizer_step)
+            finished, resume_from_checkpoint = executor.after_train(switching, tuner.in_optimizer_step)
             if finished:
                 return output
             resized = True
             set_rng_state(start_rng)
     finally:
+        undo_restore()
         undo_evaluate()
         trainer.args.per_device_eval_batch_size = eval_batch     # an evaluation OOM shrank it for this run only
         if guard is not None:
             guard.remove()
-        session.close(trainer)
+        executor.close(trainer)
 
 
-def _before_training(trainer: Trainer, session: TuningSession, tuner: AdaptiveBatchTuner, tune: bool | None,
+def _before_training(trainer: Trainer, executor: Executor, tuner: AdaptiveBatchTuner, tune: bool | None,
                      resumed: bool, sharded: str | None) -> None:
-    """The splits exact under the run's loss, the memory check (a fresh unsharded start) and the tuning on the
-    run's own steps (unless sharded, or the run's record holds a tuning decision)."""
+    """The splits the run's rules allow, the memory check (a fresh unsharded start) and the tuning on the run's own
+    steps (unless sharded, or the run's record holds a tuning decision)."""
     check = None
     if not resumed and not sharded and memcheck.wanted(tuner.memory_check, DeviceLayer(training_device()).type):
         def check() -> None:
-            memcheck.check_or_warn(trainer, session, clock=tuner.clock, force=tuner.memory_check is True)
+            memcheck.check_or_warn(trainer, executor, clock=tuner.clock, force=tuner.memory_check is True)
     wants_tuning = tuner.tune if tune is None else tune
     model = cast("torch.nn.Module", trainer.model)          # None only before the trainer's init
-    settings = (dict(state_bytes=_training_state_bytes(model), max_micro_batch=tuner.max_micro_batch,
+    max_steps = trainer.args.max_steps
+    settings = (dict(planned=max_steps if max_steps and max_steps > 0 else None,
+                     state_bytes=_training_state_bytes(model), max_micro_batch=tuner.max_micro_batch,
                      samples=tuner.samples, max_rounds=tuner.max_rounds, patience=tuner.patience,
                      must_pay=tuner.must_pay, rank_by=tuner.rank_by, first_samples=tuner.first_samples)
                 if wants_tuning and not sharded else None)
-    session.prepare(trainer, lambda: planned_steps(trainer), check, settings)
+    executor.prepare(trainer, check, settings)
 
 
 def _training_state_bytes(model: torch.nn.Module) -> float:
@@ -183,23 +181,3 @@ def _training_state_bytes(model: torch.nn.Module) -> float:
     weights = trainable if hasattr(model, "peft_config") else sum(p.numel() * p.element_size()
                                                                   for p in model.parameters())
     return float(weights + 2 * sum(p.numel() * 4 for p in model.parameters() if p.requires_grad))
-
-
-def planned_steps(trainer: Trainer) -> int | None:
-    """Optimizer steps the run will take: ``max_steps``, else epochs × steps per epoch (as the Trainer counts
-    them); None when the dataloader has no length."""
-    import math
-
-    args = trainer.args
-    if args.max_steps and args.max_steps > 0:
-        return int(args.max_steps)
-    state = rng_state()                  # building the dataloader may draw from the RNG: put it back
-    try:
-        batches = len(trainer.get_train_dataloader())
-    except (TypeError, ValueError, NotImplementedError):
-        return None
-    finally:
-        set_rng_state(state)
-    accum = args.gradient_accumulation_steps
-    per_epoch = max(batches // accum + int(batches % accum > 0), 1)
-    return int(math.ceil(args.num_train_epochs * per_epoch))

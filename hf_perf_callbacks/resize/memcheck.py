@@ -7,16 +7,20 @@ estimated by :func:`~hf_perf_callbacks.estimate.estimate_grpo_memory`, times the
 (``ALLOCATOR_OVERHEAD``), reaches ``TIGHT`` of the budget, or it cannot be estimated — :func:`check_memory` runs ONE
 optimizer step of the configured
 split on the longest examples at learning rate 0, measures its peak and restores weights, RNG, data and callbacks
-(a run after it samples the same completions as one without it). When the step runs out of memory (on any rank) or
-its peak passes the watchdog's budget, it walks down to the largest exact split that fits and applies it: a
-``memory_check`` decision with what each split measured and what the check cost. No timing rounds: which split is
-fastest is measured on the run's own steps (:mod:`~hf_perf_callbacks.resize.tuning`).
+(a run after it samples the same completions as one without it; the check reads the training set's rows and runs
+the collator on the longest ones, so ``memory_check=False`` is the run with no trace). When the step runs out of
+memory (on any rank) or its peak passes the watchdog's budget, it walks down to the largest split the run's rules
+allow that fits and stages it: the run's first step is then checked on its own rows before it trains
+(:mod:`~hf_perf_callbacks.resize.exactness`), and the ``memory_check`` decision, with what each split measured and
+what the check cost, is committed once it passed. No timing rounds: which split is fastest is measured on the run's
+own steps (:mod:`~hf_perf_callbacks.resize.tuning`).
 """
 from __future__ import annotations
 
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import torch
@@ -28,7 +32,7 @@ from ..device import GB, DeviceLayer, error_line, gather_floats, rng_state, set_
 from ..memory import budget_bytes
 from ..splitfile import Trial
 from .agreement import recoverable
-from .session import TuningSession, current_split
+from .executor import Executor, Staged, current_split
 
 if TYPE_CHECKING:
     from transformers import (
@@ -125,7 +129,7 @@ class _PeakWatch(TrainerCallback):
         self.peak = max(self.peak, float(self.device.memory().used))
 
 
-def check_memory(trainer: Trainer, session: TuningSession, candidates: list[Split], budget: float | None = None,
+def check_memory(trainer: Trainer, session: Executor, candidates: list[Split], budget: float | None = None,
                  clock: Clock | None = None, force: bool = False) -> Split:
     """Run the check (see the module docstring; ``force``: whether memory is tight or not); returns the split that
     fits (the configured one when it does)."""
@@ -142,9 +146,9 @@ def check_memory(trainer: Trainer, session: TuningSession, candidates: list[Spli
     needed, why = (True, "asked for (memory_check=True)") if force else tight(trainer, budget, device.type)
     needed = max(r[0] for r in gather_floats([float(needed)], device.device)) > 0   # any rank tight: all check
     if not needed:
-        session.decide("memory_check", f"skipped: memory is not tight ({why})", configured, 0, old=configured,
-                       cost_sec=max(r[0] for r in gather_floats([wall() - started], device.device)),
-                       budget_gb=budget / GB)
+        session.decided(session.decide(
+            "memory_check", f"skipped: memory is not tight ({why})", configured, 0, old=configured,
+            cost_sec=max(r[0] for r in gather_floats([wall() - started], device.device)), budget_gb=budget / GB))
         return configured
     smaller = sorted((s for s in candidates if s.micro_batch < configured.micro_batch), key=lambda s: -s.micro_batch)
     saved = _snapshot(trainer)
@@ -166,25 +170,29 @@ def check_memory(trainer: Trainer, session: TuningSession, candidates: list[Spli
                   f"exact split that does")
     else:
         reason = "no exact split fits at the worst-case length: keeping the configured split (the OOM path decides)"
-    session.decide("memory_check", reason, chosen, 0, old=configured, trials=trials, cost_sec=cost,
-                   budget_gb=budget / GB)
+    decision = session.decide("memory_check", reason, chosen, 0, old=configured, trials=trials, cost_sec=cost,
+                              budget_gb=budget / GB)
     session.apply(trainer, chosen)
+    if chosen == configured:
+        session.decided(decision)
+    else:                                   # its first step is checked on its rows before it trains
+        session.stage(Staged("memory_check", configured, chosen, 1, replace(session.state, split=chosen), decision))
     return chosen
 
 
-def check_or_warn(trainer: Trainer, session: TuningSession, clock: Clock | None = None, force: bool = False) -> None:
+def check_or_warn(trainer: Trainer, session: Executor, clock: Clock | None = None, force: bool = False) -> None:
     """The memory check over the splits the run may use; a failure of its own (a memory reading, an exchange) is one
     warning and the configured split."""
     configured = session.split
     try:
-        check_memory(trainer, session, session.candidates(trainer.args), clock=clock, force=force)
+        check_memory(trainer, session, session.allowed(), clock=clock, force=force)
     except Exception as error:  # noqa: BLE001 - the check is a safety net, never a reason to stop
         session.apply(trainer, configured)
         session.warn_once("memory-check", f"the memory check failed ({type(error).__name__}: {error}); training "
                                           f"goes on at the configured split {configured} without it")
 
 
-def _step(trainer: Trainer, session: TuningSession, split: Split, device: DeviceLayer, budget: float,
+def _step(trainer: Trainer, session: Executor, split: Split, device: DeviceLayer, budget: float,
           wall: Callable[[], float]) -> Trial:
     """One optimizer step at ``split`` on the longest examples: its peak (every rank's highest) and any failure."""
     started = wall()

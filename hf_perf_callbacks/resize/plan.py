@@ -1,9 +1,9 @@
-"""The tuning session's decisions as pure transitions: a :class:`SplitState` in, a :class:`Plan` out.
+"""The run's decisions as pure transitions: a :class:`SplitState` in, a :class:`Plan` out.
 
-The session (:mod:`~hf_perf_callbacks.resize.session`) holds its split facts as one frozen :class:`SplitState`;
+The record (:mod:`~hf_perf_callbacks.resize.record`) holds the split facts as one frozen :class:`SplitState`;
 each event the run meets is a function of that state and the event's own facts, returning a :class:`Plan`: what to
 do (re-size to a split from a checkpoint, switch, finish, refuse, give up with an error, end and save) and the state
-once it is done. :mod:`~hf_perf_callbacks.resize.recovery` carries a plan out (saves, memory, the resume message)
+once it is done. :mod:`~hf_perf_callbacks.resize.executor` carries a plan out (saves, memory, the resume message)
 and commits its state. Nothing here touches a trainer, a file or a device: no torch, no transformers.
 
 =====================  ============================================================================================
@@ -92,6 +92,12 @@ class ReplayLost(_OwnWords):
     train those completions (the run saves and ends with why, and what to change)."""
 
 
+class Refused(_OwnWords):
+    """A change the run needed (after an out-of-memory error, the memory check's, a launcher's restart's) was refused
+    at the step it starts with: the new split is not exact on that step's rows, or could not be checked (the run
+    saves and ends with why, and what to change)."""
+
+
 class RowsLost(_OwnWords):
     """The split that trained the run fetched other rows for the next step than the run would have trained: no
     split can go on exactly from this step (the run saves and ends with why)."""
@@ -99,10 +105,10 @@ class RowsLost(_OwnWords):
 
 @dataclass(frozen=True)
 class SplitState:
-    """What the session's decisions read: the configured split and the one in effect, a pending switch (and why),
-    the re-sizes forced by memory still allowed (None: no limit), the last split that completed a step, whether the
-    run gave up, whether switches take effect in this process, the splits exact for the run and every split of its
-    batch (largest micro-batch first), and the kind of the last decision recorded."""
+    """What the run's decisions read: the configured split and the one in effect, a pending switch (and why), the
+    re-sizes forced by memory still allowed (None: no limit), the last split that completed a step, whether the run
+    gave up, whether switches take effect in this process, the splits exact for the run and every split of its batch
+    (largest micro-batch first), the kind of the last decision recorded, and the baseline of a tuning under way."""
 
     configured: Split
     split: Split
@@ -115,6 +121,16 @@ class SplitState:
     exactness: Exactness | None = None
     every: tuple[Split, ...] = ()
     last_decision: str | None = None
+    baseline: Split | None = None
+
+    @property
+    def resume_split(self) -> Split:
+        """The split a resume starts with: a pending switch, else the baseline of a tuning under way, else the split
+        in effect; once the run gave up (no smaller split fitted), the last split that completed a step (else the
+        configured one), never the one that just failed."""
+        if self.gave_up:
+            return self.ran or self.configured
+        return self.switch or self.baseline or self.split
 
     @property
     def resizes_spent(self) -> bool:

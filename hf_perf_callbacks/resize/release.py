@@ -1,5 +1,5 @@
 """Give back the memory a failed or finished step holds, before a save, a resume or a retry (one job, shared by the
-session's own checks and :mod:`~hf_perf_callbacks.resize.recovery`)."""
+executor and the exactness check)."""
 from __future__ import annotations
 
 from collections.abc import Callable

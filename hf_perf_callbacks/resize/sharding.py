@@ -101,8 +101,8 @@ def guardable(trainer: Trainer) -> bool:
 
 
 class Warner(Protocol):
-    """What :func:`start` needs of the session (:meth:`TuningSession.warn_once
-    <hf_perf_callbacks.resize.session.TuningSession.warn_once>`); a protocol, as the session imports this module."""
+    """What :func:`start` needs of the executor (:meth:`Executor.warn_once
+    <hf_perf_callbacks.resize.executor.Executor.warn_once>`); a protocol, as the executor imports this module."""
 
     def warn_once(self, key: str, message: str, step: int | None = None) -> bool: ...
 

@@ -55,7 +55,7 @@ def main(mode, output_dir):
             callback.jit_manager.kill_wait = 0
     train_with_tuning(trainer)
     live = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, AdaptiveBatchTuner))
-    print(json.dumps({"global_step": trainer.state.global_step, "resizes": len(live.session.decisions),
+    print(json.dumps({"global_step": trainer.state.global_step, "resizes": len(live.executor.record.decisions),
                       "micro_batch": trainer.args.per_device_train_batch_size}))
 
 

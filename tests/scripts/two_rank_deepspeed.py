@@ -119,7 +119,7 @@ def main(out, stage):
     result.update(tuned_sharding=sharding.sharding(tuned), tuned_step=tuned.state.global_step,
                   tuned_split=[args.per_device_train_batch_size, args.gradient_accumulation_steps],
                   tuned_sizes=sharding.deepspeed_sizes(tuned), engines=len(set(first_engine)),
-                  tuned_decisions=[(d.kind, d.step, d.new.micro_batch) for d in tuner.session.decisions],
+                  tuned_decisions=[(d.kind, d.step, d.new.micro_batch) for d in tuner.executor.record.decisions],
                   tuned_actions=[a["action"] for a in watchdog.actions],
                   tuned_checkpoint=sorted(os.listdir(os.path.join(out, "tuned", "checkpoint-2"))),
                   tuned_steps_logged=[x["step"] for x in lines if x["type"] == "step"],
@@ -281,7 +281,7 @@ def grpo(out, stage):
                                   trainer.args.steps_per_generation, trainer.args.num_generations],
                         "sizes": sharding.deepspeed_sizes(trainer), "zero_stage":
                             trainer.model_wrapped.zero_optimization_stage(),
-                        "decisions": [(d.kind, d.step, d.new.micro_batch) for d in tuner.session.decisions],
+                        "decisions": [(d.kind, d.step, d.new.micro_batch) for d in tuner.executor.record.decisions],
                         "actions": [a["action"] for a in watchdog.actions] if watchdog else []}
     result["differences"] = compare(runs["unfaulted"], runs["resized"])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

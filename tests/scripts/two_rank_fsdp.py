@@ -127,7 +127,7 @@ def main(out):
     lines = [json.loads(x) for x in open(os.path.join(out, "tuned", "perf_log.jsonl"))] if rank == 0 else []
     result.update(tuned_sharding=sharding.sharding(tuned), tuned_step=tuned.state.global_step,
                   tuned_split=[args.per_device_train_batch_size, args.gradient_accumulation_steps],
-                  tuned_decisions=[(d.kind, d.step, d.new.micro_batch) for d in tuner.session.decisions],
+                  tuned_decisions=[(d.kind, d.step, d.new.micro_batch) for d in tuner.executor.record.decisions],
                   tuned_actions=[a["action"] for a in watchdog.actions],
                   tuned_checkpoint=sorted(os.listdir(os.path.join(out, "tuned", "checkpoint-2"))),
                   tuned_steps_logged=[x["step"] for x in lines if x["type"] == "step"],
@@ -173,7 +173,8 @@ def restart(out, relaunch: bool):
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"step": trainer.state.global_step, "oom_at": at,
                    "split": [args.per_device_train_batch_size, args.gradient_accumulation_steps],
-                   "decisions": [(d.kind, d.step, d.new.micro_batch, d.checkpoint) for d in tuner.session.decisions],
+                   "decisions": [(d.kind, d.step, d.new.micro_batch, d.checkpoint)
+                                 for d in tuner.executor.record.decisions],
                    "steps_logged": [x["step"] for x in lines if x["type"] == "step"],
                    "guard_off": [x["step"] for x in lines if x["type"] == "event" and x.get("kind") == "note"
                                  and "guard is off" in x["message"]]}, f)
@@ -234,7 +235,7 @@ def recover(out):
         args = trainer.args
         result[name] = {"differences": differences(expected, got), "step": trainer.state.global_step,
                         "split": [args.per_device_train_batch_size, args.gradient_accumulation_steps],
-                        "decisions": [(d.kind, d.step, d.new.micro_batch) for d in tuner.session.decisions],
+                        "decisions": [(d.kind, d.step, d.new.micro_batch) for d in tuner.executor.record.decisions],
                         "raised": plant.raised}
     result["stable_steps"] = sharding.STABLE_STEPS
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

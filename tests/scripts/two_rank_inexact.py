@@ -31,7 +31,7 @@ def main(out):
         result = {"raised": type(error).__name__, "checkpoint": error.checkpoint, "not_saved": error.not_saved,
                   "notes": error.__notes__, "message": str(error)}
     result.update(step=trainer.state.global_step, planted=plant.raised,
-                  decisions=[d.to_json() for d in tuner.session.decisions])
+                  decisions=[d.to_json() for d in tuner.executor.record.decisions])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 

@@ -79,16 +79,16 @@ def main(out):
               "backward_step": backward.state.global_step, "backward_raised": plant3.raised,
               "guarded_vs_ddp_max_weight_diff": max(weights), "guarded_weight_change": max(moved),
               "check_split": [checked.args.per_device_train_batch_size, checked.args.gradient_accumulation_steps],
-              "check_trials": [(t.split.micro_batch, t.fits) for t in check_tuner.session.decisions[0].trials],
+              "check_trials": [(t.split.micro_batch, t.fits) for t in check_tuner.executor.record.decisions[0].trials],
               "check_step": checked.state.global_step,
               "tune_decisions": [(d.kind, d.step, d.new.micro_batch,
                                   [(t.split.micro_batch, t.samples) for t in d.trials])
-                                 for d in tune_tuner.session.decisions],
+                                 for d in tune_tuner.executor.record.decisions],
               "tune_split": [tuned.args.per_device_train_batch_size, tuned.args.gradient_accumulation_steps],
               "tune_step": tuned.state.global_step,
               "oom_step": oom.state.global_step, "oom_raised": plant.raised,
               "oom_split": [oom.args.per_device_train_batch_size, oom.args.gradient_accumulation_steps],
-              "oom_decisions": [(d.kind, d.step, d.new.micro_batch) for d in tuner.session.decisions],
+              "oom_decisions": [(d.kind, d.step, d.new.micro_batch) for d in tuner.executor.record.decisions],
               "stop_step": stopped.state.global_step, "stop_actions": [a["action"] for a in watchdog.actions],
               "grpo_rates": rates(grpo_meter), "grpo_tokens": grpo_meter.timeline.total_tokens,
               "grpo_rollout_rates": [round(h[keys.PERF_ROLLOUT_TOKENS_PER_SEC], 6) for h in grpo.state.log_history
@@ -105,23 +105,23 @@ def one_reading(oom, rank):
     process rewrites it at that moment): every rank must take the main process's reading, so they resume at one
     split (two readings let rank 1 train the old split beside rank 0's new one, and FSDP's collectives hung)."""
     from hf_perf_callbacks.device import main_process_value
-    from hf_perf_callbacks.resize import session as session_module
-    from hf_perf_callbacks.resize.session import TuningSession
+    from hf_perf_callbacks.resize import executor as executor_module
+    from hf_perf_callbacks.resize.executor import Executor
 
-    own = session_module.read_split_file
+    own = executor_module.read_split_file
     if rank == 1:
-        session_module.read_split_file = lambda *args, **kwargs: None
+        executor_module.read_split_file = lambda *args, **kwargs: None
     try:
-        resumed = TuningSession(oom.args)
+        resumed = Executor(oom.args)
         checkpoint = sorted((d for d in os.listdir(oom.args.output_dir) if d.startswith("checkpoint-")),
                             key=lambda d: int(d.rsplit("-", 1)[1]))[-1]
         resumed.resume_from(oom, os.path.join(oom.args.output_dir, checkpoint))
     finally:
-        session_module.read_split_file = own
+        executor_module.read_split_file = own
     recorded = resumed.recorded
     return {"main_process_value": main_process_value(lambda: rank),
             "resumed_split": [recorded.micro_batch, recorded.grad_accum] if recorded else None,
-            "resumed_decisions": len(resumed.decisions)}
+            "resumed_decisions": len(resumed.record.decisions)}
 
 
 def grpo_ooms(tokenizer, out, rank):
@@ -142,7 +142,7 @@ def grpo_ooms(tokenizer, out, rank):
         result[name] = {"raised": plant.raised, "step": trainer.state.global_step, "ended": ended,
                         "split": [args.per_device_train_batch_size, args.gradient_accumulation_steps,
                                   args.generation_batch_size],
-                        "decisions": [(d.kind, d.step, d.new.micro_batch) for d in tuner.session.decisions]}
+                        "decisions": [(d.kind, d.step, d.new.micro_batch) for d in tuner.executor.record.decisions]}
     # any other error in one rank's step: that rank raises it, the others raise PeerFailed (no wait for a timeout)
     calls = []
 

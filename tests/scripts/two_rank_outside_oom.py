@@ -35,7 +35,7 @@ def main(out):
     except torch.OutOfMemoryError:
         with open(os.path.join(out, "rank1.json"), "w") as f:
             json.dump({"reraised": True, "step": trainer.state.global_step,
-                       "decisions": [d.to_json() for d in tuner.session.decisions]}, f)
+                       "decisions": [d.to_json() for d in tuner.executor.record.decisions]}, f)
         sys.exit(3)
 
 

@@ -15,8 +15,8 @@ TRAINER_STATE = "trainer_state.json"
 
 #: the phases of a step's wall time (``perf/phase/<phase>``, ``perf/phase_sec/<phase>``, seconds on the step line;
 #: meanings in :mod:`hf_perf_callbacks.timeline`): they sum to ``perf/step_wall_sec``, ``unexplained`` included
-PHASES = ("data_wait", "generation", "rollout_wait", "compute", "eval", "save", "log", "own_callbacks", "user_callbacks",
-          "recompute", "unexplained")
+PHASES = ("data_wait", "generation", "rollout_wait", "compute", "eval", "save", "log", "own_callbacks",
+          "user_callbacks", "recompute", "unexplained")
 #: the phases a clock measures directly (a region entered and left); ``compute`` is the step's own time outside
 #: them and ``unexplained`` the time outside a step that no clock measured
 CLOCKED_PHASES = ("data_wait", "generation", "rollout_wait", "eval", "save", "log", "own_callbacks", "user_callbacks",

@@ -311,7 +311,8 @@ class StandInLLM:
 
 # ---------------------------------------------------------------- the names TRL imports from vLLM
 def stand_in(monkeypatch, script: EngineScript) -> None:
-    """Set, through ``monkeypatch`` (a test's; None in a launched rank: plain ``setattr``), the names TRL 1.16 imports from vLLM when it is installed, to the stand-ins above; and hand
+    """Set, through ``monkeypatch`` (a test's; None in a launched rank: plain ``setattr``), the names TRL 1.16
+    imports from vLLM when it is installed, to the stand-ins above; and hand
     ``init_communicator`` the device a CUDA machine would (see the module's docstring). A TRL whose
     ``VLLMGeneration.generate`` imports vLLM itself (TRL 1.0 of the oldest set) cannot be given them: the caller
     skips (:func:`supported`)."""

@@ -65,9 +65,10 @@ def no_compiled_op():
     training. ``build_shm_op`` returning None is DeepSpeed's own path where the op is not available (any platform but
     Linux): every collective then goes through the process group (gloo), as it does anyway in training."""
     if os.environ.get("DS_ACCELERATOR") == "cpu":
-        import deepspeed.comm.torch
+        import importlib
 
-        deepspeed.comm.torch.build_shm_op = lambda: None
+        # the module itself: the name ``deepspeed.comm.torch`` is torch after ``deepspeed.comm``'s star import
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def main(out, stage, parts=("meter", "tuned")):

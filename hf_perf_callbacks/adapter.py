@@ -57,8 +57,9 @@ TRL ``GRPOTrainer._generate``,                    TRL's generation entry points 
                                                   engine's ``generate``) is what a rollout's engine time is
 TRL ``AsyncGRPOTrainer._sync_weight``,            async GRPO's weight transfer to the server, the training step's
 ``_rollout_dataset.wait_s``,                      wait for the rollout queue and the tokens it trained, as TRL
-``_step_trained_tokens``                          itself measures them for its own ``perf/*`` and ``batch/*``
-                                                  logs, read at the step's end before TRL resets them
+``_step_trained_tokens``, ``rollout_worker``'s    itself measures them for its own ``perf/*`` and ``batch/*``
+``start``, ``StepIntervalCallback.fn``            logs, read at the step's end before TRL resets them; the
+                                                  periodic sync is the bound method TRL's callback holds
 ``OptimizedModule._orig_mod`` (torch.compile)     the compiled wrapper hides the DDP module it compiles
 ``torch.distributed`` collectives, process-wide   TRL's reward and metric gathers run through accelerate into
                                                   these functions; no hook runs before a collective of the
@@ -875,9 +876,12 @@ class _EntryWatch:
         self.listeners: list[EntryListener] = []
         self.alive = True           # a wrapper another one was put over outlives the undo: it then only passes through
         self.entry = "_sync_weight" if is_async_grpo(trainer) else "_generate"
+        own = getattr(trainer, self.entry)         # the bound method (async GRPO: the one TRL's callback holds)
         self.undos = [replace_method(trainer, self.entry, self._timed(SYNC if self.entry == "_sync_weight"
                                                                        else ROLLOUT))]
         self.wrapper = trainer.__dict__[self.entry]
+        if self.entry == "_sync_weight":
+            self._watch_async(trainer, own)
         if callable(getattr(trainer, "_calculate_rewards", None)):
             self.undos.append(replace_method(trainer, "_calculate_rewards", self._timed(REWARD)))
         engine = getattr(trainer, "vllm_generation", None) if getattr(trainer, "use_vllm", False) else None
@@ -888,6 +892,19 @@ class _EntryWatch:
             for holder in (getattr(engine, "vllm_client", None), getattr(engine, "llm", None)):
                 if callable(getattr(holder, "generate", None)):
                     self.undos.append(replace_method(holder, "generate", self._timed(CALL)))
+
+    def _watch_async(self, trainer: Trainer, own: Callable[..., Any]) -> None:
+        """Async GRPO: TRL's ``StepIntervalCallback`` holds the bound ``_sync_weight`` it was given (its ``fn``), so
+        that one is timed too; the rollout worker's start (a spawned process, TRL's train-begin callback) is the
+        trainer's share of the rollout side, timed as a rollout."""
+        for callback in getattr(getattr(trainer, "callback_handler", None), "callbacks", []):
+            if getattr(callback, "fn", None) == own:
+                before = callback.fn
+                callback.fn = self._timed(SYNC)(before)
+                self.undos.append(functools.partial(setattr, callback, "fn", before))
+        worker = getattr(trainer, "rollout_worker", None)
+        if callable(getattr(worker, "start", None)):
+            self.undos.append(replace_method(worker, "start", self._timed(ROLLOUT)))
 
     def _timed(self, kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:

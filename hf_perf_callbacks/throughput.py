@@ -369,6 +369,8 @@ class ThroughputMeter(PerfCallback):
                                use_vllm=getattr(args, "use_vllm", None), generation_backend=self.backend,
                                vllm_enable_sleep_mode=(getattr(args, "vllm_enable_sleep_mode", None)
                                                        if getattr(args, "use_vllm", False) else None),
+                               weight_sync_steps=(getattr(args, "weight_sync_steps", None)
+                                                  if self.backend == adapter.ASYNC_BACKEND else None),
                                activation_checkpointing=self._run.recompute, model=self._model_facts(),
                                dataloader=_dataloader_settings(args), trainer_settings=_trainer_settings(args),
                                torch_threads=torch.get_num_threads(),

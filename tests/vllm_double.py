@@ -182,7 +182,7 @@ class StandInServer:
                 return 500, {"error": f"no tensor arrived for {name}"}
             if str(tensor.dtype).removeprefix("torch.") != dtype or list(tensor.shape) != list(shape):
                 return 500, {"error": f"{name}: got {tensor.dtype} {list(tensor.shape)}, announced {dtype} {shape}"}
-            self.script.received(1)
+        self.script.received(len(info["names"]))          # the transfer's cost, once it is all there
         return 200, {}
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:

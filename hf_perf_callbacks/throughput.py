@@ -149,6 +149,9 @@ class ThroughputMeter(PerfCallback):
     :func:`~hf_perf_callbacks.adapter.watch_generation_entry`), so HF ``generate``, vLLM server and vLLM colocate
     give the same figures; ``model.generate`` nested inside is not counted again (a trainer without ``_generate``
     is timed at ``model.generate`` alone). Weight syncs to vLLM and the reward functions are timed on their own.
+    On several ranks a collective of the rollout that waits for another rank is ``rollout_wait``, and the rollout
+    rate is over the engine calls' time. TRL's ``AsyncGRPOTrainer`` (backend ``vllm-async``) is read from TRL's own
+    figures: its queue wait (``rollout_wait``), trained tokens and weight transfers.
 
     **MFU** uses :mod:`hf_perf_callbacks.flops` (LoRA-aware, attention included) against the device's peak for
     the training dtype (table, ``peak_flops`` override or ``peak_flops="calibrate"``); unknown device → MFU is
@@ -205,8 +208,9 @@ class ThroughputMeter(PerfCallback):
     ``perf/generation_batch``             count     GRPO: completions TRL generated in the step on this rank (its
                                                     generation batch; 0 on a step that trains buffered ones)
     ``perf/completion_tokens``            tokens    GRPO: tokens of those completions (with tools: the model's own)
-    ``perf/weight_sync_sec``              s         GRPO with vLLM: time in ``VLLMGeneration.sync_weights`` (part
-                                                    of the ``generation`` phase)
+    ``perf/weight_sync_sec``              s         GRPO with vLLM: time in ``VLLMGeneration.sync_weights`` (async
+                                                    GRPO: ``_sync_weight``), TRL's own work in it included (part of
+                                                    the ``generation`` phase)
     ``perf/reward_sec``                   s         GRPO: time in TRL's reward functions (``_calculate_rewards``;
                                                     part of the ``compute`` phase)
     ``perf/phase_sec/<phase>``            s         the step's seconds per phase (:data:`~hf_perf_callbacks.keys.
@@ -239,9 +243,11 @@ class ThroughputMeter(PerfCallback):
     ``perf/mfu``                          fraction  model FLOPs utilisation (absent when the peak is unknown)
     ``perf/hfu``                          fraction  hardware FLOPs utilisation, recompute included
                                                     (only with activation checkpointing)
-    ``perf/rollout_tokens_per_sec``       tok/s     GRPO: completion tokens of every rank per second of the
-                                                    slowest rank's generation, weight syncs left out (every backend)
-    ``perf/train_tokens_per_sec``         tok/s     GRPO: windowed tokens per second of non-generation time
+    ``perf/rollout_tokens_per_sec``       tok/s     GRPO: completion tokens of every rank per second of the step's
+                                                    engine time (its longest engine call: the ranks' engines run at
+                                                    once, one server serving every rank counts once; every backend)
+    ``perf/train_tokens_per_sec``         tok/s     GRPO: windowed tokens per second outside generation and the
+                                                    wait for rollouts
     ``perf/decode_bandwidth_util``        fraction  GRPO: weight bytes read per decode step × steps / time / peak
                                                     (HF ``generate``: forwards counted; vLLM colocate: the longest
                                                     completion of each engine call, weights / tensor-parallel

@@ -341,8 +341,10 @@ class ThroughputMeter(PerfCallback):
         device = DeviceLayer()
         self.run = MeterRun(
             device=device, world=world_size(), is_grpo=is_grpo_run, trainer=trainer, main=state.is_world_process_zero,
-            token_source=("trl" if async_grpo else "trainer" if is_grpo_run
-                          or args.include_num_input_tokens_seen not in ("no", False) else "hook"),
+            # async GRPO: the tokens TRL counts as trained (a TRL before 1.16 counts none: the forwards' tokens)
+            token_source=("trl" if async_grpo and adapter.async_trained_tokens(trainer) is not None
+                          else "trainer" if is_grpo(args) or args.include_num_input_tokens_seen not in ("no", False)
+                          else "hook"),
             num_iterations=iterations,
             # a GRPO run's arguments are TRL's GRPOConfig, whose __post_init__ sets steps_per_generation (an int)
             period=(generation_period(cast(Any, args).steps_per_generation, iterations,

@@ -129,6 +129,8 @@ def test_async_grpo_internals_exist():
     except ImportError:
         pytest.skip("this TRL has no trl.experimental.async_grpo")
     source = inspect.getsource(async_grpo_trainer)
+    if "_step_trained_tokens" not in source:        # TRL 1.0's async trainer: the meter counts the forwards' tokens
+        pytest.skip("this TRL's AsyncGRPOTrainer predates the figures TRL 1.16 measures")
     for name in ("def _sync_weight(self)", "StepIntervalCallback(self._sync_weight", "self.fn = fn",
                  "self.rollout_queue =", "self._trainer.rollout_worker.start()", "self.wait_s += wait_s",
                  "self._rollout_dataset.wait_s = 0.0", "self._step_trained_tokens += float(global_n_tokens)",
@@ -146,7 +148,7 @@ def test_watched_collectives_are_timed_and_restored():
     seen = []
     undo = adapter.watch_collectives(lambda name: seen.append(("in", name)), lambda name: seen.append(("out", name)))
     assert torch.distributed.broadcast_object_list is not original
-    with pytest.raises(Exception):                       # no process group here: the collective raises
+    with pytest.raises(ValueError):                      # no process group here: the collective raises
         torch.distributed.broadcast_object_list([None], src=0)
     undo()
     assert torch.distributed.broadcast_object_list is original

@@ -60,6 +60,10 @@ def async_trl(monkeypatch):
         from trl.experimental.async_grpo import async_grpo_trainer, async_rollout_worker, packing, weight_transfer
     except ImportError:
         pytest.skip("this TRL has no trl.experimental.async_grpo (TRL 1.16's)")
+    import inspect
+
+    if "_step_trained_tokens" not in inspect.getsource(async_grpo_trainer):
+        pytest.skip("this TRL's AsyncGRPOTrainer predates TRL 1.16's, whose boundary the stand-ins take")
     for module in (weight_transfer, async_rollout_worker):
         monkeypatch.setattr(module, "is_vllm_available", lambda *a, **k: True)
     for name, value in (("get_ip", lambda: "127.0.0.1"), ("get_open_port", lambda: next(_PORTS)),

@@ -2,7 +2,7 @@
 generation is the engine call it makes or waits for, the time a rank waits for another's weight sync is its own
 phase (``rollout_wait``), and the rollout rate is every rank's completion tokens over the engine's time, within 5%
 of the rate the engines were given, on vLLM server (TRL's client against the stand-in server), vLLM colocate and HF
-``generate``. What is stood in and why: :mod:`tests.vllm_double`. The planted costs (1 s an engine call, 0.1 s a
+``generate``. What is stood in and why: :mod:`tests.vllm_double`. The planted costs (2 s an engine call, 0.1 s a
 weight tensor) are large against the HTTP and the tiny model's work, so a loaded machine cannot move the figures
 past the bounds below.
 """
@@ -47,11 +47,14 @@ def test_the_rollout_rate_on_two_ranks_is_the_planted_one(ranks, backend):
         assert r1["engine_calls"] == 0 and len(tokens) == 3
     elif backend == "vllm-colocate":      # each rank's own engine, at once
         tokens = [a + b for a, b in zip(r0["engine_tokens"], r1["engine_tokens"])]
-    else:
+    else:           # HF: the engine is the model itself, its decode real work on top of the planted cost
         tokens = [a + b for a, b in zip(r0["hf_tokens"], r1["hf_tokens"])]
+        engine = [max(a, b) for a, b in zip(r0["hf_sec"], r1["hf_sec"])]        # as the test's own clock read it
+        rates = [entry["perf/rollout_tokens_per_sec"] for entry in r0["logged"]]
+        assert rates == pytest.approx([t / e for t, e in zip(tokens, engine)], rel=0.05)
     planted = [t / GENERATE_SEC for t in tokens]
     rates = [entry["perf/rollout_tokens_per_sec"] for entry in r0["logged"]]
-    assert rates == pytest.approx(planted, rel=0.05)
+    assert rates == pytest.approx(planted, rel=0.05 if backend != "transformers" else 0.15)
 
 
 @pytest.mark.launch

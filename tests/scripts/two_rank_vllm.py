@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch.distributed as dist
 
-GENERATE_SEC = 1.0          # per engine call: one completions request (server), one LLM.generate or model.generate
+GENERATE_SEC = 2.0          # per engine call: one completions request (server), one LLM.generate or model.generate
 TENSOR_SEC = 0.1            # per weight tensor the server or the colocated engine receives
 LENGTHS = [3, 5, 7, 9, 4, 11]
 
@@ -38,9 +38,11 @@ def run(backend, tokenizer, out, model_dir, server_url, script):
         generate = trainer.model.generate
 
         def slow_generate(*args, **kwargs):
+            started = time.perf_counter()
             time.sleep(GENERATE_SEC)
-            output = generate(*args, **kwargs)
-            calls.append(int((output[:, kwargs["input_ids"].shape[-1]:] != tokenizer.pad_token_id).sum()))
+            output = generate(*args, **kwargs)          # the tiny model's own decode: real work on top
+            calls.append((int((output[:, kwargs["input_ids"].shape[-1]:] != tokenizer.pad_token_id).sum()),
+                          time.perf_counter() - started))
             return output
 
         trainer.model.generate = slow_generate
@@ -49,7 +51,7 @@ def run(backend, tokenizer, out, model_dir, server_url, script):
               for h in trainer.state.log_history if "loss" in h]
     return {"phase_sec": dict(meter.timeline.phase_totals), "logged": logged, "steps": trainer.state.global_step,
             "engine_calls": len(script.generate_calls), "engine_tokens": [c["tokens"] for c in script.generate_calls],
-            "syncs": list(script.syncs), "hf_tokens": calls}
+            "syncs": list(script.syncs), "hf_tokens": [c[0] for c in calls], "hf_sec": [c[1] for c in calls]}
 
 
 def main(out):

@@ -56,7 +56,14 @@ TRL ``_metrics``, ``_total_train_tokens``        the metrics TRL's ``compute_los
 ``model.generate`` (instance attribute)           no hook reports the start and end of a generation
 TRL ``GRPOTrainer._generate``,                    TRL's generation entry points (instance attributes): no hook
 ``_calculate_rewards``, ``vllm_generation``'s     reports a rollout, a weight sync to vLLM or the reward
-``sync_weights`` and ``generate``                 functions; under vLLM ``model.generate`` is never called
+``sync_weights`` and ``generate``, its            functions; under vLLM ``model.generate`` is never called; the
+``vllm_client.generate`` and ``llm.generate``     engine call itself (the server's HTTP request, the colocated
+                                                  engine's ``generate``) is what a rollout's engine time is
+TRL ``AsyncGRPOTrainer._sync_weight``,            async GRPO's weight transfer to the server, the training step's
+``_rollout_dataset.wait_s``,                      wait for the rollout queue and the tokens it trained, as TRL
+``_step_trained_tokens``, ``rollout_worker``'s    itself measures them for its own ``perf/*`` and ``batch/*``
+``start``, ``StepIntervalCallback.fn``            logs, read at the step's end before TRL resets them; the
+                                                  periodic sync is the bound method TRL's callback holds
 ``OptimizedModule._orig_mod`` (torch.compile)     the compiled wrapper hides the DDP module it compiles
 ``torch.distributed`` collectives, process-wide   TRL's reward and metric gathers run through accelerate into
                                                   these functions; no hook runs before a collective of the
@@ -879,14 +886,43 @@ class GenerationClock:
 # ---------------------------------------------------------------- TRL's generation entry
 #: what :func:`watch_generation_entry` times, by the ``kind`` it tells its listener: the trainer's whole rollout
 #: (``GRPOTrainer._generate``: every backend, a custom ``rollout_func`` and tool calls), a weight sync to vLLM
-#: (``VLLMGeneration.sync_weights``), one vLLM engine call (``VLLMGeneration.generate``) and the reward functions
-#: (``GRPOTrainer._calculate_rewards``)
-ROLLOUT, SYNC, ENGINE, REWARD = "rollout", "sync", "engine", "reward"
+#: (``VLLMGeneration.sync_weights``; async GRPO: ``AsyncGRPOTrainer._sync_weight``), TRL's vLLM generation
+#: (``VLLMGeneration.generate``: the gathers and broadcasts of server mode included), the engine call itself (server
+#: mode: ``VLLMClient.generate``, the HTTP request the main process makes; colocate: ``LLM.generate``) and the reward
+#: functions (``GRPOTrainer._calculate_rewards``)
+ROLLOUT, SYNC, ENGINE, CALL, REWARD = "rollout", "sync", "engine", "call", "reward"
+#: the backend of TRL's ``AsyncGRPOTrainer`` (``trl.experimental.async_grpo`` in TRL 1.16): a rollout worker process
+#: generates against a vLLM server while the trainer trains on what its queue holds
+ASYNC_BACKEND = "vllm-async"
+
+
+def is_async_grpo(trainer: object) -> bool:
+    """Whether ``trainer`` is TRL's ``AsyncGRPOTrainer`` (or a subclass): it syncs weights itself (``_sync_weight``)
+    and trains on a rollout queue (``rollout_queue``), with no ``_generate`` of its own."""
+    return callable(getattr(trainer, "_sync_weight", None)) and hasattr(trainer, "rollout_queue")
+
+
+def async_rollout_wait(trainer: object) -> float | None:
+    """Async GRPO: the seconds the trainer waited for its rollout queue since TRL last logged them (TRL's
+    ``perf/rollout_wait_s``, accumulated in ``_rollout_dataset.wait_s`` on the main process and reset by TRL's
+    ``_log_step_metrics`` after the step's end); None where there is none (another rank, another trainer)."""
+    wait = getattr(getattr(trainer, "_rollout_dataset", None), "wait_s", None)
+    return float(wait) if isinstance(wait, (int, float)) else None
+
+
+def async_trained_tokens(trainer: object) -> float | None:
+    """Async GRPO: the tokens the step trained, over every rank (TRL's ``batch/trained_tokens_per_step``: completion
+    tokens of the packed rows; prompts and packing padding excluded), until TRL resets them after the step's end."""
+    tokens = getattr(trainer, "_step_trained_tokens", None)
+    return float(tokens) if isinstance(tokens, (int, float)) else None
 
 
 def generation_backend(trainer: Trainer | None) -> str | None:
     """How a TRL trainer generates: ``"vllm-server"``, ``"vllm-colocate"``, ``"transformers-paged"`` (TRL's
-    continuous batching) or ``"transformers"`` (``model.generate``); None for a trainer that does not generate."""
+    continuous batching), ``"transformers"`` (``model.generate``) or :data:`ASYNC_BACKEND`; None for a trainer that
+    does not generate."""
+    if is_async_grpo(trainer):
+        return ASYNC_BACKEND
     if not callable(getattr(trainer, "_generate", None)):
         return None
     if getattr(trainer, "use_vllm", False):
@@ -918,14 +954,36 @@ class _EntryWatch:
     def __init__(self, trainer: Trainer) -> None:
         self.listeners: list[EntryListener] = []
         self.alive = True           # a wrapper another one was put over outlives the undo: it then only passes through
-        self.undos = [replace_method(trainer, "_generate", self._timed(ROLLOUT))]
-        self.wrapper = trainer.__dict__["_generate"]
+        self.entry = "_sync_weight" if is_async_grpo(trainer) else "_generate"
+        own = getattr(trainer, self.entry)         # the bound method (async GRPO: the one TRL's callback holds)
+        self.undos = [replace_method(trainer, self.entry, self._timed(SYNC if self.entry == "_sync_weight"
+                                                                       else ROLLOUT))]
+        self.wrapper = trainer.__dict__[self.entry]
+        if self.entry == "_sync_weight":
+            self._watch_async(trainer, own)
         if callable(getattr(trainer, "_calculate_rewards", None)):
             self.undos.append(replace_method(trainer, "_calculate_rewards", self._timed(REWARD)))
         engine = getattr(trainer, "vllm_generation", None) if getattr(trainer, "use_vllm", False) else None
         if engine is not None:
             self.undos.append(replace_method(engine, "sync_weights", self._timed(SYNC)))
             self.undos.append(replace_method(engine, "generate", self._timed(ENGINE)))
+            # the engine call itself: the main process's HTTP request (server), the colocated engine's generate
+            for holder in (getattr(engine, "vllm_client", None), getattr(engine, "llm", None)):
+                if callable(getattr(holder, "generate", None)):
+                    self.undos.append(replace_method(holder, "generate", self._timed(CALL)))
+
+    def _watch_async(self, trainer: Trainer, own: Callable[..., Any]) -> None:
+        """Async GRPO: TRL's ``StepIntervalCallback`` holds the bound ``_sync_weight`` it was given (its ``fn``), so
+        that one is timed too; the rollout worker's start (a spawned process, TRL's train-begin callback) is the
+        trainer's share of the rollout side, timed as a rollout."""
+        for callback in getattr(getattr(trainer, "callback_handler", None), "callbacks", []):
+            if getattr(callback, "fn", None) == own:
+                before = callback.fn
+                callback.fn = self._timed(SYNC)(before)
+                self.undos.append(functools.partial(setattr, callback, "fn", before))
+        worker = getattr(trainer, "rollout_worker", None)
+        if callable(getattr(worker, "start", None)):
+            self.undos.append(replace_method(worker, "start", self._timed(ROLLOUT)))
 
     def _timed(self, kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def make(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -963,7 +1021,7 @@ def watch_generation_entry(trainer: Trainer | None, listener: EntryListener) -> 
     if trainer is None or generation_backend(trainer) is None:
         return lambda: None
     watch = _ENTRY_WATCHES.get(trainer)
-    if watch is None or trainer.__dict__.get("_generate") is not watch.wrapper:
+    if watch is None or trainer.__dict__.get(watch.entry) is not watch.wrapper:
         watch = _ENTRY_WATCHES[trainer] = _EntryWatch(trainer)
     watch.listeners.append(listener)
 
@@ -998,6 +1056,35 @@ COLLECTIVES = ("all_gather", "all_gather_coalesced", "all_gather_into_tensor", "
                "all_gather_single", "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_single", "barrier",
                "broadcast", "broadcast_object_list", "gather", "gather_object", "reduce", "reduce_scatter",
                "reduce_scatter_single", "reduce_scatter_tensor", "scatter", "scatter_object_list")
+
+
+def watch_collectives(started: Callable[[str], None], finished: Callable[[str], None]) -> Callable[[], None]:
+    """Until the returned undo runs, call ``started(name)`` and ``finished(name)`` around every collective of
+    :data:`COLLECTIVES` that goes through the ``torch.distributed`` module functions (``finished`` on an error too).
+    Meant for a short span (one rollout): installed over whatever wraps them now and undone before it."""
+    originals: dict[str, Callable[..., Any]] = {}
+    for name in COLLECTIVES:
+        original = getattr(torch.distributed, name, None)
+        if original is None:
+            continue
+
+        @functools.wraps(original)
+        def timed(*args: Any, _original: Callable[..., Any] = original, _name: str = name, **kwargs: Any) -> Any:
+            started(_name)
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                finished(_name)
+
+        originals[name] = original
+        setattr(torch.distributed, name, timed)
+
+    def undo() -> None:
+        for name, original in originals.items():
+            setattr(torch.distributed, name, original)
+        originals.clear()
+
+    return undo
 
 
 def intercept_collectives(before: Callable[[], None], failed: Callable[[], None]) -> Callable[[], None]:

@@ -15,11 +15,12 @@ TRAINER_STATE = "trainer_state.json"
 
 #: the phases of a step's wall time (``perf/phase/<phase>``, ``perf/phase_sec/<phase>``, seconds on the step line;
 #: meanings in :mod:`hf_perf_callbacks.timeline`): they sum to ``perf/step_wall_sec``, ``unexplained`` included
-PHASES = ("data_wait", "generation", "compute", "eval", "save", "log", "own_callbacks", "user_callbacks", "recompute",
-          "unexplained")
+PHASES = ("data_wait", "generation", "rollout_wait", "compute", "eval", "save", "log", "own_callbacks",
+          "user_callbacks", "recompute", "unexplained")
 #: the phases a clock measures directly (a region entered and left); ``compute`` is the step's own time outside
 #: them and ``unexplained`` the time outside a step that no clock measured
-CLOCKED_PHASES = ("data_wait", "eval", "save", "log", "own_callbacks", "user_callbacks", "compute")
+CLOCKED_PHASES = ("data_wait", "generation", "rollout_wait", "eval", "save", "log", "own_callbacks", "user_callbacks",
+                  "compute")
 
 # ---------------------------------------------------------------- metric keys (the callbacks document their units)
 # ThroughputMeter: published to the reporters and written to the step lines
@@ -124,15 +125,18 @@ KEY_DOCS: dict[str, tuple[str, str, str]] = {
     PERF_MFU: ("fraction", "model FLOPs utilisation: model FLOPs per token × tokens/s per device / peak (absent when "
                            "the peak is unknown)", REPORTED),
     PERF_HFU: ("fraction", "hardware FLOPs utilisation: MFU with activation recompute counted", REPORTED),
-    PERF_ROLLOUT_TOKENS_PER_SEC: ("tok/s", "GRPO: generated (finished, non-pad) tokens of every rank per second of the "
-                                           "slowest rank's generation; not decode speed (a batch decodes until its "
-                                           "longest completion)", REPORTED),
-    PERF_TRAIN_TOKENS_PER_SEC: ("tok/s", "GRPO: tokens per second of non-generation time", REPORTED),
+    PERF_ROLLOUT_TOKENS_PER_SEC: ("tok/s", "GRPO: completion tokens of every rank per second of engine time (the "
+                                           "longest engine call of the step: the ranks' engines run at once, one "
+                                           "server serving every rank counts once); not decode speed (a batch "
+                                           "decodes until its longest completion)", REPORTED),
+    PERF_TRAIN_TOKENS_PER_SEC: ("tok/s", "GRPO: tokens per second of the time outside generation and the wait for "
+                                         "rollouts", REPORTED),
     PERF_GENERATION_BATCH: ("count", "GRPO: completions TRL generated in the step on this rank (0 on a step that "
                                      "trains buffered ones)", PERF_LOG_ONLY),
     PERF_COMPLETION_TOKENS: ("tokens", "GRPO: tokens of those completions (with tools: the model's own)",
                              PERF_LOG_ONLY),
-    PERF_WEIGHT_SYNC_SEC: ("s", "GRPO with vLLM: time in `VLLMGeneration.sync_weights` (part of the generation "
+    PERF_WEIGHT_SYNC_SEC: ("s", "GRPO with vLLM: time in the weight syncs to vLLM (`VLLMGeneration.sync_weights`; "
+                                "async GRPO: `_sync_weight`), TRL's own work in them included (part of the generation "
                                 "phase)", PERF_LOG_ONLY),
     PERF_REWARD_SEC: ("s", "GRPO: time in TRL's reward functions (part of the compute phase)", PERF_LOG_ONLY),
     PERF_CALLBACK_SEC: ("s", "`perf/callback_sec/<ClassName>`: the seconds of one of the user's callback classes' "

@@ -115,6 +115,7 @@ class RunHeader:
     use_vllm: bool | None = None
     generation_backend: str | None = None      # how TRL generated: "transformers", "vllm-server", "vllm-colocate"
     vllm_enable_sleep_mode: bool | None = None
+    weight_sync_steps: int | None = None       # async GRPO: optimizer steps between two weight transfers
     activation_checkpointing: bool | None = None
     model: dict[str, Any] = field(default_factory=dict)
     dataloader: dict[str, Any] = field(default_factory=dict)

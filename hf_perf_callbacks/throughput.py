@@ -109,7 +109,8 @@ class MeterRun:
     dtype_key: str = ""
     recompute: bool = False              # activation checkpointing is on
     weight_bytes: int = 0
-    generate_start: float = 0.0          # when the outermost open rollout began
+    main: bool = True                    # the main process (server mode: the one that calls the server)
+    trainer: Any = None                  # the trainer whose train() runs (async GRPO's figures are read from it)
 
 
 @dataclass
@@ -118,6 +119,7 @@ class MeterStep:
 
     entry_start: dict[str, float] = field(default_factory=dict)   # TRL's entry kind → when it began
     sync_seconds: float = 0.0
+    engine_seconds: float = 0.0          # in the engine calls this rank made (HTTP to the server, LLM/model.generate)
     reward_seconds: float = 0.0
     completions: int = 0
     completion_tokens: int = 0
@@ -147,6 +149,9 @@ class ThroughputMeter(PerfCallback):
     :func:`~hf_perf_callbacks.adapter.watch_generation_entry`), so HF ``generate``, vLLM server and vLLM colocate
     give the same figures; ``model.generate`` nested inside is not counted again (a trainer without ``_generate``
     is timed at ``model.generate`` alone). Weight syncs to vLLM and the reward functions are timed on their own.
+    On several ranks a collective of the rollout that waits for another rank is ``rollout_wait``, and the rollout
+    rate is over the engine calls' time. TRL's ``AsyncGRPOTrainer`` (backend ``vllm-async``) is read from TRL's own
+    figures: its queue wait (``rollout_wait``), trained tokens and weight transfers.
 
     **MFU** uses :mod:`hf_perf_callbacks.flops` (LoRA-aware, attention included) against the device's peak for
     the training dtype (table, ``peak_flops`` override or ``peak_flops="calibrate"``); unknown device → MFU is
@@ -203,8 +208,9 @@ class ThroughputMeter(PerfCallback):
     ``perf/generation_batch``             count     GRPO: completions TRL generated in the step on this rank (its
                                                     generation batch; 0 on a step that trains buffered ones)
     ``perf/completion_tokens``            tokens    GRPO: tokens of those completions (with tools: the model's own)
-    ``perf/weight_sync_sec``              s         GRPO with vLLM: time in ``VLLMGeneration.sync_weights`` (part
-                                                    of the ``generation`` phase)
+    ``perf/weight_sync_sec``              s         GRPO with vLLM: time in ``VLLMGeneration.sync_weights`` (async
+                                                    GRPO: ``_sync_weight``), TRL's own work in it included (part of
+                                                    the ``generation`` phase)
     ``perf/reward_sec``                   s         GRPO: time in TRL's reward functions (``_calculate_rewards``;
                                                     part of the ``compute`` phase)
     ``perf/phase_sec/<phase>``            s         the step's seconds per phase (:data:`~hf_perf_callbacks.keys.
@@ -237,9 +243,11 @@ class ThroughputMeter(PerfCallback):
     ``perf/mfu``                          fraction  model FLOPs utilisation (absent when the peak is unknown)
     ``perf/hfu``                          fraction  hardware FLOPs utilisation, recompute included
                                                     (only with activation checkpointing)
-    ``perf/rollout_tokens_per_sec``       tok/s     GRPO: completion tokens of every rank per second of the
-                                                    slowest rank's generation, weight syncs left out (every backend)
-    ``perf/train_tokens_per_sec``         tok/s     GRPO: windowed tokens per second of non-generation time
+    ``perf/rollout_tokens_per_sec``       tok/s     GRPO: completion tokens of every rank per second of the step's
+                                                    engine time (its longest engine call: the ranks' engines run at
+                                                    once, one server serving every rank counts once; every backend)
+    ``perf/train_tokens_per_sec``         tok/s     GRPO: windowed tokens per second outside generation and the
+                                                    wait for rollouts
     ``perf/decode_bandwidth_util``        fraction  GRPO: weight bytes read per decode step × steps / time / peak
                                                     (HF ``generate``: forwards counted; vLLM colocate: the longest
                                                     completion of each engine call, weights / tensor-parallel
@@ -282,6 +290,13 @@ class ThroughputMeter(PerfCallback):
         self.backend: str | None = None              # how TRL generates (adapter.generation_backend), if it does
         self.engine_parallel = 1                     # vLLM colocate: the devices one engine's weights are split over
         self.generation_depth = 0                    # nested generation calls open now (entry, sync, model.generate)
+        self._generate_start = 0.0                   # when the outermost open rollout began
+        self._generation_region = False              # it is a clocked region (else carved out of compute)
+        self._sync_depth = 0                         # weight syncs open now
+        self._engine_entry = 0                       # TRL's VLLMGeneration.generate calls open now
+        self._engine_calls: list[float] = []         # the engine calls open now: when each began
+        self._collective_waits: list[bool] = []      # the collectives open now: each a wait for another rank?
+        self._stop_watching_collectives: Callable[[], None] | None = None
         self._undo_clocks: list[Callable[[], None]] = []
         self.clocked = False                       # the trainer's phases and the callbacks are on their own clocks
         self.step_callback_sec: dict[str, float] = {}    # seconds per callback class in the step in progress
@@ -319,18 +334,22 @@ class ThroughputMeter(PerfCallback):
     @hook
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None,
                        **kwargs: Any) -> None:
-        is_grpo_run = is_grpo(args)
+        trainer = adapter.calling_trainer()
+        async_grpo = adapter.is_async_grpo(trainer)        # generates in another process: no cycles, TRL's tokens
+        is_grpo_run = is_grpo(args) or async_grpo
         iterations = getattr(args, "num_iterations", 1)
         device = DeviceLayer()
         self.run = MeterRun(
-            device=device, world=world_size(), is_grpo=is_grpo_run,
-            token_source=("trainer" if is_grpo_run or args.include_num_input_tokens_seen not in ("no", False)
+            device=device, world=world_size(), is_grpo=is_grpo_run, trainer=trainer, main=state.is_world_process_zero,
+            # async GRPO: the tokens TRL counts as trained (a TRL before 1.16 counts none: the forwards' tokens)
+            token_source=("trl" if async_grpo and adapter.async_trained_tokens(trainer) is not None
+                          else "trainer" if is_grpo(args) or args.include_num_input_tokens_seen not in ("no", False)
                           else "hook"),
             num_iterations=iterations,
             # a GRPO run's arguments are TRL's GRPOConfig, whose __post_init__ sets steps_per_generation (an int)
             period=(generation_period(cast(Any, args).steps_per_generation, iterations,
                                       args.gradient_accumulation_steps)
-                    if is_grpo_run else 1),
+                    if is_grpo_run and not async_grpo else 1),
             # integer counters on the device, read once per step (no synchronize per micro-batch; MPS has no float64)
             counts=torch.zeros(3, dtype=torch.long, device=device.device),
             seen=state.num_input_tokens_seen)    # resume: the restored count is the baseline (no spike)
@@ -358,6 +377,8 @@ class ThroughputMeter(PerfCallback):
                                use_vllm=getattr(args, "use_vllm", None), generation_backend=self.backend,
                                vllm_enable_sleep_mode=(getattr(args, "vllm_enable_sleep_mode", None)
                                                        if getattr(args, "use_vllm", False) else None),
+                               weight_sync_steps=(getattr(args, "weight_sync_steps", None)
+                                                  if self.backend == adapter.ASYNC_BACKEND else None),
                                activation_checkpointing=self._run.recompute, model=self._model_facts(),
                                dataloader=_dataloader_settings(args), trainer_settings=_trainer_settings(args),
                                torch_threads=torch.get_num_threads(),
@@ -375,24 +396,72 @@ class ThroughputMeter(PerfCallback):
         self._hooks.append(forward_entry(inner).register_forward_pre_hook(self._on_forward, with_kwargs=True))
         if self._run.is_grpo and hasattr(model, "generate"):
             self._stop_watching_generate = adapter.watch_generate(model, self)
-        trainer = adapter.calling_trainer() if self._run.is_grpo else None
+        trainer = self._run.trainer if self._run.is_grpo else None
         self.backend = adapter.generation_backend(trainer)
         if self.backend is not None:          # TRL's own entry: every backend timed at one place
             self._stop_watching_entry = adapter.watch_generation_entry(trainer, self)
             self.engine_parallel = int(getattr(getattr(trainer, "args", None), "vllm_tensor_parallel_size", 1) or 1)
 
-    # A rollout is timed once, from the outermost of the calls that nest in it: TRL's ``_generate`` (every backend),
-    # a weight sync to vLLM, and ``model.generate`` (HF generation inside ``_generate``, or a trainer without it).
+    # A rollout is one ``generation`` region from the outermost of the calls that nest in it: TRL's ``_generate``
+    # (every backend), a weight sync to vLLM (async GRPO: its weight transfer) and ``model.generate`` (HF generation
+    # inside ``_generate``, or a trainer without it). Inside it, on several ranks, a collective that waits for another
+    # rank (its weight sync, its generation) is a ``rollout_wait`` region; the engine call a rank makes (HTTP to the
+    # server, ``LLM.generate``, ``model.generate``) is its engine time, and on a server run's other ranks the
+    # broadcast of the server's completions is the engine call they wait for: generation. Without the trainer's
+    # clocks (no trainer on the stack) the rollout's seconds are carved out of compute, as before.
     def _generation_opened(self) -> None:
         if self.generation_depth == 0:
-            self._run.generate_start = self.clock.wall()
+            self._generate_start = self.clock.wall()
+            self._generation_region = self.clocked and "eval" not in self.timeline.regions
+            if self._generation_region:
+                self.timeline.enter("generation", self._generate_start)
+                if self._run.world > 1:
+                    self._stop_watching_collectives = adapter.watch_collectives(self._collective_started,
+                                                                                self._collective_finished)
         self.generation_depth += 1
 
     def _generation_closed(self) -> None:
         self.generation_depth = max(0, self.generation_depth - 1)
-        if self.generation_depth == 0:
-            if not self.disabled:
-                self.timeline.add_generation(self.clock.wall() - self._run.generate_start)
+        if self.generation_depth:
+            return
+        if self._stop_watching_collectives is not None:
+            self._stop_watching_collectives()
+            self._stop_watching_collectives = None
+        if self.disabled:
+            return
+        if self._generation_region:
+            self.timeline.leave("generation", self.clock.wall())
+        else:
+            self.timeline.add_generation(self.clock.wall() - self._generate_start)
+
+    def _engine_opened(self) -> None:
+        self._engine_calls.append(self.clock.wall())
+
+    def _engine_closed(self) -> None:
+        if not self._engine_calls:
+            return
+        started = self._engine_calls.pop()
+        if not self._engine_calls and not self.disabled and self.timeline.step_begin_at is not None \
+                and "eval" not in self.timeline.regions:         # an engine call of training, not of evaluation
+            self._step.engine_seconds += self.clock.wall() - started
+
+    def _waits_for_other_ranks(self, name: str) -> bool:
+        """A collective of the rollout outside the weight sync and the engine call: a wait for another rank; the
+        broadcast of the server's completions to a server run's other ranks is the engine call they wait for."""
+        if self.disabled or not self._generation_region or self._sync_depth or self._engine_calls:
+            return False
+        return not (name == "broadcast_object_list" and self._engine_entry and not self._run.main
+                    and self.backend == "vllm-server")
+
+    def _collective_started(self, name: str) -> None:
+        wait = self._waits_for_other_ranks(name)
+        self._collective_waits.append(wait)
+        if wait:
+            self.timeline.enter("rollout_wait", self.clock.wall())
+
+    def _collective_finished(self, name: str) -> None:
+        if self._collective_waits and self._collective_waits.pop() and not self.disabled:
+            self.timeline.leave("rollout_wait", self.clock.wall())
 
     def _install_clocks(self, model: Any) -> None:
         """The phase clocks (see :mod:`hf_perf_callbacks.timeline`): the trainer's batch fetch, log, evaluation and
@@ -478,10 +547,12 @@ class ThroughputMeter(PerfCallback):
             self.part_seconds[id(module)] = self.clock.wall() - started
 
     def generate_started(self) -> None:
-        """A GRPO rollout begins (see :func:`~hf_perf_callbacks.adapter.watch_generate`)."""
+        """A GRPO rollout begins (see :func:`~hf_perf_callbacks.adapter.watch_generate`): HF's engine call."""
         self._generation_opened()
+        self._engine_opened()
 
     def generate_finished(self, input_ids: Any, output: Any) -> None:
+        self._engine_closed()
         self._generation_closed()
         if not self.disabled and output is not None and self._stop_watching_entry is None:   # else counted there
             self._hook_safely(self._count_generated, input_ids, output)
@@ -498,12 +569,27 @@ class ThroughputMeter(PerfCallback):
         self._step.entry_start[kind] = self.clock.wall()
         if kind in (adapter.ROLLOUT, adapter.SYNC):
             self._generation_opened()
+        if kind == adapter.SYNC:
+            self._sync_depth += 1
+        elif kind == adapter.ENGINE:
+            self._engine_entry += 1
+        elif kind == adapter.CALL:
+            self._engine_opened()
 
     def _entry_finished(self, kind: str, result: Any) -> None:
+        if kind == adapter.CALL:
+            self._engine_closed()
+        elif kind == adapter.ENGINE:
+            self._engine_entry = max(0, self._engine_entry - 1)
+        elif kind == adapter.SYNC:
+            self._sync_depth = max(0, self._sync_depth - 1)
         if kind in (adapter.ROLLOUT, adapter.SYNC):
             self._generation_closed()
         started = self._step.entry_start.pop(kind, None)
-        if self.disabled or started is None or self.timeline.step_begin_at is None:   # eval's generation: eval's
+        # evaluation's generation is evaluation's; async GRPO's weight transfer runs after the step's end (TRL's
+        # callback): the next step's
+        in_step = self.timeline.step_begin_at is not None or self.backend == adapter.ASYNC_BACKEND
+        if self.disabled or started is None or not in_step or "eval" in self.timeline.regions:
             return
         seconds = self.clock.wall() - started
         if kind == adapter.SYNC:
@@ -630,32 +716,43 @@ class ThroughputMeter(PerfCallback):
         self.timeline.enter("compute", self.clock.wall())          # waiting for the device is the step's compute
         self._run.device.synchronize()                                   # the one synchronize per optimizer step
         end = self.clock.wall()
+        trl_tokens = self._async_step() if self._run.token_source == "trl" else None
         record = self.timeline.measure(state.global_step, end, cpu=self.clock.cpu())
         self.timeline.leave("compute", end)
         callbacks, self.step_callback_sec = self.step_callback_sec, {}
         counts = self._run.counts.tolist()                               # one read of the device counters
-        tokens = float(state.num_input_tokens_seen - self._run.seen) if self._run.token_source == "trainer" else \
-            float(counts[HOOK_TOKENS])
+        tokens = (trl_tokens if trl_tokens is not None
+                  else float(state.num_input_tokens_seen - self._run.seen) if self._run.token_source == "trainer"
+                  else float(counts[HOOK_TOKENS]) if self._run.token_source == "hook" else 0.0)
         self._run.seen = state.num_input_tokens_seen
         generated = float(counts[GENERATED]) if self._run.is_grpo else 0.0
         if self._stop_watching_entry is not None:                   # counted at TRL's entry, every backend
             generated = float(self._step.completion_tokens)
-        rollout = max(0.0, record.generation - self._step.sync_seconds)   # the weight syncs to vLLM left out
-        self._exchange(state.global_step, [tokens, record.train, generated, rollout],      # the step's one exchange
+        engine = self._step.engine_seconds
+        self._exchange(state.global_step, [tokens, record.train, generated, engine],      # the step's one exchange
                        lambda rows: self._step_ended(args, state, control, record, counts, tokens, callbacks, rows,
-                                                     rollout))
+                                                     engine))
+
+    def _async_step(self) -> float | None:
+        """Async GRPO at the step's end, as TRL measured it (before its own callback resets the figures): the queue
+        wait moved out of the batch fetch into ``rollout_wait``, and the tokens the step trained."""
+        wait = adapter.async_rollout_wait(self._run.trainer)
+        if wait:
+            self.timeline.reassign(wait, "data_wait", "rollout_wait")
+        return adapter.async_trained_tokens(self._run.trainer)
 
     def _step_ended(self, args: Any, state: Any, control: Any, record: StepRecord, counts: list[int],
-                    tokens: float, callbacks: dict[str, float], rows: Rows, rollout: float) -> None:
+                    tokens: float, callbacks: dict[str, float], rows: Rows, engine: float) -> None:
         """The step's figures once every rank's tokens and training seconds are known (``rows``)."""
         train_seconds = None
         if self._run.world > 1:
             tokens = sum(r[0] for r in rows) if self._run.token_source == "hook" else tokens
             train_seconds = max(r[1] for r in rows)
         self.timeline.commit(record, tokens, train_seconds)
-        # the rollout's rate over every rank: all ranks' completion tokens in the slowest rank's generation seconds
-        all_generated, slowest = sum(r[2] for r in rows), max(r[3] for r in rows)
-        metrics = self._step_metrics(record, all_generated / slowest if slowest > 0 else None, rollout)
+        # the rollout's rate over every rank: all ranks' completion tokens over the step's engine time (the ranks'
+        # engines run at once; a server serving every rank made one call, on the main process)
+        all_generated, longest = sum(r[2] for r in rows), max(r[3] for r in rows)
+        metrics = self._step_metrics(record, all_generated / longest if longest > 0 else None, engine)
         if self._step.padded_positions:
             metrics[keys.PERF_PAD_FRACTION] = 1.0 - counts[REAL_POSITIONS] / self._step.padded_positions
         self._check_duplicates(state.global_step)
@@ -672,7 +769,8 @@ class ThroughputMeter(PerfCallback):
                                                  **self.machine.step_fields(record), **self._rollout_fields()})
         if control.should_log:   # phase shares over this logging interval
             metrics.update({keys.PERF_PHASE_SHARE[k]: v for k, v in self.timeline.take_window_phases().items()})
-        self._bus.merger.publish(metrics)
+        self._bus.merger.publish({k: v for k, v in metrics.items()
+                                  if not (self.backend == adapter.ASYNC_BACKEND and k in TRL_ASYNC_KEYS)})
         if self.progress_bar and metrics.get(keys.PERF_TOKENS_PER_SEC):
             self._bus.console.show_progress(f"tok/s={metrics[keys.PERF_TOKENS_PER_SEC]:.0f}")
         self._reset_step_counters()
@@ -690,18 +788,18 @@ class ThroughputMeter(PerfCallback):
         self.close()
 
     # ------------------------------------------------------------ metrics
-    def _step_metrics(self, record: StepRecord, rollout_rate: float | None, rollout: float) -> dict[str, Any]:
+    def _step_metrics(self, record: StepRecord, rollout_rate: float | None, engine: float) -> dict[str, Any]:
         tl = self.timeline
         rate = tl.tokens_per_sec
         m: dict[str, Any] = dict(tl.rate_metrics(self._run.world))
         mfu = self._utilisation(rate)
         m.update(mfu)
         m[keys.PERF_FORWARDS_PER_MICROBATCH] = self._step.forwards / max(1, self._step.microbatches)
-        if self._run.is_grpo and rollout > 0 and rollout_rate is not None:
+        if self._run.is_grpo and rollout_rate is not None:
             m[keys.PERF_ROLLOUT_TOKENS_PER_SEC] = rollout_rate
-            if self.run_peak_bandwidth and self._step.decode_steps:       # none counted where vLLM runs as a server
+            if self.run_peak_bandwidth and self._step.decode_steps and engine > 0:   # none where vLLM is a server
                 m[keys.PERF_DECODE_BANDWIDTH_UTIL] = (self._run.weight_bytes / self.engine_parallel
-                                                      * self._step.decode_steps / rollout / self.run_peak_bandwidth)
+                                                      * self._step.decode_steps / engine / self.run_peak_bandwidth)
         if self._run.is_grpo and tl.train_rate.rate():          # windowed over whole generation cycles, like tokens/s
             m[keys.PERF_TRAIN_TOKENS_PER_SEC] = tl.train_rate.rate()
         return {k: v for k, v in m.items() if v is not None}
@@ -719,7 +817,7 @@ class ThroughputMeter(PerfCallback):
 
     def _flops_per_token(self) -> tuple[float, float]:
         model, hardware = train_flops_per_token(self._run.shape, self._run.seq_len, self._run.recompute)
-        if self._run.is_grpo:   # every generated batch is trained num_iterations times and was generated once
+        if self._run.is_grpo and self.backend != adapter.ASYNC_BACKEND:   # trained num_iterations times, generated once
             forward = forward_flops_per_token(self._run.shape, self._run.seq_len)
             model, hardware = model * self._run.num_iterations + forward, hardware * self._run.num_iterations + forward
         return model, hardware
@@ -829,8 +927,17 @@ class ThroughputMeter(PerfCallback):
         if self._stop_watching_entry is not None:
             self._stop_watching_entry()
             self._stop_watching_entry = None
-        self.generation_depth = 0
+        if self._stop_watching_collectives is not None:
+            self._stop_watching_collectives()
+            self._stop_watching_collectives = None
+        self.generation_depth = self._sync_depth = self._engine_entry = 0
+        self._engine_calls, self._collective_waits = [], []
 
+
+#: async GRPO: the meter's published keys whose meaning TRL's ``AsyncGRPOTrainer`` logs itself (its key beside):
+#: left to TRL's in the reporters, still on the perf log's step lines
+TRL_ASYNC_KEYS = {keys.PERF_TOKENS_PER_SEC: "perf/trained_tok_s_wall_clock", keys.PERF_STEP_TIME: "perf/step_s",
+                  keys.PERF_MFU: "perf/mfu_wall_clock"}
 
 #: the training arguments of the phases a user controls (the run header's ``trainer_settings``)
 TRAINER_SETTINGS = ("save_strategy", "save_steps", "save_only_model", "save_total_limit", "logging_strategy",

@@ -23,7 +23,11 @@ phase               time
 ``data_wait``       inside the trainer's fetch of the step's batches (``get_batch_samples``: the whole
                     accumulation window, fetched before ``on_step_begin``), clocked
 ``generation``      GRPO rollouts: inside TRL's ``_generate`` (HF ``generate``, vLLM server or colocate, weight
-                    syncs to vLLM included), else inside ``model.generate``
+                    syncs to vLLM included; async GRPO: its weight transfers), else inside ``model.generate``;
+                    clocked (a region) or, from a caller without clocks, carved out of ``compute``
+``rollout_wait``    GRPO: a rank waiting for rollouts made elsewhere: in a collective of the rollout for another
+                    rank's weight sync or generation; async GRPO: the step's wait for the rollout queue (TRL's own
+                    figure, moved out of ``data_wait`` with :meth:`StepTimeline.reassign`)
 ``compute``         the rest of the step, from ``on_step_begin`` to ``on_step_end``: forward, backward,
                     optimizer (and the meter's one synchronize)
 ``recompute``       forwards the gradient checkpointing runs again during the backward (CPU: each part of a
@@ -103,6 +107,7 @@ class StepRecord:
     eval: float
     save: float
     tokens: float = 0.0
+    rollout_wait: float = 0.0
     steady: bool = False
     cpu: float | None = None   # process CPU seconds since the previous step ended (all threads), when measured
     log: float = 0.0
@@ -175,6 +180,7 @@ class StepTimeline:
         self.regions: list[str] = []          # clocked regions open now, innermost last
         self.step_begin_at: float | None = None
         self.step_phases = dict.fromkeys(PHASES, 0.0)        # seconds per phase of the step in progress
+        self.unclocked_generation = 0.0       # add_generation's seconds of the step: carved out of compute
         self.cycle: list[StepRecord] = []
         self.unsettled: list[list[StepRecord]] = []   # cycles seen before warmup was decided
         self.window_phases = dict.fromkeys(PHASES, 0.0)
@@ -246,8 +252,18 @@ class StepTimeline:
         self.last_mark = max(self.last_mark, t)
 
     def add_generation(self, seconds: float) -> None:
+        """``seconds`` of the step's compute were generation, unclocked (a caller without regions)."""
         if self.step_begin_at is not None:   # generation during eval belongs to eval
-            self.step_phases["generation"] += seconds
+            self.unclocked_generation += seconds
+
+    def reassign(self, seconds: float, source: str, target: str) -> float:
+        """Move up to ``seconds`` of the interval in progress from phase ``source`` to ``target`` (what a clock of
+        the library measured inside another one's region: async GRPO's queue wait inside the batch fetch); returns
+        the seconds moved."""
+        moved = min(max(0.0, seconds), self.step_phases[source])
+        self.step_phases[source] -= moved
+        self.step_phases[target] += moved
+        return moved
 
     def add_recompute(self, seconds: float) -> None:
         """``seconds`` of the step's compute were forwards run again by gradient checkpointing."""
@@ -260,9 +276,10 @@ class StepTimeline:
         self._charge(t)
         wall = max(0.0, t - self.prev_end)
         p = self.step_phases
-        generation = min(p["generation"], p["compute"])     # generate ran inside the step's compute time
+        generation = min(self.unclocked_generation, p["compute"])     # generate ran inside the step's compute time
         p["compute"] -= generation
-        p["generation"] = generation
+        p["generation"] += generation
+        self.unclocked_generation = 0.0
         recompute = min(p["recompute"], p["compute"])     # so did the recompute
         p["compute"] -= recompute
         p["recompute"] = recompute
@@ -275,7 +292,8 @@ class StepTimeline:
         :meth:`commit`)."""
         wall, p = self._take_phases(t)
         record = StepRecord(step, wall, wall - p["eval"] - p["save"], p["data_wait"], p["generation"], p["compute"],
-                            p["eval"], p["save"], log=p["log"], own_callbacks=p["own_callbacks"],
+                            p["eval"], p["save"], rollout_wait=p["rollout_wait"], log=p["log"],
+                            own_callbacks=p["own_callbacks"],
                             user_callbacks=p["user_callbacks"], recompute=p["recompute"], unexplained=p["unexplained"])
         if cpu is not None and self.prev_cpu is not None:
             record.cpu = max(0.0, cpu - self.prev_cpu)
@@ -305,7 +323,7 @@ class StepTimeline:
             self.phase_totals[phase] += seconds
             self.window_phases[phase] += seconds
         self.rate.add(tokens, record.train)
-        self.train_rate.add(tokens, max(0.0, record.train - record.generation))
+        self.train_rate.add(tokens, max(0.0, record.train - record.generation - record.rollout_wait))
         self.cycle.append(record)
         if len(self.cycle) == self.period:
             self._close_cycle(self.cycle)

@@ -9,7 +9,8 @@ from collections.abc import Mapping
 from .keys import CONSOLE_WIDTH
 
 #: what each phase of a step's wall time is, in words (keys: :data:`hf_perf_callbacks.runlog.PHASES`)
-PHASE_WORDS = {"data_wait": "waiting for data", "generation": "generation", "compute": "forward/backward/optimizer",
+PHASE_WORDS = {"data_wait": "waiting for data", "generation": "generation", "rollout_wait": "waiting for rollouts",
+               "compute": "forward/backward/optimizer",
                "eval": "evaluation", "save": "saving", "log": "logging", "own_callbacks": "this package's callbacks",
                "user_callbacks": "other callbacks", "recompute": "recompute (gradient checkpointing)",
                "unexplained": "unexplained"}

@@ -107,6 +107,54 @@ def test_trl_generation_entry_internals_exist():
     assert adapter.rollout_counts(adapter.SYNC, None) == (0, 0, 0)
 
 
+def test_the_engine_call_internals_exist():
+    """What the engine calls are timed at: in server mode the main process's ``VLLMGeneration.vllm_client.generate``
+    (the HTTP request), in colocate mode ``VLLMGeneration.llm.generate``; TRL's server path gathers the prompts and
+    broadcasts the completions (``gather_object``, ``broadcast_object_list``: the other ranks wait there)."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    source = inspect.getsource(VLLMGeneration)
+    for name in ("self.vllm_client.generate(", "self.llm.generate(", "gather_object(prompts)",
+                 "broadcast_object_list(obj_list"):
+        assert_present(name in source, f"VLLMGeneration: {name}")
+
+
+def test_async_grpo_internals_exist():
+    """What ``adapter.is_async_grpo``, ``async_rollout_wait``, ``async_trained_tokens`` and the entry watch rely on in
+    TRL 1.16's ``trl.experimental.async_grpo``: ``AsyncGRPOTrainer._sync_weight`` (handed, bound, to a
+    ``StepIntervalCallback`` as its ``fn``), ``rollout_queue``, ``rollout_worker.start``, ``_rollout_dataset.wait_s``
+    (reset by ``_log_step_metrics``) and ``_step_trained_tokens``."""
+    try:
+        from trl.experimental.async_grpo import async_grpo_trainer
+    except ImportError:
+        pytest.skip("this TRL has no trl.experimental.async_grpo")
+    source = inspect.getsource(async_grpo_trainer)
+    if "_step_trained_tokens" not in source:        # TRL 1.0's async trainer: the meter counts the forwards' tokens
+        pytest.skip("this TRL's AsyncGRPOTrainer predates the figures TRL 1.16 measures")
+    for name in ("def _sync_weight(self)", "StepIntervalCallback(self._sync_weight", "self.fn = fn",
+                 "self.rollout_queue =", "self._trainer.rollout_worker.start()", "self.wait_s += wait_s",
+                 "self._rollout_dataset.wait_s = 0.0", "self._step_trained_tokens += float(global_n_tokens)",
+                 "self._step_trained_tokens = 0.0"):
+        assert_present(name in source, f"async_grpo_trainer: {name}")
+    trainer = type("Async", (), {"_sync_weight": lambda self: None, "rollout_queue": None,
+                                 "_rollout_dataset": type("D", (), {"wait_s": 1.5})(), "_step_trained_tokens": 24.0})()
+    assert adapter.is_async_grpo(trainer) and adapter.generation_backend(trainer) == adapter.ASYNC_BACKEND
+    assert adapter.async_rollout_wait(trainer) == 1.5 and adapter.async_trained_tokens(trainer) == 24.0
+    assert adapter.async_rollout_wait(object()) is None and not adapter.is_async_grpo(object())
+
+
+def test_watched_collectives_are_timed_and_restored():
+    original = torch.distributed.broadcast_object_list
+    seen = []
+    undo = adapter.watch_collectives(lambda name: seen.append(("in", name)), lambda name: seen.append(("out", name)))
+    assert torch.distributed.broadcast_object_list is not original
+    with pytest.raises(ValueError):                      # no process group here: the collective raises
+        torch.distributed.broadcast_object_list([None], src=0)
+    undo()
+    assert torch.distributed.broadcast_object_list is original
+    assert seen == [("in", "broadcast_object_list"), ("out", "broadcast_object_list")]     # finished on an error
+
+
 def test_generation_entry_wrappers_tell_each_kind_and_come_off():
     class Engine:
         def sync_weights(self):

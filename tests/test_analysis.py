@@ -623,7 +623,7 @@ def test_rules_list_is_complete_and_pure():
     from hf_perf_callbacks.report.model import CARDS
 
     names = [r.__name__.removeprefix("rule_") for r in RULES]
-    assert len(names) == len(set(names)) == 20 and set(names) == set(CARDS)
+    assert len(names) == len(set(names)) == 21 and set(names) == set(CARDS)
     assert all(card.finding or card.note for card in CARDS.values())
     m = healthy(phases={"data_wait": 0.5, "compute": 0.5})
     before = dataclasses.replace(m, phases=dict(m.phases))

@@ -142,7 +142,7 @@ def test_an_oom_after_the_guard_came_off_ends_the_process_with_the_split_recorde
     record = json.load(open(tmp_path / "run" / "tuner_split.json"))
     assert record["split"] == {"micro_batch": 2, "grad_accum": 2}
     assert [(d["kind"], d["step"], d["checkpoint"]) for d in record["decisions"]] == [
-        ("oom", 4, str(tmp_path / "run" / "checkpoint-4"))]
+        ("oom", 5, str(tmp_path / "run" / "checkpoint-4"))]
     second = torchrun(tmp_path, "restart", "relaunch")
     assert second.returncode == 0, second.stderr[-4000:]
     r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1))

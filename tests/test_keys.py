@@ -70,8 +70,8 @@ def test_the_logged_names_stay():
 
 
 def test_the_phase_keys_follow_the_phases():
-    assert keys.PHASES == ("data_wait", "generation", "compute", "eval", "save", "log", "own_callbacks",
-                           "user_callbacks", "recompute", "unexplained")
+    assert keys.PHASES == ("data_wait", "generation", "rollout_wait", "compute", "eval", "save", "log",
+                           "own_callbacks", "user_callbacks", "recompute", "unexplained")
     assert keys.PERF_PHASE_SHARE == {p: f"perf/phase/{p}" for p in keys.PHASES}
     assert keys.PERF_PHASE_SEC == {p: f"perf/phase_sec/{p}" for p in keys.PHASES}
 

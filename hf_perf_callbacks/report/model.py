@@ -121,6 +121,7 @@ Reason = Literal[
     "grad_forwards",                                                                              # duplicate_forward
     "fixed_length", "pad_to_multiple", "grpo_inherent", "one_length_unsure", "per_batch",         # padding_waste
     "launch_bound", "generation_share", "sync_share",                              # generation_bound, weight_sync
+    "waits_for_rollouts",                                                                         # rollout_wait
     "cost_over_saving",                                                                           # tuning_cost
     "small_split", "memory_cap", "tuner_measured", "tuner_measured_none",                         # small_micro_batch
     "needs_train_with_tuning",                                                                    # tuner_hint
@@ -139,6 +140,7 @@ REASONS: dict[str, tuple[str, ...]] = {
     "duplicate_forward": ("grad_forwards",),
     "padding_waste": ("fixed_length", "pad_to_multiple", "grpo_inherent", "one_length_unsure", "per_batch"),
     "generation_bound": ("launch_bound", "generation_share"), "weight_sync": ("sync_share",),
+    "rollout_wait": ("waits_for_rollouts",),
     "tuning_cost": ("cost_over_saving",),
     "small_micro_batch": ("small_split", "memory_cap", "tuner_measured", "tuner_measured_none"),
     "tuner_hint": ("needs_train_with_tuning",), "completion_budget": ("cut_off", "runaways", "no_runaways"),
@@ -240,9 +242,11 @@ class Measurements:
     # GRPO, timed at TRL's generation entry (the meter's perf/weight_sync_sec, perf/reward_sec, ... step keys)
     generation_backend: str | None = None    # "transformers", "vllm-server", "vllm-colocate" (None: not recorded)
     vllm_enable_sleep_mode: bool | None = None
+    weight_sync_steps: int | None = None     # async GRPO: optimizer steps between two weight transfers
     weight_sync_share: float | None = None   # Σ perf/weight_sync_sec / Σ step wall time (vLLM only)
     weight_sync_sec: float | None = None     # mean seconds of a step that synced weights
     weight_syncs: int = 0                    # steps that synced weights
+    staleness_mean: float | None = None      # async GRPO: TRL's sample/staleness_mean over its logs (policy versions)
     reward_share: float | None = None        # Σ perf/reward_sec / Σ step wall time
     rollout_tokens_per_sec: float | None = None   # median of the steady steps' perf/rollout_tokens_per_sec
     phase_sec: dict[str, float] = field(default_factory=dict)   # seconds per phase: the step lines and the tail

@@ -213,9 +213,11 @@ class GenerationReadings(TypedDict):
 
     generation_backend: str | None
     vllm_enable_sleep_mode: bool | None
+    weight_sync_steps: int | None
     weight_sync_share: float | None
     weight_sync_sec: float | None
     weight_syncs: int
+    staleness_mean: float | None
     reward_share: float | None
     rollout_tokens_per_sec: float | None
 
@@ -529,8 +531,10 @@ def _generation_readings(run_log: RunLog, run: RunHeader, skipped: list[str]) ->
     logged = run_log.keys_logged()
     return {"generation_backend": backend,
             "vllm_enable_sleep_mode": _fact(run, "vllm_enable_sleep_mode", "bool", skipped),
+            "weight_sync_steps": _fact(run, "weight_sync_steps", "int", skipped),
             "weight_sync_share": sum(syncs) / wall if wall and keys.PERF_WEIGHT_SYNC_SEC in logged else None,
             "weight_sync_sec": sum(syncs) / len(syncs) if syncs else None, "weight_syncs": len(syncs),
+            "staleness_mean": _mean(finite(run_log.column(keys.TRAINER_LOG + "sample/staleness_mean"))),
             "reward_share": sum(rewards) / wall if wall and rewards else None,
             "rollout_tokens_per_sec": _median(list(_steady_values(run_log, keys.PERF_ROLLOUT_TOKENS_PER_SEC)))}
 

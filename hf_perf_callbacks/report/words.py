@@ -716,7 +716,8 @@ def _per_batch(f: Facts, setting: Setting, _: Any) -> FindingWords:
 #: the facts: ``sized`` (how a raised limit was sized), ``freed`` (the memory a cap frees, written out)
 Phrases = dict[str, str]
 _BACKEND_WORDS = {"transformers": "HF generate", "transformers-paged": "HF continuous batching",
-                  "vllm-server": "vLLM server", "vllm-colocate": "vLLM colocated", "vllm": "vLLM"}
+                  "vllm-server": "vLLM server", "vllm-colocate": "vLLM colocated", "vllm": "vLLM",
+                  "vllm-async": "async GRPO's vLLM server"}
 _CHECK_BY_HAND = ("check the reward functions on a few completions by hand: a reward that is constant by mistake (a "
                   "parsing error that always returns 0) looks exactly like this")
 
@@ -856,6 +857,10 @@ def _sync_share(f: Facts, setting: Setting, _: Any) -> FindingWords:
             "(`VLLMGeneration.sync_weights`; with LoRA the adapters are merged and the whole model is sent), and the "
             "trainer waits for it. Its cost grows with the model, not with the batch, so it weighs most where "
             "generation batches are small.")
+    if backend == "vllm-async":
+        root = ("AsyncGRPOTrainer pauses the server and sends it every weight after each `weight_sync_steps` optimizer "
+                "steps (`_sync_weight`); the trainer waits for the transfer. Its cost grows with the model, not with "
+                "the batch.")
     if f["sleep_mode"]:
         root += (" With `vllm_enable_sleep_mode` the engine drops its weights after every generate call (sleep "
                  "level 2), so a second call in one step (tool-call turns, evaluation) sends them again.")
@@ -865,12 +870,33 @@ def _sync_share(f: Facts, setting: Setting, _: Any) -> FindingWords:
         lines.append(f"`steps_per_generation: {2 * spg}` (now {spg}): one generation, and one sync, for twice the "
                      f"micro-batches; the cost is on-policy-ness (the later updates learn from completions of older "
                      f"weights, and TRL clips the importance ratio)")
-    if backend == "vllm-server":
+    if "weight_sync_steps" in setting:
+        lines.append(f"`weight_sync_steps: {setting['weight_sync_steps']}` (now {_int(f, 'weight_sync_steps')}): "
+                     "half the transfers; the cost is staleness: rollouts come from older weights (up to "
+                     "`max_staleness` versions back)")
+    if backend in ("vllm-server", "vllm-async"):
         lines.append("keep the server on GPUs of the training node (NVLink or PCIe, not across the network): the "
                      "weights travel over NCCL from the training process's first rank")
     formula = (f"not predicted: the run measures syncs at one setting (syncs free would be the ceiling, "
                f"1/(1 − {share:.2f}) = {1 / (1 - share):.2f}x)")
     return FindingWords("Weight syncs to vLLM take a large share of the step", obs, root, _bullets(lines), formula)
+
+
+@_finding_words("waits_for_rollouts")
+def _waits_for_rollouts(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    share, staleness = _num(f, "share"), f["staleness"]
+    obs = (f"The trainer waited for rollouts {_pct(share)} of the wall time (TRL's `perf/rollout_wait_s`)"
+           + (f"; the samples it trained were {_num(f, 'staleness'):.1f} policy versions old on average"
+              if staleness is not None else "") + ".")
+    root = ("AsyncGRPOTrainer trains on what its rollout queue holds; an empty queue stops the step until the "
+            "rollout worker's requests to the vLLM server come back: generation is slower than training.")
+    lines = ["more generation: more vLLM engines (`vllm serve ... --data-parallel-size N`) and more requests in "
+             "flight (`max_inflight_tasks`)",
+             "or a larger `max_staleness`: the worker may generate further ahead, and the trainer learns from "
+             "older policies' samples (more off-policy)"]
+    formula = (f"not predicted: the run does not measure another generation rate (no wait would be the ceiling, "
+               f"1/(1 − {share:.2f}) = {1 / (1 - share):.2f}x)")
+    return FindingWords("The async trainer waits for rollouts", obs, root, _bullets(lines), formula)
 
 
 def _completion_observation(f: Facts) -> str:

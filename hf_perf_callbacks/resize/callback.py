@@ -116,6 +116,11 @@ class AdaptiveBatchTuner(PerfCallback):
                       "tuner stays off. Turn auto_find_batch_size off to let the tuner keep the batch exact.")
             self.disabled = True
             return
+        refusal = _cannot_cut(adapter.calling_trainer())
+        if refusal:
+            self.warn(refusal)
+            self.disabled = True
+            return
         executor = self.executor = Executor.for_tuner(args, state, self.bus, self.accept_unmeasured)
         if self.tune and not executor.managed and not self._hinted:   # said once: nothing will be tuned
             self._hinted = True                         # a note (INFO), not a warning: a meter-only user lost nothing
@@ -287,3 +292,12 @@ def format_tuning(decision: Decision) -> str:
 
 def find_callback(trainer: Trainer, cls: type[_Callback]) -> _Callback | None:
     return next((cb for cb in adapter.all_callbacks(trainer.callback_handler) if isinstance(cb, cls)), None)
+
+
+def _cannot_cut(trainer: object) -> str | None:
+    """Why the tuner cannot cut this run's batches into another split, said at its start (None: it can)."""
+    if adapter.is_async_grpo(trainer):
+        return ("AsyncGRPOTrainer packs its rollout queue's samples into rows with its own batcher (token_budget or a "
+                "fixed count): the split does not decide its micro-batches, so the tuner stays off; lower "
+                "token_budget to use less memory (the watchdog still measures and stops)")
+    return None

@@ -74,7 +74,9 @@ FSDP_NOTES = ("train_with_tuning under FSDP: an out-of-memory error inside a tra
 NO_GUARD = ("train_with_tuning under FSDP with a device mesh of more than one dimension: FSDP's collectives run on "
             "sub-groups that the step guard cannot see, so every out-of-memory error ends the process and the "
             "launcher's restart (--max_restarts) resumes with the next smaller split.")
-DEEPSPEED_NOTES = ("train_with_tuning under DeepSpeed: a re-size (the watchdog's, or an out-of-memory error in one "
+DEEPSPEED_NOTES = ("train_with_tuning under DeepSpeed: its engine keeps the reduced gradient, so no re-size can be "
+                   "checked on the step's rows: an out-of-memory error ends the run saved unless "
+                   "AdaptiveBatchTuner(accept_unmeasured=True). With it, a re-size (the watchdog's, or an OOM in one "
                    "process) saves DeepSpeed's checkpoint, writes the split to the DeepSpeed config and resumes with a "
                    "new engine in this process; under several ranks an out-of-memory error ends the process and the "
                    "launcher's restart resumes from the newest checkpoint with the next smaller split: launch with "

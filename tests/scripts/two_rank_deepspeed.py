@@ -2,7 +2,9 @@
 ``train_with_tuning`` under DeepSpeed ZeRO (stage given on the command line), through transformers' own DeepSpeed
 integration (``TrainingArguments(deepspeed=...)``, accelerate's ``DeepSpeedPlugin``, ``deepspeed.initialize``).
 
-Each rank writes what it measured to ``<out>/rank<R>.json``. A rank still running after ``HANG_DUMP_SEC``
+DeepSpeed keeps each rank's part of the reduced gradient inside its engine, so a re-size under it cannot be checked
+on the step's rows (docs/exactness.md): the tuners here accept an unmeasured split (``accept_unmeasured=True``),
+as a DeepSpeed user does to re-size at all. Each rank writes what it measured to ``<out>/rank<R>.json``. A rank still running after ``HANG_DUMP_SEC``
 (default 300) prints every thread's stack and exits: a hang fails with where it hung.
 """
 import faulthandler
@@ -59,16 +61,41 @@ def full_weights(trainer) -> dict:
         return {k: v.detach().to("cpu", copy=True) for k, v in params.items()}
 
 
-def main(out, stage):
-    from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter, default_callbacks, keys
-    from hf_perf_callbacks.flops import shape_of
-    from hf_perf_callbacks.tiny import build_model, build_tokenizer
-    from tests.conftest import CORPUS, make_trainer
+def no_compiled_op():
+    """On a CPU, DeepSpeed builds one C++ op the first time its communication starts: its shared-memory all-reduce
+    (``deepspeed_shm_comm``, 3.5 min on 2 cores, then cached), which only ``inference_all_reduce`` calls, never
+    training. ``build_shm_op`` returning None is DeepSpeed's own path where the op is not available (any platform but
+    Linux): every collective then goes through the process group (gloo), as it does anyway in training."""
+    if os.environ.get("DS_ACCELERATOR") == "cpu":
+        import importlib
+
+        # the module itself: the name ``deepspeed.comm.torch`` is torch after ``deepspeed.comm``'s star import
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+def main(out, stage, parts=("meter", "tuned")):
+    """``parts``: ``meter`` (1-2: the figures, a stop on one rank), ``tuned`` (3-4: the re-size in process)."""
+    from hf_perf_callbacks.tiny import build_tokenizer
+    from tests.conftest import CORPUS
 
     rank = int(os.environ["RANK"])
     tokenizer = build_tokenizer(CORPUS, vocab_size=300)
     result = {"rank": rank, "stage": stage}
+    if "meter" in parts:
+        result.update(meter_and_stop(tokenizer, out, stage, rank))
+    if "tuned" in parts:
+        result.update(tuned_in_process(tokenizer, out, stage, rank))
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
 
+
+def meter_and_stop(tokenizer, out, stage, rank):
+    from hf_perf_callbacks import MemoryWatchdog, default_callbacks, keys
+    from hf_perf_callbacks.flops import shape_of
+    from hf_perf_callbacks.tiny import build_model
+    from tests.conftest import make_trainer
+
+    result = {}
     # 1. the four callbacks on a plain Trainer
     callbacks = default_callbacks()
     meter = callbacks[0]
@@ -96,7 +123,14 @@ def main(out, stage):
     dist.barrier()
     checkpoint = os.path.join(out, "stop", f"checkpoint-{stopped.state.global_step}")
     result["checkpoint_files"] = sorted(os.listdir(checkpoint)) if os.path.isdir(checkpoint) else []
+    return result
 
+
+def tuned_in_process(tokenizer, out, stage, rank):
+    from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter, keys
+    from tests.conftest import make_trainer
+
+    result = {}
     # 3. train_with_tuning: memory that grows with the micro-batch on rank 1 only (a fake device reading) makes the
     #    watchdog ask for a smaller micro-batch at step 2; both ranks save DeepSpeed's checkpoint, build a new engine
     #    for the new split and go on in the same process to max_steps
@@ -105,7 +139,7 @@ def main(out, stage):
     from tests.test_tuner import MemoryByBatch
 
     watchdog = MemoryWatchdog(limit_gb=7.0 if rank == 1 else None, grace_steps=1)
-    tuner = AdaptiveBatchTuner()                                   # tune on: under DeepSpeed it is skipped
+    tuner = AdaptiveBatchTuner(accept_unmeasured=True)             # tune on: under DeepSpeed it is skipped
     tuned = make_trainer(tokenizer, os.path.join(out, "tuned"), [ThroughputMeter(), watchdog, tuner], max_steps=5,
                          bs=4, ga=2, extra=ds_args(stage))
     if rank == 1:
@@ -135,8 +169,7 @@ def main(out, stage):
     result["exact"] = {"differences": compare(expected, got), "step": trainer.state.global_step,
                        "split": [trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps],
                        "actions": [a["action"] for a in watchdog.actions]}
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    return result
 
 
 EXACT = dict(optim="sgd", optim_args="momentum=0.9", learning_rate=0.02, max_grad_norm=0.0, lr_scheduler_type="linear")
@@ -154,7 +187,8 @@ def exact_run(tokenizer, out, stage, name, *callbacks, steps=6, plant=None, resu
     saves = dict(save_strategy="steps", save_steps=save_steps) if save_steps else {}
     planted = [plant] if plant is not None else []
     trainer = make_trainer(tokenizer, os.path.join(out, name),
-                           [recorder, AdaptiveBatchTuner(tune=False), *callbacks, *planted], max_steps=steps, bs=4,
+                           [recorder, AdaptiveBatchTuner(tune=False, accept_unmeasured=True), *callbacks, *planted],
+                           max_steps=steps, bs=4,
                            ga=1, extra=ds_args(stage, **EXACT, **saves), length=12)
     recorder.attach(trainer)
     for callback in callbacks:
@@ -189,12 +223,12 @@ def compare(expected: dict, got: dict, steps=None) -> list[str]:
     return found
 
 
-def restart(out, stage, relaunch: bool):
-    """An out-of-memory error on rank 0 at step 5 under several ranks: DeepSpeed's collectives are not guarded, so
-    rank 0 records the next smaller split and ends its process (the first launch fails). ``relaunch``: the launch a
-    launcher's restart (or a person) makes next resumes from the newest checkpoint of this run (``save_steps=2``:
-    checkpoint-4) with the recorded split, to max_steps; it is compared with an unfaulted run made by the first
-    launch."""
+def restart(out, stage, relaunch: bool, oom_rank: int = 0):
+    """An out-of-memory error on rank ``oom_rank`` at step 5 under several ranks: DeepSpeed's collectives are not
+    guarded, so that rank records the next smaller split and ends its process (the first launch fails).
+    ``relaunch``: the launch a launcher's restart (or a person) makes next resumes from the newest checkpoint of this
+    run (``save_steps=2``: checkpoint-4) with the recorded split, to max_steps; it is compared with an unfaulted run
+    made by the first launch."""
     from hf_perf_callbacks.tiny import build_tokenizer
     from tests.conftest import CORPUS
     from tests.test_tuner import CUDA_OOM, PlantedOOM
@@ -205,7 +239,7 @@ def restart(out, stage, relaunch: bool):
     if not relaunch:
         _, expected = exact_run(tokenizer, out, stage, "unfaulted", steps=8, save_steps=2)
         torch.save(expected, unfaulted)
-        plant = PlantedOOM(limit=2 if rank == 0 else 99, text=CUDA_OOM, armed_at=4)
+        plant = PlantedOOM(limit=2 if rank == oom_rank else 99, text=CUDA_OOM, armed_at=4)
         exact_run(tokenizer, out, stage, "run", steps=8, save_steps=2, plant=plant)
         return
     trainer, got = exact_run(tokenizer, out, stage, "run", steps=8, save_steps=2, resume=True)
@@ -259,7 +293,8 @@ def grpo(out, stage):
     result = {"rank": rank, "stage": stage}
     runs = {}
     for name in ("unfaulted", "resized"):
-        meter, recorder, tuner = ThroughputMeter(), SampleRecorder(), AdaptiveBatchTuner(tune=False)
+        meter, recorder, tuner = (ThroughputMeter(), SampleRecorder(),
+                                  AdaptiveBatchTuner(tune=False, accept_unmeasured=True))
         callbacks = [recorder, meter, tuner]
         watchdog = MemoryWatchdog(limit_gb=7.0 if rank == 1 else None, grace_steps=1) if name == "resized" else None
         trainer = make_grpo(tokenizer, os.path.join(out, f"grpo_{name}"), callbacks + ([watchdog] if watchdog else []),
@@ -299,11 +334,15 @@ def shut_down():
 
 if __name__ == "__main__":
     faulthandler.dump_traceback_later(int(os.environ.get("HANG_DUMP_SEC", "300")), exit=True)
+    no_compiled_op()
     mode = sys.argv[3] if len(sys.argv) > 3 else "main"
     if mode == "main":
         main(sys.argv[1], int(sys.argv[2]))
-    elif mode == "restart":
-        restart(sys.argv[1], int(sys.argv[2]), relaunch=sys.argv[4:] == ["relaunch"])
+    elif mode in ("meter", "tuned"):
+        main(sys.argv[1], int(sys.argv[2]), parts=(mode,))
+    elif mode in ("restart", "restart_rank1"):      # an OOM on rank 0, or on rank 1
+        restart(sys.argv[1], int(sys.argv[2]), relaunch="relaunch" in sys.argv[4:],
+                oom_rank=int(mode == "restart_rank1"))
     elif mode == "one":
         one_process(sys.argv[1], int(sys.argv[2]))
     elif mode == "grpo":

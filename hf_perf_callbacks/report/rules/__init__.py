@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..model import CARDS, Finding, Measurements, Note
-from .grpo import rule_completion_budget, rule_generation_bound, rule_no_learning, rule_weight_sync
+from .grpo import rule_completion_budget, rule_generation_bound, rule_no_learning, rule_rollout_wait, rule_weight_sync
 from .machine import rule_contention, rule_oversubscription
 from .memory import rule_memory_pressure
 from .phases import rule_callbacks, rule_recompute, rule_saving
@@ -18,7 +18,7 @@ from .step import rule_duplicate_forward, rule_input_bound, rule_padding_waste, 
 RULES: list[Callable[[Measurements], Finding | Note | None]] = [
     rule_no_learning, rule_memory_pressure, rule_oversubscription, rule_contention, rule_evaluation, rule_saving,
     rule_callbacks, rule_input_bound, rule_recompute, rule_duplicate_forward, rule_padding_waste,
-    rule_generation_bound, rule_weight_sync, rule_tuning_cost,
+    rule_generation_bound, rule_weight_sync, rule_rollout_wait, rule_tuning_cost,
     rule_small_micro_batch, rule_tuner_hint, rule_completion_budget, rule_warmup, rule_evidence, rule_log_fields,
 ]
 _ORDER = {rule.__name__.removeprefix("rule_"): i for i, rule in enumerate(RULES)}

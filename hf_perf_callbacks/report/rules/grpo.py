@@ -23,6 +23,8 @@ from .formulas import _memory_freed_by_cut
 
 GENERATION_SHARE = 0.5
 WEIGHT_SYNC_SHARE = 0.15     # weight syncs to vLLM at or above this share of the wall time: a finding
+ROLLOUT_WAIT_SHARE = 0.25    # async GRPO: the trainer waiting for rollouts at or above this share: a finding
+ASYNC = "vllm-async"         # the backend of TRL's AsyncGRPOTrainer
 LAUNCH_BOUND_UTIL = 0.1      # decode bandwidth utilisation below which decode is launch-bound
 NO_LEARNING_LOGS = 3         # consecutive logs with zero reward variance in every group and zero gradient norm
 
@@ -81,8 +83,8 @@ def rule_no_learning(m: Measurements) -> Finding | Note | None:
       gain="no")
 def rule_generation_bound(m: Measurements) -> Finding | None:
     g = _phase(m, "generation")
-    if not m.grpo or g < GENERATION_SHARE or _too_short(m):
-        return None
+    if not m.grpo or g < GENERATION_SHARE or _too_short(m) or m.generation_backend == ASYNC:
+        return None                              # async GRPO's trainer does not generate: its weight syncs are its own
     u = m.decode_bandwidth_util
     backend = m.generation_backend or ("vllm" if m.use_vllm else "transformers")
     launch_bound = u is not None and u < LAUNCH_BOUND_UTIL and not backend.startswith("vllm")
@@ -124,13 +126,28 @@ def rule_weight_sync(m: Measurements) -> Finding | None:
     backend = m.generation_backend or "vllm"
     spg = m.steps_per_generation or m.grad_accum
     setting: Setting = {"steps_per_generation": 2 * spg} if spg and not _under_pressure(m) else {}
+    if backend == ASYNC:                         # the trainer sends its weights every weight_sync_steps steps
+        setting = {"weight_sync_steps": 2 * m.weight_sync_steps} if m.weight_sync_steps else {}
     if not setting and backend != "vllm-server":
         return None
     return finding("weight_sync", "sync_share",
                    {"share": share, "syncs": m.weight_syncs, "sync_sec": m.weight_sync_sec, "backend": backend,
                     "generation": _phase(m, "generation"), "steps_per_generation": spg,
-                    "sleep_mode": backend == "vllm-colocate" and bool(m.vllm_enable_sleep_mode)},
+                    "sleep_mode": backend == "vllm-colocate" and bool(m.vllm_enable_sleep_mode),
+                    "weight_sync_steps": m.weight_sync_steps},
                    setting, None, "medium", "try", None)
+
+
+@card(finding=f"async GRPO: the trainer waits for rollouts ≥ {ROLLOUT_WAIT_SHARE:.0%} of the wall time → more "
+              "generation (vLLM engines, `max_inflight_tasks`), `max_staleness` (with its cost: more off-policy)",
+      gain="no")
+def rule_rollout_wait(m: Measurements) -> Finding | None:
+    wait = _phase(m, "rollout_wait")
+    if not m.grpo or m.generation_backend != ASYNC or wait < ROLLOUT_WAIT_SHARE or _too_short(m):
+        return None
+    return finding("rollout_wait", "waits_for_rollouts",
+                   {"share": wait, "staleness": m.staleness_mean, "weight_sync_share": m.weight_sync_share,
+                    "steady_step_sec": m.steady_step_sec}, {}, None, "medium", "try", None)
 
 
 def _cut_off(m: Measurements, facts: Facts, limit: int, clipped: float) -> Finding:

@@ -4,8 +4,9 @@ integration (``TrainingArguments(deepspeed=...)``, accelerate's ``DeepSpeedPlugi
 
 DeepSpeed keeps each rank's part of the reduced gradient inside its engine, so a re-size under it cannot be checked
 on the step's rows (docs/exactness.md): the tuners here accept an unmeasured split (``accept_unmeasured=True``),
-as a DeepSpeed user does to re-size at all. Each rank writes what it measured to ``<out>/rank<R>.json``. A rank still running after ``HANG_DUMP_SEC``
-(default 300) prints every thread's stack and exits: a hang fails with where it hung.
+as a DeepSpeed user does to re-size at all. Each rank writes what it measured to ``<out>/rank<R>.json``. A rank
+still running after ``HANG_DUMP_SEC`` (default 300) prints every thread's stack and exits: a hang fails with where
+it hung.
 """
 import faulthandler
 import json

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
 import sys
 
 #: the quick start's (``hf-perf demo --model tiny``) measured time and its conditions, as docs/performance.md gives it
@@ -81,8 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "report":
         from .report import report_command
 
-        return report_command(args.output_dir, plots=args.plots)
+        return report_command(run_dir(args.output_dir), plots=args.plots)
     return 0
+
+
+def run_dir(path: str) -> str:
+    """The run ``hf-perf report PATH`` reports on: PATH, or its parent when PATH is one of the run's
+    ``checkpoint-N`` folders (the run's perf log is beside them, not in them), said in one line."""
+    from .keys import PERF_LOG
+
+    folder = os.path.normpath(path)
+    parent = os.path.dirname(folder) or "."
+    if (not os.path.isfile(os.path.join(folder, PERF_LOG)) and re.fullmatch(r"checkpoint-\d+", os.path.basename(folder))
+            and os.path.isfile(os.path.join(parent, PERF_LOG))):
+        print(f"{path} is a checkpoint of the run in {parent}: the report is that run's")
+        return parent
+    return path
 
 
 def recipes_command(args: argparse.Namespace) -> int:

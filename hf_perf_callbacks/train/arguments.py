@@ -291,14 +291,19 @@ def check_values(config: Mapping[str, Any], source: str = "recipe", parser: TrlP
     hints: dict[str, Any] = {}
     for cls in reversed(list(parser.dataclass_types)):
         hints.update(typing.get_type_hints(cls))
-    actions = {action.dest: action for action in parser._actions if action.option_strings}
+    actions: dict[str, argparse.Action] = {}
+    for action in parser._actions:                      # --tune, not its --no_tune
+        if action.option_strings:
+            actions.setdefault(action.dest, action)
     problems = []
     for key, value in config.items():
         if key == "env" or key not in hints:
             continue
         test, words = expected_type(hints[key])
-        if isinstance(value, str) and not _converts(actions.get(key), value) or \
-                not isinstance(value, str) and not test(value):
+        action = actions.get(key)
+        if isinstance(value, str) and action is not None and action.choices is not None:
+            words = "one of " + ", ".join(map(str, action.choices))       # the flag's choices: what argparse takes
+        if isinstance(value, str) and not _converts(action, value) or not isinstance(value, str) and not test(value):
             problems.append(f"{key}={value!r} is not allowed: expected {words}")
     if problems:
         raise RecipeError(f"{source}: " + "; ".join(problems))

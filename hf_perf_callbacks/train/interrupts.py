@@ -24,7 +24,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -122,21 +122,40 @@ def newest_checkpoint(output_dir: str) -> tuple[int, str] | None:
     return next(((step, path) for step, path in found if os.path.isdir(path) and is_complete(path, step)), None)
 
 
+def noted_checkpoint(error: BaseException) -> str | None:
+    """The checkpoint the run's own end says to resume from: ``train_with_tuning`` notes its end on the error
+    (:func:`hf_perf_callbacks.resize.recovery.end_run`: ``... resume with train_with_tuning(trainer,
+    resume_from_checkpoint='out/checkpoint-5') ...``); None without such a note."""
+    for note in getattr(error, "__notes__", ()):
+        match = _PYTHON_RESUME.search(str(note))
+        value = match.group(1).strip().strip("'\"") if match else ""
+        if value and value not in ("...", "True"):
+            return value
+    return None
+
+
 def interrupt_line(error: KeyboardInterrupt, step: int | None, output_dir: str) -> str:
     """The one line of a run stopped at ``step`` (None: before training began) by ``error``: the signal, the
-    checkpoint to go on from (the run's own save of that step, or the newest there is) and the flag that resumes
-    it."""
+    checkpoint to go on from (the one the run saved as it stopped, :func:`noted_checkpoint`, or else the newest
+    complete one) and the flag that resumes from it."""
     what = "SIGTERM" if isinstance(error, Terminated) else "Ctrl-C (SIGINT)"
     if step is None:
         return f"stopped by {what} before training began"
-    newest = newest_checkpoint(output_dir)
-    if newest is None:
+    noted = noted_checkpoint(error)
+    newest = newest_checkpoint(output_dir) if noted is None else None
+    if noted is None and newest is None:
         return (f"stopped by {what} at step {step}; no checkpoint in {output_dir} to go on from: the run must start "
                 f"again (save_steps saves one every N steps)")
-    saved, path = newest
+    path = noted or cast(tuple[int, str], newest)[1]
+    saved = _step_of(path)
     where = (f"saved {path}, the last completed step" if saved == step else
              f"the newest checkpoint is {path} (step {saved}; the steps after it are lost)")
-    return f"stopped by {what} at step {step}; {where}; go on with the same command and {RESUME_FLAG} last"
+    return f"stopped by {what} at step {step}; {where}; go on with the same command and {RESUME_FLAG} {path}"
+
+
+def _step_of(path: str) -> int | None:
+    match = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else None
 
 
 _running: weakref.ref[Trainer] | None = None     # the trainer the launch runs (one per process), once built

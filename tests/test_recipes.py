@@ -1118,3 +1118,71 @@ def test_the_python_apis_resume_advice_reads_as_the_flag():
     assert interrupts.as_flag("hf_perf_callbacks.train_with_tuning(trainer, resume_from_checkpoint='c') or "
                               "trainer.train(resume_from_checkpoint=...)") == \
         "--resume_from_checkpoint c or --resume_from_checkpoint last"
+
+
+# ---------------------------------------------------------------- torch's threads, and signs of life of a slow step
+def test_the_launcher_chooses_torchs_threads_as_the_demo_and_says_what_step_1_does(tiny_model, tmp_path,
+                                                                                  launcher_process, monkeypatch,
+                                                                                  caplog, capsys):
+    """Other work keeping 1.5 of the 2 cores busy: the launcher trains on 1 torch thread, as the demo would
+    (demo.set_threads), and says so in one line; before step 1 a line says what the first step does."""
+    import logging
+
+    import torch
+
+    from hf_perf_callbacks import demo
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(demo, "other_busy_cores", lambda seconds=1.0: 1.5)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    torch.set_num_threads(2)
+    caplog.set_level(logging.INFO, "hf_perf_callbacks")
+    flags = [f if f != "2" else "1" for f in interrupted_flags(tiny_model, tmp_path / "out")]     # --max_steps 1
+    assert train.main(flags) == 0
+    assert torch.get_num_threads() == 1
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("torch on")] == \
+        ["torch on 1 thread: 2 cores, 1.5 busy with other work"]
+    out = capsys.readouterr().out
+    assert out.count("step 1 generates 8 completions of at most 8 tokens, then trains 4 micro-batches of 2 on them; "
+                     "the first step is the slowest") == 1
+
+
+def test_a_slow_step_says_how_it_goes_and_a_fast_one_stays_quiet():
+    """StepPulse on a planted clock: step 1 (a 60 s generation, then 10 s per micro-batch) says its generation,
+    its pace after the first micro-batch and a micro-batch every 20 s; step 2 (after a slow one) says its
+    generation; step 3, after a fast step 2, nothing."""
+    from types import SimpleNamespace
+
+    from hf_perf_callbacks.train.progress import StepPulse
+
+    now, said = [0.0], []
+    pulse = StepPulse(said.append, clock=lambda: now[0], every=20.0)
+    args = SimpleNamespace(gradient_accumulation_steps=4, per_device_train_batch_size=2, steps_per_generation=None,
+                           max_completion_length=32, num_generations=8, world_size=1)
+    state = SimpleNamespace(is_world_process_zero=True, global_step=0)
+
+    def step(generation, micro_batch):
+        pulse.on_step_begin(args, state, None)
+        pulse.entry_started("rollout")
+        now[0] += generation
+        pulse.entry_finished("rollout", ([[0]] * 8, [[1] * 8] * 8))
+        for i in range(4):
+            now[0] += micro_batch
+            if i < 3:
+                pulse.on_substep_end(args, state, None)
+        state.global_step += 1
+        pulse.on_step_end(args, state, None)
+
+    pulse.on_train_begin(args, state, None)
+    step(60.0, 10.0)
+    assert said == ["step 1 generates 8 completions of at most 32 tokens, then trains 4 micro-batches of 2 on them; "
+                    "the first step is the slowest (it warms up); a step that takes over 20 s says how it goes",
+                    "step 1: generating …", "step 1: generated 8 completions, 64 tokens in 1 min 00 s",
+                    "step 1: micro-batch 1 of 4 done at 1 min 10 s; at this pace the step takes about 1 min 40 s",
+                    "step 1: micro-batch 3 of 4 done at 1 min 30 s"]
+    said.clear()
+    step(1.0, 0.25)
+    assert said == ["step 2: generating …", "step 2: generated 8 completions, 64 tokens in 1 s"]
+    said.clear()
+    step(1.0, 0.25)
+    assert said == []

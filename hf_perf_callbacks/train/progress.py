@@ -6,7 +6,8 @@ says nothing meanwhile. :class:`StepPulse` says, on the main process and above t
 - in a slow step (the first, or one after a step of over :data:`PULSE_SEC`): ``step 1: generating …`` when a
   generation begins, its completions, tokens and seconds when it ends;
 - when a micro-batch ends :data:`PULSE_SEC` after the last line: which one of how many, and the step's time so far;
-  after the first micro-batch of a slow step, the time the whole step takes at that pace.
+  after the first micro-batch of a slow step, the time the whole step takes at that pace (when that is over
+  :data:`PULSE_SEC`).
 
 A fast step (a GPU's) prints nothing but the first line. Generations are seen through TRL's own entry point
 (:func:`hf_perf_callbacks.adapter.watch_generation_entry`), micro-batches through ``on_substep_end`` and
@@ -141,11 +142,12 @@ class StepPulse(TrainerCallback):
         elapsed = now - self.started
         if self.done >= self.micro_batches or not (self.slow or elapsed >= self.every):
             return
-        if not self.estimated and self.done == 1:
+        pace = now - (self.generated or self.started)           # the micro-batch's own time, its generation apart
+        estimate = elapsed + pace * (self.micro_batches - self.done)
+        if not self.estimated and self.done == 1 and estimate >= self.every:
             self.estimated = True
-            pace = now - (self.generated or self.started)       # the micro-batch's own time, its generation apart
             self._say(f"step {self.step}: micro-batch 1 of {self.micro_batches} done at {duration(elapsed)}; "
-                      f"at this pace the step takes about {duration(elapsed + pace * (self.micro_batches - 1))}")
+                      f"at this pace the step takes about {duration(estimate)}")
         elif now - self.said >= self.every:
             self._say(f"step {self.step}: micro-batch {self.done} of {self.micro_batches} done at "
                       f"{duration(elapsed)}")

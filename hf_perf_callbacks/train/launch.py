@@ -60,6 +60,8 @@ class CheckedRecipe:
     rest: list[str]
     values: dict[str, Any]
     split: dict[str, int] | None
+    device: str = "cpu"                        # the device kind the trainer will use (detect_device)
+    given: frozenset[str] = frozenset()        # the keys the YAML or a flag sets
 
 
 def check_early(argv: list[str]) -> CheckedRecipe:
@@ -87,7 +89,8 @@ def check_early(argv: list[str]) -> CheckedRecipe:
     kind, bf16_ok, name = detect_device(bool(values.get("use_cpu")))
     check_recipe(values, device=kind, bf16_supported=bf16_ok, device_name=name, world_size=world_size_from_env(),
                  accelerate_mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION"))
-    return CheckedRecipe(config_path, rest, values, split)
+    given = frozenset(config) | {arg.split("=", 1)[0][2:].replace("-", "_") for arg in rest if arg.startswith("--")}
+    return CheckedRecipe(config_path, rest, values, split, kind, given)
 
 
 def parse_recipe(argv: list[str]) -> tuple[RecipeArguments, GRPOConfig, ModelConfig]:
@@ -106,6 +109,8 @@ def parse_recipe(argv: list[str]) -> tuple[RecipeArguments, GRPOConfig, ModelCon
     if split:
         logger.info("applying the split recorded by the batch tuner in %s: %s", training_args.output_dir, split)
         training_args = config_with_split(training_args, split)
+    if checked.device == "cpu" and "dataloader_pin_memory" not in checked.given:
+        training_args.dataloader_pin_memory = False    # nothing to pin for (torch warns once per dataloader)
     recipe.callbacks = [name for name in ([recipe.callbacks] if isinstance(recipe.callbacks, str)
                                           else recipe.callbacks) if name.lower() != "none"]
     recipe.reward_funcs = [recipe.reward_funcs] if isinstance(recipe.reward_funcs, str) else recipe.reward_funcs
@@ -171,7 +176,7 @@ def _report(output_dir: str) -> None:
     try:
         from ..report import report_command
 
-        report_command(output_dir)
+        report_command(output_dir, summary=False)    # the callbacks printed their summaries as training ended
     except Exception:                                  # training and checkpoints are already saved
         logger.exception("the perf report failed; rerun it with `hf-perf report %s`", output_dir)
 
@@ -215,6 +220,9 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
     """Build the trainer from parsed arguments, train, save, report."""
     from trl import GRPOTrainer, get_peft_config
 
+    from ..console import hide_upstream_deprecations
+
+    hide_upstream_deprecations()
     choose_threads()
     callbacks = build_callbacks(recipe.callbacks, as_dict(recipe.callback_kwargs, "callback_kwargs"))
     lock = (hold_output_dir(cast(str, training_args.output_dir))    # set by __post_init__

@@ -232,8 +232,9 @@ class ThroughputMeter(PerfCallback):
     ``perf/warmup_steps``                 steps     steps before steady state (once known)
     ``perf/warmup_overhead_sec``          s         time spent above the steady step time during warmup
     ``perf/first_step_slowdown``          ratio     first step (GRPO: generation cycle) / steady step time
-    ``perf/phase/<phase>``                fraction  share of wall time since the last log: ``data_wait``,
-                                                    ``generation``, ``compute``, ``eval``, ``save``
+    ``perf/phase/<phase>``                %         share of wall time since the last log: ``data_wait``,
+                                                    ``generation`` (a generating trainer's), ``compute``, ``eval``,
+                                                    ``save``
     ``perf/mfu``                          fraction  model FLOPs utilisation (absent when the peak is unknown)
     ``perf/hfu``                          fraction  hardware FLOPs utilisation, recompute included
                                                     (only with activation checkpointing)
@@ -660,8 +661,9 @@ class ThroughputMeter(PerfCallback):
                                                  keys.PERF_EARLY_CONTENTION_SEC: self.timeline.early_contention,
                                                  **{keys.PERF_CALLBACK_SEC + k: v for k, v in callbacks.items()},
                                                  **self.machine.step_fields(record), **self._rollout_fields()})
-        if control.should_log:   # phase shares over this logging interval
-            metrics.update({keys.PERF_PHASE_SHARE[k]: v for k, v in self.timeline.take_window_phases().items()})
+        if control.should_log:   # phase shares over this logging interval, in % (as the console's time split)
+            metrics.update({keys.PERF_PHASE_SHARE[k]: 100.0 * v for k, v in self.timeline.take_window_phases().items()
+                            if k != "generation" or self.backend is not None})    # generation: a generating trainer's
         self._bus.merger.publish(metrics)
         if self.progress_bar and metrics.get(keys.PERF_TOKENS_PER_SEC):
             self._bus.console.show_progress(f"tok/s={metrics[keys.PERF_TOKENS_PER_SEC]:.0f}")

@@ -181,3 +181,15 @@ def test_the_quick_start_time_is_one_figure_in_the_docs_and_help_names_its_page(
         cli.main(["demo", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "docs/performance.md" in out and not re.search(r"load average|\d+ s of wall time", out)
+
+
+def test_report_of_a_checkpoint_folder_reports_its_run(demo_run, capsys):
+    """``hf-perf report out/checkpoint-5``: the run is the parent folder (the perf log is beside its checkpoints),
+    said in one line, and the report is that run's."""
+    checkpoint = os.path.join(demo_run, "checkpoint-5")
+    os.makedirs(checkpoint, exist_ok=True)
+    assert cli.main(["report", checkpoint, "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"{checkpoint} is a checkpoint of the run in {demo_run}: the report is that run's"
+    assert "== hf-perf report: " in out and os.path.exists(os.path.join(demo_run, "perf_report.md"))
+    assert cli.main(["report", os.path.join(demo_run, "no-such-checkpoint-7"), "--no-plots"]) == 2   # not one

@@ -123,3 +123,21 @@ def test_other_busy_cores_reads_the_machine_less_this_process(monkeypatch):
     monkeypatch.setattr(demo.time, "process_time", lambda: next(own))
     monkeypatch.setattr(demo.time, "sleep", lambda seconds: None)
     assert demo.other_busy_cores(2.0) == pytest.approx(1.25)
+
+
+def test_the_demo_says_each_figure_once_and_no_upstream_deprecation(monkeypatch, tmp_path, capsys, recwarn):
+    """A real tiny demo: the callbacks' summaries once, the report after them without its own summary (the same
+    figures), the plots and the analysis; none of transformers' checkpointing deprecations TRL and peft call."""
+    import torch
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(demo, "other_busy_cores", lambda: 0.0)
+    try:
+        demo.run_demo(str(tmp_path), max_steps=6, model="tiny")
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert out.count("== ThroughputMeter summary ==") == 1 and out.count("== MemoryWatchdog summary ==") == 1
+    assert out.count("tokens/s:") == 1 and "== hf-perf report" not in out
+    assert "plots:" in out and "== Performance analysis ==" in out and "analysis: " in out
+    assert not [w for w in recwarn if "gradient_checkpointing" in str(w.message)]

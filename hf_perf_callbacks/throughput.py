@@ -22,7 +22,7 @@ from .runlog import MeterSummary, WarningFigures
 from .stats import generation_period
 from .timeline import StepRecord, StepTimeline
 from .validation import check_flag, check_number, did_you_mean
-from .wording import phase_line, provisional_line, throughput_line, warmup_line
+from .wording import argument_hint, phase_line, provisional_line, throughput_line, warmup_line
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -529,8 +529,10 @@ class ThroughputMeter(PerfCallback):
         self.run_peak_bandwidth = self.peak_bandwidth or (table.bandwidth if table else None)
         if self.run_peak_flops is None and "mfu" not in self.warned:
             self.warned.add("mfu")
-            self.warn(f"MFU omitted: no {self._run.dtype_key} peak FLOP/s known for '{self._run.device.name}'; pass "
-                      f"ThroughputMeter(peak_flops=<FLOP/s> or 'calibrate')", step=step)
+            written = self._bus.log.standing.get("launcher") or getattr(self, "built_by", None)
+            self.warn(f"MFU omitted: {argument_hint('ThroughputMeter', 'peak_flops', 'calibrate', written)} measures "
+                      f"the {self._run.dtype_key} peak FLOP/s (or give it), none known for '{self._run.device.name}'",
+                      step=step)
 
     def _model_facts(self) -> dict[str, Any]:
         """What memory and FLOP estimates need from the model config (for the report)."""

@@ -404,3 +404,21 @@ def test_a_line_beside_the_progress_bar_is_out_before_the_bar_is_drawn_again(mon
     assert events[0] == "bars cleared" and events[-1] == "bars drawn"
     assert ("write", "== ThroughputMeter summary ==") in events
     assert events.index("flush") < events.index("bars drawn")
+
+
+@pytest.mark.parametrize("built", ["default_callbacks", "class"])
+def test_the_mfu_hint_is_worded_as_the_callbacks_were_written(built, tokenizer, tmp_path, one_thread, caplog):
+    """No peak FLOP/s for this CPU: the hint names the argument in the form the user wrote the callbacks in
+    (``default_callbacks(...)`` or the class; the recipe launcher's ``callback_kwargs:``: tests/test_recipes.py)."""
+    from hf_perf_callbacks import ThroughputMeter, default_callbacks
+    from hf_perf_callbacks.wording import argument_hint
+
+    callbacks = default_callbacks()[:1] if built == "default_callbacks" else [ThroughputMeter()]
+    with caplog.at_level(logging.WARNING, PACKAGE_LOGGER):
+        make_trainer(tokenizer, tmp_path, callbacks, max_steps=1, bs=2, ga=1).train()
+    (line,) = [r.getMessage() for r in caplog.records if "MFU omitted" in r.getMessage()]
+    expected = ('default_callbacks(ThroughputMeter={"peak_flops": "calibrate"})' if built == "default_callbacks"
+                else 'ThroughputMeter(peak_flops="calibrate")')
+    assert expected in line
+    assert argument_hint("ThroughputMeter", "peak_flops", "calibrate", "hf-perf train") == \
+        "callback_kwargs: {ThroughputMeter: {peak_flops: calibrate}}"

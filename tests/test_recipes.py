@@ -1145,6 +1145,8 @@ def test_the_launcher_chooses_torchs_threads_as_the_demo_and_says_what_step_1_do
     out = capsys.readouterr().out
     assert out.count("step 1 generates 8 completions of at most 8 tokens, then trains 4 micro-batches of 2 on them; "
                      "the first step is the slowest") == 1
+    hint = [r.getMessage() for r in caplog.records if "MFU omitted" in r.getMessage()]      # a CPU: no peak known
+    assert len(hint) == 1 and "callback_kwargs: {ThroughputMeter: {peak_flops: calibrate}}" in hint[0]
 
 
 def test_a_slow_step_says_how_it_goes_and_a_fast_one_stays_quiet():

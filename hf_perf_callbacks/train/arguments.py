@@ -292,9 +292,9 @@ def check_values(config: Mapping[str, Any], source: str = "recipe", parser: TrlP
     for cls in reversed(list(parser.dataclass_types)):
         hints.update(typing.get_type_hints(cls))
     actions: dict[str, argparse.Action] = {}
-    for action in parser._actions:                      # --tune, not its --no_tune
-        if action.option_strings:
-            actions.setdefault(action.dest, action)
+    for each in parser._actions:                        # --tune, not its --no_tune
+        if each.option_strings:
+            actions.setdefault(each.dest, each)
     problems = []
     for key, value in config.items():
         if key == "env" or key not in hints:

@@ -118,8 +118,8 @@ def listing() -> str:
     lines.append('accelerate configs (accelerate launch --config_file "$(hf-perf recipes path accelerate/NAME)" '
                  "-m hf_perf_callbacks.train --config RECIPE):")
     names = accelerate_names()
-    width = max(map(len, names))
-    lines += [wrapped(f"  {n:<{width}}  {_first_sentence(path(n))}", indent=" " * (width + 4)) for n in names]
+    column = max(len(n) for n in names)
+    lines += [wrapped(f"  {n:<{column}}  {_first_sentence(path(n))}", indent=" " * (column + 4)) for n in names]
     return "\n".join(lines)
 
 

@@ -921,7 +921,7 @@ def test_the_compact_console_also_replaces_the_printer_of_disable_tqdm(tmp_path,
     logs = {"loss": 0.5, keys.PERF_TOKENS_PER_SEC: 900.0, keys.PERF_PHASE_SHARE["generation"]: 0.5,
             keys.MEM_PRESSURE: 0, keys.TUNER_MICRO_BATCH: 2, keys.CACHE_CLEARS: 0}
     printers[0].on_log(args, TrainerState(), TrainerControl(), logs=logs)
-    assert capsys.readouterr().out.strip() == "{'loss': '0.5', 'perf/tokens_per_sec': '900', 'tuner/micro_batch': 2}"
+    assert capsys.readouterr().out.strip() == "{'loss': '0.5', 'perf/tokens_per_sec': '900', 'tuner/micro_batch': '2'}"
     assert len(logs) == 6
 
 
@@ -987,8 +987,9 @@ def test_the_stand_ins_have_the_real_classes_fields_types_and_defaults():
         read = {f.name: f for f in schema.class_fields("trl", true.__name__)}
         unknown = [f.name for f in fields if read[f.name].default is schema.UNKNOWN]
         assert len(unknown) <= 3, unknown                  # nearly every default is a literal in the source
+        made_hints = typing.get_type_hints(fake)            # the annotations: a parser rewrites a field's .type
         for f, made in zip(fields, dataclasses.fields(fake)):
-            assert same_type(made.type, hints[f.name]), (f.name, made.type, hints[f.name])
+            assert same_type(made_hints[f.name], hints[f.name]), (f.name, made_hints[f.name], hints[f.name])
             if f.name not in unknown:
                 value = default(f)
                 assert default(made) == (value.value if isinstance(value, enum.Enum) else value), f.name
@@ -1017,13 +1018,10 @@ def test_the_early_checks_import_no_torch_transformers_or_trl_trainer(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.splitlines()[-1])
     assert result["heavy"] == []
-    lines = result["lines"]
+    lines = result["lines"]                             # each case's words: the tests of each check above
     assert len(lines) == len(cases)
-    assert "max_steps='abc' is not allowed: expected an integer" in lines[0] and str(bad) in lines[0]
-    assert "did you mean '--lora_r'" in lines[1]
-    assert "set use_cpu: true" in lines[2] or "has no bf16" in lines[2]
-    assert "unknown argument 'limit_gib' (did you mean 'limit_gb'?)" in lines[3]
-    assert "no complete checkpoint-N folder" in lines[4]
+    assert str(bad) in lines[0] and "'abc'" in lines[0] and "'--lora_r'" in lines[1] and "bf16" in lines[2]
+    assert "'limit_gb'" in lines[3] and "resume_from_checkpoint=last" in lines[4]
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -1112,12 +1110,11 @@ def test_an_interrupt_shows_its_traceback_when_asked(tiny_model, tmp_path, launc
 def test_the_python_apis_resume_advice_reads_as_the_flag():
     from hf_perf_callbacks.train import interrupts
 
-    assert interrupts.as_flag("saved; resume with train_with_tuning(trainer, resume_from_checkpoint='o/checkpoint-5')"
-                              " (the split ...)") == "saved; resume with --resume_from_checkpoint o/checkpoint-5 " \
-                                                     "(the split ...)"
-    assert interrupts.as_flag("hf_perf_callbacks.train_with_tuning(trainer, resume_from_checkpoint='c') or "
+    assert interrupts.as_flag("a; train_with_tuning(trainer, resume_from_checkpoint='o/checkpoint-5'); b") == \
+        "a; --resume_from_checkpoint o/checkpoint-5; b"
+    assert interrupts.as_flag("hf_perf_callbacks.train_with_tuning(trainer, resume_from_checkpoint='c');"
                               "trainer.train(resume_from_checkpoint=...)") == \
-        "--resume_from_checkpoint c or --resume_from_checkpoint last"
+        f"{interrupts.RESUME_FLAG} c;{interrupts.RESUME_FLAG} last"
 
 
 # ---------------------------------------------------------------- torch's threads, and signs of life of a slow step
@@ -1137,16 +1134,20 @@ def test_the_launcher_chooses_torchs_threads_as_the_demo_and_says_what_step_1_do
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     torch.set_num_threads(2)
     caplog.set_level(logging.INFO, "hf_perf_callbacks")
+    from hf_perf_callbacks.runlog import HF_PERF_TRAIN
+    from hf_perf_callbacks.train.progress import first_step_line
+    from hf_perf_callbacks.wording import argument_hint
+
     flags = [f if f != "2" else "1" for f in interrupted_flags(tiny_model, tmp_path / "out")]     # --max_steps 1
     assert train.main(flags) == 0
     assert torch.get_num_threads() == 1
-    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("torch on")] == \
-        ["torch on 1 thread: 2 cores, 1.5 busy with other work"]
-    out = capsys.readouterr().out
-    assert out.count("step 1 generates 8 completions of at most 8 tokens, then trains 4 micro-batches of 2 on them; "
-                     "the first step is the slowest") == 1
-    hint = [r.getMessage() for r in caplog.records if "MFU omitted" in r.getMessage()]      # a CPU: no peak known
-    assert len(hint) == 1 and "callback_kwargs: {ThroughputMeter: {peak_flops: calibrate}}" in hint[0]
+    said = [r.getMessage() for r in caplog.records]
+    demo_says = demo.set_threads(lambda: 1.5, cores=2)                # the demo's own line at that load
+    assert [line for line in said if line.startswith(demo_says.split(":")[0])] == [demo_says]
+    args = train.parse_recipe(flags)[1]
+    assert capsys.readouterr().out.count(first_step_line(args)) == 1
+    hint = argument_hint("ThroughputMeter", "peak_flops", "calibrate", HF_PERF_TRAIN)   # a CPU: no peak known
+    assert len([line for line in said if hint in line]) == 1
 
 
 def test_a_slow_step_says_how_it_goes_and_a_fast_one_stays_quiet():
@@ -1177,8 +1178,8 @@ def test_a_slow_step_says_how_it_goes_and_a_fast_one_stays_quiet():
 
     pulse.on_train_begin(args, state, None)
     step(60.0, 10.0)
-    assert said == ["step 1 generates 8 completions of at most 32 tokens, then trains 4 micro-batches of 2 on them; "
-                    "the first step is the slowest (it warms up); a step that takes over 20 s says how it goes",
+    assert said == ["step 1 generates 8 completions (≤ 32 tokens), then trains 4 micro-batches of 2: the slowest "
+                    "step (warm-up); a step over 20 s says how it goes",
                     "step 1: generating …", "step 1: generated 8 completions, 64 tokens in 1 min 00 s",
                     "step 1: micro-batch 1 of 4 done at 1 min 10 s; at this pace the step takes about 1 min 40 s",
                     "step 1: micro-batch 3 of 4 done at 1 min 30 s"]

@@ -54,11 +54,11 @@ def first_step_line(args: Any, world: int = 1) -> str:       # a GRPOConfig (or 
     if length is not None and getattr(args, "num_generations", None):
         per_round = micro * int(spg or accumulation)
         rounds = math.ceil(accumulation / int(spg or accumulation))
-        generation = (f"generates {per_round} completions of at most {length} tokens"
-                      + (f" {rounds} times" if rounds > 1 else "") + (" on each process" if world > 1 else ""))
-        work = f"{generation}, then {work} on them"
-    return (f"step 1 {work}; the first step is the slowest (it warms up); a step that takes over "
-            f"{PULSE_SEC:.0f} s says how it goes")
+        generation = (f"generates {per_round} completions (≤ {length} tokens)" + (f" {rounds} times" if rounds > 1
+                                                                                  else "")
+                      + (" on each process" if world > 1 else ""))
+        work = f"{generation}, then {work}"
+    return f"step 1 {work}: the slowest step (warm-up); a step over {PULSE_SEC:.0f} s says how it goes"
 
 
 class StepPulse(TrainerCallback):

@@ -9,9 +9,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
+# torch on one thread in every test process and the processes they start: the tiny models gain nothing from a second
+# thread, and on a 2-core machine shared with other work (CI), or beside a second xdist worker, two threads wait for
+# each other (a tuner test and a watchdog test: 99.8 s on two threads, 20.7 s on one, at a load of 4-6)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from hf_perf_callbacks.base import Clock
 from hf_perf_callbacks.tiny import build_model, build_tokenizer

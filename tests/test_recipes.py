@@ -1146,6 +1146,7 @@ def test_the_launcher_chooses_torchs_threads_as_the_demo_and_says_what_step_1_do
     assert [line for line in said if line.startswith(demo_says.split(":")[0])] == [demo_says]
     args = train.parse_recipe(flags)[1]
     assert capsys.readouterr().out.count(first_step_line(args)) == 1
+    assert args.dataloader_pin_memory is False                       # a CPU: nothing to pin for (torch would warn)
     hint = argument_hint("ThroughputMeter", "peak_flops", "calibrate", HF_PERF_TRAIN)   # a CPU: no peak known
     assert len([line for line in said if hint in line]) == 1
 

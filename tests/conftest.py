@@ -17,10 +17,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import torch
 
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
 from hf_perf_callbacks.base import Clock
 from hf_perf_callbacks.tiny import build_model, build_tokenizer
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",

@@ -31,14 +31,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hf-perf demo --output_dir demo_output
 
-# `make test`: the fast suite, in one process (the launch and real_model markers are deselected in pyproject.toml).
+# `make test`: the fast suite (the launch and real_model markers are deselected in pyproject.toml) on TEST_WORKERS
+# pytest-xdist workers, each test handed to the next free one (`--dist worksteal`); `make test TEST_WORKERS=0` runs it
+# in one process. Each worker imports torch, transformers and TRL (about 1.4 GB at most), hence at most 4.
 # `make test-launch`: the tests that start new Python processes (accelerate launch, two ranks, SIGKILL/SIGTERM).
 versions: $(STAMP)
 	$(BIN)/python -c "import transformers, trl, peft, accelerate, datasets, torch; \
 	print('testing with', ', '.join(f'{m.__name__} {m.__version__}' for m in (torch, transformers, trl, peft, accelerate, datasets)))"
 
+TEST_WORKERS ?= auto
 test: versions
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4 --dist worksteal tests
 
 test-launch: versions
 	$(BIN)/python -m pytest -q -m launch tests

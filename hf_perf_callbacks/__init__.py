@@ -67,7 +67,12 @@ def default_callbacks(**overrides: dict[str, Any]) -> list[TrainerCallback]:
         if not isinstance(kwargs, dict):
             raise ValueError(f"default_callbacks({name}={kwargs!r}) is not allowed: expected a dict of that "
                              f"callback's keyword arguments")
-    return [cls(**overrides.get(name, {})) for name, cls in classes.items()]
+    from .wording import BUILT_BY_DEFAULT_CALLBACKS
+
+    built = [cls(**overrides.get(name, {})) for name, cls in classes.items()]
+    for callback in built:                      # a hint to change an argument is worded as default_callbacks(...)
+        callback.built_by = BUILT_BY_DEFAULT_CALLBACKS   # the package's own mark
+    return built
 
 
 __all__ = ["ThroughputMeter", "MemoryWatchdog", "MPSCacheClearer", "AdaptiveBatchTuner", "default_callbacks",

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
 import sys
 
 #: the quick start's (``hf-perf demo --model tiny``) measured time and its conditions, as docs/performance.md gives it
 #: (between its quick-start-time markers; tests/test_cli.py checks that they agree); ``--help`` names that page
-QUICK_START_TIME = ("34 s and 69 s of wall time, 21 s and 23 s of CPU time, from the installed wheel in a fresh "
-                    "virtualenv outside the clone, on a 2-core x86-64 CPU shared with other work at a load average of "
-                    "4.0 and of 8.5-9.1, on the 1 torch thread the demo chose")
+QUICK_START_TIME = ("15 s of wall time, 11 s of CPU time, from the installed wheel in a fresh virtualenv outside the "
+                    "clone, on a 2-core x86-64 CPU shared with other work at a load average of 5.4, on the 1 torch "
+                    "thread the demo chose")
 
 TRAIN_HELP = ("run a recipe in this process: hf-perf train --config NAME [--key value ...]; NAME is a packaged "
               "recipe (hf-perf recipes lists them) or a recipe YAML file; keys are RecipeArguments, GRPOConfig and "
@@ -81,8 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "report":
         from .report import report_command
 
-        return report_command(args.output_dir, plots=args.plots)
+        return report_command(run_dir(args.output_dir), plots=args.plots)
     return 0
+
+
+def run_dir(path: str) -> str:
+    """The run ``hf-perf report PATH`` reports on: PATH, or its parent when PATH is one of the run's
+    ``checkpoint-N`` folders (the run's perf log is beside them, not in them), said in one line."""
+    from .keys import PERF_LOG
+
+    folder = os.path.normpath(path)
+    parent = os.path.dirname(folder) or "."
+    if (not os.path.isfile(os.path.join(folder, PERF_LOG)) and re.fullmatch(r"checkpoint-\d+", os.path.basename(folder))
+            and os.path.isfile(os.path.join(parent, PERF_LOG))):
+        print(f"{path} is a checkpoint of the run in {parent}: the report is that run's")
+        return parent
+    return path
 
 
 def recipes_command(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ move of the memory wall is said once at INFO (every move is in the perf log); a 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,7 +21,8 @@ from .keys import CONSOLE_KEYS, CONSOLE_WIDTH
 from .runlog import CALLBACK_PREFIXES, EventKind
 from .wording import console_line, wrapped
 
-__all__ = ["Console", "console_line", "console_logs", "EVENT_WIDTH", "LOUD_KINDS", "QUIET_ONCE"]
+__all__ = ["Console", "console_line", "console_logs", "hide_upstream_deprecations", "EVENT_WIDTH", "LOUD_KINDS",
+           "QUIET_ONCE"]
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -51,8 +53,9 @@ class Console:
         (:func:`wrapped`)."""
         text = "\n".join(wrapped(line) for line in text.splitlines())
         bars = adapter.progress_bars(self.handler)
-        if bars:
-            bars[0].write(text)
+        if bars:                                         # the bars cleared, the text out (flushed), the bars again
+            with type(bars[0]).external_write_mode():
+                print(text, flush=True)
         else:
             print(text, flush=True)
 
@@ -87,6 +90,19 @@ class Console:
 
 def console_logs(logs: Mapping[str, Any]) -> dict[str, Any]:
     """A training log as the console shows it: the trainer's own values and the callbacks' headline keys
-    (:data:`~hf_perf_callbacks.keys.CONSOLE_KEYS`), not each of their few dozen keys."""
-    return {key: value for key, value in logs.items()
+    (:data:`~hf_perf_callbacks.keys.CONSOLE_KEYS`), not each of their few dozen keys; a whole number as a float, so
+    that the printers (which format floats, ``'2'``) show every number alike."""
+    return {key: float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+            for key, value in logs.items()
             if key in CONSOLE_KEYS or not (isinstance(key, str) and key.startswith(CALLBACK_PREFIXES))}
+
+
+def hide_upstream_deprecations() -> None:
+    """For the package's own commands (``hf-perf demo``, ``hf-perf train``): leave out transformers' deprecations
+    that TRL's and peft's own code calls on every GRPO run with LoRA, whatever its settings
+    (:data:`hf_perf_callbacks.adapter.SHOWN_BEFORE_A_RESIZE`: peft's ``PeftModel`` reads ``is_gradient_checkpointing``,
+    TRL's generation context and ``disable_gradient_checkpointing`` call ``gradient_checkpointing_disable`` and
+    ``_enable``). Only those messages of ``FutureWarning``; any other warning still shows, and a user's script that
+    calls the trainer itself still sees them (docs/known-issues.md)."""
+    for pattern, category in adapter.SHOWN_BEFORE_A_RESIZE:
+        warnings.filterwarnings("ignore", message=pattern, category=category)

@@ -200,6 +200,9 @@ def run_demo(output_dir: str | None = None, max_steps: int | None = None, model:
 
     output_dir = output_dir or tempfile.mkdtemp(prefix="hf_perf_demo_")
     print(set_threads(), flush=True)
+    from .console import hide_upstream_deprecations
+
+    hide_upstream_deprecations()
     from .tasks.wordle import REWARD_FUNCS
 
     sampler = CompletionSampler(REWARD_FUNCS[0])
@@ -212,6 +215,6 @@ def run_demo(output_dir: str | None = None, max_steps: int | None = None, model:
     train_with_tuning(trainer)
     trainer.save_state()                      # trainer_state.json: log_history with TRL's completion lengths
     print()
-    report_command(output_dir)
+    report_command(output_dir, summary=False)  # the callbacks printed their summaries as training ended
     print(f"\nperf log: {os.path.join(output_dir, 'perf_log.jsonl')}")
     return output_dir

@@ -147,7 +147,8 @@ KEY_DOCS: dict[str, tuple[str, str, str]] = {
     PERF_FORWARDS_PER_MICROBATCH: ("count", "grad-enabled forwards per micro-batch (more than 1 is flagged once)",
                                    REPORTED),
     PERF_PAD_FRACTION: ("fraction", "padding share of the positions in the step's training forwards", REPORTED),
-    **{key: ("fraction", f"share of wall time in {phase} since the last log", REPORTED)
+    **{key: ("%", f"share of wall time in {phase} since the last log"
+                  + (" (a generating trainer's: GRPO)" if phase == "generation" else ""), REPORTED)
        for phase, key in PERF_PHASE_SHARE.items()},
     **{key: ("s", f"the step's seconds in {phase}", PERF_LOG_ONLY) for phase, key in PERF_PHASE_SEC.items()},
     PERF_STEP_WALL_SEC: ("s", "the step's wall time", PERF_LOG_ONLY),

@@ -22,7 +22,7 @@ from .runlog import MeterSummary, WarningFigures
 from .stats import generation_period
 from .timeline import StepRecord, StepTimeline
 from .validation import check_flag, check_number, did_you_mean
-from .wording import phase_line, provisional_line, throughput_line, warmup_line
+from .wording import argument_hint, phase_line, provisional_line, throughput_line, warmup_line
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -238,8 +238,9 @@ class ThroughputMeter(PerfCallback):
     ``perf/warmup_steps``                 steps     steps before steady state (once known)
     ``perf/warmup_overhead_sec``          s         time spent above the steady step time during warmup
     ``perf/first_step_slowdown``          ratio     first step (GRPO: generation cycle) / steady step time
-    ``perf/phase/<phase>``                fraction  share of wall time since the last log: ``data_wait``,
-                                                    ``generation``, ``compute``, ``eval``, ``save``
+    ``perf/phase/<phase>``                %         share of wall time since the last log: ``data_wait``,
+                                                    ``generation`` (a generating trainer's), ``compute``, ``eval``,
+                                                    ``save``
     ``perf/mfu``                          fraction  model FLOPs utilisation (absent when the peak is unknown)
     ``perf/hfu``                          fraction  hardware FLOPs utilisation, recompute included
                                                     (only with activation checkpointing)
@@ -624,8 +625,10 @@ class ThroughputMeter(PerfCallback):
         self.run_peak_bandwidth = self.peak_bandwidth or (table.bandwidth if table else None)
         if self.run_peak_flops is None and "mfu" not in self.warned:
             self.warned.add("mfu")
-            self.warn(f"MFU omitted: no {self._run.dtype_key} peak FLOP/s known for '{self._run.device.name}'; pass "
-                      f"ThroughputMeter(peak_flops=<FLOP/s> or 'calibrate')", step=step)
+            written = self._bus.log.standing.get("launcher") or getattr(self, "built_by", None)
+            self.warn(f"MFU omitted: {argument_hint('ThroughputMeter', 'peak_flops', 'calibrate', written)} measures "
+                      f"the {self._run.dtype_key} peak FLOP/s (or give it), none known for '{self._run.device.name}'",
+                      step=step)
 
     def _model_facts(self) -> dict[str, Any]:
         """What memory and FLOP estimates need from the model config (for the report)."""
@@ -767,8 +770,9 @@ class ThroughputMeter(PerfCallback):
                                                  keys.PERF_EARLY_CONTENTION_SEC: self.timeline.early_contention,
                                                  **{keys.PERF_CALLBACK_SEC + k: v for k, v in callbacks.items()},
                                                  **self.machine.step_fields(record), **self._rollout_fields()})
-        if control.should_log:   # phase shares over this logging interval
-            metrics.update({keys.PERF_PHASE_SHARE[k]: v for k, v in self.timeline.take_window_phases().items()})
+        if control.should_log:   # phase shares over this logging interval, in % (as the console's time split)
+            metrics.update({keys.PERF_PHASE_SHARE[k]: 100.0 * v for k, v in self.timeline.take_window_phases().items()
+                            if k != "generation" or self.backend is not None})    # generation: a generating trainer's
         self._bus.merger.publish({k: v for k, v in metrics.items()
                                   if not (self.backend == adapter.ASYNC_BACKEND and k in TRL_ASYNC_KEYS)})
         if self.progress_bar and metrics.get(keys.PERF_TOKENS_PER_SEC):

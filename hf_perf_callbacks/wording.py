@@ -7,6 +7,7 @@ import math
 from collections.abc import Mapping
 
 from .keys import CONSOLE_WIDTH
+from .runlog import HF_PERF_TRAIN
 
 #: what each phase of a step's wall time is, in words (keys: :data:`hf_perf_callbacks.runlog.PHASES`)
 PHASE_WORDS = {"data_wait": "waiting for data", "generation": "generation", "rollout_wait": "waiting for rollouts",
@@ -23,6 +24,23 @@ TUNER_NEEDS_TRAIN_WITH_TUNING = (
 
 #: what the throughput of a run is: the steady figure's basis, named once for the summary, the plots and the analysis
 THROUGHPUT_BASIS = "tokens per second of training time (evaluation and saving excluded)"
+
+
+#: how a callback's arguments were written: ``default_callbacks(...)`` (each callback it builds carries it as
+#: ``built_by``), the recipe launcher (the run's ``launcher``, :data:`~hf_perf_callbacks.runlog.HF_PERF_TRAIN`:
+#: ``callback_kwargs:`` in a YAML), or the class itself
+BUILT_BY_DEFAULT_CALLBACKS = "default_callbacks"
+
+
+def argument_hint(callback: str, argument: str, value: str, written: str | None = None) -> str:
+    """A callback's argument in the form its user wrote the callbacks in (``written``): a recipe's (YAML)
+    ``callback_kwargs: {ThroughputMeter: {peak_flops: calibrate}}``, ``default_callbacks(ThroughputMeter={"peak_flops":
+    "calibrate"})``, else ``ThroughputMeter(peak_flops="calibrate")``; ``value`` is a string value."""
+    if written == HF_PERF_TRAIN:
+        return f"callback_kwargs: {{{callback}: {{{argument}: {value}}}}}"
+    if written == BUILT_BY_DEFAULT_CALLBACKS:
+        return f'default_callbacks({callback}={{"{argument}": "{value}"}})'
+    return f'{callback}({argument}="{value}")'
 
 
 def _number(value: object) -> float | None:

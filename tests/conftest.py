@@ -9,12 +9,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
+# torch on one thread in every test process and the processes they start: the tiny models gain nothing from a second
+# thread, and on a 2-core machine shared with other work (CI), or beside a second xdist worker, two threads wait for
+# each other (a tuner test and a watchdog test: 99.8 s on two threads, 20.7 s on one, at a load of 4-6)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
 
 from hf_perf_callbacks.base import Clock
 from hf_perf_callbacks.tiny import build_model, build_tokenizer
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -91,15 +97,18 @@ class PlantedClock(Clock):
     a cost (a slow dataset, a slow callback) with :meth:`spend` (wall seconds) or :meth:`spend_cpu` (process CPU
     seconds): the cost is as large as the test needs, takes no real time, and no load on the machine can shrink it
     relative to the real work, so the conclusion cannot flip. ``cpu_only_planted`` makes :meth:`cpu` return the
-    planted CPU seconds alone (a test that plants every CPU second of a step)."""
+    planted CPU seconds alone (a test that plants every CPU second of a step), ``wall_only_planted`` makes
+    :meth:`wall` return the planted wall seconds alone (a test that checks a figure made of planted seconds exactly:
+    the machine's own seconds, however many a load makes them, add nothing)."""
 
-    def __init__(self, cpu_only_planted: bool = False):
+    def __init__(self, cpu_only_planted: bool = False, wall_only_planted: bool = False):
         self.planted = 0.0
         self.planted_cpu = 0.0
         self.cpu_only_planted = cpu_only_planted
+        self.wall_only_planted = wall_only_planted
 
     def wall(self) -> float:
-        return time.perf_counter() + self.planted
+        return self.planted if self.wall_only_planted else time.perf_counter() + self.planted
 
     def cpu(self) -> float:
         return self.planted_cpu if self.cpu_only_planted else time.process_time() + self.planted_cpu

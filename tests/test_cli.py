@@ -60,7 +60,8 @@ def test_train_with_a_typo_fails_with_the_closest_key(tmp_path, capsys):
 
 def test_train_with_a_missing_config_file(tmp_path, capsys):
     assert cli.main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
-    assert "no such file" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and repr(str(tmp_path / "nope.yaml")) in err        # one line naming the file
 
 
 
@@ -181,3 +182,16 @@ def test_the_quick_start_time_is_one_figure_in_the_docs_and_help_names_its_page(
         cli.main(["demo", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "docs/performance.md" in out and not re.search(r"load average|\d+ s of wall time", out)
+
+
+def test_report_of_a_checkpoint_folder_reports_its_run(demo_run, capsys):
+    """``hf-perf report out/checkpoint-5``: the run is the parent folder (the perf log is beside its checkpoints),
+    said in one line, and the report is that run's."""
+    checkpoint = os.path.join(demo_run, "checkpoint-5")
+    os.makedirs(checkpoint, exist_ok=True)
+    assert cli.main(["report", checkpoint, "--no-plots"]) == 0
+    first, *rest = capsys.readouterr().out.splitlines()
+    assert first.startswith(checkpoint) and first.count(demo_run) == 2 and rest     # names both; then the report
+    assert os.path.exists(os.path.join(demo_run, "perf_report.md")) and cli.run_dir(checkpoint) == demo_run
+    assert cli.run_dir(demo_run) == demo_run
+    assert cli.main(["report", os.path.join(demo_run, "no-such-checkpoint-7"), "--no-plots"]) == 2   # not one

@@ -85,6 +85,7 @@ def test_the_printed_log_line_is_short_while_the_reporters_get_every_key(tokeniz
         assert {k for k in line if k.startswith(keys.CALLBACK_PREFIXES)} == callbacks & set(keys.CONSOLE_KEYS)
         assert {"loss", "grad_norm", "learning_rate"} <= set(line)       # the trainer's own keys stay
         assert len(ours(line)) <= keys.CONSOLE_WIDTH
+        assert {type(v) for v in line.values()} == {str}, line           # every number shown alike
     assert _long_lines(seen["out"].getvalue() + "\n" + seen["err"].getvalue()) == []
     history = [h for h in trainer.state.log_history if "loss" in h]
     assert all(set(received) <= set(h) for received, h in zip(integration.logs, history))
@@ -93,9 +94,10 @@ def test_the_printed_log_line_is_short_while_the_reporters_get_every_key(tokeniz
 def test_console_logs_keeps_the_trainers_keys_and_the_headline_keys():
     logs = {"loss": 0.5, "reward": 1.0, keys.PERF_TOKENS_PER_SEC: 900.0, keys.PERF_PHASE_SHARE["generation"]: 0.5,
             keys.MEM_PRESSURE: 0, keys.TUNER_MICRO_BATCH: 2, keys.CACHE_CLEARS: 0}
-    assert console_logs(logs) == {"loss": 0.5, "reward": 1.0, keys.PERF_TOKENS_PER_SEC: 900.0,
-                                  keys.TUNER_MICRO_BATCH: 2}
-    assert len(logs) == 7
+    shown = console_logs(logs)
+    assert shown == {"loss": 0.5, "reward": 1.0, keys.PERF_TOKENS_PER_SEC: 900.0, keys.TUNER_MICRO_BATCH: 2.0}
+    assert isinstance(shown[keys.TUNER_MICRO_BATCH], float)       # printed as the printers print floats: '2'
+    assert len(logs) == 7 and logs[keys.TUNER_MICRO_BATCH] == 2 and isinstance(logs[keys.TUNER_MICRO_BATCH], int)
 
 
 @pytest.mark.parametrize("text", ["short", "a: " + "b" * 300, "x" * 400, "first part; " * 40, "one\ntwo",
@@ -353,3 +355,71 @@ def test_the_console_printers_are_looked_up_without_importing_again_at_every_log
     adapter._printer_kinds.cache_clear()
     assert len([h for h in trainer.state.log_history if "loss" in h]) == 4
     assert len(attempts) == 1
+
+
+def test_a_plain_trainer_logs_no_generation_phase_and_the_phases_in_percent(tokenizer, tmp_path, one_thread):
+    """``perf/phase/<phase>`` is in % as the console's time split says it (shares that add up to 100), and
+    ``generation`` only for a trainer that generates (GRPO: tests/test_bus.py)."""
+    from hf_perf_callbacks import ThroughputMeter
+
+    trainer = make_trainer(tokenizer, tmp_path, [ThroughputMeter()], max_steps=3, bs=2, ga=1)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 3
+    for log in logged:
+        shares = {k: v for k, v in log.items() if k.startswith("perf/phase/")}
+        assert keys.PERF_PHASE_SHARE["generation"] not in shares and keys.PERF_PHASE_SHARE["compute"] in shares
+        assert sum(shares.values()) == pytest.approx(100.0, abs=0.5) and max(shares.values()) <= 100.0
+
+
+def test_a_line_beside_the_progress_bar_is_out_before_the_bar_is_drawn_again(monkeypatch):
+    """Console.say with a progress bar: the bars cleared, the text written and flushed, then the bars drawn again
+    (stdout and the bar's stderr apart: a text still in stdout's buffer would come out glued to a later bar)."""
+    import sys
+
+    from hf_perf_callbacks import adapter
+    from hf_perf_callbacks.console import Console
+
+    events = []
+
+    class Bar:
+        @classmethod
+        @contextlib.contextmanager
+        def external_write_mode(cls, file=None, nolock=False):
+            events.append("clear")
+            yield
+            events.append("draw")
+
+    class Stdout(io.StringIO):
+        def write(self, text):
+            events.append(("write", text))
+            return super().write(text)
+
+        def flush(self):
+            events.append("flush")
+
+    monkeypatch.setattr(adapter, "progress_bars", lambda handler: [Bar()])
+    monkeypatch.setattr(sys, "stdout", Stdout())
+    Console().say("summary")
+    assert events[0] == "clear" and events[-1] == "draw"
+    assert ("write", "summary") in events and events.index("flush") < events.index("draw")
+
+
+@pytest.mark.parametrize("built", ["default_callbacks", "class"])
+def test_the_mfu_hint_is_worded_as_the_callbacks_were_written(built, tokenizer, tmp_path, one_thread, caplog):
+    """No peak FLOP/s for this CPU: the hint names the argument in the form the user wrote the callbacks in
+    (``default_callbacks(...)`` or the class; the recipe launcher's ``callback_kwargs:``: tests/test_recipes.py)."""
+    from hf_perf_callbacks import ThroughputMeter, default_callbacks
+    from hf_perf_callbacks.wording import argument_hint
+
+    callbacks = default_callbacks()[:1] if built == "default_callbacks" else [ThroughputMeter()]
+    with caplog.at_level(logging.WARNING, PACKAGE_LOGGER):
+        make_trainer(tokenizer, tmp_path, callbacks, max_steps=1, bs=2, ga=1).train()
+    (line,) = [r.getMessage() for r in caplog.records if "MFU omitted" in r.getMessage()]
+    expected = ('default_callbacks(ThroughputMeter={"peak_flops": "calibrate"})' if built == "default_callbacks"
+                else 'ThroughputMeter(peak_flops="calibrate")')
+    assert expected in line
+    from hf_perf_callbacks.runlog import HF_PERF_TRAIN
+
+    assert argument_hint("ThroughputMeter", "peak_flops", "calibrate", HF_PERF_TRAIN) == \
+        "callback_kwargs: {ThroughputMeter: {peak_flops: calibrate}}"

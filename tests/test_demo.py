@@ -1,4 +1,6 @@
 """``hf-perf demo``: model choice, the progress lines with real completions, and the tiny demo's trainer."""
+import os
+
 import pytest
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
@@ -123,3 +125,30 @@ def test_other_busy_cores_reads_the_machine_less_this_process(monkeypatch):
     monkeypatch.setattr(demo.time, "process_time", lambda: next(own))
     monkeypatch.setattr(demo.time, "sleep", lambda seconds: None)
     assert demo.other_busy_cores(2.0) == pytest.approx(1.25)
+
+
+def test_the_demo_says_each_figure_once_and_no_upstream_deprecation(monkeypatch, tmp_path, capsys, recwarn):
+    """A real tiny demo: the callbacks' summaries once, the report after them without its own summary (the same
+    figures), the plots and the analysis; none of transformers' checkpointing deprecations TRL and peft call."""
+    import torch
+
+    from hf_perf_callbacks import report
+
+    reports, original = [], report.report_command
+
+    def report_command(output_dir, **kwargs):
+        reports.append((output_dir, kwargs))
+        return original(output_dir, **kwargs)
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(demo, "other_busy_cores", lambda: 0.0)
+    monkeypatch.setattr(report, "report_command", report_command)
+    try:
+        demo.run_demo(str(tmp_path), max_steps=6, model="tiny")
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert reports == [(str(tmp_path), {"summary": False})]            # the report, without its summary
+    assert out.count("tokens/s:") == 1 and out.count("MFU") == 1        # the steady figures said once
+    assert os.path.exists(os.path.join(tmp_path, "perf_report.md"))
+    assert not [w for w in recwarn if "gradient_checkpointing" in str(w.message)]

@@ -242,11 +242,14 @@ def test_recipe_trains_two_steps_under_accelerate(name, tiny_model, tmp_path):
 def launcher_process(tmp_path, monkeypatch):
     """What ``launch`` gives a launched process, for ``train.main`` run in this one: its environment (restored
     afterwards, with anything the run adds), its working directory and ``sys.path`` (restored), and the package's
-    log level (``train.main`` raises it to INFO; put back)."""
+    log level (``train.main`` raises it to INFO; put back) and torch's threads (the launcher chooses them; put
+    back)."""
     import logging
 
+    import torch
+
     environ = dict(os.environ)
-    level = logging.getLogger("hf_perf_callbacks").level
+    level, threads = logging.getLogger("hf_perf_callbacks").level, torch.get_num_threads()
     for key, value in {"HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
                        "WANDB_DISABLED": "true"}.items():
         monkeypatch.setenv(key, value)
@@ -256,6 +259,7 @@ def launcher_process(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))
     yield
     logging.getLogger("hf_perf_callbacks").setLevel(level)
+    torch.set_num_threads(threads)
     for key in set(os.environ) - set(environ):
         del os.environ[key]
     os.environ.update(environ)
@@ -570,6 +574,7 @@ def test_an_xpu_is_detected_as_itself(monkeypatch):
             self.type, self._name = "xpu", "Intel(R) Data Center GPU Max 1550"
 
     monkeypatch.setattr(device, "DeviceLayer", FakeXPU)
+    monkeypatch.setattr(checks, "no_gpu_visible", lambda: False)       # a machine with a GPU's device files
     assert checks.detect_device() == ("xpu", True, "Intel XPU Intel(R) Data Center GPU Max 1550")
 
 
@@ -727,17 +732,31 @@ def test_each_device_kind_is_detected(kind, bf16, expected, monkeypatch):
             return bf16
 
     monkeypatch.setattr(device, "DeviceLayer", FakeDevice)
+    monkeypatch.setattr(checks, "no_gpu_visible", lambda: False)       # a machine with a GPU's device files
     assert checks.detect_device() == expected
     assert checks.detect_device(use_cpu=True)[:2] == ("cpu", True)
 
 
-def test_a_cpu_only_machine_without_use_cpu_is_detected_as_such():
+def test_a_cpu_only_machine_without_use_cpu_is_detected_as_such(monkeypatch):
     import torch
 
     if torch.cuda.is_available() or torch.backends.mps.is_available():
         pytest.skip("this machine has an accelerator")
     kind, bf16, _ = checks.detect_device()
     assert (kind, bf16) == ("cpu", False)
+    monkeypatch.setattr(checks, "no_gpu_visible", lambda: False)       # asked of torch: the same answer
+    assert checks.detect_device()[:2] == ("cpu", False)
+
+
+def test_a_linux_machine_without_gpu_device_files_is_a_cpu_without_torch(monkeypatch):
+    monkeypatch.setattr(checks.sys, "platform", "linux")
+    monkeypatch.setattr(checks.glob, "glob", lambda pattern: [])
+    assert checks.no_gpu_visible()
+    monkeypatch.setattr(checks.glob, "glob", lambda pattern: ["/dev/nvidia0"] if "nvidia" in pattern else [])
+    assert not checks.no_gpu_visible()
+    monkeypatch.setattr(checks.sys, "platform", "darwin")
+    monkeypatch.setattr(checks.glob, "glob", lambda pattern: [])
+    assert not checks.no_gpu_visible()                          # a Mac: torch says whether MPS is there
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -765,10 +784,11 @@ MALFORMED = [
     ({"callback_kwargs": {"MemoryWatchdog": 5}}, "callback_kwargs['MemoryWatchdog']=5 is not allowed"),
     ({"dataset": 5}, "dataset=5 is not allowed: expected a string"),
     ({"dataset_size": -1}, "dataset_size=-1 is too small"),
-    ({"max_steps": "abc"}, "argument --max_steps/--max-steps: invalid int value: 'abc'"),
+    ({"max_steps": "abc"}, "recipe.yaml: max_steps='abc' is not allowed: expected an integer"),
     ({"max_steps": 2.5}, "max_steps=2.5 is not allowed: expected an integer"),
-    ({"learning_rate": "fast"}, "invalid float value: 'fast'"),
-    ({"tune": "maybe"}, "argument --tune: Truthy value expected: got maybe"),
+    ({"learning_rate": "fast"}, "learning_rate='fast' is not allowed: expected a number"),
+    ({"tune": "maybe"}, "tune='maybe' is not allowed: expected true or false"),
+    ({"eval_strategy": "sometimes"}, "eval_strategy='sometimes' is not allowed: expected one of no, steps, epoch"),
     ({"output_dir": 5}, "output_dir=5 is not allowed: expected a string or null"),
     ({"lora_target_modules": 5}, "lora_target_modules=5 is not allowed: expected a list of strings or null"),
     ({"max_completion_length": -5}, "max_completion_length=-5 is not allowed: expected an integer >= 1"),
@@ -901,7 +921,7 @@ def test_the_compact_console_also_replaces_the_printer_of_disable_tqdm(tmp_path,
     logs = {"loss": 0.5, keys.PERF_TOKENS_PER_SEC: 900.0, keys.PERF_PHASE_SHARE["generation"]: 0.5,
             keys.MEM_PRESSURE: 0, keys.TUNER_MICRO_BATCH: 2, keys.CACHE_CLEARS: 0}
     printers[0].on_log(args, TrainerState(), TrainerControl(), logs=logs)
-    assert capsys.readouterr().out.strip() == "{'loss': '0.5', 'perf/tokens_per_sec': '900', 'tuner/micro_batch': 2}"
+    assert capsys.readouterr().out.strip() == "{'loss': '0.5', 'perf/tokens_per_sec': '900', 'tuner/micro_batch': '2'}"
     assert len(logs) == 6
 
 
@@ -929,3 +949,244 @@ def test_a_busy_output_dir_is_one_line_and_exit_2_before_the_model_loads(tiny_mo
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"pid {holder.pid}" in err[0] and len(err[0]) - len(str(out)) <= keys.CONSOLE_WIDTH
     assert loaded == [] and sorted(os.listdir(out)) == before
+
+
+# ---------------------------------------------------------------- the early checks: before torch, transformers, TRL
+def test_the_stand_ins_have_the_real_classes_fields_types_and_defaults():
+    """The early checks parse a recipe with stand-ins of GRPOConfig and ModelConfig read from the installed sources
+    (schema.stand_in): the same fields in the same order, the same defaults where the source writes a literal, the
+    same types (an Enum read from its source has the real one's values; a class not read is Unresolved)."""
+    import dataclasses
+    import enum
+    import typing
+
+    from hf_perf_callbacks.train import schema
+
+    early, real = arguments.early_classes(), arguments.recipe_classes()
+    assert [c.__name__ for c in early] == [c.__name__ for c in real] and early[1] is not real[1]
+
+    def same_type(fake, true) -> bool:
+        if fake == true:
+            return True
+        if fake is schema.Unresolved:
+            return isinstance(true, type) and true not in (int, float, str, bool, list, dict)
+        if isinstance(fake, type) and issubclass(fake, enum.Enum):
+            return isinstance(true, type) and issubclass(true, enum.Enum) and \
+                [m.value for m in fake] == [m.value for m in true]
+        fake_args, true_args = typing.get_args(fake), typing.get_args(true)
+        return (typing.get_origin(fake) == typing.get_origin(true) and len(fake_args) == len(true_args)
+                and all(same_type(a, b) for a, b in zip(fake_args, true_args)))
+
+    def default(f):
+        return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+    for fake, true in zip(early[1:], real[1:]):
+        hints = typing.get_type_hints(true)
+        fields = [f for f in dataclasses.fields(true) if f.init]
+        assert [f.name for f in dataclasses.fields(fake)] == [f.name for f in fields]
+        read = {f.name: f for f in schema.class_fields("trl", true.__name__)}
+        unknown = [f.name for f in fields if read[f.name].default is schema.UNKNOWN]
+        assert len(unknown) <= 3, unknown                  # nearly every default is a literal in the source
+        made_hints = typing.get_type_hints(fake)            # the annotations: a parser rewrites a field's .type
+        for f, made in zip(fields, dataclasses.fields(fake)):
+            assert same_type(made_hints[f.name], hints[f.name]), (f.name, made_hints[f.name], hints[f.name])
+            if f.name not in unknown:
+                value = default(f)
+                assert default(made) == (value.value if isinstance(value, enum.Enum) else value), f.name
+
+
+def test_the_early_checks_import_no_torch_transformers_or_trl_trainer(tmp_path):
+    """Each mistake is answered by check_early in a process that then holds no torch, no transformers' trainer and
+    no TRL trainer (the recipe's fields are read from the sources)."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_steps: abc\n")
+    cases = [["--config", str(bad)], ["--config", FULL, "--lora_rank", "3"], ["--config", FULL, "--max_steps", "2"],
+             ["--config", FULL, "--use_cpu", "true", "--callback_kwargs", '{"MemoryWatchdog": {"limit_gib": 3}}'],
+             ["--config", FULL, "--use_cpu", "true", "--resume_from_checkpoint", "last", "--output_dir",
+              str(tmp_path / "none")]]
+    code = ("import json, sys\nfrom hf_perf_callbacks.train import launch, RecipeError\nlines = []\n"
+            f"for argv in {cases!r}:\n"
+            "    try:\n        launch.check_early(argv)\n    except RecipeError as error:\n"
+            "        lines.append(str(error))\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith(("
+            "'transformers.training_args', 'transformers.trainer', 'trl.trainer')))\n"
+            "print(json.dumps({'lines': lines, 'heavy': heavy}))\n")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("ACCELERATE_MIXED_PRECISION", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["heavy"] == []
+    lines = result["lines"]                             # each case's words: the tests of each check above
+    assert len(lines) == len(cases)
+    assert str(bad) in lines[0] and "'abc'" in lines[0] and "'--lora_r'" in lines[1] and "bf16" in lines[2]
+    assert "'limit_gb'" in lines[3] and "resume_from_checkpoint=last" in lines[4]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"ThroughputMeter": {"window_step": 5}}, "unknown argument 'window_step' (did you mean 'window_steps'?)"),
+    ({"ThroughputMeter": {"window_steps": "many"}}, "window_steps='many' is not allowed: expected an integer"),
+    ({"MemoryWatchdog": {"stop": "yes"}}, "stop='yes' is not allowed: expected true or false"),
+    ({"AdaptiveBatchTuner": {"max_micro_batch": 2.5}}, "max_micro_batch=2.5 is not allowed: expected an integer or "
+                                                       "null"),
+])
+def test_a_callback_argument_is_checked_against_the_callbacks_own_signature(kwargs, message):
+    with pytest.raises(train.RecipeError, match=re.escape(message)):
+        checks.check_callback_arguments(list(kwargs), kwargs)
+    checks.check_callback_arguments(["ThroughputMeter"], {"ThroughputMeter": {"window_steps": 5}})   # a valid one
+
+
+def test_the_bf16_refusal_on_a_cpu_says_a_hub_model_needs_packaged_offline():
+    values = values_of({"model_name_or_path": "Qwen/Qwen2.5-1.5B-Instruct", "bf16": False, "dtype": "bfloat16"})
+    with pytest.raises(train.RecipeError, match="Qwen/Qwen2.5-1.5B-Instruct comes from the Hugging Face hub: "
+                                                "offline, add --model_name_or_path packaged"):
+        checks.check_recipe(values, device="cpu", bf16_supported=False)
+    with pytest.raises(train.RecipeError) as local:
+        checks.check_recipe(values_of({"model_name_or_path": "packaged", "bf16": True}), device="cpu",
+                            bf16_supported=False)
+    assert "hub" not in str(local.value)
+
+
+# ---------------------------------------------------------------- Ctrl-C and SIGTERM under the launcher
+from transformers import TrainerCallback  # noqa: E402 - the interrupting callback below, named by its dotted path
+
+
+class InterruptAt(TrainerCallback):
+    """A recipe's callback (``callbacks: [..., tests.test_recipes.InterruptAt]``) that interrupts the run at the end
+    of ``step``: Ctrl-C's KeyboardInterrupt, or a real SIGTERM sent to this process."""
+
+    def __init__(self, step=1, how="SIGINT"):
+        self.step, self.how = step, how
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            if self.how == "SIGTERM":
+                os.kill(os.getpid(), signal.SIGTERM)
+            raise KeyboardInterrupt
+
+
+def interrupted_flags(tiny_model, out, how=None):
+    """The full recipe's flags for 2 steps; with ``how``, :class:`InterruptAt` stops it at step 1."""
+    flags = ["--config", recipe_path(FULL), "--model_name_or_path", tiny_model, "--output_dir", str(out), *CPU,
+             "--report", "false"]
+    if how is None:
+        return flags
+    return [*flags, "--callbacks", *train.RecipeArguments().callbacks, "tests.test_recipes.InterruptAt",
+            "--callback_kwargs", json.dumps({"tests.test_recipes.InterruptAt": {"step": 1, "how": how}})]
+
+
+@pytest.mark.parametrize("how, status, words", [("SIGINT", 130, "Ctrl-C (SIGINT)"), ("SIGTERM", 143, "SIGTERM")])
+def test_an_interrupt_is_one_line_with_the_launchers_flag_and_the_resume_goes_on(how, status, words, tiny_model,
+                                                                                 tmp_path, launcher_process,
+                                                                                 capsys, caplog):
+    """Ctrl-C or SIGTERM at step 1 under the launcher: the step saved, one line that says so in the launcher's
+    terms (the flag and the checkpoint the run saved, not the Python call), no traceback; the same command with
+    that flag then trains on to max_steps."""
+    from hf_perf_callbacks.train import interrupts
+
+    out = tmp_path / "out"
+    assert train.main(interrupted_flags(tiny_model, out, how)) == status
+    captured = capsys.readouterr()
+    said = captured.out + captured.err + caplog.text
+    (line,) = [text for text in captured.err.splitlines() if "stopped by" in text]
+    saved = re.fullmatch(f"hf_perf_callbacks.train: stopped by {re.escape(words)} at step 1; saved (.+), the last "
+                         f"completed step; go on with the same command and --resume_from_checkpoint (.+)", line)
+    assert saved and saved.group(1) == saved.group(2) and os.path.isdir(saved.group(1))
+    assert os.path.basename(saved.group(1)) == "checkpoint-1"
+    assert "train_with_tuning(" not in said and "Traceback" not in said and said.count("checkpoint-1") == 2
+    assert signal.getsignal(signal.SIGTERM) is not interrupts._raise_terminated        # the handler before is back
+    capsys.readouterr()
+    assert train.main([*interrupted_flags(tiny_model, out), "--resume_from_checkpoint", saved.group(1)]) == 0
+    assert json.load(open(out / "trainer_state.json"))["global_step"] == 2
+
+
+def test_an_interrupt_shows_its_traceback_when_asked(tiny_model, tmp_path, launcher_process, monkeypatch):
+    monkeypatch.setenv("HF_PERF_TRACEBACK", "1")
+    with pytest.raises(KeyboardInterrupt):
+        train.main(interrupted_flags(tiny_model, tmp_path / "out", "SIGINT"))
+
+
+def test_the_python_apis_resume_advice_reads_as_the_flag():
+    from hf_perf_callbacks.train import interrupts
+
+    assert interrupts.as_flag("a; train_with_tuning(trainer, resume_from_checkpoint='o/checkpoint-5'); b") == \
+        "a; --resume_from_checkpoint o/checkpoint-5; b"
+    assert interrupts.as_flag("hf_perf_callbacks.train_with_tuning(trainer, resume_from_checkpoint='c');"
+                              "trainer.train(resume_from_checkpoint=...)") == \
+        f"{interrupts.RESUME_FLAG} c;{interrupts.RESUME_FLAG} last"
+
+
+# ---------------------------------------------------------------- torch's threads, and signs of life of a slow step
+def test_the_launcher_chooses_torchs_threads_as_the_demo_and_says_what_step_1_does(tiny_model, tmp_path,
+                                                                                  launcher_process, monkeypatch,
+                                                                                  caplog, capsys):
+    """Other work keeping 1.5 of the 2 cores busy: the launcher trains on 1 torch thread, as the demo would
+    (demo.set_threads), and says so in one line; before step 1 a line says what the first step does."""
+    import logging
+
+    import torch
+
+    from hf_perf_callbacks import demo
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(demo, "other_busy_cores", lambda seconds=1.0: 1.5)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    torch.set_num_threads(2)
+    caplog.set_level(logging.INFO, "hf_perf_callbacks")
+    from hf_perf_callbacks.runlog import HF_PERF_TRAIN
+    from hf_perf_callbacks.train.progress import first_step_line
+    from hf_perf_callbacks.wording import argument_hint
+
+    flags = [f if f != "2" else "1" for f in interrupted_flags(tiny_model, tmp_path / "out")]     # --max_steps 1
+    assert train.main(flags) == 0
+    assert torch.get_num_threads() == 1
+    said = [r.getMessage() for r in caplog.records]
+    demo_says = demo.set_threads(lambda: 1.5, cores=2)                # the demo's own line at that load
+    assert [line for line in said if line.startswith(demo_says.split(":")[0])] == [demo_says]
+    args = train.parse_recipe(flags)[1]
+    assert capsys.readouterr().out.count(first_step_line(args)) == 1
+    assert args.dataloader_pin_memory is False                       # a CPU: nothing to pin for (torch would warn)
+    hint = argument_hint("ThroughputMeter", "peak_flops", "calibrate", HF_PERF_TRAIN)   # a CPU: no peak known
+    assert len([line for line in said if hint in line]) == 1
+
+
+def test_a_slow_step_says_how_it_goes_and_a_fast_one_stays_quiet():
+    """StepPulse on a planted clock: step 1 (a 60 s generation, then 10 s per micro-batch) says its generation,
+    its pace after the first micro-batch and a micro-batch every 20 s; step 2 (after a slow one) says its
+    generation; step 3, after a fast step 2, nothing."""
+    from types import SimpleNamespace
+
+    from hf_perf_callbacks.train.progress import StepPulse
+
+    now, said = [0.0], []
+    pulse = StepPulse(said.append, clock=lambda: now[0], every=20.0)
+    args = SimpleNamespace(gradient_accumulation_steps=4, per_device_train_batch_size=2, steps_per_generation=None,
+                           max_completion_length=32, num_generations=8, world_size=1)
+    state = SimpleNamespace(is_world_process_zero=True, global_step=0)
+
+    def step(generation, micro_batch):
+        pulse.on_step_begin(args, state, None)
+        pulse.entry_started("rollout")
+        now[0] += generation
+        pulse.entry_finished("rollout", ([[0]] * 8, [[1] * 8] * 8))
+        for i in range(4):
+            now[0] += micro_batch
+            if i < 3:
+                pulse.on_substep_end(args, state, None)
+        state.global_step += 1
+        pulse.on_step_end(args, state, None)
+
+    pulse.on_train_begin(args, state, None)
+    step(60.0, 10.0)
+    assert said == ["step 1 generates 8 completions (≤ 32 tokens), then trains 4 micro-batches of 2: the slowest "
+                    "step (warm-up); a step over 20 s says how it goes",
+                    "step 1: generating …", "step 1: generated 8 completions, 64 tokens in 1 min 00 s",
+                    "step 1: micro-batch 1 of 4 done at 1 min 10 s; at this pace the step takes about 1 min 40 s",
+                    "step 1: micro-batch 3 of 4 done at 1 min 30 s"]
+    said.clear()
+    step(1.0, 0.25)
+    assert said == ["step 2: generating …", "step 2: generated 8 completions, 64 tokens in 1 s"]
+    said.clear()
+    step(1.0, 0.25)
+    assert said == []

@@ -27,14 +27,15 @@ def _matplotlib_imports() -> bool:
     return True
 
 
-def report_command(output_dir: str, plots: bool = True) -> int:
+def report_command(output_dir: str, plots: bool = True, summary: bool = True) -> int:
     """Print the run's summary and write its plots, then write ``perf_report.md`` and print the top findings.
-    0 on success (also when the plots were skipped for want of matplotlib), 2 (message on stderr) when the directory
-    cannot be reported on, 1 when only the analysis failed."""
+    ``summary=False``: without the summary (a run that just printed its callbacks' summaries: the demo, the recipe
+    launcher). 0 on success (also when the plots were skipped for want of matplotlib), 2 (message on stderr) when
+    the directory cannot be reported on, 1 when only the analysis failed."""
     missing_matplotlib = plots and not _matplotlib_imports()
     try:
         run = read_run(output_dir)
-        print_report(run, plots=plots and not missing_matplotlib)
+        print_report(run, plots=plots and not missing_matplotlib, summary=summary)
     except ReportError as error:
         print(f"hf-perf report: {error}", file=sys.stderr)
         return 2
@@ -50,9 +51,10 @@ def report_command(output_dir: str, plots: bool = True) -> int:
     return 0
 
 
-def print_report(run: RunLog, plots: bool = True) -> None:
+def print_report(run: RunLog, plots: bool = True, summary: bool = True) -> None:
     """Print the summary of a parsed run and write its plots (listing them); raises :class:`ReportError`."""
-    print(summarize(run))
+    if summary:
+        print(summarize(run))
     if plots:
         paths, notes = plot_all(run, None)
         print("plots:")

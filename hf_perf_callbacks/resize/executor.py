@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from ..device import RngState
     from ..memory import WallFacts
 
-__all__ = ["Executor", "SwitchSplit", "TunerView", "TunerEnd", "InexactResize", "ReplayLost", "RowsLost",
+__all__ = ["Executor", "SwitchSplit", "RUN_END", "TunerView", "TunerEnd", "InexactResize", "ReplayLost", "RowsLost",
            "current_split", "candidates", "format_summary"]
 
 logger = logging.getLogger("hf_perf_callbacks")
@@ -799,9 +799,10 @@ class Executor:
             what = (str(error) if isinstance(error, (UnfixableOOM, InexactResize)) else error_line(error)[:160])
             message = f"training ended at step {step} by {type(error).__name__}: {what}; {saved}; {resume}"
             self.commit(state=replace(self.state, switch=None), ended=message)
-        logger.error("[tuner] %s", message)
+        logger.error("[tuner] %s", message, extra={RUN_END: checkpoint})
         if hasattr(error, "add_note"):
             error.add_note(message)
+        setattr(error, RUN_END, checkpoint)         # where to go on from (None: nowhere), for the launcher
 
     def replay_lost(self, trainer: Trainer, step: int, new: Split, why: adapter.CannotReplay) -> ReplayLost:
         """The refusal of a re-size in step ``step + 1`` to ``new`` whose resume could not replay GRPO's buffered
@@ -1084,6 +1085,11 @@ def _padded_tokens(batches: list[Any]) -> int:
     """The tokens of micro-batches with their padding, as transformers' FLOP count reads them (``input_ids``)."""
     return sum(int(b["input_ids"].numel()) for b in batches if hasattr(b, "get") and hasattr(b.get("input_ids"),
                                                                                               "numel"))
+
+
+#: the attribute the run's end sets on the error it ends with, and on its log record: the checkpoint to go on from
+#: (None: none); the launcher words its own line from it (``train/interrupts.py``)
+RUN_END = "hf_perf_resume_from"
 
 
 def torch_oom(why: str) -> BaseException:

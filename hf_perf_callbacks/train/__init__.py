@@ -10,16 +10,23 @@ hf-perf train --config my.yaml                                    # a recipe fil
 
 ``--config`` takes a packaged recipe's name (:mod:`hf_perf_callbacks.train.recipes`) or a YAML file. Keys are fields of
 ``RecipeArguments``, TRL's ``GRPOConfig`` and ``ModelConfig`` (TRL's ``TrlParser`` over the three);
-command-line flags override the YAML. Unknown keys, values of the wrong type, impossible batch geometry and
-precision the device lacks fail before the model loads, with the fix in the message; so do a model that cannot be
-loaded and a trainer that refuses its arguments, before training starts: one line, exit 2.
+command-line flags override the YAML. Unknown keys, values of the wrong type, impossible batch geometry, callback
+arguments the callback does not take and precision the device lacks fail before torch, transformers and TRL's
+trainers are imported, with the fix in the message; a model that cannot be loaded and a trainer that refuses its
+arguments fail before training starts: one line, exit 2. Ctrl-C and SIGTERM end a run in one line with the flag
+that resumes it (exit 130 or 143).
 
 | module | what |
 |---|---|
+| ``schema`` | the fields of ``GRPOConfig``, ``ModelConfig`` and the callbacks read from their sources (no import) |
 | ``arguments`` | the recipe's keys and values: ``RecipeArguments``, the parser, unknown keys, ``trl grpo``'s, types |
-| ``checks`` | the values against the machine and the run: batch geometry, bf16, MPS, recorded split, checkpoint |
+| ``checks`` | the values against the machine and the run: batch geometry, bf16, MPS, callback arguments, recorded |
+|            | split, checkpoint |
 | ``build`` | the trainer's parts: callbacks, reward functions, datasets, tokenizer, model |
-| ``launch`` | ``parse_recipe`` (the two above in order), ``run`` (build, train, save, report), ``main`` |
+| ``progress`` | a slow step's signs of life (``StepPulse``) and what the first step does |
+| ``interrupts`` | Ctrl-C and SIGTERM: one line with ``--resume_from_checkpoint``, the resume advice as the flag |
+| ``launch`` | ``check_early`` (the checks, before torch), ``parse_recipe`` (then the real classes), ``run`` (build, |
+|            | train, save, report), ``main`` |
 | ``recipes`` | the recipes folder: list, locate, copy (``hf-perf recipes``) |
 """
 from __future__ import annotations

@@ -1,13 +1,20 @@
 """The recipe's keys and values: the launcher's own arguments (:class:`RecipeArguments`), TRL's parser over them,
 ``GRPOConfig`` and ``ModelConfig``, and the checks of the YAML and the flags as written (unknown keys with the closest
 valid one, ``trl grpo``'s script keys and command shape, values of the wrong type) before any value is used.
-Standard library at import; TRL and PyYAML when a function runs."""
+
+The checks run on :func:`early_classes`: stand-ins of ``GRPOConfig`` and ``ModelConfig`` read from TRL's and
+transformers' sources (:mod:`~hf_perf_callbacks.train.schema`), so a mistake is answered before torch, transformers
+and TRL's trainers are imported; :func:`recipe_classes` are the real ones, which parse the checked recipe.
+Standard library at import; TRL's parser (``trl.scripts``, no torch) and PyYAML when a function runs."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import enum
+import functools
 import json
+import logging
 import os
 import types
 import typing
@@ -16,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .. import CALLBACKS
+from . import schema
 
 if TYPE_CHECKING:
     from trl import TrlParser
@@ -24,6 +32,9 @@ WORDLE_REWARDS = tuple(f"hf_perf_callbacks.tasks.wordle.{name}" for name in (
     "format_reward", "valid_word_reward", "letters_reward", "consistency_reward", "solved_reward"))  # REWARD_FUNCS
 TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
 FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+logger = logging.getLogger(__name__)
 
 
 class RecipeError(ValueError):
@@ -62,17 +73,42 @@ class RecipeArguments:
 QUICK_TRIAL = "--max_steps 2 --max_completion_length 32 --output_dir runs/trial"
 
 
-def make_parser() -> TrlParser:
-    """``TrlParser`` over ``(RecipeArguments, GRPOConfig, ModelConfig)``; a value argparse cannot convert raises
+#: the classes of a recipe's keys besides :class:`RecipeArguments`, as ``trl`` exports them
+TRL_CLASSES = ("GRPOConfig", "ModelConfig")
+RecipeClasses = tuple[type, ...]
+
+
+def recipe_classes() -> RecipeClasses:
+    """``(RecipeArguments, GRPOConfig, ModelConfig)``: the real classes (importing them imports torch and
+    transformers)."""
+    from trl import GRPOConfig, ModelConfig
+
+    return RecipeArguments, GRPOConfig, ModelConfig
+
+
+@functools.lru_cache(maxsize=1)
+def early_classes() -> RecipeClasses:
+    """``(RecipeArguments, GRPOConfig, ModelConfig)`` with stand-ins of the two TRL classes read from the installed
+    sources (:func:`~hf_perf_callbacks.train.schema.stand_in`: their fields, types, defaults and metadata, nothing
+    imported); the real classes where those sources cannot be read."""
+    try:
+        return (RecipeArguments, *(schema.stand_in("trl", name) for name in TRL_CLASSES))
+    except schema.SourceUnreadable as error:
+        logger.debug("reading the recipe's fields from TRL's sources failed (%s): importing TRL", error)
+        return recipe_classes()
+
+
+def make_parser(classes: RecipeClasses | None = None) -> TrlParser:
+    """``TrlParser`` over ``classes`` (default :func:`early_classes`); a value argparse cannot convert raises
     :class:`RecipeError` (one line) instead of printing the whole usage and exiting."""
-    from trl import GRPOConfig, ModelConfig, TrlParser
+    from trl import TrlParser
 
     class RecipeParser(TrlParser):
         def error(self, message: str) -> NoReturn:
             raise RecipeError(message)
 
     # transformers types dataclass_types with DataClassType, a NewType of Any that no real dataclass matches
-    return RecipeParser((RecipeArguments, GRPOConfig, ModelConfig),  # type: ignore[arg-type]
+    return RecipeParser(classes or early_classes(),  # type: ignore[arg-type]
                         prog="python -m hf_perf_callbacks.train")
 
 
@@ -92,11 +128,9 @@ def launcher_help() -> str:
     return "\n".join(lines)
 
 
-def field_names() -> list[str]:
-    """Every valid recipe key: the fields of the three dataclasses."""
-    from trl import GRPOConfig, ModelConfig
-
-    return sorted({f.name for cls in (RecipeArguments, GRPOConfig, ModelConfig) for f in dataclasses.fields(cls)})
+def field_names(classes: RecipeClasses | None = None) -> list[str]:
+    """Every valid recipe key: the fields of the three dataclasses (default :func:`early_classes`)."""
+    return sorted({f.name for cls in classes or early_classes() for f in dataclasses.fields(cls)})
 
 
 def closest_name(name: str, names: list[str]) -> str | None:
@@ -158,12 +192,10 @@ def trl_script_keys() -> set[str]:
     """The keys ``trl grpo``'s own script takes besides ``GRPOConfig`` and ``ModelConfig`` (its
     ``GRPOScriptArguments`` and dataset mixture) that are not recipe keys here: ``dataset_name``,
     ``reward_model_name_or_path``, ..."""
-    try:
-        from trl.scripts.grpo import GRPOScriptArguments
-        from trl.scripts.utils import DatasetMixtureConfig
-
-        names = {f.name for cls in (GRPOScriptArguments, DatasetMixtureConfig) for f in dataclasses.fields(cls)}
-    except (ImportError, TypeError):                    # a TRL without its scripts: the keys of TRL 1.0-1.16
+    try:                                                # read from TRL's sources: nothing imported
+        names = (schema.field_names_of("trl.scripts.grpo", "GRPOScriptArguments")
+                 | schema.field_names_of("trl.scripts.utils", "DatasetMixtureConfig"))
+    except schema.SourceUnreadable:                     # a TRL without its scripts: the keys of TRL 1.0-1.16
         names = {*TRL_RENAMED, "dataset_config", "dataset_test_split", "dataset_streaming", "datasets",
                  "reward_model_name_or_path", "ignore_bias_buffers"}
     return names - set(field_names())
@@ -207,7 +239,7 @@ def check_trl_keys(config: Mapping[str, Any], args: list[str], path: str | None 
 
 def check_keys(parser: TrlParser, config: Mapping[str, Any], args: list[str], source: str = "recipe") -> None:
     """Fail on unknown YAML keys and command-line flags, naming each with its closest valid key."""
-    names = field_names()
+    names = field_names(tuple(parser.dataclass_types))
     dests = {action.dest for action in parser._actions}
     flags = {flag for action in parser._actions for flag in action.option_strings}
     problems = []
@@ -224,19 +256,19 @@ def check_keys(parser: TrlParser, config: Mapping[str, Any], args: list[str], so
                           "ModelConfig (python -m hf_perf_callbacks.train --help lists them).")
 
 
-def _expected(hint: Any) -> tuple[Callable[[Any], bool], str]:    # any annotation: a class, a Union, a Literal...
+def expected_type(hint: Any) -> tuple[Callable[[Any], bool], str]:    # any annotation: a class, a Union, a Literal...
     """``(test, words)`` for a field's annotation: a test of a YAML value and what it expects, in words. A type not
     known here (``ParallelismConfig``) passes: the library checks it."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     words: list[str] | str                              # a union's, or a list item's
     if origin in (typing.Union, types.UnionType):
-        parts = [_expected(arg) for arg in args]
+        parts = [expected_type(arg) for arg in args]
         words = [w for _, w in parts]
         return (lambda v: any(test(v) for test, _ in parts)), ", ".join(words[:-1]) + f" or {words[-1]}"
     if origin is typing.Literal:
         return (lambda v: v in args), "one of " + ", ".join(map(repr, args))
     if origin is list or hint is list:
-        item, words = _expected(args[0]) if args else ((lambda v: True), "anything")
+        item, words = expected_type(args[0]) if args else ((lambda v: True), "anything")
         plural = {"a string": "strings", "an integer": "integers", "a number": "numbers"}.get(words, words)
         return (lambda v: isinstance(v, list) and all(map(item, v))), f"a list of {plural}"
     if origin is dict or hint is dict:
@@ -251,20 +283,42 @@ def _expected(hint: Any) -> tuple[Callable[[Any], bool], str]:    # any annotati
     return scalars.get(hint, ((lambda v: True), getattr(hint, "__name__", str(hint))))
 
 
-def check_values(config: Mapping[str, Any], source: str = "recipe") -> None:
-    """Fail on YAML values of the wrong type (``callbacks: 5``, ``max_steps: 2.5``, ``output_dir: [a]``), each
-    named with the type its field declares. Strings are left to argparse, which converts them as it converts flags."""
-    from trl import GRPOConfig, ModelConfig
-
-    hints = {}
-    for cls in (ModelConfig, GRPOConfig, RecipeArguments):
+def check_values(config: Mapping[str, Any], source: str = "recipe", parser: TrlParser | None = None) -> None:
+    """Fail on YAML values of the wrong type (``callbacks: 5``, ``max_steps: 2.5``, ``max_steps: abc``,
+    ``output_dir: [a]``), each named with the file, the key and the type its field declares. A string is converted
+    as argparse converts a flag's value (``parser``'s own conversion: default :func:`make_parser`)."""
+    parser = parser or make_parser()
+    hints: dict[str, Any] = {}
+    for cls in reversed(list(parser.dataclass_types)):
         hints.update(typing.get_type_hints(cls))
-    expected = {key: _expected(hints[key]) for key, value in config.items()
-                if key != "env" and key in hints and not isinstance(value, str)}
-    problems = [f"{key}={config[key]!r} is not allowed: expected {words}"
-                for key, (test, words) in expected.items() if not test(config[key])]
+    actions: dict[str, argparse.Action] = {}
+    for each in parser._actions:                        # --tune, not its --no_tune
+        if each.option_strings:
+            actions.setdefault(each.dest, each)
+    problems = []
+    for key, value in config.items():
+        if key == "env" or key not in hints:
+            continue
+        test, words = expected_type(hints[key])
+        action = actions.get(key)
+        if isinstance(value, str) and action is not None and action.choices is not None:
+            words = "one of " + ", ".join(map(str, action.choices))       # the flag's choices: what argparse takes
+        if isinstance(value, str) and not _converts(action, value) or not isinstance(value, str) and not test(value):
+            problems.append(f"{key}={value!r} is not allowed: expected {words}")
     if problems:
         raise RecipeError(f"{source}: " + "; ".join(problems))
+
+
+def _converts(action: argparse.Action | None, value: str) -> bool:
+    """Whether argparse takes ``value`` for ``action``'s flag: its conversion (``int``, ``float``, a bool) and its
+    choices (a ``Literal`` or an ``Enum`` field)."""
+    if action is None:
+        return True
+    try:
+        converted = action.type(value) if callable(action.type) else value
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        return False
+    return action.choices is None or converted in action.choices
 
 
 def raw_values(parser: TrlParser, config: Mapping[str, Any], args: list[str]) -> dict[str, Any]:

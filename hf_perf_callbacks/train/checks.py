@@ -1,20 +1,27 @@
 """The recipe's values against the machine and the run: the device and its bf16, GRPO's batch geometry, the
-evaluation batch, ``device_map`` on MPS; the split a batch tuner recorded for a resumed run and the checkpoint to
-resume from. Every check raises :class:`~hf_perf_callbacks.train.arguments.RecipeError` with the fix, before the
-model loads."""
+evaluation batch, ``device_map`` on MPS, the callbacks' names and arguments; the split a batch tuner recorded for a
+resumed run and the checkpoint to resume from. Every check raises
+:class:`~hf_perf_callbacks.train.arguments.RecipeError` with the fix, before the model loads, and none imports
+torch, transformers or TRL (the device is asked of torch only on a machine that may have a GPU)."""
 from __future__ import annotations
 
 import dataclasses
+import glob
 import math
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
+from .. import CALLBACKS
 from ..batching import Split
 from ..splitfile import split_for_run
+from . import schema
 from .arguments import (
     RecipeError,
     as_dict,
+    did_you_mean,
+    expected_type,
 )
 
 
@@ -23,12 +30,26 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
+#: ``model_name_or_path`` of the packaged SmolLM2-135M-Instruct (:data:`hf_perf_callbacks.train.build.PACKAGED`)
+PACKAGED = "packaged"
+#: the device files a GPU torch can use shows on Linux (NVIDIA, AMD ROCm, Intel XPU and other DRM devices)
+GPU_DEVICE_FILES = ("/dev/nvidia*", "/dev/kfd", "/dev/dri")
+
+
+def no_gpu_visible() -> bool:
+    """Whether this machine visibly has no GPU: Linux without any of :data:`GPU_DEVICE_FILES`. Then the device
+    is the CPU without asking torch (importing it takes seconds); anywhere else torch is asked."""
+    return sys.platform.startswith("linux") and not any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES)
+
+
 def detect_device(use_cpu: bool = False) -> tuple[str, bool, str]:
     """``(kind, bf16_supported, description)`` of the device the trainer will use."""
-    from ..device import DeviceLayer
-
     if use_cpu:
         return "cpu", True, "the CPU (use_cpu: true)"
+    if no_gpu_visible():
+        return "cpu", False, "a machine without a GPU (use_cpu is false)"
+    from ..device import DeviceLayer
+
     device = DeviceLayer()
     if device.type in ("cuda", "xpu"):
         return device.type, device.bf16_supported(), f"{'CUDA GPU' if device.type == 'cuda' else 'Intel XPU'} " \
@@ -39,11 +60,19 @@ def detect_device(use_cpu: bool = False) -> tuple[str, bool, str]:
     return "cpu", False, "a machine without a GPU (use_cpu is false)"
 
 
-def _bf16_fix(kind: str) -> str:
-    return {"mps": "set bf16: false and dtype: float16 or float32 (bf16 on MPS needs macOS 14)",
-            "cuda": "set bf16: false, fp16: true and dtype: float16 (bf16 needs an Ampere or newer GPU)",
-            "xpu": "set bf16: false and dtype: float16 or float32",
-            }.get(kind, "set use_cpu: true to train on the CPU, or bf16: false and dtype: float32")
+def _bf16_fix(kind: str, model: object = None) -> str:
+    """The settings that train without bf16 on ``kind``; on a machine without a GPU also how to train offline when
+    ``model`` is a hub id (the packaged SmolLM2-135M-Instruct)."""
+    fixes = {"mps": "set bf16: false and dtype: float16 or float32 (bf16 on MPS needs macOS 14)",
+             "cuda": "set bf16: false, fp16: true and dtype: float16 (bf16 needs an Ampere or newer GPU)",
+             "xpu": "set bf16: false and dtype: float16 or float32"}
+    if kind in fixes:
+        return fixes[kind]
+    hub = (isinstance(model, str) and model not in ("", PACKAGED) and not os.path.isdir(model)
+           and not model.startswith(("/", "./", "../", "~")))
+    return ("set use_cpu: true to train on the CPU, or bf16: false and dtype: float32"
+            + (f"; {model} comes from the Hugging Face hub: offline, add --model_name_or_path {PACKAGED}"
+               if hub else ""))
 
 
 def check_batch_geometry(values: Mapping[str, Any], world_size: int = 1) -> int:
@@ -135,13 +164,13 @@ def _check_no_bf16(values: Mapping[str, Any], device: str, device_name: str,
     accelerate config."""
     where = (f"but {device_name} has no bf16" if device != "cpu" else
              "on a machine without a GPU, and use_cpu is not set (a recipe for a GPU or a Mac?)")
-    bf16 = values.get("bf16")
+    bf16, model = values.get("bf16"), values.get("model_name_or_path")
     wants_amp = (not values.get("fp16")) if bf16 is None else bf16
     if wants_amp or values.get("bf16_full_eval"):
         how = "bf16: true" if bf16 else "bf16 unset (TRL then turns bf16 on)"
-        raise RecipeError(f"bf16 mixed precision is requested ({how}) {where}: {_bf16_fix(device)}")
+        raise RecipeError(f"bf16 mixed precision is requested ({how}) {where}: {_bf16_fix(device, model)}")
     if str(values.get("dtype")) == "bfloat16":
-        raise RecipeError(f"dtype: bfloat16 loads the weights in bf16 {where}: {_bf16_fix(device)}")
+        raise RecipeError(f"dtype: bfloat16 loads the weights in bf16 {where}: {_bf16_fix(device, model)}")
     if accelerate_mixed_precision == "bf16":
         raise RecipeError(f"the accelerate config sets mixed_precision: bf16 {where}: launch with "
                           f"--mixed_precision no")
@@ -189,20 +218,88 @@ def config_with_split(args: Any, split: Mapping[str, int]) -> Any:
     return dataclasses.replace(args, **changes)
 
 
+def _no_checkpoint(output_dir: object) -> RecipeError:
+    return RecipeError(f"resume_from_checkpoint=last: no complete checkpoint-N folder in output_dir {output_dir!r}; "
+                       f"drop the flag to start fresh or pass a checkpoint path")
+
+
+def check_resume(resume: object, output_dir: object) -> None:
+    """``--resume_from_checkpoint``: a folder that exists, or ``last`` with a ``checkpoint-N`` folder in
+    ``output_dir`` (whether it is complete, :func:`resolve_checkpoint` says)."""
+    if not _resuming(resume):
+        return
+    if resume == "last":
+        if not glob.glob(os.path.join(str(output_dir), "checkpoint-*")):
+            raise _no_checkpoint(output_dir)
+    elif not os.path.isdir(str(resume)):
+        raise RecipeError(f"resume_from_checkpoint={resume!r}: no such directory (pass a checkpoint-N folder or "
+                          f"'last')")
+
+
 def resolve_checkpoint(resume: str | None, output_dir: str) -> str | None:
     """``--resume_from_checkpoint PATH`` or ``last`` (the newest *complete* ``checkpoint-N`` in ``output_dir``;
     newer incomplete ones are moved aside, see :mod:`hf_perf_callbacks.resize.checkpoints`)."""
     if resume is None or not _resuming(resume):
         return None
+    check_resume(resume, output_dir)
     if resume == "last":
         from ..resize.checkpoints import newest_complete
 
         last = newest_complete(output_dir)
         if last is None:
-            raise RecipeError(f"resume_from_checkpoint=last: no complete checkpoint-N folder in output_dir "
-                              f"{output_dir!r}; drop the flag to start fresh or pass a checkpoint path")
+            raise _no_checkpoint(output_dir)
         return last
-    if not os.path.isdir(resume):
-        raise RecipeError(f"resume_from_checkpoint={resume!r}: no such directory (pass a checkpoint-N folder or "
-                          f"'last')")
     return resume
+
+
+def callback_names(callbacks: object) -> list[str]:
+    """The recipe's ``callbacks`` as a list of names (one name, a list, ``none`` for none)."""
+    names = [callbacks] if isinstance(callbacks, str) else list(callbacks or [])   # type: ignore[call-overload]
+    return [str(name) for name in names if str(name).lower() != "none"]
+
+
+def check_callback_arguments(callbacks: object, callback_kwargs: object) -> None:
+    """The callbacks' names and their ``callback_kwargs`` against the package's callbacks' own ``__init__``
+    (read from the package's sources, nothing imported: :func:`~hf_perf_callbacks.train.schema.init_parameters`):
+    a callback named twice, an unknown callback, an unknown argument, a value of the wrong type, each with the
+    closest valid name. The values' ranges are checked when the callbacks are built; a user's class (a dotted path)
+    too."""
+    names, kwargs = callback_names(callbacks), as_dict(callback_kwargs, "callback_kwargs")
+    if len(set(names)) != len(names):
+        raise RecipeError(f"callbacks={names!r} names a callback twice: two instances of one class overwrite each "
+                          f"other's saved state")
+    for key in kwargs:
+        short = key.rsplit(".", 1)[-1]
+        if short not in CALLBACKS and key not in names and short not in (n.rsplit(".", 1)[-1] for n in names):
+            raise RecipeError(f"callback_kwargs names unknown callback {key!r}"
+                              f"{did_you_mean(short, list(CALLBACKS))}")
+    for name in names:
+        if "." in name:
+            continue
+        if name not in CALLBACKS:
+            raise RecipeError(f"unknown callback {name!r}{did_you_mean(name, list(CALLBACKS))}: allowed are "
+                              f"{', '.join(CALLBACKS)} or a dotted path pkg.module.Class")
+        options = kwargs.get(name, {}) or {}
+        if not isinstance(options, Mapping):
+            raise RecipeError(f"callback_kwargs[{name!r}]={options!r} is not allowed: expected a mapping")
+        _check_arguments(name, options)
+
+
+def _check_arguments(name: str, options: Mapping[str, Any]) -> None:
+    try:
+        parameters = schema.init_parameters("hf_perf_callbacks", name)
+    except schema.SourceUnreadable:                    # checked when the callback is built
+        return
+    if parameters is None:                             # **kwargs: any name goes
+        return
+    problems = []
+    for key, value in options.items():
+        if key not in parameters:
+            problems.append(f"unknown argument {key!r}{did_you_mean(key, sorted(parameters))}")
+            continue
+        test, words = expected_type(parameters[key].type)
+        if not test(value):
+            problems.append(f"{key}={value!r} is not allowed: expected {words}")
+    if problems:
+        raise RecipeError(f"callback_kwargs[{name!r}]: " + "; ".join(problems) + f" (the arguments of {name}: "
+                          f"{', '.join(k for k in parameters if k != 'clock')})")

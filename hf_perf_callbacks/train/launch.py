@@ -8,11 +8,12 @@ import os
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from .. import keys
 from ..batching import Split
-from . import recipes
+from . import interrupts, recipes
 from .arguments import (
     RecipeArguments,
     RecipeError,
@@ -21,14 +22,18 @@ from .arguments import (
     check_trl_command,
     check_trl_keys,
     check_values,
+    early_classes,
     make_parser,
     raw_values,
     read_recipe,
+    recipe_classes,
     split_config,
 )
 from .build import build_callbacks, build_datasets, build_model, build_tokenizer, resolve_reward_funcs
 from .checks import (
+    check_callback_arguments,
     check_recipe,
+    check_resume,
     config_with_split,
     detect_device,
     resolve_checkpoint,
@@ -41,40 +46,71 @@ if TYPE_CHECKING:
     from trl import GRPOConfig, ModelConfig
 
     from ..bus import OutputDirBusy, OutputDirLock
+    from .progress import StepPulse
 
 logger = logging.getLogger("hf_perf_callbacks.train")   # also when run as __main__
 
 
-def parse_recipe(argv: list[str]) -> tuple[RecipeArguments, GRPOConfig, ModelConfig]:
-    """Validate and parse ``argv`` into ``(RecipeArguments, GRPOConfig, ModelConfig)``; a :class:`RecipeError`
-    comes before anything heavy (distributed init, model, data) happens."""
+@dataclass
+class CheckedRecipe:
+    """A command line that passed :func:`check_early`: the recipe file, the other arguments, the merged values
+    (YAML under flags, the defaults of every field) and the split a batch tuner recorded for this resume."""
+
+    config_path: str | None
+    rest: list[str]
+    values: dict[str, Any]
+    split: dict[str, int] | None
+    device: str = "cpu"                        # the device kind the trainer will use (detect_device)
+    given: frozenset[str] = frozenset()        # the keys the YAML or a flag sets
+
+
+def check_early(argv: list[str]) -> CheckedRecipe:
+    """Every check of ``argv`` that needs no torch, transformers or TRL trainer: the recipe file, its keys and flags
+    (with the closest valid name), their values' types, GRPO's batch geometry, the evaluation batch, the dataset
+    size, bf16 on a machine that visibly has no GPU, the callbacks' names and arguments and the checkpoint to resume
+    from; a :class:`RecipeError` in about a second (the fields come from TRL's sources: :func:`early_classes`)."""
     config_path, rest = split_config(argv)
     check_trl_command(rest)
     config_path = recipes.resolve(config_path) if config_path else None
     config = read_recipe(config_path) if config_path else {}
-    parser = make_parser()
+    parser = make_parser(early_classes())
+    source = config_path or "recipe"
     check_trl_keys(config, rest, config_path)
-    check_keys(parser, config, rest, source=config_path or "recipe")
-    check_values(config, source=config_path or "recipe")
+    check_keys(parser, config, rest, source=source)
+    check_values(config, source=source, parser=parser)
     values = raw_values(parser, config, rest)
     split = split_to_resume(values, world_size_from_env())
     if split:
         values.update(split)
         if split.get("steps_per_generation"):
             values["generation_batch_size"] = None
+    check_callback_arguments(values.get("callbacks"), values.get("callback_kwargs"))
+    check_resume(values.get("resume_from_checkpoint"), values.get("output_dir"))
     kind, bf16_ok, name = detect_device(bool(values.get("use_cpu")))
     check_recipe(values, device=kind, bf16_supported=bf16_ok, device_name=name, world_size=world_size_from_env(),
                  accelerate_mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION"))
+    given = frozenset(config) | {arg.split("=", 1)[0][2:].replace("-", "_") for arg in rest if arg.startswith("--")}
+    return CheckedRecipe(config_path, rest, values, split, kind, given)
+
+
+def parse_recipe(argv: list[str]) -> tuple[RecipeArguments, GRPOConfig, ModelConfig]:
+    """Validate and parse ``argv`` into ``(RecipeArguments, GRPOConfig, ModelConfig)``: :func:`check_early` first,
+    then the real classes parse it; a :class:`RecipeError` comes before anything heavy (distributed init, model,
+    data) happens."""
+    checked = check_early(argv)
+    values, split = checked.values, checked.split
     if os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16" and values.get("bf16") is False:
         logger.warning("the accelerate config sets mixed_precision: bf16, which overrides bf16: false in the recipe "
                        "(training then runs under bf16 autocast); launch with --mixed_precision no, or "
                        "hf-perf recipes path accelerate/mps, to keep the recipe's precision")
 
-    args = ["--config", config_path, *rest] if config_path else rest
-    recipe, training_args, model_args = make_parser().parse_args_and_config(args)
+    args = ["--config", checked.config_path, *checked.rest] if checked.config_path else checked.rest
+    recipe, training_args, model_args = make_parser(recipe_classes()).parse_args_and_config(args)
     if split:
         logger.info("applying the split recorded by the batch tuner in %s: %s", training_args.output_dir, split)
         training_args = config_with_split(training_args, split)
+    if checked.device == "cpu" and "dataloader_pin_memory" not in checked.given:
+        training_args.dataloader_pin_memory = False    # nothing to pin for (torch warns once per dataloader)
     recipe.callbacks = [name for name in ([recipe.callbacks] if isinstance(recipe.callbacks, str)
                                           else recipe.callbacks) if name.lower() != "none"]
     recipe.reward_funcs = [recipe.reward_funcs] if isinstance(recipe.reward_funcs, str) else recipe.reward_funcs
@@ -140,7 +176,7 @@ def _report(output_dir: str) -> None:
     try:
         from ..report import report_command
 
-        report_command(output_dir)
+        report_command(output_dir, summary=False)    # the callbacks printed their summaries as training ended
     except Exception:                                  # training and checkpoints are already saved
         logger.exception("the perf report failed; rerun it with `hf-perf report %s`", output_dir)
 
@@ -184,6 +220,10 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
     """Build the trainer from parsed arguments, train, save, report."""
     from trl import GRPOTrainer, get_peft_config
 
+    from ..console import hide_upstream_deprecations
+
+    hide_upstream_deprecations()
+    choose_threads()
     callbacks = build_callbacks(recipe.callbacks, as_dict(recipe.callback_kwargs, "callback_kwargs"))
     lock = (hold_output_dir(cast(str, training_args.output_dir))    # set by __post_init__
             if callbacks else None)                                  # before the model loads
@@ -204,6 +244,8 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
     except ValueError as error:                        # TRL's and transformers' checks of the arguments
         raise RecipeError(f"GRPOTrainer refused the recipe: {error}") from None
     compact_console(trainer)
+    interrupts.running(trainer)
+    pulse = start_pulse(trainer)
     if trainer.is_world_process_zero():
         for line in _describe(recipe, training_args, model_args, callbacks).splitlines():   # short lines
             logger.info("%s", line)
@@ -220,6 +262,7 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
         train_with_tuning(trainer, resume_from_checkpoint=resume, tune=recipe.tune)
     else:
         trainer.train(resume_from_checkpoint=resume)
+    pulse.stop()
 
     if getattr(trainer, "is_fsdp_enabled", False):    # checkpoints stay sharded; the final model is one loadable file
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
@@ -249,8 +292,38 @@ def main(argv: list[str] | None = None) -> int:
     from ..bus import OutputDirBusy
 
     try:
-        return run(recipe, training_args, model_args)
+        with interrupts.answered(cast(str, training_args.output_dir)):
+            return run(recipe, training_args, model_args)
     except (RecipeError, OutputDirBusy) as error:      # the lock taken during train() too: one line, not a traceback
         text = busy_line(error) if isinstance(error, OutputDirBusy) and error.holder else str(error)
         print(f"hf_perf_callbacks.train: error: {text}", file=sys.stderr)
         return 2
+    except interrupts.Interrupted as stopped:          # Ctrl-C or SIGTERM: one line, the launcher's flag
+        print(f"hf_perf_callbacks.train: {stopped.line}", file=sys.stderr)
+        return stopped.status
+
+
+# ---------------------------------------------------------------- this process: threads, signs of life
+def choose_threads() -> None:
+    """torch's threads for this process, chosen as the demo chooses them (:func:`hf_perf_callbacks.demo.set_threads`:
+    fewer where other work keeps the cores busy; ``OMP_NUM_THREADS`` kept), said in one line on the main process."""
+    from ..demo import set_threads
+
+    line = set_threads()
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        logger.info("%s", line)
+
+
+def start_pulse(trainer: Trainer) -> StepPulse:
+    """The lines that show a slow step is alive (:class:`~hf_perf_callbacks.train.progress.StepPulse`), above the
+    trainer's progress bar."""
+    from ..console import Console
+
+    console = Console()
+    console.handler = trainer.callback_handler
+    from .progress import StepPulse
+
+    pulse = StepPulse(console.say)
+    trainer.add_callback(pulse)
+    pulse.watch(trainer)
+    return pulse

@@ -11,12 +11,14 @@ installed copy when there is one, else the checkout's folder (an editable instal
 | ``hf-perf train --config NAME`` | a packaged recipe by name (a file of that path, when it exists, wins) |
 
 A recipe's first line is ``# MACHINE: what it trains.``; the listing shows MACHINE and the recipe's
-``model_name_or_path``. Standard library and PyYAML only: the listing answers without torch.
+``model_name_or_path``. Standard library, PyYAML and the package's wording only: the listing answers without torch.
 """
 from __future__ import annotations
 
 import os
 import shutil
+
+from ..wording import wrapped
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _INSTALLED = os.path.join(_PACKAGE, "recipes")                     # inside an installed wheel
@@ -78,6 +80,23 @@ def _first_comment(file: str) -> str:
     return line.lstrip("#").strip() if line.startswith("#") else ""
 
 
+def _first_sentence(file: str) -> str:
+    """The file's leading comment up to the end of its first sentence (over as many lines as it takes; a line that
+    shows the launch command ends it)."""
+    words: list[str] = []
+    with open(file, encoding="utf-8") as handle:
+        for line in handle:
+            text = line.strip()
+            if not text.startswith("#") or text.lstrip("#").strip().startswith("accelerate launch"):
+                break
+            words.append(text.lstrip("#").strip())
+            if words[-1].endswith("."):
+                break
+    joined = " ".join(words)
+    end = joined.find(". ")
+    return joined[:end + 1] if end >= 0 else joined
+
+
 def describe(name: str) -> dict[str, str]:
     """``{"name", "machine", "model"}`` of a packaged recipe: the machine from its first line, the model from
     ``model_name_or_path``."""
@@ -99,7 +118,8 @@ def listing() -> str:
     lines.append('accelerate configs (accelerate launch --config_file "$(hf-perf recipes path accelerate/NAME)" '
                  "-m hf_perf_callbacks.train --config RECIPE):")
     names = accelerate_names()
-    lines += [f"  {n:<{max(map(len, names))}}  {_first_comment(path(n))}" for n in names]
+    column = max(len(n) for n in names)
+    lines += [wrapped(f"  {n:<{column}}  {_first_sentence(path(n))}", indent=" " * (column + 4)) for n in names]
     return "\n".join(lines)
 
 

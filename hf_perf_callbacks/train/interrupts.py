@@ -1,0 +1,202 @@
+"""Ctrl-C and SIGTERM under the launcher, answered once, in one line, in the launcher's terms.
+
+While the launcher trains (:func:`answered`), SIGTERM raises :class:`Terminated` (a ``KeyboardInterrupt``) where the
+run is, as Ctrl-C raises ``KeyboardInterrupt``: ``train_with_tuning`` then saves the last completed optimizer step
+either way (:meth:`hf_perf_callbacks.resize.executor.Executor.end_run`). The interrupt comes out of the launch as
+:class:`Interrupted`, whose one line says what stopped the run, at which step, the checkpoint there is to go on
+from, and how to go on: the same command with ``--resume_from_checkpoint``. No traceback, unless
+``HF_PERF_TRACEBACK=1`` (:data:`TRACEBACK_ENV`) is set: then the interrupt is raised as it came.
+
+The package's own lines that advise a resume are worded for the Python API
+(``train_with_tuning(trainer, resume_from_checkpoint='out/checkpoint-5')``); :class:`LauncherWords`, a logging
+filter the launcher puts on the handlers, rewrites them as the flag (``--resume_from_checkpoint out/checkpoint-5``)
+and leaves out the run's own end line after an interrupt, which the launcher's line says instead.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import re
+import signal
+import threading
+import weakref
+from collections.abc import Iterator
+from types import FrameType
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+#: set to 1 to see an interrupt's traceback under the launcher
+TRACEBACK_ENV = "HF_PERF_TRACEBACK"
+#: the exit status of a run stopped by a signal (the shells' 128 + the signal's number)
+EXIT_STATUS = {"SIGINT": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}
+#: the flag of the launcher that resumes a run
+RESUME_FLAG = "--resume_from_checkpoint"
+
+#: the Python API's resume advice: ``train_with_tuning(trainer, resume_from_checkpoint=X)``,
+#: ``trainer.train(resume_from_checkpoint=X)``, with or without ``hf_perf_callbacks.``
+_PYTHON_RESUME = re.compile(r"(?:hf_perf_callbacks\.)?(?:train_with_tuning\(trainer, |trainer\.train\()"
+                            r"resume_from_checkpoint=([^)]*)\)")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is as Ctrl-C's ``KeyboardInterrupt`` is (so the run saves and ends alike)."""
+
+
+class Interrupted(Exception):
+    """A launch stopped by Ctrl-C or SIGTERM: ``line`` says it, ``status`` is the exit status."""
+
+    def __init__(self, line: str, status: int):
+        super().__init__(line)
+        self.line, self.status = line, status
+
+
+def traceback_asked() -> bool:
+    return os.environ.get(TRACEBACK_ENV, "").lower() in ("1", "true", "yes")
+
+
+def as_flag(text: str) -> str:
+    """``text`` with the Python API's resume advice written as the launcher's flag."""
+    def flag(match: re.Match[str]) -> str:
+        value = match.group(1).strip().strip("'\"")
+        return f"{RESUME_FLAG} {'last' if value in ('...', 'True') else value}"
+
+    return _PYTHON_RESUME.sub(flag, text)
+
+
+class LauncherWords(logging.Filter):
+    """A handler's filter under the launcher: the Python API's resume advice as the flag (:func:`as_flag`); the
+    run's end line after an interrupt left out (the launcher's own line says it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from ..resize.executor import RUN_END
+
+        text = record.getMessage()
+        if hasattr(record, RUN_END) and re.search(r"\bby (KeyboardInterrupt|Terminated)\b", text):
+            return False
+        rewritten = as_flag(text)
+        if rewritten != text:
+            record.msg, record.args = rewritten, None
+        return True
+
+
+@contextlib.contextmanager
+def launcher_words() -> Iterator[None]:
+    """:class:`LauncherWords` on the root logger's handlers (where the package's lines go) while it is open."""
+    words, handlers = LauncherWords(), list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(words)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(words)
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise Terminated("SIGTERM")
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` while it is open (in the main thread only: signals go there); the handler
+    before comes back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def newest_checkpoint(output_dir: str) -> tuple[int, str] | None:
+    """``(step, path)`` of the newest complete ``checkpoint-N`` in ``output_dir`` (complete as
+    :func:`hf_perf_callbacks.resize.checkpoints.is_complete` says; nothing is moved)."""
+    from ..outputdir import step_of
+    from ..resize.checkpoints import is_complete
+
+    found = sorted(((step, path) for path in glob.glob(os.path.join(output_dir, "checkpoint-*"))
+                    if (step := step_of(os.path.basename(path))) is not None), reverse=True)
+    return next(((step, path) for step, path in found if os.path.isdir(path) and is_complete(path, step)), None)
+
+
+def noted_checkpoint(error: BaseException) -> str | None:
+    """The checkpoint the run's own end says to resume from (:data:`hf_perf_callbacks.resize.executor.RUN_END`, set
+    by ``Executor.end_run`` on the error it ends with); None when the run did not end so."""
+    from ..resize.executor import RUN_END
+
+    found = getattr(error, RUN_END, None)
+    return found if isinstance(found, str) else None
+
+
+def interrupt_line(error: KeyboardInterrupt, step: int | None, output_dir: str) -> str:
+    """The one line of a run stopped at ``step`` (None: before training began) by ``error``: the signal, the
+    checkpoint to go on from (the one the run saved as it stopped, :func:`noted_checkpoint`, or else the newest
+    complete one) and the flag that resumes from it."""
+    what = "SIGTERM" if isinstance(error, Terminated) else "Ctrl-C (SIGINT)"
+    if step is None:
+        return f"stopped by {what} before training began"
+    noted = noted_checkpoint(error)
+    newest = newest_checkpoint(output_dir) if noted is None else None
+    if noted is None and newest is None:
+        return (f"stopped by {what} at step {step}; no checkpoint in {output_dir} to go on from: the run must start "
+                f"again (save_steps saves one every N steps)")
+    path = noted or cast(tuple[int, str], newest)[1]
+    saved = _step_of(path)
+    where = (f"saved {path}, the last completed step" if saved == step else
+             f"the newest checkpoint is {path} (step {saved}; the steps after it are lost)")
+    return f"stopped by {what} at step {step}; {where}; go on with the same command and {RESUME_FLAG} {path}"
+
+
+def _step_of(path: str) -> int | None:
+    match = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(os.path.normpath(path)))
+    return int(match.group(1)) if match else None
+
+
+_running: weakref.ref[Trainer] | None = None     # the trainer the launch runs (one per process), once built
+
+
+def running(trainer: Trainer) -> None:
+    """Name the trainer the launch runs: its step goes into the interrupt's line, its progress bar is closed first."""
+    global _running
+    _running = weakref.ref(trainer)
+
+
+def _trainer() -> Trainer | None:
+    return _running() if _running is not None else None
+
+
+def _close_progress_bars() -> None:
+    """Close the trainer's progress bar, so that the interrupt's line starts a line of its own."""
+    from .. import adapter
+
+    trainer = _trainer()
+    for bar in adapter.progress_bars(trainer.callback_handler if trainer is not None else None):
+        bar.close()
+
+
+@contextlib.contextmanager
+def answered(output_dir: str) -> Iterator[None]:
+    """While it is open SIGTERM raises :class:`Terminated`, the package's resume advice reads as the flag, and an
+    interrupt leaves as :class:`Interrupted` with its line (the step of the trainer named by :func:`running`) — or
+    as it came under :data:`TRACEBACK_ENV`."""
+    global _running
+    _running = None
+    with sigterm_raises(), launcher_words():
+        try:
+            yield
+        except KeyboardInterrupt as error:
+            if traceback_asked():
+                raise
+            trainer = _trainer()
+            _close_progress_bars()
+            signal_name = "SIGTERM" if isinstance(error, Terminated) else "SIGINT"
+            step = trainer.state.global_step if trainer is not None else None
+            raise Interrupted(interrupt_line(error, step, output_dir), EXIT_STATUS[signal_name]) from None
+        finally:
+            _running = None

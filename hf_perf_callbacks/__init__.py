@@ -20,13 +20,13 @@ __version__ = "0.1.0"
 _LAZY = {"ThroughputMeter": ".throughput", "MemoryWatchdog": ".watchdog", "MPSCacheClearer": ".cache",
          "AdaptiveBatchTuner": ".resize", "train_with_tuning": ".resize",
          "UnfixableOOM": ".resize", "InexactResize": ".resize", "PeerFailed": ".resize",
-         "OutputDirBusy": ".bus", "ReportError": ".runlog"}
+         "OutputDirBusy": ".outputdir", "ReportError": ".runlog"}
 
 if TYPE_CHECKING:                      # what the lazy names are, for type checkers and editors
     from transformers import TrainerCallback
 
-    from .bus import OutputDirBusy
     from .cache import MPSCacheClearer
+    from .outputdir import OutputDirBusy
     from .resize import AdaptiveBatchTuner, InexactResize, PeerFailed, UnfixableOOM, train_with_tuning
     from .runlog import ReportError
     from .throughput import ThroughputMeter

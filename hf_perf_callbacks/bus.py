@@ -27,15 +27,14 @@ now has, such as ``EarlyStoppingCallback``) gets their entries in ``state.statef
 without which transformers' next save raises ``KeyError``
 (:func:`~hf_perf_callbacks.adapter.register_stateful_callbacks`).
 
-The methods of the parts that :mod:`hf_perf_callbacks.resize` and :mod:`hf_perf_callbacks.train` call through the bus
-(``publish``, ``record_step``, ``event``, ``say``, ``write_summary``, ``on_smaller_batch_request``, ``hold``,
-``unhold``, ``watch_trainer``, ``pin_session``, ``mark_runs``) are one-line delegations to the part.
+Callers reach a part through its field (``bus.log.event(...)``, ``bus.merger.publish(...)``): the bus adds no
+methods of its own in front of them.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -43,16 +42,14 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from . import adapter
-from .console import EVENT_WIDTH, Console, console_line, console_logs
+from .console import Console
 from .exchange import StepExchange
 from .merger import MetricsMerger, is_training_log
-from .outputdir import OutputDirBusy, OutputDirHold, OutputDirLock
+from .outputdir import OutputDirHold
 from .perflog import PerfLog
-from .runlog import EventDetails, EventKind
-from .signals import Requests, ShrinkRequest
+from .signals import Requests
 
-__all__ = ["RunBus", "OutputDirBusy", "OutputDirLock", "ShrinkRequest", "MemoryReading", "bus_for", "console_line",
-           "console_logs", "is_training_log", "TuningLink", "EVENT_WIDTH"]
+__all__ = ["RunBus", "MemoryReading", "bus_for", "TuningLink"]
 
 if TYPE_CHECKING:
     from .memory import WallFacts
@@ -71,8 +68,8 @@ class MemoryReading:
 
 
 class TuningLink(Protocol):
-    """What the bus and its readers need of the run's tuning session (the session itself lives a layer up, in
-    :mod:`hf_perf_callbacks.resize`, and attaches itself: :meth:`RunBus.attach_tuning`)."""
+    """What the bus and its readers need of the run's executor (it lives a layer up, in
+    :mod:`hf_perf_callbacks.resize`, and sets itself as the bus's ``tuning``)."""
 
     @property
     def output_dir(self) -> str: ...
@@ -130,51 +127,7 @@ class RunBus(TrainerCallback):
         seconds, self.overhead = self.overhead, 0.0
         return seconds
 
-    # ------------------------------------------------------------ delegations (resize/, train/ call these)
-    def publish(self, metrics: Mapping[str, float | None]) -> None:
-        self.merger.publish(metrics)
-
-    def record_step(self, step: int, fields: Mapping[str, Any]) -> None:
-        self.log.record_step(step, fields)
-
-    def event(self, source: str, kind: EventKind, message: str, step: int | None = None,
-              details: EventDetails | None = None) -> dict[str, Any]:
-        return self.log.event(source, kind, message, step=step, details=details)
-
-    def write_summary(self, source: str, values: Mapping[str, Any]) -> None:
-        self.log.write_summary(source, values)
-
-    def say(self, text: str) -> None:
-        self.console.say(text)
-
-    def on_smaller_batch_request(self, handler: ShrinkRequest) -> None:
-        self.requests.on_smaller_batch_request(handler)
-
-    def hold(self, output_dir: str) -> None:
-        self.output_lock.hold(output_dir)
-
-    def unhold(self) -> None:
-        self.output_lock.unhold()
-
-    def watch_trainer(self, trainer: Any) -> None:
-        self.output_lock.watch_trainer(trainer)
-
-    def pin_session(self, session: str) -> None:
-        self.log.pin_session(session)
-
-    def mark_runs(self, **facts: Any) -> None:
-        self.log.mark_runs(**facts)
-
     # ------------------------------------------------------------ what the callbacks tell the bus
-    def attach_tuning(self, tuning: TuningLink) -> None:
-        """The run's tuning session (one per ``train_with_tuning`` call, or the tuner's own)."""
-        self.tuning = tuning
-
-    def continue_run(self, continuing: bool) -> None:
-        """Whether this ``train()`` call ends for an in-process re-size (the run goes on: no end-of-run output,
-        the lock stays held)."""
-        self.continuing = continuing
-
     def bind(self, args: Any, state: Any) -> None:
         """Follow the trainer's ``output_dir`` and whether this is the main process (at every callback event)."""
         self.log.bind(args.output_dir, state.is_world_process_zero)
@@ -244,5 +197,5 @@ def bus_for(handler: CallbackHandler) -> RunBus:
         # A new list, not an in-place insert: the handler may be iterating over the old one right now.
         handler.callbacks = [bus] + [cb for cb in handler.callbacks if cb is not bus]
     bus.handler = handler
-    bus.watch_trainer(adapter.calling_trainer())      # at the trainer's init (or its train()): found on the stack
+    bus.output_lock.watch_trainer(adapter.calling_trainer())  # at the trainer's init (or its train())
     return bus

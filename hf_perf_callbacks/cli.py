@@ -11,12 +11,6 @@ import os
 import re
 import sys
 
-#: the quick start's (``hf-perf demo --model tiny``) measured time and its conditions, as docs/performance.md gives it
-#: (between its quick-start-time markers; tests/test_cli.py checks that they agree); ``--help`` names that page
-QUICK_START_TIME = ("15 s of wall time, 11 s of CPU time, from the installed wheel in a fresh virtualenv outside the "
-                    "clone, on a 2-core x86-64 CPU shared with other work at a load average of 5.4, on the 1 torch "
-                    "thread the demo chose")
-
 TRAIN_HELP = ("run a recipe in this process: hf-perf train --config NAME [--key value ...]; NAME is a packaged "
               "recipe (hf-perf recipes lists them) or a recipe YAML file; keys are RecipeArguments, GRPOConfig and "
               "ModelConfig fields. Several processes: accelerate launch --config_file \"$(hf-perf recipes path "

@@ -22,9 +22,6 @@ TUNER_NEEDS_TRAIN_WITH_TUNING = (
     "run's own steps and in-process re-sizes need train_with_tuning(trainer) (or the recipe launcher, hf-perf "
     "train); under trainer.train() a re-size request saves a checkpoint and stops with the split to resume with")
 
-#: what the throughput of a run is: the steady figure's basis, named once for the summary, the plots and the analysis
-THROUGHPUT_BASIS = "tokens per second of training time (evaluation and saving excluded)"
-
 
 #: how a callback's arguments were written: ``default_callbacks(...)`` (each callback it builds carries it as
 #: ``built_by``), the recipe launcher (the run's ``launcher``, :data:`~hf_perf_callbacks.runlog.HF_PERF_TRAIN`:

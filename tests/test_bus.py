@@ -10,7 +10,8 @@ from transformers import TrainerCallback
 
 from hf_perf_callbacks import ThroughputMeter, default_callbacks, keys
 from hf_perf_callbacks.base import PerfCallback
-from hf_perf_callbacks.bus import RunBus, is_training_log
+from hf_perf_callbacks.bus import RunBus
+from hf_perf_callbacks.merger import is_training_log
 from hf_perf_callbacks.runlog import CALLBACK_PREFIXES, TRAINER_LOG
 from tests.conftest import make_grpo, make_trainer
 

@@ -16,7 +16,7 @@ import pytest
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import keys
-from hf_perf_callbacks.bus import console_line, console_logs
+from hf_perf_callbacks.console import console_line, console_logs
 from hf_perf_callbacks.wording import wrapped
 
 from .conftest import make_grpo, make_trainer
@@ -204,7 +204,7 @@ def test_the_memory_wall_moving_is_said_once_at_info(tmp_path):
     package.setLevel(logging.DEBUG)
     try:
         for step in (3, 5, 8):
-            bus.event("mem", "wall", f"the memory wall moved: the budget is now {10 - step} GiB", step=step)
+            bus.log.event("mem", "wall", f"the memory wall moved: the budget is now {10 - step} GiB", step=step)
         bus.log.flush()
     finally:
         package.removeHandler(handler)

@@ -25,6 +25,8 @@ from hf_perf_callbacks.resize import sharding
 from hf_perf_callbacks.resize.checkpoints import fingerprint, has_training_state, is_complete
 from tests.conftest import make_trainer
 
+from .deepspeed_sizes import deepspeed_sizes
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "two_rank_deepspeed.py")
 SPLIT_KEYS = sharding.DEEPSPEED_SPLIT_KEYS
 
@@ -68,7 +70,7 @@ def test_a_split_is_written_to_every_holder_of_the_deepspeed_config():
         assert [config[k] for k in SPLIT_KEYS] == [2, 2, 4]                   # one process: 2 × 2 × 1
     assert plugin.deepspeed_config["zero_optimization"] == {"stage": 3}     # nothing else touched
     assert trainer.accelerator.gradient_accumulation_steps == 2
-    sizes = sharding.deepspeed_sizes(trainer)
+    sizes = deepspeed_sizes(trainer)
     assert set(sizes) == {"args", "plugin", "hf_deepspeed_config", "engine"}
     assert all(v == [2, 2, 4] for v in sizes.values()), sizes
 
@@ -76,7 +78,7 @@ def test_a_split_is_written_to_every_holder_of_the_deepspeed_config():
 def test_without_deepspeed_nothing_is_written(tokenizer, tmp_path):
     trainer = make_trainer(tokenizer, tmp_path, [], max_steps=1)
     assert not sharding.deepspeed_split(trainer) and not sharding.release_engine(trainer)
-    assert sharding.deepspeed_sizes(trainer) == {}
+    assert deepspeed_sizes(trainer) == {}
 
 
 def test_deepspeed_is_taken_at_start_and_says_what_a_resize_does(tokenizer, tmp_path, monkeypatch):

@@ -932,7 +932,7 @@ def test_a_busy_output_dir_is_one_line_and_exit_2_before_the_model_loads(tiny_mo
     from hf_perf_callbacks.train import launch
 
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hf_perf_callbacks.bus import "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hf_perf_callbacks.outputdir import "
                                "OutputDirLock; OutputDirLock().acquire(sys.argv[1]); print('locked', flush=True); "
                                "time.sleep(120)", str(out)], stdout=subprocess.PIPE, text=True,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

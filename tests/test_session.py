@@ -10,7 +10,7 @@ from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, ThroughputMeter, adapter, keys, train_with_tuning
 from hf_perf_callbacks.batching import Split
-from hf_perf_callbacks.bus import OutputDirBusy
+from hf_perf_callbacks.outputdir import OutputDirBusy
 from hf_perf_callbacks.resize import current_split
 from hf_perf_callbacks.runlog import LOCK_FILE, SPLIT_FILE, read_run
 from hf_perf_callbacks.splitfile import read_split_file
@@ -125,7 +125,7 @@ def test_a_checkpoint_another_process_rewrote_is_never_resumed_from(tokenizer, t
 def test_a_second_process_in_the_same_output_dir_is_refused_naming_the_first(tokenizer, tmp_path):
     """A live process holds the output_dir: plain train() and train_with_tuning are refused before they write
     anything, with a message for a run that never started (no checkpoint to save, nothing to resume)."""
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hf_perf_callbacks.bus import "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hf_perf_callbacks.outputdir import "
                                "OutputDirLock; OutputDirLock().acquire(sys.argv[1]); print('locked', flush=True); "
                                "time.sleep(120)", str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:

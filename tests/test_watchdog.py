@@ -174,7 +174,7 @@ class FakeTuner(PerfCallback):
 
     @PerfCallback.hook
     def on_train_begin(self, args, state, control, **kwargs):
-        self.bus.on_smaller_batch_request(self.shrink)
+        self.bus.requests.on_smaller_batch_request(self.shrink)
 
     def shrink(self, reason, step, **_):
         self.requests.append((step, reason))

@@ -124,10 +124,10 @@ class AdaptiveBatchTuner(PerfCallback):
         executor = self.executor = Executor.for_tuner(args, state, self.bus, self.accept_unmeasured)
         if self.tune and not executor.managed and not self._hinted:   # said once: nothing will be tuned
             self._hinted = True                         # a note (INFO), not a warning: a meter-only user lost nothing
-            self._bus.event(self.source, "note", TUNER_NEEDS_TRAIN_WITH_TUNING, step=state.global_step,
+            self._bus.log.event(self.source, "note", TUNER_NEEDS_TRAIN_WITH_TUNING, step=state.global_step,
                             details=NoteDetails(needs="train_with_tuning"))
         self.world = world_size()
-        self._bus.on_smaller_batch_request(self._on_smaller_batch)
+        self._bus.requests.on_smaller_batch_request(self._on_smaller_batch)
         self.in_optimizer_step = False
         # args changed by hand between train() calls rule; a resume in process goes on with the loop's windows
         self.measuring = executor.begin_train(args, state.global_step, state.max_steps)
@@ -182,8 +182,8 @@ class AdaptiveBatchTuner(PerfCallback):
         split, resizes = self._executor.step_ends(step)
         fields = {keys.TUNER_MICRO_BATCH: split.micro_batch, keys.TUNER_GRAD_ACCUM: split.grad_accum,
                   keys.TUNER_EFFECTIVE_BATCH: split.effective_batch(self.world), keys.TUNER_RESIZES: resizes}
-        self._bus.record_step(step, fields)
-        self._bus.publish(fields)
+        self._bus.log.record_step(step, fields)
+        self._bus.merger.publish(fields)
         if self.measuring and self._started is not None:
             self._measure(args, step, control, self._started)
 
@@ -197,7 +197,7 @@ class AdaptiveBatchTuner(PerfCallback):
         fits = all(r[2] <= r[3] for r in rows)
         stop, self.measuring = self._executor.measured_step(step, ranked, whole, max(r[2] for r in rows) / GB, fits)
         if stop:
-            self._bus.continue_run(True)                    # a switch by stopping this train() (not in process)
+            self._bus.continuing = True                    # a switch by stopping this train() (not in process)
             control.should_training_stop = True
         if not self.measuring and self._stop_watching is not None:     # the tuning finished: no more clocks
             self._stop_watching()
@@ -222,7 +222,7 @@ class AdaptiveBatchTuner(PerfCallback):
         executor = self._executor
         plan = executor.on_watchdog(reason, step, rows, acting=control is not None)
         if plan.stop_now and control is not None:
-            self._bus.continue_run(executor.managed)
+            self._bus.continuing = executor.managed
             control.should_save = True
             control.should_training_stop = True
         return plan.new is not None and plan.action in ("resize", "none")
@@ -234,12 +234,12 @@ class AdaptiveBatchTuner(PerfCallback):
             self._stop_watching()
             self._stop_watching = None
         end = self._executor.train_ends(state.global_step, self.measuring, self._bus.continuing)
-        self._bus.write_summary(self.source, {"split": end.split.as_args(), "session": end.session,
+        self._bus.log.write_summary(self.source, {"split": end.split.as_args(), "session": end.session,
                                               "decisions": end.decisions})
         if not state.is_world_process_zero or self._bus.continuing:
             return
         if end.summary is not None:
-            self._bus.say(end.summary)
+            self._bus.console.say(end.summary)
         if end.switch is not None:
             new = end.switch
             checkpoint = os.path.join(str(args.output_dir), f"checkpoint-{state.global_step}")

@@ -150,8 +150,8 @@ class Executor:
         self._undo_grpo: Callable[[], None] | None = None
         self._open, self._dirty = 0, False
         if bus is not None:
-            bus.attach_tuning(self)
-            bus.pin_session(self.record.id)
+            bus.tuning = self
+            bus.log.pin_session(self.record.id)
 
     @property
     def state(self) -> SplitState:
@@ -290,7 +290,7 @@ class Executor:
             self.record.adopt(record)
             self.checkpoints.written = list(record.written)
             if self.bus is not None:
-                self.bus.pin_session(self.record.id)
+                self.bus.log.pin_session(self.record.id)
             if is_main_process():
                 clear_rank_files(self.output_dir)
         self.recorded = recorded_split(found, self.output_dir, **run_geometry(trainer.args, self.world))
@@ -1100,7 +1100,7 @@ def torch_oom(why: str) -> BaseException:
 
 
 def _line(text: str) -> str:
-    from ..bus import EVENT_WIDTH, console_line
+    from ..console import EVENT_WIDTH, console_line
 
     return console_line(text, EVENT_WIDTH)
 

@@ -97,13 +97,13 @@ def train_with_tuning(trainer: Trainer, resume_from_checkpoint: str | bool | Non
         trainer.add_callback(tuner)
     output_dir = str(trainer.args.output_dir)
     bus = bus_for(trainer.callback_handler)
-    bus.watch_trainer(trainer)
+    bus.output_lock.watch_trainer(trainer)
     if is_main_process():
-        bus.hold(output_dir)                 # another process there: refused before anything is written
+        bus.output_lock.hold(output_dir)                 # another process there: refused before anything is written
     try:
         return _train(trainer, tuner, bus, resume_from_checkpoint, tune, max_resizes)
     finally:
-        bus.unhold()
+        bus.output_lock.unhold()
 
 
 def _train(trainer: Trainer, tuner: AdaptiveBatchTuner, bus: RunBus, resume_from_checkpoint: str | bool | None,

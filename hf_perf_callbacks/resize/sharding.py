@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 from ..batching import Exactness, Split
 from ..device import error_line, is_oom_error, world_size
@@ -145,26 +145,6 @@ def deepspeed_split(trainer: Trainer) -> bool:
         config.update(values)
     accelerator.gradient_accumulation_steps = accum
     return True
-
-
-def deepspeed_sizes(trainer: Trainer) -> dict[str, list[int]]:
-    """What each holder of DeepSpeed's split says, ``[micro-batch, accumulation, train batch]`` (the engine's from
-    its public getters); they must all agree with ``trainer.args``."""
-    plugin = deepspeed_plugin(trainer)
-    if plugin is None:
-        return {}
-    args = trainer.args
-    sizes = {"args": [args.per_device_train_batch_size, args.gradient_accumulation_steps,
-                      args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size()],
-             "plugin": [plugin.deepspeed_config.get(k) for k in DEEPSPEED_SPLIT_KEYS]}
-    hf_config = getattr(getattr(args, "hf_deepspeed_config", None), "config", None)
-    if isinstance(hf_config, dict):
-        sizes["hf_deepspeed_config"] = [hf_config.get(k) for k in DEEPSPEED_SPLIT_KEYS]
-    engine: Any = getattr(trainer, "model_wrapped", None)     # DeepSpeedEngine's getters, duck-typed
-    if engine is not None and hasattr(engine, "train_micro_batch_size_per_gpu"):
-        sizes["engine"] = [engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
-                           engine.train_batch_size()]
-    return sizes
 
 
 def release_engine(trainer: Trainer) -> bool:

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
     from trl import GRPOConfig, ModelConfig
 
-    from ..bus import OutputDirBusy, OutputDirLock
+    from ..outputdir import OutputDirBusy, OutputDirLock
     from .progress import StepPulse
 
 logger = logging.getLogger("hf_perf_callbacks.train")   # also when run as __main__
@@ -127,8 +127,8 @@ CONSOLE_KEYS = keys.CONSOLE_KEYS
 
 
 def console_logs(logs: Mapping[str, Any]) -> dict[str, Any]:
-    """A training log as the console shows it (:func:`hf_perf_callbacks.bus.console_logs`)."""
-    from ..bus import console_logs as compact
+    """A training log as the console shows it (:func:`hf_perf_callbacks.console.console_logs`)."""
+    from ..console import console_logs as compact
 
     return compact(logs)
 
@@ -198,7 +198,7 @@ def _end(trainer: Trainer) -> None:
 def hold_output_dir(output_dir: str) -> OutputDirLock | None:
     """Hold ``output_dir`` for this process before anything heavy loads (the main process; the bus holds the same
     lock during ``train()``): another live process training there is one :class:`RecipeError` line."""
-    from ..bus import OutputDirBusy, OutputDirLock
+    from ..outputdir import OutputDirBusy, OutputDirLock
 
     if int(os.environ.get("RANK", "0") or 0) != 0:
         return None
@@ -211,7 +211,7 @@ def hold_output_dir(output_dir: str) -> OutputDirLock | None:
 
 
 def busy_line(busy: OutputDirBusy) -> str:
-    """The one line a refused launch says (the whole reason is :class:`~hf_perf_callbacks.bus.OutputDirBusy`'s)."""
+    """The one line a refused launch says (the whole reason is in :class:`~.outputdir.OutputDirBusy`)."""
     return f"output_dir {busy.output_dir} is in use by another run ({busy.holder}): pick another or wait for it"
 
 
@@ -254,7 +254,7 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
         from ..bus import bus_for
         from ..runlog import HF_PERF_TRAIN
 
-        bus_for(trainer.callback_handler).mark_runs(launcher=HF_PERF_TRAIN)
+        bus_for(trainer.callback_handler).log.mark_runs(launcher=HF_PERF_TRAIN)
     resume = training_args.resume_from_checkpoint
     if any(type(cb).__name__ == "AdaptiveBatchTuner" for cb in callbacks):
         from ..resize import train_with_tuning
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:                        # RecipeError and the dataclasses' own checks
         print(f"hf_perf_callbacks.train: error: {error}", file=sys.stderr)
         return 2
-    from ..bus import OutputDirBusy
+    from ..outputdir import OutputDirBusy
 
     try:
         with interrupts.answered(cast(str, training_args.output_dir)):

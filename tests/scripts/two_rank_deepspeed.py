@@ -137,6 +137,7 @@ def tuned_in_process(tokenizer, out, stage, rank):
     #    for the new split and go on in the same process to max_steps
     from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
     from hf_perf_callbacks.resize import sharding
+    from tests.deepspeed_sizes import deepspeed_sizes
     from tests.test_tuner import MemoryByBatch
 
     watchdog = MemoryWatchdog(limit_gb=7.0 if rank == 1 else None, grace_steps=1)
@@ -153,7 +154,7 @@ def tuned_in_process(tokenizer, out, stage, rank):
     lines = [json.loads(x) for x in open(os.path.join(out, "tuned", "perf_log.jsonl"))] if rank == 0 else []
     result.update(tuned_sharding=sharding.sharding(tuned), tuned_step=tuned.state.global_step,
                   tuned_split=[args.per_device_train_batch_size, args.gradient_accumulation_steps],
-                  tuned_sizes=sharding.deepspeed_sizes(tuned), engines=len(set(first_engine)),
+                  tuned_sizes=deepspeed_sizes(tuned), engines=len(set(first_engine)),
                   tuned_decisions=[(d.kind, d.step, d.new.micro_batch) for d in tuner.executor.record.decisions],
                   tuned_actions=[a["action"] for a in watchdog.actions],
                   tuned_checkpoint=sorted(os.listdir(os.path.join(out, "tuned", "checkpoint-2"))),
@@ -244,12 +245,12 @@ def restart(out, stage, relaunch: bool, oom_rank: int = 0):
         exact_run(tokenizer, out, stage, "run", steps=8, save_steps=2, plant=plant)
         return
     trainer, got = exact_run(tokenizer, out, stage, "run", steps=8, save_steps=2, resume=True)
-    from hf_perf_callbacks.resize import sharding
     from hf_perf_callbacks.splitfile import read_split_file
+    from tests.deepspeed_sizes import deepspeed_sizes
 
     record = read_split_file(os.path.join(out, "run"))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"step": trainer.state.global_step, "sizes": sharding.deepspeed_sizes(trainer),
+        json.dump({"step": trainer.state.global_step, "sizes": deepspeed_sizes(trainer),
                    "split": [trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps],
                    "decisions": [(d.kind, d.step, d.new.micro_batch, d.checkpoint) for d in record.decisions],
                    "differences": compare(torch.load(unfaulted, weights_only=False), got, steps=set(range(5, 9)))}, f)
@@ -266,13 +267,13 @@ def one_process(out, stage):
     _, expected = exact_run(tokenizer, out, stage, "unfaulted")
     plant = PlantedOOM(limit=2, text=CUDA_OOM, armed_at=2, once=True)
     trainer, got = exact_run(tokenizer, out, stage, "recovered", plant=plant)
-    from hf_perf_callbacks.resize import sharding
     from hf_perf_callbacks.splitfile import read_split_file
+    from tests.deepspeed_sizes import deepspeed_sizes
 
     record = read_split_file(os.path.join(out, "recovered"))
     with open(os.path.join(out, "rank0.json"), "w") as f:
         json.dump({"step": trainer.state.global_step, "raised": plant.raised,
-                   "sizes": sharding.deepspeed_sizes(trainer),
+                   "sizes": deepspeed_sizes(trainer),
                    "decisions": [(d.kind, d.step, d.new.micro_batch) for d in record.decisions],
                    "differences": compare(expected, got)}, f)
 
@@ -283,9 +284,9 @@ def grpo(out, stage):
     the prompt groups and the generation batch kept: the same samples, learning rates and weights as a run that never
     re-sized."""
     from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, keys, train_with_tuning
-    from hf_perf_callbacks.resize import sharding
     from hf_perf_callbacks.tiny import build_tokenizer
     from tests.conftest import CORPUS, make_grpo, varied_reward
+    from tests.deepspeed_sizes import deepspeed_sizes
     from tests.faults import SampleRecorder
     from tests.test_tuner import MemoryByBatch
 
@@ -315,7 +316,7 @@ def grpo(out, stage):
         result[name] = {"step": trainer.state.global_step, "figures": figures,
                         "split": [trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps,
                                   trainer.args.steps_per_generation, trainer.args.num_generations],
-                        "sizes": sharding.deepspeed_sizes(trainer), "zero_stage":
+                        "sizes": deepspeed_sizes(trainer), "zero_stage":
                             trainer.model_wrapped.zero_optimization_stage(),
                         "decisions": [(d.kind, d.step, d.new.micro_batch) for d in tuner.executor.record.decisions],
                         "actions": [a["action"] for a in watchdog.actions] if watchdog else []}

@@ -10,6 +10,8 @@
   disabled callback still joins its per-step exchange with neutral values, so no rank is left waiting.
 * **The bus.** On its first event a callback finds the trainer's :class:`~hf_perf_callbacks.bus.RunBus`
   (creating it first in the callback list) so its metrics reach every reporter.
+* **Arguments.** A callback's constructor wears the shell :func:`arguments` (written at its ``__init__``): a bad
+  argument is a ``ValueError`` naming the class and the key.
 * **Resume.** State is exported through ``ExportableState`` and read back from ``trainer_state.json`` at
   ``on_train_begin`` of a resumed run, whether or not ``restore_callback_states_from_checkpoint`` is set. A
   callback keeps its settings as attributes named like its constructor's arguments (as transformers' own callbacks
@@ -131,17 +133,17 @@ class UnknownArgument(ArgumentError, UnknownKeyword):
     """A keyword a callback's constructor does not take, with the closest one it does (also a ``TypeError``)."""
 
 
-def _named_init(owner: str, init: Callable[..., None]) -> Callable[..., None]:
-    """A constructor whose bad arguments raise a ``ValueError`` naming the class and the key (an unknown keyword
-    too, which Python reports as a ``TypeError``)."""
-
+def arguments(init: Callable[..., None]) -> Callable[..., None]:
+    """The shell of a callback's constructor, written at its ``__init__``: a bad argument raises a ``ValueError``
+    naming the class and the key (an unknown keyword too, with the closest one it takes: also a ``TypeError``)."""
+    owner = init.__qualname__.split(".")[-2]
     parameters = inspect.signature(init).parameters
     keywords = [p for p in parameters if p != "self"]
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        if not open_ended:                               # a typo gets the closest keyword (a TypeError and ValueError)
+        if not open_ended:
             try:
                 check_keywords(owner, kwargs, keywords)
             except UnknownKeyword as error:
@@ -151,8 +153,7 @@ def _named_init(owner: str, init: Callable[..., None]) -> Callable[..., None]:
         except (TypeError, ValueError) as error:
             if isinstance(error, ArgumentError):        # an inner constructor (super().__init__) named it already
                 raise
-            allowed = ", ".join(p for p in inspect.signature(init).parameters if p != "self")
-            raise ArgumentError(f"{owner}: {error} (allowed keywords: {allowed})") from None
+            raise ArgumentError(f"{owner}: {error} (allowed keywords: {', '.join(keywords)})") from None
 
     return __init__
 
@@ -160,22 +161,22 @@ def _named_init(owner: str, init: Callable[..., None]) -> Callable[..., None]:
 class PerfCallback(TrainerCallback, ExportableState):
     """Base class of the package's callbacks."""
 
-    #: the shell of every trainer event (:func:`hook`), also as ``@PerfCallback.hook``
+    #: the shells of every trainer event (:func:`hook`) and of a constructor (:func:`arguments`), also as
+    #: ``@PerfCallback.hook`` and ``@PerfCallback.arguments``
     hook = staticmethod(hook)
+    arguments = staticmethod(arguments)
     source = "perf"
     exchange_width = 0                   # floats this callback gathers across ranks once per optimizer step
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Every trainer event a subclass defines must wear the shell (:func:`hook`): one without it is an error
-        here, at the class's definition. A subclass's constructor names the class and the key of a bad argument."""
+        here, at the class's definition."""
         super().__init_subclass__(**kwargs)
         bare = [name for name, value in vars(cls).items()
                 if name.startswith("on_") and callable(value) and not getattr(value, HOOK_MARK, False)]
         if bare:
             raise TypeError(f"{cls.__name__}.{bare[0]} is a trainer event of a PerfCallback: decorate it with "
                             f"@hook (hf_perf_callbacks.base.hook), which isolates its faults and joins the bus")
-        if "__init__" in vars(cls):
-            cls.__init__ = _named_init(cls.__name__, vars(cls)["__init__"])  # type: ignore[method-assign]
 
     def __init__(self, clock: Clock | None = None):
         if clock is not None and not isinstance(clock, Clock):

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import keys
-from .base import Clock, PerfCallback, hook
+from .base import Clock, PerfCallback, arguments, hook
 from .device import GB, DeviceLayer
 from .memory import ClearSchedule
 from .runlog import CacheClear, ClearerSummary
@@ -51,6 +51,7 @@ class MPSCacheClearer(PerfCallback):
 
     source = "cache"
 
+    @arguments
     def __init__(self, enabled: bool | None = None, interval_steps: int = 50, min_interval: int = 10,
                  max_interval: int = 400, min_freed_gb: float = 0.1, bloat_ratio: float = 1.5,
                  bloat_min_gb: float = 0.5, after_eval: bool = True, after_save: bool = True,

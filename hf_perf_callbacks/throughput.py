@@ -11,7 +11,7 @@ import psutil
 import torch
 
 from . import adapter, keys
-from .base import Clock, PerfCallback, hook
+from .base import Clock, PerfCallback, arguments, hook
 from .batching import is_grpo
 from .dataloader import FACT_TYPES, DataLoaderFacts, dataloader_advice, dataloader_facts
 from .device import DeviceLayer, dtype_key, world_size
@@ -261,6 +261,7 @@ class ThroughputMeter(PerfCallback):
     source = "perf"
     exchange_width = 4
 
+    @arguments
     def __init__(self, window_steps: int = 10, warmup_window: int = 4, warmup_tolerance: float = 0.1,
                  max_warmup_steps: int = 50, peak_flops: float | str | None = None,
                  peak_bandwidth: float | None = None, data_wait_threshold: float = 0.1, progress_bar: bool = True,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import adapter, keys
-from .base import Clock, PerfCallback, hook
+from .base import Clock, PerfCallback, arguments, hook
 from .batching import is_grpo
 from .bus import MemoryReading
 from .device import GB, DeviceLayer, MemorySample, gather_floats, world_size
@@ -169,6 +169,7 @@ class MemoryWatchdog(PerfCallback):
     source = "mem"
     exchange_width = 2
 
+    @arguments
     def __init__(self, limit_gb: float | None = None, budget_fraction: float = BUDGET_FRACTION,
                  warn_fraction: float = WARN_FRACTION, grace_steps: int = GRACE_STEPS, trend_window: int = TREND_WINDOW,
                  warn_within_steps: float = WARN_WITHIN_STEPS, stop_within_steps: float = STOP_WITHIN_STEPS,

@@ -51,3 +51,30 @@ def test_a_clock_that_is_not_a_clock_is_refused():
 
     with pytest.raises(ValueError, match=r"ThroughputMeter: clock=.* is not allowed: expected a hf_perf_callbacks"):
         ThroughputMeter(clock=lambda: 0.0)
+
+
+def test_the_constructors_shell_is_written_at_the_constructor_and_nowhere_else():
+    """``@arguments`` names the class and the key of a bad argument where it is written; base.py rewraps nothing
+    out of sight: a subclass's undecorated constructor raises Python's own error."""
+    import hf_perf_callbacks
+    from hf_perf_callbacks.base import ArgumentError, PerfCallback
+
+    for name in ("ThroughputMeter", "MemoryWatchdog", "MPSCacheClearer", "AdaptiveBatchTuner"):
+        assert hasattr(getattr(hf_perf_callbacks, name).__init__, "__wrapped__"), name
+
+    class Plain(PerfCallback):
+        def __init__(self, size: int = 1):
+            super().__init__()
+            self.size = size
+
+    class Shelled(PerfCallback):
+        @PerfCallback.arguments
+        def __init__(self, size: int = 1):
+            super().__init__()
+            self.size = size
+
+    with pytest.raises(TypeError) as plain:
+        Plain(sise=2)
+    assert not isinstance(plain.value, ArgumentError)
+    with pytest.raises(ArgumentError, match="Shelled got .*'sise' .did you mean 'size'"):
+        Shelled(sise=2)

@@ -75,6 +75,7 @@ class AdaptiveBatchTuner(PerfCallback):
 
     source = "tuner"
 
+    @PerfCallback.arguments
     def __init__(self, tune: bool = True, samples: int = SAMPLES, max_rounds: int = 3,
                  max_micro_batch: int | None = None, patience: int = 1, rank_by: str = "non_generation",
                  must_pay: bool = True, memory_check: bool | None = None, clock: Clock | None = None,

@@ -220,7 +220,7 @@ def test_an_oom_under_several_ranks_ends_the_process_and_the_relaunch_resumes_ex
     trains steps 5-8 as the unfaulted run does (samples over both ranks, learning rates, weights)."""
     first = launch(tmp_path, stage, "restart")
     assert first.returncode != 0
-    assert "out of memory under DeepSpeed at step 4 that the other ranks cannot learn of" in first.stderr
+    assert "out of memory under DeepSpeed at step 5 that the other ranks cannot learn of" in first.stderr
     record = json.load(open(tmp_path / "run" / "tuner_split.json"))
     assert record["split"] == {"micro_batch": 2, "grad_accum": 2}
     second = launch(tmp_path, stage, "restart", "relaunch")

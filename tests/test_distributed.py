@@ -65,7 +65,7 @@ def test_a_watchdog_stop_on_one_rank_stops_both_with_one_checkpoint(two_rank_run
 def test_an_oom_on_one_rank_resizes_both_ranks_without_deadlock(two_rank_run):
     _, (r0, r1) = two_rank_run
     assert (r0["oom_raised"], r1["oom_raised"]) == (0, 1)               # planted on rank 1 only
-    assert r0["oom_decisions"] == r1["oom_decisions"] == [["oom", 2, 2]]
+    assert r0["oom_decisions"] == r1["oom_decisions"] == [["oom", 3, 2]]      # the step that ran out
     assert r0["oom_split"] == r1["oom_split"] == [2, 2]                 # effective batch 4 × 1 × 2 ranks kept
     assert r0["oom_step"] == r1["oom_step"] == 4
 
@@ -111,7 +111,7 @@ def test_an_oom_on_one_rank_before_trls_own_collectives_resizes_both(two_rank_ru
     _, (r0, r1) = two_rank_run
     where = "grpo_forward_oom"
     assert (r0[where]["raised"], r1[where]["raised"]) == (0, 1)
-    assert r0[where]["decisions"] == r1[where]["decisions"] == [["oom", 1, 2]]
+    assert r0[where]["decisions"] == r1[where]["decisions"] == [["oom", 2, 2]]
     assert r0[where]["split"] == r1[where]["split"] == [2, 2, 8]          # generation batch 8 kept
     assert r0[where]["step"] == r1[where]["step"] == 3
     assert r0["collectives_restored"] and r1["collectives_restored"]    # the wrapping ends with train_with_tuning

@@ -138,7 +138,7 @@ def test_an_oom_after_the_guard_came_off_ends_the_process_with_the_split_recorde
     checkpoint of this run (``save_steps=2``: checkpoint-4) at 2×2 and reaches max_steps, every step logged once."""
     first = torchrun(tmp_path, "restart")
     assert first.returncode != 0
-    assert "out of memory under FSDP at step 4 that the other ranks cannot learn of" in first.stderr
+    assert "out of memory under FSDP at step 5 that the other ranks cannot learn of" in first.stderr
     record = json.load(open(tmp_path / "run" / "tuner_split.json"))
     assert record["split"] == {"micro_batch": 2, "grad_accum": 2}
     assert [(d["kind"], d["step"], d["checkpoint"]) for d in record["decisions"]] == [

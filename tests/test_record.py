@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.resize.plan import SplitState, on_oom
@@ -41,6 +42,17 @@ def test_a_change_applied_without_writing_is_written_by_the_next_commit(tmp_path
     assert not os.path.exists(tmp_path / "tuner_split.json")
     record.commit(Change(), [])
     assert read_split_file(str(tmp_path)).ended == "stopped"
+
+
+def test_a_record_that_holds_nothing_writes_no_file_and_replaces_an_earlier_runs(tmp_path):
+    """No trace when nothing happens: no split file; where an earlier run left one, this run's replaces it."""
+    quiet = SplitRecord.start(str(tmp_path), S42)
+    assert quiet.commit(Change(state=replace(quiet.state, resizes_left=3)), []) is None
+    assert not os.path.exists(tmp_path / "tuner_split.json")
+    earlier = SplitRecord.start(str(tmp_path), S42)
+    earlier.commit(Change(ended="stopped"), [])
+    again = SplitRecord.start(str(tmp_path), S42)
+    assert again.commit(Change(), []) is not None and read_split_file(str(tmp_path)).session == again.id
 
 
 def test_adopting_a_file_continues_its_run():

@@ -111,8 +111,10 @@ class SplitRecord:
         if change.restart and not self.main:
             return _write(self.file(written), rank_file(self.output_dir, self.rank))
         record = self.file(written)
-        if not self.main or record.to_json() == self._written:
-            return None
+        if not self.main or record.to_json() == self._written or (
+                self._written is None and _nothing(record)
+                and not os.path.exists(os.path.join(self.output_dir, SPLIT_FILE))):
+            return None                 # nothing happened: no file (an earlier run's is replaced)
         path = record.write(self.output_dir)
         self._written = record.to_json()
         return path
@@ -143,6 +145,12 @@ class SplitRecord:
             return False
         self.said.add(key)
         return True
+
+
+def _nothing(record: SplitFile) -> bool:
+    """Whether ``record`` holds nothing but the configured split."""
+    return (record.split == record.configured and not (record.written or record.decisions or record.checks)
+            and record.ended is None and record.restricted is None)
 
 
 def _write(record: SplitFile, path: str) -> str:

@@ -141,56 +141,68 @@ class StepGuard:
         return self.stable_steps is not None and step - self.armed_since >= self.stable_steps
 
     def _make(self, original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        trainer, agreement = self.trainer, self.agreement
-
         def training_step(model: torch.nn.Module, inputs: dict[str, Any], *args: Any,
                           **kwargs: Any) -> torch.Tensor:         # inputs: the user's micro-batch
             if self.armed and self._stable():
-                self.disarm()
-                step = trainer.state.global_step
-                message = (f"the cross-rank step guard is off after {self.stable_steps} stable steps (its exchange "
-                           f"before every collective costs a host round trip); it comes back after a re-size")
-                if self.notify is not None:
-                    self.notify(message, step)
+                self._come_off()
             if not self.armed:
                 return original(model, inputs, *args, **kwargs)
-            syncing = trainer.accelerator.sync_gradients and hasattr(model, "no_sync")
-            oom = failed = buffers = site = None
-            # DDP broadcasts buffers at the start of each forward: a collective the other ranks must be told about
-            ddp = adapter.unwrap_compiled(model)
-            hook = (ddp.register_forward_pre_hook(agreement.check) if isinstance(ddp, DistributedDataParallel)
-                    else None)
-            with model.no_sync() if syncing else contextlib.nullcontext():  # type: ignore[operator]  # DDP's (hasattr)
-                agreement.begin()
-                try:
-                    loss = original(model, inputs, *args, **kwargs)
-                    grads = _trainable_gradients(cast(torch.nn.Module, trainer.model)) if syncing else []
-                    buffers = average_buffers(grads) if grads else None    # allocated before the agreement
-                except Exception as error:
-                    if agreement.broken:         # it struck inside a collective: the ranks can no longer pair up
-                        raise
-                    if isinstance(error, ResizeNeeded) or is_oom_error(error):
-                        site = error.site if isinstance(error, ResizeNeeded) else oom_site(error, trainer)
-                        oom = error.with_traceback(None)    # let the step's tensors go before the exchange allocates
-                    else:
-                        failed = error
-                finally:
-                    agreement.inside = False
-                    if hook is not None:
-                        hook.remove()
-            any_site, any_failed = agreement.settle(site, failed is not None)
-            if failed is not None:
-                raise failed
-            if any_failed:
-                raise PeerFailed("another rank failed inside its training step (its own traceback says why)")
-            if any_site is not None:
-                where = error_line(oom) if oom is not None else "another rank"
-                raise ResizeNeeded(f"out of memory on a rank: {where}", any_site) from oom
-            if buffers is not None:
-                average_across_ranks(grads, buffers)
-            return loss
+            return self._agreed_step(original, model, inputs, *args, **kwargs)
 
         return training_step
+
+    def _come_off(self) -> None:
+        """The split ran ``stable_steps`` steps: the guard comes off (said once, at its step)."""
+        self.disarm()
+        if self.notify is not None:
+            self.notify(f"the cross-rank step guard is off after {self.stable_steps} stable steps (its exchange "
+                        f"before every collective costs a host round trip); it comes back after a re-size",
+                        self.trainer.state.global_step)
+
+    def _agreed_step(self, original: Callable[..., torch.Tensor], model: torch.nn.Module, inputs: dict[str, Any],
+                     *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One micro-batch's training step under the agreement: what failed on any rank is raised on every rank."""
+        trainer, agreement = self.trainer, self.agreement
+        syncing = trainer.accelerator.sync_gradients and hasattr(model, "no_sync")
+        oom = failed = buffers = site = None
+        grads: list[torch.Tensor] = []
+        # DDP broadcasts buffers at the start of each forward: a collective the other ranks must be told about
+        ddp = adapter.unwrap_compiled(model)
+        hook = ddp.register_forward_pre_hook(agreement.check) if isinstance(ddp, DistributedDataParallel) else None
+        with model.no_sync() if syncing else contextlib.nullcontext():  # type: ignore[operator]  # DDP's (hasattr)
+            agreement.begin()
+            try:
+                loss = original(model, inputs, *args, **kwargs)
+                grads = _trainable_gradients(cast(torch.nn.Module, trainer.model)) if syncing else []
+                buffers = average_buffers(grads) if grads else None    # allocated before the agreement
+            except Exception as error:
+                if agreement.broken:         # it struck inside a collective: the ranks can no longer pair up
+                    raise
+                if isinstance(error, ResizeNeeded) or is_oom_error(error):
+                    site = error.site if isinstance(error, ResizeNeeded) else oom_site(error, trainer)
+                    oom = error.with_traceback(None)    # let the step's tensors go before the exchange allocates
+                else:
+                    failed = error
+            finally:
+                agreement.inside = False
+                if hook is not None:
+                    hook.remove()
+        self._raise_what_failed(site, failed, oom)
+        if buffers is not None:
+            average_across_ranks(grads, buffers)
+        return loss
+
+    def _raise_what_failed(self, site: int | None, failed: Exception | None, oom: BaseException | None) -> None:
+        """Every rank learns what failed on any rank: its own error, :class:`PeerFailed` for another's, or
+        :class:`ResizeNeeded` for an out-of-memory error anywhere."""
+        any_site, any_failed = self.agreement.settle(site, failed is not None)
+        if failed is not None:
+            raise failed
+        if any_failed:
+            raise PeerFailed("another rank failed inside its training step (its own traceback says why)")
+        if any_site is not None:
+            where = error_line(oom) if oom is not None else "another rank"
+            raise ResizeNeeded(f"out of memory on a rank: {where}", any_site) from oom
 
 
 def guard_training_step(trainer: Trainer, stable_steps: int | None = None,

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
     from ..base import Clock
     from ..device import RngState
+    from ..estimate import ModelShape
 
 #: what the allocator holds beyond the live tensors the estimate counts: CUDA's caching allocator, and MPS driver
 #: memory (about twice the live tensors on a Mac; recipes/README.md)
@@ -64,20 +65,13 @@ def estimated_peak(trainer: Trainer, device_type: str) -> float | None:
     """GRPO's live-tensor peak in bytes at the worst-case length (the longest prompt, every completion at
     ``max_completion_length``) for the split in effect, from the model's config; None when it cannot be estimated
     (not GRPO, an unknown architecture, prompts that cannot be measured)."""
-    from ..estimate import estimate_grpo_memory, model_from_config
+    from ..estimate import estimate_grpo_memory
 
     args = cast("GRPOConfig", trainer.args)          # its GRPO fields are read past is_grpo only
     if not is_grpo(args):
         return None
     try:
-        model: Any = trainer.model                     # the model or a peft wrapper (get_base_model)
-        peft = hasattr(model, "peft_config")
-        inner = model.get_base_model() if peft else model
-        config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
-        facts = model_from_config({**config.to_dict(), "params": sum(p.numel() for n, p in inner.named_parameters()
-                                                                      if "lora_" not in n)})
-        weight = next(p for p in inner.parameters() if not p.requires_grad) if peft else next(inner.parameters())
-        dtype_bytes = 2 if (args.bf16 or args.fp16) else weight.element_size()
+        facts, weight_bytes, lora_params = _model_facts(trainer.model)
         split = current_split(args)
         generation_batch = split.generation_batch(world_size())
         if generation_batch is None:                    # no steps_per_generation: no generation batch to size
@@ -85,13 +79,28 @@ def estimated_peak(trainer: Trainer, device_type: str) -> float | None:
         return estimate_grpo_memory(
             facts, micro_batch=split.micro_batch, num_generations=cast(int, args.num_generations),  # None: raises,
             generation_batch=generation_batch, prompt_tokens=_longest_prompt_tokens(trainer),
-            max_completion_length=cast(int, args.max_completion_length), dtype_bytes=dtype_bytes,   # no estimate
-            lora_params=sum(p.numel() for p in model.parameters() if p.requires_grad) if peft else 0,
+            max_completion_length=cast(int, args.max_completion_length),                             # no estimate
+            dtype_bytes=2 if (args.bf16 or args.fp16) else weight_bytes, lora_params=lora_params,
             activation_checkpointing=bool(getattr(args, "activation_checkpointing", False)
                                           or getattr(args, "gradient_checkpointing", False)),
-            lm_head="triton" if device_type == "cuda" else "torch", full_finetune=not peft)["peak"]
+            lm_head="triton" if device_type == "cuda" else "torch", full_finetune=not lora_params)["peak"]
     except Exception:  # noqa: BLE001 - no estimate: the check runs (safety first)
         return None
+
+
+def _model_facts(model: Any) -> tuple[ModelShape, int, int]:
+    """The model's facts from its config (a peft wrapper's base model), the bytes of one frozen weight (of any
+    weight without peft) and the trainable LoRA parameters (0 without peft)."""
+    from ..estimate import model_from_config
+
+    peft = hasattr(model, "peft_config")
+    inner = model.get_base_model() if peft else model
+    config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
+    facts = model_from_config({**config.to_dict(), "params": sum(p.numel() for n, p in inner.named_parameters()
+                                                                  if "lora_" not in n)})
+    weight = next(p for p in inner.parameters() if not p.requires_grad) if peft else next(inner.parameters())
+    lora = sum(p.numel() for p in model.parameters() if p.requires_grad) if peft else 0
+    return facts, weight.element_size(), lora
 
 
 def _longest_prompt_tokens(trainer: Trainer) -> int:
@@ -151,25 +160,10 @@ def check_memory(trainer: Trainer, session: Executor, candidates: list[Split], b
             cost_sec=max(r[0] for r in gather_floats([wall() - started], device.device)), budget_gb=budget / GB))
         return configured
     smaller = sorted((s for s in candidates if s.micro_batch < configured.micro_batch), key=lambda s: -s.micro_batch)
-    saved = _snapshot(trainer)
-    trials: list[Trial] = []
-    try:
-        for split in [configured, *smaller]:
-            trial = _step(trainer, session, split, device, budget, wall)
-            trials.append(trial)
-            if trial.fits:
-                break
-    finally:
-        _restore(trainer, saved)
+    trials = _trials(trainer, session, [configured, *smaller], device, budget, wall)
     chosen = next((t.split for t in trials if t.fits), configured)
     cost = max(r[0] for r in gather_floats([wall() - started], device.device))
-    if chosen == configured and trials[0].fits:
-        reason = f"the configured split fits at the worst-case length (peak {trials[0].peak_gb:.2f} GiB; {why})"
-    elif trials[-1].fits:
-        reason = (f"the configured split does not fit at the worst-case length ({trials[0].error}): the largest "
-                  f"exact split that does")
-    else:
-        reason = "no exact split fits at the worst-case length: keeping the configured split (the OOM path decides)"
+    reason = _why_chosen(trials, chosen == configured, why)
     decision = session.decide("memory_check", reason, chosen, 0, old=configured, trials=trials, cost_sec=cost,
                               budget_gb=budget / GB)
     session.apply(trainer, chosen)
@@ -178,6 +172,31 @@ def check_memory(trainer: Trainer, session: Executor, candidates: list[Split], b
     else:                                   # its first step is checked on its rows before it trains
         session.stage(Staged("memory_check", configured, chosen, 1, replace(session.state, split=chosen), decision))
     return chosen
+
+
+def _trials(trainer: Trainer, session: Executor, splits: list[Split], device: DeviceLayer, budget: float,
+            wall: Callable[[], float]) -> list[Trial]:
+    """One step at each split in turn, up to the first that fits; the trainer is left as it was."""
+    saved = _snapshot(trainer)
+    trials: list[Trial] = []
+    try:
+        for split in splits:
+            trials.append(_step(trainer, session, split, device, budget, wall))
+            if trials[-1].fits:
+                break
+    finally:
+        _restore(trainer, saved)
+    return trials
+
+
+def _why_chosen(trials: list[Trial], configured: bool, why: str) -> str:
+    """The memory check's decision in words: what fit at the worst-case length."""
+    if configured and trials[0].fits:
+        return f"the configured split fits at the worst-case length (peak {trials[0].peak_gb:.2f} GiB; {why})"
+    if trials[-1].fits:
+        return (f"the configured split does not fit at the worst-case length ({trials[0].error}): the largest exact "
+                f"split that does")
+    return "no exact split fits at the worst-case length: keeping the configured split (the OOM path decides)"
 
 
 def check_or_warn(trainer: Trainer, session: Executor, clock: Clock | None = None, force: bool = False) -> None:

@@ -311,35 +311,45 @@ class OnRunTuning:
         if self.first_step is None:
             self.first_step = whole
         if self.warm_left > 0:                     # the first cycles after a (re)start: a warm-up, not a sample
-            self.warm_left -= 1
-            self.warm_steps += 1
-            base = self.trials[self.baseline].samples
-            excess = 0.0
-            if self.switch_seconds and base:       # what the warm-up step cost beyond a measured one
-                excess = max(0.0, whole - median(self.trials[self.baseline].step_samples or [whole]))
-                self.cost += excess
-                trial.cost_sec += excess
+            self._warm_up(trial, whole)
             return None
         self._sample(trial, step, ranked, whole)
         if self.current == self.candidate:
-            base = self.trials[self.baseline].samples
-            slower = max(0.0, ranked - median(base))
-            self.cost += slower
-            trial.cost_sec += slower
-            if not fits:
-                trial.fits, trial.error = False, OVER_BUDGET
-                return self._leave(step, Why("over_budget", {"candidate": str(self.candidate)}), memory=True)
-            if len(self.block) % self.period == 0:     # a whole generation cycle: a switch may follow
-                evidence = self.evidence()
-                if evidence.verdict == "slower":
-                    return self._leave(step, Why("slower", evidence.figures(self.candidate, self.baseline)))
-                if evidence.verdict == "faster":
-                    self.kept_by[self.candidate] = (self.baseline,
-                                                    evidence.figures(self.candidate, self.baseline, "seq_"))
-                    return self._keep(step, self.candidate)
+            action = self._judge_candidate(step, trial, ranked, fits, self.current)
+            if action is not None:
+                return action
         if len(self.block) < (self.first if self.candidate is None else self.samples):
             return None
         return self._block_done(step)
+
+    def _warm_up(self, trial: Trial, whole: float) -> None:
+        """A warm-up step: not a sample; what it cost beyond a measured step is the switch's."""
+        self.warm_left -= 1
+        self.warm_steps += 1
+        if self.switch_seconds and self.trials[self.baseline].samples:
+            excess = max(0.0, whole - median(self.trials[self.baseline].step_samples or [whole]))
+            self.cost += excess
+            trial.cost_sec += excess
+
+    def _judge_candidate(self, step: int, trial: Trial, ranked: float, fits: bool,
+                         candidate: Split) -> Switch | Finished | None:
+        """A sample of the candidate: its cost over the baseline booked; left when over budget or slower, kept when
+        faster (judged over whole generation cycles); None: go on sampling."""
+        slower = max(0.0, ranked - median(self.trials[self.baseline].samples))
+        self.cost += slower
+        trial.cost_sec += slower
+        if not fits:
+            trial.fits, trial.error = False, OVER_BUDGET
+            return self._leave(step, Why("over_budget", {"candidate": str(candidate)}), memory=True)
+        if len(self.block) % self.period:          # not a whole generation cycle: no switch yet
+            return None
+        evidence = self.evidence()
+        if evidence.verdict == "slower":
+            return self._leave(step, Why("slower", evidence.figures(candidate, self.baseline)))
+        if evidence.verdict == "faster":
+            self.kept_by[candidate] = (self.baseline, evidence.figures(candidate, self.baseline, "seq_"))
+            return self._keep(step, candidate)
+        return None
 
     def _sample(self, trial: Trial, step: int, ranked: float, whole: float) -> None:
         trial.samples.append(ranked)

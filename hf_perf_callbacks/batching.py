@@ -216,33 +216,45 @@ def _per_micro_batch(g: Grouping) -> list[tuple[str, str]]:
     if g.batch_norm:
         found.append(("batch normalisation takes its statistics over each micro-batch",
                       "A model without BatchNorm layers makes every split exact."))
-    if g.trainer == "GRPOTrainer":
-        odd = [t for t in g.loss_types if t not in GRPO_EXACT_LOSSES]
-        if odd:
-            found.append((f"GRPOTrainer's loss_type={odd[0]!r} divides by each micro-batch's own tokens"
-                          if odd[0] == "bnpo" else f"GRPOTrainer's loss_type={odd[0]!r} is not known here",
-                          "loss_type='dapo', 'dr_grpo' or 'grpo' makes every split exact."))
-        if g.top_entropy_quantile < 1.0:
-            found.append((f"top_entropy_quantile={g.top_entropy_quantile} takes its quantile over each "
-                          f"micro-batch's tokens", "top_entropy_quantile=1.0 makes every split exact."))
-        if g.entropy_coef != 0.0 or g.adaptive_entropy:
-            found.append((f"the entropy bonus (entropy_coef={g.entropy_coef}"
-                          f"{', adaptive' if g.adaptive_entropy else ''}) is a mean over each micro-batch's "
-                          f"tokens", "entropy_coef=0.0 (and use_adaptive_entropy=False) makes every split exact."))
-    if g.trainer == "DPOTrainer":
-        odd = [t for t in g.loss_types if t not in DPO_ROW_LOSSES]
-        if odd:
-            what = {"sft": "is a mean over each micro-batch's chosen tokens",
-                    "aot": "sorts the log-ratios within each micro-batch",
-                    "aot_unpaired": "sorts the log-ratios within each micro-batch",
-                    "bco_pair": "updates its running mean of rewards once per micro-batch"}.get(odd[0],
-                                                                                            "is not known here")
-            found.append((f"DPOTrainer's loss_type {odd[0]!r} {what}",
-                          f"A loss_type without {odd[0]!r} makes every split exact."))
+    found += _grpo_per_micro_batch(g) if g.trainer == "GRPOTrainer" else []
+    found += _dpo_per_micro_batch(g) if g.trainer == "DPOTrainer" else []
     if g.world > 1 and g.trainer in ("Trainer", "SFTTrainer") and not g.tokens_across_devices:
         found.append(("average_tokens_across_devices=False divides each rank's loss by that rank's own tokens, "
                       "which depend on how the examples are split into micro-batches",
                       "average_tokens_across_devices=True makes every split exact."))
+    return found
+
+
+def _grpo_per_micro_batch(g: Grouping) -> list[tuple[str, str]]:
+    """GRPO's settings under which its loss depends on each micro-batch's own content."""
+    found: list[tuple[str, str]] = []
+    odd = [t for t in g.loss_types if t not in GRPO_EXACT_LOSSES]
+    if odd:
+        found.append((f"GRPOTrainer's loss_type={odd[0]!r} divides by each micro-batch's own tokens"
+                      if odd[0] == "bnpo" else f"GRPOTrainer's loss_type={odd[0]!r} is not known here",
+                      "loss_type='dapo', 'dr_grpo' or 'grpo' makes every split exact."))
+    if g.top_entropy_quantile < 1.0:
+        found.append((f"top_entropy_quantile={g.top_entropy_quantile} takes its quantile over each "
+                      f"micro-batch's tokens", "top_entropy_quantile=1.0 makes every split exact."))
+    if g.entropy_coef != 0.0 or g.adaptive_entropy:
+        found.append((f"the entropy bonus (entropy_coef={g.entropy_coef}"
+                      f"{', adaptive' if g.adaptive_entropy else ''}) is a mean over each micro-batch's "
+                      f"tokens", "entropy_coef=0.0 (and use_adaptive_entropy=False) makes every split exact."))
+    return found
+
+
+def _dpo_per_micro_batch(g: Grouping) -> list[tuple[str, str]]:
+    """DPO's loss types that depend on each micro-batch's own content."""
+    found: list[tuple[str, str]] = []
+    odd = [t for t in g.loss_types if t not in DPO_ROW_LOSSES]
+    if odd:
+        what = {"sft": "is a mean over each micro-batch's chosen tokens",
+                "aot": "sorts the log-ratios within each micro-batch",
+                "aot_unpaired": "sorts the log-ratios within each micro-batch",
+                "bco_pair": "updates its running mean of rewards once per micro-batch"}.get(odd[0],
+                                                                                        "is not known here")
+        found.append((f"DPOTrainer's loss_type {odd[0]!r} {what}",
+                      f"A loss_type without {odd[0]!r} makes every split exact."))
     return found
 
 

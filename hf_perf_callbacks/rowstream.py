@@ -47,34 +47,34 @@ def row_digests(batch: object) -> list[str]:          # a micro-batch: whatever 
     starting again at 0 for each) gives one digest per packed example. A list of examples (dicts or anything else)
     gives one per example."""
     if isinstance(batch, Mapping):
-        fields = {name: rows for name, value in batch.items() if (rows := _rows_of(value)) is not None}
-        if not fields:
-            return []
-        # the rows of the batch: input_ids' first dimension where there is one (a padding-free batch also holds
-        # flat per-batch lists, cu_seq_lens_*, which are no rows)
-        count = len(fields["input_ids"]) if "input_ids" in fields else max(len(rows) for rows in fields.values())
-        fields = {name: rows for name, rows in fields.items() if len(rows) == count}
-        masks = fields.get("attention_mask")
-        if masks is None and "position_ids" in fields and "input_ids" in fields:
-            return _packed_digests(fields)
-        out = []
-        for i in range(count):
-            parts = []
-            for name in sorted(fields):
-                if name == "attention_mask":
-                    continue
-                row = fields[name][i]
-                if name == "labels" and isinstance(row, list):
-                    row = [v for v in row if v != IGNORE_INDEX] if masks is None else _kept(row, masks[i])
-                else:
-                    row = _kept(row, masks[i] if masks is not None else None)
-                parts.append((name, row))
-            out.append(_digest(parts))
-        return out
+        return _mapping_digests(batch)
     if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)):
         return [_digest(sorted(item.items(), key=lambda kv: kv[0]) if isinstance(item, Mapping) else item)
                 for item in batch]
     return [_digest(batch)]
+
+
+def _mapping_digests(batch: Mapping[str, object]) -> list[str]:
+    """:func:`row_digests` of a collated micro-batch (fields of rows)."""
+    fields = {name: rows for name, value in batch.items() if (rows := _rows_of(value)) is not None}
+    if not fields:
+        return []
+    # the rows of the batch: input_ids' first dimension where there is one (a padding-free batch also holds flat
+    # per-batch lists, cu_seq_lens_*, which are no rows)
+    count = len(fields["input_ids"]) if "input_ids" in fields else max(len(rows) for rows in fields.values())
+    fields = {name: rows for name, rows in fields.items() if len(rows) == count}
+    masks = fields.get("attention_mask")
+    if masks is None and "position_ids" in fields and "input_ids" in fields:
+        return _packed_digests(fields)
+    return [_digest([(name, _unpadded(name, fields[name][i], masks[i] if masks is not None else None))
+                     for name in sorted(fields) if name != "attention_mask"]) for i in range(count)]
+
+
+def _unpadded(name: str, row: object, mask: Sequence[object] | None) -> object:
+    """One field's row without its padding (labels: without ``IGNORE_INDEX`` where there is no mask)."""
+    if name == "labels" and isinstance(row, list) and mask is None:
+        return [v for v in row if v != IGNORE_INDEX]
+    return _kept(row, mask)
 
 
 def _packed_digests(fields: dict[str, list[Any]]) -> list[str]:
@@ -240,25 +240,32 @@ class RowWatch:
         if self.checking:
             if not batches and self.world == 1:     # a resume at an epoch's end: the next epoch's first fetch is it
                 return None
-            self.checking = False
-            got = whole(step_rows(step, split, batches, asked))
-            differs = compare(self.reference, got) if self.reference is not None and self.reference.step == step \
-                else None
-            if differs is None and not self.sized and _ends_epoch(got):
-                differs = epoch_end(got, self.configured, self.world)
-            self.counting = (differs is None and not self.sized and self.world == 1 and not got.short
-                             and split != self.configured)
-            return differs
+            return self._check(step, split, whole(step_rows(step, split, batches, asked)))
         if self.counting:
-            got = step_rows(step, split, batches, asked, digest=False)
-            if not _ends_epoch(got):
-                return None
-            self.counting = False                             # the first epoch end: every later one is alike
-            differs = epoch_end(got, self.configured, self.world)
-            self.reference = (step_rows(step, split, batches, asked)    # the unfaulted run trains these rows alone
-                              if differs is not None and got.short and got.micro_batches else None)
-            return differs
+            return self._count(step, split, batches, asked)
         return None
+
+    def _check(self, step: int, split: Split, got: StepRows) -> str | None:
+        """The first fetch after a switch against the reference (and an epoch's end it reaches)."""
+        self.checking = False
+        reference = self.reference
+        differs = compare(reference, got) if reference is not None and reference.step == step else None
+        if differs is None and not self.sized and _ends_epoch(got):
+            differs = epoch_end(got, self.configured, self.world)
+        self.counting = (differs is None and not self.sized and self.world == 1 and not got.short
+                         and split != self.configured)
+        return differs
+
+    def _count(self, step: int, split: Split, batches: Sequence[object], asked: int) -> str | None:
+        """A fetch after the checked one, counted until the first epoch end (a dataloader without a length)."""
+        got = step_rows(step, split, batches, asked, digest=False)
+        if not _ends_epoch(got):
+            return None
+        self.counting = False                             # the first epoch end: every later one is alike
+        differs = epoch_end(got, self.configured, self.world)
+        self.reference = (step_rows(step, split, batches, asked)    # the unfaulted run trains these rows alone
+                          if differs is not None and got.short and got.micro_batches else None)
+        return differs
 
     def refuse(self, split: Split, why: str) -> None:
         self.refused[split] = why

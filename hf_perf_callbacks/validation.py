@@ -17,23 +17,22 @@ def check_number(name: str, value: Any, *, low: float | None = None, high: float
     """Validate a public numeric parameter; raise a ``ValueError`` naming it, its value and what is allowed."""
     if value is None and allow_none:
         return value
-    kind = "an integer" if integer else "a number"
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    ok = ok_type and not isinstance(value, bool) and not (isinstance(value, float) and not math.isfinite(value))
-    if ok and low is not None:
-        ok = value > low if low_open else value >= low
-    if ok and high is not None:
-        ok = value <= high
-    if not ok:
-        bounds = []
-        if low is not None:
-            bounds.append(f"{'>' if low_open else '>='} {low}")
-        if high is not None:
-            bounds.append(f"<= {high}")
-        allowed = (f"a finite {kind.removeprefix('a ')}" if not integer else kind) + (
+    if not _within(value, low, high, low_open, integer):
+        bounds = ([f"{'>' if low_open else '>='} {low}"] if low is not None else []) + (
+            [f"<= {high}"] if high is not None else [])
+        allowed = ("an integer" if integer else "a finite number") + (
             f" {' and '.join(bounds)}" if bounds else "") + (" or None" if allow_none else "")
         raise ValueError(f"{name}={value!r} is not allowed: expected {allowed}")
     return value
+
+
+def _within(value: Any, low: float | None, high: float | None, low_open: bool, integer: bool) -> bool:
+    """Whether ``value`` is a finite number (an integer: ``integer``, never a bool) within its bounds."""
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return (low is None or (value > low if low_open else value >= low)) and (high is None or value <= high)
 
 
 def check_flag(name: str, value: Any, *, allow_none: bool = False) -> Any:

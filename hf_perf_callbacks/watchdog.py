@@ -617,22 +617,7 @@ class MemoryWatchdog(PerfCallback):
 
     def _stop(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
               follower: bool = False) -> None:
-        policy = self._watch
-        reason = ("another rank is about to run out of memory; this rank stops with it, at the same step"
-                  if follower else policy.reason())
-        short = self._run.short if not follower else None
-        if short is not None:
-            reason = self._short_words() or reason
-        elif not follower and self._completion_words():
-            reason = f"{reason}: {self._completion_words()}"
-        if self._sample is not None:                        # the stop names who holds the memory, where NVML can say
-            self._note_facts(self._facts(self._sample, holders=True))
-        causes = self.facts.sentence() if self.facts is not None else ""
-        futile = policy.shrink_futile() if self._bus.requests.can_shrink() else None
-        if causes:
-            reason += f"; the causes: {causes}"
-        if futile:
-            reason += f"; no smaller micro-batch was asked for: {futile}"
+        reason = self._stop_reason(follower)
         if not self.stop:
             self._act(state.global_step, "stop_suppressed", "would stop (stop=False): " + reason)
             return
@@ -646,21 +631,44 @@ class MemoryWatchdog(PerfCallback):
         tuning = self._bus.tuning
         resume = (f"train_with_tuning(trainer, resume_from_checkpoint='{checkpoint}')"
                   if tuning is not None and tuning.managed else f"trainer.train(resume_from_checkpoint='{checkpoint}')")
-        lower = ("a smaller per_device_train_batch_size with a larger gradient_accumulation_steps, activation "
-                 "checkpointing, or a shorter max_completion_length (GRPO)")
-        if self.facts is not None and self.facts.leak_per_step:
-            after = ("after fixing the leak (memory that grows on every step: tensors kept across steps, e.g. a loss "
-                     "appended without .item(), a growing cache); a smaller micro-batch does not stop it")
-        elif self.facts is not None and self.facts.outside_words():
-            after = f"once the memory held outside this run is freed, or with less memory: {lower}"
-        else:
-            after = f"after freeing memory: {lower}"
         outside = self._sample.outside if self._sample is not None else None
+        short, after = self._run.short if not follower else None, self._resume_after()
         self._act(state.global_step, STOP,
                   f"stopped training at step {state.global_step} before running out of memory ({reason})."
                   f" A checkpoint is saved to {checkpoint}; no step is lost. Resume with {resume} {after}.",
                   stop=StopFigures(outside_gb=outside / GB if outside is not None else None,
                                    need_gb=short[0] / GB if short is not None else None, budget_gb=self.budget / GB))
+
+    def _stop_reason(self, follower: bool) -> str:
+        """Why the run stops: the policy's reason (or the step that falls short, or the leader's stop), what holds
+        the memory and why no smaller micro-batch was asked for."""
+        policy = self._watch
+        reason = ("another rank is about to run out of memory; this rank stops with it, at the same step"
+                  if follower else policy.reason())
+        if not follower and self._run.short is not None:
+            reason = self._short_words() or reason
+        elif not follower and self._completion_words():
+            reason = f"{reason}: {self._completion_words()}"
+        if self._sample is not None:                        # the stop names who holds the memory, where NVML can say
+            self._note_facts(self._facts(self._sample, holders=True))
+        causes = self.facts.sentence() if self.facts is not None else ""
+        futile = policy.shrink_futile() if self._bus.requests.can_shrink() else None
+        if causes:
+            reason += f"; the causes: {causes}"
+        if futile:
+            reason += f"; no smaller micro-batch was asked for: {futile}"
+        return reason
+
+    def _resume_after(self) -> str:
+        """What to change before resuming: the leak fixed, the memory outside the run freed, or less memory used."""
+        lower = ("a smaller per_device_train_batch_size with a larger gradient_accumulation_steps, activation "
+                 "checkpointing, or a shorter max_completion_length (GRPO)")
+        if self.facts is not None and self.facts.leak_per_step:
+            return ("after fixing the leak (memory that grows on every step: tensors kept across steps, e.g. a loss "
+                    "appended without .item(), a growing cache); a smaller micro-batch does not stop it")
+        if self.facts is not None and self.facts.outside_words():
+            return f"once the memory held outside this run is freed, or with less memory: {lower}"
+        return f"after freeing memory: {lower}"
 
     def _act(self, step: int, action: str, message: str, stop: StopFigures | None = None) -> None:
         """Record and log an action (``stop``: the stop's figures; its event's kind is ``stop``)."""

@@ -81,6 +81,9 @@ def number(value: object) -> float | None:
 
 #: a run header's ``launcher`` when the recipe launcher started the run (the report words its advice as recipe keys)
 HF_PERF_TRAIN = "hf-perf train"
+#: what a run's MFU is measured against (the run header's ``mfu_basis``): the device table's peak, a peak the user
+#: gave, a matmul calibrated at the start (on wall time), or — a CPU calibrated — per CPU second of the process
+MFU_BASES = ("table", "given", "calibrated", "cpu_time")
 
 # ---------------------------------------------------------------- records
 
@@ -93,6 +96,10 @@ class RunHeader:
     sources: list[str] = field(default_factory=list)      # the callbacks that described the run
     time: float | None = None
     launcher: str | None = None                            # the command that started the run (HF_PERF_TRAIN)
+    # the launcher: what the recipe it ran was written for (its ``recipe``, ``machine``, ``device_type``, ``model``,
+    # ``max_completion_length``, ``memory``: the recipe's own values of the settings that size memory), before any
+    # command-line override; a run on another model, device or length stood in for it
+    target: dict[str, Any] = field(default_factory=dict)
     resize: bool | None = None            # True: this call continues the run after train_with_tuning's in-process
     #                                       re-size or switch of split (not a resume)
     # ThroughputMeter
@@ -103,6 +110,9 @@ class RunHeader:
     token_source: str | None = None
     period: int | None = None
     peak_flops: float | None = None
+    mfu_basis: str | None = None          # what MFU is against: MFU_BASES
+    peak_flops_per_cpu_sec: float | None = None   # CPU, calibrated: the calibration's FLOPs per CPU second
+    warmup_tolerance: float | None = None   # the meter's stable band: a step within it of the steady step is steady
     peak_bandwidth: float | None = None
     dtype: str | None = None
     per_device_train_batch_size: int | None = None
@@ -477,6 +487,8 @@ class MeterSummary(_MeterSummaryBase, total=False):
     callback_sec: dict[str, dict[str, float]]   # callback class → event → seconds (the meter's own left out)
     recompute_clocked: bool                # the recompute phase was clocked (a CPU with gradient checkpointing)
     tail_callback_sec: dict[str, float]    # callback class → seconds after the last step (in callback_sec too)
+    compute_metrics_sec: float             # seconds in the trainer's compute_metrics (inside the eval phase)
+    warmup_in_band: bool | None            # the latest call's warmup steps each within the stable band of steady
 
 
 class WatchdogAction(TypedDict):

@@ -55,8 +55,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("hf_perf_callbacks")
 
-PHASE_COLORS = {"data_wait": "tab:red", "generation": "tab:orange", "compute": "tab:blue", "eval": "tab:green",
-                "save": "tab:purple", "log": "tab:brown", "own_callbacks": "tab:pink", "user_callbacks": "tab:olive",
+PHASE_COLORS = {"data_wait": "tab:red", "generation": "tab:orange", "reward": "gold", "compute": "tab:blue",
+                "eval": "tab:green", "save": "tab:purple", "log": "tab:brown", "own_callbacks": "tab:pink",
+                "user_callbacks": "tab:olive",
                 "recompute": "tab:cyan", "unexplained": "tab:gray"}
 SIZE = (8, 4.5)                 # inches at DPI: 800×450 pixels, the width a README shows
 DPI = 100

@@ -623,7 +623,7 @@ def test_rules_list_is_complete_and_pure():
     from hf_perf_callbacks.report.model import CARDS
 
     names = [r.__name__.removeprefix("rule_") for r in RULES]
-    assert len(names) == len(set(names)) == 20 and set(names) == set(CARDS)
+    assert len(names) == len(set(names)) == 23 and set(names) == set(CARDS)
     assert all(card.finding or card.note for card in CARDS.values())
     m = healthy(phases={"data_wait": 0.5, "compute": 0.5})
     before = dataclasses.replace(m, phases=dict(m.phases))
@@ -1043,7 +1043,8 @@ def test_evaluation_taking_most_of_the_wall_time_is_a_finding_with_its_measured_
     m = healthy(evaluation=e, phases={"compute": 0.4, "eval": 0.6})
     f = only_rule(m, "evaluation")
     assert f.basis == "measured" and f.setting == {"eval_strategy": "steps", "eval_steps": 50}
-    saved = 60.0 * (1 - 1 / 50)
+    saved = 60.0 / 40 * (40 - 1)       # every 50 steps over 40: the last evaluation at the end still runs
+    assert f.facts["events_after"] == 1
     assert f.expected_gain == pytest.approx(100.0 / (100.0 - saved)) and f.expected_gain > 2.2
     assert (f.facts["evals"], f.facts["every"], f.facts["eval_sec"], f.facts["wall_sec"]) == (40, 1, 60.0, 100.0)
     assert f.facts["share"] == 0.6 and f.facts["saved_sec"] == pytest.approx(saved)

@@ -77,7 +77,7 @@ def _rule_scenarios() -> dict[str, object]:
             mem_high_water_gb=40.0, mem_budget_gb=38.0, driver_gb_max=40.0, allocated_gb_at_driver_max=24.0,
             watchdog_actions=[{"step": 4, "action": "clear_cache", "message": "cleared"}]),
         "memory_pressure_near_the_wall": healthy(max_pressure=1, min_steps_to_wall=8.0),
-        "no_learning": healthy(logs=12, no_signal_run=12, reward_mean=0.0, temperature=0.7,
+        "no_learning": healthy(logs=12, no_signal_run=12, reward_mean=0.8, temperature=0.7,
                                phases={"data_wait": 0.5, "compute": 0.5}),
         "constant_reward_cut": healthy(rewards=flat, logs=8, no_signal_run=8, clipped_ratio=0.9, completion_max=128.0,
                                        completion_p90=128.0, completion_mean=128.0, trainer_log_source="perf log"),

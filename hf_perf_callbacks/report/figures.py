@@ -25,9 +25,14 @@ figure                    definition
                           call's: each ``train()`` call — a resume, a re-size, the tuner's switch — starts over)
 ``first_step_slowdown``   the first step's (GRPO: generation cycle's) training time / the steady step time, of the
                           latest ``train()`` call (its first step: ``call_first_step``)
+``warmup_in_band``        every warmup cycle of the latest ``train()`` call took at most (1 + the meter's
+                          ``warmup_tolerance``) × the steady step time × its steps: the speed settled, no warmup
+                          cost (None: not decided, or no warmup steps)
 ``not_steady``            the steps outside the steady figures, as (first, last) ranges: warmup, and the steps of
                           earlier ``train()`` calls too short to decide it
-``warmup_overhead_sec``   training seconds of the warmup steps above the steady level (0 until warmup is decided)
+``warmup_overhead_sec``   training seconds of the warmup cycles above the steady step time × their steps (CPU
+                          device: the part their CPU seconds above the steady steps' mean explain), the meter's
+                          :attr:`~hf_perf_callbacks.timeline.StepTimeline.warmup_overhead` (0 until decided)
 ``contention_sec``        CPU device: wall seconds of slow early steps whose CPU time stayed flat (other
                           processes), the meter's ``early_contention_sec``; ``contention_steps`` lists them (from
                           the summary; a killed run has the seconds only)
@@ -208,6 +213,9 @@ class Figures:
     warmup_end_step: int | None = None
     warmup_overhead_sec: float | None = None
     first_step_slowdown: float | None = None
+    warmup_in_band: bool | None = None
+    warmup_tolerance: float | None = None
+    mfu_basis: str | None = None
     steady_tokens_per_sec: float | None = None
     steady_step_sec: float | None = None
     contention_sec: float | None = None
@@ -325,6 +333,7 @@ def _figures(run: RunLog) -> Figures:
     rate, step_sec, mfu = _steady_rates(run, steady_set)
     calls = train_calls(run)
     device = perf.get("device") or header.device
+    warmup = _warmup(perf, latest)
     return Figures(
         steps=_int(_pick(perf, "steps", steps[-1].step if steps else 0)) or 0,
         call_first_step=calls[-1][0] if calls else 1, train_calls=calls,
@@ -335,7 +344,10 @@ def _figures(run: RunLog) -> Figures:
         device=str(device) if device else None, device_type=header.device_type,
         world_size=_int(_pick(perf, "world_size", header.world_size)),
         tokens=_pick(perf, "tokens", tokens or None),
-        **_warmup(perf, latest),
+        **warmup,
+        warmup_in_band=_in_band(run, calls[-1][0] if calls else 1, warmup["warmup_end_step"], step_sec,
+                                header.warmup_tolerance),
+        warmup_tolerance=header.warmup_tolerance, mfu_basis=header.mfu_basis,
         steady_tokens_per_sec=_meter(perf, latest, "steady_tokens_per_sec", keys.PERF_STEADY_TOKENS_PER_SEC, rate),
         steady_step_sec=_meter(perf, latest, "steady_step_sec", keys.PERF_STEADY_STEP_TIME, step_sec),
         contention_sec=_meter(perf, latest, "early_contention_sec", keys.PERF_EARLY_CONTENTION_SEC),
@@ -344,6 +356,17 @@ def _figures(run: RunLog) -> Figures:
         **_memory_and_cache(run),
         **_provisional(perf),
     )
+
+
+def _in_band(run: RunLog, first: int, end: int | None, steady: float | None, tolerance: float | None) -> bool | None:
+    """The ``warmup_in_band`` figure (see the module docstring) from the step lines: the latest call's warmup steps,
+    ``first`` up to the first steady step ``end``, in cycles of the header's ``period``."""
+    if end is None or steady is None or tolerance is None or end <= first:
+        return None
+    period = max(1, int(number(run.header("perf").period) or 1))
+    train = dict(zip(run.step_numbers(), train_column(run)))
+    cycles = [range(a, min(a + period, end)) for a in range(first, end, period)]
+    return all(sum(train.get(n, 0.0) for n in c) <= (1 + tolerance) * steady * len(c) for c in cycles)
 
 
 def _provisional(perf: Mapping[str, Any]) -> dict[str, Any]:

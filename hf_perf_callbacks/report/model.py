@@ -22,6 +22,7 @@ MIN_STEADY_STEPS = 3         # timing rules (shares of wall time, MFU, slow step
 MIN_MACHINE_STEPS = 4        # whole-run contention: steps with CPU time and the machine's load ...
 MIN_MACHINE_CYCLES = 3       # ... and this many whole steps (GRPO: generation cycles) after the first to compare
 MIN_FIXED_LENGTH_STEPS = 3   # fixed-length padding: steps padded to one and the same length
+RECOMPILE_SLOWDOWN = 0.5     # torch_compile: a steady step this much above the steady step time, CPU rising with it
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,31 @@ class FirstSteady:
     without_it: float = 0.0
 
 
+@dataclass(frozen=True)
+class RecipeTarget:
+    """What the recipe a run of ``hf-perf train`` ran was written for (the run header's ``target``): its name, the
+    machine its first line names and that machine's device type, its model and completion length, its own values of
+    the settings that size memory (``memory``: recipe key → value)."""
+
+    recipe: str
+    machine: str | None = None
+    device_type: str | None = None
+    model: str | None = None
+    max_completion_length: int | None = None
+    memory: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Recompile:
+    """A steady step slowed by work of the process (its CPU time, child processes included, rose with it) in a run
+    with ``torch_compile``: its step, its training seconds above the steady step time, the share of that excess its
+    extra CPU time explains."""
+
+    step: int
+    excess_sec: float
+    cpu_share: float
+
+
 #: the basis of a finding's gain where the run is too short to judge it (its words: render.gain_text)
 TOO_FEW_STEPS = "too few steps"
 SettingValue = bool | int | float | str | None    # None: the key removed (its default)
@@ -127,6 +153,7 @@ Reason = Literal[
     "cut_off", "runaways", "no_runaways",                                                         # completion_budget
     "not_finished", "first_step_steady", "excluded",                                              # warmup
     "too_few_steps", "skipped",                                                                   # evidence, log_fields
+    "reward_share", "recompiles", "recompiles_small", "stand_in", "kept_for_recipe",   # reward, compile, scope
 ]
 #: each rule's reason codes
 REASONS: dict[str, tuple[str, ...]] = {
@@ -143,7 +170,8 @@ REASONS: dict[str, tuple[str, ...]] = {
     "small_micro_batch": ("small_split", "memory_cap", "tuner_measured", "tuner_measured_none"),
     "tuner_hint": ("needs_train_with_tuning",), "completion_budget": ("cut_off", "runaways", "no_runaways"),
     "warmup": ("not_finished", "first_step_steady", "excluded"), "evidence": ("too_few_steps",),
-    "log_fields": ("skipped",),
+    "log_fields": ("skipped",), "reward": ("reward_share",), "compile": ("recompiles", "recompiles_small"),
+    "scope": ("stand_in", "kept_for_recipe"),
 }
 assert {c for codes in REASONS.values() for c in codes} == set(get_args(Reason))
 
@@ -255,6 +283,18 @@ class Measurements:
     completion_terminated_mean: float | None = None   # mean length of the completions that ended before the limit
     slow_stretches: list[SlowStretch] = field(default_factory=list)   # long slow stretches of steady steps
     split_levels: int = 1                    # the splits whose steady level the run measured (several: a tuned run)
+    reward_calls: int = 0                    # GRPO: steps whose reward functions ran (perf/reward_sec > 0)
+    reward_completions: float | None = None  # mean completions scored per such step (perf/generation_batch)
+    target: RecipeTarget | None = None       # hf-perf train: what the recipe was written for (the run header's)
+    model_name: str | None = None            # the model that ran (its name_or_path)
+    model_params: int | None = None          # ... and its parameters
+    mfu_basis: str | None = None             # what MFU is against (runlog.MFU_BASES)
+    torch_compile: bool = False              # the trainer compiled the model (TrainingArguments.torch_compile)
+    warmup_child_cpu_sec: float | None = None   # CPU device: child processes' CPU seconds over the steps not steady
+    recompiles: list[Recompile] = field(default_factory=list)   # torch_compile: steady steps slowed by own work
+    compute_metrics_sec: float | None = None   # seconds in the trainer's compute_metrics (inside evaluation)
+    warmup_in_band: bool | None = None       # the latest call's warmup steps within the meter's stable band
+    warmup_tolerance: float | None = None    # the meter's stable band (warmup_tolerance)
 
 
 @dataclass
@@ -281,6 +321,27 @@ class Finding:
     lost_sec: float | None = None            # the seconds it says were lost on them
     reason: Reason | Literal[""] = ""        # which case of its rule it is (:data:`REASONS`)
     facts: Facts = field(default_factory=dict)   # the figures its words rest on, by name
+    #: the seconds of the run it is about: what the change saves where the gain is measured or calibrated, else the
+    #: seconds its cause took (the most the change can save); None: no time figure (memory, quality). Findings rank
+    #: by it (:func:`~.rules.check`)
+    stake_sec: float | None = None
+    share: float | None = None               # stake_sec / the run's wall seconds
+    scope: Scope | None = None               # what it was measured on (the run's model, device and lengths)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a run's findings were measured on: the model that ran (name, parameters), the device, the completion
+    limit and the longest padded training sequence; and, for a run of ``hf-perf train``, the recipe's target and
+    whether this run stood in for it (another model, device, or shorter completions)."""
+
+    model: str | None
+    params: int | None
+    device_type: str
+    max_completion_length: int | None
+    seq_len: int | None
+    target: RecipeTarget | None = None
+    stand_in: tuple[str, ...] = ()            # what differs from the target: "model", "device", "completions"
 
 
 @dataclass

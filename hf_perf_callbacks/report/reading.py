@@ -47,6 +47,7 @@ from .model import (
     MEM_GRACE_STEPS,
     MIN_FIXED_LENGTH_STEPS,
     MIN_MACHINE_CYCLES,
+    RECOMPILE_SLOWDOWN,
     ZERO,
     Contention,
     Evaluation,
@@ -54,6 +55,8 @@ from .model import (
     Machine,
     Measurements,
     ModelFacts,
+    RecipeTarget,
+    Recompile,
     Rewards,
 )
 
@@ -218,6 +221,26 @@ class GenerationReadings(TypedDict):
     weight_syncs: int
     reward_share: float | None
     rollout_tokens_per_sec: float | None
+    reward_calls: int
+    reward_completions: float | None
+
+
+class ScopeReadings(TypedDict):
+    """What :func:`_scope_readings` reads: fields of :class:`Measurements`."""
+
+    target: RecipeTarget | None
+    model_name: str | None
+    model_params: int | None
+    mfu_basis: str | None
+    torch_compile: bool
+    compute_metrics_sec: float | None
+
+
+class CompileReadings(TypedDict):
+    """What :func:`_compile_readings` reads: fields of :class:`Measurements`."""
+
+    warmup_child_cpu_sec: float | None
+    recompiles: list[Recompile]
 
 
 class MemoryReadings(TypedDict):
@@ -283,6 +306,8 @@ class FigureReadings(TypedDict):
     mem_high_water_gb: float | None
     mem_budget_gb: float | None
     steady_steps: int
+    warmup_in_band: bool | None
+    warmup_tolerance: float | None
 
 
 def _phase_readings(run_log: RunLog) -> PhaseReadings:
@@ -526,13 +551,71 @@ def _generation_readings(run_log: RunLog, run: RunHeader, skipped: list[str]) ->
     wall = sum(sum(finite(run_log.column(keys.PERF_PHASE_SEC[p]))) for p in keys.PHASES)
     syncs = [v for v in finite(run_log.column(keys.PERF_WEIGHT_SYNC_SEC)) if v > 0]
     rewards = finite(run_log.column(keys.PERF_REWARD_SEC))
+    scored = [b for r, b in zip(run_log.column(keys.PERF_REWARD_SEC), run_log.column(keys.PERF_GENERATION_BATCH))
+              if r == r and r > 0]
     logged = run_log.keys_logged()
     return {"generation_backend": backend,
             "vllm_enable_sleep_mode": _fact(run, "vllm_enable_sleep_mode", "bool", skipped),
             "weight_sync_share": sum(syncs) / wall if wall and keys.PERF_WEIGHT_SYNC_SEC in logged else None,
             "weight_sync_sec": sum(syncs) / len(syncs) if syncs else None, "weight_syncs": len(syncs),
             "reward_share": sum(rewards) / wall if wall and rewards else None,
-            "rollout_tokens_per_sec": _median(list(_steady_values(run_log, keys.PERF_ROLLOUT_TOKENS_PER_SEC)))}
+            "rollout_tokens_per_sec": _median(list(_steady_values(run_log, keys.PERF_ROLLOUT_TOKENS_PER_SEC))),
+            "reward_calls": len(scored), "reward_completions": _mean(b for b in scored if b == b)}
+
+
+def _target(header: RunHeader) -> RecipeTarget | None:
+    """The recipe's target the launcher recorded (the run header's ``target``), None without one."""
+    t = header.target
+    recipe = t.get("recipe")
+    if not isinstance(recipe, str):
+        return None
+    memory = t.get("memory")
+    length = t.get("max_completion_length")
+    return RecipeTarget(recipe, _text(t.get("machine")), _text(t.get("device_type")), _text(t.get("model")),
+                        length if isinstance(length, int) and not isinstance(length, bool) else None,
+                        dict(memory) if isinstance(memory, dict) else {})
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _scope_readings(run_log: RunLog, run: RunHeader) -> ScopeReadings:
+    """What the run was measured on and against: the recipe's target, the model that ran, MFU's basis, a compile,
+    the trainer's ``compute_metrics`` seconds."""
+    params = run.model.get("params")
+    metrics = number(run_log.summary("perf").get("compute_metrics_sec"))
+    return {"target": _target(run), "model_name": _text(run.model.get("name")),
+            "model_params": int(params) if isinstance(params, int) and not isinstance(params, bool) else None,
+            "mfu_basis": run.mfu_basis, "torch_compile": run.trainer_settings.get("torch_compile") is True,
+            "compute_metrics_sec": metrics}
+
+
+def _compile_readings(run_log: RunLog, f: Figures, torch_compile: bool) -> CompileReadings:
+    """CPU device: the child processes' CPU seconds over the steps outside the steady figures (a compile's workers,
+    DataLoader workers starting), and with ``torch_compile`` the steady steps slowed by the process's own work: a
+    step's training seconds at least :data:`RECOMPILE_SLOWDOWN` above the steady step time s, at least half of the
+    excess explained by its training CPU seconds above the steady steps' mean c (at s / c wall seconds each)."""
+    if run_log.header("perf").device_type != "cpu":
+        return {"warmup_child_cpu_sec": None, "recompiles": []}
+    numbers, train = run_log.step_numbers(), train_column(run_log)
+    walls, cpus, child = (run_log.column(k) for k in (keys.PERF_STEP_WALL_SEC, keys.PERF_CPU_SEC,
+                                                       keys.PERF_CHILD_CPU_SEC))
+    steady = set(f.steady_steps)
+    outside = finite(child[i] for i, n in enumerate(numbers) if n not in steady)
+    recompiles: list[Recompile] = []
+    s = f.steady_step_sec
+    rows = [i for i, n in enumerate(numbers) if n in steady and walls[i] > 0 and cpus[i] == cpus[i]]
+    if torch_compile and s and rows:
+        train_cpu = {i: cpus[i] * train[i] / walls[i] for i in rows}
+        c = statistics.fmean(train_cpu.values())
+        for i in rows:
+            excess = train[i] - s
+            if c > 0 and excess >= RECOMPILE_SLOWDOWN * s:
+                share = min(1.0, max(0.0, train_cpu[i] - c) * s / c / excess)
+                if share >= 0.5:
+                    recompiles.append(Recompile(numbers[i], excess, share))
+    return {"warmup_child_cpu_sec": sum(outside) if outside else None, "recompiles": recompiles}
 
 
 def _watchdog_actions(run_log: RunLog, skipped: list[str]) -> list[WatchdogAction]:
@@ -618,7 +701,8 @@ def _figure_readings(f: Figures) -> FigureReadings:
             "warmup_overhead_sec": f.warmup_overhead_sec, "first_step_slowdown": f.first_step_slowdown,
             "steady_step_sec": f.steady_step_sec, "steady_tokens_per_sec": f.steady_tokens_per_sec, "mfu": f.mfu,
             "phases": dict(f.phases), "mem_high_water_gb": f.high_water_gb, "mem_budget_gb": f.budget_gb,
-            "steady_steps": len(f.steady_steps) if f.warmup_done else 0}
+            "steady_steps": len(f.steady_steps) if f.warmup_done else 0, "warmup_in_band": f.warmup_in_band,
+            "warmup_tolerance": f.warmup_tolerance}
 
 
 def measurements(run_log: RunLog) -> Measurements:
@@ -635,6 +719,7 @@ def measurements(run_log: RunLog) -> Measurements:
     run = run_log.header("perf")
     grpo = bool(run.grpo)
     train_sec = sum(finite(train_column(run_log)))
+    scope = _scope_readings(run_log, run)
     return Measurements(
         device_type=run.device_type or "unknown", world_size=int(run.world_size or 1), grpo=grpo,
         max_completion_length=run.max_completion_length, num_generations=run.num_generations,
@@ -647,7 +732,8 @@ def measurements(run_log: RunLog) -> Measurements:
         slow_stretches=slow_stretches(run_log), split_levels=len(split_levels(run_log)),
         evaluation=_evaluation(run_log, train_sec), first_steady=_first_steady(run_log, f),
         launcher=_fact(run, "launcher", "str", skipped), logged=run_log.keys_logged(), skipped=skipped,
-        train_sec=train_sec or None, **_generation_readings(run_log, run, skipped), **_phase_readings(run_log))
+        train_sec=train_sec or None, **_generation_readings(run_log, run, skipped), **_phase_readings(run_log),
+        **scope, **_compile_readings(run_log, f, scope["torch_compile"]))
 
 
 def measurements_from_run(output_dir: str) -> Measurements:

@@ -8,12 +8,12 @@ import os
 
 from .. import keys
 from ..runlog import RunLog, read_run
-from ..wording import wrapped
+from ..wording import MFU_BASIS_SHORT, wrapped
 from .model import TOO_FEW_STEPS, ZERO, Facts, Finding, Measurements, Note
 from .reading import measurements
 from .rules import check
 from .rules.basis import _too_short
-from .words import _pct, _yaml
+from .words import _pct, _yaml, scope_words, stake_words, stand_in_words
 
 REPORT_FILE = "perf_report.md"
 
@@ -34,7 +34,8 @@ def _facts_line(m: Measurements) -> str:
     if e and e.share >= 0.01 and m.steps:
         parts.append(f"{e.wall_sec / m.steps:.3g} s/step of wall time with evaluation")
     if m.mfu is not None:
-        parts.append(f"MFU {_pct(m.mfu)}")
+        basis = MFU_BASIS_SHORT.get(m.mfu_basis or "")
+        parts.append(f"MFU {_pct(m.mfu)}" + (f" {basis}" if basis else ""))
     split = ", ".join(f"{k.replace('_', ' ')} {_pct(v)}" for k, v in
                       sorted(m.phases.items(), key=lambda kv: -kv[1]) if v >= 0.005)
     if split:
@@ -96,10 +97,16 @@ def render_markdown(findings: list[Finding], m: Measurements, notes: list[Note] 
     and is fine."""
     notes = notes or []
     lines = ["# Performance report", "", f"**Run:** {_facts_line(m)}", ""]
+    stand_in = next((n for n in notes if n.reason == "stand_in"), None)
+    if stand_in is not None:
+        lines += [f"> **Stand-in run.** {stand_in_words(stand_in.facts)}", ""]
     if not findings:
         lines += ["## No bottleneck found", "", _nothing_found(m, notes), ""]
     for i, f in enumerate(findings, 1):
+        stake = stake_words(f)
         lines += [f"## {i}. {f.title} — {gain_text(f)}", "",
+                  f"_{(scope_words(f.scope) if f.scope else 'measured on this run').capitalize()}"
+                  + (f"; {stake}" if stake else "") + "._", "",
                   "### Observation", "", f.observation, "",
                   "### Root cause", "", f.root_cause, "",
                   "### Recommendation", "", f.recommendation, ""]
@@ -144,6 +151,9 @@ def console_summary(findings: list[Finding], top: int = 3, notes: list[Note] | N
     """The top findings, a few lines each, what the run was too short to judge, and the titles of what was checked
     and is fine; a line wider than ``CONSOLE_WIDTH`` goes on over indented lines (nothing is cut)."""
     lines = ["== Performance analysis =="]
+    stand_in = next((n for n in notes or [] if n.reason == "stand_in"), None)
+    if stand_in is not None:
+        lines.append(wrapped(f"stand-in run: {stand_in_words(stand_in.facts)}"))
     if not findings:
         lines.append("no bottleneck found")
     for i, f in enumerate(findings[:top], 1):
@@ -152,7 +162,8 @@ def console_summary(findings: list[Finding], top: int = 3, notes: list[Note] | N
                  ", ".join(f"`{k}={v}` (environment)" for k, v in f.env.items()) if f.env else
                  actions[0].split(" (")[0] if actions else "-")
         more = f" (+{len(actions) - 1} more)" if len(actions) > 1 else ""
-        lines += [wrapped(f"{i}. {f.title} — {gain_text(f)}", indent="   "),
+        share = f" · {_pct(f.share)} of the run" if f.share is not None else ""
+        lines += [wrapped(f"{i}. {f.title} — {gain_text(f)}{share}", indent="   "),
                   wrapped(f"   seen: {f.observation}", indent=" " * 9),
                   wrapped(f"   do:   {first}{more}", indent=" " * 9)]
     if len(findings) > top:

@@ -164,7 +164,7 @@ def _tuning_lines(run: RunLog) -> list[str]:
                else f"switched {split_label(decision.old)} → {split_label(decision.new)}")
     cost = f"; cost {decision.cost_sec:.1f} s" if decision.cost_sec is not None else ""
     saving = (f"; expected saving {decision.expected_gain_sec:.1f} s" if decision.expected_gain_sec is not None
-              else "")
+              and decision.new != decision.old else "")
     lines = [f"tuning at step {decision.step}: {outcome}{cost}{saving}"]
     lines += [wrapped(f"  {t.words()}", indent="    ") for t in trial_figures(decision)]
     return lines
@@ -177,5 +177,7 @@ def _completion_line(history: list[dict[str, Any]]) -> str | None:
     c = completion_stats(history)
     if not c["logs"]:
         return None
-    return (f"completions ({c['logs']} logs): mean length {_fmt(c['mean'], '.1f')}, max {_fmt(c['max'], '.0f')}, "
+    logs = c["logs"]
+    return (f"completions ({logs} log{'' if logs == 1 else 's'}): mean length {_fmt(c['mean'], '.1f')}, "
+            f"max {_fmt(c['max'], '.0f')}, "
             f"clipped {_fmt(c['clipped'], '.0%')} (mean over the run)")

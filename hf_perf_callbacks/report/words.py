@@ -31,6 +31,7 @@ from .model import (
     Finding,
     Note,
     Reason,
+    Scope,
     Setting,
 )
 
@@ -39,6 +40,46 @@ from .model import (
 #: 13-26% above these figures; printed as floors ("≥")
 FLOOR = ("; a floor: only the phase's own seconds are counted, not what it costs the steps around it (caches "
          "evicted)")
+
+
+def model_label(name: str | None) -> str:
+    """A model's name as the report writes it: a hub id as it is, a local folder by its last part."""
+    if not name:
+        return "the model"
+    return name.rstrip("/").rsplit("/", 1)[-1] if name.startswith(("/", ".", "~")) else name
+
+
+def _params(n: int | None) -> str:
+    if not n:
+        return ""
+    return f" ({n / 1e9:.2f}B parameters)" if n >= 1e9 else f" ({n / 1e6:.0f}M parameters)" if n >= 1e6 else \
+        f" ({n:,} parameters)"
+
+
+def scope_words(scope: Scope) -> str:
+    """What a finding was measured on: the model that ran, the device, the lengths; a stand-in's target named."""
+    model = (model_label(scope.model) + _params(scope.params) if scope.model else
+             f"a model of {_params(scope.params).strip(' ()')}" if scope.params else "")
+    parts = [p for p in (model, scope.device_type) if p]
+    if scope.max_completion_length:
+        parts.append(f"completions ≤ {scope.max_completion_length} tokens")
+    if scope.seq_len:
+        parts.append(f"training sequences ≤ {scope.seq_len} tokens")
+    text = "measured on " + ", ".join(parts)
+    if scope.stand_in and scope.target:
+        text += (f" — a stand-in for recipe `{scope.target.recipe}`'s target ({', '.join(scope.stand_in)} differ): "
+                 "its figures are this run's")
+    return text
+
+
+def stake_words(f: Finding) -> str:
+    """The share of the run a finding is about: what it saves (a gain measured or calibrated), else what its cause
+    took (the most the change can save); empty without a time figure."""
+    if f.stake_sec is None or f.share is None:
+        return ""
+    if f.expected_gain is not None:
+        return f"saves {'≥ ' if f.lower_bound else ''}{f.stake_sec:.1f} s, {_pct(f.share)} of the run"
+    return f"{_pct(f.share)} of the run at stake ({f.stake_sec:.1f} s: its cause's time, the most it can save)"
 
 
 def _bullets(items: list[str]) -> str:
@@ -149,20 +190,38 @@ def _steps_word(n: int) -> str:
 
 # ---- phases: saving, callbacks, recompute ----------------------------------------------------------------------
 
-def _interval_item(f: Facts, setting: str, work: str) -> str:
-    """The bullet that spaces out saves, logs or evaluations: ``setting`` (at ``new_every``), the interval now, and
-    the share of the wall time ``work`` then takes."""
-    return (f"{setting} (now every {f['every']}): {work} then takes about {_pct(_num(f, 'share_after'))} of the "
-            "wall time")
+#: why an interval's events are more than its multiples: the event transformers 5 adds to a run (by the kind)
+_AT_END = {"save": "its last save at the end of training", "eval": "its last evaluation at the end of training",
+           "log": "the log of the run's metrics after training"}
 
 
-def _interval_formula(f: Facts, done: str, sec: float, each: str) -> str:
+def _times(n: int) -> str:
+    return "once" if n == 1 else f"{n} times"
+
+
+def _events_after(f: Facts, kind: str) -> str:
+    """``8 times in this run's 40 steps (with its last save at the end of training)``: how often the event runs at
+    the new interval over this run (``events_after``, ``steps``), and the run's own event beyond the multiples."""
+    after, steps, new = _int(f, "events_after"), _int(f, "steps"), _int(f, "new_every")
+    extra = kind == "log" or steps % new != 0
+    return f"{_times(after)} in this run's {steps} steps" + (f" (with {_AT_END[kind]})" if extra else "")
+
+
+def _interval_item(f: Facts, setting: str, work: str, kind: str) -> str:
+    """The bullet that spaces out saves, logs or evaluations: ``setting`` (at ``new_every``), the interval now, how
+    often it then runs, and the share of the wall time ``work`` then takes."""
+    return (f"{setting} (now every {f['every']}): {_events_after(f, kind)}; {work} then takes about "
+            f"{_pct(_num(f, 'share_after'))} of the wall time")
+
+
+def _interval_formula(f: Facts, done: str, sec: float, each: str, kind: str) -> str:
     """The measured gain of doing it every ``new_every`` steps instead of ``every``: ``done`` took ``sec`` seconds,
-    each one (``each``) costing what this run's did."""
+    each one (``each``) costing what this run's did; the runs at the new interval counted as transformers runs
+    them."""
     saved, wall, gain = _num(f, "saved_sec"), _num(f, "wall_sec"), _num(f, "gain")
-    return (f"measured: this run's {done} took {sec:.1f} s; every {f['new_every']} steps instead of {f['every']} "
-            f"saves {saved:.1f} s of {wall:.1f} s: {wall:.1f} / ({wall:.1f} − {saved:.1f}) = {gain:.2f}x (each "
-            f"{each} costing what this run's did)")
+    return (f"measured: this run's {done} took {sec:.1f} s; every {f['new_every']} steps instead of {f['every']}, "
+            f"{_events_after(f, kind)}, saves {saved:.1f} s of {wall:.1f} s: {wall:.1f} / ({wall:.1f} − "
+            f"{saved:.1f}) = {gain:.2f}x (each {each} costing what this run's did)")
 
 
 @_finding_words("save_share")
@@ -174,7 +233,7 @@ def _save_share(f: Facts, setting: Setting, _: Any) -> FindingWords:
     root = ("Each save writes the model, and unless `save_only_model` is set the optimizer and scheduler state too, "
             "to disk while training waits; saving every few steps spends more time writing checkpoints than "
             "training.")
-    items = [_interval_item(f, f"`save_steps: {f['new_every']}`", "saving")]
+    items = [_interval_item(f, f"`save_steps: {f['new_every']}`", "saving", "save")]
     if not f["save_only_model"]:
         items.append("`save_only_model: true` writes the weights alone (no optimizer state: smaller and faster, but "
                      "a resume from it restarts the optimizer)")
@@ -183,7 +242,7 @@ def _save_share(f: Facts, setting: Setting, _: Any) -> FindingWords:
     items.append("with `load_best_model_at_end: true`, `save_steps` must be a multiple of `eval_steps`; this "
                  "transformers version has no asynchronous checkpoint save")
     return FindingWords("Checkpoint saving takes a large share of the wall time", obs, root, _bullets(items),
-                        _interval_formula(f, f"{n} saves", save, "save") + FLOOR)
+                        _interval_formula(f, f"{n} saves", save, "save", "save") + FLOOR)
 
 
 def _callbacks_observation(f: Facts) -> str:
@@ -203,14 +262,16 @@ def _callbacks_observation(f: Facts) -> str:
 @_finding_words("logging_share")
 def _logging_share(f: Facts, setting: Setting, _: Any) -> FindingWords:
     logs, every = _int(f, "logs"), _int(f, "every")
-    root = (f"The work runs at every training log: {logs} logs (every {every} {_steps_word(every)}) cost "
+    root = (f"The work runs at every training log: {logs} logs (every {every} {_steps_word(every)}) and the log "
+            f"after training cost "
             f"{_num(f, 'per_log_sec'):.3g} s each in `on_log` and the trainer's log, against "
             f"{_num(f, 'other_per_step_sec'):.3g} s of everything else per step; the time between steps was not "
             "waiting for data.")
-    items = [_interval_item(f, f"`logging_steps: {f['new_every']}`", "the log-driven work"),
+    items = [_interval_item(f, f"`logging_steps: {f['new_every']}`", "the log-driven work", "log"),
              "or make the costly callback's `on_log` cheaper (a `model.generate` or an evaluation inside it runs "
              "at every log)"]
-    formula = _interval_formula(f, f"{logs} logs", _num(f, "on_log_sec"), "log")
+    formula = _interval_formula(f, f"{logs} training logs and the log after training", _num(f, "on_log_sec"), "log",
+                                "log")
     return FindingWords("Logging and callbacks take a large share of the wall time", _callbacks_observation(f), root,
                         _bullets(items), formula + FLOOR)
 
@@ -289,7 +350,8 @@ def _warmup_not_finished(f: Facts, c: Any) -> NoteWords:
 @_note_words("first_step_steady", "excluded")
 def _warmup(f: Facts, c: Any) -> NoteWords:
     text = _sentence([warmup_words(f["warmup_steps"], f["slowdown"], f["overhead_sec"], f["latest_first_step"],
-                                   levels=_int(f, "levels"))])
+                                   levels=_int(f, "levels"), in_band=f["in_band"], tolerance=f["tolerance"])])
+    text += _compile_words(f)
     if "first_sec" in f:
         text += (f" Step {_int(f, 'first_step')} counts among the steady steps (the meter found no warmup beyond "
                  f"it), so its {_num(f, 'first_sec'):.3g} s are in the steady figures: steady step "
@@ -305,6 +367,27 @@ def _warmup(f: Facts, c: Any) -> NoteWords:
     return NoteWords("Warmup", text)
 
 
+#: the child processes' CPU seconds outside the steady steps from which the warmup note names them
+CHILD_CPU_SEC = 0.5
+
+
+def _compile_words(f: Facts) -> str:
+    """The first steps' compile (``compile``: the trainer's ``torch_compile``) and the child processes' CPU time
+    outside the steady steps (``child_cpu_sec``: inductor's compile workers, DataLoader workers starting), counted
+    in the process's CPU time: a one-time cost, not contention."""
+    child = f["child_cpu_sec"]
+    children = (f"child processes used {_num(f, 'child_cpu_sec'):.1f} s of CPU" if isinstance(child, (int, float))
+                and child >= CHILD_CPU_SEC else "")
+    if f["compile"]:
+        return (" torch.compile (`torch_compile: true`) compiled the model in the first steps"
+                + (f" ({children}: inductor's compile workers, counted in the process's CPU time)" if children
+                   else "") + ": a one-time cost, neither warmup of the steps nor contention.")
+    if children:
+        return (f" Outside the steady steps {children} (DataLoader workers starting, compile workers), counted in "
+                "the process's CPU time: their work is the run's, not other processes'.")
+    return ""
+
+
 @_finding_words("eval_share")
 def _eval_share(f: Facts, setting: Setting, _: Any) -> FindingWords:
     evals, every, eval_sec, wall = _int(f, "evals"), _int(f, "every"), _num(f, "eval_sec"), _num(f, "wall_sec")
@@ -314,12 +397,35 @@ def _eval_share(f: Facts, setting: Setting, _: Any) -> FindingWords:
            "evaluation out: the run's wall time does not.")
     root = ("Each evaluation runs the whole `eval_dataset` through the model; evaluating every few steps spends more "
             "time judging the model than training it.")
-    items = [_interval_item(f, f"`eval_strategy: steps` with `eval_steps: {f['new_every']}`", "evaluation"),
+    items = [_interval_item(f, f"`eval_strategy: steps` with `eval_steps: {f['new_every']}`", "evaluation", "eval"),
+             *_metrics_items(f),
              "with `load_best_model_at_end: true`, `save_steps` must be a multiple of `eval_steps`",
              "or evaluate a smaller set (`eval_dataset.select(range(n))`) or with a larger "
              "`per_device_eval_batch_size`"]
     return FindingWords("Evaluation takes a large share of the wall time", obs, root, _bullets(items),
-                        _interval_formula(f, f"{evals} evaluations", eval_sec, "evaluation") + FLOOR)
+                        _interval_formula(f, f"{evals} evaluations", eval_sec, "evaluation", "eval") + FLOOR)
+
+
+#: compute_metrics' share of the evaluation seconds from which the evaluation finding names it
+METRICS_SHARE = 0.25
+
+
+def _metrics_items(f: Facts) -> list[str]:
+    """What the trainer's ``compute_metrics`` took of the evaluation (``metrics_sec``), and the logits every
+    evaluation batch keeps for it (``compute_metrics`` set, neither ``prediction_loss_only`` nor
+    ``preprocess_logits_for_metrics``)."""
+    items = []
+    metrics, eval_sec = f["metrics_sec"], _num(f, "eval_sec")
+    if isinstance(metrics, (int, float)) and metrics >= METRICS_SHARE * eval_sec:
+        items.append(f"`compute_metrics` took {metrics:.1f} s of the {eval_sec:.1f} s of evaluation "
+                     f"({_pct(metrics / eval_sec)}): make it cheaper (vectorised, only the metrics you track), or "
+                     "`batch_eval_metrics: true` (it then gets one batch at a time, `compute_result` on the last)")
+    if f["compute_metrics"] and not f["loss_only"] and not f["preprocess_logits"]:
+        items.append("every evaluation batch's logits (vocabulary × tokens numbers) are gathered and kept for "
+                     "`compute_metrics`: pass `preprocess_logits_for_metrics=lambda logits, labels: "
+                     "logits.argmax(-1)` to the Trainer (only the predicted ids are kept), or `prediction_loss_only: "
+                     "true` where the loss is all the metrics need")
+    return items
 
 
 @_finding_words("cost_over_saving")
@@ -379,6 +485,39 @@ def _too_few_steps(f: Facts, _: Any) -> NoteWords:
                      f"steps on. To judge the rest, {more}.")
 
 
+def _target_words(f: Facts) -> str:
+    """``Qwen/Qwen2.5-1.5B-Instruct on Apple Silicon, 16 GB of unified memory (mps), completions ≤ 128 tokens``."""
+    device = f["target_device"]
+    return (f"{f['target_model'] or 'its model'} on {f['machine'] or 'its machine'}"
+            + (f" ({device})" if device else "")
+            + (f", completions ≤ {f['target_completions']} tokens" if f["target_completions"] else ""))
+
+
+def stand_in_words(f: Facts) -> str:
+    """The report's first words on a run that stood in for its recipe's target (the ``stand_in`` note's facts)."""
+    ran = (f"{f['model'] or 'another model'} on {f['device_type']}"
+           + (f", completions ≤ {f['completions']} tokens" if f["completions"] else ""))
+    return (f"This run stood in for recipe `{f['recipe']}`'s target ({_target_words(f)}): it trained {ran}. Its "
+            "figures, memory estimates included, are this run's, not the target's, and no setting below undoes a "
+            "memory choice of the recipe.")
+
+
+@_note_words("stand_in")
+def _stand_in(f: Facts, _: Any) -> NoteWords:
+    return NoteWords(f"A stand-in for the recipe's target ({f['differs']} differ)", stand_in_words(f))
+
+
+@_note_words("kept_for_recipe")
+def _kept_for_recipe(f: Facts, _: Any) -> NoteWords:
+    return NoteWords(f"Not advised for recipe {f['recipe']}: {f['finding'].lower()}" if isinstance(f["finding"], str)
+                     else "Not advised for the recipe",
+                     f"This stand-in run ({f['model'] or 'another model'} on {f['device_type']}) would advise "
+                     f"`{f['advised']}`, but the recipe sets `{f['keys']}` for the memory of "
+                     f"{f['target_model'] or 'its model'} on {f['machine'] or 'its machine'}: what a stand-in "
+                     "measures about memory says nothing about the target's. Measure it on the recipe's own model "
+                     "and machine.")
+
+
 @_note_words("skipped")
 def _skipped(f: Facts, skipped: list[str]) -> NoteWords:
     return NoteWords("Fields skipped", "Skipped (another writer's format): " + "; ".join(skipped) + ".")
@@ -420,6 +559,34 @@ def _threads_over_free_cores(f: Facts, setting: Setting, _: Any) -> FindingWords
                    f"steps' (10th percentile) — those steps were contended too, and fewer threads also stop the "
                    f"spinning")
     return FindingWords("Thread oversubscription: more threads than free cores", obs, root, _bullets(items), formula)
+
+
+def _recompile_text(f: Facts) -> str:
+    n = _int(f, "recompiles")
+    return (f"{n} steady step{'' if n == 1 else 's'} (step{'' if n == 1 else 's'} {f['steps']}) took "
+            f"{_num(f, 'lost_sec'):.1f} s above the steady step time ({_pct(_num(f, 'share'))} of the run) with the "
+            f"process's CPU time rising with them (at least {_pct(_num(f, 'cpu_share'))} of each excess, child "
+            "processes included): torch.compile compiled again")
+
+
+@_finding_words("recompiles")
+def _recompiles(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    root = ("A compiled graph is guarded by the shapes and values it was traced with: a batch of a new shape (a new "
+            "padded length, the last partial batch) fails a guard, and dynamo traces and inductor compiles again "
+            "while training waits. Its CPU time is the process's and its compile workers': not other processes.")
+    items = ["fewer shapes: pad to a multiple (`pad_to_multiple_of: 64`, or the collator's) so lengths fall in a "
+             "few buckets, and `dataloader_drop_last: true` so the last partial batch never runs",
+             "`TORCH_LOGS=recompiles` names the guard that failed at each recompile; "
+             "`torch._dynamo.config.recompile_limit` bounds how often one function compiles",
+             "or `torch_compile: false` where the run is too short for compiled steps to pay their compiles back"]
+    return FindingWords("Recompiles during training (torch.compile)", _sentence([_recompile_text(f)]), root,
+                        _bullets(items), "not predicted: the run measures its recompiles, not a run without them")
+
+
+@_note_words("recompiles_small")
+def _recompiles_small(f: Facts, _: Any) -> NoteWords:
+    return NoteWords("Recompiles (torch.compile)", _sentence([_recompile_text(f)])
+                     + " Below the share that makes a finding; `TORCH_LOGS=recompiles` names the guard that failed.")
 
 
 def _stretches_words(stretches: list[SlowStretch]) -> str:
@@ -563,10 +730,13 @@ def _tuner_measured(f: Facts, subject: SplitSubject) -> NoteWords:
     assert d is not None
     figures_ = trial_figures(d)
     reason = f" (the tuner's reason: {d.reason})" if d.reason else ""
-    cost, saving = f["cost_sec"], f["expected_gain_sec"]
-    words = (f" Measuring cost {_num(f, 'cost_sec'):.1f} s" if cost is not None else "") + (
-        f"; expected saving {_num(f, 'expected_gain_sec'):.1f} s over the rest of the run" if saving is not None
-        else "") + ("." if cost is not None or saving is not None else "")
+    cost, saving, kept = f["cost_sec"], f["expected_gain_sec"], f["old"] == f["new"]
+    said = [f"measuring cost {_num(f, 'cost_sec'):.1f} s"] if cost is not None else []
+    if saving is not None and not kept:
+        said.append(f"expected saving {_num(f, 'expected_gain_sec'):.1f} s over the rest of the run")
+    elif kept:
+        said.append("it kept the configured split, so the tuning saves nothing")
+    words = (" " + _sentence(said)) if said else ""
     return NoteWords("Batch split chosen by measurement",
                      f"The tuner measured {f['measured']} split(s) on this run's own training steps "
                      f"({'; '.join(t.words() for t in figures_)}) and {_kept_words(f)} at step {f['step']}{reason}."
@@ -770,9 +940,10 @@ def _no_group_variance(f: Facts, setting: Setting, _: Any) -> FindingWords:
     mean = f["reward_mean"]
     obs = (f"On {f['no_signal_run']} consecutive logs (of {f['logs']}) every prompt group's completions got the same "
            f"reward (`frac_reward_zero_std` 1) and the gradient norm was 0"
-           + (f"; mean reward {_num(f, 'reward_mean'):.3g}" if mean is not None else "")
-           + ("; the mean reward differed between logs, so some prompts score and others do not"
-              if f["reward_varied"] else "") + ".")
+           + (f"; the mean reward of those logs was {_num(f, 'reward_mean'):.3g}" if mean is not None else "")
+           + (f"; over all {f['logs']} logs the mean reward ranged from {_num(f, 'reward_min'):.3g} to "
+              f"{_num(f, 'reward_max'):.3g}, so some prompts score and others do not" if f["reward_varied"] else "")
+           + ".")
     root = ("GRPO's advantage is each completion's reward minus its group's mean: when all completions of a "
             "group score the same, every advantage is 0, so the loss and the gradient are 0 and the weights do "
             "not move.")
@@ -871,6 +1042,33 @@ def _sync_share(f: Facts, setting: Setting, _: Any) -> FindingWords:
     formula = (f"not predicted: the run measures syncs at one setting (syncs free would be the ceiling, "
                f"1/(1 − {share:.2f}) = {1 / (1 - share):.2f}x)")
     return FindingWords("Weight syncs to vLLM take a large share of the step", obs, root, _bullets(lines), formula)
+
+
+@_finding_words("reward_share")
+def _reward_share(f: Facts, setting: Setting, _: Any) -> FindingWords:
+    seconds, wall, calls = _num(f, "reward_sec"), _num(f, "wall_sec"), _int(f, "calls")
+    per = f["completions_per_call"]
+    funcs = _str(f, "funcs")
+    obs = (f"The reward functions{f' ({funcs})' if funcs else ''} took {seconds:.1f} s of the run's {wall:.1f} s wall "
+           f"time ({_pct(_num(f, 'share'))}): {calls} call{'' if calls == 1 else 's'} of ≈ "
+           f"{_num(f, 'per_call_sec'):.3g} s each" + (f", each scoring ≈ {_num(f, 'completions_per_call'):.0f} "
+                                                      "completions" if per is not None else "") + ".")
+    root = ("TRL scores a generation batch between generating it and training on it (`_calculate_rewards`: each "
+            "reward function once, with every completion of the batch), and training waits: a reward that calls a "
+            "model, a server or a sandbox per completion, one after another, holds every step.")
+    items = ["score the completions of a call together: the function gets all of them at once (`completions`, "
+             "`completion_ids`), so one batched model call or request can replace one per completion",
+             "`async def` for a reward that waits (an API, a judge, a sandbox): TRL runs its async reward functions "
+             "concurrently on an event loop of their own"]
+    if "steps_per_generation" in setting:
+        spg = _int(f, "steps_per_generation")
+        items.insert(0, f"`steps_per_generation: {2 * spg}` (now {spg}): half the reward calls, each scoring twice the "
+                        "completions — pays where a call has a cost of its own (a round trip, a model load); the "
+                        "cost is on-policy-ness (the later updates learn from completions of older weights)")
+    formula = (f"not predicted: the run does not tell a reward's cost per call from its cost per completion; all of "
+               f"its {seconds:.1f} s of {wall:.1f} s would be {wall / max(1e-9, wall - seconds):.2f}x")
+    return FindingWords("The reward functions take a large share of the wall time", obs, root, _bullets(items),
+                        formula)
 
 
 def _completion_observation(f: Facts) -> str:

@@ -22,6 +22,7 @@ from .basis import _too_short
 from .formulas import _memory_freed_by_cut
 
 GENERATION_SHARE = 0.5
+REWARD_SHARE = 0.1           # GRPO's reward functions at or above this share of the wall time: a finding
 WEIGHT_SYNC_SHARE = 0.15     # weight syncs to vLLM at or above this share of the wall time: a finding
 LAUNCH_BOUND_UTIL = 0.1      # decode bandwidth utilisation below which decode is launch-bound
 NO_LEARNING_LOGS = 3         # consecutive logs with zero reward variance in every group and zero gradient norm
@@ -110,7 +111,7 @@ def rule_generation_bound(m: Measurements) -> Finding | None:
     if not any(advice):                          # the facts hold nothing to advise
         return None
     return finding("generation_bound", "launch_bound" if launch_bound else "generation_share", facts,
-                   setting, None, "low", "try", None)
+                   setting, None, "low", "try", None, stake_sec=m.phase_sec.get("generation"))
 
 
 @card(finding=f"GRPO with vLLM: weight syncs ≥ {WEIGHT_SYNC_SHARE:.0%} of the wall time → `steps_per_generation` "
@@ -130,7 +131,26 @@ def rule_weight_sync(m: Measurements) -> Finding | None:
                    {"share": share, "syncs": m.weight_syncs, "sync_sec": m.weight_sync_sec, "backend": backend,
                     "generation": _phase(m, "generation"), "steps_per_generation": spg,
                     "sleep_mode": backend == "vllm-colocate" and bool(m.vllm_enable_sleep_mode)},
-                   setting, None, "medium", "try", None)
+                   setting, None, "medium", "try", None, stake_sec=share * m.wall_sec if m.wall_sec else None)
+
+
+@card(finding=f"GRPO: the reward functions ≥ {REWARD_SHARE:.0%} of the wall time (`perf/phase_sec/reward`, measured) "
+              "→ `steps_per_generation` ×2 (half the reward calls, each scoring twice the completions; with its "
+              "cost: later updates learn off-policy), scoring the completions of a call together, `async def` for "
+              "rewards that wait (TRL runs them concurrently)",
+      gain="no: the run does not tell a reward's cost per call from its cost per completion")
+def rule_reward(m: Measurements) -> Finding | None:
+    """GRPO's reward functions take a large share of the run: fewer, larger calls, batched or concurrent scoring."""
+    wall, seconds = float(m.wall_sec or 0.0), m.phase_sec.get("reward", 0.0)
+    if not m.grpo or wall <= 0 or seconds / wall < REWARD_SHARE or not m.reward_calls:
+        return None
+    spg = m.steps_per_generation or m.grad_accum
+    setting: Setting = {"steps_per_generation": 2 * spg} if spg and not _under_pressure(m) else {}
+    facts: Facts = {"reward_sec": seconds, "wall_sec": wall, "share": seconds / wall, "calls": m.reward_calls,
+                    "per_call_sec": seconds / m.reward_calls, "completions_per_call": m.reward_completions,
+                    "funcs": ", ".join(m.rewards.funcs) if m.rewards else "", "steps_per_generation": spg,
+                    "optimizer_steps_per_rollout": 2 * spg / (m.grad_accum or spg) if spg else None}
+    return finding("reward", "reward_share", facts, setting, None, "medium", "try", None, stake_sec=seconds)
 
 
 def _cut_off(m: Measurements, facts: Facts, limit: int, clipped: float) -> Finding:

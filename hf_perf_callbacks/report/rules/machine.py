@@ -8,11 +8,23 @@ from ..figures import (
     STRETCH_RATIO,
     step_ranges,
 )
-from ..model import CONTENTION_RATIO, CONTENTION_SHARE, MIN_MACHINE_STEPS, Finding, Machine, Measurements, Note, card
+from ..model import (
+    CONTENTION_RATIO,
+    CONTENTION_SHARE,
+    MIN_MACHINE_STEPS,
+    RECOMPILE_SLOWDOWN,
+    Facts,
+    Finding,
+    Machine,
+    Measurements,
+    Note,
+    card,
+)
 from ..words import finding, note
 from .advice import _launcher
 from .basis import _too_short
 
+COMPILE_SHARE = 0.05         # recompiles after warmup worth a finding: this share of the wall time
 OVERSUBSCRIBED = 0.5         # threads + other processes' busy cores above the cores by this much: oversubscribed
 THREADS_IDLE = 0.5           # threads of this process not running (threads − CPU time / wall) worth a finding
 STEP_SPREAD = 1.5            # similar work whose wall (or CPU) seconds per token differ this much between steps
@@ -69,7 +81,8 @@ def rule_oversubscription(m: Measurements) -> Finding | None:
                     "launcher": _launcher(m), "lower_bound": o.lower_bound},
                    {}, o.lower_bound or None, "medium" if o.threads_from == "run header" else "low",
                    "measured" if o.lower_bound else "try", None, env={"OMP_NUM_THREADS": str(a)},
-                   lower_bound=bool(o.lower_bound))
+                   lower_bound=bool(o.lower_bound),
+                   stake_sec=m.wall_sec * (1 - 1 / o.lower_bound) if o.lower_bound and m.wall_sec else None)
 
 
 @card(finding="steps slower while their process CPU time stayed flat, each step's own wall/CPU ratio ≥ "
@@ -108,4 +121,27 @@ def rule_contention(m: Measurements) -> Finding | Note | None:
                     "other_cores": c.other_cores if c else None, "contended_stretches": len(contended),
                     "unexplained_stretches": len(unexplained), "gain": gain},
                    {}, gain, "medium", "measured", gain, subject=(c, contended, unexplained), steps=steps,
-                   lost_sec=lost)
+                   lost_sec=lost, stake_sec=lost)
+
+
+@card(finding=f"`torch_compile`: steady steps ≥ {1 + RECOMPILE_SLOWDOWN:g}× the steady step time with the CPU time "
+              f"(child processes included: inductor's workers) rising with them, ≥ {COMPILE_SHARE:.0%} of the wall "
+              "time → recompiles: fewer shapes (`pad_to_multiple_of`, `dataloader_drop_last`), `TORCH_LOGS` to name "
+              "the guard",
+      gain="no: the run measures its recompiles, not a run without them",
+      note="recompiles below that share; the first compile is the warmup note's")
+def rule_compile(m: Measurements) -> Finding | Note | None:
+    """Recompiles after warmup: a compile called what it is, not contention and not warmup."""
+    if not m.recompiles:
+        return None
+    lost = sum(r.excess_sec for r in m.recompiles)
+    wall = float(m.wall_sec or 0.0)
+    share = lost / wall if wall > 0 else 0.0
+    steps = step_ranges(r.step for r in m.recompiles)
+    facts: Facts = {"recompiles": len(m.recompiles), "lost_sec": lost, "share": share,
+                    "steps": ", ".join(f"{a}–{b}" if b != a else str(a) for a, b in steps),
+                    "steady_step_sec": m.steady_step_sec, "cpu_share": min(r.cpu_share for r in m.recompiles)}
+    if share < COMPILE_SHARE:
+        return note("compile", "recompiles_small", facts, steps=steps, lost_sec=lost)
+    return finding("compile", "recompiles", facts, {}, None, "medium", "try", None, steps=steps, lost_sec=lost,
+                   stake_sec=lost)

@@ -48,7 +48,8 @@ def rule_input_bound(m: Measurements) -> Finding | None:
     facts: Facts = {"data_wait": f, "num_workers": workers, "device_type": m.device_type, "predicted": predicted,
                     **{f"dataloader:{k}": cast(Fact, v) for k, v in dl.items()}}
     gain, basis, confidence, formula = _calibrated("input_bound", m, predicted, model_formula(reason, facts))
-    return finding("input_bound", reason, facts, setting, gain, confidence, basis, predicted, subject=formula)
+    return finding("input_bound", reason, facts, setting, gain, confidence, basis, predicted, subject=formula,
+                   stake_sec=m.phase_sec.get("data_wait"))
 
 
 def _tune_note(m: Measurements, d: Decision) -> Note | None:
@@ -122,7 +123,17 @@ def rule_duplicate_forward(m: Measurements) -> Finding | None:
     gain, basis, confidence, formula = _calibrated("duplicate_forward", m, predicted,
                                                    model_formula("grad_forwards", facts))
     return finding("duplicate_forward", "grad_forwards", facts, {}, gain, confidence, basis, predicted,
-                   subject=formula)
+                   subject=formula, stake_sec=_saved(m, predicted))
+
+
+def _saved(m: Measurements, gain: float | None) -> float | None:
+    """The wall seconds a change of this run's ``gain`` saves: wall × (1 − 1/gain)."""
+    return m.wall_sec * (1 - 1 / gain) if gain and gain > 0 and m.wall_sec else None
+
+
+def _padded_sec(m: Measurements, p: float, c: float) -> float | None:
+    """The seconds of compute spent on pad positions, at most (the pad share of the compute seconds)."""
+    return p * c * m.wall_sec if m.wall_sec else None
 
 
 def _fixed_length_padding(m: Measurements, length: int, p: float, c: float) -> Finding:
@@ -130,7 +141,8 @@ def _fixed_length_padding(m: Measurements, length: int, p: float, c: float) -> F
     (grouping by length cannot shorten a fixed length)."""
     return finding("padding_waste", "fixed_length",
                    {"length": length, "pad_fraction": p, "compute": c, "trainer_kind": m.trainer_kind,
-                    "ceiling_known": False, "steps": m.steps}, {}, None, "medium", "try", None)
+                    "ceiling_known": False, "steps": m.steps}, {}, None, "medium", "try", None,
+                   stake_sec=_padded_sec(m, p, c))
 
 
 @card(finding="a Trainer padded to one length on every step (`perf/seq_len` constant) → per-batch padding first "
@@ -155,19 +167,20 @@ def rule_padding_waste(m: Measurements) -> Finding | Note | None:
         r = min(p, parts * (k - 1) / 2 / length) if length else None
         if r is None or c <= 0:
             return finding("padding_waste", "pad_to_multiple", facts, {"pad_to_multiple_of": None}, None, "low",
-                           "try", None)
+                           "try", None, stake_sec=_padded_sec(m, p, c))
         predicted = 1.0 / ((1.0 - c) + c * (1.0 - r))
         facts.update(rounding_share=r, pad_parts=parts, mean_length=length, compute=c, predicted=predicted)
         gain, basis, confidence, formula = _calibrated("padding_waste", m, predicted,
                                                        model_formula("pad_to_multiple", facts))
         return finding("padding_waste", "pad_to_multiple", facts, {"pad_to_multiple_of": None}, gain, confidence,
-                       basis, predicted, subject=formula)
+                       basis, predicted, subject=formula, stake_sec=_saved(m, predicted))
     if m.grpo:
         per_batch = math.ceil((m.micro_batch or 1) / (m.num_generations or 1))
         facts.update(prompts_per_micro_batch=per_batch, setting_removes_it=False)
         return note("padding_waste", "grpo_inherent", facts)
     if m.seq_len_min is not None and m.seq_len_min == m.seq_len:   # one length on fewer steps than tell a fixed one
         facts.update(length=m.seq_len)
-        return finding("padding_waste", "one_length_unsure", facts, {}, None, "low", "try", None)
+        return finding("padding_waste", "one_length_unsure", facts, {}, None, "low", "try", None,
+                       stake_sec=_padded_sec(m, p, c))
     return finding("padding_waste", "per_batch", facts, {"train_sampling_strategy": "group_by_length"}, None, "low",
-                   "try", None)
+                   "try", None, stake_sec=_padded_sec(m, p, c))

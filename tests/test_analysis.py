@@ -429,7 +429,7 @@ def test_a_tuning_that_cost_more_than_it_saved_is_a_finding_with_its_cost():
     findings, notes = check(m)
     f = {f.rule: f for f in findings}["tuning_cost"]
     assert f.basis == "measured" and f.expected_gain == pytest.approx(65.0 / (65.0 - 7.2))
-    assert "cost 7.2 s (11% of the 65.0 s of training)" in f.observation and "save 0.0 s" in f.observation
+    assert "cost 7.2 s (11% of the 65.0 s of training)" in f.observation and f.facts["switched"] is False
     assert "tune=False" in f.recommendation and f.setting == {}
     assert "small_micro_batch" not in [n.rule for n in notes if n.judged]          # no "fine" beside it
     launched = only_rule(healthy(micro_batch=4, grad_accum=2, mfu=0.05, tuner_attached=True, train_sec=65.0,

@@ -190,7 +190,7 @@ def test_synthetic_watchdog_and_tuner(tmp_path):
     text = summarize(run)                                   # the summary prints exactly these
     assert not run.summaries and UNFINISHED in text
     assert throughput_line(f.steady_tokens_per_sec, f.steady_step_sec, f.mean_tokens_per_sec) in text
-    assert phase_line(f.phases) in text and "MFU: 41.0%" in text
+    assert phase_line(f.phases) in text and "MFU 41.0%" in text
     assert "step 12: [tuner] decision (8x1 -> 4x2)" in text                 # an event line: the split change
 
     out_dir = tmp_path / "figs"

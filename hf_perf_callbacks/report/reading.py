@@ -594,8 +594,9 @@ def _scope_readings(run_log: RunLog, run: RunHeader) -> ScopeReadings:
 def _compile_readings(run_log: RunLog, f: Figures, torch_compile: bool) -> CompileReadings:
     """CPU device: the child processes' CPU seconds over the steps outside the steady figures (a compile's workers,
     DataLoader workers starting), and with ``torch_compile`` the steady steps slowed by the process's own work: a
-    step's training seconds at least :data:`RECOMPILE_SLOWDOWN` above the steady step time s, at least half of the
-    excess explained by its training CPU seconds above the steady steps' mean c (at s / c wall seconds each)."""
+    step's training seconds at least :data:`RECOMPILE_SLOWDOWN` above the steady steps' median s (the median: a
+    recompile does not move it), at least half of the excess explained by its training CPU seconds above their
+    median c (at s / c wall seconds each)."""
     if run_log.header("perf").device_type != "cpu":
         return {"warmup_child_cpu_sec": None, "recompiles": []}
     numbers, train = run_log.step_numbers(), train_column(run_log)
@@ -604,14 +605,13 @@ def _compile_readings(run_log: RunLog, f: Figures, torch_compile: bool) -> Compi
     steady = set(f.steady_steps)
     outside = finite(child[i] for i, n in enumerate(numbers) if n not in steady)
     recompiles: list[Recompile] = []
-    s = f.steady_step_sec
     rows = [i for i, n in enumerate(numbers) if n in steady and walls[i] > 0 and cpus[i] == cpus[i]]
-    if torch_compile and s and rows:
+    if torch_compile and rows:
         train_cpu = {i: cpus[i] * train[i] / walls[i] for i in rows}
-        c = statistics.fmean(train_cpu.values())
+        s, c = statistics.median(train[i] for i in rows), statistics.median(train_cpu.values())
         for i in rows:
             excess = train[i] - s
-            if c > 0 and excess >= RECOMPILE_SLOWDOWN * s:
+            if s > 0 and c > 0 and excess >= RECOMPILE_SLOWDOWN * s:
                 share = min(1.0, max(0.0, train_cpu[i] - c) * s / c / excess)
                 if share >= 0.5:
                     recompiles.append(Recompile(numbers[i], excess, share))

@@ -104,9 +104,9 @@ def render_markdown(findings: list[Finding], m: Measurements, notes: list[Note] 
         lines += ["## No bottleneck found", "", _nothing_found(m, notes), ""]
     for i, f in enumerate(findings, 1):
         stake = stake_words(f)
+        scope = scope_words(f.scope) if f.scope else "measured on this run"
         lines += [f"## {i}. {f.title} — {gain_text(f)}", "",
-                  f"_{(scope_words(f.scope) if f.scope else 'measured on this run').capitalize()}"
-                  + (f"; {stake}" if stake else "") + "._", "",
+                  f"_{scope[0].upper()}{scope[1:]}" + (f"; {stake}" if stake else "") + "._", "",
                   "### Observation", "", f.observation, "",
                   "### Root cause", "", f.root_cause, "",
                   "### Recommendation", "", f.recommendation, ""]

@@ -22,6 +22,7 @@ from ..runlog import PERF_LOG, ActionDetails, DecisionDetails, EventLine, RunLog
 from ..splitfile import read_split_file, trial_figures
 from ..wording import (
     console_line,
+    mfu_words,
     phase_line,
     provisional_line,
     split_label,
@@ -99,7 +100,7 @@ def _throughput_lines(run: RunLog, f: Figures) -> list[str]:
             steady += f"; not in them: step{'' if single else 's'} {ranges_text(f.not_steady)}"
         lines.append(f"steady steps: {steady}")
     if f.mfu is not None:
-        lines.append(f"MFU: {f.mfu:.1%}" + (" (provisional)" if provisional else ""))
+        lines.append(wrapped(mfu_words(f.mfu, f.mfu_basis, provisional)))
     if f.phases:
         lines.append(phase_line(f.phases))
     return lines

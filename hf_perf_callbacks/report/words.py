@@ -180,6 +180,10 @@ def _int(facts: Facts, key: str) -> int:
     return value
 
 
+def _text(value: Fact) -> str | None:
+    return value if isinstance(value, str) else None
+
+
 def _str(facts: Facts, key: str) -> str:
     return str(facts[key])
 
@@ -351,7 +355,6 @@ def _warmup_not_finished(f: Facts, c: Any) -> NoteWords:
 def _warmup(f: Facts, c: Any) -> NoteWords:
     text = _sentence([warmup_words(f["warmup_steps"], f["slowdown"], f["overhead_sec"], f["latest_first_step"],
                                    levels=_int(f, "levels"), in_band=f["in_band"], tolerance=f["tolerance"])])
-    text += _compile_words(f)
     if "first_sec" in f:
         text += (f" Step {_int(f, 'first_step')} counts among the steady steps (the meter found no warmup beyond "
                  f"it), so its {_num(f, 'first_sec'):.3g} s are in the steady figures: steady step "
@@ -359,7 +362,9 @@ def _warmup(f: Facts, c: Any) -> NoteWords:
     else:
         fresh = f["fresh_cost"]
         text += (" One-time costs of a fresh process (optimizer state, allocator growth"
-                 + (f", {fresh}" if fresh else "") + ") do not recur; the steady figures exclude the warmup steps.")
+                 + (f", {fresh}" if fresh else "") + ")" + _compile_words(f)
+                 + " do not recur; the steady figures exclude the warmup steps.")
+        text += _children_words(f)
     text += _contention_words(f, c)
     if "steps_for_target" in f:
         text += (f" In this short run warmup is {_pct(_num(f, 'share'))} of the time: compare steady figures only, "
@@ -371,21 +376,32 @@ def _warmup(f: Facts, c: Any) -> NoteWords:
 CHILD_CPU_SEC = 0.5
 
 
-def _compile_words(f: Facts) -> str:
-    """The first steps' compile (``compile``: the trainer's ``torch_compile``) and the child processes' CPU time
-    outside the steady steps (``child_cpu_sec``: inductor's compile workers, DataLoader workers starting), counted
-    in the process's CPU time: a one-time cost, not contention."""
+def _children(f: Facts) -> str:
+    """``child processes used 8.0 s of CPU`` (``child_cpu_sec``, outside the steady steps), or nothing below
+    :data:`CHILD_CPU_SEC`."""
     child = f["child_cpu_sec"]
-    children = (f"child processes used {_num(f, 'child_cpu_sec'):.1f} s of CPU" if isinstance(child, (int, float))
-                and child >= CHILD_CPU_SEC else "")
-    if f["compile"]:
-        return (" torch.compile (`torch_compile: true`) compiled the model in the first steps"
-                + (f" ({children}: inductor's compile workers, counted in the process's CPU time)" if children
-                   else "") + ": a one-time cost, neither warmup of the steps nor contention.")
-    if children:
-        return (f" Outside the steady steps {children} (DataLoader workers starting, compile workers), counted in "
-                "the process's CPU time: their work is the run's, not other processes'.")
-    return ""
+    return (f"child processes used {_num(f, 'child_cpu_sec'):.1f} s of CPU" if isinstance(child, (int, float))
+            and child >= CHILD_CPU_SEC else "")
+
+
+def _compile_words(f: Facts) -> str:
+    """The first steps' compile (``compile``: the trainer's ``torch_compile``), among a fresh process's one-time
+    costs, with its workers' CPU time: a compile, not contention."""
+    if not f["compile"]:
+        return ""
+    children = _children(f)
+    return (" and torch.compile's first compile of the model (`torch_compile: true`"
+            + (f"; {children}: inductor's compile workers, counted in the process's CPU time" if children else "")
+            + ")")
+
+
+def _children_words(f: Facts) -> str:
+    """Without a compile, the child processes' CPU time outside the steady steps (DataLoader workers starting)."""
+    children = _children(f)
+    if f["compile"] or not children:
+        return ""
+    return (f" Outside the steady steps {children} (DataLoader workers starting, compile workers), counted in the "
+            "process's CPU time: their work is the run's, not other processes'.")
 
 
 @_finding_words("eval_share")
@@ -433,9 +449,12 @@ def _cost_over_saving(f: Facts, setting: Setting, d: Decision) -> FindingWords:
     cost, saving, train, lost = _num(f, "cost_sec"), _num(f, "saving_sec"), _num(f, "train_sec"), _num(f, "lost_sec")
     kept = _str(f, "kept")
     trials = "; ".join(t.words() for t in trial_figures(d))
+    switched = bool(f["switched"])
+    outcome = (f"is expected to save {saving:.1f} s over the rest of the run (switched to {kept} at step "
+               f"{f['step']})" if switched else
+               f"saves nothing: it kept the configured split {kept} at step {f['step']}")
     obs = (f"The tuner's measurement of splits on this run's own steps cost {cost:.1f} s ({_pct(cost / train)} of "
-           f"the {train:.1f} s of training) and is expected to save {saving:.1f} s over the rest of the run "
-           f"({'switched to' if f['switched'] else 'kept'} {kept} at step {f['step']}): {trials}.")
+           f"the {train:.1f} s of training) and {outcome}: {trials}.")
     root = ("A trial costs its switches (a checkpoint, the end of a train() call and the start of the next), the "
             "warm-up steps after each and any slower steps of the candidate; it pays only when the split it keeps "
             "saves more over the steps left. In a short or noisy run the candidate cannot be told apart from the "
@@ -445,8 +464,9 @@ def _cost_over_saving(f: Facts, setting: Setting, d: Decision) -> FindingWords:
     items = [f"{how} for runs this short; the split it measured: {kept}",
              "or let the run be long enough to pay a trial back: the tuner weighs each round against the steps left"]
     gain = f["gain"]
-    formula = (f"measured: the tuning's own cost {cost:.1f} s less its expected saving {saving:.1f} s, "
-               f"against {train:.1f} s of training: {train:.1f} / ({train:.1f} − {lost:.1f})"
+    formula = (f"measured: the tuning's own cost {cost:.1f} s"
+               + (f" less its expected saving {saving:.1f} s" if switched else " (no saving: the split was kept)")
+               + f", against {train:.1f} s of training: {train:.1f} / ({train:.1f} − {lost:.1f})"
                + (f" = {_num(f, 'gain'):.2f}x" if gain else ""))
     return FindingWords("The batch tuning cost more than it saved", obs, root, _bullets(items), formula)
 
@@ -495,7 +515,7 @@ def _target_words(f: Facts) -> str:
 
 def stand_in_words(f: Facts) -> str:
     """The report's first words on a run that stood in for its recipe's target (the ``stand_in`` note's facts)."""
-    ran = (f"{f['model'] or 'another model'} on {f['device_type']}"
+    ran = (f"{model_label(_text(f['model']))} on {f['device_type']}"
            + (f", completions ≤ {f['completions']} tokens" if f["completions"] else ""))
     return (f"This run stood in for recipe `{f['recipe']}`'s target ({_target_words(f)}): it trained {ran}. Its "
             "figures, memory estimates included, are this run's, not the target's, and no setting below undoes a "
@@ -511,7 +531,7 @@ def _stand_in(f: Facts, _: Any) -> NoteWords:
 def _kept_for_recipe(f: Facts, _: Any) -> NoteWords:
     return NoteWords(f"Not advised for recipe {f['recipe']}: {f['finding'].lower()}" if isinstance(f["finding"], str)
                      else "Not advised for the recipe",
-                     f"This stand-in run ({f['model'] or 'another model'} on {f['device_type']}) would advise "
+                     f"This stand-in run ({model_label(_text(f['model']))} on {f['device_type']}) would advise "
                      f"`{f['advised']}`, but the recipe sets `{f['keys']}` for the memory of "
                      f"{f['target_model'] or 'its model'} on {f['machine'] or 'its machine'}: what a stand-in "
                      "measures about memory says nothing about the target's. Measure it on the recipe's own model "
@@ -563,10 +583,11 @@ def _threads_over_free_cores(f: Facts, setting: Setting, _: Any) -> FindingWords
 
 def _recompile_text(f: Facts) -> str:
     n = _int(f, "recompiles")
-    return (f"{n} steady step{'' if n == 1 else 's'} (step{'' if n == 1 else 's'} {f['steps']}) took "
-            f"{_num(f, 'lost_sec'):.1f} s above the steady step time ({_pct(_num(f, 'share'))} of the run) with the "
-            f"process's CPU time rising with them (at least {_pct(_num(f, 'cpu_share'))} of each excess, child "
-            "processes included): torch.compile compiled again")
+    one = n == 1
+    return (f"{n} steady step{'' if one else 's'} (step{'' if one else 's'} {f['steps']}) took "
+            f"{_num(f, 'lost_sec'):.1f} s above the steady steps' median ({_pct(_num(f, 'share'))} of the run), "
+            f"{'its' if one else 'their'} CPU time rising with {'it' if one else 'them'} (at least "
+            f"{_pct(_num(f, 'cpu_share'))} of the excess, child processes included): torch.compile compiled again")
 
 
 @_finding_words("recompiles")

@@ -191,7 +191,7 @@ def within_recipe(f: Finding, scope: Scope) -> Finding | Note:
                     "machine": t.machine, "model": scope.model, "device_type": scope.device_type,
                     "keys": ", ".join(f"{k}: {_value(t.memory[k])}" for k in undone),
                     "advised": ", ".join(f"{k}: {_value(f.setting[k])}" for k in undone)}
-    return note("scope", "kept_for_recipe", facts)
+    return note("scope", "kept_for_recipe", facts, judged=False)
 
 
 def _value(v: object) -> str:

@@ -303,3 +303,19 @@ def test_counts_of_one_are_said_in_the_singular(tmp_path):
     assert "= 1 prompt × 8;" in launch._describe(recipe, args, model_args, [])
     assert _completion_line([{"completions/mean_length": 20.0, "completions/max_length": 24.0}]).startswith(
         "completions (1 log): ")
+
+
+@pytest.mark.launch
+def test_a_real_inductor_compile_is_counted_in_the_cpu_clock_and_not_called_contention(tokenizer, tmp_path,
+                                                                                         one_thread):
+    """``torch_compile: true`` with inductor (a C++ toolchain's compile workers, child processes): seen as 48 s of
+    wall for 9 s of the process's CPU on steps 1–2 and called "CPU contention ... 3.08x". Their CPU time is in the
+    meter's CPU clock, so the first steps are the compile the warmup note names, not contention. (Slow: a minute of
+    compiling on a 2-core CPU.)"""
+    make_trainer(tokenizer, tmp_path, [ThroughputMeter(warmup_window=2, max_warmup_steps=3)], max_steps=8, bs=2, ga=1,
+                 length=16, extra={"torch_compile": True}).train()
+    m, _, by_rule, notes = analysed(tmp_path)
+    lines = read_run(str(tmp_path)).unique_steps()
+    assert lines[0].number(keys.PERF_CHILD_CPU_SEC) > 1.0                 # inductor's compile of the first step
+    assert m.torch_compile and notes["warmup"].facts["compile"] is True
+    assert not (m.contention and 1 in m.contention.step_list) and "contention" not in by_rule

@@ -284,7 +284,8 @@ def plot_throughput(fig: Figure, data: PlotData) -> str | None:
     notes = []
     if f.warmup_done:
         notes.append(warmup_words(f.warmup_steps, f.first_step_slowdown, f.warmup_overhead_sec,
-                                  f.call_first_step, levels=max(1, len(levels))))
+                                  f.call_first_step, levels=max(1, len(levels)), in_band=f.warmup_in_band,
+                                  tolerance=f.warmup_tolerance))
     if steady_list:
         notes.append(steady_words(steady_list, ranges_text(step_ranges(steady_list))))
     _title(ax, "Training throughput (tokens per second of training time; evaluation and saving excluded)", *notes)

@@ -92,7 +92,8 @@ def _throughput_lines(run: RunLog, f: Figures) -> list[str]:
              else throughput_line(f.steady_tokens_per_sec, f.steady_step_sec, f.mean_tokens_per_sec)]
     if f.warmup_done is not None:
         lines.append("warmup: " + warmup_line(f.warmup_done, f.warmup_steps, f.first_step_slowdown,
-                                              f.warmup_overhead_sec, f.steps, f.contention_sec, f.call_first_step))
+                                              f.warmup_overhead_sec, f.steps, f.contention_sec, f.call_first_step,
+                                              f.warmup_in_band, f.warmup_tolerance))
     if f.steady_steps:                 # an earlier train() call's steady steps count while the latest warms up
         steady = steady_words(f.steady_steps, ranges_text(step_ranges(f.steady_steps)))
         if f.not_steady:

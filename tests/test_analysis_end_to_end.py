@@ -3,6 +3,7 @@ GRPO run that cannot learn (every reward 0) with the MPS-only ``pad_to_multiple_
 import torch
 
 from hf_perf_callbacks import ThroughputMeter, default_callbacks, keys
+from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.report import check, measurements_from_run, write_analysis
 from hf_perf_callbacks.report.figures import FROM_PERF_LOG
 from hf_perf_callbacks.runlog import read_run
@@ -197,7 +198,8 @@ def test_the_tuners_record_of_a_real_tuning_run_is_what_the_analysis_reports(tok
     f = {f.rule: f for f in findings}["tuning_cost"]
     assert "small_micro_batch" not in [n.rule for n in notes]
     assert f"cost {m.tune.cost_sec:.1f} s" in f.observation and "failed" not in f.observation
-    assert (f.facts["kept"], f.facts["step"], f.facts["cost_sec"]) == ("2×4", m.tune.step, m.tune.cost_sec)
+    assert (f.facts.decision.new, f.facts.decision.step, f.facts.cost_sec) == (Split(2, 4), m.tune.step,
+                                                                               m.tune.cost_sec)
     assert m.tune.new == m.tune.old                 # kept, not switched
     figures = {t.label: t for t in trial_figures(m.tune)}           # every trial as every reader prints it
     assert all(t.words() in f.observation for t in figures.values())

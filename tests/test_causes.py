@@ -70,7 +70,7 @@ def test_a_slow_reward_is_the_reward_phase_and_its_finding_ranks_by_its_cost(tok
     assert found[0] is f and f.stake_sec == pytest.approx(6 * COST, rel=0.01)
     assert f.share == pytest.approx(f.stake_sec / m.wall_sec) and f.share > 0.9
     assert f.setting == {"steps_per_generation": 4} and f.expected_gain is None     # 2 × the run's 2
-    assert f.facts["calls"] == 6 and f.facts["per_call_sec"] == pytest.approx(COST, rel=0.01)
+    assert f.facts.calls == 6 and f.facts.reward_sec / 6 == pytest.approx(COST, rel=0.01)
 
 
 # ---------------------------------------------------------------------------------------------- child processes
@@ -146,7 +146,7 @@ def test_a_compile_and_a_recompile_are_called_what_they_are_never_contention(tok
         blamed |= {s for a, b in (result.steps if result else []) for s in range(a, b + 1)}
     assert not blamed & {1, 12}
     warmup = notes["warmup"].facts                  # its words: golden/rules.md, "warmup_compile"
-    assert warmup["compile"] is True and warmup["child_cpu_sec"] == pytest.approx(child[1], rel=0.03)
+    assert warmup.compile is True and warmup.child_cpu_sec == pytest.approx(child[1], rel=0.03)
     assert [r.step for r in m.recompiles] == [12]
     assert m.recompiles[0].excess_sec == pytest.approx(child[12], rel=0.03)
     f = by_rule["compile"]                          # 8 s of a ~20 s run: a finding, ranked by its seconds
@@ -210,7 +210,7 @@ def test_compute_metrics_is_named_and_the_printed_eval_steps_pays_what_it_says(t
     clock = PlantedClock()
     eval_trainer(tokenizer, tmp_path / "b", clock, eval_steps=new).train()
     advised = measurements_from_run(str(tmp_path / "b"))
-    assert advised.evaluation.evals == f.facts["events_after"]               # the last evaluation at the end counted
+    assert advised.evaluation.evals == f.facts.interval.events_after     # the last evaluation at the end counted
     measured = m.wall_sec / advised.wall_sec
     assert measured == pytest.approx(f.expected_gain, rel=0.25)
 
@@ -231,7 +231,7 @@ def test_the_printed_save_steps_pays_what_it_says_with_the_last_save_counted(tok
     m = run(tmp_path / "a", 1)
     f = {x.rule: x for x in check(m)[0]}["saving"]
     advised = run(tmp_path / "b", f.setting["save_steps"])
-    assert advised.saves == f.facts["events_after"] >= 1                      # transformers saves at the end too
+    assert advised.saves == f.facts.interval.events_after >= 1                      # transformers saves at the end too
     assert m.wall_sec / advised.wall_sec == pytest.approx(f.expected_gain, rel=0.25)
 
 
@@ -252,9 +252,9 @@ def test_groups_flat_while_prompts_score_differently_say_both_means_apart(tokeni
     assert len(rewards) == 6 and max(rewards) > min(rewards)
     # the words name each figure with the logs it is of (golden/rules.md, "no_learning"): the mean of the flat logs,
     # here every log, and the range over all of them
-    assert f.facts["no_signal_run"] == f.facts["logs"] == 6 and f.facts["reward_varied"] is True
-    assert f.facts["reward_mean"] == pytest.approx(sum(rewards) / 6)
-    assert (f.facts["reward_min"], f.facts["reward_max"]) == pytest.approx((min(rewards), max(rewards)))
+    assert f.facts.no_signal_run == f.facts.logs == 6 and f.facts.reward_varied is True
+    assert f.facts.reward_mean == pytest.approx(sum(rewards) / 6)
+    assert (f.facts.reward_min, f.facts.reward_max) == pytest.approx((min(rewards), max(rewards)))
     assert f"{min(rewards):.3g} to {max(rewards):.3g}" in f.observation
 
 
@@ -288,7 +288,7 @@ def test_a_tuning_that_kept_the_split_expects_no_saving_and_says_so(tmp_path):
     assert decision.new == decision.old and decision.expected_gain_sec == 0.0
     assert report_command(out, plots=False) == 0
     f = {x.rule: x for x in check(measurements_from_run(out))[0]}["tuning_cost"]
-    assert f.facts["switched"] is False and f.facts["saving_sec"] == 0.0      # its words: golden/tuned_kept.md
+    assert f.facts.decision.new == f.facts.decision.old and f.facts.saving_sec == 0.0   # words: golden/tuned_kept.md
 
 
 def test_counts_of_one_are_said_in_the_singular(tmp_path):
@@ -317,5 +317,5 @@ def test_a_real_inductor_compile_is_counted_in_the_cpu_clock_and_not_called_cont
     m, _, by_rule, notes = analysed(tmp_path)
     lines = read_run(str(tmp_path)).unique_steps()
     assert lines[0].number(keys.PERF_CHILD_CPU_SEC) > 1.0                 # inductor's compile of the first step
-    assert m.torch_compile and notes["warmup"].facts["compile"] is True
+    assert m.torch_compile and notes["warmup"].facts.compile is True
     assert not (m.contention and 1 in m.contention.step_list) and "contention" not in by_rule

@@ -58,7 +58,7 @@ def test_a_costly_on_log_is_the_callbacks_finding_not_data_wait(tokenizer, tmp_p
     on_log = m.callback_sec["CostlyOnLog"]["on_log"] + m.phase_sec["log"]
     assert m.callback_sec["CostlyOnLog"]["on_log"] == pytest.approx(9 * COST, rel=0.01)
     after = 8 // new + 1
-    assert f.facts["events_after"] == after
+    assert f.facts.interval.events_after == after
     assert f.expected_gain == pytest.approx(m.wall_sec / (m.wall_sec - on_log / 9 * (9 - after)))
 
 
@@ -90,7 +90,7 @@ def test_save_steps_1_is_the_saving_finding_and_not_contention(tokenizer, tmp_pa
     assert f.setting["save_strategy"] == "steps" and f.setting["save_steps"] > 1 and f.basis == "measured"
     new, save, wall = f.setting["save_steps"], m.phase_sec["save"], m.wall_sec
     after = 8 // new + (8 % new != 0)              # at each multiple, and once more at the end of training
-    assert f.facts["events_after"] == after
+    assert f.facts.interval.events_after == after
     assert f.expected_gain == pytest.approx(wall / (wall - save / 8 * (8 - after)))
     assert "contention" not in found and "input_bound" not in found and "callbacks" not in found
 

@@ -132,8 +132,6 @@ class Recompile:
 TOO_FEW_STEPS = "too few steps"
 SettingValue = bool | int | float | str | None    # None: the key removed (its default)
 Setting = dict[str, SettingValue]            # config keys → values: a finding's complete change
-Fact = bool | int | float | str | None
-Facts = dict[str, Fact]                      # the figures a finding or a note rests on, by name
 #: which case of its rule a finding or a note is (``Finding.reason``, ``Note.reason``): the rules' codes, by rule in
 #: :data:`REASONS`
 Reason = Literal[
@@ -174,6 +172,11 @@ REASONS: dict[str, tuple[str, ...]] = {
     "scope": ("stand_in", "kept_for_recipe"),
 }
 assert {c for codes in REASONS.values() for c in codes} == set(get_args(Reason))
+
+
+@dataclass(frozen=True)
+class Facts:
+    """The figures a finding or a note rests on: the base of each case's frozen dataclass (:mod:`.facts`)."""
 
 
 @dataclass(frozen=True)
@@ -320,7 +323,7 @@ class Finding:
     steps: list[tuple[int, int]] = field(default_factory=list)   # the steps it is about, as (first, last) ranges
     lost_sec: float | None = None            # the seconds it says were lost on them
     reason: Reason | Literal[""] = ""        # which case of its rule it is (:data:`REASONS`)
-    facts: Facts = field(default_factory=dict)   # the figures its words rest on, by name
+    facts: Facts = field(default_factory=Facts)   # the figures its words rest on (its case's dataclass)
     #: the seconds of the run it is about: what the change saves where the gain is measured or calibrated, else the
     #: seconds its cause took (the most the change can save); None: no time figure (memory, quality). Findings rank
     #: by it (:func:`~.rules.check`)
@@ -356,7 +359,7 @@ class Note:
     steps: list[tuple[int, int]] = field(default_factory=list)   # the steps it is about, as (first, last) ranges
     lost_sec: float | None = None            # the seconds it says were lost on them
     reason: Reason | Literal[""] = ""        # which case of its rule it is (:data:`REASONS`)
-    facts: Facts = field(default_factory=dict)   # the figures its words rest on, by name
+    facts: Facts = field(default_factory=Facts)   # the figures its words rest on (its case's dataclass)
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,12 @@ import os
 from .. import keys
 from ..runlog import RunLog, read_run
 from ..wording import MFU_BASIS_SHORT, wrapped
-from .model import TOO_FEW_STEPS, ZERO, Facts, Finding, Measurements, Note
+from .facts import NothingFound, StandIn
+from .model import TOO_FEW_STEPS, ZERO, Finding, Measurements, Note
 from .reading import measurements
 from .rules import check
 from .rules.basis import _too_short
-from .words import _pct, _yaml, scope_words, stake_words, stand_in_words
+from .words import _pct, _yaml, nothing_found_words, scope_words, stake_words, stand_in_words
 
 REPORT_FILE = "perf_report.md"
 
@@ -55,41 +56,20 @@ def gain_text(f: Finding) -> str:
     return f"{'≥ ' if f.lower_bound else ''}{f.expected_gain:.2f}x ({f.basis}, {f.confidence} confidence)"
 
 
-def nothing_found_facts(m: Measurements, notes: list[Note]) -> Facts:
-    """What the "no finding" paragraph says, as data: ``data_wait`` (the device did not wait for data: judged),
-    ``memory`` (memory stayed within budget: measured), ``rewards`` (GRPO: "none", "varied", "flat"; None: not
-    GRPO), ``timings_unjudged`` (too short to judge), ``metric`` (the throughput key to track; None: none logged)."""
+def nothing_found_facts(m: Measurements, notes: list[Note]) -> NothingFound:
+    """What the "no finding" paragraph says, as data (its words: :func:`~.words.nothing_found_words`)."""
     r = m.rewards
-    return {"data_wait": bool(not _too_short(m) and m.phases), "memory": m.mem_high_water_gb is not None,
-            "rewards": None if not m.grpo else "none" if r is None else
-            "varied" if (r.std_max or 0.0) > ZERO else "flat",
-            "timings_unjudged": any(not n.judged and n.rule == "evidence" for n in notes),
-            "metric": next((k for k in (keys.PERF_STEADY_TOKENS_PER_SEC, keys.PERF_TOKENS_PER_SEC)
-                            if k in m.logged), None)}
+    return NothingFound(data_wait=bool(not _too_short(m) and m.phases), memory=m.mem_high_water_gb is not None,
+                        rewards=None if not m.grpo else "none" if r is None else
+                        "varied" if (r.std_max or 0.0) > ZERO else "flat",
+                        timings_unjudged=any(not n.judged and n.rule == "evidence" for n in notes),
+                        metric=next((k for k in (keys.PERF_STEADY_TOKENS_PER_SEC, keys.PERF_TOKENS_PER_SEC)
+                                     if k in m.logged), None))
 
 
-#: the "no finding" paragraph's words for the rewards (``nothing_found_facts(...)["rewards"]``)
-REWARD_WORDS = {"none": "no reward data in this run's logs", "varied": "the rewards varied within prompt groups",
-                "flat": "the rewards never varied within a prompt group"}
-
-
-def _nothing_found(m: Measurements, notes: list[Note]) -> str:
-    """The "no finding" paragraph: only what this run's log shows, and a metric it holds
-    (:func:`nothing_found_facts`)."""
-    facts = nothing_found_facts(m, notes)
-    checked = []
-    if facts["data_wait"]:
-        checked.append("the device did not wait for data")
-    if facts["memory"]:
-        checked.append("memory stayed within budget")
-    if isinstance(facts["rewards"], str):
-        checked.append(REWARD_WORDS[facts["rewards"]])
-    text = "No rule found something to change" + (": " + ", ".join(checked) if checked else "") + "."
-    if facts["timings_unjudged"]:
-        text += " The timings were too short to judge (see Not judged)."
-    if facts["metric"]:
-        text += f" Track `{facts['metric']}` to compare future runs."
-    return text
+def _stand_in(notes: list[Note] | None) -> StandIn | None:
+    """The stand-in note's facts, when the run stood in for its recipe's target."""
+    return next((n.facts for n in notes or [] if isinstance(n.facts, StandIn)), None)
 
 
 def render_markdown(findings: list[Finding], m: Measurements, notes: list[Note] | None = None) -> str:
@@ -97,11 +77,11 @@ def render_markdown(findings: list[Finding], m: Measurements, notes: list[Note] 
     and is fine."""
     notes = notes or []
     lines = ["# Performance report", "", f"**Run:** {_facts_line(m)}", ""]
-    stand_in = next((n for n in notes if n.reason == "stand_in"), None)
+    stand_in = _stand_in(notes)
     if stand_in is not None:
-        lines += [f"> **Stand-in run.** {stand_in_words(stand_in.facts)}", ""]
+        lines += [f"> **Stand-in run.** {stand_in_words(stand_in)}", ""]
     if not findings:
-        lines += ["## No bottleneck found", "", _nothing_found(m, notes), ""]
+        lines += ["## No bottleneck found", "", nothing_found_words(nothing_found_facts(m, notes)), ""]
     for i, f in enumerate(findings, 1):
         stake = stake_words(f)
         scope = scope_words(f.scope) if f.scope else "measured on this run"
@@ -151,9 +131,9 @@ def console_summary(findings: list[Finding], top: int = 3, notes: list[Note] | N
     """The top findings, a few lines each, what the run was too short to judge, and the titles of what was checked
     and is fine; a line wider than ``CONSOLE_WIDTH`` goes on over indented lines (nothing is cut)."""
     lines = ["== Performance analysis =="]
-    stand_in = next((n for n in notes or [] if n.reason == "stand_in"), None)
+    stand_in = _stand_in(notes)
     if stand_in is not None:
-        lines.append(wrapped(f"stand-in run: {stand_in_words(stand_in.facts)}"))
+        lines.append(wrapped(f"stand-in run: {stand_in_words(stand_in)}"))
     if not findings:
         lines.append("no bottleneck found")
     for i, f in enumerate(findings[:top], 1):

@@ -2,6 +2,7 @@
 """
 from __future__ import annotations
 
+from ..facts import OtherProcesses, Oversubscription, Recompiles, SlowStretches
 from ..figures import (
     SLOW_MIN_STEPS,
     SLOW_SHARE,
@@ -13,7 +14,6 @@ from ..model import (
     CONTENTION_SHARE,
     MIN_MACHINE_STEPS,
     RECOMPILE_SLOWDOWN,
-    Facts,
     Finding,
     Machine,
     Measurements,
@@ -74,11 +74,7 @@ def rule_oversubscription(m: Measurements) -> Finding | None:
     if not found:
         return None
     o, demand, a = found
-    return finding("oversubscription", "threads_over_free_cores",
-                   {"steps": o.steps, "busy": o.busy, "threads": o.threads, "threads_from": o.threads_from,
-                    "other": o.other, "cores": o.cores, "cores_from": o.cores_from, "load": o.load,
-                    "demand": demand, "advised_threads": a, "spread": o.spread, "cpu_spread": o.cpu_spread,
-                    "launcher": _launcher(m), "lower_bound": o.lower_bound},
+    return finding("oversubscription", "threads_over_free_cores", Oversubscription(o, demand, a, _launcher(m)),
                    {}, o.lower_bound or None, "medium" if o.threads_from == "run header" else "low",
                    "measured" if o.lower_bound else "try", None, env={"OMP_NUM_THREADS": str(a)},
                    lower_bound=bool(o.lower_bound),
@@ -110,18 +106,12 @@ def rule_contention(m: Measurements) -> Finding | Note | None:
             return None
         stretches = contended + unexplained
         return note("contention", "contention_below_share" if contended else "unexplained_stretches",
-                    {"contended_stretches": len(contended), "unexplained_stretches": len(unexplained),
-                     "lost_sec": lost, "share": share}, subject=(c, contended, unexplained), judged=False,
+                    SlowStretches(tuple(contended), tuple(unexplained), lost, share), judged=False,
                     steps=[(s.first, s.last) for s in stretches], lost_sec=sum(s.lost_sec for s in stretches))
     gain = 1.0 / (1.0 - share)
     return finding("contention", "other_processes",
-                   {"lost_sec": lost, "share": share, "run_sec": run_sec, "source": c.source if c else None,
-                    "contended_steps": c.steps if c else 0, "wall_over_cpu": c.wall_over_cpu if c else None,
-                    "steady_wall_over_cpu": c.steady_wall_over_cpu if c else None,
-                    "other_cores": c.other_cores if c else None, "contended_stretches": len(contended),
-                    "unexplained_stretches": len(unexplained), "gain": gain},
-                   {}, gain, "medium", "measured", gain, subject=(c, contended, unexplained), steps=steps,
-                   lost_sec=lost, stake_sec=lost)
+                   OtherProcesses(c, tuple(contended), tuple(unexplained), lost, share, run_sec, gain),
+                   {}, gain, "medium", "measured", gain, steps=steps, lost_sec=lost, stake_sec=lost)
 
 
 @card(finding=f"`torch_compile`: steady steps ≥ {1 + RECOMPILE_SLOWDOWN:g}× the steady step time with the CPU time "
@@ -138,9 +128,7 @@ def rule_compile(m: Measurements) -> Finding | Note | None:
     wall = float(m.wall_sec or 0.0)
     share = lost / wall if wall > 0 else 0.0
     steps = step_ranges(r.step for r in m.recompiles)
-    facts: Facts = {"recompiles": len(m.recompiles), "lost_sec": lost, "share": share,
-                    "steps": ", ".join(f"{a}–{b}" if b != a else str(a) for a, b in steps),
-                    "steady_step_sec": m.steady_step_sec, "cpu_share": min(r.cpu_share for r in m.recompiles)}
+    facts = Recompiles(tuple(m.recompiles), lost, share)
     if share < COMPILE_SHARE:
         return note("compile", "recompiles_small", facts, steps=steps, lost_sec=lost)
     return finding("compile", "recompiles", facts, {}, None, "medium", "try", None, steps=steps, lost_sec=lost,

@@ -9,7 +9,10 @@ whose last step is not a multiple of ``save_steps``, the log of the run's metric
 """
 from __future__ import annotations
 
-from ..model import Facts, Finding, Measurements, Note, Setting, card
+import dataclasses
+
+from ..facts import CallbackTimes, Interval, LoggingShare, OneCallback, Recompute, SaveShare
+from ..model import Finding, Measurements, Note, Setting, card
 from ..words import finding, note
 from .formulas import _act_per_token
 from .run import _nice_interval, events
@@ -34,11 +37,10 @@ def _interval(per_event: float, other_per_step: float, every: int, target: float
 
 
 def _spaced(m: Measurements, seconds: float, count: int, every: int | None, target: float,
-            final: bool = False) -> Facts:
+            final: bool = False) -> Interval:
     """An event whose ``count`` runs took ``seconds``, every ``every`` steps (None: read from the count), spaced out
-    to the interval at which it takes about ``target`` of the wall time: ``every``, ``other_per_step_sec``,
-    ``new_every``, ``events_after`` (its runs at that interval, :func:`~.run.events`; ``final``: the log after
-    training), ``saved_sec``, ``gain``, ``share_after``."""
+    to the interval at which it takes about ``target`` of the wall time, its runs there counted as transformers
+    runs them (:func:`~.run.events`; ``final``: the log after training)."""
     wall, steps = _wall(m), max(1, m.steps)
     every = every or max(1, round(steps / max(1, count - final)))
     per_event, other = seconds / count, wall - seconds
@@ -46,9 +48,8 @@ def _spaced(m: Measurements, seconds: float, count: int, every: int | None, targ
     first = m.trainer_settings.get("logging_first_step") is True and final
     after = min(count, events(steps, new, at_end=not final, first=first, final=final))
     saved = per_event * (count - after)
-    return {"every": every, "other_per_step_sec": other / steps, "new_every": new, "events_after": after,
-            "steps": steps, "saved_sec": saved, "gain": wall / (wall - saved),
-            "share_after": per_event * after / (per_event * after + other)}
+    return Interval(every, new, other / steps, steps, after, saved, wall / (wall - saved),
+                    per_event * after / (per_event * after + other))
 
 
 def _setting_int(m: Measurements, name: str) -> int | None:
@@ -66,13 +67,11 @@ def rule_saving(m: Measurements) -> Finding | None:
         return None
     every = _setting_int(m, "save_steps") if m.trainer_settings.get("save_strategy") == "steps" else None
     spaced = _spaced(m, save, n, every, SAVE_TARGET)
-    facts: Facts = {"saves": n, "save_sec": save, "wall_sec": wall, "per_save_sec": save / n, **spaced,
-                    "save_only_model": m.trainer_settings.get("save_only_model") is True,
-                    "save_total_limit": m.trainer_settings.get("save_total_limit") is not None}
-    setting: Setting = {"save_strategy": "steps", "save_steps": spaced["new_every"]}
-    gain = float(spaced["gain"])  # type: ignore[arg-type]
-    return finding("saving", "save_share", facts, setting, gain, "high", "measured", gain, lower_bound=True,
-                   stake_sec=spaced["saved_sec"])
+    facts = SaveShare(n, save, wall, spaced, m.trainer_settings.get("save_only_model") is True,
+                      m.trainer_settings.get("save_total_limit") is not None)
+    setting: Setting = {"save_strategy": "steps", "save_steps": spaced.new_every}
+    return finding("saving", "save_share", facts, setting, spaced.gain, "high", "measured", spaced.gain,
+                   lower_bound=True, stake_sec=spaced.saved_sec)
 
 
 def _user_callbacks(m: Measurements) -> list[tuple[str, float, dict[str, float]]]:
@@ -91,24 +90,21 @@ def rule_callbacks(m: Measurements) -> Finding | None:
     if wall <= 0 or (user + log) / wall < CALLBACK_SHARE or not m.steps:
         return None
     classes = _user_callbacks(m)
-    facts: Facts = {"user_sec": user, "log_sec": log, "wall_sec": wall}
-    for name, sec, by_event in classes:
-        facts[f"callback:{name}"] = sec
-        facts.update((f"callback:{name}:{e}", s) for e, s in sorted(by_event.items(), key=lambda x: -x[1]) if s > 0)
+    times = CallbackTimes(user, log, wall, tuple(
+        (name, sec, tuple((e, t) for e, t in sorted(by_event.items(), key=lambda x: -x[1]) if t > 0))
+        for name, sec, by_event in classes))
     on_log = sum(by_event.get("on_log", 0.0) for _, _, by_event in classes) + log
     logs, every = m.training_logs, _setting_int(m, "logging_steps")
     if on_log / wall >= CALLBACK_SHARE and logs >= 2:
-        count = logs + 1                          # the training logs and the log of the run's metrics after them
-        spaced = _spaced(m, on_log, count, every, LOG_TARGET, final=True)
-        facts.update(logs=logs, on_log_sec=on_log, per_log_sec=on_log / count, **spaced)
-        gain = float(spaced["gain"])  # type: ignore[arg-type]
-        return finding("callbacks", "logging_share", facts, {"logging_steps": spaced["new_every"]}, gain, "high",
-                       "measured", gain, lower_bound=True, stake_sec=spaced["saved_sec"])
+        spaced = _spaced(m, on_log, logs + 1, every, LOG_TARGET, final=True)   # and the log after training
+        return finding("callbacks", "logging_share", LoggingShare(times, logs, on_log, spaced),
+                       {"logging_steps": spaced.new_every}, spaced.gain, "high", "measured", spaced.gain,
+                       lower_bound=True, stake_sec=spaced.saved_sec)
     if not classes:
         return None
     name, sec, by_event = classes[0]
-    facts.update(callback=name, event=max(by_event, key=lambda e: by_event[e]), callback_sec=sec)
-    return finding("callbacks", "one_callback", facts, {}, None, "medium", "try", None, stake_sec=sec)
+    return finding("callbacks", "one_callback", OneCallback(times, name, max(by_event, key=lambda e: by_event[e]), sec),
+                   {}, None, "medium", "try", None, stake_sec=sec)
 
 
 @card(finding=f"gradient checkpointing's recompute ≥ {RECOMPUTE_SHARE:.0%} of the wall time (clocked on CPUs) and "
@@ -129,12 +125,10 @@ def rule_recompute(m: Measurements) -> Finding | Note | None:
         return None
     extra = (kept - freed) * m.micro_batch * m.seq_len
     after = m.mem_high_water_gb + extra / 2**30
-    facts: Facts = {"recompute_sec": recompute, "wall_sec": wall, "extra_bytes": extra, "after_gb": after,
-                    "budget_gb": m.mem_budget_gb, "high_water_gb": m.mem_high_water_gb, "micro_batch": m.micro_batch,
-                    "seq_len": m.seq_len}
+    facts = Recompute(recompute, wall, extra, after, m.mem_budget_gb, m.mem_high_water_gb, m.micro_batch, m.seq_len)
     if after > MEMORY_ROOM * m.mem_budget_gb:
         return note("recompute", "would_not_fit", facts)
     gain = wall / (wall - recompute)
-    facts["gain"] = gain
-    return finding("recompute", "memory_to_spare", facts, {"activation_checkpointing": False}, gain, "medium",
-                   "measured", gain, lower_bound=True, stake_sec=recompute)
+    return finding("recompute", "memory_to_spare", dataclasses.replace(facts, gain=gain),
+                   {"activation_checkpointing": False}, gain, "medium", "measured", gain, lower_bound=True,
+                   stake_sec=recompute)

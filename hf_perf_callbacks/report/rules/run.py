@@ -7,19 +7,21 @@ import math
 from typing import Literal
 
 from ...wording import warmup_case
-from ..model import MIN_STEADY_STEPS, Facts, Finding, Measurements, Note, Scope, card
-from ..words import FRESH_COSTS, finding, note
-from .advice import _launcher, _split_name
+from ..facts import EvalShare, Interval, KeptForRecipe, Skipped, StandIn, TooFewSteps, TunerHint, TuningCost, Warmup
+from ..model import Finding, Measurements, Note, Scope, card
+from ..words import finding, note
+from .advice import _launcher
 from .basis import _too_short
 from .machine import rule_contention, rule_oversubscription
 
 WARMUP_SHARE = 0.1           # warmup overhead / run time at which a note says "compare steady figures only"
+WARMUP_TARGET = 0.05         # ... and the share it names the run's length for
 EVAL_SHARE = 0.1             # evaluation's share of the wall time worth a finding
 EVAL_TARGET = 0.05           # the share the advised eval_steps brings it to
 TUNING_COST_SHARE = 0.01     # a tuning that cost more than it saved, by this share of the training time: a finding
 
 #: the warmup note's cases (its ``reason``): not finished yet; the first step among the steady steps; else the
-#: warmup steps left out of the steady figures (``facts["case"]``: :func:`~hf_perf_callbacks.wording.warmup_case`)
+#: warmup steps left out of the steady figures (``facts.case``: :func:`~hf_perf_callbacks.wording.warmup_case`)
 WarmupReason = Literal["not_finished", "first_step_steady", "excluded"]
 
 
@@ -32,29 +34,23 @@ def _contention_names(m: Measurements) -> list[str]:
 @card(note="always a note, from the meter's figures (\"not finished after N steps\" while it is)")
 def rule_warmup(m: Measurements) -> Note | None:
     slow, overhead, steady, n = m.first_step_slowdown, m.warmup_overhead_sec, m.steady_step_sec, m.warmup_steps
-    names = _contention_names(m)
-    contended = bool(names) or bool(m.contention)
-    facts: Facts = {"steps": m.steps, "contention_findings": ", ".join(names),
-                    "contention_sec": m.contention.lost_sec if m.contention else None}
+    names = tuple(_contention_names(m))
     if m.warmup_done is False or (n is None and (slow is not None or overhead is not None)):
-        return note("warmup", "not_finished", facts, subject=m.contention, judged=False)   # no steady figures yet
+        return note("warmup", "not_finished", Warmup(m.steps, names, m.contention), judged=False)   # no steady figures
     if slow is None and overhead is None:
         return None
     first = m.first_steady
-    facts.update(case=warmup_case(n, slow), warmup_steps=n, slowdown=slow, overhead_sec=overhead,
-                 fresh_cost=FRESH_COSTS.get(m.device_type), latest_first_step=first.step if first else None,
-                 levels=max(1, m.split_levels), in_band=m.warmup_in_band, tolerance=m.warmup_tolerance,
-                 compile=m.torch_compile, child_cpu_sec=m.warmup_child_cpu_sec)
-    reason: WarmupReason = "first_step_steady" if first and first.included else "excluded"
-    if first and first.included:
-        facts.update(first_step=first.step, first_sec=first.sec, steady_with=first.with_it,
-                     steady_without=first.without_it)
     share = overhead / (m.steps * steady + overhead) if (overhead and steady and m.steps) else None
-    if overhead and steady and share is not None and share >= WARMUP_SHARE and not contended:
-        target = 0.05
-        facts.update(share=share, steps_for_target=math.ceil(overhead * (1 - target) / (target * steady)),
-                     target_share=target)
-    return note("warmup", reason, facts, subject=m.contention)
+    short = bool(overhead and steady and share is not None and share >= WARMUP_SHARE and not (names or m.contention))
+    facts = Warmup(m.steps, names, m.contention, case=warmup_case(n, slow, m.warmup_in_band), warmup_steps=n,
+                   slowdown=slow, overhead_sec=overhead, device_type=m.device_type,
+                   latest_first_step=first.step if first else None, levels=max(1, m.split_levels),
+                   in_band=m.warmup_in_band, tolerance=m.warmup_tolerance, compile=m.torch_compile,
+                   child_cpu_sec=m.warmup_child_cpu_sec, first=first if first and first.included else None,
+                   share=share if short else None, target_share=WARMUP_TARGET, steps_for_target=math.ceil(
+                       (overhead or 0.0) * (1 - WARMUP_TARGET) / (WARMUP_TARGET * (steady or 1.0))) if short else None)
+    reason: WarmupReason = "first_step_steady" if first and first.included else "excluded"
+    return note("warmup", reason, facts)
 
 
 def events(steps: int, every: int, at_end: bool = True, first: bool = False, final: bool = False) -> int:
@@ -85,14 +81,12 @@ def rule_evaluation(m: Measurements) -> Finding | None:
     saved = per_eval * max(0, e.evals - after)
     gain = e.wall_sec / (e.wall_sec - saved)
     settings = m.trainer_settings
+    interval = Interval(every, new, train_per_step, e.steps, after, saved, gain,
+                        per_eval * after / (per_eval * after + train_per_step * e.steps))
     return finding("evaluation", "eval_share",
-                   {"evals": e.evals, "every": every, "eval_sec": e.eval_sec, "wall_sec": e.wall_sec,
-                    "share": e.share, "per_eval_sec": per_eval, "train_per_step_sec": train_per_step,
-                    "saved_sec": saved, "new_every": new, "gain": gain, "steps": e.steps, "events_after": after,
-                    "share_after": per_eval * after / (per_eval * after + train_per_step * e.steps),
-                    "metrics_sec": m.compute_metrics_sec, "compute_metrics": settings.get("compute_metrics") is True,
-                    "preprocess_logits": settings.get("preprocess_logits_for_metrics") is True,
-                    "loss_only": settings.get("prediction_loss_only") is True},
+                   EvalShare(e, interval, m.compute_metrics_sec, settings.get("compute_metrics") is True,
+                             settings.get("preprocess_logits_for_metrics") is True,
+                             settings.get("prediction_loss_only") is True),
                    {"eval_strategy": "steps", "eval_steps": new}, gain, "high", "measured", gain, lower_bound=True,
                    stake_sec=saved)
 
@@ -119,11 +113,9 @@ def rule_tuning_cost(m: Measurements) -> Finding | None:
         return None
     gain = m.train_sec / (m.train_sec - lost) if m.train_sec > lost else None
     return finding("tuning_cost", "cost_over_saving",
-                   {"cost_sec": d.cost_sec, "saving_sec": saving, "lost_sec": lost, "train_sec": m.train_sec,
-                    "kept": _split_name(d.new), "step": d.step, "tuner_reason": d.code, "ended_by": d.ended_by,
-                    "switched": d.new != d.old, "launcher": bool(_launcher(m)), "gain": gain},
+                   TuningCost(d, d.cost_sec, saving, lost, m.train_sec, _launcher(m), gain),
                    {"tune": False} if _launcher(m) else {}, gain, "medium", "measured" if gain else "try", gain,
-                   subject=d, stake_sec=lost)
+                   stake_sec=lost)
 
 
 @card(note="not judged: the tuner attached to a plain `trainer.train()` (its event)")
@@ -131,19 +123,14 @@ def rule_tuner_hint(m: Measurements) -> Note | None:
     """The tuner attached to a plain ``trainer.train()``: it measured nothing, and said so (its event)."""
     if not m.tuner_hint or m.tune is not None:
         return None
-    return note("tuner_hint", "needs_train_with_tuning", {"launcher": bool(_launcher(m))}, judged=False)
+    return note("tuner_hint", "needs_train_with_tuning", TunerHint(_launcher(m)), judged=False)
 
 
 @card(note="not judged: too few steps")
 def rule_evidence(m: Measurements) -> Note | None:
     """What this run is too short to judge, and how many steps would do."""
-    why = _too_short(m)
-    if why is None:
-        return None
-    facts: Facts = {"steps": m.steps, "warmup_done": m.warmup_done, "steady_steps": m.steady_steps,
-                    "needed_steps": (m.warmup_steps or 0) + MIN_STEADY_STEPS if m.warmup_done else None,
-                    "grpo": m.grpo}
-    return note("evidence", "too_few_steps", facts, judged=False)
+    evidence = _too_short(m)
+    return None if evidence is None else note("evidence", "too_few_steps", TooFewSteps(evidence), judged=False)
 
 
 def scope_of(m: Measurements) -> Scope:
@@ -184,18 +171,11 @@ def within_recipe(f: Finding, scope: Scope) -> Finding | Note:
     t = scope.target
     if t is None or not scope.stand_in:
         return f
-    undone = [k for k, v in f.setting.items() if k in t.memory and _undoes(k, v, t.memory[k])]
+    undone = tuple((k, t.memory[k], v) for k, v in f.setting.items() if k in t.memory and _undoes(k, v, t.memory[k]))
     if not undone:
         return f
-    facts: Facts = {"finding": f.title, "rule": f.rule, "recipe": t.recipe, "target_model": t.model,
-                    "machine": t.machine, "model": scope.model, "device_type": scope.device_type,
-                    "keys": ", ".join(f"{k}: {_value(t.memory[k])}" for k in undone),
-                    "advised": ", ".join(f"{k}: {_value(f.setting[k])}" for k in undone)}
-    return note("scope", "kept_for_recipe", facts, judged=False)
-
-
-def _value(v: object) -> str:
-    return "true" if v is True else "false" if v is False else "null" if v is None else str(v)
+    return note("scope", "kept_for_recipe", KeptForRecipe(f.title, f.rule, t, scope.model, scope.device_type, undone),
+                judged=False)
 
 
 @card(note="a run of `hf-perf train` on another model, device or shorter completions than its recipe's target: said "
@@ -207,10 +187,8 @@ def rule_scope(m: Measurements) -> Note | None:
     t = scope.target
     if t is None or not scope.stand_in:
         return None
-    return note("scope", "stand_in",
-                {"recipe": t.recipe, "machine": t.machine, "target_device": t.device_type, "target_model": t.model,
-                 "target_completions": t.max_completion_length, "model": m.model_name, "device_type": m.device_type,
-                 "completions": m.max_completion_length, "differs": ", ".join(scope.stand_in)}, judged=False)
+    return note("scope", "stand_in", StandIn(t, m.model_name, m.device_type, m.max_completion_length, scope.stand_in),
+                judged=False)
 
 
 @card(note="not judged: fields of another type skipped")
@@ -218,4 +196,4 @@ def rule_log_fields(m: Measurements) -> Note | None:
     """Logged fields of another type than this version reads (a newer or older writer), skipped."""
     if not m.skipped:
         return None
-    return note("log_fields", "skipped", {"skipped": len(m.skipped)}, subject=list(m.skipped), judged=False)
+    return note("log_fields", "skipped", Skipped(tuple(m.skipped)), judged=False)

@@ -81,7 +81,7 @@ def _rule_scenarios() -> dict[str, object]:
         "no_learning": healthy(logs=12, no_signal_run=12, reward_mean=0.8, temperature=0.7,
                                phases={"data_wait": 0.5, "compute": 0.5}),
         "constant_reward_cut": healthy(rewards=flat, logs=8, no_signal_run=8, clipped_ratio=0.9, completion_max=128.0,
-                                       completion_p90=128.0, completion_mean=128.0, trainer_log_source="perf log"),
+                                       completion_p90=128.0, completion_mean=128.0),
         "completion_budget_note": healthy(device_type="mps", mfu=None, decode_bandwidth_util=None, micro_batch=2,
                                           grad_accum=1, num_generations=2, max_completion_length=512,
                                           completion_mean=60.0, completion_max=80.0, completion_p90=78.0,

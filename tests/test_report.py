@@ -228,11 +228,11 @@ def test_completion_line_and_the_analysis_cite_the_same_clipped_share(tmp_path):
 
     lines = [{"type": "run", "source": "perf", "device_type": "cpu", "world_size": 1, "grpo": True,
               "max_completion_length": 16, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4,
-              "num_generations": 4}, {"type": "step", "step": 1, keys.PERF_TOKENS: 10.0, keys.PERF_STEP_WALL_SEC: 1.0}]
+              "num_generations": 4}]
+    lines += [{"type": "step", "step": s, keys.PERF_TOKENS: 10.0, keys.PERF_STEP_WALL_SEC: 1.0,
+               "log/completions/mean_length": 15.0, "log/completions/max_length": 16.0,
+               "log/completions/clipped_ratio": r} for s, r in enumerate((1.0, 1.0, 0.75, 0.75), 1)]
     (tmp_path / PERF_LOG).write_text(schema_lines(lines))
-    logs = [{"step": s, "completions/mean_length": 15.0, "completions/max_length": 16.0,
-             "completions/clipped_ratio": r} for s, r in enumerate((1.0, 1.0, 0.75, 0.75), 1)]
-    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": logs}))
     text = summarize(read_run(str(tmp_path)))
     m = measurements_from_run(str(tmp_path))
     assert m.clipped_ratio == pytest.approx(0.875)                      # the mean of the run's logs, not the last

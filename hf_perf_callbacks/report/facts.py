@@ -383,15 +383,14 @@ class TooFewLogs(Facts):
 @dataclass(frozen=True)
 class NoLearning(Facts):
     """A run that cannot learn: its logs with reward data, the longest run of flat logs and their mean reward, the
-    range of the mean reward over all logs, where the logs came from, the clipped share; every completion the same
-    (each reward function's value, a raised limit where most were cut) or every group flat (the temperature)."""
+    range of the mean reward over all logs, the clipped share; every completion the same (each reward function's
+    value, a raised limit where most were cut) or every group flat (the temperature)."""
 
     logs: int
     no_signal_run: int
     reward_mean: float | None
     reward_min: float
     reward_max: float
-    source: str | None
     clipped: float
     reward_funcs: tuple[tuple[str, float], ...] = ()
     raised: RaisedLimit | None = None

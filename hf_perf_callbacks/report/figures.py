@@ -157,26 +157,15 @@ def train_calls(run: RunLog) -> list[tuple[int, int]]:
             if start < last or i == 0]
 
 
-#: where the trainer's logs came from when the step lines hold them (``log/<key>``); else ``keys.TRAINER_STATE``
-FROM_PERF_LOG = "perf log"
-
-
-def trainer_logs(run_log: RunLog) -> tuple[list[dict[str, Any]], str | None]:
-    """The trainer's own training logs and where they came from: the step lines' ``log/<key>`` values (one dict per
-    logging step, keys without the prefix, plus ``step``), else ``trainer_state.json``'s ``log_history`` (else the
-    latest checkpoint's); ``([], None)`` when neither holds any. The one source of every count of logs the report
-    prints (the summary's completion line, the analysis)."""
-    cached: tuple[list[dict[str, Any]], str | None] | None = run_log.cache.get("trainer_logs")
-    if cached is not None:
-        return cached
-    rows: list[Any] = [LogRow(s, keys.TRAINER_LOG) for s in run_log.unique_steps() if s.has_prefix(keys.TRAINER_LOG)]
-    run_log.cache["trainer_logs"] = found = (rows, FROM_PERF_LOG) if rows else _history(run_log)
-    return found
-
-
-def _history(run_log: RunLog) -> tuple[list[dict[str, Any]], str | None]:
-    history = run_log.latest_log_history()
-    return history, (keys.TRAINER_STATE if history else None)
+def trainer_logs(run_log: RunLog) -> list[LogRow]:
+    """The trainer's own training logs: the step lines' ``log/<key>`` values, one mapping per logging step (keys
+    without the prefix, plus ``step``). The one source of every count of logs the report prints (the summary's
+    completion line, the analysis)."""
+    cached: list[LogRow] | None = run_log.cache.get("trainer_logs")
+    if cached is None:
+        cached = run_log.cache["trainer_logs"] = [LogRow(s, keys.TRAINER_LOG) for s in run_log.unique_steps()
+                                                  if s.has_prefix(keys.TRAINER_LOG)]
+    return cached
 
 
 def run_events(run: RunLog) -> list[EventLine]:
@@ -555,10 +544,10 @@ def _wall_over_cpu(run: RunLog) -> list[float | None]:
     return out
 
 
-def completion_stats(history: list[dict[str, Any]]) -> dict[str, float | None]:
-    """GRPO completion lengths over the run's logs (``log_history``): mean of the logged mean lengths, the longest
-    completion, the 90th percentile of the per-log longest, the mean clipped ratio and the number of logs. The report's
-    summary line and the analysis both cite these (one clipped share in one report)."""
+def completion_stats(history: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
+    """GRPO completion lengths over the run's training logs (:func:`trainer_logs`): mean of the logged mean lengths,
+    the longest completion, the 90th percentile of the per-log longest, the mean clipped ratio and the number of logs.
+    The report's summary line and the analysis both cite these (one clipped share in one report)."""
     def values(key: str) -> list[float]:
         return [float(h[key]) for h in history if number(h.get(key)) is not None and not isinstance(h[key], bool)]
 
@@ -574,6 +563,5 @@ def completion_stats(history: list[dict[str, Any]]) -> dict[str, float | None]:
 __all__ = [
     "Figures", "figures", "SplitLevel", "SlowStretch", "split_levels", "slow_stretches", "completion_stats",
     "steady_steps", "step_ranges", "timed_rows", "ranges_text", "train_calls", "trainer_logs", "run_events",
-    "FROM_PERF_LOG",
     "train_seconds", "train_column", "last_value", "finite"
 ]

@@ -14,6 +14,7 @@ this module, the plots and :mod:`.analysis`.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .. import keys
@@ -48,7 +49,7 @@ def summarize(run: RunLog) -> str:
     lines = [f"== hf-perf report: {run.output_dir} =="]
     lines += _run_lines(run, f) + _throughput_lines(run, f) + _memory_lines(f) + _event_lines(run)
     lines += _tuning_lines(run)
-    completions = _completion_line(trainer_logs(run)[0])
+    completions = _completion_line(trainer_logs(run))
     if completions:
         lines.append(completions)
     return "\n".join(lines + _log_notes(run))
@@ -172,10 +173,9 @@ def _tuning_lines(run: RunLog) -> list[str]:
     return lines
 
 
-def _completion_line(history: list[dict[str, Any]]) -> str | None:
-    """GRPO completion lengths over the run's training logs (:func:`figures.trainer_logs`: the step lines' ``log/``
-    values, else ``trainer_state.json``; :func:`figures.completion_stats`, the figures the analysis cites), when
-    present."""
+def _completion_line(history: Sequence[Mapping[str, Any]]) -> str | None:
+    """GRPO completion lengths over the run's training logs (:func:`figures.trainer_logs`, the step lines' ``log/``
+    values; :func:`figures.completion_stats`, the figures the analysis cites), when present."""
     c = completion_stats(history)
     if not c["logs"]:
         return None

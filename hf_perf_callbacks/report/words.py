@@ -984,8 +984,7 @@ def _constant_reward(f: NoLearning, setting: Setting) -> FindingWords:
     n = f.no_signal_run
     obs = (f"On all {f.logs} logs every completion got the same reward, {f.reward_min:.3g}: no prompt "
            f"group had any spread (`reward_std` 0)" + (f"; per reward function: {funcs}" if funcs else "")
-           + (f"; the gradient norm was 0 on {n} consecutive logs" if n else "")
-           + (f" (from the {f.source})." if f.source else "."))
+           + (f"; the gradient norm was 0 on {n} consecutive logs" if n else "") + ".")
     root = ("GRPO learns from reward differences between the completions of one prompt (each advantage is a "
             "reward minus its group's mean). Every completion of this run scored the same, so every advantage, "
             "the loss and the gradient were 0: the weights never moved. More samples per prompt or a higher "

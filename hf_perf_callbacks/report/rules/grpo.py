@@ -74,8 +74,7 @@ def rule_no_learning(m: Measurements) -> Finding | Note | None:
             return note("no_learning", "too_few_logs", TooFewLogs(r.logs, r.min, NO_LEARNING_LOGS), judged=False)
         return None
     clipped, limit = m.clipped_ratio or 0.0, m.max_completion_length
-    facts = NoLearning(r.logs if constant else m.logs, m.no_signal_run, m.reward_mean, r.min, r.max,
-                       m.trainer_log_source, clipped)
+    facts = NoLearning(r.logs if constant else m.logs, m.no_signal_run, m.reward_mean, r.min, r.max, clipped)
     if constant:                                         # no setting: a length cannot move a constant reward
         facts = dataclasses.replace(facts, reward_funcs=tuple((name, lo) for name, (lo, _) in r.funcs.items()),
                                     raised=_raised_limit(m, limit, clipped) if clipped >= CLIPPED_LARGE and limit

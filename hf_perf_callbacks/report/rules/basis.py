@@ -16,10 +16,11 @@ from ..model import MIN_STEADY_STEPS, TOO_FEW_STEPS, Measurements
 CALIBRATION: dict[tuple[str, str], tuple[int, float]] = {
     ("duplicate_forward", "cpu"): (1, 0.06), ("duplicate_forward", "cuda"): (1, 0.13),
     ("input_bound", "cuda"): (1, 0.21), ("padding_waste", "cpu"): (2, 0.13),
-    # the phase rules' measured gains (floors), checked too: two runs at a time, one per core, cores swapped, 6 pairs
-    # at a load of 2.6-4.2 on 2 cores: evaluation 2.95x printed / 3.46x applied (and 3.52x / 3.54x alone), callbacks
-    # 3.01x / 3.52x, saving 1.75x / 2.20x, recompute 1.21x / 1.39x
-    ("evaluation", "cpu"): (3, 0.18), ("callbacks", "cpu"): (1, 0.15), ("saving", "cpu"): (2, 0.21),
+    # the phase rules' measured gains (floors), checked too: two runs at a time, one per core, cores swapped, 4 pairs
+    # at a load of 5.7-8.2 on 2 cores, the intervals' last events counted: evaluation 2.90x printed / 3.43x applied
+    # (3.52x / 3.54x alone; 4.93x / 6.00x with a slow compute_metrics), callbacks 2.87x / 3.11x, saving 1.63x / 1.64x
+    # (1.17x / 1.15x beside a costly callback); recompute 1.21x / 1.39x (6 pairs at 2.6-2.9)
+    ("evaluation", "cpu"): (3, 0.18), ("callbacks", "cpu"): (1, 0.08), ("saving", "cpu"): (2, 0.03),
     ("recompute", "cpu"): (1, 0.13)}
 
 

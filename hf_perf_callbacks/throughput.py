@@ -145,6 +145,22 @@ class MeterRun:
     generate_start: float = 0.0          # when the outermost open rollout began
 
 
+@dataclass(frozen=True)
+class EndedStep:
+    """An optimizer step measured at its end, waiting for every rank's figures (the step's one exchange): its record,
+    the device counters read once, this rank's tokens, completion tokens and generation seconds (the weight syncs to
+    vLLM left out), the user's callbacks' seconds, and the trainer's arguments and control of that event."""
+
+    record: StepRecord
+    counts: list[int]                    # [HOOK_TOKENS, GENERATED, REAL_POSITIONS]
+    tokens: float
+    generated: float
+    rollout: float
+    callbacks: dict[str, float]
+    args: Any                            # the data-wait advice reads its DataLoader settings
+    control: Any                         # a logging step publishes the phase shares
+
+
 @dataclass
 class MeterStep:
     """The counters of one optimizer step in progress (made afresh after each step)."""
@@ -158,6 +174,7 @@ class MeterStep:
     forwards: int = 0
     microbatches: int = 0
     padded_positions: int = 0
+    ended: EndedStep | None = None       # measured at its end, waiting for the exchange
 
 
 class ThroughputMeter(PerfCallback):
@@ -695,6 +712,12 @@ class ThroughputMeter(PerfCallback):
     @hook
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._step.microbatches += 1
+        e = self._step.ended = self._end_step(args, state, control)
+        self._exchange(state.global_step, [e.tokens, e.record.train, e.generated, e.rollout],   # the step's one
+                       self._step_ended)                                                         # exchange
+
+    def _end_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl) -> EndedStep:
+        """The step measured at its end: the one synchronize, its record, the device counters read once."""
         self.timeline.enter("compute", self.clock.wall())          # waiting for the device is the step's compute
         self._run.device.synchronize()                                   # the one synchronize per optimizer step
         end = self.clock.wall()
@@ -708,37 +731,35 @@ class ThroughputMeter(PerfCallback):
         generated = float(counts[GENERATED]) if self._run.is_grpo else 0.0
         if self._stop_watching_entry is not None:                   # counted at TRL's entry, every backend
             generated = float(self._step.completion_tokens)
-        rollout = max(0.0, record.generation - self._step.sync_seconds)   # the weight syncs to vLLM left out
-        self._exchange(state.global_step, [tokens, record.train, generated, rollout],      # the step's one exchange
-                       lambda rows: self._step_ended(args, state, control, record, counts, tokens, callbacks, rows,
-                                                     rollout))
+        return EndedStep(record, counts, tokens, generated, max(0.0, record.generation - self._step.sync_seconds),
+                         callbacks, args, control)
 
-    def _step_ended(self, args: Any, state: Any, control: Any, record: StepRecord, counts: list[int],
-                    tokens: float, callbacks: dict[str, float], rows: Rows, rollout: float) -> None:
+    def _step_ended(self, rows: Rows) -> None:
         """The step's figures once every rank's tokens and training seconds are known (``rows``)."""
-        train_seconds = None
+        e = self._step.ended
+        assert e is not None, "the exchange finishes the step on_step_end measured"
+        record, tokens, train_seconds = e.record, e.tokens, None
         if self._run.world > 1:
             tokens = sum(r[0] for r in rows) if self._run.token_source == "hook" else tokens
             train_seconds = max(r[1] for r in rows)
         self.timeline.commit(record, tokens, train_seconds)
         # the rollout's rate over every rank: all ranks' completion tokens in the slowest rank's generation seconds
         all_generated, slowest = sum(r[2] for r in rows), max(r[3] for r in rows)
-        metrics = self._step_metrics(record, all_generated / slowest if slowest > 0 else None, rollout)
+        metrics = self._step_metrics(record, all_generated / slowest if slowest > 0 else None, e.rollout)
         if self._step.padded_positions:
-            metrics[keys.PERF_PAD_FRACTION] = 1.0 - counts[REAL_POSITIONS] / self._step.padded_positions
-        self._check_duplicates(state.global_step)
-        self._check_data_wait(args, state.global_step)
-        self._bus.log.record_step(state.global_step, {**metrics, **{keys.PERF_PHASE_SEC[p]: getattr(record, p)
-                                                                 for p in PHASES},
-                                                 keys.PERF_STEP_WALL_SEC: record.wall,
-                                                 keys.PERF_TRAIN_SEC: record.train,
-                                                 keys.PERF_TOKENS: tokens, keys.PERF_SEQ_LEN: self._run.seq_len,
-                                                 keys.PERF_STEADY: int(record.steady),
-                                                 keys.PERF_FIRST_STEADY_STEP: self.timeline.first_steady_step,
-                                                 keys.PERF_EARLY_CONTENTION_SEC: self.timeline.early_contention,
-                                                 **{keys.PERF_CALLBACK_SEC + k: v for k, v in callbacks.items()},
-                                                 **self.machine.step_fields(record), **self._rollout_fields()})
-        if control.should_log:   # phase shares over this logging interval
+            metrics[keys.PERF_PAD_FRACTION] = 1.0 - e.counts[REAL_POSITIONS] / self._step.padded_positions
+        self._check_duplicates(record.step)
+        self._check_data_wait(e.args, record.step)
+        self._bus.log.record_step(record.step, {**metrics, **{keys.PERF_PHASE_SEC[p]: getattr(record, p)
+                                                              for p in PHASES},
+                                                keys.PERF_STEP_WALL_SEC: record.wall, keys.PERF_TRAIN_SEC: record.train,
+                                                keys.PERF_TOKENS: tokens, keys.PERF_SEQ_LEN: self._run.seq_len,
+                                                keys.PERF_STEADY: int(record.steady),
+                                                keys.PERF_FIRST_STEADY_STEP: self.timeline.first_steady_step,
+                                                keys.PERF_EARLY_CONTENTION_SEC: self.timeline.early_contention,
+                                                **{keys.PERF_CALLBACK_SEC + k: v for k, v in e.callbacks.items()},
+                                                **self.machine.step_fields(record), **self._rollout_fields()})
+        if e.control.should_log:   # phase shares over this logging interval
             metrics.update({keys.PERF_PHASE_SHARE[k]: v for k, v in self.timeline.take_window_phases().items()})
         self._bus.merger.publish(metrics)
         if self.progress_bar and metrics.get(keys.PERF_TOKENS_PER_SEC):

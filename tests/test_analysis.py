@@ -661,8 +661,12 @@ def _write_run(tmp_path, steps, state=True):
 def _steps(n=10):
     out = []
     for s in range(1, n + 1):
+        steady = [40.0 + 20 * t for t in range(3, s + 1)]            # the meter's running steady figures
         out.append({"type": "step", "step": s, keys.PERF_STEADY: int(s > 2), keys.PERF_WARMUP_DONE: int(s > 5),
+                    **({keys.PERF_STEADY_STEP_TIME: sum(steady) / len(steady),
+                        keys.PERF_STEADY_TOKENS_PER_SEC: 1000.0 * len(steady) / sum(steady)} if s > 5 else {}),
                     keys.PERF_WARMUP_STEPS: 2, keys.PERF_STEP_WALL_SEC: 40.0 + 20 * s,
+                    keys.PERF_TRAIN_SEC: 40.0 + 20 * s,
                     keys.PERF_PHASE_SEC["data_wait"]: 1.0, keys.PERF_PHASE_SEC["generation"]: 30.0,
                     keys.PERF_PHASE_SEC["compute"]: 9.0,
                     keys.PERF_PHASE_SEC["eval"]: 0.0, keys.PERF_PHASE_SEC["save"]: 0.0, keys.PERF_PAD_FRACTION: 0.1,

@@ -142,7 +142,7 @@ def synthetic_log(path, steps=30):
         micro, accum = (8, 1) if step < 12 else (4, 2)
         entries.append({"type": "step", "step": step, "time": 1000.0 + step,
                         keys.PERF_TOKENS_PER_SEC: 5000.0 + 100 * min(step, 5), keys.PERF_TOKENS: 4096.0,
-                        keys.PERF_STEP_WALL_SEC: 0.8, keys.PERF_WARMUP_DONE: int(step >= 5),
+                        keys.PERF_STEP_WALL_SEC: 0.8, keys.PERF_TRAIN_SEC: 0.8, keys.PERF_WARMUP_DONE: int(step >= 5),
                         keys.PERF_STEADY: int(step >= 5),
                         keys.PERF_STEADY_TOKENS_PER_SEC: 5500.0 if step >= 5 else None, keys.PERF_WARMUP_STEPS: 4,
                         keys.PERF_MFU: 0.41, keys.PERF_PHASE_SEC["data_wait"]: 0.05,

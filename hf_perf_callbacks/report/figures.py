@@ -4,8 +4,7 @@ its TensorBoard/W&B values. Pure: no torch, no transformers.
 
 **The meter's figures, as it measured them.** The ThroughputMeter keeps running figures and writes them on every step
 line as they stand after that step, and in its summary as they stand at the end; :func:`figures` takes the summary,
-else (a killed run) the latest step line: the same numbers either way (a log of an earlier version, without the
-running figure, gets it computed from its step lines by the same definition). Their definitions (training time = a
+else (a killed run) the latest step line: the same numbers either way. Their definitions (training time = a
 step's wall time without evaluation and saving, the meter's ``perf/train_sec``; all segments of a resumed run counted):
 
 ========================  ==================================================================================
@@ -52,6 +51,7 @@ reference down); its seconds lost are its training seconds minus those its token
 from __future__ import annotations
 
 import bisect
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -74,34 +74,13 @@ def last_value(steps: Sequence[LogStep], key: str) -> float | None:
 
 
 def train_seconds(step: LogStep) -> float | None:
-    """A step line's training time, the one its throughput was computed from: the meter's ``perf/train_sec`` (logs
-    of earlier versions: the wall time minus evaluation and saving)."""
-    logged = step.number(keys.PERF_TRAIN_SEC)
-    if logged is not None:
-        return logged
-    wall = number(step.get(keys.PERF_STEP_WALL_SEC, step.get(keys.PERF_STEP_TIME)))
-    if wall is None:
-        return None
-    return wall - sum(step.number(keys.PERF_PHASE_SEC[p]) or 0.0 for p in ("eval", "save"))
+    """A step line's training time, the one its throughput was computed from: the meter's ``perf/train_sec``."""
+    return step.number(keys.PERF_TRAIN_SEC)
 
 
-def train_column(run: RunLog) -> list[float]:
-    """:func:`train_seconds` of every line of ``run.unique_steps()``, in order (NaN where a line has none), from
-    the run's columns: one pass per key over a long run."""
-    cached: list[float] | None = run.cache.get("train_column")
-    if cached is None:
-        logged, wall, window = (run.column(k) for k in (keys.PERF_TRAIN_SEC, keys.PERF_STEP_WALL_SEC,
-                                                        keys.PERF_STEP_TIME))
-        evals, saves = run.column(keys.PERF_PHASE_SEC["eval"]), run.column(keys.PERF_PHASE_SEC["save"])
-        cached = []
-        for t, w, x, e, v in zip(logged, wall, window, evals, saves):
-            if t == t:
-                cached.append(t)
-                continue
-            whole = w if w == w else x                      # the step's wall time, else (older logs) the window's
-            cached.append(whole - (e if e == e else 0.0) - (v if v == v else 0.0))
-        run.cache["train_column"] = cached
-    return cached
+def train_column(run: RunLog) -> array[float]:
+    """:func:`train_seconds` of every line of ``run.unique_steps()``, in order (NaN where a line has none)."""
+    return run.column(keys.PERF_TRAIN_SEC)
 
 
 def finite(values: Iterable[float]) -> list[float]:
@@ -241,14 +220,9 @@ def _pick(summary: Mapping[str, Any], key: str, fallback: object) -> float | Non
     return value if value is not None else number(fallback)
 
 
-def _meter(perf: Mapping[str, Any], latest: Mapping[str, Any], summary_key: str, step_key: str,
-           by_definition: float | None = None) -> float | None:
-    """The meter's figure: its summary's, else the latest step line's (a killed run), else (a log of an earlier
-    version without that key) computed from the step lines by its definition."""
-    if perf:
-        return number(perf.get(summary_key))
-    value = number(latest.get(step_key))
-    return value if value is not None else by_definition
+def _meter(perf: Mapping[str, Any], latest: Mapping[str, Any], summary_key: str, step_key: str) -> float | None:
+    """The meter's figure: its summary's, else the latest step line's (a killed run)."""
+    return number(perf.get(summary_key)) if perf else number(latest.get(step_key))
 
 
 def _steady(run: RunLog) -> list[int]:
@@ -258,16 +232,12 @@ def _steady(run: RunLog) -> list[int]:
     return steady
 
 
-def _steady_rates(run: RunLog, steady_set: set[int]) -> tuple[float | None, float | None, float | None]:
-    """(steady tokens/s, steady step seconds, MFU's median) computed from the step lines by their definitions."""
-    numbers, token_col, train_col = run.step_numbers(), run.column(keys.PERF_TOKENS), train_column(run)
+def _steady_mfu(run: RunLog, steady_set: set[int]) -> float | None:
+    """The median MFU of the steady step lines (of every line while none is steady): a killed run's."""
+    numbers, mfu_col = run.step_numbers(), run.column(keys.PERF_MFU)
     steady_in = [i for i, n in enumerate(numbers) if n in steady_set]
-    seconds = finite(train_col[i] for i in steady_in)
-    tokens = sum(finite(token_col[i] for i in steady_in))
-    mfu_col = run.column(keys.PERF_MFU)
     mfus = finite(mfu_col[i] for i in (steady_in or range(len(numbers))))
-    return (tokens / sum(seconds) if sum(seconds) > 0 else None, sum(seconds) / len(seconds) if seconds else None,
-            median(mfus) if mfus else None)
+    return median(mfus) if mfus else None
 
 
 def _phases(run: RunLog, perf: Mapping[str, Any]) -> dict[str, float]:
@@ -319,7 +289,8 @@ def _figures(run: RunLog) -> Figures:
     train = sum(finite(train_column(run)))
     steady = _steady(run)
     steady_set = set(steady)
-    rate, step_sec, mfu = _steady_rates(run, steady_set)
+    mfu = _steady_mfu(run, steady_set)
+    step_sec = _meter(perf, latest, "steady_step_sec", keys.PERF_STEADY_STEP_TIME)
     calls = train_calls(run)
     device = perf.get("device") or header.device
     warmup = _warmup(perf, latest)
@@ -337,8 +308,8 @@ def _figures(run: RunLog) -> Figures:
         warmup_in_band=_in_band(run, calls[-1][0] if calls else 1, warmup["warmup_end_step"], step_sec,
                                 header.warmup_tolerance),
         warmup_tolerance=header.warmup_tolerance, mfu_basis=header.mfu_basis,
-        steady_tokens_per_sec=_meter(perf, latest, "steady_tokens_per_sec", keys.PERF_STEADY_TOKENS_PER_SEC, rate),
-        steady_step_sec=_meter(perf, latest, "steady_step_sec", keys.PERF_STEADY_STEP_TIME, step_sec),
+        steady_tokens_per_sec=_meter(perf, latest, "steady_tokens_per_sec", keys.PERF_STEADY_TOKENS_PER_SEC),
+        steady_step_sec=step_sec,
         contention_sec=_meter(perf, latest, "early_contention_sec", keys.PERF_EARLY_CONTENTION_SEC),
         mean_tokens_per_sec=_pick(perf, "mean_tokens_per_sec", tokens / train if tokens and train else None),
         mfu=_pick(perf, "mfu", mfu),
@@ -520,14 +491,11 @@ def _stretches(run: RunLog) -> list[SlowStretch]:
 
 def timed_rows(run: RunLog) -> tuple[list[int], list[float], list[float]]:
     """The lines with both a wall and a CPU time and no checkpoint save (a save's disk time is wall time without
-    CPU time, not other processes): (their indices, wall seconds — the window's for a log without the step's own —,
-    CPU seconds)."""
+    CPU time, not other processes): (their indices, wall seconds, CPU seconds)."""
     col = run.column
-    wall_col, window_col, cpu_col = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_STEP_TIME), col(keys.PERF_CPU_SEC)
-    save_col = col(keys.PERF_PHASE_SEC["save"])
+    wall_col, cpu_col, save_col = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_CPU_SEC), col(keys.PERF_PHASE_SEC["save"])
     rows, walls, cpus = [], [], []
-    for i, (w, x, c, saved) in enumerate(zip(wall_col, window_col, cpu_col, save_col)):
-        w = w if w == w and w else x
+    for i, (w, c, saved) in enumerate(zip(wall_col, cpu_col, save_col)):
         if w == w and c == c and w > 0 and c > 0 and not saved > 0:
             rows.append(i)
             walls.append(w)

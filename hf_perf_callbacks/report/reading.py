@@ -433,8 +433,6 @@ def _generation_readings(run_log: RunLog, run: RunHeader, skipped: list[str]) ->
     """GRPO's figures of TRL's generation entry: the backend, the weight syncs' and reward functions' shares of the
     wall time, the rollout's decode rate (None where the step lines do not hold them)."""
     backend = _fact(run, "generation_backend", "str", skipped)
-    if backend is None and run.use_vllm:
-        backend = "vllm"                                # an older log: vLLM, mode not recorded
     wall = sum(sum(finite(run_log.column(keys.PERF_PHASE_SEC[p]))) for p in keys.PHASES)
     syncs = [v for v in finite(run_log.column(keys.PERF_WEIGHT_SYNC_SEC)) if v > 0]
     rewards = finite(run_log.column(keys.PERF_REWARD_SEC))

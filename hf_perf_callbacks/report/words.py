@@ -21,51 +21,7 @@ from ..dataloader import dataloader_changes
 from ..runlog import GB
 from ..splitfile import trial_figures
 from ..wording import TUNER_NEEDS_TRAIN_WITH_TUNING, split_label, warmup_words
-from .facts import (
-    Calibration,
-    CallbackTimes,
-    CompletionLengths,
-    CompletionTarget,
-    CutOff,
-    DuplicateForward,
-    EvalShare,
-    Evidence,
-    FixedLength,
-    GenerationBound,
-    InputBound,
-    Interval,
-    KeptForRecipe,
-    LoggingShare,
-    MemoryCap,
-    MemoryFreed,
-    MemoryHit,
-    MemoryPressure,
-    NoLearning,
-    NoRewardData,
-    NothingFound,
-    OneCallback,
-    OtherProcesses,
-    Oversubscription,
-    Padding,
-    RaisedLimit,
-    Recompiles,
-    Recompute,
-    Remedy,
-    RewardShare,
-    Runaways,
-    SaveShare,
-    Skipped,
-    SlowStretches,
-    SmallSplit,
-    StandIn,
-    TooFewLogs,
-    TooFewSteps,
-    TunerHint,
-    TunerMeasured,
-    TuningCost,
-    Warmup,
-    WeightSync,
-)
+from . import facts as fx
 from .figures import SlowStretch, ranges_text, step_ranges
 from .model import (
     CONTENTION_SHARE,
@@ -234,7 +190,7 @@ def note(rule: str, reason: Reason, facts: Facts, **more: Any) -> Note:
 
 # ---- parts several renderers share -----------------------------------------------------------------------------
 
-def too_short_words(e: Evidence) -> str:
+def too_short_words(e: fx.Evidence) -> str:
     """Why a run's timings cannot be judged: warmup not decided or not over, or fewer than
     :data:`~.model.MIN_STEADY_STEPS` steps after it."""
     if e.warmup_done is None:
@@ -244,7 +200,7 @@ def too_short_words(e: Evidence) -> str:
     return f"only {e.steady_steps} step(s) ran after warmup ({MIN_STEADY_STEPS} needed)"
 
 
-def calibration_words(c: Calibration, model: str) -> str:
+def calibration_words(c: fx.Calibration, model: str) -> str:
     """A model's gain formula (``model``, written with the run's figures) with how far it is checked on this device
     type, or why the gain is not printed."""
     if not c.runs or c.error > 0.25:
@@ -258,7 +214,7 @@ def calibration_words(c: Calibration, model: str) -> str:
     return text
 
 
-def hit_words(h: MemoryHit) -> str:
+def hit_words(h: fx.MemoryHit) -> str:
     """``micro-batch 8 ran out of memory at step 12 (its reason)``: a micro-batch that hit the memory limit."""
     what = {"oom": "ran out of memory", "watchdog": "neared the memory budget (the watchdog asked for less)",
             "memory_check": "did not fit at the longest length"}.get(h.kind)
@@ -269,7 +225,7 @@ def hit_words(h: MemoryHit) -> str:
     return f"the memory watchdog's {h.kind} at step {h.step} at micro-batch {h.micro_batch}"
 
 
-def sized_words(r: RaisedLimit) -> str:
+def sized_words(r: fx.RaisedLimit) -> str:
     """How a raised ``max_completion_length`` was sized: from the lengths that ended, or a guess."""
     if r.guessed:
         return (f"no completion ended before the limit, so no length beyond {r.limit} was observed: {r.new} (TRL's "
@@ -283,7 +239,7 @@ def sized_words(r: RaisedLimit) -> str:
 TARGET_BASIS = {"p90": "p90 of the per-log longest completion", "max": "longest completion"}
 
 
-def freed_words(x: MemoryFreed) -> str:
+def freed_words(x: fx.MemoryFreed) -> str:
     """The memory a completion cap frees, written out with its formulas."""
     text = (f"KV cache = {x.kv_formula} × ({x.old} − {x.new}) tokens × {x.sequences} sequences = "
             f"{_gb(x.kv_bytes)}")
@@ -304,21 +260,21 @@ def _times(n: int) -> str:
     return "once" if n == 1 else f"{n} times"
 
 
-def _events_after(i: Interval, kind: str) -> str:
+def _events_after(i: fx.Interval, kind: str) -> str:
     """``8 times in this run's 40 steps (with its last save at the end of training)``: how often the event runs at
     the new interval over this run, and the run's own event beyond the multiples."""
     extra = kind == "log" or i.steps % i.new_every != 0
     return f"{_times(i.events_after)} in this run's {i.steps} steps" + (f" (with {_AT_END[kind]})" if extra else "")
 
 
-def _interval_item(i: Interval, setting: str, work: str, kind: str) -> str:
+def _interval_item(i: fx.Interval, setting: str, work: str, kind: str) -> str:
     """The bullet that spaces out saves, logs or evaluations: ``setting`` (at ``new_every``), the interval now, how
     often it then runs, and the share of the wall time ``work`` then takes."""
     return (f"{setting} (now every {i.every}): {_events_after(i, kind)}; {work} then takes about "
             f"{_pct(i.share_after)} of the wall time")
 
 
-def _interval_formula(i: Interval, wall: float, done: str, sec: float, each: str, kind: str) -> str:
+def _interval_formula(i: fx.Interval, wall: float, done: str, sec: float, each: str, kind: str) -> str:
     """The measured gain of doing it every ``new_every`` steps instead of ``every``: ``done`` took ``sec`` seconds,
     each one (``each``) costing what this run's did; the runs at the new interval counted as transformers runs
     them."""
@@ -328,7 +284,7 @@ def _interval_formula(i: Interval, wall: float, done: str, sec: float, each: str
 
 
 @_finding_words("save_share")
-def _save_share(f: SaveShare, setting: Setting) -> FindingWords:
+def _save_share(f: fx.SaveShare, setting: Setting) -> FindingWords:
     n, every, save, wall = f.saves, f.interval.every, f.save_sec, f.wall_sec
     obs = (f"{n} checkpoint saves (every {every} {_steps_word(every)}) took {save:.1f} s of the run's "
            f"{wall:.1f} s wall time ({_pct(save / wall)}), {save / n:.3g} s each, against "
@@ -348,7 +304,7 @@ def _save_share(f: SaveShare, setting: Setting) -> FindingWords:
                         _interval_formula(f.interval, wall, f"{n} saves", save, "save", "save") + FLOOR)
 
 
-def _callbacks_observation(t: CallbackTimes) -> str:
+def _callbacks_observation(t: fx.CallbackTimes) -> str:
     """What the callbacks and the logging took, with the costliest classes and their events."""
     named = "; ".join(f"`{name}` {sec:.1f} s (" + ", ".join(f"{e} {s:.1f} s" for e, s in events) + ")"
                       for name, sec, events in t.classes[:4])
@@ -358,7 +314,7 @@ def _callbacks_observation(t: CallbackTimes) -> str:
 
 
 @_finding_words("logging_share")
-def _logging_share(f: LoggingShare, setting: Setting) -> FindingWords:
+def _logging_share(f: fx.LoggingShare, setting: Setting) -> FindingWords:
     i = f.interval
     root = (f"The work runs at every training log: {f.logs} logs (every {i.every} {_steps_word(i.every)}) and the log "
             f"after training cost {f.on_log_sec / (f.logs + 1):.3g} s each in `on_log` and the trainer's log, against "
@@ -374,7 +330,7 @@ def _logging_share(f: LoggingShare, setting: Setting) -> FindingWords:
 
 
 @_finding_words("one_callback")
-def _one_callback(f: OneCallback, setting: Setting) -> FindingWords:
+def _one_callback(f: fx.OneCallback, setting: Setting) -> FindingWords:
     name, event, sec, wall = f.callback, f.event, f.callback_sec, f.callbacks.wall_sec
     root = (f"`{name}` spends {sec:.1f} s in its callbacks, most in `{event}`: work the trainer waits for at every "
             "such event; the time between steps was not waiting for data.")
@@ -387,7 +343,7 @@ def _one_callback(f: OneCallback, setting: Setting) -> FindingWords:
 
 
 @_finding_words("memory_to_spare")
-def _memory_to_spare(f: Recompute, setting: Setting) -> FindingWords:
+def _memory_to_spare(f: fx.Recompute, setting: Setting) -> FindingWords:
     recompute, wall, gain = f.recompute_sec, f.wall_sec, f.gain or 0.0
     obs = (f"Gradient checkpointing re-ran the checkpointed layers' forwards for {recompute:.1f} s of the "
            f"{wall:.1f} s wall time ({_pct(recompute / wall)}); memory peaked at {f.high_water_gb:.2f} of "
@@ -405,7 +361,7 @@ def _memory_to_spare(f: Recompute, setting: Setting) -> FindingWords:
 
 
 @_note_words("would_not_fit")
-def _would_not_fit(f: Recompute) -> NoteWords:
+def _would_not_fit(f: fx.Recompute) -> NoteWords:
     return NoteWords("Gradient checkpointing kept: the activations would not fit",
                      f"Recompute took {f.recompute_sec:.1f} s ({_pct(f.recompute_sec / f.wall_sec)} of the wall time), "
                      f"but keeping the activations would take about {_gb(f.extra_bytes)} more: {f.after_gb:.2f} of "
@@ -421,7 +377,7 @@ FRESH_COSTS = {"mps": "Metal shader compilation", "cuda": "CUDA context and kern
 CHILD_CPU_SEC = 0.5
 
 
-def _contention_words(f: Warmup) -> str:
+def _contention_words(f: fx.Warmup) -> str:
     """What the warmup note says about other processes: the findings that name them, else the meter's measured
     seconds when there are any, else nothing."""
     names, c = f.contention_findings, f.contention
@@ -436,20 +392,20 @@ def _contention_words(f: Warmup) -> str:
 
 
 @_note_words("not_finished")
-def _warmup_not_finished(f: Warmup) -> NoteWords:
+def _warmup_not_finished(f: fx.Warmup) -> NoteWords:
     return NoteWords("Warmup not finished",
                      f"Warmup was not finished after {f.steps} step{'' if f.steps == 1 else 's'}: the meter has not "
                      "seen its steps settle at one level, so the run has no steady figures yet (run longer)."
                      + _contention_words(f))
 
 
-def _children(f: Warmup) -> str:
+def _children(f: fx.Warmup) -> str:
     """``child processes used 8.0 s of CPU`` (outside the steady steps), or nothing below :data:`CHILD_CPU_SEC`."""
     child = f.child_cpu_sec
     return f"child processes used {child:.1f} s of CPU" if child is not None and child >= CHILD_CPU_SEC else ""
 
 
-def _compile_words(f: Warmup) -> str:
+def _compile_words(f: fx.Warmup) -> str:
     """The first steps' compile (the trainer's ``torch_compile``), among a fresh process's one-time costs, with its
     workers' CPU time: a compile, not contention."""
     if not f.compile:
@@ -460,7 +416,7 @@ def _compile_words(f: Warmup) -> str:
             + ")")
 
 
-def _children_words(f: Warmup) -> str:
+def _children_words(f: fx.Warmup) -> str:
     """Without a compile, the child processes' CPU time outside the steady steps (DataLoader workers starting)."""
     children = _children(f)
     if f.compile or not children:
@@ -470,7 +426,7 @@ def _children_words(f: Warmup) -> str:
 
 
 @_note_words("first_step_steady", "excluded")
-def _warmup(f: Warmup) -> NoteWords:
+def _warmup(f: fx.Warmup) -> NoteWords:
     text = _sentence([warmup_words(f.warmup_steps, f.slowdown, f.overhead_sec, f.latest_first_step,
                                    levels=f.levels, in_band=f.in_band, tolerance=f.tolerance)])
     if f.first:
@@ -494,7 +450,7 @@ def _warmup(f: Warmup) -> NoteWords:
 METRICS_SHARE = 0.25
 
 
-def _metrics_items(f: EvalShare) -> list[str]:
+def _metrics_items(f: fx.EvalShare) -> list[str]:
     """What the trainer's ``compute_metrics`` took of the evaluation, and the logits every evaluation batch keeps
     for it (``compute_metrics`` set, neither ``prediction_loss_only`` nor ``preprocess_logits_for_metrics``)."""
     items = []
@@ -512,7 +468,7 @@ def _metrics_items(f: EvalShare) -> list[str]:
 
 
 @_finding_words("eval_share")
-def _eval_share(f: EvalShare, setting: Setting) -> FindingWords:
+def _eval_share(f: fx.EvalShare, setting: Setting) -> FindingWords:
     e, i = f.evaluation, f.interval
     obs = (f"{e.evals} evaluations (every {e.every} {_steps_word(e.every)}) took {e.eval_sec:.1f} s of the run's "
            f"{e.wall_sec:.1f} s wall time ({_pct(e.share)}), {e.eval_sec / e.evals:.3g} s each, against "
@@ -531,7 +487,7 @@ def _eval_share(f: EvalShare, setting: Setting) -> FindingWords:
 
 
 @_finding_words("cost_over_saving")
-def _cost_over_saving(f: TuningCost, setting: Setting) -> FindingWords:
+def _cost_over_saving(f: fx.TuningCost, setting: Setting) -> FindingWords:
     d, cost, saving, train, lost = f.decision, f.cost_sec, f.saving_sec, f.train_sec, f.lost_sec
     kept, switched = split_label(d.new), d.new != d.old
     trials = "; ".join(t.words() for t in trial_figures(d))
@@ -555,14 +511,14 @@ def _cost_over_saving(f: TuningCost, setting: Setting) -> FindingWords:
 
 
 @_note_words("needs_train_with_tuning")
-def _needs_train_with_tuning(f: TunerHint) -> NoteWords:
+def _needs_train_with_tuning(f: fx.TunerHint) -> NoteWords:
     return NoteWords("Batch split not measured: the tuner needs train_with_tuning",
                      _sentence([TUNER_NEEDS_TRAIN_WITH_TUNING])
                      + (" Use `hf-perf train`'s recipe key `tune`." if f.launcher else ""))
 
 
 @_note_words("too_few_steps")
-def _too_few_steps(f: TooFewSteps) -> NoteWords:
+def _too_few_steps(f: fx.TooFewSteps) -> NoteWords:
     e = f.evidence
     why = too_short_words(e)
     more = (f"run ≥ {e.needed_steps} steps" if e.warmup_done else
@@ -577,11 +533,11 @@ def _too_few_steps(f: TooFewSteps) -> NoteWords:
 
 
 @_note_words("skipped")
-def _skipped(f: Skipped) -> NoteWords:
+def _skipped(f: fx.Skipped) -> NoteWords:
     return NoteWords("Fields skipped", "Skipped (another writer's format): " + "; ".join(f.skipped) + ".")
 
 
-def stand_in_words(f: StandIn) -> str:
+def stand_in_words(f: fx.StandIn) -> str:
     """The report's first words on a run that stood in for its recipe's target."""
     t = f.target
     target = (f"{t.model or 'its model'} on {t.machine or 'its machine'}" + (f" ({t.device_type})" if t.device_type
@@ -595,12 +551,12 @@ def stand_in_words(f: StandIn) -> str:
 
 
 @_note_words("stand_in")
-def _stand_in(f: StandIn) -> NoteWords:
+def _stand_in(f: fx.StandIn) -> NoteWords:
     return NoteWords(f"A stand-in for the recipe's target ({', '.join(f.differs)} differ)", stand_in_words(f))
 
 
 @_note_words("kept_for_recipe")
-def _kept_for_recipe(f: KeptForRecipe) -> NoteWords:
+def _kept_for_recipe(f: fx.KeptForRecipe) -> NoteWords:
     t = f.target
     advised = ", ".join(f"{k}: {_value(v)}" for k, _, v in f.undone)
     recipe = ", ".join(f"{k}: {_value(v)}" for k, v, _ in f.undone)
@@ -622,7 +578,7 @@ def _threads_item(n: int, launcher: bool) -> str:
 
 
 @_finding_words("threads_over_free_cores")
-def _threads_over_free_cores(f: Oversubscription, setting: Setting) -> FindingWords:
+def _threads_over_free_cores(f: fx.Oversubscription, setting: Setting) -> FindingWords:
     o, a = f.machine, f.advised_threads
     t, cores, other = o.threads or 0, o.cores or 0, o.other
     obs = (f"Over the whole run ({o.steps} steps) this process kept {o.busy:.2f} of its {t} threads "
@@ -649,7 +605,7 @@ def _threads_over_free_cores(f: Oversubscription, setting: Setting) -> FindingWo
     return FindingWords("Thread oversubscription: more threads than free cores", obs, root, _bullets(items), formula)
 
 
-def _recompile_text(f: Recompiles) -> str:
+def _recompile_text(f: fx.Recompiles) -> str:
     n, one = len(f.recompiles), len(f.recompiles) == 1
     steps = ranges_text(step_ranges(r.step for r in f.recompiles))
     return (f"{n} steady step{'' if one else 's'} (step{'' if one else 's'} {steps}) took "
@@ -660,7 +616,7 @@ def _recompile_text(f: Recompiles) -> str:
 
 
 @_finding_words("recompiles")
-def _recompiles(f: Recompiles, setting: Setting) -> FindingWords:
+def _recompiles(f: fx.Recompiles, setting: Setting) -> FindingWords:
     root = ("A compiled graph is guarded by the shapes and values it was traced with: a batch of a new shape (a new "
             "padded length, the last partial batch) fails a guard, and dynamo traces and inductor compiles again "
             "while training waits. Its CPU time is the process's and its compile workers': not other processes.")
@@ -674,7 +630,7 @@ def _recompiles(f: Recompiles, setting: Setting) -> FindingWords:
 
 
 @_note_words("recompiles_small")
-def _recompiles_small(f: Recompiles) -> NoteWords:
+def _recompiles_small(f: fx.Recompiles) -> NoteWords:
     return NoteWords("Recompiles (torch.compile)", _sentence([_recompile_text(f)])
                      + " Below the share that makes a finding; `TORCH_LOGS=recompiles` names the guard that failed.")
 
@@ -698,7 +654,7 @@ def _unexplained_words(stretches: tuple[SlowStretch, ...]) -> str:
 
 
 @_note_words("contention_below_share", "unexplained_stretches")
-def _slow_stretches(f: SlowStretches) -> NoteWords:
+def _slow_stretches(f: fx.SlowStretches) -> NoteWords:
     text = ""
     if f.contended:
         text = (f"Other processes slowed {len(f.contended)} stretch(es) of steady steps ("
@@ -717,7 +673,7 @@ def _contended_steps(c: Contention) -> str:
 
 
 @_finding_words("other_processes")
-def _other_processes(f: OtherProcesses, setting: Setting) -> FindingWords:
+def _other_processes(f: fx.OtherProcesses, setting: Setting) -> FindingWords:
     c = f.contention
     parts = [_contended_steps(c)] if c else []
     if f.contended:
@@ -754,7 +710,7 @@ def tuner_how(launcher: bool, tuner_attached: bool) -> str:
 
 
 @_finding_words("no_workers", "workers_behind")
-def _input_bound(f: InputBound, setting: Setting) -> FindingWords:
+def _input_bound(f: fx.InputBound, setting: Setting) -> FindingWords:
     dl = f.dataloader
     settings = ", ".join(f"{k}={dl.get(k)}" for k in ("num_workers", "persistent_workers", "prefetch_factor",
                                                          "pin_memory") if k in dl)
@@ -773,13 +729,13 @@ def _input_bound(f: InputBound, setting: Setting) -> FindingWords:
                         calibration_words(f.calibration, model))
 
 
-def _kept_words(f: TunerMeasured) -> str:
+def _kept_words(f: fx.TunerMeasured) -> str:
     old, new = split_label(f.decision.old), split_label(f.decision.new)
     return f"kept the configured {old}" if old == new else f"switched from {old} to {new}"
 
 
 @_note_words("tuner_measured_none")
-def _tuner_measured_none(f: TunerMeasured) -> NoteWords:
+def _tuner_measured_none(f: fx.TunerMeasured) -> NoteWords:
     d = f.decision
     figures_ = trial_figures(d)
     reason = f" (the tuner's reason: {d.reason})" if d.reason else ""
@@ -791,7 +747,7 @@ def _tuner_measured_none(f: TunerMeasured) -> NoteWords:
 
 
 @_note_words("tuner_measured")
-def _tuner_measured(f: TunerMeasured) -> NoteWords:
+def _tuner_measured(f: fx.TunerMeasured) -> NoteWords:
     d = f.decision
     figures_ = trial_figures(d)
     reason = f" (the tuner's reason: {d.reason})" if d.reason else ""
@@ -808,14 +764,14 @@ def _tuner_measured(f: TunerMeasured) -> NoteWords:
 
 
 @_note_words("memory_cap")
-def _memory_cap_note(f: MemoryCap) -> NoteWords:
+def _memory_cap_note(f: fx.MemoryCap) -> NoteWords:
     return NoteWords("Micro-batch kept small by memory",
                      f"Micro-batch {f.micro_batch} × accumulation {f.grad_accum}: no larger micro-batch is "
                      f"advised, because {hit_words(f.hit)}.")
 
 
 @_finding_words("small_split")
-def _small_split(f: SmallSplit, setting: Setting) -> FindingWords:
+def _small_split(f: fx.SmallSplit, setting: Setting) -> FindingWords:
     mb, ga, world = f.micro_batch, f.grad_accum, f.world_size
     effective = mb * ga * world
     obs = (f"Micro-batch {mb} × accumulation {ga}" + (f" × {world} devices" if world > 1 else "")
@@ -842,7 +798,7 @@ def _small_split(f: SmallSplit, setting: Setting) -> FindingWords:
 
 
 @_finding_words("grad_forwards")
-def _grad_forwards(f: DuplicateForward, setting: Setting) -> FindingWords:
+def _grad_forwards(f: fx.DuplicateForward, setting: Setting) -> FindingWords:
     c, n = f.compute, f.forwards_per_microbatch
     obs = (f"{n:.2f} grad-enabled forward passes per micro-batch (expected 1); compute is {_pct(c)} of the wall "
            "time.")
@@ -858,7 +814,7 @@ def _grad_forwards(f: DuplicateForward, setting: Setting) -> FindingWords:
 
 
 @_finding_words("fixed_length")
-def _fixed_length(f: FixedLength, setting: Setting) -> FindingWords:
+def _fixed_length(f: fx.FixedLength, setting: Setting) -> FindingWords:
     length, p, c = f.length, f.pad_fraction, f.compute
     obs = (f"Every step was padded to exactly {length} positions (`perf/seq_len` {length} on all {f.steps} steps) "
            f"while {_pct(p)} of the positions were padding: about {(1 - p) * length:.0f} real tokens per sequence.")
@@ -890,7 +846,7 @@ def _fixed_length(f: FixedLength, setting: Setting) -> FindingWords:
     return FindingWords("Padding to a fixed length", obs, root, _bullets(items), formula)
 
 
-def _padding_observation(f: Padding) -> str:
+def _padding_observation(f: fx.Padding) -> str:
     k = f.pad_to_multiple_of
     return f"{_pct(f.pad_fraction)} of the positions in training forwards are padding" + \
         (f" (padded length up to {f.seq_len} tokens)" if f.seq_len else "") + \
@@ -898,7 +854,7 @@ def _padding_observation(f: Padding) -> str:
 
 
 @_finding_words("pad_to_multiple")
-def _pad_to_multiple(f: Padding, setting: Setting) -> FindingWords:
+def _pad_to_multiple(f: fx.Padding, setting: Setting) -> FindingWords:
     k = f.pad_to_multiple_of
     root = (f"`pad_to_multiple_of: {k}` rounds every padded "
             + ("prompt and every completion block" if f.grpo else "batch") + f" up to a multiple of {k}: "
@@ -915,7 +871,7 @@ def _pad_to_multiple(f: Padding, setting: Setting) -> FindingWords:
 
 
 @_note_words("grpo_inherent")
-def _grpo_inherent(f: Padding) -> NoteWords:
+def _grpo_inherent(f: fx.Padding) -> NoteWords:
     return NoteWords("Padding", f"{_padding_observation(f)} GRPO pads each micro-batch's completions to its longest one"
                      + (" and left-pads its prompts to the longest prompt" if f.prompts_per_micro_batch > 1
                         else " (each micro-batch holds one prompt, so prompts add none)")
@@ -931,7 +887,7 @@ _PADDING_REST = ["with TRL SFT: `padding_free: true` or `packing: true`",
 
 
 @_finding_words("one_length_unsure")
-def _one_length_unsure(f: Padding, setting: Setting) -> FindingWords:
+def _one_length_unsure(f: fx.Padding, setting: Setting) -> FindingWords:
     root = (f"Batches are padded to one length, {f.seq_len} positions, on the steps logged: a fixed length (a "
             f"collator's `max_length`, `padding='max_length'`) or each batch's longest sequence; too few steps "
             f"({MIN_FIXED_LENGTH_STEPS} needed) to tell which. The device computes on the pad positions, "
@@ -944,7 +900,7 @@ def _one_length_unsure(f: Padding, setting: Setting) -> FindingWords:
 
 
 @_finding_words("per_batch")
-def _per_batch(f: Padding, setting: Setting) -> FindingWords:
+def _per_batch(f: fx.Padding, setting: Setting) -> FindingWords:
     root = ("Batches are padded to the longest sequence of each batch (the padded length changed from step to step, "
             "so the padding is per batch): long and short sequences share batches, and the device computes on the "
             "pad positions, attention quadratically.")
@@ -961,14 +917,14 @@ _CHECK_BY_HAND = ("check the reward functions on a few completions by hand: a re
 
 
 @_note_words("no_reward_data")
-def _no_reward_data(f: NoRewardData) -> NoteWords:
+def _no_reward_data(f: fx.NoRewardData) -> NoteWords:
     return NoteWords("No reward data",
                      "No reward data in this run's logs (no `log/reward` in the step lines): whether the run can "
                      "learn was not checked.")
 
 
 @_note_words("too_few_logs")
-def _too_few_logs(f: TooFewLogs) -> NoteWords:
+def _too_few_logs(f: fx.TooFewLogs) -> NoteWords:
     return NoteWords("Too few logs to judge the rewards",
                      f"Every completion of the {f.logs} log(s) scored {f.reward:.3g}: too few logs to "
                      f"judge whether the run can learn ({f.logs_needed} needed; `logging_steps` sets how often the "
@@ -979,7 +935,7 @@ _NO_LEARNING_FORMULA = "no speed figure: until rewards differ within a group no 
 
 
 @_finding_words("constant_reward")
-def _constant_reward(f: NoLearning, setting: Setting) -> FindingWords:
+def _constant_reward(f: fx.NoLearning, setting: Setting) -> FindingWords:
     funcs = ", ".join(f"`{name}` {value:.3g}" for name, value in f.reward_funcs)
     n = f.no_signal_run
     obs = (f"On all {f.logs} logs every completion got the same reward, {f.reward_min:.3g}: no prompt "
@@ -1003,7 +959,7 @@ def _constant_reward(f: NoLearning, setting: Setting) -> FindingWords:
 
 
 @_finding_words("no_group_variance")
-def _no_group_variance(f: NoLearning, setting: Setting) -> FindingWords:
+def _no_group_variance(f: fx.NoLearning, setting: Setting) -> FindingWords:
     obs = (f"On {f.no_signal_run} consecutive logs (of {f.logs}) every prompt group's completions got the same "
            f"reward (`frac_reward_zero_std` 1) and the gradient norm was 0"
            + (f"; the mean reward of those logs was {f.reward_mean:.3g}" if f.reward_mean is not None else "")
@@ -1037,12 +993,12 @@ def _off_policy_item(spg: int, steps_per_rollout: float) -> str:
               "batch) and clips the importance ratio at `epsilon`")
 
 
-def _target_words(t: CompletionTarget) -> str:
+def _target_words(t: fx.CompletionTarget) -> str:
     return TARGET_BASIS.get(t.basis, t.basis)
 
 
 @_finding_words("launch_bound", "generation_share")
-def _generation_bound(f: GenerationBound, setting: Setting) -> FindingWords:
+def _generation_bound(f: fx.GenerationBound, setting: Setting) -> FindingWords:
     g, u, backend = f.generation, f.decode_bandwidth_util, f.backend
     obs = f"Generation (rollouts, {_BACKEND_WORDS.get(backend, backend)}) took {_pct(g)} of the run's wall time"
     if f.weight_sync_share:
@@ -1086,7 +1042,7 @@ def _generation_bound(f: GenerationBound, setting: Setting) -> FindingWords:
 
 
 @_finding_words("sync_share")
-def _sync_share(f: WeightSync, setting: Setting) -> FindingWords:
+def _sync_share(f: fx.WeightSync, setting: Setting) -> FindingWords:
     share, backend, gen = f.share, f.backend, f.generation
     obs = (f"Sending the weights to vLLM ({_BACKEND_WORDS.get(backend, backend)}) took {_pct(share)} of the wall "
            f"time: {f.syncs} syncs" + (f" of ≈ {f.sync_sec:.2f} s each" if f.sync_sec else "")
@@ -1113,7 +1069,7 @@ def _sync_share(f: WeightSync, setting: Setting) -> FindingWords:
 
 
 @_finding_words("reward_share")
-def _reward_share(f: RewardShare, setting: Setting) -> FindingWords:
+def _reward_share(f: fx.RewardShare, setting: Setting) -> FindingWords:
     seconds, wall, calls, per = f.reward_sec, f.wall_sec, f.calls, f.completions_per_call
     funcs = ", ".join(f.funcs)
     obs = (f"The reward functions{f' ({funcs})' if funcs else ''} took {seconds:.1f} s of the run's {wall:.1f} s wall "
@@ -1137,7 +1093,7 @@ def _reward_share(f: RewardShare, setting: Setting) -> FindingWords:
                         formula)
 
 
-def _completion_observation(s: CompletionLengths) -> str:
+def _completion_observation(s: fx.CompletionLengths) -> str:
     stats = ", ".join(f"{name} {value:.0f}" for name, value in (
         ("mean", s.mean), ("p90 of per-log max", s.p90), ("max", s.max)) if value is not None)
     return (f"Completion lengths: {stats or 'n/a'} tokens against `max_completion_length` {s.limit}"
@@ -1146,7 +1102,7 @@ def _completion_observation(s: CompletionLengths) -> str:
 
 
 @_finding_words("cut_off")
-def _cut_off(f: CutOff, setting: Setting) -> FindingWords:
+def _cut_off(f: fx.CutOff, setting: Setting) -> FindingWords:
     clipped, limit, raised = f.clipped, f.seen.limit, f.raised.new
     root = (f"{_pct(clipped)} of completions reached `max_completion_length` {limit} before the model ended them. A "
             "cut completion is scored on an unfinished answer (a missing closing tag or final answer usually scores "
@@ -1165,7 +1121,7 @@ def _cut_off(f: CutOff, setting: Setting) -> FindingWords:
 
 
 @_note_words("no_runaways")
-def _no_runaways(f: Runaways) -> NoteWords:
+def _no_runaways(f: fx.Runaways) -> NoteWords:
     return NoteWords("max_completion_length far above what completions use",
                      f"{_completion_observation(f.seen)} No completion reached the limit, so time is unchanged by a "
                      f"cap; `max_completion_length: {f.target.new}` (next power of two ≥ {f.headroom_factor} × the "
@@ -1175,7 +1131,7 @@ def _no_runaways(f: Runaways) -> NoteWords:
 
 
 @_finding_words("runaways")
-def _runaways(f: Runaways, setting: Setting) -> FindingWords:
+def _runaways(f: fx.Runaways, setting: Setting) -> FindingWords:
     limit, basis, new, headroom = f.seen.limit, f.target.tokens, f.target.new, f.headroom_factor
     root = (f"The limit is {limit / basis:.1f}x what the task uses. A completion that never emits end-of-sequence "
             f"decodes to the limit, holds the whole generation batch for {limit} decode steps and pads every "
@@ -1194,7 +1150,7 @@ def _runaways(f: Runaways, setting: Setting) -> FindingWords:
 
 # ---- memory: swapping, pressure, the wall close, driver memory far above live tensors ------------------------
 
-def _remedy_words(r: Remedy) -> str:
+def _remedy_words(r: fx.Remedy) -> str:
     if r.code == "leak_first":
         return ("fix the leak first: memory that grows on every step comes from tensors kept across steps (a loss "
                 "appended without `.item()`, a growing cache); a smaller micro-batch does not stop it")
@@ -1227,7 +1183,7 @@ def _remedy_words(r: Remedy) -> str:
             "logs)")
 
 
-def _wall_words(f: MemoryPressure) -> list[str]:
+def _wall_words(f: fx.MemoryPressure) -> list[str]:
     """The budget, the wall's moves, a leak, the watchdog's actions and the tuner's OOMs, in words."""
     out = []
     low, high = f.budget_range_gb or (0.0, 0.0)
@@ -1245,7 +1201,7 @@ def _wall_words(f: MemoryPressure) -> list[str]:
     return out
 
 
-def _memory_seen(f: MemoryPressure) -> list[str]:
+def _memory_seen(f: fx.MemoryPressure) -> list[str]:
     """What the memory finding observed: swap, pressure, the high-water mark, the wall's distance, the allocator."""
     seen = []
     if f.swapping:
@@ -1266,7 +1222,7 @@ def _memory_seen(f: MemoryPressure) -> list[str]:
 
 
 @_finding_words("swapping", "near_the_wall", "pressure")
-def _memory_pressure(f: MemoryPressure, setting: Setting) -> FindingWords:
+def _memory_pressure(f: fx.MemoryPressure, setting: Setting) -> FindingWords:
     if f.device_type == "mps":
         root = ("Unified memory: Metal memory (weights, activations, the allocator's cache) competes with the OS and "
                 "other apps; past the working set macOS compresses and then swaps pages to SSD, and every kernel "
@@ -1303,7 +1259,7 @@ REWARD_WORDS = {"none": "no reward data in this run's logs", "varied": "the rewa
                 "flat": "the rewards never varied within a prompt group"}
 
 
-def nothing_found_words(f: NothingFound) -> str:
+def nothing_found_words(f: fx.NothingFound) -> str:
     """The "no finding" paragraph: only what this run's log shows, and a metric it holds."""
     checked = []
     if f.data_wait:

@@ -64,7 +64,8 @@ def test_a_stand_in_run_of_a_recipe_says_so_first_and_keeps_the_recipes_memory_c
     top, said = text.split("\n## ", 1)[0], stand_in_words(scoped["stand_in"].facts)
     assert said in top and RECIPE in said and recipe["model_name_or_path"] in said
     assert all(scope_words(scope) in block.lower() for block in text.split("\n## ")[1:] if block[0].isdigit())
-    assert said in console_summary(findings, notes=notes).splitlines()[1]
+    console = console_summary(findings, notes=notes).splitlines()        # its first line, wrapped at 160
+    assert console[1].startswith("stand-in run:") and said in " ".join(line.strip() for line in console[1:4])
 
 
 def test_recompute_advice_on_a_stand_in_becomes_a_note_naming_the_recipes_choice():
@@ -91,7 +92,7 @@ def test_mfu_on_a_calibrated_cpu_is_per_cpu_second_and_other_processes_do_not_mo
                                                                                        one_thread):
     """seen: on a shared CPU the calibrated peak is measured under the same contention, so MFU read 38.7% while the
     process got a quarter of a core, and 6.7% at 2,534 tok/s beside 6.4% at 6,440. Per CPU second the figure is the
-    same whatever the wall time other processes take: here a run whose every step also waits 2 planted seconds of
+    same whatever the wall time other processes take: here a run whose every step also waits 5 planted seconds of
     wall time without CPU time (another process holding the core) reads the MFU of the run without them, at a
     fraction of its tokens/s."""
     def run(out, wait):
@@ -106,14 +107,14 @@ def test_mfu_on_a_calibrated_cpu_is_per_cpu_second_and_other_processes_do_not_mo
                      trainer_cls=Waiting, length=32).train()
         return read_run(str(out))
 
-    free, held = run(tmp_path / "free", 0.0), run(tmp_path / "held", 2.0)
+    free, held = run(tmp_path / "free", 0.0), run(tmp_path / "held", 5.0)
     for r in (free, held):
         header, summary = r.header("perf"), r.summary("perf")
         assert header.mfu_basis == "cpu_time" and header.peak_flops_per_cpu_sec > 0
         assert summary["mfu"] > 0
     rate = held.summary("perf")["steady_tokens_per_sec"] / free.summary("perf")["steady_tokens_per_sec"]
-    assert rate < 0.5                                                        # the wall-time figure collapses ...
-    assert held.summary("perf")["mfu"] / free.summary("perf")["mfu"] == pytest.approx(1.0, rel=0.35)   # ... not MFU
+    assert rate < 0.1                                                        # the wall-time figure collapses ...
+    assert held.summary("perf")["mfu"] / free.summary("perf")["mfu"] == pytest.approx(1.0, rel=0.5)    # ... not MFU
     m = measurements_from_run(str(tmp_path / "held"))
     assert m.mfu_basis == "cpu_time" and MFU_BASIS_SHORT["cpu_time"] in render_markdown(check(m)[0], m)
     assert mfu_words(held.summary("perf")["mfu"], "cpu_time") in summarize(held).replace("\n    ", " ")

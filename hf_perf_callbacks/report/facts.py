@@ -30,9 +30,9 @@ class Interval:
 
 
 @dataclass(frozen=True)
-class Evidence:
-    """What a run's timings are too short for: warmup decided (None: no meter data), the steps, those after warmup,
-    the steps it would need, whether GRPO."""
+class Evidence(Facts):
+    """What a run's timings are too short for (the ``too_few_steps`` note's facts, and a calibration's): warmup
+    decided (None: no meter data), the steps, those after warmup, the steps it would need, whether GRPO."""
 
     warmup_done: bool | None
     steps: int
@@ -226,22 +226,8 @@ class TunerHint(Facts):
 
 
 @dataclass(frozen=True)
-class TooFewSteps(Facts):
-    evidence: Evidence
-
-
-@dataclass(frozen=True)
 class Skipped(Facts):
     skipped: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class StandIn(Facts):
-    target: RecipeTarget
-    model: str | None
-    device_type: str
-    completions: int | None
-    differs: tuple[str, ...]
 
 
 @dataclass(frozen=True)

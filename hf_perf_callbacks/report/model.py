@@ -26,6 +26,11 @@ RECOMPILE_SLOWDOWN = 0.5     # torch_compile: a steady step this much above the 
 
 
 @dataclass(frozen=True)
+class Facts:
+    """The figures a finding or a note rests on: the base of each case's frozen dataclass (:mod:`.facts`)."""
+
+
+@dataclass(frozen=True)
 class Rewards:
     """GRPO's reward statistics over the training logs: the range of the mean reward, the largest within-group
     spread (``reward_std``), the smallest share of groups without spread (``frac_reward_zero_std``), each reward
@@ -172,11 +177,6 @@ REASONS: dict[str, tuple[str, ...]] = {
     "scope": ("stand_in", "kept_for_recipe"),
 }
 assert {c for codes in REASONS.values() for c in codes} == set(get_args(Reason))
-
-
-@dataclass(frozen=True)
-class Facts:
-    """The figures a finding or a note rests on: the base of each case's frozen dataclass (:mod:`.facts`)."""
 
 
 @dataclass(frozen=True)
@@ -399,10 +399,11 @@ class Finding:
 
 
 @dataclass(frozen=True)
-class Scope:
+class Scope(Facts):
     """What a run's findings were measured on: the model that ran (name, parameters), the device, the completion
     limit and the longest padded training sequence; and, for a run of ``hf-perf train``, the recipe's target and
-    whether this run stood in for it (another model, device, or shorter completions)."""
+    whether this run stood in for it (another model, device, or shorter completions: the ``stand_in`` note's
+    facts)."""
 
     model: str | None
     params: int | None

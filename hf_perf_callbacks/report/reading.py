@@ -16,7 +16,6 @@ from ..runlog import (
     PHASES,
     ActionDetails,
     NoteDetails,
-    ReadStep,
     RunHeader,
     RunLog,
     WallMove,
@@ -73,8 +72,6 @@ from .model import (
 
 def _values(rows: Sequence[Any], key: str) -> list[float]:
     """The finite numbers under ``key`` in step lines or log dicts (other types skipped)."""
-    if rows and all(isinstance(r, ReadStep) for r in rows[:1]):      # the reader's lines: their numbers directly
-        return [v for v in (r.number(key) for r in rows) if v is not None]
     values = (r.get(key) for r in rows)
     return [float(v) for v in values if not isinstance(v, bool) and number(v) is not None]
 

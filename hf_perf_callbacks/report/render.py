@@ -9,8 +9,8 @@ import os
 from .. import keys
 from ..runlog import RunLog, read_run
 from ..wording import MFU_BASIS_SHORT, wrapped
-from .facts import NothingFound, StandIn
-from .model import TOO_FEW_STEPS, ZERO, Finding, Measurements, Note
+from .facts import NothingFound
+from .model import TOO_FEW_STEPS, ZERO, Finding, Measurements, Note, Scope
 from .reading import measurements
 from .rules import check
 from .rules.basis import _too_short
@@ -67,9 +67,9 @@ def nothing_found_facts(m: Measurements, notes: list[Note]) -> NothingFound:
                                      if k in m.logged), None))
 
 
-def _stand_in(notes: list[Note] | None) -> StandIn | None:
+def _stand_in(notes: list[Note] | None) -> Scope | None:
     """The stand-in note's facts, when the run stood in for its recipe's target."""
-    return next((n.facts for n in notes or [] if isinstance(n.facts, StandIn)), None)
+    return next((n.facts for n in notes or [] if n.reason == "stand_in" and isinstance(n.facts, Scope)), None)
 
 
 def render_markdown(findings: list[Finding], m: Measurements, notes: list[Note] | None = None) -> str:

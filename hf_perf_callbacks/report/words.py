@@ -518,8 +518,7 @@ def _needs_train_with_tuning(f: fx.TunerHint) -> NoteWords:
 
 
 @_note_words("too_few_steps")
-def _too_few_steps(f: fx.TooFewSteps) -> NoteWords:
-    e = f.evidence
+def _too_few_steps(e: fx.Evidence) -> NoteWords:
     why = too_short_words(e)
     more = (f"run ≥ {e.needed_steps} steps" if e.warmup_done else
             f"run more steps: warmup ends once the step times settle at one level, and {MIN_STEADY_STEPS} steps after "
@@ -537,22 +536,23 @@ def _skipped(f: fx.Skipped) -> NoteWords:
     return NoteWords("Fields skipped", "Skipped (another writer's format): " + "; ".join(f.skipped) + ".")
 
 
-def stand_in_words(f: fx.StandIn) -> str:
+def stand_in_words(f: Scope) -> str:
     """The report's first words on a run that stood in for its recipe's target."""
     t = f.target
+    assert t is not None, "a stand-in for a recipe's target"
     target = (f"{t.model or 'its model'} on {t.machine or 'its machine'}" + (f" ({t.device_type})" if t.device_type
                                                                              else "")
               + (f", completions ≤ {t.max_completion_length} tokens" if t.max_completion_length else ""))
     ran = (f"{model_label(f.model)} on {f.device_type}"
-           + (f", completions ≤ {f.completions} tokens" if f.completions else ""))
+           + (f", completions ≤ {f.max_completion_length} tokens" if f.max_completion_length else ""))
     return (f"This run stood in for recipe `{t.recipe}`'s target ({target}): it trained {ran}. Its "
             "figures, memory estimates included, are this run's, not the target's, and no setting below undoes a "
             "memory choice of the recipe.")
 
 
 @_note_words("stand_in")
-def _stand_in(f: fx.StandIn) -> NoteWords:
-    return NoteWords(f"A stand-in for the recipe's target ({', '.join(f.differs)} differ)", stand_in_words(f))
+def _stand_in(f: Scope) -> NoteWords:
+    return NoteWords(f"A stand-in for the recipe's target ({', '.join(f.stand_in)} differ)", stand_in_words(f))
 
 
 @_note_words("kept_for_recipe")

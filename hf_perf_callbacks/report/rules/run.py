@@ -7,7 +7,7 @@ import math
 from typing import Literal
 
 from ...wording import warmup_case
-from ..facts import EvalShare, Interval, KeptForRecipe, Skipped, StandIn, TooFewSteps, TunerHint, TuningCost, Warmup
+from ..facts import EvalShare, Interval, KeptForRecipe, Skipped, TunerHint, TuningCost, Warmup
 from ..model import Finding, Measurements, Note, Scope, card
 from ..words import finding, note
 from .advice import _launcher
@@ -130,7 +130,7 @@ def rule_tuner_hint(m: Measurements) -> Note | None:
 def rule_evidence(m: Measurements) -> Note | None:
     """What this run is too short to judge, and how many steps would do."""
     evidence = _too_short(m)
-    return None if evidence is None else note("evidence", "too_few_steps", TooFewSteps(evidence), judged=False)
+    return None if evidence is None else note("evidence", "too_few_steps", evidence, judged=False)
 
 
 def scope_of(m: Measurements) -> Scope:
@@ -187,8 +187,7 @@ def rule_scope(m: Measurements) -> Note | None:
     t = scope.target
     if t is None or not scope.stand_in:
         return None
-    return note("scope", "stand_in", StandIn(t, m.model_name, m.device_type, m.max_completion_length, scope.stand_in),
-                judged=False)
+    return note("scope", "stand_in", scope, judged=False)
 
 
 @card(note="not judged: fields of another type skipped")

@@ -22,7 +22,7 @@ from hf_perf_callbacks.report import (
     gain_text,
     measurements_from_run,
     render_markdown,
-    write_perf_report,
+    write_analysis,
 )
 from hf_perf_callbacks.report.facts import MemoryHit, NothingFound
 from hf_perf_callbacks.report.model import (
@@ -713,7 +713,7 @@ def test_measurements_from_a_synthetic_run(tmp_path):
     rules = [f.rule for f in findings]
     assert rules[0] == "memory_pressure" and "generation_bound" in rules
     assert "completion_budget" in [n.rule for n in notes]
-    path, findings = write_perf_report(read_run(tmp_path))
+    path, findings, _ = write_analysis(read_run(tmp_path))
     text = open(path).read()
     assert path == os.path.join(str(tmp_path), "perf_report.md") and findings
     assert "`max_completion_length: 128`" in text and all(section in text for section in SECTIONS)
@@ -774,8 +774,8 @@ def test_measurements_from_a_real_demo_run(demo_run):
     assert "duplicate_forward" not in rules and "memory_pressure" not in rules and "input_bound" not in rules
 
 
-def test_write_perf_report_on_the_demo_run(demo_run):
-    path, findings = write_perf_report(read_run(demo_run))
+def test_write_analysis_on_the_demo_run(demo_run):
+    path, findings, _ = write_analysis(read_run(demo_run))
     text = open(path).read()
     m = measurements_from_run(demo_run)
     assert os.path.basename(path) == "perf_report.md" and text == render_markdown(*check(m)[:1], m, check(m)[1])

@@ -121,12 +121,6 @@ def write_analysis(run: RunLog | str) -> tuple[str, list[Finding], list[Note]]:
     return path, findings, notes
 
 
-def write_perf_report(run: RunLog | str) -> tuple[str, list[Finding]]:
-    """:func:`write_analysis` without the notes: (path, findings)."""
-    path, findings, _ = write_analysis(run)
-    return path, findings
-
-
 def console_summary(findings: list[Finding], top: int = 3, notes: list[Note] | None = None) -> str:
     """The top findings, a few lines each, what the run was too short to judge, and the titles of what was checked
     and is fine; a line wider than ``CONSOLE_WIDTH`` goes on over indented lines (nothing is cut)."""

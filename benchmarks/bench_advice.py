@@ -19,11 +19,18 @@ that can), an evaluation after every step (``eval_steps``: the advised interval,
 evaluations), an ``SFTTrainer`` padding to a fixed length (the advice's code must run in SFTTrainer: its own
 collator), a user's callback generating 24 tokens at every log (``callbacks``: the advised ``logging_steps``), a
 checkpoint save after every step (``saving``: the advised ``save_steps``), TRL's ``SFTConfig`` with its default
-gradient checkpointing and memory to spare (``recompute``).
+gradient checkpointing and memory to spare (``recompute``); a GRPO reward function with a round trip of its own per
+call (``reward``: the advised ``steps_per_generation``), a user's callback generating at every step beside a save
+after every step (the "try" finding ranks first by its seconds; the saving's printed gain applied), ``compute_metrics``
+taking most of an evaluation after every step (``evaluation``, with its ``compute_metrics`` bullet), and
+``torch_compile`` with inductor (its compile workers' CPU time: the first steps are the warmup note's compile, never
+contention). Each row records the finding's rank, its seconds at stake and their share of the run.
 
     python benchmarks/bench_advice.py --paired --repeats 4 --only trainer_costly_on_log trainer_save_every_step \
         sft_checkpointing_not_needed trainer_eval_every_step --results advice_phases   # the phase rules, two runs
                                                                    #  at a time, one per core, swapped
+    python benchmarks/bench_advice.py --paired --repeats 4 --only grpo_slow_reward trainer_callback_beside_saves \
+        trainer_eval_metrics trainer_compile --results advice_causes   # issue 51's cases
     python benchmarks/bench_advice.py --smoke                      # CPU, tiny model, a minute or two
     python benchmarks/bench_advice.py --model tiny --repeats 2     # CPU, tiny model
     python benchmarks/bench_advice.py --model smollm2              # SmolLM2-135M-Instruct (CPU: one small scenario;
@@ -136,6 +143,32 @@ def zero_reward(prompts, completions, **kwargs):
     return [0.0] * len(completions)
 
 
+def round_trip_reward(prompts, completions, **kwargs):
+    """A reward with a cost of its own per call (a request to a judge or a sandbox: 0.5 s however many completions
+    it scores), then each completion's length against 8 tokens."""
+    time.sleep(0.5)
+    return [-abs(len(str(c)) - 40) / 40 for c in completions]
+
+
+def generate_every_step():
+    """A user's callback that runs ``model.generate`` of 24 tokens at every step's end."""
+    from transformers import TrainerCallback
+
+    inner = generate_on_log()
+
+    class GenerateEveryStep(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            inner.on_log(args, state, control, model=model)
+
+    return GenerateEveryStep()
+
+
+def slow_metrics(prediction):
+    """A ``compute_metrics`` that takes 0.3 s whatever it gets (a metric library's set-up, a tokenizer decode)."""
+    time.sleep(0.3)
+    return {"predictions": float(len(prediction.predictions))}
+
+
 class StepClock:
     """Wall and process CPU seconds of every optimizer step, from one step's end to the next (so the data loading
     before a step counts), independent of the package's meter."""
@@ -169,6 +202,9 @@ def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device:
     cfg = {**scenario["config"], **settings}
     if cfg.pop("costly_on_log", False):
         callbacks.append(generate_on_log())
+    if cfg.pop("costly_step_end", False):
+        callbacks.append(generate_every_step())
+    metrics = cfg.pop("slow_metrics", False)
     duplicate = cfg.pop("duplicate_forward", False)
     delay = cfg.pop("delay", 0.0)
     pad_to = cfg.pop("pad_to_length", None)
@@ -178,6 +214,8 @@ def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device:
     threads = cfg.pop("threads", None)
     if threads and device == "cpu":
         torch.set_num_threads(threads)
+    if cfg.get("torch_compile"):               # a compile from scratch: inductor's on-disk cache is the run's own
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(output_dir, "inductor_cache")
     common_args = dict(output_dir=output_dir, logging_steps=1, save_strategy="no", report_to="none",
                        disable_tqdm=True, seed=0, learning_rate=1e-4, use_cpu=device == "cpu",
                        bf16=device == "cuda")
@@ -189,7 +227,8 @@ def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device:
 
         args = GRPOConfig(**{**common_args, "beta": 0.0, "activation_checkpointing": False, **cfg})
         lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-        rewards = zero_reward if reward == "zero" else wordle.REWARD_FUNCS
+        rewards = (zero_reward if reward == "zero" else [round_trip_reward, *wordle.REWARD_FUNCS]
+                   if reward == "round_trip" else wordle.REWARD_FUNCS)
         return GRPOTrainer(model=factory(), reward_funcs=rewards, args=args,
                            train_dataset=wordle.make_dataset(256, seed=0, max_history=0, conversational=True),
                            processing_class=tok, peft_config=lora, callbacks=callbacks)
@@ -218,7 +257,9 @@ def build(scenario: dict, settings: dict, factory, tok, output_dir: str, device:
     cls = DuplicateForward if duplicate else Trainer
     collator = FixedLength(tok, pad_to) if pad_to else DataCollatorForLanguageModeling(tok, mlm=False)
     return cls(model=factory(), args=args, train_dataset=SlowText(tok, delay=delay), data_collator=collator,
-               eval_dataset=SlowText(tok, n=evaluate) if evaluate else None, callbacks=callbacks)
+               eval_dataset=SlowText(tok, n=evaluate) if evaluate else None, callbacks=callbacks,
+               compute_metrics=slow_metrics if metrics else None,
+               preprocess_logits_for_metrics=(lambda logits, labels: logits.argmax(-1)) if metrics else None)
 
 
 def run_once(scenario, settings, factory, tok, device, keep: str | None = None):
@@ -310,6 +351,25 @@ def scenarios(model: str, smoke: bool, steps: int | None = None) -> dict:
                                                "config": dict(per_device_train_batch_size=8,
                                                               gradient_accumulation_steps=1, max_steps=steps + 6,
                                                               max_length=128)}
+        # issue 51's cases, each measured in wall time: a reward with a round trip of its own per call; a user's
+        # callback generating at every step (a "try" finding) beside a save after every step (a measured one: it
+        # must rank second); compute_metrics taking most of an evaluation after every step; torch.compile's first
+        # compile (inductor's workers are child processes: no setting, the check is what the report calls it)
+        out["grpo_slow_reward"] = {"kind": "grpo", "skip": 2, "measure": ["reward"], "clock": "wall",
+                                   "config": {**grpo, "max_steps": steps + 6, "reward": "round_trip"}}
+        out["trainer_callback_beside_saves"] = {
+            "kind": "trainer", "skip": 2, "measure": ["callbacks", "saving"], "clock": "wall", "ranks": ["callbacks",
+                                                                                                       "saving"],
+            "config": dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, max_steps=steps + 14,
+                           costly_step_end=True, save_strategy="steps", save_steps=1, save_total_limit=2)}
+        out["trainer_eval_metrics"] = {"kind": "trainer", "skip": 2, "measure": ["evaluation"], "clock": "wall",
+                                       "config": dict(per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                                                      max_steps=steps + 14, eval_strategy="steps", eval_steps=1,
+                                                      per_device_eval_batch_size=8, eval_examples=16,
+                                                      slow_metrics=True)}
+        out["trainer_compile"] = {"kind": "trainer", "skip": 2, "measure": [], "compile_check": True,
+                                  "config": dict(per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                                                 max_steps=steps + 6, torch_compile=True)}
     if model == "smollm2" and not gpu:   # the real model on a CPU: one prompt group of 2 per step keeps it to minutes
         small = {**grpo, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "num_generations": 2}
         out = {"grpo_2x1_pad32": {"kind": "grpo", "skip": 1, "config": {**small, "pad_to_multiple_of": 32}},
@@ -409,6 +469,23 @@ def measure_paired(name, label, setting, repeats, model, steps, smoke) -> dict:
             "baseline_step_sec": bases, "advised_step_sec": advised, "load_avg_per_pair": loads}
 
 
+def compile_check(m, findings, notes) -> dict:
+    """What the report called a run's first compile: the child processes' CPU seconds outside the steady steps (the
+    compile workers), the steps it blamed on other processes (none of the compile's may be among them), whether the
+    warmup note names the compile."""
+    blamed = sorted(set(m.contention.step_list) if m.contention else set())
+    for r in [*findings, *notes]:
+        if r.rule == "contention":
+            blamed = sorted(set(blamed) | {s for a, b in r.steps for s in range(a, b + 1)})
+    warmup = next((n for n in notes if n.rule == "warmup"), None)
+    names = bool(warmup and warmup.facts.get("compile"))
+    first = m.warmup_steps or 0
+    return {"child_cpu_sec_outside_steady": m.warmup_child_cpu_sec, "warmup_steps": first,
+            "steps_blamed_on_other_processes": blamed, "warmup_names_the_compile": names,
+            "recompiles": [r.step for r in m.recompiles],
+            "ok": names and not set(blamed) & set(range(1, first + 2))}
+
+
 def check_scenario(name, scenario, factory, tok, device, repeats, rules=None, paired=None) -> list[dict]:
     from hf_perf_callbacks.report import check, measurements_from_run
 
@@ -419,6 +496,18 @@ def check_scenario(name, scenario, factory, tok, device, repeats, rules=None, pa
     print(f"[{name}] baseline {base_sec} s/step; findings: {[f.rule for f in findings]}; "
           f"notes: {[n.rule for n in notes]}", flush=True)
     rows = []
+    if scenario.get("compile_check"):
+        rows.append({"scenario": name, "rule": "compile", "measured_gain": None, "predicted_gain": None,
+                     "expected_gain": None, "why_not_measured": "no setting: what the report calls the compile",
+                     "compile": compile_check(before, findings, notes)})
+    ranked = [f.rule for f in findings]
+    if scenario.get("ranks"):
+        wanted = scenario["ranks"]
+        rows.append({"scenario": name, "rule": "ranking", "measured_gain": None, "predicted_gain": None,
+                     "expected_gain": None, "why_not_measured": "the order of the findings",
+                     "ranking": {"findings": ranked, "expected_order": wanted,
+                                 "stakes": {f.rule: [f.stake_sec, f.share] for f in findings},
+                                 "ok": [r for r in ranked if r in wanted] == wanted}})
     for f in findings:
         setting = (dict(f.setting) if f.setting else
                    {"threads": int(f.env["OMP_NUM_THREADS"])} if f.env.get("OMP_NUM_THREADS") else
@@ -426,7 +515,8 @@ def check_scenario(name, scenario, factory, tok, device, repeats, rules=None, pa
         row = {"scenario": name, "rule": f.rule, "title": f.title, "setting": f.setting, "env": f.env,
                "predicted_gain": f.predicted_gain, "expected_gain": f.expected_gain, "basis": f.basis,
                "lower_bound": f.lower_bound, "formula": f.gain_formula, "baseline_load_per_core":
-               base_sec["load_per_core"]}
+               base_sec["load_per_core"], "rank": ranked.index(f.rule) + 1, "stake_sec": f.stake_sec,
+               "share": f.share}
         if scenario.get("wording") == f.rule:
             row["wording"] = wording(f)
         if scenario.get("followup") == f.rule and setting:
@@ -511,7 +601,7 @@ def main():
         pred = f"{r['predicted_gain']:.2f}x" if r["predicted_gain"] else "-"
         shown = f"{r['expected_gain']:.2f}x" if r["expected_gain"] else "try"
         meas = f"{r['measured_gain']:.2f}x" if r.get("measured_gain") else "-"
-        print(f"{r['rule']} | {r['scenario']} | {r['setting'] or '(code fix)'} | {pred} | {shown} | {meas}")
+        print(f"{r['rule']} | {r['scenario']} | {r.get('setting') or '(code fix)'} | {pred} | {shown} | {meas}")
     if a.smoke:
         return 0
     env = environment(device)

@@ -181,7 +181,8 @@ def _progress_callback(sampler: CompletionSampler, shown: int) -> TrainerCallbac
             print(f"step {state.global_step:>3}  reward {logs['reward']:.2f} ({', '.join(parts)})  "
                   f"zero-std groups {logs.get('frac_reward_zero_std', float('nan')):.0%}  "
                   f"length {logs.get('completions/mean_length', float('nan')):.0f} tok "
-                  f"(ended at EOS: {logs.get('completions/mean_terminated_length', float('nan')):.0f}), "
+                  f"(mean of those that ended at EOS: "
+                  f"{logs.get('completions/mean_terminated_length', float('nan')):.0f}), "
                   f"clipped {logs.get('completions/clipped_ratio', float('nan')):.0%}", flush=True)
             for secret, text in sampler.latest[:shown]:
                 body = textwrap.shorten(" ".join(text.split()), 150, placeholder=" …")

@@ -15,7 +15,7 @@ TRAINER_STATE = "trainer_state.json"
 
 #: the phases of a step's wall time (``perf/phase/<phase>``, ``perf/phase_sec/<phase>``, seconds on the step line;
 #: meanings in :mod:`hf_perf_callbacks.timeline`): they sum to ``perf/step_wall_sec``, ``unexplained`` included
-PHASES = ("data_wait", "generation", "rollout_wait", "compute", "eval", "save", "log", "own_callbacks",
+PHASES = ("data_wait", "generation", "rollout_wait", "reward", "compute", "eval", "save", "log", "own_callbacks",
           "user_callbacks", "recompute", "unexplained")
 #: the phases a clock measures directly (a region entered and left); ``compute`` is the step's own time outside
 #: them and ``unexplained`` the time outside a step that no clock measured
@@ -52,6 +52,7 @@ PERF_STEADY = "perf/steady"
 PERF_FIRST_STEADY_STEP = "perf/first_steady_step"
 PERF_EARLY_CONTENTION_SEC = "perf/early_contention_sec"
 PERF_CPU_SEC = "perf/cpu_sec"
+PERF_CHILD_CPU_SEC = "perf/child_cpu_sec"
 PERF_CPU_TIME_RATIO = "perf/cpu_time_ratio"
 PERF_OTHER_CPU_CORES = "perf/other_cpu_cores"
 PERF_LOAD_PER_CORE = "perf/load_per_core"
@@ -138,7 +139,7 @@ KEY_DOCS: dict[str, tuple[str, str, str]] = {
     PERF_WEIGHT_SYNC_SEC: ("s", "GRPO with vLLM: time in the weight syncs to vLLM (`VLLMGeneration.sync_weights`; "
                                 "async GRPO: `_sync_weight`), TRL's own work in them included (part of the generation "
                                 "phase)", PERF_LOG_ONLY),
-    PERF_REWARD_SEC: ("s", "GRPO: time in TRL's reward functions (part of the compute phase)", PERF_LOG_ONLY),
+    PERF_REWARD_SEC: ("s", "GRPO: time in TRL's reward functions (the step's reward phase)", PERF_LOG_ONLY),
     PERF_CALLBACK_SEC: ("s", "`perf/callback_sec/<ClassName>`: the seconds of one of the user's callback classes' "
                              "events in the step (the user_callbacks phase by class), present when it spent any",
                         PERF_LOG_ONLY),
@@ -162,7 +163,9 @@ KEY_DOCS: dict[str, tuple[str, str, str]] = {
                              PERF_LOG_ONLY),
     PERF_EARLY_CONTENTION_SEC: ("s", "the meter's contention figure so far: slow early steps' excess that no extra "
                                      "CPU time of the process explains", PERF_LOG_ONLY),
-    PERF_CPU_SEC: ("s", "process CPU time (all threads) over the same span as `perf/step_wall_sec`", PERF_LOG_ONLY),
+    PERF_CPU_SEC: ("s", "process CPU time (all threads; on a CPU device its child processes' too: inductor's compile "
+                        "workers, DataLoader workers) over the same span as `perf/step_wall_sec`", PERF_LOG_ONLY),
+    PERF_CHILD_CPU_SEC: ("s", "CPU device: the child processes' part of `perf/cpu_sec`", PERF_LOG_ONLY),
     PERF_CPU_TIME_RATIO: ("cores", "`perf/cpu_sec` / `perf/step_wall_sec`: threads this process kept busy",
                           PERF_LOG_ONLY),
     PERF_OTHER_CPU_CORES: ("cores", "busy cores of the machine during the step minus this process's",
@@ -229,7 +232,8 @@ __all__ = [
     "PERF_HFU", "PERF_ROLLOUT_TOKENS_PER_SEC", "PERF_TRAIN_TOKENS_PER_SEC", "PERF_DECODE_BANDWIDTH_UTIL",
     "PERF_FORWARDS_PER_MICROBATCH", "PERF_PAD_FRACTION", "PERF_PHASE_SHARE", "PERF_PHASE_SEC", "PERF_STEP_WALL_SEC",
     "PERF_TOKENS", "PERF_SEQ_LEN", "PERF_TRAIN_SEC", "PERF_STEADY", "PERF_FIRST_STEADY_STEP",
-    "PERF_EARLY_CONTENTION_SEC", "PERF_CPU_SEC", "PERF_CPU_TIME_RATIO", "PERF_OTHER_CPU_CORES", "PERF_LOAD_PER_CORE",
+    "PERF_EARLY_CONTENTION_SEC", "PERF_CPU_SEC", "PERF_CHILD_CPU_SEC", "PERF_CPU_TIME_RATIO", "PERF_OTHER_CPU_CORES",
+    "PERF_LOAD_PER_CORE",
     "PERF_GENERATION_BATCH", "PERF_COMPLETION_TOKENS", "PERF_WEIGHT_SYNC_SEC", "PERF_REWARD_SEC",
     "PERF_CALLBACK_SEC", "MEM_DEVICE_USED_GB", "MEM_ALLOCATED_GB", "MEM_DRIVER_GB", "MEM_PEAK_GB", "MEM_LIMIT_GB",
     "MEM_OUTSIDE_GB", "MEM_SYSTEM_AVAILABLE_GB", "MEM_SWAP_USED_GB", "MEM_PRESSURE", "MEM_STEPS_TO_WALL",

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict, TypeGuard, get_args
 
 from .keys import *  # noqa: F403 -- the keys and file names stay importable from here (runlog.PERF_MFU)
-from .keys import PERF_LOG, TRAINER_STATE
+from .keys import PERF_LOG
 from .keys import __all__ as _KEYS
 
 logger = logging.getLogger("hf_perf_callbacks")
@@ -81,6 +81,9 @@ def number(value: object) -> float | None:
 
 #: a run header's ``launcher`` when the recipe launcher started the run (the report words its advice as recipe keys)
 HF_PERF_TRAIN = "hf-perf train"
+#: what a run's MFU is measured against (the run header's ``mfu_basis``): the device table's peak, a peak the user
+#: gave, a matmul calibrated at the start (on wall time), or — a CPU calibrated — per CPU second of the process
+MFU_BASES = ("table", "given", "calibrated", "cpu_time")
 
 # ---------------------------------------------------------------- records
 
@@ -93,6 +96,10 @@ class RunHeader:
     sources: list[str] = field(default_factory=list)      # the callbacks that described the run
     time: float | None = None
     launcher: str | None = None                            # the command that started the run (HF_PERF_TRAIN)
+    # the launcher: what the recipe it ran was written for (its ``recipe``, ``machine``, ``device_type``, ``model``,
+    # ``max_completion_length``, ``memory``: the recipe's own values of the settings that size memory), before any
+    # command-line override; a run on another model, device or length stood in for it
+    target: dict[str, Any] = field(default_factory=dict)
     resize: bool | None = None            # True: this call continues the run after train_with_tuning's in-process
     #                                       re-size or switch of split (not a resume)
     # ThroughputMeter
@@ -103,6 +110,9 @@ class RunHeader:
     token_source: str | None = None
     period: int | None = None
     peak_flops: float | None = None
+    mfu_basis: str | None = None          # what MFU is against: MFU_BASES
+    peak_flops_per_cpu_sec: float | None = None   # CPU, calibrated: the calibration's FLOPs per CPU second
+    warmup_tolerance: float | None = None   # the meter's stable band: a step within it of the steady step is steady
     peak_bandwidth: float | None = None
     dtype: str | None = None
     per_device_train_batch_size: int | None = None
@@ -142,17 +152,6 @@ class RunHeader:
             self.sources.append(source)
         for name, value in facts.items():
             setattr(self, name, value)
-
-    def merge(self, other: RunHeader) -> None:
-        """Take ``other``'s facts where it has them (an older log wrote one header per callback)."""
-        for f in dataclasses.fields(self):
-            value = getattr(other, f.name)
-            if f.name == "sources":
-                self.sources += [s for s in value if s not in self.sources]
-            elif f.name in ("extra", "malformed"):
-                getattr(self, f.name).update(value)
-            elif value not in (None, {}) and f.name not in ("session", "resumed_from_step", "time"):
-                setattr(self, f.name, value)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": "run"}
@@ -478,6 +477,8 @@ class MeterSummary(_MeterSummaryBase, total=False):
     callback_sec: dict[str, dict[str, float]]   # callback class → event → seconds (the meter's own left out)
     recompute_clocked: bool                # the recompute phase was clocked (a CPU with gradient checkpointing)
     tail_callback_sec: dict[str, float]    # callback class → seconds after the last step (in callback_sec too)
+    compute_metrics_sec: float             # seconds in the trainer's compute_metrics (inside the eval phase)
+    warmup_in_band: bool | None            # the latest call's warmup steps each within the stable band of steady
 
 
 class WatchdogAction(TypedDict):
@@ -791,9 +792,8 @@ class _StepPacker:
 
 @dataclass
 class RunLog:
-    """A parsed run directory: the latest run's headers, step lines and events, the summaries written after its
-    last header (a resumed session killed before its end shows no stale summary), and ``trainer_state.json``'s
-    ``log_history`` (read when first asked for)."""
+    """A parsed run directory: the latest run's headers, step lines and events, and the summaries written after its
+    last header (a resumed session killed before its end shows no stale summary)."""
 
     output_dir: str
     headers: list[RunHeader] = field(default_factory=list)
@@ -802,7 +802,6 @@ class RunLog:
     summaries: dict[str, SummaryLine] = field(default_factory=dict)
     skipped_lines: int = 0
     replaced_runs: int = 0          # earlier runs started afresh in the same output_dir, dropped
-    _history: list[dict[str, Any]] | None = field(default=None, repr=False, compare=False)
     _unique: tuple[int, list[ReadStep]] | None = field(default=None, repr=False, compare=False)
     #: what the readers computed once from this run (``figures.figures``): the report, plots and analysis share it
     cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -846,18 +845,6 @@ class RunLog:
         others = {k for s in self.steps if s._others for k in s._others}
         return frozenset(k for index in sets.values() for k in index) | others
 
-    @property
-    def log_history(self) -> list[dict[str, Any]]:
-        """``trainer_state.json``'s ``log_history`` ([] when absent), read once when first asked for."""
-        if self._history is None:
-            path = os.path.join(self.output_dir, TRAINER_STATE) if self.output_dir else ""
-            self._history = (_read_log_history(path) or []) if path else []
-        return self._history
-
-    @log_history.setter
-    def log_history(self, history: list[dict[str, Any]]) -> None:
-        self._history = history
-
     def unique_steps(self) -> list[ReadStep]:
         """Step lines ordered by step, one per step (a step re-run after a resume keeps its latest line); computed
         once per parse."""
@@ -882,23 +869,6 @@ class RunLog:
                 return h
         return RunHeader()
 
-    def latest_log_history(self) -> list[dict[str, Any]]:
-        """``log_history`` of ``trainer_state.json``, else of the latest checkpoint's (a run killed before it saved
-        its final state)."""
-        if self.log_history:
-            return self.log_history
-        checkpoints = []
-        for name in _listdir(self.output_dir):
-            suffix = name.removeprefix("checkpoint-")
-            if name.startswith("checkpoint-") and suffix.isdigit():
-                checkpoints.append((int(suffix), os.path.join(self.output_dir, name, TRAINER_STATE)))
-        for _, path in sorted(checkpoints, reverse=True):
-            if os.path.exists(path):
-                history = _read_log_history(path)
-                if history is not None:
-                    return history
-        return []
-
 
 def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
     """Parse perf-log lines, one at a time (see the module docstring for fresh runs and resumes); garbled lines are
@@ -907,7 +877,6 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
     packer = _StepPacker()
     summaries: dict[str, SummaryLine] = {}
     session = None
-    steps_since_header = 0
     current = 0                                         # the step the latest step line completed
     for line in lines:
         line = line.strip()
@@ -923,18 +892,12 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
                 run.skipped_lines += 1
                 continue
             run.steps.append(read)
-            steps_since_header += 1
             current = read.step
             continue
         record = parse_record(entry)
         if record is None or isinstance(record, StepLine):
             run.skipped_lines += 1
         elif isinstance(record, RunHeader):
-            last = run.headers[-1] if run.headers else None
-            if (last is not None and not steps_since_header and last.session == record.session
-                    and last.resumed_from_step == record.resumed_from_step):
-                last.merge(record)                      # an older log: one header per callback of one train()
-                continue
             if record.session is not None and record.session != session:
                 if run.headers and not record.resumed_from_step and (run.steps or run.events):
                     run.replaced_runs += 1              # a fresh run in a reused output_dir: start over
@@ -942,7 +905,6 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
                 session = record.session
             run.headers.append(record)
             summaries = {}
-            steps_since_header = 0
             current = record.resumed_from_step
         elif isinstance(record, EventLine):
             if record.step is None:                     # logged without one: after the step completed before it
@@ -955,9 +917,8 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
 
 
 def read_run(output_dir: str | os.PathLike[str]) -> RunLog:
-    """Read ``OUTPUT_DIR/perf_log.jsonl`` line by line (``trainer_state.json``'s ``log_history`` when first asked
-    for). Raises :class:`ReportError` (a ``ValueError``) when ``output_dir`` is not a directory, has no perf log, or
-    the log holds nothing readable."""
+    """Read ``OUTPUT_DIR/perf_log.jsonl`` line by line. Raises :class:`ReportError` (a ``ValueError``) when
+    ``output_dir`` is not a directory, has no perf log, or the log holds nothing readable."""
     output_dir = os.fspath(output_dir)
     if not os.path.isdir(output_dir):
         raise ReportError(f"{output_dir!r} is not a directory: expected a training run's output_dir holding "
@@ -976,22 +937,6 @@ def read_run(output_dir: str | os.PathLike[str]) -> RunLog:
         raise ReportError(f"{path} holds {what}: the run stopped before its first step was logged, or the log was "
                           f"written by something else. {HOW_TO}")
     return run
-
-
-def _read_log_history(path: str) -> list[dict[str, Any]] | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            history = json.load(f).get("log_history", [])
-    except (OSError, ValueError, AttributeError):
-        return None
-    return [h for h in history if isinstance(h, dict)] if isinstance(history, list) else []
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
 
 
 __all__ = [

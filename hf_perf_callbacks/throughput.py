@@ -22,7 +22,7 @@ from .runlog import MeterSummary, WarningFigures
 from .stats import generation_period
 from .timeline import StepRecord, StepTimeline
 from .validation import check_flag, check_number, did_you_mean
-from .wording import argument_hint, phase_line, provisional_line, throughput_line, warmup_line
+from .wording import argument_hint, mfu_words, phase_line, provisional_line, throughput_line, warmup_line, wrapped
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -50,12 +50,43 @@ class MachineLoad:
     """Per-step contention data: the process's CPU time beside the wall time, and what the rest of the machine did.
 
     ``psutil.cpu_times()`` is read once per step (our own previous reading, so other users of psutil's
-    ``cpu_percent`` do not disturb it); ``os.getloadavg()`` where the platform has it.
+    ``cpu_percent`` do not disturb it); ``os.getloadavg()`` where the platform has it. Where ``count_children`` (a
+    CPU device: there the CPU time is the work), the CPU clock counts the process's child processes too
+    (:meth:`cpu`): inductor's compile workers and DataLoader workers work for the run on other cores.
     """
 
     def __init__(self) -> None:
         self.cores = os.cpu_count() or 1
         self.previous: float | None = None
+        self.count_children = False
+        self.children_seen: float | None = None      # the children's CPU seconds at the previous reading
+        self.children_step = 0.0                     # ... and since the one before it
+
+    @staticmethod
+    def children_cpu() -> float:
+        """CPU seconds of this process's child processes: those it has reaped (``os.times``) and the live ones,
+        each with the children it has reaped in turn (psutil); a process gone between the reads is skipped."""
+        times = os.times()
+        total = times.children_user + times.children_system
+        for child in psutil.Process().children(recursive=True):
+            try:
+                t = child.cpu_times()
+            except psutil.Error:  # gone, a zombie, not ours to read
+                continue
+            total += t.user + t.system + getattr(t, "children_user", 0.0) + getattr(t, "children_system", 0.0)
+        return total
+
+    def cpu(self, own: float) -> float:
+        """The process's CPU clock reading ``own``, plus its children's where they are counted."""
+        if not self.count_children:
+            return own
+        try:
+            children = self.children_cpu()
+        except Exception:  # noqa: BLE001 - a platform without the reading: the process's own CPU time
+            return own
+        self.children_step = max(0.0, children - self.children_seen) if self.children_seen is not None else 0.0
+        self.children_seen = children
+        return own + children
 
     @staticmethod
     def _busy() -> float:
@@ -75,6 +106,8 @@ class MachineLoad:
         if record.cpu is not None and record.wall > 0:
             fields[keys.PERF_CPU_SEC] = record.cpu
             fields[keys.PERF_CPU_TIME_RATIO] = record.cpu / record.wall
+            if self.count_children:
+                fields[keys.PERF_CHILD_CPU_SEC] = self.children_step
         if self.previous is not None:
             try:
                 busy = self._busy()
@@ -113,6 +146,22 @@ class MeterRun:
     trainer: Any = None                  # the trainer whose train() runs (async GRPO's figures are read from it)
 
 
+@dataclass(frozen=True)
+class EndedStep:
+    """An optimizer step measured at its end, waiting for every rank's figures (the step's one exchange): its record,
+    the device counters read once, this rank's tokens, completion tokens and engine seconds (the engine calls it made
+    or waited for), the user's callbacks' seconds, and the trainer's arguments and control of that event."""
+
+    record: StepRecord
+    counts: list[int]                    # [HOOK_TOKENS, GENERATED, REAL_POSITIONS]
+    tokens: float
+    generated: float
+    engine: float
+    callbacks: dict[str, float]
+    args: Any                            # the data-wait advice reads its DataLoader settings
+    control: Any                         # a logging step publishes the phase shares
+
+
 @dataclass
 class MeterStep:
     """The counters of one optimizer step in progress (made afresh after each step)."""
@@ -127,6 +176,7 @@ class MeterStep:
     forwards: int = 0
     microbatches: int = 0
     padded_positions: int = 0
+    ended: EndedStep | None = None       # measured at its end, waiting for the exchange
 
 
 class ThroughputMeter(PerfCallback):
@@ -199,8 +249,11 @@ class ThroughputMeter(PerfCallback):
                                                     (warmup is decided a few steps after it ended)
     ``perf/early_contention_sec``         s         the meter's contention figure so far (summary's
                                                     ``early_contention_sec``)
-    ``perf/cpu_sec``                      s         process CPU time (``time.process_time``, all threads) since the
-                                                    previous step ended: the same span as ``perf/step_wall_sec``
+    ``perf/cpu_sec``                      s         process CPU time (``time.process_time``, all threads; on a CPU
+                                                    device its child processes' too) since the previous step ended:
+                                                    the same span as ``perf/step_wall_sec``
+    ``perf/child_cpu_sec``                s         CPU device: the child processes' part of ``perf/cpu_sec``
+                                                    (inductor's compile workers, DataLoader workers)
     ``perf/cpu_time_ratio``               cores     ``perf/cpu_sec`` / ``perf/step_wall_sec``: threads kept busy
     ``perf/other_cpu_cores``              cores     busy cores of the machine during the step minus this process's
                                                     (``psutil.cpu_times``): other processes' load
@@ -211,8 +264,8 @@ class ThroughputMeter(PerfCallback):
     ``perf/weight_sync_sec``              s         GRPO with vLLM: time in ``VLLMGeneration.sync_weights`` (async
                                                     GRPO: ``_sync_weight``), TRL's own work in it included (part of
                                                     the ``generation`` phase)
-    ``perf/reward_sec``                   s         GRPO: time in TRL's reward functions (``_calculate_rewards``;
-                                                    part of the ``compute`` phase)
+    ``perf/reward_sec``                   s         GRPO: time in TRL's reward functions (``_calculate_rewards``:
+                                                    the ``reward`` phase)
     ``perf/phase_sec/<phase>``            s         the step's seconds per phase (:data:`~hf_perf_callbacks.keys.
                                                     PHASES`, defined in :mod:`hf_perf_callbacks.timeline`), on the
                                                     same interval as ``perf/step_wall_sec``: they sum to it, the
@@ -283,6 +336,9 @@ class ThroughputMeter(PerfCallback):
         self.peak_flops, self.peak_bandwidth = peak_flops, peak_bandwidth
         self.data_wait_threshold, self.progress_bar = data_wait_threshold, progress_bar
         self.run_peak_flops: float | None = None       # the peaks this run's MFU and decode figures use
+        self.mfu_basis: str | None = None              # what MFU is against (runlog.MFU_BASES)
+        self.peak_per_cpu_sec: float | None = None     # CPU, calibrated: the calibration's FLOPs per CPU second
+        self.metrics_sec = 0.0                         # seconds in the trainer's compute_metrics, the whole run
         self.run_peak_bandwidth: float | None = None
         self.machine = MachineLoad()
         self.warned: set[str] = set()
@@ -361,13 +417,16 @@ class ThroughputMeter(PerfCallback):
         self._reset_step_counters()
         self._run.device.synchronize()
         self.machine.reset()
-        self.timeline.start_segment(self.clock.wall(), self._run.period, cpu=self.clock.cpu(),
+        self.machine.count_children = self._run.device.type == "cpu"
+        self.machine.children_seen = None
+        self.timeline.start_segment(self.clock.wall(), self._run.period, cpu=self.machine.cpu(self.clock.cpu()),
                                     work="cpu" if self._run.device.type == "cpu" else "wall")
         self._install_clocks(model)
         self._bus.log.describe_run(self.source, state.global_step, device=self._run.device.name,
                                device_type=self._run.device.type, world_size=self._run.world, grpo=self._run.is_grpo,
                                token_source=self._run.token_source, period=self._run.period,
-                               peak_flops=self.run_peak_flops,
+                               peak_flops=self.run_peak_flops, mfu_basis=self.mfu_basis,
+                               peak_flops_per_cpu_sec=self.peak_per_cpu_sec, warmup_tolerance=self.warmup_tolerance,
                                peak_bandwidth=self.run_peak_bandwidth, dtype=self._run.dtype_key,
                                per_device_train_batch_size=args.per_device_train_batch_size,
                                gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -382,7 +441,8 @@ class ThroughputMeter(PerfCallback):
                                weight_sync_steps=(getattr(args, "weight_sync_steps", None)
                                                   if self.backend == adapter.ASYNC_BACKEND else None),
                                activation_checkpointing=self._run.recompute, model=self._model_facts(),
-                               dataloader=_dataloader_settings(args), trainer_settings=_trainer_settings(args),
+                               dataloader=_dataloader_settings(args),
+                               trainer_settings=_trainer_settings(args, adapter.calling_trainer()),
                                torch_threads=torch.get_num_threads(),
                                cpu_cores=os.cpu_count())
 
@@ -482,6 +542,7 @@ class ThroughputMeter(PerfCallback):
                                                        lambda phase: self.timeline.leave(phase, now())))
         self._undo_clocks.append(adapter.time_callbacks(handler, self._callback_started, self._callback_finished))
         self._undo_clocks.append(self._clock_own_work(now))
+        self._clock_compute_metrics(trainer)
         self.clocked = True
         if self._run.recompute and self._run.device.type == "cpu":
             from transformers.modeling_layers import GradientCheckpointingLayer
@@ -503,6 +564,23 @@ class ThroughputMeter(PerfCallback):
 
         self._bus.own_work_clocks.append(clock)
         return lambda: self._bus.own_work_clocks.remove(clock) if clock in self._bus.own_work_clocks else None
+
+    def _clock_compute_metrics(self, trainer: Any) -> None:
+        """Time the trainer's ``compute_metrics`` (inside the evaluation phase): ``compute_metrics_sec`` in the
+        summary, what the evaluation finding weighs against the rest of an evaluation."""
+        metrics = getattr(trainer, "compute_metrics", None)
+        if not callable(metrics):
+            return
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = self.clock.wall()
+            try:
+                return metrics(*args, **kwargs)
+            finally:
+                self.metrics_sec += self.clock.wall() - start
+
+        trainer.compute_metrics = timed
+        self._undo_clocks.append(lambda: setattr(trainer, "compute_metrics", metrics))
 
     def _callback_phase(self, callback: object) -> str:
         """The phase of a callback's events: the package's own, the trainer's logging and flow (transformers', TRL's
@@ -598,6 +676,7 @@ class ThroughputMeter(PerfCallback):
             self._step.sync_seconds += seconds
         elif kind == adapter.REWARD:
             self._step.reward_seconds += seconds
+            self.timeline.add_reward(seconds)           # the reward phase, out of the step's compute
         completions, tokens, longest = adapter.rollout_counts(kind, result)
         if kind == adapter.ROLLOUT:
             self._step.completions += completions
@@ -617,12 +696,14 @@ class ThroughputMeter(PerfCallback):
         self._run.recompute = bool(getattr(self._run.inner, name, False))
         self._run.weight_bytes = sum(full_numel(p) * p.element_size() for p in self._run.inner.parameters())
         table = self._run.device.peak()
+        self.mfu_basis, self.peak_per_cpu_sec = None, None
         if self.peak_flops == "calibrate":
-            self.run_peak_flops = self._run.device.calibrate_flops(dtype)
+            self._calibrate(dtype)
         elif self.peak_flops is not None:
-            self.run_peak_flops = float(self.peak_flops)
+            self.run_peak_flops, self.mfu_basis = float(self.peak_flops), "given"
         else:
             self.run_peak_flops = table.flops.get(self._run.dtype_key) if table else None
+            self.mfu_basis = "table" if self.run_peak_flops else None
         self.run_peak_bandwidth = self.peak_bandwidth or (table.bandwidth if table else None)
         if self.run_peak_flops is None and "mfu" not in self.warned:
             self.warned.add("mfu")
@@ -631,6 +712,18 @@ class ThroughputMeter(PerfCallback):
                       f"the {self._run.dtype_key} peak FLOP/s (or give it), none known for '{self._run.device.name}'",
                       step=step)
 
+    def _calibrate(self, dtype: torch.dtype) -> None:
+        """The peak from a matmul on this device; on a CPU also its FLOPs per CPU second (the calibration's CPU
+        seconds over its wall seconds are the cores it got): MFU there is per CPU time, which other processes on the
+        machine change neither during the calibration nor during training."""
+        wall, cpu = self.clock.wall(), self.clock.cpu()
+        self.run_peak_flops = self._run.device.calibrate_flops(dtype)
+        busy = (self.clock.cpu() - cpu) / max(1e-9, self.clock.wall() - wall)
+        if self._run.device.type == "cpu" and busy > 0:
+            self.mfu_basis, self.peak_per_cpu_sec = "cpu_time", self.run_peak_flops / busy
+        else:
+            self.mfu_basis = "calibrated"
+
     def _model_facts(self) -> dict[str, Any]:
         """What memory and FLOP estimates need from the model config (for the report)."""
         config: Any = getattr(self._run.inner, "config", None)   # a transformers config (or None), read by duck typing
@@ -638,7 +731,9 @@ class ThroughputMeter(PerfCallback):
         keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "vocab_size", "max_position_embeddings")
         facts = {k: getattr(config, k, None) for k in keys}
-        facts.update(params=sum(full_numel(p) for p in self._run.inner.parameters()),
+        name = getattr(self._run.inner, "name_or_path", None)
+        facts.update(name=name if isinstance(name, str) and name else None,
+                     params=sum(full_numel(p) for p in self._run.inner.parameters()),
                      trainable_params=sum(full_numel(p) for p in self._run.inner.parameters() if p.requires_grad),
                      bytes_per_param=next(self._run.inner.parameters()).element_size(),
                      matmul_params=self._run.shape.matmul_params,
@@ -717,11 +812,17 @@ class ThroughputMeter(PerfCallback):
     @hook
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._step.microbatches += 1
+        e = self._step.ended = self._end_step(args, state, control)
+        self._exchange(state.global_step, [e.tokens, e.record.train, e.generated, e.engine],    # the step's one
+                       self._step_ended)                                                         # exchange
+
+    def _end_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl) -> EndedStep:
+        """The step measured at its end: the one synchronize, its record, the device counters read once."""
         self.timeline.enter("compute", self.clock.wall())          # waiting for the device is the step's compute
         self._run.device.synchronize()                                   # the one synchronize per optimizer step
         end = self.clock.wall()
         trl_tokens = self._async_step() if self._run.token_source == "trl" else None
-        record = self.timeline.measure(state.global_step, end, cpu=self.clock.cpu())
+        record = self.timeline.measure(state.global_step, end, cpu=self.machine.cpu(self.clock.cpu()))
         self.timeline.leave("compute", end)
         callbacks, self.step_callback_sec = self.step_callback_sec, {}
         counts = self._run.counts.tolist()                               # one read of the device counters
@@ -732,10 +833,7 @@ class ThroughputMeter(PerfCallback):
         generated = float(counts[GENERATED]) if self._run.is_grpo else 0.0
         if self._stop_watching_entry is not None:                   # counted at TRL's entry, every backend
             generated = float(self._step.completion_tokens)
-        engine = self._step.engine_seconds
-        self._exchange(state.global_step, [tokens, record.train, generated, engine],      # the step's one exchange
-                       lambda rows: self._step_ended(args, state, control, record, counts, tokens, callbacks, rows,
-                                                     engine))
+        return EndedStep(record, counts, tokens, generated, self._step.engine_seconds, callbacks, args, control)
 
     def _async_step(self) -> float | None:
         """Async GRPO at the step's end, as TRL measured it (before its own callback resets the figures): the queue
@@ -745,10 +843,11 @@ class ThroughputMeter(PerfCallback):
             self.timeline.reassign(wait, "data_wait", "rollout_wait")
         return adapter.async_trained_tokens(self._run.trainer)
 
-    def _step_ended(self, args: Any, state: Any, control: Any, record: StepRecord, counts: list[int],
-                    tokens: float, callbacks: dict[str, float], rows: Rows, engine: float) -> None:
+    def _step_ended(self, rows: Rows) -> None:
         """The step's figures once every rank's tokens and training seconds are known (``rows``)."""
-        train_seconds = None
+        e = self._step.ended
+        assert e is not None, "the exchange finishes the step on_step_end measured"
+        record, tokens, train_seconds = e.record, e.tokens, None
         if self._run.world > 1:
             tokens = sum(r[0] for r in rows) if self._run.token_source == "hook" else tokens
             train_seconds = max(r[1] for r in rows)
@@ -756,22 +855,21 @@ class ThroughputMeter(PerfCallback):
         # the rollout's rate over every rank: all ranks' completion tokens over the step's engine time (the ranks'
         # engines run at once; a server serving every rank made one call, on the main process)
         all_generated, longest = sum(r[2] for r in rows), max(r[3] for r in rows)
-        metrics = self._step_metrics(record, all_generated / longest if longest > 0 else None, engine)
+        metrics = self._step_metrics(record, all_generated / longest if longest > 0 else None, e.engine)
         if self._step.padded_positions:
-            metrics[keys.PERF_PAD_FRACTION] = 1.0 - counts[REAL_POSITIONS] / self._step.padded_positions
-        self._check_duplicates(state.global_step)
-        self._check_data_wait(args, state.global_step)
-        self._bus.log.record_step(state.global_step, {**metrics, **{keys.PERF_PHASE_SEC[p]: getattr(record, p)
-                                                                 for p in PHASES},
-                                                 keys.PERF_STEP_WALL_SEC: record.wall,
-                                                 keys.PERF_TRAIN_SEC: record.train,
-                                                 keys.PERF_TOKENS: tokens, keys.PERF_SEQ_LEN: self._run.seq_len,
-                                                 keys.PERF_STEADY: int(record.steady),
-                                                 keys.PERF_FIRST_STEADY_STEP: self.timeline.first_steady_step,
-                                                 keys.PERF_EARLY_CONTENTION_SEC: self.timeline.early_contention,
-                                                 **{keys.PERF_CALLBACK_SEC + k: v for k, v in callbacks.items()},
-                                                 **self.machine.step_fields(record), **self._rollout_fields()})
-        if control.should_log:   # phase shares over this logging interval, in % (as the console's time split)
+            metrics[keys.PERF_PAD_FRACTION] = 1.0 - e.counts[REAL_POSITIONS] / self._step.padded_positions
+        self._check_duplicates(record.step)
+        self._check_data_wait(e.args, record.step)
+        self._bus.log.record_step(record.step, {**metrics, **{keys.PERF_PHASE_SEC[p]: getattr(record, p)
+                                                              for p in PHASES},
+                                                keys.PERF_STEP_WALL_SEC: record.wall, keys.PERF_TRAIN_SEC: record.train,
+                                                keys.PERF_TOKENS: tokens, keys.PERF_SEQ_LEN: self._run.seq_len,
+                                                keys.PERF_STEADY: int(record.steady),
+                                                keys.PERF_FIRST_STEADY_STEP: self.timeline.first_steady_step,
+                                                keys.PERF_EARLY_CONTENTION_SEC: self.timeline.early_contention,
+                                                **{keys.PERF_CALLBACK_SEC + k: v for k, v in e.callbacks.items()},
+                                                **self.machine.step_fields(record), **self._rollout_fields()})
+        if e.control.should_log:   # phase shares over this logging interval, in % (as the console's time split)
             metrics.update({keys.PERF_PHASE_SHARE[k]: 100.0 * v for k, v in self.timeline.take_window_phases().items()
                             if k != "generation" or self.backend is not None})    # generation: a generating trainer's
         self._bus.merger.publish({k: v for k, v in metrics.items()
@@ -797,7 +895,7 @@ class ThroughputMeter(PerfCallback):
         tl = self.timeline
         rate = tl.tokens_per_sec
         m: dict[str, Any] = dict(tl.rate_metrics(self._run.world))
-        mfu = self._utilisation(rate)
+        mfu = self._utilisation(rate, tl.cpu_rate.rate())
         m.update(mfu)
         m[keys.PERF_FORWARDS_PER_MICROBATCH] = self._step.forwards / max(1, self._step.microbatches)
         if self._run.is_grpo and rollout_rate is not None:
@@ -827,14 +925,19 @@ class ThroughputMeter(PerfCallback):
             model, hardware = model * self._run.num_iterations + forward, hardware * self._run.num_iterations + forward
         return model, hardware
 
-    def _utilisation(self, rate: float | None) -> dict[str, float]:
-        if not (self.run_peak_flops and rate):
+    def _utilisation(self, rate: float | None, cpu_rate: float | None) -> dict[str, float]:
+        """MFU (and HFU) of ``rate``, tokens per second of training time, against the peak; on a CPU calibrated
+        (``mfu_basis`` "cpu_time") of ``cpu_rate``, tokens per training CPU second, against the calibration's FLOPs
+        per CPU second."""
+        per_cpu = self.mfu_basis == "cpu_time"
+        peak, rate = (self.peak_per_cpu_sec, cpu_rate) if per_cpu else (self.run_peak_flops, rate)
+        if not (peak and rate):
             return {}
         model, hardware = self._flops_per_token()
         per_device = rate / self._run.world
-        out = {keys.PERF_MFU: model * per_device / self.run_peak_flops}
+        out = {keys.PERF_MFU: model * per_device / peak}
         if self._run.recompute:
-            out[keys.PERF_HFU] = hardware * per_device / self.run_peak_flops
+            out[keys.PERF_HFU] = hardware * per_device / peak
         return out
 
     def _check_duplicates(self, step: int) -> None:
@@ -863,6 +966,7 @@ class ThroughputMeter(PerfCallback):
         out: MeterSummary = {"steps": tl.steps, "tokens": tl.total_tokens, "train_seconds": tl.total_train_seconds,
                "warmup_done": tl.warmup_done, "warmup_steps": tl.warmup_steps,
                "warmup_overhead_sec": tl.warmup_overhead, "first_step_slowdown": tl.first_step_slowdown,
+               "warmup_in_band": tl.warmup_in_band,
                "steady_step_sec": tl.steady_step_seconds, "steady_tokens_per_sec": tl.steady_tokens_per_sec,
                "mean_tokens_per_sec": tl.total_tokens / tl.total_train_seconds if tl.total_train_seconds else None,
                "phases": tl.phase_fractions(), "device": self._run.device.name, "world_size": self._run.world,
@@ -873,13 +977,15 @@ class ThroughputMeter(PerfCallback):
                "callback_sec": {k: dict(v) for k, v in self.callback_sec.items()},
                "tail_callback_sec": dict(self.tail_callback_sec),
                "recompute_clocked": bool(self._run.recompute and self.clocked and self._run.device.type == "cpu")}
-        rate = tl.steady_tokens_per_sec
+        rate, cpu_rate = tl.steady_tokens_per_sec, tl.steady_tokens_per_cpu_sec
         provisional = tl.provisional() if rate is None else None
         if provisional is not None:                 # a short run: the rate of the steps it has, marked as such
-            rate = provisional[0]
+            rate, cpu_rate = provisional[0], provisional[4]
             out["provisional"], out["provisional_tokens_per_sec"] = True, provisional[0]
             out["provisional_step_sec"], out["provisional_steps"] = provisional[1], [provisional[2], provisional[3]]
-        utilisation = self._utilisation(rate)
+        if self.metrics_sec:
+            out["compute_metrics_sec"] = self.metrics_sec
+        utilisation = self._utilisation(rate, cpu_rate)
         if keys.PERF_MFU in utilisation:
             out["mfu"] = utilisation[keys.PERF_MFU]
         if keys.PERF_HFU in utilisation:
@@ -888,10 +994,11 @@ class ThroughputMeter(PerfCallback):
 
     def format_summary(self) -> str:
         s = self.summary or self.summarize()
-        mfu = (f"   MFU {s['mfu']:.1%}" + (" (provisional)" if s.get("provisional") else "") if "mfu" in s
-               else "   MFU n/a (peak unknown)" if not s["peak_flops"] else "")
+        mfu = (mfu_words(s["mfu"], self.mfu_basis, bool(s.get("provisional"))) if "mfu" in s
+               else "MFU n/a (peak unknown)" if not s["peak_flops"] else "")
         warmup = warmup_line(s["warmup_done"], s["warmup_steps"], s["first_step_slowdown"], s["warmup_overhead_sec"],
-                             s["steps"], s.get("early_contention_sec"))
+                             s["steps"], s.get("early_contention_sec"), in_band=s.get("warmup_in_band"),
+                             tolerance=self.warmup_tolerance)
         if s["warmup_done"] and s.get("warmup_measured_on") == "cpu":
             warmup += "   (decided on CPU time)"
         lines = [
@@ -900,7 +1007,8 @@ class ThroughputMeter(PerfCallback):
             f"warmup: {warmup}",
             (provisional_line(s["provisional_tokens_per_sec"], s["provisional_step_sec"], s["provisional_steps"],
                               s["mean_tokens_per_sec"]) if s.get("provisional")
-             else throughput_line(s["steady_tokens_per_sec"], s["steady_step_sec"], s["mean_tokens_per_sec"])) + mfu,
+             else throughput_line(s["steady_tokens_per_sec"], s["steady_step_sec"], s["mean_tokens_per_sec"])),
+            *([wrapped(mfu)] if mfu else []),
             phase_line(s["phases"]),
         ]
         return "\n".join(lines)
@@ -910,14 +1018,15 @@ class ThroughputMeter(PerfCallback):
         """A fresh run starts over (see ``base``); a resume keeps what its checkpoint restored."""
         self.timeline = StepTimeline(self.window_steps, self.warmup_window, self.warmup_tolerance,
                                      self.max_warmup_steps)
-        self.warned, self.summary = set(), None
+        self.warned, self.summary, self.metrics_sec = set(), None, 0.0
 
     def export(self) -> dict[str, Any]:
-        return {"timeline": self.timeline.export(), "warned": sorted(self.warned)}
+        return {"timeline": self.timeline.export(), "warned": sorted(self.warned), "metrics_sec": self.metrics_sec}
 
     def load(self, saved: dict[str, Any]) -> None:
         self.timeline.load(saved.get("timeline", {}))
         self.warned = set(saved.get("warned", []))
+        self.metrics_sec = float(saved.get("metrics_sec", 0.0))
 
     def close(self) -> None:
         for undo in reversed(self._undo_clocks):
@@ -946,17 +1055,23 @@ TRL_ASYNC_KEYS = {keys.PERF_TOKENS_PER_SEC: "perf/trained_tok_s_wall_clock", key
 
 #: the training arguments of the phases a user controls (the run header's ``trainer_settings``)
 TRAINER_SETTINGS = ("save_strategy", "save_steps", "save_only_model", "save_total_limit", "logging_strategy",
-                    "logging_steps", "eval_strategy", "eval_steps", "activation_checkpointing", "max_steps")
+                    "logging_steps", "logging_first_step", "eval_strategy", "eval_steps", "eval_delay",
+                    "activation_checkpointing", "max_steps", "torch_compile", "prediction_loss_only",
+                    "per_device_eval_batch_size", "eval_accumulation_steps", "batch_eval_metrics")
 
 
-def _trainer_settings(args: object) -> dict[str, Any]:
-    """The settings of :data:`TRAINER_SETTINGS` as JSON values (an enum as its value)."""
+def _trainer_settings(args: object, trainer: object = None) -> dict[str, Any]:
+    """The settings of :data:`TRAINER_SETTINGS` as JSON values (an enum as its value), and whether the trainer has a
+    ``compute_metrics`` and a ``preprocess_logits_for_metrics``."""
     out: dict[str, Any] = {}
     for name in TRAINER_SETTINGS:
         value = getattr(args, name, None)
         value = getattr(value, "value", value)
         if value is None or isinstance(value, (bool, int, float, str)):
             out[name] = value
+    if trainer is not None:
+        for name in ("compute_metrics", "preprocess_logits_for_metrics"):
+            out[name] = getattr(trainer, name, None) is not None
     return out
 
 

@@ -4,19 +4,6 @@ The caller feeds timestamps (seconds, any monotonic clock) at the trainer's even
 so every number is exact under test. Each optimizer step's record covers the wall time since the previous step
 ended, split into phases:
 
-phase                 time
-====================  ======================================================================================
-``data_wait``         from the last mark (previous step end, eval or save) to ``on_step_begin``: fetching the
-                      next batches (the Trainer prefetches a whole accumulation window before it) and logging;
-                      time the other callbacks report as their own (memory sampling, cache clears) is not
-                      counted here but under ``compute``
-``generation``        GRPO rollouts: inside TRL's ``_generate`` (HF ``generate``, vLLM server or colocate, weight
-                      syncs to vLLM included), else inside ``model.generate``
-``compute``           the rest: forward, backward, optimizer
-``eval``              from the previous mark to ``on_evaluate``
-``save``              from the previous mark to ``on_save``
-====================  ======================================================================================
-=======
 ==================  ======================================================================================
 phase               time
 ==================  ======================================================================================
@@ -28,6 +15,7 @@ phase               time
 ``rollout_wait``    GRPO: a rank waiting for rollouts made elsewhere: in a collective of the rollout for another
                     rank's weight sync or generation; async GRPO: the step's wait for the rollout queue (TRL's own
                     figure, moved out of ``data_wait`` with :meth:`StepTimeline.reassign`)
+``reward``          GRPO: inside TRL's reward functions (``_calculate_rewards``), out of the step's compute
 ``compute``         the rest of the step, from ``on_step_begin`` to ``on_step_end``: forward, backward,
                     optimizer (and the meter's one synchronize)
 ``recompute``       forwards the gradient checkpointing runs again during the backward (CPU: each part of a
@@ -56,12 +44,12 @@ a CPU device the process's CPU time (``work="cpu"``, :func:`time.process_time`, 
 the work, and a step that took longer with the same CPU time was slowed by other processes, not by warmup. CPU mode
 reports wall time all the same (the steady step time and the first step's slowdown below are wall figures), and the
 excess wall time of the cycles up to the decision over the steady wall median (from the decision's window on) is
-split once (:func:`~hf_perf_callbacks.stats.classify_slow_steps`): the part no extra CPU time explains is contention;
-the part extra CPU time explains (converted at the steady wall-per-CPU rate) is warmup overhead for the warmup
-cycles and steady jitter for the others. On a GPU the host's CPU time is launch and wait time, not the work (a GPU
-kernel's time shows up as wall time of a waiting host), so the detector stays on wall time there. Each ``train()``
-call (a resume included) starts a new segment with its own warmup; steady totals, the warmup overhead and the
-contention accumulate over segments (a fresh run starts a new timeline).
+split once (:func:`~hf_perf_callbacks.stats.classify_slow_steps`): the part no extra CPU time explains is contention.
+The CPU time counts the process's child processes too (inductor's compile workers, DataLoader workers: the caller adds
+them), so a compile in the first steps is warmup, not contention. On a GPU the host's CPU time is launch and wait
+time, not the work (a GPU kernel's time shows up as wall time of a waiting host), so the detector stays on wall time
+there. Each ``train()`` call (a resume included) starts a new segment with its own warmup; steady totals, the warmup
+overhead and the contention accumulate over segments (a fresh run starts a new timeline).
 
 The figures, one definition each (all in training time, eval and save excluded):
 
@@ -74,8 +62,9 @@ steady tokens/s            Σ tokens / Σ training seconds over the steady steps
 steady step time           Σ training seconds / number of steady steps (so steady tokens/s × steady step
                            time = the mean tokens of a steady step)
 first-step slowdown        the first cycle's training seconds / (steady step time × ``period``)
-warmup overhead            the warmup cycles' excess over the detector's steady level; in CPU mode the part of
-                           the warmup cycles' excess wall time that their extra CPU time explains
+warmup overhead            Σ over the warmup cycles of every segment of their training seconds above the
+                           steady step time × ``period`` (positive parts), the cycles holding a contention step
+                           left out: recomputable from the perf log's step lines and summary
 early contention           CPU mode: the excess wall time of the cycles up to the decision that no extra CPU
                            time explains (other processes); :attr:`StepTimeline.contention_steps` are the steps
                            of the cycles where it is the larger part
@@ -108,6 +97,7 @@ class StepRecord:
     save: float
     tokens: float = 0.0
     rollout_wait: float = 0.0
+    reward: float = 0.0
     steady: bool = False
     cpu: float | None = None   # process CPU seconds since the previous step ended (all threads), when measured
     log: float = 0.0
@@ -139,7 +129,10 @@ class StepTimeline:
         # cumulative over segments (exported for resume)
         self.steady_tokens = 0.0
         self.steady_seconds = 0.0
-        self.past_overhead = 0.0        # warmup overhead of earlier segments (see warmup_overhead)
+        #: (steps, training seconds, training CPU seconds or None) of every segment's warmup cycles
+        self.warmup_cycles: list[tuple[list[int], float, float | None]] = []
+        self.steady_cpu_seconds = 0.0   # Σ training CPU seconds of the steady steps that have a CPU reading ...
+        self.steady_cpu_steps = 0       # ... and how many they are
         self.total_tokens = 0.0
         self.total_train_seconds = 0.0
         self.phase_totals = dict.fromkeys(PHASES, 0.0)
@@ -159,9 +152,7 @@ class StepTimeline:
         if work not in ("wall", "cpu"):
             raise ValueError(f"work={work!r} is not allowed: expected 'wall' or 'cpu'")
         if hasattr(self, "segment_cycles"):
-            overhead, contention = self._segment_split()
-            self.past_overhead += overhead
-            self.past_contention += contention
+            self.past_contention += self._segment_contention()
             self.past_contention_steps += self._segment_contention_steps()
         self.work = work if cpu is not None else "wall"
         self.prev_cpu = cpu
@@ -172,10 +163,12 @@ class StepTimeline:
         self.decided_at: int | None = None   # CPU mode: cycles seen when warmup was decided
         self._split: tuple[int, SlowStart] | None = None   # the early split, keyed by len(segment_cycles)
         self.segments += 1
+        self.segment_warmup = len(self.warmup_cycles)   # where this segment's warmup cycles begin
         self.detector = WarmupDetector(max(2, -(-self.warmup_window // period)), self.warmup_tolerance,
                                        -(-self.max_warmup_steps // period))
         self.rate = WindowedRate(self.window_steps, period)
         self.train_rate = WindowedRate(self.window_steps, period)   # tokens per second outside generation
+        self.cpu_rate = WindowedRate(self.window_steps, period)     # tokens per training CPU second (CPU mode)
         self.last_mark = self.prev_end = t
         self.regions: list[str] = []          # clocked regions open now, innermost last
         self.step_begin_at: float | None = None
@@ -265,6 +258,11 @@ class StepTimeline:
         self.step_phases[target] += moved
         return moved
 
+    def add_reward(self, seconds: float) -> None:
+        """``seconds`` of the step's compute were GRPO's reward functions."""
+        if self.step_begin_at is not None:
+            self.step_phases["reward"] += seconds
+
     def add_recompute(self, seconds: float) -> None:
         """``seconds`` of the step's compute were forwards run again by gradient checkpointing."""
         if self.step_begin_at is not None:
@@ -280,9 +278,9 @@ class StepTimeline:
         p["compute"] -= generation
         p["generation"] += generation
         self.unclocked_generation = 0.0
-        recompute = min(p["recompute"], p["compute"])     # so did the recompute
-        p["compute"] -= recompute
-        p["recompute"] = recompute
+        for inside in ("reward", "recompute"):             # so did the rewards and the recompute
+            p[inside] = min(p[inside], p["compute"])
+            p["compute"] -= p[inside]
         self.step_phases = dict.fromkeys(PHASES, 0.0)
         self.last_mark = self.prev_end = t
         return wall, p
@@ -292,7 +290,7 @@ class StepTimeline:
         :meth:`commit`)."""
         wall, p = self._take_phases(t)
         record = StepRecord(step, wall, wall - p["eval"] - p["save"], p["data_wait"], p["generation"], p["compute"],
-                            p["eval"], p["save"], rollout_wait=p["rollout_wait"], log=p["log"],
+                            p["eval"], p["save"], rollout_wait=p["rollout_wait"], reward=p["reward"], log=p["log"],
                             own_callbacks=p["own_callbacks"],
                             user_callbacks=p["user_callbacks"], recompute=p["recompute"], unexplained=p["unexplained"])
         if cpu is not None and self.prev_cpu is not None:
@@ -324,6 +322,8 @@ class StepTimeline:
             self.window_phases[phase] += seconds
         self.rate.add(tokens, record.train)
         self.train_rate.add(tokens, max(0.0, record.train - record.generation - record.rollout_wait))
+        if record.train_cpu is not None:
+            self.cpu_rate.add(tokens, record.train_cpu)
         self.cycle.append(record)
         if len(self.cycle) == self.period:
             self._close_cycle(self.cycle)
@@ -350,6 +350,7 @@ class StepTimeline:
         if result is not None:                       # this cycle completed the warmup detection
             if cpu_mode:
                 self.decided_at = len(self.segment_cycles)
+            self.warmup_cycles += [_warmup_cycle(c) for c in self.unsettled[:result.warmup_samples]]
             settled = self.unsettled[result.warmup_samples:]
             self.first_steady_step = settled[0][0].step
             for steady in settled:
@@ -359,31 +360,20 @@ class StepTimeline:
     def _early_split(self) -> SlowStart:
         """CPU mode: the cycles up to the warmup decision classified once against the steady wall and CPU levels,
         the medians from the decision's window on (later cycles included: the window alone may still hold a
-        contended cycle). Of each slow cycle's excess wall time, the part its extra CPU time explains is warmup
-        when the cycle is a warmup cycle (a steady cycle's is within the steady band: neither), the rest
-        contention; recomputed only when a cycle was added."""
+        contended cycle): of each slow cycle's excess wall time, the part no extra CPU time explains is contention;
+        recomputed only when a cycle was added."""
         if self._split is None or self._split[0] != len(self.segment_cycles):
-            result = self.detector.result
-            assert result is not None, "called only once warmup was decided (see _cpu_decided)"
+            assert self.decided_at is not None, "called only once warmup was decided (see _cpu_decided)"
             walls, cpus, _ = zip(*self.segment_cycles)
             start = max(0, self.decided_at - self.detector.window)
             levels = (median(walls[start:]), median(cpus[start:]), self.warmup_tolerance)
-            slow = classify_slow_steps(walls[:self.decided_at], cpus[:self.decided_at], *levels)
-            warm = result.warmup_samples
-            slow.warmup_sec = classify_slow_steps(walls[:warm], cpus[:warm], *levels).warmup_sec if warm else 0.0
-            self._split = (len(self.segment_cycles), slow)
+            self._split = (len(self.segment_cycles),
+                           classify_slow_steps(walls[:self.decided_at], cpus[:self.decided_at], *levels))
         return self._split[1]
 
-    def _segment_split(self) -> tuple[float, float]:
-        """This segment's (warmup overhead, early contention) in wall seconds: on wall time the detector's overhead
-        and no contention; on CPU time the split of :meth:`_early_split`."""
-        result = self.detector.result
-        if result is None:
-            return 0.0, 0.0
-        if self._cpu_decided:
-            slow = self._early_split()
-            return slow.warmup_sec, slow.contention_sec
-        return result.overhead, 0.0
+    def _segment_contention(self) -> float:
+        """This segment's early contention in wall seconds (CPU mode, once warmup is decided; else 0)."""
+        return self._early_split().contention_sec if self.detector.done and self._cpu_decided else 0.0
 
     def _segment_contention_steps(self) -> list[int]:
         """This segment's steps in the cycles :meth:`_early_split` labels contention (CPU mode)."""
@@ -400,13 +390,36 @@ class StepTimeline:
 
     @property
     def warmup_overhead(self) -> float:
-        """Wall seconds above the steady step time during warmup, all segments."""
-        return self.past_overhead + self._segment_split()[0]
+        """Training seconds of the warmup cycles (all segments) above the steady step time s × their steps: a
+        cycle's excess in full on wall time; in CPU mode (the cycle and the steady steps have CPU readings) the part
+        of it that its CPU seconds above the steady steps' mean c explain, at s / c wall seconds per CPU second (the
+        rest is contention). Recomputable from the perf log's step lines (``perf/train_sec``, ``perf/cpu_sec`` ×
+        train / wall, ``perf/first_steady_step``); 0 before any warmup was decided."""
+        steady = self.steady_step_seconds
+        if steady is None:
+            return 0.0
+        cpu = self.steady_cpu_seconds / self.steady_cpu_steps if self.steady_cpu_steps else None
+        total = 0.0
+        for steps, seconds, train_cpu in self.warmup_cycles:
+            excess = max(0.0, seconds - steady * len(steps))
+            if train_cpu is not None and cpu:
+                excess = min(excess, max(0.0, train_cpu - cpu * len(steps)) * steady / cpu)
+            total += excess
+        return total
+
+    @property
+    def warmup_in_band(self) -> bool | None:
+        """This segment's warmup cycles each within ``warmup_tolerance`` of the steady step time (× their steps): a
+        speed that settled, not a warmup; None before warmup was decided or without warmup cycles."""
+        steady, cycles = self.steady_step_seconds, self.warmup_cycles[self.segment_warmup:]
+        if steady is None or not self.detector.done or not cycles:
+            return None
+        return all(seconds <= (1 + self.warmup_tolerance) * steady * len(steps) for steps, seconds, _ in cycles)
 
     @property
     def early_contention(self) -> float:
         """CPU mode: wall seconds of slow early cycles whose CPU time was flat (other processes), all segments."""
-        return self.past_contention + self._segment_split()[1]
+        return self.past_contention + self._segment_contention()
 
     def _steady(self, cycle: list[StepRecord]) -> None:
         for r in cycle:
@@ -414,6 +427,9 @@ class StepTimeline:
             self.steady_steps += 1
             self.steady_tokens += r.tokens
             self.steady_seconds += r.train
+            if r.train_cpu is not None:
+                self.steady_cpu_seconds += r.train_cpu
+                self.steady_cpu_steps += 1
 
     # ------------------------------------------------------------ readings
     @property
@@ -425,10 +441,17 @@ class StepTimeline:
     def steady_tokens_per_sec(self) -> float | None:
         return self.steady_tokens / self.steady_seconds if self.steady_seconds > 0 else None
 
-    def provisional(self) -> tuple[float, float, int, int] | None:
-        """While warmup is not decided (a short run): (tokens/s, seconds per step, first step, last step) over this
-        segment's steps so far, its first step left out when there are others (the slowest, as a rule); None once
-        warmup is decided or before any step. A figure of too few steps to call steady: marked provisional."""
+    @property
+    def steady_tokens_per_cpu_sec(self) -> float | None:
+        """Σ tokens / Σ training CPU seconds over the steady steps, when every one of them has a CPU reading."""
+        whole = self.steady_cpu_steps == self.steady_steps and self.steady_cpu_seconds > 0
+        return self.steady_tokens / self.steady_cpu_seconds if whole else None
+
+    def provisional(self) -> tuple[float, float, int, int, float | None] | None:
+        """While warmup is not decided (a short run): (tokens/s, seconds per step, first step, last step, tokens per
+        training CPU second or None) over this segment's steps so far, its first step left out when there are others
+        (the slowest, as a rule); None once warmup is decided or before any step. A figure of too few steps to call
+        steady: marked provisional."""
         if self.detector.done:
             return None
         records = [r for cycle in self.unsettled for r in cycle] + list(self.cycle)
@@ -437,7 +460,11 @@ class StepTimeline:
         seconds = sum(r.train for r in records)
         if not records or seconds <= 0:
             return None
-        return sum(r.tokens for r in records) / seconds, seconds / len(records), records[0].step, records[-1].step
+        tokens = sum(r.tokens for r in records)
+        cpus = [r.train_cpu for r in records]
+        cpu = sum(c for c in cpus if c is not None) if all(c is not None for c in cpus) else 0.0
+        return tokens / seconds, seconds / len(records), records[0].step, records[-1].step, \
+            tokens / cpu if cpu > 0 else None
 
     def rate_metrics(self, world: int = 1) -> dict[str, float]:
         """The step's rate figures as the perf log names them (those known so far): tokens/s over the window (whole
@@ -467,7 +494,8 @@ class StepTimeline:
         """The counters a resume restores (JSON-serialisable: saved in the checkpoint's trainer state)."""
         result = self.detector.result
         warmup = asdict(result) if result is not None else None
-        return {**{k: getattr(self, k) for k in _TOTALS}, "warmup_overhead": self.warmup_overhead,
+        return {**{k: getattr(self, k) for k in _TOTALS}, "warmup_cycles": [list(c) for c in self.warmup_cycles],
+                "warmup_overhead": self.warmup_overhead,
                 "early_contention": self.early_contention, "contention_steps": self.contention_steps,
                 "phase_totals": dict(self.phase_totals),
                 "last_warmup": warmup}
@@ -476,7 +504,8 @@ class StepTimeline:
         for key in _TOTALS:
             if key in saved:
                 setattr(self, key, saved[key])
-        self.past_overhead = saved.get("warmup_overhead", 0.0)
+        self.warmup_cycles = [(list(steps), float(seconds), cpu)
+                              for steps, seconds, cpu in saved.get("warmup_cycles", [])]
         self.past_contention = saved.get("early_contention", 0.0)
         self.past_contention_steps = list(saved.get("contention_steps", []))
         self.phase_totals.update(saved.get("phase_totals", {}))
@@ -484,7 +513,14 @@ class StepTimeline:
 
 #: the cumulative counters a resume restores
 _TOTALS = ("steady_tokens", "steady_seconds", "steady_steps", "total_tokens", "total_train_seconds", "steps",
-           "segments")
+           "segments", "steady_cpu_seconds", "steady_cpu_steps")
+
+
+def _warmup_cycle(cycle: list[StepRecord]) -> tuple[list[int], float, float | None]:
+    """A warmup cycle as :attr:`StepTimeline.warmup_cycles` keeps it: its steps, training and training CPU seconds."""
+    cpus = [r.train_cpu for r in cycle]
+    return [r.step for r in cycle], sum(r.train for r in cycle), \
+        sum(c for c in cpus if c is not None) if all(c is not None for c in cpus) else None
 
 
 def _shares(parts: dict[str, float]) -> dict[str, float]:

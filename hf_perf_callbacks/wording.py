@@ -11,6 +11,7 @@ from .runlog import HF_PERF_TRAIN
 
 #: what each phase of a step's wall time is, in words (keys: :data:`hf_perf_callbacks.runlog.PHASES`)
 PHASE_WORDS = {"data_wait": "waiting for data", "generation": "generation", "rollout_wait": "waiting for rollouts",
+               "reward": "reward functions",
                "compute": "forward/backward/optimizer",
                "eval": "evaluation", "save": "saving", "log": "logging", "own_callbacks": "this package's callbacks",
                "user_callbacks": "other callbacks", "recompute": "recompute (gradient checkpointing)",
@@ -59,14 +60,15 @@ def split_label(split: object) -> str:
     return f"{micro}×{accum}" if micro is not None and accum is not None else "?"
 
 
-def warmup_case(steps: object, slowdown: object) -> str:
+def warmup_case(steps: object, slowdown: object, in_band: object = None) -> str:
     """Which warmup :func:`warmup_words` describes, as a code: ``not_finished``; ``settled`` (the speed settled
-    after some steps, with no slow start: not a warmup); ``warmup`` (it took some steps); ``first_only`` (only the
-    first step was slow); ``none`` (the first step ran at the steady speed, or faster)."""
+    after some steps, with no slow start — or every one of them within the steady band, ``in_band``: not a warmup);
+    ``warmup`` (it took some steps); ``first_only`` (only the first step was slow); ``none`` (the first step ran at
+    the steady speed, or faster)."""
     n, slow = _number(steps), _number(slowdown)
     if n is None:
         return "not_finished"
-    if n and slow is not None and slow < 0.95:
+    if n and ((slow is not None and slow < 0.95) or in_band is True):
         return "settled"
     if n:
         return "warmup"
@@ -74,21 +76,25 @@ def warmup_case(steps: object, slowdown: object) -> str:
 
 
 def warmup_words(steps: object, slowdown: object, overhead: object = None, first_step: object = None,
-                 levels: int = 1) -> str:
+                 levels: int = 1, in_band: object = None, tolerance: object = None) -> str:
     """What the warmup figures say, without contradicting themselves: ``steps`` of warmup (0: none beyond the first
     step; None: warmup has not finished), the first step's ``slowdown`` against the steady step (below 1: later
     steps slowed, not warmup — or, over ``levels`` > 1 splits at different speeds, another split) and the
     ``overhead`` seconds above steady time. ``first_step``: the step the slowdown is of (the latest ``train()``
-    call's first step), named when it is not step 1."""
+    call's first step), named when it is not step 1. ``in_band``: every warmup step ran within ``tolerance`` of the
+    steady step time (the meter's stable band): the speed settled, at no cost worth naming."""
     n, slow, over = _number(steps), _number(slowdown), _number(overhead)
-    case = warmup_case(steps, slowdown)
+    case = warmup_case(steps, slowdown, in_band)
     if n is None:
         return "warmup not finished (no stable window of steps yet: too few steps for steady figures)"
     at = _number(first_step)
     first = "the first step" if at is None or at == 1 else f"step {at:.0f} (the first of the latest train() call)"
     parts = []
+    band = _number(tolerance)
     if case == "settled":                            # the speed settled later, but no slow start: not a warmup
-        parts.append(f"the speed settled after {n:.0f} step{'s' if n != 1 else ''}")
+        parts.append(f"the speed settled after {n:.0f} step{'s' if n != 1 else ''}" + (
+            f", each within {band:.0%} of the steady step (the meter's stable band): no warmup cost"
+            if in_band is True and band is not None and (slow is None or slow >= 0.95) else ""))
     elif case == "warmup":
         parts.append(f"warmup took {n:.0f} step{'s' if n != 1 else ''}")
         if slow is not None and slow >= 1.05:
@@ -124,14 +130,15 @@ def steady_words(steady: list[int] | tuple[int, ...], ranges: str) -> str:
 
 
 def warmup_line(done: object, steps: object, slowdown: object, overhead: object, run_steps: object,
-                contention_sec: object = None, first_step: object = None) -> str:
+                contention_sec: object = None, first_step: object = None, in_band: object = None,
+                tolerance: object = None) -> str:
     """The summary's warmup line (console and report): :func:`warmup_words` once warmup has finished, else how many
     steps ran without it finishing; the slow early steps the meter put down to other processes when there were."""
     if not done:
         text = (f"not finished after {run_steps} steps (no stable window of steps yet: run longer for steady "
                 f"figures)")
     else:
-        text = warmup_words(steps, slowdown, overhead, first_step)
+        text = warmup_words(steps, slowdown, overhead, first_step, in_band=in_band, tolerance=tolerance)
     contention = _number(contention_sec)
     if contention is not None and contention >= 0.05:
         text += f"; {contention:.1f} s of the early steps' slowness had no CPU time of this process behind it " \
@@ -162,6 +169,30 @@ def provisional_line(tokens_per_sec: object, step_sec: object, steps: object, me
     if sec is not None:
         text += f" at {sec:.3g} s per step"
     return text + " (too few steps for steady figures)" + (f"   (mean {mean:,.0f})" if mean is not None else "")
+
+
+#: what an MFU figure is against, by the run header's ``mfu_basis`` (:data:`hf_perf_callbacks.runlog.MFU_BASES`)
+MFU_BASIS_WORDS = {
+    "table": "of the device's peak FLOP/s (the device table's), on training time",
+    "given": "of the peak FLOP/s given (peak_flops), on training time",
+    "calibrated": "of a matmul's FLOP/s measured at the start (peak_flops='calibrate'), on training time",
+    "cpu_time": "per CPU second: model FLOPs per second of this process's CPU time against the start's calibration "
+                "matmul per CPU second (on a shared CPU a wall-time figure moves with the load, during the "
+                "calibration too)"}
+
+
+#: the same, in a few words (the report's run line)
+MFU_BASIS_SHORT = {"table": "of the device's peak", "given": "of the given peak",
+                   "calibrated": "of the calibrated peak", "cpu_time": "per CPU second"}
+
+
+def mfu_words(mfu: object, basis: object, provisional: bool = False) -> str:
+    """``MFU 6.5% per CPU second (...)``: the figure with what it is against (:data:`MFU_BASIS_WORDS`)."""
+    value = _number(mfu)
+    if value is None:
+        return "MFU n/a"
+    what = MFU_BASIS_WORDS.get(str(basis), "")
+    return f"MFU {value:.1%}" + (" (provisional)" if provisional else "") + (f" {what}" if what else "")
 
 
 def phase_line(phases: Mapping[str, object]) -> str:

@@ -3,8 +3,8 @@ GRPO run that cannot learn (every reward 0) with the MPS-only ``pad_to_multiple_
 import torch
 
 from hf_perf_callbacks import ThroughputMeter, default_callbacks, keys
+from hf_perf_callbacks.batching import Split
 from hf_perf_callbacks.report import check, measurements_from_run, write_analysis
-from hf_perf_callbacks.report.figures import FROM_PERF_LOG
 from hf_perf_callbacks.runlog import read_run
 from hf_perf_callbacks.splitfile import RANKED_UNITS, trial_figures
 from hf_perf_callbacks.tiny import build_model
@@ -72,33 +72,8 @@ def test_a_run_that_cannot_learn_is_the_first_finding(tokenizer, tmp_path):
     path, _, _ = write_analysis(read_run(tmp_path))
     text = open(path).read()
     assert "Healthy" not in text and f"## 1. {findings[0].title}" in text
-    # the same run with the trainer's logs in its step lines (`log/<key>`, as the bus writes them) and no
-    # trainer_state.json: the same finding, from the perf log
-    moved = _trainer_logs_into_step_lines(tmp_path, tmp_path / "moved")
-    m = measurements_from_run(moved)
-    assert m.trainer_log_source == FROM_PERF_LOG and m.rewards.logs == 4 and m.no_signal_run == 4
-    assert check(m)[0][0].title == findings[0].title and m.trainer_log_source in check(m)[0][0].observation
-
-
-def _trainer_logs_into_step_lines(run, out):
-    """A copy of ``run`` whose step lines carry the trainer's log values of their step as ``log/<key>`` (numbers
-    only, the callbacks' keys aside), without trainer_state.json: the run log of a writer that keeps them."""
-    import json
-    import os
-
-    from hf_perf_callbacks.runlog import CALLBACK_PREFIXES, PERF_LOG, TRAINER_LOG, StepLine, number, parse_record
-
-    history = {h["step"]: h for h in read_run(run).log_history if "step" in h and "train_runtime" not in h}
-    os.makedirs(out)
-    with open(os.path.join(run, PERF_LOG)) as src, open(os.path.join(out, PERF_LOG), "w") as dst:
-        for line in src:
-            record = parse_record(json.loads(line))
-            if isinstance(record, StepLine) and record.step in history:
-                record.values.update({TRAINER_LOG + k: v for k, v in history[record.step].items()
-                                      if number(v) is not None and not k.startswith(CALLBACK_PREFIXES)})
-                line = json.dumps(record.to_json()) + "\n"
-            dst.write(line)
-    return str(out)
+    m = measurements_from_run(str(tmp_path))         # the trainer's logs from the step lines (`log/<key>`)
+    assert m.rewards.logs == 4 and m.no_signal_run == 4 and keys.TRAINER_LOG + "reward" in m.logged
 
 
 def _report(tmp_path):
@@ -170,9 +145,9 @@ def test_a_grpo_run_without_trainer_state_reads_its_rewards_from_the_perf_log(to
     assert not (tmp_path / "trainer_state.json").exists()
     text, findings, notes = _report(tmp_path)
     m = measurements_from_run(str(tmp_path))
-    assert m.trainer_log_source == FROM_PERF_LOG and m.rewards.logs == 3 and m.rewards.max == 0.0
+    assert m.rewards.logs == 3 and m.rewards.max == 0.0
     f = findings[0]
-    assert f.rule == "no_learning" and m.trainer_log_source in f.observation and f"## 1. {f.title}" in text
+    assert f.rule == "no_learning" and f"## 1. {f.title}" in text
     assert "num_generations" not in f.setting and "temperature" not in f.setting
 
 
@@ -197,7 +172,8 @@ def test_the_tuners_record_of_a_real_tuning_run_is_what_the_analysis_reports(tok
     f = {f.rule: f for f in findings}["tuning_cost"]
     assert "small_micro_batch" not in [n.rule for n in notes]
     assert f"cost {m.tune.cost_sec:.1f} s" in f.observation and "failed" not in f.observation
-    assert (f.facts["kept"], f.facts["step"], f.facts["cost_sec"]) == ("2×4", m.tune.step, m.tune.cost_sec)
+    assert (f.facts.decision.new, f.facts.decision.step, f.facts.cost_sec) == (Split(2, 4), m.tune.step,
+                                                                               m.tune.cost_sec)
     assert m.tune.new == m.tune.old                 # kept, not switched
     figures = {t.label: t for t in trial_figures(m.tune)}           # every trial as every reader prints it
     assert all(t.words() in f.observation for t in figures.values())

@@ -23,6 +23,7 @@ RUNS = {
     "grpo_findings": Plan(steps=40, reward="constant", clipped=0.8, eval_every=5, eval_sec=3.0,
                           contention={20: 4.0, 21: 4.0}, walls=(12,)),
     "tuned": Plan(steps=60, tune=True, split_sec={1: 1.6, 2: 1.2, 8: 0.8}, noise=0.02),
+    "tuned_kept": Plan(steps=80, tune=True, must_pay=False, noise=0.25, warmup=(2.0,)),   # a tuning that saved nothing
 }
 
 
@@ -53,7 +54,7 @@ def test_the_rendered_report_matches_its_golden_file(name, tmp_path, capsys):
 def _rule_scenarios() -> dict[str, object]:
     """name → the Measurements of a unit test of ``tests/test_analysis.py`` whose findings' and notes' words this
     golden file holds (the tests themselves assert the findings' data: reasons, figures, settings)."""
-    from hf_perf_callbacks.report.model import Contention, Machine, Rewards
+    from hf_perf_callbacks.report.model import Contention, Evaluation, Machine, RecipeTarget, Recompile, Rewards
     from hf_perf_callbacks.runlog import HF_PERF_TRAIN
     from tests.test_analysis import evaluation, healthy
 
@@ -77,10 +78,10 @@ def _rule_scenarios() -> dict[str, object]:
             mem_high_water_gb=40.0, mem_budget_gb=38.0, driver_gb_max=40.0, allocated_gb_at_driver_max=24.0,
             watchdog_actions=[{"step": 4, "action": "clear_cache", "message": "cleared"}]),
         "memory_pressure_near_the_wall": healthy(max_pressure=1, min_steps_to_wall=8.0),
-        "no_learning": healthy(logs=12, no_signal_run=12, reward_mean=0.0, temperature=0.7,
+        "no_learning": healthy(logs=12, no_signal_run=12, reward_mean=0.8, temperature=0.7,
                                phases={"data_wait": 0.5, "compute": 0.5}),
         "constant_reward_cut": healthy(rewards=flat, logs=8, no_signal_run=8, clipped_ratio=0.9, completion_max=128.0,
-                                       completion_p90=128.0, completion_mean=128.0, trainer_log_source="perf log"),
+                                       completion_p90=128.0, completion_mean=128.0),
         "completion_budget_note": healthy(device_type="mps", mfu=None, decode_bandwidth_util=None, micro_batch=2,
                                           grad_accum=1, num_generations=2, max_completion_length=512,
                                           completion_mean=60.0, completion_max=80.0, completion_p90=78.0,
@@ -101,6 +102,33 @@ def _rule_scenarios() -> dict[str, object]:
                              pad_to_multiple_of=32, pad_fraction=0.45, seq_len=96, seq_len_mean=80.0,
                              phases={"generation": 0.6, "compute": 0.4}, steps=2, warmup_done=False, steady_steps=0,
                              warmup_steps=None, forwards_per_microbatch=2.0),
+        # issue 51's cases: a slow reward, a compile and a recompile, a stand-in, the ranking by seconds
+        "reward_share": healthy(wall_sec=400.0, reward_calls=200, reward_completions=64.0,
+                                model_name="Qwen/Qwen2.5-3B-Instruct",
+                                model_params=3_090_000_000, phase_sec={"reward": 120.0, "compute": 180.0},
+                                rewards=Rewards(logs=40, min=0.2, max=1.4, std_max=0.5, zero_std_min=0.1,
+                                                funcs={"format_reward": (0.0, 1.0), "judge_reward": (0.1, 0.9)})),
+        "warmup_compile": healthy(device_type="cpu", mfu=0.08, mfu_basis="cpu_time", torch_compile=True,
+                                  warmup_child_cpu_sec=23.8, first_step_slowdown=15.0, warmup_steps=2,
+                                  warmup_overhead_sec=28.0, wall_sec=120.0, steady_step_sec=2.0,
+                                  recompiles=[Recompile(60, 7.5, 0.95)]),
+        "warmup_in_band": healthy(device_type="cpu", mfu=None, first_step_slowdown=1.04, warmup_steps=3,
+                                  warmup_overhead_sec=0.2, warmup_in_band=True, warmup_tolerance=0.1),
+        "stand_in": healthy(device_type="cpu", mfu=None, launcher=HF_PERF_TRAIN, activation_checkpointing=True,
+                            recompute_clocked=True, wall_sec=100.0, phase_sec={"recompute": 20.0, "compute": 80.0},
+                            mem_high_water_gb=1.0, mem_budget_gb=80.0, micro_batch=1, grad_accum=8, seq_len=64,
+                            model_name="/root/.cache/hf_perf_callbacks/smollm2-135m-instruct",
+                            model_params=134_515_008, max_completion_length=32, target=RecipeTarget(
+                                "mac-16gb-qwen1.5b", "Apple Silicon, 16 GB of unified memory", "mps",
+                                "Qwen/Qwen2.5-1.5B-Instruct", 128,
+                                {"activation_checkpointing": True, "per_device_train_batch_size": 2})),
+        "ranked_by_seconds": healthy(
+            wall_sec=200.0, steps=200, training_logs=0, callback_sec={"SlowGenerate": {"on_step_end": 82.0}},
+            phase_sec={"user_callbacks": 82.0, "compute": 90.0, "eval": 28.0}, saves=0,
+            evaluation=Evaluation(evals=20, every=10, eval_sec=28.0, wall_sec=200.0, train_sec=172.0, steps=200,
+                                  share=0.14), compute_metrics_sec=20.0,
+            trainer_settings={"compute_metrics": True, "prediction_loss_only": False,
+                              "preprocess_logits_for_metrics": False}),
     }
 
 

@@ -28,6 +28,7 @@ LOGGED = {
     "MEM_SYSTEM_AVAILABLE_GB": "mem/system_available_gb",
     "PERF_CALLBACK_SEC": "perf/callback_sec/",
     "PERF_CPU_SEC": "perf/cpu_sec",
+    "PERF_CHILD_CPU_SEC": "perf/child_cpu_sec",
     "PERF_COMPLETION_TOKENS": "perf/completion_tokens",
     "PERF_CPU_TIME_RATIO": "perf/cpu_time_ratio",
     "PERF_DECODE_BANDWIDTH_UTIL": "perf/decode_bandwidth_util",
@@ -70,7 +71,7 @@ def test_the_logged_names_stay():
 
 
 def test_the_phase_keys_follow_the_phases():
-    assert keys.PHASES == ("data_wait", "generation", "rollout_wait", "compute", "eval", "save", "log",
+    assert keys.PHASES == ("data_wait", "generation", "rollout_wait", "reward", "compute", "eval", "save", "log",
                            "own_callbacks", "user_callbacks", "recompute", "unexplained")
     assert keys.PERF_PHASE_SHARE == {p: f"perf/phase/{p}" for p in keys.PHASES}
     assert keys.PERF_PHASE_SEC == {p: f"perf/phase_sec/{p}" for p in keys.PHASES}

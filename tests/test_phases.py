@@ -52,10 +52,14 @@ def test_a_costly_on_log_is_the_callbacks_finding_not_data_wait(tokenizer, tmp_p
     assert "input_bound" not in found and "contention" not in found
     f = found["callbacks"]
     assert f.setting["logging_steps"] > 1 and f.basis == "measured"
-    # the gain: the run's own wall time without the on_log seconds the new interval removes
+    # the gain: the run's own wall time without the on_log seconds the new interval removes; transformers still logs
+    # at each multiple of it and once after training (the run's metrics): 8 training logs and that one now
     new = f.setting["logging_steps"]
     on_log = m.callback_sec["CostlyOnLog"]["on_log"] + m.phase_sec["log"]
-    assert f.expected_gain == pytest.approx(m.wall_sec / (m.wall_sec - on_log * (1 - 1 / new)))
+    assert m.callback_sec["CostlyOnLog"]["on_log"] == pytest.approx(9 * COST, rel=0.01)
+    after = 8 // new + 1
+    assert f.facts.interval.events_after == after
+    assert f.expected_gain == pytest.approx(m.wall_sec / (m.wall_sec - on_log / 9 * (9 - after)))
 
 
 def test_a_callback_costly_every_step_is_named_without_a_setting(tokenizer, tmp_path):
@@ -85,7 +89,9 @@ def test_save_steps_1_is_the_saving_finding_and_not_contention(tokenizer, tmp_pa
     f = found["saving"]
     assert f.setting["save_strategy"] == "steps" and f.setting["save_steps"] > 1 and f.basis == "measured"
     new, save, wall = f.setting["save_steps"], m.phase_sec["save"], m.wall_sec
-    assert f.expected_gain == pytest.approx(wall / (wall - save * (1 - 1 / new)))
+    after = 8 // new + (8 % new != 0)              # at each multiple, and once more at the end of training
+    assert f.facts.interval.events_after == after
+    assert f.expected_gain == pytest.approx(wall / (wall - save / 8 * (8 - after)))
     assert "contention" not in found and "input_bound" not in found and "callbacks" not in found
 
 

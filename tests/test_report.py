@@ -142,7 +142,7 @@ def synthetic_log(path, steps=30):
         micro, accum = (8, 1) if step < 12 else (4, 2)
         entries.append({"type": "step", "step": step, "time": 1000.0 + step,
                         keys.PERF_TOKENS_PER_SEC: 5000.0 + 100 * min(step, 5), keys.PERF_TOKENS: 4096.0,
-                        keys.PERF_STEP_WALL_SEC: 0.8, keys.PERF_WARMUP_DONE: int(step >= 5),
+                        keys.PERF_STEP_WALL_SEC: 0.8, keys.PERF_TRAIN_SEC: 0.8, keys.PERF_WARMUP_DONE: int(step >= 5),
                         keys.PERF_STEADY: int(step >= 5),
                         keys.PERF_STEADY_TOKENS_PER_SEC: 5500.0 if step >= 5 else None, keys.PERF_WARMUP_STEPS: 4,
                         keys.PERF_MFU: 0.41, keys.PERF_PHASE_SEC["data_wait"]: 0.05,
@@ -190,7 +190,7 @@ def test_synthetic_watchdog_and_tuner(tmp_path):
     text = summarize(run)                                   # the summary prints exactly these
     assert not run.summaries and UNFINISHED in text
     assert throughput_line(f.steady_tokens_per_sec, f.steady_step_sec, f.mean_tokens_per_sec) in text
-    assert phase_line(f.phases) in text and "MFU: 41.0%" in text
+    assert phase_line(f.phases) in text and "MFU 41.0%" in text
     assert "step 12: [tuner] decision (8x1 -> 4x2)" in text                 # an event line: the split change
 
     out_dir = tmp_path / "figs"
@@ -228,11 +228,11 @@ def test_completion_line_and_the_analysis_cite_the_same_clipped_share(tmp_path):
 
     lines = [{"type": "run", "source": "perf", "device_type": "cpu", "world_size": 1, "grpo": True,
               "max_completion_length": 16, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4,
-              "num_generations": 4}, {"type": "step", "step": 1, keys.PERF_TOKENS: 10.0, keys.PERF_STEP_WALL_SEC: 1.0}]
+              "num_generations": 4}]
+    lines += [{"type": "step", "step": s, keys.PERF_TOKENS: 10.0, keys.PERF_STEP_WALL_SEC: 1.0,
+               "log/completions/mean_length": 15.0, "log/completions/max_length": 16.0,
+               "log/completions/clipped_ratio": r} for s, r in enumerate((1.0, 1.0, 0.75, 0.75), 1)]
     (tmp_path / PERF_LOG).write_text(schema_lines(lines))
-    logs = [{"step": s, "completions/mean_length": 15.0, "completions/max_length": 16.0,
-             "completions/clipped_ratio": r} for s, r in enumerate((1.0, 1.0, 0.75, 0.75), 1)]
-    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": logs}))
     text = summarize(read_run(str(tmp_path)))
     m = measurements_from_run(str(tmp_path))
     assert m.clipped_ratio == pytest.approx(0.875)                      # the mean of the run's logs, not the last

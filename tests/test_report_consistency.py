@@ -72,6 +72,40 @@ def train_sec(line: dict) -> float:
     return line[keys.PERF_TRAIN_SEC]
 
 
+def warmup_overhead(evidence: dict, steady: list[int]) -> float:
+    """The warmup note's "s above steady time", recomputed from the step lines: over each ``train()`` call's warmup
+    cycles (its steps before its first steady step, in blocks of the header's period), their training seconds above
+    the steady step time s × their steps; on a CPU device the part of it their training CPU seconds (CPU × train /
+    wall) above the steady steps' mean c explain, at s / c wall seconds each."""
+    lines = evidence["steps"]
+    headers = [h for h in evidence["headers"] if "perf" in h.get("sources", ["perf"])]
+    cpu_device = any(h.get("device_type") == "cpu" for h in headers)
+    period = max([h.get("period") or 1 for h in headers] + [1])
+    s = sum(train_sec(x) for x in lines if x["step"] in set(steady)) / len(steady)
+    def train_cpu(x):
+        return x[keys.PERF_CPU_SEC] * x[keys.PERF_TRAIN_SEC] / x[keys.PERF_STEP_WALL_SEC] \
+            if cpu_device and keys.PERF_CPU_SEC in x else None
+    cpus = [c for x in lines if x["step"] in set(steady) if (c := train_cpu(x)) is not None]
+    c = sum(cpus) / len(cpus) if cpus else None
+    starts = sorted({h.get("resumed_from_step", 0) for h in headers} | {0})
+    total = 0.0
+    for i, start in enumerate(starts):
+        end = starts[i + 1] if i + 1 < len(starts) else float("inf")
+        call = [x for x in lines if start < x["step"] <= end]
+        firsts = [x[keys.PERF_FIRST_STEADY_STEP] for x in call if x.get(keys.PERF_FIRST_STEADY_STEP) is not None]
+        if not firsts:
+            continue
+        warm = [x for x in call if x["step"] < firsts[-1]]
+        for k in range(0, len(warm), period):
+            cycle = warm[k:k + period]
+            excess = max(0.0, sum(train_sec(x) for x in cycle) - s * len(cycle))
+            cpu = [train_cpu(x) for x in cycle]
+            if c and all(v is not None for v in cpu):
+                excess = min(excess, max(0.0, sum(cpu) - c * len(cycle)) * s / c)
+            total += excess
+    return total
+
+
 def mann_whitney_less(a: list[float], b: list[float]) -> float:
     """One-sided p of "a tends to be smaller": exact over every split of the pooled values up to 14 of them, else
     the normal approximation with a continuity correction (the test's definition, written again here)."""
@@ -161,6 +195,9 @@ def check_steady_and_warmup(summary: str, notes: list[str], evidence: dict) -> N
         if took:
             first_steady = min(s for s in steady if s >= first_call)
             assert int(took[1]) == first_steady - first_call, (took.group(0), first_steady, first_call)
+        above = re.search(r"([\d.]+) s above steady time", text)
+        if above and steady:
+            assert above[1] == format(warmup_overhead(evidence, steady), ".1f"), (above.group(0), text)
         named = re.search(r"step (\d+) \(the first of the latest train\(\) call\)", text)
         if named:
             assert int(named[1]) == first_call and first_call > 1, named.group(0)
@@ -174,7 +211,7 @@ def check_steady_and_warmup(summary: str, notes: list[str], evidence: dict) -> N
 def check_counts(summary: str, report: str, evidence: dict) -> None:
     logged = [s for s in evidence["steps"] if "log/completions/mean_length" in s]
     rewards = [s for s in evidence["steps"] if "log/reward" in s]
-    line = re.search(r"completions \((\d+) logs\): mean length [\d.]+, max \d+, clipped (\d+)%", summary)
+    line = re.search(r"completions \((\d+) logs?\): mean length [\d.]+, max \d+, clipped (\d+)%", summary)
     if logged:
         assert line and int(line[1]) == len(logged), (line, len(logged))
         clipped = statistics.fmean(s["log/completions/clipped_ratio"] for s in logged)

@@ -80,32 +80,11 @@ def test_an_event_before_the_first_header_is_kept_and_is_no_earlier_run():
     assert warning in summarize(run)
 
 
-def test_an_older_log_with_one_header_per_callback_reads_as_one_header_per_train_call():
-    text = lines({"type": "run", "source": "perf", "session": "a", "resumed_from_step": 0, "device": "cpu"},
-                 event(0), {"type": "run", "source": "mem", "session": "a", "resumed_from_step": 0, "budget_gb": 8.0},
-                 step(1), {"type": "run", "source": "perf", "session": "a", "resumed_from_step": 1, "device": "cpu"},
-                 {"type": "run", "source": "mem", "session": "a", "resumed_from_step": 1, "budget_gb": 6.0}, step(2))
-    run = parse_lines(text)
-    assert len(run.headers) == 2 and run.headers[0].sources == ["perf", "mem"]
-    assert run.header("mem").budget_gb == 6.0 and run.header("perf").device == "cpu"
-    assert run.header("tuner") == RunHeader()
-
-
 def test_summaries_count_after_the_last_header_only_and_garbled_lines_are_counted():
     text = lines(header("a"), step(1), {"type": "summary", "source": "perf", "steps": 1}, header("a", resumed=1),
                  step(2)) + ["{not json", '{"type": "step", "step": "x"}', "[]"]
     run = parse_lines(text)
     assert run.summaries == {} and run.summary("perf") == {} and run.skipped_lines == 3
-
-
-def test_read_run_falls_back_to_the_latest_checkpoint_for_log_history(tmp_path):
-    (tmp_path / PERF_LOG).write_text("\n".join(lines(header("a"), step(1))) + "\n")
-    for n, length in ((2, 10.0), (10, 20.0)):
-        os.makedirs(tmp_path / f"checkpoint-{n}")
-        (tmp_path / f"checkpoint-{n}" / "trainer_state.json").write_text(
-            json.dumps({"log_history": [{"step": n, "completions/mean_length": length}]}))
-    run = read_run(tmp_path)
-    assert run.log_history == [] and run.latest_log_history()[0]["completions/mean_length"] == 20.0
 
 
 def test_the_writer_warns_once_and_training_goes_on(tmp_path, caplog):
@@ -158,7 +137,7 @@ def test_read_run_parses_a_real_log(demo_run):
     assert [s.step for s in run.steps] == list(range(1, 7))
     assert {"perf", "mem", "cache"} <= set(run.summaries)
     assert {"perf", "mem"} <= {source for h in run.headers for source in h.sources}
-    assert run.log_history and any("completions/mean_length" in h for h in run.log_history)
+    assert any(s.get(keys.TRAINER_LOG + "completions/mean_length") is not None for s in run.steps)
 
 
 def test_a_fresh_run_in_a_reused_output_dir_replaces_the_earlier_one_but_a_resume_does_not(tokenizer, tmp_path):

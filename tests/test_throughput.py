@@ -214,8 +214,8 @@ def test_slow_first_steps_are_warmup_only_when_cpu_time_says_so(tokenizer, tmp_p
     if kind == "contention":
         assert s["warmup_steps"] == 0 and s["early_contention_sec"] > 2500       # 3 × 1000 s planted
         assert len(contention) == 1 and contention[0].basis == "measured"
-        assert contention[0].expected_gain > 2 and contention[0].facts["contended_steps"] == 3
-        assert contention[0].facts["other_cores"] is not None        # perf/other_cpu_cores, on a CPU
+        assert contention[0].expected_gain > 2 and contention[0].facts.contention.steps == 3
+        assert contention[0].facts.contention.other_cores is not None        # perf/other_cpu_cores, on a CPU
     else:
         # the real steps' own wall time (no planted CPU behind it) may count as contention on a loaded machine:
         # bounded against the planted 3000 s, not in absolute seconds

@@ -1,11 +1,13 @@
 """The analysis' English has one owner: :mod:`hf_perf_callbacks.report.words` renders each finding and note from its
-reason code and facts. Checked here as data: every reason code has its renderer, and the modules that define the
-rules build no sentence themselves (the shared helpers ``advice``, ``basis`` and ``formulas`` still phrase a few
-figures — a memory limit hit, a calibration, a formula — that the renderers take as given)."""
+reason code and facts (a frozen dataclass per case, ``report/facts.py``). Checked here as data: every reason code has
+its renderer, every figure a renderer reads is a field of its case's class, and the modules that define the rules and
+their shared helpers build no sentence (``formulas`` writes the memory formulas: numbers with their factors' names)."""
 from __future__ import annotations
 
 import ast
 import os
+
+import pytest
 
 from hf_perf_callbacks.report import words
 from hf_perf_callbacks.report.model import REASONS
@@ -62,6 +64,51 @@ def _sentences(path: str) -> list[tuple[int, str]]:
 
 
 def test_the_rule_modules_build_no_sentence():
-    for module in words.RENDERED_MODULES:
+    for module in [*words.RENDERED_MODULES, "advice", "basis"]:    # the rules and their shared helpers (formulas.py
+        #                                                            writes formulas: numbers with their factors' names)
         assert _sentences(os.path.join(RULES_DIR, f"{module}.py")) == [], module
-    assert _sentences(os.path.join(RULES_DIR, "advice.py")), "the check finds the shared helpers' phrases"
+    assert _sentences(words.__file__), "the check finds the renderers' sentences"
+
+
+def _reads(render: ast.FunctionDef, functions: dict[str, ast.FunctionDef]) -> set[str]:
+    """The attributes a renderer reads on its first parameter, through the helpers it hands that parameter to."""
+    name = render.args.args[0].arg
+    found: set[str] = set()
+    for node in ast.walk(render):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == name:
+            found.add(node.attr)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in functions \
+                and any(isinstance(a, ast.Name) and a.id == name for a in node.args[:1]):
+            found |= _reads(functions[node.func.id], functions)
+    return found
+
+
+def test_every_figure_a_renderer_reads_is_a_field_of_its_facts_class():
+    """A rule hands its words a frozen dataclass per reason code (``report/facts.py``): a renamed or misspelled
+    figure fails strict mypy in the rule that builds it and in the renderer that reads it; and here, without mypy:
+    every attribute a renderer (and each helper it hands its facts to) reads on its facts is a field of the class
+    its annotation names, the class a rule must hand it (:func:`~hf_perf_callbacks.report.words.finding` refuses
+    another)."""
+    import dataclasses
+
+    tree = ast.parse(open(words.__file__).read())
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    checked = 0
+    for table in (words.FINDING_WORDS, words.NOTE_WORDS):
+        for reason, (render, cls) in table.items():
+            fields = {f.name for f in dataclasses.fields(cls)}
+            unknown = _reads(functions[render.__name__], functions) - fields
+            assert not unknown, (reason, cls.__name__, unknown)
+            checked += 1
+    assert checked == len({c for cs in REASONS.values() for c in cs})
+    # the check fails on a renamed figure: a renderer reading a field its class does not have
+    fake = ast.parse("def _save_share(f: SaveShare, setting):\n    return f.saves_sec\n").body[0]
+    assert _reads(fake, {}) - {f.name for f in dataclasses.fields(words.FINDING_WORDS["save_share"][1])} == \
+        {"saves_sec"}
+
+
+def test_a_rule_handing_another_case_its_facts_is_refused():
+    from hf_perf_callbacks.report.facts import Skipped
+
+    with pytest.raises(TypeError, match="save_share"):
+        words.finding("saving", "save_share", Skipped(()), {}, None, "high", "measured", None)

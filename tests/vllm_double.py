@@ -363,6 +363,7 @@ def colocate_env(monkeypatch) -> None:
     """Colocate mode sets the rank variables and a free ``MASTER_PORT`` (TRL's ``ensure_master_addr_port``) in
     ``os.environ``: restored after the test."""
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")        # recorded as it was (absent too), so the undo removes what TRL sets
+        monkeypatch.delenv(name)
 
 

@@ -4,8 +4,7 @@ its TensorBoard/W&B values. Pure: no torch, no transformers.
 
 **The meter's figures, as it measured them.** The ThroughputMeter keeps running figures and writes them on every step
 line as they stand after that step, and in its summary as they stand at the end; :func:`figures` takes the summary,
-else (a killed run) the latest step line: the same numbers either way (a log of an earlier version, without the
-running figure, gets it computed from its step lines by the same definition). Their definitions (training time = a
+else (a killed run) the latest step line: the same numbers either way. Their definitions (training time = a
 step's wall time without evaluation and saving, the meter's ``perf/train_sec``; all segments of a resumed run counted):
 
 ========================  ==================================================================================
@@ -25,9 +24,14 @@ figure                    definition
                           call's: each ``train()`` call — a resume, a re-size, the tuner's switch — starts over)
 ``first_step_slowdown``   the first step's (GRPO: generation cycle's) training time / the steady step time, of the
                           latest ``train()`` call (its first step: ``call_first_step``)
+``warmup_in_band``        every warmup cycle of the latest ``train()`` call took at most (1 + the meter's
+                          ``warmup_tolerance``) × the steady step time × its steps: the speed settled, no warmup
+                          cost (None: not decided, or no warmup steps)
 ``not_steady``            the steps outside the steady figures, as (first, last) ranges: warmup, and the steps of
                           earlier ``train()`` calls too short to decide it
-``warmup_overhead_sec``   training seconds of the warmup steps above the steady level (0 until warmup is decided)
+``warmup_overhead_sec``   training seconds of the warmup cycles above the steady step time × their steps (CPU
+                          device: the part their CPU seconds above the steady steps' mean explain), the meter's
+                          :attr:`~hf_perf_callbacks.timeline.StepTimeline.warmup_overhead` (0 until decided)
 ``contention_sec``        CPU device: wall seconds of slow early steps whose CPU time stayed flat (other
                           processes), the meter's ``early_contention_sec``; ``contention_steps`` lists them (from
                           the summary; a killed run has the seconds only)
@@ -47,6 +51,7 @@ reference down); its seconds lost are its training seconds minus those its token
 from __future__ import annotations
 
 import bisect
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,34 +74,13 @@ def last_value(steps: Sequence[LogStep], key: str) -> float | None:
 
 
 def train_seconds(step: LogStep) -> float | None:
-    """A step line's training time, the one its throughput was computed from: the meter's ``perf/train_sec`` (logs
-    of earlier versions: the wall time minus evaluation and saving)."""
-    logged = step.number(keys.PERF_TRAIN_SEC)
-    if logged is not None:
-        return logged
-    wall = number(step.get(keys.PERF_STEP_WALL_SEC, step.get(keys.PERF_STEP_TIME)))
-    if wall is None:
-        return None
-    return wall - sum(step.number(keys.PERF_PHASE_SEC[p]) or 0.0 for p in ("eval", "save"))
+    """A step line's training time, the one its throughput was computed from: the meter's ``perf/train_sec``."""
+    return step.number(keys.PERF_TRAIN_SEC)
 
 
-def train_column(run: RunLog) -> list[float]:
-    """:func:`train_seconds` of every line of ``run.unique_steps()``, in order (NaN where a line has none), from
-    the run's columns: one pass per key over a long run."""
-    cached: list[float] | None = run.cache.get("train_column")
-    if cached is None:
-        logged, wall, window = (run.column(k) for k in (keys.PERF_TRAIN_SEC, keys.PERF_STEP_WALL_SEC,
-                                                        keys.PERF_STEP_TIME))
-        evals, saves = run.column(keys.PERF_PHASE_SEC["eval"]), run.column(keys.PERF_PHASE_SEC["save"])
-        cached = []
-        for t, w, x, e, v in zip(logged, wall, window, evals, saves):
-            if t == t:
-                cached.append(t)
-                continue
-            whole = w if w == w else x                      # the step's wall time, else (older logs) the window's
-            cached.append(whole - (e if e == e else 0.0) - (v if v == v else 0.0))
-        run.cache["train_column"] = cached
-    return cached
+def train_column(run: RunLog) -> array[float]:
+    """:func:`train_seconds` of every line of ``run.unique_steps()``, in order (NaN where a line has none)."""
+    return run.column(keys.PERF_TRAIN_SEC)
 
 
 def finite(values: Iterable[float]) -> list[float]:
@@ -152,26 +136,15 @@ def train_calls(run: RunLog) -> list[tuple[int, int]]:
             if start < last or i == 0]
 
 
-#: where the trainer's logs came from when the step lines hold them (``log/<key>``); else ``keys.TRAINER_STATE``
-FROM_PERF_LOG = "perf log"
-
-
-def trainer_logs(run_log: RunLog) -> tuple[list[dict[str, Any]], str | None]:
-    """The trainer's own training logs and where they came from: the step lines' ``log/<key>`` values (one dict per
-    logging step, keys without the prefix, plus ``step``), else ``trainer_state.json``'s ``log_history`` (else the
-    latest checkpoint's); ``([], None)`` when neither holds any. The one source of every count of logs the report
-    prints (the summary's completion line, the analysis)."""
-    cached: tuple[list[dict[str, Any]], str | None] | None = run_log.cache.get("trainer_logs")
-    if cached is not None:
-        return cached
-    rows: list[Any] = [LogRow(s, keys.TRAINER_LOG) for s in run_log.unique_steps() if s.has_prefix(keys.TRAINER_LOG)]
-    run_log.cache["trainer_logs"] = found = (rows, FROM_PERF_LOG) if rows else _history(run_log)
-    return found
-
-
-def _history(run_log: RunLog) -> tuple[list[dict[str, Any]], str | None]:
-    history = run_log.latest_log_history()
-    return history, (keys.TRAINER_STATE if history else None)
+def trainer_logs(run_log: RunLog) -> list[LogRow]:
+    """The trainer's own training logs: the step lines' ``log/<key>`` values, one mapping per logging step (keys
+    without the prefix, plus ``step``). The one source of every count of logs the report prints (the summary's
+    completion line, the analysis)."""
+    cached: list[LogRow] | None = run_log.cache.get("trainer_logs")
+    if cached is None:
+        cached = run_log.cache["trainer_logs"] = [LogRow(s, keys.TRAINER_LOG) for s in run_log.unique_steps()
+                                                  if s.has_prefix(keys.TRAINER_LOG)]
+    return cached
 
 
 def run_events(run: RunLog) -> list[EventLine]:
@@ -208,6 +181,9 @@ class Figures:
     warmup_end_step: int | None = None
     warmup_overhead_sec: float | None = None
     first_step_slowdown: float | None = None
+    warmup_in_band: bool | None = None
+    warmup_tolerance: float | None = None
+    mfu_basis: str | None = None
     steady_tokens_per_sec: float | None = None
     steady_step_sec: float | None = None
     contention_sec: float | None = None
@@ -244,14 +220,9 @@ def _pick(summary: Mapping[str, Any], key: str, fallback: object) -> float | Non
     return value if value is not None else number(fallback)
 
 
-def _meter(perf: Mapping[str, Any], latest: Mapping[str, Any], summary_key: str, step_key: str,
-           by_definition: float | None = None) -> float | None:
-    """The meter's figure: its summary's, else the latest step line's (a killed run), else (a log of an earlier
-    version without that key) computed from the step lines by its definition."""
-    if perf:
-        return number(perf.get(summary_key))
-    value = number(latest.get(step_key))
-    return value if value is not None else by_definition
+def _meter(perf: Mapping[str, Any], latest: Mapping[str, Any], summary_key: str, step_key: str) -> float | None:
+    """The meter's figure: its summary's, else the latest step line's (a killed run)."""
+    return number(perf.get(summary_key)) if perf else number(latest.get(step_key))
 
 
 def _steady(run: RunLog) -> list[int]:
@@ -261,16 +232,12 @@ def _steady(run: RunLog) -> list[int]:
     return steady
 
 
-def _steady_rates(run: RunLog, steady_set: set[int]) -> tuple[float | None, float | None, float | None]:
-    """(steady tokens/s, steady step seconds, MFU's median) computed from the step lines by their definitions."""
-    numbers, token_col, train_col = run.step_numbers(), run.column(keys.PERF_TOKENS), train_column(run)
+def _steady_mfu(run: RunLog, steady_set: set[int]) -> float | None:
+    """The median MFU of the steady step lines (of every line while none is steady): a killed run's."""
+    numbers, mfu_col = run.step_numbers(), run.column(keys.PERF_MFU)
     steady_in = [i for i, n in enumerate(numbers) if n in steady_set]
-    seconds = finite(train_col[i] for i in steady_in)
-    tokens = sum(finite(token_col[i] for i in steady_in))
-    mfu_col = run.column(keys.PERF_MFU)
     mfus = finite(mfu_col[i] for i in (steady_in or range(len(numbers))))
-    return (tokens / sum(seconds) if sum(seconds) > 0 else None, sum(seconds) / len(seconds) if seconds else None,
-            median(mfus) if mfus else None)
+    return median(mfus) if mfus else None
 
 
 def _phases(run: RunLog, perf: Mapping[str, Any]) -> dict[str, float]:
@@ -322,9 +289,11 @@ def _figures(run: RunLog) -> Figures:
     train = sum(finite(train_column(run)))
     steady = _steady(run)
     steady_set = set(steady)
-    rate, step_sec, mfu = _steady_rates(run, steady_set)
+    mfu = _steady_mfu(run, steady_set)
+    step_sec = _meter(perf, latest, "steady_step_sec", keys.PERF_STEADY_STEP_TIME)
     calls = train_calls(run)
     device = perf.get("device") or header.device
+    warmup = _warmup(perf, latest)
     return Figures(
         steps=_int(_pick(perf, "steps", steps[-1].step if steps else 0)) or 0,
         call_first_step=calls[-1][0] if calls else 1, train_calls=calls,
@@ -335,15 +304,29 @@ def _figures(run: RunLog) -> Figures:
         device=str(device) if device else None, device_type=header.device_type,
         world_size=_int(_pick(perf, "world_size", header.world_size)),
         tokens=_pick(perf, "tokens", tokens or None),
-        **_warmup(perf, latest),
-        steady_tokens_per_sec=_meter(perf, latest, "steady_tokens_per_sec", keys.PERF_STEADY_TOKENS_PER_SEC, rate),
-        steady_step_sec=_meter(perf, latest, "steady_step_sec", keys.PERF_STEADY_STEP_TIME, step_sec),
+        **warmup,
+        warmup_in_band=_in_band(run, calls[-1][0] if calls else 1, warmup["warmup_end_step"], step_sec,
+                                header.warmup_tolerance),
+        warmup_tolerance=header.warmup_tolerance, mfu_basis=header.mfu_basis,
+        steady_tokens_per_sec=_meter(perf, latest, "steady_tokens_per_sec", keys.PERF_STEADY_TOKENS_PER_SEC),
+        steady_step_sec=step_sec,
         contention_sec=_meter(perf, latest, "early_contention_sec", keys.PERF_EARLY_CONTENTION_SEC),
         mean_tokens_per_sec=_pick(perf, "mean_tokens_per_sec", tokens / train if tokens and train else None),
         mfu=_pick(perf, "mfu", mfu),
         **_memory_and_cache(run),
         **_provisional(perf),
     )
+
+
+def _in_band(run: RunLog, first: int, end: int | None, steady: float | None, tolerance: float | None) -> bool | None:
+    """The ``warmup_in_band`` figure (see the module docstring) from the step lines: the latest call's warmup steps,
+    ``first`` up to the first steady step ``end``, in cycles of the header's ``period``."""
+    if end is None or steady is None or tolerance is None or end <= first:
+        return None
+    period = max(1, int(number(run.header("perf").period) or 1))
+    train = dict(zip(run.step_numbers(), train_column(run)))
+    cycles = [range(a, min(a + period, end)) for a in range(first, end, period)]
+    return all(sum(train.get(n, 0.0) for n in c) <= (1 + tolerance) * steady * len(c) for c in cycles)
 
 
 def _provisional(perf: Mapping[str, Any]) -> dict[str, Any]:
@@ -508,14 +491,11 @@ def _stretches(run: RunLog) -> list[SlowStretch]:
 
 def timed_rows(run: RunLog) -> tuple[list[int], list[float], list[float]]:
     """The lines with both a wall and a CPU time and no checkpoint save (a save's disk time is wall time without
-    CPU time, not other processes): (their indices, wall seconds — the window's for a log without the step's own —,
-    CPU seconds)."""
+    CPU time, not other processes): (their indices, wall seconds, CPU seconds)."""
     col = run.column
-    wall_col, window_col, cpu_col = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_STEP_TIME), col(keys.PERF_CPU_SEC)
-    save_col = col(keys.PERF_PHASE_SEC["save"])
+    wall_col, cpu_col, save_col = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_CPU_SEC), col(keys.PERF_PHASE_SEC["save"])
     rows, walls, cpus = [], [], []
-    for i, (w, x, c, saved) in enumerate(zip(wall_col, window_col, cpu_col, save_col)):
-        w = w if w == w and w else x
+    for i, (w, c, saved) in enumerate(zip(wall_col, cpu_col, save_col)):
         if w == w and c == c and w > 0 and c > 0 and not saved > 0:
             rows.append(i)
             walls.append(w)
@@ -532,10 +512,10 @@ def _wall_over_cpu(run: RunLog) -> list[float | None]:
     return out
 
 
-def completion_stats(history: list[dict[str, Any]]) -> dict[str, float | None]:
-    """GRPO completion lengths over the run's logs (``log_history``): mean of the logged mean lengths, the longest
-    completion, the 90th percentile of the per-log longest, the mean clipped ratio and the number of logs. The report's
-    summary line and the analysis both cite these (one clipped share in one report)."""
+def completion_stats(history: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
+    """GRPO completion lengths over the run's training logs (:func:`trainer_logs`): mean of the logged mean lengths,
+    the longest completion, the 90th percentile of the per-log longest, the mean clipped ratio and the number of logs.
+    The report's summary line and the analysis both cite these (one clipped share in one report)."""
     def values(key: str) -> list[float]:
         return [float(h[key]) for h in history if number(h.get(key)) is not None and not isinstance(h[key], bool)]
 
@@ -551,6 +531,5 @@ def completion_stats(history: list[dict[str, Any]]) -> dict[str, float | None]:
 __all__ = [
     "Figures", "figures", "SplitLevel", "SlowStretch", "split_levels", "slow_stretches", "completion_stats",
     "steady_steps", "step_ranges", "timed_rows", "ranges_text", "train_calls", "trainer_logs", "run_events",
-    "FROM_PERF_LOG",
     "train_seconds", "train_column", "last_value", "finite"
 ]

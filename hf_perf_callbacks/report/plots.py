@@ -55,9 +55,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("hf_perf_callbacks")
 
-PHASE_COLORS = {"data_wait": "tab:red", "generation": "tab:orange", "rollout_wait": "gold", "compute": "tab:blue",
-                "eval": "tab:green",
-                "save": "tab:purple", "log": "tab:brown", "own_callbacks": "tab:pink", "user_callbacks": "tab:olive",
+PHASE_COLORS = {"data_wait": "tab:red", "generation": "tab:orange", "rollout_wait": "gold", "reward": "yellowgreen",
+                "compute": "tab:blue", "eval": "tab:green", "save": "tab:purple", "log": "tab:brown",
+                "own_callbacks": "tab:pink", "user_callbacks": "tab:olive",
                 "recompute": "tab:cyan", "unexplained": "tab:gray"}
 SIZE = (8, 4.5)                 # inches at DPI: 800×450 pixels, the width a README shows
 DPI = 100
@@ -284,7 +284,8 @@ def plot_throughput(fig: Figure, data: PlotData) -> str | None:
     notes = []
     if f.warmup_done:
         notes.append(warmup_words(f.warmup_steps, f.first_step_slowdown, f.warmup_overhead_sec,
-                                  f.call_first_step, levels=max(1, len(levels))))
+                                  f.call_first_step, levels=max(1, len(levels)), in_band=f.warmup_in_band,
+                                  tolerance=f.warmup_tolerance))
     if steady_list:
         notes.append(steady_words(steady_list, ranges_text(step_ranges(steady_list))))
     _title(ax, "Training throughput (tokens per second of training time; evaluation and saving excluded)", *notes)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 import os
 import statistics
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, TypedDict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from .. import keys
 from ..dataloader import dataloader_facts
@@ -16,7 +16,6 @@ from ..runlog import (
     PHASES,
     ActionDetails,
     NoteDetails,
-    ReadStep,
     RunHeader,
     RunLog,
     WallMove,
@@ -26,7 +25,7 @@ from ..runlog import (
     number,
     read_run,
 )
-from ..splitfile import Decision, SplitFile, read_split_file
+from ..splitfile import SplitFile, read_split_file
 from ..stats import classify_slow_steps, quantile
 from .figures import (
     Figures,
@@ -47,21 +46,32 @@ from .model import (
     MEM_GRACE_STEPS,
     MIN_FIXED_LENGTH_STEPS,
     MIN_MACHINE_CYCLES,
+    RECOMPILE_SLOWDOWN,
     ZERO,
+    CompileReadings,
     Contention,
     Evaluation,
+    FigureReadings,
     FirstSteady,
+    GenerationReadings,
+    GeometryReadings,
     Machine,
     Measurements,
+    MemoryReadings,
     ModelFacts,
+    PhaseReadings,
+    RecipeTarget,
+    Recompile,
     Rewards,
+    ScopeReadings,
+    StepCounts,
+    TrainerReadings,
+    TunerReadings,
 )
 
 
 def _values(rows: Sequence[Any], key: str) -> list[float]:
     """The finite numbers under ``key`` in step lines or log dicts (other types skipped)."""
-    if rows and all(isinstance(r, ReadStep) for r in rows[:1]):      # the reader's lines: their numbers directly
-        return [v for v in (r.number(key) for r in rows) if v is not None]
     values = (r.get(key) for r in rows)
     return [float(v) for v in values if not isinstance(v, bool) and number(v) is not None]
 
@@ -89,7 +99,7 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _rewards(logs: list[dict[str, Any]]) -> Rewards | None:
+def _rewards(logs: Sequence[Mapping[str, Any]]) -> Rewards | None:
     """GRPO's reward statistics over the training logs: the range of the mean reward, the largest within-group
     spread (``reward_std``), the smallest share of groups without spread (``frac_reward_zero_std``), each reward
     function's range (``rewards/<name>/mean``); None when the logs hold no reward."""
@@ -106,7 +116,7 @@ def _rewards(logs: list[dict[str, Any]]) -> Rewards | None:
                    zero_std_min=min(zero, default=None), funcs={n: (min(v), max(v)) for n, v in sorted(funcs.items())})
 
 
-def _no_signal(logs: list[dict[str, Any]]) -> tuple[int, int, float | None]:
+def _no_signal(logs: Sequence[Mapping[str, Any]]) -> tuple[int, int, float | None]:
     """(GRPO logs with reward statistics, the longest run of consecutive logs where every group had zero reward
     variance and the gradient norm was 0, the mean reward over that run)."""
     rows = [(h, zero_std) for h in logs if (zero_std := number(h.get("frac_reward_zero_std"))) is not None]
@@ -184,109 +194,6 @@ def _tail(run_log: RunLog) -> dict[str, float]:
     return {str(k): float(v) for k, v in tail.items() if number(v) is not None} if isinstance(tail, dict) else {}
 
 
-class PhaseReadings(TypedDict):
-    """What :func:`_phase_readings` reads: fields of :class:`Measurements`."""
-
-    phase_sec: dict[str, float]
-    wall_sec: float | None
-    saves: int
-    training_logs: int
-    callback_sec: dict[str, dict[str, float]]
-    trainer_settings: dict[str, Any]
-    recompute_clocked: bool
-
-
-class StepCountsReadings(TypedDict):
-    """What :func:`_step_counts` reads: fields of :class:`Measurements`."""
-
-    forwards_per_microbatch: float | None
-    pad_fraction: float | None
-    seq_len: int | None
-    seq_len_min: int | None
-    seq_len_mean: float | None
-    fixed_seq_len: int | None
-    decode_bandwidth_util: float | None
-
-
-class GenerationReadings(TypedDict):
-    """What :func:`_generation_readings` reads: fields of :class:`Measurements`."""
-
-    generation_backend: str | None
-    vllm_enable_sleep_mode: bool | None
-    weight_sync_steps: int | None
-    weight_sync_share: float | None
-    weight_sync_sec: float | None
-    weight_syncs: int
-    staleness_mean: float | None
-    reward_share: float | None
-    rollout_tokens_per_sec: float | None
-
-
-class MemoryReadings(TypedDict):
-    """What :func:`_memory_readings` reads: fields of :class:`Measurements`."""
-
-    driver_gb_max: float | None
-    allocated_gb_at_driver_max: float | None
-    max_pressure: int | None
-    swap_growth_gb: float | None
-    swapout_steps: int
-    min_steps_to_wall: float | None
-    watchdog_actions: list[WatchdogAction]
-    budget_range_gb: tuple[float, float] | None
-    wall_moves: list[tuple[int | None, str, bool]]
-    leak_mib_per_step: float | None
-
-
-class GeometryReadings(TypedDict):
-    """What :func:`_geometry` reads: fields of :class:`Measurements`."""
-
-    micro_batch: int | None
-    grad_accum: int | None
-    steps_per_generation: int | None
-
-
-class TrainerReadings(TypedDict):
-    """What :func:`_trainer_readings` reads: fields of :class:`Measurements`."""
-
-    completion_mean: float | None
-    completion_max: float | None
-    completion_p90: float | None
-    clipped_ratio: float | None
-    completion_terminated_mean: float | None
-    logs: int
-    no_signal_run: int
-    reward_mean: float | None
-    rewards: Rewards | None
-    trainer_log_source: str | None
-    trainer_kind: str | None
-
-
-class TunerReadings(TypedDict):
-    """What :func:`_tuner_readings` reads: fields of :class:`Measurements`."""
-
-    tuner_attached: bool
-    tune: Decision | None
-    memory_limits: list[Decision]
-    tuner_hint: str | None
-
-
-class FigureReadings(TypedDict):
-    """What :func:`_figure_readings` reads: fields of :class:`Measurements`."""
-
-    steps: int
-    warmup_steps: int | None
-    warmup_done: bool | None
-    warmup_overhead_sec: float | None
-    first_step_slowdown: float | None
-    steady_step_sec: float | None
-    steady_tokens_per_sec: float | None
-    mfu: float | None
-    phases: dict[str, float]
-    mem_high_water_gb: float | None
-    mem_budget_gb: float | None
-    steady_steps: int
-
-
 def _phase_readings(run_log: RunLog) -> PhaseReadings:
     """The run's seconds per phase (the step lines' ``perf/phase_sec/*`` and the tail), its wall seconds, the saves
     and training logs counted, the seconds of each callback class (the summary's ``callback_sec``, else the step
@@ -304,10 +211,10 @@ def _phase_readings(run_log: RunLog) -> PhaseReadings:
         callback_sec = {k.removeprefix(keys.PERF_CALLBACK_SEC): {"all events": sum(finite(col(k)))}
                         for k in sorted(run_log.keys_logged()) if k.startswith(keys.PERF_CALLBACK_SEC)}
     settings = run_log.header("perf").trainer_settings
-    return {"phase_sec": phase_sec, "wall_sec": wall or None, "saves": int(saves),
-            "training_logs": sum(1 for v in col(keys.TRAINER_LOG + "loss") if v == v),
-            "callback_sec": callback_sec, "trainer_settings": dict(settings or {}),
-            "recompute_clocked": perf.get("recompute_clocked") is True}
+    return PhaseReadings(phase_sec=phase_sec, wall_sec=wall or None, saves=int(saves),
+                         training_logs=sum(1 for v in col(keys.TRAINER_LOG + "loss") if v == v),
+                         callback_sec=callback_sec, trainer_settings=dict(settings or {}),
+                         recompute_clocked=perf.get("recompute_clocked") is True)
 
 
 def _evaluation(run_log: RunLog, train_sec: float) -> Evaluation | None:
@@ -346,7 +253,7 @@ def _first_steady(run_log: RunLog, f: Figures) -> FirstSteady | None:
     return FirstSteady(first, included=True, sec=own, with_it=total / count, without_it=(total - own) / (count - 1))
 
 
-def _trainer_kind(logs: list[dict[str, Any]]) -> str | None:
+def _trainer_kind(logs: Sequence[Mapping[str, Any]]) -> str | None:
     """The TRL trainer whose own training logs these are, where they show it: SFT logs `mean_token_accuracy`
     (and `num_tokens`), DPO `rewards/chosen`."""
     keys_seen = {k for h in logs[:50] for k in h}
@@ -505,7 +412,7 @@ def _steady_values(run_log: RunLog, key: str) -> Iterator[float]:
     return (v for v in (column[i] for i in steady_at) if v == v)
 
 
-def _step_counts(run_log: RunLog, grpo: bool) -> StepCountsReadings:
+def _step_counts(run_log: RunLog, grpo: bool) -> StepCounts:
     """What the step lines count: forwards per micro-batch, padding, sequence lengths, decode bandwidth."""
     fpm = _median(finite(run_log.column(keys.PERF_FORWARDS_PER_MICROBATCH)))
     if fpm is None:
@@ -513,30 +420,86 @@ def _step_counts(run_log: RunLog, grpo: bool) -> StepCountsReadings:
                                for e in run_log.events) if v is not None), default=None)
     n, first, low, high = _spread(run_log.column(keys.PERF_SEQ_LEN))     # without a list
     fixed = int(first) if not grpo and n >= MIN_FIXED_LENGTH_STEPS and low == high else None
-    return {"forwards_per_microbatch": fpm, "pad_fraction": _mean(_steady_values(run_log, keys.PERF_PAD_FRACTION)),
-            "seq_len": int(high) if n else None, "seq_len_min": int(low) if n else None,
-            "seq_len_mean": _mean(_steady_values(run_log, keys.PERF_SEQ_LEN)), "fixed_seq_len": fixed,
-            "decode_bandwidth_util": _median(list(_steady_values(run_log, keys.PERF_DECODE_BANDWIDTH_UTIL)))}
+    return StepCounts(forwards_per_microbatch=fpm, pad_fraction=_mean(_steady_values(run_log, keys.PERF_PAD_FRACTION)),
+                      seq_len=int(high) if n else None, seq_len_min=int(low) if n else None,
+                      seq_len_mean=_mean(_steady_values(run_log, keys.PERF_SEQ_LEN)), fixed_seq_len=fixed,
+                      decode_bandwidth_util=_median(list(_steady_values(run_log, keys.PERF_DECODE_BANDWIDTH_UTIL))))
 
 
 def _generation_readings(run_log: RunLog, run: RunHeader, skipped: list[str]) -> GenerationReadings:
     """GRPO's figures of TRL's generation entry: the backend, the weight syncs' and reward functions' shares of the
     wall time, the rollout's decode rate (None where the step lines do not hold them)."""
     backend = _fact(run, "generation_backend", "str", skipped)
-    if backend is None and run.use_vllm:
-        backend = "vllm"                                # an older log: vLLM, mode not recorded
     wall = sum(sum(finite(run_log.column(keys.PERF_PHASE_SEC[p]))) for p in keys.PHASES)
     syncs = [v for v in finite(run_log.column(keys.PERF_WEIGHT_SYNC_SEC)) if v > 0]
     rewards = finite(run_log.column(keys.PERF_REWARD_SEC))
+    scored = [b for r, b in zip(run_log.column(keys.PERF_REWARD_SEC), run_log.column(keys.PERF_GENERATION_BATCH))
+              if r == r and r > 0]
     logged = run_log.keys_logged()
-    return {"generation_backend": backend,
-            "vllm_enable_sleep_mode": _fact(run, "vllm_enable_sleep_mode", "bool", skipped),
-            "weight_sync_steps": _fact(run, "weight_sync_steps", "int", skipped),
-            "weight_sync_share": sum(syncs) / wall if wall and keys.PERF_WEIGHT_SYNC_SEC in logged else None,
-            "weight_sync_sec": sum(syncs) / len(syncs) if syncs else None, "weight_syncs": len(syncs),
-            "staleness_mean": _mean(finite(run_log.column(keys.TRAINER_LOG + "sample/staleness_mean"))),
-            "reward_share": sum(rewards) / wall if wall and rewards else None,
-            "rollout_tokens_per_sec": _median(list(_steady_values(run_log, keys.PERF_ROLLOUT_TOKENS_PER_SEC)))}
+    return GenerationReadings(
+        generation_backend=backend, vllm_enable_sleep_mode=_fact(run, "vllm_enable_sleep_mode", "bool", skipped),
+        weight_sync_steps=_fact(run, "weight_sync_steps", "int", skipped),
+        staleness_mean=_mean(finite(run_log.column(keys.TRAINER_LOG + "sample/staleness_mean"))),
+        weight_sync_share=sum(syncs) / wall if wall and keys.PERF_WEIGHT_SYNC_SEC in logged else None,
+        weight_sync_sec=sum(syncs) / len(syncs) if syncs else None, weight_syncs=len(syncs),
+        reward_share=sum(rewards) / wall if wall and rewards else None,
+        rollout_tokens_per_sec=_median(list(_steady_values(run_log, keys.PERF_ROLLOUT_TOKENS_PER_SEC))),
+        reward_calls=len(scored), reward_completions=_mean(b for b in scored if b == b))
+
+
+def _target(header: RunHeader) -> RecipeTarget | None:
+    """The recipe's target the launcher recorded (the run header's ``target``), None without one."""
+    t = header.target
+    recipe = t.get("recipe")
+    if not isinstance(recipe, str):
+        return None
+    memory = t.get("memory")
+    length = t.get("max_completion_length")
+    return RecipeTarget(recipe, _text(t.get("machine")), _text(t.get("device_type")), _text(t.get("model")),
+                        length if isinstance(length, int) and not isinstance(length, bool) else None,
+                        dict(memory) if isinstance(memory, dict) else {})
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _scope_readings(run_log: RunLog, run: RunHeader) -> ScopeReadings:
+    """What the run was measured on and against: the recipe's target, the model that ran, MFU's basis, a compile,
+    the trainer's ``compute_metrics`` seconds."""
+    params = run.model.get("params")
+    metrics = number(run_log.summary("perf").get("compute_metrics_sec"))
+    return ScopeReadings(target=_target(run), model_name=_text(run.model.get("name")),
+                         model_params=params if isinstance(params, int) and not isinstance(params, bool) else None,
+                         mfu_basis=run.mfu_basis, torch_compile=run.trainer_settings.get("torch_compile") is True,
+                         compute_metrics_sec=metrics)
+
+
+def _compile_readings(run_log: RunLog, f: Figures, torch_compile: bool) -> CompileReadings:
+    """CPU device: the child processes' CPU seconds over the steps outside the steady figures (a compile's workers,
+    DataLoader workers starting), and with ``torch_compile`` the steady steps slowed by the process's own work: a
+    step's training seconds at least :data:`RECOMPILE_SLOWDOWN` above the steady steps' median s (the median: a
+    recompile does not move it), at least half of the excess explained by its training CPU seconds above their
+    median c (at s / c wall seconds each)."""
+    if run_log.header("perf").device_type != "cpu":
+        return CompileReadings()
+    numbers, train = run_log.step_numbers(), train_column(run_log)
+    walls, cpus, child = (run_log.column(k) for k in (keys.PERF_STEP_WALL_SEC, keys.PERF_CPU_SEC,
+                                                       keys.PERF_CHILD_CPU_SEC))
+    steady = set(f.steady_steps)
+    outside = finite(child[i] for i, n in enumerate(numbers) if n not in steady)
+    recompiles: list[Recompile] = []
+    rows = [i for i, n in enumerate(numbers) if n in steady and walls[i] > 0 and cpus[i] == cpus[i]]
+    if torch_compile and rows:
+        train_cpu = {i: cpus[i] * train[i] / walls[i] for i in rows}
+        s, c = statistics.median(train[i] for i in rows), statistics.median(train_cpu.values())
+        for i in rows:
+            excess = train[i] - s
+            if s > 0 and c > 0 and excess >= RECOMPILE_SLOWDOWN * s:
+                share = min(1.0, max(0.0, train_cpu[i] - c) * s / c / excess)
+                if share >= 0.5:
+                    recompiles.append(Recompile(numbers[i], excess, share))
+    return CompileReadings(warmup_child_cpu_sec=sum(outside) if outside else None, recompiles=recompiles)
 
 
 def _watchdog_actions(run_log: RunLog, skipped: list[str]) -> list[WatchdogAction]:
@@ -561,19 +524,19 @@ def _memory_readings(run_log: RunLog, skipped: list[str]) -> MemoryReadings:
     pressures = _spread(run_log.column(keys.MEM_PRESSURE))
     limits = _spread(run_log.column(keys.MEM_LIMIT_GB))
     mem_events = [e for e in events if e.source == "mem"]
-    return {
-        "driver_gb_max": row.number(keys.MEM_DRIVER_GB) if row else None,
-        "allocated_gb_at_driver_max": row.number(keys.MEM_ALLOCATED_GB) if row else None,
-        "max_pressure": int(pressures[3]) if pressures[0] else None,
-        "swap_growth_gb": max(0.0, swaps[3] - swaps[1]) if swaps[0] else None,
-        "swapout_steps": sum(1 for v in finite(run_log.column(keys.MEM_SWAPOUTS)) if v > 0),
-        "min_steps_to_wall": min(finite(run_log.column(keys.MEM_STEPS_TO_WALL)[MEM_GRACE_STEPS:]), default=None),
-        "watchdog_actions": _watchdog_actions(run_log, skipped),
-        "budget_range_gb": (limits[2], limits[3]) if limits[0] else None,
-        "wall_moves": [(e.step, wall.why or "", wall.moved)
-                       for e in mem_events if e.kind == "wall" for wall in [WallMove.from_details(e.details)]],
-        "leak_mib_per_step": max((v for v in (WarningFigures.from_details(e.details).leak_mib_per_step
-                                              for e in mem_events) if v is not None), default=None)}
+    return MemoryReadings(
+        driver_gb_max=row.number(keys.MEM_DRIVER_GB) if row else None,
+        allocated_gb_at_driver_max=row.number(keys.MEM_ALLOCATED_GB) if row else None,
+        max_pressure=int(pressures[3]) if pressures[0] else None,
+        swap_growth_gb=max(0.0, swaps[3] - swaps[1]) if swaps[0] else None,
+        swapout_steps=sum(1 for v in finite(run_log.column(keys.MEM_SWAPOUTS)) if v > 0),
+        min_steps_to_wall=min(finite(run_log.column(keys.MEM_STEPS_TO_WALL)[MEM_GRACE_STEPS:]), default=None),
+        watchdog_actions=_watchdog_actions(run_log, skipped),
+        budget_range_gb=(limits[2], limits[3]) if limits[0] else None,
+        wall_moves=[(e.step, wall.why or "", wall.moved)
+                    for e in mem_events if e.kind == "wall" for wall in [WallMove.from_details(e.details)]],
+        leak_mib_per_step=max((v for v in (WarningFigures.from_details(e.details).leak_mib_per_step
+                                           for e in mem_events) if v is not None), default=None))
 
 
 def _geometry(run_log: RunLog, run: RunHeader) -> GeometryReadings:
@@ -585,21 +548,21 @@ def _geometry(run_log: RunLog, run: RunHeader) -> GeometryReadings:
     spg = run.steps_per_generation
     if spg and micro and run.per_device_train_batch_size:
         spg = max(1, int(spg) * int(run.per_device_train_batch_size) // int(micro))
-    return {"micro_batch": int(micro) if micro else None, "grad_accum": int(accum) if accum else None,
-            "steps_per_generation": int(spg) if spg else None}
+    return GeometryReadings(micro_batch=int(micro) if micro else None, grad_accum=int(accum) if accum else None,
+                            steps_per_generation=int(spg) if spg else None)
 
 
 def _trainer_readings(run_log: RunLog, grpo: bool) -> TrainerReadings:
     """The trainer's own logs: completion lengths, rewards, the runs of logs without a learning signal."""
-    logs, source = trainer_logs(run_log)
+    logs = trainer_logs(run_log)
     completion = completion_stats(logs)
     n_logs, no_signal_run, reward_mean = _no_signal(logs)
-    return {"completion_mean": completion["mean"], "completion_max": completion["max"],
-            "completion_p90": completion["p90"], "clipped_ratio": completion["clipped"],
-            "completion_terminated_mean": completion["terminated_mean"],
-            "logs": n_logs, "no_signal_run": no_signal_run, "reward_mean": reward_mean,
-            "rewards": _rewards(logs) if grpo else None, "trainer_log_source": source,
-            "trainer_kind": _trainer_kind(logs) if not grpo else None}
+    return TrainerReadings(completion_mean=completion["mean"], completion_max=completion["max"],
+                           completion_p90=completion["p90"], clipped_ratio=completion["clipped"],
+                           completion_terminated_mean=completion["terminated_mean"], logs=n_logs,
+                           no_signal_run=no_signal_run, reward_mean=reward_mean,
+                           rewards=_rewards(logs) if grpo else None,
+                           trainer_kind=_trainer_kind(logs) if not grpo else None)
 
 
 def _tuner_readings(run_log: RunLog, skipped: list[str]) -> TunerReadings:
@@ -609,20 +572,20 @@ def _tuner_readings(run_log: RunLog, skipped: list[str]) -> TunerReadings:
         skipped.append(note)
     hint = next((e.message for e in run_log.events if e.source == "tuner"
                  and NoteDetails.from_details(e.details).needs == "train_with_tuning"), None)
-    return {"tuner_attached": keys.TUNER_MICRO_BATCH in run_log.keys_logged(),
-            "tune": tuner.last("tune") if tuner else None,
-            "memory_limits": [d for d in tuner.decisions if d.kind in ("oom", "watchdog", "memory_check")]
-            if tuner else [],
-            "tuner_hint": hint}
+    return TunerReadings(tuner_attached=keys.TUNER_MICRO_BATCH in run_log.keys_logged(),
+                         tune=tuner.last("tune") if tuner else None,
+                         memory_limits=[d for d in tuner.decisions if d.kind in ("oom", "watchdog", "memory_check")]
+                         if tuner else [], tuner_hint=hint)
 
 
 def _figure_readings(f: Figures) -> FigureReadings:
     """The headline figures the rules read, exactly as the report prints them."""
-    return {"steps": f.steps, "warmup_steps": f.warmup_steps, "warmup_done": f.warmup_done,
-            "warmup_overhead_sec": f.warmup_overhead_sec, "first_step_slowdown": f.first_step_slowdown,
-            "steady_step_sec": f.steady_step_sec, "steady_tokens_per_sec": f.steady_tokens_per_sec, "mfu": f.mfu,
-            "phases": dict(f.phases), "mem_high_water_gb": f.high_water_gb, "mem_budget_gb": f.budget_gb,
-            "steady_steps": len(f.steady_steps) if f.warmup_done else 0}
+    return FigureReadings(steps=f.steps, warmup_steps=f.warmup_steps, warmup_done=f.warmup_done,
+                          warmup_overhead_sec=f.warmup_overhead_sec, first_step_slowdown=f.first_step_slowdown,
+                          steady_step_sec=f.steady_step_sec, steady_tokens_per_sec=f.steady_tokens_per_sec, mfu=f.mfu,
+                          phases=dict(f.phases), mem_high_water_gb=f.high_water_gb, mem_budget_gb=f.budget_gb,
+                          steady_steps=len(f.steady_steps) if f.warmup_done else 0, warmup_in_band=f.warmup_in_band,
+                          warmup_tolerance=f.warmup_tolerance)
 
 
 def measurements(run_log: RunLog) -> Measurements:
@@ -631,7 +594,7 @@ def measurements(run_log: RunLog) -> Measurements:
     The latest training session's summaries count (a resumed session that was killed has none, so the figures
     come from the step lines), and a step logged again after an out-of-memory rollback or a resume counts once
     (its latest line). The trainer's own logs (rewards, completion lengths, gradient norm) come from the step lines'
-    ``log/<key>`` values, else from ``trainer_state.json``'s ``log_history``, else the latest checkpoint's. Every
+    ``log/<key>`` values. Every
     logged value is read through a typed accessor: a field of another type is skipped and listed in ``skipped``.
     """
     f = figures(run_log)
@@ -639,19 +602,23 @@ def measurements(run_log: RunLog) -> Measurements:
     run = run_log.header("perf")
     grpo = bool(run.grpo)
     train_sec = sum(finite(train_column(run_log)))
+    scope = _scope_readings(run_log, run)
+    groups = (_figure_readings(f), _geometry(run_log, run), _step_counts(run_log, grpo),
+              _memory_readings(run_log, skipped), _trainer_readings(run_log, grpo), _tuner_readings(run_log, skipped),
+              _generation_readings(run_log, run, skipped), _phase_readings(run_log), scope,
+              _compile_readings(run_log, f, scope.torch_compile))
     return Measurements(
         device_type=run.device_type or "unknown", world_size=int(run.world_size or 1), grpo=grpo,
         max_completion_length=run.max_completion_length, num_generations=run.num_generations,
         activation_checkpointing=run.activation_checkpointing, model=ModelFacts.of(run.model),
         dataloader=dataloader_facts(run.dataloader), pad_to_multiple_of=run.pad_to_multiple_of,
         temperature=run.temperature, use_vllm=run.use_vllm,
-        **_figure_readings(f), **_geometry(run_log, run), **_step_counts(run_log, grpo),
-        **_memory_readings(run_log, skipped), **_trainer_readings(run_log, grpo), **_tuner_readings(run_log, skipped),
         contention=_contention(run_log, f), machine=_machine(run_log, run, skipped),
         slow_stretches=slow_stretches(run_log), split_levels=len(split_levels(run_log)),
         evaluation=_evaluation(run_log, train_sec), first_steady=_first_steady(run_log, f),
         launcher=_fact(run, "launcher", "str", skipped), logged=run_log.keys_logged(), skipped=skipped,
-        train_sec=train_sec or None, **_generation_readings(run_log, run, skipped), **_phase_readings(run_log))
+        train_sec=train_sec or None,
+        **{k: v for group in groups for k, v in vars(group).items()})   # each group's fields, as its reader read them
 
 
 def measurements_from_run(output_dir: str) -> Measurements:

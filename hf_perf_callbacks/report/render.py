@@ -8,12 +8,13 @@ import os
 
 from .. import keys
 from ..runlog import RunLog, read_run
-from ..wording import wrapped
-from .model import TOO_FEW_STEPS, ZERO, Facts, Finding, Measurements, Note
+from ..wording import MFU_BASIS_SHORT, wrapped
+from .facts import NothingFound
+from .model import TOO_FEW_STEPS, ZERO, Finding, Measurements, Note, Scope
 from .reading import measurements
 from .rules import check
 from .rules.basis import _too_short
-from .words import _pct, _yaml
+from .words import _pct, _yaml, nothing_found_words, scope_words, stake_words, stand_in_words
 
 REPORT_FILE = "perf_report.md"
 
@@ -34,7 +35,8 @@ def _facts_line(m: Measurements) -> str:
     if e and e.share >= 0.01 and m.steps:
         parts.append(f"{e.wall_sec / m.steps:.3g} s/step of wall time with evaluation")
     if m.mfu is not None:
-        parts.append(f"MFU {_pct(m.mfu)}")
+        basis = MFU_BASIS_SHORT.get(m.mfu_basis or "")
+        parts.append(f"MFU {_pct(m.mfu)}" + (f" {basis}" if basis else ""))
     split = ", ".join(f"{k.replace('_', ' ')} {_pct(v)}" for k, v in
                       sorted(m.phases.items(), key=lambda kv: -kv[1]) if v >= 0.005)
     if split:
@@ -54,41 +56,20 @@ def gain_text(f: Finding) -> str:
     return f"{'≥ ' if f.lower_bound else ''}{f.expected_gain:.2f}x ({f.basis}, {f.confidence} confidence)"
 
 
-def nothing_found_facts(m: Measurements, notes: list[Note]) -> Facts:
-    """What the "no finding" paragraph says, as data: ``data_wait`` (the device did not wait for data: judged),
-    ``memory`` (memory stayed within budget: measured), ``rewards`` (GRPO: "none", "varied", "flat"; None: not
-    GRPO), ``timings_unjudged`` (too short to judge), ``metric`` (the throughput key to track; None: none logged)."""
+def nothing_found_facts(m: Measurements, notes: list[Note]) -> NothingFound:
+    """What the "no finding" paragraph says, as data (its words: :func:`~.words.nothing_found_words`)."""
     r = m.rewards
-    return {"data_wait": bool(not _too_short(m) and m.phases), "memory": m.mem_high_water_gb is not None,
-            "rewards": None if not m.grpo else "none" if r is None else
-            "varied" if (r.std_max or 0.0) > ZERO else "flat",
-            "timings_unjudged": any(not n.judged and n.rule == "evidence" for n in notes),
-            "metric": next((k for k in (keys.PERF_STEADY_TOKENS_PER_SEC, keys.PERF_TOKENS_PER_SEC)
-                            if k in m.logged), None)}
+    return NothingFound(data_wait=bool(not _too_short(m) and m.phases), memory=m.mem_high_water_gb is not None,
+                        rewards=None if not m.grpo else "none" if r is None else
+                        "varied" if (r.std_max or 0.0) > ZERO else "flat",
+                        timings_unjudged=any(not n.judged and n.rule == "evidence" for n in notes),
+                        metric=next((k for k in (keys.PERF_STEADY_TOKENS_PER_SEC, keys.PERF_TOKENS_PER_SEC)
+                                     if k in m.logged), None))
 
 
-#: the "no finding" paragraph's words for the rewards (``nothing_found_facts(...)["rewards"]``)
-REWARD_WORDS = {"none": "no reward data in this run's logs", "varied": "the rewards varied within prompt groups",
-                "flat": "the rewards never varied within a prompt group"}
-
-
-def _nothing_found(m: Measurements, notes: list[Note]) -> str:
-    """The "no finding" paragraph: only what this run's log shows, and a metric it holds
-    (:func:`nothing_found_facts`)."""
-    facts = nothing_found_facts(m, notes)
-    checked = []
-    if facts["data_wait"]:
-        checked.append("the device did not wait for data")
-    if facts["memory"]:
-        checked.append("memory stayed within budget")
-    if isinstance(facts["rewards"], str):
-        checked.append(REWARD_WORDS[facts["rewards"]])
-    text = "No rule found something to change" + (": " + ", ".join(checked) if checked else "") + "."
-    if facts["timings_unjudged"]:
-        text += " The timings were too short to judge (see Not judged)."
-    if facts["metric"]:
-        text += f" Track `{facts['metric']}` to compare future runs."
-    return text
+def _stand_in(notes: list[Note] | None) -> Scope | None:
+    """The stand-in note's facts, when the run stood in for its recipe's target."""
+    return next((n.facts for n in notes or [] if n.reason == "stand_in" and isinstance(n.facts, Scope)), None)
 
 
 def render_markdown(findings: list[Finding], m: Measurements, notes: list[Note] | None = None) -> str:
@@ -96,10 +77,16 @@ def render_markdown(findings: list[Finding], m: Measurements, notes: list[Note] 
     and is fine."""
     notes = notes or []
     lines = ["# Performance report", "", f"**Run:** {_facts_line(m)}", ""]
+    stand_in = _stand_in(notes)
+    if stand_in is not None:
+        lines += [f"> **Stand-in run.** {stand_in_words(stand_in)}", ""]
     if not findings:
-        lines += ["## No bottleneck found", "", _nothing_found(m, notes), ""]
+        lines += ["## No bottleneck found", "", nothing_found_words(nothing_found_facts(m, notes)), ""]
     for i, f in enumerate(findings, 1):
+        stake = stake_words(f)
+        scope = scope_words(f.scope) if f.scope else "measured on this run"
         lines += [f"## {i}. {f.title} — {gain_text(f)}", "",
+                  f"_{scope[0].upper()}{scope[1:]}" + (f"; {stake}" if stake else "") + "._", "",
                   "### Observation", "", f.observation, "",
                   "### Root cause", "", f.root_cause, "",
                   "### Recommendation", "", f.recommendation, ""]
@@ -134,16 +121,13 @@ def write_analysis(run: RunLog | str) -> tuple[str, list[Finding], list[Note]]:
     return path, findings, notes
 
 
-def write_perf_report(run: RunLog | str) -> tuple[str, list[Finding]]:
-    """:func:`write_analysis` without the notes: (path, findings)."""
-    path, findings, _ = write_analysis(run)
-    return path, findings
-
-
 def console_summary(findings: list[Finding], top: int = 3, notes: list[Note] | None = None) -> str:
     """The top findings, a few lines each, what the run was too short to judge, and the titles of what was checked
     and is fine; a line wider than ``CONSOLE_WIDTH`` goes on over indented lines (nothing is cut)."""
     lines = ["== Performance analysis =="]
+    stand_in = _stand_in(notes)
+    if stand_in is not None:
+        lines.append(wrapped(f"stand-in run: {stand_in_words(stand_in)}"))
     if not findings:
         lines.append("no bottleneck found")
     for i, f in enumerate(findings[:top], 1):
@@ -152,7 +136,8 @@ def console_summary(findings: list[Finding], top: int = 3, notes: list[Note] | N
                  ", ".join(f"`{k}={v}` (environment)" for k, v in f.env.items()) if f.env else
                  actions[0].split(" (")[0] if actions else "-")
         more = f" (+{len(actions) - 1} more)" if len(actions) > 1 else ""
-        lines += [wrapped(f"{i}. {f.title} — {gain_text(f)}", indent="   "),
+        share = f" · {_pct(f.share)} of the run" if f.share is not None else ""
+        lines += [wrapped(f"{i}. {f.title} — {gain_text(f)}{share}", indent="   "),
                   wrapped(f"   seen: {f.observation}", indent=" " * 9),
                   wrapped(f"   do:   {first}{more}", indent=" " * 9)]
     if len(findings) > top:

@@ -14,6 +14,7 @@ this module, the plots and :mod:`.analysis`.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .. import keys
@@ -22,6 +23,7 @@ from ..runlog import PERF_LOG, ActionDetails, DecisionDetails, EventLine, RunLog
 from ..splitfile import read_split_file, trial_figures
 from ..wording import (
     console_line,
+    mfu_words,
     phase_line,
     provisional_line,
     split_label,
@@ -47,7 +49,7 @@ def summarize(run: RunLog) -> str:
     lines = [f"== hf-perf report: {run.output_dir} =="]
     lines += _run_lines(run, f) + _throughput_lines(run, f) + _memory_lines(f) + _event_lines(run)
     lines += _tuning_lines(run)
-    completions = _completion_line(trainer_logs(run)[0])
+    completions = _completion_line(trainer_logs(run))
     if completions:
         lines.append(completions)
     return "\n".join(lines + _log_notes(run))
@@ -91,7 +93,8 @@ def _throughput_lines(run: RunLog, f: Figures) -> list[str]:
              else throughput_line(f.steady_tokens_per_sec, f.steady_step_sec, f.mean_tokens_per_sec)]
     if f.warmup_done is not None:
         lines.append("warmup: " + warmup_line(f.warmup_done, f.warmup_steps, f.first_step_slowdown,
-                                              f.warmup_overhead_sec, f.steps, f.contention_sec, f.call_first_step))
+                                              f.warmup_overhead_sec, f.steps, f.contention_sec, f.call_first_step,
+                                              f.warmup_in_band, f.warmup_tolerance))
     if f.steady_steps:                 # an earlier train() call's steady steps count while the latest warms up
         steady = steady_words(f.steady_steps, ranges_text(step_ranges(f.steady_steps)))
         if f.not_steady:
@@ -99,7 +102,7 @@ def _throughput_lines(run: RunLog, f: Figures) -> list[str]:
             steady += f"; not in them: step{'' if single else 's'} {ranges_text(f.not_steady)}"
         lines.append(f"steady steps: {steady}")
     if f.mfu is not None:
-        lines.append(f"MFU: {f.mfu:.1%}" + (" (provisional)" if provisional else ""))
+        lines.append(wrapped(mfu_words(f.mfu, f.mfu_basis, provisional)))
     if f.phases:
         lines.append(phase_line(f.phases))
     return lines
@@ -164,18 +167,19 @@ def _tuning_lines(run: RunLog) -> list[str]:
                else f"switched {split_label(decision.old)} → {split_label(decision.new)}")
     cost = f"; cost {decision.cost_sec:.1f} s" if decision.cost_sec is not None else ""
     saving = (f"; expected saving {decision.expected_gain_sec:.1f} s" if decision.expected_gain_sec is not None
-              else "")
+              and decision.new != decision.old else "")
     lines = [f"tuning at step {decision.step}: {outcome}{cost}{saving}"]
     lines += [wrapped(f"  {t.words()}", indent="    ") for t in trial_figures(decision)]
     return lines
 
 
-def _completion_line(history: list[dict[str, Any]]) -> str | None:
-    """GRPO completion lengths over the run's training logs (:func:`figures.trainer_logs`: the step lines' ``log/``
-    values, else ``trainer_state.json``; :func:`figures.completion_stats`, the figures the analysis cites), when
-    present."""
+def _completion_line(history: Sequence[Mapping[str, Any]]) -> str | None:
+    """GRPO completion lengths over the run's training logs (:func:`figures.trainer_logs`, the step lines' ``log/``
+    values; :func:`figures.completion_stats`, the figures the analysis cites), when present."""
     c = completion_stats(history)
     if not c["logs"]:
         return None
-    return (f"completions ({c['logs']} logs): mean length {_fmt(c['mean'], '.1f')}, max {_fmt(c['max'], '.0f')}, "
+    logs = c["logs"]
+    return (f"completions ({logs} log{'' if logs == 1 else 's'}): mean length {_fmt(c['mean'], '.1f')}, "
+            f"max {_fmt(c['max'], '.0f')}, "
             f"clipped {_fmt(c['clipped'], '.0%')} (mean over the run)")

@@ -162,12 +162,12 @@ def _describe(recipe: RecipeArguments, args: GRPOConfig, model_args: ModelConfig
     world, split = args.world_size, Split(args.per_device_train_batch_size, args.gradient_accumulation_steps)
     lora = f", LoRA r={model_args.lora_r}" if model_args.use_peft else ""
     names = ", ".join(type(cb).__name__ for cb in callbacks) or "none"
+    prompts = cast(int, args.generation_batch_size) // cast(int, args.num_generations)  # both set by __post_init__
     return (f"recipe: {model_args.model_name_or_path} ({model_args.dtype}{lora}) on {args.device.type} × {world}\n"
             f"micro-batch {split.micro_batch} × accumulation {split.grad_accum} × world {world} = "
             f"{split.effective_batch(world)} completions per "
             f"optimizer step; generation batch {args.generation_batch_size} = "
-            f"{cast(int, args.generation_batch_size) // cast(int, args.num_generations)} prompts × "   # both set
-            f"{args.num_generations}; "                                                   # by GRPOConfig.__post_init__
+            f"{prompts} prompt{'' if prompts == 1 else 's'} × {args.num_generations}; "
             f"max_completion_length {args.max_completion_length}\ndataset {recipe.dataset}; callbacks {names}")
 
 
@@ -215,9 +215,35 @@ def busy_line(busy: OutputDirBusy) -> str:
     return f"output_dir {busy.output_dir} is in use by another run ({busy.holder}): pick another or wait for it"
 
 
+# ---------------------------------------------------------------- what the recipe was written for
+#: the recipe keys that size a run's memory: a report on a run that stood in for the recipe's target (another model,
+#: device or completion length) advises no value of them that costs more memory than the recipe's own
+MEMORY_KEYS = ("activation_checkpointing", "gradient_checkpointing", "per_device_train_batch_size",
+               "max_completion_length", "num_generations", "vllm_gpu_memory_utilization", "dtype", "use_peft")
+
+
+def recipe_target(argv: list[str]) -> dict[str, Any]:
+    """What the recipe of ``--config`` was written for, before any command-line override (the run header's
+    ``target``): its name, the machine its first line names and that machine's device type, its model and completion
+    length, its values of :data:`MEMORY_KEYS`; {} without a recipe file."""
+    config_path, _ = split_config(argv)
+    if not config_path:
+        return {}
+    path = recipes.resolve(config_path)
+    config = read_recipe(path)
+    with open(path, encoding="utf-8") as handle:
+        first = handle.readline().lstrip("#").strip()
+    machine = first.split(": ", 1)[0]
+    device = "mps" if "Apple" in machine else "cuda" if "NVIDIA" in machine or "GPU" in machine else None
+    return {"recipe": os.path.basename(path).removesuffix(".yaml"), "machine": machine, "device_type": device,
+            "model": config.get("model_name_or_path"), "max_completion_length": config.get("max_completion_length"),
+            "memory": {k: config[k] for k in MEMORY_KEYS if k in config}}
+
+
 # ---------------------------------------------------------------- entry point
-def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelConfig) -> int:
-    """Build the trainer from parsed arguments, train, save, report."""
+def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelConfig,
+        target: Mapping[str, Any] | None = None) -> int:
+    """Build the trainer from parsed arguments, train, save, report (``target``: :func:`recipe_target`)."""
     from trl import GRPOTrainer, get_peft_config
 
     from ..console import hide_upstream_deprecations
@@ -254,7 +280,7 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
         from ..bus import bus_for
         from ..runlog import HF_PERF_TRAIN
 
-        bus_for(trainer.callback_handler).log.mark_runs(launcher=HF_PERF_TRAIN)
+        bus_for(trainer.callback_handler).log.mark_runs(launcher=HF_PERF_TRAIN, target=dict(target or {}))
     resume = training_args.resume_from_checkpoint
     if any(type(cb).__name__ == "AdaptiveBatchTuner" for cb in callbacks):
         from ..resize import train_with_tuning
@@ -293,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with interrupts.answered(cast(str, training_args.output_dir)):
-            return run(recipe, training_args, model_args)
+            return run(recipe, training_args, model_args, target=recipe_target(argv))
     except (RecipeError, OutputDirBusy) as error:      # the lock taken during train() too: one line, not a traceback
         text = busy_line(error) if isinstance(error, OutputDirBusy) and error.holder else str(error)
         print(f"hf_perf_callbacks.train: error: {text}", file=sys.stderr)

@@ -1,5 +1,5 @@
-"""Wording and settings several rule families share: the run's exact splits, the interface it was started with,
-the memory cap the advice respects, number formats.
+"""Figures and settings several rule families share: the run's exact splits, the interface it was started with,
+the memory cap the advice respects, the completion limits.
 """
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 from ...batching import Split, exact_splits
 from ...memory import WARN_WITHIN_STEPS as STEPS_TO_WALL  # the watchdog's default warn distance
+from ..facts import CompletionTarget, MemoryHit, RaisedLimit
 from ..model import Measurements, Setting
-from ..words import _pct
 
 COMPLETION_SLACK = 0.5
 COMPLETION_HEADROOM = 1.25
@@ -32,20 +32,19 @@ def _phase(m: Measurements, name: str) -> float:
     return float(m.phases.get(name) or 0.0)
 
 
-def _completion_target(m: Measurements) -> tuple[int, float, str] | None:
-    """(new max_completion_length, the observed length it is based on, its name) when there is room to cut."""
+def _completion_target(m: Measurements) -> CompletionTarget | None:
+    """A lower max_completion_length where there is room to cut, and the observed length it rests on."""
     limit = m.max_completion_length
-    basis, name = ((m.completion_p90, "p90 of the per-log longest completion") if m.completion_p90 is not None
-                   else (m.completion_max, "longest completion"))
+    basis, name = (m.completion_p90, "p90") if m.completion_p90 is not None else (m.completion_max, "max")
     if not (m.grpo and limit and basis is not None and basis > 0):
         return None
     if basis >= COMPLETION_SLACK * limit or (m.clipped_ratio or 0.0) > CLIPPED_SMALL:
         return None
     new = _next_pow2(COMPLETION_HEADROOM * basis)
-    return (new, basis, name) if new < limit else None
+    return CompletionTarget(new, basis, name) if new < limit else None
 
 
-def _raised_limit(m: Measurements, limit: int, clipped: float) -> tuple[int, str]:
+def _raised_limit(m: Measurements, limit: int, clipped: float) -> RaisedLimit:
     """The ``max_completion_length`` the observed lengths call for when ``clipped`` of the completions reach
     ``limit``, and how it was sized. The completions that ended (share 1 − clipped, mean length t — TRL's
     ``completions/mean_terminated_length``) are taken as spread evenly from x0 = 2t − limit (at least 0) to the
@@ -56,15 +55,11 @@ def _raised_limit(m: Measurements, limit: int, clipped: float) -> tuple[int, str
     took two more runs on SmolLM2-135M-Instruct's Wordle answers: 8 → 16 still cut 92%, and 96 still cut 42%)."""
     ended, t = 1.0 - clipped, m.completion_terminated_mean
     if ended <= 0 or t is None or not 0 < t <= limit:
-        new = max(2 * limit, min(16 * limit, UNSEEN_LIMIT))
-        return new, (f"no completion ended before the limit, so no length beyond {limit} was observed: {new} (TRL's "
-                     f"default {UNSEEN_LIMIT}, within 2 to 16 times the limit) is a guess; the next report sizes it "
-                     "from the lengths that end")
+        return RaisedLimit(max(2 * limit, min(16 * limit, UNSEEN_LIMIT)), limit, True, unseen_default=UNSEEN_LIMIT)
     x0 = max(0.0, 2 * t - limit)
     need = x0 + (1 - CLIPPED_SMALL) * (limit - x0) / ended
-    new = min(16 * limit, max(2 * limit, _next_pow2(need)))
-    return new, (f"the {_pct(ended)} of completions that ended averaged {t:.1f} tokens; at that spread "
-                 f"{1 - CLIPPED_SMALL:.0%} end by ≈ {need:.0f} tokens (next power of two {new})")
+    return RaisedLimit(min(16 * limit, max(2 * limit, _next_pow2(need))), limit, False, 1 - CLIPPED_SMALL, ended, t,
+                       need)
 
 
 def _splits(m: Measurements) -> list[Split]:
@@ -112,49 +107,26 @@ def _split_name(split: Split) -> str:
     return f"{split.micro_batch}×{split.grad_accum}"
 
 
-def _memory_hits(m: Measurements) -> list[tuple[int, str, object, str]]:
-    """Every micro-batch that hit the memory limit: (micro-batch, what hit it: a decision's kind "oom", "watchdog",
-    "memory_check", "trial" or the watchdog's action, at which step (None: a trial), the sentence that says so)."""
-    hits: list[tuple[int, str, object, str]] = []
-    for d in m.memory_limits:
-        what = {"oom": "ran out of memory", "watchdog": "neared the memory budget (the watchdog asked for less)",
-                "memory_check": "did not fit at the longest length"}[d.kind]
-        hits.append((d.old.micro_batch, d.kind, d.step, f"micro-batch {d.old.micro_batch} {what} at step {d.step}"
-                     + (f" ({d.reason})" if d.reason else "")))
-    for t in (m.tune.trials if m.tune else []):
-        if not t.fits or (t.error and "memory" in t.error.lower()):
-            hits.append((t.split.micro_batch, "trial", None, f"the tuner's trial of {_split_name(t.split)} "
-                         + ("ran out of memory" if t.error else "went over the memory budget")))
+def _memory_hits(m: Measurements) -> list[MemoryHit]:
+    """Every micro-batch that hit the memory limit: the tuner's ``oom``, ``watchdog`` and ``memory_check``
+    decisions, its trials that did not fit, the watchdog's stops and smaller-batch requests."""
+    hits = [MemoryHit(d.old.micro_batch, d.kind, d.step, d.reason) for d in m.memory_limits]
+    hits += [MemoryHit(t.split.micro_batch, "trial", split=_split_name(t.split), error=t.error)
+             for t in (m.tune.trials if m.tune else []) if not t.fits or (t.error and "memory" in t.error.lower())]
     if not m.memory_limits and m.micro_batch:
-        for a in m.watchdog_actions:
-            if a.get("action") in ("smaller_batch", "stop"):
-                hits.append((m.micro_batch, str(a.get("action")), a.get("step"),
-                             f"the memory watchdog's {a.get('action')} at step {a.get('step')} at micro-batch "
-                             f"{m.micro_batch}"))
+        hits += [MemoryHit(m.micro_batch, str(a.get("action")), a.get("step")) for a in m.watchdog_actions
+                 if a.get("action") in ("smaller_batch", "stop")]
     return hits
 
 
-def _memory_cap_facts(m: Measurements) -> dict[str, int | str | None]:
-    """The memory cap as figures: ``cap`` (the largest micro-batch advised), the micro-batch that hit the limit,
-    what hit it (``capped_by``) and at which step; empty when nothing hit it."""
-    hits = _memory_hits(m)
-    if not hits:
-        return {}
-    micro, kind, step, _ = min(hits, key=lambda h: h[0])
-    return {"cap": max(0, micro - 1), "hit_micro_batch": micro, "capped_by": kind,
-            "capped_at_step": step if isinstance(step, int) else None}
-
-
-def _memory_cap(m: Measurements) -> tuple[int | None, str | None]:
-    """The largest micro-batch any advice may name — one below the smallest that ran out of memory or that the
-    memory watchdog had to shrink (the tuner's ``oom``, ``watchdog`` and ``memory_check`` decisions, its trials that
-    did not fit, the watchdog's stops and smaller-batch requests) — and the sentence that says why; (None, None)
-    when nothing hit the memory limit."""
+def _memory_cap(m: Measurements) -> tuple[int | None, MemoryHit | None]:
+    """The largest micro-batch any advice may name — one below the smallest that hit the memory limit
+    (:func:`_memory_hits`) — and that hit; (None, None) when nothing hit the memory limit."""
     hits = _memory_hits(m)
     if not hits:
         return None, None
-    micro, _, _, why = min(hits, key=lambda h: h[0])
-    return max(0, micro - 1), why
+    hit = min(hits, key=lambda h: h.micro_batch)
+    return max(0, hit.micro_batch - 1), hit
 
 
 def _swapping(m: Measurements) -> bool:

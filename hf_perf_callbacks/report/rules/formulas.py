@@ -9,8 +9,8 @@ from typing import Any
 
 from ... import estimate
 from ...estimate import ModelShape
+from ..facts import MemoryFreed
 from ..model import Measurements, ModelFacts
-from ..words import _gb
 from .advice import _generation_batch
 
 
@@ -80,7 +80,7 @@ def _training_tokens(m: Measurements) -> tuple[int, str] | None:
     return None
 
 
-def _memory_freed_by_cut(m: Measurements, old: int, new: int) -> tuple[float, str] | None:
+def _memory_freed_by_cut(m: Measurements, old: int, new: int) -> MemoryFreed | None:
     """Memory a completion cap of ``new`` instead of ``old`` frees at the cap: generation KV cache + training
     activations and logits (:mod:`~hf_perf_callbacks.estimate`'s per-token bytes × the tokens cut)."""
     kv = _kv_per_token(m.model)
@@ -89,14 +89,11 @@ def _memory_freed_by_cut(m: Measurements, old: int, new: int) -> tuple[float, st
     if kv is None or not n:
         return None
     cut = old - new
-    kv_total = kv * cut * n
-    parts = [f"KV cache = {_kv_formula(m.model)} × ({old} − {new}) tokens × {n} sequences = {_gb(kv_total)}"]
-    total = kv_total
+    kv_total = float(kv * cut * n)
     ckpt = bool(m.activation_checkpointing)
     act = _act_per_token(m.model, ckpt)
-    if act and m.micro_batch:
-        train = (act + _logits_per_token(m.model)) * cut * m.micro_batch
-        total += train
-        parts.append(f"training activations and logits = ({_train_formula(m.model, ckpt)}) × {cut} tokens × "
-                     f"{m.micro_batch} micro-batch = {_gb(train)}")
-    return total, "; ".join(parts)
+    if not (act and m.micro_batch):
+        return MemoryFreed(kv_total, kv_total, _kv_formula(m.model), old, new, n)
+    train = float((act + _logits_per_token(m.model)) * cut * m.micro_batch)
+    return MemoryFreed(kv_total + train, kv_total, _kv_formula(m.model), old, new, n, train,
+                       _train_formula(m.model, ckpt), m.micro_batch)

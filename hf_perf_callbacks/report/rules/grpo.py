@@ -6,7 +6,21 @@ read the same figures on every backend and word their causes and advice for the 
 """
 from __future__ import annotations
 
-from ..model import ZERO, Facts, Finding, Measurements, Note, Rewards, Setting, card
+import dataclasses
+
+from ..facts import (
+    CompletionLengths,
+    CutOff,
+    GenerationBound,
+    NoLearning,
+    NoRewardData,
+    RewardShare,
+    RolloutWait,
+    Runaways,
+    TooFewLogs,
+    WeightSync,
+)
+from ..model import ZERO, Finding, Measurements, Note, Rewards, Setting, card
 from ..words import finding, note
 from .advice import (
     CLIPPED_LARGE,
@@ -22,6 +36,7 @@ from .basis import _too_short
 from .formulas import _memory_freed_by_cut
 
 GENERATION_SHARE = 0.5
+REWARD_SHARE = 0.1           # GRPO's reward functions at or above this share of the wall time: a finding
 WEIGHT_SYNC_SHARE = 0.15     # weight syncs to vLLM at or above this share of the wall time: a finding
 ROLLOUT_WAIT_SHARE = 0.25    # async GRPO: the trainer waiting for rollouts at or above this share: a finding
 ASYNC = "vllm-async"         # the backend of TRL's AsyncGRPOTrainer
@@ -55,27 +70,22 @@ def rule_no_learning(m: Measurements) -> Finding | Note | None:
         return None
     r = m.rewards
     if r is None:
-        return note("no_learning", "no_reward_data", {}, judged=False)
+        return note("no_learning", "no_reward_data", NoRewardData(), judged=False)
     constant = _constant_reward(r) and r.logs >= NO_LEARNING_LOGS
     if not constant and m.no_signal_run < NO_LEARNING_LOGS:
         if _constant_reward(r):
-            return note("no_learning", "too_few_logs", {"logs": r.logs, "reward": r.min,
-                                                         "logs_needed": NO_LEARNING_LOGS}, judged=False)
+            return note("no_learning", "too_few_logs", TooFewLogs(r.logs, r.min, NO_LEARNING_LOGS), judged=False)
         return None
     clipped, limit = m.clipped_ratio or 0.0, m.max_completion_length
-    setting: Setting = {}
-    facts: Facts = {"logs": r.logs if constant else m.logs, "no_signal_run": m.no_signal_run,
-                    "reward_mean": m.reward_mean, "reward_min": r.min, "reward_max": r.max,
-                    "source": m.trainer_log_source, "clipped": clipped}
-    if constant:
-        facts.update({f"reward_func:{name}": lo for name, (lo, _) in r.funcs.items()})
-        if clipped >= CLIPPED_LARGE and limit:         # no setting: a length cannot move a constant reward
-            facts.update(raised_limit=_raised_limit(m, limit, clipped)[0], limit=limit)
-    else:
-        setting = _more_samples(m, r)
-        facts.update(reward_varied=bool(r and r.max - r.min > ZERO), temperature=m.temperature)
-    return finding("no_learning", "constant_reward" if constant else "no_group_variance", facts, setting, None,
-                   "high", "try", None, priority=0)
+    facts = NoLearning(r.logs if constant else m.logs, m.no_signal_run, m.reward_mean, r.min, r.max, clipped)
+    if constant:                                         # no setting: a length cannot move a constant reward
+        facts = dataclasses.replace(facts, reward_funcs=tuple((name, lo) for name, (lo, _) in r.funcs.items()),
+                                    raised=_raised_limit(m, limit, clipped) if clipped >= CLIPPED_LARGE and limit
+                                    else None)
+        return finding("no_learning", "constant_reward", facts, {}, None, "high", "try", None, priority=0)
+    facts = dataclasses.replace(facts, reward_varied=r.max - r.min > ZERO, temperature=m.temperature)
+    return finding("no_learning", "no_group_variance", facts, _more_samples(m, r), None, "high", "try", None,
+                   priority=0)
 
 
 @card(finding=f"GRPO generation ≥ {GENERATION_SHARE:.0%} → vLLM (CUDA), `steps_per_generation` ×2 (with its cost: "
@@ -99,20 +109,15 @@ def rule_generation_bound(m: Measurements) -> Finding | None:
     if spg and double and not setting:
         setting = {"steps_per_generation": 2 * spg}
     if target:
-        setting = setting or {"max_completion_length": target[0]}
-    facts: Facts = {"generation": g, "decode_bandwidth_util": u, "backend": backend, "steps_per_generation": spg,
-                    "optimizer_steps_per_rollout": 2 * spg / (m.grad_accum or spg) if spg and double else None,
-                    "completion_target": target[0] if target else None, "clipped": clipped,
-                    "ceiling": 1 / (1 - g), "launch_bound": launch_bound, "suggest_vllm": suggest_vllm,
-                    "steady_step_sec": m.steady_step_sec, "weight_sync_share": m.weight_sync_share,
-                    "rollout_tokens_per_sec": m.rollout_tokens_per_sec, "clipped_large": clipped >= CLIPPED_LARGE,
-                    "target_tokens": target[1] if target else None, "target_basis": target[2] if target else None}
-    advice = (facts["suggest_vllm"], facts["backend"] == "vllm-server", facts["optimizer_steps_per_rollout"],
-              facts["completion_target"], facts["clipped_large"])
+        setting = setting or {"max_completion_length": target.new}
+    facts = GenerationBound(g, u, backend, spg, 2 * spg / (m.grad_accum or spg) if spg and double else None, target,
+                            clipped, launch_bound, suggest_vllm, m.steady_step_sec, m.weight_sync_share,
+                            m.rollout_tokens_per_sec, clipped >= CLIPPED_LARGE)
+    advice = (suggest_vllm, backend == "vllm-server", facts.optimizer_steps_per_rollout, target, facts.clipped_large)
     if not any(advice):                          # the facts hold nothing to advise
         return None
     return finding("generation_bound", "launch_bound" if launch_bound else "generation_share", facts,
-                   setting, None, "low", "try", None)
+                   setting, None, "low", "try", None, stake_sec=m.phase_sec.get("generation"))
 
 
 @card(finding=f"GRPO with vLLM: weight syncs ≥ {WEIGHT_SYNC_SHARE:.0%} of the wall time → `steps_per_generation` "
@@ -131,11 +136,9 @@ def rule_weight_sync(m: Measurements) -> Finding | None:
     if not setting and backend != "vllm-server":
         return None
     return finding("weight_sync", "sync_share",
-                   {"share": share, "syncs": m.weight_syncs, "sync_sec": m.weight_sync_sec, "backend": backend,
-                    "generation": _phase(m, "generation"), "steps_per_generation": spg,
-                    "sleep_mode": backend == "vllm-colocate" and bool(m.vllm_enable_sleep_mode),
-                    "weight_sync_steps": m.weight_sync_steps},
-                   setting, None, "medium", "try", None)
+                   WeightSync(share, m.weight_syncs, m.weight_sync_sec, backend, _phase(m, "generation"), spg,
+                              backend == "vllm-colocate" and bool(m.vllm_enable_sleep_mode), m.weight_sync_steps),
+                   setting, None, "medium", "try", None, stake_sec=share * m.wall_sec if m.wall_sec else None)
 
 
 @card(finding=f"async GRPO: the trainer waits for rollouts ≥ {ROLLOUT_WAIT_SHARE:.0%} of the wall time → more "
@@ -146,19 +149,35 @@ def rule_rollout_wait(m: Measurements) -> Finding | None:
     if not m.grpo or m.generation_backend != ASYNC or wait < ROLLOUT_WAIT_SHARE or _too_short(m):
         return None
     return finding("rollout_wait", "waits_for_rollouts",
-                   {"share": wait, "staleness": m.staleness_mean, "weight_sync_share": m.weight_sync_share,
-                    "steady_step_sec": m.steady_step_sec}, {}, None, "medium", "try", None)
+                   RolloutWait(wait, m.staleness_mean, m.weight_sync_share, m.steady_step_sec), {}, None, "medium",
+                   "try", None, stake_sec=wait * m.wall_sec if m.wall_sec else None)
 
 
-def _cut_off(m: Measurements, facts: Facts, limit: int, clipped: float) -> Finding:
+@card(finding=f"GRPO: the reward functions ≥ {REWARD_SHARE:.0%} of the wall time (`perf/phase_sec/reward`, measured) "
+              "→ `steps_per_generation` ×2 (half the reward calls, each scoring twice the completions; with its "
+              "cost: later updates learn off-policy), scoring the completions of a call together, `async def` for "
+              "rewards that wait (TRL runs them concurrently)",
+      gain="no: the run does not tell a reward's cost per call from its cost per completion")
+def rule_reward(m: Measurements) -> Finding | None:
+    """GRPO's reward functions take a large share of the run: fewer, larger calls, batched or concurrent scoring."""
+    wall, seconds = float(m.wall_sec or 0.0), m.phase_sec.get("reward", 0.0)
+    if not m.grpo or wall <= 0 or seconds / wall < REWARD_SHARE or not m.reward_calls:
+        return None
+    spg = m.steps_per_generation or m.grad_accum
+    setting: Setting = {"steps_per_generation": 2 * spg} if spg and not _under_pressure(m) else {}
+    facts = RewardShare(seconds, wall, m.reward_calls, m.reward_completions,
+                        tuple(m.rewards.funcs) if m.rewards else (), spg)
+    return finding("reward", "reward_share", facts, setting, None, "medium", "try", None, stake_sec=seconds)
+
+
+def _cut_off(m: Measurements, seen: CompletionLengths, clipped: float) -> Finding:
     """Most completions end at ``max_completion_length``: a quality finding naming the limit and the masking."""
-    raised, sized = _raised_limit(m, limit, clipped)
-    headroom = (m.mem_high_water_gb is not None and m.mem_budget_gb
-                and m.mem_high_water_gb < HIGH_WATER_FRACTION * m.mem_budget_gb)
-    setting: Setting = {"max_completion_length": raised} if headroom else {"mask_truncated_completions": True}
-    return finding("completion_budget", "cut_off",
-                   {**facts, "limit": limit, "clipped": clipped, "raised_limit": raised, "headroom": bool(headroom)},
-                   setting, None, "medium", "try", None, subject={"sized": sized})
+    raised = _raised_limit(m, seen.limit, clipped)
+    headroom = bool(m.mem_high_water_gb is not None and m.mem_budget_gb
+                    and m.mem_high_water_gb < HIGH_WATER_FRACTION * m.mem_budget_gb)
+    setting: Setting = {"max_completion_length": raised.new} if headroom else {"mask_truncated_completions": True}
+    return finding("completion_budget", "cut_off", CutOff(seen, clipped, raised, headroom), setting, None, "medium",
+                   "try", None)
 
 
 @card(finding="GRPO: most completions cut at `max_completion_length` → the limit, `mask_truncated_completions`; "
@@ -170,24 +189,17 @@ def rule_completion_budget(m: Measurements) -> Finding | Note | None:
     if not m.grpo or not limit:
         return None
     clipped = m.clipped_ratio
-    seen: Facts = {"limit": limit, "clipped_ratio": clipped, "completion_mean": m.completion_mean,
-                   "completion_p90": m.completion_p90, "completion_max": m.completion_max}
+    seen = CompletionLengths(limit, clipped, m.completion_mean, m.completion_p90, m.completion_max)
     if clipped is not None and clipped >= CLIPPED_LARGE:
-        return _cut_off(m, seen, limit, clipped)
+        return _cut_off(m, seen, clipped)
     target = _completion_target(m)
     if not target:
         return None
-    new, basis, name = target
-    freed = _memory_freed_by_cut(m, limit, new)
-    r = clipped or 0.0
-    facts: Facts = {**seen, "limit": limit, "target": new, "basis_tokens": basis, "clipped": r,
-                    "freed_bytes": freed[0] if freed else None, "completion_max": m.completion_max,
-                    "longest_cut": m.completion_max is not None and m.completion_max > new,
-                    "target_basis": name, "headroom_factor": COMPLETION_HEADROOM}
-    if r <= 0 or _phase(m, "generation") <= 0:
+    facts = Runaways(seen, target, clipped or 0.0, _memory_freed_by_cut(m, limit, target.new), COMPLETION_HEADROOM)
+    if facts.clipped <= 0 or _phase(m, "generation") <= 0:
         return note("completion_budget", "no_runaways", facts)
-    return finding("completion_budget", "runaways", facts, {"max_completion_length": new}, None, "low", "try", None,
-                   subject={"freed": freed[1] if freed else ""})
+    return finding("completion_budget", "runaways", facts, {"max_completion_length": target.new}, None, "low", "try",
+                   None)
 
 
 def _constant_reward(r: Rewards | None) -> bool:

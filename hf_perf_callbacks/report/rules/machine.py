@@ -2,17 +2,29 @@
 """
 from __future__ import annotations
 
+from ..facts import OtherProcesses, Oversubscription, Recompiles, SlowStretches
 from ..figures import (
     SLOW_MIN_STEPS,
     SLOW_SHARE,
     STRETCH_RATIO,
     step_ranges,
 )
-from ..model import CONTENTION_RATIO, CONTENTION_SHARE, MIN_MACHINE_STEPS, Finding, Machine, Measurements, Note, card
+from ..model import (
+    CONTENTION_RATIO,
+    CONTENTION_SHARE,
+    MIN_MACHINE_STEPS,
+    RECOMPILE_SLOWDOWN,
+    Finding,
+    Machine,
+    Measurements,
+    Note,
+    card,
+)
 from ..words import finding, note
 from .advice import _launcher
 from .basis import _too_short
 
+COMPILE_SHARE = 0.05         # recompiles after warmup worth a finding: this share of the wall time
 OVERSUBSCRIBED = 0.5         # threads + other processes' busy cores above the cores by this much: oversubscribed
 THREADS_IDLE = 0.5           # threads of this process not running (threads − CPU time / wall) worth a finding
 STEP_SPREAD = 1.5            # similar work whose wall (or CPU) seconds per token differ this much between steps
@@ -62,14 +74,11 @@ def rule_oversubscription(m: Measurements) -> Finding | None:
     if not found:
         return None
     o, demand, a = found
-    return finding("oversubscription", "threads_over_free_cores",
-                   {"steps": o.steps, "busy": o.busy, "threads": o.threads, "threads_from": o.threads_from,
-                    "other": o.other, "cores": o.cores, "cores_from": o.cores_from, "load": o.load,
-                    "demand": demand, "advised_threads": a, "spread": o.spread, "cpu_spread": o.cpu_spread,
-                    "launcher": _launcher(m), "lower_bound": o.lower_bound},
+    return finding("oversubscription", "threads_over_free_cores", Oversubscription(o, demand, a, _launcher(m)),
                    {}, o.lower_bound or None, "medium" if o.threads_from == "run header" else "low",
                    "measured" if o.lower_bound else "try", None, env={"OMP_NUM_THREADS": str(a)},
-                   lower_bound=bool(o.lower_bound))
+                   lower_bound=bool(o.lower_bound),
+                   stake_sec=m.wall_sec * (1 - 1 / o.lower_bound) if o.lower_bound and m.wall_sec else None)
 
 
 @card(finding="steps slower while their process CPU time stayed flat, each step's own wall/CPU ratio ≥ "
@@ -97,15 +106,30 @@ def rule_contention(m: Measurements) -> Finding | Note | None:
             return None
         stretches = contended + unexplained
         return note("contention", "contention_below_share" if contended else "unexplained_stretches",
-                    {"contended_stretches": len(contended), "unexplained_stretches": len(unexplained),
-                     "lost_sec": lost, "share": share}, subject=(c, contended, unexplained), judged=False,
+                    SlowStretches(tuple(contended), tuple(unexplained), lost, share), judged=False,
                     steps=[(s.first, s.last) for s in stretches], lost_sec=sum(s.lost_sec for s in stretches))
     gain = 1.0 / (1.0 - share)
     return finding("contention", "other_processes",
-                   {"lost_sec": lost, "share": share, "run_sec": run_sec, "source": c.source if c else None,
-                    "contended_steps": c.steps if c else 0, "wall_over_cpu": c.wall_over_cpu if c else None,
-                    "steady_wall_over_cpu": c.steady_wall_over_cpu if c else None,
-                    "other_cores": c.other_cores if c else None, "contended_stretches": len(contended),
-                    "unexplained_stretches": len(unexplained), "gain": gain},
-                   {}, gain, "medium", "measured", gain, subject=(c, contended, unexplained), steps=steps,
-                   lost_sec=lost)
+                   OtherProcesses(c, tuple(contended), tuple(unexplained), lost, share, run_sec, gain),
+                   {}, gain, "medium", "measured", gain, steps=steps, lost_sec=lost, stake_sec=lost)
+
+
+@card(finding=f"`torch_compile`: steady steps ≥ {1 + RECOMPILE_SLOWDOWN:g}× the steady step time with the CPU time "
+              f"(child processes included: inductor's workers) rising with them, ≥ {COMPILE_SHARE:.0%} of the wall "
+              "time → recompiles: fewer shapes (`pad_to_multiple_of`, `dataloader_drop_last`), `TORCH_LOGS` to name "
+              "the guard",
+      gain="no: the run measures its recompiles, not a run without them",
+      note="recompiles below that share; the first compile is the warmup note's")
+def rule_compile(m: Measurements) -> Finding | Note | None:
+    """Recompiles after warmup: a compile called what it is, not contention and not warmup."""
+    if not m.recompiles:
+        return None
+    lost = sum(r.excess_sec for r in m.recompiles)
+    wall = float(m.wall_sec or 0.0)
+    share = lost / wall if wall > 0 else 0.0
+    steps = step_ranges(r.step for r in m.recompiles)
+    facts = Recompiles(tuple(m.recompiles), lost, share)
+    if share < COMPILE_SHARE:
+        return note("compile", "recompiles_small", facts, steps=steps, lost_sec=lost)
+    return finding("compile", "recompiles", facts, {}, None, "medium", "try", None, steps=steps, lost_sec=lost,
+                   stake_sec=lost)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from ... import keys
 from ...batching import Split, next_smaller
 from ...memory import WARN_WITHIN_STEPS as STEPS_TO_WALL  # the watchdog's default warn distance
-from ..model import Facts, Finding, Measurements, Setting, card
-from ..words import MemorySubject, finding
+from ..facts import MemoryPressure, Remedy
+from ..model import Finding, Measurements, Setting, card
+from ..words import finding
 from .advice import (
     CLIPPED_LARGE,
     HIGH_WATER_FRACTION,
@@ -31,8 +32,8 @@ DRIVER_BLOAT_RATIO = 1.5
 DRIVER_BLOAT_MIN_GB = 0.5
 
 
-#: (bytes freed, the remedy's code and figures, its setting): one remedy for memory pressure
-Remedy = tuple[float, Facts, Setting]
+#: a remedy for memory pressure with its setting
+Remedial = tuple[Remedy, Setting]
 
 
 def _near_budget(m: Measurements) -> bool:
@@ -56,19 +57,17 @@ def _allocator_bloat(m: Measurements, swapping: bool) -> bool:
     return m.device_type == "mps" or _near_budget(m) or swapping or (m.max_pressure or 0) >= 1
 
 
-def _checkpointing_remedy(m: Measurements) -> Remedy | None:
+def _checkpointing_remedy(m: Measurements) -> Remedial | None:
     """Activation checkpointing, where it is off: the activations it frees at this run's micro-batch."""
     if m.activation_checkpointing is not False:
         return None
-    figures: Facts = {"code": "checkpointing", "saved_bytes": 0.0}
-    saved = 0.0
+    remedy = Remedy("checkpointing")
     tokens = _training_tokens(m)
     act_now, act_ckpt = _act_per_token(m.model, False), _act_per_token(m.model, True)
     if act_now and act_ckpt and tokens:
-        saved = (act_now - act_ckpt) * tokens[0]
-        figures.update(saved_bytes=saved, formula_now=_act_formula(m.model, False),
-                       formula_checkpointed=_act_formula(m.model, True), tokens=tokens[1])
-    return saved, figures, {"activation_checkpointing": True}
+        remedy = Remedy("checkpointing", float((act_now - act_ckpt) * tokens[0]), formula=_act_formula(m.model, False),
+                        formula_after=_act_formula(m.model, True), tokens=tokens[1])
+    return remedy, {"activation_checkpointing": True}
 
 
 def _smaller_split(m: Measurements) -> Split | None:
@@ -83,52 +82,48 @@ def _smaller_split(m: Measurements) -> Split | None:
         return None
 
 
-def _smaller_split_remedy(m: Measurements) -> Remedy | None:
+def _smaller_split_remedy(m: Measurements) -> Remedial | None:
     """A smaller micro-batch with more accumulation (the effective batch unchanged): the memory it frees."""
     smaller, micro, accum = _smaller_split(m), m.micro_batch, m.grad_accum
     if smaller is None or not micro or not accum:
         return None
-    new_mb, new_ga = smaller.micro_batch, smaller.grad_accum
-    figures: Facts = {"code": "smaller_split", "micro_batch": micro, "grad_accum": accum, "new_micro_batch": new_mb,
-                      "new_grad_accum": new_ga, "effective_batch": micro * accum, "saved_bytes": 0.0}
-    saved = 0.0
+    split = (micro, accum, smaller.micro_batch, smaller.grad_accum)
+    remedy = Remedy("smaller_split", split=split)
     ckpt_on = bool(m.activation_checkpointing)
     act_now = _act_per_token(m.model, ckpt_on)
     if act_now and m.seq_len:
-        saved = (act_now + _logits_per_token(m.model)) * m.seq_len * (micro - new_mb)
-        figures.update(saved_bytes=saved, formula=_train_formula(m.model, ckpt_on), seq_len=m.seq_len,
-                       fewer=micro - new_mb)
-    return saved, figures, _split_setting(m, smaller)
+        remedy = Remedy("smaller_split", float((act_now + _logits_per_token(m.model)) * m.seq_len
+                                               * (micro - smaller.micro_batch)),
+                        formula=_train_formula(m.model, ckpt_on), split=split, seq_len=m.seq_len)
+    return remedy, _split_setting(m, smaller)
 
 
-def _completion_remedy(m: Measurements) -> Remedy | None:
+def _completion_remedy(m: Measurements) -> Remedial | None:
     """GRPO: a shorter ``max_completion_length`` (the KV cache and activations it frees), or the hint to try one."""
     target = _completion_target(m)
     if target:
         limit = m.max_completion_length                 # known: a target cuts it
-        freed = _memory_freed_by_cut(m, limit, target[0]) if limit else None
-        figures: Facts = {"code": "shorter_completions", "target": target[0], "limit": limit,
-                          "target_basis": target[2], "target_tokens": target[1],
-                          "saved_bytes": freed[0] if freed else 0.0, "formula": freed[1] if freed else None}
-        return freed[0] if freed else 0.0, figures, {"max_completion_length": target[0]}
+        freed = _memory_freed_by_cut(m, limit, target.new) if limit else None
+        return (Remedy("shorter_completions", freed.total_bytes if freed else 0.0, target=target, limit=limit,
+                       freed=freed), {"max_completion_length": target.new})
     if m.grpo and (m.clipped_ratio or 0.0) < CLIPPED_LARGE:
-        return 0.0, {"code": "shorter_completions_hint"}, {}
+        return Remedy("shorter_completions_hint"), {}
     return None
 
 
-def _remedies(m: Measurements) -> list[Remedy]:
+def _remedies(m: Measurements) -> list[Remedial]:
     """The remedies, the one that frees the most memory first."""
     remedies = [r for r in (_checkpointing_remedy(m), _smaller_split_remedy(m), _completion_remedy(m)) if r]
-    return sorted(remedies, key=lambda item: -item[0])
+    return sorted(remedies, key=lambda item: -item[0].saved_bytes)
 
 
-def _advice(m: Measurements, remedies: list[Remedy]) -> list[Facts]:
-    """The advice in its order, each a code (``code``) with its figures: ``leak_first`` (no setting fixes a leak),
-    ``free_outside`` (memory outside the run set or moved the wall), then the remedies by the memory they free."""
-    first: list[Facts] = [{"code": "leak_first"}] if m.leak_mib_per_step else []
+def _advice(m: Measurements, remedies: list[Remedial]) -> tuple[Remedy, ...]:
+    """The advice in its order: ``leak_first`` (no setting fixes a leak), ``free_outside`` (memory outside the run
+    set or moved the wall), then the remedies by the memory they free."""
+    first = [Remedy("leak_first")] if m.leak_mib_per_step else []
     if any(why for _, why, _ in m.wall_moves):
-        first.append({"code": "free_outside", "use_vllm": bool(m.use_vllm)})
-    return first + [figures for _, figures, _ in remedies]
+        first.append(Remedy("free_outside", use_vllm=bool(m.use_vllm)))
+    return tuple(first + [remedy for remedy, _ in remedies])
 
 
 def _confidence(m: Measurements, swapping: bool) -> str:
@@ -148,31 +143,17 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
     if not (_under_pressure(m) or bloat):
         return None
     remedies = _remedies(m)
-    advice = _advice(m, remedies)
-    setting = next((s for _, _, s in remedies if s), {})
+    setting = next((s for _, s in remedies if s), {})
     near = m.min_steps_to_wall is not None and m.min_steps_to_wall <= STEPS_TO_WALL
-    facts: Facts = {"swapping": swapping, "swap_growth_gb": m.swap_growth_gb, "swapout_steps": m.swapout_steps,
-                    "max_pressure": m.max_pressure, "high_water_gb": m.mem_high_water_gb,
-                    "budget_gb": m.mem_budget_gb, "steps_to_wall": m.min_steps_to_wall,
-                    "allocator_bloat": bloat, "cached_gb": _cached_gb(m) if bloat else None,
-                    "leak_mib_per_step": m.leak_mib_per_step, "wall_moves": len(m.wall_moves),
-                    "watchdog_actions": ", ".join(f"{a.get('action')}@{a.get('step')}" for a in m.watchdog_actions),
-                    "oom_micro_batches": ", ".join(f"{d.old.micro_batch}@{d.step}" for d in m.memory_limits
-                                                   if d.kind == "oom"),
-                    "remedies": ", ".join(str(a["code"]) for a in advice), "allocator_advice": _allocator_code(m),
-                    "device_type": m.device_type, "grpo": m.grpo, "use_vllm": bool(m.use_vllm),
-                    "launcher": _launcher(m), "wall_near": near, "driver_gb": m.driver_gb_max,
-                    "allocated_gb": m.allocated_gb_at_driver_max,
-                    "budget_low_gb": m.budget_range_gb[0] if m.budget_range_gb else None,
-                    "budget_high_gb": m.budget_range_gb[1] if m.budget_range_gb else None}
-    subject = MemorySubject(advice, list(m.wall_moves),
-                            [(a.get("action"), a.get("step")) for a in m.watchdog_actions],
-                            [(d.old.micro_batch, d.step, _split_name(d.new)) for d in m.memory_limits
-                             if d.kind == "oom"])
+    facts = MemoryPressure(
+        swapping, m.swap_growth_gb, m.swapout_steps, m.max_pressure, m.mem_high_water_gb, m.mem_budget_gb,
+        m.min_steps_to_wall, near, bloat, m.driver_gb_max, m.allocated_gb_at_driver_max, m.leak_mib_per_step,
+        m.budget_range_gb, _advice(m, remedies), _allocator_code(m), m.device_type, m.grpo, _launcher(m),
+        tuple(m.wall_moves), tuple((a.get("action"), a.get("step")) for a in m.watchdog_actions),
+        tuple((d.old.micro_batch, d.step, _split_name(d.new)) for d in m.memory_limits if d.kind == "oom"))
     urgent = swapping or (m.max_pressure or 0) >= 2 or near
     return finding("memory_pressure", "swapping" if swapping else "near_the_wall" if urgent else "pressure", facts,
-                   setting, None, _confidence(m, swapping), "try", None, subject=subject,
-                   priority=0 if urgent else 1)
+                   setting, None, _confidence(m, swapping), "try", None, priority=0 if urgent else 1)
 
 
 def _allocator_code(m: Measurements) -> str | None:

@@ -2,14 +2,20 @@
 clocks, :mod:`hf_perf_callbacks.timeline`): checkpoint saves, logging and the callbacks, recompute.
 
 Each gain is the run's wall time over the wall time without the seconds the change removes, those seconds measured
-on this run (a save, a log, a recompute costing what this run's did): ``measured``, as the evaluation rule's.
+on this run (a save, a log, a recompute costing what this run's did): ``measured``, as the evaluation rule's. An
+interval's events are counted as transformers 5 runs them (:func:`~.run.events`): its last save at the end of a run
+whose last step is not a multiple of ``save_steps``, the log of the run's metrics after training whatever
+``logging_steps`` is.
 """
 from __future__ import annotations
 
-from ..model import Facts, Finding, Measurements, Note, Setting, card
+import dataclasses
+
+from ..facts import CallbackTimes, Interval, LoggingShare, OneCallback, Recompute, SaveShare
+from ..model import Finding, Measurements, Note, Setting, card
 from ..words import finding, note
 from .formulas import _act_per_token
-from .run import _nice_interval
+from .run import _nice_interval, events
 
 SAVE_SHARE = 0.1             # saving's share of the wall time worth a finding
 SAVE_TARGET = 0.05           # the share the advised save_steps brings it to
@@ -30,17 +36,20 @@ def _interval(per_event: float, other_per_step: float, every: int, target: float
     return max(every + 1, _nice_interval(needed))
 
 
-def _spaced(m: Measurements, seconds: float, events: int, every: int | None,
-            target: float) -> tuple[int, float, int, float, float]:
-    """An event costing ``seconds`` over ``events`` runs, every ``every`` steps (None: read from the count): (every,
-    the other seconds per step, the interval at which it takes about ``target`` of the wall time, the seconds that
-    interval saves, the gain)."""
+def _spaced(m: Measurements, seconds: float, count: int, every: int | None, target: float,
+            final: bool = False) -> Interval:
+    """An event whose ``count`` runs took ``seconds``, every ``every`` steps (None: read from the count), spaced out
+    to the interval at which it takes about ``target`` of the wall time, its runs there counted as transformers
+    runs them (:func:`~.run.events`; ``final``: the log after training)."""
     wall, steps = _wall(m), max(1, m.steps)
-    every = every or max(1, round(steps / events))
-    other_per_step = (wall - seconds) / steps
-    new = _interval(seconds / events, other_per_step, every, target)
-    saved = seconds * (1 - every / new)
-    return every, other_per_step, new, saved, wall / (wall - saved)
+    every = every or max(1, round(steps / max(1, count - final)))
+    per_event, other = seconds / count, wall - seconds
+    new = _interval(per_event, other / steps, every, target)
+    first = m.trainer_settings.get("logging_first_step") is True and final
+    after = min(count, events(steps, new, at_end=not final, first=first, final=final))
+    saved = per_event * (count - after)
+    return Interval(every, new, other / steps, steps, after, saved, wall / (wall - saved),
+                    per_event * after / (per_event * after + other))
 
 
 def _setting_int(m: Measurements, name: str) -> int | None:
@@ -56,21 +65,18 @@ def rule_saving(m: Measurements) -> Finding | None:
     wall, save, n = _wall(m), m.phase_sec.get("save", 0.0), m.saves
     if wall <= 0 or n < 2 or save / wall < SAVE_SHARE or not m.steps:
         return None
-    per_save = save / n
     every = _setting_int(m, "save_steps") if m.trainer_settings.get("save_strategy") == "steps" else None
-    every, other_per_step, new, saved, gain = _spaced(m, save, n, every, SAVE_TARGET)
-    facts: Facts = {"saves": n, "every": every, "save_sec": save, "wall_sec": wall, "per_save_sec": per_save,
-                    "other_per_step_sec": other_per_step, "new_every": new, "saved_sec": saved, "gain": gain,
-                    "share_after": per_save / new / (per_save / new + other_per_step),
-                    "save_only_model": m.trainer_settings.get("save_only_model") is True,
-                    "save_total_limit": m.trainer_settings.get("save_total_limit") is not None}
-    setting: Setting = {"save_strategy": "steps", "save_steps": new}
-    return finding("saving", "save_share", facts, setting, gain, "high", "measured", gain, lower_bound=True)
+    spaced = _spaced(m, save, n, every, SAVE_TARGET)
+    facts = SaveShare(n, save, wall, spaced, m.trainer_settings.get("save_only_model") is True,
+                      m.trainer_settings.get("save_total_limit") is not None)
+    setting: Setting = {"save_strategy": "steps", "save_steps": spaced.new_every}
+    return finding("saving", "save_share", facts, setting, spaced.gain, "high", "measured", spaced.gain,
+                   lower_bound=True, stake_sec=spaced.saved_sec)
 
 
 def _user_callbacks(m: Measurements) -> list[tuple[str, float, dict[str, float]]]:
     """The user's callback classes by their seconds, the costliest first: (class, seconds, event → seconds)."""
-    out = [(name, sum(events.values()), events) for name, events in m.callback_sec.items()]
+    out = [(name, sum(by_event.values()), by_event) for name, by_event in m.callback_sec.items()]
     return sorted((c for c in out if c[1] > 0), key=lambda c: -c[1])
 
 
@@ -84,25 +90,21 @@ def rule_callbacks(m: Measurements) -> Finding | None:
     if wall <= 0 or (user + log) / wall < CALLBACK_SHARE or not m.steps:
         return None
     classes = _user_callbacks(m)
-    facts: Facts = {"user_sec": user, "log_sec": log, "wall_sec": wall}
-    for name, sec, events in classes:
-        facts[f"callback:{name}"] = sec
-        facts.update((f"callback:{name}:{e}", s) for e, s in sorted(events.items(), key=lambda x: -x[1]) if s > 0)
-    on_log = sum(events.get("on_log", 0.0) for _, _, events in classes) + log
+    times = CallbackTimes(user, log, wall, tuple(
+        (name, sec, tuple((e, t) for e, t in sorted(by_event.items(), key=lambda x: -x[1]) if t > 0))
+        for name, sec, by_event in classes))
+    on_log = sum(by_event.get("on_log", 0.0) for _, _, by_event in classes) + log
     logs, every = m.training_logs, _setting_int(m, "logging_steps")
     if on_log / wall >= CALLBACK_SHARE and logs >= 2:
-        per_log = on_log / logs
-        every, other_per_step, new, saved, gain = _spaced(m, on_log, logs, every, LOG_TARGET)
-        facts.update(logs=logs, every=every, on_log_sec=on_log, per_log_sec=per_log,
-                     other_per_step_sec=other_per_step, new_every=new, saved_sec=saved, gain=gain,
-                     share_after=per_log / new / (per_log / new + other_per_step))
-        return finding("callbacks", "logging_share", facts, {"logging_steps": new}, gain, "high", "measured", gain,
-                       lower_bound=True)
+        spaced = _spaced(m, on_log, logs + 1, every, LOG_TARGET, final=True)   # and the log after training
+        return finding("callbacks", "logging_share", LoggingShare(times, logs, on_log, spaced),
+                       {"logging_steps": spaced.new_every}, spaced.gain, "high", "measured", spaced.gain,
+                       lower_bound=True, stake_sec=spaced.saved_sec)
     if not classes:
         return None
-    name, sec, events = classes[0]
-    facts.update(callback=name, event=max(events, key=lambda e: events[e]), callback_sec=sec)
-    return finding("callbacks", "one_callback", facts, {}, None, "medium", "try", None)
+    name, sec, by_event = classes[0]
+    return finding("callbacks", "one_callback", OneCallback(times, name, max(by_event, key=lambda e: by_event[e]), sec),
+                   {}, None, "medium", "try", None, stake_sec=sec)
 
 
 @card(finding=f"gradient checkpointing's recompute ≥ {RECOMPUTE_SHARE:.0%} of the wall time (clocked on CPUs) and "
@@ -123,12 +125,10 @@ def rule_recompute(m: Measurements) -> Finding | Note | None:
         return None
     extra = (kept - freed) * m.micro_batch * m.seq_len
     after = m.mem_high_water_gb + extra / 2**30
-    facts: Facts = {"recompute_sec": recompute, "wall_sec": wall, "extra_bytes": extra, "after_gb": after,
-                    "budget_gb": m.mem_budget_gb, "high_water_gb": m.mem_high_water_gb, "micro_batch": m.micro_batch,
-                    "seq_len": m.seq_len}
+    facts = Recompute(recompute, wall, extra, after, m.mem_budget_gb, m.mem_high_water_gb, m.micro_batch, m.seq_len)
     if after > MEMORY_ROOM * m.mem_budget_gb:
         return note("recompute", "would_not_fit", facts)
     gain = wall / (wall - recompute)
-    facts["gain"] = gain
-    return finding("recompute", "memory_to_spare", facts, {"activation_checkpointing": False}, gain, "medium",
-                   "measured", gain, lower_bound=True)
+    return finding("recompute", "memory_to_spare", dataclasses.replace(facts, gain=gain),
+                   {"activation_checkpointing": False}, gain, "medium", "measured", gain, lower_bound=True,
+                   stake_sec=recompute)

@@ -3,18 +3,18 @@ measurement of it).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import cast
 
 from ...dataloader import dataloader_changes
 from ...splitfile import Decision, trial_figures
-from ..model import Fact, Facts, Finding, Measurements, Note, Reason, Setting, card
-from ..words import finding, model_formula, note
+from ..facts import DuplicateForward, FixedLength, InputBound, MemoryCap, Padding, SmallSplit, TunerMeasured
+from ..model import Finding, Measurements, Note, Setting, card
+from ..words import finding, note
 from .advice import (
     _amdahl,
     _launcher,
     _memory_cap,
-    _memory_cap_facts,
     _phase,
     _split_name,
     _split_setting,
@@ -44,11 +44,10 @@ def rule_input_bound(m: Measurements) -> Finding | None:
     changes = dataloader_changes(m.device_type, dl)
     setting: Setting = {k: v for _, keys_set in changes for k, v in keys_set.items()}
     predicted = 1.0 / (1.0 - f)
-    reason: Reason = "no_workers" if workers == 0 else "workers_behind"
-    facts: Facts = {"data_wait": f, "num_workers": workers, "device_type": m.device_type, "predicted": predicted,
-                    **{f"dataloader:{k}": cast(Fact, v) for k, v in dl.items()}}
-    gain, basis, confidence, formula = _calibrated("input_bound", m, predicted, model_formula(reason, facts))
-    return finding("input_bound", reason, facts, setting, gain, confidence, basis, predicted, subject=formula)
+    gain, basis, confidence, calibration = _calibrated("input_bound", m, predicted)
+    return finding("input_bound", "no_workers" if workers == 0 else "workers_behind",
+                   InputBound(f, m.device_type, predicted, dl, calibration), setting, gain, confidence, basis,
+                   predicted, stake_sec=m.phase_sec.get("data_wait"))
 
 
 def _tune_note(m: Measurements, d: Decision) -> Note | None:
@@ -57,16 +56,12 @@ def _tune_note(m: Measurements, d: Decision) -> Note | None:
     Checked and fine only when it measured another split and did not cost more than it saves (then
     :func:`rule_tuning_cost` speaks); not judged when it measured none."""
     figures_ = trial_figures(d)
-    measured = [t for t in figures_ if t.status != "reference" and t.measured]
-    facts: Facts = {"old": _split_name(d.old), "new": _split_name(d.new), "step": d.step,
-                    "measured": len([t for t in figures_ if t.measured]), "cost_sec": d.cost_sec,
-                    "expected_gain_sec": d.expected_gain_sec, "tuner_reason": d.code, "ended_by": d.ended_by}
-    if not measured:
-        return note("small_micro_batch", "tuner_measured_none", facts, subject=(d, None), judged=False)
+    measured = len([t for t in figures_ if t.measured])
+    if not [t for t in figures_ if t.status != "reference" and t.measured]:
+        return note("small_micro_batch", "tuner_measured_none", TunerMeasured(d, measured, None), judged=False)
     if rule_tuning_cost(m) is not None:
         return None
-    _, limit = _memory_cap(m)
-    return note("small_micro_batch", "tuner_measured", {**facts, **_memory_cap_facts(m)}, subject=(d, limit))
+    return note("small_micro_batch", "tuner_measured", TunerMeasured(d, measured, _memory_cap(m)[1]))
 
 
 def _small_split_applies(m: Measurements) -> bool:
@@ -90,24 +85,16 @@ def rule_small_micro_batch(m: Measurements) -> Finding | Note | None:
     mb, ga, c = m.micro_batch, m.grad_accum, _phase(m, "compute")
     if not _small_split_applies(m) or not mb or not ga:
         return None
-    world = max(1, m.world_size or 1)
-    effective = mb * ga * world
-    cap, why = _memory_cap(m)
+    cap, hit = _memory_cap(m)
     larger = sorted((s for s in _splits(m) if s.micro_batch > mb), key=lambda s: s.micro_batch)
     splits = [s for s in larger if cap is None or s.micro_batch <= cap]
     if not splits:
-        if larger and why:
-            return note("small_micro_batch", "memory_cap",
-                        {"micro_batch": mb, "grad_accum": ga, **_memory_cap_facts(m)}, subject=(None, why))
-        return None
+        return note("small_micro_batch", "memory_cap", MemoryCap(mb, ga, hit)) if larger and hit else None
     manual = next((s for s in splits if s.micro_batch >= 4 * mb), splits[-1])
-    listed = ", ".join(f"{s.micro_batch}×{s.grad_accum}" for s in splits[:6])
     return finding("small_micro_batch", "small_split",
-                   {"micro_batch": mb, "grad_accum": ga, "world_size": world, "effective_batch": effective,
-                    "mfu": m.mfu, "compute": c, "splits": listed, **_memory_cap_facts(m),
-                    "device_type": m.device_type, "grpo": m.grpo, "launcher": _launcher(m),
-                    "tuner_attached": m.tuner_attached},
-                   _split_setting(m, manual), None, "low", "try", None, subject=(None, why))
+                   SmallSplit(mb, ga, max(1, m.world_size or 1), m.mfu, c, tuple(_split_name(s) for s in splits[:6]),
+                              hit, m.device_type, m.grpo, _launcher(m), m.tuner_attached),
+                   _split_setting(m, manual), None, "low", "try", None)
 
 
 @card(finding=f"> {DUPLICATE_FORWARDS:g} grad-enabled forwards per micro-batch → a code fix",
@@ -118,19 +105,26 @@ def rule_duplicate_forward(m: Measurements) -> Finding | None:
         return None
     c = _phase(m, "compute") or 1.0
     predicted = _amdahl(c, f)
-    facts: Facts = {"forwards_per_microbatch": f, "compute": c, "predicted": predicted}
-    gain, basis, confidence, formula = _calibrated("duplicate_forward", m, predicted,
-                                                   model_formula("grad_forwards", facts))
-    return finding("duplicate_forward", "grad_forwards", facts, {}, gain, confidence, basis, predicted,
-                   subject=formula)
+    gain, basis, confidence, calibration = _calibrated("duplicate_forward", m, predicted)
+    return finding("duplicate_forward", "grad_forwards", DuplicateForward(f, c, predicted, calibration), {}, gain,
+                   confidence, basis, predicted, stake_sec=_saved(m, predicted))
+
+
+def _saved(m: Measurements, gain: float | None) -> float | None:
+    """The wall seconds a change of this run's ``gain`` saves: wall × (1 − 1/gain)."""
+    return m.wall_sec * (1 - 1 / gain) if gain and gain > 0 and m.wall_sec else None
+
+
+def _padded_sec(m: Measurements, p: float, c: float) -> float | None:
+    """The seconds of compute spent on pad positions, at most (the pad share of the compute seconds)."""
+    return p * c * m.wall_sec if m.wall_sec else None
 
 
 def _fixed_length_padding(m: Measurements, length: int, p: float, c: float) -> Finding:
     """A Trainer run whose every batch was padded to one ``length`` (``m.fixed_seq_len``): per-batch padding first
     (grouping by length cannot shorten a fixed length)."""
-    return finding("padding_waste", "fixed_length",
-                   {"length": length, "pad_fraction": p, "compute": c, "trainer_kind": m.trainer_kind,
-                    "ceiling_known": False, "steps": m.steps}, {}, None, "medium", "try", None)
+    return finding("padding_waste", "fixed_length", FixedLength(length, p, c, m.trainer_kind, m.steps), {}, None,
+                   "medium", "try", None, stake_sec=_padded_sec(m, p, c))
 
 
 @card(finding="a Trainer padded to one length on every step (`perf/seq_len` constant) → per-batch padding first "
@@ -148,26 +142,25 @@ def rule_padding_waste(m: Measurements) -> Finding | Note | None:
     if m.fixed_seq_len and not m.grpo:
         return _fixed_length_padding(m, m.fixed_seq_len, p, c)
     k = m.pad_to_multiple_of or 0
-    facts: Facts = {"pad_fraction": p, "pad_to_multiple_of": k, "seq_len": m.seq_len, "grpo": m.grpo}
+    facts = Padding(p, k, m.seq_len, m.grpo, compute=c)
     if k > 1 and m.device_type != "mps":
         parts = 2 if m.grpo else 1               # GRPO pads prompts and completions separately to the multiple
         length = m.seq_len_mean or m.seq_len
         r = min(p, parts * (k - 1) / 2 / length) if length else None
         if r is None or c <= 0:
             return finding("padding_waste", "pad_to_multiple", facts, {"pad_to_multiple_of": None}, None, "low",
-                           "try", None)
+                           "try", None, stake_sec=_padded_sec(m, p, c))
         predicted = 1.0 / ((1.0 - c) + c * (1.0 - r))
-        facts.update(rounding_share=r, pad_parts=parts, mean_length=length, compute=c, predicted=predicted)
-        gain, basis, confidence, formula = _calibrated("padding_waste", m, predicted,
-                                                       model_formula("pad_to_multiple", facts))
+        gain, basis, confidence, calibration = _calibrated("padding_waste", m, predicted)
+        facts = dataclasses.replace(facts, rounding_share=r, pad_parts=parts, mean_length=length,
+                                    predicted=predicted, calibration=calibration)
         return finding("padding_waste", "pad_to_multiple", facts, {"pad_to_multiple_of": None}, gain, confidence,
-                       basis, predicted, subject=formula)
+                       basis, predicted, stake_sec=_saved(m, predicted))
     if m.grpo:
         per_batch = math.ceil((m.micro_batch or 1) / (m.num_generations or 1))
-        facts.update(prompts_per_micro_batch=per_batch, setting_removes_it=False)
-        return note("padding_waste", "grpo_inherent", facts)
+        return note("padding_waste", "grpo_inherent", dataclasses.replace(facts, prompts_per_micro_batch=per_batch))
     if m.seq_len_min is not None and m.seq_len_min == m.seq_len:   # one length on fewer steps than tell a fixed one
-        facts.update(length=m.seq_len)
-        return finding("padding_waste", "one_length_unsure", facts, {}, None, "low", "try", None)
+        return finding("padding_waste", "one_length_unsure", facts, {}, None, "low", "try", None,
+                       stake_sec=_padded_sec(m, p, c))
     return finding("padding_waste", "per_batch", facts, {"train_sampling_strategy": "group_by_length"}, None, "low",
-                   "try", None)
+                   "try", None, stake_sec=_padded_sec(m, p, c))

@@ -17,12 +17,18 @@ CUDA tensor alive every step and ``MemoryWatchdog()`` with its defaults:
   process and no out-of-memory error;
 - ``e_wall_moves_tuning``: ``d`` under ``train_with_tuning`` (``AdaptiveBatchTuner(tune=False)``): a re-size before or
   at the out-of-memory error, and ``max_steps`` reached.
+- ``f_slow_leak``: ``a`` with a slow leak (``--slow_leak_mb``, 32 MiB a step) and the other process leaving
+  ``--slow_leave_gb`` (4 GiB): the stop, its checkpoint and the leak named, no out-of-memory error;
+- ``g_tenant_returns``: the rows of ``d`` at their first length throughout; at the end of step 6 another process takes
+  all the free memory but ``--returns_leave_gb`` (16 GiB) and gives it back at the end of step 12: ``max_steps``
+  reached with no stop and no re-size (``MemoryWatchdog()`` alone), the budget back up after the tenant left;
+- ``h_tenant_returns_tuning``: ``g`` under ``train_with_tuning``: no re-size either.
 
-Runs ``a``-``d`` must end with a checkpoint written by the watchdog's stop and no out-of-memory error. Recorded per
-run in ``benchmarks/results/shared_gpu.json``: the device, date and versions, the budget per step (``mem/limit_gb``)
-with ``used`` and ``mem/outside_gb``, the budget the watchdog used to take (85% of the card), the stop step, whether
-the checkpoint is there, the OOM (if any), the watchdog's events (the wall at the start, the leak, the stop) and the
-tuner's decisions. About 2 minutes on one H100.
+Runs ``a``-``d`` and ``f`` must end with a checkpoint written by the watchdog's stop and no out-of-memory error.
+Recorded per run in ``benchmarks/results/shared_gpu.json``: the device, date and versions, the budget per step
+(``mem/limit_gb``) with ``used`` and ``mem/outside_gb``, the budget the watchdog used to take (85% of the card), the
+stop step, whether the checkpoint is there, the OOM (if any), the watchdog's events (the wall at the start, the
+leak, the stop) and the tuner's decisions. About 4 minutes on one H200.
 
     python benchmarks/bench_shared_gpu.py            # one NVIDIA GPU
     python benchmarks/bench_shared_gpu.py --smoke    # CPU stand-ins: a process holding 512 MiB, memory this process
@@ -195,15 +201,16 @@ def train_and_catch(trainer, tuning: bool) -> tuple[float, str | None, str | Non
     return time.perf_counter() - started, oom, error
 
 
-def one_run(name: str, a, device: str, tuning: bool) -> dict:
+def one_run(name: str, a, device: str, tuning: bool, leak_mb: int | None = None, steps: int | None = None) -> dict:
     out = tempfile.mkdtemp(prefix=f"shared_gpu_{name}_")
     model, vocab = make_model(a.model, device)
-    leak = Leak(a.leak_mb * MIB, device)
+    leak_mb, steps = leak_mb or a.leak_mb, steps or a.steps
+    leak = Leak(leak_mb * MIB, device)
     watchdog = (MemoryWatchdog() if device == "cuda"
-                else MemoryWatchdog(budget_fraction=budget_fraction_for(18 * a.leak_mb * MIB)))
+                else MemoryWatchdog(budget_fraction=budget_fraction_for(18 * leak_mb * MIB)))
     tuner = AdaptiveBatchTuner(tune=False) if tuning else None
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                             max_steps=a.steps, learning_rate=1e-5, logging_steps=1, save_strategy="no",
+                             max_steps=steps, learning_rate=1e-5, logging_steps=1, save_strategy="no",
                              report_to="none", disable_tqdm=True, seed=0, use_cpu=device == "cpu",
                              dataloader_num_workers=0)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(vocab),
@@ -219,9 +226,9 @@ def one_run(name: str, a, device: str, tuning: bool) -> dict:
                  for d in (tuner.executor.record.decisions if tuner and tuner.executor else [])]
     total = DeviceLayer(device).memory().total or 0
     result = {
-        "run": name, "seconds": seconds, "steps_trained": trainer.state.global_step, "max_steps": a.steps,
+        "run": name, "seconds": seconds, "steps_trained": trainer.state.global_step, "max_steps": steps,
         "stop_step": stop, "checkpoint": bool(stop) and os.path.isdir(os.path.join(out, f"checkpoint-{stop}")),
-        "oom": oom, "error": error, "leak_mib_per_step": a.leak_mb,
+        "oom": oom, "error": error, "leak_mib_per_step": leak_mb,
         "device_total_gb": total / GB,
         "old_budget_gb": 0.85 * total / GB if device == "cuda" else None,   # 85% of the card: what it used to be
         "budget_per_step": [{"step": s["step"], "limit_gb": s.get("mem/limit_gb"),
@@ -370,15 +377,105 @@ def moving_wall_run(name: str, a, device: str, tuning: bool) -> dict:
     return result
 
 
+class LendTheCard(TrainerCallback):
+    """At the end of step ``take`` another process takes all the free memory but ``leave`` bytes; at the end of step
+    ``give`` it gives it back (CPU smoke: of the small machine)."""
+
+    def __init__(self, take: int, give: int, leave: int, device: str, machine: SmallMachine | None):
+        self.take, self.give, self.leave, self.device, self.machine = take, give, leave, device, machine
+        self.other: OtherProcess | None = None
+        self.taken_gb: float | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.take and self.other is None:
+            size = -self.leave if self.device == "cuda" else int(self.machine.memory().system_available - self.leave)
+            self.other = OtherProcess(size, self.device)
+            if self.machine is not None:
+                self.machine.tenant = self.other.process.pid
+            self.taken_gb = ((torch.cuda.get_device_properties(0).total_memory - torch.cuda.mem_get_info()[0]
+                              - torch.cuda.memory_reserved()) / GB if self.device == "cuda" else size / GB)
+        elif state.global_step == self.give:
+            self.close()
+
+    def close(self) -> None:
+        if self.other is not None:
+            self.other.close()
+            self.other = None
+            if self.machine is not None:
+                self.machine.tenant = None
+
+
+def returning_tenant_run(name: str, a, device: str, tuning: bool) -> dict:
+    out = tempfile.mkdtemp(prefix=f"shared_gpu_{name}_")
+    model, vocab = make_model(a.model, device)
+    micro, length = (16, 256) if device == "cuda" else (8, 64)
+    machine = None
+    if device == "cpu":
+        import psutil
+
+        gc.collect()
+        machine = SmallMachine(psutil.Process().memory_info().rss + 1536 * MIB)
+    leave = int(a.returns_leave_gb * GB) if device == "cuda" else 768 * MIB
+    lend = LendTheCard(6, 12, leave, device, machine)
+    watchdog = MemoryWatchdog()
+    if machine is not None:
+        watchdog.device = machine
+    tuner = AdaptiveBatchTuner(tune=False) if tuning else None
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=micro, gradient_accumulation_steps=1,
+                             max_steps=18, learning_rate=1e-5, logging_steps=1, save_strategy="no",
+                             report_to="none", disable_tqdm=True, seed=0, use_cpu=device == "cpu",
+                             dataloader_num_workers=0)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(vocab, length=length),
+                      callbacks=[lend, watchdog] + ([tuner] if tuner else []))
+    try:
+        seconds, oom, error = train_and_catch(trainer, tuning)
+    finally:
+        lend.close()
+    lines = [json.loads(x) for x in open(os.path.join(out, "perf_log.jsonl"))]
+    steps = [x for x in lines if x["type"] == "step"]
+    events = [{k: x.get(k) for k in ("step", "kind", "action", "message")} for x in lines
+              if x["type"] == "event" and x["source"] in ("mem", "tuner")]
+    decisions = [{"kind": d.kind, "step": d.step, "old": str(d.old), "new": str(d.new), "reason": d.reason}
+                 for d in (tuner.executor.record.decisions if tuner and tuner.executor else [])]
+    limits = {s["step"]: s.get("mem/limit_gb") for s in steps}
+    result = {
+        "run": name, "seconds": seconds, "steps_trained": trainer.state.global_step, "max_steps": 18,
+        "split": f"{micro}x1", "rows": f"{length // 2}..{length} tokens", "taken_at_step": lend.take,
+        "given_back_at_step": lend.give, "taken_gb": lend.taken_gb, "left_gb": leave / GB,
+        "stop_step": watchdog.stopped_at, "oom": oom, "error": error, "events": events, "tuner_decisions": decisions,
+        "actions": [x.action for x in watchdog.actions],
+        "budget_per_step": [{"step": s["step"], "limit_gb": s.get("mem/limit_gb"),
+                             "used_gb": s.get("mem/device_used_gb"), "outside_gb": s.get("mem/outside_gb")}
+                            for s in steps],
+        "budget_before_gb": limits.get(lend.take), "budget_held_gb": limits.get(lend.take + 1),
+        "budget_after_gb": limits.get(lend.give + 1),
+        "memory_resizes": sum(d["kind"] in ("oom", "watchdog") for d in decisions),
+        "stop_names_outside": False, "checkpoint": False,
+    }
+    came_back = (result["budget_after_gb"] is not None and result["budget_held_gb"] is not None
+                 and result["budget_after_gb"] > result["budget_held_gb"])
+    result["passed"] = bool(not oom and not error and watchdog.stopped_at is None and result["memory_resizes"] == 0
+                            and trainer.state.global_step == 18 and came_back)
+    del trainer, model, watchdog, tuner
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--leave_gb", type=float, default=20.0, help="what the other tenant leaves of the card (GiB)")
     p.add_argument("--leak_mb", type=int, default=512, help="the planted leak, MiB a step")
     p.add_argument("--steps", type=int, default=80, help="max_steps (beyond the wall: without a stop, an OOM)")
     p.add_argument("--model", choices=["qwen05", "tiny"], default="qwen05")
-    p.add_argument("--runs", nargs="+", default=["a", "b", "c", "d", "e"], choices=["a", "b", "c", "d", "e"])
+    p.add_argument("--runs", nargs="+", default=list("abcdefgh"), choices=list("abcdefgh"))
     p.add_argument("--moved_leave_gb", type=float, default=0.5, help="d, e: what the other process leaves (GiB)")
     p.add_argument("--moved_steps", type=int, default=16, help="d, e: max_steps")
+    p.add_argument("--slow_leak_mb", type=int, default=32, help="f: the slow leak, MiB a step")
+    p.add_argument("--slow_leave_gb", type=float, default=4.0, help="f: what the other process leaves (GiB)")
+    p.add_argument("--slow_steps", type=int, default=400, help="f: max_steps")
+    p.add_argument("--returns_leave_gb", type=float, default=16.0, help="g, h: what the lending process leaves (GiB)")
     p.add_argument("--smoke", action="store_true", help="CPU stand-ins (see the module docstring)")
     a = p.parse_args(argv)
     device = "cpu" if a.smoke else "cuda"
@@ -399,8 +496,20 @@ def main(argv=None):
     results = {}
     for run in a.runs:
         name = {"a": "a_other_process", "b": "b_outside_allocator", "c": "c_tuning", "d": "d_wall_moves",
-                "e": "e_wall_moves_tuning"}[run]
-        if run in ("d", "e"):
+                "e": "e_wall_moves_tuning", "f": "f_slow_leak", "g": "g_tenant_returns",
+                "h": "h_tenant_returns_tuning"}[run]
+        if run in ("g", "h"):
+            results[name] = {**returning_tenant_run(name, a, device, tuning=run == "h"), "held_by": "another process"}
+        elif run == "f":
+            slow_held = int(free - a.slow_leave_gb * GB) if device == "cuda" else held
+            other = OtherProcess(slow_held, device)
+            try:
+                results[name] = {**one_run(name, a, device, tuning=False, leak_mb=a.slow_leak_mb if device == "cuda"
+                                           else 8, steps=a.slow_steps if device == "cuda" else 200),
+                                 "held_gb": slow_held / GB, "held_by": "another process"}
+            finally:
+                other.close()
+        elif run in ("d", "e"):
             results[name] = {**moving_wall_run(name, a, device, tuning=run == "e"), "held_by": "another process"}
         elif run == "b":
             release, how = hold_outside_torch(held, device)

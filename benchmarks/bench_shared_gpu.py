@@ -18,7 +18,7 @@ CUDA tensor alive every step and ``MemoryWatchdog()`` with its defaults:
 - ``e_wall_moves_tuning``: ``d`` under ``train_with_tuning`` (``AdaptiveBatchTuner(tune=False)``): a re-size before or
   at the out-of-memory error, and ``max_steps`` reached.
 - ``f_slow_leak``: ``a`` with a slow leak (``--slow_leak_mb``, 32 MiB a step) and the other process leaving
-  ``--slow_leave_gb`` (4 GiB): the stop, its checkpoint and the leak named, no out-of-memory error;
+  ``--slow_leave_gb`` (8 GiB): the stop, its checkpoint and the leak named, no out-of-memory error;
 - ``g_tenant_returns``: the rows of ``d`` at their first length throughout; at the end of step 6 another process takes
   all the free memory but ``--returns_leave_gb`` (16 GiB) and gives it back at the end of step 12: ``max_steps``
   reached with no stop and no re-size (``MemoryWatchdog()`` alone), the budget back up after the tenant left;
@@ -226,7 +226,7 @@ def one_run(name: str, a, device: str, tuning: bool, leak_mb: int | None = None,
                  for d in (tuner.executor.record.decisions if tuner and tuner.executor else [])]
     total = DeviceLayer(device).memory().total or 0
     result = {
-        "run": name, "seconds": seconds, "steps_trained": trainer.state.global_step, "max_steps": steps,
+        "run": name, "seconds": seconds, "steps_trained": trainer.state.global_step, "max_steps": args.max_steps,
         "stop_step": stop, "checkpoint": bool(stop) and os.path.isdir(os.path.join(out, f"checkpoint-{stop}")),
         "oom": oom, "error": error, "leak_mib_per_step": leak_mb,
         "device_total_gb": total / GB,
@@ -473,7 +473,7 @@ def main(argv=None):
     p.add_argument("--moved_leave_gb", type=float, default=0.5, help="d, e: what the other process leaves (GiB)")
     p.add_argument("--moved_steps", type=int, default=16, help="d, e: max_steps")
     p.add_argument("--slow_leak_mb", type=int, default=32, help="f: the slow leak, MiB a step")
-    p.add_argument("--slow_leave_gb", type=float, default=4.0, help="f: what the other process leaves (GiB)")
+    p.add_argument("--slow_leave_gb", type=float, default=8.0, help="f: what the other process leaves (GiB)")
     p.add_argument("--slow_steps", type=int, default=400, help="f: max_steps")
     p.add_argument("--returns_leave_gb", type=float, default=16.0, help="g, h: what the lending process leaves (GiB)")
     p.add_argument("--smoke", action="store_true", help="CPU stand-ins (see the module docstring)")
@@ -501,8 +501,14 @@ def main(argv=None):
         if run in ("g", "h"):
             results[name] = {**returning_tenant_run(name, a, device, tuning=run == "h"), "held_by": "another process"}
         elif run == "f":
-            slow_held = int(free - a.slow_leave_gb * GB) if device == "cuda" else held
-            other = OtherProcess(slow_held, device)
+            if device == "cuda":                 # all the card's free memory now but --slow_leave_gb
+                gc.collect()
+                torch.cuda.empty_cache()
+                other = OtherProcess(-int(a.slow_leave_gb * GB), device)
+                slow_held = torch.cuda.get_device_properties(0).total_memory - torch.cuda.mem_get_info()[0]
+            else:
+                slow_held = held
+                other = OtherProcess(slow_held, device)
             try:
                 results[name] = {**one_run(name, a, device, tuning=False, leak_mb=a.slow_leak_mb if device == "cuda"
                                            else 8, steps=a.slow_steps if device == "cuda" else 200),

@@ -336,18 +336,21 @@ class MemoryPolicy:
 
     # ------------------------------------------------------------ observing
     def observe(self, obs: Observation, replace_last: bool = False) -> int:
-        """Account a reading (``replace_last``: a re-sample after an action in the same step); returns the level."""
+        """Account a reading (``replace_last``: a re-sample after an action in the same step); returns the level.
+
+        A re-sample sets the level alone: the trend keeps the step's own reading, since a cleared cache fills again in
+        the next step (a post-clear reading beside un-cleared ones would read as a sawtooth of false growth)."""
         if replace_last and self.history:
-            self.history.pop()
-            if self.grew_last:
-                self.growth.pop()
-        else:
-            self.segment_steps += 1
-            self.swap_streak = self.swap_streak + 1 if (obs.swapouts or 0) > 0 else 0
+            self.level = self._level(obs)
+            if self.level == OK and not self._wall_near(self.warn_within_steps):
+                self.episode = []
+            return self.level
+        self.segment_steps += 1
+        self.swap_streak = self.swap_streak + 1 if (obs.swapouts or 0) > 0 else 0
         self.grew_last = bool(self.history) and self.segment_steps > self.grace_steps   # from the grace on
         if self.grew_last:
             self.growth.append(obs.used - self.history[-1][1])
-        if not self.history and self.last_used is not None and not replace_last:   # a segment's first reading
+        if not self.history and self.last_used is not None:     # a segment's first reading
             self.switch_rise = max(self.switch_rise, obs.used - self.last_used - max(self.leak_rate or 0.0, 0.0))
         self.last_used = obs.used
         self.history.append((obs.step, obs.used))

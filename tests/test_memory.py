@@ -509,3 +509,16 @@ def test_growth_the_completions_explain_is_not_a_leak_and_their_forecast_drives_
         policy.taken(action)
         actions.append(action)
     assert actions == [CLEAR, SMALLER_BATCH, STOP]
+
+
+def test_a_re_sample_after_a_clear_sets_the_level_and_leaves_the_trend_to_the_steps_own_readings():
+    """A cleared cache fills again in the next step: the post-clear reading (low) beside the steps' own readings
+    (a 32-unit leak a step on top of a refilled cache) must not read as a sawtooth of growth."""
+    p = policy(budget=10_000.0, trend_window=8)
+    for step in range(1, 13):
+        p.observe(Observation(step, 4000.0 + 32.0 * step))
+        if step % 2:                                             # a clear every other step: the cache given back
+            p.observe(Observation(step, 2500.0 + 32.0 * step), replace_last=True)
+    assert p.slope == pytest.approx(32.0)
+    assert [used for _, used in p.history][-2:] == [4000.0 + 32.0 * 11, 4000.0 + 32.0 * 12]
+    assert p.observe(Observation(13, 9999.0), replace_last=True) == WARN          # the level reads the re-sample

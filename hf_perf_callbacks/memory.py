@@ -455,7 +455,8 @@ class MemoryPolicy:
         Never for memory that grows on every step (a leak, known or as it looks before the trend window is full):
         a smaller micro-batch does not stop it. After an earlier request of this run took effect, from what it did:
         memory ≈ fixed + micro-batch × per sample, fitted to the two micro-batches; futile when even micro-batch 1
-        would stay at the warn level or above (or the smaller micro-batch did not lower memory at all)."""
+        would stay at the warn level or above (or the smaller micro-batch did not lower memory at all). Memory that
+        rose after it says something else changed too (the rows grew): not futile, the next smaller one is the test."""
         if not self.completions_explain and (self.leak_rate is not None or self.steady_growth):
             rate = self.leak_rate if self.leak_rate is not None else self.slope
             return Futile("leak", rate=rate or 0.0)
@@ -466,6 +467,8 @@ class MemoryPolicy:
         if self.micro_batch >= before_micro:
             return None                                   # the smaller micro-batch has not taken effect
         now = median([u for _, u in self.history])
+        if now > before:        # memory rose: more than the micro-batch changed (longer rows); a smaller one may help
+            return None
         per_sample = (before - now) / (before_micro - self.micro_batch)
         at_one = now - per_sample * (self.micro_batch - 1)
         if per_sample > 0 and at_one < self.warn_fraction * self.budget:

@@ -378,6 +378,8 @@ def test_a_pressure_that_does_not_grow_still_asks_for_a_smaller_micro_batch_once
     assert (why.before, why.now, why.at_one, why.warn) == pytest.approx((95.0, 94.0, 93.5, 90.0))
     futile.taken(futile.next_action(can_shrink=True))
     assert futile.next_action(can_shrink=True) is None   # warn, not critical: nothing more to do
+    longer = run(used_after=97.0)         # memory rose: the rows grew as the micro-batch halved (a wall that moved)
+    assert longer.futile() is None and longer.next_action(can_shrink=True) == CLEAR
 
 
 def test_the_causes_in_words():

@@ -489,9 +489,9 @@ class MemoryPolicy:
         if CLEAR not in self.episode:
             return CLEAR
         longer = self.completions is not None and self.completions.steps <= self.warn_within_steps
-        if (can_shrink and SMALLER_BATCH not in self.episode and (self.level >= WARN or longer)   # over the warn
-                and self.shrink_futile() is None):     # level or longer completions: what a smaller one relieves
-            return SMALLER_BATCH
+        if (can_shrink and SMALLER_BATCH not in self.episode and (self.level >= WARN or longer or urgent)
+                and self.shrink_futile() is None):     # over the warn level, longer completions or the wall forecast
+            return SMALLER_BATCH                       # within stop_within_steps: what a smaller one relieves
         if urgent and STOP not in self.episode:
             return STOP
         return None

@@ -524,3 +524,17 @@ def test_a_re_sample_after_a_clear_sets_the_level_and_leaves_the_trend_to_the_st
     assert p.slope == pytest.approx(32.0)
     assert [used for _, used in p.history][-2:] == [4000.0 + 32.0 * 11, 4000.0 + 32.0 * 12]
     assert p.observe(Observation(13, 9999.0), replace_last=True) == WARN          # the level reads the re-sample
+
+
+def test_a_wall_reached_asks_for_a_smaller_micro_batch_before_the_stop_even_when_the_cleared_cache_reads_low():
+    """The steps' own readings are at the budget (the wall in 0 steps); clearing the cache gives back what the next
+    step takes again: the re-sample's low level does not skip the smaller micro-batch on the way to the stop."""
+    p = policy(budget=100.0, grace_steps=0, trend_window=4, warn_within_steps=20.0, stop_within_steps=3.0)
+    for step, used in enumerate((100.0, 100.1, 100.2), start=1):
+        p.observe(Observation(step, used, micro_batch=8))
+    assert p.next_action(can_shrink=True) == CLEAR
+    p.taken(CLEAR)
+    assert p.observe(Observation(3, 20.0, micro_batch=8), replace_last=True) == OK
+    assert p.next_action(can_shrink=True) == SMALLER_BATCH
+    p.taken(SMALLER_BATCH)
+    assert p.next_action(can_shrink=False) == STOP

@@ -447,7 +447,7 @@ def returning_tenant_run(name: str, a, device: str, tuning: bool) -> dict:
         "budget_per_step": [{"step": s["step"], "limit_gb": s.get("mem/limit_gb"),
                              "used_gb": s.get("mem/device_used_gb"), "outside_gb": s.get("mem/outside_gb")}
                             for s in steps],
-        "budget_before_gb": limits.get(lend.take), "budget_held_gb": limits.get(lend.take + 1),
+        "budget_before_gb": limits.get(lend.take - 1), "budget_held_gb": limits.get(lend.take + 1),
         "budget_after_gb": limits.get(lend.give + 1),
         "memory_resizes": sum(d["kind"] in ("oom", "watchdog") for d in decisions),
         "stop_names_outside": False, "checkpoint": False,

@@ -94,9 +94,11 @@ def _tiers(r: dict) -> str:
 
 
 def _exactness(r: dict) -> str:
-    case = r["cases"]["plain"]
-    return (f"{case['split']}: {case['splits_checked']} other splits checked in {case['check_sec']:.2f} s, against a "
-            f"{case['step_sec']:.2f} s step ({len(r['cases'])} cases in the file)")
+    checks = [c for case in r["cases"].values() for c in case]
+    ratios = [c["check_over_step"] for c in checks if c["check_over_step"] is not None]
+    return (f"{len(checks)} changes checked at their step: {min(c['check_sec'] for c in checks):.2f}-"
+            f"{max(c['check_sec'] for c in checks):.2f} s, {min(ratios):.2f}-{max(ratios):.2f} steps of the new split "
+            f"({', '.join(sorted({c['verdict'] for c in checks}))})")
 
 
 def _demo_tuning(r: dict) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .validation import check_number
 
@@ -87,6 +88,20 @@ def exact_splits(effective_batch: int, world_size: int = 1, generation_batch: in
         elif (spg := Split.generation_steps(generation_batch, micro, world_size)) is not None:
             splits.append(Split(micro, effective_batch // per_step, spg))
     return splits
+
+
+def current_split(args: Any) -> Split:
+    """The split a trainer's args hold (GRPO: with its ``steps_per_generation``)."""
+    spg = getattr(args, "steps_per_generation", None) if is_grpo(args) else None
+    return Split(args.per_device_train_batch_size, args.gradient_accumulation_steps, spg)
+
+
+def candidates(args: Any, world: int) -> list[Split]:
+    """Every split that keeps the run's effective batch (GRPO: and generation batch), largest micro-batch first."""
+    split = current_split(args)
+    if is_grpo(args):
+        return exact_splits(split.effective_batch(world), world, split.generation_batch(world), args.num_generations)
+    return exact_splits(split.effective_batch(world), world)
 
 
 def next_smaller(current: Split, candidates: list[Split]) -> Split:

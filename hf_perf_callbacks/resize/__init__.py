@@ -33,12 +33,13 @@ from typing import TYPE_CHECKING, Any
 #: public name → the module that defines it, imported on first use (the pure record and plan load without torch)
 _LAZY = {"AdaptiveBatchTuner": ".callback", "train_with_tuning": ".loop", "InexactResize": ".plan",
          "PeerFailed": ".agreement", "ResizeNeeded": ".agreement", "Executor": ".executor",
-         "UnfixableOOM": ".oomsite", "current_split": ".executor"}
+         "UnfixableOOM": ".oomsite", "current_split": "..batching"}
 
 if TYPE_CHECKING:
+    from ..batching import current_split
     from .agreement import PeerFailed, ResizeNeeded
     from .callback import AdaptiveBatchTuner
-    from .executor import Executor, current_split
+    from .executor import Executor
     from .loop import train_with_tuning
     from .oomsite import UnfixableOOM
     from .plan import InexactResize

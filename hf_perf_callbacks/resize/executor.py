@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from .. import adapter
-from ..batching import Exactness, Split, exact_splits, exact_under, is_grpo
+from ..batching import Exactness, Split, candidates, current_split, exact_under, is_grpo
 from ..device import (
     error_line,
     gather_floats,
@@ -65,25 +65,9 @@ if TYPE_CHECKING:
     from ..memory import WallFacts
 
 __all__ = ["Executor", "SwitchSplit", "RUN_END", "TunerView", "TunerEnd", "InexactResize", "ReplayLost", "RowsLost",
-           "current_split", "candidates", "format_summary"]
+           "format_summary"]
 
 logger = logging.getLogger("hf_perf_callbacks")
-
-
-def current_split(args: object) -> Split:
-    """The split a trainer's args hold (GRPO: with its ``steps_per_generation``)."""
-    spg = getattr(args, "steps_per_generation", None) if is_grpo(args) else None
-    targs = cast("TrainingArguments", args)     # any trainer's args (the row watch reads any object's)
-    return Split(targs.per_device_train_batch_size, targs.gradient_accumulation_steps, spg)
-
-
-def candidates(args: TrainingArguments, world: int) -> list[Split]:
-    """Every split that keeps the run's effective batch (GRPO: and generation batch), largest micro-batch first."""
-    split = current_split(args)
-    if is_grpo(args):
-        return exact_splits(split.effective_batch(world), world, split.generation_batch(world),
-                            cast("GRPOConfig", args).num_generations)
-    return exact_splits(split.effective_batch(world), world)
 
 
 class SwitchSplit(BaseException):
@@ -128,9 +112,10 @@ class Executor:
         self.args = args
         self.output_dir = str(args.output_dir)       # set by TrainingArguments (None only before its init)
         self.bus, self.managed, self.accept_unmeasured = bus, managed, accept_unmeasured
-        self.world, self.grpo = world_size(), is_grpo(args)
-        self.every = candidates(args, self.world)   # every split of the run's batch (its size never changes)
-        self.record = SplitRecord.start(self.output_dir, current_split(args), self.world, is_main_process(), rank())
+        self.world = world_size()
+        # the split in effect, every split of the run's batch (its size never changes), the run kind
+        configured, self.every, self.grpo = current_split(args), candidates(args, self.world), is_grpo(args)
+        self.record = SplitRecord.start(self.output_dir, configured, self.world, is_main_process(), rank())
         self.checkpoints = RunCheckpoints(self.output_dir)
         self.trainer: Trainer | None = None
         self.tuning: OnRunTuning | None = None
@@ -160,9 +145,7 @@ class Executor:
     @property
     def split(self) -> Split:
         """The split the trainer trains at now."""
-        args = self.args
-        return Split(args.per_device_train_batch_size, args.gradient_accumulation_steps,
-                     cast("GRPOConfig", args).steps_per_generation if self.grpo else None)
+        return current_split(self.args)
 
     @property
     def resizes(self) -> int:

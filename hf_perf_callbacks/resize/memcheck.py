@@ -27,12 +27,12 @@ import torch
 from transformers import TrainerCallback
 
 from .. import adapter
-from ..batching import Split, is_grpo
+from ..batching import Split, current_split, is_grpo
 from ..device import GB, DeviceLayer, error_line, gather_floats, rng_state, set_rng_state, training_device, world_size
 from ..memory import budget_bytes
 from ..splitfile import Trial
 from .agreement import recoverable
-from .executor import Executor, Staged, current_split
+from .executor import Executor, Staged
 
 if TYPE_CHECKING:
     from transformers import (

@@ -21,8 +21,8 @@ import tempfile
 from common import StepClock, grpo_trainer, median, table, tokenizer, write_result
 
 from hf_perf_callbacks import default_callbacks
+from hf_perf_callbacks.core.runlog import PERF_STEADY, read_run
 from hf_perf_callbacks.report.figures import figures
-from hf_perf_callbacks.runlog import PERF_STEADY, read_run
 
 
 def build(a, out: str, callbacks: list):

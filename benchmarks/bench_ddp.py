@@ -24,7 +24,7 @@ from common import GB, StepClock, grpo_trainer, median, sweep_limit_gb, table, w
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, MPSCacheClearer, ThroughputMeter, train_with_tuning
 from hf_perf_callbacks import throughput as throughput_module
 from hf_perf_callbacks import watchdog as watchdog_module
-from hf_perf_callbacks.device import gather_floats
+from hf_perf_callbacks.platform.device import gather_floats
 from hf_perf_callbacks.resize import agreement as agreement_module
 from hf_perf_callbacks.resize import callback as tuner_module
 

@@ -42,9 +42,9 @@ def one_run(model: str, arm: str, output_dir: str, steps: int | None) -> dict:
     torch.set_num_threads(1)
     started = time.perf_counter()
     from hf_perf_callbacks import train_with_tuning
+    from hf_perf_callbacks.core.splitfile import read_split_file
     from hf_perf_callbacks.demo import build_demo_trainer
     from hf_perf_callbacks.report import report_command
-    from hf_perf_callbacks.splitfile import read_split_file
 
     load_before = os.getloadavg()
     trainer = build_demo_trainer(output_dir, max_steps=steps, model=model)

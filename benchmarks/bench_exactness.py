@@ -33,8 +33,8 @@ from common import release, write_result
 from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments
 
 from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
-from hf_perf_callbacks.bus import bus_for
-from hf_perf_callbacks.splitfile import read_split_file
+from hf_perf_callbacks.common.bus import bus_for
+from hf_perf_callbacks.core.splitfile import read_split_file
 from hf_perf_callbacks.throughput import forward_entry
 
 

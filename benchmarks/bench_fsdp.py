@@ -46,7 +46,7 @@ import torch.distributed as dist
 from common import GB, table, tokenizer, write_result
 from transformers import TrainerCallback
 
-from hf_perf_callbacks.runlog import read_run
+from hf_perf_callbacks.core.runlog import read_run
 
 
 def option(name: str, default: str) -> str:
@@ -207,7 +207,7 @@ def throughput() -> dict:
 
 def resize_on_planted_rank() -> dict:
     from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, train_with_tuning
-    from hf_perf_callbacks.device import DeviceLayer, MemorySample, training_device
+    from hf_perf_callbacks.platform.device import DeviceLayer, MemorySample, training_device
 
     class PlantedMemory(DeviceLayer):
         """The real device, except that ``used`` reads 2 GiB per sample of the current micro-batch."""

@@ -56,7 +56,7 @@ from common import GB, table, write_result
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, train_with_tuning
-from hf_perf_callbacks.device import DeviceLayer
+from hf_perf_callbacks.platform.device import DeviceLayer
 from hf_perf_callbacks.tiny import build_model, build_tokenizer
 
 MIB = 2**20

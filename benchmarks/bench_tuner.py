@@ -46,10 +46,10 @@ from common import GB, RESULTS, grpo_trainer, median, release, smollm2, table, w
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, train_with_tuning
-from hf_perf_callbacks.batching import exact_splits
-from hf_perf_callbacks.device import DeviceLayer, training_device
+from hf_perf_callbacks.core.batching import exact_splits
+from hf_perf_callbacks.core.stats import iqr, mann_whitney_less
+from hf_perf_callbacks.platform.device import DeviceLayer, training_device
 from hf_perf_callbacks.resize.tuning import WARMUP_AT_START
-from hf_perf_callbacks.stats import iqr, mann_whitney_less
 
 
 class WallSteps(TrainerCallback):

@@ -7,7 +7,7 @@ import psutil
 import torch
 from common import table, write_result
 
-from hf_perf_callbacks.device import DeviceLayer, training_device
+from hf_perf_callbacks.platform.device import DeviceLayer, training_device
 
 
 def per_call(fn, n=2000) -> float:

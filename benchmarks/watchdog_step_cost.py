@@ -21,7 +21,7 @@ from common import release, table, write_result
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import MemoryWatchdog
-from hf_perf_callbacks.device import DeviceLayer
+from hf_perf_callbacks.platform.device import DeviceLayer
 
 SKIP = 15                                       # steps left out at the start (warm-up)
 

@@ -20,15 +20,15 @@ __version__ = "0.1.0"
 _LAZY = {"ThroughputMeter": ".throughput", "MemoryWatchdog": ".watchdog", "MPSCacheClearer": ".cache",
          "AdaptiveBatchTuner": ".resize", "train_with_tuning": ".resize",
          "UnfixableOOM": ".resize", "InexactResize": ".resize", "PeerFailed": ".resize",
-         "OutputDirBusy": ".outputdir", "ReportError": ".runlog"}
+         "OutputDirBusy": ".common.outputdir", "ReportError": ".core.runlog"}
 
 if TYPE_CHECKING:                      # what the lazy names are, for type checkers and editors
     from transformers import TrainerCallback
 
     from .cache import MPSCacheClearer
-    from .outputdir import OutputDirBusy
+    from .common.outputdir import OutputDirBusy
+    from .core.runlog import ReportError
     from .resize import AdaptiveBatchTuner, InexactResize, PeerFailed, UnfixableOOM, train_with_tuning
-    from .runlog import ReportError
     from .throughput import ThroughputMeter
     from .watchdog import MemoryWatchdog
 
@@ -58,7 +58,7 @@ def default_callbacks(**overrides: dict[str, Any]) -> list[TrainerCallback]:
     classes = {name: __getattr__(name) for name in CALLBACKS}
     unknown = set(overrides) - set(classes)
     if unknown:
-        from .validation import did_you_mean
+        from .core.validation import did_you_mean
 
         first = sorted(unknown)[0]
         raise ValueError(f"default_callbacks got unknown callback name(s) {sorted(unknown)}"
@@ -67,7 +67,7 @@ def default_callbacks(**overrides: dict[str, Any]) -> list[TrainerCallback]:
         if not isinstance(kwargs, dict):
             raise ValueError(f"default_callbacks({name}={kwargs!r}) is not allowed: expected a dict of that "
                              f"callback's keyword arguments")
-    from .wording import BUILT_BY_DEFAULT_CALLBACKS
+    from .core.wording import BUILT_BY_DEFAULT_CALLBACKS
 
     built = [cls(**overrides.get(name, {})) for name, cls in classes.items()]
     for callback in built:                      # a hint to change an argument is worded as default_callbacks(...)

@@ -4,11 +4,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import keys
-from .base import Clock, PerfCallback, arguments, hook
-from .device import GB, DeviceLayer
-from .memory import ClearSchedule
-from .runlog import CacheClear, ClearerSummary
-from .validation import check_flag, check_number
+from .common.base import Clock, PerfCallback, arguments, hook
+from .core.memory import ClearSchedule
+from .core.runlog import CacheClear, ClearerSummary
+from .core.validation import check_flag, check_number
+from .platform.device import GB, DeviceLayer
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +35,7 @@ class MPSCacheClearer(PerfCallback):
         min_freed_gb: a clear freeing less than this is "not worth it".
         bloat_ratio / bloat_min_gb: clear when driver > ``bloat_ratio`` × live and the gap ≥ ``bloat_min_gb``.
         after_eval / after_save: clear after evaluation and checkpoint saves.
-        clock: the clock seam (:class:`~hf_perf_callbacks.base.Clock`; tests plant one).
+        clock: the clock seam (:class:`~hf_perf_callbacks.common.base.Clock`; tests plant one).
 
     Logged keys:
 

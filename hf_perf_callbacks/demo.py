@@ -201,7 +201,7 @@ def run_demo(output_dir: str | None = None, max_steps: int | None = None, model:
 
     output_dir = output_dir or tempfile.mkdtemp(prefix="hf_perf_demo_")
     print(set_threads(), flush=True)
-    from .console import hide_upstream_deprecations
+    from .common.console import hide_upstream_deprecations
 
     hide_upstream_deprecations()
     from .tasks.wordle import REWARD_FUNCS

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .validation import check_flag, check_number
+from .core.validation import check_flag, check_number
 
 MODEL_KEYS = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "params")
 

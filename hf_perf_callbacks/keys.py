@@ -1,7 +1,7 @@
 """Every name the package writes down: the metric keys the callbacks log (their units and meanings in
 :data:`KEY_DOCS`, from which docs/keys.md is generated), the phases of a step, the prefixes of the callbacks' keys
 and of the trainer's own values in a step line, and the files beside a run. One owner: every module and test
-imports them from here (``runlog`` re-exports them: ``hf_perf_callbacks.runlog.PERF_MFU`` stays valid).
+imports them from here (``runlog`` re-exports them: ``hf_perf_callbacks.core.runlog.PERF_MFU`` stays valid).
 
 Pure: no torch, no transformers.
 """
@@ -14,7 +14,7 @@ LOCK_FILE = ".hf_perf.lock"            # held by the process training into outpu
 TRAINER_STATE = "trainer_state.json"
 
 #: the phases of a step's wall time (``perf/phase/<phase>``, ``perf/phase_sec/<phase>``, seconds on the step line;
-#: meanings in :mod:`hf_perf_callbacks.timeline`): they sum to ``perf/step_wall_sec``, ``unexplained`` included
+#: meanings in :mod:`hf_perf_callbacks.core.timeline`): they sum to ``perf/step_wall_sec``, ``unexplained`` included
 PHASES = ("data_wait", "generation", "rollout_wait", "reward", "compute", "eval", "save", "log", "own_callbacks",
           "user_callbacks", "recompute", "unexplained")
 #: the phases a clock measures directly (a region entered and left); ``compute`` is the step's own time outside

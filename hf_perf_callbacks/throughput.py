@@ -10,19 +10,20 @@ from typing import TYPE_CHECKING, Any, cast
 import psutil
 import torch
 
-from . import adapter, keys
-from .base import Clock, PerfCallback, arguments, hook
-from .batching import is_grpo
-from .dataloader import FACT_TYPES, DataLoaderFacts, dataloader_advice, dataloader_facts
-from .device import DeviceLayer, dtype_key, world_size
-from .exchange import Rows
-from .flops import forward_flops_per_token, full_numel, shape_of, train_flops_per_token
+from . import keys
+from .common.base import Clock, PerfCallback, arguments, hook
+from .common.exchange import Rows
+from .core.batching import is_grpo
+from .core.dataloader import FACT_TYPES, DataLoaderFacts, dataloader_advice, dataloader_facts
+from .core.flops import forward_flops_per_token, full_numel, shape_of, train_flops_per_token
+from .core.runlog import MeterSummary, WarningFigures
+from .core.stats import generation_period
+from .core.timeline import StepRecord, StepTimeline
+from .core.validation import check_flag, check_number, did_you_mean
+from .core.wording import argument_hint, mfu_words, phase_line, provisional_line, throughput_line, warmup_line, wrapped
 from .keys import PHASES
-from .runlog import MeterSummary, WarningFigures
-from .stats import generation_period
-from .timeline import StepRecord, StepTimeline
-from .validation import check_flag, check_number, did_you_mean
-from .wording import argument_hint, mfu_words, phase_line, provisional_line, throughput_line, warmup_line, wrapped
+from .platform import adapter
+from .platform.device import DeviceLayer, dtype_key, world_size
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -182,10 +183,10 @@ class MeterStep:
 class ThroughputMeter(PerfCallback):
     """Measures true training speed between optimizer-step boundaries, with one device synchronize per step.
 
-    Warmup is found statistically (:class:`~hf_perf_callbacks.stats.WarmupDetector`): it ends when
+    Warmup is found statistically (:class:`~hf_perf_callbacks.core.stats.WarmupDetector`): it ends when
     ``warmup_window`` consecutive step times (GRPO: generation cycles) lie within ``warmup_tolerance`` of their
     median, at the latest after ``max_warmup_steps``. Steady throughput counts only steps after warmup and
-    excludes eval and checkpoint time; the figures' definitions are in :mod:`hf_perf_callbacks.timeline` (steady
+    excludes eval and checkpoint time; the figures' definitions are in :mod:`hf_perf_callbacks.core.timeline` (steady
     tokens/s × steady step time = the mean tokens of a steady step). Each fresh ``train()`` (``global_step`` 0)
     starts its counters over; a resumed one keeps accumulating.
 
@@ -196,14 +197,14 @@ class ThroughputMeter(PerfCallback):
     unchanged); ranks exchange their counts once per optimizer step.
 
     **GRPO's generation** is timed at TRL's own entry (``GRPOTrainer._generate``, through
-    :func:`~hf_perf_callbacks.adapter.watch_generation_entry`), so HF ``generate``, vLLM server and vLLM colocate
-    give the same figures; ``model.generate`` nested inside is not counted again (a trainer without ``_generate``
-    is timed at ``model.generate`` alone). Weight syncs to vLLM and the reward functions are timed on their own.
-    On several ranks a collective of the rollout that waits for another rank is ``rollout_wait``, and the rollout
-    rate is over the engine calls' time. TRL's ``AsyncGRPOTrainer`` (backend ``vllm-async``) is read from TRL's own
-    figures: its queue wait (``rollout_wait``), trained tokens and weight transfers.
+    :func:`~hf_perf_callbacks.platform.adapter.watch_generation_entry`), so HF ``generate``, vLLM server and vLLM
+    colocate give the same figures; ``model.generate`` nested inside is not counted again (a trainer without
+    ``_generate`` is timed at ``model.generate`` alone). Weight syncs to vLLM and the reward functions are timed on
+    their own. On several ranks a collective of the rollout that waits for another rank is ``rollout_wait``, and the
+    rollout rate is over the engine calls' time. TRL's ``AsyncGRPOTrainer`` (backend ``vllm-async``) is read from TRL's
+    own figures: its queue wait (``rollout_wait``), trained tokens and weight transfers.
 
-    **MFU** uses :mod:`hf_perf_callbacks.flops` (LoRA-aware, attention included) against the device's peak for
+    **MFU** uses :mod:`hf_perf_callbacks.core.flops` (LoRA-aware, attention included) against the device's peak for
     the training dtype (table, ``peak_flops`` override or ``peak_flops="calibrate"``); unknown device → MFU is
     omitted with one warning. GRPO's model FLOPs per token are ``num_iterations`` × training plus one forward
     for generation. Under FSDP the FLOPs are the unsharded model's (a sharded DTensor parameter's ``numel()`` is the
@@ -219,7 +220,7 @@ class ThroughputMeter(PerfCallback):
         peak_bandwidth: device memory bandwidth in bytes/s for decode utilisation, or None (table).
         data_wait_threshold: warn once when data wait exceeds this fraction of step time after warmup.
         progress_bar: show current tok/s beside the progress bar.
-        clock: wall and CPU seconds (:class:`~hf_perf_callbacks.base.Clock`; tests plant one).
+        clock: wall and CPU seconds (:class:`~hf_perf_callbacks.common.base.Clock`; tests plant one).
 
     **Warmup or contention.** On a CPU device warmup is detected on the process's CPU time per step (the work):
     slow early steps whose CPU time was flat were slowed by other processes and are reported as contention, not
@@ -267,7 +268,7 @@ class ThroughputMeter(PerfCallback):
     ``perf/reward_sec``                   s         GRPO: time in TRL's reward functions (``_calculate_rewards``:
                                                     the ``reward`` phase)
     ``perf/phase_sec/<phase>``            s         the step's seconds per phase (:data:`~hf_perf_callbacks.keys.
-                                                    PHASES`, defined in :mod:`hf_perf_callbacks.timeline`), on the
+                                                    PHASES`, defined in :mod:`hf_perf_callbacks.core.timeline`), on the
                                                     same interval as ``perf/step_wall_sec``: they sum to it, the
                                                     ``unexplained`` remainder included
     ``perf/callback_sec/<ClassName>``     s         the seconds of one of the user's callback classes' events in
@@ -526,7 +527,7 @@ class ThroughputMeter(PerfCallback):
             self.timeline.leave("rollout_wait", self.clock.wall())
 
     def _install_clocks(self, model: Any) -> None:
-        """The phase clocks (see :mod:`hf_perf_callbacks.timeline`): the trainer's batch fetch, log, evaluation and
+        """The phase clocks (see :mod:`hf_perf_callbacks.core.timeline`): the trainer's batch fetch, log, evaluation and
         checkpoint save, every callback's every event (through the trainer's callback handler), and on a CPU the
         forwards gradient checkpointing runs again (a GPU runs them asynchronously: there they stay in compute)."""
         self.step_callback_sec, self.callback_sec, self.tail_phase_sec, self.tail_callback_sec = {}, {}, {}, {}
@@ -585,7 +586,7 @@ class ThroughputMeter(PerfCallback):
     def _callback_phase(self, callback: object) -> str:
         """The phase of a callback's events: the package's own, the trainer's logging and flow (transformers', TRL's
         and the reporters' callbacks) or the user's."""
-        from .bus import RunBus
+        from .common.bus import RunBus
 
         if isinstance(callback, (PerfCallback, RunBus)):
             return "own_callbacks"
@@ -627,7 +628,7 @@ class ThroughputMeter(PerfCallback):
             self.part_seconds[id(module)] = self.clock.wall() - started
 
     def generate_started(self) -> None:
-        """A GRPO rollout begins (see :func:`~hf_perf_callbacks.adapter.watch_generate`): HF's engine call."""
+        """A GRPO rollout begins (see :func:`~hf_perf_callbacks.platform.adapter.watch_generate`): HF's engine call."""
         self._generation_opened()
         self._engine_opened()
 
@@ -638,7 +639,8 @@ class ThroughputMeter(PerfCallback):
             self._hook_safely(self._count_generated, input_ids, output)
 
     def entry_started(self, kind: str) -> None:
-        """TRL's generation entry ``kind`` begins (see :func:`~hf_perf_callbacks.adapter.watch_generation_entry`);
+        """TRL's generation entry ``kind`` begins (see
+        :func:`~hf_perf_callbacks.platform.adapter.watch_generation_entry`);
         called from the trainer's own code, so a fault disables the meter instead of failing the step."""
         self._hook_safely(self._entry_started, kind)
 

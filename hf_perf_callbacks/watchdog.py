@@ -8,13 +8,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import adapter, keys
-from .base import Clock, PerfCallback, arguments, hook
-from .batching import is_grpo
-from .bus import MemoryReading
-from .device import GB, DeviceLayer, MemorySample, gather_floats, world_size
-from .exchange import Rows
-from .memory import (
+from . import keys
+from .common.base import Clock, PerfCallback, arguments, hook
+from .common.bus import MemoryReading
+from .common.exchange import Rows
+from .core.batching import is_grpo
+from .core.memory import (
     BUDGET_FRACTION,
     CLEAR,
     CRITICAL,
@@ -37,14 +36,16 @@ from .memory import (
     holders_words,
     mib,
 )
-from .runlog import ActionDetails, StopFigures, WallMove, WarningFigures, WatchdogAction, WatchdogSummary
-from .validation import check_flag, check_number
+from .core.runlog import ActionDetails, StopFigures, WallMove, WarningFigures, WatchdogAction, WatchdogSummary
+from .core.validation import check_flag, check_number
+from .platform import adapter
+from .platform.device import GB, DeviceLayer, MemorySample, gather_floats, world_size
 
 if TYPE_CHECKING:
     from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
-    from .macos import MacMemorySample
-    from .stats import WallForecast
+    from .core.stats import WallForecast
+    from .platform.macos import MacMemorySample
 
 #: a decision as the number the ranks exchange (the most conservative, the largest, wins)
 RANK_OF: dict[str | None, float] = {None: 0.0, SMALLER_BATCH: 1.0, STOP: 2.0}
@@ -99,7 +100,7 @@ class MemoryWatchdog(PerfCallback):
     process holds outside PyTorch's caching allocator count against the wall (and PyTorch's per-process memory
     fraction caps it where set); on MPS and CPU what the process holds plus the system's available memory. A lower
     wall is believed at once (below a band of 5% around the budget); a higher one only when the median of the last
-    three readings leaves the band (:class:`~hf_perf_callbacks.memory.MovingWall`); each move is an event (console
+    three readings leaves the band (:class:`~hf_perf_callbacks.core.memory.MovingWall`); each move is an event (console
     and perf log) saying why ("another process (or memory outside PyTorch's allocator) holds 120.0 GiB of this
     card"; with ``pynvml`` installed, which processes), and the levels and the forecast use the new budget.
 
@@ -129,7 +130,7 @@ class MemoryWatchdog(PerfCallback):
         trend_window: steps in the growth fit (≥ 3).
         warn_within_steps / stop_within_steps: act when the wall is this many steps away.
         stop: allow the last rung (save and stop); False only warns.
-        clock: the clock seam (:class:`~hf_perf_callbacks.base.Clock`; tests plant one).
+        clock: the clock seam (:class:`~hf_perf_callbacks.common.base.Clock`; tests plant one).
 
     Logged keys:
 
@@ -262,7 +263,8 @@ class MemoryWatchdog(PerfCallback):
                                system_total_gb=sample.system_total / GB, warn_within_steps=self.warn_within_steps)
 
     def budget_bytes(self, device: DeviceLayer, sample: MemorySample | None = None) -> float:
-        """The budget in bytes on ``device`` now (:func:`~hf_perf_callbacks.memory.budget_bytes` of its limits and of
+        """The budget in bytes on ``device`` now (:func:`~hf_perf_callbacks.core.memory.budget_bytes` of its limits and
+        of
         what this run can reach)."""
         sample = sample or device.memory()
         return budget_bytes(device.type, sample.device_limit, sample.hard_limit, sample.system_total,
@@ -299,7 +301,7 @@ class MemoryWatchdog(PerfCallback):
                   "of memory before it", step=step)
 
     def _follow_wall(self, sample: MemorySample, step: int) -> None:
-        """Move the budget with what the run can reach (see :class:`~hf_perf_callbacks.memory.MovingWall`)."""
+        """Move the budget with what the run can reach (see :class:`~hf_perf_callbacks.core.memory.MovingWall`)."""
         if self.limit_gb:
             self._check_limit(sample, step)
             return
@@ -491,10 +493,11 @@ class MemoryWatchdog(PerfCallback):
     # ------------------------------------------------------------ before a step
     def _before_step(self, batches: list[Any], asked: int, num_items: Any = None) -> str | None:
         """The next optimizer step's rows are fetched and it has not trained yet (the training loop's
-        ``get_batch_samples``, watched through :func:`~hf_perf_callbacks.adapter.watch_batch_samples`): it needs the
-        last step's peak, its part above what stays allocated scaled to these rows when they are longer, against the
-        budget as the device reads now (a lower wall believed at once). When that cannot fit: a smaller micro-batch
-        where something can re-size (before this step trains), else a checkpoint of the last completed step and a
+        ``get_batch_samples``, watched through :func:`~hf_perf_callbacks.platform.adapter.watch_batch_samples`): it
+        needs the last step's peak, its part above what stays allocated scaled to these rows when they are longer,
+        against the budget as the device reads now (a lower wall believed at once). When that cannot fit: a smaller
+        micro-batch where something can re-size (before this step trains), else a checkpoint of the last completed step
+        and a
         stop, this step untrained. Ranks decide together. A fault here is one warning, never the end of training."""
         trainer = adapter.calling_trainer()
         short = False

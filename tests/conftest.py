@@ -17,7 +17,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import torch
 
-from hf_perf_callbacks.base import Clock
+from hf_perf_callbacks.common.base import Clock
 from hf_perf_callbacks.tiny import build_model, build_tokenizer
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -199,7 +199,7 @@ def schema_lines(records) -> str:
     schema does not know (a renamed field) fails here instead of reaching the reader as an unknown extra."""
     import json
 
-    from hf_perf_callbacks.runlog import RunHeader, parse_record
+    from hf_perf_callbacks.core.runlog import RunHeader, parse_record
 
     out = []
     for entry in records:

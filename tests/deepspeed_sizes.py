@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_perf_callbacks.device import world_size
+from hf_perf_callbacks.platform.device import world_size
 from hf_perf_callbacks.resize.sharding import DEEPSPEED_SPLIT_KEYS, deepspeed_plugin
 
 

@@ -82,7 +82,7 @@ class Fault(TrainerCallback):
 
     # ------------------------------------------------------------ hooks on the model
     def attach(self, trainer):
-        from hf_perf_callbacks.bus import bus_for
+        from hf_perf_callbacks.common.bus import bus_for
 
         self.bus = bus_for(trainer.callback_handler)
         self.model = trainer.model
@@ -198,7 +198,7 @@ class SampleRecorder(TrainerCallback):
         self.bus = None
 
     def attach(self, trainer):
-        from hf_perf_callbacks.bus import bus_for
+        from hf_perf_callbacks.common.bus import bus_for
 
         inner = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
         forward_entry(inner).register_forward_pre_hook(self.record, with_kwargs=True)

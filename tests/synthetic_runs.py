@@ -1,11 +1,11 @@
 """Noisy runs made without a trainer, for the report's checks: a run log and a tuner record as the callbacks write
 them, from planted step times.
 
-The figures come from the callbacks' own pure cores — the meter's :class:`~hf_perf_callbacks.timeline.StepTimeline`
+The figures come from the callbacks' own pure cores — the meter's :class:`~hf_perf_callbacks.core.timeline.StepTimeline`
 (warmup, steady figures, contention on CPU time), the tuner's :class:`~hf_perf_callbacks.resize.tuning.OnRunTuning`
 (trials, switches, the pay-back rule) — and every line is written through the run log's writer classes
-(:class:`~hf_perf_callbacks.runlog.RunHeader`, ``StepLine``, ``EventLine``, ``SummaryLine`` through ``LogWriter``)
-and the split file's (:class:`~hf_perf_callbacks.splitfile.SplitFile`). What is planted: each split's seconds per
+(:class:`~hf_perf_callbacks.core.runlog.RunHeader`, ``StepLine``, ``EventLine``, ``SummaryLine`` through ``LogWriter``)
+and the split file's (:class:`~hf_perf_callbacks.core.splitfile.SplitFile`). What is planted: each split's seconds per
 step outside generation, generation seconds, relative noise, a warmup (slow first steps with CPU time behind them),
 contention (slow steps whose CPU time stayed flat), slower steps (their CPU time with them), the watchdog's wall
 moves, evaluations, what a switch costs, the rewards and completions the trainer logs. A plan's step count can be
@@ -18,11 +18,11 @@ import random
 from dataclasses import dataclass, field
 
 from hf_perf_callbacks import keys
-from hf_perf_callbacks.batching import Split, exact_splits
+from hf_perf_callbacks.core.batching import Split, exact_splits
+from hf_perf_callbacks.core.runlog import EventLine, LogWriter, RunHeader, StepLine, SummaryLine
+from hf_perf_callbacks.core.splitfile import Decision, SplitFile
+from hf_perf_callbacks.core.timeline import StepTimeline
 from hf_perf_callbacks.resize.tuning import Finished, OnRunTuning, Switch
-from hf_perf_callbacks.runlog import EventLine, LogWriter, RunHeader, StepLine, SummaryLine
-from hf_perf_callbacks.splitfile import Decision, SplitFile
-from hf_perf_callbacks.timeline import StepTimeline
 
 MODEL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
          "num_key_value_heads": 4, "head_dim": 16, "vocab_size": 400, "max_position_embeddings": 1024,

@@ -1,4 +1,4 @@
-"""Every private or undocumented library attribute that ``hf_perf_callbacks.adapter`` touches, named: a library
+"""Every private or undocumented library attribute that ``hf_perf_callbacks.platform.adapter`` touches, named: a library
 version that renames one fails here with a message saying which, instead of somewhere deep in a run."""
 import inspect
 import json
@@ -13,7 +13,8 @@ import trl
 from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
 from transformers.trainer_callback import CallbackHandler, ProgressCallback
 
-from hf_perf_callbacks import adapter, default_callbacks, train_with_tuning
+from hf_perf_callbacks import default_callbacks, train_with_tuning
+from hf_perf_callbacks.platform import adapter
 from hf_perf_callbacks.tiny import build_model
 from tests.conftest import make_trainer
 
@@ -21,7 +22,7 @@ from tests.conftest import make_trainer
 def assert_present(condition: bool, what: str) -> None:
     if not condition:
         pytest.fail(f"{what} is gone (transformers {transformers.__version__}, trl {trl.__version__}, torch "
-                    f"{torch.__version__}): update hf_perf_callbacks/adapter.py")
+                    f"{torch.__version__}): update hf_perf_callbacks/platform/adapter.py")
 
 
 def test_trainer_internals_exist(tokenizer, tmp_path):
@@ -426,7 +427,7 @@ def test_the_fsdp2_optimizer_resume_fix_names_what_it_relies_on():
     from accelerate.utils import constants, fsdp_utils
     from transformers import Trainer
 
-    from hf_perf_callbacks import adapter
+    from hf_perf_callbacks.platform import adapter
 
     assert "load_fsdp_optimizer(" in inspect.getsource(Trainer._load_optimizer_and_scheduler)
     assert callable(fsdp_utils._prepare_sd_options) and constants.OPTIMIZER_NAME == "optimizer"

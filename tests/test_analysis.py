@@ -9,8 +9,10 @@ import re
 import pytest
 
 from hf_perf_callbacks import estimate, keys
-from hf_perf_callbacks.batching import Split
-from hf_perf_callbacks.dataloader import FACT_TYPES, DataLoaderFacts, dataloader_facts
+from hf_perf_callbacks.core.batching import Split
+from hf_perf_callbacks.core.dataloader import FACT_TYPES, DataLoaderFacts, dataloader_facts
+from hf_perf_callbacks.core.runlog import HF_PERF_TRAIN, ReportError, read_run
+from hf_perf_callbacks.core.splitfile import Decision, SplitFile, Trial, trial_figures
 from hf_perf_callbacks.report import (
     RULES,
     Finding,
@@ -39,8 +41,6 @@ from hf_perf_callbacks.report.model import (
 from hf_perf_callbacks.report.render import nothing_found_facts
 from hf_perf_callbacks.report.rules import basis
 from hf_perf_callbacks.report.words import FRESH_COSTS, REWARD_WORDS
-from hf_perf_callbacks.runlog import HF_PERF_TRAIN, ReportError, read_run
-from hf_perf_callbacks.splitfile import Decision, SplitFile, Trial, trial_figures
 from tests.conftest import schema_lines
 
 QWEN_3B = {"num_hidden_layers": 36, "hidden_size": 2048, "intermediate_size": 11008, "num_attention_heads": 16,
@@ -456,7 +456,7 @@ def test_a_tuning_that_measured_nothing_is_not_judged_never_fine():
 
 def test_the_tuner_on_a_plain_train_is_named_in_the_report():
     # seen: AdaptiveBatchTuner() passed to a plain trainer.train() did nothing and said nothing
-    from hf_perf_callbacks.wording import TUNER_NEEDS_TRAIN_WITH_TUNING
+    from hf_perf_callbacks.core.wording import TUNER_NEEDS_TRAIN_WITH_TUNING
 
     m = healthy(tuner_attached=True, tuner_hint=TUNER_NEEDS_TRAIN_WITH_TUNING)
     n = note(m, "tuner_hint")
@@ -636,7 +636,7 @@ def test_rules_list_is_complete_and_pure():
 def _write_run(tmp_path, steps, state=True):
     """An MPS run's log (no machine here has MPS), its records built by the run log's own writer classes: a renamed
     or unknown header fact raises here, a renamed step key leaves the reader's figures empty."""
-    from hf_perf_callbacks.runlog import EventLine, RunHeader, StepLine
+    from hf_perf_callbacks.core.runlog import EventLine, RunHeader, StepLine
 
     header = RunHeader(session="synthetic")
     header.describe("perf", device="Apple M3 Max", device_type="mps", world_size=1, grpo=True,
@@ -808,8 +808,8 @@ def test_a_field_of_another_type_is_skipped_with_a_note_never_a_crash(demo_run, 
     """A newer or older writer: every field of every record of a real run's log, and of its trainer logs, in turn
     given another type (a string where a number belongs, a list where a mapping does, a mapping where a string
     does). The summary and the analysis never raise; the analysis names each skipped field it reads."""
+    from hf_perf_callbacks.core.runlog import HEADER_KINDS, SUMMARY_KINDS, conform, parse_lines
     from hf_perf_callbacks.report import measurements, summarize
-    from hf_perf_callbacks.runlog import HEADER_KINDS, SUMMARY_KINDS, conform, parse_lines
 
     entries = [json.loads(line) for line in open(os.path.join(demo_run, "perf_log.jsonl"))]
     def expected(entry, key):
@@ -846,7 +846,7 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 def copy_run(name, tmp_path, **header_facts):
     """A recorded real run's log (``tests/data/<name>``: a Trainer, hidden 256, 16 × 1, 12 steps, on this project's
     2-core CPU while other work kept ~1.7 cores busy), optionally with facts a newer writer adds to its header."""
-    from hf_perf_callbacks.runlog import RunHeader, parse_record
+    from hf_perf_callbacks.core.runlog import RunHeader, parse_record
 
     out = tmp_path / name
     out.mkdir(parents=True)
@@ -980,7 +980,7 @@ def test_the_tuners_record_is_read_through_its_schema(tmp_path):
     _write_run(tmp_path, _steps(4), state=False)
     trials = [Trial(Split(2, 1), samples=[1.0, 1.1, 1.05], steps=[1, 2, 3]),
               Trial(Split(1, 2), samples=[1.3, 1.2, 1.25], steps=[4, 5, 6], p_value=0.05, gain=-0.19)]
-    from hf_perf_callbacks.runlog import read_run
+    from hf_perf_callbacks.core.runlog import read_run
 
     session = read_run(str(tmp_path)).header().session               # this run's record, not another's
     split_file = SplitFile(session=session, world_size=1, configured=Split(2, 1), split=Split(1, 2), decisions=[

@@ -3,10 +3,10 @@ GRPO run that cannot learn (every reward 0) with the MPS-only ``pad_to_multiple_
 import torch
 
 from hf_perf_callbacks import ThroughputMeter, default_callbacks, keys
-from hf_perf_callbacks.batching import Split
+from hf_perf_callbacks.core.batching import Split
+from hf_perf_callbacks.core.runlog import read_run
+from hf_perf_callbacks.core.splitfile import RANKED_UNITS, trial_figures
 from hf_perf_callbacks.report import check, measurements_from_run, write_analysis
-from hf_perf_callbacks.runlog import read_run
-from hf_perf_callbacks.splitfile import RANKED_UNITS, trial_figures
 from hf_perf_callbacks.tiny import build_model
 from tests.conftest import PlantedClock, make_grpo, make_trainer
 
@@ -190,8 +190,8 @@ def test_the_tuner_on_a_plain_train_says_once_that_it_needs_train_with_tuning(to
     import logging
 
     from hf_perf_callbacks import AdaptiveBatchTuner
+    from hf_perf_callbacks.core.wording import TUNER_NEEDS_TRAIN_WITH_TUNING
     from hf_perf_callbacks.report import report_command
-    from hf_perf_callbacks.wording import TUNER_NEEDS_TRAIN_WITH_TUNING
 
     tuner = AdaptiveBatchTuner()
     trainer = make_trainer(tokenizer, tmp_path, [ThroughputMeter(), tuner], max_steps=2, bs=2, ga=1)

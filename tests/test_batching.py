@@ -1,7 +1,7 @@
 """Exact split math, including GRPO (num_generations 2/4/8, world 1/2, grad_accum ≠ steps_per_generation)."""
 import pytest
 
-from hf_perf_callbacks.batching import Split, exact_splits, is_grpo, next_smaller
+from hf_perf_callbacks.core.batching import Split, exact_splits, is_grpo, next_smaller
 
 
 def test_plain_trainer_splits():

@@ -9,10 +9,10 @@ import pytest
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import ThroughputMeter, default_callbacks, keys
-from hf_perf_callbacks.base import PerfCallback
-from hf_perf_callbacks.bus import RunBus
-from hf_perf_callbacks.merger import is_training_log
-from hf_perf_callbacks.runlog import CALLBACK_PREFIXES, TRAINER_LOG
+from hf_perf_callbacks.common.base import PerfCallback
+from hf_perf_callbacks.common.bus import RunBus
+from hf_perf_callbacks.common.merger import is_training_log
+from hf_perf_callbacks.core.runlog import CALLBACK_PREFIXES, TRAINER_LOG
 from tests.conftest import make_grpo, make_trainer
 
 
@@ -207,7 +207,7 @@ def test_grpo_step_lines_keep_reward_and_completion_statistics(tokenizer, tmp_pa
 
 def test_a_trainer_event_without_the_visible_shell_is_refused_at_its_definition():
     """Every on_* event of a PerfCallback wears @hook, written at the method; a bare one is an error at once."""
-    from hf_perf_callbacks.base import HOOK_MARK
+    from hf_perf_callbacks.common.base import HOOK_MARK
 
     with pytest.raises(TypeError, match="Bare.on_step_end"):
         class Bare(PerfCallback):
@@ -239,7 +239,8 @@ def test_a_disabled_callback_joins_a_replayed_step_number_again_in_a_new_train_c
     process group on this machine's CPU tests)."""
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
-    from hf_perf_callbacks import MemoryWatchdog, base
+    from hf_perf_callbacks import MemoryWatchdog
+    from hf_perf_callbacks.common import base
 
     joined = []
     monkeypatch.setattr(base, "world_size", lambda: 2)

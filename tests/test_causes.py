@@ -14,11 +14,11 @@ import pytest
 from transformers import Trainer, TrainerCallback
 
 from hf_perf_callbacks import ThroughputMeter, keys
+from hf_perf_callbacks.core.runlog import read_run
 from hf_perf_callbacks.report.reading import measurements_from_run
 from hf_perf_callbacks.report.render import console_summary, render_markdown
 from hf_perf_callbacks.report.rules import check
 from hf_perf_callbacks.report.words import stake_words
-from hf_perf_callbacks.runlog import read_run
 from tests.conftest import PlantedClock, TextDataset, make_grpo, make_trainer, varied_reward
 from tests.synthetic_runs import Plan
 
@@ -262,7 +262,7 @@ def test_warmup_steps_inside_the_steady_band_are_a_speed_that_settled():
     """seen: "warmup took 3 steps; 5.0 s above steady time" for steps inside the steady band. Decided on CPU time
     (the first two steps did twice the work) while their wall time stayed within 10% of the steady step: the speed
     settled, at no cost worth naming, and the overhead is the few hundredths their CPU time explains."""
-    from hf_perf_callbacks.wording import warmup_case, warmup_words
+    from hf_perf_callbacks.core.wording import warmup_case, warmup_words
     from tests.test_timeline import run_cpu_steps
 
     tl = run_cpu_steps([1.05, 1.05, 1.0, 1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0])
@@ -279,8 +279,8 @@ def test_warmup_steps_inside_the_steady_band_are_a_speed_that_settled():
 def test_a_tuning_that_kept_the_split_expects_no_saving_and_says_so(tmp_path):
     """seen: the console's "could plausibly save 0.169 s/step" beside the report's "expected saving 0.0 s": a tuning
     that kept the configured split saves nothing, and the report says that, not a zero saving."""
+    from hf_perf_callbacks.core.splitfile import read_split_file
     from hf_perf_callbacks.report.command import report_command
-    from hf_perf_callbacks.splitfile import read_split_file
     from tests.synthetic_runs import write_run
 
     out = write_run(str(tmp_path / "run"), KEPT)

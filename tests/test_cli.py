@@ -84,8 +84,8 @@ def test_report_of_a_directory_without_perf_log_fails_clearly(tmp_path, capsys):
 def test_report_prints_the_summary_writes_plots_and_the_analysis(demo_run, capsys):
     assert cli.main(["report", demo_run]) == 0
     out = capsys.readouterr().out
+    from hf_perf_callbacks.core.runlog import read_run
     from hf_perf_callbacks.report.summary import summarize
-    from hf_perf_callbacks.runlog import read_run
 
     summary = summarize(read_run(demo_run))
     assert summary in out and "steps: 6" in summary and demo_run in summary.splitlines()[0]
@@ -158,7 +158,7 @@ def test_help_imports_neither_torch_nor_transformers():
 
 
 def test_report_reads_the_log_once(demo_run, monkeypatch, capsys):
-    from hf_perf_callbacks import runlog
+    from hf_perf_callbacks.core import runlog
 
     calls = []
     parse = runlog.parse_lines

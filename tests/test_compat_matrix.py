@@ -13,7 +13,7 @@ import re
 import pytest
 
 from hf_perf_callbacks import default_callbacks
-from hf_perf_callbacks.runlog import CALLBACK_PREFIXES, TRAINER_LOG
+from hf_perf_callbacks.core.runlog import CALLBACK_PREFIXES, TRAINER_LOG
 from tests import compat, compat_table
 from tests.compat import CELLS, STEPS
 

@@ -37,12 +37,12 @@ import torch
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
+from hf_perf_callbacks.core.rowstream import RowWatch
+from hf_perf_callbacks.core.runlog import LOCK_FILE
+from hf_perf_callbacks.core.splitfile import read_split_file
 from hf_perf_callbacks.resize import exactness
 from hf_perf_callbacks.resize.executor import Executor
 from hf_perf_callbacks.resize.loop import InexactResize
-from hf_perf_callbacks.rowstream import RowWatch
-from hf_perf_callbacks.runlog import LOCK_FILE
-from hf_perf_callbacks.splitfile import read_split_file
 from tests import compat
 from tests.compat import CELLS, Cell
 from tests.conftest import varied_reward
@@ -152,7 +152,7 @@ def test_a_resize_and_a_resume_train_exactly_what_an_unfaulted_run_trains(cell, 
 
 def forced_exact(trainer, kind, step, old, new, ours, theirs, **kwargs):
     """A check that says every change is exact (to see what a re-size the rules or the check refused trains)."""
-    from hf_perf_callbacks.splitfile import ExactnessCheck
+    from hf_perf_callbacks.core.splitfile import ExactnessCheck
 
     return ExactnessCheck(step=step, kind=kind, old=old, new=new, verdict="exact", why="forced")
 

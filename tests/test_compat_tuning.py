@@ -26,9 +26,9 @@ import pytest
 from transformers import EarlyStoppingCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
-from hf_perf_callbacks.batching import Split
+from hf_perf_callbacks.core.batching import Split
+from hf_perf_callbacks.core.splitfile import read_split_file
 from hf_perf_callbacks.resize import current_split
-from hf_perf_callbacks.splitfile import read_split_file
 from tests import compat
 from tests.compat import TUNING_CELLS, Cell, Setting
 from tests.conftest import PlantedClock, varied_reward

@@ -16,8 +16,8 @@ import pytest
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import keys
-from hf_perf_callbacks.console import console_line, console_logs
-from hf_perf_callbacks.wording import wrapped
+from hf_perf_callbacks.common.console import console_line, console_logs
+from hf_perf_callbacks.core.wording import wrapped
 
 from .conftest import make_grpo, make_trainer
 
@@ -154,7 +154,7 @@ def test_a_meter_only_user_of_plain_train_gets_no_tuner_notice_on_the_console(to
     """``default_callbacks()`` under a plain ``trainer.train()``: the tuner's notes (it needs train_with_tuning; some
     splits are not exact under left padding) go to the perf log, not to the console as warnings."""
     from hf_perf_callbacks import default_callbacks
-    from hf_perf_callbacks.runlog import read_run
+    from hf_perf_callbacks.core.runlog import read_run
 
     trainer = make_trainer(tokenizer, tmp_path, default_callbacks(), max_steps=2, bs=2, ga=1, padding_side="left")
     with console(logging.WARNING) as seen:
@@ -170,7 +170,7 @@ def test_each_tuning_decision_is_printed_once(tokenizer, tmp_path, one_thread):
     """Under ``train_with_tuning`` with the launcher's log level (INFO): the tuning decision is one console line,
     not repeated by the summary."""
     from hf_perf_callbacks import default_callbacks, train_with_tuning
-    from hf_perf_callbacks.runlog import read_run
+    from hf_perf_callbacks.core.runlog import read_run
 
     trainer = make_trainer(tokenizer, tmp_path, default_callbacks(), max_steps=20, bs=4, ga=2)
     with console() as seen:
@@ -186,8 +186,8 @@ def test_each_tuning_decision_is_printed_once(tokenizer, tmp_path, one_thread):
 
 def test_the_memory_wall_moving_is_said_once_at_info(tmp_path):
     """A move of the memory wall needs no action: INFO, said once on the console (every move in the perf log)."""
-    from hf_perf_callbacks.bus import RunBus
-    from hf_perf_callbacks.runlog import read_run
+    from hf_perf_callbacks.common.bus import RunBus
+    from hf_perf_callbacks.core.runlog import read_run
 
     bus = RunBus()
     bus.log.output_dir = str(tmp_path)
@@ -217,7 +217,7 @@ def test_the_memory_wall_moving_is_said_once_at_info(tmp_path):
 @pytest.mark.parametrize("value", ["calibrated", "Calibrate", "auto", -1.0, float("nan")])
 def test_a_bad_peak_flops_names_the_valid_choices(value):
     from hf_perf_callbacks import ThroughputMeter
-    from hf_perf_callbacks.validation import closest, did_you_mean
+    from hf_perf_callbacks.core.validation import closest, did_you_mean
 
     with pytest.raises(ValueError, match="'calibrate'") as refused:
         ThroughputMeter(peak_flops=value)
@@ -257,8 +257,8 @@ def test_a_short_run_gets_a_provisional_rate_marked_as_such(tokenizer, tmp_path,
     """A run too short for steady figures (warmup not decided) reports the rate of the steps it has, flagged
     ``provisional``, in the meter's summary, the perf log and the report's figures, instead of no rate."""
     from hf_perf_callbacks import ThroughputMeter
+    from hf_perf_callbacks.core.runlog import read_run
     from hf_perf_callbacks.report.figures import figures
-    from hf_perf_callbacks.runlog import read_run
 
     meter = ThroughputMeter(warmup_window=6)                    # 5 steps cannot decide a warmup of this window
     trainer = make_trainer(tokenizer, tmp_path, [meter], max_steps=steps, bs=2, ga=1)
@@ -285,8 +285,8 @@ def test_a_resize_in_process_is_not_called_a_resume_and_a_resume_is(tokenizer, t
     """train_with_tuning re-sizes in process after an out-of-memory error: the later ``train()`` call's header is
     marked ``resize`` and the report says no "resumed"; a user's own resume of the run still is one."""
     from hf_perf_callbacks import AdaptiveBatchTuner, ThroughputMeter, train_with_tuning
+    from hf_perf_callbacks.core.runlog import read_run
     from hf_perf_callbacks.report.summary import summarize
-    from hf_perf_callbacks.runlog import read_run
 
     from .faults import Fault
 
@@ -312,9 +312,9 @@ def test_a_resize_in_process_is_not_called_a_resume_and_a_resume_is(tokenizer, t
 
 
 def test_the_tuner_plot_is_not_said_to_lack_a_tuner_when_the_events_hold_its_decisions(tmp_path):
+    from hf_perf_callbacks.core.runlog import read_run
     from hf_perf_callbacks.report.figures import figures
     from hf_perf_callbacks.report.plots import PlotData, plot_tuner, tuner_missing
-    from hf_perf_callbacks.runlog import read_run
 
     from .conftest import schema_lines
 
@@ -335,7 +335,8 @@ def test_the_console_printers_are_looked_up_without_importing_again_at_every_log
     import importlib.abc
     import sys
 
-    from hf_perf_callbacks import adapter, default_callbacks
+    from hf_perf_callbacks import default_callbacks
+    from hf_perf_callbacks.platform import adapter
 
     attempts = []
 
@@ -377,8 +378,8 @@ def test_a_line_beside_the_progress_bar_is_out_before_the_bar_is_drawn_again(mon
     (stdout and the bar's stderr apart: a text still in stdout's buffer would come out glued to a later bar)."""
     import sys
 
-    from hf_perf_callbacks import adapter
-    from hf_perf_callbacks.console import Console
+    from hf_perf_callbacks.common.console import Console
+    from hf_perf_callbacks.platform import adapter
 
     events = []
 
@@ -410,7 +411,7 @@ def test_the_mfu_hint_is_worded_as_the_callbacks_were_written(built, tokenizer, 
     """No peak FLOP/s for this CPU: the hint names the argument in the form the user wrote the callbacks in
     (``default_callbacks(...)`` or the class; the recipe launcher's ``callback_kwargs:``: tests/test_recipes.py)."""
     from hf_perf_callbacks import ThroughputMeter, default_callbacks
-    from hf_perf_callbacks.wording import argument_hint
+    from hf_perf_callbacks.core.wording import argument_hint
 
     callbacks = default_callbacks()[:1] if built == "default_callbacks" else [ThroughputMeter()]
     with caplog.at_level(logging.WARNING, PACKAGE_LOGGER):
@@ -419,7 +420,7 @@ def test_the_mfu_hint_is_worded_as_the_callbacks_were_written(built, tokenizer, 
     expected = ('default_callbacks(ThroughputMeter={"peak_flops": "calibrate"})' if built == "default_callbacks"
                 else 'ThroughputMeter(peak_flops="calibrate")')
     assert expected in line
-    from hf_perf_callbacks.runlog import HF_PERF_TRAIN
+    from hf_perf_callbacks.core.runlog import HF_PERF_TRAIN
 
     assert argument_hint("ThroughputMeter", "peak_flops", "calibrate", HF_PERF_TRAIN) == \
         "callback_kwargs: {ThroughputMeter: {peak_flops: calibrate}}"

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hf_perf_callbacks import AdaptiveBatchTuner
-from hf_perf_callbacks.flops import full_numel, shape_of
+from hf_perf_callbacks.core.flops import full_numel, shape_of
 from hf_perf_callbacks.resize import sharding
 from hf_perf_callbacks.resize.checkpoints import fingerprint, has_training_state, is_complete
 from tests.conftest import make_trainer

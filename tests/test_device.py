@@ -11,8 +11,8 @@ import types
 import pytest
 import torch
 
-from hf_perf_callbacks import device as dev
-from hf_perf_callbacks.device import DeviceLayer, gather_floats, is_oom_error, mps_hard_limit
+from hf_perf_callbacks.platform import device as dev
+from hf_perf_callbacks.platform.device import DeviceLayer, gather_floats, is_oom_error, mps_hard_limit
 
 
 @pytest.mark.parametrize("error", [

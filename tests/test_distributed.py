@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hf_perf_callbacks.runlog import LOCK_FILE
+from hf_perf_callbacks.core.runlog import LOCK_FILE
 
 #: every test here starts two ranks with torch.distributed.run (deselected by default; `pytest -m launch`)
 pytestmark = pytest.mark.launch
@@ -154,8 +154,8 @@ def test_an_oom_no_smaller_split_fixes_exactly_saves_on_every_rank_and_names_the
     """Left padding leaves only the configured split exact: the ranks agree on rank 1's OOM at step 3, save
     checkpoint-2 together (an agreed stop, like an OOM no micro-batch fixes), and both raise ``InexactResize``
     naming it; the split file's ``ended`` says the same."""
+    from hf_perf_callbacks.core.splitfile import read_split_file
     from hf_perf_callbacks.resize.checkpoints import is_complete
-    from hf_perf_callbacks.splitfile import read_split_file
 
     proc = torchrun(os.path.join(os.path.dirname(SCRIPT), "two_rank_inexact.py"), tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments
 
 from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
-from hf_perf_callbacks.batching import Split
+from hf_perf_callbacks.core.batching import Split
+from hf_perf_callbacks.core.sketch import LOSS, RTOL, WIDTH, compare, rtol_for, sketch
+from hf_perf_callbacks.core.splitfile import ExactnessCheck, SplitFile, read_split_file
 from hf_perf_callbacks.resize.checkpoints import is_complete
 from hf_perf_callbacks.resize.plan import InexactResize, Refused
-from hf_perf_callbacks.sketch import LOSS, RTOL, WIDTH, compare, rtol_for, sketch
-from hf_perf_callbacks.splitfile import ExactnessCheck, SplitFile, read_split_file
 from hf_perf_callbacks.tiny import build_model
 from tests.conftest import PlantedClock, TextDataset, padded
 from tests.faults import Fault, Trajectory, differences
@@ -499,7 +499,7 @@ def test_an_interrupted_stop_save_of_the_watchdog_leaves_no_folder_a_resume_pick
 def test_a_resize_records_by_how_much_the_padding_counters_differ_from_here(tokenizer, tmp_path):
     """num_input_tokens_seen counting padding ("all") and total_flos count each micro-batch's padded rows: after a
     re-size they count the new split's padding. The check records the difference at its step (and a note says it)."""
-    from hf_perf_callbacks.runlog import read_run
+    from hf_perf_callbacks.core.runlog import read_run
 
     _, plain, _ = run(tokenizer, tmp_path / "plain", tuned=False, extra={"include_num_input_tokens_seen": "all"})
     trainer, _, _ = run(tokenizer, tmp_path / "run", fault=Fault("forward", at=3, micro_batch=2),

@@ -24,11 +24,11 @@ from hf_perf_callbacks import (
     keys,
     train_with_tuning,
 )
-from hf_perf_callbacks.batching import Split
-from hf_perf_callbacks.outputdir import MOVED_ASIDE
+from hf_perf_callbacks.common.outputdir import MOVED_ASIDE
+from hf_perf_callbacks.core.batching import Split
+from hf_perf_callbacks.core.runlog import SPLIT_FILE
+from hf_perf_callbacks.core.splitfile import SplitFile, read_split_file, split_for_run
 from hf_perf_callbacks.resize.checkpoints import is_complete, step_of
-from hf_perf_callbacks.runlog import SPLIT_FILE
-from hf_perf_callbacks.splitfile import SplitFile, read_split_file, split_for_run
 from hf_perf_callbacks.tiny import build_model
 from tests.conftest import make_grpo, make_trainer
 from tests.faults import SAVE_FILES, Fault, Trajectory, checkpoint_weights, differences, same
@@ -178,7 +178,7 @@ def test_an_oom_in_evaluation_never_changes_the_training_split(tokenizer, tmp_pa
 
 def test_faults_inside_the_package_never_end_training(tokenizer, tmp_path, monkeypatch, caplog):
     """The memory check's exchange, the memory readings and the cache clears fail (planted); training goes on."""
-    from hf_perf_callbacks.device import DeviceLayer
+    from hf_perf_callbacks.platform.device import DeviceLayer
     from hf_perf_callbacks.resize import memcheck
 
     def broken(*args, **kwargs):

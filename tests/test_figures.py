@@ -7,10 +7,10 @@ import os
 import pytest
 
 from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter, keys
+from hf_perf_callbacks.core.runlog import PERF_LOG, read_run
+from hf_perf_callbacks.core.wording import throughput_line, warmup_line
 from hf_perf_callbacks.report import summarize
 from hf_perf_callbacks.report.figures import figures, steady_steps
-from hf_perf_callbacks.runlog import PERF_LOG, read_run
-from hf_perf_callbacks.wording import throughput_line, warmup_line
 from tests.conftest import make_grpo, make_trainer
 
 # warmup always ends within 8 steps, however loaded the machine: decided at the latest at step 6, capped at 2

@@ -1,7 +1,7 @@
 """FLOPs-per-token formulas against hand-computed values, and the shape read off a real (PEFT) model."""
 import pytest
 
-from hf_perf_callbacks.flops import (
+from hf_perf_callbacks.core.flops import (
     MatmulCount,
     attention_flops_per_token,
     forward_flops_per_token,

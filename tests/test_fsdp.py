@@ -15,8 +15,6 @@ import pytest
 import torch
 
 from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
-from hf_perf_callbacks import device as dev
-from hf_perf_callbacks.device import DeviceLayer, exchange_device, training_device
 from hf_perf_callbacks.estimate import (
     FULL_BYTES_PER_PARAM,
     QWEN25,
@@ -25,6 +23,8 @@ from hf_perf_callbacks.estimate import (
     layer_param_count,
     lora_param_count,
 )
+from hf_perf_callbacks.platform import device as dev
+from hf_perf_callbacks.platform.device import DeviceLayer, exchange_device, training_device
 from hf_perf_callbacks.resize import sharding
 from tests.conftest import make_trainer
 
@@ -160,9 +160,9 @@ def test_a_launchers_restart_resumes_from_the_runs_newest_checkpoint_with_the_re
     lists, at the split the rank that ran out of memory recorded for the restart — the main process in the split file,
     rank 1 in its own file, which the restart merges — checked at its first step; a first start (count 0) starts from
     the beginning."""
+    from hf_perf_callbacks.core.splitfile import read_split_file
     from hf_perf_callbacks.resize.executor import Executor
     from hf_perf_callbacks.resize.record import rank_files
-    from hf_perf_callbacks.splitfile import read_split_file
 
     def trainer(folder, steps, save=True):
         extra = {"save_strategy": "steps", "save_steps": 2} if save else {}

@@ -54,8 +54,8 @@ def test_the_rendered_report_matches_its_golden_file(name, tmp_path, capsys):
 def _rule_scenarios() -> dict[str, object]:
     """name → the Measurements of a unit test of ``tests/test_analysis.py`` whose findings' and notes' words this
     golden file holds (the tests themselves assert the findings' data: reasons, figures, settings)."""
+    from hf_perf_callbacks.core.runlog import HF_PERF_TRAIN
     from hf_perf_callbacks.report.model import Contention, Evaluation, Machine, RecipeTarget, Recompile, Rewards
-    from hf_perf_callbacks.runlog import HF_PERF_TRAIN
     from tests.test_analysis import evaluation, healthy
 
     flat = Rewards(logs=8, min=0.0, max=0.0, std_max=0.0, zero_std_min=1.0,

@@ -143,9 +143,26 @@ def test_the_architecture_pages_floors_are_the_code_and_no_import_goes_up_a_floo
     assert up == [], f"imports up a floor: {up}"
 
 
+def test_the_folders_are_the_floors_and_the_root_holds_what_its_rows_name():
+    """Every folder of the package is named on one row of docs/architecture.md's table with every module in it, and
+    every module at the root is named on its row: a module moved between folders, or added to the root, fails."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    floors = layout_floors(text)
+    folders = sorted(d.name + "/" for d in PACKAGE.iterdir() if (d / "__init__.py").exists())
+    assert sorted(n for n in floors if n.endswith("/") and n.count("/") == 1) == folders
+    for folder in ("core/", "platform/", "common/"):                      # listed whole, module by module
+        inside = {f"{folder}{p.name}" for p in (PACKAGE / folder).glob("*.py") if p.name != "__init__.py"}
+        assert inside == {n for n in floors if n.startswith(folder) and n != folder}, folder
+        assert len({floors[n] for n in inside} | {floors[folder]}) == 1, folder
+    root = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert [n for n in root if n not in floors] == []
+    assert not [n for n in floors if "/" not in n and not (PACKAGE / n).exists()]
+
+
 def test_the_floor_check_finds_an_import_up_and_an_unnamed_module():
     floors = layout_floors("| floor | where | job |\n|---|---|---|\n| low | `keys.py` | x |\n"
                            "| high | `resize/` (`loop.py`) | y |\n\n")
     assert floors == {"keys.py": 0, "resize/": 1, "resize/loop.py": 1}
     assert floor_of("hf_perf_callbacks.resize.loop", floors) == 1 > floor_of("hf_perf_callbacks.keys", floors) == 0
-    assert floor_of("hf_perf_callbacks.resize", floors) == 1 and floor_of("hf_perf_callbacks.bus", floors) is None
+    assert floor_of("hf_perf_callbacks.resize", floors) == 1
+    assert floor_of("hf_perf_callbacks.common.bus", floors) is None

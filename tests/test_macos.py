@@ -1,4 +1,4 @@
-"""Tests for hf_perf_callbacks.macos.
+"""Tests for hf_perf_callbacks.platform.macos.
 
 No Mac is available here: every test runs against a fake libSystem written in
 Python from the documented Apple APIs (``sysctlbyname(3)``, Mach
@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from hf_perf_callbacks import macos
-from hf_perf_callbacks.macos import MacMemoryReader, MacMemorySample
+from hf_perf_callbacks.platform import macos
+from hf_perf_callbacks.platform.macos import MacMemoryReader, MacMemorySample
 
-LOGGER = "hf_perf_callbacks.macos"
+LOGGER = "hf_perf_callbacks.platform.macos"
 FAKE_HOST_PORT = 0x1503
 ENOENT = 2
 ENOMEM = 12

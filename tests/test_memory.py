@@ -3,7 +3,7 @@ cache-clear back-off — exact values, no trainer."""
 import pytest
 
 from hf_perf_callbacks import keys
-from hf_perf_callbacks.memory import (
+from hf_perf_callbacks.core.memory import (
     CLEAR,
     CRITICAL,
     OK,
@@ -176,7 +176,7 @@ def test_clear_schedule_backs_off_and_comes_back():
 
 # ---------------------------------------------------------------- steps_to_wall with its 95% range
 
-from hf_perf_callbacks.stats import steps_to_limit  # noqa: E402
+from hf_perf_callbacks.core.stats import steps_to_limit  # noqa: E402
 from hf_perf_callbacks.watchdog import wall_fields  # noqa: E402
 
 
@@ -253,7 +253,7 @@ def test_the_range_holds_the_true_steps_to_wall_in_nine_of_ten_seeds_on_the_plan
 
 
 def test_the_budget_is_the_fraction_of_the_smallest_real_limit_or_the_given_limit():
-    from hf_perf_callbacks.memory import budget_bytes
+    from hf_perf_callbacks.core.memory import budget_bytes
 
     gib = 2**30
     assert budget_bytes("cuda", 80 * gib, None, 512 * gib) == 0.85 * 80 * gib       # RAM is no limit of a GPU
@@ -269,7 +269,7 @@ GIB = 1024**3
 
 
 def test_the_budget_follows_what_the_run_can_reach_and_never_exceeds_the_fraction_of_the_limit():
-    from hf_perf_callbacks.memory import budget_bytes
+    from hf_perf_callbacks.core.memory import budget_bytes
 
     # an H200 (139.8 GiB) with another process holding 120 GiB: 85% of the 19.8 GiB this run can reach
     assert budget_bytes("cuda", 139.8 * GIB, None, None, reachable=19.8 * GIB) == pytest.approx(0.85 * 19.8 * GIB)
@@ -287,7 +287,7 @@ def test_a_lower_wall_is_believed_at_once_and_a_higher_one_only_once_it_holds():
     """Safety first: a drop below the band moves the budget at the reading that shows it (another process took the
     card between two steps: the next step meets it); a rise moves it only when the median of the last three
     readings leaves the band; a drift within the band moves nothing."""
-    from hf_perf_callbacks.memory import MovingWall
+    from hf_perf_callbacks.core.memory import MovingWall
 
     wall = MovingWall(band=0.05, window=3)
     assert wall.update(100.0) is None and wall.value == 100.0
@@ -383,7 +383,7 @@ def test_a_pressure_that_does_not_grow_still_asks_for_a_smaller_micro_batch_once
 
 
 def test_the_causes_in_words():
-    from hf_perf_callbacks.memory import Cause, WallFacts, holders_words
+    from hf_perf_callbacks.core.memory import Cause, WallFacts, holders_words
 
     card = WallFacts(budget=16.1 * GIB, total=139.8 * GIB, outside=120.0 * GIB, leak_per_step=512 * 1024**2)
     assert card.causes() == ["another process (or memory outside PyTorch's allocator) holds 120.0 GiB of this card",
@@ -405,7 +405,13 @@ def test_the_watchdog_and_the_policy_share_one_set_of_defaults():
     import inspect
 
     from hf_perf_callbacks import MemoryWatchdog
-    from hf_perf_callbacks.memory import GRACE_STEPS, STOP_WITHIN_STEPS, TREND_WINDOW, WARN_FRACTION, WARN_WITHIN_STEPS
+    from hf_perf_callbacks.core.memory import (
+        GRACE_STEPS,
+        STOP_WITHIN_STEPS,
+        TREND_WINDOW,
+        WARN_FRACTION,
+        WARN_WITHIN_STEPS,
+    )
 
     defaults = {"warn_fraction": WARN_FRACTION, "grace_steps": GRACE_STEPS, "trend_window": TREND_WINDOW,
                 "warn_within_steps": WARN_WITHIN_STEPS, "stop_within_steps": STOP_WITHIN_STEPS}

@@ -26,7 +26,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, keys, train_with_tuning
-from hf_perf_callbacks.device import GB, DeviceLayer, MemorySample
+from hf_perf_callbacks.platform.device import GB, DeviceLayer, MemorySample
 from hf_perf_callbacks.resize.oomsite import UnfixableOOM
 from tests.conftest import make_grpo, make_trainer
 from tests.faults import Fault, Trajectory, differences
@@ -624,9 +624,9 @@ def test_the_report_shows_the_budget_per_step_and_says_when_and_why_the_wall_mov
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
+    from hf_perf_callbacks.core.runlog import read_run
     from hf_perf_callbacks.report import summarize, write_analysis
     from hf_perf_callbacks.report.plots import PlotData, plot_memory
-    from hf_perf_callbacks.runlog import read_run
 
     card = SharedCard(other=lambda step: 60 * GB if step < 4 else 120 * GB)     # a tenant that grows at step 4
     watchdog = MemoryWatchdog()

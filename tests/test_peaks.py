@@ -1,12 +1,12 @@
-"""Tests for hf_perf_callbacks.peaks: runtime-name lookup, spot-checked figures, near misses, dtype keys."""
+"""Tests for hf_perf_callbacks.core.peaks: runtime-name lookup, spot-checked figures, near misses, dtype keys."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hf_perf_callbacks import peaks
-from hf_perf_callbacks.peaks import DTYPE_KEYS, DevicePeak, dtype_key, lookup_peak
+from hf_perf_callbacks.core import peaks
+from hf_perf_callbacks.core.peaks import DTYPE_KEYS, DevicePeak, dtype_key, lookup_peak
 
 # runtime string -> canonical entry name
 CUDA_NAMES = {

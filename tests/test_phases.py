@@ -9,9 +9,9 @@ import pytest
 from transformers import Trainer, TrainerCallback
 
 from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter, keys
+from hf_perf_callbacks.core.runlog import read_run
 from hf_perf_callbacks.report.reading import measurements_from_run
 from hf_perf_callbacks.report.rules import check
-from hf_perf_callbacks.runlog import read_run
 from tests.conftest import PlantedClock, make_trainer
 
 PHASE_RULES = {"saving", "callbacks", "recompute"}

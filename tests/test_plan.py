@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from hf_perf_callbacks.batching import Exactness, exact_splits
+from hf_perf_callbacks.core.batching import Exactness, exact_splits
 from hf_perf_callbacks.resize import plan
 from hf_perf_callbacks.resize.plan import InexactResize, SplitState
 
@@ -142,7 +142,7 @@ def test_plan_is_pure():
 def test_the_split_file_is_written_once_per_event_and_only_when_it_changed(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from hf_perf_callbacks import splitfile
+    from hf_perf_callbacks.core import splitfile
     from hf_perf_callbacks.resize.executor import Executor
 
     writes = []

@@ -6,7 +6,9 @@ from matplotlib.figure import Figure
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, keys
-from hf_perf_callbacks.batching import Split
+from hf_perf_callbacks.core.batching import Split
+from hf_perf_callbacks.core.runlog import read_run
+from hf_perf_callbacks.core.splitfile import RANKED_UNITS, Decision, SplitFile, Trial
 from hf_perf_callbacks.report.plots import (
     PHASES_AXIS,
     PlotData,
@@ -16,8 +18,6 @@ from hf_perf_callbacks.report.plots import (
     plot_throughput,
     plot_tuner,
 )
-from hf_perf_callbacks.runlog import read_run
-from hf_perf_callbacks.splitfile import RANKED_UNITS, Decision, SplitFile, Trial
 from tests.conftest import make_grpo, make_trainer
 from tests.test_throughput import PlantedLoad
 
@@ -250,7 +250,7 @@ def test_a_tuning_that_measured_no_other_split_is_a_line_of_text_not_an_empty_pa
 def test_the_tuners_bars_say_what_every_reader_says_and_name_the_quantity(tmp_path):
     # seen: tuner.png labelled a trial −58% where the report said +58%, and its axis "measured s per optimizer step
     # (median)" for time outside generation
-    from hf_perf_callbacks.splitfile import trial_figures
+    from hf_perf_callbacks.core.splitfile import trial_figures
 
     out = synthetic(tmp_path, "tuned", **TUNED)
     fig, data = draw(plot_tuner, out)
@@ -404,7 +404,7 @@ def test_a_run_without_a_slow_stretch_has_no_shading_and_no_finding(tmp_path):
 def test_a_first_step_faster_than_a_steady_figure_over_several_splits_is_not_called_a_slowdown():
     """The steady figure of a tuned run mixes splits at different speeds: a first step faster than it says so, and
     never that later steps slowed down (they ran at another split)."""
-    from hf_perf_callbacks.wording import warmup_words
+    from hf_perf_callbacks.core.wording import warmup_words
 
     one = warmup_words(2, 0.49, 0.0, None)
     mixed = warmup_words(2, 0.49, 0.0, None, levels=2)

@@ -138,7 +138,7 @@ def usage_block(steps: int, model: str | None = None) -> str:
 
 def check_usage_run(out_dir) -> list[int]:
     """The steps the Usage block's run logged (checked: GRPO, 4 generations, a described model)."""
-    from hf_perf_callbacks.runlog import read_run
+    from hf_perf_callbacks.core.runlog import read_run
 
     run = read_run(str(out_dir))
     assert run.header().grpo and run.header().num_generations == 4 and run.header().model

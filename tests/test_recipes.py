@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from hf_perf_callbacks import keys, train
-from hf_perf_callbacks.batching import Split
-from hf_perf_callbacks.splitfile import SplitFile, read_split_file
+from hf_perf_callbacks.core.batching import Split
+from hf_perf_callbacks.core.splitfile import SplitFile, read_split_file
 from hf_perf_callbacks.tasks import wordle
 from hf_perf_callbacks.tiny import save_tiny_model
 from hf_perf_callbacks.train import arguments, build, checks, launch, recipes
@@ -213,7 +213,7 @@ def check_trained(out, name, world_size=1) -> list[dict]:
     state = json.load(open(os.path.join(out, "trainer_state.json")))
     losses = [h["loss"] for h in state["log_history"] if "loss" in h]
     assert len(losses) == 2 and all(loss == loss and abs(loss) != float("inf") for loss in losses)
-    from hf_perf_callbacks.runlog import read_run
+    from hf_perf_callbacks.core.runlog import read_run
 
     assert read_run(out).header().launcher == "hf-perf train"        # the report words its advice as recipe keys
     recorded = os.path.exists(os.path.join(out, "tuner_split.json"))
@@ -566,7 +566,7 @@ def test_this_machine_is_detected():
 
 def test_an_xpu_is_detected_as_itself(monkeypatch):
     """No XPU here: a DeviceLayer posing as one (type and name, as torch.xpu reports them) stands in."""
-    from hf_perf_callbacks import device
+    from hf_perf_callbacks.platform import device
 
     class FakeXPU(device.DeviceLayer):
         def __init__(self):
@@ -721,7 +721,7 @@ def test_bf16_weights_on_a_device_without_bf16(device, fix):
     ("cuda", False, ("cuda", False, "CUDA GPU NVIDIA H100 80GB HBM3"))])
 def test_each_device_kind_is_detected(kind, bf16, expected, monkeypatch):
     """No GPU or Mac here: a DeviceLayer posing as one (its type, name and bf16 answer) stands in."""
-    from hf_perf_callbacks import device
+    from hf_perf_callbacks.platform import device
 
     class FakeDevice(device.DeviceLayer):
         def __init__(self):
@@ -932,7 +932,7 @@ def test_a_busy_output_dir_is_one_line_and_exit_2_before_the_model_loads(tiny_mo
     from hf_perf_callbacks.train import launch
 
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hf_perf_callbacks.outputdir import "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hf_perf_callbacks.common.outputdir import "
                                "OutputDirLock; OutputDirLock().acquire(sys.argv[1]); print('locked', flush=True); "
                                "time.sleep(120)", str(out)], stdout=subprocess.PIPE, text=True,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -1134,9 +1134,9 @@ def test_the_launcher_chooses_torchs_threads_as_the_demo_and_says_what_step_1_do
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     torch.set_num_threads(2)
     caplog.set_level(logging.INFO, "hf_perf_callbacks")
-    from hf_perf_callbacks.runlog import HF_PERF_TRAIN
+    from hf_perf_callbacks.core.runlog import HF_PERF_TRAIN
+    from hf_perf_callbacks.core.wording import argument_hint
     from hf_perf_callbacks.train.progress import first_step_line
-    from hf_perf_callbacks.wording import argument_hint
 
     flags = [f if f != "2" else "1" for f in interrupted_flags(tiny_model, tmp_path / "out")]     # --max_steps 1
     assert train.main(flags) == 0

@@ -8,10 +8,10 @@ import subprocess
 import sys
 from dataclasses import replace
 
-from hf_perf_callbacks.batching import Split
+from hf_perf_callbacks.core.batching import Split
+from hf_perf_callbacks.core.splitfile import Decision, ExactnessCheck, WrittenCheckpoint, read_split_file
 from hf_perf_callbacks.resize.plan import SplitState, on_oom
 from hf_perf_callbacks.resize.record import Change, SplitRecord, merged, rank_file, rank_files
-from hf_perf_callbacks.splitfile import Decision, ExactnessCheck, WrittenCheckpoint, read_split_file
 
 S42, S24, S18 = Split(4, 2), Split(2, 4), Split(1, 8)
 EVERY = (Split(8, 1), S42, S24, S18)

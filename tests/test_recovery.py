@@ -12,11 +12,11 @@ import pytest
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, keys, train_with_tuning
-from hf_perf_callbacks.batching import Split
-from hf_perf_callbacks.outputdir import MOVED_ASIDE
+from hf_perf_callbacks.common.outputdir import MOVED_ASIDE
+from hf_perf_callbacks.core.batching import Split
+from hf_perf_callbacks.core.splitfile import read_split_file
 from hf_perf_callbacks.resize.checkpoints import has_training_state, is_complete
 from hf_perf_callbacks.resize.oomsite import UnfixableOOM
-from hf_perf_callbacks.splitfile import read_split_file
 from tests.conftest import make_grpo, make_trainer, varied_reward
 from tests.faults import Fault, Trajectory, differences
 from tests.test_faults import step_lines
@@ -359,7 +359,7 @@ def test_a_grpo_resize_that_could_not_replay_the_buffer_saves_and_ends_with_why(
     """A buffer that cannot be re-split (planted: its completions counted as images) is refused before the re-size
     changes anything: no oom decision, the split in effect kept, checkpoint-1 saved, the reason and what to change
     in the error and the split file."""
-    from hf_perf_callbacks import adapter
+    from hf_perf_callbacks.platform import adapter
     from hf_perf_callbacks.resize.plan import InexactResize
 
     monkeypatch.setattr(adapter, "IMAGE_KEYS", ("completion_ids",))

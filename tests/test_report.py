@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from hf_perf_callbacks import keys
+from hf_perf_callbacks.core.runlog import PERF_LOG, ReportError, read_run
+from hf_perf_callbacks.core.wording import phase_line, throughput_line
 from hf_perf_callbacks.report import report_command, summarize
 from hf_perf_callbacks.report.figures import figures, run_events
 from hf_perf_callbacks.report.plots import write_plots
 from hf_perf_callbacks.report.summary import NO_METER, UNFINISHED
-from hf_perf_callbacks.runlog import PERF_LOG, ReportError, read_run
-from hf_perf_callbacks.wording import phase_line, throughput_line
 from tests.conftest import schema_lines
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

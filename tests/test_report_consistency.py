@@ -17,11 +17,11 @@ import pytest
 from matplotlib.figure import Figure
 
 from hf_perf_callbacks import keys
+from hf_perf_callbacks.core.runlog import read_run
+from hf_perf_callbacks.core.splitfile import read_split_file
 from hf_perf_callbacks.report import console_summary, summarize, write_analysis
 from hf_perf_callbacks.report.plots import PlotData, plot_throughput, plot_tuner
 from hf_perf_callbacks.resize.callback import format_tuning
-from hf_perf_callbacks.runlog import read_run
-from hf_perf_callbacks.splitfile import read_split_file
 from tests.synthetic_runs import Plan, write_run
 
 NUMBER = r"[\d.]+(?:e[+-]?\d+)?"
@@ -236,7 +236,7 @@ def check_phases(summary: str, report: str, evidence: dict) -> int:
     """Every phase figure printed (the time split's shares, the seconds the phase rules and the evaluation rule
     print) recomputed from the step lines' ``perf/phase_sec/*`` and the tail; every step line's phases sum to its
     wall time. Returns the figures checked."""
-    from hf_perf_callbacks.wording import PHASE_WORDS
+    from hf_perf_callbacks.core.wording import PHASE_WORDS
 
     checked = 0
     for line in evidence["steps"]:

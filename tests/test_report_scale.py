@@ -12,8 +12,8 @@ import tracemalloc
 import pytest
 
 import hf_perf_callbacks
+from hf_perf_callbacks.core.runlog import read_run
 from hf_perf_callbacks.report import report_command
-from hf_perf_callbacks.runlog import read_run
 from tests.synthetic_runs import Plan, write_run
 
 pytestmark = pytest.mark.launch   # long planted logs: with the launch suite, to keep `make test` quick

@@ -8,8 +8,8 @@ import json
 import torch
 
 from hf_perf_callbacks import AdaptiveBatchTuner, keys, train_with_tuning
-from hf_perf_callbacks.batching import Split
-from hf_perf_callbacks.rowstream import (
+from hf_perf_callbacks.core.batching import Split
+from hf_perf_callbacks.core.rowstream import (
     RowDifference,
     RowWatch,
     compare,
@@ -19,7 +19,7 @@ from hf_perf_callbacks.rowstream import (
     row_digests,
     step_rows,
 )
-from hf_perf_callbacks.splitfile import read_split_file
+from hf_perf_callbacks.core.splitfile import read_split_file
 from tests.conftest import PlantedClock, TextDataset, make_trainer
 from tests.faults import Fault, Trajectory, differences
 from tests.test_faults import step_lines

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from hf_perf_callbacks import keys, runlog
-from hf_perf_callbacks.report import summarize
-from hf_perf_callbacks.runlog import (
+from hf_perf_callbacks import keys
+from hf_perf_callbacks.core import runlog
+from hf_perf_callbacks.core.runlog import (
     PERF_LOG,
     EventLine,
     LogWriter,
@@ -22,6 +22,7 @@ from hf_perf_callbacks.runlog import (
     parse_record,
     read_run,
 )
+from hf_perf_callbacks.report import summarize
 
 
 def lines(*entries):
@@ -197,11 +198,12 @@ def test_report_and_analysis_are_siblings_over_pure_modules():
     analysis = ["report/model", "report/reading", "report/render", *rules]
     assert not any(m.split(".")[-1] in ("reading", "render", "rules", "model") for m in imports("report/summary"))
     assert not any(m.split(".")[-1] in ("summary", "plots") for a in analysis for m in imports(a))
-    for pure in ("runlog", "report/figures", "report/summary", "report/plots", "wording", "validation", *analysis):
+    for pure in ("core/runlog", "report/figures", "report/summary", "report/plots", "core/wording", "core/validation",
+                 *analysis):
         assert not any(m.split(".")[0] in ("torch", "transformers") for m in imports(pure)), pure
     # the live meter shares words with the report through the pure wording module, not by importing the report's
     assert not any(m.rsplit(".", 1)[-1] in ("figures", "report", "plots") for m in imports("throughput"))
-    assert "wording" in imports("throughput")
+    assert "core.wording" in imports("throughput")
 
 
 def test_hf_perf_report_never_imports_torch(demo_run):
@@ -241,7 +243,7 @@ def test_a_header_field_of_another_type_reads_as_unset_and_is_kept_aside(field, 
 def test_the_writer_ends_a_line_a_killed_process_cut_short_before_appending(tmp_path):
     """A process killed while writing a line leaves it without its end: the next record (a resume's run header)
     starts a line of its own, and the reader reads it (the cut line counted as unreadable)."""
-    from hf_perf_callbacks.runlog import PERF_LOG, LogWriter, RunHeader, StepLine
+    from hf_perf_callbacks.core.runlog import PERF_LOG, LogWriter, RunHeader, StepLine
 
     writer = LogWriter()
     writer.append(str(tmp_path), RunHeader(session="s1", resumed_from_step=0))
@@ -310,7 +312,7 @@ def test_a_misspelled_event_field_or_kind_fails_type_checking(tmp_path, monkeypa
     api = pytest.importorskip("mypy.api")
     snippet = tmp_path / "snippet.py"
     snippet.write_text(
-        "from hf_perf_callbacks.runlog import DecisionDetails, EventLine, WallMove, WarningFigures\n"
+        "from hf_perf_callbacks.core.runlog import DecisionDetails, EventLine, WallMove, WarningFigures\n"
         "WallMove(why=None, moved=True, budgt_gb=1.0)\n"                      # 2: a writer's misspelled field
         "WarningFigures.from_details({}).leak_mib_per_stepp\n"               # 3: a reader's misspelled field
         "EventLine('mem', 'walls', 'the memory wall moved')\n"              # 4: a kind that is none
@@ -319,7 +321,7 @@ def test_a_misspelled_event_field_or_kind_fails_type_checking(tmp_path, monkeypa
         "EventLine('mem', 'wall', 'm', details=WallMove(why='x').to_details())\n")   # 7: right
     config = tmp_path / "mypy.ini"
     config.write_text("[mypy]\npython_version = 3.10\nfollow_imports = skip\nignore_missing_imports = true\n"
-                      "[mypy-hf_perf_callbacks.runlog,hf_perf_callbacks.keys]\nfollow_imports = silent\n")
+                      "[mypy-hf_perf_callbacks.core.runlog,hf_perf_callbacks.keys]\nfollow_imports = silent\n")
     monkeypatch.setenv("MYPYPATH", os.path.dirname(os.path.dirname(runlog.__file__)))
     out, err, status = api.run([str(snippet), "--config-file", str(config), "--cache-dir", str(tmp_path / "cache")])
     lines_with_errors = {int(m) for m in re.findall(r"snippet\.py:(\d+): error", out)}

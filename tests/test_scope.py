@@ -10,15 +10,15 @@ import pytest
 from transformers import Trainer
 
 from hf_perf_callbacks import ThroughputMeter, keys
+from hf_perf_callbacks.core.runlog import read_run
+from hf_perf_callbacks.core.wording import MFU_BASIS_SHORT, mfu_words
 from hf_perf_callbacks.report import summarize
 from hf_perf_callbacks.report.model import RecipeTarget
 from hf_perf_callbacks.report.reading import measurements_from_run
 from hf_perf_callbacks.report.render import console_summary, render_markdown
 from hf_perf_callbacks.report.rules import check, scope_of
 from hf_perf_callbacks.report.words import scope_words, stand_in_words
-from hf_perf_callbacks.runlog import read_run
 from hf_perf_callbacks.train import arguments, recipes
-from hf_perf_callbacks.wording import MFU_BASIS_SHORT, mfu_words
 from tests.conftest import PlantedClock, make_trainer
 from tests.test_analysis import healthy
 from tests.test_recipes import launcher_process as launcher_process  # the fixtures of the launcher's tests

@@ -8,12 +8,13 @@ import sys
 import pytest
 from transformers import TrainerCallback
 
-from hf_perf_callbacks import AdaptiveBatchTuner, ThroughputMeter, adapter, keys, train_with_tuning
-from hf_perf_callbacks.batching import Split
-from hf_perf_callbacks.outputdir import OutputDirBusy
+from hf_perf_callbacks import AdaptiveBatchTuner, ThroughputMeter, keys, train_with_tuning
+from hf_perf_callbacks.common.outputdir import OutputDirBusy
+from hf_perf_callbacks.core.batching import Split
+from hf_perf_callbacks.core.runlog import LOCK_FILE, SPLIT_FILE, read_run
+from hf_perf_callbacks.core.splitfile import read_split_file
+from hf_perf_callbacks.platform import adapter
 from hf_perf_callbacks.resize import current_split
-from hf_perf_callbacks.runlog import LOCK_FILE, SPLIT_FILE, read_run
-from hf_perf_callbacks.splitfile import read_split_file
 from tests.conftest import PlantedClock, make_trainer
 from tests.faults import Fault, SampleRecorder
 from tests.test_tuner import PlantedStepTime, step_lines
@@ -125,7 +126,7 @@ def test_a_checkpoint_another_process_rewrote_is_never_resumed_from(tokenizer, t
 def test_a_second_process_in_the_same_output_dir_is_refused_naming_the_first(tokenizer, tmp_path):
     """A live process holds the output_dir: plain train() and train_with_tuning are refused before they write
     anything, with a message for a run that never started (no checkpoint to save, nothing to resume)."""
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hf_perf_callbacks.outputdir import "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from hf_perf_callbacks.common.outputdir import "
                                "OutputDirLock; OutputDirLock().acquire(sys.argv[1]); print('locked', flush=True); "
                                "time.sleep(120)", str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
@@ -211,7 +212,7 @@ def test_an_output_dir_that_cannot_hold_a_lock_trains_as_transformers_does(token
 @pytest.mark.parametrize("step", [True, -1, 2.5, "4", None])
 def test_a_written_checkpoint_whose_step_is_not_a_step_is_malformed(step):
     # a bool is an int to isinstance: a hand-edited `"step": true` must not read as checkpoint-1
-    from hf_perf_callbacks.splitfile import SplitFileError, WrittenCheckpoint
+    from hf_perf_callbacks.core.splitfile import SplitFileError, WrittenCheckpoint
 
     assert WrittenCheckpoint.from_json({"step": 4, "fingerprint": "ab"}) == WrittenCheckpoint(4, "ab")
     with pytest.raises(SplitFileError, match="expected"):
@@ -225,7 +226,7 @@ def test_a_launcher_restart_resumes_only_with_a_smaller_split_the_rules_allow(to
     launcher's restart resumes with (checked at its first step): the next smaller split the run's rules allow, none
     where only the configured one is (dropout: each micro-batch draws its own masks), and the message says the
     restart would fail again."""
-    from hf_perf_callbacks.batching import Grouping
+    from hf_perf_callbacks.core.batching import Grouping
     from hf_perf_callbacks.resize import grouping as grouping_module
     from hf_perf_callbacks.resize import plan, sharding
     from hf_perf_callbacks.resize.executor import Executor

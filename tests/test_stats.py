@@ -1,7 +1,7 @@
 """Pure math: warmup detection on synthetic traces, windowed rates, and line fits."""
 import pytest
 
-from hf_perf_callbacks.stats import WarmupDetector, WindowedRate, generation_period, linear_fit, median
+from hf_perf_callbacks.core.stats import WarmupDetector, WindowedRate, generation_period, linear_fit, median
 
 
 def feed(detector, values):
@@ -107,7 +107,7 @@ def test_linear_fit_exact():
 
 
 def test_classify_slow_steps_splits_excess_wall_time_into_warmup_and_contention():
-    from hf_perf_callbacks.stats import classify_slow_steps
+    from hf_perf_callbacks.core.stats import classify_slow_steps
 
     slow = classify_slow_steps([4.0, 3.0, 1.0, 1.0, 1.0, 1.0], [1.5, 0.5, 0.5, 0.5, 0.5, 0.5])
     assert slow.labels == ["warmup", "contention", "steady", "steady", "steady", "steady"]
@@ -117,7 +117,7 @@ def test_classify_slow_steps_splits_excess_wall_time_into_warmup_and_contention(
 
 
 def test_mann_whitney_exact_values_and_large_samples():
-    from hf_perf_callbacks.stats import mann_whitney_less
+    from hf_perf_callbacks.core.stats import mann_whitney_less
 
     assert mann_whitney_less([1, 2, 3], [4, 5, 6]) == pytest.approx(1 / 20)
     assert mann_whitney_less([1, 2], [1, 2]) == pytest.approx(5 / 6)      # ties count half
@@ -126,7 +126,7 @@ def test_mann_whitney_exact_values_and_large_samples():
 
 
 def test_quantile_and_iqr():
-    from hf_perf_callbacks.stats import iqr, quantile
+    from hf_perf_callbacks.core.stats import iqr, quantile
 
     assert quantile([1, 2, 3, 4, 5], 0.5) == 3 and iqr([1, 2, 3, 4, 5]) == (2, 4)
     assert quantile([1.0, 2.0], 0.25) == pytest.approx(1.25)

@@ -8,10 +8,10 @@ import torch
 from transformers import Trainer
 
 from hf_perf_callbacks import ThroughputMeter, keys
-from hf_perf_callbacks.dataloader import dataloader_advice
-from hf_perf_callbacks.flops import forward_flops_per_token, train_flops_per_token
-from hf_perf_callbacks.runlog import MeterSummary, SummaryLine, read_run
-from hf_perf_callbacks.wording import throughput_line
+from hf_perf_callbacks.core.dataloader import dataloader_advice
+from hf_perf_callbacks.core.flops import forward_flops_per_token, train_flops_per_token
+from hf_perf_callbacks.core.runlog import MeterSummary, SummaryLine, read_run
+from hf_perf_callbacks.core.wording import throughput_line
 from tests.conftest import PlantedClock, make_grpo, make_trainer
 
 
@@ -142,7 +142,7 @@ def test_the_callbacks_own_time_between_steps_is_not_data_wait(tokenizer, tmp_pa
     their wall time, and the work after the last step is the run's tail (the summary's)."""
     from transformers import TrainerCallback
 
-    from hf_perf_callbacks.base import PerfCallback
+    from hf_perf_callbacks.common.base import PerfCallback
 
     clock = PlantedClock()                             # the callbacks' one clock: it times their own work too
 

@@ -1,7 +1,7 @@
 """Step accounting with explicit timestamps (a patched clock): exact phase times, windows, warmup, resume."""
 import pytest
 
-from hf_perf_callbacks.timeline import StepTimeline
+from hf_perf_callbacks.core.timeline import StepTimeline
 
 
 def run_step(tl, step, t, *, wait=0.0, gen=0.0, compute=1.0, tokens=100, eval_s=0.0, save_s=0.0):

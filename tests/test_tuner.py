@@ -12,9 +12,9 @@ import torch
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, keys, train_with_tuning
-from hf_perf_callbacks.batching import Split
-from hf_perf_callbacks.device import GB, MemorySample
-from hf_perf_callbacks.splitfile import read_split_file
+from hf_perf_callbacks.core.batching import Split
+from hf_perf_callbacks.core.splitfile import read_split_file
+from hf_perf_callbacks.platform.device import GB, MemorySample
 from hf_perf_callbacks.throughput import forward_entry
 from tests.conftest import PlantedClock, make_grpo, make_trainer
 from tests.faults import Fault, SampleRecorder, Trajectory, differences
@@ -36,7 +36,7 @@ class PlantedOOM(TrainerCallback):
         self.in_check, self.bus = 0, None
 
     def attach(self, trainer):
-        from hf_perf_callbacks.bus import bus_for
+        from hf_perf_callbacks.common.bus import bus_for
 
         self.bus = bus_for(trainer.callback_handler)
         model = trainer.model
@@ -240,8 +240,8 @@ def test_a_faster_split_is_found_on_the_runs_own_steps_and_nothing_is_trained_tw
     # the report's tuner plot reads this real file: the measured trials with their times, the chosen split
     from matplotlib.figure import Figure
 
+    from hf_perf_callbacks.core.runlog import read_run
     from hf_perf_callbacks.report.plots import PlotData, plot_tuner
-    from hf_perf_callbacks.runlog import read_run
 
     fig = Figure()
     plot_tuner(fig, PlotData.of(read_run(str(tmp_path / "tuned"))))
@@ -284,7 +284,7 @@ def test_once_the_tuning_decided_the_tuner_no_longer_synchronizes_or_times_a_ste
     (step 8 here, in the same train() call) no step of the run is synchronized or timed for the tuning any more,
     and its generation clock is taken off the model (seen on 4 H200s: runs that kept measuring after their decision
     ran their steps outside generation 3-5% slower than a plain run of the same split)."""
-    from hf_perf_callbacks.device import DeviceLayer
+    from hf_perf_callbacks.platform.device import DeviceLayer
 
     synced, step = [], StepNow()
     original = DeviceLayer.synchronize
@@ -472,7 +472,7 @@ def test_the_rule_keeps_only_the_splits_under_which_the_loss_is_what_the_configu
     """The pure rule over a run's facts (``batching.exact_under``): settings under which the loss depends on each
     micro-batch's own content keep the configured split alone, with why and what makes every split exact; the
     examples of an epoch's last micro-batch decide the rest."""
-    from hf_perf_callbacks.batching import Grouping, exact_splits, exact_under
+    from hf_perf_callbacks.core.batching import Grouping, exact_splits, exact_under
 
     every = exact_splits(8)                                      # 8×1, 4×2, 2×4, 1×8
     configured = Split(4, 2)
@@ -575,8 +575,8 @@ def test_left_padding_keeps_the_configured_split_and_an_oom_saves_and_ends_sayin
     """The collator pads left: the first token of a row shorter than its micro-batch's longest is a target only in
     that grouping, so no other split trains the configured run. Said once at the start (perf log, split file); the
     tuning tries nothing; an OOM saves and ends with why and the setting that makes every split exact."""
+    from hf_perf_callbacks.core.runlog import read_run
     from hf_perf_callbacks.resize.checkpoints import is_complete
-    from hf_perf_callbacks.runlog import read_run
 
     clock = PlantedClock()
     plant = PlantedOOM(limit=2, text=CUDA_OOM, armed_at=2)
@@ -684,7 +684,7 @@ def test_switch_checkpoints_never_push_the_users_out_and_a_run_ending_mid_trial_
 def test_the_watchdogs_request_uses_only_the_splits_exact_for_the_run(tokenizer, tmp_path):
     """Left padding leaves no smaller split exact: the watchdog's request for one is declined with why (no re-size
     recorded), and the watchdog stops the run at the wall itself, saved."""
-    from hf_perf_callbacks.runlog import read_run
+    from hf_perf_callbacks.core.runlog import read_run
 
     watchdog, tuner = MemoryWatchdog(limit_gb=7.0, grace_steps=1), AdaptiveBatchTuner(tune=False)
     trainer = make_trainer(tokenizer, tmp_path, [watchdog, tuner], max_steps=5, bs=4, ga=2, padding_side="left")

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from hf_perf_callbacks.batching import exact_splits
+from hf_perf_callbacks.core.batching import exact_splits
 from hf_perf_callbacks.resize import tuning as tuning_module
 from hf_perf_callbacks.resize.tuning import MIN_GAIN, OVER_BUDGET, Finished, OnRunTuning, Switch, judge
 
@@ -207,7 +207,7 @@ def test_a_baseline_whose_steps_spread_as_widely_as_they_take_tries_nothing():
 
 
 def judge_iqr(values):
-    from hf_perf_callbacks.stats import iqr
+    from hf_perf_callbacks.core.stats import iqr
 
     low, high = iqr(values)
     return high - low
@@ -240,7 +240,7 @@ def test_the_switch_back_is_part_of_the_recorded_cost():
 def test_the_recorded_gain_and_p_value_are_over_all_samples_against_the_starting_split():
     # seen: "+58% against the configured split (p = 0.17)" beside medians that made 8×1 23% slower: the gain was the
     # first round's (the baseline's median over its first block), not over the samples the record holds
-    from hf_perf_callbacks.stats import mann_whitney_less, median
+    from hf_perf_callbacks.core.stats import mann_whitney_less, median
 
     tuning, _, _ = drive({8: 98.0, 4: 100.0, 2: 100.0, 1: 150.0}, noise=0.05, seed=3, max_rounds=3)
     start, *others = tuning.trial_list()
@@ -456,7 +456,7 @@ def test_two_steps_that_agree_early_do_not_end_the_warm_up_at_the_start():
 def test_a_tune_decision_keeps_its_reason_as_data():
     """The decision's reason code, why the tuning ended, the figures and what its samples measure travel through the
     split file's JSON."""
-    from hf_perf_callbacks.splitfile import Decision
+    from hf_perf_callbacks.core.splitfile import Decision
 
     tuning, _, _ = drive({8: 50.0, 4: 100.0, 2: 200.0, 1: 400.0})
     decision = tuning.decision(step=6, time=None)
@@ -469,7 +469,7 @@ def test_a_tune_decision_keeps_its_reason_as_data():
 
 
 def test_every_reason_code_is_worded_by_the_one_renderer():
-    from hf_perf_callbacks.wording import TUNER_REASONS, tuner_reason
+    from hf_perf_callbacks.core.wording import TUNER_REASONS, tuner_reason
 
     figures = {"needed": 9, "left": 8, "round_steps": 12, "saving": 0.1, "steps_after": 20, "margin": 2.0, "cost": 5.0,
                "how": "ceiling", "baseline": "2×4", "median": 1.0, "iqr": 0.9, "candidate": "8×1", "rounds": 3,

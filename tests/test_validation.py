@@ -1,7 +1,7 @@
 """Parameter validation: the messages name the parameter, the value and what is allowed."""
 import pytest
 
-from hf_perf_callbacks.validation import check_flag, check_number
+from hf_perf_callbacks.core.validation import check_flag, check_number
 
 
 def test_check_flag_messages():
@@ -32,7 +32,7 @@ def test_settings_are_attributes_and_the_saved_state_rebuilds_an_equal_callback(
     import inspect
 
     import hf_perf_callbacks
-    from hf_perf_callbacks.base import Clock
+    from hf_perf_callbacks.common.base import Clock
 
     cls = getattr(hf_perf_callbacks, name)
     first = next(p for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self")
@@ -57,7 +57,7 @@ def test_the_constructors_shell_is_written_at_the_constructor_and_nowhere_else()
     """``@arguments`` names the class and the key of a bad argument where it is written; base.py rewraps nothing
     out of sight: a subclass's undecorated constructor raises Python's own error."""
     import hf_perf_callbacks
-    from hf_perf_callbacks.base import ArgumentError, PerfCallback
+    from hf_perf_callbacks.common.base import ArgumentError, PerfCallback
 
     for name in ("ThroughputMeter", "MemoryWatchdog", "MPSCacheClearer", "AdaptiveBatchTuner"):
         assert hasattr(getattr(hf_perf_callbacks, name).__init__, "__wrapped__"), name

@@ -15,7 +15,8 @@ import os
 
 import pytest
 
-from hf_perf_callbacks import ThroughputMeter, adapter, keys
+from hf_perf_callbacks import ThroughputMeter, keys
+from hf_perf_callbacks.platform import adapter
 from hf_perf_callbacks.report.reading import measurements_from_run
 from hf_perf_callbacks.report.rules import check
 from tests.conftest import PlantedClock, length_reward, make_grpo

@@ -12,9 +12,9 @@ import torch
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import MemoryWatchdog, MPSCacheClearer, keys
-from hf_perf_callbacks.base import PerfCallback
-from hf_perf_callbacks.device import GB, DeviceLayer, MemorySample
-from hf_perf_callbacks.macos import MacMemorySample
+from hf_perf_callbacks.common.base import PerfCallback
+from hf_perf_callbacks.platform.device import GB, DeviceLayer, MemorySample
+from hf_perf_callbacks.platform.macos import MacMemorySample
 from tests.conftest import make_grpo, make_trainer
 
 LEAK = 24 * 1024**2

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from ..runlog import ReportError, RunLog, read_run
+from ..core.runlog import ReportError, RunLog, read_run
 from .plots import plot_all
 from .render import console_summary, write_analysis
 from .summary import summarize

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..dataloader import DataLoaderFacts
-from ..splitfile import Decision
+from ..core.dataloader import DataLoaderFacts
+from ..core.splitfile import Decision
 from .figures import SlowStretch
 from .model import Contention, Evaluation, Facts, FirstSteady, Machine, RecipeTarget, Recompile
 
@@ -176,7 +176,8 @@ class Recompute(Facts):
 @dataclass(frozen=True)
 class Warmup(Facts):
     """The warmup note: the run's steps, the findings of this report that name other processes, the meter's
-    contention; once decided, its case (:func:`~hf_perf_callbacks.wording.warmup_case`) and figures, a compile and the
+    contention; once decided, its case (:func:`~hf_perf_callbacks.core.wording.warmup_case`) and figures, a compile and
+    the
     child processes' CPU seconds outside the steady steps, the first step among the steady ones, a short run's share."""
 
     steps: int

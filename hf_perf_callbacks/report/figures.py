@@ -31,7 +31,7 @@ figure                    definition
                           earlier ``train()`` calls too short to decide it
 ``warmup_overhead_sec``   training seconds of the warmup cycles above the steady step time × their steps (CPU
                           device: the part their CPU seconds above the steady steps' mean explain), the meter's
-                          :attr:`~hf_perf_callbacks.timeline.StepTimeline.warmup_overhead` (0 until decided)
+                          :attr:`~hf_perf_callbacks.core.timeline.StepTimeline.warmup_overhead` (0 until decided)
 ``contention_sec``        CPU device: wall seconds of slow early steps whose CPU time stayed flat (other
                           processes), the meter's ``early_contention_sec``; ``contention_steps`` lists them (from
                           the summary; a killed run has the seconds only)
@@ -57,10 +57,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import keys
-from ..runlog import PHASES, ActionDetails, CacheClear, EventKind, EventLine, LogRow, ReadStep, RunLog, StepLine, number
-from ..stats import median, quantile
+from ..core.runlog import (
+    PHASES,
+    ActionDetails,
+    CacheClear,
+    EventKind,
+    EventLine,
+    LogRow,
+    ReadStep,
+    RunLog,
+    StepLine,
+    number,
+)
+from ..core.stats import median, quantile
 
-#: a step line as written (:class:`~hf_perf_callbacks.runlog.StepLine`) or as read back (``ReadStep``)
+#: a step line as written (:class:`~hf_perf_callbacks.core.runlog.StepLine`) or as read back (``ReadStep``)
 LogStep = StepLine | ReadStep
 
 

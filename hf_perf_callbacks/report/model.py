@@ -7,10 +7,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args
 
-from ..dataloader import DataLoaderFacts
+from ..core.dataloader import DataLoaderFacts
+from ..core.runlog import WatchdogAction
+from ..core.splitfile import Decision
 from ..estimate import ModelShape, model_from_config
-from ..runlog import WatchdogAction
-from ..splitfile import Decision
 from .figures import SlowStretch
 
 MEM_GRACE_STEPS = 3          # first steps' trend (allocator ramp) ignored for steps-to-wall

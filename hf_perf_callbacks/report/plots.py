@@ -1,20 +1,20 @@
 """The PNG plots of ``hf-perf report``: ``throughput.png``, ``memory.png``, ``phases.png`` and ``tuner.png``.
 
 ```python
-from hf_perf_callbacks.runlog import read_run
+from hf_perf_callbacks.core.runlog import read_run
 from hf_perf_callbacks.report.plots import write_plots
 write_plots(read_run("outputs/my_run"))      # outputs/my_run/plots/{throughput,memory,phases,tuner}.png
 ```
 
 Each plot reads the headline figures (:func:`hf_perf_callbacks.report.figures.figures`, the numbers the summary and the
-analysis print), the step lines and the tuner's record (:func:`hf_perf_callbacks.splitfile.read_split_file`), and is
-drawn to be read at a glance at the size a README shows it (800×450 pixels): one throughput line on the steady
-figure's basis with the warmup and the steps slowed by other processes marked, a steady line per split at its own
-level, the long slow stretches shaded (other processes, or unexplained), memory on a scale of its own data (GiB)
-with the budget as a line only when it is near, phases in words, the tuner's trials and costs. The words written
-inside a plot (restarts, wall moves, the split over each stretch) are placed by their boxes once the layout is
-settled, so that none overlaps another (:func:`_place_labels`). A ``plot_*`` function draws on a matplotlib figure
-and returns None, or why it has nothing to draw. Needs matplotlib (the ``plots`` extra).
+analysis print), the step lines and the tuner's record (:func:`hf_perf_callbacks.core.splitfile.read_split_file`), and
+is drawn to be read at a glance at the size a README shows it (800×450 pixels): one throughput line on the steady
+figure's basis with the warmup and the steps slowed by other processes marked, a steady line per split at its own level,
+the long slow stretches shaded (other processes, or unexplained), memory on a scale of its own data (GiB) with the
+budget as a line only when it is near, phases in words, the tuner's trials and costs. The words written inside a plot
+(restarts, wall moves, the split over each stretch) are placed by their boxes once the layout is settled, so that none
+overlaps another (:func:`_place_labels`). A ``plot_*`` function draws on a matplotlib figure and returns None, or why it
+has nothing to draw. Needs matplotlib (the ``plots`` extra).
 """
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .. import keys
+from ..core.runlog import PHASES, ActionDetails, ReportError, RunLog, number
+from ..core.splitfile import Decision, SplitFile, read_split_file, trial_figures
+from ..core.wording import PHASE_WORDS, split_label, steady_words, value_range, warmup_words
 from ..keys import SPLIT_FILE
-from ..runlog import PHASES, ActionDetails, ReportError, RunLog, number
-from ..splitfile import Decision, SplitFile, read_split_file, trial_figures
-from ..wording import PHASE_WORDS, split_label, steady_words, value_range, warmup_words
 from .figures import (
     Figures,
     LogStep,
@@ -588,7 +588,7 @@ def _wrap(text: str, width: int = 70) -> str:
 
 def _draw_trials(ax: Axes, decision: Decision) -> None:
     """One tuning decision's trials: each split's median with its quartiles, the split kept green, and beside each
-    the comparison every reader prints (:func:`~hf_perf_callbacks.splitfile.trial_figures`)."""
+    the comparison every reader prints (:func:`~hf_perf_callbacks.core.splitfile.trial_figures`)."""
     shown = trial_figures(decision)
     chosen, before = split_label(decision.new), split_label(decision.old)
     heights, lows, highs, colors = [], [], [], []

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .. import keys
-from ..dataloader import dataloader_facts
-from ..runlog import (
+from ..core.dataloader import dataloader_facts
+from ..core.runlog import (
     PHASES,
     ActionDetails,
     NoteDetails,
@@ -25,8 +25,8 @@ from ..runlog import (
     number,
     read_run,
 )
-from ..splitfile import SplitFile, read_split_file
-from ..stats import classify_slow_steps, quantile
+from ..core.splitfile import SplitFile, read_split_file
+from ..core.stats import classify_slow_steps, quantile
 from .figures import (
     Figures,
     _steady,
@@ -157,13 +157,13 @@ def _slow_steps(run_log: RunLog, f: Figures, rows: list[int], walls: list[float]
 
 def _contention(run_log: RunLog, f: Figures) -> Contention | None:
     """Slow steps that other processes caused (CPU device: wall time above the steady level that no extra process
-    CPU time explains): the meter's own figure (``contention_sec`` / the summary's ``early_contention_sec``, with
-    the steps when it lists them), else, for a log without it, the same classification
-    (:func:`~hf_perf_callbacks.stats.classify_slow_steps` at a 20% tolerance) over the step lines. A step counts only
-    when its own wall/CPU ratio stands above the steady steps' by :data:`CONTENTION_RATIO` (the meter judges each
-    ``train()`` call against its own early steps; a step at the run's steady ratio was not slowed by other
-    processes): when some listed steps do not, the time lost is recounted over those that do (their wall seconds
-    beyond their CPU time at the steady ratio). None on other devices (CPU time is not the work there), without
+    CPU time explains): the meter's own figure (``contention_sec`` / the summary's ``early_contention_sec``, with the
+    steps when it lists them), else, for a log without it, the same classification
+    (:func:`~hf_perf_callbacks.core.stats.classify_slow_steps` at a 20% tolerance) over the step lines. A step counts
+    only when its own wall/CPU ratio stands above the steady steps' by :data:`CONTENTION_RATIO` (the meter judges each
+    ``train()`` call against its own early steps; a step at the run's steady ratio was not slowed by other processes):
+    when some listed steps do not, the time lost is recounted over those that do (their wall seconds beyond their CPU
+    time at the steady ratio). None on other devices (CPU time is not the work there), without
     ``perf/cpu_sec``, or when nothing was lost."""
     if run_log.header("perf").device_type != "cpu":
         return None
@@ -383,7 +383,7 @@ def _machine(run_log: RunLog, header: RunHeader, skipped: list[str]) -> Machine 
 
 
 def _resolve_split_file(run_log: RunLog) -> tuple[SplitFile | None, str | None]:
-    """This run's record from the tuner (:func:`~hf_perf_callbacks.splitfile.read_split_file`, the one reader, for
+    """This run's record from the tuner (:func:`~hf_perf_callbacks.core.splitfile.read_split_file`, the one reader, for
     the perf log's session) and, when a file is there but is not read, a note saying it was skipped."""
     if not run_log.output_dir:
         return None, None
@@ -622,6 +622,6 @@ def measurements(run_log: RunLog) -> Measurements:
 
 
 def measurements_from_run(output_dir: str) -> Measurements:
-    """:func:`measurements` of the run in ``output_dir`` (raises :class:`~hf_perf_callbacks.runlog.ReportError`, a
+    """:func:`measurements` of the run in ``output_dir`` (raises :class:`~hf_perf_callbacks.core.runlog.ReportError`, a
     ``ValueError``, when it holds no readable ``perf_log.jsonl``)."""
     return measurements(read_run(output_dir))

@@ -7,8 +7,8 @@ import json
 import os
 
 from .. import keys
-from ..runlog import RunLog, read_run
-from ..wording import MFU_BASIS_SHORT, wrapped
+from ..core.runlog import RunLog, read_run
+from ..core.wording import MFU_BASIS_SHORT, wrapped
 from .facts import NothingFound
 from .model import TOO_FEW_STEPS, ZERO, Finding, Measurements, Note, Scope
 from .reading import measurements

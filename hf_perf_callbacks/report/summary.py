@@ -2,15 +2,15 @@
 :mod:`hf_perf_callbacks.report.plots`).
 
 ```python
-from hf_perf_callbacks.runlog import read_run
+from hf_perf_callbacks.core.runlog import read_run
 from hf_perf_callbacks.report import summarize
 print(summarize(read_run("outputs/my_run")))
 ```
 
 The log may come from a killed run (truncated lines, no summaries): the headline figures are the meter's either way
-(:func:`.figures.figures`, the numbers the plots and the written analysis use too), worded as the
-meter's console summary words them (:mod:`hf_perf_callbacks.wording`). The command reads the log once and hands it to
-this module, the plots and :mod:`.analysis`.
+(:func:`.figures.figures`, the numbers the plots and the written analysis use too), worded as the meter's console
+summary words them (:mod:`hf_perf_callbacks.core.wording`). The command reads the log once and hands it to this module,
+the plots and :mod:`.analysis`.
 """
 from __future__ import annotations
 
@@ -18,10 +18,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .. import keys
-from ..keys import CONSOLE_WIDTH
-from ..runlog import PERF_LOG, ActionDetails, DecisionDetails, EventLine, RunLog, number
-from ..splitfile import read_split_file, trial_figures
-from ..wording import (
+from ..core.runlog import PERF_LOG, ActionDetails, DecisionDetails, EventLine, RunLog, number
+from ..core.splitfile import read_split_file, trial_figures
+from ..core.wording import (
     console_line,
     mfu_words,
     phase_line,
@@ -32,6 +31,7 @@ from ..wording import (
     warmup_line,
     wrapped,
 )
+from ..keys import CONSOLE_WIDTH
 from .figures import Figures, completion_stats, figures, ranges_text, run_events, step_ranges, trainer_logs
 
 MAX_EVENTS = 40          # events listed in full; beyond that the first and last halves
@@ -157,7 +157,7 @@ def _log_notes(run: RunLog) -> list[str]:
 
 
 def _tuning_lines(run: RunLog) -> list[str]:
-    """The latest tuning decision's trials, worded once (:func:`~hf_perf_callbacks.splitfile.trial_figures`: the
+    """The latest tuning decision's trials, worded once (:func:`~hf_perf_callbacks.core.splitfile.trial_figures`: the
     figures the plots, the analysis and the console print)."""
     record = read_split_file(run.output_dir, session=run.header().session) if run.output_dir else None
     decision = record.last("tune") if record is not None else None

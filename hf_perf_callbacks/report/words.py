@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..dataloader import dataloader_changes
-from ..runlog import GB
-from ..splitfile import trial_figures
-from ..wording import TUNER_NEEDS_TRAIN_WITH_TUNING, split_label, warmup_words
+from ..core.dataloader import dataloader_changes
+from ..core.runlog import GB
+from ..core.splitfile import trial_figures
+from ..core.wording import TUNER_NEEDS_TRAIN_WITH_TUNING, split_label, warmup_words
 from . import facts as fx
 from .figures import SlowStretch, ranges_text, step_ranges
 from .model import (

@@ -23,7 +23,7 @@ module             job
 ``release``        the memory a failed step holds, given back
 =================  ==========================================================================================
 
-The split file's schema and its one reader are :mod:`hf_perf_callbacks.splitfile` (pure, for the report).
+The split file's schema and its one reader are :mod:`hf_perf_callbacks.core.splitfile` (pure, for the report).
 """
 from __future__ import annotations
 
@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 #: public name → the module that defines it, imported on first use (the pure record and plan load without torch)
 _LAZY = {"AdaptiveBatchTuner": ".callback", "train_with_tuning": ".loop", "InexactResize": ".plan",
          "PeerFailed": ".agreement", "ResizeNeeded": ".agreement", "Executor": ".executor",
-         "UnfixableOOM": ".oomsite", "current_split": "..batching"}
+         "UnfixableOOM": ".oomsite", "current_split": "..core.batching"}
 
 if TYPE_CHECKING:
-    from ..batching import current_split
+    from ..core.batching import current_split
     from .agreement import PeerFailed, ResizeNeeded
     from .callback import AdaptiveBatchTuner
     from .executor import Executor

@@ -6,14 +6,13 @@ loss forward; DDP broadcasts buffers in its forward). A rank that ran out of mem
 :meth:`OOMAgreement.check` runs one small exchange (it pairs with the waiting rank's), leave the step too, and every
 rank raises :class:`ResizeNeeded` together. Automatic micro-batching in MosaicML Composer agrees the same way.
 
-Collectives are seen through the ``torch.distributed`` functions on the default group (what accelerate, TRL and
-FSDP2 call; see :func:`~hf_perf_callbacks.adapter.intercept_collectives`) and through a forward pre-hook on the DDP
-module; without an OOM the cost is one exchange per collective of the step and one at its end. Under FSDP2 that is
-one exchange before every all-gather and reduce-scatter, so the :class:`StepGuard` comes off once the split has
-been stable for a few steps and is put back after each change (as MosaicML Composer does with its FSDP hooks).
-Not seen: collectives on sub-groups (TRL's vLLM colocate mode with tensor parallelism, a 2-D device mesh) and ones
-that torch issues internally; an error raised *inside* a collective marks the agreement broken and is raised as
-it is.
+Collectives are seen through the ``torch.distributed`` functions on the default group (what accelerate, TRL and FSDP2
+call; see :func:`~hf_perf_callbacks.platform.adapter.intercept_collectives`) and through a forward pre-hook on the DDP
+module; without an OOM the cost is one exchange per collective of the step and one at its end. Under FSDP2 that is one
+exchange before every all-gather and reduce-scatter, so the :class:`StepGuard` comes off once the split has been stable
+for a few steps and is put back after each change (as MosaicML Composer does with its FSDP hooks). Not seen: collectives
+on sub-groups (TRL's vLLM colocate mode with tensor parallelism, a 2-D device mesh) and ones that torch issues
+internally; an error raised *inside* a collective marks the agreement broken and is raised as it is.
 """
 from __future__ import annotations
 
@@ -25,8 +24,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import adapter
-from ..device import error_line, gather_floats, is_oom_error, training_device, world_size
+from ..platform import adapter
+from ..platform.device import error_line, gather_floats, is_oom_error, training_device, world_size
 from .oomsite import MICRO_BATCH, oom_site
 
 if TYPE_CHECKING:

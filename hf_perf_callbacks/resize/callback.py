@@ -13,14 +13,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from .. import adapter, keys
-from ..base import Clock, PerfCallback
-from ..device import GB, DeviceLayer, gather_floats, set_rng_state, world_size
-from ..memory import budget_bytes
-from ..runlog import SPLIT_FILE, NoteDetails
-from ..splitfile import trial_figures
-from ..validation import check_flag, check_number
-from ..wording import TUNER_NEEDS_TRAIN_WITH_TUNING
+from .. import keys
+from ..common.base import Clock, PerfCallback
+from ..core.memory import budget_bytes
+from ..core.runlog import SPLIT_FILE, NoteDetails
+from ..core.splitfile import trial_figures
+from ..core.validation import check_flag, check_number
+from ..core.wording import TUNER_NEEDS_TRAIN_WITH_TUNING
+from ..platform import adapter
+from ..platform.device import GB, DeviceLayer, gather_floats, set_rng_state, world_size
 from .executor import Executor, TunerView
 from .tuning import FIRST_SAMPLES, MIN_SAMPLES, SAMPLES
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
     from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-    from ..splitfile import Decision
+    from ..core.splitfile import Decision
 
 _Callback = TypeVar("_Callback", bound="TrainerCallback")
 
@@ -59,7 +60,7 @@ class AdaptiveBatchTuner(PerfCallback):
         accept_unmeasured: use a split whose change could not be checked on the step it starts with (it ran out of
             memory at every size, or the gradient is sharded: FSDP, DeepSpeed), saying so once; False (the default)
             ends the run there, saved, instead (docs/exactness.md).
-        clock: the clock seam (:class:`~hf_perf_callbacks.base.Clock`; tests plant one).
+        clock: the clock seam (:class:`~hf_perf_callbacks.common.base.Clock`; tests plant one).
 
     Logged keys:
 
@@ -281,7 +282,7 @@ def advance_sampler(dataloader: DataLoader[Any] | None, epochs: int) -> int:
 
 def format_tuning(decision: Decision) -> str:
     """The tuning decision and its evidence for the console (printed once): each trial worded as every reader of the
-    record words it (:func:`~hf_perf_callbacks.splitfile.trial_figures`)."""
+    record words it (:func:`~hf_perf_callbacks.core.splitfile.trial_figures`)."""
     lines = [f"AdaptiveBatchTuner: {decision.headline()}"
              + (f"; expected to save {decision.expected_gain_sec:.1f} s over the rest of the run"
                 if decision.expected_gain_sec else "")]

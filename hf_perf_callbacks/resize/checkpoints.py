@@ -31,11 +31,11 @@ import shutil
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .. import adapter
-from ..device import RngState, gather_floats, is_main_process, rng_state, set_rng_state, world_size
+from ..common.outputdir import INCOMPLETE_MARKER, PREFIX, STATE_FILE, checkpoint_dir, move_aside, step_of
+from ..core.splitfile import WrittenCheckpoint, read_split_file
 from ..keys import SPLIT_FILE
-from ..outputdir import INCOMPLETE_MARKER, PREFIX, STATE_FILE, checkpoint_dir, move_aside, step_of
-from ..splitfile import WrittenCheckpoint, read_split_file
+from ..platform import adapter
+from ..platform.device import RngState, gather_floats, is_main_process, rng_state, set_rng_state, world_size
 
 if TYPE_CHECKING:
     from transformers import Trainer

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import adapter
-from ..device import is_oom_error, rng_state, set_rng_state, world_size
+from ..platform import adapter
+from ..platform.device import is_oom_error, rng_state, set_rng_state, world_size
 from .release import free_memory
 
 if TYPE_CHECKING:

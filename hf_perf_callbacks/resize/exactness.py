@@ -2,11 +2,11 @@
 would, shown on those rows, before that step trains.
 
 A change of split (a re-size after an out-of-memory error, the watchdog's, a tuning trial, the memory check's, a
-launcher's restart) is checked once, at the first optimizer step the new split runs, at that step's
-``global_step`` and model state, on the micro-batches the training loop fetched for it — nothing else is read: no
-dataset row, no collator call, no stream row the run does not train. :func:`check` computes the step's accumulated
-gradients, through the trainer's own ``training_step`` (so the run's collator, loss, NEFTune's noise hook, mixed
-precision and any auxiliary loss are all in play), two ways, and compares their :mod:`~hf_perf_callbacks.sketch` es:
+launcher's restart) is checked once, at the first optimizer step the new split runs, at that step's ``global_step`` and
+model state, on the micro-batches the training loop fetched for it — nothing else is read: no dataset row, no collator
+call, no stream row the run does not train. :func:`check` computes the step's accumulated gradients, through the
+trainer's own ``training_step`` (so the run's collator, loss, NEFTune's noise hook, mixed precision and any auxiliary
+loss are all in play), two ways, and compares their :mod:`~hf_perf_callbacks.core.sketch` es:
 
 ==========  ========================================================================================================
 compared    when
@@ -41,7 +41,7 @@ unmeasured.
 **No trace.** Before the first pass the RNG, the model's buffers (a BatchNorm's running statistics), its gradients,
 the split in ``args``, the trainer's accumulation count, TRL's logged metrics and GRPO's micro-batch counter are
 taken; all are put back after the last. The meter and the tests' sample recorder skip the passes
-(:meth:`~hf_perf_callbacks.bus.RunBus.own_work`); a user's own forward hooks see them.
+(:meth:`~hf_perf_callbacks.common.bus.RunBus.own_work`); a user's own forward hooks see them.
 """
 from __future__ import annotations
 
@@ -53,12 +53,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .. import adapter
-from ..batching import Split
-from ..device import GB, DeviceLayer, RngState, gather_floats, is_oom_error, rng_state, set_rng_state
-from ..rowstream import row_digests
-from ..sketch import Difference, Sketch, compare, rtol_for, sketch
-from ..splitfile import ExactnessCheck
+from ..core.batching import Split
+from ..core.rowstream import row_digests
+from ..core.sketch import Difference, Sketch, compare, rtol_for, sketch
+from ..core.splitfile import ExactnessCheck
+from ..platform import adapter
+from ..platform.device import GB, DeviceLayer, RngState, gather_floats, is_oom_error, rng_state, set_rng_state
 from .agreement import ResizeNeeded
 from .release import free_memory
 

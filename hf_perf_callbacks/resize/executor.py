@@ -30,9 +30,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from .. import adapter
-from ..batching import Exactness, Split, candidates, current_split, exact_under, is_grpo
-from ..device import (
+from ..common.outputdir import step_of
+from ..core.batching import Exactness, Split, candidates, current_split, exact_under, is_grpo
+from ..core.splitfile import Decision, ExactnessCheck, SplitFile, read_split_file, recorded_split, run_geometry
+from ..core.stats import generation_period
+from ..keys import SPLIT_FILE
+from ..platform import adapter
+from ..platform.device import (
     error_line,
     gather_floats,
     is_main_process,
@@ -41,10 +45,6 @@ from ..device import (
     rng_state,
     world_size,
 )
-from ..keys import SPLIT_FILE
-from ..outputdir import step_of
-from ..splitfile import Decision, ExactnessCheck, SplitFile, read_split_file, recorded_split, run_geometry
-from ..stats import generation_period
 from . import exactness, sharding
 from . import plan as plans
 from .agreement import ResizeNeeded, StepGuard, guard_training_step, recoverable
@@ -60,9 +60,9 @@ if TYPE_CHECKING:
     from transformers import Trainer, TrainerState, TrainingArguments
     from trl import GRPOConfig
 
-    from ..bus import RunBus
-    from ..device import RngState
-    from ..memory import WallFacts
+    from ..common.bus import RunBus
+    from ..core.memory import WallFacts
+    from ..platform.device import RngState
 
 __all__ = ["Executor", "SwitchSplit", "RUN_END", "TunerView", "TunerEnd", "InexactResize", "ReplayLost", "RowsLost",
            "format_summary"]
@@ -84,7 +84,7 @@ FORCED = ("oom", "memory_check", "restart")
 
 @dataclass
 class Staged:
-    """A change applied and not yet checked: ``kind`` (:data:`~hf_perf_callbacks.splitfile.CHANGES`, or ``back``: a
+    """A change applied and not yet checked: ``kind`` (:data:`~hf_perf_callbacks.core.splitfile.CHANGES`, or ``back``: a
     return to the split that trained the run), ``old`` → ``new``, the step it starts with (0: the first step of the
     next ``train()``, a resume's), the plan's state and decision to commit once checked, and the checkpoint it
     resumed from."""
@@ -1083,7 +1083,7 @@ def torch_oom(why: str) -> BaseException:
 
 
 def _line(text: str) -> str:
-    from ..console import EVENT_WIDTH, console_line
+    from ..common.console import EVENT_WIDTH, console_line
 
     return console_line(text, EVENT_WIDTH)
 

@@ -1,6 +1,6 @@
 """The facts that decide whether a run's loss depends on how its examples are grouped into micro-batches, read once
 at the start of a run from the trainer (:func:`read_grouping`); the rule that judges them is pure
-(:func:`hf_perf_callbacks.batching.exact_under`), and :meth:`Executor.judge_grouping
+(:func:`hf_perf_callbacks.core.batching.exact_under`), and :meth:`Executor.judge_grouping
 <hf_perf_callbacks.resize.executor.Executor.judge_grouping>` applies it to every candidate split once: the
 tuning, the memory check, the re-size on an out-of-memory error and the watchdog's re-size use only the splits it
 keeps, and the run says once why the others are left out and which setting makes every split exact.
@@ -18,7 +18,7 @@ label tokens                   takes ``num_items_in_batch`` (the model's ``loss_
 loss types                     ``args.loss_type`` (DPO: a list; GRPO: one), ``top_entropy_quantile``,
                                ``entropy_coef``/``use_adaptive_entropy`` (GRPO)
 left padding                   the training collator's ``tokenizer.padding_side`` and whether the model's loss shifts
-                               its labels (:func:`hf_perf_callbacks.adapter.loss_shifts_labels`)
+                               its labels (:func:`hf_perf_callbacks.platform.adapter.loss_shifts_labels`)
 dropout, batch normalisation   the model's modules in training: a dropout with ``p > 0``, an attention dropout > 0,
                                a ``BatchNorm`` layer
 examples per epoch             ``len(train_dataset)`` (None for an iterable dataset)
@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .. import adapter
-from ..batching import Grouping
+from ..core.batching import Grouping
+from ..platform import adapter
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -52,7 +52,7 @@ LIBRARIES = ("transformers", "trl")
 
 
 def read_grouping(trainer: Trainer, planned_steps: int | None, world: int) -> Grouping:
-    """The run's :class:`~hf_perf_callbacks.batching.Grouping` (see the module docstring)."""
+    """The run's :class:`~hf_perf_callbacks.core.batching.Grouping` (see the module docstring)."""
     args = trainer.args
     model = cast(torch.nn.Module, trainer.model)            # None only before the trainer's init
     owner, override = loss_owner(type(trainer))

@@ -17,11 +17,12 @@ Guarantees (each has a fault-injection test in ``tests/test_faults.py`` or ``tes
   state (nothing is read, drawn or run that the trainer itself does not);
 * a split is used only once the step it starts with showed it trains what the old split would have (an unmeasured
   one only with ``AdaptiveBatchTuner(accept_unmeasured=True)``); the settings list of
-  :func:`~hf_perf_callbacks.batching.exact_under` only skips changes sure to fail and explains why;
+  :func:`~hf_perf_callbacks.core.batching.exact_under` only skips changes sure to fail and explains why;
 * a resume uses only a checkpoint this run wrote completely (:mod:`~hf_perf_callbacks.resize.checkpoints`); the
   loop's own saves hold the whole training state whatever ``save_only_model`` says, and the RNG the next step
   starts from, so a re-size trains what the run would have trained without it;
-* what the training loop holds between steps goes on as unfaulted (:class:`~hf_perf_callbacks.adapter.LoopState`):
+* what the training loop holds between steps goes on as unfaulted
+(:class:`~hf_perf_callbacks.platform.adapter.LoopState`):
   the tokens and FLOPs of a step left mid-way are taken back, a resumed ``train()`` logs the loss window the
   unfaulted run logs, and a GRPO step that replays buffered completions replays the same ones, re-split for the new
   micro-batch (or the re-size is refused before it changes anything: :class:`~.plan.ReplayLost`);
@@ -46,10 +47,10 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, cast
 
-from .. import adapter
-from ..bus import bus_for
-from ..device import DeviceLayer, is_main_process, rng_state, set_rng_state, training_device
-from ..validation import check_flag, check_number, suggest_keywords
+from ..common.bus import bus_for
+from ..core.validation import check_flag, check_number, suggest_keywords
+from ..platform import adapter
+from ..platform.device import DeviceLayer, is_main_process, rng_state, set_rng_state, training_device
 from . import memcheck
 from .callback import AdaptiveBatchTuner, find_callback
 from .evaluation import evaluate_within_memory
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
     from transformers import Trainer
     from transformers.trainer_utils import TrainOutput
 
-    from ..bus import RunBus
+    from ..common.bus import RunBus
 
 logger = logging.getLogger("hf_perf_callbacks")
 

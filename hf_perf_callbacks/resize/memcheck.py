@@ -26,11 +26,20 @@ from typing import TYPE_CHECKING, Any, TypedDict, cast
 import torch
 from transformers import TrainerCallback
 
-from .. import adapter
-from ..batching import Split, current_split, is_grpo
-from ..device import GB, DeviceLayer, error_line, gather_floats, rng_state, set_rng_state, training_device, world_size
-from ..memory import budget_bytes
-from ..splitfile import Trial
+from ..core.batching import Split, current_split, is_grpo
+from ..core.memory import budget_bytes
+from ..core.splitfile import Trial
+from ..platform import adapter
+from ..platform.device import (
+    GB,
+    DeviceLayer,
+    error_line,
+    gather_floats,
+    rng_state,
+    set_rng_state,
+    training_device,
+    world_size,
+)
 from .agreement import recoverable
 from .executor import Executor, Staged
 
@@ -45,9 +54,9 @@ if TYPE_CHECKING:
     )
     from trl import GRPOConfig
 
-    from ..base import Clock
-    from ..device import RngState
+    from ..common.base import Clock
     from ..estimate import ModelShape
+    from ..platform.device import RngState
 
 #: what the allocator holds beyond the live tensors the estimate counts: CUDA's caching allocator, and MPS driver
 #: memory (about twice the live tensors on a Mac; recipes/README.md)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, cast
 if TYPE_CHECKING:
     from transformers import Trainer
 
-    from ..memory import WallFacts
+    from ..core.memory import WallFacts
 
 MICRO_BATCH, GENERATION, REWARD = 0, 1, 2
 
@@ -75,8 +75,8 @@ def unfixable_cause(error: BaseException, trainer: Trainer, site: int | None = N
                     facts: WallFacts | None = None) -> str | None:
     """Why no smaller micro-batch fixes this out-of-memory error, or None: it struck in generation or a reward
     function (``site``: where, as the ranks agreed; None: read from the error's traceback), or in one process while
-    the watchdog knows of a leak (``facts``: its :class:`~hf_perf_callbacks.memory.WallFacts`)."""
-    from ..device import world_size
+    the watchdog knows of a leak (``facts``: its :class:`~hf_perf_callbacks.core.memory.WallFacts`)."""
+    from ..platform.device import world_size
 
     cause = unfixable_message(oom_site(error, trainer) if site is None else site, trainer, error)
     if cause is None and world_size() == 1:
@@ -86,7 +86,7 @@ def unfixable_cause(error: BaseException, trainer: Trainer, site: int | None = N
 
 def unfixable_message(site: int, trainer: Trainer, error: BaseException) -> str | None:
     """What ran out of memory and what fixes it, for a site no smaller micro-batch fixes (None for the micro-batch)."""
-    from ..device import error_line
+    from ..platform.device import error_line
 
     args = trainer.args
     generation = getattr(args, "generation_batch_size", None)
@@ -108,9 +108,9 @@ def unfixable_message(site: int, trainer: Trainer, error: BaseException) -> str 
 
 def leak_message(facts: WallFacts | None, error: BaseException) -> str | None:
     """The cause of an out-of-memory error while the watchdog knows of a leak (``facts``: its
-    :class:`~hf_perf_callbacks.memory.WallFacts`), naming what else holds memory; None without a known leak."""
-    from ..device import error_line
-    from ..memory import mib
+    :class:`~hf_perf_callbacks.core.memory.WallFacts`), naming what else holds memory; None without a known leak."""
+    from ..core.memory import mib
+    from ..platform.device import error_line
 
     leak = getattr(facts, "leak_per_step", None)
     if not leak:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from ..batching import Exactness, Split, next_smaller
+from ..core.batching import Exactness, Split, next_smaller
 
 #: where a re-size resumes from: this step's checkpoint kept as a save of the run (``save``), this step's
 #: checkpoint written only for the switch (``switch``), the newest complete one this run wrote (``newest``), the

@@ -10,7 +10,7 @@ operation              what it does
                        written once; on a rank that leaves for the launcher's restart, to that rank's own file too
 :meth:`adopt`          continue a recorded run (a resume in a new process): its id, state, decisions and checks,
                        merged with what any other rank recorded before the restart (:func:`merged`)
-:meth:`file`           the record itself, as the :class:`~hf_perf_callbacks.splitfile.SplitFile` the file holds
+:meth:`file`           the record itself, as the :class:`~hf_perf_callbacks.core.splitfile.SplitFile` the file holds
 =====================  ============================================================================================
 
 The checkpoints a run wrote are the executor's (:class:`~hf_perf_callbacks.resize.checkpoints.RunCheckpoints`):
@@ -32,9 +32,9 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from ..batching import Exactness, Split
+from ..core.batching import Exactness, Split
+from ..core.splitfile import Decision, ExactnessCheck, Restriction, SplitFile, SplitFileError, WrittenCheckpoint
 from ..keys import SPLIT_FILE
-from ..splitfile import Decision, ExactnessCheck, Restriction, SplitFile, SplitFileError, WrittenCheckpoint
 from .plan import SplitState
 
 _RANK_FILE = re.compile(r"\.rank(\d+)\.json$")

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from .. import adapter
-from ..device import DeviceLayer, training_device
+from ..platform import adapter
+from ..platform.device import DeviceLayer, training_device
 
 if TYPE_CHECKING:
     from transformers import Trainer

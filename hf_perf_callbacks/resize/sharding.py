@@ -19,7 +19,7 @@ that ran out of memory leaves its step and the others learn of it before their n
 the OOM every rank resets FSDP2's iteration state (its parameters resharded; torch's
 ``FSDPModule.reset_iter_state``), saves FSDP's sharded checkpoint of the last completed step together, and
 ``train()`` resumes from it with the next smaller exact split (accelerate is kept from wrapping the wrapped model a
-second time: :func:`~hf_perf_callbacks.adapter.fsdp2_prepared_again`). The exchanges cost a host round trip per
+second time: :func:`~hf_perf_callbacks.platform.adapter.fsdp2_prepared_again`). The exchanges cost a host round trip per
 collective, so the guard comes off after :data:`STABLE_STEPS` optimizer steps without a change, and is put back by
 every re-size (MosaicML Composer does the same with its FSDP hooks). An OOM while it is off — or one outside the
 step (``optimizer.step``, a save) — leaves the other ranks inside a collective: the rank that ran out of memory
@@ -52,8 +52,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Protocol, cast
 
-from ..batching import Exactness, Split
-from ..device import error_line, is_oom_error, world_size
+from ..core.batching import Exactness, Split
+from ..platform.device import error_line, is_oom_error, world_size
 
 if TYPE_CHECKING:
     import torch

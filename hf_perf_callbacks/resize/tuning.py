@@ -59,11 +59,11 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
 
-from ..batching import Split
-from ..splitfile import RANKED_WORDS, Decision, Trial
-from ..stats import iqr, mann_whitney_less, median
-from ..validation import check_flag, check_number
-from ..wording import TUNER_ENDED_WORDS, Figure, evidence_words, saving_words, tuner_reason, tuning_outcome
+from ..core.batching import Split
+from ..core.splitfile import RANKED_WORDS, Decision, Trial
+from ..core.stats import iqr, mann_whitney_less, median
+from ..core.validation import check_flag, check_number
+from ..core.wording import TUNER_ENDED_WORDS, Figure, evidence_words, saving_words, tuner_reason, tuning_outcome
 
 #: a trial's ``error`` when its peak memory passed the budget (a caller's words otherwise: "out of memory")
 OVER_BUDGET = "peak memory over the budget"
@@ -196,8 +196,9 @@ class Switch:
 
 @dataclass(frozen=True)
 class Why:
-    """Why the tuning ended or left a candidate, as data: ``code`` (one of :data:`~hf_perf_callbacks.wording.
-    TUNER_REASONS`) and the figures it rests on; its words are :func:`~hf_perf_callbacks.wording.tuner_reason`'s."""
+    """Why the tuning ended or left a candidate, as data: ``code`` (one of :data:`~hf_perf_callbacks.core.wording.
+    TUNER_REASONS`) and the figures it rests on; its words are
+    :func:`~hf_perf_callbacks.core.wording.tuner_reason`'s."""
 
     code: str
     figures: dict[str, Figure] = field(default_factory=dict)
@@ -435,7 +436,7 @@ class OnRunTuning:
 
     def end(self, reason: str) -> None:
         """End the tuning now at its baseline (memory or the run's end ended it), for ``reason``: a code of
-        :data:`~hf_perf_callbacks.wording.TUNER_ENDED_WORDS` or their words (other words: code ``ended``)."""
+        :data:`~hf_perf_callbacks.core.wording.TUNER_ENDED_WORDS` or their words (other words: code ``ended``)."""
         words = {w: c for c, w in TUNER_ENDED_WORDS.items()}
         code = reason if reason in TUNER_ENDED_WORDS else words.get(reason, "ended")
         why = Why(code, {} if code != "ended" else {"why": reason})

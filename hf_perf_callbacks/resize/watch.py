@@ -1,10 +1,10 @@
 """What a change of split is checked on, on a real trainer: the micro-batches the training loop fetches
-(``Trainer.get_batch_samples``, watched through :mod:`~hf_perf_callbacks.adapter` only while a change is pending or was
-just applied, so that other steps pay nothing). The old split's fetch of the step a change starts with is the
-reference (the step an out-of-memory error left, or the step after a switch was asked for); the new split's fetch of
-that step is compared with it: its rows first (:class:`~hf_perf_callbacks.rowstream.RowWatch`, as a multiset, before
-the step trains; an iterable dataset's first epoch end after it), then — by the executor, at the step's begin — its
-gradients (:mod:`~hf_perf_callbacks.resize.exactness`). :class:`ChangeRefused` stops a change whose rows differ.
+(``Trainer.get_batch_samples``, watched through :mod:`~hf_perf_callbacks.platform.adapter` only while a change is
+pending or was just applied, so that other steps pay nothing). The old split's fetch of the step a change starts with is
+the reference (the step an out-of-memory error left, or the step after a switch was asked for); the new split's fetch of
+that step is compared with it: its rows first (:class:`~hf_perf_callbacks.core.rowstream.RowWatch`, as a multiset,
+before the step trains; an iterable dataset's first epoch end after it), then — by the executor, at the step's begin —
+its gradients (:mod:`~hf_perf_callbacks.resize.exactness`). :class:`ChangeRefused` stops a change whose rows differ.
 """
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .. import adapter
-from ..batching import Split
-from ..device import gather_floats, world_size
-from ..rowstream import RowWatch, StepRows, step_rows
-from ..splitfile import ExactnessCheck
+from ..core.batching import Split
+from ..core.rowstream import RowWatch, StepRows, step_rows
+from ..core.splitfile import ExactnessCheck
+from ..platform import adapter
+from ..platform.device import gather_floats, world_size
 from .exactness import Fetched
 
 if TYPE_CHECKING:

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import CALLBACKS
-from ..batching import Split
-from ..splitfile import split_for_run
+from ..core.batching import Split
+from ..core.splitfile import split_for_run
 from . import schema
 from .arguments import (
     RecipeError,
@@ -48,7 +48,7 @@ def detect_device(use_cpu: bool = False) -> tuple[str, bool, str]:
         return "cpu", True, "the CPU (use_cpu: true)"
     if no_gpu_visible():
         return "cpu", False, "a machine without a GPU (use_cpu is false)"
-    from ..device import DeviceLayer
+    from ..platform.device import DeviceLayer
 
     device = DeviceLayer()
     if device.type in ("cuda", "xpu"):
@@ -79,8 +79,8 @@ def check_batch_geometry(values: Mapping[str, Any], world_size: int = 1) -> int:
     """GRPO's batch rule, checked with a clear fix before ``GRPOConfig`` runs its own; returns the generation batch.
 
     ``generation_batch_size = per_device_train_batch_size × world × steps_per_generation`` (which defaults to
-    ``gradient_accumulation_steps``; :meth:`~hf_perf_callbacks.batching.Split.generation_batch`) must be a multiple of
-    ``num_generations``, and ``num_generations ≥ 2``.
+    ``gradient_accumulation_steps``; :meth:`~hf_perf_callbacks.core.batching.Split.generation_batch`) must be a multiple
+    of ``num_generations``, and ``num_generations ≥ 2``.
     """
     ngen = values["num_generations"]
     micro, accum = values["per_device_train_batch_size"], values["gradient_accumulation_steps"]

@@ -117,7 +117,7 @@ def sigterm_raises() -> Iterator[None]:
 def newest_checkpoint(output_dir: str) -> tuple[int, str] | None:
     """``(step, path)`` of the newest complete ``checkpoint-N`` in ``output_dir`` (complete as
     :func:`hf_perf_callbacks.resize.checkpoints.is_complete` says; nothing is moved)."""
-    from ..outputdir import step_of
+    from ..common.outputdir import step_of
     from ..resize.checkpoints import is_complete
 
     found = sorted(((step, path) for path in glob.glob(os.path.join(output_dir, "checkpoint-*"))
@@ -173,7 +173,7 @@ def _trainer() -> Trainer | None:
 
 def _close_progress_bars() -> None:
     """Close the trainer's progress bar, so that the interrupt's line starts a line of its own."""
-    from .. import adapter
+    from ..platform import adapter
 
     trainer = _trainer()
     for bar in adapter.progress_bars(trainer.callback_handler if trainer is not None else None):

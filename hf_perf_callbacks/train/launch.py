@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from .. import keys
-from ..batching import Split
+from ..core.batching import Split
 from . import interrupts, recipes
 from .arguments import (
     RecipeArguments,
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
     from trl import GRPOConfig, ModelConfig
 
-    from ..outputdir import OutputDirBusy, OutputDirLock
+    from ..common.outputdir import OutputDirBusy, OutputDirLock
     from .progress import StepPulse
 
 logger = logging.getLogger("hf_perf_callbacks.train")   # also when run as __main__
@@ -127,8 +127,8 @@ CONSOLE_KEYS = keys.CONSOLE_KEYS
 
 
 def console_logs(logs: Mapping[str, Any]) -> dict[str, Any]:
-    """A training log as the console shows it (:func:`hf_perf_callbacks.console.console_logs`)."""
-    from ..console import console_logs as compact
+    """A training log as the console shows it (:func:`hf_perf_callbacks.common.console.console_logs`)."""
+    from ..common.console import console_logs as compact
 
     return compact(logs)
 
@@ -198,7 +198,7 @@ def _end(trainer: Trainer) -> None:
 def hold_output_dir(output_dir: str) -> OutputDirLock | None:
     """Hold ``output_dir`` for this process before anything heavy loads (the main process; the bus holds the same
     lock during ``train()``): another live process training there is one :class:`RecipeError` line."""
-    from ..outputdir import OutputDirBusy, OutputDirLock
+    from ..common.outputdir import OutputDirBusy, OutputDirLock
 
     if int(os.environ.get("RANK", "0") or 0) != 0:
         return None
@@ -246,7 +246,7 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
     """Build the trainer from parsed arguments, train, save, report (``target``: :func:`recipe_target`)."""
     from trl import GRPOTrainer, get_peft_config
 
-    from ..console import hide_upstream_deprecations
+    from ..common.console import hide_upstream_deprecations
 
     hide_upstream_deprecations()
     choose_threads()
@@ -277,8 +277,8 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
             logger.info("%s", line)
 
     if callbacks:                                      # the report words its advice as this launcher's recipe keys
-        from ..bus import bus_for
-        from ..runlog import HF_PERF_TRAIN
+        from ..common.bus import bus_for
+        from ..core.runlog import HF_PERF_TRAIN
 
         bus_for(trainer.callback_handler).log.mark_runs(launcher=HF_PERF_TRAIN, target=dict(target or {}))
     resume = training_args.resume_from_checkpoint
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:                        # RecipeError and the dataclasses' own checks
         print(f"hf_perf_callbacks.train: error: {error}", file=sys.stderr)
         return 2
-    from ..outputdir import OutputDirBusy
+    from ..common.outputdir import OutputDirBusy
 
     try:
         with interrupts.answered(cast(str, training_args.output_dir)):
@@ -343,7 +343,7 @@ def choose_threads() -> None:
 def start_pulse(trainer: Trainer) -> StepPulse:
     """The lines that show a slow step is alive (:class:`~hf_perf_callbacks.train.progress.StepPulse`), above the
     trainer's progress bar."""
-    from ..console import Console
+    from ..common.console import Console
 
     console = Console()
     console.handler = trainer.callback_handler

@@ -10,7 +10,7 @@ says nothing meanwhile. :class:`StepPulse` says, on the main process and above t
   :data:`PULSE_SEC`).
 
 A fast step (a GPU's) prints nothing but the first line. Generations are seen through TRL's own entry point
-(:func:`hf_perf_callbacks.adapter.watch_generation_entry`), micro-batches through ``on_substep_end`` and
+(:func:`hf_perf_callbacks.platform.adapter.watch_generation_entry`), micro-batches through ``on_substep_end`` and
 ``on_step_end``.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
-from .. import adapter
+from ..platform import adapter
 
 if TYPE_CHECKING:
     from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from ..wording import wrapped
+from ..core.wording import wrapped
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _INSTALLED = os.path.join(_PACKAGE, "recipes")                     # inside an installed wheel

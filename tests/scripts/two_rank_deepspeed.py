@@ -92,7 +92,7 @@ def main(out, stage, parts=("meter", "tuned")):
 
 def meter_and_stop(tokenizer, out, stage, rank):
     from hf_perf_callbacks import MemoryWatchdog, default_callbacks, keys
-    from hf_perf_callbacks.flops import shape_of
+    from hf_perf_callbacks.core.flops import shape_of
     from hf_perf_callbacks.tiny import build_model
     from tests.conftest import make_trainer
 
@@ -245,7 +245,7 @@ def restart(out, stage, relaunch: bool, oom_rank: int = 0):
         exact_run(tokenizer, out, stage, "run", steps=8, save_steps=2, plant=plant)
         return
     trainer, got = exact_run(tokenizer, out, stage, "run", steps=8, save_steps=2, resume=True)
-    from hf_perf_callbacks.splitfile import read_split_file
+    from hf_perf_callbacks.core.splitfile import read_split_file
     from tests.deepspeed_sizes import deepspeed_sizes
 
     record = read_split_file(os.path.join(out, "run"))
@@ -267,7 +267,7 @@ def one_process(out, stage):
     _, expected = exact_run(tokenizer, out, stage, "unfaulted")
     plant = PlantedOOM(limit=2, text=CUDA_OOM, armed_at=2, once=True)
     trainer, got = exact_run(tokenizer, out, stage, "recovered", plant=plant)
-    from hf_perf_callbacks.splitfile import read_split_file
+    from hf_perf_callbacks.core.splitfile import read_split_file
     from tests.deepspeed_sizes import deepspeed_sizes
 
     record = read_split_file(os.path.join(out, "recovered"))

@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch
 
 from hf_perf_callbacks import AdaptiveBatchTuner, train_with_tuning
+from hf_perf_callbacks.core.splitfile import read_split_file
 from hf_perf_callbacks.resize import InexactResize
-from hf_perf_callbacks.splitfile import read_split_file
 from hf_perf_callbacks.tiny import build_tokenizer
 from tests.conftest import CORPUS, make_trainer
 from tests.faults import weights

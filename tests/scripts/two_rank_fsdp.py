@@ -63,7 +63,7 @@ def keys_logged(trainer):
 def main(out):
     fsdp_on_cpu()
     from hf_perf_callbacks import MemoryWatchdog, ThroughputMeter, default_callbacks, keys
-    from hf_perf_callbacks.flops import shape_of
+    from hf_perf_callbacks.core.flops import shape_of
     from hf_perf_callbacks.tiny import build_model, build_tokenizer
     from tests.conftest import CORPUS, make_trainer
 

@@ -104,7 +104,7 @@ def one_reading(oom, rank):
     """A resume of the re-sized run where rank 1's own reading of the split file finds nothing (as when the main
     process rewrites it at that moment): every rank must take the main process's reading, so they resume at one
     split (two readings let rank 1 train the old split beside rank 0's new one, and FSDP's collectives hung)."""
-    from hf_perf_callbacks.device import main_process_value
+    from hf_perf_callbacks.platform.device import main_process_value
     from hf_perf_callbacks.resize import executor as executor_module
     from hf_perf_callbacks.resize.executor import Executor
 

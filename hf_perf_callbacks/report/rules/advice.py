@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from ...batching import Split, exact_splits
-from ...memory import WARN_WITHIN_STEPS as STEPS_TO_WALL  # the watchdog's default warn distance
+from ...core.batching import Split, exact_splits
+from ...core.memory import WARN_WITHIN_STEPS as STEPS_TO_WALL  # the watchdog's default warn distance
 from ..facts import CompletionTarget, MemoryHit, RaisedLimit
 from ..model import Measurements, Setting
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ... import keys
-from ...batching import Split, next_smaller
-from ...memory import WARN_WITHIN_STEPS as STEPS_TO_WALL  # the watchdog's default warn distance
+from ...core.batching import Split, next_smaller
+from ...core.memory import WARN_WITHIN_STEPS as STEPS_TO_WALL  # the watchdog's default warn distance
 from ..facts import MemoryPressure, Remedy
 from ..model import Finding, Measurements, Setting, card
 from ..words import finding

@@ -1,5 +1,5 @@
 """The rules of the phases a user controls, each with a gain from the run's own measured seconds (the meter's phase
-clocks, :mod:`hf_perf_callbacks.timeline`): checkpoint saves, logging and the callbacks, recompute.
+clocks, :mod:`hf_perf_callbacks.core.timeline`): checkpoint saves, logging and the callbacks, recompute.
 
 Each gain is the run's wall time over the wall time without the seconds the change removes, those seconds measured
 on this run (a save, a log, a recompute costing what this run's did): ``measured``, as the evaluation rule's. An

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from ...wording import warmup_case
+from ...core.wording import warmup_case
 from ..facts import EvalShare, Interval, KeptForRecipe, Skipped, TunerHint, TuningCost, Warmup
 from ..model import Finding, Measurements, Note, Scope, card
 from ..words import finding, note
@@ -21,7 +21,7 @@ EVAL_TARGET = 0.05           # the share the advised eval_steps brings it to
 TUNING_COST_SHARE = 0.01     # a tuning that cost more than it saved, by this share of the training time: a finding
 
 #: the warmup note's cases (its ``reason``): not finished yet; the first step among the steady steps; else the
-#: warmup steps left out of the steady figures (``facts.case``: :func:`~hf_perf_callbacks.wording.warmup_case`)
+#: warmup steps left out of the steady figures (``facts.case``: :func:`~hf_perf_callbacks.core.wording.warmup_case`)
 WarmupReason = Literal["not_finished", "first_step_steady", "excluded"]
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ...dataloader import dataloader_changes
-from ...splitfile import Decision, trial_figures
+from ...core.dataloader import dataloader_changes
+from ...core.splitfile import Decision, trial_figures
 from ..facts import DuplicateForward, FixedLength, InputBound, MemoryCap, Padding, SmallSplit, TunerMeasured
 from ..model import Finding, Measurements, Note, Setting, card
 from ..words import finding, note
@@ -52,7 +52,7 @@ def rule_input_bound(m: Measurements) -> Finding | None:
 
 def _tune_note(m: Measurements, d: Decision) -> Note | None:
     """The tuner's measurement ``d`` (``m.tune``) of splits on this run's own steps, trial by trial, worded once
-    (:func:`~hf_perf_callbacks.splitfile.trial_figures`: the numbers the console, the summary and the plots print).
+    (:func:`~hf_perf_callbacks.core.splitfile.trial_figures`: the numbers the console, the summary and the plots print).
     Checked and fine only when it measured another split and did not cost more than it saves (then
     :func:`rule_tuning_cost` speaks); not judged when it measured none."""
     figures_ = trial_figures(d)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from .keys import CONSOLE_WIDTH
+from ..keys import CONSOLE_WIDTH
 from .runlog import HF_PERF_TRAIN
 
-#: what each phase of a step's wall time is, in words (keys: :data:`hf_perf_callbacks.runlog.PHASES`)
+#: what each phase of a step's wall time is, in words (keys: :data:`hf_perf_callbacks.core.runlog.PHASES`)
 PHASE_WORDS = {"data_wait": "waiting for data", "generation": "generation", "rollout_wait": "waiting for rollouts",
                "reward": "reward functions",
                "compute": "forward/backward/optimizer",
@@ -25,7 +25,7 @@ TUNER_NEEDS_TRAIN_WITH_TUNING = (
 
 
 #: how a callback's arguments were written: ``default_callbacks(...)`` (each callback it builds carries it as
-#: ``built_by``), the recipe launcher (the run's ``launcher``, :data:`~hf_perf_callbacks.runlog.HF_PERF_TRAIN`:
+#: ``built_by``), the recipe launcher (the run's ``launcher``, :data:`~hf_perf_callbacks.core.runlog.HF_PERF_TRAIN`:
 #: ``callback_kwargs:`` in a YAML), or the class itself
 BUILT_BY_DEFAULT_CALLBACKS = "default_callbacks"
 
@@ -48,7 +48,7 @@ def _number(value: object) -> float | None:
 
 
 def split_label(split: object) -> str:
-    """``8×1`` for a split (a :class:`~hf_perf_callbacks.batching.Split`, or a mapping with ``micro_batch`` and
+    """``8×1`` for a split (a :class:`~hf_perf_callbacks.core.batching.Split`, or a mapping with ``micro_batch`` and
     ``grad_accum`` or the training-argument names); a string as it is; ``?`` for None or anything else."""
     if isinstance(split, str):
         return split
@@ -171,7 +171,7 @@ def provisional_line(tokens_per_sec: object, step_sec: object, steps: object, me
     return text + " (too few steps for steady figures)" + (f"   (mean {mean:,.0f})" if mean is not None else "")
 
 
-#: what an MFU figure is against, by the run header's ``mfu_basis`` (:data:`hf_perf_callbacks.runlog.MFU_BASES`)
+#: what an MFU figure is against, by the run header's ``mfu_basis`` (:data:`hf_perf_callbacks.core.runlog.MFU_BASES`)
 MFU_BASIS_WORDS = {
     "table": "of the device's peak FLOP/s (the device table's), on training time",
     "given": "of the peak FLOP/s given (peak_flops), on training time",

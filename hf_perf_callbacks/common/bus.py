@@ -25,7 +25,7 @@ field                 part                                      job
 A run resumed from a checkpoint written without the callbacks (or without any other ``ExportableState`` callback it
 now has, such as ``EarlyStoppingCallback``) gets their entries in ``state.stateful_callbacks`` at train begin,
 without which transformers' next save raises ``KeyError``
-(:func:`~hf_perf_callbacks.adapter.register_stateful_callbacks`).
+(:func:`~hf_perf_callbacks.platform.adapter.register_stateful_callbacks`).
 
 Callers reach a part through its field (``bus.log.event(...)``, ``bus.merger.publish(...)``): the bus adds no
 methods of its own in front of them.
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
-from . import adapter
+from ..platform import adapter
 from .console import Console
 from .exchange import StepExchange
 from .merger import MetricsMerger, is_training_log
@@ -52,7 +52,7 @@ from .signals import Requests
 __all__ = ["RunBus", "MemoryReading", "bus_for", "TuningLink"]
 
 if TYPE_CHECKING:
-    from .memory import WallFacts
+    from ..core.memory import WallFacts
 
 logger = logging.getLogger("hf_perf_callbacks")
 

@@ -3,12 +3,12 @@
 * **Own time is not data wait.** The time of every event between an optimizer step's end and the next one's begin
   goes to the bus as overhead, which the meter takes out of the data-wait phase.
 * **One exchange per step.** The callbacks that agree across ranks at a step's end contribute to the bus's one
-  exchange of the step (:meth:`PerfCallback._exchange`, :mod:`hf_perf_callbacks.exchange`).
+  exchange of the step (:meth:`PerfCallback._exchange`, :mod:`hf_perf_callbacks.common.exchange`).
 * **Faults stay inside.** Every ``on_*`` event of a subclass wears the shell :func:`hook` (written at the method:
   a subclass defining an undecorated one is refused at its definition): an exception logs one warning with the
   cause, disables that callback (its ``close()`` removes any hooks) and training goes on. Under several ranks a
   disabled callback still joins its per-step exchange with neutral values, so no rank is left waiting.
-* **The bus.** On its first event a callback finds the trainer's :class:`~hf_perf_callbacks.bus.RunBus`
+* **The bus.** On its first event a callback finds the trainer's :class:`~hf_perf_callbacks.common.bus.RunBus`
   (creating it first in the callback list) so its metrics reach every reporter.
 * **Arguments.** A callback's constructor wears the shell :func:`arguments` (written at its ``__init__``): a bad
   argument is a ``ValueError`` naming the class and the key.
@@ -31,12 +31,12 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .adapter import calling_handler
+from ..core.runlog import WarningFigures
+from ..core.validation import UnknownKeyword, check_keywords
+from ..platform.adapter import calling_handler
+from ..platform.device import gather_floats, world_size
 from .bus import RunBus, bus_for
-from .device import gather_floats, world_size
 from .exchange import Rows
-from .runlog import WarningFigures
-from .validation import UnknownKeyword, check_keywords
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -176,11 +176,12 @@ class PerfCallback(TrainerCallback, ExportableState):
                 if name.startswith("on_") and callable(value) and not getattr(value, HOOK_MARK, False)]
         if bare:
             raise TypeError(f"{cls.__name__}.{bare[0]} is a trainer event of a PerfCallback: decorate it with "
-                            f"@hook (hf_perf_callbacks.base.hook), which isolates its faults and joins the bus")
+                            f"@hook (hf_perf_callbacks.common.base.hook), which isolates its faults and joins the bus")
 
     def __init__(self, clock: Clock | None = None):
         if clock is not None and not isinstance(clock, Clock):
-            raise ValueError(f"clock={clock!r} is not allowed: expected a hf_perf_callbacks.base.Clock (or None)")
+            raise ValueError(f"clock={clock!r} is not allowed: expected a hf_perf_callbacks.common.base.Clock "
+                             f"(or None)")
         self.clock = clock or SYSTEM_CLOCK
         self.began = False                       # a train() call has begun with this callback
         self.disabled = False
@@ -215,7 +216,7 @@ class PerfCallback(TrainerCallback, ExportableState):
         return getattr(getattr(self, "device", None), "device", None)
 
     def _exchange(self, step: int, values: list[float], finish: Callable[[Rows], None]) -> None:
-        """Join ``step``'s one cross-rank exchange (:class:`~hf_perf_callbacks.exchange.StepExchange`) with
+        """Join ``step``'s one cross-rank exchange (:class:`~hf_perf_callbacks.common.exchange.StepExchange`) with
         ``values`` (:attr:`exchange_width` floats); ``finish(rows)`` runs with every rank's values once every callback
         of the trainer has contributed (at once on one process). A fault in ``finish`` disables this callback."""
         self.collective_step = step

@@ -52,7 +52,7 @@ def budget_bytes(device_type: str, device_limit: float | None, hard_limit: float
     """The memory budget in bytes: ``limit_gb`` when given, else ``budget_fraction`` × the smallest real limit —
     device memory and the MPS watermark hard limit, on unified memory (``mps``, ``cpu``) the physical RAM, and what
     the run can reach now (``reachable``: what it holds plus what the device can still give, see
-    :attr:`~hf_perf_callbacks.device.MemorySample.reachable`), so other processes and memory outside PyTorch's
+    :attr:`~hf_perf_callbacks.platform.device.MemorySample.reachable`), so other processes and memory outside PyTorch's
     allocator count against it."""
     if limit_gb:
         return limit_gb * GIB
@@ -393,7 +393,7 @@ class MemoryPolicy:
         return forecast.steps if forecast is not None else None
 
     def forecast(self) -> WallForecast | None:
-        """Steps to the budget with a 95% range (:func:`~hf_perf_callbacks.stats.steps_to_limit`); None when the
+        """Steps to the budget with a 95% range (:func:`~hf_perf_callbacks.core.stats.steps_to_limit`); None when the
         trend is not growing or fewer than 3 samples. While a leak is known (``leak_rate``, kept across segments),
         the wall is never forecast farther than the leak brings it from the latest reading, less the largest rise a
         switch brought in this run: a switch starts a new segment, not a new leak."""

@@ -21,8 +21,8 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from . import adapter
-from .runlog import LOCK_FILE
+from ..core.runlog import LOCK_FILE
+from ..platform import adapter
 
 __all__ = ["OutputDirBusy", "OutputDirLock", "OutputDirHold", "HOLDER_FILE", "move_aside",
            "checkpoint_dir", "step_of", "STATE_FILE", "PREFIX", "MOVED_ASIDE", "INCOMPLETE_MARKER"]
@@ -50,7 +50,7 @@ def set_aside_partial(path: str) -> None:
     """A save of ``path`` was cut short (Ctrl-C, SIGTERM, an error): the folder, when it is not a complete checkpoint,
     is moved aside (main process), so that neither transformers' ``get_last_checkpoint`` nor ``--resume_from_checkpoint
     last`` resumes from it."""
-    from .device import is_main_process
+    from ..platform.device import is_main_process
 
     if is_main_process() and os.path.isdir(path) and not _state_written(path):
         moved = move_aside(path, "partial")

@@ -10,7 +10,7 @@ field             meaning
 ``version``       the schema version (:data:`VERSION`)
 ``session``       the tuning session's id: one run, kept across in-process re-sizes and resumes
 ``world_size``    data-parallel ranks of the run
-``configured``    the split the run was configured with (a :class:`~hf_perf_callbacks.batching.Split`)
+``configured``    the split the run was configured with (a :class:`~hf_perf_callbacks.core.batching.Split`)
 ``split``         the split a resume starts with: the one in effect, or the one a pending decision chose
 ``written``       the checkpoints this run wrote and verified, each with the fingerprint of its files
 ``decisions``     every :class:`Decision`, oldest first
@@ -21,7 +21,7 @@ field             meaning
                   (:class:`ExactnessCheck`: the change, exact or not and why, what it cost)
 ================  ==========================================================================================
 
-A split is written with the field names of :class:`~hf_perf_callbacks.batching.Split` (``micro_batch``,
+A split is written with the field names of :class:`~hf_perf_callbacks.core.batching.Split` (``micro_batch``,
 ``grad_accum``, ``steps_per_generation``) everywhere in the file.
 
 **Applied only when exact** (:func:`split_for_run`): the recorded split is applied to a run being started only when
@@ -425,7 +425,7 @@ class WrittenCheckpoint:
 @dataclass
 class Restriction:
     """The splits a run may use (the configured one and those exact under its loss), why the others are left out,
-    and the setting that makes every split exact (:func:`hf_perf_callbacks.batching.exact_under`)."""
+    and the setting that makes every split exact (:func:`hf_perf_callbacks.core.batching.exact_under`)."""
 
     splits: list[Split]
     reason: str

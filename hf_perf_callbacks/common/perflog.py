@@ -1,13 +1,13 @@
 """Writes one trainer's run log, ``<output_dir>/perf_log.jsonl`` (main process only; records and reader in
-:mod:`hf_perf_callbacks.runlog`).
+:mod:`hf_perf_callbacks.core.runlog`).
 
 One run header per ``train()`` call with the run's ``session`` and the facts the callbacks handed it
 (:meth:`PerfLog.describe_run`), one step line per optimizer step (at a logging step with every numeric value of the
-trainer's own training log as ``log/<key>``: ``log/loss``, ``log/reward``), one line per event and the summaries.
-The header is written once every callback has begun (at the first step, or at the first step line or summary);
-events from before it wait and follow it. **Each fresh ``train()`` is its own run**: one that starts at step 0 gets
-a new session (a resume keeps it), unless a tuning session pins it (:meth:`PerfLog.pin_session`: its in-process
-re-sizes and resumes are one run). An event is also said on the console (:class:`~hf_perf_callbacks.console.Console`).
+trainer's own training log as ``log/<key>``: ``log/loss``, ``log/reward``), one line per event and the summaries. The
+header is written once every callback has begun (at the first step, or at the first step line or summary); events from
+before it wait and follow it. **Each fresh ``train()`` is its own run**: one that starts at step 0 gets a new session (a
+resume keeps it), unless a tuning session pins it (:meth:`PerfLog.pin_session`: its in-process re-sizes and resumes are
+one run). An event is also said on the console (:class:`~hf_perf_callbacks.common.console.Console`).
 """
 from __future__ import annotations
 
@@ -16,9 +16,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from .console import Console
-from .merger import finite
-from .runlog import (
+from ..core.runlog import (
     CALLBACK_PREFIXES,
     TRAINER_LOG,
     EventDetails,
@@ -30,6 +28,8 @@ from .runlog import (
     StepLine,
     SummaryLine,
 )
+from .console import Console
+from .merger import finite
 
 __all__ = ["PerfLog"]
 
@@ -104,7 +104,8 @@ class PerfLog:
                                     if finite(v) and not k.startswith(CALLBACK_PREFIXES)})
 
     def describe_run(self, source: str, step: int, **facts: Any) -> None:
-        """A callback's facts for this ``train()`` call's run header (see :class:`~hf_perf_callbacks.runlog.RunHeader`
+        """A callback's facts for this ``train()`` call's run header (see
+        :class:`~hf_perf_callbacks.core.runlog.RunHeader`
         for the names); ``step`` is where the call starts (``state.global_step``)."""
         if self.header is None:                  # the bus missed on_train_begin (not in the callback list)
             self.header, self.start_known = RunHeader(session=self.session), False
@@ -115,7 +116,7 @@ class PerfLog:
     def event(self, source: str, kind: EventKind, message: str, step: int | None = None,
               details: EventDetails | None = None) -> dict[str, Any]:
         """Log an event (warning, action, decision) to the console and the perf log; returns its JSON object.
-        ``details``: its fields, through the type of its shape (:data:`~hf_perf_callbacks.runlog.EventDetails`)."""
+        ``details``: its fields, through the type of its shape (:data:`~hf_perf_callbacks.core.runlog.EventDetails`)."""
         entry = EventLine(source, kind, message, step, round(time.time(), 3),
                           details.to_details() if details is not None else {})
         if self.is_main:

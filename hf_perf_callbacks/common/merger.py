@@ -1,11 +1,11 @@
 """The callbacks' metrics merged into the next training log, before any reporter sees it.
 
-``Trainer.log`` copies ``logs`` into ``state.log_history`` and then calls ``on_log`` on the callbacks in order;
-the reporters (TensorBoard, W&B, trackio, MLflow…) come before user callbacks, so keys a user callback adds in
-``on_log`` reach neither the reporters nor ``log_history``. The callbacks publish into one :class:`MetricsMerger`
-per trainer (held by the :class:`~hf_perf_callbacks.bus.RunBus`, first in the callback list) during ``on_step_end``;
-it merges everything into the next training log *before* any reporter runs, and into ``log_history[-1]``. Only
-training logs get the metrics (:func:`is_training_log`): not an evaluation's log, not the end-of-training summary.
+``Trainer.log`` copies ``logs`` into ``state.log_history`` and then calls ``on_log`` on the callbacks in order; the
+reporters (TensorBoard, W&B, trackio, MLflow…) come before user callbacks, so keys a user callback adds in ``on_log``
+reach neither the reporters nor ``log_history``. The callbacks publish into one :class:`MetricsMerger` per trainer (held
+by the :class:`~hf_perf_callbacks.common.bus.RunBus`, first in the callback list) during ``on_step_end``; it merges
+everything into the next training log *before* any reporter runs, and into ``log_history[-1]``. Only training logs get
+the metrics (:func:`is_training_log`): not an evaluation's log, not the end-of-training summary.
 """
 from __future__ import annotations
 

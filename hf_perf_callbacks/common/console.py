@@ -16,10 +16,10 @@ from typing import Any
 
 from transformers.trainer_callback import CallbackHandler
 
-from . import adapter
-from .keys import CONSOLE_KEYS, CONSOLE_WIDTH
-from .runlog import CALLBACK_PREFIXES, EventKind
-from .wording import console_line, wrapped
+from ..core.runlog import CALLBACK_PREFIXES, EventKind
+from ..core.wording import console_line, wrapped
+from ..keys import CONSOLE_KEYS, CONSOLE_WIDTH
+from ..platform import adapter
 
 __all__ = ["Console", "console_line", "console_logs", "hide_upstream_deprecations", "EVENT_WIDTH", "LOUD_KINDS",
            "QUIET_ONCE"]
@@ -100,9 +100,10 @@ def console_logs(logs: Mapping[str, Any]) -> dict[str, Any]:
 def hide_upstream_deprecations() -> None:
     """For the package's own commands (``hf-perf demo``, ``hf-perf train``): leave out transformers' deprecations
     that TRL's and peft's own code calls on every GRPO run with LoRA, whatever its settings
-    (:data:`hf_perf_callbacks.adapter.SHOWN_BEFORE_A_RESIZE`: peft's ``PeftModel`` reads ``is_gradient_checkpointing``,
-    TRL's generation context and ``disable_gradient_checkpointing`` call ``gradient_checkpointing_disable`` and
-    ``_enable``). Only those messages of ``FutureWarning``; any other warning still shows, and a user's script that
+    (:data:`hf_perf_callbacks.platform.adapter.SHOWN_BEFORE_A_RESIZE`: peft's ``PeftModel`` reads
+    ``is_gradient_checkpointing``, TRL's generation context and ``disable_gradient_checkpointing`` call
+    ``gradient_checkpointing_disable`` and ``_enable``). Only those messages of ``FutureWarning``; any other warning
+    still shows, and a user's script that
     calls the trainer itself still sees them (docs/known-issues.md)."""
     for pattern, category in adapter.SHOWN_BEFORE_A_RESIZE:
         warnings.filterwarnings("ignore", message=pattern, category=category)

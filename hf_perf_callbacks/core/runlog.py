@@ -55,9 +55,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict, TypeGuard, get_args
 
-from .keys import *  # noqa: F403 -- the keys and file names stay importable from here (runlog.PERF_MFU)
-from .keys import PERF_LOG
-from .keys import __all__ as _KEYS
+from ..keys import *  # noqa: F403 -- the keys and file names stay importable from here (runlog.PERF_MFU)
+from ..keys import PERF_LOG
+from ..keys import __all__ as _KEYS
 
 logger = logging.getLogger("hf_perf_callbacks")
 

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
 import psutil
 import torch
 
-from .peaks import DevicePeak, dtype_key, lookup_peak
-from .runlog import GB
+from ..core.peaks import DevicePeak, dtype_key, lookup_peak
+from ..core.runlog import GB
 
 T = TypeVar("T")
 

@@ -1,7 +1,7 @@
 """One cross-rank exchange per optimizer step: every callback's values of the step, gathered with one collective.
 
 A callback that compares or agrees across ranks at its step end (the meter's tokens and training seconds, the
-watchdog's decision) contributes its values (:attr:`~hf_perf_callbacks.base.PerfCallback.exchange_width` floats)
+watchdog's decision) contributes its values (:attr:`~hf_perf_callbacks.common.base.PerfCallback.exchange_width` floats)
 with the work that needs every rank's values (``finish``). Once every such callback of the trainer has contributed
 to the step, one ``all_gather`` carries all of them (in callback-list order, the same on every rank) and each
 ``finish`` runs with its own columns of every rank's row. A disabled callback contributes zeros, so every rank
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from . import adapter
-from .device import gather_floats, world_size
+from ..platform import adapter
+from ..platform.device import gather_floats, world_size
 
 __all__ = ["StepExchange", "Rows"]
 

@@ -234,4 +234,5 @@ class _Run:
         if d is None:
             return
         self.decisions.append(d)
-        self._append(EventLine("tuner", "decision", d.headline(), step, round(self.t, 3), d.event_fields()))
+        self._append(EventLine("tuner", "decision", d.headline(), step, round(self.t, 3),
+                               d.event_details().to_details()))

@@ -197,7 +197,7 @@ def test_a_baseline_whose_steps_spread_as_widely_as_they_take_tries_nothing():
     assert action is tuning.done and tuning.done.split == SPLITS[2] and tuning.cost == 0.0
     why = tuning.done.ended                       # the ceiling less the baseline's interquartile range
     assert why.code == "cannot_pay_back" and why.figures["how"] == "ceiling"
-    saving, _ = tuning.plausible_saving()
+    saving, _ = tuning.saving_figures()
     base = sorted(noisy[3:])
     assert why.figures["iqr"] == pytest.approx(judge_iqr(base)) and why.figures["saving"] == saving
     assert saving == pytest.approx(max(0.0, (base[1] + base[2]) / 2 - (judge_iqr(base))))
@@ -272,7 +272,7 @@ def test_before_any_switch_is_measured_a_round_must_pay_its_reckoned_cost_twice(
     tuning = OnRunTuning(SPLITS[4], [SPLITS[8]], planned_steps=30, samples=4)
     ranked = [1.0, 0.9, 0.85, 1.011, 0.709, 0.835, 0.846]
     action = _first_block(tuning, ranked, whole=[1.5, 2.0, 1.9, 2.147, 1.843, 1.914, 1.993])
-    saving, _ = tuning.plausible_saving()
+    saving, _ = tuning.saving_figures()
     assert 11 * saving > tuning.round_cost()                   # it would have paid its reckoned cost once
     why = tuning.done.ended                       # no switch measured yet: twice the reckoned cost
     assert action is tuning.done and why.code == "cannot_pay_back" and tuning.cost == 0.0

@@ -144,10 +144,6 @@ class Trial:
     def quartiles(self) -> tuple[float, float] | None:
         return iqr(self.samples) if self.samples else None
 
-    @property
-    def step_median(self) -> float | None:
-        return median(self.step_samples) if self.step_samples else None
-
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "split": split_to_json(self.split), "samples": self.samples, "step_samples": self.step_samples,
@@ -354,10 +350,6 @@ class Decision:
         """The details of its ``tuner``/``decision`` event in the perf log (beside the headline and the step)."""
         return DecisionDetails(old_split=self.old.as_args(), new_split=self.new.as_args(), cost_sec=self.cost_sec,
                                expected_gain_sec=self.expected_gain_sec)
-
-    def event_fields(self) -> dict[str, Any]:
-        """Its event's details as the perf log's JSON fields."""
-        return self.event_details().to_details()
 
     def headline(self) -> str:
         """One line: what changed (or was kept), why, and what it cost."""

@@ -63,7 +63,7 @@ from ..core.batching import Split
 from ..core.splitfile import RANKED_WORDS, Decision, Trial
 from ..core.stats import iqr, mann_whitney_less, median
 from ..core.validation import check_flag, check_number
-from ..core.wording import TUNER_ENDED_WORDS, Figure, evidence_words, saving_words, tuner_reason, tuning_outcome
+from ..core.wording import TUNER_ENDED_WORDS, Figure, evidence_words, tuner_reason, tuning_outcome
 
 #: a trial's ``error`` when its peak memory passed the budget (a caller's words otherwise: "out of memory")
 OVER_BUDGET = "peak memory over the budget"
@@ -490,11 +490,6 @@ class OnRunTuning:
             return None
         return self.planned - step - 2 * self._trial_steps()
 
-    def plausible_saving(self) -> tuple[float, str]:
-        """(seconds per step a round can plausibly save, how that was reckoned in words): :meth:`saving_figures`."""
-        saving, figures = self.saving_figures()
-        return saving, saving_words(figures)
-
     def saving_figures(self) -> tuple[float, dict[str, Figure]]:
         """(seconds per step a round can plausibly save, the figures of how that was reckoned: ``how`` "measured"
         or "ceiling"), at the spread of the samples measured so far:
@@ -557,12 +552,6 @@ class OnRunTuning:
                         reason_code=self.done.outcome, ended_by=self.done.ended.code if self.done.ended else None,
                         figures={**(self.done.ended.figures if self.done.ended else {}), **self.done.figures},
                         rank_by="step" if self.rank_by == "step" else "non_generation")
-
-    def ceiling_sec(self, step: int) -> float | None:
-        samples = self.trials[self.start].samples
-        if self.planned is None or not samples:
-            return None
-        return max(0, self.planned - step) * median(samples)
 
     def expected_gain_sec(self, step: int) -> float | None:
         start, kept = self.trials[self.start].samples, self.trials[self.baseline].samples

@@ -201,6 +201,13 @@ def train_and_catch(trainer, tuning: bool) -> tuple[float, str | None, str | Non
     return time.perf_counter() - started, oom, error
 
 
+def read_log(out: str, fields: tuple[str, ...]) -> tuple[list[dict], list[dict]]:
+    """The run's step lines and its watchdog's and tuner's events (``fields`` of each) from its perf log."""
+    lines = [json.loads(x) for x in open(os.path.join(out, "perf_log.jsonl"))]
+    events = [{k: x.get(k) for k in fields} for x in lines if x["type"] == "event" and x["source"] in ("mem", "tuner")]
+    return [x for x in lines if x["type"] == "step"], events
+
+
 def one_run(name: str, a, device: str, tuning: bool, leak_mb: int | None = None, steps: int | None = None) -> dict:
     out = tempfile.mkdtemp(prefix=f"shared_gpu_{name}_")
     model, vocab = make_model(a.model, device)
@@ -216,10 +223,7 @@ def one_run(name: str, a, device: str, tuning: bool, leak_mb: int | None = None,
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(vocab),
                       callbacks=[leak, watchdog] + ([tuner] if tuner else []))
     seconds, oom, error = train_and_catch(trainer, tuning)
-    lines = [json.loads(x) for x in open(os.path.join(out, "perf_log.jsonl"))]
-    steps = [x for x in lines if x["type"] == "step"]
-    events = [{k: x.get(k) for k in ("step", "kind", "action", "message")} for x in lines
-              if x["type"] == "event" and x["source"] in ("mem", "tuner")]
+    steps, events = read_log(out, ("step", "kind", "action", "message"))
     stop = watchdog.stopped_at
     stop_message = next((e["message"] for e in reversed(events) if e["kind"] == "stop"), None)
     decisions = [{"kind": d.kind, "step": d.step, "old": str(d.old), "new": str(d.new), "reason": d.reason}
@@ -341,10 +345,7 @@ def moving_wall_run(name: str, a, device: str, tuning: bool) -> dict:
         seconds, oom, error = train_and_catch(trainer, tuning)
     finally:
         take.close()
-    lines = [json.loads(x) for x in open(os.path.join(out, "perf_log.jsonl"))]
-    steps = [x for x in lines if x["type"] == "step"]
-    events = [{k: x.get(k) for k in ("step", "kind", "action", "message", "need_gb", "budget_gb")} for x in lines
-              if x["type"] == "event" and x["source"] in ("mem", "tuner")]
+    steps, events = read_log(out, ("step", "kind", "action", "message", "need_gb", "budget_gb"))
     stop = watchdog.stopped_at
     stop_message = next((e["message"] for e in reversed(events) if e["kind"] == "stop"), None)
     decisions = [{"kind": d.kind, "step": d.step, "old": str(d.old), "new": str(d.new), "reason": d.reason}
@@ -431,10 +432,7 @@ def returning_tenant_run(name: str, a, device: str, tuning: bool) -> dict:
         seconds, oom, error = train_and_catch(trainer, tuning)
     finally:
         lend.close()
-    lines = [json.loads(x) for x in open(os.path.join(out, "perf_log.jsonl"))]
-    steps = [x for x in lines if x["type"] == "step"]
-    events = [{k: x.get(k) for k in ("step", "kind", "action", "message")} for x in lines
-              if x["type"] == "event" and x["source"] in ("mem", "tuner")]
+    steps, events = read_log(out, ("step", "kind", "action", "message"))
     decisions = [{"kind": d.kind, "step": d.step, "old": str(d.old), "new": str(d.new), "reason": d.reason}
                  for d in (tuner.executor.record.decisions if tuner and tuner.executor else [])]
     limits = {s["step"]: s.get("mem/limit_gb") for s in steps}

@@ -1,7 +1,7 @@
-"""``benchmarks/bench_shared_gpu.py --smoke``: the shared-GPU benchmark's five runs on CPU stand-ins (another process
-holding 512 MiB, memory this process holds outside torch, a 64 MiB leak a step, the tiny model; a real tenant process
-taking a small machine's free memory at step 10 while the rows grow), so that it is known to work before a GPU
-session runs it. It starts a Python process (and the holder's): ``launch``."""
+"""``benchmarks/bench_shared_gpu.py --smoke``: the shared-GPU benchmark's eight runs on CPU stand-ins (another process
+holding 512 MiB, memory this process holds outside torch, a 64 MiB leak a step and a slow one, the tiny model; a real
+tenant process taking a small machine's free memory at step 10 while the rows grow, and one that gives it back), so
+that it is known to work before a GPU session runs it. It starts a Python process (and the holder's): ``launch``."""
 import json
 import os
 import subprocess
@@ -22,7 +22,13 @@ def test_every_run_ends_with_a_checkpoint_no_oom_and_the_causes_named(tmp_path):
     result = json.load(open(tmp_path / "shared_gpu_smoke.json"))
     assert result["passed"] and result["environment"]["torch"] and result["environment"]["date"]
     runs = result["runs"]
-    assert set(runs) == {"a_other_process", "b_outside_allocator", "c_tuning", "d_wall_moves", "e_wall_moves_tuning"}
+    assert set(runs) == {"a_other_process", "b_outside_allocator", "c_tuning", "d_wall_moves", "e_wall_moves_tuning",
+                         "f_slow_leak", "g_tenant_returns", "h_tenant_returns_tuning"}
+    for name in ("g_tenant_returns", "h_tenant_returns_tuning"):    # a tenant takes memory and gives it back
+        lent = runs.pop(name)
+        assert lent["stop_step"] is None and lent["steps_trained"] == lent["max_steps"], name
+        assert lent["memory_resizes"] == 0 and lent["oom"] is None and lent["error"] is None, name
+        assert lent["budget_held_gb"] < lent["budget_before_gb"] and lent["budget_after_gb"] > lent["budget_held_gb"]
     moved, moved_tuning = runs.pop("d_wall_moves"), runs.pop("e_wall_moves_tuning")
     assert moved["stop_step"] == moved["taken_at_step"] == 10 and moved["checkpoints"] == ["checkpoint-10"]
     assert moved["oom"] is None and moved["error"] is None and moved["stop_names_outside"]

@@ -8,7 +8,7 @@ tuner measures it on steps 4-6 and asks for 4×1 at the end of step 6. Then, per
 * ``stop`` — the user's callback stops the run at step 6; ``early_stopping`` — ``EarlyStoppingCallback`` does, in the
   evaluation of step 6: the run ends at step 6, as untuned, the tuning recorded as ended at 2×2;
 * ``trial_oom_0`` / ``trial_oom_1`` — 4×1 runs out of memory (planted in the training forward), with
-  ``max_resizes=0`` and ``1``: the trial is left and the run trains to its end; with ``1`` a real OOM at step 10 still
+  ``max_resizes=0`` and ``1``: the trial is left and the run trains to its end; with ``1`` a real OOM at step 12 still
   gets its re-size (2×2 → 1×4);
 * ``rotation`` — ``save_total_limit=1`` and the user's ``checkpoint-5``; the switch at step 6, the user stops the run
   at step 8, mid-trial: the user's checkpoint stays, as untuned, and ``args``, ``tuner_split.json`` and the decision
@@ -69,7 +69,7 @@ def run(cell: Cell, tokenizer, path, tuned: bool):
     if tuned and key.startswith("trial_oom"):   # 4×1 does not fit (DPO's forward holds chosen and rejected)
         planted.append(PlantedOOM(limit=4 if cell.trainer == "DPOTrainer" else 2, text=CUDA_OOM))
         if key == "trial_oom_1":
-            planted.append(Fault("forward", at=10))
+            planted.append(Fault("forward", at=12))     # the tuning over: at the configured split
     trainer = build(cell, tokenizer, path, planted + callbacks + ([tuner] if tuner else []), extra)
     trajectory.attach(trainer)
     for plant in planted:

@@ -8,6 +8,9 @@ import json
 
 import pytest
 
+from hf_perf_callbacks.core.splitfile import read_split_file
+from hf_perf_callbacks.resize.record import merged, rank_files
+
 from tests.test_deepspeed import launch
 
 
@@ -48,8 +51,9 @@ def test_an_oom_on_rank_1_reaches_the_restart_and_the_relaunch_resumes_exactly(t
     trains steps 5-8 as the unfaulted run does (samples over both ranks, learning rates, weights)."""
     first = launch(tmp_path, stage, "restart_rank1")
     assert first.returncode != 0
-    record = json.load(open(tmp_path / "run" / "tuner_split.json"))
-    assert record["split"] == {"micro_batch": 2, "grad_accum": 2}
+    run = str(tmp_path / "run")
+    assert [str(r.split) for r in rank_files(run)] == ["2×2"]                   # rank 1's decision, in its own file
+    assert str(merged(read_split_file(run), rank_files(run)).split) == "2×2"     # what the restart reads
     second = launch(tmp_path, stage, "restart_rank1", "relaunch")
     assert second.returncode == 0, second.stderr[-4000:]
     for r in (0, 1):

@@ -114,8 +114,8 @@ def test_an_oom_inside_one_ranks_step_under_fsdp2_is_recovered_in_process_and_ex
     """An OOM planted in rank 1's forward (step 2) and in rank 0's backward (step 3, after some layers' gradients
     were reduce-scattered) re-sizes both ranks 4×1 → 2×2 in the same process, and each run trains what the unfaulted
     run trains: the samples of every step (over both ranks), the RNG stream, the learning rates, the weights and the
-    SGD momentum (no gradient clipping). A hang would run into the subprocess timeout (``TimeoutExpired``).
-    ``without_it``: as on torch < 2.13, which has no ``FSDPModule.reset_iter_state``: the adapter's own reset."""
+    SGD momentum (no gradient clipping); both ranks' records carry the run's one id. A hang would run into the
+    subprocess timeout (``TimeoutExpired``). ``without_it``: as on torch < 2.13, which has no ``FSDPModule.reset_iter_state``: the adapter's own reset."""
     if reset == "without_it":
         monkeypatch.setenv("WITHOUT_RESET_ITER_STATE", "1")
     proc = torchrun(tmp_path, "recover")
@@ -128,6 +128,7 @@ def test_an_oom_inside_one_ranks_step_under_fsdp2_is_recovered_in_process_and_ex
             assert got["step"] == 8 and got["split"] == [2, 2]                # 4 × 1 × 2 ranks = 2 × 2 × 2 ranks
             assert got["decisions"] == [["oom", struck + 1, 2]]                # the step that ran out of memory
         assert [r[case]["raised"] for r in ranks] == ([0, 1] if case == "forward" else [1, 0])
+        assert ranks[0][case]["session"] == ranks[1][case]["session"]     # one run's id: a restart merges by it
 
 
 @pytest.mark.launch

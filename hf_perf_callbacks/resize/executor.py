@@ -222,6 +222,10 @@ class Executor:
         from, the trainer's sharding (FSDP, DeepSpeed: no tuning) and the step guard."""
         checkpoint = resume_point(resume, self.output_dir, restarts=sharding.restarted_by_launcher())
         self.trainer, self.max_resizes = trainer, max_resizes
+        if self.world > 1:          # one run, one id on every rank: the restart merges a rank's record by it
+            self.record.id = main_process_value(lambda: self.record.id)
+            if self.bus is not None:
+                self.bus.log.pin_session(self.record.id)
         sharded, guarded = sharding.start(trainer, self)
         self.sharded = sharded
         self.record.commit(Change(state=replace(self.state, in_process=sharded is None, resizes_left=max_resizes)),

@@ -236,7 +236,7 @@ def recover(out):
         result[name] = {"differences": differences(expected, got), "step": trainer.state.global_step,
                         "split": [args.per_device_train_batch_size, args.gradient_accumulation_steps],
                         "decisions": [(d.kind, d.step, d.new.micro_batch) for d in tuner.executor.record.decisions],
-                        "raised": plant.raised}
+                        "raised": plant.raised, "session": tuner.executor.record.id}
     result["stable_steps"] = sharding.STABLE_STEPS
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

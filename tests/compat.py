@@ -28,6 +28,7 @@ the cell.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import re
@@ -303,10 +304,14 @@ def record(cell: Cell, column: str, outcome: str) -> bool:
                          f"'said: <why>', 'rule: <why>' or 'measured: <why>'")
     if installed_versions() != pinned_versions():
         return False
-    results = load_results()
-    results.setdefault(cell.id, {})[column] = outcome
-    ordered = {c.id: results[c.id] for c in CELLS + TUNING_CELLS if c.id in results}
-    lines = [f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v, ensure_ascii=False)}" for k, v in ordered.items()]
-    with open(RESULTS, "w", encoding="utf-8") as f:
-        f.write("{\n" + ",\n".join(lines) + "\n}\n")                 # one cell a line: a diff names the cell
+    with open(RESULTS + ".lock", "w") as lock:          # the suite's workers record at once: one at a time,
+        fcntl.flock(lock, fcntl.LOCK_EX)               # and a reader never sees a half-written file
+        results = load_results()
+        results.setdefault(cell.id, {})[column] = outcome
+        ordered = {c.id: results[c.id] for c in CELLS + TUNING_CELLS if c.id in results}
+        lines = [f"{json.dumps(k, ensure_ascii=False)}: {json.dumps(v, ensure_ascii=False)}"
+                 for k, v in ordered.items()]
+        with open(RESULTS + ".tmp", "w", encoding="utf-8") as f:
+            f.write("{\n" + ",\n".join(lines) + "\n}\n")             # one cell a line: a diff names the cell
+        os.replace(RESULTS + ".tmp", RESULTS)
     return True

@@ -151,13 +151,18 @@ def launch(out, stage, *extra, processes=2, timeout=500):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def launched(tmp_path_factory, stage: int, mode: str):
+    """The script's ``mode`` under ZeRO-``stage``, launched once: the stage, its folder, each rank's result, stderr."""
+    out = tmp_path_factory.mktemp(f"zero{stage}_{mode}")
+    proc = launch(out, stage, mode)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return stage, out, [json.load(open(out / f"rank{r}.json")) for r in (0, 1)], proc.stderr
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
 def zero_run(request, tmp_path_factory):
     """The re-size in process (the meter's figures and a stop on one rank: ``tests/test_deepspeed_ci.py``)."""
-    out = tmp_path_factory.mktemp(f"zero{request.param}")
-    proc = launch(out, request.param, "tuned")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return request.param, out, [json.load(open(out / f"rank{r}.json")) for r in (0, 1)], proc.stderr
+    return launched(tmp_path_factory, request.param, "tuned")
 
 
 @pytest.mark.launch

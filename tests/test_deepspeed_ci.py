@@ -10,16 +10,12 @@ import pytest
 
 from hf_perf_callbacks.core.splitfile import read_split_file
 from hf_perf_callbacks.resize.record import merged, rank_files
-
-from tests.test_deepspeed import launch
+from tests.test_deepspeed import launch, launched
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
 def zero_meter(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"zero{request.param}_meter")
-    proc = launch(out, request.param, "meter")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return request.param, out, [json.load(open(out / f"rank{r}.json")) for r in (0, 1)], proc.stderr
+    return launched(tmp_path_factory, request.param, "meter")
 
 
 @pytest.mark.launch

@@ -115,7 +115,8 @@ def test_an_oom_inside_one_ranks_step_under_fsdp2_is_recovered_in_process_and_ex
     were reduce-scattered) re-sizes both ranks 4×1 → 2×2 in the same process, and each run trains what the unfaulted
     run trains: the samples of every step (over both ranks), the RNG stream, the learning rates, the weights and the
     SGD momentum (no gradient clipping); both ranks' records carry the run's one id. A hang would run into the
-    subprocess timeout (``TimeoutExpired``). ``without_it``: as on torch < 2.13, which has no ``FSDPModule.reset_iter_state``: the adapter's own reset."""
+    subprocess timeout (``TimeoutExpired``). ``without_it``: as on torch < 2.13, which has no
+    ``FSDPModule.reset_iter_state``: the adapter's own reset."""
     if reset == "without_it":
         monkeypatch.setenv("WITHOUT_RESET_ITER_STATE", "1")
     proc = torchrun(tmp_path, "recover")

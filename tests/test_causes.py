@@ -111,6 +111,10 @@ def test_the_cpu_clock_counts_the_dataloader_workers(tokenizer, tmp_path):
     assert all(s.number(keys.PERF_CPU_SEC) >= s.number(keys.PERF_CHILD_CPU_SEC) for s in lines)
 
 
+#: a planted compile's CPU seconds in a child process (real work: the OS counts it)
+COMPILE_CPU_SEC = 3.0
+
+
 class Compiled(Trainer):
     """A Trainer whose every micro-batch costs 0.5 planted seconds of compute (wall and CPU time alike), and whose
     steps in ``compiles`` also wait for a child process working ``cpu_sec`` CPU seconds (a compile's workers)."""
@@ -122,20 +126,20 @@ class Compiled(Trainer):
         self.clock.spend(0.5)
         self.clock.spend_cpu(0.5)
         step = self.state.global_step + 1
-        if step in self.compiles and self.compiles[step] == 8.0:
-            self.compiles[step] = burn_in_child(self.clock, 8.0)
+        if step in self.compiles and self.compiles[step] == COMPILE_CPU_SEC:
+            self.compiles[step] = burn_in_child(self.clock, COMPILE_CPU_SEC)
         return super().training_step(*args, **kwargs)
 
 
 def test_a_compile_and_a_recompile_are_called_what_they_are_never_contention(tokenizer, tmp_path, one_thread):
     """``torch_compile: true`` (dynamo, eager backend: a real compile without a C++ toolchain's minutes), and at
-    steps 1 and 12 a child process working 8 CPU seconds while the step waits, as inductor's compile workers do: the
+    steps 1 and 12 a child process working ``COMPILE_CPU_SEC`` CPU seconds while the step waits, as inductor's compile workers do: the
     first is the warmup note's one-time compile, the second a recompile finding for step 12 with its seconds; neither
     is contention."""
     trainer = make_trainer(tokenizer, tmp_path, [], max_steps=16, bs=2, ga=1, length=16, trainer_cls=Compiled,
                            extra={"torch_compile": True, "torch_compile_backend": "eager"})
     clock = PlantedClock()
-    trainer.clock, trainer.compiles = clock, {1: 8.0, 12: 8.0}
+    trainer.clock, trainer.compiles = clock, {1: COMPILE_CPU_SEC, 12: COMPILE_CPU_SEC}
     trainer.add_callback(ThroughputMeter(clock=clock, warmup_window=3, max_warmup_steps=3))
     trainer.train()
     m, found, by_rule, notes = analysed(tmp_path)
@@ -149,7 +153,7 @@ def test_a_compile_and_a_recompile_are_called_what_they_are_never_contention(tok
     assert warmup.compile is True and warmup.child_cpu_sec == pytest.approx(child[1], rel=0.03)
     assert [r.step for r in m.recompiles] == [12]
     assert m.recompiles[0].excess_sec == pytest.approx(child[12], rel=0.03)
-    f = by_rule["compile"]                          # 8 s of a ~20 s run: a finding, ranked by its seconds
+    f = by_rule["compile"]                          # 3 s of a ~14 s run: a finding, ranked by its seconds
     assert f.reason == "recompiles" and f.steps == [(12, 12)]
     assert f.stake_sec == pytest.approx(m.recompiles[0].excess_sec) and found[0] is f
 

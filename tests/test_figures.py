@@ -75,7 +75,7 @@ def test_console_summary_step_line_reporters_and_figures_agree(which, request, t
     report = summarize(read_run(output_dir))
     expected = [throughput_line(f.steady_tokens_per_sec, f.steady_step_sec, f.mean_tokens_per_sec),
                 warmup_line(True, f.warmup_steps, f.first_step_slowdown, f.warmup_overhead_sec, f.steps,
-                            f.contention_sec)]
+                            f.contention_sec, in_band=f.warmup_in_band, tolerance=f.warmup_tolerance)]
     for line in expected:
         assert line in console and line in report
     # a killed run (no summary) gives the same figures from its step lines

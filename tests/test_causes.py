@@ -133,9 +133,9 @@ class Compiled(Trainer):
 
 def test_a_compile_and_a_recompile_are_called_what_they_are_never_contention(tokenizer, tmp_path, one_thread):
     """``torch_compile: true`` (dynamo, eager backend: a real compile without a C++ toolchain's minutes), and at
-    steps 1 and 12 a child process working ``COMPILE_CPU_SEC`` CPU seconds while the step waits, as inductor's compile workers do: the
-    first is the warmup note's one-time compile, the second a recompile finding for step 12 with its seconds; neither
-    is contention."""
+    steps 1 and 12 a child process working ``COMPILE_CPU_SEC`` CPU seconds while the step waits, as inductor's compile
+    workers do: the first is the warmup note's one-time compile, the second a recompile finding for step 12 with its
+    seconds; neither is contention."""
     trainer = make_trainer(tokenizer, tmp_path, [], max_steps=16, bs=2, ga=1, length=16, trainer_cls=Compiled,
                            extra={"torch_compile": True, "torch_compile_backend": "eager"})
     clock = PlantedClock()

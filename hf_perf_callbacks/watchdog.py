@@ -582,10 +582,9 @@ class MemoryWatchdog(PerfCallback):
             fields[keys.MEM_ALLOC_RETRIES] = retries
         mac = self._mac_sample() if self._run.on_mac else None
         if mac is not None:
-            delta = mac.delta_since(self._run.previous_mac) if self._run.previous_mac else None
+            swapouts = mac.swapouts_since(self._run.previous_mac) if self._run.previous_mac else None
             self._run.previous_mac = mac
             os_level = mac.pressure_level
-            swapouts = delta.swapouts_delta if delta else None
             fields.update({keys.MEM_OS_PRESSURE: os_level, keys.MEM_SWAPOUTS: swapouts,
                            keys.MEM_COMPRESSOR_GB: mac.compressor_bytes / GB if mac.compressor_bytes else None,
                            keys.MEM_FOOTPRINT_GB: mac.phys_footprint_bytes / GB if mac.phys_footprint_bytes else None})

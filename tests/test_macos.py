@@ -68,7 +68,6 @@ class FakeLibSystem:
             b"kern.memorystatus_vm_pressure_level": struct.pack("<I", 1),
             b"vm.swapusage": xsw_usage_bytes(2 << 30, 1 << 30, 1 << 30),
             b"machdep.cpu.brand_string": b"Apple M2 Max\0",
-            b"hw.memsize": struct.pack("<Q", 64 << 30),
         }
         self.vm_stats = vm_stats_bytes()
         self.host_rc = 0
@@ -179,18 +178,8 @@ def test_vm_counters_and_compressor_bytes(fake: FakeLibSystem) -> None:
                                    decompressions=44, pageins=5555, pageouts=66,
                                    compressor_page_count=1000, free_count=7,
                                    total_uncompressed_pages_in_compressor=99)
-    counters = MacMemoryReader(lib=fake, page_size=16384).vm_counters()
-    assert counters == {
-        "swapins": 11, "swapouts": 22, "compressions": 333, "decompressions": 44,
-        "pageins": 5555, "pageouts": 66, "compressor_bytes": 1000 * 16384,
-    }
-
-
-def test_compressor_bytes_default_page_size(fake: FakeLibSystem) -> None:
-    fake.vm_stats = vm_stats_bytes(compressor_page_count=3)
     counters = MacMemoryReader(lib=fake).vm_counters()
-    assert counters is not None
-    assert counters["compressor_bytes"] == 3 * os.sysconf("SC_PAGESIZE")
+    assert counters == {"swapouts": 22, "compressor_bytes": 1000 * os.sysconf("SC_PAGESIZE")}
 
 
 def test_mach_host_self_called_once(fake: FakeLibSystem) -> None:
@@ -208,7 +197,7 @@ def test_host_statistics_failure_is_none(fake: FakeLibSystem,
 
 
 def test_swapout_growth_between_samples(fake: FakeLibSystem) -> None:
-    reader = MacMemoryReader(lib=fake, page_size=16384)
+    reader = MacMemoryReader(lib=fake)
     fake.vm_stats = vm_stats_bytes(swapouts=100, swapins=10, compressions=1000,
                                    compressor_page_count=10)
     first = reader.sample()
@@ -219,23 +208,18 @@ def test_swapout_growth_between_samples(fake: FakeLibSystem) -> None:
     second = reader.sample()
     assert isinstance(second, MacMemorySample)
     assert second.pressure_level == 2 and first.pressure_level == 1
-    assert second.compressor_bytes == 20 * 16384
-    delta = second.delta_since(first)
-    assert delta.swapouts_delta == 64
-    assert delta.swapins_delta == 0
-    assert delta.compressions_delta == 500
-    assert delta.swap_used_delta_bytes == 4096
-    assert delta.seconds >= 0
+    assert second.compressor_bytes == 20 * os.sysconf("SC_PAGESIZE")
+    assert second.swap_used_bytes == (1 << 30) + 4096
+    assert second.swapouts_since(first) == 64
+    assert second.timestamp >= first.timestamp
 
 
-def test_delta_none_when_either_side_missing() -> None:
-    a = MacMemorySample(timestamp=0.0, swapouts=5, swapins=None, compressions=1)
-    b = MacMemorySample(timestamp=1.0, swapouts=None, swapins=3, compressions=4)
-    delta = b.delta_since(a)
-    assert delta.swapouts_delta is None
-    assert delta.swapins_delta is None
-    assert delta.compressions_delta == 3
-    assert delta.swap_used_delta_bytes is None
+def test_swapouts_none_when_either_side_missing_or_reset() -> None:
+    a = MacMemorySample(timestamp=0.0, swapouts=5)
+    b = MacMemorySample(timestamp=1.0, swapouts=None)
+    assert b.swapouts_since(a) is None
+    assert a.swapouts_since(b) is None
+    assert MacMemorySample(timestamp=2.0, swapouts=3).swapouts_since(a) is None    # the counter went back
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.swapouts = 1  # type: ignore[misc]  # frozen
 
@@ -249,25 +233,22 @@ def test_phys_footprint(fake: FakeLibSystem) -> None:
     reader = MacMemoryReader(lib=fake)
     fake.rusage[os.getpid()] = rusage_v0_bytes(phys_footprint=12345678, resident=999)
     assert reader.phys_footprint_bytes() == 12345678
-    fake.rusage[4242] = rusage_v0_bytes(phys_footprint=777)
-    assert reader.phys_footprint_bytes(4242) == 777
-    assert fake.rusage_pids == [os.getpid(), 4242]
+    assert fake.rusage_pids == [os.getpid()]
 
 
 def test_phys_footprint_failure(fake: FakeLibSystem, caplog: pytest.LogCaptureFixture) -> None:
     reader = MacMemoryReader(lib=fake)
-    assert reader.phys_footprint_bytes(99999) is None
+    del fake.rusage[os.getpid()]
+    assert reader.phys_footprint_bytes() is None
     assert len(warnings_of(caplog)) == 1
     assert "proc_pid_rusage" in warnings_of(caplog)[0].getMessage()
 
 
-def test_chip_name_and_memsize(fake: FakeLibSystem) -> None:
+def test_chip_name_cached(fake: FakeLibSystem) -> None:
     reader = MacMemoryReader(lib=fake)
     assert reader.chip_name() == "Apple M2 Max"
-    assert reader.memsize_bytes() == 64 << 30
     calls = len(fake.sysctl_calls)
     assert reader.chip_name() == "Apple M2 Max"  # cached
-    assert reader.memsize_bytes() == 64 << 30
     assert len(fake.sysctl_calls) == calls
 
 
@@ -287,8 +268,8 @@ def test_missing_sysctl_warns_once(fake: FakeLibSystem,
 
 
 def test_wrong_size_sysctl_is_none(fake: FakeLibSystem) -> None:
-    fake.sysctls[b"hw.memsize"] = struct.pack("<I", 8)  # 4 bytes instead of 8
-    assert MacMemoryReader(lib=fake).memsize_bytes() is None
+    fake.sysctls[b"vm.swapusage"] = xsw_usage_bytes(1, 1, 1)[:16]  # 16 bytes instead of 32
+    assert MacMemoryReader(lib=fake).swap_used_bytes() is None
 
 
 class PartialLib:
@@ -323,13 +304,11 @@ def test_linux_default_all_none(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(sys, "platform", "linux")
     ran: list[Any] = []
     reader = MacMemoryReader(run=lambda argv: ran.append(argv) or "")
-    assert not reader.available
     assert reader.pressure_level() is None
     assert reader.vm_counters() is None
     assert reader.swap_used_bytes() is None
     assert reader.phys_footprint_bytes() is None
     assert reader.chip_name() is None
-    assert reader.memsize_bytes() is None
     assert reader.gpu_core_count() is None
     sample = reader.sample()
     assert all(v is None for k, v in vars(sample).items() if k != "timestamp")

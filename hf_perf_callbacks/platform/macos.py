@@ -8,12 +8,11 @@ Trustworthy signals on macOS, cheapest first (each read costs microseconds):
   (``None``), never as normal.
 * ``host_statistics64(HOST_VM_INFO64)``: cumulative VM counters. A growing
   ``swapouts`` between steps means compressed pages are being written to swap
-  right now, the definitive "swapping has begun" signal. Growing
-  ``compressions`` / ``compressor_page_count`` mean the compressor is absorbing
-  pressure, which normally precedes swap. ``pageouts`` also counts file-backed
-  dirty pages and is less specific. The kernel answers unentitled processes from
-  a cache after 2-10 calls within one second, so sample at most about once a
-  second for fresh counters; deltas stay correct, they just arrive later.
+  right now, the definitive "swapping has begun" signal; ``compressor_page_count``
+  is the compressor's size (``pageouts`` also counts file-backed dirty pages and
+  is less specific). The kernel answers unentitled processes from a cache after
+  2-10 calls within one second, so sample at most about once a second for fresh
+  counters; deltas stay correct, they just arrive later.
 * ``vm.swapusage`` (sysctl): swap files are created on demand and persist, so
   only changes of ``xsu_used`` are meaningful, not its level or a percentage.
 * ``proc_pid_rusage(RUSAGE_INFO_V0).ri_phys_footprint``: the figure Activity
@@ -47,10 +46,7 @@ logger = logging.getLogger(__name__)
 
 LIBSYSTEM_PATH = "/usr/lib/libSystem.B.dylib"
 
-PRESSURE_NORMAL = 1
-PRESSURE_WARN = 2
-PRESSURE_CRITICAL = 4
-_PRESSURE_LEVELS = frozenset((PRESSURE_NORMAL, PRESSURE_WARN, PRESSURE_CRITICAL))
+_PRESSURE_LEVELS = frozenset((1, 2, 4))     # normal, warn, critical
 
 HOST_VM_INFO64 = 4
 HOST_VM_INFO64_COUNT = 38  # sizeof(vm_statistics64) / sizeof(integer_t)
@@ -181,51 +177,22 @@ def _call_error(func: str, rc: int) -> OSError:
     return OSError(f"{func} returned {rc}")
 
 
-def _counter_delta(new: int | None, old: int | None) -> int | None:
-    if new is None or old is None or new < old:
-        return None
-    return new - old
-
-
-@dataclass(frozen=True)
-class MacMemoryDelta:
-    """Growth of the cumulative counters between two samples (``None`` if unknown)."""
-
-    seconds: float
-    swapouts_delta: int | None
-    swapins_delta: int | None
-    compressions_delta: int | None
-    swap_used_delta_bytes: int | None
-
-
 @dataclass(frozen=True)
 class MacMemorySample:
     """Per-step memory readings; every field is ``None`` when unavailable."""
 
     timestamp: float
     pressure_level: int | None = None
-    swapins: int | None = None
     swapouts: int | None = None
-    compressions: int | None = None
-    decompressions: int | None = None
-    pageins: int | None = None
-    pageouts: int | None = None
     compressor_bytes: int | None = None
     swap_used_bytes: int | None = None
     phys_footprint_bytes: int | None = None
 
-    def delta_since(self, previous: MacMemorySample) -> MacMemoryDelta:
-        """Counter growth from ``previous`` to this sample."""
-        swap_used = None
-        if self.swap_used_bytes is not None and previous.swap_used_bytes is not None:
-            swap_used = self.swap_used_bytes - previous.swap_used_bytes
-        return MacMemoryDelta(
-            seconds=self.timestamp - previous.timestamp,
-            swapouts_delta=_counter_delta(self.swapouts, previous.swapouts),
-            swapins_delta=_counter_delta(self.swapins, previous.swapins),
-            compressions_delta=_counter_delta(self.compressions, previous.compressions),
-            swap_used_delta_bytes=swap_used,
-        )
+    def swapouts_since(self, previous: MacMemorySample) -> int | None:
+        """Swap-outs from ``previous`` to this sample (None when either is unknown or the counter went back)."""
+        if self.swapouts is None or previous.swapouts is None or self.swapouts < previous.swapouts:
+            return None
+        return self.swapouts - previous.swapouts
 
 
 _T = TypeVar("_T")
@@ -239,31 +206,19 @@ class MacMemoryReader:
     ``lib`` replaces libSystem (any object with ``sysctlbyname``,
     ``host_statistics64``, ``mach_host_self`` and ``proc_pid_rusage`` callables
     taking ctypes ``byref`` pointers); ``run`` replaces the subprocess runner
-    used once by :meth:`gpu_core_count` (argv -> stdout, raising on failure);
-    ``page_size`` overrides ``os.sysconf("SC_PAGESIZE")``.
+    used once by :meth:`gpu_core_count` (argv -> stdout, raising on failure).
+    Off macOS, without an injected ``lib``, every reader returns None.
     """
 
-    def __init__(
-        self,
-        lib: Any = None,
-        run: Callable[[Sequence[str]], str] | None = None,
-        page_size: int | None = None,
-    ) -> None:
+    def __init__(self, lib: Any = None, run: Callable[[Sequence[str]], str] | None = None) -> None:
         self._lib_obj = lib
         self._enabled = lib is not None or sys.platform == "darwin"
         self._run = run if run is not None else _default_run
-        self._page_size = page_size
         self._host: int | None = None
         self._warned: set[str] = set()
         self._chip_name: str | None = None
-        self._memsize: int | None = None
         self._gpu_cores: int | None = None
         self._gpu_cores_done = False
-
-    @property
-    def available(self) -> bool:
-        """False on non-macOS platforms without an injected ``lib``."""
-        return self._enabled
 
     # -- plumbing -----------------------------------------------------------
 
@@ -289,7 +244,7 @@ class MacMemoryReader:
                 )
             return None
 
-    def _sysctl_into(self, name: str, buf: ctypes.Structure | ctypes.c_uint32 | ctypes.c_uint64) -> None:
+    def _sysctl_into(self, name: str, buf: ctypes.Structure | ctypes.c_uint32) -> None:
         size = ctypes.c_size_t(ctypes.sizeof(buf))
         rc = self._lib().sysctlbyname(name.encode(), ctypes.byref(buf), ctypes.byref(size), None, 0)
         if rc != 0:
@@ -314,11 +269,6 @@ class MacMemoryReader:
             raise ValueError("empty string")
         return text
 
-    def _page_bytes(self) -> int:
-        if self._page_size is None:
-            self._page_size = int(os.sysconf("SC_PAGESIZE"))
-        return self._page_size
-
     # -- per-step readers ---------------------------------------------------
 
     def pressure_level(self) -> int | None:
@@ -334,7 +284,7 @@ class MacMemoryReader:
         return self._read_or_none("kern.memorystatus_vm_pressure_level", read)
 
     def vm_counters(self) -> dict[str, int] | None:
-        """Cumulative ``host_statistics64`` counters plus ``compressor_bytes``."""
+        """``swapouts`` (cumulative) and ``compressor_bytes`` from ``host_statistics64``."""
 
         def read() -> dict[str, int]:
             lib = self._lib()
@@ -347,15 +297,8 @@ class MacMemoryReader:
                 raise OSError(f"host_statistics64 returned kern_return_t {rc}")
             if count.value < HOST_VM_INFO64_COUNT:
                 raise ValueError(f"count {count.value} < {HOST_VM_INFO64_COUNT}")
-            return {
-                "swapins": stats.swapins,
-                "swapouts": stats.swapouts,
-                "compressions": stats.compressions,
-                "decompressions": stats.decompressions,
-                "pageins": stats.pageins,
-                "pageouts": stats.pageouts,
-                "compressor_bytes": stats.compressor_page_count * self._page_bytes(),
-            }
+            page = os.sysconf("SC_PAGESIZE")
+            return {"swapouts": stats.swapouts, "compressor_bytes": stats.compressor_page_count * page}
 
         return self._read_or_none("host_statistics64(HOST_VM_INFO64)", read)
 
@@ -369,13 +312,12 @@ class MacMemoryReader:
 
         return self._read_or_none("vm.swapusage", read)
 
-    def phys_footprint_bytes(self, pid: int | None = None) -> int | None:
-        """``ri_phys_footprint`` of ``pid`` (default: this process)."""
+    def phys_footprint_bytes(self) -> int | None:
+        """``ri_phys_footprint`` of this process."""
 
         def read() -> int:
             info = rusage_info_v0()
-            target = os.getpid() if pid is None else pid
-            rc = self._lib().proc_pid_rusage(target, RUSAGE_INFO_V0, ctypes.byref(info))
+            rc = self._lib().proc_pid_rusage(os.getpid(), RUSAGE_INFO_V0, ctypes.byref(info))
             if rc != 0:
                 raise _call_error("proc_pid_rusage", rc)
             return cast(int, info.ri_phys_footprint)
@@ -388,12 +330,7 @@ class MacMemoryReader:
         return MacMemorySample(
             timestamp=time.monotonic(),
             pressure_level=self.pressure_level(),
-            swapins=counters.get("swapins"),
             swapouts=counters.get("swapouts"),
-            compressions=counters.get("compressions"),
-            decompressions=counters.get("decompressions"),
-            pageins=counters.get("pageins"),
-            pageouts=counters.get("pageouts"),
             compressor_bytes=counters.get("compressor_bytes"),
             swap_used_bytes=self.swap_used_bytes(),
             phys_footprint_bytes=self.phys_footprint_bytes(),
@@ -408,20 +345,6 @@ class MacMemoryReader:
                 "machdep.cpu.brand_string", lambda: self._sysctl_string("machdep.cpu.brand_string")
             )
         return self._chip_name
-
-    def memsize_bytes(self) -> int | None:
-        """``hw.memsize``: physical memory in bytes."""
-
-        def read() -> int:
-            value = ctypes.c_uint64()
-            self._sysctl_into("hw.memsize", value)
-            if value.value <= 0:
-                raise ValueError("zero memsize")
-            return value.value
-
-        if self._memsize is None:
-            self._memsize = self._read_or_none("hw.memsize", read)
-        return self._memsize
 
     def gpu_core_count(self) -> int | None:
         """GPU core count from one ``ioreg -rc AGXAccelerator -d 1`` call (cached)."""

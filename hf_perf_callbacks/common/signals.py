@@ -31,6 +31,7 @@ class ShrinkRequest(Protocol):
 
 
 H = TypeVar("H", bound=Callable[..., object])
+A = TypeVar("A")
 
 
 def _live(handler: object) -> bool:
@@ -61,39 +62,30 @@ class Requests:
 
     def ask_clear(self, reason: str, step: int) -> list[float]:
         """Every cache-clear handler's bytes freed (empty when nobody listens)."""
-        answers: list[float] = []
-        for handler in list(self.clearers):
-            if not _live(handler):
-                continue
-            try:
-                answers.append(float(handler(reason=reason, step=step)))
-            except Exception as error:  # noqa: BLE001
-                self.clearers.remove(handler)
-                _dropped(handler, "clear_cache", error)
-        return answers
+        return _ask(self.clearers, "clear_cache", lambda handler: float(handler(reason=reason, step=step)))
 
     def ask_smaller_batch(self, reason: str, step: int, control: Any = None, rows: list[Any] | None = None
                           ) -> list[bool]:
         """Every smaller-batch handler's answer: True when it will re-size the run (empty when nobody listens).
         ``rows``: the next step's fetched micro-batches, when it asks before that step trains."""
-        answers: list[bool] = []
-        for handler in list(self.shrinkers):
-            if not _live(handler):
-                continue
-            try:
-                answer = (handler(reason=reason, step=step, control=control) if rows is None
-                          else handler(reason=reason, step=step, control=control, rows=rows))
-                answers.append(bool(answer))
-            except Exception as error:  # noqa: BLE001
-                self.shrinkers.remove(handler)
-                _dropped(handler, "smaller_batch", error)
-        return answers
+        return _ask(self.shrinkers, "smaller_batch",
+                    lambda handler: bool(handler(reason=reason, step=step, control=control, rows=rows)))
 
     def can_shrink(self) -> bool:
         """Whether something answers requests for a smaller micro-batch."""
         return any(_live(h) for h in self.shrinkers)
 
 
-def _dropped(handler: object, request: str, error: Exception) -> None:
-    logger.warning("subscriber %s of '%s' failed (%s: %s) and was removed", handler, request, type(error).__name__,
-                   error)
+def _ask(handlers: list[H], request: str, ask: Callable[[H], A]) -> list[A]:
+    """``ask(handler)`` of every live handler; one that raises is removed from ``handlers`` with one warning."""
+    answers: list[A] = []
+    for handler in list(handlers):
+        if not _live(handler):
+            continue
+        try:
+            answers.append(ask(handler))
+        except Exception as error:  # noqa: BLE001
+            handlers.remove(handler)
+            logger.warning("subscriber %s of '%s' failed (%s: %s) and was removed", handler, request,
+                           type(error).__name__, error)
+    return answers

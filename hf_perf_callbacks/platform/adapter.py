@@ -657,17 +657,7 @@ def clock_trainer(trainer: Trainer, enter: Callable[[str], None], leave: Callabl
                     leave(phase)
             return clocked
 
-        before = trainer.__dict__.get(name)
-        replacement = make(getattr(trainer, name))
-        setattr(trainer, name, replacement)
-
-        def undo(name: str = name, before: Any = before, replacement: Callable[..., Any] = replacement) -> None:
-            if trainer.__dict__.get(name) is replacement:
-                if before is None:
-                    delattr(trainer, name)
-                else:
-                    setattr(trainer, name, before)
-        undos.append(undo)
+        undos.append(replace_method(trainer, name, make))
 
     def undo_all() -> None:
         for undo in reversed(undos):
@@ -1058,26 +1048,15 @@ COLLECTIVES = ("all_gather", "all_gather_coalesced", "all_gather_into_tensor", "
                "reduce_scatter_single", "reduce_scatter_tensor", "scatter", "scatter_object_list")
 
 
-def watch_collectives(started: Callable[[str], None], finished: Callable[[str], None]) -> Callable[[], None]:
-    """Until the returned undo runs, call ``started(name)`` and ``finished(name)`` around every collective of
-    :data:`COLLECTIVES` that goes through the ``torch.distributed`` module functions (``finished`` on an error too).
-    Meant for a short span (one rollout): installed over whatever wraps them now and undone before it."""
+def _wrap_collectives(make: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
+    """Replace every ``torch.distributed`` function of :data:`COLLECTIVES` by ``make(name, original)`` until the
+    returned undo runs."""
     originals: dict[str, Callable[..., Any]] = {}
     for name in COLLECTIVES:
         original = getattr(torch.distributed, name, None)
-        if original is None:
-            continue
-
-        @functools.wraps(original)
-        def timed(*args: Any, _original: Callable[..., Any] = original, _name: str = name, **kwargs: Any) -> Any:
-            started(_name)
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                finished(_name)
-
-        originals[name] = original
-        setattr(torch.distributed, name, timed)
+        if original is not None:
+            originals[name] = original
+            setattr(torch.distributed, name, functools.wraps(original)(make(name, original)))
 
     def undo() -> None:
         for name, original in originals.items():
@@ -1085,40 +1064,43 @@ def watch_collectives(started: Callable[[str], None], finished: Callable[[str], 
         originals.clear()
 
     return undo
+
+
+def watch_collectives(started: Callable[[str], None], finished: Callable[[str], None]) -> Callable[[], None]:
+    """Until the returned undo runs, call ``started(name)`` and ``finished(name)`` around every collective of
+    :data:`COLLECTIVES` that goes through the ``torch.distributed`` module functions (``finished`` on an error too).
+    Meant for a short span (one rollout): installed over whatever wraps them now and undone before it."""
+    def make(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started(name)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                finished(name)
+        return timed
+
+    return _wrap_collectives(make)
 
 
 def intercept_collectives(before: Callable[[], None], failed: Callable[[], None]) -> Callable[[], None]:
     """Until the returned undo runs, call ``before()`` ahead of every collective on the default group that goes
     through the ``torch.distributed`` module functions (``before`` may raise to skip it), and ``failed()`` when the
     collective itself raises."""
-    originals: dict[str, Callable[..., Any]] = {}
-    for name in COLLECTIVES:
-        original = getattr(torch.distributed, name, None)
-        if original is None:
-            continue
+    def make(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(original)
 
-        @functools.wraps(original)
-        def checked(*args: Any, _original: Callable[..., Any] = original, _signature: inspect.Signature = signature,
-                    **kwargs: Any) -> Any:
-            group = _signature.bind_partial(*args, **kwargs).arguments.get("group")
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            group = signature.bind_partial(*args, **kwargs).arguments.get("group")
             if group is None or group is torch.distributed.GroupMember.WORLD:
                 before()
             try:
-                return _original(*args, **kwargs)
+                return original(*args, **kwargs)
             except BaseException:
                 failed()
                 raise
+        return checked
 
-        originals[name] = original
-        setattr(torch.distributed, name, checked)
-
-    def undo() -> None:
-        for name, original in originals.items():
-            setattr(torch.distributed, name, original)
-        originals.clear()
-
-    return undo
+    return _wrap_collectives(make)
 
 
 # ---------------------------------------------------------------- FSDP2
@@ -1248,8 +1230,6 @@ def fsdp2_optimizer_state_restored(trainer: Trainer) -> Iterator[None]:
 
 
 def _load_fsdp2_optimizer(plugin: Any, trainer: Trainer, checkpoint: str) -> None:   # accelerate has no types
-    import os
-
     import torch.distributed.checkpoint as dist_cp
     from accelerate.utils.constants import OPTIMIZER_NAME
     from accelerate.utils.fsdp_utils import _prepare_sd_options

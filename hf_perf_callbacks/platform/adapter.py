@@ -783,55 +783,86 @@ class GenerationListener(GenerateListener, EntryListener, Protocol):
     """A listener of both (:func:`watch_generation`)."""
 
 
-class _GenerateWatch:
+class _Watch:
+    """Wrappers around one object's entry points that tell every listener, shared by all of them (:func:`_join`) and
+    taken off when the last one leaves; a wrapper another one was put over outlives the undo: it then only passes
+    through."""
+
+    def __init__(self, entry: str) -> None:
+        self.entry = entry                  # the attribute whose wrapper tells that the watch is still in place
+        self.listeners: list[Any] = []
+        self.alive = True
+        self.undos: list[Callable[[], None]] = []
+        self.wrapper: object = None         # what the entry holds while the watch is in place
+
+    def _telling(self, started: Callable[[Any], None],
+                 finished: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], None]
+                 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """A wrapper for :func:`replace_method` that calls ``started(listener)`` and ``finished(listener, args,
+        kwargs, result)`` (result None on an error) for every listener around the call."""
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(original)
+            def told(*args: Any, **kwargs: Any) -> Any:
+                listeners = list(self.listeners) if self.alive else []
+                for listener in listeners:
+                    started(listener)
+                result = None
+                try:
+                    result = original(*args, **kwargs)
+                    return result
+                finally:
+                    for listener in listeners:
+                        finished(listener, args, kwargs, result)
+            return told
+        return make
+
+    def undo(self) -> None:
+        self.alive = False
+        for each in reversed(self.undos):
+            each()
+        self.undos.clear()
+
+
+def _join(watches: weakref.WeakKeyDictionary[Any, _Watch], owner: Any, build: Callable[[], _Watch],
+          listener: object) -> Callable[[], None]:
+    """``listener`` joins the watch of ``owner`` (``build()`` when it has none, or another wrapper was put over its
+    own); returns the function that stops it."""
+    watch = watches.get(owner)
+    if watch is None or owner.__dict__.get(watch.entry) is not watch.wrapper:
+        watch = watches[owner] = build()
+    watch.listeners.append(listener)
+
+    def stop() -> None:
+        if listener in watch.listeners:
+            watch.listeners.remove(listener)
+        if not watch.listeners and watch.alive:
+            watch.undo()
+            if watches.get(owner) is watch:
+                del watches[owner]
+
+    return stop
+
+
+class _GenerateWatch(_Watch):
     """One wrapper around one model's ``generate`` that tells every listener when a generation starts and ends."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.listeners: list[GenerateListener] = []
-        self.before = model.__dict__.get("generate")
-        original = cast("Callable[..., Any]", model.generate)      # a generating model's (typed as a submodule)
-
-        @functools.wraps(original)
-        def generate(*args: Any, **kwargs: Any) -> Any:
-            listeners = list(self.listeners)
-            for listener in listeners:
-                listener.generate_started()
-            output = None
-            try:
-                output = original(*args, **kwargs)
-                return output
-            finally:
-                input_ids = kwargs.get("input_ids", args[0] if args else None)
-                for listener in listeners:
-                    listener.generate_finished(input_ids, output)
-
-        self.wrapper = generate
-        model.generate = generate       # type: ignore[assignment]  # an instance attribute over the method
+        super().__init__("generate")
+        self.undos.append(replace_method(model, "generate", self._telling(
+            lambda listener: listener.generate_started(),
+            lambda listener, args, kwargs, output: listener.generate_finished(
+                kwargs.get("input_ids", args[0] if args else None), output))))
+        self.wrapper = model.__dict__["generate"]
 
 
-_WATCHES: weakref.WeakKeyDictionary[torch.nn.Module, _GenerateWatch] = weakref.WeakKeyDictionary()
+_WATCHES: weakref.WeakKeyDictionary[Any, _Watch] = weakref.WeakKeyDictionary()
 
 
 def watch_generate(model: torch.nn.Module, listener: GenerateListener) -> Callable[[], None]:
     """Call ``listener.generate_started()`` and ``listener.generate_finished(input_ids, output)`` (output None on
     an error) around every ``model.generate``; returns the function that stops it. One wrapper per model, shared
     by all listeners; the model's own ``generate`` comes back when the last listener leaves."""
-    watch = _WATCHES.get(model)
-    if watch is None or model.__dict__.get("generate") is not watch.wrapper:
-        watch = _WATCHES[model] = _GenerateWatch(model)
-    watch.listeners.append(listener)
-
-    def stop() -> None:
-        if listener in watch.listeners:
-            watch.listeners.remove(listener)
-        if not watch.listeners and model.__dict__.get("generate") is watch.wrapper:
-            if watch.before is None:
-                del model.generate
-            else:
-                model.generate = watch.before
-            _WATCHES.pop(model, None)
-
-    return stop
+    return _join(_WATCHES, model, lambda: _GenerateWatch(model), listener)
 
 
 class GenerationClock:
@@ -938,16 +969,14 @@ def rollout_counts(kind: str, result: Any) -> tuple[int, int, int]:
     return len(lengths), sum(lengths), max(lengths, default=0)
 
 
-class _EntryWatch:
+class _EntryWatch(_Watch):
     """One set of wrappers around one trainer's generation entry points that tells every listener."""
 
     def __init__(self, trainer: Trainer) -> None:
-        self.listeners: list[EntryListener] = []
-        self.alive = True           # a wrapper another one was put over outlives the undo: it then only passes through
-        self.entry = "_sync_weight" if is_async_grpo(trainer) else "_generate"
+        super().__init__("_sync_weight" if is_async_grpo(trainer) else "_generate")
         own = getattr(trainer, self.entry)         # the bound method (async GRPO: the one TRL's callback holds)
-        self.undos = [replace_method(trainer, self.entry, self._timed(SYNC if self.entry == "_sync_weight"
-                                                                       else ROLLOUT))]
+        self.undos.append(replace_method(trainer, self.entry, self._timed(SYNC if self.entry == "_sync_weight"
+                                                                           else ROLLOUT)))
         self.wrapper = trainer.__dict__[self.entry]
         if self.entry == "_sync_weight":
             self._watch_async(trainer, own)
@@ -976,30 +1005,11 @@ class _EntryWatch:
             self.undos.append(replace_method(worker, "start", self._timed(ROLLOUT)))
 
     def _timed(self, kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        def make(original: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(original)
-            def entry(*args: Any, **kwargs: Any) -> Any:
-                listeners = list(self.listeners) if self.alive else []
-                for listener in listeners:
-                    listener.entry_started(kind)
-                result = None
-                try:
-                    result = original(*args, **kwargs)
-                    return result
-                finally:
-                    for listener in listeners:
-                        listener.entry_finished(kind, result)
-            return entry
-        return make
-
-    def undo(self) -> None:
-        self.alive = False
-        for each in reversed(self.undos):
-            each()
-        self.undos.clear()
+        return self._telling(lambda listener: listener.entry_started(kind),
+                             lambda listener, args, kwargs, result: listener.entry_finished(kind, result))
 
 
-_ENTRY_WATCHES: weakref.WeakKeyDictionary[Trainer, _EntryWatch] = weakref.WeakKeyDictionary()
+_ENTRY_WATCHES: weakref.WeakKeyDictionary[Any, _Watch] = weakref.WeakKeyDictionary()
 
 
 def watch_generation_entry(trainer: Trainer | None, listener: EntryListener) -> Callable[[], None]:
@@ -1010,20 +1020,7 @@ def watch_generation_entry(trainer: Trainer | None, listener: EntryListener) -> 
     watched on a trainer without ``_generate`` (not a TRL generating trainer). Returns the function that stops it."""
     if trainer is None or generation_backend(trainer) is None:
         return lambda: None
-    watch = _ENTRY_WATCHES.get(trainer)
-    if watch is None or trainer.__dict__.get(watch.entry) is not watch.wrapper:
-        watch = _ENTRY_WATCHES[trainer] = _EntryWatch(trainer)
-    watch.listeners.append(listener)
-
-    def stop() -> None:
-        if listener in watch.listeners:
-            watch.listeners.remove(listener)
-        if not watch.listeners and watch.alive:
-            watch.undo()
-            if _ENTRY_WATCHES.get(trainer) is watch:
-                del _ENTRY_WATCHES[trainer]
-
-    return stop
+    return _join(_ENTRY_WATCHES, trainer, lambda: _EntryWatch(trainer), listener)
 
 
 def watch_generation(model: torch.nn.Module, listener: GenerationListener) -> Callable[[], None]:

@@ -11,7 +11,6 @@ PERF_LOG = "perf_log.jsonl"
 GB = 1024**3                           # bytes per GB in every ``*_gb`` figure (GiB, 2³⁰ bytes)
 SPLIT_FILE = "tuner_split.json"        # the tuner's split and decisions, beside the perf log
 LOCK_FILE = ".hf_perf.lock"            # held by the process training into output_dir (the bus holds it)
-TRAINER_STATE = "trainer_state.json"
 
 #: the phases of a step's wall time (``perf/phase/<phase>``, ``perf/phase_sec/<phase>``, seconds on the step line;
 #: meanings in :mod:`hf_perf_callbacks.core.timeline`): they sum to ``perf/step_wall_sec``, ``unexplained`` included
@@ -226,7 +225,7 @@ def key_table() -> str:
 
 
 __all__ = [
-    "PERF_LOG", "GB", "SPLIT_FILE", "LOCK_FILE", "TRAINER_STATE", "PHASES", "CLOCKED_PHASES", "PERF_TOKENS_PER_SEC",
+    "PERF_LOG", "GB", "SPLIT_FILE", "LOCK_FILE", "PHASES", "CLOCKED_PHASES", "PERF_TOKENS_PER_SEC",
     "PERF_TOKENS_PER_SEC_PER_DEVICE", "PERF_STEADY_TOKENS_PER_SEC", "PERF_STEADY_STEP_TIME", "PERF_STEP_TIME",
     "PERF_WARMUP_DONE", "PERF_WARMUP_STEPS", "PERF_WARMUP_OVERHEAD_SEC", "PERF_FIRST_STEP_SLOWDOWN", "PERF_MFU",
     "PERF_HFU", "PERF_ROLLOUT_TOKENS_PER_SEC", "PERF_TRAIN_TOKENS_PER_SEC", "PERF_DECODE_BANDWIDTH_UTIL",

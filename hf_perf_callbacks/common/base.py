@@ -93,16 +93,14 @@ def hook(method: Callable[..., Any]) -> Callable[..., Any]:
             if name in ("on_init_end", "on_train_begin") or self.bus is None:
                 self._attach()
             bus = self._bus
-            if name == "on_train_begin":
-                bus.on_train_begin(args, state, control)          # once per call, also when it joined just now
             bus.bind(args, state)
             if name == "on_train_begin":
+                bus.on_train_begin(args, state, control)          # once per call, also when it joined just now
                 if state.global_step > 0:
                     self._restore_from(state)
                 elif self.began:                 # a fresh run of the same trainer: a run of its own
                     self.start_fresh()
                 self.began = True
-            if name == "on_train_begin":
                 self.ended_step = state.global_step
             started = self.clock.wall()
             try:

@@ -160,17 +160,13 @@ class RunBus(TrainerCallback):
         resize = self.output_lock.call_begins(args.output_dir, self.log.is_main)   # another live process: an error
         self.merger.clear()
         self.log.open_header(state.global_step, resize)   # train_with_tuning's later calls re-size, not resume
-        self._register_stateful(state, control)
+        if self.handler is not None:     # a resume that attached stateful callbacks missing in its checkpoint saves
+            adapter.register_stateful_callbacks(state, self.handler.callbacks + [control])
         self.console.compact()      # the whole list is the handler's now (the meter's clocks dispatch other events
                                     # to one callback at a time)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.log.flush()                         # every callback has begun: the header goes out now at the latest
-
-    def _register_stateful(self, state: Any, control: Any) -> None:
-        """A resume that attached stateful callbacks the checkpoint was written without must still save."""
-        if self.handler is not None:
-            adapter.register_stateful_callbacks(state, self.handler.callbacks + [control])
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:

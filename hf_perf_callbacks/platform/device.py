@@ -11,11 +11,13 @@ import gc
 import logging
 import os
 import platform
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
 
+import numpy as np
 import psutil
 import torch
 
@@ -178,17 +180,13 @@ class DeviceLayer:
     @property
     def name(self) -> str:
         if self._name is None:
-            self._name = self._read_name()
+            if self.type in ("cuda", "xpu"):
+                self._name = str(getattr(torch, self.type).get_device_name(self.device))
+            elif self.type == "mps":
+                self._name = self.mac.chip_name() or "Apple Silicon (unknown chip)"
+            else:
+                self._name = platform.processor() or platform.machine() or "cpu"
         return self._name
-
-    def _read_name(self) -> str:
-        if self.type == "cuda":
-            return torch.cuda.get_device_name(self.device)
-        if self.type == "xpu":
-            return torch.xpu.get_device_name(self.device)
-        if self.type == "mps":
-            return self.mac.chip_name() or "Apple Silicon (unknown chip)"
-        return platform.processor() or platform.machine() or "cpu"
 
     @property
     def mac(self) -> MacMemoryReader:
@@ -366,19 +364,11 @@ RngState: TypeAlias = ("tuple[tuple[Any, ...], dict[str, Any] | tuple[str, Any, 
 
 def rng_state() -> RngState:
     """Every RNG stream a training step draws from (Python, NumPy, torch CPU and CUDA)."""
-    import random
-
-    import numpy as np
-
     return (random.getstate(), np.random.get_state(), torch.get_rng_state(),
             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
 
 
 def set_rng_state(state: RngState) -> None:
-    import random
-
-    import numpy as np
-
     python, numpy_state, torch_state, cuda_state = state
     random.setstate(python)
     np.random.set_state(numpy_state)

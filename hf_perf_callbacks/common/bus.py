@@ -22,11 +22,6 @@ field                 part                                      job
 ``overhead``          float                                     the callbacks' own seconds since the step ended
 ====================  ========================================  ==================================================
 
-A run resumed from a checkpoint written without the callbacks (or without any other ``ExportableState`` callback it
-now has, such as ``EarlyStoppingCallback``) gets their entries in ``state.stateful_callbacks`` at train begin,
-without which transformers' next save raises ``KeyError``
-(:func:`~hf_perf_callbacks.platform.adapter.register_stateful_callbacks`).
-
 Callers reach a part through its field (``bus.log.event(...)``, ``bus.merger.publish(...)``): the bus adds no
 methods of its own in front of them.
 """
@@ -160,7 +155,7 @@ class RunBus(TrainerCallback):
         resize = self.output_lock.call_begins(args.output_dir, self.log.is_main)   # another live process: an error
         self.merger.clear()
         self.log.open_header(state.global_step, resize)   # train_with_tuning's later calls re-size, not resume
-        if self.handler is not None:     # a resume that attached stateful callbacks missing in its checkpoint saves
+        if self.handler is not None:     # a resume that attached stateful callbacks its checkpoint lacks still saves
             adapter.register_stateful_callbacks(state, self.handler.callbacks + [control])
         self.console.compact()      # the whole list is the handler's now (the meter's clocks dispatch other events
                                     # to one callback at a time)

@@ -98,12 +98,9 @@ def console_logs(logs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def hide_upstream_deprecations() -> None:
-    """For the package's own commands (``hf-perf demo``, ``hf-perf train``): leave out transformers' deprecations
-    that TRL's and peft's own code calls on every GRPO run with LoRA, whatever its settings
-    (:data:`hf_perf_callbacks.platform.adapter.SHOWN_BEFORE_A_RESIZE`: peft's ``PeftModel`` reads
-    ``is_gradient_checkpointing``, TRL's generation context and ``disable_gradient_checkpointing`` call
-    ``gradient_checkpointing_disable`` and ``_enable``). Only those messages of ``FutureWarning``; any other warning
-    still shows, and a user's script that
-    calls the trainer itself still sees them (docs/known-issues.md)."""
+    """For the package's own commands (``hf-perf demo``, ``hf-perf train``): leave out the transformers deprecations
+    that TRL's and peft's own code triggers on every GRPO run with LoRA
+    (:data:`hf_perf_callbacks.platform.adapter.SHOWN_BEFORE_A_RESIZE`); any other warning still shows, and a user's
+    script that calls the trainer itself still sees them (docs/known-issues.md)."""
     for pattern, category in adapter.SHOWN_BEFORE_A_RESIZE:
         warnings.filterwarnings("ignore", message=pattern, category=category)

@@ -40,11 +40,6 @@ class StepExchange:
         self.step = -1
         self.pending: list[_Contribution] = []
 
-    @staticmethod
-    def participants(handler: Any) -> list[Any]:
-        """The trainer's callbacks that exchange values at each step, in callback-list order."""
-        return [cb for cb in adapter.all_callbacks(handler) if getattr(cb, "exchange_width", 0) > 0]
-
     def contribute(self, participant: Any, step: int, values: list[float], finish: Callable[[Rows], None] | None,
                    handler: Any, device: torch.device | None = None) -> None:
         """``participant``'s ``values`` of ``step``; ``finish(rows)`` once every participant has contributed."""
@@ -52,7 +47,7 @@ class StepExchange:
             if finish is not None:
                 finish([list(values)])
             return
-        expected = self.participants(handler)
+        expected = [cb for cb in adapter.all_callbacks(handler) if getattr(cb, "exchange_width", 0) > 0]
         if not any(p is participant for p in expected):      # not in the trainer's list: an exchange of its own
             rows = gather_floats(values, device)
             if finish is not None:

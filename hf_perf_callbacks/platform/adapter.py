@@ -6,10 +6,12 @@ that names it and fails with a clear message when a library version renames it.
 ================================================  ==============================================================
 internal                                          why there is no public route
 ================================================  ==============================================================
-the ``CallbackHandler`` on the call stack         a callback passed through ``callbacks=[...]`` is never handed
-(``sys._getframe``)                               the trainer or its handler (only transformers' own JIT
+the ``CallbackHandler`` and the ``Trainer`` on    a callback passed through ``callbacks=[...]`` is never handed
+the call stack (``sys._getframe``)                the trainer or its handler (only transformers' own JIT
                                                   checkpoint callback gets ``set_trainer``); the bus must run
-                                                  before the reporters, so it must reach the handler's list
+                                                  before the reporters (the handler's list) and release the
+                                                  output-dir lock when ``train()`` ends, by an error too; the
+                                                  tuner reads the run's loss facts from the trainer
 ``ProgressCallback.training_bar``                 the tqdm bar has no API for a postfix from another callback
 ``Trainer._train_batch_size``                     ``train()`` builds its dataloader from this copy, not from
                                                   ``args``; a re-size must set both
@@ -21,8 +23,6 @@ the ``CallbackHandler`` on the call stack         a callback passed through ``ca
                                                   written without one has no entry for it, so the next save of a
                                                   resume that attached it raises ``KeyError`` (transformers 5.24;
                                                   ``EarlyStoppingCallback`` too): the entries are added first
-TRL ``GRPOTrainer._step``, ``_buffered_inputs``,  the generation buffer and metric accumulators of the last
-``_metrics``                                      ``train()`` survive into the next; a resume must start clean
 ``trainer.training_step`` (instance attribute)    the step is the unit the cross-rank agreement guards; no hook
                                                   runs around a whole micro-batch
 ``Trainer._load_from_checkpoint`` (instance        transformers 5.24 loads a resumed checkpoint non-strictly and
@@ -34,9 +34,6 @@ attribute)                                        without its weight conversion:
 ``Trainer._loss_shifts_labels``                   whether the model's loss shifts its labels (a causal language
                                                   model): with left padding, the first token of a padded row is
                                                   then a target; transformers decides it from the loss mapping
-the ``Trainer`` on the call stack                 a callback is never handed the trainer; the bus must release the
-(``sys._getframe``)                               output-dir lock when ``train()`` ends, by an error too, and the
-                                                  tuner reads the run's loss facts from it
 ``Trainer._get_grad_norm``,                       the step's gradient norm and learning rate are locals of the
 ``Trainer._get_learning_rate``,                   training loop, logged after ``on_step_end``: a step whose
 ``Trainer._maybe_log_save_evaluate``,             callback raised there never logs them; a recovery logs them
@@ -46,7 +43,9 @@ the ``Trainer`` on the call stack                 a callback is never handed the
 ``Trainer._globalstep_last_logged``,              checkpoint keeps: a step left mid-way by an OOM has counted its
 ``Trainer._total_loss_scalar``, TRL               first micro-batches' tokens and FLOPs, and a resume starts the
 ``GRPOTrainer._step``, ``_buffered_inputs``,      loss window and GRPO's generation buffer afresh
-``_metrics``                                      (:class:`LoopState` takes them back and carries them over)
+``_metrics``                                      (:class:`LoopState` takes them back and carries them over);
+                                                  the last ``train()``'s survive into the next: a resume starts
+                                                  clean (:func:`forget_last_train`)
 TRL ``_metrics``, ``_total_train_tokens``        the metrics TRL's ``compute_loss`` adds to on every call (SFT,
 (SFT, DPO, GRPO)                                  DPO: the tokens trained so far): the exactness check's passes
                                                   are no training, and take back what they added
@@ -262,13 +261,11 @@ class StepLog:
 
 def save_checkpoint(trainer: Trainer, rotate: bool = True, run_dir: str | None = None) -> None:
     """Write ``checkpoint-<global_step>`` now, as the Trainer does at a save step, and a complete one whenever there
-    is training state: the weights, optimizer, scheduler, scaler and RNG state, also under ``save_only_model=True``
-    (which would leave out everything but the weights, and a resume from it would restart the schedule and the
-    optimizer silently). ``rotate=False``: ``save_total_limit`` deletes no checkpoint for this save (a checkpoint
-    written only to switch splits must not push the user's out). ``run_dir``: written into that folder instead of
-    ``output_dir`` (transformers' ``_save_checkpoint`` writes into ``args.output_dir``, so it is set there for the
-    save; no rotation, and the best model's checkpoint is left as it was), so that a ``checkpoint-<global_step>`` of
-    the user's in ``output_dir`` is never written over."""
+    is training state (weights, optimizer, scheduler, scaler, RNG), also under ``save_only_model=True``, from which a
+    resume would restart the schedule and the optimizer silently. ``rotate=False``: ``save_total_limit`` deletes no
+    checkpoint for this save (one written only to switch splits must not push the user's out). ``run_dir``: written
+    there instead of ``output_dir``, with no rotation and the best model's checkpoint left as it was, so that a
+    ``checkpoint-<global_step>`` of the user's is never written over."""
     register_stateful_callbacks(trainer.state, trainer.callback_handler.callbacks + [trainer.control])
     args, state = trainer.args, trainer.state
     only_model, limit, output_dir, best = (args.save_only_model, args.save_total_limit, args.output_dir,
@@ -370,11 +367,7 @@ class _Carry:
 
 
 class LoopState:
-    """What the training loop holds between optimizer steps besides weights, optimizer, scheduler and RNG, none of
-    which a checkpoint keeps whole: the token and FLOP counters (``state.num_input_tokens_seen``, ``total_flos``
-    with ``Trainer.current_flos``, not yet stored), the loss summed since the last log (``Trainer._tr_loss``) and
-    the step of that log (``Trainer._globalstep_last_logged``), and for TRL's GRPO its buffered generation
-    (``_buffered_inputs``), micro-batch counter (``_step``) and the metrics since the last log (``_metrics``).
+    """What the training loop holds between optimizer steps and no checkpoint keeps whole (:class:`_Noted`).
 
     Noted at every step's begin (:meth:`note`) and at every save of transformers (:meth:`note_save`): a step left
     mid-way takes back what its first micro-batches counted (:meth:`rewind`), and a resume in this process goes on
@@ -1275,10 +1268,9 @@ SHOWN_BEFORE_A_RESIZE = ((r"`(is_)?gradient_checkpointing(_enable|_disable)?` is
 @contextlib.contextmanager
 def own_resume() -> Iterator[None]:
     """Around the package's own ``train()`` that resumes after a re-size: transformers' resume check does not report
-    the per-device batch size as a mismatch (the re-size changed it on purpose and says so in its own line), and the
-    deprecations of :data:`SHOWN_BEFORE_A_RESIZE`, shown before the re-size, are not shown again (Python shows a
-    warning once per code location only until the warning filters change, and transformers changes them at every
-    checkpoint save and load). A user's own resume shows both; a user's own warning filters still come first."""
+    the per-device batch size as a mismatch, and the deprecations of :data:`SHOWN_BEFORE_A_RESIZE` are not shown
+    again (see the module docstring). A user's own resume shows both; a user's own warning filters still come
+    first."""
     target = logging.getLogger(RESUME_CHECK_LOGGER)
     quiet = _ResizedBatchSize()
     target.addFilter(quiet)
@@ -1292,13 +1284,11 @@ def own_resume() -> Iterator[None]:
 
 
 def restore_converted_weights(trainer: Trainer, warn: Callable[[str], object]) -> Callable[[], None]:
-    """While active, a resume of ``trainer`` that restored fewer weights than its checkpoint saved is completed.
-    transformers 5 saves a model whose weights its loading converts (a mixture of experts' fused experts, kept as
-    per-expert ``block_sparse_moe.experts.N.w1`` on disk) under the legacy names, and ``Trainer._load_from_checkpoint``
-    loads the checkpoint with ``load_state_dict(strict=False)`` and no conversion: the router and expert weights stay
-    as they were (docs/known-issues.md). After that load, the weights the model has that the checkpoint file does not
-    name are read through the model class's own ``from_pretrained`` (which converts) and loaded; ``warn(message)``
-    says so once. Returns the undo."""
+    """While active, a resume of ``trainer`` that restored fewer weights than its checkpoint saved is completed:
+    transformers 5 saves converted weights (a mixture of experts' fused experts) under their legacy names
+    (``block_sparse_moe.experts.N.w1``) and ``Trainer._load_from_checkpoint`` loads them non-strictly, without the
+    conversion (docs/known-issues.md). The weights the checkpoint file does not name are then read through the model
+    class's own ``from_pretrained`` (which converts); ``warn(message)`` says so once. Returns the undo."""
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def _load_from_checkpoint(resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
             original(resume_from_checkpoint, model)

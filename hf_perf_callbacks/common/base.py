@@ -4,14 +4,12 @@
   goes to the bus as overhead, which the meter takes out of the data-wait phase.
 * **One exchange per step.** The callbacks that agree across ranks at a step's end contribute to the bus's one
   exchange of the step (:meth:`PerfCallback._exchange`, :mod:`hf_perf_callbacks.common.exchange`).
-* **Faults stay inside.** Every ``on_*`` event of a subclass wears the shell :func:`hook` (written at the method:
-  a subclass defining an undecorated one is refused at its definition): an exception logs one warning with the
-  cause, disables that callback (its ``close()`` removes any hooks) and training goes on. Under several ranks a
-  disabled callback still joins its per-step exchange with neutral values, so no rank is left waiting.
-* **The bus.** On its first event a callback finds the trainer's :class:`~hf_perf_callbacks.common.bus.RunBus`
-  (creating it first in the callback list) so its metrics reach every reporter.
-* **Arguments.** A callback's constructor wears the shell :func:`arguments` (written at its ``__init__``): a bad
-  argument is a ``ValueError`` naming the class and the key.
+* **Faults stay inside.** Every ``on_*`` event of a subclass wears the shell :func:`hook` (a subclass defining an
+  undecorated one is refused at its definition): an exception disables that callback with one warning and training
+  goes on; under several ranks it still joins its per-step exchange with neutral values, so no rank is left waiting.
+  The shell also joins the callback to the trainer's :class:`~hf_perf_callbacks.common.bus.RunBus`.
+* **Arguments.** A callback's constructor wears the shell :func:`arguments`: a bad argument is a ``ValueError``
+  naming the class and the key.
 * **Resume.** State is exported through ``ExportableState`` and read back from ``trainer_state.json`` at
   ``on_train_begin`` of a resumed run, whether or not ``restore_callback_states_from_checkpoint`` is set. A
   callback keeps its settings as attributes named like its constructor's arguments (as transformers' own callbacks

@@ -87,8 +87,6 @@ def move_aside(path: str, why: str) -> str | None:
     return None
 
 
-
-
 class OutputDirBusy(RuntimeError):
     """Another live process is training into the same ``output_dir`` (``holder`` names it: ``pid N on host``)."""
 

@@ -104,9 +104,8 @@ class PerfLog:
                                     if finite(v) and not k.startswith(CALLBACK_PREFIXES)})
 
     def describe_run(self, source: str, step: int, **facts: Any) -> None:
-        """A callback's facts for this ``train()`` call's run header (see
-        :class:`~hf_perf_callbacks.core.runlog.RunHeader`
-        for the names); ``step`` is where the call starts (``state.global_step``)."""
+        """A callback's facts for this ``train()`` call's run header (:class:`~hf_perf_callbacks.core.runlog.RunHeader`
+        names them); ``step`` is where the call starts (``state.global_step``)."""
         if self.header is None:                  # the bus missed on_train_begin (not in the callback list)
             self.header, self.start_known = RunHeader(session=self.session), False
         if not self.start_known:

@@ -142,12 +142,10 @@ class DeviceLayer:
 
     # ---------------------------------------------------------------- basics
     def synchronize(self) -> None:
-        if self.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.type in ("cuda", "xpu"):
+            getattr(torch, self.type).synchronize(self.device)
         elif self.type == "mps":
             torch.mps.synchronize()
-        elif self.type == "xpu":
-            torch.xpu.synchronize(self.device)
 
     def empty_cache(self) -> None:
         """Collect Python garbage (tensors held in reference cycles keep their blocks), then give the allocator's
@@ -164,10 +162,8 @@ class DeviceLayer:
             torch.xpu.empty_cache()
 
     def reset_peak(self) -> None:
-        if self.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        elif self.type == "xpu":
-            torch.xpu.reset_peak_memory_stats(self.device)
+        if self.type in ("cuda", "xpu"):
+            getattr(torch, self.type).reset_peak_memory_stats(self.device)
 
     def bf16_supported(self) -> bool:
         """Whether bf16 runs natively here (CUDA Ampere+, MPS on macOS 14+, XPU, CPU)."""
@@ -319,17 +315,6 @@ def mps_hard_limit(recommended: int) -> int | None:
     return int(ratio * recommended) if ratio > 0 else None
 
 
-def default_device() -> torch.device:
-    """This process's accelerator as torch sees it (the current CUDA/XPU device, MPS), else cpu."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        return torch.device("xpu", torch.xpu.current_device())
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
 def training_device() -> torch.device:
     """The device this process trains on, from the process, never from the model.
 
@@ -337,7 +322,7 @@ def training_device() -> torch.device:
     its parameters sit on the CPU (or the meta device), so a device read off them is wrong and a tensor placed there
     cannot go over NCCL. In order: accelerate's ``PartialState().device`` once the Trainer's ``Accelerator`` exists
     (it honours ``use_cpu`` and the launcher's ``LOCAL_RANK``); else the ``LOCAL_RANK``-th CUDA/XPU device under a
-    launcher; else :func:`default_device`.
+    launcher; else this process's accelerator as torch sees it (the current CUDA/XPU device, MPS), else the CPU.
     """
     try:
         from accelerate.state import PartialState, is_initialized
@@ -346,13 +331,15 @@ def training_device() -> torch.device:
             return torch.device(PartialState().device)
     except ImportError:
         pass
-    local_rank = os.environ.get("LOCAL_RANK")
-    if local_rank is not None and local_rank.isdigit():
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(local_rank) % torch.cuda.device_count())
-        if hasattr(torch, "xpu") and torch.xpu.is_available():
-            return torch.device("xpu", int(local_rank) % torch.xpu.device_count())
-    return default_device()
+    local_rank = os.environ.get("LOCAL_RANK", "")
+    for kind in ("cuda", "xpu"):
+        backend = getattr(torch, kind, None)
+        if backend is not None and backend.is_available():
+            index = int(local_rank) % backend.device_count() if local_rank.isdigit() else backend.current_device()
+            return torch.device(kind, index)
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
 
 
 # -------------------------------------------------------------------- RNG

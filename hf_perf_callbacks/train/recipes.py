@@ -74,10 +74,11 @@ def resolve(config: str) -> str:
                         f"recipes are {', '.join(recipe_names())} (`hf-perf recipes` lists them)")
 
 
-def _first_comment(file: str) -> str:
+def machine(file: str) -> str:
+    """The machine a recipe file's first line (``# MACHINE: what it trains.``) names; "" without that comment."""
     with open(file, encoding="utf-8") as handle:
         line = handle.readline().strip()
-    return line.lstrip("#").strip() if line.startswith("#") else ""
+    return line.lstrip("#").strip().split(": ", 1)[0] if line.startswith("#") else ""
 
 
 def _first_sentence(file: str) -> str:
@@ -105,7 +106,7 @@ def describe(name: str) -> dict[str, str]:
     file = path(name)
     with open(file, encoding="utf-8") as handle:
         config = yaml.safe_load(handle) or {}
-    return {"name": _name(name), "machine": _first_comment(file).split(": ", 1)[0],
+    return {"name": _name(name), "machine": machine(file),
             "model": str(config.get("model_name_or_path", "?"))}
 
 

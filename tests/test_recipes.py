@@ -17,8 +17,8 @@ from hf_perf_callbacks import keys, train
 from hf_perf_callbacks.core.batching import Split
 from hf_perf_callbacks.core.splitfile import SplitFile, read_split_file
 from hf_perf_callbacks.tasks import wordle
-from hf_perf_callbacks.tiny import save_tiny_model
 from hf_perf_callbacks.train import arguments, build, checks, launch, recipes
+from tests.conftest import save_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = recipes.recipe_names()

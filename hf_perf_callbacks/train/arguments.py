@@ -73,12 +73,7 @@ class RecipeArguments:
 QUICK_TRIAL = "--max_steps 2 --max_completion_length 32 --output_dir runs/trial"
 
 
-#: the classes of a recipe's keys besides :class:`RecipeArguments`, as ``trl`` exports them
-TRL_CLASSES = ("GRPOConfig", "ModelConfig")
-RecipeClasses = tuple[type, ...]
-
-
-def recipe_classes() -> RecipeClasses:
+def recipe_classes() -> tuple[type, ...]:
     """``(RecipeArguments, GRPOConfig, ModelConfig)``: the real classes (importing them imports torch and
     transformers)."""
     from trl import GRPOConfig, ModelConfig
@@ -87,18 +82,18 @@ def recipe_classes() -> RecipeClasses:
 
 
 @functools.lru_cache(maxsize=1)
-def early_classes() -> RecipeClasses:
+def early_classes() -> tuple[type, ...]:
     """``(RecipeArguments, GRPOConfig, ModelConfig)`` with stand-ins of the two TRL classes read from the installed
     sources (:func:`~hf_perf_callbacks.train.schema.stand_in`: their fields, types, defaults and metadata, nothing
     imported); the real classes where those sources cannot be read."""
     try:
-        return (RecipeArguments, *(schema.stand_in("trl", name) for name in TRL_CLASSES))
+        return (RecipeArguments, *(schema.stand_in("trl", name) for name in ("GRPOConfig", "ModelConfig")))
     except schema.SourceUnreadable as error:
         logger.debug("reading the recipe's fields from TRL's sources failed (%s): importing TRL", error)
         return recipe_classes()
 
 
-def make_parser(classes: RecipeClasses | None = None) -> TrlParser:
+def make_parser(classes: tuple[type, ...] | None = None) -> TrlParser:
     """``TrlParser`` over ``classes`` (default :func:`early_classes`); a value argparse cannot convert raises
     :class:`RecipeError` (one line) instead of printing the whole usage and exiting."""
     from trl import TrlParser
@@ -128,7 +123,7 @@ def launcher_help() -> str:
     return "\n".join(lines)
 
 
-def field_names(classes: RecipeClasses | None = None) -> list[str]:
+def field_names(classes: tuple[type, ...] | None = None) -> list[str]:
     """Every valid recipe key: the fields of the three dataclasses (default :func:`early_classes`)."""
     return sorted({f.name for cls in classes or early_classes() for f in dataclasses.fields(cls)})
 

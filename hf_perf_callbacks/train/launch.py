@@ -221,9 +221,12 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
     from trl import GRPOTrainer, get_peft_config
 
     from ..common.console import hide_upstream_deprecations
+    from ..demo import set_threads
 
     hide_upstream_deprecations()
-    choose_threads()
+    threads = set_threads()                            # as the demo chooses them; OMP_NUM_THREADS kept
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        logger.info("%s", threads)
     callbacks = build_callbacks(recipe.callbacks, as_dict(recipe.callback_kwargs, "callback_kwargs"))
     lock = (hold_output_dir(cast(str, training_args.output_dir))    # set by __post_init__
             if callbacks else None)                                  # before the model loads
@@ -303,17 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         return stopped.status
 
 
-# ---------------------------------------------------------------- this process: threads, signs of life
-def choose_threads() -> None:
-    """torch's threads for this process, chosen as the demo chooses them (:func:`hf_perf_callbacks.demo.set_threads`:
-    fewer where other work keeps the cores busy; ``OMP_NUM_THREADS`` kept), said in one line on the main process."""
-    from ..demo import set_threads
-
-    line = set_threads()
-    if int(os.environ.get("RANK", "0") or 0) == 0:
-        logger.info("%s", line)
-
-
+# ---------------------------------------------------------------- this process: signs of life
 def start_pulse(trainer: Trainer, console: Console) -> StepPulse:
     """The lines that show a slow step is alive (:class:`~hf_perf_callbacks.train.progress.StepPulse`), above the
     trainer's progress bar."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import copy
 import dataclasses
 import enum
 import functools
@@ -274,17 +275,11 @@ def stand_in(module: str, name: str) -> type:
         if f.default is dataclasses.MISSING:
             pass
         elif f.factory or isinstance(default, (list, dict, set)):
-            options["default_factory"] = functools.partial(_copy, default)
+            options["default_factory"] = functools.partial(copy.deepcopy, default)
         else:
             options["default"] = default
         specs.append((f.name, f.type, dataclasses.field(**options)))
     return dataclasses.make_dataclass(name, specs)
-
-
-def _copy(value: Any) -> Any:
-    import copy
-
-    return copy.deepcopy(value)
 
 
 def init_parameters(module: str, name: str) -> dict[str, Field] | None:

@@ -31,8 +31,6 @@ if TYPE_CHECKING:
 
 #: set to 1 to see an interrupt's traceback under the launcher
 TRACEBACK_ENV = "HF_PERF_TRACEBACK"
-#: the exit status of a run stopped by a signal (the shells' 128 + the signal's number)
-EXIT_STATUS = {"SIGINT": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}
 #: the flag of the launcher that resumes a run
 RESUME_FLAG = "--resume_from_checkpoint"
 
@@ -79,35 +77,8 @@ class LauncherWords(logging.Filter):
         return True
 
 
-@contextlib.contextmanager
-def launcher_words() -> Iterator[None]:
-    """:class:`LauncherWords` on the root logger's handlers (where the package's lines go) while it is open."""
-    words, handlers = LauncherWords(), list(logging.getLogger().handlers)
-    for handler in handlers:
-        handler.addFilter(words)
-    try:
-        yield
-    finally:
-        for handler in handlers:
-            handler.removeFilter(words)
-
-
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
     raise Terminated("SIGTERM")
-
-
-@contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """SIGTERM raises :class:`Terminated` while it is open (in the main thread only: signals go there); the handler
-    before comes back after."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def newest_checkpoint(output_dir: str) -> str | None:
@@ -154,25 +125,33 @@ def running(trainer: Trainer) -> None:
 
 @contextlib.contextmanager
 def answered(output_dir: str) -> Iterator[None]:
-    """While it is open SIGTERM raises :class:`Terminated`, the package's resume advice reads as the flag, and an
-    interrupt leaves as :class:`Interrupted` with its line (the step of the trainer named by :func:`running`, whose
-    progress bar is closed first so that the line starts a line of its own) — or as it came under
-    :data:`TRACEBACK_ENV`."""
+    """While it is open SIGTERM raises :class:`Terminated` (in the main thread only: signals go there),
+    :class:`LauncherWords` filters the root logger's handlers (where the package's lines go), and an interrupt leaves
+    as :class:`Interrupted` with its line (the step of the trainer named by :func:`running`, whose progress bar is
+    closed first so that the line starts a line of its own) — or as it came under :data:`TRACEBACK_ENV`."""
     from ..platform import adapter
 
     global _running
     _running = None
-    with sigterm_raises(), launcher_words():
-        try:
-            yield
-        except KeyboardInterrupt as error:
-            if os.environ.get(TRACEBACK_ENV, "").lower() in ("1", "true", "yes"):
-                raise
-            trainer = _running() if _running is not None else None
-            for bar in adapter.progress_bars(trainer.callback_handler if trainer is not None else None):
-                bar.close()
-            signal_name = "SIGTERM" if isinstance(error, Terminated) else "SIGINT"
-            step = trainer.state.global_step if trainer is not None else None
-            raise Interrupted(interrupt_line(error, step, output_dir), EXIT_STATUS[signal_name]) from None
-        finally:
-            _running = None
+    words, handlers = LauncherWords(), list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(words)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
+    try:
+        yield
+    except KeyboardInterrupt as error:
+        if os.environ.get(TRACEBACK_ENV, "").lower() in ("1", "true", "yes"):
+            raise
+        trainer = _running() if _running is not None else None
+        for bar in adapter.progress_bars(trainer.callback_handler if trainer is not None else None):
+            bar.close()
+        step = trainer.state.global_step if trainer is not None else None
+        status = 128 + (signal.SIGTERM if isinstance(error, Terminated) else signal.SIGINT)   # as the shells say it
+        raise Interrupted(interrupt_line(error, step, output_dir), status) from None
+    finally:
+        _running = None
+        for handler in handlers:
+            handler.removeFilter(words)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)

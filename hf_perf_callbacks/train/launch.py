@@ -65,10 +65,8 @@ class CheckedRecipe:
 
 
 def check_early(argv: list[str]) -> CheckedRecipe:
-    """Every check of ``argv`` that needs no torch, transformers or TRL trainer: the recipe file, its keys and flags
-    (with the closest valid name), their values' types, GRPO's batch geometry, the evaluation batch, the dataset
-    size, bf16 on a machine that visibly has no GPU, the callbacks' names and arguments and the checkpoint to resume
-    from; a :class:`RecipeError` in about a second (the fields come from TRL's sources: :func:`early_classes`)."""
+    """Every check of ``argv`` that needs no torch, transformers or TRL trainer (the package docstring lists them;
+    the fields come from TRL's sources: :func:`early_classes`): a :class:`RecipeError` in about a second."""
     config_path, rest = split_config(argv)
     check_trl_command(rest)
     config_path = recipes.resolve(config_path) if config_path else None

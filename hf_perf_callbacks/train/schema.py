@@ -5,8 +5,8 @@ on a busy one). The launcher checks a recipe against these stand-ins before anyt
 
 - :func:`stand_in`: a dataclass with the fields of a class read from its source (names, resolved types, literal
   defaults, metadata);
-- :func:`init_parameters`: the keyword parameters of a class's ``__init__`` (its own or a base's);
-- :func:`field_names_of`: the field names of a dataclass read from its source.
+- :func:`class_fields`: the fields of a dataclass read from its source;
+- :func:`init_parameters`: the keyword parameters of a class's ``__init__`` (its own or a base's).
 
 A class is found by following its module's imports (``from .x import C``, and the lazy packages' ``__init__`` that
 import their names under ``TYPE_CHECKING``); an annotation is evaluated with ``typing``'s names, an ``Enum`` read
@@ -254,11 +254,6 @@ def class_fields(module: str, name: str) -> tuple[Field, ...]:
             found = _field(where, statement)
             fields[statement.target.id] = found
     return tuple(f for f in fields.values() if f is not None)
-
-
-def field_names_of(module: str, name: str) -> set[str]:
-    """The constructor field names of the dataclass ``name`` seen from ``module``."""
-    return {f.name for f in class_fields(module, name)}
 
 
 def stand_in(module: str, name: str) -> type:

@@ -231,9 +231,8 @@ def lm_head_bytes(model: ModelLike, scored_tokens: int, dtype_bytes: int = 2, lm
     """TRL's chunked log-prob head for ``scored_tokens``: the tile rows stop at ``HEAD_TOKEN_CHUNK`` tokens."""
     check_number("scored_tokens", scored_tokens, low=0, integer=True)
     per_token = logits_bytes_per_token(model, dtype_bytes, lm_head)
-    (hidden,) = ModelShape.of(model).ints("hidden")
-    tile = per_token - hidden * (dtype_bytes + 4)
-    return min(scored_tokens, HEAD_TOKEN_CHUNK) * tile + scored_tokens * hidden * (dtype_bytes + 4)
+    kept = ModelShape.of(model).ints("hidden")[0] * (dtype_bytes + 4)      # the hidden state and its fp32 gradient
+    return min(scored_tokens, HEAD_TOKEN_CHUNK) * (per_token - kept) + scored_tokens * kept
 
 
 def estimate_grpo_memory(model: ModelLike, *, micro_batch: int, num_generations: int, generation_batch: int,

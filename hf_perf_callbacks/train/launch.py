@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from trl import GRPOConfig, ModelConfig
 
     from ..common.console import Console
-    from ..common.outputdir import OutputDirBusy, OutputDirLock
+    from ..common.outputdir import OutputDirBusy
 
 logger = logging.getLogger("hf_perf_callbacks.train")   # also when run as __main__
 
@@ -168,21 +168,6 @@ def _end(trainer: Trainer) -> None:
     trainer.end()                                      # type: ignore[no-untyped-call]  # untyped in transformers
 
 
-def hold_output_dir(output_dir: str) -> OutputDirLock | None:
-    """Hold ``output_dir`` for this process before anything heavy loads (the main process; the bus holds the same
-    lock during ``train()``): another live process training there is one :class:`RecipeError` line."""
-    from ..common.outputdir import OutputDirBusy, OutputDirLock
-
-    if int(os.environ.get("RANK", "0") or 0) != 0:
-        return None
-    lock = OutputDirLock()
-    try:
-        lock.acquire(output_dir)
-    except OutputDirBusy as busy:
-        raise RecipeError(busy_line(busy)) from None
-    return lock
-
-
 def busy_line(busy: OutputDirBusy) -> str:
     """The one line a refused launch says (the whole reason is in :class:`~.outputdir.OutputDirBusy`)."""
     return f"output_dir {busy.output_dir} is in use by another run ({busy.holder}): pick another or wait for it"
@@ -218,16 +203,22 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
     from trl import GRPOTrainer, get_peft_config
 
     from ..common.console import hide_upstream_deprecations
+    from ..common.outputdir import OutputDirBusy, OutputDirLock
     from ..demo import set_threads
     from .progress import StepPulse
 
     hide_upstream_deprecations()
+    main_rank = int(os.environ.get("RANK", "0") or 0) == 0
     threads = set_threads()                            # as the demo chooses them; OMP_NUM_THREADS kept
-    if int(os.environ.get("RANK", "0") or 0) == 0:
+    if main_rank:
         logger.info("%s", threads)
     callbacks = build_callbacks(recipe.callbacks, as_dict(recipe.callback_kwargs, "callback_kwargs"))
-    lock = (hold_output_dir(cast(str, training_args.output_dir))    # set by __post_init__
-            if callbacks else None)                                  # before the model loads
+    lock = OutputDirLock() if callbacks and main_rank else None
+    if lock is not None:               # before the model loads (the bus holds the same lock during train())
+        try:
+            lock.acquire(cast(str, training_args.output_dir))    # set by __post_init__
+        except OutputDirBusy as busy:  # another live process trains there: one line
+            raise RecipeError(busy_line(busy)) from None
     # max_completion_length: None is no GRPO run (TRL's trainer computes with it)
     rewards = resolve_reward_funcs(recipe.reward_funcs, cast(int, training_args.max_completion_length))
     tokenizer = build_tokenizer(model_args, training_args)

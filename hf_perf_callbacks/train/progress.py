@@ -48,16 +48,14 @@ def first_step_line(args: Any, world: int = 1) -> str:       # a GRPOConfig (or 
     length limit) and the micro-batches it trains, and that the first step is the slowest."""
     accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
     micro = int(getattr(args, "per_device_train_batch_size", 1) or 1)
-    spg = getattr(args, "steps_per_generation", None)
     length = getattr(args, "max_completion_length", None)
     work = f"trains {accumulation} micro-batch{'es' * (accumulation != 1)} of {micro}"
     if length is not None and getattr(args, "num_generations", None):
-        per_round = micro * int(spg or accumulation)
-        rounds = math.ceil(accumulation / int(spg or accumulation))
-        generation = (f"generates {per_round} completions (≤ {length} tokens)" + (f" {rounds} times" if rounds > 1
-                                                                                  else "")
-                      + (" on each process" if world > 1 else ""))
-        work = f"{generation}, then {work}"
+        spg = int(getattr(args, "steps_per_generation", None) or accumulation)
+        rounds = math.ceil(accumulation / spg)
+        times = f" {rounds} times" if rounds > 1 else ""
+        where = " on each process" if world > 1 else ""
+        work = f"generates {micro * spg} completions (≤ {length} tokens){times}{where}, then {work}"
     return f"step 1 {work}: the slowest step (warm-up); a step over {PULSE_SEC:.0f} s says how it goes"
 
 

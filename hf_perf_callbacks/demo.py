@@ -58,26 +58,21 @@ def other_busy_cores(seconds: float = 1.0) -> float:
     return max(0.0, (busy() - machine) - (time.process_time() - own)) / wall
 
 
-def choose_threads(threads: int, other: float, cores: int) -> int:
-    """Torch's thread count by the analysis' oversubscription rule: ``threads`` unless they and the ``other``
-    processes' busy cores oversubscribe the ``cores``; then the cores those leave free (at least 1)."""
-    from .report.rules.machine import free_cores, oversubscribed
-
-    return min(threads, free_cores(cores, other)) if oversubscribed(threads, other, cores) else threads
-
-
 def set_threads(other: Callable[[], float] | None = None, cores: int | None = None) -> str:
-    """Set torch's threads for this process with :func:`choose_threads` and return the line that says so; with
-    ``OMP_NUM_THREADS`` set, keep torch's threads (and say so). ``other`` reads the other processes' busy cores
-    (default :func:`other_busy_cores`)."""
+    """Set torch's threads for this process by the analysis' oversubscription rule (torch's own count unless it and
+    the other processes' busy cores oversubscribe the ``cores``; then the cores those leave free, at least 1) and
+    return the line that says so; with ``OMP_NUM_THREADS`` set, keep torch's threads (and say so). ``other`` reads
+    the other processes' busy cores (default :func:`other_busy_cores`)."""
     import torch
+
+    from .report.rules.machine import free_cores, oversubscribed
 
     cores = cores or os.cpu_count() or 1
     threads = torch.get_num_threads()
     if os.environ.get("OMP_NUM_THREADS"):
         return f"torch on {threads} thread{'s' * (threads != 1)}: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
     busy = (other or other_busy_cores)()
-    chosen = choose_threads(threads, busy, cores)
+    chosen = min(threads, free_cores(cores, busy)) if oversubscribed(threads, busy, cores) else threads
     torch.set_num_threads(chosen)
     return f"torch on {chosen} thread{'s' * (chosen != 1)}: {cores} cores, {busy:.1f} busy with other work"
 

@@ -202,7 +202,7 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
     from trl import GRPOTrainer, get_peft_config
 
     from ..common.console import hide_upstream_deprecations
-    from ..common.outputdir import OutputDirBusy, OutputDirLock
+    from ..common.outputdir import OutputDirLock
     from ..demo import set_threads
     from .progress import StepPulse
 
@@ -214,10 +214,7 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
     callbacks = build_callbacks(recipe.callbacks, as_dict(recipe.callback_kwargs, "callback_kwargs"))
     lock = OutputDirLock() if callbacks and main_rank else None
     if lock is not None:               # before the model loads (the bus holds the same lock during train())
-        try:
-            lock.acquire(cast(str, training_args.output_dir))    # set by __post_init__
-        except OutputDirBusy as busy:  # another live process trains there: one line
-            raise RecipeError(busy_line(busy)) from None
+        lock.acquire(cast(str, training_args.output_dir))        # set by __post_init__; OutputDirBusy: see main
     # max_completion_length: None is no GRPO run (TRL's trainer computes with it)
     rewards = resolve_reward_funcs(recipe.reward_funcs, cast(int, training_args.max_completion_length))
     tokenizer = build_tokenizer(model_args, training_args)
@@ -286,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with interrupts.answered(cast(str, training_args.output_dir)):
             return run(recipe, training_args, model_args, target=recipe_target(argv))
-    except (RecipeError, OutputDirBusy) as error:      # the lock taken during train() too: one line, not a traceback
-        text = busy_line(error) if isinstance(error, OutputDirBusy) and error.holder else str(error)
+    except (RecipeError, OutputDirBusy) as error:      # another live process in output_dir: one line, no traceback
+        text = busy_line(error) if isinstance(error, OutputDirBusy) else str(error)
         print(f"hf_perf_callbacks.train: error: {text}", file=sys.stderr)
         return 2
     except interrupts.Interrupted as stopped:          # Ctrl-C or SIGTERM: one line, the launcher's flag

@@ -112,7 +112,6 @@ HEAD_VOCAB_CHUNK = 32768
 #: (MPS, CPU) holds fp32 temporaries in its backward — 35 B per element in all with a bf16 tile, measured with
 #: ``torch.profiler``'s memory timeline on TRL's ``ChunkedLogProbFunction`` (``tests/test_estimate.py``).
 HEAD_TILE_TEMP_BYTES = {"triton": 0, "torch": 33}
-#: (The tile buffer itself is ``HEAD_VOCAB_CHUNK`` columns of the compute dtype whatever the vocabulary size.)
 
 
 def model_from_config(config: Mapping[str, Any]) -> ModelShape:

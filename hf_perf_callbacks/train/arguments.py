@@ -2,9 +2,8 @@
 ``GRPOConfig`` and ``ModelConfig``, and the checks of the YAML and the flags as written (unknown keys with the closest
 valid one, ``trl grpo``'s script keys and command shape, values of the wrong type) before any value is used.
 
-The checks run on :func:`early_classes`: stand-ins of ``GRPOConfig`` and ``ModelConfig`` read from TRL's and
-transformers' sources (:mod:`~hf_perf_callbacks.train.schema`), so a mistake is answered before torch, transformers
-and TRL's trainers are imported; :func:`recipe_classes` are the real ones, which parse the checked recipe.
+The checks run on :func:`early_classes` (stand-ins read from TRL's sources, nothing heavy imported);
+:func:`recipe_classes` are the real ones, which parse the checked recipe.
 Standard library at import; TRL's parser (``trl.scripts``, no torch) and PyYAML when a function runs."""
 from __future__ import annotations
 
@@ -276,11 +275,10 @@ def expected_type(hint: Any) -> tuple[Callable[[Any], bool], str]:    # any anno
     return scalars.get(hint, ((lambda v: True), getattr(hint, "__name__", str(hint))))
 
 
-def check_values(config: Mapping[str, Any], source: str = "recipe", parser: TrlParser | None = None) -> None:
+def check_values(config: Mapping[str, Any], source: str, parser: TrlParser) -> None:
     """Fail on YAML values of the wrong type (``callbacks: 5``, ``max_steps: 2.5``, ``max_steps: abc``,
     ``output_dir: [a]``), each named with the file, the key and the type its field declares. A string is converted
-    as argparse converts a flag's value (``parser``'s own conversion: default :func:`make_parser`)."""
-    parser = parser or make_parser()
+    as argparse converts a flag's value (``parser``'s own conversion)."""
     hints: dict[str, Any] = {}
     for cls in reversed(list(parser.dataclass_types)):
         hints.update(typing.get_type_hints(cls))

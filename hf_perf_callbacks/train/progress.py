@@ -44,8 +44,7 @@ def duration(seconds: float) -> str:
 
 
 def first_step_line(args: Any, world: int = 1) -> str:       # a GRPOConfig (or any TrainingArguments)
-    """What the first step does, from the run's arguments: GRPO's generation (completions on this process, their
-    length limit) and the micro-batches it trains, and that the first step is the slowest."""
+    """The line said when training begins (see the module docstring), from the run's arguments."""
     accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
     micro = int(getattr(args, "per_device_train_batch_size", 1) or 1)
     length = getattr(args, "max_completion_length", None)

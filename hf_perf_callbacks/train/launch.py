@@ -12,33 +12,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from ..core.batching import Split
-from . import interrupts, recipes
-from .arguments import (
-    RecipeArguments,
-    RecipeError,
-    as_dict,
-    check_keys,
-    check_trl_command,
-    check_trl_keys,
-    check_values,
-    early_classes,
-    make_parser,
-    raw_values,
-    read_recipe,
-    recipe_classes,
-    split_config,
-)
+from . import arguments, checks, interrupts, recipes
+from .arguments import RecipeArguments, RecipeError
 from .build import build_callbacks, build_datasets, build_model, build_tokenizer, resolve_reward_funcs
-from .checks import (
-    callback_names,
-    check_callback_arguments,
-    check_recipe,
-    check_resume,
-    config_with_split,
-    detect_device,
-    resolve_checkpoint,
-    split_to_resume,
-)
 
 if TYPE_CHECKING:
     from transformers import Trainer, TrainerCallback
@@ -66,27 +42,27 @@ class CheckedRecipe:
 def check_early(argv: list[str]) -> CheckedRecipe:
     """Every check of ``argv`` that needs no torch, transformers or TRL trainer (the package docstring lists them;
     the fields come from TRL's sources: :func:`early_classes`): a :class:`RecipeError` in about a second."""
-    config_path, rest = split_config(argv)
-    check_trl_command(rest)
+    config_path, rest = arguments.split_config(argv)
+    arguments.check_trl_command(rest)
     config_path = recipes.resolve(config_path) if config_path else None
-    config = read_recipe(config_path) if config_path else {}
-    parser = make_parser(early_classes())
+    config = arguments.read_recipe(config_path) if config_path else {}
+    parser = arguments.make_parser(arguments.early_classes())
     source = config_path or "recipe"
-    check_trl_keys(config, rest, config_path)
-    check_keys(parser, config, rest, source=source)
-    check_values(config, source=source, parser=parser)
-    values = raw_values(parser, config, rest)
+    arguments.check_trl_keys(config, rest, config_path)
+    arguments.check_keys(parser, config, rest, source=source)
+    arguments.check_values(config, source=source, parser=parser)
+    values = arguments.raw_values(parser, config, rest)
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)    # accelerate launch / torchrun
-    split = split_to_resume(values, world_size)
+    split = checks.split_to_resume(values, world_size)
     if split:
         values.update(split)
         if split.get("steps_per_generation"):
             values["generation_batch_size"] = None
-    check_callback_arguments(values.get("callbacks"), values.get("callback_kwargs"))
-    check_resume(values.get("resume_from_checkpoint"), values.get("output_dir"))
-    kind, bf16_ok, name = detect_device(bool(values.get("use_cpu")))
-    check_recipe(values, device=kind, bf16_supported=bf16_ok, device_name=name, world_size=world_size,
-                 accelerate_mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION"))
+    checks.check_callback_arguments(values.get("callbacks"), values.get("callback_kwargs"))
+    checks.check_resume(values.get("resume_from_checkpoint"), values.get("output_dir"))
+    kind, bf16_ok, name = checks.detect_device(bool(values.get("use_cpu")))
+    checks.check_recipe(values, device=kind, bf16_supported=bf16_ok, device_name=name, world_size=world_size,
+                        accelerate_mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION"))
     given = frozenset(config) | {arg.split("=", 1)[0][2:].replace("-", "_") for arg in rest if arg.startswith("--")}
     return CheckedRecipe(config_path, rest, values, split, kind, given)
 
@@ -103,17 +79,17 @@ def parse_recipe(argv: list[str]) -> tuple[RecipeArguments, GRPOConfig, ModelCon
                        "hf-perf recipes path accelerate/mps, to keep the recipe's precision")
 
     args = ["--config", checked.config_path, *checked.rest] if checked.config_path else checked.rest
-    recipe, training_args, model_args = make_parser(recipe_classes()).parse_args_and_config(args)
+    recipe, training_args, model_args = arguments.make_parser(arguments.recipe_classes()).parse_args_and_config(args)
     if split:
         logger.info("applying the split recorded by the batch tuner in %s: %s", training_args.output_dir, split)
-        training_args = config_with_split(training_args, split)
+        training_args = checks.config_with_split(training_args, split)
     if checked.device == "cpu" and "dataloader_pin_memory" not in checked.given:
         training_args.dataloader_pin_memory = False    # nothing to pin for (torch warns once per dataloader)
-    recipe.callbacks = callback_names(recipe.callbacks)
+    recipe.callbacks = checks.callback_names(recipe.callbacks)
     recipe.reward_funcs = [recipe.reward_funcs] if isinstance(recipe.reward_funcs, str) else recipe.reward_funcs
-    recipe.callback_kwargs = as_dict(recipe.callback_kwargs, "callback_kwargs")
-    training_args.resume_from_checkpoint = resolve_checkpoint(training_args.resume_from_checkpoint,
-                                                              training_args.output_dir)
+    recipe.callback_kwargs = arguments.as_dict(recipe.callback_kwargs, "callback_kwargs")
+    training_args.resume_from_checkpoint = checks.resolve_checkpoint(training_args.resume_from_checkpoint,
+                                                                     training_args.output_dir)
     return recipe, training_args, model_args
 
 
@@ -183,11 +159,11 @@ def recipe_target(argv: list[str]) -> dict[str, Any]:
     """What the recipe of ``--config`` was written for, before any command-line override (the run header's
     ``target``): its name, the machine its first line names and that machine's device type, its model and completion
     length, its values of :data:`MEMORY_KEYS`; {} without a recipe file."""
-    config_path, _ = split_config(argv)
+    config_path, _ = arguments.split_config(argv)
     if not config_path:
         return {}
     path = recipes.resolve(config_path)
-    config = read_recipe(path)
+    config = arguments.read_recipe(path)
     machine = recipes.machine(path)
     device = "mps" if "Apple" in machine else "cuda" if "NVIDIA" in machine or "GPU" in machine else None
     return {"recipe": os.path.basename(path).removesuffix(".yaml"), "machine": machine, "device_type": device,
@@ -211,7 +187,7 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
     threads = set_threads()                            # as the demo chooses them; OMP_NUM_THREADS kept
     if main_rank:
         logger.info("%s", threads)
-    callbacks = build_callbacks(recipe.callbacks, as_dict(recipe.callback_kwargs, "callback_kwargs"))
+    callbacks = build_callbacks(recipe.callbacks, arguments.as_dict(recipe.callback_kwargs, "callback_kwargs"))
     lock = OutputDirLock() if callbacks and main_rank else None
     if lock is not None:               # before the model loads (the bus holds the same lock during train())
         lock.acquire(cast(str, training_args.output_dir))        # set by __post_init__; OutputDirBusy: see main

@@ -99,11 +99,6 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check(name: str, value: Any, ok: bool, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={value!r} is invalid; allowed: {allowed}")
-
-
 def split_words(seed: int = 0, eval_fraction: float = EVAL_FRACTION) -> dict[str, list[str]]:
     """Deterministically split the word list into disjoint ``train`` and ``eval`` secret pools."""
     words = load_words()
@@ -155,14 +150,14 @@ def make_dataset(
     """
     import datasets
 
-    _check("n", n, _is_int(n) and n >= 1, "an integer >= 1")
-    _check("split", split, split in SPLITS, " or ".join(repr(s) for s in SPLITS))
-    _check(
-        "max_history",
-        max_history,
-        _is_int(max_history) and 0 <= max_history <= MAX_HISTORY,
-        f"an integer from 0 to {MAX_HISTORY}",
-    )
+    for name, value, ok, allowed in (
+        ("n", n, _is_int(n) and n >= 1, "an integer >= 1"),
+        ("split", split, split in SPLITS, " or ".join(repr(s) for s in SPLITS)),
+        ("max_history", max_history, _is_int(max_history) and 0 <= max_history <= MAX_HISTORY,
+         f"an integer from 0 to {MAX_HISTORY}"),
+    ):
+        if not ok:
+            raise ValueError(f"{name}={value!r} is invalid; allowed: {allowed}")
 
     pool = split_words(seed)[split]
     rng = random.Random(f"wordle-{split}-{seed}")

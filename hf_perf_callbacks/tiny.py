@@ -1,6 +1,6 @@
 """A tiny causal LM with random weights and a byte-level BPE tokenizer trained locally: no hub access.
 
-Used by ``hf-perf demo``, the recipes' offline smoke runs and the tests.
+Used by ``hf-perf demo``, the benchmarks and the tests.
 """
 from __future__ import annotations
 
@@ -54,11 +54,3 @@ def build_model(tokenizer: PreTrainedTokenizerBase, hidden: int = 64, layers: in
                                                pad_token_id=tokenizer.pad_token_id)
     return model
 
-
-def save_tiny_model(path: str, corpus: Iterable[str], **model_kwargs: int) -> str:
-    """Write a tiny model and its tokenizer to ``path`` (a directory ``from_pretrained`` can load)."""
-    tokenizer = build_tokenizer(corpus)
-    model = build_model(tokenizer, **model_kwargs)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path

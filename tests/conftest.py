@@ -51,6 +51,15 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+def save_tiny_model(path, corpus, **model_kwargs):
+    """Write a tiny model and its tokenizer to ``path`` (a directory ``from_pretrained`` can load)."""
+    tokenizer = build_tokenizer(corpus)
+    model = build_model(tokenizer, **model_kwargs)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture
 def one_thread():
     """torch on one thread for the test: as fast as two for the tiny models, and no thread spins on a busy CPU."""

@@ -67,10 +67,19 @@ def test_tiny_demo_trainer_uses_the_wordle_rewards(tmp_path):
     (8, 3.0, 8, 5),        # 11 of 8: the five free cores
     (1, 1.5, 2, 1),        # already at one thread
 ])
-def test_the_demo_chooses_its_threads_by_the_analysis_rule(threads, other, cores, expected):
+def test_the_demo_chooses_its_threads_by_the_analysis_rule(threads, other, cores, expected, monkeypatch):
+    import torch
+
     from hf_perf_callbacks.report.rules.machine import OVERSUBSCRIBED, free_cores, oversubscribed
 
-    assert demo.choose_threads(threads, other, cores) == expected
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        torch.set_num_threads(threads)
+        demo.set_threads(lambda: other, cores=cores)
+        assert torch.get_num_threads() == expected
+    finally:
+        torch.set_num_threads(before)
     assert (expected < threads) == (oversubscribed(threads, other, cores) and free_cores(cores, other) < threads)
     assert oversubscribed(2, 1.3, 2) and not oversubscribed(2, OVERSUBSCRIBED - 0.01, 2)
 

@@ -149,7 +149,7 @@ def test_the_readme_usage_block_runs_with_the_tiny_model(tmp_path, monkeypatch, 
     """The Usage block as README.md has it, one step, with the tests' tiny model (saved with the chat template the
     block's conversational prompts need) in place of the packaged SmolLM2: nothing in it may need the hub."""
     from hf_perf_callbacks.tasks import wordle
-    from hf_perf_callbacks.tiny import save_tiny_model
+    from tests.conftest import save_tiny_model
 
     corpus = list(wordle.make_dataset(64, seed=0)["prompt"]) + [f"<guess>{w}</guess>" for w in wordle.load_words()]
     tiny = save_tiny_model(str(tmp_path / "tiny"), corpus)

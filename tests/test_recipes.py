@@ -17,8 +17,8 @@ from hf_perf_callbacks import keys, train
 from hf_perf_callbacks.core.batching import Split
 from hf_perf_callbacks.core.splitfile import SplitFile, read_split_file
 from hf_perf_callbacks.tasks import wordle
-from hf_perf_callbacks.tiny import save_tiny_model
 from hf_perf_callbacks.train import arguments, build, checks, launch, recipes
+from tests.conftest import save_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = recipes.recipe_names()
@@ -279,7 +279,7 @@ def test_recipe_trains_two_steps_in_process(name, tiny_model, tmp_path, launcher
 
 
 def check_compact_console(out: str, output_dir) -> None:
-    """The console's log lines are TRL's own dict plus the callbacks' headline keys (``launch.CONSOLE_KEYS``), while
+    """The console's log lines are TRL's own dict plus the callbacks' headline keys (``keys.CONSOLE_KEYS``), while
     ``log_history`` keeps every key of the callbacks."""
     import ast
 
@@ -289,8 +289,8 @@ def check_compact_console(out: str, output_dir) -> None:
     assert len(printed) == len(history) == 2
     for shown, logged in zip(printed, history):
         callbacks = {k for k in logged if k.startswith(("perf/", "mem/", "tuner/", "cache/"))}
-        assert len(callbacks - set(launch.CONSOLE_KEYS)) >= 10                   # the full set reached log_history
-        assert set(shown) == set(logged) - {"step", "total_flos"} - (callbacks - set(launch.CONSOLE_KEYS))
+        assert len(callbacks - set(keys.CONSOLE_KEYS)) >= 10                   # the full set reached log_history
+        assert set(shown) == set(logged) - {"step", "total_flos"} - (callbacks - set(keys.CONSOLE_KEYS))
         assert {"reward", "loss", keys.PERF_TOKENS_PER_SEC, keys.TUNER_MICRO_BATCH} <= set(shown)
 
 
@@ -907,8 +907,8 @@ def test_a_trl_grpo_yaml_gets_one_line_with_what_runs(tmp_path, capsys, nothing_
     assert "accelerate launch --config_file C.yaml -m hf_perf_callbacks.train" in capsys.readouterr().err
 
 
-def test_the_compact_console_also_replaces_the_printer_of_disable_tqdm(tmp_path, capsys):
-    """Under ``disable_tqdm`` transformers prints logs with ``PrinterCallback``: the launcher's compact subclass
+def test_the_compact_console_also_compacts_the_printer_of_disable_tqdm(tmp_path, capsys):
+    """Under ``disable_tqdm`` transformers prints logs with ``PrinterCallback``: the launcher's compact console
     prints the short dict, and the dict the other callbacks get keeps every key."""
     import torch
     from transformers import PrinterCallback, ProgressCallback, Trainer, TrainerControl, TrainerState, TrainingArguments
@@ -917,7 +917,7 @@ def test_the_compact_console_also_replaces_the_printer_of_disable_tqdm(tmp_path,
     trainer = Trainer(torch.nn.Linear(1, 1), args)
     launch.compact_console(trainer)
     printers = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, (PrinterCallback, ProgressCallback))]
-    assert len(printers) == 1 and type(printers[0]) is not PrinterCallback and isinstance(printers[0], PrinterCallback)
+    assert len(printers) == 1 and isinstance(printers[0], PrinterCallback)
     logs = {"loss": 0.5, keys.PERF_TOKENS_PER_SEC: 900.0, keys.PERF_PHASE_SHARE["generation"]: 0.5,
             keys.MEM_PRESSURE: 0, keys.TUNER_MICRO_BATCH: 2, keys.CACHE_CLEARS: 0}
     printers[0].on_log(args, TrainerState(), TrainerControl(), logs=logs)

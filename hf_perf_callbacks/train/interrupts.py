@@ -24,15 +24,13 @@ import threading
 import weakref
 from collections.abc import Iterator
 from types import FrameType
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transformers import Trainer
 
 #: set to 1 to see an interrupt's traceback under the launcher
 TRACEBACK_ENV = "HF_PERF_TRACEBACK"
-#: the exit status of a run stopped by a signal (the shells' 128 + the signal's number)
-EXIT_STATUS = {"SIGINT": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}
 #: the flag of the launcher that resumes a run
 RESUME_FLAG = "--resume_from_checkpoint"
 
@@ -52,10 +50,6 @@ class Interrupted(Exception):
     def __init__(self, line: str, status: int):
         super().__init__(line)
         self.line, self.status = line, status
-
-
-def traceback_asked() -> bool:
-    return os.environ.get(TRACEBACK_ENV, "").lower() in ("1", "true", "yes")
 
 
 def as_flag(text: str) -> str:
@@ -83,79 +77,41 @@ class LauncherWords(logging.Filter):
         return True
 
 
-@contextlib.contextmanager
-def launcher_words() -> Iterator[None]:
-    """:class:`LauncherWords` on the root logger's handlers (where the package's lines go) while it is open."""
-    words, handlers = LauncherWords(), list(logging.getLogger().handlers)
-    for handler in handlers:
-        handler.addFilter(words)
-    try:
-        yield
-    finally:
-        for handler in handlers:
-            handler.removeFilter(words)
-
-
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
     raise Terminated("SIGTERM")
 
 
-@contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """SIGTERM raises :class:`Terminated` while it is open (in the main thread only: signals go there); the handler
-    before comes back after."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def newest_checkpoint(output_dir: str) -> tuple[int, str] | None:
-    """``(step, path)`` of the newest complete ``checkpoint-N`` in ``output_dir`` (complete as
+def newest_checkpoint(output_dir: str) -> str | None:
+    """The newest complete ``checkpoint-N`` in ``output_dir`` (complete as
     :func:`hf_perf_callbacks.resize.checkpoints.is_complete` says; nothing is moved)."""
     from ..common.outputdir import step_of
     from ..resize.checkpoints import is_complete
 
     found = sorted(((step, path) for path in glob.glob(os.path.join(output_dir, "checkpoint-*"))
                     if (step := step_of(os.path.basename(path))) is not None), reverse=True)
-    return next(((step, path) for step, path in found if os.path.isdir(path) and is_complete(path, step)), None)
-
-
-def noted_checkpoint(error: BaseException) -> str | None:
-    """The checkpoint the run's own end says to resume from (:data:`hf_perf_callbacks.resize.executor.RUN_END`, set
-    by ``Executor.end_run`` on the error it ends with); None when the run did not end so."""
-    from ..resize.executor import RUN_END
-
-    found = getattr(error, RUN_END, None)
-    return found if isinstance(found, str) else None
+    return next((path for step, path in found if os.path.isdir(path) and is_complete(path, step)), None)
 
 
 def interrupt_line(error: KeyboardInterrupt, step: int | None, output_dir: str) -> str:
     """The one line of a run stopped at ``step`` (None: before training began) by ``error``: the signal, the
-    checkpoint to go on from (the one the run saved as it stopped, :func:`noted_checkpoint`, or else the newest
-    complete one) and the flag that resumes from it."""
+    checkpoint to go on from (the one the run saved as it stopped, which ``Executor.end_run`` sets on the error as
+    :data:`hf_perf_callbacks.resize.executor.RUN_END`, or else the newest complete one) and the flag that resumes
+    from it."""
+    from ..common.outputdir import step_of
+    from ..resize.executor import RUN_END
+
     what = "SIGTERM" if isinstance(error, Terminated) else "Ctrl-C (SIGINT)"
     if step is None:
         return f"stopped by {what} before training began"
-    noted = noted_checkpoint(error)
-    newest = newest_checkpoint(output_dir) if noted is None else None
-    if noted is None and newest is None:
+    noted = getattr(error, RUN_END, None)
+    path = noted if isinstance(noted, str) else newest_checkpoint(output_dir)
+    if path is None:
         return (f"stopped by {what} at step {step}; no checkpoint in {output_dir} to go on from: the run must start "
                 f"again (save_steps saves one every N steps)")
-    path = noted or cast(tuple[int, str], newest)[1]
-    saved = _step_of(path)
+    saved = step_of(path)
     where = (f"saved {path}, the last completed step" if saved == step else
              f"the newest checkpoint is {path} (step {saved}; the steps after it are lost)")
     return f"stopped by {what} at step {step}; {where}; go on with the same command and {RESUME_FLAG} {path}"
-
-
-def _step_of(path: str) -> int | None:
-    match = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(os.path.normpath(path)))
-    return int(match.group(1)) if match else None
 
 
 _running: weakref.ref[Trainer] | None = None     # the trainer the launch runs (one per process), once built
@@ -167,36 +123,33 @@ def running(trainer: Trainer) -> None:
     _running = weakref.ref(trainer)
 
 
-def _trainer() -> Trainer | None:
-    return _running() if _running is not None else None
-
-
-def _close_progress_bars() -> None:
-    """Close the trainer's progress bar, so that the interrupt's line starts a line of its own."""
-    from ..platform import adapter
-
-    trainer = _trainer()
-    for bar in adapter.progress_bars(trainer.callback_handler if trainer is not None else None):
-        bar.close()
-
-
 @contextlib.contextmanager
 def answered(output_dir: str) -> Iterator[None]:
-    """While it is open SIGTERM raises :class:`Terminated`, the package's resume advice reads as the flag, and an
-    interrupt leaves as :class:`Interrupted` with its line (the step of the trainer named by :func:`running`) — or
-    as it came under :data:`TRACEBACK_ENV`."""
+    """The launch's interrupts as the module docstring says (SIGTERM raises only in the main thread, where signals
+    go; :class:`LauncherWords` on the root logger's handlers; the step and progress bar of :func:`running`'s)."""
+    from ..platform import adapter
+
     global _running
     _running = None
-    with sigterm_raises(), launcher_words():
-        try:
-            yield
-        except KeyboardInterrupt as error:
-            if traceback_asked():
-                raise
-            trainer = _trainer()
-            _close_progress_bars()
-            signal_name = "SIGTERM" if isinstance(error, Terminated) else "SIGINT"
-            step = trainer.state.global_step if trainer is not None else None
-            raise Interrupted(interrupt_line(error, step, output_dir), EXIT_STATUS[signal_name]) from None
-        finally:
-            _running = None
+    words, handlers = LauncherWords(), list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(words)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
+    try:
+        yield
+    except KeyboardInterrupt as error:
+        if os.environ.get(TRACEBACK_ENV, "").lower() in ("1", "true", "yes"):
+            raise
+        trainer = _running() if _running is not None else None
+        for bar in adapter.progress_bars(trainer.callback_handler if trainer is not None else None):
+            bar.close()
+        step = trainer.state.global_step if trainer is not None else None
+        status = 128 + (signal.SIGTERM if isinstance(error, Terminated) else signal.SIGINT)   # as the shells say it
+        raise Interrupted(interrupt_line(error, step, output_dir), status) from None
+    finally:
+        _running = None
+        for handler in handlers:
+            handler.removeFilter(words)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)

@@ -11,42 +11,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from .. import keys
 from ..core.batching import Split
-from . import interrupts, recipes
-from .arguments import (
-    RecipeArguments,
-    RecipeError,
-    as_dict,
-    check_keys,
-    check_trl_command,
-    check_trl_keys,
-    check_values,
-    early_classes,
-    make_parser,
-    raw_values,
-    read_recipe,
-    recipe_classes,
-    split_config,
-)
+from . import arguments, checks, interrupts, recipes
+from .arguments import RecipeArguments, RecipeError
 from .build import build_callbacks, build_datasets, build_model, build_tokenizer, resolve_reward_funcs
-from .checks import (
-    check_callback_arguments,
-    check_recipe,
-    check_resume,
-    config_with_split,
-    detect_device,
-    resolve_checkpoint,
-    split_to_resume,
-    world_size_from_env,
-)
 
 if TYPE_CHECKING:
-    from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers import Trainer, TrainerCallback
     from trl import GRPOConfig, ModelConfig
 
-    from ..common.outputdir import OutputDirBusy, OutputDirLock
-    from .progress import StepPulse
+    from ..common.console import Console
+    from ..common.outputdir import OutputDirBusy
 
 logger = logging.getLogger("hf_perf_callbacks.train")   # also when run as __main__
 
@@ -65,30 +40,29 @@ class CheckedRecipe:
 
 
 def check_early(argv: list[str]) -> CheckedRecipe:
-    """Every check of ``argv`` that needs no torch, transformers or TRL trainer: the recipe file, its keys and flags
-    (with the closest valid name), their values' types, GRPO's batch geometry, the evaluation batch, the dataset
-    size, bf16 on a machine that visibly has no GPU, the callbacks' names and arguments and the checkpoint to resume
-    from; a :class:`RecipeError` in about a second (the fields come from TRL's sources: :func:`early_classes`)."""
-    config_path, rest = split_config(argv)
-    check_trl_command(rest)
+    """Every check of ``argv`` that needs no torch, transformers or TRL trainer (the package docstring lists them;
+    the fields come from TRL's sources: :func:`early_classes`): a :class:`RecipeError` in about a second."""
+    config_path, rest = arguments.split_config(argv)
+    arguments.check_trl_command(rest)
     config_path = recipes.resolve(config_path) if config_path else None
-    config = read_recipe(config_path) if config_path else {}
-    parser = make_parser(early_classes())
+    config = arguments.read_recipe(config_path) if config_path else {}
+    parser = arguments.make_parser(arguments.early_classes())
     source = config_path or "recipe"
-    check_trl_keys(config, rest, config_path)
-    check_keys(parser, config, rest, source=source)
-    check_values(config, source=source, parser=parser)
-    values = raw_values(parser, config, rest)
-    split = split_to_resume(values, world_size_from_env())
+    arguments.check_trl_keys(config, rest, config_path)
+    arguments.check_keys(parser, config, rest, source=source)
+    arguments.check_values(config, source=source, parser=parser)
+    values = arguments.raw_values(parser, config, rest)
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)    # accelerate launch / torchrun
+    split = checks.split_to_resume(values, world_size)
     if split:
         values.update(split)
         if split.get("steps_per_generation"):
             values["generation_batch_size"] = None
-    check_callback_arguments(values.get("callbacks"), values.get("callback_kwargs"))
-    check_resume(values.get("resume_from_checkpoint"), values.get("output_dir"))
-    kind, bf16_ok, name = detect_device(bool(values.get("use_cpu")))
-    check_recipe(values, device=kind, bf16_supported=bf16_ok, device_name=name, world_size=world_size_from_env(),
-                 accelerate_mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION"))
+    checks.check_callback_arguments(values.get("callbacks"), values.get("callback_kwargs"))
+    checks.check_resume(values.get("resume_from_checkpoint"), values.get("output_dir"))
+    kind, bf16_ok, name = checks.detect_device(bool(values.get("use_cpu")))
+    checks.check_recipe(values, device=kind, bf16_supported=bf16_ok, device_name=name, world_size=world_size,
+                        accelerate_mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION"))
     given = frozenset(config) | {arg.split("=", 1)[0][2:].replace("-", "_") for arg in rest if arg.startswith("--")}
     return CheckedRecipe(config_path, rest, values, split, kind, given)
 
@@ -105,56 +79,31 @@ def parse_recipe(argv: list[str]) -> tuple[RecipeArguments, GRPOConfig, ModelCon
                        "hf-perf recipes path accelerate/mps, to keep the recipe's precision")
 
     args = ["--config", checked.config_path, *checked.rest] if checked.config_path else checked.rest
-    recipe, training_args, model_args = make_parser(recipe_classes()).parse_args_and_config(args)
+    recipe, training_args, model_args = arguments.make_parser(arguments.recipe_classes()).parse_args_and_config(args)
     if split:
         logger.info("applying the split recorded by the batch tuner in %s: %s", training_args.output_dir, split)
-        training_args = config_with_split(training_args, split)
+        training_args = checks.config_with_split(training_args, split)
     if checked.device == "cpu" and "dataloader_pin_memory" not in checked.given:
         training_args.dataloader_pin_memory = False    # nothing to pin for (torch warns once per dataloader)
-    recipe.callbacks = [name for name in ([recipe.callbacks] if isinstance(recipe.callbacks, str)
-                                          else recipe.callbacks) if name.lower() != "none"]
+    recipe.callbacks = checks.callback_names(recipe.callbacks)
     recipe.reward_funcs = [recipe.reward_funcs] if isinstance(recipe.reward_funcs, str) else recipe.reward_funcs
-    recipe.callback_kwargs = as_dict(recipe.callback_kwargs, "callback_kwargs")
-    training_args.resume_from_checkpoint = resolve_checkpoint(training_args.resume_from_checkpoint,
-                                                              training_args.output_dir)
+    recipe.callback_kwargs = arguments.as_dict(recipe.callback_kwargs, "callback_kwargs")
+    training_args.resume_from_checkpoint = checks.resolve_checkpoint(training_args.resume_from_checkpoint,
+                                                                     training_args.output_dir)
     return recipe, training_args, model_args
 
 
 # ---------------------------------------------------------------- the console
-#: the callbacks' keys that the console's log line keeps (every key still reaches ``log_history``, the reporters and
-#: the perf log); the bus gives every trainer's console printer the same compact log
-CONSOLE_KEYS = keys.CONSOLE_KEYS
-
-
-def console_logs(logs: Mapping[str, Any]) -> dict[str, Any]:
-    """A training log as the console shows it (:func:`hf_perf_callbacks.common.console.console_logs`)."""
-    from ..common.console import console_logs as compact
-
-    return compact(logs)
-
-
-def compact_console(trainer: Trainer) -> None:
-    """Print the trainer's log lines through :func:`console_logs`: transformers' ``ProgressCallback`` (or
-    ``PrinterCallback`` under ``disable_tqdm``) is replaced by a subclass that prints the compact dict; what the
+def compact_console(trainer: Trainer) -> Console:
+    """The trainer's console: its printers (transformers' ``ProgressCallback``, or ``PrinterCallback`` under
+    ``disable_tqdm``) print the compact log (:meth:`~hf_perf_callbacks.common.console.Console.compact`); what the
     reporters, ``log_history`` and the perf log receive is unchanged."""
-    from transformers import PrinterCallback, ProgressCallback
+    from ..common.console import Console
 
-    class CompactProgressCallback(ProgressCallback):
-        def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                   logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-            return super().on_log(  # type: ignore[no-untyped-call, no-any-return]  # untyped (returns None)
-                args, state, control, logs=console_logs(logs or {}), **kwargs)
-
-    class CompactPrinterCallback(PrinterCallback):
-        def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                   logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-            return super().on_log(  # type: ignore[no-untyped-call, no-any-return]  # untyped (returns None)
-                args, state, control, logs=console_logs(logs or {}), **kwargs)
-
-    for plain, compact in ((ProgressCallback, CompactProgressCallback), (PrinterCallback, CompactPrinterCallback)):
-        if any(type(callback) is plain for callback in trainer.callback_handler.callbacks):
-            trainer.remove_callback(plain)
-            trainer.add_callback(compact)
+    console = Console()
+    console.handler = trainer.callback_handler
+    console.compact()
+    return console
 
 
 def _describe(recipe: RecipeArguments, args: GRPOConfig, model_args: ModelConfig,
@@ -191,23 +140,7 @@ def _end(trainer: Trainer) -> None:
     if trainer.args.world_size > 1:
         trainer.accelerator.wait_for_everyone()
         time.sleep(0.5)
-    if hasattr(trainer, "end"):                        # transformers >= 5.18
-        trainer.end()                                  # type: ignore[no-untyped-call]  # untyped in transformers
-
-
-def hold_output_dir(output_dir: str) -> OutputDirLock | None:
-    """Hold ``output_dir`` for this process before anything heavy loads (the main process; the bus holds the same
-    lock during ``train()``): another live process training there is one :class:`RecipeError` line."""
-    from ..common.outputdir import OutputDirBusy, OutputDirLock
-
-    if int(os.environ.get("RANK", "0") or 0) != 0:
-        return None
-    lock = OutputDirLock()
-    try:
-        lock.acquire(output_dir)
-    except OutputDirBusy as busy:
-        raise RecipeError(busy_line(busy)) from None
-    return lock
+    trainer.end()                                      # type: ignore[no-untyped-call]  # untyped in transformers
 
 
 def busy_line(busy: OutputDirBusy) -> str:
@@ -226,14 +159,12 @@ def recipe_target(argv: list[str]) -> dict[str, Any]:
     """What the recipe of ``--config`` was written for, before any command-line override (the run header's
     ``target``): its name, the machine its first line names and that machine's device type, its model and completion
     length, its values of :data:`MEMORY_KEYS`; {} without a recipe file."""
-    config_path, _ = split_config(argv)
+    config_path, _ = arguments.split_config(argv)
     if not config_path:
         return {}
     path = recipes.resolve(config_path)
-    config = read_recipe(path)
-    with open(path, encoding="utf-8") as handle:
-        first = handle.readline().lstrip("#").strip()
-    machine = first.split(": ", 1)[0]
+    config = arguments.read_recipe(path)
+    machine = recipes.machine(path)
     device = "mps" if "Apple" in machine else "cuda" if "NVIDIA" in machine or "GPU" in machine else None
     return {"recipe": os.path.basename(path).removesuffix(".yaml"), "machine": machine, "device_type": device,
             "model": config.get("model_name_or_path"), "max_completion_length": config.get("max_completion_length"),
@@ -247,12 +178,19 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
     from trl import GRPOTrainer, get_peft_config
 
     from ..common.console import hide_upstream_deprecations
+    from ..common.outputdir import OutputDirLock
+    from ..demo import set_threads
+    from .progress import StepPulse
 
     hide_upstream_deprecations()
-    choose_threads()
-    callbacks = build_callbacks(recipe.callbacks, as_dict(recipe.callback_kwargs, "callback_kwargs"))
-    lock = (hold_output_dir(cast(str, training_args.output_dir))    # set by __post_init__
-            if callbacks else None)                                  # before the model loads
+    main_rank = int(os.environ.get("RANK", "0") or 0) == 0
+    threads = set_threads()                            # as the demo chooses them; OMP_NUM_THREADS kept
+    if main_rank:
+        logger.info("%s", threads)
+    callbacks = build_callbacks(recipe.callbacks, arguments.as_dict(recipe.callback_kwargs, "callback_kwargs"))
+    lock = OutputDirLock() if callbacks and main_rank else None
+    if lock is not None:               # before the model loads (the bus holds the same lock during train())
+        lock.acquire(cast(str, training_args.output_dir))        # set by __post_init__; OutputDirBusy: see main
     # max_completion_length: None is no GRPO run (TRL's trainer computes with it)
     rewards = resolve_reward_funcs(recipe.reward_funcs, cast(int, training_args.max_completion_length))
     tokenizer = build_tokenizer(model_args, training_args)
@@ -269,9 +207,10 @@ def run(recipe: RecipeArguments, training_args: GRPOConfig, model_args: ModelCon
                               callbacks=callbacks)
     except ValueError as error:                        # TRL's and transformers' checks of the arguments
         raise RecipeError(f"GRPOTrainer refused the recipe: {error}") from None
-    compact_console(trainer)
     interrupts.running(trainer)
-    pulse = start_pulse(trainer)
+    pulse = StepPulse(compact_console(trainer).say)    # a slow step's signs of life, above the progress bar
+    trainer.add_callback(pulse)
+    pulse.watch(trainer)
     if trainer.is_world_process_zero():
         for line in _describe(recipe, training_args, model_args, callbacks).splitlines():   # short lines
             logger.info("%s", line)
@@ -320,36 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with interrupts.answered(cast(str, training_args.output_dir)):
             return run(recipe, training_args, model_args, target=recipe_target(argv))
-    except (RecipeError, OutputDirBusy) as error:      # the lock taken during train() too: one line, not a traceback
-        text = busy_line(error) if isinstance(error, OutputDirBusy) and error.holder else str(error)
+    except (RecipeError, OutputDirBusy) as error:      # another live process in output_dir: one line, no traceback
+        text = busy_line(error) if isinstance(error, OutputDirBusy) else str(error)
         print(f"hf_perf_callbacks.train: error: {text}", file=sys.stderr)
         return 2
     except interrupts.Interrupted as stopped:          # Ctrl-C or SIGTERM: one line, the launcher's flag
         print(f"hf_perf_callbacks.train: {stopped.line}", file=sys.stderr)
         return stopped.status
 
-
-# ---------------------------------------------------------------- this process: threads, signs of life
-def choose_threads() -> None:
-    """torch's threads for this process, chosen as the demo chooses them (:func:`hf_perf_callbacks.demo.set_threads`:
-    fewer where other work keeps the cores busy; ``OMP_NUM_THREADS`` kept), said in one line on the main process."""
-    from ..demo import set_threads
-
-    line = set_threads()
-    if int(os.environ.get("RANK", "0") or 0) == 0:
-        logger.info("%s", line)
-
-
-def start_pulse(trainer: Trainer) -> StepPulse:
-    """The lines that show a slow step is alive (:class:`~hf_perf_callbacks.train.progress.StepPulse`), above the
-    trainer's progress bar."""
-    from ..common.console import Console
-
-    console = Console()
-    console.handler = trainer.callback_handler
-    from .progress import StepPulse
-
-    pulse = StepPulse(console.say)
-    trainer.add_callback(pulse)
-    pulse.watch(trainer)
-    return pulse

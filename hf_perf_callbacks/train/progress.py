@@ -44,20 +44,17 @@ def duration(seconds: float) -> str:
 
 
 def first_step_line(args: Any, world: int = 1) -> str:       # a GRPOConfig (or any TrainingArguments)
-    """What the first step does, from the run's arguments: GRPO's generation (completions on this process, their
-    length limit) and the micro-batches it trains, and that the first step is the slowest."""
+    """The line said when training begins (see the module docstring), from the run's arguments."""
     accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
     micro = int(getattr(args, "per_device_train_batch_size", 1) or 1)
-    spg = getattr(args, "steps_per_generation", None)
     length = getattr(args, "max_completion_length", None)
     work = f"trains {accumulation} micro-batch{'es' * (accumulation != 1)} of {micro}"
     if length is not None and getattr(args, "num_generations", None):
-        per_round = micro * int(spg or accumulation)
-        rounds = math.ceil(accumulation / int(spg or accumulation))
-        generation = (f"generates {per_round} completions (≤ {length} tokens)" + (f" {rounds} times" if rounds > 1
-                                                                                  else "")
-                      + (" on each process" if world > 1 else ""))
-        work = f"{generation}, then {work}"
+        spg = int(getattr(args, "steps_per_generation", None) or accumulation)
+        rounds = math.ceil(accumulation / spg)
+        times = f" {rounds} times" if rounds > 1 else ""
+        where = " on each process" if world > 1 else ""
+        work = f"generates {micro * spg} completions (≤ {length} tokens){times}{where}, then {work}"
     return f"step 1 {work}: the slowest step (warm-up); a step over {PULSE_SEC:.0f} s says how it goes"
 
 
@@ -107,9 +104,8 @@ class StepPulse(TrainerCallback):
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
         self._micro_batch_done()
-        took = self.clock() - self.started
-        self.slow = took >= self.every
-        self._begin(state.global_step, slow=self.slow)
+        self.slow = self.clock() - self.started >= self.every
+        self._begin(state.global_step)
 
     # ------------------------------------------------------------ TRL's generation entry (adapter's listener)
     def entry_started(self, kind: str) -> None:
@@ -130,11 +126,9 @@ class StepPulse(TrainerCallback):
             self._say(f"step {self.step}: generated {what} in {duration(took)}")
 
     # ------------------------------------------------------------ steps
-    def _begin(self, global_step: int, slow: bool | None = None) -> None:
+    def _begin(self, global_step: int) -> None:
         self.step, self.done, self.estimated, self.generated = global_step + 1, 0, False, None
         self.started = self.said = self.clock()
-        if slow is not None:
-            self.slow = slow
 
     def _micro_batch_done(self) -> None:
         self.done += 1

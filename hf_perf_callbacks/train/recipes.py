@@ -35,7 +35,7 @@ class UnknownRecipe(ValueError):
 
 
 def _stems(folder: str) -> list[str]:
-    return sorted(f[:-len(SUFFIX)] for f in os.listdir(folder) if f.endswith(SUFFIX))
+    return sorted(f.removesuffix(SUFFIX) for f in os.listdir(folder) if f.endswith(SUFFIX))
 
 
 def recipe_names() -> list[str]:
@@ -48,13 +48,9 @@ def accelerate_names() -> list[str]:
     return [f"{ACCELERATE}/{stem}" for stem in _stems(os.path.join(DIR, ACCELERATE))]
 
 
-def _name(name: str) -> str:
-    return name[:-len(SUFFIX)] if name.endswith(SUFFIX) else name
-
-
 def path(name: str) -> str:
     """The file of a recipe or an accelerate config (``.yaml`` optional); :class:`UnknownRecipe` otherwise."""
-    stem = _name(name)
+    stem = name.removesuffix(SUFFIX)
     if stem not in recipe_names() + accelerate_names():
         raise UnknownRecipe(f"no packaged recipe or accelerate config named {name!r}: the recipes are "
                             f"{', '.join(recipe_names())}; the accelerate configs {', '.join(accelerate_names())} "
@@ -66,18 +62,19 @@ def resolve(config: str) -> str:
     """``--config`` of the launcher: an existing file as it is, else a packaged recipe's name; the path to read."""
     if os.path.isfile(config):
         return config
-    if _name(config) in recipe_names():
+    if config.removesuffix(SUFFIX) in recipe_names():
         return path(config)
-    stem = _name(os.path.basename(config))              # e.g. recipes/NAME.yaml, where a clone once kept them
+    stem = os.path.basename(config).removesuffix(SUFFIX)    # e.g. recipes/NAME.yaml, where a clone once kept them
     hint = f" (the packaged recipe of that name: --config {stem})" if stem in recipe_names() else ""
     raise UnknownRecipe(f"--config {config!r}: no such file, and no packaged recipe of that name{hint}; the packaged "
                         f"recipes are {', '.join(recipe_names())} (`hf-perf recipes` lists them)")
 
 
-def _first_comment(file: str) -> str:
+def machine(file: str) -> str:
+    """The machine a recipe file's first line (``# MACHINE: what it trains.``) names; "" without that comment."""
     with open(file, encoding="utf-8") as handle:
         line = handle.readline().strip()
-    return line.lstrip("#").strip() if line.startswith("#") else ""
+    return line.lstrip("#").strip().split(": ", 1)[0] if line.startswith("#") else ""
 
 
 def _first_sentence(file: str) -> str:
@@ -105,7 +102,7 @@ def describe(name: str) -> dict[str, str]:
     file = path(name)
     with open(file, encoding="utf-8") as handle:
         config = yaml.safe_load(handle) or {}
-    return {"name": _name(name), "machine": _first_comment(file).split(": ", 1)[0],
+    return {"name": name.removesuffix(SUFFIX), "machine": machine(file),
             "model": str(config.get("model_name_or_path", "?"))}
 
 

@@ -5,8 +5,8 @@ on a busy one). The launcher checks a recipe against these stand-ins before anyt
 
 - :func:`stand_in`: a dataclass with the fields of a class read from its source (names, resolved types, literal
   defaults, metadata);
-- :func:`init_parameters`: the keyword parameters of a class's ``__init__`` (its own or a base's);
-- :func:`field_names_of`: the field names of a dataclass read from its source.
+- :func:`class_fields`: the fields of a dataclass read from its source;
+- :func:`init_parameters`: the keyword parameters of a class's ``__init__`` (its own or a base's).
 
 A class is found by following its module's imports (``from .x import C``, and the lazy packages' ``__init__`` that
 import their names under ``TYPE_CHECKING``); an annotation is evaluated with ``typing``'s names, an ``Enum`` read
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import copy
 import dataclasses
 import enum
 import functools
@@ -91,15 +92,12 @@ def _parsed(module: str) -> ast.Module:
         return ast.parse(handle.read())
 
 
-def _is_package(module: str) -> bool:
-    return os.path.basename(module_file(module)) == "__init__.py"
-
-
 def _absolute(module: str, node: ast.ImportFrom) -> str:
     """The module an ``ImportFrom`` in ``module`` names, relative imports resolved."""
     if not node.level:
         return node.module or ""
-    package = module.split(".") if _is_package(module) else module.split(".")[:-1]
+    is_package = os.path.basename(module_file(module)) == "__init__.py"
+    package = module.split(".") if is_package else module.split(".")[:-1]
     base = package[: len(package) - node.level + 1]
     return ".".join(base + ([node.module] if node.module else []))
 
@@ -258,11 +256,6 @@ def class_fields(module: str, name: str) -> tuple[Field, ...]:
     return tuple(f for f in fields.values() if f is not None)
 
 
-def field_names_of(module: str, name: str) -> set[str]:
-    """The constructor field names of the dataclass ``name`` seen from ``module``."""
-    return {f.name for f in class_fields(module, name)}
-
-
 def stand_in(module: str, name: str) -> type:
     """A dataclass named ``name`` with the fields of the class read from ``module``'s source: what TRL's parser
     needs to parse and check a recipe the way it parses it with the real class (flags, types, defaults, choices).
@@ -274,17 +267,11 @@ def stand_in(module: str, name: str) -> type:
         if f.default is dataclasses.MISSING:
             pass
         elif f.factory or isinstance(default, (list, dict, set)):
-            options["default_factory"] = functools.partial(_copy, default)
+            options["default_factory"] = functools.partial(copy.deepcopy, default)
         else:
             options["default"] = default
         specs.append((f.name, f.type, dataclasses.field(**options)))
     return dataclasses.make_dataclass(name, specs)
-
-
-def _copy(value: Any) -> Any:
-    import copy
-
-    return copy.deepcopy(value)
 
 
 def init_parameters(module: str, name: str) -> dict[str, Field] | None:

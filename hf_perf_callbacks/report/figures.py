@@ -398,18 +398,16 @@ class SlowStretch:
         return self.last - self.first + 1
 
 
-def _split_column(run: RunLog) -> list[str | None]:
+def split_column(run: RunLog) -> list[str | None]:
     """The split of each line of ``run.unique_steps()`` ("4×2"; None where the line names none)."""
-    out: list[str | None] = []
-    for micro, accum in zip(run.column(keys.TUNER_MICRO_BATCH), run.column(keys.TUNER_GRAD_ACCUM)):
-        out.append(f"{micro:.0f}×{accum:.0f}" if micro == micro and accum == accum else None)
-    return out
+    return [f"{micro:.0f}×{accum:.0f}" if micro == micro and accum == accum else None
+            for micro, accum in zip(run.column(keys.TUNER_MICRO_BATCH), run.column(keys.TUNER_GRAD_ACCUM))]
 
 
 def _segments(run: RunLog) -> list[tuple[str | None, list[int]]]:
     """Consecutive lines with the same split: (split, their indices)."""
     out: list[tuple[str | None, list[int]]] = []
-    for i, split in enumerate(_split_column(run)):
+    for i, split in enumerate(split_column(run)):
         if out and out[-1][0] == split:
             out[-1][1].append(i)
         else:
@@ -540,7 +538,7 @@ def completion_stats(history: Sequence[Mapping[str, Any]]) -> dict[str, float | 
 
 
 __all__ = [
-    "Figures", "figures", "SplitLevel", "SlowStretch", "split_levels", "slow_stretches", "completion_stats",
-    "steady_steps", "step_ranges", "timed_rows", "ranges_text", "train_calls", "trainer_logs", "run_events",
-    "train_seconds", "train_column", "last_value", "finite"
+    "Figures", "figures", "SplitLevel", "SlowStretch", "split_column", "split_levels", "slow_stretches",
+    "completion_stats", "steady_steps", "step_ranges", "timed_rows", "ranges_text", "train_calls", "trainer_logs",
+    "run_events", "train_seconds", "train_column", "last_value", "finite"
 ]

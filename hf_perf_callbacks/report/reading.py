@@ -195,9 +195,8 @@ def _tail(run_log: RunLog) -> dict[str, float]:
 
 
 def _phase_readings(run_log: RunLog) -> PhaseReadings:
-    """The run's seconds per phase (the step lines' ``perf/phase_sec/*`` and the tail), its wall seconds, the saves
-    and training logs counted, the seconds of each callback class (the summary's ``callback_sec``, else the step
-    lines' ``perf/callback_sec/*``), the trainer's settings of those phases."""
+    """:class:`PhaseReadings`; each callback class's seconds from the summary's ``callback_sec``, else (a killed
+    run) the step lines' ``perf/callback_sec/*``."""
     col, tail = run_log.column, _tail(run_log)
     phase_sec = {p: sum(finite(col(keys.PERF_PHASE_SEC[p]))) + tail.get(p, 0.0) for p in PHASES}
     wall = sum(finite(col(keys.PERF_STEP_WALL_SEC))) + sum(tail.values())
@@ -413,7 +412,6 @@ def _steady_values(run_log: RunLog, key: str) -> Iterator[float]:
 
 
 def _step_counts(run_log: RunLog, grpo: bool) -> StepCounts:
-    """What the step lines count: forwards per micro-batch, padding, sequence lengths, decode bandwidth."""
     fpm = _median(finite(run_log.column(keys.PERF_FORWARDS_PER_MICROBATCH)))
     if fpm is None:
         fpm = max((v for v in (WarningFigures.from_details(e.details).forwards_per_microbatch
@@ -427,8 +425,6 @@ def _step_counts(run_log: RunLog, grpo: bool) -> StepCounts:
 
 
 def _generation_readings(run_log: RunLog, run: RunHeader, skipped: list[str]) -> GenerationReadings:
-    """GRPO's figures of TRL's generation entry: the backend, the weight syncs' and reward functions' shares of the
-    wall time, the rollout's decode rate (None where the step lines do not hold them)."""
     backend = _fact(run, "generation_backend", "str", skipped)
     wall = sum(sum(finite(run_log.column(keys.PERF_PHASE_SEC[p]))) for p in keys.PHASES)
     syncs = [v for v in finite(run_log.column(keys.PERF_WEIGHT_SYNC_SEC)) if v > 0]
@@ -465,8 +461,6 @@ def _text(value: object) -> str | None:
 
 
 def _scope_readings(run_log: RunLog, run: RunHeader) -> ScopeReadings:
-    """What the run was measured on and against: the recipe's target, the model that ran, MFU's basis, a compile,
-    the trainer's ``compute_metrics`` seconds."""
     params = run.model.get("params")
     metrics = number(run_log.summary("perf").get("compute_metrics_sec"))
     return ScopeReadings(target=_target(run), model_name=_text(run.model.get("name")),
@@ -515,8 +509,6 @@ def _watchdog_actions(run_log: RunLog, skipped: list[str]) -> list[WatchdogActio
 
 
 def _memory_readings(run_log: RunLog, skipped: list[str]) -> MemoryReadings:
-    """The memory columns and the watchdog's events: driver memory at its peak, swap, pressure, the budget, the
-    wall's moves, a leak."""
     steps, events = run_log.unique_steps(), run_log.events
     driver = [(gb, i) for i, gb in enumerate(run_log.column(keys.MEM_DRIVER_GB)) if gb == gb]
     row = steps[max(driver, key=lambda d: d[0])[1]] if driver else None
@@ -540,8 +532,8 @@ def _memory_readings(run_log: RunLog, skipped: list[str]) -> MemoryReadings:
 
 
 def _geometry(run_log: RunLog, run: RunHeader) -> GeometryReadings:
-    """The split the run ended with (the tuner's, else the configured one) and its steps per generation: a re-size
-    keeps the generation batch, so this split's share of it."""
+    """:class:`GeometryReadings`: a re-size keeps the generation batch, so its steps per generation are this split's
+    share of it."""
     steps = run_log.unique_steps()
     micro = last_value(steps, keys.TUNER_MICRO_BATCH) or run.per_device_train_batch_size
     accum = last_value(steps, keys.TUNER_GRAD_ACCUM) or run.gradient_accumulation_steps
@@ -553,7 +545,6 @@ def _geometry(run_log: RunLog, run: RunHeader) -> GeometryReadings:
 
 
 def _trainer_readings(run_log: RunLog, grpo: bool) -> TrainerReadings:
-    """The trainer's own logs: completion lengths, rewards, the runs of logs without a learning signal."""
     logs = trainer_logs(run_log)
     completion = completion_stats(logs)
     n_logs, no_signal_run, reward_mean = _no_signal(logs)
@@ -566,7 +557,6 @@ def _trainer_readings(run_log: RunLog, grpo: bool) -> TrainerReadings:
 
 
 def _tuner_readings(run_log: RunLog, skipped: list[str]) -> TunerReadings:
-    """The tuner's record (its latest measurement, the decisions that hit the memory limit) and its events."""
     tuner, note = _resolve_split_file(run_log)
     if note:
         skipped.append(note)
@@ -579,7 +569,6 @@ def _tuner_readings(run_log: RunLog, skipped: list[str]) -> TunerReadings:
 
 
 def _figure_readings(f: Figures) -> FigureReadings:
-    """The headline figures the rules read, exactly as the report prints them."""
     return FigureReadings(steps=f.steps, warmup_steps=f.warmup_steps, warmup_done=f.warmup_done,
                           warmup_overhead_sec=f.warmup_overhead_sec, first_step_slowdown=f.first_step_slowdown,
                           steady_step_sec=f.steady_step_sec, steady_tokens_per_sec=f.steady_tokens_per_sec, mfu=f.mfu,

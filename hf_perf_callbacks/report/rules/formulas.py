@@ -73,11 +73,9 @@ def _train_formula(model: ModelFacts, checkpointing: bool) -> str:
 
 def _training_tokens(m: Measurements) -> tuple[int, str] | None:
     """Tokens of one training micro-batch (micro-batch × padded length) for activation estimates."""
-    if not m.micro_batch:
+    if not (m.micro_batch and m.seq_len):
         return None
-    if m.seq_len:
-        return m.micro_batch * m.seq_len, f"{m.micro_batch} × {m.seq_len} tokens"
-    return None
+    return m.micro_batch * m.seq_len, f"{m.micro_batch} × {m.seq_len} tokens"
 
 
 def _memory_freed_by_cut(m: Measurements, old: int, new: int) -> MemoryFreed | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ... import keys
 from ...core.batching import Split, next_smaller
 from ...core.memory import WARN_WITHIN_STEPS as STEPS_TO_WALL  # the watchdog's default warn distance
+from ...core.wording import split_label
 from ..facts import MemoryPressure, Remedy
 from ..model import Finding, Measurements, Setting, card
 from ..words import finding
@@ -12,8 +13,6 @@ from .advice import (
     CLIPPED_LARGE,
     HIGH_WATER_FRACTION,
     _completion_target,
-    _launcher,
-    _split_name,
     _split_setting,
     _splits,
     _swapping,
@@ -72,12 +71,11 @@ def _checkpointing_remedy(m: Measurements) -> Remedial | None:
 
 def _smaller_split(m: Measurements) -> Split | None:
     """The next smaller exact split of this run's effective batch (None: micro-batch 1, or none keeps it exact)."""
-    micro, accum = m.micro_batch, m.grad_accum
-    splits = _splits(m)                          # empty unless both are known
-    if not (splits and micro and accum):
+    splits = _splits(m)                          # empty unless the micro-batch and the accumulation are known
+    if not (splits and m.micro_batch and m.grad_accum):
         return None
     try:
-        return next_smaller(Split(micro, accum), splits)
+        return next_smaller(Split(m.micro_batch, m.grad_accum), splits)
     except ValueError:
         return None
 
@@ -148,9 +146,9 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
     facts = MemoryPressure(
         swapping, m.swap_growth_gb, m.swapout_steps, m.max_pressure, m.mem_high_water_gb, m.mem_budget_gb,
         m.min_steps_to_wall, near, bloat, m.driver_gb_max, m.allocated_gb_at_driver_max, m.leak_mib_per_step,
-        m.budget_range_gb, _advice(m, remedies), _allocator_code(m), m.device_type, m.grpo, _launcher(m),
+        m.budget_range_gb, _advice(m, remedies), _allocator_code(m), m.device_type, m.grpo, bool(m.launcher),
         tuple(m.wall_moves), tuple((a.get("action"), a.get("step")) for a in m.watchdog_actions),
-        tuple((d.old.micro_batch, d.step, _split_name(d.new)) for d in m.memory_limits if d.kind == "oom"))
+        tuple((d.old.micro_batch, d.step, split_label(d.new)) for d in m.memory_limits if d.kind == "oom"))
     urgent = swapping or (m.max_pressure or 0) >= 2 or near
     return finding("memory_pressure", "swapping" if swapping else "near_the_wall" if urgent else "pressure", facts,
                    setting, None, _confidence(m, swapping), "try", None, priority=0 if urgent else 1)

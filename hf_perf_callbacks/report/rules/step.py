@@ -8,15 +8,14 @@ import math
 
 from ...core.dataloader import dataloader_changes
 from ...core.splitfile import Decision, trial_figures
+from ...core.wording import split_label
 from ..facts import DuplicateForward, FixedLength, InputBound, MemoryCap, Padding, SmallSplit, TunerMeasured
 from ..model import Finding, Measurements, Note, Setting, card
 from ..words import finding, note
 from .advice import (
     _amdahl,
-    _launcher,
     _memory_cap,
     _phase,
-    _split_name,
     _split_setting,
     _splits,
     _under_pressure,
@@ -92,8 +91,8 @@ def rule_small_micro_batch(m: Measurements) -> Finding | Note | None:
         return note("small_micro_batch", "memory_cap", MemoryCap(mb, ga, hit)) if larger and hit else None
     manual = next((s for s in splits if s.micro_batch >= 4 * mb), splits[-1])
     return finding("small_micro_batch", "small_split",
-                   SmallSplit(mb, ga, max(1, m.world_size or 1), m.mfu, c, tuple(_split_name(s) for s in splits[:6]),
-                              hit, m.device_type, m.grpo, _launcher(m), m.tuner_attached),
+                   SmallSplit(mb, ga, max(1, m.world_size or 1), m.mfu, c, tuple(split_label(s) for s in splits[:6]),
+                              hit, m.device_type, m.grpo, bool(m.launcher), m.tuner_attached),
                    _split_setting(m, manual), None, "low", "try", None)
 
 

@@ -4,6 +4,7 @@ through a typed accessor: a field of another type is skipped and listed, never a
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import statistics
@@ -287,8 +288,8 @@ def _fact(header: RunHeader, name: str, kind: str, skipped: list[str]) -> Any:
     return typed
 
 
-#: one whole cycle of ``period`` steps: (lines, wall seconds, CPU seconds, tokens, all of its steps steady)
-Cycle = tuple[int, float, float, float, bool]
+#: one whole cycle of ``period`` steps: (wall seconds, CPU seconds, tokens, all of its steps steady)
+Cycle = tuple[float, float, float, bool]
 
 
 def _cpu_rows(run_log: RunLog) -> list[int]:
@@ -323,27 +324,21 @@ def _cycles(run_log: RunLog, rows: list[int], period: int) -> list[Cycle]:
     steady_set = set(_steady(run_log))
     walls, cpus = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_CPU_SEC)
     cycles: list[Cycle] = []
-    current: int | None = None
-    acc: Cycle = (0, 0.0, 0.0, 0.0, True)
-    for i in rows + [-1]:
-        cycle = (numbers[i] - 1) // period if i >= 0 else None
-        if cycle != current:
-            if current is not None and acc[0] == period:
-                cycles.append(acc)
-            current, acc = cycle, (0, 0.0, 0.0, 0.0, True)
-        if i >= 0:
-            t = tokens[i]
-            acc = (acc[0] + 1, acc[1] + walls[i], acc[2] + cpus[i], acc[3] + (t if t == t else 0.0),
-                   acc[4] and numbers[i] in steady_set)
+    for _, group in itertools.groupby(rows, key=lambda i: (numbers[i] - 1) // period):
+        lines = list(group)
+        if len(lines) == period:
+            cycles.append((sum(walls[i] for i in lines), sum(cpus[i] for i in lines),
+                           sum(t if (t := tokens[i]) == t else 0.0 for i in lines),
+                           all(numbers[i] in steady_set for i in lines)))
     return cycles
 
 
 def _cycle_spread(cycles: list[Cycle]) -> tuple[float | None, float | None, float | None]:
     """(spread, cpu_spread, lower_bound) over the steady cycles (without :data:`MIN_MACHINE_CYCLES` of them, all but
     the first); Nones without that many cycles to compare."""
-    steady = [c for c in cycles if c[4]]
+    steady = [c for c in cycles if c[3]]
     later = steady if len(steady) >= MIN_MACHINE_CYCLES else cycles[1:]
-    work = [(w, c, t) for _, w, c, t, _ in later if t > 0]
+    work = [(w, c, t) for w, c, t, _ in later if t > 0]
     if len(work) < MIN_MACHINE_CYCLES:
         return None, None, None
     per_wall, per_cpu = [w / t for w, _, t in work], [c / t for _, c, t in work]
@@ -496,19 +491,17 @@ def _compile_readings(run_log: RunLog, f: Figures, torch_compile: bool) -> Compi
     return CompileReadings(warmup_child_cpu_sec=sum(outside) if outside else None, recompiles=recompiles)
 
 
-def _watchdog_actions(run_log: RunLog, skipped: list[str]) -> list[WatchdogAction]:
+def _watchdog_actions(run_log: RunLog) -> list[WatchdogAction]:
     """The watchdog's actions: its summary's list, else (a killed run) its action and stop events."""
     actions = run_log.summary("mem").get("actions")
-    if isinstance(actions, list):
+    if actions is not None:                              # a list: the reader keeps another type in ``malformed``
         return [WatchdogAction(step=a.get("step"), action=a.get("action"), message=a.get("message"))
                 for a in actions if isinstance(a, dict)]
-    if actions is not None:
-        skipped.append(f"the watchdog summary's `actions` is {type(actions).__name__}, not a list")
     return [WatchdogAction(step=e.step, action=ActionDetails.from_details(e.details).action, message=e.message)
             for e in run_log.events if e.source == "mem" and e.kind in ("action", "stop")]
 
 
-def _memory_readings(run_log: RunLog, skipped: list[str]) -> MemoryReadings:
+def _memory_readings(run_log: RunLog) -> MemoryReadings:
     steps, events = run_log.unique_steps(), run_log.events
     driver = [(gb, i) for i, gb in enumerate(run_log.column(keys.MEM_DRIVER_GB)) if gb == gb]
     row = steps[max(driver, key=lambda d: d[0])[1]] if driver else None
@@ -523,7 +516,7 @@ def _memory_readings(run_log: RunLog, skipped: list[str]) -> MemoryReadings:
         swap_growth_gb=max(0.0, swaps[3] - swaps[1]) if swaps[0] else None,
         swapout_steps=sum(1 for v in finite(run_log.column(keys.MEM_SWAPOUTS)) if v > 0),
         min_steps_to_wall=min(finite(run_log.column(keys.MEM_STEPS_TO_WALL)[MEM_GRACE_STEPS:]), default=None),
-        watchdog_actions=_watchdog_actions(run_log, skipped),
+        watchdog_actions=_watchdog_actions(run_log),
         budget_range_gb=(limits[2], limits[3]) if limits[0] else None,
         wall_moves=[(e.step, wall.why or "", wall.moved)
                     for e in mem_events if e.kind == "wall" for wall in [WallMove.from_details(e.details)]],
@@ -593,7 +586,7 @@ def measurements(run_log: RunLog) -> Measurements:
     train_sec = sum(finite(train_column(run_log)))
     scope = _scope_readings(run_log, run)
     groups = (_figure_readings(f), _geometry(run_log, run), _step_counts(run_log, grpo),
-              _memory_readings(run_log, skipped), _trainer_readings(run_log, grpo), _tuner_readings(run_log, skipped),
+              _memory_readings(run_log), _trainer_readings(run_log, grpo), _tuner_readings(run_log, skipped),
               _generation_readings(run_log, run, skipped), _phase_readings(run_log), scope,
               _compile_readings(run_log, f, scope.torch_compile))
     return Measurements(

@@ -348,18 +348,11 @@ def _cycle_spread(cycles: list[Cycle]) -> tuple[float | None, float | None, floa
 
 
 def _machine(run_log: RunLog, header: RunHeader, skipped: list[str]) -> Machine | None:
-    """The CPU over the whole run, from the step lines (``perf/cpu_sec``, ``perf/step_wall_sec``,
-    ``perf/other_cpu_cores``, ``perf/load_per_core``, ``perf/tokens``) and the run header (``cpu_cores``,
-    ``torch_threads``, when the writer records them). Medians over the steps: ``busy`` — this process's CPU time /
-    wall time (cores it kept busy), ``other`` — other processes' busy cores, ``load`` — load average per core;
-    ``threads`` (torch's intra-op threads; without the header fact, torch's default of one per core), ``cores``
-    (without the header fact, the busy cores of a machine whose load per core was ≥ 1: a saturated machine's busy
-    cores are its cores). Over whole cycles of the header's ``period`` steps (GRPO: a generation cycle, whose tokens
-    the meter counts at its first step), the steady ones (without :data:`MIN_MACHINE_CYCLES` of them, all but the
-    first): ``spread`` and ``cpu_spread`` — the 90th over the 10th percentile of wall and CPU seconds per token
-    (similar work should take similar time); ``lower_bound`` — the mean wall seconds per token over the 10th
-    percentile's (what the run's own fastest cycles say contention cost, at least); None without
-    :data:`MIN_MACHINE_CYCLES` cycles to compare. None without CPU time in the step lines."""
+    """:class:`Machine`, from the step lines' ``perf/cpu_sec``, ``perf/step_wall_sec``, ``perf/other_cpu_cores``,
+    ``perf/load_per_core`` and ``perf/tokens`` and the run header's ``cpu_cores`` and ``torch_threads`` (without
+    them: a saturated machine's busy cores, one thread per core). The spreads are over whole cycles of the header's
+    ``period`` steps, the steady ones (without :data:`MIN_MACHINE_CYCLES` of them, all but the first); None without
+    CPU time in the step lines."""
     rows = _cpu_rows(run_log)
     if not rows:
         return None
@@ -575,9 +568,7 @@ def measurements(run_log: RunLog) -> Measurements:
 
     The latest training session's summaries count (a resumed session that was killed has none, so the figures
     come from the step lines), and a step logged again after an out-of-memory rollback or a resume counts once
-    (its latest line). The trainer's own logs (rewards, completion lengths, gradient norm) come from the step lines'
-    ``log/<key>`` values. Every
-    logged value is read through a typed accessor: a field of another type is skipped and listed in ``skipped``.
+    (its latest line); the trainer's own logs come from the step lines' ``log/<key>`` values.
     """
     f = figures(run_log)
     skipped = _skipped(run_log)

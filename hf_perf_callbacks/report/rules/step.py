@@ -119,13 +119,6 @@ def _padded_sec(m: Measurements, p: float, c: float) -> float | None:
     return p * c * m.wall_sec if m.wall_sec else None
 
 
-def _fixed_length_padding(m: Measurements, length: int, p: float, c: float) -> Finding:
-    """A Trainer run whose every batch was padded to one ``length`` (``m.fixed_seq_len``): per-batch padding first
-    (grouping by length cannot shorten a fixed length)."""
-    return finding("padding_waste", "fixed_length", FixedLength(length, p, c, m.trainer_kind, m.steps), {}, None,
-                   "medium", "try", None, stake_sec=_padded_sec(m, p, c))
-
-
 @card(finding="a Trainer padded to one length on every step (`perf/seq_len` constant) → per-batch padding first "
               "(grouping cannot shorten a fixed length; for an `SFTTrainer` run, recognised by its own logs, "
               "SFTTrainer's own collator, not transformers' `DataCollatorForLanguageModeling`); "
@@ -138,8 +131,9 @@ def rule_padding_waste(m: Measurements) -> Finding | Note | None:
     if p is None or p < PAD_FRACTION:
         return None
     c = _phase(m, "compute")
-    if m.fixed_seq_len and not m.grpo:
-        return _fixed_length_padding(m, m.fixed_seq_len, p, c)
+    if m.fixed_seq_len and not m.grpo:           # per-batch padding first: grouping cannot shorten a fixed length
+        return finding("padding_waste", "fixed_length", FixedLength(m.fixed_seq_len, p, c, m.trainer_kind, m.steps),
+                       {}, None, "medium", "try", None, stake_sec=_padded_sec(m, p, c))
     k = m.pad_to_multiple_of or 0
     facts = Padding(p, k, m.seq_len, m.grpo, compute=c)
     if k > 1 and m.device_type != "mps":

@@ -416,7 +416,6 @@ def _generation_readings(run_log: RunLog, run: RunHeader, skipped: list[str]) ->
     backend = _fact(run, "generation_backend", "str", skipped)
     wall = sum(sum(finite(run_log.column(keys.PERF_PHASE_SEC[p]))) for p in keys.PHASES)
     syncs = [v for v in finite(run_log.column(keys.PERF_WEIGHT_SYNC_SEC)) if v > 0]
-    rewards = finite(run_log.column(keys.PERF_REWARD_SEC))
     scored = [b for r, b in zip(run_log.column(keys.PERF_REWARD_SEC), run_log.column(keys.PERF_GENERATION_BATCH))
               if r == r and r > 0]
     logged = run_log.keys_logged()
@@ -426,7 +425,6 @@ def _generation_readings(run_log: RunLog, run: RunHeader, skipped: list[str]) ->
         staleness_mean=_mean(finite(run_log.column(keys.TRAINER_LOG + "sample/staleness_mean"))),
         weight_sync_share=sum(syncs) / wall if wall and keys.PERF_WEIGHT_SYNC_SEC in logged else None,
         weight_sync_sec=sum(syncs) / len(syncs) if syncs else None, weight_syncs=len(syncs),
-        reward_share=sum(rewards) / wall if wall and rewards else None,
         rollout_tokens_per_sec=_median(list(_steady_values(run_log, keys.PERF_ROLLOUT_TOKENS_PER_SEC))),
         reward_calls=len(scored), reward_completions=_mean(b for b in scored if b == b))
 

@@ -18,6 +18,7 @@ has nothing to draw. Needs matplotlib (the ``plots`` extra).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -209,14 +210,8 @@ def _thin(xs: list[int], ys: list[float],
           reduce: Callable[[list[float]], float] = max) -> tuple[list[int], list[float], int]:
     """At most :data:`MAX_POINTS` points: (each bin's last step, ``reduce`` of its values, steps per bin)."""
     size = max(1, math.ceil(len(xs) / MAX_POINTS))
-    if size == 1:
-        return list(xs), list(ys), 1
-    out_x: list[int] = []
-    out_y: list[float] = []
-    for i in range(0, len(xs), size):
-        out_x.append(xs[min(i + size, len(xs)) - 1])
-        out_y.append(reduce(ys[i:i + size]))
-    return out_x, out_y, size
+    starts = range(0, len(xs), size)
+    return [xs[min(i + size, len(xs)) - 1] for i in starts], [reduce(ys[i:i + size]) for i in starts], size
 
 
 # ---------------------------------------------------------------- throughput
@@ -755,24 +750,15 @@ def _merge_markers(ax: Axes, markers: list[_Label], renderer: RendererBase) -> l
 def _merge_stretches(ax: Axes, stretches: list[_Label], renderer: RendererBase) -> list[_Label]:
     """Consecutive stretches too narrow for their split's label as one label over them all."""
     out: list[_Label] = []
-    group: list[_Label] = []
-
-    def flush() -> None:
-        if len(group) == 1:
-            out.append(group[0])
-        elif group:
+    for fits, grouped in itertools.groupby(stretches, key=lambda lab: _width(ax, lab.words, renderer) + 2 * LABEL_GAP
+                                           <= abs(_pixels(ax, lab.end) - _pixels(ax, lab.x))):
+        group = list(grouped)
+        if fits or len(group) == 1:
+            out += group
+        else:
             first, last = math.ceil(group[0].x), math.floor(group[-1].end)
             out.append(_Label(group[0].x, " → ".join(lab.words for lab in group) + f" (steps {first}–{last})",
                               "dimgrey", "stretch", group[-1].end))
-        group.clear()
-
-    for lab in stretches:
-        if _width(ax, lab.words, renderer) + 2 * LABEL_GAP <= abs(_pixels(ax, lab.end) - _pixels(ax, lab.x)):
-            flush()
-            out.append(lab)
-        else:
-            group.append(lab)
-    flush()
     return out
 
 

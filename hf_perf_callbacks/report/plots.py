@@ -65,7 +65,6 @@ SIZE = (8, 4.5)                 # inches at DPI: 800×450 pixels, the width a RE
 DPI = 100
 NEAR_BUDGET = 1.5               # the budget is drawn as a line when it is at most this × the highest value shown
 MIN_SPAN = 0.1                  # memory's y-axis spans at least this share of its highest value
-PLOTS = ("throughput", "memory", "phases", "tuner")
 
 
 def write_plots(run: RunLog, out_dir: str | None = None) -> list[str]:
@@ -90,9 +89,9 @@ def plot_all(run: RunLog, out_dir: str | None) -> tuple[list[str], list[str]]:
         raise ReportError(f"cannot create the plot directory {out_dir!r}: {error}") from error
     data = PlotData.of(run)
     paths, notes = [], []
-    for name in PLOTS:
+    for name, draw in DRAW.items():
         fig = Figure(figsize=SIZE, dpi=DPI, layout="constrained")
-        missing = DRAW[name](fig, data)
+        missing = draw(fig, data)
         if missing:
             notes.append(f"{name}.png skipped: {missing}")
             continue
@@ -796,6 +795,7 @@ def _put(ax: Axes, lab: _Label, frame: Bbox, taken: list[Bbox], renderer: Render
     return False
 
 
+#: the plots, in the order they are written: name → the function that draws it
 DRAW = {"throughput": plot_throughput, "memory": plot_memory, "phases": plot_phases, "tuner": plot_tuner}
 
 

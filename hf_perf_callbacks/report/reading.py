@@ -14,6 +14,7 @@ from typing import Any
 from .. import keys
 from ..core.dataloader import dataloader_facts
 from ..core.runlog import (
+    HEADER_KINDS,
     PHASES,
     ActionDetails,
     NoteDetails,
@@ -22,7 +23,6 @@ from ..core.runlog import (
     WallMove,
     WarningFigures,
     WatchdogAction,
-    conform,
     number,
     read_run,
 )
@@ -276,16 +276,14 @@ def _malformed_values(run_log: RunLog) -> list[str]:
     return out
 
 
-def _fact(header: RunHeader, name: str, kind: str, skipped: list[str]) -> Any:
-    """A run-header fact by name and type: a field of :class:`RunHeader`, or one a newer writer added (kept in
-    ``extra`` by this version's reader); None when absent, and noted in ``skipped`` when of another type."""
-    value = getattr(header, name, None)
-    if value is None:
-        value = header.extra.get(name, header.malformed.get(name))
-    ok, typed = conform(value, kind)
-    if not ok:
-        skipped.append(f"run header `{name}` is {value!r}, not {'an' if kind == 'int' else 'a'} {kind}")
-    return typed
+def _fact(header: RunHeader, name: str, skipped: list[str]) -> Any:
+    """A run-header fact by name, None when absent; one of another type (kept in ``malformed`` by the reader) is
+    noted in ``skipped``."""
+    if name in header.malformed:
+        kind = HEADER_KINDS[name]
+        skipped.append(f"run header `{name}` is {header.malformed[name]!r}, not {'an' if kind == 'int' else 'a'} "
+                       f"{kind}")
+    return getattr(header, name)
 
 
 #: one whole cycle of ``period`` steps: (wall seconds, CPU seconds, tokens, all of its steps steady)
@@ -307,11 +305,11 @@ def _cores_and_threads(run_log: RunLog, header: RunHeader, rows: list[int], load
     else the busy cores of a saturated machine and torch's default of one thread per core."""
     col = run_log.column
     walls, cpus, others = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_CPU_SEC), col(keys.PERF_OTHER_CPU_CORES)
-    cores, cores_from = _fact(header, "cpu_cores", "int", skipped), "run header"
+    cores, cores_from = _fact(header, "cpu_cores", skipped), "run header"
     if cores is None and load is not None and load >= 1.0:
         cores = max(1, round(max(cpus[i] / walls[i] + max(0.0, others[i]) for i in rows)))
         cores_from = "the cores counted as the busy cores of the saturated machine"
-    threads, threads_from = _fact(header, "torch_threads", "int", skipped), "run header"
+    threads, threads_from = _fact(header, "torch_threads", skipped), "run header"
     if threads is None and cores:
         threads, threads_from = cores, "the threads taken as torch's default, one per core"
     return cores, cores_from, threads, threads_from
@@ -413,15 +411,15 @@ def _step_counts(run_log: RunLog, grpo: bool) -> StepCounts:
 
 
 def _generation_readings(run_log: RunLog, run: RunHeader, skipped: list[str]) -> GenerationReadings:
-    backend = _fact(run, "generation_backend", "str", skipped)
+    backend = _fact(run, "generation_backend", skipped)
     wall = sum(sum(finite(run_log.column(keys.PERF_PHASE_SEC[p]))) for p in keys.PHASES)
     syncs = [v for v in finite(run_log.column(keys.PERF_WEIGHT_SYNC_SEC)) if v > 0]
     scored = [b for r, b in zip(run_log.column(keys.PERF_REWARD_SEC), run_log.column(keys.PERF_GENERATION_BATCH))
               if r == r and r > 0]
     logged = run_log.keys_logged()
     return GenerationReadings(
-        generation_backend=backend, vllm_enable_sleep_mode=_fact(run, "vllm_enable_sleep_mode", "bool", skipped),
-        weight_sync_steps=_fact(run, "weight_sync_steps", "int", skipped),
+        generation_backend=backend, vllm_enable_sleep_mode=_fact(run, "vllm_enable_sleep_mode", skipped),
+        weight_sync_steps=_fact(run, "weight_sync_steps", skipped),
         staleness_mean=_mean(finite(run_log.column(keys.TRAINER_LOG + "sample/staleness_mean"))),
         weight_sync_share=sum(syncs) / wall if wall and keys.PERF_WEIGHT_SYNC_SEC in logged else None,
         weight_sync_sec=sum(syncs) / len(syncs) if syncs else None, weight_syncs=len(syncs),
@@ -587,7 +585,7 @@ def measurements(run_log: RunLog) -> Measurements:
         contention=_contention(run_log, f), machine=_machine(run_log, run, skipped),
         slow_stretches=slow_stretches(run_log), split_levels=len(split_levels(run_log)),
         evaluation=_evaluation(run_log, train_sec), first_steady=_first_steady(run_log, f),
-        launcher=_fact(run, "launcher", "str", skipped), logged=run_log.keys_logged(), skipped=skipped,
+        launcher=_fact(run, "launcher", skipped), logged=run_log.keys_logged(), skipped=skipped,
         train_sec=train_sec or None,
         **{k: v for group in groups for k, v in vars(group).items()})   # each group's fields, as its reader read them
 

@@ -454,8 +454,7 @@ def _phase_bars(ax: Axes, data: PlotData, columns: Sequence[Sequence[float]], ro
     bins = [rows[i:i + size] for i in range(0, len(rows), size)]
     xs = [sum(numbers[i] for i in b) / len(b) for b in bins]
     bottom = [0.0] * len(bins)
-    for index, p in enumerate(PHASES):
-        column = columns[index]
+    for p, column in zip(PHASES, columns):
         vals = [sum(v for v in (column[i] for i in b) if v == v) / len(b) for b in bins]
         if not any(vals):
             continue

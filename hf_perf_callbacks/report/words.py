@@ -554,14 +554,6 @@ def _kept_for_recipe(f: fx.KeptForRecipe) -> NoteWords:
 
 # ---- machine: thread oversubscription, contention, recompiles --------------------------------------------------
 
-def _threads_item(n: int, launcher: bool) -> str:
-    if launcher:
-        return (f"`OMP_NUM_THREADS={n}` in the environment that starts the run: `OMP_NUM_THREADS={n} hf-perf train "
-                f"--config …` (a recipe's `env:` is applied after torch has started its threads)")
-    return (f"`OMP_NUM_THREADS={n}` in the environment that starts the run, or `torch.set_num_threads({n})` "
-            f"before training")
-
-
 @_finding_words("threads_over_free_cores")
 def _threads_over_free_cores(f: fx.Oversubscription, setting: Setting) -> FindingWords:
     o, a = f.machine, f.advised_threads
@@ -580,7 +572,11 @@ def _threads_over_free_cores(f: fx.Oversubscription, setting: Setting) -> Findin
             "so CPU time rises with the wall time (why the slow-step check, which looks for slow steps with flat CPU "
             "time, cannot see it, and why it is not warmup: it recurs all run). With no more threads than free cores "
             "no thread waits for a core.")
-    items = [_threads_item(a, f.launcher) + f" ({cores} cores − {other:.1f} busy with other work, at least 1)",
+    how = (f"`OMP_NUM_THREADS={a}` in the environment that starts the run: `OMP_NUM_THREADS={a} hf-perf train "
+           f"--config …` (a recipe's `env:` is applied after torch has started its threads)" if f.launcher else
+           f"`OMP_NUM_THREADS={a}` in the environment that starts the run, or `torch.set_num_threads({a})` before "
+           "training")
+    items = [how + f" ({cores} cores − {other:.1f} busy with other work, at least 1)",
              "or stop or move the other processes using these cores (a second training, a test suite, a build)"]
     formula = "not predicted: the run has no step without contention to compare with"
     if o.lower_bound:

@@ -520,22 +520,23 @@ def _tuning_cost(data: PlotData) -> str | None:
 
 
 # ---------------------------------------------------------------- tuner
-def tuner_missing(data: PlotData) -> str | None:
-    """Why the tuner plot has nothing to draw — a tuner was attached when its decisions are in the events (its record
-    is what is missing) — or None when it has something."""
+def tuner_missing(data: PlotData) -> tuple[str, int] | None:
+    """Why the tuner plot has nothing to draw, as data: ("record_missing", the tuner's decisions in the events: a
+    tuner was attached, its record is what is missing) or ("no_tuner", 0); None when it has something."""
     if data.splits or data.decisions:
         return None
     logged = sum(1 for e in data.run.events if e.source == "tuner" and e.kind == "decision")
-    if logged:
-        return (f"no tuner/* keys in the step lines and no {SPLIT_FILE} of this run; the tuner's {logged} "
-                f"decision(s) are in the events")
-    return f"no tuner/* keys in the step lines and no {SPLIT_FILE} (no tuner attached)"
+    return ("record_missing", logged) if logged else ("no_tuner", 0)
 
 
 def plot_tuner(fig: Figure, data: PlotData) -> str | None:
     missing = tuner_missing(data)
     if missing is not None:
-        return missing
+        code, logged = missing
+        if code == "record_missing":
+            return (f"no tuner/* keys in the step lines and no {SPLIT_FILE} of this run; the tuner's "
+                    f"{logged} decision(s) are in the events")
+        return f"no tuner/* keys in the step lines and no {SPLIT_FILE} (no tuner attached)"
     splits, tuned = data.splits, data.tune_decisions()
     latest = tuned[-1] if tuned else None
     drawn = latest is not None and any(t.status != "reference" and (t.measured or t.error)
@@ -798,6 +799,4 @@ def _put(ax: Axes, lab: _Label, frame: Bbox, taken: list[Bbox], renderer: Render
 DRAW = {"throughput": plot_throughput, "memory": plot_memory, "phases": plot_phases, "tuner": plot_tuner}
 
 
-__all__ = [
-    "write_plots", "plot_all", "PlotData", "plot_throughput", "plot_memory", "plot_phases", "plot_tuner"
-]
+__all__ = ["write_plots", "plot_all", "PlotData", "plot_throughput", "plot_memory", "plot_phases", "plot_tuner"]

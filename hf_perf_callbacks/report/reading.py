@@ -399,9 +399,6 @@ def _steady_values(run_log: RunLog, key: str) -> Iterator[float]:
 
 def _step_counts(run_log: RunLog, grpo: bool) -> StepCounts:
     fpm = _median(finite(run_log.column(keys.PERF_FORWARDS_PER_MICROBATCH)))
-    if fpm is None:
-        fpm = max((v for v in (WarningFigures.from_details(e.details).forwards_per_microbatch
-                               for e in run_log.events) if v is not None), default=None)
     n, first, low, high = _spread(run_log.column(keys.PERF_SEQ_LEN))     # without a list
     fixed = int(first) if not grpo and n >= MIN_FIXED_LENGTH_STEPS and low == high else None
     return StepCounts(forwards_per_microbatch=fpm, pad_fraction=_mean(_steady_values(run_log, keys.PERF_PAD_FRACTION)),

@@ -204,7 +204,7 @@ def test_report_grpo_findings_on_every_backend(backend, tokenizer, tmp_path, eng
     assert m.generation_backend == backend and m.warmup_done and m.steady_steps >= 3
     steps = perf_steps(tmp_path)
     wall = sum(s[keys.PERF_STEP_WALL_SEC] for s in steps)
-    assert m.reward_share == pytest.approx(REWARD_SEC * len(steps) / wall)
+    assert m.phase_sec["reward"] / m.wall_sec == pytest.approx(REWARD_SEC * len(steps) / wall)
     findings, _ = check(m)
     by_rule = {f.rule: f for f in findings}
     assert "generation_bound" in by_rule

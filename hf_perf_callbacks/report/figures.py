@@ -137,14 +137,13 @@ def ranges_text(ranges: list[tuple[int, int]]) -> str:
     return ", ".join(f"{a}–{b}" if b != a else str(a) for a, b in ranges)
 
 
-def train_calls(run: RunLog) -> list[tuple[int, int]]:
-    """The run's ``train()`` calls as (first step, last step) — a fresh start, each resume and each re-size — from
-    the run headers the meter described (its segments: warmup is detected anew in each)."""
+def call_first_step(run: RunLog) -> int:
+    """The latest ``train()`` call's first step — a fresh start, a resume or a re-size: the run headers the meter
+    described (its segments: warmup is detected anew in each)."""
     steps = run.unique_steps()
     last = steps[-1].step if steps else 0
     starts = sorted({h.resumed_from_step for h in run.headers if "perf" in h.sources} or {0})
-    return [(start + 1, (starts[i + 1] if i + 1 < len(starts) else last)) for i, start in enumerate(starts)
-            if start < last or i == 0]
+    return max([starts[0]] + [start for start in starts if start < last]) + 1
 
 
 def trainer_logs(run_log: RunLog) -> list[LogRow]:
@@ -178,7 +177,6 @@ class Figures:
 
     steps: int
     call_first_step: int
-    train_calls: list[tuple[int, int]]
     not_steady: list[tuple[int, int]]
     steady_steps: list[int]
     contention_steps: list[int]
@@ -300,14 +298,13 @@ def _figures(run: RunLog) -> Figures:
     train = sum(finite(train_column(run)))
     steady = _steady(run)
     steady_set = set(steady)
-    mfu = _steady_mfu(run, steady_set)
     step_sec = _meter(perf, latest, "steady_step_sec", keys.PERF_STEADY_STEP_TIME)
-    calls = train_calls(run)
+    first = call_first_step(run)
     device = perf.get("device") or header.device
     warmup = _warmup(perf, latest)
     return Figures(
         steps=_int(_pick(perf, "steps", steps[-1].step if steps else 0)) or 0,
-        call_first_step=calls[-1][0] if calls else 1, train_calls=calls,
+        call_first_step=first,
         not_steady=step_ranges(n for n in numbers if n not in steady_set) if steady_set else [],
         steady_steps=steady,
         contention_steps=[int(v) for v in perf.get("contention_steps") or [] if number(v) is not None],
@@ -316,14 +313,13 @@ def _figures(run: RunLog) -> Figures:
         world_size=_int(_pick(perf, "world_size", header.world_size)),
         tokens=_pick(perf, "tokens", tokens or None),
         **warmup,
-        warmup_in_band=_in_band(run, calls[-1][0] if calls else 1, warmup["warmup_end_step"], step_sec,
-                                header.warmup_tolerance),
+        warmup_in_band=_in_band(run, first, warmup["warmup_end_step"], step_sec, header.warmup_tolerance),
         warmup_tolerance=header.warmup_tolerance, mfu_basis=header.mfu_basis,
         steady_tokens_per_sec=_meter(perf, latest, "steady_tokens_per_sec", keys.PERF_STEADY_TOKENS_PER_SEC),
         steady_step_sec=step_sec,
         contention_sec=_meter(perf, latest, "early_contention_sec", keys.PERF_EARLY_CONTENTION_SEC),
         mean_tokens_per_sec=_pick(perf, "mean_tokens_per_sec", tokens / train if tokens and train else None),
-        mfu=_pick(perf, "mfu", mfu),
+        mfu=_pick(perf, "mfu", _steady_mfu(run, steady_set)),
         **_memory_and_cache(run),
         **_provisional(perf),
     )
@@ -398,18 +394,16 @@ class SlowStretch:
         return self.last - self.first + 1
 
 
-def _split_column(run: RunLog) -> list[str | None]:
+def split_column(run: RunLog) -> list[str | None]:
     """The split of each line of ``run.unique_steps()`` ("4×2"; None where the line names none)."""
-    out: list[str | None] = []
-    for micro, accum in zip(run.column(keys.TUNER_MICRO_BATCH), run.column(keys.TUNER_GRAD_ACCUM)):
-        out.append(f"{micro:.0f}×{accum:.0f}" if micro == micro and accum == accum else None)
-    return out
+    return [f"{micro:.0f}×{accum:.0f}" if micro == micro and accum == accum else None
+            for micro, accum in zip(run.column(keys.TUNER_MICRO_BATCH), run.column(keys.TUNER_GRAD_ACCUM))]
 
 
 def _segments(run: RunLog) -> list[tuple[str | None, list[int]]]:
     """Consecutive lines with the same split: (split, their indices)."""
     out: list[tuple[str | None, list[int]]] = []
-    for i, split in enumerate(_split_column(run)):
+    for i, split in enumerate(split_column(run)):
         if out and out[-1][0] == split:
             out[-1][1].append(i)
         else:
@@ -540,7 +534,7 @@ def completion_stats(history: Sequence[Mapping[str, Any]]) -> dict[str, float | 
 
 
 __all__ = [
-    "Figures", "figures", "SplitLevel", "SlowStretch", "split_levels", "slow_stretches", "completion_stats",
-    "steady_steps", "step_ranges", "timed_rows", "ranges_text", "train_calls", "trainer_logs", "run_events",
-    "train_seconds", "train_column", "last_value", "finite"
+    "Figures", "figures", "SplitLevel", "SlowStretch", "split_column", "split_levels", "slow_stretches",
+    "completion_stats", "steady_steps", "step_ranges", "timed_rows", "ranges_text", "call_first_step", "trainer_logs",
+    "run_events", "train_seconds", "train_column", "last_value", "finite"
 ]

@@ -291,7 +291,7 @@ class TunerReadings:
 @dataclass(kw_only=True)
 class GenerationReadings:
     """GRPO, timed at TRL's generation entry (the meter's ``perf/weight_sync_sec``, ``perf/reward_sec``, … step
-    keys): the backend, the weight syncs' and reward functions' shares, the rollout's decode rate."""
+    keys): the backend, the weight syncs' share, the reward functions' calls, the rollout's decode rate."""
 
     generation_backend: str | None = None    # "transformers", "vllm-server", "vllm-colocate" (None: not recorded)
     vllm_enable_sleep_mode: bool | None = None
@@ -300,7 +300,6 @@ class GenerationReadings:
     weight_sync_sec: float | None = None     # mean seconds of a step that synced weights
     weight_syncs: int = 0                    # steps that synced weights
     staleness_mean: float | None = None      # async GRPO: TRL's sample/staleness_mean over its logs (policy versions)
-    reward_share: float | None = None        # Σ perf/reward_sec / Σ step wall time
     rollout_tokens_per_sec: float | None = None   # median of the steady steps' perf/rollout_tokens_per_sec
     reward_calls: int = 0                    # GRPO: steps whose reward functions ran (perf/reward_sec > 0)
     reward_completions: float | None = None  # mean completions scored per such step (perf/generation_batch)

@@ -18,6 +18,7 @@ has nothing to draw. Needs matplotlib (the ``plots`` extra).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -40,6 +41,7 @@ from .figures import (
     ranges_text,
     run_events,
     slow_stretches,
+    split_column,
     split_levels,
     step_ranges,
     train_column,
@@ -63,7 +65,6 @@ SIZE = (8, 4.5)                 # inches at DPI: 800×450 pixels, the width a RE
 DPI = 100
 NEAR_BUDGET = 1.5               # the budget is drawn as a line when it is at most this × the highest value shown
 MIN_SPAN = 0.1                  # memory's y-axis spans at least this share of its highest value
-PLOTS = ("throughput", "memory", "phases", "tuner")
 
 
 def write_plots(run: RunLog, out_dir: str | None = None) -> list[str]:
@@ -88,9 +89,9 @@ def plot_all(run: RunLog, out_dir: str | None) -> tuple[list[str], list[str]]:
         raise ReportError(f"cannot create the plot directory {out_dir!r}: {error}") from error
     data = PlotData.of(run)
     paths, notes = [], []
-    for name in PLOTS:
+    for name, draw in DRAW.items():
         fig = Figure(figsize=SIZE, dpi=DPI, layout="constrained")
-        missing = DRAW[name](fig, data)
+        missing = draw(fig, data)
         if missing:
             notes.append(f"{name}.png skipped: {missing}")
             continue
@@ -106,15 +107,7 @@ class PlotData:
 
     def __init__(self, run: RunLog, steps: Sequence[LogStep], f: Figures, split_file: SplitFile | None):
         self.run, self.steps, self.f, self.split_file = run, steps, f, split_file
-        self.splits: dict[int, str] = {}
-        labels: dict[tuple[float, float], str] = {}
-        for n, micro, accum in zip(run.step_numbers(), run.column(keys.TUNER_MICRO_BATCH),
-                                   run.column(keys.TUNER_GRAD_ACCUM)):
-            if micro == micro and accum == accum:
-                label = labels.get((micro, accum))
-                if label is None:
-                    label = labels[(micro, accum)] = f"{micro:.0f}×{accum:.0f}"
-                self.splits[n] = label
+        self.splits = {n: split for n, split in zip(run.step_numbers(), split_column(run)) if split is not None}
 
     @classmethod
     def of(cls, run: RunLog) -> PlotData:
@@ -130,36 +123,41 @@ class PlotData:
                 ys.append(v)
         return xs, ys
 
+    @property
+    def decisions(self) -> list[Decision]:
+        """The tuner record's decisions (none without a record)."""
+        return self.split_file.decisions if self.split_file else []
+
     def tune_decisions(self) -> list[Decision]:
-        return [d for d in (self.split_file.decisions if self.split_file else []) if d.kind == "tune"]
+        return [d for d in self.decisions if d.kind == "tune"]
 
     def restarts(self) -> list[tuple[int, str, str]]:
         """Each ``train()`` call after the first, named: (the step it resumed after, words, colour) — the tuner's
         switch to another split (``tuner: 4×2 → 8×1``), a re-size with its decision (``out of memory: 4×2 → 2×4``),
         or a resume at the same split; and a decision that changed the split where no restart shows it."""
-        decisions = {d.step: d for d in (self.split_file.decisions if self.split_file else []) if d.kind != "tune"}
+        decisions = {d.step: d for d in self.decisions if d.kind != "tune"}
         out = []
         for step in sorted({h.resumed_from_step for h in self.run.headers if h.resumed_from_step > 0}):
             before, after = self.splits.get(step), self.splits.get(step + 1)
             d = decisions.get(step)
             if d is not None and d.new != d.old:
-                words = f"{DECISION_WORDS.get(d.kind, d.kind)}: {split_label(d.old)} → {split_label(d.new)}"
-                out.append((step, words, "tab:red" if d.kind in ("oom", "watchdog") else "dimgrey"))
+                out.append(_decision_mark(d))
             elif before and after and before != after:
                 out.append((step, f"tuner: {before} → {after}", "dimgrey"))
             else:
                 out.append((step, "resumed", "dimgrey"))
         seen = {step for step, _, _ in out}
         shown = {words.split(": ", 1)[-1] for _, words, _ in out}              # "4×2 → 8×1"
-        for d in (self.split_file.decisions if self.split_file else []):     # a change the step lines do not show
-            change = f"{split_label(d.old)} → {split_label(d.new)}"
-            if d.new != d.old and d.step not in seen and change not in shown:
-                words = f"{DECISION_WORDS.get(d.kind, d.kind)}: {split_label(d.old)} → {split_label(d.new)}"
-                out.append((d.step, words, "tab:red" if d.kind in ("oom", "watchdog") else "dimgrey"))
+        for d in self.decisions:                                             # a change the step lines do not show
+            if d.new != d.old and d.step not in seen and f"{split_label(d.old)} → {split_label(d.new)}" not in shown:
+                out.append(_decision_mark(d))
         return sorted(out)
 
-    def configured(self) -> str | None:
-        return split_label(self.split_file.configured) if self.split_file else None
+
+def _decision_mark(d: Decision) -> tuple[int, str, str]:
+    """A decision that changed the split, as a restart's (step, words, colour): ``out of memory: 4×2 → 2×4``."""
+    words = f"{DECISION_WORDS.get(d.kind, d.kind)}: {split_label(d.old)} → {split_label(d.new)}"
+    return d.step, words, "tab:red" if d.kind in ("oom", "watchdog") else "dimgrey"
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -211,14 +209,8 @@ def _thin(xs: list[int], ys: list[float],
           reduce: Callable[[list[float]], float] = max) -> tuple[list[int], list[float], int]:
     """At most :data:`MAX_POINTS` points: (each bin's last step, ``reduce`` of its values, steps per bin)."""
     size = max(1, math.ceil(len(xs) / MAX_POINTS))
-    if size == 1:
-        return list(xs), list(ys), 1
-    out_x: list[int] = []
-    out_y: list[float] = []
-    for i in range(0, len(xs), size):
-        out_x.append(xs[min(i + size, len(xs)) - 1])
-        out_y.append(reduce(ys[i:i + size]))
-    return out_x, out_y, size
+    starts = range(0, len(xs), size)
+    return [xs[min(i + size, len(xs)) - 1] for i in starts], [reduce(ys[i:i + size]) for i in starts], size
 
 
 # ---------------------------------------------------------------- throughput
@@ -462,8 +454,7 @@ def _phase_bars(ax: Axes, data: PlotData, columns: Sequence[Sequence[float]], ro
     bins = [rows[i:i + size] for i in range(0, len(rows), size)]
     xs = [sum(numbers[i] for i in b) / len(b) for b in bins]
     bottom = [0.0] * len(bins)
-    for index, p in enumerate(PHASES):
-        column = columns[index]
+    for p, column in zip(PHASES, columns):
         vals = [sum(v for v in (column[i] for i in b) if v == v) / len(b) for b in bins]
         if not any(vals):
             continue
@@ -517,7 +508,7 @@ def _share_words(share: object) -> str:
 
 def _tuning_cost(data: PlotData) -> str | None:
     """The tuner's own cost (its decisions' ``cost_sec``) against the run's training time, in words."""
-    costs = [d.cost_sec for d in (data.split_file.decisions if data.split_file else []) if d.cost_sec]
+    costs = [d.cost_sec for d in data.decisions if d.cost_sec]
     if not costs:
         return None
     total = sum(costs)
@@ -532,16 +523,13 @@ def _tuning_cost(data: PlotData) -> str | None:
 def tuner_missing(data: PlotData) -> tuple[str, int] | None:
     """Why the tuner plot has nothing to draw, as data: ("record_missing", the tuner's decisions in the events: a
     tuner was attached, its record is what is missing) or ("no_tuner", 0); None when it has something."""
-    if data.splits or (data.split_file and data.split_file.decisions):
+    if data.splits or data.decisions:
         return None
     logged = sum(1 for e in data.run.events if e.source == "tuner" and e.kind == "decision")
     return ("record_missing", logged) if logged else ("no_tuner", 0)
 
 
 def plot_tuner(fig: Figure, data: PlotData) -> str | None:
-    splits = data.splits
-    decisions = data.split_file.decisions if data.split_file else []
-    tuned = [d for d in decisions if d.kind == "tune"]
     missing = tuner_missing(data)
     if missing is not None:
         code, logged = missing
@@ -549,9 +537,10 @@ def plot_tuner(fig: Figure, data: PlotData) -> str | None:
             return (f"no tuner/* keys in the step lines and no {SPLIT_FILE} of this run; the tuner's "
                     f"{logged} decision(s) are in the events")
         return f"no tuner/* keys in the step lines and no {SPLIT_FILE} (no tuner attached)"
+    splits, tuned = data.splits, data.tune_decisions()
     latest = tuned[-1] if tuned else None
-    shown = [t for t in trial_figures(latest)] if latest is not None else []
-    drawn = latest is not None and any(t.status != "reference" and (t.measured or t.error) for t in shown)
+    drawn = latest is not None and any(t.status != "reference" and (t.measured or t.error)
+                                       for t in trial_figures(latest))
     if drawn and splits:
         trials_ax, split_ax = fig.subplots(1, 2, width_ratios=[1.1, 1])
     elif drawn:
@@ -561,7 +550,7 @@ def plot_tuner(fig: Figure, data: PlotData) -> str | None:
     if trials_ax is not None and latest is not None:
         _draw_trials(trials_ax, latest)
     if split_ax is not None:
-        _draw_splits(split_ax, splits, decisions, data)
+        _draw_splits(split_ax, splits, data)
         if latest is not None and not drawn:       # a tuning that measured no other split: said in a line of text
             _note(split_ax, _untried_words(latest))
     elif not drawn:
@@ -625,13 +614,10 @@ def _draw_trials(ax: Axes, decision: Decision) -> None:
     _title(ax, f"Tuning at step {decision.step}: {kept} {chosen} (green)", cost, gain)
 
 
-def _draw_splits(ax: Axes, splits: dict[int, str], decisions: list[Decision], data: PlotData) -> None:
+def _draw_splits(ax: Axes, splits: dict[int, str], data: PlotData) -> None:
     """The split each step ran with, on a categorical axis of split labels (largest micro-batch on top); the
     restarts that changed it named (the tuner's trials, re-sizes)."""
-    def micro(label: str) -> int:
-        return int(label.split("×")[0])
-
-    levels = sorted(set(splits.values()), key=micro)
+    levels = sorted(set(splits.values()), key=lambda label: int(label.split("×")[0]))
     index = {label: i for i, label in enumerate(levels)}
     every = sorted(splits)
     xs = every if len(every) <= 60 else [x for i, x in enumerate(every)      # a long run: where it changes
@@ -763,24 +749,15 @@ def _merge_markers(ax: Axes, markers: list[_Label], renderer: RendererBase) -> l
 def _merge_stretches(ax: Axes, stretches: list[_Label], renderer: RendererBase) -> list[_Label]:
     """Consecutive stretches too narrow for their split's label as one label over them all."""
     out: list[_Label] = []
-    group: list[_Label] = []
-
-    def flush() -> None:
-        if len(group) == 1:
-            out.append(group[0])
-        elif group:
+    for fits, grouped in itertools.groupby(stretches, key=lambda lab: _width(ax, lab.words, renderer) + 2 * LABEL_GAP
+                                           <= abs(_pixels(ax, lab.end) - _pixels(ax, lab.x))):
+        group = list(grouped)
+        if fits or len(group) == 1:
+            out += group
+        else:
             first, last = math.ceil(group[0].x), math.floor(group[-1].end)
             out.append(_Label(group[0].x, " → ".join(lab.words for lab in group) + f" (steps {first}–{last})",
                               "dimgrey", "stretch", group[-1].end))
-        group.clear()
-
-    for lab in stretches:
-        if _width(ax, lab.words, renderer) + 2 * LABEL_GAP <= abs(_pixels(ax, lab.end) - _pixels(ax, lab.x)):
-            flush()
-            out.append(lab)
-        else:
-            group.append(lab)
-    flush()
     return out
 
 
@@ -818,9 +795,8 @@ def _put(ax: Axes, lab: _Label, frame: Bbox, taken: list[Bbox], renderer: Render
     return False
 
 
+#: the plots, in the order they are written: name → the function that draws it
 DRAW = {"throughput": plot_throughput, "memory": plot_memory, "phases": plot_phases, "tuner": plot_tuner}
 
 
-__all__ = [
-    "write_plots", "plot_all", "PlotData", "plot_throughput", "plot_memory", "plot_phases", "plot_tuner"
-]
+__all__ = ["write_plots", "plot_all", "PlotData", "plot_throughput", "plot_memory", "plot_phases", "plot_tuner"]

@@ -4,6 +4,7 @@ through a typed accessor: a field of another type is skipped and listed, never a
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import statistics
@@ -13,6 +14,7 @@ from typing import Any
 from .. import keys
 from ..core.dataloader import dataloader_facts
 from ..core.runlog import (
+    HEADER_KINDS,
     PHASES,
     ActionDetails,
     NoteDetails,
@@ -21,7 +23,6 @@ from ..core.runlog import (
     WallMove,
     WarningFigures,
     WatchdogAction,
-    conform,
     number,
     read_run,
 )
@@ -195,9 +196,8 @@ def _tail(run_log: RunLog) -> dict[str, float]:
 
 
 def _phase_readings(run_log: RunLog) -> PhaseReadings:
-    """The run's seconds per phase (the step lines' ``perf/phase_sec/*`` and the tail), its wall seconds, the saves
-    and training logs counted, the seconds of each callback class (the summary's ``callback_sec``, else the step
-    lines' ``perf/callback_sec/*``), the trainer's settings of those phases."""
+    """:class:`PhaseReadings`; each callback class's seconds from the summary's ``callback_sec``, else (a killed
+    run) the step lines' ``perf/callback_sec/*``."""
     col, tail = run_log.column, _tail(run_log)
     phase_sec = {p: sum(finite(col(keys.PERF_PHASE_SEC[p]))) + tail.get(p, 0.0) for p in PHASES}
     wall = sum(finite(col(keys.PERF_STEP_WALL_SEC))) + sum(tail.values())
@@ -276,20 +276,18 @@ def _malformed_values(run_log: RunLog) -> list[str]:
     return out
 
 
-def _fact(header: RunHeader, name: str, kind: str, skipped: list[str]) -> Any:
-    """A run-header fact by name and type: a field of :class:`RunHeader`, or one a newer writer added (kept in
-    ``extra`` by this version's reader); None when absent, and noted in ``skipped`` when of another type."""
-    value = getattr(header, name, None)
-    if value is None:
-        value = header.extra.get(name, header.malformed.get(name))
-    ok, typed = conform(value, kind)
-    if not ok:
-        skipped.append(f"run header `{name}` is {value!r}, not {'an' if kind == 'int' else 'a'} {kind}")
-    return typed
+def _fact(header: RunHeader, name: str, skipped: list[str]) -> Any:
+    """A run-header fact by name, None when absent; one of another type (kept in ``malformed`` by the reader) is
+    noted in ``skipped``."""
+    if name in header.malformed:
+        kind = HEADER_KINDS[name]
+        skipped.append(f"run header `{name}` is {header.malformed[name]!r}, not {'an' if kind == 'int' else 'a'} "
+                       f"{kind}")
+    return getattr(header, name)
 
 
-#: one whole cycle of ``period`` steps: (lines, wall seconds, CPU seconds, tokens, all of its steps steady)
-Cycle = tuple[int, float, float, float, bool]
+#: one whole cycle of ``period`` steps: (wall seconds, CPU seconds, tokens, all of its steps steady)
+Cycle = tuple[float, float, float, bool]
 
 
 def _cpu_rows(run_log: RunLog) -> list[int]:
@@ -307,11 +305,11 @@ def _cores_and_threads(run_log: RunLog, header: RunHeader, rows: list[int], load
     else the busy cores of a saturated machine and torch's default of one thread per core."""
     col = run_log.column
     walls, cpus, others = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_CPU_SEC), col(keys.PERF_OTHER_CPU_CORES)
-    cores, cores_from = _fact(header, "cpu_cores", "int", skipped), "run header"
+    cores, cores_from = _fact(header, "cpu_cores", skipped), "run header"
     if cores is None and load is not None and load >= 1.0:
         cores = max(1, round(max(cpus[i] / walls[i] + max(0.0, others[i]) for i in rows)))
         cores_from = "the cores counted as the busy cores of the saturated machine"
-    threads, threads_from = _fact(header, "torch_threads", "int", skipped), "run header"
+    threads, threads_from = _fact(header, "torch_threads", skipped), "run header"
     if threads is None and cores:
         threads, threads_from = cores, "the threads taken as torch's default, one per core"
     return cores, cores_from, threads, threads_from
@@ -324,27 +322,21 @@ def _cycles(run_log: RunLog, rows: list[int], period: int) -> list[Cycle]:
     steady_set = set(_steady(run_log))
     walls, cpus = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_CPU_SEC)
     cycles: list[Cycle] = []
-    current: int | None = None
-    acc: Cycle = (0, 0.0, 0.0, 0.0, True)
-    for i in rows + [-1]:
-        cycle = (numbers[i] - 1) // period if i >= 0 else None
-        if cycle != current:
-            if current is not None and acc[0] == period:
-                cycles.append(acc)
-            current, acc = cycle, (0, 0.0, 0.0, 0.0, True)
-        if i >= 0:
-            t = tokens[i]
-            acc = (acc[0] + 1, acc[1] + walls[i], acc[2] + cpus[i], acc[3] + (t if t == t else 0.0),
-                   acc[4] and numbers[i] in steady_set)
+    for _, group in itertools.groupby(rows, key=lambda i: (numbers[i] - 1) // period):
+        lines = list(group)
+        if len(lines) == period:
+            cycles.append((sum(walls[i] for i in lines), sum(cpus[i] for i in lines),
+                           sum(t if (t := tokens[i]) == t else 0.0 for i in lines),
+                           all(numbers[i] in steady_set for i in lines)))
     return cycles
 
 
 def _cycle_spread(cycles: list[Cycle]) -> tuple[float | None, float | None, float | None]:
     """(spread, cpu_spread, lower_bound) over the steady cycles (without :data:`MIN_MACHINE_CYCLES` of them, all but
     the first); Nones without that many cycles to compare."""
-    steady = [c for c in cycles if c[4]]
+    steady = [c for c in cycles if c[3]]
     later = steady if len(steady) >= MIN_MACHINE_CYCLES else cycles[1:]
-    work = [(w, c, t) for _, w, c, t, _ in later if t > 0]
+    work = [(w, c, t) for w, c, t, _ in later if t > 0]
     if len(work) < MIN_MACHINE_CYCLES:
         return None, None, None
     per_wall, per_cpu = [w / t for w, _, t in work], [c / t for _, c, t in work]
@@ -354,18 +346,11 @@ def _cycle_spread(cycles: list[Cycle]) -> tuple[float | None, float | None, floa
 
 
 def _machine(run_log: RunLog, header: RunHeader, skipped: list[str]) -> Machine | None:
-    """The CPU over the whole run, from the step lines (``perf/cpu_sec``, ``perf/step_wall_sec``,
-    ``perf/other_cpu_cores``, ``perf/load_per_core``, ``perf/tokens``) and the run header (``cpu_cores``,
-    ``torch_threads``, when the writer records them). Medians over the steps: ``busy`` — this process's CPU time /
-    wall time (cores it kept busy), ``other`` — other processes' busy cores, ``load`` — load average per core;
-    ``threads`` (torch's intra-op threads; without the header fact, torch's default of one per core), ``cores``
-    (without the header fact, the busy cores of a machine whose load per core was ≥ 1: a saturated machine's busy
-    cores are its cores). Over whole cycles of the header's ``period`` steps (GRPO: a generation cycle, whose tokens
-    the meter counts at its first step), the steady ones (without :data:`MIN_MACHINE_CYCLES` of them, all but the
-    first): ``spread`` and ``cpu_spread`` — the 90th over the 10th percentile of wall and CPU seconds per token
-    (similar work should take similar time); ``lower_bound`` — the mean wall seconds per token over the 10th
-    percentile's (what the run's own fastest cycles say contention cost, at least); None without
-    :data:`MIN_MACHINE_CYCLES` cycles to compare. None without CPU time in the step lines."""
+    """:class:`Machine`, from the step lines' ``perf/cpu_sec``, ``perf/step_wall_sec``, ``perf/other_cpu_cores``,
+    ``perf/load_per_core`` and ``perf/tokens`` and the run header's ``cpu_cores`` and ``torch_threads`` (without
+    them: a saturated machine's busy cores, one thread per core). The spreads are over whole cycles of the header's
+    ``period`` steps, the steady ones (without :data:`MIN_MACHINE_CYCLES` of them, all but the first); None without
+    CPU time in the step lines."""
     rows = _cpu_rows(run_log)
     if not rows:
         return None
@@ -413,11 +398,7 @@ def _steady_values(run_log: RunLog, key: str) -> Iterator[float]:
 
 
 def _step_counts(run_log: RunLog, grpo: bool) -> StepCounts:
-    """What the step lines count: forwards per micro-batch, padding, sequence lengths, decode bandwidth."""
     fpm = _median(finite(run_log.column(keys.PERF_FORWARDS_PER_MICROBATCH)))
-    if fpm is None:
-        fpm = max((v for v in (WarningFigures.from_details(e.details).forwards_per_microbatch
-                               for e in run_log.events) if v is not None), default=None)
     n, first, low, high = _spread(run_log.column(keys.PERF_SEQ_LEN))     # without a list
     fixed = int(first) if not grpo and n >= MIN_FIXED_LENGTH_STEPS and low == high else None
     return StepCounts(forwards_per_microbatch=fpm, pad_fraction=_mean(_steady_values(run_log, keys.PERF_PAD_FRACTION)),
@@ -427,22 +408,18 @@ def _step_counts(run_log: RunLog, grpo: bool) -> StepCounts:
 
 
 def _generation_readings(run_log: RunLog, run: RunHeader, skipped: list[str]) -> GenerationReadings:
-    """GRPO's figures of TRL's generation entry: the backend, the weight syncs' and reward functions' shares of the
-    wall time, the rollout's decode rate (None where the step lines do not hold them)."""
-    backend = _fact(run, "generation_backend", "str", skipped)
+    backend = _fact(run, "generation_backend", skipped)
     wall = sum(sum(finite(run_log.column(keys.PERF_PHASE_SEC[p]))) for p in keys.PHASES)
     syncs = [v for v in finite(run_log.column(keys.PERF_WEIGHT_SYNC_SEC)) if v > 0]
-    rewards = finite(run_log.column(keys.PERF_REWARD_SEC))
     scored = [b for r, b in zip(run_log.column(keys.PERF_REWARD_SEC), run_log.column(keys.PERF_GENERATION_BATCH))
               if r == r and r > 0]
     logged = run_log.keys_logged()
     return GenerationReadings(
-        generation_backend=backend, vllm_enable_sleep_mode=_fact(run, "vllm_enable_sleep_mode", "bool", skipped),
-        weight_sync_steps=_fact(run, "weight_sync_steps", "int", skipped),
+        generation_backend=backend, vllm_enable_sleep_mode=_fact(run, "vllm_enable_sleep_mode", skipped),
+        weight_sync_steps=_fact(run, "weight_sync_steps", skipped),
         staleness_mean=_mean(finite(run_log.column(keys.TRAINER_LOG + "sample/staleness_mean"))),
         weight_sync_share=sum(syncs) / wall if wall and keys.PERF_WEIGHT_SYNC_SEC in logged else None,
         weight_sync_sec=sum(syncs) / len(syncs) if syncs else None, weight_syncs=len(syncs),
-        reward_share=sum(rewards) / wall if wall and rewards else None,
         rollout_tokens_per_sec=_median(list(_steady_values(run_log, keys.PERF_ROLLOUT_TOKENS_PER_SEC))),
         reward_calls=len(scored), reward_completions=_mean(b for b in scored if b == b))
 
@@ -465,8 +442,6 @@ def _text(value: object) -> str | None:
 
 
 def _scope_readings(run_log: RunLog, run: RunHeader) -> ScopeReadings:
-    """What the run was measured on and against: the recipe's target, the model that ran, MFU's basis, a compile,
-    the trainer's ``compute_metrics`` seconds."""
     params = run.model.get("params")
     metrics = number(run_log.summary("perf").get("compute_metrics_sec"))
     return ScopeReadings(target=_target(run), model_name=_text(run.model.get("name")),
@@ -502,21 +477,17 @@ def _compile_readings(run_log: RunLog, f: Figures, torch_compile: bool) -> Compi
     return CompileReadings(warmup_child_cpu_sec=sum(outside) if outside else None, recompiles=recompiles)
 
 
-def _watchdog_actions(run_log: RunLog, skipped: list[str]) -> list[WatchdogAction]:
+def _watchdog_actions(run_log: RunLog) -> list[WatchdogAction]:
     """The watchdog's actions: its summary's list, else (a killed run) its action and stop events."""
     actions = run_log.summary("mem").get("actions")
-    if isinstance(actions, list):
+    if actions is not None:                              # a list: the reader keeps another type in ``malformed``
         return [WatchdogAction(step=a.get("step"), action=a.get("action"), message=a.get("message"))
                 for a in actions if isinstance(a, dict)]
-    if actions is not None:
-        skipped.append(f"the watchdog summary's `actions` is {type(actions).__name__}, not a list")
     return [WatchdogAction(step=e.step, action=ActionDetails.from_details(e.details).action, message=e.message)
             for e in run_log.events if e.source == "mem" and e.kind in ("action", "stop")]
 
 
-def _memory_readings(run_log: RunLog, skipped: list[str]) -> MemoryReadings:
-    """The memory columns and the watchdog's events: driver memory at its peak, swap, pressure, the budget, the
-    wall's moves, a leak."""
+def _memory_readings(run_log: RunLog) -> MemoryReadings:
     steps, events = run_log.unique_steps(), run_log.events
     driver = [(gb, i) for i, gb in enumerate(run_log.column(keys.MEM_DRIVER_GB)) if gb == gb]
     row = steps[max(driver, key=lambda d: d[0])[1]] if driver else None
@@ -531,7 +502,7 @@ def _memory_readings(run_log: RunLog, skipped: list[str]) -> MemoryReadings:
         swap_growth_gb=max(0.0, swaps[3] - swaps[1]) if swaps[0] else None,
         swapout_steps=sum(1 for v in finite(run_log.column(keys.MEM_SWAPOUTS)) if v > 0),
         min_steps_to_wall=min(finite(run_log.column(keys.MEM_STEPS_TO_WALL)[MEM_GRACE_STEPS:]), default=None),
-        watchdog_actions=_watchdog_actions(run_log, skipped),
+        watchdog_actions=_watchdog_actions(run_log),
         budget_range_gb=(limits[2], limits[3]) if limits[0] else None,
         wall_moves=[(e.step, wall.why or "", wall.moved)
                     for e in mem_events if e.kind == "wall" for wall in [WallMove.from_details(e.details)]],
@@ -540,8 +511,8 @@ def _memory_readings(run_log: RunLog, skipped: list[str]) -> MemoryReadings:
 
 
 def _geometry(run_log: RunLog, run: RunHeader) -> GeometryReadings:
-    """The split the run ended with (the tuner's, else the configured one) and its steps per generation: a re-size
-    keeps the generation batch, so this split's share of it."""
+    """:class:`GeometryReadings`: a re-size keeps the generation batch, so its steps per generation are this split's
+    share of it."""
     steps = run_log.unique_steps()
     micro = last_value(steps, keys.TUNER_MICRO_BATCH) or run.per_device_train_batch_size
     accum = last_value(steps, keys.TUNER_GRAD_ACCUM) or run.gradient_accumulation_steps
@@ -553,7 +524,6 @@ def _geometry(run_log: RunLog, run: RunHeader) -> GeometryReadings:
 
 
 def _trainer_readings(run_log: RunLog, grpo: bool) -> TrainerReadings:
-    """The trainer's own logs: completion lengths, rewards, the runs of logs without a learning signal."""
     logs = trainer_logs(run_log)
     completion = completion_stats(logs)
     n_logs, no_signal_run, reward_mean = _no_signal(logs)
@@ -566,7 +536,6 @@ def _trainer_readings(run_log: RunLog, grpo: bool) -> TrainerReadings:
 
 
 def _tuner_readings(run_log: RunLog, skipped: list[str]) -> TunerReadings:
-    """The tuner's record (its latest measurement, the decisions that hit the memory limit) and its events."""
     tuner, note = _resolve_split_file(run_log)
     if note:
         skipped.append(note)
@@ -579,7 +548,6 @@ def _tuner_readings(run_log: RunLog, skipped: list[str]) -> TunerReadings:
 
 
 def _figure_readings(f: Figures) -> FigureReadings:
-    """The headline figures the rules read, exactly as the report prints them."""
     return FigureReadings(steps=f.steps, warmup_steps=f.warmup_steps, warmup_done=f.warmup_done,
                           warmup_overhead_sec=f.warmup_overhead_sec, first_step_slowdown=f.first_step_slowdown,
                           steady_step_sec=f.steady_step_sec, steady_tokens_per_sec=f.steady_tokens_per_sec, mfu=f.mfu,
@@ -593,9 +561,7 @@ def measurements(run_log: RunLog) -> Measurements:
 
     The latest training session's summaries count (a resumed session that was killed has none, so the figures
     come from the step lines), and a step logged again after an out-of-memory rollback or a resume counts once
-    (its latest line). The trainer's own logs (rewards, completion lengths, gradient norm) come from the step lines'
-    ``log/<key>`` values. Every
-    logged value is read through a typed accessor: a field of another type is skipped and listed in ``skipped``.
+    (its latest line); the trainer's own logs come from the step lines' ``log/<key>`` values.
     """
     f = figures(run_log)
     skipped = _skipped(run_log)
@@ -604,7 +570,7 @@ def measurements(run_log: RunLog) -> Measurements:
     train_sec = sum(finite(train_column(run_log)))
     scope = _scope_readings(run_log, run)
     groups = (_figure_readings(f), _geometry(run_log, run), _step_counts(run_log, grpo),
-              _memory_readings(run_log, skipped), _trainer_readings(run_log, grpo), _tuner_readings(run_log, skipped),
+              _memory_readings(run_log), _trainer_readings(run_log, grpo), _tuner_readings(run_log, skipped),
               _generation_readings(run_log, run, skipped), _phase_readings(run_log), scope,
               _compile_readings(run_log, f, scope.torch_compile))
     return Measurements(
@@ -616,7 +582,7 @@ def measurements(run_log: RunLog) -> Measurements:
         contention=_contention(run_log, f), machine=_machine(run_log, run, skipped),
         slow_stretches=slow_stretches(run_log), split_levels=len(split_levels(run_log)),
         evaluation=_evaluation(run_log, train_sec), first_steady=_first_steady(run_log, f),
-        launcher=_fact(run, "launcher", "str", skipped), logged=run_log.keys_logged(), skipped=skipped,
+        launcher=_fact(run, "launcher", skipped), logged=run_log.keys_logged(), skipped=skipped,
         train_sec=train_sec or None,
         **{k: v for group in groups for k, v in vars(group).items()})   # each group's fields, as its reader read them
 

@@ -100,12 +100,10 @@ def render_markdown(findings: list[Finding], m: Measurements, notes: list[Note] 
                   (f"**{'≥ ' if f.lower_bound else ''}{f.expected_gain:.2f}x** — " if f.expected_gain is not None
                    else "**too few steps** — " if f.basis == TOO_FEW_STEPS else "**try** — ") + f.gain_formula,
                   "", "### Confidence", "", f.confidence, ""]
-    unjudged = [n for n in notes if not n.judged]
-    fine = [n for n in notes if n.judged]
-    if unjudged:
-        lines += ["## Not judged", ""] + [f"- **{n.title}.** {n.text}" for n in unjudged] + [""]
-    if fine:
-        lines += ["## Checked and fine", ""] + [f"- **{n.title}.** {n.text}" for n in fine] + [""]
+    for heading, judged in (("Not judged", False), ("Checked and fine", True)):
+        items = [f"- **{n.title}.** {n.text}" for n in notes if n.judged == judged]
+        if items:
+            lines += [f"## {heading}", ""] + items + [""]
     return "\n".join(lines)
 
 
@@ -142,10 +140,8 @@ def console_summary(findings: list[Finding], top: int = 3, notes: list[Note] | N
                   wrapped(f"   do:   {first}{more}", indent=" " * 9)]
     if len(findings) > top:
         lines.append(f"... {len(findings) - top} more in {REPORT_FILE}")
-    unjudged = [n.title.lower() for n in notes or [] if not n.judged]
-    if unjudged:
-        lines.append(wrapped("not judged: " + "; ".join(unjudged)))
-    fine = [n.title.lower() for n in notes or [] if n.judged]
-    if fine:
-        lines.append(wrapped("checked and fine: " + ", ".join(fine)))
+    for heading, judged, sep in (("not judged", False, "; "), ("checked and fine", True, ", ")):
+        titles = [n.title.lower() for n in notes or [] if n.judged == judged]
+        if titles:
+            lines.append(wrapped(f"{heading}: " + sep.join(titles)))
     return "\n".join(lines)

@@ -28,7 +28,6 @@ from .model import (
     MIN_FIXED_LENGTH_STEPS,
     MIN_MACHINE_STEPS,
     MIN_STEADY_STEPS,
-    Contention,
     Facts,
     Finding,
     Note,
@@ -256,15 +255,12 @@ _AT_END = {"save": "its last save at the end of training", "eval": "its last eva
            "log": "the log of the run's metrics after training"}
 
 
-def _times(n: int) -> str:
-    return "once" if n == 1 else f"{n} times"
-
-
 def _events_after(i: fx.Interval, kind: str) -> str:
     """``8 times in this run's 40 steps (with its last save at the end of training)``: how often the event runs at
     the new interval over this run, and the run's own event beyond the multiples."""
     extra = kind == "log" or i.steps % i.new_every != 0
-    return f"{_times(i.events_after)} in this run's {i.steps} steps" + (f" (with {_AT_END[kind]})" if extra else "")
+    times = "once" if i.events_after == 1 else f"{i.events_after} times"
+    return f"{times} in this run's {i.steps} steps" + (f" (with {_AT_END[kind]})" if extra else "")
 
 
 def _interval_item(i: fx.Interval, setting: str, work: str, kind: str) -> str:
@@ -399,30 +395,20 @@ def _warmup_not_finished(f: fx.Warmup) -> NoteWords:
                      + _contention_words(f))
 
 
-def _children(f: fx.Warmup) -> str:
-    """``child processes used 8.0 s of CPU`` (outside the steady steps), or nothing below :data:`CHILD_CPU_SEC`."""
+def _compile_and_children(f: fx.Warmup) -> tuple[str, str]:
+    """The first steps' compile (the trainer's ``torch_compile``) among a fresh process's one-time costs, and else
+    the child processes' CPU time outside the steady steps (from :data:`CHILD_CPU_SEC`: DataLoader workers starting):
+    the run's own work, not contention."""
     child = f.child_cpu_sec
-    return f"child processes used {child:.1f} s of CPU" if child is not None and child >= CHILD_CPU_SEC else ""
-
-
-def _compile_words(f: fx.Warmup) -> str:
-    """The first steps' compile (the trainer's ``torch_compile``), among a fresh process's one-time costs, with its
-    workers' CPU time: a compile, not contention."""
-    if not f.compile:
-        return ""
-    children = _children(f)
-    return (" and torch.compile's first compile of the model (`torch_compile: true`"
-            + (f"; {children}: inductor's compile workers, counted in the process's CPU time" if children else "")
-            + ")")
-
-
-def _children_words(f: fx.Warmup) -> str:
-    """Without a compile, the child processes' CPU time outside the steady steps (DataLoader workers starting)."""
-    children = _children(f)
-    if f.compile or not children:
-        return ""
-    return (f" Outside the steady steps {children} (DataLoader workers starting, compile workers), counted in the "
-            "process's CPU time: their work is the run's, not other processes'.")
+    children = f"child processes used {child:.1f} s of CPU" if child is not None and child >= CHILD_CPU_SEC else ""
+    if f.compile:
+        return (" and torch.compile's first compile of the model (`torch_compile: true`"
+                + (f"; {children}: inductor's compile workers, counted in the process's CPU time" if children else "")
+                + ")"), ""
+    if not children:
+        return "", ""
+    return "", (f" Outside the steady steps {children} (DataLoader workers starting, compile workers), counted in the "
+                "process's CPU time: their work is the run's, not other processes'.")
 
 
 @_note_words("first_step_steady", "excluded")
@@ -434,11 +420,10 @@ def _warmup(f: fx.Warmup) -> NoteWords:
                  f"it), so its {f.first.sec:.3g} s are in the steady figures: steady step "
                  f"{f.first.with_it:.3g} s, {f.first.without_it:.3g} s without it.")
     else:
-        fresh = FRESH_COSTS.get(f.device_type)
+        fresh, (compiled, children) = FRESH_COSTS.get(f.device_type), _compile_and_children(f)
         text += (" One-time costs of a fresh process (optimizer state, allocator growth"
-                 + (f", {fresh}" if fresh else "") + ")" + _compile_words(f)
-                 + " do not recur; the steady figures exclude the warmup steps.")
-        text += _children_words(f)
+                 + (f", {fresh}" if fresh else "") + ")" + compiled
+                 + " do not recur; the steady figures exclude the warmup steps." + children)
     text += _contention_words(f)
     if f.share is not None and f.steps_for_target is not None:
         text += (f" In this short run warmup is {_pct(f.share)} of the time: compare steady figures only, "
@@ -569,14 +554,6 @@ def _kept_for_recipe(f: fx.KeptForRecipe) -> NoteWords:
 
 # ---- machine: thread oversubscription, contention, recompiles --------------------------------------------------
 
-def _threads_item(n: int, launcher: bool) -> str:
-    if launcher:
-        return (f"`OMP_NUM_THREADS={n}` in the environment that starts the run: `OMP_NUM_THREADS={n} hf-perf train "
-                f"--config …` (a recipe's `env:` is applied after torch has started its threads)")
-    return (f"`OMP_NUM_THREADS={n}` in the environment that starts the run, or `torch.set_num_threads({n})` "
-            f"before training")
-
-
 @_finding_words("threads_over_free_cores")
 def _threads_over_free_cores(f: fx.Oversubscription, setting: Setting) -> FindingWords:
     o, a = f.machine, f.advised_threads
@@ -595,7 +572,11 @@ def _threads_over_free_cores(f: fx.Oversubscription, setting: Setting) -> Findin
             "so CPU time rises with the wall time (why the slow-step check, which looks for slow steps with flat CPU "
             "time, cannot see it, and why it is not warmup: it recurs all run). With no more threads than free cores "
             "no thread waits for a core.")
-    items = [_threads_item(a, f.launcher) + f" ({cores} cores − {other:.1f} busy with other work, at least 1)",
+    how = (f"`OMP_NUM_THREADS={a}` in the environment that starts the run: `OMP_NUM_THREADS={a} hf-perf train "
+           f"--config …` (a recipe's `env:` is applied after torch has started its threads)" if f.launcher else
+           f"`OMP_NUM_THREADS={a}` in the environment that starts the run, or `torch.set_num_threads({a})` before "
+           "training")
+    items = [how + f" ({cores} cores − {other:.1f} busy with other work, at least 1)",
              "or stop or move the other processes using these cores (a second training, a test suite, a build)"]
     formula = "not predicted: the run has no step without contention to compare with"
     if o.lower_bound:
@@ -665,17 +646,13 @@ def _slow_stretches(f: fx.SlowStretches) -> NoteWords:
     return NoteWords("Slow stretches" + (", cause unexplained" if not f.contended else ""), text.strip())
 
 
-def _contended_steps(c: Contention) -> str:
-    return (f"{c.steps} step(s) ({ranges_text(step_ranges(c.step_list))}) ran slower than the steady level "
-            f"while their process CPU time did not rise with them (wall/CPU {c.wall_over_cpu:.2f} against "
-            f"{c.steady_wall_over_cpu:.2f} when steady): {c.lost_sec:.1f} s"
-            + (", the meter's `early_contention_sec`" if c.source == "meter" else ""))
-
-
 @_finding_words("other_processes")
 def _other_processes(f: fx.OtherProcesses, setting: Setting) -> FindingWords:
     c = f.contention
-    parts = [_contended_steps(c)] if c else []
+    parts = [f"{c.steps} step(s) ({ranges_text(step_ranges(c.step_list))}) ran slower than the steady level "
+             f"while their process CPU time did not rise with them (wall/CPU {c.wall_over_cpu:.2f} against "
+             f"{c.steady_wall_over_cpu:.2f} when steady): {c.lost_sec:.1f} s"
+             + (", the meter's `early_contention_sec`" if c.source == "meter" else "")] if c else []
     if f.contended:
         parts.append(f"{len(f.contended)} stretch(es) of steady steps ran well below their split's speed with their "
                      f"CPU time flat ({_stretches_words(f.contended)})")

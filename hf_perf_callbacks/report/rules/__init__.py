@@ -81,6 +81,4 @@ def rule_table() -> str:
     return "\n".join(rows)
 
 
-__all__ = [
-    "check", "analyze", "rule_table", "RULES"
-]
+__all__ = ["check", "analyze", "rule_table", "RULES"]

@@ -7,6 +7,7 @@ import math
 
 from ...core.batching import Split, exact_splits
 from ...core.memory import WARN_WITHIN_STEPS as STEPS_TO_WALL  # the watchdog's default warn distance
+from ...core.wording import split_label
 from ..facts import CompletionTarget, MemoryHit, RaisedLimit
 from ..model import Measurements, Setting
 
@@ -99,19 +100,11 @@ def _split_setting(m: Measurements, split: Split) -> Setting:
     return setting
 
 
-def _launcher(m: Measurements) -> bool:
-    return bool(m.launcher)
-
-
-def _split_name(split: Split) -> str:
-    return f"{split.micro_batch}×{split.grad_accum}"
-
-
 def _memory_hits(m: Measurements) -> list[MemoryHit]:
     """Every micro-batch that hit the memory limit: the tuner's ``oom``, ``watchdog`` and ``memory_check``
     decisions, its trials that did not fit, the watchdog's stops and smaller-batch requests."""
     hits = [MemoryHit(d.old.micro_batch, d.kind, d.step, d.reason) for d in m.memory_limits]
-    hits += [MemoryHit(t.split.micro_batch, "trial", split=_split_name(t.split), error=t.error)
+    hits += [MemoryHit(t.split.micro_batch, "trial", split=split_label(t.split), error=t.error)
              for t in (m.tune.trials if m.tune else []) if not t.fits or (t.error and "memory" in t.error.lower())]
     if not m.memory_limits and m.micro_batch:
         hits += [MemoryHit(m.micro_batch, str(a.get("action")), a.get("step")) for a in m.watchdog_actions

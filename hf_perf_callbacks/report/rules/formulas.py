@@ -22,11 +22,6 @@ def _known(compute: Callable[..., int], *args: Any) -> int | None:
         return None
 
 
-def _kv_per_token(model: ModelFacts) -> int | None:
-    d = model.shape
-    return _known(estimate.kv_cache_bytes_per_token, d, model.bytes_per_param) if d else None
-
-
 def _act_per_token(model: ModelFacts, checkpointing: bool) -> int | None:
     d = model.shape
     return _known(estimate.activation_bytes_per_token, d, model.bytes_per_param, checkpointing) if d else None
@@ -73,17 +68,16 @@ def _train_formula(model: ModelFacts, checkpointing: bool) -> str:
 
 def _training_tokens(m: Measurements) -> tuple[int, str] | None:
     """Tokens of one training micro-batch (micro-batch × padded length) for activation estimates."""
-    if not m.micro_batch:
+    if not (m.micro_batch and m.seq_len):
         return None
-    if m.seq_len:
-        return m.micro_batch * m.seq_len, f"{m.micro_batch} × {m.seq_len} tokens"
-    return None
+    return m.micro_batch * m.seq_len, f"{m.micro_batch} × {m.seq_len} tokens"
 
 
 def _memory_freed_by_cut(m: Measurements, old: int, new: int) -> MemoryFreed | None:
     """Memory a completion cap of ``new`` instead of ``old`` frees at the cap: generation KV cache + training
     activations and logits (:mod:`~hf_perf_callbacks.estimate`'s per-token bytes × the tokens cut)."""
-    kv = _kv_per_token(m.model)
+    d = m.model.shape
+    kv = _known(estimate.kv_cache_bytes_per_token, d, m.model.bytes_per_param) if d else None
     batch = _generation_batch(m)                 # completions per generation call, over all devices
     n = batch // max(1, m.world_size or 1) if batch else m.num_generations
     if kv is None or not n:

@@ -21,7 +21,6 @@ from ..model import (
     card,
 )
 from ..words import finding, note
-from .advice import _launcher
 from .basis import _too_short
 
 COMPILE_SHARE = 0.05         # recompiles after warmup worth a finding: this share of the wall time
@@ -74,7 +73,7 @@ def rule_oversubscription(m: Measurements) -> Finding | None:
     if not found:
         return None
     o, demand, a = found
-    return finding("oversubscription", "threads_over_free_cores", Oversubscription(o, demand, a, _launcher(m)),
+    return finding("oversubscription", "threads_over_free_cores", Oversubscription(o, demand, a, bool(m.launcher)),
                    {}, o.lower_bound or None, "medium" if o.threads_from == "run header" else "low",
                    "measured" if o.lower_bound else "try", None, env={"OMP_NUM_THREADS": str(a)},
                    lower_bound=bool(o.lower_bound),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ... import keys
 from ...core.batching import Split, next_smaller
 from ...core.memory import WARN_WITHIN_STEPS as STEPS_TO_WALL  # the watchdog's default warn distance
+from ...core.wording import split_label
 from ..facts import MemoryPressure, Remedy
 from ..model import Finding, Measurements, Setting, card
 from ..words import finding
@@ -12,8 +13,6 @@ from .advice import (
     CLIPPED_LARGE,
     HIGH_WATER_FRACTION,
     _completion_target,
-    _launcher,
-    _split_name,
     _split_setting,
     _splits,
     _swapping,
@@ -36,25 +35,17 @@ DRIVER_BLOAT_MIN_GB = 0.5
 Remedial = tuple[Remedy, Setting]
 
 
-def _near_budget(m: Measurements) -> bool:
-    return bool(m.mem_high_water_gb is not None and m.mem_budget_gb
-                and m.mem_high_water_gb >= HIGH_WATER_FRACTION * m.mem_budget_gb)
-
-
-def _cached_gb(m: Measurements) -> float:
-    """Driver memory above live tensors at the driver's peak (0 when either is unknown)."""
-    driver, allocated = m.driver_gb_max, m.allocated_gb_at_driver_max
-    return driver - allocated if driver is not None and allocated is not None else 0.0
-
-
 def _allocator_bloat(m: Measurements, swapping: bool) -> bool:
-    """The allocator holds far more than live tensors, where that matters (MPS, near the budget, under pressure)."""
+    """The allocator holds far more than live tensors at the driver's peak, where that matters (MPS, near the
+    budget, under pressure)."""
     driver, allocated = m.driver_gb_max, m.allocated_gb_at_driver_max
-    if driver is None or allocated is None or _cached_gb(m) < DRIVER_BLOAT_MIN_GB:
+    if driver is None or allocated is None or driver - allocated < DRIVER_BLOAT_MIN_GB:
         return False
     if driver <= DRIVER_BLOAT_RATIO * allocated:
         return False
-    return m.device_type == "mps" or _near_budget(m) or swapping or (m.max_pressure or 0) >= 1
+    near_budget = (m.mem_high_water_gb is not None and m.mem_budget_gb
+                   and m.mem_high_water_gb >= HIGH_WATER_FRACTION * m.mem_budget_gb)
+    return m.device_type == "mps" or bool(near_budget) or swapping or (m.max_pressure or 0) >= 1
 
 
 def _checkpointing_remedy(m: Measurements) -> Remedial | None:
@@ -72,12 +63,11 @@ def _checkpointing_remedy(m: Measurements) -> Remedial | None:
 
 def _smaller_split(m: Measurements) -> Split | None:
     """The next smaller exact split of this run's effective batch (None: micro-batch 1, or none keeps it exact)."""
-    micro, accum = m.micro_batch, m.grad_accum
-    splits = _splits(m)                          # empty unless both are known
-    if not (splits and micro and accum):
+    splits = _splits(m)                          # empty unless the micro-batch and the accumulation are known
+    if not (splits and m.micro_batch and m.grad_accum):
         return None
     try:
-        return next_smaller(Split(micro, accum), splits)
+        return next_smaller(Split(m.micro_batch, m.grad_accum), splits)
     except ValueError:
         return None
 
@@ -111,12 +101,6 @@ def _completion_remedy(m: Measurements) -> Remedial | None:
     return None
 
 
-def _remedies(m: Measurements) -> list[Remedial]:
-    """The remedies, the one that frees the most memory first."""
-    remedies = [r for r in (_checkpointing_remedy(m), _smaller_split_remedy(m), _completion_remedy(m)) if r]
-    return sorted(remedies, key=lambda item: -item[0].saved_bytes)
-
-
 def _advice(m: Measurements, remedies: list[Remedial]) -> tuple[Remedy, ...]:
     """The advice in its order: ``leak_first`` (no setting fixes a leak), ``free_outside`` (memory outside the run
     set or moved the wall), then the remedies by the memory they free."""
@@ -142,15 +126,16 @@ def rule_memory_pressure(m: Measurements) -> Finding | None:
     bloat = _allocator_bloat(m, swapping)
     if not (_under_pressure(m) or bloat):
         return None
-    remedies = _remedies(m)
+    remedies = sorted((r for r in (_checkpointing_remedy(m), _smaller_split_remedy(m), _completion_remedy(m)) if r),
+                      key=lambda item: -item[0].saved_bytes)             # the one that frees the most memory first
     setting = next((s for _, s in remedies if s), {})
     near = m.min_steps_to_wall is not None and m.min_steps_to_wall <= STEPS_TO_WALL
     facts = MemoryPressure(
         swapping, m.swap_growth_gb, m.swapout_steps, m.max_pressure, m.mem_high_water_gb, m.mem_budget_gb,
         m.min_steps_to_wall, near, bloat, m.driver_gb_max, m.allocated_gb_at_driver_max, m.leak_mib_per_step,
-        m.budget_range_gb, _advice(m, remedies), _allocator_code(m), m.device_type, m.grpo, _launcher(m),
+        m.budget_range_gb, _advice(m, remedies), _allocator_code(m), m.device_type, m.grpo, bool(m.launcher),
         tuple(m.wall_moves), tuple((a.get("action"), a.get("step")) for a in m.watchdog_actions),
-        tuple((d.old.micro_batch, d.step, _split_name(d.new)) for d in m.memory_limits if d.kind == "oom"))
+        tuple((d.old.micro_batch, d.step, split_label(d.new)) for d in m.memory_limits if d.kind == "oom"))
     urgent = swapping or (m.max_pressure or 0) >= 2 or near
     return finding("memory_pressure", "swapping" if swapping else "near_the_wall" if urgent else "pressure", facts,
                    setting, None, _confidence(m, swapping), "try", None, priority=0 if urgent else 1)

@@ -15,7 +15,7 @@ from ..facts import CallbackTimes, Interval, LoggingShare, OneCallback, Recomput
 from ..model import Finding, Measurements, Note, Setting, card
 from ..words import finding, note
 from .formulas import _act_per_token
-from .run import _nice_interval, events
+from .run import _interval, events
 
 SAVE_SHARE = 0.1             # saving's share of the wall time worth a finding
 SAVE_TARGET = 0.05           # the share the advised save_steps brings it to
@@ -27,13 +27,6 @@ MEMORY_ROOM = 0.85           # the high-water mark plus the activations kept mus
 
 def _wall(m: Measurements) -> float:
     return float(m.wall_sec or 0.0)
-
-
-def _interval(per_event: float, other_per_step: float, every: int, target: float) -> int:
-    """The next 1, 2, 5 × 10^k steps between events at which an event costing ``per_event`` seconds takes about
-    ``target`` of the wall time beside ``other_per_step`` seconds a step (at least ``every`` + 1)."""
-    needed = per_event * (1 - target) / (target * other_per_step) if other_per_step > 0 else every * 10
-    return max(every + 1, _nice_interval(needed))
 
 
 def _spaced(m: Measurements, seconds: float, count: int, every: int | None, target: float,

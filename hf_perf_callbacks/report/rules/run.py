@@ -10,7 +10,6 @@ from ...core.wording import warmup_case
 from ..facts import EvalShare, Interval, KeptForRecipe, Skipped, TunerHint, TuningCost, Warmup
 from ..model import Finding, Measurements, Note, Scope, card
 from ..words import finding, note
-from .advice import _launcher
 from .basis import _too_short
 from .machine import rule_contention, rule_oversubscription
 
@@ -75,8 +74,7 @@ def rule_evaluation(m: Measurements) -> Finding | None:
         return None
     per_eval, train_per_step = e.eval_sec / e.evals, e.train_sec / max(1, e.steps)
     every = e.every
-    needed = per_eval * (1 - EVAL_TARGET) / (EVAL_TARGET * train_per_step) if train_per_step > 0 else every * 10
-    new = max(every + 1, _nice_interval(needed))
+    new = _interval(per_eval, train_per_step, every, EVAL_TARGET)
     after = events(e.steps, new)
     saved = per_eval * max(0, e.evals - after)
     gain = e.wall_sec / (e.wall_sec - saved)
@@ -91,12 +89,14 @@ def rule_evaluation(m: Measurements) -> Finding | None:
                    stake_sec=saved)
 
 
-def _nice_interval(x: float) -> int:
-    """The next 1, 2, 5 × 10^k at or above ``x``."""
-    if x <= 1:
-        return 1
-    scale = 10 ** math.floor(math.log10(x))
-    return int(next(k * scale for k in (1, 2, 5, 10) if k * scale >= x - 1e-9))
+def _interval(per_event: float, other_per_step: float, every: int, target: float) -> int:
+    """The next 1, 2, 5 × 10^k steps between events at which an event costing ``per_event`` seconds takes about
+    ``target`` of the wall time beside ``other_per_step`` seconds a step (at least ``every`` + 1)."""
+    needed = per_event * (1 - target) / (target * other_per_step) if other_per_step > 0 else every * 10
+    if needed <= 1:
+        return every + 1
+    scale = 10 ** math.floor(math.log10(needed))
+    return max(every + 1, int(next(k * scale for k in (1, 2, 5, 10) if k * scale >= needed - 1e-9)))
 
 
 @card(finding=f"the tuner's measurement cost more than its expected saving, by ≥ {TUNING_COST_SHARE:.0%} of the "
@@ -113,8 +113,8 @@ def rule_tuning_cost(m: Measurements) -> Finding | None:
         return None
     gain = m.train_sec / (m.train_sec - lost) if m.train_sec > lost else None
     return finding("tuning_cost", "cost_over_saving",
-                   TuningCost(d, d.cost_sec, saving, lost, m.train_sec, _launcher(m), gain),
-                   {"tune": False} if _launcher(m) else {}, gain, "medium", "measured" if gain else "try", gain,
+                   TuningCost(d, d.cost_sec, saving, lost, m.train_sec, bool(m.launcher), gain),
+                   {"tune": False} if m.launcher else {}, gain, "medium", "measured" if gain else "try", gain,
                    stake_sec=lost)
 
 
@@ -123,7 +123,7 @@ def rule_tuner_hint(m: Measurements) -> Note | None:
     """The tuner attached to a plain ``trainer.train()``: it measured nothing, and said so (its event)."""
     if not m.tuner_hint or m.tune is not None:
         return None
-    return note("tuner_hint", "needs_train_with_tuning", TunerHint(_launcher(m)), judged=False)
+    return note("tuner_hint", "needs_train_with_tuning", TunerHint(bool(m.launcher)), judged=False)
 
 
 @card(note="not judged: too few steps")

@@ -8,15 +8,14 @@ import math
 
 from ...core.dataloader import dataloader_changes
 from ...core.splitfile import Decision, trial_figures
+from ...core.wording import split_label
 from ..facts import DuplicateForward, FixedLength, InputBound, MemoryCap, Padding, SmallSplit, TunerMeasured
 from ..model import Finding, Measurements, Note, Setting, card
 from ..words import finding, note
 from .advice import (
     _amdahl,
-    _launcher,
     _memory_cap,
     _phase,
-    _split_name,
     _split_setting,
     _splits,
     _under_pressure,
@@ -92,8 +91,8 @@ def rule_small_micro_batch(m: Measurements) -> Finding | Note | None:
         return note("small_micro_batch", "memory_cap", MemoryCap(mb, ga, hit)) if larger and hit else None
     manual = next((s for s in splits if s.micro_batch >= 4 * mb), splits[-1])
     return finding("small_micro_batch", "small_split",
-                   SmallSplit(mb, ga, max(1, m.world_size or 1), m.mfu, c, tuple(_split_name(s) for s in splits[:6]),
-                              hit, m.device_type, m.grpo, _launcher(m), m.tuner_attached),
+                   SmallSplit(mb, ga, max(1, m.world_size or 1), m.mfu, c, tuple(split_label(s) for s in splits[:6]),
+                              hit, m.device_type, m.grpo, bool(m.launcher), m.tuner_attached),
                    _split_setting(m, manual), None, "low", "try", None)
 
 
@@ -120,13 +119,6 @@ def _padded_sec(m: Measurements, p: float, c: float) -> float | None:
     return p * c * m.wall_sec if m.wall_sec else None
 
 
-def _fixed_length_padding(m: Measurements, length: int, p: float, c: float) -> Finding:
-    """A Trainer run whose every batch was padded to one ``length`` (``m.fixed_seq_len``): per-batch padding first
-    (grouping by length cannot shorten a fixed length)."""
-    return finding("padding_waste", "fixed_length", FixedLength(length, p, c, m.trainer_kind, m.steps), {}, None,
-                   "medium", "try", None, stake_sec=_padded_sec(m, p, c))
-
-
 @card(finding="a Trainer padded to one length on every step (`perf/seq_len` constant) → per-batch padding first "
               "(grouping cannot shorten a fixed length; for an `SFTTrainer` run, recognised by its own logs, "
               "SFTTrainer's own collator, not transformers' `DataCollatorForLanguageModeling`); "
@@ -139,8 +131,9 @@ def rule_padding_waste(m: Measurements) -> Finding | Note | None:
     if p is None or p < PAD_FRACTION:
         return None
     c = _phase(m, "compute")
-    if m.fixed_seq_len and not m.grpo:
-        return _fixed_length_padding(m, m.fixed_seq_len, p, c)
+    if m.fixed_seq_len and not m.grpo:           # per-batch padding first: grouping cannot shorten a fixed length
+        return finding("padding_waste", "fixed_length", FixedLength(m.fixed_seq_len, p, c, m.trainer_kind, m.steps),
+                       {}, None, "medium", "try", None, stake_sec=_padded_sec(m, p, c))
     k = m.pad_to_multiple_of or 0
     facts = Padding(p, k, m.seq_len, m.grpo, compute=c)
     if k > 1 and m.device_type != "mps":

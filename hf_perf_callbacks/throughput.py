@@ -26,7 +26,6 @@ from .platform import adapter
 from .platform.device import DeviceLayer, dtype_key, world_size
 
 if TYPE_CHECKING:
-    from torch.utils.hooks import RemovableHandle
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
 #: model → the meter whose hook and wrapper are installed on it (a replaced instance is closed by its successor)
@@ -343,9 +342,6 @@ class ThroughputMeter(PerfCallback):
         self.run_peak_bandwidth: float | None = None
         self.machine = MachineLoad()
         self.warned: set[str] = set()
-        self._hooks: list[RemovableHandle] = []
-        self._stop_watching_generate: Callable[[], None] | None = None
-        self._stop_watching_entry: Callable[[], None] | None = None
         self.backend: str | None = None              # how TRL generates (adapter.generation_backend), if it does
         self.engine_parallel = 1                     # vLLM colocate: the devices one engine's weights are split over
         self.generation_depth = 0                    # nested generation calls open now (entry, sync, model.generate)
@@ -356,7 +352,7 @@ class ThroughputMeter(PerfCallback):
         self._engine_calls: list[float] = []         # the engine calls open now: when each began
         self._collective_waits: list[bool] = []      # the collectives open now: each a wait for another rank?
         self._stop_watching_collectives: Callable[[], None] | None = None
-        self._undo_clocks: list[Callable[[], None]] = []
+        self._undo: list[Callable[[], None]] = []     # what close() takes back: hooks, wrappers and clocks
         self.clocked = False                       # the trainer's phases and the callbacks are on their own clocks
         self.step_callback_sec: dict[str, float] = {}    # seconds per callback class in the step in progress
         self.callback_sec: dict[str, dict[str, float]] = {}   # class → event → seconds, this train() call
@@ -456,13 +452,13 @@ class ThroughputMeter(PerfCallback):
         _INSTALLED[model] = self
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         self._run.model, self._run.inner = model, inner
-        self._hooks.append(forward_entry(inner).register_forward_pre_hook(self._on_forward, with_kwargs=True))
+        self._undo.append(forward_entry(inner).register_forward_pre_hook(self._on_forward, with_kwargs=True).remove)
         if self._run.is_grpo and hasattr(model, "generate"):
-            self._stop_watching_generate = adapter.watch_generate(model, self)
+            self._undo.append(adapter.watch_generate(model, self))
         trainer = self._run.trainer if self._run.is_grpo else None
         self.backend = adapter.generation_backend(trainer)
         if self.backend is not None:          # TRL's own entry: every backend timed at one place
-            self._stop_watching_entry = adapter.watch_generation_entry(trainer, self)
+            self._undo.append(adapter.watch_generation_entry(trainer, self))
             self.engine_parallel = int(getattr(getattr(trainer, "args", None), "vllm_tensor_parallel_size", 1) or 1)
 
     # A rollout is one ``generation`` region from the outermost of the calls that nest in it: TRL's ``_generate``
@@ -539,10 +535,10 @@ class ThroughputMeter(PerfCallback):
             self.clocked = False
             return
         now = self.clock.wall
-        self._undo_clocks.append(adapter.clock_trainer(trainer, lambda phase: self.timeline.enter(phase, now()),
+        self._undo.append(adapter.clock_trainer(trainer, lambda phase: self.timeline.enter(phase, now()),
                                                        lambda phase: self.timeline.leave(phase, now())))
-        self._undo_clocks.append(adapter.time_callbacks(handler, self._callback_started, self._callback_finished))
-        self._undo_clocks.append(self._clock_own_work(now))
+        self._undo.append(adapter.time_callbacks(handler, self._callback_started, self._callback_finished))
+        self._undo.append(self._clock_own_work(now))
         self._clock_compute_metrics(trainer)
         self.clocked = True
         if self._run.recompute and self._run.device.type == "cpu":
@@ -554,8 +550,8 @@ class ThroughputMeter(PerfCallback):
             for layer in self._run.inner.modules():
                 if isinstance(layer, GradientCheckpointingLayer):
                     for part in layer.children():
-                        self._hooks.append(part.register_forward_pre_hook(self._layer_started))
-                        self._hooks.append(part.register_forward_hook(self._layer_finished))
+                        self._undo.append(part.register_forward_pre_hook(self._layer_started).remove)
+                        self._undo.append(part.register_forward_hook(self._layer_finished).remove)
 
     def _clock_own_work(self, now: Callable[[], float]) -> Callable[[], None]:
         """The package's own passes inside a step (the check of a change) are its own callbacks' time; returns the
@@ -581,7 +577,7 @@ class ThroughputMeter(PerfCallback):
                 self.metrics_sec += self.clock.wall() - start
 
         trainer.compute_metrics = timed
-        self._undo_clocks.append(lambda: setattr(trainer, "compute_metrics", metrics))
+        self._undo.append(lambda: setattr(trainer, "compute_metrics", metrics))
 
     def _callback_phase(self, callback: object) -> str:
         """The phase of a callback's events: the package's own, the trainer's logging and flow (transformers', TRL's
@@ -635,7 +631,7 @@ class ThroughputMeter(PerfCallback):
     def generate_finished(self, input_ids: Any, output: Any) -> None:
         self._engine_closed()
         self._generation_closed()
-        if not self.disabled and output is not None and self._stop_watching_entry is None:   # else counted there
+        if not self.disabled and output is not None and self.backend is None:   # else counted at TRL's entry
             self._hook_safely(self._count_generated, input_ids, output)
 
     def entry_started(self, kind: str) -> None:
@@ -769,17 +765,14 @@ class ThroughputMeter(PerfCallback):
             mask = kwargs.get("attention_mask")
             if isinstance(ids, torch.Tensor):
                 self._run.seq_len = ids.shape[-1]
-            if isinstance(mask, torch.Tensor):
-                real = mask.sum()
-                self._step.padded_positions += mask.numel()
-                self._run.counts[REAL_POSITIONS] += real
-                if self._run.token_source == "hook":
-                    self._run.counts[HOOK_TOKENS] += real
-            elif isinstance(ids, torch.Tensor):
-                self._step.padded_positions += ids.numel()
-                self._run.counts[REAL_POSITIONS] += ids.numel()
-                if self._run.token_source == "hook":
-                    self._run.counts[HOOK_TOKENS] += ids.numel()
+            positions = mask if isinstance(mask, torch.Tensor) else ids if isinstance(ids, torch.Tensor) else None
+            if positions is None:
+                return
+            real = mask.sum() if positions is mask else positions.numel()
+            self._step.padded_positions += positions.numel()
+            self._run.counts[REAL_POSITIONS] += real
+            if self._run.token_source == "hook":
+                self._run.counts[HOOK_TOKENS] += real
 
     def _count_generated(self, input_ids: Any, out: Any) -> None:
         sequences = getattr(out, "sequences", out)
@@ -833,7 +826,7 @@ class ThroughputMeter(PerfCallback):
                   else float(counts[HOOK_TOKENS]) if self._run.token_source == "hook" else 0.0)
         self._run.seen = state.num_input_tokens_seen
         generated = float(counts[GENERATED]) if self._run.is_grpo else 0.0
-        if self._stop_watching_entry is not None:                   # counted at TRL's entry, every backend
+        if self.backend is not None:                                # counted at TRL's entry, every backend
             generated = float(self._step.completion_tokens)
         return EndedStep(record, counts, tokens, generated, self._step.engine_seconds, callbacks, args, control)
 
@@ -1031,18 +1024,9 @@ class ThroughputMeter(PerfCallback):
         self.metrics_sec = float(saved.get("metrics_sec", 0.0))
 
     def close(self) -> None:
-        for undo in reversed(self._undo_clocks):
+        for undo in reversed(self._undo):
             undo()
-        self._undo_clocks = []
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        if self._stop_watching_generate is not None:
-            self._stop_watching_generate()
-            self._stop_watching_generate = None
-        if self._stop_watching_entry is not None:
-            self._stop_watching_entry()
-            self._stop_watching_entry = None
+        self._undo = []
         if self._stop_watching_collectives is not None:
             self._stop_watching_collectives()
             self._stop_watching_collectives = None

@@ -240,7 +240,7 @@ class MemoryWatchdog(PerfCallback):
         sample = self.device.memory()
         if self.policy is None or state.global_step == 0:        # a run of its own (an in-process resume keeps it)
             self.wall = MovingWall()
-            self.budget = self.budget_bytes(self.device, sample)
+            self.budget = self._budget(sample)
             self.wall.update(self.budget)
             self.policy = self._policy(self.budget)
             self._announced_outside = sample.outside
@@ -262,18 +262,12 @@ class MemoryWatchdog(PerfCallback):
                                device_limit_gb=(sample.device_limit or 0) / GB,
                                system_total_gb=sample.system_total / GB, warn_within_steps=self.warn_within_steps)
 
-    def budget_bytes(self, device: DeviceLayer, sample: MemorySample | None = None) -> float:
-        """The budget in bytes on ``device`` now (:func:`~hf_perf_callbacks.core.memory.budget_bytes` of its limits and
-        of
-        what this run can reach)."""
-        sample = sample or device.memory()
-        return budget_bytes(device.type, sample.device_limit, sample.hard_limit, sample.system_total,
-                            self.limit_gb, self.budget_fraction, reachable=sample.reachable)
-
-    def _static_budget(self, sample: MemorySample) -> float:
-        """The budget from the device's limits alone (what it was before it followed the device's free memory)."""
+    def _budget(self, sample: MemorySample, static: bool = False) -> float:
+        """The budget in bytes now (:func:`~hf_perf_callbacks.core.memory.budget_bytes` of the device's limits and of
+        what this run can reach); ``static``: of the limits alone (what it was before it followed the free memory)."""
         return budget_bytes(self._device.type, sample.device_limit, sample.hard_limit, sample.system_total,
-                            None, self.budget_fraction)
+                            None if static else self.limit_gb, self.budget_fraction,
+                            reachable=None if static else sample.reachable)
 
     def _explain_start(self, sample: MemorySample, step: int) -> None:
         """Say at the start when the budget of a card is set by what the run can reach (another process holds
@@ -284,7 +278,7 @@ class MemoryWatchdog(PerfCallback):
             return
         if sample.unified:
             return
-        static = self._static_budget(sample)
+        static = self._budget(sample, static=True)
         if self.budget < (1 - WALL_BAND) * static and self._facts(sample).outside_words() is not None:
             self._wall_event(step, f"the memory budget is {gib(self.budget)}, not {gib(static)} "
                                    f"({self.budget_fraction:.0%} of the device's limit)", sample, static, start=True)
@@ -305,7 +299,7 @@ class MemoryWatchdog(PerfCallback):
         if self.limit_gb:
             self._check_limit(sample, step)
             return
-        before = self.wall.update(self.budget_bytes(self._device, sample))
+        before = self.wall.update(self._budget(sample))
         if before is None or self.wall.value is None:
             return
         self.budget = self.wall.value
@@ -343,7 +337,7 @@ class MemoryWatchdog(PerfCallback):
             found = self._device.memory_holders()
             names = holders_words(found, os.getpid(), float(sample.reserved or 0)) if found else None
         policy = self.policy
-        static = None if self.limit_gb else self._static_budget(sample)
+        static = None if self.limit_gb else self._budget(sample, static=True)
         set_by = "limit_gb" if self.limit_gb else "reach" if static and self.budget < static else "device"
         return WallFacts(budget=self.budget, total=sample.total, outside=sample.outside, unified=sample.unified,
                          holders=names, leak_per_step=policy.leak_rate if policy is not None else None, set_by=set_by)
@@ -528,7 +522,7 @@ class MemoryWatchdog(PerfCallback):
         if reference is None or policy.segment_steps <= policy.grace_steps or self._run.shrinking:
             return False
         sample = self._device.memory()
-        if not self.limit_gb and self.budget_bytes(self._device, sample) < self.budget:
+        if not self.limit_gb and self._budget(sample) < self.budget:
             self._follow_wall(sample, step)                  # a lower wall is believed at once
         peak, live, seen = reference
         need = live + (peak - live) * max(1.0, (size or seen) / seen)
@@ -572,12 +566,10 @@ class MemoryWatchdog(PerfCallback):
                                            keys.MEM_PEAK_GB: max(self.high_water, used) / GB,
                                            keys.MEM_SYSTEM_AVAILABLE_GB: sample.system_available / GB,
                                            keys.MEM_SWAP_USED_GB: sample.swap_used / GB}
-        if sample.outside is not None:
-            fields[keys.MEM_OUTSIDE_GB] = sample.outside / GB
-        if sample.allocated is not None:
-            fields[keys.MEM_ALLOCATED_GB] = sample.allocated / GB
-        if sample.reserved is not None:
-            fields[keys.MEM_DRIVER_GB] = sample.reserved / GB
+        for key, value in ((keys.MEM_OUTSIDE_GB, sample.outside), (keys.MEM_ALLOCATED_GB, sample.allocated),
+                           (keys.MEM_DRIVER_GB, sample.reserved)):
+            if value is not None:
+                fields[key] = value / GB
         if retries is not None:
             fields[keys.MEM_ALLOC_RETRIES] = retries
         mac = self._mac_sample() if self._run.on_mac else None

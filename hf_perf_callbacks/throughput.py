@@ -616,7 +616,7 @@ class ThroughputMeter(PerfCallback):
         if n == 1:
             self.part_started[key] = self.clock.wall()
         else:          # a checkpointed layer's part run again in the micro-batch: its first forward's time again
-            self.timeline.add_recompute(self.part_seconds.get(key, 0.0))
+            self.timeline.add_inside("recompute", self.part_seconds.get(key, 0.0))
 
     def _layer_finished(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         started = self.part_started.pop(id(module), None)
@@ -674,7 +674,7 @@ class ThroughputMeter(PerfCallback):
             self._step.sync_seconds += seconds
         elif kind == adapter.REWARD:
             self._step.reward_seconds += seconds
-            self.timeline.add_reward(seconds)           # the reward phase, out of the step's compute
+            self.timeline.add_inside("reward", seconds)           # the reward phase, out of the step's compute
         completions, tokens, longest = adapter.rollout_counts(kind, result)
         if kind == adapter.ROLLOUT:
             self._step.completions += completions

@@ -51,9 +51,9 @@ import logging
 import math
 import os
 from array import array
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypedDict, TypeGuard, get_args
+from typing import Any, ClassVar, Literal, TypedDict, TypeGuard, TypeVar, get_args
 
 from ..keys import *  # noqa: F403 -- the keys and file names stay importable from here (runlog.PERF_MFU)
 from ..keys import PERF_LOG
@@ -280,7 +280,8 @@ def _is_event_kind(kind: object) -> TypeGuard[EventKind]:
 # One frozen type per shape of an event's details, written by its writer (``bus.event(..., details=WallMove(...))``)
 # and read back by the report through the same type (``WallMove.from_details(e.details)``), so that a renamed field
 # fails type checking. ``to_details`` gives the JSON fields exactly as the perf log holds them (their order, and which
-# are written as null); ``from_details`` tolerates any log: a missing field or one of another type reads as None.
+# are written as null); ``from_details`` tolerates any log: a missing field or one of another type (or empty text)
+# reads as None.
 
 def _num(value: object) -> float | None:
     """A detail's number (not a bool), else None."""
@@ -288,7 +289,7 @@ def _num(value: object) -> float | None:
 
 
 def _text(value: object) -> str | None:
-    return value if isinstance(value, str) else None
+    return value if isinstance(value, str) and value else None
 
 
 def _split_args(value: object) -> dict[str, Any] | str | None:
@@ -296,8 +297,27 @@ def _split_args(value: object) -> dict[str, Any] | str | None:
     return value if isinstance(value, (dict, str)) else None
 
 
+#: how :meth:`_Details.from_details` reads a field, by its annotation
+_READERS: dict[str, Callable[[object], object]] = {"float | None": _num, "str | None": _text,
+                                                   "bool": lambda value: value is not False}
+_D = TypeVar("_D", bound="_Details")
+
+
+class _Details:
+    """Writes every field of a detail type in order (:meth:`to_details`) and reads each back by its annotation."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    def to_details(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_details(cls: type[_D], details: Mapping[str, Any]) -> _D:
+        return cls(**{f.name: _READERS[str(f.type)](details.get(f.name)) for f in dataclasses.fields(cls)})
+
+
 @dataclass(frozen=True)
-class StopFigures:
+class StopFigures(_Details):
     """What a watchdog stop adds to its :class:`ActionDetails`: the memory held outside the run, the memory the
     next steps need beyond the budget, the budget (GiB; None: not known)."""
 
@@ -305,18 +325,9 @@ class StopFigures:
     need_gb: float | None
     budget_gb: float | None
 
-    def to_details(self) -> dict[str, Any]:
-        return {"outside_gb": self.outside_gb, "need_gb": self.need_gb, "budget_gb": self.budget_gb}
-
-    @classmethod
-    def from_details(cls, details: Mapping[str, Any]) -> StopFigures | None:
-        if not any(k in details for k in ("outside_gb", "need_gb", "budget_gb")):
-            return None
-        return cls(_num(details.get("outside_gb")), _num(details.get("need_gb")), _num(details.get("budget_gb")))
-
 
 @dataclass(frozen=True)
-class ActionDetails:
+class ActionDetails(_Details):
     """A ``mem`` ``action`` or ``stop`` event: the watchdog's action (``clear_cache``, ``smaller_batch``, ``stop``,
     ``stop_suppressed``), its pressure level then, the steps to the wall then, and a stop's figures."""
 
@@ -332,12 +343,13 @@ class ActionDetails:
     @classmethod
     def from_details(cls, details: Mapping[str, Any]) -> ActionDetails:
         action = details.get("action")
+        stopped = any(k in details for k in ("outside_gb", "need_gb", "budget_gb"))
         return cls(str(action) if action is not None else None, _text(details.get("level")),
-                   _num(details.get("steps_to_wall")), StopFigures.from_details(details))
+                   _num(details.get("steps_to_wall")), StopFigures.from_details(details) if stopped else None)
 
 
 @dataclass(frozen=True)
-class WallMove:
+class WallMove(_Details):
     """A ``mem`` ``wall`` event: where the memory wall is (``moved`` False: at the start) and why (None: no cause
     known), the budget now and before, the memory outside the run and what the run can reach (GiB)."""
 
@@ -347,16 +359,6 @@ class WallMove:
     before_gb: float | None = None
     outside_gb: float | None = None
     reachable_gb: float | None = None
-
-    def to_details(self) -> dict[str, Any]:
-        return {"why": self.why, "moved": self.moved, "budget_gb": self.budget_gb, "before_gb": self.before_gb,
-                "outside_gb": self.outside_gb, "reachable_gb": self.reachable_gb}
-
-    @classmethod
-    def from_details(cls, details: Mapping[str, Any]) -> WallMove:
-        why = details.get("why")
-        return cls(str(why) if why else None, details.get("moved") is not False, _num(details.get("budget_gb")),
-                   _num(details.get("before_gb")), _num(details.get("outside_gb")), _num(details.get("reachable_gb")))
 
 
 @dataclass(frozen=True)
@@ -383,37 +385,23 @@ class DecisionDetails:
 
 
 @dataclass(frozen=True)
-class CacheClear:
+class CacheClear(_Details):
     """A ``cache`` ``info`` event: the memory a clear freed (GB) and the seconds it took."""
 
     freed_gb: float | None
     seconds: float | None = None
 
-    def to_details(self) -> dict[str, Any]:
-        return {"freed_gb": self.freed_gb, "seconds": self.seconds}
-
-    @classmethod
-    def from_details(cls, details: Mapping[str, Any]) -> CacheClear:
-        return cls(_num(details.get("freed_gb")), _num(details.get("seconds")))
-
 
 @dataclass(frozen=True)
-class NoteDetails:
+class NoteDetails(_Details):
     """A ``note`` event's details: what the note says is needed (``train_with_tuning``: the tuner is attached but
     no re-size can happen without it)."""
 
     needs: str | None
 
-    def to_details(self) -> dict[str, Any]:
-        return {"needs": self.needs}
-
-    @classmethod
-    def from_details(cls, details: Mapping[str, Any]) -> NoteDetails:
-        return cls(_text(details.get("needs")))
-
 
 @dataclass(frozen=True)
-class WarningFigures:
+class WarningFigures(_Details):
     """The figures of a ``warning`` event (each warning writes the ones it is about; None: not written): a leak's
     growth per step (MiB), the completion length at which a step stops fitting and the steps until then, the
     model's forward passes per micro-batch, the share of time spent waiting for data."""
@@ -425,13 +413,7 @@ class WarningFigures:
     data_wait_fraction: float | None = None
 
     def to_details(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
-
-    @classmethod
-    def from_details(cls, details: Mapping[str, Any]) -> WarningFigures:
-        return cls(_num(details.get("leak_mib_per_step")), _num(details.get("completion_wall_tokens")),
-                   _num(details.get("steps_to_wall")), _num(details.get("forwards_per_microbatch")),
-                   _num(details.get("data_wait_fraction")))
+        return {k: v for k, v in super().to_details().items() if v is not None}
 
 
 #: the details of an event, one type per shape (:meth:`EventLine.details` holds their ``to_details()``)
@@ -548,22 +530,16 @@ class SummaryLine:
 
 
 Record = RunHeader | StepLine | EventLine | SummaryLine
+_RECORDS: dict[object, type[RunHeader] | type[StepLine] | type[EventLine] | type[SummaryLine]] = {
+    "run": RunHeader, "step": StepLine, "event": EventLine, "summary": SummaryLine}
 
 
 def parse_record(entry: object) -> Record | None:
     """The typed record of one parsed JSON line; None when it is none of the four."""
     if not isinstance(entry, dict):
         return None
-    kind = entry.get("type")
-    if kind == "run":
-        return RunHeader.from_json(entry)
-    if kind == "step":
-        return StepLine.from_json(entry)
-    if kind == "event":
-        return EventLine.from_json(entry)
-    if kind == "summary":
-        return SummaryLine.from_json(entry)
-    return None
+    record = _RECORDS.get(entry.get("type"))
+    return record.from_json(entry) if record is not None else None
 
 
 # ---------------------------------------------------------------- writer

@@ -95,7 +95,9 @@ class MachineLoad:
                        - getattr(t, "guest_nice", 0.0))
         return busy
 
-    def reset(self) -> None:
+    def reset(self, count_children: bool) -> None:
+        """A ``train()`` call begins: the machine's reading now, the children counted or not, none seen yet."""
+        self.count_children, self.children_seen = count_children, None
         try:
             self.previous = self._busy()
         except Exception:  # noqa: BLE001 - a platform without the reading: no machine figures
@@ -206,9 +208,8 @@ class ThroughputMeter(PerfCallback):
     **MFU** uses :mod:`hf_perf_callbacks.core.flops` (LoRA-aware, attention included) against the device's peak for
     the training dtype (table, ``peak_flops`` override or ``peak_flops="calibrate"``); unknown device → MFU is
     omitted with one warning. GRPO's model FLOPs per token are ``num_iterations`` × training plus one forward
-    for generation. Under FSDP the FLOPs are the unsharded model's (a sharded DTensor parameter's ``numel()`` is the
-    full tensor's), divided over the ranks like any data-parallel throughput; under DeepSpeed ZeRO-3 too (a
-    partitioned parameter's full count is its ``ds_numel``).
+    for generation. Under FSDP and DeepSpeed ZeRO-3 the FLOPs are the unsharded model's
+    (:func:`~hf_perf_callbacks.core.flops.full_numel`), divided over the ranks like any data-parallel throughput.
 
     Args:
         window_steps: optimizer steps in the windowed rate (rounded up to whole GRPO generation cycles).
@@ -221,15 +222,12 @@ class ThroughputMeter(PerfCallback):
         progress_bar: show current tok/s beside the progress bar.
         clock: wall and CPU seconds (:class:`~hf_perf_callbacks.common.base.Clock`; tests plant one).
 
-    **Warmup or contention.** On a CPU device warmup is detected on the process's CPU time per step (the work):
-    slow early steps whose CPU time was flat were slowed by other processes and are reported as contention, not
-    warmup. On a GPU the host's CPU time is launch and wait time, not the work, so warmup stays on wall time; the
-    step lines still carry the machine's load (a busy host slows launch-bound steps such as HF ``generate``).
+    **Warmup or contention.** On a CPU device warmup is detected on the process's CPU time per step, and slow early
+    steps whose CPU time was flat are reported as contention (:mod:`hf_perf_callbacks.core.timeline`); on a GPU on
+    wall time. The step lines carry the machine's load either way.
 
-    **Short runs.** A run that ends before warmup is decided (a few steps) gets a provisional rate from the steps it
-    has (its first step left out when there are others): the summary's ``provisional: True`` with
-    ``provisional_tokens_per_sec``, ``provisional_step_sec`` and ``provisional_steps`` (first and last step); its
-    MFU is then of that rate, marked provisional. The steady keys stay absent.
+    **Short runs.** A run that ends before warmup is decided gets a provisional rate and MFU from the steps it has
+    (:class:`~hf_perf_callbacks.core.runlog.MeterSummary`); the steady keys stay absent.
 
     The console's log line shows :data:`~hf_perf_callbacks.keys.CONSOLE_KEYS` of these keys; the reporters,
     ``log_history`` and the perf log get every one.
@@ -331,7 +329,7 @@ class ThroughputMeter(PerfCallback):
         check_flag("progress_bar", progress_bar)
         super().__init__(clock)
         self.timeline = StepTimeline(window_steps, warmup_window, warmup_tolerance, max_warmup_steps)
-        self.window_steps, self.warmup_window = window_steps, warmup_window
+        self.window_steps, self.warmup_window = window_steps, warmup_window      # settings(): the arguments held
         self.warmup_tolerance, self.max_warmup_steps = warmup_tolerance, max_warmup_steps
         self.peak_flops, self.peak_bandwidth = peak_flops, peak_bandwidth
         self.data_wait_threshold, self.progress_bar = data_wait_threshold, progress_bar
@@ -413,9 +411,7 @@ class ThroughputMeter(PerfCallback):
         self._setup_flops(args, state.global_step)
         self._reset_step_counters()
         self._run.device.synchronize()
-        self.machine.reset()
-        self.machine.count_children = self._run.device.type == "cpu"
-        self.machine.children_seen = None
+        self.machine.reset(count_children=self._run.device.type == "cpu")
         self.timeline.start_segment(self.clock.wall(), self._run.period, cpu=self.machine.cpu(self.clock.cpu()),
                                     work="cpu" if self._run.device.type == "cpu" else "wall")
         self._install_clocks(model)
@@ -427,12 +423,8 @@ class ThroughputMeter(PerfCallback):
                                peak_bandwidth=self.run_peak_bandwidth, dtype=self._run.dtype_key,
                                per_device_train_batch_size=args.per_device_train_batch_size,
                                gradient_accumulation_steps=args.gradient_accumulation_steps,
-                               max_completion_length=getattr(args, "max_completion_length", None),
-                               num_generations=getattr(args, "num_generations", None),
-                               steps_per_generation=getattr(args, "steps_per_generation", None),
-                               pad_to_multiple_of=getattr(args, "pad_to_multiple_of", None),
-                               temperature=getattr(args, "temperature", None),
-                               use_vllm=getattr(args, "use_vllm", None), generation_backend=self.backend,
+                               **{name: getattr(args, name, None) for name in _GENERATION_SETTINGS},
+                               generation_backend=self.backend,
                                vllm_enable_sleep_mode=(getattr(args, "vllm_enable_sleep_mode", None)
                                                        if getattr(args, "use_vllm", False) else None),
                                weight_sync_steps=(getattr(args, "weight_sync_steps", None)
@@ -461,13 +453,9 @@ class ThroughputMeter(PerfCallback):
             self._undo.append(adapter.watch_generation_entry(trainer, self))
             self.engine_parallel = int(getattr(getattr(trainer, "args", None), "vllm_tensor_parallel_size", 1) or 1)
 
-    # A rollout is one ``generation`` region from the outermost of the calls that nest in it: TRL's ``_generate``
-    # (every backend), a weight sync to vLLM (async GRPO: its weight transfer) and ``model.generate`` (HF generation
-    # inside ``_generate``, or a trainer without it). Inside it, on several ranks, a collective that waits for another
-    # rank (its weight sync, its generation) is a ``rollout_wait`` region; the engine call a rank makes (HTTP to the
-    # server, ``LLM.generate``, ``model.generate``) is its engine time, and on a server run's other ranks the
-    # broadcast of the server's completions is the engine call they wait for: generation. Without the trainer's
-    # clocks (no trainer on the stack) the rollout's seconds are carved out of compute, as before.
+    # A rollout is one ``generation`` region from the outermost of the calls that nest in it: TRL's ``_generate``,
+    # a weight sync to vLLM and ``model.generate``; the engine call a rank makes (HTTP to the server,
+    # ``LLM.generate``, ``model.generate``) is its engine time.
     def _generation_opened(self) -> None:
         if self.generation_depth == 0:
             self._generate_start = self.clock.wall()
@@ -1038,6 +1026,10 @@ class ThroughputMeter(PerfCallback):
 #: left to TRL's in the reporters, still on the perf log's step lines
 TRL_ASYNC_KEYS = {keys.PERF_TOKENS_PER_SEC: "perf/trained_tok_s_wall_clock", keys.PERF_STEP_TIME: "perf/step_s",
                   keys.PERF_MFU: "perf/mfu_wall_clock"}
+
+#: GRPO's training arguments the run header holds as they are (None where the trainer has none)
+_GENERATION_SETTINGS = ("max_completion_length", "num_generations", "steps_per_generation", "pad_to_multiple_of",
+                        "temperature", "use_vllm")
 
 #: the training arguments of the phases a user controls (the run header's ``trainer_settings``)
 TRAINER_SETTINGS = ("save_strategy", "save_steps", "save_only_model", "save_total_limit", "logging_strategy",

@@ -93,34 +93,20 @@ class MemoryWatchdog(PerfCallback):
     through ctypes (psutil's ``available`` and ``sin/sout`` mislead there).
 
     **Budget** (re-read every step): ``limit_gb`` if given, else ``budget_fraction`` × what this run can reach now,
-    and never above ``budget_fraction`` × the smallest real limit (device memory on CUDA; the recommended working set,
-    the watermark hard limit and physical RAM on MPS; physical RAM on a CPU). What the run can reach is what it holds
-    plus what the device can still give: on CUDA the allocator's reserved memory plus the device's free memory
-    (``torch.cuda.mem_get_info``), so other processes, a vLLM pool, NCCL buffers, the CUDA context and anything this
-    process holds outside PyTorch's caching allocator count against the wall (and PyTorch's per-process memory
-    fraction caps it where set); on MPS and CPU what the process holds plus the system's available memory. A lower
-    wall is believed at once (below a band of 5% around the budget); a higher one only when the median of the last
-    three readings leaves the band (:class:`~hf_perf_callbacks.core.memory.MovingWall`); each move is an event (console
-    and perf log) saying why ("another process (or memory outside PyTorch's allocator) holds 120.0 GiB of this
-    card"; with ``pynvml`` installed, which processes), and the levels and the forecast use the new budget.
+    never above that fraction of the device's real limits (:func:`~hf_perf_callbacks.core.memory.budget_bytes`), so
+    other processes and memory outside PyTorch's caching allocator count against the wall. A lower wall is believed
+    at once, a higher one once it holds (:class:`~hf_perf_callbacks.core.memory.MovingWall`); each move is an event
+    (console and perf log) saying why (with ``pynvml`` installed, which processes hold the card).
 
-    **Ladder** (each rung logged as an event with its reason): (1) clear caches — through the
-    :class:`~hf_perf_callbacks.MPSCacheClearer` when attached, else ``gc.collect()`` and the device cache clear;
-    (2) at the warn level or above, ask for a smaller micro-batch on the bus (``smaller_batch``; the adaptive batch
-    tuner answers) — not for a wall that is near only because memory grows, nor when memory grows on every step (a
-    leak: a smaller micro-batch does not stop it), nor when an earlier smaller micro-batch of this run shows that
-    even micro-batch 1 would not leave the warn level;
-    (3) at critical, or when the wall is ``stop_within_steps`` away with nothing else left: set
-    ``control.should_save`` and ``control.should_training_stop`` — the checkpoint is written at this step, so no
-    optimizer step is lost; the message names the causes (what holds memory outside the run, a leak). A steady leak
-    goes down the same ladder: a run with only this callback attached ends with a checkpoint before the wall.
-    **The next step** is held against the budget as it is now, every step: what it needs is this step's own peak
-    (never a residency re-sampled after a cache clear), its part above what stays allocated scaled to the most
-    tokens of one step seen where the Trainer counts them (``include_num_input_tokens_seen``). When it cannot fit,
-    the watchdog asks for a smaller micro-batch where something can re-size and the micro-batch is above 1, else
-    saves this step and stops, naming what holds the memory (``mem/outside_gb``). The stop's checkpoint holds the
-    whole training state (optimizer, scheduler, RNG) also under ``save_only_model=True``, so that its resume line
-    holds. Under several ranks each rank watches its own device and a stop on any rank stops all.
+    **Ladder** (each rung logged as an event with its reason; :class:`~hf_perf_callbacks.core.memory.MemoryPolicy`):
+    (1) clear caches — through the :class:`~hf_perf_callbacks.MPSCacheClearer` when attached, else the device cache
+    clear; (2) ask for a smaller micro-batch on the bus (the adaptive batch tuner answers) where that helps; (3) at
+    critical, or when the wall is ``stop_within_steps`` away with nothing else left: save a checkpoint at this step
+    and stop (no optimizer step is lost), the message naming the causes. A steady leak goes down the same ladder.
+    **The next step** is held against the budget as it is now, every step, and before it trains once its rows are
+    fetched (:meth:`_next_step_need`, :meth:`_before_step`): when it cannot fit, a smaller micro-batch where something
+    can re-size, else a checkpoint and a stop. The stop's checkpoint holds the whole training state also under
+    ``save_only_model=True``. Under several ranks each rank watches its own device and a stop on any rank stops all.
 
     Args:
         limit_gb: absolute budget in GiB (overrides the fraction and the reading).

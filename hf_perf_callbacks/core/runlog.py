@@ -598,7 +598,7 @@ class ReadStep:
     @property
     def values(self) -> Mapping[str, Any]:
         """The line's fields (metric key → value), read-only."""
-        return _StepValues(self)
+        return LogRow(self, "", step=False)
 
     def get(self, key: str, default: Any = None) -> Any:
         others = self._others
@@ -651,24 +651,23 @@ class ReadStep:
 
 
 class LogRow(Mapping[str, Any]):
-    """The trainer's own log of one step as a read-only mapping over its line (``log/reward`` read as ``reward``,
-    and ``step``), without copying it: a long run's logs cost a small object each."""
+    """The fields of a step line under ``prefix`` as a read-only mapping over the line, the prefix removed, without
+    copying it: the trainer's own log of one step (``log/reward`` read as ``reward``, and ``step``), or every field
+    (no prefix, no ``step``: :attr:`ReadStep.values`). A long run's logs cost a small object each."""
 
-    __slots__ = ("_line", "_prefix")
+    __slots__ = ("_line", "_prefix", "_step")
 
-    def __init__(self, line: ReadStep, prefix: str):
-        self._line, self._prefix = line, prefix
+    def __init__(self, line: ReadStep, prefix: str, step: bool = True):
+        self._line, self._prefix, self._step = line, prefix, step
 
     def __getitem__(self, key: str) -> Any:
-        if key == "step":
-            return self._line.step
-        value = self._line.get(self._prefix + key, _MISSING)
+        value = self.get(key, _MISSING)
         if value is _MISSING:
             raise KeyError(key)
         return value
 
     def get(self, key: str, default: Any = None) -> Any:
-        if key == "step":
+        if key == "step" and self._step:
             return self._line.step
         return self._line.get(self._prefix + key, default)
 
@@ -677,13 +676,14 @@ class LogRow(Mapping[str, Any]):
         yield from (k[n:] for k, _ in self._line._keys.prefixed(self._prefix))
         if self._line._others:
             yield from (k[n:] for k in self._line._others if k.startswith(self._prefix))
-        yield "step"
+        if self._step:
+            yield "step"
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
 
     def __contains__(self, key: object) -> bool:
-        return key == "step" or (isinstance(key, str) and self._prefix + key in self._line.values)
+        return isinstance(key, str) and self.get(key, _MISSING) is not _MISSING
 
 
 class _KeyIndex(dict[str, int]):
@@ -699,37 +699,6 @@ class _KeyIndex(dict[str, int]):
         if found is None:
             found = self._prefixed[prefix] = [(k, i) for k, i in self.items() if k.startswith(prefix)]
         return found
-
-
-class _StepValues(Mapping[str, Any]):
-    """The mapping view of a :class:`ReadStep`'s fields."""
-
-    __slots__ = ("_line",)
-
-    def __init__(self, line: ReadStep):
-        self._line = line
-
-    def __getitem__(self, key: str) -> Any:
-        marker = _MISSING
-        value = self._line.get(key, marker)
-        if value is marker:
-            raise KeyError(key)
-        return value
-
-    def __iter__(self) -> Iterator[str]:
-        yield from self._line._keys
-        if self._line._others:
-            yield from self._line._others
-
-    def __len__(self) -> int:
-        return len(self._line._keys) + len(self._line._others or ())
-
-    def __contains__(self, key: object) -> bool:
-        line = self._line
-        return key in line._keys or (line._others is not None and key in line._others)
-
-    def items(self) -> Any:          # an iterator of the pairs, not an ItemsView built on lookups
-        return self._line.items()
 
 
 _MISSING = object()

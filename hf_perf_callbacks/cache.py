@@ -67,14 +67,10 @@ class MPSCacheClearer(PerfCallback):
                                                                                    min_interval, max_interval)
         self.min_freed_gb, self.bloat_ratio, self.bloat_min_gb = min_freed_gb, bloat_ratio, bloat_min_gb
         self.after_eval, self.after_save = after_eval, after_save
-        self.schedule = ClearSchedule(interval_steps, min_interval, max_interval, min_freed_gb * GB)
         self.device: DeviceLayer | None = None
         self.active = False                     # whether this train() call clears (decided at on_train_begin)
-        self.clears = 0
-        self.total_freed = 0.0
-        self.total_seconds = 0.0
-        self._window = [0.0, 0.0]
-        self.history: list[dict[str, float | str]] = []
+        self._window = [0.0, 0.0]               # freed bytes and seconds since the last log
+        self.start_fresh()
 
     @property
     def _device(self) -> DeviceLayer:
@@ -158,7 +154,8 @@ class MPSCacheClearer(PerfCallback):
     def start_fresh(self) -> None:
         self.schedule = ClearSchedule(self.interval_steps, self.min_interval, self.max_interval,
                                       self.min_freed_gb * GB)
-        self.clears, self.total_freed, self.total_seconds, self._window, self.history = 0, 0.0, 0.0, [0.0, 0.0], []
+        self.clears, self.total_freed, self.total_seconds, self._window = 0, 0.0, 0.0, [0.0, 0.0]
+        self.history: list[dict[str, float | str]] = []
 
     def export(self) -> dict[str, float]:
         return {"clears": self.clears, "freed": self.total_freed, "seconds": self.total_seconds,

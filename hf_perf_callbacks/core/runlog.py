@@ -705,34 +705,29 @@ _MISSING = object()
 _STEP_HEAD = ("type", "step", "time")
 
 
-class _StepPacker:
-    """Packs parsed step entries into :class:`ReadStep` lines, sharing one key index per distinct key set."""
-
-    def __init__(self) -> None:
-        self.key_sets: dict[tuple[str, ...], _KeyIndex] = {}
-
-    def pack(self, entry: dict[str, Any]) -> ReadStep | None:
-        step = number(entry.get("step"))
-        if step is None:
-            return None
-        names = tuple(entry)
-        values = list(entry.values())
-        if names[:3] == _STEP_HEAD:                           # the writer's order: type, step, time first
-            names, values = names[3:], values[3:]
-        else:
-            kept = [(k, v) for k, v in zip(names, values) if k not in _STEP_HEAD]
-            names, values = tuple(k for k, _ in kept), [v for _, v in kept]
-        others: dict[str, Any] | None = None
-        try:
-            numbers = array("d", values)                        # numbers (a flag reads as 0/1, as number() does)
-        except TypeError:                                       # None, strings, lists: kept as they are
-            others = {k: v for k, v in zip(names, values) if not isinstance(v, (int, float))}
-            pairs = [(k, v) for k, v in zip(names, values) if k not in others]
-            names, numbers = tuple(k for k, _ in pairs), array("d", [v for _, v in pairs])
-        index = self.key_sets.get(names)
-        if index is None:
-            index = self.key_sets[names] = _KeyIndex(names)
-        return ReadStep(int(step), number(entry.get("time")), index, numbers, others)
+def _pack(entry: dict[str, Any], key_sets: dict[tuple[str, ...], _KeyIndex]) -> ReadStep | None:
+    """A parsed step entry as a :class:`ReadStep` line, sharing one key index per distinct key set."""
+    step = number(entry.get("step"))
+    if step is None:
+        return None
+    names = tuple(entry)
+    values = list(entry.values())
+    if names[:3] == _STEP_HEAD:                           # the writer's order: type, step, time first
+        names, values = names[3:], values[3:]
+    else:
+        kept = [(k, v) for k, v in zip(names, values) if k not in _STEP_HEAD]
+        names, values = tuple(k for k, _ in kept), [v for _, v in kept]
+    others: dict[str, Any] | None = None
+    try:
+        numbers = array("d", values)                        # numbers (a flag reads as 0/1, as number() does)
+    except TypeError:                                       # None, strings, lists: kept as they are
+        others = {k: v for k, v in zip(names, values) if not isinstance(v, (int, float))}
+        pairs = [(k, v) for k, v in zip(names, values) if k not in others]
+        names, numbers = tuple(k for k, _ in pairs), array("d", [v for _, v in pairs])
+    index = key_sets.get(names)
+    if index is None:
+        index = key_sets[names] = _KeyIndex(names)
+    return ReadStep(int(step), number(entry.get("time")), index, numbers, others)
 
 
 @dataclass
@@ -819,7 +814,7 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
     """Parse perf-log lines, one at a time (see the module docstring for fresh runs and resumes); garbled lines are
     counted. Step lines are kept compact (:class:`ReadStep`)."""
     run = RunLog(output_dir=output_dir)
-    packer = _StepPacker()
+    key_sets: dict[tuple[str, ...], _KeyIndex] = {}           # one key index per distinct key set of the lines
     summaries: dict[str, SummaryLine] = {}
     session = None
     current = 0                                         # the step the latest step line completed
@@ -832,7 +827,7 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
         except (ValueError, TypeError):
             entry = None
         if isinstance(entry, dict) and entry.get("type") == "step":
-            read = packer.pack(entry)
+            read = _pack(entry, key_sets)
             if read is None:
                 run.skipped_lines += 1
                 continue

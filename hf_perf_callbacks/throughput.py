@@ -481,9 +481,6 @@ class ThroughputMeter(PerfCallback):
         else:
             self.timeline.add_generation(self.clock.wall() - self._generate_start)
 
-    def _engine_opened(self) -> None:
-        self._engine_calls.append(self.clock.wall())
-
     def _engine_closed(self) -> None:
         if not self._engine_calls:
             return
@@ -614,7 +611,7 @@ class ThroughputMeter(PerfCallback):
     def generate_started(self) -> None:
         """A GRPO rollout begins (see :func:`~hf_perf_callbacks.platform.adapter.watch_generate`): HF's engine call."""
         self._generation_opened()
-        self._engine_opened()
+        self._engine_calls.append(self.clock.wall())
 
     def generate_finished(self, input_ids: Any, output: Any) -> None:
         self._engine_closed()
@@ -640,7 +637,7 @@ class ThroughputMeter(PerfCallback):
         elif kind == adapter.ENGINE:
             self._engine_entry += 1
         elif kind == adapter.CALL:
-            self._engine_opened()
+            self._engine_calls.append(self.clock.wall())
 
     def _entry_finished(self, kind: str, result: Any) -> None:
         if kind == adapter.CALL:

@@ -167,18 +167,12 @@ class RunHeader:
     def from_json(cls, entry: dict[str, Any]) -> RunHeader:
         """The header of a parsed line. A known field whose value is not of its type (a newer or older writer: a
         string where a number belongs, a list where a mapping does) is kept in ``malformed`` and reads as unset."""
-        known = {k: v for k, v in entry.items() if k in _HEADER_FIELDS and k not in _OWN_FIELDS}
+        known, malformed = _conformed({k: v for k, v in entry.items() if k in _HEADER_FIELDS and k not in _OWN_FIELDS},
+                                      HEADER_KINDS)
         sources = entry.get("sources")
         sources = ([str(s) for s in sources] if isinstance(sources, list)
                    else [str(entry["source"])] if "source" in entry else [])
         extra = {k: v for k, v in entry.items() if k not in _HEADER_FIELDS and k not in ("type", "source")}
-        malformed: dict[str, Any] = {}
-        for name, value in list(known.items()):
-            ok, typed = conform(value, HEADER_KINDS[name])
-            if ok:
-                known[name] = typed
-            else:
-                malformed[name] = known.pop(name)
         known["resumed_from_step"] = int(known.get("resumed_from_step") or 0)
         return cls(**known, sources=sources, extra=extra, malformed=malformed)
 
@@ -205,6 +199,19 @@ def conform(value: object, kind: str) -> tuple[bool, object]:
         return (True, bool(value)) if isinstance(value, bool) or value in (0, 1) else (False, None)
     kinds = {"str": str, "dict": dict, "list": list, "any": object}
     return (True, value) if isinstance(value, kinds[kind]) else (False, None)
+
+
+def _conformed(fields: Mapping[str, Any], kinds: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``fields`` of their kind (:func:`conform`; a field without one is of any), as that kind, and the others."""
+    typed: dict[str, Any] = {}
+    others: dict[str, Any] = {}
+    for name, value in fields.items():
+        ok, read = conform(value, kinds.get(name, "any"))
+        if ok:
+            typed[name] = read
+        else:
+            others[name] = value
+    return typed, others
 
 
 @dataclass
@@ -515,17 +522,8 @@ class SummaryLine:
     @classmethod
     def from_json(cls, entry: dict[str, Any]) -> SummaryLine:
         source = str(entry.get("source"))
-        kinds = SUMMARY_KINDS.get(source, {})
-        values: dict[str, Any] = {}
-        malformed: dict[str, Any] = {}
-        for k, v in entry.items():
-            if k in ("type", "source"):
-                continue
-            ok, typed = conform(v, kinds.get(k, "any"))
-            if ok:
-                values[k] = typed
-            else:
-                malformed[k] = v
+        values, malformed = _conformed({k: v for k, v in entry.items() if k not in ("type", "source")},
+                                       SUMMARY_KINDS.get(source, {}))
         return cls(source, values, malformed)
 
 

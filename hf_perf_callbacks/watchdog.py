@@ -339,7 +339,7 @@ class MemoryWatchdog(PerfCallback):
         micro = getattr(args, "per_device_train_batch_size", None)
         obs, fields = self._observe(step, sample, micro)
         policy.observe(obs)
-        need = self._next_step_need(sample, obs.used, state)
+        need = self._next_step_need(sample, obs.used)
         self._sample_used = obs.used
         self._log_peak = max(self._log_peak, obs.used)
         self._sample = sample
@@ -349,27 +349,21 @@ class MemoryWatchdog(PerfCallback):
         self._note_facts(self._facts(sample))
         self.high_water = max(self.high_water, obs.used)
         can_shrink = self._bus.requests.can_shrink()
-        decision = None
-        for _ in range(3):                                          # clear → re-sample → maybe the next rung
-            action = policy.next_action(can_shrink)
-            if action is None:
-                break
-            policy.taken(action)
-            if action == CLEAR:
-                self._clear(step)
-                obs, fields = self._observe(step, self._device.memory(), micro, resample=True)
-                policy.observe(obs, replace_last=True)
-                continue
-            decision = action
-            break
+        decision = policy.next_action(can_shrink)
+        if decision == CLEAR:              # clear → re-sample → maybe the next rung (never a second clear)
+            policy.taken(CLEAR)
+            self._clear(step)
+            obs, fields = self._observe(step, self._device.memory(), micro, resample=True)
+            policy.observe(obs, replace_last=True)
+            decision = policy.next_action(can_shrink)
         self._run.short = None
         if need >= self.budget and policy.segment_steps > policy.grace_steps and decision is None:
             # the next step cannot fit in the budget as it is now (not as a residency re-sampled after a clear says)
             self._run.short = (need, self.budget)
             shrinkable = can_shrink and (micro or 1) > 1 and SMALLER_BATCH not in policy.episode
             decision = SMALLER_BATCH if shrinkable else STOP if STOP not in policy.episode else None
-            if decision is not None:
-                policy.taken(decision)
+        if decision is not None:
+            policy.taken(decision)
         critical = policy.level == CRITICAL or self._run.short is not None
         self._bus.memory = MemoryReading(step, obs.used, self.budget)   # the tuner reads it, whenever the exchange ends
         self._exchange(step, [RANK_OF[decision], float(critical)],     # the step's one exchange
@@ -457,7 +451,7 @@ class MemoryWatchdog(PerfCallback):
         return (f"the next step needs about {gib(need)} (the last step's peak{scaled}) and the budget is now "
                 f"{gib(budget)}")
 
-    def _next_step_need(self, sample: MemorySample, used: float, state: TrainerState) -> float:
+    def _next_step_need(self, sample: MemorySample, used: float) -> float:
         """What the next step needs: this step's own peak, its part above what stays allocated between steps scaled
         to the largest micro-batch of this segment (padded rows × length, as fetched); the peak alone where the rows
         or the device's peak are unknown. Keeps this step as the reference of the check before the next step."""

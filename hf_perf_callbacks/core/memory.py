@@ -107,9 +107,6 @@ class MovingWall:
         return before
 
 
-CauseCode = Literal["outside", "leak"]
-
-
 @dataclass(frozen=True)
 class Futile:
     """Why a smaller micro-batch cannot relieve memory pressure, as data: ``leak`` (memory grows by ``rate`` bytes on
@@ -133,7 +130,7 @@ class Cause:
     outside this run's reach; ``unified`` memory; ``holders``: who, in words, when the device can say) or ``leak``
     (``bytes`` a step). Its words: :func:`cause_words`."""
 
-    code: CauseCode
+    code: Literal["outside", "leak"]
     bytes: float
     total: float | None = None
     unified: bool = False

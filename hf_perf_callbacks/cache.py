@@ -67,19 +67,10 @@ class MPSCacheClearer(PerfCallback):
                                                                                    min_interval, max_interval)
         self.min_freed_gb, self.bloat_ratio, self.bloat_min_gb = min_freed_gb, bloat_ratio, bloat_min_gb
         self.after_eval, self.after_save = after_eval, after_save
-        self.schedule = ClearSchedule(interval_steps, min_interval, max_interval, min_freed_gb * GB)
         self.device: DeviceLayer | None = None
-        self._active = False                    # whether this train() call clears (decided at on_train_begin)
-        self.clears = 0
-        self.total_freed = 0.0
-        self.total_seconds = 0.0
-        self._window = [0.0, 0.0]
-        self.history: list[dict[str, float | str]] = []
-
-    @property
-    def active(self) -> bool:
-        """Whether this ``train()`` call clears (False before one began)."""
-        return self._active
+        self.active = False                     # whether this train() call clears (decided at on_train_begin)
+        self._window = [0.0, 0.0]               # freed bytes and seconds since the last log
+        self.start_fresh()
 
     @property
     def _device(self) -> DeviceLayer:
@@ -92,9 +83,9 @@ class MPSCacheClearer(PerfCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: torch.nn.Module | None = None, **kwargs: Any) -> None:
         self.device = self.device or DeviceLayer()
-        self._active = self.device.type == "mps" if self.enabled is None else bool(self.enabled)
-        if self._active:
-            self._bus.requests.on_clear_request(self._on_request)
+        self.active = self.device.type == "mps" if self.enabled is None else bool(self.enabled)
+        if self.active:
+            self._bus.requests.on_clear_request(self._on_request)     # a bound method: one handler per class
         self.schedule.last_clear_step = state.global_step
 
     def _on_request(self, reason: str, step: int) -> float:
@@ -163,7 +154,8 @@ class MPSCacheClearer(PerfCallback):
     def start_fresh(self) -> None:
         self.schedule = ClearSchedule(self.interval_steps, self.min_interval, self.max_interval,
                                       self.min_freed_gb * GB)
-        self.clears, self.total_freed, self.total_seconds, self._window, self.history = 0, 0.0, 0.0, [0.0, 0.0], []
+        self.clears, self.total_freed, self.total_seconds, self._window = 0, 0.0, 0.0, [0.0, 0.0]
+        self.history: list[dict[str, float | str]] = []
 
     def export(self) -> dict[str, float]:
         return {"clears": self.clears, "freed": self.total_freed, "seconds": self.total_seconds,

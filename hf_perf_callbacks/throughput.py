@@ -26,7 +26,6 @@ from .platform import adapter
 from .platform.device import DeviceLayer, dtype_key, world_size
 
 if TYPE_CHECKING:
-    from torch.utils.hooks import RemovableHandle
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
 #: model → the meter whose hook and wrapper are installed on it (a replaced instance is closed by its successor)
@@ -96,7 +95,9 @@ class MachineLoad:
                        - getattr(t, "guest_nice", 0.0))
         return busy
 
-    def reset(self) -> None:
+    def reset(self, count_children: bool) -> None:
+        """A ``train()`` call begins: the machine's reading now, the children counted or not, none seen yet."""
+        self.count_children, self.children_seen = count_children, None
         try:
             self.previous = self._busy()
         except Exception:  # noqa: BLE001 - a platform without the reading: no machine figures
@@ -207,9 +208,8 @@ class ThroughputMeter(PerfCallback):
     **MFU** uses :mod:`hf_perf_callbacks.core.flops` (LoRA-aware, attention included) against the device's peak for
     the training dtype (table, ``peak_flops`` override or ``peak_flops="calibrate"``); unknown device → MFU is
     omitted with one warning. GRPO's model FLOPs per token are ``num_iterations`` × training plus one forward
-    for generation. Under FSDP the FLOPs are the unsharded model's (a sharded DTensor parameter's ``numel()`` is the
-    full tensor's), divided over the ranks like any data-parallel throughput; under DeepSpeed ZeRO-3 too (a
-    partitioned parameter's full count is its ``ds_numel``).
+    for generation. Under FSDP and DeepSpeed ZeRO-3 the FLOPs are the unsharded model's
+    (:func:`~hf_perf_callbacks.core.flops.full_numel`), divided over the ranks like any data-parallel throughput.
 
     Args:
         window_steps: optimizer steps in the windowed rate (rounded up to whole GRPO generation cycles).
@@ -222,15 +222,12 @@ class ThroughputMeter(PerfCallback):
         progress_bar: show current tok/s beside the progress bar.
         clock: wall and CPU seconds (:class:`~hf_perf_callbacks.common.base.Clock`; tests plant one).
 
-    **Warmup or contention.** On a CPU device warmup is detected on the process's CPU time per step (the work):
-    slow early steps whose CPU time was flat were slowed by other processes and are reported as contention, not
-    warmup. On a GPU the host's CPU time is launch and wait time, not the work, so warmup stays on wall time; the
-    step lines still carry the machine's load (a busy host slows launch-bound steps such as HF ``generate``).
+    **Warmup or contention.** On a CPU device warmup is detected on the process's CPU time per step, and slow early
+    steps whose CPU time was flat are reported as contention (:mod:`hf_perf_callbacks.core.timeline`); on a GPU on
+    wall time. The step lines carry the machine's load either way.
 
-    **Short runs.** A run that ends before warmup is decided (a few steps) gets a provisional rate from the steps it
-    has (its first step left out when there are others): the summary's ``provisional: True`` with
-    ``provisional_tokens_per_sec``, ``provisional_step_sec`` and ``provisional_steps`` (first and last step); its
-    MFU is then of that rate, marked provisional. The steady keys stay absent.
+    **Short runs.** A run that ends before warmup is decided gets a provisional rate and MFU from the steps it has
+    (:class:`~hf_perf_callbacks.core.runlog.MeterSummary`); the steady keys stay absent.
 
     The console's log line shows :data:`~hf_perf_callbacks.keys.CONSOLE_KEYS` of these keys; the reporters,
     ``log_history`` and the perf log get every one.
@@ -332,7 +329,7 @@ class ThroughputMeter(PerfCallback):
         check_flag("progress_bar", progress_bar)
         super().__init__(clock)
         self.timeline = StepTimeline(window_steps, warmup_window, warmup_tolerance, max_warmup_steps)
-        self.window_steps, self.warmup_window = window_steps, warmup_window
+        self.window_steps, self.warmup_window = window_steps, warmup_window      # settings(): the arguments held
         self.warmup_tolerance, self.max_warmup_steps = warmup_tolerance, max_warmup_steps
         self.peak_flops, self.peak_bandwidth = peak_flops, peak_bandwidth
         self.data_wait_threshold, self.progress_bar = data_wait_threshold, progress_bar
@@ -343,9 +340,6 @@ class ThroughputMeter(PerfCallback):
         self.run_peak_bandwidth: float | None = None
         self.machine = MachineLoad()
         self.warned: set[str] = set()
-        self._hooks: list[RemovableHandle] = []
-        self._stop_watching_generate: Callable[[], None] | None = None
-        self._stop_watching_entry: Callable[[], None] | None = None
         self.backend: str | None = None              # how TRL generates (adapter.generation_backend), if it does
         self.engine_parallel = 1                     # vLLM colocate: the devices one engine's weights are split over
         self.generation_depth = 0                    # nested generation calls open now (entry, sync, model.generate)
@@ -356,7 +350,7 @@ class ThroughputMeter(PerfCallback):
         self._engine_calls: list[float] = []         # the engine calls open now: when each began
         self._collective_waits: list[bool] = []      # the collectives open now: each a wait for another rank?
         self._stop_watching_collectives: Callable[[], None] | None = None
-        self._undo_clocks: list[Callable[[], None]] = []
+        self._undo: list[Callable[[], None]] = []     # what close() takes back: hooks, wrappers and clocks
         self.clocked = False                       # the trainer's phases and the callbacks are on their own clocks
         self.step_callback_sec: dict[str, float] = {}    # seconds per callback class in the step in progress
         self.callback_sec: dict[str, dict[str, float]] = {}   # class → event → seconds, this train() call
@@ -417,9 +411,7 @@ class ThroughputMeter(PerfCallback):
         self._setup_flops(args, state.global_step)
         self._reset_step_counters()
         self._run.device.synchronize()
-        self.machine.reset()
-        self.machine.count_children = self._run.device.type == "cpu"
-        self.machine.children_seen = None
+        self.machine.reset(count_children=self._run.device.type == "cpu")
         self.timeline.start_segment(self.clock.wall(), self._run.period, cpu=self.machine.cpu(self.clock.cpu()),
                                     work="cpu" if self._run.device.type == "cpu" else "wall")
         self._install_clocks(model)
@@ -431,12 +423,8 @@ class ThroughputMeter(PerfCallback):
                                peak_bandwidth=self.run_peak_bandwidth, dtype=self._run.dtype_key,
                                per_device_train_batch_size=args.per_device_train_batch_size,
                                gradient_accumulation_steps=args.gradient_accumulation_steps,
-                               max_completion_length=getattr(args, "max_completion_length", None),
-                               num_generations=getattr(args, "num_generations", None),
-                               steps_per_generation=getattr(args, "steps_per_generation", None),
-                               pad_to_multiple_of=getattr(args, "pad_to_multiple_of", None),
-                               temperature=getattr(args, "temperature", None),
-                               use_vllm=getattr(args, "use_vllm", None), generation_backend=self.backend,
+                               **{name: getattr(args, name, None) for name in _GENERATION_SETTINGS},
+                               generation_backend=self.backend,
                                vllm_enable_sleep_mode=(getattr(args, "vllm_enable_sleep_mode", None)
                                                        if getattr(args, "use_vllm", False) else None),
                                weight_sync_steps=(getattr(args, "weight_sync_steps", None)
@@ -456,22 +444,18 @@ class ThroughputMeter(PerfCallback):
         _INSTALLED[model] = self
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         self._run.model, self._run.inner = model, inner
-        self._hooks.append(forward_entry(inner).register_forward_pre_hook(self._on_forward, with_kwargs=True))
+        self._undo.append(forward_entry(inner).register_forward_pre_hook(self._on_forward, with_kwargs=True).remove)
         if self._run.is_grpo and hasattr(model, "generate"):
-            self._stop_watching_generate = adapter.watch_generate(model, self)
+            self._undo.append(adapter.watch_generate(model, self))
         trainer = self._run.trainer if self._run.is_grpo else None
         self.backend = adapter.generation_backend(trainer)
         if self.backend is not None:          # TRL's own entry: every backend timed at one place
-            self._stop_watching_entry = adapter.watch_generation_entry(trainer, self)
+            self._undo.append(adapter.watch_generation_entry(trainer, self))
             self.engine_parallel = int(getattr(getattr(trainer, "args", None), "vllm_tensor_parallel_size", 1) or 1)
 
-    # A rollout is one ``generation`` region from the outermost of the calls that nest in it: TRL's ``_generate``
-    # (every backend), a weight sync to vLLM (async GRPO: its weight transfer) and ``model.generate`` (HF generation
-    # inside ``_generate``, or a trainer without it). Inside it, on several ranks, a collective that waits for another
-    # rank (its weight sync, its generation) is a ``rollout_wait`` region; the engine call a rank makes (HTTP to the
-    # server, ``LLM.generate``, ``model.generate``) is its engine time, and on a server run's other ranks the
-    # broadcast of the server's completions is the engine call they wait for: generation. Without the trainer's
-    # clocks (no trainer on the stack) the rollout's seconds are carved out of compute, as before.
+    # A rollout is one ``generation`` region from the outermost of the calls that nest in it: TRL's ``_generate``,
+    # a weight sync to vLLM and ``model.generate``; the engine call a rank makes (HTTP to the server,
+    # ``LLM.generate``, ``model.generate``) is its engine time.
     def _generation_opened(self) -> None:
         if self.generation_depth == 0:
             self._generate_start = self.clock.wall()
@@ -496,9 +480,6 @@ class ThroughputMeter(PerfCallback):
             self.timeline.leave("generation", self.clock.wall())
         else:
             self.timeline.add_generation(self.clock.wall() - self._generate_start)
-
-    def _engine_opened(self) -> None:
-        self._engine_calls.append(self.clock.wall())
 
     def _engine_closed(self) -> None:
         if not self._engine_calls:
@@ -539,10 +520,10 @@ class ThroughputMeter(PerfCallback):
             self.clocked = False
             return
         now = self.clock.wall
-        self._undo_clocks.append(adapter.clock_trainer(trainer, lambda phase: self.timeline.enter(phase, now()),
+        self._undo.append(adapter.clock_trainer(trainer, lambda phase: self.timeline.enter(phase, now()),
                                                        lambda phase: self.timeline.leave(phase, now())))
-        self._undo_clocks.append(adapter.time_callbacks(handler, self._callback_started, self._callback_finished))
-        self._undo_clocks.append(self._clock_own_work(now))
+        self._undo.append(adapter.time_callbacks(handler, self._callback_started, self._callback_finished))
+        self._undo.append(self._clock_own_work(now))
         self._clock_compute_metrics(trainer)
         self.clocked = True
         if self._run.recompute and self._run.device.type == "cpu":
@@ -554,8 +535,8 @@ class ThroughputMeter(PerfCallback):
             for layer in self._run.inner.modules():
                 if isinstance(layer, GradientCheckpointingLayer):
                     for part in layer.children():
-                        self._hooks.append(part.register_forward_pre_hook(self._layer_started))
-                        self._hooks.append(part.register_forward_hook(self._layer_finished))
+                        self._undo.append(part.register_forward_pre_hook(self._layer_started).remove)
+                        self._undo.append(part.register_forward_hook(self._layer_finished).remove)
 
     def _clock_own_work(self, now: Callable[[], float]) -> Callable[[], None]:
         """The package's own passes inside a step (the check of a change) are its own callbacks' time; returns the
@@ -581,7 +562,7 @@ class ThroughputMeter(PerfCallback):
                 self.metrics_sec += self.clock.wall() - start
 
         trainer.compute_metrics = timed
-        self._undo_clocks.append(lambda: setattr(trainer, "compute_metrics", metrics))
+        self._undo.append(lambda: setattr(trainer, "compute_metrics", metrics))
 
     def _callback_phase(self, callback: object) -> str:
         """The phase of a callback's events: the package's own, the trainer's logging and flow (transformers', TRL's
@@ -620,7 +601,7 @@ class ThroughputMeter(PerfCallback):
         if n == 1:
             self.part_started[key] = self.clock.wall()
         else:          # a checkpointed layer's part run again in the micro-batch: its first forward's time again
-            self.timeline.add_recompute(self.part_seconds.get(key, 0.0))
+            self.timeline.add_inside("recompute", self.part_seconds.get(key, 0.0))
 
     def _layer_finished(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         started = self.part_started.pop(id(module), None)
@@ -630,12 +611,12 @@ class ThroughputMeter(PerfCallback):
     def generate_started(self) -> None:
         """A GRPO rollout begins (see :func:`~hf_perf_callbacks.platform.adapter.watch_generate`): HF's engine call."""
         self._generation_opened()
-        self._engine_opened()
+        self._engine_calls.append(self.clock.wall())
 
     def generate_finished(self, input_ids: Any, output: Any) -> None:
         self._engine_closed()
         self._generation_closed()
-        if not self.disabled and output is not None and self._stop_watching_entry is None:   # else counted there
+        if not self.disabled and output is not None and self.backend is None:   # else counted at TRL's entry
             self._hook_safely(self._count_generated, input_ids, output)
 
     def entry_started(self, kind: str) -> None:
@@ -656,7 +637,7 @@ class ThroughputMeter(PerfCallback):
         elif kind == adapter.ENGINE:
             self._engine_entry += 1
         elif kind == adapter.CALL:
-            self._engine_opened()
+            self._engine_calls.append(self.clock.wall())
 
     def _entry_finished(self, kind: str, result: Any) -> None:
         if kind == adapter.CALL:
@@ -678,7 +659,7 @@ class ThroughputMeter(PerfCallback):
             self._step.sync_seconds += seconds
         elif kind == adapter.REWARD:
             self._step.reward_seconds += seconds
-            self.timeline.add_reward(seconds)           # the reward phase, out of the step's compute
+            self.timeline.add_inside("reward", seconds)           # the reward phase, out of the step's compute
         completions, tokens, longest = adapter.rollout_counts(kind, result)
         if kind == adapter.ROLLOUT:
             self._step.completions += completions
@@ -769,17 +750,14 @@ class ThroughputMeter(PerfCallback):
             mask = kwargs.get("attention_mask")
             if isinstance(ids, torch.Tensor):
                 self._run.seq_len = ids.shape[-1]
-            if isinstance(mask, torch.Tensor):
-                real = mask.sum()
-                self._step.padded_positions += mask.numel()
-                self._run.counts[REAL_POSITIONS] += real
-                if self._run.token_source == "hook":
-                    self._run.counts[HOOK_TOKENS] += real
-            elif isinstance(ids, torch.Tensor):
-                self._step.padded_positions += ids.numel()
-                self._run.counts[REAL_POSITIONS] += ids.numel()
-                if self._run.token_source == "hook":
-                    self._run.counts[HOOK_TOKENS] += ids.numel()
+            positions = mask if isinstance(mask, torch.Tensor) else ids if isinstance(ids, torch.Tensor) else None
+            if positions is None:
+                return
+            real = mask.sum() if positions is mask else positions.numel()
+            self._step.padded_positions += positions.numel()
+            self._run.counts[REAL_POSITIONS] += real
+            if self._run.token_source == "hook":
+                self._run.counts[HOOK_TOKENS] += real
 
     def _count_generated(self, input_ids: Any, out: Any) -> None:
         sequences = getattr(out, "sequences", out)
@@ -833,7 +811,7 @@ class ThroughputMeter(PerfCallback):
                   else float(counts[HOOK_TOKENS]) if self._run.token_source == "hook" else 0.0)
         self._run.seen = state.num_input_tokens_seen
         generated = float(counts[GENERATED]) if self._run.is_grpo else 0.0
-        if self._stop_watching_entry is not None:                   # counted at TRL's entry, every backend
+        if self.backend is not None:                                # counted at TRL's entry, every backend
             generated = float(self._step.completion_tokens)
         return EndedStep(record, counts, tokens, generated, self._step.engine_seconds, callbacks, args, control)
 
@@ -1031,18 +1009,9 @@ class ThroughputMeter(PerfCallback):
         self.metrics_sec = float(saved.get("metrics_sec", 0.0))
 
     def close(self) -> None:
-        for undo in reversed(self._undo_clocks):
+        for undo in reversed(self._undo):
             undo()
-        self._undo_clocks = []
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        if self._stop_watching_generate is not None:
-            self._stop_watching_generate()
-            self._stop_watching_generate = None
-        if self._stop_watching_entry is not None:
-            self._stop_watching_entry()
-            self._stop_watching_entry = None
+        self._undo = []
         if self._stop_watching_collectives is not None:
             self._stop_watching_collectives()
             self._stop_watching_collectives = None
@@ -1054,6 +1023,10 @@ class ThroughputMeter(PerfCallback):
 #: left to TRL's in the reporters, still on the perf log's step lines
 TRL_ASYNC_KEYS = {keys.PERF_TOKENS_PER_SEC: "perf/trained_tok_s_wall_clock", keys.PERF_STEP_TIME: "perf/step_s",
                   keys.PERF_MFU: "perf/mfu_wall_clock"}
+
+#: GRPO's training arguments the run header holds as they are (None where the trainer has none)
+_GENERATION_SETTINGS = ("max_completion_length", "num_generations", "steps_per_generation", "pad_to_multiple_of",
+                        "temperature", "use_vllm")
 
 #: the training arguments of the phases a user controls (the run header's ``trainer_settings``)
 TRAINER_SETTINGS = ("save_strategy", "save_steps", "save_only_model", "save_total_limit", "logging_strategy",

@@ -93,34 +93,20 @@ class MemoryWatchdog(PerfCallback):
     through ctypes (psutil's ``available`` and ``sin/sout`` mislead there).
 
     **Budget** (re-read every step): ``limit_gb`` if given, else ``budget_fraction`` × what this run can reach now,
-    and never above ``budget_fraction`` × the smallest real limit (device memory on CUDA; the recommended working set,
-    the watermark hard limit and physical RAM on MPS; physical RAM on a CPU). What the run can reach is what it holds
-    plus what the device can still give: on CUDA the allocator's reserved memory plus the device's free memory
-    (``torch.cuda.mem_get_info``), so other processes, a vLLM pool, NCCL buffers, the CUDA context and anything this
-    process holds outside PyTorch's caching allocator count against the wall (and PyTorch's per-process memory
-    fraction caps it where set); on MPS and CPU what the process holds plus the system's available memory. A lower
-    wall is believed at once (below a band of 5% around the budget); a higher one only when the median of the last
-    three readings leaves the band (:class:`~hf_perf_callbacks.core.memory.MovingWall`); each move is an event (console
-    and perf log) saying why ("another process (or memory outside PyTorch's allocator) holds 120.0 GiB of this
-    card"; with ``pynvml`` installed, which processes), and the levels and the forecast use the new budget.
+    never above that fraction of the device's real limits (:func:`~hf_perf_callbacks.core.memory.budget_bytes`), so
+    other processes and memory outside PyTorch's caching allocator count against the wall. A lower wall is believed
+    at once, a higher one once it holds (:class:`~hf_perf_callbacks.core.memory.MovingWall`); each move is an event
+    (console and perf log) saying why (with ``pynvml`` installed, which processes hold the card).
 
-    **Ladder** (each rung logged as an event with its reason): (1) clear caches — through the
-    :class:`~hf_perf_callbacks.MPSCacheClearer` when attached, else ``gc.collect()`` and the device cache clear;
-    (2) at the warn level or above, ask for a smaller micro-batch on the bus (``smaller_batch``; the adaptive batch
-    tuner answers) — not for a wall that is near only because memory grows, nor when memory grows on every step (a
-    leak: a smaller micro-batch does not stop it), nor when an earlier smaller micro-batch of this run shows that
-    even micro-batch 1 would not leave the warn level;
-    (3) at critical, or when the wall is ``stop_within_steps`` away with nothing else left: set
-    ``control.should_save`` and ``control.should_training_stop`` — the checkpoint is written at this step, so no
-    optimizer step is lost; the message names the causes (what holds memory outside the run, a leak). A steady leak
-    goes down the same ladder: a run with only this callback attached ends with a checkpoint before the wall.
-    **The next step** is held against the budget as it is now, every step: what it needs is this step's own peak
-    (never a residency re-sampled after a cache clear), its part above what stays allocated scaled to the most
-    tokens of one step seen where the Trainer counts them (``include_num_input_tokens_seen``). When it cannot fit,
-    the watchdog asks for a smaller micro-batch where something can re-size and the micro-batch is above 1, else
-    saves this step and stops, naming what holds the memory (``mem/outside_gb``). The stop's checkpoint holds the
-    whole training state (optimizer, scheduler, RNG) also under ``save_only_model=True``, so that its resume line
-    holds. Under several ranks each rank watches its own device and a stop on any rank stops all.
+    **Ladder** (each rung logged as an event with its reason; :class:`~hf_perf_callbacks.core.memory.MemoryPolicy`):
+    (1) clear caches — through the :class:`~hf_perf_callbacks.MPSCacheClearer` when attached, else the device cache
+    clear; (2) ask for a smaller micro-batch on the bus (the adaptive batch tuner answers) where that helps; (3) at
+    critical, or when the wall is ``stop_within_steps`` away with nothing else left: save a checkpoint at this step
+    and stop (no optimizer step is lost), the message naming the causes. A steady leak goes down the same ladder.
+    **The next step** is held against the budget as it is now, every step, and before it trains once its rows are
+    fetched (:meth:`_next_step_need`, :meth:`_before_step`): when it cannot fit, a smaller micro-batch where something
+    can re-size, else a checkpoint and a stop. The stop's checkpoint holds the whole training state also under
+    ``save_only_model=True``. Under several ranks each rank watches its own device and a stop on any rank stops all.
 
     Args:
         limit_gb: absolute budget in GiB (overrides the fraction and the reading).
@@ -240,7 +226,7 @@ class MemoryWatchdog(PerfCallback):
         sample = self.device.memory()
         if self.policy is None or state.global_step == 0:        # a run of its own (an in-process resume keeps it)
             self.wall = MovingWall()
-            self.budget = self.budget_bytes(self.device, sample)
+            self.budget = self._budget(sample)
             self.wall.update(self.budget)
             self.policy = self._policy(self.budget)
             self._announced_outside = sample.outside
@@ -262,18 +248,12 @@ class MemoryWatchdog(PerfCallback):
                                device_limit_gb=(sample.device_limit or 0) / GB,
                                system_total_gb=sample.system_total / GB, warn_within_steps=self.warn_within_steps)
 
-    def budget_bytes(self, device: DeviceLayer, sample: MemorySample | None = None) -> float:
-        """The budget in bytes on ``device`` now (:func:`~hf_perf_callbacks.core.memory.budget_bytes` of its limits and
-        of
-        what this run can reach)."""
-        sample = sample or device.memory()
-        return budget_bytes(device.type, sample.device_limit, sample.hard_limit, sample.system_total,
-                            self.limit_gb, self.budget_fraction, reachable=sample.reachable)
-
-    def _static_budget(self, sample: MemorySample) -> float:
-        """The budget from the device's limits alone (what it was before it followed the device's free memory)."""
+    def _budget(self, sample: MemorySample, static: bool = False) -> float:
+        """The budget in bytes now (:func:`~hf_perf_callbacks.core.memory.budget_bytes` of the device's limits and of
+        what this run can reach); ``static``: of the limits alone (what it was before it followed the free memory)."""
         return budget_bytes(self._device.type, sample.device_limit, sample.hard_limit, sample.system_total,
-                            None, self.budget_fraction)
+                            None if static else self.limit_gb, self.budget_fraction,
+                            reachable=None if static else sample.reachable)
 
     def _explain_start(self, sample: MemorySample, step: int) -> None:
         """Say at the start when the budget of a card is set by what the run can reach (another process holds
@@ -284,7 +264,7 @@ class MemoryWatchdog(PerfCallback):
             return
         if sample.unified:
             return
-        static = self._static_budget(sample)
+        static = self._budget(sample, static=True)
         if self.budget < (1 - WALL_BAND) * static and self._facts(sample).outside_words() is not None:
             self._wall_event(step, f"the memory budget is {gib(self.budget)}, not {gib(static)} "
                                    f"({self.budget_fraction:.0%} of the device's limit)", sample, static, start=True)
@@ -305,7 +285,7 @@ class MemoryWatchdog(PerfCallback):
         if self.limit_gb:
             self._check_limit(sample, step)
             return
-        before = self.wall.update(self.budget_bytes(self._device, sample))
+        before = self.wall.update(self._budget(sample))
         if before is None or self.wall.value is None:
             return
         self.budget = self.wall.value
@@ -343,7 +323,7 @@ class MemoryWatchdog(PerfCallback):
             found = self._device.memory_holders()
             names = holders_words(found, os.getpid(), float(sample.reserved or 0)) if found else None
         policy = self.policy
-        static = None if self.limit_gb else self._static_budget(sample)
+        static = None if self.limit_gb else self._budget(sample, static=True)
         set_by = "limit_gb" if self.limit_gb else "reach" if static and self.budget < static else "device"
         return WallFacts(budget=self.budget, total=sample.total, outside=sample.outside, unified=sample.unified,
                          holders=names, leak_per_step=policy.leak_rate if policy is not None else None, set_by=set_by)
@@ -359,7 +339,7 @@ class MemoryWatchdog(PerfCallback):
         micro = getattr(args, "per_device_train_batch_size", None)
         obs, fields = self._observe(step, sample, micro)
         policy.observe(obs)
-        need = self._next_step_need(sample, obs.used, state)
+        need = self._next_step_need(sample, obs.used)
         self._sample_used = obs.used
         self._log_peak = max(self._log_peak, obs.used)
         self._sample = sample
@@ -369,27 +349,21 @@ class MemoryWatchdog(PerfCallback):
         self._note_facts(self._facts(sample))
         self.high_water = max(self.high_water, obs.used)
         can_shrink = self._bus.requests.can_shrink()
-        decision = None
-        for _ in range(3):                                          # clear → re-sample → maybe the next rung
-            action = policy.next_action(can_shrink)
-            if action is None:
-                break
-            policy.taken(action)
-            if action == CLEAR:
-                self._clear(step)
-                obs, fields = self._observe(step, self._device.memory(), micro, resample=True)
-                policy.observe(obs, replace_last=True)
-                continue
-            decision = action
-            break
+        decision = policy.next_action(can_shrink)
+        if decision == CLEAR:              # clear → re-sample → maybe the next rung (never a second clear)
+            policy.taken(CLEAR)
+            self._clear(step)
+            obs, fields = self._observe(step, self._device.memory(), micro, resample=True)
+            policy.observe(obs, replace_last=True)
+            decision = policy.next_action(can_shrink)
         self._run.short = None
         if need >= self.budget and policy.segment_steps > policy.grace_steps and decision is None:
             # the next step cannot fit in the budget as it is now (not as a residency re-sampled after a clear says)
             self._run.short = (need, self.budget)
             shrinkable = can_shrink and (micro or 1) > 1 and SMALLER_BATCH not in policy.episode
             decision = SMALLER_BATCH if shrinkable else STOP if STOP not in policy.episode else None
-            if decision is not None:
-                policy.taken(decision)
+        if decision is not None:
+            policy.taken(decision)
         critical = policy.level == CRITICAL or self._run.short is not None
         self._bus.memory = MemoryReading(step, obs.used, self.budget)   # the tuner reads it, whenever the exchange ends
         self._exchange(step, [RANK_OF[decision], float(critical)],     # the step's one exchange
@@ -477,7 +451,7 @@ class MemoryWatchdog(PerfCallback):
         return (f"the next step needs about {gib(need)} (the last step's peak{scaled}) and the budget is now "
                 f"{gib(budget)}")
 
-    def _next_step_need(self, sample: MemorySample, used: float, state: TrainerState) -> float:
+    def _next_step_need(self, sample: MemorySample, used: float) -> float:
         """What the next step needs: this step's own peak, its part above what stays allocated between steps scaled
         to the largest micro-batch of this segment (padded rows × length, as fetched); the peak alone where the rows
         or the device's peak are unknown. Keeps this step as the reference of the check before the next step."""
@@ -528,7 +502,7 @@ class MemoryWatchdog(PerfCallback):
         if reference is None or policy.segment_steps <= policy.grace_steps or self._run.shrinking:
             return False
         sample = self._device.memory()
-        if not self.limit_gb and self.budget_bytes(self._device, sample) < self.budget:
+        if not self.limit_gb and self._budget(sample) < self.budget:
             self._follow_wall(sample, step)                  # a lower wall is believed at once
         peak, live, seen = reference
         need = live + (peak - live) * max(1.0, (size or seen) / seen)
@@ -572,12 +546,10 @@ class MemoryWatchdog(PerfCallback):
                                            keys.MEM_PEAK_GB: max(self.high_water, used) / GB,
                                            keys.MEM_SYSTEM_AVAILABLE_GB: sample.system_available / GB,
                                            keys.MEM_SWAP_USED_GB: sample.swap_used / GB}
-        if sample.outside is not None:
-            fields[keys.MEM_OUTSIDE_GB] = sample.outside / GB
-        if sample.allocated is not None:
-            fields[keys.MEM_ALLOCATED_GB] = sample.allocated / GB
-        if sample.reserved is not None:
-            fields[keys.MEM_DRIVER_GB] = sample.reserved / GB
+        for key, value in ((keys.MEM_OUTSIDE_GB, sample.outside), (keys.MEM_ALLOCATED_GB, sample.allocated),
+                           (keys.MEM_DRIVER_GB, sample.reserved)):
+            if value is not None:
+                fields[key] = value / GB
         if retries is not None:
             fields[keys.MEM_ALLOC_RETRIES] = retries
         mac = self._mac_sample() if self._run.on_mac else None

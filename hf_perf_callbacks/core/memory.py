@@ -107,28 +107,12 @@ class MovingWall:
         return before
 
 
-CauseCode = Literal["outside", "leak"]
-
-
-@dataclass(frozen=True)
-class Pressure:
-    """Why the watchdog acts, as data: its ``level`` (OK, WARN, CRITICAL), the bytes ``used`` of the ``budget``, the
-    wall's forecast (``steps_to_wall`` at ``slope`` bytes a step; None: no growth forecast) and the steps macOS has
-    been swapping (``swap_streak``). Its words: :func:`pressure_words`."""
-
-    level: int
-    used: float
-    budget: float
-    steps_to_wall: float | None = None
-    slope: float | None = None
-    swap_streak: int = 0
-
-
 @dataclass(frozen=True)
 class Futile:
     """Why a smaller micro-batch cannot relieve memory pressure, as data: ``leak`` (memory grows by ``rate`` bytes on
     every step) or ``no_relief`` (micro-batch ``before_micro`` → ``micro_batch`` took memory from ``before`` to
-    ``now`` bytes; at micro-batch 1 it would be ``at_one``, against the ``warn`` level). Words: :func:`futile_words`."""
+    ``now`` bytes; at micro-batch 1 it would be ``at_one``, against the ``warn`` level). Words:
+    :meth:`MemoryPolicy.shrink_futile`."""
 
     code: Literal["leak", "no_relief"]
     rate: float = 0.0
@@ -140,31 +124,13 @@ class Futile:
     warn: float = 0.0
 
 
-def futile_words(f: Futile) -> str:
-    """Why a smaller micro-batch cannot help, in words: the one place they are written."""
-    if f.code == "leak":
-        return f"memory grows by {mib(f.rate)} on every step, and a smaller micro-batch does not stop a leak"
-    return (f"micro-batch {f.before_micro} → {f.micro_batch} took memory from {gib(f.before)} to {gib(f.now)}: "
-            f"even at micro-batch 1 it would be about {gib(f.at_one)} against the warn level of {gib(f.warn)}")
-
-
-def pressure_words(p: Pressure) -> str:
-    """The watchdog's reason in words: the one place they are written."""
-    text = f"{LEVEL_NAMES[p.level]}: {gib(p.used)} used of a {gib(p.budget)} budget"
-    if p.steps_to_wall is not None and p.slope is not None:
-        text += f", wall in {p.steps_to_wall:.1f} steps at +{mib(p.slope)}/step"
-    if p.swap_streak:
-        text += f", macOS swapping for {p.swap_streak} step(s)"
-    return text
-
-
 @dataclass(frozen=True)
 class Cause:
     """A cause of memory pressure the watchdog knows, as data: ``outside`` (``bytes`` of the device's ``total`` held
     outside this run's reach; ``unified`` memory; ``holders``: who, in words, when the device can say) or ``leak``
     (``bytes`` a step). Its words: :func:`cause_words`."""
 
-    code: CauseCode
+    code: Literal["outside", "leak"]
     bytes: float
     total: float | None = None
     unified: bool = False
@@ -225,8 +191,7 @@ class WallFacts:
 
     def sentence(self) -> str:
         """The causes as one clause (``""`` when none is known)."""
-        causes = self.causes()
-        return "; ".join(causes)
+        return "; ".join(self.causes())
 
 
 def holders_words(holders: list[tuple[int, str, int]], own_pid: int, reserved: float) -> str | None:
@@ -340,28 +305,24 @@ class MemoryPolicy:
 
         A re-sample sets the level alone: the trend keeps the step's own reading, since a cleared cache fills again in
         the next step (a post-clear reading beside un-cleared ones would read as a sawtooth of false growth)."""
-        if replace_last and self.history:
-            self.level = self._level(obs)
-            if self.level == OK and not self._wall_near(self.warn_within_steps):
-                self.episode = []
-            return self.level
-        self.segment_steps += 1
-        self.swap_streak = self.swap_streak + 1 if (obs.swapouts or 0) > 0 else 0
-        self.grew_last = bool(self.history) and self.segment_steps > self.grace_steps   # from the grace on
-        if self.grew_last:
-            self.growth.append(obs.used - self.history[-1][1])
-        if not self.history and self.last_used is not None:     # a segment's first reading
-            self.switch_rise = max(self.switch_rise, obs.used - self.last_used - max(self.leak_rate or 0.0, 0.0))
-        self.last_used = obs.used
-        self.history.append((obs.step, obs.used))
-        if obs.micro_batch is not None:
-            self.micro_batch = obs.micro_batch
-        if self.leaking:
-            self.leak_rate = sum(self.growth) / len(self.growth)
-        elif self.segment_steps > self.grace_steps and len(self.history) == self.trend_window:
-            slope = self.slope
-            if slope is not None and slope <= self.leak_min_growth:     # a whole window without growth
-                self.leak_rate = None
+        if not (replace_last and self.history):
+            self.segment_steps += 1
+            self.swap_streak = self.swap_streak + 1 if (obs.swapouts or 0) > 0 else 0
+            self.grew_last = bool(self.history) and self.segment_steps > self.grace_steps   # from the grace on
+            if self.grew_last:
+                self.growth.append(obs.used - self.history[-1][1])
+            if not self.history and self.last_used is not None:     # a segment's first reading
+                self.switch_rise = max(self.switch_rise, obs.used - self.last_used - max(self.leak_rate or 0.0, 0.0))
+            self.last_used = obs.used
+            self.history.append((obs.step, obs.used))
+            if obs.micro_batch is not None:
+                self.micro_batch = obs.micro_batch
+            if self.leaking:
+                self.leak_rate = sum(self.growth) / len(self.growth)
+            elif self.segment_steps > self.grace_steps and len(self.history) == self.trend_window:
+                slope = self.slope
+                if slope is not None and slope <= self.leak_min_growth:     # a whole window without growth
+                    self.leak_rate = None
         self.level = self._level(obs)
         if self.level == OK and not self._wall_near(self.warn_within_steps):
             self.episode = []
@@ -437,17 +398,20 @@ class MemoryPolicy:
         """Memory grew by more than ``leak_min_growth`` on every step of the segment's last
         :data:`STEADY_GROWTH_SAMPLES` samples at least (all of the trend window's): what a leak looks like before the
         window is full."""
-        return len(self.history) >= min(STEADY_GROWTH_SAMPLES, self.trend_window) and self._growing_on_every_step()
-
-    def _growing_on_every_step(self) -> bool:
         used = [u for _, u in self.history]
-        return all(b - a > self.leak_min_growth for a, b in zip(used, used[1:]))
+        return len(used) >= min(STEADY_GROWTH_SAMPLES, self.trend_window) and all(
+            b - a > self.leak_min_growth for a, b in zip(used, used[1:]))
 
     def shrink_futile(self) -> str | None:
-        """Why a smaller micro-batch cannot relieve the pressure, in words (:meth:`futile`, :func:`futile_words`),
-        or None when it may."""
-        why = self.futile()
-        return futile_words(why) if why is not None else None
+        """Why a smaller micro-batch cannot relieve the pressure, in words (:meth:`futile`; the one place they are
+        written), or None when it may."""
+        f = self.futile()
+        if f is None:
+            return None
+        if f.code == "leak":
+            return f"memory grows by {mib(f.rate)} on every step, and a smaller micro-batch does not stop a leak"
+        return (f"micro-batch {f.before_micro} → {f.micro_batch} took memory from {gib(f.before)} to {gib(f.now)}: "
+                f"even at micro-batch 1 it would be about {gib(f.at_one)} against the warn level of {gib(f.warn)}")
 
     def futile(self) -> Futile | None:
         """Why a smaller micro-batch cannot relieve the pressure, as data, or None when it may.
@@ -501,17 +465,17 @@ class MemoryPolicy:
         if action == SMALLER_BATCH and self.micro_batch is not None and self.history:
             self.shrink = (self.micro_batch, median([u for _, u in self.history]))
 
-    def pressure(self) -> Pressure:
-        """Why the watchdog acts now, as data (:class:`Pressure`)."""
+    def reason(self) -> str:
+        """Why the watchdog acts now, in words: the level, the memory used of the budget, the wall's forecast (only
+        from a slope) and the steps macOS has been swapping."""
         stw, slope = self.steps_to_wall, self.slope
         used = self.history[-1][1] if self.history else 0.0
-        forecast = stw is not None and slope is not None          # a wall is forecast only from a slope
-        return Pressure(self.level, used, self.budget, stw if forecast else None, slope if forecast else None,
-                        self.swap_streak)
-
-    def reason(self) -> str:
-        """:meth:`pressure` in words (:func:`pressure_words`)."""
-        return pressure_words(self.pressure())
+        text = f"{LEVEL_NAMES[self.level]}: {gib(used)} used of a {gib(self.budget)} budget"
+        if stw is not None and slope is not None:
+            text += f", wall in {stw:.1f} steps at +{mib(slope)}/step"
+        if self.swap_streak:
+            text += f", macOS swapping for {self.swap_streak} step(s)"
+        return text
 
 
 @dataclass

@@ -33,11 +33,12 @@ Sources:
 """
 from __future__ import annotations
 
-import operator
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+
+from .validation import check_number
 
 DTYPE_KEYS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 
@@ -173,14 +174,7 @@ def lookup_peak(device_name: str, gpu_cores: int | None = None) -> DevicePeak | 
     ``gpu_cores`` is needed for Apple chips (the core count varies within a chip name); it is ignored otherwise.
     Unknown or ambiguous names give None.
     """
-    if gpu_cores is not None:
-        try:
-            cores = -1 if isinstance(gpu_cores, bool) else operator.index(gpu_cores)
-        except TypeError:
-            cores = -1
-        if cores <= 0:
-            raise ValueError(f"gpu_cores must be a positive int or None, got {gpu_cores!r}")
-        gpu_cores = cores
+    check_number("gpu_cores", gpu_cores, low=1, integer=True, allow_none=True)
     if not isinstance(device_name, str):
         raise TypeError(f"device_name must be a str, got {device_name!r}")
     name = _normalise(device_name)
@@ -208,12 +202,8 @@ _DTYPE_KEYS = {
 
 def dtype_key(dtype: object) -> str:
     """Table key for a torch dtype or a dtype string: torch.bfloat16 / "bfloat16" / "bf16" -> "bf16", etc."""
-    if isinstance(dtype, str):
-        text = dtype.strip().lower()
-    elif type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":
-        text = str(dtype)
-    else:
-        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPE_KEYS)} or a torch dtype")
+    is_torch = type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype"
+    text = dtype.strip().lower() if isinstance(dtype, str) else str(dtype) if is_torch else ""
     key = _DTYPE_KEYS.get(text.removeprefix("torch."))
     if key is None:
         raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPE_KEYS)} or a torch dtype")

@@ -51,9 +51,9 @@ import logging
 import math
 import os
 from array import array
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypedDict, TypeGuard, get_args
+from typing import Any, ClassVar, Literal, TypedDict, TypeGuard, TypeVar, get_args
 
 from ..keys import *  # noqa: F403 -- the keys and file names stay importable from here (runlog.PERF_MFU)
 from ..keys import PERF_LOG
@@ -167,18 +167,12 @@ class RunHeader:
     def from_json(cls, entry: dict[str, Any]) -> RunHeader:
         """The header of a parsed line. A known field whose value is not of its type (a newer or older writer: a
         string where a number belongs, a list where a mapping does) is kept in ``malformed`` and reads as unset."""
-        known = {k: v for k, v in entry.items() if k in _HEADER_FIELDS and k not in _OWN_FIELDS}
+        known, malformed = _conformed({k: v for k, v in entry.items() if k in _HEADER_FIELDS and k not in _OWN_FIELDS},
+                                      HEADER_KINDS)
         sources = entry.get("sources")
         sources = ([str(s) for s in sources] if isinstance(sources, list)
                    else [str(entry["source"])] if "source" in entry else [])
         extra = {k: v for k, v in entry.items() if k not in _HEADER_FIELDS and k not in ("type", "source")}
-        malformed: dict[str, Any] = {}
-        for name, value in list(known.items()):
-            ok, typed = conform(value, HEADER_KINDS[name])
-            if ok:
-                known[name] = typed
-            else:
-                malformed[name] = known.pop(name)
         known["resumed_from_step"] = int(known.get("resumed_from_step") or 0)
         return cls(**known, sources=sources, extra=extra, malformed=malformed)
 
@@ -205,6 +199,19 @@ def conform(value: object, kind: str) -> tuple[bool, object]:
         return (True, bool(value)) if isinstance(value, bool) or value in (0, 1) else (False, None)
     kinds = {"str": str, "dict": dict, "list": list, "any": object}
     return (True, value) if isinstance(value, kinds[kind]) else (False, None)
+
+
+def _conformed(fields: Mapping[str, Any], kinds: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``fields`` of their kind (:func:`conform`; a field without one is of any), as that kind, and the others."""
+    typed: dict[str, Any] = {}
+    others: dict[str, Any] = {}
+    for name, value in fields.items():
+        ok, read = conform(value, kinds.get(name, "any"))
+        if ok:
+            typed[name] = read
+        else:
+            others[name] = value
+    return typed, others
 
 
 @dataclass
@@ -280,7 +287,8 @@ def _is_event_kind(kind: object) -> TypeGuard[EventKind]:
 # One frozen type per shape of an event's details, written by its writer (``bus.event(..., details=WallMove(...))``)
 # and read back by the report through the same type (``WallMove.from_details(e.details)``), so that a renamed field
 # fails type checking. ``to_details`` gives the JSON fields exactly as the perf log holds them (their order, and which
-# are written as null); ``from_details`` tolerates any log: a missing field or one of another type reads as None.
+# are written as null); ``from_details`` tolerates any log: a missing field or one of another type (or empty text)
+# reads as None.
 
 def _num(value: object) -> float | None:
     """A detail's number (not a bool), else None."""
@@ -288,7 +296,7 @@ def _num(value: object) -> float | None:
 
 
 def _text(value: object) -> str | None:
-    return value if isinstance(value, str) else None
+    return value if isinstance(value, str) and value else None
 
 
 def _split_args(value: object) -> dict[str, Any] | str | None:
@@ -296,8 +304,27 @@ def _split_args(value: object) -> dict[str, Any] | str | None:
     return value if isinstance(value, (dict, str)) else None
 
 
+#: how :meth:`_Details.from_details` reads a field, by its annotation
+_READERS: dict[str, Callable[[object], object]] = {"float | None": _num, "str | None": _text,
+                                                   "bool": lambda value: value is not False}
+_D = TypeVar("_D", bound="_Details")
+
+
+class _Details:
+    """Writes every field of a detail type in order (:meth:`to_details`) and reads each back by its annotation."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    def to_details(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_details(cls: type[_D], details: Mapping[str, Any]) -> _D:
+        return cls(**{f.name: _READERS[str(f.type)](details.get(f.name)) for f in dataclasses.fields(cls)})
+
+
 @dataclass(frozen=True)
-class StopFigures:
+class StopFigures(_Details):
     """What a watchdog stop adds to its :class:`ActionDetails`: the memory held outside the run, the memory the
     next steps need beyond the budget, the budget (GiB; None: not known)."""
 
@@ -305,18 +332,9 @@ class StopFigures:
     need_gb: float | None
     budget_gb: float | None
 
-    def to_details(self) -> dict[str, Any]:
-        return {"outside_gb": self.outside_gb, "need_gb": self.need_gb, "budget_gb": self.budget_gb}
-
-    @classmethod
-    def from_details(cls, details: Mapping[str, Any]) -> StopFigures | None:
-        if not any(k in details for k in ("outside_gb", "need_gb", "budget_gb")):
-            return None
-        return cls(_num(details.get("outside_gb")), _num(details.get("need_gb")), _num(details.get("budget_gb")))
-
 
 @dataclass(frozen=True)
-class ActionDetails:
+class ActionDetails(_Details):
     """A ``mem`` ``action`` or ``stop`` event: the watchdog's action (``clear_cache``, ``smaller_batch``, ``stop``,
     ``stop_suppressed``), its pressure level then, the steps to the wall then, and a stop's figures."""
 
@@ -332,12 +350,13 @@ class ActionDetails:
     @classmethod
     def from_details(cls, details: Mapping[str, Any]) -> ActionDetails:
         action = details.get("action")
+        stopped = any(k in details for k in ("outside_gb", "need_gb", "budget_gb"))
         return cls(str(action) if action is not None else None, _text(details.get("level")),
-                   _num(details.get("steps_to_wall")), StopFigures.from_details(details))
+                   _num(details.get("steps_to_wall")), StopFigures.from_details(details) if stopped else None)
 
 
 @dataclass(frozen=True)
-class WallMove:
+class WallMove(_Details):
     """A ``mem`` ``wall`` event: where the memory wall is (``moved`` False: at the start) and why (None: no cause
     known), the budget now and before, the memory outside the run and what the run can reach (GiB)."""
 
@@ -347,16 +366,6 @@ class WallMove:
     before_gb: float | None = None
     outside_gb: float | None = None
     reachable_gb: float | None = None
-
-    def to_details(self) -> dict[str, Any]:
-        return {"why": self.why, "moved": self.moved, "budget_gb": self.budget_gb, "before_gb": self.before_gb,
-                "outside_gb": self.outside_gb, "reachable_gb": self.reachable_gb}
-
-    @classmethod
-    def from_details(cls, details: Mapping[str, Any]) -> WallMove:
-        why = details.get("why")
-        return cls(str(why) if why else None, details.get("moved") is not False, _num(details.get("budget_gb")),
-                   _num(details.get("before_gb")), _num(details.get("outside_gb")), _num(details.get("reachable_gb")))
 
 
 @dataclass(frozen=True)
@@ -383,37 +392,23 @@ class DecisionDetails:
 
 
 @dataclass(frozen=True)
-class CacheClear:
+class CacheClear(_Details):
     """A ``cache`` ``info`` event: the memory a clear freed (GB) and the seconds it took."""
 
     freed_gb: float | None
     seconds: float | None = None
 
-    def to_details(self) -> dict[str, Any]:
-        return {"freed_gb": self.freed_gb, "seconds": self.seconds}
-
-    @classmethod
-    def from_details(cls, details: Mapping[str, Any]) -> CacheClear:
-        return cls(_num(details.get("freed_gb")), _num(details.get("seconds")))
-
 
 @dataclass(frozen=True)
-class NoteDetails:
+class NoteDetails(_Details):
     """A ``note`` event's details: what the note says is needed (``train_with_tuning``: the tuner is attached but
     no re-size can happen without it)."""
 
     needs: str | None
 
-    def to_details(self) -> dict[str, Any]:
-        return {"needs": self.needs}
-
-    @classmethod
-    def from_details(cls, details: Mapping[str, Any]) -> NoteDetails:
-        return cls(_text(details.get("needs")))
-
 
 @dataclass(frozen=True)
-class WarningFigures:
+class WarningFigures(_Details):
     """The figures of a ``warning`` event (each warning writes the ones it is about; None: not written): a leak's
     growth per step (MiB), the completion length at which a step stops fitting and the steps until then, the
     model's forward passes per micro-batch, the share of time spent waiting for data."""
@@ -425,13 +420,7 @@ class WarningFigures:
     data_wait_fraction: float | None = None
 
     def to_details(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
-
-    @classmethod
-    def from_details(cls, details: Mapping[str, Any]) -> WarningFigures:
-        return cls(_num(details.get("leak_mib_per_step")), _num(details.get("completion_wall_tokens")),
-                   _num(details.get("steps_to_wall")), _num(details.get("forwards_per_microbatch")),
-                   _num(details.get("data_wait_fraction")))
+        return {k: v for k, v in super().to_details().items() if v is not None}
 
 
 #: the details of an event, one type per shape (:meth:`EventLine.details` holds their ``to_details()``)
@@ -533,37 +522,22 @@ class SummaryLine:
     @classmethod
     def from_json(cls, entry: dict[str, Any]) -> SummaryLine:
         source = str(entry.get("source"))
-        kinds = SUMMARY_KINDS.get(source, {})
-        values: dict[str, Any] = {}
-        malformed: dict[str, Any] = {}
-        for k, v in entry.items():
-            if k in ("type", "source"):
-                continue
-            ok, typed = conform(v, kinds.get(k, "any"))
-            if ok:
-                values[k] = typed
-            else:
-                malformed[k] = v
+        values, malformed = _conformed({k: v for k, v in entry.items() if k not in ("type", "source")},
+                                       SUMMARY_KINDS.get(source, {}))
         return cls(source, values, malformed)
 
 
 Record = RunHeader | StepLine | EventLine | SummaryLine
+_RECORDS: dict[object, type[RunHeader] | type[StepLine] | type[EventLine] | type[SummaryLine]] = {
+    "run": RunHeader, "step": StepLine, "event": EventLine, "summary": SummaryLine}
 
 
 def parse_record(entry: object) -> Record | None:
     """The typed record of one parsed JSON line; None when it is none of the four."""
     if not isinstance(entry, dict):
         return None
-    kind = entry.get("type")
-    if kind == "run":
-        return RunHeader.from_json(entry)
-    if kind == "step":
-        return StepLine.from_json(entry)
-    if kind == "event":
-        return EventLine.from_json(entry)
-    if kind == "summary":
-        return SummaryLine.from_json(entry)
-    return None
+    record = _RECORDS.get(entry.get("type"))
+    return record.from_json(entry) if record is not None else None
 
 
 # ---------------------------------------------------------------- writer
@@ -622,7 +596,7 @@ class ReadStep:
     @property
     def values(self) -> Mapping[str, Any]:
         """The line's fields (metric key → value), read-only."""
-        return _StepValues(self)
+        return LogRow(self, "", step=False)
 
     def get(self, key: str, default: Any = None) -> Any:
         others = self._others
@@ -675,24 +649,23 @@ class ReadStep:
 
 
 class LogRow(Mapping[str, Any]):
-    """The trainer's own log of one step as a read-only mapping over its line (``log/reward`` read as ``reward``,
-    and ``step``), without copying it: a long run's logs cost a small object each."""
+    """The fields of a step line under ``prefix`` as a read-only mapping over the line, the prefix removed, without
+    copying it: the trainer's own log of one step (``log/reward`` read as ``reward``, and ``step``), or every field
+    (no prefix, no ``step``: :attr:`ReadStep.values`). A long run's logs cost a small object each."""
 
-    __slots__ = ("_line", "_prefix")
+    __slots__ = ("_line", "_prefix", "_step")
 
-    def __init__(self, line: ReadStep, prefix: str):
-        self._line, self._prefix = line, prefix
+    def __init__(self, line: ReadStep, prefix: str, step: bool = True):
+        self._line, self._prefix, self._step = line, prefix, step
 
     def __getitem__(self, key: str) -> Any:
-        if key == "step":
-            return self._line.step
-        value = self._line.get(self._prefix + key, _MISSING)
+        value = self.get(key, _MISSING)
         if value is _MISSING:
             raise KeyError(key)
         return value
 
     def get(self, key: str, default: Any = None) -> Any:
-        if key == "step":
+        if key == "step" and self._step:
             return self._line.step
         return self._line.get(self._prefix + key, default)
 
@@ -701,13 +674,14 @@ class LogRow(Mapping[str, Any]):
         yield from (k[n:] for k, _ in self._line._keys.prefixed(self._prefix))
         if self._line._others:
             yield from (k[n:] for k in self._line._others if k.startswith(self._prefix))
-        yield "step"
+        if self._step:
+            yield "step"
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
 
     def __contains__(self, key: object) -> bool:
-        return key == "step" or (isinstance(key, str) and self._prefix + key in self._line.values)
+        return isinstance(key, str) and self.get(key, _MISSING) is not _MISSING
 
 
 class _KeyIndex(dict[str, int]):
@@ -725,69 +699,33 @@ class _KeyIndex(dict[str, int]):
         return found
 
 
-class _StepValues(Mapping[str, Any]):
-    """The mapping view of a :class:`ReadStep`'s fields."""
-
-    __slots__ = ("_line",)
-
-    def __init__(self, line: ReadStep):
-        self._line = line
-
-    def __getitem__(self, key: str) -> Any:
-        marker = _MISSING
-        value = self._line.get(key, marker)
-        if value is marker:
-            raise KeyError(key)
-        return value
-
-    def __iter__(self) -> Iterator[str]:
-        yield from self._line._keys
-        if self._line._others:
-            yield from self._line._others
-
-    def __len__(self) -> int:
-        return len(self._line._keys) + len(self._line._others or ())
-
-    def __contains__(self, key: object) -> bool:
-        line = self._line
-        return key in line._keys or (line._others is not None and key in line._others)
-
-    def items(self) -> Any:          # an iterator of the pairs, not an ItemsView built on lookups
-        return self._line.items()
-
-
 _MISSING = object()
 _STEP_HEAD = ("type", "step", "time")
 
 
-class _StepPacker:
-    """Packs parsed step entries into :class:`ReadStep` lines, sharing one key index per distinct key set."""
-
-    def __init__(self) -> None:
-        self.key_sets: dict[tuple[str, ...], _KeyIndex] = {}
-
-    def pack(self, entry: dict[str, Any]) -> ReadStep | None:
-        step = number(entry.get("step"))
-        if step is None:
-            return None
-        names = tuple(entry)
-        values = list(entry.values())
-        if names[:3] == _STEP_HEAD:                           # the writer's order: type, step, time first
-            names, values = names[3:], values[3:]
-        else:
-            kept = [(k, v) for k, v in zip(names, values) if k not in _STEP_HEAD]
-            names, values = tuple(k for k, _ in kept), [v for _, v in kept]
-        others: dict[str, Any] | None = None
-        try:
-            numbers = array("d", values)                        # numbers (a flag reads as 0/1, as number() does)
-        except TypeError:                                       # None, strings, lists: kept as they are
-            others = {k: v for k, v in zip(names, values) if not isinstance(v, (int, float))}
-            pairs = [(k, v) for k, v in zip(names, values) if k not in others]
-            names, numbers = tuple(k for k, _ in pairs), array("d", [v for _, v in pairs])
-        index = self.key_sets.get(names)
-        if index is None:
-            index = self.key_sets[names] = _KeyIndex(names)
-        return ReadStep(int(step), number(entry.get("time")), index, numbers, others)
+def _pack(entry: dict[str, Any], key_sets: dict[tuple[str, ...], _KeyIndex]) -> ReadStep | None:
+    """A parsed step entry as a :class:`ReadStep` line, sharing one key index per distinct key set."""
+    step = number(entry.get("step"))
+    if step is None:
+        return None
+    names = tuple(entry)
+    values = list(entry.values())
+    if names[:3] == _STEP_HEAD:                           # the writer's order: type, step, time first
+        names, values = names[3:], values[3:]
+    else:
+        kept = [(k, v) for k, v in zip(names, values) if k not in _STEP_HEAD]
+        names, values = tuple(k for k, _ in kept), [v for _, v in kept]
+    others: dict[str, Any] | None = None
+    try:
+        numbers = array("d", values)                        # numbers (a flag reads as 0/1, as number() does)
+    except TypeError:                                       # None, strings, lists: kept as they are
+        others = {k: v for k, v in zip(names, values) if not isinstance(v, (int, float))}
+        pairs = [(k, v) for k, v in zip(names, values) if k not in others]
+        names, numbers = tuple(k for k, _ in pairs), array("d", [v for _, v in pairs])
+    index = key_sets.get(names)
+    if index is None:
+        index = key_sets[names] = _KeyIndex(names)
+    return ReadStep(int(step), number(entry.get("time")), index, numbers, others)
 
 
 @dataclass
@@ -874,7 +812,7 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
     """Parse perf-log lines, one at a time (see the module docstring for fresh runs and resumes); garbled lines are
     counted. Step lines are kept compact (:class:`ReadStep`)."""
     run = RunLog(output_dir=output_dir)
-    packer = _StepPacker()
+    key_sets: dict[tuple[str, ...], _KeyIndex] = {}           # one key index per distinct key set of the lines
     summaries: dict[str, SummaryLine] = {}
     session = None
     current = 0                                         # the step the latest step line completed
@@ -887,7 +825,7 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
         except (ValueError, TypeError):
             entry = None
         if isinstance(entry, dict) and entry.get("type") == "step":
-            read = packer.pack(entry)
+            read = _pack(entry, key_sets)
             if read is None:
                 run.skipped_lines += 1
                 continue

@@ -120,9 +120,6 @@ class WindowedRate:
     def add(self, amount: float, seconds: float) -> None:
         self.items.append((amount, seconds))
 
-    def clear(self) -> None:
-        self.items.clear()
-
     def rate(self) -> float | None:
         usable = len(self.items) - len(self.items) % self.period
         if usable == 0:

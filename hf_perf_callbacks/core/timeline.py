@@ -206,10 +206,11 @@ class StepTimeline:
         return self.work == "cpu" and self.decided_at is not None
 
     # ------------------------------------------------------------ events
-    def _charge(self, t: float) -> None:
-        """The time since the last event goes to the innermost open region, else to ``compute`` inside a step and
-        ``unexplained`` outside one."""
-        phase = self.regions[-1] if self.regions else "compute" if self.step_begin_at is not None else "unexplained"
+    def _charge(self, t: float, phase: str | None = None) -> None:
+        """The time since the last event goes to ``phase`` when given, else to the innermost open region, else to
+        ``compute`` inside a step and ``unexplained`` outside one."""
+        if phase is None:
+            phase = self.regions[-1] if self.regions else "compute" if self.step_begin_at is not None else "unexplained"
         self.step_phases[phase] += max(0.0, t - self.last_mark)
         self.last_mark = max(self.last_mark, t)
 
@@ -232,17 +233,14 @@ class StepTimeline:
         """A step begins at ``t``; ``overhead`` seconds of the unclocked time since the last event were the
         package's callbacks' work (a caller without callback clocks), not unexplained."""
         self._charge(t)
-        moved = min(max(0.0, overhead), self.step_phases["unexplained"])
-        self.step_phases["unexplained"] -= moved
-        self.step_phases["own_callbacks"] += moved
+        self.reassign(overhead, "unexplained", "own_callbacks")
         self.step_begin_at = t
 
     def mark(self, phase: str, t: float) -> None:
         """Eval or save ended at ``t``, unclocked: the time since the last event was that phase."""
         if phase not in ("eval", "save"):
             raise ValueError(f"phase={phase!r} is not allowed: expected 'eval' or 'save'")
-        self.step_phases[phase] += max(0.0, t - self.last_mark)
-        self.last_mark = max(self.last_mark, t)
+        self._charge(t, phase)
 
     def add_generation(self, seconds: float) -> None:
         """``seconds`` of the step's compute were generation, unclocked (a caller without regions)."""
@@ -258,15 +256,11 @@ class StepTimeline:
         self.step_phases[target] += moved
         return moved
 
-    def add_reward(self, seconds: float) -> None:
-        """``seconds`` of the step's compute were GRPO's reward functions."""
+    def add_inside(self, phase: str, seconds: float) -> None:
+        """``seconds`` of the step's compute were ``reward`` (GRPO's reward functions) or ``recompute`` (forwards run
+        again by gradient checkpointing)."""
         if self.step_begin_at is not None:
-            self.step_phases["reward"] += seconds
-
-    def add_recompute(self, seconds: float) -> None:
-        """``seconds`` of the step's compute were forwards run again by gradient checkpointing."""
-        if self.step_begin_at is not None:
-            self.step_phases["recompute"] += seconds
+            self.step_phases[phase] += seconds
 
     def _take_phases(self, t: float) -> tuple[float, dict[str, float]]:
         """(wall, phases) of the interval from the previous step's end to ``t``; the next interval starts at ``t``
@@ -289,10 +283,8 @@ class StepTimeline:
         """The step ended at ``t`` (``cpu``: the process CPU clock then): its local durations (tokens come with
         :meth:`commit`)."""
         wall, p = self._take_phases(t)
-        record = StepRecord(step, wall, wall - p["eval"] - p["save"], p["data_wait"], p["generation"], p["compute"],
-                            p["eval"], p["save"], rollout_wait=p["rollout_wait"], reward=p["reward"], log=p["log"],
-                            own_callbacks=p["own_callbacks"],
-                            user_callbacks=p["user_callbacks"], recompute=p["recompute"], unexplained=p["unexplained"])
+        phases: dict[str, Any] = p                       # each phase is a field of the record
+        record = StepRecord(step, wall, wall - p["eval"] - p["save"], **phases)
         if cpu is not None and self.prev_cpu is not None:
             record.cpu = max(0.0, cpu - self.prev_cpu)
         self.prev_cpu = cpu

@@ -555,10 +555,11 @@ class SplitFile:
                    restricted=Restriction.from_json(entry.get("restricted")),
                    checks=[ExactnessCheck.from_json(c, f"checks[{i}]") for i, c in enumerate(checks)])
 
-    def write(self, output_dir: str) -> str:
-        """Write atomically (a temporary file, then a rename); returns the path. OSError on failure."""
-        path = os.path.join(output_dir, SPLIT_FILE)
-        os.makedirs(output_dir, exist_ok=True)
+    def write(self, output_dir: str, path: str | None = None) -> str:
+        """Write atomically (a temporary file, then a rename) to ``path`` (None: ``output_dir``'s split file); returns
+        the path. OSError on failure."""
+        path = path or os.path.join(output_dir, SPLIT_FILE)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump(self.to_json(), f, indent=1)
         os.replace(path + ".tmp", path)

@@ -17,7 +17,6 @@ from .. import keys
 from ..common.base import Clock, PerfCallback
 from ..core.memory import budget_bytes
 from ..core.runlog import SPLIT_FILE, NoteDetails
-from ..core.splitfile import trial_figures
 from ..core.validation import check_flag, check_number
 from ..core.wording import TUNER_NEEDS_TRAIN_WITH_TUNING
 from ..platform import adapter
@@ -29,13 +28,11 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
     from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-    from ..core.splitfile import Decision
-
 _Callback = TypeVar("_Callback", bound="TrainerCallback")
 
 logger = logging.getLogger("hf_perf_callbacks")
 
-__all__ = ["AdaptiveBatchTuner", "find_callback", "format_tuning"]
+__all__ = ["AdaptiveBatchTuner", "find_callback"]
 
 
 class AdaptiveBatchTuner(PerfCallback):
@@ -278,18 +275,6 @@ def advance_sampler(dataloader: DataLoader[Any] | None, epochs: int) -> int:
                 next(iter(sampler), None)                 # one permutation per epoch
             return epochs
     return 0
-
-
-def format_tuning(decision: Decision) -> str:
-    """The tuning decision and its evidence for the console (printed once): each trial worded as every reader of the
-    record words it (:func:`~hf_perf_callbacks.core.splitfile.trial_figures`)."""
-    lines = [f"AdaptiveBatchTuner: {decision.headline()}"
-             + (f"; expected to save {decision.expected_gain_sec:.1f} s over the rest of the run"
-                if decision.expected_gain_sec else "")]
-    for t in trial_figures(decision):
-        peak = f", peak {t.peak_gb:.2f} GiB" if t.peak_gb is not None and t.measured else ""
-        lines.append(f"  {t.words()}{peak}, cost {t.cost_sec:.1f} s")
-    return "\n".join(lines)
 
 
 def find_callback(trainer: Trainer, cls: type[_Callback]) -> _Callback | None:

@@ -142,10 +142,6 @@ class Trial:
     def median(self) -> float | None:
         return median(self.samples) if self.samples else None
 
-    @property
-    def quartiles(self) -> tuple[float, float] | None:
-        return iqr(self.samples) if self.samples else None
-
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "split": split_to_json(self.split), "samples": self.samples, "step_samples": self.step_samples,

@@ -124,8 +124,6 @@ def hide(output_dir: str, step: int) -> str:
     target = switch_dir(output_dir, step)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     if os.path.exists(target):
-        import shutil
-
         shutil.rmtree(target)
     os.replace(checkpoint_dir(output_dir, step), target)
     return target
@@ -242,9 +240,8 @@ class RunCheckpoints:
         says); returns where it is and whether it was written now (False: this run saved it whole already). A folder
         of that name this run did not write is moved aside first; one that comes out incomplete is moved aside and
         the error raised (a save cut short is moved aside by the trainer's save guard: ``outputdir``). ``switch``:
-        written only to switch splits (saved without ``save_total_limit``'s rotation and moved out of the
-        ``checkpoint-*`` names). One this run wrote with the weights alone (``save_only_model``: the user's) is never
-        written over nor moved: the whole save goes to ``tuner_switch/`` beside it."""
+        written only to switch splits (see the module docstring for where it goes, and for a user's checkpoint of
+        the weights alone)."""
         output_dir = self.output_dir
         path, main = checkpoint_dir(output_dir, step), is_main_process()
         ours = self.is_ours(step)

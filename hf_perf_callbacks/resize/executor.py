@@ -412,17 +412,11 @@ class Executor:
             staged.step = step + 1
         if staged is None or staged.step != step + 1 or self.watch is None:
             return
-        if self.grpo:
-            if not staged.checked:
-                self._confirmed(staged, None)
-            return
         theirs, ours = self.watch.taken()
         if not staged.checked:
             self._confirmed(staged, None)
-            return
-        if ours is None:                          # the step fetched nothing the watch saw: compare nothing
-            ours = exactness.Fetched(staged.new, [], None)
-        self._check(staged, theirs, ours)
+        elif not self.grpo:                       # ours None: the step fetched nothing the watch saw
+            self._check(staged, theirs, ours or exactness.Fetched(staged.new, [], None))
 
     def _grpo_prepared(self) -> None:
         """GRPO's first micro-batch of the staged change's step was handed out: its buffered completions are the
@@ -496,7 +490,8 @@ class Executor:
             if plan.cancelled is not None:
                 self.cancel_switch()
             if plan.action == "finish":
-                self._drop_switch_checkpoints()
+                if self.checkpoints.drop_switch():
+                    self.commit()
                 return True, None
         try:
             return False, self.switch_now(trainer)
@@ -816,37 +811,28 @@ class Executor:
         self.stage(staged)
 
     def save_checkpoint(self, trainer: Trainer, step: int, switch: bool = False) -> str:
-        """``checkpoint-<step>`` written by this run, verified complete and holding the whole training state
-        (weights, optimizer, scheduler and the RNG the next step starts from, whatever ``save_only_model`` says),
-        with the training log and the perf line of step ``step`` written first. A folder of that name this run did
-        not write is moved aside first; a save that fails or comes out incomplete is moved aside too, and the error
-        raised. ``switch``: written only to switch splits (saved without ``save_total_limit``'s rotation and moved
-        out of the ``checkpoint-*`` names). One this run wrote with the weights alone (``save_only_model``: the
-        user's) is never written over nor moved: the whole save goes to ``tuner_switch/`` beside it."""
+        """:meth:`RunCheckpoints.save <.checkpoints.RunCheckpoints.save>` with the RNG the next step starts from,
+        the training log and the perf line of step ``step`` written first."""
         if self.bus is not None:                                    # the checkpoint's steps all have their line
             self.bus.complete_step(trainer.args, trainer.state, self.step_log.log_missed if self.step_log else None)
         elif self.step_log is not None:
             self.step_log.log_missed()
-        path, wrote = self.checkpoints.save(trainer, step, switch, self.rng_after(step), self.warn_once)
+        after = self.next_rng              # the RNG the step after ``step`` starts from (None: it has not begun)
+        rng = after[1] if after is not None and after[0] == step else None
+        path, wrote = self.checkpoints.save(trainer, step, switch, rng, self.warn_once)
         if wrote:
             self.commit()
         if wrote and self.loop is not None and path.endswith(f"checkpoint-{step}"):
             self.loop.keep(step)
         return path
 
-    def record_written(self, step: int, whole: bool = False) -> bool:
-        """Record ``checkpoint-<step>`` as this run's when it is complete; True when recorded."""
-        if not self.checkpoints.record(step, whole):
-            return False
-        self.commit()
-        return True
+    def record_written(self, step: int) -> None:
+        """Record ``checkpoint-<step>`` as this run's when it is complete."""
+        if self.checkpoints.record(step):
+            self.commit()
 
     def _switched_at(self, step: int, wrote: bool) -> None:
         if self.checkpoints.switched_at(step, wrote):
-            self.commit()
-
-    def _drop_switch_checkpoints(self) -> None:
-        if self.checkpoints.drop_switch():
             self.commit()
 
     def rewind_loop(self, step: int) -> None:
@@ -907,11 +893,6 @@ class Executor:
             self.next_rng = (step, rng_state())
         if epoch_start and epoch is not None:
             self.epoch_rng = (epoch, self.next_rng[1])
-
-    def rng_after(self, step: int) -> RngState | None:
-        """The RNG to save in ``checkpoint-<step>`` (None: the step after it has not begun; the current one is
-        right)."""
-        return self.next_rng[1] if self.next_rng is not None and self.next_rng[0] == step else None
 
     # ------------------------------------------------------------ the tuner's events (TunerView)
     @classmethod

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -183,7 +183,7 @@ def comparisons(old: Split, new: Split, ours: Fetched, theirs: Fetched | None, g
         part = _rows(adapter.resplit_generation(ours.batches, 1)[0], 0, new.micro_batch)
         yield "finer", _Cut(finer, _cut(part, finer.micro_batch), None), _Cut(new, [part], None)
         return
-    batch = _least_padded(ours.batches) if world == 1 else ours.batches[0]
+    batch = min(ours.batches, key=_size) if world == 1 else ours.batches[0]     # the least padded
     if _row_count(batch) != new.micro_batch:
         return                                  # a packed batch (or the epoch's short last one): no finer cut
     yield ("finer", _Cut(finer, _cut(batch, finer.micro_batch), ours.num_items),
@@ -216,10 +216,6 @@ def _aligned(theirs: Fetched, ours: Fetched, window: int) -> tuple[list[Any], li
     return theirs.batches[k * per_old:(k + 1) * per_old], ours.batches[k * per_new:(k + 1) * per_new]
 
 
-def _least_padded(batches: Sequence[Any]) -> Any:
-    return min(batches, key=_size)
-
-
 def _size(batch: Any) -> int:
     """A micro-batch's padded size: the elements of its tensors."""
     values = batch.values() if isinstance(batch, Mapping) else [batch]
@@ -237,15 +233,16 @@ def _row_count(batch: Any) -> int:
     return 0
 
 
-def _rows(batch: Any, start: int, stop: int) -> Any:
-    """Rows ``start:stop`` of a micro-batch (its tensors and lists of one entry per row; anything else as it is)."""
+def _rows(batch: Any, start: int = 0, stop: int | None = None, reverse: bool = False) -> Any:
+    """Rows ``start:stop`` of a micro-batch, in reverse order with ``reverse`` (its tensors and lists of one entry per
+    row; anything else as it is)."""
     count = _row_count(batch)
 
     def part(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == count:
-            return value[start:stop]
+            return value[start:stop].flip(0) if reverse else value[start:stop]
         if isinstance(value, list) and len(value) == count:
-            return value[start:stop]
+            return value[start:stop][::-1] if reverse else value[start:stop]
         return value
 
     return {k: part(v) for k, v in batch.items()} if isinstance(batch, Mapping) else batch
@@ -259,15 +256,7 @@ def _cut(batch: Any, size: int) -> list[Any]:
 
 def _reversed(batches: list[Any]) -> list[Any]:
     """The same micro-batches in reverse order, each with its rows reversed (the same sums in another order)."""
-    def flip(batch: Any) -> Any:
-        count = _row_count(batch)
-        if not isinstance(batch, Mapping) or count < 2:
-            return batch
-        order = list(range(count - 1, -1, -1))
-        return {k: (v[order] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == count else
-                    [v[i] for i in order] if isinstance(v, list) and len(v) == count else v)
-                for k, v in batch.items()}
-    return [flip(b) for b in reversed(batches)]
+    return [_rows(b, reverse=True) if _row_count(b) > 1 else b for b in reversed(batches)]
 
 
 # ------------------------------------------------------------ the passes

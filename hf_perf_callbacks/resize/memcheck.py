@@ -259,33 +259,29 @@ class _Saved(TypedDict):
     params: dict[str, torch.Tensor]
     rng: RngState
     generation_config: GenerationConfig | None
+    min_new_tokens: int | None                        # the generation config's, before the check forced it
+    dir: str                                          # the check's output_dir
 
 
-class _Snapshot(_Saved, total=False):
-    dir: str
-    min_new_tokens: int | None
-
-
-def _snapshot(trainer: Trainer) -> _Snapshot:
+def _snapshot(trainer: Trainer) -> _Saved:
     args = cast("GRPOConfig", trainer.args)          # num_generations is read for GRPO only
     keys = ("max_steps", "learning_rate", "output_dir", "save_strategy", "logging_strategy", "report_to",
             "eval_strategy")                            # the split is the session's (it applies the chosen one)
-    saved: _Snapshot = {"args": {k: getattr(args, k) for k in keys if hasattr(args, k)},
-             "callbacks": list(trainer.callback_handler.callbacks),
-             "dataset": trainer.train_dataset,
-             "params": {n: p.detach().to("cpu", copy=True)
-                        for n, p in cast(torch.nn.Module, trainer.model).named_parameters() if p.requires_grad},
-             "rng": rng_state(),
-             "generation_config": getattr(trainer, "generation_config", None)}
-    saved["dir"] = tempfile.mkdtemp(prefix="hf_perf_memcheck_")
+    config = getattr(trainer, "generation_config", None)
+    saved: _Saved = {"args": {k: getattr(args, k) for k in keys if hasattr(args, k)},
+                     "callbacks": list(trainer.callback_handler.callbacks),
+                     "dataset": trainer.train_dataset,
+                     "params": {n: p.detach().to("cpu", copy=True) for n, p in
+                                cast(torch.nn.Module, trainer.model).named_parameters() if p.requires_grad},
+                     "rng": rng_state(), "generation_config": config,
+                     "min_new_tokens": config.min_new_tokens if config is not None else None,
+                     "dir": tempfile.mkdtemp(prefix="hf_perf_memcheck_")}
     args.output_dir, args.learning_rate = saved["dir"], 0.0
     for key, value in (("save_strategy", "no"), ("logging_strategy", "no"), ("eval_strategy", "no")):
         if hasattr(args, key):
             setattr(args, key, value)
     args.report_to = []
-    if saved["generation_config"] is not None:          # GRPO: generate the longest completions
-        config = saved["generation_config"]
-        saved["min_new_tokens"] = config.min_new_tokens
+    if config is not None:                              # GRPO: generate the longest completions
         config.min_new_tokens = getattr(args, "max_completion_length", None)
     split = current_split(args)
     needed = (cast(int, split.generation_batch(world_size())) // cast(int, args.num_generations) if is_grpo(args)
@@ -294,7 +290,7 @@ def _snapshot(trainer: Trainer) -> _Snapshot:
     return saved
 
 
-def _restore(trainer: Trainer, saved: _Snapshot) -> None:
+def _restore(trainer: Trainer, saved: _Saved) -> None:
     args = trainer.args
     for key, value in saved["args"].items():
         setattr(args, key, value)

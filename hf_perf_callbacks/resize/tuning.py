@@ -373,7 +373,7 @@ class OnRunTuning:
             return self._next_candidate(step) or self._finish(self.note)
         if self.current == self.baseline:          # an interleaving block of the baseline: the candidate again
             if self._affordable(step):
-                return self._switch(self.candidate, "measuring again (interleaved)")
+                return Switch(self.candidate, "measuring again (interleaved)")
             return self._leave(step, Why("not_separable", {"candidate": str(self.candidate)}))
         candidate, base = self.trials[self.candidate], self.trials[self.baseline]
         candidate.p_value, candidate.gain, faster = judge(candidate.samples, base.samples, ALPHA / self.max_rounds)
@@ -384,7 +384,7 @@ class OnRunTuning:
             return self._leave(step, Why("not_faster", {"candidate": str(self.candidate), "rounds": self.rounds}))
         if not self._affordable(step):
             return self._leave(step, Why("not_separable", {"candidate": str(self.candidate)}))
-        return self._switch(self.baseline, "measuring the baseline again (interleaved)")
+        return Switch(self.baseline, "measuring the baseline again (interleaved)")
 
     def _keep(self, step: int, kept: Split) -> Switch | Finished:
         if self.walk == "larger":                  # the largest faster split that fits: the walk up ends
@@ -429,10 +429,7 @@ class OnRunTuning:
             return None
         self.candidate = queue.pop(0)
         self.rounds = 0
-        return self._switch(self.candidate, "trying a split on the next steps")
-
-    def _switch(self, split: Split, why: str) -> Switch:
-        return Switch(split, why)
+        return Switch(self.candidate, "trying a split on the next steps")
 
     def end(self, reason: str) -> None:
         """End the tuning now at its baseline (memory or the run's end ended it), for ``reason``: a code of

@@ -198,9 +198,8 @@ class AdaptiveBatchTuner(PerfCallback):
         if stop:
             self._bus.continuing = True                    # a switch by stopping this train() (not in process)
             control.should_training_stop = True
-        if not self.measuring and self._stop_watching is not None:     # the tuning finished: no more clocks
-            self._stop_watching()
-            self._stop_watching = None
+        if not self.measuring:                  # the tuning finished: no more clocks
+            self.close()
 
     def _memory(self, step: int) -> tuple[float, float]:
         """(bytes used at ``step``, the budget): the watchdog's reading of this step when it is attached (it owns
@@ -229,9 +228,7 @@ class AdaptiveBatchTuner(PerfCallback):
     @PerfCallback.hook
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        if self._stop_watching is not None:
-            self._stop_watching()
-            self._stop_watching = None
+        self.close()
         end = self._executor.train_ends(state.global_step, self.measuring, self._bus.continuing)
         self._bus.log.write_summary(self.source, {"split": end.split.as_args(), "session": end.session,
                                               "decisions": end.decisions})

@@ -30,6 +30,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+import torch
+
+from ..common.console import EVENT_WIDTH, console_line
 from ..common.outputdir import step_of
 from ..core.batching import Exactness, Split, candidates, current_split, exact_under, is_grpo
 from ..core.splitfile import Decision, ExactnessCheck, SplitFile, read_split_file, recorded_split, run_geometry
@@ -45,7 +48,7 @@ from ..platform.device import (
     rng_state,
     world_size,
 )
-from . import exactness, sharding
+from . import exactness, grouping, sharding
 from . import plan as plans
 from .agreement import ResizeNeeded, StepGuard, guard_training_step, recoverable
 from .checkpoints import RunCheckpoints, fingerprint, is_complete, newest_complete, resume_point
@@ -226,7 +229,7 @@ class Executor:
             self.record.id = main_process_value(lambda: self.record.id)
             if self.bus is not None:
                 self.bus.log.pin_session(self.record.id)
-        sharded, guarded = sharding.start(trainer, self)
+        sharded, guarded = sharding.start(trainer, self.warn_once)
         self.sharded = sharded
         self.record.commit(Change(state=replace(self.state, in_process=sharded is None, resizes_left=max_resizes)),
                            self.checkpoints.written, write=False)      # nothing the file holds: not written
@@ -245,7 +248,7 @@ class Executor:
         with self.event():
             self.judge_grouping(trainer)
             self.watch = ChangeWatch(trainer, self.state.configured, current_split, rows=not self.grpo,
-                                     sized=_sized(trainer))
+                                     sized=grouping.examples(trainer.train_dataset) is not None)
             self.apply_recorded(trainer)
             if check_memory is not None:
                 check_memory()
@@ -313,14 +316,12 @@ class Executor:
         """Read the facts of the run's loss and keep the splits the settings list does not refuse (said once, with
         why and what makes every split exact). The list explains causes and skips checks sure to fail; every change
         it lets through is still checked on the step it starts with."""
-        from .grouping import read_grouping
-
         every = self.every
         configured = self.state.configured
         planned = trainer.state.max_steps if trainer.state.max_steps > 0 else trainer.args.max_steps
         try:
-            exactness = exact_under(read_grouping(trainer, planned if planned and planned > 0 else None, self.world),
-                                    configured, every)
+            facts = grouping.read_grouping(trainer, planned if planned and planned > 0 else None, self.world)
+            exactness = exact_under(facts, configured, every)
         except Exception as error:  # noqa: BLE001 - unknown facts: only the configured split is known to be exact
             exactness = Exactness((configured,), f"the run's loss could not be read ({type(error).__name__}: "
                                                  f"{error})", "Nothing to change: this is a fault of the package.")
@@ -517,10 +518,9 @@ class Executor:
                 raise lost from None
             if not plan.spend:
                 self._switched_at(step, wrote)
-            if is_main_process():
-                why = "" if plan.spend else f" ({self.state.switch_reason.removeprefix(f'back to {new}: ')})"
-                logger.warning("%s", _line(f"[tuner] step {step}: {old} → {new}: resuming from "
-                                           f"{os.path.basename(checkpoint)} in this process{why}"))
+            why = "" if plan.spend else f" ({self.state.switch_reason.removeprefix(f'back to {new}: ')})"
+            _say(f"[tuner] step {step}: {old} → {new}: resuming from {os.path.basename(checkpoint)} in this "
+                 f"process{why}")
             decision, self.pending = self.pending, None
             kind = "watchdog" if plan.spend else "tune" if self._in_tuning(new) else "back"
             self.resume_with(trainer, Staged(kind, old, new, step + 1, plan.state, decision, checkpoint))
@@ -696,10 +696,8 @@ class Executor:
         self.commit(state=replace(self.state, switch=new, switch_reason=refusal.why))
         back = "back" if new == self.state.split or new == self.state.configured else "tune"
         self.resume_with(trainer, Staged(back, self.state.split, new, step + 1, replace(self.state, switch=None)))
-        if is_main_process():
-            logger.warning("%s", _line(f"[tuner] step {step + 1}: {bad} → {new} ({refusal.why[:70]}): resuming from "
-                                       f"{os.path.basename(checkpoint) if checkpoint else 'the start'} in this "
-                                       f"process"))
+        _say(f"[tuner] step {step + 1}: {bad} → {new} ({refusal.why[:70]}): resuming from "
+             f"{os.path.basename(checkpoint) if checkpoint else 'the start'} in this process")
         return checkpoint
 
     def _back_to(self, step: int, staged: Staged | None, refusal: ChangeRefused) -> Split:
@@ -1062,21 +1060,13 @@ RUN_END = "hf_perf_resume_from"
 
 def torch_oom(why: str) -> BaseException:
     """An out-of-memory error of the check of a change, as the training step's would read."""
-    import torch
-
     return torch.OutOfMemoryError(f"out of memory in the check of a change: {why}")
 
 
-def _line(text: str) -> str:
-    from ..common.console import EVENT_WIDTH, console_line
-
-    return console_line(text, EVENT_WIDTH)
-
-
-def _sized(trainer: Trainer) -> bool:
-    from .grouping import examples
-
-    return examples(trainer.train_dataset) is not None
+def _say(text: str) -> None:
+    """``text`` on the main process's console, as one event line."""
+    if is_main_process():
+        logger.warning("%s", console_line(text, EVENT_WIDTH))
 
 
 def _checked(record: SplitFile, split: Split | None) -> bool:

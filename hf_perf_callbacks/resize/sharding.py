@@ -50,7 +50,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Protocol, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 from ..core.batching import Exactness, Split
 from ..platform.device import error_line, is_oom_error, world_size
@@ -102,23 +103,16 @@ def guardable(trainer: Trainer) -> bool:
     return mesh is None or getattr(mesh, "ndim", 1) <= 1
 
 
-class Warner(Protocol):
-    """What :func:`start` needs of the executor (:meth:`Executor.warn_once
-    <hf_perf_callbacks.resize.executor.Executor.warn_once>`); a protocol, as the executor imports this module."""
-
-    def warn_once(self, key: str, message: str, step: int | None = None) -> bool: ...
-
-
-def start(trainer: Trainer, session: Warner) -> tuple[str | None, bool]:
-    """Refuse what cannot work under the trainer's sharding, say what is limited; returns the sharding and whether
-    the step guard sees its collectives (always, unsharded)."""
+def start(trainer: Trainer, warn_once: Callable[[str, str], object]) -> tuple[str | None, bool]:
+    """Say what is limited under the trainer's sharding (``warn_once(key, message)``: console and perf log); returns
+    the sharding and whether the step guard sees its collectives (always, unsharded)."""
     kind = sharding(trainer)
     if kind == "deepspeed":
-        session.warn_once("sharding-limits", DEEPSPEED_NOTES)     # console and perf log
+        warn_once("sharding-limits", DEEPSPEED_NOTES)
         return kind, False                   # deepspeed.comm's collectives bypass the guard's exchanges
     guarded = kind is None or guardable(trainer)
     if kind == "fsdp":
-        session.warn_once("sharding-limits", FSDP_NOTES if guarded else NO_GUARD)  # console and perf log
+        warn_once("sharding-limits", FSDP_NOTES if guarded else NO_GUARD)
     return kind, guarded
 
 

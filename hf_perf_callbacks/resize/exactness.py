@@ -30,18 +30,14 @@ images in GRPO's batch) — an unmeasured split is never used unless the run acc
 (``AdaptiveBatchTuner(accept_unmeasured=True)``).
 
 **Several ranks.** Every rank runs the same passes on its own rows through the model without its DDP wrapper (no
-collective inside a pass but the step guard's own exchanges, which agree an out-of-memory error on every rank), and
-the sketches of every rank are summed (a sketch is linear in the gradient), so the verdict is the same on every rank.
-Under several ranks the window is the whole step (a split deals a step's rows to the ranks in another order; only
-all ranks' rows together are the step's rows). Under FSDP2 the passes run through the sharded model (its collectives
-in step on every rank, out-of-memory errors agreed by the step guard) and each parameter's reduced gradient is
-gathered for its sketch; DeepSpeed keeps each rank's part of the reduced gradient inside its engine: its changes are
-unmeasured.
+collective inside a pass but the step guard's own exchanges), over the whole step (a split deals a step's rows to the
+ranks in another order), and the ranks' sketches are summed (a sketch is linear in the gradient): one verdict on every
+rank. FSDP2's passes run through the sharded model, each parameter's reduced gradient gathered for its sketch;
+DeepSpeed keeps its part of the reduced gradient inside its engine: its changes are unmeasured.
 
-**No trace.** Before the first pass the RNG, the model's buffers (a BatchNorm's running statistics), its gradients,
-the split in ``args``, the trainer's accumulation count, TRL's logged metrics and GRPO's micro-batch counter are
-taken; all are put back after the last. The meter and the tests' sample recorder skip the passes
-(:meth:`~hf_perf_callbacks.common.bus.RunBus.own_work`); a user's own forward hooks see them.
+**No trace.** What the check changes is taken before the first pass and put back after the last (:class:`_Saved`;
+docs/exactness.md lists it); the meter and the tests' sample recorder skip the passes
+(:meth:`~hf_perf_callbacks.common.bus.RunBus.own_work`).
 """
 from __future__ import annotations
 

@@ -1,19 +1,14 @@
 """The memory check: one optimizer step at the worst-case length, before training, where memory is tight.
 
-A run's longest examples (GRPO: completions forced to ``max_completion_length``) may come hours into training; the
-watchdog's growth forecast does not see a length spike coming. So on CUDA and MPS (where memory is the wall; never
-on a CPU, where the run swaps long before it fails) — and only where memory is tight: GRPO's worst-case peak
-estimated by :func:`~hf_perf_callbacks.estimate.estimate_grpo_memory`, times the allocator's overhead
-(``ALLOCATOR_OVERHEAD``), reaches ``TIGHT`` of the budget, or it cannot be estimated — :func:`check_memory` runs ONE
-optimizer step of the configured
-split on the longest examples at learning rate 0, measures its peak and restores weights, RNG, data and callbacks
-(a run after it samples the same completions as one without it; the check reads the training set's rows and runs
-the collator on the longest ones, so ``memory_check=False`` is the run with no trace). When the step runs out of
-memory (on any rank) or its peak passes the watchdog's budget, it walks down to the largest split the run's rules
-allow that fits and stages it: the run's first step is then checked on its own rows before it trains
-(:mod:`~hf_perf_callbacks.resize.exactness`), and the ``memory_check`` decision, with what each split measured and
-what the check cost, is committed once it passed. No timing rounds: which split is fastest is measured on the run's
-own steps (:mod:`~hf_perf_callbacks.resize.tuning`).
+A run's longest examples (GRPO: completions forced to ``max_completion_length``) may come hours into training, and the
+watchdog's growth forecast does not see a length spike coming. So on CUDA and MPS (never on a CPU, where the run
+swaps long before it fails), where GRPO's worst-case peak (:func:`~hf_perf_callbacks.estimate.estimate_grpo_memory`)
+times ``ALLOCATOR_OVERHEAD`` reaches ``TIGHT`` of the budget or cannot be estimated, :func:`check_memory` runs ONE
+optimizer step of the configured split on the longest examples at learning rate 0 and restores weights, RNG, data and
+callbacks (it reads the training set's rows: ``memory_check=False`` is the run with no trace). When the step runs out
+of memory on any rank or passes the watchdog's budget, the largest allowed split that fits is staged: the run's first
+step checks it on its own rows (:mod:`~hf_perf_callbacks.resize.exactness`), and the ``memory_check`` decision is
+committed once it passed. No timing rounds: the tuning measures speed on the run's own steps.
 """
 from __future__ import annotations
 

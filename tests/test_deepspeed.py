@@ -90,7 +90,7 @@ def test_deepspeed_is_taken_at_start_and_says_what_a_resize_does(tokenizer, tmp_
     trainer = make_trainer(tokenizer, tmp_path, [AdaptiveBatchTuner(tune=False)], max_steps=2)
     monkeypatch.setattr(trainer.accelerator.state, "distributed_type", DistributedType.DEEPSPEED)
     executor = Executor(trainer.args)
-    assert sharding.start(trainer, executor) == ("deepspeed", False)        # taken; no step guard
+    assert sharding.start(trainer, executor.warn_once) == ("deepspeed", False)        # taken; no step guard
     assert "sharding-limits" in executor.record.said
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     assert not sharding.unagreed_oom("deepspeed", oom)                      # one process: recovered in process

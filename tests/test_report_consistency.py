@@ -21,7 +21,6 @@ from hf_perf_callbacks.core.runlog import read_run
 from hf_perf_callbacks.core.splitfile import read_split_file
 from hf_perf_callbacks.report import console_summary, summarize, write_analysis
 from hf_perf_callbacks.report.plots import PlotData, plot_throughput, plot_tuner
-from hf_perf_callbacks.resize.callback import format_tuning
 from tests.synthetic_runs import Plan, write_run
 
 NUMBER = r"[\d.]+(?:e[+-]?\d+)?"
@@ -317,7 +316,6 @@ def check_report(output_dir: str) -> int:
     record = read_split_file(output_dir)
     tune = record.last("tune") if record is not None else None
     if tune is not None:
-        texts.append(format_tuning(tune))
         fig = Figure(figsize=(8, 4.5), layout="constrained")
         assert plot_tuner(fig, PlotData.of(read_run(output_dir))) is None
         bars = " ".join(t.get_text() for ax in fig.axes for t in ax.texts)

@@ -36,7 +36,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, TypedDict, TypeGuard, TypeVar
+from typing import Any, TypedDict, TypeGuard, TypeVar, cast
 
 from .batching import Split, is_grpo
 from .runlog import SPLIT_FILE, DecisionDetails, number
@@ -88,16 +88,6 @@ def _ints(value: object, where: str) -> list[int]:
     return list(value)
 
 
-def _optional_number(value: object, where: str) -> float | None:
-    """``value`` as a float when it is None or a finite int or float (not a bool), else a SplitFileError."""
-    if value is None:
-        return None
-    v = number(value)
-    if v is None or isinstance(value, bool):
-        raise SplitFileError(f"{where} is {value!r}: expected a number or null")
-    return v
-
-
 def _figures(value: object, where: str) -> dict[str, float | int | str]:
     """A decision's figures: a mapping of names to numbers or words (absent: empty)."""
     if value is None:
@@ -110,13 +100,25 @@ def _figures(value: object, where: str) -> dict[str, float | int | str]:
 
 
 def _optional(value: object, kind: type[_T], where: str) -> _T | None:
-    """``value`` when it is None or of ``kind`` (``int``: not a bool), else a SplitFileError; numbers:
-    :func:`_optional_number`."""
+    """``value`` when it is None or of ``kind`` (``int``: not a bool; ``float``: a finite int or float, as a float),
+    else a SplitFileError."""
     if value is None:
         return None
+    if kind is float:
+        if number(value) is None or isinstance(value, bool):
+            raise SplitFileError(f"{where} is {value!r}: expected a number or null")
+        return cast(_T, number(value))
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise SplitFileError(f"{where} is {value!r}: expected {kind.__name__} or null")
     return value
+
+
+def _optional_fields(cls: type, entry: dict[str, Any], where: str, kinds: dict[str, type]) -> dict[str, Any]:
+    """The fields ``kinds`` names, each read from ``entry`` by :func:`_optional` (absent or null: the field's
+    default)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    read = {name: _optional(entry.get(name), kind, f"{where}.{name}") for name, kind in kinds.items()}
+    return {name: defaults[name] if value is None else value for name, value in read.items()}
 
 
 @dataclass
@@ -140,10 +142,6 @@ class Trial:
     def median(self) -> float | None:
         return median(self.samples) if self.samples else None
 
-    @property
-    def quartiles(self) -> tuple[float, float] | None:
-        return iqr(self.samples) if self.samples else None
-
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "split": split_to_json(self.split), "samples": self.samples, "step_samples": self.step_samples,
@@ -163,12 +161,9 @@ class Trial:
         return cls(split=split_from_json(entry.get("split"), f"{where}.split"),
                    samples=_floats(entry.get("samples", []), f"{where}.samples"),
                    step_samples=_floats(entry.get("step_samples", []), f"{where}.step_samples"),
-                   steps=_ints(entry.get("steps", []), f"{where}.steps"),
-                   peak_gb=_optional_number(entry.get("peak_gb"), f"{where}.peak_gb"), fits=fits,
-                   error=_optional(entry.get("error"), str, f"{where}.error"),
-                   cost_sec=_optional_number(entry.get("cost_sec"), f"{where}.cost_sec") or 0.0,
-                   p_value=_optional_number(entry.get("p_value"), f"{where}.p_value"),
-                   gain=_optional_number(entry.get("gain"), f"{where}.gain"))
+                   steps=_ints(entry.get("steps", []), f"{where}.steps"), fits=fits,
+                   **_optional_fields(cls, entry, where, {"peak_gb": float, "error": str, "cost_sec": float,
+                                                          "p_value": float, "gain": float}))
 
 
 #: what a trial's samples measure, by the tuner's ``rank_by`` (the words :meth:`Decision.ranked` reads back from the
@@ -379,20 +374,12 @@ class Decision:
         return cls(kind=kind, step=step, reason=str(entry.get("reason", "")),
                    old=split_from_json(entry.get("old"), f"{where}.old"),
                    new=split_from_json(entry.get("new"), f"{where}.new"),
-                   time=_optional_number(entry.get("time"), f"{where}.time"),
-                   checkpoint=_optional(entry.get("checkpoint"), str, f"{where}.checkpoint"),
-                   recovery_sec=_optional_number(entry.get("recovery_sec"), f"{where}.recovery_sec"),
                    trials=[Trial.from_json(t, f"{where}.trials[{i}]") for i, t in enumerate(trials)],
-                   cost_sec=_optional_number(entry.get("cost_sec"), f"{where}.cost_sec"),
-                   expected_gain_sec=_optional_number(entry.get("expected_gain_sec"), f"{where}.expected_gain_sec"),
-                   planned_steps=_optional(entry.get("planned_steps"), int, f"{where}.planned_steps"),
-                   budget_gb=_optional_number(entry.get("budget_gb"), f"{where}.budget_gb"),
-                   rule=_optional(entry.get("rule"), str, f"{where}.rule"),
-                   trial=_optional(entry.get("trial"), bool, f"{where}.trial") or False,
-                   reason_code=_optional(entry.get("reason_code"), str, f"{where}.reason_code"),
-                   ended_by=_optional(entry.get("ended_by"), str, f"{where}.ended_by"),
                    figures=_figures(entry.get("figures", {}), f"{where}.figures"),
-                   rank_by=_optional(entry.get("rank_by"), str, f"{where}.rank_by"))
+                   **_optional_fields(cls, entry, where, {
+                       "time": float, "checkpoint": str, "recovery_sec": float, "cost_sec": float,
+                       "expected_gain_sec": float, "planned_steps": int, "budget_gb": float, "rule": str,
+                       "trial": bool, "reason_code": str, "ended_by": str, "rank_by": str}))
 
 
 @dataclass
@@ -504,13 +491,9 @@ class ExactnessCheck:
         return cls(step=step, kind=kind, old=split_from_json(entry.get("old"), f"{where}.old"),
                    new=split_from_json(entry.get("new"), f"{where}.new"), verdict=verdict,
                    why=str(entry.get("why", "")), against=str(entry.get("against", "")),
-                   rows=_optional(entry.get("rows"), int, f"{where}.rows") or 0,
-                   passes=_optional(entry.get("passes"), int, f"{where}.passes") or 0,
-                   cost_sec=_optional_number(entry.get("cost_sec"), f"{where}.cost_sec") or 0.0,
-                   peak_gb=_optional_number(entry.get("peak_gb"), f"{where}.peak_gb"),
-                   sketch_bytes=_optional(entry.get("sketch_bytes"), int, f"{where}.sketch_bytes") or 0,
                    drew_rng=bool(entry.get("drew_rng", False)), fits=bool(entry.get("fits", True)),
-                   padded_delta=_optional(entry.get("padded_delta"), int, f"{where}.padded_delta") or 0)
+                   **_optional_fields(cls, entry, where, {"rows": int, "passes": int, "cost_sec": float,
+                                                          "peak_gb": float, "sketch_bytes": int, "padded_delta": int}))
 
 
 @dataclass
@@ -555,10 +538,11 @@ class SplitFile:
                    restricted=Restriction.from_json(entry.get("restricted")),
                    checks=[ExactnessCheck.from_json(c, f"checks[{i}]") for i, c in enumerate(checks)])
 
-    def write(self, output_dir: str) -> str:
-        """Write atomically (a temporary file, then a rename); returns the path. OSError on failure."""
-        path = os.path.join(output_dir, SPLIT_FILE)
-        os.makedirs(output_dir, exist_ok=True)
+    def write(self, output_dir: str, path: str | None = None) -> str:
+        """Write atomically (a temporary file, then a rename) to ``path`` (None: ``output_dir``'s split file); returns
+        the path. OSError on failure."""
+        path = path or os.path.join(output_dir, SPLIT_FILE)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             json.dump(self.to_json(), f, indent=1)
         os.replace(path + ".tmp", path)

@@ -206,16 +206,10 @@ class StepGuard:
 
 def guard_training_step(trainer: Trainer, stable_steps: int | None = None,
                         notify: Callable[[str, int], None] | None = None) -> StepGuard | None:
-    """Under several ranks, agree on out-of-memory errors inside a training step: a rank that ran out of memory
-    anywhere in its step (GRPO's generation, the forward, the backward) raises ``ResizeNeeded`` on all ranks
-    together instead of leaving the others waiting in a collective. Every collective of the step on the default
-    group — TRL's gathers, DDP's buffer broadcast, FSDP2's all-gathers and reduce-scatters — is preceded by one small
-    exchange, so the others learn of it before their next collective; under DDP the micro-batch that would have
-    synchronized in its backward runs under ``no_sync`` and its gradients are averaged explicitly (bucketed
-    all-reduces through staging buffers of at most ``AVERAGE_BUCKET_BYTES``, allocated before the agreement) once
-    all ranks have arrived. Any other error in one rank's step makes the other ranks raise :class:`PeerFailed`
-    instead of waiting for the launcher's timeout. ``stable_steps`` and ``notify``: see :class:`StepGuard`. One
-    process needs no guard: None."""
+    """Under several ranks, the :class:`StepGuard` on ``trainer`` (see the module docstring): an out-of-memory error
+    anywhere in one rank's step raises :class:`ResizeNeeded` on every rank together, any other error
+    :class:`PeerFailed` on the others; under DDP the micro-batch that would synchronize runs under ``no_sync`` and its
+    gradients are averaged by :func:`average_across_ranks` once every rank arrived. One process needs no guard: None."""
     if world_size() == 1:
         return None
     return StepGuard(trainer, stable_steps, notify)
@@ -285,7 +279,6 @@ def average_across_ranks(tensors: list[torch.Tensor], buffers: dict[torch.dtype,
     for dtype in buffers:
         if packed[dtype]:
             flush(dtype)
-
 
 
 def recoverable(error: BaseException) -> bool:

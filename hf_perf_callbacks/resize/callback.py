@@ -1,8 +1,8 @@
 """AdaptiveBatchTuner: the callback side of re-sizing. It measures the run's own steps for the tuning on them,
 logs the split in effect, and answers the watchdog's request for a smaller micro-batch; it sees the run's
-:class:`~hf_perf_callbacks.resize.executor.Executor` (found on the trainer's bus) through
-:class:`~hf_perf_callbacks.resize.executor.TunerView`, which carries every change out. Without ``train_with_tuning``
-a re-size request saves, stops cleanly and prints the split and the command to resume with.
+:class:`~hf_perf_callbacks.resize.executor.Executor` (found on the trainer's bus), which carries every change out, one
+method per event. Without ``train_with_tuning`` a re-size request saves, stops cleanly and prints the split and the
+command to resume with.
 """
 from __future__ import annotations
 
@@ -17,25 +17,22 @@ from .. import keys
 from ..common.base import Clock, PerfCallback
 from ..core.memory import budget_bytes
 from ..core.runlog import SPLIT_FILE, NoteDetails
-from ..core.splitfile import trial_figures
 from ..core.validation import check_flag, check_number
 from ..core.wording import TUNER_NEEDS_TRAIN_WITH_TUNING
 from ..platform import adapter
 from ..platform.device import GB, DeviceLayer, gather_floats, set_rng_state, world_size
-from .executor import Executor, TunerView
+from .executor import Executor
 from .tuning import FIRST_SAMPLES, MIN_SAMPLES, SAMPLES
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
     from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-    from ..core.splitfile import Decision
-
 _Callback = TypeVar("_Callback", bound="TrainerCallback")
 
 logger = logging.getLogger("hf_perf_callbacks")
 
-__all__ = ["AdaptiveBatchTuner", "find_callback", "format_tuning"]
+__all__ = ["AdaptiveBatchTuner", "find_callback"]
 
 
 class AdaptiveBatchTuner(PerfCallback):
@@ -96,7 +93,7 @@ class AdaptiveBatchTuner(PerfCallback):
         self.tune, self.samples, self.max_rounds, self.max_micro_batch = tune, samples, max_rounds, max_micro_batch
         self.patience, self.rank_by, self.must_pay, self.memory_check = patience, rank_by, must_pay, memory_check
         self.first_samples, self.accept_unmeasured = first_samples, accept_unmeasured
-        self.executor: TunerView | None = None
+        self.executor: Executor | None = None
         self.in_optimizer_step = False
         self.measuring = False
         self.generation = adapter.GenerationClock(self.clock.wall)
@@ -138,7 +135,7 @@ class AdaptiveBatchTuner(PerfCallback):
             self._stop_watching = adapter.watch_generation(model, self.generation) if model is not None else None
 
     @property
-    def _executor(self) -> TunerView:
+    def _executor(self) -> Executor:
         """The run's executor, found at ``on_train_begin`` (the events after it may use it)."""
         if self.executor is None:
             raise RuntimeError("AdaptiveBatchTuner has no executor yet: it finds one at on_train_begin")
@@ -201,9 +198,8 @@ class AdaptiveBatchTuner(PerfCallback):
         if stop:
             self._bus.continuing = True                    # a switch by stopping this train() (not in process)
             control.should_training_stop = True
-        if not self.measuring and self._stop_watching is not None:     # the tuning finished: no more clocks
-            self._stop_watching()
-            self._stop_watching = None
+        if not self.measuring:                  # the tuning finished: no more clocks
+            self.close()
 
     def _memory(self, step: int) -> tuple[float, float]:
         """(bytes used at ``step``, the budget): the watchdog's reading of this step when it is attached (it owns
@@ -232,9 +228,7 @@ class AdaptiveBatchTuner(PerfCallback):
     @PerfCallback.hook
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        if self._stop_watching is not None:
-            self._stop_watching()
-            self._stop_watching = None
+        self.close()
         end = self._executor.train_ends(state.global_step, self.measuring, self._bus.continuing)
         self._bus.log.write_summary(self.source, {"split": end.split.as_args(), "session": end.session,
                                               "decisions": end.decisions})
@@ -278,18 +272,6 @@ def advance_sampler(dataloader: DataLoader[Any] | None, epochs: int) -> int:
                 next(iter(sampler), None)                 # one permutation per epoch
             return epochs
     return 0
-
-
-def format_tuning(decision: Decision) -> str:
-    """The tuning decision and its evidence for the console (printed once): each trial worded as every reader of the
-    record words it (:func:`~hf_perf_callbacks.core.splitfile.trial_figures`)."""
-    lines = [f"AdaptiveBatchTuner: {decision.headline()}"
-             + (f"; expected to save {decision.expected_gain_sec:.1f} s over the rest of the run"
-                if decision.expected_gain_sec else "")]
-    for t in trial_figures(decision):
-        peak = f", peak {t.peak_gb:.2f} GiB" if t.peak_gb is not None and t.measured else ""
-        lines.append(f"  {t.words()}{peak}, cost {t.cost_sec:.1f} s")
-    return "\n".join(lines)
 
 
 def find_callback(trainer: Trainer, cls: type[_Callback]) -> _Callback | None:

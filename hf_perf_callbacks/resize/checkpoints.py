@@ -1,24 +1,20 @@
 """Which checkpoints a run may resume from: only ones **this run** wrote **completely**.
 
-``output_dir`` can hold an earlier run's ``checkpoint-N`` folders, and a save cut short (out of memory, a full
-disk, a kill) leaves a half-written one behind. transformers' ``_save_checkpoint`` writes the weights, optimizer,
-scheduler, scaler and RNG state first and ``trainer_state.json`` last, and its just-in-time (SIGTERM) checkpoint
-marks a save in progress with ``checkpoint-is-incomplete.txt``; so a folder is complete when that marker is absent,
+``output_dir`` can hold an earlier run's ``checkpoint-N`` folders, and a save cut short (out of memory, a full disk, a
+kill) leaves a half-written one behind. transformers writes ``trainer_state.json`` last, and marks its just-in-time
+(SIGTERM) save in progress with ``checkpoint-is-incomplete.txt``; so a folder is complete when that marker is absent,
 ``trainer_state.json`` parses and names the folder's step, and a weights file is there (under DeepSpeed: its
-``global_step<N>/`` with the ZeRO partitions of the weights). The tuner records the steps
-this run wrote and verified (its ``written`` list, with its session id); recovery resumes only from those. A folder
-in the way (an earlier run's, or a partial one) is moved aside to ``moved_aside/checkpoint-N.<why>-<n>`` inside
-``output_dir``: out of the ``checkpoint-*`` names that transformers resumes from and that its rotation
-(``save_total_limit``) sorts, so it can be neither resumed from, nor kept as the newest while a complete one is
-deleted. A checkpoint written only to switch splits on the run's own steps (the tuning's trials) is moved to
-``tuner_switch/checkpoint-N`` right after it is written (:func:`hide`): out of the names transformers' rotation
-counts, so ``save_total_limit`` never deletes one of the user's checkpoints because of it; it is resumed from there
-and removed once a newer one supersedes it or the run ends. Where the user's own ``checkpoint-N`` of a switch's step
-holds the weights alone (``save_only_model``), the switch's whole save is written straight to
-``tuner_switch/checkpoint-N`` beside it (:meth:`RunCheckpoints.record_copy`): the user's is never written over nor
-moved, and no complete checkpoint is moved or removed before the one replacing it is complete. Under several ranks
-only the main process (which writes the files) checks and moves them; the others take its word (no rank races another's
-write).
+``global_step<N>/`` with the ZeRO partitions of the weights). The run records the steps it wrote and verified, each
+with a fingerprint (the split file's ``written``); recovery resumes only from those. A folder in the way (an earlier
+run's, or a partial one) is moved aside to ``moved_aside/checkpoint-N.<why>-<n>``: out of the ``checkpoint-*`` names
+that transformers resumes from and rotates (``save_total_limit``).
+
+A checkpoint written only to switch splits (the tuning's trials) is moved to ``tuner_switch/checkpoint-N`` at once
+(:meth:`RunCheckpoints.hide`), so the rotation never deletes a user's checkpoint because of it; it is removed once a
+newer one supersedes it or the run ends. Where the user's own ``checkpoint-N`` holds the weights alone
+(``save_only_model``), the switch's whole save goes to ``tuner_switch/checkpoint-N`` beside it
+(:meth:`RunCheckpoints.record_copy`), and no complete checkpoint is moved or removed before the one replacing it is
+complete. Under several ranks only the main process checks and moves the files; the others take its word.
 """
 from __future__ import annotations
 
@@ -118,19 +114,6 @@ def switch_dir(output_dir: str, step: int) -> str:
     return os.path.join(output_dir, SWITCH_DIR, f"{PREFIX}-{step}")
 
 
-def hide(output_dir: str, step: int) -> str:
-    """Move ``checkpoint-<step>`` to ``tuner_switch/checkpoint-<step>`` (see the module docstring); returns the new
-    path. Its fingerprint stays (names, sizes and times move with it). OSError when it cannot be moved."""
-    target = switch_dir(output_dir, step)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    if os.path.exists(target):
-        import shutil
-
-        shutil.rmtree(target)
-    os.replace(checkpoint_dir(output_dir, step), target)
-    return target
-
-
 def add_training_state(staged: str, path: str) -> None:
     """Move the files of the whole checkpoint ``staged`` that the complete checkpoint ``path`` of the same step lacks
     (the optimizer, scheduler, RNG state beside weights saved alone) into ``path``, then remove ``staged``. No file of
@@ -222,7 +205,7 @@ def _restart_checkpoint(output_dir: str, restarts: int) -> str | None:
 
 class RunCheckpoints:
     """The checkpoints one run wrote, each with the fingerprint of its files (:func:`fingerprint`), and where its
-    switch checkpoints were moved (:func:`hide`). Held by the run's
+    switch checkpoints were moved (:meth:`RunCheckpoints.hide`). Held by the run's
     :class:`~hf_perf_callbacks.resize.executor.Executor`; every commit of the run's record writes them to the split
     file."""
 
@@ -242,9 +225,8 @@ class RunCheckpoints:
         says); returns where it is and whether it was written now (False: this run saved it whole already). A folder
         of that name this run did not write is moved aside first; one that comes out incomplete is moved aside and
         the error raised (a save cut short is moved aside by the trainer's save guard: ``outputdir``). ``switch``:
-        written only to switch splits (saved without ``save_total_limit``'s rotation and moved out of the
-        ``checkpoint-*`` names). One this run wrote with the weights alone (``save_only_model``: the user's) is never
-        written over nor moved: the whole save goes to ``tuner_switch/`` beside it."""
+        written only to switch splits (see the module docstring for where it goes, and for a user's checkpoint of
+        the weights alone)."""
         output_dir = self.output_dir
         path, main = checkpoint_dir(output_dir, step), is_main_process()
         ours = self.is_ours(step)
@@ -327,9 +309,15 @@ class RunCheckpoints:
         return self.hidden.get(step) or checkpoint_dir(self.output_dir, step)
 
     def hide(self, step: int) -> str:
-        """Move the switch checkpoint of ``step`` out of the names transformers' rotation counts (main process; the
-        other ranks take the same path)."""
-        path = hide(self.output_dir, step) if is_main_process() else switch_dir(self.output_dir, step)
+        """Move the switch checkpoint of ``step`` to ``tuner_switch/checkpoint-<step>``, out of the names
+        transformers' rotation counts (main process; the other ranks take the same path); returns the new path. Its
+        fingerprint stays (names, sizes and times move with it). OSError when it cannot be moved."""
+        path = switch_dir(self.output_dir, step)
+        if is_main_process():
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            if os.path.exists(path):
+                shutil.rmtree(path)
+            os.replace(checkpoint_dir(self.output_dir, step), path)
         self.hidden[step] = path
         return path
 

@@ -30,24 +30,20 @@ images in GRPO's batch) — an unmeasured split is never used unless the run acc
 (``AdaptiveBatchTuner(accept_unmeasured=True)``).
 
 **Several ranks.** Every rank runs the same passes on its own rows through the model without its DDP wrapper (no
-collective inside a pass but the step guard's own exchanges, which agree an out-of-memory error on every rank), and
-the sketches of every rank are summed (a sketch is linear in the gradient), so the verdict is the same on every rank.
-Under several ranks the window is the whole step (a split deals a step's rows to the ranks in another order; only
-all ranks' rows together are the step's rows). Under FSDP2 the passes run through the sharded model (its collectives
-in step on every rank, out-of-memory errors agreed by the step guard) and each parameter's reduced gradient is
-gathered for its sketch; DeepSpeed keeps each rank's part of the reduced gradient inside its engine: its changes are
-unmeasured.
+collective inside a pass but the step guard's own exchanges), over the whole step (a split deals a step's rows to the
+ranks in another order), and the ranks' sketches are summed (a sketch is linear in the gradient): one verdict on every
+rank. FSDP2's passes run through the sharded model, each parameter's reduced gradient gathered for its sketch;
+DeepSpeed keeps its part of the reduced gradient inside its engine: its changes are unmeasured.
 
-**No trace.** Before the first pass the RNG, the model's buffers (a BatchNorm's running statistics), its gradients,
-the split in ``args``, the trainer's accumulation count, TRL's logged metrics and GRPO's micro-batch counter are
-taken; all are put back after the last. The meter and the tests' sample recorder skip the passes
-(:meth:`~hf_perf_callbacks.common.bus.RunBus.own_work`); a user's own forward hooks see them.
+**No trace.** What the check changes is taken before the first pass and put back after the last (:class:`_Saved`;
+docs/exactness.md lists it); the meter and the tests' sample recorder skip the passes
+(:meth:`~hf_perf_callbacks.common.bus.RunBus.own_work`).
 """
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -183,7 +179,7 @@ def comparisons(old: Split, new: Split, ours: Fetched, theirs: Fetched | None, g
         part = _rows(adapter.resplit_generation(ours.batches, 1)[0], 0, new.micro_batch)
         yield "finer", _Cut(finer, _cut(part, finer.micro_batch), None), _Cut(new, [part], None)
         return
-    batch = _least_padded(ours.batches) if world == 1 else ours.batches[0]
+    batch = min(ours.batches, key=_size) if world == 1 else ours.batches[0]     # the least padded
     if _row_count(batch) != new.micro_batch:
         return                                  # a packed batch (or the epoch's short last one): no finer cut
     yield ("finer", _Cut(finer, _cut(batch, finer.micro_batch), ours.num_items),
@@ -216,10 +212,6 @@ def _aligned(theirs: Fetched, ours: Fetched, window: int) -> tuple[list[Any], li
     return theirs.batches[k * per_old:(k + 1) * per_old], ours.batches[k * per_new:(k + 1) * per_new]
 
 
-def _least_padded(batches: Sequence[Any]) -> Any:
-    return min(batches, key=_size)
-
-
 def _size(batch: Any) -> int:
     """A micro-batch's padded size: the elements of its tensors."""
     values = batch.values() if isinstance(batch, Mapping) else [batch]
@@ -237,15 +229,16 @@ def _row_count(batch: Any) -> int:
     return 0
 
 
-def _rows(batch: Any, start: int, stop: int) -> Any:
-    """Rows ``start:stop`` of a micro-batch (its tensors and lists of one entry per row; anything else as it is)."""
+def _rows(batch: Any, start: int = 0, stop: int | None = None, reverse: bool = False) -> Any:
+    """Rows ``start:stop`` of a micro-batch, in reverse order with ``reverse`` (its tensors and lists of one entry per
+    row; anything else as it is)."""
     count = _row_count(batch)
 
     def part(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == count:
-            return value[start:stop]
+            return value[start:stop].flip(0) if reverse else value[start:stop]
         if isinstance(value, list) and len(value) == count:
-            return value[start:stop]
+            return value[start:stop][::-1] if reverse else value[start:stop]
         return value
 
     return {k: part(v) for k, v in batch.items()} if isinstance(batch, Mapping) else batch
@@ -259,15 +252,7 @@ def _cut(batch: Any, size: int) -> list[Any]:
 
 def _reversed(batches: list[Any]) -> list[Any]:
     """The same micro-batches in reverse order, each with its rows reversed (the same sums in another order)."""
-    def flip(batch: Any) -> Any:
-        count = _row_count(batch)
-        if not isinstance(batch, Mapping) or count < 2:
-            return batch
-        order = list(range(count - 1, -1, -1))
-        return {k: (v[order] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == count else
-                    [v[i] for i in order] if isinstance(v, list) and len(v) == count else v)
-                for k, v in batch.items()}
-    return [flip(b) for b in reversed(batches)]
+    return [_rows(b, reverse=True) if _row_count(b) > 1 else b for b in reversed(batches)]
 
 
 # ------------------------------------------------------------ the passes

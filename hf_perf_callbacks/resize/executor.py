@@ -16,9 +16,9 @@ loop's state between steps and the check of every change, and carries each chang
 
 The loop of :func:`~hf_perf_callbacks.train_with_tuning` calls :meth:`Executor.take_run`, :meth:`~Executor.prepare`,
 :meth:`~Executor.after_train`, :meth:`~Executor.recover`, :meth:`~Executor.refused` and :meth:`~Executor.close`; the
-:class:`~hf_perf_callbacks.AdaptiveBatchTuner` sees :class:`TunerView`, one method per event it reports. One executor
-per ``train_with_tuning`` call, found by the tuner on the trainer's bus (without ``train_with_tuning`` the tuner opens
-one itself: it saves and stops on the watchdog's request, and prints the split to resume with).
+:class:`~hf_perf_callbacks.AdaptiveBatchTuner` calls one method per event it reports. One executor per
+``train_with_tuning`` call, found by the tuner on the trainer's bus (without ``train_with_tuning`` the tuner opens one
+itself: it saves and stops on the watchdog's request, and prints the split to resume with).
 """
 from __future__ import annotations
 
@@ -28,8 +28,11 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
+import torch
+
+from ..common.console import EVENT_WIDTH, console_line
 from ..common.outputdir import step_of
 from ..core.batching import Exactness, Split, candidates, current_split, exact_under, is_grpo
 from ..core.splitfile import Decision, ExactnessCheck, SplitFile, read_split_file, recorded_split, run_geometry
@@ -45,7 +48,7 @@ from ..platform.device import (
     rng_state,
     world_size,
 )
-from . import exactness, sharding
+from . import exactness, grouping, sharding
 from . import plan as plans
 from .agreement import ResizeNeeded, StepGuard, guard_training_step, recoverable
 from .checkpoints import RunCheckpoints, fingerprint, is_complete, newest_complete, resume_point
@@ -64,7 +67,7 @@ if TYPE_CHECKING:
     from ..core.memory import WallFacts
     from ..platform.device import RngState
 
-__all__ = ["Executor", "SwitchSplit", "RUN_END", "TunerView", "TunerEnd", "InexactResize", "ReplayLost", "RowsLost",
+__all__ = ["Executor", "SwitchSplit", "RUN_END", "TunerEnd", "InexactResize", "ReplayLost", "RowsLost",
            "format_summary"]
 
 logger = logging.getLogger("hf_perf_callbacks")
@@ -226,7 +229,7 @@ class Executor:
             self.record.id = main_process_value(lambda: self.record.id)
             if self.bus is not None:
                 self.bus.log.pin_session(self.record.id)
-        sharded, guarded = sharding.start(trainer, self)
+        sharded, guarded = sharding.start(trainer, self.warn_once)
         self.sharded = sharded
         self.record.commit(Change(state=replace(self.state, in_process=sharded is None, resizes_left=max_resizes)),
                            self.checkpoints.written, write=False)      # nothing the file holds: not written
@@ -245,7 +248,7 @@ class Executor:
         with self.event():
             self.judge_grouping(trainer)
             self.watch = ChangeWatch(trainer, self.state.configured, current_split, rows=not self.grpo,
-                                     sized=_sized(trainer))
+                                     sized=grouping.examples(trainer.train_dataset) is not None)
             self.apply_recorded(trainer)
             if check_memory is not None:
                 check_memory()
@@ -313,14 +316,12 @@ class Executor:
         """Read the facts of the run's loss and keep the splits the settings list does not refuse (said once, with
         why and what makes every split exact). The list explains causes and skips checks sure to fail; every change
         it lets through is still checked on the step it starts with."""
-        from .grouping import read_grouping
-
         every = self.every
         configured = self.state.configured
         planned = trainer.state.max_steps if trainer.state.max_steps > 0 else trainer.args.max_steps
         try:
-            exactness = exact_under(read_grouping(trainer, planned if planned and planned > 0 else None, self.world),
-                                    configured, every)
+            facts = grouping.read_grouping(trainer, planned if planned and planned > 0 else None, self.world)
+            exactness = exact_under(facts, configured, every)
         except Exception as error:  # noqa: BLE001 - unknown facts: only the configured split is known to be exact
             exactness = Exactness((configured,), f"the run's loss could not be read ({type(error).__name__}: "
                                                  f"{error})", "Nothing to change: this is a fault of the package.")
@@ -412,17 +413,11 @@ class Executor:
             staged.step = step + 1
         if staged is None or staged.step != step + 1 or self.watch is None:
             return
-        if self.grpo:
-            if not staged.checked:
-                self._confirmed(staged, None)
-            return
         theirs, ours = self.watch.taken()
         if not staged.checked:
             self._confirmed(staged, None)
-            return
-        if ours is None:                          # the step fetched nothing the watch saw: compare nothing
-            ours = exactness.Fetched(staged.new, [], None)
-        self._check(staged, theirs, ours)
+        elif not self.grpo:                       # ours None: the step fetched nothing the watch saw
+            self._check(staged, theirs, ours or exactness.Fetched(staged.new, [], None))
 
     def _grpo_prepared(self) -> None:
         """GRPO's first micro-batch of the staged change's step was handed out: its buffered completions are the
@@ -496,7 +491,8 @@ class Executor:
             if plan.cancelled is not None:
                 self.cancel_switch()
             if plan.action == "finish":
-                self._drop_switch_checkpoints()
+                if self.checkpoints.drop_switch():
+                    self.commit()
                 return True, None
         try:
             return False, self.switch_now(trainer)
@@ -522,10 +518,9 @@ class Executor:
                 raise lost from None
             if not plan.spend:
                 self._switched_at(step, wrote)
-            if is_main_process():
-                why = "" if plan.spend else f" ({self.state.switch_reason.removeprefix(f'back to {new}: ')})"
-                logger.warning("%s", _line(f"[tuner] step {step}: {old} → {new}: resuming from "
-                                           f"{os.path.basename(checkpoint)} in this process{why}"))
+            why = "" if plan.spend else f" ({self.state.switch_reason.removeprefix(f'back to {new}: ')})"
+            _say(f"[tuner] step {step}: {old} → {new}: resuming from {os.path.basename(checkpoint)} in this "
+                 f"process{why}")
             decision, self.pending = self.pending, None
             kind = "watchdog" if plan.spend else "tune" if self._in_tuning(new) else "back"
             self.resume_with(trainer, Staged(kind, old, new, step + 1, plan.state, decision, checkpoint))
@@ -701,10 +696,8 @@ class Executor:
         self.commit(state=replace(self.state, switch=new, switch_reason=refusal.why))
         back = "back" if new == self.state.split or new == self.state.configured else "tune"
         self.resume_with(trainer, Staged(back, self.state.split, new, step + 1, replace(self.state, switch=None)))
-        if is_main_process():
-            logger.warning("%s", _line(f"[tuner] step {step + 1}: {bad} → {new} ({refusal.why[:70]}): resuming from "
-                                       f"{os.path.basename(checkpoint) if checkpoint else 'the start'} in this "
-                                       f"process"))
+        _say(f"[tuner] step {step + 1}: {bad} → {new} ({refusal.why[:70]}): resuming from "
+             f"{os.path.basename(checkpoint) if checkpoint else 'the start'} in this process")
         return checkpoint
 
     def _back_to(self, step: int, staged: Staged | None, refusal: ChangeRefused) -> Split:
@@ -816,37 +809,28 @@ class Executor:
         self.stage(staged)
 
     def save_checkpoint(self, trainer: Trainer, step: int, switch: bool = False) -> str:
-        """``checkpoint-<step>`` written by this run, verified complete and holding the whole training state
-        (weights, optimizer, scheduler and the RNG the next step starts from, whatever ``save_only_model`` says),
-        with the training log and the perf line of step ``step`` written first. A folder of that name this run did
-        not write is moved aside first; a save that fails or comes out incomplete is moved aside too, and the error
-        raised. ``switch``: written only to switch splits (saved without ``save_total_limit``'s rotation and moved
-        out of the ``checkpoint-*`` names). One this run wrote with the weights alone (``save_only_model``: the
-        user's) is never written over nor moved: the whole save goes to ``tuner_switch/`` beside it."""
+        """:meth:`RunCheckpoints.save <.checkpoints.RunCheckpoints.save>` with the RNG the next step starts from,
+        the training log and the perf line of step ``step`` written first."""
         if self.bus is not None:                                    # the checkpoint's steps all have their line
             self.bus.complete_step(trainer.args, trainer.state, self.step_log.log_missed if self.step_log else None)
         elif self.step_log is not None:
             self.step_log.log_missed()
-        path, wrote = self.checkpoints.save(trainer, step, switch, self.rng_after(step), self.warn_once)
+        after = self.next_rng              # the RNG the step after ``step`` starts from (None: it has not begun)
+        rng = after[1] if after is not None and after[0] == step else None
+        path, wrote = self.checkpoints.save(trainer, step, switch, rng, self.warn_once)
         if wrote:
             self.commit()
         if wrote and self.loop is not None and path.endswith(f"checkpoint-{step}"):
             self.loop.keep(step)
         return path
 
-    def record_written(self, step: int, whole: bool = False) -> bool:
-        """Record ``checkpoint-<step>`` as this run's when it is complete; True when recorded."""
-        if not self.checkpoints.record(step, whole):
-            return False
-        self.commit()
-        return True
+    def record_written(self, step: int) -> None:
+        """Record ``checkpoint-<step>`` as this run's when it is complete."""
+        if self.checkpoints.record(step):
+            self.commit()
 
     def _switched_at(self, step: int, wrote: bool) -> None:
         if self.checkpoints.switched_at(step, wrote):
-            self.commit()
-
-    def _drop_switch_checkpoints(self) -> None:
-        if self.checkpoints.drop_switch():
             self.commit()
 
     def rewind_loop(self, step: int) -> None:
@@ -908,12 +892,7 @@ class Executor:
         if epoch_start and epoch is not None:
             self.epoch_rng = (epoch, self.next_rng[1])
 
-    def rng_after(self, step: int) -> RngState | None:
-        """The RNG to save in ``checkpoint-<step>`` (None: the step after it has not begun; the current one is
-        right)."""
-        return self.next_rng[1] if self.next_rng is not None and self.next_rng[0] == step else None
-
-    # ------------------------------------------------------------ the tuner's events (TunerView)
+    # ------------------------------------------------------------ the tuner's events
     @classmethod
     def for_tuner(cls, args: TrainingArguments, state: TrainerState, bus: RunBus | None,
                   accept_unmeasured: bool = False) -> Executor:
@@ -1081,21 +1060,13 @@ RUN_END = "hf_perf_resume_from"
 
 def torch_oom(why: str) -> BaseException:
     """An out-of-memory error of the check of a change, as the training step's would read."""
-    import torch
-
     return torch.OutOfMemoryError(f"out of memory in the check of a change: {why}")
 
 
-def _line(text: str) -> str:
-    from ..common.console import EVENT_WIDTH, console_line
-
-    return console_line(text, EVENT_WIDTH)
-
-
-def _sized(trainer: Trainer) -> bool:
-    from .grouping import examples
-
-    return examples(trainer.train_dataset) is not None
+def _say(text: str) -> None:
+    """``text`` on the main process's console, as one event line."""
+    if is_main_process():
+        logger.warning("%s", console_line(text, EVENT_WIDTH))
 
 
 def _checked(record: SplitFile, split: Split | None) -> bool:
@@ -1135,30 +1106,6 @@ class TunerEnd:
     decisions: int
     summary: str | None
     switch: Split | None
-
-
-class TunerView(Protocol):
-    """What :class:`~hf_perf_callbacks.resize.callback.AdaptiveBatchTuner` sees of the executor: one method per event
-    it reports, and whether train_with_tuning drives the run."""
-
-    managed: bool
-
-    def begin_train(self, args: TrainingArguments, step: int, max_steps: int = 0) -> bool: ...
-
-    def epoch_begins(self, step: int, epoch: float, resumed: bool) -> RngState | None: ...
-
-    def step_begins(self, step: int) -> None: ...
-
-    def saved(self, step: int) -> None: ...
-
-    def step_ends(self, step: int) -> tuple[Split, int]: ...
-
-    def measured_step(self, step: int, ranked: float, whole: float, peak_gb: float,
-                      fits: bool) -> tuple[bool, bool]: ...
-
-    def on_watchdog(self, reason: str, step: int, rows: list[Any] | None, acting: bool) -> Plan: ...
-
-    def train_ends(self, step: int, measuring: bool, continuing: bool) -> TunerEnd: ...
 
 
 def format_summary(executor: Executor) -> str:

@@ -10,36 +10,19 @@ refuses goes back to the split that trains those rows, or ends the run saved. Un
 finishes on every rank before gradients are exchanged and the ranks agree on OOMs first
 (:mod:`~hf_perf_callbacks.resize.agreement`), so an OOM anywhere in one rank's step re-sizes every rank together.
 
-Guarantees (each has a fault-injection test in ``tests/test_faults.py`` or ``tests/test_exactness.py``):
-
-* no trace when nothing changes: without a fault and without tuning, the run trains what ``trainer.train()`` trains
-  — the same dataset reads and RNG, sampler and collator calls, stream rows, model buffers, weights and optimizer
-  state (nothing is read, drawn or run that the trainer itself does not);
-* a split is used only once the step it starts with showed it trains what the old split would have (an unmeasured
-  one only with ``AdaptiveBatchTuner(accept_unmeasured=True)``); the settings list of
-  :func:`~hf_perf_callbacks.core.batching.exact_under` only skips changes sure to fail and explains why;
-* a resume uses only a checkpoint this run wrote completely (:mod:`~hf_perf_callbacks.resize.checkpoints`); the
-  loop's own saves hold the whole training state whatever ``save_only_model`` says, and the RNG the next step
-  starts from, so a re-size trains what the run would have trained without it;
-* what the training loop holds between steps goes on as unfaulted
-(:class:`~hf_perf_callbacks.platform.adapter.LoopState`):
-  the tokens and FLOPs of a step left mid-way are taken back, a resumed ``train()`` logs the loss window the
-  unfaulted run logs, and a GRPO step that replays buffered completions replays the same ones, re-split for the new
-  micro-batch (or the re-size is refused before it changes anything: :class:`~.plan.ReplayLost`);
-* an OOM no smaller micro-batch fixes (generation, a reward function: :mod:`~hf_perf_callbacks.resize.oomsite`) is
-  not re-sized: the run saves and ends with its cause and fix;
-* every path that ends the run early saves the last completed optimizer step first when it can, and says how to
-  resume — also Ctrl-C or SIGTERM while the loop writes its own checkpoint;
-* a user's own ``checkpoint-N`` saved with the weights alone is never written over nor moved by a switch's save;
-* a stop from anything but the tuner (a callback, early stopping, ``max_steps``) ends the run at its step, also at
-  the step where the tuner asked for a switch: a switch takes effect only when the next step begins
-  (:class:`~hf_perf_callbacks.resize.executor.SwitchSplit`);
-* the tuning's own trials never spend ``max_resizes``: a trial split that runs out of memory, or is refused at its
-  first step, is left and the run goes on; their checkpoints never push the user's out of ``save_total_limit``;
-* an OOM in evaluation never changes the training split (:mod:`~hf_perf_callbacks.resize.evaluation`);
-* a fault in the memory check or in the recovery's own housekeeping is one warning, never the end of training;
-* transformers' just-in-time SIGTERM checkpoint stays armed across in-process re-sizes; ``auto_find_batch_size``
-  is refused.
+Guarantees (each with a fault-injection test in ``tests/test_faults.py`` or ``tests/test_exactness.py``; docs/tuning.md,
+"What a re-size guarantees", words each one): no trace when nothing changes; a split is used only once the step it
+starts with showed it trains what the old split would have (:mod:`~hf_perf_callbacks.resize.exactness`); a resume
+only from a checkpoint this run wrote completely, holding the whole training state
+(:mod:`~hf_perf_callbacks.resize.checkpoints`); the loop's own state goes on as unfaulted
+(:class:`~hf_perf_callbacks.platform.adapter.LoopState`; else :class:`~.plan.ReplayLost`); an OOM no smaller
+micro-batch fixes ends the run saved, named (:mod:`~hf_perf_callbacks.resize.oomsite`); every early end saves the last
+completed step when it can and says how to resume; a user's weights-only checkpoint is never written over nor moved;
+another stop at a switch's step wins (:class:`~hf_perf_callbacks.resize.executor.SwitchSplit`); the tuning's trials
+never spend ``max_resizes`` nor push the user's checkpoints out of ``save_total_limit``; an OOM in evaluation never
+changes the training split (:mod:`~hf_perf_callbacks.resize.evaluation`); a fault of the memory check or of the
+recovery's housekeeping is one warning; transformers' SIGTERM checkpoint stays armed; ``auto_find_batch_size`` is
+refused.
 """
 from __future__ import annotations
 

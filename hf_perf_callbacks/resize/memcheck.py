@@ -1,19 +1,14 @@
 """The memory check: one optimizer step at the worst-case length, before training, where memory is tight.
 
-A run's longest examples (GRPO: completions forced to ``max_completion_length``) may come hours into training; the
-watchdog's growth forecast does not see a length spike coming. So on CUDA and MPS (where memory is the wall; never
-on a CPU, where the run swaps long before it fails) — and only where memory is tight: GRPO's worst-case peak
-estimated by :func:`~hf_perf_callbacks.estimate.estimate_grpo_memory`, times the allocator's overhead
-(``ALLOCATOR_OVERHEAD``), reaches ``TIGHT`` of the budget, or it cannot be estimated — :func:`check_memory` runs ONE
-optimizer step of the configured
-split on the longest examples at learning rate 0, measures its peak and restores weights, RNG, data and callbacks
-(a run after it samples the same completions as one without it; the check reads the training set's rows and runs
-the collator on the longest ones, so ``memory_check=False`` is the run with no trace). When the step runs out of
-memory (on any rank) or its peak passes the watchdog's budget, it walks down to the largest split the run's rules
-allow that fits and stages it: the run's first step is then checked on its own rows before it trains
-(:mod:`~hf_perf_callbacks.resize.exactness`), and the ``memory_check`` decision, with what each split measured and
-what the check cost, is committed once it passed. No timing rounds: which split is fastest is measured on the run's
-own steps (:mod:`~hf_perf_callbacks.resize.tuning`).
+A run's longest examples (GRPO: completions forced to ``max_completion_length``) may come hours into training, and the
+watchdog's growth forecast does not see a length spike coming. So on CUDA and MPS (never on a CPU, where the run
+swaps long before it fails), where GRPO's worst-case peak (:func:`~hf_perf_callbacks.estimate.estimate_grpo_memory`)
+times ``ALLOCATOR_OVERHEAD`` reaches ``TIGHT`` of the budget or cannot be estimated, :func:`check_memory` runs ONE
+optimizer step of the configured split on the longest examples at learning rate 0 and restores weights, RNG, data and
+callbacks (it reads the training set's rows: ``memory_check=False`` is the run with no trace). When the step runs out
+of memory on any rank or passes the watchdog's budget, the largest allowed split that fits is staged: the run's first
+step checks it on its own rows (:mod:`~hf_perf_callbacks.resize.exactness`), and the ``memory_check`` decision is
+committed once it passed. No timing rounds: the tuning measures speed on the run's own steps.
 """
 from __future__ import annotations
 
@@ -259,33 +254,29 @@ class _Saved(TypedDict):
     params: dict[str, torch.Tensor]
     rng: RngState
     generation_config: GenerationConfig | None
+    min_new_tokens: int | None                        # the generation config's, before the check forced it
+    dir: str                                          # the check's output_dir
 
 
-class _Snapshot(_Saved, total=False):
-    dir: str
-    min_new_tokens: int | None
-
-
-def _snapshot(trainer: Trainer) -> _Snapshot:
+def _snapshot(trainer: Trainer) -> _Saved:
     args = cast("GRPOConfig", trainer.args)          # num_generations is read for GRPO only
     keys = ("max_steps", "learning_rate", "output_dir", "save_strategy", "logging_strategy", "report_to",
             "eval_strategy")                            # the split is the session's (it applies the chosen one)
-    saved: _Snapshot = {"args": {k: getattr(args, k) for k in keys if hasattr(args, k)},
-             "callbacks": list(trainer.callback_handler.callbacks),
-             "dataset": trainer.train_dataset,
-             "params": {n: p.detach().to("cpu", copy=True)
-                        for n, p in cast(torch.nn.Module, trainer.model).named_parameters() if p.requires_grad},
-             "rng": rng_state(),
-             "generation_config": getattr(trainer, "generation_config", None)}
-    saved["dir"] = tempfile.mkdtemp(prefix="hf_perf_memcheck_")
+    config = getattr(trainer, "generation_config", None)
+    saved: _Saved = {"args": {k: getattr(args, k) for k in keys if hasattr(args, k)},
+                     "callbacks": list(trainer.callback_handler.callbacks),
+                     "dataset": trainer.train_dataset,
+                     "params": {n: p.detach().to("cpu", copy=True) for n, p in
+                                cast(torch.nn.Module, trainer.model).named_parameters() if p.requires_grad},
+                     "rng": rng_state(), "generation_config": config,
+                     "min_new_tokens": config.min_new_tokens if config is not None else None,
+                     "dir": tempfile.mkdtemp(prefix="hf_perf_memcheck_")}
     args.output_dir, args.learning_rate = saved["dir"], 0.0
     for key, value in (("save_strategy", "no"), ("logging_strategy", "no"), ("eval_strategy", "no")):
         if hasattr(args, key):
             setattr(args, key, value)
     args.report_to = []
-    if saved["generation_config"] is not None:          # GRPO: generate the longest completions
-        config = saved["generation_config"]
-        saved["min_new_tokens"] = config.min_new_tokens
+    if config is not None:                              # GRPO: generate the longest completions
         config.min_new_tokens = getattr(args, "max_completion_length", None)
     split = current_split(args)
     needed = (cast(int, split.generation_batch(world_size())) // cast(int, args.num_generations) if is_grpo(args)
@@ -294,7 +285,7 @@ def _snapshot(trainer: Trainer) -> _Snapshot:
     return saved
 
 
-def _restore(trainer: Trainer, saved: _Snapshot) -> None:
+def _restore(trainer: Trainer, saved: _Saved) -> None:
     args = trainer.args
     for key, value in saved["args"].items():
         setattr(args, key, value)

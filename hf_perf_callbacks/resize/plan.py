@@ -46,9 +46,16 @@ class InexactResize(ValueError):
 
     def __init__(self, step: int, old: Split, anyway: Split, exactness: Exactness):
         self.step, self.old, self.anyway, self.exactness = step, old, anyway, exactness
+        self._open(f"out of memory at step {step} at split {old}, and no smaller split keeps this run exact: "
+                   f"{exactness.reason}. {exactness.fix} The run ends here rather than going on inexactly. To go on "
+                   f"anyway at {anyway} (not exactly the configured run), set per_device_train_batch_size="
+                   f"{anyway.micro_batch} and gradient_accumulation_steps={anyway.grad_accum} and ")
+
+    def _open(self, head: str) -> None:
+        """``head``: the message up to how to go on; the ending is completed by :meth:`ended`."""
+        self.head, self.not_saved = head, ""
         self.checkpoint: str | None = None
-        self.not_saved = ""
-        super().__init__(self.message())
+        ValueError.__init__(self, self.message())
 
     def ended(self, checkpoint: str | None, not_saved: str = "") -> None:
         """The run ended: ``checkpoint`` is the one to go on from (None: none; ``not_saved``: why the last completed
@@ -56,35 +63,20 @@ class InexactResize(ValueError):
         self.checkpoint, self.not_saved = checkpoint, not_saved
         self.args = (self.message(),)
 
-    def opening(self) -> str:
-        """The message up to how to go on."""
-        anyway, exactness = self.anyway, self.exactness
-        return (f"out of memory at step {self.step} at split {self.old}, and no smaller split keeps this run exact: "
-                f"{exactness.reason}. {exactness.fix} The run ends here rather than going on inexactly. To go on "
-                f"anyway at {anyway} (not exactly the configured run), set per_device_train_batch_size="
-                f"{anyway.micro_batch} and gradient_accumulation_steps={anyway.grad_accum} and ")
-
     def message(self) -> str:
-        head = self.opening()
         if self.checkpoint is not None:
-            return f"{head}resume with trainer.train(resume_from_checkpoint={self.checkpoint!r})."
+            return f"{self.head}resume with trainer.train(resume_from_checkpoint={self.checkpoint!r})."
         if self.not_saved:
-            return f"{head}start again with trainer.train(): nothing was saved to go on from ({self.not_saved})."
-        return f"{head}resume with trainer.train(resume_from_checkpoint=...) from the checkpoint the run saved."
+            return f"{self.head}start again with trainer.train(): nothing was saved to go on from ({self.not_saved})."
+        return f"{self.head}resume with trainer.train(resume_from_checkpoint=...) from the checkpoint the run saved."
 
 
 class _OwnWords(InexactResize):
     """An :class:`InexactResize` that says its cause in its own words (``head``: the message up to how to go on),
     completed by :meth:`ended` as for any other."""
 
-    def __init__(self, head: str):    # the message is its own; the ending is shared
-        self.head = head
-        self.checkpoint = None
-        self.not_saved = ""
-        ValueError.__init__(self, self.message())
-
-    def opening(self) -> str:
-        return self.head
+    def __init__(self, head: str):
+        self._open(head)
 
 
 class ReplayLost(_OwnWords):

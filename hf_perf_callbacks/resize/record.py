@@ -24,6 +24,7 @@ decision wins, so the relaunch resumes every rank with the split the failing ran
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -33,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from ..core.batching import Exactness, Split
-from ..core.splitfile import Decision, ExactnessCheck, Restriction, SplitFile, SplitFileError, WrittenCheckpoint
+from ..core.splitfile import Decision, ExactnessCheck, Restriction, SplitFile, WrittenCheckpoint
 from ..keys import SPLIT_FILE
 from .plan import SplitState
 
@@ -109,7 +110,7 @@ class SplitRecord:
         if not write:
             return None
         if change.restart and not self.main:
-            return _write(self.file(written), rank_file(self.output_dir, self.rank))
+            return self.file(written).write(self.output_dir, rank_file(self.output_dir, self.rank))
         record = self.file(written)
         if not self.main or record.to_json() == self._written or (
                 self._written is None and _nothing(record)
@@ -122,12 +123,11 @@ class SplitRecord:
     def adopt(self, found: SplitFile) -> None:
         """Continue the recorded run ``found`` (a resume in a new process, already merged with the ranks' files):
         its id, configured split and the split it resumes with, its decisions and checks."""
-        configured = found.configured
         self.id, self.decisions, self.checks = found.session, list(found.decisions), list(found.checks)
-        kept = tuple(found.restricted.splits) if found.restricted is not None else None
-        exactness = (Exactness(kept, found.restricted.reason, found.restricted.fix)
-                     if found.restricted is not None and kept is not None else self.state.exactness)
-        self.state = replace(self.state, configured=configured, exactness=exactness)
+        restricted = found.restricted
+        exactness = (Exactness(tuple(restricted.splits), restricted.reason, restricted.fix) if restricted is not None
+                     else self.state.exactness)
+        self.state = replace(self.state, configured=found.configured, exactness=exactness)
 
     def file(self, written: Sequence[WrittenCheckpoint]) -> SplitFile:
         """The record as the split file holds it."""
@@ -153,25 +153,18 @@ def _nothing(record: SplitFile) -> bool:
             and record.ended is None and record.restricted is None)
 
 
-def _write(record: SplitFile, path: str) -> str:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(record.to_json(), f, indent=1)
-    os.replace(path + ".tmp", path)
-    return path
+def _rank_paths(output_dir: str) -> list[str]:
+    """The files :func:`rank_file` names in ``output_dir``."""
+    found = glob.glob(os.path.join(glob.escape(output_dir), f"{SPLIT_FILE.removesuffix('.json')}.rank*.json"))
+    return sorted(path for path in found if _RANK_FILE.search(path) is not None)
 
 
 def rank_files(output_dir: str) -> list[SplitFile]:
     """The records that ranks other than 0 wrote for the launcher's restart (an unreadable one is skipped)."""
     found = []
-    for path in sorted(glob.glob(os.path.join(glob.escape(output_dir), f"{SPLIT_FILE.removesuffix('.json')}.rank*"))):
-        if _RANK_FILE.search(path) is None:
-            continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                found.append(SplitFile.from_json(json.load(f)))
-        except (OSError, ValueError, SplitFileError):
-            continue
+    for path in _rank_paths(output_dir):
+        with contextlib.suppress(OSError, ValueError), open(path, encoding="utf-8") as f:    # ValueError: JSON,
+            found.append(SplitFile.from_json(json.load(f)))                                   # SplitFileError
     return found
 
 
@@ -199,8 +192,6 @@ def _newest(record: SplitFile) -> float:
 
 def clear_rank_files(output_dir: str) -> None:
     """Remove the ranks' restart records once the main record holds them (the main process, after adopting)."""
-    for path in glob.glob(os.path.join(glob.escape(output_dir), f"{SPLIT_FILE.removesuffix('.json')}.rank*.json")):
-        try:
+    for path in _rank_paths(output_dir):
+        with contextlib.suppress(OSError):
             os.remove(path)
-        except OSError:
-            continue

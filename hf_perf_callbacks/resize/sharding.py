@@ -13,44 +13,29 @@ tuning on the run's steps, memory      skipped                          skipped
 check
 =====================================  ===============================  ==========================================
 
-**The step guard** (:class:`~hf_perf_callbacks.resize.agreement.StepGuard`) runs one small exchange before every
-collective of the training step on the default group — FSDP2's all-gathers and reduce-scatters included — so a rank
-that ran out of memory leaves its step and the others learn of it before their next collective, as under DDP. After
-the OOM every rank resets FSDP2's iteration state (its parameters resharded; torch's
-``FSDPModule.reset_iter_state``), saves FSDP's sharded checkpoint of the last completed step together, and
-``train()`` resumes from it with the next smaller exact split (accelerate is kept from wrapping the wrapped model a
-second time: :func:`~hf_perf_callbacks.platform.adapter.fsdp2_prepared_again`). The exchanges cost a host round trip per
-collective, so the guard comes off after :data:`STABLE_STEPS` optimizer steps without a change, and is put back by
-every re-size (MosaicML Composer does the same with its FSDP hooks). An OOM while it is off — or one outside the
-step (``optimizer.step``, a save) — leaves the other ranks inside a collective: the rank that ran out of memory
-records the next smaller split (the main process writes it to ``tuner_split.json``) and ends its process, and the
-launcher's own restart (``torchrun --max-restarts N``, ``accelerate launch --max_restarts N``) starts every rank
-again; ``train_with_tuning`` sees the restart (``TORCHELASTIC_RESTART_COUNT``) and resumes from the newest checkpoint
-this run wrote with the recorded split, no person in the loop. Not seen by the guard: collectives on sub-groups of a
-2-D device mesh (HSDP, tensor parallelism): there no guard is installed, every OOM takes the restart path.
+The step guard (:class:`~hf_perf_callbacks.resize.agreement.StepGuard`) runs one small exchange before every
+collective of the training step on the default group, FSDP2's all-gathers and reduce-scatters included, so an OOM
+on one rank re-sizes every rank in the same process (FSDP2's iteration state reset, its sharded checkpoint saved
+together; :func:`~hf_perf_callbacks.platform.adapter.fsdp2_prepared_again`). Its exchanges cost a host round trip per
+collective, so it comes off after :data:`STABLE_STEPS` steps without a change and is put back by every re-size. An
+OOM while it is off, outside the step, under DeepSpeed with several ranks (``deepspeed.comm`` binds
+``torch.distributed``'s functions when it starts, so no exchange can run before its collectives) or on a device mesh
+of more than one dimension (its sub-groups are not seen) leaves the other ranks inside a collective: the failing rank
+records the next smaller split and ends its process, and the launcher's restart (``TORCHELASTIC_RESTART_COUNT``)
+resumes every rank with it.
 
-The tuning on the run's steps and the memory check stay off under FSDP: the watchdog re-sizes before the wall.
-
-**DeepSpeed** fixes the split in its config when ``accelerator.prepare`` builds the engine
-(``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``, ``train_batch_size``, which DeepSpeed checks
-against each other and the world size). The engine's own setters (``set_train_micro_batch_size``,
-``set_train_batch_size``) change only its bookkeeping: under transformers the micro-batch is the dataloader's, the
-accumulation boundary is accelerate's (``set_gradient_accumulation_boundary`` at every micro-batch) and the loss is
-not scaled by DeepSpeed (``scale_wrt_gas=False``), and after an out-of-memory error inside a step the engine's
-ZeRO buffers hold a half-reduced step. So a re-size goes as transformers' own ``auto_find_batch_size`` goes: the
-split is written to the DeepSpeed config in every place that holds it (:func:`deepspeed_split`: the plugin's config,
-which transformers' ``HfTrainerDeepSpeedConfig`` shares, the accelerator's, its accumulation steps), the engine is
-destroyed (:func:`release_engine`: ``Accelerator.free_memory``), and the resumed ``train()`` builds a new engine
-from that config and loads DeepSpeed's checkpoint of the last completed step (weights, ZeRO optimizer partitions,
-scheduler) into it. The step guard is not installed: DeepSpeed's ``deepspeed.comm`` binds ``torch.distributed``'s
-functions when it starts (on CPU it all-reduces through its own shared-memory op), so no exchange could run before
-its collectives; an OOM inside a step under several ranks takes the restart path, as under FSDP with the guard off.
+**DeepSpeed** fixes the split in its config when the engine is built, and its engine's setters change only its
+bookkeeping; so a re-size goes as transformers' ``auto_find_batch_size`` goes: the split is written to every copy of
+the DeepSpeed config (:func:`deepspeed_split`), the engine is destroyed (:func:`release_engine`) and the resumed
+``train()`` builds a new one and loads DeepSpeed's checkpoint of the last completed step. docs/tuning.md ("Sharded
+training") has the whole story and what was measured.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Protocol, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 from ..core.batching import Exactness, Split
 from ..platform.device import error_line, is_oom_error, world_size
@@ -102,23 +87,16 @@ def guardable(trainer: Trainer) -> bool:
     return mesh is None or getattr(mesh, "ndim", 1) <= 1
 
 
-class Warner(Protocol):
-    """What :func:`start` needs of the executor (:meth:`Executor.warn_once
-    <hf_perf_callbacks.resize.executor.Executor.warn_once>`); a protocol, as the executor imports this module."""
-
-    def warn_once(self, key: str, message: str, step: int | None = None) -> bool: ...
-
-
-def start(trainer: Trainer, session: Warner) -> tuple[str | None, bool]:
-    """Refuse what cannot work under the trainer's sharding, say what is limited; returns the sharding and whether
-    the step guard sees its collectives (always, unsharded)."""
+def start(trainer: Trainer, warn_once: Callable[[str, str], object]) -> tuple[str | None, bool]:
+    """Say what is limited under the trainer's sharding (``warn_once(key, message)``: console and perf log); returns
+    the sharding and whether the step guard sees its collectives (always, unsharded)."""
     kind = sharding(trainer)
     if kind == "deepspeed":
-        session.warn_once("sharding-limits", DEEPSPEED_NOTES)     # console and perf log
+        warn_once("sharding-limits", DEEPSPEED_NOTES)
         return kind, False                   # deepspeed.comm's collectives bypass the guard's exchanges
     guarded = kind is None or guardable(trainer)
     if kind == "fsdp":
-        session.warn_once("sharding-limits", FSDP_NOTES if guarded else NO_GUARD)  # console and perf log
+        warn_once("sharding-limits", FSDP_NOTES if guarded else NO_GUARD)
     return kind, guarded
 
 

@@ -9,42 +9,27 @@ is trained twice, nothing is thrown away.
 
 **Evidence.** Each split is ranked by its step time outside generation (``rank_by="non_generation"``: the
 generation batch is the same for every split, and HF ``generate`` jitters by tens of percent) or by the whole step.
-The run's first ``WARMUP_AT_START`` generation cycles, and the first ``WARMUP_AFTER_SWITCH`` after
-a switch, are a warm-up and are not measured (they are trained like any step). The warm-up at the start is fixed,
-not ended early by two steps that agree: on one H200 a 32×1 start ran 2.29 and 1.94 s outside generation on steps
-2-3 (the plain 32×1 run beside it on another card 2.01 and 1.89, then about 0.22 from step 6), and a warm-up ended
-at step 3 kept a 16×2 candidate that ran about 0.41 s (its median), 1.9× the plain run, for the rest of the run. A
-decision on the gathered figures alone, alike on every rank. The configured split is measured on ``first_samples`` steps
-(``FIRST_SAMPLES``) before the first candidate is tried: a slow configured split costs every step it runs, and a
-candidate far from it needs no more. After each measured generation cycle of a candidate, a
-*sequential test* (:func:`sequential`) decides at once when the gap is beyond the noise: kept when the baseline's
-fastest step is more than the noise allows (and ``MIN_GAIN``) above the candidate's slowest, left when the candidate's
-fastest is more than the noise allows above the baseline's slowest — the extremes, so that one stray step on either
-side never decides; the noise allowed is ``z × spread × √(1/n_baseline + 1/n_candidate)`` in log time, ``spread``
-the pooled spread of the log step times measured so far (at least ``SIGMA_FLOOR``), ``z`` the one-sided normal
-quantile of ``ALPHA_SEQUENTIAL`` shared by the candidate's looks (Bonferroni): a split 8× slower or faster is decided
-on its first measured step, one within a few tens of percent never by this test. Otherwise the candidate is judged
-after each block of ``samples`` measured steps against all of the baseline's samples (:func:`judge`: one-sided
-Mann-Whitney ``p <= ALPHA / max_rounds`` — the candidate is looked at up to ``max_rounds`` times, so each look gets
-its share of the significance level — and a median at least ``MIN_GAIN`` shorter). On equal splits with 20% noise,
-noise alone keeps another split in under 10% of runs (two candidates tried; ``tests/test_tuning.py``). Not yet
-separable from the noise: another round, back to the baseline for a block and to the candidate again (interleaved,
-so that a drift of the machine hits both), while rounds are affordable; a candidate that runs out of memory or passes
-the memory budget is left at once. Every figure the tests use is the slowest rank's, gathered: every rank decides
-alike.
+The run's first ``WARMUP_AT_START`` generation cycles, and the first ``WARMUP_AFTER_SWITCH`` after a switch, are a
+warm-up and are not measured (they are trained like any step); the warm-up at the start is fixed, never ended early
+by two steps that agree (docs/tuning.md has the H200 run that showed why). The configured split is measured on
+``first_samples`` steps (``FIRST_SAMPLES``) before the first candidate is tried. After each measured generation cycle
+of a candidate the *sequential test* (:func:`sequential`) decides at once when the gap between the extremes of the
+two splits' steps is beyond the noise (the pooled spread of the log step times, at least ``SIGMA_FLOOR``, at
+``ALPHA_SEQUENTIAL`` over the candidate's looks), so that a split 8× slower or faster is decided on its first
+measured step and one stray step never decides. Otherwise the candidate is judged after each block of ``samples``
+measured steps against all of the baseline's samples (:func:`judge`: one-sided Mann-Whitney ``p <= ALPHA /
+max_rounds`` and a median at least ``MIN_GAIN`` shorter); on equal splits with 20% noise, noise alone keeps another
+split in under 10% of runs (``tests/test_tuning.py``). Not yet separable: another round, back to the baseline for a
+block and to the candidate again (interleaved, so that a drift of the machine hits both), while rounds are
+affordable; a candidate that runs out of memory or passes the memory budget is left at once. Every figure is the
+slowest rank's, gathered: every rank decides alike.
 
-**Cost before you pay.** A trial's cost is its switches (measured on this run once one happened; before that, the
-run's own first-step overhead — a switch starts a train() call anew — plus writing and reading the training state at
-``SAVE_BYTES_PER_SEC``, at least ``SWITCH_FLOOR_SEC``), the warm-up step after each switch, the slower steps of a
-worse candidate (reckoned beforehand at the baseline's spread) and the switch back when it is left. A round starts
-only when the saving it can plausibly make over the steps left *after* it exceeds its cost (twice over,
-``PRIOR_MARGIN``, while no switch of the run has been measured: the reckoning is a prior)
-(:meth:`OnRunTuning.plausible_saving`): per step, before a candidate is measured, the baseline's ranked time (a
-split with no split-dependent time: the ceiling) less the baseline's interquartile range (the candidate's steps
-carry the machine's noise too, and a saving within it cannot be told from the noise: on a machine whose steps spread
-as widely as they take, nothing is tried); once it is measured, its median gain plus the standard error of that
-difference (the most its samples still allow: a candidate that cannot pay for another round even then is left). A
-run too short to pay back tries nothing and costs nothing.
+**Cost before you pay.** A trial's cost is its switches (:meth:`OnRunTuning.switch_cost`: measured on this run once
+one happened, reckoned before), the warm-up after each switch, the slower steps of a worse candidate and the switch
+back when it is left. A round starts only when the saving it can plausibly make over the steps left *after* it
+exceeds its cost (twice over, ``PRIOR_MARGIN``, while no switch of the run has been measured;
+:meth:`OnRunTuning.saving_figures` says how the saving is reckoned). A run too short to pay back tries nothing and
+costs nothing.
 
 **Order.** Larger micro-batches first, the largest first (on accelerators the largest split that fits is usually
 the fastest, and trying it first spends the fewest steps at slower splits): one that runs out of memory or passes
@@ -373,7 +358,7 @@ class OnRunTuning:
             return self._next_candidate(step) or self._finish(self.note)
         if self.current == self.baseline:          # an interleaving block of the baseline: the candidate again
             if self._affordable(step):
-                return self._switch(self.candidate, "measuring again (interleaved)")
+                return Switch(self.candidate, "measuring again (interleaved)")
             return self._leave(step, Why("not_separable", {"candidate": str(self.candidate)}))
         candidate, base = self.trials[self.candidate], self.trials[self.baseline]
         candidate.p_value, candidate.gain, faster = judge(candidate.samples, base.samples, ALPHA / self.max_rounds)
@@ -384,7 +369,7 @@ class OnRunTuning:
             return self._leave(step, Why("not_faster", {"candidate": str(self.candidate), "rounds": self.rounds}))
         if not self._affordable(step):
             return self._leave(step, Why("not_separable", {"candidate": str(self.candidate)}))
-        return self._switch(self.baseline, "measuring the baseline again (interleaved)")
+        return Switch(self.baseline, "measuring the baseline again (interleaved)")
 
     def _keep(self, step: int, kept: Split) -> Switch | Finished:
         if self.walk == "larger":                  # the largest faster split that fits: the walk up ends
@@ -429,10 +414,7 @@ class OnRunTuning:
             return None
         self.candidate = queue.pop(0)
         self.rounds = 0
-        return self._switch(self.candidate, "trying a split on the next steps")
-
-    def _switch(self, split: Split, why: str) -> Switch:
-        return Switch(split, why)
+        return Switch(self.candidate, "trying a split on the next steps")
 
     def end(self, reason: str) -> None:
         """End the tuning now at its baseline (memory or the run's end ended it), for ``reason``: a code of

@@ -1,8 +1,8 @@
 """AdaptiveBatchTuner: the callback side of re-sizing. It measures the run's own steps for the tuning on them,
 logs the split in effect, and answers the watchdog's request for a smaller micro-batch; it sees the run's
-:class:`~hf_perf_callbacks.resize.executor.Executor` (found on the trainer's bus), which carries every change out, one
-method per event. Without ``train_with_tuning`` a re-size request saves, stops cleanly and prints the split and the
-command to resume with.
+:class:`~hf_perf_callbacks.resize.executor.Executor` (found on the trainer's bus) through
+:class:`~hf_perf_callbacks.resize.executor.TunerView`, which carries every change out. Without ``train_with_tuning``
+a re-size request saves, stops cleanly and prints the split and the command to resume with.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from ..core.validation import check_flag, check_number
 from ..core.wording import TUNER_NEEDS_TRAIN_WITH_TUNING
 from ..platform import adapter
 from ..platform.device import GB, DeviceLayer, gather_floats, set_rng_state, world_size
-from .executor import Executor
+from .executor import Executor, TunerView
 from .tuning import FIRST_SAMPLES, MIN_SAMPLES, SAMPLES
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ class AdaptiveBatchTuner(PerfCallback):
         self.tune, self.samples, self.max_rounds, self.max_micro_batch = tune, samples, max_rounds, max_micro_batch
         self.patience, self.rank_by, self.must_pay, self.memory_check = patience, rank_by, must_pay, memory_check
         self.first_samples, self.accept_unmeasured = first_samples, accept_unmeasured
-        self.executor: Executor | None = None
+        self.executor: TunerView | None = None
         self.in_optimizer_step = False
         self.measuring = False
         self.generation = adapter.GenerationClock(self.clock.wall)
@@ -135,7 +135,7 @@ class AdaptiveBatchTuner(PerfCallback):
             self._stop_watching = adapter.watch_generation(model, self.generation) if model is not None else None
 
     @property
-    def _executor(self) -> Executor:
+    def _executor(self) -> TunerView:
         """The run's executor, found at ``on_train_begin`` (the events after it may use it)."""
         if self.executor is None:
             raise RuntimeError("AdaptiveBatchTuner has no executor yet: it finds one at on_train_begin")

@@ -16,9 +16,9 @@ loop's state between steps and the check of every change, and carries each chang
 
 The loop of :func:`~hf_perf_callbacks.train_with_tuning` calls :meth:`Executor.take_run`, :meth:`~Executor.prepare`,
 :meth:`~Executor.after_train`, :meth:`~Executor.recover`, :meth:`~Executor.refused` and :meth:`~Executor.close`; the
-:class:`~hf_perf_callbacks.AdaptiveBatchTuner` calls one method per event it reports. One executor per
-``train_with_tuning`` call, found by the tuner on the trainer's bus (without ``train_with_tuning`` the tuner opens one
-itself: it saves and stops on the watchdog's request, and prints the split to resume with).
+:class:`~hf_perf_callbacks.AdaptiveBatchTuner` sees :class:`TunerView`, one method per event it reports. One executor
+per ``train_with_tuning`` call, found by the tuner on the trainer's bus (without ``train_with_tuning`` the tuner opens
+one itself: it saves and stops on the watchdog's request, and prints the split to resume with).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     from ..core.memory import WallFacts
     from ..platform.device import RngState
 
-__all__ = ["Executor", "SwitchSplit", "RUN_END", "TunerEnd", "InexactResize", "ReplayLost", "RowsLost",
+__all__ = ["Executor", "SwitchSplit", "RUN_END", "TunerView", "TunerEnd", "InexactResize", "ReplayLost", "RowsLost",
            "format_summary"]
 
 logger = logging.getLogger("hf_perf_callbacks")
@@ -892,7 +892,7 @@ class Executor:
         if epoch_start and epoch is not None:
             self.epoch_rng = (epoch, self.next_rng[1])
 
-    # ------------------------------------------------------------ the tuner's events
+    # ------------------------------------------------------------ the tuner's events (TunerView)
     @classmethod
     def for_tuner(cls, args: TrainingArguments, state: TrainerState, bus: RunBus | None,
                   accept_unmeasured: bool = False) -> Executor:
@@ -1106,6 +1106,30 @@ class TunerEnd:
     decisions: int
     summary: str | None
     switch: Split | None
+
+
+class TunerView(Protocol):
+    """What :class:`~hf_perf_callbacks.resize.callback.AdaptiveBatchTuner` sees of the executor: one method per event
+    it reports, and whether train_with_tuning drives the run."""
+
+    managed: bool
+
+    def begin_train(self, args: TrainingArguments, step: int, max_steps: int = 0) -> bool: ...
+
+    def epoch_begins(self, step: int, epoch: float, resumed: bool) -> RngState | None: ...
+
+    def step_begins(self, step: int) -> None: ...
+
+    def saved(self, step: int) -> None: ...
+
+    def step_ends(self, step: int) -> tuple[Split, int]: ...
+
+    def measured_step(self, step: int, ranked: float, whole: float, peak_gb: float,
+                      fits: bool) -> tuple[bool, bool]: ...
+
+    def on_watchdog(self, reason: str, step: int, rows: list[Any] | None, acting: bool) -> Plan: ...
+
+    def train_ends(self, step: int, measuring: bool, continuing: bool) -> TunerEnd: ...
 
 
 def format_summary(executor: Executor) -> str:

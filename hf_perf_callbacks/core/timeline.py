@@ -42,12 +42,10 @@ Training time of a step excludes eval and save. Warmup is detected on cycles of 
 ``period`` optimizer steps; 1 otherwise), on the **work** of a cycle: its wall time (``work="wall"``), or on a CPU
 device the process's CPU time (``work="cpu"``, :func:`time.process_time`, all threads): there the CPU time is the work,
 and a step that took longer with the same CPU time was slowed by other processes, not by warmup. CPU mode reports wall
-time all the same (the steady step time and the first step's slowdown below are wall figures), and the excess wall time
-of the cycles up to the decision over the steady wall median (from the decision's window on) is split once
-(:func:`~hf_perf_callbacks.core.stats.classify_slow_steps`): the part no extra CPU time explains is contention. The CPU
-time counts the process's child processes too (inductor's compile workers, DataLoader workers: the caller adds them), so
-a compile in the first steps is warmup, not contention. On a GPU the host's CPU time is launch and wait time, not the
-work (a GPU kernel's time shows up as wall time of a waiting host), so the detector stays on wall time there. Each
+figures all the same; of the early cycles' excess wall time, the part no extra CPU time explains is contention
+(:meth:`StepTimeline._early_split`). The CPU time counts the process's child processes too (the caller adds them), so a
+compile in the first steps is warmup, not contention. On a GPU the host's CPU time is launch and wait time, not the
+work, so the detector stays on wall time there. Each
 ``train()`` call (a resume included) starts a new segment with its own warmup; steady totals, the warmup overhead and
 the contention accumulate over segments (a fresh run starts a new timeline).
 

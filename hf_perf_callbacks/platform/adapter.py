@@ -631,6 +631,19 @@ def inputs_as_given(trainer: Trainer, grpo: bool = True) -> Iterator[None]:
 TRAINER_PHASES = {"get_batch_samples": "data_wait", "log": "log", "evaluate": "eval", "_save_checkpoint": "save"}
 
 
+def _bracketed(original: Callable[..., Any], label: str, enter: Callable[[str], None],
+               leave: Callable[[str], None]) -> Callable[..., Any]:
+    """``original`` with ``enter(label)`` before each call and ``leave(label)`` after it (an error goes through, after
+    ``leave``)."""
+    def bracketed(*args: Any, **kwargs: Any) -> Any:
+        enter(label)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            leave(label)
+    return bracketed
+
+
 def clock_trainer(trainer: Trainer, enter: Callable[[str], None], leave: Callable[[str], None]) -> Callable[[], None]:
     """Call ``enter(phase)`` and ``leave(phase)`` around each of ``trainer``'s methods of :data:`TRAINER_PHASES`
     (an error goes through, after ``leave``); returns the undo, which puts back whatever each method was before (a
@@ -641,14 +654,7 @@ def clock_trainer(trainer: Trainer, enter: Callable[[str], None], leave: Callabl
             continue
 
         def make(original: Callable[..., Any], phase: str = phase) -> Callable[..., Any]:
-            @functools.wraps(original)
-            def clocked(*args: Any, **kwargs: Any) -> Any:
-                enter(phase)
-                try:
-                    return original(*args, **kwargs)
-                finally:
-                    leave(phase)
-            return clocked
+            return functools.wraps(original)(_bracketed(original, phase, enter, leave))
 
         undos.append(replace_method(trainer, name, make))
 
@@ -1060,16 +1066,7 @@ def watch_collectives(started: Callable[[str], None], finished: Callable[[str], 
     """Until the returned undo runs, call ``started(name)`` and ``finished(name)`` around every collective of
     :data:`COLLECTIVES` that goes through the ``torch.distributed`` module functions (``finished`` on an error too).
     Meant for a short span (one rollout): installed over whatever wraps them now and undone before it."""
-    def make(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            started(name)
-            try:
-                return original(*args, **kwargs)
-            finally:
-                finished(name)
-        return timed
-
-    return _wrap_collectives(make)
+    return _wrap_collectives(lambda name, original: _bracketed(original, name, started, finished))
 
 
 def intercept_collectives(before: Callable[[], None], failed: Callable[[], None]) -> Callable[[], None]:

@@ -12,6 +12,7 @@ from transformers import Trainer
 from hf_perf_callbacks import ThroughputMeter, keys
 from hf_perf_callbacks.core.runlog import read_run
 from hf_perf_callbacks.core.wording import MFU_BASIS_SHORT, mfu_words
+from hf_perf_callbacks.platform.device import DeviceLayer
 from hf_perf_callbacks.report import summarize
 from hf_perf_callbacks.report.model import RecipeTarget
 from hf_perf_callbacks.report.reading import measurements_from_run
@@ -89,32 +90,40 @@ def test_recompute_advice_on_a_stand_in_becomes_a_note_naming_the_recipes_choice
 
 
 def test_mfu_on_a_calibrated_cpu_is_per_cpu_second_and_other_processes_do_not_move_it(tokenizer, tmp_path,
-                                                                                       one_thread):
+                                                                                       one_thread, monkeypatch):
     """seen: on a shared CPU the calibrated peak is measured under the same contention, so MFU read 38.7% while the
     process got a quarter of a core, and 6.7% at 2,534 tok/s beside 6.4% at 6,440. Per CPU second the figure is the
-    same whatever the wall time other processes take: here a run whose every step also waits 5 planted seconds of
-    wall time without CPU time (another process holding the core) reads the MFU of the run without them, at a
-    fraction of its tokens/s."""
+    same whatever the wall time other processes take: here a run whose every step also waits 20 wall seconds without
+    CPU time (another process holding the core) reads the MFU of the run without them, at a fraction of its tokens/s.
+    Every second is planted (the calibration: 1 wall second, a quarter of a core; a step: 1 CPU second), so the
+    machine's own load moves neither figure."""
     def run(out, wait):
-        clock = PlantedClock()
+        clock = PlantedClock(cpu_only_planted=True, wall_only_planted=True)
+
+        def calibrate_flops(self, dtype):
+            clock.spend(1.0)
+            clock.spend_cpu(0.25)
+            return 4e9
 
         class Waiting(Trainer):
             def training_step(self, *args, **kwargs):
-                clock.spend(wait)
+                clock.spend_cpu(1.0)
+                clock.spend(1.0 + wait)
                 return super().training_step(*args, **kwargs)
 
+        monkeypatch.setattr(DeviceLayer, "calibrate_flops", calibrate_flops)
         make_trainer(tokenizer, out, [ThroughputMeter(clock=clock, peak_flops="calibrate")], max_steps=12, bs=4, ga=1,
                      trainer_cls=Waiting, length=32).train()
         return read_run(str(out))
 
-    free, held = run(tmp_path / "free", 0.0), run(tmp_path / "held", 5.0)
+    free, held = run(tmp_path / "free", 0.0), run(tmp_path / "held", 20.0)
     for r in (free, held):
         header, summary = r.header("perf"), r.summary("perf")
-        assert header.mfu_basis == "cpu_time" and header.peak_flops_per_cpu_sec > 0
+        assert header.mfu_basis == "cpu_time" and header.peak_flops_per_cpu_sec == pytest.approx(4e9 / 0.25)
         assert summary["mfu"] > 0
     rate = held.summary("perf")["steady_tokens_per_sec"] / free.summary("perf")["steady_tokens_per_sec"]
-    assert rate < 0.1                                                        # the wall-time figure collapses ...
-    assert held.summary("perf")["mfu"] / free.summary("perf")["mfu"] == pytest.approx(1.0, rel=0.5)    # ... not MFU
+    assert rate == pytest.approx(1 / 21)                                     # the wall-time figure collapses ...
+    assert held.summary("perf")["mfu"] == pytest.approx(free.summary("perf")["mfu"])    # ... MFU does not move
     m = measurements_from_run(str(tmp_path / "held"))
     assert m.mfu_basis == "cpu_time" and MFU_BASIS_SHORT["cpu_time"] in render_markdown(check(m)[0], m)
     assert mfu_words(held.summary("perf")["mfu"], "cpu_time") in summarize(held).replace("\n    ", " ")

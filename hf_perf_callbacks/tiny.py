@@ -53,4 +53,3 @@ def build_model(tokenizer: PreTrainedTokenizerBase, hidden: int = 64, layers: in
                                                eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)
     return model
-

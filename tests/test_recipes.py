@@ -590,6 +590,7 @@ def test_unknown_callback_and_reward_names_suggest_the_closest():
         build.build_callbacks(["ThroughputMeter", "ThroughputMeter"], {})
     with pytest.raises(train.RecipeError, match="callback_kwargs\\['MemoryWatchdog'\\]"):
         build.build_callbacks(["MemoryWatchdog"], {"MemoryWatchdog": {"limit": 3}})
+    assert build.build_callbacks(["none"], {}) == []                    # the recipe's word for no callbacks
 
 
 def test_trl_reward_names_resolve():

@@ -2,7 +2,7 @@
 ``GRPOConfig`` and ``ModelConfig``, and the checks of the YAML and the flags as written (unknown keys with the closest
 valid one, ``trl grpo``'s script keys and command shape, values of the wrong type) before any value is used.
 
-The checks run on :func:`early_classes` (stand-ins read from TRL's sources, nothing heavy imported);
+The checks run on :func:`early_classes` (stand-ins read from TRL's and transformers' sources, nothing heavy imported);
 :func:`recipe_classes` are the real ones, which parse the checked recipe.
 Standard library at import; TRL's parser (``trl.scripts``, no torch) and PyYAML when a function runs."""
 from __future__ import annotations

@@ -51,7 +51,7 @@ def build_callbacks(names: list[str], kwargs: Mapping[str, Any]) -> list[Trainer
 
     checks.check_callback_arguments(names, kwargs)      # an unknown name too
     callbacks: list[TrainerCallback] = []
-    for name in names:
+    for name in checks.callback_names(names):           # "none" builds nothing
         cls = _import_object(name, "callback") if "." in name else getattr(hf_perf_callbacks, name)
         options = kwargs.get(name, kwargs.get(name.rsplit(".", 1)[-1], {})) or {}
         if not isinstance(options, Mapping):            # a dotted path's (a package callback's: checked above)

@@ -40,8 +40,9 @@ class CheckedRecipe:
 
 
 def check_early(argv: list[str]) -> CheckedRecipe:
-    """Every check of ``argv`` that needs no torch, transformers or TRL trainer (the package docstring lists them;
-    the fields come from TRL's sources: :func:`early_classes`): a :class:`RecipeError` in about a second."""
+    """Every check of ``argv`` that needs no torch, transformers or TRL trainer (the package docstring lists them,
+    with the evaluation batch, the dataset size and the checkpoint to resume from; the fields come from TRL's and
+    transformers' sources: :func:`early_classes`): a :class:`RecipeError` in about a second."""
     config_path, rest = arguments.split_config(argv)
     arguments.check_trl_command(rest)
     config_path = recipes.resolve(config_path) if config_path else None

@@ -281,6 +281,24 @@ def test_one_generate_wrapper_shared_and_removed_by_the_last_listener():
     assert "generate" not in model.__dict__                           # the class's own method is back
 
 
+def test_a_compiled_models_generate_is_watched_once_for_all_listeners():
+    """``torch.compile(model)`` (an ``OptimizedModule``) hands ``setattr`` of ``generate`` on to the module it wraps:
+    the watch is found there, shared by its listeners, and tells nothing once the last one left."""
+    class Model(torch.nn.Module):
+        def generate(self, input_ids):
+            return input_ids
+
+    compiled = torch.compile(Model())
+    first, second = Listener(), Listener()
+    stop_first = adapter.watch_generate(compiled, first)
+    stop_second = adapter.watch_generate(compiled, second)
+    assert compiled.generate(input_ids=[1]) == [1]
+    assert first.events == second.events == ["start", ("end", True)]
+    stop_first()
+    stop_second()
+    assert compiled.generate(input_ids=[2]) == [2] and first.events == second.events == ["start", ("end", True)]
+
+
 def test_intercepted_collectives_are_restored():
     original = torch.distributed.all_gather
     calls = []

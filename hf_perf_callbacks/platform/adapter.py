@@ -792,7 +792,7 @@ class _Watch:
         self.listeners: list[Any] = []
         self.alive = True
         self.undos: list[Callable[[], None]] = []
-        self.wrapper: object = None         # what the entry holds while the watch is in place
+        self.wrapper: object = None         # what the entry reads while the watch is in place
 
     def _telling(self, started: Callable[[Any], None],
                  finished: Callable[[Any, tuple[Any, ...], dict[str, Any], Any], None]
@@ -827,7 +827,7 @@ def _join(watches: weakref.WeakKeyDictionary[Any, _Watch], owner: Any, build: Ca
     """``listener`` joins the watch of ``owner`` (``build()`` when it has none, or another wrapper was put over its
     own); returns the function that stops it."""
     watch = watches.get(owner)
-    if watch is None or owner.__dict__.get(watch.entry) is not watch.wrapper:
+    if watch is None or getattr(owner, watch.entry, None) is not watch.wrapper:
         watch = watches[owner] = build()
     watch.listeners.append(listener)
 
@@ -851,7 +851,7 @@ class _GenerateWatch(_Watch):
             lambda listener: listener.generate_started(),
             lambda listener, args, kwargs, output: listener.generate_finished(
                 kwargs.get("input_ids", args[0] if args else None), output))))
-        self.wrapper = model.__dict__["generate"]
+        self.wrapper = model.generate               # a compiled model's: on the module it wraps
 
 
 _WATCHES: weakref.WeakKeyDictionary[Any, _Watch] = weakref.WeakKeyDictionary()
@@ -976,7 +976,7 @@ class _EntryWatch(_Watch):
         own = getattr(trainer, self.entry)         # the bound method (async GRPO: the one TRL's callback holds)
         self.undos.append(replace_method(trainer, self.entry, self._timed(SYNC if self.entry == "_sync_weight"
                                                                            else ROLLOUT)))
-        self.wrapper = trainer.__dict__[self.entry]
+        self.wrapper = getattr(trainer, self.entry)
         if self.entry == "_sync_weight":
             self._watch_async(trainer, own)
         if callable(getattr(trainer, "_calculate_rewards", None)):

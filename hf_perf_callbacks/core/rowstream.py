@@ -125,20 +125,39 @@ def step_rows(step: int, split: Split, batches: Sequence[object], asked: int, di
     return StepRows(step, split, rows, len(batches), asked, digests)
 
 
-def compare(expected: StepRows, got: StepRows) -> str | None:
-    """How the rows ``got`` fetched differ from ``expected``'s as a multiset, in words: the rows fetched against the
-    rows expected, how many of the expected ones are missing and how many other rows came instead (None: the same
-    rows)."""
+@dataclass(frozen=True)
+class RowDifference:
+    """How the rows a step fetched differ from another split's, as a multiset: the rows fetched and expected, how
+    many of the expected ones are ``missing`` (of ``split``'s) and how many ``extra`` rows came instead."""
+
+    rows: int
+    expected_rows: int
+    split: Split
+    missing: int
+    extra: int
+
+    def words(self) -> str:
+        words = [f"{self.rows} rows instead of {self.expected_rows}"] if self.rows != self.expected_rows else []
+        if self.missing:
+            words.append(f"{self.missing} of {self.split}'s {self.expected_rows} rows missing")
+        if self.extra:
+            words.append(f"{self.extra} other row{'s' if self.extra != 1 else ''} in their place")
+        return ", ".join(words)
+
+
+def difference(expected: StepRows, got: StepRows) -> RowDifference | None:
+    """How the rows ``got`` fetched differ from ``expected``'s as a multiset (None: the same rows)."""
     want, have = Counter(expected.digests), Counter(got.digests)
     if want == have:
         return None
-    missing, extra = sum((want - have).values()), sum((have - want).values())
-    words = [f"{got.rows} rows instead of {expected.rows}"] if got.rows != expected.rows else []
-    if missing:
-        words.append(f"{missing} of {expected.split}'s {expected.rows} rows missing")
-    if extra:
-        words.append(f"{extra} other row{'s' if extra != 1 else ''} in their place")
-    return ", ".join(words)
+    return RowDifference(got.rows, expected.rows, expected.split, sum((want - have).values()),
+                         sum((have - want).values()))
+
+
+def compare(expected: StepRows, got: StepRows) -> str | None:
+    """:func:`difference` in words (None: the same rows)."""
+    found = difference(expected, got)
+    return found.words() if found is not None else None
 
 
 def crosses(rows_left: int, split: Split, world: int = 1) -> bool:

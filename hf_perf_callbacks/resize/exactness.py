@@ -35,8 +35,9 @@ ranks in another order), and the ranks' sketches are summed (a sketch is linear 
 rank. FSDP2's passes run through the sharded model, each parameter's reduced gradient gathered for its sketch;
 DeepSpeed keeps its part of the reduced gradient inside its engine: its changes are unmeasured.
 
-**No trace.** What the check changes is taken before the first pass and put back after the last (:class:`_Saved`;
-docs/exactness.md lists it); the meter and the tests' sample recorder skip the passes
+**No trace.** What the check changes is taken before the first pass and put back after the last (:class:`_Saved`, TRL's
+metrics and GRPO's micro-batch counter by ``adapter.metrics_kept`` and ``adapter.inputs_as_given``; docs/exactness.md
+lists it); the meter and the tests' sample recorder skip the passes
 (:meth:`~hf_perf_callbacks.common.bus.RunBus.own_work`).
 """
 from __future__ import annotations

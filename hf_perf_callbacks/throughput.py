@@ -89,7 +89,8 @@ class MachineLoad:
         return own + children
 
     @staticmethod
-    def _busy() -> float:
+    def busy() -> float:
+        """The machine's busy CPU seconds so far (``psutil.cpu_times``: all but idle, I/O wait and guests)."""
         t = psutil.cpu_times()
         busy: float = (sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0)
                        - getattr(t, "guest_nice", 0.0))
@@ -99,7 +100,7 @@ class MachineLoad:
         """A ``train()`` call begins: the machine's reading now, the children counted or not, none seen yet."""
         self.count_children, self.children_seen = count_children, None
         try:
-            self.previous = self._busy()
+            self.previous = self.busy()
         except Exception:  # noqa: BLE001 - a platform without the reading: no machine figures
             self.previous = None
 
@@ -112,7 +113,7 @@ class MachineLoad:
                 fields[keys.PERF_CHILD_CPU_SEC] = self.children_step
         if self.previous is not None:
             try:
-                busy = self._busy()
+                busy = self.busy()
             except Exception:  # noqa: BLE001
                 busy = None
             if busy is not None and record.wall > 0:

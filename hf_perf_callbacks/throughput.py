@@ -828,11 +828,9 @@ class ThroughputMeter(PerfCallback):
         """The step's figures once every rank's tokens and training seconds are known (``rows``)."""
         e = self._step.ended
         assert e is not None, "the exchange finishes the step on_step_end measured"
-        record, tokens, train_seconds = e.record, e.tokens, None
-        if self._run.world > 1:
-            tokens = sum(r[0] for r in rows) if self._run.token_source == "hook" else tokens
-            train_seconds = max(r[1] for r in rows)
-        self.timeline.commit(record, tokens, train_seconds)
+        record = e.record
+        tokens = sum(r[0] for r in rows) if self._run.token_source == "hook" else e.tokens
+        self.timeline.commit(record, tokens, max(r[1] for r in rows))
         # the rollout's rate over every rank: all ranks' completion tokens over the step's engine time (the ranks'
         # engines run at once; a server serving every rank made one call, on the main process)
         all_generated, longest = sum(r[2] for r in rows), max(r[3] for r in rows)

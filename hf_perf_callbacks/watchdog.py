@@ -367,13 +367,16 @@ class MemoryWatchdog(PerfCallback):
         critical = policy.level == CRITICAL or self._run.short is not None
         self._bus.memory = MemoryReading(step, obs.used, self.budget)   # the tuner reads it, whenever the exchange ends
         self._exchange(step, [RANK_OF[decision], float(critical)],     # the step's one exchange
-                       lambda rows: self._step_ended(args, state, control, decision, critical, fields, rows))
+                       lambda rows: self._step_ended(args, state, control, decision, fields, rows))
 
-    def _step_ended(self, args: Any, state: Any, control: Any, local: str | None, critical: bool,
-                    fields: dict[str, float | None], rows: Rows) -> None:
+    def _step_ended(self, args: Any, state: Any, control: Any, local: str | None, fields: dict[str, float | None],
+                    rows: Rows) -> None:
         """Act on the step once every rank's decision is known (``rows``), and log its figures."""
         step, policy = state.global_step, self._watch
-        decision, any_critical = self._agree(local, critical, rows)
+        # ranks act together: the most conservative decision of any rank (stop > smaller batch > none), and whether
+        # any rank is critical (``rows``: every rank's ``[RANK_OF[decision], critical]``; one row on one process)
+        decision = ACTION_OF[int(max(r[0] for r in rows))]
+        any_critical = max(r[1] for r in rows) > 0
         if decision == SMALLER_BATCH:
             why = self._short_words() or policy.reason()
             self._act(step, SMALLER_BATCH, "asked for a smaller micro-batch: " + why)
@@ -576,13 +579,6 @@ class MemoryWatchdog(PerfCallback):
             return None
 
     # ------------------------------------------------------------ actions
-    def _agree(self, decision: str | None, critical: bool, rows: Rows) -> tuple[str | None, bool]:
-        """Ranks act together: the most conservative decision of any rank (stop > smaller batch > none), and
-        whether any rank is critical (``rows``: every rank's ``[RANK_OF[decision], critical]``)."""
-        if self._run.world == 1:
-            return decision, critical
-        return ACTION_OF[int(max(r[0] for r in rows))], max(r[1] for r in rows) > 0
-
     def _clear(self, step: int) -> None:
         answers = self._bus.requests.ask_clear(self._watch.reason(), step)
         if not answers:                       # no clearer attached: do the cheap part ourselves

@@ -363,11 +363,10 @@ class ThroughputMeter(PerfCallback):
         self.part_seconds: dict[int, float] = {}        # a part → its first forward's seconds this micro-batch
         self.summary: MeterSummary | None = None
         self.run: MeterRun | None = None             # this train() call's facts (on_train_begin)
-        self.counters: MeterStep | None = None       # the step in progress
+        self.counters: MeterStep | None = None       # the step in progress (on_train_begin, after each step)
 
     @property
     def _run(self) -> MeterRun:
-        """This ``train()`` call's facts, made at ``on_train_begin``."""
         if self.run is None:
             raise RuntimeError("ThroughputMeter has no run yet: it makes one at on_train_begin")
         return self.run
@@ -379,7 +378,6 @@ class ThroughputMeter(PerfCallback):
 
     @property
     def _step(self) -> MeterStep:
-        """The counters of the step in progress, made at ``on_train_begin`` and after each step."""
         if self.counters is None:
             raise RuntimeError("ThroughputMeter has no step counters yet: it makes them at on_train_begin")
         return self.counters
@@ -994,7 +992,6 @@ class ThroughputMeter(PerfCallback):
 
     # ------------------------------------------------------------ state
     def start_fresh(self) -> None:
-        """A fresh run starts over (see ``base``); a resume keeps what its checkpoint restored."""
         self.timeline = StepTimeline(self.window_steps, self.warmup_window, self.warmup_tolerance,
                                      self.max_warmup_steps)
         self.warned, self.summary, self.metrics_sec = set(), None, 0.0

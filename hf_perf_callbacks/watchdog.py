@@ -169,7 +169,7 @@ class MemoryWatchdog(PerfCallback):
         self.grace_steps, self.trend_window = grace_steps, trend_window
         self.warn_within_steps, self.stop_within_steps, self.stop = warn_within_steps, stop_within_steps, stop
         self._policy(1.0)                      # validates the policy parameters now, not at train time
-        self.device: DeviceLayer | None = None
+        self.device: DeviceLayer | None = None           # at on_train_begin (a test may plant one before)
         self.policy: MemoryPolicy | None = None     # kept over the in-process resumes of one run
         self.wall = MovingWall()
         self.facts: WallFacts | None = None
@@ -192,21 +192,18 @@ class MemoryWatchdog(PerfCallback):
 
     @property
     def _run(self) -> WatchdogRun:
-        """This ``train()`` call's state, made at ``on_train_begin``."""
         if self.run is None:
             raise RuntimeError("MemoryWatchdog has no run yet: it makes one at on_train_begin")
         return self.run
 
     @property
     def _device(self) -> DeviceLayer:
-        """The device watched, set at ``on_train_begin`` (or planted before it by a test)."""
         if self.device is None:
             raise RuntimeError("MemoryWatchdog has no device yet: it takes one at on_train_begin")
         return self.device
 
     @property
     def _watch(self) -> MemoryPolicy:
-        """The policy of this run, made at ``on_train_begin``."""
         if self.policy is None:
             raise RuntimeError("MemoryWatchdog has no policy yet: it makes one at on_train_begin")
         return self.policy
@@ -473,9 +470,9 @@ class MemoryWatchdog(PerfCallback):
         ``get_batch_samples``, watched through :func:`~hf_perf_callbacks.platform.adapter.watch_batch_samples`): it
         needs the last step's peak, its part above what stays allocated scaled to these rows when they are longer,
         against the budget as the device reads now (a lower wall believed at once). When that cannot fit: a smaller
-        micro-batch where something can re-size (before this step trains), else a checkpoint of the last completed step
-        and a
-        stop, this step untrained. Ranks decide together. A fault here is one warning, never the end of training."""
+        micro-batch where something can re-size (before this step trains), else a checkpoint of the last completed
+        step and a stop, this step untrained. Ranks decide together. A fault here is one warning, never the end of
+        training."""
         trainer = adapter.calling_trainer()
         short = False
         if not self.disabled and trainer is not None and not self._bus.own_passes:

@@ -67,14 +67,13 @@ class MPSCacheClearer(PerfCallback):
                                                                                    min_interval, max_interval)
         self.min_freed_gb, self.bloat_ratio, self.bloat_min_gb = min_freed_gb, bloat_ratio, bloat_min_gb
         self.after_eval, self.after_save = after_eval, after_save
-        self.device: DeviceLayer | None = None
+        self.device: DeviceLayer | None = None  # at on_train_begin (a test may plant one before)
         self.active = False                     # whether this train() call clears (decided at on_train_begin)
         self._window = [0.0, 0.0]               # freed bytes and seconds since the last log
         self.start_fresh()
 
     @property
     def _device(self) -> DeviceLayer:
-        """The device cleared, set at ``on_train_begin`` (or planted before it by a test)."""
         if self.device is None:
             raise RuntimeError("MPSCacheClearer has no device yet: it takes one at on_train_begin")
         return self.device

@@ -22,7 +22,7 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import (
@@ -45,17 +45,12 @@ DEFAULT_STEPS = {"real": 8, "tiny": 30}
 def other_busy_cores(seconds: float = 1.0) -> float:
     """The cores other processes keep busy: the machine's busy CPU time over ``seconds`` (``psutil.cpu_times``, as
     the meter's ``perf/other_cpu_cores``) less this process's own, per second."""
-    import psutil
+    from .throughput import MachineLoad
 
-    def busy() -> float:
-        t = psutil.cpu_times()
-        return cast(float, sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0)
-                    - getattr(t, "guest_nice", 0.0))
-
-    machine, own, start = busy(), time.process_time(), time.monotonic()
+    machine, own, start = MachineLoad.busy(), time.process_time(), time.monotonic()
     time.sleep(seconds)
     wall = max(time.monotonic() - start, 1e-9)
-    return max(0.0, (busy() - machine) - (time.process_time() - own)) / wall
+    return max(0.0, (MachineLoad.busy() - machine) - (time.process_time() - own)) / wall
 
 
 def set_threads(other: Callable[[], float] | None = None, cores: int | None = None) -> str:

@@ -89,7 +89,8 @@ class MachineLoad:
         return own + children
 
     @staticmethod
-    def _busy() -> float:
+    def busy() -> float:
+        """The machine's busy CPU seconds so far (``psutil.cpu_times``: all but idle, I/O wait and guests)."""
         t = psutil.cpu_times()
         busy: float = (sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0)
                        - getattr(t, "guest_nice", 0.0))
@@ -99,7 +100,7 @@ class MachineLoad:
         """A ``train()`` call begins: the machine's reading now, the children counted or not, none seen yet."""
         self.count_children, self.children_seen = count_children, None
         try:
-            self.previous = self._busy()
+            self.previous = self.busy()
         except Exception:  # noqa: BLE001 - a platform without the reading: no machine figures
             self.previous = None
 
@@ -112,7 +113,7 @@ class MachineLoad:
                 fields[keys.PERF_CHILD_CPU_SEC] = self.children_step
         if self.previous is not None:
             try:
-                busy = self._busy()
+                busy = self.busy()
             except Exception:  # noqa: BLE001
                 busy = None
             if busy is not None and record.wall > 0:
@@ -362,11 +363,10 @@ class ThroughputMeter(PerfCallback):
         self.part_seconds: dict[int, float] = {}        # a part → its first forward's seconds this micro-batch
         self.summary: MeterSummary | None = None
         self.run: MeterRun | None = None             # this train() call's facts (on_train_begin)
-        self.counters: MeterStep | None = None       # the step in progress
+        self.counters: MeterStep | None = None       # the step in progress (on_train_begin, after each step)
 
     @property
     def _run(self) -> MeterRun:
-        """This ``train()`` call's facts, made at ``on_train_begin``."""
         if self.run is None:
             raise RuntimeError("ThroughputMeter has no run yet: it makes one at on_train_begin")
         return self.run
@@ -378,7 +378,6 @@ class ThroughputMeter(PerfCallback):
 
     @property
     def _step(self) -> MeterStep:
-        """The counters of the step in progress, made at ``on_train_begin`` and after each step."""
         if self.counters is None:
             raise RuntimeError("ThroughputMeter has no step counters yet: it makes them at on_train_begin")
         return self.counters
@@ -827,11 +826,9 @@ class ThroughputMeter(PerfCallback):
         """The step's figures once every rank's tokens and training seconds are known (``rows``)."""
         e = self._step.ended
         assert e is not None, "the exchange finishes the step on_step_end measured"
-        record, tokens, train_seconds = e.record, e.tokens, None
-        if self._run.world > 1:
-            tokens = sum(r[0] for r in rows) if self._run.token_source == "hook" else tokens
-            train_seconds = max(r[1] for r in rows)
-        self.timeline.commit(record, tokens, train_seconds)
+        record = e.record
+        tokens = sum(r[0] for r in rows) if self._run.token_source == "hook" else e.tokens
+        self.timeline.commit(record, tokens, max(r[1] for r in rows))
         # the rollout's rate over every rank: all ranks' completion tokens over the step's engine time (the ranks'
         # engines run at once; a server serving every rank made one call, on the main process)
         all_generated, longest = sum(r[2] for r in rows), max(r[3] for r in rows)
@@ -995,7 +992,6 @@ class ThroughputMeter(PerfCallback):
 
     # ------------------------------------------------------------ state
     def start_fresh(self) -> None:
-        """A fresh run starts over (see ``base``); a resume keeps what its checkpoint restored."""
         self.timeline = StepTimeline(self.window_steps, self.warmup_window, self.warmup_tolerance,
                                      self.max_warmup_steps)
         self.warned, self.summary, self.metrics_sec = set(), None, 0.0

@@ -169,7 +169,7 @@ class MemoryWatchdog(PerfCallback):
         self.grace_steps, self.trend_window = grace_steps, trend_window
         self.warn_within_steps, self.stop_within_steps, self.stop = warn_within_steps, stop_within_steps, stop
         self._policy(1.0)                      # validates the policy parameters now, not at train time
-        self.device: DeviceLayer | None = None
+        self.device: DeviceLayer | None = None           # at on_train_begin (a test may plant one before)
         self.policy: MemoryPolicy | None = None     # kept over the in-process resumes of one run
         self.wall = MovingWall()
         self.facts: WallFacts | None = None
@@ -192,21 +192,18 @@ class MemoryWatchdog(PerfCallback):
 
     @property
     def _run(self) -> WatchdogRun:
-        """This ``train()`` call's state, made at ``on_train_begin``."""
         if self.run is None:
             raise RuntimeError("MemoryWatchdog has no run yet: it makes one at on_train_begin")
         return self.run
 
     @property
     def _device(self) -> DeviceLayer:
-        """The device watched, set at ``on_train_begin`` (or planted before it by a test)."""
         if self.device is None:
             raise RuntimeError("MemoryWatchdog has no device yet: it takes one at on_train_begin")
         return self.device
 
     @property
     def _watch(self) -> MemoryPolicy:
-        """The policy of this run, made at ``on_train_begin``."""
         if self.policy is None:
             raise RuntimeError("MemoryWatchdog has no policy yet: it makes one at on_train_begin")
         return self.policy
@@ -367,13 +364,16 @@ class MemoryWatchdog(PerfCallback):
         critical = policy.level == CRITICAL or self._run.short is not None
         self._bus.memory = MemoryReading(step, obs.used, self.budget)   # the tuner reads it, whenever the exchange ends
         self._exchange(step, [RANK_OF[decision], float(critical)],     # the step's one exchange
-                       lambda rows: self._step_ended(args, state, control, decision, critical, fields, rows))
+                       lambda rows: self._step_ended(args, state, control, decision, fields, rows))
 
-    def _step_ended(self, args: Any, state: Any, control: Any, local: str | None, critical: bool,
-                    fields: dict[str, float | None], rows: Rows) -> None:
+    def _step_ended(self, args: Any, state: Any, control: Any, local: str | None, fields: dict[str, float | None],
+                    rows: Rows) -> None:
         """Act on the step once every rank's decision is known (``rows``), and log its figures."""
         step, policy = state.global_step, self._watch
-        decision, any_critical = self._agree(local, critical, rows)
+        # ranks act together: the most conservative decision of any rank (stop > smaller batch > none), and whether
+        # any rank is critical (``rows``: every rank's ``[RANK_OF[decision], critical]``; one row on one process)
+        decision = ACTION_OF[int(max(r[0] for r in rows))]
+        any_critical = max(r[1] for r in rows) > 0
         if decision == SMALLER_BATCH:
             why = self._short_words() or policy.reason()
             self._act(step, SMALLER_BATCH, "asked for a smaller micro-batch: " + why)
@@ -470,9 +470,9 @@ class MemoryWatchdog(PerfCallback):
         ``get_batch_samples``, watched through :func:`~hf_perf_callbacks.platform.adapter.watch_batch_samples`): it
         needs the last step's peak, its part above what stays allocated scaled to these rows when they are longer,
         against the budget as the device reads now (a lower wall believed at once). When that cannot fit: a smaller
-        micro-batch where something can re-size (before this step trains), else a checkpoint of the last completed step
-        and a
-        stop, this step untrained. Ranks decide together. A fault here is one warning, never the end of training."""
+        micro-batch where something can re-size (before this step trains), else a checkpoint of the last completed
+        step and a stop, this step untrained. Ranks decide together. A fault here is one warning, never the end of
+        training."""
         trainer = adapter.calling_trainer()
         short = False
         if not self.disabled and trainer is not None and not self._bus.own_passes:
@@ -576,13 +576,6 @@ class MemoryWatchdog(PerfCallback):
             return None
 
     # ------------------------------------------------------------ actions
-    def _agree(self, decision: str | None, critical: bool, rows: Rows) -> tuple[str | None, bool]:
-        """Ranks act together: the most conservative decision of any rank (stop > smaller batch > none), and
-        whether any rank is critical (``rows``: every rank's ``[RANK_OF[decision], critical]``)."""
-        if self._run.world == 1:
-            return decision, critical
-        return ACTION_OF[int(max(r[0] for r in rows))], max(r[1] for r in rows) > 0
-
     def _clear(self, step: int) -> None:
         answers = self._bus.requests.ask_clear(self._watch.reason(), step)
         if not answers:                       # no clearer attached: do the cheap part ourselves

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from trl import GRPOConfig, ModelConfig
 
     from ..common.console import Console
-    from ..common.outputdir import OutputDirBusy
 
 logger = logging.getLogger("hf_perf_callbacks.train")   # also when run as __main__
 
@@ -144,11 +143,6 @@ def _end(trainer: Trainer) -> None:
     trainer.end()                                      # type: ignore[no-untyped-call]  # untyped in transformers
 
 
-def busy_line(busy: OutputDirBusy) -> str:
-    """The one line a refused launch says (the whole reason is in :class:`~.outputdir.OutputDirBusy`)."""
-    return f"output_dir {busy.output_dir} is in use by another run ({busy.holder}): pick another or wait for it"
-
-
 # ---------------------------------------------------------------- what the recipe was written for
 #: the recipe keys that size a run's memory: a report on a run that stood in for the recipe's target (another model,
 #: device or completion length) advises no value of them that costs more memory than the recipe's own
@@ -261,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         with interrupts.answered(cast(str, training_args.output_dir)):
             return run(recipe, training_args, model_args, target=recipe_target(argv))
     except (RecipeError, OutputDirBusy) as error:      # another live process in output_dir: one line, no traceback
-        text = busy_line(error) if isinstance(error, OutputDirBusy) else str(error)
+        text = (f"output_dir {error.output_dir} is in use by another run ({error.holder}): pick another or wait for it"
+                if isinstance(error, OutputDirBusy) else str(error))
         print(f"hf_perf_callbacks.train: error: {text}", file=sys.stderr)
         return 2
     except interrupts.Interrupted as stopped:          # Ctrl-C or SIGTERM: one line, the launcher's flag

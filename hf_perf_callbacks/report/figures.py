@@ -51,8 +51,7 @@ reference down); its seconds lost are its training seconds minus those its token
 from __future__ import annotations
 
 import bisect
-from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,16 +81,6 @@ def last_value(steps: Sequence[LogStep], key: str) -> float | None:
         if v is not None:
             return v
     return None
-
-
-def train_seconds(step: LogStep) -> float | None:
-    """A step line's training time, the one its throughput was computed from: the meter's ``perf/train_sec``."""
-    return step.number(keys.PERF_TRAIN_SEC)
-
-
-def train_column(run: RunLog) -> array[float]:
-    """:func:`train_seconds` of every line of ``run.unique_steps()``, in order (NaN where a line has none)."""
-    return run.column(keys.PERF_TRAIN_SEC)
 
 
 def finite(values: Iterable[float]) -> list[float]:
@@ -241,12 +230,18 @@ def _steady(run: RunLog) -> list[int]:
     return steady
 
 
-def _steady_mfu(run: RunLog, steady_set: set[int]) -> float | None:
-    """The median MFU of the steady step lines (of every line while none is steady): a killed run's."""
-    numbers, mfu_col = run.step_numbers(), run.column(keys.PERF_MFU)
-    steady_in = [i for i, n in enumerate(numbers) if n in steady_set]
-    mfus = finite(mfu_col[i] for i in (steady_in or range(len(numbers))))
-    return median(mfus) if mfus else None
+def _steady_values(run: RunLog, key: str) -> Iterator[float]:
+    """The finite numbers under ``key`` on the steady lines — the steps the meter's final warmup decision counts
+    steady (:func:`steady_steps`), not the lines' ``perf/steady`` flag written before it — (every line when none is
+    steady), one at a time."""
+    steady_set, numbers = set(_steady(run)), run.step_numbers()
+    steady_at = [i for i, n in enumerate(numbers) if n in steady_set] or list(range(len(numbers)))
+    column = run.column(key)
+    return (v for v in (column[i] for i in steady_at) if v == v)
+
+
+def _median(values: list[float]) -> float | None:
+    return median(values) if values else None
 
 
 def _phases(run: RunLog, perf: Mapping[str, Any]) -> dict[str, float]:
@@ -295,7 +290,7 @@ def _figures(run: RunLog) -> Figures:
     latest = last.values if last is not None else {}
     numbers = run.step_numbers()
     tokens = sum(finite(run.column(keys.PERF_TOKENS)))
-    train = sum(finite(train_column(run)))
+    train = sum(finite(run.column(keys.PERF_TRAIN_SEC)))
     steady = _steady(run)
     steady_set = set(steady)
     step_sec = _meter(perf, latest, "steady_step_sec", keys.PERF_STEADY_STEP_TIME)
@@ -319,7 +314,7 @@ def _figures(run: RunLog) -> Figures:
         steady_step_sec=step_sec,
         contention_sec=_meter(perf, latest, "early_contention_sec", keys.PERF_EARLY_CONTENTION_SEC),
         mean_tokens_per_sec=_pick(perf, "mean_tokens_per_sec", tokens / train if tokens and train else None),
-        mfu=_pick(perf, "mfu", _steady_mfu(run, steady_set)),
+        mfu=_pick(perf, "mfu", _median(list(_steady_values(run, keys.PERF_MFU)))),
         **_memory_and_cache(run),
         **_provisional(perf),
     )
@@ -331,7 +326,7 @@ def _in_band(run: RunLog, first: int, end: int | None, steady: float | None, tol
     if end is None or steady is None or tolerance is None or end <= first:
         return None
     period = max(1, int(number(run.header("perf").period) or 1))
-    train = dict(zip(run.step_numbers(), train_column(run)))
+    train = dict(zip(run.step_numbers(), run.column(keys.PERF_TRAIN_SEC)))
     cycles = [range(a, min(a + period, end)) for a in range(first, end, period)]
     return all(sum(train.get(n, 0.0) for n in c) <= (1 + tolerance) * steady * len(c) for c in cycles)
 
@@ -437,7 +432,8 @@ def split_levels(run: RunLog) -> list[SplitLevel]:
 
 def _levels(run: RunLog) -> list[tuple[SplitLevel, list[list[int]]]]:
     """Each :class:`SplitLevel` with its steady rows in units (steps; GRPO: cycles)."""
-    numbers, tokens, train = run.step_numbers(), run.column(keys.PERF_TOKENS), train_column(run)
+    numbers, tokens = run.step_numbers(), run.column(keys.PERF_TOKENS)
+    train = run.column(keys.PERF_TRAIN_SEC)
     steady = set(_steady(run))
     period = max(1, int(number(run.header("perf").period) or 1))
     out = []
@@ -463,7 +459,8 @@ def slow_stretches(run: RunLog) -> list[SlowStretch]:
 
 
 def _stretches(run: RunLog) -> list[SlowStretch]:
-    numbers, tokens, train = run.step_numbers(), run.column(keys.PERF_TOKENS), train_column(run)
+    numbers, tokens = run.step_numbers(), run.column(keys.PERF_TOKENS)
+    train = run.column(keys.PERF_TRAIN_SEC)
     booked = {int(v) for v in run.summary("perf").get("contention_steps") or [] if number(v) is not None}
     ratios = _wall_over_cpu(run)
     out = []
@@ -536,5 +533,5 @@ def completion_stats(history: Sequence[Mapping[str, Any]]) -> dict[str, float | 
 __all__ = [
     "Figures", "figures", "SplitLevel", "SlowStretch", "split_column", "split_levels", "slow_stretches",
     "completion_stats", "steady_steps", "step_ranges", "timed_rows", "ranges_text", "call_first_step", "trainer_logs",
-    "run_events", "train_seconds", "train_column", "last_value", "finite"
+    "run_events", "last_value", "finite"
 ]

@@ -1,4 +1,4 @@
-"""The analysis' English, in one place: one renderer per reason code (:data:`~.model.REASONS`) that writes a
+"""The analysis' English, in one place: one renderer per reason code (:data:`~.model.Reason`) that writes a
 finding's or a note's texts from its facts — the frozen dataclass of its case (:mod:`.facts`) — and its setting. A
 rule computes data only (the case it found, the figures, the setting) and builds its result with :func:`finding` or
 :func:`note`; each sentence here is chosen from that data, never appended to another rule's words, so two sentences

@@ -14,6 +14,8 @@ from hf_perf_callbacks.report import words
 from hf_perf_callbacks.report.model import Reason
 
 RULES_DIR = os.path.join(os.path.dirname(words.__file__), "rules")
+#: the rule modules (under ``report/rules``) whose every result is worded by ``report/words.py``: all that define a rule
+RENDERED_MODULES = ("phases", "run", "machine", "step", "grpo", "memory")
 
 #: each rule's reason codes (model.Reason lists them all)
 REASONS: dict[str, tuple[str, ...]] = {
@@ -50,7 +52,7 @@ def _module_of_rule() -> dict[str, str]:
 def test_every_reason_code_has_its_renderer():
     modules = _module_of_rule()
     assert set(modules) == set(REASONS)
-    assert set(words.RENDERED_MODULES) == set(modules.values())     # every module that defines a rule
+    assert set(RENDERED_MODULES) == set(modules.values())     # every module that defines a rule
     codes = [c for cs in REASONS.values() for c in cs]
     assert len(codes) == len(set(codes)) and set(codes) == set(get_args(Reason))     # each code of one rule
     assert set(codes) == set(words.FINDING_WORDS) | set(words.NOTE_WORDS)
@@ -86,7 +88,7 @@ def _sentences(path: str) -> list[tuple[int, str]]:
 
 
 def test_the_rule_modules_build_no_sentence():
-    for module in [*words.RENDERED_MODULES, "advice", "basis"]:    # the rules and their shared helpers (formulas.py
+    for module in [*RENDERED_MODULES, "advice", "basis"]:    # the rules and their shared helpers (formulas.py
         #                                                            writes formulas: numbers with their factors' names)
         assert _sentences(os.path.join(RULES_DIR, f"{module}.py")) == [], module
     assert _sentences(words.__file__), "the check finds the renderers' sentences"

@@ -51,9 +51,9 @@ reference down); its seconds lost are its training seconds minus those its token
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import keys
 from ..core.runlog import (
@@ -72,6 +72,15 @@ from ..core.stats import median, quantile
 
 #: a step line as written (:class:`~hf_perf_callbacks.core.runlog.StepLine`) or as read back (``ReadStep``)
 LogStep = StepLine | ReadStep
+T = TypeVar("T")
+
+
+def _cached(run: RunLog, name: str, compute: Callable[[RunLog], T]) -> T:
+    """``compute(run)``, computed once per parsed run (kept in ``run.cache`` under ``name``)."""
+    if name not in run.cache:
+        run.cache[name] = compute(run)
+    value: T = run.cache[name]
+    return value
 
 
 def last_value(steps: Sequence[LogStep], key: str) -> float | None:
@@ -139,11 +148,9 @@ def trainer_logs(run_log: RunLog) -> list[LogRow]:
     """The trainer's own training logs: the step lines' ``log/<key>`` values, one mapping per logging step (keys
     without the prefix, plus ``step``). The one source of every count of logs the report prints (the summary's
     completion line, the analysis)."""
-    cached: list[LogRow] | None = run_log.cache.get("trainer_logs")
-    if cached is None:
-        cached = run_log.cache["trainer_logs"] = [LogRow(s, keys.TRAINER_LOG) for s in run_log.unique_steps()
-                                                  if s.has_prefix(keys.TRAINER_LOG)]
-    return cached
+    prefix = keys.TRAINER_LOG
+    return _cached(run_log, "trainer_logs",
+                   lambda run: [LogRow(s, prefix) for s in run.unique_steps() if s.has_prefix(prefix)])
 
 
 def run_events(run: RunLog) -> list[EventLine]:
@@ -201,10 +208,7 @@ class Figures:
 def figures(run: RunLog) -> Figures:
     """The headline numbers (see the module docstring): from the summaries when the run finished, else from the
     step lines. Computed once per parsed run (the summary, the plots and the analysis share them)."""
-    cached: Figures | None = run.cache.get("figures")
-    if cached is None:
-        cached = run.cache["figures"] = _figures(run)
-    return cached
+    return _cached(run, "figures", _figures)
 
 
 def _int(value: object) -> int | None:
@@ -224,10 +228,7 @@ def _meter(perf: Mapping[str, Any], latest: Mapping[str, Any], summary_key: str,
 
 
 def _steady(run: RunLog) -> list[int]:
-    steady: list[int] | None = run.cache.get("steady_steps")
-    if steady is None:
-        steady = run.cache["steady_steps"] = steady_steps(run.unique_steps())
-    return steady
+    return _cached(run, "steady_steps", lambda run: steady_steps(run.unique_steps()))
 
 
 def _steady_values(run: RunLog, key: str) -> Iterator[float]:
@@ -424,10 +425,7 @@ def _units(rows: list[int], period: int) -> list[list[int]]:
 def split_levels(run: RunLog) -> list[SplitLevel]:
     """The steady level of each stretch of steps run at one split (see :class:`SplitLevel`), those with at least
     :data:`MIN_LEVEL_STEPS` steady steps, in step order. Computed once per parsed run."""
-    cached: list[SplitLevel] | None = run.cache.get("split_levels")
-    if cached is None:
-        cached = run.cache["split_levels"] = [level for level, _ in _levels(run)]
-    return cached
+    return _cached(run, "split_levels", lambda run: [level for level, _ in _levels(run)])
 
 
 def _levels(run: RunLog) -> list[tuple[SplitLevel, list[list[int]]]]:
@@ -452,10 +450,7 @@ def _levels(run: RunLog) -> list[tuple[SplitLevel, list[list[int]]]]:
 def slow_stretches(run: RunLog) -> list[SlowStretch]:
     """The run's slow stretches (see :class:`SlowStretch`), in step order: the same for the throughput plot and the
     analysis' contention rule. Computed once per parsed run."""
-    cached: list[SlowStretch] | None = run.cache.get("slow_stretches")
-    if cached is None:
-        cached = run.cache["slow_stretches"] = _stretches(run)
-    return cached
+    return _cached(run, "slow_stretches", _stretches)
 
 
 def _stretches(run: RunLog) -> list[SlowStretch]:

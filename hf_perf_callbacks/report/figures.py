@@ -241,6 +241,12 @@ def _steady_values(run: RunLog, key: str) -> Iterator[float]:
     return (v for v in (column[i] for i in steady_at) if v == v)
 
 
+def _values(rows: Sequence[Any], key: str) -> list[float]:
+    """The finite numbers under ``key`` in step lines or log dicts (other types skipped)."""
+    values = (r.get(key) for r in rows)
+    return [float(v) for v in values if not isinstance(v, bool) and number(v) is not None]
+
+
 def _median(values: list[float]) -> float | None:
     return median(values) if values else None
 
@@ -513,12 +519,10 @@ def completion_stats(history: Sequence[Mapping[str, Any]]) -> dict[str, float | 
     """GRPO completion lengths over the run's training logs (:func:`trainer_logs`): mean of the logged mean lengths,
     the longest completion, the 90th percentile of the per-log longest, the mean clipped ratio and the number of logs.
     The report's summary line and the analysis both cite these (one clipped share in one report)."""
-    def values(key: str) -> list[float]:
-        return [float(h[key]) for h in history if number(h.get(key)) is not None and not isinstance(h[key], bool)]
-
-    means, maxes, clipped = (values(k) for k in ("completions/mean_length", "completions/max_length",
-                                                  "completions/clipped_ratio"))
-    ended = [v for v in values("completions/mean_terminated_length") if v > 0]    # TRL: the finished completions'
+    means, maxes, clipped = (_values(history, k) for k in ("completions/mean_length", "completions/max_length",
+                                                            "completions/clipped_ratio"))
+    ended = [v for v in _values(history, "completions/mean_terminated_length")   # TRL: the finished completions'
+             if v > 0]
     return {"mean": sum(means) / len(means) if means else None, "max": max(maxes, default=None),
             "terminated_mean": sum(ended) / len(ended) if ended else None,
             "p90": quantile(maxes, 0.9) if maxes else None,

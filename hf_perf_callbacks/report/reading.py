@@ -33,6 +33,7 @@ from .figures import (
     _median,
     _steady,
     _steady_values,
+    _values,
     completion_stats,
     figures,
     finite,
@@ -70,12 +71,6 @@ from .model import (
     TrainerReadings,
     TunerReadings,
 )
-
-
-def _values(rows: Sequence[Any], key: str) -> list[float]:
-    """The finite numbers under ``key`` in step lines or log dicts (other types skipped)."""
-    values = (r.get(key) for r in rows)
-    return [float(v) for v in values if not isinstance(v, bool) and number(v) is not None]
 
 
 def _mean(values: Iterable[float]) -> float | None:

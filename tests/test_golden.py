@@ -155,10 +155,10 @@ def test_the_rules_words_match_their_golden_file():
 
 
 def test_every_finding_and_note_says_which_case_of_its_rule_it_is():
-    """Each finding and note of the planted measurements carries a reason code of its own rule (model.REASONS), the
-    case its words were chosen for."""
+    """Each finding and note of the planted measurements carries a reason code of its own rule
+    (``test_words.REASONS``), the case its words were chosen for."""
     from hf_perf_callbacks.report import check
-    from hf_perf_callbacks.report.model import REASONS
+    from tests.test_words import REASONS
 
     seen = set()
     for m in _rule_scenarios().values():

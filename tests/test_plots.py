@@ -368,7 +368,7 @@ def test_a_long_slow_stretch_is_shaded_and_named_with_its_seconds(tmp_path, caus
     from hf_perf_callbacks.report.figures import slow_stretches
     from hf_perf_callbacks.report.model import Finding, Note
     from hf_perf_callbacks.report.reading import measurements_from_run
-    from hf_perf_callbacks.report.rules import analyze, rule_contention
+    from hf_perf_callbacks.report.rules import check, rule_contention
 
     planted = {s: 2.0 for s in range(40, 60)} if cause == "contention" else {}
     slower = {s: 3.0 for s in range(40, 60)} if cause == "unexplained" else {}
@@ -382,7 +382,7 @@ def test_a_long_slow_stretch_is_shaded_and_named_with_its_seconds(tmp_path, caus
     found = rule_contention(m)
     assert isinstance(found, Finding if cause == "contention" else Note)
     assert found.steps == [(40, 59)] and found.lost_sec == pytest.approx(40.0, rel=0.15)   # 20 steps × 2 s more
-    assert ("contention" in [f.rule for f in analyze(m)]) == (cause == "contention")      # never blamed unexplained
+    assert ("contention" in [f.rule for f in check(m)[0]]) == (cause == "contention")      # never blamed unexplained
     if cause == "contention":
         assert found.expected_gain == pytest.approx(1 / (1 - found.lost_sec / m.contention.run_sec if m.contention
                                                          else 1 - found.lost_sec / m.wall_sec))

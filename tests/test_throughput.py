@@ -208,9 +208,9 @@ def test_slow_first_steps_are_warmup_only_when_cpu_time_says_so(tokenizer, tmp_p
     s = meter.summary
     assert s["warmup_done"] and s["warmup_measured_on"] == "cpu"
     # the analysis reads the same story from the perf log (the meter's own keys, nothing hand-made)
-    from hf_perf_callbacks.report import analyze, measurements_from_run
+    from hf_perf_callbacks.report import check, measurements_from_run
 
-    contention = [f for f in analyze(measurements_from_run(str(tmp_path))) if f.rule == "contention"]
+    contention = [f for f in check(measurements_from_run(str(tmp_path)))[0] if f.rule == "contention"]
     if kind == "contention":
         assert s["warmup_steps"] == 0 and s["early_contention_sec"] > 2500       # 3 × 1000 s planted
         assert len(contention) == 1 and contention[0].basis == "measured"

@@ -6,13 +6,36 @@ from __future__ import annotations
 
 import ast
 import os
+from typing import get_args
 
 import pytest
 
 from hf_perf_callbacks.report import words
-from hf_perf_callbacks.report.model import REASONS
+from hf_perf_callbacks.report.model import Reason
 
 RULES_DIR = os.path.join(os.path.dirname(words.__file__), "rules")
+#: the rule modules (under ``report/rules``) whose every result is worded by ``report/words.py``: all that define a rule
+RENDERED_MODULES = ("phases", "run", "machine", "step", "grpo", "memory")
+
+#: each rule's reason codes (model.Reason lists them all)
+REASONS: dict[str, tuple[str, ...]] = {
+    "no_learning": ("no_reward_data", "too_few_logs", "constant_reward", "no_group_variance"),
+    "memory_pressure": ("swapping", "near_the_wall", "pressure"),
+    "oversubscription": ("threads_over_free_cores",),
+    "contention": ("other_processes", "contention_below_share", "unexplained_stretches"),
+    "evaluation": ("eval_share",), "saving": ("save_share",), "callbacks": ("logging_share", "one_callback"),
+    "input_bound": ("no_workers", "workers_behind"), "recompute": ("memory_to_spare", "would_not_fit"),
+    "duplicate_forward": ("grad_forwards",),
+    "padding_waste": ("fixed_length", "pad_to_multiple", "grpo_inherent", "one_length_unsure", "per_batch"),
+    "generation_bound": ("launch_bound", "generation_share"), "weight_sync": ("sync_share",),
+    "rollout_wait": ("waits_for_rollouts",),
+    "tuning_cost": ("cost_over_saving",),
+    "small_micro_batch": ("small_split", "memory_cap", "tuner_measured", "tuner_measured_none"),
+    "tuner_hint": ("needs_train_with_tuning",), "completion_budget": ("cut_off", "runaways", "no_runaways"),
+    "warmup": ("not_finished", "first_step_steady", "excluded"), "evidence": ("too_few_steps",),
+    "log_fields": ("skipped",), "reward": ("reward_share",), "compile": ("recompiles", "recompiles_small"),
+    "scope": ("stand_in", "kept_for_recipe"),
+}
 
 
 def _module_of_rule() -> dict[str, str]:
@@ -29,9 +52,10 @@ def _module_of_rule() -> dict[str, str]:
 def test_every_reason_code_has_its_renderer():
     modules = _module_of_rule()
     assert set(modules) == set(REASONS)
-    assert set(words.RENDERED_MODULES) == set(modules.values())     # every module that defines a rule
-    codes = {c for cs in REASONS.values() for c in cs}
-    assert codes == set(words.FINDING_WORDS) | set(words.NOTE_WORDS)
+    assert set(RENDERED_MODULES) == set(modules.values())     # every module that defines a rule
+    codes = [c for cs in REASONS.values() for c in cs]
+    assert len(codes) == len(set(codes)) and set(codes) == set(get_args(Reason))     # each code of one rule
+    assert set(codes) == set(words.FINDING_WORDS) | set(words.NOTE_WORDS)
 
 
 def _sentences(path: str) -> list[tuple[int, str]]:
@@ -64,7 +88,7 @@ def _sentences(path: str) -> list[tuple[int, str]]:
 
 
 def test_the_rule_modules_build_no_sentence():
-    for module in [*words.RENDERED_MODULES, "advice", "basis"]:    # the rules and their shared helpers (formulas.py
+    for module in [*RENDERED_MODULES, "advice", "basis"]:    # the rules and their shared helpers (formulas.py
         #                                                            writes formulas: numbers with their factors' names)
         assert _sentences(os.path.join(RULES_DIR, f"{module}.py")) == [], module
     assert _sentences(words.__file__), "the check finds the renderers' sentences"

@@ -212,9 +212,6 @@ Figure = float | int | str
 TUNER_REASONS = ("too_short", "round_too_long", "cannot_pay_back", "unknown_length", "no_other_split", "slower",
                  "not_faster", "not_separable", "over_budget", "failed", "memory_pressure", "run_ended", "oom_ended",
                  "ended")
-#: the tuning's outcome (a ``tune`` decision's ``reason_code``): the configured split kept, or another split kept
-#: because it was faster beyond the noise (by the sequential test at once, or by Mann-Whitney over its rounds)
-TUNER_OUTCOMES = ("kept_configured", "faster_beyond_noise")
 #: the words of the codes that callers end the tuning with (``OnRunTuning.end``)
 TUNER_ENDED_WORDS = {"memory_pressure": "memory pressure ended the tuning",
                      "run_ended": "the run ended before the tuning did",
@@ -285,7 +282,8 @@ def tuner_reason(code: str, f: Mapping[str, Figure]) -> str:
 
 
 def tuning_outcome(outcome: str, f: Mapping[str, Figure], note: str) -> str:
-    """A ``tune`` decision's reason: its outcome (:data:`TUNER_OUTCOMES`) with the figures it rests on, then why the
+    """A ``tune`` decision's reason: its outcome (its ``reason_code``: ``kept_configured``, or ``faster_beyond_noise``
+    by the sequential test at once or by Mann-Whitney over its rounds) with the figures it rests on, then why the
     tuning ended (``note``, :func:`tuner_reason`'s words)."""
     if outcome == "kept_configured":
         return f"kept the configured split: {note}" if note else "kept the configured split"

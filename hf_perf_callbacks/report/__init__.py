@@ -18,9 +18,9 @@ from .command import report_command
 from .model import Finding, Measurements, Note
 from .reading import measurements, measurements_from_run
 from .render import console_summary, gain_text, render_markdown, write_analysis
-from .rules import RULES, analyze, check
+from .rules import RULES, check
 from .summary import summarize
 
-__all__ = ["RULES", "Finding", "Measurements", "Note", "analyze", "check", "console_summary", "gain_text",
+__all__ = ["RULES", "Finding", "Measurements", "Note", "check", "console_summary", "gain_text",
            "measurements", "measurements_from_run", "render_markdown", "report_command", "summarize",
            "write_analysis"]

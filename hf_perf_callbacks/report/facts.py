@@ -1,4 +1,4 @@
-"""The figures each case of a rule rests on (its reason code, :data:`~.model.REASONS`): one frozen dataclass per
+"""The figures each case of a rule rests on (its reason code, :data:`~.model.Reason`): one frozen dataclass per
 case, built by the rule and read by the case's renderer in :mod:`.words`, so a renamed figure fails strict mypy at
 both ends (``tests/test_words.py`` also checks every figure a renderer reads against its class). Data only: no words.
 """

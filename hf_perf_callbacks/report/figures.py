@@ -51,10 +51,9 @@ reference down); its seconds lost are its training seconds minus those its token
 from __future__ import annotations
 
 import bisect
-from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import keys
 from ..core.runlog import (
@@ -73,6 +72,15 @@ from ..core.stats import median, quantile
 
 #: a step line as written (:class:`~hf_perf_callbacks.core.runlog.StepLine`) or as read back (``ReadStep``)
 LogStep = StepLine | ReadStep
+T = TypeVar("T")
+
+
+def _cached(run: RunLog, name: str, compute: Callable[[RunLog], T]) -> T:
+    """``compute(run)``, computed once per parsed run (kept in ``run.cache`` under ``name``)."""
+    if name not in run.cache:
+        run.cache[name] = compute(run)
+    value: T = run.cache[name]
+    return value
 
 
 def last_value(steps: Sequence[LogStep], key: str) -> float | None:
@@ -82,16 +90,6 @@ def last_value(steps: Sequence[LogStep], key: str) -> float | None:
         if v is not None:
             return v
     return None
-
-
-def train_seconds(step: LogStep) -> float | None:
-    """A step line's training time, the one its throughput was computed from: the meter's ``perf/train_sec``."""
-    return step.number(keys.PERF_TRAIN_SEC)
-
-
-def train_column(run: RunLog) -> array[float]:
-    """:func:`train_seconds` of every line of ``run.unique_steps()``, in order (NaN where a line has none)."""
-    return run.column(keys.PERF_TRAIN_SEC)
 
 
 def finite(values: Iterable[float]) -> list[float]:
@@ -150,11 +148,9 @@ def trainer_logs(run_log: RunLog) -> list[LogRow]:
     """The trainer's own training logs: the step lines' ``log/<key>`` values, one mapping per logging step (keys
     without the prefix, plus ``step``). The one source of every count of logs the report prints (the summary's
     completion line, the analysis)."""
-    cached: list[LogRow] | None = run_log.cache.get("trainer_logs")
-    if cached is None:
-        cached = run_log.cache["trainer_logs"] = [LogRow(s, keys.TRAINER_LOG) for s in run_log.unique_steps()
-                                                  if s.has_prefix(keys.TRAINER_LOG)]
-    return cached
+    prefix = keys.TRAINER_LOG
+    return _cached(run_log, "trainer_logs",
+                   lambda run: [LogRow(s, prefix) for s in run.unique_steps() if s.has_prefix(prefix)])
 
 
 def run_events(run: RunLog) -> list[EventLine]:
@@ -212,10 +208,7 @@ class Figures:
 def figures(run: RunLog) -> Figures:
     """The headline numbers (see the module docstring): from the summaries when the run finished, else from the
     step lines. Computed once per parsed run (the summary, the plots and the analysis share them)."""
-    cached: Figures | None = run.cache.get("figures")
-    if cached is None:
-        cached = run.cache["figures"] = _figures(run)
-    return cached
+    return _cached(run, "figures", _figures)
 
 
 def _int(value: object) -> int | None:
@@ -235,18 +228,27 @@ def _meter(perf: Mapping[str, Any], latest: Mapping[str, Any], summary_key: str,
 
 
 def _steady(run: RunLog) -> list[int]:
-    steady: list[int] | None = run.cache.get("steady_steps")
-    if steady is None:
-        steady = run.cache["steady_steps"] = steady_steps(run.unique_steps())
-    return steady
+    return _cached(run, "steady_steps", lambda run: steady_steps(run.unique_steps()))
 
 
-def _steady_mfu(run: RunLog, steady_set: set[int]) -> float | None:
-    """The median MFU of the steady step lines (of every line while none is steady): a killed run's."""
-    numbers, mfu_col = run.step_numbers(), run.column(keys.PERF_MFU)
-    steady_in = [i for i, n in enumerate(numbers) if n in steady_set]
-    mfus = finite(mfu_col[i] for i in (steady_in or range(len(numbers))))
-    return median(mfus) if mfus else None
+def _steady_values(run: RunLog, key: str) -> Iterator[float]:
+    """The finite numbers under ``key`` on the steady lines — the steps the meter's final warmup decision counts
+    steady (:func:`steady_steps`), not the lines' ``perf/steady`` flag written before it — (every line when none is
+    steady), one at a time."""
+    steady_set, numbers = set(_steady(run)), run.step_numbers()
+    steady_at = [i for i, n in enumerate(numbers) if n in steady_set] or list(range(len(numbers)))
+    column = run.column(key)
+    return (v for v in (column[i] for i in steady_at) if v == v)
+
+
+def _values(rows: Sequence[Any], key: str) -> list[float]:
+    """The finite numbers under ``key`` in step lines or log dicts (other types skipped)."""
+    values = (r.get(key) for r in rows)
+    return [float(v) for v in values if not isinstance(v, bool) and number(v) is not None]
+
+
+def _median(values: list[float]) -> float | None:
+    return median(values) if values else None
 
 
 def _phases(run: RunLog, perf: Mapping[str, Any]) -> dict[str, float]:
@@ -295,7 +297,7 @@ def _figures(run: RunLog) -> Figures:
     latest = last.values if last is not None else {}
     numbers = run.step_numbers()
     tokens = sum(finite(run.column(keys.PERF_TOKENS)))
-    train = sum(finite(train_column(run)))
+    train = sum(finite(run.column(keys.PERF_TRAIN_SEC)))
     steady = _steady(run)
     steady_set = set(steady)
     step_sec = _meter(perf, latest, "steady_step_sec", keys.PERF_STEADY_STEP_TIME)
@@ -319,7 +321,7 @@ def _figures(run: RunLog) -> Figures:
         steady_step_sec=step_sec,
         contention_sec=_meter(perf, latest, "early_contention_sec", keys.PERF_EARLY_CONTENTION_SEC),
         mean_tokens_per_sec=_pick(perf, "mean_tokens_per_sec", tokens / train if tokens and train else None),
-        mfu=_pick(perf, "mfu", _steady_mfu(run, steady_set)),
+        mfu=_pick(perf, "mfu", _median(list(_steady_values(run, keys.PERF_MFU)))),
         **_memory_and_cache(run),
         **_provisional(perf),
     )
@@ -331,7 +333,7 @@ def _in_band(run: RunLog, first: int, end: int | None, steady: float | None, tol
     if end is None or steady is None or tolerance is None or end <= first:
         return None
     period = max(1, int(number(run.header("perf").period) or 1))
-    train = dict(zip(run.step_numbers(), train_column(run)))
+    train = dict(zip(run.step_numbers(), run.column(keys.PERF_TRAIN_SEC)))
     cycles = [range(a, min(a + period, end)) for a in range(first, end, period)]
     return all(sum(train.get(n, 0.0) for n in c) <= (1 + tolerance) * steady * len(c) for c in cycles)
 
@@ -429,15 +431,13 @@ def _units(rows: list[int], period: int) -> list[list[int]]:
 def split_levels(run: RunLog) -> list[SplitLevel]:
     """The steady level of each stretch of steps run at one split (see :class:`SplitLevel`), those with at least
     :data:`MIN_LEVEL_STEPS` steady steps, in step order. Computed once per parsed run."""
-    cached: list[SplitLevel] | None = run.cache.get("split_levels")
-    if cached is None:
-        cached = run.cache["split_levels"] = [level for level, _ in _levels(run)]
-    return cached
+    return _cached(run, "split_levels", lambda run: [level for level, _ in _levels(run)])
 
 
 def _levels(run: RunLog) -> list[tuple[SplitLevel, list[list[int]]]]:
     """Each :class:`SplitLevel` with its steady rows in units (steps; GRPO: cycles)."""
-    numbers, tokens, train = run.step_numbers(), run.column(keys.PERF_TOKENS), train_column(run)
+    numbers, tokens = run.step_numbers(), run.column(keys.PERF_TOKENS)
+    train = run.column(keys.PERF_TRAIN_SEC)
     steady = set(_steady(run))
     period = max(1, int(number(run.header("perf").period) or 1))
     out = []
@@ -456,14 +456,12 @@ def _levels(run: RunLog) -> list[tuple[SplitLevel, list[list[int]]]]:
 def slow_stretches(run: RunLog) -> list[SlowStretch]:
     """The run's slow stretches (see :class:`SlowStretch`), in step order: the same for the throughput plot and the
     analysis' contention rule. Computed once per parsed run."""
-    cached: list[SlowStretch] | None = run.cache.get("slow_stretches")
-    if cached is None:
-        cached = run.cache["slow_stretches"] = _stretches(run)
-    return cached
+    return _cached(run, "slow_stretches", _stretches)
 
 
 def _stretches(run: RunLog) -> list[SlowStretch]:
-    numbers, tokens, train = run.step_numbers(), run.column(keys.PERF_TOKENS), train_column(run)
+    numbers, tokens = run.step_numbers(), run.column(keys.PERF_TOKENS)
+    train = run.column(keys.PERF_TRAIN_SEC)
     booked = {int(v) for v in run.summary("perf").get("contention_steps") or [] if number(v) is not None}
     ratios = _wall_over_cpu(run)
     out = []
@@ -521,12 +519,10 @@ def completion_stats(history: Sequence[Mapping[str, Any]]) -> dict[str, float | 
     """GRPO completion lengths over the run's training logs (:func:`trainer_logs`): mean of the logged mean lengths,
     the longest completion, the 90th percentile of the per-log longest, the mean clipped ratio and the number of logs.
     The report's summary line and the analysis both cite these (one clipped share in one report)."""
-    def values(key: str) -> list[float]:
-        return [float(h[key]) for h in history if number(h.get(key)) is not None and not isinstance(h[key], bool)]
-
-    means, maxes, clipped = (values(k) for k in ("completions/mean_length", "completions/max_length",
-                                                  "completions/clipped_ratio"))
-    ended = [v for v in values("completions/mean_terminated_length") if v > 0]    # TRL: the finished completions'
+    means, maxes, clipped = (_values(history, k) for k in ("completions/mean_length", "completions/max_length",
+                                                            "completions/clipped_ratio"))
+    ended = [v for v in _values(history, "completions/mean_terminated_length")   # TRL: the finished completions'
+             if v > 0]
     return {"mean": sum(means) / len(means) if means else None, "max": max(maxes, default=None),
             "terminated_mean": sum(ended) / len(ended) if ended else None,
             "p90": quantile(maxes, 0.9) if maxes else None,
@@ -536,5 +532,5 @@ def completion_stats(history: Sequence[Mapping[str, Any]]) -> dict[str, float | 
 __all__ = [
     "Figures", "figures", "SplitLevel", "SlowStretch", "split_column", "split_levels", "slow_stretches",
     "completion_stats", "steady_steps", "step_ranges", "timed_rows", "ranges_text", "call_first_step", "trainer_logs",
-    "run_events", "train_seconds", "train_column", "last_value", "finite"
+    "run_events", "last_value", "finite"
 ]

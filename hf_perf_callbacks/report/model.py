@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, Literal, TypeVar
 
 from ..core.dataloader import DataLoaderFacts
 from ..core.runlog import WatchdogAction
@@ -137,8 +137,7 @@ class Recompile:
 TOO_FEW_STEPS = "too few steps"
 SettingValue = bool | int | float | str | None    # None: the key removed (its default)
 Setting = dict[str, SettingValue]            # config keys → values: a finding's complete change
-#: which case of its rule a finding or a note is (``Finding.reason``, ``Note.reason``): the rules' codes, by rule in
-#: :data:`REASONS`
+#: which case of its rule a finding or a note is (``Finding.reason``, ``Note.reason``): the rules' codes, by rule
 Reason = Literal[
     "no_reward_data", "too_few_logs", "constant_reward", "no_group_variance",                     # no_learning
     "swapping", "near_the_wall", "pressure",                                                      # memory_pressure
@@ -159,26 +158,6 @@ Reason = Literal[
     "too_few_steps", "skipped",                                                                   # evidence, log_fields
     "reward_share", "recompiles", "recompiles_small", "stand_in", "kept_for_recipe",   # reward, compile, scope
 ]
-#: each rule's reason codes
-REASONS: dict[str, tuple[str, ...]] = {
-    "no_learning": ("no_reward_data", "too_few_logs", "constant_reward", "no_group_variance"),
-    "memory_pressure": ("swapping", "near_the_wall", "pressure"),
-    "oversubscription": ("threads_over_free_cores",),
-    "contention": ("other_processes", "contention_below_share", "unexplained_stretches"),
-    "evaluation": ("eval_share",), "saving": ("save_share",), "callbacks": ("logging_share", "one_callback"),
-    "input_bound": ("no_workers", "workers_behind"), "recompute": ("memory_to_spare", "would_not_fit"),
-    "duplicate_forward": ("grad_forwards",),
-    "padding_waste": ("fixed_length", "pad_to_multiple", "grpo_inherent", "one_length_unsure", "per_batch"),
-    "generation_bound": ("launch_bound", "generation_share"), "weight_sync": ("sync_share",),
-    "rollout_wait": ("waits_for_rollouts",),
-    "tuning_cost": ("cost_over_saving",),
-    "small_micro_batch": ("small_split", "memory_cap", "tuner_measured", "tuner_measured_none"),
-    "tuner_hint": ("needs_train_with_tuning",), "completion_budget": ("cut_off", "runaways", "no_runaways"),
-    "warmup": ("not_finished", "first_step_steady", "excluded"), "evidence": ("too_few_steps",),
-    "log_fields": ("skipped",), "reward": ("reward_share",), "compile": ("recompiles", "recompiles_small"),
-    "scope": ("stand_in", "kept_for_recipe"),
-}
-assert {c for codes in REASONS.values() for c in codes} == set(get_args(Reason))
 
 
 @dataclass(frozen=True)
@@ -391,7 +370,7 @@ class Finding:
     lower_bound: bool = False                # expected_gain is a floor ("at least"), not a prediction
     steps: list[tuple[int, int]] = field(default_factory=list)   # the steps it is about, as (first, last) ranges
     lost_sec: float | None = None            # the seconds it says were lost on them
-    reason: Reason | Literal[""] = ""        # which case of its rule it is (:data:`REASONS`)
+    reason: Reason | Literal[""] = ""        # which case of its rule it is (:data:`Reason`)
     facts: Facts = field(default_factory=Facts)   # the figures its words rest on (its case's dataclass)
     #: the seconds of the run it is about: what the change saves where the gain is measured or calibrated, else the
     #: seconds its cause took (the most the change can save); None: no time figure (memory, quality). Findings rank
@@ -428,7 +407,7 @@ class Note:
     judged: bool = True
     steps: list[tuple[int, int]] = field(default_factory=list)   # the steps it is about, as (first, last) ranges
     lost_sec: float | None = None            # the seconds it says were lost on them
-    reason: Reason | Literal[""] = ""        # which case of its rule it is (:data:`REASONS`)
+    reason: Reason | Literal[""] = ""        # which case of its rule it is (:data:`Reason`)
     facts: Facts = field(default_factory=Facts)   # the figures its words rest on (its case's dataclass)
 
 

@@ -37,6 +37,7 @@ from .figures import (
     LogStep,
     SplitLevel,
     figures,
+    finite,
     last_value,
     ranges_text,
     run_events,
@@ -44,8 +45,6 @@ from .figures import (
     split_column,
     split_levels,
     step_ranges,
-    train_column,
-    train_seconds,
 )
 
 if TYPE_CHECKING:
@@ -218,8 +217,8 @@ def _rates(run: RunLog, period: int) -> tuple[list[int], list[float]]:
     """The run's throughput on the steady figure's basis: tokens per second of training time (the meter's
     ``perf/train_sec``), per block of ``period`` steps (GRPO counts a cycle's tokens at its generation step), at the
     block's last step; from the run's columns (one pass per key over a long run)."""
-    rows = [(n, t, s) for n, t, s in zip(run.step_numbers(), run.column(keys.PERF_TOKENS), train_column(run))
-            if t == t and s == s and s]
+    columns = zip(run.step_numbers(), run.column(keys.PERF_TOKENS), run.column(keys.PERF_TRAIN_SEC))
+    rows = [(n, t, s) for n, t, s in columns if t == t and s == s and s]
     xs, ys = [], []
     for i in range(0, len(rows) - period + 1, period):
         block = rows[i:i + period]
@@ -512,7 +511,7 @@ def _tuning_cost(data: PlotData) -> str | None:
     if not costs:
         return None
     total = sum(costs)
-    train = sum(train_seconds(s) or 0.0 for s in data.steps)
+    train = sum(finite(data.run.column(keys.PERF_TRAIN_SEC)))
     share = f" ({total / train:.0%} of {train:.0f} s of training)" if train > 0 else ""
     gains = [d.expected_gain_sec for d in data.tune_decisions() if d.expected_gain_sec is not None]
     gain = f"; expected saving {sum(gains):.1f} s" if gains else ""

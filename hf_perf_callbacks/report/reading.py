@@ -8,7 +8,7 @@ import itertools
 import math
 import os
 import statistics
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .. import keys
@@ -30,7 +30,10 @@ from ..core.splitfile import SplitFile, read_split_file
 from ..core.stats import classify_slow_steps, quantile
 from .figures import (
     Figures,
+    _median,
     _steady,
+    _steady_values,
+    _values,
     completion_stats,
     figures,
     finite,
@@ -38,7 +41,6 @@ from .figures import (
     slow_stretches,
     split_levels,
     timed_rows,
-    train_column,
     trainer_logs,
 )
 from .model import (
@@ -71,12 +73,6 @@ from .model import (
 )
 
 
-def _values(rows: Sequence[Any], key: str) -> list[float]:
-    """The finite numbers under ``key`` in step lines or log dicts (other types skipped)."""
-    values = (r.get(key) for r in rows)
-    return [float(v) for v in values if not isinstance(v, bool) and number(v) is not None]
-
-
 def _mean(values: Iterable[float]) -> float | None:
     """The mean of the values (one pass, no list), None without any."""
     n, total = 0, 0.0
@@ -94,10 +90,6 @@ def _spread(column: Iterable[float]) -> tuple[int, float, float, float]:
                 first = v
             n, low, high = n + 1, min(low, v), max(high, v)
     return n, first, low, high
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def _rewards(logs: Sequence[Mapping[str, Any]]) -> Rewards | None:
@@ -244,7 +236,7 @@ def _first_steady(run_log: RunLog, f: Figures) -> FirstSteady | None:
     if first not in steady:
         return FirstSteady(first, included=False) if first else None
     count, total, own = 0, 0.0, None
-    for n, t in zip(run_log.step_numbers(), train_column(run_log)):
+    for n, t in zip(run_log.step_numbers(), run_log.column(keys.PERF_TRAIN_SEC)):
         if t == t and n in steady:
             count, total = count + 1, total + t
             own = t if n == first else own
@@ -387,16 +379,6 @@ def _skipped(run_log: RunLog) -> list[str]:
     return skipped + _malformed_values(run_log)
 
 
-def _steady_values(run_log: RunLog, key: str) -> Iterator[float]:
-    """The finite numbers under ``key`` on the steady lines — the steps the meter's final warmup decision counts
-    steady (:func:`~.figures.steady_steps`), not the lines' ``perf/steady`` flag written before it — (every line when
-    none is steady), one at a time."""
-    steady_set, numbers = set(_steady(run_log)), run_log.step_numbers()
-    steady_at = [i for i, n in enumerate(numbers) if n in steady_set] or list(range(len(numbers)))
-    column = run_log.column(key)
-    return (v for v in (column[i] for i in steady_at) if v == v)
-
-
 def _step_counts(run_log: RunLog, grpo: bool) -> StepCounts:
     fpm = _median(finite(run_log.column(keys.PERF_FORWARDS_PER_MICROBATCH)))
     n, first, low, high = _spread(run_log.column(keys.PERF_SEQ_LEN))     # without a list
@@ -458,7 +440,7 @@ def _compile_readings(run_log: RunLog, f: Figures, torch_compile: bool) -> Compi
     median c (at s / c wall seconds each)."""
     if run_log.header("perf").device_type != "cpu":
         return CompileReadings()
-    numbers, train = run_log.step_numbers(), train_column(run_log)
+    numbers, train = run_log.step_numbers(), run_log.column(keys.PERF_TRAIN_SEC)
     walls, cpus, child = (run_log.column(k) for k in (keys.PERF_STEP_WALL_SEC, keys.PERF_CPU_SEC,
                                                        keys.PERF_CHILD_CPU_SEC))
     steady = set(f.steady_steps)
@@ -567,7 +549,7 @@ def measurements(run_log: RunLog) -> Measurements:
     skipped = _skipped(run_log)
     run = run_log.header("perf")
     grpo = bool(run.grpo)
-    train_sec = sum(finite(train_column(run_log)))
+    train_sec = sum(finite(run_log.column(keys.PERF_TRAIN_SEC)))
     scope = _scope_readings(run_log, run)
     groups = (_figure_readings(f), _geometry(run_log, run), _step_counts(run_log, grpo),
               _memory_readings(run_log), _trainer_readings(run_log, grpo), _tuner_readings(run_log, skipped),

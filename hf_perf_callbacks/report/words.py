@@ -1,4 +1,4 @@
-"""The analysis' English, in one place: one renderer per reason code (:data:`~.model.REASONS`) that writes a
+"""The analysis' English, in one place: one renderer per reason code (:data:`~.model.Reason`) that writes a
 finding's or a note's texts from its facts — the frozen dataclass of its case (:mod:`.facts`) — and its setting. A
 rule computes data only (the case it found, the figures, the setting) and builds its result with :func:`finding` or
 :func:`note`; each sentence here is chosen from that data, never appended to another rule's words, so two sentences
@@ -6,8 +6,7 @@ of one result cannot contradict each other. A renderer reads its case's figures 
 each one; ``tests/test_words.py`` checks them against the dataclass too), and :func:`finding` refuses facts of
 another case's class.
 
-Every module under ``report/rules`` that defines a rule is worded here (:data:`RENDERED_MODULES`; checked by
-``tests/test_words.py``).
+Every module under ``report/rules`` that defines a rule is worded here (checked by ``tests/test_words.py``).
 """
 from __future__ import annotations
 
@@ -138,8 +137,6 @@ NoteRenderer = Callable[[Any], NoteWords]
 #: reason code → the renderer of a finding of that case / of a note of that case, with the facts class it reads
 FINDING_WORDS: dict[str, tuple[FindingRenderer, type]] = {}
 NOTE_WORDS: dict[str, tuple[NoteRenderer, type]] = {}
-#: the rule modules (under ``report/rules``) whose every result is worded here: all that define a rule
-RENDERED_MODULES: tuple[str, ...] = ("phases", "run", "machine", "step", "grpo", "memory")
 
 
 def facts_class(render: Callable[..., object]) -> type:

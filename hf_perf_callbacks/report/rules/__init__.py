@@ -64,11 +64,6 @@ def check(m: Measurements) -> tuple[list[Finding], list[Note]]:
     return findings, [r for r in results if isinstance(r, Note)]
 
 
-def analyze(m: Measurements) -> list[Finding]:
-    """The ranked findings (see :func:`check`)."""
-    return check(m)[0]
-
-
 def rule_table() -> str:
     """The README's rule table (section "The analysis"), one row per rule in the order of :data:`RULES`, from the
     cards the rules carry (:func:`~..model.card`): ``python -m hf_perf_callbacks.report.rules`` prints it."""
@@ -81,4 +76,4 @@ def rule_table() -> str:
     return "\n".join(rows)
 
 
-__all__ = ["check", "analyze", "rule_table", "RULES"]
+__all__ = ["check", "rule_table", "RULES"]

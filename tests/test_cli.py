@@ -52,9 +52,10 @@ def test_train_with_a_typo_fails_with_the_closest_key(tmp_path, capsys):
     path = tmp_path / "r.yaml"
     path.write_text("num_generation: 4\nuse_cpu: true\n")
     assert cli.main(["train", "--config", str(path)]) == 2
-    from hf_perf_callbacks.train.arguments import closest_name, did_you_mean, field_names
+    from hf_perf_callbacks.core.validation import closest, did_you_mean
+    from hf_perf_callbacks.train.arguments import field_names
 
-    assert closest_name("num_generation", field_names()) == "num_generations"
+    assert closest("num_generation", field_names()) == "num_generations"
     assert did_you_mean("num_generation", field_names()) in capsys.readouterr().err
 
 

@@ -16,6 +16,7 @@ import yaml
 from hf_perf_callbacks import keys, train
 from hf_perf_callbacks.core.batching import Split
 from hf_perf_callbacks.core.splitfile import SplitFile, read_split_file
+from hf_perf_callbacks.core.validation import closest, did_you_mean
 from hf_perf_callbacks.tasks import wordle
 from hf_perf_callbacks.train import arguments, build, checks, launch, recipes
 from tests.conftest import save_tiny_model
@@ -394,16 +395,16 @@ def test_typo_in_recipe_names_the_key_and_closest_match(tmp_path, capsys, nothin
     assert train.main(["--config", path, "--use_cpu", "true"]) == 2
     err = capsys.readouterr().err
     names = arguments.field_names()
-    assert arguments.closest_name("lora_rank", names) == "lora_r"          # not local_rank: the same first word
-    assert "'lora_rank'" in err and arguments.did_you_mean("lora_rank", names) in err
+    assert closest("lora_rank", names) == "lora_r"          # not local_rank: the same first word
+    assert "'lora_rank'" in err and did_you_mean("lora_rank", names) in err
 
 
 def test_typo_on_command_line_names_the_flag_and_closest_match(tmp_path, capsys, nothing_heavy):
     assert train.main(["--config", write_recipe(tmp_path), "--learning_rat", "1e-5"]) == 2
     err = capsys.readouterr().err
     names = arguments.field_names()
-    assert arguments.closest_name("learning_rat", names) == "learning_rate"
-    assert "'--learning_rat'" in err and arguments.did_you_mean("learning_rat", names, "--") in err
+    assert closest("learning_rat", names) == "learning_rate"
+    assert "'--learning_rat'" in err and did_you_mean("learning_rat", names, "--") in err
 
 
 def test_all_typos_are_reported_at_once(tmp_path):

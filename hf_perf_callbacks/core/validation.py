@@ -54,15 +54,19 @@ class UnknownKeyword(ValueError, TypeError):
 
 
 def closest(word: str, allowed: Iterable[str]) -> str | None:
-    """The closest of ``allowed`` to ``word`` (difflib, cutoff 0.6), or None."""
-    close = difflib.get_close_matches(str(word), list(allowed), n=1, cutoff=0.6)
-    return close[0] if close else None
+    """The closest of ``allowed`` to ``word`` (difflib, cutoff 0.6), or None; of the close ones, one sharing the
+    first word wins (lora_rank → lora_r, not local_rank)."""
+    word = str(word)
+    close = difflib.get_close_matches(word, list(allowed), n=5, cutoff=0.6)
+    same_family = [c for c in close if c.split("_")[0] == word.split("_")[0]]
+    return next(iter(same_family or close), None)
 
 
-def did_you_mean(word: str, allowed: Iterable[str]) -> str:
-    """`` (did you mean 'calibrate'?)`` for the closest of ``allowed`` to ``word`` (:func:`closest`), or ``""``."""
+def did_you_mean(word: str, allowed: Iterable[str], prefix: str = "") -> str:
+    """`` (did you mean 'calibrate'?)`` for the closest of ``allowed`` to ``word`` (:func:`closest`), written after
+    ``prefix`` (``--`` for a flag), or ``""``."""
     close = closest(word, allowed)
-    return f" (did you mean {close!r}?)" if close else ""
+    return f" (did you mean {prefix + close!r}?)" if close else ""
 
 
 def check_keywords(owner: str, given: Iterable[str], allowed: Iterable[str]) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import enum
 import functools
 import json
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from .. import CALLBACKS
+from ..core.validation import did_you_mean
 from . import schema
 
 if TYPE_CHECKING:
@@ -125,19 +125,6 @@ def launcher_help() -> str:
 def field_names(classes: tuple[type, ...] | None = None) -> list[str]:
     """Every valid recipe key: the fields of the three dataclasses (default :func:`early_classes`)."""
     return sorted({f.name for cls in classes or early_classes() for f in dataclasses.fields(cls)})
-
-
-def closest_name(name: str, names: list[str]) -> str | None:
-    """The closest name (difflib); one sharing the first word wins (lora_rank → lora_r, not local_rank)."""
-    close = difflib.get_close_matches(name, names, n=5, cutoff=0.6)
-    same_family = [c for c in close if c.split("_")[0] == name.split("_")[0]]
-    return next(iter(same_family or close), None)
-
-
-def did_you_mean(name: str, names: list[str], prefix: str = "") -> str:
-    """`` (did you mean 'lora_r'?)`` for :func:`closest_name`, or ``""``."""
-    best = closest_name(name, names)
-    return f" (did you mean '{prefix}{best}'?)" if best else ""
 
 
 def split_config(argv: list[str]) -> tuple[str | None, list[str]]:

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
+from ..core.validation import did_you_mean
 from . import checks
 from .arguments import (
     FILE_FORMATS,
@@ -17,7 +18,6 @@ from .arguments import (
     RecipeArguments,
     RecipeError,
     as_dict,
-    did_you_mean,
 )
 from .checks import PACKAGED
 

@@ -16,11 +16,11 @@ from typing import Any
 from .. import CALLBACKS
 from ..core.batching import Split
 from ..core.splitfile import split_for_run
+from ..core.validation import did_you_mean
 from . import schema
 from .arguments import (
     RecipeError,
     as_dict,
-    did_you_mean,
     expected_type,
 )
 

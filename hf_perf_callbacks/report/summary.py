@@ -10,7 +10,7 @@ print(summarize(read_run("outputs/my_run")))
 The log may come from a killed run (truncated lines, no summaries): the headline figures are the meter's either way
 (:func:`.figures.figures`, the numbers the plots and the written analysis use too), worded as the meter's console
 summary words them (:mod:`hf_perf_callbacks.core.wording`). The command reads the log once and hands it to this module,
-the plots and :mod:`.analysis`.
+the plots and the written analysis (:mod:`.render`).
 """
 from __future__ import annotations
 

@@ -65,22 +65,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class Fetched:
-    """One optimizer step's micro-batches as the run holds them at ``split`` (the training loop's fetch; GRPO: the
-    buffered completions the step trains), and the step's label count (``num_items_in_batch``)."""
+    """Rows grouped as ``split`` groups them, as micro-batches, and the step's label count (``num_items_in_batch``):
+    one optimizer step as the run holds it (the training loop's fetch; GRPO: the buffered completions the step
+    trains), or the rows of a pass of the check (``split``'s args set for it: micro-batch, accumulation, GRPO's steps
+    per generation)."""
 
     split: Split
     batches: list[Any]
     num_items: Any = None
-
-
-@dataclass(frozen=True)
-class _Cut:
-    """Rows grouped as ``split`` groups them (its args set for the pass: micro-batch, accumulation, GRPO's steps per
-    generation), as micro-batches."""
-
-    split: Split
-    batches: list[Any]
-    num_items: Any
 
 
 class _OutOfMemory(Exception):
@@ -127,7 +119,7 @@ def _decide(trainer: Trainer, model: torch.nn.Module, ours: Fetched, theirs: Fet
     memory ends the check (it does not fit: ``fits`` False). Where no comparison could run, the new split's
     micro-batches are run alone, to tell a split that does not fit from one that fits unmeasured."""
     tried: list[str] = []
-    candidate: _Cut | None = None
+    candidate: Fetched | None = None
     for against, reference, candidate in comparisons(result.old, result.new, ours, theirs, grpo, world):
         try:
             _compare(trainer, model, reference, candidate, rng, world, result)
@@ -142,7 +134,7 @@ def _decide(trainer: Trainer, model: torch.nn.Module, ours: Fetched, theirs: Fet
         return
     result.why = (f"every comparison ran out of memory ({'; '.join(tried)})" if tried else
                   _why_none(result.old, result.new, ours, theirs, grpo))
-    alone = candidate or (_Cut(result.new, ours.batches, ours.num_items) if ours.batches and not grpo else None)
+    alone = candidate or (Fetched(result.new, ours.batches, ours.num_items) if ours.batches and not grpo else None)
     if alone is not None:
         try:
             _pass(trainer, model, alone, rng, world, candidate=True)
@@ -161,30 +153,30 @@ def _why_none(old: Split, new: Split, ours: Fetched, theirs: Fetched | None, grp
 
 # ------------------------------------------------------------ the comparisons
 def comparisons(old: Split, new: Split, ours: Fetched, theirs: Fetched | None, grpo: bool,
-                world: int) -> Iterator[tuple[str, _Cut, _Cut]]:
+                world: int) -> Iterator[tuple[str, Fetched, Fetched]]:
     """``(against, reference, candidate)`` in the order tried: the old split's grouping of the rows, then a finer cut
     of the new split's (see the module docstring)."""
     if grpo:
         window = math.lcm(old.micro_batch, new.micro_batch)
         rows = adapter.resplit_generation(ours.batches, 1)[0]
         part = _rows(rows, 0, window)
-        yield "old", _Cut(old, _cut(part, old.micro_batch), None), _Cut(new, _cut(part, new.micro_batch), None)
+        yield "old", Fetched(old, _cut(part, old.micro_batch), None), Fetched(new, _cut(part, new.micro_batch), None)
     elif theirs is not None and theirs.batches and theirs.split != new:
         window = math.lcm(theirs.split.micro_batch, new.micro_batch)
         pair = _aligned(theirs, ours, window) if world == 1 else (theirs.batches, ours.batches)
-        yield "old", _Cut(theirs.split, pair[0], theirs.num_items), _Cut(new, pair[1], ours.num_items)
+        yield "old", Fetched(theirs.split, pair[0], theirs.num_items), Fetched(new, pair[1], ours.num_items)
     finer = _finer(new)
     if finer is None:
         return
     if grpo:
         part = _rows(adapter.resplit_generation(ours.batches, 1)[0], 0, new.micro_batch)
-        yield "finer", _Cut(finer, _cut(part, finer.micro_batch), None), _Cut(new, [part], None)
+        yield "finer", Fetched(finer, _cut(part, finer.micro_batch), None), Fetched(new, [part], None)
         return
     batch = min(ours.batches, key=_size) if world == 1 else ours.batches[0]     # the least padded
     if _row_count(batch) != new.micro_batch:
         return                                  # a packed batch (or the epoch's short last one): no finer cut
-    yield ("finer", _Cut(finer, _cut(batch, finer.micro_batch), ours.num_items),
-           _Cut(new, [batch], ours.num_items))
+    yield ("finer", Fetched(finer, _cut(batch, finer.micro_batch), ours.num_items),
+           Fetched(new, [batch], ours.num_items))
 
 
 def _finer(split: Split) -> Split | None:
@@ -257,7 +249,7 @@ def _reversed(batches: list[Any]) -> list[Any]:
 
 
 # ------------------------------------------------------------ the passes
-def _compare(trainer: Trainer, model: torch.nn.Module, reference: _Cut, candidate: _Cut, rng: RngState,
+def _compare(trainer: Trainer, model: torch.nn.Module, reference: Fetched, candidate: Fetched, rng: RngState,
              world: int, result: ExactnessCheck) -> None:
     """Fill ``result`` from the comparison of ``candidate`` with ``reference`` (the repeat of the reference only when
     they differ past rounding). :class:`_OutOfMemory` when a pass ran out of memory on any rank."""
@@ -285,7 +277,7 @@ def _why(difference: Difference, drew_rng: bool) -> str:
     return f"{what}; the loss depends on how the rows are grouped into micro-batches"
 
 
-def _pass(trainer: Trainer, model: torch.nn.Module, cut: _Cut, rng: RngState, world: int,
+def _pass(trainer: Trainer, model: torch.nn.Module, cut: Fetched, rng: RngState, world: int,
           reverse: bool = False, candidate: bool = False) -> Sketch:
     """The gradients of ``cut``'s micro-batches, accumulated as ``cut.split``'s step accumulates them, through the
     trainer's own ``training_step``, from the RNG ``rng``; sketched (summed over the ranks), then dropped."""

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -85,14 +85,13 @@ class _OutOfMemory(Exception):
 
 
 def check(trainer: Trainer, kind: str, step: int, old: Split, new: Split, ours: Fetched, theirs: Fetched | None,
-          *, grpo: bool = False, world: int = 1, unmeasurable: str | None = None,
-          wall: Callable[[], float] = time.perf_counter) -> ExactnessCheck:
+          *, grpo: bool = False, world: int = 1, unmeasurable: str | None = None) -> ExactnessCheck:
     """The check of the change ``old`` → ``new`` (``kind``) at optimizer step ``step`` (see the module docstring):
     ``ours`` is what the new split holds for the step, ``theirs`` what the old one fetched for it (None: it never
     did); ``unmeasurable``: why no check can run here (FSDP, DeepSpeed). The trainer, model and RNG are left as they
     were."""
     result = ExactnessCheck(step=step, kind=kind, old=old, new=new, verdict="unmeasured")
-    started = wall()
+    started = time.perf_counter()
     if unmeasurable is not None:
         result.why = unmeasurable
         return result
@@ -109,7 +108,7 @@ def check(trainer: Trainer, kind: str, step: int, old: Split, new: Split, ours: 
     peak = device.memory().peak if device.type in ("cuda", "xpu") else None
     device.reset_peak()                    # the step's own peak, as the watchdog reads it, leaves the check out
     result.peak_gb = peak / GB if peak else None
-    result.cost_sec = wall() - started
+    result.cost_sec = time.perf_counter() - started
     return result
 
 
@@ -253,8 +252,8 @@ def _compare(trainer: Trainer, model: torch.nn.Module, reference: Fetched, candi
              world: int, result: ExactnessCheck) -> None:
     """Fill ``result`` from the comparison of ``candidate`` with ``reference`` (the repeat of the reference only when
     they differ past rounding). :class:`_OutOfMemory` when a pass ran out of memory on any rank."""
-    weight = next((p for p in model.parameters() if p.requires_grad), None)
-    rtol = rtol_for(_compute_dtype(trainer, model), weight.dtype if weight is not None else None)
+    weight = next((p.dtype for p in model.parameters() if p.requires_grad), None)
+    rtol = rtol_for(_compute_dtype(trainer, weight), weight)
     first = _pass(trainer, model, reference, rng, world)
     other = _pass(trainer, model, candidate, rng, world, candidate=True)
     passes, difference = 2, compare(first, first, other, rtol)
@@ -339,15 +338,15 @@ def _same_rng(a: RngState, b: RngState) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a[3], b[3]))
 
 
-def _compute_dtype(trainer: Trainer, model: torch.nn.Module) -> torch.dtype:
-    """The dtype the step's matrix products run in: the mixed precision's when set, else the trainable weights'."""
+def _compute_dtype(trainer: Trainer, weight: torch.dtype | None) -> torch.dtype:
+    """The dtype the step's matrix products run in: the mixed precision's when set, else the trainable weights'
+    (``weight``)."""
     args = trainer.args
     if getattr(args, "bf16", False):
         return torch.bfloat16
     if getattr(args, "fp16", False):
         return torch.float16
-    weight = next((p for p in model.parameters() if p.requires_grad), None)
-    return weight.dtype if weight is not None else torch.float32
+    return weight if weight is not None else torch.float32
 
 
 class _Saved:

@@ -42,7 +42,7 @@ from hf_perf_callbacks.core.runlog import LOCK_FILE
 from hf_perf_callbacks.core.splitfile import read_split_file
 from hf_perf_callbacks.resize import exactness
 from hf_perf_callbacks.resize.executor import Executor
-from hf_perf_callbacks.resize.loop import InexactResize
+from hf_perf_callbacks.resize.plan import InexactResize
 from tests import compat
 from tests.compat import CELLS, Cell
 from tests.conftest import varied_reward

@@ -98,10 +98,9 @@ def current_split(args: Any) -> Split:
 
 def candidates(args: Any, world: int) -> list[Split]:
     """Every split that keeps the run's effective batch (GRPO: and generation batch), largest micro-batch first."""
-    split = current_split(args)
-    if is_grpo(args):
-        return exact_splits(split.effective_batch(world), world, split.generation_batch(world), args.num_generations)
-    return exact_splits(split.effective_batch(world), world)
+    split = current_split(args)          # a generation batch (GRPO's steps_per_generation) only for a GRPO run
+    return exact_splits(split.effective_batch(world), world, split.generation_batch(world),
+                        args.num_generations if is_grpo(args) else None)
 
 
 def next_smaller(current: Split, candidates: list[Split]) -> Split:

@@ -143,10 +143,8 @@ class Trial:
         return median(self.samples) if self.samples else None
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "split": split_to_json(self.split), "samples": self.samples, "step_samples": self.step_samples,
-            "steps": self.steps, "peak_gb": self.peak_gb, "fits": self.fits, "error": self.error,
-            "cost_sec": self.cost_sec, "p_value": self.p_value, "gain": self.gain}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["split"] = split_to_json(self.split)
         if self.samples:
             out["median"] = self.median
         return out

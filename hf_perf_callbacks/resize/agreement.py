@@ -56,9 +56,6 @@ class OOMAgreement:
         self.exchanging = False    # our own exchange is running (its all_gather passes through unchecked)
         self.broken = False        # an error escaped a collective of this step
 
-    def begin(self) -> None:
-        self.inside, self.broken = True, False
-
     def exchange(self, oom: int | None, finished: bool, failed: bool = False) -> tuple[int | None, bool, bool]:
         """(the site of some rank's out-of-memory error, None when none ran out; every rank has left its step; some
         rank failed otherwise). A site no micro-batch fixes outranks the micro-batch's."""
@@ -107,7 +104,6 @@ class StepGuard:
         self.agreement = OOMAgreement(training_device())
         self._stop_intercepting: Callable[[], None] | None = None
         self.armed_since: int | None = None       # the first optimizer step the armed guard saw
-        self.disarmed_at: list[int] = []           # steps at which it came off (a record for the benchmarks)
         self._undo_step = adapter.replace_method(trainer, "training_step", self._make)
         self.arm()
 
@@ -125,7 +121,6 @@ class StepGuard:
         if self._stop_intercepting is not None:
             self._stop_intercepting()
             self._stop_intercepting = None
-            self.disarmed_at.append(self.trainer.state.global_step)
 
     def remove(self) -> None:
         self.disarm()
@@ -169,7 +164,7 @@ class StepGuard:
         ddp = adapter.unwrap_compiled(model)
         hook = ddp.register_forward_pre_hook(agreement.check) if isinstance(ddp, DistributedDataParallel) else None
         with model.no_sync() if syncing else contextlib.nullcontext():  # type: ignore[operator]  # DDP's (hasattr)
-            agreement.begin()
+            agreement.inside, agreement.broken = True, False
             try:
                 loss = original(model, inputs, *args, **kwargs)
                 grads = _trainable_gradients(cast(torch.nn.Module, trainer.model)) if syncing else []
@@ -240,11 +235,10 @@ def average_buffers(tensors: list[torch.Tensor]) -> dict[torch.dtype, torch.Tens
                                dtype=dtype, device=device) for dtype, (n, device) in small.items()}
 
 
-def average_across_ranks(tensors: list[torch.Tensor], buffers: dict[torch.dtype, torch.Tensor] | None = None) -> None:
+def average_across_ranks(tensors: list[torch.Tensor], buffers: dict[torch.dtype, torch.Tensor]) -> None:
     """Replace each tensor by its mean over the ranks: a tensor of ``AVERAGE_BUCKET_BYTES`` or more in its own
     all-reduce, in place; smaller ones packed through ``buffers`` (:func:`average_buffers`), one all-reduce per full
     buffer. Memory beyond the tensors: the buffers only."""
-    buffers = average_buffers(tensors) if buffers is None else buffers
     world = world_size()
     packed: dict[torch.dtype, list[torch.Tensor]] = {dtype: [] for dtype in buffers}
     used = dict.fromkeys(buffers, 0)

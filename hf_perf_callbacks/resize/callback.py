@@ -128,7 +128,6 @@ class AdaptiveBatchTuner(PerfCallback):
         self.world = world_size()
         self._bus.requests.on_smaller_batch_request(self._on_smaller_batch)
         self.in_optimizer_step = False
-        # args changed by hand between train() calls rule; a resume in process goes on with the loop's windows
         self.measuring = executor.begin_train(args, state.global_step, state.max_steps)
         if self.measuring:
             self.device = DeviceLayer()
@@ -152,8 +151,6 @@ class AdaptiveBatchTuner(PerfCallback):
     @PerfCallback.hook
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
-        # the RNG and loop state a checkpoint of the last step must hold, a staged change checked on this step's
-        # rows (ChangeRefused), a pending switch (SwitchSplit)
         self._executor.step_begins(state.global_step)
         if self.measuring:
             self.device.synchronize()

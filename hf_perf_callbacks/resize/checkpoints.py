@@ -27,6 +27,8 @@ import shutil
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch.distributed as dist
+
 from ..common.outputdir import INCOMPLETE_MARKER, PREFIX, STATE_FILE, checkpoint_dir, move_aside, step_of
 from ..core.splitfile import WrittenCheckpoint, read_split_file
 from ..keys import SPLIT_FILE
@@ -402,8 +404,5 @@ def _clear(path: str, step: int, ours: bool) -> None:
 
 def every_rank_here() -> None:
     """Under several ranks, wait until every rank is here (every rank calls it at the same point)."""
-    if world_size() > 1:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
+    if world_size() > 1 and dist.is_available() and dist.is_initialized():
+        dist.barrier()

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -65,22 +65,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class Fetched:
-    """One optimizer step's micro-batches as the run holds them at ``split`` (the training loop's fetch; GRPO: the
-    buffered completions the step trains), and the step's label count (``num_items_in_batch``)."""
+    """Rows grouped as ``split`` groups them, as micro-batches, and the step's label count (``num_items_in_batch``):
+    one optimizer step as the run holds it (the training loop's fetch; GRPO: the buffered completions the step
+    trains), or the rows of a pass of the check (``split``'s args set for it: micro-batch, accumulation, GRPO's steps
+    per generation)."""
 
     split: Split
     batches: list[Any]
     num_items: Any = None
-
-
-@dataclass(frozen=True)
-class _Cut:
-    """Rows grouped as ``split`` groups them (its args set for the pass: micro-batch, accumulation, GRPO's steps per
-    generation), as micro-batches."""
-
-    split: Split
-    batches: list[Any]
-    num_items: Any
 
 
 class _OutOfMemory(Exception):
@@ -93,14 +85,13 @@ class _OutOfMemory(Exception):
 
 
 def check(trainer: Trainer, kind: str, step: int, old: Split, new: Split, ours: Fetched, theirs: Fetched | None,
-          *, grpo: bool = False, world: int = 1, unmeasurable: str | None = None,
-          wall: Callable[[], float] = time.perf_counter) -> ExactnessCheck:
+          *, grpo: bool = False, world: int = 1, unmeasurable: str | None = None) -> ExactnessCheck:
     """The check of the change ``old`` → ``new`` (``kind``) at optimizer step ``step`` (see the module docstring):
     ``ours`` is what the new split holds for the step, ``theirs`` what the old one fetched for it (None: it never
     did); ``unmeasurable``: why no check can run here (FSDP, DeepSpeed). The trainer, model and RNG are left as they
     were."""
     result = ExactnessCheck(step=step, kind=kind, old=old, new=new, verdict="unmeasured")
-    started = wall()
+    started = time.perf_counter()
     if unmeasurable is not None:
         result.why = unmeasurable
         return result
@@ -117,7 +108,7 @@ def check(trainer: Trainer, kind: str, step: int, old: Split, new: Split, ours: 
     peak = device.memory().peak if device.type in ("cuda", "xpu") else None
     device.reset_peak()                    # the step's own peak, as the watchdog reads it, leaves the check out
     result.peak_gb = peak / GB if peak else None
-    result.cost_sec = wall() - started
+    result.cost_sec = time.perf_counter() - started
     return result
 
 
@@ -127,7 +118,7 @@ def _decide(trainer: Trainer, model: torch.nn.Module, ours: Fetched, theirs: Fet
     memory ends the check (it does not fit: ``fits`` False). Where no comparison could run, the new split's
     micro-batches are run alone, to tell a split that does not fit from one that fits unmeasured."""
     tried: list[str] = []
-    candidate: _Cut | None = None
+    candidate: Fetched | None = None
     for against, reference, candidate in comparisons(result.old, result.new, ours, theirs, grpo, world):
         try:
             _compare(trainer, model, reference, candidate, rng, world, result)
@@ -142,7 +133,7 @@ def _decide(trainer: Trainer, model: torch.nn.Module, ours: Fetched, theirs: Fet
         return
     result.why = (f"every comparison ran out of memory ({'; '.join(tried)})" if tried else
                   _why_none(result.old, result.new, ours, theirs, grpo))
-    alone = candidate or (_Cut(result.new, ours.batches, ours.num_items) if ours.batches and not grpo else None)
+    alone = candidate or (Fetched(result.new, ours.batches, ours.num_items) if ours.batches and not grpo else None)
     if alone is not None:
         try:
             _pass(trainer, model, alone, rng, world, candidate=True)
@@ -161,30 +152,30 @@ def _why_none(old: Split, new: Split, ours: Fetched, theirs: Fetched | None, grp
 
 # ------------------------------------------------------------ the comparisons
 def comparisons(old: Split, new: Split, ours: Fetched, theirs: Fetched | None, grpo: bool,
-                world: int) -> Iterator[tuple[str, _Cut, _Cut]]:
+                world: int) -> Iterator[tuple[str, Fetched, Fetched]]:
     """``(against, reference, candidate)`` in the order tried: the old split's grouping of the rows, then a finer cut
     of the new split's (see the module docstring)."""
     if grpo:
         window = math.lcm(old.micro_batch, new.micro_batch)
         rows = adapter.resplit_generation(ours.batches, 1)[0]
         part = _rows(rows, 0, window)
-        yield "old", _Cut(old, _cut(part, old.micro_batch), None), _Cut(new, _cut(part, new.micro_batch), None)
+        yield "old", Fetched(old, _cut(part, old.micro_batch), None), Fetched(new, _cut(part, new.micro_batch), None)
     elif theirs is not None and theirs.batches and theirs.split != new:
         window = math.lcm(theirs.split.micro_batch, new.micro_batch)
         pair = _aligned(theirs, ours, window) if world == 1 else (theirs.batches, ours.batches)
-        yield "old", _Cut(theirs.split, pair[0], theirs.num_items), _Cut(new, pair[1], ours.num_items)
+        yield "old", Fetched(theirs.split, pair[0], theirs.num_items), Fetched(new, pair[1], ours.num_items)
     finer = _finer(new)
     if finer is None:
         return
     if grpo:
         part = _rows(adapter.resplit_generation(ours.batches, 1)[0], 0, new.micro_batch)
-        yield "finer", _Cut(finer, _cut(part, finer.micro_batch), None), _Cut(new, [part], None)
+        yield "finer", Fetched(finer, _cut(part, finer.micro_batch), None), Fetched(new, [part], None)
         return
     batch = min(ours.batches, key=_size) if world == 1 else ours.batches[0]     # the least padded
     if _row_count(batch) != new.micro_batch:
         return                                  # a packed batch (or the epoch's short last one): no finer cut
-    yield ("finer", _Cut(finer, _cut(batch, finer.micro_batch), ours.num_items),
-           _Cut(new, [batch], ours.num_items))
+    yield ("finer", Fetched(finer, _cut(batch, finer.micro_batch), ours.num_items),
+           Fetched(new, [batch], ours.num_items))
 
 
 def _finer(split: Split) -> Split | None:
@@ -257,12 +248,12 @@ def _reversed(batches: list[Any]) -> list[Any]:
 
 
 # ------------------------------------------------------------ the passes
-def _compare(trainer: Trainer, model: torch.nn.Module, reference: _Cut, candidate: _Cut, rng: RngState,
+def _compare(trainer: Trainer, model: torch.nn.Module, reference: Fetched, candidate: Fetched, rng: RngState,
              world: int, result: ExactnessCheck) -> None:
     """Fill ``result`` from the comparison of ``candidate`` with ``reference`` (the repeat of the reference only when
     they differ past rounding). :class:`_OutOfMemory` when a pass ran out of memory on any rank."""
-    weight = next((p for p in model.parameters() if p.requires_grad), None)
-    rtol = rtol_for(_compute_dtype(trainer, model), weight.dtype if weight is not None else None)
+    weight = next((p.dtype for p in model.parameters() if p.requires_grad), None)
+    rtol = rtol_for(_compute_dtype(trainer, weight), weight)
     first = _pass(trainer, model, reference, rng, world)
     other = _pass(trainer, model, candidate, rng, world, candidate=True)
     passes, difference = 2, compare(first, first, other, rtol)
@@ -285,7 +276,7 @@ def _why(difference: Difference, drew_rng: bool) -> str:
     return f"{what}; the loss depends on how the rows are grouped into micro-batches"
 
 
-def _pass(trainer: Trainer, model: torch.nn.Module, cut: _Cut, rng: RngState, world: int,
+def _pass(trainer: Trainer, model: torch.nn.Module, cut: Fetched, rng: RngState, world: int,
           reverse: bool = False, candidate: bool = False) -> Sketch:
     """The gradients of ``cut``'s micro-batches, accumulated as ``cut.split``'s step accumulates them, through the
     trainer's own ``training_step``, from the RNG ``rng``; sketched (summed over the ranks), then dropped."""
@@ -347,15 +338,15 @@ def _same_rng(a: RngState, b: RngState) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a[3], b[3]))
 
 
-def _compute_dtype(trainer: Trainer, model: torch.nn.Module) -> torch.dtype:
-    """The dtype the step's matrix products run in: the mixed precision's when set, else the trainable weights'."""
+def _compute_dtype(trainer: Trainer, weight: torch.dtype | None) -> torch.dtype:
+    """The dtype the step's matrix products run in: the mixed precision's when set, else the trainable weights'
+    (``weight``)."""
     args = trainer.args
     if getattr(args, "bf16", False):
         return torch.bfloat16
     if getattr(args, "fp16", False):
         return torch.float16
-    weight = next((p for p in model.parameters() if p.requires_grad), None)
-    return weight.dtype if weight is not None else torch.float32
+    return weight if weight is not None else torch.float32
 
 
 class _Saved:

@@ -538,7 +538,7 @@ class Executor:
             if self.max_resizes > 0:
                 self.end_run(trainer, error, in_optimizer_step)
             raise
-        if self.max_resizes == 0 and not self.in_trial:
+        if self.max_resizes == 0 and not self._in_tuning(self.split):
             raise
         agreed = isinstance(error, ResizeNeeded)
         if self.watch is not None and (self.world == 1 or agreed):     # several ranks: every one of them is here
@@ -551,7 +551,7 @@ class Executor:
                 memory: WallFacts | None) -> str | None:
         """An out-of-memory error a smaller micro-batch may fix (the step's, or the new split's in its check):
         re-size, or end saved with why."""
-        trial = self.in_trial
+        trial = self._in_tuning(self.split)
         cause = unfixable_cause(error, trainer, error.site if isinstance(error, ResizeNeeded) else None, memory)
         if cause is not None:                    # no micro-batch fixes it: no re-size
             unfixable = UnfixableOOM(cause)
@@ -597,7 +597,8 @@ class Executor:
             if not plan.trial and tuning is not None and tuning.done is None:
                 self.end_tuning(step, "out of memory ended the tuning")
             free_memory(trainer, self.warn_once)
-            self.rewind_loop(step)
+            if self.loop is not None:
+                self.loop.rewind(step)
             checkpoint = self._resume_point(trainer, plan, step, new, error)
             try:
                 self.carry_loop(trainer, checkpoint, new)
@@ -662,8 +663,8 @@ class Executor:
             if refusal.rows is not None and self.watch is not None and self.watch.theirs is None:
                 self.watch.hold(refusal.rows.batches, step + 1, self.split, refusal.rows.num_items)
             self.commit(check=check)
-            return self._resize(trainer, torch_oom(check.why), False, True,
-                                self.bus.memory_facts if self.bus is not None else None)
+            oom = torch.OutOfMemoryError(f"out of memory in the check of a change: {check.why}")
+            return self._resize(trainer, oom, False, True, self.bus.memory_facts if self.bus is not None else None)
         try:
             with self.event():
                 why = f"{refusal.split} refused at step {refusal.step} ({refusal.why})"
@@ -760,7 +761,8 @@ class Executor:
             if not why:
                 try:
                     free_memory(trainer, self.warn_once)
-                    self.rewind_loop(step)
+                    if self.loop is not None:
+                        self.loop.rewind(step)
                     checkpoint = self.save_checkpoint(trainer, step)
                 except (Exception, KeyboardInterrupt) as save_error:  # noqa: BLE001 - a 2nd Ctrl-C too: say what is left
                     why = f"saving failed: {type(save_error).__name__}: {error_line(save_error)[:160]}"
@@ -833,12 +835,6 @@ class Executor:
         if self.checkpoints.switched_at(step, wrote):
             self.commit()
 
-    def rewind_loop(self, step: int) -> None:
-        """The run goes back to completed step ``step``: the tokens and FLOPs a step left mid-way counted are taken
-        back (the checkpoint of ``step`` and every later log count what an unfaulted run counts)."""
-        if self.loop is not None:
-            self.loop.rewind(step)
-
     def carry_loop(self, trainer: Trainer, checkpoint: str | None, new: Split) -> None:
         """The next ``train()`` resumes from ``checkpoint`` at ``new``: what the loop held at that step is prepared
         for it (GRPO: the buffered completions re-split). :class:`adapter.CannotReplay` when it cannot be."""
@@ -876,11 +872,6 @@ class Executor:
         if decision is not None:
             self.decided(decision)
         self.commit(state=replace(self.state, baseline=None))
-
-    @property
-    def in_trial(self) -> bool:
-        """The split in effect is one the tuning is trying (not its baseline)."""
-        return self._in_tuning(self.split)
 
     # ------------------------------------------------------------ the RNG a checkpoint holds
     def note_rng(self, step: int, epoch_start: bool = False, epoch: int | None = None) -> None:
@@ -1056,11 +1047,6 @@ def _padded_tokens(batches: list[Any]) -> int:
 #: the attribute the run's end sets on the error it ends with, and on its log record: the checkpoint to go on from
 #: (None: none); the launcher words its own line from it (``train/interrupts.py``)
 RUN_END = "hf_perf_resume_from"
-
-
-def torch_oom(why: str) -> BaseException:
-    """An out-of-memory error of the check of a change, as the training step's would read."""
-    return torch.OutOfMemoryError(f"out of memory in the check of a change: {why}")
 
 
 def _say(text: str) -> None:

@@ -38,7 +38,6 @@ from . import memcheck
 from .callback import AdaptiveBatchTuner, find_callback
 from .evaluation import evaluate_within_memory
 from .executor import Executor, SwitchSplit
-from .plan import InexactResize as InexactResize  # its name here before resize/plan.py held it
 from .watch import ChangeRefused
 
 if TYPE_CHECKING:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypedDict, cast
@@ -24,6 +25,7 @@ from transformers import TrainerCallback
 from ..core.batching import Split, current_split, is_grpo
 from ..core.memory import budget_bytes
 from ..core.splitfile import Trial
+from ..estimate import estimate_grpo_memory, model_from_config
 from ..platform import adapter
 from ..platform.device import (
     GB,
@@ -69,8 +71,6 @@ def estimated_peak(trainer: Trainer, device_type: str) -> float | None:
     """GRPO's live-tensor peak in bytes at the worst-case length (the longest prompt, every completion at
     ``max_completion_length``) for the split in effect, from the model's config; None when it cannot be estimated
     (not GRPO, an unknown architecture, prompts that cannot be measured)."""
-    from ..estimate import estimate_grpo_memory
-
     args = cast("GRPOConfig", trainer.args)          # its GRPO fields are read past is_grpo only
     if not is_grpo(args):
         return None
@@ -95,8 +95,6 @@ def estimated_peak(trainer: Trainer, device_type: str) -> float | None:
 def _model_facts(model: Any) -> tuple[ModelShape, int, int]:
     """The model's facts from its config (a peft wrapper's base model), the bytes of one frozen weight (of any
     weight without peft) and the trainable LoRA parameters (0 without peft)."""
-    from ..estimate import model_from_config
-
     peft = hasattr(model, "peft_config")
     inner = model.get_base_model() if peft else model
     config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
@@ -142,17 +140,15 @@ class _PeakWatch(TrainerCallback):
         self.peak = max(self.peak, float(self.device.memory().used))
 
 
-def check_memory(trainer: Trainer, session: Executor, candidates: list[Split], budget: float | None = None,
-                 clock: Clock | None = None, force: bool = False) -> Split:
+def check_memory(trainer: Trainer, session: Executor, candidates: list[Split], clock: Clock | None = None,
+                 force: bool = False) -> Split:
     """Run the check (see the module docstring; ``force``: whether memory is tight or not); returns the split that
     fits (the configured one when it does)."""
-    import time
-
     wall = clock.wall if clock is not None else time.perf_counter
     device = DeviceLayer(training_device())
     sample = device.memory()
-    budget = budget if budget is not None else budget_bytes(device.type, sample.device_limit, sample.hard_limit,
-                                                            sample.system_total, reachable=sample.reachable)
+    budget = budget_bytes(device.type, sample.device_limit, sample.hard_limit, sample.system_total,
+                          reachable=sample.reachable)
     budget = min(r[0] for r in gather_floats([budget], device.device))          # the tightest rank
     started = wall()
     configured = current_split(trainer.args)

@@ -30,6 +30,9 @@ import traceback
 from types import FrameType
 from typing import TYPE_CHECKING, cast
 
+from ..core.memory import mib
+from ..platform.device import error_line, world_size
+
 if TYPE_CHECKING:
     from transformers import Trainer
 
@@ -76,8 +79,6 @@ def unfixable_cause(error: BaseException, trainer: Trainer, site: int | None = N
     """Why no smaller micro-batch fixes this out-of-memory error, or None: it struck in generation or a reward
     function (``site``: where, as the ranks agreed; None: read from the error's traceback), or in one process while
     the watchdog knows of a leak (``facts``: its :class:`~hf_perf_callbacks.core.memory.WallFacts`)."""
-    from ..platform.device import world_size
-
     cause = unfixable_message(oom_site(error, trainer) if site is None else site, trainer, error)
     if cause is None and world_size() == 1:
         cause = leak_message(facts, error)
@@ -86,8 +87,6 @@ def unfixable_cause(error: BaseException, trainer: Trainer, site: int | None = N
 
 def unfixable_message(site: int, trainer: Trainer, error: BaseException) -> str | None:
     """What ran out of memory and what fixes it, for a site no smaller micro-batch fixes (None for the micro-batch)."""
-    from ..platform.device import error_line
-
     args = trainer.args
     generation = getattr(args, "generation_batch_size", None)
     batch = f"the whole generation batch ({generation} completions per rank)" if generation else "the whole batch"
@@ -109,9 +108,6 @@ def unfixable_message(site: int, trainer: Trainer, error: BaseException) -> str 
 def leak_message(facts: WallFacts | None, error: BaseException) -> str | None:
     """The cause of an out-of-memory error while the watchdog knows of a leak (``facts``: its
     :class:`~hf_perf_callbacks.core.memory.WallFacts`), naming what else holds memory; None without a known leak."""
-    from ..core.memory import mib
-    from ..platform.device import error_line
-
     leak = getattr(facts, "leak_per_step", None)
     if not leak:
         return None

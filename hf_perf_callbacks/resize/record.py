@@ -49,13 +49,12 @@ def rank_file(output_dir: str, rank: int) -> str:
 @dataclass(frozen=True)
 class Change:
     """What one change of the run adds to its record (everything optional): the plan's state once carried out
-    (``state``), a decision taken (``decision``) or one whose switch never took effect (``dropped``), the check made at
-    the change (``check``), why the run ended (``ended``), and whether this rank leaves for the launcher's restart
-    (``restart``: written to its own file too, where it is not the main process)."""
+    (``state``), a decision taken (``decision``), the check made at the change (``check``), why the run ended
+    (``ended``), and whether this rank leaves for the launcher's restart (``restart``: written to its own file too,
+    where it is not the main process)."""
 
     state: SplitState | None = None
     decision: Decision | None = None
-    dropped: Decision | None = None
     check: ExactnessCheck | None = None
     ended: str | None = None
     restart: bool = False
@@ -99,8 +98,6 @@ class SplitRecord:
         written (None: none). OSError when the file cannot be written (the facts stay in memory)."""
         if change.state is not None:
             self.state = replace(change.state, every=(), last_decision=None)
-        if change.dropped is not None and change.dropped in self.decisions:
-            self.decisions.remove(change.dropped)
         if change.decision is not None:
             self.decisions.append(change.decision)
         if change.check is not None:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, cast
 
 from ..core.batching import Exactness, Split
 from ..platform.device import error_line, is_oom_error, world_size
+from .agreement import ResizeNeeded
 
 if TYPE_CHECKING:
     import torch
@@ -167,7 +168,5 @@ def restart_message(error: BaseException, step: int, split: Split | None, checkp
 def unagreed_oom(kind: str | None, error: BaseException) -> bool:
     """An out-of-memory error under FSDP, or DeepSpeed with several ranks, that no exchange told the other ranks of
     (they are inside a collective)."""
-    from .agreement import ResizeNeeded
-
     sharded = kind == "fsdp" or (kind == "deepspeed" and world_size() > 1)
     return sharded and is_oom_error(error) and not isinstance(error, ResizeNeeded)

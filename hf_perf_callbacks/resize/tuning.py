@@ -48,7 +48,7 @@ from ..core.batching import Split
 from ..core.splitfile import RANKED_WORDS, Decision, Trial
 from ..core.stats import iqr, mann_whitney_less, median
 from ..core.validation import check_flag, check_number
-from ..core.wording import TUNER_ENDED_WORDS, Figure, evidence_words, tuner_reason, tuning_outcome
+from ..core.wording import TUNER_ENDED_WORDS, Figure, tuner_reason, tuning_outcome
 
 #: a trial's ``error`` when its peak memory passed the budget (a caller's words otherwise: "out of memory")
 OVER_BUDGET = "peak memory over the budget"
@@ -116,9 +116,6 @@ class Evidence:
                                            ("ratio", self.ratio), ("slower_ratio", self.slower_ratio),
                                            ("bound", self.bound), ("spread", self.spread), ("error", self.error),
                                            ("min_gain", MIN_GAIN))}
-
-    def words(self, candidate: object, baseline: object) -> str:
-        return evidence_words(self.verdict, self.figures(candidate, baseline))
 
 
 #: the expected range of n normal samples in standard deviations (d2), for the spread of fewer than four samples
@@ -240,7 +237,6 @@ class OnRunTuning:
         self.rounds = 0
         self.block: list[float] = []           # this block's samples
         self.warm_left = 0
-        self.warm_steps = 0                    # warm-up steps taken in this train() call
         self.first_step: float | None = None   # the whole time of this run's first step (its restart overhead)
         self.switch_seconds: list[float] = []
         self.cost = 0.0                        # spent beyond training: switches, warm-up excess, slower steps
@@ -259,7 +255,6 @@ class OnRunTuning:
         self.block = []
         cycles = WARMUP_AFTER_SWITCH if switch_sec is not None else WARMUP_AT_START
         self.warm_left = (self.period - step % self.period) % self.period + cycles * self.period
-        self.warm_steps = 0
         needed = self.warm_left + self._trial_steps()                  # a baseline block and one trial
         if self.must_pay and self.planned is not None and self.planned - step < needed \
                 and not self.trials[self.start].samples:
@@ -311,7 +306,6 @@ class OnRunTuning:
     def _warm_up(self, trial: Trial, whole: float) -> None:
         """A warm-up step: not a sample; what it cost beyond a measured step is the switch's."""
         self.warm_left -= 1
-        self.warm_steps += 1
         if self.switch_seconds and self.trials[self.baseline].samples:
             excess = max(0.0, whole - median(self.trials[self.baseline].step_samples or [whole]))
             self.cost += excess
@@ -560,10 +554,7 @@ class OnRunTuning:
         the round that judged it)."""
         start = self.trials[self.start]
         others = [t for s, t in self.trials.items() if s != self.start]
-        if start.samples:
-            base = median(start.samples)
-            for t in others:
-                if t.samples:
-                    t.p_value = mann_whitney_less(t.samples, start.samples)
-                    t.gain = 1.0 - median(t.samples) / base if base > 0 else 0.0
+        for t in others:
+            if t.samples and start.samples:
+                t.p_value, t.gain, _ = judge(t.samples, start.samples)
         return [start] + others

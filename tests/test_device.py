@@ -77,8 +77,6 @@ def test_cuda_memory_within_reach_counts_other_processes_and_memory_outside_the_
     fraction["value"] = 0.1
     capped = layer.memory()
     assert capped.reachable == int(0.1 * total) and capped.outside == total - 20 * gib
-    monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction")          # torch before 2.9
-    assert layer.memory().allocator_cap is None and layer.memory().reachable == 20 * gib
     assert DeviceLayer("cpu").memory_holders() is None                          # NVML is for CUDA only
 
 

@@ -43,12 +43,9 @@ OOM_TEXTS = (
 
 def is_oom_error(error: BaseException) -> bool:
     """True for an out-of-memory error on any device (CUDA ``torch.OutOfMemoryError``, MPS and CPU texts)."""
-    if isinstance(error, torch.OutOfMemoryError):
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
         return True
-    if isinstance(error, (RuntimeError, MemoryError)):
-        text = str(error).lower()
-        return isinstance(error, MemoryError) or any(t in text for t in OOM_TEXTS)
-    return False
+    return isinstance(error, RuntimeError) and any(t in str(error).lower() for t in OOM_TEXTS)
 
 
 def error_line(error: BaseException) -> str:
@@ -222,24 +219,20 @@ class DeviceLayer:
                 **system,
             )
         if self.type == "xpu":
-            mem_get_info = getattr(torch.xpu, "mem_get_info", None)
             return MemorySample(
                 allocated=torch.xpu.memory_allocated(self.device),
                 reserved=torch.xpu.memory_reserved(self.device),
                 peak=torch.xpu.max_memory_allocated(self.device),
                 device_limit=torch.xpu.get_device_properties(self.device).total_memory,
-                device_free=mem_get_info(self.device)[0] if mem_get_info is not None else None,
+                device_free=torch.xpu.mem_get_info(self.device)[0],
                 **system,
             )
         return MemorySample(rss=psutil.Process().memory_info().rss, device_limit=vm.total, unified=True, **system)
 
     def _allocator_cap(self, total: int) -> int | None:
         """PyTorch's per-process memory fraction (``torch.cuda.set_per_process_memory_fraction``) × ``total``, when
-        below the total; None where torch cannot say (``get_per_process_memory_fraction`` came in torch 2.9)."""
-        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        if get_fraction is None:
-            return None
-        fraction = float(get_fraction(self.device))
+        below the total."""
+        fraction = float(torch.cuda.get_per_process_memory_fraction(self.device))
         return int(fraction * total) if 0 < fraction < 1 else None
 
     def memory_holders(self) -> list[tuple[int, str, int]] | None:
@@ -299,7 +292,6 @@ class DeviceLayer:
             a @ b
         self.synchronize()
         seconds = time.perf_counter() - start
-        del a, b
         return 2.0 * size**3 * repeats / seconds
 
 
@@ -324,13 +316,10 @@ def training_device() -> torch.device:
     (it honours ``use_cpu`` and the launcher's ``LOCAL_RANK``); else the ``LOCAL_RANK``-th CUDA/XPU device under a
     launcher; else this process's accelerator as torch sees it (the current CUDA/XPU device, MPS), else the CPU.
     """
-    try:
-        from accelerate.state import PartialState, is_initialized
+    from accelerate.state import PartialState, is_initialized
 
-        if is_initialized():
-            return torch.device(PartialState().device)
-    except ImportError:
-        pass
+    if is_initialized():
+        return torch.device(PartialState().device)
     local_rank = os.environ.get("LOCAL_RANK", "")
     for kind in ("cuda", "xpu"):
         backend = getattr(torch, kind, None)

@@ -283,13 +283,13 @@ def save_checkpoint(trainer: Trainer, rotate: bool = True, run_dir: str | None =
             state.best_model_checkpoint = best
 
 
-def register_stateful_callbacks(state: TrainerState, callbacks: Iterable[object]) -> list[str]:
+def register_stateful_callbacks(state: TrainerState, callbacks: Iterable[object]) -> None:
     """Give every ``ExportableState`` in ``callbacks`` that has none an entry in ``state.stateful_callbacks`` (its
     current ``state()``; a list for several instances of one class, as ``TrainerState`` builds it for a fresh run),
-    so that ``Trainer._save_checkpoint`` finds one for each. Returns the class names added."""
+    so that ``Trainer._save_checkpoint`` finds one for each."""
     entries = getattr(state, "stateful_callbacks", None)
-    if entries is None or not isinstance(entries, dict):
-        return []
+    if not isinstance(entries, dict):
+        return
     missing: dict[str, list[dict[str, Any]]] = {}
     for callback in callbacks:
         name = type(callback).__name__
@@ -297,7 +297,6 @@ def register_stateful_callbacks(state: TrainerState, callbacks: Iterable[object]
             missing.setdefault(name, []).append(callback.state())
     for name, states in missing.items():
         entries[name] = states[0] if len(states) == 1 else states
-    return list(missing)
 
 
 @contextlib.contextmanager
@@ -360,7 +359,6 @@ class _Noted:
 
 @dataclasses.dataclass
 class _Carry:
-    step: int
     noted: _Noted
     micro_steps: int | None
     buffer: list[dict[str, Any]] | None
@@ -444,7 +442,7 @@ class LoopState:
                     raise CannotReplay(f"no buffered completions were held at step {step}")
                 buffer = resplit_generation(noted.buffer, new_steps_per_generation or 1)
             micro = rows // new_micro_batch
-        self.pending = _Carry(step, noted, micro, buffer)
+        self.pending = _Carry(noted, micro, buffer)
 
     def keep(self, step: int) -> None:
         """A checkpoint of ``step`` was saved from the state noted for it: a later resume from it goes on from there."""
@@ -457,7 +455,7 @@ class LoopState:
         from. ``train_loss`` of this call stays the mean loss of the steps it trains. True when installed."""
         carry, self.pending = self.pending, None
         trainer = self.trainer
-        if carry is None or carry.step != trainer.state.global_step:
+        if carry is None or carry.noted.step != trainer.state.global_step:
             return False
         noted = carry.noted
         trainer._tr_loss = noted.loss.clone().to(trainer._tr_loss.device)
@@ -874,30 +872,24 @@ class GenerationClock:
         self.started: float | None = None
         self.depth = 0                              # generation calls open now (nested ones time nothing more)
 
-    def _open(self) -> None:
+    def generate_started(self) -> None:
         if self.depth == 0:
             self.started = self.clock()
         self.depth += 1
 
-    def _close(self) -> None:
+    def generate_finished(self, input_ids: Any, output: Any) -> None:
         self.depth = max(0, self.depth - 1)
         if self.depth == 0 and self.started is not None:
             self.seconds += self.clock() - self.started
             self.started = None
 
-    def generate_started(self) -> None:
-        self._open()
-
-    def generate_finished(self, input_ids: Any, output: Any) -> None:
-        self._close()
-
     def entry_started(self, kind: str) -> None:
         if kind in (ROLLOUT, SYNC):
-            self._open()
+            self.generate_started()
 
     def entry_finished(self, kind: str, result: Any) -> None:
         if kind in (ROLLOUT, SYNC):
-            self._close()
+            self.generate_finished(None, None)
 
     def reset(self) -> None:
         self.seconds = 0.0

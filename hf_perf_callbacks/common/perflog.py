@@ -54,10 +54,6 @@ class PerfLog:
         self.held: list[EventLine] = []         # events waiting for the header
         self.writer = LogWriter()
 
-    def bind(self, output_dir: str | None, is_main: bool) -> None:
-        """Follow the trainer's ``output_dir`` and whether this is the main process."""
-        self.output_dir, self.is_main = output_dir, is_main
-
     def new_call(self, step: int) -> None:
         """A ``train()`` call begins at ``step``: a fresh one of a trainer that trained before is a run of its own."""
         if self.trained and not self.pinned and step == 0:

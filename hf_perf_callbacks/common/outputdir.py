@@ -108,16 +108,16 @@ class OutputDirLock:
         self.output_dir: str | None = None
         self.unlockable: set[str] = set()     # output_dirs warned about: no lock there
 
-    def acquire(self, output_dir: str) -> bool:
-        """Hold ``output_dir`` for this process; True when held. Raises :class:`OutputDirBusy` naming the holder
-        when another process holds it; a file system that cannot hold the lock is one warning and no lock."""
+    def acquire(self, output_dir: str) -> None:
+        """Hold ``output_dir`` for this process. Raises :class:`OutputDirBusy` naming the holder when another process
+        holds it; a file system that cannot hold the lock is one warning and no lock."""
         key = os.path.realpath(output_dir)
         if key == self.key:
-            return True
+            return
         self.release()
         if key in _HELD:                      # another trainer of this process holds it: the same process
             self.key, self.output_dir = key, output_dir
-            return True
+            return
         path = os.path.join(output_dir, LOCK_FILE)
         try:
             os.makedirs(output_dir, exist_ok=True)
@@ -146,7 +146,7 @@ class OutputDirLock:
                 self.unlockable.add(key)
                 logger.warning("cannot lock %s (%s: %s): training goes on without the one-process-per-output_dir "
                                "check (warned once)", output_dir, type(error).__name__, error)
-            return False
+            return
         try:
             with open(os.path.join(output_dir, HOLDER_FILE), "w", encoding="utf-8") as f:
                 f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -154,7 +154,6 @@ class OutputDirLock:
             pass                                           # the lock holds without the holder's name
         _HELD[key] = lock
         self.key, self.output_dir = key, output_dir
-        return True
 
     def release(self) -> None:
         """Release the hold, removing the lock's files first (while still held, so no other process takes a lock on

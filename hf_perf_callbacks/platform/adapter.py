@@ -162,12 +162,8 @@ def all_callbacks(handler: CallbackHandler | None) -> list[Any]:     # TrainerCa
 
 def progress_bars(handler: CallbackHandler | None) -> list[Any]:   # tqdm bars (tqdm has no types)
     """The tqdm training bars of the handler's progress callbacks (empty outside training or without tqdm)."""
-    bars = []
-    for callback in all_callbacks(handler):
-        bar = getattr(callback, "training_bar", None) if isinstance(callback, ProgressCallback) else None
-        if bar is not None:
-            bars.append(bar)
-    return bars
+    return [callback.training_bar for callback in all_callbacks(handler)
+            if isinstance(callback, ProgressCallback) and getattr(callback, "training_bar", None) is not None]
 
 
 def console_printers(handler: CallbackHandler | None) -> list[TrainerCallback]:
@@ -691,13 +687,11 @@ def time_callbacks(handler: CallbackHandler, started: Callable[[TrainerCallback,
                     control = original(event, args, state, control, **kwargs)
                 finally:
                     finished(callback, event)
-                    if handler.callbacks is alone:
-                        handler.callbacks = callbacks
-                    else:                             # the callback replaced the list: its list, then the others
+                    if handler.callbacks is not alone:    # the callback replaced the list: its list, then the others
                         mine = list(handler.callbacks)
                         callbacks = mine + [c for c in callbacks
                                             if c is not callback and all(c is not m for m in mine)]
-                        handler.callbacks = callbacks
+                    handler.callbacks = callbacks
                     handler.__dict__["_hf_perf_all_callbacks"] = callbacks
         finally:
             if outer is None:

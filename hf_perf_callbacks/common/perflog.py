@@ -119,7 +119,7 @@ class PerfLog:
             if self.header is not None:
                 self.held.append(entry)
             else:
-                self._append(entry)
+                self.writer.append(self.output_dir, entry)
         return entry.to_json()
 
     def write_summary(self, source: str, values: Mapping[str, Any]) -> None:
@@ -139,17 +139,14 @@ class PerfLog:
     def _emit(self, record: Record) -> None:
         if self.is_main:
             self._write_header()
-            self._append(record)
+            self.writer.append(self.output_dir, record)
 
     def _write_header(self) -> None:
         header, self.header = self.header, None
         if header is None or not self.is_main:
             return
         header.time = round(time.time(), 3)
-        self._append(header)
+        self.writer.append(self.output_dir, header)
         held, self.held = self.held, []
         for event in held:
-            self._append(event)
-
-    def _append(self, record: Record) -> None:
-        self.writer.append(self.output_dir, record)
+            self.writer.append(self.output_dir, event)

@@ -19,6 +19,8 @@ from functools import lru_cache
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
+from ..core.validation import check_number
+
 if TYPE_CHECKING:
     import datasets
 
@@ -95,10 +97,6 @@ def feedback(secret: str, guess: str) -> str:
 # --------------------------------------------------------------------------- game states and prompts
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def split_words(seed: int = 0, eval_fraction: float = EVAL_FRACTION) -> dict[str, list[str]]:
     """Deterministically split the word list into disjoint ``train`` and ``eval`` secret pools."""
     words = load_words()
@@ -150,14 +148,10 @@ def make_dataset(
     """
     import datasets
 
-    for name, value, ok, allowed in (
-        ("n", n, _is_int(n) and n >= 1, "an integer >= 1"),
-        ("split", split, split in SPLITS, " or ".join(repr(s) for s in SPLITS)),
-        ("max_history", max_history, _is_int(max_history) and 0 <= max_history <= MAX_HISTORY,
-         f"an integer from 0 to {MAX_HISTORY}"),
-    ):
-        if not ok:
-            raise ValueError(f"{name}={value!r} is invalid; allowed: {allowed}")
+    check_number("n", n, low=1, integer=True)
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not allowed: expected {' or '.join(repr(s) for s in SPLITS)}")
+    check_number("max_history", max_history, low=0, high=MAX_HISTORY, integer=True)
 
     pool = split_words(seed)[split]
     rng = random.Random(f"wordle-{split}-{seed}")

@@ -113,7 +113,7 @@ class FakeMacReader:
 
     def sample(self):
         i = min(self.device.step, len(self.levels) - 1)
-        return MacMemorySample(timestamp=float(i), pressure_level=self.levels[i], swapouts=self.swapouts[i],
+        return MacMemorySample(pressure_level=self.levels[i], swapouts=self.swapouts[i],
                                compressor_bytes=2 * GB, swap_used_bytes=self.swapouts[i] * 16384,
                                phys_footprint_bytes=9 * GB)
 

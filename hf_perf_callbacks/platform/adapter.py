@@ -1166,9 +1166,8 @@ def fsdp2_prepared_again(trainer: Trainer) -> Iterator[None]:
     finally:
         del plugin.set_auto_wrap_policy
         plugin.activation_checkpointing = checkpointing
-#: accelerate before 1.13 loads an FSDP2 optimizer's sharded checkpoint into ``optimizer.state_dict()`` of the
-#: optimizer ``train()`` has just made — which holds no state yet — so a resume restores no momentum and no Adam
-#: moments, silently; 1.13 reads the state through ``get_optimizer_state_dict`` first
+#: accelerate before 1.13 loads an FSDP2 optimizer's sharded checkpoint into the ``state_dict()`` of the optimizer
+#: ``train()`` has just made, which holds no state yet: a resume restored none (1.13 reads it first)
 FSDP2_OPTIMIZER_RESUME_FIXED = (1, 13)
 
 
@@ -1241,10 +1240,8 @@ class _ResizedBatchSize(logging.Filter):
         return True
 
 
-#: (message pattern, category) of library deprecations that TRL and peft trigger at every generation (TRL's
-#: generation context and peft call transformers' deprecated ``is_gradient_checkpointing``,
-#: ``gradient_checkpointing_disable`` and ``gradient_checkpointing_enable``): shown by the run's first generation, not
-#: again after each of the package's re-sizes
+#: (message pattern, category) of the deprecations TRL and peft trigger at every generation (see the module
+#: docstring): shown by the run's first generation, not again after each of the package's re-sizes
 SHOWN_BEFORE_A_RESIZE = ((r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated", FutureWarning),)
 
 

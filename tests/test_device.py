@@ -125,11 +125,11 @@ def test_mps_cache_clear_feature_detects_clear_graph_cache(fake_mps):
 
 def test_mps_peak_needs_the_chip_and_its_gpu_cores(fake_mps):
     layer = DeviceLayer("mps")
-    layer._mac = types.SimpleNamespace(chip_name=lambda: "Apple M2 Max", gpu_core_count=lambda: 38)
+    layer.mac = types.SimpleNamespace(chip_name=lambda: "Apple M2 Max", gpu_core_count=lambda: 38)
     peak = layer.peak()
     assert peak.name == "Apple M2 Max (38-core GPU)" and peak.bandwidth == 400e9
     layer = DeviceLayer("mps")
-    layer._mac = types.SimpleNamespace(chip_name=lambda: "Apple M2 Max", gpu_core_count=lambda: None)
+    layer.mac = types.SimpleNamespace(chip_name=lambda: "Apple M2 Max", gpu_core_count=lambda: None)
     assert layer.peak() is None                            # 30 or 38 cores: unknown, so no number
 
 

@@ -15,7 +15,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
+from typing import Any, TypeAlias, TypeVar, cast
 
 import numpy as np
 import psutil
@@ -23,11 +23,9 @@ import torch
 
 from ..core.peaks import DevicePeak, dtype_key, lookup_peak
 from ..core.runlog import GB
+from .macos import MacMemoryReader
 
 T = TypeVar("T")
-
-if TYPE_CHECKING:
-    from .macos import MacMemoryReader
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +133,7 @@ class DeviceLayer:
             self.device = torch.device(self.device.type, getattr(torch, self.device.type).current_device())
         self.type = self.device.type
         self._name: str | None = None
-        self._mac: MacMemoryReader | None = None
+        self.mac = MacMemoryReader()            # the macOS reader: its readers return None off macOS
 
     # ---------------------------------------------------------------- basics
     def synchronize(self) -> None:
@@ -180,15 +178,6 @@ class DeviceLayer:
             else:
                 self._name = platform.processor() or platform.machine() or "cpu"
         return self._name
-
-    @property
-    def mac(self) -> MacMemoryReader:
-        """The macOS reader (lazily built; all its readers return None off macOS)."""
-        if self._mac is None:
-            from .macos import MacMemoryReader
-
-            self._mac = MacMemoryReader()
-        return self._mac
 
     # ---------------------------------------------------------------- memory
     def memory(self) -> MemorySample:

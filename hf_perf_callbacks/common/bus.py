@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerControl
 from transformers.trainer_callback import CallbackHandler
 
 from ..platform import adapter
@@ -130,8 +130,6 @@ class RunBus(TrainerCallback):
         perf line of every step its checkpoint holds. Callbacks that did not see that step's end (a callback before
         them raised in ``on_step_end``) measure it first, from what they measured during the step; ``log`` then
         writes the step's training log if the trainer never did (its values join the line)."""
-        from transformers import TrainerControl
-
         for callback in adapter.all_callbacks(self.handler):
             ended = getattr(callback, "ended_step", None)
             if ended is not None and ended < state.global_step and not callback.disabled:

@@ -23,6 +23,7 @@ from filelock import FileLock, Timeout
 
 from ..core.runlog import LOCK_FILE
 from ..platform import adapter
+from ..platform.device import is_main_process
 
 __all__ = ["OutputDirBusy", "OutputDirLock", "OutputDirHold", "HOLDER_FILE", "move_aside",
            "checkpoint_dir", "step_of", "STATE_FILE", "PREFIX", "MOVED_ASIDE", "INCOMPLETE_MARKER"]
@@ -50,8 +51,6 @@ def set_aside_partial(path: str) -> None:
     """A save of ``path`` was cut short (Ctrl-C, SIGTERM, an error): the folder, when it is not a complete checkpoint,
     is moved aside (main process), so that neither transformers' ``get_last_checkpoint`` nor ``--resume_from_checkpoint
     last`` resumes from it."""
-    from ..platform.device import is_main_process
-
     if is_main_process() and os.path.isdir(path) and not _state_written(path):
         moved = move_aside(path, "partial")
         logger.warning("[run] the save of %s was cut short: moved aside to %s (a resume picks the newest complete "

@@ -106,6 +106,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import json
 import logging
 import os
 import signal
@@ -749,8 +750,7 @@ def rearm_jit_checkpoint(trainer: Trainer) -> bool:
 
 def unwrap_compiled(module: torch.nn.Module) -> torch.nn.Module:
     """The module that ``torch.compile`` wrapped (the module itself when not compiled)."""
-    unwrapped: torch.nn.Module = getattr(module, "_orig_mod", module)
-    return unwrapped
+    return cast(torch.nn.Module, getattr(module, "_orig_mod", module))
 
 
 # ---------------------------------------------------------------- generate
@@ -814,13 +814,16 @@ class _Watch:
         self.undos.clear()
 
 
-def _join(watches: weakref.WeakKeyDictionary[Any, _Watch], owner: Any, build: Callable[[], _Watch],
-          listener: object) -> Callable[[], None]:
+#: the watch of each watched object (a model's ``generate``, a trainer's generation entry points)
+_WATCHES: weakref.WeakKeyDictionary[Any, _Watch] = weakref.WeakKeyDictionary()
+
+
+def _join(owner: Any, build: Callable[[], _Watch], listener: object) -> Callable[[], None]:
     """``listener`` joins the watch of ``owner`` (``build()`` when it has none, or another wrapper was put over its
     own); returns the function that stops it."""
-    watch = watches.get(owner)
+    watch = _WATCHES.get(owner)
     if watch is None or getattr(owner, watch.entry, None) is not watch.wrapper:
-        watch = watches[owner] = build()
+        watch = _WATCHES[owner] = build()
     watch.listeners.append(listener)
 
     def stop() -> None:
@@ -828,8 +831,8 @@ def _join(watches: weakref.WeakKeyDictionary[Any, _Watch], owner: Any, build: Ca
             watch.listeners.remove(listener)
         if not watch.listeners and watch.alive:
             watch.undo()
-            if watches.get(owner) is watch:
-                del watches[owner]
+            if _WATCHES.get(owner) is watch:
+                del _WATCHES[owner]
 
     return stop
 
@@ -846,14 +849,11 @@ class _GenerateWatch(_Watch):
         self.wrapper = model.generate               # a compiled model's: on the module it wraps
 
 
-_WATCHES: weakref.WeakKeyDictionary[Any, _Watch] = weakref.WeakKeyDictionary()
-
-
 def watch_generate(model: torch.nn.Module, listener: GenerateListener) -> Callable[[], None]:
     """Call ``listener.generate_started()`` and ``listener.generate_finished(input_ids, output)`` (output None on
     an error) around every ``model.generate``; returns the function that stops it. One wrapper per model, shared
     by all listeners; the model's own ``generate`` comes back when the last listener leaves."""
-    return _join(_WATCHES, model, lambda: _GenerateWatch(model), listener)
+    return _join(model, lambda: _GenerateWatch(model), listener)
 
 
 class GenerationClock:
@@ -994,9 +994,6 @@ class _EntryWatch(_Watch):
                              lambda listener, args, kwargs, result: listener.entry_finished(kind, result))
 
 
-_ENTRY_WATCHES: weakref.WeakKeyDictionary[Any, _Watch] = weakref.WeakKeyDictionary()
-
-
 def watch_generation_entry(trainer: Trainer | None, listener: EntryListener) -> Callable[[], None]:
     """Tell ``listener.entry_started(kind)`` and ``listener.entry_finished(kind, result)`` (result None on an error)
     around TRL's own generation entry points on this trainer instance (kinds: :data:`ROLLOUT`, :data:`SYNC`,
@@ -1005,7 +1002,7 @@ def watch_generation_entry(trainer: Trainer | None, listener: EntryListener) -> 
     watched on a trainer without ``_generate`` (not a TRL generating trainer). Returns the function that stops it."""
     if trainer is None or generation_backend(trainer) is None:
         return lambda: None
-    return _join(_ENTRY_WATCHES, trainer, lambda: _EntryWatch(trainer), listener)
+    return _join(trainer, lambda: _EntryWatch(trainer), listener)
 
 
 def watch_generation(model: torch.nn.Module, listener: GenerationListener) -> Callable[[], None]:
@@ -1287,8 +1284,6 @@ def restore_converted_weights(trainer: Trainer, warn: Callable[[str], object]) -
 def _unsaved_weights(model: torch.nn.Module | None, checkpoint: str) -> set[str]:
     """The model's weights that the checkpoint's safetensors file (or index) does not name, when it names others in
     their place (a plain model's whole save; None for an adapter, a sharded or a DeepSpeed checkpoint)."""
-    import json
-
     if model is None or hasattr(model, "peft_config"):
         return set()
     index = os.path.join(checkpoint, "model.safetensors.index.json")

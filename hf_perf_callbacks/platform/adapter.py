@@ -235,13 +235,13 @@ class StepLog:
         for undo in self.undos:
             undo()
 
-    def log_missed(self) -> bool:
+    def log_missed(self) -> None:
         """Log the last optimizer step as the training loop would have, when it was due (``control.should_log``) and
-        not logged (a callback raised in ``on_step_end``); True when it logged."""
+        not logged (a callback raised in ``on_step_end``)."""
         trainer = self.trainer
         step, control = trainer.state.global_step, trainer.control
         if not control.should_log or step <= getattr(trainer, "_globalstep_last_logged", step):
-            return False
+            return
         grad_norm = self.grad_norm[1] if self.grad_norm and self.grad_norm[0] == step else None
         rate = self.learning_rate[1] if self.learning_rate and self.learning_rate[0] == step else None
         evaluate, save = control.should_evaluate, control.should_save
@@ -253,7 +253,6 @@ class StepLog:
                                              learning_rate=rate)
         finally:
             control.should_evaluate, control.should_save = evaluate, save
-        return True
 
 
 def save_checkpoint(trainer: Trainer, rotate: bool = True, run_dir: str | None = None) -> None:
@@ -401,17 +400,16 @@ class LoopState:
                 return noted
         return None
 
-    def rewind(self, step: int) -> bool:
+    def rewind(self, step: int) -> None:
         """The run goes back to completed step ``step`` (its checkpoint is saved next): the tokens and FLOPs that a
-        later step left mid-way counted are taken back. True when they were (the state of ``step`` was noted)."""
+        later step left mid-way counted are taken back, when the state of ``step`` was noted."""
         noted = self.at(step)
         if noted is None:
-            return False
+            return
         trainer = self.trainer
         trainer.state.num_input_tokens_seen = noted.tokens
         trainer.state.total_flos = noted.flos
         trainer.current_flos = 0
-        return True
 
     def carry(self, step: int | None, old_micro_batch: int, old_grad_accum: int, new_micro_batch: int,
               new_steps_per_generation: int | None = None, generate_every: int | None = None) -> None:
@@ -446,14 +444,14 @@ class LoopState:
         if self.noted is not None and self.noted.step == step:
             self.saved = self.noted
 
-    def install(self) -> bool:
+    def install(self) -> None:
         """At the begin of the resumed ``train()`` (after transformers reset its logging state): the loss since the
         last log, that log's step and GRPO's buffer, counter and metrics are what they were at the step resumed
-        from. ``train_loss`` of this call stays the mean loss of the steps it trains. True when installed."""
+        from. ``train_loss`` of this call stays the mean loss of the steps it trains."""
         carry, self.pending = self.pending, None
         trainer = self.trainer
         if carry is None or carry.noted.step != trainer.state.global_step:
-            return False
+            return
         noted = carry.noted
         trainer._tr_loss = noted.loss.clone().to(trainer._tr_loss.device)
         trainer._globalstep_last_logged = noted.last_logged
@@ -465,7 +463,6 @@ class LoopState:
         if noted.metrics is not None and isinstance(metrics, dict) and "train" in metrics:
             metrics["train"].clear()
             metrics["train"].update({k: list(v) for k, v in noted.metrics.items()})
-        return True
 
 
 def resplit_generation(buffer: Iterable[dict[str, Any]], chunks: int) -> list[dict[str, Any]]:
@@ -1083,14 +1080,14 @@ def fsdp2_root(model: torch.nn.Module) -> Any:
     return next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
 
 
-def reset_fsdp_iteration(model: torch.nn.Module) -> bool:
+def reset_fsdp_iteration(model: torch.nn.Module) -> None:
     """After an exception aborted FSDP2's forward or backward: reshard every parameter group and clear the
     iteration's trackers on this rank, so that the next forward starts clean (no collective: every rank does it on
     its own). torch ≥ 2.13: the public ``FSDPModule.reset_iter_state``; older: the same steps on FSDP2's state.
-    False when ``model`` holds no FSDP2 module."""
+    Nothing happens when ``model`` holds no FSDP2 module."""
     root = fsdp2_root(model)
     if root is None:
-        return False
+        return
     state = root._get_fsdp_state()                   # typed Any: FSDP2's state is not a public type
     reset = getattr(root, "reset_iter_state", None)
     if reset is not None:
@@ -1103,7 +1100,6 @@ def reset_fsdp_iteration(model: torch.nn.Module) -> bool:
             if unsharded is not None:
                 unsharded.grad = None
             param.unsharded_accumulated_grad = None
-    return True
 
 
 def _fsdp_param_groups(root_state: Any) -> list[Any]:       # FSDP2's private state and groups: no public type

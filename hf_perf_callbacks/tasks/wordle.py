@@ -66,11 +66,6 @@ def _word_tuple() -> tuple[str, ...]:
     return tuple(dict.fromkeys(w.strip().lower() for w in text.splitlines() if w.strip()))
 
 
-@lru_cache(maxsize=1)
-def _word_set() -> frozenset[str]:
-    return frozenset(_word_tuple())
-
-
 def load_words() -> list[str]:
     """Return the bundled five-letter answer words (lowercase, unique, file order)."""
     return list(_word_tuple())
@@ -240,7 +235,7 @@ def valid_word_reward(
     """1.0 for a guess from the word list that was not guessed before; 0.5 for any other five-letter guess (a word
     outside the list, or a repeated guess). Without a guess tag: 0.25 when the text names a listed word in capitals
     that is neither an earlier guess nor the prompt's example (a guess in the wrong place), else 0.0."""
-    words = _word_set()
+    words = frozenset(_word_tuple())
     histories = history if history is not None else [None] * len(completions)
     rewards = []
     for completion, past in zip(completions, histories, strict=True):

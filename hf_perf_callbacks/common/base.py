@@ -184,8 +184,7 @@ class PerfCallback(TrainerCallback, ExportableState):
 
     @property
     def _bus(self) -> RunBus:
-        """The trainer's bus; every ``on_*`` event attaches it before the event's body runs (see
-        :func:`hook`), so the events and what they call may use it."""
+        """The trainer's bus, which every ``on_*`` event attaches before its body runs (:func:`hook`)."""
         if self.bus is None:
             raise RuntimeError(f"{type(self).__name__} is not attached to a trainer yet: its bus is found at its "
                                f"first trainer event")

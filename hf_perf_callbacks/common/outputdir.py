@@ -11,6 +11,7 @@ it, as transformers trains there.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -137,20 +138,16 @@ class OutputDirLock:
                 raise busy from None
         except (OSError, NotImplementedError) as error:    # read-only, or no flock: transformers trains there
             if isinstance(error, NotImplementedError):      # filelock left its file on a file system without flock
-                try:
+                with contextlib.suppress(OSError):          # nothing to tidy
                     os.remove(path)
-                except OSError:
-                    pass                                    # nothing to tidy
             if key not in self.unlockable:
                 self.unlockable.add(key)
                 logger.warning("cannot lock %s (%s: %s): training goes on without the one-process-per-output_dir "
                                "check (warned once)", output_dir, type(error).__name__, error)
             return
-        try:
+        with contextlib.suppress(OSError):                 # the lock holds without the holder's name
             with open(os.path.join(output_dir, HOLDER_FILE), "w", encoding="utf-8") as f:
                 f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        except OSError:
-            pass                                           # the lock holds without the holder's name
         _HELD[key] = lock
         self.key, self.output_dir = key, output_dir
 
@@ -162,10 +159,8 @@ class OutputDirLock:
         if lock is None or output_dir is None:
             return
         for name in (HOLDER_FILE, LOCK_FILE):
-            try:
+            with contextlib.suppress(OSError):             # gone already, or not removable: released all the same
                 os.remove(os.path.join(output_dir, name))
-            except OSError:
-                pass                                       # gone already, or not removable: released all the same
         try:
             lock.release()
         except OSError as error:                           # the hold ends with the descriptor anyway

@@ -395,10 +395,7 @@ class LoopState:
         self.saved = self._now()
 
     def at(self, step: int) -> _Noted | None:
-        for noted in (self.noted, self.saved):
-            if noted is not None and noted.step == step:
-                return noted
-        return None
+        return next((noted for noted in (self.noted, self.saved) if noted is not None and noted.step == step), None)
 
     def rewind(self, step: int) -> None:
         """The run goes back to completed step ``step`` (its checkpoint is saved next): the tokens and FLOPs that a
@@ -618,8 +615,7 @@ def inputs_as_given(trainer: Trainer, grpo: bool = True) -> Iterator[None]:
 
 #: the trainer's methods whose time is a phase of the step (:func:`clock_trainer`): the fetch of a step's batches,
 #: the log (its callbacks included: they are clocked on their own, see :func:`time_callbacks`), an evaluation and a
-#: checkpoint save. ``_save_checkpoint`` is private (transformers 5.23-5.24 ``Trainer._maybe_log_save_evaluate``
-#: calls it for every save of a training run, before ``on_save``; tests/test_adapter.py names it).
+#: checkpoint save (the private ``_save_checkpoint``, which every save of a training run calls before ``on_save``)
 TRAINER_PHASES = {"get_batch_samples": "data_wait", "log": "log", "evaluate": "eval", "_save_checkpoint": "save"}
 
 

@@ -353,8 +353,11 @@ def test_register_stateful_callbacks_gives_save_checkpoint_every_entry_it_indexe
                                              save_only_model=True))
     trainer.state.stateful_callbacks = {"TrainerControl": trainer.control.state()}   # as a checkpoint without it
     callbacks = trainer.callback_handler.callbacks + [trainer.control]
-    assert adapter.register_stateful_callbacks(trainer.state, callbacks) == ["EarlyStoppingCallback"]
-    assert adapter.register_stateful_callbacks(trainer.state, callbacks) == []              # once
+    adapter.register_stateful_callbacks(trainer.state, callbacks)
+    added = trainer.state.stateful_callbacks["EarlyStoppingCallback"]
+    assert set(trainer.state.stateful_callbacks) == {"TrainerControl", "EarlyStoppingCallback"}
+    adapter.register_stateful_callbacks(trainer.state, callbacks)
+    assert trainer.state.stateful_callbacks["EarlyStoppingCallback"] is added               # once
     stopper.early_stopping_patience_counter = 2
     adapter.save_checkpoint(trainer)
     with open(os.path.join(tmp_path, "checkpoint-0", "trainer_state.json")) as f:

@@ -77,8 +77,6 @@ def test_cuda_memory_within_reach_counts_other_processes_and_memory_outside_the_
     fraction["value"] = 0.1
     capped = layer.memory()
     assert capped.reachable == int(0.1 * total) and capped.outside == total - 20 * gib
-    monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction")          # torch before 2.9
-    assert layer.memory().allocator_cap is None and layer.memory().reachable == 20 * gib
     assert DeviceLayer("cpu").memory_holders() is None                          # NVML is for CUDA only
 
 
@@ -127,11 +125,11 @@ def test_mps_cache_clear_feature_detects_clear_graph_cache(fake_mps):
 
 def test_mps_peak_needs_the_chip_and_its_gpu_cores(fake_mps):
     layer = DeviceLayer("mps")
-    layer._mac = types.SimpleNamespace(chip_name=lambda: "Apple M2 Max", gpu_core_count=lambda: 38)
+    layer.mac = types.SimpleNamespace(chip_name=lambda: "Apple M2 Max", gpu_core_count=lambda: 38)
     peak = layer.peak()
     assert peak.name == "Apple M2 Max (38-core GPU)" and peak.bandwidth == 400e9
     layer = DeviceLayer("mps")
-    layer._mac = types.SimpleNamespace(chip_name=lambda: "Apple M2 Max", gpu_core_count=lambda: None)
+    layer.mac = types.SimpleNamespace(chip_name=lambda: "Apple M2 Max", gpu_core_count=lambda: None)
     assert layer.peak() is None                            # 30 or 38 cores: unknown, so no number
 
 

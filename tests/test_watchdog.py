@@ -83,7 +83,8 @@ class FakeMPS(DeviceLayer):
         self.others = others_gb
         self.extra_freed = 0.0
         self.clears = []
-        self._mac = mac
+        if mac is not None:
+            self.mac = mac
 
     def memory(self):
         driver = self.driver[min(self.step, len(self.driver) - 1)] - self.extra_freed
@@ -113,7 +114,7 @@ class FakeMacReader:
 
     def sample(self):
         i = min(self.device.step, len(self.levels) - 1)
-        return MacMemorySample(timestamp=float(i), pressure_level=self.levels[i], swapouts=self.swapouts[i],
+        return MacMemorySample(pressure_level=self.levels[i], swapouts=self.swapouts[i],
                                compressor_bytes=2 * GB, swap_used_bytes=self.swapouts[i] * 16384,
                                phys_footprint_bytes=9 * GB)
 
@@ -129,7 +130,7 @@ class StepClock(TrainerCallback):
 def test_macos_pressure_then_swapping_clears_then_stops(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "platform", "darwin")
     device = FakeMPS(driver_gb=[6.0] * 10, freed_gb=0.5)
-    device._mac = FakeMacReader(device, levels=[1, 1, 1, 1, 2, 2, 2, 2], swapouts=[0, 0, 0, 0, 0, 0, 40, 90])
+    device.mac = FakeMacReader(device, levels=[1, 1, 1, 1, 2, 2, 2, 2], swapouts=[0, 0, 0, 0, 0, 0, 40, 90])
     watchdog, clearer = MemoryWatchdog(grace_steps=1), MPSCacheClearer(interval_steps=50)
     watchdog.device = clearer.device = device
     trainer = make_trainer(tokenizer, tmp_path, [StepClock(device), watchdog, clearer], max_steps=20)
@@ -154,7 +155,7 @@ def test_failing_macos_reader_degrades_to_device_memory(tokenizer, tmp_path, mon
         def sample(self):
             raise OSError("host_statistics64 failed")
 
-    device._mac = Broken()
+    device.mac = Broken()
     watchdog = MemoryWatchdog()
     watchdog.device = device
     with caplog.at_level("WARNING", logger="hf_perf_callbacks"):

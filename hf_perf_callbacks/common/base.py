@@ -45,9 +45,8 @@ BETWEEN_STEPS = ("on_step_end", "on_log", "on_save", "on_evaluate")
 
 
 class Clock:
-    """The package's one clock seam: wall seconds (:func:`time.perf_counter`) and the process's CPU seconds, all
-    threads (:func:`time.process_time`). A callback takes one through its constructor (``clock=``); a test passes
-    a planted one (a subclass) so that a cost it plants cannot be shrunk by a loaded machine."""
+    """Wall seconds (:func:`time.perf_counter`) and the process's CPU seconds, all threads (:func:`time.process_time`);
+    a test passes a subclass whose planted costs a loaded machine cannot shrink (see the module docstring)."""
 
     def wall(self) -> float:
         return time.perf_counter()
@@ -165,8 +164,6 @@ class PerfCallback(TrainerCallback, ExportableState):
     exchange_width = 0                   # floats this callback gathers across ranks once per optimizer step
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Every trainer event a subclass defines must wear the shell (:func:`hook`): one without it is an error
-        here, at the class's definition."""
         super().__init_subclass__(**kwargs)
         bare = [name for name, value in vars(cls).items()
                 if name.startswith("on_") and callable(value) and not getattr(value, HOOK_MARK, False)]
@@ -187,8 +184,7 @@ class PerfCallback(TrainerCallback, ExportableState):
 
     @property
     def _bus(self) -> RunBus:
-        """The trainer's bus; every ``on_*`` event attaches it before the event's body runs (see
-        :func:`hook`), so the events and what they call may use it."""
+        """The trainer's bus, which every ``on_*`` event attaches before its body runs (:func:`hook`)."""
         if self.bus is None:
             raise RuntimeError(f"{type(self).__name__} is not attached to a trainer yet: its bus is found at its "
                                f"first trainer event")

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerControl
 from transformers.trainer_callback import CallbackHandler
 
 from ..platform import adapter
@@ -83,9 +83,7 @@ class RunBus(TrainerCallback):
         self.output_lock = OutputDirHold()
         self.requests = Requests()
         self.exchange = StepExchange()
-        self.memory: MemoryReading | None = None    # the watchdog's reading of the latest step (None: no watchdog)
-        # the watchdog's facts of the memory wall (what holds memory outside the run, a leak), every step: a stop or
-        # a re-size that gives up names them
+        self.memory: MemoryReading | None = None    # None: no watchdog
         self.memory_facts: WallFacts | None = None
         self.tuning: TuningLink | None = None       # the tuning session of train_with_tuning or the tuner
         self.continuing = False                 # this train() ends for an in-process re-size: the run goes on
@@ -125,15 +123,13 @@ class RunBus(TrainerCallback):
     # ------------------------------------------------------------ what the callbacks tell the bus
     def bind(self, args: Any, state: Any) -> None:
         """Follow the trainer's ``output_dir`` and whether this is the main process (at every callback event)."""
-        self.log.bind(args.output_dir, state.is_world_process_zero)
+        self.log.output_dir, self.log.is_main = args.output_dir, state.is_world_process_zero
 
     def complete_step(self, args: Any, state: Any, log: Callable[[], object] | None = None) -> None:
         """Write the line of the last optimizer step (``state.global_step``) now: whatever ends a run writes the
         perf line of every step its checkpoint holds. Callbacks that did not see that step's end (a callback before
         them raised in ``on_step_end``) measure it first, from what they measured during the step; ``log`` then
         writes the step's training log if the trainer never did (its values join the line)."""
-        from transformers import TrainerControl
-
         for callback in adapter.all_callbacks(self.handler):
             ended = getattr(callback, "ended_step", None)
             if ended is not None and ended < state.global_step and not callback.disabled:
@@ -153,7 +149,7 @@ class RunBus(TrainerCallback):
         self.continuing = False
         self.bind(args, state)
         resize = self.output_lock.call_begins(args.output_dir, self.log.is_main)   # another live process: an error
-        self.merger.clear()
+        self.merger.unlogged.clear()
         self.log.open_header(state.global_step, resize)   # train_with_tuning's later calls re-size, not resume
         if self.handler is not None:     # a resume that attached stateful callbacks its checkpoint lacks still saves
             adapter.register_stateful_callbacks(state, self.handler.callbacks + [control])
@@ -178,12 +174,7 @@ class RunBus(TrainerCallback):
 
 def bus_for(handler: CallbackHandler) -> RunBus:
     """The trainer's bus, created and put first in its callback list on first use."""
-    for cb in handler.callbacks:
-        if isinstance(cb, RunBus):
-            bus = cb
-            break
-    else:
-        bus = RunBus()
+    bus = next((cb for cb in handler.callbacks if isinstance(cb, RunBus)), None) or RunBus()
     if handler.callbacks[:1] != [bus]:
         # A new list, not an in-place insert: the handler may be iterating over the old one right now.
         handler.callbacks = [bus] + [cb for cb in handler.callbacks if cb is not bus]

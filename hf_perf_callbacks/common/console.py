@@ -9,6 +9,7 @@ move of the memory wall is said once at INFO (every move is in the perf log); a 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from collections.abc import Callable, Mapping
@@ -53,10 +54,8 @@ class Console:
         (:func:`wrapped`)."""
         text = "\n".join(wrapped(line) for line in text.splitlines())
         bars = adapter.progress_bars(self.handler)
-        if bars:                                         # the bars cleared, the text out (flushed), the bars again
-            with type(bars[0]).external_write_mode():
-                print(text, flush=True)
-        else:
+        # the bars cleared, the text out (flushed), the bars again
+        with type(bars[0]).external_write_mode() if bars else contextlib.nullcontext():
             print(text, flush=True)
 
     def announce(self, source: str, kind: EventKind, message: str) -> None:

@@ -43,12 +43,9 @@ class StepExchange:
     def contribute(self, participant: Any, step: int, values: list[float], finish: Callable[[Rows], None] | None,
                    handler: Any, device: torch.device | None = None) -> None:
         """``participant``'s ``values`` of ``step``; ``finish(rows)`` once every participant has contributed."""
-        if world_size() == 1:
-            if finish is not None:
-                finish([list(values)])
-            return
         expected = [cb for cb in adapter.all_callbacks(handler) if getattr(cb, "exchange_width", 0) > 0]
-        if not any(p is participant for p in expected):      # not in the trainer's list: an exchange of its own
+        # one process, or not in the trainer's list: an exchange of its own
+        if world_size() == 1 or not any(p is participant for p in expected):
             rows = gather_floats(values, device)
             if finish is not None:
                 finish(rows)

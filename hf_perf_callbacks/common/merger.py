@@ -31,9 +31,6 @@ class MetricsMerger:
         for key in keys:
             self.unlogged.pop(key, None)
 
-    def clear(self) -> None:
-        self.unlogged.clear()
-
     def merge(self, logs: dict[str, Any], state: Any) -> None:
         """Merge the published metrics into the training log ``logs`` and into ``state.log_history``'s entry of
         this step; the next log starts empty."""

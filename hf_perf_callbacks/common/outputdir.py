@@ -11,6 +11,7 @@ it, as transformers trains there.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from filelock import FileLock, Timeout
 
 from ..core.runlog import LOCK_FILE
 from ..platform import adapter
+from ..platform.device import is_main_process
 
 __all__ = ["OutputDirBusy", "OutputDirLock", "OutputDirHold", "HOLDER_FILE", "move_aside",
            "checkpoint_dir", "step_of", "STATE_FILE", "PREFIX", "MOVED_ASIDE", "INCOMPLETE_MARKER"]
@@ -50,8 +52,6 @@ def set_aside_partial(path: str) -> None:
     """A save of ``path`` was cut short (Ctrl-C, SIGTERM, an error): the folder, when it is not a complete checkpoint,
     is moved aside (main process), so that neither transformers' ``get_last_checkpoint`` nor ``--resume_from_checkpoint
     last`` resumes from it."""
-    from ..platform.device import is_main_process
-
     if is_main_process() and os.path.isdir(path) and not _state_written(path):
         moved = move_aside(path, "partial")
         logger.warning("[run] the save of %s was cut short: moved aside to %s (a resume picks the newest complete "
@@ -108,16 +108,16 @@ class OutputDirLock:
         self.output_dir: str | None = None
         self.unlockable: set[str] = set()     # output_dirs warned about: no lock there
 
-    def acquire(self, output_dir: str) -> bool:
-        """Hold ``output_dir`` for this process; True when held. Raises :class:`OutputDirBusy` naming the holder
-        when another process holds it; a file system that cannot hold the lock is one warning and no lock."""
+    def acquire(self, output_dir: str) -> None:
+        """Hold ``output_dir`` for this process. Raises :class:`OutputDirBusy` naming the holder when another process
+        holds it; a file system that cannot hold the lock is one warning and no lock."""
         key = os.path.realpath(output_dir)
         if key == self.key:
-            return True
+            return
         self.release()
         if key in _HELD:                      # another trainer of this process holds it: the same process
             self.key, self.output_dir = key, output_dir
-            return True
+            return
         path = os.path.join(output_dir, LOCK_FILE)
         try:
             os.makedirs(output_dir, exist_ok=True)
@@ -138,23 +138,18 @@ class OutputDirLock:
                 raise busy from None
         except (OSError, NotImplementedError) as error:    # read-only, or no flock: transformers trains there
             if isinstance(error, NotImplementedError):      # filelock left its file on a file system without flock
-                try:
+                with contextlib.suppress(OSError):          # nothing to tidy
                     os.remove(path)
-                except OSError:
-                    pass                                    # nothing to tidy
             if key not in self.unlockable:
                 self.unlockable.add(key)
                 logger.warning("cannot lock %s (%s: %s): training goes on without the one-process-per-output_dir "
                                "check (warned once)", output_dir, type(error).__name__, error)
-            return False
-        try:
+            return
+        with contextlib.suppress(OSError):                 # the lock holds without the holder's name
             with open(os.path.join(output_dir, HOLDER_FILE), "w", encoding="utf-8") as f:
                 f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        except OSError:
-            pass                                           # the lock holds without the holder's name
         _HELD[key] = lock
         self.key, self.output_dir = key, output_dir
-        return True
 
     def release(self) -> None:
         """Release the hold, removing the lock's files first (while still held, so no other process takes a lock on
@@ -164,10 +159,8 @@ class OutputDirLock:
         if lock is None or output_dir is None:
             return
         for name in (HOLDER_FILE, LOCK_FILE):
-            try:
+            with contextlib.suppress(OSError):             # gone already, or not removable: released all the same
                 os.remove(os.path.join(output_dir, name))
-            except OSError:
-                pass                                       # gone already, or not removable: released all the same
         try:
             lock.release()
         except OSError as error:                           # the hold ends with the descriptor anyway

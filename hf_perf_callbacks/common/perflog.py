@@ -54,10 +54,6 @@ class PerfLog:
         self.held: list[EventLine] = []         # events waiting for the header
         self.writer = LogWriter()
 
-    def bind(self, output_dir: str | None, is_main: bool) -> None:
-        """Follow the trainer's ``output_dir`` and whether this is the main process."""
-        self.output_dir, self.is_main = output_dir, is_main
-
     def new_call(self, step: int) -> None:
         """A ``train()`` call begins at ``step``: a fresh one of a trainer that trained before is a run of its own."""
         if self.trained and not self.pinned and step == 0:
@@ -123,7 +119,7 @@ class PerfLog:
             if self.header is not None:
                 self.held.append(entry)
             else:
-                self._append(entry)
+                self.writer.append(self.output_dir, entry)
         return entry.to_json()
 
     def write_summary(self, source: str, values: Mapping[str, Any]) -> None:
@@ -143,17 +139,14 @@ class PerfLog:
     def _emit(self, record: Record) -> None:
         if self.is_main:
             self._write_header()
-            self._append(record)
+            self.writer.append(self.output_dir, record)
 
     def _write_header(self) -> None:
         header, self.header = self.header, None
         if header is None or not self.is_main:
             return
         header.time = round(time.time(), 3)
-        self._append(header)
+        self.writer.append(self.output_dir, header)
         held, self.held = self.held, []
         for event in held:
-            self._append(event)
-
-    def _append(self, record: Record) -> None:
-        self.writer.append(self.output_dir, record)
+            self.writer.append(self.output_dir, event)

@@ -106,6 +106,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import json
 import logging
 import os
 import signal
@@ -162,12 +163,8 @@ def all_callbacks(handler: CallbackHandler | None) -> list[Any]:     # TrainerCa
 
 def progress_bars(handler: CallbackHandler | None) -> list[Any]:   # tqdm bars (tqdm has no types)
     """The tqdm training bars of the handler's progress callbacks (empty outside training or without tqdm)."""
-    bars = []
-    for callback in all_callbacks(handler):
-        bar = getattr(callback, "training_bar", None) if isinstance(callback, ProgressCallback) else None
-        if bar is not None:
-            bars.append(bar)
-    return bars
+    return [callback.training_bar for callback in all_callbacks(handler)
+            if isinstance(callback, ProgressCallback) and getattr(callback, "training_bar", None) is not None]
 
 
 def console_printers(handler: CallbackHandler | None) -> list[TrainerCallback]:
@@ -238,13 +235,13 @@ class StepLog:
         for undo in self.undos:
             undo()
 
-    def log_missed(self) -> bool:
+    def log_missed(self) -> None:
         """Log the last optimizer step as the training loop would have, when it was due (``control.should_log``) and
-        not logged (a callback raised in ``on_step_end``); True when it logged."""
+        not logged (a callback raised in ``on_step_end``)."""
         trainer = self.trainer
         step, control = trainer.state.global_step, trainer.control
         if not control.should_log or step <= getattr(trainer, "_globalstep_last_logged", step):
-            return False
+            return
         grad_norm = self.grad_norm[1] if self.grad_norm and self.grad_norm[0] == step else None
         rate = self.learning_rate[1] if self.learning_rate and self.learning_rate[0] == step else None
         evaluate, save = control.should_evaluate, control.should_save
@@ -256,7 +253,6 @@ class StepLog:
                                              learning_rate=rate)
         finally:
             control.should_evaluate, control.should_save = evaluate, save
-        return True
 
 
 def save_checkpoint(trainer: Trainer, rotate: bool = True, run_dir: str | None = None) -> None:
@@ -283,13 +279,13 @@ def save_checkpoint(trainer: Trainer, rotate: bool = True, run_dir: str | None =
             state.best_model_checkpoint = best
 
 
-def register_stateful_callbacks(state: TrainerState, callbacks: Iterable[object]) -> list[str]:
+def register_stateful_callbacks(state: TrainerState, callbacks: Iterable[object]) -> None:
     """Give every ``ExportableState`` in ``callbacks`` that has none an entry in ``state.stateful_callbacks`` (its
     current ``state()``; a list for several instances of one class, as ``TrainerState`` builds it for a fresh run),
-    so that ``Trainer._save_checkpoint`` finds one for each. Returns the class names added."""
+    so that ``Trainer._save_checkpoint`` finds one for each."""
     entries = getattr(state, "stateful_callbacks", None)
-    if entries is None or not isinstance(entries, dict):
-        return []
+    if not isinstance(entries, dict):
+        return
     missing: dict[str, list[dict[str, Any]]] = {}
     for callback in callbacks:
         name = type(callback).__name__
@@ -297,7 +293,6 @@ def register_stateful_callbacks(state: TrainerState, callbacks: Iterable[object]
             missing.setdefault(name, []).append(callback.state())
     for name, states in missing.items():
         entries[name] = states[0] if len(states) == 1 else states
-    return list(missing)
 
 
 @contextlib.contextmanager
@@ -360,7 +355,6 @@ class _Noted:
 
 @dataclasses.dataclass
 class _Carry:
-    step: int
     noted: _Noted
     micro_steps: int | None
     buffer: list[dict[str, Any]] | None
@@ -401,22 +395,18 @@ class LoopState:
         self.saved = self._now()
 
     def at(self, step: int) -> _Noted | None:
-        for noted in (self.noted, self.saved):
-            if noted is not None and noted.step == step:
-                return noted
-        return None
+        return next((noted for noted in (self.noted, self.saved) if noted is not None and noted.step == step), None)
 
-    def rewind(self, step: int) -> bool:
+    def rewind(self, step: int) -> None:
         """The run goes back to completed step ``step`` (its checkpoint is saved next): the tokens and FLOPs that a
-        later step left mid-way counted are taken back. True when they were (the state of ``step`` was noted)."""
+        later step left mid-way counted are taken back, when the state of ``step`` was noted."""
         noted = self.at(step)
         if noted is None:
-            return False
+            return
         trainer = self.trainer
         trainer.state.num_input_tokens_seen = noted.tokens
         trainer.state.total_flos = noted.flos
         trainer.current_flos = 0
-        return True
 
     def carry(self, step: int | None, old_micro_batch: int, old_grad_accum: int, new_micro_batch: int,
               new_steps_per_generation: int | None = None, generate_every: int | None = None) -> None:
@@ -444,21 +434,21 @@ class LoopState:
                     raise CannotReplay(f"no buffered completions were held at step {step}")
                 buffer = resplit_generation(noted.buffer, new_steps_per_generation or 1)
             micro = rows // new_micro_batch
-        self.pending = _Carry(step, noted, micro, buffer)
+        self.pending = _Carry(noted, micro, buffer)
 
     def keep(self, step: int) -> None:
         """A checkpoint of ``step`` was saved from the state noted for it: a later resume from it goes on from there."""
         if self.noted is not None and self.noted.step == step:
             self.saved = self.noted
 
-    def install(self) -> bool:
+    def install(self) -> None:
         """At the begin of the resumed ``train()`` (after transformers reset its logging state): the loss since the
         last log, that log's step and GRPO's buffer, counter and metrics are what they were at the step resumed
-        from. ``train_loss`` of this call stays the mean loss of the steps it trains. True when installed."""
+        from. ``train_loss`` of this call stays the mean loss of the steps it trains."""
         carry, self.pending = self.pending, None
         trainer = self.trainer
-        if carry is None or carry.step != trainer.state.global_step:
-            return False
+        if carry is None or carry.noted.step != trainer.state.global_step:
+            return
         noted = carry.noted
         trainer._tr_loss = noted.loss.clone().to(trainer._tr_loss.device)
         trainer._globalstep_last_logged = noted.last_logged
@@ -470,7 +460,6 @@ class LoopState:
         if noted.metrics is not None and isinstance(metrics, dict) and "train" in metrics:
             metrics["train"].clear()
             metrics["train"].update({k: list(v) for k, v in noted.metrics.items()})
-        return True
 
 
 def resplit_generation(buffer: Iterable[dict[str, Any]], chunks: int) -> list[dict[str, Any]]:
@@ -626,8 +615,7 @@ def inputs_as_given(trainer: Trainer, grpo: bool = True) -> Iterator[None]:
 
 #: the trainer's methods whose time is a phase of the step (:func:`clock_trainer`): the fetch of a step's batches,
 #: the log (its callbacks included: they are clocked on their own, see :func:`time_callbacks`), an evaluation and a
-#: checkpoint save. ``_save_checkpoint`` is private (transformers 5.23-5.24 ``Trainer._maybe_log_save_evaluate``
-#: calls it for every save of a training run, before ``on_save``; tests/test_adapter.py names it).
+#: checkpoint save (the private ``_save_checkpoint``, which every save of a training run calls before ``on_save``)
 TRAINER_PHASES = {"get_batch_samples": "data_wait", "log": "log", "evaluate": "eval", "_save_checkpoint": "save"}
 
 
@@ -693,13 +681,11 @@ def time_callbacks(handler: CallbackHandler, started: Callable[[TrainerCallback,
                     control = original(event, args, state, control, **kwargs)
                 finally:
                     finished(callback, event)
-                    if handler.callbacks is alone:
-                        handler.callbacks = callbacks
-                    else:                             # the callback replaced the list: its list, then the others
+                    if handler.callbacks is not alone:    # the callback replaced the list: its list, then the others
                         mine = list(handler.callbacks)
                         callbacks = mine + [c for c in callbacks
                                             if c is not callback and all(c is not m for m in mine)]
-                        handler.callbacks = callbacks
+                    handler.callbacks = callbacks
                     handler.__dict__["_hf_perf_all_callbacks"] = callbacks
         finally:
             if outer is None:
@@ -757,8 +743,7 @@ def rearm_jit_checkpoint(trainer: Trainer) -> bool:
 
 def unwrap_compiled(module: torch.nn.Module) -> torch.nn.Module:
     """The module that ``torch.compile`` wrapped (the module itself when not compiled)."""
-    unwrapped: torch.nn.Module = getattr(module, "_orig_mod", module)
-    return unwrapped
+    return cast(torch.nn.Module, getattr(module, "_orig_mod", module))
 
 
 # ---------------------------------------------------------------- generate
@@ -822,13 +807,16 @@ class _Watch:
         self.undos.clear()
 
 
-def _join(watches: weakref.WeakKeyDictionary[Any, _Watch], owner: Any, build: Callable[[], _Watch],
-          listener: object) -> Callable[[], None]:
+#: the watch of each watched object (a model's ``generate``, a trainer's generation entry points)
+_WATCHES: weakref.WeakKeyDictionary[Any, _Watch] = weakref.WeakKeyDictionary()
+
+
+def _join(owner: Any, build: Callable[[], _Watch], listener: object) -> Callable[[], None]:
     """``listener`` joins the watch of ``owner`` (``build()`` when it has none, or another wrapper was put over its
     own); returns the function that stops it."""
-    watch = watches.get(owner)
+    watch = _WATCHES.get(owner)
     if watch is None or getattr(owner, watch.entry, None) is not watch.wrapper:
-        watch = watches[owner] = build()
+        watch = _WATCHES[owner] = build()
     watch.listeners.append(listener)
 
     def stop() -> None:
@@ -836,8 +824,8 @@ def _join(watches: weakref.WeakKeyDictionary[Any, _Watch], owner: Any, build: Ca
             watch.listeners.remove(listener)
         if not watch.listeners and watch.alive:
             watch.undo()
-            if watches.get(owner) is watch:
-                del watches[owner]
+            if _WATCHES.get(owner) is watch:
+                del _WATCHES[owner]
 
     return stop
 
@@ -854,14 +842,11 @@ class _GenerateWatch(_Watch):
         self.wrapper = model.generate               # a compiled model's: on the module it wraps
 
 
-_WATCHES: weakref.WeakKeyDictionary[Any, _Watch] = weakref.WeakKeyDictionary()
-
-
 def watch_generate(model: torch.nn.Module, listener: GenerateListener) -> Callable[[], None]:
     """Call ``listener.generate_started()`` and ``listener.generate_finished(input_ids, output)`` (output None on
     an error) around every ``model.generate``; returns the function that stops it. One wrapper per model, shared
     by all listeners; the model's own ``generate`` comes back when the last listener leaves."""
-    return _join(_WATCHES, model, lambda: _GenerateWatch(model), listener)
+    return _join(model, lambda: _GenerateWatch(model), listener)
 
 
 class GenerationClock:
@@ -874,30 +859,24 @@ class GenerationClock:
         self.started: float | None = None
         self.depth = 0                              # generation calls open now (nested ones time nothing more)
 
-    def _open(self) -> None:
+    def generate_started(self) -> None:
         if self.depth == 0:
             self.started = self.clock()
         self.depth += 1
 
-    def _close(self) -> None:
+    def generate_finished(self, input_ids: Any, output: Any) -> None:
         self.depth = max(0, self.depth - 1)
         if self.depth == 0 and self.started is not None:
             self.seconds += self.clock() - self.started
             self.started = None
 
-    def generate_started(self) -> None:
-        self._open()
-
-    def generate_finished(self, input_ids: Any, output: Any) -> None:
-        self._close()
-
     def entry_started(self, kind: str) -> None:
         if kind in (ROLLOUT, SYNC):
-            self._open()
+            self.generate_started()
 
     def entry_finished(self, kind: str, result: Any) -> None:
         if kind in (ROLLOUT, SYNC):
-            self._close()
+            self.generate_finished(None, None)
 
     def reset(self) -> None:
         self.seconds = 0.0
@@ -1008,9 +987,6 @@ class _EntryWatch(_Watch):
                              lambda listener, args, kwargs, result: listener.entry_finished(kind, result))
 
 
-_ENTRY_WATCHES: weakref.WeakKeyDictionary[Any, _Watch] = weakref.WeakKeyDictionary()
-
-
 def watch_generation_entry(trainer: Trainer | None, listener: EntryListener) -> Callable[[], None]:
     """Tell ``listener.entry_started(kind)`` and ``listener.entry_finished(kind, result)`` (result None on an error)
     around TRL's own generation entry points on this trainer instance (kinds: :data:`ROLLOUT`, :data:`SYNC`,
@@ -1019,7 +995,7 @@ def watch_generation_entry(trainer: Trainer | None, listener: EntryListener) -> 
     watched on a trainer without ``_generate`` (not a TRL generating trainer). Returns the function that stops it."""
     if trainer is None or generation_backend(trainer) is None:
         return lambda: None
-    return _join(_ENTRY_WATCHES, trainer, lambda: _EntryWatch(trainer), listener)
+    return _join(trainer, lambda: _EntryWatch(trainer), listener)
 
 
 def watch_generation(model: torch.nn.Module, listener: GenerationListener) -> Callable[[], None]:
@@ -1100,14 +1076,14 @@ def fsdp2_root(model: torch.nn.Module) -> Any:
     return next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
 
 
-def reset_fsdp_iteration(model: torch.nn.Module) -> bool:
+def reset_fsdp_iteration(model: torch.nn.Module) -> None:
     """After an exception aborted FSDP2's forward or backward: reshard every parameter group and clear the
     iteration's trackers on this rank, so that the next forward starts clean (no collective: every rank does it on
     its own). torch ≥ 2.13: the public ``FSDPModule.reset_iter_state``; older: the same steps on FSDP2's state.
-    False when ``model`` holds no FSDP2 module."""
+    Nothing happens when ``model`` holds no FSDP2 module."""
     root = fsdp2_root(model)
     if root is None:
-        return False
+        return
     state = root._get_fsdp_state()                   # typed Any: FSDP2's state is not a public type
     reset = getattr(root, "reset_iter_state", None)
     if reset is not None:
@@ -1120,7 +1096,6 @@ def reset_fsdp_iteration(model: torch.nn.Module) -> bool:
             if unsharded is not None:
                 unsharded.grad = None
             param.unsharded_accumulated_grad = None
-    return True
 
 
 def _fsdp_param_groups(root_state: Any) -> list[Any]:       # FSDP2's private state and groups: no public type
@@ -1180,9 +1155,8 @@ def fsdp2_prepared_again(trainer: Trainer) -> Iterator[None]:
     finally:
         del plugin.set_auto_wrap_policy
         plugin.activation_checkpointing = checkpointing
-#: accelerate before 1.13 loads an FSDP2 optimizer's sharded checkpoint into ``optimizer.state_dict()`` of the
-#: optimizer ``train()`` has just made — which holds no state yet — so a resume restores no momentum and no Adam
-#: moments, silently; 1.13 reads the state through ``get_optimizer_state_dict`` first
+#: accelerate before 1.13 loads an FSDP2 optimizer's sharded checkpoint into the ``state_dict()`` of the optimizer
+#: ``train()`` has just made, which holds no state yet: a resume restored none (1.13 reads it first)
 FSDP2_OPTIMIZER_RESUME_FIXED = (1, 13)
 
 
@@ -1255,10 +1229,8 @@ class _ResizedBatchSize(logging.Filter):
         return True
 
 
-#: (message pattern, category) of library deprecations that TRL and peft trigger at every generation (TRL's
-#: generation context and peft call transformers' deprecated ``is_gradient_checkpointing``,
-#: ``gradient_checkpointing_disable`` and ``gradient_checkpointing_enable``): shown by the run's first generation, not
-#: again after each of the package's re-sizes
+#: (message pattern, category) of the deprecations TRL and peft trigger at every generation (see the module
+#: docstring): shown by the run's first generation, not again after each of the package's re-sizes
 SHOWN_BEFORE_A_RESIZE = ((r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated", FutureWarning),)
 
 
@@ -1304,8 +1276,6 @@ def restore_converted_weights(trainer: Trainer, warn: Callable[[str], object]) -
 def _unsaved_weights(model: torch.nn.Module | None, checkpoint: str) -> set[str]:
     """The model's weights that the checkpoint's safetensors file (or index) does not name, when it names others in
     their place (a plain model's whole save; None for an adapter, a sharded or a DeepSpeed checkpoint)."""
-    import json
-
     if model is None or hasattr(model, "peft_config"):
         return set()
     index = os.path.join(checkpoint, "model.safetensors.index.json")

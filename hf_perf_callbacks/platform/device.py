@@ -15,7 +15,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast
+from typing import Any, TypeAlias, TypeVar, cast
 
 import numpy as np
 import psutil
@@ -23,11 +23,9 @@ import torch
 
 from ..core.peaks import DevicePeak, dtype_key, lookup_peak
 from ..core.runlog import GB
+from .macos import MacMemoryReader
 
 T = TypeVar("T")
-
-if TYPE_CHECKING:
-    from .macos import MacMemoryReader
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +41,9 @@ OOM_TEXTS = (
 
 def is_oom_error(error: BaseException) -> bool:
     """True for an out-of-memory error on any device (CUDA ``torch.OutOfMemoryError``, MPS and CPU texts)."""
-    if isinstance(error, torch.OutOfMemoryError):
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
         return True
-    if isinstance(error, (RuntimeError, MemoryError)):
-        text = str(error).lower()
-        return isinstance(error, MemoryError) or any(t in text for t in OOM_TEXTS)
-    return False
+    return isinstance(error, RuntimeError) and any(t in str(error).lower() for t in OOM_TEXTS)
 
 
 def error_line(error: BaseException) -> str:
@@ -138,7 +133,7 @@ class DeviceLayer:
             self.device = torch.device(self.device.type, getattr(torch, self.device.type).current_device())
         self.type = self.device.type
         self._name: str | None = None
-        self._mac: MacMemoryReader | None = None
+        self.mac = MacMemoryReader()            # the macOS reader: its readers return None off macOS
 
     # ---------------------------------------------------------------- basics
     def synchronize(self) -> None:
@@ -184,15 +179,6 @@ class DeviceLayer:
                 self._name = platform.processor() or platform.machine() or "cpu"
         return self._name
 
-    @property
-    def mac(self) -> MacMemoryReader:
-        """The macOS reader (lazily built; all its readers return None off macOS)."""
-        if self._mac is None:
-            from .macos import MacMemoryReader
-
-            self._mac = MacMemoryReader()
-        return self._mac
-
     # ---------------------------------------------------------------- memory
     def memory(self) -> MemorySample:
         vm, swap = psutil.virtual_memory(), psutil.swap_memory()
@@ -222,24 +208,20 @@ class DeviceLayer:
                 **system,
             )
         if self.type == "xpu":
-            mem_get_info = getattr(torch.xpu, "mem_get_info", None)
             return MemorySample(
                 allocated=torch.xpu.memory_allocated(self.device),
                 reserved=torch.xpu.memory_reserved(self.device),
                 peak=torch.xpu.max_memory_allocated(self.device),
                 device_limit=torch.xpu.get_device_properties(self.device).total_memory,
-                device_free=mem_get_info(self.device)[0] if mem_get_info is not None else None,
+                device_free=torch.xpu.mem_get_info(self.device)[0],
                 **system,
             )
         return MemorySample(rss=psutil.Process().memory_info().rss, device_limit=vm.total, unified=True, **system)
 
     def _allocator_cap(self, total: int) -> int | None:
         """PyTorch's per-process memory fraction (``torch.cuda.set_per_process_memory_fraction``) × ``total``, when
-        below the total; None where torch cannot say (``get_per_process_memory_fraction`` came in torch 2.9)."""
-        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        if get_fraction is None:
-            return None
-        fraction = float(get_fraction(self.device))
+        below the total."""
+        fraction = float(torch.cuda.get_per_process_memory_fraction(self.device))
         return int(fraction * total) if 0 < fraction < 1 else None
 
     def memory_holders(self) -> list[tuple[int, str, int]] | None:
@@ -299,7 +281,6 @@ class DeviceLayer:
             a @ b
         self.synchronize()
         seconds = time.perf_counter() - start
-        del a, b
         return 2.0 * size**3 * repeats / seconds
 
 
@@ -324,13 +305,10 @@ def training_device() -> torch.device:
     (it honours ``use_cpu`` and the launcher's ``LOCAL_RANK``); else the ``LOCAL_RANK``-th CUDA/XPU device under a
     launcher; else this process's accelerator as torch sees it (the current CUDA/XPU device, MPS), else the CPU.
     """
-    try:
-        from accelerate.state import PartialState, is_initialized
+    from accelerate.state import PartialState, is_initialized
 
-        if is_initialized():
-            return torch.device(PartialState().device)
-    except ImportError:
-        pass
+    if is_initialized():
+        return torch.device(PartialState().device)
     local_rank = os.environ.get("LOCAL_RANK", "")
     for kind in ("cuda", "xpu"):
         backend = getattr(torch, kind, None)

@@ -37,7 +37,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -181,7 +180,6 @@ def _call_error(func: str, rc: int) -> OSError:
 class MacMemorySample:
     """Per-step memory readings; every field is ``None`` when unavailable."""
 
-    timestamp: float
     pressure_level: int | None = None
     swapouts: int | None = None
     compressor_bytes: int | None = None
@@ -328,7 +326,6 @@ class MacMemoryReader:
         """All per-step readings at once."""
         counters = self.vm_counters() or {}
         return MacMemorySample(
-            timestamp=time.monotonic(),
             pressure_level=self.pressure_level(),
             swapouts=counters.get("swapouts"),
             compressor_bytes=counters.get("compressor_bytes"),

@@ -19,6 +19,8 @@ from functools import lru_cache
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
+from ..core.validation import check_number
+
 if TYPE_CHECKING:
     import datasets
 
@@ -64,11 +66,6 @@ def _word_tuple() -> tuple[str, ...]:
     return tuple(dict.fromkeys(w.strip().lower() for w in text.splitlines() if w.strip()))
 
 
-@lru_cache(maxsize=1)
-def _word_set() -> frozenset[str]:
-    return frozenset(_word_tuple())
-
-
 def load_words() -> list[str]:
     """Return the bundled five-letter answer words (lowercase, unique, file order)."""
     return list(_word_tuple())
@@ -93,10 +90,6 @@ def feedback(secret: str, guess: str) -> str:
 
 
 # --------------------------------------------------------------------------- game states and prompts
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def split_words(seed: int = 0, eval_fraction: float = EVAL_FRACTION) -> dict[str, list[str]]:
@@ -150,14 +143,10 @@ def make_dataset(
     """
     import datasets
 
-    for name, value, ok, allowed in (
-        ("n", n, _is_int(n) and n >= 1, "an integer >= 1"),
-        ("split", split, split in SPLITS, " or ".join(repr(s) for s in SPLITS)),
-        ("max_history", max_history, _is_int(max_history) and 0 <= max_history <= MAX_HISTORY,
-         f"an integer from 0 to {MAX_HISTORY}"),
-    ):
-        if not ok:
-            raise ValueError(f"{name}={value!r} is invalid; allowed: {allowed}")
+    check_number("n", n, low=1, integer=True)
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not allowed: expected {' or '.join(repr(s) for s in SPLITS)}")
+    check_number("max_history", max_history, low=0, high=MAX_HISTORY, integer=True)
 
     pool = split_words(seed)[split]
     rng = random.Random(f"wordle-{split}-{seed}")
@@ -246,7 +235,7 @@ def valid_word_reward(
     """1.0 for a guess from the word list that was not guessed before; 0.5 for any other five-letter guess (a word
     outside the list, or a repeated guess). Without a guess tag: 0.25 when the text names a listed word in capitals
     that is neither an earlier guess nor the prompt's example (a guess in the wrong place), else 0.0."""
-    words = _word_set()
+    words = frozenset(_word_tuple())
     histories = history if history is not None else [None] * len(completions)
     rewards = []
     for completion, past in zip(completions, histories, strict=True):

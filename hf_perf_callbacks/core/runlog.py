@@ -583,7 +583,7 @@ def _jsonable(value: object) -> object:
 # ---------------------------------------------------------------- reader
 class ReadStep:
     """A step line as the reader keeps it: read-only and compact (the same reading interface as :class:`StepLine`:
-    ``step``, ``time``, ``values``, :meth:`get`, :meth:`number`, :meth:`to_json`). The finite numbers of a line
+    ``step``, ``time``, ``values``, :meth:`get`, :meth:`number`). The finite numbers of a line
     are one ``array('d')`` under a key tuple shared by every line with the same keys (8 bytes a value, a long run's
     log in a bounded share of memory); any other value (None, a string, a flag, a list) is kept as written."""
 
@@ -607,27 +607,7 @@ class ReadStep:
 
     def number(self, key: str) -> float | None:
         """The value of ``key`` as a finite float, else None."""
-        others = self._others
-        if others is not None and key in others:
-            return number(others[key])
-        at = self._keys.get(key)
-        if at is None:
-            return None
-        value = self._numbers[at]
-        return value if value - value == 0.0 else None           # not inf, not nan
-
-    def items(self) -> Iterator[tuple[str, Any]]:
-        """(key, value) of every field, without building a mapping."""
-        yield from zip(self._keys, self._numbers)
-        if self._others:
-            yield from self._others.items()
-
-    def prefixed(self, prefix: str) -> dict[str, Any]:
-        """The fields whose key starts with ``prefix``, the prefix removed (``log/reward`` → ``reward``)."""
-        out = {k[len(prefix):]: self._numbers[i] for k, i in self._keys.prefixed(prefix)}
-        if self._others:
-            out.update({k[len(prefix):]: v for k, v in self._others.items() if k.startswith(prefix)})
-        return out
+        return number(self.get(key))
 
     def has_prefix(self, prefix: str) -> bool:
         """Whether any field's key starts with ``prefix``."""
@@ -640,9 +620,6 @@ class ReadStep:
         if total - total != 0.0:                                 # an inf or a nan somewhere: find them
             bad += [k for k, v in zip(self._keys, self._numbers) if v - v != 0.0]
         return bad
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "step", "step": self.step, "time": self.time, **dict(self.items())}
 
     def __repr__(self) -> str:
         return f"ReadStep(step={self.step}, time={self.time}, values={dict(self.values)!r})"

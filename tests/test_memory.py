@@ -386,9 +386,9 @@ def test_the_causes_in_words():
     from hf_perf_callbacks.core.memory import Cause, WallFacts, holders_words
 
     card = WallFacts(budget=16.1 * GIB, total=139.8 * GIB, outside=120.0 * GIB, leak_per_step=512 * 1024**2)
-    assert card.causes() == ["another process (or memory outside PyTorch's allocator) holds 120.0 GiB of this card",
-                             "a leak of 512 MiB a step (memory grew on every step)"]
-    assert WallFacts(budget=1.0, total=80 * GIB, outside=0.6 * GIB).causes() == []       # a CUDA context: no cause
+    assert card.sentence() == ("another process (or memory outside PyTorch's allocator) holds 120.0 GiB of this card; "
+                               "a leak of 512 MiB a step (memory grew on every step)")
+    assert WallFacts(budget=1.0, total=80 * GIB, outside=0.6 * GIB).cause_list() == []   # a CUDA context: no cause
     assert card.cause_list() == [Cause("outside", 120.0 * GIB, 139.8 * GIB), Cause("leak", 512 * 1024**2)]
     machine = WallFacts(budget=1.0, total=24 * GIB, outside=6 * GIB, unified=True)
     assert machine.sentence() == "other processes and the system hold 6.0 GiB of this machine's 24.0 GiB"

@@ -185,13 +185,9 @@ class WallFacts:
             found.append(Cause("leak", self.leak_per_step))
         return found
 
-    def causes(self) -> list[str]:
-        """The causes of memory pressure the watchdog knows, in words (empty when it knows none)."""
-        return [cause_words(c) for c in self.cause_list()]
-
     def sentence(self) -> str:
-        """The causes as one clause (``""`` when none is known)."""
-        return "; ".join(self.causes())
+        """The causes in words, as one clause (``""`` when none is known)."""
+        return "; ".join(cause_words(c) for c in self.cause_list())
 
 
 def holders_words(holders: list[tuple[int, str, int]], own_pid: int, reserved: float) -> str | None:

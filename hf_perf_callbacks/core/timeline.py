@@ -158,7 +158,7 @@ class StepTimeline:
         self.segment_cycles: list[tuple[float, float, tuple[int, ...]]] = []
         self.first_cycle_seconds: float | None = None   # training seconds of this segment's first cycle
         self.first_steady_step: int | None = None       # this segment's first steady step, once decided
-        self.decided_at: int | None = None   # CPU mode: cycles seen when warmup was decided
+        self.decided_at: int | None = None   # cycles seen when warmup was decided on CPU time (else None)
         self._split: tuple[int, SlowStart] | None = None   # the early split, keyed by len(segment_cycles)
         self.segments += 1
         self.segment_warmup = len(self.warmup_cycles)   # where this segment's warmup cycles begin
@@ -197,11 +197,6 @@ class StepTimeline:
     def steady_step_seconds(self) -> float | None:
         """Mean training seconds of the steady steps, all segments (see the module docstring)."""
         return self.steady_seconds / self.steady_steps if self.steady_steps else None
-
-    @property
-    def _cpu_decided(self) -> bool:
-        """Warmup was decided on CPU time (its wall figures come from ``segment_cycles``)."""
-        return self.work == "cpu" and self.decided_at is not None
 
     # ------------------------------------------------------------ events
     def _charge(self, t: float, phase: str | None = None) -> None:
@@ -353,7 +348,7 @@ class StepTimeline:
         contended cycle): of each slow cycle's excess wall time, the part no extra CPU time explains is contention;
         recomputed only when a cycle was added."""
         if self._split is None or self._split[0] != len(self.segment_cycles):
-            assert self.decided_at is not None, "called only once warmup was decided (see _cpu_decided)"
+            assert self.decided_at is not None, "called only once warmup was decided on CPU time"
             walls, cpus, _ = zip(*self.segment_cycles)
             start = max(0, self.decided_at - self.detector.window)
             levels = (median(walls[start:]), median(cpus[start:]), self.warmup_tolerance)
@@ -363,11 +358,11 @@ class StepTimeline:
 
     def _segment_contention(self) -> float:
         """This segment's early contention in wall seconds (CPU mode, once warmup is decided; else 0)."""
-        return self._early_split().contention_sec if self.detector.done and self._cpu_decided else 0.0
+        return self._early_split().contention_sec if self.decided_at is not None else 0.0
 
     def _segment_contention_steps(self) -> list[int]:
         """This segment's steps in the cycles :meth:`_early_split` labels contention (CPU mode)."""
-        if not (self.detector.done and self._cpu_decided):
+        if self.decided_at is None:
             return []
         labels = self._early_split().labels
         return [step for (_, _, steps), label in zip(self.segment_cycles, labels) if label == "contention"

@@ -354,8 +354,9 @@ class MemoryPolicy:
         trend is not growing or fewer than 3 samples. While a leak is known (``leak_rate``, kept across segments),
         the wall is never forecast farther than the leak brings it from the latest reading, less the largest rise a
         switch brought in this run: a switch starts a new segment, not a new leak."""
-        segment = self._sooner(steps_to_limit([s for s, _ in self.history], [u for _, u in self.history],
-                                              self.budget), self.completions)
+        segment = steps_to_limit([s for s, _ in self.history], [u for _, u in self.history], self.budget)
+        if self.completions is not None and (segment is None or self.completions.steps < segment.steps):
+            segment = self.completions                     # the completions' growth brings the wall sooner
         if self.leak_rate is None or self.leak_rate <= 0 or not self.history:
             return segment
         # the next switch may bring the largest rise one brought before (a larger split's level)
@@ -364,10 +365,6 @@ class MemoryPolicy:
             return segment
         rate = self.leak_rate
         return WallForecast(steps=steps, low=steps, high=steps, slope=rate, growth_low=rate, growth_high=rate)
-
-    @staticmethod
-    def _sooner(a: WallForecast | None, b: WallForecast | None) -> WallForecast | None:
-        return a if b is None or (a is not None and a.steps <= b.steps) else b
 
     def _wall_near(self, within: float) -> bool:
         stw = self.steps_to_wall
@@ -476,16 +473,11 @@ class MemoryPolicy:
 
 @dataclass
 class CompletionTrend:
-    """GRPO: a step's peak grows with its longest completions. From (step, longest completion, peak) points (the
-    last ``window``): the peak as a line in the completion length (least squares), the completion length at which a
-    step stops fitting a budget, and, where the completions grow, in how many steps they reach it at their trend."""
+    """GRPO: a step's peak grows with its longest completions. From the last :data:`TREND_WINDOW` (step, longest
+    completion, peak) points: the peak as a line in the completion length (least squares), the completion length at
+    which a step stops fitting a budget, and, where the completions grow, in how many steps they reach it."""
 
-    window: int = TREND_WINDOW
-    points: deque[tuple[int, float, float]] = field(default_factory=deque)
-
-    def __post_init__(self) -> None:
-        check_number("window", self.window, low=3, integer=True)
-        self.points = deque(maxlen=self.window)
+    points: deque[tuple[int, float, float]] = field(default_factory=lambda: deque(maxlen=TREND_WINDOW))
 
     def add(self, step: int, length: float, peak: float) -> None:
         self.points.append((step, float(length), float(peak)))

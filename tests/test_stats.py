@@ -109,11 +109,11 @@ def test_linear_fit_exact():
 def test_classify_slow_steps_splits_excess_wall_time_into_warmup_and_contention():
     from hf_perf_callbacks.core.stats import classify_slow_steps
 
-    slow = classify_slow_steps([4.0, 3.0, 1.0, 1.0, 1.0, 1.0], [1.5, 0.5, 0.5, 0.5, 0.5, 0.5])
+    slow = classify_slow_steps([4.0, 3.0, 1.0, 1.0, 1.0, 1.0], [1.5, 0.5, 0.5, 0.5, 0.5, 0.5], 1.0, 0.5)
     assert slow.labels == ["warmup", "contention", "steady", "steady", "steady", "steady"]
     assert slow.warmup_sec == pytest.approx(2.0) and slow.contention_sec == pytest.approx(1.0 + 2.0)
     with pytest.raises(ValueError, match="equal-length"):
-        classify_slow_steps([1.0], [])
+        classify_slow_steps([1.0], [], 1.0, 0.5)
 
 
 def test_mann_whitney_exact_values_and_large_samples():

@@ -264,24 +264,20 @@ class SlowStart:
     steady_cpu: float
 
 
-def classify_slow_steps(wall: Sequence[float], cpu: Sequence[float], steady_wall: float | None = None,
-                        steady_cpu: float | None = None, tolerance: float = 0.1) -> SlowStart:
+def classify_slow_steps(wall: Sequence[float], cpu: Sequence[float], steady_wall: float, steady_cpu: float,
+                        tolerance: float = 0.1) -> SlowStart:
     """Tell warmup (the process did more work) from contention (the same work took longer) in slow steps.
 
     ``wall`` and ``cpu`` are per-step wall seconds and the process's CPU seconds (``time.process_time``, all
-    threads). The steady levels default to the medians of the later half of the steps. A step whose wall time is
-    within ``tolerance`` of the steady wall time is steady. Of a slow step's excess wall time, the part its extra
-    CPU time explains (converted to wall time at the steady CPU-per-wall rate) is warmup, the rest contention;
-    the label is the larger part. Meaningful where the CPU time is the work (a CPU device): on a GPU the host's CPU
+    threads), ``steady_wall`` and ``steady_cpu`` the steady step's. A step whose wall time is within ``tolerance`` of
+    the steady wall time is steady. Of a slow step's excess wall time, the part its extra CPU time explains (converted
+    to wall time at the steady CPU-per-wall rate) is warmup, the rest contention; the label is the larger part. Meaningful where the CPU time is the work (a CPU device): on a GPU the host's CPU
     time is launch and wait time, not the work.
     """
     if len(wall) != len(cpu) or not wall:
         raise ValueError(f"classify_slow_steps needs equal-length non-empty wall and cpu, got {len(wall)} and "
                          f"{len(cpu)}")
     check_number("tolerance", tolerance, low=0)
-    later = len(wall) // 2
-    steady_wall = median(wall[later:]) if steady_wall is None else steady_wall
-    steady_cpu = median(cpu[later:]) if steady_cpu is None else steady_cpu
     wall_per_cpu = steady_wall / steady_cpu if steady_cpu > 0 else 0.0
     labels, warm, contended = [], 0.0, 0.0
     for w, c in zip(wall, cpu):

@@ -13,11 +13,8 @@ One JSON object per line, appended to across resumes and re-sizes (main process 
 ``summary``  :class:`SummaryLine` — a callback's end-of-run summary
 ===========  ===========================================================================================
 
-**Events.** An event's ``kind`` is one of :data:`EventKind` (``warning``, ``action``, ``stop``, ``decision``,
-``info``, ``note``, ``wall``); its other fields are its details, one frozen type per shape, written and read through
-that type: :class:`ActionDetails` (the watchdog's ``action``/``stop``, a stop's :class:`StopFigures`),
-:class:`WallMove` (``wall``), :class:`DecisionDetails` (the tuner's ``decision``), :class:`CacheClear` (``cache``'s
-``info``), :class:`NoteDetails` and :class:`WarningFigures`.
+**Events.** An event's ``kind`` is one of :data:`EventKind`; its other fields are its details, one frozen type per
+shape (:data:`EventDetails`), written and read through that type (:class:`EventLine`).
 
 **Steady steps.** The meter decides a few steps late that warmup has ended (it needs confirming steps), so a
 step line's ``perf/steady`` is 1 only for steps known to be steady when the line was written. From the decision on,
@@ -253,9 +250,8 @@ class EventLine:
     """A warning, action, decision or note of one callback (``source``), with the step it happened at.
 
     ``details`` holds the event's fields as written (JSON); read them through the detail type of the event's shape
-    (:class:`ActionDetails`, :class:`WallMove`, :class:`DecisionDetails`, :class:`CacheClear`, :class:`NoteDetails`,
-    :class:`WarningFigures`): ``WallMove.from_details(e.details).why``, never ``e.details["why"]``. A kind this
-    version does not know (a newer writer) reads as ``info``."""
+    (:data:`EventDetails`): ``WallMove.from_details(e.details).why``, never ``e.details["why"]``. A kind this version
+    does not know (a newer writer) reads as ``info``."""
 
     source: str
     kind: EventKind
@@ -284,11 +280,8 @@ def _is_event_kind(kind: object) -> TypeGuard[EventKind]:
 
 
 # ---------------------------------------------------------------- event details
-# One frozen type per shape of an event's details, written by its writer (``bus.event(..., details=WallMove(...))``)
-# and read back by the report through the same type (``WallMove.from_details(e.details)``), so that a renamed field
-# fails type checking. ``to_details`` gives the JSON fields exactly as the perf log holds them (their order, and which
-# are written as null); ``from_details`` tolerates any log: a missing field or one of another type (or empty text)
-# reads as None.
+# ``to_details`` gives the JSON fields exactly as the perf log holds them (their order, and which are written as
+# null); ``from_details`` tolerates any log: a missing field or one of another type (or empty text) reads as None.
 
 def _num(value: object) -> float | None:
     """A detail's number (not a bool), else None."""

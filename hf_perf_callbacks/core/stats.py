@@ -271,8 +271,9 @@ def classify_slow_steps(wall: Sequence[float], cpu: Sequence[float], steady_wall
     ``wall`` and ``cpu`` are per-step wall seconds and the process's CPU seconds (``time.process_time``, all
     threads), ``steady_wall`` and ``steady_cpu`` the steady step's. A step whose wall time is within ``tolerance`` of
     the steady wall time is steady. Of a slow step's excess wall time, the part its extra CPU time explains (converted
-    to wall time at the steady CPU-per-wall rate) is warmup, the rest contention; the label is the larger part. Meaningful where the CPU time is the work (a CPU device): on a GPU the host's CPU
-    time is launch and wait time, not the work.
+    to wall time at the steady CPU-per-wall rate) is warmup, the rest contention; the label is the larger part.
+    Meaningful where the CPU time is the work (a CPU device): on a GPU the host's CPU time is launch and wait time,
+    not the work.
     """
     if len(wall) != len(cpu) or not wall:
         raise ValueError(f"classify_slow_steps needs equal-length non-empty wall and cpu, got {len(wall)} and "

@@ -34,17 +34,6 @@ def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return slope, mean_y - slope * mean_x
 
 
-@dataclass
-class WarmupResult:
-    """Where warmup ended and what it cost, in units of the samples fed to the detector."""
-
-    warmup_samples: int        # samples before the first stable window
-    steady_reference: float    # median of the first stable window
-    overhead: float            # sum over warmup samples of (sample - steady_reference), positive parts only
-    first_slowdown: float      # first sample / steady_reference
-    capped: bool               # True when no stable window was found before the cap
-
-
 class WarmupDetector:
     """Online steady-state detection that tolerates step-time jitter.
 
@@ -54,8 +43,8 @@ class WarmupDetector:
     quiet device the relative tolerance decides, on a jittery one (GRPO's launch-bound generation) the measured noise
     does. Warmup ends at the first sample from which every later sample lies inside the band, provided at least
     ``window`` samples confirm it and the last window does not drift (its fitted change stays inside the band).
-    Without such a point, warmup is declared over at ``max_warmup`` (``capped``).
-    The decision is made once and then fixed.
+    Without such a point, warmup is declared over at ``max_warmup``. The decision (:attr:`warmup_samples`) is made
+    once and then fixed; what warmup cost is the timeline's to compute.
     """
 
     def __init__(self, window: int = 4, tolerance: float = 0.1, max_warmup: int = 50):
@@ -63,11 +52,11 @@ class WarmupDetector:
         self.tolerance = check_number("warmup_tolerance", tolerance, low=0, high=1, low_open=True)
         self.max_warmup = check_number("max_warmup_steps", max_warmup, low=0, integer=True)
         self.samples: list[float] = []
-        self.result: WarmupResult | None = None
+        self.warmup_samples: int | None = None     # the samples before the first stable window, once decided
 
     @property
     def done(self) -> bool:
-        return self.result is not None
+        return self.warmup_samples is not None
 
     def band(self) -> tuple[float, float]:
         """(steady level, upper edge of the stable band) from the latest ``window`` samples."""
@@ -93,15 +82,10 @@ class WarmupDetector:
         while start > 0 and self.samples[start - 1] <= edge:
             start -= 1
         if level > 0 and drift <= edge - level and n - start >= self.window and start <= self.max_warmup:
-            self.result = self._result(start, level, capped=False)
+            self.warmup_samples = start
         elif n - self.window >= self.max_warmup + self.window:
-            self.result = self._result(self.max_warmup, level, capped=True)
+            self.warmup_samples = self.max_warmup
         return self.done
-
-    def _result(self, warmup: int, ref: float, capped: bool) -> WarmupResult:
-        overhead = sum(max(0.0, v - ref) for v in self.samples[:warmup])
-        first = self.samples[0] / ref if ref > 0 else float("nan")
-        return WarmupResult(warmup, ref, overhead, first, capped)
 
 
 class WindowedRate:
@@ -295,6 +279,6 @@ def classify_slow_steps(wall: Sequence[float], cpu: Sequence[float], steady_wall
 
 
 __all__ = [
-    "median", "quantile", "iqr", "linear_fit", "mann_whitney_less", "t975", "WarmupResult", "WarmupDetector",
+    "median", "quantile", "iqr", "linear_fit", "mann_whitney_less", "t975", "WarmupDetector",
     "WindowedRate", "generation_period", "WallForecast", "steps_to_limit", "SlowStart", "classify_slow_steps"
 ]

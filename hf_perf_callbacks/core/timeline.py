@@ -71,7 +71,7 @@ early contention           CPU mode: the excess wall time of the cycles up to th
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from .. import keys
@@ -182,8 +182,8 @@ class StepTimeline:
 
     @property
     def warmup_steps(self) -> int | None:
-        result = self.detector.result
-        return result.warmup_samples * self.period if result is not None else None
+        warmup = self.detector.warmup_samples
+        return warmup * self.period if warmup is not None else None
 
     @property
     def first_step_slowdown(self) -> float | None:
@@ -331,12 +331,12 @@ class StepTimeline:
             return
         self.unsettled.append(cycle)
         self.detector.add(sample)
-        result = self.detector.result
-        if result is not None:                       # this cycle completed the warmup detection
+        warmup = self.detector.warmup_samples
+        if warmup is not None:                       # this cycle completed the warmup detection
             if cpu_mode:
                 self.decided_at = len(self.segment_cycles)
-            self.warmup_cycles += [_warmup_cycle(c) for c in self.unsettled[:result.warmup_samples]]
-            settled = self.unsettled[result.warmup_samples:]
+            self.warmup_cycles += [_warmup_cycle(c) for c in self.unsettled[:warmup]]
+            settled = self.unsettled[warmup:]
             self.first_steady_step = settled[0][0].step
             for steady in settled:
                 self._steady(steady)
@@ -477,13 +477,10 @@ class StepTimeline:
     # ------------------------------------------------------------ resume
     def export(self) -> dict[str, Any]:
         """The counters a resume restores (JSON-serialisable: saved in the checkpoint's trainer state)."""
-        result = self.detector.result
-        warmup = asdict(result) if result is not None else None
         return {**{k: getattr(self, k) for k in _TOTALS}, "warmup_cycles": [list(c) for c in self.warmup_cycles],
                 "warmup_overhead": self.warmup_overhead,
                 "early_contention": self.early_contention, "contention_steps": self.contention_steps,
-                "phase_totals": dict(self.phase_totals),
-                "last_warmup": warmup}
+                "phase_totals": dict(self.phase_totals)}
 
     def load(self, saved: Mapping[str, Any]) -> None:
         for key in _TOTALS:

@@ -254,7 +254,6 @@ class MemoryPolicy:
     level: int = OK
     history: deque[tuple[int, float]] = field(default_factory=deque)   # (step, used bytes) of this segment
     growth: deque[float] = field(default_factory=deque)   # step-to-step growth within segments, after their grace
-    grew_last: bool = False              # the latest reading added to ``growth``
     last_used: float | None = None       # the latest reading, across segments
     switch_rise: float = 0.0             # the largest rise a segment's first reading brought over the one before
     swap_streak: int = 0
@@ -304,8 +303,7 @@ class MemoryPolicy:
         if not (replace_last and self.history):
             self.segment_steps += 1
             self.swap_streak = self.swap_streak + 1 if (obs.swapouts or 0) > 0 else 0
-            self.grew_last = bool(self.history) and self.segment_steps > self.grace_steps   # from the grace on
-            if self.grew_last:
+            if self.history and self.segment_steps > self.grace_steps:     # growth from the grace on
                 self.growth.append(obs.used - self.history[-1][1])
             if not self.history and self.last_used is not None:     # a segment's first reading
                 self.switch_rise = max(self.switch_rise, obs.used - self.last_used - max(self.leak_rate or 0.0, 0.0))

@@ -111,9 +111,6 @@ class StepRecord:
             return None
         return self.cpu * (self.train / self.wall) if self.wall > 0 else 0.0
 
-    def phases(self) -> dict[str, float]:
-        return {p: getattr(self, p) for p in PHASES}
-
 
 class StepTimeline:
     """Step accounting for a :class:`~hf_perf_callbacks.ThroughputMeter` (no clock, no torch)."""
@@ -302,7 +299,8 @@ class StepTimeline:
         self.steps += 1
         self.total_tokens += tokens
         self.total_train_seconds += record.train
-        for phase, seconds in record.phases().items():
+        for phase in PHASES:
+            seconds = getattr(record, phase)
             self.phase_totals[phase] += seconds
             self.window_phases[phase] += seconds
         self.rate.add(tokens, record.train)

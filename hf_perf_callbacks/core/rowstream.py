@@ -167,11 +167,9 @@ def epoch_end(fetched: StepRows, configured: Split, world: int = 1) -> str | Non
     new, old = fetched.short and fetched.micro_batches > 0, crosses(fetched.rows * world, configured, world)
     if new == old:
         return None
-    if new:
-        return (f"the epoch ends {fetched.rows} rows into this step: {configured} trains them alone, "
-                f"{fetched.split} adds the next epoch's first rows")
-    return (f"the epoch ends {fetched.rows} rows into this step: {fetched.split} trains them alone, "
-            f"{configured} adds the next epoch's first rows")
+    alone, adds = (configured, fetched.split) if new else (fetched.split, configured)
+    return f"the epoch ends {fetched.rows} rows into this step: {alone} trains them alone, {adds} adds the next " \
+           "epoch's first rows"
 
 
 def _ends_epoch(fetched: StepRows) -> bool:

@@ -161,14 +161,13 @@ def mann_whitney_less(a: Sequence[float], b: Sequence[float]) -> float:
         from itertools import combinations
 
         pooled = list(a) + list(b)
-        count = total = 0
+        count = 0
         for chosen in combinations(range(n + m), n):
             picked = set(chosen)
             first = [pooled[i] for i in chosen]
             second = [pooled[i] for i in range(n + m) if i not in picked]
-            total += 1
             count += _u_statistic(first, second) >= observed - 1e-12
-        return count / total
+        return count / math.comb(n + m, n)
     mean = n * m / 2
     sd = math.sqrt(n * m * (n + m + 1) / 12)
     z = (observed - mean - 0.5) / sd

@@ -71,19 +71,18 @@ class MovingWall:
     """The budget as what the device can give moves (another process grows or shrinks, a pool is allocated).
 
     :meth:`update` takes each step's candidate budget. Asymmetric, safety first: a candidate below the band of
-    ``band`` × the budget lowers the budget at once (another process that took the card's memory between two steps
-    is met by the very next step: waiting for a median means running into it); a higher one moves the budget only to
-    the median of the last ``window`` candidates, when that leaves the band (a wall that rises is believed once it
-    holds: one reading up moves nothing); a drift within the band does not flap. The first candidate is the budget.
+    :data:`WALL_BAND` × the budget lowers the budget at once (another process that took the card's memory between two
+    steps is met by the very next step: waiting for a median means running into it); a higher one moves the budget
+    only to the median of the last ``window`` candidates, when that leaves the band (a wall that rises is believed
+    once it holds: one reading up moves nothing); a drift within the band does not flap. The first candidate is the
+    budget.
     """
 
-    band: float = WALL_BAND
     window: int = 3
     value: float | None = None
     candidates: deque[float] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
-        check_number("band", self.band, low=0, high=1)
         check_number("window", self.window, low=1, integer=True)
         self.candidates = deque(self.candidates, maxlen=self.window)
 
@@ -94,14 +93,14 @@ class MovingWall:
         if self.value is None:
             self.value = candidate
             return None
-        if candidate < (1 - self.band) * self.value:           # a lower wall: believed at once
+        if candidate < (1 - WALL_BAND) * self.value:           # a lower wall: believed at once
             before, self.value = self.value, candidate
             return before
         if len(self.candidates) < self.window:
             return None
         ordered = sorted(self.candidates)
         level = ordered[(len(ordered) - 1) // 2]
-        if level <= (1 + self.band) * self.value:             # a higher one only once it holds
+        if level <= (1 + WALL_BAND) * self.value:             # a higher one only once it holds
             return None
         before, self.value = self.value, level
         return before

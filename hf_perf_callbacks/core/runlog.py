@@ -229,14 +229,6 @@ class StepLine:
     def to_json(self) -> dict[str, Any]:
         return {"type": "step", "step": self.step, "time": self.time, **self.values}
 
-    @classmethod
-    def from_json(cls, entry: dict[str, Any]) -> StepLine | None:
-        step = number(entry.get("step"))
-        if step is None:
-            return None
-        values = {k: v for k, v in entry.items() if k not in ("type", "step", "time")}
-        return cls(int(step), number(entry.get("time")), values)
-
 
 #: every kind of event a callback writes: ``warning`` (said at WARNING), ``action`` (the watchdog acted), ``stop``
 #: (the watchdog stopped training), ``decision`` (the tuner changed or kept the split), ``info`` (a cache clear),
@@ -521,12 +513,13 @@ class SummaryLine:
 
 
 Record = RunHeader | StepLine | EventLine | SummaryLine
-_RECORDS: dict[object, type[RunHeader] | type[StepLine] | type[EventLine] | type[SummaryLine]] = {
-    "run": RunHeader, "step": StepLine, "event": EventLine, "summary": SummaryLine}
+_RECORDS: dict[object, type[RunHeader] | type[EventLine] | type[SummaryLine]] = {
+    "run": RunHeader, "event": EventLine, "summary": SummaryLine}
 
 
-def parse_record(entry: object) -> Record | None:
-    """The typed record of one parsed JSON line; None when it is none of the four."""
+def parse_record(entry: object) -> RunHeader | EventLine | SummaryLine | None:
+    """The run header, event or summary of one parsed JSON line; None for anything else (a step line is read by
+    :func:`parse_lines`, compact: :class:`ReadStep`)."""
     if not isinstance(entry, dict):
         return None
     record = _RECORDS.get(entry.get("type"))
@@ -803,7 +796,7 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
             current = read.step
             continue
         record = parse_record(entry)
-        if record is None or isinstance(record, StepLine):
+        if record is None:
             run.skipped_lines += 1
         elif isinstance(record, RunHeader):
             if record.session is not None and record.session != session:

@@ -314,16 +314,15 @@ class StepTimeline:
         return record
 
     def _close_cycle(self, cycle: list[StepRecord]) -> None:
-        train_cpu = [c for c in (r.train_cpu for r in cycle) if c is not None]     # None: no CPU reading
-        cpu_mode = self.work == "cpu" and len(train_cpu) == len(cycle)
+        steps, seconds, train_cpu = _totals(cycle)
+        cpu_mode = self.work == "cpu" and train_cpu is not None
         if not cpu_mode and self.work == "cpu" and not self.detector.done:
             self.work = "wall"                       # a step without a CPU reading: wall time from here on
-        seconds = sum(r.train for r in cycle)
-        sample = sum(train_cpu) if cpu_mode else seconds
+        sample = train_cpu if cpu_mode and train_cpu is not None else seconds
         if self.first_cycle_seconds is None:
             self.first_cycle_seconds = seconds
         if cpu_mode and len(self.segment_cycles) < 1000:
-            self.segment_cycles.append((seconds, sample, tuple(r.step for r in cycle)))
+            self.segment_cycles.append((seconds, sample, tuple(steps)))
         if self.detector.done:
             self._steady(cycle)
             return
@@ -333,7 +332,7 @@ class StepTimeline:
         if warmup is not None:                       # this cycle completed the warmup detection
             if cpu_mode:
                 self.decided_at = len(self.segment_cycles)
-            self.warmup_cycles += [_warmup_cycle(c) for c in self.unsettled[:warmup]]
+            self.warmup_cycles += [_totals(c) for c in self.unsettled[:warmup]]
             settled = self.unsettled[warmup:]
             self.first_steady_step = settled[0][0].step
             for steady in settled:
@@ -440,14 +439,12 @@ class StepTimeline:
         records = [r for cycle in self.unsettled for r in cycle] + list(self.cycle)
         if len(records) > 1:
             records = records[1:]
-        seconds = sum(r.train for r in records)
+        _, seconds, cpu = _totals(records)
         if not records or seconds <= 0:
             return None
         tokens = sum(r.tokens for r in records)
-        cpus = [r.train_cpu for r in records]
-        cpu = sum(c for c in cpus if c is not None) if all(c is not None for c in cpus) else 0.0
         return tokens / seconds, seconds / len(records), records[0].step, records[-1].step, \
-            tokens / cpu if cpu > 0 else None
+            tokens / cpu if cpu else None
 
     def rate_metrics(self, world: int = 1) -> dict[str, float]:
         """The step's rate figures as the perf log names them (those known so far): tokens/s over the window (whole
@@ -496,10 +493,11 @@ _TOTALS = ("steady_tokens", "steady_seconds", "steady_steps", "total_tokens", "t
            "segments", "steady_cpu_seconds", "steady_cpu_steps")
 
 
-def _warmup_cycle(cycle: list[StepRecord]) -> tuple[list[int], float, float | None]:
-    """A warmup cycle as :attr:`StepTimeline.warmup_cycles` keeps it: its steps, training and training CPU seconds."""
-    cpus = [r.train_cpu for r in cycle]
-    return [r.step for r in cycle], sum(r.train for r in cycle), \
+def _totals(records: list[StepRecord]) -> tuple[list[int], float, float | None]:
+    """Steps' totals as :attr:`StepTimeline.warmup_cycles` keeps a warmup cycle's: their steps, training seconds and
+    training CPU seconds (None when one of them has no CPU reading)."""
+    cpus = [r.train_cpu for r in records]
+    return [r.step for r in records], sum(r.train for r in records), \
         sum(c for c in cpus if c is not None) if all(c is not None for c in cpus) else None
 
 

@@ -289,7 +289,7 @@ def test_a_lower_wall_is_believed_at_once_and_a_higher_one_only_once_it_holds():
     readings leaves the band; a drift within the band moves nothing."""
     from hf_perf_callbacks.core.memory import MovingWall
 
-    wall = MovingWall(window=3)                                         # the band: WALL_BAND, 5%
+    wall = MovingWall()                                   # the band: WALL_BAND, 5%; the median of WALL_WINDOW, 3
     assert wall.update(100.0) is None and wall.value == 100.0
     assert wall.update(140.0) is None and wall.value == 100.0          # one high reading moves nothing
     assert wall.update(100.0) is None and wall.value == 100.0

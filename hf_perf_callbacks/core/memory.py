@@ -30,6 +30,8 @@ WARN_WITHIN_STEPS = 20.0
 STOP_WITHIN_STEPS = 3.0
 #: the budget moves only when what the run can reach moved by more than this share of the budget
 WALL_BAND = 0.05
+#: a rising wall moves the budget to the median of this many latest candidates
+WALL_WINDOW = 3
 #: memory outside the run's reach is named as a cause of the wall when it is at least this share of the device
 OUTSIDE_MATERIAL = 0.10
 #: steps of growth on every step (3 increments) after which a smaller micro-batch is no longer asked for
@@ -73,18 +75,13 @@ class MovingWall:
     :meth:`update` takes each step's candidate budget. Asymmetric, safety first: a candidate below the band of
     :data:`WALL_BAND` × the budget lowers the budget at once (another process that took the card's memory between two
     steps is met by the very next step: waiting for a median means running into it); a higher one moves the budget
-    only to the median of the last ``window`` candidates, when that leaves the band (a wall that rises is believed
-    once it holds: one reading up moves nothing); a drift within the band does not flap. The first candidate is the
-    budget.
+    only to the median of the last :data:`WALL_WINDOW` candidates, when that leaves the band (a wall that rises is
+    believed once it holds: one reading up moves nothing); a drift within the band does not flap. The first candidate
+    is the budget.
     """
 
-    window: int = 3
     value: float | None = None
-    candidates: deque[float] = field(default_factory=deque)
-
-    def __post_init__(self) -> None:
-        check_number("window", self.window, low=1, integer=True)
-        self.candidates = deque(self.candidates, maxlen=self.window)
+    candidates: deque[float] = field(default_factory=lambda: deque(maxlen=WALL_WINDOW))
 
     def update(self, candidate: float) -> float | None:
         """Account one candidate budget; returns the budget before when it moved, else None."""
@@ -96,7 +93,7 @@ class MovingWall:
         if candidate < (1 - WALL_BAND) * self.value:           # a lower wall: believed at once
             before, self.value = self.value, candidate
             return before
-        if len(self.candidates) < self.window:
+        if len(self.candidates) < WALL_WINDOW:
             return None
         ordered = sorted(self.candidates)
         level = ordered[(len(ordered) - 1) // 2]

@@ -166,8 +166,7 @@ class WallFacts:
         return Cause("outside", self.outside, self.total, self.unified, self.holders)
 
     def outside_words(self) -> str | None:
-        """Who holds the memory outside this run's reach, in words (:meth:`outside_cause`); None when unknown or
-        not material."""
+        """:meth:`outside_cause` in words (None: unknown or not material)."""
         cause = self.outside_cause()
         return cause_words(cause) if cause is not None else None
 
@@ -338,8 +337,7 @@ class MemoryPolicy:
 
     @property
     def steps_to_wall(self) -> float | None:
-        """Steps until ``used`` reaches the budget at the current slope: the point estimate of :meth:`forecast`
-        (None when not growing or fewer than 3 samples)."""
+        """The point estimate of :meth:`forecast`: steps until ``used`` reaches the budget (None where it is None)."""
         forecast = self.forecast()
         return forecast.steps if forecast is not None else None
 

@@ -592,7 +592,6 @@ class ReadStep:
         return default if at is None else self._numbers[at]
 
     def number(self, key: str) -> float | None:
-        """The value of ``key`` as a finite float, else None."""
         return number(self.get(key))
 
     def has_prefix(self, prefix: str) -> bool:

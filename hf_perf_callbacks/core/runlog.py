@@ -68,9 +68,7 @@ class ReportError(ValueError):
 
 
 def number(value: object) -> float | None:
-    """A logged value as a finite float, else None (bools count as 0/1)."""
-    if isinstance(value, bool):
-        return float(value)
+    """A logged value as a finite float, else None (bools count as 0/1: a bool is an int)."""
     if isinstance(value, (int, float)) and math.isfinite(value):
         return float(value)
     return None

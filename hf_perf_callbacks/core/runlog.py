@@ -747,12 +747,8 @@ class RunLog:
         """Step lines ordered by step, one per step (a step re-run after a resume keeps its latest line); computed
         once per parse."""
         if self._unique is None or self._unique[0] != len(self.steps):
-            if all(a.step < b.step for a, b in zip(self.steps, self.steps[1:])):
-                ordered = list(self.steps)
-            else:
-                by_step = {s.step: s for s in self.steps}
-                ordered = [by_step[k] for k in sorted(by_step)]
-            self._unique = (len(self.steps), ordered)
+            by_step = {s.step: s for s in self.steps}
+            self._unique = (len(self.steps), [by_step[k] for k in sorted(by_step)])
         return self._unique[1]
 
     def summary(self, source: str) -> dict[str, Any]:

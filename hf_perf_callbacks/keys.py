@@ -205,16 +205,6 @@ KEY_DOCS: dict[str, tuple[str, str, str]] = {
 }
 
 
-def metric_keys() -> list[str]:
-    """Every metric key this module defines (module constants and the per-phase dicts), in definition order."""
-    found: list[str] = []
-    for value in list(globals().values()):
-        for key in (value.values() if isinstance(value, dict) and value is not KEY_DOCS else [value]):
-            if isinstance(key, str) and key.startswith(CALLBACK_PREFIXES) and key not in found:
-                found.append(key)
-    return found
-
-
 def key_table() -> str:
     """The markdown table of docs/keys.md: one row per key of :data:`KEY_DOCS`, grouped by prefix."""
     rows = ["| key | unit | meaning | goes to |", "|---|---|---|---|"]
@@ -240,7 +230,7 @@ __all__ = [
     "MEM_OS_PRESSURE", "MEM_SWAPOUTS", "MEM_COMPRESSOR_GB", "MEM_FOOTPRINT_GB", "MEM_ALLOC_RETRIES",
     "TUNER_MICRO_BATCH", "TUNER_GRAD_ACCUM", "TUNER_EFFECTIVE_BATCH", "TUNER_RESIZES", "CACHE_CLEARS",
     "CACHE_FREED_GB", "CACHE_SECONDS", "CACHE_INTERVAL", "CALLBACK_PREFIXES", "CONSOLE_KEYS", "CONSOLE_WIDTH",
-    "TRAINER_LOG", "REPORTED", "PERF_LOG_ONLY", "KEY_DOCS", "metric_keys", "key_table"
+    "TRAINER_LOG", "REPORTED", "PERF_LOG_ONLY", "KEY_DOCS", "key_table"
 ]
 
 

@@ -208,10 +208,14 @@ def schema_lines(records) -> str:
     schema does not know (a renamed field) fails here instead of reaching the reader as an unknown extra."""
     import json
 
-    from hf_perf_callbacks.core.runlog import RunHeader, parse_record
+    from hf_perf_callbacks.core.runlog import RunHeader, StepLine, parse_record
 
     out = []
     for entry in records:
+        if entry.get("type") == "step":                       # written as the writer's StepLine writes it
+            values = {k: v for k, v in entry.items() if k not in ("type", "step", "time")}
+            out.append(json.dumps(StepLine(entry["step"], entry.get("time"), values).to_json()) + "\n")
+            continue
         record = parse_record(entry)
         assert record is not None, f"not a run-log record: {entry!r}"
         if isinstance(record, RunHeader):

@@ -289,7 +289,7 @@ def test_a_lower_wall_is_believed_at_once_and_a_higher_one_only_once_it_holds():
     readings leaves the band; a drift within the band moves nothing."""
     from hf_perf_callbacks.core.memory import MovingWall
 
-    wall = MovingWall(band=0.05, window=3)
+    wall = MovingWall()                                   # the band: WALL_BAND, 5%; the median of WALL_WINDOW, 3
     assert wall.update(100.0) is None and wall.value == 100.0
     assert wall.update(140.0) is None and wall.value == 100.0          # one high reading moves nothing
     assert wall.update(100.0) is None and wall.value == 100.0
@@ -386,9 +386,9 @@ def test_the_causes_in_words():
     from hf_perf_callbacks.core.memory import Cause, WallFacts, holders_words
 
     card = WallFacts(budget=16.1 * GIB, total=139.8 * GIB, outside=120.0 * GIB, leak_per_step=512 * 1024**2)
-    assert card.causes() == ["another process (or memory outside PyTorch's allocator) holds 120.0 GiB of this card",
-                             "a leak of 512 MiB a step (memory grew on every step)"]
-    assert WallFacts(budget=1.0, total=80 * GIB, outside=0.6 * GIB).causes() == []       # a CUDA context: no cause
+    assert card.sentence() == ("another process (or memory outside PyTorch's allocator) holds 120.0 GiB of this card; "
+                               "a leak of 512 MiB a step (memory grew on every step)")
+    assert WallFacts(budget=1.0, total=80 * GIB, outside=0.6 * GIB).cause_list() == []   # a CUDA context: no cause
     assert card.cause_list() == [Cause("outside", 120.0 * GIB, 139.8 * GIB), Cause("leak", 512 * 1024**2)]
     machine = WallFacts(budget=1.0, total=24 * GIB, outside=6 * GIB, unified=True)
     assert machine.sentence() == "other processes and the system hold 6.0 GiB of this machine's 24.0 GiB"

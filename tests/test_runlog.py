@@ -44,12 +44,14 @@ def event(n, message="note", source="perf"):
 def test_records_round_trip_through_their_json():
     records = [RunHeader(session="s1", resumed_from_step=4, sources=["perf", "mem"], device="cpu", budget_gb=8.0,
                          model={"hidden_size": 64}, extra={"new_fact": 1}),
-               StepLine(5, 1000.5, {keys.PERF_TOKENS: 10.0, keys.MEM_PRESSURE: 0}),
                EventLine("mem", "action", "cleared", 5, 1.0, {"action": "clear_cache"}),
                SummaryLine("cache", {"clears": 2})]
     for record in records:
         assert parse_record(json.loads(json.dumps(record.to_json()))) == record
-    assert parse_record({"type": "step"}) is None and parse_record({"type": "other"}) is None
+    read = parse_lines([json.dumps(StepLine(5, 1000.5, {keys.PERF_TOKENS: 10.0, keys.MEM_PRESSURE: 0}).to_json())])
+    assert (read.steps[0].step, read.steps[0].time, dict(read.steps[0].values)) == (
+        5, 1000.5, {keys.PERF_TOKENS: 10.0, keys.MEM_PRESSURE: 0})
+    assert parse_record({"type": "step", "step": 1}) is None and parse_record({"type": "other"}) is None
     assert parse_record([1, 2]) is None
 
 

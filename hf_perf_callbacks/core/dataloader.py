@@ -31,9 +31,9 @@ def dataloader_facts(settings: Mapping[str, Any] | None) -> DataLoaderFacts:
 
 
 def dataloader_advice(device_type: str, dataloader: DataLoaderFacts | None) -> list[str]:
-    """The DataLoader settings to change when the device waits for data, one line each (the meter's warning and the
-    ``input_bound`` finding both give this advice): ``dataloader`` holds the run's ``num_workers``,
-    ``persistent_workers``, ``prefetch_factor`` and ``pin_memory``. Settings already in effect are not repeated."""
+    """The DataLoader settings to change when the device waits for data, one line each: ``dataloader`` holds the
+    run's ``num_workers``, ``persistent_workers``, ``prefetch_factor`` and ``pin_memory``. Settings already in effect
+    are not repeated."""
     return [line for line, _ in dataloader_changes(device_type, dataloader)]
 
 

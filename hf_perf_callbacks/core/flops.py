@@ -52,9 +52,8 @@ def train_flops_per_token(shape: MatmulCount, seq_len: float, recompute: bool = 
     Model FLOPs: ``2N + 4·frozen + 4·trainable + 3·attention`` = ``6N + 3A`` for full fine-tuning and
     ``4N + 2·trainable + 3A`` under LoRA. Hardware FLOPs add one more forward when activations are recomputed.
     """
-    check_number("seq_len", seq_len, low=0)
+    forward = forward_flops_per_token(shape, seq_len)
     attention = attention_flops_per_token(shape, seq_len)
-    forward = 2.0 * shape.matmul_params + attention
     backward = 2.0 * shape.matmul_params + 2.0 * shape.trainable_matmul_params + 2.0 * attention
     model = forward + backward
     return model, model + (forward if recompute else 0.0)

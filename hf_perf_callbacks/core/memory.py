@@ -30,6 +30,8 @@ WARN_WITHIN_STEPS = 20.0
 STOP_WITHIN_STEPS = 3.0
 #: the budget moves only when what the run can reach moved by more than this share of the budget
 WALL_BAND = 0.05
+#: a rising wall moves the budget to the median of this many latest candidates
+WALL_WINDOW = 3
 #: memory outside the run's reach is named as a cause of the wall when it is at least this share of the device
 OUTSIDE_MATERIAL = 0.10
 #: steps of growth on every step (3 increments) after which a smaller micro-batch is no longer asked for
@@ -71,21 +73,15 @@ class MovingWall:
     """The budget as what the device can give moves (another process grows or shrinks, a pool is allocated).
 
     :meth:`update` takes each step's candidate budget. Asymmetric, safety first: a candidate below the band of
-    ``band`` × the budget lowers the budget at once (another process that took the card's memory between two steps
-    is met by the very next step: waiting for a median means running into it); a higher one moves the budget only to
-    the median of the last ``window`` candidates, when that leaves the band (a wall that rises is believed once it
-    holds: one reading up moves nothing); a drift within the band does not flap. The first candidate is the budget.
+    :data:`WALL_BAND` × the budget lowers the budget at once (another process that took the card's memory between two
+    steps is met by the very next step: waiting for a median means running into it); a higher one moves the budget
+    only to the median of the last :data:`WALL_WINDOW` candidates, when that leaves the band (a wall that rises is
+    believed once it holds: one reading up moves nothing); a drift within the band does not flap. The first candidate
+    is the budget.
     """
 
-    band: float = WALL_BAND
-    window: int = 3
     value: float | None = None
-    candidates: deque[float] = field(default_factory=deque)
-
-    def __post_init__(self) -> None:
-        check_number("band", self.band, low=0, high=1)
-        check_number("window", self.window, low=1, integer=True)
-        self.candidates = deque(self.candidates, maxlen=self.window)
+    candidates: deque[float] = field(default_factory=lambda: deque(maxlen=WALL_WINDOW))
 
     def update(self, candidate: float) -> float | None:
         """Account one candidate budget; returns the budget before when it moved, else None."""
@@ -94,14 +90,14 @@ class MovingWall:
         if self.value is None:
             self.value = candidate
             return None
-        if candidate < (1 - self.band) * self.value:           # a lower wall: believed at once
+        if candidate < (1 - WALL_BAND) * self.value:           # a lower wall: believed at once
             before, self.value = self.value, candidate
             return before
-        if len(self.candidates) < self.window:
+        if len(self.candidates) < WALL_WINDOW:
             return None
         ordered = sorted(self.candidates)
         level = ordered[(len(ordered) - 1) // 2]
-        if level <= (1 + self.band) * self.value:             # a higher one only once it holds
+        if level <= (1 + WALL_BAND) * self.value:             # a higher one only once it holds
             return None
         before, self.value = self.value, level
         return before
@@ -170,8 +166,7 @@ class WallFacts:
         return Cause("outside", self.outside, self.total, self.unified, self.holders)
 
     def outside_words(self) -> str | None:
-        """Who holds the memory outside this run's reach, in words (:meth:`outside_cause`); None when unknown or
-        not material."""
+        """:meth:`outside_cause` in words (None: unknown or not material)."""
         cause = self.outside_cause()
         return cause_words(cause) if cause is not None else None
 
@@ -185,13 +180,9 @@ class WallFacts:
             found.append(Cause("leak", self.leak_per_step))
         return found
 
-    def causes(self) -> list[str]:
-        """The causes of memory pressure the watchdog knows, in words (empty when it knows none)."""
-        return [cause_words(c) for c in self.cause_list()]
-
     def sentence(self) -> str:
-        """The causes as one clause (``""`` when none is known)."""
-        return "; ".join(self.causes())
+        """The causes in words, as one clause (``""`` when none is known)."""
+        return "; ".join(cause_words(c) for c in self.cause_list())
 
 
 def holders_words(holders: list[tuple[int, str, int]], own_pid: int, reserved: float) -> str | None:
@@ -258,7 +249,6 @@ class MemoryPolicy:
     level: int = OK
     history: deque[tuple[int, float]] = field(default_factory=deque)   # (step, used bytes) of this segment
     growth: deque[float] = field(default_factory=deque)   # step-to-step growth within segments, after their grace
-    grew_last: bool = False              # the latest reading added to ``growth``
     last_used: float | None = None       # the latest reading, across segments
     switch_rise: float = 0.0             # the largest rise a segment's first reading brought over the one before
     swap_streak: int = 0
@@ -308,8 +298,7 @@ class MemoryPolicy:
         if not (replace_last and self.history):
             self.segment_steps += 1
             self.swap_streak = self.swap_streak + 1 if (obs.swapouts or 0) > 0 else 0
-            self.grew_last = bool(self.history) and self.segment_steps > self.grace_steps   # from the grace on
-            if self.grew_last:
+            if self.history and self.segment_steps > self.grace_steps:     # growth from the grace on
                 self.growth.append(obs.used - self.history[-1][1])
             if not self.history and self.last_used is not None:     # a segment's first reading
                 self.switch_rise = max(self.switch_rise, obs.used - self.last_used - max(self.leak_rate or 0.0, 0.0))
@@ -348,8 +337,7 @@ class MemoryPolicy:
 
     @property
     def steps_to_wall(self) -> float | None:
-        """Steps until ``used`` reaches the budget at the current slope: the point estimate of :meth:`forecast`
-        (None when not growing or fewer than 3 samples)."""
+        """The point estimate of :meth:`forecast`: steps until ``used`` reaches the budget (None where it is None)."""
         forecast = self.forecast()
         return forecast.steps if forecast is not None else None
 
@@ -358,8 +346,9 @@ class MemoryPolicy:
         trend is not growing or fewer than 3 samples. While a leak is known (``leak_rate``, kept across segments),
         the wall is never forecast farther than the leak brings it from the latest reading, less the largest rise a
         switch brought in this run: a switch starts a new segment, not a new leak."""
-        segment = self._sooner(steps_to_limit([s for s, _ in self.history], [u for _, u in self.history],
-                                              self.budget), self.completions)
+        segment = steps_to_limit([s for s, _ in self.history], [u for _, u in self.history], self.budget)
+        if self.completions is not None and (segment is None or self.completions.steps < segment.steps):
+            segment = self.completions                     # the completions' growth brings the wall sooner
         if self.leak_rate is None or self.leak_rate <= 0 or not self.history:
             return segment
         # the next switch may bring the largest rise one brought before (a larger split's level)
@@ -368,10 +357,6 @@ class MemoryPolicy:
             return segment
         rate = self.leak_rate
         return WallForecast(steps=steps, low=steps, high=steps, slope=rate, growth_low=rate, growth_high=rate)
-
-    @staticmethod
-    def _sooner(a: WallForecast | None, b: WallForecast | None) -> WallForecast | None:
-        return a if b is None or (a is not None and a.steps <= b.steps) else b
 
     def _wall_near(self, within: float) -> bool:
         stw = self.steps_to_wall
@@ -480,16 +465,11 @@ class MemoryPolicy:
 
 @dataclass
 class CompletionTrend:
-    """GRPO: a step's peak grows with its longest completions. From (step, longest completion, peak) points (the
-    last ``window``): the peak as a line in the completion length (least squares), the completion length at which a
-    step stops fitting a budget, and, where the completions grow, in how many steps they reach it at their trend."""
+    """GRPO: a step's peak grows with its longest completions. From the last :data:`TREND_WINDOW` (step, longest
+    completion, peak) points: the peak as a line in the completion length (least squares), the completion length at
+    which a step stops fitting a budget, and, where the completions grow, in how many steps they reach it."""
 
-    window: int = TREND_WINDOW
-    points: deque[tuple[int, float, float]] = field(default_factory=deque)
-
-    def __post_init__(self) -> None:
-        check_number("window", self.window, low=3, integer=True)
-        self.points = deque(maxlen=self.window)
+    points: deque[tuple[int, float, float]] = field(default_factory=lambda: deque(maxlen=TREND_WINDOW))
 
     def add(self, step: int, length: float, peak: float) -> None:
         self.points.append((step, float(length), float(peak)))

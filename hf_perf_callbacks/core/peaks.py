@@ -40,13 +40,11 @@ from types import MappingProxyType
 
 from .validation import check_number
 
-DTYPE_KEYS = ("fp32", "tf32", "bf16", "fp16", "fp8")
-
 
 @dataclass(frozen=True)
 class DevicePeak:
     name: str                       # canonical name, e.g. "NVIDIA H100 SXM", "Apple M2 Max (38-core GPU)"
-    flops: Mapping[str, float]      # dtype key -> dense peak FLOP/s; keys among DTYPE_KEYS
+    flops: Mapping[str, float]      # dtype key (as dtype_key gives it) -> dense peak FLOP/s
     bandwidth: float | None         # bytes/s
     estimate: bool = False
     source: str = ""
@@ -210,4 +208,4 @@ def dtype_key(dtype: object) -> str:
     return key
 
 
-__all__ = ["DevicePeak", "DTYPE_KEYS", "lookup_peak", "dtype_key"]
+__all__ = ["DevicePeak", "lookup_peak", "dtype_key"]

@@ -3,7 +3,7 @@ the comparison of two such steps. Pure: no torch, no transformers (a batch's ten
 
 A re-size must not change which rows an optimizer step trains. :class:`RowWatch` holds what the run's old split
 fetched for the step after the switch (the unfaulted run's rows) and compares, as a multiset, what the new split
-fetches for that step before it trains (:func:`compare`). A difference that appears only later — an iterable dataset
+fetches for that step before it trains (:func:`difference`). A difference that appears only later — an iterable dataset
 whose epoch ends inside an optimizer step (:func:`crosses`) — is caught by watching the row counts of every fetch
 until the first epoch end after the switch. transformers fetches a step's micro-batches before ``on_step_begin``
 (``Trainer.get_batch_samples``), so both checks run before the step trains.
@@ -26,14 +26,6 @@ def _rows_of(value: object) -> list[Any] | None:
     """A batch field as a list of rows (a tensor or array through ``tolist``; a list as it is); None for a scalar."""
     rows = value.tolist() if hasattr(value, "tolist") else value
     return rows if isinstance(rows, list) else None
-
-
-def _kept(row: object, mask: Sequence[object] | None) -> object:
-    """``row`` without its padding: the positions ``mask`` marks (a mask row of the same length), labels without
-    ``IGNORE_INDEX``."""
-    if mask is not None and isinstance(row, list) and len(mask) == len(row):
-        return [v for v, m in zip(row, mask) if m]
-    return row
 
 
 def _digest(parts: object) -> str:
@@ -71,10 +63,13 @@ def _mapping_digests(batch: Mapping[str, object]) -> list[str]:
 
 
 def _unpadded(name: str, row: object, mask: Sequence[object] | None) -> object:
-    """One field's row without its padding (labels: without ``IGNORE_INDEX`` where there is no mask)."""
+    """One field's row without its padding: the positions ``mask`` marks (a mask row of the same length), labels
+    without ``IGNORE_INDEX`` where there is no mask."""
     if name == "labels" and isinstance(row, list) and mask is None:
         return [v for v in row if v != IGNORE_INDEX]
-    return _kept(row, mask)
+    if mask is not None and isinstance(row, list) and len(mask) == len(row):
+        return [v for v, m in zip(row, mask) if m]
+    return row
 
 
 def _packed_digests(fields: dict[str, list[Any]]) -> list[str]:
@@ -154,12 +149,6 @@ def difference(expected: StepRows, got: StepRows) -> RowDifference | None:
                          sum((have - want).values()))
 
 
-def compare(expected: StepRows, got: StepRows) -> str | None:
-    """:func:`difference` in words (None: the same rows)."""
-    found = difference(expected, got)
-    return found.words() if found is not None else None
-
-
 def crosses(rows_left: int, split: Split, world: int = 1) -> bool:
     """Whether ``split``'s optimizer step that begins with ``rows_left`` rows left in an epoch of a dataloader
     without a length (an iterable dataset) goes on into the next epoch: transformers ends an epoch's last
@@ -178,11 +167,9 @@ def epoch_end(fetched: StepRows, configured: Split, world: int = 1) -> str | Non
     new, old = fetched.short and fetched.micro_batches > 0, crosses(fetched.rows * world, configured, world)
     if new == old:
         return None
-    if new:
-        return (f"the epoch ends {fetched.rows} rows into this step: {configured} trains them alone, "
-                f"{fetched.split} adds the next epoch's first rows")
-    return (f"the epoch ends {fetched.rows} rows into this step: {fetched.split} trains them alone, "
-            f"{configured} adds the next epoch's first rows")
+    alone, adds = (configured, fetched.split) if new else (fetched.split, configured)
+    return f"the epoch ends {fetched.rows} rows into this step: {alone} trains them alone, {adds} adds the next " \
+           "epoch's first rows"
 
 
 def _ends_epoch(fetched: StepRows) -> bool:
@@ -249,7 +236,8 @@ class RowWatch:
         """The first fetch after a switch against the reference (and an epoch's end it reaches)."""
         self.checking = False
         reference = self.reference
-        differs = compare(reference, got) if reference is not None and reference.step == step else None
+        found = difference(reference, got) if reference is not None and reference.step == step else None
+        differs = found.words() if found is not None else None
         if differs is None and not self.sized and _ends_epoch(got):
             differs = epoch_end(got, self.configured, self.world)
         self.counting = (differs is None and not self.sized and self.world == 1 and not got.short

@@ -13,11 +13,8 @@ One JSON object per line, appended to across resumes and re-sizes (main process 
 ``summary``  :class:`SummaryLine` — a callback's end-of-run summary
 ===========  ===========================================================================================
 
-**Events.** An event's ``kind`` is one of :data:`EventKind` (``warning``, ``action``, ``stop``, ``decision``,
-``info``, ``note``, ``wall``); its other fields are its details, one frozen type per shape, written and read through
-that type: :class:`ActionDetails` (the watchdog's ``action``/``stop``, a stop's :class:`StopFigures`),
-:class:`WallMove` (``wall``), :class:`DecisionDetails` (the tuner's ``decision``), :class:`CacheClear` (``cache``'s
-``info``), :class:`NoteDetails` and :class:`WarningFigures`.
+**Events.** An event's ``kind`` is one of :data:`EventKind`; its other fields are its details, one frozen type per
+shape (:data:`EventDetails`), written and read through that type (:class:`EventLine`).
 
 **Steady steps.** The meter decides a few steps late that warmup has ended (it needs confirming steps), so a
 step line's ``perf/steady`` is 1 only for steps known to be steady when the line was written. From the decision on,
@@ -71,9 +68,7 @@ class ReportError(ValueError):
 
 
 def number(value: object) -> float | None:
-    """A logged value as a finite float, else None (bools count as 0/1)."""
-    if isinstance(value, bool):
-        return float(value)
+    """A logged value as a finite float, else None (bools count as 0/1: a bool is an int)."""
     if isinstance(value, (int, float)) and math.isfinite(value):
         return float(value)
     return None
@@ -232,14 +227,6 @@ class StepLine:
     def to_json(self) -> dict[str, Any]:
         return {"type": "step", "step": self.step, "time": self.time, **self.values}
 
-    @classmethod
-    def from_json(cls, entry: dict[str, Any]) -> StepLine | None:
-        step = number(entry.get("step"))
-        if step is None:
-            return None
-        values = {k: v for k, v in entry.items() if k not in ("type", "step", "time")}
-        return cls(int(step), number(entry.get("time")), values)
-
 
 #: every kind of event a callback writes: ``warning`` (said at WARNING), ``action`` (the watchdog acted), ``stop``
 #: (the watchdog stopped training), ``decision`` (the tuner changed or kept the split), ``info`` (a cache clear),
@@ -253,9 +240,8 @@ class EventLine:
     """A warning, action, decision or note of one callback (``source``), with the step it happened at.
 
     ``details`` holds the event's fields as written (JSON); read them through the detail type of the event's shape
-    (:class:`ActionDetails`, :class:`WallMove`, :class:`DecisionDetails`, :class:`CacheClear`, :class:`NoteDetails`,
-    :class:`WarningFigures`): ``WallMove.from_details(e.details).why``, never ``e.details["why"]``. A kind this
-    version does not know (a newer writer) reads as ``info``."""
+    (:data:`EventDetails`): ``WallMove.from_details(e.details).why``, never ``e.details["why"]``. A kind this version
+    does not know (a newer writer) reads as ``info``."""
 
     source: str
     kind: EventKind
@@ -284,11 +270,8 @@ def _is_event_kind(kind: object) -> TypeGuard[EventKind]:
 
 
 # ---------------------------------------------------------------- event details
-# One frozen type per shape of an event's details, written by its writer (``bus.event(..., details=WallMove(...))``)
-# and read back by the report through the same type (``WallMove.from_details(e.details)``), so that a renamed field
-# fails type checking. ``to_details`` gives the JSON fields exactly as the perf log holds them (their order, and which
-# are written as null); ``from_details`` tolerates any log: a missing field or one of another type (or empty text)
-# reads as None.
+# ``to_details`` gives the JSON fields exactly as the perf log holds them (their order, and which are written as
+# null); ``from_details`` tolerates any log: a missing field or one of another type (or empty text) reads as None.
 
 def _num(value: object) -> float | None:
     """A detail's number (not a bool), else None."""
@@ -528,12 +511,13 @@ class SummaryLine:
 
 
 Record = RunHeader | StepLine | EventLine | SummaryLine
-_RECORDS: dict[object, type[RunHeader] | type[StepLine] | type[EventLine] | type[SummaryLine]] = {
-    "run": RunHeader, "step": StepLine, "event": EventLine, "summary": SummaryLine}
+_RECORDS: dict[object, type[RunHeader] | type[EventLine] | type[SummaryLine]] = {
+    "run": RunHeader, "event": EventLine, "summary": SummaryLine}
 
 
-def parse_record(entry: object) -> Record | None:
-    """The typed record of one parsed JSON line; None when it is none of the four."""
+def parse_record(entry: object) -> RunHeader | EventLine | SummaryLine | None:
+    """The run header, event or summary of one parsed JSON line; None for anything else (a step line is read by
+    :func:`parse_lines`, compact: :class:`ReadStep`)."""
     if not isinstance(entry, dict):
         return None
     record = _RECORDS.get(entry.get("type"))
@@ -583,7 +567,7 @@ def _jsonable(value: object) -> object:
 # ---------------------------------------------------------------- reader
 class ReadStep:
     """A step line as the reader keeps it: read-only and compact (the same reading interface as :class:`StepLine`:
-    ``step``, ``time``, ``values``, :meth:`get`, :meth:`number`, :meth:`to_json`). The finite numbers of a line
+    ``step``, ``time``, ``values``, :meth:`get`, :meth:`number`). The finite numbers of a line
     are one ``array('d')`` under a key tuple shared by every line with the same keys (8 bytes a value, a long run's
     log in a bounded share of memory); any other value (None, a string, a flag, a list) is kept as written."""
 
@@ -606,28 +590,7 @@ class ReadStep:
         return default if at is None else self._numbers[at]
 
     def number(self, key: str) -> float | None:
-        """The value of ``key`` as a finite float, else None."""
-        others = self._others
-        if others is not None and key in others:
-            return number(others[key])
-        at = self._keys.get(key)
-        if at is None:
-            return None
-        value = self._numbers[at]
-        return value if value - value == 0.0 else None           # not inf, not nan
-
-    def items(self) -> Iterator[tuple[str, Any]]:
-        """(key, value) of every field, without building a mapping."""
-        yield from zip(self._keys, self._numbers)
-        if self._others:
-            yield from self._others.items()
-
-    def prefixed(self, prefix: str) -> dict[str, Any]:
-        """The fields whose key starts with ``prefix``, the prefix removed (``log/reward`` → ``reward``)."""
-        out = {k[len(prefix):]: self._numbers[i] for k, i in self._keys.prefixed(prefix)}
-        if self._others:
-            out.update({k[len(prefix):]: v for k, v in self._others.items() if k.startswith(prefix)})
-        return out
+        return number(self.get(key))
 
     def has_prefix(self, prefix: str) -> bool:
         """Whether any field's key starts with ``prefix``."""
@@ -640,9 +603,6 @@ class ReadStep:
         if total - total != 0.0:                                 # an inf or a nan somewhere: find them
             bad += [k for k, v in zip(self._keys, self._numbers) if v - v != 0.0]
         return bad
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "step", "step": self.step, "time": self.time, **dict(self.items())}
 
     def __repr__(self) -> str:
         return f"ReadStep(step={self.step}, time={self.time}, values={dict(self.values)!r})"
@@ -787,12 +747,8 @@ class RunLog:
         """Step lines ordered by step, one per step (a step re-run after a resume keeps its latest line); computed
         once per parse."""
         if self._unique is None or self._unique[0] != len(self.steps):
-            if all(a.step < b.step for a, b in zip(self.steps, self.steps[1:])):
-                ordered = list(self.steps)
-            else:
-                by_step = {s.step: s for s in self.steps}
-                ordered = [by_step[k] for k in sorted(by_step)]
-            self._unique = (len(self.steps), ordered)
+            by_step = {s.step: s for s in self.steps}
+            self._unique = (len(self.steps), [by_step[k] for k in sorted(by_step)])
         return self._unique[1]
 
     def summary(self, source: str) -> dict[str, Any]:
@@ -833,7 +789,7 @@ def parse_lines(lines: Iterable[str], output_dir: str = "") -> RunLog:
             current = read.step
             continue
         record = parse_record(entry)
-        if record is None or isinstance(record, StepLine):
+        if record is None:
             run.skipped_lines += 1
         elif isinstance(record, RunHeader):
             if record.session is not None and record.session != session:

@@ -34,17 +34,6 @@ def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return slope, mean_y - slope * mean_x
 
 
-@dataclass
-class WarmupResult:
-    """Where warmup ended and what it cost, in units of the samples fed to the detector."""
-
-    warmup_samples: int        # samples before the first stable window
-    steady_reference: float    # median of the first stable window
-    overhead: float            # sum over warmup samples of (sample - steady_reference), positive parts only
-    first_slowdown: float      # first sample / steady_reference
-    capped: bool               # True when no stable window was found before the cap
-
-
 class WarmupDetector:
     """Online steady-state detection that tolerates step-time jitter.
 
@@ -54,8 +43,8 @@ class WarmupDetector:
     quiet device the relative tolerance decides, on a jittery one (GRPO's launch-bound generation) the measured noise
     does. Warmup ends at the first sample from which every later sample lies inside the band, provided at least
     ``window`` samples confirm it and the last window does not drift (its fitted change stays inside the band).
-    Without such a point, warmup is declared over at ``max_warmup`` (``capped``).
-    The decision is made once and then fixed.
+    Without such a point, warmup is declared over at ``max_warmup``. The decision (:attr:`warmup_samples`) is made
+    once and then fixed; what warmup cost is the timeline's to compute.
     """
 
     def __init__(self, window: int = 4, tolerance: float = 0.1, max_warmup: int = 50):
@@ -63,11 +52,11 @@ class WarmupDetector:
         self.tolerance = check_number("warmup_tolerance", tolerance, low=0, high=1, low_open=True)
         self.max_warmup = check_number("max_warmup_steps", max_warmup, low=0, integer=True)
         self.samples: list[float] = []
-        self.result: WarmupResult | None = None
+        self.warmup_samples: int | None = None     # the samples before the first stable window, once decided
 
     @property
     def done(self) -> bool:
-        return self.result is not None
+        return self.warmup_samples is not None
 
     def band(self) -> tuple[float, float]:
         """(steady level, upper edge of the stable band) from the latest ``window`` samples."""
@@ -93,15 +82,10 @@ class WarmupDetector:
         while start > 0 and self.samples[start - 1] <= edge:
             start -= 1
         if level > 0 and drift <= edge - level and n - start >= self.window and start <= self.max_warmup:
-            self.result = self._result(start, level, capped=False)
+            self.warmup_samples = start
         elif n - self.window >= self.max_warmup + self.window:
-            self.result = self._result(self.max_warmup, level, capped=True)
+            self.warmup_samples = self.max_warmup
         return self.done
-
-    def _result(self, warmup: int, ref: float, capped: bool) -> WarmupResult:
-        overhead = sum(max(0.0, v - ref) for v in self.samples[:warmup])
-        first = self.samples[0] / ref if ref > 0 else float("nan")
-        return WarmupResult(warmup, ref, overhead, first, capped)
 
 
 class WindowedRate:
@@ -177,14 +161,13 @@ def mann_whitney_less(a: Sequence[float], b: Sequence[float]) -> float:
         from itertools import combinations
 
         pooled = list(a) + list(b)
-        count = total = 0
+        count = 0
         for chosen in combinations(range(n + m), n):
             picked = set(chosen)
             first = [pooled[i] for i in chosen]
             second = [pooled[i] for i in range(n + m) if i not in picked]
-            total += 1
             count += _u_statistic(first, second) >= observed - 1e-12
-        return count / total
+        return count / math.comb(n + m, n)
     mean = n * m / 2
     sd = math.sqrt(n * m * (n + m + 1) / 12)
     z = (observed - mean - 0.5) / sd
@@ -264,24 +247,21 @@ class SlowStart:
     steady_cpu: float
 
 
-def classify_slow_steps(wall: Sequence[float], cpu: Sequence[float], steady_wall: float | None = None,
-                        steady_cpu: float | None = None, tolerance: float = 0.1) -> SlowStart:
+def classify_slow_steps(wall: Sequence[float], cpu: Sequence[float], steady_wall: float, steady_cpu: float,
+                        tolerance: float = 0.1) -> SlowStart:
     """Tell warmup (the process did more work) from contention (the same work took longer) in slow steps.
 
     ``wall`` and ``cpu`` are per-step wall seconds and the process's CPU seconds (``time.process_time``, all
-    threads). The steady levels default to the medians of the later half of the steps. A step whose wall time is
-    within ``tolerance`` of the steady wall time is steady. Of a slow step's excess wall time, the part its extra
-    CPU time explains (converted to wall time at the steady CPU-per-wall rate) is warmup, the rest contention;
-    the label is the larger part. Meaningful where the CPU time is the work (a CPU device): on a GPU the host's CPU
-    time is launch and wait time, not the work.
+    threads), ``steady_wall`` and ``steady_cpu`` the steady step's. A step whose wall time is within ``tolerance`` of
+    the steady wall time is steady. Of a slow step's excess wall time, the part its extra CPU time explains (converted
+    to wall time at the steady CPU-per-wall rate) is warmup, the rest contention; the label is the larger part.
+    Meaningful where the CPU time is the work (a CPU device): on a GPU the host's CPU time is launch and wait time,
+    not the work.
     """
     if len(wall) != len(cpu) or not wall:
         raise ValueError(f"classify_slow_steps needs equal-length non-empty wall and cpu, got {len(wall)} and "
                          f"{len(cpu)}")
     check_number("tolerance", tolerance, low=0)
-    later = len(wall) // 2
-    steady_wall = median(wall[later:]) if steady_wall is None else steady_wall
-    steady_cpu = median(cpu[later:]) if steady_cpu is None else steady_cpu
     wall_per_cpu = steady_wall / steady_cpu if steady_cpu > 0 else 0.0
     labels, warm, contended = [], 0.0, 0.0
     for w, c in zip(wall, cpu):
@@ -298,6 +278,6 @@ def classify_slow_steps(wall: Sequence[float], cpu: Sequence[float], steady_wall
 
 
 __all__ = [
-    "median", "quantile", "iqr", "linear_fit", "mann_whitney_less", "t975", "WarmupResult", "WarmupDetector",
+    "median", "quantile", "iqr", "linear_fit", "mann_whitney_less", "t975", "WarmupDetector",
     "WindowedRate", "generation_period", "WallForecast", "steps_to_limit", "SlowStart", "classify_slow_steps"
 ]

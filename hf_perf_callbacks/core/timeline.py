@@ -71,7 +71,7 @@ early contention           CPU mode: the excess wall time of the cycles up to th
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from .. import keys
@@ -110,9 +110,6 @@ class StepRecord:
         if self.cpu is None:
             return None
         return self.cpu * (self.train / self.wall) if self.wall > 0 else 0.0
-
-    def phases(self) -> dict[str, float]:
-        return {p: getattr(self, p) for p in PHASES}
 
 
 class StepTimeline:
@@ -158,7 +155,7 @@ class StepTimeline:
         self.segment_cycles: list[tuple[float, float, tuple[int, ...]]] = []
         self.first_cycle_seconds: float | None = None   # training seconds of this segment's first cycle
         self.first_steady_step: int | None = None       # this segment's first steady step, once decided
-        self.decided_at: int | None = None   # CPU mode: cycles seen when warmup was decided
+        self.decided_at: int | None = None   # cycles seen when warmup was decided on CPU time (else None)
         self._split: tuple[int, SlowStart] | None = None   # the early split, keyed by len(segment_cycles)
         self.segments += 1
         self.segment_warmup = len(self.warmup_cycles)   # where this segment's warmup cycles begin
@@ -182,8 +179,8 @@ class StepTimeline:
 
     @property
     def warmup_steps(self) -> int | None:
-        result = self.detector.result
-        return result.warmup_samples * self.period if result is not None else None
+        warmup = self.detector.warmup_samples
+        return warmup * self.period if warmup is not None else None
 
     @property
     def first_step_slowdown(self) -> float | None:
@@ -197,11 +194,6 @@ class StepTimeline:
     def steady_step_seconds(self) -> float | None:
         """Mean training seconds of the steady steps, all segments (see the module docstring)."""
         return self.steady_seconds / self.steady_steps if self.steady_steps else None
-
-    @property
-    def _cpu_decided(self) -> bool:
-        """Warmup was decided on CPU time (its wall figures come from ``segment_cycles``)."""
-        return self.work == "cpu" and self.decided_at is not None
 
     # ------------------------------------------------------------ events
     def _charge(self, t: float, phase: str | None = None) -> None:
@@ -307,7 +299,8 @@ class StepTimeline:
         self.steps += 1
         self.total_tokens += tokens
         self.total_train_seconds += record.train
-        for phase, seconds in record.phases().items():
+        for phase in PHASES:
+            seconds = getattr(record, phase)
             self.phase_totals[phase] += seconds
             self.window_phases[phase] += seconds
         self.rate.add(tokens, record.train)
@@ -321,27 +314,26 @@ class StepTimeline:
         return record
 
     def _close_cycle(self, cycle: list[StepRecord]) -> None:
-        train_cpu = [c for c in (r.train_cpu for r in cycle) if c is not None]     # None: no CPU reading
-        cpu_mode = self.work == "cpu" and len(train_cpu) == len(cycle)
+        steps, seconds, train_cpu = _totals(cycle)
+        cpu_mode = self.work == "cpu" and train_cpu is not None
         if not cpu_mode and self.work == "cpu" and not self.detector.done:
             self.work = "wall"                       # a step without a CPU reading: wall time from here on
-        seconds = sum(r.train for r in cycle)
-        sample = sum(train_cpu) if cpu_mode else seconds
+        sample = train_cpu if cpu_mode and train_cpu is not None else seconds
         if self.first_cycle_seconds is None:
             self.first_cycle_seconds = seconds
         if cpu_mode and len(self.segment_cycles) < 1000:
-            self.segment_cycles.append((seconds, sample, tuple(r.step for r in cycle)))
+            self.segment_cycles.append((seconds, sample, tuple(steps)))
         if self.detector.done:
             self._steady(cycle)
             return
         self.unsettled.append(cycle)
         self.detector.add(sample)
-        result = self.detector.result
-        if result is not None:                       # this cycle completed the warmup detection
+        warmup = self.detector.warmup_samples
+        if warmup is not None:                       # this cycle completed the warmup detection
             if cpu_mode:
                 self.decided_at = len(self.segment_cycles)
-            self.warmup_cycles += [_warmup_cycle(c) for c in self.unsettled[:result.warmup_samples]]
-            settled = self.unsettled[result.warmup_samples:]
+            self.warmup_cycles += [_totals(c) for c in self.unsettled[:warmup]]
+            settled = self.unsettled[warmup:]
             self.first_steady_step = settled[0][0].step
             for steady in settled:
                 self._steady(steady)
@@ -353,7 +345,7 @@ class StepTimeline:
         contended cycle): of each slow cycle's excess wall time, the part no extra CPU time explains is contention;
         recomputed only when a cycle was added."""
         if self._split is None or self._split[0] != len(self.segment_cycles):
-            assert self.decided_at is not None, "called only once warmup was decided (see _cpu_decided)"
+            assert self.decided_at is not None, "called only once warmup was decided on CPU time"
             walls, cpus, _ = zip(*self.segment_cycles)
             start = max(0, self.decided_at - self.detector.window)
             levels = (median(walls[start:]), median(cpus[start:]), self.warmup_tolerance)
@@ -363,11 +355,11 @@ class StepTimeline:
 
     def _segment_contention(self) -> float:
         """This segment's early contention in wall seconds (CPU mode, once warmup is decided; else 0)."""
-        return self._early_split().contention_sec if self.detector.done and self._cpu_decided else 0.0
+        return self._early_split().contention_sec if self.decided_at is not None else 0.0
 
     def _segment_contention_steps(self) -> list[int]:
         """This segment's steps in the cycles :meth:`_early_split` labels contention (CPU mode)."""
-        if not (self.detector.done and self._cpu_decided):
+        if self.decided_at is None:
             return []
         labels = self._early_split().labels
         return [step for (_, _, steps), label in zip(self.segment_cycles, labels) if label == "contention"
@@ -447,14 +439,12 @@ class StepTimeline:
         records = [r for cycle in self.unsettled for r in cycle] + list(self.cycle)
         if len(records) > 1:
             records = records[1:]
-        seconds = sum(r.train for r in records)
+        _, seconds, cpu = _totals(records)
         if not records or seconds <= 0:
             return None
         tokens = sum(r.tokens for r in records)
-        cpus = [r.train_cpu for r in records]
-        cpu = sum(c for c in cpus if c is not None) if all(c is not None for c in cpus) else 0.0
         return tokens / seconds, seconds / len(records), records[0].step, records[-1].step, \
-            tokens / cpu if cpu > 0 else None
+            tokens / cpu if cpu else None
 
     def rate_metrics(self, world: int = 1) -> dict[str, float]:
         """The step's rate figures as the perf log names them (those known so far): tokens/s over the window (whole
@@ -482,13 +472,10 @@ class StepTimeline:
     # ------------------------------------------------------------ resume
     def export(self) -> dict[str, Any]:
         """The counters a resume restores (JSON-serialisable: saved in the checkpoint's trainer state)."""
-        result = self.detector.result
-        warmup = asdict(result) if result is not None else None
         return {**{k: getattr(self, k) for k in _TOTALS}, "warmup_cycles": [list(c) for c in self.warmup_cycles],
                 "warmup_overhead": self.warmup_overhead,
                 "early_contention": self.early_contention, "contention_steps": self.contention_steps,
-                "phase_totals": dict(self.phase_totals),
-                "last_warmup": warmup}
+                "phase_totals": dict(self.phase_totals)}
 
     def load(self, saved: Mapping[str, Any]) -> None:
         for key in _TOTALS:
@@ -506,10 +493,11 @@ _TOTALS = ("steady_tokens", "steady_seconds", "steady_steps", "total_tokens", "t
            "segments", "steady_cpu_seconds", "steady_cpu_steps")
 
 
-def _warmup_cycle(cycle: list[StepRecord]) -> tuple[list[int], float, float | None]:
-    """A warmup cycle as :attr:`StepTimeline.warmup_cycles` keeps it: its steps, training and training CPU seconds."""
-    cpus = [r.train_cpu for r in cycle]
-    return [r.step for r in cycle], sum(r.train for r in cycle), \
+def _totals(records: list[StepRecord]) -> tuple[list[int], float, float | None]:
+    """Steps' totals as :attr:`StepTimeline.warmup_cycles` keeps a warmup cycle's: their steps, training seconds and
+    training CPU seconds (None when one of them has no CPU reading)."""
+    cpus = [r.train_cpu for r in records]
+    return [r.step for r in records], sum(r.train for r in records), \
         sum(c for c in cpus if c is not None) if all(c is not None for c in cpus) else None
 
 

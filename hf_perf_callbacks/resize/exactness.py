@@ -119,28 +119,27 @@ def _decide(trainer: Trainer, model: torch.nn.Module, ours: Fetched, theirs: Fet
     micro-batches are run alone, to tell a split that does not fit from one that fits unmeasured."""
     tried: list[str] = []
     candidate: Fetched | None = None
-    for against, reference, candidate in comparisons(result.old, result.new, ours, theirs, grpo, world):
-        try:
-            _compare(trainer, model, reference, candidate, rng, world, result)
-        except _OutOfMemory as error:
-            free_memory(trainer, lambda key, message: None)
-            if error.candidate:
-                result.fits, result.why = False, f"{result.new} ran out of memory on these rows ({error})"
-                return
-            tried.append(f"{against}: {error}")
-            continue
-        result.against = against
-        return
-    result.why = (f"every comparison ran out of memory ({'; '.join(tried)})" if tried else
-                  _why_none(result.old, result.new, ours, theirs, grpo))
-    alone = candidate or (Fetched(result.new, ours.batches, ours.num_items) if ours.batches and not grpo else None)
-    if alone is not None:
-        try:
+    try:
+        for against, reference, candidate in comparisons(result.old, result.new, ours, theirs, grpo, world):
+            try:
+                _compare(trainer, model, reference, candidate, rng, world, result)
+            except _OutOfMemory as error:
+                if error.candidate:
+                    raise
+                free_memory(trainer, lambda key, message: None)
+                tried.append(f"{against}: {error}")
+                continue
+            result.against = against
+            return
+        result.why = (f"every comparison ran out of memory ({'; '.join(tried)})" if tried else
+                      _why_none(result.old, result.new, ours, theirs, grpo))
+        alone = candidate or (Fetched(result.new, ours.batches, ours.num_items) if ours.batches and not grpo else None)
+        if alone is not None:
             _pass(trainer, model, alone, rng, world, candidate=True)
             result.passes += 1
-        except _OutOfMemory as error:
-            free_memory(trainer, lambda key, message: None)
-            result.fits, result.why = False, f"{result.new} ran out of memory on these rows ({error})"
+    except _OutOfMemory as error:               # the new split's own micro-batches: it does not fit
+        free_memory(trainer, lambda key, message: None)
+        result.fits, result.why = False, f"{result.new} ran out of memory on these rows ({error})"
 
 
 def _why_none(old: Split, new: Split, ours: Fetched, theirs: Fetched | None, grpo: bool) -> str:

@@ -155,8 +155,8 @@ def comparisons(old: Split, new: Split, ours: Fetched, theirs: Fetched | None, g
     """``(against, reference, candidate)`` in the order tried: the old split's grouping of the rows, then a finer cut
     of the new split's (see the module docstring)."""
     if grpo:
+        rows = adapter.resplit_generation(ours.batches, 1)[0]       # the step's completions, one micro-batch
         window = math.lcm(old.micro_batch, new.micro_batch)
-        rows = adapter.resplit_generation(ours.batches, 1)[0]
         part = _rows(rows, 0, window)
         yield "old", Fetched(old, _cut(part, old.micro_batch), None), Fetched(new, _cut(part, new.micro_batch), None)
     elif theirs is not None and theirs.batches and theirs.split != new:
@@ -167,7 +167,7 @@ def comparisons(old: Split, new: Split, ours: Fetched, theirs: Fetched | None, g
     if finer is None:
         return
     if grpo:
-        part = _rows(adapter.resplit_generation(ours.batches, 1)[0], 0, new.micro_batch)
+        part = _rows(rows, 0, new.micro_batch)
         yield "finer", Fetched(finer, _cut(part, finer.micro_batch), None), Fetched(new, [part], None)
         return
     batch = min(ours.batches, key=_size) if world == 1 else ours.batches[0]     # the least padded
@@ -236,7 +236,6 @@ def _rows(batch: Any, start: int = 0, stop: int | None = None, reverse: bool = F
 
 
 def _cut(batch: Any, size: int) -> list[Any]:
-    """A micro-batch cut into micro-batches of ``size`` rows."""
     count = _row_count(batch)
     return [_rows(batch, i, i + size) for i in range(0, count, size)]
 

@@ -142,7 +142,7 @@ def test_an_iterable_dataset_whose_epoch_ends_inside_a_step_goes_back_to_the_spl
                                   dataset=rows)
     assert [s[keys.TUNER_MICRO_BATCH] for s in step_lines(tmp_path / "run")] == [4, 4] + [2] * 5 + [4, 4]
     executor = tuner.executor
-    assert not executor.state.exactness.allows(Split(2, 4)) and Split(2, 4) not in executor.allowed()
+    assert not executor.state.exactness.allows(Split(2, 4)) and Split(2, 4) not in executor.snapshot().allowed()
     assert "2×4 refused at step 8 (the rows differ" in read_split_file(str(tmp_path / "run")).restricted.reason
     assert differences(expected, got) == []
 

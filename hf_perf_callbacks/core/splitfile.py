@@ -528,7 +528,7 @@ class SplitFile:
         if not isinstance(decisions, list) or not isinstance(written, list) or not isinstance(checks, list):
             raise SplitFileError("decisions, written and checks must be lists")
         return cls(session=session, world_size=world,
-                   configured=split_from_json(entry.get("configured", entry.get("split")), "configured"),
+                   configured=split_from_json(entry.get("configured"), "configured"),
                    split=split,
                    written=[WrittenCheckpoint.from_json(w, f"written[{i}]") for i, w in enumerate(written)],
                    decisions=[Decision.from_json(d, f"decisions[{i}]") for i, d in enumerate(decisions)],

@@ -236,7 +236,7 @@ class RunCheckpoints:
             return self.location(step), False
         target = switch_dir(output_dir, step) if ours else path
         if main:
-            _clear(target if ours else path, step, ours)
+            _clear(target, step, ours)
         current = rng_state()
         try:
             set_rng_state(rng or current)

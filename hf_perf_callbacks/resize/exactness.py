@@ -119,28 +119,27 @@ def _decide(trainer: Trainer, model: torch.nn.Module, ours: Fetched, theirs: Fet
     micro-batches are run alone, to tell a split that does not fit from one that fits unmeasured."""
     tried: list[str] = []
     candidate: Fetched | None = None
-    for against, reference, candidate in comparisons(result.old, result.new, ours, theirs, grpo, world):
-        try:
-            _compare(trainer, model, reference, candidate, rng, world, result)
-        except _OutOfMemory as error:
-            free_memory(trainer, lambda key, message: None)
-            if error.candidate:
-                result.fits, result.why = False, f"{result.new} ran out of memory on these rows ({error})"
-                return
-            tried.append(f"{against}: {error}")
-            continue
-        result.against = against
-        return
-    result.why = (f"every comparison ran out of memory ({'; '.join(tried)})" if tried else
-                  _why_none(result.old, result.new, ours, theirs, grpo))
-    alone = candidate or (Fetched(result.new, ours.batches, ours.num_items) if ours.batches and not grpo else None)
-    if alone is not None:
-        try:
+    try:
+        for against, reference, candidate in comparisons(result.old, result.new, ours, theirs, grpo, world):
+            try:
+                _compare(trainer, model, reference, candidate, rng, world, result)
+            except _OutOfMemory as error:
+                if error.candidate:
+                    raise
+                free_memory(trainer, lambda key, message: None)
+                tried.append(f"{against}: {error}")
+                continue
+            result.against = against
+            return
+        result.why = (f"every comparison ran out of memory ({'; '.join(tried)})" if tried else
+                      _why_none(result.old, result.new, ours, theirs, grpo))
+        alone = candidate or (Fetched(result.new, ours.batches, ours.num_items) if ours.batches and not grpo else None)
+        if alone is not None:
             _pass(trainer, model, alone, rng, world, candidate=True)
             result.passes += 1
-        except _OutOfMemory as error:
-            free_memory(trainer, lambda key, message: None)
-            result.fits, result.why = False, f"{result.new} ran out of memory on these rows ({error})"
+    except _OutOfMemory as error:               # the new split's own micro-batches: it does not fit
+        free_memory(trainer, lambda key, message: None)
+        result.fits, result.why = False, f"{result.new} ran out of memory on these rows ({error})"
 
 
 def _why_none(old: Split, new: Split, ours: Fetched, theirs: Fetched | None, grpo: bool) -> str:
@@ -156,8 +155,8 @@ def comparisons(old: Split, new: Split, ours: Fetched, theirs: Fetched | None, g
     """``(against, reference, candidate)`` in the order tried: the old split's grouping of the rows, then a finer cut
     of the new split's (see the module docstring)."""
     if grpo:
+        rows = adapter.resplit_generation(ours.batches, 1)[0]       # the step's completions, one micro-batch
         window = math.lcm(old.micro_batch, new.micro_batch)
-        rows = adapter.resplit_generation(ours.batches, 1)[0]
         part = _rows(rows, 0, window)
         yield "old", Fetched(old, _cut(part, old.micro_batch), None), Fetched(new, _cut(part, new.micro_batch), None)
     elif theirs is not None and theirs.batches and theirs.split != new:
@@ -168,7 +167,7 @@ def comparisons(old: Split, new: Split, ours: Fetched, theirs: Fetched | None, g
     if finer is None:
         return
     if grpo:
-        part = _rows(adapter.resplit_generation(ours.batches, 1)[0], 0, new.micro_batch)
+        part = _rows(rows, 0, new.micro_batch)
         yield "finer", Fetched(finer, _cut(part, finer.micro_batch), None), Fetched(new, [part], None)
         return
     batch = min(ours.batches, key=_size) if world == 1 else ours.batches[0]     # the least padded
@@ -237,7 +236,6 @@ def _rows(batch: Any, start: int = 0, stop: int | None = None, reverse: bool = F
 
 
 def _cut(batch: Any, size: int) -> list[Any]:
-    """A micro-batch cut into micro-batches of ``size`` rows."""
     count = _row_count(batch)
     return [_rows(batch, i, i + size) for i in range(0, count, size)]
 

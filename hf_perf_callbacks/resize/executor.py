@@ -334,10 +334,6 @@ class Executor:
                 self.note(exactness.message(every))
         return exactness
 
-    def allowed(self) -> list[Split]:
-        """The splits the run may use (:meth:`~.plan.SplitState.allowed`)."""
-        return self.snapshot().allowed()
-
     def leave_out(self, bad: Split, why: str, step: int) -> None:
         """``bad`` was refused at ``step`` (``why``): it is not used again in this run (said once)."""
         if self.watch is not None:
@@ -852,7 +848,7 @@ class Executor:
         """The tuning on the run's own steps: the split in effect against every other split the run may use up to
         ``max_micro_batch``, over ``planned`` optimizer steps (GRPO: trials of whole generation cycles)."""
         args = self.args
-        others = [s for s in self.allowed() if s != self.split
+        others = [s for s in self.snapshot().allowed() if s != self.split
                   and (max_micro_batch is None or s.micro_batch <= max_micro_batch)]
         period = (generation_period(cast(int, cast("GRPOConfig", args).steps_per_generation),
                                     getattr(args, "num_iterations", 1), args.gradient_accumulation_steps)
@@ -1050,7 +1046,6 @@ RUN_END = "hf_perf_resume_from"
 
 
 def _say(text: str) -> None:
-    """``text`` on the main process's console, as one event line."""
     if is_main_process():
         logger.warning("%s", console_line(text, EVENT_WIDTH))
 

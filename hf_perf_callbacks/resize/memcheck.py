@@ -163,7 +163,7 @@ def check_memory(trainer: Trainer, session: Executor, candidates: list[Split], c
     trials = _trials(trainer, session, [configured, *smaller], device, budget, wall)
     chosen = next((t.split for t in trials if t.fits), configured)
     cost = max(r[0] for r in gather_floats([wall() - started], device.device))
-    reason = _why_chosen(trials, chosen == configured, why)
+    reason = _why_chosen(trials, why)
     decision = session.decide("memory_check", reason, chosen, 0, old=configured, trials=trials, cost_sec=cost,
                               budget_gb=budget / GB)
     session.apply(trainer, chosen)
@@ -189,9 +189,9 @@ def _trials(trainer: Trainer, session: Executor, splits: list[Split], device: De
     return trials
 
 
-def _why_chosen(trials: list[Trial], configured: bool, why: str) -> str:
+def _why_chosen(trials: list[Trial], why: str) -> str:
     """The memory check's decision in words: what fit at the worst-case length."""
-    if configured and trials[0].fits:
+    if trials[0].fits:
         return f"the configured split fits at the worst-case length (peak {trials[0].peak_gb:.2f} GiB; {why})"
     if trials[-1].fits:
         return (f"the configured split does not fit at the worst-case length ({trials[0].error}): the largest exact "
@@ -204,7 +204,7 @@ def check_or_warn(trainer: Trainer, session: Executor, clock: Clock | None = Non
     warning and the configured split."""
     configured = session.split
     try:
-        check_memory(trainer, session, session.allowed(), clock=clock, force=force)
+        check_memory(trainer, session, session.snapshot().allowed(), clock=clock, force=force)
     except Exception as error:  # noqa: BLE001 - the check is a safety net, never a reason to stop
         session.apply(trainer, configured)
         session.warn_once("memory-check", f"the memory check failed ({type(error).__name__}: {error}); training "

@@ -340,13 +340,8 @@ def layer_param_count(model: ModelLike) -> int:
     return sum(i * o for i, o in _linear_shapes(shape).values()) + 2 * hidden
 
 
-def format_gib(value: float) -> str:
-    """Bytes as GiB (1024³, the unit of ``MemoryWatchdog``'s ``limit_gb``) with two decimals."""
-    return f"{value / 1024**3:.2f}"
-
-
 __all__ = [
     "ModelShape", "model_from_config", "estimate_grpo_memory", "lora_param_count", "layer_param_count",
     "kv_cache_bytes_per_token", "activation_bytes_per_token", "logits_bytes_per_token", "layer_activation_bytes",
-    "backward_work_bytes", "lm_head_bytes", "format_gib"
+    "backward_work_bytes", "lm_head_bytes"
 ]

@@ -215,7 +215,7 @@ class MemoryWatchdog(PerfCallback):
 
     # ------------------------------------------------------------ setup
     @hook
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None,
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         self.device = self.device or DeviceLayer()
         self.run = WatchdogRun(world=world_size(), on_mac=sys.platform == "darwin")

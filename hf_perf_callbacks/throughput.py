@@ -139,8 +139,7 @@ class MeterRun:
     counts: torch.Tensor                 # [HOOK_TOKENS, GENERATED, REAL_POSITIONS] of the step, on the device
     seen: int                            # state.num_input_tokens_seen at the previous step's end
     seq_len: int = 0                     # padded length of the latest training forward
-    model: Any = None                    # the trainer's model and its innermost causal LM (_install)
-    inner: Any = None
+    inner: Any = None                    # the trainer's model's innermost causal LM (_install)
     shape: Any = None                    # flops.ModelShape of the model (_setup_flops)
     dtype_key: str = ""
     recompute: bool = False              # activation checkpointing is on
@@ -406,7 +405,7 @@ class ThroughputMeter(PerfCallback):
             seen=state.num_input_tokens_seen)    # resume: the restored count is the baseline (no spike)
         self.close()
         self._install(model)
-        self._setup_flops(args, state.global_step)
+        self._setup_flops(model, args, state.global_step)
         self._reset_step_counters()
         self._run.device.synchronize()
         self.machine.reset(count_children=self._run.device.type == "cpu")
@@ -441,7 +440,7 @@ class ThroughputMeter(PerfCallback):
             previous.close()
         _INSTALLED[model] = self
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self._run.model, self._run.inner = model, inner
+        self._run.inner = inner
         self._undo.append(forward_entry(inner).register_forward_pre_hook(self._on_forward, with_kwargs=True).remove)
         if self._run.is_grpo and hasattr(model, "generate"):
             self._undo.append(adapter.watch_generate(model, self))
@@ -665,8 +664,8 @@ class ThroughputMeter(PerfCallback):
         elif kind == adapter.ENGINE and self.backend == "vllm-colocate":
             self._step.decode_steps += longest        # the engine decodes the whole batch until its longest completion
 
-    def _setup_flops(self, args: TrainingArguments, step: int) -> None:
-        self._run.shape = shape_of(self._run.model)
+    def _setup_flops(self, model: Any, args: TrainingArguments, step: int) -> None:
+        self._run.shape = shape_of(model)
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else self._run.inner.dtype
         try:
             self._run.dtype_key = dtype_key(dtype)

@@ -510,7 +510,7 @@ class ThroughputMeter(PerfCallback):
         forwards gradient checkpointing runs again (a GPU runs them asynchronously: there they stay in compute)."""
         self.step_callback_sec, self.callback_sec, self.tail_phase_sec, self.tail_callback_sec = {}, {}, {}, {}
         self._callback_began = []
-        self.layer_forwards, self.part_started, self.part_seconds = {}, {}, {}
+        self.part_seconds = {}                  # the per-micro-batch counters are fresh (_reset_step_counters)
         trainer = adapter.calling_trainer()
         handler = self._bus.handler
         if trainer is None or handler is None:
@@ -736,7 +736,6 @@ class ThroughputMeter(PerfCallback):
     def _on_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self.disabled and not self._bus.own_passes:     # the exactness check's passes are no step's
             self._hook_safely(self._count_forward, module, args, kwargs)
-        return None
 
     def _count_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.generation_depth:

@@ -144,7 +144,7 @@ def test_macos_pressure_then_swapping_clears_then_stops(tokenizer, tmp_path, mon
     assert actions == [(4, "clear_cache"), (7, "stop")]               # warn → clear; swapping twice → stop
     assert device.clears == [4, 7]                                   # the clearer did it (and after the save)
     first = cache_clears(tmp_path)[0]
-    assert first["message"].split("(", 1)[1].startswith("watchdog: warn") and first["freed_gb"] == 0.5
+    assert first["message"].startswith("cleared cache (watchdog: warn") and first["freed_gb"] == 0.5
     assert trainer.state.global_step == 7 and os.path.isdir(tmp_path / "checkpoint-7")
     steps = {s["step"]: s for s in perf_log(tmp_path) if s["type"] == "step"}
     assert steps[4][keys.MEM_OS_PRESSURE] == 2 and steps[7][keys.MEM_SWAPOUTS] == 50

@@ -104,6 +104,8 @@ class MPSCacheClearer(PerfCallback):
         self.total_seconds += seconds
         self._window[0] += freed
         self._window[1] += seconds
+        self.history.append({"step": step, "reason": reason, "freed_gb": freed / GB, "seconds": seconds,
+                             "interval": self.schedule.interval})
         self._bus.log.event(self.source, "info", f"cleared cache ({reason}): freed {freed / GB:.3f} GB in "
                         f"{seconds * 1000:.0f} ms; next periodic clear in {self.schedule.interval} steps",
                         step=step, details=CacheClear(freed_gb=freed / GB, seconds=seconds))
@@ -151,6 +153,7 @@ class MPSCacheClearer(PerfCallback):
         self.schedule = ClearSchedule(self.interval_steps, self.min_interval, self.max_interval,
                                       self.min_freed_gb * GB)
         self.clears, self.total_freed, self.total_seconds, self._window = 0, 0.0, 0.0, [0.0, 0.0]
+        self.history: list[dict[str, float | str]] = []
 
     def export(self) -> dict[str, float]:
         return {"clears": self.clears, "freed": self.total_freed, "seconds": self.total_seconds,

@@ -34,11 +34,6 @@ def perf_log(output_dir):
     return [json.loads(line) for line in open(os.path.join(output_dir, "perf_log.jsonl"))]
 
 
-def cache_clears(output_dir):
-    """The clearer's events in the perf log, one a clear."""
-    return [e for e in perf_log(output_dir) if e["type"] == "event" and e["source"] == "cache"]
-
-
 @pytest.mark.parametrize("kind", ["trainer", "grpo"])
 def test_planted_leak_is_stopped_with_a_checkpoint_before_the_budget(tokenizer, tmp_path, kind):
     gc.collect()          # the baseline without earlier tests' garbage: freed later, it would delay the stop
@@ -143,8 +138,7 @@ def test_macos_pressure_then_swapping_clears_then_stops(tokenizer, tmp_path, mon
     actions = [(a["step"], a["action"]) for a in watchdog.actions]
     assert actions == [(4, "clear_cache"), (7, "stop")]               # warn → clear; swapping twice → stop
     assert device.clears == [4, 7]                                   # the clearer did it (and after the save)
-    first = cache_clears(tmp_path)[0]
-    assert first["message"].startswith("cleared cache (watchdog: warn") and first["freed_gb"] == 0.5
+    assert clearer.history[0]["reason"].startswith("watchdog: warn") and clearer.history[0]["freed_gb"] == 0.5
     assert trainer.state.global_step == 7 and os.path.isdir(tmp_path / "checkpoint-7")
     steps = {s["step"]: s for s in perf_log(tmp_path) if s["type"] == "step"}
     assert steps[4][keys.MEM_OS_PRESSURE] == 2 and steps[7][keys.MEM_SWAPOUTS] == 50
@@ -203,9 +197,8 @@ def test_clearer_backs_off_when_clears_free_little(tokenizer, tmp_path):
     clearer = MPSCacheClearer(interval_steps=2, min_interval=1, max_interval=8, min_freed_gb=0.1)
     clearer.device = device
     make_trainer(tokenizer, tmp_path, [StepClock(device), clearer], max_steps=18).train()
-    clears, steps = cache_clears(tmp_path), {s["step"]: s for s in perf_log(tmp_path) if s["type"] == "step"}
-    assert [(c["step"], steps[c["step"]][keys.CACHE_INTERVAL]) for c in clears] == [(2, 4), (6, 8), (14, 4), (18, 8)]
-    assert clears[2]["freed_gb"] == 1.0 and clearer.clears == 4
+    assert [(h["step"], h["interval"]) for h in clearer.history] == [(2, 4), (6, 8), (14, 4), (18, 8)]
+    assert clearer.history[2]["freed_gb"] == 1.0 and clearer.clears == 4
 
 
 def test_clearer_clears_bloated_driver_memory_after_a_gap(tokenizer, tmp_path):
@@ -213,9 +206,8 @@ def test_clearer_clears_bloated_driver_memory_after_a_gap(tokenizer, tmp_path):
     clearer = MPSCacheClearer(interval_steps=50, min_interval=2)
     clearer.device = device
     make_trainer(tokenizer, tmp_path, [StepClock(device), clearer], max_steps=6).train()
-    clears = cache_clears(tmp_path)
-    assert [c["message"].split(")")[0] for c in clears] == ["cleared cache (driver memory far above live tensors"]
-    assert clears[0]["step"] == 3 and clears[0]["freed_gb"] == 4.0
+    assert [h["reason"] for h in clearer.history] == ["driver memory far above live tensors"]
+    assert clearer.history[0]["step"] == 3 and clearer.history[0]["freed_gb"] == 4.0
 
 
 def test_clearer_is_inert_on_cpu_unless_enabled(tokenizer, tmp_path):
@@ -224,7 +216,7 @@ def test_clearer_is_inert_on_cpu_unless_enabled(tokenizer, tmp_path):
     assert clearer.active is False and clearer.clears == 0
     forced = MPSCacheClearer(enabled=True, interval_steps=10, min_interval=1)
     make_trainer(tokenizer, tmp_path / "forced", [forced], max_steps=12).train()
-    assert forced.clears == 1 and cache_clears(tmp_path / "forced")[0]["step"] == 10
+    assert forced.clears == 1 and forced.history[0]["step"] == 10
 
 
 @pytest.mark.parametrize("cls, bad", [(MemoryWatchdog, {"limit_gb": 0}), (MemoryWatchdog, {"budget_fraction": 2}),

@@ -11,7 +11,6 @@ from .core.validation import check_flag, check_number
 from .platform.device import GB, DeviceLayer
 
 if TYPE_CHECKING:
-    import torch
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
 
@@ -80,7 +79,7 @@ class MPSCacheClearer(PerfCallback):
 
     @hook
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       model: torch.nn.Module | None = None, **kwargs: Any) -> None:
+                       **kwargs: Any) -> None:
         self.device = self.device or DeviceLayer()
         self.active = self.device.type == "mps" if self.enabled is None else bool(self.enabled)
         if self.active:

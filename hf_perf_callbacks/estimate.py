@@ -291,14 +291,11 @@ def estimate_grpo_memory(model: ModelLike, *, micro_batch: int, num_generations:
         check_number(name, value, low=1, integer=True)
     check_number("prompt_tokens", prompt_tokens, low=0, integer=True)
     check_number("lora_params", lora_params, low=0, integer=True)
-    check_number("lora_input_bytes", lora_input_bytes, low=0, integer=True)
     if num_generations < 2:
         raise ValueError(f"num_generations={num_generations} is not allowed: GRPO needs at least 2")
     if generation_batch % num_generations:
         raise ValueError(f"generation_batch={generation_batch} is not allowed: it must be a multiple of "
                          f"num_generations={num_generations} (whole prompt groups)")
-    check_flag("activation_checkpointing", activation_checkpointing)
-    _check_head(lm_head)
     check_number("shards", shards, low=1, integer=True)
     check_flag("full_finetune", full_finetune)
     if full_finetune and lora_params:
@@ -340,13 +337,8 @@ def layer_param_count(model: ModelLike) -> int:
     return sum(i * o for i, o in _linear_shapes(shape).values()) + 2 * hidden
 
 
-def format_gib(value: float) -> str:
-    """Bytes as GiB (1024³, the unit of ``MemoryWatchdog``'s ``limit_gb``) with two decimals."""
-    return f"{value / 1024**3:.2f}"
-
-
 __all__ = [
     "ModelShape", "model_from_config", "estimate_grpo_memory", "lora_param_count", "layer_param_count",
     "kv_cache_bytes_per_token", "activation_bytes_per_token", "logits_bytes_per_token", "layer_activation_bytes",
-    "backward_work_bytes", "lm_head_bytes", "format_gib"
+    "backward_work_bytes", "lm_head_bytes"
 ]

@@ -139,8 +139,7 @@ class MeterRun:
     counts: torch.Tensor                 # [HOOK_TOKENS, GENERATED, REAL_POSITIONS] of the step, on the device
     seen: int                            # state.num_input_tokens_seen at the previous step's end
     seq_len: int = 0                     # padded length of the latest training forward
-    model: Any = None                    # the trainer's model and its innermost causal LM (_install)
-    inner: Any = None
+    inner: Any = None                    # the trainer's model's innermost causal LM (_install)
     shape: Any = None                    # flops.ModelShape of the model (_setup_flops)
     dtype_key: str = ""
     recompute: bool = False              # activation checkpointing is on
@@ -179,7 +178,6 @@ class MeterStep:
     forwards: int = 0
     microbatches: int = 0
     padded_positions: int = 0
-    ended: EndedStep | None = None       # measured at its end, waiting for the exchange
 
 
 class ThroughputMeter(PerfCallback):
@@ -407,13 +405,13 @@ class ThroughputMeter(PerfCallback):
             seen=state.num_input_tokens_seen)    # resume: the restored count is the baseline (no spike)
         self.close()
         self._install(model)
-        self._setup_flops(args, state.global_step)
+        self._setup_flops(model, args, state.global_step)
         self._reset_step_counters()
         self._run.device.synchronize()
         self.machine.reset(count_children=self._run.device.type == "cpu")
         self.timeline.start_segment(self.clock.wall(), self._run.period, cpu=self.machine.cpu(self.clock.cpu()),
                                     work="cpu" if self._run.device.type == "cpu" else "wall")
-        self._install_clocks(model)
+        self._install_clocks()
         self._bus.log.describe_run(self.source, state.global_step, device=self._run.device.name,
                                device_type=self._run.device.type, world_size=self._run.world, grpo=self._run.is_grpo,
                                token_source=self._run.token_source, period=self._run.period,
@@ -430,7 +428,7 @@ class ThroughputMeter(PerfCallback):
                                                   if self.backend == adapter.ASYNC_BACKEND else None),
                                activation_checkpointing=self._run.recompute, model=self._model_facts(),
                                dataloader=_dataloader_settings(args),
-                               trainer_settings=_trainer_settings(args, adapter.calling_trainer()),
+                               trainer_settings=_trainer_settings(args, trainer),
                                torch_threads=torch.get_num_threads(),
                                cpu_cores=os.cpu_count())
 
@@ -442,7 +440,7 @@ class ThroughputMeter(PerfCallback):
             previous.close()
         _INSTALLED[model] = self
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self._run.model, self._run.inner = model, inner
+        self._run.inner = inner
         self._undo.append(forward_entry(inner).register_forward_pre_hook(self._on_forward, with_kwargs=True).remove)
         if self._run.is_grpo and hasattr(model, "generate"):
             self._undo.append(adapter.watch_generate(model, self))
@@ -506,13 +504,13 @@ class ThroughputMeter(PerfCallback):
         if self._collective_waits and self._collective_waits.pop() and not self.disabled:
             self.timeline.leave("rollout_wait", self.clock.wall())
 
-    def _install_clocks(self, model: Any) -> None:
+    def _install_clocks(self) -> None:
         """The phase clocks (see :mod:`hf_perf_callbacks.core.timeline`): the trainer's batch fetch, log, evaluation and
         checkpoint save, every callback's every event (through the trainer's callback handler), and on a CPU the
         forwards gradient checkpointing runs again (a GPU runs them asynchronously: there they stay in compute)."""
         self.step_callback_sec, self.callback_sec, self.tail_phase_sec, self.tail_callback_sec = {}, {}, {}, {}
         self._callback_began = []
-        self.layer_forwards, self.part_started, self.part_seconds = {}, {}, {}
+        self.part_seconds = {}                  # the per-micro-batch counters are fresh (_reset_step_counters)
         trainer = adapter.calling_trainer()
         handler = self._bus.handler
         if trainer is None or handler is None:
@@ -666,8 +664,8 @@ class ThroughputMeter(PerfCallback):
         elif kind == adapter.ENGINE and self.backend == "vllm-colocate":
             self._step.decode_steps += longest        # the engine decodes the whole batch until its longest completion
 
-    def _setup_flops(self, args: TrainingArguments, step: int) -> None:
-        self._run.shape = shape_of(self._run.model)
+    def _setup_flops(self, model: Any, args: TrainingArguments, step: int) -> None:
+        self._run.shape = shape_of(model)
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else self._run.inner.dtype
         try:
             self._run.dtype_key = dtype_key(dtype)
@@ -738,7 +736,6 @@ class ThroughputMeter(PerfCallback):
     def _on_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self.disabled and not self._bus.own_passes:     # the exactness check's passes are no step's
             self._hook_safely(self._count_forward, module, args, kwargs)
-        return None
 
     def _count_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.generation_depth:
@@ -791,9 +788,9 @@ class ThroughputMeter(PerfCallback):
     @hook
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._step.microbatches += 1
-        e = self._step.ended = self._end_step(args, state, control)
+        e = self._end_step(args, state, control)
         self._exchange(state.global_step, [e.tokens, e.record.train, e.generated, e.engine],    # the step's one
-                       self._step_ended)                                                         # exchange
+                       lambda rows: self._step_ended(e, rows))                                   # exchange
 
     def _end_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl) -> EndedStep:
         """The step measured at its end: the one synchronize, its record, the device counters read once."""
@@ -822,17 +819,15 @@ class ThroughputMeter(PerfCallback):
             self.timeline.reassign(wait, "data_wait", "rollout_wait")
         return adapter.async_trained_tokens(self._run.trainer)
 
-    def _step_ended(self, rows: Rows) -> None:
-        """The step's figures once every rank's tokens and training seconds are known (``rows``)."""
-        e = self._step.ended
-        assert e is not None, "the exchange finishes the step on_step_end measured"
+    def _step_ended(self, e: EndedStep, rows: Rows) -> None:
+        """The step ``e``'s figures once every rank's tokens and training seconds are known (``rows``)."""
         record = e.record
         tokens = sum(r[0] for r in rows) if self._run.token_source == "hook" else e.tokens
         self.timeline.commit(record, tokens, max(r[1] for r in rows))
         # the rollout's rate over every rank: all ranks' completion tokens over the step's engine time (the ranks'
         # engines run at once; a server serving every rank made one call, on the main process)
         all_generated, longest = sum(r[2] for r in rows), max(r[3] for r in rows)
-        metrics = self._step_metrics(record, all_generated / longest if longest > 0 else None, e.engine)
+        metrics = self._step_metrics(all_generated / longest if longest > 0 else None, e.engine)
         if self._step.padded_positions:
             metrics[keys.PERF_PAD_FRACTION] = 1.0 - e.counts[REAL_POSITIONS] / self._step.padded_positions
         self._check_duplicates(record.step)
@@ -868,12 +863,10 @@ class ThroughputMeter(PerfCallback):
         self.close()
 
     # ------------------------------------------------------------ metrics
-    def _step_metrics(self, record: StepRecord, rollout_rate: float | None, engine: float) -> dict[str, Any]:
+    def _step_metrics(self, rollout_rate: float | None, engine: float) -> dict[str, Any]:
         tl = self.timeline
-        rate = tl.tokens_per_sec
         m: dict[str, Any] = dict(tl.rate_metrics(self._run.world))
-        mfu = self._utilisation(rate, tl.cpu_rate.rate())
-        m.update(mfu)
+        m.update(self._utilisation(tl.tokens_per_sec, tl.cpu_rate.rate()))
         m[keys.PERF_FORWARDS_PER_MICROBATCH] = self._step.forwards / max(1, self._step.microbatches)
         if self._run.is_grpo and rollout_rate is not None:
             m[keys.PERF_ROLLOUT_TOKENS_PER_SEC] = rollout_rate

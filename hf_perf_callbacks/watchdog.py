@@ -215,7 +215,7 @@ class MemoryWatchdog(PerfCallback):
 
     # ------------------------------------------------------------ setup
     @hook
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None,
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         self.device = self.device or DeviceLayer()
         self.run = WatchdogRun(world=world_size(), on_mac=sys.platform == "darwin")
@@ -614,8 +614,8 @@ class MemoryWatchdog(PerfCallback):
                   if follower else policy.reason())
         if not follower and self._run.short is not None:
             reason = self._short_words() or reason
-        elif not follower and self._completion_words():
-            reason = f"{reason}: {self._completion_words()}"
+        elif not follower and (growth := self._completion_words()):
+            reason = f"{reason}: {growth}"
         if self._sample is not None:                        # the stop names who holds the memory, where NVML can say
             self._note_facts(self._facts(self._sample, holders=True))
         causes = self.facts.sentence() if self.facts is not None else ""

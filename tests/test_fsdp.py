@@ -19,7 +19,6 @@ from hf_perf_callbacks.estimate import (
     FULL_BYTES_PER_PARAM,
     QWEN25,
     estimate_grpo_memory,
-    format_gib,
     layer_param_count,
     lora_param_count,
 )
@@ -29,6 +28,11 @@ from hf_perf_callbacks.resize import sharding
 from tests.conftest import make_trainer
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "two_rank_fsdp.py")
+
+
+def _gib(value: float) -> str:
+    """Bytes as GiB with two decimals, as the recipes' README FSDP table shows them."""
+    return f"{value / 1024**3:.2f}"
 
 
 def torchrun(out, *extra, timeout=400, launcher=()):
@@ -281,8 +285,8 @@ def test_recipes_readme_fsdp_table_matches_the_function():
                                                                "generation_batch": int(micro) * 4},
                                    lora_params=0, full_finetune=True, shards=int(shards), lm_head="triton")
         assert [weights, gathered, kv, act, logits, peak] == [
-            format_gib(est.get(k, 0.0)) for k in ("weights", "gathered", "kv_cache", "activations", "logits",
-                                                  "peak")], row
+            _gib(est.get(k, 0.0)) for k in ("weights", "gathered", "kv_cache", "activations", "logits",
+                                            "peak")], row
 
 
 def test_a_checkpoints_fingerprint_ignores_the_rng_file_another_rank_writes_late(tmp_path):

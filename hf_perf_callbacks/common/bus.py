@@ -145,7 +145,6 @@ class RunBus(TrainerCallback):
         if self.begun is state:
             return
         self.begun = state
-        self.log.new_call(state.global_step)
         self.continuing = False
         self.bind(args, state)
         resize = self.output_lock.call_begins(args.output_dir, self.log.is_main)   # another live process: an error

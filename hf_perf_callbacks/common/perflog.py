@@ -54,17 +54,15 @@ class PerfLog:
         self.held: list[EventLine] = []         # events waiting for the header
         self.writer = LogWriter()
 
-    def new_call(self, step: int) -> None:
-        """A ``train()`` call begins at ``step``: a fresh one of a trainer that trained before is a run of its own."""
+    def open_header(self, step: int, resize: bool) -> None:
+        """A ``train()`` call begins at ``step``: its run header (replaces an unused one); a fresh call of a trainer
+        that trained before is a run of its own. ``resize``: an in-process re-size of train_with_tuning, not a
+        resume."""
+        if self.step_line is not None:
+            self.flush()
         if self.trained and not self.pinned and step == 0:
             self.session = uuid.uuid4().hex[:12]
         self.trained = True
-
-    def open_header(self, step: int, resize: bool) -> None:
-        """This ``train()`` call's run header (replaces an unused one); ``resize``: an in-process re-size of
-        train_with_tuning, not a resume."""
-        if self.step_line is not None:
-            self.flush()
         self.header = RunHeader(session=self.session, resumed_from_step=step)
         if self.standing:
             self.header.describe("bus", **self.standing)

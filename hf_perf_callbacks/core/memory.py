@@ -356,7 +356,7 @@ class MemoryPolicy:
         if segment is not None and segment.steps <= steps:
             return segment
         rate = self.leak_rate
-        return WallForecast(steps=steps, low=steps, high=steps, slope=rate, growth_low=rate, growth_high=rate)
+        return WallForecast(steps=steps, low=steps, high=steps, slope=rate)
 
     def _wall_near(self, within: float) -> bool:
         stw = self.steps_to_wall
@@ -514,7 +514,7 @@ class CompletionTrend:
         latest_step, latest = self.points[-1][0], self.points[-1][1]
         steps = max(0.0, (wall - latest) / per_step - ((step if step is not None else latest_step) - latest_step))
         rate = line[1] * per_step
-        return WallForecast(steps=steps, low=steps, high=steps, slope=rate, growth_low=rate, growth_high=rate)
+        return WallForecast(steps=steps, low=steps, high=steps, slope=rate)
 
 
 @dataclass

@@ -175,8 +175,6 @@ class RunHeader:
 _HEADER_FIELDS = {f.name for f in dataclasses.fields(RunHeader)}
 _OWN_FIELDS = ("sources", "extra", "malformed")
 _FACTS = _HEADER_FIELDS - {"session", "resumed_from_step", "time", *_OWN_FIELDS}
-#: each field's type as its annotation names it ("int | None" → "int", "list[str]" → "list")
-HEADER_KINDS = {f.name: str(f.type).split(" |")[0].split("[")[0] for f in dataclasses.fields(RunHeader)}
 
 
 def conform(value: object, kind: str) -> tuple[bool, object]:
@@ -486,7 +484,9 @@ def _kinds(summary: type) -> dict[str, str]:
             for name, kind in summary.__annotations__.items()}
 
 
-#: the type of each summary value the readers use, per source (:func:`conform`'s kinds): read off the summaries' types
+#: the type of each run header field, and of each summary value the readers use per source (:func:`conform`'s
+#: kinds): read off their types
+HEADER_KINDS = _kinds(RunHeader)
 SUMMARY_KINDS = {"perf": _kinds(MeterSummary), "mem": _kinds(WatchdogSummary), "cache": _kinds(ClearerSummary)}
 
 

@@ -195,8 +195,6 @@ class WallForecast:
     low: float                 # fewer steps: growth at the upper end of its interval
     high: float | None         # more steps; None when growth may be zero within the interval (no upper bound)
     slope: float               # least-squares slope per step
-    growth_low: float          # interval of the mean growth per step over the forecast horizon
-    growth_high: float
 
 
 def steps_to_limit(steps: Sequence[float], values: Sequence[float], limit: float) -> WallForecast | None:
@@ -217,7 +215,7 @@ def steps_to_limit(steps: Sequence[float], values: Sequence[float], limit: float
         return None
     point = max(0.0, headroom / slope)
     if headroom <= 0:
-        return WallForecast(0.0, 0.0, 0.0, slope, slope, slope)
+        return WallForecast(0.0, 0.0, 0.0, slope)
     increments = [(v1 - v0) / (s1 - s0) for (s0, v0), (s1, v1) in zip(zip(steps, values), zip(steps[1:], values[1:]))
                   if s1 > s0]
     n = len(increments)
@@ -231,7 +229,7 @@ def steps_to_limit(steps: Sequence[float], values: Sequence[float], limit: float
     low = min(low, math.floor(point))
     if high is not None:
         high = max(high, math.ceil(point))
-    return WallForecast(point, float(low), None if high is None else float(high), slope, slow, fast)
+    return WallForecast(point, float(low), None if high is None else float(high), slope)
 
 
 # ---------------------------------------------------------------- warmup or contention
@@ -243,8 +241,6 @@ class SlowStart:
     labels: list[str]          # per step: "steady", "warmup" (more own work), "contention" (same work, more time)
     warmup_sec: float          # wall time above the steady step explained by the extra own CPU time
     contention_sec: float      # wall time above the steady step with no extra own CPU time behind it
-    steady_wall: float
-    steady_cpu: float
 
 
 def classify_slow_steps(wall: Sequence[float], cpu: Sequence[float], steady_wall: float, steady_cpu: float,
@@ -274,7 +270,7 @@ def classify_slow_steps(wall: Sequence[float], cpu: Sequence[float], steady_wall
         warm += part_warm
         contended += excess - part_warm
         labels.append("warmup" if part_warm >= excess - part_warm else "contention")
-    return SlowStart(labels, warm, contended, steady_wall, steady_cpu)
+    return SlowStart(labels, warm, contended)
 
 
 __all__ = [

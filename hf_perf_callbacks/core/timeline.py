@@ -473,7 +473,6 @@ class StepTimeline:
     def export(self) -> dict[str, Any]:
         """The counters a resume restores (JSON-serialisable: saved in the checkpoint's trainer state)."""
         return {**{k: getattr(self, k) for k in _TOTALS}, "warmup_cycles": [list(c) for c in self.warmup_cycles],
-                "warmup_overhead": self.warmup_overhead,
                 "early_contention": self.early_contention, "contention_steps": self.contention_steps,
                 "phase_totals": dict(self.phase_totals)}
 

@@ -201,13 +201,8 @@ def train_batch_size(trainer: Trainer) -> int:
 
 def loss_shifts_labels(trainer: Trainer) -> bool:
     """Whether the trainer's model computes a causal language-model loss (labels shifted by one), as transformers
-    decided it at the trainer's init; from the model's config where the attribute is missing."""
-    shifts = getattr(trainer, "_loss_shifts_labels", None)
-    if shifts is not None:
-        return bool(shifts)
-    model = trainer.model
-    config = getattr(model, "config", None)
-    return not getattr(config, "is_encoder_decoder", False) and "ForCausalLM" in type(model).__name__
+    decided it at the trainer's init."""
+    return trainer._loss_shifts_labels
 
 
 class StepLog:

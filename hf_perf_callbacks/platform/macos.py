@@ -242,26 +242,25 @@ class MacMemoryReader:
                 )
             return None
 
-    def _sysctl_into(self, name: str, buf: ctypes.Structure | ctypes.c_uint32) -> None:
-        size = ctypes.c_size_t(ctypes.sizeof(buf))
-        rc = self._lib().sysctlbyname(name.encode(), ctypes.byref(buf), ctypes.byref(size), None, 0)
+    def _sysctl(self, name: str, buf: Any, size: ctypes.c_size_t) -> None:
+        """``sysctlbyname(name)`` into ``buf`` (None: only its length, into ``size``); an ``OSError`` on failure."""
+        rc = self._lib().sysctlbyname(name.encode(), buf, ctypes.byref(size), None, 0)
         if rc != 0:
             raise _call_error(f"sysctlbyname({name})", rc)
+
+    def _sysctl_into(self, name: str, buf: ctypes.Structure | ctypes.c_uint32) -> None:
+        size = ctypes.c_size_t(ctypes.sizeof(buf))
+        self._sysctl(name, ctypes.byref(buf), size)
         if size.value != ctypes.sizeof(buf):
             raise ValueError(f"returned {size.value} bytes, expected {ctypes.sizeof(buf)}")
 
     def _sysctl_string(self, name: str) -> str:
-        lib = self._lib()
         size = ctypes.c_size_t(0)
-        rc = lib.sysctlbyname(name.encode(), None, ctypes.byref(size), None, 0)
-        if rc != 0:
-            raise _call_error(f"sysctlbyname({name})", rc)
+        self._sysctl(name, None, size)
         if not 0 < size.value <= 4096:
             raise ValueError(f"unexpected length {size.value}")
         buf = ctypes.create_string_buffer(size.value)
-        rc = lib.sysctlbyname(name.encode(), ctypes.byref(buf), ctypes.byref(size), None, 0)
-        if rc != 0:
-            raise _call_error(f"sysctlbyname({name})", rc)
+        self._sysctl(name, ctypes.byref(buf), size)
         text = buf.raw[: size.value].split(b"\0", 1)[0].decode("utf-8", "replace").strip()
         if not text:
             raise ValueError("empty string")

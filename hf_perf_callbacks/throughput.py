@@ -14,7 +14,7 @@ from . import keys
 from .common.base import Clock, PerfCallback, arguments, hook
 from .common.exchange import Rows
 from .core.batching import is_grpo
-from .core.dataloader import FACT_TYPES, DataLoaderFacts, dataloader_advice, dataloader_facts
+from .core.dataloader import FACT_TYPES, DataLoaderFacts, dataloader_changes, dataloader_facts
 from .core.flops import forward_flops_per_token, full_numel, shape_of, train_flops_per_token
 from .core.runlog import MeterSummary, WarningFigures
 from .core.stats import generation_period
@@ -512,7 +512,7 @@ class ThroughputMeter(PerfCallback):
         self._callback_began = []
         self.part_seconds = {}                  # the per-micro-batch counters are fresh (_reset_step_counters)
         trainer = adapter.calling_trainer()
-        handler = self._bus.handler
+        handler = self._bus.console.handler
         if trainer is None or handler is None:
             self.clocked = False
             return
@@ -926,7 +926,7 @@ class ThroughputMeter(PerfCallback):
         share = tl.phase_fractions()["data_wait"]
         if share > self.data_wait_threshold:
             self.warned.add("data_wait")
-            advice = dataloader_advice(self._run.device.type, _dataloader_settings(args))
+            advice = [line for line, _ in dataloader_changes(self._run.device.type, _dataloader_settings(args))]
             self.warn(f"the accelerator waits for data {share:.0%} of the time: " + "; ".join(advice) + ".",
                       step=step, figures=WarningFigures(data_wait_fraction=share))
 

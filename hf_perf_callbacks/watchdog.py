@@ -320,10 +320,8 @@ class MemoryWatchdog(PerfCallback):
             found = self._device.memory_holders()
             names = holders_words(found, os.getpid(), float(sample.reserved or 0)) if found else None
         policy = self.policy
-        static = None if self.limit_gb else self._budget(sample, static=True)
-        set_by = "limit_gb" if self.limit_gb else "reach" if static and self.budget < static else "device"
         return WallFacts(budget=self.budget, total=sample.total, outside=sample.outside, unified=sample.unified,
-                         holders=names, leak_per_step=policy.leak_rate if policy is not None else None, set_by=set_by)
+                         holders=names, leak_per_step=policy.leak_rate if policy is not None else None)
 
     # ------------------------------------------------------------ per step
     @hook

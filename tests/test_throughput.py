@@ -8,7 +8,7 @@ import torch
 from transformers import Trainer
 
 from hf_perf_callbacks import ThroughputMeter, keys
-from hf_perf_callbacks.core.dataloader import dataloader_advice
+from hf_perf_callbacks.core.dataloader import dataloader_changes
 from hf_perf_callbacks.core.flops import forward_flops_per_token, train_flops_per_token
 from hf_perf_callbacks.core.runlog import MeterSummary, SummaryLine, read_run
 from hf_perf_callbacks.core.wording import throughput_line
@@ -101,7 +101,8 @@ def test_slow_dataset_warns_about_dataloader_settings(tokenizer, tmp_path, caplo
     assert len(messages) == 1                                              # the whole text is in the perf log
     assert "`dataloader_num_workers: 2` (now 0" in messages[0] and "dataloader_persistent_workers" in messages[0]
     settings = {"num_workers": 0, "persistent_workers": False, "prefetch_factor": None, "pin_memory": True}
-    assert "; ".join(dataloader_advice("cpu", settings)) in messages[0]   # the analysis' advice, the same number
+    advice = "; ".join(line for line, _ in dataloader_changes("cpu", settings))
+    assert advice in messages[0]                                  # the analysis' advice, the same number
     assert "pin_memory" not in messages[0]                        # CUDA-only advice
     assert meter.summary["phases"]["data_wait"] > 0.3
 

@@ -221,7 +221,7 @@ class PerfCallback(TrainerCallback, ExportableState):
             except Exception as error:  # noqa: BLE001 - a callback must never take training down
                 self._disable("on_step_end", error)
 
-        self._bus.exchange.contribute(self, step, values, guarded, self._bus.handler, self._exchange_device())
+        self._bus.exchange.contribute(self, step, values, guarded, self._bus.console.handler, self._exchange_device())
 
     def neutral_exchange(self, step: int) -> None:
         """Join ``step``'s cross-rank exchange with zeros (a rank that has nothing to report)."""
@@ -230,7 +230,7 @@ class PerfCallback(TrainerCallback, ExportableState):
         if self.bus is None:                             # never attached: an exchange of its own
             gather_floats([0.0] * self.exchange_width, self._exchange_device())
             return
-        self.bus.exchange.contribute(self, step, [0.0] * self.exchange_width, None, self.bus.handler,
+        self.bus.exchange.contribute(self, step, [0.0] * self.exchange_width, None, self.bus.console.handler,
                                      self._exchange_device())
 
     def _stand_in(self, state: Any) -> None:

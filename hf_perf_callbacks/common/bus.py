@@ -92,15 +92,6 @@ class RunBus(TrainerCallback):
         self.overhead = 0.0                     # seconds the callbacks spent after the step ended: not data wait
         self.begun: object = None               # the TrainerState of the train() call that began last
 
-    @property
-    def handler(self) -> CallbackHandler | None:
-        """The trainer's callback handler (set by :func:`bus_for`)."""
-        return self.console.handler
-
-    @handler.setter
-    def handler(self, handler: CallbackHandler | None) -> None:
-        self.console.handler = handler
-
     @contextlib.contextmanager
     def own_work(self) -> Iterator[None]:
         """The package's own forwards and backwards run inside a step (the check of a change): the meter counts none
@@ -130,7 +121,7 @@ class RunBus(TrainerCallback):
         perf line of every step its checkpoint holds. Callbacks that did not see that step's end (a callback before
         them raised in ``on_step_end``) measure it first, from what they measured during the step; ``log`` then
         writes the step's training log if the trainer never did (its values join the line)."""
-        for callback in adapter.all_callbacks(self.handler):
+        for callback in adapter.all_callbacks(self.console.handler):
             ended = getattr(callback, "ended_step", None)
             if ended is not None and ended < state.global_step and not callback.disabled:
                 callback.on_step_end(args, state, TrainerControl())
@@ -150,8 +141,9 @@ class RunBus(TrainerCallback):
         resize = self.output_lock.call_begins(args.output_dir, self.log.is_main)   # another live process: an error
         self.merger.unlogged.clear()
         self.log.open_header(state.global_step, resize)   # train_with_tuning's later calls re-size, not resume
-        if self.handler is not None:     # a resume that attached stateful callbacks its checkpoint lacks still saves
-            adapter.register_stateful_callbacks(state, self.handler.callbacks + [control])
+        handler = self.console.handler
+        if handler is not None:     # a resume that attached stateful callbacks its checkpoint lacks still saves
+            adapter.register_stateful_callbacks(state, handler.callbacks + [control])
         self.console.compact()      # the whole list is the handler's now (the meter's clocks dispatch other events
                                     # to one callback at a time)
 
@@ -177,6 +169,6 @@ def bus_for(handler: CallbackHandler) -> RunBus:
     if handler.callbacks[:1] != [bus]:
         # A new list, not an in-place insert: the handler may be iterating over the old one right now.
         handler.callbacks = [bus] + [cb for cb in handler.callbacks if cb is not bus]
-    bus.handler = handler
+    bus.console.handler = handler
     bus.output_lock.watch_trainer(adapter.calling_trainer())  # at the trainer's init (or its train())
     return bus

@@ -30,15 +30,10 @@ def dataloader_facts(settings: Mapping[str, Any] | None) -> DataLoaderFacts:
     return cast(DataLoaderFacts, facts)
 
 
-def dataloader_advice(device_type: str, dataloader: DataLoaderFacts | None) -> list[str]:
-    """The DataLoader settings to change when the device waits for data, one line each: ``dataloader`` holds the
-    run's ``num_workers``, ``persistent_workers``, ``prefetch_factor`` and ``pin_memory``. Settings already in effect
-    are not repeated."""
-    return [line for line, _ in dataloader_changes(device_type, dataloader)]
-
-
 def dataloader_changes(device_type: str, dataloader: DataLoaderFacts | None) -> list[tuple[str, dict[str, bool | int]]]:
-    """(advice line, the config keys it sets) for :func:`dataloader_advice` and the finding's setting."""
+    """The DataLoader settings to change when the device waits for data, as (advice line, the config keys it sets)
+    (the meter's warning, the finding's setting): ``dataloader`` holds the run's ``num_workers``,
+    ``persistent_workers``, ``prefetch_factor`` and ``pin_memory``. Settings already in effect are not repeated."""
     dl: DataLoaderFacts = dataloader or {}
     workers = dl.get("num_workers") or 0
     target = {"cuda": 4, "xpu": 4}.get(device_type, 2)

@@ -156,7 +156,6 @@ class WallFacts:
     unified: bool = False               # unified memory (MPS, CPU): ``outside`` is other processes and the system
     holders: str | None = None          # who holds ``outside``, in words, when the device can say (NVML)
     leak_per_step: float | None = None  # growth on every step of the trend window: a leak (bytes a step)
-    set_by: str = "device"              # "limit_gb", "device" (fraction × the device's limit), "reach"
 
     def outside_cause(self) -> Cause | None:
         """The memory held outside this run's reach as a :class:`Cause`; None when unknown or not material (below

@@ -22,6 +22,7 @@ import itertools
 import logging
 import math
 import os
+import textwrap
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -179,8 +180,6 @@ def _legend_below(fig: Figure, ax: Axes, ncol: int = 3) -> None:
 
 def _title(ax: Axes, title: str, *notes: str | None) -> None:
     """The title, and under it the plot's notes in smaller grey type (off the data), wrapped to the axes' width."""
-    import textwrap
-
     words = " · ".join(n for n in notes if n)
     width = max(40, int(ax.get_position().width * 150))      # characters of 8-point type across the axes
     lines = textwrap.wrap(words, width) if words else []
@@ -519,20 +518,10 @@ def _tuning_cost(data: PlotData) -> str | None:
 
 
 # ---------------------------------------------------------------- tuner
-def tuner_missing(data: PlotData) -> tuple[str, int] | None:
-    """Why the tuner plot has nothing to draw, as data: ("record_missing", the tuner's decisions in the events: a
-    tuner was attached, its record is what is missing) or ("no_tuner", 0); None when it has something."""
-    if data.splits or data.decisions:
-        return None
-    logged = sum(1 for e in data.run.events if e.source == "tuner" and e.kind == "decision")
-    return ("record_missing", logged) if logged else ("no_tuner", 0)
-
-
 def plot_tuner(fig: Figure, data: PlotData) -> str | None:
-    missing = tuner_missing(data)
-    if missing is not None:
-        code, logged = missing
-        if code == "record_missing":
+    if not (data.splits or data.decisions):
+        logged = sum(1 for e in data.run.events if e.source == "tuner" and e.kind == "decision")
+        if logged:                                 # a tuner was attached: its record is what is missing
             return (f"no tuner/* keys in the step lines and no {SPLIT_FILE} of this run; the tuner's "
                     f"{logged} decision(s) are in the events")
         return f"no tuner/* keys in the step lines and no {SPLIT_FILE} (no tuner attached)"
@@ -565,13 +554,7 @@ def plot_tuner(fig: Figure, data: PlotData) -> str | None:
 def _untried_words(decision: Decision) -> str:
     reason = decision.reason.removeprefix("kept the configured split: ")
     return (f"Tuning at step {decision.step}: kept {split_label(decision.new)}, no other split measured"
-            + (f"\n({_wrap(reason)})" if reason else ""))
-
-
-def _wrap(text: str, width: int = 70) -> str:
-    import textwrap
-
-    return "\n".join(textwrap.wrap(text, width))
+            + (f"\n({textwrap.fill(reason, 70)})" if reason else ""))
 
 
 def _draw_trials(ax: Axes, decision: Decision) -> None:

@@ -132,11 +132,9 @@ class NoteWords:
 
 
 F = TypeVar("F", bound=Facts)
-FindingRenderer = Callable[[Any, Setting], FindingWords]
-NoteRenderer = Callable[[Any], NoteWords]
 #: reason code → the renderer of a finding of that case / of a note of that case, with the facts class it reads
-FINDING_WORDS: dict[str, tuple[FindingRenderer, type]] = {}
-NOTE_WORDS: dict[str, tuple[NoteRenderer, type]] = {}
+FINDING_WORDS: dict[str, tuple[Callable[[Any, Setting], FindingWords], type]] = {}
+NOTE_WORDS: dict[str, tuple[Callable[[Any], NoteWords], type]] = {}
 
 
 def facts_class(render: Callable[..., object]) -> type:

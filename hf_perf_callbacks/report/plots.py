@@ -518,10 +518,20 @@ def _tuning_cost(data: PlotData) -> str | None:
 
 
 # ---------------------------------------------------------------- tuner
+def tuner_missing(data: PlotData) -> tuple[str, int] | None:
+    """Why the tuner plot has nothing to draw, as data: ("record_missing", the tuner's decisions in the events: a
+    tuner was attached, its record is what is missing) or ("no_tuner", 0); None when it has something."""
+    if data.splits or data.decisions:
+        return None
+    logged = sum(1 for e in data.run.events if e.source == "tuner" and e.kind == "decision")
+    return ("record_missing", logged) if logged else ("no_tuner", 0)
+
+
 def plot_tuner(fig: Figure, data: PlotData) -> str | None:
-    if not (data.splits or data.decisions):
-        logged = sum(1 for e in data.run.events if e.source == "tuner" and e.kind == "decision")
-        if logged:                                 # a tuner was attached: its record is what is missing
+    missing = tuner_missing(data)
+    if missing is not None:
+        code, logged = missing
+        if code == "record_missing":
             return (f"no tuner/* keys in the step lines and no {SPLIT_FILE} of this run; the tuner's "
                     f"{logged} decision(s) are in the events")
         return f"no tuner/* keys in the step lines and no {SPLIT_FILE} (no tuner attached)"

@@ -391,10 +391,6 @@ class SlowStretch:
     wall_over_cpu: float | None = None
     steady_wall_over_cpu: float | None = None
 
-    @property
-    def steps(self) -> int:
-        return self.last - self.first + 1
-
 
 def split_column(run: RunLog) -> list[str | None]:
     """The split of each line of ``run.unique_steps()`` ("4×2"; None where the line names none)."""

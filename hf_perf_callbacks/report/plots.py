@@ -22,6 +22,7 @@ import itertools
 import logging
 import math
 import os
+import textwrap
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -179,8 +180,6 @@ def _legend_below(fig: Figure, ax: Axes, ncol: int = 3) -> None:
 
 def _title(ax: Axes, title: str, *notes: str | None) -> None:
     """The title, and under it the plot's notes in smaller grey type (off the data), wrapped to the axes' width."""
-    import textwrap
-
     words = " · ".join(n for n in notes if n)
     width = max(40, int(ax.get_position().width * 150))      # characters of 8-point type across the axes
     lines = textwrap.wrap(words, width) if words else []
@@ -565,13 +564,7 @@ def plot_tuner(fig: Figure, data: PlotData) -> str | None:
 def _untried_words(decision: Decision) -> str:
     reason = decision.reason.removeprefix("kept the configured split: ")
     return (f"Tuning at step {decision.step}: kept {split_label(decision.new)}, no other split measured"
-            + (f"\n({_wrap(reason)})" if reason else ""))
-
-
-def _wrap(text: str, width: int = 70) -> str:
-    import textwrap
-
-    return "\n".join(textwrap.wrap(text, width))
+            + (f"\n({textwrap.fill(reason, 70)})" if reason else ""))
 
 
 def _draw_trials(ax: Axes, decision: Decision) -> None:

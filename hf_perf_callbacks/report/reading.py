@@ -209,10 +209,10 @@ def _phase_readings(run_log: RunLog) -> PhaseReadings:
                          recompute_clocked=perf.get("recompute_clocked") is True)
 
 
-def _evaluation(run_log: RunLog, train_sec: float) -> Evaluation | None:
+def _evaluation(run_log: RunLog, train_sec: float, wall: float) -> Evaluation | None:
     """The run's evaluations as measured on its step lines (``perf/phase_sec/eval`` > 0) and after its last step
-    (the meter's tail): how many, every how many steps (the median gap), their seconds, the run's wall and training
-    seconds and evaluation's share of the wall time; None without any."""
+    (the meter's tail): how many, every how many steps (the median gap), their seconds, the run's ``wall`` and
+    training seconds and evaluation's share of the wall time; None without any."""
     numbers = run_log.step_numbers()
     tail = _tail(run_log)
     at = [(numbers[i], v) for i, v in enumerate(run_log.column(keys.PERF_PHASE_SEC["eval"])) if v == v and v > 0]
@@ -220,7 +220,6 @@ def _evaluation(run_log: RunLog, train_sec: float) -> Evaluation | None:
         at.append((numbers[-1] + 1, tail["eval"]))
     if not at:
         return None
-    wall = sum(finite(run_log.column(keys.PERF_STEP_WALL_SEC))) + sum(tail.values())
     gaps = [b - a for (a, _), (b, _) in zip(at, at[1:])]
     every = int(statistics.median(gaps)) if gaps else max(1, len(numbers))
     eval_sec = sum(v for _, v in at)
@@ -359,16 +358,16 @@ def _machine(run_log: RunLog, header: RunHeader, skipped: list[str]) -> Machine 
                    lower_bound=lower_bound if lower_bound and lower_bound >= 1.0 + CONTENTION_SHARE else None)
 
 
-def _resolve_split_file(run_log: RunLog) -> tuple[SplitFile | None, str | None]:
+def _split_file(run_log: RunLog, skipped: list[str]) -> SplitFile | None:
     """This run's record from the tuner (:func:`~hf_perf_callbacks.core.splitfile.read_split_file`, the one reader, for
-    the perf log's session) and, when a file is there but is not read, a note saying it was skipped."""
+    the perf log's session); a file that is there but is not read is noted in ``skipped``."""
     if not run_log.output_dir:
-        return None, None
+        return None
     found = read_split_file(run_log.output_dir, session=run_log.header().session)
     if found is None and os.path.exists(os.path.join(run_log.output_dir, keys.SPLIT_FILE)):
-        return None, (f"`{keys.SPLIT_FILE}` is another run's record or does not follow this version's schema: its "
-                      f"decisions are skipped")
-    return found, None
+        skipped.append(f"`{keys.SPLIT_FILE}` is another run's record or does not follow this version's schema: its "
+                       f"decisions are skipped")
+    return found
 
 
 def _skipped(run_log: RunLog) -> list[str]:
@@ -518,9 +517,7 @@ def _trainer_readings(run_log: RunLog, grpo: bool) -> TrainerReadings:
 
 
 def _tuner_readings(run_log: RunLog, skipped: list[str]) -> TunerReadings:
-    tuner, note = _resolve_split_file(run_log)
-    if note:
-        skipped.append(note)
+    tuner = _split_file(run_log, skipped)
     hint = next((e.message for e in run_log.events if e.source == "tuner"
                  and NoteDetails.from_details(e.details).needs == "train_with_tuning"), None)
     return TunerReadings(tuner_attached=keys.TUNER_MICRO_BATCH in run_log.keys_logged(),
@@ -550,10 +547,10 @@ def measurements(run_log: RunLog) -> Measurements:
     run = run_log.header("perf")
     grpo = bool(run.grpo)
     train_sec = sum(finite(run_log.column(keys.PERF_TRAIN_SEC)))
-    scope = _scope_readings(run_log, run)
+    scope, phases = _scope_readings(run_log, run), _phase_readings(run_log)
     groups = (_figure_readings(f), _geometry(run_log, run), _step_counts(run_log, grpo),
               _memory_readings(run_log), _trainer_readings(run_log, grpo), _tuner_readings(run_log, skipped),
-              _generation_readings(run_log, run, skipped), _phase_readings(run_log), scope,
+              _generation_readings(run_log, run, skipped), phases, scope,
               _compile_readings(run_log, f, scope.torch_compile))
     return Measurements(
         device_type=run.device_type or "unknown", world_size=int(run.world_size or 1), grpo=grpo,
@@ -563,7 +560,7 @@ def measurements(run_log: RunLog) -> Measurements:
         temperature=run.temperature, use_vllm=run.use_vllm,
         contention=_contention(run_log, f), machine=_machine(run_log, run, skipped),
         slow_stretches=slow_stretches(run_log), split_levels=len(split_levels(run_log)),
-        evaluation=_evaluation(run_log, train_sec), first_steady=_first_steady(run_log, f),
+        evaluation=_evaluation(run_log, train_sec, phases.wall_sec or 0.0), first_steady=_first_steady(run_log, f),
         launcher=_fact(run, "launcher", skipped), logged=run_log.keys_logged(), skipped=skipped,
         train_sec=train_sec or None,
         **{k: v for group in groups for k, v in vars(group).items()})   # each group's fields, as its reader read them

@@ -132,11 +132,9 @@ class NoteWords:
 
 
 F = TypeVar("F", bound=Facts)
-FindingRenderer = Callable[[Any, Setting], FindingWords]
-NoteRenderer = Callable[[Any], NoteWords]
 #: reason code → the renderer of a finding of that case / of a note of that case, with the facts class it reads
-FINDING_WORDS: dict[str, tuple[FindingRenderer, type]] = {}
-NOTE_WORDS: dict[str, tuple[NoteRenderer, type]] = {}
+FINDING_WORDS: dict[str, tuple[Callable[[Any, Setting], FindingWords], type]] = {}
+NOTE_WORDS: dict[str, tuple[Callable[[Any], NoteWords], type]] = {}
 
 
 def facts_class(render: Callable[..., object]) -> type:
@@ -231,7 +229,7 @@ def sized_words(r: fx.RaisedLimit) -> str:
             f"{r.ends_by:.0%} end by ≈ {r.need:.0f} tokens (next power of two {r.new})")
 
 
-#: what a completion target rests on, by its ``basis``
+#: what a completion target rests on, by its ``basis`` (:class:`~.facts.CompletionTarget`: "p90" or "max")
 TARGET_BASIS = {"p90": "p90 of the per-log longest completion", "max": "longest completion"}
 
 
@@ -968,10 +966,6 @@ def _off_policy_item(spg: int, steps_per_rollout: float) -> str:
               "batch) and clips the importance ratio at `epsilon`")
 
 
-def _target_words(t: fx.CompletionTarget) -> str:
-    return TARGET_BASIS.get(t.basis, t.basis)
-
-
 @_finding_words("launch_bound", "generation_share")
 def _generation_bound(f: fx.GenerationBound, setting: Setting) -> FindingWords:
     g, u, backend = f.generation, f.decode_bandwidth_util, f.backend
@@ -1006,7 +1000,7 @@ def _generation_bound(f: fx.GenerationBound, setting: Setting) -> FindingWords:
     if f.optimizer_steps_per_rollout is not None and f.steps_per_generation:
         lines.append(_off_policy_item(f.steps_per_generation, f.optimizer_steps_per_rollout))
     if f.target is not None:
-        lines.append(f"`max_completion_length: {f.target.new}` (the {_target_words(f.target)} is "
+        lines.append(f"`max_completion_length: {f.target.new}` (the {TARGET_BASIS[f.target.basis]} is "
                      f"{f.target.tokens:.0f} tokens; decode steps = the longest completion of a batch)")
     if f.clipped_large:
         lines.append(f"do not shorten `max_completion_length`: {_pct(f.clipped)} of completions are already "
@@ -1125,7 +1119,7 @@ def _no_runaways(f: fx.Runaways) -> NoteWords:
     return NoteWords("max_completion_length far above what completions use",
                      f"{_completion_observation(f.seen)} No completion reached the limit, so time is unchanged by a "
                      f"cap; `max_completion_length: {f.target.new}` (next power of two ≥ {f.headroom_factor} × the "
-                     f"{_target_words(f.target)}) would bound runaway rollouts"
+                     f"{TARGET_BASIS[f.target.basis]}) would bound runaway rollouts"
                      + (f" and free ≈ {_gb(f.freed.total_bytes)} at the limit, if memory is ever short"
                         if f.freed else "") + ".")
 
@@ -1137,7 +1131,7 @@ def _runaways(f: fx.Runaways, setting: Setting) -> FindingWords:
             f"decodes to the limit, holds the whole generation batch for {limit} decode steps and pads every "
             f"training sequence of its batch to {limit} tokens.")
     rec = (f"`max_completion_length: {new}` (next power of two ≥ {headroom} × {basis:.0f} = "
-           f"{headroom * basis:.0f}, the {_target_words(f.target)}).")
+           f"{headroom * basis:.0f}, the {TARGET_BASIS[f.target.basis]}).")
     if f.seen.max is not None and f.seen.max > new:
         rec += f" The longest observed completion ({f.seen.max:.0f}) would be cut."
     if f.freed:
@@ -1173,8 +1167,8 @@ def _remedy_words(r: fx.Remedy) -> str:
                      f"{micro - new_mb} fewer sequences")
         return text
     if r.code == "shorter_completions" and r.target:
-        text = (f"`max_completion_length: {r.target.new}` (now {r.limit}; the {_target_words(r.target)} is "
-                f"{r.target.tokens:.0f})")
+        text = (f"`max_completion_length: {r.target.new}` (now {r.limit}; the "
+                f"{TARGET_BASIS[r.target.basis]} is {r.target.tokens:.0f})")
         if r.saved_bytes and r.freed:
             text += f": frees ≈ {_gb(r.saved_bytes)} at the limit — {freed_words(r.freed)}"
         return text

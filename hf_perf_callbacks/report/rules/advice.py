@@ -25,6 +25,11 @@ def _amdahl(share: float, speedup: float) -> float:
     return 1.0 / ((1.0 - share) + share / speedup)
 
 
+def _saved(m: Measurements, gain: float | None) -> float | None:
+    """The wall seconds a change of this run's ``gain`` saves: wall × (1 − 1/gain)."""
+    return m.wall_sec * (1 - 1 / gain) if gain and gain > 0 and m.wall_sec else None
+
+
 def _next_pow2(x: float) -> int:
     return 1 << max(0, math.ceil(math.log2(max(x, 1.0))))
 

@@ -15,12 +15,12 @@ from ..model import (
     MIN_MACHINE_STEPS,
     RECOMPILE_SLOWDOWN,
     Finding,
-    Machine,
     Measurements,
     Note,
     card,
 )
 from ..words import finding, note
+from .advice import _saved
 from .basis import _too_short
 
 COMPILE_SHARE = 0.05         # recompiles after warmup worth a finding: this share of the wall time
@@ -40,7 +40,11 @@ def free_cores(cores: float, other: float) -> int:
     return max(1, int(cores - other + 0.25))
 
 
-def _oversubscription(m: Measurements) -> tuple[Machine, float, int] | None:
+@card(finding="CPU, the whole run: torch threads + other processes' busy cores above the cores, threads idle, "
+              f"similar work ≥ {STEP_SPREAD:g}x apart → `OMP_NUM_THREADS` = the free cores (measured on the run's "
+              "CPU time and load)",
+      gain="measured: at least the run's mean over its fastest steps")
+def rule_oversubscription(m: Measurements) -> Finding | None:
     """Whole-run thread oversubscription on a CPU (:func:`_machine`'s figures): over ≥ :data:`MIN_MACHINE_STEPS`
     steps, this process's threads plus the other processes' busy cores exceed the cores by :data:`OVERSUBSCRIBED`,
     at least :data:`THREADS_IDLE` of its threads were not running (CPU time / wall time below the thread count),
@@ -48,36 +52,25 @@ def _oversubscription(m: Measurements) -> tuple[Machine, float, int] | None:
     steps than on others.
     With the thread count assumed (the run header does not record it), the CPU time per token must vary as much
     (threads spinning while a partner waits for a core), so that a run already at one thread is not advised one.
-    Returns the machine's figures, the demand (threads + other busy cores) and the advised thread count (the cores
-    the others leave free, at least 1); None when it is not below the run's."""
-    c = m.machine
-    if not c or c.steps < MIN_MACHINE_STEPS or not c.cores or not c.threads or c.threads < 2:
+    The advice: as many threads as the cores the others leave free, at least 1; none when that is not below the
+    run's."""
+    o = m.machine
+    if not o or o.steps < MIN_MACHINE_STEPS or not o.cores or not o.threads or o.threads < 2:
         return None
-    demand, idle = c.threads + c.other, c.threads - c.busy
-    spread, cpu_spread = c.spread or 0.0, c.cpu_spread or 0.0
-    if not oversubscribed(c.threads, c.other, c.cores) or idle < THREADS_IDLE \
+    spread, cpu_spread = o.spread or 0.0, o.cpu_spread or 0.0
+    if not oversubscribed(o.threads, o.other, o.cores) or o.threads - o.busy < THREADS_IDLE \
             or max(spread, cpu_spread) < STEP_SPREAD:
         return None
-    if c.threads_from != "run header" and cpu_spread < STEP_SPREAD:
+    if o.threads_from != "run header" and cpu_spread < STEP_SPREAD:
         return None
-    advised = free_cores(c.cores, c.other)
-    return (c, demand, advised) if advised < c.threads else None
-
-
-@card(finding="CPU, the whole run: torch threads + other processes' busy cores above the cores, threads idle, "
-              f"similar work ≥ {STEP_SPREAD:g}x apart → `OMP_NUM_THREADS` = the free cores (measured on the run's "
-              "CPU time and load)",
-      gain="measured: at least the run's mean over its fastest steps")
-def rule_oversubscription(m: Measurements) -> Finding | None:
-    found = _oversubscription(m)
-    if not found:
+    a = free_cores(o.cores, o.other)
+    if a >= o.threads:
         return None
-    o, demand, a = found
-    return finding("oversubscription", "threads_over_free_cores", Oversubscription(o, demand, a, bool(m.launcher)),
+    return finding("oversubscription", "threads_over_free_cores",
+                   Oversubscription(o, o.threads + o.other, a, bool(m.launcher)),
                    {}, o.lower_bound or None, "medium" if o.threads_from == "run header" else "low",
                    "measured" if o.lower_bound else "try", None, env={"OMP_NUM_THREADS": str(a)},
-                   lower_bound=bool(o.lower_bound),
-                   stake_sec=m.wall_sec * (1 - 1 / o.lower_bound) if o.lower_bound and m.wall_sec else None)
+                   lower_bound=bool(o.lower_bound), stake_sec=_saved(m, o.lower_bound))
 
 
 @card(finding="steps slower while their process CPU time stayed flat, each step's own wall/CPU ratio ≥ "

@@ -25,16 +25,12 @@ RECOMPUTE_SHARE = 0.03       # recompute's share of the wall time worth a findin
 MEMORY_ROOM = 0.85           # the high-water mark plus the activations kept must stay below this share of the budget
 
 
-def _wall(m: Measurements) -> float:
-    return float(m.wall_sec or 0.0)
-
-
 def _spaced(m: Measurements, seconds: float, count: int, every: int | None, target: float,
             final: bool = False) -> Interval:
     """An event whose ``count`` runs took ``seconds``, every ``every`` steps (None: read from the count), spaced out
     to the interval at which it takes about ``target`` of the wall time, its runs there counted as transformers
     runs them (:func:`~.run.events`; ``final``: the log after training)."""
-    wall, steps = _wall(m), max(1, m.steps)
+    wall, steps = m.wall_sec or 0.0, max(1, m.steps)
     every = every or max(1, round(steps / max(1, count - final)))
     per_event, other = seconds / count, wall - seconds
     new = _interval(per_event, other / steps, every, target)
@@ -55,7 +51,7 @@ def _setting_int(m: Measurements, name: str) -> int | None:
       gain="measured: the run's own save seconds at the new interval")
 def rule_saving(m: Measurements) -> Finding | None:
     """Checkpoint saving's share of the wall time, measured on this run's own saves: ``save_steps``."""
-    wall, save, n = _wall(m), m.phase_sec.get("save", 0.0), m.saves
+    wall, save, n = m.wall_sec or 0.0, m.phase_sec.get("save", 0.0), m.saves
     if wall <= 0 or n < 2 or save / wall < SAVE_SHARE or not m.steps:
         return None
     every = _setting_int(m, "save_steps") if m.trainer_settings.get("save_strategy") == "steps" else None
@@ -79,7 +75,7 @@ def _user_callbacks(m: Measurements) -> list[tuple[str, float, dict[str, float]]
       gain="measured: the run's own log seconds at the new interval (per-step callback work: no number)")
 def rule_callbacks(m: Measurements) -> Finding | None:
     """The user's callbacks and the trainer's logging, measured per callback class and event."""
-    wall, user, log = _wall(m), m.phase_sec.get("user_callbacks", 0.0), m.phase_sec.get("log", 0.0)
+    wall, user, log = m.wall_sec or 0.0, m.phase_sec.get("user_callbacks", 0.0), m.phase_sec.get("log", 0.0)
     if wall <= 0 or (user + log) / wall < CALLBACK_SHARE or not m.steps:
         return None
     classes = _user_callbacks(m)
@@ -108,7 +104,7 @@ def rule_callbacks(m: Measurements) -> Finding | None:
 def rule_recompute(m: Measurements) -> Finding | Note | None:
     """Recompute nobody needs: gradient checkpointing on (TRL's SFT and GRPO configs turn it on by default) with the
     memory to keep the activations."""
-    wall, recompute = _wall(m), m.phase_sec.get("recompute", 0.0)
+    wall, recompute = m.wall_sec or 0.0, m.phase_sec.get("recompute", 0.0)
     if not m.activation_checkpointing or not m.recompute_clocked or wall <= 0 or recompute / wall < RECOMPUTE_SHARE:
         return None
     kept, freed = _act_per_token(m.model, False), _act_per_token(m.model, True)

@@ -184,8 +184,7 @@ def within_recipe(f: Finding, scope: Scope) -> Finding | Note:
 def rule_scope(m: Measurements) -> Note | None:
     """A stand-in run: what it ran instead of the recipe's target."""
     scope = scope_of(m)
-    t = scope.target
-    if t is None or not scope.stand_in:
+    if not scope.stand_in:
         return None
     return note("scope", "stand_in", scope, judged=False)
 

@@ -16,6 +16,7 @@ from .advice import (
     _amdahl,
     _memory_cap,
     _phase,
+    _saved,
     _split_setting,
     _splits,
     _under_pressure,
@@ -107,11 +108,6 @@ def rule_duplicate_forward(m: Measurements) -> Finding | None:
     gain, basis, confidence, calibration = _calibrated("duplicate_forward", m, predicted)
     return finding("duplicate_forward", "grad_forwards", DuplicateForward(f, c, predicted, calibration), {}, gain,
                    confidence, basis, predicted, stake_sec=_saved(m, predicted))
-
-
-def _saved(m: Measurements, gain: float | None) -> float | None:
-    """The wall seconds a change of this run's ``gain`` saves: wall × (1 − 1/gain)."""
-    return m.wall_sec * (1 - 1 / gain) if gain and gain > 0 and m.wall_sec else None
 
 
 def _padded_sec(m: Measurements, p: float, c: float) -> float | None:

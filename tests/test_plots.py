@@ -220,7 +220,7 @@ def test_throughput_draws_the_meters_own_record_and_names_the_switches(tmp_path)
 
 def test_phases_shade_only_the_steps_the_tuner_measured(tmp_path):
     # seen: steps 4-19 shaded as measured by the tuner where only 4-7, 10-13 and 16-19 were
-    from hf_perf_callbacks.report.figures import step_ranges
+    from hf_perf_callbacks.core.stats import step_ranges
 
     out = synthetic(tmp_path, "tuned", **TUNED)
     fig, data = draw(plot_phases, out)

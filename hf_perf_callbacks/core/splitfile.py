@@ -40,7 +40,7 @@ from typing import Any, TypedDict, TypeGuard, TypeVar, cast
 
 from .batching import Split, is_grpo
 from .runlog import SPLIT_FILE, DecisionDetails, number
-from .stats import iqr, mann_whitney_less, median
+from .stats import iqr, mann_whitney_less, median, ranges_text, step_ranges
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -171,20 +171,6 @@ RANKED_WORDS = {"non_generation": "step time minus generation", "step": "step ti
 RANKED_UNITS = {"non_generation": "s per optimizer step outside generation", "step": "s per optimizer step"}
 
 
-def ranges(steps: list[int] | tuple[int, ...]) -> str:
-    """``[3, 4, 5, 9]`` → ``3–5, 9``: steps as the readers print them."""
-    out: list[str] = []
-    ordered = sorted(set(steps))
-    start = None
-    for i, s in enumerate(ordered):
-        if start is None:
-            start = s
-        if i + 1 == len(ordered) or ordered[i + 1] != s + 1:
-            out.append(f"{start}–{s}" if s != start else str(s))
-            start = None
-    return ", ".join(out)
-
-
 @dataclass(frozen=True)
 class TrialFigures:
     """Everything a reader prints about one trial of a tuning decision — the report, the console, the plots — computed
@@ -241,10 +227,11 @@ class TrialFigures:
         if not self.measured:
             return f"{self.label}: not measured" + (f" ({self.error})" if self.error else "")
         text = (f"{self.label}: median {self.median:.3g} {self.unit} over step{'s' if len(self.steps) != 1 else ''} "
-                f"{ranges(self.steps)}")
+                f"{ranges_text(step_ranges(self.steps))}")
         compared = self.comparison()
         if compared and self.reference_median is not None:
-            text += (f", {compared} (median {self.reference_median:.3g} s over steps {ranges(self.reference_steps)}"
+            reference = ranges_text(step_ranges(self.reference_steps))
+            text += (f", {compared} (median {self.reference_median:.3g} s over steps {reference}"
                      + (f"; one-sided Mann-Whitney p = {self.p_value:.2g} that it is faster" if self.p_value is not None
                         else "") + ")")
         if self.status == "over the budget":
@@ -633,5 +620,5 @@ def run_geometry(args: Any, world_size: int) -> RunGeometry:
 __all__ = [
     "SplitFile", "SplitFileError", "Decision", "Trial", "TrialFigures", "WrittenCheckpoint", "Restriction",
     "ExactnessCheck", "VERDICTS", "RunGeometry", "read_split_file", "check_split", "split_for_run", "recorded_split",
-    "run_geometry", "trial_figures", "split_to_json", "split_from_json", "ranges"
+    "run_geometry", "trial_figures", "split_to_json", "split_from_json"
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .validation import check_number
@@ -273,7 +273,24 @@ def classify_slow_steps(wall: Sequence[float], cpu: Sequence[float], steady_wall
     return SlowStart(labels, warm, contended)
 
 
+def step_ranges(steps: Iterable[int]) -> list[tuple[int, int]]:
+    """Consecutive steps as (first, last) ranges: ``[1, 2, 3, 7]`` → ``[(1, 3), (7, 7)]``."""
+    out: list[tuple[int, int]] = []
+    for step in sorted(set(steps)):
+        if out and step == out[-1][1] + 1:
+            out[-1] = (out[-1][0], step)
+        else:
+            out.append((step, step))
+    return out
+
+
+def ranges_text(ranges: list[tuple[int, int]]) -> str:
+    """``[(1, 3), (7, 7)]`` → ``1–3, 7``."""
+    return ", ".join(f"{a}–{b}" if b != a else str(a) for a, b in ranges)
+
+
 __all__ = [
     "median", "quantile", "iqr", "linear_fit", "mann_whitney_less", "t975", "WarmupDetector",
-    "WindowedRate", "generation_period", "WallForecast", "steps_to_limit", "SlowStart", "classify_slow_steps"
+    "WindowedRate", "generation_period", "WallForecast", "steps_to_limit", "SlowStart", "classify_slow_steps",
+    "step_ranges", "ranges_text"
 ]

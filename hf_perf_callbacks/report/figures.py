@@ -68,7 +68,7 @@ from ..core.runlog import (
     StepLine,
     number,
 )
-from ..core.stats import median, quantile
+from ..core.stats import median, quantile, step_ranges
 
 #: a step line as written (:class:`~hf_perf_callbacks.core.runlog.StepLine`) or as read back (``ReadStep``)
 LogStep = StepLine | ReadStep
@@ -117,22 +117,6 @@ def steady_steps(steps: Sequence[LogStep]) -> list[int]:
         if s.number(keys.PERF_STEADY) == 1 or (at >= 0 and s.step <= spans[at][1]):
             out.append(s.step)
     return out
-
-
-def step_ranges(steps: Iterable[int]) -> list[tuple[int, int]]:
-    """Consecutive steps as (first, last) ranges: ``[1, 2, 3, 7]`` → ``[(1, 3), (7, 7)]``."""
-    out: list[tuple[int, int]] = []
-    for step in sorted(set(steps)):
-        if out and step == out[-1][1] + 1:
-            out[-1] = (out[-1][0], step)
-        else:
-            out.append((step, step))
-    return out
-
-
-def ranges_text(ranges: list[tuple[int, int]]) -> str:
-    """``[(1, 3), (7, 7)]`` → ``1–3, 7``."""
-    return ", ".join(f"{a}–{b}" if b != a else str(a) for a, b in ranges)
 
 
 def call_first_step(run: RunLog) -> int:
@@ -527,6 +511,6 @@ def completion_stats(history: Sequence[Mapping[str, Any]]) -> dict[str, float | 
 
 __all__ = [
     "Figures", "figures", "SplitLevel", "SlowStretch", "split_column", "split_levels", "slow_stretches",
-    "completion_stats", "steady_steps", "step_ranges", "timed_rows", "ranges_text", "call_first_step", "trainer_logs",
+    "completion_stats", "steady_steps", "timed_rows", "call_first_step", "trainer_logs",
     "run_events", "last_value", "finite"
 ]

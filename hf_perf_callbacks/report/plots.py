@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from .. import keys
 from ..core.runlog import PHASES, ActionDetails, ReportError, RunLog, number
 from ..core.splitfile import Decision, SplitFile, read_split_file, trial_figures
+from ..core.stats import ranges_text, step_ranges
 from ..core.wording import PHASE_WORDS, split_label, steady_words, value_range, warmup_words
 from ..keys import SPLIT_FILE
 from .figures import (
@@ -40,12 +41,10 @@ from .figures import (
     figures,
     finite,
     last_value,
-    ranges_text,
     run_events,
     slow_stretches,
     split_column,
     split_levels,
-    step_ranges,
 )
 
 if TYPE_CHECKING:

@@ -20,6 +20,7 @@ from typing import Any
 from .. import keys
 from ..core.runlog import PERF_LOG, ActionDetails, DecisionDetails, EventLine, RunLog, number
 from ..core.splitfile import read_split_file, trial_figures
+from ..core.stats import ranges_text, step_ranges
 from ..core.wording import (
     console_line,
     mfu_words,
@@ -32,7 +33,7 @@ from ..core.wording import (
     wrapped,
 )
 from ..keys import CONSOLE_WIDTH
-from .figures import Figures, completion_stats, figures, ranges_text, run_events, step_ranges, trainer_logs
+from .figures import Figures, completion_stats, figures, run_events, trainer_logs
 
 MAX_EVENTS = 40          # events listed in full; beyond that the first and last halves
 

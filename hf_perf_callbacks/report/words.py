@@ -19,9 +19,10 @@ from typing import Any, TypeVar
 from ..core.dataloader import dataloader_changes
 from ..core.runlog import GB
 from ..core.splitfile import trial_figures
+from ..core.stats import ranges_text, step_ranges
 from ..core.wording import TUNER_NEEDS_TRAIN_WITH_TUNING, split_label, warmup_words
 from . import facts as fx
-from .figures import SlowStretch, ranges_text, step_ranges
+from .figures import SlowStretch
 from .model import (
     CONTENTION_SHARE,
     MIN_FIXED_LENGTH_STEPS,

@@ -2,12 +2,12 @@
 """
 from __future__ import annotations
 
+from ...core.stats import step_ranges
 from ..facts import OtherProcesses, Oversubscription, Recompiles, SlowStretches
 from ..figures import (
     SLOW_MIN_STEPS,
     SLOW_SHARE,
     STRETCH_RATIO,
-    step_ranges,
 )
 from ..model import (
     CONTENTION_RATIO,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import keys
-from .common.base import Clock, PerfCallback, arguments, hook
+from .common.base import Clock, Made, PerfCallback, arguments, hook
 from .core.memory import ClearSchedule
 from .core.runlog import CacheClear, ClearerSummary
 from .core.validation import check_flag, check_number
@@ -71,11 +71,7 @@ class MPSCacheClearer(PerfCallback):
         self._window = [0.0, 0.0]               # freed bytes and seconds since the last log
         self.start_fresh()
 
-    @property
-    def _device(self) -> DeviceLayer:
-        if self.device is None:
-            raise RuntimeError("MPSCacheClearer has no device yet: it takes one at on_train_begin")
-        return self.device
+    _device: Made[DeviceLayer] = Made("device")
 
     @hook
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,

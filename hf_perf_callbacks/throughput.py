@@ -11,7 +11,7 @@ import psutil
 import torch
 
 from . import keys
-from .common.base import Clock, PerfCallback, arguments, hook
+from .common.base import Clock, Made, PerfCallback, arguments, hook
 from .common.exchange import Rows
 from .core.batching import is_grpo
 from .core.dataloader import FACT_TYPES, DataLoaderFacts, dataloader_changes, dataloader_facts
@@ -363,22 +363,13 @@ class ThroughputMeter(PerfCallback):
         self.run: MeterRun | None = None             # this train() call's facts (on_train_begin)
         self.counters: MeterStep | None = None       # the step in progress (on_train_begin, after each step)
 
-    @property
-    def _run(self) -> MeterRun:
-        if self.run is None:
-            raise RuntimeError("ThroughputMeter has no run yet: it makes one at on_train_begin")
-        return self.run
+    _run: Made[MeterRun] = Made("run")
+    _step: Made[MeterStep] = Made("counters")
 
     @property
     def device(self) -> DeviceLayer | None:
         """The device this ``train()`` call measures (None before one began)."""
         return self.run.device if self.run is not None else None
-
-    @property
-    def _step(self) -> MeterStep:
-        if self.counters is None:
-            raise RuntimeError("ThroughputMeter has no step counters yet: it makes them at on_train_begin")
-        return self.counters
 
     # ------------------------------------------------------------ setup
     @hook

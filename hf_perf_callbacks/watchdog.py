@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import keys
-from .common.base import Clock, PerfCallback, arguments, hook
+from .common.base import Clock, Made, PerfCallback, arguments, hook
 from .common.bus import MemoryReading
 from .common.exchange import Rows
 from .core.batching import is_grpo
@@ -190,23 +190,9 @@ class MemoryWatchdog(PerfCallback):
         self._completions_warned = False
         self.run: WatchdogRun | None = None              # this train() call's state (on_train_begin)
 
-    @property
-    def _run(self) -> WatchdogRun:
-        if self.run is None:
-            raise RuntimeError("MemoryWatchdog has no run yet: it makes one at on_train_begin")
-        return self.run
-
-    @property
-    def _device(self) -> DeviceLayer:
-        if self.device is None:
-            raise RuntimeError("MemoryWatchdog has no device yet: it takes one at on_train_begin")
-        return self.device
-
-    @property
-    def _watch(self) -> MemoryPolicy:
-        if self.policy is None:
-            raise RuntimeError("MemoryWatchdog has no policy yet: it makes one at on_train_begin")
-        return self.policy
+    _run: Made[WatchdogRun] = Made("run")
+    _device: Made[DeviceLayer] = Made("device")
+    _watch: Made[MemoryPolicy] = Made("policy")
 
     def _policy(self, budget: float) -> MemoryPolicy:
         return MemoryPolicy(budget=budget, warn_fraction=self.warn_fraction, grace_steps=self.grace_steps,

@@ -24,7 +24,7 @@ import inspect
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -153,6 +153,23 @@ def arguments(init: Callable[..., None]) -> Callable[..., None]:
     return __init__
 
 
+T = TypeVar("T")
+
+
+class Made(Generic[T]):
+    """A callback's attribute that one of its events makes (``_run: Made[Run] = Made("run")`` reads ``self.run``):
+    read before then, a RuntimeError names the callback, the attribute and the event."""
+
+    def __init__(self, attribute: str, event: str = "on_train_begin") -> None:
+        self.attribute, self.event = attribute, event
+
+    def __get__(self, callback: Any, owner: type | None = None) -> T:
+        value = getattr(callback, self.attribute)
+        if value is None:
+            raise RuntimeError(f"{type(callback).__name__} has no {self.attribute} yet: it gets one at {self.event}")
+        return value  # type: ignore[no-any-return]
+
+
 class PerfCallback(TrainerCallback, ExportableState):
     """Base class of the package's callbacks."""
 
@@ -182,13 +199,8 @@ class PerfCallback(TrainerCallback, ExportableState):
         self.collective_step = -1        # the last optimizer step whose cross-rank exchange this rank joined
         self.ended_step: int | None = None   # the last optimizer step whose on_step_end this callback ran
 
-    @property
-    def _bus(self) -> RunBus:
-        """The trainer's bus, which every ``on_*`` event attaches before its body runs (:func:`hook`)."""
-        if self.bus is None:
-            raise RuntimeError(f"{type(self).__name__} is not attached to a trainer yet: its bus is found at its "
-                               f"first trainer event")
-        return self.bus
+    #: the trainer's bus, which every ``on_*`` event attaches before its body runs (:func:`hook`)
+    _bus: Made[RunBus] = Made("bus", "its first trainer event")
 
     @hook
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

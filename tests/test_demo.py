@@ -76,7 +76,9 @@ def test_the_demo_chooses_its_threads_by_the_analysis_rule(threads, other, cores
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     try:
         torch.set_num_threads(threads)
-        demo.set_threads(lambda: other, cores=cores)
+        monkeypatch.setattr(demo, "other_busy_cores", lambda: other)
+        monkeypatch.setattr(demo.os, "cpu_count", lambda: cores)
+        demo.set_threads()
         assert torch.get_num_threads() == expected
     finally:
         torch.set_num_threads(before)
@@ -107,10 +109,11 @@ def test_the_demo_sets_its_threads_and_says_so_in_one_line(monkeypatch, tmp_path
         assert capsys.readouterr().out.splitlines() == ["torch on 1 thread: 2 cores, 1.3 busy with other work"]
         assert torch.get_num_threads() == 1
         torch.set_num_threads(2)
-        assert demo.set_threads(lambda: 0.2, cores=2) == "torch on 2 threads: 2 cores, 0.2 busy with other work"
+        monkeypatch.setattr(demo, "other_busy_cores", lambda: 0.2)
+        assert demo.set_threads() == "torch on 2 threads: 2 cores, 0.2 busy with other work"
         assert torch.get_num_threads() == 2
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
-        assert demo.set_threads(lambda: 1.9, cores=2) == "torch on 2 threads: OMP_NUM_THREADS=2"
+        assert demo.set_threads() == "torch on 2 threads: OMP_NUM_THREADS=2"
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)

@@ -1144,7 +1144,7 @@ def test_the_launcher_chooses_torchs_threads_as_the_demo_and_says_what_step_1_do
     assert train.main(flags) == 0
     assert torch.get_num_threads() == 1
     said = [r.getMessage() for r in caplog.records]
-    demo_says = demo.set_threads(lambda: 1.5, cores=2)                # the demo's own line at that load
+    demo_says = demo.set_threads()                # the demo's own line at that load (planted above)
     assert [line for line in said if line.startswith(demo_says.split(":")[0])] == [demo_says]
     args = train.parse_recipe(flags)[1]
     assert capsys.readouterr().out.count(first_step_line(args)) == 1

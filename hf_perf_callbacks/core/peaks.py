@@ -148,10 +148,6 @@ _APPLE_RE = re.compile(r"(?:apple )?(m[1-9])(?: (pro|max|ultra))?(?: (\d+) core 
 _DROP = {"nvidia", "geforce", "tesla"}
 
 
-def _normalise(name: str) -> str:
-    return " ".join(t for t in re.sub(r"[-_/(),]", " ", name.lower()).split() if t not in _DROP)
-
-
 def _apple(chip: str, cores: int | None) -> DevicePeak | None:
     if chip not in _APPLE or cores is None:
         return None  # every Apple chip name ships with several GPU core counts
@@ -175,7 +171,7 @@ def lookup_peak(device_name: str, gpu_cores: int | None = None) -> DevicePeak | 
     check_number("gpu_cores", gpu_cores, low=1, integer=True, allow_none=True)
     if not isinstance(device_name, str):
         raise TypeError(f"device_name must be a str, got {device_name!r}")
-    name = _normalise(device_name)
+    name = " ".join(t for t in re.sub(r"[-_/(),]", " ", device_name.lower()).split() if t not in _DROP)
     for pattern, peak in _NVIDIA:
         if re.fullmatch(pattern, name):
             return peak

@@ -287,7 +287,8 @@ def _split_args(value: object) -> dict[str, Any] | str | None:
 
 #: how :meth:`_Details.from_details` reads a field, by its annotation
 _READERS: dict[str, Callable[[object], object]] = {"float | None": _num, "str | None": _text,
-                                                   "bool": lambda value: value is not False}
+                                                   "bool": lambda value: value is not False,
+                                                   "dict[str, Any] | str | None": _split_args}
 _D = TypeVar("_D", bound="_Details")
 
 
@@ -350,7 +351,7 @@ class WallMove(_Details):
 
 
 @dataclass(frozen=True)
-class DecisionDetails:
+class DecisionDetails(_Details):
     """A ``tuner`` ``decision`` event: the split before and after (the trainer arguments that set it), what the
     decision cost beyond training and its expected saving (seconds)."""
 
@@ -359,17 +360,10 @@ class DecisionDetails:
     cost_sec: float | None = None
     expected_gain_sec: float | None = None
 
-    def to_details(self) -> dict[str, Any]:
-        return {"old_split": self.old_split, "new_split": self.new_split, "cost_sec": self.cost_sec,
-                "expected_gain_sec": self.expected_gain_sec}
-
     @classmethod
-    def from_details(cls, details: Mapping[str, Any]) -> DecisionDetails | None:
+    def from_details(cls, details: Mapping[str, Any]) -> DecisionDetails | None:   # type: ignore[override]
         """The decision's details, or None for an event without a new split (not a decision)."""
-        if "new_split" not in details:
-            return None
-        return cls(_split_args(details.get("old_split")), _split_args(details.get("new_split")),
-                   _num(details.get("cost_sec")), _num(details.get("expected_gain_sec")))
+        return super().from_details(details) if "new_split" in details else None
 
 
 @dataclass(frozen=True)

@@ -146,15 +146,13 @@ class DeviceLayer:
         """Collect Python garbage (tensors held in reference cycles keep their blocks), then give the allocator's
         cached blocks back (MPS: and its graph cache)."""
         gc.collect()
-        if self.type == "cuda":
-            torch.cuda.empty_cache()
+        if self.type in ("cuda", "xpu"):
+            getattr(torch, self.type).empty_cache()
         elif self.type == "mps":
             torch.mps.empty_cache()
             clear_graph_cache = getattr(torch.mps, "clear_graph_cache", None)   # not in torch 2.13
             if clear_graph_cache is not None:
                 clear_graph_cache()
-        elif self.type == "xpu":
-            torch.xpu.empty_cache()
 
     def reset_peak(self) -> None:
         if self.type in ("cuda", "xpu"):

@@ -358,7 +358,7 @@ def _mark_restarts(ax: Axes, data: PlotData) -> None:
     for a, b in zip(edges, edges[1:]):
         inside = [data.splits[x] for x in data.splits if a < x < b]
         if inside:                  # placed with the others: stretches too narrow for their split merge into one
-            _pending(ax).append(_Label(a, inside[0], "dimgrey", "stretch", b))
+            _PENDING.setdefault(ax, []).append(_Label(a, inside[0], "dimgrey", "stretch", b))
 
 
 MAX_NAMED = 8                   # restarts named one by one on a plot; beyond that, one legend entry
@@ -641,7 +641,7 @@ def _marker(ax: Axes, x: float, words: str, color: str) -> None:
     """A dotted vertical line at ``x`` with ``words`` beside it (placed by :func:`_place_labels`: on the side with
     room, in the first row where it overlaps no other text)."""
     ax.axvline(x, color=color, ls=":", lw=1.2)
-    _pending(ax).append(_Label(x, words, color if color != "grey" else "dimgrey", "beside"))
+    _PENDING.setdefault(ax, []).append(_Label(x, words, color if color != "grey" else "dimgrey", "beside"))
 
 
 # ---------------------------------------------------------------- labels in the plot, placed by their boxes
@@ -661,12 +661,8 @@ class _Label:
     end: float = 0.0
 
 
+#: the labels waiting to be placed on each axes
 _PENDING: weakref.WeakKeyDictionary[Axes, list[_Label]] = weakref.WeakKeyDictionary()
-
-
-def _pending(ax: Axes) -> list[_Label]:
-    """The labels waiting to be placed on ``ax``."""
-    return _PENDING.setdefault(ax, [])
 
 
 def _place_labels(fig: Figure) -> None:

@@ -176,14 +176,12 @@ class Recompute(Facts):
 @dataclass(frozen=True)
 class Warmup(Facts):
     """The warmup note: the run's steps, the findings of this report that name other processes, the meter's
-    contention; once decided, its case (:func:`~hf_perf_callbacks.core.wording.warmup_case`) and figures, a compile and
-    the
-    child processes' CPU seconds outside the steady steps, the first step among the steady ones, a short run's share."""
+    contention; once decided, its figures, a compile and the child processes' CPU seconds outside the steady steps,
+    the first step among the steady ones, a short run's share."""
 
     steps: int
     contention_findings: tuple[str, ...]
     contention: Contention | None
-    case: str = ""
     warmup_steps: int | None = None
     slowdown: float | None = None
     overhead_sec: float | None = None
@@ -418,8 +416,6 @@ class WeightSync(Facts):
 class RolloutWait(Facts):
     share: float
     staleness: float | None
-    weight_sync_share: float | None
-    steady_step_sec: float | None
 
 
 @dataclass(frozen=True)

@@ -148,8 +148,7 @@ def rule_rollout_wait(m: Measurements) -> Finding | None:
     wait = _phase(m, "rollout_wait")
     if not m.grpo or m.generation_backend != ASYNC or wait < ROLLOUT_WAIT_SHARE or _too_short(m):
         return None
-    return finding("rollout_wait", "waits_for_rollouts",
-                   RolloutWait(wait, m.staleness_mean, m.weight_sync_share, m.steady_step_sec), {}, None, "medium",
+    return finding("rollout_wait", "waits_for_rollouts", RolloutWait(wait, m.staleness_mean), {}, None, "medium",
                    "try", None, stake_sec=wait * m.wall_sec if m.wall_sec else None)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from ...core.wording import warmup_case
 from ..facts import EvalShare, Interval, KeptForRecipe, Skipped, TunerHint, TuningCost, Warmup
 from ..model import Finding, Measurements, Note, Scope, card
 from ..words import finding, note
@@ -20,7 +19,7 @@ EVAL_TARGET = 0.05           # the share the advised eval_steps brings it to
 TUNING_COST_SHARE = 0.01     # a tuning that cost more than it saved, by this share of the training time: a finding
 
 #: the warmup note's cases (its ``reason``): not finished yet; the first step among the steady steps; else the
-#: warmup steps left out of the steady figures (``facts.case``: :func:`~hf_perf_callbacks.core.wording.warmup_case`)
+#: warmup steps left out of the steady figures
 WarmupReason = Literal["not_finished", "first_step_steady", "excluded"]
 
 
@@ -41,7 +40,7 @@ def rule_warmup(m: Measurements) -> Note | None:
     first = m.first_steady
     share = overhead / (m.steps * steady + overhead) if (overhead and steady and m.steps) else None
     short = bool(overhead and steady and share is not None and share >= WARMUP_SHARE and not (names or m.contention))
-    facts = Warmup(m.steps, names, m.contention, case=warmup_case(n, slow, m.warmup_in_band), warmup_steps=n,
+    facts = Warmup(m.steps, names, m.contention, warmup_steps=n,
                    slowdown=slow, overhead_sec=overhead, device_type=m.device_type,
                    latest_first_step=first.step if first else None, levels=max(1, m.split_levels),
                    in_band=m.warmup_in_band, tolerance=m.warmup_tolerance, compile=m.torch_compile,

@@ -958,9 +958,10 @@ def _no_group_variance(f: fx.NoLearning, setting: Setting) -> FindingWords:
                         _NO_LEARNING_FORMULA)
 
 
-def _off_policy_item(spg: int, steps_per_rollout: float) -> str:
-    return (f"`steps_per_generation: {2 * spg}` (now {spg}): one generate call for twice the sequences, the same "
-            f"decode steps. The cost is on-policy-ness: the rollouts then serve {2 * spg} micro-batches"
+def _doubled_generation(spg: int, gain: str, steps_per_rollout: float = 1.0) -> str:
+    """The bullet that doubles ``steps_per_generation`` (now ``spg``): what it saves (``gain``), and its cost."""
+    return (f"`steps_per_generation: {2 * spg}` (now {spg}): {gain}. The cost is on-policy-ness: the rollouts "
+            f"then serve {2 * spg} micro-batches"
             + (f" ({steps_per_rollout:g} optimizer steps)" if steps_per_rollout > 1 else "")
             + ", so the updates after the first learn from completions sampled by older weights (off-policy); "
               "TRL then computes the sampling policy's log-probabilities (one more forward over the generation "
@@ -999,7 +1000,8 @@ def _generation_bound(f: fx.GenerationBound, setting: Setting) -> FindingWords:
         lines.append("more GPUs for the vLLM server (`vllm serve ... --data-parallel-size N`): the generation batch "
                      "is spread over its engines")
     if f.optimizer_steps_per_rollout is not None and f.steps_per_generation:
-        lines.append(_off_policy_item(f.steps_per_generation, f.optimizer_steps_per_rollout))
+        lines.append(_doubled_generation(f.steps_per_generation, "one generate call for twice the sequences, the "
+                                         "same decode steps", f.optimizer_steps_per_rollout))
     if f.target is not None:
         lines.append(f"`max_completion_length: {f.target.new}` (the {TARGET_BASIS[f.target.basis]} is "
                      f"{f.target.tokens:.0f} tokens; decode steps = the longest completion of a batch)")
@@ -1030,10 +1032,8 @@ def _sync_share(f: fx.WeightSync, setting: Setting) -> FindingWords:
                  "level 2), so a second call in one step (tool-call turns, evaluation) sends them again.")
     lines: list[str] = []
     if "steps_per_generation" in setting and f.steps_per_generation:
-        spg = f.steps_per_generation
-        lines.append(f"`steps_per_generation: {2 * spg}` (now {spg}): one generation, and one sync, for twice the "
-                     f"micro-batches; the cost is on-policy-ness (the later updates learn from completions of older "
-                     f"weights, and TRL clips the importance ratio)")
+        lines.append(_doubled_generation(f.steps_per_generation, "one generation, and one sync, for twice the "
+                                         "micro-batches"))
     if "weight_sync_steps" in setting:
         lines.append(f"`weight_sync_steps: {setting['weight_sync_steps']}` (now {f.weight_sync_steps}): "
                      "half the transfers; the cost is staleness: rollouts come from older weights (up to "
@@ -1078,10 +1078,9 @@ def _reward_share(f: fx.RewardShare, setting: Setting) -> FindingWords:
              "`async def` for a reward that waits (an API, a judge, a sandbox): TRL runs its async reward functions "
              "concurrently on an event loop of their own"]
     if "steps_per_generation" in setting and f.steps_per_generation:
-        spg = f.steps_per_generation
-        items.insert(0, f"`steps_per_generation: {2 * spg}` (now {spg}): half the reward calls, each scoring twice the "
-                        "completions — pays where a call has a cost of its own (a round trip, a model load); the "
-                        "cost is on-policy-ness (the later updates learn from completions of older weights)")
+        items.insert(0, _doubled_generation(f.steps_per_generation, "half the reward calls, each scoring twice the "
+                                            "completions — pays where a call has a cost of its own (a round trip, a "
+                                            "model load)"))
     formula = (f"not predicted: the run does not tell a reward's cost per call from its cost per completion; all of "
                f"its {seconds:.1f} s of {wall:.1f} s would be {wall / max(1e-9, wall - seconds):.2f}x")
     return FindingWords("The reward functions take a large share of the wall time", obs, root, _bullets(items),

@@ -92,7 +92,7 @@ def render_markdown(findings: list[Finding], m: Measurements, notes: list[Note] 
                   "### Recommendation", "", f.recommendation, ""]
         if f.setting:
             lines += ["### Setting", "", "```yaml"]
-            lines += [f"{k}: {'null' if v is None else json.dumps(v)}" for k, v in f.setting.items()]
+            lines += [f"{k}: {json.dumps(v)}" for k, v in f.setting.items()]
             lines += ["```", ""]
         if f.env:
             lines += ["### Environment", "", "```bash"] + [f"{k}={v}" for k, v in f.env.items()] + ["```", ""]

@@ -92,12 +92,8 @@ def _sentence(parts: list[str]) -> str:
     return text[0].upper() + text[1:]
 
 
-def _value(v: object) -> str:
-    return "null" if v is None else "true" if v is True else "false" if v is False else json.dumps(v)
-
-
 def _yaml(setting: Setting) -> str:
-    return ", ".join(f"`{k}: {_value(v)}`" for k, v in setting.items())
+    return ", ".join(f"`{k}: {json.dumps(v)}`" for k, v in setting.items())
 
 
 def _pct(x: float) -> str:
@@ -539,8 +535,8 @@ def _stand_in(f: Scope) -> NoteWords:
 @_note_words("kept_for_recipe")
 def _kept_for_recipe(f: fx.KeptForRecipe) -> NoteWords:
     t = f.target
-    advised = ", ".join(f"{k}: {_value(v)}" for k, _, v in f.undone)
-    recipe = ", ".join(f"{k}: {_value(v)}" for k, v, _ in f.undone)
+    advised = ", ".join(f"{k}: {json.dumps(v)}" for k, _, v in f.undone)
+    recipe = ", ".join(f"{k}: {json.dumps(v)}" for k, v, _ in f.undone)
     return NoteWords(f"Not advised for recipe {t.recipe}: {f.finding.lower()}",
                      f"This stand-in run ({model_label(f.model)} on {f.device_type}) would advise `{advised}`, but "
                      f"the recipe sets `{recipe}` for the memory of {t.model or 'its model'} on "

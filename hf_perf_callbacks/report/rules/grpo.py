@@ -71,11 +71,11 @@ def rule_no_learning(m: Measurements) -> Finding | Note | None:
     r = m.rewards
     if r is None:
         return note("no_learning", "no_reward_data", NoRewardData(), judged=False)
-    constant = _constant_reward(r) and r.logs >= NO_LEARNING_LOGS
+    flat = _constant_reward(r)
+    constant = flat and r.logs >= NO_LEARNING_LOGS
     if not constant and m.no_signal_run < NO_LEARNING_LOGS:
-        if _constant_reward(r):
-            return note("no_learning", "too_few_logs", TooFewLogs(r.logs, r.min, NO_LEARNING_LOGS), judged=False)
-        return None
+        return note("no_learning", "too_few_logs", TooFewLogs(r.logs, r.min, NO_LEARNING_LOGS),
+                    judged=False) if flat else None
     clipped, limit = m.clipped_ratio or 0.0, m.max_completion_length
     facts = NoLearning(r.logs if constant else m.logs, m.no_signal_run, m.reward_mean, r.min, r.max, clipped)
     if constant:                                         # no setting: a length cannot move a constant reward
@@ -201,7 +201,7 @@ def rule_completion_budget(m: Measurements) -> Finding | Note | None:
                    None)
 
 
-def _constant_reward(r: Rewards | None) -> bool:
+def _constant_reward(r: Rewards) -> bool:
     """Every completion of the run scored the same: the mean reward never moved and no group had any spread."""
-    return (r is not None and r.max - r.min <= ZERO and (r.std_max or 0.0) <= ZERO
+    return (r.max - r.min <= ZERO and (r.std_max or 0.0) <= ZERO
             and (r.zero_std_min is None or r.zero_std_min >= 1.0 - 1e-9))

@@ -281,21 +281,18 @@ def _fact(header: RunHeader, name: str, skipped: list[str]) -> Any:
 Cycle = tuple[float, float, float, bool]
 
 
-def _cpu_rows(run_log: RunLog) -> list[int]:
+def _cpu_rows(walls: Sequence[float], cpus: Sequence[float], others: Sequence[float]) -> list[int]:
     """The lines with a wall time, a CPU time and the other processes' busy cores."""
-    col = run_log.column
-    walls, cpus, others = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_CPU_SEC), col(keys.PERF_OTHER_CPU_CORES)
     return [i for i, (wall, cpu, other) in enumerate(zip(walls, cpus, others))
             if wall == wall and cpu == cpu and other == other and wall > 0 and cpu > 0
             and math.isfinite(cpu / wall + other)]
 
 
-def _cores_and_threads(run_log: RunLog, header: RunHeader, rows: list[int], load: float | None,
+def _cores_and_threads(header: RunHeader, rows: list[int], walls: Sequence[float], cpus: Sequence[float],
+                       others: Sequence[float], load: float | None,
                        skipped: list[str]) -> tuple[int | None, str, int | None, str]:
     """(cores, where that count comes from, torch's threads, where that count comes from): the run header's facts,
     else the busy cores of a saturated machine and torch's default of one thread per core."""
-    col = run_log.column
-    walls, cpus, others = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_CPU_SEC), col(keys.PERF_OTHER_CPU_CORES)
     cores, cores_from = _fact(header, "cpu_cores", skipped), "run header"
     if cores is None and load is not None and load >= 1.0:
         cores = max(1, round(max(cpus[i] / walls[i] + max(0.0, others[i]) for i in rows)))
@@ -306,12 +303,11 @@ def _cores_and_threads(run_log: RunLog, header: RunHeader, rows: list[int], load
     return cores, cores_from, threads, threads_from
 
 
-def _cycles(run_log: RunLog, rows: list[int], period: int) -> list[Cycle]:
+def _cycles(run_log: RunLog, rows: list[int], period: int, walls: Sequence[float],
+            cpus: Sequence[float]) -> list[Cycle]:
     """The whole cycles of ``period`` steps among ``rows`` (GRPO counts a cycle's tokens at its start)."""
-    col = run_log.column
-    numbers, tokens = run_log.step_numbers(), col(keys.PERF_TOKENS)
+    numbers, tokens = run_log.step_numbers(), run_log.column(keys.PERF_TOKENS)
     steady_set = set(_steady(run_log))
-    walls, cpus = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_CPU_SEC)
     cycles: list[Cycle] = []
     for _, group in itertools.groupby(rows, key=lambda i: (numbers[i] - 1) // period):
         lines = list(group)
@@ -342,15 +338,15 @@ def _machine(run_log: RunLog, header: RunHeader, skipped: list[str]) -> Machine 
     them: a saturated machine's busy cores, one thread per core). The spreads are over whole cycles of the header's
     ``period`` steps, the steady ones (without :data:`MIN_MACHINE_CYCLES` of them, all but the first); None without
     CPU time in the step lines."""
-    rows = _cpu_rows(run_log)
-    if not rows:
-        return None
     col = run_log.column
     walls, cpus, others = col(keys.PERF_STEP_WALL_SEC), col(keys.PERF_CPU_SEC), col(keys.PERF_OTHER_CPU_CORES)
+    rows = _cpu_rows(walls, cpus, others)
+    if not rows:
+        return None
     loads = finite(col(keys.PERF_LOAD_PER_CORE)[i] for i in rows)
     load = statistics.median(loads) if loads else None
-    cores, cores_from, threads, threads_from = _cores_and_threads(run_log, header, rows, load, skipped)
-    spread, cpu_spread, lower_bound = _cycle_spread(_cycles(run_log, rows, max(1, header.period or 1)))
+    cores, cores_from, threads, threads_from = _cores_and_threads(header, rows, walls, cpus, others, load, skipped)
+    spread, cpu_spread, lower_bound = _cycle_spread(_cycles(run_log, rows, max(1, header.period or 1), walls, cpus))
     return Machine(steps=len(rows), busy=statistics.median(cpus[i] / walls[i] for i in rows),
                    other=statistics.median(max(0.0, others[i]) for i in rows), load=load, cores=cores,
                    cores_from=cores_from, threads=threads, threads_from=threads_from, spread=spread,

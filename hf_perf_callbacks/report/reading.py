@@ -93,9 +93,8 @@ def _spread(column: Iterable[float]) -> tuple[int, float, float, float]:
 
 
 def _rewards(logs: Sequence[Mapping[str, Any]]) -> Rewards | None:
-    """GRPO's reward statistics over the training logs: the range of the mean reward, the largest within-group
-    spread (``reward_std``), the smallest share of groups without spread (``frac_reward_zero_std``), each reward
-    function's range (``rewards/<name>/mean``); None when the logs hold no reward."""
+    """:class:`~.model.Rewards` of the training logs (a function's range: ``rewards/<name>/mean``); None when the logs
+    hold no reward."""
     means = _values(logs, "reward")
     if not means:
         return None
@@ -522,15 +521,6 @@ def _tuner_readings(run_log: RunLog, skipped: list[str]) -> TunerReadings:
                          if tuner else [], tuner_hint=hint)
 
 
-def _figure_readings(f: Figures) -> FigureReadings:
-    return FigureReadings(steps=f.steps, warmup_steps=f.warmup_steps, warmup_done=f.warmup_done,
-                          warmup_overhead_sec=f.warmup_overhead_sec, first_step_slowdown=f.first_step_slowdown,
-                          steady_step_sec=f.steady_step_sec, steady_tokens_per_sec=f.steady_tokens_per_sec, mfu=f.mfu,
-                          phases=dict(f.phases), mem_high_water_gb=f.high_water_gb, mem_budget_gb=f.budget_gb,
-                          steady_steps=len(f.steady_steps) if f.warmup_done else 0, warmup_in_band=f.warmup_in_band,
-                          warmup_tolerance=f.warmup_tolerance)
-
-
 def measurements(run_log: RunLog) -> Measurements:
     """Reduce a parsed run log to what the rules look at (plus ``tuner_split.json``: the tuner's decisions).
 
@@ -544,8 +534,14 @@ def measurements(run_log: RunLog) -> Measurements:
     grpo = bool(run.grpo)
     train_sec = sum(finite(run_log.column(keys.PERF_TRAIN_SEC)))
     scope, phases = _scope_readings(run_log, run), _phase_readings(run_log)
-    groups = (_figure_readings(f), _geometry(run_log, run), _step_counts(run_log, grpo),
-              _memory_readings(run_log), _trainer_readings(run_log, grpo), _tuner_readings(run_log, skipped),
+    groups = (FigureReadings(steps=f.steps, warmup_steps=f.warmup_steps, warmup_done=f.warmup_done,
+                             warmup_overhead_sec=f.warmup_overhead_sec, first_step_slowdown=f.first_step_slowdown,
+                             steady_step_sec=f.steady_step_sec, steady_tokens_per_sec=f.steady_tokens_per_sec,
+                             mfu=f.mfu, phases=dict(f.phases), mem_high_water_gb=f.high_water_gb,
+                             mem_budget_gb=f.budget_gb, steady_steps=len(f.steady_steps) if f.warmup_done else 0,
+                             warmup_in_band=f.warmup_in_band, warmup_tolerance=f.warmup_tolerance),
+              _geometry(run_log, run), _step_counts(run_log, grpo), _memory_readings(run_log),
+              _trainer_readings(run_log, grpo), _tuner_readings(run_log, skipped),
               _generation_readings(run_log, run, skipped), phases, scope,
               _compile_readings(run_log, f, scope.torch_compile))
     return Measurements(

@@ -795,18 +795,16 @@ def _fixed_length(f: fx.FixedLength, setting: Setting) -> FindingWords:
         items = [f"let `SFTTrainer`'s own collator pad per batch: drop the fixed-length `data_collator` (and "
                  f"`padding='max_length'` in any tokenization of your own), keeping `max_length: {length}` to bound "
                  "the longest",
-                 "`padding_free: true` (flash attention) or `packing: true`: no padding at all",
-                 "then `train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before): "
-                 "similar lengths in a batch pad less"]
+                 "`padding_free: true` (flash attention) or `packing: true`: no padding at all"]
     else:
         items = ["pad per batch, to the longest sequence of each batch: tokenize without `padding='max_length'` and "
                  "collate with `DataCollatorWithPadding(tokenizer)` (causal LM: `DataCollatorForLanguageModeling("
                  f"tokenizer, mlm=False)`) and no fixed `max_length` (keep `truncation=True, max_length={length}` to "
                  "bound the longest)",
                  "with TRL's `SFTTrainer`: its own collator pads per batch (pass no `data_collator`); `padding_free: "
-                 "true` or `packing: true` removes the padding altogether",
-                 "then `train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before): "
-                 "similar lengths in a batch pad less"]
+                 "true` or `packing: true` removes the padding altogether"]
+    items.append("then `train_sampling_strategy: group_by_length` (transformers 5; `group_by_length: true` before): "
+                 "similar lengths in a batch pad less")
     formula = ("not predicted: per-batch padding keeps the padding up to each batch's longest sequence, which the "
                "log does not record, and a step's costs that do not shrink with its positions (the optimizer step, "
                "per-micro-batch work outside the model's matmuls) cannot be told from those that do in a log padded "

@@ -343,10 +343,8 @@ STRETCH_RATIO = 0.2       # a stretch's wall/CPU above its split's other steady 
 
 @dataclass(frozen=True)
 class SplitLevel:
-    """The steady level of one stretch of steps run at one split (consecutive step lines with the same
-    ``tuner/micro_batch`` × ``tuner/grad_accum``; a run without them is one stretch): its first and last step, its
-    steady steps, Σ tokens / Σ training seconds over them (the level drawn) and the median rate of its steady steps
-    (GRPO: of its generation cycles; what a slow stretch is judged against: a long slow stretch does not move it)."""
+    """A split's level (see the module docstring; a run whose lines name no split is one stretch): its first and
+    last step, its steady steps, the level drawn and the median rate a slow stretch is judged against."""
 
     split: str | None            # "4×2"; None: the step lines name no split
     first: int
@@ -358,12 +356,8 @@ class SplitLevel:
 
 @dataclass(frozen=True)
 class SlowStretch:
-    """At least :data:`SLOW_MIN_STEPS` consecutive steady steps of one split, each (GRPO: each generation cycle)
-    below :data:`SLOW_SHARE` of the split's median rate (steps the meter already counted as early contention left
-    out). ``lost_sec``: their training seconds minus the seconds their tokens take at the split's median rate.
-    ``cause``: "contention" where their median wall/CPU ratio stands :data:`STRETCH_RATIO` above that of the split's
-    steady steps at its speed (none of them slow; CPU device: the process was runnable, not running), else
-    "unexplained" (its CPU time rose with the wall time, or no CPU time is the work: a GPU)."""
+    """A slow stretch (see the module docstring), the steps the meter already counted as early contention left out;
+    its ``cause`` is "unexplained" also where no CPU time is the work (a GPU)."""
 
     first: int
     last: int

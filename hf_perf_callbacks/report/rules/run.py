@@ -23,16 +23,11 @@ TUNING_COST_SHARE = 0.01     # a tuning that cost more than it saved, by this sh
 WarmupReason = Literal["not_finished", "first_step_steady", "excluded"]
 
 
-def _contention_names(m: Measurements) -> list[str]:
-    """The findings of this report that name other processes (oversubscription, contention)."""
-    return [name for name, rule in (("oversubscription", rule_oversubscription), ("contention", rule_contention))
-            if isinstance(rule(m), Finding)]
-
-
 @card(note="always a note, from the meter's figures (\"not finished after N steps\" while it is)")
 def rule_warmup(m: Measurements) -> Note | None:
     slow, overhead, steady, n = m.first_step_slowdown, m.warmup_overhead_sec, m.steady_step_sec, m.warmup_steps
-    names = tuple(_contention_names(m))
+    names = tuple(name for name, rule in (("oversubscription", rule_oversubscription), ("contention", rule_contention))
+                  if isinstance(rule(m), Finding))             # this report's findings that name other processes
     if m.warmup_done is False or (n is None and (slow is not None or overhead is not None)):
         return note("warmup", "not_finished", Warmup(m.steps, names, m.contention), judged=False)   # no steady figures
     if slow is None and overhead is None:

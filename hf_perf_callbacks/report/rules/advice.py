@@ -20,11 +20,6 @@ SWAP_GROWTH_GB = 0.25
 HIGH_WATER_FRACTION = 0.75   # CUDA: reserved ≫ allocated only matters this close to the budget
 
 
-def _amdahl(share: float, speedup: float) -> float:
-    """End-to-end speed-up when a part taking ``share`` of the time gets ``speedup`` times faster."""
-    return 1.0 / ((1.0 - share) + share / speedup)
-
-
 def _saved(m: Measurements, gain: float | None) -> float | None:
     """The wall seconds a change of this run's ``gain`` saves: wall × (1 − 1/gain)."""
     return m.wall_sec * (1 - 1 / gain) if gain and gain > 0 and m.wall_sec else None
@@ -105,22 +100,16 @@ def _split_setting(m: Measurements, split: Split) -> Setting:
     return setting
 
 
-def _memory_hits(m: Measurements) -> list[MemoryHit]:
-    """Every micro-batch that hit the memory limit: the tuner's ``oom``, ``watchdog`` and ``memory_check``
-    decisions, its trials that did not fit, the watchdog's stops and smaller-batch requests."""
+def _memory_cap(m: Measurements) -> tuple[int | None, MemoryHit | None]:
+    """The largest micro-batch any advice may name — one below the smallest that hit the memory limit (the tuner's
+    ``oom``, ``watchdog`` and ``memory_check`` decisions, its trials that did not fit, the watchdog's stops and
+    smaller-batch requests) — and that hit; (None, None) when nothing hit the memory limit."""
     hits = [MemoryHit(d.old.micro_batch, d.kind, d.step, d.reason) for d in m.memory_limits]
     hits += [MemoryHit(t.split.micro_batch, "trial", split=split_label(t.split), error=t.error)
              for t in (m.tune.trials if m.tune else []) if not t.fits or (t.error and "memory" in t.error.lower())]
     if not m.memory_limits and m.micro_batch:
         hits += [MemoryHit(m.micro_batch, str(a.get("action")), a.get("step")) for a in m.watchdog_actions
                  if a.get("action") in ("smaller_batch", "stop")]
-    return hits
-
-
-def _memory_cap(m: Measurements) -> tuple[int | None, MemoryHit | None]:
-    """The largest micro-batch any advice may name — one below the smallest that hit the memory limit
-    (:func:`_memory_hits`) — and that hit; (None, None) when nothing hit the memory limit."""
-    hits = _memory_hits(m)
     if not hits:
         return None, None
     hit = min(hits, key=lambda h: h.micro_batch)

@@ -13,7 +13,6 @@ from ..facts import DuplicateForward, FixedLength, InputBound, MemoryCap, Paddin
 from ..model import Finding, Measurements, Note, Setting, card
 from ..words import finding, note
 from .advice import (
-    _amdahl,
     _memory_cap,
     _phase,
     _saved,
@@ -104,7 +103,7 @@ def rule_duplicate_forward(m: Measurements) -> Finding | None:
     if f is None or f <= DUPLICATE_FORWARDS:
         return None
     c = _phase(m, "compute") or 1.0
-    predicted = _amdahl(c, f)
+    predicted = 1.0 / ((1.0 - c) + c / f)              # compute, c of the time, runs f forwards where 1 would do
     gain, basis, confidence, calibration = _calibrated("duplicate_forward", m, predicted)
     return finding("duplicate_forward", "grad_forwards", DuplicateForward(f, c, predicted, calibration), {}, gain,
                    confidence, basis, predicted, stake_sec=_saved(m, predicted))

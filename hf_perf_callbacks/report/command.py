@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from ..core.runlog import ReportError, RunLog, read_run
+from ..core.runlog import ReportError, read_run
 from .plots import plot_all
 from .render import console_summary, write_analysis
 from .summary import summarize
@@ -35,7 +35,15 @@ def report_command(output_dir: str, plots: bool = True, summary: bool = True) ->
     missing_matplotlib = plots and not _matplotlib_imports()
     try:
         run = read_run(output_dir)
-        print_report(run, plots=plots and not missing_matplotlib, summary=summary)
+        if summary:
+            print(summarize(run))
+        if plots and not missing_matplotlib:
+            written, skipped = plot_all(run, None)
+            print("plots:")
+            for png in written:
+                print(f"  {png}")
+            for note in skipped:
+                print(f"  ({note})")
     except ReportError as error:
         print(f"hf-perf report: {error}", file=sys.stderr)
         return 2
@@ -49,16 +57,3 @@ def report_command(output_dir: str, plots: bool = True, summary: bool = True) ->
     print(console_summary(findings, notes=notes))
     print(f"analysis: {path}")
     return 0
-
-
-def print_report(run: RunLog, plots: bool = True, summary: bool = True) -> None:
-    """Print the summary of a parsed run and write its plots (listing them); raises :class:`ReportError`."""
-    if summary:
-        print(summarize(run))
-    if plots:
-        paths, notes = plot_all(run, None)
-        print("plots:")
-        for path in paths:
-            print(f"  {path}")
-        for note in notes:
-            print(f"  ({note})")

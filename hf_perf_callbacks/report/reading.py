@@ -254,18 +254,6 @@ def _trainer_kind(logs: Sequence[Mapping[str, Any]]) -> str | None:
     return None
 
 
-def _malformed_values(run_log: RunLog) -> list[str]:
-    """The step lines' values that are not numbers (every metric is one), counted per key, and the unreadable lines."""
-    bad: dict[str, int] = {}
-    for s in run_log.unique_steps():
-        for k in s.non_numbers():
-            bad[k] = bad.get(k, 0) + 1
-    out = [f"`{k}` is not a number on {n} step line(s)" for k, n in sorted(bad.items())]
-    if run_log.skipped_lines:
-        out.append(f"{run_log.skipped_lines} unreadable line(s) in {keys.PERF_LOG}")
-    return out
-
-
 def _fact(header: RunHeader, name: str, skipped: list[str]) -> Any:
     """A run-header fact by name, None when absent; one of another type (kept in ``malformed`` by the reader) is
     noted in ``skipped``."""
@@ -366,11 +354,19 @@ def _split_file(run_log: RunLog, skipped: list[str]) -> SplitFile | None:
 
 
 def _skipped(run_log: RunLog) -> list[str]:
-    """The run's fields of another type than this version reads, and its unreadable lines, in words."""
+    """The run's fields of another type than this version reads (a step line's value that is not a number, counted
+    per key: every metric is one), and its unreadable lines, in words."""
     skipped = [f"run header `{k}` is {v!r}" for h in run_log.headers for k, v in h.malformed.items()]
     skipped += [f"the {source} summary's `{k}` is {v!r}" for source, line in sorted(run_log.summaries.items())
                 for k, v in line.malformed.items()]
-    return skipped + _malformed_values(run_log)
+    bad: dict[str, int] = {}
+    for s in run_log.unique_steps():
+        for k in s.non_numbers():
+            bad[k] = bad.get(k, 0) + 1
+    skipped += [f"`{k}` is not a number on {n} step line(s)" for k, n in sorted(bad.items())]
+    if run_log.skipped_lines:
+        skipped.append(f"{run_log.skipped_lines} unreadable line(s) in {keys.PERF_LOG}")
+    return skipped
 
 
 def _step_counts(run_log: RunLog, grpo: bool) -> StepCounts:

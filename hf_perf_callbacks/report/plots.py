@@ -311,9 +311,8 @@ STRETCH_COLORS = {"contention": "tab:red", "unexplained": "tab:orange"}
 
 
 def _shade_stretches(ax: Axes, data: PlotData) -> None:
-    """Shade the run's slow stretches (:func:`~hf_perf_callbacks.report.figures.slow_stretches`: at least
-    ``SLOW_MIN_STEPS`` consecutive steady steps below ``SLOW_SHARE`` of their split's median speed), one
-    legend entry per cause with the steps and the seconds lost: other processes, or unexplained."""
+    """Shade the run's slow stretches (:func:`~hf_perf_callbacks.report.figures.slow_stretches`), one legend entry
+    per cause with the steps and the seconds lost: other processes, or unexplained."""
     stretches = slow_stretches(data.run)
     for cause, color in STRETCH_COLORS.items():
         mine = [s for s in stretches if s.cause == cause]

@@ -63,12 +63,6 @@ def rule_saving(m: Measurements) -> Finding | None:
                    lower_bound=True, stake_sec=spaced.saved_sec)
 
 
-def _user_callbacks(m: Measurements) -> list[tuple[str, float, dict[str, float]]]:
-    """The user's callback classes by their seconds, the costliest first: (class, seconds, event → seconds)."""
-    out = [(name, sum(by_event.values()), by_event) for name, by_event in m.callback_sec.items()]
-    return sorted((c for c in out if c[1] > 0), key=lambda c: -c[1])
-
-
 @card(finding=f"the user's callbacks and logging ≥ {CALLBACK_SHARE:.0%} of the wall time (`perf/phase_sec/"
               "user_callbacks`, `perf/phase_sec/log`, each callback class's seconds) → `logging_steps` when the time "
               "is in `on_log`; else the callback named",
@@ -78,7 +72,8 @@ def rule_callbacks(m: Measurements) -> Finding | None:
     wall, user, log = m.wall_sec or 0.0, m.phase_sec.get("user_callbacks", 0.0), m.phase_sec.get("log", 0.0)
     if wall <= 0 or (user + log) / wall < CALLBACK_SHARE or not m.steps:
         return None
-    classes = _user_callbacks(m)
+    classes = sorted(((name, sec, by_event) for name, by_event in m.callback_sec.items()    # the costliest first
+                      if (sec := sum(by_event.values())) > 0), key=lambda c: -c[1])
     times = CallbackTimes(user, log, wall, tuple(
         (name, sec, tuple((e, t) for e, t in sorted(by_event.items(), key=lambda x: -x[1]) if t > 0))
         for name, sec, by_event in classes))

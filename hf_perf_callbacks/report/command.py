@@ -19,20 +19,17 @@ NO_MATPLOTLIB = ("plots: skipped, matplotlib is not installed (pip install 'hf-p
                  "skips them without this line)")
 
 
-def _matplotlib_imports() -> bool:
-    try:
-        import matplotlib  # noqa: F401 - only whether it imports
-    except ImportError:
-        return False
-    return True
-
-
 def report_command(output_dir: str, plots: bool = True, summary: bool = True) -> int:
     """Print the run's summary and write its plots, then write ``perf_report.md`` and print the top findings.
     ``summary=False``: without the summary (a run that just printed its callbacks' summaries: the demo, the recipe
     launcher). 0 on success (also when the plots were skipped for want of matplotlib), 2 (message on stderr) when
     the directory cannot be reported on, 1 when only the analysis failed."""
-    missing_matplotlib = plots and not _matplotlib_imports()
+    missing_matplotlib = False
+    if plots:
+        try:
+            import matplotlib  # noqa: F401 - only whether it imports
+        except ImportError:
+            missing_matplotlib = True
     try:
         run = read_run(output_dir)
         if summary:

@@ -208,12 +208,6 @@ def activation_bytes_per_token(model: ModelLike, dtype_bytes: int, activation_ch
     return layers * layer_activation_bytes(shape, dtype_bytes, lora_input_bytes, lora_targets)
 
 
-def _check_head(lm_head: str) -> None:
-    if lm_head not in HEAD_TILE_TEMP_BYTES:
-        raise ValueError(f"lm_head={lm_head!r} is not allowed: use one of {sorted(HEAD_TILE_TEMP_BYTES)} "
-                         f"('triton' on CUDA/XPU with Triton, 'torch' on MPS and CPU)")
-
-
 def logits_bytes_per_token(model: ModelLike, dtype_bytes: int = 2, lm_head: str = "torch") -> int:
     """What TRL's chunked log-prob head holds per scored token, below ``HEAD_TOKEN_CHUNK`` tokens: its tile buffer,
     always ``HEAD_VOCAB_CHUNK`` columns wide (``HEAD_VOCAB_CHUNK × dtype_bytes``), the temporaries of one tile
@@ -221,7 +215,9 @@ def logits_bytes_per_token(model: ModelLike, dtype_bytes: int = 2, lm_head: str 
     state it keeps with its fp32 gradient, ``hidden × (dtype_bytes + 4)``."""
     vocab, hidden = ModelShape.of(model).ints("vocab", "hidden")
     check_number("dtype_bytes", dtype_bytes, low=1, integer=True)
-    _check_head(lm_head)
+    if lm_head not in HEAD_TILE_TEMP_BYTES:
+        raise ValueError(f"lm_head={lm_head!r} is not allowed: use one of {sorted(HEAD_TILE_TEMP_BYTES)} "
+                         f"('triton' on CUDA/XPU with Triton, 'torch' on MPS and CPU)")
     tile = HEAD_VOCAB_CHUNK * dtype_bytes + min(vocab, HEAD_VOCAB_CHUNK) * HEAD_TILE_TEMP_BYTES[lm_head]
     return tile + hidden * (dtype_bytes + 4)
 

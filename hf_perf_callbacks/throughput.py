@@ -366,11 +366,6 @@ class ThroughputMeter(PerfCallback):
     _run: Made[MeterRun] = Made("run")
     _step: Made[MeterStep] = Made("counters")
 
-    @property
-    def device(self) -> DeviceLayer | None:
-        """The device this ``train()`` call measures (None before one began)."""
-        return self.run.device if self.run is not None else None
-
     # ------------------------------------------------------------ setup
     @hook
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None,

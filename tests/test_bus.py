@@ -9,7 +9,7 @@ import pytest
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import ThroughputMeter, default_callbacks, keys
-from hf_perf_callbacks.common.base import PerfCallback
+from hf_perf_callbacks.common.base import PerfCallback, hook
 from hf_perf_callbacks.common.bus import RunBus
 from hf_perf_callbacks.common.merger import is_training_log
 from hf_perf_callbacks.core.runlog import CALLBACK_PREFIXES, TRAINER_LOG
@@ -70,7 +70,7 @@ class Exploding(PerfCallback):
         super().__init__()
         self.calls = 0
 
-    @PerfCallback.hook
+    @hook
     def on_step_end(self, args, state, control, **kwargs):
         self.calls += 1
         if self.calls == 3:

@@ -143,12 +143,12 @@ def test_the_callbacks_own_time_between_steps_is_not_data_wait(tokenizer, tmp_pa
     their wall time, and the work after the last step is the run's tail (the summary's)."""
     from transformers import TrainerCallback
 
-    from hf_perf_callbacks.common.base import PerfCallback
+    from hf_perf_callbacks.common.base import PerfCallback, hook
 
     clock = PlantedClock()                             # the callbacks' one clock: it times their own work too
 
     class SlowOwn(PerfCallback):
-        @PerfCallback.hook
+        @hook
         def on_step_end(self, args, state, control, **kwargs):
             clock.spend(100.0)
 

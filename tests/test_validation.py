@@ -57,7 +57,7 @@ def test_the_constructors_shell_is_written_at_the_constructor_and_nowhere_else()
     """``@arguments`` names the class and the key of a bad argument where it is written; base.py rewraps nothing
     out of sight: a subclass's undecorated constructor raises Python's own error."""
     import hf_perf_callbacks
-    from hf_perf_callbacks.common.base import ArgumentError, PerfCallback
+    from hf_perf_callbacks.common.base import ArgumentError, PerfCallback, arguments
 
     for name in ("ThroughputMeter", "MemoryWatchdog", "MPSCacheClearer", "AdaptiveBatchTuner"):
         assert hasattr(getattr(hf_perf_callbacks, name).__init__, "__wrapped__"), name
@@ -68,7 +68,7 @@ def test_the_constructors_shell_is_written_at_the_constructor_and_nowhere_else()
             self.size = size
 
     class Shelled(PerfCallback):
-        @PerfCallback.arguments
+        @arguments
         def __init__(self, size: int = 1):
             super().__init__()
             self.size = size

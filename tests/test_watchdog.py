@@ -12,7 +12,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_perf_callbacks import MemoryWatchdog, MPSCacheClearer, keys
-from hf_perf_callbacks.common.base import PerfCallback
+from hf_perf_callbacks.common.base import PerfCallback, hook
 from hf_perf_callbacks.platform.device import GB, DeviceLayer, MemorySample
 from hf_perf_callbacks.platform.macos import MacMemorySample
 from tests.conftest import make_grpo, make_trainer
@@ -173,7 +173,7 @@ class FakeTuner(PerfCallback):
         super().__init__()
         self.requests = []
 
-    @PerfCallback.hook
+    @hook
     def on_train_begin(self, args, state, control, **kwargs):
         self.bus.requests.on_smaller_batch_request(self.shrink)
 

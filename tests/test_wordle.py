@@ -241,9 +241,12 @@ def test_reward_funcs_called_like_trl() -> None:
 
 
 def test_recipe_launcher_uses_the_same_rewards() -> None:
-    from hf_perf_callbacks.train import arguments
+    import importlib
 
-    assert arguments.WORDLE_REWARDS == tuple(f"{f.__module__}.{f.__name__}" for f in REWARD_FUNCS)
+    from hf_perf_callbacks.train.arguments import RecipeArguments
+
+    paths = [p.rpartition(".") for p in RecipeArguments().reward_funcs]
+    assert [getattr(importlib.import_module(module), name) for module, _, name in paths] == REWARD_FUNCS
 
 
 # --------------------------------------------------------------------------- dataset

@@ -173,10 +173,6 @@ class Made(Generic[T]):
 class PerfCallback(TrainerCallback, ExportableState):
     """Base class of the package's callbacks."""
 
-    #: the shells of every trainer event (:func:`hook`) and of a constructor (:func:`arguments`), also as
-    #: ``@PerfCallback.hook`` and ``@PerfCallback.arguments``
-    hook = staticmethod(hook)
-    arguments = staticmethod(arguments)
     source = "perf"
     exchange_width = 0                   # floats this callback gathers across ranks once per optimizer step
 

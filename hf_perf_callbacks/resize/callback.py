@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from .. import keys
-from ..common.base import Clock, PerfCallback
+from ..common.base import Clock, PerfCallback, arguments, hook
 from ..core.memory import budget_bytes
 from ..core.runlog import SPLIT_FILE, NoteDetails
 from ..core.validation import check_flag, check_number
@@ -73,7 +73,7 @@ class AdaptiveBatchTuner(PerfCallback):
 
     source = "tuner"
 
-    @PerfCallback.arguments
+    @arguments
     def __init__(self, tune: bool = True, samples: int = SAMPLES, max_rounds: int = 3,
                  max_micro_batch: int | None = None, patience: int = 1, rank_by: str = "non_generation",
                  must_pay: bool = True, memory_check: bool | None = None, clock: Clock | None = None,
@@ -103,7 +103,7 @@ class AdaptiveBatchTuner(PerfCallback):
         self._resumed = False
 
     # ------------------------------------------------------------ events
-    @PerfCallback.hook
+    @hook
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: torch.nn.Module | None = None, train_dataloader: DataLoader[Any] | None = None,
                        **kwargs: Any) -> None:
@@ -140,7 +140,7 @@ class AdaptiveBatchTuner(PerfCallback):
             raise RuntimeError("AdaptiveBatchTuner has no executor yet: it finds one at on_train_begin")
         return self.executor
 
-    @PerfCallback.hook
+    @hook
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         resumed, self._resumed = self._resumed, False
@@ -148,7 +148,7 @@ class AdaptiveBatchTuner(PerfCallback):
         if rng is not None:
             set_rng_state(rng)                           # the epoch's iterator draws what it drew before the resume
 
-    @PerfCallback.hook
+    @hook
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
         self._executor.step_begins(state.global_step)
@@ -157,22 +157,22 @@ class AdaptiveBatchTuner(PerfCallback):
             self._started = self.clock.wall()
             self.generation.reset()
 
-    @PerfCallback.hook
+    @hook
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                               **kwargs: Any) -> None:
         self.in_optimizer_step = True
 
-    @PerfCallback.hook
+    @hook
     def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                           **kwargs: Any) -> None:
         self.in_optimizer_step = False
 
-    @PerfCallback.hook
+    @hook
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """transformers wrote checkpoint-N (on_save follows a whole _save_checkpoint): this run's, if complete."""
         self._executor.saved(state.global_step)
 
-    @PerfCallback.hook
+    @hook
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         step = state.global_step
         split, resizes = self._executor.step_ends(step)
@@ -222,7 +222,7 @@ class AdaptiveBatchTuner(PerfCallback):
             control.should_training_stop = True
         return plan.new is not None and plan.action in ("resize", "none")
 
-    @PerfCallback.hook
+    @hook
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         self.close()

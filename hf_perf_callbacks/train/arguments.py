@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from .. import CALLBACKS
 from ..core.validation import did_you_mean
+from ..tasks.wordle import REWARD_FUNCS
 from . import schema
 
 if TYPE_CHECKING:
     from trl import TrlParser
 
-WORDLE_REWARDS = tuple(f"hf_perf_callbacks.tasks.wordle.{name}" for name in (
-    "format_reward", "valid_word_reward", "letters_reward", "consistency_reward", "solved_reward"))  # REWARD_FUNCS
+WORDLE_REWARDS = tuple(f"{f.__module__}.{f.__name__}" for f in REWARD_FUNCS)
 TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
 FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 

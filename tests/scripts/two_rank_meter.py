@@ -9,6 +9,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hf_perf_callbacks import AdaptiveBatchTuner, MemoryWatchdog, ThroughputMeter, keys, train_with_tuning
+from hf_perf_callbacks.common.base import hook
 from hf_perf_callbacks.tiny import build_tokenizer
 from tests.conftest import CORPUS, PlantedClock, length_reward, make_grpo, make_trainer
 from tests.test_tuner import CUDA_OOM, MPS_OOM, PlantedOOM, PlantedStepTime
@@ -19,7 +20,7 @@ def rates(meter):
 
 
 class RecordingMeter(ThroughputMeter):
-    @ThroughputMeter.hook
+    @hook
     def on_step_end(self, args, state, control, **kwargs):
         super().on_step_end(args, state, control, **kwargs)
         self.rates = getattr(self, "rates", []) + [self.timeline.tokens_per_sec or 0.0]

@@ -359,17 +359,13 @@ class RunCheckpoints:
         """A switch resumed from ``checkpoint-<step>`` (``wrote``: written for the switch, not by a save the run
         makes anyway). The newest such checkpoint stays as the run's fallback; older ones are removed. True when
         the written list changed."""
-        keep = step if wrote or step in self.switch_steps else None
-        changed = self.drop_switch(keep)
-        if keep is not None:
-            self.switch_steps = [keep]
-        return changed
+        return self.drop_switch(step if wrote or step in self.switch_steps else None)
 
     def drop_switch(self, keep: int | None = None) -> bool:
         """Remove the checkpoints written only for switches (main process; the run's own saves stay), but the one of
-        step ``keep``. True when any was removed."""
+        step ``keep``, which stays as the only switch checkpoint. True when any was removed."""
         steps = [s for s in self.switch_steps if s != keep]
-        self.switch_steps = [s for s in self.switch_steps if s == keep]
+        self.switch_steps = [keep] if keep is not None else []
         if not steps:
             return False
         if is_main_process():

@@ -350,19 +350,18 @@ class OnRunTuning:
         self.block = []
         if self.candidate is None:                 # the baseline's first block: choose the first candidate
             return self._next_candidate(step) or self._finish(self.note)
-        if self.current == self.baseline:          # an interleaving block of the baseline: the candidate again
-            if self._affordable(step):
-                return Switch(self.candidate, "measuring again (interleaved)")
-            return self._leave(step, Why("not_separable", {"candidate": str(self.candidate)}))
-        candidate, base = self.trials[self.candidate], self.trials[self.baseline]
-        candidate.p_value, candidate.gain, faster = judge(candidate.samples, base.samples, ALPHA / self.max_rounds)
-        self.rounds += 1
-        if faster:
-            return self._keep(step, self.candidate)
-        if self.rounds >= self.max_rounds:
-            return self._leave(step, Why("not_faster", {"candidate": str(self.candidate), "rounds": self.rounds}))
+        if self.current != self.baseline:          # a block of the candidate: judged against all of the baseline's
+            candidate, base = self.trials[self.candidate], self.trials[self.baseline]
+            candidate.p_value, candidate.gain, faster = judge(candidate.samples, base.samples, ALPHA / self.max_rounds)
+            self.rounds += 1
+            if faster:
+                return self._keep(step, self.candidate)
+            if self.rounds >= self.max_rounds:
+                return self._leave(step, Why("not_faster", {"candidate": str(self.candidate), "rounds": self.rounds}))
         if not self._affordable(step):
             return self._leave(step, Why("not_separable", {"candidate": str(self.candidate)}))
+        if self.current == self.baseline:          # an interleaving block of the baseline: the candidate again
+            return Switch(self.candidate, "measuring again (interleaved)")
         return Switch(self.baseline, "measuring the baseline again (interleaved)")
 
     def _keep(self, step: int, kept: Split) -> Switch | Finished:

@@ -475,8 +475,6 @@ class OnRunTuning:
         - once it is measured: its median gain over the baseline plus the standard error of that difference
           (0.93 × the two interquartile ranges averaged × √(1/n_baseline + 1/n_candidate)): the most its samples
           still allow. A candidate that cannot pay for another round even at that gain is left.
-
-        The interquartile range of fewer than four samples is estimated from their range (:func:`spread_width`).
         """
         base = self.trials[self.baseline].samples
         trial = self.trials.get(self.candidate) if self.candidate is not None else None
@@ -499,8 +497,6 @@ class OnRunTuning:
         return left * self.saving_figures()[0] > self.round_cost() * self._margin()
 
     def _margin(self) -> float:
-        """How many times its reckoned cost a round must plausibly save: :data:`PRIOR_MARGIN` until a switch of
-        this run was measured, then 1."""
         return 1.0 if self.switch_seconds else PRIOR_MARGIN
 
     def _cannot_pay_note(self, step: int) -> Why:

@@ -170,7 +170,6 @@ def resume_point(resume: str | bool | None, output_dir: str, restarts: int = 0) 
 
 
 def _checked_resume(resume: str | bool | None, output_dir: str) -> str | None:
-    """The checkpoint to resume from: complete, or a clear error; ``True``/``"last"`` finds the newest complete one."""
     if resume is None or resume is False:
         return None
     if resume is True or resume == "last":
@@ -229,12 +228,11 @@ class RunCheckpoints:
         the error raised (a save cut short is moved aside by the trainer's save guard: ``outputdir``). ``switch``:
         written only to switch splits (see the module docstring for where it goes, and for a user's checkpoint of
         the weights alone)."""
-        output_dir = self.output_dir
-        path, main = checkpoint_dir(output_dir, step), is_main_process()
+        path, main = checkpoint_dir(self.output_dir, step), is_main_process()
         ours = self.is_ours(step)
         if ours and self.resumable(step, bool(trainer.args.save_only_model)):
             return self.location(step), False
-        target = switch_dir(output_dir, step) if ours else path
+        target = switch_dir(self.output_dir, step) if ours else path
         if main:
             _clear(target, step, ours)
         current = rng_state()
@@ -279,9 +277,8 @@ class RunCheckpoints:
         return path
 
     def record(self, step: int, whole: bool = False) -> bool:
-        """Record ``checkpoint-<step>`` as this run's, with its fingerprint, when it is complete (checked by the
-        main process, which writes it; the other ranks take its word). ``whole``: saved by the run itself, with the
-        whole training state whatever ``save_only_model`` says. True when recorded."""
+        """Record ``checkpoint-<step>`` as this run's, with its fingerprint, when complete (:func:`_mark`). ``whole``:
+        saved by the run itself, with the whole training state whatever ``save_only_model`` says. True when recorded."""
         mark = _mark(checkpoint_dir(self.output_dir, step), step)
         if mark is None:
             return False

@@ -262,8 +262,7 @@ class Executor:
             if self.watch is not None:
                 self.watch.close()
             self._stop_grpo_watch()
-            if self.tuning is not None and self.tuning.done is None:
-                self.end_tuning(trainer.state.global_step, "the run ended before the tuning did")
+            self.end_tuning(trainer.state.global_step, "the run ended before the tuning did")
             self.settle(trainer)
         if self.step_log is not None:
             self.step_log.undo()
@@ -582,15 +581,14 @@ class Executor:
             trial_next = None
             if trial and tuning is not None:
                 trial_next = tuning.failed(self.split, "out of memory", step)
-                if tuning.done is not None:
-                    self.record_tuning(step)
+                self._tuning_done(step)
             plan = plans.on_oom(self.snapshot(), step + 1, in_optimizer_step, trial=trial and tuning is not None,
                                 trial_next=trial_next)
             if plan.error is not None:
                 raise plan.error
             new = plan.new
             assert new is not None, "a re-size plan names its split"
-            if not plan.trial and tuning is not None and tuning.done is None:
+            if not plan.trial:
                 self.end_tuning(step, "out of memory ended the tuning")
             free_memory(trainer, self.warn_once)
             if self.loop is not None:
@@ -703,8 +701,7 @@ class Executor:
         bad, tuning = refusal.split, self.tuning
         if tuning is not None and tuning.done is None and bad != tuning.baseline:
             new = tuning.failed(bad, "refused at its first step", step)
-            if tuning.done is not None:
-                self.record_tuning(step)
+            self._tuning_done(step)
             return new
         forced = staged is not None and staged.kind in FORCED
         if forced or refusal.expected is None or refusal.expected == bad:

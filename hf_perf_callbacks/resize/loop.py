@@ -107,7 +107,7 @@ def _train(trainer: Trainer, tuner: AdaptiveBatchTuner, bus: RunBus, resume_from
             adapter.rearm_jit_checkpoint(trainer)
             if guard is not None:
                 guard.arm()                          # after a start and every change (FSDP: off once stable)
-            switching = False
+            switching: bool | None = False       # None: train() failed, and its recovery gave the resume
             try:
                 with adapter.fsdp2_prepared_again(trainer), adapter.fsdp2_optimizer_state_restored(trainer), (
                         adapter.own_resume() if resized else contextlib.nullcontext()):
@@ -116,17 +116,14 @@ def _train(trainer: Trainer, tuner: AdaptiveBatchTuner, bus: RunBus, resume_from
                 switching = True
             except ChangeRefused as refusal:              # a change's first step differs from the run's: back
                 resume_from_checkpoint = executor.refused(refusal)
-                resized = True
-                set_rng_state(start_rng)
-                continue
+                switching = None
             except (Exception, KeyboardInterrupt) as error:  # noqa: BLE001 - OOMs re-size, recover raises the rest
                 resume_from_checkpoint = executor.recover(error, tuner.in_optimizer_step, bus.memory_facts)
-                resized = True
-                set_rng_state(start_rng)
-                continue
-            finished, resume_from_checkpoint = executor.after_train(switching, tuner.in_optimizer_step)
-            if finished:
-                return output
+                switching = None
+            if switching is not None:
+                finished, resume_from_checkpoint = executor.after_train(switching, tuner.in_optimizer_step)
+                if finished:
+                    return output
             resized = True
             set_rng_state(start_rng)
     finally:

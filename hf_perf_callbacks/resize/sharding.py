@@ -81,13 +81,6 @@ def sharding(trainer: Trainer) -> str | None:
     return {"FSDP": "fsdp", "DEEPSPEED": "deepspeed"}.get(name)
 
 
-def guardable(trainer: Trainer) -> bool:
-    """Whether the step guard sees the collectives of the trainer's sharding: FSDP over the whole world (the default
-    group), not a device mesh of more than one dimension."""
-    mesh = getattr(getattr(trainer, "accelerator", None), "torch_device_mesh", None)
-    return mesh is None or getattr(mesh, "ndim", 1) <= 1
-
-
 def start(trainer: Trainer, warn_once: Callable[[str, str], object]) -> tuple[str | None, bool]:
     """Say what is limited under the trainer's sharding (``warn_once(key, message)``: console and perf log); returns
     the sharding and whether the step guard sees its collectives (always, unsharded)."""
@@ -95,7 +88,8 @@ def start(trainer: Trainer, warn_once: Callable[[str, str], object]) -> tuple[st
     if kind == "deepspeed":
         warn_once("sharding-limits", DEEPSPEED_NOTES)
         return kind, False                   # deepspeed.comm's collectives bypass the guard's exchanges
-    guarded = kind is None or guardable(trainer)
+    mesh = getattr(getattr(trainer, "accelerator", None), "torch_device_mesh", None)
+    guarded = kind is None or getattr(mesh, "ndim", 1) <= 1       # FSDP over the default group, not a 2-D mesh
     if kind == "fsdp":
         warn_once("sharding-limits", FSDP_NOTES if guarded else NO_GUARD)
     return kind, guarded

@@ -28,7 +28,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import torch
 
@@ -188,21 +188,18 @@ class Executor:
         return replace(state, split=self.split,
                        last_decision=self.pending.kind if self.pending is not None else state.last_decision)
 
-    def note(self, message: str, step: int | None = None) -> None:
-        """An informational event of the run (console and perf log; the logger alone without a bus)."""
+    def note(self, message: str, step: int | None = None, kind: Literal["note", "warning"] = "note") -> None:
+        """An event of the run: a note, or a ``warning`` (console and perf log; the logger alone without a bus)."""
         if self.bus is not None:
-            self.bus.log.event("tuner", "note", message, step=step)
+            self.bus.log.event("tuner", kind, message, step=step)
         else:
-            logger.info("[tuner] %s", message)
+            logger.log(logging.WARNING if kind == "warning" else logging.INFO, "[tuner] %s", message)
 
     def warn_once(self, key: str, message: str, step: int | None = None) -> bool:
         """``message`` as a warning (console and perf log), once per ``key`` for this run; True when said now."""
         if not self.record.first_time(key):
             return False
-        if self.bus is not None:
-            self.bus.log.event("tuner", "warning", message, step=step)
-        else:
-            logger.warning("[tuner] %s", message)
+        self.note(message, step, kind="warning")
         return True
 
     def decide(self, kind: str, reason: str, new: Split, step: int, old: Split | None = None,

@@ -240,11 +240,6 @@ def _cut(batch: Any, size: int) -> list[Any]:
     return [_rows(batch, i, i + size) for i in range(0, count, size)]
 
 
-def _reversed(batches: list[Any]) -> list[Any]:
-    """The same micro-batches in reverse order, each with its rows reversed (the same sums in another order)."""
-    return [_rows(b, reverse=True) if _row_count(b) > 1 else b for b in reversed(batches)]
-
-
 # ------------------------------------------------------------ the passes
 def _compare(trainer: Trainer, model: torch.nn.Module, reference: Fetched, candidate: Fetched, rng: RngState,
              world: int, result: ExactnessCheck) -> None:
@@ -281,7 +276,9 @@ def _pass(trainer: Trainer, model: torch.nn.Module, cut: Fetched, rng: RngState,
     split = cut.split
     _set_split(trainer, split)
     set_rng_state(rng)
-    loss, failed = _accumulate(trainer, model, _reversed(cut.batches) if reverse else cut.batches, cut.num_items)
+    batches = ([_rows(b, reverse=True) if _row_count(b) > 1 else b for b in reversed(cut.batches)] if reverse
+               else cut.batches)           # reversed: the micro-batches and their rows, the same sums in another order
+    loss, failed = _accumulate(trainer, model, batches, cut.num_items)
     drew = not _same_rng(rng, rng_state())
     if world > 1 and max(r[0] for r in gather_floats([float(failed is not None)])) > 0:
         failed = failed or MemoryError("out of memory on another rank")

@@ -578,7 +578,7 @@ class Executor:
             trial_next = None
             if trial and tuning is not None:
                 trial_next = tuning.failed(self.split, "out of memory", step)
-                self._tuning_done(step)
+                self.record_tuning(step)
             plan = plans.on_oom(self.snapshot(), step + 1, in_optimizer_step, trial=trial and tuning is not None,
                                 trial_next=trial_next)
             if plan.error is not None:
@@ -698,7 +698,7 @@ class Executor:
         bad, tuning = refusal.split, self.tuning
         if tuning is not None and tuning.done is None and bad != tuning.baseline:
             new = tuning.failed(bad, "refused at its first step", step)
-            self._tuning_done(step)
+            self.record_tuning(step)
             return new
         forced = staged is not None and staged.kind in FORCED
         if forced or refusal.expected is None or refusal.expected == bad:
@@ -857,11 +857,11 @@ class Executor:
             self.record_tuning(step)
 
     def record_tuning(self, step: int) -> None:
-        """Record the finished tuning as its one ``tune`` decision."""
+        """Record a finished tuning as its one ``tune`` decision, once (nothing while it runs, or once recorded)."""
         decision = self.tuning.decision(step, time.time()) if self.tuning is not None else None
         if decision is not None:
             self.decided(decision)
-        self.commit(state=replace(self.state, baseline=None))
+            self.commit(state=replace(self.state, baseline=None))
 
     # ------------------------------------------------------------ the RNG a checkpoint holds
     def note_rng(self, step: int, epoch_start: bool = False, epoch: int | None = None) -> None:
@@ -910,7 +910,7 @@ class Executor:
             requested, self.requested_at = self.requested_at, None
             tuning.segment_started(self.split, step,
                                    switch_sec=None if requested is None else max(0.0, time.time() - requested))
-            self._tuning_done(step)
+            self.record_tuning(step)
             return tuning.done is None
 
     def epoch_begins(self, step: int, epoch: float, resumed: bool) -> RngState | None:
@@ -968,7 +968,7 @@ class Executor:
             if isinstance(action, Switch):
                 self.request_switch(action.split, action.why)
                 stop = not self.state.in_process
-            self._tuning_done(step)
+            self.record_tuning(step)
         return stop, tuning.done is None
 
     def on_watchdog(self, reason: str, step: int, rows: list[Any] | None, acting: bool) -> Plan:
@@ -1013,11 +1013,6 @@ class Executor:
         decisions = self.record.decisions
         return TunerEnd(self.split, self.record.id, len(decisions), format_summary(self) if decisions else None,
                         None if self.managed else self.state.switch)
-
-    def _tuning_done(self, step: int) -> None:
-        tuning = self.tuning
-        if tuning is not None and tuning.done is not None and not tuning.recorded:
-            self.record_tuning(step)
 
 
 def _narrowed(rules: Exactness, recorded: Exactness | None) -> Exactness:

@@ -230,7 +230,6 @@ class OnRunTuning:
         self.smaller = sorted((c for c in candidates if c.micro_batch < baseline.micro_batch),
                               key=lambda s: -s.micro_batch)
         self.walk = "larger"
-        self.kept_larger = False
         self.misses = 0
         self.current = baseline
         self.candidate: Split | None = None
@@ -365,9 +364,9 @@ class OnRunTuning:
         return Switch(self.baseline, "measuring the baseline again (interleaved)")
 
     def _keep(self, step: int, kept: Split) -> Switch | Finished:
-        if self.walk == "larger":                  # the largest faster split that fits: the walk up ends
-            self.kept_larger = True
-            self.larger = []
+        if self.walk == "larger":                  # the largest faster split that fits: the walk up ends, and no
+            self.larger = []                       # smaller one is tried
+            self.smaller = []
         self.baseline, self.candidate, self.rounds = kept, None, 0
         self.misses = 0
         return self._next_candidate(step) or self._finish(self.note)
@@ -392,10 +391,7 @@ class OnRunTuning:
         """Start the next affordable trial, or None (no candidate left, or none can pay back)."""
         if self.walk == "larger" and (not self.larger or self.misses >= self.patience):
             self.walk, self.misses, self.larger = "smaller", 0, []
-            if self.kept_larger:
-                self.smaller = []
-            else:                                  # smaller splits from the baseline, nearest first
-                self.smaller = [s for s in self.smaller if s.micro_batch < self.baseline.micro_batch]
+            self.smaller = [s for s in self.smaller if s.micro_batch < self.baseline.micro_batch]   # nearest first
         queue = self.larger if self.walk == "larger" else self.smaller
         if self.misses >= self.patience:
             queue.clear()

@@ -322,7 +322,9 @@ class OnRunTuning:
             return self._leave(step, Why("over_budget", {"candidate": str(candidate)}), memory=True)
         if len(self.block) % self.period:          # not a whole generation cycle: no switch yet
             return None
-        evidence = self.evidence()
+        spread = log_spread([t.samples for t in self.trials.values()])      # pooled over every split measured
+        looks = self.max_rounds * (self.samples // self.period)            # one per generation cycle of every round
+        evidence = sequential(trial.samples, self.trials[self.baseline].samples, spread, looks)
         if evidence.verdict == "slower":
             return self._leave(step, Why("slower", evidence.figures(candidate, self.baseline)))
         if evidence.verdict == "faster":
@@ -335,14 +337,6 @@ class OnRunTuning:
         trial.step_samples.append(whole)
         trial.steps.append(step)
         self.block.append(ranked)
-
-    def evidence(self) -> Evidence:
-        """The sequential test of the candidate's samples so far against all of the baseline's (:func:`sequential`),
-        at the pooled spread of every split measured, its looks: one per generation cycle of every round."""
-        assert self.candidate is not None
-        spread = log_spread([t.samples for t in self.trials.values()])
-        return sequential(self.trials[self.candidate].samples, self.trials[self.baseline].samples, spread,
-                          self.max_rounds * (self.samples // self.period))
 
     # ------------------------------------------------------------ decisions
     def _block_done(self, step: int) -> Switch | Finished | None:

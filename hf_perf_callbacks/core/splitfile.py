@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict, TypeGuard, TypeVar, cast
 
 from .batching import Split, is_grpo
-from .runlog import SPLIT_FILE, DecisionDetails, number
+from .runlog import SPLIT_FILE, DecisionDetails, number, strict_number
 from .stats import iqr, mann_whitney_less, median, ranges_text, step_ranges
 
 logger = logging.getLogger("hf_perf_callbacks")
@@ -105,9 +105,9 @@ def _optional(value: object, kind: type[_T], where: str) -> _T | None:
     if value is None:
         return None
     if kind is float:
-        if number(value) is None or isinstance(value, bool):
+        if strict_number(value) is None:
             raise SplitFileError(f"{where} is {value!r}: expected a number or null")
-        return cast(_T, number(value))
+        return cast(_T, strict_number(value))
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise SplitFileError(f"{where} is {value!r}: expected {kind.__name__} or null")
     return value

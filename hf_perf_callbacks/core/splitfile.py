@@ -36,17 +36,15 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, TypedDict, TypeGuard, TypeVar, cast
+from typing import Any, TypedDict, TypeGuard
 
 from .batching import Split, is_grpo
-from .runlog import SPLIT_FILE, DecisionDetails, number, strict_number
+from .runlog import SPLIT_FILE, DecisionDetails, conform, number
 from .stats import iqr, mann_whitney_less, median, ranges_text, step_ranges
 
 logger = logging.getLogger("hf_perf_callbacks")
 
 VERSION = 2
-
-_T = TypeVar("_T")
 
 
 class SplitFileError(ValueError):
@@ -99,18 +97,13 @@ def _figures(value: object, where: str) -> dict[str, float | int | str]:
     return dict(value)
 
 
-def _optional(value: object, kind: type[_T], where: str) -> _T | None:
-    """``value`` when it is None or of ``kind`` (``int``: not a bool; ``float``: a finite int or float, as a float),
-    else a SplitFileError."""
-    if value is None:
-        return None
-    if kind is float:
-        if strict_number(value) is None:
-            raise SplitFileError(f"{where} is {value!r}: expected a number or null")
-        return cast(_T, strict_number(value))
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+def _optional(value: object, kind: type, where: str) -> Any:
+    """``value`` when it is None or of ``kind``, read as :func:`~hf_perf_callbacks.core.runlog.conform` reads a
+    logged field (``int``: an integral number, ``float``: a finite one, neither a bool), else a SplitFileError."""
+    ok, read = conform(value, kind.__name__)
+    if not ok:
         raise SplitFileError(f"{where} is {value!r}: expected {kind.__name__} or null")
-    return value
+    return read
 
 
 def _optional_fields(cls: type, entry: dict[str, Any], where: str, kinds: dict[str, type]) -> dict[str, Any]:

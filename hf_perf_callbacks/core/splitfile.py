@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict, TypeGuard
 
 from .batching import Split, is_grpo
-from .runlog import SPLIT_FILE, DecisionDetails, conform, number
+from .runlog import SPLIT_FILE, DecisionDetails, conform
 from .stats import iqr, mann_whitney_less, median, ranges_text, step_ranges
 
 logger = logging.getLogger("hf_perf_callbacks")
@@ -51,8 +51,9 @@ class SplitFileError(ValueError):
     """A split file that does not follow the schema (the message names the field and what it holds)."""
 
 
-def _positive_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def _whole(value: object, low: int = 1) -> TypeGuard[int]:
+    """Whether ``value`` is an integer (not a bool) of at least ``low``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 def split_to_json(split: Split) -> dict[str, int]:
@@ -68,22 +69,18 @@ def split_from_json(value: object, where: str) -> Split:
         raise SplitFileError(f"{where} is {type(value).__name__}, not a mapping of micro_batch and grad_accum")
     micro, accum = value.get("micro_batch"), value.get("grad_accum")
     spg = value.get("steps_per_generation")
-    if not (_positive_int(micro) and _positive_int(accum)) or not (spg is None or _positive_int(spg)):
+    if not (_whole(micro) and _whole(accum)) or not (spg is None or _whole(spg)):
         raise SplitFileError(f"{where} holds micro_batch={micro!r}, grad_accum={accum!r}, steps_per_generation="
                              f"{spg!r}: expected positive integers (steps_per_generation may be null)")
     return Split(micro, accum, spg)
 
 
-def _floats(value: object, where: str) -> list[float]:
-    if not isinstance(value, list) or any(number(v) is None for v in value):
-        raise SplitFileError(f"{where} is {value!r}: expected a list of numbers")
-    return [float(v) for v in value]
-
-
-def _ints(value: object, where: str) -> list[int]:
-    if not isinstance(value, list) or any(not isinstance(v, int) or isinstance(v, bool) for v in value):
-        raise SplitFileError(f"{where} is {value!r}: expected a list of integers")
-    return list(value)
+def _list(value: object, kind: type, where: str) -> list[Any]:
+    """A list of ``kind``, each item read as :func:`_optional` reads a field (no nulls)."""
+    read = [conform(v, kind.__name__) for v in value] if isinstance(value, list) else None
+    if read is None or not all(ok and v is not None for ok, v in read):
+        raise SplitFileError(f"{where} is {value!r}: expected a list of {kind.__name__}")
+    return [v for _, v in read]
 
 
 def _figures(value: object, where: str) -> dict[str, float | int | str]:
@@ -150,9 +147,9 @@ class Trial:
         if not isinstance(fits, bool):
             raise SplitFileError(f"{where}.fits is {fits!r}: expected true or false")
         return cls(split=split_from_json(entry.get("split"), f"{where}.split"),
-                   samples=_floats(entry.get("samples", []), f"{where}.samples"),
-                   step_samples=_floats(entry.get("step_samples", []), f"{where}.step_samples"),
-                   steps=_ints(entry.get("steps", []), f"{where}.steps"), fits=fits,
+                   samples=_list(entry.get("samples", []), float, f"{where}.samples"),
+                   step_samples=_list(entry.get("step_samples", []), float, f"{where}.step_samples"),
+                   steps=_list(entry.get("steps", []), int, f"{where}.steps"), fits=fits,
                    **_optional_fields(cls, entry, where, {"peak_gb": float, "error": str, "cost_sec": float,
                                                           "p_value": float, "gain": float}))
 
@@ -344,7 +341,7 @@ class Decision:
         kind, step = entry.get("kind"), entry.get("step")
         if kind not in DECISION_KINDS:
             raise SplitFileError(f"{where}.kind is {kind!r}: expected one of {', '.join(DECISION_KINDS)}")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        if not _whole(step, 0):
             raise SplitFileError(f"{where}.step is {step!r}: expected an integer >= 0")
         trials = entry.get("trials", [])
         if not isinstance(trials, list):
@@ -373,8 +370,7 @@ class WrittenCheckpoint:
     @classmethod
     def from_json(cls, entry: object, where: str = "written") -> WrittenCheckpoint:
         step = entry.get("step") if isinstance(entry, dict) else None
-        if not isinstance(entry, dict) or not isinstance(step, int) or isinstance(step, bool) or step < 0 \
-                or not isinstance(entry.get("fingerprint"), str):
+        if not isinstance(entry, dict) or not _whole(step, 0) or not isinstance(entry.get("fingerprint"), str):
             raise SplitFileError(f"{where} is {entry!r}: expected {{'step': int, 'fingerprint': str}}")
         return cls(entry["step"], entry["fingerprint"])
 
@@ -461,7 +457,7 @@ class ExactnessCheck:
         if not isinstance(entry, dict):
             raise SplitFileError(f"{where} is {type(entry).__name__}, not a mapping")
         step, kind, verdict = entry.get("step"), entry.get("kind"), entry.get("verdict")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        if not _whole(step, 0):
             raise SplitFileError(f"{where}.step is {step!r}: expected an integer >= 0")
         if kind not in CHANGES or verdict not in VERDICTS:
             raise SplitFileError(f"{where}: kind={kind!r}, verdict={verdict!r}: expected one of {CHANGES} and "
@@ -501,7 +497,7 @@ class SplitFile:
         if not isinstance(entry, dict):
             raise SplitFileError(f"expected a JSON object, found {type(entry).__name__}")
         session, world = entry.get("session"), entry.get("world_size")
-        if not isinstance(session, str) or not _positive_int(world):
+        if not isinstance(session, str) or not _whole(world):
             raise SplitFileError(f"session={session!r} and world_size={world!r}: expected a string and an integer >= 1")
         split = split_from_json(entry.get("split"), "split")
         decisions, written, checks = entry.get("decisions", []), entry.get("written", []), entry.get("checks", [])

@@ -57,10 +57,7 @@ def _whole(value: object, low: int = 1) -> TypeGuard[int]:
 
 
 def split_to_json(split: Split) -> dict[str, int]:
-    out = {"micro_batch": split.micro_batch, "grad_accum": split.grad_accum}
-    if split.steps_per_generation is not None:
-        out["steps_per_generation"] = split.steps_per_generation
-    return out
+    return {name: value for name, value in dataclasses.asdict(split).items() if value is not None}
 
 
 def split_from_json(value: object, where: str) -> Split:
@@ -143,15 +140,12 @@ class Trial:
     def from_json(cls, entry: object, where: str = "trial") -> Trial:
         if not isinstance(entry, dict):
             raise SplitFileError(f"{where} is {type(entry).__name__}, not a mapping")
-        fits = entry.get("fits", True)
-        if not isinstance(fits, bool):
-            raise SplitFileError(f"{where}.fits is {fits!r}: expected true or false")
         return cls(split=split_from_json(entry.get("split"), f"{where}.split"),
                    samples=_list(entry.get("samples", []), float, f"{where}.samples"),
                    step_samples=_list(entry.get("step_samples", []), float, f"{where}.step_samples"),
-                   steps=_list(entry.get("steps", []), int, f"{where}.steps"), fits=fits,
+                   steps=_list(entry.get("steps", []), int, f"{where}.steps"),
                    **_optional_fields(cls, entry, where, {"peak_gb": float, "error": str, "cost_sec": float,
-                                                          "p_value": float, "gain": float}))
+                                                          "p_value": float, "gain": float, "fits": bool}))
 
 
 #: what a trial's samples measure, by the tuner's ``rank_by`` (the words :meth:`Decision.ranked` reads back from the

@@ -299,12 +299,6 @@ class Decision:
     rank_by: str | None = None
 
     @property
-    def code(self) -> str:
-        """Why it was taken, as a code: a tune decision's outcome, else its kind ("oom", "watchdog",
-        "memory_check")."""
-        return self.reason_code or self.kind
-
-    @property
     def ranked(self) -> str | None:
         """What the trials' samples measure (the tuner's ``rank_by``): ``"non_generation"`` (the step time minus
         generation), ``"step"`` (the whole step) or None (not a tune decision)."""

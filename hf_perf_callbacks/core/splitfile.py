@@ -41,6 +41,7 @@ from typing import Any, TypedDict, TypeGuard
 from .batching import Split, is_grpo
 from .runlog import SPLIT_FILE, DecisionDetails, conform
 from .stats import iqr, mann_whitney_less, median, ranges_text, step_ranges
+from .wording import split_label
 
 logger = logging.getLogger("hf_perf_callbacks")
 
@@ -226,8 +227,7 @@ class TrialFigures:
 
 
 def trial_figures(decision: Decision) -> list[TrialFigures]:
-    """The figures of every trial of ``decision`` (see :class:`TrialFigures`), the reference (the split before the
-    tuning) first: each median, change and p-value from all the samples the split file holds."""
+    """The figures of every trial of ``decision`` (:class:`TrialFigures`), the reference first."""
     reference = next((t for t in decision.trials if t.split == decision.old and t.samples), None)
     no_generation = all(t.samples == t.step_samples for t in decision.trials if t.step_samples)
     unit = RANKED_UNITS["step" if no_generation else decision.ranked or "step"]   # no generation: the whole step
@@ -256,11 +256,11 @@ def _trial_figures(t: Trial, reference: Trial | None, unit: str) -> TrialFigures
         change = median(samples) / base - 1.0 if base > 0 else None
         p = mann_whitney_less(list(samples), reference.samples)
     return TrialFigures(
-        split=t.split, label=f"{t.split.micro_batch}×{t.split.grad_accum}", status=_trial_status(t, is_reference),
-        samples=samples, steps=tuple(t.steps), median=median(samples) if samples else None,
+        split=t.split, label=split_label(t.split), status=_trial_status(t, is_reference),
+        samples=samples, steps=tuple(t.steps), median=t.median,
         quartiles=iqr(samples) if samples else None,
-        reference=f"{reference.split.micro_batch}×{reference.split.grad_accum}" if reference is not None else None,
-        reference_median=median(reference.samples) if reference is not None else None,
+        reference=split_label(reference.split) if reference is not None else None,
+        reference_median=reference.median if reference is not None else None,
         reference_steps=tuple(reference.steps) if reference is not None else (),
         change=change, p_value=p, unit=unit, cost_sec=t.cost_sec, peak_gb=t.peak_gb, error=t.error)
 
@@ -487,13 +487,12 @@ class SplitFile:
         session, world = entry.get("session"), entry.get("world_size")
         if not isinstance(session, str) or not _whole(world):
             raise SplitFileError(f"session={session!r} and world_size={world!r}: expected a string and an integer >= 1")
-        split = split_from_json(entry.get("split"), "split")
         decisions, written, checks = entry.get("decisions", []), entry.get("written", []), entry.get("checks", [])
         if not isinstance(decisions, list) or not isinstance(written, list) or not isinstance(checks, list):
             raise SplitFileError("decisions, written and checks must be lists")
         return cls(session=session, world_size=world,
                    configured=split_from_json(entry.get("configured"), "configured"),
-                   split=split,
+                   split=split_from_json(entry.get("split"), "split"),
                    written=[WrittenCheckpoint.from_json(w, f"written[{i}]") for i, w in enumerate(written)],
                    decisions=[Decision.from_json(d, f"decisions[{i}]") for i, d in enumerate(decisions)],
                    ended=_optional(entry.get("ended"), str, "ended"),

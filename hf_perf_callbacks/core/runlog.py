@@ -165,8 +165,7 @@ class RunHeader:
 
     @classmethod
     def from_json(cls, entry: dict[str, Any]) -> RunHeader:
-        """The header of a parsed line. A known field whose value is not of its type (a newer or older writer: a
-        string where a number belongs, a list where a mapping does) is kept in ``malformed`` and reads as unset."""
+        """The header of a parsed line (a field of another type: in ``malformed``, see the module docstring)."""
         known, malformed = _conformed({k: v for k, v in entry.items() if k in _HEADER_FIELDS and k not in _OWN_FIELDS},
                                       HEADER_KINDS)
         sources = entry.get("sources")
@@ -224,7 +223,6 @@ class StepLine:
         return self.values.get(key, default)
 
     def number(self, key: str) -> float | None:
-        """The value of ``key`` as a finite float, else None."""
         return number(self.values.get(key))
 
     def to_json(self) -> dict[str, Any]:

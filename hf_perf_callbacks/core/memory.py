@@ -95,8 +95,7 @@ class MovingWall:
             return before
         if len(self.candidates) < WALL_WINDOW:
             return None
-        ordered = sorted(self.candidates)
-        level = ordered[(len(ordered) - 1) // 2]
+        level = median(self.candidates)
         if level <= (1 + WALL_BAND) * self.value:             # a higher one only once it holds
             return None
         before, self.value = self.value, level

@@ -452,10 +452,9 @@ class ExactnessCheck:
                                  f"one of {VERDICTS}")
         return cls(step=step, kind=kind, old=split_from_json(entry.get("old"), f"{where}.old"),
                    new=split_from_json(entry.get("new"), f"{where}.new"), verdict=verdict,
-                   why=str(entry.get("why", "")), against=str(entry.get("against", "")),
-                   drew_rng=bool(entry.get("drew_rng", False)), fits=bool(entry.get("fits", True)),
-                   **_optional_fields(cls, entry, where, {"rows": int, "passes": int, "cost_sec": float,
-                                                          "peak_gb": float, "sketch_bytes": int, "padded_delta": int}))
+                   **_optional_fields(cls, entry, where, {"why": str, "against": str, "rows": int, "passes": int,
+                                                          "cost_sec": float, "peak_gb": float, "sketch_bytes": int,
+                                                          "padded_delta": int, "drew_rng": bool, "fits": bool}))
 
 
 @dataclass

@@ -93,7 +93,7 @@ def test_a_bare_memory_error_re_sizes_or_saves_and_ends(tokenizer, tmp_path, bs)
         return
     train_with_tuning(trainer)
     [decision] = tuner.executor.record.decisions
-    assert decision.code == "oom" and decision.reason.startswith("out of memory: MemoryError")
+    assert decision.kind == "oom" and decision.reason.startswith("out of memory: MemoryError")
     assert decision.new == Split(2, 4)
     assert trainer.state.global_step == 4 and [s["step"] for s in step_lines(tmp_path)] == [1, 2, 3, 4]
 

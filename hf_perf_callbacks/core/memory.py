@@ -95,8 +95,7 @@ class MovingWall:
             return before
         if len(self.candidates) < WALL_WINDOW:
             return None
-        ordered = sorted(self.candidates)
-        level = ordered[(len(ordered) - 1) // 2]
+        level = median(self.candidates)
         if level <= (1 + WALL_BAND) * self.value:             # a higher one only once it holds
             return None
         before, self.value = self.value, level
@@ -244,7 +243,7 @@ class MemoryPolicy:
     trend_window: int = TREND_WINDOW
     warn_within_steps: float = WARN_WITHIN_STEPS
     stop_within_steps: float = STOP_WITHIN_STEPS
-    leak_min_growth: float = 1024**2
+    leak_min_growth: float = MIB
     level: int = OK
     history: deque[tuple[int, float]] = field(default_factory=deque)   # (step, used bytes) of this segment
     growth: deque[float] = field(default_factory=deque)   # step-to-step growth within segments, after their grace
@@ -354,8 +353,7 @@ class MemoryPolicy:
         steps = max(self.budget - self.history[-1][1] - self.switch_rise, 0.0) / self.leak_rate
         if segment is not None and segment.steps <= steps:
             return segment
-        rate = self.leak_rate
-        return WallForecast(steps=steps, low=steps, high=steps, slope=rate)
+        return WallForecast(steps=steps, low=steps, high=steps, slope=self.leak_rate)
 
     def _wall_near(self, within: float) -> bool:
         stw = self.steps_to_wall
@@ -512,8 +510,7 @@ class CompletionTrend:
             return None
         latest_step, latest = self.points[-1][0], self.points[-1][1]
         steps = max(0.0, (wall - latest) / per_step - ((step if step is not None else latest_step) - latest_step))
-        rate = line[1] * per_step
-        return WallForecast(steps=steps, low=steps, high=steps, slope=rate)
+        return WallForecast(steps=steps, low=steps, high=steps, slope=line[1] * per_step)
 
 
 @dataclass
@@ -527,7 +524,7 @@ class ClearSchedule:
     interval: int = 50
     min_interval: int = 10
     max_interval: int = 400
-    min_freed: float = 0.1 * 1024**3
+    min_freed: float = 0.1 * GIB
     last_clear_step: int = 0
 
     def __post_init__(self) -> None:

@@ -74,6 +74,11 @@ def number(value: object) -> float | None:
     return None
 
 
+def strict_number(value: object) -> float | None:
+    """A value as a finite float when it is a number and not a bool, else None."""
+    return None if isinstance(value, bool) else number(value)
+
+
 #: a run header's ``launcher`` when the recipe launcher started the run (the report words its advice as recipe keys)
 HF_PERF_TRAIN = "hf-perf train"
 #: what a run's MFU is measured against (the run header's ``mfu_basis``): the device table's peak, a peak the user
@@ -160,8 +165,7 @@ class RunHeader:
 
     @classmethod
     def from_json(cls, entry: dict[str, Any]) -> RunHeader:
-        """The header of a parsed line. A known field whose value is not of its type (a newer or older writer: a
-        string where a number belongs, a list where a mapping does) is kept in ``malformed`` and reads as unset."""
+        """The header of a parsed line (a field of another type: in ``malformed``, see the module docstring)."""
         known, malformed = _conformed({k: v for k, v in entry.items() if k in _HEADER_FIELDS and k not in _OWN_FIELDS},
                                       HEADER_KINDS)
         sources = entry.get("sources")
@@ -184,7 +188,7 @@ def conform(value: object, kind: str) -> tuple[bool, object]:
     if value is None:
         return True, None
     if kind in ("int", "float"):
-        v = None if isinstance(value, bool) else number(value)
+        v = strict_number(value)
         if v is None or (kind == "int" and not v.is_integer()):
             return False, None
         return True, int(v) if kind == "int" else v
@@ -219,7 +223,6 @@ class StepLine:
         return self.values.get(key, default)
 
     def number(self, key: str) -> float | None:
-        """The value of ``key`` as a finite float, else None."""
         return number(self.values.get(key))
 
     def to_json(self) -> dict[str, Any]:
@@ -271,11 +274,6 @@ def _is_event_kind(kind: object) -> TypeGuard[EventKind]:
 # ``to_details`` gives the JSON fields exactly as the perf log holds them (their order, and which are written as
 # null); ``from_details`` tolerates any log: a missing field or one of another type (or empty text) reads as None.
 
-def _num(value: object) -> float | None:
-    """A detail's number (not a bool), else None."""
-    return None if isinstance(value, bool) else number(value)
-
-
 def _text(value: object) -> str | None:
     return value if isinstance(value, str) and value else None
 
@@ -286,7 +284,7 @@ def _split_args(value: object) -> dict[str, Any] | str | None:
 
 
 #: how :meth:`_Details.from_details` reads a field, by its annotation
-_READERS: dict[str, Callable[[object], object]] = {"float | None": _num, "str | None": _text,
+_READERS: dict[str, Callable[[object], object]] = {"float | None": strict_number, "str | None": _text,
                                                    "bool": lambda value: value is not False,
                                                    "dict[str, Any] | str | None": _split_args}
 _D = TypeVar("_D", bound="_Details")
@@ -334,7 +332,7 @@ class ActionDetails(_Details):
         action = details.get("action")
         stopped = any(k in details for k in ("outside_gb", "need_gb", "budget_gb"))
         return cls(str(action) if action is not None else None, _text(details.get("level")),
-                   _num(details.get("steps_to_wall")), StopFigures.from_details(details) if stopped else None)
+                   strict_number(details.get("steps_to_wall")), StopFigures.from_details(details) if stopped else None)
 
 
 @dataclass(frozen=True)
@@ -828,7 +826,7 @@ def read_run(output_dir: str | os.PathLike[str]) -> RunLog:
 
 
 __all__ = [
-    "HOW_TO", "ReportError", "number", "RunHeader", "HEADER_KINDS", "conform", "StepLine", "EventKind",
+    "HOW_TO", "ReportError", "number", "strict_number", "RunHeader", "HEADER_KINDS", "conform", "StepLine", "EventKind",
     "EVENT_KINDS", "EventLine", "StopFigures", "ActionDetails", "WallMove", "DecisionDetails", "CacheClear",
     "NoteDetails", "WarningFigures", "EventDetails", "MeterSummary", "WatchdogAction", "WatchdogSummary",
     "ClearerSummary", "SUMMARY_KINDS", "SummaryLine", "Record", "parse_record", "LogWriter", "ReadStep", "LogRow",

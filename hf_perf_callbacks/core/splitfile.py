@@ -36,32 +36,29 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, TypedDict, TypeGuard, TypeVar, cast
+from typing import Any, TypedDict, TypeGuard
 
 from .batching import Split, is_grpo
-from .runlog import SPLIT_FILE, DecisionDetails, number
+from .runlog import SPLIT_FILE, DecisionDetails, conform
 from .stats import iqr, mann_whitney_less, median, ranges_text, step_ranges
+from .wording import split_label
 
 logger = logging.getLogger("hf_perf_callbacks")
 
 VERSION = 2
-
-_T = TypeVar("_T")
 
 
 class SplitFileError(ValueError):
     """A split file that does not follow the schema (the message names the field and what it holds)."""
 
 
-def _positive_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def _whole(value: object, low: int = 1) -> TypeGuard[int]:
+    """Whether ``value`` is an integer (not a bool) of at least ``low``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 def split_to_json(split: Split) -> dict[str, int]:
-    out = {"micro_batch": split.micro_batch, "grad_accum": split.grad_accum}
-    if split.steps_per_generation is not None:
-        out["steps_per_generation"] = split.steps_per_generation
-    return out
+    return {name: value for name, value in dataclasses.asdict(split).items() if value is not None}
 
 
 def split_from_json(value: object, where: str) -> Split:
@@ -70,22 +67,18 @@ def split_from_json(value: object, where: str) -> Split:
         raise SplitFileError(f"{where} is {type(value).__name__}, not a mapping of micro_batch and grad_accum")
     micro, accum = value.get("micro_batch"), value.get("grad_accum")
     spg = value.get("steps_per_generation")
-    if not (_positive_int(micro) and _positive_int(accum)) or not (spg is None or _positive_int(spg)):
+    if not (_whole(micro) and _whole(accum)) or not (spg is None or _whole(spg)):
         raise SplitFileError(f"{where} holds micro_batch={micro!r}, grad_accum={accum!r}, steps_per_generation="
                              f"{spg!r}: expected positive integers (steps_per_generation may be null)")
     return Split(micro, accum, spg)
 
 
-def _floats(value: object, where: str) -> list[float]:
-    if not isinstance(value, list) or any(number(v) is None for v in value):
-        raise SplitFileError(f"{where} is {value!r}: expected a list of numbers")
-    return [float(v) for v in value]
-
-
-def _ints(value: object, where: str) -> list[int]:
-    if not isinstance(value, list) or any(not isinstance(v, int) or isinstance(v, bool) for v in value):
-        raise SplitFileError(f"{where} is {value!r}: expected a list of integers")
-    return list(value)
+def _list(value: object, kind: type, where: str) -> list[Any]:
+    """A list of ``kind``, each item read as :func:`_optional` reads a field (no nulls)."""
+    read = [conform(v, kind.__name__) for v in value] if isinstance(value, list) else None
+    if read is None or not all(ok and v is not None for ok, v in read):
+        raise SplitFileError(f"{where} is {value!r}: expected a list of {kind.__name__}")
+    return [v for _, v in read]
 
 
 def _figures(value: object, where: str) -> dict[str, float | int | str]:
@@ -99,18 +92,13 @@ def _figures(value: object, where: str) -> dict[str, float | int | str]:
     return dict(value)
 
 
-def _optional(value: object, kind: type[_T], where: str) -> _T | None:
-    """``value`` when it is None or of ``kind`` (``int``: not a bool; ``float``: a finite int or float, as a float),
-    else a SplitFileError."""
-    if value is None:
-        return None
-    if kind is float:
-        if number(value) is None or isinstance(value, bool):
-            raise SplitFileError(f"{where} is {value!r}: expected a number or null")
-        return cast(_T, number(value))
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+def _optional(value: object, kind: type, where: str) -> Any:
+    """``value`` when it is None or of ``kind``, read as :func:`~hf_perf_callbacks.core.runlog.conform` reads a
+    logged field (``int``: an integral number, ``float``: a finite one, neither a bool), else a SplitFileError."""
+    ok, read = conform(value, kind.__name__)
+    if not ok:
         raise SplitFileError(f"{where} is {value!r}: expected {kind.__name__} or null")
-    return value
+    return read
 
 
 def _optional_fields(cls: type, entry: dict[str, Any], where: str, kinds: dict[str, type]) -> dict[str, Any]:
@@ -153,15 +141,12 @@ class Trial:
     def from_json(cls, entry: object, where: str = "trial") -> Trial:
         if not isinstance(entry, dict):
             raise SplitFileError(f"{where} is {type(entry).__name__}, not a mapping")
-        fits = entry.get("fits", True)
-        if not isinstance(fits, bool):
-            raise SplitFileError(f"{where}.fits is {fits!r}: expected true or false")
         return cls(split=split_from_json(entry.get("split"), f"{where}.split"),
-                   samples=_floats(entry.get("samples", []), f"{where}.samples"),
-                   step_samples=_floats(entry.get("step_samples", []), f"{where}.step_samples"),
-                   steps=_ints(entry.get("steps", []), f"{where}.steps"), fits=fits,
+                   samples=_list(entry.get("samples", []), float, f"{where}.samples"),
+                   step_samples=_list(entry.get("step_samples", []), float, f"{where}.step_samples"),
+                   steps=_list(entry.get("steps", []), int, f"{where}.steps"),
                    **_optional_fields(cls, entry, where, {"peak_gb": float, "error": str, "cost_sec": float,
-                                                          "p_value": float, "gain": float}))
+                                                          "p_value": float, "gain": float, "fits": bool}))
 
 
 #: what a trial's samples measure, by the tuner's ``rank_by`` (the words :meth:`Decision.ranked` reads back from the
@@ -242,8 +227,7 @@ class TrialFigures:
 
 
 def trial_figures(decision: Decision) -> list[TrialFigures]:
-    """The figures of every trial of ``decision`` (see :class:`TrialFigures`), the reference (the split before the
-    tuning) first: each median, change and p-value from all the samples the split file holds."""
+    """The figures of every trial of ``decision`` (:class:`TrialFigures`), the reference first."""
     reference = next((t for t in decision.trials if t.split == decision.old and t.samples), None)
     no_generation = all(t.samples == t.step_samples for t in decision.trials if t.step_samples)
     unit = RANKED_UNITS["step" if no_generation else decision.ranked or "step"]   # no generation: the whole step
@@ -272,11 +256,11 @@ def _trial_figures(t: Trial, reference: Trial | None, unit: str) -> TrialFigures
         change = median(samples) / base - 1.0 if base > 0 else None
         p = mann_whitney_less(list(samples), reference.samples)
     return TrialFigures(
-        split=t.split, label=f"{t.split.micro_batch}×{t.split.grad_accum}", status=_trial_status(t, is_reference),
-        samples=samples, steps=tuple(t.steps), median=median(samples) if samples else None,
+        split=t.split, label=split_label(t.split), status=_trial_status(t, is_reference),
+        samples=samples, steps=tuple(t.steps), median=t.median,
         quartiles=iqr(samples) if samples else None,
-        reference=f"{reference.split.micro_batch}×{reference.split.grad_accum}" if reference is not None else None,
-        reference_median=median(reference.samples) if reference is not None else None,
+        reference=split_label(reference.split) if reference is not None else None,
+        reference_median=reference.median if reference is not None else None,
         reference_steps=tuple(reference.steps) if reference is not None else (),
         change=change, p_value=p, unit=unit, cost_sec=t.cost_sec, peak_gb=t.peak_gb, error=t.error)
 
@@ -315,12 +299,6 @@ class Decision:
     rank_by: str | None = None
 
     @property
-    def code(self) -> str:
-        """Why it was taken, as a code: a tune decision's outcome, else its kind ("oom", "watchdog",
-        "memory_check")."""
-        return self.reason_code or self.kind
-
-    @property
     def ranked(self) -> str | None:
         """What the trials' samples measure (the tuner's ``rank_by``): ``"non_generation"`` (the step time minus
         generation), ``"step"`` (the whole step) or None (not a tune decision)."""
@@ -351,7 +329,7 @@ class Decision:
         kind, step = entry.get("kind"), entry.get("step")
         if kind not in DECISION_KINDS:
             raise SplitFileError(f"{where}.kind is {kind!r}: expected one of {', '.join(DECISION_KINDS)}")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        if not _whole(step, 0):
             raise SplitFileError(f"{where}.step is {step!r}: expected an integer >= 0")
         trials = entry.get("trials", [])
         if not isinstance(trials, list):
@@ -380,8 +358,7 @@ class WrittenCheckpoint:
     @classmethod
     def from_json(cls, entry: object, where: str = "written") -> WrittenCheckpoint:
         step = entry.get("step") if isinstance(entry, dict) else None
-        if not isinstance(entry, dict) or not isinstance(step, int) or isinstance(step, bool) or step < 0 \
-                or not isinstance(entry.get("fingerprint"), str):
+        if not isinstance(entry, dict) or not _whole(step, 0) or not isinstance(entry.get("fingerprint"), str):
             raise SplitFileError(f"{where} is {entry!r}: expected {{'step': int, 'fingerprint': str}}")
         return cls(entry["step"], entry["fingerprint"])
 
@@ -468,17 +445,16 @@ class ExactnessCheck:
         if not isinstance(entry, dict):
             raise SplitFileError(f"{where} is {type(entry).__name__}, not a mapping")
         step, kind, verdict = entry.get("step"), entry.get("kind"), entry.get("verdict")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        if not _whole(step, 0):
             raise SplitFileError(f"{where}.step is {step!r}: expected an integer >= 0")
         if kind not in CHANGES or verdict not in VERDICTS:
             raise SplitFileError(f"{where}: kind={kind!r}, verdict={verdict!r}: expected one of {CHANGES} and "
                                  f"one of {VERDICTS}")
         return cls(step=step, kind=kind, old=split_from_json(entry.get("old"), f"{where}.old"),
                    new=split_from_json(entry.get("new"), f"{where}.new"), verdict=verdict,
-                   why=str(entry.get("why", "")), against=str(entry.get("against", "")),
-                   drew_rng=bool(entry.get("drew_rng", False)), fits=bool(entry.get("fits", True)),
-                   **_optional_fields(cls, entry, where, {"rows": int, "passes": int, "cost_sec": float,
-                                                          "peak_gb": float, "sketch_bytes": int, "padded_delta": int}))
+                   **_optional_fields(cls, entry, where, {"why": str, "against": str, "rows": int, "passes": int,
+                                                          "cost_sec": float, "peak_gb": float, "sketch_bytes": int,
+                                                          "padded_delta": int, "drew_rng": bool, "fits": bool}))
 
 
 @dataclass
@@ -508,15 +484,14 @@ class SplitFile:
         if not isinstance(entry, dict):
             raise SplitFileError(f"expected a JSON object, found {type(entry).__name__}")
         session, world = entry.get("session"), entry.get("world_size")
-        if not isinstance(session, str) or not _positive_int(world):
+        if not isinstance(session, str) or not _whole(world):
             raise SplitFileError(f"session={session!r} and world_size={world!r}: expected a string and an integer >= 1")
-        split = split_from_json(entry.get("split"), "split")
         decisions, written, checks = entry.get("decisions", []), entry.get("written", []), entry.get("checks", [])
         if not isinstance(decisions, list) or not isinstance(written, list) or not isinstance(checks, list):
             raise SplitFileError("decisions, written and checks must be lists")
         return cls(session=session, world_size=world,
                    configured=split_from_json(entry.get("configured"), "configured"),
-                   split=split,
+                   split=split_from_json(entry.get("split"), "split"),
                    written=[WrittenCheckpoint.from_json(w, f"written[{i}]") for i, w in enumerate(written)],
                    decisions=[Decision.from_json(d, f"decisions[{i}]") for i, d in enumerate(decisions)],
                    ended=_optional(entry.get("ended"), str, "ended"),

@@ -239,7 +239,6 @@ class SlowStart:
     """Why early steps were slower than the steady step (see :func:`classify_slow_steps`)."""
 
     labels: list[str]          # per step: "steady", "warmup" (more own work), "contention" (same work, more time)
-    warmup_sec: float          # wall time above the steady step explained by the extra own CPU time
     contention_sec: float      # wall time above the steady step with no extra own CPU time behind it
 
 
@@ -259,7 +258,7 @@ def classify_slow_steps(wall: Sequence[float], cpu: Sequence[float], steady_wall
                          f"{len(cpu)}")
     check_number("tolerance", tolerance, low=0)
     wall_per_cpu = steady_wall / steady_cpu if steady_cpu > 0 else 0.0
-    labels, warm, contended = [], 0.0, 0.0
+    labels, contended = [], 0.0
     for w, c in zip(wall, cpu):
         excess = w - steady_wall
         if excess <= tolerance * steady_wall:
@@ -267,10 +266,9 @@ def classify_slow_steps(wall: Sequence[float], cpu: Sequence[float], steady_wall
             continue
         extra_work = (c - steady_cpu) * wall_per_cpu if c > steady_cpu * (1 + tolerance) else 0.0
         part_warm = min(excess, extra_work)
-        warm += part_warm
         contended += excess - part_warm
         labels.append("warmup" if part_warm >= excess - part_warm else "contention")
-    return SlowStart(labels, warm, contended)
+    return SlowStart(labels, contended)
 
 
 def step_ranges(steps: Iterable[int]) -> list[tuple[int, int]]:

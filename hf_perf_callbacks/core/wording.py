@@ -3,11 +3,10 @@ wording per fact, so that no two of them describe one figure differently. Pure: 
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 from ..keys import CONSOLE_WIDTH
-from .runlog import HF_PERF_TRAIN
+from .runlog import HF_PERF_TRAIN, strict_number
 
 #: what each phase of a step's wall time is, in words (keys: :data:`hf_perf_callbacks.core.runlog.PHASES`)
 PHASE_WORDS = {"data_wait": "waiting for data", "generation": "generation", "rollout_wait": "waiting for rollouts",
@@ -41,12 +40,6 @@ def argument_hint(callback: str, argument: str, value: str, written: str | None 
     return f'{callback}({argument}="{value}")'
 
 
-def _number(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
 def split_label(split: object) -> str:
     """``8×1`` for a split (a :class:`~hf_perf_callbacks.core.batching.Split`, or a mapping with ``micro_batch`` and
     ``grad_accum`` or the training-argument names); a string as it is; ``?`` for None or anything else."""
@@ -65,7 +58,7 @@ def warmup_case(steps: object, slowdown: object, in_band: object = None) -> str:
     after some steps, with no slow start — or every one of them within the steady band, ``in_band``: not a warmup);
     ``warmup`` (it took some steps); ``first_only`` (only the first step was slow); ``none`` (the first step ran at
     the steady speed, or faster)."""
-    n, slow = _number(steps), _number(slowdown)
+    n, slow = strict_number(steps), strict_number(slowdown)
     if n is None:
         return "not_finished"
     if n and ((slow is not None and slow < 0.95) or in_band is True):
@@ -83,14 +76,14 @@ def warmup_words(steps: object, slowdown: object, overhead: object = None, first
     ``overhead`` seconds above steady time. ``first_step``: the step the slowdown is of (the latest ``train()``
     call's first step), named when it is not step 1. ``in_band``: every warmup step ran within ``tolerance`` of the
     steady step time (the meter's stable band): the speed settled, at no cost worth naming."""
-    n, slow, over = _number(steps), _number(slowdown), _number(overhead)
+    n, slow, over = strict_number(steps), strict_number(slowdown), strict_number(overhead)
     case = warmup_case(steps, slowdown, in_band)
     if n is None:
         return "warmup not finished (no stable window of steps yet: too few steps for steady figures)"
-    at = _number(first_step)
+    at = strict_number(first_step)
     first = "the first step" if at is None or at == 1 else f"step {at:.0f} (the first of the latest train() call)"
     parts = []
-    band = _number(tolerance)
+    band = strict_number(tolerance)
     if case == "settled":                            # the speed settled later, but no slow start: not a warmup
         parts.append(f"the speed settled after {n:.0f} step{'s' if n != 1 else ''}" + (
             f", each within {band:.0%} of the steady step (the meter's stable band): no warmup cost"
@@ -139,7 +132,7 @@ def warmup_line(done: object, steps: object, slowdown: object, overhead: object,
                 f"figures)")
     else:
         text = warmup_words(steps, slowdown, overhead, first_step, in_band=in_band, tolerance=tolerance)
-    contention = _number(contention_sec)
+    contention = strict_number(contention_sec)
     if contention is not None and contention >= 0.05:
         text += f"; {contention:.1f} s of the early steps' slowness had no CPU time of this process behind it " \
                 f"(other processes)"
@@ -149,11 +142,11 @@ def warmup_line(done: object, steps: object, slowdown: object, overhead: object,
 def throughput_line(steady_tokens_per_sec: object, steady_step_sec: object, mean_tokens_per_sec: object) -> str:
     """The summary's throughput line (console and report): the steady figure with its step time, and the mean."""
     def num(value: object, spec: str) -> str:
-        v = _number(value)
+        v = strict_number(value)
         return format(v, spec) if v is not None else "n/a"
 
     text = f"steady tokens/s: {num(steady_tokens_per_sec, ',.0f')}"
-    if _number(steady_step_sec) is not None:
+    if strict_number(steady_step_sec) is not None:
         text += f" at {num(steady_step_sec, '.3g')} s per steady step"
     return text + f"   (mean incl. warmup {num(mean_tokens_per_sec, ',.0f')})"
 
@@ -161,7 +154,7 @@ def throughput_line(steady_tokens_per_sec: object, steady_step_sec: object, mean
 def provisional_line(tokens_per_sec: object, step_sec: object, steps: object, mean_tokens_per_sec: object) -> str:
     """The summary's throughput line of a run too short for steady figures: the rate of the steps it has (``steps``:
     first and last), said to be provisional."""
-    rate, sec, mean = _number(tokens_per_sec), _number(step_sec), _number(mean_tokens_per_sec)
+    rate, sec, mean = strict_number(tokens_per_sec), strict_number(step_sec), strict_number(mean_tokens_per_sec)
     span = list(steps) if isinstance(steps, (list, tuple)) and len(steps) == 2 else None
     over = "" if span is None else f" over step {span[0]}" if span[0] == span[1] else \
         f" over steps {span[0]}–{span[1]}"
@@ -188,7 +181,7 @@ MFU_BASIS_SHORT = {"table": "of the device's peak", "given": "of the given peak"
 
 def mfu_words(mfu: object, basis: object, provisional: bool = False) -> str:
     """``MFU 6.5% per CPU second (...)``: the figure with what it is against (:data:`MFU_BASIS_WORDS`)."""
-    value = _number(mfu)
+    value = strict_number(mfu)
     if value is None:
         return "MFU n/a"
     what = MFU_BASIS_WORDS.get(str(basis), "")
@@ -198,7 +191,7 @@ def mfu_words(mfu: object, basis: object, provisional: bool = False) -> str:
 def phase_line(phases: Mapping[str, object]) -> str:
     """The summary's time-split line (console and report): each phase with time, in words, as a share of the wall
     time."""
-    numbers = [(k, _number(v)) for k, v in phases.items()]
+    numbers = [(k, strict_number(v)) for k, v in phases.items()]
     shares = [(PHASE_WORDS.get(k, k), v) for k, v in numbers if v is not None and v > 0]
     return "time split: " + (", ".join(f"{name} {v:.1%}" for name, v in shares) or "n/a")
 

@@ -195,7 +195,7 @@ def throughput() -> dict:
               "mean_tokens_per_sec": s["mean_tokens_per_sec"], "independent_tokens_per_sec": independent,
               "meter_tokens": s["tokens"], "independent_tokens": sum(sum(r[1]) for r in rows),
               "mfu": s.get("mfu"), "world": s["world_size"], "device": s["device"],
-              "training_device": str(meter.device.device), "sharded": trainer.is_fsdp_enabled,
+              "training_device": str(meter.run.device.device), "sharded": trainer.is_fsdp_enabled,
               "disabled": [type(c).__name__ for c in callbacks if c.disabled],
               "prefixes_logged": sorted({k.split("/")[0] for k in logged}),
               "peak_gb": callbacks[1].high_water / GB}

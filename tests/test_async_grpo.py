@@ -141,15 +141,16 @@ def test_async_grpo_figures_are_trls_and_what_was_planted(bound, tokenizer, tmp_
         generation, sync = step[keys.PERF_PHASE_SEC["generation"]], step[keys.PERF_WEIGHT_SYNC_SEC]
         assert generation > sync if i == 0 else generation == pytest.approx(sync, rel=1e-3)
         assert step[keys.PERF_PHASE_SEC["log"]] < 0.5 * sync                    # not booked as logging
-        if bound == "weight_sync":                  # the planted transfer, and TRL's figure of it (logged before)
-            assert sync == pytest.approx(tensors * tensor_sec, rel=0.05)
+        if bound == "weight_sync":      # the planted transfer (a sleep lasts at least its time; a loaded machine
+            planted = tensors * tensor_sec  # adds to it), and TRL's figure of the same transfer (logged a step later)
+            assert sync >= planted
             if i:
-                assert sync == pytest.approx(trl_logs[i - 1]["perf/weight_sync_s"], rel=0.05)
+                assert abs(sync - trl_logs[i - 1]["perf/weight_sync_s"]) < 0.25 * planted
         elif i >= 2:        # the trainer spends most of its step waiting for the planted generation
             assert step[keys.PERF_PHASE_SEC["rollout_wait"]] > 0.5 * step[keys.PERF_STEP_WALL_SEC]
     if bound == "rollout_wait":    # generation paces the trainer: a step per generation (3 s and the worker's work)
         walls = [step[keys.PERF_STEP_WALL_SEC] for step in steps[2:]]
-        assert 0.95 * generate_sec <= sum(walls) / len(walls) < 1.3 * generate_sec
+        assert 0.95 * generate_sec <= sum(walls) / len(walls) < 2 * generate_sec       # not two generations
     # TRL's own keys are not doubled under the package's names in the reporters
     for entry in trainer.state.log_history:
         assert not {keys.PERF_TOKENS_PER_SEC, keys.PERF_STEP_TIME, keys.PERF_MFU} & set(entry)

@@ -1,10 +1,10 @@
 """GRPO's generation on two ranks (gloo, CPU; ``tests/scripts/two_rank_vllm.py``), in real time: each rank's
 generation is the engine call it makes or waits for, the time a rank waits for another's weight sync is its own
-phase (``rollout_wait``), and the rollout rate is every rank's completion tokens over the engine's time, within 5%
-of the rate the engines were given, on vLLM server (TRL's client against the stand-in server), vLLM colocate and HF
-``generate``. What is stood in and why: :mod:`tests.vllm_double`. The planted costs (2 s an engine call, 0.1 s a
-weight tensor) are large against the HTTP and the tiny model's work, so a loaded machine cannot move the figures
-past the bounds below.
+phase (``rollout_wait``), and the rollout rate is every rank's completion tokens over the engine's time, at most
+the rate the engines were given and far from half or twice it, on vLLM server (TRL's client against the stand-in
+server), vLLM colocate and HF ``generate``. What is stood in and why: :mod:`tests.vllm_double`. The planted costs
+(2 s an engine call, 0.1 s a weight tensor) are large against the HTTP and the tiny model's work, and a loaded
+machine only adds to them, so it cannot move the figures past the bounds below.
 """
 import json
 import os
@@ -52,9 +52,11 @@ def test_the_rollout_rate_on_two_ranks_is_the_planted_one(ranks, backend):
         engine = [max(a, b) for a, b in zip(r0["hf_sec"], r1["hf_sec"])]        # as the test's own clock read it
         rates = [entry["perf/rollout_tokens_per_sec"] for entry in r0["logged"]]
         assert rates == pytest.approx([t / e for t, e in zip(tokens, engine)], rel=0.05)
+    # at most the planted rate (an engine call lasts at least its planted seconds; a loaded machine only slows it),
+    # and far from half or twice it (one rank's tokens, or both ranks' seconds, would be)
     planted = [t / GENERATE_SEC for t in tokens]
     rates = [entry["perf/rollout_tokens_per_sec"] for entry in r0["logged"]]
-    assert rates == pytest.approx(planted, rel=0.05 if backend != "transformers" else 0.15)
+    assert all(0.75 * p < rate <= p * (1 + 1e-6) for rate, p in zip(rates, planted)), (rates, planted)
 
 
 @pytest.mark.launch

@@ -67,6 +67,7 @@ from ..core.runlog import (
     RunLog,
     StepLine,
     number,
+    strict_number,
 )
 from ..core.stats import median, quantile, step_ranges
 
@@ -227,8 +228,7 @@ def _steady_values(run: RunLog, key: str) -> Iterator[float]:
 
 def _values(rows: Sequence[Any], key: str) -> list[float]:
     """The finite numbers under ``key`` in step lines or log dicts (other types skipped)."""
-    values = (r.get(key) for r in rows)
-    return [float(v) for v in values if not isinstance(v, bool) and number(v) is not None]
+    return [v for v in (strict_number(r.get(key)) for r in rows) if v is not None]
 
 
 def _median(values: list[float]) -> float | None:

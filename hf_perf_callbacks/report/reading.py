@@ -25,6 +25,7 @@ from ..core.runlog import (
     WatchdogAction,
     number,
     read_run,
+    strict_number,
 )
 from ..core.splitfile import SplitFile, read_split_file
 from ..core.stats import classify_slow_steps, quantile
@@ -101,8 +102,8 @@ def _rewards(logs: Sequence[Mapping[str, Any]]) -> Rewards | None:
     funcs: dict[str, list[float]] = {}
     for h in logs:
         for k, v in h.items():
-            if k.startswith("rewards/") and k.endswith("/mean") and not isinstance(v, bool) and number(v) is not None:
-                funcs.setdefault(k[len("rewards/"):-len("/mean")], []).append(float(v))
+            if k.startswith("rewards/") and k.endswith("/mean") and (x := strict_number(v)) is not None:
+                funcs.setdefault(k[len("rewards/"):-len("/mean")], []).append(x)
     stds, zero = _values(logs, "reward_std"), _values(logs, "frac_reward_zero_std")
     return Rewards(logs=len(means), min=min(means), max=max(means), std_max=max(stds, default=None),
                    zero_std_min=min(zero, default=None), funcs={n: (min(v), max(v)) for n, v in sorted(funcs.items())})

@@ -1056,13 +1056,15 @@ from transformers import TrainerCallback  # noqa: E402 - the interrupting callba
 
 class InterruptAt(TrainerCallback):
     """A recipe's callback (``callbacks: [..., tests.test_recipes.InterruptAt]``) that interrupts the run at the end
-    of ``step``: Ctrl-C's KeyboardInterrupt, or a real SIGTERM sent to this process."""
+    of ``step``: Ctrl-C's KeyboardInterrupt, a real SIGTERM sent to this process, or (``error``) a RuntimeError."""
 
     def __init__(self, step=1, how="SIGINT"):
         self.step, self.how = step, how
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
+            if self.how == "error":
+                raise RuntimeError("planted failure")
             if self.how == "SIGTERM":
                 os.kill(os.getpid(), signal.SIGTERM)
             raise KeyboardInterrupt
@@ -1101,6 +1103,19 @@ def test_an_interrupt_is_one_line_with_the_launchers_flag_and_the_resume_goes_on
     capsys.readouterr()
     assert train.main([*interrupted_flags(tiny_model, out), "--resume_from_checkpoint", saved.group(1)]) == 0
     assert json.load(open(out / "trainer_state.json"))["global_step"] == 2
+
+
+def test_an_error_that_ends_a_launch_says_how_to_go_on_once_in_the_launchers_terms(tiny_model, tmp_path,
+                                                                                  launcher_process, caplog):
+    """Any other error ends the launch with its traceback: the step saved, and the one note on the error (no log line
+    besides) names the checkpoint with the launcher's flag, not the Python call."""
+    with pytest.raises(RuntimeError, match="planted failure") as raised:
+        train.main(interrupted_flags(tiny_model, tmp_path / "out", "error"))
+    checkpoint = str(tmp_path / "out" / "checkpoint-1")
+    [note] = raised.value.__notes__
+    assert f"saved {checkpoint} " in note and f"--resume_from_checkpoint {checkpoint}" in note
+    assert "train_with_tuning(" not in note and all(len(line) <= keys.CONSOLE_WIDTH for line in note.splitlines())
+    assert "planted failure" not in note and checkpoint not in caplog.text          # said once, by the error
 
 
 def test_an_interrupt_shows_its_traceback_when_asked(tiny_model, tmp_path, launcher_process, monkeypatch):

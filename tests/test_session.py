@@ -237,7 +237,7 @@ def test_a_launcher_restart_resumes_only_with_a_smaller_split_the_rules_allow(to
     executor = Executor(trainer.args)
     executor.judge_grouping(trainer)
     assert plan.on_restart(executor.snapshot()).new == expected
-    message = sharding.restart_message(MemoryError("CUDA out of memory"), 3, expected, None, executor.state.exactness)
+    message = sharding.restart_message(3, expected, None, executor.state.exactness)
     if expected is None:
         assert "would run out of memory again" in message and executor.state.exactness.fix in message
     else:

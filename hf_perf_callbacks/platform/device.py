@@ -13,7 +13,7 @@ import os
 import platform
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar, cast
 
@@ -50,6 +50,16 @@ def error_line(error: BaseException) -> str:
     """The first line of an error's message, or its type's name when it has none (a bare ``MemoryError()``)."""
     lines = str(error).strip().splitlines()
     return lines[0] if lines else type(error).__name__
+
+
+def error_chain(error: BaseException) -> Iterator[BaseException]:
+    """``error``, then what it was raised from or during, each once."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
 
 
 @dataclass(frozen=True)
@@ -392,4 +402,4 @@ def exchange_device(device: torch.device | str | None = None) -> torch.device:
 __all__ = ["DeviceLayer", "MemorySample", "is_oom_error", "dtype_key", "gather_floats", "main_process_value",
            "exchange_device",
            "training_device", "world_size", "rank", "is_main_process", "rng_state", "set_rng_state", "GB", "error_line",
-           "RngState"]
+           "RngState", "error_chain"]

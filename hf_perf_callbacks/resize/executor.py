@@ -37,6 +37,7 @@ from ..common.outputdir import step_of
 from ..core.batching import Exactness, Split, candidates, current_split, exact_under, is_grpo
 from ..core.splitfile import Decision, ExactnessCheck, SplitFile, read_split_file, recorded_split, run_geometry
 from ..core.stats import generation_period
+from ..core.wording import wrapped
 from ..keys import SPLIT_FILE
 from ..platform import adapter
 from ..platform.device import (
@@ -733,14 +734,14 @@ class Executor:
             decision = self.decide("oom", reason, plan.new, step + 1, checkpoint=checkpoint)
             self._write(Change(state=replace(self.state, switch=plan.new, switch_reason=reason), decision=decision,
                                restart=True))
-        logger.error(sharding.restart_message(error, step + 1, plan.new, checkpoint, self.state.exactness, kind))
+        _tell(error, sharding.restart_message(step + 1, plan.new, checkpoint, self.state.exactness, kind))
 
     def end_run(self, trainer: Trainer, error: BaseException, in_optimizer_step: bool = False,
                 agreed: bool | None = None, gave_up: bool = False) -> None:
         """The run is about to end with ``error``: its last completed optimizer step saved when it can
-        (:func:`~hf_perf_callbacks.resize.plan.on_end` says whether), and how to resume said (a log line and a note on
-        the error). ``agreed``: every rank left the step together; ``gave_up``: no smaller split fits, or the re-sizes
-        are spent."""
+        (:func:`~hf_perf_callbacks.resize.plan.on_end` says whether), and how to resume said once: by the error (a note
+        on it, unless its own words say it) and in the split file's ``ended``. ``agreed``: every rank left the step
+        together; ``gave_up``: no smaller split fits, or the re-sizes are spent."""
         output_dir, step = str(trainer.args.output_dir), trainer.state.global_step
         agreed = isinstance(error, ResizeNeeded) if agreed is None else agreed
         plan = plans.on_end(self.snapshot(), step, self.world, agreed, in_optimizer_step, gave_up)
@@ -763,17 +764,16 @@ class Executor:
                          f"{checkpoint or 'none'}")
             else:
                 saved = f"saved {checkpoint} (the last completed optimizer step, {step})"
-            if isinstance(error, InexactResize):             # its own words say the same: what to go on from
-                error.ended(checkpoint, "" if checkpoint else why)
             resume = (f"resume with train_with_tuning(trainer, resume_from_checkpoint={checkpoint!r}) (the split in "
                       f"{os.path.join(output_dir, SPLIT_FILE)} is applied when it fits)" if checkpoint
                       else "the run must start again")
-            what = (str(error) if isinstance(error, (UnfixableOOM, InexactResize)) else error_line(error)[:160])
-            message = f"training ended at step {step} by {type(error).__name__}: {what}; {saved}; {resume}"
-            self.commit(state=replace(self.state, switch=None), ended=message)
-        logger.error("[tuner] %s", message, extra={RUN_END: checkpoint})
-        if hasattr(error, "add_note"):
-            error.add_note(message)
+            if isinstance(error, InexactResize):     # its own words say what was saved and how to go on from there
+                error.ended(checkpoint, "" if checkpoint else why)
+            said = str(error) if isinstance(error, (UnfixableOOM, InexactResize)) else error_line(error)[:160]
+            self.commit(state=replace(self.state, switch=None),
+                        ended=f"training ended at step {step} by {type(error).__name__}: {said}; {saved}; {resume}")
+        if not isinstance(error, InexactResize):
+            _tell(error, f"{saved}; {resume}", checkpoint)       # what the error does not say
         setattr(error, RUN_END, checkpoint)         # where to go on from (None: nowhere), for the launcher
 
     def replay_lost(self, trainer: Trainer, step: int, new: Split, why: adapter.CannotReplay) -> ReplayLost:
@@ -1032,6 +1032,16 @@ def _padded_tokens(batches: list[Any]) -> int:
 #: the attribute the run's end sets on the error it ends with, and on its log record: the checkpoint to go on from
 #: (None: none); the launcher words its own line from it (``train/interrupts.py``)
 RUN_END = "hf_perf_resume_from"
+
+
+def _tell(error: BaseException, text: str, checkpoint: str | None = None) -> None:
+    """``text`` said once, by the error it is about: a note on it (its traceback shows it; raised, not also logged),
+    wrapped at the console's width; logged with the error's name where Python has no notes (3.10), the record
+    carrying :data:`RUN_END` (``checkpoint``)."""
+    if hasattr(error, "add_note"):
+        error.add_note(wrapped(f"[tuner] {text}"))
+    else:
+        logger.error("[tuner] %s: %s", type(error).__name__, text, extra={RUN_END: checkpoint})
 
 
 def _say(text: str) -> None:

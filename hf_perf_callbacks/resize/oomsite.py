@@ -31,7 +31,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, cast
 
 from ..core.memory import mib
-from ..platform.device import error_line, world_size
+from ..platform.device import error_chain, error_line, world_size
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -52,17 +52,13 @@ class UnfixableOOM(RuntimeError):
 def oom_site(error: BaseException, trainer: Trainer) -> int:
     """The site of ``error`` (an out-of-memory error) in ``trainer``'s step: see the module docstring."""
     rewards = list(getattr(trainer, "reward_funcs", None) or [])
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:  # the error, then what it was raised from
-        seen.add(id(current))
+    for current in error_chain(error):
         for frame, _ in traceback.walk_tb(current.__traceback__):
             for index, func in enumerate(rewards):
                 if _runs(frame, func):
                     return REWARD + index
             if str(frame.f_globals.get("__name__", "")).startswith(GENERATION_MODULES):
                 return GENERATION
-        current = current.__cause__ or current.__context__
     return MICRO_BATCH
 
 

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 from ..core.batching import Exactness, Split
-from ..platform.device import error_line, is_oom_error, world_size
+from ..platform.device import is_oom_error, world_size
 from .agreement import ResizeNeeded
 
 if TYPE_CHECKING:
@@ -139,15 +139,15 @@ def restarted_by_launcher() -> int:
     return int(count) if count.isdigit() else 0
 
 
-def restart_message(error: BaseException, step: int, split: Split | None, checkpoint: str | None,
-                    exactness: Exactness | None = None, kind: str | None = "fsdp") -> str:
+def restart_message(step: int, split: Split | None, checkpoint: str | None, exactness: Exactness | None = None,
+                    kind: str | None = "fsdp") -> str:
     """What happens after an out-of-memory error that the ranks could not agree on under FSDP (or DeepSpeed,
-    ``kind``): the restart resumes with ``split``; None: no smaller split keeps the run exact (``exactness`` says
-    why), so a restart would run out of memory again."""
+    ``kind``), said on the error: the restart resumes with ``split``; None: no smaller split keeps the run exact
+    (``exactness`` says why), so a restart would run out of memory again."""
     why = ("DeepSpeed's collectives are not seen by the step guard" if kind == "deepspeed" else
            f"the step guard is off after {STABLE_STEPS} stable steps, or it struck outside the step")
-    what = (f"[tuner] out of memory under {'DeepSpeed' if kind == 'deepspeed' else 'FSDP'} at step {step} that the "
-            f"other ranks cannot learn of inside the step ({why}): {error_line(error)[:120]}. This process ends")
+    what = (f"out of memory under {'DeepSpeed' if kind == 'deepspeed' else 'FSDP'} at step {step} that the "
+            f"other ranks cannot learn of inside the step ({why}). This process ends")
     if split is None:
         why = (f"no smaller split keeps this run exact ({exactness.reason}). {exactness.fix}"
                if exactness is not None and exactness.reason else "no smaller split of the batch is left.")

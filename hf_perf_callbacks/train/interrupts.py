@@ -8,9 +8,11 @@ from, and how to go on: the same command with ``--resume_from_checkpoint``. No t
 ``HF_PERF_TRACEBACK=1`` (:data:`TRACEBACK_ENV`) is set: then the interrupt is raised as it came.
 
 The package's own lines that advise a resume are worded for the Python API
-(``train_with_tuning(trainer, resume_from_checkpoint='out/checkpoint-5')``); :class:`LauncherWords`, a logging
-filter the launcher puts on the handlers, rewrites them as the flag (``--resume_from_checkpoint out/checkpoint-5``)
-and leaves out the run's own end line after an interrupt, which the launcher's line says instead.
+(``train_with_tuning(trainer, resume_from_checkpoint='out/checkpoint-5')``); under the launcher they read as the flag
+(``--resume_from_checkpoint out/checkpoint-5``): :class:`LauncherWords`, a logging filter the launcher puts on the
+handlers, rewrites the log lines, and the notes on an error that ends the launch (how the run ended and how to go
+on) are rewritten before it is raised. The run's own end line after an interrupt (a log line where Python has no
+notes) is left out: the launcher's line says it.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ RESUME_FLAG = "--resume_from_checkpoint"
 
 #: the Python API's resume advice: ``train_with_tuning(trainer, resume_from_checkpoint=X)``,
 #: ``trainer.train(resume_from_checkpoint=X)``, with or without ``hf_perf_callbacks.``
-_PYTHON_RESUME = re.compile(r"(?:hf_perf_callbacks\.)?(?:train_with_tuning\(trainer, |trainer\.train\()"
+_PYTHON_RESUME = re.compile(r"(?:hf_perf_callbacks\.)?(?:train_with_tuning\(trainer,\s+|trainer\.train\()"
                             r"resume_from_checkpoint=([^)]*)\)")
 
 
@@ -69,7 +71,7 @@ class LauncherWords(logging.Filter):
         from ..resize.executor import RUN_END
 
         text = record.getMessage()
-        if hasattr(record, RUN_END) and re.search(r"\bby (KeyboardInterrupt|Terminated)\b", text):
+        if hasattr(record, RUN_END) and re.match(r"\[tuner\] (KeyboardInterrupt|Terminated):", text):
             return False
         rewritten = as_flag(text)
         if rewritten != text:
@@ -138,8 +140,14 @@ def answered(output_dir: str) -> Iterator[None]:
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
         yield
-    except KeyboardInterrupt as error:
-        if os.environ.get(TRACEBACK_ENV, "").lower() in ("1", "true", "yes"):
+    except BaseException as error:
+        from ..platform.device import error_chain
+
+        for told in error_chain(error):
+            if hasattr(told, "__notes__"):
+                told.__notes__[:] = [as_flag(note) for note in told.__notes__]
+        shown = os.environ.get(TRACEBACK_ENV, "").lower() in ("1", "true", "yes")
+        if not isinstance(error, KeyboardInterrupt) or shown:
             raise
         trainer = _running() if _running is not None else None
         for bar in adapter.progress_bars(trainer.callback_handler if trainer is not None else None):

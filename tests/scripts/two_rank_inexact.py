@@ -29,7 +29,7 @@ def main(out):
         train_with_tuning(trainer)
     except InexactResize as error:
         result = {"raised": type(error).__name__, "checkpoint": error.checkpoint, "not_saved": error.not_saved,
-                  "notes": error.__notes__, "message": str(error)}
+                  "notes": getattr(error, "__notes__", []), "message": str(error)}
     result.update(step=trainer.state.global_step, planted=plant.raised,
                   decisions=[d.to_json() for d in tuner.executor.record.decisions])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

@@ -15,7 +15,7 @@ from .common.base import Clock, Made, PerfCallback, arguments, hook
 from .common.exchange import Rows
 from .core.batching import is_grpo
 from .core.dataloader import FACT_TYPES, DataLoaderFacts, dataloader_changes, dataloader_facts
-from .core.flops import forward_flops_per_token, full_numel, shape_of, train_flops_per_token
+from .core.flops import forward_flops_per_token, full_numel, shape_of, text_config, train_flops_per_token
 from .core.runlog import MeterSummary, WarningFigures
 from .core.stats import generation_period
 from .core.timeline import StepRecord, StepTimeline
@@ -692,8 +692,7 @@ class ThroughputMeter(PerfCallback):
 
     def _model_facts(self) -> dict[str, Any]:
         """What memory and FLOP estimates need from the model config (for the report)."""
-        config: Any = getattr(self._run.inner, "config", None)   # a transformers config (or None), read by duck typing
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        config = text_config(self._run.inner)      # a transformers config (or None), read by duck typing
         keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "vocab_size", "max_position_embeddings")
         facts = {k: getattr(config, k, None) for k in keys}

@@ -84,7 +84,7 @@ def shape_of(model: Any) -> MatmulCount:
                 trainable += full_numel(weight)
             else:
                 frozen += full_numel(weight)
-    config = _text_config(model)
+    config = text_config(model)
     layers = int(_first(config, "num_hidden_layers", "n_layer", "num_layers", default=0))
     heads = int(_first(config, "num_attention_heads", "n_head", default=0))
     hidden = int(_first(config, "hidden_size", "n_embd", "d_model", default=0))
@@ -92,7 +92,7 @@ def shape_of(model: Any) -> MatmulCount:
     return MatmulCount(frozen, trainable, layers, int(heads * head_dim))
 
 
-def _text_config(model: Any) -> Any:
+def text_config(model: Any) -> Any:
     """The model's (text) config, or None: duck-typed, no transformers import."""
     config = getattr(model, "config", None)
     if config is None and hasattr(model, "get_base_model"):

@@ -23,6 +23,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..core.batching import Split, current_split, is_grpo
+from ..core.flops import text_config
 from ..core.memory import budget_bytes
 from ..core.splitfile import Trial
 from ..estimate import estimate_grpo_memory, model_from_config
@@ -97,7 +98,7 @@ def _model_facts(model: Any) -> tuple[ModelShape, int, int]:
     weight without peft) and the trainable LoRA parameters (0 without peft)."""
     peft = hasattr(model, "peft_config")
     inner = model.get_base_model() if peft else model
-    config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
+    config = text_config(inner)
     facts = model_from_config({**config.to_dict(), "params": sum(p.numel() for n, p in inner.named_parameters()
                                                                   if "lora_" not in n)})
     weight = next(p for p in inner.parameters() if not p.requires_grad) if peft else next(inner.parameters())

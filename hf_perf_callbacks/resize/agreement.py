@@ -286,8 +286,7 @@ def recoverable(error: BaseException) -> bool:
     if not is_oom_error(error):
         return False
     if world_size() > 1:
-        logger.error("[tuner] out of memory outside the training step on this rank: under several ranks only an OOM "
-                     "inside the step can be recovered together (the others are in a collective now). Free memory "
-                     "or start with a smaller per_device_train_batch_size.")
+        logger.error("[tuner] out of memory outside the training step: several ranks recover only an OOM inside it; "
+                     "lower per_device_train_batch_size")
         return False
     return True

@@ -74,9 +74,8 @@ def parse_recipe(argv: list[str]) -> tuple[RecipeArguments, GRPOConfig, ModelCon
     checked = check_early(argv)
     values, split = checked.values, checked.split
     if os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16" and values.get("bf16") is False:
-        logger.warning("the accelerate config sets mixed_precision: bf16, which overrides bf16: false in the recipe "
-                       "(training then runs under bf16 autocast); launch with --mixed_precision no, or "
-                       "hf-perf recipes path accelerate/mps, to keep the recipe's precision")
+        logger.warning("accelerate's mixed_precision: bf16 overrides the recipe's bf16: false; launch with "
+                       "--mixed_precision no to keep fp32")
 
     args = ["--config", checked.config_path, *checked.rest] if checked.config_path else checked.rest
     recipe, training_args, model_args = arguments.make_parser(arguments.recipe_classes()).parse_args_and_config(args)

@@ -1134,6 +1134,31 @@ def test_the_python_apis_resume_advice_reads_as_the_flag():
         f"{interrupts.RESUME_FLAG} c;{interrupts.RESUME_FLAG} last"
 
 
+def test_where_python_has_no_notes_the_end_is_one_log_line_the_launcher_words_or_leaves_out(caplog):
+    """Python 3.10 has no exception notes: the end of a run is then its one log line, which under the launcher reads
+    as the flag, and after an interrupt is left out (the launcher's own line says it). The errors below stand in
+    for 3.10's: ``add_note`` is hidden from them."""
+    import logging
+
+    from hf_perf_callbacks.resize.executor import RUN_END, _tell
+    from hf_perf_callbacks.train import interrupts
+
+    def without_notes(base):
+        return type(base.__name__, (base,), {"add_note": property(lambda self: (_ for _ in ()).throw(
+            AttributeError("add_note")))})
+
+    advice = "saved o/checkpoint-2; resume with train_with_tuning(trainer, resume_from_checkpoint='o/checkpoint-2')"
+    words = interrupts.LauncherWords()
+    with caplog.at_level(logging.ERROR, logger="hf_perf_callbacks"):
+        for error in (without_notes(RuntimeError)("planted"), without_notes(interrupts.Terminated)("SIGTERM")):
+            assert not hasattr(error, "add_note")
+            _tell(error, advice, "o/checkpoint-2")
+    failed, stopped = caplog.records
+    assert getattr(failed, RUN_END) == getattr(stopped, RUN_END) == "o/checkpoint-2"
+    assert words.filter(failed) and failed.getMessage().endswith(f"{interrupts.RESUME_FLAG} o/checkpoint-2")
+    assert not words.filter(stopped)
+
+
 # ---------------------------------------------------------------- torch's threads, and signs of life of a slow step
 def test_the_launcher_chooses_torchs_threads_as_the_demo_and_says_what_step_1_does(tiny_model, tmp_path,
                                                                                   launcher_process, monkeypatch,

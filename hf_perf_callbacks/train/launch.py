@@ -74,8 +74,8 @@ def parse_recipe(argv: list[str]) -> tuple[RecipeArguments, GRPOConfig, ModelCon
     checked = check_early(argv)
     values, split = checked.values, checked.split
     if os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16" and values.get("bf16") is False:
-        logger.warning("accelerate's mixed_precision: bf16 overrides the recipe's bf16: false; launch with "
-                       "--mixed_precision no to keep fp32")
+        logger.warning("accelerate's mixed_precision: bf16 overrides the recipe's bf16: false; --mixed_precision no "
+                       "keeps the recipe's precision")
 
     args = ["--config", checked.config_path, *checked.rest] if checked.config_path else checked.rest
     recipe, training_args, model_args = arguments.make_parser(arguments.recipe_classes()).parse_args_and_config(args)
